@@ -1,0 +1,32 @@
+"""zeroplan: per-GPU memory and per-step communication of ZeRO / FSDP sharded data parallelism.
+
+Glossary (symbols follow Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC20, arXiv:1910.02054):
+
+- Ψ (``psi``): number of model parameters (elements), after dividing by model parallelism.
+- K (``k``): bytes of optimizer state per parameter; 12 for mixed-precision Adam
+  (fp32 master copy 4 + momentum 4 + variance 4).
+- N_d (``nd``): data-parallel degree, the number of ranks a ZeRO stage shards over.
+- N_m (``nm``): model-parallel degree (tensor/pipeline); the paper divides model states by N_m.
+- rank: one process, one GPU. shard: the 1/N_d slice of a flat buffer a rank owns.
+- bucket: a group of gradients reduced together during backward.
+- Units: ``_numel`` counts elements, ``_bytes`` counts bytes; GB = 1e9 bytes (the paper's unit),
+  GiB = 2**30 bytes.
+
+Stages: 0 = plain DP, 1 = P_os (optimizer states sharded), 2 = P_os+g (+ gradients),
+3 = P_os+g+p (+ parameters).
+"""
+
+from zeroplan.api import estimate
+from zeroplan.config import EstimateConfig, PrecisionPolicy
+from zeroplan.records import Collective, Estimate, StageEstimate
+
+__all__ = [
+    "Collective",
+    "Estimate",
+    "EstimateConfig",
+    "PrecisionPolicy",
+    "StageEstimate",
+    "estimate",
+]
+__version__ = "0.1.0"

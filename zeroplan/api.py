@@ -1,0 +1,100 @@
+"""``zeroplan.estimate``: the Python entry point the CLI, the notebooks and the validator share."""
+
+from __future__ import annotations
+
+from zeroplan.comm import step_collectives
+from zeroplan.config import EstimateConfig, PrecisionPolicy
+from zeroplan.dtypes import dtype_bytes
+from zeroplan.memory import model_states
+from zeroplan.optimizers import optimizer_states
+from zeroplan.records import Estimate, StageEstimate
+from zeroplan.sharding import flat_padded_numel, shard_numel
+from zeroplan.stages import STAGES
+
+
+def bytes_per_param(policy: PrecisionPolicy) -> tuple[tuple[str, float], ...]:
+    """The byte convention, one (label, bytes per parameter) per component, for printing and K."""
+    rows: list[tuple[str, float]] = [
+        (f"{policy.param_dtype} params", dtype_bytes(policy.param_dtype)),
+        (f"{policy.resolved_grad_dtype} grads", dtype_bytes(policy.resolved_grad_dtype)),
+    ]
+    if policy.master_dtype:
+        rows.append((f"{policy.master_dtype} master", dtype_bytes(policy.master_dtype)))
+    for s in optimizer_states(policy.optimizer, policy.optimizer_dtype):
+        rows.append((f"{s.dtype} {s.name}", dtype_bytes(s.dtype) / s.per_elements))
+    return tuple(rows)
+
+
+def model_numels(config: EstimateConfig) -> tuple[int, ...]:
+    """Per-tensor elements one model-parallel rank holds: Ψ/N_m (ZeRO section 5), rounded up per tensor."""
+    numels = config.tensor_numels or (int(config.params),)
+    return tuple(shard_numel(n, config.model_parallel) for n in numels)
+
+
+def estimate_config(config: EstimateConfig) -> Estimate:
+    """Memory and communication per GPU for every requested stage of ``config``."""
+    policy = config.policy
+    numels = model_numels(config)
+    nd = config.nd
+    p_bytes = dtype_bytes(policy.param_dtype)
+    g_bytes = dtype_bytes(policy.resolved_grad_dtype)
+    states = optimizer_states(policy.optimizer, policy.optimizer_dtype)
+
+    def memory(stage: int):
+        return model_states(numels, nd, stage, p_bytes, g_bytes, states, policy.master_dtype)
+
+    dp_total = memory(0).model_states_bytes
+    rows = []
+    for row in STAGES:
+        if config.stage is not None and row.number != config.stage:
+            continue
+        mem = memory(row.number)
+        full = sum(numels) if row.number == 0 else flat_padded_numel(numels, nd)
+        collectives = step_collectives(
+            row.number, full, nd, policy.param_dtype, policy.resolved_grad_dtype, p_bytes, g_bytes
+        )
+        fits = None if config.gpu_memory_bytes is None else mem.model_states_bytes <= config.gpu_memory_bytes
+        rows.append(
+            StageEstimate(row.number, row.name, mem, dp_total / mem.model_states_bytes, collectives, fits)
+        )
+    convention = bytes_per_param(policy)
+    return Estimate(
+        psi=sum(numels),
+        total_params=int(config.params) if config.params else sum(config.tensor_numels),
+        gpus=config.gpus,
+        nd=nd,
+        nm=config.model_parallel,
+        gpu_memory_bytes=config.gpu_memory_bytes,
+        bytes_per_param=convention,
+        k=sum(b for _, b in convention[2:]),
+        stages=tuple(rows),
+    )
+
+
+def estimate(
+    params: float | None = None,
+    gpus: int = 1,
+    *,
+    model_parallel: int = 1,
+    stage: int | None = None,
+    tensor_numels: tuple[int, ...] | list[int] | None = None,
+    gpu_memory_bytes: int | None = None,
+    **policy: object,
+) -> Estimate:
+    """Estimate per-GPU model states and per-step communication of ZeRO stages 0-3.
+
+    ``params`` is Ψ of the whole model (or give ``tensor_numels`` for exact padding); ``gpus`` =
+    N_d x ``model_parallel``. Remaining keywords are ``PrecisionPolicy`` fields (``param_dtype``,
+    ``grad_dtype``, ``master_weights``, ``optimizer``, ``optimizer_dtype``). Raises
+    ``pydantic.ValidationError`` on bad input.
+    """
+    config = EstimateConfig(
+        params=params,
+        tensor_numels=tuple(tensor_numels) if tensor_numels is not None else None,
+        gpus=gpus,
+        model_parallel=model_parallel,
+        stage=stage,
+        gpu_memory_bytes=gpu_memory_bytes,
+        policy=PrecisionPolicy(**policy),
+    )
+    return estimate_config(config)

@@ -1,0 +1,132 @@
+"""The ``zeroplan`` command. Thin: parse options into a config model, call one function, render.
+
+Every bad input ends as one line on stderr and exit code 2 (``OneLineErrors``); nothing is printed to
+stdout before the whole answer is ready. Heavy modules (torch, pandas, matplotlib) are imported
+inside the commands that need them, never here.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from pydantic import ValidationError
+from typer.core import TyperGroup
+
+from zeroplan.config import error_line
+
+try:  # typer >= 0.20 vendors its own copy of click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer on plain click
+    from click import exceptions as click_exceptions
+
+
+class UserError(Exception):
+    """Bad input found by a command; printed as one line, exit code 2."""
+
+
+class OneLineErrors(TyperGroup):
+    """Click group that turns usage errors and bad values into one stderr line and exit code 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D102
+        try:
+            rv = super().main(args, prog_name or "zeroplan", complete_var, standalone_mode=False, **extra)
+        except click_exceptions.NoArgsIsHelpError as exc:
+            typer.echo(exc.ctx.get_help())
+            rv = 0
+        except click_exceptions.ClickException as exc:
+            typer.echo(f"zeroplan: error: {exc.format_message()}", err=True)
+            rv = 2
+        except (UserError, ValueError, ValidationError) as exc:
+            msg = error_line(exc) if isinstance(exc, ValidationError) else str(exc)
+            typer.echo(f"zeroplan: error: {msg}", err=True)
+            rv = 2
+        except typer.Abort:
+            typer.echo("zeroplan: aborted", err=True)
+            rv = 130
+        if not standalone_mode:
+            return rv
+        sys.exit(rv or 0)
+
+
+app = typer.Typer(
+    cls=OneLineErrors,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Plan and check per-GPU memory and communication of ZeRO / FSDP sharded data parallelism.",
+)
+
+
+class Unit(str, Enum):
+    GB = "GB"
+    GiB = "GiB"
+
+
+@app.callback()
+def _root() -> None:
+    """Plan and check per-GPU memory and communication of ZeRO / FSDP sharded data parallelism."""
+
+
+@app.command()
+def estimate(
+    params: Optional[str] = typer.Option(None, help="Ψ, parameters of the whole model: 7.5e9, 7.5B, 1T."),
+    shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes, for exact padding."),
+    gpus: int = typer.Option(1, help="Total GPUs = N_d x N_m."),
+    model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree."),
+    stage: Optional[int] = typer.Option(None, help="Show only this ZeRO stage (0-3)."),
+    param_dtype: str = typer.Option("fp16", help="Working parameter dtype: fp16, bf16, fp32, fp8."),
+    grad_dtype: Optional[str] = typer.Option(None, help="Gradient dtype (default: param dtype)."),
+    master_weights: Optional[bool] = typer.Option(
+        None, "--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32)."
+    ),
+    optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
+    optimizer_dtype: str = typer.Option("fp32", help="dtype of Adam m/v and SGD momentum."),
+    gpu_memory: Optional[str] = typer.Option(None, help="GPU memory to check fit against: 80GiB, 32GB."),
+    units: Unit = typer.Option(Unit.GB, help="GB = 1e9 bytes (the paper's), GiB = 2**30."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
+    as_csv: bool = typer.Option(False, "--csv", help="Print CSV, one row per stage."),
+) -> None:
+    """Per-GPU model states and per-step communication of ZeRO stages 0-3."""
+    from zeroplan.api import estimate_config
+    from zeroplan.config import EstimateConfig, PrecisionPolicy
+    from zeroplan.render import to_csv, to_json, to_table
+    from zeroplan.shapes import load_numels
+    from zeroplan.units import parse_bytes, parse_count
+
+    if as_json and as_csv:
+        raise UserError("--json and --csv are exclusive: choose one")
+    if (params is None) == (shapes is None):
+        raise UserError("give exactly one of --params and --shapes")
+    policy = PrecisionPolicy(
+        param_dtype=param_dtype,
+        grad_dtype=grad_dtype,
+        master_weights=master_weights,
+        optimizer=optimizer,
+        optimizer_dtype=optimizer_dtype,
+    )
+    config = EstimateConfig(
+        params=parse_count(params) if params is not None else None,
+        tensor_numels=load_numels(shapes) if shapes is not None else None,
+        gpus=gpus,
+        model_parallel=model_parallel,
+        stage=stage,
+        gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
+        policy=policy,
+    )
+    result = estimate_config(config)
+    if as_json:
+        out = to_json(result, policy)
+    elif as_csv:
+        out = to_csv(result)
+    else:
+        out = to_table(result, units.value)
+    typer.echo(out.rstrip("\n"))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,53 @@
+"""Per-GPU model states of ZeRO-DP (Rajbhandari et al., SC20, sections 3.1 and 5, Figure 1).
+
+Two forms of the same model:
+- ``paper_model_states_bytes``: the paper's closed forms on a bare Ψ, for checking against its tables;
+- ``model_states``: what a runtime allocates, counted in elements (with the shared padding rule when the
+  tensor sizes are known) and turned into bytes once.
+"""
+
+from __future__ import annotations
+
+from zeroplan.optimizers import StateTensor, optimizer_bytes
+from zeroplan.records import MemoryBreakdown
+from zeroplan.sharding import flat_padded_numel, flat_shard_numel
+from zeroplan.stages import get_stage
+
+
+def paper_model_states_bytes(psi: float, nd: int, k: float, stage: int) -> float:
+    """ZeRO eq. (Fig. 1): DP (2+2+K)Ψ; P_os 4Ψ+KΨ/Nd; P_os+g 2Ψ+(2+K)Ψ/Nd; P_os+g+p (2+2+K)Ψ/Nd."""
+    return (
+        (4 + k) * psi,
+        4 * psi + k * psi / nd,
+        2 * psi + (2 + k) * psi / nd,
+        (4 + k) * psi / nd,
+    )[get_stage(stage).number]
+
+
+def model_states(
+    numels: tuple[int, ...],
+    nd: int,
+    stage: int,
+    param_bytes: int,
+    grad_bytes: int,
+    states: tuple[StateTensor, ...],
+    master_dtype: str | None,
+) -> MemoryBreakdown:
+    """Model-state bytes one rank holds between steps, for tensors of ``numels`` elements.
+
+    Stage 0 keeps every tensor whole and unpadded (DDP). From stage 1 on, buffers are flat and each
+    tensor is padded to a multiple of N_d (``zeroplan.sharding``), so a full buffer holds
+    ``flat_padded_numel`` elements and a shard ``flat_shard_numel``; which component is sharded is
+    read from the stage table.
+    """
+    row = get_stage(stage)
+    full = sum(numels) if row.number == 0 else flat_padded_numel(numels, nd)
+    shard = flat_shard_numel(numels, nd)
+    param_numel = shard if row.shards_parameters else full
+    grad_numel = shard if row.shards_gradients else full
+    opt_numel = shard if row.shards_optimizer else full
+    return MemoryBreakdown(
+        params_bytes=param_numel * param_bytes,
+        grads_bytes=grad_numel * grad_bytes,
+        optimizer_bytes=optimizer_bytes(states, master_dtype, opt_numel),
+    )

@@ -1,0 +1,113 @@
+"""Text, JSON and CSV views of an ``Estimate``. No computation happens here."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from zeroplan.config import PrecisionPolicy
+from zeroplan.records import Estimate, StageEstimate
+from zeroplan.units import format_bytes, format_count
+
+SCHEMA = "zeroplan.estimate/1"
+CSV_COLUMNS = (
+    "stage", "name", "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes",
+    "reduction_vs_dp", "fits", "comm_volume_elements", "comm_bytes_per_rank",
+)  # fmt: skip
+
+
+def stage_dict(s: StageEstimate) -> dict:
+    """One stage as the JSON object documented in the README (``stages[]`` of ``estimate --json``)."""
+    return {
+        "stage": s.stage,
+        "name": s.name,
+        "params_bytes": s.memory.params_bytes,
+        "grads_bytes": s.memory.grads_bytes,
+        "optimizer_bytes": s.memory.optimizer_bytes,
+        "model_states_bytes": s.memory.model_states_bytes,
+        "reduction_vs_dp": s.reduction_vs_dp,
+        "fits": s.fits,
+        "comm_volume_elements": s.comm_volume_elements,
+        "comm_bytes_per_rank": s.comm_bytes_per_rank,
+        "collectives": [c.as_dict() for c in s.collectives],
+    }
+
+
+def estimate_dict(e: Estimate, policy: PrecisionPolicy) -> dict:
+    return {
+        "schema": SCHEMA,
+        "inputs": {
+            "params": e.total_params,
+            "psi": e.psi,
+            "gpus": e.gpus,
+            "nd": e.nd,
+            "nm": e.nm,
+            "gpu_memory_bytes": e.gpu_memory_bytes,
+            "policy": {
+                "param_dtype": policy.param_dtype,
+                "grad_dtype": policy.resolved_grad_dtype,
+                "master_dtype": policy.master_dtype,
+                "optimizer": policy.optimizer,
+                "optimizer_dtype": policy.optimizer_dtype,
+            },
+        },
+        "bytes_per_param": dict(e.bytes_per_param),
+        "k": e.k,
+        "stages": [stage_dict(s) for s in e.stages],
+    }
+
+
+def to_json(e: Estimate, policy: PrecisionPolicy) -> str:
+    return json.dumps(estimate_dict(e, policy), indent=2)
+
+
+def to_csv(e: Estimate) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for s in e.stages:
+        writer.writerow(stage_dict(s))
+    return out.getvalue()
+
+
+def convention_line(e: Estimate) -> str:
+    """'fp16 params 2 + fp16 grads 2 + fp32 master 4 + fp32 Adam m 4 + fp32 Adam v 4 = 16 B/param (K = 12)'."""
+    parts = " + ".join(f"{name} {b:g}" for name, b in e.bytes_per_param)
+    total = sum(b for _, b in e.bytes_per_param)
+    return f"bytes per parameter: {parts} = {total:g} (K = {e.k:g})"
+
+
+def to_table(e: Estimate, unit: str = "GB") -> str:
+    head = (
+        f"Ψ = {format_count(e.total_params)} parameters on {e.gpus} GPUs "
+        f"(N_d = {e.nd} data-parallel x N_m = {e.nm} model-parallel; Ψ per MP rank = {format_count(e.psi)})"
+    )
+    columns = ["stage", "ZeRO", "params", "grads", "optimizer", "total/GPU", "vs DP", "comm/step", "sent/rank"]
+    if e.gpu_memory_bytes is not None:
+        columns.append(f"fits {format_bytes(e.gpu_memory_bytes, unit)}")
+    rows = []
+    for s in e.stages:
+        m = s.memory
+        row = [
+            str(s.stage), s.name,
+            format_bytes(m.params_bytes, unit), format_bytes(m.grads_bytes, unit),
+            format_bytes(m.optimizer_bytes, unit), format_bytes(m.model_states_bytes, unit),
+            f"{s.reduction_vs_dp:.2f}x", f"{s.comm_volume_elements / e.psi:.2f}Ψ",
+            format_bytes(s.comm_bytes_per_rank, unit),
+        ]  # fmt: skip
+        if s.fits is not None:
+            row.append("yes" if s.fits else "no")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    fmt = lambda r: "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    lines = [head, convention_line(e), "", fmt(columns), fmt(["-" * w for w in widths])]
+    lines += [fmt(r) for r in rows]
+    lines += [
+        "",
+        f"{unit} = {'1e9' if unit == 'GB' else '2**30'} bytes. Model states only (params, grads, optimizer; "
+        "ZeRO paper sec. 3.1, 5); activations and buffers come on top.",
+        "comm/step: elements moved per rank per step as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, "
+        "3Ψ P_os+g+p); sent/rank: bytes each rank sends with ring collectives, (N_d-1)/N_d of that.",
+    ]
+    return "\n".join(lines)

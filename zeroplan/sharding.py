@@ -1,0 +1,33 @@
+"""The one sharding rule, shared by the planner and the reference runtime (``validate/``).
+
+Every sharded tensor is padded to a multiple of N_d and split evenly, so rank r owns elements
+``[r * shard, (r + 1) * shard)`` of the padded tensor, with ``shard = ceil(numel / nd)``. This is
+how FSDP pads a flat parameter and DeepSpeed pads its flat partitions; padding adds fewer than
+N_d elements per tensor and never drops one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def shard_numel(numel: int, nd: int) -> int:
+    """Elements each of ``nd`` ranks owns of a tensor of ``numel`` elements: ceil(numel / nd)."""
+    if numel < 0 or nd < 1:
+        raise ValueError(f"numel={numel}, nd={nd}: need numel >= 0 and nd >= 1")
+    return -(-numel // nd)
+
+
+def padded_numel(numel: int, nd: int) -> int:
+    """Length of the tensor once padded to a multiple of ``nd``."""
+    return shard_numel(numel, nd) * nd
+
+
+def flat_shard_numel(numels: Iterable[int], nd: int) -> int:
+    """Elements a rank owns of a flat buffer whose tensors are each padded to a multiple of ``nd``."""
+    return sum(shard_numel(n, nd) for n in numels)
+
+
+def flat_padded_numel(numels: Iterable[int], nd: int) -> int:
+    """Length of a flat buffer whose tensors are each padded to a multiple of ``nd``."""
+    return flat_shard_numel(numels, nd) * nd
