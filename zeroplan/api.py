@@ -5,11 +5,11 @@ from __future__ import annotations
 from zeroplan.comm import step_collectives
 from zeroplan.config import EstimateConfig, PrecisionPolicy
 from zeroplan.dtypes import dtype_bytes
-from zeroplan.memory import model_states
+from zeroplan.memory import buffer_numels, model_states
 from zeroplan.optimizers import optimizer_states
 from zeroplan.records import Estimate, StageEstimate
-from zeroplan.sharding import flat_padded_numel, shard_numel
-from zeroplan.stages import STAGES
+from zeroplan.sharding import shard_numel
+from zeroplan.stages import get_stage
 
 
 def bytes_per_param(policy: PrecisionPolicy) -> tuple[tuple[str, float], ...]:
@@ -31,38 +31,57 @@ def model_numels(config: EstimateConfig) -> tuple[int, ...]:
     return tuple(shard_numel(n, config.model_parallel) for n in numels)
 
 
-def estimate_config(config: EstimateConfig) -> Estimate:
-    """Memory and communication per GPU for every requested stage of ``config``."""
-    policy = config.policy
-    numels = model_numels(config)
-    nd = config.nd
+def stage_estimates(
+    numels: tuple[int, ...],
+    nd: int,
+    policy: PrecisionPolicy,
+    stages: tuple[int, ...] = (0, 1, 2, 3),
+    gpu_memory_bytes: int | None = None,
+    flat_layout: bool = False,
+) -> tuple[StageEstimate, ...]:
+    """Memory and communication of each of ``stages`` for tensors of ``numels`` elements on ``nd`` ranks.
+
+    The entries of ``numels`` and ``nd`` may also be numpy int64 arrays of one shape: ``zeroplan.sweep``
+    evaluates a whole grid through this same code, so the vectorised and scalar answers cannot drift.
+    ``flat_layout``: the numels are the model's real tensors, so full buffers are padded as the runtime
+    pads them (``zeroplan.memory.buffer_numels``); False for a bare Ψ.
+    """
     p_bytes = dtype_bytes(policy.param_dtype)
     g_bytes = dtype_bytes(policy.resolved_grad_dtype)
     states = optimizer_states(policy.optimizer, policy.optimizer_dtype)
 
     def memory(stage: int):
-        return model_states(numels, nd, stage, p_bytes, g_bytes, states, policy.master_dtype)
+        return model_states(numels, nd, stage, p_bytes, g_bytes, states, policy.master_dtype, flat_layout)
 
     dp_total = memory(0).model_states_bytes
     rows = []
-    for row in STAGES:
-        if config.stage is not None and row.number != config.stage:
-            continue
+    for number in stages:
+        row = get_stage(number)
         mem = memory(row.number)
-        full = sum(numels) if row.number == 0 else flat_padded_numel(numels, nd)
+        full, _ = buffer_numels(numels, nd, row.number, flat_layout)
         collectives = step_collectives(
             row.number, full, nd, policy.param_dtype, policy.resolved_grad_dtype, p_bytes, g_bytes
         )
-        fits = None if config.gpu_memory_bytes is None else mem.model_states_bytes <= config.gpu_memory_bytes
+        fits = None if gpu_memory_bytes is None else mem.model_states_bytes <= gpu_memory_bytes
         rows.append(
             StageEstimate(row.number, row.name, mem, dp_total / mem.model_states_bytes, collectives, fits)
         )
+    return tuple(rows)
+
+
+def estimate_config(config: EstimateConfig) -> Estimate:
+    """Memory and communication per GPU for every requested stage of ``config``."""
+    policy = config.policy
+    numels = model_numels(config)
+    stages = (0, 1, 2, 3) if config.stage is None else (config.stage,)
+    flat_layout = config.tensor_numels is not None
+    rows = stage_estimates(numels, config.nd, policy, stages, config.gpu_memory_bytes, flat_layout)
     convention = bytes_per_param(policy)
     return Estimate(
         psi=sum(numels),
         total_params=int(config.params) if config.params else sum(config.tensor_numels),
         gpus=config.gpus,
-        nd=nd,
+        nd=config.nd,
         nm=config.model_parallel,
         gpu_memory_bytes=config.gpu_memory_bytes,
         bytes_per_param=convention,

@@ -40,13 +40,16 @@ def step_collectives(
     (during backward, bucket by bucket at stage 2), all-gather of the updated 16-bit parameters after
     the optimizer step. Stage 3: all-gather of parameters before forward and again before backward,
     reduce-scatter of gradients during backward. With N_d = 1 nothing is communicated: the list is empty.
+    ``full_numel`` and ``nd`` may be numpy arrays (``zeroplan.sweep``); entries with N_d = 1 then get
+    collectives of 0 elements and 0 bytes.
     """
-    if nd == 1:
+    if getattr(nd, "ndim", 0) == 0 and nd == 1:
         return ()
     row = get_stage(stage)
+    elements = full_numel * (nd > 1)
 
     def make(op: str, phase: str, dtype: str, element_bytes: int) -> Collective:
-        return Collective(op, phase, full_numel, dtype, ring_bytes_per_rank(op, full_numel, nd, element_bytes))
+        return Collective(op, phase, elements, dtype, ring_bytes_per_rank(op, full_numel, nd, element_bytes))
 
     if not row.shards_optimizer:
         return (make("all-reduce", "backward", grad_dtype, grad_bytes),)

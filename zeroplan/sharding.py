@@ -12,8 +12,12 @@ from collections.abc import Iterable
 
 
 def shard_numel(numel: int, nd: int) -> int:
-    """Elements each of ``nd`` ranks owns of a tensor of ``numel`` elements: ceil(numel / nd)."""
-    if numel < 0 or nd < 1:
+    """Elements each of ``nd`` ranks owns of a tensor of ``numel`` elements: ceil(numel / nd).
+
+    Also takes integer numpy arrays (``zeroplan.sweep`` evaluates a whole grid in one call); their values
+    are checked where the grid is built, so only scalars are checked here.
+    """
+    if getattr(numel, "ndim", 0) == 0 and getattr(nd, "ndim", 0) == 0 and (numel < 0 or nd < 1):
         raise ValueError(f"numel={numel}, nd={nd}: need numel >= 0 and nd >= 1")
     return -(-numel // nd)
 
