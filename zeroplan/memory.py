@@ -24,6 +24,19 @@ def paper_model_states_bytes(psi: float, nd: int, k: float, stage: int) -> float
     )[get_stage(stage).number]
 
 
+def buffer_numels(numels: tuple[int, ...], nd: int, stage: int, flat_layout: bool) -> tuple[int, int]:
+    """(full, shard): elements of an unsharded buffer and of one rank's shard at ``stage``.
+
+    A shard is always ``flat_shard_numel`` (each tensor padded to a multiple of N_d, never losing an
+    element). A full buffer is the exact element count at stage 0 (DDP keeps tensors whole) and for a
+    bare Ψ (the paper's 2Ψ); when the tensor sizes are known (``flat_layout``), stages 1-3 keep full
+    buffers as the flat, padded all-gather output the runtime allocates (``flat_padded_numel``).
+    """
+    shard = flat_shard_numel(numels, nd)
+    padded = flat_layout and get_stage(stage).number > 0
+    return (flat_padded_numel(numels, nd) if padded else sum(numels)), shard
+
+
 def model_states(
     numels: tuple[int, ...],
     nd: int,
@@ -32,17 +45,15 @@ def model_states(
     grad_bytes: int,
     states: tuple[StateTensor, ...],
     master_dtype: str | None,
+    flat_layout: bool = True,
 ) -> MemoryBreakdown:
     """Model-state bytes one rank holds between steps, for tensors of ``numels`` elements.
 
-    Stage 0 keeps every tensor whole and unpadded (DDP). From stage 1 on, buffers are flat and each
-    tensor is padded to a multiple of N_d (``zeroplan.sharding``), so a full buffer holds
-    ``flat_padded_numel`` elements and a shard ``flat_shard_numel``; which component is sharded is
-    read from the stage table.
+    Element counts come from ``buffer_numels``; which component is full and which is sharded is read
+    from the stage table, and bytes follow from the dtypes once.
     """
     row = get_stage(stage)
-    full = sum(numels) if row.number == 0 else flat_padded_numel(numels, nd)
-    shard = flat_shard_numel(numels, nd)
+    full, shard = buffer_numels(numels, nd, stage, flat_layout)
     param_numel = shard if row.shards_parameters else full
     grad_numel = shard if row.shards_gradients else full
     opt_numel = shard if row.shards_optimizer else full
