@@ -127,6 +127,58 @@ def estimate(
     typer.echo(out.rstrip("\n"))
 
 
+@app.command()
+def sweep(
+    params: Optional[str] = typer.Option(None, help="Ψ values, comma-separated: 1e9,7B,70B."),
+    shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes (one model, exact padding)."),
+    gpus: str = typer.Option("1", help="Total GPU counts, comma-separated: 8,64,512."),
+    model_parallel: str = typer.Option(
+        "1", "--model-parallel", help="N_m values, comma-separated; pairs where N_m does not divide gpus are skipped."
+    ),
+    stage: str = typer.Option("0,1,2,3", help="ZeRO stages to report, comma-separated."),
+    param_dtype: str = typer.Option("fp16", help="Working parameter dtype: fp16, bf16, fp32, fp8."),
+    grad_dtype: Optional[str] = typer.Option(None, help="Gradient dtype (default: param dtype)."),
+    master_weights: Optional[bool] = typer.Option(
+        None, "--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32)."
+    ),
+    optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
+    optimizer_dtype: str = typer.Option("fp32", help="dtype of Adam m/v and SGD momentum."),
+    gpu_memory: Optional[str] = typer.Option(None, help="GPU memory for the fits column: 80GiB, 141GB."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object with rows[] instead of CSV."),
+    out: Optional[Path] = typer.Option(None, help="Write to this file (atomically) instead of stdout."),
+) -> None:
+    """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
+    from zeroplan.config import PrecisionPolicy
+    from zeroplan.shapes import load_numels
+    from zeroplan.sweep import SweepConfig, parse_list, parse_whole, sweep_config, to_csv, to_json
+    from zeroplan.sweep import write_text_atomic
+    from zeroplan.units import parse_bytes, parse_count
+
+    if (params is None) == (shapes is None):
+        raise UserError("give exactly one of --params and --shapes")
+    config = SweepConfig(
+        params=parse_list(params, "params", parse_count) if params is not None else None,
+        tensor_numels=load_numels(shapes) if shapes is not None else None,
+        gpus=parse_list(gpus, "gpus", lambda t: parse_whole(t, "gpus")),
+        model_parallel=parse_list(model_parallel, "model-parallel", lambda t: parse_whole(t, "model-parallel")),
+        stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),
+        gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
+        policy=PrecisionPolicy(
+            param_dtype=param_dtype,
+            grad_dtype=grad_dtype,
+            master_weights=master_weights,
+            optimizer=optimizer,
+            optimizer_dtype=optimizer_dtype,
+        ),
+    )
+    frame = sweep_config(config)
+    text = to_json(frame, config) if as_json else to_csv(frame)
+    if out is None:
+        typer.echo(text.rstrip("\n"))
+    else:
+        write_text_atomic(out, text)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -1,0 +1,195 @@
+"""`zeroplan.sweep` and `zeroplan sweep`: the vectorised grid equals `zeroplan.estimate` row by row."""
+
+import csv
+import io
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+import zeroplan
+from zeroplan.cli import app
+from zeroplan.render import stage_dict
+from zeroplan.sweep import COLUMNS, collectives_summary, sweep, to_records
+
+runner = CliRunner()
+
+POLICIES = [
+    {},  # the paper's mixed-precision Adam: 2 + 2 + 12 bytes per parameter
+    {"param_dtype": "bf16", "grad_dtype": "fp32"},
+    {"param_dtype": "fp32", "optimizer": "sgd-momentum"},
+    {"param_dtype": "fp8", "master_weights": True, "optimizer": "adamw", "optimizer_dtype": "bf16"},
+    {"optimizer": "adam8bit"},  # one fp32 absmax per 2048 elements: rounding up per shard matters
+    {"optimizer": "adafactor", "master_weights": False},
+]
+
+
+def scalar_rows(psi=None, gpus=1, mp=1, numels=None, gpu_memory_bytes=None, **policy):
+    """What `zeroplan.estimate` says, as sweep rows (collectives summarised the sweep's way)."""
+    e = zeroplan.estimate(
+        psi, gpus, model_parallel=mp, tensor_numels=numels, gpu_memory_bytes=gpu_memory_bytes, **policy
+    )
+    rows = []
+    for s in e.stages:
+        d = stage_dict(s)
+        d["collectives"] = collectives_summary(s.collectives)
+        rows.append({"params": e.total_params, "gpus": gpus, "model_parallel": mp, "nd": e.nd, "psi": e.psi, **d})
+    return rows
+
+
+def assert_same_rows(frame, expected):
+    got = to_records(frame)
+    assert len(got) == len(expected)
+    for g, x in zip(got, expected):
+        assert g == x  # exact: ints equal ints, the float ratio bit for bit, fits True/False/None
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "paper")
+def test_rows_equal_estimate_on_a_grid_with_padding_and_model_parallel(policy):
+    # Odd Ψ and N_d where ceil(Ψ/N_d) pads, N_d = 1 (no communication), and N_m that does not divide Ψ.
+    params = [1, 1001, 7_500_000_001, 175_000_000_000]
+    gpus = [1, 3, 8, 24, 1000]
+    mps = [1, 2, 8]
+    frame = sweep(params, gpus, model_parallel=mps, gpu_memory_bytes=40 * 10**9, **policy)
+    expected = [
+        row
+        for p in params
+        for g in gpus
+        for m in mps
+        if g % m == 0
+        for row in scalar_rows(p, g, m, gpu_memory_bytes=40 * 10**9, **policy)
+    ]
+    assert_same_rows(frame, expected)
+
+
+def test_rows_equal_estimate_for_known_tensor_sizes():
+    # With tensor sizes the full buffers of stages 1-3 are the padded flat buffers (flat layout).
+    numels = [50257 * 768, 768, 3 * 768 * 768, 3 * 768, 7, 1]
+    frame = sweep(tensor_numels=numels, gpus=[1, 2, 3, 7, 64], model_parallel=[1, 7], optimizer="adam8bit")
+    expected = [r for g in (1, 2, 3, 7, 64) for m in (1, 7) if g % m == 0 for r in scalar_rows(None, g, m, numels, optimizer="adam8bit")]
+    assert_same_rows(frame, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    psi=st.integers(min_value=1, max_value=10**13),
+    nd=st.integers(min_value=1, max_value=5000),
+    mp=st.sampled_from([1, 2, 3, 8]),
+    stage=st.sampled_from([0, 1, 2, 3]),
+    policy=st.sampled_from(POLICIES),
+)
+def test_any_single_configuration_equals_estimate(psi, nd, mp, stage, policy):
+    frame = sweep([psi], [nd * mp], model_parallel=[mp], stages=[stage], **policy)
+    (expected,) = [r for r in scalar_rows(psi, nd * mp, mp, **policy) if r["stage"] == stage]
+    assert_same_rows(frame, [expected])
+
+
+def test_paper_table_1_row_and_grid_order():
+    # ZeRO paper Table 1, Ψ = 7.5B, N_d = 64: 120, 31.4, 16.6, 1.88 GB; exactly 16Ψ, 4Ψ + 12Ψ/64,
+    # 2Ψ + 14Ψ/64, 16Ψ/64 bytes.
+    frame = sweep([7.5e9, 1e12], [64, 1024])
+    assert list(frame.columns) == list(COLUMNS)
+    assert len(frame) == 2 * 2 * 4
+    assert list(frame["params"][:8]) == [7_500_000_000] * 8  # params slowest, then gpus, then stage
+    assert list(frame["gpus"][:8]) == [64] * 4 + [1024] * 4
+    assert list(frame["stage"][:8]) == [0, 1, 2, 3] * 2
+    assert list(frame["model_states_bytes"][:4]) == [120_000_000_000, 31_406_250_000, 16_640_625_000, 1_875_000_000]
+    # Paper section 7: 2Ψ elements per step for stages 0-2, 3Ψ for stage 3.
+    assert list(frame["comm_volume_elements"][:4]) == [15_000_000_000] * 3 + [22_500_000_000]
+
+
+def test_trillion_parameters_stay_exact_integers():
+    # 1T parameters on one GPU at 16 B/param: 1.6e13 bytes, beyond float32 and exact in int64.
+    frame = sweep([1e12 + 1], [1], stages=[0])
+    assert frame["model_states_bytes"].dtype == "int64"
+    assert int(frame["model_states_bytes"][0]) == 16 * (10**12 + 1)
+
+
+def test_model_parallel_pairs_that_do_not_divide_are_skipped():
+    frame = sweep([1e9], [8, 12], model_parallel=[1, 8], stages=[3])
+    assert list(zip(frame["gpus"], frame["model_parallel"], frame["nd"])) == [(8, 1, 8), (8, 8, 1), (12, 1, 12)]
+
+
+def test_fits_is_missing_without_gpu_memory_and_boolean_with_it():
+    assert frame_fits(sweep([7.5e9], [64])) == [None] * 4
+    # 31.4 GB does not fit in 32 GiB? It does (34.36e9 bytes); DP's 120 GB does not.
+    assert frame_fits(sweep([7.5e9], [64], gpu_memory_bytes=32 * 2**30)) == [False, True, True, True]
+
+
+def frame_fits(frame):
+    return [r["fits"] for r in to_records(frame)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"params": [7e9, -1]}, "params=-1.0: must be a positive finite number of parameters"),
+        ({"params": [7.5]}, "params=7.5: must be a whole number of parameters"),
+        ({"params": [float("nan")]}, "params=nan"),
+        ({"params": [1e18]}, "params=1e+18: above 1.44e+17, byte counts would overflow int64"),
+        ({"params": []}, "params: give at least one value"),
+        ({"params": [7e9, 7e9]}, "params: 7e+09 is listed twice"),
+        ({"params": [7e9], "gpus": [8, 0]}, "gpus=0: must be >= 1"),
+        ({"params": [7e9], "gpus": [8.5]}, "gpus=8.5: must be a whole number"),
+        ({"params": [7e9], "model_parallel": [0]}, "model_parallel=0: must be >= 1"),
+        ({"params": [7e9], "gpus": [8], "model_parallel": [3]}, "no model_parallel in [3] divides any gpus in [8]"),
+        ({"params": [7e9], "stages": [0, 4]}, "stages=[0, 4]: 4 is not a ZeRO stage (0, 1, 2 or 3)"),
+        ({"params": [7e9], "gpu_memory_bytes": 0}, "gpu_memory_bytes=0: must be >= 1"),
+        ({"params": [7e9], "tensor_numels": [10]}, "give exactly one of params and tensor_numels"),
+        ({"params": [7e9], "optimizer": "lion"}, "unknown optimizer 'lion'"),
+    ],
+)
+def test_bad_input_names_the_value(kwargs, message):
+    with pytest.raises((ValidationError, ValueError)) as info:
+        sweep(**kwargs)
+    assert message in str(info.value)
+
+
+def test_cli_csv_and_json_equal_the_api(tmp_path):
+    args = ["sweep", "--params", "1001,7.5B", "--gpus", "1,3,64", "--model-parallel", "1,3", "--gpu-memory", "32GB"]
+    api = to_records(sweep([1001, 7.5e9], [1, 3, 64], model_parallel=[1, 3], gpu_memory_bytes=32 * 10**9))
+
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(io.StringIO(r.stdout)))
+    assert [int(row["model_states_bytes"]) for row in rows] == [a["model_states_bytes"] for a in api]
+    assert [float(row["reduction_vs_dp"]) for row in rows] == [a["reduction_vs_dp"] for a in api]
+    assert [row["fits"] for row in rows] == [str(a["fits"]) for a in api]
+
+    out = tmp_path / "sweep.json"
+    r = runner.invoke(app, [*args, "--json", "--out", str(out)])
+    assert r.exit_code == 0 and r.stdout == ""
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "zeroplan.sweep/1" and doc["inputs"]["gpu_memory_bytes"] == 32 * 10**9
+    assert doc["rows"] == api
+    assert [p.name for p in tmp_path.iterdir()] == ["sweep.json"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params", "7e9,,8"], "params='7e9,,8': empty item between commas"),
+        (["--params", "7e9", "--gpus", "8,x"], "gpus='x': not a whole number"),
+        (["--params", "7e9", "--gpus", "8,8"], "gpus: 8 is listed twice"),
+        (["--params", "7e9", "--model-parallel", "1.5"], "model-parallel='1.5': not a whole number"),
+        (["--params", "7e9", "--stage", "0,9"], "stages=[0, 9]: 9 is not a ZeRO stage"),
+        (["--params", "7e9", "--gpu-memory", "lots"], "gpu-memory='lots'"),
+        (["--gpus", "8"], "give exactly one of --params and --shapes"),
+        (["--params", "7e9", "--out", "/nonexistent-dir/x.csv"], "directory '/nonexistent-dir' does not exist"),
+    ],
+)
+def test_cli_bad_values_are_one_line_and_exit_2(args, message, tmp_path):
+    r = runner.invoke(app, ["sweep", *args])
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    assert r.stderr.strip().splitlines() == [f"zeroplan: error: {r.stderr.strip().removeprefix('zeroplan: error: ')}"]
+    assert message in r.stderr
+
+
+def test_cli_bad_value_leaves_no_output_file(tmp_path):
+    out = tmp_path / "s.csv"
+    r = runner.invoke(app, ["sweep", "--params", "7e9", "--gpus", "0", "--out", str(out)])
+    assert r.exit_code == 2 and not out.exists() and list(tmp_path.iterdir()) == []

@@ -1,0 +1,331 @@
+"""Sweeps: ``zeroplan.estimate`` over a grid of configurations, as one pandas DataFrame.
+
+The grid is evaluated in one pass of numpy int64 arrays through the very functions ``estimate`` uses
+(``zeroplan.api.stage_estimates``, hence ``sharding``, ``memory`` and ``comm``): no formula is written
+twice, so a sweep row and ``estimate(...)`` cannot drift (``tests/test_sweep.py`` checks it row by row).
+A million rows take well under a second (``benchmarks/sweep_speed.py``). This is the one planner module
+that imports pandas.
+
+Byte counts stay exact integers: int64 holds 9.2e18, and the largest count here is bounded by
+64 bytes per parameter (``MAX_PARAMS`` keeps that below 2**63).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from zeroplan.api import stage_estimates
+from zeroplan.config import EstimateConfig, PrecisionPolicy, error_line
+from zeroplan.records import Collective
+from zeroplan.sharding import shard_numel
+from zeroplan.stages import STAGES
+
+SCHEMA = "zeroplan.sweep/1"
+MAX_PARAMS = 2**57
+"""Largest Ψ a sweep accepts (1.4e17): no per-GPU byte count exceeds 64·Ψ (at most 20 bytes of model
+state per parameter, 2·4 bytes sent per parameter by an fp32 all-reduce), so int64 stays exact."""
+
+COLUMNS = (
+    "params", "gpus", "model_parallel", "nd", "psi", "stage", "name",
+    "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes", "reduction_vs_dp", "fits",
+    "comm_volume_elements", "comm_bytes_per_rank", "collectives",
+)  # fmt: skip
+"""Columns of a sweep: the configuration, then the keys of ``estimate --json`` ``stages[]``
+(``zeroplan.render.stage_dict``) with the collectives list summarised by ``collectives_summary``."""
+
+
+def _check(**fields: object) -> None:
+    """Validate one value with ``EstimateConfig``'s rules, re-raised as a one-line ValueError."""
+    try:
+        EstimateConfig(**fields)
+    except ValidationError as exc:
+        raise ValueError(error_line(exc)) from None
+
+
+class SweepConfig(BaseModel):
+    """A grid of planner questions: every combination of ``params`` x ``gpus`` x ``model_parallel``,
+    each answered for every stage in ``stages``. Each value is checked by ``EstimateConfig``'s rules."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    params: Optional[tuple[float, ...]] = None
+    """Ψ values of the whole model, in parameters; give this or ``tensor_numels``."""
+    tensor_numels: Optional[tuple[int, ...]] = None
+    """elements of every parameter tensor of one model (exact padding); replaces ``params``."""
+    gpus: tuple[int, ...] = (1,)
+    """total GPU counts = N_d x N_m."""
+    model_parallel: tuple[int, ...] = (1,)
+    """N_m values; combinations where N_m does not divide ``gpus`` are left out of the grid."""
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages (0-3) to report for every configuration."""
+    gpu_memory_bytes: Optional[int] = None
+    """memory of one GPU in bytes, for the ``fits`` column; None leaves it empty."""
+    policy: PrecisionPolicy = PrecisionPolicy()
+
+    @field_validator("gpus", "model_parallel", "stages", mode="before")
+    @classmethod
+    def _whole(cls, v: object, info) -> object:
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+                    raise ValueError(f"{info.field_name}={x!r}: must be a whole number")
+            return tuple(int(x) for x in v)
+        return v
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _numbers(cls, v: object) -> object:
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+                    raise ValueError(f"params={x!r}: must be a number of parameters")
+            return tuple(float(x) for x in v)
+        return v
+
+    @field_validator("params", "gpus", "model_parallel", "stages")
+    @classmethod
+    def _listed(cls, v: Optional[tuple], info) -> Optional[tuple]:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError(f"{info.field_name}: give at least one value")
+        seen = set()
+        for x in v:
+            if x in seen:
+                raise ValueError(f"{info.field_name}: {x:g} is listed twice")
+            seen.add(x)
+        return v
+
+    @field_validator("params")
+    @classmethod
+    def _params(cls, v: Optional[tuple[float, ...]]) -> Optional[tuple[float, ...]]:
+        for p in v or ():
+            _check(params=p)  # the single-estimate rules and messages
+            if p > MAX_PARAMS:
+                raise ValueError(f"params={p:g}: above {MAX_PARAMS:.3g}, byte counts would overflow int64")
+        return v
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        for g in v:
+            _check(params=1, gpus=g)
+        return v
+
+    @field_validator("model_parallel")
+    @classmethod
+    def _model_parallel(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        for m in v:
+            _check(params=1, gpus=m if m >= 1 else 1, model_parallel=m)  # this field's own message
+        return v
+
+    @field_validator("stages")
+    @classmethod
+    def _stages(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        for s in v:
+            if s not in range(len(STAGES)):
+                raise ValueError(f"stages={list(v)}: {s} is not a ZeRO stage (0, 1, 2 or 3)")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SweepConfig":
+        # One representative EstimateConfig checks tensor_numels, gpu_memory_bytes and params-xor-shapes.
+        _check(
+            params=self.params[0] if self.params else None,
+            tensor_numels=self.tensor_numels,
+            gpu_memory_bytes=self.gpu_memory_bytes,
+        )
+        if self.tensor_numels and sum(self.tensor_numels) > MAX_PARAMS:
+            raise ValueError(f"tensor_numels: {sum(self.tensor_numels):g} elements, above {MAX_PARAMS:.3g}")
+        if not any(g % m == 0 for g in self.gpus for m in self.model_parallel):
+            raise ValueError(
+                f"no model_parallel in {list(self.model_parallel)} divides any gpus in {list(self.gpus)}"
+            )
+        return self
+
+
+def collectives_summary(collectives: Sequence[Collective]) -> str:
+    """One string for a step's collectives, e.g. 'reduce-scatter(backward) + all-gather(optimizer step)'."""
+    return " + ".join(f"{c.op}({c.phase})" for c in collectives)
+
+
+def _collectives_column(sweep_rows: list, nd: np.ndarray) -> pd.Categorical:
+    """The summary per row: a stage's list, or '' where N_d = 1 (nothing is sent, as in ``estimate``)."""
+    categories = [""]
+    for row in sweep_rows:
+        if (label := collectives_summary(row.collectives)) not in categories:
+            categories.append(label)
+    codes = [np.where(nd > 1, categories.index(collectives_summary(r.collectives)), 0) for r in sweep_rows]
+    return pd.Categorical.from_codes(np.stack(codes, axis=1).ravel(), categories=categories)
+
+
+def _grid(config: SweepConfig) -> dict[str, np.ndarray]:
+    """Every valid (params, gpus, model_parallel) combination, params slowest, as int64 arrays."""
+    params = [int(p) for p in config.params] if config.params else [sum(config.tensor_numels)]
+    p, g, m = np.meshgrid(
+        np.array(params, dtype=np.int64),
+        np.array(config.gpus, dtype=np.int64),
+        np.array(config.model_parallel, dtype=np.int64),
+        indexing="ij",
+    )
+    p, g, m = p.ravel(), g.ravel(), m.ravel()
+    keep = g % m == 0
+    return {"params": p[keep], "gpus": g[keep], "model_parallel": m[keep]}
+
+
+def sweep_config(config: SweepConfig) -> pd.DataFrame:
+    """One row per configuration and stage, in grid order (params, gpus, model_parallel, stage)."""
+    grid = _grid(config)
+    m = grid["model_parallel"]
+    nd = grid["gpus"] // m
+    if config.tensor_numels:
+        numels = tuple(shard_numel(n, m) for n in config.tensor_numels)
+    else:
+        numels = (shard_numel(grid["params"], m),)
+    # Ψ per model-parallel rank, rounded up per tensor as in ``zeroplan.api.model_numels``.
+    psi = sum(numels)
+    rows = stage_estimates(
+        numels, nd, config.policy, config.stages, config.gpu_memory_bytes, config.tensor_numels is not None
+    )
+    n_stages = len(rows)
+
+    def per_row(values: Sequence[np.ndarray]) -> np.ndarray:
+        """Interleave per-stage arrays so each configuration's stages are adjacent rows."""
+        return np.stack([np.broadcast_to(v, nd.shape) for v in values], axis=1).ravel()
+
+    def repeat(a: np.ndarray) -> np.ndarray:
+        return np.repeat(a, n_stages)
+
+    stage_numbers = np.array([r.stage for r in rows], dtype=np.int64)
+    names = [STAGES[s].name for s in stage_numbers]
+    n_rows = nd.size * n_stages
+    if config.gpu_memory_bytes is None:  # unknown: all missing, as ``fits: null`` in ``estimate --json``
+        fits = pd.arrays.BooleanArray(np.zeros(n_rows, dtype=bool), mask=np.ones(n_rows, dtype=bool))
+    else:
+        fits = pd.arrays.BooleanArray(per_row([r.fits for r in rows]), mask=np.zeros(n_rows, dtype=bool))
+    columns = {
+        "params": repeat(grid["params"]),
+        "gpus": repeat(grid["gpus"]),
+        "model_parallel": repeat(m),
+        "nd": repeat(nd),
+        "psi": repeat(np.broadcast_to(psi, nd.shape)),
+        "stage": np.tile(stage_numbers, nd.size),
+        "name": pd.Categorical.from_codes(np.tile(np.arange(n_stages), nd.size), categories=names),
+        "params_bytes": per_row([r.memory.params_bytes for r in rows]),
+        "grads_bytes": per_row([r.memory.grads_bytes for r in rows]),
+        "optimizer_bytes": per_row([r.memory.optimizer_bytes for r in rows]),
+        "model_states_bytes": per_row([r.memory.model_states_bytes for r in rows]),
+        "reduction_vs_dp": per_row([r.reduction_vs_dp for r in rows]).astype(np.float64),
+        "fits": fits,
+        "comm_volume_elements": per_row([np.asarray(r.comm_volume_elements, dtype=np.int64) for r in rows]),
+        "comm_bytes_per_rank": per_row([np.asarray(r.comm_bytes_per_rank, dtype=np.int64) for r in rows]),
+        "collectives": _collectives_column(list(rows), nd),
+    }
+    return pd.DataFrame(columns, columns=list(COLUMNS))
+
+
+def sweep(
+    params: Sequence[float] | None = None,
+    gpus: Sequence[int] = (1,),
+    *,
+    model_parallel: Sequence[int] = (1,),
+    stages: Sequence[int] = (0, 1, 2, 3),
+    tensor_numels: Sequence[int] | None = None,
+    gpu_memory_bytes: int | None = None,
+    **policy: object,
+) -> pd.DataFrame:
+    """``zeroplan.estimate`` for every combination of ``params`` x ``gpus`` x ``model_parallel``.
+
+    Returns one row per configuration and stage (columns ``COLUMNS``); byte columns are exact int64.
+    Remaining keywords are ``PrecisionPolicy`` fields, as for ``estimate``. Raises
+    ``pydantic.ValidationError`` on bad input.
+    """
+    config = SweepConfig(
+        params=tuple(params) if params is not None else None,
+        tensor_numels=tuple(tensor_numels) if tensor_numels is not None else None,
+        gpus=tuple(gpus),
+        model_parallel=tuple(model_parallel),
+        stages=tuple(stages),
+        gpu_memory_bytes=gpu_memory_bytes,
+        policy=PrecisionPolicy(**policy),
+    )
+    return sweep_config(config)
+
+
+def parse_list(text: str, what: str, parse: Callable[[str], object]) -> tuple:
+    """'8,64,512' -> (8, 64, 512) with ``parse`` per item; ValueError naming the option and the item."""
+    items = [t.strip() for t in str(text).split(",")]
+    if not any(items):
+        raise ValueError(f"{what}={text!r}: give one or more comma-separated values")
+    if "" in items:
+        raise ValueError(f"{what}={text!r}: empty item between commas")
+    return tuple(parse(t) for t in items)
+
+
+def parse_whole(text: str, what: str) -> int:
+    """'64' -> 64; ValueError for '6.5', 'x', '1e3' (GPU counts and degrees are written as integers)."""
+    if not re.fullmatch(r"[-+]?[0-9]+", text):
+        raise ValueError(f"{what}={text!r}: not a whole number")
+    return int(text)
+
+
+def to_records(frame: pd.DataFrame) -> list[dict]:
+    """Rows as plain Python values (``fits`` None when unknown), for JSON."""
+    out = frame.astype({"fits": object, "name": str, "collectives": str})
+    out["fits"] = out["fits"].where(out["fits"].notna(), None)
+    return out.to_dict(orient="records")
+
+
+def to_json(frame: pd.DataFrame, config: SweepConfig) -> str:
+    """The sweep as one JSON object: schema, the fixed inputs, and ``rows`` (one per configuration and stage)."""
+    policy = config.policy
+    doc = {
+        "schema": SCHEMA,
+        "inputs": {
+            "gpu_memory_bytes": config.gpu_memory_bytes,
+            "policy": {
+                "param_dtype": policy.param_dtype,
+                "grad_dtype": policy.resolved_grad_dtype,
+                "master_dtype": policy.master_dtype,
+                "optimizer": policy.optimizer,
+                "optimizer_dtype": policy.optimizer_dtype,
+            },
+        },
+        "columns": list(frame.columns),
+        "rows": [],
+    }
+    # One row per line keeps a big sweep greppable and diffable; the rest is indented as usual.
+    head = json.dumps(doc, indent=2).removesuffix("[]\n}").removesuffix("[]}")
+    rows = ",\n".join("    " + json.dumps(r) for r in to_records(frame))
+    return f"{head}[\n{rows}\n  ]\n}}\n"
+
+
+def to_csv(frame: pd.DataFrame) -> str:
+    """The sweep as CSV with a header row; ``fits`` is empty when no GPU memory was given."""
+    return frame.to_csv(index=False, lineterminator="\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same directory, so no partial file is left."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"out={str(path)!r}: directory {str(path.parent)!r} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
