@@ -19,14 +19,20 @@ Stages: 0 = plain DP, 1 = P_os (optimizer states sharded), 2 = P_os+g (+ gradien
 
 from zeroplan.api import estimate
 from zeroplan.config import EstimateConfig, PrecisionPolicy
+from zeroplan.plan import Plan, PlanOption, plan
+from zeroplan.plan_config import PlanConfig
 from zeroplan.records import Collective, Estimate, StageEstimate
 
 __all__ = [
     "Collective",
     "Estimate",
     "EstimateConfig",
+    "Plan",
+    "PlanConfig",
+    "PlanOption",
     "PrecisionPolicy",
     "StageEstimate",
     "estimate",
+    "plan",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,208 @@
+"""Validated inputs of ``zeroplan plan`` (pydantic): a model, a GPU, a cluster shape, a training shape.
+
+Every field states its unit; every bad value raises with a message that quotes it. Presets are resolved
+here (``zeroplan.hardware``), overrides win over presets.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from zeroplan.config import PrecisionPolicy
+from zeroplan.hardware import GpuSpec, LinkSpec, ModelPreset, get_gpu, get_interconnect, get_model
+
+DEFAULT_HEADROOM = 0.1
+"""Share of GPU memory kept free for what the plan does not model as model states: activations,
+communication buckets, gathered stage-3 layers, the CUDA context and allocator fragmentation. 10% is a
+starting point, not a measurement; activations alone can exceed it (pass a larger --headroom for long
+sequences or large micro-batches)."""
+DEFAULT_MFU = 0.4
+"""Model FLOPs utilisation for the compute-time estimate: Llama 3 reports 38-43% BF16 MFU on H100s
+(Llama Team 2024, The Llama 3 Herd of Models, Table 4)."""
+DEFAULT_BUCKET_NUMEL = 500_000_000
+"""Elements per gradient bucket / all-gather call: DeepSpeed's default ``reduce_bucket_size`` and
+``allgather_bucket_size`` (5e8), which the emitted DeepSpeed config also uses."""
+DEFAULT_INTRA = "nvlink4"
+DEFAULT_INTER = "ib-ndr"
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence when neither --seq-len nor a reference model gives one (GPT-3's context)."""
+POLICY = PrecisionPolicy(param_dtype="bf16")
+"""bf16 parameters and gradients, fp32 master copy and Adam states: 16 bytes/param, the paper's K = 12."""
+
+
+class PlanConfig(BaseModel):
+    """One capacity-planning question. Give the model as a preset (``model``) or a count (``params``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Optional[str] = None
+    """reference model preset (``zeroplan.hardware.model_presets``); exact per-tensor padding."""
+    params: Optional[float] = None
+    """Ψ of the whole model in parameters, when no preset is named. Neither: only max model sizes."""
+    gpu: Optional[str] = None
+    """GPU preset (``zeroplan.hardware.gpu_presets``): memory, peak FLOP/s and default links."""
+    gpu_memory_bytes: Optional[int] = None
+    """memory of one GPU in bytes; overrides the preset's."""
+    gpus: int = 8
+    """total GPUs = N_d x N_m."""
+    gpus_per_node: int = 8
+    model_parallel: int = 1
+    """N_m, tensor/pipeline model-parallel degree."""
+    headroom: float = DEFAULT_HEADROOM
+    """fraction of GPU memory not available to model states, in [0, 1)."""
+    interconnect: Optional[str] = None
+    """intra-node link preset; default the GPU preset's, else nvlink4."""
+    bw_gbps: Optional[float] = None
+    """intra-node bandwidth per GPU, GB/s one direction; overrides the preset's."""
+    inter_interconnect: str = DEFAULT_INTER
+    """inter-node link preset (one NIC per GPU)."""
+    inter_bw_gbps: Optional[float] = None
+    """inter-node bandwidth per GPU, GB/s one direction; overrides the preset's."""
+    algorithm: Literal["ring", "tree"] = "ring"
+    """all-reduce algorithm for the latency term (reduce-scatter and all-gather are always ring)."""
+    micro_batch: int = 1
+    """sequences per GPU per micro-step."""
+    grad_accum: int = 1
+    """micro-steps per optimizer step."""
+    seq_len: Optional[int] = None
+    """tokens per sequence; default the preset's, else 2048."""
+    offload: Literal["none", "cpu", "nvme"] = "none"
+    """the most offload the recommendation may use (all options are always listed)."""
+    host_memory_bytes: Optional[int] = None
+    """CPU memory per node in bytes; when given, offload options must also fit in it."""
+    peak_flops: Optional[float] = None
+    """dense peak FLOP/s per GPU; overrides the preset's. None without a preset: no compute estimate."""
+    mfu: float = DEFAULT_MFU
+    """model FLOPs utilisation in (0, 1] for the compute-time estimate."""
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    """elements per collective call (gradient bucket / all-gather bucket)."""
+    policy: PrecisionPolicy = POLICY
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None else get_model(v).name
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: Optional[str]) -> Optional[str]:
+        return None if v is None else get_gpu(v).name
+
+    @field_validator("interconnect", "inter_interconnect")
+    @classmethod
+    def _link(cls, v: Optional[str], info) -> Optional[str]:
+        if v is None:
+            return v
+        link = get_interconnect(v)
+        want = "intra" if info.field_name == "interconnect" else "inter"
+        if link.scope != want:
+            where = "inside a node" if link.scope == "intra" else "between nodes"
+            raise ValueError(f"{info.field_name}={v!r} links GPUs {where}; expected an {want}-node link")
+        return link.name
+
+    @field_validator("params", "bw_gbps", "inter_bw_gbps", "peak_flops")
+    @classmethod
+    def _positive(cls, v: Optional[float], info) -> Optional[float]:
+        if v is not None and (isinstance(v, bool) or not math.isfinite(v) or v <= 0):
+            raise ValueError(f"{info.field_name}={v}: must be a positive finite number")
+        return v
+
+    @field_validator(
+        "gpus", "gpus_per_node", "model_parallel", "micro_batch", "grad_accum", "seq_len", "bucket_numel",
+        "gpu_memory_bytes", "host_memory_bytes", mode="before",
+    )  # fmt: skip
+    @classmethod
+    def _whole(cls, v: object, info) -> object:
+        if v is None:
+            return v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{info.field_name}={v!r}: must be a whole number")
+        if v < 1:
+            raise ValueError(f"{info.field_name}={v}: must be >= 1")
+        return v
+
+    @field_validator("headroom")
+    @classmethod
+    def _headroom(cls, v: float) -> float:
+        if isinstance(v, bool) or not math.isfinite(v) or not 0 <= v < 1:
+            raise ValueError(f"headroom={v}: must be a fraction in [0, 1)")
+        return v
+
+    @field_validator("mfu")
+    @classmethod
+    def _mfu(cls, v: float) -> float:
+        if isinstance(v, bool) or not math.isfinite(v) or not 0 < v <= 1:
+            raise ValueError(f"mfu={v}: must be a fraction in (0, 1]")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PlanConfig":
+        if self.model is not None and self.params is not None:
+            raise ValueError("give at most one of model and params")
+        if self.params is not None and not float(self.params).is_integer():
+            raise ValueError(f"params={self.params}: must be a whole number of parameters")
+        if self.gpu is None and self.gpu_memory_bytes is None:
+            raise ValueError("give a GPU preset (gpu) or the GPU memory (gpu_memory_bytes)")
+        if self.gpus % self.model_parallel:
+            raise ValueError(
+                f"model_parallel={self.model_parallel} does not divide gpus={self.gpus}: gpus must be N_d x N_m"
+            )
+        return self
+
+    # Resolved values: overrides first, then presets, then documented defaults.
+
+    @property
+    def nd(self) -> int:
+        return self.gpus // self.model_parallel
+
+    @property
+    def gpu_spec(self) -> Optional[GpuSpec]:
+        return None if self.gpu is None else get_gpu(self.gpu)
+
+    @property
+    def model_spec(self) -> Optional[ModelPreset]:
+        return None if self.model is None else get_model(self.model)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.gpu_memory_bytes if self.gpu_memory_bytes is not None else self.gpu_spec.memory_bytes
+
+    @property
+    def tensor_numels(self) -> Optional[tuple[int, ...]]:
+        """Every tensor of the whole model (preset), Ψ as one tensor (params), or None (no model)."""
+        if self.model_spec is not None:
+            return self.model_spec.tensor_numels
+        return None if self.params is None else (int(self.params),)
+
+    @property
+    def tokens_per_micro_step(self) -> int:
+        seq = self.seq_len or (self.model_spec.seq_len if self.model_spec else DEFAULT_SEQ_LEN)
+        return self.micro_batch * seq
+
+    @property
+    def flops(self) -> Optional[float]:
+        if self.peak_flops is not None:
+            return self.peak_flops
+        return None if self.gpu_spec is None else self.gpu_spec.peak_flops
+
+    def _resolve_link(self, name: str, bw: Optional[float]) -> LinkSpec:
+        link = get_interconnect(name)
+        if bw is None:
+            return link
+        return link.model_copy(update={"bandwidth_gbps": bw, "name": f"{bw:g} GB/s", "source": "--bw option"})
+
+    @property
+    def intra_link(self) -> LinkSpec:
+        name = self.interconnect or (self.gpu_spec.intra_node if self.gpu_spec else DEFAULT_INTRA)
+        return self._resolve_link(name, self.bw_gbps)
+
+    @property
+    def inter_link(self) -> LinkSpec:
+        return self._resolve_link(self.inter_interconnect, self.inter_bw_gbps)
+
+    @property
+    def host_link(self) -> LinkSpec:
+        return get_interconnect(self.gpu_spec.host_link if self.gpu_spec else "pcie4")
