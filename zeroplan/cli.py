@@ -179,6 +179,69 @@ def sweep(
         write_text_atomic(out, text)
 
 
+class PlotView(str, Enum):
+    memory = "memory"
+    breakdown = "breakdown"
+    comm = "comm"
+    validate = "validate"
+
+
+@app.command()
+def plot(
+    out: Path = typer.Option(..., help="Image file to write: .png, .svg or .pdf."),
+    view: PlotView = typer.Option(
+        PlotView.memory,
+        help="memory: per-GPU model states vs N_d (log-log); breakdown: stacked bars per stage; "
+        "comm: bytes sent per GPU per step; validate: predicted vs measured from --results.",
+    ),
+    params: Optional[str] = typer.Option(None, help="Ψ values, comma-separated: 7e9 or 7B,70B (memory view)."),
+    gpus: str = typer.Option("8,16,32,64", help="Total GPU counts, comma-separated."),
+    model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree."),
+    stage: str = typer.Option("0,1,2,3", help="ZeRO stages to draw, comma-separated."),
+    param_dtype: str = typer.Option("fp16", help="Working parameter dtype: fp16, bf16, fp32, fp8."),
+    grad_dtype: Optional[str] = typer.Option(None, help="Gradient dtype (default: param dtype)."),
+    master_weights: Optional[bool] = typer.Option(
+        None, "--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32)."
+    ),
+    optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
+    optimizer_dtype: str = typer.Option("fp32", help="dtype of Adam m/v and SGD momentum."),
+    gpu_memory: Optional[str] = typer.Option(None, help="GPU capacity to draw as a line: 80GiB, 141GB."),
+    results: Optional[Path] = typer.Option(None, help="JSON written by `zeroplan validate --json` (validate view)."),
+) -> None:
+    """Draw a sweep (memory, breakdown, comm) or validator results (validate) to an image file."""
+    from zeroplan import plots
+    from zeroplan.config import PrecisionPolicy
+    from zeroplan.sweep import SweepConfig, parse_list, parse_whole, sweep_config
+    from zeroplan.units import parse_bytes, parse_count
+
+    plots.check_format(out)  # before any work: a bad name is one line, not a traceback after the sweep
+    capacity = parse_bytes(gpu_memory) if gpu_memory is not None else None
+    if view is PlotView.validate:
+        if results is None:
+            raise UserError("--view validate needs --results FILE (from `zeroplan validate --json`)")
+        fig = plots.predicted_vs_measured(plots.load_validation(results))
+    else:
+        if results is not None:
+            raise UserError(f"--results is only read by --view validate, not --view {view.value}")
+        if params is None:
+            raise UserError(f"--view {view.value} needs --params")
+        config = SweepConfig(
+            params=parse_list(params, "params", parse_count),
+            gpus=parse_list(gpus, "gpus", lambda t: parse_whole(t, "gpus")),
+            model_parallel=(model_parallel,),
+            stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),
+            policy=PrecisionPolicy(
+                param_dtype=param_dtype,
+                grad_dtype=grad_dtype,
+                master_weights=master_weights,
+                optimizer=optimizer,
+                optimizer_dtype=optimizer_dtype,
+            ),
+        )
+        fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity)
+    plots.save(fig, out)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -1,0 +1,140 @@
+"""`zeroplan.plots` and `zeroplan plot`: figures carry the sweep's numbers, files are written whole."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from zeroplan import plots
+from zeroplan.cli import app
+from zeroplan.sweep import sweep
+
+runner = CliRunner()
+H100_BYTES = 80 * 2**30
+
+# A results file shaped like `zeroplan validate --json` output. Synthetic numbers: this tests the plot,
+# it is not a measurement.
+RESULT_ROWS = [
+    {"stage": s, "world_size": n, "mode": "cpu", "backend": "gloo",
+     "predicted_model_states_bytes": 1_000_000 * (4 - s) // n, "measured_model_states_bytes": 1_000_000 * (4 - s) // n,
+     "predicted_comm_bytes_per_rank": 500_000 * (n - 1) // n, "measured_comm_bytes_per_rank": 500_000 * (n - 1) // n,
+     "measured_peak_bytes": 3_000_000, "ok": not (s == 3 and n == 4)}
+    for s in range(4) for n in (2, 4)
+]  # fmt: skip
+
+
+def test_memory_view_plots_the_sweep_on_log_log_axes_with_the_capacity_line():
+    frame = sweep([7.5e9], [8, 16, 32, 64])
+    fig = plots.memory_vs_nd(frame, H100_BYTES, "h100-80gb")
+    (ax,) = fig.axes
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    stage3 = lines["stage 3 P_os+g+p (+ parameters sharded)"]
+    assert list(stage3.get_xdata()) == [8, 16, 32, 64]
+    # ZeRO Table 1: 7.5B at N_d = 64 is 1.88 GB per GPU at stage 3 (exactly 16·7.5e9/64 bytes).
+    assert list(stage3.get_ydata())[-1] == 1_875_000_000
+    capacity = lines["h100-80gb: 85.9 GB = 80.0 GiB"]
+    assert list(capacity.get_ydata()) == [H100_BYTES, H100_BYTES]
+    assert "GB" in ax.get_ylabel() and "N_d" in ax.get_xlabel()
+    assert len(fig.legends) == 1 and len(fig.legends[0].get_texts()) == 5
+
+
+def test_memory_view_has_one_panel_per_model_size():
+    fig = plots.memory_vs_nd(sweep([7e9, 70e9], [8, 64]))
+    assert [ax.get_title() for ax in fig.axes] == ["Ψ = 7B", "Ψ = 70B"]
+
+
+def test_breakdown_bars_stack_to_the_stage_total():
+    frame = sweep([7.5e9], [64])
+    fig = plots.breakdown_bars(frame)
+    (ax,) = fig.axes
+    tops = {}
+    for patch in ax.patches:
+        x = round(patch.get_x() + patch.get_width() / 2)
+        tops[x] = max(tops.get(x, 0), patch.get_y() + patch.get_height())
+    # 120, 31.4, 16.6, 1.88 GB (ZeRO Table 1, 7.5B, N_d = 64).
+    assert [tops[x] for x in range(4)] == [120e9, 31_406_250_000, 16_640_625_000, 1_875_000_000]
+    assert [t.get_text() for t in ax.texts] == ["120", "31.4", "16.6", "1.88"]
+
+
+def test_comm_bars_are_the_bytes_each_rank_sends():
+    frame = sweep([7.5e9], [8, 64])
+    (ax,) = plots.comm_bars(frame).axes
+    heights = sorted({round(p.get_height()) for p in ax.patches})
+    # Ring: (N_d-1)/N_d · 2Ψ · 2 B (stages 0-2) and · 3Ψ · 2 B (stage 3); Ψ = 7.5e9.
+    assert heights == [26_250_000_000, 29_531_250_000, 39_375_000_000, 44_296_875_000]
+
+
+def test_predicted_vs_measured_marks_runs_outside_bounds(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"rows": RESULT_ROWS}))
+    rows = plots.load_validation(path)
+    fig = plots.predicted_vs_measured(rows)
+    states_ax, comm_ax = fig.axes
+    assert "7 of 8 runs within bounds" in fig.get_suptitle()
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[-1] == "measured, outside the validator's bounds"
+    assert states_ax.get_ylabel() == "model states per GPU, MB" and comm_ax.get_ylabel().endswith(", kB")
+    # Predicted and measured bars alternate per run, in the file's units scaled to MB.
+    heights = [p.get_height() for p in states_ax.patches]
+    assert heights[:8] == [r["predicted_model_states_bytes"] / 1e6 for r in RESULT_ROWS]
+    assert heights[8:] == [r["measured_model_states_bytes"] / 1e6 for r in RESULT_ROWS]
+    assert [t.get_text() for t in states_ax.texts] == ["1x"] * 8
+    assert [t.get_text() for t in states_ax.get_xticklabels()][:2] == ["stage 0\n2 ranks", "stage 0\n4 ranks"]
+
+
+@pytest.mark.parametrize(("suffix", "magic"), [(".png", b"\x89PNG"), (".svg", b"<?xml"), (".pdf", b"%PDF")])
+def test_cli_writes_each_format_whole_and_leaves_no_temporary_file(tmp_path, suffix, magic):
+    out = tmp_path / f"mem{suffix}"
+    r = runner.invoke(app, ["plot", "--params", "7e9", "--gpus", "8,16,32,64", "--out", str(out), "--gpu-memory", "80GiB"])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes().startswith(magic)
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+@pytest.mark.parametrize("view", ["breakdown", "comm"])
+def test_cli_other_views(tmp_path, view):
+    out = tmp_path / "v.png"
+    r = runner.invoke(app, ["plot", "--view", view, "--params", "7e9", "--gpus", "8,64", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_cli_validate_view(tmp_path):
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(RESULT_ROWS))  # a bare list of rows is accepted too
+    out = tmp_path / "v.svg"
+    r = runner.invoke(app, ["plot", "--view", "validate", "--results", str(results), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert b"measured" in out.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("args", "content", "message"),
+    [
+        (["--params", "7e9", "--out", "{d}/m.jpg"], None, "unknown image extension '.jpg'; use .png, .svg or .pdf"),
+        (["--params", "7e9", "--out", "{d}/m"], None, "no image extension"),
+        (["--out", "{d}/m.png"], None, "--view memory needs --params"),
+        (["--params", "7e9", "--gpus", "8,0", "--out", "{d}/m.png"], None, "gpus=0: must be >= 1"),
+        (["--params", "7e9,70e9", "--view", "breakdown", "--out", "{d}/m.png"], None, "give one params value"),
+        (["--view", "validate", "--out", "{d}/m.png"], None, "--view validate needs --results FILE"),
+        (["--view", "validate", "--results", "{d}/none.json", "--out", "{d}/m.png"], None, "No such file"),
+        (["--view", "validate", "--results", "{d}/r.json", "--out", "{d}/m.png"], "{not json", "not valid JSON"),
+        (["--view", "validate", "--results", "{d}/r.json", "--out", "{d}/m.png"], "{}", "non-empty list 'rows'"),
+        (
+            ["--view", "validate", "--results", "{d}/r.json", "--out", "{d}/m.png"],
+            json.dumps([{"stage": 1}]),
+            "rows[0]: world_size: Field required",
+        ),
+        (["--params", "7e9", "--results", "{d}/r.json", "--out", "{d}/m.png"], "[]", "only read by --view validate"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, content, message):
+    if content is not None:
+        (tmp_path / "r.json").write_text(content)
+    before = set(tmp_path.iterdir())
+    r = runner.invoke(app, ["plot", *[a.format(d=tmp_path) for a in args]])
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
+    assert set(tmp_path.iterdir()) == before

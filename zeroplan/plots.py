@@ -1,0 +1,308 @@
+"""Figures of a sweep and of validator results. The one module that imports matplotlib.
+
+Every function takes numbers already computed elsewhere (a ``zeroplan.sweep`` DataFrame, or rows of a
+``zeroplan validate --json`` file) and returns a ``matplotlib.figure.Figure``; nothing is computed here.
+Figures are built without pyplot, so no global state leaks between calls; ``save`` writes them atomically.
+Units: GB = 1e9 bytes, the ZeRO paper's unit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, NullLocator
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from zeroplan.config import error_line
+from zeroplan.stages import STAGES
+
+GB = 1e9
+FORMATS = (".png", ".svg", ".pdf")
+VIEWS = ("memory", "breakdown", "comm", "validate")
+STAGE_COLORS = ("#4d4d4d", "#1f77b4", "#ff7f0e", "#2ca02c")  # grey for plain DP, then one hue per stage
+STAGE_MARKERS = ("o", "s", "^", "D")
+STAGE_WHAT = ("no sharding", "optimizer sharded", "+ gradients sharded", "+ parameters sharded")
+COMPONENT_COLORS = {"params_bytes": "#4c72b0", "grads_bytes": "#dd8452", "optimizer_bytes": "#55a868"}
+COMPONENT_LABELS = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer states"}
+
+
+def stage_label(stage: int) -> str:
+    """'stage 2 P_os+g (+ gradients sharded)'."""
+    return f"stage {stage} {STAGES[stage].name} ({STAGE_WHAT[stage]})"
+
+
+def _gb(x: float, _pos: object = None) -> str:
+    """Tick label in GB with as few digits as the value needs: 0.5, 2, 31.4, 1200."""
+    v = x / GB
+    if v == 0:
+        return "0"
+    if v >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+def _title_params(frame: Any) -> str:
+    from zeroplan.units import format_count
+
+    return ", ".join(f"Ψ = {format_count(p)}" for p in dict.fromkeys(frame["params"]))
+
+
+def _capacity(ax: Any, gpu_memory_bytes: Optional[int], gpu_label: Optional[str]) -> None:
+    if gpu_memory_bytes is None:
+        return
+    name = f"{gpu_label}: " if gpu_label else "GPU memory "
+    ax.axhline(gpu_memory_bytes, color="#d62728", linestyle="--", linewidth=1.5,
+               label=f"{name}{gpu_memory_bytes / GB:.1f} GB = {gpu_memory_bytes / 2**30:.1f} GiB")  # fmt: skip
+
+
+def _legend(fig: Figure, ax: Any, ncol: int = 2, handles: Optional[list] = None) -> None:
+    """One legend for the whole figure, below the axes, so it never covers data."""
+    if handles is None:
+        handles, _ = ax.get_legend_handles_labels()
+    fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=9, frameon=False)
+
+
+def _one_value(frame: Any, column: str, what: str) -> int:
+    values = list(dict.fromkeys(frame[column]))
+    if len(values) != 1:
+        raise ValueError(f"{what}: give one {column} value for this view, got {values}")
+    return int(values[0])
+
+
+def memory_vs_nd(frame: Any, gpu_memory_bytes: Optional[int] = None, gpu_label: Optional[str] = None) -> Figure:
+    """Model states per GPU against N_d, one line per stage, log-log, one panel per Ψ (ZeRO Fig. 1 / Table 1)."""
+    params = list(dict.fromkeys(frame["params"]))
+    fig = Figure(figsize=(7.5 if len(params) == 1 else 5.0 * len(params), 6.0), layout="constrained")
+    axes = fig.subplots(1, len(params), sharey=True, squeeze=False)[0]
+    nds = sorted(set(int(n) for n in frame["nd"]))
+    for ax, p in zip(axes, params):
+        sub = frame[frame["params"] == p]
+        for stage in sorted(set(int(s) for s in sub["stage"])):
+            rows = sub[sub["stage"] == stage].sort_values("nd")
+            ax.plot(rows["nd"], rows["model_states_bytes"], marker=STAGE_MARKERS[stage], color=STAGE_COLORS[stage],
+                    linewidth=2, markersize=6, label=stage_label(stage))  # fmt: skip
+        _capacity(ax, gpu_memory_bytes, gpu_label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(nds, [str(n) for n in nds])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(_gb))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, pos: ""))
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_xlabel("N_d, data-parallel GPUs (log scale)")
+        ax.set_title(_title_params(sub))
+    axes[0].set_ylabel("model states per GPU, GB (log scale)")
+    _legend(fig, axes[0])
+    fig.suptitle(_suptitle(frame, "Per-GPU memory of model states by ZeRO stage"))
+    return fig
+
+
+def _suptitle(frame: Any, what: str) -> str:
+    mp = sorted(set(int(m) for m in frame["model_parallel"]))
+    tail = f", model parallel N_m = {mp[0]}" if mp != [1] else ""
+    return f"{what}{tail}"
+
+
+def breakdown_bars(frame: Any, gpu_memory_bytes: Optional[int] = None, gpu_label: Optional[str] = None) -> Figure:
+    """Stacked bars of parameters, gradients and optimizer states per stage; one panel per N_d (one Ψ)."""
+    _one_value(frame, "params", "breakdown")
+    nds = sorted(set(int(n) for n in frame["nd"]))
+    if len(nds) > 6:
+        raise ValueError(f"breakdown: at most 6 GPU counts fit side by side, got {len(nds)}")
+    fig = Figure(figsize=(max(6.5, 3.2 * len(nds)), 5.6), layout="constrained")
+    axes = fig.subplots(1, len(nds), sharey=True, squeeze=False)[0]
+    for ax, nd in zip(axes, nds):
+        sub = frame[frame["nd"] == nd].sort_values("stage")
+        x = list(range(len(sub)))
+        bottom = [0] * len(sub)
+        for col, color in COMPONENT_COLORS.items():
+            values = [int(v) for v in sub[col]]
+            ax.bar(x, values, bottom=bottom, color=color, width=0.7, label=COMPONENT_LABELS[col])
+            bottom = [b + v for b, v in zip(bottom, values)]
+        for xi, total in zip(x, bottom):
+            ax.annotate(_gb(total), (xi, total), ha="center", va="bottom", fontsize=9, xytext=(0, 2),
+                        textcoords="offset points")  # fmt: skip
+        _capacity(ax, gpu_memory_bytes, gpu_label)
+        ax.set_xticks(x, [f"{s}\n{STAGES[int(s)].name}" for s in sub["stage"]])
+        ax.yaxis.set_major_formatter(FuncFormatter(_gb))
+        ax.set_title(f"N_d = {nd}")
+        ax.set_xlabel("ZeRO stage")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_ylim(top=max(max(bottom), gpu_memory_bytes or 0) * 1.12)
+    axes[0].set_ylabel("model states per GPU, GB")
+    _legend(fig, axes[0], ncol=4)
+    fig.suptitle(_suptitle(frame, f"Model states per GPU by component, {_title_params(frame)}"))
+    return fig
+
+
+def comm_bars(frame: Any) -> Figure:
+    """Bytes each rank sends per step, grouped by N_d, one bar per stage (ZeRO sec. 7: 2Ψ vs 3Ψ)."""
+    _one_value(frame, "params", "comm")
+    nds = sorted(set(int(n) for n in frame["nd"]))
+    stages = sorted(set(int(s) for s in frame["stage"]))
+    fig = Figure(figsize=(min(14.0, 5.0 + 0.35 * len(nds) * len(stages)), 5.6), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(stages)
+    for i, stage in enumerate(stages):
+        rows = frame[frame["stage"] == stage].sort_values("nd")
+        xs = [nds.index(int(n)) + (i - (len(stages) - 1) / 2) * width for n in rows["nd"]]
+        ax.bar(xs, rows["comm_bytes_per_rank"], width=width * 0.95, color=STAGE_COLORS[stage],
+               label=stage_label(stage))  # fmt: skip
+    ax.set_xticks(range(len(nds)), [str(n) for n in nds])
+    ax.set_xlabel("N_d, data-parallel GPUs")
+    ax.set_ylabel("bytes sent per GPU per step, GB (ring collectives)")
+    ax.yaxis.set_major_formatter(FuncFormatter(_gb))
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_title("stages 0-2 move 2Ψ elements per step, stage 3 moves 3Ψ (ZeRO sec. 7); "
+                 "each GPU sends (N_d-1)/N_d of that", fontsize=9)  # fmt: skip
+    _legend(fig, ax)
+    fig.suptitle(_suptitle(frame, f"Communication per step by ZeRO stage, {_title_params(frame)}"))
+    return fig
+
+
+class ValidationRow(BaseModel):
+    """One row of ``zeroplan validate --json`` as the plot reads it (other keys are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    stage: int
+    world_size: int
+    mode: str
+    backend: str
+    predicted_model_states_bytes: int
+    measured_model_states_bytes: int
+    predicted_comm_bytes_per_rank: int
+    measured_comm_bytes_per_rank: int
+    ok: bool
+
+
+def load_validation(path: str | Path) -> list[ValidationRow]:
+    """Rows of a ``zeroplan validate --json`` file; ValueError with one line if missing or malformed."""
+    name = str(path)
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"validation file {name!r}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"validation file {name!r}: not valid JSON ({exc})") from None
+    rows = doc.get("rows") if isinstance(doc, dict) else doc
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"validation file {name!r}: expected a non-empty list 'rows' of results")
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(ValidationRow.model_validate(row))
+        except ValidationError as exc:
+            raise ValueError(f"validation file {name!r}: rows[{i}]: {error_line(exc)}") from None
+    return out
+
+
+def _auto_unit(values: Sequence[float]) -> tuple[str, float]:
+    """The decimal unit that puts the largest value between 1 and 1000: ('MB', 1e6), ..."""
+    top = max(max(values), 1)
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if top >= scale:
+            return unit, scale
+    return "B", 1.0
+
+
+def predicted_vs_measured(rows: Sequence[ValidationRow]) -> Figure:
+    """Predicted and measured bytes side by side for every validator run: model states and bytes sent.
+
+    Bars, not a scatter: runs of stages 0-2 send the same bytes, and points would hide one another.
+    """
+    fig = Figure(figsize=(max(8.0, 0.75 * len(rows) + 3), 8.0), layout="constrained")
+    axes = fig.subplots(2, 1)
+    panels = (
+        ("model states per GPU", "predicted_model_states_bytes", "measured_model_states_bytes"),
+        ("bytes sent per GPU per step", "predicted_comm_bytes_per_rank", "measured_comm_bytes_per_rank"),
+    )
+    several_modes = len({(r.mode, r.backend) for r in rows}) > 1
+    labels = [f"stage {r.stage}\n{r.world_size} ranks" + (f"\n{r.mode}/{r.backend}" if several_modes else "")
+              for r in rows]  # fmt: skip
+    x = list(range(len(rows)))
+    for ax, (what, pred_key, meas_key) in zip(axes, panels):
+        pred = [getattr(r, pred_key) for r in rows]
+        meas = [getattr(r, meas_key) for r in rows]
+        unit, scale = _auto_unit(pred + meas)
+        colors = [STAGE_COLORS[r.stage] if 0 <= r.stage < len(STAGES) else "#000000" for r in rows]
+        ax.bar([i - 0.2 for i in x], [p / scale for p in pred], width=0.4, color="white", edgecolor=colors,
+               hatch="//", linewidth=1.2)  # fmt: skip
+        ax.bar([i + 0.2 for i in x], [m / scale for m in meas], width=0.4, color=colors,
+               edgecolor=["#d62728" if not r.ok else c for r, c in zip(rows, colors)],
+               linewidth=[3 if not r.ok else 1 for r in rows])  # fmt: skip
+        for i, (p, m) in enumerate(zip(pred, meas)):
+            if p > 0:  # the ratio a reader would otherwise compute by eye
+                ax.annotate(f"{m / p:.3g}x", (i, max(p, m) / scale), ha="center", va="bottom", fontsize=8,
+                            xytext=(0, 2), textcoords="offset points")  # fmt: skip
+        ax.set_ylim(top=max(pred + meas) / scale * 1.12)
+        ax.set_xticks(x, labels, fontsize=8.5)
+        ax.set_ylabel(f"{what}, {unit}")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_xlim(-0.6, len(rows) - 0.4)
+    handles = [
+        Patch(facecolor="white", edgecolor="#555555", hatch="//", label="predicted by zeroplan"),
+        Patch(facecolor="#555555", label="measured (colour = stage)"),
+    ]
+    if not all(r.ok for r in rows):
+        handles.append(Patch(facecolor="#555555", edgecolor="#d62728", linewidth=3,
+                             label="measured, outside the validator's bounds"))  # fmt: skip
+    _legend(fig, axes[1], ncol=3, handles=handles)
+    modes = ", ".join(sorted({f"{r.mode}/{r.backend}" for r in rows}))
+    n_ok = sum(r.ok for r in rows)
+    fig.suptitle(f"zeroplan prediction vs measurement ({modes}; {n_ok} of {len(rows)} runs within bounds)")
+    return fig
+
+
+def check_format(path: str | Path) -> str:
+    """The output format from the file name: '.png', '.svg' or '.pdf'; ValueError for anything else."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        what = f"unknown image extension {suffix!r}" if suffix else "no image extension"
+        raise ValueError(f"out={str(path)!r}: {what}; use .png, .svg or .pdf")
+    return suffix
+
+
+def save(fig: Figure, path: str | Path, dpi: int = 150) -> None:
+    """Render ``fig`` to a temporary file next to ``path``, then rename it, so no partial image is left."""
+    path = Path(path)
+    suffix = check_format(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"out={str(path)!r}: directory {str(path.parent)!r} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
+        fig.savefig(tmp, format=suffix[1:], dpi=dpi)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def figure(view: str, frame: Any = None, rows: Optional[Sequence[ValidationRow]] = None,
+           gpu_memory_bytes: Optional[int] = None, gpu_label: Optional[str] = None) -> Figure:  # fmt: skip
+    """The figure for one ``zeroplan plot --view``."""
+    if view == "memory":
+        return memory_vs_nd(frame, gpu_memory_bytes, gpu_label)
+    if view == "breakdown":
+        return breakdown_bars(frame, gpu_memory_bytes, gpu_label)
+    if view == "comm":
+        return comm_bars(frame)
+    if view == "validate":
+        return predicted_vs_measured(rows)
+    raise ValueError(f"view={view!r}: expected one of {', '.join(VIEWS)}")
+
