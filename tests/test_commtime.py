@@ -1,0 +1,104 @@
+"""Alpha-beta communication time against hand-computed cases (nccl-tests bus-bandwidth factors)."""
+
+import pytest
+
+from zeroplan.comm import step_collectives
+from zeroplan.commtime import alpha_beta_time_s, exposed_comm_s, latency_steps, ring_link, step_time
+from zeroplan.hardware import LinkSpec
+
+NVLINK = LinkSpec(name="nv", scope="intra", bandwidth_gbps=100, alpha_s=5e-6)
+NIC = LinkSpec(name="nic", scope="inter", bandwidth_gbps=25, alpha_s=10e-6)
+
+
+def test_ring_all_reduce_by_hand():
+    # 1 GB over 8 ranks at 100 GB/s: 2·7/8·1e9/1e11 = 17.5 ms, plus 2·7 steps of 5 us = 70 us.
+    assert alpha_beta_time_s("all-reduce", 1e9, 8, 1e11, 5e-6) == pytest.approx(0.0175 + 70e-6)
+
+
+def test_reduce_scatter_and_all_gather_by_hand():
+    # (n-1)/n·S/B + (n-1)α = 7/8·1e9/1e11 + 7·5e-6.
+    for op in ("reduce-scatter", "all-gather"):
+        assert alpha_beta_time_s(op, 1e9, 8, 1e11, 5e-6) == pytest.approx(0.00875 + 35e-6)
+
+
+def test_tree_all_reduce_latency_is_logarithmic():
+    assert latency_steps("all-reduce", 8, "tree") == 6  # 2·ceil(log2 8)
+    assert latency_steps("all-reduce", 8, "ring") == 14
+    assert latency_steps("reduce-scatter", 8, "tree") == 7  # NCCL trees only do all-reduce
+    assert alpha_beta_time_s("all-reduce", 1e9, 8, 1e11, 5e-6, "tree") == pytest.approx(0.0175 + 30e-6)
+
+
+def test_one_rank_costs_nothing():
+    assert alpha_beta_time_s("all-reduce", 1e9, 1, 1e11, 5e-6) == 0.0
+
+
+def test_ring_link_crosses_nodes():
+    assert ring_link(8, 1, 8, NVLINK, NIC) is NVLINK
+    crossing = ring_link(16, 1, 8, NVLINK, NIC)
+    assert (crossing.bandwidth_gbps, crossing.alpha_s) == (25, 10e-6)
+    assert ring_link(2, 8, 8, NVLINK, NIC).bandwidth_gbps == 25  # MP fills the node, DP peers are remote
+    assert ring_link(2, 4, 8, NVLINK, NIC) is NVLINK  # two DP ranks of a 4-way MP model share a node
+
+
+def collectives(stage, elements=8_000, nd=8):
+    return step_collectives(stage, elements, nd, "bf16", "bf16", 2, 2)
+
+
+def test_step_time_matches_the_formula():
+    # Stage 3, Ψ = 8,000 bf16 elements on 8 ranks at 100 GB/s: each all-gather and the reduce-scatter
+    # send 7 x 1,000 x 2 bytes; each call pays 7 steps of 5 us.
+    t = step_time(3, collectives(3), 8, NVLINK)
+    per_call = 14_000 / 1e11 + 7 * 5e-6
+    assert [c.seconds_per_call for c in t.collectives] == pytest.approx([per_call] * 3)
+    assert t.comm_s == pytest.approx(3 * per_call)
+    assert t.comm_s == pytest.approx(3 * alpha_beta_time_s("all-gather", 16_000, 8, 1e11, 5e-6))
+
+
+@pytest.mark.parametrize(
+    ("stage", "calls"),
+    [(0, [1]), (1, [1, 1]), (2, [4, 1]), (3, [4, 4, 4])],  # op order as in zeroplan.comm.step_collectives
+)
+def test_gradient_accumulation_counts(stage, calls):
+    # Stage 0/1 reduce once per optimizer step (DDP no_sync, DeepSpeed stage 1); stage 2 reduce-scatters
+    # every micro-step; stage 3 also all-gathers every micro-step (DeepSpeed ZeRO-2/3).
+    t = step_time(stage, collectives(stage), 8, NVLINK, grad_accum=4)
+    assert [c.calls_per_step for c in t.collectives] == calls
+
+
+def test_buckets_pay_latency_each():
+    one = step_time(0, collectives(0), 8, NVLINK, bucket_numel=None)
+    four = step_time(0, collectives(0), 8, NVLINK, bucket_numel=2_000)
+    assert four.comm_s - one.comm_s == pytest.approx(3 * 14 * 5e-6)
+
+
+def test_overlap_hides_backward_collectives_behind_backward_compute():
+    t = step_time(0, collectives(0, elements=8 * 10**9), 8, NVLINK, compute_s=3.0)
+    ar = t.collectives[0].seconds_per_call  # ≈ 0.28 s, under the 2 s of backward
+    assert t.exposed_comm_s == 0.0
+    slow = step_time(0, collectives(0, elements=8 * 10**9), 8, NVLINK, compute_s=0.3)
+    assert slow.exposed_comm_s == pytest.approx(ar - 0.2)
+    assert slow.step_s == pytest.approx(0.3 + ar - 0.2)
+
+
+def test_optimizer_step_all_gather_is_never_hidden():
+    t = step_time(2, collectives(2), 8, NVLINK, compute_s=100.0)
+    gather = [c for c in t.collectives if c.collective.phase == "optimizer step"][0]
+    assert t.exposed_comm_s == pytest.approx(gather.seconds)
+
+
+def test_exposed_with_accumulation_by_hand():
+    # Stage 3, 2 micro-steps, compute 3 s per step: per micro-step forward 0.5 s, backward 1 s.
+    t = step_time(3, collectives(3), 8, NVLINK, grad_accum=2)
+    timed = tuple(t.collectives)
+    per_call = timed[0].seconds_per_call
+    assert exposed_comm_s(timed, 3.0, 2) == 0.0
+    # With 0.3 s of compute: forward 0.05 s, backward 0.1 s per micro-step.
+    expected = 2 * (max(0, per_call - 0.05) + max(0, 2 * per_call - 0.1))
+    assert exposed_comm_s(timed, 0.3, 2) == pytest.approx(expected)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="grad_accum=0"):
+        step_time(0, collectives(0), 8, NVLINK, grad_accum=0)
+    with pytest.raises(ValueError, match="algorithm='mesh'"):
+        latency_steps("all-reduce", 8, "mesh")

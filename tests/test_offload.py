@@ -1,0 +1,91 @@
+"""Offload placement and traffic, exact bytes (Ren et al. 2021 sec. 4; Rajbhandari et al. 2021 sec. 5).
+
+Ψ = 1,000 elements on N_d = 4 ranks, bf16 parameters and gradients, fp32 master + Adam m, v (K = 12):
+a rank's shard is 250 elements.
+"""
+
+import pytest
+
+from zeroplan.memory import model_states
+from zeroplan.offload import Offload, offloaded_states
+from zeroplan.optimizers import optimizer_states
+
+ADAM = optimizer_states("adam")
+
+
+def place(stage, offload, micro_steps=1):
+    return offloaded_states((1000,), 4, stage, offload, 2, 2, ADAM, "fp32", micro_steps, flat_layout=False)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_no_offload_is_the_core_model(stage):
+    b = place(stage, Offload())
+    assert b.gpu == model_states((1000,), 4, stage, 2, 2, ADAM, "fp32", flat_layout=False)
+    assert (b.host_bytes, b.nvme_bytes, b.h2d_bytes, b.d2h_bytes, b.nvme_read_bytes, b.nvme_write_bytes) == (0,) * 6
+
+
+def test_zero_offload_stage2():
+    # Ren et al. sec. 4.2: GPU keeps 2Ψ of 16-bit params; CPU holds (12 + 2)Ψ/N_d; PCIe 2Ψ/N_d each way.
+    b = place(2, Offload("cpu"))
+    assert (b.gpu.params_bytes, b.gpu.grads_bytes, b.gpu.optimizer_bytes) == (2000, 0, 0)
+    assert b.host_bytes == 250 * (12 + 2) == 3500
+    assert (b.d2h_bytes, b.h2d_bytes) == (500, 500)
+    assert b.nvme_bytes == 0
+
+
+def test_stage2_offload_copies_gradients_every_micro_step():
+    b = place(2, Offload("cpu"), micro_steps=4)
+    assert (b.d2h_bytes, b.h2d_bytes) == (4 * 500, 500)
+
+
+def test_stage1_offload_keeps_full_gradients_and_copies_once():
+    b = place(1, Offload("cpu"), micro_steps=4)
+    assert (b.gpu.params_bytes, b.gpu.grads_bytes, b.gpu.optimizer_bytes) == (2000, 2000, 0)
+    assert (b.host_bytes, b.d2h_bytes, b.h2d_bytes) == (3500, 500, 500)
+
+
+def test_stage3_cpu_offload_of_optimizer_and_params():
+    b = place(3, Offload("cpu", "cpu"), micro_steps=2)
+    assert b.gpu.model_states_bytes == 0
+    assert b.host_bytes == 250 * (12 + 2 + 2) == 4000
+    assert b.h2d_bytes == 500 * 2 * 2  # params fetched for forward and backward, every micro-step
+    assert b.d2h_bytes == 500 * 2  # gradient partitions, every micro-step
+
+
+def test_zero_infinity_nvme():
+    # Rajbhandari et al. 2021 sec. 5: optimizer states and parameters on NVMe, gradients staged in CPU.
+    b = place(3, Offload("nvme", "nvme"))
+    assert b.gpu.model_states_bytes == 0
+    assert (b.host_bytes, b.nvme_bytes) == (500, 3000 + 500)
+    assert b.nvme_read_bytes == 3000 + 2 * 500
+    assert b.nvme_write_bytes == 3000 + 500
+    assert (b.h2d_bytes, b.d2h_bytes) == (2 * 500, 500)
+
+
+def test_stage3_optimizer_nvme_only():
+    b = place(3, Offload("nvme"))
+    assert (b.gpu.params_bytes, b.gpu.grads_bytes, b.gpu.optimizer_bytes) == (500, 0, 0)
+    assert (b.host_bytes, b.nvme_bytes, b.nvme_read_bytes, b.nvme_write_bytes) == (500, 3000, 3000, 3000)
+
+
+def test_padding_applies_to_offloaded_shards():
+    b = offloaded_states((1001,), 4, 2, Offload("cpu"), 2, 2, ADAM, "fp32", 1, flat_layout=True)
+    assert b.host_bytes == 251 * 14  # ceil(1001 / 4) = 251 elements per rank
+
+
+@pytest.mark.parametrize(
+    ("stage", "offload", "message"),
+    [
+        (0, Offload("cpu"), "stage 1 or higher"),
+        (2, Offload("nvme"), "NVMe needs ZeRO stage 3"),
+        (2, Offload("cpu", "cpu"), "parameter offload needs ZeRO stage 3"),
+    ],
+)
+def test_combinations_deepspeed_does_not_have(stage, offload, message):
+    with pytest.raises(ValueError, match=message):
+        place(stage, offload)
+
+
+def test_unknown_device():
+    with pytest.raises(ValueError, match="expected one of none, cpu, nvme"):
+        Offload("disk")
