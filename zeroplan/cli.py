@@ -242,6 +242,55 @@ def plot(
     plots.save(fig, out)
 
 
+@app.command("validate")
+def validate_cmd(
+    world_size: Optional[list[int]] = typer.Option(
+        None, "--world-size", help="N_d; repeat for several. Default: 2 and 4 (64 with --simulated)."
+    ),
+    stage: Optional[list[int]] = typer.Option(None, "--stage", help="ZeRO stage 0-3; repeat. Default: all."),
+    model: str = typer.Option("gpt-tiny", help="Reference model: gpt-tiny or mlp-tiny."),
+    params: Optional[str] = typer.Option(None, help="Instead of --model: a GPT-style model of about Ψ params."),
+    simulated: bool = typer.Option(False, "--simulated", help="One process plays rank 0 on a fake group."),
+    device: str = typer.Option("auto", help="auto (cuda if present), cpu or cuda."),
+    steps: int = typer.Option(3, help="Training steps per stage (>= 2)."),
+    batch_per_rank: int = typer.Option(2, "--batch-per-rank", help="Samples per rank per step."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (GPT; default: model's)."),
+    tolerance: float = typer.Option(0.01, help="Largest relative error of model states still ok."),
+    timeout: float = typer.Option(600.0, help="Seconds one world size may run before its ranks are killed."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full result here (atomically)."),
+) -> None:
+    """Train the reference ZeRO runtime, measure memory and traffic, compare with zeroplan; exit 1 if off."""
+    from validate.api import run_validation, write_json_atomic
+    from validate.config import ValidateConfig
+    from validate.harness import RunFailed
+    from validate.report import to_table
+    from zeroplan.units import parse_count
+
+    config = ValidateConfig(
+        stages=tuple(stage) if stage else (0, 1, 2, 3),
+        world_sizes=tuple(world_size) if world_size else ((64,) if simulated else (2, 4)),
+        model=model,
+        params=parse_count(params) if params is not None else None,
+        simulated=simulated,
+        device=device,
+        steps=steps,
+        batch_per_rank=batch_per_rank,
+        seq_len=seq_len,
+        tolerance=tolerance,
+        timeout_s=timeout,
+    )
+    try:
+        report = run_validation(config)
+    except RunFailed as exc:
+        typer.echo(f"zeroplan: error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if json_path is not None:
+        write_json_atomic(report, json_path)
+    typer.echo(to_table(report))
+    if not report["ok"]:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

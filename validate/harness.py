@@ -1,0 +1,92 @@
+"""Start the ranks of a validation run, wait for them with a timeout, leave nothing behind.
+
+Each world size gets its own processes (``python -m validate.worker``), rendezvousing through a file
+store in a private temporary directory, one session per rank so a whole rank can be killed. When a rank
+exits non-zero or the timeout passes, every rank is killed and ``RunFailed`` names the rank and quotes
+the end of its log; no result is returned, so no partial result file is ever written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from validate.config import ValidateConfig
+
+LOG_TAIL_CHARS = 1500
+
+
+class RunFailed(RuntimeError):
+    """A rank crashed or the run outlived its timeout."""
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def _tail(path: Path) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text[-LOG_TAIL_CHARS:].strip()
+
+
+def run_world(config: ValidateConfig, nd: int, simulated: bool) -> tuple[dict, list[list[dict]]]:
+    """Run every stage of ``config`` at world size ``nd``; returns (meta, rows of each rank)."""
+    nprocs = 1 if simulated else nd
+    env = dict(os.environ)
+    # Ranks share few cores: one intra-op thread each keeps N_d processes from oversubscribing them.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="zeroplan-validate-") as tmp:
+        procs, logs = [], []
+        try:
+            for rank in range(nprocs):
+                logs.append(Path(tmp, f"rank{rank}.log"))
+                cmd = [
+                    sys.executable, "-m", "validate.worker", "--config", config.model_dump_json(),
+                    "--world-size", str(nd), "--rank", str(rank), "--out", str(Path(tmp, f"rank{rank}.json")),
+                ]  # fmt: skip
+                cmd += ["--simulated"] if simulated else ["--init", f"file://{tmp}/store"]
+                with open(logs[-1], "w") as log:
+                    procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                  start_new_session=True))  # fmt: skip
+            deadline = time.monotonic() + config.timeout_s
+            while any(p.poll() is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+                if failed:
+                    r = failed[0]
+                    raise RunFailed(
+                        f"world size {nd}: rank {r} exited with code {procs[r].returncode}; "
+                        f"all ranks stopped. Its log ends:\n{_tail(logs[r])}"
+                    )
+                if time.monotonic() > deadline:
+                    raise RunFailed(
+                        f"world size {nd}: no result after {config.timeout_s:g} s (a rank hangs?); "
+                        "all ranks stopped"
+                    )
+                time.sleep(0.2)
+            for r, p in enumerate(procs):
+                if p.returncode != 0:
+                    raise RunFailed(
+                        f"world size {nd}: rank {r} exited with code {p.returncode}. Its log ends:\n{_tail(logs[r])}"
+                    )
+            results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nprocs)]
+        finally:
+            _kill(procs)
+    return results[0]["meta"], [res["rows"] for res in results]
+
+
+def run_matrix(config: ValidateConfig) -> list[tuple[dict, list[list[dict]]]]:
+    """Every world size of ``config``, one after the other."""
+    return [run_world(config, nd, config.simulated) for nd in config.world_sizes]

@@ -1,0 +1,131 @@
+"""Measurements that do not trust the runtime's bookkeeping: memory per phase and collectives per step.
+
+- Memory on CPU: ``torch.distributed._tools.mem_tracker.MemTracker`` sees every storage created under it
+  at dispatch level (and storage resizes), so its running total is every live tensor byte, whatever the
+  runtime thinks it holds. On CUDA: the caching allocator's ``memory_allocated`` and
+  ``max_memory_allocated`` (which round each block up to 512 bytes).
+- Traffic: a ``TorchDispatchMode`` sees every ``torch.ops.c10d`` call with its tensors; sizes are turned
+  into bytes per rank with the planner's ring rule (``zeroplan.comm.ring_bytes_per_rank``), per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zeroplan.comm import ring_bytes_per_rank
+
+PHASES = ("forward", "backward", "optimizer step")
+
+# c10d op -> (collective, index of the argument holding the full-size tensor(s))
+C10D_OPS = {
+    "allreduce_": ("all-reduce", 0),
+    "_reduce_scatter_base_": ("reduce-scatter", 1),
+    "_allgather_base_": ("all-gather", 0),
+}
+
+
+@dataclass(frozen=True)
+class CommCall:
+    """One collective as seen at dispatch: its full size in elements and the bytes one rank sends."""
+
+    op: str
+    phase: str
+    step: int
+    elements: int
+    dtype: str
+    bytes_per_rank: int | None  # None for an op the ring rule does not cover
+
+
+class CommCounter(TorchDispatchMode):
+    """Records every ``c10d`` op dispatched while active, tagged with ``phase`` and ``step``."""
+
+    def __init__(self, nd: int) -> None:
+        super().__init__()
+        self.nd, self.phase, self.step = nd, "setup", -1
+        self.calls: list[CommCall] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func._schema.name.split("::")[-1]
+            op, at = C10D_OPS.get(name, (name, 0))
+            arg = args[at] if args else None
+            tensors = list(arg) if isinstance(arg, (list, tuple)) else [arg]
+            tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+            elements = sum(t.numel() for t in tensors)
+            size = tensors[0].element_size() if tensors else 0
+            dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "?"
+            sent = ring_bytes_per_rank(op, elements, self.nd, size) if name in C10D_OPS else None
+            self.calls.append(CommCall(op, self.phase, self.step, elements, dtype, sent))
+        return func(*args, **(kwargs or {}))
+
+
+def _reset_tracker_peak(tracker) -> None:
+    # MemTracker has no public per-phase reset; its peak is these two fields (torch 2.4-2.13).
+    snap = tracker.get_tracker_snapshot("current")
+    tracker._peak_mem_snap = snap
+    tracker._peak_mem = {dev: s["Total"] for dev, s in snap.items()}
+
+
+class MemoryProbe:
+    """Live bytes at step boundaries and the peak of each phase, on CPU (MemTracker) or CUDA (allocator)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.tracker = None
+        self.peaks: dict[str, int] = {}
+        self._phase: str | None = None
+
+    def __enter__(self) -> "MemoryProbe":
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self.tracker = MemTracker()
+            self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+
+    def current_bytes(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+        return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("current").values())
+
+    def breakdown(self) -> dict[str, int]:
+        """MemTracker's own split of the live bytes (CPU only): its categories, not the runtime's."""
+        if self.cuda:
+            return {}
+        out: dict[str, int] = {}
+        for snap in self.tracker.get_tracker_snapshot("current").values():
+            for key, value in snap.items():
+                name = getattr(key, "value", key)
+                out[name] = out.get(name, 0) + value
+        return {k: v for k, v in out.items() if v}
+
+    def _peak_bytes(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("peak").values())
+
+    def phase(self, name: str | None) -> None:
+        """Close the open phase (keeping its largest peak over steps) and open ``name``."""
+        if self._phase is not None:
+            self.peaks[self._phase] = max(self.peaks.get(self._phase, 0), self._peak_bytes())
+        self._phase = name
+        if name is not None:
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                if name == PHASES[0]:  # its per-module stats refuse a second forward otherwise
+                    self.tracker.reset_mod_stats()
+                _reset_tracker_peak(self.tracker)

@@ -1,0 +1,59 @@
+"""Stage 0, plain data parallelism (DDP): every rank holds every model state."""
+
+from __future__ import annotations
+
+import torch
+
+from validate.collectives import all_reduce_mean
+from validate.runtime import Runtime
+from zeroplan.sharding import padded_numel
+
+
+class Stage0(Runtime):
+    """Replicated parameters, gradients and optimizer states; gradients all-reduced during backward.
+
+    Schedule per step:
+    - forward: nothing communicated;
+    - backward: gradients accumulate straight into one flat unpadded buffer (DDP's
+      ``gradient_as_bucket_view``); when the units from ``u`` to the last are done, bucket ``u`` is
+      all-reduced. Bucket edges are rounded up to multiples of N_d, so every bucket but the last has a
+      length divisible by N_d and the ring bytes of the buckets add up to those of one all-reduce of the
+      whole buffer, as ``zeroplan.comm`` predicts;
+    - optimizer step: Adam on the full fp32 master, copied into the 16-bit parameters; nothing sent.
+    """
+
+    stage = 0
+
+    def setup(self) -> None:
+        total = sum(lay.full_numel for lay in self.layouts)
+        self.flat_param = torch.empty(total, dtype=self.dtype, device=self.device)
+        self.flat_grad = torch.zeros(total, dtype=self.dtype, device=self.device)
+        starts = [sl.start for sl in self.local_slices]
+        for sl, lay, (_, ps) in zip(self.local_slices, self.layouts, self.units):
+            lay.pack(ps, self.flat_param[sl])
+            for p, pv, gv in zip(ps, lay.views(self.flat_param[sl]), lay.views(self.flat_grad[sl])):
+                p.data = pv
+                p.grad = gv
+        edges = [min(padded_numel(s, self.nd), total) for s in starts[1:]]
+        self.buckets = [slice(lo, hi) for lo, hi in zip([0, *edges], [*edges, total])]
+        self._next_bucket = len(self.buckets) - 1
+        self._done = [False] * len(self.units)
+
+    def zero_grads(self) -> None:
+        self.flat_grad.zero_()
+        self._done = [False] * len(self.units)
+        self._next_bucket = len(self.buckets) - 1
+
+    def unit_grads_ready(self, u: int) -> None:
+        self._done[u] = True
+        while self._next_bucket >= 0 and self._done[self._next_bucket]:
+            bucket = self.buckets[self._next_bucket]
+            if bucket.stop > bucket.start:
+                all_reduce_mean(self.flat_grad[bucket], self.nd)
+            self._next_bucket -= 1
+
+    def reduced_grad(self, u: int) -> torch.Tensor:
+        return self.flat_grad[self.local_slices[u]]
+
+    def publish(self) -> None:
+        self.flat_param.copy_(self.master)

@@ -1,0 +1,221 @@
+"""One rank of a validation run: train each stage for a few steps under the probes, check parity.
+
+Started by ``validate.harness`` (one process per rank, or one process playing rank 0 of a fake group)
+or by ``torchrun -m validate.worker`` (see the README). Prints nothing on success; the harness reads the
+rows it writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from validate.config import ValidateConfig
+from validate.models import build, make_batch, spec_for
+from validate.probes import PHASES, CommCounter, MemoryProbe
+from validate.reference import train_reference
+from validate.runtime import split_units
+from validate.stage0 import Stage0
+from validate.stage1 import Stage1
+from validate.stage2 import Stage2
+from validate.stage3 import Stage3
+
+RUNTIMES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
+FAULT_ENV = "ZEROPLAN_VALIDATE_FAULT"  # test hook: "crash:RANK" or "hang:RANK"
+
+# Parity tolerances: fp32 master and reduced gradients vs the single-process reference. The runtime
+# averages per-rank bf16 gradients where the reference takes the bf16 gradient of the global batch, so
+# gradients agree to a few bf16 ulps (2**-8 relative). Adam's first steps move each parameter by about
+# lr * sign(g): where a near-zero gradient's sign flips under that rounding, the two runs move a
+# parameter in opposite directions (measured: max 2.25 lr after 3 steps, gpt-tiny, N_d = 2), while the
+# mean difference stays about 0.01 lr. A wrong shard, a missed reduction or a gradient not divided by
+# N_d fails the gradient check; a skipped or doubled update moves the mean difference by ~lr per step.
+GRAD_RTOL, GRAD_ATOL = 0.05, 1e-4
+PARAM_MEAN_ATOL_LR = 0.1  # mean |difference| <= 0.1 lr
+PARAM_MAX_ATOL_LR_PER_STEP = 2.0  # max |difference| <= 2 lr per step
+
+
+def summarise_calls(calls, steps: int) -> list[dict]:
+    """Per step: {"op|phase": {"calls", "elements", "bytes_per_rank"}} from the counter's records."""
+    out = [defaultdict(lambda: {"calls": 0, "elements": 0, "bytes_per_rank": 0}) for _ in range(steps)]
+    for c in calls:
+        row = out[c.step][f"{c.op}|{c.phase}|{c.dtype}"]
+        row["calls"] += 1
+        row["elements"] += c.elements
+        row["bytes_per_rank"] = None if c.bytes_per_rank is None else (row["bytes_per_rank"] or 0) + c.bytes_per_rank
+    return [dict(d) for d in out]
+
+
+def enter(phase: str | None, probe: MemoryProbe, counter: CommCounter) -> None:
+    """Start a phase in both probes (None: between steps)."""
+    probe.phase(phase)
+    counter.phase = phase or "between steps"
+
+
+def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device, fake: bool) -> dict:
+    """Build a fresh model and runtime under the probes, train ``config.steps`` steps, return the rank's row."""
+    spec = spec_for(config.model, config.params)
+    gen = torch.Generator().manual_seed(1234)
+    fake_mode = nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    b = config.batch_per_rank
+    global_batches = [make_batch(spec, nd * b, gen, config.seq_len) for _ in range(config.steps)]
+    with fake_mode:
+        if fake:  # only shapes matter: the same batches as fake tensors
+            global_batches = [tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in gb)
+                              for gb in global_batches]  # fmt: skip
+        else:
+            global_batches = [tuple(t.to(device) for t in gb) for gb in global_batches]
+        local_batches = [tuple(t[rank * b : (rank + 1) * b].clone() for t in gb) for gb in global_batches]
+        counter, probe = CommCounter(nd), MemoryProbe(device)
+        boundary, t0 = [], time.perf_counter()
+        with probe, counter:  # everything the runtime allocates, from its first tensor on
+            runtime = RUNTIMES[stage](build(spec, torch.bfloat16, device), nd, rank, config.lr)
+            for step in range(config.steps):
+                batch = local_batches.pop(0)
+                counter.step = step
+                enter("forward", probe, counter)
+                loss = runtime.model.loss(batch)
+                enter("backward", probe, counter)
+                runtime.backward(loss)
+                del loss
+                enter("optimizer step", probe, counter)
+                runtime.step()
+                enter(None, probe, counter)
+                del batch
+                boundary.append(probe.current_bytes())
+            breakdown = probe.breakdown()
+        seconds = time.perf_counter() - t0
+        row = {
+            "stage": stage,
+            "rank": rank,
+            "boundary_bytes": boundary,
+            "tracker_breakdown": breakdown,
+            "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
+            "comm_by_step": summarise_calls(counter.calls, config.steps),
+            "adam_step_bytes": sum(
+                t.numel() * t.element_size() for s in runtime.optimizer.state.values() for k, t in s.items()
+                if k == "step"
+            ),
+            "seconds": round(seconds, 3),
+            "parity": None if fake or config.simulated else check_parity(config, spec, runtime, global_batches, device),
+        }
+    del runtime, global_batches
+    gc.collect()
+    return row
+
+
+def check_parity(config: ValidateConfig, spec, runtime, global_batches, device) -> dict:
+    """Compare this rank's fp32 master shard and reduced gradients with the single-process reference."""
+    model, master, grads = train_reference(spec, global_batches, config.lr, device)
+    units = [ps for _, ps in split_units(model)]
+    ref_master = runtime.local_flat([[master[id(p)] for p in ps] for ps in units], torch.float32)
+    ref_grad = runtime.local_flat([[grads[id(p)].float() for p in ps] for ps in units], torch.float32)
+    got_master, got_grad = runtime.master.detach(), runtime.local_reduced_grads()
+    diff = (got_master - ref_master).abs()
+    mean_atol = PARAM_MEAN_ATOL_LR * config.lr
+    max_atol = PARAM_MAX_ATOL_LR_PER_STEP * config.lr * config.steps
+    grad_excess = (got_grad - ref_grad).abs() - (GRAD_ATOL + GRAD_RTOL * ref_grad.abs())
+    return {
+        "param_mean_abs_diff": float(diff.mean()),
+        "param_mean_atol": mean_atol,
+        "param_max_abs_diff": float(diff.max()),
+        "param_max_atol": max_atol,
+        "grad_max_abs_diff": float((got_grad - ref_grad).abs().max()),
+        "grad_rtol": GRAD_RTOL,
+        "grad_atol": GRAD_ATOL,
+        "ok": bool(diff.mean() <= mean_atol and diff.max() <= max_atol and grad_excess.max() <= 0),
+    }
+
+
+def inject_fault(rank: int) -> None:
+    """Test hook: crash or hang this rank when ``ZEROPLAN_VALIDATE_FAULT`` names it."""
+    kind, _, who = os.environ.get(FAULT_ENV, "").partition(":")
+    if who and int(who) == rank:
+        if kind == "crash":
+            os._exit(3)
+        if kind == "hang":
+            signal.pause()
+
+
+def run(config: ValidateConfig, nd: int, rank: int, device: torch.device, simulated: bool) -> list[dict]:
+    fake = simulated and (config.fake_tensors if config.fake_tensors is not None else device.type == "cpu")
+    inject_fault(rank)
+    return [measure_stage(config, stage, nd, rank, device, fake) for stage in config.stages]
+
+
+def pick_device(config: ValidateConfig, local_rank: int) -> torch.device:
+    want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but torch.cuda.is_available() is False")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def init_group(config: ValidateConfig, nd: int, rank: int, init: str | None, simulated: bool, device) -> str:
+    """Join the process group; returns the backend name."""
+    timeout = timedelta(seconds=config.timeout_s)
+    if simulated:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nd)
+        return "fake"
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"init_method": init, "rank": rank, "world_size": nd} if init else {}
+    dist.init_process_group(backend, timeout=timeout, **kwargs)
+    return backend
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", default="{}", help="ValidateConfig as JSON")
+    parser.add_argument("--world-size", type=int, default=None, help="N_d (default: WORLD_SIZE from torchrun)")
+    parser.add_argument("--rank", type=int, default=None)
+    parser.add_argument("--init", default=None, help="init_method URL (default: env:// as torchrun sets)")
+    parser.add_argument("--simulated", action="store_true")
+    parser.add_argument("--out", required=True, help="JSON file: this rank's rows (or, under torchrun, all)")
+    args = parser.parse_args(argv)
+    config = ValidateConfig.model_validate_json(args.config)
+    torchrun = args.rank is None
+    rank = int(os.environ.get("RANK", 0)) if torchrun else args.rank
+    nd = int(os.environ.get("WORLD_SIZE", 1)) if args.world_size is None else args.world_size
+    device = pick_device(config, int(os.environ.get("LOCAL_RANK", rank)))
+    backend = init_group(config, nd, rank, args.init, args.simulated, device)
+    rows = run(config, nd, rank, device, args.simulated)
+    meta = {"world_size": nd, "backend": backend, "device": str(device), "torch": torch.__version__}
+    if torchrun:  # one file for the whole world, from rank 0
+        everyone = [None] * nd if rank == 0 else None
+        dist.gather_object(rows, everyone, dst=0)
+        if rank == 0:
+            from validate.report import build_report
+
+            write_atomic(args.out, json.dumps(build_report(config, [(meta, everyone)]), indent=2))
+    else:
+        write_atomic(args.out, json.dumps({"meta": meta, "rows": rows}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
