@@ -136,6 +136,9 @@ def sweep(
         "1", "--model-parallel", help="N_m values, comma-separated; pairs where N_m does not divide gpus are skipped."
     ),
     stage: str = typer.Option("0,1,2,3", help="ZeRO stages to report, comma-separated."),
+    offload: str = typer.Option(
+        "none", help="Comma-separated: none, cpu, nvme (optimizer states) or OPT/PARAMS, e.g. cpu/cpu (stage 3)."
+    ),
     param_dtype: str = typer.Option("fp16", help="Working parameter dtype: fp16, bf16, fp32, fp8."),
     grad_dtype: Optional[str] = typer.Option(None, help="Gradient dtype (default: param dtype)."),
     master_weights: Optional[bool] = typer.Option(
@@ -143,6 +146,7 @@ def sweep(
     ),
     optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
     optimizer_dtype: str = typer.Option("fp32", help="dtype of Adam m/v and SGD momentum."),
+    gpu: Optional[str] = typer.Option(None, help="GPU preset for the fits column: h100-80gb, a100-40gb, ..."),
     gpu_memory: Optional[str] = typer.Option(None, help="GPU memory for the fits column: 80GiB, 141GB."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object with rows[] instead of CSV."),
     out: Optional[Path] = typer.Option(None, help="Write to this file (atomically) instead of stdout."),
@@ -150,19 +154,21 @@ def sweep(
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
     from zeroplan.config import PrecisionPolicy
     from zeroplan.shapes import load_numels
-    from zeroplan.sweep import SweepConfig, parse_list, parse_whole, sweep_config, to_csv, to_json
-    from zeroplan.sweep import write_text_atomic
-    from zeroplan.units import parse_bytes, parse_count
+    from zeroplan.sweep import SweepConfig, gpu_capacity, parse_list, parse_offload, parse_whole, sweep_config
+    from zeroplan.sweep import to_csv, to_json, write_text_atomic
+    from zeroplan.units import parse_count
 
     if (params is None) == (shapes is None):
         raise UserError("give exactly one of --params and --shapes")
+    capacity, _ = gpu_capacity(gpu, gpu_memory)
     config = SweepConfig(
         params=parse_list(params, "params", parse_count) if params is not None else None,
         tensor_numels=load_numels(shapes) if shapes is not None else None,
         gpus=parse_list(gpus, "gpus", lambda t: parse_whole(t, "gpus")),
         model_parallel=parse_list(model_parallel, "model-parallel", lambda t: parse_whole(t, "model-parallel")),
         stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),
-        gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
+        offload=parse_list(offload, "offload", parse_offload),
+        gpu_memory_bytes=capacity,
         policy=PrecisionPolicy(
             param_dtype=param_dtype,
             grad_dtype=grad_dtype,
@@ -205,17 +211,18 @@ def plot(
     ),
     optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
     optimizer_dtype: str = typer.Option("fp32", help="dtype of Adam m/v and SGD momentum."),
+    gpu: Optional[str] = typer.Option(None, help="GPU preset whose memory is drawn as a line: h100-80gb, ..."),
     gpu_memory: Optional[str] = typer.Option(None, help="GPU capacity to draw as a line: 80GiB, 141GB."),
     results: Optional[Path] = typer.Option(None, help="JSON written by `zeroplan validate --json` (validate view)."),
 ) -> None:
     """Draw a sweep (memory, breakdown, comm) or validator results (validate) to an image file."""
     from zeroplan import plots
     from zeroplan.config import PrecisionPolicy
-    from zeroplan.sweep import SweepConfig, parse_list, parse_whole, sweep_config
-    from zeroplan.units import parse_bytes, parse_count
+    from zeroplan.sweep import SweepConfig, gpu_capacity, parse_list, parse_whole, sweep_config
+    from zeroplan.units import parse_count
 
     plots.check_format(out)  # before any work: a bad name is one line, not a traceback after the sweep
-    capacity = parse_bytes(gpu_memory) if gpu_memory is not None else None
+    capacity, capacity_label = gpu_capacity(gpu, gpu_memory)
     if view is PlotView.validate:
         if results is None:
             raise UserError("--view validate needs --results FILE (from `zeroplan validate --json`)")
@@ -238,8 +245,71 @@ def plot(
                 optimizer_dtype=optimizer_dtype,
             ),
         )
-        fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity)
+        fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity, gpu_label=capacity_label)
     plots.save(fig, out)
+
+
+@app.command()
+def plan(
+    model: Optional[str] = typer.Option(None, help="Reference model preset, e.g. llama2-70b (exact Ψ)."),
+    params: Optional[str] = typer.Option(None, help="Ψ of the whole model instead of a preset: 70e9, 70B."),
+    gpu: Optional[str] = typer.Option(None, help="GPU preset, e.g. h100-80gb (memory, FLOP/s, links)."),
+    gpu_memory: Optional[str] = typer.Option(None, help="GPU memory, overrides the preset: 80GiB, 32GB."),
+    gpus: int = typer.Option(8, help="Total GPUs = N_d x N_m."),
+    gpus_per_node: int = typer.Option(8, help="GPUs per node (host memory per node, intra vs inter links)."),
+    model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree."),
+    headroom: float = typer.Option(0.1, help="Fraction of GPU memory kept free for activations etc., [0, 1)."),
+    interconnect: Optional[str] = typer.Option(None, help="Intra-node link preset (default: the GPU's)."),
+    bw: Optional[float] = typer.Option(None, help="Intra-node bandwidth per GPU, GB/s one direction."),
+    inter_interconnect: str = typer.Option("ib-ndr", help="Inter-node link preset (one NIC per GPU)."),
+    inter_bw: Optional[float] = typer.Option(None, help="Inter-node bandwidth per GPU, GB/s one direction."),
+    algorithm: str = typer.Option("ring", help="All-reduce algorithm for the latency term: ring or tree."),
+    micro_batch: int = typer.Option(1, help="Sequences per GPU per micro-step."),
+    grad_accum: int = typer.Option(1, help="Micro-steps per optimizer step."),
+    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence (default: the preset's, else 2048)."),
+    offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
+    host_memory: Optional[str] = typer.Option(None, help="CPU memory per node, e.g. 2TB: offload must fit."),
+    peak_tflops: Optional[float] = typer.Option(None, help="Dense peak TFLOP/s per GPU (default: preset's)."),
+    mfu: float = typer.Option(0.4, help="Model FLOPs utilisation for the compute estimate, (0, 1]."),
+    param_dtype: str = typer.Option("bf16", help="Working parameter dtype: bf16, fp16, fp32, fp8."),
+    optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
+    units: Unit = typer.Option(Unit.GiB, help="GB = 1e9 bytes, GiB = 2**30 bytes."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
+) -> None:
+    """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
+    from zeroplan.config import PrecisionPolicy
+    from zeroplan.plan import plan_config
+    from zeroplan.plan_config import PlanConfig
+    from zeroplan.render_plan import to_json, to_table
+    from zeroplan.units import parse_bytes, parse_count
+
+    if model is not None and params is not None:
+        raise UserError("--model and --params are exclusive: choose one")
+    config = PlanConfig(
+        model=model,
+        params=parse_count(params) if params is not None else None,
+        gpu=gpu,
+        gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        model_parallel=model_parallel,
+        headroom=headroom,
+        interconnect=interconnect,
+        bw_gbps=bw,
+        inter_interconnect=inter_interconnect,
+        inter_bw_gbps=inter_bw,
+        algorithm=algorithm,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        seq_len=seq_len,
+        offload=offload,
+        host_memory_bytes=parse_bytes(host_memory, "host-memory") if host_memory is not None else None,
+        peak_flops=peak_tflops * 1e12 if peak_tflops is not None else None,
+        mfu=mfu,
+        policy=PrecisionPolicy(param_dtype=param_dtype, optimizer=optimizer),
+    )
+    result = plan_config(config)
+    typer.echo(to_json(result) if as_json else to_table(result, units.value))
 
 
 @app.command("validate")

@@ -107,7 +107,9 @@ class PlanConfig(BaseModel):
     @classmethod
     def _positive(cls, v: Optional[float], info) -> Optional[float]:
         if v is not None and (isinstance(v, bool) or not math.isfinite(v) or v <= 0):
-            raise ValueError(f"{info.field_name}={v}: must be a positive finite number")
+            what = {"bw_gbps": "bw", "inter_bw_gbps": "inter-bw"}.get(info.field_name, info.field_name)
+            unit = " GB/s" if info.field_name.endswith("_gbps") else ""
+            raise ValueError(f"{what}={v:g}{unit}: must be a positive finite number")
         return v
 
     @field_validator(
@@ -145,7 +147,7 @@ class PlanConfig(BaseModel):
         if self.params is not None and not float(self.params).is_integer():
             raise ValueError(f"params={self.params}: must be a whole number of parameters")
         if self.gpu is None and self.gpu_memory_bytes is None:
-            raise ValueError("give a GPU preset (gpu) or the GPU memory (gpu_memory_bytes)")
+            raise ValueError("give a GPU preset (gpu, --gpu) or the GPU memory (gpu_memory_bytes, --gpu-memory)")
         if self.gpus % self.model_parallel:
             raise ValueError(
                 f"model_parallel={self.model_parallel} does not divide gpus={self.gpus}: gpus must be N_d x N_m"

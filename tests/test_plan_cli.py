@@ -1,0 +1,137 @@
+"""`zeroplan plan` through typer's CliRunner: Table 2, the JSON schema, launchers and bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from zeroplan.cli import app
+
+runner = CliRunner()
+OPTION_KEYS = {"stage", "name", "offload", "label", "max_params", "max_params_with_headroom", "fits", "min_gpus"}
+MODEL_KEYS = {"gpu_bytes", "host_bytes_per_gpu", "host_bytes_per_node", "nvme_bytes_per_gpu", "nvme_bytes_per_node",
+              "pcie", "comm_volume_elements", "comm_bytes_per_rank", "comm_time"}  # fmt: skip
+
+
+def run(*args):
+    return runner.invoke(app, ["plan", *args])
+
+
+def run_json(*args):
+    r = run(*args, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize(
+    ("args", "printed"),
+    [
+        # ZeRO paper Table 2, "max theoretical" on 32 GB V100s (arXiv:1910.02054v3): MP = 1 and MP = 16 rows.
+        (["--gpus", "64"], [2e9, 7.6e9, 14.4e9, 128e9]),
+        (["--model-parallel", "16", "--gpus", "1024"], [32e9, 121.6e9, 230.4e9, 2e12]),
+    ],
+)
+def test_table2_from_the_command_line(args, printed):
+    d = run_json("--gpu-memory", "32GB", *args)
+    got = [s["max_params"] for s in d["stages"]]
+    assert got == pytest.approx(printed, rel=0.025)  # the paper's rounding, see test_plan_table2.tolerance
+    assert d["recommendation"] is None and "no model given" in d["reason"]
+
+
+def test_json_schema_with_a_model():
+    d = run_json("--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "64", "--grad-accum", "4")
+    assert d["schema"] == "zeroplan.plan/1"
+    assert d["inputs"]["params"] == 68_976_648_192 and d["inputs"]["nd"] == 64
+    assert d["inputs"]["gpu_memory_bytes"] == 80 * 2**30
+    assert d["inputs"]["budget_bytes"] == int(0.9 * 80 * 2**30)
+    assert [s["stage"] for s in d["stages"]] == [0, 1, 2, 3]
+    assert len(d["offload"]) == 6
+    for option in d["stages"] + d["offload"]:
+        assert OPTION_KEYS | MODEL_KEYS <= option.keys()
+    assert set(d["stages"][3]["comm_time"]) >= {"link", "comm_s", "compute_s", "exposed_comm_s", "step_s", "collectives"}
+    assert [c["calls_per_step"] for c in d["stages"][3]["comm_time"]["collectives"]] == [4, 4, 4]
+    rec = d["recommendation"]
+    assert rec["stage"] == 3 and rec["offload"] == {"optimizer": "none", "params": "none"}
+    assert rec["deepspeed"]["zero_optimization"]["stage"] == 3
+    assert rec["deepspeed"]["gradient_accumulation_steps"] == 4
+    assert "reshard_after_forward=True" in rec["fsdp2"]
+
+
+def test_host_memory_per_node_scales_with_gpus_per_node():
+    d8 = run_json("--params", "8e9", "--gpu", "h100-80gb", "--gpus", "64", "--gpus-per-node", "8")
+    d4 = run_json("--params", "8e9", "--gpu", "h100-80gb", "--gpus", "64", "--gpus-per-node", "4")
+    o8, o4 = d8["offload"][1], d4["offload"][1]  # stage 2 + optimizer->cpu
+    assert o8["label"] == "2 + optimizer->cpu"
+    assert o8["host_bytes_per_gpu"] == o4["host_bytes_per_gpu"] == 14 * 125_000_000  # (2 + 12)Ψ/N_d
+    assert o8["host_bytes_per_node"] == 2 * o4["host_bytes_per_node"] == 8 * 14 * 125_000_000
+
+
+def test_table_output_has_recommendation_and_launchers():
+    r = run("--model", "llama3-8b", "--gpu", "a100-80gb", "--gpus", "8")
+    assert r.exit_code == 0, r.output
+    assert "Recommendation: ZeRO stage 1:" in r.stdout
+    assert '"zero_optimization": {' in r.stdout and '"stage": 1' in r.stdout
+    assert "FSDP2 has no stage-1 equivalent" in r.stdout
+    assert "alpha-beta estimate" in r.stdout
+
+
+def test_offload_recommendation_when_allowed():
+    d = run_json("--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "8", "--offload", "cpu")
+    assert d["recommendation"]["label"] == "3 + optimizer->cpu"
+    assert d["recommendation"]["deepspeed"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+
+
+def test_overrides_win_over_presets():
+    d = run_json("--params", "7e9", "--gpu", "h100-80gb", "--gpu-memory", "40GB", "--bw", "100", "--inter-bw", "10",
+                 "--gpus", "16")  # fmt: skip
+    assert d["inputs"]["gpu_memory_bytes"] == 40 * 10**9
+    assert d["inputs"]["links"]["intra"]["bandwidth_gbps"] == 100
+    assert d["inputs"]["links"]["ring"]["bandwidth_gbps"] == 10  # 16 GPUs span two 8-GPU nodes
+
+
+BAD = [
+    (["--gpu", "h100-80gb", "--headroom", "1"], "headroom=1.0: must be a fraction in [0, 1)"),
+    (["--gpu", "h100-80gb", "--headroom", "-0.2"], "headroom=-0.2"),
+    (["--gpu", "h100-80gb", "--headroom", "nan"], "headroom=nan"),
+    (["--gpu", "h100-80gb", "--bw", "-3"], "bw=-3 GB/s: must be a positive finite number"),
+    (["--gpu", "h100-80gb", "--inter-bw", "0"], "inter-bw=0 GB/s"),
+    (["--gpu", "h200"], "unknown gpu 'h200': known gpus are v100-32gb, a100-40gb"),
+    (["--gpu", "h100-80gb", "--model", "llama-9"], "unknown model 'llama-9': known models are"),
+    (["--gpu", "h100-80gb", "--interconnect", "nvlink9"], "unknown interconnect 'nvlink9'"),
+    (["--gpu", "h100-80gb", "--model", "llama2-7b", "--params", "7e9"], "exclusive"),
+    (["--gpu", "h100-80gb", "--offload", "disk"], "offload"),
+    (["--gpu", "h100-80gb", "--gpus", "12", "--model-parallel", "8"], "does not divide gpus=12"),
+    (["--gpu", "h100-80gb", "--gpus", "0"], "gpus=0: must be >= 1"),
+    (["--gpu", "h100-80gb", "--grad-accum", "0"], "grad_accum=0: must be >= 1"),
+    (["--gpu", "h100-80gb", "--mfu", "2"], "mfu=2.0"),
+    (["--gpu-memory", "-3GB"], "must be a positive size"),
+    (["--gpu", "h100-80gb", "--host-memory", "lots"], "host-memory='lots'"),
+    (["--gpu", "h100-80gb", "--params", "abc"], "params='abc'"),
+    (["--gpu", "h100-80gb", "--gpus", "two"], "Invalid value for '--gpus'"),
+    (["--params", "7e9"], "give a GPU preset"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_one_line_exit_2(args, message):
+    r = run(*args)
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zeroplan: error: "), r.stderr
+    assert message in lines[0]
+
+
+def test_plan_never_imports_heavy_modules():
+    code = (
+        "import sys\n"
+        "from zeroplan.cli import main\n"
+        "sys.argv = ['zeroplan', 'plan', '--model', 'llama2-70b', '--gpu', 'h100-80gb', '--json']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'numpy') if m in sys.modules), file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["inputs"]["params"] == 68_976_648_192
+    assert out.stderr.strip().splitlines()[-1] == "[]"

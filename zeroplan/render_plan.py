@@ -1,0 +1,209 @@
+"""Text and JSON views of a ``Plan`` (``zeroplan plan``). No computation happens here."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from zeroplan.hardware import LinkSpec
+from zeroplan.launchers import launcher_texts
+from zeroplan.plan import Plan, PlanOption
+from zeroplan.units import format_bytes, format_count
+
+SCHEMA = "zeroplan.plan/1"
+ESTIMATE_NOTE = (
+    "Communication time is an alpha-beta estimate (nominal link bandwidth as nccl-tests bus bandwidth, "
+    "ring/tree latency per step); it ignores protocol choice, achieved vs nominal bandwidth, in-network "
+    "reduction, contention with model-parallel traffic and stragglers. Compute is 6·Ψ·tokens at the given MFU."
+)
+MEMORY_NOTE = (
+    "Model states only (parameters, gradients, optimizer states; ZeRO sec. 3.1). Activations, buckets, "
+    "gathered stage-3 layers and fragmentation must fit in the headroom; they are not modelled."
+)
+
+
+def _link(link: LinkSpec) -> dict:
+    return {"name": link.name, "bandwidth_gbps": link.bandwidth_gbps, "alpha_s": link.alpha_s}
+
+
+def option_dict(o: PlanOption, per_node: int) -> dict:
+    """One option as documented in the README (``stages[]`` and ``offload[]`` of ``plan --json``)."""
+    out: dict = {
+        "stage": o.stage,
+        "name": o.name,
+        "offload": {"optimizer": o.offload.optimizer, "params": o.offload.params},
+        "label": o.label,
+        "max_params": o.max_params,
+        "max_params_with_headroom": o.max_params_with_headroom,
+        "fits": o.fits,
+        "min_gpus": o.min_gpus,
+    }
+    s = o.states
+    if s is None:
+        return out
+    out.update(
+        gpu_bytes={
+            "params_bytes": s.gpu.params_bytes,
+            "grads_bytes": s.gpu.grads_bytes,
+            "optimizer_bytes": s.gpu.optimizer_bytes,
+            "model_states_bytes": s.gpu.model_states_bytes,
+        },
+        host_bytes_per_gpu=s.host_bytes,
+        host_bytes_per_node=s.host_bytes * per_node,
+        nvme_bytes_per_gpu=s.nvme_bytes,
+        nvme_bytes_per_node=s.nvme_bytes * per_node,
+        pcie={
+            "h2d_bytes": s.h2d_bytes,
+            "d2h_bytes": s.d2h_bytes,
+            "nvme_read_bytes": s.nvme_read_bytes,
+            "nvme_write_bytes": s.nvme_write_bytes,
+            "seconds": o.pcie_s,
+        },
+        comm_volume_elements=o.comm_volume_elements,
+        comm_bytes_per_rank=o.comm_bytes_per_rank,
+        comm_time={
+            "link": o.time.link,
+            "algorithm": o.time.algorithm,
+            "comm_s": o.time.comm_s,
+            "compute_s": o.time.compute_s,
+            "exposed_comm_s": o.time.exposed_comm_s,
+            "step_s": o.time.step_s,
+            "collectives": [
+                {**t.collective.as_dict(), "calls_per_step": t.calls_per_step, "seconds_per_call": t.seconds_per_call}
+                for t in o.time.collectives
+            ],
+        },
+    )
+    return out
+
+
+def _per_node(p: Plan) -> int:
+    return min(p.config.gpus_per_node, p.config.gpus)
+
+
+def _launchers(p: Plan, o: PlanOption) -> dict:
+    c = p.config
+    return launcher_texts(o.stage, o.offload, c.micro_batch, c.grad_accum, c.policy, c.bucket_numel)
+
+
+def plan_dict(p: Plan) -> dict:
+    c = p.config
+    rec = p.recommendation
+    recommendation = None
+    if rec is not None:
+        recommendation = {"stage": rec.stage, "offload": {"optimizer": rec.offload.optimizer,
+                          "params": rec.offload.params}, "label": rec.label, **_launchers(p, rec)}  # fmt: skip
+    return {
+        "schema": SCHEMA,
+        "inputs": {
+            "model": c.model,
+            "params": p.params,
+            "psi": p.psi,
+            "gpu": c.gpu,
+            "gpu_memory_bytes": p.gpu_memory_bytes,
+            "headroom": c.headroom,
+            "budget_bytes": p.budget_bytes,
+            "host_memory_bytes": c.host_memory_bytes,
+            "gpus": c.gpus,
+            "gpus_per_node": c.gpus_per_node,
+            "nd": c.nd,
+            "nm": c.model_parallel,
+            "micro_batch": c.micro_batch,
+            "grad_accum": c.grad_accum,
+            "tokens_per_step": p.tokens_per_step,
+            "offload_allowed": c.offload,
+            "peak_flops": c.flops,
+            "mfu": c.mfu,
+            "bucket_numel": c.bucket_numel,
+            "links": {"intra": _link(p.intra), "inter": _link(p.inter), "ring": _link(p.ring),
+                      "host": _link(p.host_link)},  # fmt: skip
+            "policy": {
+                "param_dtype": c.policy.param_dtype,
+                "grad_dtype": c.policy.resolved_grad_dtype,
+                "master_dtype": c.policy.master_dtype,
+                "optimizer": c.policy.optimizer,
+                "optimizer_dtype": c.policy.optimizer_dtype,
+            },
+        },
+        "stages": [option_dict(o, _per_node(p)) for o in p.stages],
+        "offload": [option_dict(o, _per_node(p)) for o in p.offload_options],
+        "recommendation": recommendation,
+        "reason": p.reason,
+        "notes": [MEMORY_NOTE, ESTIMATE_NOTE],
+    }
+
+
+def to_json(p: Plan) -> str:
+    return json.dumps(plan_dict(p), indent=2)
+
+
+def _seconds(s: Optional[float]) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _size(n: Optional[int], unit: str) -> str:
+    return "-" if n is None else format_bytes(n, unit)
+
+
+def _count(n: Optional[int]) -> str:
+    return "no limit" if n is None else format_count(n)
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return [fmt(rows[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows[1:]]
+
+
+def to_table(p: Plan, unit: str = "GiB") -> str:
+    c = p.config
+    what = f"{c.model}: Ψ = {format_count(p.params)}" if c.model else (
+        f"Ψ = {format_count(p.params)}" if p.params else "no model given")
+    where = f"{c.gpus} x {c.gpu}" if c.gpu else f"{c.gpus} GPUs"
+    lines = [
+        f"{what}; {where} ({format_bytes(p.gpu_memory_bytes, unit)} each; N_d = {c.nd} x N_m = "
+        f"{c.model_parallel}; {c.gpus_per_node} GPUs per node)",
+        f"model states may use {format_bytes(p.budget_bytes, unit)} per GPU ({c.headroom:.0%} headroom); "
+        f"data-parallel ring on {p.ring.name} ({p.ring.bandwidth_gbps:g} GB/s, α {p.ring.alpha_s * 1e6:g} µs); "
+        f"host link {p.host_link.name} ({p.host_link.bandwidth_gbps:g} GB/s)",
+        "",
+    ]
+    header = ["stage + offload", "max Ψ", f"max Ψ ({c.headroom:.0%} free)"]
+    if p.params is not None:
+        header[1:1] = ["GPU", "host/node", "NVMe/node", "fits", "min GPUs"]
+        header += ["sent/rank/step", "comm", "exposed", "PCIe"]
+    rows = [header]
+    per_node = _per_node(p)
+    for o in p.options:
+        row = [o.label, _count(o.max_params), _count(o.max_params_with_headroom)]
+        if o.states is not None:
+            s = o.states
+            row[1:1] = [_size(s.gpu.model_states_bytes, unit), _size(s.host_bytes * per_node, unit),
+                        _size(s.nvme_bytes * per_node, unit), "yes" if o.fits else "no",
+                        "never" if o.min_gpus is None else str(o.min_gpus)]  # fmt: skip
+            row += [_size(o.comm_bytes_per_rank, unit), _seconds(o.time.comm_s), _seconds(o.time.exposed_comm_s),
+                    _seconds(o.pcie_s) if o.offload.any else "-"]  # fmt: skip
+        rows.append(row)
+    lines += _table(rows)
+    lines += ["", f"Recommendation: {_recommendation(p, unit)}"]
+    rec = p.recommendation
+    if rec is not None:
+        texts = _launchers(p, rec)
+        lines += ["", "DeepSpeed config:", json.dumps(texts["deepspeed"], indent=2), "", "FSDP2:",
+                  texts["fsdp2"].rstrip("\n")]  # fmt: skip
+    lines += ["", MEMORY_NOTE, ESTIMATE_NOTE,
+              "max Ψ: largest model whose states fill the GPU (ZeRO Table 2); min GPUs: fewest N_d x N_m that fit."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _recommendation(p: Plan, unit: str) -> str:
+    rec = p.recommendation
+    if rec is None:
+        return p.reason
+    t = rec.time
+    comm = f"sends {format_bytes(rec.comm_bytes_per_rank, unit)} per GPU per step, ≈ {_seconds(t.comm_s)} of communication"
+    if t.compute_s is not None:
+        comm += f" ({_seconds(t.exposed_comm_s)} exposed behind {_seconds(t.compute_s)} of compute)"
+    return f"ZeRO stage {rec.label}: {p.reason}; {comm}."
