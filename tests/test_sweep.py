@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 import zeroplan
 from zeroplan.cli import app
+from zeroplan.plan import rank_states
 from zeroplan.render import stage_dict
-from zeroplan.sweep import COLUMNS, collectives_summary, sweep, to_records
+from zeroplan.sweep import COLUMNS, collectives_summary, parse_offload, sweep, to_records
 
 runner = CliRunner()
 
@@ -36,15 +37,20 @@ def scalar_rows(psi=None, gpus=1, mp=1, numels=None, gpu_memory_bytes=None, **po
     for s in e.stages:
         d = stage_dict(s)
         d["collectives"] = collectives_summary(s.collectives)
-        rows.append({"params": e.total_params, "gpus": gpus, "model_parallel": mp, "nd": e.nd, "psi": e.psi, **d})
+        rows.append({"params": e.total_params, "gpus": gpus, "model_parallel": mp, "nd": e.nd, "psi": e.psi,
+                     "offload": "none", **d, **NOTHING_OFFLOADED})  # fmt: skip
     return rows
+
+
+NOTHING_OFFLOADED = {"host_bytes": 0, "nvme_bytes": 0, "h2d_bytes": 0, "d2h_bytes": 0}
 
 
 def assert_same_rows(frame, expected):
     got = to_records(frame)
     assert len(got) == len(expected)
     for g, x in zip(got, expected):
-        assert g == x  # exact: ints equal ints, the float ratio bit for bit, fits True/False/None
+        assert g == {k: x[k] for k in g}  # exact: ints equal ints, the ratio bit for bit, fits True/False/None
+        assert set(g) == set(x)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "paper")
@@ -193,3 +199,61 @@ def test_cli_bad_value_leaves_no_output_file(tmp_path):
     out = tmp_path / "s.csv"
     r = runner.invoke(app, ["sweep", "--params", "7e9", "--gpus", "0", "--out", str(out)])
     assert r.exit_code == 2 and not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_zero_offload_keeps_only_16_bit_parameters_on_the_gpu():
+    # ZeRO-Offload (Ren et al. 2021, sec. 4.2): with ZeRO-2 + CPU offload the GPU keeps the 2Ψ fp16
+    # parameters; each GPU's host share is its partition of fp16 gradients and K·Ψ optimizer states,
+    # (2 + 12)·Ψ/N_d. Ψ = 7.5e9, N_d = 64: 15 GB on the GPU, 1.640625 GB on the host.
+    (row,) = to_records(sweep([7.5e9], [64], stages=[2], offload=["cpu"]))
+    assert row["offload"] == "optimizer->cpu"
+    assert (row["params_bytes"], row["grads_bytes"], row["optimizer_bytes"]) == (15_000_000_000, 0, 0)
+    assert row["host_bytes"] == 1_640_625_000
+    assert row["reduction_vs_dp"] == 120e9 / 15e9
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme", "cpu/cpu", "none/cpu", "nvme/nvme"])
+def test_offload_rows_equal_zeroplan_plan(offload):
+    policy = {"param_dtype": "bf16", "optimizer": "adam8bit"}
+    frame = sweep([7_500_000_001], [3, 64], offload=["none", offload], gpu_memory_bytes=32 * 10**9, **policy)
+    labels = {parse_offload(o).label: parse_offload(o) for o in ("none", offload)}
+    plans = {
+        g: zeroplan.plan(params=7_500_000_001, gpus=g, gpu_memory_bytes=32 * 10**9, headroom=0,
+                         policy=zeroplan.PrecisionPolicy(**policy))
+        for g in (3, 64)
+    }  # fmt: skip
+    rows = to_records(frame)
+    # Stage 0 has no offload; stages 1-2 take optimizer offload to the CPU only; stage 3 takes all five.
+    expected_pairs = {"cpu": 7, "nvme": 5, "cpu/cpu": 5, "none/cpu": 5, "nvme/nvme": 5}[offload]
+    assert len(rows) == 2 * expected_pairs
+    for row in rows:
+        off = labels[row["offload"]]
+        # The plan lists the options DeepSpeed users pick (no parameter-only offload); the scalar
+        # placement function it uses answers for every pair.
+        s = rank_states((7_500_000_001,), row["nd"], row["stage"], off, zeroplan.PrecisionPolicy(**policy), 1, False)
+        listed = [o for o in plans[row["gpus"]].options if (o.stage, o.offload) == (row["stage"], off)]
+        for option in listed:
+            assert option.states == s and row["fits"] == option.fits
+            assert row["comm_bytes_per_rank"] == option.comm_bytes_per_rank
+        assert (row["params_bytes"], row["grads_bytes"], row["optimizer_bytes"]) == (
+            s.gpu.params_bytes, s.gpu.grads_bytes, s.gpu.optimizer_bytes,
+        )  # fmt: skip
+        assert (row["host_bytes"], row["nvme_bytes"], row["h2d_bytes"], row["d2h_bytes"]) == (
+            s.host_bytes, s.nvme_bytes, s.h2d_bytes, s.d2h_bytes,
+        )  # fmt: skip
+        assert row["fits"] == (s.gpu.model_states_bytes <= 32 * 10**9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"offload": ["gpu"]}, "offload='gpu': expected 'none', or OPT[/PARAMS]"),
+        ({"offload": ["cpu/cpu/cpu"]}, "offload='cpu/cpu/cpu'"),
+        ({"offload": ["cpu", "cpu/none"]}, "offload: optimizer->cpu is listed twice"),
+        ({"offload": ["cpu"], "stages": [0]}, "stage 0: optimizer offload needs ZeRO stage 1 or higher"),
+    ],
+)
+def test_bad_offload_names_the_value(kwargs, message):
+    with pytest.raises((ValidationError, ValueError)) as info:
+        sweep([7e9], [8], **kwargs)
+    assert message in str(info.value)

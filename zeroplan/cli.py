@@ -136,6 +136,9 @@ def sweep(
         "1", "--model-parallel", help="N_m values, comma-separated; pairs where N_m does not divide gpus are skipped."
     ),
     stage: str = typer.Option("0,1,2,3", help="ZeRO stages to report, comma-separated."),
+    offload: str = typer.Option(
+        "none", help="Comma-separated: none, cpu, nvme (optimizer states) or OPT/PARAMS, e.g. cpu/cpu (stage 3)."
+    ),
     param_dtype: str = typer.Option("fp16", help="Working parameter dtype: fp16, bf16, fp32, fp8."),
     grad_dtype: Optional[str] = typer.Option(None, help="Gradient dtype (default: param dtype)."),
     master_weights: Optional[bool] = typer.Option(
@@ -143,6 +146,7 @@ def sweep(
     ),
     optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
     optimizer_dtype: str = typer.Option("fp32", help="dtype of Adam m/v and SGD momentum."),
+    gpu: Optional[str] = typer.Option(None, help="GPU preset for the fits column: h100-80gb, a100-40gb, ..."),
     gpu_memory: Optional[str] = typer.Option(None, help="GPU memory for the fits column: 80GiB, 141GB."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object with rows[] instead of CSV."),
     out: Optional[Path] = typer.Option(None, help="Write to this file (atomically) instead of stdout."),
@@ -150,19 +154,21 @@ def sweep(
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
     from zeroplan.config import PrecisionPolicy
     from zeroplan.shapes import load_numels
-    from zeroplan.sweep import SweepConfig, parse_list, parse_whole, sweep_config, to_csv, to_json
-    from zeroplan.sweep import write_text_atomic
-    from zeroplan.units import parse_bytes, parse_count
+    from zeroplan.sweep import SweepConfig, gpu_capacity, parse_list, parse_offload, parse_whole, sweep_config
+    from zeroplan.sweep import to_csv, to_json, write_text_atomic
+    from zeroplan.units import parse_count
 
     if (params is None) == (shapes is None):
         raise UserError("give exactly one of --params and --shapes")
+    capacity, _ = gpu_capacity(gpu, gpu_memory)
     config = SweepConfig(
         params=parse_list(params, "params", parse_count) if params is not None else None,
         tensor_numels=load_numels(shapes) if shapes is not None else None,
         gpus=parse_list(gpus, "gpus", lambda t: parse_whole(t, "gpus")),
         model_parallel=parse_list(model_parallel, "model-parallel", lambda t: parse_whole(t, "model-parallel")),
         stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),
-        gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
+        offload=parse_list(offload, "offload", parse_offload),
+        gpu_memory_bytes=capacity,
         policy=PrecisionPolicy(
             param_dtype=param_dtype,
             grad_dtype=grad_dtype,
@@ -205,17 +211,18 @@ def plot(
     ),
     optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
     optimizer_dtype: str = typer.Option("fp32", help="dtype of Adam m/v and SGD momentum."),
+    gpu: Optional[str] = typer.Option(None, help="GPU preset whose memory is drawn as a line: h100-80gb, ..."),
     gpu_memory: Optional[str] = typer.Option(None, help="GPU capacity to draw as a line: 80GiB, 141GB."),
     results: Optional[Path] = typer.Option(None, help="JSON written by `zeroplan validate --json` (validate view)."),
 ) -> None:
     """Draw a sweep (memory, breakdown, comm) or validator results (validate) to an image file."""
     from zeroplan import plots
     from zeroplan.config import PrecisionPolicy
-    from zeroplan.sweep import SweepConfig, parse_list, parse_whole, sweep_config
-    from zeroplan.units import parse_bytes, parse_count
+    from zeroplan.sweep import SweepConfig, gpu_capacity, parse_list, parse_whole, sweep_config
+    from zeroplan.units import parse_count
 
     plots.check_format(out)  # before any work: a bad name is one line, not a traceback after the sweep
-    capacity = parse_bytes(gpu_memory) if gpu_memory is not None else None
+    capacity, capacity_label = gpu_capacity(gpu, gpu_memory)
     if view is PlotView.validate:
         if results is None:
             raise UserError("--view validate needs --results FILE (from `zeroplan validate --json`)")
@@ -238,57 +245,8 @@ def plot(
                 optimizer_dtype=optimizer_dtype,
             ),
         )
-        fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity)
+        fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity, gpu_label=capacity_label)
     plots.save(fig, out)
-
-
-@app.command("validate")
-def validate_cmd(
-    world_size: Optional[list[int]] = typer.Option(
-        None, "--world-size", help="N_d; repeat for several. Default: 2 and 4 (64 with --simulated)."
-    ),
-    stage: Optional[list[int]] = typer.Option(None, "--stage", help="ZeRO stage 0-3; repeat. Default: all."),
-    model: str = typer.Option("gpt-tiny", help="Reference model: gpt-tiny or mlp-tiny."),
-    params: Optional[str] = typer.Option(None, help="Instead of --model: a GPT-style model of about Ψ params."),
-    simulated: bool = typer.Option(False, "--simulated", help="One process plays rank 0 on a fake group."),
-    device: str = typer.Option("auto", help="auto (cuda if present), cpu or cuda."),
-    steps: int = typer.Option(3, help="Training steps per stage (>= 2)."),
-    batch_per_rank: int = typer.Option(2, "--batch-per-rank", help="Samples per rank per step."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (GPT; default: model's)."),
-    tolerance: float = typer.Option(0.01, help="Largest relative error of model states still ok."),
-    timeout: float = typer.Option(600.0, help="Seconds one world size may run before its ranks are killed."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full result here (atomically)."),
-) -> None:
-    """Train the reference ZeRO runtime, measure memory and traffic, compare with zeroplan; exit 1 if off."""
-    from validate.api import run_validation, write_json_atomic
-    from validate.config import ValidateConfig
-    from validate.harness import RunFailed
-    from validate.report import to_table
-    from zeroplan.units import parse_count
-
-    config = ValidateConfig(
-        stages=tuple(stage) if stage else (0, 1, 2, 3),
-        world_sizes=tuple(world_size) if world_size else ((64,) if simulated else (2, 4)),
-        model=model,
-        params=parse_count(params) if params is not None else None,
-        simulated=simulated,
-        device=device,
-        steps=steps,
-        batch_per_rank=batch_per_rank,
-        seq_len=seq_len,
-        tolerance=tolerance,
-        timeout_s=timeout,
-    )
-    try:
-        report = run_validation(config)
-    except RunFailed as exc:
-        typer.echo(f"zeroplan: error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    if json_path is not None:
-        write_json_atomic(report, json_path)
-    typer.echo(to_table(report))
-    if not report["ok"]:
-        raise typer.Exit(1)
 
 
 @app.command()

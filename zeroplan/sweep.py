@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from zeroplan.api import stage_estimates
 from zeroplan.config import EstimateConfig, PrecisionPolicy, error_line
-from zeroplan.records import Collective
+from zeroplan.offload import DEVICES, NO_OFFLOAD, Offload, check_offload
+from zeroplan.plan import rank_states
+from zeroplan.records import Collective, StageEstimate
 from zeroplan.sharding import shard_numel
 from zeroplan.stages import STAGES
 
@@ -35,13 +37,24 @@ MAX_PARAMS = 2**57
 """Largest Ψ a sweep accepts (1.4e17): no per-GPU byte count exceeds 64·Ψ (at most 20 bytes of model
 state per parameter, 2·4 bytes sent per parameter by an fp32 all-reduce), so int64 stays exact."""
 
+MAX_GPUS = 2**40
+"""Largest GPU count a sweep accepts; with ``MAX_PARAMS`` it keeps ring byte counts below 2**63."""
+
 COLUMNS = (
-    "params", "gpus", "model_parallel", "nd", "psi", "stage", "name",
+    "params", "gpus", "model_parallel", "nd", "psi", "stage", "name", "offload",
     "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes", "reduction_vs_dp", "fits",
     "comm_volume_elements", "comm_bytes_per_rank", "collectives",
+    "host_bytes", "nvme_bytes", "h2d_bytes", "d2h_bytes",
 )  # fmt: skip
 """Columns of a sweep: the configuration, then the keys of ``estimate --json`` ``stages[]``
-(``zeroplan.render.stage_dict``) with the collectives list summarised by ``collectives_summary``."""
+(``zeroplan.render.stage_dict``) with the collectives list summarised by ``collectives_summary``, then
+where offloaded states live and the host traffic per step (``zeroplan.offload``; 0 without offload).
+With offload, the memory columns are what stays in GPU memory."""
+
+OFFLOAD_HELP = (
+    "offload: 'none', or OPT[/PARAMS] with each of none, cpu, nvme: where the optimizer states "
+    "(and the parameters, stage 3 only) live, e.g. cpu, nvme, cpu/cpu, nvme/nvme, none/cpu"
+)
 
 
 def _check(**fields: object) -> None:
@@ -56,7 +69,7 @@ class SweepConfig(BaseModel):
     """A grid of planner questions: every combination of ``params`` x ``gpus`` x ``model_parallel``,
     each answered for every stage in ``stages``. Each value is checked by ``EstimateConfig``'s rules."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     params: Optional[tuple[float, ...]] = None
     """Ψ values of the whole model, in parameters; give this or ``tensor_numels``."""
@@ -68,6 +81,8 @@ class SweepConfig(BaseModel):
     """N_m values; combinations where N_m does not divide ``gpus`` are left out of the grid."""
     stages: tuple[int, ...] = (0, 1, 2, 3)
     """ZeRO stages (0-3) to report for every configuration."""
+    offload: tuple[Offload, ...] = (NO_OFFLOAD,)
+    """where states live (``parse_offload``); (stage, offload) pairs DeepSpeed lacks are left out."""
     gpu_memory_bytes: Optional[int] = None
     """memory of one GPU in bytes, for the ``fits`` column; None leaves it empty."""
     policy: PrecisionPolicy = PrecisionPolicy()
@@ -92,7 +107,14 @@ class SweepConfig(BaseModel):
             return tuple(float(x) for x in v)
         return v
 
-    @field_validator("params", "gpus", "model_parallel", "stages")
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _offload(cls, v: object) -> object:
+        if isinstance(v, (list, tuple)):
+            return tuple(x if isinstance(x, Offload) else parse_offload(x) for x in v)
+        return v
+
+    @field_validator("params", "gpus", "model_parallel", "stages", "offload")
     @classmethod
     def _listed(cls, v: Optional[tuple], info) -> Optional[tuple]:
         if v is None:
@@ -102,7 +124,8 @@ class SweepConfig(BaseModel):
         seen = set()
         for x in v:
             if x in seen:
-                raise ValueError(f"{info.field_name}: {x:g} is listed twice")
+                shown = x.label if isinstance(x, Offload) else f"{x:g}"
+                raise ValueError(f"{info.field_name}: {shown} is listed twice")
             seen.add(x)
         return v
 
@@ -120,6 +143,8 @@ class SweepConfig(BaseModel):
     def _gpus(cls, v: tuple[int, ...]) -> tuple[int, ...]:
         for g in v:
             _check(params=1, gpus=g)
+            if g > MAX_GPUS:
+                raise ValueError(f"gpus={g}: above {MAX_GPUS}, byte counts could overflow int64")
         return v
 
     @field_validator("model_parallel")
@@ -151,7 +176,42 @@ class SweepConfig(BaseModel):
             raise ValueError(
                 f"no model_parallel in {list(self.model_parallel)} divides any gpus in {list(self.gpus)}"
             )
+        if not self.pairs:
+            offloads = ", ".join(o.label for o in self.offload)
+            raise ValueError(f"offload ({offloads}) is possible at none of stages {list(self.stages)}: {_why(self)}")
         return self
+
+    @property
+    def pairs(self) -> tuple[tuple[int, Offload], ...]:
+        """The (stage, offload) pairs to report, stage-major; pairs DeepSpeed has no option for are left out."""
+        return tuple((s, o) for s in self.stages for o in self.offload if _possible(s, o))
+
+
+def _possible(stage: int, offload: Offload) -> bool:
+    try:
+        check_offload(stage, offload)
+    except ValueError:
+        return False
+    return True
+
+
+def _why(config: SweepConfig) -> str:
+    """check_offload's reason for the first pair, e.g. 'stage 0: optimizer offload needs ZeRO stage 1 or higher'."""
+    try:
+        check_offload(config.stages[0], config.offload[0])
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def parse_offload(text: str) -> Offload:
+    """'none' | 'cpu' | 'nvme' | 'cpu/cpu' | 'none/cpu' ... -> Offload(optimizer, params); ValueError otherwise."""
+    if isinstance(text, Offload):
+        return text
+    parts = str(text).strip().lower().split("/")
+    if len(parts) > 2 or not all(p in DEVICES for p in parts):
+        raise ValueError(f"offload={text!r}: expected {OFFLOAD_HELP.removeprefix('offload: ')}")
+    return Offload(parts[0], parts[1] if len(parts) == 2 else "none")
 
 
 def collectives_summary(collectives: Sequence[Collective]) -> str:
@@ -184,7 +244,8 @@ def _grid(config: SweepConfig) -> dict[str, np.ndarray]:
 
 
 def sweep_config(config: SweepConfig) -> pd.DataFrame:
-    """One row per configuration and stage, in grid order (params, gpus, model_parallel, stage)."""
+    """One row per configuration, stage and offload, in grid order (params, gpus, model_parallel, stage,
+    offload)."""
     grid = _grid(config)
     m = grid["model_parallel"]
     nd = grid["gpus"] // m
@@ -194,44 +255,88 @@ def sweep_config(config: SweepConfig) -> pd.DataFrame:
         numels = (shard_numel(grid["params"], m),)
     # Ψ per model-parallel rank, rounded up per tensor as in ``zeroplan.api.model_numels``.
     psi = sum(numels)
-    rows = stage_estimates(
-        numels, nd, config.policy, config.stages, config.gpu_memory_bytes, config.tensor_numels is not None
-    )
-    n_stages = len(rows)
+    flat_layout = config.tensor_numels is not None
+    by_stage = {
+        r.stage: r for r in stage_estimates(numels, nd, config.policy, config.stages, config.gpu_memory_bytes, flat_layout)
+    }
+    pairs = config.pairs
+    blocks = [_block(by_stage[s], o, numels, nd, config, flat_layout) for s, o in pairs]
+    n_pairs = len(pairs)
+    n_rows = nd.size * n_pairs
 
-    def per_row(values: Sequence[np.ndarray]) -> np.ndarray:
-        """Interleave per-stage arrays so each configuration's stages are adjacent rows."""
-        return np.stack([np.broadcast_to(v, nd.shape) for v in values], axis=1).ravel()
+    def per_row(key: str) -> np.ndarray:
+        """Interleave per-pair arrays so each configuration's rows are adjacent."""
+        return np.stack([np.broadcast_to(b[key], nd.shape) for b in blocks], axis=1).ravel()
 
     def repeat(a: np.ndarray) -> np.ndarray:
-        return np.repeat(a, n_stages)
+        return np.repeat(a, n_pairs)
 
-    stage_numbers = np.array([r.stage for r in rows], dtype=np.int64)
-    names = [STAGES[s].name for s in stage_numbers]
-    n_rows = nd.size * n_stages
+    def categorical(labels: list[str]) -> pd.Categorical:
+        categories = list(dict.fromkeys(labels))
+        codes = np.array([categories.index(x) for x in labels])
+        return pd.Categorical.from_codes(np.tile(codes, nd.size), categories=categories)
+
     if config.gpu_memory_bytes is None:  # unknown: all missing, as ``fits: null`` in ``estimate --json``
         fits = pd.arrays.BooleanArray(np.zeros(n_rows, dtype=bool), mask=np.ones(n_rows, dtype=bool))
     else:
-        fits = pd.arrays.BooleanArray(per_row([r.fits for r in rows]), mask=np.zeros(n_rows, dtype=bool))
+        fits = pd.arrays.BooleanArray(per_row("fits"), mask=np.zeros(n_rows, dtype=bool))
     columns = {
         "params": repeat(grid["params"]),
         "gpus": repeat(grid["gpus"]),
         "model_parallel": repeat(m),
         "nd": repeat(nd),
         "psi": repeat(np.broadcast_to(psi, nd.shape)),
-        "stage": np.tile(stage_numbers, nd.size),
-        "name": pd.Categorical.from_codes(np.tile(np.arange(n_stages), nd.size), categories=names),
-        "params_bytes": per_row([r.memory.params_bytes for r in rows]),
-        "grads_bytes": per_row([r.memory.grads_bytes for r in rows]),
-        "optimizer_bytes": per_row([r.memory.optimizer_bytes for r in rows]),
-        "model_states_bytes": per_row([r.memory.model_states_bytes for r in rows]),
-        "reduction_vs_dp": per_row([r.reduction_vs_dp for r in rows]).astype(np.float64),
+        "stage": np.tile(np.array([s for s, _ in pairs], dtype=np.int64), nd.size),
+        "name": categorical([STAGES[s].name for s, _ in pairs]),
+        "offload": categorical([o.label for _, o in pairs]),
+        **{key: per_row(key) for key in COLUMNS if key in blocks[0] and key != "fits"},
         "fits": fits,
-        "comm_volume_elements": per_row([np.asarray(r.comm_volume_elements, dtype=np.int64) for r in rows]),
-        "comm_bytes_per_rank": per_row([np.asarray(r.comm_bytes_per_rank, dtype=np.int64) for r in rows]),
-        "collectives": _collectives_column(list(rows), nd),
+        "collectives": _collectives_column([by_stage[s] for s, _ in pairs], nd),
     }
     return pd.DataFrame(columns, columns=list(COLUMNS))
+
+
+def _block(row: StageEstimate, offload: Offload, numels: tuple, nd: np.ndarray, config: SweepConfig,
+           flat_layout: bool) -> dict[str, np.ndarray]:  # fmt: skip
+    """The columns of one (stage, offload) pair for the whole grid, from ``stage_estimates`` and, with
+    offload, ``zeroplan.offload`` (GPU-resident states, host and NVMe bytes, host traffic)."""
+    out = {
+        "comm_volume_elements": np.asarray(row.comm_volume_elements, dtype=np.int64),
+        "comm_bytes_per_rank": np.asarray(row.comm_bytes_per_rank, dtype=np.int64),
+    }
+    if offload == NO_OFFLOAD:
+        memory, reduction, fits = row.memory, row.reduction_vs_dp, row.fits
+        host = nvme = h2d = d2h = 0
+    else:
+        placed = rank_states(numels, nd, row.stage, offload, config.policy, 1, flat_layout)
+        memory = placed.gpu
+        with np.errstate(divide="ignore", invalid="ignore"):  # nothing left on the GPU: no ratio (NaN)
+            total = np.asarray(memory.model_states_bytes, dtype=np.int64)
+            reduction = np.where(total > 0, _dp_bytes(numels, nd, config, flat_layout) / np.maximum(total, 1), np.nan)
+        fits = None if config.gpu_memory_bytes is None else memory.model_states_bytes <= config.gpu_memory_bytes
+        host, nvme, h2d, d2h = placed.host_bytes, placed.nvme_bytes, placed.h2d_bytes, placed.d2h_bytes
+    out.update(
+        params_bytes=memory.params_bytes,
+        grads_bytes=memory.grads_bytes,
+        optimizer_bytes=memory.optimizer_bytes,
+        model_states_bytes=memory.model_states_bytes,
+        reduction_vs_dp=np.asarray(reduction, dtype=np.float64),
+        fits=fits,
+        host_bytes=host,
+        nvme_bytes=nvme,
+        h2d_bytes=h2d,
+        d2h_bytes=d2h,
+    )
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes", "host_bytes", "nvme_bytes",
+                "h2d_bytes", "d2h_bytes"):  # fmt: skip
+        out[key] = np.asarray(out[key], dtype=np.int64)
+    return out
+
+
+def _dp_bytes(numels: tuple, nd: np.ndarray, config: SweepConfig, flat_layout: bool) -> np.ndarray:
+    """Stage-0 model states, the denominator of ``reduction_vs_dp``, from the same function as ``estimate``."""
+    (dp,) = stage_estimates(numels, nd, config.policy, (0,), None, flat_layout)
+    return np.asarray(dp.memory.model_states_bytes, dtype=np.int64)
 
 
 def sweep(
@@ -240,13 +345,15 @@ def sweep(
     *,
     model_parallel: Sequence[int] = (1,),
     stages: Sequence[int] = (0, 1, 2, 3),
+    offload: Sequence[str | Offload] = ("none",),
     tensor_numels: Sequence[int] | None = None,
     gpu_memory_bytes: int | None = None,
     **policy: object,
 ) -> pd.DataFrame:
     """``zeroplan.estimate`` for every combination of ``params`` x ``gpus`` x ``model_parallel``.
 
-    Returns one row per configuration and stage (columns ``COLUMNS``); byte columns are exact int64.
+    Returns one row per configuration, stage and ``offload`` (columns ``COLUMNS``); byte columns are exact
+    int64. ``offload`` items are ``parse_offload`` strings ('none', 'cpu', 'nvme', 'cpu/cpu', ...).
     Remaining keywords are ``PrecisionPolicy`` fields, as for ``estimate``. Raises
     ``pydantic.ValidationError`` on bad input.
     """
@@ -256,6 +363,7 @@ def sweep(
         gpus=tuple(gpus),
         model_parallel=tuple(model_parallel),
         stages=tuple(stages),
+        offload=tuple(offload),
         gpu_memory_bytes=gpu_memory_bytes,
         policy=PrecisionPolicy(**policy),
     )
@@ -272,6 +380,21 @@ def parse_list(text: str, what: str, parse: Callable[[str], object]) -> tuple:
     return tuple(parse(t) for t in items)
 
 
+def gpu_capacity(gpu: Optional[str], gpu_memory: Optional[str]) -> tuple[Optional[int], Optional[str]]:
+    """(bytes, label) from a GPU preset name or a size such as '80GiB' (not both); (None, None) for neither."""
+    from zeroplan.hardware import get_gpu
+    from zeroplan.units import parse_bytes
+
+    if gpu is not None and gpu_memory is not None:
+        raise ValueError("give at most one of --gpu and --gpu-memory")
+    if gpu is not None:
+        spec = get_gpu(gpu)
+        return spec.memory_bytes, spec.name
+    if gpu_memory is not None:
+        return parse_bytes(gpu_memory), None
+    return None, None
+
+
 def parse_whole(text: str, what: str) -> int:
     """'64' -> 64; ValueError for '6.5', 'x', '1e3' (GPU counts and degrees are written as integers)."""
     if not re.fullmatch(r"[-+]?[0-9]+", text):
@@ -281,8 +404,9 @@ def parse_whole(text: str, what: str) -> int:
 
 def to_records(frame: pd.DataFrame) -> list[dict]:
     """Rows as plain Python values (``fits`` None when unknown), for JSON."""
-    out = frame.astype({"fits": object, "name": str, "collectives": str})
-    out["fits"] = out["fits"].where(out["fits"].notna(), None)
+    out = frame.astype({"fits": object, "reduction_vs_dp": object, "name": str, "offload": str, "collectives": str})
+    for column in ("fits", "reduction_vs_dp"):  # unknown fit, no ratio when nothing stays on the GPU
+        out[column] = out[column].where(out[column].notna(), None)
     return out.to_dict(orient="records")
 
 
