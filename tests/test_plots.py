@@ -138,3 +138,22 @@ def test_cli_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, content, m
     assert r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
     assert set(tmp_path.iterdir()) == before
+
+
+def test_stage_tradeoffs_draw_the_plans_numbers():
+    import zeroplan
+
+    plans = [zeroplan.plan("llama2-7b", gpu="h100-80gb", gpus=g) for g in (8, 64)]
+    fig = plots.stage_tradeoffs(plans)
+    mem_ax, time_ax = fig.axes
+    lines = {line.get_label(): line for line in mem_ax.get_lines()}
+    stage3 = lines["stage 3 P_os+g+p (+ parameters sharded)"]
+    assert list(stage3.get_ydata()) == [p.option(3).states.gpu.model_states_bytes for p in plans]
+    # Each stage and N_d: a solid bar (exposed) with a hatched bar stacked on it (hidden) summing to comm_s.
+    bars = time_ax.patches
+    assert len(bars) == 4 * 2 * 2
+    stage3_exposed, stage3_hidden = bars[-4:-2], bars[-2:]
+    for plan, low, high in zip(plans, stage3_exposed, stage3_hidden):
+        t = plan.option(3).time
+        assert low.get_height() == t.exposed_comm_s
+        assert low.get_height() + high.get_height() == pytest.approx(t.comm_s, rel=1e-12)

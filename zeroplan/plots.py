@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, NullLocator
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -164,6 +165,71 @@ def comm_bars(frame: Any) -> Figure:
                  "each GPU sends (N_d-1)/N_d of that", fontsize=9)  # fmt: skip
     _legend(fig, ax)
     fig.suptitle(_suptitle(frame, f"Communication per step by ZeRO stage, {_title_params(frame)}"))
+    return fig
+
+
+def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
+    """Memory per GPU and communication time per step against N_d, per stage, from ``zeroplan.plan``
+    answers (one per GPU count, same model and hardware): what each stage buys and what it costs.
+
+    Right panel: one bar per stage and N_d, the estimated communication time per optimizer step
+    (``zeroplan.commtime``), solid where it is exposed (not hidden behind compute), hatched where hidden;
+    the black tick is the compute time of the step.
+    """
+    plans = sorted(plans, key=lambda p: p.config.nd)
+    nds = [p.config.nd for p in plans]
+    fig = Figure(figsize=(13, 5.6), layout="constrained")
+    mem_ax, time_ax = fig.subplots(1, 2)
+    stages = [o.stage for o in plans[0].stages]
+    for stage in stages:
+        mem = [p.option(stage).states.gpu.model_states_bytes for p in plans]
+        mem_ax.plot(nds, mem, marker=STAGE_MARKERS[stage], color=STAGE_COLORS[stage], linewidth=2,
+                    label=stage_label(stage))  # fmt: skip
+    _capacity(mem_ax, plans[0].gpu_memory_bytes, plans[0].config.gpu)
+    mem_ax.set_xscale("log", base=2)
+    mem_ax.set_yscale("log")
+    mem_ax.set_xticks(nds, [str(n) for n in nds])
+    mem_ax.xaxis.set_minor_locator(NullLocator())
+    mem_ax.yaxis.set_major_formatter(FuncFormatter(_gb))
+    mem_ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, pos: ""))
+    mem_ax.grid(True, alpha=0.3)
+    mem_ax.set_xlabel("N_d, data-parallel GPUs (log scale)")
+    mem_ax.set_ylabel("model states per GPU, GB (log scale)")
+    mem_ax.set_title("memory")
+
+    width = 0.8 / len(stages)
+    for i, stage in enumerate(stages):
+        xs = [j + (i - (len(stages) - 1) / 2) * width for j in range(len(plans))]
+        times = [p.option(stage).time for p in plans]
+        exposed = [t.exposed_comm_s if t.exposed_comm_s is not None else t.comm_s for t in times]
+        hidden = [t.comm_s - e for t, e in zip(times, exposed)]
+        time_ax.bar(xs, exposed, width=width * 0.95, color=STAGE_COLORS[stage])
+        time_ax.bar(xs, hidden, bottom=exposed, width=width * 0.95, color="white", edgecolor=STAGE_COLORS[stage],
+                    hatch="//", linewidth=1)  # fmt: skip
+    compute = [p.option(stages[0]).time.compute_s for p in plans]
+    if all(c is not None for c in compute):
+        time_ax.hlines(compute, [j - 0.45 for j in range(len(plans))], [j + 0.45 for j in range(len(plans))],
+                       colors="black", linewidth=2.5)  # fmt: skip
+    time_ax.set_xticks(range(len(plans)), [str(n) for n in nds])
+    time_ax.set_xlabel("N_d, data-parallel GPUs")
+    time_ax.set_ylabel("seconds per optimizer step (estimate)")
+    time_ax.grid(True, axis="y", alpha=0.3)
+    links = sorted({p.ring.name for p in plans})
+    time_ax.set_title(f"communication time (alpha-beta, ring over {' / '.join(links)})", fontsize=10)
+    handles, _ = mem_ax.get_legend_handles_labels()
+    handles += [
+        Patch(facecolor="#777777", label="communication exposed"),
+        Patch(facecolor="white", edgecolor="#777777", hatch="//", label="communication hidden behind compute"),
+    ]
+    if all(c is not None for c in compute):
+        handles.append(Line2D([], [], color="black", linewidth=2.5, label="compute per step"))
+    _legend(fig, mem_ax, ncol=3, handles=handles)
+    from zeroplan.units import format_count
+
+    p0 = plans[0]
+    model = p0.config.model or f"Ψ = {format_count(p0.params)}"
+    fig.suptitle(f"ZeRO stage trade-offs: {model} on {p0.config.gpu or 'GPUs'}, "
+                 f"{p0.tokens_per_step:,} tokens per GPU per step")  # fmt: skip
     return fig
 
 
