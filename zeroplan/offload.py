@@ -13,8 +13,10 @@ Sources:
   stage 1 on, to NVMe only at stage 3; parameter offload only at stage 3.
 
 Assumptions, stated once here and in the README:
-- Gradients on the host are held in the gradient dtype (the paper's 16-bit gradients); DeepSpeed's
-  implementation accumulates them in an fp32 host buffer, which would add 2 bytes per element.
+- Gradients on the host are held in the gradient dtype (the paper's 16-bit gradients); DeepSpeed 0.19
+  allocates its host gradient partition in fp32 (``stage_1_and_2.py``), which adds 2 bytes per element,
+  and with gradient accumulation copies host-accumulated gradients back to the GPU each micro-step
+  (``async_accumulate_grad_in_cpu_via_gpu``); neither is counted.
 - Transient GPU buffers (reduce buckets, the parameters of the layer being gathered at stage 3, NVMe
   staging buffers and pinned bounce buffers in host memory) are not model states: they come out of the
   plan's headroom and are not counted here.
