@@ -93,7 +93,7 @@ BAD = [
     (["--params", "7e9", "--gpus", "2.5"], "--gpus"),
     (["--params", "7e9", "--gpus", "many"], "--gpus"),
     (["--params", "7e9", "--stage", "4"], "stage=4"),
-    (["--params", "7e9", "--optimizer", "lion"], "unknown optimizer 'lion'"),
+    (["--params", "7e9", "--optimizer", "rmsprop"], "unknown optimizer 'rmsprop'"),
     (["--params", "7e9", "--param-dtype", "fp12"], "unknown dtype 'fp12'"),
     (["--params", "7e9", "--gpus", "6", "--model-parallel", "4"], "does not divide gpus=6"),
     (["--params", "7e9", "--model-parallel", "0"], "model_parallel=0"),

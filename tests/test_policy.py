@@ -21,6 +21,9 @@ PSI = 1_000_000_000
         ({"optimizer": "sgd"}, 8, 4),
         ({"optimizer": "sgd-momentum"}, 12, 8),
         ({"optimizer": "sgd", "param_dtype": "fp32"}, 8, 0),
+        # LAMB keeps Adam's m and v; Lion one momentum (You et al. 2020; Chen et al. 2023).
+        ({"optimizer": "lamb"}, 16, 12),
+        ({"optimizer": "lion"}, 12, 8),
         # Adafactor (beta1=None): factored second moments are not counted per parameter.
         ({"optimizer": "adafactor"}, 8, 4),
         # bf16 Adam states (e.g. optimizer_dtype=bf16): m 2 + v 2.
@@ -82,7 +85,7 @@ def test_tensor_sizes_pad_each_tensor_to_a_multiple_of_nd():
         ({"params": 1e9, "gpus": 2.5}, "gpus=2.5: must be a whole number"),
         ({"params": 1e9, "gpus": 6, "model_parallel": 4}, "does not divide"),
         ({"params": 1e9, "stage": 4}, "stage=4"),
-        ({"params": 1e9, "optimizer": "lion"}, "unknown optimizer 'lion'"),
+        ({"params": 1e9, "optimizer": "rmsprop"}, "unknown optimizer 'rmsprop'"),
         ({"params": 1e9, "param_dtype": "fp4"}, "unknown dtype 'fp4'"),
         ({"params": 1e9, "tensor_numels": [3]}, "exactly one of params and tensor_numels"),
         ({"tensor_numels": [3, 0]}, "each of >= 1 element"),

@@ -36,6 +36,8 @@ OPTIMIZERS: dict[str, str] = {
     "adamw": "AdamW (Loshchilov & Hutter 2019): same states as Adam",
     "sgd": "SGD without momentum: no state",
     "sgd-momentum": "SGD with momentum: one buffer per parameter",
+    "lamb": "LAMB (You et al. 2020): m and v per parameter, as Adam",
+    "lion": "Lion (Chen et al. 2023): one momentum buffer per parameter",
     "adafactor": "Adafactor (Shazeer & Stern 2018), beta1=None: factored v of O(rows+cols) per matrix, "
     "not counted per parameter",
     "adam8bit": "8-bit Adam (bitsandbytes): int8 m and v plus one fp32 absmax per 2048 elements each",
@@ -44,9 +46,9 @@ OPTIMIZERS: dict[str, str] = {
 
 def optimizer_states(optimizer: str, state_dtype: str = "fp32") -> tuple[StateTensor, ...]:
     """The per-parameter states of an optimizer; ``state_dtype`` applies where the user may choose it."""
-    if optimizer in ("adam", "adamw"):
+    if optimizer in ("adam", "adamw", "lamb"):
         return (StateTensor("Adam m", state_dtype), StateTensor("Adam v", state_dtype))
-    if optimizer == "sgd-momentum":
+    if optimizer in ("sgd-momentum", "lion"):
         return (StateTensor("momentum", state_dtype),)
     if optimizer in ("sgd", "adafactor"):
         return ()
