@@ -78,13 +78,17 @@ def estimate(
     gpus: int = typer.Option(1, help="Total GPUs = N_d x N_m."),
     model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree."),
     stage: Optional[int] = typer.Option(None, help="Show only this ZeRO stage (0-3)."),
-    param_dtype: str = typer.Option("fp16", help="Working parameter dtype: fp16, bf16, fp32, fp8."),
+    deepspeed_config: Optional[Path] = typer.Option(
+        None, "--deepspeed-config", help="ds_config.json: takes stage, dtypes and optimizer from it."
+    ),
+    param_dtype: Optional[str] = typer.Option(None, help="Working parameter dtype: fp16 (default), bf16, fp32."),
     grad_dtype: Optional[str] = typer.Option(None, help="Gradient dtype (default: param dtype)."),
     master_weights: Optional[bool] = typer.Option(
         None, "--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32)."
     ),
-    optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
-    optimizer_dtype: str = typer.Option("fp32", help="dtype of Adam m/v and SGD momentum."),
+    optimizer: Optional[str] = typer.Option(None, help="adam (default), adamw, sgd, sgd-momentum, lamb, lion, "
+                                            "adafactor, adam8bit."),  # fmt: skip
+    optimizer_dtype: Optional[str] = typer.Option(None, help="dtype of Adam m/v and momentum (default fp32)."),
     gpu_memory: Optional[str] = typer.Option(None, help="GPU memory to check fit against: 80GiB, 32GB."),
     units: Unit = typer.Option(Unit.GB, help="GB = 1e9 bytes (the paper's), GiB = 2**30."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
@@ -93,6 +97,7 @@ def estimate(
     """Per-GPU model states and per-step communication of ZeRO stages 0-3."""
     from zeroplan.api import estimate_config
     from zeroplan.config import EstimateConfig, PrecisionPolicy
+    from zeroplan.engines import load_deepspeed
     from zeroplan.render import to_csv, to_json, to_table
     from zeroplan.shapes import load_numels
     from zeroplan.units import parse_bytes, parse_count
@@ -101,25 +106,33 @@ def estimate(
         raise UserError("--json and --csv are exclusive: choose one")
     if (params is None) == (shapes is None):
         raise UserError("give exactly one of --params and --shapes")
-    policy = PrecisionPolicy(
-        param_dtype=param_dtype,
-        grad_dtype=grad_dtype,
-        master_weights=master_weights,
-        optimizer=optimizer,
-        optimizer_dtype=optimizer_dtype,
-    )
+    given = {
+        "stage": stage,
+        "param_dtype": param_dtype,
+        "grad_dtype": grad_dtype,
+        "master_weights": master_weights,
+        "optimizer": optimizer,
+        "optimizer_dtype": optimizer_dtype,
+    }
+    settings = {k: v for k, v in given.items() if v is not None}
+    if deepspeed_config is not None:
+        from_file = load_deepspeed(deepspeed_config)
+        clash = sorted(k for k in from_file if k in settings and settings[k] != from_file[k])
+        if clash:
+            raise UserError(f"--{clash[0].replace('_', '-')} contradicts the DeepSpeed config; drop one of them")
+        settings |= from_file
     config = EstimateConfig(
         params=parse_count(params) if params is not None else None,
         tensor_numels=load_numels(shapes) if shapes is not None else None,
         gpus=gpus,
         model_parallel=model_parallel,
-        stage=stage,
+        stage=settings.pop("stage", None),
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
-        policy=policy,
+        policy=PrecisionPolicy(**settings),
     )
     result = estimate_config(config)
     if as_json:
-        out = to_json(result, policy)
+        out = to_json(result, config.policy)
     elif as_csv:
         out = to_csv(result)
     else:
