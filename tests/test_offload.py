@@ -5,10 +5,13 @@ a rank's shard is 250 elements.
 """
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zeroplan.memory import model_states
 from zeroplan.offload import Offload, offloaded_states
 from zeroplan.optimizers import optimizer_states
+from zeroplan.plan import LADDER
 
 ADAM = optimizer_states("adam")
 
@@ -89,3 +92,19 @@ def test_combinations_deepspeed_does_not_have(stage, offload, message):
 def test_unknown_device():
     with pytest.raises(ValueError, match="expected one of none, cpu, nvme"):
         Offload("disk")
+
+
+# Offload moves bytes, it does not create them, except at stage 1 where the full gradients stay on the GPU
+# and the CPU optimizer reads its own copy of the partition (Ren et al. 2021, sec. 4).
+
+@settings(max_examples=100, deadline=None)
+@given(numels=st.lists(st.integers(1, 10**6), min_size=1, max_size=6), nd=st.integers(1, 256),
+       option=st.sampled_from(LADDER), micro_steps=st.integers(1, 8))  # fmt: skip
+def test_offload_moves_bytes(numels, nd, option, micro_steps):
+    stage, offload = option
+    base = offloaded_states(tuple(numels), nd, stage, Offload(), 2, 2, ADAM, "fp32", micro_steps)
+    moved = offloaded_states(tuple(numels), nd, stage, offload, 2, 2, ADAM, "fp32", micro_steps)
+    assert moved.gpu.model_states_bytes <= base.gpu.model_states_bytes
+    total = moved.gpu.model_states_bytes + moved.host_bytes + moved.nvme_bytes
+    extra = 2 * sum(-(-n // nd) for n in numels) if stage == 1 and offload.any else 0  # host's gradient copy
+    assert total == base.gpu.model_states_bytes + extra
