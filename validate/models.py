@@ -18,6 +18,9 @@ PRESETS: dict[str, object] = {
     # Odd widths on purpose: at N_d = 4 most tensors need padding, so the padding rule is exercised.
     "gpt-tiny": TransformerSpec(n_layer=2, d_model=36, n_head=3, vocab_size=101, max_seq_len=16),
     "mlp-tiny": (33, 70, 70, 9),
+    # 1.21B parameters in two wide blocks: a billion-parameter model for the simulated CI run that costs
+    # few dispatched ops (time goes with layer count, not width, on fake tensors).
+    "gpt-1b-wide": TransformerSpec(n_layer=2, d_model=6144, n_head=48, vocab_size=50304, max_seq_len=128),
 }
 
 

@@ -62,6 +62,21 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _tracker():
+    """A MemTracker that keeps only the whole-process peak: its per-module peaks (unused here) cost a walk
+    over every module on every op, a third of the time of a simulated 1B-parameter step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class GlobalPeakTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return GlobalPeakTracker()
+
+
 def _reset_tracker_peak(tracker) -> None:
     # MemTracker has no public per-phase reset; its peak is these two fields (torch 2.4-2.13).
     snap = tracker.get_tracker_snapshot("current")
@@ -83,9 +98,7 @@ class MemoryProbe:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            self.tracker = MemTracker()
+            self.tracker = _tracker()
             self.tracker.__enter__()
         return self
 
@@ -98,6 +111,23 @@ class MemoryProbe:
             torch.cuda.synchronize()
             return torch.cuda.memory_allocated()
         return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("current").values())
+
+    def settled_bytes(self, wait_s: float = 2.0, poll_s: float = 0.01, polls: int = 3) -> int:
+        """``current_bytes`` once ``polls`` readings ``poll_s`` apart agree (waiting at most ``wait_s``).
+
+        gloo's worker thread drops its reference to a finished collective's tensors a moment after
+        ``wait()`` has returned, so a temporary passed to the step's last collective can still be alive
+        for that moment; the step boundary is read after it is gone.
+        """
+        import time
+
+        last, same, deadline = self.current_bytes(), 0, time.monotonic() + wait_s
+        while same < polls and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            now = self.current_bytes()
+            same = same + 1 if now == last else 0
+            last = now
+        return last
 
     def breakdown(self) -> dict[str, int]:
         """MemTracker's own split of the live bytes (CPU only): its categories, not the runtime's."""
