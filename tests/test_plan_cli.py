@@ -77,6 +77,15 @@ def test_table_output_has_recommendation_and_launchers():
     assert "alpha-beta estimate" in r.stdout
 
 
+def test_activations_line_and_json():
+    r = run("--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "64")
+    assert "activations ≈ 5.00 GiB per GPU (Korthikanti et al. 2022, full recomputation" in r.stdout
+    assert "within the 8.00 GiB headroom" in r.stdout
+    d = run_json("--model", "gpt3-175b", "--gpu", "h100-80gb", "--gpus", "64", "--checkpointing", "none")
+    assert d["activations"]["bytes"] == (34 * 2048 * 12288 + 5 * 96 * 2048**2) * 96
+    assert d["activations"]["within_headroom"] is False
+
+
 def test_offload_recommendation_when_allowed():
     d = run_json("--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "8", "--offload", "cpu")
     assert d["recommendation"]["label"] == "3 + optimizer->cpu"
@@ -111,6 +120,7 @@ BAD = [
     (["--gpu", "h100-80gb", "--params", "abc"], "params='abc'"),
     (["--gpu", "h100-80gb", "--gpus", "two"], "Invalid value for '--gpus'"),
     (["--params", "7e9"], "give a GPU preset"),
+    (["--gpu", "h100-80gb", "--checkpointing", "some"], "checkpointing"),
 ]
 
 

@@ -183,7 +183,9 @@ def test_cli_csv_and_json_equal_the_api(tmp_path):
         (["--params", "7e9", "--model-parallel", "1.5"], "model-parallel='1.5': not a whole number"),
         (["--params", "7e9", "--stage", "0,9"], "stages=[0, 9]: 9 is not a ZeRO stage"),
         (["--params", "7e9", "--gpu-memory", "lots"], "gpu-memory='lots'"),
-        (["--gpus", "8"], "give exactly one of --params and --shapes"),
+        (["--gpus", "8"], "give exactly one of --params, --shapes and --model"),
+        (["--model", "llama2-7b", "--params", "7e9"], "give exactly one of --params, --shapes and --model"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--params", "7e9", "--out", "/nonexistent-dir/x.csv"], "directory '/nonexistent-dir' does not exist"),
     ],
 )

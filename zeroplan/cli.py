@@ -144,6 +144,7 @@ def estimate(
 def sweep(
     params: Optional[str] = typer.Option(None, help="Ψ values, comma-separated: 1e9,7B,70B."),
     shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes (one model, exact padding)."),
+    model: Optional[str] = typer.Option(None, help="Reference model preset instead of --params: llama2-70b, ..."),
     gpus: str = typer.Option("1", help="Total GPU counts, comma-separated: 8,64,512."),
     model_parallel: str = typer.Option(
         "1", "--model-parallel", help="N_m values, comma-separated; pairs where N_m does not divide gpus are skipped."
@@ -171,12 +172,15 @@ def sweep(
     from zeroplan.sweep import to_csv, to_json, write_text_atomic
     from zeroplan.units import parse_count
 
-    if (params is None) == (shapes is None):
-        raise UserError("give exactly one of --params and --shapes")
+    from zeroplan.hardware import get_model
+
+    if sum(x is not None for x in (params, shapes, model)) != 1:
+        raise UserError("give exactly one of --params, --shapes and --model")
     capacity, _ = gpu_capacity(gpu, gpu_memory)
+    numels = load_numels(shapes) if shapes is not None else get_model(model).tensor_numels if model else None
     config = SweepConfig(
         params=parse_list(params, "params", parse_count) if params is not None else None,
-        tensor_numels=load_numels(shapes) if shapes is not None else None,
+        tensor_numels=numels,
         gpus=parse_list(gpus, "gpus", lambda t: parse_whole(t, "gpus")),
         model_parallel=parse_list(model_parallel, "model-parallel", lambda t: parse_whole(t, "model-parallel")),
         stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from zeroplan.activations import activation_bytes
 from zeroplan.comm import step_collectives
 from zeroplan.commtime import StepTime, compute_time_s, ring_link, step_time
 from zeroplan.config import PrecisionPolicy
@@ -201,9 +202,15 @@ class Plan:
     ring: LinkSpec  # the link that limits the data-parallel ring
     host_link: LinkSpec
     tokens_per_step: int  # per data-parallel rank per optimizer step
+    activation_bytes: Optional[int]  # per GPU, Korthikanti et al. 2022; None if not estimated
     options: tuple[PlanOption, ...]  # stages 0-3 without offload, then the offload options
     recommendation: Optional[PlanOption]
     reason: str
+
+    @property
+    def headroom_bytes(self) -> int:
+        """GPU memory kept free of model states: what activations and buffers must fit in."""
+        return self.gpu_memory_bytes - self.budget_bytes
 
     @property
     def stages(self) -> tuple[PlanOption, ...]:
@@ -284,6 +291,10 @@ def plan_config(config: PlanConfig) -> Plan:
     keys = [(s, NO_OFFLOAD) for s in range(4)] + [k for k in LADDER if k[1].any]
     options = tuple(_option(config, s, off, numels, ring, compute_s, budget, host) for s, off in keys)
     recommendation, reason = _recommend(config, options)
+    spec = config.transformer
+    activations = None
+    if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (zeroplan.activations)
+        activations = activation_bytes(spec, config.sequence_length, config.micro_batch, config.checkpointing, nm)
     return Plan(
         config=config,
         params=None if whole is None else sum(whole),
@@ -296,6 +307,7 @@ def plan_config(config: PlanConfig) -> Plan:
         ring=ring,
         host_link=config.host_link,
         tokens_per_step=tokens,
+        activation_bytes=activations,
         options=options,
         recommendation=recommendation,
         reason=reason,

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from zeroplan.config import PrecisionPolicy
 from zeroplan.hardware import GpuSpec, LinkSpec, ModelPreset, get_gpu, get_interconnect, get_model
+from zeroplan.models import TransformerSpec, gpt_for_params
 
 DEFAULT_HEADROOM = 0.1
 """Share of GPU memory kept free for what the plan does not model as model states: activations,
@@ -69,6 +70,8 @@ class PlanConfig(BaseModel):
     """micro-steps per optimizer step."""
     seq_len: Optional[int] = None
     """tokens per sequence; default the preset's, else 2048."""
+    checkpointing: Literal["none", "selective", "full"] = "full"
+    """activation recomputation assumed by the activation estimate (``zeroplan.activations``)."""
     offload: Literal["none", "cpu", "nvme"] = "none"
     """the most offload the recommendation may use (all options are always listed)."""
     host_memory_bytes: Optional[int] = None
@@ -180,9 +183,19 @@ class PlanConfig(BaseModel):
         return None if self.params is None else (int(self.params),)
 
     @property
+    def sequence_length(self) -> int:
+        return self.seq_len or (self.model_spec.seq_len if self.model_spec else DEFAULT_SEQ_LEN)
+
+    @property
     def tokens_per_micro_step(self) -> int:
-        seq = self.seq_len or (self.model_spec.seq_len if self.model_spec else DEFAULT_SEQ_LEN)
-        return self.micro_batch * seq
+        return self.micro_batch * self.sequence_length
+
+    @property
+    def transformer(self) -> Optional[TransformerSpec]:
+        """The preset's architecture, or for ``params`` a GPT-style shape of about Ψ (``gpt_for_params``)."""
+        if self.model_spec is not None:
+            return self.model_spec.spec
+        return None if self.params is None else gpt_for_params(self.params)
 
     @property
     def flops(self) -> Optional[float]:

@@ -127,6 +127,15 @@ def plan_dict(p: Plan) -> dict:
         },
         "stages": [option_dict(o, _per_node(p)) for o in p.stages],
         "offload": [option_dict(o, _per_node(p)) for o in p.offload_options],
+        "activations": {
+            "bytes": p.activation_bytes,
+            "checkpointing": c.checkpointing,
+            "seq_len": c.sequence_length,
+            "micro_batch": c.micro_batch,
+            "tp": c.model_parallel,
+            "headroom_bytes": p.headroom_bytes,
+            "within_headroom": None if p.activation_bytes is None else p.activation_bytes <= p.headroom_bytes,
+        },
         "recommendation": recommendation,
         "reason": p.reason,
         "notes": [MEMORY_NOTE, ESTIMATE_NOTE],
@@ -168,8 +177,10 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         f"model states may use {format_bytes(p.budget_bytes, unit)} per GPU ({c.headroom:.0%} headroom); "
         f"data-parallel ring on {p.ring.name} ({p.ring.bandwidth_gbps:g} GB/s, α {p.ring.alpha_s * 1e6:g} µs); "
         f"host link {p.host_link.name} ({p.host_link.bandwidth_gbps:g} GB/s)",
-        "",
     ]
+    if p.params is not None:
+        lines.append(activation_line(p, unit))
+    lines.append("")
     header = ["stage + offload", "max Ψ", f"max Ψ ({c.headroom:.0%} free)"]
     if p.params is not None:
         header[1:1] = ["GPU", "host/node", "NVMe/node", "fits", "min GPUs"]
@@ -207,3 +218,15 @@ def _recommendation(p: Plan, unit: str) -> str:
     if t.compute_s is not None:
         comm += f" ({_seconds(t.exposed_comm_s)} exposed behind {_seconds(t.compute_s)} of compute)"
     return f"ZeRO stage {rec.label}: {p.reason}; {comm}."
+
+
+def activation_line(p: Plan, unit: str) -> str:
+    """Activations against the headroom (they are not model states, so not in the fit)."""
+    c = p.config
+    shape = f"{c.checkpointing} recomputation, s = {c.sequence_length}, b = {c.micro_batch}, t = N_m = {c.model_parallel}"
+    if p.activation_bytes is None:
+        return (f"activations ({shape}): not estimated; Korthikanti et al. 2022 publish constants for GPT-style "
+                "layers only, use --checkpointing full for this model")  # fmt: skip
+    verdict = "within" if p.activation_bytes <= p.headroom_bytes else "MORE than"
+    return (f"activations ≈ {format_bytes(p.activation_bytes, unit)} per GPU (Korthikanti et al. 2022, {shape}): "
+            f"{verdict} the {format_bytes(p.headroom_bytes, unit)} headroom")  # fmt: skip
