@@ -18,8 +18,13 @@ import types
 
 def load_zero_config(src: str) -> types.ModuleType:
     """deepspeed.runtime.zero.config from a source tree, with package __init__ files bypassed."""
-    for name, sub in [("deepspeed", ""), ("deepspeed.runtime", "/runtime"), ("deepspeed.runtime.zero", "/runtime/zero"),
-                      ("deepspeed.runtime.zenflow", "/runtime/zenflow")]:  # fmt: skip
+    packages = {
+        "deepspeed": "",
+        "deepspeed.runtime": "/runtime",
+        "deepspeed.runtime.zero": "/runtime/zero",
+        "deepspeed.runtime.zenflow": "/runtime/zenflow",
+    }
+    for name, sub in packages.items():
         module = types.ModuleType(name)
         module.__path__ = [src + sub]
         sys.modules[name] = module

@@ -37,7 +37,10 @@ def main() -> None:
         for name, argv in COMMANDS.items():
             times[name].append(wall_s(argv))
     for name, t in times.items():
-        print(f"{name:30s} median {statistics.median(t) * 1e3:6.0f} ms  (min {min(t) * 1e3:.0f} ms, {REPEATS} runs)")
+        print(
+            f"{name:30s} median {statistics.median(t) * 1e3:6.0f} ms"
+            f"  (min {min(t) * 1e3:.0f} ms, {REPEATS} runs)"
+        )
     calls = []
     for _ in range(REPEATS):
         start = time.perf_counter()

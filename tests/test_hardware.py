@@ -4,7 +4,14 @@ import pytest
 from pydantic import ValidationError
 
 from zeroplan.hardware import (
-    GpuSpec, LinkSpec, get_gpu, get_interconnect, get_model, gpu_presets, interconnect_presets, model_presets,
+    GpuSpec,
+    LinkSpec,
+    get_gpu,
+    get_interconnect,
+    get_model,
+    gpu_presets,
+    interconnect_presets,
+    model_presets,
 )  # fmt: skip
 
 

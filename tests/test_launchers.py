@@ -29,7 +29,12 @@ OFFLOAD_KEYS = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_siz
 )  # fmt: skip
 def test_deepspeed_keys(stage, offload):
     config = deepspeed_config(stage, offload, micro_batch=2, grad_accum=8)
-    assert set(config) == {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "zero_optimization"}
+    assert set(config) == {
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "bf16",
+        "zero_optimization",
+    }
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (2, 8)
     assert config["bf16"] == {"enabled": True}
     zero = config["zero_optimization"]
@@ -92,4 +97,14 @@ def test_fsdp2_snippet_runs_under_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", SNIPPET_RUN, str(tmp_path / "store")],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["2", "FSDPNet", "DTensor", "3", "FSDPNet", "DTensor", "3", "FSDPNet", "DTensor"]
+    assert out.stdout.split() == [
+        "2",
+        "FSDPNet",
+        "DTensor",
+        "3",
+        "FSDPNet",
+        "DTensor",
+        "3",
+        "FSDPNet",
+        "DTensor",
+    ]

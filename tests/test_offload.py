@@ -24,7 +24,9 @@ def place(stage, offload, micro_steps=1):
 def test_no_offload_is_the_core_model(stage):
     b = place(stage, Offload())
     assert b.gpu == model_states((1000,), 4, stage, 2, 2, ADAM, "fp32", flat_layout=False)
-    assert (b.host_bytes, b.nvme_bytes, b.h2d_bytes, b.d2h_bytes, b.nvme_read_bytes, b.nvme_write_bytes) == (0,) * 6
+    assert (b.host_bytes, b.nvme_bytes, b.h2d_bytes, b.d2h_bytes, b.nvme_read_bytes, b.nvme_write_bytes) == (
+        0,
+    ) * 6
 
 
 def test_zero_offload_stage2():
@@ -96,6 +98,7 @@ def test_unknown_device():
 
 # Offload moves bytes, it does not create them, except at stage 1 where the full gradients stay on the GPU
 # and the CPU optimizer reads its own copy of the partition (Ren et al. 2021, sec. 4).
+
 
 @settings(max_examples=100, deadline=None)
 @given(numels=st.lists(st.integers(1, 10**6), min_size=1, max_size=6), nd=st.integers(1, 256),

@@ -53,7 +53,11 @@ def test_llama2_70b_on_h100():
     p = zeroplan.plan("llama2-70b", gpu="h100-80gb", gpus=64)
     assert p.params == 68_976_648_192
     assert [o.fits for o in p.stages] == [False, False, False, True]
-    assert [o.min_gpus for o in p.stages[:3]] == [None, None, None]  # 2Ψ params alone exceed 72 GiB at stage 2
+    assert [o.min_gpus for o in p.stages[:3]] == [
+        None,
+        None,
+        None,
+    ]  # 2Ψ params alone exceed 72 GiB at stage 2
     s3 = p.option(3)
     assert p.recommendation is s3
     # 16 bytes x ceil(n / 64) per tensor must stay under 0.9 x 80 GiB: 16 x 69.0e9 / 72 GiB -> 15 GPUs.

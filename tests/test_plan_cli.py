@@ -10,9 +10,27 @@ from typer.testing import CliRunner
 from zeroplan.cli import app
 
 runner = CliRunner()
-OPTION_KEYS = {"stage", "name", "offload", "label", "max_params", "max_params_with_headroom", "fits", "min_gpus"}
-MODEL_KEYS = {"gpu_bytes", "host_bytes_per_gpu", "host_bytes_per_node", "nvme_bytes_per_gpu", "nvme_bytes_per_node",
-              "pcie", "comm_volume_elements", "comm_bytes_per_rank", "comm_time"}  # fmt: skip
+OPTION_KEYS = {
+    "stage",
+    "name",
+    "offload",
+    "label",
+    "max_params",
+    "max_params_with_headroom",
+    "fits",
+    "min_gpus",
+}
+MODEL_KEYS = {
+    "gpu_bytes",
+    "host_bytes_per_gpu",
+    "host_bytes_per_node",
+    "nvme_bytes_per_gpu",
+    "nvme_bytes_per_node",
+    "pcie",
+    "comm_volume_elements",
+    "comm_bytes_per_rank",
+    "comm_time",
+}
 
 
 def run(*args):
@@ -50,7 +68,14 @@ def test_json_schema_with_a_model():
     assert len(d["offload"]) == 6
     for option in d["stages"] + d["offload"]:
         assert OPTION_KEYS | MODEL_KEYS <= option.keys()
-    assert set(d["stages"][3]["comm_time"]) >= {"link", "comm_s", "compute_s", "exposed_comm_s", "step_s", "collectives"}
+    assert set(d["stages"][3]["comm_time"]) >= {
+        "link",
+        "comm_s",
+        "compute_s",
+        "exposed_comm_s",
+        "step_s",
+        "collectives",
+    }
     assert [c["calls_per_step"] for c in d["stages"][3]["comm_time"]["collectives"]] == [4, 4, 4]
     rec = d["recommendation"]
     assert rec["stage"] == 3 and rec["offload"] == {"optimizer": "none", "params": "none"}
@@ -89,12 +114,27 @@ def test_activations_line_and_json():
 def test_offload_recommendation_when_allowed():
     d = run_json("--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "8", "--offload", "cpu")
     assert d["recommendation"]["label"] == "3 + optimizer->cpu"
-    assert d["recommendation"]["deepspeed"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert d["recommendation"]["deepspeed"]["zero_optimization"]["offload_optimizer"] == {
+        "device": "cpu",
+        "pin_memory": True,
+    }
 
 
 def test_overrides_win_over_presets():
-    d = run_json("--params", "7e9", "--gpu", "h100-80gb", "--gpu-memory", "40GB", "--bw", "100", "--inter-bw", "10",
-                 "--gpus", "16")  # fmt: skip
+    d = run_json(
+        "--params",
+        "7e9",
+        "--gpu",
+        "h100-80gb",
+        "--gpu-memory",
+        "40GB",
+        "--bw",
+        "100",
+        "--inter-bw",
+        "10",
+        "--gpus",
+        "16",
+    )
     assert d["inputs"]["gpu_memory_bytes"] == 40 * 10**9
     assert d["inputs"]["links"]["intra"]["bandwidth_gbps"] == 100
     assert d["inputs"]["links"]["ring"]["bandwidth_gbps"] == 10  # 16 GPUs span two 8-GPU nodes
@@ -140,7 +180,8 @@ def test_plan_never_imports_heavy_modules():
         "from zeroplan.cli import main\n"
         "sys.argv = ['zeroplan', 'plan', '--model', 'llama2-70b', '--gpu', 'h100-80gb', '--json']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'numpy') if m in sys.modules), file=sys.stderr)\n"
+        "heavy = ('torch', 'pandas', 'matplotlib', 'numpy')\n"
+        "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["inputs"]["params"] == 68_976_648_192

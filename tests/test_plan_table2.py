@@ -6,9 +6,9 @@ parameter), 32 GB = 32e9 bytes, N_d = GPUs / MP, and Ψ/N_m of the model per GPU
 """
 
 import pytest
+from paper import TABLES
 
 import zeroplan
-from paper import TABLES
 
 COLUMNS = {"baseline": 0, "Pos": 1, "Pos+g": 2, "Pos+g+p": 3}
 ROWS = [(row["MP"], row["GPUs"], col, printed) for row in TABLES["table2"]
@@ -31,7 +31,9 @@ def tolerance(printed: str) -> float:
 
 @pytest.mark.parametrize(("mp", "gpus", "column", "printed"), ROWS)
 def test_table2_max_theoretical(mp, gpus, column, printed):
-    p = zeroplan.plan(gpu_memory_bytes=32 * 10**9, gpus=gpus, model_parallel=mp, policy={"param_dtype": "fp16"})
+    p = zeroplan.plan(
+        gpu_memory_bytes=32 * 10**9, gpus=gpus, model_parallel=mp, policy={"param_dtype": "fp16"}
+    )
     got = p.option(COLUMNS[column]).max_params
     assert got == pytest.approx(parse_size(printed), rel=tolerance(printed))
 

@@ -71,7 +71,7 @@ def deepspeed_config(
 
 
 def fsdp2_snippet(stage: int, offload: Offload = Offload(), policy: PrecisionPolicy = POLICY) -> str:
-    """FSDP2 ``fully_shard`` code for ``stage`` and ``offload``, or a comment saying there is no equivalent."""
+    """FSDP2 ``fully_shard`` code for ``stage`` and ``offload``, or a comment saying it has no equivalent."""
     check_offload(stage, offload)
     if stage == 0:
         return (
@@ -85,25 +85,29 @@ def fsdp2_snippet(stage: int, offload: Offload = Offload(), policy: PrecisionPol
     if offload.any and not full_offload:
         return (
             f"# FSDP2 has no equivalent of stage {stage} + {offload.label}: its CPUOffloadPolicy offloads\n"
-            "# parameters, gradients and the optimizer step together (stage 3 + optimizer->cpu, params->cpu).\n"
+            "# parameters, gradients and the optimizer step together\n"
+            "# (stage 3 + optimizer->cpu, params->cpu).\n"
         )
     dtype = _TORCH_DTYPE.get(policy.param_dtype, "torch.bfloat16")
     reduce = _TORCH_DTYPE.get(policy.resolved_grad_dtype, dtype)
     reshard = "True" if stage == 3 else "False"
+    why = (
+        "parameters gathered again for backward" if stage == 3 else "parameters kept unsharded until backward"
+    )
     imports = "fully_shard, MixedPrecisionPolicy" + (", CPUOffloadPolicy" if full_offload else "")
     offload_arg = "\n    offload_policy=CPUOffloadPolicy(pin_memory=True)," if full_offload else ""
     return (
         "import torch\n"
         f"from torch.distributed.fsdp import {imports}\n\n"
         f"# ZeRO stage {stage}: reshard_after_forward={reshard} "
-        f"({'parameters gathered again for backward' if stage == 3 else 'parameters kept unsharded until backward'}).\n"
+        f"({why}).\n"
         "# FSDP2 keeps sharded parameters in their original dtype (fp32) and casts them for compute, so the\n"
         "# optimizer needs no master copy: fp32 params + fp32 grads + Adam m, v = 16 bytes/param per shard.\n"
         "kwargs = dict(\n"
         f"    mp_policy=MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce}),\n"
         f"    reshard_after_forward={reshard},{offload_arg}\n"
         ")\n"
-        "for block in model.layers:  # one FSDP unit per transformer block: one all-gather / reduce-scatter each\n"
+        "for block in model.layers:  # one FSDP unit per block: one all-gather and reduce-scatter each\n"
         "    fully_shard(block, **kwargs)\n"
         "fully_shard(model, **kwargs)\n"
         "# Gradient accumulation: model.set_requires_gradient_sync(False) on all but the last micro-step\n"
@@ -111,8 +115,16 @@ def fsdp2_snippet(stage: int, offload: Offload = Offload(), policy: PrecisionPol
     )
 
 
-def launcher_texts(stage: int, offload: Offload, micro_batch: int, grad_accum: int,
-                   policy: PrecisionPolicy, bucket_numel: Optional[int] = None) -> dict[str, object]:  # fmt: skip
+def launcher_texts(
+    stage: int,
+    offload: Offload,
+    micro_batch: int,
+    grad_accum: int,
+    policy: PrecisionPolicy,
+    bucket_numel: Optional[int] = None,
+) -> dict[str, object]:
     """Both launchers for one option: {"deepspeed": dict, "fsdp2": str}."""
-    ds = deepspeed_config(stage, offload, micro_batch, grad_accum, policy, bucket_numel or DEFAULT_BUCKET_NUMEL)
+    ds = deepspeed_config(
+        stage, offload, micro_batch, grad_accum, policy, bucket_numel or DEFAULT_BUCKET_NUMEL
+    )
     return {"deepspeed": ds, "fsdp2": fsdp2_snippet(stage, offload, policy)}

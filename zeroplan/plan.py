@@ -225,7 +225,9 @@ class Plan:
         return next(o for o in self.options if o.stage == stage and o.offload == offload)
 
 
-def _option(config: PlanConfig, stage: int, offload: Offload, numels, ring, compute_s, budget, host) -> PlanOption:
+def _option(
+    config: PlanConfig, stage: int, offload: Offload, numels, ring, compute_s, budget, host
+) -> PlanOption:
     row = get_stage(stage)
     nm, nd, policy = config.model_parallel, config.nd, config.policy
     sizes = dict(
@@ -238,8 +240,12 @@ def _option(config: PlanConfig, stage: int, offload: Offload, numels, ring, comp
     states = rank_states(numels, nd, stage, offload, policy, config.grad_accum, layout)
     full, _ = buffer_numels(numels, nd, stage, layout)
     p_dtype, g_dtype = policy.param_dtype, policy.resolved_grad_dtype
-    collectives = step_collectives(stage, full, nd, p_dtype, g_dtype, dtype_bytes(p_dtype), dtype_bytes(g_dtype))
-    time = step_time(stage, collectives, nd, ring, config.grad_accum, config.algorithm, config.bucket_numel, compute_s)
+    collectives = step_collectives(
+        stage, full, nd, p_dtype, g_dtype, dtype_bytes(p_dtype), dtype_bytes(g_dtype)
+    )
+    time = step_time(
+        stage, collectives, nd, ring, config.grad_accum, config.algorithm, config.bucket_numel, compute_s
+    )
     volume = sum(t.calls_per_step * t.collective.elements * (2 if t.collective.op == "all-reduce" else 1)
                  for t in time.collectives)  # fmt: skip
     return PlanOption(
@@ -294,7 +300,9 @@ def plan_config(config: PlanConfig) -> Plan:
     spec = config.transformer
     activations = None
     if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (zeroplan.activations)
-        activations = activation_bytes(spec, config.sequence_length, config.micro_batch, config.checkpointing, nm)
+        activations = activation_bytes(
+            spec, config.sequence_length, config.micro_batch, config.checkpointing, nm
+        )
     return Plan(
         config=config,
         params=None if whole is None else sum(whole),

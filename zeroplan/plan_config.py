@@ -150,10 +150,13 @@ class PlanConfig(BaseModel):
         if self.params is not None and not float(self.params).is_integer():
             raise ValueError(f"params={self.params}: must be a whole number of parameters")
         if self.gpu is None and self.gpu_memory_bytes is None:
-            raise ValueError("give a GPU preset (gpu, --gpu) or the GPU memory (gpu_memory_bytes, --gpu-memory)")
+            raise ValueError(
+                "give a GPU preset (gpu, --gpu) or the GPU memory (gpu_memory_bytes, --gpu-memory)"
+            )
         if self.gpus % self.model_parallel:
             raise ValueError(
-                f"model_parallel={self.model_parallel} does not divide gpus={self.gpus}: gpus must be N_d x N_m"
+                f"model_parallel={self.model_parallel} does not divide gpus={self.gpus}: "
+                "gpus must be N_d x N_m"
             )
         return self
 

@@ -14,7 +14,7 @@ SCHEMA = "zeroplan.plan/1"
 ESTIMATE_NOTE = (
     "Communication time is an alpha-beta estimate (nominal link bandwidth as nccl-tests bus bandwidth, "
     "ring/tree latency per step); it ignores protocol choice, achieved vs nominal bandwidth, in-network "
-    "reduction, contention with model-parallel traffic and stragglers. Compute is 6·Ψ·tokens at the given MFU."
+    "reduction, contention with model-parallel traffic and stragglers. Compute: 6·Ψ·tokens at the given MFU."
 )
 MEMORY_NOTE = (
     "Model states only (parameters, gradients, optimizer states; ZeRO sec. 3.1). Activations, buckets, "
@@ -69,7 +69,11 @@ def option_dict(o: PlanOption, per_node: int) -> dict:
             "exposed_comm_s": o.time.exposed_comm_s,
             "step_s": o.time.step_s,
             "collectives": [
-                {**t.collective.as_dict(), "calls_per_step": t.calls_per_step, "seconds_per_call": t.seconds_per_call}
+                {
+                    **t.collective.as_dict(),
+                    "calls_per_step": t.calls_per_step,
+                    "seconds_per_call": t.seconds_per_call,
+                }
                 for t in o.time.collectives
             ],
         },
@@ -91,8 +95,12 @@ def plan_dict(p: Plan) -> dict:
     rec = p.recommendation
     recommendation = None
     if rec is not None:
-        recommendation = {"stage": rec.stage, "offload": {"optimizer": rec.offload.optimizer,
-                          "params": rec.offload.params}, "label": rec.label, **_launchers(p, rec)}  # fmt: skip
+        recommendation = {
+            "stage": rec.stage,
+            "offload": {"optimizer": rec.offload.optimizer, "params": rec.offload.params},
+            "label": rec.label,
+            **_launchers(p, rec),
+        }
     return {
         "schema": SCHEMA,
         "inputs": {
@@ -115,8 +123,12 @@ def plan_dict(p: Plan) -> dict:
             "peak_flops": c.flops,
             "mfu": c.mfu,
             "bucket_numel": c.bucket_numel,
-            "links": {"intra": _link(p.intra), "inter": _link(p.inter), "ring": _link(p.ring),
-                      "host": _link(p.host_link)},  # fmt: skip
+            "links": {
+                "intra": _link(p.intra),
+                "inter": _link(p.inter),
+                "ring": _link(p.ring),
+                "host": _link(p.host_link),
+            },
             "policy": {
                 "param_dtype": c.policy.param_dtype,
                 "grad_dtype": c.policy.resolved_grad_dtype,
@@ -168,14 +180,18 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 def to_table(p: Plan, unit: str = "GiB") -> str:
     c = p.config
-    what = f"{c.model}: Ψ = {format_count(p.params)}" if c.model else (
-        f"Ψ = {format_count(p.params)}" if p.params else "no model given")
+    what = (
+        f"{c.model}: Ψ = {format_count(p.params)}"
+        if c.model
+        else (f"Ψ = {format_count(p.params)}" if p.params else "no model given")
+    )
     where = f"{c.gpus} x {c.gpu}" if c.gpu else f"{c.gpus} GPUs"
     lines = [
         f"{what}; {where} ({format_bytes(p.gpu_memory_bytes, unit)} each; N_d = {c.nd} x N_m = "
         f"{c.model_parallel}; {c.gpus_per_node} GPUs per node)",
         f"model states may use {format_bytes(p.budget_bytes, unit)} per GPU ({c.headroom:.0%} headroom); "
-        f"data-parallel ring on {p.ring.name} ({p.ring.bandwidth_gbps:g} GB/s, α {p.ring.alpha_s * 1e6:g} µs); "
+        f"data-parallel ring on {p.ring.name} ({p.ring.bandwidth_gbps:g} GB/s, "
+        f"α {p.ring.alpha_s * 1e6:g} µs); "
         f"host link {p.host_link.name} ({p.host_link.bandwidth_gbps:g} GB/s)",
     ]
     if p.params is not None:
@@ -191,21 +207,39 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         row = [o.label, _count(o.max_params), _count(o.max_params_with_headroom)]
         if o.states is not None:
             s = o.states
-            row[1:1] = [_size(s.gpu.model_states_bytes, unit), _size(s.host_bytes * per_node, unit),
-                        _size(s.nvme_bytes * per_node, unit), "yes" if o.fits else "no",
-                        "never" if o.min_gpus is None else str(o.min_gpus)]  # fmt: skip
-            row += [_size(o.comm_bytes_per_rank, unit), _seconds(o.time.comm_s), _seconds(o.time.exposed_comm_s),
-                    _seconds(o.pcie_s) if o.offload.any else "-"]  # fmt: skip
+            row[1:1] = [
+                _size(s.gpu.model_states_bytes, unit),
+                _size(s.host_bytes * per_node, unit),
+                _size(s.nvme_bytes * per_node, unit),
+                "yes" if o.fits else "no",
+                "never" if o.min_gpus is None else str(o.min_gpus),
+            ]
+            row += [
+                _size(o.comm_bytes_per_rank, unit),
+                _seconds(o.time.comm_s),
+                _seconds(o.time.exposed_comm_s),
+                _seconds(o.pcie_s) if o.offload.any else "-",
+            ]
         rows.append(row)
     lines += _table(rows)
     lines += ["", f"Recommendation: {_recommendation(p, unit)}"]
     rec = p.recommendation
     if rec is not None:
         texts = _launchers(p, rec)
-        lines += ["", "DeepSpeed config:", json.dumps(texts["deepspeed"], indent=2), "", "FSDP2:",
-                  texts["fsdp2"].rstrip("\n")]  # fmt: skip
-    lines += ["", MEMORY_NOTE, ESTIMATE_NOTE,
-              "max Ψ: largest model whose states fill the GPU (ZeRO Table 2); min GPUs: fewest N_d x N_m that fit."]  # fmt: skip
+        lines += [
+            "",
+            "DeepSpeed config:",
+            json.dumps(texts["deepspeed"], indent=2),
+            "",
+            "FSDP2:",
+            texts["fsdp2"].rstrip("\n"),
+        ]
+    lines += [
+        "",
+        MEMORY_NOTE,
+        ESTIMATE_NOTE,
+        "max Ψ: largest model whose states fill the GPU (ZeRO Table 2); min GPUs: fewest N_d x N_m that fit.",
+    ]
     return "\n".join(lines)
 
 
@@ -214,7 +248,8 @@ def _recommendation(p: Plan, unit: str) -> str:
     if rec is None:
         return p.reason
     t = rec.time
-    comm = f"sends {format_bytes(rec.comm_bytes_per_rank, unit)} per GPU per step, ≈ {_seconds(t.comm_s)} of communication"
+    sent = format_bytes(rec.comm_bytes_per_rank, unit)
+    comm = f"sends {sent} per GPU per step, ≈ {_seconds(t.comm_s)} of communication"
     if t.compute_s is not None:
         comm += f" ({_seconds(t.exposed_comm_s)} exposed behind {_seconds(t.compute_s)} of compute)"
     return f"ZeRO stage {rec.label}: {p.reason}; {comm}."
@@ -223,10 +258,17 @@ def _recommendation(p: Plan, unit: str) -> str:
 def activation_line(p: Plan, unit: str) -> str:
     """Activations against the headroom (they are not model states, so not in the fit)."""
     c = p.config
-    shape = f"{c.checkpointing} recomputation, s = {c.sequence_length}, b = {c.micro_batch}, t = N_m = {c.model_parallel}"
+    shape = (
+        f"{c.checkpointing} recomputation, s = {c.sequence_length}, b = {c.micro_batch}, "
+        f"t = N_m = {c.model_parallel}"
+    )
     if p.activation_bytes is None:
-        return (f"activations ({shape}): not estimated; Korthikanti et al. 2022 publish constants for GPT-style "
-                "layers only, use --checkpointing full for this model")  # fmt: skip
+        return (
+            f"activations ({shape}): not estimated; Korthikanti et al. 2022 publish constants for "
+            "GPT-style layers only, use --checkpointing full for this model"
+        )
     verdict = "within" if p.activation_bytes <= p.headroom_bytes else "MORE than"
-    return (f"activations ≈ {format_bytes(p.activation_bytes, unit)} per GPU (Korthikanti et al. 2022, {shape}): "
-            f"{verdict} the {format_bytes(p.headroom_bytes, unit)} headroom")  # fmt: skip
+    size, headroom = format_bytes(p.activation_bytes, unit), format_bytes(p.headroom_bytes, unit)
+    return (
+        f"activations ≈ {size} per GPU (Korthikanti et al. 2022, {shape}): {verdict} the {headroom} headroom"
+    )
