@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 import zeroplan
+import zeroplan.hardware
 from zeroplan.cli import app
 from zeroplan.plan import rank_states
 from zeroplan.render import stage_dict
@@ -38,11 +39,12 @@ def scalar_rows(psi=None, gpus=1, mp=1, numels=None, gpu_memory_bytes=None, **po
         d = stage_dict(s)
         d["collectives"] = collectives_summary(s.collectives)
         rows.append({"params": e.total_params, "gpus": gpus, "model_parallel": mp, "nd": e.nd, "psi": e.psi,
-                     "offload": "none", **d, **NOTHING_OFFLOADED})  # fmt: skip
+                     "micro_batch": 1, "offload": "none", **d, **NOTHING_OFFLOADED, **NO_ACTIVATIONS})  # fmt: skip
     return rows
 
 
 NOTHING_OFFLOADED = {"host_bytes": 0, "nvme_bytes": 0, "h2d_bytes": 0, "d2h_bytes": 0}
+NO_ACTIVATIONS = {"activation_bytes": None, "total_bytes": None, "total_fits": None}  # no model shape given
 
 
 def assert_same_rows(frame, expected):
@@ -186,6 +188,9 @@ def test_cli_csv_and_json_equal_the_api(tmp_path):
         (["--gpus", "8"], "give exactly one of --params, --shapes and --model"),
         (["--model", "llama2-7b", "--params", "7e9"], "give exactly one of --params, --shapes and --model"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--params", "7e9", "--micro-batch", "2"], "micro_batch and seq_len change only activations"),
+        (["--model", "llama2-7b", "--micro-batch", "1,x"], "micro-batch='x': not a whole number"),
+        (["--model", "llama2-7b", "--checkpointing", "most"], "checkpointing='most'"),
         (["--params", "7e9", "--out", "/nonexistent-dir/x.csv"], "directory '/nonexistent-dir' does not exist"),
     ],
 )
@@ -259,3 +264,55 @@ def test_bad_offload_names_the_value(kwargs, message):
     with pytest.raises((ValidationError, ValueError)) as info:
         sweep([7e9], [8], **kwargs)
     assert message in str(info.value)
+
+
+def test_model_preset_rows_equal_estimate_and_activations_equal_the_plan():
+    # Llama-2-70B on H100s: model states from estimate(tensor_numels=...), activations (Korthikanti et al.
+    # 2022, full recomputation: 2·s·b·h·L bytes) from the same function zeroplan.plan uses.
+    h100 = 80 * 2**30
+    frame = sweep(model="llama2-70b", gpus=[64, 128], model_parallel=[1, 8], micro_batch=[1, 4], stages=[2, 3],
+                  gpu_memory_bytes=h100, param_dtype="bf16")  # fmt: skip
+    numels = zeroplan.hardware.get_model("llama2-70b").tensor_numels
+    rows = to_records(frame)
+    assert len(rows) == 2 * 2 * 2 * 2
+    for row in rows:
+        (expected,) = [r for r in scalar_rows(None, row["gpus"], row["model_parallel"], numels, h100, param_dtype="bf16")
+                       if r["stage"] == row["stage"]]  # fmt: skip
+        core = {k: v for k, v in row.items() if k not in ("micro_batch", *NO_ACTIVATIONS)}
+        assert core == {k: v for k, v in expected.items() if k not in ("micro_batch", *NO_ACTIVATIONS)}
+        plan = zeroplan.plan("llama2-70b", gpu="h100-80gb", gpus=row["gpus"], model_parallel=row["model_parallel"],
+                             micro_batch=row["micro_batch"])  # fmt: skip
+        assert row["activation_bytes"] == plan.activation_bytes
+        assert row["total_bytes"] == row["model_states_bytes"] + plan.activation_bytes
+        assert row["total_fits"] == (row["total_bytes"] <= h100)
+    # 2 · 4096 tokens · 8192 hidden · 80 layers bytes for one sequence.
+    assert rows[0]["activation_bytes"] == 2 * 4096 * 8192 * 80
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"params": [7e9], "micro_batch": [2]}, "micro_batch and seq_len change only activations"),
+        ({"model": "llama2-7b", "params": [7e9]}, "give exactly one of params, tensor_numels and model"),
+        ({"model": "no-such-model"}, "unknown model 'no-such-model'"),
+        ({"model": "llama2-7b", "micro_batch": [0]}, "micro_batch=0: must be >= 1"),
+        ({"model": "llama2-7b", "micro_batch": [2, 2]}, "micro_batch: 2 is listed twice"),
+        ({"model": "llama2-7b", "seq_len": 0}, "seq_len=0: must be >= 1"),
+        ({"model": "llama2-7b", "checkpointing": "some"}, "checkpointing='some': expected one of none, selective, full"),
+    ],
+)
+def test_bad_model_and_micro_batch_values(kwargs, message):
+    with pytest.raises((ValidationError, ValueError)) as info:
+        sweep(**kwargs)
+    assert message in str(info.value)
+
+
+def test_cli_model_and_micro_batch_columns():
+    r = runner.invoke(app, ["sweep", "--model", "llama2-70b", "--gpus", "64", "--stage", "3", "--micro-batch", "1,8",
+                            "--gpu", "h100-80gb"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(io.StringIO(r.stdout)))
+    assert [row["micro_batch"] for row in rows] == ["1", "8"]
+    # Full recomputation keeps each layer's input: 2·s·b·h·L bytes = 2·4096·b·8192·80 (Korthikanti et al.).
+    assert [int(row["activation_bytes"]) for row in rows] == [2 * 4096 * b * 8192 * 80 for b in (1, 8)]
+    assert [row["total_fits"] for row in rows] == ["True", "True"]

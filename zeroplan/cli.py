@@ -153,6 +153,11 @@ def sweep(
     offload: str = typer.Option(
         "none", help="Comma-separated: none, cpu, nvme (optimizer states) or OPT/PARAMS, e.g. cpu/cpu (stage 3)."
     ),
+    micro_batch: str = typer.Option(
+        "1", "--micro-batch", help="Sequences per GPU per micro-step, comma-separated (activations; needs --model)."
+    ),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default: the preset's)."),
+    checkpointing: str = typer.Option("full", help="Activation recomputation assumed: none, selective, full."),
     param_dtype: str = typer.Option("fp16", help="Working parameter dtype: fp16, bf16, fp32, fp8."),
     grad_dtype: Optional[str] = typer.Option(None, help="Gradient dtype (default: param dtype)."),
     master_weights: Optional[bool] = typer.Option(
@@ -172,15 +177,16 @@ def sweep(
     from zeroplan.sweep import to_csv, to_json, write_text_atomic
     from zeroplan.units import parse_count
 
-    from zeroplan.hardware import get_model
-
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
     capacity, _ = gpu_capacity(gpu, gpu_memory)
-    numels = load_numels(shapes) if shapes is not None else get_model(model).tensor_numels if model else None
     config = SweepConfig(
         params=parse_list(params, "params", parse_count) if params is not None else None,
-        tensor_numels=numels,
+        tensor_numels=load_numels(shapes) if shapes is not None else None,
+        model=model,
+        micro_batch=parse_list(micro_batch, "micro-batch", lambda t: parse_whole(t, "micro-batch")),
+        seq_len=seq_len,
+        checkpointing=checkpointing,
         gpus=parse_list(gpus, "gpus", lambda t: parse_whole(t, "gpus")),
         model_parallel=parse_list(model_parallel, "model-parallel", lambda t: parse_whole(t, "model-parallel")),
         stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),

@@ -41,15 +41,18 @@ MAX_GPUS = 2**40
 """Largest GPU count a sweep accepts; with ``MAX_PARAMS`` it keeps ring byte counts below 2**63."""
 
 COLUMNS = (
-    "params", "gpus", "model_parallel", "nd", "psi", "stage", "name", "offload",
+    "params", "gpus", "model_parallel", "nd", "psi", "micro_batch", "stage", "name", "offload",
     "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes", "reduction_vs_dp", "fits",
     "comm_volume_elements", "comm_bytes_per_rank", "collectives",
     "host_bytes", "nvme_bytes", "h2d_bytes", "d2h_bytes",
+    "activation_bytes", "total_bytes", "total_fits",
 )  # fmt: skip
 """Columns of a sweep: the configuration, then the keys of ``estimate --json`` ``stages[]``
 (``zeroplan.render.stage_dict``) with the collectives list summarised by ``collectives_summary``, then
 where offloaded states live and the host traffic per step (``zeroplan.offload``; 0 without offload).
-With offload, the memory columns are what stays in GPU memory."""
+With offload, the memory columns are what stays in GPU memory. With a reference ``model``, activations
+per GPU for each micro-batch (``zeroplan.activations``), ``total_bytes`` = GPU model states +
+activations and ``total_fits``; these are empty without a model or where no estimate exists."""
 
 OFFLOAD_HELP = (
     "offload: 'none', or OPT[/PARAMS] with each of none, cpu, nvme: where the optimizer states "
@@ -75,6 +78,14 @@ class SweepConfig(BaseModel):
     """Ψ values of the whole model, in parameters; give this or ``tensor_numels``."""
     tensor_numels: Optional[tuple[int, ...]] = None
     """elements of every parameter tensor of one model (exact padding); replaces ``params``."""
+    model: Optional[str] = None
+    """reference model preset (``zeroplan.hardware``): its tensors, and its shape for activations."""
+    micro_batch: tuple[int, ...] = (1,)
+    """sequences per GPU per micro-step; changes only the activation columns (needs ``model``)."""
+    seq_len: Optional[int] = None
+    """tokens per sequence for activations; default the preset's."""
+    checkpointing: str = "full"
+    """activation recomputation assumed: none, selective or full (``zeroplan.activations``)."""
     gpus: tuple[int, ...] = (1,)
     """total GPU counts = N_d x N_m."""
     model_parallel: tuple[int, ...] = (1,)
@@ -87,7 +98,7 @@ class SweepConfig(BaseModel):
     """memory of one GPU in bytes, for the ``fits`` column; None leaves it empty."""
     policy: PrecisionPolicy = PrecisionPolicy()
 
-    @field_validator("gpus", "model_parallel", "stages", mode="before")
+    @field_validator("gpus", "model_parallel", "stages", "micro_batch", mode="before")
     @classmethod
     def _whole(cls, v: object, info) -> object:
         if isinstance(v, (list, tuple)):
@@ -114,7 +125,38 @@ class SweepConfig(BaseModel):
             return tuple(x if isinstance(x, Offload) else parse_offload(x) for x in v)
         return v
 
-    @field_validator("params", "gpus", "model_parallel", "stages", "offload")
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: Optional[str]) -> Optional[str]:
+        from zeroplan.hardware import get_model
+
+        return None if v is None else get_model(v).name
+
+    @field_validator("micro_batch")
+    @classmethod
+    def _micro_batch(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        for b in v:
+            if b < 1:
+                raise ValueError(f"micro_batch={b}: must be >= 1")
+        return v
+
+    @field_validator("seq_len")
+    @classmethod
+    def _seq_len(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and v < 1:
+            raise ValueError(f"seq_len={v}: must be >= 1")
+        return v
+
+    @field_validator("checkpointing")
+    @classmethod
+    def _checkpointing(cls, v: str) -> str:
+        from zeroplan.activations import CHECKPOINTING
+
+        if v not in CHECKPOINTING:
+            raise ValueError(f"checkpointing={v!r}: expected one of {', '.join(CHECKPOINTING)}")
+        return v
+
+    @field_validator("params", "gpus", "model_parallel", "stages", "offload", "micro_batch")
     @classmethod
     def _listed(cls, v: Optional[tuple], info) -> Optional[tuple]:
         if v is None:
@@ -164,14 +206,18 @@ class SweepConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "SweepConfig":
+        if self.model is not None and (self.params is not None or self.tensor_numels is not None):
+            raise ValueError("give exactly one of params, tensor_numels and model")
+        if self.model is None and (self.micro_batch != (1,) or self.seq_len is not None):
+            raise ValueError("micro_batch and seq_len change only activations, which need a reference model")
         # One representative EstimateConfig checks tensor_numels, gpu_memory_bytes and params-xor-shapes.
         _check(
             params=self.params[0] if self.params else None,
-            tensor_numels=self.tensor_numels,
+            tensor_numels=self.numels,
             gpu_memory_bytes=self.gpu_memory_bytes,
         )
-        if self.tensor_numels and sum(self.tensor_numels) > MAX_PARAMS:
-            raise ValueError(f"tensor_numels: {sum(self.tensor_numels):g} elements, above {MAX_PARAMS:.3g}")
+        if self.numels and sum(self.numels) > MAX_PARAMS:
+            raise ValueError(f"tensor_numels: {sum(self.numels):g} elements, above {MAX_PARAMS:.3g}")
         if not any(g % m == 0 for g in self.gpus for m in self.model_parallel):
             raise ValueError(
                 f"no model_parallel in {list(self.model_parallel)} divides any gpus in {list(self.gpus)}"
@@ -180,6 +226,15 @@ class SweepConfig(BaseModel):
             offloads = ", ".join(o.label for o in self.offload)
             raise ValueError(f"offload ({offloads}) is possible at none of stages {list(self.stages)}: {_why(self)}")
         return self
+
+    @property
+    def numels(self) -> Optional[tuple[int, ...]]:
+        """Every tensor of the model: ``tensor_numels`` or the preset's; None for a bare Ψ."""
+        if self.model is not None:
+            from zeroplan.hardware import get_model
+
+            return get_model(self.model).tensor_numels
+        return self.tensor_numels
 
     @property
     def pairs(self) -> tuple[tuple[int, Offload], ...]:
@@ -230,17 +285,38 @@ def _collectives_column(sweep_rows: list, nd: np.ndarray) -> pd.Categorical:
 
 
 def _grid(config: SweepConfig) -> dict[str, np.ndarray]:
-    """Every valid (params, gpus, model_parallel) combination, params slowest, as int64 arrays."""
-    params = [int(p) for p in config.params] if config.params else [sum(config.tensor_numels)]
-    p, g, m = np.meshgrid(
+    """Every valid (params, gpus, model_parallel, micro_batch) combination, params slowest, as int64 arrays."""
+    params = [int(p) for p in config.params] if config.params else [sum(config.numels)]
+    p, g, m, b = np.meshgrid(
         np.array(params, dtype=np.int64),
         np.array(config.gpus, dtype=np.int64),
         np.array(config.model_parallel, dtype=np.int64),
+        np.array(config.micro_batch, dtype=np.int64),
         indexing="ij",
     )
-    p, g, m = p.ravel(), g.ravel(), m.ravel()
+    p, g, m, b = p.ravel(), g.ravel(), m.ravel(), b.ravel()
     keep = g % m == 0
-    return {"params": p[keep], "gpus": g[keep], "model_parallel": m[keep]}
+    return {"params": p[keep], "gpus": g[keep], "model_parallel": m[keep], "micro_batch": b[keep]}
+
+
+def _activations(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes, known) per configuration: ``zeroplan.activations`` once per distinct (N_m, micro-batch),
+    with N_m taken as tensor parallelism as ``zeroplan.plan`` does; unknown without a model."""
+    out, known = np.zeros(m.shape, dtype=np.int64), np.zeros(m.shape, dtype=bool)
+    if config.model is None:
+        return out, known
+    from zeroplan.activations import activation_bytes
+    from zeroplan.hardware import get_model
+
+    preset = get_model(config.model)
+    seq_len = config.seq_len or preset.seq_len
+    for nm in config.model_parallel:
+        for mb in config.micro_batch:
+            value = activation_bytes(preset.spec, seq_len, mb, config.checkpointing, nm)
+            if value is not None:
+                where = (m == nm) & (b == mb)
+                out[where], known[where] = value, True
+    return out, known
 
 
 def sweep_config(config: SweepConfig) -> pd.DataFrame:
@@ -249,13 +325,13 @@ def sweep_config(config: SweepConfig) -> pd.DataFrame:
     grid = _grid(config)
     m = grid["model_parallel"]
     nd = grid["gpus"] // m
-    if config.tensor_numels:
-        numels = tuple(shard_numel(n, m) for n in config.tensor_numels)
+    if config.numels:
+        numels = tuple(shard_numel(n, m) for n in config.numels)
     else:
         numels = (shard_numel(grid["params"], m),)
     # Ψ per model-parallel rank, rounded up per tensor as in ``zeroplan.api.model_numels``.
     psi = sum(numels)
-    flat_layout = config.tensor_numels is not None
+    flat_layout = config.numels is not None
     by_stage = {
         r.stage: r for r in stage_estimates(numels, nd, config.policy, config.stages, config.gpu_memory_bytes, flat_layout)
     }
@@ -280,18 +356,25 @@ def sweep_config(config: SweepConfig) -> pd.DataFrame:
         fits = pd.arrays.BooleanArray(np.zeros(n_rows, dtype=bool), mask=np.ones(n_rows, dtype=bool))
     else:
         fits = pd.arrays.BooleanArray(per_row("fits"), mask=np.zeros(n_rows, dtype=bool))
+    act, known = (repeat(a) for a in _activations(config, m, grid["micro_batch"]))
+    total = per_row("model_states_bytes") + act
+    total_fits = total <= (config.gpu_memory_bytes or 0)
     columns = {
         "params": repeat(grid["params"]),
         "gpus": repeat(grid["gpus"]),
         "model_parallel": repeat(m),
         "nd": repeat(nd),
         "psi": repeat(np.broadcast_to(psi, nd.shape)),
+        "micro_batch": repeat(grid["micro_batch"]),
         "stage": np.tile(np.array([s for s, _ in pairs], dtype=np.int64), nd.size),
         "name": categorical([STAGES[s].name for s, _ in pairs]),
         "offload": categorical([o.label for _, o in pairs]),
         **{key: per_row(key) for key in COLUMNS if key in blocks[0] and key != "fits"},
         "fits": fits,
         "collectives": _collectives_column([by_stage[s] for s, _ in pairs], nd),
+        "activation_bytes": pd.arrays.IntegerArray(act, mask=~known),
+        "total_bytes": pd.arrays.IntegerArray(total, mask=~known),
+        "total_fits": pd.arrays.BooleanArray(total_fits, mask=~known | (config.gpu_memory_bytes is None)),
     }
     return pd.DataFrame(columns, columns=list(COLUMNS))
 
@@ -347,6 +430,10 @@ def sweep(
     stages: Sequence[int] = (0, 1, 2, 3),
     offload: Sequence[str | Offload] = ("none",),
     tensor_numels: Sequence[int] | None = None,
+    model: str | None = None,
+    micro_batch: Sequence[int] = (1,),
+    seq_len: int | None = None,
+    checkpointing: str = "full",
     gpu_memory_bytes: int | None = None,
     **policy: object,
 ) -> pd.DataFrame:
@@ -364,6 +451,10 @@ def sweep(
         model_parallel=tuple(model_parallel),
         stages=tuple(stages),
         offload=tuple(offload),
+        model=model,
+        micro_batch=tuple(micro_batch),
+        seq_len=seq_len,
+        checkpointing=checkpointing,
         gpu_memory_bytes=gpu_memory_bytes,
         policy=PrecisionPolicy(**policy),
     )
@@ -404,8 +495,9 @@ def parse_whole(text: str, what: str) -> int:
 
 def to_records(frame: pd.DataFrame) -> list[dict]:
     """Rows as plain Python values (``fits`` None when unknown), for JSON."""
-    out = frame.astype({"fits": object, "reduction_vs_dp": object, "name": str, "offload": str, "collectives": str})
-    for column in ("fits", "reduction_vs_dp"):  # unknown fit, no ratio when nothing stays on the GPU
+    nullable = ("fits", "reduction_vs_dp", "activation_bytes", "total_bytes", "total_fits")
+    out = frame.astype({**dict.fromkeys(nullable, object), "name": str, "offload": str, "collectives": str})
+    for column in nullable:  # unknown fit or activations, no ratio when nothing stays on the GPU
         out[column] = out[column].where(out[column].notna(), None)
     return out.to_dict(orient="records")
 
