@@ -101,6 +101,10 @@ def test_compute_estimate_and_comm_per_step():
     assert p.option(2).comm_volume_elements == 4 * 10**9 + 10**9  # reduce-scatter x 4 + one all-gather
 
 
+def test_integral_float_bytes_are_accepted():
+    assert zeroplan.plan(gpu_memory_bytes=32e9, gpus=64).option(3).max_params == 128 * 10**9
+
+
 def test_no_model_reports_only_sizes():
     p = zeroplan.plan(gpu="h100-80gb", gpus=8)
     assert p.recommendation is None and p.option(3).fits is None

@@ -161,6 +161,7 @@ BAD = [
     (["--gpu", "h100-80gb", "--gpus", "two"], "Invalid value for '--gpus'"),
     (["--params", "7e9"], "give a GPU preset"),
     (["--gpu", "h100-80gb", "--checkpointing", "some"], "checkpointing"),
+    (["--gpu", "h100-80gb", "--peak-tflops", "-1"], "peak-tflops=-1: must be a positive finite number"),
 ]
 
 

@@ -301,6 +301,8 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
 ) -> None:
     """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
+    import math
+
     from zeroplan.config import PrecisionPolicy
     from zeroplan.plan import plan_config
     from zeroplan.plan_config import PlanConfig
@@ -309,6 +311,8 @@ def plan(
 
     if model is not None and params is not None:
         raise UserError("--model and --params are exclusive: choose one")
+    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
+        raise UserError(f"peak-tflops={peak_tflops:g}: must be a positive finite number")
     config = PlanConfig(
         model=model,
         params=parse_count(params) if params is not None else None,

@@ -123,6 +123,8 @@ class PlanConfig(BaseModel):
     def _whole(cls, v: object, info) -> object:
         if v is None:
             return v
+        if info.field_name.endswith("_bytes") and isinstance(v, float) and v.is_integer():
+            v = int(v)  # 32e9 bytes is a whole number of bytes
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{info.field_name}={v!r}: must be a whole number")
         if v < 1:
