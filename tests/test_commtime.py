@@ -1,6 +1,8 @@
 """Alpha-beta communication time against hand-computed cases (nccl-tests bus-bandwidth factors)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zeroplan.comm import step_collectives
 from zeroplan.commtime import alpha_beta_time_s, exposed_comm_s, latency_steps, ring_link, step_time
@@ -102,3 +104,18 @@ def test_bad_inputs():
         step_time(0, collectives(0), 8, NVLINK, grad_accum=0)
     with pytest.raises(ValueError, match="algorithm='mesh'"):
         latency_steps("all-reduce", 8, "mesh")
+
+
+@settings(max_examples=100, deadline=None)
+@given(stage=st.integers(0, 3), elements=st.integers(1, 10**10), nd=st.integers(2, 1024),
+       grad_accum=st.integers(1, 16), gbps=st.floats(1, 1000))  # fmt: skip
+def test_time_grows_with_accumulation_and_shrinks_with_bandwidth(stage, elements, nd, grad_accum, gbps):
+    link = LinkSpec(name="l", scope="intra", bandwidth_gbps=gbps, alpha_s=5e-6)
+    faster = LinkSpec(name="f", scope="intra", bandwidth_gbps=2 * gbps, alpha_s=5e-6)
+    cs = collectives(stage, elements, nd)
+    t = step_time(stage, cs, nd, link, grad_accum)
+    assert step_time(stage, cs, nd, link, grad_accum + 1).comm_s >= t.comm_s
+    assert step_time(stage, cs, nd, faster, grad_accum).comm_s < t.comm_s
+    # Overlap never makes communication negative nor larger than running it back to back.
+    exposed = exposed_comm_s(t.collectives, 1.0, grad_accum)
+    assert 0 <= exposed <= t.comm_s + 1e-12

@@ -249,7 +249,11 @@ def _recommendation(p: Plan, unit: str) -> str:
         return p.reason
     t = rec.time
     sent = format_bytes(rec.comm_bytes_per_rank, unit)
-    comm = f"sends {sent} per GPU per step, ≈ {_seconds(t.comm_s)} of communication"
+    volume = f"{rec.comm_volume_elements / p.psi:.2f}Ψ" if p.psi else "0Ψ"
+    comm = (
+        f"moves {volume} per step (ZeRO sec. 7 count), sends {sent} per GPU, "
+        f"≈ {_seconds(t.comm_s)} of communication"
+    )
     if t.compute_s is not None:
         comm += f" ({_seconds(t.exposed_comm_s)} exposed behind {_seconds(t.compute_s)} of compute)"
     return f"ZeRO stage {rec.label}: {p.reason}; {comm}."
