@@ -114,12 +114,12 @@ def test_offload_moves_bytes(numels, nd, option, micro_steps):
 
 
 def test_zero_offload_single_v100():
-    # Ren et al. 2021 (abstract, sec. 6.2): ZeRO-Offload trains a 13B model on one 32 GB V100, where
-    # PyTorch DDP fits 1.4B. Model states alone bound those at 2Ψ <= 32e9 (16B) and 16Ψ <= 32e9 (2B); the
-    # measured sizes sit below the bounds by the activations and buffers the paper also had to fit.
+    # Ren et al. 2021 (abstract): ZeRO-Offload trains models of over 13B parameters on a single 32 GB V100.
+    # Model states alone bound that at 2Ψ <= 32e9 (16B; DDP: 16Ψ <= 32e9, 2B); the measured size sits
+    # below the bound by the activations and buffers the paper also had to fit.
     from zeroplan.plan import max_params
 
     offload = max_params(32 * 10**9, 2, nd=1, offload=Offload("cpu"))
     ddp = max_params(32 * 10**9, 0, nd=1)
     assert (offload, ddp) == (16 * 10**9, 2 * 10**9)
-    assert 13e9 <= offload and 1.4e9 <= ddp
+    assert 13e9 <= offload
