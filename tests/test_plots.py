@@ -79,7 +79,7 @@ def test_predicted_vs_measured_marks_runs_outside_bounds(tmp_path):
     heights = [p.get_height() for p in states_ax.patches]
     assert heights[:8] == [r["predicted_model_states_bytes"] / 1e6 for r in RESULT_ROWS]
     assert heights[8:] == [r["measured_model_states_bytes"] / 1e6 for r in RESULT_ROWS]
-    assert [t.get_text() for t in states_ax.texts] == ["1x"] * 8
+    assert [t.get_text() for t in states_ax.texts] == ["+0%"] * 8  # (measured - predicted) / predicted
     assert [t.get_text() for t in states_ax.get_xticklabels()][:2] == ["stage 0\n2 ranks", "stage 0\n4 ranks"]
 
 

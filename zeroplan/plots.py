@@ -305,8 +305,8 @@ def predicted_vs_measured(rows: Sequence[ValidationRow]) -> Figure:
                edgecolor=["#d62728" if not r.ok else c for r, c in zip(rows, colors)],
                linewidth=[3 if not r.ok else 1 for r in rows])  # fmt: skip
         for i, (p, m) in enumerate(zip(pred, meas)):
-            if p > 0:  # the ratio a reader would otherwise compute by eye
-                ax.annotate(f"{m / p:.3g}x", (i, max(p, m) / scale), ha="center", va="bottom", fontsize=8,
+            if p > 0:  # the relative error a reader would otherwise estimate by eye
+                ax.annotate(f"{100 * (m - p) / p:+.2g}%", (i, max(p, m) / scale), ha="center", va="bottom", fontsize=8,
                             xytext=(0, 2), textcoords="offset points")  # fmt: skip
         ax.set_ylim(top=max(pred + meas) / scale * 1.12)
         ax.set_xticks(x, labels, fontsize=8.5)
