@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from zeroplan.api import bytes_per_param
+from zeroplan.config import PrecisionPolicy
 from zeroplan.hardware import LinkSpec
 from zeroplan.launchers import launcher_texts
 from zeroplan.plan import Plan, PlanOption
@@ -20,6 +22,13 @@ MEMORY_NOTE = (
     "Model states only (parameters, gradients, optimizer states; ZeRO sec. 3.1). Activations, buckets, "
     "gathered stage-3 layers and fragmentation must fit in the headroom; they are not modelled."
 )
+
+
+def convention_line(policy: PrecisionPolicy) -> str:
+    """'bytes per parameter: bf16 params 2 + bf16 grads 2 + fp32 master 4 + ... = 16 (K = 12)'."""
+    rows = bytes_per_param(policy)
+    parts = " + ".join(f"{name} {b:g}" for name, b in rows)
+    return f"bytes per parameter: {parts} = {sum(b for _, b in rows):g} (K = {sum(b for _, b in rows[2:]):g})"
 
 
 def _link(link: LinkSpec) -> dict:
@@ -129,6 +138,7 @@ def plan_dict(p: Plan) -> dict:
                 "ring": _link(p.ring),
                 "host": _link(p.host_link),
             },
+            "bytes_per_param": dict(bytes_per_param(c.policy)),
             "policy": {
                 "param_dtype": c.policy.param_dtype,
                 "grad_dtype": c.policy.resolved_grad_dtype,
@@ -193,6 +203,7 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         f"data-parallel ring on {p.ring.name} ({p.ring.bandwidth_gbps:g} GB/s, "
         f"α {p.ring.alpha_s * 1e6:g} µs); "
         f"host link {p.host_link.name} ({p.host_link.bandwidth_gbps:g} GB/s)",
+        convention_line(c.policy),
     ]
     if p.params is not None:
         lines.append(activation_line(p, unit))
