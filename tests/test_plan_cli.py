@@ -97,6 +97,7 @@ def test_table_output_has_recommendation_and_launchers():
     r = run("--model", "llama3-8b", "--gpu", "a100-80gb", "--gpus", "8")
     assert r.exit_code == 0, r.output
     assert "Recommendation: ZeRO stage 1:" in r.stdout
+    assert "bf16 params 2 + bf16 grads 2 + fp32 master 4 + fp32 Adam m 4 + fp32 Adam v 4 = 16 (K = 12)" in r.stdout
     assert '"zero_optimization": {' in r.stdout and '"stage": 1' in r.stdout
     assert "FSDP2 has no stage-1 equivalent" in r.stdout
     assert "alpha-beta estimate" in r.stdout
