@@ -20,6 +20,7 @@ from pathlib import Path
 from validate.config import ValidateConfig
 
 LOG_TAIL_CHARS = 1500
+POLL_S = 0.05  # short enough that the crashing rank is seen before its peers notice
 
 
 class RunFailed(RuntimeError):
@@ -61,26 +62,24 @@ def run_world(config: ValidateConfig, nd: int, simulated: bool) -> tuple[dict, l
                 with open(logs[-1], "w") as log:
                     procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                   start_new_session=True))  # fmt: skip
-            deadline = time.monotonic() + config.timeout_s
-            while any(p.poll() is None for p in procs):
-                failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-                if failed:
+            deadline, exits = time.monotonic() + config.timeout_s, []  # exits: ranks in the order seen
+            while len(exits) < nprocs:
+                exits += [r for r, p in enumerate(procs) if p.poll() is not None and r not in exits]
+                failed = [r for r in exits if procs[r].returncode != 0]
+                if failed:  # the first rank seen to fail is the cause; its peers fail because it did
                     r = failed[0]
+                    others = ", ".join(f"{o} (code {procs[o].returncode})" for o in failed[1:])
                     raise RunFailed(
-                        f"world size {nd}: rank {r} exited with code {procs[r].returncode}; "
-                        f"all ranks stopped. Its log ends:\n{_tail(logs[r])}"
+                        f"world size {nd}: rank {r} exited with code {procs[r].returncode}"
+                        + (f", then ranks {others}" if others else "")
+                        + f"; all ranks stopped. Its log ends:\n{_tail(logs[r])}"
                     )
                 if time.monotonic() > deadline:
                     raise RunFailed(
                         f"world size {nd}: no result after {config.timeout_s:g} s (a rank hangs?); "
                         "all ranks stopped"
                     )
-                time.sleep(0.2)
-            for r, p in enumerate(procs):
-                if p.returncode != 0:
-                    raise RunFailed(
-                        f"world size {nd}: rank {r} exited with code {p.returncode}. Its log ends:\n{_tail(logs[r])}"
-                    )
+                time.sleep(POLL_S)
             results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nprocs)]
         finally:
             _kill(procs)

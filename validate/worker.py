@@ -172,7 +172,9 @@ def pick_device(config: ValidateConfig, local_rank: int) -> torch.device:
 
 def init_group(config: ValidateConfig, nd: int, rank: int, init: str | None, simulated: bool, device) -> str:
     """Join the process group; returns the backend name."""
-    timeout = timedelta(seconds=config.timeout_s)
+    # Longer than the harness timeout, so a hung rank is reported by the harness as a hang, not by a peer
+    # as a collective timeout.
+    timeout = timedelta(seconds=config.timeout_s + 60)
     if simulated:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 

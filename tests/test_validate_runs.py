@@ -1,0 +1,178 @@
+"""The validator end to end through ``zeroplan validate``: real gloo matrix, simulated N_d = 64, faults.
+
+Each matrix runs once per module (fixtures); the tests read its JSON. The checks are exact where the
+planner is exact: model states at the step boundary = prediction + Adam's one fp32 ``step`` scalar
+(4 bytes), and every collective's elements and ring bytes = prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroplan.memory import paper_model_states_bytes
+
+REQUIRED = ("stage", "world_size", "mode", "backend", "predicted_model_states_bytes", "measured_model_states_bytes",
+            "predicted_comm_bytes_per_rank", "measured_comm_bytes_per_rank", "measured_peak_bytes", "ok")  # fmt: skip
+ADAM_STEP_BYTES = 4  # one fp32 step counter: the runtime's master shard is one flat tensor
+K = 12  # mixed-precision Adam, ZeRO paper section 3.1
+
+
+def zeroplan(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from zeroplan.cli import main; main()", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_json(tmp_path_factory, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path_factory.mktemp("validate") / "result.json"
+    proc = zeroplan("validate", *args, "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """The default matrix: stages 0-3 at N_d = 2 and 4 on gpt-tiny, gloo (the CI regression)."""
+    return run_json(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def real_mlp(tmp_path_factory):
+    """The MLP at N_d = 1 (no collectives at all) and N_d = 3 (odd: most tensors padded)."""
+    return run_json(tmp_path_factory, "--model", "mlp-tiny", "--world-size", "1", "--world-size", "3")
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """Rank 0 of N_d = 64 on a fake group, 1.2B-parameter GPT on fake tensors."""
+    return run_json(tmp_path_factory, "--simulated", "--world-size", "64", "--model", "gpt-1b-wide",
+                    "--steps", "2", "--batch-per-rank", "1")  # fmt: skip
+
+
+def check_row_exact(row: dict) -> None:
+    assert all(k in row for k in REQUIRED)
+    assert row["adam_step_bytes"] == ADAM_STEP_BYTES
+    # lower and upper bound at once: every live byte at the step boundary is a predicted model state
+    assert row["measured_model_states_bytes"] == row["predicted_model_states_bytes"] + ADAM_STEP_BYTES
+    assert row["checks"]["model_states_steady"] is True
+    measured = {k: {"elements": v["elements"], "bytes_per_rank": v["bytes_per_rank"]}
+                for k, v in row["measured_collectives"].items()}  # fmt: skip
+    assert measured == row["predicted_collectives"]
+    assert all(v["calls"] >= 1 for v in row["measured_collectives"].values())
+    assert row["measured_comm_bytes_per_rank"] == row["predicted_comm_bytes_per_rank"]
+    assert row["measured_peak_bytes"] >= row["measured_model_states_bytes"]
+    assert row["ok"] is True
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_real_gloo_matrix_matches_the_planner_exactly(real, stage, world_size):
+    proc, report = real
+    (row,) = [r for r in report["rows"] if r["stage"] == stage and r["world_size"] == world_size]
+    assert (row["mode"], row["backend"]) == ("real", "gloo")
+    check_row_exact(row)
+    assert row["parity"]["ok"] is True  # parameters and gradients equal the single-process reference
+    # and the planner's padded count is the paper's closed form up to padding (< N_d elements per tensor)
+    paper = paper_model_states_bytes(row["psi"], world_size, K, stage)
+    assert 0 <= row["predicted_model_states_bytes"] - paper <= (4 + K) * 26 * world_size  # 26 tensors
+    assert report["ok"] is True and "all rows within tolerance" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_real_runs_at_world_size_1_send_nothing_and_at_3_pad_every_tensor(real_mlp):
+    _, report = real_mlp
+    for row in report["rows"]:
+        check_row_exact(row)
+        assert row["parity"]["ok"] is True
+        if row["world_size"] == 1:
+            assert row["measured_collectives"] == {} and row["measured_comm_bytes_per_rank"] == 0
+    # mlp-tiny at N_d = 3, stage 3: 7,989 params padded per tensor to 7,995 (2,310+70+4,900+70+630+9
+    # -> 2,310+72+4,902+72+630+9), shard 2,665; 16 B per element of the shard.
+    (s3,) = [r for r in report["rows"] if r["stage"] == 3 and r["world_size"] == 3]
+    assert s3["predicted_model_states_bytes"] == 16 * 2665
+
+
+def test_simulated_n64_billion_parameter_model_matches_the_planner(simulated):
+    _, report = simulated
+    assert [r["stage"] for r in report["rows"]] == [0, 1, 2, 3]
+    for row in report["rows"]:
+        assert (row["mode"], row["backend"], row["world_size"]) == ("simulated", "fake", 64)
+        assert row["psi"] >= 1e9
+        check_row_exact(row)
+        assert row["parity"] is None  # fake tensors carry no values
+    # ZeRO Figure 1 shape: stage 3 holds (2+2+K)Ψ/N_d, within padding
+    s3 = report["rows"][3]
+    assert s3["predicted_model_states_bytes"] == pytest.approx(16 * s3["psi"] / 64, rel=1e-6)
+
+
+def worker_pids() -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"validate.worker" in (entry / "cmdline").read_bytes():
+                    pids.add(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault, timeout, message", [
+    ("crash:1", 120, "rank 1 exited with code 3"),
+    ("hang:1", 20, "no result after 20 s (a rank hangs?)"),
+])  # fmt: skip
+def test_a_failing_rank_ends_the_run_cleanly(tmp_path, fault, timeout, message):
+    before = worker_pids()
+    out = tmp_path / "result.json"
+    t0 = time.monotonic()
+    proc = zeroplan("validate", "--model", "mlp-tiny", "--world-size", "2", "--stage", "0",
+                    "--timeout", str(timeout), "--json", str(out), env={"ZEROPLAN_VALIDATE_FAULT": fault})  # fmt: skip
+    assert proc.returncode == 1
+    assert message in proc.stderr and proc.stderr.startswith("zeroplan: error: ")
+    assert proc.stdout == "" and not out.exists() and list(tmp_path.iterdir()) == []
+    assert time.monotonic() - t0 < timeout + 30
+    assert worker_pids() - before == set()  # no orphan rank left behind
+
+
+def test_out_of_tolerance_exits_1_and_still_writes_the_full_result(tmp_path):
+    # mlp-tiny at N_d = 1 keeps 4 bytes (Adam's step) beyond the prediction: 4 / 127,824 = 3e-5 > 1e-6.
+    out = tmp_path / "result.json"
+    proc = zeroplan("validate", "--model", "mlp-tiny", "--world-size", "1", "--stage", "0",
+                    "--tolerance", "1e-6", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and report["rows"][0]["checks"]["model_states_within_tolerance"] is False
+    assert "OUT OF TOLERANCE: stage 0 N_d=1: model_states_within_tolerance" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stage", "5"], "stage=[5]: each must be one of 0, 1, 2, 3"),
+    (["--world-size", "0"], "world-size=[0]: each must be >= 1"),
+    (["--model", "nope"], "model='nope': expected one of gpt-tiny, mlp-tiny, gpt-1b-wide"),
+    (["--steps", "1"], "steps=1: must be >= 2"),
+    (["--params", "-3"], "params"),
+])  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    proc = zeroplan("validate", *args, "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL, allocator statistics)")
+def test_real_nccl_world_size_1_on_gpu(tmp_path_factory):
+    _, report = run_json(tmp_path_factory, "--world-size", "1", "--device", "cuda")
+    for row in report["rows"]:
+        assert row["backend"] == "nccl"
+        # the caching allocator rounds each block up to 512 bytes: a few KiB over at most
+        assert 0 <= row["measured_model_states_bytes"] - row["predicted_model_states_bytes"] <= 512 * 40

@@ -1,0 +1,131 @@
+"""In-process checks of the validator's parts: model shapes, flat layout, probes, verdicts. No processes."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from validate.flat import FlatLayout
+from validate.models import PRESETS, build, expected_shapes, spec_for
+from validate.probes import CommCounter, MemoryProbe
+from zeroplan.models import gpt_for_params, numels
+from zeroplan.sharding import flat_padded_numel, flat_shard_numel
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_models_build_exactly_the_planners_shapes(name):
+    spec = PRESETS[name]
+    model = build(spec, torch.bfloat16, "meta")
+    assert tuple((n, tuple(p.shape)) for n, p in model.named_parameters()) == expected_shapes(spec)
+
+
+def test_gpt_for_params_builds_the_papers_7_5b_model_shape():
+    # ZeRO paper section 10.1 trains a 7.5B model; gpt_for_params(7.5e9) lands within 1% of that size.
+    spec = gpt_for_params(7.5e9)
+    model = build(spec, torch.bfloat16, "meta")
+    psi = sum(p.numel() for p in model.parameters())
+    assert psi == sum(numels(expected_shapes(spec)))
+    assert psi == pytest.approx(7.5e9, rel=0.01)
+
+
+def test_gpt_1b_wide_preset_has_over_a_billion_parameters():
+    # V*d + T*d + L*(12 d^2 + 13 d) + 2 d with V = 50304, T = 128, L = 2, d = 6144 (GPT-2 layout).
+    d = 6144
+    assert sum(numels(expected_shapes(spec_for("gpt-1b-wide", None)))) == 50304 * d + 128 * d + 2 * (
+        12 * d * d + 13 * d
+    ) + 2 * d == 1_215_995_904
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=12), nd=st.integers(1, 9), cut=st.integers(0, 12))
+def test_unit_shards_add_up_to_the_planners_shard(sizes, nd, cut):
+    # Whatever the grouping into units, per-unit padding gives the planner's per-rank and full sizes.
+    units = [sizes[:cut], sizes[cut:]] if 0 < cut < len(sizes) else [sizes]
+    layouts = [FlatLayout(tuple((n,) for n in u), nd, nd) for u in units]
+    assert sum(lay.shard_numel for lay in layouts) == flat_shard_numel(sizes, nd)
+    assert sum(lay.full_numel for lay in layouts) == flat_padded_numel(sizes, nd)
+    for lay in layouts:
+        assert lay.full_numel == nd * lay.shard_numel
+        assert all(o % nd == 0 for o in lay.offsets)  # every tensor starts on a multiple of N_d
+
+
+def test_flat_pack_puts_tensors_at_their_offsets_and_zeroes_padding():
+    lay = FlatLayout(((2, 3), (5,)), nd=4, align=4)  # 6 -> 8, 5 -> 8
+    a, b = torch.arange(6.0).view(2, 3), torch.full((5,), 9.0)
+    flat = lay.pack([a, b], torch.full((lay.full_numel,), -1.0))
+    assert lay.offsets == (0, 8) and lay.full_numel == 16 and lay.shard_numel == 4
+    assert flat.tolist() == [0, 1, 2, 3, 4, 5, 0, 0] + [9] * 5 + [0, 0, 0]
+    assert lay.owned(flat, 3).tolist() == [9, 0, 0, 0]
+
+
+def test_memory_probe_counts_every_live_byte_and_phase_peaks():
+    with MemoryProbe(torch.device("cpu")) as probe:
+        keep = torch.empty(1000, dtype=torch.bfloat16)  # 2000 bytes
+        probe.phase("forward")
+        tmp = torch.empty(250, dtype=torch.float32)  # +1000 bytes, freed before the phase ends
+        del tmp
+        probe.phase("backward")
+        probe.phase(None)
+        assert probe.current_bytes() == 2000
+        assert probe.peaks == {"forward": 3000, "backward": 2000}
+        del keep
+        assert probe.current_bytes() == 0
+
+
+def test_comm_counter_sizes_collectives_with_the_ring_rule():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        with warnings.catch_warnings(), CommCounter(4) as counter:
+            warnings.simplefilter("ignore")
+            full, shard = torch.empty(10, dtype=torch.bfloat16), torch.empty(3, dtype=torch.bfloat16)
+            dist.all_reduce(full)
+            dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16))
+            dist.all_gather_into_tensor(torch.empty(12, dtype=torch.bfloat16), shard)
+    finally:
+        dist.destroy_process_group()
+    got = [(c.op, c.elements, c.bytes_per_rank) for c in counter.calls]
+    # ring: (nd-1) * ceil(n/nd) * 2 bytes, x2 for all-reduce: 2*3*3*2, 3*2*2, 3*3*2
+    assert got == [("all-reduce", 10, 36), ("reduce-scatter", 8, 12), ("all-gather", 12, 18)]
+
+
+def _rank_row(stage, boundary, comm, parity_ok=True):
+    return {
+        "stage": stage, "rank": 0, "boundary_bytes": boundary, "tracker_breakdown": {},
+        "peak_bytes_by_phase": {"forward": 1, "backward": 2, "optimizer step": 3},
+        "comm_by_step": comm, "adam_step_bytes": 4, "seconds": 0.0,
+        "parity": {"ok": parity_ok, "param_mean_abs_diff": 0.0},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "boundary_extra, rs_elements, parity_ok, failing",
+    [
+        (4, None, True, []),
+        (int(0.02 * 581184), None, True, ["model_states_within_tolerance"]),  # 2% over: out of 1%
+        (-int(0.02 * 581184), None, True, ["model_states_within_tolerance"]),  # 2% under: out too
+        (4, 1, True, ["comm_exact"]),  # one element too many on the wire
+        (4, None, False, ["parity"]),
+    ],
+)
+def test_compare_fails_rows_that_disagree(boundary_extra, rs_elements, parity_ok, failing):
+    from validate.config import ValidateConfig
+    from validate.report import compare
+
+    # gpt-tiny: Ψ = 36,324; stage 0 at N_d = 2 keeps 16 B/param = 581,184 B, all-reduces 36,324 elements.
+    config = ValidateConfig(model="gpt-tiny")
+    elements = 36324 + (rs_elements or 0)
+    comm = [{"all-reduce|backward|bfloat16": {"calls": 3, "elements": elements,
+                                              "bytes_per_rank": 2 * 1 * math.ceil(elements / 2) * 2}}]  # fmt: skip
+    row = compare(config, {"world_size": 2, "backend": "gloo", "device": "cpu"}, 0,
+                  [_rank_row(0, [581184 + boundary_extra] * 2, comm * 2, parity_ok)])  # fmt: skip
+    assert row["predicted_model_states_bytes"] == 581184
+    assert [k for k, v in row["checks"].items() if v is False] == failing
+    assert row["ok"] is (not failing)
