@@ -46,8 +46,10 @@ def main() -> None:
 
     print(f"rows: {len(frame):,} ({N_PARAMS} params x {N_GPUS} gpus x {N_STAGES} stages)")
     print(f"zeroplan.sweep: first run {walls[0]:.3f} s, median of {REPEATS} {statistics.median(walls):.3f} s")
-    print(f"zeroplan.estimate loop: {per_config * 1e6:.0f} us per configuration (sample of {LOOP_SAMPLE}), "
-          f"{loop_s:.0f} s for the grid (extrapolated)")  # fmt: skip
+    print(
+        f"zeroplan.estimate loop: {per_config * 1e6:.0f} us per configuration (sample of {LOOP_SAMPLE}), "
+        f"{loop_s:.0f} s for the grid (extrapolated)"
+    )
     print(f"speed-up: {loop_s / statistics.median(walls):,.0f}x")
 
 

@@ -15,12 +15,21 @@ H100_BYTES = 80 * 2**30
 # A results file shaped like `zeroplan validate --json` output. Synthetic numbers: this tests the plot,
 # it is not a measurement.
 RESULT_ROWS = [
-    {"stage": s, "world_size": n, "mode": "cpu", "backend": "gloo",
-     "predicted_model_states_bytes": 1_000_000 * (4 - s) // n, "measured_model_states_bytes": 1_000_000 * (4 - s) // n,
-     "predicted_comm_bytes_per_rank": 500_000 * (n - 1) // n, "measured_comm_bytes_per_rank": 500_000 * (n - 1) // n,
-     "measured_peak_bytes": 3_000_000, "ok": not (s == 3 and n == 4)}
-    for s in range(4) for n in (2, 4)
-]  # fmt: skip
+    {
+        "stage": s,
+        "world_size": n,
+        "mode": "cpu",
+        "backend": "gloo",
+        "predicted_model_states_bytes": 1_000_000 * (4 - s) // n,
+        "measured_model_states_bytes": 1_000_000 * (4 - s) // n,
+        "predicted_comm_bytes_per_rank": 500_000 * (n - 1) // n,
+        "measured_comm_bytes_per_rank": 500_000 * (n - 1) // n,
+        "measured_peak_bytes": 3_000_000,
+        "ok": not (s == 3 and n == 4),
+    }
+    for s in range(4)
+    for n in (2, 4)
+]
 
 
 def test_memory_view_plots_the_sweep_on_log_log_axes_with_the_capacity_line():
@@ -86,7 +95,9 @@ def test_predicted_vs_measured_marks_runs_outside_bounds(tmp_path):
 @pytest.mark.parametrize(("suffix", "magic"), [(".png", b"\x89PNG"), (".svg", b"<?xml"), (".pdf", b"%PDF")])
 def test_cli_writes_each_format_whole_and_leaves_no_temporary_file(tmp_path, suffix, magic):
     out = tmp_path / f"mem{suffix}"
-    r = runner.invoke(app, ["plot", "--params", "7e9", "--gpus", "8,16,32,64", "--out", str(out), "--gpu-memory", "80GiB"])
+    r = runner.invoke(
+        app, ["plot", "--params", "7e9", "--gpus", "8,16,32,64", "--out", str(out), "--gpu-memory", "80GiB"]
+    )
     assert r.exit_code == 0, r.output
     assert out.read_bytes().startswith(magic)
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
@@ -112,21 +123,41 @@ def test_cli_validate_view(tmp_path):
 @pytest.mark.parametrize(
     ("args", "content", "message"),
     [
-        (["--params", "7e9", "--out", "{d}/m.jpg"], None, "unknown image extension '.jpg'; use .png, .svg or .pdf"),
+        (
+            ["--params", "7e9", "--out", "{d}/m.jpg"],
+            None,
+            "unknown image extension '.jpg'; use .png, .svg or .pdf",
+        ),
         (["--params", "7e9", "--out", "{d}/m"], None, "no image extension"),
         (["--out", "{d}/m.png"], None, "--view memory needs --params"),
         (["--params", "7e9", "--gpus", "8,0", "--out", "{d}/m.png"], None, "gpus=0: must be >= 1"),
-        (["--params", "7e9,70e9", "--view", "breakdown", "--out", "{d}/m.png"], None, "give one params value"),
+        (
+            ["--params", "7e9,70e9", "--view", "breakdown", "--out", "{d}/m.png"],
+            None,
+            "give one params value",
+        ),
         (["--view", "validate", "--out", "{d}/m.png"], None, "--view validate needs --results FILE"),
         (["--view", "validate", "--results", "{d}/none.json", "--out", "{d}/m.png"], None, "No such file"),
-        (["--view", "validate", "--results", "{d}/r.json", "--out", "{d}/m.png"], "{not json", "not valid JSON"),
-        (["--view", "validate", "--results", "{d}/r.json", "--out", "{d}/m.png"], "{}", "non-empty list 'rows'"),
+        (
+            ["--view", "validate", "--results", "{d}/r.json", "--out", "{d}/m.png"],
+            "{not json",
+            "not valid JSON",
+        ),
+        (
+            ["--view", "validate", "--results", "{d}/r.json", "--out", "{d}/m.png"],
+            "{}",
+            "non-empty list 'rows'",
+        ),
         (
             ["--view", "validate", "--results", "{d}/r.json", "--out", "{d}/m.png"],
             json.dumps([{"stage": 1}]),
             "rows[0]: world_size: Field required",
         ),
-        (["--params", "7e9", "--results", "{d}/r.json", "--out", "{d}/m.png"], "[]", "only read by --view validate"),
+        (
+            ["--params", "7e9", "--results", "{d}/r.json", "--out", "{d}/m.png"],
+            "[]",
+            "only read by --view validate",
+        ),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, content, message):

@@ -38,8 +38,20 @@ def scalar_rows(psi=None, gpus=1, mp=1, numels=None, gpu_memory_bytes=None, **po
     for s in e.stages:
         d = stage_dict(s)
         d["collectives"] = collectives_summary(s.collectives)
-        rows.append({"params": e.total_params, "gpus": gpus, "model_parallel": mp, "nd": e.nd, "psi": e.psi,
-                     "micro_batch": 1, "offload": "none", **d, **NOTHING_OFFLOADED, **NO_ACTIVATIONS})  # fmt: skip
+        rows.append(
+            {
+                "params": e.total_params,
+                "gpus": gpus,
+                "model_parallel": mp,
+                "nd": e.nd,
+                "psi": e.psi,
+                "micro_batch": 1,
+                "offload": "none",
+                **d,
+                **NOTHING_OFFLOADED,
+                **NO_ACTIVATIONS,
+            }
+        )
     return rows
 
 
@@ -51,11 +63,15 @@ def assert_same_rows(frame, expected):
     got = to_records(frame)
     assert len(got) == len(expected)
     for g, x in zip(got, expected):
-        assert g == {k: x[k] for k in g}  # exact: ints equal ints, the ratio bit for bit, fits True/False/None
+        assert g == {
+            k: x[k] for k in g
+        }  # exact: ints equal ints, the ratio bit for bit, fits True/False/None
         assert set(g) == set(x)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "paper")
+@pytest.mark.parametrize(
+    "policy", POLICIES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "paper"
+)
 def test_rows_equal_estimate_on_a_grid_with_padding_and_model_parallel(policy):
     # Odd Ψ and N_d where ceil(Ψ/N_d) pads, N_d = 1 (no communication), and N_m that does not divide Ψ.
     params = [1, 1001, 7_500_000_001, 175_000_000_000]
@@ -77,7 +93,13 @@ def test_rows_equal_estimate_for_known_tensor_sizes():
     # With tensor sizes the full buffers of stages 1-3 are the padded flat buffers (flat layout).
     numels = [50257 * 768, 768, 3 * 768 * 768, 3 * 768, 7, 1]
     frame = sweep(tensor_numels=numels, gpus=[1, 2, 3, 7, 64], model_parallel=[1, 7], optimizer="adam8bit")
-    expected = [r for g in (1, 2, 3, 7, 64) for m in (1, 7) if g % m == 0 for r in scalar_rows(None, g, m, numels, optimizer="adam8bit")]
+    expected = [
+        r
+        for g in (1, 2, 3, 7, 64)
+        for m in (1, 7)
+        if g % m == 0
+        for r in scalar_rows(None, g, m, numels, optimizer="adam8bit")
+    ]
     assert_same_rows(frame, expected)
 
 
@@ -104,7 +126,12 @@ def test_paper_table_1_row_and_grid_order():
     assert list(frame["params"][:8]) == [7_500_000_000] * 8  # params slowest, then gpus, then stage
     assert list(frame["gpus"][:8]) == [64] * 4 + [1024] * 4
     assert list(frame["stage"][:8]) == [0, 1, 2, 3] * 2
-    assert list(frame["model_states_bytes"][:4]) == [120_000_000_000, 31_406_250_000, 16_640_625_000, 1_875_000_000]
+    assert list(frame["model_states_bytes"][:4]) == [
+        120_000_000_000,
+        31_406_250_000,
+        16_640_625_000,
+        1_875_000_000,
+    ]
     # Paper section 7: 2Ψ elements per step for stages 0-2, 3Ψ for stage 3.
     assert list(frame["comm_volume_elements"][:4]) == [15_000_000_000] * 3 + [22_500_000_000]
 
@@ -118,7 +145,11 @@ def test_trillion_parameters_stay_exact_integers():
 
 def test_model_parallel_pairs_that_do_not_divide_are_skipped():
     frame = sweep([1e9], [8, 12], model_parallel=[1, 8], stages=[3])
-    assert list(zip(frame["gpus"], frame["model_parallel"], frame["nd"])) == [(8, 1, 8), (8, 8, 1), (12, 1, 12)]
+    assert list(zip(frame["gpus"], frame["model_parallel"], frame["nd"])) == [
+        (8, 1, 8),
+        (8, 8, 1),
+        (12, 1, 12),
+    ]
 
 
 def test_fits_is_missing_without_gpu_memory_and_boolean_with_it():
@@ -143,7 +174,10 @@ def frame_fits(frame):
         ({"params": [7e9], "gpus": [8, 0]}, "gpus=0: must be >= 1"),
         ({"params": [7e9], "gpus": [8.5]}, "gpus=8.5: must be a whole number"),
         ({"params": [7e9], "model_parallel": [0]}, "model_parallel=0: must be >= 1"),
-        ({"params": [7e9], "gpus": [8], "model_parallel": [3]}, "no model_parallel in [3] divides any gpus in [8]"),
+        (
+            {"params": [7e9], "gpus": [8], "model_parallel": [3]},
+            "no model_parallel in [3] divides any gpus in [8]",
+        ),
         ({"params": [7e9], "stages": [0, 4]}, "stages=[0, 4]: 4 is not a ZeRO stage (0, 1, 2 or 3)"),
         ({"params": [7e9], "gpu_memory_bytes": 0}, "gpu_memory_bytes=0: must be >= 1"),
         ({"params": [7e9], "tensor_numels": [10]}, "give exactly one of params and tensor_numels"),
@@ -157,7 +191,17 @@ def test_bad_input_names_the_value(kwargs, message):
 
 
 def test_cli_csv_and_json_equal_the_api(tmp_path):
-    args = ["sweep", "--params", "1001,7.5B", "--gpus", "1,3,64", "--model-parallel", "1,3", "--gpu-memory", "32GB"]
+    args = [
+        "sweep",
+        "--params",
+        "1001,7.5B",
+        "--gpus",
+        "1,3,64",
+        "--model-parallel",
+        "1,3",
+        "--gpu-memory",
+        "32GB",
+    ]
     api = to_records(sweep([1001, 7.5e9], [1, 3, 64], model_parallel=[1, 3], gpu_memory_bytes=32 * 10**9))
 
     r = runner.invoke(app, args)
@@ -191,14 +235,19 @@ def test_cli_csv_and_json_equal_the_api(tmp_path):
         (["--params", "7e9", "--micro-batch", "2"], "micro_batch and seq_len change only activations"),
         (["--model", "llama2-7b", "--micro-batch", "1,x"], "micro-batch='x': not a whole number"),
         (["--model", "llama2-7b", "--checkpointing", "most"], "checkpointing='most'"),
-        (["--params", "7e9", "--out", "/nonexistent-dir/x.csv"], "directory '/nonexistent-dir' does not exist"),
+        (
+            ["--params", "7e9", "--out", "/nonexistent-dir/x.csv"],
+            "directory '/nonexistent-dir' does not exist",
+        ),
     ],
 )
 def test_cli_bad_values_are_one_line_and_exit_2(args, message, tmp_path):
     r = runner.invoke(app, ["sweep", *args])
     assert r.exit_code == 2
     assert r.stdout == ""
-    assert r.stderr.strip().splitlines() == [f"zeroplan: error: {r.stderr.strip().removeprefix('zeroplan: error: ')}"]
+    assert r.stderr.strip().splitlines() == [
+        f"zeroplan: error: {r.stderr.strip().removeprefix('zeroplan: error: ')}"
+    ]
     assert message in r.stderr
 
 
@@ -225,10 +274,15 @@ def test_offload_rows_equal_zeroplan_plan(offload):
     frame = sweep([7_500_000_001], [3, 64], offload=["none", offload], gpu_memory_bytes=32 * 10**9, **policy)
     labels = {parse_offload(o).label: parse_offload(o) for o in ("none", offload)}
     plans = {
-        g: zeroplan.plan(params=7_500_000_001, gpus=g, gpu_memory_bytes=32 * 10**9, headroom=0,
-                         policy=zeroplan.PrecisionPolicy(**policy))
+        g: zeroplan.plan(
+            params=7_500_000_001,
+            gpus=g,
+            gpu_memory_bytes=32 * 10**9,
+            headroom=0,
+            policy=zeroplan.PrecisionPolicy(**policy),
+        )
         for g in (3, 64)
-    }  # fmt: skip
+    }
     rows = to_records(frame)
     # Stage 0 has no offload; stages 1-2 take optimizer offload to the CPU only; stage 3 takes all five.
     expected_pairs = {"cpu": 7, "nvme": 5, "cpu/cpu": 5, "none/cpu": 5, "nvme/nvme": 5}[offload]
@@ -237,17 +291,24 @@ def test_offload_rows_equal_zeroplan_plan(offload):
         off = labels[row["offload"]]
         # The plan lists the options DeepSpeed users pick (no parameter-only offload); the scalar
         # placement function it uses answers for every pair.
-        s = rank_states((7_500_000_001,), row["nd"], row["stage"], off, zeroplan.PrecisionPolicy(**policy), 1, False)
+        s = rank_states(
+            (7_500_000_001,), row["nd"], row["stage"], off, zeroplan.PrecisionPolicy(**policy), 1, False
+        )
         listed = [o for o in plans[row["gpus"]].options if (o.stage, o.offload) == (row["stage"], off)]
         for option in listed:
             assert option.states == s and row["fits"] == option.fits
             assert row["comm_bytes_per_rank"] == option.comm_bytes_per_rank
         assert (row["params_bytes"], row["grads_bytes"], row["optimizer_bytes"]) == (
-            s.gpu.params_bytes, s.gpu.grads_bytes, s.gpu.optimizer_bytes,
-        )  # fmt: skip
+            s.gpu.params_bytes,
+            s.gpu.grads_bytes,
+            s.gpu.optimizer_bytes,
+        )
         assert (row["host_bytes"], row["nvme_bytes"], row["h2d_bytes"], row["d2h_bytes"]) == (
-            s.host_bytes, s.nvme_bytes, s.h2d_bytes, s.d2h_bytes,
-        )  # fmt: skip
+            s.host_bytes,
+            s.nvme_bytes,
+            s.h2d_bytes,
+            s.d2h_bytes,
+        )
         assert row["fits"] == (s.gpu.model_states_bytes <= 32 * 10**9)
 
 
@@ -270,18 +331,33 @@ def test_model_preset_rows_equal_estimate_and_activations_equal_the_plan():
     # Llama-2-70B on H100s: model states from estimate(tensor_numels=...), activations (Korthikanti et al.
     # 2022, full recomputation: 2·s·b·h·L bytes) from the same function zeroplan.plan uses.
     h100 = 80 * 2**30
-    frame = sweep(model="llama2-70b", gpus=[64, 128], model_parallel=[1, 8], micro_batch=[1, 4], stages=[2, 3],
-                  gpu_memory_bytes=h100, param_dtype="bf16")  # fmt: skip
+    frame = sweep(
+        model="llama2-70b",
+        gpus=[64, 128],
+        model_parallel=[1, 8],
+        micro_batch=[1, 4],
+        stages=[2, 3],
+        gpu_memory_bytes=h100,
+        param_dtype="bf16",
+    )
     numels = zeroplan.hardware.get_model("llama2-70b").tensor_numels
     rows = to_records(frame)
     assert len(rows) == 2 * 2 * 2 * 2
     for row in rows:
-        (expected,) = [r for r in scalar_rows(None, row["gpus"], row["model_parallel"], numels, h100, param_dtype="bf16")
-                       if r["stage"] == row["stage"]]  # fmt: skip
+        (expected,) = [
+            r
+            for r in scalar_rows(None, row["gpus"], row["model_parallel"], numels, h100, param_dtype="bf16")
+            if r["stage"] == row["stage"]
+        ]
         core = {k: v for k, v in row.items() if k not in ("micro_batch", *NO_ACTIVATIONS)}
         assert core == {k: v for k, v in expected.items() if k not in ("micro_batch", *NO_ACTIVATIONS)}
-        plan = zeroplan.plan("llama2-70b", gpu="h100-80gb", gpus=row["gpus"], model_parallel=row["model_parallel"],
-                             micro_batch=row["micro_batch"])  # fmt: skip
+        plan = zeroplan.plan(
+            "llama2-70b",
+            gpu="h100-80gb",
+            gpus=row["gpus"],
+            model_parallel=row["model_parallel"],
+            micro_batch=row["micro_batch"],
+        )
         assert row["activation_bytes"] == plan.activation_bytes
         assert row["total_bytes"] == row["model_states_bytes"] + plan.activation_bytes
         assert row["total_fits"] == (row["total_bytes"] <= h100)
@@ -298,7 +374,10 @@ def test_model_preset_rows_equal_estimate_and_activations_equal_the_plan():
         ({"model": "llama2-7b", "micro_batch": [0]}, "micro_batch=0: must be >= 1"),
         ({"model": "llama2-7b", "micro_batch": [2, 2]}, "micro_batch: 2 is listed twice"),
         ({"model": "llama2-7b", "seq_len": 0}, "seq_len=0: must be >= 1"),
-        ({"model": "llama2-7b", "checkpointing": "some"}, "checkpointing='some': expected one of none, selective, full"),
+        (
+            {"model": "llama2-7b", "checkpointing": "some"},
+            "checkpointing='some': expected one of none, selective, full",
+        ),
     ],
 )
 def test_bad_model_and_micro_batch_values(kwargs, message):
@@ -308,8 +387,22 @@ def test_bad_model_and_micro_batch_values(kwargs, message):
 
 
 def test_cli_model_and_micro_batch_columns():
-    r = runner.invoke(app, ["sweep", "--model", "llama2-70b", "--gpus", "64", "--stage", "3", "--micro-batch", "1,8",
-                            "--gpu", "h100-80gb"])  # fmt: skip
+    r = runner.invoke(
+        app,
+        [
+            "sweep",
+            "--model",
+            "llama2-70b",
+            "--gpus",
+            "64",
+            "--stage",
+            "3",
+            "--micro-batch",
+            "1,8",
+            "--gpu",
+            "h100-80gb",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = list(csv.DictReader(io.StringIO(r.stdout)))
     assert [row["micro_batch"] for row in rows] == ["1", "8"]

@@ -31,7 +31,11 @@ STAGE_COLORS = ("#4d4d4d", "#1f77b4", "#ff7f0e", "#2ca02c")  # grey for plain DP
 STAGE_MARKERS = ("o", "s", "^", "D")
 STAGE_WHAT = ("no sharding", "optimizer sharded", "+ gradients sharded", "+ parameters sharded")
 COMPONENT_COLORS = {"params_bytes": "#4c72b0", "grads_bytes": "#dd8452", "optimizer_bytes": "#55a868"}
-COMPONENT_LABELS = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer states"}
+COMPONENT_LABELS = {
+    "params_bytes": "parameters",
+    "grads_bytes": "gradients",
+    "optimizer_bytes": "optimizer states",
+}
 
 
 def stage_label(stage: int) -> str:
@@ -59,8 +63,13 @@ def _capacity(ax: Any, gpu_memory_bytes: Optional[int], gpu_label: Optional[str]
     if gpu_memory_bytes is None:
         return
     name = f"{gpu_label}: " if gpu_label else "GPU memory "
-    ax.axhline(gpu_memory_bytes, color="#d62728", linestyle="--", linewidth=1.5,
-               label=f"{name}{gpu_memory_bytes / GB:.1f} GB = {gpu_memory_bytes / 2**30:.1f} GiB")  # fmt: skip
+    ax.axhline(
+        gpu_memory_bytes,
+        color="#d62728",
+        linestyle="--",
+        linewidth=1.5,
+        label=f"{name}{gpu_memory_bytes / GB:.1f} GB = {gpu_memory_bytes / 2**30:.1f} GiB",
+    )
 
 
 def _legend(fig: Figure, ax: Any, ncol: int = 2, handles: Optional[list] = None) -> None:
@@ -77,18 +86,27 @@ def _one_value(frame: Any, column: str, what: str) -> int:
     return int(values[0])
 
 
-def memory_vs_nd(frame: Any, gpu_memory_bytes: Optional[int] = None, gpu_label: Optional[str] = None) -> Figure:
-    """Model states per GPU against N_d, one line per stage, log-log, one panel per Ψ (ZeRO Fig. 1 / Table 1)."""
+def memory_vs_nd(
+    frame: Any, gpu_memory_bytes: Optional[int] = None, gpu_label: Optional[str] = None
+) -> Figure:
+    """Model states per GPU against N_d, one line per stage, log-log, one panel per Ψ (ZeRO Table 1)."""
     params = list(dict.fromkeys(frame["params"]))
     fig = Figure(figsize=(7.5 if len(params) == 1 else 5.0 * len(params), 6.0), layout="constrained")
     axes = fig.subplots(1, len(params), sharey=True, squeeze=False)[0]
-    nds = sorted(set(int(n) for n in frame["nd"]))
+    nds = sorted({int(n) for n in frame["nd"]})
     for ax, p in zip(axes, params):
         sub = frame[frame["params"] == p]
-        for stage in sorted(set(int(s) for s in sub["stage"])):
+        for stage in sorted({int(s) for s in sub["stage"]}):
             rows = sub[sub["stage"] == stage].sort_values("nd")
-            ax.plot(rows["nd"], rows["model_states_bytes"], marker=STAGE_MARKERS[stage], color=STAGE_COLORS[stage],
-                    linewidth=2, markersize=6, label=stage_label(stage))  # fmt: skip
+            ax.plot(
+                rows["nd"],
+                rows["model_states_bytes"],
+                marker=STAGE_MARKERS[stage],
+                color=STAGE_COLORS[stage],
+                linewidth=2,
+                markersize=6,
+                label=stage_label(stage),
+            )
         _capacity(ax, gpu_memory_bytes, gpu_label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -106,15 +124,17 @@ def memory_vs_nd(frame: Any, gpu_memory_bytes: Optional[int] = None, gpu_label: 
 
 
 def _suptitle(frame: Any, what: str) -> str:
-    mp = sorted(set(int(m) for m in frame["model_parallel"]))
+    mp = sorted({int(m) for m in frame["model_parallel"]})
     tail = f", model parallel N_m = {mp[0]}" if mp != [1] else ""
     return f"{what}{tail}"
 
 
-def breakdown_bars(frame: Any, gpu_memory_bytes: Optional[int] = None, gpu_label: Optional[str] = None) -> Figure:
+def breakdown_bars(
+    frame: Any, gpu_memory_bytes: Optional[int] = None, gpu_label: Optional[str] = None
+) -> Figure:
     """Stacked bars of parameters, gradients and optimizer states per stage; one panel per N_d (one Ψ)."""
     _one_value(frame, "params", "breakdown")
-    nds = sorted(set(int(n) for n in frame["nd"]))
+    nds = sorted({int(n) for n in frame["nd"]})
     if len(nds) > 6:
         raise ValueError(f"breakdown: at most 6 GPU counts fit side by side, got {len(nds)}")
     fig = Figure(figsize=(max(6.5, 3.2 * len(nds)), 5.6), layout="constrained")
@@ -128,8 +148,15 @@ def breakdown_bars(frame: Any, gpu_memory_bytes: Optional[int] = None, gpu_label
             ax.bar(x, values, bottom=bottom, color=color, width=0.7, label=COMPONENT_LABELS[col])
             bottom = [b + v for b, v in zip(bottom, values)]
         for xi, total in zip(x, bottom):
-            ax.annotate(_gb(total), (xi, total), ha="center", va="bottom", fontsize=9, xytext=(0, 2),
-                        textcoords="offset points")  # fmt: skip
+            ax.annotate(
+                _gb(total),
+                (xi, total),
+                ha="center",
+                va="bottom",
+                fontsize=9,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
         _capacity(ax, gpu_memory_bytes, gpu_label)
         ax.set_xticks(x, [f"{s}\n{STAGES[int(s)].name}" for s in sub["stage"]])
         ax.yaxis.set_major_formatter(FuncFormatter(_gb))
@@ -146,23 +173,31 @@ def breakdown_bars(frame: Any, gpu_memory_bytes: Optional[int] = None, gpu_label
 def comm_bars(frame: Any) -> Figure:
     """Bytes each rank sends per step, grouped by N_d, one bar per stage (ZeRO sec. 7: 2Ψ vs 3Ψ)."""
     _one_value(frame, "params", "comm")
-    nds = sorted(set(int(n) for n in frame["nd"]))
-    stages = sorted(set(int(s) for s in frame["stage"]))
+    nds = sorted({int(n) for n in frame["nd"]})
+    stages = sorted({int(s) for s in frame["stage"]})
     fig = Figure(figsize=(min(14.0, 5.0 + 0.35 * len(nds) * len(stages)), 5.6), layout="constrained")
     ax = fig.subplots()
     width = 0.8 / len(stages)
     for i, stage in enumerate(stages):
         rows = frame[frame["stage"] == stage].sort_values("nd")
         xs = [nds.index(int(n)) + (i - (len(stages) - 1) / 2) * width for n in rows["nd"]]
-        ax.bar(xs, rows["comm_bytes_per_rank"], width=width * 0.95, color=STAGE_COLORS[stage],
-               label=stage_label(stage))  # fmt: skip
+        ax.bar(
+            xs,
+            rows["comm_bytes_per_rank"],
+            width=width * 0.95,
+            color=STAGE_COLORS[stage],
+            label=stage_label(stage),
+        )
     ax.set_xticks(range(len(nds)), [str(n) for n in nds])
     ax.set_xlabel("N_d, data-parallel GPUs")
     ax.set_ylabel("bytes sent per GPU per step, GB (ring collectives)")
     ax.yaxis.set_major_formatter(FuncFormatter(_gb))
     ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title("stages 0-2 move 2Ψ elements per step, stage 3 moves 3Ψ (ZeRO sec. 7); "
-                 "each GPU sends (N_d-1)/N_d of that", fontsize=9)  # fmt: skip
+    ax.set_title(
+        "stages 0-2 move 2Ψ elements per step, stage 3 moves 3Ψ (ZeRO sec. 7); "
+        "each GPU sends (N_d-1)/N_d of that",
+        fontsize=9,
+    )
     _legend(fig, ax)
     fig.suptitle(_suptitle(frame, f"Communication per step by ZeRO stage, {_title_params(frame)}"))
     return fig
@@ -183,8 +218,14 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
     stages = [o.stage for o in plans[0].stages]
     for stage in stages:
         mem = [p.option(stage).states.gpu.model_states_bytes for p in plans]
-        mem_ax.plot(nds, mem, marker=STAGE_MARKERS[stage], color=STAGE_COLORS[stage], linewidth=2,
-                    label=stage_label(stage))  # fmt: skip
+        mem_ax.plot(
+            nds,
+            mem,
+            marker=STAGE_MARKERS[stage],
+            color=STAGE_COLORS[stage],
+            linewidth=2,
+            label=stage_label(stage),
+        )
     _capacity(mem_ax, plans[0].gpu_memory_bytes, plans[0].config.gpu)
     mem_ax.set_xscale("log", base=2)
     mem_ax.set_yscale("log")
@@ -204,12 +245,25 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
         exposed = [t.exposed_comm_s if t.exposed_comm_s is not None else t.comm_s for t in times]
         hidden = [t.comm_s - e for t, e in zip(times, exposed)]
         time_ax.bar(xs, exposed, width=width * 0.95, color=STAGE_COLORS[stage])
-        time_ax.bar(xs, hidden, bottom=exposed, width=width * 0.95, color="white", edgecolor=STAGE_COLORS[stage],
-                    hatch="//", linewidth=1)  # fmt: skip
+        time_ax.bar(
+            xs,
+            hidden,
+            bottom=exposed,
+            width=width * 0.95,
+            color="white",
+            edgecolor=STAGE_COLORS[stage],
+            hatch="//",
+            linewidth=1,
+        )
     compute = [p.option(stages[0]).time.compute_s for p in plans]
     if all(c is not None for c in compute):
-        time_ax.hlines(compute, [j - 0.45 for j in range(len(plans))], [j + 0.45 for j in range(len(plans))],
-                       colors="black", linewidth=2.5)  # fmt: skip
+        time_ax.hlines(
+            compute,
+            [j - 0.45 for j in range(len(plans))],
+            [j + 0.45 for j in range(len(plans))],
+            colors="black",
+            linewidth=2.5,
+        )
     time_ax.set_xticks(range(len(plans)), [str(n) for n in nds])
     time_ax.set_xlabel("N_d, data-parallel GPUs")
     time_ax.set_ylabel("seconds per optimizer step (estimate)")
@@ -219,7 +273,9 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
     handles, _ = mem_ax.get_legend_handles_labels()
     handles += [
         Patch(facecolor="#777777", label="communication exposed"),
-        Patch(facecolor="white", edgecolor="#777777", hatch="//", label="communication hidden behind compute"),
+        Patch(
+            facecolor="white", edgecolor="#777777", hatch="//", label="communication hidden behind compute"
+        ),
     ]
     if all(c is not None for c in compute):
         handles.append(Line2D([], [], color="black", linewidth=2.5, label="compute per step"))
@@ -228,8 +284,10 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
 
     p0 = plans[0]
     model = p0.config.model or f"Ψ = {format_count(p0.params)}"
-    fig.suptitle(f"ZeRO stage trade-offs: {model} on {p0.config.gpu or 'GPUs'}, "
-                 f"{p0.tokens_per_step:,} tokens per GPU per step")  # fmt: skip
+    fig.suptitle(
+        f"ZeRO stage trade-offs: {model} on {p0.config.gpu or 'GPUs'}, "
+        f"{p0.tokens_per_step:,} tokens per GPU per step"
+    )
     return fig
 
 
@@ -291,23 +349,44 @@ def predicted_vs_measured(rows: Sequence[ValidationRow]) -> Figure:
         ("bytes sent per GPU per step", "predicted_comm_bytes_per_rank", "measured_comm_bytes_per_rank"),
     )
     several_modes = len({(r.mode, r.backend) for r in rows}) > 1
-    labels = [f"stage {r.stage}\n{r.world_size} ranks" + (f"\n{r.mode}/{r.backend}" if several_modes else "")
-              for r in rows]  # fmt: skip
+    labels = [
+        f"stage {r.stage}\n{r.world_size} ranks" + (f"\n{r.mode}/{r.backend}" if several_modes else "")
+        for r in rows
+    ]
     x = list(range(len(rows)))
     for ax, (what, pred_key, meas_key) in zip(axes, panels):
         pred = [getattr(r, pred_key) for r in rows]
         meas = [getattr(r, meas_key) for r in rows]
         unit, scale = _auto_unit(pred + meas)
         colors = [STAGE_COLORS[r.stage] if 0 <= r.stage < len(STAGES) else "#000000" for r in rows]
-        ax.bar([i - 0.2 for i in x], [p / scale for p in pred], width=0.4, color="white", edgecolor=colors,
-               hatch="//", linewidth=1.2)  # fmt: skip
-        ax.bar([i + 0.2 for i in x], [m / scale for m in meas], width=0.4, color=colors,
-               edgecolor=["#d62728" if not r.ok else c for r, c in zip(rows, colors)],
-               linewidth=[3 if not r.ok else 1 for r in rows])  # fmt: skip
+        ax.bar(
+            [i - 0.2 for i in x],
+            [p / scale for p in pred],
+            width=0.4,
+            color="white",
+            edgecolor=colors,
+            hatch="//",
+            linewidth=1.2,
+        )
+        ax.bar(
+            [i + 0.2 for i in x],
+            [m / scale for m in meas],
+            width=0.4,
+            color=colors,
+            edgecolor=["#d62728" if not r.ok else c for r, c in zip(rows, colors)],
+            linewidth=[3 if not r.ok else 1 for r in rows],
+        )
         for i, (p, m) in enumerate(zip(pred, meas)):
             if p > 0:  # the relative error a reader would otherwise estimate by eye
-                ax.annotate(f"{100 * (m - p) / p:+.2g}%", (i, max(p, m) / scale), ha="center", va="bottom", fontsize=8,
-                            xytext=(0, 2), textcoords="offset points")  # fmt: skip
+                ax.annotate(
+                    f"{100 * (m - p) / p:+.2g}%",
+                    (i, max(p, m) / scale),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                )
         ax.set_ylim(top=max(pred + meas) / scale * 1.12)
         ax.set_xticks(x, labels, fontsize=8.5)
         ax.set_ylabel(f"{what}, {unit}")
@@ -318,8 +397,14 @@ def predicted_vs_measured(rows: Sequence[ValidationRow]) -> Figure:
         Patch(facecolor="#555555", label="measured (colour = stage)"),
     ]
     if not all(r.ok for r in rows):
-        handles.append(Patch(facecolor="#555555", edgecolor="#d62728", linewidth=3,
-                             label="measured, outside the validator's bounds"))  # fmt: skip
+        handles.append(
+            Patch(
+                facecolor="#555555",
+                edgecolor="#d62728",
+                linewidth=3,
+                label="measured, outside the validator's bounds",
+            )
+        )
     _legend(fig, axes[1], ncol=3, handles=handles)
     modes = ", ".join(sorted({f"{r.mode}/{r.backend}" for r in rows}))
     n_ok = sum(r.ok for r in rows)
@@ -359,8 +444,13 @@ def _umask() -> int:
     return mask
 
 
-def figure(view: str, frame: Any = None, rows: Optional[Sequence[ValidationRow]] = None,
-           gpu_memory_bytes: Optional[int] = None, gpu_label: Optional[str] = None) -> Figure:  # fmt: skip
+def figure(
+    view: str,
+    frame: Any = None,
+    rows: Optional[Sequence[ValidationRow]] = None,
+    gpu_memory_bytes: Optional[int] = None,
+    gpu_label: Optional[str] = None,
+) -> Figure:
     """The figure for one ``zeroplan plot --view``."""
     if view == "memory":
         return memory_vs_nd(frame, gpu_memory_bytes, gpu_label)
@@ -371,4 +461,3 @@ def figure(view: str, frame: Any = None, rows: Optional[Sequence[ValidationRow]]
     if view == "validate":
         return predicted_vs_measured(rows)
     raise ValueError(f"view={view!r}: expected one of {', '.join(VIEWS)}")
-

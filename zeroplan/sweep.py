@@ -113,7 +113,9 @@ class SweepConfig(BaseModel):
     def _numbers(cls, v: object) -> object:
         if isinstance(v, (list, tuple)):
             for x in v:
-                if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+                if isinstance(x, (bool, np.bool_)) or not isinstance(
+                    x, (int, float, np.integer, np.floating)
+                ):
                     raise ValueError(f"params={x!r}: must be a number of parameters")
             return tuple(float(x) for x in v)
         return v
@@ -193,7 +195,7 @@ class SweepConfig(BaseModel):
     @classmethod
     def _model_parallel(cls, v: tuple[int, ...]) -> tuple[int, ...]:
         for m in v:
-            _check(params=1, gpus=m if m >= 1 else 1, model_parallel=m)  # this field's own message
+            _check(params=1, gpus=max(m, 1), model_parallel=m)  # this field's own message
         return v
 
     @field_validator("stages")
@@ -224,7 +226,9 @@ class SweepConfig(BaseModel):
             )
         if not self.pairs:
             offloads = ", ".join(o.label for o in self.offload)
-            raise ValueError(f"offload ({offloads}) is possible at none of stages {list(self.stages)}: {_why(self)}")
+            raise ValueError(
+                f"offload ({offloads}) is possible at none of stages {list(self.stages)}: {_why(self)}"
+            )
         return self
 
     @property
@@ -238,7 +242,7 @@ class SweepConfig(BaseModel):
 
     @property
     def pairs(self) -> tuple[tuple[int, Offload], ...]:
-        """The (stage, offload) pairs to report, stage-major; pairs DeepSpeed has no option for are left out."""
+        """The (stage, offload) pairs to report, stage-major; pairs DeepSpeed lacks are left out."""
         return tuple((s, o) for s in self.stages for o in self.offload if _possible(s, o))
 
 
@@ -251,7 +255,7 @@ def _possible(stage: int, offload: Offload) -> bool:
 
 
 def _why(config: SweepConfig) -> str:
-    """check_offload's reason for the first pair, e.g. 'stage 0: optimizer offload needs ZeRO stage 1 or higher'."""
+    """``check_offload``'s reason for the first pair, e.g. 'stage 0: optimizer offload needs ...'."""
     try:
         check_offload(config.stages[0], config.offload[0])
     except ValueError as exc:
@@ -260,7 +264,7 @@ def _why(config: SweepConfig) -> str:
 
 
 def parse_offload(text: str) -> Offload:
-    """'none' | 'cpu' | 'nvme' | 'cpu/cpu' | 'none/cpu' ... -> Offload(optimizer, params); ValueError otherwise."""
+    """'none' | 'cpu' | 'nvme' | 'cpu/cpu' | 'none/cpu' ... -> Offload(optimizer, params); else ValueError."""
     if isinstance(text, Offload):
         return text
     parts = str(text).strip().lower().split("/")
@@ -285,7 +289,7 @@ def _collectives_column(sweep_rows: list, nd: np.ndarray) -> pd.Categorical:
 
 
 def _grid(config: SweepConfig) -> dict[str, np.ndarray]:
-    """Every valid (params, gpus, model_parallel, micro_batch) combination, params slowest, as int64 arrays."""
+    """Every valid (params, gpus, model_parallel, micro_batch) combination, params slowest, int64 arrays."""
     params = [int(p) for p in config.params] if config.params else [sum(config.numels)]
     p, g, m, b = np.meshgrid(
         np.array(params, dtype=np.int64),
@@ -333,7 +337,10 @@ def sweep_config(config: SweepConfig) -> pd.DataFrame:
     psi = sum(numels)
     flat_layout = config.numels is not None
     by_stage = {
-        r.stage: r for r in stage_estimates(numels, nd, config.policy, config.stages, config.gpu_memory_bytes, flat_layout)
+        r.stage: r
+        for r in stage_estimates(
+            numels, nd, config.policy, config.stages, config.gpu_memory_bytes, flat_layout
+        )
     }
     pairs = config.pairs
     blocks = [_block(by_stage[s], o, numels, nd, config, flat_layout) for s, o in pairs]
@@ -379,8 +386,14 @@ def sweep_config(config: SweepConfig) -> pd.DataFrame:
     return pd.DataFrame(columns, columns=list(COLUMNS))
 
 
-def _block(row: StageEstimate, offload: Offload, numels: tuple, nd: np.ndarray, config: SweepConfig,
-           flat_layout: bool) -> dict[str, np.ndarray]:  # fmt: skip
+def _block(
+    row: StageEstimate,
+    offload: Offload,
+    numels: tuple,
+    nd: np.ndarray,
+    config: SweepConfig,
+    flat_layout: bool,
+) -> dict[str, np.ndarray]:
     """The columns of one (stage, offload) pair for the whole grid, from ``stage_estimates`` and, with
     offload, ``zeroplan.offload`` (GPU-resident states, host and NVMe bytes, host traffic)."""
     out = {
@@ -393,10 +406,12 @@ def _block(row: StageEstimate, offload: Offload, numels: tuple, nd: np.ndarray, 
     else:
         placed = rank_states(numels, nd, row.stage, offload, config.policy, 1, flat_layout)
         memory = placed.gpu
-        with np.errstate(divide="ignore", invalid="ignore"):  # nothing left on the GPU: no ratio (NaN)
-            total = np.asarray(memory.model_states_bytes, dtype=np.int64)
-            reduction = np.where(total > 0, _dp_bytes(numels, nd, config, flat_layout) / np.maximum(total, 1), np.nan)
-        fits = None if config.gpu_memory_bytes is None else memory.model_states_bytes <= config.gpu_memory_bytes
+        total = np.asarray(memory.model_states_bytes, dtype=np.int64)
+        dp_bytes = _dp_bytes(numels, nd, config, flat_layout)
+        reduction = np.where(total > 0, dp_bytes / np.maximum(total, 1), np.nan)  # NaN: nothing on the GPU
+        fits = (
+            None if config.gpu_memory_bytes is None else memory.model_states_bytes <= config.gpu_memory_bytes
+        )
         host, nvme, h2d, d2h = placed.host_bytes, placed.nvme_bytes, placed.h2d_bytes, placed.d2h_bytes
     out.update(
         params_bytes=memory.params_bytes,
@@ -410,14 +425,14 @@ def _block(row: StageEstimate, offload: Offload, numels: tuple, nd: np.ndarray, 
         h2d_bytes=h2d,
         d2h_bytes=d2h,
     )
-    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes", "host_bytes", "nvme_bytes",
-                "h2d_bytes", "d2h_bytes"):  # fmt: skip
+    int_keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes")
+    for key in (*int_keys, "host_bytes", "nvme_bytes", "h2d_bytes", "d2h_bytes"):
         out[key] = np.asarray(out[key], dtype=np.int64)
     return out
 
 
 def _dp_bytes(numels: tuple, nd: np.ndarray, config: SweepConfig, flat_layout: bool) -> np.ndarray:
-    """Stage-0 model states, the denominator of ``reduction_vs_dp``, from the same function as ``estimate``."""
+    """Stage-0 model states, the denominator of ``reduction_vs_dp``, by the same function as ``estimate``."""
     (dp,) = stage_estimates(numels, nd, config.policy, (0,), None, flat_layout)
     return np.asarray(dp.memory.model_states_bytes, dtype=np.int64)
 
@@ -472,7 +487,7 @@ def parse_list(text: str, what: str, parse: Callable[[str], object]) -> tuple:
 
 
 def gpu_capacity(gpu: Optional[str], gpu_memory: Optional[str]) -> tuple[Optional[int], Optional[str]]:
-    """(bytes, label) from a GPU preset name or a size such as '80GiB' (not both); (None, None) for neither."""
+    """(bytes, label) from a GPU preset name or a size such as '80GiB' (not both); (None, None) if neither."""
     from zeroplan.hardware import get_gpu
     from zeroplan.units import parse_bytes
 
@@ -503,7 +518,7 @@ def to_records(frame: pd.DataFrame) -> list[dict]:
 
 
 def to_json(frame: pd.DataFrame, config: SweepConfig) -> str:
-    """The sweep as one JSON object: schema, the fixed inputs, and ``rows`` (one per configuration and stage)."""
+    """The sweep as one JSON object: schema, the fixed inputs, and ``rows`` (one per configuration, stage)."""
     policy = config.policy
     doc = {
         "schema": SCHEMA,
@@ -547,4 +562,3 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-
