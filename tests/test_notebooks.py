@@ -28,7 +28,16 @@ def test_notebook_runs_top_to_bottom(path):
     assert os.environ.get("MPLBACKEND") == "agg"
     book = nbformat.read(path, as_version=4)
     # Committed without outputs: what a reader opens is what this test runs, not stale results.
-    assert all(not c.get("outputs") and c.get("execution_count") is None for c in book.cells if c.cell_type == "code")
-    NotebookClient(book, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
-    images = [o for c in book.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    assert all(
+        not c.get("outputs") and c.get("execution_count") is None for c in book.cells if c.cell_type == "code"
+    )
+    NotebookClient(
+        book,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
+    images = [
+        o for c in book.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})
+    ]
     assert images, "every notebook shows at least one figure"
