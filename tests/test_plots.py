@@ -103,10 +103,12 @@ def test_cli_writes_each_format_whole_and_leaves_no_temporary_file(tmp_path, suf
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
 
 
-@pytest.mark.parametrize("view", ["breakdown", "comm"])
-def test_cli_other_views(tmp_path, view):
+@pytest.mark.parametrize(
+    ("view", "model"), [("breakdown", ["--params", "7e9"]), ("comm", ["--model", "llama2-7b"])]
+)
+def test_cli_other_views(tmp_path, view, model):
     out = tmp_path / "v.png"
-    r = runner.invoke(app, ["plot", "--view", view, "--params", "7e9", "--gpus", "8,64", "--out", str(out)])
+    r = runner.invoke(app, ["plot", "--view", view, *model, "--gpus", "8,64", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert out.read_bytes().startswith(b"\x89PNG")
 
@@ -129,7 +131,18 @@ def test_cli_validate_view(tmp_path):
             "unknown image extension '.jpg'; use .png, .svg or .pdf",
         ),
         (["--params", "7e9", "--out", "{d}/m"], None, "no image extension"),
-        (["--out", "{d}/m.png"], None, "--view memory needs --params"),
+        (["--out", "{d}/m.png"], None, "--view memory needs exactly one of --params and --model"),
+        (
+            ["--params", "7e9", "--model", "llama2-7b", "--out", "{d}/m.png"],
+            None,
+            "exactly one of --params and",
+        ),
+        (["--model", "no-such-model", "--out", "{d}/m.png"], None, "unknown model 'no-such-model'"),
+        (
+            ["--view", "validate", "--params", "7e9", "--results", "{d}/r.json", "--out", "{d}/m.png"],
+            None,
+            "--params and --model do not apply",
+        ),
         (["--params", "7e9", "--gpus", "8,0", "--out", "{d}/m.png"], None, "gpus=0: must be >= 1"),
         (
             ["--params", "7e9,70e9", "--view", "breakdown", "--out", "{d}/m.png"],

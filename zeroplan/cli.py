@@ -224,6 +224,7 @@ def plot(
         "comm: bytes sent per GPU per step; validate: predicted vs measured from --results.",
     ),
     params: Optional[str] = typer.Option(None, help="Ψ values, comma-separated: 7e9 or 7B,70B (memory view)."),
+    model: Optional[str] = typer.Option(None, help="Reference model preset instead of --params: llama2-70b, ..."),
     gpus: str = typer.Option("8,16,32,64", help="Total GPU counts, comma-separated."),
     model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree."),
     stage: str = typer.Option("0,1,2,3", help="ZeRO stages to draw, comma-separated."),
@@ -249,14 +250,17 @@ def plot(
     if view is PlotView.validate:
         if results is None:
             raise UserError("--view validate needs --results FILE (from `zeroplan validate --json`)")
+        if params is not None or model is not None:
+            raise UserError("--view validate draws --results only; --params and --model do not apply")
         fig = plots.predicted_vs_measured(plots.load_validation(results))
     else:
         if results is not None:
             raise UserError(f"--results is only read by --view validate, not --view {view.value}")
-        if params is None:
-            raise UserError(f"--view {view.value} needs --params")
+        if (params is None) == (model is None):
+            raise UserError(f"--view {view.value} needs exactly one of --params and --model")
         config = SweepConfig(
-            params=parse_list(params, "params", parse_count),
+            params=parse_list(params, "params", parse_count) if params is not None else None,
+            model=model,
             gpus=parse_list(gpus, "gpus", lambda t: parse_whole(t, "gpus")),
             model_parallel=(model_parallel,),
             stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),
