@@ -3,7 +3,9 @@
 - Memory on CPU: ``torch.distributed._tools.mem_tracker.MemTracker`` sees every storage created under it
   at dispatch level (and storage resizes), so its running total is every live tensor byte, whatever the
   runtime thinks it holds. On CUDA: the caching allocator's ``memory_allocated`` and
-  ``max_memory_allocated`` (which round each block up to 512 bytes).
+  ``max_memory_allocated`` (which round each block up to 512 bytes), less what was allocated before the
+  probe started; cuBLAS workspaces (allocated through the same allocator, one per handle) are released
+  before each step-boundary reading, so they count in phase peaks but not in model states.
 - Traffic: a ``TorchDispatchMode`` sees every ``torch.ops.c10d`` call with its tensors; sizes are turned
   into bytes per rank with the planner's ring rule (``zeroplan.comm.ring_bytes_per_rank``), per call.
 """
@@ -77,6 +79,14 @@ def _tracker():
     return GlobalPeakTracker()
 
 
+def _clear_cublas_workspaces() -> None:
+    # cuBLAS workspaces come from the caching allocator and outlive the matmul that made them.
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        torch.cuda.synchronize()
+        clear()
+
+
 def _reset_tracker_peak(tracker) -> None:
     # MemTracker has no public per-phase reset; its peak is these two fields (torch 2.4-2.13).
     snap = tracker.get_tracker_snapshot("current")
@@ -92,11 +102,14 @@ class MemoryProbe:
         self.tracker = None
         self.peaks: dict[str, int] = {}
         self._phase: str | None = None
+        self.baseline = 0  # CUDA: bytes allocated before the probe started
 
     def __enter__(self) -> "MemoryProbe":
         if self.cuda:
+            _clear_cublas_workspaces()  # left by earlier work (the parity reference); not ours
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated()
         else:
             self.tracker = _tracker()
             self.tracker.__enter__()
@@ -108,8 +121,9 @@ class MemoryProbe:
 
     def current_bytes(self) -> int:
         if self.cuda:
+            _clear_cublas_workspaces()
             torch.cuda.synchronize()
-            return torch.cuda.memory_allocated()
+            return torch.cuda.memory_allocated() - self.baseline
         return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("current").values())
 
     def settled_bytes(self, wait_s: float = 2.0, poll_s: float = 0.01, polls: int = 3) -> int:
@@ -143,7 +157,7 @@ class MemoryProbe:
     def _peak_bytes(self) -> int:
         if self.cuda:
             torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
+            return torch.cuda.max_memory_allocated() - self.baseline
         return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("peak").values())
 
     def phase(self, name: str | None) -> None:

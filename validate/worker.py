@@ -13,8 +13,8 @@ import json
 import os
 import signal
 import time
+import warnings
 from collections import defaultdict
-from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -25,10 +25,14 @@ from validate.models import build, make_batch, spec_for
 from validate.probes import PHASES, CommCounter, MemoryProbe
 from validate.reference import train_reference
 from validate.runtime import split_units
+from validate.simulate import fake_tensors, init_fake_world
 from validate.stage0 import Stage0
 from validate.stage1 import Stage1
 from validate.stage2 import Stage2
 from validate.stage3 import Stage3
+
+# MemTracker's gradient hook meets parameters whose gradient was already handed to a reduce-scatter.
+warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass", category=UserWarning)
 
 RUNTIMES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 FAULT_ENV = "ZEROPLAN_VALIDATE_FAULT"  # test hook: "crash:RANK" or "hang:RANK"
@@ -68,26 +72,22 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
     """Build a fresh model and runtime under the probes, train ``config.steps`` steps, return the rank's row."""
     spec = spec_for(config.model, config.params)
     gen = torch.Generator().manual_seed(1234)
-    fake_mode = nullcontext()
-    if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_mode = fake_tensors(fake)
     b = config.batch_per_rank
     global_batches = [make_batch(spec, nd * b, gen, config.seq_len) for _ in range(config.steps)]
     with fake_mode:
         if fake:  # only shapes matter: the same batches as fake tensors
-            global_batches = [tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in gb)
-                              for gb in global_batches]  # fmt: skip
-        else:
-            global_batches = [tuple(t.to(device) for t in gb) for gb in global_batches]
+            global_batches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in gb) for gb in global_batches]
+        # Slices are taken here, before the probes start: a view made under MemTracker would register
+        # the whole global batch's storage, which the list below keeps alive past every step boundary.
+        # Each step copies its slice onto the device inside the probes, and frees it before the boundary.
         local_batches = [tuple(t[rank * b : (rank + 1) * b].clone() for t in gb) for gb in global_batches]
         counter, probe = CommCounter(nd), MemoryProbe(device)
         boundary, t0 = [], time.perf_counter()
         with probe, counter:  # everything the runtime allocates, from its first tensor on
             runtime = RUNTIMES[stage](build(spec, torch.bfloat16, device), nd, rank, config.lr)
             for step in range(config.steps):
-                batch = local_batches.pop(0)
+                batch = tuple(t.to(device, copy=True) for t in local_batches.pop(0))
                 counter.step = step
                 enter("forward", probe, counter)
                 loss = runtime.model.loss(batch)
@@ -122,7 +122,8 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
 
 def check_parity(config: ValidateConfig, spec, runtime, global_batches, device) -> dict:
     """Compare this rank's fp32 master shard and reduced gradients with the single-process reference."""
-    model, master, grads = train_reference(spec, global_batches, config.lr, device)
+    batches = [tuple(t.to(device) for t in gb) for gb in global_batches]
+    model, master, grads = train_reference(spec, batches, config.lr, device)
     units = [ps for _, ps in split_units(model)]
     ref_master = runtime.local_flat([[master[id(p)] for p in ps] for ps in units], torch.float32)
     ref_grad = runtime.local_flat([[grads[id(p)].float() for p in ps] for ps in units], torch.float32)
@@ -176,9 +177,7 @@ def init_group(config: ValidateConfig, nd: int, rank: int, init: str | None, sim
     # as a collective timeout.
     timeout = timedelta(seconds=config.timeout_s + 60)
     if simulated:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nd)
+        init_fake_world(nd, rank)
         return "fake"
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"init_method": init, "rank": rank, "world_size": nd} if init else {}
@@ -211,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(config, nd, rank, device, args.simulated)
     meta = {"world_size": nd, "backend": backend, "device": str(device), "torch": torch.__version__}
     if torchrun:  # one file for the whole world, from rank 0
+        config = config.model_copy(update={"world_sizes": (nd,)})
         everyone = [None] * nd if rank == 0 else None
         dist.gather_object(rows, everyone, dst=0)
         if rank == 0:
