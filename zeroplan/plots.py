@@ -18,13 +18,15 @@ from typing import Any, Optional
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import FuncFormatter, NullLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from zeroplan.config import error_line
 from zeroplan.stages import STAGES
 
 GB = 1e9
+LOG_TICK_SUBS = (1.0, 2.0, 5.0)
+"""Labelled log ticks at 1, 2, 5 x 10^k, so a range narrower than a decade still has labels."""
 FORMATS = (".png", ".svg", ".pdf")
 VIEWS = ("memory", "breakdown", "comm", "validate")
 STAGE_COLORS = ("#4d4d4d", "#1f77b4", "#ff7f0e", "#2ca02c")  # grey for plain DP, then one hue per stage
@@ -112,6 +114,7 @@ def memory_vs_nd(
         ax.set_yscale("log")
         ax.set_xticks(nds, [str(n) for n in nds])
         ax.xaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=LOG_TICK_SUBS))
         ax.yaxis.set_major_formatter(FuncFormatter(_gb))
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, pos: ""))
         ax.grid(True, which="major", alpha=0.3)
@@ -231,6 +234,7 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
     mem_ax.set_yscale("log")
     mem_ax.set_xticks(nds, [str(n) for n in nds])
     mem_ax.xaxis.set_minor_locator(NullLocator())
+    mem_ax.yaxis.set_major_locator(LogLocator(base=10, subs=LOG_TICK_SUBS))
     mem_ax.yaxis.set_major_formatter(FuncFormatter(_gb))
     mem_ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, pos: ""))
     mem_ax.grid(True, alpha=0.3)
