@@ -87,8 +87,8 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         "measured_collectives": measured_coll,
         "measured_peak_bytes": max(peaks.values()),
         "measured_peak_bytes_by_phase": peaks,
-        "parity": parities[0] if parities else None,
-        "parity_worst_rank": max(parities, key=lambda p: p["param_mean_abs_diff"]) if parities else None,
+        # the rank furthest from the reference (a failing rank if any)
+        "parity": min(parities, key=lambda p: (p["ok"], -p["param_mean_abs_diff"])) if parities else None,
         "seconds": max(r["seconds"] for r in rank_rows),
         "checks": checks,
         "ok": all(v is not False for v in checks.values()),
