@@ -113,6 +113,27 @@ def test_simulated_n64_billion_parameter_model_matches_the_planner(simulated):
     assert s3["predicted_model_states_bytes"] == pytest.approx(16 * s3["psi"] / 64, rel=1e-6)
 
 
+def _netns_available() -> bool:
+    try:
+        return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not _netns_available(), reason="unshare -n needs Linux, util-linux and CAP_SYS_ADMIN")
+def test_wire_bytes_show_gloo_reduce_scatter_costs_an_all_reduce(tmp_path_factory):
+    _, report = run_json(tmp_path_factory, "--wire", "--world-size", "2", "--stage", "0", "--stage", "1",
+                         "--stage", "3")  # fmt: skip
+    ratio = {r["stage"]: r["wire_to_logical"] for r in report["rows"]}
+    # stage 0: one all-reduce, sent as a ring: wire = logical bytes + TCP/IP and barrier overhead
+    assert 1.0 <= ratio[0] <= 1.3
+    # stage 1: RS (sent as an all-reduce: 2x) + AG (1x) over 2 logical units -> 1.5x stage 0's ratio;
+    # stage 3: AG + AG + RS(2x) over 3 -> 4/3. The overhead ratio of stage 0 divides out.
+    assert ratio[1] / ratio[0] == pytest.approx(1.5, abs=0.1)
+    assert ratio[3] / ratio[0] == pytest.approx(4 / 3, abs=0.1)
+
+
 def worker_pids() -> set[int]:
     pids = set()
     for entry in Path("/proc").iterdir():

@@ -25,6 +25,7 @@ class ValidateConfig(BaseModel):
     lr: float = Field(1e-3, description="Adam learning rate")
     tolerance: float = Field(0.01, description="largest relative error of model states still ok")
     timeout_s: float = Field(600.0, description="wall-clock limit of one world size's processes")
+    wire: bool = Field(False, description="also count loopback bytes in a private network namespace (Linux, gloo)")
 
     @field_validator("stages")
     @classmethod
@@ -62,6 +63,12 @@ class ValidateConfig(BaseModel):
         if v is not None and not (v > 0 and v != float("inf")):
             raise ValueError(f"{info.field_name}={v}: must be a positive finite number")
         return v
+
+    @model_validator(mode="after")
+    def _wire_needs_real(self) -> "ValidateConfig":
+        if self.wire and self.simulated:
+            raise ValueError("--wire counts real traffic: it needs a real (not --simulated) run")
+        return self
 
     @model_validator(mode="after")
     def _known_model(self) -> "ValidateConfig":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +44,21 @@ def _tail(path: Path) -> str:
     return text[-LOG_TAIL_CHARS:].strip()
 
 
+def _network_namespace() -> tuple[subprocess.Popen, list[str]]:
+    """A process holding a fresh network namespace with only loopback up, and the prefix that runs a
+    command inside it. Every byte the ranks send then crosses ``lo`` of that namespace alone."""
+    if not shutil.which("unshare") or not shutil.which("nsenter"):
+        raise RunFailed("--wire needs unshare and nsenter (util-linux) and a Linux kernel")
+    holder = subprocess.Popen(
+        ["unshare", "-n", "--", "sh", "-c", "ip link set lo up && echo up && exec sleep 86400"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    if holder.stdout.readline().strip() != "up":
+        _kill([holder])
+        raise RunFailed(f"--wire: could not create a network namespace: {holder.stderr.read().strip()}")
+    return holder, ["nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"]
+
+
 def run_world(config: ValidateConfig, nd: int, simulated: bool) -> tuple[dict, list[list[dict]]]:
     """Run every stage of ``config`` at world size ``nd``; returns (meta, rows of each rank)."""
     nprocs = 1 if simulated else nd
@@ -50,11 +66,15 @@ def run_world(config: ValidateConfig, nd: int, simulated: bool) -> tuple[dict, l
     # Ranks share few cores: one intra-op thread each keeps N_d processes from oversubscribing them.
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="zeroplan-validate-") as tmp:
-        procs, logs = [], []
+        procs, logs, prefix, holders = [], [], [], []
         try:
+            if config.wire:
+                holder, prefix = _network_namespace()
+                holders.append(holder)  # killed with the ranks, whatever happens
+                env["GLOO_SOCKET_IFNAME"] = "lo"
             for rank in range(nprocs):
                 logs.append(Path(tmp, f"rank{rank}.log"))
-                cmd = [
+                cmd = prefix + [
                     sys.executable, "-m", "validate.worker", "--config", config.model_dump_json(),
                     "--world-size", str(nd), "--rank", str(rank), "--out", str(Path(tmp, f"rank{rank}.json")),
                 ]  # fmt: skip
@@ -82,7 +102,7 @@ def run_world(config: ValidateConfig, nd: int, simulated: bool) -> tuple[dict, l
                 time.sleep(POLL_S)
             results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nprocs)]
         finally:
-            _kill(procs)
+            _kill(procs + holders)
     return results[0]["meta"], [res["rows"] for res in results]
 
 

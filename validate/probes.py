@@ -173,3 +173,13 @@ class MemoryProbe:
                 if name == PHASES[0]:  # its per-module stats refuse a second forward otherwise
                     self.tracker.reset_mod_stats()
                 _reset_tracker_peak(self.tracker)
+
+
+def loopback_tx_bytes() -> int:
+    """Bytes sent on ``lo`` so far, from ``/proc/net/dev`` (of this process's network namespace)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[8])  # receive: 8 fields, then transmit bytes
+    raise RuntimeError("no loopback interface in /proc/net/dev")

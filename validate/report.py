@@ -17,7 +17,9 @@ from validate.models import expected_shapes, spec_for
 SCHEMA = "zeroplan.validate/1"
 GLOO_NOTE = (
     "gloo runs a reduce-scatter as a full all-reduce followed by a local copy, so on the wire it sends "
-    "about twice the ring volume counted here; comm bytes are the logical ring bytes per rank "
+    "twice the ring volume counted here (seen with --wire: gpt-tiny at N_d = 2 sends 1.06x the logical "
+    "bytes at stage 0, 1.59x at stages 1-2 and 1.42x at stage 3, i.e. 1.5x and 1.34x of stage 0's "
+    "ratio, as (2+1)/2 and (1+1+2)/3 predict); comm bytes are the logical ring bytes per rank "
     "((N_d-1)*ceil(n/N_d)*b per call, x2 for all-reduce), which is what NCCL's ring sends."
 )
 
@@ -90,6 +92,10 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         # the rank furthest from the reference (a failing rank if any)
         "parity": min(parities, key=lambda p: (p["ok"], -p["param_mean_abs_diff"])) if parities else None,
         "seconds": max(r["seconds"] for r in rank_rows),
+        # --wire: bytes really sent on loopback per rank per step (rank 0's reading of the shared counter)
+        "wire_bytes_per_rank": rank_rows[0].get("wire_bytes_per_rank"),
+        "wire_to_logical": (rank_rows[0]["wire_bytes_per_rank"] / measured_comm
+                            if rank_rows[0].get("wire_bytes_per_rank") is not None and measured_comm else None),
         "checks": checks,
         "ok": all(v is not False for v in checks.values()),
     }
@@ -128,6 +134,9 @@ def to_table(report: dict) -> str:
     """Predicted vs measured per row, with relative errors."""
     cols = ["stage", "N_d", "mode", "backend", "states pred", "states meas", "err", "comm/rank pred",
             "comm/rank meas", "err", "peak fwd", "peak bwd", "peak opt", "parity", "ok"]  # fmt: skip
+    wire = any(r.get("wire_bytes_per_rank") is not None for r in report["rows"])
+    if wire:
+        cols[-2:-2] = ["wire/rank", "wire/comm"]
     lines = []
     for r in report["rows"]:
         p = r["measured_peak_bytes_by_phase"]
@@ -141,6 +150,9 @@ def to_table(report: dict) -> str:
             _size(p["forward"]), _size(p["backward"]), _size(p["optimizer step"]),
             parity, "yes" if r["ok"] else "NO",
         ])  # fmt: skip
+        if wire:
+            ratio = r.get("wire_to_logical")
+            lines[-1][-2:-2] = [_size(r["wire_bytes_per_rank"] or 0), "-" if ratio is None else f"{ratio:.3f}x"]
     widths = [max(len(x[i]) for x in [cols, *lines]) for i in range(len(cols))]
     fmt = lambda row: "  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
     first = report["rows"][0] if report["rows"] else {}
@@ -152,6 +164,11 @@ def to_table(report: dict) -> str:
         "comm: bytes one rank sends per step, ring rule, counted from the c10d calls. "
         "peak: largest live bytes within each phase (reported, not predicted)."
     )
+    if wire:
+        out.append(
+            "wire/rank: bytes really sent on loopback per rank per step (--wire: the ranks run alone in a "
+            "network namespace; /proc/net/dev, TCP/IP headers, ACKs and two barriers included)."
+        )
     out += report["notes"]
     bad = [f"stage {r['stage']} N_d={r['world_size']}: " + ", ".join(k for k, v in r["checks"].items() if v is False)
            for r in report["rows"] if not r["ok"]]  # fmt: skip

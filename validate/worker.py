@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from validate.config import ValidateConfig
 from validate.models import build, make_batch, spec_for
-from validate.probes import PHASES, CommCounter, MemoryProbe
+from validate.probes import PHASES, CommCounter, MemoryProbe, loopback_tx_bytes
 from validate.reference import train_reference
 from validate.runtime import split_units
 from validate.simulate import fake_tensors, init_fake_world
@@ -82,6 +82,9 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
         # the whole global batch's storage, which the list below keeps alive past every step boundary.
         # Each step copies its slice onto the device inside the probes, and frees it before the boundary.
         local_batches = [tuple(t[rank * b : (rank + 1) * b].clone() for t in gb) for gb in global_batches]
+        if config.wire:  # every rank reads the same namespace-wide counter; a barrier lines them up
+            dist.barrier()
+            wire_start = loopback_tx_bytes()
         counter, probe = CommCounter(nd), MemoryProbe(device)
         boundary, t0 = [], time.perf_counter()
         with probe, counter:  # everything the runtime allocates, from its first tensor on
@@ -101,6 +104,11 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
                 boundary.append(probe.settled_bytes())
             breakdown = probe.breakdown()
         seconds = time.perf_counter() - t0
+        wire = None
+        if config.wire:
+            dist.barrier()
+            # all ranks' traffic over all steps (plus two barriers and TCP/IP headers and ACKs)
+            wire = (loopback_tx_bytes() - wire_start) / (nd * config.steps)
         row = {
             "stage": stage,
             "rank": rank,
@@ -113,6 +121,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
                 if k == "step"
             ),
             "seconds": round(seconds, 3),
+            "wire_bytes_per_rank": wire,
             "parity": None if fake or config.simulated else check_parity(config, spec, runtime, global_batches, device),
         }
     del runtime, global_batches

@@ -361,6 +361,7 @@ def validate_cmd(
     tolerance: float = typer.Option(0.01, help="Largest relative error of model states still ok."),
     timeout: float = typer.Option(600.0, help="Seconds one world size may run before its ranks are killed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full result here (atomically)."),
+    wire: bool = typer.Option(False, "--wire", help="Also count bytes on loopback in a private netns (gloo)."),
 ) -> None:
     """Train the reference ZeRO runtime, measure memory and traffic, compare with zeroplan; exit 1 if off."""
     from validate.api import run_validation, write_json_atomic
@@ -381,6 +382,7 @@ def validate_cmd(
         seq_len=seq_len,
         tolerance=tolerance,
         timeout_s=timeout,
+        wire=wire,
     )
     try:
         report = run_validation(config)
