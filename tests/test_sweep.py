@@ -180,7 +180,8 @@ def frame_fits(frame):
         ),
         ({"params": [7e9], "stages": [0, 4]}, "stages=[0, 4]: 4 is not a ZeRO stage (0, 1, 2 or 3)"),
         ({"params": [7e9], "gpu_memory_bytes": 0}, "gpu_memory_bytes=0: must be >= 1"),
-        ({"params": [7e9], "tensor_numels": [10]}, "give exactly one of params and tensor_numels"),
+        ({"params": [7e9], "tensor_numels": [10]}, "give exactly one of params, tensor_numels and model"),
+        ({"gpus": [8]}, "give exactly one of params, tensor_numels and model"),
         ({"params": [7e9], "optimizer": "no-such-optimizer"}, "unknown optimizer 'no-such-optimizer'"),
     ],
 )

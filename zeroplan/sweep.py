@@ -3,7 +3,7 @@
 The grid is evaluated in one pass of numpy int64 arrays through the very functions ``estimate`` uses
 (``zeroplan.api.stage_estimates``, hence ``sharding``, ``memory`` and ``comm``): no formula is written
 twice, so a sweep row and ``estimate(...)`` cannot drift (``tests/test_sweep.py`` checks it row by row).
-A million rows take well under a second (``benchmarks/sweep_speed.py``). This is the one planner module
+A million rows take about a second (``benchmarks/sweep_speed.py``). This is the one planner module
 that imports pandas.
 
 Byte counts stay exact integers: int64 holds 9.2e18, and the largest count here is bounded by
@@ -208,7 +208,7 @@ class SweepConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "SweepConfig":
-        if self.model is not None and (self.params is not None or self.tensor_numels is not None):
+        if sum(x is not None for x in (self.params, self.tensor_numels, self.model)) != 1:
             raise ValueError("give exactly one of params, tensor_numels and model")
         if self.model is None and (self.micro_batch != (1,) or self.seq_len is not None):
             raise ValueError("micro_batch and seq_len change only activations, which need a reference model")
@@ -324,8 +324,8 @@ def _activations(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tuple[np.
 
 
 def sweep_config(config: SweepConfig) -> pd.DataFrame:
-    """One row per configuration, stage and offload, in grid order (params, gpus, model_parallel, stage,
-    offload)."""
+    """One row per configuration, stage and offload, in grid order: params, gpus, model_parallel,
+    micro_batch, stage, offload (the last fastest)."""
     grid = _grid(config)
     m = grid["model_parallel"]
     nd = grid["gpus"] // m
