@@ -201,3 +201,24 @@ def test_stage_tradeoffs_draw_the_plans_numbers():
         t = plan.option(3).time
         assert low.get_height() == t.exposed_comm_s
         assert low.get_height() + high.get_height() == pytest.approx(t.comm_s, rel=1e-12)
+
+
+def test_only_the_plotting_module_imports_matplotlib_and_only_the_sweep_module_pandas():
+    # The house rule (STYLE.md): pandas in one module, matplotlib in one module; checked on the AST so
+    # an import inside a function counts too.
+    import ast
+    from pathlib import Path
+
+    import zeroplan
+
+    owners = {"pandas": set(), "matplotlib": set()}
+    for path in Path(zeroplan.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top in owners:
+                    owners[top].add(path.name)
+    assert owners == {"pandas": {"sweep.py"}, "matplotlib": {"plots.py"}}
