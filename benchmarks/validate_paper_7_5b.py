@@ -34,7 +34,9 @@ def main() -> None:
         write_json_atomic(report, args.json)
     psi = report["rows"][0]["psi"]
     print(f"GPT-style model of {psi:,} parameters (zeroplan.models.gpt_for_params(7.5e9)), N_d = 64")
-    print("stage  paper Fig.1 GB  paper formula GB  zeroplan GB  measured GB   measured-zeroplan B  comm/rank GB  ok")
+    print(
+        "stage  paper Fig.1 GB  paper formula GB  zeroplan GB  measured GB   measured-zeroplan B  comm/rank GB  ok"
+    )
     for r in report["rows"]:
         formula = paper_model_states_bytes(psi, 64, 12, r["stage"]) / 1e9
         print(f"{r['stage']:>5}  {PAPER_FIGURE_1_GB[r['stage']]:>14.2f}  {formula:>16.3f}  "

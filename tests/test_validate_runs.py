@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,9 @@ K = 12  # mixed-precision Adam, ZeRO paper section 3.1
 
 def zeroplan(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", "from zeroplan.cli import main; main()", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False
+    )
 
 
 def run_json(tmp_path_factory, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -115,7 +118,7 @@ def test_simulated_n64_billion_parameter_model_matches_the_planner(simulated):
 
 def _netns_available() -> bool:
     try:
-        return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+        return subprocess.run(["unshare", "-n", "true"], capture_output=True, check=False).returncode == 0
     except FileNotFoundError:
         return False
 
@@ -134,15 +137,17 @@ def test_wire_bytes_show_gloo_reduce_scatter_costs_an_all_reduce(tmp_path_factor
     assert ratio[3] / ratio[0] == pytest.approx(4 / 3, abs=0.1)
 
 
-def worker_pids() -> set[int]:
+def worker_pids(token: str) -> set[int]:
+    """Rank processes whose environment carries ``token`` (so runs of other sessions do not count)."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if b"validate.worker" in (entry / "cmdline").read_bytes():
-                    pids.add(int(entry.name))
+                cmdline, environ = (entry / "cmdline").read_bytes(), (entry / "environ").read_bytes()
             except OSError:
-                pass
+                continue
+            if b"validate.worker" in cmdline and token.encode() in environ:
+                pids.add(int(entry.name))
     return pids
 
 
@@ -152,16 +157,17 @@ def worker_pids() -> set[int]:
     ("hang:1", 20, "no result after 20 s (a rank hangs?)"),
 ])  # fmt: skip
 def test_a_failing_rank_ends_the_run_cleanly(tmp_path, fault, timeout, message):
-    before = worker_pids()
+    token = uuid.uuid4().hex
     out = tmp_path / "result.json"
     t0 = time.monotonic()
+    env = {"ZEROPLAN_VALIDATE_FAULT": fault, "ZEROPLAN_TEST_TOKEN": token}
     proc = zeroplan("validate", "--model", "mlp-tiny", "--world-size", "2", "--stage", "0",
-                    "--timeout", str(timeout), "--json", str(out), env={"ZEROPLAN_VALIDATE_FAULT": fault})  # fmt: skip
+                    "--timeout", str(timeout), "--json", str(out), env=env)  # fmt: skip
     assert proc.returncode == 1
     assert message in proc.stderr and proc.stderr.startswith("zeroplan: error: ")
     assert proc.stdout == "" and not out.exists() and list(tmp_path.iterdir()) == []
     assert time.monotonic() - t0 < timeout + 30
-    assert worker_pids() - before == set()  # no orphan rank left behind
+    assert worker_pids(token) == set()  # no orphan rank left behind
 
 
 def test_out_of_tolerance_exits_1_and_still_writes_the_full_result(tmp_path):

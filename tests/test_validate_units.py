@@ -36,13 +36,19 @@ def test_gpt_for_params_builds_the_papers_7_5b_model_shape():
 def test_gpt_1b_wide_preset_has_over_a_billion_parameters():
     # V*d + T*d + L*(12 d^2 + 13 d) + 2 d with V = 50304, T = 128, L = 2, d = 6144 (GPT-2 layout).
     d = 6144
-    assert sum(numels(expected_shapes(spec_for("gpt-1b-wide", None)))) == 50304 * d + 128 * d + 2 * (
-        12 * d * d + 13 * d
-    ) + 2 * d == 1_215_995_904
+    assert (
+        sum(numels(expected_shapes(spec_for("gpt-1b-wide", None))))
+        == 50304 * d + 128 * d + 2 * (12 * d * d + 13 * d) + 2 * d
+        == 1_215_995_904
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=12), nd=st.integers(1, 9), cut=st.integers(0, 12))
+@given(
+    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=12),
+    nd=st.integers(1, 9),
+    cut=st.integers(0, 12),
+)
 def test_unit_shards_add_up_to_the_planners_shard(sizes, nd, cut):
     # Whatever the grouping into units, per-unit padding gives the planner's per-rank and full sizes.
     units = [sizes[:cut], sizes[cut:]] if 0 < cut < len(sizes) else [sizes]
@@ -87,7 +93,9 @@ def test_comm_counter_sizes_collectives_with_the_ring_rule():
             warnings.simplefilter("ignore")
             full, shard = torch.empty(10, dtype=torch.bfloat16), torch.empty(3, dtype=torch.bfloat16)
             dist.all_reduce(full)
-            dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16))
+            dist.reduce_scatter_tensor(
+                torch.empty(2, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)
+            )
             dist.all_gather_into_tensor(torch.empty(12, dtype=torch.bfloat16), shard)
     finally:
         dist.destroy_process_group()

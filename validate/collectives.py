@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 renames these (``*_single``) but 2.11 only has the old names; both run the same c10d op.
-warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*", category=FutureWarning)
+warnings.filterwarnings(
+    "ignore", message=".*is deprecated. Please use `torch.distributed.*", category=FutureWarning
+)
 
 
 def all_reduce_mean(t: torch.Tensor, nd: int) -> None:

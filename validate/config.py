@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,17 +15,19 @@ class ValidateConfig(BaseModel):
     stages: tuple[int, ...] = Field((0, 1, 2, 3), description="ZeRO stages to run, each 0-3")
     world_sizes: tuple[int, ...] = Field((2, 4), description="N_d values; one process group each")
     model: str = Field("gpt-tiny", description="preset of validate.models.PRESETS")
-    params: Optional[float] = Field(None, description="instead of model: a GPT-style model of about Ψ params")
+    params: float | None = Field(None, description="instead of model: a GPT-style model of about Ψ params")
     simulated: bool = Field(False, description="one process plays rank 0 of the world on a fake group")
-    fake_tensors: Optional[bool] = Field(None, description="FakeTensorMode; default: on when simulated on CPU")
+    fake_tensors: bool | None = Field(None, description="FakeTensorMode; default: on when simulated on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     steps: int = Field(3, description="training steps; >= 2 so a steady state is seen after Adam's lazy init")
     batch_per_rank: int = Field(2, description="sequences (or samples) per rank per step")
-    seq_len: Optional[int] = Field(None, description="tokens per sequence (GPT); default: the spec's max")
+    seq_len: int | None = Field(None, description="tokens per sequence (GPT); default: the spec's max")
     lr: float = Field(1e-3, description="Adam learning rate")
     tolerance: float = Field(0.01, description="largest relative error of model states still ok")
     timeout_s: float = Field(600.0, description="wall-clock limit of one world size's processes")
-    wire: bool = Field(False, description="also count loopback bytes in a private network namespace (Linux, gloo)")
+    wire: bool = Field(
+        False, description="also count loopback bytes in a private network namespace (Linux, gloo)"
+    )
 
     @field_validator("stages")
     @classmethod
@@ -52,27 +54,27 @@ class ValidateConfig(BaseModel):
 
     @field_validator("batch_per_rank", "seq_len")
     @classmethod
-    def _positive(cls, v: Optional[int]) -> Optional[int]:
+    def _positive(cls, v: int | None) -> int | None:
         if v is not None and v < 1:
             raise ValueError(f"{v}: batch and sequence sizes must be >= 1")
         return v
 
     @field_validator("params", "lr", "tolerance", "timeout_s")
     @classmethod
-    def _positive_float(cls, v: Optional[float], info) -> Optional[float]:
+    def _positive_float(cls, v: float | None, info) -> float | None:
         if v is not None and not (v > 0 and v != float("inf")):
             raise ValueError(f"{info.field_name}={v}: must be a positive finite number")
         return v
 
     @model_validator(mode="after")
-    def _wire_needs_real(self) -> "ValidateConfig":
+    def _wire_needs_real(self) -> ValidateConfig:
         if self.wire and self.simulated:
             raise ValueError("--wire counts real traffic: it needs a real (not --simulated) run")
         return self
 
     @model_validator(mode="after")
-    def _known_model(self) -> "ValidateConfig":
-        from validate.models import PRESETS  # noqa: PLC0415 - torch is only needed once a run starts
+    def _known_model(self) -> ValidateConfig:
+        from validate.models import PRESETS
 
         if self.params is None and self.model not in PRESETS:
             raise ValueError(f"model={self.model!r}: expected one of {', '.join(PRESETS)} (or give --params)")

@@ -8,6 +8,8 @@ parameters form the root unit). No buffers: model states are parameters only.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,7 +83,7 @@ class MLP(nn.Module):
     def __init__(self, widths: tuple[int, ...], **kw) -> None:
         super().__init__()
         self.widths = tuple(widths)
-        self.layers = nn.ModuleList(nn.Linear(a, b, **kw) for a, b in zip(widths, widths[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b, **kw) for a, b in itertools.pairwise(widths))
 
     @property
     def blocks(self) -> nn.ModuleList:

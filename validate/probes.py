@@ -104,7 +104,7 @@ class MemoryProbe:
         self._phase: str | None = None
         self.baseline = 0  # CUDA: bytes allocated before the probe started
 
-    def __enter__(self) -> "MemoryProbe":
+    def __enter__(self) -> MemoryProbe:  # noqa: PYI034 - typing.Self needs Python 3.11
         if self.cuda:
             _clear_cublas_workspaces()  # left by earlier work (the parity reference); not ours
             torch.cuda.synchronize()

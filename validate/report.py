@@ -7,12 +7,11 @@ gradients, fp32 master copy, Adam with fp32 m and v.
 
 from __future__ import annotations
 
+from validate.config import ValidateConfig
+from validate.models import expected_shapes, spec_for
 from zeroplan import estimate
 from zeroplan.dtypes import canonical_dtype
 from zeroplan.models import numels
-
-from validate.config import ValidateConfig
-from validate.models import expected_shapes, spec_for
 
 SCHEMA = "zeroplan.validate/1"
 GLOO_NOTE = (
@@ -48,13 +47,20 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
     steps = [_collectives_of_step(s) for r in rank_rows for s in r["comm_by_step"]]
     measured_coll = steps[-1]
     same_every_step = all(s == measured_coll for s in steps)
-    comm_exact = same_every_step and set(measured_coll) == set(pred_coll) and all(
-        measured_coll[k]["elements"] == v["elements"] and measured_coll[k]["bytes_per_rank"] == v["bytes_per_rank"]
-        for k, v in pred_coll.items()
+    comm_exact = (
+        same_every_step
+        and set(measured_coll) == set(pred_coll)
+        and all(
+            measured_coll[k]["elements"] == v["elements"]
+            and measured_coll[k]["bytes_per_rank"] == v["bytes_per_rank"]
+            for k, v in pred_coll.items()
+        )
     )
     measured_comm = sum(v["bytes_per_rank"] or 0 for v in measured_coll.values())
     pred_comm = predicted.comm_bytes_per_rank
-    peaks = {p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in rank_rows[0]["peak_bytes_by_phase"]}
+    peaks = {
+        p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in rank_rows[0]["peak_bytes_by_phase"]
+    }
     parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
     parity_ok = all(p["ok"] for p in parities) if parities else None
     checks = {
@@ -94,8 +100,11 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         "seconds": max(r["seconds"] for r in rank_rows),
         # --wire: bytes really sent on loopback per rank per step (rank 0's reading of the shared counter)
         "wire_bytes_per_rank": rank_rows[0].get("wire_bytes_per_rank"),
-        "wire_to_logical": (rank_rows[0]["wire_bytes_per_rank"] / measured_comm
-                            if rank_rows[0].get("wire_bytes_per_rank") is not None and measured_comm else None),
+        "wire_to_logical": (
+            rank_rows[0]["wire_bytes_per_rank"] / measured_comm
+            if rank_rows[0].get("wire_bytes_per_rank") is not None and measured_comm
+            else None
+        ),
         "checks": checks,
         "ok": all(v is not False for v in checks.values()),
     }
@@ -152,9 +161,14 @@ def to_table(report: dict) -> str:
         ])  # fmt: skip
         if wire:
             ratio = r.get("wire_to_logical")
-            lines[-1][-2:-2] = [_size(r["wire_bytes_per_rank"] or 0), "-" if ratio is None else f"{ratio:.3f}x"]
+            lines[-1][-2:-2] = [
+                _size(r["wire_bytes_per_rank"] or 0),
+                "-" if ratio is None else f"{ratio:.3f}x",
+            ]
     widths = [max(len(x[i]) for x in [cols, *lines]) for i in range(len(cols))]
-    fmt = lambda row: "  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+    fmt = lambda row: "  ".join(
+        c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+    )
     first = report["rows"][0] if report["rows"] else {}
     out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), bf16 params/grads, fp32 master + Adam m, v",
            fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, lines), ""]  # fmt: skip

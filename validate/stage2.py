@@ -29,7 +29,9 @@ class Stage2(Stage1):
 
     def unit_grads_ready(self, u: int) -> None:
         lay, ps = self.layouts[u], self.units[u][1]
-        full = lay.pack([p.grad for p in ps], torch.empty(lay.full_numel, dtype=self.dtype, device=self.device))
+        full = lay.pack(
+            [p.grad for p in ps], torch.empty(lay.full_numel, dtype=self.dtype, device=self.device)
+        )
         for p in ps:
             p.grad = None
         reduce_scatter_mean(self.grad_shard[self.local_slices[u]], full, self.nd)

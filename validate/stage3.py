@@ -63,5 +63,3 @@ class Stage3(Stage2):
 
     def publish(self) -> None:
         self.param_shard.copy_(self.master)
-
-

@@ -32,7 +32,9 @@ from validate.stage2 import Stage2
 from validate.stage3 import Stage3
 
 # MemTracker's gradient hook meets parameters whose gradient was already handed to a reduce-scatter.
-warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass", category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message="Expected a tensor or a traceable wrapper-subclass", category=UserWarning
+)
 
 RUNTIMES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 FAULT_ENV = "ZEROPLAN_VALIDATE_FAULT"  # test hook: "crash:RANK" or "hang:RANK"
@@ -58,7 +60,9 @@ def summarise_calls(calls, steps: int) -> list[dict]:
         row = out[c.step][f"{c.op}|{c.phase}|{c.dtype}"]
         row["calls"] += 1
         row["elements"] += c.elements
-        row["bytes_per_rank"] = None if c.bytes_per_rank is None else (row["bytes_per_rank"] or 0) + c.bytes_per_rank
+        row["bytes_per_rank"] = (
+            None if c.bytes_per_rank is None else (row["bytes_per_rank"] or 0) + c.bytes_per_rank
+        )
     return [dict(d) for d in out]
 
 
@@ -117,12 +121,16 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
             "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
             "comm_by_step": summarise_calls(counter.calls, config.steps),
             "adam_step_bytes": sum(
-                t.numel() * t.element_size() for s in runtime.optimizer.state.values() for k, t in s.items()
+                t.numel() * t.element_size()
+                for s in runtime.optimizer.state.values()
+                for k, t in s.items()
                 if k == "step"
             ),
             "seconds": round(seconds, 3),
             "wire_bytes_per_rank": wire,
-            "parity": None if fake or config.simulated else check_parity(config, spec, runtime, global_batches, device),
+            "parity": None
+            if fake or config.simulated
+            else check_parity(config, spec, runtime, global_batches, device),
         }
     del runtime, global_batches
     gc.collect()
@@ -204,7 +212,9 @@ def write_atomic(path: str, text: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="{}", help="ValidateConfig as JSON")
-    parser.add_argument("--world-size", type=int, default=None, help="N_d (default: WORLD_SIZE from torchrun)")
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="N_d (default: WORLD_SIZE from torchrun)"
+    )
     parser.add_argument("--rank", type=int, default=None)
     parser.add_argument("--init", default=None, help="init_method URL (default: env:// as torchrun sets)")
     parser.add_argument("--simulated", action="store_true")
@@ -212,9 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = ValidateConfig.model_validate_json(args.config)
     torchrun = args.rank is None
-    rank = int(os.environ.get("RANK", 0)) if torchrun else args.rank
-    nd = int(os.environ.get("WORLD_SIZE", 1)) if args.world_size is None else args.world_size
-    device = pick_device(config, int(os.environ.get("LOCAL_RANK", rank)))
+    rank = int(os.environ.get("RANK", "0")) if torchrun else args.rank
+    nd = int(os.environ.get("WORLD_SIZE", "1")) if args.world_size is None else args.world_size
+    device = pick_device(config, int(os.environ.get("LOCAL_RANK", str(rank))))
     backend = init_group(config, nd, rank, args.init, args.simulated, device)
     rows = run(config, nd, rank, device, args.simulated)
     meta = {"world_size": nd, "backend": backend, "device": str(device), "torch": torch.__version__}
