@@ -37,6 +37,19 @@ def buffer_numels(numels: tuple[int, ...], nd: int, stage: int, flat_layout: boo
     return (flat_padded_numel(numels, nd) if padded else sum(numels)), shard
 
 
+def state_numels(
+    numels: tuple[int, ...], nd: int, stage: int, flat_layout: bool = True
+) -> tuple[int, int, int]:
+    """(params, grads, optimizer) elements one rank holds: shards where the stage table says so, else full."""
+    row = get_stage(stage)
+    full, shard = buffer_numels(numels, nd, stage, flat_layout)
+    return (
+        shard if row.shards_parameters else full,
+        shard if row.shards_gradients else full,
+        shard if row.shards_optimizer else full,
+    )
+
+
 def model_states(
     numels: tuple[int, ...],
     nd: int,
@@ -49,14 +62,9 @@ def model_states(
 ) -> MemoryBreakdown:
     """Model-state bytes one rank holds between steps, for tensors of ``numels`` elements.
 
-    Element counts come from ``buffer_numels``; which component is full and which is sharded is read
-    from the stage table, and bytes follow from the dtypes once.
+    Element counts come from ``state_numels``; bytes follow from the dtypes once.
     """
-    row = get_stage(stage)
-    full, shard = buffer_numels(numels, nd, stage, flat_layout)
-    param_numel = shard if row.shards_parameters else full
-    grad_numel = shard if row.shards_gradients else full
-    opt_numel = shard if row.shards_optimizer else full
+    param_numel, grad_numel, opt_numel = state_numels(numels, nd, stage, flat_layout)
     return MemoryBreakdown(
         params_bytes=param_numel * param_bytes,
         grads_bytes=grad_numel * grad_bytes,

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.memory import buffer_numels
-from zeroplan.optimizers import StateTensor, optimizer_bytes
+from zeroplan.memory import buffer_numels, model_states
+from zeroplan.optimizers import StateTensor
 from zeroplan.records import MemoryBreakdown
 from zeroplan.stages import get_stage
 
@@ -110,13 +110,9 @@ def offloaded_states(
     if micro_steps < 1:
         raise ValueError(f"micro_steps={micro_steps}: must be >= 1")
     row = get_stage(stage)
-    full, shard = buffer_numels(numels, nd, stage, flat_layout)
-    param_numel = shard if row.shards_parameters else full
-    grad_numel = shard if row.shards_gradients else full
-    opt_numel = shard if row.shards_optimizer else full
-    gpu_params = param_numel * param_bytes
-    gpu_grads = grad_numel * grad_bytes
-    gpu_opt = optimizer_bytes(states, master_dtype, opt_numel)
+    _, shard = buffer_numels(numels, nd, stage, flat_layout)
+    resident = model_states(numels, nd, stage, param_bytes, grad_bytes, states, master_dtype, flat_layout)
+    gpu_params, gpu_grads, gpu_opt = resident.params_bytes, resident.grads_bytes, resident.optimizer_bytes
     host = nvme = h2d = d2h = nvme_read = nvme_write = 0
     grad_copies = micro_steps if row.shards_gradients else 1
 
