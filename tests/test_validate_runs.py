@@ -187,12 +187,20 @@ def test_out_of_tolerance_exits_1_and_still_writes_the_full_result(tmp_path):
     (["--model", "nope"], "model='nope': expected one of gpt-tiny, mlp-tiny, gpt-1b-wide"),
     (["--steps", "1"], "steps=1: must be >= 2"),
     (["--params", "-3"], "params"),
+    (["--simulated", "--wire"], "--wire counts real traffic"),
+    (["--device", "gpu"], "device"),
 ])  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     proc = zeroplan("validate", *args, "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and message in proc.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_json_into_a_missing_directory_is_refused_before_running(tmp_path):
+    proc = zeroplan("validate", "--json", str(tmp_path / "no" / "such" / "dir.json"))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "does not exist" in proc.stderr and proc.stderr.count("\n") == 1
 
 
 @pytest.mark.gpu

@@ -106,7 +106,7 @@ def test_comm_counter_sizes_collectives_with_the_ring_rule():
 
 def _rank_row(stage, boundary, comm, parity_ok=True):
     return {
-        "stage": stage, "rank": 0, "boundary_bytes": boundary, "tracker_breakdown": {},
+        "stage": stage, "rank": 0, "boundary_bytes": boundary, "probe_breakdown": {},
         "peak_bytes_by_phase": {"forward": 1, "backward": 2, "optimizer step": 3},
         "comm_by_step": comm, "adam_step_bytes": 4, "seconds": 0.0,
         "parity": {"ok": parity_ok, "param_mean_abs_diff": 0.0},

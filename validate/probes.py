@@ -144,9 +144,11 @@ class MemoryProbe:
         return last
 
     def breakdown(self) -> dict[str, int]:
-        """MemTracker's own split of the live bytes (CPU only): its categories, not the runtime's."""
+        """MemTracker's own split of the live bytes on CPU; on CUDA the allocator's own counters."""
         if self.cuda:
-            return {}
+            stats = torch.cuda.memory_stats()
+            keys = ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_alloc_retries", "num_ooms")
+            return {k: stats[k] for k in keys if k in stats}
         out: dict[str, int] = {}
         for snap in self.tracker.get_tracker_snapshot("current").values():
             for key, value in snap.items():

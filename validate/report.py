@@ -87,7 +87,8 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
             "grads": predicted.memory.grads_bytes,
             "optimizer": predicted.memory.optimizer_bytes,
         },
-        "tracker_breakdown_bytes": rank_rows[0]["tracker_breakdown"],
+        # CPU: MemTracker's own categories (bytes); CUDA: allocator counters (memory_stats)
+        "probe_breakdown": rank_rows[0]["probe_breakdown"],
         "predicted_comm_bytes_per_rank": pred_comm,
         "measured_comm_bytes_per_rank": measured_comm,
         "comm_rel_error": (measured_comm - pred_comm) / pred_comm if pred_comm else float(measured_comm != 0),

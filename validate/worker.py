@@ -117,7 +117,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
             "stage": stage,
             "rank": rank,
             "boundary_bytes": boundary,
-            "tracker_breakdown": breakdown,
+            "probe_breakdown": breakdown,
             "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
             "comm_by_step": summarise_calls(counter.calls, config.steps),
             "adam_step_bytes": sum(

@@ -384,6 +384,8 @@ def validate_cmd(
         timeout_s=timeout,
         wire=wire,
     )
+    if json_path is not None and not json_path.parent.is_dir():
+        raise UserError(f"--json {str(json_path)!r}: directory {str(json_path.parent)!r} does not exist")
     try:
         report = run_validation(config)
     except RunFailed as exc:
