@@ -137,3 +137,41 @@ def test_compare_fails_rows_that_disagree(boundary_extra, rs_elements, parity_ok
     assert row["predicted_model_states_bytes"] == 581184
     assert [k for k, v in row["checks"].items() if v is False] == failing
     assert row["ok"] is (not failing)
+
+
+@pytest.fixture
+def gloo_world_1(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:Expected a tensor or a traceable wrapper-subclass")  # MemTracker, benign
+@pytest.mark.parametrize(
+    "stage, break_it, failing_check",
+    [
+        (3, None, None),
+        (3, "skip_update", "param"),  # the 16-bit parameters never see the optimizer's update
+        (2, "double_grad", "grad"),  # reduced gradients off by 2x, as if not divided by N_d
+    ],
+)
+def test_parity_check_catches_a_broken_runtime(gloo_world_1, monkeypatch, stage, break_it, failing_check):
+    from validate.config import ValidateConfig
+    from validate.stage2 import Stage2
+    from validate.stage3 import Stage3
+    from validate.worker import measure_stage
+
+    if break_it == "skip_update":
+        monkeypatch.setattr(Stage3, "publish", lambda self: None)
+    if break_it == "double_grad":
+        original = Stage2.reduced_grad
+        monkeypatch.setattr(Stage2, "reduced_grad", lambda self, u: original(self, u) * 2)
+    config = ValidateConfig(model="mlp-tiny", world_sizes=(1,), steps=3)
+    parity = measure_stage(config, stage, 1, 0, torch.device("cpu"), False)["parity"]
+    assert parity["ok"] is (failing_check is None)
+    if failing_check == "grad":
+        assert parity["grad_max_abs_diff"] > parity["grad_atol"]
+    if failing_check == "param":
+        assert parity["params16_equal_rounded_master"] is False

@@ -70,6 +70,10 @@ class Runtime:
         """After the optimizer step: refresh the 16-bit parameters from the fp32 master."""
         raise NotImplementedError
 
+    def local_params16(self) -> torch.Tensor:
+        """This rank's 16-bit parameters laid out like its master (for the parity check only)."""
+        raise NotImplementedError
+
     # --- shared ------------------------------------------------------------------------------------
     @torch.no_grad()
     def local_flat(self, per_unit: list[list[torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:

@@ -57,3 +57,6 @@ class Stage0(Runtime):
 
     def publish(self) -> None:
         self.flat_param.copy_(self.master)
+
+    def local_params16(self) -> torch.Tensor:
+        return self.flat_param

@@ -52,6 +52,9 @@ class Stage1(Runtime):
     def reduced_grad(self, u: int) -> torch.Tensor:
         return self.layouts[u].owned(self.unit_grads[u], self.rank)
 
+    def local_params16(self) -> torch.Tensor:
+        return torch.cat([lay.owned(flat, self.rank) for lay, flat in zip(self.layouts, self.unit_params)])
+
     def publish(self) -> None:
         for lay, flat, sl in zip(self.layouts, self.unit_params, self.local_slices):
             mine = lay.owned(flat, self.rank)

@@ -63,3 +63,6 @@ class Stage3(Stage2):
 
     def publish(self) -> None:
         self.param_shard.copy_(self.master)
+
+    def local_params16(self) -> torch.Tensor:
+        return self.param_shard

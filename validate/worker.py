@@ -148,6 +148,14 @@ def check_parity(config: ValidateConfig, spec, runtime, global_batches, device) 
     diff = (got_master - ref_master).abs()
     mean_atol = PARAM_MEAN_ATOL_LR * config.lr
     max_atol = PARAM_MAX_ATOL_LR_PER_STEP * config.lr * config.steps
+    # the 16-bit parameters are the master rounded, exactly, on this rank's slice ...
+    published = torch.equal(runtime.local_params16(), got_master.to(runtime.dtype))
+    # ... and where they are replicated (stages 0-2), every rank's slice arrived (the all-gather)
+    replicated = None
+    if runtime.stage < 3:
+        pairs = zip(runtime.model.parameters(), model.parameters())
+        with torch.no_grad():
+            replicated = float(torch.cat([(a.float() - b.float()).abs().flatten() for a, b in pairs]).mean())
     grad_atol = GRAD_ATOL_OF_MAX * float(ref_grad.abs().max())
     grad_excess = (got_grad - ref_grad).abs() - (grad_atol + GRAD_RTOL * ref_grad.abs())
     return {
@@ -158,7 +166,15 @@ def check_parity(config: ValidateConfig, spec, runtime, global_batches, device) 
         "grad_max_abs_diff": float((got_grad - ref_grad).abs().max()),
         "grad_rtol": GRAD_RTOL,
         "grad_atol": grad_atol,
-        "ok": bool(diff.mean() <= mean_atol and diff.max() <= max_atol and grad_excess.max() <= 0),
+        "params16_equal_rounded_master": published,
+        "replicated_params16_mean_abs_diff": replicated,
+        "ok": bool(
+            diff.mean() <= mean_atol
+            and diff.max() <= max_atol
+            and grad_excess.max() <= 0
+            and published
+            and (replicated is None or replicated <= mean_atol)
+        ),
     }
 
 
