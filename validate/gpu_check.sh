@@ -5,7 +5,7 @@
 #   validate/gpu_check.sh --cpu [OUT_DIR]    # the same steps on CPU (gloo, MemTracker), as a dry run
 #
 # 1. real run, world size 1 (NCCL on the GPU): stages 0-3 on gpt-tiny and mlp-tiny; no collectives are
-#    predicted or allowed at N_d = 1, model states must match zeroplan within 1%.
+#    predicted or allowed at N_d = 1, model states must match zeroplan within 1% (mlp-tiny: 2%, below).
 # 2. simulated matrix: rank 0 of N_d = 8 and 64 on a fake process group with real CUDA tensors
 #    (a ~300M-parameter GPT), memory measured with torch.cuda.max_memory_allocated per phase.
 # Writes OUT_DIR/{env.txt,real_ws1_gpt.json,real_ws1_mlp.json,simulated.json}; exits non-zero when any
@@ -16,7 +16,6 @@ device=cuda
 if [[ "${1:-}" == "--cpu" ]]; then device=cpu; shift; fi
 out=${1:-gpu_check_out}
 mkdir -p "$out"
-cd "$(dirname "$0")/.."
 
 python - "$device" > "$out/env.txt" <<'PY'
 import sys, torch
@@ -30,11 +29,14 @@ PY
 cat "$out/env.txt"
 
 status=0
+# The caching allocator rounds every block up to 512 bytes: 5 model-state tensors on gpt-tiny's 568 KiB
+# add under 0.1 %, on mlp-tiny's 125 KiB up to 1.4 %, hence its 2 % tolerance.
 for model in gpt-tiny mlp-tiny; do
   name=real_ws1_${model%%-*}
+  tolerance=0.01; [[ $model == mlp-tiny ]] && tolerance=0.02
   t0=$SECONDS
   if timeout 240 python -c 'from zeroplan.cli import main; main()' validate --device "$device" \
-      --world-size 1 --model "$model" --json "$out/$name.json" > "$out/$name.txt" 2>&1; then
+      --world-size 1 --model "$model" --tolerance "$tolerance" --json "$out/$name.json" > "$out/$name.txt" 2>&1; then
     echo "ok    $name ($((SECONDS - t0)) s)"
   else
     echo "FAIL  $name ($((SECONDS - t0)) s)"; status=1
