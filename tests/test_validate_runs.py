@@ -83,6 +83,14 @@ def test_real_gloo_matrix_matches_the_planner_exactly(real, stage, world_size):
     assert (row["mode"], row["backend"]) == ("real", "gloo")
     check_row_exact(row)
     assert row["parity"]["ok"] is True  # parameters and gradients equal the single-process reference
+    # second source, the profiler's gloo events: gloo runs the reduction (all-reduce at stage 0, each
+    # reduce-scatter at stages 1-3) as an all-reduce of the full buffer; there is no gloo reduce-scatter
+    reduced = "all-reduce|backward|bf16" if stage == 0 else "reduce-scatter|backward|bf16"
+    assert (
+        row["profiler_comms"]["gloo:all_reduce"]["input_numel"]
+        == row["predicted_collectives"][reduced]["elements"]
+    )
+    assert set(row["profiler_comms"]) <= {"gloo:all_reduce", "gloo:all_gather"}
     # and the planner's padded count is the paper's closed form up to padding (< N_d elements per tensor)
     paper = paper_model_states_bytes(row["psi"], world_size, K, stage)
     assert 0 <= row["predicted_model_states_bytes"] - paper <= (4 + K) * 26 * world_size  # 26 tensors

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -185,3 +186,41 @@ def loopback_tx_bytes() -> int:
             if name.strip() == "lo":
                 return int(counters.split()[8])  # receive: 8 fields, then transmit bytes
     raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+# Backend-level events of the profiler: gloo names its algorithms ("gloo:all_reduce" ...), NCCL wraps each
+# collective in "record_param_comms" (with message sizes) and "nccl:*" events.
+PROFILED_PREFIXES = ("gloo:", "nccl:", "record_param_comms")
+
+
+class ProfiledComms:
+    """A second, backend-level view of the traffic: the profiler's communication events of one step.
+
+    gloo records the algorithm it actually runs (a reduce-scatter shows up as ``gloo:all_reduce`` of
+    the full buffer); NCCL records ``record_param_comms`` with message sizes. Events are kept as the
+    profiler gives them (name, input shapes, scalar inputs) and summed per name.
+    """
+
+    def __init__(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        self.summary: dict[str, dict] = {}
+
+    def __enter__(self) -> ProfiledComms:  # noqa: PYI034 - typing.Self needs Python 3.11
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._profile.__exit__(*exc)
+        for event in self._profile.events():
+            if not event.name.startswith(PROFILED_PREFIXES):
+                continue
+            row = self.summary.setdefault(event.name, {"calls": 0, "input_numel": 0, "examples": []})
+            row["calls"] += 1
+            row["input_numel"] += sum(math.prod(s) for s in event.input_shapes if s)
+            if len(row["examples"]) < 2:
+                scalars = [
+                    x for x in getattr(event, "concrete_inputs", []) or [] if isinstance(x, (int, float, str))
+                ]
+                row["examples"].append({"input_shapes": event.input_shapes, "scalars": scalars})

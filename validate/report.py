@@ -101,6 +101,8 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         "seconds": max(r["seconds"] for r in rank_rows),
         # --wire: bytes really sent on loopback per rank per step (rank 0's reading of the shared counter)
         "wire_bytes_per_rank": rank_rows[0].get("wire_bytes_per_rank"),
+        # the profiler's backend-level communication events of the last step (real runs; rank 0)
+        "profiler_comms": rank_rows[0].get("profiler_comms"),
         "wire_to_logical": (
             rank_rows[0]["wire_bytes_per_rank"] / measured_comm
             if rank_rows[0].get("wire_bytes_per_rank") is not None and measured_comm

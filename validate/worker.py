@@ -15,6 +15,7 @@ import signal
 import time
 import warnings
 from collections import defaultdict
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from validate.config import ValidateConfig
 from validate.models import build, make_batch, spec_for
-from validate.probes import PHASES, CommCounter, MemoryProbe, loopback_tx_bytes
+from validate.probes import PHASES, CommCounter, MemoryProbe, ProfiledComms, loopback_tx_bytes
 from validate.reference import train_reference
 from validate.runtime import split_units
 from validate.simulate import fake_tensors, init_fake_world
@@ -96,14 +97,16 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
             for step in range(config.steps):
                 batch = tuple(t.to(device, copy=True) for t in local_batches.pop(0))
                 counter.step = step
-                enter("forward", probe, counter)
-                loss = runtime.model.loss(batch)
-                enter("backward", probe, counter)
-                runtime.backward(loss)
-                del loss
-                enter("optimizer step", probe, counter)
-                runtime.step()
-                enter(None, probe, counter)
+                last = step == config.steps - 1 and not fake
+                with ProfiledComms() if last else nullcontext() as profiled:  # second source, last step
+                    enter("forward", probe, counter)
+                    loss = runtime.model.loss(batch)
+                    enter("backward", probe, counter)
+                    runtime.backward(loss)
+                    del loss
+                    enter("optimizer step", probe, counter)
+                    runtime.step()
+                    enter(None, probe, counter)
                 del batch
                 boundary.append(probe.settled_bytes())
             breakdown = probe.breakdown()
@@ -128,6 +131,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
             ),
             "seconds": round(seconds, 3),
             "wire_bytes_per_rank": wire,
+            "profiler_comms": profiled.summary if profiled is not None else None,
             "parity": None
             if fake or config.simulated
             else check_parity(config, spec, runtime, global_batches, device),
