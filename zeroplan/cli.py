@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from pydantic import ValidationError
@@ -66,6 +66,27 @@ class Unit(str, Enum):
     GiB = "GiB"
 
 
+# Precision-policy options shared by every command; None means "PrecisionPolicy's default".
+ParamDtype = Annotated[
+    Optional[str], typer.Option(help="Working parameter dtype: fp16 (the paper's), bf16, fp32, fp8.")
+]
+GradDtype = Annotated[Optional[str], typer.Option(help="Gradient dtype (default: param dtype).")]
+MasterWeights = Annotated[
+    Optional[bool],
+    typer.Option("--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32)."),
+]
+OptimizerName = Annotated[
+    Optional[str],
+    typer.Option(help="adam (default), adamw, sgd, sgd-momentum, lamb, lion, adafactor, adam8bit."),
+]
+OptimizerDtype = Annotated[Optional[str], typer.Option(help="dtype of Adam m/v and momentum (default fp32).")]
+
+
+def policy_settings(**given: object) -> dict:
+    """The precision-policy options the user gave, without the ones left at None."""
+    return {k: v for k, v in given.items() if v is not None}
+
+
 @app.callback()
 def _root() -> None:
     """Plan and check per-GPU memory and communication of ZeRO / FSDP sharded data parallelism."""
@@ -81,14 +102,11 @@ def estimate(
     deepspeed_config: Optional[Path] = typer.Option(
         None, "--deepspeed-config", help="ds_config.json: takes stage, dtypes and optimizer from it."
     ),
-    param_dtype: Optional[str] = typer.Option(None, help="Working parameter dtype: fp16 (default), bf16, fp32."),
-    grad_dtype: Optional[str] = typer.Option(None, help="Gradient dtype (default: param dtype)."),
-    master_weights: Optional[bool] = typer.Option(
-        None, "--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32)."
-    ),
-    optimizer: Optional[str] = typer.Option(None, help="adam (default), adamw, sgd, sgd-momentum, lamb, lion, "
-                                            "adafactor, adam8bit."),  # fmt: skip
-    optimizer_dtype: Optional[str] = typer.Option(None, help="dtype of Adam m/v and momentum (default fp32)."),
+    param_dtype: ParamDtype = None,
+    grad_dtype: GradDtype = None,
+    master_weights: MasterWeights = None,
+    optimizer: OptimizerName = None,
+    optimizer_dtype: OptimizerDtype = None,
     gpu_memory: Optional[str] = typer.Option(None, help="GPU memory to check fit against: 80GiB, 32GB."),
     units: Unit = typer.Option(Unit.GB, help="GB = 1e9 bytes (the paper's), GiB = 2**30."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
@@ -106,15 +124,14 @@ def estimate(
         raise UserError("--json and --csv are exclusive: choose one")
     if (params is None) == (shapes is None):
         raise UserError("give exactly one of --params and --shapes")
-    given = {
-        "stage": stage,
-        "param_dtype": param_dtype,
-        "grad_dtype": grad_dtype,
-        "master_weights": master_weights,
-        "optimizer": optimizer,
-        "optimizer_dtype": optimizer_dtype,
-    }
-    settings = {k: v for k, v in given.items() if v is not None}
+    settings = policy_settings(
+        stage=stage,
+        param_dtype=param_dtype,
+        grad_dtype=grad_dtype,
+        master_weights=master_weights,
+        optimizer=optimizer,
+        optimizer_dtype=optimizer_dtype,
+    )
     if deepspeed_config is not None:
         from_file = load_deepspeed(deepspeed_config)
         clash = sorted(k for k in from_file if k in settings and settings[k] != from_file[k])
@@ -158,13 +175,11 @@ def sweep(
     ),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default: the preset's)."),
     checkpointing: str = typer.Option("full", help="Activation recomputation assumed: none, selective, full."),
-    param_dtype: str = typer.Option("fp16", help="Working parameter dtype: fp16, bf16, fp32, fp8."),
-    grad_dtype: Optional[str] = typer.Option(None, help="Gradient dtype (default: param dtype)."),
-    master_weights: Optional[bool] = typer.Option(
-        None, "--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32)."
-    ),
-    optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
-    optimizer_dtype: str = typer.Option("fp32", help="dtype of Adam m/v and SGD momentum."),
+    param_dtype: ParamDtype = None,
+    grad_dtype: GradDtype = None,
+    master_weights: MasterWeights = None,
+    optimizer: OptimizerName = None,
+    optimizer_dtype: OptimizerDtype = None,
     gpu: Optional[str] = typer.Option(None, help="GPU preset for the fits column: h100-80gb, a100-40gb, ..."),
     gpu_memory: Optional[str] = typer.Option(None, help="GPU memory for the fits column: 80GiB, 141GB."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object with rows[] instead of CSV."),
@@ -193,11 +208,13 @@ def sweep(
         offload=parse_list(offload, "offload", parse_offload),
         gpu_memory_bytes=capacity,
         policy=PrecisionPolicy(
-            param_dtype=param_dtype,
-            grad_dtype=grad_dtype,
-            master_weights=master_weights,
-            optimizer=optimizer,
-            optimizer_dtype=optimizer_dtype,
+            **policy_settings(
+                param_dtype=param_dtype,
+                grad_dtype=grad_dtype,
+                master_weights=master_weights,
+                optimizer=optimizer,
+                optimizer_dtype=optimizer_dtype,
+            )
         ),
     )
     frame = sweep_config(config)
@@ -228,13 +245,11 @@ def plot(
     gpus: str = typer.Option("8,16,32,64", help="Total GPU counts, comma-separated."),
     model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree."),
     stage: str = typer.Option("0,1,2,3", help="ZeRO stages to draw, comma-separated."),
-    param_dtype: str = typer.Option("fp16", help="Working parameter dtype: fp16, bf16, fp32, fp8."),
-    grad_dtype: Optional[str] = typer.Option(None, help="Gradient dtype (default: param dtype)."),
-    master_weights: Optional[bool] = typer.Option(
-        None, "--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32)."
-    ),
-    optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
-    optimizer_dtype: str = typer.Option("fp32", help="dtype of Adam m/v and SGD momentum."),
+    param_dtype: ParamDtype = None,
+    grad_dtype: GradDtype = None,
+    master_weights: MasterWeights = None,
+    optimizer: OptimizerName = None,
+    optimizer_dtype: OptimizerDtype = None,
     gpu: Optional[str] = typer.Option(None, help="GPU preset whose memory is drawn as a line: h100-80gb, ..."),
     gpu_memory: Optional[str] = typer.Option(None, help="GPU capacity to draw as a line: 80GiB, 141GB."),
     results: Optional[Path] = typer.Option(None, help="JSON written by `zeroplan validate --json` (validate view)."),
@@ -265,11 +280,13 @@ def plot(
             model_parallel=(model_parallel,),
             stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),
             policy=PrecisionPolicy(
-                param_dtype=param_dtype,
-                grad_dtype=grad_dtype,
-                master_weights=master_weights,
-                optimizer=optimizer,
-                optimizer_dtype=optimizer_dtype,
+                **policy_settings(
+                    param_dtype=param_dtype,
+                    grad_dtype=grad_dtype,
+                    master_weights=master_weights,
+                    optimizer=optimizer,
+                    optimizer_dtype=optimizer_dtype,
+                )
             ),
         )
         fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity, gpu_label=capacity_label)
@@ -299,8 +316,13 @@ def plan(
     host_memory: Optional[str] = typer.Option(None, help="CPU memory per node, e.g. 2TB: offload must fit."),
     peak_tflops: Optional[float] = typer.Option(None, help="Dense peak TFLOP/s per GPU (default: preset's)."),
     mfu: float = typer.Option(0.4, help="Model FLOPs utilisation for the compute estimate, (0, 1]."),
-    param_dtype: str = typer.Option("bf16", help="Working parameter dtype: bf16, fp16, fp32, fp8."),
-    optimizer: str = typer.Option("adam", help="adam, adamw, sgd, sgd-momentum, adafactor, adam8bit."),
+    param_dtype: Annotated[
+        str, typer.Option(help="Working parameter dtype: bf16 (default here: what the launchers emit), fp16, fp32.")
+    ] = "bf16",
+    grad_dtype: GradDtype = None,
+    master_weights: MasterWeights = None,
+    optimizer: OptimizerName = None,
+    optimizer_dtype: OptimizerDtype = None,
     units: Unit = typer.Option(Unit.GiB, help="GB = 1e9 bytes, GiB = 2**30 bytes."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
 ) -> None:
@@ -339,7 +361,15 @@ def plan(
         host_memory_bytes=parse_bytes(host_memory, "host-memory") if host_memory is not None else None,
         peak_flops=peak_tflops * 1e12 if peak_tflops is not None else None,
         mfu=mfu,
-        policy=PrecisionPolicy(param_dtype=param_dtype, optimizer=optimizer),
+        policy=PrecisionPolicy(
+            **policy_settings(
+                param_dtype=param_dtype,
+                grad_dtype=grad_dtype,
+                master_weights=master_weights,
+                optimizer=optimizer,
+                optimizer_dtype=optimizer_dtype,
+            )
+        ),
     )
     result = plan_config(config)
     typer.echo(to_json(result) if as_json else to_table(result, units.value))

@@ -60,6 +60,16 @@ class PrecisionPolicy(BaseModel):
         keep = self.master_weights if self.master_weights is not None else self.param_dtype != "fp32"
         return "fp32" if keep else None
 
+    def resolved(self) -> dict:
+        """The policy with defaults filled in, as JSON outputs report it."""
+        return {
+            "param_dtype": self.param_dtype,
+            "grad_dtype": self.resolved_grad_dtype,
+            "master_dtype": self.master_dtype,
+            "optimizer": self.optimizer,
+            "optimizer_dtype": self.optimizer_dtype,
+        }
+
 
 class EstimateConfig(BaseModel):
     """One question to the planner: a model on ``gpus`` GPUs, N_d = gpus / model_parallel."""
@@ -123,16 +133,18 @@ class EstimateConfig(BaseModel):
     def _consistent(self) -> "EstimateConfig":
         if (self.params is None) == (self.tensor_numels is None):
             raise ValueError("give exactly one of params and tensor_numels")
-        if self.gpus % self.model_parallel:
-            raise ValueError(
-                f"model_parallel={self.model_parallel} does not divide gpus={self.gpus}: "
-                "gpus must be N_d x N_m"
-            )
+        check_split(self.gpus, self.model_parallel)
         return self
 
     @property
     def nd(self) -> int:
         return self.gpus // self.model_parallel
+
+
+def check_split(gpus: int, model_parallel: int) -> None:
+    """ValueError unless N_m divides the GPU count (gpus = N_d x N_m)."""
+    if gpus % model_parallel:
+        raise ValueError(f"model_parallel={model_parallel} does not divide gpus={gpus}: gpus must be N_d x N_m")
 
 
 def error_line(exc: ValidationError) -> str:

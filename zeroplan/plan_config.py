@@ -11,7 +11,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from zeroplan.config import PrecisionPolicy
+from zeroplan.config import PrecisionPolicy, check_split
 from zeroplan.hardware import GpuSpec, LinkSpec, ModelPreset, get_gpu, get_interconnect, get_model
 from zeroplan.models import TransformerSpec, gpt_for_params
 
@@ -155,11 +155,7 @@ class PlanConfig(BaseModel):
             raise ValueError(
                 "give a GPU preset (gpu, --gpu) or the GPU memory (gpu_memory_bytes, --gpu-memory)"
             )
-        if self.gpus % self.model_parallel:
-            raise ValueError(
-                f"model_parallel={self.model_parallel} does not divide gpus={self.gpus}: "
-                "gpus must be N_d x N_m"
-            )
+        check_split(self.gpus, self.model_parallel)
         return self
 
     # Resolved values: overrides first, then presets, then documented defaults.

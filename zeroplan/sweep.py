@@ -519,18 +519,11 @@ def to_records(frame: pd.DataFrame) -> list[dict]:
 
 def to_json(frame: pd.DataFrame, config: SweepConfig) -> str:
     """The sweep as one JSON object: schema, the fixed inputs, and ``rows`` (one per configuration, stage)."""
-    policy = config.policy
     doc = {
         "schema": SCHEMA,
         "inputs": {
             "gpu_memory_bytes": config.gpu_memory_bytes,
-            "policy": {
-                "param_dtype": policy.param_dtype,
-                "grad_dtype": policy.resolved_grad_dtype,
-                "master_dtype": policy.master_dtype,
-                "optimizer": policy.optimizer,
-                "optimizer_dtype": policy.optimizer_dtype,
-            },
+            "policy": config.policy.resolved(),
         },
         "columns": list(frame.columns),
         "rows": [],
