@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from zeroplan.atomic import write_text_atomic
 
 from validate.config import ValidateConfig
 from validate.harness import run_matrix
@@ -39,12 +39,5 @@ def run_validation(config: ValidateConfig) -> dict:
 
 def write_json_atomic(report: dict, path: str | Path) -> None:
     """Write the report so that ``path`` holds either the whole result or nothing new."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(report, indent=2))
+

@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zeroplan.atomic import write_text_atomic
+
 from validate.config import ValidateConfig
 from validate.models import build, make_batch, spec_for
 from validate.probes import PHASES, CommCounter, MemoryProbe, ProfiledComms, loopback_tx_bytes
@@ -222,13 +224,6 @@ def init_group(config: ValidateConfig, nd: int, rank: int, init: str | None, sim
     return backend
 
 
-def write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="{}", help="ValidateConfig as JSON")
@@ -255,9 +250,9 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             from validate.report import build_report
 
-            write_atomic(args.out, json.dumps(build_report(config, [(meta, everyone)]), indent=2))
+            write_text_atomic(args.out, json.dumps(build_report(config, [(meta, everyone)]), indent=2))
     else:
-        write_atomic(args.out, json.dumps({"meta": meta, "rows": rows}))
+        write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}))
     dist.destroy_process_group()
 
 

@@ -16,7 +16,7 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
-from zeroplan.config import error_line
+from zeroplan.config import PrecisionPolicy, error_line
 
 try:  # typer >= 0.20 vendors its own copy of click
     from typer._click import exceptions as click_exceptions
@@ -87,6 +87,19 @@ def policy_settings(**given: object) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
+def policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype) -> PrecisionPolicy:
+    """A PrecisionPolicy from the shared options; those left at None take the policy's defaults."""
+    return PrecisionPolicy(
+        **policy_settings(
+            param_dtype=param_dtype,
+            grad_dtype=grad_dtype,
+            master_weights=master_weights,
+            optimizer=optimizer,
+            optimizer_dtype=optimizer_dtype,
+        )
+    )
+
+
 @app.callback()
 def _root() -> None:
     """Plan and check per-GPU memory and communication of ZeRO / FSDP sharded data parallelism."""
@@ -114,7 +127,7 @@ def estimate(
 ) -> None:
     """Per-GPU model states and per-step communication of ZeRO stages 0-3."""
     from zeroplan.api import estimate_config
-    from zeroplan.config import EstimateConfig, PrecisionPolicy
+    from zeroplan.config import EstimateConfig
     from zeroplan.engines import load_deepspeed
     from zeroplan.render import to_csv, to_json, to_table
     from zeroplan.shapes import load_numels
@@ -186,10 +199,10 @@ def sweep(
     out: Optional[Path] = typer.Option(None, help="Write to this file (atomically) instead of stdout."),
 ) -> None:
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
-    from zeroplan.config import PrecisionPolicy
     from zeroplan.shapes import load_numels
     from zeroplan.sweep import SweepConfig, gpu_capacity, parse_list, parse_offload, parse_whole, sweep_config
-    from zeroplan.sweep import to_csv, to_json, write_text_atomic
+    from zeroplan.atomic import write_text_atomic
+    from zeroplan.sweep import to_csv, to_json
     from zeroplan.units import parse_count
 
     if sum(x is not None for x in (params, shapes, model)) != 1:
@@ -207,15 +220,7 @@ def sweep(
         stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),
         offload=parse_list(offload, "offload", parse_offload),
         gpu_memory_bytes=capacity,
-        policy=PrecisionPolicy(
-            **policy_settings(
-                param_dtype=param_dtype,
-                grad_dtype=grad_dtype,
-                master_weights=master_weights,
-                optimizer=optimizer,
-                optimizer_dtype=optimizer_dtype,
-            )
-        ),
+        policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
     )
     frame = sweep_config(config)
     text = to_json(frame, config) if as_json else to_csv(frame)
@@ -256,7 +261,6 @@ def plot(
 ) -> None:
     """Draw a sweep (memory, breakdown, comm) or validator results (validate) to an image file."""
     from zeroplan import plots
-    from zeroplan.config import PrecisionPolicy
     from zeroplan.sweep import SweepConfig, gpu_capacity, parse_list, parse_whole, sweep_config
     from zeroplan.units import parse_count
 
@@ -279,15 +283,7 @@ def plot(
             gpus=parse_list(gpus, "gpus", lambda t: parse_whole(t, "gpus")),
             model_parallel=(model_parallel,),
             stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),
-            policy=PrecisionPolicy(
-                **policy_settings(
-                    param_dtype=param_dtype,
-                    grad_dtype=grad_dtype,
-                    master_weights=master_weights,
-                    optimizer=optimizer,
-                    optimizer_dtype=optimizer_dtype,
-                )
-            ),
+            policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
         )
         fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity, gpu_label=capacity_label)
     plots.save(fig, out)
@@ -329,7 +325,6 @@ def plan(
     """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
     import math
 
-    from zeroplan.config import PrecisionPolicy
     from zeroplan.plan import plan_config
     from zeroplan.plan_config import PlanConfig
     from zeroplan.render_plan import to_json, to_table
@@ -361,15 +356,7 @@ def plan(
         host_memory_bytes=parse_bytes(host_memory, "host-memory") if host_memory is not None else None,
         peak_flops=peak_tflops * 1e12 if peak_tflops is not None else None,
         mfu=mfu,
-        policy=PrecisionPolicy(
-            **policy_settings(
-                param_dtype=param_dtype,
-                grad_dtype=grad_dtype,
-                master_weights=master_weights,
-                optimizer=optimizer,
-                optimizer_dtype=optimizer_dtype,
-            )
-        ),
+        policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
     )
     result = plan_config(config)
     typer.echo(to_json(result) if as_json else to_table(result, units.value))

@@ -10,8 +10,9 @@ schedulers do not change model states and are ignored. Offload is refused here w
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from zeroplan.jsonfile import read_json
 
 # DeepSpeed optimizer types (case-insensitive) -> zeroplan optimizer names. DeepSpeed's "Adam" runs
 # AdamW unless adam_w_mode is false; both keep m and v, so the bytes are the same.
@@ -92,10 +93,4 @@ def from_deepspeed(config: object) -> dict:
 
 def load_deepspeed(path: str | Path) -> dict:
     """``from_deepspeed`` of a JSON file; ValueError with one line when it is missing or malformed."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"deepspeed config {str(path)!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"deepspeed config {str(path)!r}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
-    return from_deepspeed(data)
+    return from_deepspeed(read_json(path, "deepspeed config"))

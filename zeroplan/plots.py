@@ -8,9 +8,6 @@ Units: GB = 1e9 bytes, the ZeRO paper's unit.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -21,7 +18,9 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from zeroplan.atomic import atomic_write
 from zeroplan.config import error_line
+from zeroplan.jsonfile import read_json
 from zeroplan.stages import STAGES
 
 GB = 1e9
@@ -314,12 +313,7 @@ class ValidationRow(BaseModel):
 def load_validation(path: str | Path) -> list[ValidationRow]:
     """Rows of a ``zeroplan validate --json`` file; ValueError with one line if missing or malformed."""
     name = str(path)
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"validation file {name!r}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"validation file {name!r}: not valid JSON ({exc})") from None
+    doc = read_json(path, "validation file")
     rows = doc.get("rows") if isinstance(doc, dict) else doc
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"validation file {name!r}: expected a non-empty list 'rows' of results")
@@ -426,26 +420,9 @@ def check_format(path: str | Path) -> str:
 
 
 def save(fig: Figure, path: str | Path, dpi: int = 150) -> None:
-    """Render ``fig`` to a temporary file next to ``path``, then rename it, so no partial image is left."""
-    path = Path(path)
-    suffix = check_format(path)
-    if not path.parent.is_dir():
-        raise ValueError(f"out={str(path)!r}: directory {str(path.parent)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
-    os.close(fd)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
-        fig.savefig(tmp, format=suffix[1:], dpi=dpi)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """Render ``fig`` to ``path`` atomically, so no partial image is left."""
+    suffix = check_format(Path(path))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format=suffix[1:], dpi=dpi), suffix)
 
 
 def figure(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+
+from zeroplan.jsonfile import read_json
 
 
 def numels_from_shapes(shapes: object) -> tuple[int, ...]:
@@ -26,10 +27,4 @@ def numels_from_shapes(shapes: object) -> tuple[int, ...]:
 
 def load_numels(path: str | Path) -> tuple[int, ...]:
     """Element counts of every tensor listed in a JSON shapes file; ValueError with one line if malformed."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"shapes file {str(path)!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"shapes file {str(path)!r}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
-    return numels_from_shapes(data)
+    return numels_from_shapes(read_json(path, "shapes file"))

@@ -13,11 +13,8 @@ Byte counts stay exact integers: int64 holds 9.2e18, and the largest count here 
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -538,20 +535,3 @@ def to_csv(frame: pd.DataFrame) -> str:
     """The sweep as CSV with a header row; ``fits`` is empty when no GPU memory was given."""
     return frame.to_csv(index=False, lineterminator="\n")
 
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory, so no partial file is left."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise ValueError(f"out={str(path)!r}: directory {str(path.parent)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -1,0 +1,36 @@
+"""Writing output files atomically: a reader (or a crash) sees the whole new file or the old one, never a part."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None], suffix: str = "") -> None:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``.
+
+    ``suffix`` keeps the extension for writers that look at it (matplotlib). ValueError with one line
+    when the directory does not exist.
+    """
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{str(path)!r}: directory {str(parent)!r} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the file the usual permissions
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """``text`` into ``path``, atomically."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
