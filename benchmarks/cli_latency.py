@@ -26,14 +26,20 @@ def wall_s(argv: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    times: dict[str, list[float]] = {name: [] for name in COMMANDS}
-    for _ in range(REPEATS):
-        for name, argv in COMMANDS.items():
+def compare(commands: dict[str, list[str]], repeats: int) -> dict[str, float]:
+    """Run each command ``repeats`` times, alternating; print and return the median wall time of each."""
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(repeats):
+        for name, argv in commands.items():
             times[name].append(wall_s(argv))
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, m in medians.items():
-        print(f"{name:28s} median {m * 1e3:7.0f} ms  (min {min(times[name]) * 1e3:.0f} ms, {REPEATS} runs)")
+        print(f"{name:30s} median {m * 1e3:7.0f} ms  (min {min(times[name]) * 1e3:.0f} ms, {repeats} runs)")
+    return medians
+
+
+def main() -> None:
+    medians = compare(COMMANDS, REPEATS)
     ratio = medians["zeroplan estimate"] / medians['python -c "import torch"']
     print(f"ratio zeroplan / import torch: {ratio:.3f} (target < 0.25)")
 

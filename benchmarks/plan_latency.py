@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 import zeroplan
+from cli_latency import compare  # benchmarks/ is on sys.path when run as a script
 
 REPEATS = 5
 ARGS = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024", "--model-parallel", "8",
@@ -25,22 +25,8 @@ COMMANDS = {
 }
 
 
-def wall_s(argv: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
-
-
 def main() -> None:
-    times: dict[str, list[float]] = {name: [] for name in COMMANDS}
-    for _ in range(REPEATS):
-        for name, argv in COMMANDS.items():
-            times[name].append(wall_s(argv))
-    for name, t in times.items():
-        print(
-            f"{name:30s} median {statistics.median(t) * 1e3:6.0f} ms"
-            f"  (min {min(t) * 1e3:.0f} ms, {REPEATS} runs)"
-        )
+    compare(COMMANDS, REPEATS)
     calls = []
     for _ in range(REPEATS):
         start = time.perf_counter()

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from zeroplan.cli import app
+from clicheck import assert_one_line_error
 
 runner = CliRunner()
 
@@ -108,13 +109,7 @@ BAD = [
 
 @pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_one_line_exit_2(args, message):
-    r = run(*args)
-    assert r.exit_code == 2
-    assert r.stdout == ""
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("zeroplan: error: "), r.stderr
-    assert message in lines[0]
-    assert "Traceback" not in r.output
+    assert_one_line_error(run(*args), message)
 
 
 @pytest.mark.parametrize(
@@ -130,14 +125,11 @@ def test_bad_input_one_line_exit_2(args, message):
 def test_malformed_shapes_file(tmp_path, content, message):
     path = tmp_path / "shapes.json"
     path.write_text(content)
-    r = run("--shapes", str(path))
-    assert r.exit_code == 2 and r.stdout == "" and message in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert_one_line_error(run("--shapes", str(path)), message)
 
 
 def test_missing_shapes_file(tmp_path):
-    r = run("--shapes", str(tmp_path / "absent.json"))
-    assert r.exit_code == 2 and "No such file" in r.stderr
+    assert_one_line_error(run("--shapes", str(tmp_path / "absent.json")), "No such file")
 
 
 def test_estimate_never_imports_heavy_modules():

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 import zeroplan
 from zeroplan.cli import app
 from zeroplan.engines import from_deepspeed
+from clicheck import assert_one_line_error
 
 runner = CliRunner()
 
@@ -75,8 +76,7 @@ def test_cli_refuses_contradicting_options(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     r = runner.invoke(app, ["estimate", "--params", "1e9", "--deepspeed-config", str(path), "--stage", "3"])
-    assert r.exit_code == 2 and r.stdout == ""
-    assert r.stderr.strip() == "zeroplan: error: --stage contradicts the DeepSpeed config; drop one of them"
+    assert_one_line_error(r, "--stage contradicts the DeepSpeed config; drop one of them")
     # The same value on both sides is not a contradiction.
     r = runner.invoke(app, ["estimate", "--params", "1e9", "--deepspeed-config", str(path), "--stage", "2"])
     assert r.exit_code == 0, r.output
@@ -88,5 +88,4 @@ def test_cli_malformed_deepspeed_file(tmp_path, content, message):
     if content is not None:
         path.write_text(content)
     r = runner.invoke(app, ["estimate", "--params", "1e9", "--deepspeed-config", str(path)])
-    assert r.exit_code == 2 and r.stdout == "" and message in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert_one_line_error(r, message)

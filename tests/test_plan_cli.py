@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from zeroplan.cli import app
+from clicheck import assert_one_line_error
 
 runner = CliRunner()
 OPTION_KEYS = {
@@ -168,12 +169,7 @@ BAD = [
 
 @pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_one_line_exit_2(args, message):
-    r = run(*args)
-    assert r.exit_code == 2
-    assert r.stdout == ""
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("zeroplan: error: "), r.stderr
-    assert message in lines[0]
+    assert_one_line_error(run(*args), message)
 
 
 def test_plan_never_imports_heavy_modules():

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 from zeroplan import plots
 from zeroplan.cli import app
 from zeroplan.sweep import sweep
+from clicheck import assert_one_line_error
 
 runner = CliRunner()
 H100_BYTES = 80 * 2**30
@@ -178,9 +179,7 @@ def test_cli_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, content, m
         (tmp_path / "r.json").write_text(content)
     before = set(tmp_path.iterdir())
     r = runner.invoke(app, ["plot", *[a.format(d=tmp_path) for a in args]])
-    assert r.exit_code == 2
-    assert r.stdout == ""
-    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
+    assert_one_line_error(r, message)
     assert set(tmp_path.iterdir()) == before
 
 

@@ -16,6 +16,7 @@ from zeroplan.cli import app
 from zeroplan.plan import rank_states
 from zeroplan.render import stage_dict
 from zeroplan.sweep import COLUMNS, collectives_summary, parse_offload, sweep, to_records
+from clicheck import assert_one_line_error
 
 runner = CliRunner()
 
@@ -243,13 +244,7 @@ def test_cli_csv_and_json_equal_the_api(tmp_path):
     ],
 )
 def test_cli_bad_values_are_one_line_and_exit_2(args, message, tmp_path):
-    r = runner.invoke(app, ["sweep", *args])
-    assert r.exit_code == 2
-    assert r.stdout == ""
-    assert r.stderr.strip().splitlines() == [
-        f"zeroplan: error: {r.stderr.strip().removeprefix('zeroplan: error: ')}"
-    ]
-    assert message in r.stderr
+    assert_one_line_error(runner.invoke(app, ["sweep", *args]), message)
 
 
 def test_cli_bad_value_leaves_no_output_file(tmp_path):
