@@ -151,3 +151,20 @@ def test_console_script_runs():
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[1].split(",")[5] == "1875000000"
+
+
+def test_validate_without_torch_is_one_line():
+    # The planner installs without torch; `zeroplan validate` must then say what to install, not crash.
+    code = (
+        "import importlib.util, sys\n"
+        "_find = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name == 'torch' else _find(name, *a)\n"
+        "from zeroplan.cli import main\n"
+        "sys.argv = ['zeroplan', 'validate']\n"
+        "main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (
+        'zeroplan: error: validate needs torch (2.4 to 2.13): install the extra, e.g. pip install ".[validate]"'
+    )

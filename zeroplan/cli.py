@@ -381,6 +381,10 @@ def validate_cmd(
     wire: bool = typer.Option(False, "--wire", help="Also count bytes on loopback in a private netns (gloo)."),
 ) -> None:
     """Train the reference ZeRO runtime, measure memory and traffic, compare with zeroplan; exit 1 if off."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise UserError('validate needs torch (2.4 to 2.13): install the extra, e.g. pip install ".[validate]"')
     from validate.api import run_validation, write_json_atomic
     from validate.config import ValidateConfig
     from validate.harness import RunFailed
