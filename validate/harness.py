@@ -44,13 +44,22 @@ def _tail(path: Path) -> str:
     return text[-LOG_TAIL_CHARS:].strip()
 
 
+# Without iproute2's ``ip``, ``lo`` is brought up with the SIOCGIFFLAGS / SIOCSIFFLAGS ioctls (IFF_UP = 1).
+LOOPBACK_UP = (
+    "import fcntl, socket, struct; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+    "f = struct.unpack('16sH14x', fcntl.ioctl(s, 0x8913, struct.pack('16sH14x', b'lo', 0)))[1]; "
+    "fcntl.ioctl(s, 0x8914, struct.pack('16sH14x', b'lo', f | 1))"
+)
+
+
 def _network_namespace() -> tuple[subprocess.Popen, list[str]]:
     """A process holding a fresh network namespace with only loopback up, and the prefix that runs a
     command inside it. Every byte the ranks send then crosses ``lo`` of that namespace alone."""
     if not shutil.which("unshare") or not shutil.which("nsenter"):
         raise RunFailed("--wire needs unshare and nsenter (util-linux) and a Linux kernel")
     holder = subprocess.Popen(
-        ["unshare", "-n", "--", "sh", "-c", "ip link set lo up && echo up && exec sleep 86400"],
+        ["unshare", "-n", "--", "sh", "-c",
+         f'(ip link set lo up || "{sys.executable}" -c "{LOOPBACK_UP}") && echo up && exec sleep 86400'],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     if holder.stdout.readline().strip() != "up":
