@@ -405,3 +405,10 @@ def test_cli_model_and_micro_batch_columns():
     # Full recomputation keeps each layer's input: 2·s·b·h·L bytes = 2·4096·b·8192·80 (Korthikanti et al.).
     assert [int(row["activation_bytes"]) for row in rows] == [2 * 4096 * b * 8192 * 80 for b in (1, 8)]
     assert [row["total_fits"] for row in rows] == ["True", "True"]
+
+
+@pytest.mark.parametrize("out, message", [("{d}", "is a directory"), ("/proc/zeroplan-sweep.csv", "cannot write there")])
+def test_cli_unwritable_output_is_one_line(tmp_path, out, message):
+    r = runner.invoke(app, ["sweep", "--params", "7e9", "--out", out.format(d=tmp_path)])
+    assert_one_line_error(r, message)
+    assert list(tmp_path.iterdir()) == []

@@ -12,13 +12,18 @@ def atomic_write(path: str | Path, write: Callable[[str], None], suffix: str = "
     """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``.
 
     ``suffix`` keeps the extension for writers that look at it (matplotlib). ValueError with one line
-    when the directory does not exist.
+    when the file cannot be written (no such directory, a directory in the way, no permission).
     """
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise ValueError(f"{str(path)!r}: directory {str(parent)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=suffix)
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r}: is a directory; give a file name")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=suffix)
+    except OSError as exc:
+        raise ValueError(f"{str(path)!r}: cannot write there ({exc.strerror})") from None
     os.close(fd)
     try:
         mask = os.umask(0)
@@ -26,8 +31,10 @@ def atomic_write(path: str | Path, write: Callable[[str], None], suffix: str = "
         os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the file the usual permissions
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise ValueError(f"{str(path)!r}: cannot write there ({exc.strerror})") from None
         raise
 
 
