@@ -109,15 +109,7 @@ def memory_vs_nd(
                 label=stage_label(stage),
             )
         _capacity(ax, gpu_memory_bytes, gpu_label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(nds, [str(n) for n in nds])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=LOG_TICK_SUBS))
-        ax.yaxis.set_major_formatter(FuncFormatter(_gb))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, pos: ""))
-        ax.grid(True, which="major", alpha=0.3)
-        ax.set_xlabel("N_d, data-parallel GPUs (log scale)")
+        _log_memory_axes(ax, nds)
         ax.set_title(_title_params(sub))
     axes[0].set_ylabel("model states per GPU, GB (log scale)")
     _legend(fig, axes[0])
@@ -229,15 +221,7 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
             label=stage_label(stage),
         )
     _capacity(mem_ax, plans[0].gpu_memory_bytes, plans[0].config.gpu)
-    mem_ax.set_xscale("log", base=2)
-    mem_ax.set_yscale("log")
-    mem_ax.set_xticks(nds, [str(n) for n in nds])
-    mem_ax.xaxis.set_minor_locator(NullLocator())
-    mem_ax.yaxis.set_major_locator(LogLocator(base=10, subs=LOG_TICK_SUBS))
-    mem_ax.yaxis.set_major_formatter(FuncFormatter(_gb))
-    mem_ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, pos: ""))
-    mem_ax.grid(True, alpha=0.3)
-    mem_ax.set_xlabel("N_d, data-parallel GPUs (log scale)")
+    _log_memory_axes(mem_ax, nds)
     mem_ax.set_ylabel("model states per GPU, GB (log scale)")
     mem_ax.set_title("memory")
 
@@ -417,6 +401,19 @@ def check_format(path: str | Path) -> str:
         what = f"unknown image extension {suffix!r}" if suffix else "no image extension"
         raise ValueError(f"out={str(path)!r}: {what}; use .png, .svg or .pdf")
     return suffix
+
+
+def _log_memory_axes(ax: Any, nds: Sequence[int]) -> None:
+    """Log-log axes of bytes per GPU against N_d: one labelled tick per N_d, GB ticks at 1-2-5."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(nds, [str(n) for n in nds])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=LOG_TICK_SUBS))
+    ax.yaxis.set_major_formatter(FuncFormatter(_gb))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda x, pos: ""))
+    ax.grid(True, which="major", alpha=0.3)
+    ax.set_xlabel("N_d, data-parallel GPUs (log scale)")
 
 
 def save(fig: Figure, path: str | Path, dpi: int = 150) -> None:
