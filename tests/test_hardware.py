@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from zeroplan.hardware import (
+from zeroplan.presets import (
     GpuSpec,
     LinkSpec,
     get_gpu,

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroplan.memory import model_states
-from zeroplan.offload import Offload, offloaded_states
-from zeroplan.optimizers import optimizer_states
-from zeroplan.plan import LADDER
+from zeroplan.formulas.memory import model_states
+from zeroplan.formulas.offload import Offload, offloaded_states
+from zeroplan.formulas.optimizers import optimizer_states
+from zeroplan.planning.plan import LADDER
 
 ADAM = optimizer_states("adam")
 
@@ -117,7 +117,7 @@ def test_zero_offload_single_v100():
     # Ren et al. 2021 (abstract): ZeRO-Offload trains models of over 13B parameters on a single 32 GB V100.
     # Model states alone bound that at 2Ψ <= 32e9 (16B; DDP: 16Ψ <= 32e9, 2B); the measured size sits
     # below the bound by the activations and buffers the paper also had to fit.
-    from zeroplan.plan import max_params
+    from zeroplan.planning.plan import max_params
 
     offload = max_params(32 * 10**9, 2, nd=1, offload=Offload("cpu"))
     ddp = max_params(32 * 10**9, 0, nd=1)

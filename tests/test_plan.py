@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import zeroplan
-from zeroplan.offload import Offload
-from zeroplan.plan import fits, max_params, min_gpus, rank_states
+from zeroplan.formulas.offload import Offload
+from zeroplan.planning.plan import fits, max_params, min_gpus, rank_states
 
 GB = 10**9
 stages = st.integers(min_value=0, max_value=3)

@@ -11,11 +11,11 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 import zeroplan
-import zeroplan.hardware
+import zeroplan.presets
 from zeroplan.cli import app
-from zeroplan.plan import rank_states
-from zeroplan.render import stage_dict
-from zeroplan.sweep import COLUMNS, collectives_summary, parse_offload, sweep, to_records
+from zeroplan.planning.plan import rank_states
+from zeroplan.render.estimate import stage_dict
+from zeroplan.sweeping.grid import COLUMNS, collectives_summary, parse_offload, sweep, to_records
 from clicheck import assert_one_line_error
 
 runner = CliRunner()
@@ -336,7 +336,7 @@ def test_model_preset_rows_equal_estimate_and_activations_equal_the_plan():
         gpu_memory_bytes=h100,
         param_dtype="bf16",
     )
-    numels = zeroplan.hardware.get_model("llama2-70b").tensor_numels
+    numels = zeroplan.presets.get_model("llama2-70b").tensor_numels
     rows = to_records(frame)
     assert len(rows) == 2 * 2 * 2 * 2
     for row in rows:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroplan.memory import paper_model_states_bytes
+from zeroplan.formulas.memory import paper_model_states_bytes
 
 REQUIRED = ("stage", "world_size", "mode", "backend", "predicted_model_states_bytes", "measured_model_states_bytes",
             "predicted_comm_bytes_per_rank", "measured_comm_bytes_per_rank", "measured_peak_bytes", "ok")  # fmt: skip

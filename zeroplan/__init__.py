@@ -17,11 +17,11 @@ Stages: 0 = plain DP, 1 = P_os (optimizer states sharded), 2 = P_os+g (+ gradien
 3 = P_os+g+p (+ parameters).
 """
 
-from zeroplan.api import estimate
-from zeroplan.config import EstimateConfig, PrecisionPolicy
-from zeroplan.plan import Plan, PlanOption, plan
-from zeroplan.plan_config import PlanConfig
-from zeroplan.records import Collective, Estimate, StageEstimate
+from zeroplan.estimation.estimate import estimate
+from zeroplan.estimation.config import EstimateConfig, PrecisionPolicy
+from zeroplan.planning.plan import Plan, PlanOption, plan
+from zeroplan.planning.config import PlanConfig
+from zeroplan.estimation.records import Collective, Estimate, StageEstimate
 
 __all__ = [
     "Collective",

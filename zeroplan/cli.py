@@ -16,7 +16,7 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
-from zeroplan.config import PrecisionPolicy, error_line
+from zeroplan.estimation.config import PrecisionPolicy, error_line
 
 try:  # typer >= 0.20 vendors its own copy of click
     from typer._click import exceptions as click_exceptions
@@ -126,12 +126,12 @@ def estimate(
     as_csv: bool = typer.Option(False, "--csv", help="Print CSV, one row per stage."),
 ) -> None:
     """Per-GPU model states and per-step communication of ZeRO stages 0-3."""
-    from zeroplan.api import estimate_config
-    from zeroplan.config import EstimateConfig
-    from zeroplan.engines import load_deepspeed
-    from zeroplan.render import to_csv, to_json, to_table
-    from zeroplan.shapes import load_numels
-    from zeroplan.units import parse_bytes, parse_count
+    from zeroplan.estimation.estimate import estimate_config
+    from zeroplan.estimation.config import EstimateConfig
+    from zeroplan.engines.deepspeed import load_deepspeed
+    from zeroplan.render.estimate import to_csv, to_json, to_table
+    from zeroplan.architectures.shapes_file import load_numels
+    from zeroplan.parsing import parse_bytes, parse_count
 
     if as_json and as_csv:
         raise UserError("--json and --csv are exclusive: choose one")
@@ -199,11 +199,11 @@ def sweep(
     out: Optional[Path] = typer.Option(None, help="Write to this file (atomically) instead of stdout."),
 ) -> None:
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
-    from zeroplan.shapes import load_numels
-    from zeroplan.sweep import SweepConfig, gpu_capacity, parse_list, parse_offload, parse_whole, sweep_config
-    from zeroplan.atomic import write_text_atomic
-    from zeroplan.sweep import to_csv, to_json
-    from zeroplan.units import parse_count
+    from zeroplan.architectures.shapes_file import load_numels
+    from zeroplan.sweeping.grid import SweepConfig, gpu_capacity, parse_list, parse_offload, parse_whole, sweep_config
+    from zeroplan.files import write_text_atomic
+    from zeroplan.sweeping.grid import to_csv, to_json
+    from zeroplan.parsing import parse_count
 
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
@@ -261,8 +261,8 @@ def plot(
 ) -> None:
     """Draw a sweep (memory, breakdown, comm) or validator results (validate) to an image file."""
     from zeroplan import plots
-    from zeroplan.sweep import SweepConfig, gpu_capacity, parse_list, parse_whole, sweep_config
-    from zeroplan.units import parse_count
+    from zeroplan.sweeping.grid import SweepConfig, gpu_capacity, parse_list, parse_whole, sweep_config
+    from zeroplan.parsing import parse_count
 
     plots.check_format(out)  # before any work: a bad name is one line, not a traceback after the sweep
     capacity, capacity_label = gpu_capacity(gpu, gpu_memory)
@@ -325,10 +325,10 @@ def plan(
     """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
     import math
 
-    from zeroplan.plan import plan_config
-    from zeroplan.plan_config import PlanConfig
-    from zeroplan.render_plan import to_json, to_table
-    from zeroplan.units import parse_bytes, parse_count
+    from zeroplan.planning.plan import plan_config
+    from zeroplan.planning.config import PlanConfig
+    from zeroplan.render.plan import to_json, to_table
+    from zeroplan.parsing import parse_bytes, parse_count
 
     if model is not None and params is not None:
         raise UserError("--model and --params are exclusive: choose one")
@@ -389,7 +389,7 @@ def validate_cmd(
     from validate.config import ValidateConfig
     from validate.harness import RunFailed
     from validate.report import to_table
-    from zeroplan.units import parse_count
+    from zeroplan.parsing import parse_count
 
     config = ValidateConfig(
         stages=tuple(stage) if stage else (0, 1, 2, 3),

@@ -1,7 +1,7 @@
 """Capacity planning: does a model fit, on how few GPUs, how large a model fits, and what to run.
 
-Every number comes from the pure formulas (``zeroplan.memory`` via ``zeroplan.offload``,
-``zeroplan.comm``, ``zeroplan.commtime``); this module only searches over them:
+Every number comes from the pure formulas (``zeroplan.formulas.memory`` via ``zeroplan.formulas.offload``,
+``zeroplan.formulas.collectives``, ``zeroplan.formulas.commtime``); this module only searches over them:
 
 - fit: per-GPU model states <= (1 - headroom) x GPU memory (and offloaded bytes <= host memory if given);
 - ``max_params``: the largest whole-model Ψ that fits on N_d x N_m GPUs. With headroom 0 it is the ZeRO
@@ -16,18 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from zeroplan.activations import activation_bytes
-from zeroplan.comm import step_collectives
-from zeroplan.commtime import StepTime, compute_time_s, ring_link, step_time
-from zeroplan.config import PrecisionPolicy
-from zeroplan.dtypes import dtype_bytes
-from zeroplan.hardware import LinkSpec
-from zeroplan.memory import buffer_numels
-from zeroplan.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
-from zeroplan.optimizers import optimizer_states
-from zeroplan.plan_config import POLICY, PlanConfig
-from zeroplan.sharding import shard_numel
-from zeroplan.stages import get_stage
+from zeroplan.formulas.activations import activation_bytes
+from zeroplan.formulas.collectives import step_collectives
+from zeroplan.formulas.commtime import StepTime, compute_time_s, ring_link, step_time
+from zeroplan.estimation.config import PrecisionPolicy
+from zeroplan.formulas.dtypes import dtype_bytes
+from zeroplan.presets import LinkSpec
+from zeroplan.formulas.memory import buffer_numels
+from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
+from zeroplan.formulas.optimizers import optimizer_states
+from zeroplan.planning.config import POLICY, PlanConfig
+from zeroplan.formulas.sharding import shard_numel
+from zeroplan.formulas.stages import get_stage
 
 MAX_GPUS = 2**20
 """``min_gpus`` searches N_d x N_m up to this many GPUs; a model that needs more is reported as None."""
@@ -299,7 +299,7 @@ def plan_config(config: PlanConfig) -> Plan:
     recommendation, reason = _recommend(config, options)
     spec = config.transformer
     activations = None
-    if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (zeroplan.activations)
+    if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (zeroplan.formulas.activations)
         activations = activation_bytes(
             spec, config.sequence_length, config.micro_batch, config.checkpointing, nm
         )

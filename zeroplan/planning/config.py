@@ -1,7 +1,7 @@
 """Validated inputs of ``zeroplan plan`` (pydantic): a model, a GPU, a cluster shape, a training shape.
 
 Every field states its unit; every bad value raises with a message that quotes it. Presets are resolved
-here (``zeroplan.hardware``), overrides win over presets.
+here (``zeroplan.presets``), overrides win over presets.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from zeroplan.config import PrecisionPolicy, check_split
-from zeroplan.hardware import GpuSpec, LinkSpec, ModelPreset, get_gpu, get_interconnect, get_model
-from zeroplan.models import TransformerSpec, gpt_for_params
+from zeroplan.estimation.config import PrecisionPolicy, check_split
+from zeroplan.presets import GpuSpec, LinkSpec, ModelPreset, get_gpu, get_interconnect, get_model
+from zeroplan.architectures.spec import TransformerSpec, gpt_for_params
 
 DEFAULT_HEADROOM = 0.1
 """Share of GPU memory kept free for what the plan does not model as model states: activations,
@@ -40,11 +40,11 @@ class PlanConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: Optional[str] = None
-    """reference model preset (``zeroplan.hardware.model_presets``); exact per-tensor padding."""
+    """reference model preset (``zeroplan.presets.model_presets``); exact per-tensor padding."""
     params: Optional[float] = None
     """Ψ of the whole model in parameters, when no preset is named. Neither: only max model sizes."""
     gpu: Optional[str] = None
-    """GPU preset (``zeroplan.hardware.gpu_presets``): memory, peak FLOP/s and default links."""
+    """GPU preset (``zeroplan.presets.gpu_presets``): memory, peak FLOP/s and default links."""
     gpu_memory_bytes: Optional[int] = None
     """memory of one GPU in bytes; overrides the preset's."""
     gpus: int = 8
@@ -71,7 +71,7 @@ class PlanConfig(BaseModel):
     seq_len: Optional[int] = None
     """tokens per sequence; default the preset's, else 2048."""
     checkpointing: Literal["none", "selective", "full"] = "full"
-    """activation recomputation assumed by the activation estimate (``zeroplan.activations``)."""
+    """activation recomputation assumed by the activation estimate (``zeroplan.formulas.activations``)."""
     offload: Literal["none", "cpu", "nvme"] = "none"
     """the most offload the recommendation may use (all options are always listed)."""
     host_memory_bytes: Optional[int] = None

@@ -8,10 +8,10 @@ Two forms of the same model:
 
 from __future__ import annotations
 
-from zeroplan.optimizers import StateTensor, optimizer_bytes
-from zeroplan.records import MemoryBreakdown
-from zeroplan.sharding import flat_padded_numel, flat_shard_numel
-from zeroplan.stages import get_stage
+from zeroplan.formulas.optimizers import StateTensor, optimizer_bytes
+from zeroplan.estimation.records import MemoryBreakdown
+from zeroplan.formulas.sharding import flat_padded_numel, flat_shard_numel
+from zeroplan.formulas.stages import get_stage
 
 
 def paper_model_states_bytes(psi: float, nd: int, k: float, stage: int) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from zeroplan.jsonfile import read_json
+from zeroplan.files import read_json
 
 
 def numels_from_shapes(shapes: object) -> tuple[int, ...]:

@@ -7,9 +7,9 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from zeroplan.dtypes import canonical_dtype
-from zeroplan.optimizers import OPTIMIZERS
-from zeroplan.stages import get_stage
+from zeroplan.formulas.dtypes import canonical_dtype
+from zeroplan.formulas.optimizers import OPTIMIZERS
+from zeroplan.formulas.stages import get_stage
 
 
 class PrecisionPolicy(BaseModel):
@@ -28,7 +28,7 @@ class PrecisionPolicy(BaseModel):
     master_weights: Optional[bool] = None
     """keep an fp32 master copy in the optimizer; defaults to on when ``param_dtype`` is not fp32."""
     optimizer: str = "adam"
-    """one of ``zeroplan.optimizers.OPTIMIZERS``."""
+    """one of ``zeroplan.formulas.optimizers.OPTIMIZERS``."""
     optimizer_dtype: str = "fp32"
     """dtype of optimizer states that have a choice (Adam m and v, SGD momentum)."""
 

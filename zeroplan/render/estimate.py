@@ -6,9 +6,9 @@ import csv
 import io
 import json
 
-from zeroplan.config import PrecisionPolicy
-from zeroplan.records import Estimate, StageEstimate
-from zeroplan.units import format_bytes, format_count
+from zeroplan.estimation.config import PrecisionPolicy
+from zeroplan.estimation.records import Estimate, StageEstimate
+from zeroplan.parsing import format_bytes, format_count
 
 SCHEMA = "zeroplan.estimate/1"
 CSV_COLUMNS = (

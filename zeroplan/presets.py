@@ -15,7 +15,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from zeroplan.models import TransformerSpec, numels, transformer_shapes
+from zeroplan.architectures.spec import TransformerSpec, numels, transformer_shapes
 
 
 class GpuSpec(BaseModel):
@@ -78,7 +78,7 @@ class LinkSpec(BaseModel):
 
 
 class ModelPreset(BaseModel):
-    """A reference model by architecture; Ψ follows from ``zeroplan.models.transformer_shapes``."""
+    """A reference model by architecture; Ψ follows from ``zeroplan.architectures.spec.transformer_shapes``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zeroplan.hardware import LinkSpec
-from zeroplan.records import Collective
-from zeroplan.stages import get_stage
+from zeroplan.presets import LinkSpec
+from zeroplan.estimation.records import Collective
+from zeroplan.formulas.stages import get_stage
 
 ALGORITHMS: tuple[str, ...] = ("ring", "tree")
 BUS_FACTOR_PASSES: dict[str, int] = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}
@@ -157,7 +157,7 @@ def step_time(
     bucket_numel: int | None = None,
     compute_s: float | None = None,
 ) -> StepTime:
-    """Time of the collectives of one optimizer step (``zeroplan.comm.step_collectives``) on ``link``.
+    """Time of the collectives of one optimizer step (``zeroplan.formulas.collectives.step_collectives``) on ``link``.
 
     One call of a collective costs bytes_per_rank / B plus α for every step of every bucket
     (``bucket_numel`` elements per bucket; None = one bucket per collective).

@@ -1,7 +1,7 @@
 """Sweeps: ``zeroplan.estimate`` over a grid of configurations, as one pandas DataFrame.
 
 The grid is evaluated in one pass of numpy int64 arrays through the very functions ``estimate`` uses
-(``zeroplan.api.stage_estimates``, hence ``sharding``, ``memory`` and ``comm``): no formula is written
+(``zeroplan.estimation.estimate.stage_estimates``, hence ``sharding``, ``memory`` and ``comm``): no formula is written
 twice, so a sweep row and ``estimate(...)`` cannot drift (``tests/test_sweep.py`` checks it row by row).
 A million rows take about a second (``benchmarks/sweep_speed.py``). This is the one planner module
 that imports pandas.
@@ -21,13 +21,13 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from zeroplan.api import stage_estimates
-from zeroplan.config import EstimateConfig, PrecisionPolicy, error_line
-from zeroplan.offload import DEVICES, NO_OFFLOAD, Offload, check_offload
-from zeroplan.plan import rank_states
-from zeroplan.records import Collective, StageEstimate
-from zeroplan.sharding import shard_numel
-from zeroplan.stages import STAGES
+from zeroplan.estimation.estimate import stage_estimates
+from zeroplan.estimation.config import EstimateConfig, PrecisionPolicy, error_line
+from zeroplan.formulas.offload import DEVICES, NO_OFFLOAD, Offload, check_offload
+from zeroplan.planning.plan import rank_states
+from zeroplan.estimation.records import Collective, StageEstimate
+from zeroplan.formulas.sharding import shard_numel
+from zeroplan.formulas.stages import STAGES
 
 SCHEMA = "zeroplan.sweep/1"
 MAX_PARAMS = 2**57
@@ -46,9 +46,9 @@ COLUMNS = (
 )  # fmt: skip
 """Columns of a sweep: the configuration, then the keys of ``estimate --json`` ``stages[]``
 (``zeroplan.render.stage_dict``) with the collectives list summarised by ``collectives_summary``, then
-where offloaded states live and the host traffic per step (``zeroplan.offload``; 0 without offload).
+where offloaded states live and the host traffic per step (``zeroplan.formulas.offload``; 0 without offload).
 With offload, the memory columns are what stays in GPU memory. With a reference ``model``, activations
-per GPU for each micro-batch (``zeroplan.activations``), ``total_bytes`` = GPU model states +
+per GPU for each micro-batch (``zeroplan.formulas.activations``), ``total_bytes`` = GPU model states +
 activations and ``total_fits``; these are empty without a model or where no estimate exists."""
 
 OFFLOAD_HELP = (
@@ -76,13 +76,13 @@ class SweepConfig(BaseModel):
     tensor_numels: Optional[tuple[int, ...]] = None
     """elements of every parameter tensor of one model (exact padding); replaces ``params``."""
     model: Optional[str] = None
-    """reference model preset (``zeroplan.hardware``): its tensors, and its shape for activations."""
+    """reference model preset (``zeroplan.presets``): its tensors, and its shape for activations."""
     micro_batch: tuple[int, ...] = (1,)
     """sequences per GPU per micro-step; changes only the activation columns (needs ``model``)."""
     seq_len: Optional[int] = None
     """tokens per sequence for activations; default the preset's."""
     checkpointing: str = "full"
-    """activation recomputation assumed: none, selective or full (``zeroplan.activations``)."""
+    """activation recomputation assumed: none, selective or full (``zeroplan.formulas.activations``)."""
     gpus: tuple[int, ...] = (1,)
     """total GPU counts = N_d x N_m."""
     model_parallel: tuple[int, ...] = (1,)
@@ -127,7 +127,7 @@ class SweepConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _model(cls, v: Optional[str]) -> Optional[str]:
-        from zeroplan.hardware import get_model
+        from zeroplan.presets import get_model
 
         return None if v is None else get_model(v).name
 
@@ -149,7 +149,7 @@ class SweepConfig(BaseModel):
     @field_validator("checkpointing")
     @classmethod
     def _checkpointing(cls, v: str) -> str:
-        from zeroplan.activations import CHECKPOINTING
+        from zeroplan.formulas.activations import CHECKPOINTING
 
         if v not in CHECKPOINTING:
             raise ValueError(f"checkpointing={v!r}: expected one of {', '.join(CHECKPOINTING)}")
@@ -232,7 +232,7 @@ class SweepConfig(BaseModel):
     def numels(self) -> Optional[tuple[int, ...]]:
         """Every tensor of the model: ``tensor_numels`` or the preset's; None for a bare Ψ."""
         if self.model is not None:
-            from zeroplan.hardware import get_model
+            from zeroplan.presets import get_model
 
             return get_model(self.model).tensor_numels
         return self.tensor_numels
@@ -301,13 +301,13 @@ def _grid(config: SweepConfig) -> dict[str, np.ndarray]:
 
 
 def _activations(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes, known) per configuration: ``zeroplan.activations`` once per distinct (N_m, micro-batch),
+    """(bytes, known) per configuration: ``zeroplan.formulas.activations`` once per distinct (N_m, micro-batch),
     with N_m taken as tensor parallelism as ``zeroplan.plan`` does; unknown without a model."""
     out, known = np.zeros(m.shape, dtype=np.int64), np.zeros(m.shape, dtype=bool)
     if config.model is None:
         return out, known
-    from zeroplan.activations import activation_bytes
-    from zeroplan.hardware import get_model
+    from zeroplan.formulas.activations import activation_bytes
+    from zeroplan.presets import get_model
 
     preset = get_model(config.model)
     seq_len = config.seq_len or preset.seq_len
@@ -330,7 +330,7 @@ def sweep_config(config: SweepConfig) -> pd.DataFrame:
         numels = tuple(shard_numel(n, m) for n in config.numels)
     else:
         numels = (shard_numel(grid["params"], m),)
-    # Ψ per model-parallel rank, rounded up per tensor as in ``zeroplan.api.model_numels``.
+    # Ψ per model-parallel rank, rounded up per tensor as in ``zeroplan.estimation.estimate.model_numels``.
     psi = sum(numels)
     flat_layout = config.numels is not None
     by_stage = {
@@ -392,7 +392,7 @@ def _block(
     flat_layout: bool,
 ) -> dict[str, np.ndarray]:
     """The columns of one (stage, offload) pair for the whole grid, from ``stage_estimates`` and, with
-    offload, ``zeroplan.offload`` (GPU-resident states, host and NVMe bytes, host traffic)."""
+    offload, ``zeroplan.formulas.offload`` (GPU-resident states, host and NVMe bytes, host traffic)."""
     out = {
         "comm_volume_elements": np.asarray(row.comm_volume_elements, dtype=np.int64),
         "comm_bytes_per_rank": np.asarray(row.comm_bytes_per_rank, dtype=np.int64),
@@ -485,8 +485,8 @@ def parse_list(text: str, what: str, parse: Callable[[str], object]) -> tuple:
 
 def gpu_capacity(gpu: Optional[str], gpu_memory: Optional[str]) -> tuple[Optional[int], Optional[str]]:
     """(bytes, label) from a GPU preset name or a size such as '80GiB' (not both); (None, None) if neither."""
-    from zeroplan.hardware import get_gpu
-    from zeroplan.units import parse_bytes
+    from zeroplan.presets import get_gpu
+    from zeroplan.parsing import parse_bytes
 
     if gpu is not None and gpu_memory is not None:
         raise ValueError("give at most one of --gpu and --gpu-memory")

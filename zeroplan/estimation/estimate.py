@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from zeroplan.comm import step_collectives
-from zeroplan.config import EstimateConfig, PrecisionPolicy
-from zeroplan.dtypes import dtype_bytes
-from zeroplan.memory import buffer_numels, model_states
-from zeroplan.optimizers import optimizer_states
-from zeroplan.records import Estimate, StageEstimate
-from zeroplan.sharding import shard_numel
-from zeroplan.stages import get_stage
+from zeroplan.formulas.collectives import step_collectives
+from zeroplan.estimation.config import EstimateConfig, PrecisionPolicy
+from zeroplan.formulas.dtypes import dtype_bytes
+from zeroplan.formulas.memory import buffer_numels, model_states
+from zeroplan.formulas.optimizers import optimizer_states
+from zeroplan.estimation.records import Estimate, StageEstimate
+from zeroplan.formulas.sharding import shard_numel
+from zeroplan.formulas.stages import get_stage
 
 
 def bytes_per_param(policy: PrecisionPolicy) -> tuple[tuple[str, float], ...]:
@@ -44,7 +44,7 @@ def stage_estimates(
     The entries of ``numels`` and ``nd`` may also be numpy int64 arrays of one shape: ``zeroplan.sweep``
     evaluates a whole grid through this same code, so the vectorised and scalar answers cannot drift.
     ``flat_layout``: the numels are the model's real tensors, so full buffers are padded as the runtime
-    pads them (``zeroplan.memory.buffer_numels``); False for a bare Ψ.
+    pads them (``zeroplan.formulas.memory.buffer_numels``); False for a bare Ψ.
     """
     p_bytes = dtype_bytes(policy.param_dtype)
     g_bytes = dtype_bytes(policy.resolved_grad_dtype)

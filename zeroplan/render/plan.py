@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from zeroplan.api import bytes_per_param
-from zeroplan.config import PrecisionPolicy
-from zeroplan.hardware import LinkSpec
-from zeroplan.launchers import launcher_texts
-from zeroplan.plan import Plan, PlanOption
-from zeroplan.units import format_bytes, format_count
+from zeroplan.estimation.estimate import bytes_per_param
+from zeroplan.estimation.config import PrecisionPolicy
+from zeroplan.presets import LinkSpec
+from zeroplan.engines.fsdp2 import launcher_texts
+from zeroplan.planning.plan import Plan, PlanOption
+from zeroplan.parsing import format_bytes, format_count
 
 SCHEMA = "zeroplan.plan/1"
 ESTIMATE_NOTE = (

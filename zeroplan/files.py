@@ -1,7 +1,10 @@
-"""Writing output files atomically: a reader (or a crash) sees the whole new file or the old one, never a part."""
+"""The one safe JSON reader and the one atomic writer: every file zeroplan reads or writes goes through here.
+
+Writes are atomic: a reader (or a crash) sees the whole new file or the old one, never a part."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -41,3 +44,16 @@ def atomic_write(path: str | Path, write: Callable[[str], None], suffix: str = "
 def write_text_atomic(path: str | Path, text: str) -> None:
     """``text`` into ``path``, atomically."""
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def read_json(path: str | Path, what: str) -> object:
+    """The parsed content of ``path``; ValueError naming ``what`` and the file if unreadable or not JSON."""
+    name = f"{what} {str(path)!r}"
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"{name}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{name}: not valid JSON (not UTF-8 text)") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc.msg}, line {exc.lineno})") from None

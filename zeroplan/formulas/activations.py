@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zeroplan.models import TransformerSpec
+from zeroplan.architectures.spec import TransformerSpec
 
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
 

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.memory import buffer_numels, model_states
-from zeroplan.optimizers import StateTensor
-from zeroplan.records import MemoryBreakdown
-from zeroplan.stages import get_stage
+from zeroplan.formulas.memory import buffer_numels, model_states
+from zeroplan.formulas.optimizers import StateTensor
+from zeroplan.estimation.records import MemoryBreakdown
+from zeroplan.formulas.stages import get_stage
 
 DEVICES: tuple[str, ...] = ("none", "cpu", "nvme")
 
@@ -102,7 +102,7 @@ def offloaded_states(
 ) -> OffloadBreakdown:
     """Ren et al. 2021 sec. 4 (CPU) and Rajbhandari et al. 2021 sec. 5 (NVMe), per GPU, with padding.
 
-    With ``Offload()`` the GPU part equals ``zeroplan.memory.model_states`` and all traffic is 0.
+    With ``Offload()`` the GPU part equals ``zeroplan.formulas.memory.model_states`` and all traffic is 0.
     Offloaded states are always this rank's shard (``ceil(Ψ/N_d)`` per tensor): optimizer offload needs
     stage >= 1 and parameter offload stage 3 (``check_offload``).
     """

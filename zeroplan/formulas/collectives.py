@@ -9,9 +9,9 @@ elements per reduce-scatter or all-gather, twice that per all-reduce.
 
 from __future__ import annotations
 
-from zeroplan.records import Collective
-from zeroplan.sharding import shard_numel
-from zeroplan.stages import get_stage
+from zeroplan.estimation.records import Collective
+from zeroplan.formulas.sharding import shard_numel
+from zeroplan.formulas.stages import get_stage
 
 
 def ring_bytes_per_rank(op: str, elements: int, nd: int, element_bytes: int) -> int:

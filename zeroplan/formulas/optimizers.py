@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.dtypes import dtype_bytes
+from zeroplan.formulas.dtypes import dtype_bytes
 
 BNB_BLOCK_SIZE = 2048
 """bitsandbytes block-wise 8-bit optimizers keep one fp32 absmax per 2048 elements of each state

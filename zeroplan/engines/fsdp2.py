@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zeroplan.config import PrecisionPolicy
-from zeroplan.offload import Offload, check_offload
-from zeroplan.plan_config import DEFAULT_BUCKET_NUMEL, POLICY
+from zeroplan.estimation.config import PrecisionPolicy
+from zeroplan.formulas.offload import Offload, check_offload
+from zeroplan.planning.config import DEFAULT_BUCKET_NUMEL, POLICY
 
 STAGE3_PREFETCH_NUMEL = 50_000_000
 """DeepSpeed's default ``stage3_prefetch_bucket_size`` (5e7 elements)."""

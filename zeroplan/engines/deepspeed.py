@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zeroplan.jsonfile import read_json
+from zeroplan.files import read_json
 
 # DeepSpeed optimizer types (case-insensitive) -> zeroplan optimizer names. DeepSpeed's "Adam" runs
 # AdamW unless adam_w_mode is false; both keep m and v, so the bytes are the same.
