@@ -35,7 +35,7 @@ def load_zero_config(src: str) -> types.ModuleType:
 
 
 def main(src: str) -> None:
-    from zeroplan.engines.fsdp2 import deepspeed_config
+    from zeroplan.engines.deepspeed import deepspeed_config
     from zeroplan.planning.plan import LADDER
 
     config = load_zero_config(src)

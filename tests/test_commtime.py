@@ -43,7 +43,7 @@ def test_ring_link_crosses_nodes():
 
 
 def collectives(stage, elements=8_000, nd=8):
-    return step_collectives(stage, elements, nd, "bf16", "bf16", 2, 2)
+    return step_collectives(stage, (elements,), nd, "bf16", "bf16")
 
 
 def test_step_time_matches_the_formula():

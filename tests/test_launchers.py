@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from zeroplan.engines.fsdp2 import deepspeed_config, fsdp2_snippet
+from zeroplan.engines.deepspeed import deepspeed_config
+from zeroplan.engines.fsdp2 import fsdp2_snippet
 from zeroplan.formulas.offload import Offload
 
 # Keys of DeepSpeed's zero_optimization section (deepspeed.ai/docs/config-json, "ZeRO Optimizations for
@@ -53,7 +54,7 @@ def test_deepspeed_rejects_what_it_does_not_support():
 
 
 def test_fp16_policy_enables_fp16_section():
-    from zeroplan.estimation.config import PrecisionPolicy
+    from zeroplan.policy import PrecisionPolicy
 
     config = deepspeed_config(2, policy=PrecisionPolicy(param_dtype="fp16"))
     assert config["fp16"] == {"enabled": True} and "bf16" not in config

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from zeroplan import plots
 from zeroplan.cli import app
-from zeroplan.sweeping.grid import sweep
+from zeroplan import sweep
 from clicheck import assert_one_line_error
 
 runner = CliRunner()

@@ -11,6 +11,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def check_writable(path: str | Path) -> Path:
+    """The directory ``path`` would be written into; ValueError with one line if it is missing or ``path``
+    is a directory. Commands call this before any work, and ``atomic_write`` again when writing."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{str(path)!r}: directory {str(parent)!r} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r}: is a directory; give a file name")
+    return parent
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None], suffix: str = "") -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``.
 
@@ -18,11 +30,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None], suffix: str = "
     when the file cannot be written (no such directory, a directory in the way, no permission).
     """
     path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ValueError(f"{str(path)!r}: directory {str(parent)!r} does not exist")
-    if path.is_dir():
-        raise ValueError(f"{str(path)!r}: is a directory; give a file name")
+    parent = check_writable(path)
     try:
         fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=suffix)
     except OSError as exc:

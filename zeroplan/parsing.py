@@ -1,16 +1,27 @@
-"""Parsing and printing of counts and byte sizes. GB = 1e9 bytes (the ZeRO paper's unit); GiB = 2**30."""
+"""CLI string parsers: counts (7.5B), byte sizes (80GiB), comma-separated lists, offload specs.
+
+Each raises ValueError with one line naming the option and the text. GB = 1e9 bytes (the ZeRO paper's
+unit); GiB = 2**30.
+"""
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+
+from zeroplan.formulas.offload import DEVICES, Offload
 
 BYTE_UNITS: dict[str, int] = {
     "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
+}  # fmt: skip
 COUNT_SUFFIXES: dict[str, float] = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+OFFLOAD_HELP = (
+    "offload: 'none', or OPT[/PARAMS] with each of none, cpu, nvme: where the optimizer states "
+    "(and the parameters, stage 3 only) live, e.g. cpu, nvme, cpu/cpu, nvme/nvme, none/cpu"
+)
 
 _NUMBER = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 
@@ -38,18 +49,38 @@ def parse_bytes(text: str, what: str = "gpu-memory") -> int:
     return int(value)
 
 
-def format_bytes(n: float, unit: str = "GB") -> str:
-    """Bytes in ``unit`` with three significant digits at least, e.g. '31.4 GB', '1.88 GB', '4187.5 GB'."""
-    value = n / BYTE_UNITS[unit.lower()]
-    if value == 0:
-        return f"0 {unit}"
-    decimals = max(0, 2 - math.floor(math.log10(abs(value))))
-    return f"{value:,.{min(decimals, 6)}f} {unit}"
+def parse_whole(text: str, what: str) -> int:
+    """'64' -> 64; ValueError for '6.5', 'x', '1e3' (GPU counts and degrees are written as integers)."""
+    if not re.fullmatch(r"[-+]?[0-9]+", text):
+        raise ValueError(f"{what}={text!r}: not a whole number")
+    return int(text)
 
 
-def format_count(n: float) -> str:
-    """A parameter count in the paper's style: 7.5B, 128B, 1T."""
-    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.4g}{suffix}"
-    return f"{n:.0f}"
+def parse_list(text: str, what: str, parse: Callable[[str], object]) -> tuple:
+    """'8,64,512' -> (8, 64, 512) with ``parse`` per item; ValueError naming the option and the item."""
+    items = [t.strip() for t in str(text).split(",")]
+    if not any(items):
+        raise ValueError(f"{what}={text!r}: give one or more comma-separated values")
+    if "" in items:
+        raise ValueError(f"{what}={text!r}: empty item between commas")
+    return tuple(parse(t) for t in items)
+
+
+def parse_wholes(text: str, what: str) -> tuple[int, ...]:
+    """'8,64,512' -> (8, 64, 512): a list of whole numbers."""
+    return parse_list(text, what, lambda t: parse_whole(t, what))
+
+
+def parse_counts(text: str, what: str = "params") -> tuple[float, ...]:
+    """'7B,70B' -> (7e9, 7e10): a list of counts."""
+    return parse_list(text, what, lambda t: parse_count(t, what))
+
+
+def parse_offload(text: str | Offload) -> Offload:
+    """'none' | 'cpu' | 'nvme' | 'cpu/cpu' | 'none/cpu' ... -> Offload(optimizer, params); else ValueError."""
+    if isinstance(text, Offload):
+        return text
+    parts = str(text).strip().lower().split("/")
+    if len(parts) > 2 or not all(p in DEVICES for p in parts):
+        raise ValueError(f"offload={text!r}: expected {OFFLOAD_HELP.removeprefix('offload: ')}")
+    return Offload(parts[0], parts[1] if len(parts) == 2 else "none")

@@ -8,14 +8,14 @@ case-insensitively; an unknown name raises ValueError listing the known ones.
 from __future__ import annotations
 
 import json
-import math
 from functools import lru_cache
 from importlib import resources
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from zeroplan.architectures.spec import TransformerSpec, numels, transformer_shapes
+from zeroplan.types import ByteSize, Count, NonNegativeFinite, PositiveFinite
 
 
 class GpuSpec(BaseModel):
@@ -25,9 +25,9 @@ class GpuSpec(BaseModel):
 
     name: str
     description: str
-    memory_bytes: int
+    memory_bytes: ByteSize
     """nominal HBM capacity in bytes (see the data file's ``about`` for the convention)."""
-    peak_flops: float
+    peak_flops: PositiveFinite
     """dense 16-bit tensor-core peak, FLOP/s."""
     peak_flops_dtype: str
     intra_node: str
@@ -35,13 +35,6 @@ class GpuSpec(BaseModel):
     host_link: str
     """name of the interconnect preset between GPU and host memory (offload traffic)."""
     source: str
-
-    @field_validator("memory_bytes", "peak_flops")
-    @classmethod
-    def _positive(cls, v: float, info) -> float:
-        if isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{info.field_name}={v}: must be a positive finite number")
-        return v
 
 
 class LinkSpec(BaseModel):
@@ -52,25 +45,11 @@ class LinkSpec(BaseModel):
     name: str
     scope: Literal["intra", "inter"]
     """intra: inside a node (NVLink, PCIe, Infinity Fabric); inter: between nodes (a NIC per GPU)."""
-    bandwidth_gbps: float
+    bandwidth_gbps: PositiveFinite
     """GB/s (1e9 bytes/s) one GPU sends in one direction; used as the nccl-tests bus bandwidth."""
-    alpha_s: float
+    alpha_s: NonNegativeFinite
     """latency of one ring step, seconds."""
     source: str = "given on the command line"
-
-    @field_validator("bandwidth_gbps")
-    @classmethod
-    def _bandwidth(cls, v: float) -> float:
-        if isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"bandwidth={v} GB/s: must be a positive finite number")
-        return v
-
-    @field_validator("alpha_s")
-    @classmethod
-    def _alpha(cls, v: float) -> float:
-        if isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"alpha={v} s: must be a finite number >= 0")
-        return v
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
@@ -84,14 +63,14 @@ class ModelPreset(BaseModel):
 
     name: str
     style: Literal["gpt", "llama"]
-    n_layer: int
-    d_model: int
-    n_head: int
-    n_kv_head: Optional[int] = None
-    ffn_hidden: Optional[int] = None
+    n_layer: Count
+    d_model: Count
+    n_head: Count
+    n_kv_head: Optional[Count] = None
+    ffn_hidden: Optional[Count] = None
     """MLP hidden width; None means 4·d_model (GPT)."""
-    vocab_size: int
-    seq_len: int
+    vocab_size: Count
+    seq_len: Count
     """training context length, tokens; also GPT's position-embedding rows."""
     source: str
 
@@ -160,3 +139,19 @@ def get_interconnect(name: str) -> LinkSpec:
 def get_model(name: str) -> ModelPreset:
     """The reference model ``name``; ValueError listing the known names otherwise."""
     return _lookup(model_presets(), name, "model")
+
+
+GpuName = Annotated[str, AfterValidator(lambda v: get_gpu(v).name)]
+"""A GPU preset name, stored as the preset spells it."""
+ModelName = Annotated[str, AfterValidator(lambda v: get_model(v).name)]
+"""A reference-model preset name, stored as the preset spells it."""
+
+
+def gpu_capacity(gpu: Optional[str], gpu_memory_bytes: Optional[int]) -> tuple[Optional[int], Optional[str]]:
+    """(bytes, label) from a GPU preset name or a memory size (not both); (None, None) if neither."""
+    if gpu is not None and gpu_memory_bytes is not None:
+        raise ValueError("give at most one of --gpu and --gpu-memory")
+    if gpu is not None:
+        spec = get_gpu(gpu)
+        return spec.memory_bytes, spec.name
+    return gpu_memory_bytes, None

@@ -1,11 +1,16 @@
-"""Engine configurations in the engines' own vocabulary, turned into planner settings.
+"""DeepSpeed: reading a ``ds_config.json`` into planner settings, and writing one for a planned option.
 
-DeepSpeed: the keys of a ``ds_config.json`` (https://www.deepspeed.ai/docs/config-json/) that decide
+Reading: the keys of a ``ds_config.json`` (https://www.deepspeed.ai/docs/config-json/) that decide
 model-state memory: ``zero_optimization.stage``, ``fp16.enabled`` / ``bf16.enabled`` (fp32 when
 neither), ``optimizer.type`` (and ``params.momentum`` for SGD), ``data_types.grad_accum_dtype`` and
 ``communication_data_type`` (the dtype gradients are kept and reduced in). Batch sizes, buckets and
 schedulers do not change model states and are ignored. Offload is refused here with a pointer to
 ``zeroplan plan``, which models it; silently ignoring it would overstate GPU memory.
+
+Writing: keys exactly as the DeepSpeed configuration docs spell them (``zero_optimization``,
+``offload_optimizer``, ``offload_param``, ``stage3_*``). Bucket sizes are DeepSpeed's defaults (5e8
+elements; ``stage3_prefetch_bucket_size`` 5e7), written out so the plan's latency estimate and the run
+use the same buckets. No dependency on DeepSpeed: these functions read and build dicts.
 """
 
 from __future__ import annotations
@@ -13,6 +18,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from zeroplan.files import read_json
+from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
+from zeroplan.formulas.stages import get_stage
+from zeroplan.policy import BF16_MIXED, PrecisionPolicy
+
+DEFAULT_BUCKET_NUMEL = 500_000_000
+"""Elements per gradient bucket / all-gather call: DeepSpeed's default ``reduce_bucket_size`` and
+``allgather_bucket_size`` (5e8); the plan's latency estimate uses it too."""
+STAGE3_PREFETCH_NUMEL = 50_000_000
+"""DeepSpeed's default ``stage3_prefetch_bucket_size`` (5e7 elements)."""
+NVME_PATH = "/local_nvme"
+"""Placeholder mount point for ZeRO-Infinity; replace with a local NVMe path."""
 
 # DeepSpeed optimizer types (case-insensitive) -> zeroplan optimizer names. DeepSpeed's "Adam" runs
 # AdamW unless adam_w_mode is false; both keep m and v, so the bytes are the same.
@@ -64,9 +80,7 @@ def from_deepspeed(config: object) -> dict:
                 f"deepspeed config: zero_optimization.{key}.device={device!r}: `zeroplan estimate` models "
                 "GPU-resident states; use `zeroplan plan --offload cpu|nvme` for offload"
             )
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"deepspeed config: zero_optimization.stage={stage!r}: must be 0, 1, 2 or 3")
+    stage = get_stage(zero.get("stage", 0), "deepspeed config: zero_optimization.stage").number
 
     fp16, bf16 = _enabled(config, "fp16"), _enabled(config, "bf16") or _enabled(config, "bfloat16")
     if fp16 and bf16:
@@ -94,3 +108,59 @@ def from_deepspeed(config: object) -> dict:
 def load_deepspeed(path: str | Path) -> dict:
     """``from_deepspeed`` of a JSON file; ValueError with one line when it is missing or malformed."""
     return from_deepspeed(read_json(path, "deepspeed config"))
+
+
+def merge_deepspeed(path: str | Path, given: dict) -> dict:
+    """``given`` settings (stage and policy fields the user set) completed from a DeepSpeed config file.
+
+    ValueError when an option contradicts the file: the user meant one of them, and guessing which
+    would print a number for a run that does not exist.
+    """
+    from_file = load_deepspeed(path)
+    clash = sorted(k for k in from_file if k in given and given[k] != from_file[k])
+    if clash:
+        raise ValueError(f"--{clash[0].replace('_', '-')} contradicts the DeepSpeed config; drop one of them")
+    return given | from_file
+
+
+def _offload_block(device: str) -> dict:
+    block: dict = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        block["nvme_path"] = NVME_PATH
+    return block
+
+
+def deepspeed_config(
+    stage: int,
+    offload: Offload = NO_OFFLOAD,
+    micro_batch: int = 1,
+    grad_accum: int = 1,
+    policy: PrecisionPolicy = BF16_MIXED,
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+) -> dict:
+    """A DeepSpeed config dict for ``stage`` and ``offload`` (dump it with ``json.dumps``)."""
+    check_offload(stage, offload)
+    zero: dict = {"stage": stage}
+    if stage >= 1:
+        zero.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=bucket_numel)
+    if stage in (1, 2):
+        zero.update(allgather_partitions=True, allgather_bucket_size=bucket_numel, reduce_scatter=True)
+    if stage == 3:
+        zero.update(
+            stage3_prefetch_bucket_size=STAGE3_PREFETCH_NUMEL,
+            stage3_param_persistence_threshold=100_000,
+            stage3_max_live_parameters=1_000_000_000,
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
+    if offload.optimizer != "none":
+        zero["offload_optimizer"] = _offload_block(offload.optimizer)
+    if offload.params != "none":
+        zero["offload_param"] = _offload_block(offload.params)
+    config: dict = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+    }
+    if policy.param_dtype in ("bf16", "fp16"):
+        config[policy.param_dtype] = {"enabled": True}
+    config["zero_optimization"] = zero
+    return config

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-from zeroplan.formulas.collectives import step_collectives
-from zeroplan.estimation.config import EstimateConfig, PrecisionPolicy
-from zeroplan.formulas.dtypes import dtype_bytes
-from zeroplan.formulas.memory import buffer_numels, model_states
-from zeroplan.formulas.optimizers import optimizer_states
+from zeroplan.estimation.config import EstimateConfig
 from zeroplan.estimation.records import Estimate, StageEstimate
+from zeroplan.formulas.collectives import step_collectives
+from zeroplan.formulas.memory import model_states
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
-
-
-def bytes_per_param(policy: PrecisionPolicy) -> tuple[tuple[str, float], ...]:
-    """The byte convention, one (label, bytes per parameter) per component, for printing and K."""
-    rows: list[tuple[str, float]] = [
-        (f"{policy.param_dtype} params", dtype_bytes(policy.param_dtype)),
-        (f"{policy.resolved_grad_dtype} grads", dtype_bytes(policy.resolved_grad_dtype)),
-    ]
-    if policy.master_dtype:
-        rows.append((f"{policy.master_dtype} master", dtype_bytes(policy.master_dtype)))
-    for s in optimizer_states(policy.optimizer, policy.optimizer_dtype):
-        rows.append((f"{s.dtype} {s.name}", dtype_bytes(s.dtype) / s.per_elements))
-    return tuple(rows)
+from zeroplan.policy import PrecisionPolicy
 
 
 def model_numels(config: EstimateConfig) -> tuple[int, ...]:
@@ -46,21 +32,20 @@ def stage_estimates(
     ``flat_layout``: the numels are the model's real tensors, so full buffers are padded as the runtime
     pads them (``zeroplan.formulas.memory.buffer_numels``); False for a bare Ψ.
     """
-    p_bytes = dtype_bytes(policy.param_dtype)
-    g_bytes = dtype_bytes(policy.resolved_grad_dtype)
-    states = optimizer_states(policy.optimizer, policy.optimizer_dtype)
+    states = policy.states
 
     def memory(stage: int):
-        return model_states(numels, nd, stage, p_bytes, g_bytes, states, policy.master_dtype, flat_layout)
+        return model_states(
+            numels, nd, stage, policy.param_bytes, policy.grad_bytes, states, policy.master_dtype, flat_layout
+        )
 
     dp_total = memory(0).model_states_bytes
     rows = []
     for number in stages:
         row = get_stage(number)
         mem = memory(row.number)
-        full, _ = buffer_numels(numels, nd, row.number, flat_layout)
         collectives = step_collectives(
-            row.number, full, nd, policy.param_dtype, policy.resolved_grad_dtype, p_bytes, g_bytes
+            row.number, numels, nd, policy.param_dtype, policy.resolved_grad_dtype, flat_layout
         )
         fits = None if gpu_memory_bytes is None else mem.model_states_bytes <= gpu_memory_bytes
         rows.append(
@@ -76,7 +61,6 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     stages = (0, 1, 2, 3) if config.stage is None else (config.stage,)
     flat_layout = config.tensor_numels is not None
     rows = stage_estimates(numels, config.nd, policy, stages, config.gpu_memory_bytes, flat_layout)
-    convention = bytes_per_param(policy)
     return Estimate(
         psi=sum(numels),
         total_params=int(config.params) if config.params else sum(config.tensor_numels),
@@ -84,8 +68,9 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         nd=config.nd,
         nm=config.model_parallel,
         gpu_memory_bytes=config.gpu_memory_bytes,
-        bytes_per_param=convention,
-        k=sum(b for _, b in convention[2:]),
+        policy=policy,
+        bytes_per_param=policy.bytes_per_param,
+        k=policy.k,
         stages=tuple(rows),
     )
 

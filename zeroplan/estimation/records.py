@@ -1,35 +1,12 @@
-"""Typed, frozen results of the planner. Formulas return these; renderers read them."""
+"""Typed, frozen results of ``zeroplan.estimate``. Formulas fill them; renderers read them."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective a rank takes part in per training step."""
-
-    op: str  # "all-reduce" | "reduce-scatter" | "all-gather"
-    phase: str  # "forward" | "backward" | "optimizer step"
-    elements: int  # full (unsharded) size of the collective, in elements
-    dtype: str
-    bytes_per_rank: int  # bytes one rank sends on a ring algorithm
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Per-GPU model states in bytes (ZeRO paper, section 3.1)."""
-
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-
-    @property
-    def model_states_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+from zeroplan.formulas.collectives import Collective
+from zeroplan.formulas.memory import MemoryBreakdown
+from zeroplan.policy import ByteRows, PrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -45,8 +22,8 @@ class StageEstimate:
 
     @property
     def comm_volume_elements(self) -> int:
-        """The paper's count: an all-reduce moves 2x its size, reduce-scatter and all-gather 1x."""
-        return sum(c.elements * (2 if c.op == "all-reduce" else 1) for c in self.collectives)
+        """The paper's count (section 7): each collective's size times its passes."""
+        return sum(c.volume_elements for c in self.collectives)
 
     @property
     def comm_bytes_per_rank(self) -> int:
@@ -63,7 +40,8 @@ class Estimate:
     nd: int
     nm: int
     gpu_memory_bytes: int | None
-    bytes_per_param: tuple[tuple[str, float], ...]  # ("fp16 params", 2), ...
+    policy: PrecisionPolicy
+    bytes_per_param: ByteRows  # ("fp16 params", 2), ...
     k: float  # the paper's K: optimizer-state bytes per parameter, master copy included
     stages: tuple[StageEstimate, ...]
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zeroplan.presets import LinkSpec
-from zeroplan.estimation.records import Collective
+from zeroplan.formulas.collectives import PASSES, Collective
+from zeroplan.formulas.sharding import ceil_div
 from zeroplan.formulas.stages import get_stage
+from zeroplan.presets import LinkSpec
 
 ALGORITHMS: tuple[str, ...] = ("ring", "tree")
-BUS_FACTOR_PASSES: dict[str, int] = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}
 FORWARD_SHARE = 1 / 3
 """Forward share of training FLOPs: 2Ψ of 6Ψ per token forward, 4Ψ backward (Kaplan et al. 2020, sec. 2.1)."""
 
@@ -40,7 +40,7 @@ def latency_steps(op: str, n: int, algorithm: str = "ring") -> int:
         return 0
     if algorithm == "tree" and op == "all-reduce":
         return 2 * math.ceil(math.log2(n))
-    return BUS_FACTOR_PASSES[op] * (n - 1)
+    return PASSES[op] * (n - 1)
 
 
 def alpha_beta_time_s(
@@ -49,7 +49,7 @@ def alpha_beta_time_s(
     """t = f·S/B + steps·α with the nccl-tests bus-bandwidth factor f (2(n-1)/n all-reduce, (n-1)/n else)."""
     if n <= 1:
         return 0.0
-    factor = BUS_FACTOR_PASSES[op] * (n - 1) / n
+    factor = PASSES[op] * (n - 1) / n
     return factor * size_bytes / bandwidth_bytes_per_s + latency_steps(op, n, algorithm) * alpha_s
 
 
@@ -168,7 +168,7 @@ def step_time(
         raise ValueError(f"bucket_numel={bucket_numel}: must be >= 1")
     timed = []
     for c in collectives:
-        buckets = 1 if bucket_numel is None else max(1, -(-c.elements // bucket_numel))
+        buckets = 1 if bucket_numel is None else max(1, ceil_div(c.elements, bucket_numel))
         seconds = c.bytes_per_rank / link.bandwidth_bytes_per_s
         seconds += buckets * latency_steps(c.op, nd, algorithm) * link.alpha_s
         every = runs_every_micro_step(stage, c.op)

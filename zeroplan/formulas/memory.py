@@ -8,10 +8,24 @@ Two forms of the same model:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from zeroplan.formulas.optimizers import StateTensor, optimizer_bytes
-from zeroplan.estimation.records import MemoryBreakdown
 from zeroplan.formulas.sharding import flat_padded_numel, flat_shard_numel
 from zeroplan.formulas.stages import get_stage
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Per-GPU model states in bytes (ZeRO paper, section 3.1)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def model_states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
 
 def paper_model_states_bytes(psi: float, nd: int, k: float, stage: int) -> float:

@@ -30,9 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.formulas.memory import buffer_numels, model_states
+from zeroplan.formulas.memory import MemoryBreakdown, buffer_numels, model_states
 from zeroplan.formulas.optimizers import StateTensor
-from zeroplan.estimation.records import MemoryBreakdown
 from zeroplan.formulas.stages import get_stage
 
 DEVICES: tuple[str, ...] = ("none", "cpu", "nvme")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroplan.formulas.dtypes import dtype_bytes
+from zeroplan.formulas.sharding import ceil_div
 
 BNB_BLOCK_SIZE = 2048
 """bitsandbytes block-wise 8-bit optimizers keep one fp32 absmax per 2048 elements of each state
@@ -25,7 +26,7 @@ class StateTensor:
     per_elements: int = 1
 
     def numel(self, n: int) -> int:
-        return -(-n // self.per_elements)
+        return ceil_div(n, self.per_elements)
 
     def bytes(self, n: int) -> int:
         return self.numel(n) * dtype_bytes(self.dtype)

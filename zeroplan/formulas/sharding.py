@@ -11,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+def ceil_div(n: int, d: int) -> int:
+    """ceil(n / d) in exact integer arithmetic (also on numpy integer arrays); the one ceiling division."""
+    return -(-n // d)
+
+
 def shard_numel(numel: int, nd: int) -> int:
     """Elements each of ``nd`` ranks owns of a tensor of ``numel`` elements: ceil(numel / nd).
 
@@ -19,7 +24,7 @@ def shard_numel(numel: int, nd: int) -> int:
     """
     if getattr(numel, "ndim", 0) == 0 and getattr(nd, "ndim", 0) == 0 and (numel < 0 or nd < 1):
         raise ValueError(f"numel={numel}, nd={nd}: need numel >= 0 and nd >= 1")
-    return -(-numel // nd)
+    return ceil_div(numel, nd)
 
 
 def padded_numel(numel: int, nd: int) -> int:

@@ -27,8 +27,8 @@ STAGES: tuple[Stage, ...] = (
 )
 
 
-def get_stage(number: int) -> Stage:
-    """The stage row for a stage number 0-3; ValueError otherwise."""
-    if isinstance(number, bool) or number not in range(len(STAGES)):
-        raise ValueError(f"stage={number!r}: must be one of 0, 1, 2, 3")
+def get_stage(number: int, what: str = "stage") -> Stage:
+    """The stage row for a stage number 0-3; ValueError naming ``what`` otherwise. The one stage check."""
+    if isinstance(number, bool) or not hasattr(number, "__index__") or number not in range(len(STAGES)):
+        raise ValueError(f"{what}={number!r}: must be one of 0, 1, 2, 3")
     return STAGES[number]

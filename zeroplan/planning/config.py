@@ -6,14 +6,19 @@ here (``zeroplan.presets``), overrides win over presets.
 
 from __future__ import annotations
 
-import math
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
-from zeroplan.estimation.config import PrecisionPolicy, check_split
-from zeroplan.presets import GpuSpec, LinkSpec, ModelPreset, get_gpu, get_interconnect, get_model
 from zeroplan.architectures.spec import TransformerSpec, gpt_for_params
+from zeroplan.engines.deepspeed import DEFAULT_BUCKET_NUMEL
+from zeroplan.formulas.commtime import ALGORITHMS
+from zeroplan.formulas.offload import DEVICES
+from zeroplan.policy import BF16_MIXED, PrecisionPolicy
+from zeroplan.presets import GpuName, GpuSpec, LinkSpec, ModelName, ModelPreset, get_gpu, get_interconnect, get_model
+from zeroplan.types import (
+    ByteSize, Checkpointing, Count, Fraction, Params, PositiveFinite, PositiveFraction, check_split,
+)  # fmt: skip
 
 DEFAULT_HEADROOM = 0.1
 """Share of GPU memory kept free for what the plan does not model as model states: activations,
@@ -23,15 +28,10 @@ sequences or large micro-batches)."""
 DEFAULT_MFU = 0.4
 """Model FLOPs utilisation for the compute-time estimate: Llama 3 reports 38-43% BF16 MFU on H100s
 (Llama Team 2024, The Llama 3 Herd of Models, Table 4)."""
-DEFAULT_BUCKET_NUMEL = 500_000_000
-"""Elements per gradient bucket / all-gather call: DeepSpeed's default ``reduce_bucket_size`` and
-``allgather_bucket_size`` (5e8), which the emitted DeepSpeed config also uses."""
 DEFAULT_INTRA = "nvlink4"
 DEFAULT_INTER = "ib-ndr"
 DEFAULT_SEQ_LEN = 2048
 """Tokens per sequence when neither --seq-len nor a reference model gives one (GPT-3's context)."""
-POLICY = PrecisionPolicy(param_dtype="bf16")
-"""bf16 parameters and gradients, fp32 master copy and Adam states: 16 bytes/param, the paper's K = 12."""
 
 
 class PlanConfig(BaseModel):
@@ -39,64 +39,55 @@ class PlanConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: Optional[str] = None
+    model: Optional[ModelName] = None
     """reference model preset (``zeroplan.presets.model_presets``); exact per-tensor padding."""
-    params: Optional[float] = None
+    params: Optional[Params] = None
     """Ψ of the whole model in parameters, when no preset is named. Neither: only max model sizes."""
-    gpu: Optional[str] = None
+    gpu: Optional[GpuName] = None
     """GPU preset (``zeroplan.presets.gpu_presets``): memory, peak FLOP/s and default links."""
-    gpu_memory_bytes: Optional[int] = None
+    gpu_memory_bytes: Optional[ByteSize] = None
     """memory of one GPU in bytes; overrides the preset's."""
-    gpus: int = 8
+    gpus: Count = 8
     """total GPUs = N_d x N_m."""
-    gpus_per_node: int = 8
-    model_parallel: int = 1
+    gpus_per_node: Count = 8
+    model_parallel: Count = 1
     """N_m, tensor/pipeline model-parallel degree."""
-    headroom: float = DEFAULT_HEADROOM
+    headroom: Fraction = DEFAULT_HEADROOM
     """fraction of GPU memory not available to model states, in [0, 1)."""
     interconnect: Optional[str] = None
     """intra-node link preset; default the GPU preset's, else nvlink4."""
-    bw_gbps: Optional[float] = None
+    bw_gbps: Optional[PositiveFinite] = None
     """intra-node bandwidth per GPU, GB/s one direction; overrides the preset's."""
     inter_interconnect: str = DEFAULT_INTER
     """inter-node link preset (one NIC per GPU)."""
-    inter_bw_gbps: Optional[float] = None
+    inter_bw_gbps: Optional[PositiveFinite] = None
     """inter-node bandwidth per GPU, GB/s one direction; overrides the preset's."""
-    algorithm: Literal["ring", "tree"] = "ring"
+    algorithm: Literal[ALGORITHMS] = "ring"
     """all-reduce algorithm for the latency term (reduce-scatter and all-gather are always ring)."""
-    micro_batch: int = 1
+    micro_batch: Count = 1
     """sequences per GPU per micro-step."""
-    grad_accum: int = 1
+    grad_accum: Count = 1
     """micro-steps per optimizer step."""
-    seq_len: Optional[int] = None
+    seq_len: Optional[Count] = None
     """tokens per sequence; default the preset's, else 2048."""
-    checkpointing: Literal["none", "selective", "full"] = "full"
+    checkpointing: Checkpointing = "full"
     """activation recomputation assumed by the activation estimate (``zeroplan.formulas.activations``)."""
-    offload: Literal["none", "cpu", "nvme"] = "none"
+    offload: Literal[DEVICES] = "none"
     """the most offload the recommendation may use (all options are always listed)."""
-    host_memory_bytes: Optional[int] = None
+    host_memory_bytes: Optional[ByteSize] = None
     """CPU memory per node in bytes; when given, offload options must also fit in it."""
-    peak_flops: Optional[float] = None
-    """dense peak FLOP/s per GPU; overrides the preset's. None without a preset: no compute estimate."""
-    mfu: float = DEFAULT_MFU
+    peak_tflops: Optional[PositiveFinite] = None
+    """dense peak TFLOP/s (1e12 FLOP/s) per GPU; overrides the preset's. None without a preset: no compute
+    estimate."""
+    mfu: PositiveFraction = DEFAULT_MFU
     """model FLOPs utilisation in (0, 1] for the compute-time estimate."""
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    bucket_numel: Count = DEFAULT_BUCKET_NUMEL
     """elements per collective call (gradient bucket / all-gather bucket)."""
-    policy: PrecisionPolicy = POLICY
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, v: Optional[str]) -> Optional[str]:
-        return None if v is None else get_model(v).name
-
-    @field_validator("gpu")
-    @classmethod
-    def _gpu(cls, v: Optional[str]) -> Optional[str]:
-        return None if v is None else get_gpu(v).name
+    policy: PrecisionPolicy = BF16_MIXED
 
     @field_validator("interconnect", "inter_interconnect")
     @classmethod
-    def _link(cls, v: Optional[str], info) -> Optional[str]:
+    def _link(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
         if v is None:
             return v
         link = get_interconnect(v)
@@ -106,51 +97,10 @@ class PlanConfig(BaseModel):
             raise ValueError(f"{info.field_name}={v!r} links GPUs {where}; expected an {want}-node link")
         return link.name
 
-    @field_validator("params", "bw_gbps", "inter_bw_gbps", "peak_flops")
-    @classmethod
-    def _positive(cls, v: Optional[float], info) -> Optional[float]:
-        if v is not None and (isinstance(v, bool) or not math.isfinite(v) or v <= 0):
-            what = {"bw_gbps": "bw", "inter_bw_gbps": "inter-bw"}.get(info.field_name, info.field_name)
-            unit = " GB/s" if info.field_name.endswith("_gbps") else ""
-            raise ValueError(f"{what}={v:g}{unit}: must be a positive finite number")
-        return v
-
-    @field_validator(
-        "gpus", "gpus_per_node", "model_parallel", "micro_batch", "grad_accum", "seq_len", "bucket_numel",
-        "gpu_memory_bytes", "host_memory_bytes", mode="before",
-    )  # fmt: skip
-    @classmethod
-    def _whole(cls, v: object, info) -> object:
-        if v is None:
-            return v
-        if info.field_name.endswith("_bytes") and isinstance(v, float) and v.is_integer():
-            v = int(v)  # 32e9 bytes is a whole number of bytes
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{info.field_name}={v!r}: must be a whole number")
-        if v < 1:
-            raise ValueError(f"{info.field_name}={v}: must be >= 1")
-        return v
-
-    @field_validator("headroom")
-    @classmethod
-    def _headroom(cls, v: float) -> float:
-        if isinstance(v, bool) or not math.isfinite(v) or not 0 <= v < 1:
-            raise ValueError(f"headroom={v}: must be a fraction in [0, 1)")
-        return v
-
-    @field_validator("mfu")
-    @classmethod
-    def _mfu(cls, v: float) -> float:
-        if isinstance(v, bool) or not math.isfinite(v) or not 0 < v <= 1:
-            raise ValueError(f"mfu={v}: must be a fraction in (0, 1]")
-        return v
-
     @model_validator(mode="after")
     def _consistent(self) -> "PlanConfig":
         if self.model is not None and self.params is not None:
             raise ValueError("give at most one of model and params")
-        if self.params is not None and not float(self.params).is_integer():
-            raise ValueError(f"params={self.params}: must be a whole number of parameters")
         if self.gpu is None and self.gpu_memory_bytes is None:
             raise ValueError(
                 "give a GPU preset (gpu, --gpu) or the GPU memory (gpu_memory_bytes, --gpu-memory)"
@@ -200,8 +150,8 @@ class PlanConfig(BaseModel):
 
     @property
     def flops(self) -> Optional[float]:
-        if self.peak_flops is not None:
-            return self.peak_flops
+        if self.peak_tflops is not None:
+            return self.peak_tflops * 1e12
         return None if self.gpu_spec is None else self.gpu_spec.peak_flops
 
     def _resolve_link(self, name: str, bw: Optional[float]) -> LinkSpec:

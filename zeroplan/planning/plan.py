@@ -13,21 +13,19 @@ Every number comes from the pure formulas (``zeroplan.formulas.memory`` via ``ze
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
+from zeroplan.engines.deepspeed import deepspeed_config
+from zeroplan.engines.fsdp2 import fsdp2_snippet
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import step_collectives
-from zeroplan.formulas.commtime import StepTime, compute_time_s, ring_link, step_time
-from zeroplan.estimation.config import PrecisionPolicy
-from zeroplan.formulas.dtypes import dtype_bytes
-from zeroplan.presets import LinkSpec
-from zeroplan.formulas.memory import buffer_numels
+from zeroplan.formulas.commtime import compute_time_s, ring_link, step_time
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
-from zeroplan.formulas.optimizers import optimizer_states
-from zeroplan.planning.config import POLICY, PlanConfig
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
+from zeroplan.planning.config import PlanConfig
+from zeroplan.planning.records import Plan, PlanOption
+from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 
 MAX_GPUS = 2**20
 """``min_gpus`` searches N_d x N_m up to this many GPUs; a model that needs more is reported as None."""
@@ -65,15 +63,13 @@ def rank_states(
     nd: int,
     stage: int,
     offload: Offload = NO_OFFLOAD,
-    policy: PrecisionPolicy = POLICY,
+    policy: PrecisionPolicy = BF16_MIXED,
     micro_steps: int = 1,
     flat_layout: bool = True,
 ) -> OffloadBreakdown:
     """Model states of one rank (GPU, host, NVMe) and its offload traffic, for one MP rank's tensors."""
     return offloaded_states(
-        numels, nd, stage, offload,
-        dtype_bytes(policy.param_dtype), dtype_bytes(policy.resolved_grad_dtype),
-        optimizer_states(policy.optimizer, policy.optimizer_dtype), policy.master_dtype,
+        numels, nd, stage, offload, policy.param_bytes, policy.grad_bytes, policy.states, policy.master_dtype,
         micro_steps, flat_layout,
     )  # fmt: skip
 
@@ -90,7 +86,7 @@ def max_params(
     nd: int,
     nm: int = 1,
     offload: Offload = NO_OFFLOAD,
-    policy: PrecisionPolicy = POLICY,
+    policy: PrecisionPolicy = BF16_MIXED,
     host_budget_bytes: Optional[int] = None,
 ) -> Optional[int]:
     """Largest whole-model Ψ whose per-GPU states fit (ZeRO Table 2: Ψ/N_m per GPU, sharded over N_d).
@@ -120,7 +116,7 @@ def min_gpus(
     stage: int,
     nm: int = 1,
     offload: Offload = NO_OFFLOAD,
-    policy: PrecisionPolicy = POLICY,
+    policy: PrecisionPolicy = BF16_MIXED,
     host_budget_bytes: Optional[int] = None,
     flat_layout: bool = True,
 ) -> Optional[int]:
@@ -164,67 +160,6 @@ def _bisect_first_true(ok: Callable[[int], bool], lo: int, hi: int) -> int:
     return hi
 
 
-@dataclass(frozen=True)
-class PlanOption:
-    """One (stage, offload) option: placement, fit, sizes, traffic and time. Model-dependent fields are
-    None when the plan was asked without a model."""
-
-    stage: int
-    name: str
-    offload: Offload
-    max_params: Optional[int]  # largest Ψ with model states filling the whole GPU (ZeRO Table 2)
-    max_params_with_headroom: Optional[int]  # the same with the headroom kept free
-    states: Optional[OffloadBreakdown] = None  # per GPU
-    fits: Optional[bool] = None
-    min_gpus: Optional[int] = None  # None: no N_d up to MAX_GPUS fits (or no model)
-    comm_volume_elements: Optional[int] = None  # per optimizer step, paper's count, accumulation included
-    comm_bytes_per_rank: Optional[int] = None  # per optimizer step, ring bytes each rank sends
-    time: Optional[StepTime] = None
-    pcie_s: Optional[float] = None  # offload traffic time per step on the host link, full duplex
-
-    @property
-    def label(self) -> str:
-        return f"{self.stage}" if not self.offload.any else f"{self.stage} + {self.offload.label}"
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The answer of ``zeroplan.plan``: resolved inputs, every option, the recommendation and why."""
-
-    config: PlanConfig
-    params: Optional[int]  # Ψ of the whole model, None without a model
-    psi: Optional[int]  # Ψ per model-parallel rank
-    gpu_memory_bytes: int
-    budget_bytes: int  # (1 - headroom) x GPU memory: what model states may use
-    host_budget_bytes: Optional[int]  # host memory per GPU, None when not given
-    intra: LinkSpec
-    inter: LinkSpec
-    ring: LinkSpec  # the link that limits the data-parallel ring
-    host_link: LinkSpec
-    tokens_per_step: int  # per data-parallel rank per optimizer step
-    activation_bytes: Optional[int]  # per GPU, Korthikanti et al. 2022; None if not estimated
-    options: tuple[PlanOption, ...]  # stages 0-3 without offload, then the offload options
-    recommendation: Optional[PlanOption]
-    reason: str
-
-    @property
-    def headroom_bytes(self) -> int:
-        """GPU memory kept free of model states: what activations and buffers must fit in."""
-        return self.gpu_memory_bytes - self.budget_bytes
-
-    @property
-    def stages(self) -> tuple[PlanOption, ...]:
-        """The four options without offload, stage 0 to 3."""
-        return tuple(o for o in self.options if not o.offload.any)
-
-    @property
-    def offload_options(self) -> tuple[PlanOption, ...]:
-        return tuple(o for o in self.options if o.offload.any)
-
-    def option(self, stage: int, offload: Offload = NO_OFFLOAD) -> PlanOption:
-        return next(o for o in self.options if o.stage == stage and o.offload == offload)
-
-
 def _option(
     config: PlanConfig, stage: int, offload: Offload, numels, ring, compute_s, budget, host
 ) -> PlanOption:
@@ -238,16 +173,11 @@ def _option(
         return PlanOption(stage, row.name, offload, **sizes)
     layout = config.model is not None
     states = rank_states(numels, nd, stage, offload, policy, config.grad_accum, layout)
-    full, _ = buffer_numels(numels, nd, stage, layout)
-    p_dtype, g_dtype = policy.param_dtype, policy.resolved_grad_dtype
-    collectives = step_collectives(
-        stage, full, nd, p_dtype, g_dtype, dtype_bytes(p_dtype), dtype_bytes(g_dtype)
-    )
+    collectives = step_collectives(stage, numels, nd, policy.param_dtype, policy.resolved_grad_dtype, layout)
     time = step_time(
         stage, collectives, nd, ring, config.grad_accum, config.algorithm, config.bucket_numel, compute_s
     )
-    volume = sum(t.calls_per_step * t.collective.elements * (2 if t.collective.op == "all-reduce" else 1)
-                 for t in time.collectives)  # fmt: skip
+    volume = sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives)
     return PlanOption(
         stage, row.name, offload, **sizes,
         states=states,
@@ -297,6 +227,9 @@ def plan_config(config: PlanConfig) -> Plan:
     keys = [(s, NO_OFFLOAD) for s in range(4)] + [k for k in LADDER if k[1].any]
     options = tuple(_option(config, s, off, numels, ring, compute_s, budget, host) for s, off in keys)
     recommendation, reason = _recommend(config, options)
+    launchers = None
+    if recommendation is not None:
+        launchers = launcher_configs(config, recommendation.stage, recommendation.offload)
     spec = config.transformer
     activations = None
     if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (zeroplan.formulas.activations)
@@ -316,10 +249,22 @@ def plan_config(config: PlanConfig) -> Plan:
         host_link=config.host_link,
         tokens_per_step=tokens,
         activation_bytes=activations,
+        bytes_per_param=config.policy.bytes_per_param,
+        k=config.policy.k,
         options=options,
         recommendation=recommendation,
         reason=reason,
+        launchers=launchers,
     )
+
+
+def launcher_configs(config: PlanConfig, stage: int, offload: Offload) -> dict[str, object]:
+    """What to run for one option, from each engine's module: {"deepspeed": dict, "fsdp2": str}."""
+    c = config
+    return {
+        "deepspeed": deepspeed_config(stage, offload, c.micro_batch, c.grad_accum, c.policy, c.bucket_numel),
+        "fsdp2": fsdp2_snippet(stage, offload, c.policy),
+    }
 
 
 def plan(model: Optional[str] = None, params: Optional[float] = None, **options: object) -> Plan:

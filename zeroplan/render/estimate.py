@@ -6,9 +6,8 @@ import csv
 import io
 import json
 
-from zeroplan.estimation.config import PrecisionPolicy
 from zeroplan.estimation.records import Estimate, StageEstimate
-from zeroplan.parsing import format_bytes, format_count
+from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
 
 SCHEMA = "zeroplan.estimate/1"
 CSV_COLUMNS = (
@@ -34,7 +33,7 @@ def stage_dict(s: StageEstimate) -> dict:
     }
 
 
-def estimate_dict(e: Estimate, policy: PrecisionPolicy) -> dict:
+def estimate_dict(e: Estimate) -> dict:
     return {
         "schema": SCHEMA,
         "inputs": {
@@ -44,7 +43,7 @@ def estimate_dict(e: Estimate, policy: PrecisionPolicy) -> dict:
             "nd": e.nd,
             "nm": e.nm,
             "gpu_memory_bytes": e.gpu_memory_bytes,
-            "policy": policy.resolved(),
+            "policy": e.policy.resolved(),
         },
         "bytes_per_param": dict(e.bytes_per_param),
         "k": e.k,
@@ -52,8 +51,8 @@ def estimate_dict(e: Estimate, policy: PrecisionPolicy) -> dict:
     }
 
 
-def to_json(e: Estimate, policy: PrecisionPolicy) -> str:
-    return json.dumps(estimate_dict(e, policy), indent=2)
+def to_json(e: Estimate) -> str:
+    return json.dumps(estimate_dict(e), indent=2)
 
 
 def to_csv(e: Estimate) -> str:
@@ -63,13 +62,6 @@ def to_csv(e: Estimate) -> str:
     for s in e.stages:
         writer.writerow(stage_dict(s))
     return out.getvalue()
-
-
-def convention_line(e: Estimate) -> str:
-    """'fp16 params 2 + fp16 grads 2 + fp32 master 4 + fp32 Adam m 4 + fp32 Adam v 4 = 16 B/param (K = 12)'."""
-    parts = " + ".join(f"{name} {b:g}" for name, b in e.bytes_per_param)
-    total = sum(b for _, b in e.bytes_per_param)
-    return f"bytes per parameter: {parts} = {total:g} (K = {e.k:g})"
 
 
 def to_table(e: Estimate, unit: str = "GB") -> str:
@@ -93,10 +85,7 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
         if s.fits is not None:
             row.append("yes" if s.fits else "no")
         rows.append(row)
-    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
-    fmt = lambda r: "  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    lines = [head, convention_line(e), "", fmt(columns), fmt(["-" * w for w in widths])]
-    lines += [fmt(r) for r in rows]
+    lines = [head, convention_line(e.bytes_per_param, e.k), "", *format_table([columns, *rows], left=2)]
     lines += [
         "",
         f"{unit} = {'1e9' if unit == 'GB' else '2**30'} bytes. Model states only (params, grads, optimizer; "

@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from zeroplan.estimation.estimate import bytes_per_param
-from zeroplan.estimation.config import PrecisionPolicy
+from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.presets import LinkSpec
-from zeroplan.engines.fsdp2 import launcher_texts
-from zeroplan.planning.plan import Plan, PlanOption
-from zeroplan.parsing import format_bytes, format_count
+from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
 
 SCHEMA = "zeroplan.plan/1"
 ESTIMATE_NOTE = (
@@ -22,13 +19,6 @@ MEMORY_NOTE = (
     "Model states only (parameters, gradients, optimizer states; ZeRO sec. 3.1). Activations, buckets, "
     "gathered stage-3 layers and fragmentation must fit in the headroom; they are not modelled."
 )
-
-
-def convention_line(policy: PrecisionPolicy) -> str:
-    """'bytes per parameter: bf16 params 2 + bf16 grads 2 + fp32 master 4 + ... = 16 (K = 12)'."""
-    rows = bytes_per_param(policy)
-    parts = " + ".join(f"{name} {b:g}" for name, b in rows)
-    return f"bytes per parameter: {parts} = {sum(b for _, b in rows):g} (K = {sum(b for _, b in rows[2:]):g})"
 
 
 def _link(link: LinkSpec) -> dict:
@@ -94,11 +84,6 @@ def _per_node(p: Plan) -> int:
     return min(p.config.gpus_per_node, p.config.gpus)
 
 
-def _launchers(p: Plan, o: PlanOption) -> dict:
-    c = p.config
-    return launcher_texts(o.stage, o.offload, c.micro_batch, c.grad_accum, c.policy, c.bucket_numel)
-
-
 def plan_dict(p: Plan) -> dict:
     c = p.config
     rec = p.recommendation
@@ -108,7 +93,7 @@ def plan_dict(p: Plan) -> dict:
             "stage": rec.stage,
             "offload": {"optimizer": rec.offload.optimizer, "params": rec.offload.params},
             "label": rec.label,
-            **_launchers(p, rec),
+            **p.launchers,
         }
     return {
         "schema": SCHEMA,
@@ -138,7 +123,7 @@ def plan_dict(p: Plan) -> dict:
                 "ring": _link(p.ring),
                 "host": _link(p.host_link),
             },
-            "bytes_per_param": dict(bytes_per_param(c.policy)),
+            "bytes_per_param": dict(p.bytes_per_param),
             "policy": c.policy.resolved(),
         },
         "stages": [option_dict(o, _per_node(p)) for o in p.stages],
@@ -176,12 +161,6 @@ def _count(n: Optional[int]) -> str:
     return "no limit" if n is None else format_count(n)
 
 
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return [fmt(rows[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows[1:]]
-
-
 def to_table(p: Plan, unit: str = "GiB") -> str:
     c = p.config
     what = (
@@ -197,7 +176,7 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         f"data-parallel ring on {p.ring.name} ({p.ring.bandwidth_gbps:g} GB/s, "
         f"α {p.ring.alpha_s * 1e6:g} µs); "
         f"host link {p.host_link.name} ({p.host_link.bandwidth_gbps:g} GB/s)",
-        convention_line(c.policy),
+        convention_line(p.bytes_per_param, p.k),
     ]
     if p.params is not None:
         lines.append(activation_line(p, unit))
@@ -226,11 +205,11 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
                 _seconds(o.pcie_s) if o.offload.any else "-",
             ]
         rows.append(row)
-    lines += _table(rows)
+    lines += format_table(rows, left=1)
     lines += ["", f"Recommendation: {_recommendation(p, unit)}"]
     rec = p.recommendation
     if rec is not None:
-        texts = _launchers(p, rec)
+        texts = p.launchers
         lines += [
             "",
             "DeepSpeed config:",
