@@ -203,8 +203,9 @@ def test_stage_tradeoffs_draw_the_plans_numbers():
 
 
 def test_only_the_plotting_module_imports_matplotlib_and_only_the_sweep_module_pandas():
-    # The house rule (STYLE.md): pandas in one module, matplotlib in one module; checked on the AST so
-    # an import inside a function counts too.
+    # The house rule (the zeroplan package docstring's layout): pandas in the sweep grid only, matplotlib
+    # in plots only, so `estimate` and `plan` never load them; checked on the AST, so an import inside a
+    # function counts too.
     import ast
     from pathlib import Path
 
