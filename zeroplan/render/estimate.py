@@ -7,52 +7,55 @@ import io
 import json
 
 from zeroplan.estimation.records import Estimate, StageEstimate
+from zeroplan.render.schemas import CollectiveOut, EstimateDoc, EstimateInputs, PolicyOut, StageOut
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
 
-SCHEMA = "zeroplan.estimate/1"
 CSV_COLUMNS = (
     "stage", "name", "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes",
     "reduction_vs_dp", "fits", "comm_volume_elements", "comm_bytes_per_rank",
 )  # fmt: skip
 
 
+def stage_out(s: StageEstimate) -> StageOut:
+    """One stage as ``stages[]`` of ``estimate --json`` (``zeroplan.render.schemas.StageOut``)."""
+    return StageOut(
+        stage=s.stage,
+        name=s.name,
+        params_bytes=s.memory.params_bytes,
+        grads_bytes=s.memory.grads_bytes,
+        optimizer_bytes=s.memory.optimizer_bytes,
+        model_states_bytes=s.memory.model_states_bytes,
+        reduction_vs_dp=s.reduction_vs_dp,
+        fits=s.fits,
+        comm_volume_elements=s.comm_volume_elements,
+        comm_bytes_per_rank=s.comm_bytes_per_rank,
+        collectives=[CollectiveOut(**c.as_dict()) for c in s.collectives],
+    )
+
+
 def stage_dict(s: StageEstimate) -> dict:
-    """One stage as the JSON object documented in the README (``stages[]`` of ``estimate --json``)."""
-    return {
-        "stage": s.stage,
-        "name": s.name,
-        "params_bytes": s.memory.params_bytes,
-        "grads_bytes": s.memory.grads_bytes,
-        "optimizer_bytes": s.memory.optimizer_bytes,
-        "model_states_bytes": s.memory.model_states_bytes,
-        "reduction_vs_dp": s.reduction_vs_dp,
-        "fits": s.fits,
-        "comm_volume_elements": s.comm_volume_elements,
-        "comm_bytes_per_rank": s.comm_bytes_per_rank,
-        "collectives": [c.as_dict() for c in s.collectives],
-    }
+    return stage_out(s).dump()
 
 
-def estimate_dict(e: Estimate) -> dict:
-    return {
-        "schema": SCHEMA,
-        "inputs": {
-            "params": e.total_params,
-            "psi": e.psi,
-            "gpus": e.gpus,
-            "nd": e.nd,
-            "nm": e.nm,
-            "gpu_memory_bytes": e.gpu_memory_bytes,
-            "policy": e.policy.resolved(),
-        },
-        "bytes_per_param": dict(e.bytes_per_param),
-        "k": e.k,
-        "stages": [stage_dict(s) for s in e.stages],
-    }
+def estimate_doc(e: Estimate) -> EstimateDoc:
+    return EstimateDoc(
+        inputs=EstimateInputs(
+            params=e.total_params,
+            psi=e.psi,
+            gpus=e.gpus,
+            nd=e.nd,
+            nm=e.nm,
+            gpu_memory_bytes=e.gpu_memory_bytes,
+            policy=PolicyOut(**e.policy.resolved()),
+        ),
+        bytes_per_param=dict(e.bytes_per_param),
+        k=e.k,
+        stages=[stage_out(s) for s in e.stages],
+    )
 
 
 def to_json(e: Estimate) -> str:
-    return json.dumps(estimate_dict(e), indent=2)
+    return json.dumps(estimate_doc(e).dump(), indent=2)
 
 
 def to_csv(e: Estimate) -> str:

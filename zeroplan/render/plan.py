@@ -7,6 +7,7 @@ from typing import Optional
 
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.presets import LinkSpec
+from zeroplan.render.schemas import PlanDoc
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
 
 SCHEMA = "zeroplan.plan/1"
@@ -26,7 +27,7 @@ def _link(link: LinkSpec) -> dict:
 
 
 def option_dict(o: PlanOption, per_node: int) -> dict:
-    """One option as documented in the README (``stages[]`` and ``offload[]`` of ``plan --json``)."""
+    """One option as ``stages[]`` and ``offload[]`` of ``plan --json`` (``zeroplan.render.schemas.PlanOptionOut``)."""
     out: dict = {
         "stage": o.stage,
         "name": o.name,
@@ -144,7 +145,8 @@ def plan_dict(p: Plan) -> dict:
 
 
 def to_json(p: Plan) -> str:
-    return json.dumps(plan_dict(p), indent=2)
+    """``plan_dict`` checked and ordered by ``zeroplan.render.schemas.PlanDoc``."""
+    return json.dumps(PlanDoc.model_validate(plan_dict(p)).dump(), indent=2)
 
 
 def _seconds(s: Optional[float]) -> str:

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 
+from zeroplan.render.schemas import PolicyOut, SweepDoc, SweepInputs
 from zeroplan.sweeping.config import SweepConfig
-
-SCHEMA = "zeroplan.sweep/1"
 
 
 def to_records(frame) -> list[dict]:
@@ -23,17 +22,15 @@ def to_records(frame) -> list[dict]:
 
 def to_json(frame, config: SweepConfig) -> str:
     """The sweep as one JSON object: schema, the fixed inputs, and ``rows`` (one per configuration, stage)."""
-    doc = {
-        "schema": SCHEMA,
-        "inputs": {
-            "gpu_memory_bytes": config.gpu_memory_bytes,
-            "policy": config.policy.resolved(),
-        },
-        "columns": list(frame.columns),
-        "rows": [],
-    }
+    doc = SweepDoc(
+        inputs=SweepInputs(gpu_memory_bytes=config.gpu_memory_bytes, policy=PolicyOut(**config.policy.resolved())),
+        columns=list(frame.columns),
+        rows=[],
+    )
     # One row per line keeps a big sweep greppable and diffable; the rest is indented as usual.
-    head = json.dumps(doc, indent=2).removesuffix("[]\n}").removesuffix("[]}")
+    head = json.dumps(doc.dump(), indent=2).removesuffix("[]\n}").removesuffix("[]}")
+    # Rows are the frame's columns, which are ``SweepRow``'s fields by construction (``COLUMNS``); they are
+    # not validated one by one here (that would double the time of a million-row sweep): the tests do.
     rows = ",\n".join("    " + json.dumps(r) for r in to_records(frame))
     return f"{head}[\n{rows}\n  ]\n}}\n"
 

@@ -28,20 +28,11 @@ from zeroplan.planning.plan import rank_states
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.presets import get_model
 from zeroplan.sweeping.config import SweepConfig
+from zeroplan.sweeping.records import SweepRow
 
-COLUMNS = (
-    "params", "gpus", "model_parallel", "nd", "psi", "micro_batch", "stage", "name", "offload",
-    "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes", "reduction_vs_dp", "fits",
-    "comm_volume_elements", "comm_bytes_per_rank", "collectives",
-    "host_bytes", "nvme_bytes", "h2d_bytes", "d2h_bytes",
-    "activation_bytes", "total_bytes", "total_fits",
-)  # fmt: skip
-"""Columns of a sweep: the configuration, then the keys of ``estimate --json`` ``stages[]``
-(``zeroplan.render.estimate.stage_dict``) with the collectives list summarised by ``collectives_summary``, then
-where offloaded states live and the host traffic per step (``zeroplan.formulas.offload``; 0 without offload).
-With offload, the memory columns are what stays in GPU memory. With a reference ``model``, activations
-per GPU for each micro-batch (``zeroplan.formulas.activations``), ``total_bytes`` = GPU model states +
-activations and ``total_fits``; these are empty without a model or where no estimate exists."""
+COLUMNS: tuple[str, ...] = tuple(SweepRow.model_fields)
+"""Columns of a sweep, in order: the fields of ``zeroplan.sweeping.records.SweepRow``."""
+
 
 def collectives_summary(collectives: Sequence[Collective]) -> str:
     """One string for a step's collectives, e.g. 'reduce-scatter(backward) + all-gather(optimizer step)'."""
