@@ -16,7 +16,7 @@ from zeroplan.formulas.optimizers import OPTIMIZERS, StateTensor, optimizer_stat
 from zeroplan.types import DType
 
 ByteRows = tuple[tuple[str, float], ...]
-"""(label, bytes per parameter) rows, e.g. (("fp16 params", 2), ("fp16 grads", 2), ("fp32 master", 4), ...)."""
+"""(label, bytes per parameter) rows, e.g. (("fp16 params", 2), ("fp16 grads", 2), ("fp32 master", 4))."""
 
 
 class PrecisionPolicy(BaseModel):

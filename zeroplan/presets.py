@@ -57,7 +57,7 @@ class LinkSpec(BaseModel):
 
 
 class ModelPreset(BaseModel):
-    """A reference model by architecture; Ψ follows from ``zeroplan.architectures.spec.transformer_shapes``."""
+    """A reference model by architecture; Ψ follows from ``architectures.spec.transformer_shapes``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

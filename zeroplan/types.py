@@ -74,7 +74,8 @@ def _fraction(low_open: bool):
     def check(v: object, info: ValidationInfo) -> float:
         ok = math.isfinite(_real(v, info)) and ((0 < v <= 1) if low_open else (0 <= v < 1))
         if not ok:
-            raise ValueError(f"{info.field_name}={v}: must be a fraction in {'(0, 1]' if low_open else '[0, 1)'}")
+            interval = "(0, 1]" if low_open else "[0, 1)"
+            raise ValueError(f"{info.field_name}={v}: must be a fraction in {interval}")
         return v
 
     return check
@@ -124,4 +125,6 @@ def error_line(exc: ValidationError) -> str:
 def check_split(gpus: int, model_parallel: int) -> None:
     """ValueError unless N_m divides the GPU count (gpus = N_d x N_m)."""
     if gpus % model_parallel:
-        raise ValueError(f"model_parallel={model_parallel} does not divide gpus={gpus}: gpus must be N_d x N_m")
+        raise ValueError(
+            f"model_parallel={model_parallel} does not divide gpus={gpus}: gpus must be N_d x N_m"
+        )

@@ -77,7 +77,8 @@ def step_collectives(
     elements = full_numel * (nd > 1)
 
     def make(op: str, phase: str, dtype: str) -> Collective:
-        return Collective(op, phase, elements, dtype, ring_bytes_per_rank(op, full_numel, nd, dtype_bytes(dtype)))
+        sent = ring_bytes_per_rank(op, full_numel, nd, dtype_bytes(dtype))
+        return Collective(op, phase, elements, dtype, sent)
 
     if not row.shards_optimizer:
         return (make("all-reduce", "backward", grad_dtype),)

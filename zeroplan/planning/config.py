@@ -15,7 +15,9 @@ from zeroplan.engines.deepspeed import DEFAULT_BUCKET_NUMEL
 from zeroplan.formulas.commtime import ALGORITHMS
 from zeroplan.formulas.offload import DEVICES
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
-from zeroplan.presets import GpuName, GpuSpec, LinkSpec, ModelName, ModelPreset, get_gpu, get_interconnect, get_model
+from zeroplan.presets import (
+    GpuName, GpuSpec, LinkSpec, ModelName, ModelPreset, get_gpu, get_interconnect, get_model,
+)  # fmt: skip
 from zeroplan.types import (
     ByteSize, Checkpointing, Count, Fraction, Params, PositiveFinite, PositiveFraction, check_split,
 )  # fmt: skip

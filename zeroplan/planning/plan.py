@@ -232,7 +232,7 @@ def plan_config(config: PlanConfig) -> Plan:
         launchers = launcher_configs(config, recommendation.stage, recommendation.offload)
     spec = config.transformer
     activations = None
-    if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (zeroplan.formulas.activations)
+    if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (formulas.activations)
         activations = activation_bytes(
             spec, config.sequence_length, config.micro_batch, config.checkpointing, nm
         )

@@ -27,7 +27,7 @@ def _link(link: LinkSpec) -> dict:
 
 
 def option_dict(o: PlanOption, per_node: int) -> dict:
-    """One option as ``stages[]`` and ``offload[]`` of ``plan --json`` (``zeroplan.render.schemas.PlanOptionOut``)."""
+    """One option as ``stages[]`` and ``offload[]`` of ``plan --json`` (``schemas.PlanOptionOut``)."""
     out: dict = {
         "stage": o.stage,
         "name": o.name,

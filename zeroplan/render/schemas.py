@@ -80,7 +80,7 @@ class EstimateDoc(_Out):
 
     schema_: Literal["zeroplan.estimate/1"] = Field("zeroplan.estimate/1", alias="schema")
     inputs: EstimateInputs
-    bytes_per_param: dict[str, Number] = Field(description="the byte convention, label -> bytes per parameter")
+    bytes_per_param: dict[str, Number] = Field(description="the byte convention: label -> bytes per param")
     k: Number = Field(description="the paper's K: optimizer-state bytes per parameter, master copy included")
     stages: list[StageOut]
 
@@ -245,14 +245,14 @@ DOCS: dict[str, type[_Out]] = {"estimate": EstimateDoc, "plan": PlanDoc, "sweep"
 def json_schemas() -> dict[str, str]:
     """File name -> JSON Schema text of each output, as written to docs/schemas/."""
     return {
-        f"{name}.json": json.dumps(model.model_json_schema(by_alias=True, mode="serialization"), indent=2) + "\n"
-        for name, model in DOCS.items()
+        f"{name}.json": json.dumps(doc.model_json_schema(by_alias=True, mode="serialization"), indent=2) + "\n"
+        for name, doc in DOCS.items()
     }
 
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
-        sys.exit("usage: python -m zeroplan.render.schemas DIRECTORY   (writes estimate.json, plan.json, sweep.json)")
+        sys.exit("usage: python -m zeroplan.render.schemas DIRECTORY  (writes estimate, plan, sweep .json)")
     folder = Path(argv[0])
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in json_schemas().items():

@@ -23,7 +23,9 @@ def to_records(frame) -> list[dict]:
 def to_json(frame, config: SweepConfig) -> str:
     """The sweep as one JSON object: schema, the fixed inputs, and ``rows`` (one per configuration, stage)."""
     doc = SweepDoc(
-        inputs=SweepInputs(gpu_memory_bytes=config.gpu_memory_bytes, policy=PolicyOut(**config.policy.resolved())),
+        inputs=SweepInputs(
+            gpu_memory_bytes=config.gpu_memory_bytes, policy=PolicyOut(**config.policy.resolved())
+        ),
         columns=list(frame.columns),
         rows=[],
     )

@@ -2,7 +2,8 @@
 
 The grid is evaluated in one pass of numpy int64 arrays through the very functions ``estimate`` uses
 (``zeroplan.estimation.estimate.stage_estimates``, hence ``sharding``, ``memory`` and ``collectives``):
-no formula is written twice, so a sweep row and ``estimate(...)`` cannot drift (``tests/test_sweep.py`` checks it row by row).
+no formula is written twice, so a sweep row and ``estimate(...)`` cannot drift (``tests/test_sweep.py``
+checks it row by row).
 A million rows take about a second (``benchmarks/sweep_speed.py``). This is the one planner module
 that imports pandas.
 
@@ -65,7 +66,7 @@ def _grid(config: SweepConfig) -> dict[str, np.ndarray]:
 
 
 def _activations(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes, known) per configuration: ``zeroplan.formulas.activations`` once per distinct (N_m, micro-batch),
+    """(bytes, known) per configuration: ``formulas.activations`` once per distinct (N_m, micro-batch),
     with N_m taken as tensor parallelism as ``zeroplan.plan`` does; unknown without a model."""
     out, known = np.zeros(m.shape, dtype=np.int64), np.zeros(m.shape, dtype=bool)
     if config.model is None:
@@ -213,7 +214,7 @@ def sweep(
     """``zeroplan.estimate`` for every combination of ``params`` x ``gpus`` x ``model_parallel``.
 
     Returns one row per configuration, stage and ``offload`` (columns ``COLUMNS``); byte columns are exact
-    int64. ``offload`` items are ``zeroplan.parsing.parse_offload`` strings ('none', 'cpu', 'nvme', 'cpu/cpu', ...).
+    int64. ``offload`` items are ``zeroplan.parsing.parse_offload`` strings ('none', 'cpu', 'cpu/cpu', ...).
     Remaining keywords are ``PrecisionPolicy`` fields, as for ``estimate``. Raises
     ``pydantic.ValidationError`` on bad input.
     """
