@@ -35,8 +35,8 @@ def load_zero_config(src: str) -> types.ModuleType:
 
 
 def main(src: str) -> None:
-    from zeroplan.launchers import deepspeed_config
-    from zeroplan.plan import LADDER
+    from zeroplan.engines.deepspeed import deepspeed_config
+    from zeroplan.planning.plan import LADDER
 
     config = load_zero_config(src)
     for stage, offload in LADDER:

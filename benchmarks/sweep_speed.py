@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import zeroplan
-from zeroplan.sweep import sweep
+from zeroplan import sweep
 
 N_PARAMS, N_GPUS, N_STAGES = 1000, 250, 4
 LOOP_SAMPLE = 2000

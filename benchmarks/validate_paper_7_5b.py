@@ -16,7 +16,7 @@ import time
 
 from validate.api import run_validation, write_json_atomic
 from validate.config import ValidateConfig
-from zeroplan.memory import paper_model_states_bytes
+from zeroplan.formulas.memory import paper_model_states_bytes
 
 PAPER_FIGURE_1_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.88}
 
@@ -33,7 +33,7 @@ def main() -> None:
     if args.json:
         write_json_atomic(report, args.json)
     psi = report["rows"][0]["psi"]
-    print(f"GPT-style model of {psi:,} parameters (zeroplan.models.gpt_for_params(7.5e9)), N_d = 64")
+    print(f"GPT-style model of {psi:,} parameters (zeroplan.architectures.spec.gpt_for_params(7.5e9)), N_d = 64")
     print(
         "stage  paper Fig.1 GB  paper formula GB  zeroplan GB  measured GB   measured-zeroplan B  comm/rank GB  ok"
     )

@@ -3,8 +3,8 @@
 import pytest
 
 import zeroplan
-from zeroplan.activations import activation_bytes
-from zeroplan.hardware import get_model
+from zeroplan.formulas.activations import activation_bytes
+from zeroplan.presets import get_model
 
 GPT3 = get_model("gpt3-175b").spec  # s = 2048, h = 12288, a = 96, L = 96
 

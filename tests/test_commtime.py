@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroplan.comm import step_collectives
-from zeroplan.commtime import alpha_beta_time_s, exposed_comm_s, latency_steps, ring_link, step_time
-from zeroplan.hardware import LinkSpec
+from zeroplan.formulas.collectives import step_collectives
+from zeroplan.formulas.commtime import alpha_beta_time_s, exposed_comm_s, latency_steps, ring_link, step_time
+from zeroplan.presets import LinkSpec
 
 NVLINK = LinkSpec(name="nv", scope="intra", bandwidth_gbps=100, alpha_s=5e-6)
 NIC = LinkSpec(name="nic", scope="inter", bandwidth_gbps=25, alpha_s=10e-6)
@@ -43,7 +43,7 @@ def test_ring_link_crosses_nodes():
 
 
 def collectives(stage, elements=8_000, nd=8):
-    return step_collectives(stage, elements, nd, "bf16", "bf16", 2, 2)
+    return step_collectives(stage, (elements,), nd, "bf16", "bf16")
 
 
 def test_step_time_matches_the_formula():
@@ -58,7 +58,7 @@ def test_step_time_matches_the_formula():
 
 @pytest.mark.parametrize(
     ("stage", "calls"),
-    [(0, [1]), (1, [1, 1]), (2, [4, 1]), (3, [4, 4, 4])],  # op order as in zeroplan.comm.step_collectives
+    [(0, [1]), (1, [1, 1]), (2, [4, 1]), (3, [4, 4, 4])],  # op order as in zeroplan.formulas.collectives.step_collectives
 )
 def test_gradient_accumulation_counts(stage, calls):
     # Stage 0/1 reduce once per optimizer step (DDP no_sync, DeepSpeed stage 1); stage 2 reduce-scatters

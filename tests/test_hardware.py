@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from zeroplan.hardware import (
+from zeroplan.presets import (
     GpuSpec,
     LinkSpec,
     get_gpu,
@@ -82,7 +82,7 @@ def test_unknown_preset_lists_known_names(getter):
 
 
 def test_bad_values_are_rejected():
-    with pytest.raises(ValidationError, match="bandwidth=-1"):
+    with pytest.raises(ValidationError, match="bandwidth_gbps=-1: must be a positive finite number"):
         LinkSpec(name="x", scope="intra", bandwidth_gbps=-1, alpha_s=0)
     with pytest.raises(ValidationError, match="memory_bytes=0"):
         GpuSpec(name="x", description="", memory_bytes=0, peak_flops=1, peak_flops_dtype="bf16",

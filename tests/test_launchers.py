@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from zeroplan.launchers import deepspeed_config, fsdp2_snippet
-from zeroplan.offload import Offload
+from zeroplan.engines.deepspeed import deepspeed_config
+from zeroplan.engines.fsdp2 import fsdp2_snippet
+from zeroplan.formulas.offload import Offload
 
 # Keys of DeepSpeed's zero_optimization section (deepspeed.ai/docs/config-json, "ZeRO Optimizations for
 # FP16 Training" and "Parameter/Optimizer offloading").
@@ -53,7 +54,7 @@ def test_deepspeed_rejects_what_it_does_not_support():
 
 
 def test_fp16_policy_enables_fp16_section():
-    from zeroplan.config import PrecisionPolicy
+    from zeroplan.policy import PrecisionPolicy
 
     config = deepspeed_config(2, policy=PrecisionPolicy(param_dtype="fp16"))
     assert config["fp16"] == {"enabled": True} and "bf16" not in config
@@ -70,8 +71,8 @@ def test_fsdp2_equivalents():
 
 SNIPPET_RUN = """
 import sys, torch, torch.distributed as dist
-from zeroplan.launchers import fsdp2_snippet
-from zeroplan.offload import Offload
+from zeroplan.engines.fsdp2 import fsdp2_snippet
+from zeroplan.formulas.offload import Offload
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 class Net(torch.nn.Module):
     def __init__(self):

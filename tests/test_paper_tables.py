@@ -6,8 +6,8 @@ Source: Rajbhandari et al., SC20, arXiv:1910.02054v3; printed values in tests/da
 import pytest
 
 import zeroplan
-from zeroplan.comm import paper_comm_volume
-from zeroplan.memory import paper_model_states_bytes
+from zeroplan.formulas.collectives import paper_comm_volume
+from zeroplan.formulas.memory import paper_model_states_bytes
 from paper import STAGE_OF, TABLES, last_digit_unit
 
 TABLE1 = TABLES["table1"]

@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import zeroplan
-from zeroplan.offload import Offload
-from zeroplan.plan import fits, max_params, min_gpus, rank_states
+from zeroplan.formulas.offload import Offload
+from zeroplan.planning.plan import MAX_GPUS, fits, max_params, min_gpus, rank_states
 
 GB = 10**9
 stages = st.integers(min_value=0, max_value=3)
@@ -28,13 +28,16 @@ def test_max_params_grows_with_gpus_and_memory(stage, nd, budget):
 @given(numels=numel_lists, stage=stages, budget=st.integers(10**4, 10**8), nm=st.sampled_from([1, 2, 4]))
 def test_min_gpus_is_the_smallest_that_fits(numels, stage, budget, nm):
     got = min_gpus(tuple(numels), budget, stage, nm)
-    if got is None:
-        return
-    assert min_gpus(tuple(numels), 2 * budget, stage, nm) <= got  # what fits a budget fits a larger one
     local = tuple(-(-n // nm) for n in numels)
 
-    def ok(nd):
-        return fits(rank_states(local, nd, stage), budget)
+    def ok(nd, flat_layout=True):
+        return fits(rank_states(local, nd, stage, flat_layout=flat_layout), budget)
+
+    if got is None:
+        # None only when even the most GPUs searched do not fit (without padding, the least memory).
+        assert not ok(MAX_GPUS // nm, flat_layout=False)
+        return
+    assert min_gpus(tuple(numels), 2 * budget, stage, nm) <= got  # what fits a budget fits a larger one
 
     assert got % nm == 0 and ok(got // nm)
     assert not any(ok(nd) for nd in range(1, min(got // nm, 300)))
@@ -116,8 +119,8 @@ def test_no_model_reports_only_sizes():
     [
         (dict(gpu="h100-80gb", headroom=1.0), r"headroom=1.0: must be a fraction in \[0, 1\)"),
         (dict(gpu="h100-80gb", headroom=-0.1), r"headroom=-0.1"),
-        (dict(gpu="h100-80gb", bw_gbps=-5), "bw=-5 GB/s"),
-        (dict(gpu="h100-80gb", inter_bw_gbps=0), "inter-bw=0 GB/s"),
+        (dict(gpu="h100-80gb", bw_gbps=-5), "bw_gbps=-5: must be a positive finite number"),
+        (dict(gpu="h100-80gb", inter_bw_gbps=0), "inter_bw_gbps=0: must be a positive"),
         (dict(gpu="tpu-v5"), "known gpus are v100-32gb"),
         (dict(gpu="h100-80gb", interconnect="ib-ndr"), "expected an intra-node link"),
         (dict(gpu="h100-80gb", inter_interconnect="nvlink4"), "expected an inter-node link"),

@@ -146,8 +146,8 @@ BAD = [
     (["--gpu", "h100-80gb", "--headroom", "1"], "headroom=1.0: must be a fraction in [0, 1)"),
     (["--gpu", "h100-80gb", "--headroom", "-0.2"], "headroom=-0.2"),
     (["--gpu", "h100-80gb", "--headroom", "nan"], "headroom=nan"),
-    (["--gpu", "h100-80gb", "--bw", "-3"], "bw=-3 GB/s: must be a positive finite number"),
-    (["--gpu", "h100-80gb", "--inter-bw", "0"], "inter-bw=0 GB/s"),
+    (["--gpu", "h100-80gb", "--bw", "-3"], "bw_gbps=-3: must be a positive finite number"),
+    (["--gpu", "h100-80gb", "--inter-bw", "0"], "inter_bw_gbps=0"),
     (["--gpu", "h200"], "unknown gpu 'h200': known gpus are v100-32gb, a100-40gb"),
     (["--gpu", "h100-80gb", "--model", "llama-9"], "unknown model 'llama-9': known models are"),
     (["--gpu", "h100-80gb", "--interconnect", "nvlink9"], "unknown interconnect 'nvlink9'"),
@@ -163,7 +163,7 @@ BAD = [
     (["--gpu", "h100-80gb", "--gpus", "two"], "Invalid value for '--gpus'"),
     (["--params", "7e9"], "give a GPU preset"),
     (["--gpu", "h100-80gb", "--checkpointing", "some"], "checkpointing"),
-    (["--gpu", "h100-80gb", "--peak-tflops", "-1"], "peak-tflops=-1: must be a positive finite number"),
+    (["--gpu", "h100-80gb", "--peak-tflops", "-1"], "peak_tflops=-1: must be a positive finite number"),
 ]
 
 

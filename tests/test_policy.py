@@ -88,7 +88,7 @@ def test_tensor_sizes_pad_each_tensor_to_a_multiple_of_nd():
         ({"params": 1e9, "optimizer": "rmsprop"}, "unknown optimizer 'rmsprop'"),
         ({"params": 1e9, "param_dtype": "fp4"}, "unknown dtype 'fp4'"),
         ({"params": 1e9, "tensor_numels": [3]}, "exactly one of params and tensor_numels"),
-        ({"tensor_numels": [3, 0]}, "each of >= 1 element"),
+        ({"tensor_numels": [3, 0]}, "tensor_numels=0: must be >= 1"),
     ],
 )
 def test_bad_input_is_rejected_with_the_value(kwargs, message):

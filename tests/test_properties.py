@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zeroplan
-from zeroplan.sharding import flat_padded_numel, flat_shard_numel, padded_numel, shard_numel
+from zeroplan.formulas.sharding import flat_padded_numel, flat_shard_numel, padded_numel, shard_numel
 
 psis = st.integers(min_value=1, max_value=10**13)
 nds = st.integers(min_value=1, max_value=4096)

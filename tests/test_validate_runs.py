@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroplan.memory import paper_model_states_bytes
+from zeroplan.formulas.memory import paper_model_states_bytes
 
 REQUIRED = ("stage", "world_size", "mode", "backend", "predicted_model_states_bytes", "measured_model_states_bytes",
             "predicted_comm_bytes_per_rank", "measured_comm_bytes_per_rank", "measured_peak_bytes", "ok")  # fmt: skip
@@ -190,8 +190,8 @@ def test_out_of_tolerance_exits_1_and_still_writes_the_full_result(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--stage", "5"], "stage=[5]: each must be one of 0, 1, 2, 3"),
-    (["--world-size", "0"], "world-size=[0]: each must be >= 1"),
+    (["--stage", "5"], "stages=5: must be one of 0, 1, 2, 3"),
+    (["--world-size", "0"], "world_sizes=0: must be >= 1"),
     (["--model", "nope"], "model='nope': expected one of gpt-tiny, mlp-tiny, gpt-1b-wide"),
     (["--steps", "1"], "steps=1: must be >= 2"),
     (["--params", "-3"], "params"),

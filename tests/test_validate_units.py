@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from validate.flat import FlatLayout
 from validate.models import PRESETS, build, expected_shapes, spec_for
 from validate.probes import CommCounter, MemoryProbe
-from zeroplan.models import gpt_for_params, numels
-from zeroplan.sharding import flat_padded_numel, flat_shard_numel
+from zeroplan.architectures.spec import gpt_for_params, numels
+from zeroplan.formulas.sharding import flat_padded_numel, flat_shard_numel
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from zeroplan.atomic import write_text_atomic
+from zeroplan.files import write_text_atomic
 
 from validate.config import ValidateConfig
 from validate.harness import run_matrix

@@ -6,43 +6,56 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zeroplan.types import Count, PositiveFinite, StageNumber
+
+DEFAULT_WORLD_SIZES = (2, 4)
+"""N_d values of a real run: the smallest group that shards, and one that pads uneven tensors."""
+DEFAULT_SIMULATED_WORLD_SIZES = (64,)
+"""N_d of a simulated run: the ZeRO paper's Table 1 example (one process plays rank 0)."""
+
 
 class ValidateConfig(BaseModel):
     """A validation matrix. Sizes are element counts, times are seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    stages: tuple[int, ...] = Field((0, 1, 2, 3), description="ZeRO stages to run, each 0-3")
-    world_sizes: tuple[int, ...] = Field((2, 4), description="N_d values; one process group each")
+    stages: tuple[StageNumber, ...] = Field(
+        (0, 1, 2, 3), min_length=1, description="ZeRO stages to run, each 0-3"
+    )
+    world_sizes: tuple[Count, ...] = Field(
+        DEFAULT_WORLD_SIZES, min_length=1,
+        description="N_d values; one process group each. Default 2 and 4; 64 when simulated",
+    )  # fmt: skip
     model: str = Field("gpt-tiny", description="preset of validate.models.PRESETS")
-    params: float | None = Field(None, description="instead of model: a GPT-style model of about Ψ params")
+    params: PositiveFinite | None = Field(
+        None, description="instead of model: a GPT-style model of about Ψ params"
+    )
     simulated: bool = Field(False, description="one process plays rank 0 of the world on a fake group")
     fake_tensors: bool | None = Field(None, description="FakeTensorMode; default: on when simulated on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     steps: int = Field(3, description="training steps; >= 2 so a steady state is seen after Adam's lazy init")
-    batch_per_rank: int = Field(2, description="sequences (or samples) per rank per step")
-    seq_len: int | None = Field(None, description="tokens per sequence (GPT); default: the spec's max")
-    lr: float = Field(1e-3, description="Adam learning rate")
-    tolerance: float = Field(0.01, description="largest relative error of model states still ok")
-    timeout_s: float = Field(600.0, description="wall-clock limit of one world size's processes")
+    batch_per_rank: Count = Field(2, description="sequences (or samples) per rank per step")
+    seq_len: Count | None = Field(None, description="tokens per sequence (GPT); default: the spec's max")
+    lr: PositiveFinite = Field(1e-3, description="Adam learning rate")
+    tolerance: PositiveFinite = Field(0.01, description="largest relative error of model states still ok")
+    timeout_s: PositiveFinite = Field(600.0, description="wall-clock limit of one world size's processes")
     wire: bool = Field(
         False, description="also count loopback bytes in a private network namespace (Linux, gloo)"
     )
 
-    @field_validator("stages")
+    @model_validator(mode="before")
     @classmethod
-    def _stages(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        bad = [s for s in v if s not in (0, 1, 2, 3)]
-        if bad or not v:
-            raise ValueError(f"stage={bad or list(v)}: each must be one of 0, 1, 2, 3")
-        return tuple(sorted(set(v)))
+    def _default_world_sizes(cls, data: object) -> object:
+        """No world sizes given: 64 when simulated, else the field's default."""
+        if isinstance(data, dict) and data.get("world_sizes") is None:
+            data = {k: v for k, v in data.items() if k != "world_sizes"}
+            if data.get("simulated"):
+                data["world_sizes"] = DEFAULT_SIMULATED_WORLD_SIZES
+        return data
 
-    @field_validator("world_sizes")
+    @field_validator("stages", "world_sizes")
     @classmethod
-    def _world(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        bad = [n for n in v if n < 1]
-        if bad or not v:
-            raise ValueError(f"world-size={bad or list(v)}: each must be >= 1")
+    def _sorted(cls, v: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(sorted(set(v)))
 
     @field_validator("steps")
@@ -50,20 +63,6 @@ class ValidateConfig(BaseModel):
     def _steps(cls, v: int) -> int:
         if v < 2:
             raise ValueError(f"steps={v}: must be >= 2 (step 1 creates Adam's states)")
-        return v
-
-    @field_validator("batch_per_rank", "seq_len")
-    @classmethod
-    def _positive(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"{v}: batch and sequence sizes must be >= 1")
-        return v
-
-    @field_validator("params", "lr", "tolerance", "timeout_s")
-    @classmethod
-    def _positive_float(cls, v: float | None, info) -> float | None:
-        if v is not None and not (v > 0 and v != float("inf")):
-            raise ValueError(f"{info.field_name}={v}: must be a positive finite number")
         return v
 
     @model_validator(mode="after")

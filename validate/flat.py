@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroplan.sharding import flat_padded_numel, flat_shard_numel, padded_numel
+from zeroplan.formulas.sharding import flat_padded_numel, flat_shard_numel, padded_numel
 
 
 @dataclass(frozen=True)

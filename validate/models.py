@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeroplan.models import TransformerSpec, gpt_for_params
+from zeroplan.architectures.spec import TransformerSpec, gpt_for_params
 
 PRESETS: dict[str, object] = {
     # Odd widths on purpose: at N_d = 4 most tensors need padding, so the padding rule is exercised.
@@ -130,6 +130,6 @@ def build(spec, dtype: torch.dtype, device, seed: int = 0) -> nn.Module:
 
 def expected_shapes(spec) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """What ``zeroplan.models`` says the parameters of ``spec`` are."""
-    from zeroplan.models import mlp_shapes, transformer_shapes
+    from zeroplan.architectures.spec import mlp_shapes, transformer_shapes
 
     return transformer_shapes(spec) if isinstance(spec, TransformerSpec) else mlp_shapes(spec)

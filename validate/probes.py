@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zeroplan.comm import ring_bytes_per_rank
+from zeroplan.formulas.collectives import ring_bytes_per_rank
 
 PHASES = ("forward", "backward", "optimizer step")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from validate.config import ValidateConfig
 from validate.models import expected_shapes, spec_for
 from zeroplan import estimate
-from zeroplan.dtypes import canonical_dtype
-from zeroplan.models import numels
+from zeroplan.formulas.dtypes import canonical_dtype
+from zeroplan.architectures.spec import numels
 
 SCHEMA = "zeroplan.validate/1"
 GLOO_NOTE = (

@@ -6,7 +6,7 @@ import torch
 
 from validate.collectives import all_reduce_mean
 from validate.runtime import Runtime
-from zeroplan.sharding import padded_numel
+from zeroplan.formulas.sharding import padded_numel
 
 
 class Stage0(Runtime):

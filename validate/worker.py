@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zeroplan.atomic import write_text_atomic
+from zeroplan.files import write_text_atomic
 
 from validate.config import ValidateConfig
 from validate.models import build, make_batch, spec_for

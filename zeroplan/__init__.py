@@ -13,26 +13,48 @@ Parameter Models", SC20, arXiv:1910.02054):
 - Units: ``_numel`` counts elements, ``_bytes`` counts bytes; GB = 1e9 bytes (the paper's unit),
   GiB = 2**30 bytes.
 
+Layout: ``formulas/`` pure math; ``architectures/`` model shapes; ``presets`` GPUs, links, models;
+``policy`` dtypes and bytes per parameter; ``estimation/``, ``planning/``, ``sweeping/`` one command's
+config, records and entry point each; ``engines/`` one module per training engine; ``render/`` text,
+JSON and CSV views; ``cli`` the typer commands; ``plots`` matplotlib.
+
 Stages: 0 = plain DP, 1 = P_os (optimizer states sharded), 2 = P_os+g (+ gradients),
 3 = P_os+g+p (+ parameters).
 """
 
-from zeroplan.api import estimate
-from zeroplan.config import EstimateConfig, PrecisionPolicy
-from zeroplan.plan import Plan, PlanOption, plan
-from zeroplan.plan_config import PlanConfig
-from zeroplan.records import Collective, Estimate, StageEstimate
+from zeroplan.estimation.config import EstimateConfig
+from zeroplan.estimation.estimate import estimate
+from zeroplan.estimation.records import Estimate, StageEstimate
+from zeroplan.formulas.collectives import Collective
+from zeroplan.formulas.memory import MemoryBreakdown
+from zeroplan.planning.config import PlanConfig
+from zeroplan.planning.plan import plan
+from zeroplan.planning.records import Plan, PlanOption
+from zeroplan.policy import PrecisionPolicy
+from zeroplan.sweeping.config import SweepConfig
 
 __all__ = [
     "Collective",
     "Estimate",
     "EstimateConfig",
+    "MemoryBreakdown",
     "Plan",
     "PlanConfig",
     "PlanOption",
     "PrecisionPolicy",
     "StageEstimate",
+    "SweepConfig",
     "estimate",
     "plan",
+    "sweep",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``zeroplan.sweep`` is imported on first use: it needs pandas, which ``estimate`` never loads."""
+    if name == "sweep":
+        from zeroplan.sweeping.grid import sweep
+
+        return sweep
+    raise AttributeError(f"module 'zeroplan' has no attribute {name!r}")

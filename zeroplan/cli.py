@@ -1,55 +1,21 @@
 """The ``zeroplan`` command. Thin: parse options into a config model, call one function, render.
 
-Every bad input ends as one line on stderr and exit code 2 (``OneLineErrors``); nothing is printed to
-stdout before the whole answer is ready. Heavy modules (torch, pandas, matplotlib) are imported
-inside the commands that need them, never here.
+Errors are one line and exit code 2 (``zeroplan.cli_options.OneLineErrors``). Heavy modules (torch,
+pandas, matplotlib) are imported inside the commands that need them, never here.
 """
 
 from __future__ import annotations
 
-import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from pydantic import ValidationError
-from typer.core import TyperGroup
 
-from zeroplan.config import PrecisionPolicy, error_line
-
-try:  # typer >= 0.20 vendors its own copy of click
-    from typer._click import exceptions as click_exceptions
-except ImportError:  # pragma: no cover - older typer on plain click
-    from click import exceptions as click_exceptions
-
-
-class UserError(Exception):
-    """Bad input found by a command; printed as one line, exit code 2."""
-
-
-class OneLineErrors(TyperGroup):
-    """Click group that turns usage errors and bad values into one stderr line and exit code 2."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D102
-        try:
-            rv = super().main(args, prog_name or "zeroplan", complete_var, standalone_mode=False, **extra)
-        except click_exceptions.NoArgsIsHelpError as exc:
-            typer.echo(exc.ctx.get_help())
-            rv = 0
-        except click_exceptions.ClickException as exc:
-            typer.echo(f"zeroplan: error: {exc.format_message()}", err=True)
-            rv = 2
-        except (UserError, ValueError, ValidationError) as exc:
-            msg = error_line(exc) if isinstance(exc, ValidationError) else str(exc)
-            typer.echo(f"zeroplan: error: {msg}", err=True)
-            rv = 2
-        except typer.Abort:
-            typer.echo("zeroplan: aborted", err=True)
-            rv = 130
-        if not standalone_mode:
-            return rv
-        sys.exit(rv or 0)
+from zeroplan.cli_options import (
+    GradDtype, MasterWeights, OneLineErrors, OptimizerDtype, OptimizerName, ParamDtype, Unit, UserError,
+    given, policy_from,
+)  # fmt: skip
 
 
 app = typer.Typer(
@@ -59,45 +25,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Plan and check per-GPU memory and communication of ZeRO / FSDP sharded data parallelism.",
 )
-
-
-class Unit(str, Enum):
-    GB = "GB"
-    GiB = "GiB"
-
-
-# Precision-policy options shared by every command; None means "PrecisionPolicy's default".
-ParamDtype = Annotated[
-    Optional[str], typer.Option(help="Working parameter dtype: fp16 (the paper's), bf16, fp32, fp8.")
-]
-GradDtype = Annotated[Optional[str], typer.Option(help="Gradient dtype (default: param dtype).")]
-MasterWeights = Annotated[
-    Optional[bool],
-    typer.Option("--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32)."),
-]
-OptimizerName = Annotated[
-    Optional[str],
-    typer.Option(help="adam (default), adamw, sgd, sgd-momentum, lamb, lion, adafactor, adam8bit."),
-]
-OptimizerDtype = Annotated[Optional[str], typer.Option(help="dtype of Adam m/v and momentum (default fp32).")]
-
-
-def policy_settings(**given: object) -> dict:
-    """The precision-policy options the user gave, without the ones left at None."""
-    return {k: v for k, v in given.items() if v is not None}
-
-
-def policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype) -> PrecisionPolicy:
-    """A PrecisionPolicy from the shared options; those left at None take the policy's defaults."""
-    return PrecisionPolicy(
-        **policy_settings(
-            param_dtype=param_dtype,
-            grad_dtype=grad_dtype,
-            master_weights=master_weights,
-            optimizer=optimizer,
-            optimizer_dtype=optimizer_dtype,
-        )
-    )
 
 
 @app.callback()
@@ -126,18 +53,19 @@ def estimate(
     as_csv: bool = typer.Option(False, "--csv", help="Print CSV, one row per stage."),
 ) -> None:
     """Per-GPU model states and per-step communication of ZeRO stages 0-3."""
-    from zeroplan.api import estimate_config
-    from zeroplan.config import EstimateConfig
-    from zeroplan.engines import load_deepspeed
-    from zeroplan.render import to_csv, to_json, to_table
-    from zeroplan.shapes import load_numels
-    from zeroplan.units import parse_bytes, parse_count
+    from zeroplan.architectures.shapes_file import load_numels
+    from zeroplan.engines.deepspeed import merge_deepspeed
+    from zeroplan.estimation.config import EstimateConfig
+    from zeroplan.estimation.estimate import estimate_config
+    from zeroplan.parsing import parse_bytes, parse_count
+    from zeroplan.policy import PrecisionPolicy
+    from zeroplan.render.estimate import to_csv, to_json, to_table
 
     if as_json and as_csv:
         raise UserError("--json and --csv are exclusive: choose one")
     if (params is None) == (shapes is None):
         raise UserError("give exactly one of --params and --shapes")
-    settings = policy_settings(
+    settings = given(
         stage=stage,
         param_dtype=param_dtype,
         grad_dtype=grad_dtype,
@@ -146,11 +74,7 @@ def estimate(
         optimizer_dtype=optimizer_dtype,
     )
     if deepspeed_config is not None:
-        from_file = load_deepspeed(deepspeed_config)
-        clash = sorted(k for k in from_file if k in settings and settings[k] != from_file[k])
-        if clash:
-            raise UserError(f"--{clash[0].replace('_', '-')} contradicts the DeepSpeed config; drop one of them")
-        settings |= from_file
+        settings = merge_deepspeed(deepspeed_config, settings)
     config = EstimateConfig(
         params=parse_count(params) if params is not None else None,
         tensor_numels=load_numels(shapes) if shapes is not None else None,
@@ -162,7 +86,7 @@ def estimate(
     )
     result = estimate_config(config)
     if as_json:
-        out = to_json(result, config.policy)
+        out = to_json(result)
     elif as_csv:
         out = to_csv(result)
     else:
@@ -199,25 +123,29 @@ def sweep(
     out: Optional[Path] = typer.Option(None, help="Write to this file (atomically) instead of stdout."),
 ) -> None:
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
-    from zeroplan.shapes import load_numels
-    from zeroplan.sweep import SweepConfig, gpu_capacity, parse_list, parse_offload, parse_whole, sweep_config
-    from zeroplan.atomic import write_text_atomic
-    from zeroplan.sweep import to_csv, to_json
-    from zeroplan.units import parse_count
+    from zeroplan.architectures.shapes_file import load_numels
+    from zeroplan.files import check_writable, write_text_atomic
+    from zeroplan.parsing import parse_bytes, parse_counts, parse_list, parse_offload, parse_wholes
+    from zeroplan.presets import gpu_capacity
+    from zeroplan.render.sweep import to_csv, to_json
+    from zeroplan.sweeping.config import SweepConfig
+    from zeroplan.sweeping.grid import sweep_config
 
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
-    capacity, _ = gpu_capacity(gpu, gpu_memory)
+    if out is not None:
+        check_writable(out)
+    capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
-        params=parse_list(params, "params", parse_count) if params is not None else None,
+        params=parse_counts(params) if params is not None else None,
         tensor_numels=load_numels(shapes) if shapes is not None else None,
         model=model,
-        micro_batch=parse_list(micro_batch, "micro-batch", lambda t: parse_whole(t, "micro-batch")),
+        micro_batch=parse_wholes(micro_batch, "micro-batch"),
         seq_len=seq_len,
         checkpointing=checkpointing,
-        gpus=parse_list(gpus, "gpus", lambda t: parse_whole(t, "gpus")),
-        model_parallel=parse_list(model_parallel, "model-parallel", lambda t: parse_whole(t, "model-parallel")),
-        stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),
+        gpus=parse_wholes(gpus, "gpus"),
+        model_parallel=parse_wholes(model_parallel, "model-parallel"),
+        stages=parse_wholes(stage, "stage"),
         offload=parse_list(offload, "offload", parse_offload),
         gpu_memory_bytes=capacity,
         policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
@@ -261,11 +189,15 @@ def plot(
 ) -> None:
     """Draw a sweep (memory, breakdown, comm) or validator results (validate) to an image file."""
     from zeroplan import plots
-    from zeroplan.sweep import SweepConfig, gpu_capacity, parse_list, parse_whole, sweep_config
-    from zeroplan.units import parse_count
+    from zeroplan.files import check_writable
+    from zeroplan.parsing import parse_bytes, parse_counts, parse_wholes
+    from zeroplan.presets import gpu_capacity
+    from zeroplan.sweeping.config import SweepConfig
+    from zeroplan.sweeping.grid import sweep_config
 
     plots.check_format(out)  # before any work: a bad name is one line, not a traceback after the sweep
-    capacity, capacity_label = gpu_capacity(gpu, gpu_memory)
+    check_writable(out)
+    capacity, capacity_label = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     if view is PlotView.validate:
         if results is None:
             raise UserError("--view validate needs --results FILE (from `zeroplan validate --json`)")
@@ -278,11 +210,11 @@ def plot(
         if (params is None) == (model is None):
             raise UserError(f"--view {view.value} needs exactly one of --params and --model")
         config = SweepConfig(
-            params=parse_list(params, "params", parse_count) if params is not None else None,
+            params=parse_counts(params) if params is not None else None,
             model=model,
-            gpus=parse_list(gpus, "gpus", lambda t: parse_whole(t, "gpus")),
+            gpus=parse_wholes(gpus, "gpus"),
             model_parallel=(model_parallel,),
-            stages=parse_list(stage, "stage", lambda t: parse_whole(t, "stage")),
+            stages=parse_wholes(stage, "stage"),
             policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
         )
         fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity, gpu_label=capacity_label)
@@ -323,17 +255,13 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
 ) -> None:
     """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
-    import math
-
-    from zeroplan.plan import plan_config
-    from zeroplan.plan_config import PlanConfig
-    from zeroplan.render_plan import to_json, to_table
-    from zeroplan.units import parse_bytes, parse_count
+    from zeroplan.parsing import parse_bytes, parse_count
+    from zeroplan.planning.config import PlanConfig
+    from zeroplan.planning.plan import plan_config
+    from zeroplan.render.plan import to_json, to_table
 
     if model is not None and params is not None:
         raise UserError("--model and --params are exclusive: choose one")
-    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
-        raise UserError(f"peak-tflops={peak_tflops:g}: must be a positive finite number")
     config = PlanConfig(
         model=model,
         params=parse_count(params) if params is not None else None,
@@ -354,7 +282,7 @@ def plan(
         checkpointing=checkpointing,
         offload=offload,
         host_memory_bytes=parse_bytes(host_memory, "host-memory") if host_memory is not None else None,
-        peak_flops=peak_tflops * 1e12 if peak_tflops is not None else None,
+        peak_tflops=peak_tflops,
         mfu=mfu,
         policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
     )
@@ -389,11 +317,11 @@ def validate_cmd(
     from validate.config import ValidateConfig
     from validate.harness import RunFailed
     from validate.report import to_table
-    from zeroplan.units import parse_count
+    from zeroplan.files import check_writable
+    from zeroplan.parsing import parse_count
 
     config = ValidateConfig(
-        stages=tuple(stage) if stage else (0, 1, 2, 3),
-        world_sizes=tuple(world_size) if world_size else ((64,) if simulated else (2, 4)),
+        **given(stages=tuple(stage) if stage else None, world_sizes=tuple(world_size) if world_size else None),
         model=model,
         params=parse_count(params) if params is not None else None,
         simulated=simulated,
@@ -405,8 +333,8 @@ def validate_cmd(
         timeout_s=timeout,
         wire=wire,
     )
-    if json_path is not None and not json_path.parent.is_dir():
-        raise UserError(f"--json {str(json_path)!r}: directory {str(json_path.parent)!r} does not exist")
+    if json_path is not None:
+        check_writable(json_path)
     try:
         report = run_validation(config)
     except RunFailed as exc:

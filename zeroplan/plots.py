@@ -18,10 +18,9 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from zeroplan.atomic import atomic_write
-from zeroplan.config import error_line
-from zeroplan.jsonfile import read_json
-from zeroplan.stages import STAGES
+from zeroplan.files import atomic_write, read_json
+from zeroplan.formulas.stages import STAGES
+from zeroplan.types import error_line
 
 GB = 1e9
 LOG_TICK_SUBS = (1.0, 2.0, 5.0)
@@ -55,7 +54,7 @@ def _gb(x: float, _pos: object = None) -> str:
 
 
 def _title_params(frame: Any) -> str:
-    from zeroplan.units import format_count
+    from zeroplan.render.table import format_count
 
     return ", ".join(f"Ψ = {format_count(p)}" for p in dict.fromkeys(frame["params"]))
 
@@ -202,7 +201,7 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
     answers (one per GPU count, same model and hardware): what each stage buys and what it costs.
 
     Right panel: one bar per stage and N_d, the estimated communication time per optimizer step
-    (``zeroplan.commtime``), solid where it is exposed (not hidden behind compute), hatched where hidden;
+    (``zeroplan.formulas.commtime``), solid where it is exposed (not hidden behind compute), hatched where hidden;
     the black tick is the compute time of the step.
     """
     plans = sorted(plans, key=lambda p: p.config.nd)
@@ -267,7 +266,7 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
     if all(c is not None for c in compute):
         handles.append(Line2D([], [], color="black", linewidth=2.5, label="compute per step"))
     _legend(fig, mem_ax, ncol=3, handles=handles)
-    from zeroplan.units import format_count
+    from zeroplan.render.table import format_count
 
     p0 = plans[0]
     model = p0.config.model or f"Ψ = {format_count(p0.params)}"

@@ -1,0 +1,30 @@
+"""Reading per-tensor sizes from a JSON file, for exact padding (``zeroplan estimate --shapes``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from zeroplan.files import read_json
+
+
+def numels_from_shapes(shapes: object) -> tuple[int, ...]:
+    """Element counts from a list of shapes, a {name: shape} mapping, or a list of element counts.
+
+    Accepts what ``{n: list(p.shape) for n, p in model.named_parameters()}`` dumps to JSON.
+    """
+    items = list(shapes.values()) if isinstance(shapes, dict) else shapes
+    if not isinstance(items, list) or not items:
+        raise ValueError("shapes: expected a non-empty JSON list of shapes or an object {name: shape}")
+    numels = []
+    for item in items:
+        dims = item if isinstance(item, list) else [item]
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims) or not dims:
+            raise ValueError(f"shapes: {item!r} is not a shape of positive whole dimensions")
+        numels.append(math.prod(dims))
+    return tuple(numels)
+
+
+def load_numels(path: str | Path) -> tuple[int, ...]:
+    """Element counts of every tensor listed in a JSON shapes file; ValueError with one line if malformed."""
+    return numels_from_shapes(read_json(path, "shapes file"))

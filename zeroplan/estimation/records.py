@@ -1,0 +1,49 @@
+"""Typed, frozen results of ``zeroplan.estimate``. Formulas fill them; renderers read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeroplan.formulas.collectives import Collective
+from zeroplan.formulas.memory import MemoryBreakdown
+from zeroplan.policy import ByteRows, PrecisionPolicy
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """Memory and communication of one ZeRO stage for one configuration."""
+
+    stage: int
+    name: str
+    memory: MemoryBreakdown
+    reduction_vs_dp: float  # DP model states / this stage's model states
+    collectives: tuple[Collective, ...]
+    fits: bool | None = None  # None when no GPU memory was given
+
+    @property
+    def comm_volume_elements(self) -> int:
+        """The paper's count (section 7): each collective's size times its passes."""
+        return sum(c.volume_elements for c in self.collectives)
+
+    @property
+    def comm_bytes_per_rank(self) -> int:
+        return sum(c.bytes_per_rank for c in self.collectives)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The answer of ``zeroplan.estimate``: inputs as resolved, the byte convention, one row per stage."""
+
+    psi: int  # parameters per model-parallel rank
+    total_params: int
+    gpus: int
+    nd: int
+    nm: int
+    gpu_memory_bytes: int | None
+    policy: PrecisionPolicy
+    bytes_per_param: ByteRows  # ("fp16 params", 2), ...
+    k: float  # the paper's K: optimizer-state bytes per parameter, master copy included
+    stages: tuple[StageEstimate, ...]
+
+    def stage(self, number: int) -> StageEstimate:
+        return next(s for s in self.stages if s.stage == number)

@@ -1,0 +1,94 @@
+"""Collectives per training step and the bytes each rank sends (ZeRO paper, section 7).
+
+The paper counts data movement in elements: a reduce-scatter or all-gather of Ψ elements moves Ψ, an
+all-reduce (reduce-scatter + all-gather) 2Ψ, so stages 0-2 move 2Ψ and stage 3 moves 3Ψ per step.
+What a rank actually puts on the wire with ring algorithms is (N_d-1)/N_d of that (Patarasuk & Yuan
+2009; the nccl-tests "bus bandwidth" convention): each rank sends N_d-1 chunks of ceil(n/N_d)
+elements per reduce-scatter or all-gather, twice that per all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from zeroplan.formulas.dtypes import dtype_bytes
+from zeroplan.formulas.memory import buffer_numels
+from zeroplan.formulas.sharding import shard_numel
+from zeroplan.formulas.stages import get_stage
+
+PASSES: dict[str, int] = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}
+"""Passes of a collective over its data. An all-reduce is a reduce-scatter followed by an all-gather
+(ZeRO paper, section 7.1), so it moves twice its size; the nccl-tests bus-bandwidth factors 2(n-1)/n
+and (n-1)/n and the ring's step counts 2(n-1) and n-1 (Patarasuk & Yuan 2009) follow from the same table."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank takes part in per training step."""
+
+    op: str  # a key of PASSES: "all-reduce" | "reduce-scatter" | "all-gather"
+    phase: str  # "forward" | "backward" | "optimizer step"
+    elements: int  # full (unsharded) size of the collective, in elements
+    dtype: str
+    bytes_per_rank: int  # bytes one rank sends on a ring algorithm
+
+    @property
+    def volume_elements(self) -> int:
+        """The paper's count of data moved (section 7): the size times its passes."""
+        return self.elements * PASSES[self.op]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def ring_bytes_per_rank(op: str, elements: int, nd: int, element_bytes: int) -> int:
+    """Bytes one rank sends for a ring ``op`` over ``nd`` ranks: passes·(nd-1)·ceil(n/nd)·b."""
+    return PASSES[op] * (nd - 1) * shard_numel(elements, nd) * element_bytes
+
+
+def paper_comm_volume(psi: float, stage: int) -> float:
+    """ZeRO section 7.2: 2Ψ elements per step for DP, P_os and P_os+g; 3Ψ for P_os+g+p."""
+    return 3 * psi if get_stage(stage).shards_parameters else 2 * psi
+
+
+def step_collectives(
+    stage: int,
+    numels: tuple[int, ...],
+    nd: int,
+    param_dtype: str,
+    grad_dtype: str,
+    flat_layout: bool = False,
+) -> tuple[Collective, ...]:
+    """The collectives of one step without gradient accumulation, per ZeRO section 7.2.
+
+    Stage 0: all-reduce of gradients during backward. Stages 1-2: reduce-scatter of gradients
+    (during backward, bucket by bucket at stage 2), all-gather of the updated 16-bit parameters after
+    the optimizer step. Stage 3: all-gather of parameters before forward and again before backward,
+    reduce-scatter of gradients during backward. With N_d = 1 nothing is communicated: the list is empty.
+    Each collective spans the full buffer of the tensors of ``numels`` elements
+    (``zeroplan.formulas.memory.buffer_numels``: padded to N_d when ``flat_layout``). ``numels`` entries
+    and ``nd`` may be numpy arrays (``zeroplan.sweep``); entries with N_d = 1 then get collectives of
+    0 elements and 0 bytes.
+    """
+    if getattr(nd, "ndim", 0) == 0 and nd == 1:
+        return ()
+    row = get_stage(stage)
+    full_numel, _ = buffer_numels(numels, nd, stage, flat_layout)
+    elements = full_numel * (nd > 1)
+
+    def make(op: str, phase: str, dtype: str) -> Collective:
+        sent = ring_bytes_per_rank(op, full_numel, nd, dtype_bytes(dtype))
+        return Collective(op, phase, elements, dtype, sent)
+
+    if not row.shards_optimizer:
+        return (make("all-reduce", "backward", grad_dtype),)
+    if not row.shards_parameters:
+        return (
+            make("reduce-scatter", "backward", grad_dtype),
+            make("all-gather", "optimizer step", param_dtype),
+        )
+    return (
+        make("all-gather", "forward", param_dtype),
+        make("all-gather", "backward", param_dtype),
+        make("reduce-scatter", "backward", grad_dtype),
+    )

@@ -1,0 +1,178 @@
+"""Communication time per optimizer step: an alpha-beta estimate over the collectives of a ZeRO stage.
+
+This is an estimate, not a measurement. A collective over n ranks of S bytes takes
+
+    t = f(op, n) · S / B + steps(op, n) · α
+
+with B the per-GPU bus bandwidth of the slowest link the data-parallel ring crosses and α the latency
+of one step. f is the nccl-tests "bus bandwidth" factor (nccl-tests doc/PERFORMANCE.md):
+2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter and all-gather, so f·S is what each rank sends
+(``Collective.bytes_per_rank``, padding included). Ring: 2(n-1) steps for all-reduce, n-1 otherwise
+(Patarasuk & Yuan 2009). Tree (NCCL's double binary tree, all-reduce only): 2·ceil(log2 n) steps,
+same bandwidth term. Each bucket of ``bucket_numel`` elements is a separate call, so pays α again.
+
+Ignored: protocol choice (LL/LL128/Simple) and achieved vs nominal bandwidth (nccl-tests typically
+reaches 70-90% of nominal), NVLink SHARP / in-network reduction, contention with tensor/pipeline
+parallel traffic and with other jobs, hierarchical (2-level) algorithms, kernel launch and
+synchronisation gaps, stragglers, and the memory traffic of the reduction itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zeroplan.formulas.collectives import PASSES, Collective
+from zeroplan.formulas.sharding import ceil_div
+from zeroplan.formulas.stages import get_stage
+from zeroplan.presets import LinkSpec
+
+ALGORITHMS: tuple[str, ...] = ("ring", "tree")
+FORWARD_SHARE = 1 / 3
+"""Forward share of training FLOPs: 2Ψ of 6Ψ per token forward, 4Ψ backward (Kaplan et al. 2020, sec. 2.1)."""
+
+
+def latency_steps(op: str, n: int, algorithm: str = "ring") -> int:
+    """Sequential steps of one call: ring 2(n-1) for all-reduce, n-1 otherwise; tree 2·ceil(log2 n)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
+    if n <= 1:
+        return 0
+    if algorithm == "tree" and op == "all-reduce":
+        return 2 * math.ceil(math.log2(n))
+    return PASSES[op] * (n - 1)
+
+
+def alpha_beta_time_s(
+    op: str, size_bytes: float, n: int, bandwidth_bytes_per_s: float, alpha_s: float, algorithm: str = "ring"
+) -> float:
+    """t = f·S/B + steps·α with the nccl-tests bus-bandwidth factor f (2(n-1)/n all-reduce, (n-1)/n else)."""
+    if n <= 1:
+        return 0.0
+    factor = PASSES[op] * (n - 1) / n
+    return factor * size_bytes / bandwidth_bytes_per_s + latency_steps(op, n, algorithm) * alpha_s
+
+
+def ring_link(nd: int, nm: int, gpus_per_node: int, intra: LinkSpec, inter: LinkSpec) -> LinkSpec:
+    """The link that limits the data-parallel ring: intra-node if the whole group fits in one node.
+
+    Model-parallel ranks are placed inside a node first (as Megatron-LM places tensor parallelism), so a
+    node holds max(1, gpus_per_node // nm) ranks of one data-parallel group. A ring that leaves the node
+    runs at the slowest link it crosses (one NIC per GPU, as in DGX/HGX nodes) and pays the larger α.
+    """
+    if nd <= max(1, gpus_per_node // nm):
+        return intra
+    return LinkSpec(
+        name=f"{intra.name} + {inter.name}",
+        scope="inter",
+        bandwidth_gbps=min(intra.bandwidth_gbps, inter.bandwidth_gbps),
+        alpha_s=max(intra.alpha_s, inter.alpha_s),
+        source="slowest link of a ring that crosses nodes",
+    )
+
+
+def runs_every_micro_step(stage: int, op: str) -> bool:
+    """How often a collective runs under gradient accumulation.
+
+    Gradient reductions run every micro-step once gradients are sharded (stage >= 2: DeepSpeed ZeRO-2/3
+    reduce each micro-batch's gradients as backward produces them), else once per optimizer step (DDP
+    ``no_sync`` and DeepSpeed stage 0/1 accumulate locally and reduce at the boundary). Parameter
+    all-gathers run every micro-step at stage 3 (forward and backward), else once after the optimizer step.
+    """
+    row = get_stage(stage)
+    return row.shards_parameters if op == "all-gather" else row.shards_gradients
+
+
+@dataclass(frozen=True)
+class TimedCollective:
+    """A collective of one step with how often it runs and how long one call takes."""
+
+    collective: Collective
+    every_micro_step: bool
+    calls_per_step: int
+    seconds_per_call: float
+
+    @property
+    def seconds(self) -> float:
+        return self.calls_per_step * self.seconds_per_call
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Estimated communication (and optionally compute) time of one optimizer step on one rank."""
+
+    link: str  # the limiting link, e.g. "nvlink4" or "nvlink4 + ib-ndr"
+    algorithm: str
+    collectives: tuple[TimedCollective, ...]
+    compute_s: float | None  # None when no FLOP/s estimate was given
+    exposed_comm_s: float | None  # communication not hidden behind compute; None without compute_s
+
+    @property
+    def comm_s(self) -> float:
+        """All communication run back to back (no overlap)."""
+        return sum(c.seconds for c in self.collectives)
+
+    @property
+    def step_s(self) -> float | None:
+        return None if self.compute_s is None else self.compute_s + self.exposed_comm_s
+
+
+def compute_time_s(psi_total: float, tokens: float, nm: int, peak_flops: float, mfu: float) -> float:
+    """6·Ψ·tokens FLOPs (Kaplan et al. 2020, sec. 2.1) split over N_m GPUs, at mfu·peak FLOP/s each."""
+    return 6 * psi_total * tokens / (nm * peak_flops * mfu)
+
+
+def exposed_comm_s(timed: tuple[TimedCollective, ...], compute_s: float, grad_accum: int) -> float:
+    """Communication left after overlapping each phase's collectives with that phase's compute.
+
+    Per micro-step, forward compute is 1/3 and backward 2/3 of the step's compute / grad_accum;
+    collectives of a phase hide behind it up to its length. Collectives that run once per step run in
+    the last micro-step; the all-gather after the optimizer step is never hidden.
+    """
+    phase_compute = {"forward": compute_s / grad_accum * FORWARD_SHARE,
+                     "backward": compute_s / grad_accum * (1 - FORWARD_SHARE)}  # fmt: skip
+    every = dict.fromkeys(phase_compute, 0.0)
+    once = dict.fromkeys(phase_compute, 0.0)
+    exposed = 0.0
+    for t in timed:
+        phase = t.collective.phase
+        if phase not in phase_compute:
+            exposed += t.seconds
+        elif t.every_micro_step:
+            every[phase] += t.seconds_per_call
+        else:
+            once[phase] += t.seconds_per_call
+    for phase, f in phase_compute.items():
+        exposed += (grad_accum - 1) * max(0.0, every[phase] - f) + max(0.0, every[phase] + once[phase] - f)
+    return exposed
+
+
+def step_time(
+    stage: int,
+    collectives: tuple[Collective, ...],
+    nd: int,
+    link: LinkSpec,
+    grad_accum: int = 1,
+    algorithm: str = "ring",
+    bucket_numel: int | None = None,
+    compute_s: float | None = None,
+) -> StepTime:
+    """Time of the collectives of one optimizer step (``zeroplan.formulas.collectives.step_collectives``) on ``link``.
+
+    One call of a collective costs bytes_per_rank / B plus α for every step of every bucket
+    (``bucket_numel`` elements per bucket; None = one bucket per collective).
+    """
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum}: must be >= 1")
+    if bucket_numel is not None and bucket_numel < 1:
+        raise ValueError(f"bucket_numel={bucket_numel}: must be >= 1")
+    timed = []
+    for c in collectives:
+        buckets = 1 if bucket_numel is None else max(1, ceil_div(c.elements, bucket_numel))
+        seconds = c.bytes_per_rank / link.bandwidth_bytes_per_s
+        seconds += buckets * latency_steps(c.op, nd, algorithm) * link.alpha_s
+        every = runs_every_micro_step(stage, c.op)
+        timed.append(TimedCollective(c, every, grad_accum if every else 1, seconds))
+    timed_t = tuple(timed)
+    exposed = None if compute_s is None else exposed_comm_s(timed_t, compute_s, grad_accum)
+    return StepTime(link.name, algorithm, timed_t, compute_s, exposed)

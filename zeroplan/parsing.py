@@ -1,0 +1,86 @@
+"""CLI string parsers: counts (7.5B), byte sizes (80GiB), comma-separated lists, offload specs.
+
+Each raises ValueError with one line naming the option and the text. GB = 1e9 bytes (the ZeRO paper's
+unit); GiB = 2**30.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+from zeroplan.formulas.offload import DEVICES, Offload
+
+BYTE_UNITS: dict[str, int] = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+COUNT_SUFFIXES: dict[str, float] = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+OFFLOAD_HELP = (
+    "offload: 'none', or OPT[/PARAMS] with each of none, cpu, nvme: where the optimizer states "
+    "(and the parameters, stage 3 only) live, e.g. cpu, nvme, cpu/cpu, nvme/nvme, none/cpu"
+)
+
+_NUMBER = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+
+
+def parse_count(text: str, what: str = "params") -> float:
+    """'7.5e9', '7.5B', '70b', '1T' -> a positive finite number; ValueError with a one-line message."""
+    m = re.fullmatch(_NUMBER + r"\s*([kKmMbBtT]?)", str(text).strip())
+    if not m:
+        raise ValueError(f"{what}={text!r}: not a number (examples: 7.5e9, 7.5B, 1T)")
+    value = float(m.group(1)) * COUNT_SUFFIXES[m.group(2).lower()]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what}={text!r}: must be a positive finite number")
+    return value
+
+
+def parse_bytes(text: str, what: str = "gpu-memory") -> int:
+    """'80GiB', '32GB', '141 GB', '8e10' (bytes) -> whole bytes; ValueError with a one-line message."""
+    m = re.fullmatch(_NUMBER + r"\s*([a-zA-Z]*)", str(text).strip())
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in BYTE_UNITS and unit != "":
+        raise ValueError(f"{what}={text!r}: expected a size such as 80GiB, 32GB or 8e10 (bytes)")
+    value = float(m.group(1)) * BYTE_UNITS.get(unit, 1)
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"{what}={text!r}: must be a positive size")
+    return int(value)
+
+
+def parse_whole(text: str, what: str) -> int:
+    """'64' -> 64; ValueError for '6.5', 'x', '1e3' (GPU counts and degrees are written as integers)."""
+    if not re.fullmatch(r"[-+]?[0-9]+", text):
+        raise ValueError(f"{what}={text!r}: not a whole number")
+    return int(text)
+
+
+def parse_list(text: str, what: str, parse: Callable[[str], object]) -> tuple:
+    """'8,64,512' -> (8, 64, 512) with ``parse`` per item; ValueError naming the option and the item."""
+    items = [t.strip() for t in str(text).split(",")]
+    if not any(items):
+        raise ValueError(f"{what}={text!r}: give one or more comma-separated values")
+    if "" in items:
+        raise ValueError(f"{what}={text!r}: empty item between commas")
+    return tuple(parse(t) for t in items)
+
+
+def parse_wholes(text: str, what: str) -> tuple[int, ...]:
+    """'8,64,512' -> (8, 64, 512): a list of whole numbers."""
+    return parse_list(text, what, lambda t: parse_whole(t, what))
+
+
+def parse_counts(text: str, what: str = "params") -> tuple[float, ...]:
+    """'7B,70B' -> (7e9, 7e10): a list of counts."""
+    return parse_list(text, what, lambda t: parse_count(t, what))
+
+
+def parse_offload(text: str | Offload) -> Offload:
+    """'none' | 'cpu' | 'nvme' | 'cpu/cpu' | 'none/cpu' ... -> Offload(optimizer, params); else ValueError."""
+    if isinstance(text, Offload):
+        return text
+    parts = str(text).strip().lower().split("/")
+    if len(parts) > 2 or not all(p in DEVICES for p in parts):
+        raise ValueError(f"offload={text!r}: expected {OFFLOAD_HELP.removeprefix('offload: ')}")
+    return Offload(parts[0], parts[1] if len(parts) == 2 else "none")

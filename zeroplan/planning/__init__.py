@@ -1,0 +1,1 @@
+"""``zeroplan.plan``: fit, fewest GPUs, largest model, recommended stage and offload, time per step."""

@@ -1,0 +1,176 @@
+"""Validated inputs of ``zeroplan plan`` (pydantic): a model, a GPU, a cluster shape, a training shape.
+
+Every field states its unit; every bad value raises with a message that quotes it. Presets are resolved
+here (``zeroplan.presets``), overrides win over presets.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+
+from zeroplan.architectures.spec import TransformerSpec, gpt_for_params
+from zeroplan.engines.deepspeed import DEFAULT_BUCKET_NUMEL
+from zeroplan.formulas.commtime import ALGORITHMS
+from zeroplan.formulas.offload import DEVICES
+from zeroplan.policy import BF16_MIXED, PrecisionPolicy
+from zeroplan.presets import (
+    GpuName, GpuSpec, LinkSpec, ModelName, ModelPreset, get_gpu, get_interconnect, get_model,
+)  # fmt: skip
+from zeroplan.types import (
+    ByteSize, Checkpointing, Count, Fraction, Params, PositiveFinite, PositiveFraction, check_split,
+)  # fmt: skip
+
+DEFAULT_HEADROOM = 0.1
+"""Share of GPU memory kept free for what the plan does not model as model states: activations,
+communication buckets, gathered stage-3 layers, the CUDA context and allocator fragmentation. 10% is a
+starting point, not a measurement; activations alone can exceed it (pass a larger --headroom for long
+sequences or large micro-batches)."""
+DEFAULT_MFU = 0.4
+"""Model FLOPs utilisation for the compute-time estimate: Llama 3 reports 38-43% BF16 MFU on H100s
+(Llama Team 2024, The Llama 3 Herd of Models, Table 4)."""
+DEFAULT_INTRA = "nvlink4"
+DEFAULT_INTER = "ib-ndr"
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence when neither --seq-len nor a reference model gives one (GPT-3's context)."""
+
+
+class PlanConfig(BaseModel):
+    """One capacity-planning question. Give the model as a preset (``model``) or a count (``params``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Optional[ModelName] = None
+    """reference model preset (``zeroplan.presets.model_presets``); exact per-tensor padding."""
+    params: Optional[Params] = None
+    """Ψ of the whole model in parameters, when no preset is named. Neither: only max model sizes."""
+    gpu: Optional[GpuName] = None
+    """GPU preset (``zeroplan.presets.gpu_presets``): memory, peak FLOP/s and default links."""
+    gpu_memory_bytes: Optional[ByteSize] = None
+    """memory of one GPU in bytes; overrides the preset's."""
+    gpus: Count = 8
+    """total GPUs = N_d x N_m."""
+    gpus_per_node: Count = 8
+    model_parallel: Count = 1
+    """N_m, tensor/pipeline model-parallel degree."""
+    headroom: Fraction = DEFAULT_HEADROOM
+    """fraction of GPU memory not available to model states, in [0, 1)."""
+    interconnect: Optional[str] = None
+    """intra-node link preset; default the GPU preset's, else nvlink4."""
+    bw_gbps: Optional[PositiveFinite] = None
+    """intra-node bandwidth per GPU, GB/s one direction; overrides the preset's."""
+    inter_interconnect: str = DEFAULT_INTER
+    """inter-node link preset (one NIC per GPU)."""
+    inter_bw_gbps: Optional[PositiveFinite] = None
+    """inter-node bandwidth per GPU, GB/s one direction; overrides the preset's."""
+    algorithm: Literal[ALGORITHMS] = "ring"
+    """all-reduce algorithm for the latency term (reduce-scatter and all-gather are always ring)."""
+    micro_batch: Count = 1
+    """sequences per GPU per micro-step."""
+    grad_accum: Count = 1
+    """micro-steps per optimizer step."""
+    seq_len: Optional[Count] = None
+    """tokens per sequence; default the preset's, else 2048."""
+    checkpointing: Checkpointing = "full"
+    """activation recomputation assumed by the activation estimate (``zeroplan.formulas.activations``)."""
+    offload: Literal[DEVICES] = "none"
+    """the most offload the recommendation may use (all options are always listed)."""
+    host_memory_bytes: Optional[ByteSize] = None
+    """CPU memory per node in bytes; when given, offload options must also fit in it."""
+    peak_tflops: Optional[PositiveFinite] = None
+    """dense peak TFLOP/s (1e12 FLOP/s) per GPU; overrides the preset's. None without a preset: no compute
+    estimate."""
+    mfu: PositiveFraction = DEFAULT_MFU
+    """model FLOPs utilisation in (0, 1] for the compute-time estimate."""
+    bucket_numel: Count = DEFAULT_BUCKET_NUMEL
+    """elements per collective call (gradient bucket / all-gather bucket)."""
+    policy: PrecisionPolicy = BF16_MIXED
+
+    @field_validator("interconnect", "inter_interconnect")
+    @classmethod
+    def _link(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        if v is None:
+            return v
+        link = get_interconnect(v)
+        want = "intra" if info.field_name == "interconnect" else "inter"
+        if link.scope != want:
+            where = "inside a node" if link.scope == "intra" else "between nodes"
+            raise ValueError(f"{info.field_name}={v!r} links GPUs {where}; expected an {want}-node link")
+        return link.name
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PlanConfig":
+        if self.model is not None and self.params is not None:
+            raise ValueError("give at most one of model and params")
+        if self.gpu is None and self.gpu_memory_bytes is None:
+            raise ValueError(
+                "give a GPU preset (gpu, --gpu) or the GPU memory (gpu_memory_bytes, --gpu-memory)"
+            )
+        check_split(self.gpus, self.model_parallel)
+        return self
+
+    # Resolved values: overrides first, then presets, then documented defaults.
+
+    @property
+    def nd(self) -> int:
+        return self.gpus // self.model_parallel
+
+    @property
+    def gpu_spec(self) -> Optional[GpuSpec]:
+        return None if self.gpu is None else get_gpu(self.gpu)
+
+    @property
+    def model_spec(self) -> Optional[ModelPreset]:
+        return None if self.model is None else get_model(self.model)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.gpu_memory_bytes if self.gpu_memory_bytes is not None else self.gpu_spec.memory_bytes
+
+    @property
+    def tensor_numels(self) -> Optional[tuple[int, ...]]:
+        """Every tensor of the whole model (preset), Ψ as one tensor (params), or None (no model)."""
+        if self.model_spec is not None:
+            return self.model_spec.tensor_numels
+        return None if self.params is None else (int(self.params),)
+
+    @property
+    def sequence_length(self) -> int:
+        return self.seq_len or (self.model_spec.seq_len if self.model_spec else DEFAULT_SEQ_LEN)
+
+    @property
+    def tokens_per_micro_step(self) -> int:
+        return self.micro_batch * self.sequence_length
+
+    @property
+    def transformer(self) -> Optional[TransformerSpec]:
+        """The preset's architecture, or for ``params`` a GPT-style shape of about Ψ (``gpt_for_params``)."""
+        if self.model_spec is not None:
+            return self.model_spec.spec
+        return None if self.params is None else gpt_for_params(self.params)
+
+    @property
+    def flops(self) -> Optional[float]:
+        if self.peak_tflops is not None:
+            return self.peak_tflops * 1e12
+        return None if self.gpu_spec is None else self.gpu_spec.peak_flops
+
+    def _resolve_link(self, name: str, bw: Optional[float]) -> LinkSpec:
+        link = get_interconnect(name)
+        if bw is None:
+            return link
+        return link.model_copy(update={"bandwidth_gbps": bw, "name": f"{bw:g} GB/s", "source": "--bw option"})
+
+    @property
+    def intra_link(self) -> LinkSpec:
+        name = self.interconnect or (self.gpu_spec.intra_node if self.gpu_spec else DEFAULT_INTRA)
+        return self._resolve_link(name, self.bw_gbps)
+
+    @property
+    def inter_link(self) -> LinkSpec:
+        return self._resolve_link(self.inter_interconnect, self.inter_bw_gbps)
+
+    @property
+    def host_link(self) -> LinkSpec:
+        return get_interconnect(self.gpu_spec.host_link if self.gpu_spec else "pcie4")

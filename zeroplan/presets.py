@@ -1,0 +1,157 @@
+"""Hardware and reference-model presets: data files in ``zeroplan/data/`` validated by pydantic models.
+
+Each preset cites its source in the data file. Units: bytes for memory (exact integers), FLOP/s for
+compute, GB/s (1e9 bytes/s, one direction, per GPU) for links, seconds for latency. Names are looked up
+case-insensitively; an unknown name raises ValueError listing the known ones.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from typing import Annotated, Literal, Optional
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
+
+from zeroplan.architectures.spec import TransformerSpec, numels, transformer_shapes
+from zeroplan.types import ByteSize, Count, NonNegativeFinite, PositiveFinite
+
+
+class GpuSpec(BaseModel):
+    """One accelerator: memory in exact bytes, dense 16-bit peak FLOP/s, its default links."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str
+    memory_bytes: ByteSize
+    """nominal HBM capacity in bytes (see the data file's ``about`` for the convention)."""
+    peak_flops: PositiveFinite
+    """dense 16-bit tensor-core peak, FLOP/s."""
+    peak_flops_dtype: str
+    intra_node: str
+    """name of the interconnect preset that links GPUs inside a node."""
+    host_link: str
+    """name of the interconnect preset between GPU and host memory (offload traffic)."""
+    source: str
+
+
+class LinkSpec(BaseModel):
+    """A link as the alpha-beta model sees it: per-GPU one-direction bandwidth and per-step latency."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    scope: Literal["intra", "inter"]
+    """intra: inside a node (NVLink, PCIe, Infinity Fabric); inter: between nodes (a NIC per GPU)."""
+    bandwidth_gbps: PositiveFinite
+    """GB/s (1e9 bytes/s) one GPU sends in one direction; used as the nccl-tests bus bandwidth."""
+    alpha_s: NonNegativeFinite
+    """latency of one ring step, seconds."""
+    source: str = "given on the command line"
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9
+
+
+class ModelPreset(BaseModel):
+    """A reference model by architecture; Ψ follows from ``architectures.spec.transformer_shapes``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    style: Literal["gpt", "llama"]
+    n_layer: Count
+    d_model: Count
+    n_head: Count
+    n_kv_head: Optional[Count] = None
+    ffn_hidden: Optional[Count] = None
+    """MLP hidden width; None means 4·d_model (GPT)."""
+    vocab_size: Count
+    seq_len: Count
+    """training context length, tokens; also GPT's position-embedding rows."""
+    source: str
+
+    @property
+    def spec(self) -> TransformerSpec:
+        return TransformerSpec(
+            n_layer=self.n_layer,
+            d_model=self.d_model,
+            n_head=self.n_head,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.seq_len,
+            ffn_hidden=self.ffn_hidden,
+            n_kv_head=self.n_kv_head,
+            style=self.style,
+        )
+
+    @property
+    def tensor_numels(self) -> tuple[int, ...]:
+        """Elements of every parameter tensor, in registration order (exact padding per tensor)."""
+        return numels(transformer_shapes(self.spec))
+
+    @property
+    def params(self) -> int:
+        return sum(self.tensor_numels)
+
+
+def _read(filename: str) -> dict:
+    return json.loads(resources.files("zeroplan").joinpath("data", filename).read_text())
+
+
+@lru_cache(maxsize=None)
+def gpu_presets() -> dict[str, GpuSpec]:
+    """Every GPU preset by name, validated."""
+    return {g["name"]: GpuSpec(**g) for g in _read("gpus.json")["gpus"]}
+
+
+@lru_cache(maxsize=None)
+def interconnect_presets() -> dict[str, LinkSpec]:
+    """Every interconnect preset by name, validated."""
+    return {c["name"]: LinkSpec(**c) for c in _read("interconnects.json")["interconnects"]}
+
+
+@lru_cache(maxsize=None)
+def model_presets() -> dict[str, ModelPreset]:
+    """Every reference model by name, validated."""
+    return {m["name"]: ModelPreset(**m) for m in _read("models.json")["models"]}
+
+
+def _lookup(table: dict, name: str, what: str):
+    key = str(name).strip().lower()
+    if key not in table:
+        raise ValueError(f"unknown {what} {name!r}: known {what}s are {', '.join(table)}")
+    return table[key]
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """The GPU preset ``name``; ValueError listing the known names otherwise."""
+    return _lookup(gpu_presets(), name, "gpu")
+
+
+def get_interconnect(name: str) -> LinkSpec:
+    """The interconnect preset ``name``; ValueError listing the known names otherwise."""
+    return _lookup(interconnect_presets(), name, "interconnect")
+
+
+def get_model(name: str) -> ModelPreset:
+    """The reference model ``name``; ValueError listing the known names otherwise."""
+    return _lookup(model_presets(), name, "model")
+
+
+GpuName = Annotated[str, AfterValidator(lambda v: get_gpu(v).name)]
+"""A GPU preset name, stored as the preset spells it."""
+ModelName = Annotated[str, AfterValidator(lambda v: get_model(v).name)]
+"""A reference-model preset name, stored as the preset spells it."""
+
+
+def gpu_capacity(gpu: Optional[str], gpu_memory_bytes: Optional[int]) -> tuple[Optional[int], Optional[str]]:
+    """(bytes, label) from a GPU preset name or a memory size (not both); (None, None) if neither."""
+    if gpu is not None and gpu_memory_bytes is not None:
+        raise ValueError("give at most one of --gpu and --gpu-memory")
+    if gpu is not None:
+        spec = get_gpu(gpu)
+        return spec.memory_bytes, spec.name
+    return gpu_memory_bytes, None

@@ -1,0 +1,99 @@
+"""Text, JSON and CSV views of an ``Estimate``. No computation happens here."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from zeroplan.estimation.records import Estimate, StageEstimate
+from zeroplan.render.schemas import CollectiveOut, EstimateDoc, EstimateInputs, PolicyOut, StageOut
+from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
+
+CSV_COLUMNS = (
+    "stage", "name", "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes",
+    "reduction_vs_dp", "fits", "comm_volume_elements", "comm_bytes_per_rank",
+)  # fmt: skip
+
+
+def stage_out(s: StageEstimate) -> StageOut:
+    """One stage as ``stages[]`` of ``estimate --json`` (``zeroplan.render.schemas.StageOut``)."""
+    return StageOut(
+        stage=s.stage,
+        name=s.name,
+        params_bytes=s.memory.params_bytes,
+        grads_bytes=s.memory.grads_bytes,
+        optimizer_bytes=s.memory.optimizer_bytes,
+        model_states_bytes=s.memory.model_states_bytes,
+        reduction_vs_dp=s.reduction_vs_dp,
+        fits=s.fits,
+        comm_volume_elements=s.comm_volume_elements,
+        comm_bytes_per_rank=s.comm_bytes_per_rank,
+        collectives=[CollectiveOut(**c.as_dict()) for c in s.collectives],
+    )
+
+
+def stage_dict(s: StageEstimate) -> dict:
+    return stage_out(s).dump()
+
+
+def estimate_doc(e: Estimate) -> EstimateDoc:
+    return EstimateDoc(
+        inputs=EstimateInputs(
+            params=e.total_params,
+            psi=e.psi,
+            gpus=e.gpus,
+            nd=e.nd,
+            nm=e.nm,
+            gpu_memory_bytes=e.gpu_memory_bytes,
+            policy=PolicyOut(**e.policy.resolved()),
+        ),
+        bytes_per_param=dict(e.bytes_per_param),
+        k=e.k,
+        stages=[stage_out(s) for s in e.stages],
+    )
+
+
+def to_json(e: Estimate) -> str:
+    return json.dumps(estimate_doc(e).dump(), indent=2)
+
+
+def to_csv(e: Estimate) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for s in e.stages:
+        writer.writerow(stage_dict(s))
+    return out.getvalue()
+
+
+def to_table(e: Estimate, unit: str = "GB") -> str:
+    head = (
+        f"Ψ = {format_count(e.total_params)} parameters on {e.gpus} GPUs "
+        f"(N_d = {e.nd} data-parallel x N_m = {e.nm} model-parallel; Ψ per MP rank = {format_count(e.psi)})"
+    )
+    columns = ["stage", "ZeRO", "params", "grads", "optimizer", "total/GPU", "vs DP", "comm/step", "sent/rank"]
+    if e.gpu_memory_bytes is not None:
+        columns.append(f"fits {format_bytes(e.gpu_memory_bytes, unit)}")
+    rows = []
+    for s in e.stages:
+        m = s.memory
+        row = [
+            str(s.stage), s.name,
+            format_bytes(m.params_bytes, unit), format_bytes(m.grads_bytes, unit),
+            format_bytes(m.optimizer_bytes, unit), format_bytes(m.model_states_bytes, unit),
+            f"{s.reduction_vs_dp:.2f}x", f"{s.comm_volume_elements / e.psi:.2f}Ψ",
+            format_bytes(s.comm_bytes_per_rank, unit),
+        ]  # fmt: skip
+        if s.fits is not None:
+            row.append("yes" if s.fits else "no")
+        rows.append(row)
+    lines = [head, convention_line(e.bytes_per_param, e.k), "", *format_table([columns, *rows], left=2)]
+    lines += [
+        "",
+        f"{unit} = {'1e9' if unit == 'GB' else '2**30'} bytes. Model states only (params, grads, optimizer; "
+        "ZeRO paper sec. 3.1, 5); activations and buffers come on top.",
+        "comm/step: elements moved per rank per step as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, "
+        "3Ψ P_os+g+p); sent/rank: bytes each rank sends with ring collectives, (N_d-1)/N_d of that.",
+    ]
+    return "\n".join(lines)

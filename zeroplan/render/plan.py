@@ -1,0 +1,264 @@
+"""Text and JSON views of a ``Plan`` (``zeroplan plan``). No computation happens here."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from zeroplan.planning.records import Plan, PlanOption
+from zeroplan.presets import LinkSpec
+from zeroplan.render.schemas import PlanDoc
+from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
+
+SCHEMA = "zeroplan.plan/1"
+ESTIMATE_NOTE = (
+    "Communication time is an alpha-beta estimate (nominal link bandwidth as nccl-tests bus bandwidth, "
+    "ring/tree latency per step); it ignores protocol choice, achieved vs nominal bandwidth, in-network "
+    "reduction, contention with model-parallel traffic and stragglers. Compute: 6·Ψ·tokens at the given MFU."
+)
+MEMORY_NOTE = (
+    "Model states only (parameters, gradients, optimizer states; ZeRO sec. 3.1). Activations, buckets, "
+    "gathered stage-3 layers and fragmentation must fit in the headroom; they are not modelled."
+)
+
+
+def _link(link: LinkSpec) -> dict:
+    return {"name": link.name, "bandwidth_gbps": link.bandwidth_gbps, "alpha_s": link.alpha_s}
+
+
+def option_dict(o: PlanOption, per_node: int) -> dict:
+    """One option as ``stages[]`` and ``offload[]`` of ``plan --json`` (``schemas.PlanOptionOut``)."""
+    out: dict = {
+        "stage": o.stage,
+        "name": o.name,
+        "offload": {"optimizer": o.offload.optimizer, "params": o.offload.params},
+        "label": o.label,
+        "max_params": o.max_params,
+        "max_params_with_headroom": o.max_params_with_headroom,
+        "fits": o.fits,
+        "min_gpus": o.min_gpus,
+    }
+    s = o.states
+    if s is None:
+        return out
+    out.update(
+        gpu_bytes={
+            "params_bytes": s.gpu.params_bytes,
+            "grads_bytes": s.gpu.grads_bytes,
+            "optimizer_bytes": s.gpu.optimizer_bytes,
+            "model_states_bytes": s.gpu.model_states_bytes,
+        },
+        host_bytes_per_gpu=s.host_bytes,
+        host_bytes_per_node=s.host_bytes * per_node,
+        nvme_bytes_per_gpu=s.nvme_bytes,
+        nvme_bytes_per_node=s.nvme_bytes * per_node,
+        pcie={
+            "h2d_bytes": s.h2d_bytes,
+            "d2h_bytes": s.d2h_bytes,
+            "nvme_read_bytes": s.nvme_read_bytes,
+            "nvme_write_bytes": s.nvme_write_bytes,
+            "seconds": o.pcie_s,
+        },
+        comm_volume_elements=o.comm_volume_elements,
+        comm_bytes_per_rank=o.comm_bytes_per_rank,
+        comm_time={
+            "link": o.time.link,
+            "algorithm": o.time.algorithm,
+            "comm_s": o.time.comm_s,
+            "compute_s": o.time.compute_s,
+            "exposed_comm_s": o.time.exposed_comm_s,
+            "step_s": o.time.step_s,
+            "collectives": [
+                {
+                    **t.collective.as_dict(),
+                    "calls_per_step": t.calls_per_step,
+                    "seconds_per_call": t.seconds_per_call,
+                }
+                for t in o.time.collectives
+            ],
+        },
+    )
+    return out
+
+
+def _per_node(p: Plan) -> int:
+    return min(p.config.gpus_per_node, p.config.gpus)
+
+
+def plan_dict(p: Plan) -> dict:
+    c = p.config
+    rec = p.recommendation
+    recommendation = None
+    if rec is not None:
+        recommendation = {
+            "stage": rec.stage,
+            "offload": {"optimizer": rec.offload.optimizer, "params": rec.offload.params},
+            "label": rec.label,
+            **p.launchers,
+        }
+    return {
+        "schema": SCHEMA,
+        "inputs": {
+            "model": c.model,
+            "params": p.params,
+            "psi": p.psi,
+            "gpu": c.gpu,
+            "gpu_memory_bytes": p.gpu_memory_bytes,
+            "headroom": c.headroom,
+            "budget_bytes": p.budget_bytes,
+            "host_memory_bytes": c.host_memory_bytes,
+            "gpus": c.gpus,
+            "gpus_per_node": c.gpus_per_node,
+            "nd": c.nd,
+            "nm": c.model_parallel,
+            "micro_batch": c.micro_batch,
+            "grad_accum": c.grad_accum,
+            "tokens_per_step": p.tokens_per_step,
+            "offload_allowed": c.offload,
+            "peak_flops": c.flops,
+            "mfu": c.mfu,
+            "bucket_numel": c.bucket_numel,
+            "links": {
+                "intra": _link(p.intra),
+                "inter": _link(p.inter),
+                "ring": _link(p.ring),
+                "host": _link(p.host_link),
+            },
+            "bytes_per_param": dict(p.bytes_per_param),
+            "policy": c.policy.resolved(),
+        },
+        "stages": [option_dict(o, _per_node(p)) for o in p.stages],
+        "offload": [option_dict(o, _per_node(p)) for o in p.offload_options],
+        "activations": {
+            "bytes": p.activation_bytes,
+            "checkpointing": c.checkpointing,
+            "seq_len": c.sequence_length,
+            "micro_batch": c.micro_batch,
+            "tp": c.model_parallel,
+            "headroom_bytes": p.headroom_bytes,
+            "within_headroom": None if p.activation_bytes is None else p.activation_bytes <= p.headroom_bytes,
+        },
+        "recommendation": recommendation,
+        "reason": p.reason,
+        "notes": [MEMORY_NOTE, ESTIMATE_NOTE],
+    }
+
+
+def to_json(p: Plan) -> str:
+    """``plan_dict`` checked and ordered by ``zeroplan.render.schemas.PlanDoc``."""
+    return json.dumps(PlanDoc.model_validate(plan_dict(p)).dump(), indent=2)
+
+
+def _seconds(s: Optional[float]) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _size(n: Optional[int], unit: str) -> str:
+    return "-" if n is None else format_bytes(n, unit)
+
+
+def _count(n: Optional[int]) -> str:
+    return "no limit" if n is None else format_count(n)
+
+
+def to_table(p: Plan, unit: str = "GiB") -> str:
+    c = p.config
+    what = (
+        f"{c.model}: Ψ = {format_count(p.params)}"
+        if c.model
+        else (f"Ψ = {format_count(p.params)}" if p.params else "no model given")
+    )
+    where = f"{c.gpus} x {c.gpu}" if c.gpu else f"{c.gpus} GPUs"
+    lines = [
+        f"{what}; {where} ({format_bytes(p.gpu_memory_bytes, unit)} each; N_d = {c.nd} x N_m = "
+        f"{c.model_parallel}; {c.gpus_per_node} GPUs per node)",
+        f"model states may use {format_bytes(p.budget_bytes, unit)} per GPU ({c.headroom:.0%} headroom); "
+        f"data-parallel ring on {p.ring.name} ({p.ring.bandwidth_gbps:g} GB/s, "
+        f"α {p.ring.alpha_s * 1e6:g} µs); "
+        f"host link {p.host_link.name} ({p.host_link.bandwidth_gbps:g} GB/s)",
+        convention_line(p.bytes_per_param, p.k),
+    ]
+    if p.params is not None:
+        lines.append(activation_line(p, unit))
+    lines.append("")
+    header = ["stage + offload", "max Ψ", f"max Ψ ({c.headroom:.0%} free)"]
+    if p.params is not None:
+        header[1:1] = ["GPU", "host/node", "NVMe/node", "fits", "min GPUs"]
+        header += ["sent/rank/step", "comm", "exposed", "PCIe"]
+    rows = [header]
+    per_node = _per_node(p)
+    for o in p.options:
+        row = [o.label, _count(o.max_params), _count(o.max_params_with_headroom)]
+        if o.states is not None:
+            s = o.states
+            row[1:1] = [
+                _size(s.gpu.model_states_bytes, unit),
+                _size(s.host_bytes * per_node, unit),
+                _size(s.nvme_bytes * per_node, unit),
+                "yes" if o.fits else "no",
+                "never" if o.min_gpus is None else str(o.min_gpus),
+            ]
+            row += [
+                _size(o.comm_bytes_per_rank, unit),
+                _seconds(o.time.comm_s),
+                _seconds(o.time.exposed_comm_s),
+                _seconds(o.pcie_s) if o.offload.any else "-",
+            ]
+        rows.append(row)
+    lines += format_table(rows, left=1)
+    lines += ["", f"Recommendation: {_recommendation(p, unit)}"]
+    rec = p.recommendation
+    if rec is not None:
+        texts = p.launchers
+        lines += [
+            "",
+            "DeepSpeed config:",
+            json.dumps(texts["deepspeed"], indent=2),
+            "",
+            "FSDP2:",
+            texts["fsdp2"].rstrip("\n"),
+        ]
+    lines += [
+        "",
+        MEMORY_NOTE,
+        ESTIMATE_NOTE,
+        "max Ψ: largest model whose states fill the GPU (ZeRO Table 2); min GPUs: fewest N_d x N_m that fit.",
+    ]
+    return "\n".join(lines)
+
+
+def _recommendation(p: Plan, unit: str) -> str:
+    rec = p.recommendation
+    if rec is None:
+        return p.reason
+    t = rec.time
+    sent = format_bytes(rec.comm_bytes_per_rank, unit)
+    volume = f"{rec.comm_volume_elements / p.psi:.2f}Ψ" if p.psi else "0Ψ"
+    comm = (
+        f"moves {volume} per step (ZeRO sec. 7 count), sends {sent} per GPU, "
+        f"≈ {_seconds(t.comm_s)} of communication"
+    )
+    if t.compute_s is not None:
+        comm += f" ({_seconds(t.exposed_comm_s)} exposed behind {_seconds(t.compute_s)} of compute)"
+    return f"ZeRO stage {rec.label}: {p.reason}; {comm}."
+
+
+def activation_line(p: Plan, unit: str) -> str:
+    """Activations against the headroom (they are not model states, so not in the fit)."""
+    c = p.config
+    shape = (
+        f"{c.checkpointing} recomputation, s = {c.sequence_length}, b = {c.micro_batch}, "
+        f"t = N_m = {c.model_parallel}"
+    )
+    if p.activation_bytes is None:
+        return (
+            f"activations ({shape}): not estimated; Korthikanti et al. 2022 publish constants for "
+            "GPT-style layers only, use --checkpointing full for this model"
+        )
+    verdict = "within" if p.activation_bytes <= p.headroom_bytes else "MORE than"
+    size, headroom = format_bytes(p.activation_bytes, unit), format_bytes(p.headroom_bytes, unit)
+    return (
+        f"activations ≈ {size} per GPU (Korthikanti et al. 2022, {shape}): {verdict} the {headroom} headroom"
+    )

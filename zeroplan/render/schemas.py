@@ -1,0 +1,264 @@
+"""Pydantic models of the JSON that ``estimate --json``, ``plan --json`` and ``sweep --json`` print.
+
+The renderers build their JSON through these models (field order = key order), so the documented
+schema and the output cannot drift. ``python -m zeroplan.render.schemas docs/schemas`` writes the JSON
+Schema of each (``tests/test_schemas.py`` checks the committed files equal the generated ones).
+Numbers typed ``Number`` keep whether they were computed as int or float, so the output is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from zeroplan.sweeping.records import SweepRow
+
+Number = Union[int, float]
+"""A number as computed: exact integers stay integers."""
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    def dump(self) -> dict:
+        """The object as the JSON output writes it (aliases as keys, in field order)."""
+        return self.model_dump(by_alias=True)
+
+
+class PolicyOut(_Out):
+    """The precision policy with defaults filled in."""
+
+    param_dtype: str
+    grad_dtype: str
+    master_dtype: Optional[str] = Field(description="'fp32' when an fp32 master copy is kept, else null")
+    optimizer: str
+    optimizer_dtype: str
+
+
+class CollectiveOut(_Out):
+    """One collective a rank takes part in per training step."""
+
+    op: Literal["all-reduce", "reduce-scatter", "all-gather"]
+    phase: str = Field(description="forward, backward or optimizer step")
+    elements: int = Field(description="full (unsharded) size of the collective, in elements")
+    dtype: str
+    bytes_per_rank: int = Field(description="bytes one rank sends on a ring algorithm")
+
+
+class StageOut(_Out):
+    """One ZeRO stage of ``estimate``: per-GPU model states in bytes and per-step communication."""
+
+    stage: int
+    name: str = Field(description="the paper's name: DP, P_os, P_os+g, P_os+g+p")
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    model_states_bytes: int
+    reduction_vs_dp: float = Field(description="DP model states / this stage's model states")
+    fits: Optional[bool] = Field(description="model states <= GPU memory; null when no memory was given")
+    comm_volume_elements: int = Field(description="elements moved per step as the ZeRO paper counts (sec. 7)")
+    comm_bytes_per_rank: int = Field(description="bytes each rank sends per step with ring collectives")
+    collectives: list[CollectiveOut]
+
+
+class EstimateInputs(_Out):
+    params: int = Field(description="Ψ of the whole model")
+    psi: int = Field(description="Ψ per model-parallel rank")
+    gpus: int
+    nd: int
+    nm: int
+    gpu_memory_bytes: Optional[int]
+    policy: PolicyOut
+
+
+class EstimateDoc(_Out):
+    """``zeroplan estimate --json``."""
+
+    schema_: Literal["zeroplan.estimate/1"] = Field("zeroplan.estimate/1", alias="schema")
+    inputs: EstimateInputs
+    bytes_per_param: dict[str, Number] = Field(description="the byte convention: label -> bytes per param")
+    k: Number = Field(description="the paper's K: optimizer-state bytes per parameter, master copy included")
+    stages: list[StageOut]
+
+
+class LinkOut(_Out):
+    name: str
+    bandwidth_gbps: Number = Field(description="GB/s one direction per GPU")
+    alpha_s: Number = Field(description="latency of one ring step, seconds")
+
+
+class LinksOut(_Out):
+    intra: LinkOut
+    inter: LinkOut
+    ring: LinkOut = Field(description="the link that limits the data-parallel ring")
+    host: LinkOut
+
+
+class PlanInputs(_Out):
+    model: Optional[str]
+    params: Optional[int]
+    psi: Optional[int]
+    gpu: Optional[str]
+    gpu_memory_bytes: int
+    headroom: Number
+    budget_bytes: int = Field(description="(1 - headroom) x GPU memory: what model states may use")
+    host_memory_bytes: Optional[int]
+    gpus: int
+    gpus_per_node: int
+    nd: int
+    nm: int
+    micro_batch: int
+    grad_accum: int
+    tokens_per_step: int
+    offload_allowed: Literal["none", "cpu", "nvme"]
+    peak_flops: Optional[Number]
+    mfu: Number
+    bucket_numel: int
+    links: LinksOut
+    bytes_per_param: dict[str, Number]
+    policy: PolicyOut
+
+
+class OffloadOut(_Out):
+    optimizer: Literal["none", "cpu", "nvme"]
+    params: Literal["none", "cpu", "nvme"]
+
+
+class GpuBytesOut(_Out):
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    model_states_bytes: int
+
+
+class PcieOut(_Out):
+    h2d_bytes: int
+    d2h_bytes: int
+    nvme_read_bytes: int
+    nvme_write_bytes: int
+    seconds: Number = Field(description="offload traffic time per step on the host link, full duplex")
+
+
+class TimedCollectiveOut(CollectiveOut):
+    calls_per_step: int
+    seconds_per_call: Number
+
+
+class CommTimeOut(_Out):
+    link: str
+    algorithm: str
+    comm_s: Number
+    compute_s: Optional[Number]
+    exposed_comm_s: Optional[Number]
+    step_s: Optional[Number]
+    collectives: list[TimedCollectiveOut]
+
+
+_MODEL_KEYS = (
+    "gpu_bytes", "host_bytes_per_gpu", "host_bytes_per_node", "nvme_bytes_per_gpu", "nvme_bytes_per_node",
+    "pcie", "comm_volume_elements", "comm_bytes_per_rank", "comm_time",
+)  # fmt: skip
+
+
+class PlanOptionOut(_Out):
+    """One (stage, offload) option of ``plan``; the keys after ``min_gpus`` only when a model was given."""
+
+    stage: int
+    name: str
+    offload: OffloadOut
+    label: str
+    max_params: Optional[int]
+    max_params_with_headroom: Optional[int]
+    fits: Optional[bool]
+    min_gpus: Optional[int]
+    gpu_bytes: Optional[GpuBytesOut] = None
+    host_bytes_per_gpu: Optional[int] = None
+    host_bytes_per_node: Optional[int] = None
+    nvme_bytes_per_gpu: Optional[int] = None
+    nvme_bytes_per_node: Optional[int] = None
+    pcie: Optional[PcieOut] = None
+    comm_volume_elements: Optional[int] = None
+    comm_bytes_per_rank: Optional[int] = None
+    comm_time: Optional[CommTimeOut] = None
+
+    @model_serializer(mode="wrap")
+    def _without_model(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if self.gpu_bytes is None:
+            for key in _MODEL_KEYS:
+                out.pop(key)
+        return out
+
+
+class ActivationsOut(_Out):
+    bytes: Optional[int] = Field(description="per GPU, Korthikanti et al. 2022; null where not estimated")
+    checkpointing: str
+    seq_len: int
+    micro_batch: int
+    tp: int
+    headroom_bytes: int
+    within_headroom: Optional[bool]
+
+
+class RecommendationOut(_Out):
+    stage: int
+    offload: OffloadOut
+    label: str
+    deepspeed: dict[str, Any] = Field(description="ds_config.json for this option")
+    fsdp2: str = Field(description="FSDP2 fully_shard code for this option")
+
+
+class PlanDoc(_Out):
+    """``zeroplan plan --json``."""
+
+    schema_: Literal["zeroplan.plan/1"] = Field("zeroplan.plan/1", alias="schema")
+    inputs: PlanInputs
+    stages: list[PlanOptionOut]
+    offload: list[PlanOptionOut]
+    activations: ActivationsOut
+    recommendation: Optional[RecommendationOut]
+    reason: str
+    notes: list[str]
+
+
+class SweepInputs(_Out):
+    gpu_memory_bytes: Optional[int]
+    policy: PolicyOut
+
+
+class SweepDoc(_Out):
+    """``zeroplan sweep --json``."""
+
+    schema_: Literal["zeroplan.sweep/1"] = Field("zeroplan.sweep/1", alias="schema")
+    inputs: SweepInputs
+    columns: list[str]
+    rows: list[SweepRow]
+
+
+DOCS: dict[str, type[_Out]] = {"estimate": EstimateDoc, "plan": PlanDoc, "sweep": SweepDoc}
+
+
+def json_schemas() -> dict[str, str]:
+    """File name -> JSON Schema text of each output, as written to docs/schemas/."""
+    return {
+        f"{name}.json": json.dumps(doc.model_json_schema(by_alias=True, mode="serialization"), indent=2) + "\n"
+        for name, doc in DOCS.items()
+    }
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: python -m zeroplan.render.schemas DIRECTORY  (writes estimate, plan, sweep .json)")
+    folder = Path(argv[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in json_schemas().items():
+        (folder / name).write_text(text)
+        print(f"wrote {folder / name}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

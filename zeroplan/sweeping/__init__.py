@@ -1,0 +1,1 @@
+"""``zeroplan.sweep``: estimates over a grid of configurations, evaluated on numpy arrays (pandas out)."""

@@ -1,0 +1,237 @@
+"""Sweeps: ``zeroplan.estimate`` over a grid of configurations, as one pandas DataFrame.
+
+The grid is evaluated in one pass of numpy int64 arrays through the very functions ``estimate`` uses
+(``zeroplan.estimation.estimate.stage_estimates``, hence ``sharding``, ``memory`` and ``collectives``):
+no formula is written twice, so a sweep row and ``estimate(...)`` cannot drift (``tests/test_sweep.py``
+checks it row by row).
+A million rows take about a second (``benchmarks/sweep_speed.py``). This is the one planner module
+that imports pandas.
+
+Byte counts stay exact integers: int64 holds 9.2e18, and the largest count here is bounded by
+64 bytes per parameter (``MAX_PARAMS`` keeps that below 2**63).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from zeroplan.estimation.estimate import stage_estimates
+from zeroplan.estimation.records import StageEstimate
+from zeroplan.formulas.activations import activation_bytes
+from zeroplan.formulas.collectives import Collective
+from zeroplan.formulas.offload import NO_OFFLOAD, Offload
+from zeroplan.formulas.sharding import shard_numel
+from zeroplan.formulas.stages import STAGES
+from zeroplan.planning.plan import rank_states
+from zeroplan.policy import PrecisionPolicy
+from zeroplan.presets import get_model
+from zeroplan.sweeping.config import SweepConfig
+from zeroplan.sweeping.records import SweepRow
+
+COLUMNS: tuple[str, ...] = tuple(SweepRow.model_fields)
+"""Columns of a sweep, in order: the fields of ``zeroplan.sweeping.records.SweepRow``."""
+
+
+def collectives_summary(collectives: Sequence[Collective]) -> str:
+    """One string for a step's collectives, e.g. 'reduce-scatter(backward) + all-gather(optimizer step)'."""
+    return " + ".join(f"{c.op}({c.phase})" for c in collectives)
+
+
+def _collectives_column(sweep_rows: list, nd: np.ndarray) -> pd.Categorical:
+    """The summary per row: a stage's list, or '' where N_d = 1 (nothing is sent, as in ``estimate``)."""
+    categories = [""]
+    for row in sweep_rows:
+        if (label := collectives_summary(row.collectives)) not in categories:
+            categories.append(label)
+    codes = [np.where(nd > 1, categories.index(collectives_summary(r.collectives)), 0) for r in sweep_rows]
+    return pd.Categorical.from_codes(np.stack(codes, axis=1).ravel(), categories=categories)
+
+
+def _grid(config: SweepConfig) -> dict[str, np.ndarray]:
+    """Every valid (params, gpus, model_parallel, micro_batch) combination, params slowest, int64 arrays."""
+    params = [int(p) for p in config.params] if config.params else [sum(config.numels)]
+    p, g, m, b = np.meshgrid(
+        np.array(params, dtype=np.int64),
+        np.array(config.gpus, dtype=np.int64),
+        np.array(config.model_parallel, dtype=np.int64),
+        np.array(config.micro_batch, dtype=np.int64),
+        indexing="ij",
+    )
+    p, g, m, b = p.ravel(), g.ravel(), m.ravel(), b.ravel()
+    keep = g % m == 0
+    return {"params": p[keep], "gpus": g[keep], "model_parallel": m[keep], "micro_batch": b[keep]}
+
+
+def _activations(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes, known) per configuration: ``formulas.activations`` once per distinct (N_m, micro-batch),
+    with N_m taken as tensor parallelism as ``zeroplan.plan`` does; unknown without a model."""
+    out, known = np.zeros(m.shape, dtype=np.int64), np.zeros(m.shape, dtype=bool)
+    if config.model is None:
+        return out, known
+    preset = get_model(config.model)
+    seq_len = config.seq_len or preset.seq_len
+    for nm in config.model_parallel:
+        for mb in config.micro_batch:
+            value = activation_bytes(preset.spec, seq_len, mb, config.checkpointing, nm)
+            if value is not None:
+                where = (m == nm) & (b == mb)
+                out[where], known[where] = value, True
+    return out, known
+
+
+def sweep_config(config: SweepConfig) -> pd.DataFrame:
+    """One row per configuration, stage and offload, in grid order: params, gpus, model_parallel,
+    micro_batch, stage, offload (the last fastest)."""
+    grid = _grid(config)
+    m = grid["model_parallel"]
+    nd = grid["gpus"] // m
+    if config.numels:
+        numels = tuple(shard_numel(n, m) for n in config.numels)
+    else:
+        numels = (shard_numel(grid["params"], m),)
+    # Ψ per model-parallel rank, rounded up per tensor as in ``zeroplan.estimation.estimate.model_numels``.
+    psi = sum(numels)
+    flat_layout = config.numels is not None
+    by_stage = {
+        r.stage: r
+        for r in stage_estimates(
+            numels, nd, config.policy, config.stages, config.gpu_memory_bytes, flat_layout
+        )
+    }
+    pairs = config.pairs
+    blocks = [_block(by_stage[s], o, numels, nd, config, flat_layout) for s, o in pairs]
+    n_pairs = len(pairs)
+    n_rows = nd.size * n_pairs
+
+    def per_row(key: str) -> np.ndarray:
+        """Interleave per-pair arrays so each configuration's rows are adjacent."""
+        return np.stack([np.broadcast_to(b[key], nd.shape) for b in blocks], axis=1).ravel()
+
+    def repeat(a: np.ndarray) -> np.ndarray:
+        return np.repeat(a, n_pairs)
+
+    def categorical(labels: list[str]) -> pd.Categorical:
+        categories = list(dict.fromkeys(labels))
+        codes = np.array([categories.index(x) for x in labels])
+        return pd.Categorical.from_codes(np.tile(codes, nd.size), categories=categories)
+
+    if config.gpu_memory_bytes is None:  # unknown: all missing, as ``fits: null`` in ``estimate --json``
+        fits = pd.arrays.BooleanArray(np.zeros(n_rows, dtype=bool), mask=np.ones(n_rows, dtype=bool))
+    else:
+        fits = pd.arrays.BooleanArray(per_row("fits"), mask=np.zeros(n_rows, dtype=bool))
+    act, known = (repeat(a) for a in _activations(config, m, grid["micro_batch"]))
+    total = per_row("model_states_bytes") + act
+    total_fits = total <= (config.gpu_memory_bytes or 0)
+    columns = {
+        "params": repeat(grid["params"]),
+        "gpus": repeat(grid["gpus"]),
+        "model_parallel": repeat(m),
+        "nd": repeat(nd),
+        "psi": repeat(np.broadcast_to(psi, nd.shape)),
+        "micro_batch": repeat(grid["micro_batch"]),
+        "stage": np.tile(np.array([s for s, _ in pairs], dtype=np.int64), nd.size),
+        "name": categorical([STAGES[s].name for s, _ in pairs]),
+        "offload": categorical([o.label for _, o in pairs]),
+        **{key: per_row(key) for key in COLUMNS if key in blocks[0] and key != "fits"},
+        "fits": fits,
+        "collectives": _collectives_column([by_stage[s] for s, _ in pairs], nd),
+        "activation_bytes": pd.arrays.IntegerArray(act, mask=~known),
+        "total_bytes": pd.arrays.IntegerArray(total, mask=~known),
+        "total_fits": pd.arrays.BooleanArray(total_fits, mask=~known | (config.gpu_memory_bytes is None)),
+    }
+    return pd.DataFrame(columns, columns=list(COLUMNS))
+
+
+def _block(
+    row: StageEstimate,
+    offload: Offload,
+    numels: tuple,
+    nd: np.ndarray,
+    config: SweepConfig,
+    flat_layout: bool,
+) -> dict[str, np.ndarray]:
+    """The columns of one (stage, offload) pair for the whole grid, from ``stage_estimates`` and, with
+    offload, ``zeroplan.formulas.offload`` (GPU-resident states, host and NVMe bytes, host traffic)."""
+    out = {
+        "comm_volume_elements": np.asarray(row.comm_volume_elements, dtype=np.int64),
+        "comm_bytes_per_rank": np.asarray(row.comm_bytes_per_rank, dtype=np.int64),
+    }
+    if offload == NO_OFFLOAD:
+        memory, reduction, fits = row.memory, row.reduction_vs_dp, row.fits
+        host = nvme = h2d = d2h = 0
+    else:
+        placed = rank_states(numels, nd, row.stage, offload, config.policy, 1, flat_layout)
+        memory = placed.gpu
+        total = np.asarray(memory.model_states_bytes, dtype=np.int64)
+        dp_bytes = _dp_bytes(numels, nd, config, flat_layout)
+        reduction = np.where(total > 0, dp_bytes / np.maximum(total, 1), np.nan)  # NaN: nothing on the GPU
+        fits = (
+            None if config.gpu_memory_bytes is None else memory.model_states_bytes <= config.gpu_memory_bytes
+        )
+        host, nvme, h2d, d2h = placed.host_bytes, placed.nvme_bytes, placed.h2d_bytes, placed.d2h_bytes
+    out.update(
+        params_bytes=memory.params_bytes,
+        grads_bytes=memory.grads_bytes,
+        optimizer_bytes=memory.optimizer_bytes,
+        model_states_bytes=memory.model_states_bytes,
+        reduction_vs_dp=np.asarray(reduction, dtype=np.float64),
+        fits=fits,
+        host_bytes=host,
+        nvme_bytes=nvme,
+        h2d_bytes=h2d,
+        d2h_bytes=d2h,
+    )
+    int_keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes")
+    for key in (*int_keys, "host_bytes", "nvme_bytes", "h2d_bytes", "d2h_bytes"):
+        out[key] = np.asarray(out[key], dtype=np.int64)
+    return out
+
+
+def _dp_bytes(numels: tuple, nd: np.ndarray, config: SweepConfig, flat_layout: bool) -> np.ndarray:
+    """Stage-0 model states, the denominator of ``reduction_vs_dp``, by the same function as ``estimate``."""
+    (dp,) = stage_estimates(numels, nd, config.policy, (0,), None, flat_layout)
+    return np.asarray(dp.memory.model_states_bytes, dtype=np.int64)
+
+
+def sweep(
+    params: Sequence[float] | None = None,
+    gpus: Sequence[int] = (1,),
+    *,
+    model_parallel: Sequence[int] = (1,),
+    stages: Sequence[int] = (0, 1, 2, 3),
+    offload: Sequence[str | Offload] = ("none",),
+    tensor_numels: Sequence[int] | None = None,
+    model: str | None = None,
+    micro_batch: Sequence[int] = (1,),
+    seq_len: int | None = None,
+    checkpointing: str = "full",
+    gpu_memory_bytes: int | None = None,
+    **policy: object,
+) -> pd.DataFrame:
+    """``zeroplan.estimate`` for every combination of ``params`` x ``gpus`` x ``model_parallel``.
+
+    Returns one row per configuration, stage and ``offload`` (columns ``COLUMNS``); byte columns are exact
+    int64. ``offload`` items are ``zeroplan.parsing.parse_offload`` strings ('none', 'cpu', 'cpu/cpu', ...).
+    Remaining keywords are ``PrecisionPolicy`` fields, as for ``estimate``. Raises
+    ``pydantic.ValidationError`` on bad input.
+    """
+    config = SweepConfig(
+        params=tuple(params) if params is not None else None,
+        tensor_numels=tuple(tensor_numels) if tensor_numels is not None else None,
+        gpus=tuple(gpus),
+        model_parallel=tuple(model_parallel),
+        stages=tuple(stages),
+        offload=tuple(offload),
+        model=model,
+        micro_batch=tuple(micro_batch),
+        seq_len=seq_len,
+        checkpointing=checkpointing,
+        gpu_memory_bytes=gpu_memory_bytes,
+        policy=PrecisionPolicy(**policy),
+    )
+    return sweep_config(config)
+
+

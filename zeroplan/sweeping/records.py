@@ -1,0 +1,47 @@
+"""The row of a sweep: one configuration, stage and offload. Its fields are the sweep's columns."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SweepRow(BaseModel):
+    """One configuration, stage and offload of a sweep (also the CSV columns, in this order).
+
+    The configuration, then the keys of ``estimate --json`` ``stages[]`` with the collectives summarised
+    (``zeroplan.sweeping.grid.collectives_summary``), then where offloaded states live and the host
+    traffic per step (``zeroplan.formulas.offload``; 0 without offload). With offload, the memory columns
+    are what stays in GPU memory. With a reference ``model``, activations per GPU for each micro-batch
+    (``zeroplan.formulas.activations``), ``total_bytes`` = GPU model states + activations and
+    ``total_fits``; these are empty without a model or where no estimate exists.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    params: int
+    gpus: int
+    model_parallel: int
+    nd: int
+    psi: int
+    micro_batch: int
+    stage: int
+    name: str
+    offload: str
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    model_states_bytes: int
+    reduction_vs_dp: Optional[float] = Field(description="null when nothing stays on the GPU")
+    fits: Optional[bool]
+    comm_volume_elements: int
+    comm_bytes_per_rank: int
+    collectives: str
+    host_bytes: int
+    nvme_bytes: int
+    h2d_bytes: int
+    d2h_bytes: int
+    activation_bytes: Optional[int]
+    total_bytes: Optional[int]
+    total_fits: Optional[bool]
