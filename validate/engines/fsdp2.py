@@ -123,6 +123,24 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     return dict(out)
 
 
+def check_parity(settings: Fsdp2Settings, spec, mesh, local_batch, global_batch, device) -> dict:
+    """fp32 only, outside the probes: a fresh sharded model's gradients of one micro-batch, gathered, vs
+    one process's gradients of the global batch (the mean of N_d equal micro-batch losses is the global mean
+    loss). A reduce-scatter that sums instead of averaging (gloo's AVG before pytorch#162338 was fixed) is
+    off by a factor N_d; summation order alone gives ~1e-7 relative."""
+    model = shard(build(spec, torch.float32, device), mesh, settings)
+    model.loss(tuple(t.to(device) for t in local_batch)).backward()
+    reference = build(spec, torch.float32, device)
+    reference.loss(tuple(t.to(device) for t in global_batch)).backward()
+    ref = {name: p.grad for name, p in reference.named_parameters()}
+    scale = max(float(g.abs().max()) for g in ref.values())
+    diff = 0.0
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor()  # a collective: every rank calls it, in the same order
+        diff = max(diff, float((grad - ref[name.replace("_checkpoint_wrapped_module.", "")]).abs().max()))
+    return {"grad_max_abs_diff": diff, "grad_max_abs": scale, "grad_rel_diff": diff / scale}
+
+
 def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, fake: bool) -> dict:
     """Build, shard and train under the probes; returns this rank's row."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -165,8 +183,12 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
                 optimizer.zero_grad(set_to_none=True)
                 enter(None)
                 readings["boundary"].append(probe.settled_bytes())
+    parity = None
+    if not fake and settings.param_dtype == "fp32" and dist.get_backend() != "fake":
+        parity = check_parity(settings, spec, mesh, local_batches[0], global_batches[0], device)
     return {
         "rank": rank,
+        "parity": parity,
         "settings": asdict(settings),
         "readings_bytes": dict(readings),
         "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
@@ -180,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default="{}", help="Fsdp2Settings as JSON")
     parser.add_argument("--simulated", action="store_true", help="rank 0 of a fake group, FakeTensorMode")
+    parser.add_argument("--real-tensors", action="store_true", help="simulated, but with real tensors")
     parser.add_argument("--world-size", type=int, default=None, help="N_d when simulated")
     parser.add_argument("--out", required=True, help="JSON file: every rank's row (written by rank 0)")
     args = parser.parse_args(argv)
@@ -196,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    row = measure(settings, nd, rank, device, fake=args.simulated)
+    row = measure(settings, nd, rank, device, fake=args.simulated and not args.real_tensors)
     rows = [row]
     if not args.simulated:
         everyone = [None] * nd if rank == 0 else None
