@@ -38,7 +38,9 @@ from validate.simulate import fake_tensors, init_fake_world
 from zeroplan.atomic import write_text_atomic
 
 # MemTracker's gradient hook meets DTensor gradients it cannot flatten (FSDP2 sets them after the hook).
-warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass", category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message="Expected a tensor or a traceable wrapper-subclass", category=UserWarning
+)
 
 PHASES = ("init", "forward", "backward", "optimizer_step")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -226,8 +228,11 @@ def main(argv: list[str] | None = None) -> None:
         dist.gather_object(row, everyone, dst=0)
         rows = everyone
     if rank == 0:
-        meta = {"world_size": nd, "backend": dist.get_backend(), "device": str(device), "torch": torch.__version__}
+        backend = dist.get_backend()
+        meta = {"world_size": nd, "backend": backend, "device": str(device), "torch": torch.__version__}
         write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if not args.simulated:
+        dist.barrier()  # seen once without it: a gloo rank aborting in teardown while rank 0 still wrote
     dist.destroy_process_group()
 
 

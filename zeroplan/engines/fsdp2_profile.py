@@ -51,12 +51,12 @@ class Policy:
 
     @property
     def param(self) -> str:
-        """Dtype of the gathered parameters and of autograd's gradients (_fsdp_param.py:FSDPParam.init_dtype_attrs)."""
+        """Gathered parameters and autograd's gradients (_fsdp_param.py:FSDPParam.init_dtype_attrs)."""
         return canonical_dtype(self.param_dtype or self.module_dtype)
 
     @property
     def reduce(self) -> str:
-        """Dtype of the reduce-scatter (_fsdp_collectives.py:foreach_reduce: ``reduce_dtype or grad_dtype``)."""
+        """Reduce-scatter dtype (_fsdp_collectives.py:foreach_reduce: ``reduce_dtype or grad_dtype``)."""
         return canonical_dtype(self.reduce_dtype or self.param)
 
     @property
@@ -98,8 +98,9 @@ TERMS: tuple[TermSpec, ...] = (
              "FSDPParam.free_unsharded_param at reshard (after forward if reshard_after_forward, the root "
              "only after backward: _fsdp_state.py:FSDPState._lazy_init)"),
     TermSpec("post-forward shard (reshard_after_forward=k)", ("forward", "backward"), "unit", "nd * S_u / k",
-             "param", f"{SRC}_fsdp_param.py:FSDPParam.to_sharded_post_forward (clone of the all-gather output)"),
-    TermSpec("backward prefetch (next unit's all-gather output)", ("backward",), "unit", "nd * S_(u-1)", "param",
+             "param", f"{SRC}_fsdp_param.py:FSDPParam.to_sharded_post_forward (clone of the gathered data)"),
+    TermSpec("backward prefetch (next unit's all-gather output)", ("backward",), "unit", "nd * S_(u-1)",
+             "param",
              f"{SRC}_fsdp_param_group.py:FSDPParamGroup._backward_prefetch (unshard of the previous unit in "
              "forward order, issued in pre_backward, copied out at that unit's pre_backward)"),
     TermSpec("unsharded gradients", ("backward",), "param tensor", "d0 * prod(rest)", "param",
@@ -126,7 +127,7 @@ TERMS: tuple[TermSpec, ...] = (
 
 
 def shard_rows(d0: int, nd: int) -> int:
-    """Rows of dim 0 every rank stores, padding included: ceil(d0 / nd) (_fsdp_common.py:_chunk_with_empty)."""
+    """Rows of dim 0 each rank stores, padding included: ceil(d0 / nd) (_fsdp_common.py:_chunk_with_empty)."""
     if d0 < 0 or nd < 1:
         raise ValueError(f"d0={d0}, nd={nd}: need d0 >= 0 and nd >= 1")
     return -(-d0 // nd)
@@ -217,12 +218,13 @@ def collectives(units: tuple[Unit, ...], nd: int, policy: Policy) -> tuple[Colle
     for u in reversed(units[1:]):  # blocks, last first
         if rsf is not False and group > 1:
             out.append(Collective("all-gather", "backward", u.name, full[u.name], policy.param, group))
-    out += [Collective("reduce-scatter", "backward", u.name, full[u.name], policy.reduce, nd) for u in reversed(units)]
+    for u in reversed(units):
+        out.append(Collective("reduce-scatter", "backward", u.name, full[u.name], policy.reduce, nd))
     return tuple(out)
 
 
 def units_of(named_shapes: tuple[tuple[str, Shape], ...], block_prefix: str = "blocks.") -> tuple[Unit, ...]:
-    """FSDP2's documented wrapping of named shapes: one unit per ``blocks.<i>.``, the rest in the root, first."""
+    """FSDP2's documented wrapping: one unit per ``blocks.<i>.``, the other parameters in the root (first)."""
     root: list[Shape] = []
     blocks: dict[str, list[Shape]] = {}
     for name, shape in named_shapes:
