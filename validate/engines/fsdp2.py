@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    row = measure(settings, nd, rank, device, fake=args.simulated and not args.real_tensors)
+    fake = args.simulated and not args.real_tensors
+    row = measure(settings, nd, rank, device, fake=fake)
     rows = [row]
     if not args.simulated:
         everyone = [None] * nd if rank == 0 else None
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         backend = dist.get_backend()
         meta = {"world_size": nd, "backend": backend, "device": str(device), "torch": torch.__version__}
+        meta["fake_tensors"] = fake
         write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}, indent=1))
     if not args.simulated:
         dist.barrier()  # seen once without it: a gloo rank aborting in teardown while rank 0 still wrote

@@ -234,3 +234,22 @@ def units_of(named_shapes: tuple[tuple[str, Shape], ...], block_prefix: str = "b
         else:
             root.append(tuple(shape))
     return (Unit("root", tuple(root)), *(Unit(n, tuple(s)) for n, s in blocks.items()))
+
+
+
+def init_peak_bytes(units: tuple[Unit, ...], nd: int, policy: Policy) -> int:
+    """Peak of ``init``: build in the module dtype, ``fully_shard`` each block, then the root, create Adam.
+
+    While a unit is sharded, the units not yet sharded are whole and the padded shards of the units sharded
+    so far and of this one exist: FSDPParam._init_sharded_param (_fsdp_param.py) allocates the shard
+    before the unit's whole tensors are dropped when fully_shard returns. Adam's constructor allocates
+    nothing (its states come at the first step). Wrap order: the blocks (``units[1:]``), then the root.
+    """
+    whole = [sum(prod(s) for s in u.shapes) for u in units]
+    shard = [unit_shard_numel(u, nd) for u in units]
+    order = [*range(1, len(units)), 0]
+    live, peak = sum(whole), sum(whole)
+    for i in order:
+        peak = max(peak, live + shard[i])
+        live += shard[i] - whole[i]
+    return peak * dtype_bytes(policy.module)
