@@ -212,3 +212,59 @@ def test_module_shapes_refuses_what_is_not_a_module():
 
     with pytest.raises(TypeError, match="expected a torch.nn.Module, got dict"):
         module_shapes({})
+
+
+# --- the reference runtime's model (validate/transformer.py) against transformers, fp32 on CPU ---
+
+TINY = [n for n in NAMES if n.startswith("tiny-")]
+
+
+@functools.lru_cache(maxsize=None)
+def _parity(name: str, checkpointing: bool):
+    """(ours, theirs, tokens): our model carrying the transformers model's weights, and one batch."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from validate.transformer import CausalLM
+
+    cfg = config(name)
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), attn_implementation="sdpa")
+    ours = CausalLM(read_hf_config(CONFIGS / f"{name}.json"), checkpointing=checkpointing)
+    state = theirs.state_dict()
+    mine = ours.state_dict()
+    assert set(state) - set(mine) <= {"lm_head.weight"}  # a tied head is the embedding
+    ours.load_state_dict({k: state[k] for k in mine})
+    seq = min(12, ours.spec.max_seq_len)  # longer than tiny-mistral's window of 5
+    tokens = torch.randint(0, ours.spec.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
+    return ours, theirs, tokens
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_reference_model_matches_transformers(hf, name):
+    import torch
+    import torch.nn.functional as F
+
+    ours, theirs, tokens = _parity(name, False)
+    assert tuple((n, tuple(p.shape)) for n, p in ours.named_parameters()) == transformer_shapes(ours.spec)
+    out = theirs(input_ids=tokens, labels=tokens)  # transformers shifts the labels itself
+    targets = F.pad(tokens[:, 1:], (0, 1), value=-100)  # the same targets, shifted here
+    logits = ours(tokens)
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.loss((tokens, targets)), out.loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-mistral"])
+def test_checkpointed_blocks_give_the_same_gradients(hf, name):
+    import torch
+
+    plain, _, tokens = _parity(name, False)
+    ckpt, _, _ = _parity(name, True)
+    batch = (tokens, tokens.roll(-1, dims=1))
+    grads = []
+    for model in (plain, ckpt):
+        model.zero_grad()
+        model.loss(batch).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

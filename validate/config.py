@@ -14,7 +14,9 @@ class ValidateConfig(BaseModel):
 
     stages: tuple[int, ...] = Field((0, 1, 2, 3), description="ZeRO stages to run, each 0-3")
     world_sizes: tuple[int, ...] = Field((2, 4), description="N_d values; one process group each")
-    model: str = Field("gpt-tiny", description="preset of validate.models.PRESETS")
+    model: str = Field(
+        "gpt-tiny", description="preset of validate.models.PRESETS or zeroplan, or a config.json path"
+    )
     params: float | None = Field(None, description="instead of model: a GPT-style model of about Ψ params")
     simulated: bool = Field(False, description="one process plays rank 0 of the world on a fake group")
     fake_tensors: bool | None = Field(None, description="FakeTensorMode; default: on when simulated on CPU")
@@ -74,8 +76,8 @@ class ValidateConfig(BaseModel):
 
     @model_validator(mode="after")
     def _known_model(self) -> ValidateConfig:
-        from validate.models import PRESETS
+        from validate.models import spec_for
 
-        if self.params is None and self.model not in PRESETS:
-            raise ValueError(f"model={self.model!r}: expected one of {', '.join(PRESETS)} (or give --params)")
+        if self.params is None:
+            spec_for(self.model, None)  # ValueError, one line, for an unknown name or a bad config file
         return self
