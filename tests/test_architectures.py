@@ -268,3 +268,73 @@ def test_checkpointed_blocks_give_the_same_gradients(hf, name):
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def _ops(model, batch) -> set[str]:
+    """Names of the aten ops one training-mode loss dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    seen: set[str] = set()
+    with Record():
+        model.loss(batch)
+    return seen
+
+
+def test_dropout_runs_only_where_the_config_asks(hf):
+    import torch
+
+    from validate.transformer import CausalLM
+
+    tokens = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(2))
+    batch = (tokens, tokens.roll(-1, dims=1))
+    quiet = CausalLM(read_hf_config(CONFIGS / "tiny-gpt2.json")).train()  # dropout 0 in the file
+    assert not {op for op in _ops(quiet, batch) if "dropout" in op or "bernoulli" in op}
+    noisy_cfg = {**config("tiny-gpt2"), "resid_pdrop": 0.5, "embd_pdrop": 0.5}
+    noisy = CausalLM(spec_from_hf_config(noisy_cfg))
+    noisy.load_state_dict(quiet.state_dict())
+    assert {op for op in _ops(noisy.train(), batch) if "dropout" in op or "bernoulli" in op}
+    with torch.no_grad():
+        torch.testing.assert_close(noisy.eval().loss(batch), quiet.eval().loss(batch))  # eval: no dropout
+        assert not torch.equal(noisy.train().loss(batch), quiet.loss(batch))
+
+
+def test_reference_model_refuses_rope_it_does_not_build():
+    pytest.importorskip("torch")
+    from validate.transformer import CausalLM
+
+    with pytest.raises(ValueError, match="rope_type='llama3': the reference runtime builds only 'default'"):
+        CausalLM(read_hf_config(CONFIGS / "llama-3.2-1b.json"), device="meta")
+
+
+@pytest.mark.distributed
+def test_validate_runs_a_config_file(tmp_path):
+    # A Qwen2 config (tied head, q/k/v biases, 5 query heads on 1 key/value head) through the reference
+    # runtime on real gloo: model states within 1% and collectives exact, as for the built-in presets.
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-c", "from zeroplan.cli import main; main()", "validate", "--model",
+           str(CONFIGS / "tiny-qwen2.json"), "--world-size", "2", "--stage", "0", "--stage", "3",
+           "--steps", "2", "--seq-len", "12", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["stage"], r["world_size"]) for r in rows] == [(0, 2), (3, 2)]
+    assert all(r["ok"] and r["checks"]["comm_exact"] and r["psi"] == 27_632 for r in rows)
+
+
+def test_validate_refuses_what_the_runtime_cannot_build():
+    pytest.importorskip("torch")
+    from validate.models import spec_for
+
+    with pytest.raises(ValueError, match="rope_type='llama3'"):
+        spec_for(str(CONFIGS / "llama-3.2-1b.json"), None)
+    with pytest.raises(ValueError, match=r"^model='nope': expected one of gpt-tiny, mlp-tiny, gpt-1b-wide, a model"):
+        spec_for("nope", None)

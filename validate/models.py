@@ -10,12 +10,13 @@ are parameters only.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from validate.transformer import CausalLM
+from validate.transformer import CausalLM, check_buildable
 from zeroplan.hf_config import spec_from_hf_config
 from zeroplan.models import TransformerSpec, gpt_for_params
 
@@ -69,12 +70,17 @@ def spec_for(model: str | None, params: float | None):
         return gpt_for_params(params)
     if model in PRESETS:
         return PRESETS[model]
-    from zeroplan.hardware import resolve_model
+    from zeroplan.hardware import model_presets, resolve_model
 
-    try:
-        return resolve_model(model)
-    except ValueError as exc:
-        raise ValueError(f"{exc}; validator presets: {', '.join(PRESETS)} (or give --params)") from None
+    path = model.endswith(".json") or Path(model).exists()
+    if not path and model.strip().lower() not in model_presets():
+        raise ValueError(
+            f"model={model!r}: expected one of {', '.join(PRESETS)}, a model preset "
+            f"({', '.join(model_presets())}) or the path of a config.json (or give --params)"
+        )
+    spec = resolve_model(model)  # a config file's problem is one line naming the file and the key
+    check_buildable(spec)
+    return spec
 
 
 def make_batch(spec, n: int, generator: torch.Generator, seq_len: int | None = None) -> tuple:

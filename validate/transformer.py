@@ -202,6 +202,12 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def check_buildable(spec: TransformerSpec) -> None:
+    """ValueError (one line) for a spec this module cannot compute as transformers does."""
+    if spec.style == "llama" and spec.rope_type != "default":
+        raise ValueError(f"rope_type={spec.rope_type!r}: the reference runtime builds only 'default' RoPE")
+
+
 class _Body(nn.Module):
     """A named container (``transformer`` / ``model``) so parameter names match transformers'."""
 
@@ -211,8 +217,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, spec: TransformerSpec, checkpointing: bool = False, **kw) -> None:
         super().__init__()
-        if spec.style == "llama" and spec.rope_type != "default":
-            raise ValueError(f"rope_type={spec.rope_type!r}: the reference runtime builds only 'default' RoPE")
+        check_buildable(spec)
         self.spec, self.checkpointing = spec, checkpointing
         d, v = spec.d_model, spec.vocab_size
         body = _Body()
