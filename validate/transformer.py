@@ -115,7 +115,8 @@ class GPT2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (z.view(b, t, -1, self.spec.head_dim).transpose(1, 2) for z in self.c_attn(x).split(d, dim=2))
+        q, k, v = (z.view(b, t, -1, self.spec.head_dim).transpose(1, 2)
+                   for z in self.c_attn(x).split(d, dim=2))  # fmt: skip
         y = self.c_proj(_attend(q, k, v, self.spec, None, self.training))
         return _dropout(y, self.spec.resid_pdrop, self.training)
 
@@ -282,7 +283,7 @@ class CausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (b, t, vocab) in the parameters' dtype."""
         if tokens.shape[1] > self.spec.max_seq_len and self.spec.style == "gpt":
-            raise ValueError(f"seq_len={tokens.shape[1]}: the model has only {self.spec.max_seq_len} positions")
+            raise ValueError(f"seq_len={tokens.shape[1]}: the model has {self.spec.max_seq_len} positions")
         x = self.embed(tokens)
         if self.spec.style == "gpt":
             x = x + self.transformer.wpe(torch.arange(tokens.shape[1], device=tokens.device))[None]

@@ -138,8 +138,8 @@ def _llama_common(r: _Reader, kv_default: int | None, positions: int, tie: bool)
     d_model = r.count("hidden_size")
     n_kv = r.count("num_key_value_heads", kv_default)
     return dict(
-        style="llama", vocab_size=r.count("vocab_size"), d_model=d_model, n_layer=r.count("num_hidden_layers"),
-        n_head=n_head, ffn_hidden=r.count("intermediate_size"),
+        style="llama", vocab_size=r.count("vocab_size"), d_model=d_model,
+        n_layer=r.count("num_hidden_layers"), n_head=n_head, ffn_hidden=r.count("intermediate_size"),
         n_kv_head=n_head if n_kv is None else n_kv,
         # LlamaAttention (and Mistral's, Qwen2's) read getattr(config, "head_dim", hidden // heads)
         head_dim=r.count("head_dim", d_model // n_head),
