@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroplan.dtypes import canonical_dtype
+from zeroplan.formulas.dtypes import canonical_dtype
 from zeroplan.engines.fsdp2_profile import (
     Policy,
     collectives,
@@ -72,7 +72,7 @@ def _policy(settings: dict) -> Policy:
 def _units():
     from validate.models import PRESETS
 
-    from zeroplan.models import transformer_shapes
+    from zeroplan.architectures.spec import transformer_shapes
 
     return units_of(transformer_shapes(PRESETS["gpt-tiny"]))
 

@@ -26,7 +26,7 @@ class ValidateConfig(BaseModel):
         DEFAULT_WORLD_SIZES, min_length=1,
         description="N_d values; one process group each. Default 2 and 4; 64 when simulated",
     )  # fmt: skip
-    model: str = Field("gpt-tiny", description="preset of validate.models.PRESETS")
+    model: str = Field("gpt-tiny", description="preset of validate.models.PRESETS or zeroplan, or a config.json path")
     params: PositiveFinite | None = Field(
         None, description="instead of model: a GPT-style model of about Ψ params"
     )
@@ -73,8 +73,8 @@ class ValidateConfig(BaseModel):
 
     @model_validator(mode="after")
     def _known_model(self) -> ValidateConfig:
-        from validate.models import PRESETS
+        from validate.models import spec_for
 
-        if self.params is None and self.model not in PRESETS:
-            raise ValueError(f"model={self.model!r}: expected one of {', '.join(PRESETS)} (or give --params)")
+        if self.params is None:
+            spec_for(self.model, None)  # ValueError, one line, for an unknown name or a bad config file
         return self

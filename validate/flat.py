@@ -1,8 +1,8 @@
 """Flat buffers with per-parameter views, laid out by the planner's own padding rule.
 
 Each unit's tensors sit end to end in one flat buffer; from stage 1 on every tensor is padded to a
-multiple of N_d with ``zeroplan.sharding.padded_numel``, so the unit's length is
-``zeroplan.sharding.flat_padded_numel`` and each rank owns ``flat_shard_numel`` elements of it. Because
+multiple of N_d with ``zeroplan.formulas.sharding.padded_numel``, so the unit's length is
+``zeroplan.formulas.sharding.flat_padded_numel`` and each rank owns ``flat_shard_numel`` elements of it. Because
 every tensor is padded, the per-unit shards add up to exactly the planner's per-rank shard of the whole
 model, whatever the grouping into units.
 """

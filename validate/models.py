@@ -1,80 +1,42 @@
-"""Small real models whose parameters are exactly the shapes ``zeroplan.models`` predicts.
+"""Small real models whose parameters are exactly the shapes ``zeroplan.architectures.spec`` predicts.
 
-``GPT`` builds ``zeroplan.models.transformer_shapes`` (GPT style: learned positions, biased LayerNorm and
-linears, 4x MLP, LM head tied to the token embedding) and ``MLP`` builds ``mlp_shapes``, in the same
-``named_parameters`` order. Both expose ``blocks``: the sharding units of the runtime (the remaining
-parameters form the root unit). No buffers: model states are parameters only.
+Transformers (``zeroplan.architectures.spec.TransformerSpec``, from a preset here, a zeroplan model preset or a
+Hugging Face ``config.json``) are built by ``validate/transformer.py`` with transformers' parameter
+names; ``MLP`` builds ``mlp_shapes``, in the same ``named_parameters`` order. Both expose ``blocks``: the
+sharding units of the runtime (the remaining parameters form the root unit). No buffers: model states
+are parameters only.
 """
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from validate.transformer import CausalLM, check_buildable
+from zeroplan.architectures.hf_config import spec_from_hf_config
 from zeroplan.architectures.spec import TransformerSpec, gpt_for_params
+
+
+def _gpt2(name: str, **dims) -> TransformerSpec:
+    """A GPT-2 config without dropout and with exact GELU (``activation_function: gelu``): the layout,
+    numbers and ops of the GPT class these presets were first written for."""
+    config = {"model_type": "gpt2", "activation_function": "gelu", "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+              "resid_pdrop": 0.0, **dims}  # fmt: skip
+    return spec_from_hf_config(config, f"validate preset {name!r}")
+
 
 PRESETS: dict[str, object] = {
     # Odd widths on purpose: at N_d = 4 most tensors need padding, so the padding rule is exercised.
-    "gpt-tiny": TransformerSpec(n_layer=2, d_model=36, n_head=3, vocab_size=101, max_seq_len=16),
+    "gpt-tiny": _gpt2("gpt-tiny", n_layer=2, n_embd=36, n_head=3, vocab_size=101, n_positions=16),
     "mlp-tiny": (33, 70, 70, 9),
     # 1.21B parameters in two wide blocks: a billion-parameter model for the simulated CI run that costs
     # few dispatched ops (time goes with layer count, not width, on fake tensors).
-    "gpt-1b-wide": TransformerSpec(n_layer=2, d_model=6144, n_head=48, vocab_size=50304, max_seq_len=128),
+    "gpt-1b-wide": _gpt2("gpt-1b-wide", n_layer=2, n_embd=6144, n_head=48, vocab_size=50304, n_positions=128),
 }
-
-
-class Block(nn.Module):
-    def __init__(self, spec: TransformerSpec, **kw) -> None:
-        super().__init__()
-        d, f = spec.d_model, spec.ffn
-        self.n_head = spec.n_head
-        self.ln_1 = nn.LayerNorm(d, **kw)
-        self.attn = nn.Module()
-        self.attn.qkv = nn.Linear(d, d + 2 * spec.kv_dim, **kw)
-        self.attn.proj = nn.Linear(d, d, **kw)
-        self.ln_2 = nn.LayerNorm(d, **kw)
-        self.mlp = nn.Module()
-        self.mlp.fc = nn.Linear(d, f, **kw)
-        self.mlp.proj = nn.Linear(f, d, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.attn.qkv(self.ln_1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.attn.proj(y)
-        return x + self.mlp.proj(F.gelu(self.mlp.fc(self.ln_2(x))))
-
-
-class GPT(nn.Module):
-    """GPT-2-style decoder; ``loss(batch)`` is next-token cross-entropy on a (tokens, targets) batch."""
-
-    def __init__(self, spec: TransformerSpec, **kw) -> None:
-        super().__init__()
-        if spec.style != "gpt" or spec.n_kv_head not in (None, spec.n_head):
-            raise ValueError("validate.models.GPT builds GPT-style specs with full multi-head attention only")
-        self.spec = spec
-        self.wte = nn.Embedding(spec.vocab_size, spec.d_model, **kw)
-        self.wpe = nn.Embedding(spec.max_seq_len, spec.d_model, **kw)
-        self.blocks = nn.ModuleList(Block(spec, **kw) for _ in range(spec.n_layer))
-        self.ln_f = nn.LayerNorm(spec.d_model, **kw)
-        for emb in (self.wte, self.wpe):  # GPT-2's init; N(0, 1) would make the tied logits huge
-            nn.init.normal_(emb.weight, std=0.02)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.wte(tokens) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x) @ self.wte.weight.t()  # tied LM head
-
-    def loss(self, batch) -> torch.Tensor:
-        tokens, targets = batch
-        logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class MLP(nn.Module):
@@ -87,7 +49,7 @@ class MLP(nn.Module):
 
     @property
     def blocks(self) -> nn.ModuleList:
-        """The sharding units: one per linear (zeroplan.models.mlp_shapes calls them ``layers``)."""
+        """The sharding units: one per linear (zeroplan.architectures.spec.mlp_shapes calls them ``layers``)."""
         return self.layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,12 +64,23 @@ class MLP(nn.Module):
 
 
 def spec_for(model: str | None, params: float | None):
-    """The spec of a preset name, or a GPT-style spec of about ``params`` parameters."""
+    """The spec of ``model``: a preset here, else a zeroplan model preset or a ``config.json`` path
+    (``zeroplan.presets.resolve_model``); or a GPT-style spec of about ``params`` parameters."""
     if params is not None:
         return gpt_for_params(params)
-    if model not in PRESETS:
-        raise ValueError(f"model={model!r}: expected one of {', '.join(PRESETS)} (or give --params)")
-    return PRESETS[model]
+    if model in PRESETS:
+        return PRESETS[model]
+    from zeroplan.presets import model_presets, resolve_model
+
+    path = model.endswith(".json") or Path(model).exists()
+    if not path and model.strip().lower() not in model_presets():
+        raise ValueError(
+            f"model={model!r}: expected one of {', '.join(PRESETS)}, a model preset "
+            f"({', '.join(model_presets())}) or the path of a config.json (or give --params)"
+        )
+    spec = resolve_model(model)  # a config file's problem is one line naming the file and the key
+    check_buildable(spec)
+    return spec
 
 
 def make_batch(spec, n: int, generator: torch.Generator, seq_len: int | None = None) -> tuple:
@@ -121,15 +94,18 @@ def make_batch(spec, n: int, generator: torch.Generator, seq_len: int | None = N
     return torch.randn(n, spec[0], generator=generator), torch.randn(n, spec[-1], generator=generator)
 
 
-def build(spec, dtype: torch.dtype, device, seed: int = 0) -> nn.Module:
-    """The model of ``spec`` with parameters of ``dtype`` on ``device``, initialised from ``seed``."""
+def build(spec, dtype: torch.dtype, device, seed: int = 0, checkpointing: bool = False) -> nn.Module:
+    """The model of ``spec`` with parameters of ``dtype`` on ``device``, initialised from ``seed``;
+    ``checkpointing``: recompute each transformer block in backward (torch.utils.checkpoint)."""
     torch.manual_seed(seed)
     kw = {"dtype": dtype, "device": device}
-    return GPT(spec, **kw) if isinstance(spec, TransformerSpec) else MLP(spec, **kw)
+    if isinstance(spec, TransformerSpec):
+        return CausalLM(spec, checkpointing=checkpointing, **kw)
+    return MLP(spec, **kw)
 
 
 def expected_shapes(spec) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """What ``zeroplan.models`` says the parameters of ``spec`` are."""
+    """What ``zeroplan.architectures.spec`` says the parameters of ``spec`` are."""
     from zeroplan.architectures.spec import mlp_shapes, transformer_shapes
 
     return transformer_shapes(spec) if isinstance(spec, TransformerSpec) else mlp_shapes(spec)

@@ -1,7 +1,7 @@
 """Prediction next to measurement, one row per (world size, stage), and the verdict.
 
 Predictions come from ``zeroplan.estimate`` on the model's exact tensor sizes (from
-``zeroplan.models``, the planner's shape functions), with the runtime's precision: bf16 parameters and
+``zeroplan.architectures.spec``, the planner's shape functions), with the runtime's precision: bf16 parameters and
 gradients, fp32 master copy, Adam with fp32 m and v.
 """
 

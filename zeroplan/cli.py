@@ -296,7 +296,9 @@ def validate_cmd(
         None, "--world-size", help="N_d; repeat for several. Default: 2 and 4 (64 with --simulated)."
     ),
     stage: Optional[list[int]] = typer.Option(None, "--stage", help="ZeRO stage 0-3; repeat. Default: all."),
-    model: str = typer.Option("gpt-tiny", help="Reference model: gpt-tiny or mlp-tiny."),
+    model: str = typer.Option(
+        "gpt-tiny", help="gpt-tiny, mlp-tiny, gpt-1b-wide, a model preset or a config.json path."
+    ),
     params: Optional[str] = typer.Option(None, help="Instead of --model: a GPT-style model of about Ψ params."),
     simulated: bool = typer.Option(False, "--simulated", help="One process plays rank 0 on a fake group."),
     device: str = typer.Option("auto", help="auto (cuda if present), cpu or cuda."),

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from importlib import resources
-from typing import Annotated, Literal, Optional
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 
+from zeroplan.architectures.hf_config import read_hf_config, spec_from_hf_config
 from zeroplan.architectures.spec import TransformerSpec, numels, transformer_shapes
 from zeroplan.types import ByteSize, Count, NonNegativeFinite, PositiveFinite
 
@@ -57,35 +59,27 @@ class LinkSpec(BaseModel):
 
 
 class ModelPreset(BaseModel):
-    """A reference model by architecture; Ψ follows from ``architectures.spec.transformer_shapes``."""
+    """A reference model: the architecture keys of its Hugging Face ``config.json``, read by
+    ``zeroplan.architectures.hf_config`` as a user's file is; Ψ follows from ``architectures.spec.transformer_shapes``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    style: Literal["gpt", "llama"]
-    n_layer: Count
-    d_model: Count
-    n_head: Count
-    n_kv_head: Optional[Count] = None
-    ffn_hidden: Optional[Count] = None
-    """MLP hidden width; None means 4·d_model (GPT)."""
-    vocab_size: Count
     seq_len: Count
-    """training context length, tokens; also GPT's position-embedding rows."""
+    """training context length, tokens (the default --seq-len)."""
     source: str
+    hf_config: dict[str, Any]
+    """config.json keys (``model_type`` and the architecture); absent keys take transformers' defaults."""
+
+    @field_validator("hf_config")
+    @classmethod
+    def _readable(cls, v: dict[str, Any]) -> dict[str, Any]:
+        spec_from_hf_config(v, "hf_config")  # a preset that does not read is a broken data file
+        return v
 
     @property
     def spec(self) -> TransformerSpec:
-        return TransformerSpec(
-            n_layer=self.n_layer,
-            d_model=self.d_model,
-            n_head=self.n_head,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.seq_len,
-            ffn_hidden=self.ffn_hidden,
-            n_kv_head=self.n_kv_head,
-            style=self.style,
-        )
+        return spec_from_hf_config(self.hf_config, f"model preset {self.name!r}")
 
     @property
     def tensor_numels(self) -> tuple[int, ...]:
@@ -155,3 +149,17 @@ def gpu_capacity(gpu: Optional[str], gpu_memory_bytes: Optional[int]) -> tuple[O
         spec = get_gpu(gpu)
         return spec.memory_bytes, spec.name
     return gpu_memory_bytes, None
+
+
+def resolve_model(name_or_path: str) -> TransformerSpec:
+    """The architecture ``--model`` names: a local Hugging Face ``config.json`` when ``name_or_path``
+    exists or ends in ``.json`` (read, never downloaded), else a reference model preset; ValueError
+    (one line, listing the presets) otherwise."""
+    if not isinstance(name_or_path, str):
+        raise ValueError(f"model={name_or_path!r}: expected a preset name or the path of a config.json")
+    if name_or_path.endswith(".json") or Path(name_or_path).exists():
+        return read_hf_config(name_or_path)
+    try:
+        return get_model(name_or_path).spec
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or the path of a Hugging Face config.json)") from None

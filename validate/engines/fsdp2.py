@@ -35,7 +35,7 @@ from torch import nn
 from validate.models import build, make_batch, spec_for
 from validate.probes import CommCounter, MemoryProbe
 from validate.simulate import fake_tensors, init_fake_world
-from zeroplan.atomic import write_text_atomic
+from zeroplan.files import write_text_atomic
 
 # MemTracker's gradient hook meets DTensor gradients it cannot flatten (FSDP2 sets them after the hook).
 warnings.filterwarnings(

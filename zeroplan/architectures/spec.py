@@ -1,12 +1,18 @@
 """Parameter shapes of model families, so Ψ and per-tensor padding come from an architecture.
 
-Pure: returns ``(name, shape)`` pairs in the order ``torch.nn.Module.named_parameters`` yields them for
-the reference models in ``validate/models.py``, which build exactly these tensors.
+Pure: returns ``(name, shape)`` pairs with the names, shapes and order of ``named_parameters()`` of the
+Hugging Face ``transformers`` model of the same config (``GPT2LMHeadModel``, ``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, transformers 5.24), which ``validate/transformer.py`` builds
+in plain torch. A tied LM head is the token embedding itself, so it is counted once (``named_parameters``
+drops the duplicate, as here).
 
-Conventions (the GPT-2 / nanoGPT and Llama layouts):
-- GPT style: learned position embeddings, LayerNorm with bias, biased linears, 4x MLP, tied LM head.
-- Llama style: RMSNorm (weight only), no biases, SwiGLU MLP (gate, up, down), grouped-query attention
-  (``n_kv_head`` key/value heads), untied LM head.
+Two layouts (``style``):
+- ``"gpt"`` (model_type ``gpt2``): learned position embeddings, LayerNorm with bias, biased ``Conv1D``
+  projections whose weights are stored (in, out), fused q/k/v, 4x MLP by default, LM head tied by default.
+- ``"llama"`` (model_type ``llama``, ``mistral``, ``qwen2``): rotary positions (no parameters), RMSNorm
+  (weight only), separate q/k/v/o projections with ``n_kv_head`` key/value heads of ``head_dim``,
+  SwiGLU MLP (gate, up, down); biases where the config asks for them (Qwen2: q, k, v); LM head untied
+  by default.
 """
 
 from __future__ import annotations
@@ -16,70 +22,171 @@ from dataclasses import dataclass
 
 Shape = tuple[int, ...]
 
+#: HF ``model_type`` -> layout. One home for the families zeroplan knows.
+FAMILY_STYLE: dict[str, str] = {"gpt2": "gpt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+
+#: Activation functions the reference runtime implements, as transformers' ``ACT2FN`` names them
+#: (transformers/activations.py): GPT-2's default ``gelu_new`` and the Llama family's ``silu``.
+ACTIVATIONS: tuple[str, ...] = ("gelu_new", "gelu", "gelu_pytorch_tanh", "relu", "silu", "swish")
+
 
 @dataclass(frozen=True)
 class TransformerSpec:
-    """A decoder-only transformer. Dimensions are elements; ``ffn_hidden`` defaults to 4·d_model."""
+    """A decoder-only transformer. Dimensions are elements.
+
+    Defaults (None) resolve on construction to the family's: ``ffn_hidden`` 4·d_model,
+    ``n_kv_head`` n_head, ``head_dim`` d_model / n_head, ``model_type`` gpt2 or llama by ``style``,
+    ``tie_word_embeddings`` True for gpt2 and False otherwise, ``hidden_act`` gelu_new for gpt2 and silu
+    otherwise (GPT2Config / LlamaConfig in transformers 5.24). Dropout probabilities are 0 unless given;
+    a config file's values come through ``zeroplan.architectures.hf_config``.
+    """
 
     n_layer: int
     d_model: int
     n_head: int
     vocab_size: int
     max_seq_len: int = 1024
+    """positions: GPT-2's ``n_positions`` (rows of the position embedding), else max_position_embeddings."""
     ffn_hidden: int | None = None
     n_kv_head: int | None = None
     style: str = "gpt"  # "gpt" | "llama"
+    model_type: str | None = None
+    """the Hugging Face family: gpt2 | llama | mistral | qwen2."""
+    head_dim: int | None = None
+    tie_word_embeddings: bool | None = None
+    qkv_bias: bool = False
+    """llama layout: biases on q, k, v (Qwen2: always; Llama: ``attention_bias``). GPT-2 is always biased."""
+    o_bias: bool = False
+    """llama layout: bias on the output projection (Llama's ``attention_bias``)."""
+    mlp_bias: bool = False
+    """llama layout: biases on gate, up, down (Llama's ``mlp_bias``)."""
+    hidden_act: str | None = None
+    norm_eps: float = 1e-5
+    """LayerNorm (gpt) or RMSNorm (llama) epsilon."""
+    rope_theta: float = 10000.0
+    """llama layout: RoPE base wavelength."""
+    rope_type: str = "default"
+    """llama layout: transformers' rope_type (default, llama3, ...); the validator builds ``default``."""
+    sliding_window: int | None = None
+    """llama layout: tokens each query sees (itself and the window-1 before it); None: all before it."""
+    embd_pdrop: float = 0.0
+    """dropout after the embeddings (GPT-2 ``embd_pdrop``)."""
+    attn_pdrop: float = 0.0
+    """dropout on attention probabilities (GPT-2 ``attn_pdrop``, Llama family ``attention_dropout``)."""
+    resid_pdrop: float = 0.0
+    """dropout after the attention and MLP output projections (GPT-2 ``resid_pdrop``)."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "d_model", "n_head", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.style not in ("gpt", "llama"):
             raise ValueError(f"style={self.style!r}: expected 'gpt' or 'llama'")
+        gpt = self.style == "gpt"
+        resolved = {
+            "model_type": "gpt2" if gpt else "llama",
+            "tie_word_embeddings": gpt,
+            "hidden_act": "gelu_new" if gpt else "silu",
+            "n_kv_head": self.n_head,
+            "head_dim": self.d_model // self.n_head,
+        }
+        for name, default in resolved.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        if FAMILY_STYLE.get(self.model_type) != self.style:
+            raise ValueError(f"model_type={self.model_type!r} does not have the {self.style!r} layout")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r}: expected one of {', '.join(ACTIVATIONS)}")
+        for name in ("ffn_hidden", "n_kv_head", "head_dim", "sliding_window"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+        for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be in [0, 1)")
+        if not (self.norm_eps > 0 and self.rope_theta > 0):
+            raise ValueError(f"norm_eps={self.norm_eps}, rope_theta={self.rope_theta}: must be > 0")
+        if self.d_model % self.n_head:  # transformers' GPT2Attention and LlamaConfig refuse it too
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if gpt and (self.n_kv_head != self.n_head or self.head_dim * self.n_head != self.d_model):
+            raise ValueError(
+                f"n_kv_head={self.n_kv_head}, head_dim={self.head_dim}: the gpt layout has full multi-head "
+                f"attention (n_kv_head = n_head = {self.n_head}, head_dim = d_model / n_head)"
+            )
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or 4 * self.d_model
 
     @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention output): n_head · head_dim."""
+        return self.n_head * self.head_dim
+
+    @property
     def kv_dim(self) -> int:
-        return (self.n_kv_head or self.n_head) * (self.d_model // self.n_head)
+        """Width of the keys (and of the values): n_kv_head · head_dim."""
+        return self.n_kv_head * self.head_dim
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.tie_word_embeddings)
+
+
+def _gpt_shapes(spec: TransformerSpec) -> list[tuple[str, Shape]]:
+    """transformers/models/gpt2/modeling_gpt2.py: GPT2LMHeadModel (Conv1D weights are (in, out))."""
+    d, f = spec.d_model, spec.ffn
+    out: list[tuple[str, Shape]] = [("transformer.wte.weight", (spec.vocab_size, d)),
+                                    ("transformer.wpe.weight", (spec.max_seq_len, d))]  # fmt: skip
+    for i in range(spec.n_layer):
+        p = f"transformer.h.{i}."
+        out += [
+            (p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
+            (p + "attn.c_attn.weight", (d, 3 * d)), (p + "attn.c_attn.bias", (3 * d,)),
+            (p + "attn.c_proj.weight", (d, d)), (p + "attn.c_proj.bias", (d,)),
+            (p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)),
+            (p + "mlp.c_fc.weight", (d, f)), (p + "mlp.c_fc.bias", (f,)),
+            (p + "mlp.c_proj.weight", (f, d)), (p + "mlp.c_proj.bias", (d,)),
+        ]  # fmt: skip
+    out += [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
+    return out
+
+
+def _llama_shapes(spec: TransformerSpec) -> list[tuple[str, Shape]]:
+    """transformers/models/llama/modeling_llama.py: LlamaForCausalLM; Mistral and Qwen2 register the
+    same modules (LlamaDecoderLayer: self_attn, mlp, then the two norms)."""
+    d, f, q, kv = spec.d_model, spec.ffn, spec.q_dim, spec.kv_dim
+
+    def linear(name: str, n_out: int, n_in: int, bias: bool) -> list[tuple[str, Shape]]:
+        return [(name + ".weight", (n_out, n_in))] + ([(name + ".bias", (n_out,))] if bias else [])
+
+    out: list[tuple[str, Shape]] = [("model.embed_tokens.weight", (spec.vocab_size, d))]
+    for i in range(spec.n_layer):
+        p = f"model.layers.{i}."
+        out += linear(p + "self_attn.q_proj", q, d, spec.qkv_bias)
+        out += linear(p + "self_attn.k_proj", kv, d, spec.qkv_bias)
+        out += linear(p + "self_attn.v_proj", kv, d, spec.qkv_bias)
+        out += linear(p + "self_attn.o_proj", d, q, spec.o_bias)
+        out += linear(p + "mlp.gate_proj", f, d, spec.mlp_bias)
+        out += linear(p + "mlp.up_proj", f, d, spec.mlp_bias)
+        out += linear(p + "mlp.down_proj", d, f, spec.mlp_bias)
+        out += [(p + "input_layernorm.weight", (d,)), (p + "post_attention_layernorm.weight", (d,))]
+    out.append(("model.norm.weight", (d,)))
+    return out
 
 
 def transformer_shapes(spec: TransformerSpec) -> tuple[tuple[str, Shape], ...]:
-    """Every parameter of ``spec`` as (name, shape), in module registration order."""
-    d, f, kv = spec.d_model, spec.ffn, spec.kv_dim
-    out: list[tuple[str, Shape]] = [("wte.weight", (spec.vocab_size, d))]
-    if spec.style == "gpt":
-        out.append(("wpe.weight", (spec.max_seq_len, d)))
-    for i in range(spec.n_layer):
-        p = f"blocks.{i}."
-        if spec.style == "gpt":
-            out += [
-                (p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
-                (p + "attn.qkv.weight", (d + 2 * kv, d)), (p + "attn.qkv.bias", (d + 2 * kv,)),
-                (p + "attn.proj.weight", (d, d)), (p + "attn.proj.bias", (d,)),
-                (p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)),
-                (p + "mlp.fc.weight", (f, d)), (p + "mlp.fc.bias", (f,)),
-                (p + "mlp.proj.weight", (d, f)), (p + "mlp.proj.bias", (d,)),
-            ]  # fmt: skip
-        else:
-            out += [
-                (p + "ln_1.weight", (d,)),
-                (p + "attn.qkv.weight", (d + 2 * kv, d)),
-                (p + "attn.proj.weight", (d, d)),
-                (p + "ln_2.weight", (d,)),
-                (p + "mlp.gate.weight", (f, d)), (p + "mlp.up.weight", (f, d)),
-                (p + "mlp.down.weight", (d, f)),
-            ]  # fmt: skip
-    out.append(("ln_f.weight", (d,)))
-    if spec.style == "gpt":
-        out.append(("ln_f.bias", (d,)))
-    else:
-        out.append(("lm_head.weight", (spec.vocab_size, d)))
+    """Every parameter of ``spec`` as (name, shape), in ``named_parameters()`` order."""
+    out = _gpt_shapes(spec) if spec.style == "gpt" else _llama_shapes(spec)
+    if not spec.tied:
+        out.append(("lm_head.weight", (spec.vocab_size, spec.d_model)))
     return tuple(out)
+
+
+def param_count(spec: TransformerSpec) -> int:
+    """Ψ of ``spec``: every parameter element, a tied head once."""
+    return sum(numels(transformer_shapes(spec)))
 
 
 def mlp_shapes(widths: tuple[int, ...]) -> tuple[tuple[str, Shape], ...]:

@@ -12,7 +12,7 @@ rows per rank, every rank storing ``c * prod(rest)`` elements (rank r's real row
 ``c * prod(rest)``, the unit's padded shard. Dtypes: ``module`` (the parameters as built; the shards keep
 it, so under a bf16 policy they stay fp32 and there is no separate master copy), ``param`` (policy
 param_dtype, else module), ``reduce`` (policy reduce_dtype, else param). Pure: no torch; count elements,
-convert to bytes once (``zeroplan.dtypes``).
+convert to bytes once (``zeroplan.formulas.dtypes``).
 
 Mapping onto the peak model's records (``zeroplan.formulas.peak``, issue 8): every ``TermSpec`` below
 evaluated for one unit becomes a ``Term(name, bytes, source)``; ``TermSpec.phases`` says in which
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from zeroplan.dtypes import canonical_dtype, dtype_bytes
+from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 
 TORCH_VERSION = "2.13.0"  # the source read; 2.11 differs in the reduce-scatter buffer retention (see docs)
 SRC = "torch/distributed/fsdp/_fully_shard/"
