@@ -123,7 +123,10 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
         probe.phase(None)
         boundary["init"] = probe.settled_bytes()
         step_s = []
-        for step, batch in enumerate(batches):
+        for step in range(len(batches)):
+            # popped, and dropped before the boundary: MemTracker registers an input the first time an
+            # op reads it, so a batch kept in the list would count at every later boundary
+            batch = batches.pop(0)
             counter.step = step
             t0 = time.perf_counter()
             for phase, work in (
@@ -136,7 +139,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
                 result = work()
                 if phase == "forward":
                     loss = result
-            del loss
+            del loss, batch
             probe.phase(None)
             counter.phase = "between steps"
             step_s.append(round(time.perf_counter() - t0, 3))
