@@ -146,3 +146,17 @@ def test_stage3_gathers(runs, numels):
         assert comm["reduce-scatter|backward|float32"]["elements"] == psi
         assert comm["reduce-scatter|backward|float32"]["calls"] >= -(-psi // SMALL["reduce_bucket_size"])
         assert comm["all-gather|optimizer_step|float32"]["elements"] == persistent
+
+
+@pytest.mark.parametrize("nd", [2, 4, 64])
+def test_deepspeed_estimators_restated_exactly(nd):
+    """The profile's copies of DeepSpeed's estimators return what DeepSpeed's functions return."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    psi, largest = 36_324, 5_184
+    _, gpu2 = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=nd, cpu_offload=False)
+    _, gpu3, _ = estimate_zero3_model_states_mem_needs(psi, largest, num_gpus_per_node=nd, cpu_offload=False,
+                                                        cpu_offload_params=False)  # fmt: skip
+    assert P.ds_estimate_zero2_bytes(psi, nd) == gpu2
+    assert P.ds_estimate_zero3_bytes(psi, largest, nd) == gpu3

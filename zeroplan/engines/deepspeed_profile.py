@@ -296,3 +296,15 @@ def collectives(cfg: DSZeroConfig, numels: tuple[int, ...], nd: int) -> tuple[DS
                                 "runtime/zero/stage_1_and_2.py has_overflow (check_grad_overflow)"))  # fmt: skip
     out.append(gather)
     return tuple(out)
+
+
+def ds_estimate_zero2_bytes(psi: int, nd: int) -> int:
+    """DeepSpeed's own ZeRO-2 estimate per GPU, no offload: 2Ψ + 18Ψ/N_d (runtime/zero/stage_1_and_2.py
+    ``estimate_zero2_model_states_mem_needs``); shown beside the prediction, never used for it."""
+    return 2 * psi + int(18 * psi / nd)
+
+
+def ds_estimate_zero3_bytes(psi: int, largest_layer_numel: int, nd: int) -> int:
+    """DeepSpeed's own ZeRO-3 estimate per GPU, no offload: 4·largest layer + 18Ψ/N_d
+    (runtime/zero/stage3.py ``estimate_zero3_model_states_mem_needs``)."""
+    return 4 * largest_layer_numel + int(18 * psi / nd)
