@@ -72,9 +72,10 @@ def _policy(settings: dict) -> Policy:
 def _units():
     from validate.models import PRESETS
 
-    from zeroplan.architectures.spec import transformer_shapes
+    from zeroplan.architectures.spec import block_prefix, transformer_shapes
 
-    return units_of(transformer_shapes(PRESETS["gpt-tiny"]))
+    spec = PRESETS["gpt-tiny"]
+    return units_of(transformer_shapes(spec), block_prefix(spec))
 
 
 def test_model_states_equal_the_closed_form(case):

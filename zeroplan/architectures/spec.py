@@ -134,13 +134,22 @@ class TransformerSpec:
         return bool(self.tie_word_embeddings)
 
 
+BLOCK_PREFIX: dict[str, str] = {"gpt": "transformer.h.", "llama": "model.layers."}
+"""Name prefix of the decoder layers (the sharding units) per style, as transformers registers them."""
+
+
+def block_prefix(spec: TransformerSpec) -> str:
+    """``transformer.h.`` (GPT-2) or ``model.layers.`` (Llama, Mistral, Qwen2): the decoder layers' names."""
+    return BLOCK_PREFIX[spec.style]
+
+
 def _gpt_shapes(spec: TransformerSpec) -> list[tuple[str, Shape]]:
     """transformers/models/gpt2/modeling_gpt2.py: GPT2LMHeadModel (Conv1D weights are (in, out))."""
     d, f = spec.d_model, spec.ffn
     out: list[tuple[str, Shape]] = [("transformer.wte.weight", (spec.vocab_size, d)),
                                     ("transformer.wpe.weight", (spec.max_seq_len, d))]  # fmt: skip
     for i in range(spec.n_layer):
-        p = f"transformer.h.{i}."
+        p = f"{BLOCK_PREFIX['gpt']}{i}."
         out += [
             (p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
             (p + "attn.c_attn.weight", (d, 3 * d)), (p + "attn.c_attn.bias", (3 * d,)),
@@ -163,7 +172,7 @@ def _llama_shapes(spec: TransformerSpec) -> list[tuple[str, Shape]]:
 
     out: list[tuple[str, Shape]] = [("model.embed_tokens.weight", (spec.vocab_size, d))]
     for i in range(spec.n_layer):
-        p = f"model.layers.{i}."
+        p = f"{BLOCK_PREFIX['llama']}{i}."
         out += linear(p + "self_attn.q_proj", q, d, spec.qkv_bias)
         out += linear(p + "self_attn.k_proj", kv, d, spec.qkv_bias)
         out += linear(p + "self_attn.v_proj", kv, d, spec.qkv_bias)

@@ -223,8 +223,9 @@ def collectives(units: tuple[Unit, ...], nd: int, policy: Policy) -> tuple[Colle
     return tuple(out)
 
 
-def units_of(named_shapes: tuple[tuple[str, Shape], ...], block_prefix: str = "blocks.") -> tuple[Unit, ...]:
-    """FSDP2's documented wrapping: one unit per ``blocks.<i>.``, the other parameters in the root (first)."""
+def units_of(named_shapes: tuple[tuple[str, Shape], ...], block_prefix: str) -> tuple[Unit, ...]:
+    """FSDP2's documented wrapping: one unit per decoder layer (``<block_prefix><i>.``, see
+    ``architectures.spec.block_prefix``), the other parameters in the root (first)."""
     root: list[Shape] = []
     blocks: dict[str, list[Shape]] = {}
     for name, shape in named_shapes:
