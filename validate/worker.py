@@ -14,7 +14,6 @@ import os
 import signal
 import time
 import warnings
-from collections import defaultdict
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -56,17 +55,13 @@ PARAM_MEAN_ATOL_LR = 0.1  # mean |difference| <= 0.1 lr
 PARAM_MAX_ATOL_LR_PER_STEP = 2.0  # max |difference| <= 2 lr per step
 
 
-def summarise_calls(calls, steps: int) -> list[dict]:
-    """Per step: {"op|phase": {"calls", "elements", "bytes_per_rank"}} from the counter's records."""
-    out = [defaultdict(lambda: {"calls": 0, "elements": 0, "bytes_per_rank": 0}) for _ in range(steps)]
+def calls_by_step(calls, steps: int) -> list[list[list]]:
+    """Every observed call in order as ``[op, phase, dtype, elements]``: first those issued while the
+    runtime was built (step -1), then one list per step. No bytes here: see ``validate.report``."""
+    out: list[list[list]] = [[] for _ in range(steps + 1)]
     for c in calls:
-        row = out[c.step][f"{c.op}|{c.phase}|{c.dtype}"]
-        row["calls"] += 1
-        row["elements"] += c.elements
-        row["bytes_per_rank"] = (
-            None if c.bytes_per_rank is None else (row["bytes_per_rank"] or 0) + c.bytes_per_rank
-        )
-    return [dict(d) for d in out]
+        out[c.step + 1].append([c.op, c.phase, c.dtype, c.elements])
+    return out
 
 
 def enter(phase: str | None, probe: MemoryProbe, counter: CommCounter) -> None:
@@ -92,7 +87,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
         if config.wire:  # every rank reads the same namespace-wide counter; a barrier lines them up
             dist.barrier()
             wire_start = loopback_tx_bytes()
-        counter, probe = CommCounter(nd), MemoryProbe(device)
+        counter, probe = CommCounter(), MemoryProbe(device)
         boundary, t0 = [], time.perf_counter()
         with probe, counter:  # everything the runtime allocates, from its first tensor on
             runtime = RUNTIMES[stage](build(spec, torch.bfloat16, device), nd, rank, config.lr)
@@ -124,7 +119,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
             "boundary_bytes": boundary,
             "probe_breakdown": breakdown,
             "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
-            "comm_by_step": summarise_calls(counter.calls, config.steps),
+            "calls_by_step": calls_by_step(counter.calls, config.steps),
             "adam_step_bytes": sum(
                 t.numel() * t.element_size()
                 for s in runtime.optimizer.state.values()
