@@ -10,6 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class ValidateConfig(BaseModel):
     """A validation matrix. Sizes are element counts, times are seconds."""
 
+    @property
+    def torch_dtype(self):
+        """``param_dtype`` as a torch dtype (imports torch: ranks only)."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}[self.param_dtype]
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     stages: tuple[int, ...] = Field((0, 1, 2, 3), description="ZeRO stages to run, each 0-3")
@@ -22,6 +29,12 @@ class ValidateConfig(BaseModel):
     steps: int = Field(3, description="training steps; >= 2 so a steady state is seen after Adam's lazy init")
     batch_per_rank: int = Field(2, description="sequences (or samples) per rank per step")
     seq_len: int | None = Field(None, description="tokens per sequence (GPT); default: the spec's max")
+    param_dtype: Literal["bf16", "fp16"] = Field(
+        "bf16",
+        description="dtype of the runtime's parameters, gradients and compute (the paper's 16-bit half of "
+        "mixed precision); the fp32 master copy and Adam's m, v stay fp32. The planner is asked with the "
+        "same param_dtype, and the parity tolerances follow its unit roundoff",
+    )
     lr: float = Field(1e-3, description="Adam learning rate")
     tolerance: float = Field(0.01, description="largest relative error of model states still ok")
     timeout_s: float = Field(600.0, description="wall-clock limit of one world size's processes")

@@ -1,8 +1,8 @@
 """Prediction next to measurement, one row per (world size, stage), and the verdict.
 
 Predictions come from ``zeroplan.estimate`` on the model's exact tensor sizes (from
-``zeroplan.models``, the planner's shape functions), with the runtime's precision: bf16 parameters and
-gradients, fp32 master copy, Adam with fp32 m and v.
+``zeroplan.models``, the planner's shape functions), with the runtime's precision: 16-bit parameters and
+gradients (``ValidateConfig.param_dtype``, bf16 by default), fp32 master copy, Adam with fp32 m and v.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
     """The JSON row of one stage at one world size, from every rank's measurements."""
     nd = meta["world_size"]
     tensor_numels = numels(expected_shapes(spec_for(config.model, config.params)))
-    predicted = estimate(tensor_numels=tensor_numels, gpus=nd, stage=stage, param_dtype="bf16").stages[0]
+    predicted = estimate(tensor_numels=tensor_numels, gpus=nd, stage=stage, param_dtype=config.param_dtype).stages[0]
     pred_states = predicted.memory.model_states_bytes
     boundary = [r["boundary_bytes"] for r in rank_rows]
     measured_states = max(b[-1] for b in boundary)
@@ -208,7 +208,8 @@ def to_table(report: dict) -> str:
         c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
     )
     first = report["rows"][0] if report["rows"] else {}
-    out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), bf16 params/grads, fp32 master + Adam m, v",
+    dtype = report["config"]["param_dtype"]
+    out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), {dtype} params/grads, fp32 master + Adam m, v",
            fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, lines), ""]  # fmt: skip
     out.append(
         f"states: model states live at the step boundary (measured: every live tensor byte) vs zeroplan; "

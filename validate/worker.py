@@ -90,7 +90,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
         counter, probe = CommCounter(), MemoryProbe(device)
         boundary, t0 = [], time.perf_counter()
         with probe, counter:  # everything the runtime allocates, from its first tensor on
-            runtime = RUNTIMES[stage](build(spec, torch.bfloat16, device), nd, rank, config.lr)
+            runtime = RUNTIMES[stage](build(spec, config.torch_dtype, device), nd, rank, config.lr)
             for step in range(config.steps):
                 batch = tuple(t.to(device, copy=True) for t in local_batches.pop(0))
                 counter.step = step
@@ -141,7 +141,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
 def check_parity(config: ValidateConfig, spec, runtime, global_batches, device) -> dict:
     """Compare this rank's fp32 master shard and reduced gradients with the single-process reference."""
     batches = [tuple(t.to(device) for t in gb) for gb in global_batches]
-    model, master, grads = train_reference(spec, batches, config.lr, device)
+    model, master, grads = train_reference(spec, batches, config.lr, device, config.torch_dtype)
     units = [ps for _, ps in split_units(model)]
     ref_master = runtime.local_flat([[master[id(p)] for p in ps] for ps in units], torch.float32)
     ref_grad = runtime.local_flat([[grads[id(p)].float() for p in ps] for ps in units], torch.float32)

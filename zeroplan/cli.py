@@ -375,6 +375,9 @@ def validate_cmd(
     steps: int = typer.Option(3, help="Training steps per stage (>= 2)."),
     batch_per_rank: int = typer.Option(2, "--batch-per-rank", help="Samples per rank per step."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (GPT; default: model's)."),
+    param_dtype: str = typer.Option(
+        "bf16", "--param-dtype", help="16-bit dtype of the runtime's params/grads: bf16 or fp16 (master, Adam: fp32)."
+    ),
     tolerance: float = typer.Option(0.01, help="Largest relative error of model states still ok."),
     timeout: float = typer.Option(600.0, help="Seconds one world size may run before its ranks are killed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full result here (atomically)."),
@@ -401,6 +404,7 @@ def validate_cmd(
         steps=steps,
         batch_per_rank=batch_per_rank,
         seq_len=seq_len,
+        param_dtype=param_dtype,
         tolerance=tolerance,
         timeout_s=timeout,
         wire=wire,
