@@ -163,7 +163,7 @@ def _extra_all_gather(original):
     return publish
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fake_world_2():
     import torch.distributed as dist
 
@@ -242,3 +242,20 @@ def test_parity_check_catches_a_broken_runtime(gloo_world_1, monkeypatch, stage,
         assert parity["grad_max_abs_diff"] > parity["grad_atol"]
     if failing_check == "param":
         assert parity["params16_equal_rounded_master"] is False
+
+
+def test_the_report_schema_imports_no_torch_and_reads_schema_1_rows():
+    import subprocess
+    import sys
+
+    code = ("import sys, zeroplan.plots, validate.schema; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.stdout.strip() == "ok", proc.stderr
+    from validate.schema import RENAMED_FROM_V1, ValidationRow
+
+    v1 = {"stage": 1, "world_size": 2, "mode": "real", "backend": "gloo", "predicted_model_states_bytes": 10,
+          "measured_model_states_bytes": 14, "predicted_comm_bytes_per_rank": 8,
+          "measured_comm_bytes_per_rank": 8, "ok": True}  # fmt: skip
+    assert ValidationRow.model_validate(v1).derived_comm_bytes_per_rank == 8
+    assert RENAMED_FROM_V1["measured_comm_bytes_per_rank"] == "derived_comm_bytes_per_rank"

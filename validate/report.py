@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from validate.config import ValidateConfig
 from validate.models import expected_shapes, spec_for
+from validate.schema import SCHEMA, ReportRow, ValidationReport
 from zeroplan import estimate
 from zeroplan.comm import ring_bytes_per_rank
 from zeroplan.dtypes import BYTES_PER_ELEMENT, canonical_dtype, dtype_bytes
 from zeroplan.models import numels
 
-SCHEMA = "zeroplan.validate/2"
 RING_OPS = ("all-reduce", "reduce-scatter", "all-gather")
 GLOO_NOTE = (
     "gloo runs a reduce-scatter as a full all-reduce followed by a local copy, so on the wire it sends "
@@ -92,7 +92,7 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         "collectives_match": collectives_match,
         "parity": parity_ok,
     }
-    return {
+    return ReportRow.model_validate({
         "stage": stage,
         "world_size": nd,
         "mode": "simulated" if config.simulated else "real",
@@ -143,7 +143,7 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         ),
         "checks": checks,
         "ok": all(v is not False for v in checks.values()),
-    }
+    }).model_dump()
 
 
 def build_report(config: ValidateConfig, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
@@ -153,14 +153,15 @@ def build_report(config: ValidateConfig, worlds: list[tuple[dict, list[list[dict
         for i, stage in enumerate(config.stages):
             rows.append(compare(config, meta, stage, [rank_rows[i] for rank_rows in ranks]))
     notes = [GLOO_NOTE] if any(r["backend"] == "gloo" for r in rows) else []
-    return {
-        "schema": SCHEMA,
-        "config": config.model_dump(),
-        "torch": worlds[0][0].get("torch") if worlds else None,
-        "rows": rows,
-        "notes": notes,
-        "ok": all(r["ok"] for r in rows),
-    }
+    report = ValidationReport(
+        schema_id=SCHEMA,
+        config=config.model_dump(),
+        torch=worlds[0][0].get("torch") if worlds else None,
+        rows=rows,
+        notes=notes,
+        ok=all(r["ok"] for r in rows),
+    )
+    return report.model_dump(by_alias=True)
 
 
 def _size(n: float) -> str:
