@@ -226,3 +226,14 @@ def test_real_nccl_world_size_1_on_gpu(tmp_path_factory):
         assert row["backend"] == "nccl"
         # the caching allocator rounds each block up to 512 bytes: a few KiB over at most
         assert 0 <= row["measured_model_states_bytes"] - row["predicted_model_states_bytes"] <= 512 * 40
+
+
+@pytest.mark.parametrize("test, reason", [
+    (test_wire_bytes_show_gloo_reduce_scatter_costs_an_all_reduce,
+     "unshare -n needs Linux, util-linux and CAP_SYS_ADMIN"),
+    (test_real_nccl_world_size_1_on_gpu, "needs a CUDA GPU (NCCL, allocator statistics)"),
+])  # fmt: skip
+def test_host_dependent_tests_say_why_they_skip(test, reason):
+    # A skip without a reason hides what was not checked; -ra prints this reason in every test summary.
+    (skipif,) = [m for m in test.pytestmark if m.name == "skipif"]
+    assert skipif.kwargs["reason"] == reason
