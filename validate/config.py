@@ -1,10 +1,24 @@
-"""What ``zeroplan validate`` runs: one matrix of stages x world sizes x model, real or simulated."""
+"""What ``zeroplan validate`` runs: one matrix of stages x world sizes x model, real or simulated.
+
+Every limit that needs no knowledge of the host is checked here, on construction, in the parent before
+any rank starts; ``validate.checks`` adds what depends on the host (cores, memory, GPUs, output path).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+DEFAULT_MODEL = "gpt-tiny"
+MAX_STEPS = 1000  # every step's global batch is made up front (the reference trains on the same ones)
+MAX_BATCH_PER_RANK = 4096
+# Every tensor is padded to a multiple of N_d, so a simulated full buffer holds at least
+# (tensors x N_d) elements: the simulation's memory and time grow with N_d even for a tiny model.
+MAX_SIMULATED_WORLD_SIZE = 65536
+# --params must be within this fraction of a model zeroplan.models.gpt_for_params can build
+PARAMS_REL_TOLERANCE = 0.10
 
 
 class ValidateConfig(BaseModel):
@@ -21,14 +35,22 @@ class ValidateConfig(BaseModel):
 
     stages: tuple[int, ...] = Field((0, 1, 2, 3), description="ZeRO stages to run, each 0-3")
     world_sizes: tuple[int, ...] = Field((2, 4), description="N_d values; one process group each")
-    model: str = Field("gpt-tiny", description="preset of validate.models.PRESETS")
-    params: float | None = Field(None, description="instead of model: a GPT-style model of about Ψ params")
+    model: Optional[str] = Field(
+        None, description=f"preset of validate.models.PRESETS (default {DEFAULT_MODEL}); not with params"
+    )
+    params: Optional[float] = Field(
+        None, description="instead of model: a GPT-style model of Ψ params (gpt_for_params, within 10 %)"
+    )
     simulated: bool = Field(False, description="one process plays rank 0 of the world on a fake group")
     fake_tensors: bool | None = Field(None, description="FakeTensorMode; default: on when simulated on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
-    steps: int = Field(3, description="training steps; >= 2 so a steady state is seen after Adam's lazy init")
-    batch_per_rank: int = Field(2, description="sequences (or samples) per rank per step")
-    seq_len: int | None = Field(None, description="tokens per sequence (GPT); default: the spec's max")
+    steps: int = Field(
+        3, description=f"training steps, 2-{MAX_STEPS}; >= 2 so a steady state is seen after Adam's lazy init"
+    )
+    batch_per_rank: int = Field(2, description=f"sequences (or samples) per rank per step, 1-{MAX_BATCH_PER_RANK}")
+    seq_len: Optional[int] = Field(
+        None, description="tokens per sequence (GPT only), up to its positions; default: all positions"
+    )
     param_dtype: Literal["bf16", "fp16"] = Field(
         "bf16",
         description="dtype of the runtime's parameters, gradients and compute (the paper's 16-bit half of "
@@ -37,7 +59,13 @@ class ValidateConfig(BaseModel):
     )
     lr: float = Field(1e-3, description="Adam learning rate")
     tolerance: float = Field(0.01, description="largest relative error of model states still ok")
-    timeout_s: float = Field(600.0, description="wall-clock limit of one world size's processes")
+    timeout_s: float = Field(600.0, description="wall-clock limit of one world size, from its launch")
+    nnodes: int = Field(1, description="nodes of a real run (torchrun's --nnodes); each runs this command")
+    node_rank: int = Field(0, description="this node's rank, 0 to nnodes-1 (torchrun's --node-rank)")
+    master_addr: str = Field("127.0.0.1", description="address of node 0 (torchrun's --master-addr)")
+    master_port: Optional[int] = Field(
+        None, description="TCP port on node 0 (torchrun's --master-port); default: a free one (one node only)"
+    )
     wire: bool = Field(
         False, description="also count loopback bytes in a private network namespace (Linux, gloo)"
     )
@@ -63,13 +91,18 @@ class ValidateConfig(BaseModel):
     def _steps(cls, v: int) -> int:
         if v < 2:
             raise ValueError(f"steps={v}: must be >= 2 (step 1 creates Adam's states)")
+        if v > MAX_STEPS:
+            raise ValueError(f"steps={v}: at most {MAX_STEPS} (every step's batch is made up front)")
         return v
 
     @field_validator("batch_per_rank", "seq_len")
     @classmethod
-    def _positive(cls, v: int | None) -> int | None:
+    def _positive(cls, v: Optional[int], info) -> Optional[int]:
+        name = info.field_name.replace("_", "-")
         if v is not None and v < 1:
-            raise ValueError(f"{v}: batch and sequence sizes must be >= 1")
+            raise ValueError(f"{name}={v}: must be >= 1")
+        if info.field_name == "batch_per_rank" and v > MAX_BATCH_PER_RANK:
+            raise ValueError(f"{name}={v}: at most {MAX_BATCH_PER_RANK}")
         return v
 
     @field_validator("params", "lr", "tolerance", "timeout_s")
@@ -86,9 +119,85 @@ class ValidateConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _known_model(self) -> ValidateConfig:
-        from validate.models import PRESETS
-
-        if self.params is None and self.model not in PRESETS:
-            raise ValueError(f"model={self.model!r}: expected one of {', '.join(PRESETS)} (or give --params)")
+    def _nodes(self) -> ValidateConfig:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes}, node-rank={self.node_rank}: need 0 <= node-rank < nnodes")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master-port={self.master_port}: must be 1-65535")
+        if self.nnodes > 1:
+            if self.simulated:
+                raise ValueError("--nnodes applies to real runs; a simulated run is one process")
+            if len(self.world_sizes) != 1 or self.world_sizes[0] % self.nnodes:
+                raise ValueError(
+                    f"nnodes={self.nnodes}: give one --world-size, a multiple of it (got {list(self.world_sizes)})"
+                )
+            if self.master_port is None:
+                raise ValueError(f"nnodes={self.nnodes}: give --master-addr and --master-port of node 0")
         return self
+
+    @model_validator(mode="after")
+    def _simulated_world(self) -> ValidateConfig:
+        too_big = [n for n in self.world_sizes if n > MAX_SIMULATED_WORLD_SIZE]
+        if self.simulated and too_big:
+            raise ValueError(
+                f"world-size={too_big}: a simulated world is at most {MAX_SIMULATED_WORLD_SIZE} ranks "
+                "(every tensor is padded to a multiple of N_d, so memory grows with N_d)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _known_model(self) -> ValidateConfig:
+        from validate.models import PRESETS, spec_for
+
+        if self.model is not None and self.params is not None:
+            raise ValueError("give --model or --params, not both (--params builds its own GPT-style model)")
+        if self.params is None and self.model_name not in PRESETS:
+            raise ValueError(f"model={self.model!r}: expected one of {', '.join(PRESETS)} (or give --params)")
+        if self.params is not None:
+            built = self.psi
+            if abs(built - self.params) > PARAMS_REL_TOLERANCE * self.params:
+                raise ValueError(
+                    f"params={self.params:g}: the nearest GPT-style model (zeroplan.models.gpt_for_params) "
+                    f"has {built:,} parameters, more than {PARAMS_REL_TOLERANCE:.0%} away; the smallest it "
+                    f"builds has {min_buildable_params():,} (or use --model mlp-tiny / gpt-tiny)"
+                )
+        spec = spec_for(self.model_name, self.params)
+        positions = getattr(spec, "max_seq_len", None)
+        if self.seq_len is not None and positions is None:
+            raise ValueError(f"seq-len={self.seq_len}: model {self.model_name} is an MLP, it has no sequence")
+        if self.seq_len is not None and self.seq_len > positions:
+            raise ValueError(
+                f"seq-len={self.seq_len}: model {self.model_label} has only {positions} positions"
+            )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The preset run when no ``params`` are given."""
+        return self.model or DEFAULT_MODEL
+
+    @property
+    def psi(self) -> int:
+        """Parameters of the model that is built (exact, from the planner's shapes)."""
+        from validate.models import expected_shapes, spec_for
+        from zeroplan.models import numels
+
+        return sum(numels(expected_shapes(spec_for(self.model_name, self.params))))
+
+    @property
+    def model_label(self) -> str:
+        """What was built, for the table: the preset, or the GPT-style spec chosen for ``params``."""
+        if self.params is None:
+            return self.model_name
+        from validate.models import spec_for
+
+        spec = spec_for(None, self.params)
+        return f"gpt~{self.params:g} ({spec.n_layer} x d{spec.d_model}, {spec.n_head} heads)"
+
+
+def min_buildable_params() -> int:
+    """Ψ of the smallest model ``gpt_for_params`` builds (one block of width 128 and GPT-2's vocabulary)."""
+    from validate.models import expected_shapes
+    from zeroplan.models import gpt_for_params, numels
+
+    return sum(numels(expected_shapes(gpt_for_params(1.0))))

@@ -1,11 +1,15 @@
 """One rank of a validation run: train each stage for a few steps under the probes, check parity.
 
-Started by ``validate.harness`` (one process per rank, or one process playing rank 0 of a fake group)
-or by ``torchrun -m validate.worker`` (see the README). Prints nothing on success; the harness reads the
-rows it writes.
+Started by torchrun (``validate.harness`` launches it through ``validate.launch``; or yourself:
+``torchrun -m validate.worker``), or as one process playing rank 0 of a fake group. Prints nothing on
+success; rank 0 writes the result.
 """
 
 from __future__ import annotations
+
+from validate.lifeline import die_with_parent
+
+die_with_parent()  # first, before torch's import takes seconds: a rank never outlives its launcher
 
 import argparse
 import gc
@@ -72,7 +76,7 @@ def enter(phase: str | None, probe: MemoryProbe, counter: CommCounter) -> None:
 
 def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device, fake: bool) -> dict:
     """Build a fresh model and runtime under the probes, train ``config.steps`` steps, return the rank's row."""
-    spec = spec_for(config.model, config.params)
+    spec = spec_for(config.model_name, config.params)
     gen = torch.Generator().manual_seed(1234)
     fake_mode = fake_tensors(fake)
     b = config.batch_per_rank
@@ -228,7 +232,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=None)
     parser.add_argument("--init", default=None, help="init_method URL (default: env:// as torchrun sets)")
     parser.add_argument("--simulated", action="store_true")
-    parser.add_argument("--out", required=True, help="JSON file: this rank's rows (or, under torchrun, all)")
+    parser.add_argument("--out", required=True, help="JSON file written by rank 0: the report (or --raw rows)")
+    parser.add_argument(
+        "--raw", action="store_true", help="write every rank's rows and meta, for validate.harness"
+    )
     args = parser.parse_args(argv)
     config = ValidateConfig.model_validate_json(args.config)
     torchrun = args.rank is None
@@ -238,16 +245,17 @@ def main(argv: list[str] | None = None) -> None:
     backend = init_group(config, nd, rank, args.init, args.simulated, device)
     rows = run(config, nd, rank, device, args.simulated)
     meta = {"world_size": nd, "backend": backend, "device": str(device), "torch": torch.__version__}
+    everyone = [rows]
     if torchrun:  # one file for the whole world, from rank 0
-        config = config.model_copy(update={"world_sizes": (nd,)})
         everyone = [None] * nd if rank == 0 else None
         dist.gather_object(rows, everyone, dst=0)
-        if rank == 0:
-            from validate.report import build_report
+    if rank == 0 and args.raw:
+        write_text_atomic(args.out, json.dumps({"meta": meta, "ranks": everyone}))
+    elif rank == 0:
+        from validate.report import build_report
 
-            write_text_atomic(args.out, json.dumps(build_report(config, [(meta, everyone)]), indent=2))
-    else:
-        write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}))
+        config = config.model_copy(update={"world_sizes": (nd,)})
+        write_text_atomic(args.out, json.dumps(build_report(config, [(meta, everyone)]), indent=2))
     dist.destroy_process_group()
 
 
