@@ -196,26 +196,60 @@ def test_out_of_tolerance_exits_1_and_still_writes_the_full_result(tmp_path):
     assert "OUT OF TOLERANCE: stage 0 N_d=1: model_states_within_tolerance" in proc.stdout
 
 
+BIG = str(10**30)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--stage", "5"], "stage=[5]: each must be one of 0, 1, 2, 3"),
     (["--world-size", "0"], "world-size=[0]: each must be >= 1"),
     (["--model", "nope"], "model='nope': expected one of gpt-tiny, mlp-tiny, gpt-1b-wide"),
     (["--steps", "1"], "steps=1: must be >= 2"),
+    (["--steps", BIG], f"steps={BIG}: at most 1000"),
     (["--params", "-3"], "params"),
     (["--simulated", "--wire"], "--wire counts real traffic"),
     (["--device", "gpu"], "device"),
+    (["--seq-len", "17"], "seq-len=17: model gpt-tiny has only 16 positions"),
+    (["--seq-len", "1e9"], "Invalid value for '--seq-len'"),
+    (["--seq-len", "1000000000"], "seq-len=1000000000: model gpt-tiny has only 16 positions"),
+    (["--model", "mlp-tiny", "--seq-len", "4"], "seq-len=4: model mlp-tiny is an MLP, it has no sequence"),
+    (["--batch-per-rank", BIG], f"batch-per-rank={BIG}: at most 4096"),
+    (["--simulated", "--world-size", BIG], "a simulated world is at most 65536 ranks"),
+    (["--simulated", "--world-size", "1000000"], "a simulated world is at most 65536 ranks"),
+    (["--world-size", "1000"], "ranks on this node, at most 4 per usable core"),
+    (["--params", "1e12", "--world-size", "1"], "available; use a smaller model, fewer ranks or --simulated"),
+    (["--model", "gpt-tiny", "--params", "1e7"], "give --model or --params, not both"),
+    (["--params", "10"], "params=10: the nearest GPT-style model"),
+    (["--nnodes", "2", "--world-size", "3", "--master-port", "29500"], "give one --world-size, a multiple of it"),
+    (["--nnodes", "2", "--world-size", "2"], "give --master-addr and --master-port of node 0"),
+    (["--nnodes", "2", "--node-rank", "2"], "need 0 <= node-rank < nnodes"),
 ])  # fmt: skip
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
-    proc = zeroplan("validate", *args, "--json", str(tmp_path / "r.json"))
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and message in proc.stderr
-    assert not (tmp_path / "r.json").exists()
+def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, args, message):
+    # In process: every check runs in the parent, so no rank is ever started for these.
+    from typer.testing import CliRunner
+
+    from clicheck import assert_one_line_error
+    from zeroplan.cli import app
+
+    result = CliRunner().invoke(app, ["validate", *args, "--json", str(tmp_path / "r.json")])
+    assert_one_line_error(result, message)
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_json_into_a_missing_directory_is_refused_before_running(tmp_path):
-    proc = zeroplan("validate", "--json", str(tmp_path / "no" / "such" / "dir.json"))
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert "does not exist" in proc.stderr and proc.stderr.count("\n") == 1
+@pytest.mark.parametrize("where, message", [
+    ("no/such/dir.json", "does not exist"),
+    (".", "is a directory; give a file name"),
+    ("/proc/r.json", "cannot write there"),
+    ("x" * 300 + ".json", "cannot write there (File name too long)"),
+])  # fmt: skip
+def test_json_path_is_checked_first(tmp_path, where, message):
+    from typer.testing import CliRunner
+
+    from clicheck import assert_one_line_error
+    from zeroplan.cli import app
+
+    path = where if where.startswith("/") else str(tmp_path / where)
+    # --steps 1 is bad too: the path is reported first, before the run's own options are checked
+    assert_one_line_error(CliRunner().invoke(app, ["validate", "--steps", "1", "--json", path]), message)
 
 
 @pytest.mark.gpu

@@ -29,14 +29,15 @@ def check_output_path(path: str | Path) -> None:
 
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ValueError(f"--json {str(path)!r}: directory {str(parent)!r} does not exist")
-    if path.is_dir():
-        raise ValueError(f"--json {str(path)!r}: is a directory; give a file name")
-    try:  # the writer's own first step: a temporary file beside the target (its name is longer)
+    try:
+        if not parent.is_dir():
+            raise ValueError(f"--json {str(path)!r}: directory {str(parent)!r} does not exist")
+        if path.is_dir():
+            raise ValueError(f"--json {str(path)!r}: is a directory; give a file name")
+        # the writer's own first step: a temporary file beside the target (its name is longer)
         fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.")
     except OSError as exc:
-        raise ValueError(f"--json {str(path)!r}: cannot write there ({exc.strerror})") from None
+        raise ValueError(f"--json {str(path)[:80]!r}: cannot write there ({exc.strerror})") from None
     os.close(fd)
     os.unlink(tmp)
 
