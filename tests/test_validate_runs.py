@@ -78,6 +78,8 @@ def check_row_exact(row: dict) -> None:
         predicted, passes = row["predicted_collectives"][k]["bytes_per_rank"], 2 if "all-reduce" in k else 1
         assert 0 <= v["derived_bytes_per_rank"] - predicted < v["calls"] * passes * (nd - 1) * 2  # bf16
     assert row["measured_peak_bytes"] >= row["measured_model_states_bytes"]
+    assert row["step_time_s"]["probed"] > 0 and row["step_time_s"]["unprobed"] > 0
+    assert row["step_time_s"]["unprobed_steps"] == 2
     assert row["ok"] is True
 
 
@@ -116,6 +118,20 @@ def test_real_runs_at_world_size_1_send_nothing_and_at_3_pad_every_tensor(real_m
     # -> 2,310+72+4,902+72+630+9), shard 2,665; 16 B per element of the shard.
     (s3,) = [r for r in report["rows"] if r["stage"] == 3 and r["world_size"] == 3]
     assert s3["predicted_model_states_bytes"] == 16 * 2665
+
+
+@pytest.mark.distributed
+def test_a_params_model_passes_parity_within_the_derived_allowance(tmp_path_factory):
+    # --params 2e6 builds a 13.9M-parameter GPT (1 x d256); its gradients once failed a fixed allowance
+    # (3.4e-4 against 7.1e-5) though memory and traffic matched exactly.
+    _, report = run_json(tmp_path_factory, "--params", "2e6", "--world-size", "2", "--stage", "0",
+                         "--seq-len", "16", "--batch-per-rank", "1")  # fmt: skip
+    (row,) = report["rows"]
+    assert row["psi"] == 13_930_240 and row["model"] == "gpt~2e+06 built as 1 x d256, Ψ = 13,930,240"
+    check_row_exact(row)
+    p = row["parity"]
+    assert p["ok"] is True and 0 < p["grad_rel_diff"] <= p["grad_rtol"]
+    assert p["param_mean_abs_diff"] <= p["param_mean_atol"] and p["unit_roundoff"] == 2**-8
 
 
 def test_simulated_n64_billion_parameter_model_matches_the_planner(simulated):
@@ -218,7 +234,6 @@ BIG = str(10**30)
     (["--world-size", "1000"], "ranks on this node, at most 4 per usable core"),
     (["--params", "1e12", "--world-size", "1"], "available; use a smaller model, fewer ranks or --simulated"),
     (["--model", "gpt-tiny", "--params", "1e7"], "give --model or --params, not both"),
-    (["--params", "10"], "params=10: the nearest GPT-style model"),
     (["--nnodes", "2", "--world-size", "3", "--master-port", "29500"], "give one --world-size, a multiple of it"),
     (["--nnodes", "2", "--world-size", "2"], "give --master-addr and --master-port of node 0"),
     (["--nnodes", "2", "--node-rank", "2"], "need 0 <= node-rank < nnodes"),

@@ -116,6 +116,7 @@ def _rank_row(stage, boundary, calls, parity_ok=True):
         "stage": stage, "rank": 0, "boundary_bytes": boundary, "probe_breakdown": {},
         "peak_bytes_by_phase": {"forward": 1, "backward": 2, "optimizer step": 3},
         "calls_by_step": [[], *calls], "adam_step_bytes": 4, "seconds": 0.0,
+        "step_time_s": {"probed": 0.2, "unprobed": 0.1, "unprobed_steps": 2},
         "parity": {"ok": parity_ok, "param_mean_abs_diff": 0.0},
     }  # fmt: skip
 
@@ -239,7 +240,7 @@ def test_parity_check_catches_a_broken_runtime(gloo_world_1, monkeypatch, stage,
     parity = measure_stage(config, stage, 1, 0, torch.device("cpu"), False)["parity"]
     assert parity["ok"] is (failing_check is None)
     if failing_check == "grad":
-        assert parity["grad_max_abs_diff"] > parity["grad_atol"]
+        assert parity["grad_rel_diff"] > parity["grad_rtol"]
     if failing_check == "param":
         assert parity["params16_equal_rounded_master"] is False
 
@@ -259,3 +260,21 @@ def test_the_report_schema_imports_no_torch_and_reads_schema_1_rows():
           "measured_comm_bytes_per_rank": 8, "ok": True}  # fmt: skip
     assert ValidationRow.model_validate(v1).derived_comm_bytes_per_rank == 8
     assert RENAMED_FROM_V1["measured_comm_bytes_per_rank"] == "derived_comm_bytes_per_rank"
+
+
+def test_parity_allowances_follow_dtype_ranks_and_steps():
+    from validate.tolerances import PATH_FACTOR, gamma, parity_tolerance
+
+    bf16_3, bf16_63 = parity_tolerance("bf16", 2, 3, 1e-3), parity_tolerance("bf16", 2, 63, 1e-3)
+    # gradients: gamma_{N_d+2} sqrt(N_d) C_path, with bf16's unit roundoff 2^-8; independent of steps
+    assert bf16_3.u == 2**-8 and bf16_3.grad_rtol == bf16_63.grad_rtol
+    assert bf16_3.grad_rtol == pytest.approx(4 * 2**-8 / (1 - 4 * 2**-8) * math.sqrt(2) * PATH_FACTOR)
+    assert gamma(4, 2**-8) == pytest.approx(4 / 252)  # 4u / (1 - 4u), u = 1/256
+    # parameters grow linearly with the step count (the fixed 1e-4 failed at 63 steps: 1.08e-4 measured)
+    assert bf16_63.param_mean_atol == pytest.approx(21 * bf16_3.param_mean_atol)
+    assert bf16_63.param_mean_atol > 1.08e-4 * 10
+    # Adam's per-step bound (Kingma & Ba 2015, 2.1): (1 - 0.9) / sqrt(1 - 0.999) = 3.16
+    assert bf16_63.param_max_atol == pytest.approx(2 * 3.1623 * 1e-3 * 63, rel=1e-4)
+    # more ranks, more roundings; fp16 rounds 8x finer than bf16
+    assert parity_tolerance("bf16", 4, 3, 1e-3).grad_rtol > bf16_3.grad_rtol
+    assert parity_tolerance("fp16", 2, 3, 1e-3).grad_rtol == pytest.approx(bf16_3.grad_rtol / 8, rel=0.02)

@@ -101,6 +101,7 @@ class MemoryProbe:
         self.peaks: dict[str, int] = {}
         self._phase: str | None = None
         self.baseline = 0  # CUDA: bytes allocated before the probe started
+        self._settled: int | None = None  # the last settled step-boundary reading
 
     def __enter__(self) -> MemoryProbe:  # noqa: PYI034 - typing.Self needs Python 3.11
         if self.cuda:
@@ -124,21 +125,28 @@ class MemoryProbe:
             return torch.cuda.memory_allocated() - self.baseline
         return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("current").values())
 
-    def settled_bytes(self, wait_s: float = 2.0, poll_s: float = 0.01, polls: int = 3) -> int:
-        """``current_bytes`` once ``polls`` readings ``poll_s`` apart agree (waiting at most ``wait_s``).
+    def settled_bytes(self, wait_s: float = 2.0, poll_s: float = 0.002, polls: int = 3) -> int:
+        """``current_bytes`` once no collective's temporary is still held; sleeps only when needed.
 
         gloo's worker thread drops its reference to a finished collective's tensors a moment after
         ``wait()`` has returned, so a temporary passed to the step's last collective can still be alive
-        for that moment; the step boundary is read after it is gone.
+        for that moment. A reading equal to the last settled one has nothing in flight (a late
+        temporary only adds bytes) and is returned at once: from the second step on, a steady runtime
+        is read without sleeping. Otherwise the reading is repeated ``poll_s`` apart until ``polls``
+        readings agree (at most ``wait_s``).
         """
         import time
 
-        last, same, deadline = self.current_bytes(), 0, time.monotonic() + wait_s
+        last = self.current_bytes()
+        if last == self._settled:
+            return last
+        same, deadline = 0, time.monotonic() + wait_s
         while same < polls and time.monotonic() < deadline:
             time.sleep(poll_s)
             now = self.current_bytes()
             same = same + 1 if now == last else 0
             last = now
+        self._settled = last
         return last
 
     def breakdown(self) -> dict[str, int]:

@@ -61,7 +61,7 @@ def observed_collectives(calls: list[list], nd: int) -> dict[str, dict]:
 def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict]) -> dict:
     """The JSON row of one stage at one world size, from every rank's measurements."""
     nd = meta["world_size"]
-    tensor_numels = numels(expected_shapes(spec_for(config.model, config.params)))
+    tensor_numels = numels(expected_shapes(spec_for(config.model_name, config.params)))
     predicted = estimate(tensor_numels=tensor_numels, gpus=nd, stage=stage, param_dtype=config.param_dtype).stages[0]
     pred_states = predicted.memory.model_states_bytes
     boundary = [r["boundary_bytes"] for r in rank_rows]
@@ -98,7 +98,7 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         "mode": "simulated" if config.simulated else "real",
         "backend": meta["backend"],
         "device": meta["device"],
-        "model": config.model if config.params is None else f"gpt~{config.params:g}",
+        "model": config.model_label,
         "psi": sum(tensor_numels),
         "predicted_model_states_bytes": pred_states,
         "measured_model_states_bytes": measured_states,
@@ -132,6 +132,11 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         # the rank furthest from the reference (a failing rank if any)
         "parity": min(parities, key=lambda p: (p["ok"], -p["param_mean_abs_diff"])) if parities else None,
         "seconds": max(r["seconds"] for r in rank_rows),
+        "step_time_s": {
+            "probed": max(r["step_time_s"]["probed"] for r in rank_rows),
+            "unprobed": max(r["step_time_s"]["unprobed"] for r in rank_rows),
+            "unprobed_steps": rank_rows[0]["step_time_s"]["unprobed_steps"],
+        },
         # --wire: bytes really sent on loopback per rank per step (rank 0's reading of the shared counter)
         "wire_bytes_per_rank": rank_rows[0].get("wire_bytes_per_rank"),
         # the profiler's backend-level communication events of the last step (real runs; rank 0)

@@ -75,6 +75,16 @@ class Checks(BaseModel):
     parity: Optional[bool] = Field(description="parity with the single-process reference; None: simulated")
 
 
+class StepTime(BaseModel):
+    """Median seconds of one step, slowest rank: what the probes cost."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    probed: float = Field(description="steps 2..k under every probe (step 1 creates Adam's states)")
+    unprobed: float = Field(description="extra steps after the parity check, no probe at all")
+    unprobed_steps: int
+
+
 class ReportRow(ValidationRow):
     """One (world size, stage) of a report: prediction, measurement, derived figures and verdict."""
 
@@ -109,6 +119,7 @@ class ReportRow(ValidationRow):
         description="the rank furthest from the reference (a failing one if any); None when simulated"
     )
     seconds: float = Field(description="wall time of the probed steps, slowest rank")
+    step_time_s: StepTime
     wire_bytes_per_rank: Optional[float] = Field(description="--wire: bytes on loopback per rank per step")
     profiler_comms: Optional[dict[str, dict]] = Field(description="profiler communication events, last step")
     wire_to_derived: Optional[float] = Field(description="wire_bytes_per_rank / derived_comm_bytes_per_rank")

@@ -372,7 +372,7 @@ def validate_cmd(
     stage: Optional[list[int]] = typer.Option(None, "--stage", help="ZeRO stage 0-3; repeat. Default: all."),
     model: Optional[str] = typer.Option(None, help="Reference model: gpt-tiny (default), mlp-tiny, gpt-1b-wide."),
     params: Optional[str] = typer.Option(
-        None, help="Instead of --model: a GPT-style model of Ψ params (must be buildable within 10%)."
+        None, help="Instead of --model: a GPT-style model of about Ψ params (the table says what was built)."
     ),
     simulated: bool = typer.Option(False, "--simulated", help="One process plays rank 0 on a fake group."),
     device: str = typer.Option("auto", help="auto (cuda if present), cpu or cuda."),
