@@ -10,6 +10,7 @@ from __future__ import annotations
 from validate.lifeline import die_with_parent
 
 die_with_parent()  # first, before torch's import takes seconds: a rank never outlives its launcher
+# ruff: noqa: E402 - the imports below come after that call on purpose
 
 import argparse
 import gc
@@ -270,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
 
         config = config.model_copy(update={"world_sizes": (nd,)})
         write_text_atomic(args.out, json.dumps(build_report(config, [(meta, everyone)]), indent=2))
+    # Leave together: a rank that tears its gloo pairs down while a peer still sends aborts the peer
+    # ("terminate called without an active exception", SIGABRT) under torchrun's shared store.
+    dist.barrier()
     dist.destroy_process_group()
 
 
