@@ -35,13 +35,13 @@ def main() -> None:
     psi = report["rows"][0]["psi"]
     print(f"GPT-style model of {psi:,} parameters (zeroplan.architectures.spec.gpt_for_params(7.5e9)), N_d = 64")
     print(
-        "stage  paper Fig.1 GB  paper formula GB  zeroplan GB  measured GB   measured-zeroplan B  comm/rank GB  ok"
+        "stage  paper Fig.1 GB  paper formula GB  zeroplan GB  measured GB   measured-zeroplan B  derived comm/rank GB  ok"
     )
     for r in report["rows"]:
         formula = paper_model_states_bytes(psi, 64, 12, r["stage"]) / 1e9
         print(f"{r['stage']:>5}  {PAPER_FIGURE_1_GB[r['stage']]:>14.2f}  {formula:>16.3f}  "
               f"{r['predicted_model_states_bytes'] / 1e9:>11.3f}  {r['measured_model_states_bytes'] / 1e9:>11.3f}  "
-              f"{r['model_states_extra_bytes']:>20,}  {r['measured_comm_bytes_per_rank'] / 1e9:>12.3f}  "
+              f"{r['model_states_extra_bytes']:>20,}  {r['derived_comm_bytes_per_rank'] / 1e9:>12.3f}  "
               f"{'yes' if r['ok'] else 'NO'}")  # fmt: skip
     rss_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     print(f"wall {seconds:.0f} s, worker max RSS {rss_gib:.2f} GiB (fake tensors: no data is allocated)")

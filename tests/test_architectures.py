@@ -334,7 +334,7 @@ def test_validate_runs_a_config_file(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["stage"], r["world_size"]) for r in rows] == [(0, 2), (3, 2)]
-    assert all(r["ok"] and r["checks"]["comm_exact"] and r["psi"] == 27_632 for r in rows)
+    assert all(r["ok"] and r["checks"]["collectives_match"] and r["psi"] == 27_632 for r in rows)
 
 
 def test_validate_refuses_what_the_runtime_cannot_build():

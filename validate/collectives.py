@@ -2,7 +2,7 @@
 
 Gradients are divided by N_d before they are summed (gloo has no AVG reduction; pre-dividing also keeps
 fp16 sums from overflowing, as DeepSpeed's ``gradient_predivide_factor`` does). With N_d = 1 nothing is
-communicated, as ``zeroplan.comm.step_collectives`` predicts: the calls become local copies.
+communicated, as ``zeroplan.formulas.collectives.step_collectives`` predicts: the calls become local copies.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
-"""What ``zeroplan validate`` runs: one matrix of stages x world sizes x model, real or simulated."""
+"""What ``zeroplan validate`` runs: one matrix of stages x world sizes x model, real or simulated.
+
+Every limit that needs no knowledge of the host is checked here, on construction, in the parent before
+any rank starts; ``validate.checks`` adds what depends on the host (cores, memory, GPUs, output path).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -14,8 +18,23 @@ DEFAULT_SIMULATED_WORLD_SIZES = (64,)
 """N_d of a simulated run: the ZeRO paper's Table 1 example (one process plays rank 0)."""
 
 
+DEFAULT_MODEL = "gpt-tiny"
+MAX_STEPS = 1000  # every step's global batch is made up front (the reference trains on the same ones)
+MAX_BATCH_PER_RANK = 4096
+# Every tensor is padded to a multiple of N_d, so a simulated full buffer holds at least
+# (tensors x N_d) elements: the simulation's memory and time grow with N_d even for a tiny model.
+MAX_SIMULATED_WORLD_SIZE = 65536
+
+
 class ValidateConfig(BaseModel):
     """A validation matrix. Sizes are element counts, times are seconds."""
+
+    @property
+    def torch_dtype(self):
+        """``param_dtype`` as a torch dtype (imports torch: ranks only)."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}[self.param_dtype]
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -26,19 +45,43 @@ class ValidateConfig(BaseModel):
         DEFAULT_WORLD_SIZES, min_length=1,
         description="N_d values; one process group each. Default 2 and 4; 64 when simulated",
     )  # fmt: skip
-    model: str = Field("gpt-tiny", description="preset of validate.models.PRESETS or zeroplan, or a config.json path")
+    model: Optional[str] = Field(
+        None,
+        description=f"preset of validate.models.PRESETS or zeroplan, or a config.json path (default "
+        f"{DEFAULT_MODEL}); not with params",
+    )
     params: PositiveFinite | None = Field(
-        None, description="instead of model: a GPT-style model of about Ψ params"
+        None,
+        description="instead of model: a GPT-style model of about Ψ params (architectures.spec.gpt_for_params; "
+        "below ~40M its vocabulary dominates, so it builds more: model_label and psi say what was built)",
     )
     simulated: bool = Field(False, description="one process plays rank 0 of the world on a fake group")
     fake_tensors: bool | None = Field(None, description="FakeTensorMode; default: on when simulated on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
-    steps: int = Field(3, description="training steps; >= 2 so a steady state is seen after Adam's lazy init")
-    batch_per_rank: Count = Field(2, description="sequences (or samples) per rank per step")
-    seq_len: Count | None = Field(None, description="tokens per sequence (GPT); default: the spec's max")
+    steps: int = Field(
+        3, description=f"training steps, 2-{MAX_STEPS}; >= 2 so a steady state is seen after Adam's lazy init"
+    )
+    batch_per_rank: Count = Field(
+        2, le=MAX_BATCH_PER_RANK, description=f"sequences (or samples) per rank per step, 1-{MAX_BATCH_PER_RANK}"
+    )
+    seq_len: Count | None = Field(
+        None, description="tokens per sequence (transformers only), up to its positions; default: all positions"
+    )
+    param_dtype: Literal["bf16", "fp16"] = Field(
+        "bf16",
+        description="dtype of the runtime's parameters, gradients and compute (the paper's 16-bit half of "
+        "mixed precision); the fp32 master copy and Adam's m, v stay fp32. The planner is asked with the "
+        "same param_dtype, and the parity tolerances follow its unit roundoff",
+    )
     lr: PositiveFinite = Field(1e-3, description="Adam learning rate")
     tolerance: PositiveFinite = Field(0.01, description="largest relative error of model states still ok")
-    timeout_s: PositiveFinite = Field(600.0, description="wall-clock limit of one world size's processes")
+    timeout_s: PositiveFinite = Field(600.0, description="wall-clock limit of one world size, from its launch")
+    nnodes: Count = Field(1, description="nodes of a real run (torchrun's --nnodes); each runs this command")
+    node_rank: int = Field(0, description="this node's rank, 0 to nnodes-1 (torchrun's --node-rank)")
+    master_addr: str = Field("127.0.0.1", description="address of node 0 (torchrun's --master-addr)")
+    master_port: Optional[int] = Field(
+        None, description="TCP port on node 0 (torchrun's --master-port); default: a free one (one node only)"
+    )
     wire: bool = Field(
         False, description="also count loopback bytes in a private network namespace (Linux, gloo)"
     )
@@ -63,6 +106,8 @@ class ValidateConfig(BaseModel):
     def _steps(cls, v: int) -> int:
         if v < 2:
             raise ValueError(f"steps={v}: must be >= 2 (step 1 creates Adam's states)")
+        if v > MAX_STEPS:
+            raise ValueError(f"steps={v}: at most {MAX_STEPS} (every step's batch is made up front)")
         return v
 
     @model_validator(mode="after")
@@ -72,9 +117,68 @@ class ValidateConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _nodes(self) -> ValidateConfig:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"nnodes={self.nnodes}, node-rank={self.node_rank}: need 0 <= node-rank < nnodes")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master-port={self.master_port}: must be 1-65535")
+        if self.nnodes > 1:
+            if self.simulated:
+                raise ValueError("--nnodes applies to real runs; a simulated run is one process")
+            if len(self.world_sizes) != 1 or self.world_sizes[0] % self.nnodes:
+                raise ValueError(
+                    f"nnodes={self.nnodes}: give one --world-size, a multiple of it (got {list(self.world_sizes)})"
+                )
+            if self.master_port is None:
+                raise ValueError(f"nnodes={self.nnodes}: give --master-addr and --master-port of node 0")
+        return self
+
+    @model_validator(mode="after")
+    def _simulated_world(self) -> ValidateConfig:
+        too_big = [n for n in self.world_sizes if n > MAX_SIMULATED_WORLD_SIZE]
+        if self.simulated and too_big:
+            raise ValueError(
+                f"world-size={too_big}: a simulated world is at most {MAX_SIMULATED_WORLD_SIZE} ranks "
+                "(every tensor is padded to a multiple of N_d, so memory grows with N_d)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _known_model(self) -> ValidateConfig:
         from validate.models import spec_for
 
-        if self.params is None:
-            spec_for(self.model, None)  # ValueError, one line, for an unknown name or a bad config file
+        if self.model is not None and self.params is not None:
+            raise ValueError("give --model or --params, not both (--params builds its own GPT-style model)")
+        spec = spec_for(self.model_name, self.params)
+        positions = getattr(spec, "max_seq_len", None)
+        if self.seq_len is not None and positions is None:
+            raise ValueError(f"seq-len={self.seq_len}: model {self.model_name} is an MLP, it has no sequence")
+        if self.seq_len is not None and self.seq_len > positions:
+            raise ValueError(
+                f"seq-len={self.seq_len}: model {self.model_label} has only {positions} positions"
+            )
         return self
+
+    @property
+    def model_name(self) -> str:
+        """The preset run when no ``params`` are given."""
+        return self.model or DEFAULT_MODEL
+
+    @property
+    def psi(self) -> int:
+        """Parameters of the model that is built (exact, from the planner's shapes)."""
+        from validate.models import expected_shapes, spec_for
+        from zeroplan.architectures.spec import numels
+
+        return sum(numels(expected_shapes(spec_for(self.model_name, self.params))))
+
+    @property
+    def model_label(self) -> str:
+        """What was built, for the table: the preset, or the GPT-style spec chosen for ``params``."""
+        if self.params is None:
+            return self.model_name
+        from validate.models import spec_for
+
+        spec = spec_for(None, self.params)
+        return f"gpt~{self.params:g} built as {spec.n_layer} x d{spec.d_model}, Ψ = {self.psi:,}"
+

@@ -1,9 +1,21 @@
 """Start the ranks of a validation run, wait for them with a timeout, leave nothing behind.
 
-Each world size gets its own processes (``python -m validate.worker``), rendezvousing through a file
-store in a private temporary directory, one session per rank so a whole rank can be killed. When a rank
-exits non-zero or the timeout passes, every rank is killed and ``RunFailed`` names the rank and quotes
-the end of its log; no result is returned, so no partial result file is ever written.
+A real run is launched by torchrun (``torch.distributed.run``, wrapped by ``validate.launch`` so that the
+first failed rank is written to a file): ``--nproc-per-node`` ranks on this node, ``--standalone`` on one
+node, or ``--nnodes/--node-rank/--master-addr/--master-port`` across nodes (run the same command on
+every node). A simulated run is one process on a fake group. Either way the parent supervises one
+child, the launcher, in its own session.
+
+Nothing outlives the run, whatever ends it:
+- a rank that fails or a run past ``timeout_s`` (counted from the launch): the launcher's session is
+  killed, then every process whose environment carries this run's marker (``lifeline.RUN_ENV``);
+  ``RunFailed`` names the rank and quotes the end of its log; no result is returned, so no file is written;
+- SIGTERM or SIGHUP to the parent: the same cleanup, then ``Interrupted``; SIGINT: the same, then
+  ``KeyboardInterrupt``;
+- SIGKILL to the parent (nothing can run in it): the launcher and each rank have asked the kernel to
+  kill them when their parent dies (``lifeline.die_with_parent``), so the ranks die with it; the
+  temporary folder is removed by the next run (``remove_stale_dirs``: folders whose owner, named in
+  the folder's name by pid and start time, is gone).
 """
 
 from __future__ import annotations
@@ -16,31 +28,94 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from validate.config import ValidateConfig
+from validate.lifeline import ROOT_ENV, RUN_ENV, die_with_parent
 
 LOG_TAIL_CHARS = 1500
-POLL_S = 0.05  # short enough that the crashing rank is seen before its peers notice
+POLL_S = 0.05
+TMP_PREFIX = "zeroplan-validate-"
 
 
 class RunFailed(RuntimeError):
     """A rank crashed or the run outlived its timeout."""
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
+class Interrupted(RuntimeError):
+    """The parent got SIGTERM or SIGHUP; every process of the run is gone and its files removed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"{signal.Signals(signum).name}: stopped; all ranks stopped, temporary files removed")
+        self.signum = signum
+
+
+class NotNodeZero(Exception):
+    """A node other than 0 of a multi-node run finished its ranks; node 0 holds the result."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22), or None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def remove_stale_dirs(root: str | None = None) -> list[Path]:
+    """Remove temporary folders of runs whose parent is gone (killed by SIGKILL); returns them."""
+    removed = []
+    for d in Path(root or tempfile.gettempdir()).glob(f"{TMP_PREFIX}*"):
+        pid, start, *_ = d.name.removeprefix(TMP_PREFIX).split("-") + ["", ""]
+        if pid.isdigit() and _start_time(int(pid)) != start:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _run_dir() -> Path:
+    remove_stale_dirs()
+    me = os.getpid()
+    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{me}-{_start_time(me)}-"))
+
+
+def marked_pids(marker: str) -> set[int]:
+    """Processes whose environment carries ``RUN_ENV=marker`` (this run's launcher and ranks)."""
+    needle = f"{RUN_ENV}={marker}".encode()
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                os.killpg(p.pid, signal.SIGKILL)
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.add(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _stop(proc: subprocess.Popen | None, marker: str) -> None:
+    """Kill the launcher's session and every process of this run; wait until they are gone."""
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc is not None:
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while (left := marked_pids(marker)) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    for p in procs:
-        p.wait()
+        time.sleep(POLL_S)
 
 
-def _tail(path: Path) -> str:
-    text = path.read_text(errors="replace") if path.exists() else ""
+def _tail(*paths: Path) -> str:
+    text = "".join(p.read_text(errors="replace") for p in paths if p.exists())
     return text[-LOG_TAIL_CHARS:].strip()
 
 
@@ -52,69 +127,110 @@ LOOPBACK_UP = (
 )
 
 
-def _network_namespace() -> tuple[subprocess.Popen, list[str]]:
-    """A process holding a fresh network namespace with only loopback up, and the prefix that runs a
-    command inside it. Every byte the ranks send then crosses ``lo`` of that namespace alone."""
-    if not shutil.which("unshare") or not shutil.which("nsenter"):
-        raise RunFailed("--wire needs unshare and nsenter (util-linux) and a Linux kernel")
-    holder = subprocess.Popen(
-        ["unshare", "-n", "--", "sh", "-c",
-         f'(ip link set lo up || "{sys.executable}" -c "{LOOPBACK_UP}") && echo up && exec sleep 86400'],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+def _in_network_namespace(cmd: list[str]) -> list[str]:
+    """``cmd`` run in a fresh network namespace with only loopback up: every byte the ranks send then
+    crosses ``lo`` of that namespace alone. The namespace lives as long as the command."""
+    if not shutil.which("unshare"):
+        raise RunFailed("--wire needs unshare (util-linux) and a Linux kernel")
+    up = f'(ip link set lo up 2>/dev/null || "{sys.executable}" -c "{LOOPBACK_UP}")'
+    return ["unshare", "-n", "--", "sh", "-c", f'{up} && exec "$@"', "sh", *cmd]
+
+
+def launch_command(config: ValidateConfig, nd: int, tmp: Path, simulated: bool) -> list[str]:
+    """The launcher's command line: torchrun for a real run, one worker for a simulated one."""
+    worker = ["-m", "validate.worker", "--config", config.model_dump_json(), "--out", str(tmp / "result.json")]
+    if simulated:
+        return [sys.executable, *worker, "--simulated", "--world-size", str(nd), "--rank", "0", "--raw"]
+    nodes = (
+        ["--standalone"]
+        if config.nnodes == 1
+        else ["--node-rank", str(config.node_rank), "--master-addr", config.master_addr,
+              "--master-port", str(config.master_port)]
     )  # fmt: skip
-    if holder.stdout.readline().strip() != "up":
-        _kill([holder])
-        raise RunFailed(f"--wire: could not create a network namespace: {holder.stderr.read().strip()}")
-    return holder, ["nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"]
+    torchrun = [
+        "--nnodes", str(config.nnodes), *nodes, "--nproc-per-node", str(nd // config.nnodes),
+        "--max-restarts", "0", "--monitor-interval", "0.1",
+        "--log-dir", str(tmp / "logs"), "--redirects", "3",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "validate.launch", str(tmp / "failures.json"), "--", *torchrun, *worker, "--raw"]
+    return _in_network_namespace(cmd) if config.wire else cmd
+
+
+def _rank_log(tmp: Path, local_rank: int) -> list[Path]:
+    found = sorted((tmp / "logs").glob(f"**/attempt_*/{local_rank}"))
+    return [found[-1] / "stdout.log", found[-1] / "stderr.log"] if found else []
+
+
+def _failure(config: ValidateConfig, nd: int, tmp: Path, code: int) -> RunFailed:
+    failures = tmp / "failures.json"
+    if not failures.exists():  # the launcher itself failed (rendezvous, bad arguments) or a simulated rank
+        return RunFailed(
+            f"world size {nd}: the launcher exited with code {code}; all ranks stopped. Its log ends:\n"
+            + _tail(tmp / "launcher.log")
+        )
+    f = json.loads(failures.read_text())
+    # ranks torchrun stopped with SIGTERM because of the first failure are not failures of their own
+    others = ", ".join(f"{r} (code {c})" for r, c in f["others"].items() if c != -signal.SIGTERM)
+    local = f["rank"] - config.node_rank * (nd // config.nnodes)
+    log = _tail(*_rank_log(tmp, local)) if 0 <= local < nd // config.nnodes else "(on another node)"
+    return RunFailed(
+        f"world size {nd}: rank {f['rank']} exited with code {f['exitcode']}"
+        + (f", then ranks {others}" if others else "")
+        + f"; all ranks stopped. Its log ends:\n{log}"
+    )
 
 
 def run_world(config: ValidateConfig, nd: int, simulated: bool) -> tuple[dict, list[list[dict]]]:
     """Run every stage of ``config`` at world size ``nd``; returns (meta, rows of each rank)."""
-    nprocs = 1 if simulated else nd
-    env = dict(os.environ)
+    deadline = time.monotonic() + config.timeout_s  # from the launch, not from the ranks' start
+    marker = uuid.uuid4().hex
+    env = {**os.environ, RUN_ENV: marker, ROOT_ENV: str(os.getpid())}
     # Ranks share few cores: one intra-op thread each keeps N_d processes from oversubscribing them.
     env.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory(prefix="zeroplan-validate-") as tmp:
-        procs, logs, prefix, holders = [], [], [], []
-        try:
-            if config.wire:
-                holder, prefix = _network_namespace()
-                holders.append(holder)  # killed with the ranks, whatever happens
-                env["GLOO_SOCKET_IFNAME"] = "lo"
-            for rank in range(nprocs):
-                logs.append(Path(tmp, f"rank{rank}.log"))
-                cmd = prefix + [
-                    sys.executable, "-m", "validate.worker", "--config", config.model_dump_json(),
-                    "--world-size", str(nd), "--rank", str(rank), "--out", str(Path(tmp, f"rank{rank}.json")),
-                ]  # fmt: skip
-                cmd += ["--simulated"] if simulated else ["--init", f"file://{tmp}/store"]
-                with open(logs[-1], "w") as log:
-                    procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                                  start_new_session=True))  # fmt: skip
-            deadline, exits = time.monotonic() + config.timeout_s, []  # exits: ranks in the order seen
-            while len(exits) < nprocs:
-                exits += [r for r, p in enumerate(procs) if p.poll() is not None and r not in exits]
-                failed = [r for r in exits if procs[r].returncode != 0]
-                if failed:  # the first rank seen to fail is the cause; its peers fail because it did
-                    r = failed[0]
-                    others = ", ".join(f"{o} (code {procs[o].returncode})" for o in failed[1:])
-                    raise RunFailed(
-                        f"world size {nd}: rank {r} exited with code {procs[r].returncode}"
-                        + (f", then ranks {others}" if others else "")
-                        + f"; all ranks stopped. Its log ends:\n{_tail(logs[r])}"
-                    )
-                if time.monotonic() > deadline:
-                    raise RunFailed(
-                        f"world size {nd}: no result after {config.timeout_s:g} s (a rank hangs?); "
-                        "all ranks stopped"
-                    )
-                time.sleep(POLL_S)
-            results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nprocs)]
-        finally:
-            _kill(procs + holders)
-    return results[0]["meta"], [res["rows"] for res in results]
+    if config.wire:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    tmp, proc, me = _run_dir(), None, os.getpid()
+    try:
+        with open(tmp / "launcher.log", "w") as log:
+            proc = subprocess.Popen(
+                launch_command(config, nd, tmp, simulated), stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, preexec_fn=lambda: die_with_parent(me),
+            )  # fmt: skip
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise RunFailed(
+                    f"world size {nd}: no result after {config.timeout_s:g} s (a rank hangs?); all ranks stopped"
+                )
+            time.sleep(POLL_S)
+        if proc.returncode != 0:
+            raise _failure(config, nd, tmp, proc.returncode)
+        result = tmp / "result.json"
+        if not result.exists():
+            if config.nnodes > 1 and config.node_rank != 0:
+                raise NotNodeZero(
+                    f"node {config.node_rank}: its {nd // config.nnodes} ranks finished; node 0 prints and "
+                    "writes the result"
+                )
+            raise RunFailed(f"world size {nd}: the ranks exited without a result. Log:\n{_tail(tmp / 'launcher.log')}")
+        out = json.loads(result.read_text())
+    finally:
+        _stop(proc, marker)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out["meta"], out["ranks"]
+
+
+def _raise_interrupted(signum: int, _frame) -> None:
+    raise Interrupted(signum)
 
 
 def run_matrix(config: ValidateConfig) -> list[tuple[dict, list[list[dict]]]]:
-    """Every world size of ``config``, one after the other."""
-    return [run_world(config, nd, config.simulated) for nd in config.world_sizes]
+    """Every world size of ``config``, one after the other; SIGTERM and SIGHUP end it cleanly."""
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
+    handlers = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)} if main else {}
+    try:
+        return [run_world(config, nd, config.simulated) for nd in config.world_sizes]
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)

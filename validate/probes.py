@@ -6,8 +6,10 @@
   ``max_memory_allocated`` (which round each block up to 512 bytes), less what was allocated before the
   probe started; cuBLAS workspaces (allocated through the same allocator, one per handle) are released
   before each step-boundary reading, so they count in phase peaks but not in model states.
-- Traffic: a ``TorchDispatchMode`` sees every ``torch.ops.c10d`` call with its tensors; sizes are turned
-  into bytes per rank with the planner's ring rule (``zeroplan.comm.ring_bytes_per_rank``), per call.
+- Traffic: a ``TorchDispatchMode`` sees every ``torch.ops.c10d`` call with its tensors and records what
+  it observes per call: the collective, its full size in elements, the dtype, the phase and the step.
+  Nothing is converted to bytes here: the comparison with the planner is in elements
+  (``validate.report``); bytes on the wire are measured separately (``--wire``, the profiler's events).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from zeroplan.formulas.collectives import ring_bytes_per_rank
 
 PHASES = ("forward", "backward", "optimizer step")
 
@@ -32,22 +32,21 @@ C10D_OPS = {
 
 @dataclass(frozen=True)
 class CommCall:
-    """One collective as seen at dispatch: its full size in elements and the bytes one rank sends."""
+    """One collective as observed at dispatch: which one, its full size in elements, dtype, phase, step."""
 
-    op: str
+    op: str  # "all-reduce", "reduce-scatter", "all-gather", or the c10d op name of any other collective
     phase: str
     step: int
     elements: int
     dtype: str
-    bytes_per_rank: int | None  # None for an op the ring rule does not cover
 
 
 class CommCounter(TorchDispatchMode):
     """Records every ``c10d`` op dispatched while active, tagged with ``phase`` and ``step``."""
 
-    def __init__(self, nd: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.nd, self.phase, self.step = nd, "setup", -1
+        self.phase, self.step = "setup", -1
         self.calls: list[CommCall] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -58,10 +57,8 @@ class CommCounter(TorchDispatchMode):
             tensors = list(arg) if isinstance(arg, (list, tuple)) else [arg]
             tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
             elements = sum(t.numel() for t in tensors)
-            size = tensors[0].element_size() if tensors else 0
             dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "?"
-            sent = ring_bytes_per_rank(op, elements, self.nd, size) if name in C10D_OPS else None
-            self.calls.append(CommCall(op, self.phase, self.step, elements, dtype, sent))
+            self.calls.append(CommCall(op, self.phase, self.step, elements, dtype))
         return func(*args, **(kwargs or {}))
 
 
@@ -104,6 +101,7 @@ class MemoryProbe:
         self.peaks: dict[str, int] = {}
         self._phase: str | None = None
         self.baseline = 0  # CUDA: bytes allocated before the probe started
+        self._settled: int | None = None  # the last settled step-boundary reading
 
     def __enter__(self) -> MemoryProbe:  # noqa: PYI034 - typing.Self needs Python 3.11
         if self.cuda:
@@ -127,21 +125,28 @@ class MemoryProbe:
             return torch.cuda.memory_allocated() - self.baseline
         return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("current").values())
 
-    def settled_bytes(self, wait_s: float = 2.0, poll_s: float = 0.01, polls: int = 3) -> int:
-        """``current_bytes`` once ``polls`` readings ``poll_s`` apart agree (waiting at most ``wait_s``).
+    def settled_bytes(self, wait_s: float = 2.0, poll_s: float = 0.002, polls: int = 3) -> int:
+        """``current_bytes`` once no collective's temporary is still held; sleeps only when needed.
 
         gloo's worker thread drops its reference to a finished collective's tensors a moment after
         ``wait()`` has returned, so a temporary passed to the step's last collective can still be alive
-        for that moment; the step boundary is read after it is gone.
+        for that moment. A reading equal to the last settled one has nothing in flight (a late
+        temporary only adds bytes) and is returned at once: from the second step on, a steady runtime
+        is read without sleeping. Otherwise the reading is repeated ``poll_s`` apart until ``polls``
+        readings agree (at most ``wait_s``).
         """
         import time
 
-        last, same, deadline = self.current_bytes(), 0, time.monotonic() + wait_s
+        last = self.current_bytes()
+        if last == self._settled:
+            return last
+        same, deadline = 0, time.monotonic() + wait_s
         while same < polls and time.monotonic() < deadline:
             time.sleep(poll_s)
             now = self.current_bytes()
             same = same + 1 if now == last else 0
             last = now
+        self._settled = last
         return last
 
     def breakdown(self) -> dict[str, int]:

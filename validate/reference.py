@@ -12,10 +12,12 @@ import torch
 from validate.models import build
 
 
-def train_reference(spec, batches: list, lr: float, device) -> tuple[torch.nn.Module, dict, dict]:
+def train_reference(
+    spec, batches: list, lr: float, device, dtype: torch.dtype
+) -> tuple[torch.nn.Module, dict, dict]:
     """(model, fp32 master after all ``batches``, 16-bit gradients of the last batch), keyed by ``id``
-    of the model's parameters."""
-    model = build(spec, torch.bfloat16, device)
+    of the model's parameters; ``dtype`` is the runtime's 16-bit dtype (``ValidateConfig.param_dtype``)."""
+    model = build(spec, dtype, device)
     params = list(model.parameters())
     master = [p.detach().float().clone().requires_grad_() for p in params]
     optimizer = torch.optim.Adam(master, lr=lr, foreach=True)

@@ -1,41 +1,68 @@
 """Prediction next to measurement, one row per (world size, stage), and the verdict.
 
 Predictions come from ``zeroplan.estimate`` on the model's exact tensor sizes (from
-``zeroplan.architectures.spec``, the planner's shape functions), with the runtime's precision: bf16 parameters and
-gradients, fp32 master copy, Adam with fp32 m and v.
+``zeroplan.architectures.spec``, the planner's shape functions), with the runtime's precision: 16-bit parameters
+and gradients (``ValidateConfig.param_dtype``, bf16 by default), fp32 master copy, Adam with fp32 m and v.
 """
 
 from __future__ import annotations
 
 from validate.config import ValidateConfig
 from validate.models import expected_shapes, spec_for
+from validate.schema import SCHEMA, ReportRow, ValidationReport
 from zeroplan import estimate
-from zeroplan.formulas.dtypes import canonical_dtype
 from zeroplan.architectures.spec import numels
+from zeroplan.formulas.collectives import ring_bytes_per_rank
+from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT, canonical_dtype, dtype_bytes
 
-SCHEMA = "zeroplan.validate/1"
+RING_OPS = ("all-reduce", "reduce-scatter", "all-gather")
 GLOO_NOTE = (
     "gloo runs a reduce-scatter as a full all-reduce followed by a local copy, so on the wire it sends "
     "twice the ring volume counted here (seen with --wire: gpt-tiny at N_d = 2 sends 1.06x the logical "
     "bytes at stage 0, 1.59x at stages 1-2 and 1.42x at stage 3, i.e. 1.5x and 1.34x of stage 0's "
-    "ratio, as (2+1)/2 and (1+1+2)/3 predict); comm bytes are the logical ring bytes per rank "
-    "((N_d-1)*ceil(n/N_d)*b per call, x2 for all-reduce), which is what NCCL's ring sends."
+    "ratio, as (2+1)/2 and (1+1+2)/3 predict); derived comm bytes are the logical ring bytes per rank "
+    "((N_d-1)*ceil(n/N_d)*b per observed call, x2 for all-reduce), which is what NCCL's ring sends."
 )
 
 
+def _dtype(name: str) -> str:
+    """The planner's name of a dtype (``bfloat16`` -> ``bf16``), or the name as observed if it has none."""
+    try:
+        return canonical_dtype(name)
+    except ValueError:
+        return name
+
+
 def _key(op: str, phase: str, dtype: str) -> str:
-    return f"{op}|{phase}|{canonical_dtype(dtype)}"
+    return f"{op}|{phase}|{_dtype(dtype)}"
 
 
-def _collectives_of_step(step: dict) -> dict:
-    return {_key(*k.split("|")): v for k, v in step.items()}
+def observed_collectives(calls: list[list], nd: int) -> dict[str, dict]:
+    """Observed calls summed per (op, phase, dtype): ``calls`` and ``elements`` are counted at dispatch;
+    ``derived_bytes_per_rank`` is the planner's ring rule applied to each call (derived, not measured;
+    None for a collective the rule does not cover)."""
+    out: dict[str, dict] = {}
+    for op, phase, dtype, elements in calls:
+        row = out.setdefault(_key(op, phase, dtype), {"calls": 0, "elements": 0, "derived_bytes_per_rank": 0})
+        row["calls"] += 1
+        row["elements"] += elements
+        derived = (
+            ring_bytes_per_rank(op, elements, nd, dtype_bytes(dtype))
+            if op in RING_OPS and _dtype(dtype) in BYTES_PER_ELEMENT
+            else None
+        )
+        row["derived_bytes_per_rank"] = (
+            None if derived is None or row["derived_bytes_per_rank"] is None
+            else row["derived_bytes_per_rank"] + derived
+        )  # fmt: skip
+    return out
 
 
 def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict]) -> dict:
     """The JSON row of one stage at one world size, from every rank's measurements."""
     nd = meta["world_size"]
-    tensor_numels = numels(expected_shapes(spec_for(config.model, config.params)))
-    predicted = estimate(tensor_numels=tensor_numels, gpus=nd, stage=stage, param_dtype="bf16").stages[0]
+    tensor_numels = numels(expected_shapes(spec_for(config.model_name, config.params)))
+    predicted = estimate(tensor_numels=tensor_numels, gpus=nd, stage=stage, param_dtype=config.param_dtype).stages[0]
     pred_states = predicted.memory.model_states_bytes
     boundary = [r["boundary_bytes"] for r in rank_rows]
     measured_states = max(b[-1] for b in boundary)
@@ -44,19 +71,15 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
 
     pred_coll = {_key(c.op, c.phase, c.dtype): {"elements": c.elements, "bytes_per_rank": c.bytes_per_rank}
                  for c in predicted.collectives}  # fmt: skip
-    steps = [_collectives_of_step(s) for r in rank_rows for s in r["comm_by_step"]]
+    # Measured: what was observed per call at dispatch, summed per (op, phase, dtype), every step of
+    # every rank. It must equal the prediction in elements; bytes are only derived from it.
+    steps = [observed_collectives(s, nd) for r in rank_rows for s in r["calls_by_step"][1:]]
     measured_coll = steps[-1]
-    same_every_step = all(s == measured_coll for s in steps)
-    comm_exact = (
-        same_every_step
-        and set(measured_coll) == set(pred_coll)
-        and all(
-            measured_coll[k]["elements"] == v["elements"]
-            and measured_coll[k]["bytes_per_rank"] == v["bytes_per_rank"]
-            for k, v in pred_coll.items()
-        )
-    )
-    measured_comm = sum(v["bytes_per_rank"] or 0 for v in measured_coll.values())
+    elements_of = lambda coll: {k: v["elements"] for k, v in coll.items()}
+    collectives_match = all(elements_of(s) == elements_of(pred_coll) for s in steps)
+    pred_elements = sum(v["elements"] for v in pred_coll.values())
+    measured_elements = sum(v["elements"] for v in measured_coll.values())
+    derived_comm = sum(v["derived_bytes_per_rank"] or 0 for v in measured_coll.values())
     pred_comm = predicted.comm_bytes_per_rank
     peaks = {
         p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in rank_rows[0]["peak_bytes_by_phase"]
@@ -66,16 +89,16 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
     checks = {
         "model_states_within_tolerance": abs(states_err) <= config.tolerance,
         "model_states_steady": steady,
-        "comm_exact": comm_exact,
+        "collectives_match": collectives_match,
         "parity": parity_ok,
     }
-    return {
+    return ReportRow.model_validate({
         "stage": stage,
         "world_size": nd,
         "mode": "simulated" if config.simulated else "real",
         "backend": meta["backend"],
         "device": meta["device"],
-        "model": config.model if config.params is None else f"gpt~{config.params:g}",
+        "model": config.model_label,
         "psi": sum(tensor_numels),
         "predicted_model_states_bytes": pred_states,
         "measured_model_states_bytes": measured_states,
@@ -89,28 +112,43 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         },
         # CPU: MemTracker's own categories (bytes); CUDA: allocator counters (memory_stats)
         "probe_breakdown": rank_rows[0]["probe_breakdown"],
+        "predicted_collective_elements": pred_elements,
+        "measured_collective_elements": measured_elements,
+        "collective_elements_rel_error": (
+            (measured_elements - pred_elements) / pred_elements if pred_elements else float(measured_elements != 0)
+        ),
         "predicted_comm_bytes_per_rank": pred_comm,
-        "measured_comm_bytes_per_rank": measured_comm,
-        "comm_rel_error": (measured_comm - pred_comm) / pred_comm if pred_comm else float(measured_comm != 0),
+        # the ring rule applied to each observed call: derived from the measurement, not measured
+        "derived_comm_bytes_per_rank": derived_comm,
+        "derived_comm_rel_error": (derived_comm - pred_comm) / pred_comm if pred_comm else float(derived_comm != 0),
         "predicted_collectives": pred_coll,
         "measured_collectives": measured_coll,
+        # calls rank 0 issued while building the runtime (none predicted; reported, not checked)
+        "measured_setup_collectives": observed_collectives(rank_rows[0]["calls_by_step"][0], nd),
+        # every call rank 0 issued in the last step, in order: [op, phase, dtype, elements]
+        "observed_calls_last_step": rank_rows[0]["calls_by_step"][-1],
         "measured_peak_bytes": max(peaks.values()),
         "measured_peak_bytes_by_phase": peaks,
         # the rank furthest from the reference (a failing rank if any)
         "parity": min(parities, key=lambda p: (p["ok"], -p["param_mean_abs_diff"])) if parities else None,
         "seconds": max(r["seconds"] for r in rank_rows),
+        "step_time_s": {
+            "probed": max(r["step_time_s"]["probed"] for r in rank_rows),
+            "unprobed": max(r["step_time_s"]["unprobed"] for r in rank_rows),
+            "unprobed_steps": rank_rows[0]["step_time_s"]["unprobed_steps"],
+        },
         # --wire: bytes really sent on loopback per rank per step (rank 0's reading of the shared counter)
         "wire_bytes_per_rank": rank_rows[0].get("wire_bytes_per_rank"),
         # the profiler's backend-level communication events of the last step (real runs; rank 0)
         "profiler_comms": rank_rows[0].get("profiler_comms"),
-        "wire_to_logical": (
-            rank_rows[0]["wire_bytes_per_rank"] / measured_comm
-            if rank_rows[0].get("wire_bytes_per_rank") is not None and measured_comm
+        "wire_to_derived": (
+            rank_rows[0]["wire_bytes_per_rank"] / derived_comm
+            if rank_rows[0].get("wire_bytes_per_rank") is not None and derived_comm
             else None
         ),
         "checks": checks,
         "ok": all(v is not False for v in checks.values()),
-    }
+    }).model_dump()
 
 
 def build_report(config: ValidateConfig, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
@@ -120,14 +158,15 @@ def build_report(config: ValidateConfig, worlds: list[tuple[dict, list[list[dict
         for i, stage in enumerate(config.stages):
             rows.append(compare(config, meta, stage, [rank_rows[i] for rank_rows in ranks]))
     notes = [GLOO_NOTE] if any(r["backend"] == "gloo" for r in rows) else []
-    return {
-        "schema": SCHEMA,
-        "config": config.model_dump(),
-        "torch": worlds[0][0].get("torch") if worlds else None,
-        "rows": rows,
-        "notes": notes,
-        "ok": all(r["ok"] for r in rows),
-    }
+    report = ValidationReport(
+        schema_id=SCHEMA,
+        config=config.model_dump(),
+        torch=worlds[0][0].get("torch") if worlds else None,
+        rows=rows,
+        notes=notes,
+        ok=all(r["ok"] for r in rows),
+    )
+    return report.model_dump(by_alias=True)
 
 
 def _size(n: float) -> str:
@@ -144,11 +183,12 @@ def _pct(x: float) -> str:
 
 def to_table(report: dict) -> str:
     """Predicted vs measured per row, with relative errors."""
-    cols = ["stage", "N_d", "mode", "backend", "states pred", "states meas", "err", "comm/rank pred",
-            "comm/rank meas", "err", "peak fwd", "peak bwd", "peak opt", "parity", "ok"]  # fmt: skip
+    cols = ["stage", "N_d", "mode", "backend", "states pred", "states meas", "err", "coll elems pred",
+            "coll elems meas", "err", "comm/rank pred", "comm/rank derived", "peak fwd", "peak bwd",
+            "peak opt", "parity", "ok"]  # fmt: skip
     wire = any(r.get("wire_bytes_per_rank") is not None for r in report["rows"])
     if wire:
-        cols[-2:-2] = ["wire/rank", "wire/comm"]
+        cols[-2:-2] = ["wire/rank", "wire/derived"]
     lines = []
     for r in report["rows"]:
         p = r["measured_peak_bytes_by_phase"]
@@ -157,13 +197,14 @@ def to_table(report: dict) -> str:
             str(r["stage"]), str(r["world_size"]), r["mode"], r["backend"],
             _size(r["predicted_model_states_bytes"]), _size(r["measured_model_states_bytes"]),
             _pct(r["model_states_rel_error"]),
-            _size(r["predicted_comm_bytes_per_rank"]), _size(r["measured_comm_bytes_per_rank"]),
-            _pct(r["comm_rel_error"]),
+            f"{r['predicted_collective_elements']:,}", f"{r['measured_collective_elements']:,}",
+            _pct(r["collective_elements_rel_error"]),
+            _size(r["predicted_comm_bytes_per_rank"]), _size(r["derived_comm_bytes_per_rank"]),
             _size(p["forward"]), _size(p["backward"]), _size(p["optimizer step"]),
             parity, "yes" if r["ok"] else "NO",
         ])  # fmt: skip
         if wire:
-            ratio = r.get("wire_to_logical")
+            ratio = r.get("wire_to_derived")
             lines[-1][-2:-2] = [
                 _size(r["wire_bytes_per_rank"] or 0),
                 "-" if ratio is None else f"{ratio:.3f}x",
@@ -173,12 +214,16 @@ def to_table(report: dict) -> str:
         c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
     )
     first = report["rows"][0] if report["rows"] else {}
-    out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), bf16 params/grads, fp32 master + Adam m, v",
+    dtype = report["config"]["param_dtype"]
+    out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), {dtype} params/grads, fp32 master + Adam m, v",
            fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, lines), ""]  # fmt: skip
     out.append(
         f"states: model states live at the step boundary (measured: every live tensor byte) vs zeroplan; "
         f"err = (measured - predicted) / predicted, tolerance {100 * report['config']['tolerance']:g}%. "
-        "comm: bytes one rank sends per step, ring rule, counted from the c10d calls. "
+        "coll elems: elements of every collective per step (measured: each c10d call observed at dispatch; "
+        "must equal the prediction per collective, phase and dtype, at every step). "
+        "comm/rank: bytes one rank sends per step; derived = the ring rule applied to each observed call "
+        "(a formula on the measurement, not a measurement: --wire measures bytes). "
         "peak: largest live bytes within each phase (reported, not predicted)."
     )
     if wire:

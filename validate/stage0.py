@@ -6,7 +6,6 @@ import torch
 
 from validate.collectives import all_reduce_mean
 from validate.runtime import Runtime
-from zeroplan.formulas.sharding import padded_numel
 
 
 class Stage0(Runtime):
@@ -15,10 +14,9 @@ class Stage0(Runtime):
     Schedule per step:
     - forward: nothing communicated;
     - backward: gradients accumulate straight into one flat unpadded buffer (DDP's
-      ``gradient_as_bucket_view``); when the units from ``u`` to the last are done, bucket ``u`` is
-      all-reduced. Bucket edges are rounded up to multiples of N_d, so every bucket but the last has a
-      length divisible by N_d and the ring bytes of the buckets add up to those of one all-reduce of the
-      whole buffer, as ``zeroplan.comm`` predicts;
+      ``gradient_as_bucket_view``); when the units from ``u`` to the last are done, unit ``u``'s slice
+      (its bucket) is all-reduced. The buckets together cover the buffer exactly once, so the elements
+      all-reduced per step are Ψ, as ``zeroplan.formulas.collectives`` predicts (the validator compares elements);
     - optimizer step: Adam on the full fp32 master, copied into the 16-bit parameters; nothing sent.
     """
 
@@ -28,14 +26,12 @@ class Stage0(Runtime):
         total = sum(lay.full_numel for lay in self.layouts)
         self.flat_param = torch.empty(total, dtype=self.dtype, device=self.device)
         self.flat_grad = torch.zeros(total, dtype=self.dtype, device=self.device)
-        starts = [sl.start for sl in self.local_slices]
         for sl, lay, (_, ps) in zip(self.local_slices, self.layouts, self.units):
             lay.pack(ps, self.flat_param[sl])
             for p, pv, gv in zip(ps, lay.views(self.flat_param[sl]), lay.views(self.flat_grad[sl])):
                 p.data = pv
                 p.grad = gv
-        edges = [min(padded_numel(s, self.nd), total) for s in starts[1:]]
-        self.buckets = [slice(lo, hi) for lo, hi in zip([0, *edges], [*edges, total])]
+        self.buckets = list(self.local_slices)
         self._next_bucket = len(self.buckets) - 1
         self._done = [False] * len(self.units)
 

@@ -293,33 +293,51 @@ def plan(
 @app.command("validate")
 def validate_cmd(
     world_size: Optional[list[int]] = typer.Option(
-        None, "--world-size", help="N_d; repeat for several. Default: 2 and 4 (64 with --simulated)."
+        None, "--world-size",
+        help="N_d; repeat for several. Default: 2 and 4 (64 with --simulated). Real: at most 4 ranks per usable "
+        "core and what memory holds; simulated: at most 65536.",
     ),
     stage: Optional[list[int]] = typer.Option(None, "--stage", help="ZeRO stage 0-3; repeat. Default: all."),
-    model: str = typer.Option(
-        "gpt-tiny", help="gpt-tiny, mlp-tiny, gpt-1b-wide, a model preset or a config.json path."
+    model: Optional[str] = typer.Option(
+        None, help="gpt-tiny (default), mlp-tiny, gpt-1b-wide, a model preset or a config.json path."
     ),
-    params: Optional[str] = typer.Option(None, help="Instead of --model: a GPT-style model of about Ψ params."),
+    params: Optional[str] = typer.Option(
+        None, help="Instead of --model: a GPT-style model of about Ψ params (the table says what was built)."
+    ),
     simulated: bool = typer.Option(False, "--simulated", help="One process plays rank 0 on a fake group."),
     device: str = typer.Option("auto", help="auto (cuda if present), cpu or cuda."),
-    steps: int = typer.Option(3, help="Training steps per stage (>= 2)."),
-    batch_per_rank: int = typer.Option(2, "--batch-per-rank", help="Samples per rank per step."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (GPT; default: model's)."),
+    steps: int = typer.Option(3, help="Training steps per stage, 2-1000."),
+    batch_per_rank: int = typer.Option(2, "--batch-per-rank", help="Samples per rank per step, 1-4096."),
+    seq_len: Optional[int] = typer.Option(
+        None, "--seq-len", help="Tokens per sample (GPT only; at most the model's positions; default: all)."
+    ),
+    param_dtype: str = typer.Option(
+        "bf16", "--param-dtype", help="16-bit dtype of the runtime's params/grads: bf16 or fp16 (master, Adam: fp32)."
+    ),
     tolerance: float = typer.Option(0.01, help="Largest relative error of model states still ok."),
-    timeout: float = typer.Option(600.0, help="Seconds one world size may run before its ranks are killed."),
+    timeout: float = typer.Option(600.0, help="Seconds one world size may run, counted from its launch."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full result here (atomically)."),
     wire: bool = typer.Option(False, "--wire", help="Also count bytes on loopback in a private netns (gloo)."),
+    nnodes: int = typer.Option(1, "--nnodes", help="Nodes of a real run (torchrun); run this command on each."),
+    node_rank: int = typer.Option(0, "--node-rank", help="This node's rank, 0 to nnodes-1 (torchrun)."),
+    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Address of node 0 (torchrun)."),
+    master_port: Optional[int] = typer.Option(
+        None, "--master-port", help="TCP port on node 0 (torchrun); default: a free port (one node only)."
+    ),
 ) -> None:
     """Train the reference ZeRO runtime, measure memory and traffic, compare with zeroplan; exit 1 if off."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
         raise UserError('validate needs torch (2.4 to 2.13): install the extra, e.g. pip install ".[validate]"')
+    from validate.checks import check_output_path
+
+    if json_path is not None:  # first: a run must never be lost to a path that cannot be written
+        check_output_path(json_path)
     from validate.api import run_validation, write_json_atomic
     from validate.config import ValidateConfig
-    from validate.harness import RunFailed
+    from validate.harness import Interrupted, NotNodeZero, RunFailed
     from validate.report import to_table
-    from zeroplan.files import check_writable
     from zeroplan.parsing import parse_count
 
     config = ValidateConfig(
@@ -331,14 +349,26 @@ def validate_cmd(
         steps=steps,
         batch_per_rank=batch_per_rank,
         seq_len=seq_len,
+        param_dtype=param_dtype,
         tolerance=tolerance,
         timeout_s=timeout,
         wire=wire,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
     )
-    if json_path is not None:
-        check_writable(json_path)
     try:
         report = run_validation(config)
+    except KeyboardInterrupt:
+        typer.echo("zeroplan: error: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except Interrupted as exc:  # SIGTERM, SIGHUP: ranks and temporary files are gone already
+        typer.echo(f"zeroplan: error: {exc}", err=True)
+        raise typer.Exit(128 + exc.signum) from None
+    except NotNodeZero as exc:
+        typer.echo(str(exc))
+        return
     except RunFailed as exc:
         typer.echo(f"zeroplan: error: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -16,11 +16,13 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from zeroplan.files import atomic_write, read_json
 from zeroplan.formulas.stages import STAGES
 from zeroplan.types import error_line
+
+from validate.schema import ValidationRow  # the report's schema, no torch
 
 GB = 1e9
 LOG_TICK_SUBS = (1.0, 2.0, 5.0)
@@ -277,22 +279,6 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
     return fig
 
 
-class ValidationRow(BaseModel):
-    """One row of ``zeroplan validate --json`` as the plot reads it (other keys are ignored)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    stage: int
-    world_size: int
-    mode: str
-    backend: str
-    predicted_model_states_bytes: int
-    measured_model_states_bytes: int
-    predicted_comm_bytes_per_rank: int
-    measured_comm_bytes_per_rank: int
-    ok: bool
-
-
 def load_validation(path: str | Path) -> list[ValidationRow]:
     """Rows of a ``zeroplan validate --json`` file; ValueError with one line if missing or malformed."""
     name = str(path)
@@ -327,7 +313,7 @@ def predicted_vs_measured(rows: Sequence[ValidationRow]) -> Figure:
     axes = fig.subplots(2, 1)
     panels = (
         ("model states per GPU", "predicted_model_states_bytes", "measured_model_states_bytes"),
-        ("bytes sent per GPU per step", "predicted_comm_bytes_per_rank", "measured_comm_bytes_per_rank"),
+        ("bytes sent per GPU per step (derived)", "predicted_comm_bytes_per_rank", "derived_comm_bytes_per_rank"),
     )
     several_modes = len({(r.mode, r.backend) for r in rows}) > 1
     labels = [

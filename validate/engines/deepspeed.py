@@ -108,7 +108,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
 
     from validate.probes import CommCounter
 
-    counter, probe = CommCounter(nd), _cpu_probe()
+    counter, probe = CommCounter(), _cpu_probe()
     boundary: dict[str, int] = {}
     with probe, counter:
         probe.phase("init")

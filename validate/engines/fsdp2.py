@@ -98,16 +98,14 @@ def shard(model: nn.Module, mesh, settings: Fsdp2Settings) -> nn.Module:
 
 
 def summarise_calls(calls, steps: int) -> list[dict]:
-    """Per step: {"op|phase|dtype": {"calls", "elements": [per call, in order], "bytes_per_rank"}}."""
-    out = [defaultdict(lambda: {"calls": 0, "elements": [], "bytes_per_rank": 0}) for _ in range(steps)]
+    """Per step: {"op|phase|dtype": {"calls", "elements": [per call, in order]}}: what was observed at
+    dispatch (bytes are not measured here; ``validate.report`` derives them, labelled derived)."""
+    out = [defaultdict(lambda: {"calls": 0, "elements": []}) for _ in range(steps)]
     for c in calls:
         if 0 <= c.step < steps:
             row = out[c.step][f"{c.op}|{c.phase}|{c.dtype}"]
             row["calls"] += 1
             row["elements"].append(c.elements)
-            row["bytes_per_rank"] = None if c.bytes_per_rank is None or row["bytes_per_rank"] is None else (
-                row["bytes_per_rank"] + c.bytes_per_rank
-            )
     return [dict(d) for d in out]
 
 
@@ -158,7 +156,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
     with fake_tensors(fake):
         if fake:
             local_batches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in lb) for lb in local_batches]
-        counter, probe = CommCounter(nd), MemoryProbe(device)
+        counter, probe = CommCounter(), MemoryProbe(device)
 
         def enter(phase: str | None) -> None:
             probe.phase(phase)

@@ -1,0 +1,140 @@
+"""The report of ``zeroplan validate --json`` as pydantic models: one home for its schema.
+
+No torch here: ``zeroplan plot --view validate`` reads reports with ``ValidationRow`` on a machine
+without torch. ``validate.report`` builds every report through ``ValidationReport``, so a row that
+lacks a key, or has one not declared here, fails when it is made, not when it is read.
+
+Measured vs derived: a key named ``measured_*`` holds an observation (live tensor bytes, calls and
+elements seen at dispatch, bytes on the wire); ``derived_*`` is a formula applied to an observation
+(the ring rule applied to each observed call). ``RENAMED_FROM_V1`` maps the keys of schema
+``zeroplan.validate/1`` to their names in ``/2``; ``ValidationRow`` still reads ``/1`` files.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+SCHEMA = "zeroplan.validate/2"
+
+# zeroplan.validate/1 key -> zeroplan.validate/2 key (row level unless dotted)
+RENAMED_FROM_V1 = {
+    "measured_comm_bytes_per_rank": "derived_comm_bytes_per_rank",
+    "comm_rel_error": "derived_comm_rel_error",
+    "wire_to_logical": "wire_to_derived",
+    "checks.comm_exact": "checks.collectives_match",
+    "measured_collectives.*.bytes_per_rank": "measured_collectives.*.derived_bytes_per_rank",
+}
+
+
+class ValidationRow(BaseModel):
+    """The keys every row has (what ``zeroplan plot`` reads; other keys are ignored here)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    stage: int = Field(description="ZeRO stage 0-3")
+    world_size: int = Field(description="N_d")
+    mode: str = Field(description="real or simulated")
+    backend: str = Field(description="gloo, nccl or fake")
+    predicted_model_states_bytes: int = Field(description="zeroplan.estimate's model states per rank")
+    measured_model_states_bytes: int = Field(description="live tensor bytes at the step boundary, max over ranks")
+    predicted_comm_bytes_per_rank: int = Field(description="zeroplan.estimate's bytes sent per rank per step")
+    derived_comm_bytes_per_rank: int = Field(
+        validation_alias=AliasChoices("derived_comm_bytes_per_rank", "measured_comm_bytes_per_rank"),
+        description="ring rule applied to each observed call (derived; schema /1 called it measured_...)",
+    )
+    ok: bool = Field(description="every check passed")
+
+
+class PredictedCollective(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    elements: int = Field(description="elements of the collective per step")
+    bytes_per_rank: int = Field(description="bytes one rank sends per step, ring rule")
+
+
+class ObservedCollective(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    calls: int = Field(description="calls observed at dispatch in one step")
+    elements: int = Field(description="their elements summed (measured)")
+    derived_bytes_per_rank: Optional[int] = Field(
+        description="ring rule applied to each call (derived); None for a collective it does not cover"
+    )
+
+
+class Checks(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_states_within_tolerance: bool = Field(description="|measured - predicted| <= tolerance x predicted")
+    model_states_steady: bool = Field(description="the same live bytes at every step boundary of every rank")
+    collectives_match: bool = Field(
+        description="observed elements per (collective, phase, dtype) = prediction, every step and rank"
+    )
+    parity: Optional[bool] = Field(description="parity with the single-process reference; None: simulated")
+
+
+class StepTime(BaseModel):
+    """Median seconds of one step, slowest rank: what the probes cost."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    probed: float = Field(description="steps 2..k under every probe (step 1 creates Adam's states)")
+    unprobed: float = Field(description="extra steps after the parity check, no probe at all")
+    unprobed_steps: int
+
+
+class ReportRow(ValidationRow):
+    """One (world size, stage) of a report: prediction, measurement, derived figures and verdict."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["real", "simulated"]
+    device: str
+    model: str = Field(description="preset name, or gpt~PSI for --params")
+    psi: int = Field(description="parameters of the model built")
+    model_states_rel_error: float
+    model_states_extra_bytes: int
+    adam_step_bytes: int = Field(description="Adam's step counters (the expected excess: 4 bytes)")
+    predicted_breakdown_bytes: dict[str, int]
+    probe_breakdown: dict[str, Union[int, float]] = Field(
+        description="CPU: MemTracker's categories in bytes; CUDA: the allocator's memory_stats counters"
+    )
+    predicted_collective_elements: int
+    measured_collective_elements: int = Field(description="elements of all collectives of the last step")
+    collective_elements_rel_error: float
+    derived_comm_rel_error: float
+    predicted_collectives: dict[str, PredictedCollective] = Field(description="key: op|phase|dtype")
+    measured_collectives: dict[str, ObservedCollective] = Field(description="last step, rank 0")
+    measured_setup_collectives: dict[str, ObservedCollective] = Field(
+        description="issued while the runtime was built (none predicted; reported, not checked)"
+    )
+    observed_calls_last_step: list[tuple[str, str, str, int]] = Field(
+        description="rank 0's calls of the last step in order: op, phase, dtype, elements"
+    )
+    measured_peak_bytes: int
+    measured_peak_bytes_by_phase: dict[str, int]
+    parity: Optional[dict[str, Union[bool, int, float, None]]] = Field(
+        description="the rank furthest from the reference (a failing one if any); None when simulated"
+    )
+    seconds: float = Field(description="wall time of the probed steps, slowest rank")
+    step_time_s: StepTime
+    wire_bytes_per_rank: Optional[float] = Field(description="--wire: bytes on loopback per rank per step")
+    profiler_comms: Optional[dict[str, dict]] = Field(description="profiler communication events, last step")
+    wire_to_derived: Optional[float] = Field(description="wire_bytes_per_rank / derived_comm_bytes_per_rank")
+    checks: Checks
+    ok: bool
+
+
+class ValidationReport(BaseModel):
+    """The whole ``--json`` document."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_id: Literal["zeroplan.validate/2"] = Field(SCHEMA, alias="schema")
+    config: dict = Field(description="the ValidateConfig that was run")
+    torch: Optional[str] = Field(description="torch version of the ranks")
+    rows: list[ReportRow]
+    notes: list[str]
+    ok: bool
