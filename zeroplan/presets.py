@@ -15,7 +15,7 @@ from typing import Annotated, Literal, Optional
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from zeroplan.architectures.spec import TransformerSpec, numels, transformer_shapes
-from zeroplan.types import ByteSize, Count, NonNegativeFinite, PositiveFinite
+from zeroplan.types import Bandwidth, ByteSize, Count, Flops, Latency, SeqLen
 
 
 class GpuSpec(BaseModel):
@@ -27,7 +27,7 @@ class GpuSpec(BaseModel):
     description: str
     memory_bytes: ByteSize
     """nominal HBM capacity in bytes (see the data file's ``about`` for the convention)."""
-    peak_flops: PositiveFinite
+    peak_flops: Flops
     """dense 16-bit tensor-core peak, FLOP/s."""
     peak_flops_dtype: str
     intra_node: str
@@ -45,9 +45,9 @@ class LinkSpec(BaseModel):
     name: str
     scope: Literal["intra", "inter"]
     """intra: inside a node (NVLink, PCIe, Infinity Fabric); inter: between nodes (a NIC per GPU)."""
-    bandwidth_gbps: PositiveFinite
+    bandwidth_gbps: Bandwidth
     """GB/s (1e9 bytes/s) one GPU sends in one direction; used as the nccl-tests bus bandwidth."""
-    alpha_s: NonNegativeFinite
+    alpha_s: Latency
     """latency of one ring step, seconds."""
     source: str = "given on the command line"
 
@@ -70,7 +70,7 @@ class ModelPreset(BaseModel):
     ffn_hidden: Optional[Count] = None
     """MLP hidden width; None means 4·d_model (GPT)."""
     vocab_size: Count
-    seq_len: Count
+    seq_len: SeqLen
     """training context length, tokens; also GPT's position-embedding rows."""
     source: str
 
