@@ -14,7 +14,7 @@ import typer
 
 from zeroplan.cli_options import (
     GradDtype, MasterWeights, OneLineErrors, OptimizerDtype, OptimizerName, ParamDtype, Unit, UserError,
-    given, policy_from,
+    given, given_on_command_line, policy_from, refuse_unused,
 )  # fmt: skip
 
 
@@ -96,6 +96,7 @@ def estimate(
 
 @app.command()
 def sweep(
+    ctx: typer.Context,
     params: Optional[str] = typer.Option(None, help="Ψ values, comma-separated: 1e9,7B,70B."),
     shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes (one model, exact padding)."),
     model: Optional[str] = typer.Option(None, help="Reference model preset instead of --params: llama2-70b, ..."),
@@ -120,21 +121,32 @@ def sweep(
     gpu: Optional[str] = typer.Option(None, help="GPU preset for the fits column: h100-80gb, a100-40gb, ..."),
     gpu_memory: Optional[str] = typer.Option(None, help="GPU memory for the fits column: 80GiB, 141GB."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object with rows[] instead of CSV."),
-    out: Optional[Path] = typer.Option(None, help="Write to this file (atomically) instead of stdout."),
+    out: Optional[Path] = typer.Option(
+        None, help="Write to this file (atomically) instead of stdout; a name ending in .parquet writes Parquet."
+    ),
 ) -> None:
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
+    import importlib.util
+
     from zeroplan.architectures.shapes_file import load_numels
-    from zeroplan.files import check_writable, write_text_atomic
+    from zeroplan.files import atomic_write, check_writable
     from zeroplan.parsing import parse_bytes, parse_counts, parse_list, parse_offload, parse_wholes
     from zeroplan.presets import gpu_capacity
-    from zeroplan.render.sweep import to_csv, to_json
+    from zeroplan.render.sweep import write_csv, write_json, write_parquet
     from zeroplan.sweeping.config import SweepConfig
-    from zeroplan.sweeping.grid import sweep_config
+    from zeroplan.sweeping.grid import sweep_frames
 
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
+    parquet = out is not None and out.suffix.lower() == ".parquet"
+    if parquet and as_json:
+        raise UserError("--json and an --out ending in .parquet are exclusive: choose one format")
+    if parquet and importlib.util.find_spec("pyarrow") is None:
+        raise UserError('writing .parquet needs pyarrow: pip install pyarrow (or ".[parquet]")')
     if out is not None:
-        check_writable(out)
+        check_writable(out, inputs=[shapes])
+    if model is None and given_on_command_line(ctx, "checkpointing"):
+        raise UserError("--checkpointing changes only activations, which need --model")
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
         params=parse_counts(params) if params is not None else None,
@@ -150,12 +162,22 @@ def sweep(
         gpu_memory_bytes=capacity,
         policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
     )
-    frame = sweep_config(config)
-    text = to_json(frame, config) if as_json else to_csv(frame)
+
+    def write(sink) -> None:
+        frames = sweep_frames(config)
+        write_json(frames, config, sink) if as_json else write_csv(frames, sink)
+
     if out is None:
-        typer.echo(text.rstrip("\n"))
+        write(typer.get_binary_stream("stdout"))
+    elif parquet:
+        atomic_write(out, lambda tmp: write_parquet(sweep_frames(config), tmp), inputs=[shapes])
     else:
-        write_text_atomic(out, text)
+
+        def write_file(tmp: str) -> None:
+            with open(tmp, "wb") as sink:
+                write(sink)
+
+        atomic_write(out, write_file, inputs=[shapes])
 
 
 class PlotView(str, Enum):
@@ -167,6 +189,7 @@ class PlotView(str, Enum):
 
 @app.command()
 def plot(
+    ctx: typer.Context,
     out: Path = typer.Option(..., help="Image file to write: .png, .svg or .pdf."),
     view: PlotView = typer.Option(
         PlotView.memory,
@@ -196,19 +219,23 @@ def plot(
     from zeroplan.sweeping.grid import sweep_config
 
     plots.check_format(out)  # before any work: a bad name is one line, not a traceback after the sweep
-    check_writable(out)
-    capacity, capacity_label = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
+    check_writable(out, inputs=[results])
+    policy = ("param_dtype", "grad_dtype", "master_weights", "optimizer", "optimizer_dtype")
     if view is PlotView.validate:
+        why = "to --view validate, which draws --results only"
+        refuse_unused(ctx, ("params", "model", "gpus", "model_parallel", "stage", *policy, "gpu", "gpu_memory"), why)
         if results is None:
             raise UserError("--view validate needs --results FILE (from `zeroplan validate --json`)")
-        if params is not None or model is not None:
-            raise UserError("--view validate draws --results only; --params and --model do not apply")
-        fig = plots.predicted_vs_measured(plots.load_validation(results))
+        rows = plots.load_validation(results)
+        plots.check_points(view.value, runs=len(rows))
+        fig = plots.predicted_vs_measured(rows)
     else:
-        if results is not None:
-            raise UserError(f"--results is only read by --view validate, not --view {view.value}")
+        refuse_unused(ctx, ("results",), f"to --view {view.value}; only --view validate reads it")
+        if view is PlotView.comm:
+            refuse_unused(ctx, ("gpu", "gpu_memory"), "to --view comm, which draws no memory")
         if (params is None) == (model is None):
             raise UserError(f"--view {view.value} needs exactly one of --params and --model")
+        capacity, capacity_label = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
         config = SweepConfig(
             params=parse_counts(params) if params is not None else None,
             model=model,
@@ -217,8 +244,9 @@ def plot(
             stages=parse_wholes(stage, "stage"),
             policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
         )
+        plots.check_points(view.value, n_params=len(config.params or (1,)), n_gpus=len(config.gpus))
         fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity, gpu_label=capacity_label)
-    plots.save(fig, out)
+    plots.save(fig, out, inputs=[results])
 
 
 @app.command()
