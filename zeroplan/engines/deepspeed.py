@@ -19,12 +19,13 @@ import math
 from pathlib import Path
 from typing import Annotated, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, validate_call
 
 from zeroplan.files import read_json
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
+from zeroplan.types import BatchCount, Numel, StageNumber
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
 """Elements per gradient bucket / all-gather call: DeepSpeed's default ``reduce_bucket_size`` and
@@ -212,13 +213,14 @@ def _offload_block(device: str) -> dict:
     return block
 
 
+@validate_call(config=ConfigDict(arbitrary_types_allowed=True))
 def deepspeed_config(
-    stage: int,
+    stage: StageNumber,
     offload: Offload = NO_OFFLOAD,
-    micro_batch: int = 1,
-    grad_accum: int = 1,
+    micro_batch: BatchCount = 1,
+    grad_accum: BatchCount = 1,
     policy: PrecisionPolicy = BF16_MIXED,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    bucket_numel: Numel = DEFAULT_BUCKET_NUMEL,
 ) -> dict:
     """A DeepSpeed config dict for ``stage`` and ``offload`` (dump it with ``json.dumps``)."""
     check_offload(stage, offload)
