@@ -52,7 +52,12 @@ def _is_bool(v: object) -> bool:
 
 def show(v: object) -> str:
     """``v`` for a message, short: a 400-digit integer is shown by its first digits and its length."""
-    text = str(v) if not isinstance(v, int) or abs(v) < 10**24 else f"{str(v)[:6]}...({len(str(v))} digits)"
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**24:
+        if v.bit_length() > 14_000:  # about 4200 digits: str() refuses ints of more than 4300
+            return f"{'-' if v < 0 else ''}2**{v.bit_length() - 1}..."
+        digits = str(abs(v))
+        return f"{'-' if v < 0 else ''}{digits[:6]}...({len(digits)} digits)"
+    text = str(v)
     return text if len(text) <= 40 else f"{text[:37]}..."
 
 

@@ -243,15 +243,15 @@ def sweep(
     Remaining keywords are ``PrecisionPolicy`` fields, as for ``estimate``. Raises
     ``pydantic.ValidationError`` on bad input.
     """
-    config = SweepConfig(
-        params=tuple(params) if params is not None else None,
-        tensor_numels=tuple(tensor_numels) if tensor_numels is not None else None,
-        gpus=tuple(gpus),
-        model_parallel=tuple(model_parallel),
-        stages=tuple(stages),
-        offload=tuple(offload),
+    config = SweepConfig(  # the config checks and converts the sequences (a str or a number is refused)
+        params=params,
+        tensor_numels=tensor_numels,
+        gpus=gpus,
+        model_parallel=model_parallel,
+        stages=stages,
+        offload=offload,
         model=model,
-        micro_batch=tuple(micro_batch),
+        micro_batch=micro_batch,
         seq_len=seq_len,
         checkpointing=checkpointing,
         gpu_memory_bytes=gpu_memory_bytes,
