@@ -494,3 +494,17 @@ def test_plot_refuses_more_than_a_figure_can_show(tmp_path):
                 "--out", "{d}/m.png"], tmp_path)  # fmt: skip
     assert_one_line_error(r, "65 GPU counts, at most 64")
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_fast_float_text_is_repr():
+    import numpy as np
+
+    from zeroplan.render.sweep import _float_strings
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([
+        10 ** rng.uniform(-8, 20, 200_000), -(10 ** rng.uniform(-5, 12, 1000)), np.arange(0, 5000, dtype=float),
+        [math.nan, 1e-4, 1e10, 9999999999.5, 1e16, 2.0**53, 5e-324, 1.7976931348623157e308, -0.0],
+    ])  # fmt: skip
+    expected = ["" if math.isnan(v) else repr(float(v)) for v in values]
+    assert _float_strings(values).to_pylist() == expected

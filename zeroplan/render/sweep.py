@@ -65,7 +65,8 @@ def to_json(frame, config: SweepConfig) -> str:
 
 
 def _arrow_strings(column) -> Any:
-    """One column as a pyarrow string array, each value as pandas' ``to_csv`` writes it."""
+    """One column as a pyarrow array that the CSV writer prints as pandas' ``to_csv`` does: strings
+    formatted here, integers left to the writer."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -75,38 +76,65 @@ def _arrow_strings(column) -> Any:
         labels = [str(c) for c in column.cat.categories]
         if any(_NEEDS_QUOTES & set(x) for x in labels):
             return None
-        return pc.take(pa.array(labels, pa.string()), pa.array(column.cat.codes.to_numpy()))
-    if dtype == "float64":  # repr, as pandas; NaN empty. Few distinct values: format each once.
-        values, where = np.unique(column.to_numpy(), return_inverse=True)
-        texts = ["" if np.isnan(v) else repr(float(v)) for v in values]
-        return pc.take(pa.array(texts, pa.string()), pa.array(where.ravel()))
+        return pa.DictionaryArray.from_arrays(pa.array(column.cat.codes.to_numpy()), pa.array(labels, pa.string()))
+    if dtype == "float64":
+        return _float_strings(column.to_numpy())
     if dtype == "boolean":
         data, mask = column.array._data, column.array._mask
         codes = data.astype(np.int8) + 2 * mask.astype(np.int8)
-        return pc.take(pa.array(["False", "True", "", ""], pa.string()), pa.array(codes))
-    if dtype == "Int64":
-        data, mask = column.array._data, column.array._mask
-        return pc.fill_null(pc.cast(pa.array(data, mask=mask), pa.string()), "")
+        return pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(["False", "True", "", ""], pa.string()))
+    if dtype == "Int64":  # pyarrow's CSV writer prints integers as str() does, and a null as nothing
+        return pa.array(column.array._data, mask=column.array._mask)
     if dtype == "int64":
-        return pc.cast(pa.array(column.to_numpy()), pa.string())
+        return pa.array(column.to_numpy())
     return None
 
 
-def _csv_chunk_arrow(frame, out: IO[bytes]) -> bool:
-    """Write ``frame``'s rows (no header) with pyarrow; False (nothing written) when a column is not
-    one of the sweep's dtypes or a value would need quotes, so the caller falls back to pandas."""
+def _float_strings(values) -> Any:
+    """Floats as ``repr`` writes them (pandas' CSV text), NaN empty. pyarrow's shortest round-trip text
+    is the same digits for |x| in [1e-4, 1e10) (``tests/test_hardening.py`` checks), except that it
+    drops the ``.0`` of whole numbers; other values (rare here: ratios) are formatted by ``repr``."""
+    import numpy as np
     import pyarrow as pa
-    import pyarrow.csv as pa_csv
+    import pyarrow.compute as pc
+
+    size = np.abs(values)
+    plain = (size >= 1e-4) & (size < 1e10)
+    whole = plain & (values == np.floor(values))
+    texts = pc.cast(pa.array(values), pa.string())
+    whole_texts = pc.binary_join_element_wise(
+        pc.cast(pa.array(np.where(whole, values, 0).astype(np.int64)), pa.string()), ".0", ""
+    )
+    texts = pc.if_else(pa.array(whole), whole_texts, texts)
+    if plain.all():
+        return texts
+    out = texts.to_numpy(zero_copy_only=False).astype(object)
+    for i in np.flatnonzero(~plain):
+        out[i] = "" if np.isnan(values[i]) else repr(float(values[i]))
+    return pa.array(out, pa.string())
+
+
+def _arrow_table(frame) -> Any:
+    """``frame`` as a pyarrow table of what the CSV writer should print; None when a column is not one
+    of the sweep's dtypes or a value would need quotes (the caller then lets pandas write the frame)."""
+    import pyarrow as pa
 
     columns = {}
     for name in frame.columns:
-        strings = _arrow_strings(frame[name])
-        if strings is None:
-            return False
-        columns[name] = strings
-    options = pa_csv.WriteOptions(include_header=False, quoting_style="none")
-    pa_csv.write_csv(pa.table(columns), out, options)
-    return True
+        values = _arrow_strings(frame[name])
+        if values is None:
+            return None
+        columns[name] = values
+    return pa.table(columns)
+
+
+def _write_rows(frame, table, out: IO[bytes]) -> None:
+    if table is None:
+        out.write(frame.to_csv(index=False, header=False, lineterminator="\n").encode())
+        return
+    import pyarrow.csv as pa_csv
+
+    pa_csv.write_csv(table, out, pa_csv.WriteOptions(include_header=False, quoting_style="none"))
 
 
 def write_csv(frames: Iterable[Any], out: IO[bytes]) -> None:
@@ -117,13 +145,10 @@ def write_csv(frames: Iterable[Any], out: IO[bytes]) -> None:
         fast = True
     except ImportError:
         fast = False
-    first = True
-    for frame in frames:
-        if first:
+    for i, frame in enumerate(frames):
+        if i == 0:
             out.write((",".join(frame.columns) + "\n").encode())
-            first = False
-        if not (fast and _csv_chunk_arrow(frame, out)):
-            out.write(frame.to_csv(index=False, header=False, lineterminator="\n").encode())
+        _write_rows(frame, _arrow_table(frame) if fast else None, out)
 
 
 def to_csv(frame) -> str:

@@ -50,7 +50,7 @@ def _collectives_column(sweep_rows: list, nd: np.ndarray) -> pd.Categorical:
     return pd.Categorical.from_codes(np.stack(codes, axis=1).ravel(), categories=categories)
 
 
-CHUNK_ROWS = 2**18
+CHUNK_ROWS = 2**17
 """Rows per frame of ``sweep_frames`` (about 50 MB of DataFrame): what the command holds at a time."""
 
 
