@@ -508,3 +508,23 @@ def test_fast_float_text_is_repr():
     ])  # fmt: skip
     expected = ["" if math.isnan(v) else repr(float(v)) for v in values]
     assert _float_strings(values).to_pylist() == expected
+
+
+def test_csv_without_pyarrow_is_the_same_text(varied, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    for config in varied[:2]:
+        out = io.BytesIO()
+        write_csv(sweep_frames(config, rows=9), out)
+        assert out.getvalue().decode() == sweep_config(config).to_csv(index=False, lineterminator="\n")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_on_stdout_is_one_line():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-c", "from zeroplan.cli import main; main()", "sweep", "--params", "7B"],
+            stdout=full, stderr=subprocess.PIPE, env=env, timeout=60,
+        )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.decode().strip() == "zeroplan: error: cannot write the output (No space left on device)"
