@@ -46,7 +46,8 @@ def measure(argv: list[str]) -> tuple[float, float]:
     """Median wall seconds and peak RSS (MiB) of ``argv`` run REPEATS times, each in a fresh process."""
     walls, rss = [], []
     for _ in range(REPEATS):
-        out = subprocess.run([sys.executable, "-c", _CHILD, *argv], check=True, capture_output=True, text=True)
+        argv_ = [sys.executable, "-c", _CHILD, *argv]
+        out = subprocess.run(argv_, check=True, capture_output=True, text=True)
         wall, kib = out.stdout.split()
         walls.append(float(wall))
         rss.append(int(kib) / 1024)
@@ -85,11 +86,14 @@ def main() -> None:
         rows = [("python -c 'import torch'", measure([sys.executable, "-c", "import torch"]), None)]
         for name in ("sweep.csv", "sweep.parquet"):
             path = os.path.join(tmp, name)
-            rows.append((f"zeroplan sweep --out {name}", measure([*cli, *grid, "--out", path]), os.path.getsize(path)))
+            timing = measure([*cli, *grid, "--out", path])
+            rows.append((f"zeroplan sweep --out {name}", timing, os.path.getsize(path)))
     print(f"\nin separate processes, median of {REPEATS} (peak RSS: the largest of the runs):")
     torch_s = rows[0][1][0]
     for what, (wall, rss), size in rows:
-        extra = "" if size is None else f", {size / 1e6:.0f} MB written, {wall / torch_s:.2f}x the torch import"
+        extra = ""
+        if size is not None:
+            extra = f", {size / 1e6:.0f} MB written, {wall / torch_s:.2f}x the torch import"
         print(f"  {what:38s} {wall:6.2f} s  peak RSS {rss:5.0f} MiB{extra}")
 
 

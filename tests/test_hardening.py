@@ -18,7 +18,6 @@ import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
 from typer.testing import CliRunner
 
 import zeroplan
@@ -26,7 +25,7 @@ from clicheck import assert_one_line_error
 from zeroplan.cli import app
 from zeroplan.cli_options import refuse_repeated
 from zeroplan.engines.deepspeed import deepspeed_config, from_deepspeed
-from zeroplan.files import MAX_JSON_BYTES, MAX_JSON_DEPTH, check_writable, read_json, write_text_atomic
+from zeroplan.files import MAX_JSON_BYTES, MAX_JSON_DEPTH, read_json, write_text_atomic
 from zeroplan.parsing import parse_bytes, parse_count, parse_whole
 from zeroplan.planning.plan import max_params, min_gpus
 from zeroplan.render.schemas import json_text

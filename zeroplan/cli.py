@@ -35,10 +35,16 @@ def _root() -> None:
 @app.command()
 def estimate(
     ctx: typer.Context,
-    params: Optional[str] = typer.Option(None, help="Ψ, parameters of the whole model: 7.5e9, 7.5B, 1T (exact whole number, 1 to 1e15)."),
+    params: Optional[str] = typer.Option(
+        None,
+        help="Ψ, parameters of the whole model: 7.5e9, 7.5B, 1T (exact whole number, 1 to 1e15).",
+    ),
     shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes, for exact padding."),
     gpus: int = typer.Option(1, help="Total GPUs = N_d x N_m, 1 to 2**24."),
-    model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree, 1 to 2**24."),
+    model_parallel: int = typer.Option(
+        1, "--model-parallel",
+        help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
+    ),
     stage: Optional[int] = typer.Option(None, help="Show only this ZeRO stage (0-3)."),
     deepspeed_config: Optional[Path] = typer.Option(
         None, "--deepspeed-config", help="ds_config.json: takes stage, dtypes and optimizer from it."
@@ -48,7 +54,10 @@ def estimate(
     master_weights: MasterWeights = None,
     optimizer: OptimizerName = None,
     optimizer_dtype: OptimizerDtype = None,
-    gpu_memory: Optional[str] = typer.Option(None, help="GPU memory to check fit against: 80GiB, 32GB (whole bytes, up to 1 EiB)."),
+    gpu_memory: Optional[str] = typer.Option(
+        None,
+        help="GPU memory to check fit against: 80GiB, 32GB (whole bytes, up to 1 EiB).",
+    ),
     units: Unit = typer.Option(Unit.GB, help="GB = 1e9 bytes (the paper's), GiB = 2**30."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
     as_csv: bool = typer.Option(False, "--csv", help="Print CSV, one row per stage."),
@@ -100,32 +109,57 @@ def estimate(
 @app.command()
 def sweep(
     ctx: typer.Context,
-    params: Optional[str] = typer.Option(None, help="Ψ values, comma-separated: 1e9,7B,70B (each 1 to 1e15)."),
-    shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes (one model, exact padding)."),
-    model: Optional[str] = typer.Option(None, help="Reference model preset instead of --params: llama2-70b, ..."),
-    gpus: str = typer.Option("1", help="Total GPU counts, comma-separated: 8,64,512 (each 1 to 2**24; at most 1e8 rows in all)."),
+    params: Optional[str] = typer.Option(
+        None,
+        help="Ψ values, comma-separated: 1e9,7B,70B (each 1 to 1e15).",
+    ),
+    shapes: Optional[Path] = typer.Option(
+        None,
+        help="JSON file of parameter shapes (one model, exact padding).",
+    ),
+    model: Optional[str] = typer.Option(
+        None,
+        help="Reference model preset instead of --params: llama2-70b, ...",
+    ),
+    gpus: str = typer.Option(
+        "1",
+        help="Total GPU counts, comma-separated: 8,64,512 (each 1 to 2**24; at most 1e8 rows in all).",
+    ),
     model_parallel: str = typer.Option(
-        "1", "--model-parallel", help="N_m values (1 to 2**24), comma-separated; pairs where N_m does not divide gpus are skipped."
+        "1", "--model-parallel",
+        help="N_m values (1 to 2**24), comma-separated; pairs where N_m does not divide gpus are skipped."
     ),
     stage: str = typer.Option("0,1,2,3", help="ZeRO stages to report, comma-separated."),
     offload: str = typer.Option(
-        "none", help="Comma-separated: none, cpu, nvme (optimizer states) or OPT/PARAMS, e.g. cpu/cpu (stage 3)."
+        "none",
+        help="Comma-separated: none, cpu, nvme (optimizer states) or OPT/PARAMS, e.g. cpu/cpu (stage 3)."
     ),
     micro_batch: str = typer.Option(
-        "1", "--micro-batch", help="Sequences per GPU per micro-step (1 to 65536), comma-separated (activations; needs --model)."
+        "1", "--micro-batch",
+        help="Sequences per GPU per micro-step (1 to 65536), comma-separated (activations; needs --model)."
     ),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence, 1 to 2**24 (default: the preset's)."),
-    checkpointing: str = typer.Option("full", help="Activation recomputation assumed: none, selective, full."),
+    seq_len: Optional[int] = typer.Option(
+        None, "--seq-len",
+        help="Tokens per sequence, 1 to 2**24 (default: the preset's).",
+    ),
+    checkpointing: str = typer.Option(
+        "full",
+        help="Activation recomputation assumed: none, selective, full.",
+    ),
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
     optimizer: OptimizerName = None,
     optimizer_dtype: OptimizerDtype = None,
     gpu: Optional[str] = typer.Option(None, help="GPU preset for the fits column: h100-80gb, a100-40gb, ..."),
-    gpu_memory: Optional[str] = typer.Option(None, help="GPU memory for the fits column: 80GiB, 141GB (whole bytes, up to 1 EiB)."),
+    gpu_memory: Optional[str] = typer.Option(
+        None,
+        help="GPU memory for the fits column: 80GiB, 141GB (whole bytes, up to 1 EiB).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object with rows[] instead of CSV."),
     out: Optional[Path] = typer.Option(
-        None, help="Write to this file (atomically) instead of stdout; a name ending in .parquet writes Parquet."
+        None,
+        help="Write to this file (atomically) instead of stdout; a name ending in .parquet writes Parquet."
     ),
 ) -> None:
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
@@ -199,19 +233,37 @@ def plot(
         help="memory: per-GPU model states vs N_d (log-log); breakdown: stacked bars per stage; "
         "comm: bytes sent per GPU per step; validate: predicted vs measured from --results.",
     ),
-    params: Optional[str] = typer.Option(None, help="Ψ values, comma-separated: 7e9 or 7B,70B (each 1 to 1e15; at most 6 in the memory view)."),
-    model: Optional[str] = typer.Option(None, help="Reference model preset instead of --params: llama2-70b, ..."),
-    gpus: str = typer.Option("8,16,32,64", help="Total GPU counts, comma-separated (each 1 to 2**24; at most 64)."),
-    model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree, 1 to 2**24."),
+    params: Optional[str] = typer.Option(
+        None,
+        help="Ψ values, comma-separated: 7e9 or 7B,70B (each 1 to 1e15; at most 6 in the memory view).",
+    ),
+    model: Optional[str] = typer.Option(
+        None,
+        help="Reference model preset instead of --params: llama2-70b, ...",
+    ),
+    gpus: str = typer.Option(
+        "8,16,32,64",
+        help="Total GPU counts, comma-separated (each 1 to 2**24; at most 64).",
+    ),
+    model_parallel: int = typer.Option(
+        1, "--model-parallel",
+        help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
+    ),
     stage: str = typer.Option("0,1,2,3", help="ZeRO stages to draw, comma-separated."),
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
     optimizer: OptimizerName = None,
     optimizer_dtype: OptimizerDtype = None,
-    gpu: Optional[str] = typer.Option(None, help="GPU preset whose memory is drawn as a line: h100-80gb, ..."),
+    gpu: Optional[str] = typer.Option(
+        None,
+        help="GPU preset whose memory is drawn as a line: h100-80gb, ...",
+    ),
     gpu_memory: Optional[str] = typer.Option(None, help="GPU capacity to draw as a line: 80GiB, 141GB."),
-    results: Optional[Path] = typer.Option(None, help="JSON written by `zeroplan validate --json` (validate view; at most 60 runs, 64 MiB)."),
+    results: Optional[Path] = typer.Option(
+        None,
+        help="JSON written by `zeroplan validate --json` (validate view; at most 60 runs, 64 MiB).",
+    ),
 ) -> None:
     """Draw a sweep (memory, breakdown, comm) or validator results (validate) to an image file."""
     from zeroplan import plots
@@ -226,7 +278,8 @@ def plot(
     policy = ("param_dtype", "grad_dtype", "master_weights", "optimizer", "optimizer_dtype")
     if view is PlotView.validate:
         why = "to --view validate, which draws --results only"
-        refuse_unused(ctx, ("params", "model", "gpus", "model_parallel", "stage", *policy, "gpu", "gpu_memory"), why)
+        sweep_options = ("params", "model", "gpus", "model_parallel", "stage", *policy, "gpu", "gpu_memory")
+        refuse_unused(ctx, sweep_options, why)
         if results is None:
             raise UserError("--view validate needs --results FILE (from `zeroplan validate --json`)")
         rows = plots.load_validation(results)
@@ -238,7 +291,8 @@ def plot(
             refuse_unused(ctx, ("gpu", "gpu_memory"), "to --view comm, which draws no memory")
         if (params is None) == (model is None):
             raise UserError(f"--view {view.value} needs exactly one of --params and --model")
-        capacity, capacity_label = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
+        memory_bytes = parse_bytes(gpu_memory) if gpu_memory is not None else None
+        capacity, capacity_label = gpu_capacity(gpu, memory_bytes)
         config = SweepConfig(
             params=parse_counts(params) if params is not None else None,
             model=model,
@@ -248,7 +302,8 @@ def plot(
             policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
         )
         plots.check_points(view.value, n_params=len(config.params or (1,)), n_gpus=len(config.gpus))
-        fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity, gpu_label=capacity_label)
+        frame = sweep_config(config)
+        fig = plots.figure(view.value, frame, gpu_memory_bytes=capacity, gpu_label=capacity_label)
     plots.save(fig, out, inputs=[results])
 
 
@@ -256,28 +311,63 @@ def plot(
 def plan(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, help="Reference model preset, e.g. llama2-70b (exact Ψ)."),
-    params: Optional[str] = typer.Option(None, help="Ψ of the whole model instead of a preset: 70e9, 70B (1 to 1e15)."),
+    params: Optional[str] = typer.Option(
+        None,
+        help="Ψ of the whole model instead of a preset: 70e9, 70B (1 to 1e15).",
+    ),
     gpu: Optional[str] = typer.Option(None, help="GPU preset, e.g. h100-80gb (memory, FLOP/s, links)."),
-    gpu_memory: Optional[str] = typer.Option(None, help="GPU memory, overrides the preset: 80GiB, 32GB (whole bytes, up to 1 EiB)."),
+    gpu_memory: Optional[str] = typer.Option(
+        None,
+        help="GPU memory, overrides the preset: 80GiB, 32GB (whole bytes, up to 1 EiB).",
+    ),
     gpus: int = typer.Option(8, help="Total GPUs = N_d x N_m, 1 to 2**24."),
-    gpus_per_node: int = typer.Option(8, help="GPUs per node, 1 to 2**24 (host memory per node, intra vs inter links)."),
-    model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree, 1 to 2**24."),
-    headroom: float = typer.Option(0.1, help="Fraction of GPU memory kept free for activations etc., [0, 1)."),
+    gpus_per_node: int = typer.Option(
+        8,
+        help="GPUs per node, 1 to 2**24 (host memory per node, intra vs inter links).",
+    ),
+    model_parallel: int = typer.Option(
+        1, "--model-parallel",
+        help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
+    ),
+    headroom: float = typer.Option(
+        0.1,
+        help="Fraction of GPU memory kept free for activations etc., [0, 1).",
+    ),
     interconnect: Optional[str] = typer.Option(None, help="Intra-node link preset (default: the GPU's)."),
-    bw: Optional[float] = typer.Option(None, help="Intra-node bandwidth per GPU, GB/s one direction, 0.001 to 1e6."),
+    bw: Optional[float] = typer.Option(
+        None,
+        help="Intra-node bandwidth per GPU, GB/s one direction, 0.001 to 1e6.",
+    ),
     inter_interconnect: str = typer.Option("ib-ndr", help="Inter-node link preset (one NIC per GPU)."),
-    inter_bw: Optional[float] = typer.Option(None, help="Inter-node bandwidth per GPU, GB/s one direction, 0.001 to 1e6."),
+    inter_bw: Optional[float] = typer.Option(
+        None,
+        help="Inter-node bandwidth per GPU, GB/s one direction, 0.001 to 1e6.",
+    ),
     algorithm: str = typer.Option("ring", help="All-reduce algorithm for the latency term: ring or tree."),
     micro_batch: int = typer.Option(1, help="Sequences per GPU per micro-step, 1 to 65536."),
     grad_accum: int = typer.Option(1, help="Micro-steps per optimizer step, 1 to 65536."),
-    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence, 1 to 2**24 (default: the preset's, else 2048)."),
-    checkpointing: str = typer.Option("full", help="Activation recomputation assumed: none, selective, full."),
+    seq_len: Optional[int] = typer.Option(
+        None,
+        help="Tokens per sequence, 1 to 2**24 (default: the preset's, else 2048).",
+    ),
+    checkpointing: str = typer.Option(
+        "full",
+        help="Activation recomputation assumed: none, selective, full.",
+    ),
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
-    host_memory: Optional[str] = typer.Option(None, help="CPU memory per node, e.g. 2TB (up to 1 EiB): offload must fit."),
-    peak_tflops: Optional[float] = typer.Option(None, help="Dense peak TFLOP/s per GPU, 0.001 to 1e6 (default: preset's)."),
+    host_memory: Optional[str] = typer.Option(
+        None,
+        help="CPU memory per node, e.g. 2TB (up to 1 EiB): offload must fit.",
+    ),
+    peak_tflops: Optional[float] = typer.Option(
+        None,
+        help="Dense peak TFLOP/s per GPU, 0.001 to 1e6 (default: preset's).",
+    ),
     mfu: float = typer.Option(0.4, help="Model FLOPs utilisation for the compute estimate, 0.001 to 1."),
     param_dtype: Annotated[
-        str, typer.Option(help="Working parameter dtype: bf16 (default here: what the launchers emit), fp16, fp32.")
+        str, typer.Option(
+            help="Working parameter dtype: bf16 (default here: what the launchers emit), fp16, fp32.",
+        )
     ] = "bf16",
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
@@ -331,16 +421,25 @@ def validate_cmd(
     ),
     stage: Optional[list[int]] = typer.Option(None, "--stage", help="ZeRO stage 0-3; repeat. Default: all."),
     model: str = typer.Option("gpt-tiny", help="Reference model: gpt-tiny or mlp-tiny."),
-    params: Optional[str] = typer.Option(None, help="Instead of --model: a GPT-style model of about Ψ params."),
+    params: Optional[str] = typer.Option(
+        None,
+        help="Instead of --model: a GPT-style model of about Ψ params.",
+    ),
     simulated: bool = typer.Option(False, "--simulated", help="One process plays rank 0 on a fake group."),
     device: str = typer.Option("auto", help="auto (cuda if present), cpu or cuda."),
     steps: int = typer.Option(3, help="Training steps per stage (>= 2)."),
     batch_per_rank: int = typer.Option(2, "--batch-per-rank", help="Samples per rank per step."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (GPT; default: model's)."),
+    seq_len: Optional[int] = typer.Option(
+        None, "--seq-len",
+        help="Tokens per sample (GPT; default: model's).",
+    ),
     tolerance: float = typer.Option(0.01, help="Largest relative error of model states still ok."),
     timeout: float = typer.Option(600.0, help="Seconds one world size may run before its ranks are killed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full result here (atomically)."),
-    wire: bool = typer.Option(False, "--wire", help="Also count bytes on loopback in a private netns (gloo)."),
+    wire: bool = typer.Option(
+        False, "--wire",
+        help="Also count bytes on loopback in a private netns (gloo).",
+    ),
 ) -> None:
     """Train the reference ZeRO runtime, measure memory and traffic, compare with zeroplan; exit 1 if off."""
     import importlib.util

@@ -95,7 +95,8 @@ def refuse_repeated(command, args: list[str]) -> None:
 
 def given_on_command_line(ctx, *names: str) -> list[str]:
     """Those of ``names`` (parameter names) the user typed, rather than left at their defaults."""
-    return [n for n in names if (source := ctx.get_parameter_source(n)) is not None and source.name == "COMMANDLINE"]
+    sources = {n: ctx.get_parameter_source(n) for n in names}
+    return [n for n, source in sources.items() if source is not None and source.name == "COMMANDLINE"]
 
 
 def refuse_unused(ctx, names: tuple[str, ...], why: str) -> None:

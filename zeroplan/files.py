@@ -95,6 +95,20 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(s, h)
 
 
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGTERM and SIGHUP wait (blocked, not lost) until the block ends."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    wanted = {signal.SIGTERM, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def atomic_write(
     path: str | Path,
     write: Callable[[str], None],
@@ -110,13 +124,12 @@ def atomic_write(
     """
     path = Path(path)
     parent = check_writable(path, inputs)
+    tmp = None
     with _signals_raise():
         try:
-            fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=suffix)
-        except OSError as exc:
-            raise ValueError(f"{str(path)!r}: cannot write there ({exc.strerror})") from None
-        try:
-            os.close(fd)
+            with _signals_held():  # a signal between creating the file and knowing its name would leak it
+                fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=suffix)
+                os.close(fd)
             mask = os.umask(0)
             os.umask(mask)
             os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the file the usual permissions
@@ -124,7 +137,8 @@ def atomic_write(
             check_writable(path, inputs)  # nothing was put in the way while writing
             os.replace(tmp, path)
         except BaseException as exc:
-            Path(tmp).unlink(missing_ok=True)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError):
                 raise ValueError(f"{str(path)!r}: cannot write there ({exc.strerror})") from None
             raise

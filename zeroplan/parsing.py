@@ -21,7 +21,8 @@ BYTE_UNITS: dict[str, int] = {
 COUNT_SUFFIXES: dict[str, int] = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 MAX_DIGITS = 4000
 """Numbers with more digits are refused as text, before any conversion (Python's own limit for int
-text is 4300 digits); below it, the ranges of ``zeroplan.types`` refuse what is too large, naming the limit."""
+text is 4300 digits); below it, the ranges of ``zeroplan.types`` refuse what is too large, naming the
+limit."""
 OFFLOAD_HELP = (
     "offload: 'none', or OPT[/PARAMS] with each of none, cpu, nvme: where the optimizer states "
     "(and the parameters, stage 3 only) live, e.g. cpu, nvme, cpu/cpu, nvme/nvme, none/cpu"

@@ -441,7 +441,9 @@ def check_points(view: str, n_params: int = 1, n_gpus: int = 1, runs: int = 0) -
             "each); keep fewer rows, e.g. jq '.rows |= map(select(.stage == 3))' results.json"
         )
     if view == "memory" and n_params > MAX_PANELS:
-        raise ValueError(f"--view memory: {n_params} params values, at most {MAX_PANELS} panels fit; plot fewer")
+        raise ValueError(
+            f"--view memory: {n_params} params values, at most {MAX_PANELS} panels fit; plot fewer"
+        )
     if view in ("memory", "breakdown", "comm") and n_gpus > MAX_GPU_COUNTS:
         raise ValueError(
             f"--view {view}: {n_gpus} GPU counts, at most {MAX_GPU_COUNTS} fit one axis; give fewer --gpus"

@@ -111,8 +111,9 @@ class PlanConfig(BaseModel):
             )
         check_split(self.gpus, self.model_parallel)
         if self.transformer is not None:  # keep every printed size a sane byte count
-            act = activation_bytes(self.transformer, self.sequence_length, self.micro_batch, self.checkpointing, 1)
-            check_bytes(act or 0, f"activations at seq_len={self.sequence_length}, micro_batch={self.micro_batch}")
+            s, b = self.sequence_length, self.micro_batch
+            act = activation_bytes(self.transformer, s, b, self.checkpointing, 1)
+            check_bytes(act or 0, f"activations at seq_len={s}, micro_batch={b}")
         return self
 
     # Resolved values: overrides first, then presets, then documented defaults.

@@ -8,7 +8,6 @@ column by column with pyarrow when it is installed (the text is the same as pand
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import IO, Any
 
@@ -76,13 +75,15 @@ def _arrow_strings(column) -> Any:
         labels = [str(c) for c in column.cat.categories]
         if any(_NEEDS_QUOTES & set(x) for x in labels):
             return None
-        return pa.DictionaryArray.from_arrays(pa.array(column.cat.codes.to_numpy()), pa.array(labels, pa.string()))
+        codes = pa.array(column.cat.codes.to_numpy())
+        return pa.DictionaryArray.from_arrays(codes, pa.array(labels, pa.string()))
     if dtype == "float64":
         return _float_strings(column.to_numpy())
     if dtype == "boolean":
         data, mask = column.array._data, column.array._mask
         codes = data.astype(np.int8) + 2 * mask.astype(np.int8)
-        return pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(["False", "True", "", ""], pa.string()))
+        labels = pa.array(["False", "True", "", ""], pa.string())
+        return pa.DictionaryArray.from_arrays(pa.array(codes), labels)
     if dtype == "Int64":  # pyarrow's CSV writer prints integers as str() does, and a null as nothing
         return pa.array(column.array._data, mask=column.array._mask)
     if dtype == "int64":

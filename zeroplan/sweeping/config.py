@@ -17,7 +17,8 @@ from zeroplan.parsing import parse_offload
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.presets import ModelName, get_model
 from zeroplan.types import (
-    BatchCount, ByteSize, Checkpointing, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes, check_total,
+    BatchCount, ByteSize, Checkpointing, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes,
+    check_total,
 )  # fmt: skip
 
 MAX_ROWS = 10**8
@@ -86,7 +87,7 @@ class SweepConfig(BaseModel):
         if self.model is None and (self.micro_batch != (1,) or self.seq_len is not None):
             raise ValueError("micro_batch and seq_len change only activations, which need a reference model")
         check_total(self.tensor_numels or ())
-        lists = (self.params or (1,), self.gpus, self.model_parallel, self.micro_batch, self.stages, self.offload)
+        lists = (self.params or (1,), self.gpus, self.model_parallel, self.micro_batch, self.pairs)
         rows = math.prod(len(x) for x in lists)
         if rows > MAX_ROWS:
             raise ValueError(f"the grid has up to {rows:,} rows, above the limit of {MAX_ROWS:.0e}: split it")

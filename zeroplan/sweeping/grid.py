@@ -55,8 +55,10 @@ CHUNK_ROWS = 2**17
 
 
 def _axes(config: SweepConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """params, then the (gpus, model_parallel) pairs where N_m divides gpus (gpus-major), then micro-batches."""
-    params = np.array([int(p) for p in config.params] if config.params else [sum(config.numels)], dtype=np.int64)
+    """params, then the (gpus, model_parallel) pairs where N_m divides gpus (gpus-major), then
+    micro-batches."""
+    values = [int(p) for p in config.params] if config.params else [sum(config.numels)]
+    params = np.array(values, dtype=np.int64)
     g, m = np.array(config.gpus, dtype=np.int64), np.array(config.model_parallel, dtype=np.int64)
     gi, mi = np.nonzero(g[:, None] % m[None, :] == 0)
     return params, g[gi], m[mi], np.array(config.micro_batch, dtype=np.int64)
@@ -73,9 +75,12 @@ def _grid(config: SweepConfig, start: int = 0, stop: int | None = None) -> dict[
     micro_batch), as int64 arrays; combinations where N_m does not divide gpus are not in the grid."""
     params, g, m, b = _axes(config)
     n = params.size * g.size * b.size
-    i_params, rest = np.divmod(np.arange(start, n if stop is None else min(stop, n), dtype=np.int64), g.size * b.size)
+    index = np.arange(start, n if stop is None else min(stop, n), dtype=np.int64)
+    i_params, rest = np.divmod(index, g.size * b.size)
     i_pair, i_batch = np.divmod(rest, b.size)
-    return {"params": params[i_params], "gpus": g[i_pair], "model_parallel": m[i_pair], "micro_batch": b[i_batch]}
+    return {
+        "params": params[i_params], "gpus": g[i_pair], "model_parallel": m[i_pair], "micro_batch": b[i_batch]
+    }
 
 
 def _activations(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
