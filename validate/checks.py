@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from validate.config import ValidateConfig
 
@@ -20,26 +19,6 @@ RANK_BASE_BYTES = 256 * 2**20
 # The parity reference holds a whole unsharded copy of the model in the runtime's precision: 16-bit
 # parameters and gradients (2 + 2 bytes), an fp32 master (4) and Adam's m, v (8) per parameter.
 REFERENCE_BYTES_PER_PARAM = 16
-
-
-def check_output_path(path: str | Path) -> None:
-    """Refuse an output path that the atomic writer would refuse at the end of the run, before it starts:
-    a missing directory, a directory in the way, a directory we cannot write into, a name too long."""
-    import tempfile
-
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    try:
-        if not parent.is_dir():
-            raise ValueError(f"--json {str(path)!r}: directory {str(parent)!r} does not exist")
-        if path.is_dir():
-            raise ValueError(f"--json {str(path)!r}: is a directory; give a file name")
-        # the writer's own first step: a temporary file beside the target (its name is longer)
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.")
-    except OSError as exc:
-        raise ValueError(f"--json {str(path)[:80]!r}: cannot write there ({exc.strerror})") from None
-    os.close(fd)
-    os.unlink(tmp)
 
 
 def usable_cores() -> int:

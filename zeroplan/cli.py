@@ -454,10 +454,10 @@ def validate_cmd(
 
     if importlib.util.find_spec("torch") is None:
         raise UserError('validate needs torch (2.4 to 2.13): install the extra, e.g. pip install ".[validate]"')
-    from validate.checks import check_output_path
+    from zeroplan.files import check_writable
 
     if json_path is not None:  # first: a run must never be lost to a path that cannot be written
-        check_output_path(json_path)
+        check_writable(json_path)
     from validate.api import run_validation, write_json_atomic
     from validate.config import ValidateConfig
     from validate.harness import Interrupted, NotNodeZero, RunFailed

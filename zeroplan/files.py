@@ -55,10 +55,13 @@ def check_writable(path: str | Path, inputs: Sequence[str | Path | None] = ()) -
     ``inputs``. Commands call this before any work, and ``atomic_write`` again when writing."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ValueError(f"{str(path)!r}: directory {str(parent)!r} does not exist")
-    if path.is_dir():
-        raise ValueError(f"{str(path)!r}: is a directory; give a file name")
+    try:  # is_dir raises for a name the file system refuses (too long)
+        if not parent.is_dir():
+            raise ValueError(f"{str(path)[:80]!r}: directory {str(parent)[:80]!r} does not exist")
+        if path.is_dir():
+            raise ValueError(f"{str(path)[:80]!r}: is a directory; give a file name")
+    except OSError as exc:
+        raise ValueError(f"{str(path)[:80]!r}: cannot write there ({exc.strerror})") from None
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -72,6 +75,12 @@ def check_writable(path: str | Path, inputs: Sequence[str | Path | None] = ()) -
     for source in inputs:
         if source is not None and _same_file(path, Path(source)):
             raise ValueError(f"{str(path)!r}: is also an input of this command; write to another file")
+    try:  # the writer's own first step, tried now: a temporary file beside the target (a longer name)
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.")
+    except OSError as exc:
+        raise ValueError(f"{str(path)[:80]!r}: cannot write there ({exc.strerror})") from None
+    os.close(fd)
+    os.unlink(tmp)
     return parent
 
 

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from zeroplan.files import atomic_write, read_json
 from zeroplan.formulas.stages import STAGES
-from zeroplan.types import ByteCount, Flag, GpuCount, StageNumber, error_line
+from zeroplan.types import error_line
 
 from validate.schema import ValidationRow  # the report's schema, no torch
 

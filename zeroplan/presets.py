@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 
 from zeroplan.architectures.hf_config import read_hf_config, spec_from_hf_config
 from zeroplan.architectures.spec import TransformerSpec, numels, transformer_shapes
-from zeroplan.types import Bandwidth, ByteSize, Count, Flops, Latency, SeqLen
+from zeroplan.types import Bandwidth, ByteSize, Flops, Latency, SeqLen
 
 
 class GpuSpec(BaseModel):

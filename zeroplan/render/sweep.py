@@ -68,7 +68,6 @@ def _arrow_strings(column) -> Any:
     formatted here, integers left to the writer."""
     import numpy as np
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     dtype = column.dtype.name  # by name: pandas is imported by the sweep module only
     if dtype == "category":
