@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 import zeroplan
 from zeroplan.cli import app
-from zeroplan.engines import from_deepspeed
+from zeroplan.engines.deepspeed import from_deepspeed
 from clicheck import assert_one_line_error
 
 runner = CliRunner()

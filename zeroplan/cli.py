@@ -128,7 +128,7 @@ def estimate(
     """Per-GPU model states and per-step communication of ZeRO stages 0-3."""
     from zeroplan.api import estimate_config
     from zeroplan.config import EstimateConfig
-    from zeroplan.engines import load_deepspeed
+    from zeroplan.engines.deepspeed import load_deepspeed
     from zeroplan.render import to_csv, to_json, to_table
     from zeroplan.shapes import load_numels
     from zeroplan.units import parse_bytes, parse_count
