@@ -20,7 +20,10 @@ class ValidateConfig(BaseModel):
     fake_tensors: bool | None = Field(None, description="FakeTensorMode; default: on when simulated on CPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     steps: int = Field(3, description="training steps; >= 2 so a steady state is seen after Adam's lazy init")
-    batch_per_rank: int = Field(2, description="sequences (or samples) per rank per step")
+    batch_per_rank: int = Field(2, description="micro-batch: sequences (or samples) per rank per step")
+    checkpointing: Literal["none", "full"] = Field("none", description="full: every block recomputed in backward")
+    foreach: bool | None = Field(None, description="Adam's foreach path; default: as torch chooses for the device")
+    peak_tolerance: float = Field(0.02, description="largest relative error of any phase's peak still ok")
     seq_len: int | None = Field(None, description="tokens per sequence (GPT); default: the spec's max")
     lr: float = Field(1e-3, description="Adam learning rate")
     tolerance: float = Field(0.01, description="largest relative error of model states still ok")
@@ -59,7 +62,7 @@ class ValidateConfig(BaseModel):
             raise ValueError(f"{v}: batch and sequence sizes must be >= 1")
         return v
 
-    @field_validator("params", "lr", "tolerance", "timeout_s")
+    @field_validator("params", "lr", "tolerance", "timeout_s", "peak_tolerance")
     @classmethod
     def _positive_float(cls, v: float | None, info) -> float | None:
         if v is not None and not (v > 0 and v != float("inf")):

@@ -12,6 +12,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from zeroplan.models import TransformerSpec, gpt_for_params
@@ -52,8 +53,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2-style decoder; ``loss(batch)`` is next-token cross-entropy on a (tokens, targets) batch."""
 
-    def __init__(self, spec: TransformerSpec, **kw) -> None:
+    def __init__(self, spec: TransformerSpec, checkpointing: str = "none", **kw) -> None:
         super().__init__()
+        self.checkpointing = checkpointing  # "full": each block recomputed in backward (non-reentrant)
         if spec.style != "gpt" or spec.n_kv_head not in (None, spec.n_head):
             raise ValueError("validate.models.GPT builds GPT-style specs with full multi-head attention only")
         self.spec = spec
@@ -68,7 +70,10 @@ class GPT(nn.Module):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.wte(tokens) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointing == "full" and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.ln_f(x) @ self.wte.weight.t()  # tied LM head
 
     def loss(self, batch) -> torch.Tensor:
@@ -121,11 +126,11 @@ def make_batch(spec, n: int, generator: torch.Generator, seq_len: int | None = N
     return torch.randn(n, spec[0], generator=generator), torch.randn(n, spec[-1], generator=generator)
 
 
-def build(spec, dtype: torch.dtype, device, seed: int = 0) -> nn.Module:
+def build(spec, dtype: torch.dtype, device, seed: int = 0, checkpointing: str = "none") -> nn.Module:
     """The model of ``spec`` with parameters of ``dtype`` on ``device``, initialised from ``seed``."""
     torch.manual_seed(seed)
     kw = {"dtype": dtype, "device": device}
-    return GPT(spec, **kw) if isinstance(spec, TransformerSpec) else MLP(spec, **kw)
+    return GPT(spec, checkpointing, **kw) if isinstance(spec, TransformerSpec) else MLP(spec, **kw)
 
 
 def expected_shapes(spec) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -11,7 +11,10 @@ from validate.config import ValidateConfig
 from validate.models import expected_shapes, spec_for
 from zeroplan import estimate
 from zeroplan.dtypes import canonical_dtype
-from zeroplan.models import numels
+from zeroplan.engines.reference import predict_peak, reference_run
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
+from zeroplan.formulas.peak import PHASES as PEAK_PHASES
+from zeroplan.models import TransformerSpec, numels
 
 SCHEMA = "zeroplan.validate/1"
 GLOO_NOTE = (
@@ -29,6 +32,42 @@ def _key(op: str, phase: str, dtype: str) -> str:
 
 def _collectives_of_step(step: dict) -> dict:
     return {_key(*k.split("|")): v for k, v in step.items()}
+
+
+def predicted_peak(config: ValidateConfig, meta: dict, stage: int, foreach: bool):
+    """The reference profile's peak per phase for this row, or None for models it does not describe."""
+    spec = spec_for(config.model, config.params)
+    if not isinstance(spec, TransformerSpec):
+        return None
+    cuda = str(meta["device"]).startswith("cuda")
+    seq = config.seq_len or spec.max_seq_len
+    run = reference_run(spec, meta["world_size"], stage, config.batch_per_rank, seq, config.checkpointing,
+                        foreach, stat_bytes=4 if cuda else 2)  # fmt: skip
+    return predict_peak(run, block_bytes=CUDA_BLOCK_BYTES if cuda else 1)
+
+
+def peak_rows(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict]) -> dict:
+    """Predicted and measured peak per phase (keys of ``zeroplan.formulas.peak.PHASES``) and the largest error."""
+    measured = {p.replace(" ", "_"): max(r["peak_bytes_by_phase"][p] for r in rank_rows)
+                for p in rank_rows[0]["peak_bytes_by_phase"]}  # fmt: skip
+    estimate_ = predicted_peak(config, meta, stage, rank_rows[0]["foreach"])
+    if estimate_ is None:
+        return {"predicted_peak_bytes_by_phase": None, "measured_peak_bytes_by_phase": measured,
+                "peak_rel_error": None, "predicted_peak_terms": None}  # fmt: skip
+    predicted = estimate_.by_phase()
+    # Under FakeTensorMode (simulated) the init phase keeps local_flat's per-unit buffers alive past
+    # their last use (measured: every unit's full fp32 buffer at once), which a real run frees; init is
+    # reported there but not compared.
+    compared = [p for p in PEAK_PHASES if measured.get(p) and not (p == "init" and config.simulated)]
+    errors = {p: (measured[p] - predicted[p]) / measured[p] for p in compared}
+    return {
+        "predicted_peak_bytes_by_phase": predicted,
+        "measured_peak_bytes_by_phase": measured,
+        "peak_rel_error_by_phase": errors,
+        "peak_rel_error": max(errors.values(), key=abs),
+        "predicted_peak_phase": estimate_.peak_phase,
+        "predicted_peak_terms": [{"name": t.name, "bytes": t.bytes, "source": t.source} for t in estimate_.peak_terms],
+    }
 
 
 def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict]) -> dict:
@@ -61,12 +100,15 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
     peaks = {
         p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in rank_rows[0]["peak_bytes_by_phase"]
     }
+    peak = peak_rows(config, meta, stage, rank_rows)
     parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
     parity_ok = all(p["ok"] for p in parities) if parities else None
     checks = {
         "model_states_within_tolerance": abs(states_err) <= config.tolerance,
         "model_states_steady": steady,
         "comm_exact": comm_exact,
+        "peak_within_tolerance": None if peak["peak_rel_error"] is None
+        else abs(peak["peak_rel_error"]) <= config.peak_tolerance,
         "parity": parity_ok,
     }
     return {
@@ -95,7 +137,11 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         "predicted_collectives": pred_coll,
         "measured_collectives": measured_coll,
         "measured_peak_bytes": max(peaks.values()),
-        "measured_peak_bytes_by_phase": peaks,
+        **peak,
+        "checkpointing": config.checkpointing,
+        "seq_len": config.seq_len,
+        "micro_batch": config.batch_per_rank,
+        "foreach": rank_rows[0]["foreach"],
         # the rank furthest from the reference (a failing rank if any)
         "parity": min(parities, key=lambda p: (p["ok"], -p["param_mean_abs_diff"])) if parities else None,
         "seconds": max(r["seconds"] for r in rank_rows),
@@ -145,7 +191,7 @@ def _pct(x: float) -> str:
 def to_table(report: dict) -> str:
     """Predicted vs measured per row, with relative errors."""
     cols = ["stage", "N_d", "mode", "backend", "states pred", "states meas", "err", "comm/rank pred",
-            "comm/rank meas", "err", "peak fwd", "peak bwd", "peak opt", "parity", "ok"]  # fmt: skip
+            "comm/rank meas", "err", "peak init", "peak fwd", "peak bwd", "peak opt", "peak err", "parity", "ok"]  # fmt: skip
     wire = any(r.get("wire_bytes_per_rank") is not None for r in report["rows"])
     if wire:
         cols[-2:-2] = ["wire/rank", "wire/comm"]
@@ -159,7 +205,8 @@ def to_table(report: dict) -> str:
             _pct(r["model_states_rel_error"]),
             _size(r["predicted_comm_bytes_per_rank"]), _size(r["measured_comm_bytes_per_rank"]),
             _pct(r["comm_rel_error"]),
-            _size(p["forward"]), _size(p["backward"]), _size(p["optimizer step"]),
+            _size(p["init"]), _size(p["forward"]), _size(p["backward"]), _size(p["optimizer_step"]),
+            "-" if r["peak_rel_error"] is None else _pct(r["peak_rel_error"]),
             parity, "yes" if r["ok"] else "NO",
         ])  # fmt: skip
         if wire:
@@ -179,7 +226,8 @@ def to_table(report: dict) -> str:
         f"states: model states live at the step boundary (measured: every live tensor byte) vs zeroplan; "
         f"err = (measured - predicted) / predicted, tolerance {100 * report['config']['tolerance']:g}%. "
         "comm: bytes one rank sends per step, ring rule, counted from the c10d calls. "
-        "peak: largest live bytes within each phase (reported, not predicted)."
+        "peak: largest live bytes measured within each phase; peak err: largest (measured - predicted) / "
+        f"measured over the phases (zeroplan.engines.reference), tolerance {100 * report['config']['peak_tolerance']:g}%."
     )
     if wire:
         out.append(
