@@ -55,11 +55,7 @@ def peak_rows(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[di
         return {"predicted_peak_bytes_by_phase": None, "measured_peak_bytes_by_phase": measured,
                 "peak_rel_error": None, "predicted_peak_terms": None}  # fmt: skip
     predicted = estimate_.by_phase()
-    # Under FakeTensorMode (simulated) the init phase keeps local_flat's per-unit buffers alive past
-    # their last use (measured: every unit's full fp32 buffer at once), which a real run frees; init is
-    # reported there but not compared.
-    compared = [p for p in PEAK_PHASES if measured.get(p) and not (p == "init" and config.simulated)]
-    errors = {p: (measured[p] - predicted[p]) / measured[p] for p in compared}
+    errors = {p: (measured[p] - predicted[p]) / measured[p] for p in PEAK_PHASES if measured.get(p)}
     return {
         "predicted_peak_bytes_by_phase": predicted,
         "measured_peak_bytes_by_phase": measured,

@@ -155,6 +155,8 @@ def init_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     spare = Term("last unit's full fp32 buffer (loop variable)", (last_full * MASTER_BYTES) if st.shards_optimizer else 0,
                  "validate/runtime.py:Runtime.local_flat")  # fmt: skip
     out = [Moment("init", "master: torch.cat of the parts", (model, parts, spare, master(run)))]
+    if st.shards_optimizer:  # the next unit's full buffer is allocated while the loop variable holds the last
+        out.append(_packing_last_unit(run, model, MASTER_BYTES, "fp32", ()))
     full_params = sum(_full(run, u) for u in run.units) * a
     if not st.shards_parameters:
         setup = [model, master(run), Term("flat 16-bit parameters", full_params, "validate/stage1.py:Stage1.setup")]
@@ -166,10 +168,21 @@ def init_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     else:
         shard16 = Term("16-bit shard parts", s * a, "validate/runtime.py:Runtime.local_flat")
         spare16 = Term("last unit's full 16-bit buffer", last_full * a, "validate/runtime.py:Runtime.local_flat")
+        out.append(_packing_last_unit(run, model, a, "16-bit", (master(run),)))
         out.append(Moment("init", "setup: 16-bit shard torch.cat", (model, master(run), shard16, spare16, params16(run))))
         out.append(Moment("init", "setup: first unit's full buffer",
                           (model, master(run), params16(run), *_gathered(run, 0))))  # fmt: skip
     return tuple(out)
+
+
+def _packing_last_unit(run: ReferenceRun, model: Term, nbytes: int, what: str, held: tuple[Term, ...]) -> Moment:
+    """``local_flat`` packing the last unit: the previous unit's full buffer is still bound to ``full``."""
+    src = "validate/runtime.py:Runtime.local_flat"
+    done = sum(flat_shard_numel(u, run.nd) for u in run.units[:-1])
+    return Moment("init", f"{what} local_flat: packing the last unit", (
+        model, *held, Term(f"{what} parts of the other units", done * nbytes, src),
+        Term(f"previous unit's full {what} buffer", _full(run, run.units[-2]) * nbytes, src),
+        Term(f"last unit's full {what} buffer", _full(run, run.units[-1]) * nbytes, src)))  # fmt: skip
 
 
 def forward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
@@ -208,6 +221,12 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     ]
     root, block = sum(run.units[0]), sum(run.units[-1])
     kept = _kept_grads(run)
+    # the head's backward (after the fp32 gradients are freed): d(logits) in 16 bits, d(final norm out)
+    # and the head weight's gradient (added into the buffer at stages 0-1, kept at 2-3)
+    out.append(Moment("backward", "LM head backward", (*base, *saved_all,
+                      _act("logits gradient", acts.logits), _act("final norm output gradient", n_d),
+                      Term("head weight gradient", run.head_numel * a, "autograd (mm backward)"),
+                      *_gathered(run, 0))))  # fmt: skip
     # the root's gradients alive while blocks run backward: at stages 2-3 the head weight's and the
     # final norm's (kept until the root unit is reduced); at stages 0-1 they were added into the buffer
     kept_root = Term("root gradients held (head weight, final norm)",
