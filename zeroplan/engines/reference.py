@@ -156,7 +156,7 @@ def init_moments(run: ReferenceRun) -> tuple[Moment, ...]:
                  "validate/runtime.py:Runtime.local_flat")  # fmt: skip
     out = [Moment("init", "master: torch.cat of the parts", (model, parts, spare, master(run)))]
     if st.shards_optimizer:  # the next unit's full buffer is allocated while the loop variable holds the last
-        out.append(_packing_last_unit(run, model, MASTER_BYTES, "fp32", ()))
+        out.extend(_packing(run, model, MASTER_BYTES, "fp32", ()))
     full_params = sum(_full(run, u) for u in run.units) * a
     if not st.shards_parameters:
         setup = [model, master(run), Term("flat 16-bit parameters", full_params, "validate/stage1.py:Stage1.setup")]
@@ -168,21 +168,24 @@ def init_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     else:
         shard16 = Term("16-bit shard parts", s * a, "validate/runtime.py:Runtime.local_flat")
         spare16 = Term("last unit's full 16-bit buffer", last_full * a, "validate/runtime.py:Runtime.local_flat")
-        out.append(_packing_last_unit(run, model, a, "16-bit", (master(run),)))
+        out.extend(_packing(run, model, a, "16-bit", (master(run),)))
         out.append(Moment("init", "setup: 16-bit shard torch.cat", (model, master(run), shard16, spare16, params16(run))))
         out.append(Moment("init", "setup: first unit's full buffer",
                           (model, master(run), params16(run), *_gathered(run, 0))))  # fmt: skip
     return tuple(out)
 
 
-def _packing_last_unit(run: ReferenceRun, model: Term, nbytes: int, what: str, held: tuple[Term, ...]) -> Moment:
-    """``local_flat`` packing the last unit: the previous unit's full buffer is still bound to ``full``."""
+def _packing(run: ReferenceRun, model: Term, nbytes: int, what: str, held: tuple[Term, ...]) -> tuple[Moment, ...]:
+    """``local_flat`` packing unit u: the previous unit's full buffer is still bound to ``full``."""
     src = "validate/runtime.py:Runtime.local_flat"
-    done = sum(flat_shard_numel(u, run.nd) for u in run.units[:-1])
-    return Moment("init", f"{what} local_flat: packing the last unit", (
-        model, *held, Term(f"{what} parts of the other units", done * nbytes, src),
-        Term(f"previous unit's full {what} buffer", _full(run, run.units[-2]) * nbytes, src),
-        Term(f"last unit's full {what} buffer", _full(run, run.units[-1]) * nbytes, src)))  # fmt: skip
+    out = []
+    for u in range(1, len(run.units)):
+        done = sum(flat_shard_numel(x, run.nd) for x in run.units[:u])
+        out.append(Moment("init", f"{what} local_flat: packing unit {u}", (
+            model, *held, Term(f"{what} parts of the units before", done * nbytes, src),
+            Term(f"previous unit's full {what} buffer", _full(run, run.units[u - 1]) * nbytes, src),
+            Term(f"this unit's full {what} buffer", _full(run, run.units[u]) * nbytes, src))))  # fmt: skip
+    return tuple(out)
 
 
 def forward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
