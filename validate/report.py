@@ -50,7 +50,8 @@ def peak_rows(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[di
     """Predicted and measured peak per phase (keys of ``zeroplan.formulas.peak.PHASES``) and the largest error."""
     measured = {p.replace(" ", "_"): max(r["peak_bytes_by_phase"][p] for r in rank_rows)
                 for p in rank_rows[0]["peak_bytes_by_phase"]}  # fmt: skip
-    estimate_ = predicted_peak(config, meta, stage, rank_rows[0]["foreach"])
+    foreach = rank_rows[0].get("foreach", config.foreach)  # rows of older workers lack it
+    estimate_ = predicted_peak(config, meta, stage, bool(foreach))
     if estimate_ is None:
         return {"predicted_peak_bytes_by_phase": None, "measured_peak_bytes_by_phase": measured,
                 "peak_rel_error": None, "predicted_peak_terms": None}  # fmt: skip
@@ -137,7 +138,7 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         "checkpointing": config.checkpointing,
         "seq_len": config.seq_len,
         "micro_batch": config.batch_per_rank,
-        "foreach": rank_rows[0]["foreach"],
+        "foreach": rank_rows[0].get("foreach"),
         # the rank furthest from the reference (a failing rank if any)
         "parity": min(parities, key=lambda p: (p["ok"], -p["param_mean_abs_diff"])) if parities else None,
         "seconds": max(r["seconds"] for r in rank_rows),

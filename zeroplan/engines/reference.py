@@ -46,6 +46,7 @@ class ReferenceRun:
     checkpointing: str = "none"
     foreach: bool = False
     param_bytes: int = 2
+    tied_head: bool = True  # the head is the token embedding (GPT): its two gradients meet in backward
 
     def __post_init__(self) -> None:
         get_stage(self.stage)
@@ -232,9 +233,10 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
                       *_gathered(run, 0))))  # fmt: skip
     # the root's gradients alive while blocks run backward: at stages 2-3 the head weight's and the
     # final norm's (kept until the root unit is reduced); at stages 0-1 they were added into the buffer
-    kept_root = Term("root gradients held (head weight, final norm)",
-                     (run.head_numel + run.final_norm_numel) * a if kept else 0,
-                     "validate/stage2.py:Stage2.unit_grads_ready (the root is reduced last)")  # fmt: skip
+    # a tied head's gradient waits in autograd's input buffer for the embedding's (every stage)
+    held = run.head_numel * (run.tied_head or kept) + run.final_norm_numel * kept
+    kept_root = Term("root gradients held (head weight, final norm)", held * a,
+                     "autograd InputBuffer (tied weight); validate/stage2.py:Stage2.unit_grads_ready")  # fmt: skip
     dy = _act("incoming activation gradient", n_d)
     if run.checkpointing == "none":
         inflight = (_blocks_saved(run, L),)
@@ -243,6 +245,14 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     ws = max(blk.backward_first_op, blk.backward_act_grads + (blk.first_weight_grads if kept else 0))
     out.append(Moment("backward", "last block backward", (*base, *inflight, dy, kept_root,
                       _act("block backward working set", ws), *_gathered(run, 0, L))))  # fmt: skip
+    if run.tied_head:  # torch/csrc/autograd/input_buffer.cpp: the two gradients are summed out of place
+        others = (root - run.head_numel) * a if kept else 0
+        out.append(Moment("backward", "tied embedding's gradients summed", (
+            *base, dy, Term("head weight gradient (input buffer)", run.head_numel * a, "autograd InputBuffer"),
+            Term("embedding weight gradient", run.head_numel * a, "aten embedding_dense_backward"),
+            Term("their sum", run.head_numel * a, "autograd InputBuffer::add"),
+            Term("other root gradients held", others, "validate/stage2.py:Stage2.unit_grads_ready"),
+            *_gathered(run, 0))))  # fmt: skip
     if kept:
         out.append(Moment("backward", "last block's gradients packed", (
             *base, _blocks_saved(run, L - 1), dy, kept_root,
