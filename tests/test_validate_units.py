@@ -104,10 +104,14 @@ def test_comm_counter_sizes_collectives_with_the_ring_rule():
     assert got == [("all-reduce", 10, 36), ("reduce-scatter", 8, 12), ("all-gather", 12, 18)]
 
 
-def _rank_row(stage, boundary, comm, parity_ok=True):
+# gpt-tiny, stage 0, N_d = 2, b = 2, s = 16, per-tensor Adam: the peaks the probe measured per phase
+MEASURED_PEAKS = {"init": 363240, "forward": 693900, "backward": 700364, "optimizer step": 1017588}
+
+
+def _rank_row(stage, boundary, comm, parity_ok=True, peak_extra=0):
     return {
-        "stage": stage, "rank": 0, "boundary_bytes": boundary, "probe_breakdown": {},
-        "peak_bytes_by_phase": {"forward": 1, "backward": 2, "optimizer step": 3},
+        "stage": stage, "rank": 0, "boundary_bytes": boundary, "probe_breakdown": {}, "foreach": False,
+        "peak_bytes_by_phase": {**MEASURED_PEAKS, "backward": MEASURED_PEAKS["backward"] + peak_extra},
         "comm_by_step": comm, "adam_step_bytes": 4, "seconds": 0.0,
         "parity": {"ok": parity_ok, "param_mean_abs_diff": 0.0},
     }  # fmt: skip
@@ -117,6 +121,7 @@ def _rank_row(stage, boundary, comm, parity_ok=True):
     "boundary_extra, rs_elements, parity_ok, failing",
     [
         (4, None, True, []),
+        (4, None, "peak", ["peak_within_tolerance"]),  # backward 3% above the prediction
         (int(0.02 * 581184), None, True, ["model_states_within_tolerance"]),  # 2% over: out of 1%
         (-int(0.02 * 581184), None, True, ["model_states_within_tolerance"]),  # 2% under: out too
         (4, 1, True, ["comm_exact"]),  # one element too many on the wire
@@ -133,10 +138,12 @@ def test_compare_fails_rows_that_disagree(boundary_extra, rs_elements, parity_ok
     comm = [{"all-reduce|backward|bfloat16": {"calls": 3, "elements": elements,
                                               "bytes_per_rank": 2 * 1 * math.ceil(elements / 2) * 2}}]  # fmt: skip
     row = compare(config, {"world_size": 2, "backend": "gloo", "device": "cpu"}, 0,
-                  [_rank_row(0, [581184 + boundary_extra] * 2, comm * 2, parity_ok)])  # fmt: skip
+                  [_rank_row(0, [581184 + boundary_extra] * 2, comm * 2, parity_ok is not False,
+                             int(0.03 * 700364) if parity_ok == "peak" else 0)])  # fmt: skip
     assert row["predicted_model_states_bytes"] == 581184
     assert [k for k, v in row["checks"].items() if v is False] == failing
     assert row["ok"] is (not failing)
+    assert row["predicted_peak_bytes_by_phase"] == {k.replace(" ", "_"): v for k, v in MEASURED_PEAKS.items()}
 
 
 @pytest.fixture
