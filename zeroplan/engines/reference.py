@@ -306,7 +306,7 @@ def reference_run(
     final_norm = sum(math.prod(s) for n, s in shapes if n.startswith("ln_f."))
     acts = model_activations(spec, micro_batch, seq_len, stat_bytes=stat_bytes)
     return ReferenceRun((root, *blocks), spec.vocab_size * spec.d_model, final_norm, nd, stage, acts,
-                        checkpointing, foreach)  # fmt: skip
+                        checkpointing, foreach, tied_head=spec.style == "gpt")  # fmt: skip
 
 
 def predict_peak(run: ReferenceRun, block_bytes: int = 1, allocator_overhead_bytes: int = 0) -> PeakEstimate:
