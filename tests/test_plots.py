@@ -142,7 +142,7 @@ def test_cli_validate_view(tmp_path):
         (
             ["--view", "validate", "--params", "7e9", "--results", "{d}/r.json", "--out", "{d}/m.png"],
             None,
-            "--params and --model do not apply",
+            "--params does not apply to --view validate",
         ),
         (["--params", "7e9", "--gpus", "8,0", "--out", "{d}/m.png"], None, "gpus=0: must be >= 1"),
         (
@@ -170,7 +170,7 @@ def test_cli_validate_view(tmp_path):
         (
             ["--params", "7e9", "--results", "{d}/r.json", "--out", "{d}/m.png"],
             "[]",
-            "only read by --view validate",
+            "--results does not apply to --view memory",
         ),
     ],
 )

@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from zeroplan.types import Count, PositiveFinite, StageNumber
+from zeroplan.types import Count, PositiveFinite, StageNumber, whole_up_to
 
 DEFAULT_WORLD_SIZES = (2, 4)
 """N_d values of a real run: the smallest group that shards, and one that pads uneven tensors."""
@@ -61,8 +61,8 @@ class ValidateConfig(BaseModel):
     steps: int = Field(
         3, description=f"training steps, 2-{MAX_STEPS}; >= 2 so a steady state is seen after Adam's lazy init"
     )
-    batch_per_rank: Count = Field(
-        2, le=MAX_BATCH_PER_RANK, description=f"sequences (or samples) per rank per step, 1-{MAX_BATCH_PER_RANK}"
+    batch_per_rank: whole_up_to(MAX_BATCH_PER_RANK) = Field(  # type: ignore[valid-type]
+        2, description=f"sequences (or samples) per rank per step, 1-{MAX_BATCH_PER_RANK}"
     )
     checkpointing: Literal["none", "full"] = Field("none", description="full: every block recomputed in backward")
     foreach: bool | None = Field(None, description="Adam's foreach path; default: as torch chooses for the device")

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictStr
+
+from zeroplan.types import ByteCount, Flag, GpuCount, StageNumber
 
 SCHEMA = "zeroplan.validate/2"
 
@@ -33,18 +35,20 @@ class ValidationRow(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    stage: int = Field(description="ZeRO stage 0-3")
-    world_size: int = Field(description="N_d")
-    mode: str = Field(description="real or simulated")
-    backend: str = Field(description="gloo, nccl or fake")
-    predicted_model_states_bytes: int = Field(description="zeroplan.estimate's model states per rank")
-    measured_model_states_bytes: int = Field(description="live tensor bytes at the step boundary, max over ranks")
-    predicted_comm_bytes_per_rank: int = Field(description="zeroplan.estimate's bytes sent per rank per step")
-    derived_comm_bytes_per_rank: int = Field(
+    stage: StageNumber = Field(description="ZeRO stage 0-3")
+    world_size: GpuCount = Field(description="N_d")
+    mode: StrictStr = Field(description="real or simulated")
+    backend: StrictStr = Field(description="gloo, nccl or fake")
+    predicted_model_states_bytes: ByteCount = Field(description="zeroplan.estimate's model states per rank")
+    measured_model_states_bytes: ByteCount = Field(
+        description="live tensor bytes at the step boundary, max over ranks"
+    )
+    predicted_comm_bytes_per_rank: ByteCount = Field(description="zeroplan.estimate's bytes sent per rank per step")
+    derived_comm_bytes_per_rank: ByteCount = Field(
         validation_alias=AliasChoices("derived_comm_bytes_per_rank", "measured_comm_bytes_per_rank"),
         description="ring rule applied to each observed call (derived; schema /1 called it measured_...)",
     )
-    ok: bool = Field(description="every check passed")
+    ok: Flag = Field(description="every check passed")
 
 
 class PredictedCollective(BaseModel):

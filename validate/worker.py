@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import statistics
+import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -279,10 +280,15 @@ def main(argv: list[str] | None = None) -> None:
 
         config = config.model_copy(update={"world_sizes": (nd,)})
         write_text_atomic(args.out, json.dumps(build_report(config, [(meta, everyone)]), indent=2))
-    # Leave together: a rank that tears its gloo pairs down while a peer still sends aborts the peer
-    # ("terminate called without an active exception", SIGABRT) under torchrun's shared store.
+    # Leave together, then leave without tearing anything down: a rank that closes its gloo pairs while
+    # a peer still sends aborts the peer, and gloo's (and the profiler's) threads are still joinable at
+    # interpreter exit, where a C++ std::thread destructor aborts the process ("terminate called without
+    # an active exception", SIGABRT; seen under torchrun on 2 shared cores even after a barrier). Every
+    # result is written by now; the launcher reads only the exit code.
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

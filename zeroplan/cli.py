@@ -14,7 +14,7 @@ import typer
 
 from zeroplan.cli_options import (
     GradDtype, MasterWeights, OneLineErrors, OptimizerDtype, OptimizerName, ParamDtype, Unit, UserError,
-    given, policy_from,
+    given, given_on_command_line, policy_from, refuse_unused,
 )  # fmt: skip
 
 
@@ -34,10 +34,17 @@ def _root() -> None:
 
 @app.command()
 def estimate(
-    params: Optional[str] = typer.Option(None, help="Ψ, parameters of the whole model: 7.5e9, 7.5B, 1T."),
+    ctx: typer.Context,
+    params: Optional[str] = typer.Option(
+        None,
+        help="Ψ, parameters of the whole model: 7.5e9, 7.5B, 1T (exact whole number, 1 to 1e15).",
+    ),
     shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes, for exact padding."),
-    gpus: int = typer.Option(1, help="Total GPUs = N_d x N_m."),
-    model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree."),
+    gpus: int = typer.Option(1, help="Total GPUs = N_d x N_m, 1 to 2**24."),
+    model_parallel: int = typer.Option(
+        1, "--model-parallel",
+        help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
+    ),
     stage: Optional[int] = typer.Option(None, help="Show only this ZeRO stage (0-3)."),
     deepspeed_config: Optional[Path] = typer.Option(
         None, "--deepspeed-config", help="ds_config.json: takes stage, dtypes and optimizer from it."
@@ -47,7 +54,10 @@ def estimate(
     master_weights: MasterWeights = None,
     optimizer: OptimizerName = None,
     optimizer_dtype: OptimizerDtype = None,
-    gpu_memory: Optional[str] = typer.Option(None, help="GPU memory to check fit against: 80GiB, 32GB."),
+    gpu_memory: Optional[str] = typer.Option(
+        None,
+        help="GPU memory to check fit against: 80GiB, 32GB (whole bytes, up to 1 EiB).",
+    ),
     units: Unit = typer.Option(Unit.GB, help="GB = 1e9 bytes (the paper's), GiB = 2**30."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
     as_csv: bool = typer.Option(False, "--csv", help="Print CSV, one row per stage."),
@@ -63,6 +73,8 @@ def estimate(
 
     if as_json and as_csv:
         raise UserError("--json and --csv are exclusive: choose one")
+    if as_json or as_csv:
+        refuse_unused(ctx, ("units",), "to --json or --csv, which give bytes")
     if (params is None) == (shapes is None):
         raise UserError("give exactly one of --params and --shapes")
     settings = given(
@@ -96,45 +108,82 @@ def estimate(
 
 @app.command()
 def sweep(
-    params: Optional[str] = typer.Option(None, help="Ψ values, comma-separated: 1e9,7B,70B."),
-    shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes (one model, exact padding)."),
-    model: Optional[str] = typer.Option(None, help="Reference model preset instead of --params: llama2-70b, ..."),
-    gpus: str = typer.Option("1", help="Total GPU counts, comma-separated: 8,64,512."),
+    ctx: typer.Context,
+    params: Optional[str] = typer.Option(
+        None,
+        help="Ψ values, comma-separated: 1e9,7B,70B (each 1 to 1e15).",
+    ),
+    shapes: Optional[Path] = typer.Option(
+        None,
+        help="JSON file of parameter shapes (one model, exact padding).",
+    ),
+    model: Optional[str] = typer.Option(
+        None,
+        help="Reference model preset instead of --params: llama2-70b, ...",
+    ),
+    gpus: str = typer.Option(
+        "1",
+        help="Total GPU counts, comma-separated: 8,64,512 (each 1 to 2**24; at most 1e8 rows in all).",
+    ),
     model_parallel: str = typer.Option(
-        "1", "--model-parallel", help="N_m values, comma-separated; pairs where N_m does not divide gpus are skipped."
+        "1", "--model-parallel",
+        help="N_m values (1 to 2**24), comma-separated; pairs where N_m does not divide gpus are skipped."
     ),
     stage: str = typer.Option("0,1,2,3", help="ZeRO stages to report, comma-separated."),
     offload: str = typer.Option(
-        "none", help="Comma-separated: none, cpu, nvme (optimizer states) or OPT/PARAMS, e.g. cpu/cpu (stage 3)."
+        "none",
+        help="Comma-separated: none, cpu, nvme (optimizer states) or OPT/PARAMS, e.g. cpu/cpu (stage 3)."
     ),
     micro_batch: str = typer.Option(
-        "1", "--micro-batch", help="Sequences per GPU per micro-step, comma-separated (activations; needs --model)."
+        "1", "--micro-batch",
+        help="Sequences per GPU per micro-step (1 to 65536), comma-separated (activations; needs --model)."
     ),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default: the preset's)."),
-    checkpointing: str = typer.Option("full", help="Activation recomputation assumed: none, selective, full."),
+    seq_len: Optional[int] = typer.Option(
+        None, "--seq-len",
+        help="Tokens per sequence, 1 to 2**24 (default: the preset's).",
+    ),
+    checkpointing: str = typer.Option(
+        "full",
+        help="Activation recomputation assumed: none, selective, full.",
+    ),
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
     optimizer: OptimizerName = None,
     optimizer_dtype: OptimizerDtype = None,
     gpu: Optional[str] = typer.Option(None, help="GPU preset for the fits column: h100-80gb, a100-40gb, ..."),
-    gpu_memory: Optional[str] = typer.Option(None, help="GPU memory for the fits column: 80GiB, 141GB."),
+    gpu_memory: Optional[str] = typer.Option(
+        None,
+        help="GPU memory for the fits column: 80GiB, 141GB (whole bytes, up to 1 EiB).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object with rows[] instead of CSV."),
-    out: Optional[Path] = typer.Option(None, help="Write to this file (atomically) instead of stdout."),
+    out: Optional[Path] = typer.Option(
+        None,
+        help="Write to this file (atomically) instead of stdout; a name ending in .parquet writes Parquet."
+    ),
 ) -> None:
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
+    import importlib.util
+
     from zeroplan.architectures.shapes_file import load_numels
-    from zeroplan.files import check_writable, write_text_atomic
+    from zeroplan.files import atomic_write, check_writable
     from zeroplan.parsing import parse_bytes, parse_counts, parse_list, parse_offload, parse_wholes
     from zeroplan.presets import gpu_capacity
-    from zeroplan.render.sweep import to_csv, to_json
+    from zeroplan.render.sweep import write_csv, write_json, write_parquet
     from zeroplan.sweeping.config import SweepConfig
-    from zeroplan.sweeping.grid import sweep_config
+    from zeroplan.sweeping.grid import sweep_frames
 
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
+    parquet = out is not None and out.suffix.lower() == ".parquet"
+    if parquet and as_json:
+        raise UserError("--json and an --out ending in .parquet are exclusive: choose one format")
+    if parquet and importlib.util.find_spec("pyarrow") is None:
+        raise UserError('writing .parquet needs pyarrow: pip install pyarrow (or ".[parquet]")')
     if out is not None:
-        check_writable(out)
+        check_writable(out, inputs=[shapes])
+    if model is None and given_on_command_line(ctx, "checkpointing"):
+        raise UserError("--checkpointing changes only activations, which need --model")
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
         params=parse_counts(params) if params is not None else None,
@@ -150,12 +199,22 @@ def sweep(
         gpu_memory_bytes=capacity,
         policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
     )
-    frame = sweep_config(config)
-    text = to_json(frame, config) if as_json else to_csv(frame)
+
+    def write(sink) -> None:
+        frames = sweep_frames(config)
+        write_json(frames, config, sink) if as_json else write_csv(frames, sink)
+
     if out is None:
-        typer.echo(text.rstrip("\n"))
+        write(typer.get_binary_stream("stdout"))
+    elif parquet:
+        atomic_write(out, lambda tmp: write_parquet(sweep_frames(config), tmp), inputs=[shapes])
     else:
-        write_text_atomic(out, text)
+
+        def write_file(tmp: str) -> None:
+            with open(tmp, "wb") as sink:
+                write(sink)
+
+        atomic_write(out, write_file, inputs=[shapes])
 
 
 class PlotView(str, Enum):
@@ -167,25 +226,44 @@ class PlotView(str, Enum):
 
 @app.command()
 def plot(
+    ctx: typer.Context,
     out: Path = typer.Option(..., help="Image file to write: .png, .svg or .pdf."),
     view: PlotView = typer.Option(
         PlotView.memory,
         help="memory: per-GPU model states vs N_d (log-log); breakdown: stacked bars per stage; "
         "comm: bytes sent per GPU per step; validate: predicted vs measured from --results.",
     ),
-    params: Optional[str] = typer.Option(None, help="Ψ values, comma-separated: 7e9 or 7B,70B (memory view)."),
-    model: Optional[str] = typer.Option(None, help="Reference model preset instead of --params: llama2-70b, ..."),
-    gpus: str = typer.Option("8,16,32,64", help="Total GPU counts, comma-separated."),
-    model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree."),
+    params: Optional[str] = typer.Option(
+        None,
+        help="Ψ values, comma-separated: 7e9 or 7B,70B (each 1 to 1e15; at most 6 in the memory view).",
+    ),
+    model: Optional[str] = typer.Option(
+        None,
+        help="Reference model preset instead of --params: llama2-70b, ...",
+    ),
+    gpus: str = typer.Option(
+        "8,16,32,64",
+        help="Total GPU counts, comma-separated (each 1 to 2**24; at most 64).",
+    ),
+    model_parallel: int = typer.Option(
+        1, "--model-parallel",
+        help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
+    ),
     stage: str = typer.Option("0,1,2,3", help="ZeRO stages to draw, comma-separated."),
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
     optimizer: OptimizerName = None,
     optimizer_dtype: OptimizerDtype = None,
-    gpu: Optional[str] = typer.Option(None, help="GPU preset whose memory is drawn as a line: h100-80gb, ..."),
+    gpu: Optional[str] = typer.Option(
+        None,
+        help="GPU preset whose memory is drawn as a line: h100-80gb, ...",
+    ),
     gpu_memory: Optional[str] = typer.Option(None, help="GPU capacity to draw as a line: 80GiB, 141GB."),
-    results: Optional[Path] = typer.Option(None, help="JSON written by `zeroplan validate --json` (validate view)."),
+    results: Optional[Path] = typer.Option(
+        None,
+        help="JSON written by `zeroplan validate --json` (validate view; at most 60 runs, 64 MiB).",
+    ),
 ) -> None:
     """Draw a sweep (memory, breakdown, comm) or validator results (validate) to an image file."""
     from zeroplan import plots
@@ -196,19 +274,25 @@ def plot(
     from zeroplan.sweeping.grid import sweep_config
 
     plots.check_format(out)  # before any work: a bad name is one line, not a traceback after the sweep
-    check_writable(out)
-    capacity, capacity_label = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
+    check_writable(out, inputs=[results])
+    policy = ("param_dtype", "grad_dtype", "master_weights", "optimizer", "optimizer_dtype")
     if view is PlotView.validate:
+        why = "to --view validate, which draws --results only"
+        sweep_options = ("params", "model", "gpus", "model_parallel", "stage", *policy, "gpu", "gpu_memory")
+        refuse_unused(ctx, sweep_options, why)
         if results is None:
             raise UserError("--view validate needs --results FILE (from `zeroplan validate --json`)")
-        if params is not None or model is not None:
-            raise UserError("--view validate draws --results only; --params and --model do not apply")
-        fig = plots.predicted_vs_measured(plots.load_validation(results))
+        rows = plots.load_validation(results)
+        plots.check_points(view.value, runs=len(rows))
+        fig = plots.predicted_vs_measured(rows)
     else:
-        if results is not None:
-            raise UserError(f"--results is only read by --view validate, not --view {view.value}")
+        refuse_unused(ctx, ("results",), f"to --view {view.value}; only --view validate reads it")
+        if view is PlotView.comm:
+            refuse_unused(ctx, ("gpu", "gpu_memory"), "to --view comm, which draws no memory")
         if (params is None) == (model is None):
             raise UserError(f"--view {view.value} needs exactly one of --params and --model")
+        memory_bytes = parse_bytes(gpu_memory) if gpu_memory is not None else None
+        capacity, capacity_label = gpu_capacity(gpu, memory_bytes)
         config = SweepConfig(
             params=parse_counts(params) if params is not None else None,
             model=model,
@@ -217,35 +301,73 @@ def plot(
             stages=parse_wholes(stage, "stage"),
             policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
         )
-        fig = plots.figure(view.value, sweep_config(config), gpu_memory_bytes=capacity, gpu_label=capacity_label)
-    plots.save(fig, out)
+        plots.check_points(view.value, n_params=len(config.params or (1,)), n_gpus=len(config.gpus))
+        frame = sweep_config(config)
+        fig = plots.figure(view.value, frame, gpu_memory_bytes=capacity, gpu_label=capacity_label)
+    plots.save(fig, out, inputs=[results])
 
 
 @app.command()
 def plan(
+    ctx: typer.Context,
     model: Optional[str] = typer.Option(None, help="Reference model preset, e.g. llama2-70b (exact Ψ)."),
-    params: Optional[str] = typer.Option(None, help="Ψ of the whole model instead of a preset: 70e9, 70B."),
+    params: Optional[str] = typer.Option(
+        None,
+        help="Ψ of the whole model instead of a preset: 70e9, 70B (1 to 1e15).",
+    ),
     gpu: Optional[str] = typer.Option(None, help="GPU preset, e.g. h100-80gb (memory, FLOP/s, links)."),
-    gpu_memory: Optional[str] = typer.Option(None, help="GPU memory, overrides the preset: 80GiB, 32GB."),
-    gpus: int = typer.Option(8, help="Total GPUs = N_d x N_m."),
-    gpus_per_node: int = typer.Option(8, help="GPUs per node (host memory per node, intra vs inter links)."),
-    model_parallel: int = typer.Option(1, "--model-parallel", help="N_m, tensor/pipeline parallel degree."),
-    headroom: float = typer.Option(0.1, help="Fraction of GPU memory kept free for activations etc., [0, 1)."),
+    gpu_memory: Optional[str] = typer.Option(
+        None,
+        help="GPU memory, overrides the preset: 80GiB, 32GB (whole bytes, up to 1 EiB).",
+    ),
+    gpus: int = typer.Option(8, help="Total GPUs = N_d x N_m, 1 to 2**24."),
+    gpus_per_node: int = typer.Option(
+        8,
+        help="GPUs per node, 1 to 2**24 (host memory per node, intra vs inter links).",
+    ),
+    model_parallel: int = typer.Option(
+        1, "--model-parallel",
+        help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
+    ),
+    headroom: float = typer.Option(
+        0.1,
+        help="Fraction of GPU memory kept free for activations etc., [0, 1).",
+    ),
     interconnect: Optional[str] = typer.Option(None, help="Intra-node link preset (default: the GPU's)."),
-    bw: Optional[float] = typer.Option(None, help="Intra-node bandwidth per GPU, GB/s one direction."),
+    bw: Optional[float] = typer.Option(
+        None,
+        help="Intra-node bandwidth per GPU, GB/s one direction, 0.001 to 1e6.",
+    ),
     inter_interconnect: str = typer.Option("ib-ndr", help="Inter-node link preset (one NIC per GPU)."),
-    inter_bw: Optional[float] = typer.Option(None, help="Inter-node bandwidth per GPU, GB/s one direction."),
+    inter_bw: Optional[float] = typer.Option(
+        None,
+        help="Inter-node bandwidth per GPU, GB/s one direction, 0.001 to 1e6.",
+    ),
     algorithm: str = typer.Option("ring", help="All-reduce algorithm for the latency term: ring or tree."),
-    micro_batch: int = typer.Option(1, help="Sequences per GPU per micro-step."),
-    grad_accum: int = typer.Option(1, help="Micro-steps per optimizer step."),
-    seq_len: Optional[int] = typer.Option(None, help="Tokens per sequence (default: the preset's, else 2048)."),
-    checkpointing: str = typer.Option("full", help="Activation recomputation assumed: none, selective, full."),
+    micro_batch: int = typer.Option(1, help="Sequences per GPU per micro-step, 1 to 65536."),
+    grad_accum: int = typer.Option(1, help="Micro-steps per optimizer step, 1 to 65536."),
+    seq_len: Optional[int] = typer.Option(
+        None,
+        help="Tokens per sequence, 1 to 2**24 (default: the preset's, else 2048).",
+    ),
+    checkpointing: str = typer.Option(
+        "full",
+        help="Activation recomputation assumed: none, selective, full.",
+    ),
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
-    host_memory: Optional[str] = typer.Option(None, help="CPU memory per node, e.g. 2TB: offload must fit."),
-    peak_tflops: Optional[float] = typer.Option(None, help="Dense peak TFLOP/s per GPU (default: preset's)."),
-    mfu: float = typer.Option(0.4, help="Model FLOPs utilisation for the compute estimate, (0, 1]."),
+    host_memory: Optional[str] = typer.Option(
+        None,
+        help="CPU memory per node, e.g. 2TB (up to 1 EiB): offload must fit.",
+    ),
+    peak_tflops: Optional[float] = typer.Option(
+        None,
+        help="Dense peak TFLOP/s per GPU, 0.001 to 1e6 (default: preset's).",
+    ),
+    mfu: float = typer.Option(0.4, help="Model FLOPs utilisation for the compute estimate, 0.001 to 1."),
     param_dtype: Annotated[
-        str, typer.Option(help="Working parameter dtype: bf16 (default here: what the launchers emit), fp16, fp32.")
+        str, typer.Option(
+            help="Working parameter dtype: bf16 (default here: what the launchers emit), fp16, fp32.",
+        )
     ] = "bf16",
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
@@ -262,6 +384,8 @@ def plan(
 
     if model is not None and params is not None:
         raise UserError("--model and --params are exclusive: choose one")
+    if as_json:
+        refuse_unused(ctx, ("units",), "to --json, which gives bytes")
     config = PlanConfig(
         model=model,
         params=parse_count(params) if params is not None else None,

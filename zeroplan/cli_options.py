@@ -14,6 +14,7 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
+from zeroplan.files import Terminated
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.types import error_line
 
@@ -28,7 +29,14 @@ class UserError(Exception):
 
 
 class OneLineErrors(TyperGroup):
-    """Click group that turns usage errors and bad values into one stderr line and exit code 2."""
+    """Click group that turns usage errors and bad values into one stderr line and exit code 2, and
+    refuses an option given twice on every command (click would silently keep the last value)."""
+
+    def resolve_command(self, ctx, args):  # noqa: D102
+        name, command, rest = super().resolve_command(ctx, args)
+        if command is not None:
+            refuse_repeated(command, rest)
+        return name, command, rest
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D102
         try:
@@ -46,9 +54,56 @@ class OneLineErrors(TyperGroup):
         except typer.Abort:
             typer.echo("zeroplan: aborted", err=True)
             rv = 130
+        except OSError as exc:  # stdout on a full disk or closed: the input was fine, the output was not
+            typer.echo(f"zeroplan: error: cannot write the output ({exc.strerror or exc})", err=True)
+            rv = 1
+        except Terminated as exc:  # SIGTERM/SIGHUP while writing: the temporary file is already removed
+            typer.echo(f"zeroplan: error: terminated by {exc}", err=True)
+            rv = 128 + exc.signum
         if not standalone_mode:
             return rv
         sys.exit(rv or 0)
+
+
+def refuse_repeated(command, args: list[str]) -> None:
+    """UsageError when an option that takes one value (not declared ``multiple``) appears twice in
+    ``args``, in any spelling (``--gpus 8 --gpus=16``, ``--json --json``, ``--master-weights
+    --no-master-weights``). Options meant to repeat (validate's ``--world-size``, ``--stage``) are lists."""
+    by_flag = {}
+    for param in command.params:
+        for flag in (*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ())):
+            by_flag[flag] = param
+    seen: set[str] = set()
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if token == "--":
+            break
+        flag, eq, _ = token.partition("=")
+        param = by_flag.get(flag)
+        if param is None or not flag.startswith("-"):
+            continue
+        if not eq and not getattr(param, "is_flag", False) and param.nargs != 0:
+            i += 1  # the value that follows, even if it starts with '-'
+        if getattr(param, "multiple", False):
+            continue
+        if param.name in seen:
+            raise click_exceptions.UsageError(f"{flag} given more than once: give each option once")
+        seen.add(param.name)
+
+
+def given_on_command_line(ctx, *names: str) -> list[str]:
+    """Those of ``names`` (parameter names) the user typed, rather than left at their defaults."""
+    sources = {n: ctx.get_parameter_source(n) for n in names}
+    return [n for n, source in sources.items() if source is not None and source.name == "COMMANDLINE"]
+
+
+def refuse_unused(ctx, names: tuple[str, ...], why: str) -> None:
+    """UserError naming the first of ``names`` the user gave: an option that would be ignored."""
+    for name in given_on_command_line(ctx, *names):
+        flag = next(p.opts[0] for p in ctx.command.params if p.name == name)
+        raise UserError(f"{flag} does not apply {why}")
 
 
 class Unit(str, Enum):

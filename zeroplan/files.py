@@ -1,67 +1,216 @@
 """The one safe JSON reader and the one atomic writer: every file zeroplan reads or writes goes through here.
 
-Writes are atomic: a reader (or a crash) sees the whole new file or the old one, never a part."""
+Reading refuses what is not a plain file (a FIFO would block, ``/dev/zero`` never ends), files above
+``MAX_JSON_BYTES``, JSON nested deeper than ``MAX_JSON_DEPTH`` (Python's parser would recurse until
+RecursionError) and the non-JSON constants NaN and Infinity, each with one line.
+
+Writes are atomic: a reader (or a crash) sees the whole new file or the old one, never a part. The
+hidden temporary file is removed on every way out: an error, Ctrl-C, SIGTERM or SIGHUP. The target
+must be a regular file or not exist yet (renaming over ``/dev/null``, a FIFO or a symlink would
+replace it), and must not be one of the command's inputs.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import stat
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from itertools import accumulate
 from pathlib import Path
 
+MAX_JSON_BYTES = 64 * 2**20
+"""Largest JSON file read (64 MiB): a shapes file of a 1e15-parameter model or a validator report is a
+few MB; anything larger is not one of zeroplan's inputs."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects read; zeroplan's inputs nest at most 4 deep."""
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+_DEPTH = {"[": 1, "{": 1, "]": -1, "}": -1}
 
-def check_writable(path: str | Path) -> Path:
-    """The directory ``path`` would be written into; ValueError with one line if it is missing or ``path``
-    is a directory. Commands call this before any work, and ``atomic_write`` again when writing."""
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived while a file was being written (the temporary file is already gone)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_writable(path: str | Path, inputs: Sequence[str | Path | None] = ()) -> Path:
+    """The directory ``path`` would be written into; ValueError with one line if it is missing, if
+    ``path`` is a directory or anything but a regular file (FIFO, device, symlink), or if it is one of
+    ``inputs``. Commands call this before any work, and ``atomic_write`` again when writing."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise ValueError(f"{str(path)!r}: directory {str(parent)!r} does not exist")
     if path.is_dir():
         raise ValueError(f"{str(path)!r}: is a directory; give a file name")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise ValueError(f"{str(path)!r}: cannot write there ({exc.strerror})") from None
+    if mode is not None and stat.S_ISLNK(mode):
+        raise ValueError(f"{str(path)!r}: is a symbolic link; give the file it points to, or a new name")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise ValueError(f"{str(path)!r}: not a regular file (a device, FIFO or socket); give a file name")
+    for source in inputs:
+        if source is not None and _same_file(path, Path(source)):
+            raise ValueError(f"{str(path)!r}: is also an input of this command; write to another file")
     return parent
 
 
-def atomic_write(path: str | Path, write: Callable[[str], None], suffix: str = "") -> None:
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``Terminated`` in the main thread while the block runs, so the cleanup
+    of ``atomic_write`` runs as it does for Ctrl-C; the previous handlers are restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        raise Terminated(signum)
+
+    wanted = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    previous = {s: signal.signal(s, handler) for s in wanted}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGTERM and SIGHUP wait (blocked, not lost) until the block ends."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    wanted = {signal.SIGTERM, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def atomic_write(
+    path: str | Path,
+    write: Callable[[str], None],
+    suffix: str = "",
+    inputs: Sequence[str | Path | None] = (),
+) -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``.
 
     ``suffix`` keeps the extension for writers that look at it (matplotlib). ValueError with one line
-    when the file cannot be written (no such directory, a directory in the way, no permission).
+    when the file cannot be written (no such directory, a directory or a non-regular file in the way,
+    an input of the command, no permission). SIGTERM and SIGHUP during the write remove the temporary
+    file and raise ``Terminated``.
     """
     path = Path(path)
-    parent = check_writable(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=suffix)
-    except OSError as exc:
-        raise ValueError(f"{str(path)!r}: cannot write there ({exc.strerror})") from None
-    os.close(fd)
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the file the usual permissions
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise ValueError(f"{str(path)!r}: cannot write there ({exc.strerror})") from None
-        raise
+    parent = check_writable(path, inputs)
+    tmp = None
+    with _signals_raise():
+        try:
+            with _signals_held():  # a signal between creating the file and knowing its name would leak it
+                fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=suffix)
+                os.close(fd)
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the file the usual permissions
+            write(tmp)
+            check_writable(path, inputs)  # nothing was put in the way while writing
+            os.replace(tmp, path)
+        except BaseException as exc:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise ValueError(f"{str(path)!r}: cannot write there ({exc.strerror})") from None
+            raise
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
+def write_text_atomic(path: str | Path, text: str, inputs: Sequence[str | Path | None] = ()) -> None:
     """``text`` into ``path``, atomically."""
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text), inputs=inputs)
+
+
+def _read_bounded(path: Path, name: str) -> bytes:
+    """The bytes of ``path`` if it resolves to a regular file of at most ``MAX_JSON_BYTES``."""
+    try:
+        # O_NONBLOCK: opening a FIFO that no one writes to returns at once instead of blocking.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise ValueError(f"{name}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)  # the file opened, after every symlink: no race with a check by name
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{name}: not a regular file (a device, FIFO or directory)")
+        if info.st_size > MAX_JSON_BYTES:
+            raise ValueError(f"{name}: {info.st_size:,} bytes, above the limit of {MAX_JSON_BYTES:,}")
+        chunks, size = [], 0
+        while size <= MAX_JSON_BYTES:  # the file may grow after fstat: never read past the limit
+            chunk = os.read(fd, MAX_JSON_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_JSON_BYTES:
+            raise ValueError(f"{name}: above the limit of {MAX_JSON_BYTES:,} bytes")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise ValueError(f"{name}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def json_depth(text: str) -> int:
+    """Deepest nesting of ``[`` and ``{`` in JSON ``text``, brackets inside strings not counted."""
+    brackets = _BRACKET.findall(_STRING.sub("", text))
+    return max(accumulate(_DEPTH[b] for b in brackets), default=0)
+
+
+def _refuse_constant(constant: str) -> object:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is too large for a number")
+    return value
 
 
 def read_json(path: str | Path, what: str) -> object:
-    """The parsed content of ``path``; ValueError naming ``what`` and the file if unreadable or not JSON."""
+    """The parsed content of ``path``; ValueError naming ``what`` and the file if unreadable, not a
+    regular file, larger than ``MAX_JSON_BYTES``, nested deeper than ``MAX_JSON_DEPTH`` or not JSON."""
     name = f"{what} {str(path)!r}"
+    data = _read_bounded(Path(path), name)
     try:
-        return json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"{name}: {exc.strerror}") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{name}: not valid JSON (not UTF-8 text)") from None
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{name}: nested {depth} deep, above the limit of {MAX_JSON_DEPTH}")
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    except ValueError as exc:  # NaN/Infinity above, or an integer of more than 4300 digits (Python's limit)
+        why = "a number of more than 4300 digits" if "4300 digits" in str(exc) else str(exc).splitlines()[0]
+        raise ValueError(f"{name}: not valid JSON ({why})") from None

@@ -6,18 +6,23 @@ unit); GiB = 2**30.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
+from decimal import Decimal
 
 from zeroplan.formulas.offload import DEVICES, Offload
+from zeroplan.types import show
 
 BYTE_UNITS: dict[str, int] = {
     "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
-COUNT_SUFFIXES: dict[str, float] = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+COUNT_SUFFIXES: dict[str, int] = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+MAX_DIGITS = 4000
+"""Numbers with more digits are refused as text, before any conversion (Python's own limit for int
+text is 4300 digits); below it, the ranges of ``zeroplan.types`` refuse what is too large, naming the
+limit."""
 OFFLOAD_HELP = (
     "offload: 'none', or OPT[/PARAMS] with each of none, cpu, nvme: where the optimizer states "
     "(and the parameters, stage 3 only) live, e.g. cpu, nvme, cpu/cpu, nvme/nvme, none/cpu"
@@ -26,33 +31,49 @@ OFFLOAD_HELP = (
 _NUMBER = r"([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 
 
-def parse_count(text: str, what: str = "params") -> float:
-    """'7.5e9', '7.5B', '70b', '1T' -> a positive finite number; ValueError with a one-line message."""
-    m = re.fullmatch(_NUMBER + r"\s*([kKmMbBtT]?)", str(text).strip())
-    if not m:
-        raise ValueError(f"{what}={text!r}: not a number (examples: 7.5e9, 7.5B, 1T)")
-    value = float(m.group(1)) * COUNT_SUFFIXES[m.group(2).lower()]
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what}={text!r}: must be a positive finite number")
+def _decimal(text: str, what: str) -> Decimal:
+    """The exact value of a number written in decimal ('7.5', '9007199254740993', '1e3'); no float."""
+    value = Decimal(text)
+    if value.is_finite() and value.adjusted() > MAX_DIGITS:
+        raise ValueError(f"{what}={show(text)}: out of range")
     return value
 
 
+def parse_count(text: str, what: str = "params") -> int:
+    """'7.5e9', '7.5B', '70b', '1T', '9007199254740993' -> the exact whole number; ValueError with a
+    one-line message for text that is not a positive whole count ('7.5', '1.5K' is 1500 and fine)."""
+    m = re.fullmatch(_NUMBER + r"\s*([kKmMbBtT]?)", str(text).strip())
+    if not m:
+        raise ValueError(f"{what}={show(text)!r}: not a number (examples: 7.5e9, 7.5B, 1T)")
+    value = _decimal(m.group(1), what) * COUNT_SUFFIXES[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"{what}={text!r}: must be a positive finite number")
+    if value != value.to_integral_value():
+        raise ValueError(f"{what}={text!r}: must be a whole number of parameters")
+    return int(value)
+
+
 def parse_bytes(text: str, what: str = "gpu-memory") -> int:
-    """'80GiB', '32GB', '141 GB', '8e10' (bytes) -> whole bytes; ValueError with a one-line message."""
+    """'80GiB', '32GB', '141 GB', '8e10' (bytes) -> exact whole bytes; ValueError with a one-line message,
+    also for a fraction of a byte ('1.5' is not 1 byte)."""
     m = re.fullmatch(_NUMBER + r"\s*([a-zA-Z]*)", str(text).strip())
     unit = m.group(2).lower() if m else ""
     if not m or unit not in BYTE_UNITS and unit != "":
-        raise ValueError(f"{what}={text!r}: expected a size such as 80GiB, 32GB or 8e10 (bytes)")
-    value = float(m.group(1)) * BYTE_UNITS.get(unit, 1)
-    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"{what}={show(text)!r}: expected a size such as 80GiB, 32GB or 8e10 (bytes)")
+    value = _decimal(m.group(1), what) * BYTE_UNITS.get(unit, 1)
+    if value < 1:
         raise ValueError(f"{what}={text!r}: must be a positive size")
+    if value != value.to_integral_value():
+        raise ValueError(f"{what}={text!r}: must be a whole number of bytes")
     return int(value)
 
 
 def parse_whole(text: str, what: str) -> int:
     """'64' -> 64; ValueError for '6.5', 'x', '1e3' (GPU counts and degrees are written as integers)."""
     if not re.fullmatch(r"[-+]?[0-9]+", text):
-        raise ValueError(f"{what}={text!r}: not a whole number")
+        raise ValueError(f"{what}={show(text)!r}: not a whole number")
+    if len(text.lstrip("+-0")) > MAX_DIGITS:
+        raise ValueError(f"{what}={show(text)}: out of range ({len(text)} digits)")
     return int(text)
 
 
@@ -71,8 +92,8 @@ def parse_wholes(text: str, what: str) -> tuple[int, ...]:
     return parse_list(text, what, lambda t: parse_whole(t, what))
 
 
-def parse_counts(text: str, what: str = "params") -> tuple[float, ...]:
-    """'7B,70B' -> (7e9, 7e10): a list of counts."""
+def parse_counts(text: str, what: str = "params") -> tuple[int, ...]:
+    """'7B,70B' -> (7000000000, 70000000000): a list of counts."""
     return parse_list(text, what, lambda t: parse_count(t, what))
 
 

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from zeroplan.files import atomic_write, read_json
 from zeroplan.formulas.stages import STAGES
-from zeroplan.types import error_line
+from zeroplan.types import ByteCount, Flag, GpuCount, StageNumber, error_line
 
 from validate.schema import ValidationRow  # the report's schema, no torch
 
@@ -28,6 +28,13 @@ GB = 1e9
 LOG_TICK_SUBS = (1.0, 2.0, 5.0)
 """Labelled log ticks at 1, 2, 5 x 10^k, so a range narrower than a decade still has labels."""
 FORMATS = (".png", ".svg", ".pdf")
+MAX_RUNS = 60
+"""Most validator runs one ``validate`` figure draws: each is a labelled pair of bars 0.75 in wide, so 60
+make a 48-inch figure, already past what a screen shows; filter the rows for more."""
+MAX_PANELS = 6
+"""Most Ψ panels side by side in the memory view (5 in each)."""
+MAX_GPU_COUNTS = 64
+"""Most GPU counts on one axis (ticks of the memory view, bar groups of the comm view)."""
 VIEWS = ("memory", "breakdown", "comm", "validate")
 STAGE_COLORS = ("#4d4d4d", "#1f77b4", "#ff7f0e", "#2ca02c")  # grey for plain DP, then one hue per stage
 STAGE_MARKERS = ("o", "s", "^", "D")
@@ -93,9 +100,10 @@ def memory_vs_nd(
 ) -> Figure:
     """Model states per GPU against N_d, one line per stage, log-log, one panel per Ψ (ZeRO Table 1)."""
     params = list(dict.fromkeys(frame["params"]))
+    nds = sorted({int(n) for n in frame["nd"]})
+    check_points("memory", n_params=len(params), n_gpus=len(nds))
     fig = Figure(figsize=(7.5 if len(params) == 1 else 5.0 * len(params), 6.0), layout="constrained")
     axes = fig.subplots(1, len(params), sharey=True, squeeze=False)[0]
-    nds = sorted({int(n) for n in frame["nd"]})
     for ax, p in zip(axes, params):
         sub = frame[frame["params"] == p]
         for stage in sorted({int(s) for s in sub["stage"]}):
@@ -169,6 +177,7 @@ def comm_bars(frame: Any) -> Figure:
     """Bytes each rank sends per step, grouped by N_d, one bar per stage (ZeRO sec. 7: 2Ψ vs 3Ψ)."""
     _one_value(frame, "params", "comm")
     nds = sorted({int(n) for n in frame["nd"]})
+    check_points("comm", n_gpus=len(nds))
     stages = sorted({int(s) for s in frame["stage"]})
     fig = Figure(figsize=(min(14.0, 5.0 + 0.35 * len(nds) * len(stages)), 5.6), layout="constrained")
     ax = fig.subplots()
@@ -309,6 +318,7 @@ def predicted_vs_measured(rows: Sequence[ValidationRow]) -> Figure:
 
     Bars, not a scatter: runs of stages 0-2 send the same bytes, and points would hide one another.
     """
+    check_points("validate", runs=len(rows))
     fig = Figure(figsize=(max(8.0, 0.75 * len(rows) + 3), 8.0), layout="constrained")
     axes = fig.subplots(2, 1)
     panels = (
@@ -401,10 +411,29 @@ def _log_memory_axes(ax: Any, nds: Sequence[int]) -> None:
     ax.set_xlabel("N_d, data-parallel GPUs (log scale)")
 
 
-def save(fig: Figure, path: str | Path, dpi: int = 150) -> None:
-    """Render ``fig`` to ``path`` atomically, so no partial image is left."""
+def save(fig: Figure, path: str | Path, dpi: int = 150, inputs: Sequence[str | Path | None] = ()) -> None:
+    """Render ``fig`` to ``path`` atomically, so no partial image is left (never over one of ``inputs``)."""
     suffix = check_format(Path(path))
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format=suffix[1:], dpi=dpi), suffix)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format=suffix[1:], dpi=dpi), suffix, inputs)
+
+
+def check_points(view: str, n_params: int = 1, n_gpus: int = 1, runs: int = 0) -> None:
+    """ValueError with one line when a figure would hold more than can be read (see ``MAX_PANELS``,
+    ``MAX_GPU_COUNTS``, ``MAX_RUNS``). Checked before any work: a 20,000-run validate figure took 5
+    minutes and 12 GB to draw a 75 MB image no one could read."""
+    if view == "validate" and runs > MAX_RUNS:
+        raise ValueError(
+            f"--view validate: {runs} runs, at most {MAX_RUNS} fit one figure (a labelled pair of bars "
+            "each); keep fewer rows, e.g. jq '.rows |= map(select(.stage == 3))' results.json"
+        )
+    if view == "memory" and n_params > MAX_PANELS:
+        raise ValueError(
+            f"--view memory: {n_params} params values, at most {MAX_PANELS} panels fit; plot fewer"
+        )
+    if view in ("memory", "breakdown", "comm") and n_gpus > MAX_GPU_COUNTS:
+        raise ValueError(
+            f"--view {view}: {n_gpus} GPU counts, at most {MAX_GPU_COUNTS} fit one axis; give fewer --gpus"
+        )
 
 
 def figure(

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.optimizers import OPTIMIZERS, StateTensor, optimizer_states
-from zeroplan.types import DType
+from zeroplan.types import DType, Flag
 
 ByteRows = tuple[tuple[str, float], ...]
 """(label, bytes per parameter) rows, e.g. (("fp16 params", 2), ("fp16 grads", 2), ("fp32 master", 4))."""
@@ -32,7 +32,7 @@ class PrecisionPolicy(BaseModel):
     """dtype of the working parameters that forward and backward use."""
     grad_dtype: Optional[DType] = None
     """dtype of gradients and of their reduction; defaults to ``param_dtype``."""
-    master_weights: Optional[bool] = None
+    master_weights: Optional[Flag] = None
     """keep an fp32 master copy in the optimizer; defaults to on when ``param_dtype`` is not fp32."""
     optimizer: str = "adam"
     """one of ``zeroplan.formulas.optimizers.OPTIMIZERS``."""

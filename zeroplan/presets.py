@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 
 from zeroplan.architectures.hf_config import read_hf_config, spec_from_hf_config
 from zeroplan.architectures.spec import TransformerSpec, numels, transformer_shapes
-from zeroplan.types import ByteSize, Count, NonNegativeFinite, PositiveFinite
+from zeroplan.types import Bandwidth, ByteSize, Count, Flops, Latency, SeqLen
 
 
 class GpuSpec(BaseModel):
@@ -29,7 +29,7 @@ class GpuSpec(BaseModel):
     description: str
     memory_bytes: ByteSize
     """nominal HBM capacity in bytes (see the data file's ``about`` for the convention)."""
-    peak_flops: PositiveFinite
+    peak_flops: Flops
     """dense 16-bit tensor-core peak, FLOP/s."""
     peak_flops_dtype: str
     intra_node: str
@@ -47,9 +47,9 @@ class LinkSpec(BaseModel):
     name: str
     scope: Literal["intra", "inter"]
     """intra: inside a node (NVLink, PCIe, Infinity Fabric); inter: between nodes (a NIC per GPU)."""
-    bandwidth_gbps: PositiveFinite
+    bandwidth_gbps: Bandwidth
     """GB/s (1e9 bytes/s) one GPU sends in one direction; used as the nccl-tests bus bandwidth."""
-    alpha_s: NonNegativeFinite
+    alpha_s: Latency
     """latency of one ring step, seconds."""
     source: str = "given on the command line"
 
@@ -65,7 +65,7 @@ class ModelPreset(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    seq_len: Count
+    seq_len: SeqLen
     """training context length, tokens (the default --seq-len)."""
     source: str
     hf_config: dict[str, Any]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from zeroplan.files import read_json
+from zeroplan.types import MAX_PARAMS, show
 
 
 def numels_from_shapes(shapes: object) -> tuple[int, ...]:
@@ -21,7 +21,12 @@ def numels_from_shapes(shapes: object) -> tuple[int, ...]:
         dims = item if isinstance(item, list) else [item]
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims) or not dims:
             raise ValueError(f"shapes: {item!r} is not a shape of positive whole dimensions")
-        numels.append(math.prod(dims))
+        numel = 1
+        for d in dims:  # stop at the limit: a product of 400-digit dimensions is never computed
+            numel *= d
+            if numel > MAX_PARAMS:
+                raise ValueError(f"shapes: {show(item)}: more than {MAX_PARAMS:.0e} elements in one tensor")
+        numels.append(numel)
     return tuple(numels)
 
 

@@ -15,12 +15,17 @@ use the same buckets. No dependency on DeepSpeed: these functions read and build
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Annotated, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, validate_call
 
 from zeroplan.files import read_json
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
+from zeroplan.types import BatchCount, Numel, StageNumber
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
 """Elements per gradient bucket / all-gather call: DeepSpeed's default ``reduce_bucket_size`` and
@@ -47,59 +52,137 @@ DEEPSPEED_OPTIMIZERS: dict[str, str] = {
 _DS_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 
 
-def _section(config: dict, key: str) -> dict:
-    value = config.get(key, {})
-    if not isinstance(value, dict):
-        raise ValueError(f"deepspeed config: {key!r} must be an object")
-    return value
+def _enabled(v: object, info: ValidationInfo) -> bool:
+    if v == "auto":
+        raise ValueError("the HF Trainer fills in 'auto'; give true or false")
+    if not isinstance(v, bool):
+        raise ValueError("must be true or false (a JSON boolean, not a string or number)")
+    return v
 
 
-def _enabled(config: dict, key: str) -> bool:
-    value = _section(config, key).get("enabled", False)
-    if value == "auto":
-        raise ValueError(f"deepspeed config: {key}.enabled is 'auto' (HF Trainer fills it in); give true or false")
-    return bool(value)
+def _number(v: object, info: ValidationInfo) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError("must be a finite JSON number")
+    return v
 
 
-def _ds_dtype(value: object, key: str) -> str:
-    if str(value).lower() not in _DS_DTYPES:
+def _text(v: object, info: ValidationInfo) -> str:
+    if not isinstance(v, str):
+        raise ValueError("must be a string")
+    return v
+
+
+Enabled = Annotated[bool, BeforeValidator(_enabled)]
+Number = Annotated[float, BeforeValidator(_number)]
+Text = Annotated[str, BeforeValidator(_text)]
+
+
+class _Section(BaseModel):
+    """A section of ``ds_config.json``: the keys zeroplan reads are typed strictly; DeepSpeed's many
+    other keys are allowed and not read."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+
+
+class _Switch(_Section):
+    enabled: Enabled = False
+    """``fp16.enabled`` / ``bf16.enabled``; DeepSpeed's default is false."""
+
+
+class _OffloadSection(_Section):
+    device: Optional[Text] = "none"
+
+
+class _Zero(_Section):
+    stage: object = 0
+    """checked by the stage table (``get_stage``), whose message names the key."""
+    offload_optimizer: Optional[_OffloadSection] = None
+    offload_param: Optional[_OffloadSection] = None
+
+
+class _DataTypes(_Section):
+    grad_accum_dtype: Optional[Text] = None
+
+
+class _OptimizerParams(_Section):
+    momentum: Number = 0
+    """SGD momentum; 0 (DeepSpeed's and torch's default) keeps no momentum buffer."""
+
+
+class _Optimizer(_Section):
+    type: Text = ""
+    params: _OptimizerParams = _OptimizerParams()
+
+
+class DeepSpeedConfig(_Section):
+    """The keys of a ``ds_config.json`` that decide model-state memory, with DeepSpeed's defaults."""
+
+    zero_optimization: _Zero = _Zero()
+    fp16: _Switch = _Switch()
+    bf16: _Switch = _Switch()
+    bfloat16: _Switch = _Switch()
+    """the older spelling of ``bf16``."""
+    data_types: _DataTypes = _DataTypes()
+    communication_data_type: Optional[Text] = None
+    optimizer: Optional[_Optimizer] = None
+
+
+def _ds_error(exc: ValidationError) -> ValueError:
+    """The first error of a ``DeepSpeedConfig`` as one line naming the key, e.g.
+    "deepspeed config: fp16.enabled='false': must be true or false (...)"."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return ValueError(f"deepspeed config: {loc!r} must be an object")
+    if isinstance(err.get("input"), (str, int, float, bool, type(None))):
+        return ValueError(f"deepspeed config: {loc}={err['input']!r}: {msg}")
+    return ValueError(f"deepspeed config: {loc}: {msg}")
+
+
+def _ds_dtype(value: str, key: str) -> str:
+    if value.lower() not in _DS_DTYPES:
         raise ValueError(f"deepspeed config: {key}={value!r}: expected one of fp32, fp16, bf16")
-    return _DS_DTYPES[str(value).lower()]
+    return _DS_DTYPES[value.lower()]
 
 
 def from_deepspeed(config: object) -> dict:
     """Planner settings (``stage`` and ``PrecisionPolicy`` fields) from a parsed DeepSpeed config."""
     if not isinstance(config, dict):
         raise ValueError("deepspeed config: expected a JSON object")
-    zero = _section(config, "zero_optimization")
+    try:
+        ds = DeepSpeedConfig.model_validate(config)
+    except ValidationError as exc:
+        raise _ds_error(exc) from None
+    zero = ds.zero_optimization
     for key in ("offload_optimizer", "offload_param"):
-        section = zero.get(key) or {}
-        device = section.get("device", "none") if isinstance(section, dict) else section
+        section = getattr(zero, key)
+        device = section.device if section is not None else None
         if device not in ("none", None):
             raise ValueError(
                 f"deepspeed config: zero_optimization.{key}.device={device!r}: `zeroplan estimate` models "
                 "GPU-resident states; use `zeroplan plan --offload cpu|nvme` for offload"
             )
-    stage = get_stage(zero.get("stage", 0), "deepspeed config: zero_optimization.stage").number
+    stage = get_stage(zero.stage, "deepspeed config: zero_optimization.stage").number
 
-    fp16, bf16 = _enabled(config, "fp16"), _enabled(config, "bf16") or _enabled(config, "bfloat16")
+    fp16, bf16 = ds.fp16.enabled, ds.bf16.enabled or ds.bfloat16.enabled
     if fp16 and bf16:
         raise ValueError("deepspeed config: fp16.enabled and bf16.enabled are both true")
     param_dtype = "fp16" if fp16 else "bf16" if bf16 else "fp32"
     settings: dict = {"stage": stage, "param_dtype": param_dtype}
 
-    grad_dtype = _section(config, "data_types").get("grad_accum_dtype") or config.get("communication_data_type")
+    grad_dtype = ds.data_types.grad_accum_dtype or ds.communication_data_type
     if grad_dtype is not None:
         settings["grad_dtype"] = _ds_dtype(grad_dtype, "grad_accum_dtype/communication_data_type")
 
-    optimizer = _section(config, "optimizer")
-    if optimizer:
-        kind = str(optimizer.get("type", "")).lower()
+    optimizer = ds.optimizer
+    if optimizer is not None and config["optimizer"]:  # an empty section is no optimizer
+        kind = optimizer.type.lower()
         if kind not in DEEPSPEED_OPTIMIZERS:
             known = ", ".join(sorted(DEEPSPEED_OPTIMIZERS))
-            raise ValueError(f"deepspeed config: optimizer.type={optimizer.get('type')!r}: expected one of {known}")
+            raise ValueError(f"deepspeed config: optimizer.type={optimizer.type!r}: expected one of {known}")
         name = DEEPSPEED_OPTIMIZERS[kind]
-        if name == "sgd" and (optimizer.get("params") or {}).get("momentum", 0):
+        if name == "sgd" and optimizer.params.momentum:
             name = "sgd-momentum"
         settings["optimizer"] = name
     return settings
@@ -130,13 +213,14 @@ def _offload_block(device: str) -> dict:
     return block
 
 
+@validate_call(config=ConfigDict(arbitrary_types_allowed=True))
 def deepspeed_config(
-    stage: int,
+    stage: StageNumber,
     offload: Offload = NO_OFFLOAD,
-    micro_batch: int = 1,
-    grad_accum: int = 1,
+    micro_batch: BatchCount = 1,
+    grad_accum: BatchCount = 1,
     policy: PrecisionPolicy = BF16_MIXED,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+    bucket_numel: Numel = DEFAULT_BUCKET_NUMEL,
 ) -> dict:
     """A DeepSpeed config dict for ``stage`` and ``offload`` (dump it with ``json.dumps``)."""
     check_offload(stage, offload)

@@ -7,7 +7,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zeroplan.policy import PrecisionPolicy
-from zeroplan.types import ByteSize, Count, Params, StageNumber, check_split
+from zeroplan.types import ByteSize, GpuCount, Numel, Params, StageNumber, check_split, check_total
 
 
 class EstimateConfig(BaseModel):
@@ -17,11 +17,11 @@ class EstimateConfig(BaseModel):
 
     params: Optional[Params] = None
     """Ψ for the whole model, in parameters (elements); give this or ``tensor_numels``."""
-    tensor_numels: Optional[tuple[Count, ...]] = Field(None, min_length=1)
+    tensor_numels: Optional[tuple[Numel, ...]] = Field(None, min_length=1)
     """elements of every parameter tensor of the whole model; enables exact per-tensor padding."""
-    gpus: Count = 1
+    gpus: GpuCount = 1
     """total GPUs = N_d x N_m."""
-    model_parallel: Count = 1
+    model_parallel: GpuCount = 1
     """N_m, the tensor/pipeline model-parallel degree; the paper divides model states by it."""
     stage: Optional[StageNumber] = None
     """show only this ZeRO stage (0-3); None shows all four."""
@@ -34,6 +34,7 @@ class EstimateConfig(BaseModel):
         if (self.params is None) == (self.tensor_numels is None):
             raise ValueError("give exactly one of params and tensor_numels")
         check_split(self.gpus, self.model_parallel)
+        check_total(self.tensor_numels or ())
         return self
 
     @property

@@ -94,7 +94,7 @@ def estimate(
     """
     config = EstimateConfig(
         params=params,
-        tensor_numels=tuple(tensor_numels) if tensor_numels is not None else None,
+        tensor_numels=tensor_numels,  # the config checks and converts lists (never a str)
         gpus=gpus,
         model_parallel=model_parallel,
         stage=stage,

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, mod
 
 from zeroplan.architectures.spec import TransformerSpec, gpt_for_params
 from zeroplan.engines.deepspeed import DEFAULT_BUCKET_NUMEL
+from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.commtime import ALGORITHMS
 from zeroplan.formulas.offload import DEVICES
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
@@ -19,7 +20,8 @@ from zeroplan.presets import (
     GpuName, GpuSpec, LinkSpec, ModelName, ModelPreset, get_gpu, get_interconnect, get_model,
 )  # fmt: skip
 from zeroplan.types import (
-    ByteSize, Checkpointing, Count, Fraction, Params, PositiveFinite, PositiveFraction, check_split,
+    Bandwidth, BatchCount, ByteSize, Checkpointing, Count, Fraction, GpuCount, Params, SeqLen, Tflops,
+    Utilisation, check_bytes, check_split,
 )  # fmt: skip
 
 DEFAULT_HEADROOM = 0.1
@@ -49,28 +51,28 @@ class PlanConfig(BaseModel):
     """GPU preset (``zeroplan.presets.gpu_presets``): memory, peak FLOP/s and default links."""
     gpu_memory_bytes: Optional[ByteSize] = None
     """memory of one GPU in bytes; overrides the preset's."""
-    gpus: Count = 8
+    gpus: GpuCount = 8
     """total GPUs = N_d x N_m."""
-    gpus_per_node: Count = 8
-    model_parallel: Count = 1
+    gpus_per_node: GpuCount = 8
+    model_parallel: GpuCount = 1
     """N_m, tensor/pipeline model-parallel degree."""
     headroom: Fraction = DEFAULT_HEADROOM
     """fraction of GPU memory not available to model states, in [0, 1)."""
     interconnect: Optional[str] = None
     """intra-node link preset; default the GPU preset's, else nvlink4."""
-    bw_gbps: Optional[PositiveFinite] = None
+    bw_gbps: Optional[Bandwidth] = None
     """intra-node bandwidth per GPU, GB/s one direction; overrides the preset's."""
     inter_interconnect: str = DEFAULT_INTER
     """inter-node link preset (one NIC per GPU)."""
-    inter_bw_gbps: Optional[PositiveFinite] = None
+    inter_bw_gbps: Optional[Bandwidth] = None
     """inter-node bandwidth per GPU, GB/s one direction; overrides the preset's."""
     algorithm: Literal[ALGORITHMS] = "ring"
     """all-reduce algorithm for the latency term (reduce-scatter and all-gather are always ring)."""
-    micro_batch: Count = 1
+    micro_batch: BatchCount = 1
     """sequences per GPU per micro-step."""
-    grad_accum: Count = 1
+    grad_accum: BatchCount = 1
     """micro-steps per optimizer step."""
-    seq_len: Optional[Count] = None
+    seq_len: Optional[SeqLen] = None
     """tokens per sequence; default the preset's, else 2048."""
     checkpointing: Checkpointing = "full"
     """activation recomputation assumed by the activation estimate (``zeroplan.formulas.activations``)."""
@@ -78,10 +80,10 @@ class PlanConfig(BaseModel):
     """the most offload the recommendation may use (all options are always listed)."""
     host_memory_bytes: Optional[ByteSize] = None
     """CPU memory per node in bytes; when given, offload options must also fit in it."""
-    peak_tflops: Optional[PositiveFinite] = None
+    peak_tflops: Optional[Tflops] = None
     """dense peak TFLOP/s (1e12 FLOP/s) per GPU; overrides the preset's. None without a preset: no compute
     estimate."""
-    mfu: PositiveFraction = DEFAULT_MFU
+    mfu: Utilisation = DEFAULT_MFU
     """model FLOPs utilisation in (0, 1] for the compute-time estimate."""
     bucket_numel: Count = DEFAULT_BUCKET_NUMEL
     """elements per collective call (gradient bucket / all-gather bucket)."""
@@ -108,6 +110,10 @@ class PlanConfig(BaseModel):
                 "give a GPU preset (gpu, --gpu) or the GPU memory (gpu_memory_bytes, --gpu-memory)"
             )
         check_split(self.gpus, self.model_parallel)
+        if self.transformer is not None:  # keep every printed size a sane byte count
+            s, b = self.sequence_length, self.micro_batch
+            act = activation_bytes(self.transformer, s, b, self.checkpointing, 1)
+            check_bytes(act or 0, f"activations at seq_len={s}, micro_batch={b}")
         return self
 
     # Resolved values: overrides first, then presets, then documented defaults.

@@ -13,7 +13,9 @@ Every number comes from the pure formulas (``zeroplan.formulas.memory`` via ``ze
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional
+
+from pydantic import ConfigDict, Field, validate_call
 
 from zeroplan.engines.deepspeed import deepspeed_config
 from zeroplan.engines.fsdp2 import fsdp2_snippet
@@ -26,6 +28,11 @@ from zeroplan.formulas.stages import get_stage
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
+from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber
+
+_STRICT = ConfigDict(arbitrary_types_allowed=True)
+"""Public search functions check their arguments with the types of ``zeroplan.types`` (ValidationError,
+never a TypeError or a wrong answer: ``min_gpus((), ...)`` used to return 1, ``max_params(nan, ...)`` 0)."""
 
 MAX_GPUS = 2**20
 """``min_gpus`` searches N_d x N_m up to this many GPUs; a model that needs more is reported as None."""
@@ -80,14 +87,15 @@ def fits(states: OffloadBreakdown, gpu_budget_bytes: int, host_budget_bytes: Opt
     return states.gpu.model_states_bytes <= gpu_budget_bytes and host_ok
 
 
+@validate_call(config=_STRICT)
 def max_params(
-    gpu_budget_bytes: int,
-    stage: int,
-    nd: int,
-    nm: int = 1,
+    gpu_budget_bytes: ByteCount,
+    stage: StageNumber,
+    nd: GpuCount,
+    nm: GpuCount = 1,
     offload: Offload = NO_OFFLOAD,
     policy: PrecisionPolicy = BF16_MIXED,
-    host_budget_bytes: Optional[int] = None,
+    host_budget_bytes: Optional[ByteCount] = None,
 ) -> Optional[int]:
     """Largest whole-model Ψ whose per-GPU states fit (ZeRO Table 2: Ψ/N_m per GPU, sharded over N_d).
 
@@ -110,15 +118,16 @@ def max_params(
     return _bisect_last_true(ok, lo, hi)
 
 
+@validate_call(config=_STRICT)
 def min_gpus(
-    tensor_numels: tuple[int, ...],
-    gpu_budget_bytes: int,
-    stage: int,
-    nm: int = 1,
+    tensor_numels: Annotated[tuple[Numel, ...], Field(min_length=1)],
+    gpu_budget_bytes: ByteCount,
+    stage: StageNumber,
+    nm: GpuCount = 1,
     offload: Offload = NO_OFFLOAD,
     policy: PrecisionPolicy = BF16_MIXED,
-    host_budget_bytes: Optional[int] = None,
-    flat_layout: bool = True,
+    host_budget_bytes: Optional[ByteCount] = None,
+    flat_layout: Flag = True,
 ) -> Optional[int]:
     """Fewest GPUs N_d x N_m (N_m = ``nm`` fixed) on which the whole model's tensors fit; None if none do.
 

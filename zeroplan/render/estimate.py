@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 
 from zeroplan.estimation.records import Estimate, StageEstimate
-from zeroplan.render.schemas import CollectiveOut, EstimateDoc, EstimateInputs, PolicyOut, StageOut
+from zeroplan.render.schemas import CollectiveOut, EstimateDoc, EstimateInputs, PolicyOut, StageOut, json_text
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
 
 CSV_COLUMNS = (
@@ -55,7 +54,7 @@ def estimate_doc(e: Estimate) -> EstimateDoc:
 
 
 def to_json(e: Estimate) -> str:
-    return json.dumps(estimate_doc(e).dump(), indent=2)
+    return json_text(estimate_doc(e).dump(), indent=2)
 
 
 def to_csv(e: Estimate) -> str:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.presets import LinkSpec
-from zeroplan.render.schemas import PlanDoc
+from zeroplan.render.schemas import PlanDoc, json_text
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
 
 SCHEMA = "zeroplan.plan/1"
@@ -146,7 +145,7 @@ def plan_dict(p: Plan) -> dict:
 
 def to_json(p: Plan) -> str:
     """``plan_dict`` checked and ordered by ``zeroplan.render.schemas.PlanDoc``."""
-    return json.dumps(PlanDoc.model_validate(plan_dict(p)).dump(), indent=2)
+    return json_text(PlanDoc.model_validate(plan_dict(p)).dump(), indent=2)
 
 
 def _seconds(s: Optional[float]) -> str:
@@ -215,7 +214,7 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         lines += [
             "",
             "DeepSpeed config:",
-            json.dumps(texts["deepspeed"], indent=2),
+            json_text(texts["deepspeed"], indent=2),
             "",
             "FSDP2:",
             texts["fsdp2"].rstrip("\n"),

@@ -21,6 +21,12 @@ Number = Union[int, float]
 """A number as computed: exact integers stay integers."""
 
 
+def json_text(obj: object, indent: Optional[int] = None) -> str:
+    """``obj`` as JSON text. Every JSON output goes through here: NaN and infinity are not JSON, so they
+    raise ValueError (the ranges of ``zeroplan.types`` keep them from being computed at all)."""
+    return json.dumps(obj, indent=indent, allow_nan=False)
+
+
 class _Out(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

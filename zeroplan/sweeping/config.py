@@ -1,26 +1,30 @@
 """``SweepConfig``: a grid of planner questions (pydantic), checked by the same types as ``estimate``.
 
-Byte counts of a sweep stay exact int64: ``MAX_PARAMS`` and ``MAX_GPUS`` keep them below 2**63.
+Byte counts of a sweep stay exact int64: the ranges of ``zeroplan.types`` (Ψ <= 1e15, GPUs <= 2**24,
+activations <= 1 EiB) keep them below 2**63.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.parsing import parse_offload
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.presets import ModelName, get_model
-from zeroplan.types import ByteSize, Checkpointing, Count, Params, StageNumber
+from zeroplan.types import (
+    BatchCount, ByteSize, Checkpointing, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes,
+    check_total,
+)  # fmt: skip
 
-MAX_PARAMS = 2**57
-"""Largest Ψ a sweep accepts (1.4e17): no per-GPU byte count exceeds 64·Ψ (at most 20 bytes of model
-state per parameter, 2·4 bytes sent per parameter by an fp32 all-reduce), so int64 stays exact."""
-
-MAX_GPUS = 2**40
-"""Largest GPU count a sweep accepts; with ``MAX_PARAMS`` it keeps ring byte counts below 2**63."""
+MAX_ROWS = 10**8
+"""Most rows one sweep may have (counted before pairs that do not divide are left out): 1e8 rows is
+about 20 GB of CSV; the command streams it in chunks, but ``zeroplan.sweep`` returns one DataFrame of
+about 200 bytes a row. Split a larger grid into several sweeps."""
 
 
 class SweepConfig(BaseModel):
@@ -31,19 +35,19 @@ class SweepConfig(BaseModel):
 
     params: Optional[tuple[Params, ...]] = None
     """Ψ values of the whole model, in parameters; give this, ``tensor_numels`` or ``model``."""
-    tensor_numels: Optional[tuple[Count, ...]] = Field(None, min_length=1)
+    tensor_numels: Optional[tuple[Numel, ...]] = Field(None, min_length=1)
     """elements of every parameter tensor of one model (exact padding); replaces ``params``."""
     model: Optional[ModelName] = None
     """reference model preset (``zeroplan.presets``): its tensors, and its shape for activations."""
-    micro_batch: tuple[Count, ...] = (1,)
+    micro_batch: tuple[BatchCount, ...] = (1,)
     """sequences per GPU per micro-step; changes only the activation columns (needs ``model``)."""
-    seq_len: Optional[Count] = None
+    seq_len: Optional[SeqLen] = None
     """tokens per sequence for activations; default the preset's."""
     checkpointing: Checkpointing = "full"
     """activation recomputation assumed: none, selective or full (``zeroplan.formulas.activations``)."""
-    gpus: tuple[Count, ...] = (1,)
+    gpus: tuple[GpuCount, ...] = (1,)
     """total GPU counts = N_d x N_m."""
-    model_parallel: tuple[Count, ...] = (1,)
+    model_parallel: tuple[GpuCount, ...] = (1,)
     """N_m values; combinations where N_m does not divide ``gpus`` are left out of the grid."""
     stages: tuple[StageNumber, ...] = (0, 1, 2, 3)
     """ZeRO stages (0-3) to report for every configuration."""
@@ -76,30 +80,22 @@ class SweepConfig(BaseModel):
             seen.add(x)
         return v
 
-    @field_validator("params")
-    @classmethod
-    def _params(cls, v: Optional[tuple[float, ...]]) -> Optional[tuple[float, ...]]:
-        for p in v or ():
-            if p > MAX_PARAMS:
-                raise ValueError(f"params={p:g}: above {MAX_PARAMS:.3g}, byte counts would overflow int64")
-        return v
-
-    @field_validator("gpus")
-    @classmethod
-    def _gpus(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        for g in v:
-            if g > MAX_GPUS:
-                raise ValueError(f"gpus={g}: above {MAX_GPUS}, byte counts could overflow int64")
-        return v
-
     @model_validator(mode="after")
     def _consistent(self) -> "SweepConfig":
         if sum(x is not None for x in (self.params, self.tensor_numels, self.model)) != 1:
             raise ValueError("give exactly one of params, tensor_numels and model")
         if self.model is None and (self.micro_batch != (1,) or self.seq_len is not None):
             raise ValueError("micro_batch and seq_len change only activations, which need a reference model")
-        if self.numels and sum(self.numels) > MAX_PARAMS:
-            raise ValueError(f"tensor_numels: {sum(self.numels):g} elements, above {MAX_PARAMS:.3g}")
+        check_total(self.tensor_numels or ())
+        lists = (self.params or (1,), self.gpus, self.model_parallel, self.micro_batch, self.pairs)
+        rows = math.prod(len(x) for x in lists)
+        if rows > MAX_ROWS:
+            raise ValueError(f"the grid has up to {rows:,} rows, above the limit of {MAX_ROWS:.0e}: split it")
+        if self.model is not None:  # the largest activations of the grid must stay a sane byte count
+            preset = get_model(self.model)
+            seq_len = self.seq_len or preset.seq_len
+            act = activation_bytes(preset.spec, seq_len, max(self.micro_batch), self.checkpointing, 1)
+            check_bytes(act or 0, f"activations at seq_len={seq_len}, micro_batch={max(self.micro_batch)}")
         if not any(g % m == 0 for g in self.gpus for m in self.model_parallel):
             raise ValueError(
                 f"no model_parallel in {list(self.model_parallel)} divides any gpus in {list(self.gpus)}"

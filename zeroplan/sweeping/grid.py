@@ -8,12 +8,12 @@ A million rows take about a second (``benchmarks/sweep_speed.py``). This is the 
 that imports pandas.
 
 Byte counts stay exact integers: int64 holds 9.2e18, and the largest count here is bounded by
-64 bytes per parameter (``MAX_PARAMS`` keeps that below 2**63).
+64 bytes per parameter (``zeroplan.types.MAX_PARAMS`` keeps that below 2**63).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -50,19 +50,37 @@ def _collectives_column(sweep_rows: list, nd: np.ndarray) -> pd.Categorical:
     return pd.Categorical.from_codes(np.stack(codes, axis=1).ravel(), categories=categories)
 
 
-def _grid(config: SweepConfig) -> dict[str, np.ndarray]:
-    """Every valid (params, gpus, model_parallel, micro_batch) combination, params slowest, int64 arrays."""
-    params = [int(p) for p in config.params] if config.params else [sum(config.numels)]
-    p, g, m, b = np.meshgrid(
-        np.array(params, dtype=np.int64),
-        np.array(config.gpus, dtype=np.int64),
-        np.array(config.model_parallel, dtype=np.int64),
-        np.array(config.micro_batch, dtype=np.int64),
-        indexing="ij",
-    )
-    p, g, m, b = p.ravel(), g.ravel(), m.ravel(), b.ravel()
-    keep = g % m == 0
-    return {"params": p[keep], "gpus": g[keep], "model_parallel": m[keep], "micro_batch": b[keep]}
+CHUNK_ROWS = 2**17
+"""Rows per frame of ``sweep_frames`` (about 50 MB of DataFrame): what the command holds at a time."""
+
+
+def _axes(config: SweepConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """params, then the (gpus, model_parallel) pairs where N_m divides gpus (gpus-major), then
+    micro-batches."""
+    values = [int(p) for p in config.params] if config.params else [sum(config.numels)]
+    params = np.array(values, dtype=np.int64)
+    g, m = np.array(config.gpus, dtype=np.int64), np.array(config.model_parallel, dtype=np.int64)
+    gi, mi = np.nonzero(g[:, None] % m[None, :] == 0)
+    return params, g[gi], m[mi], np.array(config.micro_batch, dtype=np.int64)
+
+
+def n_configurations(config: SweepConfig) -> int:
+    """Configurations of the grid (rows = this x the (stage, offload) pairs)."""
+    params, g, _, b = _axes(config)
+    return params.size * g.size * b.size
+
+
+def _grid(config: SweepConfig, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+    """Configurations ``start`` to ``stop`` of the grid in order (params slowest, then gpus, model_parallel,
+    micro_batch), as int64 arrays; combinations where N_m does not divide gpus are not in the grid."""
+    params, g, m, b = _axes(config)
+    n = params.size * g.size * b.size
+    index = np.arange(start, n if stop is None else min(stop, n), dtype=np.int64)
+    i_params, rest = np.divmod(index, g.size * b.size)
+    i_pair, i_batch = np.divmod(rest, b.size)
+    return {
+        "params": params[i_params], "gpus": g[i_pair], "model_parallel": m[i_pair], "micro_batch": b[i_batch]
+    }
 
 
 def _activations(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +103,19 @@ def _activations(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tuple[np.
 def sweep_config(config: SweepConfig) -> pd.DataFrame:
     """One row per configuration, stage and offload, in grid order: params, gpus, model_parallel,
     micro_batch, stage, offload (the last fastest)."""
-    grid = _grid(config)
+    return _frame(config, _grid(config))
+
+
+def sweep_frames(config: SweepConfig, rows: int = CHUNK_ROWS) -> Iterator[pd.DataFrame]:
+    """``sweep_config(config)`` in consecutive frames of about ``rows`` rows: the same rows in the same
+    order, for writing a large sweep with bounded memory."""
+    step = max(1, rows // len(config.pairs))
+    for start in range(0, n_configurations(config), step):
+        yield _frame(config, _grid(config, start, start + step))
+
+
+def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
+    """The rows of the configurations in ``grid`` (see ``sweep_config``)."""
     m = grid["model_parallel"]
     nd = grid["gpus"] // m
     if config.numels:
@@ -218,15 +248,15 @@ def sweep(
     Remaining keywords are ``PrecisionPolicy`` fields, as for ``estimate``. Raises
     ``pydantic.ValidationError`` on bad input.
     """
-    config = SweepConfig(
-        params=tuple(params) if params is not None else None,
-        tensor_numels=tuple(tensor_numels) if tensor_numels is not None else None,
-        gpus=tuple(gpus),
-        model_parallel=tuple(model_parallel),
-        stages=tuple(stages),
-        offload=tuple(offload),
+    config = SweepConfig(  # the config checks and converts the sequences (a str or a number is refused)
+        params=params,
+        tensor_numels=tensor_numels,
+        gpus=gpus,
+        model_parallel=model_parallel,
+        stages=stages,
+        offload=offload,
         model=model,
-        micro_batch=tuple(micro_batch),
+        micro_batch=micro_batch,
         seq_len=seq_len,
         checkpointing=checkpointing,
         gpu_memory_bytes=gpu_memory_bytes,
