@@ -20,12 +20,14 @@ from dataclasses import dataclass
 
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.peak import Moment, PeakEstimate, Term, peak_of
-from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
+from zeroplan.architectures.spec import TransformerSpec, block_prefix, transformer_shapes
 from zeroplan.formulas.sharding import flat_padded_numel, flat_shard_numel
 from zeroplan.formulas.stages import get_stage
 
 MASTER_BYTES = 4  # fp32 master, m, v (validate/runtime.py:Runtime.__init__)
 ADAM_STEP_BYTES = 4  # Adam's fp32 ``step`` tensor (torch/optim/adam.py:_init_group)
+#: the final norm's parameter names (transformers' GPT2Model.ln_f, LlamaModel.norm)
+FINAL_NORM_PREFIX = {"gpt": "transformer.ln_f.", "llama": "model.norm."}
 
 
 @dataclass(frozen=True)
@@ -192,14 +194,16 @@ def _packing(run: ReferenceRun, model: Term, nbytes: int, what: str, held: tuple
 def forward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     """Last block in flight, the head, and the loss (validate/models.py:GPT.forward, GPT.loss)."""
     acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
-    base = (*_states(run), batch(run), _act("embedding saved (position ids)", acts.embed_saved))
+    base = (*_states(run), batch(run), _act("embedding saved (position ids; RoPE cos, sin)", acts.embed_saved),
+            _act("sliding-window mask (bool)", acts.mask))  # fmt: skip
     if run.checkpointing == "none":
         last = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
     else:
         last = (_blocks_saved(run, L - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
     head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
+    # CausalLM.loss: ``self(tokens).float()`` frees the 16-bit logits as soon as the fp32 copy exists
     loss = (
-        *head,
+        *head[:-1],
         _act("fp32 logits (loss upcast)", acts.logits_fp32),
         _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
         _act("loss", acts.loss),
@@ -215,8 +219,9 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     """Loss backward, the last block's backward, its gradient pack (stages 2-3), the embeddings."""
     acts, blk, L, a = run.acts, run.acts.block, run.acts.n_layer, run.param_bytes
     n_d = acts.embed_out  # one N·d activation (or its gradient)
-    base = (*_states(run), batch(run), _act("embedding saved (position ids)", acts.embed_saved),
-            _act("loss", acts.loss))  # fmt: skip
+    base = (*_states(run), batch(run), _act("embedding saved (position ids; RoPE cos, sin)", acts.embed_saved),
+            _act("loss", acts.loss), _act("sliding-window mask held by the checkpoints (bool)",
+                                          acts.mask if run.checkpointing == "full" else 0))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     out = [
         Moment("backward", "cross-entropy backward", (*base, *saved_all,
@@ -241,7 +246,7 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     if run.checkpointing == "none":
         inflight = (_blocks_saved(run, L),)
     else:
-        inflight = (_blocks_saved(run, L), _act("recomputed block's saved activations", blk.saved - blk.ckpt_saved))
+        inflight = (_blocks_saved(run, L), _act("recomputed block's saved activations", blk.recomputed))
     ws = max(blk.backward_first_op, blk.backward_act_grads + (blk.first_weight_grads if kept else 0))
     out.append(Moment("backward", "last block backward", (*base, *inflight, dy, kept_root,
                       _act("block backward working set", ws), *_gathered(run, 0, L))))  # fmt: skip
@@ -256,6 +261,8 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     if kept:
         out.append(Moment("backward", "last block's gradients packed", (
             *base, _blocks_saved(run, L - 1), dy, kept_root,
+            _act("first op's saved tensors still pending", blk.pending_at_last_grad
+                 + (blk.held_input_pending if run.checkpointing == "full" else 0)),
             Term("block gradients (autograd)", block * a, "validate/stage2.py:Stage2.unit_grads_ready"),
             Term("block pack buffer", _full(run, run.units[-1]) * a, "validate/stage2.py:Stage2.unit_grads_ready"),
             *_gathered(run, 0, L))))  # fmt: skip
@@ -298,15 +305,15 @@ def reference_run(
     stat_bytes: int = 2,
 ) -> ReferenceRun:
     """The run of ``spec`` as ``validate/models.py`` builds it: units and sizes from ``transformer_shapes``."""
-    shapes = transformer_shapes(spec)
-    root = tuple(math.prod(s) for n, s in shapes if not n.startswith("blocks."))
+    shapes, prefix = transformer_shapes(spec), block_prefix(spec)
+    root = tuple(math.prod(s) for n, s in shapes if not n.startswith(prefix))
     blocks = tuple(
-        tuple(math.prod(s) for n, s in shapes if n.startswith(f"blocks.{i}.")) for i in range(spec.n_layer)
+        tuple(math.prod(s) for n, s in shapes if n.startswith(f"{prefix}{i}.")) for i in range(spec.n_layer)
     )
-    final_norm = sum(math.prod(s) for n, s in shapes if n.startswith("ln_f."))
+    final_norm = sum(math.prod(s) for n, s in shapes if n.startswith(FINAL_NORM_PREFIX[spec.style]))
     acts = model_activations(spec, micro_batch, seq_len, stat_bytes=stat_bytes)
     return ReferenceRun((root, *blocks), spec.vocab_size * spec.d_model, final_norm, nd, stage, acts,
-                        checkpointing, foreach, tied_head=spec.style == "gpt")  # fmt: skip
+                        checkpointing, foreach, tied_head=spec.tied)  # fmt: skip
 
 
 def predict_peak(run: ReferenceRun, block_bytes: int = 1, allocator_overhead_bytes: int = 0) -> PeakEstimate:

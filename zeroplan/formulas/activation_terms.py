@@ -50,6 +50,8 @@ class BlockActivations:
     gradients and the first op's weight gradients alive when the block's last linear runs backward
     (beyond ``saved`` and the incoming gradient); ``first_weight_grads``: those weight gradients alone;
     ``backward_act_grads``: the largest activation-gradient working set later in the block's backward.
+    Checkpointed forward (no grad): ``ckpt_forward_peak`` is derived op by op from the block's Python
+    (validate/transformer.py): which locals and call arguments are alive at each op.
     """
 
     saved: int
@@ -59,6 +61,15 @@ class BlockActivations:
     backward_first_op: int
     first_weight_grads: int
     backward_act_grads: int
+    recomputed: int = 0
+    """under full checkpointing, what the recompute adds in backward beside the held input."""
+    pending_at_last_grad: int = 0
+    """alive in the block's first op when its last weight gradient is ready (its unit is then packed):
+    RMSNorm's weight gradient comes from its last product, before pow and rsqrt give back their saved
+    fp32 copy and rsqrt, with d(normalised) in flight; LayerNorm's backward is one node (0)."""
+    held_input_pending: int = 0
+    """under full checkpointing, the block input the checkpoint still holds at that moment (its frame
+    lives while a recomputed tensor is unpacked: Llama's pending RMSNorm nodes; GPT's LN1 has run)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,8 @@ class ModelActivations:
     n_layer: int
     embed_saved: int  # saved by the embeddings (position ids; the token ids are the batch's)
     embed_out: int  # the embedding sum: block 0's input
+    mask: int  # the bool sliding-window mask (Mistral, s > window): live through forward, and under full
+    # checkpointing through backward too (every checkpointed block holds it as an input)
     final_saved: int  # final norm's saved tensors and its output (the head's input)
     logits: int  # the head's output, activation dtype, N·V·a
     logits_fp32: int  # the loss's fp32 upcast, N·V·4 (freed after cross-entropy)
@@ -84,47 +97,111 @@ class ModelActivations:
     def saved_total(self, checkpointing: str) -> int:
         """What autograd holds when forward ends, before the loss is reduced (derivation above)."""
         per_block = self.block.saved if checkpointing == "none" else self.block.ckpt_saved
+        held = self.mask if checkpointing == "full" else 0
         return (
-            self.embed_saved + self.n_layer * per_block + self.final_saved + self.log_softmax + SAVED_LOSS_BYTES
-        )
+            self.embed_saved + held + self.n_layer * per_block + self.final_saved + self.log_softmax
+            + SAVED_LOSS_BYTES
+        )  # fmt: skip
 
 
-def _gpt_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, st: int, gelu: str) -> BlockActivations:
-    """GPT block (validate/models.py:Block.forward; transformers GPT2Block with dropout 0)."""
-    d, kv, f, h = spec.d_model, spec.kv_dim, spec.ffn, spec.n_head
+#: N·f tensors an activation function keeps for its own backward besides its output (which the next op,
+#: GPT-2's c_proj or Llama's gate product, saves anyway): derivatives.yaml per op.
+#: ``gelu`` / ``gelu_pytorch_tanh`` / ``silu`` / ``swish``: one fused op, saves its input.
+#: ``relu``: saves its result, which is the output: nothing more.
+#: ``gelu_new`` (transformers' NewGELUActivation, 0.5·x·(1 + tanh(c·(x + 0.044715·x³)))): pow saves x,
+#: tanh its result, the last product both factors 0.5·x and 1 + tanh: four.
+ACT_KEPT: dict[str, int] = {"gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "swish": 1, "relu": 0, "gelu_new": 4}
+#: N·f tensors alive at once while the activation runs without grad (its input included): a fused op
+#: holds its input and output; gelu_new's ``0.5 * x * (1.0 + tanh(...))`` holds x, 0.5·x, 1 + tanh and
+#: the product at its last op (each intermediate is freed as soon as the next op has consumed it).
+ACT_NOGRAD_PEAK: dict[str, int] = {"gelu": 2, "gelu_pytorch_tanh": 2, "silu": 2, "swish": 2, "relu": 2, "gelu_new": 4}
+
+
+def _gpt_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, st: int) -> BlockActivations:
+    """GPT2Block as validate/transformer.py (and transformers, dropout 0, SDPA) computes it."""
+    d, f, h = spec.d_model, spec.ffn, spec.n_head
     lse = b * h * s * 4  # SDPA (flash, CPU or CUDA) keeps the fp32 logsumexp per query and head
-    gelu_extra = 3 * n * f * a if gelu == "tanh_python" else 0  # 0.5x, tanh(u), 1 + tanh(u)
-    # x, LN1 out, qkv, SDPA out, x1, LN2 out (N·d each; qkv N·(d+2kv)) + fc out, GELU out (N·f)
-    saved = n * a * (6 * d + 2 * kv + 2 * f) + 4 * n * st + lse + gelu_extra
-    # in the checkpointed (no-grad) forward, Block.forward's locals q, k, v (one qkv storage) and y live
-    # to the end; at the GELU: x, qkv, y, x1, fc out, GELU out (LN outputs are freed after their linear)
-    ckpt_peak = n * a * (3 * d + 2 * kv + 2 * f) + n * a * d
+    act = ACT_KEPT[spec.hidden_act]
+    # x, LN1 out, c_attn out (q, k, v are views: N·3d), SDPA out (c_proj's input), x1, LN2 out (N·d
+    # each), the activation's kept tensors and its output (c_proj's input) (N·f each), LN stats
+    saved = n * a * (8 * d + (act + 1) * f) + 4 * n * st + lse
+    # checkpointed (no-grad) forward, beside the block input: GPT2Attention holds LN1 out (its argument),
+    # c_attn out (q, k, v views) and SDPA out while c_proj runs; the MLP holds x1 and LN2 out with the
+    # activation's own peak, then its output and c_proj out; the residual sum holds x1, mlp out, sum
+    ng = max(6 * d, 2 * d + ACT_NOGRAD_PEAK[spec.hidden_act] * f, 3 * d + f)
+    ckpt_peak = n * a * (d + ng)
     return BlockActivations(
         saved=saved,
         forward_extra=2 * n * d * a,  # the MLP's projection and the block output x + mlp(x)
         ckpt_forward_peak=ckpt_peak,
         ckpt_saved=n * d * a,
-        backward_first_op=n * f * a + (d * f + d) * a,  # mlp.proj backward: dGELU-out, dW, db
+        backward_first_op=n * f * a + (d * f + d) * a,  # mlp.c_proj backward: d(act out), dW, db
         first_weight_grads=(d * f + d) * a,
-        backward_act_grads=n * f * a,  # GELU backward: dGELU-out and dfc-out live, GELU out freed
+        backward_act_grads=n * f * a,  # the activation's backward: d(act out) and d(c_fc out) live
+        recomputed=saved - n * d * a,  # LN1 saves the block input itself: the held input is one of them
     )
 
 
+def _llama_attention_saved(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> int:
+    """q and k after RoPE, v, SDPA's output (o_proj's input) and logsumexp; the mask where one is used.
+
+    ``validate/transformer.py:_attend`` (transformers' sdpa_attention_forward): with grouped-query heads
+    and no mask SDPA gets ``enable_gqa`` (k, v stay kv wide); with a mask (Mistral's sliding window,
+    sequences longer than the window) or head_dim > 256, k and v are ``repeat_interleave``d to the
+    query heads, and SDPA saves the repeated copies and the mask converted to the activation dtype.
+    """
+    q, kv, h = spec.q_dim, spec.kv_dim, spec.n_head
+    masked = spec.sliding_window is not None and s > spec.sliding_window
+    repeated = spec.n_kv_head < h and (masked or spec.head_dim > 256)
+    k_v = q if repeated else kv
+    return n * a * (2 * q + 2 * k_v) + b * h * s * 4 + (s * s * a if masked else 0)
+
+
+def _llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
+    """Bytes a LlamaDecoderLayer holds beside its input at its peak without grad (checkpointed forward).
+
+    Op by op in validate/transformer.py (transformers' order): RMSNorm holds its fp32 copy, the squares or
+    the product and the fp32 rsqrt (8·N·d + 4·N); the attention holds the norm output (its argument),
+    q, k, v and RoPE's three temporaries of the projection being rotated (t·cos, rotate_half, ·sin),
+    then SDPA's output (and the repeated k, v and the 16-bit mask where used) beside the rotated q, k and
+    v, then o_proj's output; the residual sum holds x1, the attention output and the sum; the MLP holds
+    x1 and the norm output with the activation's peak or its output, up's and their product, then the
+    product and down's output.
+    """
+    d, f, q, kv = spec.d_model, spec.ffn, spec.q_dim, spec.kv_dim
+    masked = spec.sliding_window is not None and s > spec.sliding_window
+    repeated = spec.n_kv_head < spec.n_head and (masked or spec.head_dim > 256)
+    lse = n * spec.n_head * 4
+    norm = 8 * n * d + 4 * n  # fp32 copy and squares (or product), rsqrt
+    rope_q = n * a * (d + 4 * q + 2 * kv)  # norm out, q, k, v, q·cos, rotate_half(q), ·sin
+    rope_k = n * a * (d + 2 * q + 5 * kv)  # norm out, q, k, v, rotated q, k·cos, rotate_half(k), ·sin
+    sdpa = n * a * (d + 2 * q + 2 * kv + (2 * q if repeated else 0)) + lse + (s * s * a if masked else 0)
+    o_proj = n * a * (2 * d + 2 * q + 2 * kv)  # norm out, rotated q, k, v, SDPA out, o_proj out
+    act = ACT_NOGRAD_PEAK[spec.hidden_act] * f
+    mlp = n * a * (2 * d + max(act, 3 * f, f + d))
+    return max(norm, rope_q, rope_k, sdpa, o_proj, n * a * 3 * d, n * a * d + norm, mlp)
+
+
 def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> BlockActivations:
-    """Llama block as transformers writes it (LlamaDecoderLayer, RMSNorm, RoPE, SDPA with GQA, SwiGLU)."""
-    d, kv, f, h = spec.d_model, spec.kv_dim, spec.ffn, spec.n_head
-    lse = b * h * s * 4
+    """LlamaDecoderLayer as validate/transformer.py (and transformers) computes it: RMSNorm, RoPE, SDPA
+    (GQA), SwiGLU; Mistral and Qwen2 alike (biases change no activation)."""
+    d, f = spec.d_model, spec.ffn
     # RMSNorm: fp32 copy (saved by pow and by the product), rsqrt (N fp32), normalised 16-bit (saved
     # by the weight product) and its output (saved by the next linears)
     rms = n * d * 4 + n * 4 + 2 * n * d * a
-    attn = n * a * (d + 2 * kv) + n * d * a + lse  # q, k after RoPE, v, SDPA out, logsumexp
-    mlp = 4 * n * f * a  # gate out (SiLU's input), up out, SiLU out, their product (down's input)
+    attn = _llama_attention_saved(spec, n, b, s, a)
+    # gate out's kept tensors (SiLU: its input), act out and up out (the product's factors), the product
+    mlp = (ACT_KEPT[spec.hidden_act] + 3) * n * f * a
+    saved = 2 * rms + attn + mlp
     return BlockActivations(
-        saved=2 * rms + attn + mlp,
+        saved=saved,
         # nothing saves the block input or x1: both live beside the last product, down's out, the sum
         forward_extra=4 * n * d * a,
-        ckpt_forward_peak=2 * rms + attn + mlp + 4 * n * d * a,  # derived as upper bound (see docs)
+        ckpt_forward_peak=n * d * a + _llama_nograd_peak(spec, n, s, a),
         ckpt_saved=n * d * a,
+        recomputed=saved,  # nothing in the block saves its input: the held input comes on top
+        pending_at_last_grad=n * d * 4 + n * 4 + n * d * a,
+        held_input_pending=n * d * a,
         backward_first_op=n * f * a + d * f * a,  # down_proj backward: d(product), dW
         first_weight_grads=d * f * a,
         backward_act_grads=2 * n * f * a,  # product backward: dSiLU-out, dup-out beside d(product)
@@ -137,7 +214,6 @@ def model_activations(
     seq_len: int,
     act_bytes: int = 2,
     stat_bytes: int = 2,
-    gelu: Literal["fused", "tanh_python"] = "fused",
 ) -> ModelActivations:
     """Activations of one micro-batch of ``spec`` (derivation in the module docstring)."""
     if micro_batch < 1 or seq_len < 1:
@@ -147,20 +223,21 @@ def model_activations(
     b, s, a = micro_batch, seq_len, act_bytes
     n, d, v = b * s, spec.d_model, spec.vocab_size
     if spec.style == "gpt":
-        block = _gpt_block(spec, n, b, s, a, stat_bytes, gelu)
+        block = _gpt_block(spec, n, b, s, a, stat_bytes)
         embed_saved = s * TOKEN_BYTES  # the position ids (arange), saved by the position embedding
         final_saved = n * d * a + 2 * n * stat_bytes + n * d * a  # ln_f input, mean, rstd; ln_f out
     else:
         block = _llama_block(spec, n, b, s, a)
-        head_dim = d // spec.n_head
-        # position ids, and RoPE's cos and sin (b, s, head_dim) in the activation dtype, shared by blocks
-        embed_saved = s * TOKEN_BYTES + 2 * b * s * head_dim * a
+        # RoPE's cos and sin, (1, s, head_dim) in the activation dtype, saved once for every block's
+        # q·cos and rotate_half(q)·sin (positions are (1, s) as transformers' cache_position makes them)
+        embed_saved = 2 * s * spec.head_dim * a
         final_saved = n * d * 4 + n * 4 + 2 * n * d * a  # final RMSNorm, its output saved by lm_head
     return ModelActivations(
         block=block,
         n_layer=spec.n_layer,
         embed_saved=embed_saved,
         embed_out=n * d * a,
+        mask=s * s if spec.style == "llama" and spec.sliding_window is not None and s > spec.sliding_window else 0,
         final_saved=final_saved,
         logits=n * v * a,
         logits_fp32=n * v * 4,
