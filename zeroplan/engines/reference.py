@@ -49,6 +49,7 @@ class ReferenceRun:
     foreach: bool = False
     param_bytes: int = 2
     tied_head: bool = True  # the head is the token embedding (GPT): its two gradients meet in backward
+    late_grads_numel: int = 0  # a block's parameters whose gradients come before its post-attention norm's input's
 
     def __post_init__(self) -> None:
         get_stage(self.stage)
@@ -194,8 +195,9 @@ def _packing(run: ReferenceRun, model: Term, nbytes: int, what: str, held: tuple
 def forward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     """Last block in flight, the head, and the loss (validate/models.py:GPT.forward, GPT.loss)."""
     acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
-    base = (*_states(run), batch(run), _act("embedding saved (position ids; RoPE cos, sin)", acts.embed_saved),
-            _act("sliding-window mask (bool)", acts.mask))  # fmt: skip
+    base = (*_states(run), batch(run), _act("embedding saved (position ids; RoPE cos, sin)", acts.embed_saved))
+    mask = _act("sliding-window mask (bool)", acts.mask)  # CausalLM.forward's local; checkpoints hold it after
+    held = (mask,) if run.checkpointing == "full" else ()
     if run.checkpointing == "none":
         last = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
     else:
@@ -209,9 +211,9 @@ def forward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
         _act("loss", acts.loss),
     )
     return (
-        Moment("forward", "last block", (*base, *last, *_gathered(run, 0, L))),
-        Moment("forward", "LM head", (*base, *head, *_gathered(run, 0))),
-        Moment("forward", "cross-entropy", (*base, *loss)),
+        Moment("forward", "last block", (*base, mask, *last, *_gathered(run, 0, L))),
+        Moment("forward", "LM head", (*base, mask, *head, *_gathered(run, 0))),
+        Moment("forward", "cross-entropy", (*base, *held, *loss)),
     )
 
 
@@ -247,9 +249,18 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
         inflight = (_blocks_saved(run, L),)
     else:
         inflight = (_blocks_saved(run, L), _act("recomputed block's saved activations", blk.recomputed))
-    ws = max(blk.backward_first_op, blk.backward_act_grads + (blk.first_weight_grads if kept else 0))
+    first = blk.backward_first_op if run.checkpointing == "none" else blk.backward_first_op_recomputed
+    ws = max(first, blk.backward_act_grads + (blk.first_weight_grads if kept else 0))
     out.append(Moment("backward", "last block backward", (*base, *inflight, dy, kept_root,
                       _act("block backward working set", ws), *_gathered(run, 0, L))))  # fmt: skip
+    if blk.norm_backward_ws:  # Llama family: the post-attention RMSNorm's backward, MLP done
+        held_in = blk.ckpt_saved if run.checkpointing == "full" else 0
+        out.append(Moment("backward", "last block's post-attention norm backward", (
+            *base, _blocks_saved(run, L - 1), _act("held block input (checkpoint)", held_in),
+            _act("last block's saved activations left", blk.norm_backward_saved), dy, kept_root,
+            Term("MLP and norm gradients held", run.late_grads_numel * a * kept,
+                 "validate/stage2.py:Stage2.unit_grads_ready"),
+            _act("RMSNorm backward working set", blk.norm_backward_ws), *_gathered(run, 0, L))))  # fmt: skip
     if run.tied_head:  # torch/csrc/autograd/input_buffer.cpp: the two gradients are summed out of place
         others = (root - run.head_numel) * a if kept else 0
         out.append(Moment("backward", "tied embedding's gradients summed", (
@@ -311,9 +322,12 @@ def reference_run(
         tuple(math.prod(s) for n, s in shapes if n.startswith(f"{prefix}{i}.")) for i in range(spec.n_layer)
     )
     final_norm = sum(math.prod(s) for n, s in shapes if n.startswith(FINAL_NORM_PREFIX[spec.style]))
+    last = f"{prefix}{spec.n_layer - 1}."
+    late = sum(math.prod(s) for n, s in shapes
+               if n.startswith(last) and (".mlp." in n or "post_attention_layernorm" in n))  # fmt: skip
     acts = model_activations(spec, micro_batch, seq_len, stat_bytes=stat_bytes)
     return ReferenceRun((root, *blocks), spec.vocab_size * spec.d_model, final_norm, nd, stage, acts,
-                        checkpointing, foreach, tied_head=spec.tied)  # fmt: skip
+                        checkpointing, foreach, tied_head=spec.tied, late_grads_numel=late)  # fmt: skip
 
 
 def predict_peak(run: ReferenceRun, block_bytes: int = 1, allocator_overhead_bytes: int = 0) -> PeakEstimate:

@@ -61,12 +61,22 @@ class BlockActivations:
     backward_first_op: int
     first_weight_grads: int
     backward_act_grads: int
+    backward_first_op_recomputed: int = 0
+    """``backward_first_op`` of a recomputed block (full checkpointing)."""
     recomputed: int = 0
     """under full checkpointing, what the recompute adds in backward beside the held input."""
     pending_at_last_grad: int = 0
     """alive in the block's first op when its last weight gradient is ready (its unit is then packed):
     RMSNorm's weight gradient comes from its last product, before pow and rsqrt give back their saved
     fp32 copy and rsqrt, with d(normalised) in flight; LayerNorm's backward is one node (0)."""
+    norm_backward_saved: int = 0
+    """saved tensors of the block still alive when its post-attention RMSNorm runs backward: the MLP's
+    and that norm's output and normalised copy are released (0: no such moment, GPT's LayerNorm)."""
+    norm_backward_ws: int = 0
+    """RMSNorm's backward working set there (at pow's backward, seen with MemTracker): four fp32 N·d
+    (the gradients through h·rsqrt and through the mean, pow's h^1 and its scaled copy), two 16-bit N·d
+    (the gradient of the norm's output, summed from gate's and up's, and its product with the weight),
+    less the fp32 rsqrt its two nodes have released."""
     held_input_pending: int = 0
     """under full checkpointing, the block input the checkpoint still holds at that moment (its frame
     lives while a recomputed tensor is unpacked: Llama's pending RMSNorm nodes; GPT's LN1 has run)."""
@@ -114,6 +124,11 @@ ACT_KEPT: dict[str, int] = {"gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "swish
 #: N·f tensors alive at once while the activation runs without grad (its input included): a fused op
 #: holds its input and output; gelu_new's ``0.5 * x * (1.0 + tanh(...))`` holds x, 0.5·x, 1 + tanh and
 #: the product at its last op (each intermediate is freed as soon as the next op has consumed it).
+#: N·f bytes the activation's backward adds to the saved set at its peak (its output, saved by the next
+#: op, is freed once that op has run backward): a fused op computes d(input) beside d(output) (+1); relu
+#: keeps its output until its own backward runs (+2); gelu_new's last product returns the gradients of
+#: both factors beside d(output) (+2, measured with saved_tensors and MemTracker).
+ACT_BACKWARD_NET: dict[str, int] = {"gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "swish": 1, "relu": 2, "gelu_new": 2}
 ACT_NOGRAD_PEAK: dict[str, int] = {"gelu": 2, "gelu_pytorch_tanh": 2, "silu": 2, "swish": 2, "relu": 2, "gelu_new": 4}
 
 
@@ -135,9 +150,12 @@ def _gpt_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, st: int) -
         forward_extra=2 * n * d * a,  # the MLP's projection and the block output x + mlp(x)
         ckpt_forward_peak=ckpt_peak,
         ckpt_saved=n * d * a,
-        backward_first_op=n * f * a + (d * f + d) * a,  # mlp.c_proj backward: d(act out), dW, db
+        # mlp.c_proj's addmm backward: d(act out), dW (mm), then the bias gradient (a sum); a recomputed
+        # input is dropped by the checkpoint's unpack once dW has used it, so the bias comes after it
+        backward_first_op=n * f * a + (d * f + d) * a,
+        backward_first_op_recomputed=n * f * a + d * f * a,
         first_weight_grads=(d * f + d) * a,
-        backward_act_grads=n * f * a,  # the activation's backward: d(act out) and d(c_fc out) live
+        backward_act_grads=ACT_BACKWARD_NET[spec.hidden_act] * n * f * a,
         recomputed=saved - n * d * a,  # LN1 saves the block input itself: the held input is one of them
     )
 
@@ -202,7 +220,11 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
         recomputed=saved,  # nothing in the block saves its input: the held input comes on top
         pending_at_last_grad=n * d * 4 + n * 4 + n * d * a,
         held_input_pending=n * d * a,
-        backward_first_op=n * f * a + d * f * a,  # down_proj backward: d(product), dW
+        norm_backward_saved=saved - mlp - 2 * n * d * a,
+        norm_backward_ws=4 * n * d * 4 + 2 * n * d * a - n * 4,
+        # down_proj backward: d(product), dW (and its bias, where the config has one, as at GPT-2)
+        backward_first_op=n * f * a + (d * f + d * spec.mlp_bias) * a,
+        backward_first_op_recomputed=n * f * a + d * f * a,
         first_weight_grads=d * f * a,
         backward_act_grads=2 * n * f * a,  # product backward: dSiLU-out, dup-out beside d(product)
     )
