@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.engines.reference import predict_peak, reference_run
 from zeroplan.formulas.activation_terms import model_activations
 from zeroplan.formulas.peak import PHASES, Moment, Term, peak_of
-from zeroplan.architectures.spec import TransformerSpec
 
 
 def _moments(extra: int = 0) -> list[Moment]:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zeroplan.architectures.spec import TransformerSpec, block_prefix, transformer_shapes
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.peak import Moment, PeakEstimate, Term, peak_of
-from zeroplan.architectures.spec import TransformerSpec, block_prefix, transformer_shapes
 from zeroplan.formulas.sharding import flat_padded_numel, flat_shard_numel
 from zeroplan.formulas.stages import get_stage
 

@@ -6,22 +6,35 @@ input, mean and rstd, GELU its input, SDPA q, k, v, its output and the fp32 logs
 product both factors. Tensors are counted once per storage (q, k, v are views of one qkv output at
 GPT). Korthikanti et al. 2022 (arXiv:2205.05198, eq. 1: 34·sbh + 5·a·s²·b per layer) counts the
 same tensors plus dropout masks and the s×s attention scores; without dropout and with SDPA the
-constant for a fused-GELU GPT block is 32·sbh, and nothing grows with s².
+constant for a fused-GELU GPT block is 32·sbh (56·sbh with gelu_new), and nothing grows
+with s² (Mistral's mask aside).
 
 Symbols: N = b·s tokens, d = d_model, kv = key/value width (n_kv_head·head_dim), f = FFN width,
 h = heads, V = vocabulary; ``a`` = bytes of an activation (the 16-bit dtype) and ``st`` = bytes of
 LayerNorm's mean/rstd (``a`` on CPU, where ``native_layer_norm`` returns them in the input dtype;
 4 on CUDA, which keeps them in fp32).
 
-Two families, as ``validate/models.py`` and ``transformers`` build them:
-- ``gpt``: x → LN → qkv linear → SDPA → proj → +x → LN → fc → GELU → proj → +; learned positions,
-  tied head. GELU is ``fused`` (``F.gelu``: saves its input) or ``tanh_python`` (transformers'
-  ``NewGELUActivation``: 0.5·x, tanh(...) and 1 + tanh(...) are saved too, three more N·f).
-- ``llama`` (Mistral, Qwen2 alike; q/k/v biases change no activation): RMSNorm as transformers
-  writes it (fp32 upcast, pow, mean, rsqrt, two products), separate q/k/v, RoPE (the cos/sin tables
-  once per model), SDPA with grouped-query heads (``enable_gqa``: k, v stay kv wide), SwiGLU MLP
-  (gate, up, SiLU, product), untied head.
-The loss upcasts the logits to fp32 and cross-entropy saves the fp32 log-softmax output (N·V·4).
+Two layouts, as ``validate/transformer.py:CausalLM`` computes them (and transformers 5.24 with
+``attn_implementation="sdpa"`` and dropout 0); checked against MemTracker and saved-tensor hooks for
+every config in tests/data/hf_configs (tests/test_peak.py):
+- ``gpt`` (GPT-2): x → ln_1 → c_attn (Conv1D: addmm; q, k, v are views of its output) → SDPA →
+  c_proj → +x → ln_2 → c_fc → activation → c_proj → +; learned positions (the arange is saved), tied
+  head unless the config unties it. Per block N·a·(8d + (k+1)·f) + 4·N·st + 4·b·h·s, where k is what
+  the configured activation keeps besides its output (``ACT_KEPT``: 1 for a fused op such as ``gelu``,
+  4 for ``gelu_new``, transformers' Python tanh GELU and GPT-2's default, 0 for ``relu``).
+- ``llama`` (Llama, Mistral, Qwen2; biases change no activation): RMSNorm as transformers writes it
+  (fp32 copy, pow, mean, rsqrt, two products), separate q/k/v of q = n_head·head_dim and kv widths,
+  RoPE (cos and sin (1, s, head_dim), once per model), SDPA with grouped-query heads (``enable_gqa``:
+  k, v stay kv wide; with Mistral's sliding-window mask they are repeated to q wide and the mask is
+  saved in the activation dtype), SwiGLU MLP (gate, up, activation, product). Per block
+  2·(4Nd + 4N + 2Nd·a) + N·a·(2q + 2kv') + 4·b·h·s [+ s²·a] + (k+3)·N·f·a.
+The loss upcasts the logits to fp32 (the 16-bit logits are freed at once) and cross-entropy saves the
+fp32 log-softmax output (N·V·4). Under full checkpointing each block keeps its input (N·d·a), and
+the checkpoints hold RoPE's tables and the bool mask as inputs too.
+
+Working sets (what is alive beside the saved tensors at a block's forward or backward peak, and a
+checkpointed block's no-grad forward) are derived op by op from the same Python, with the lifetime of
+its locals and call arguments, and were checked byte for byte with MemTracker (docs/peak.md).
 """
 
 from __future__ import annotations
