@@ -17,6 +17,7 @@ from zeroplan.formulas.collectives import ring_bytes_per_rank
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT, canonical_dtype, dtype_bytes
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.formulas.peak import PHASES as PEAK_PHASES
+from zeroplan.render.table import format_table
 
 RING_OPS = ("all-reduce", "reduce-scatter", "all-gather")
 GLOO_NOTE = (
@@ -253,14 +254,10 @@ def to_table(report: dict) -> str:
                 _size(r["wire_bytes_per_rank"] or 0),
                 "-" if ratio is None else f"{ratio:.3f}x",
             ]
-    widths = [max(len(x[i]) for x in [cols, *lines]) for i in range(len(cols))]
-    fmt = lambda row: "  ".join(
-        c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
-    )
     first = report["rows"][0] if report["rows"] else {}
     dtype = report["config"]["param_dtype"]
     out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), {dtype} params/grads, fp32 master + Adam m, v",
-           fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, lines), ""]  # fmt: skip
+           *format_table([cols, *lines], left=4), ""]  # fmt: skip
     out.append(
         f"states: model states live at the step boundary (measured: every live tensor byte) vs zeroplan; "
         f"err = (measured - predicted) / predicted, tolerance {100 * report['config']['tolerance']:g}%. "
