@@ -5,7 +5,8 @@ can peak and the terms live there; each term names the ``validate/<file>.py:<fun
 allocates it. Stages are read from ``zeroplan.formulas.stages`` (what is sharded), not tested by number.
 
 Conventions of the runtime (``validate/runtime.py``): sharding units are the root (parameters outside
-``model.blocks``) and one unit per block; 16-bit parameters and gradients (``a`` bytes), an fp32
+the decoder layers, ``architectures.spec.block_prefix``: embeddings, final norm, an untied head) and one
+unit per decoder layer; 16-bit parameters and gradients (``a`` bytes), an fp32
 master shard with Adam's m and v (``S`` elements per rank: every tensor padded to a multiple of N_d,
 ``zeroplan.formulas.sharding.flat_shard_numel``; at stage 0 the whole unpadded model). Forward and backward
 phases of every step after the first hold m and v, so a phase's peak (the largest over steps)
@@ -151,7 +152,7 @@ def init_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     """Building the model, the master (``local_flat`` + ``cat``) and the flat buffers (``setup``)."""
     st, a, s = get_stage(run.stage), run.param_bytes, _shard(run)
     psi = _psi(run)
-    model = Term("model parameters as built (before repacking)", psi * a, "validate/models.py:build")
+    model = Term("model parameters as built (before repacking)", psi * a, "validate/models.py:build (CausalLM)")
     parts = Term("master parts (per-unit fp32 shards)", s * MASTER_BYTES, "validate/runtime.py:Runtime.local_flat")
     last_full = _full(run, run.units[-1])
     # stage 0 keeps each unit's full buffer as its part; sharded stages clone the owned slice and keep
@@ -193,7 +194,7 @@ def _packing(run: ReferenceRun, model: Term, nbytes: int, what: str, held: tuple
 
 
 def forward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
-    """Last block in flight, the head, and the loss (validate/models.py:GPT.forward, GPT.loss)."""
+    """Last block in flight, the head, and the loss (validate/transformer.py:CausalLM.forward, .loss)."""
     acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
     base = (*_states(run), batch(run), _act("embedding saved (position ids; RoPE cos, sin)", acts.embed_saved))
     mask = _act("sliding-window mask (bool)", acts.mask)  # CausalLM.forward's local; checkpoints hold it after
@@ -315,7 +316,8 @@ def reference_run(
     foreach: bool = False,
     stat_bytes: int = 2,
 ) -> ReferenceRun:
-    """The run of ``spec`` as ``validate/models.py`` builds it: units and sizes from ``transformer_shapes``."""
+    """The run of ``spec`` as ``validate/transformer.py:CausalLM`` builds it: units (root, then each decoder
+    layer by ``block_prefix``) and sizes from ``transformer_shapes``."""
     shapes, prefix = transformer_shapes(spec), block_prefix(spec)
     root = tuple(math.prod(s) for n, s in shapes if not n.startswith(prefix))
     blocks = tuple(
