@@ -286,3 +286,12 @@ def test_parity_allowances_follow_dtype_ranks_and_steps():
     # more ranks, more roundings; fp16 rounds 8x finer than bf16
     assert parity_tolerance("bf16", 4, 3, 1e-3).grad_rtol > bf16_3.grad_rtol
     assert parity_tolerance("fp16", 2, 3, 1e-3).grad_rtol == pytest.approx(bf16_3.grad_rtol / 8, rel=0.02)
+
+
+def test_the_peak_is_predicted_for_the_default_model():
+    # a run without --model (ValidateConfig.model None: gpt-tiny) once crashed in the report
+    from validate.config import ValidateConfig
+    from validate.report import predicted_peak
+
+    est = predicted_peak(ValidateConfig(), {"world_size": 2, "device": "cpu"}, 0, False)
+    assert est.by_phase() == {k.replace(" ", "_"): v for k, v in MEASURED_PEAKS.items()}
