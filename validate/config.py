@@ -64,6 +64,9 @@ class ValidateConfig(BaseModel):
     batch_per_rank: whole_up_to(MAX_BATCH_PER_RANK) = Field(  # type: ignore[valid-type]
         2, description=f"sequences (or samples) per rank per step, 1-{MAX_BATCH_PER_RANK}"
     )
+    checkpointing: Literal["none", "full"] = Field("none", description="full: every block recomputed in backward")
+    foreach: bool | None = Field(None, description="Adam's foreach path; default: as torch chooses for the device")
+    peak_tolerance: PositiveFinite = Field(0.02, description="largest relative error of any phase's peak still ok")
     seq_len: Count | None = Field(
         None, description="tokens per sequence (transformers only), up to its positions; default: all positions"
     )

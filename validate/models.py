@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from validate.transformer import CausalLM, check_buildable
@@ -94,13 +95,13 @@ def make_batch(spec, n: int, generator: torch.Generator, seq_len: int | None = N
     return torch.randn(n, spec[0], generator=generator), torch.randn(n, spec[-1], generator=generator)
 
 
-def build(spec, dtype: torch.dtype, device, seed: int = 0, checkpointing: bool = False) -> nn.Module:
+def build(spec, dtype: torch.dtype, device, seed: int = 0, checkpointing: str = "none") -> nn.Module:
     """The model of ``spec`` with parameters of ``dtype`` on ``device``, initialised from ``seed``;
-    ``checkpointing``: recompute each transformer block in backward (torch.utils.checkpoint)."""
+    ``checkpointing="full"``: recompute each transformer block in backward (torch.utils.checkpoint)."""
     torch.manual_seed(seed)
     kw = {"dtype": dtype, "device": device}
     if isinstance(spec, TransformerSpec):
-        return CausalLM(spec, checkpointing=checkpointing, **kw)
+        return CausalLM(spec, checkpointing=checkpointing == "full", **kw)
     return MLP(spec, **kw)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-PHASES = ("forward", "backward", "optimizer step")
+PHASES = ("init", "forward", "backward", "optimizer step")
 
 # c10d op -> (collective, index of the argument holding the full-size tensor(s))
 C10D_OPS = {
@@ -178,7 +178,7 @@ class MemoryProbe:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             else:
-                if name == PHASES[0]:  # its per-module stats refuse a second forward otherwise
+                if name == "forward":  # its per-module stats refuse a second forward otherwise
                     self.tracker.reset_mod_stats()
                 _reset_tracker_peak(self.tracker)
 

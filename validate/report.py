@@ -11,9 +11,13 @@ from validate.config import ValidateConfig
 from validate.models import expected_shapes, spec_for
 from validate.schema import SCHEMA, ReportRow, ValidationReport
 from zeroplan import estimate
-from zeroplan.architectures.spec import numels
+from zeroplan.architectures.spec import TransformerSpec, numels
+from zeroplan.engines.reference import predict_peak, reference_run
 from zeroplan.formulas.collectives import ring_bytes_per_rank
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT, canonical_dtype, dtype_bytes
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
+from zeroplan.formulas.peak import PHASES as PEAK_PHASES
+from zeroplan.render.table import format_table
 
 RING_OPS = ("all-reduce", "reduce-scatter", "all-gather")
 GLOO_NOTE = (
@@ -58,6 +62,39 @@ def observed_collectives(calls: list[list], nd: int) -> dict[str, dict]:
     return out
 
 
+def predicted_peak(config: ValidateConfig, meta: dict, stage: int, foreach: bool):
+    """The reference profile's peak per phase for this row, or None for models it does not describe."""
+    spec = spec_for(config.model_name, config.params)  # model_name: the default preset when none is given
+    if not isinstance(spec, TransformerSpec):
+        return None
+    cuda = str(meta["device"]).startswith("cuda")
+    seq = config.seq_len or spec.max_seq_len
+    run = reference_run(spec, meta["world_size"], stage, config.batch_per_rank, seq, config.checkpointing,
+                        foreach, stat_bytes=4 if cuda else 2)  # fmt: skip
+    return predict_peak(run, block_bytes=CUDA_BLOCK_BYTES if cuda else 1)
+
+
+def peak_rows(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict]) -> dict:
+    """Predicted and measured peak per phase (keys of ``zeroplan.formulas.peak.PHASES``) and the largest error."""
+    measured = {p.replace(" ", "_"): max(r["peak_bytes_by_phase"][p] for r in rank_rows)
+                for p in rank_rows[0]["peak_bytes_by_phase"]}  # fmt: skip
+    foreach = rank_rows[0].get("foreach", config.foreach)  # rows of older workers lack it
+    estimate_ = predicted_peak(config, meta, stage, bool(foreach))
+    if estimate_ is None:
+        return {"predicted_peak_bytes_by_phase": None, "measured_peak_bytes_by_phase": measured,
+                "peak_rel_error": None, "predicted_peak_terms": None}  # fmt: skip
+    predicted = estimate_.by_phase()
+    errors = {p: (measured[p] - predicted[p]) / measured[p] for p in PEAK_PHASES if measured.get(p)}
+    return {
+        "predicted_peak_bytes_by_phase": predicted,
+        "measured_peak_bytes_by_phase": measured,
+        "peak_rel_error_by_phase": errors,
+        "peak_rel_error": max(errors.values(), key=abs),
+        "predicted_peak_phase": estimate_.peak_phase,
+        "predicted_peak_terms": [{"name": t.name, "bytes": t.bytes, "source": t.source} for t in estimate_.peak_terms],
+    }
+
+
 def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict]) -> dict:
     """The JSON row of one stage at one world size, from every rank's measurements."""
     nd = meta["world_size"]
@@ -84,12 +121,15 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
     peaks = {
         p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in rank_rows[0]["peak_bytes_by_phase"]
     }
+    peak = peak_rows(config, meta, stage, rank_rows)
     parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
     parity_ok = all(p["ok"] for p in parities) if parities else None
     checks = {
         "model_states_within_tolerance": abs(states_err) <= config.tolerance,
         "model_states_steady": steady,
         "collectives_match": collectives_match,
+        "peak_within_tolerance": None if peak["peak_rel_error"] is None
+        else abs(peak["peak_rel_error"]) <= config.peak_tolerance,
         "parity": parity_ok,
     }
     return ReportRow.model_validate({
@@ -128,7 +168,11 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         # every call rank 0 issued in the last step, in order: [op, phase, dtype, elements]
         "observed_calls_last_step": rank_rows[0]["calls_by_step"][-1],
         "measured_peak_bytes": max(peaks.values()),
-        "measured_peak_bytes_by_phase": peaks,
+        **peak,
+        "checkpointing": config.checkpointing,
+        "seq_len": config.seq_len,
+        "micro_batch": config.batch_per_rank,
+        "foreach": rank_rows[0].get("foreach"),
         # the rank furthest from the reference (a failing rank if any)
         "parity": min(parities, key=lambda p: (p["ok"], -p["param_mean_abs_diff"])) if parities else None,
         "seconds": max(r["seconds"] for r in rank_rows),
@@ -184,8 +228,8 @@ def _pct(x: float) -> str:
 def to_table(report: dict) -> str:
     """Predicted vs measured per row, with relative errors."""
     cols = ["stage", "N_d", "mode", "backend", "states pred", "states meas", "err", "coll elems pred",
-            "coll elems meas", "err", "comm/rank pred", "comm/rank derived", "peak fwd", "peak bwd",
-            "peak opt", "parity", "ok"]  # fmt: skip
+            "coll elems meas", "err", "comm/rank pred", "comm/rank derived", "peak init", "peak fwd",
+            "peak bwd", "peak opt", "peak err", "parity", "ok"]  # fmt: skip
     wire = any(r.get("wire_bytes_per_rank") is not None for r in report["rows"])
     if wire:
         cols[-2:-2] = ["wire/rank", "wire/derived"]
@@ -200,7 +244,8 @@ def to_table(report: dict) -> str:
             f"{r['predicted_collective_elements']:,}", f"{r['measured_collective_elements']:,}",
             _pct(r["collective_elements_rel_error"]),
             _size(r["predicted_comm_bytes_per_rank"]), _size(r["derived_comm_bytes_per_rank"]),
-            _size(p["forward"]), _size(p["backward"]), _size(p["optimizer step"]),
+            _size(p["init"]), _size(p["forward"]), _size(p["backward"]), _size(p["optimizer_step"]),
+            "-" if r["peak_rel_error"] is None else _pct(r["peak_rel_error"]),
             parity, "yes" if r["ok"] else "NO",
         ])  # fmt: skip
         if wire:
@@ -209,14 +254,10 @@ def to_table(report: dict) -> str:
                 _size(r["wire_bytes_per_rank"] or 0),
                 "-" if ratio is None else f"{ratio:.3f}x",
             ]
-    widths = [max(len(x[i]) for x in [cols, *lines]) for i in range(len(cols))]
-    fmt = lambda row: "  ".join(
-        c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
-    )
     first = report["rows"][0] if report["rows"] else {}
     dtype = report["config"]["param_dtype"]
     out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), {dtype} params/grads, fp32 master + Adam m, v",
-           fmt(cols), fmt(["-" * w for w in widths]), *map(fmt, lines), ""]  # fmt: skip
+           *format_table([cols, *lines], left=4), ""]  # fmt: skip
     out.append(
         f"states: model states live at the step boundary (measured: every live tensor byte) vs zeroplan; "
         f"err = (measured - predicted) / predicted, tolerance {100 * report['config']['tolerance']:g}%. "
@@ -224,7 +265,8 @@ def to_table(report: dict) -> str:
         "must equal the prediction per collective, phase and dtype, at every step). "
         "comm/rank: bytes one rank sends per step; derived = the ring rule applied to each observed call "
         "(a formula on the measurement, not a measurement: --wire measures bytes). "
-        "peak: largest live bytes within each phase (reported, not predicted)."
+        "peak: largest live bytes measured within each phase; peak err: largest (measured - predicted) / "
+        f"measured over the phases (zeroplan.engines.reference), tolerance {100 * report['config']['peak_tolerance']:g}%."
     )
     if wire:
         out.append(

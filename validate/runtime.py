@@ -3,9 +3,8 @@
 A step is ``loss = runtime.model.loss(batch)``, ``runtime.backward(loss)``, ``runtime.step()``.
 Mixed precision as in the ZeRO paper (section 3.1): 16-bit parameters and gradients, an fp32 master copy
 with Adam's m and v on the rank's shard. The master shard is one flat fp32 tensor (every unit's owned
-slice end to end), so Adam keeps one ``step`` scalar; ``foreach=True`` is explicit because the
-per-tensor loop and the foreach path allocate different temporaries, and the peak must not depend on
-torch's default. Subclasses (``stage0.py`` ... ``stage3.py``) decide where gradients and parameters live
+slice end to end), so Adam keeps one ``step`` scalar; ``foreach`` is recorded (``self.foreach``) because
+the per-tensor loop and the foreach path allocate different temporaries, which the peak model predicts. Subclasses (``stage0.py`` ... ``stage3.py``) decide where gradients and parameters live
 and which collectives move them.
 """
 
@@ -32,7 +31,9 @@ class Runtime:
 
     stage: int
 
-    def __init__(self, model: nn.Module, nd: int, rank: int, lr: float = 1e-3) -> None:
+    def __init__(
+        self, model: nn.Module, nd: int, rank: int, lr: float = 1e-3, foreach: bool | None = None
+    ) -> None:
         self.model, self.nd, self.rank = model, nd, rank
         self.units = split_units(model)
         first = self.units[0][1][0]
@@ -44,7 +45,12 @@ class Runtime:
         with torch.no_grad():
             self.master = nn.Parameter(self.local_flat([ps for _, ps in self.units], torch.float32))
             self.setup()
-        self.optimizer = torch.optim.Adam([self.master], lr=lr, foreach=True)
+        if foreach is None:  # torch's own default for these tensors (foreach on CUDA, per-tensor on CPU)
+            from torch.optim.optimizer import _default_to_fused_or_foreach
+
+            foreach = _default_to_fused_or_foreach([self.master], differentiable=False, use_fused=False)[1]
+        self.foreach = foreach
+        self.optimizer = torch.optim.Adam([self.master], lr=lr, foreach=foreach)
         self._pending: list[int] = []
         for u, (_, ps) in enumerate(self.units):
             for p in ps:

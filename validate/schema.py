@@ -76,6 +76,9 @@ class Checks(BaseModel):
     collectives_match: bool = Field(
         description="observed elements per (collective, phase, dtype) = prediction, every step and rank"
     )
+    peak_within_tolerance: Optional[bool] = Field(
+        description="largest per-phase |measured - predicted| / measured <= peak_tolerance; None: no peak model"
+    )
     parity: Optional[bool] = Field(description="parity with the single-process reference; None: simulated")
 
 
@@ -118,7 +121,24 @@ class ReportRow(ValidationRow):
         description="rank 0's calls of the last step in order: op, phase, dtype, elements"
     )
     measured_peak_bytes: int
-    measured_peak_bytes_by_phase: dict[str, int]
+    measured_peak_bytes_by_phase: dict[str, int] = Field(
+        description="largest live bytes within each phase (init, forward, backward, optimizer_step), max over ranks"
+    )
+    predicted_peak_bytes_by_phase: Optional[dict[str, int]] = Field(
+        description="the engine profile's peak per phase (zeroplan.engines.reference); None: no peak model"
+    )
+    peak_rel_error_by_phase: Optional[dict[str, float]] = Field(
+        None, description="(measured - predicted) / measured per phase"
+    )
+    peak_rel_error: Optional[float] = Field(description="the largest of peak_rel_error_by_phase, by magnitude")
+    predicted_peak_phase: Optional[str] = Field(None, description="the phase of the predicted peak")
+    predicted_peak_terms: Optional[list[dict[str, Union[str, int]]]] = Field(
+        description="the largest live terms at the predicted peak: name, bytes, source"
+    )
+    checkpointing: Literal["none", "full"]
+    seq_len: Optional[int] = Field(description="tokens per sequence as given (None: the model's positions)")
+    micro_batch: int = Field(description="sequences (samples) per rank per step")
+    foreach: Optional[bool] = Field(description="Adam's foreach path as the runtime ran it")
     parity: Optional[dict[str, Union[bool, int, float, None]]] = Field(
         description="the rank furthest from the reference (a failing one if any); None when simulated"
     )

@@ -19,7 +19,8 @@ class Stage3(Stage2):
       backward; gradients are packed, reduce-scattered into the persistent gradient shard and freed as in
       stage 2, and then the full parameters are freed;
     - optimizer step: Adam on the shard, copied into the 16-bit parameter shard; nothing sent.
-    The root (embeddings, final norm, tied LM head) stays gathered through the whole backward, since the
+    Under activation checkpointing a block's recompute (in backward) finds the unit gathered already and
+    leaves it gathered. The root (embeddings, final norm, tied LM head) stays gathered through the whole backward, since the
     token embedding gets its gradient last; FSDP's root unit behaves the same way.
     """
 
@@ -43,6 +44,8 @@ class Stage3(Stage2):
 
     def _gather(self, u: int) -> None:
         full = self.unit_full[u]
+        if full.untyped_storage().nbytes():  # already gathered: a checkpointed block recomputing
+            return
         full.untyped_storage().resize_(full.numel() * full.element_size())
         # The all-gather writes in place into storage that autograd saved; it restores exactly the
         # values saved, so the version counter is kept (FSDP2 does the same).
@@ -53,6 +56,8 @@ class Stage3(Stage2):
         self.unit_full[u].untyped_storage().resize_(0)
 
     def _after_forward(self, u: int, out: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a checkpointed block's recompute, inside backward:
+            return  # the unit stays gathered for its backward and is freed once its gradients are reduced
         self._free(u)
         if torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(lambda _grad: self._gather(u))

@@ -431,7 +431,14 @@ def validate_cmd(
     simulated: bool = typer.Option(False, "--simulated", help="One process plays rank 0 on a fake group."),
     device: str = typer.Option("auto", help="auto (cuda if present), cpu or cuda."),
     steps: int = typer.Option(3, help="Training steps per stage, 2-1000."),
-    batch_per_rank: int = typer.Option(2, "--batch-per-rank", help="Samples per rank per step, 1-4096."),
+    batch_per_rank: int = typer.Option(
+        2, "--micro-batch", "--batch-per-rank", help="Micro-batch: samples per rank per step, 1-4096."
+    ),
+    checkpointing: str = typer.Option("none", help="Activation checkpointing: none, or full (each block recomputed)."),
+    foreach: Optional[bool] = typer.Option(
+        None, "--foreach/--no-foreach", help="Adam's foreach path (default: torch's choice for the device)."
+    ),
+    peak_tolerance: float = typer.Option(0.02, help="Largest relative error of any phase's peak still ok."),
     seq_len: Optional[int] = typer.Option(
         None, "--seq-len", help="Tokens per sample (GPT only; at most the model's positions; default: all)."
     ),
@@ -475,6 +482,9 @@ def validate_cmd(
         seq_len=seq_len,
         param_dtype=param_dtype,
         tolerance=tolerance,
+        checkpointing=checkpointing,
+        foreach=foreach,
+        peak_tolerance=peak_tolerance,
         timeout_s=timeout,
         wire=wire,
         nnodes=nnodes,

@@ -1,0 +1,282 @@
+"""Activation bytes of one micro-batch, derived per op for decoder-only transformers (no dropout, SDPA).
+
+Each block's forward is a short list of ops; what an op saves for backward is what its autograd
+formula (``tools/autograd/derivatives.yaml`` in PyTorch) keeps: a linear its input, LayerNorm its
+input, mean and rstd, GELU its input, SDPA q, k, v, its output and the fp32 logsumexp, an elementwise
+product both factors. Tensors are counted once per storage (q, k, v are views of one qkv output at
+GPT). Korthikanti et al. 2022 (arXiv:2205.05198, eq. 1: 34·sbh + 5·a·s²·b per layer) counts the
+same tensors plus dropout masks and the s×s attention scores; without dropout and with SDPA the
+constant for a fused-GELU GPT block is 32·sbh (56·sbh with gelu_new), and nothing grows
+with s² (Mistral's mask aside).
+
+Symbols: N = b·s tokens, d = d_model, kv = key/value width (n_kv_head·head_dim), f = FFN width,
+h = heads, V = vocabulary; ``a`` = bytes of an activation (the 16-bit dtype) and ``st`` = bytes of
+LayerNorm's mean/rstd (``a`` on CPU, where ``native_layer_norm`` returns them in the input dtype;
+4 on CUDA, which keeps them in fp32).
+
+Two layouts, as ``validate/transformer.py:CausalLM`` computes them (and transformers 5.24 with
+``attn_implementation="sdpa"`` and dropout 0); checked against MemTracker and saved-tensor hooks for
+every config in tests/data/hf_configs (tests/test_peak.py):
+- ``gpt`` (GPT-2): x → ln_1 → c_attn (Conv1D: addmm; q, k, v are views of its output) → SDPA →
+  c_proj → +x → ln_2 → c_fc → activation → c_proj → +; learned positions (the arange is saved), tied
+  head unless the config unties it. Per block N·a·(8d + (k+1)·f) + 4·N·st + 4·b·h·s, where k is what
+  the configured activation keeps besides its output (``ACT_KEPT``: 1 for a fused op such as ``gelu``,
+  4 for ``gelu_new``, transformers' Python tanh GELU and GPT-2's default, 0 for ``relu``).
+- ``llama`` (Llama, Mistral, Qwen2; biases change no activation): RMSNorm as transformers writes it
+  (fp32 copy, pow, mean, rsqrt, two products), separate q/k/v of q = n_head·head_dim and kv widths,
+  RoPE (cos and sin (1, s, head_dim), once per model), SDPA with grouped-query heads (``enable_gqa``:
+  k, v stay kv wide; with Mistral's sliding-window mask they are repeated to q wide and the mask is
+  saved in the activation dtype), SwiGLU MLP (gate, up, activation, product). Per block
+  2·(4Nd + 4N + 2Nd·a) + N·a·(2q + 2kv') + 4·b·h·s [+ s²·a] + (k+3)·N·f·a.
+The loss upcasts the logits to fp32 (the 16-bit logits are freed at once) and cross-entropy saves the
+fp32 log-softmax output (N·V·4). Under full checkpointing each block keeps its input (N·d·a), and
+the checkpoints hold RoPE's tables and the bool mask as inputs too.
+
+Working sets (what is alive beside the saved tensors at a block's forward or backward peak, and a
+checkpointed block's no-grad forward) are derived op by op from the same Python, with the lifetime of
+its locals and call arguments, and were checked byte for byte with MemTracker (docs/peak.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from zeroplan.architectures.spec import TransformerSpec
+
+TOKEN_BYTES = 8  # int64 token ids and targets, as the embedding and nll_loss take them
+LOSS_BYTES = 8  # nll_loss returns the fp32 loss and its total_weight (saved for backward), both live
+SAVED_LOSS_BYTES = 4  # of which cross-entropy saves total_weight
+Checkpointing = Literal["none", "full"]
+CHECKPOINTING_MODES: tuple[str, ...] = ("none", "full")
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """One transformer block of one micro-batch, in bytes.
+
+    ``saved``: what autograd keeps for the block's backward (checkpointing none), its input included
+    where an op saves it. ``forward_extra``: tensors alive beside ``saved`` at the block's forward peak
+    (its output and the last op's output, plus the input where nothing saves it). ``ckpt_forward_peak``:
+    everything the block holds at its peak when it runs without saving (checkpointed forward).
+    ``ckpt_saved``: what the checkpoint keeps (the block input). ``backward_first_op``: activation
+    gradients and the first op's weight gradients alive when the block's last linear runs backward
+    (beyond ``saved`` and the incoming gradient); ``first_weight_grads``: those weight gradients alone;
+    ``backward_act_grads``: the largest activation-gradient working set later in the block's backward.
+    Checkpointed forward (no grad): ``ckpt_forward_peak`` is derived op by op from the block's Python
+    (validate/transformer.py): which locals and call arguments are alive at each op.
+    """
+
+    saved: int
+    forward_extra: int
+    ckpt_forward_peak: int
+    ckpt_saved: int
+    backward_first_op: int
+    first_weight_grads: int
+    backward_act_grads: int
+    backward_first_op_recomputed: int = 0
+    """``backward_first_op`` of a recomputed block (full checkpointing)."""
+    recomputed: int = 0
+    """under full checkpointing, what the recompute adds in backward beside the held input."""
+    pending_at_last_grad: int = 0
+    """alive in the block's first op when its last weight gradient is ready (its unit is then packed):
+    RMSNorm's weight gradient comes from its last product, before pow and rsqrt give back their saved
+    fp32 copy and rsqrt, with d(normalised) in flight; LayerNorm's backward is one node (0)."""
+    norm_backward_saved: int = 0
+    """saved tensors of the block still alive when its post-attention RMSNorm runs backward: the MLP's
+    and that norm's output and normalised copy are released (0: no such moment, GPT's LayerNorm)."""
+    norm_backward_ws: int = 0
+    """RMSNorm's backward working set there (at pow's backward, seen with MemTracker): four fp32 N·d
+    (the gradients through h·rsqrt and through the mean, pow's h^1 and its scaled copy), two 16-bit N·d
+    (the gradient of the norm's output, summed from gate's and up's, and its product with the weight),
+    less the fp32 rsqrt its two nodes have released."""
+    held_input_pending: int = 0
+    """under full checkpointing, the block input the checkpoint still holds at that moment (its frame
+    lives while a recomputed tensor is unpacked: Llama's pending RMSNorm nodes; GPT's LN1 has run)."""
+
+
+@dataclass(frozen=True)
+class ModelActivations:
+    """A whole micro-batch: blocks, embeddings, final norm, head and loss (bytes)."""
+
+    block: BlockActivations
+    n_layer: int
+    embed_saved: int  # saved by the embeddings (position ids; the token ids are the batch's)
+    embed_out: int  # the embedding sum: block 0's input
+    mask: int  # the bool sliding-window mask (Mistral, s > window): live through forward, and under full
+    # checkpointing through backward too (every checkpointed block holds it as an input)
+    final_saved: int  # final norm's saved tensors and its output (the head's input)
+    logits: int  # the head's output, activation dtype, N·V·a
+    logits_fp32: int  # the loss's fp32 upcast, N·V·4 (freed after cross-entropy)
+    log_softmax: int  # saved by cross-entropy: fp32 log-probabilities, N·V·4
+    batch: int  # token ids and targets, int64
+    loss: int
+
+    @property
+    def blocks_saved(self) -> int:
+        """Every block's saved activations (checkpointing none)."""
+        return self.n_layer * self.block.saved
+
+    def saved_total(self, checkpointing: str) -> int:
+        """What autograd holds when forward ends, before the loss is reduced (derivation above)."""
+        per_block = self.block.saved if checkpointing == "none" else self.block.ckpt_saved
+        held = self.mask if checkpointing == "full" else 0
+        return (
+            self.embed_saved + held + self.n_layer * per_block + self.final_saved + self.log_softmax
+            + SAVED_LOSS_BYTES
+        )  # fmt: skip
+
+
+#: N·f tensors an activation function keeps for its own backward besides its output (which the next op,
+#: GPT-2's c_proj or Llama's gate product, saves anyway): derivatives.yaml per op.
+#: ``gelu`` / ``gelu_pytorch_tanh`` / ``silu`` / ``swish``: one fused op, saves its input.
+#: ``relu``: saves its result, which is the output: nothing more.
+#: ``gelu_new`` (transformers' NewGELUActivation, 0.5·x·(1 + tanh(c·(x + 0.044715·x³)))): pow saves x,
+#: tanh its result, the last product both factors 0.5·x and 1 + tanh: four.
+ACT_KEPT: dict[str, int] = {"gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "swish": 1, "relu": 0, "gelu_new": 4}
+#: N·f tensors alive at once while the activation runs without grad (its input included): a fused op
+#: holds its input and output; gelu_new's ``0.5 * x * (1.0 + tanh(...))`` holds x, 0.5·x, 1 + tanh and
+#: the product at its last op (each intermediate is freed as soon as the next op has consumed it).
+#: N·f bytes the activation's backward adds to the saved set at its peak (its output, saved by the next
+#: op, is freed once that op has run backward): a fused op computes d(input) beside d(output) (+1); relu
+#: keeps its output until its own backward runs (+2); gelu_new's last product returns the gradients of
+#: both factors beside d(output) (+2, measured with saved_tensors and MemTracker).
+ACT_BACKWARD_NET: dict[str, int] = {"gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "swish": 1, "relu": 2, "gelu_new": 2}
+ACT_NOGRAD_PEAK: dict[str, int] = {"gelu": 2, "gelu_pytorch_tanh": 2, "silu": 2, "swish": 2, "relu": 2, "gelu_new": 4}
+
+
+def _gpt_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, st: int) -> BlockActivations:
+    """GPT2Block as validate/transformer.py (and transformers, dropout 0, SDPA) computes it."""
+    d, f, h = spec.d_model, spec.ffn, spec.n_head
+    lse = b * h * s * 4  # SDPA (flash, CPU or CUDA) keeps the fp32 logsumexp per query and head
+    act = ACT_KEPT[spec.hidden_act]
+    # x, LN1 out, c_attn out (q, k, v are views: N·3d), SDPA out (c_proj's input), x1, LN2 out (N·d
+    # each), the activation's kept tensors and its output (c_proj's input) (N·f each), LN stats
+    saved = n * a * (8 * d + (act + 1) * f) + 4 * n * st + lse
+    # checkpointed (no-grad) forward, beside the block input: GPT2Attention holds LN1 out (its argument),
+    # c_attn out (q, k, v views) and SDPA out while c_proj runs; the MLP holds x1 and LN2 out with the
+    # activation's own peak, then its output and c_proj out; the residual sum holds x1, mlp out, sum
+    ng = max(6 * d, 2 * d + ACT_NOGRAD_PEAK[spec.hidden_act] * f, 3 * d + f)
+    ckpt_peak = n * a * (d + ng)
+    return BlockActivations(
+        saved=saved,
+        forward_extra=2 * n * d * a,  # the MLP's projection and the block output x + mlp(x)
+        ckpt_forward_peak=ckpt_peak,
+        ckpt_saved=n * d * a,
+        # mlp.c_proj's addmm backward: d(act out), dW (mm), then the bias gradient (a sum); a recomputed
+        # input is dropped by the checkpoint's unpack once dW has used it, so the bias comes after it
+        backward_first_op=n * f * a + (d * f + d) * a,
+        backward_first_op_recomputed=n * f * a + d * f * a,
+        first_weight_grads=(d * f + d) * a,
+        backward_act_grads=ACT_BACKWARD_NET[spec.hidden_act] * n * f * a,
+        recomputed=saved - n * d * a,  # LN1 saves the block input itself: the held input is one of them
+    )
+
+
+def _llama_attention_saved(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> int:
+    """q and k after RoPE, v, SDPA's output (o_proj's input) and logsumexp; the mask where one is used.
+
+    ``validate/transformer.py:_attend`` (transformers' sdpa_attention_forward): with grouped-query heads
+    and no mask SDPA gets ``enable_gqa`` (k, v stay kv wide); with a mask (Mistral's sliding window,
+    sequences longer than the window) or head_dim > 256, k and v are ``repeat_interleave``d to the
+    query heads, and SDPA saves the repeated copies and the mask converted to the activation dtype.
+    """
+    q, kv, h = spec.q_dim, spec.kv_dim, spec.n_head
+    masked = spec.sliding_window is not None and s > spec.sliding_window
+    repeated = spec.n_kv_head < h and (masked or spec.head_dim > 256)
+    k_v = q if repeated else kv
+    return n * a * (2 * q + 2 * k_v) + b * h * s * 4 + (s * s * a if masked else 0)
+
+
+def _llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
+    """Bytes a LlamaDecoderLayer holds beside its input at its peak without grad (checkpointed forward).
+
+    Op by op in validate/transformer.py (transformers' order): RMSNorm holds its fp32 copy, the squares or
+    the product and the fp32 rsqrt (8·N·d + 4·N); the attention holds the norm output (its argument),
+    q, k, v and RoPE's three temporaries of the projection being rotated (t·cos, rotate_half, ·sin),
+    then SDPA's output (and the repeated k, v and the 16-bit mask where used) beside the rotated q, k and
+    v, then o_proj's output; the residual sum holds x1, the attention output and the sum; the MLP holds
+    x1 and the norm output with the activation's peak or its output, up's and their product, then the
+    product and down's output.
+    """
+    d, f, q, kv = spec.d_model, spec.ffn, spec.q_dim, spec.kv_dim
+    masked = spec.sliding_window is not None and s > spec.sliding_window
+    repeated = spec.n_kv_head < spec.n_head and (masked or spec.head_dim > 256)
+    lse = n * spec.n_head * 4
+    norm = 8 * n * d + 4 * n  # fp32 copy and squares (or product), rsqrt
+    rope_q = n * a * (d + 4 * q + 2 * kv)  # norm out, q, k, v, q·cos, rotate_half(q), ·sin
+    rope_k = n * a * (d + 2 * q + 5 * kv)  # norm out, q, k, v, rotated q, k·cos, rotate_half(k), ·sin
+    sdpa = n * a * (d + 2 * q + 2 * kv + (2 * q if repeated else 0)) + lse + (s * s * a if masked else 0)
+    o_proj = n * a * (2 * d + 2 * q + 2 * kv)  # norm out, rotated q, k, v, SDPA out, o_proj out
+    act = ACT_NOGRAD_PEAK[spec.hidden_act] * f
+    mlp = n * a * (2 * d + max(act, 3 * f, f + d))
+    return max(norm, rope_q, rope_k, sdpa, o_proj, n * a * 3 * d, n * a * d + norm, mlp)
+
+
+def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> BlockActivations:
+    """LlamaDecoderLayer as validate/transformer.py (and transformers) computes it: RMSNorm, RoPE, SDPA
+    (GQA), SwiGLU; Mistral and Qwen2 alike (biases change no activation)."""
+    d, f = spec.d_model, spec.ffn
+    # RMSNorm: fp32 copy (saved by pow and by the product), rsqrt (N fp32), normalised 16-bit (saved
+    # by the weight product) and its output (saved by the next linears)
+    rms = n * d * 4 + n * 4 + 2 * n * d * a
+    attn = _llama_attention_saved(spec, n, b, s, a)
+    # gate out's kept tensors (SiLU: its input), act out and up out (the product's factors), the product
+    mlp = (ACT_KEPT[spec.hidden_act] + 3) * n * f * a
+    saved = 2 * rms + attn + mlp
+    return BlockActivations(
+        saved=saved,
+        # nothing saves the block input or x1: both live beside the last product, down's out, the sum
+        forward_extra=4 * n * d * a,
+        ckpt_forward_peak=n * d * a + _llama_nograd_peak(spec, n, s, a),
+        ckpt_saved=n * d * a,
+        recomputed=saved,  # nothing in the block saves its input: the held input comes on top
+        pending_at_last_grad=n * d * 4 + n * 4 + n * d * a,
+        held_input_pending=n * d * a,
+        norm_backward_saved=saved - mlp - 2 * n * d * a,
+        norm_backward_ws=4 * n * d * 4 + 2 * n * d * a - n * 4,
+        # down_proj backward: d(product), dW (and its bias, where the config has one, as at GPT-2)
+        backward_first_op=n * f * a + (d * f + d * spec.mlp_bias) * a,
+        backward_first_op_recomputed=n * f * a + d * f * a,
+        first_weight_grads=d * f * a,
+        backward_act_grads=2 * n * f * a,  # product backward: dSiLU-out, dup-out beside d(product)
+    )
+
+
+def model_activations(
+    spec: TransformerSpec,
+    micro_batch: int,
+    seq_len: int,
+    act_bytes: int = 2,
+    stat_bytes: int = 2,
+) -> ModelActivations:
+    """Activations of one micro-batch of ``spec`` (derivation in the module docstring)."""
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch={micro_batch}, seq_len={seq_len}: each must be >= 1")
+    if seq_len > spec.max_seq_len:
+        raise ValueError(f"seq_len={seq_len}: the model has only {spec.max_seq_len} positions")
+    b, s, a = micro_batch, seq_len, act_bytes
+    n, d, v = b * s, spec.d_model, spec.vocab_size
+    if spec.style == "gpt":
+        block = _gpt_block(spec, n, b, s, a, stat_bytes)
+        embed_saved = s * TOKEN_BYTES  # the position ids (arange), saved by the position embedding
+        final_saved = n * d * a + 2 * n * stat_bytes + n * d * a  # ln_f input, mean, rstd; ln_f out
+    else:
+        block = _llama_block(spec, n, b, s, a)
+        # RoPE's cos and sin, (1, s, head_dim) in the activation dtype, saved once for every block's
+        # q·cos and rotate_half(q)·sin (positions are (1, s) as transformers' cache_position makes them)
+        embed_saved = 2 * s * spec.head_dim * a
+        final_saved = n * d * 4 + n * 4 + 2 * n * d * a  # final RMSNorm, its output saved by lm_head
+    return ModelActivations(
+        block=block,
+        n_layer=spec.n_layer,
+        embed_saved=embed_saved,
+        embed_out=n * d * a,
+        mask=s * s if spec.style == "llama" and spec.sliding_window is not None and s > spec.sliding_window else 0,
+        final_saved=final_saved,
+        logits=n * v * a,
+        logits_fp32=n * v * 4,
+        log_softmax=n * v * 4,
+        batch=2 * n * TOKEN_BYTES,
+        loss=LOSS_BYTES,
+    )

@@ -1,0 +1,101 @@
+"""The peak model: per phase, the largest sum of live terms over the moments an engine profile lists.
+
+An engine profile (``zeroplan/engines/<engine>.py``) describes a training step as data: for each phase
+(``init``, ``forward``, ``backward``, ``optimizer_step``) the moments at which memory can peak, each a
+tuple of named terms (bytes, and the engine file/function or formula it comes from). This module only
+sums and compares; it never asks which engine it is looking at.
+
+GPU targets: the CUDA caching allocator rounds every block up to 512 bytes
+(``c10/cuda/CUDACachingAllocator.cpp``: ``kMinBlockSize``), which ``max_memory_allocated`` counts, so
+``block_bytes=512`` rounds each term's tensors up (a term groups ``tensors`` tensors of equal size).
+Allocator overhead (reserved - allocated: fragmentation and cached free blocks) is a separate term,
+``allocator_overhead_bytes``, zero until measured on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PHASES: tuple[str, ...] = ("init", "forward", "backward", "optimizer_step")
+CUDA_BLOCK_BYTES = 512  # CUDACachingAllocator kMinBlockSize: every allocation rounds up to this
+TOP_TERMS = 5
+
+
+@dataclass(frozen=True)
+class Term:
+    """A live buffer (or group of ``tensors`` equal-size buffers) of ``bytes`` in total; ``source`` says where."""
+
+    name: str
+    bytes: int
+    source: str
+    tensors: int = 1
+
+    def rounded(self, block_bytes: int) -> int:
+        """Bytes once each tensor is rounded up to ``block_bytes`` (1: unchanged)."""
+        if block_bytes <= 1 or self.bytes == 0:
+            return self.bytes
+        each = -(-self.bytes // self.tensors)
+        return self.tensors * (-(-each // block_bytes) * block_bytes)
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One point of a phase at which memory may peak, with everything live there."""
+
+    phase: str
+    name: str
+    terms: tuple[Term, ...]
+
+    def total(self, block_bytes: int = 1) -> int:
+        return sum(t.rounded(block_bytes) for t in self.terms)
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    """The largest moment of one phase."""
+
+    phase: str
+    bytes: int
+    moment: str
+    terms: tuple[Term, ...]
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """Per-phase peaks, the overall peak, its phase and its largest live terms (named)."""
+
+    phases: tuple[PhasePeak, ...]
+    peak_bytes: int
+    peak_phase: str
+    peak_terms: tuple[Term, ...]
+
+    def by_phase(self) -> dict[str, int]:
+        """{phase: bytes} in ``PHASES`` order."""
+        return {p.phase: p.bytes for p in self.phases}
+
+
+def peak_of(
+    moments: Iterable[Moment], block_bytes: int = 1, allocator_overhead_bytes: int = 0, top: int = TOP_TERMS
+) -> PeakEstimate:
+    """Max over each phase's moments of the summed terms (rounded to ``block_bytes``), plus overhead."""
+    if block_bytes < 1 or allocator_overhead_bytes < 0:
+        raise ValueError(f"block_bytes={block_bytes}, allocator_overhead_bytes={allocator_overhead_bytes}")
+    overhead = Term("allocator overhead (reserved - allocated)", allocator_overhead_bytes,
+                    "measured on the GPU; 0 until measured")  # fmt: skip
+    best: dict[str, Moment] = {}
+    for m in moments:
+        if m.phase not in PHASES:
+            raise ValueError(f"phase={m.phase!r}: expected one of {', '.join(PHASES)}")
+        if m.phase not in best or m.total(block_bytes) > best[m.phase].total(block_bytes):
+            best[m.phase] = m
+    missing = [p for p in PHASES if p not in best]
+    if missing:
+        raise ValueError(f"the profile lists no moment for phase(s) {', '.join(missing)}")
+    phases = tuple(
+        PhasePeak(p, best[p].total(block_bytes) + overhead.bytes, best[p].name, (*best[p].terms, overhead))
+        for p in PHASES
+    )
+    top_phase = max(phases, key=lambda p: p.bytes)
+    largest = tuple(sorted((t for t in top_phase.terms if t.bytes), key=lambda t: -t.bytes)[:top])
+    return PeakEstimate(phases, top_phase.bytes, top_phase.phase, largest)
