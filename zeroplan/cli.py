@@ -13,8 +13,9 @@ from typing import Annotated, Optional
 import typer
 
 from zeroplan.cli_options import (
-    GradDtype, MasterWeights, OneLineErrors, OptimizerDtype, OptimizerName, ParamDtype, Unit, UserError,
-    given, given_on_command_line, policy_from, refuse_unused,
+    STEP_OPTIONS, CheckpointingOption, EngineOption, ForeachOption, GradAccumOption, GradDtype, MasterWeights,
+    MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName, ParamDtype, SeqLenOption, Unit,
+    UserError, given, given_on_command_line, policy_from, refuse_unused,
 )  # fmt: skip
 
 
@@ -40,6 +41,13 @@ def estimate(
         help="Ψ, parameters of the whole model: 7.5e9, 7.5B, 1T (exact whole number, 1 to 1e15).",
     ),
     shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes, for exact padding."),
+    model: ModelOption = None,
+    seq_len: SeqLenOption = None,
+    micro_batch: MicroBatchOption = 1,
+    checkpointing: CheckpointingOption = "none",
+    grad_accum: GradAccumOption = 1,
+    foreach: ForeachOption = True,
+    engine: EngineOption = "reference",
     gpus: int = typer.Option(1, help="Total GPUs = N_d x N_m, 1 to 2**24."),
     model_parallel: int = typer.Option(
         1, "--model-parallel",
@@ -75,8 +83,12 @@ def estimate(
         raise UserError("--json and --csv are exclusive: choose one")
     if as_json or as_csv:
         refuse_unused(ctx, ("units",), "to --json or --csv, which give bytes")
-    if (params is None) == (shapes is None):
-        raise UserError("give exactly one of --params and --shapes")
+    if sum(x is not None for x in (params, shapes, model)) != 1:
+        raise UserError("give exactly one of --params, --shapes and --model")
+    if model is None:
+        refuse_unused(ctx, STEP_OPTIONS, "without --model: the training step's peak needs an architecture")
+    else:
+        refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
     settings = given(
         stage=stage,
         param_dtype=param_dtype,
@@ -90,6 +102,10 @@ def estimate(
     config = EstimateConfig(
         params=parse_count(params) if params is not None else None,
         tensor_numels=load_numels(shapes) if shapes is not None else None,
+        model=model,
+        **(dict(seq_len=seq_len, micro_batch=micro_batch, checkpointing=checkpointing, grad_accum=grad_accum,
+                foreach=foreach) if model is not None else {}),  # fmt: skip
+        engine=engine,
         gpus=gpus,
         model_parallel=model_parallel,
         stage=settings.pop("stage", None),

@@ -163,3 +163,19 @@ def resolve_model(name_or_path: str) -> TransformerSpec:
         return get_model(name_or_path).spec
     except ValueError as exc:
         raise ValueError(f"{exc} (or the path of a Hugging Face config.json)") from None
+
+
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence when neither ``--seq-len`` nor a preset gives one (GPT-3's context); a config
+file's default is its maximum positions capped at this (a 128k-position config is rarely trained at
+128k, and a peak at full context would be the largest answer, not the usual one)."""
+
+
+def model_seq_len(name_or_path: str, spec: TransformerSpec) -> int:
+    """The default ``--seq-len`` of ``--model``: the preset's training context, or for a config file
+    min(maximum positions, ``DEFAULT_SEQ_LEN``)."""
+    if not (name_or_path.endswith(".json") or Path(name_or_path).exists()):
+        key = name_or_path.strip().lower()
+        if key in model_presets():
+            return min(model_presets()[key].seq_len, spec.max_seq_len)
+    return min(spec.max_seq_len, DEFAULT_SEQ_LEN)

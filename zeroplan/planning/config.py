@@ -17,7 +17,7 @@ from zeroplan.formulas.commtime import ALGORITHMS
 from zeroplan.formulas.offload import DEVICES
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.presets import (
-    GpuName, GpuSpec, LinkSpec, ModelName, ModelPreset, get_gpu, get_interconnect, get_model,
+    DEFAULT_SEQ_LEN, GpuName, GpuSpec, LinkSpec, ModelName, ModelPreset, get_gpu, get_interconnect, get_model,
 )  # fmt: skip
 from zeroplan.types import (
     Bandwidth, BatchCount, ByteSize, Checkpointing, Count, Fraction, GpuCount, Params, SeqLen, Tflops,
@@ -34,8 +34,6 @@ DEFAULT_MFU = 0.4
 (Llama Team 2024, The Llama 3 Herd of Models, Table 4)."""
 DEFAULT_INTRA = "nvlink4"
 DEFAULT_INTER = "ib-ndr"
-DEFAULT_SEQ_LEN = 2048
-"""Tokens per sequence when neither --seq-len nor a reference model gives one (GPT-3's context)."""
 
 
 class PlanConfig(BaseModel):
