@@ -160,7 +160,8 @@ def sweep(
     ),
     checkpointing: str = typer.Option(
         "full",
-        help="Activation recomputation assumed: none, selective, full.",
+        help="Activation recomputation: none, selective, full (default full, as before the peak; the peak "
+        "per GPU knows none and full).",
     ),
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
@@ -326,7 +327,7 @@ def plot(
 @app.command()
 def plan(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, help="Reference model preset, e.g. llama2-70b (exact Ψ)."),
+    model: ModelOption = None,
     params: Optional[str] = typer.Option(
         None,
         help="Ψ of the whole model instead of a preset: 70e9, 70B (1 to 1e15).",
@@ -368,8 +369,11 @@ def plan(
     ),
     checkpointing: str = typer.Option(
         "full",
-        help="Activation recomputation assumed: none, selective, full.",
+        help="Activation recomputation: none, selective, full (default full, as before the peak; the peak "
+        "per GPU knows none and full).",
     ),
+    foreach: ForeachOption = True,
+    engine: Annotated[str, typer.Option(help="Training engine whose peak decides the fit: reference.")] = "reference",
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -402,8 +406,12 @@ def plan(
         raise UserError("--model and --params are exclusive: choose one")
     if as_json:
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
+    if model is None:
+        refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
     config = PlanConfig(
         model=model,
+        foreach=foreach,
+        engine=engine,
         params=parse_count(params) if params is not None else None,
         gpu=gpu,
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,

@@ -151,13 +151,18 @@ def gpu_capacity(gpu: Optional[str], gpu_memory_bytes: Optional[int]) -> tuple[O
     return gpu_memory_bytes, None
 
 
+def is_config_path(name_or_path: str) -> bool:
+    """``--model`` names a config file (not a preset) when it ends in ``.json`` or exists as a path."""
+    return name_or_path.endswith(".json") or Path(name_or_path).exists()
+
+
 def resolve_model(name_or_path: str) -> TransformerSpec:
     """The architecture ``--model`` names: a local Hugging Face ``config.json`` when ``name_or_path``
     exists or ends in ``.json`` (read, never downloaded), else a reference model preset; ValueError
     (one line, listing the presets) otherwise."""
     if not isinstance(name_or_path, str):
         raise ValueError(f"model={name_or_path!r}: expected a preset name or the path of a config.json")
-    if name_or_path.endswith(".json") or Path(name_or_path).exists():
+    if is_config_path(name_or_path):
         return read_hf_config(name_or_path)
     try:
         return get_model(name_or_path).spec
@@ -174,7 +179,7 @@ file's default is its maximum positions capped at this (a 128k-position config i
 def model_seq_len(name_or_path: str, spec: TransformerSpec) -> int:
     """The default ``--seq-len`` of ``--model``: the preset's training context, or for a config file
     min(maximum positions, ``DEFAULT_SEQ_LEN``)."""
-    if not (name_or_path.endswith(".json") or Path(name_or_path).exists()):
+    if not is_config_path(name_or_path):
         key = name_or_path.strip().lower()
         if key in model_presets():
             return min(model_presets()[key].seq_len, spec.max_seq_len)

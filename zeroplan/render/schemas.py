@@ -170,6 +170,8 @@ class PlanInputs(_Out):
     links: LinksOut
     bytes_per_param: dict[str, Number]
     policy: PolicyOut
+    engine: str = Field(description="the engine whose peak decides the fit (--engine)")
+    foreach: bool = Field(description="Adam's foreach path, for the peak")
 
 
 class OffloadOut(_Out):
@@ -209,7 +211,8 @@ class CommTimeOut(_Out):
 
 _MODEL_KEYS = (
     "gpu_bytes", "host_bytes_per_gpu", "host_bytes_per_node", "nvme_bytes_per_gpu", "nvme_bytes_per_node",
-    "pcie", "comm_volume_elements", "comm_bytes_per_rank", "comm_time",
+    "pcie", "comm_volume_elements", "comm_bytes_per_rank", "comm_time", "peak_bytes", "peak_phase", "phases",
+    "peak_terms",
 )  # fmt: skip
 
 
@@ -233,6 +236,11 @@ class PlanOptionOut(_Out):
     comm_volume_elements: Optional[int] = None
     comm_bytes_per_rank: Optional[int] = None
     comm_time: Optional[CommTimeOut] = None
+    peak_bytes: Optional[int] = Field(None, description="the engine's peak per GPU; null with offload or "
+                                      "without an architecture (--model)")  # fmt: skip
+    peak_phase: Optional[str] = None
+    phases: Optional[PhasesOut] = None
+    peak_terms: Optional[list[PeakTermOut]] = None
 
     @model_serializer(mode="wrap")
     def _without_model(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -271,6 +279,9 @@ class PlanDoc(_Out):
     activations: ActivationsOut
     recommendation: Optional[RecommendationOut]
     reason: str
+    fit_basis: str = Field(description="how fits was decided: on the peak per GPU, or on model states and why")
+    cut_first: Optional[str] = Field(description="which term to cut first, from the peak's largest terms; "
+                                     "null without a peak")  # fmt: skip
     notes: list[str]
 
 
