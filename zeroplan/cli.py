@@ -133,10 +133,7 @@ def sweep(
         None,
         help="JSON file of parameter shapes (one model, exact padding).",
     ),
-    model: Optional[str] = typer.Option(
-        None,
-        help="Reference model preset instead of --params: llama2-70b, ...",
-    ),
+    model: ModelOption = None,
     gpus: str = typer.Option(
         "1",
         help="Total GPU counts, comma-separated: 8,64,512 (each 1 to 2**24; at most 1e8 rows in all).",
@@ -163,6 +160,8 @@ def sweep(
         help="Activation recomputation: none, selective, full (default full, as before the peak; the peak "
         "per GPU knows none and full).",
     ),
+    foreach: ForeachOption = True,
+    engine: Annotated[str, typer.Option(help="Training engine of the peak columns: reference.")] = "reference",
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
@@ -201,6 +200,8 @@ def sweep(
         check_writable(out, inputs=[shapes])
     if model is None and given_on_command_line(ctx, "checkpointing"):
         raise UserError("--checkpointing changes only activations, which need --model")
+    if model is None:
+        refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
         params=parse_counts(params) if params is not None else None,
@@ -209,6 +210,8 @@ def sweep(
         micro_batch=parse_wholes(micro_batch, "micro-batch"),
         seq_len=seq_len,
         checkpointing=checkpointing,
+        foreach=foreach,
+        engine=engine,
         gpus=parse_wholes(gpus, "gpus"),
         model_parallel=parse_wholes(model_parallel, "model-parallel"),
         stages=parse_wholes(stage, "stage"),

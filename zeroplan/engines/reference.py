@@ -378,6 +378,18 @@ def check_peak_policy(policy: PrecisionPolicy) -> None:
         )
 
 
+def check_peak_spec(spec: TransformerSpec) -> None:
+    """ValueError (one line) for an architecture whose activations the profile does not count: dropout
+    keeps a mask per dropout op (``activation_terms`` counts none; validate/transformer.py runs no dropout
+    op at p = 0)."""
+    drops = [f"{k}={getattr(spec, k):g}" for k in ("embd_pdrop", "attn_pdrop", "resid_pdrop") if getattr(spec, k)]
+    if drops:
+        raise ValueError(
+            f"the reference engine's peak counts no dropout masks; the config has {', '.join(drops)} "
+            "(set them to 0 in the config.json to plan a run without dropout)"
+        )
+
+
 def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
     """One row per requested ZeRO stage: model states and collectives from ``zeroplan.estimation``
     (the paper's formulas with the runtime's padding), the peak per phase from ``predict_peak`` when
@@ -393,6 +405,7 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     numels = tuple(math.prod(s) for _, s in workload.shapes)
     if workload.spec is not None:
         check_peak_policy(settings.policy)
+        check_peak_spec(workload.spec)
     rows = stage_estimates(numels, nd, settings.policy, settings.stages, None, settings.flat_layout)
     out = []
     for row in rows:

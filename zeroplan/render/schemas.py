@@ -288,6 +288,11 @@ class PlanDoc(_Out):
 class SweepInputs(_Out):
     gpu_memory_bytes: Optional[int]
     policy: PolicyOut
+    model: Optional[str] = Field(description="--model as given; null for --params or --shapes")
+    seq_len: Optional[int] = Field(description="tokens per sequence of the activation and peak columns")
+    checkpointing: Optional[str] = Field(description="recomputation of the activation and peak columns")
+    foreach: Optional[bool] = Field(description="Adam's foreach path of the peak columns")
+    engine: Optional[str] = Field(description="the engine of the peak columns")
 
 
 class SweepDoc(_Out):
