@@ -168,24 +168,33 @@ def test_plan_fits_on_the_peak_and_names_a_term_to_cut():
     [
         ("none", 1, 1, "checkpointing", "saved activations of 12 blocks"),  # the largest term, cut by full
         ("full", 4, 1, "micro-batch", "saved activations of 12 blocks"),
-        ("full", 1, 1, "stage", "fp32 master"),  # activations at one sequence: states by a higher stage
-        ("full", 1, 3, "gpus", "fp32 master"),  # already stage 3: more N_d
+        ("full", 1, 1, "sequence", "saved activations of 12 blocks"),
+        ("full", 1, 2, "stage", "fp32 master"),  # the model as built is cut by nothing: skipped
+        ("full", 1, 3, "gpus", "fp32 master"),  # no stage above 3: more N_d
     ],
 )
 def test_cut_first_picks_the_largest_term_a_lever_cuts(checkpointing, micro_batch, stage, lever, term):
-    from zeroplan.formulas.peak import PeakEstimate, Term
+    from zeroplan.formulas.peak import PeakEstimate, PhasePeak, Term
     from zeroplan.planning.plan import cut_first
 
     gib = 2**30
-    terms = (
-        Term("saved activations of 12 blocks", 5 * gib, "zeroplan/formulas/activation_terms.py", 12),
-        Term("fp32 master", 4 * gib, "validate/runtime.py:Runtime.__init__"),
-        Term("logits", 3 * gib, "zeroplan/formulas/activation_terms.py"),
-    )
+    act = "zeroplan/formulas/activation_terms.py"
+    built = Term("model as built", 6 * gib, "validate/models.py:build")
+
+    def peak(master_gib: int, saved: bool = True) -> PeakEstimate:
+        terms = (built, Term("fp32 master", master_gib * gib, "validate/runtime.py:Runtime.__init__"))
+        if saved:
+            terms = (Term("saved activations of 12 blocks", 7 * gib, act, 12), *terms)
+        return PeakEstimate((PhasePeak("backward", 0, "m", terms),), 0, "backward", terms)
+
     config = zeroplan.PlanConfig(model=GPT2, gpu_memory_bytes=10**9, checkpointing=checkpointing,
                                  micro_batch=micro_batch)  # fmt: skip
-    advice = cut_first(PeakEstimate((), 12 * gib, "backward", terms), stage, config)
+    now = peak(4, saved=lever in ("checkpointing", "micro-batch", "sequence"))
+    nxt = None if stage == 3 else peak(2)
+    advice = cut_first(now, stage, config, next_stage=nxt, more_gpus=peak(1))
     assert advice.split(" ")[0] == lever and f"{term}, " in advice and "backward peak" in advice
+    stuck = cut_first(peak(4, saved=False), stage, config, next_stage=peak(4), more_gpus=peak(4))
+    assert stuck.startswith("no lever cuts") and "model as built" in stuck
 
 
 def test_plan_says_why_it_fits_on_model_states():

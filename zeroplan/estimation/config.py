@@ -12,6 +12,7 @@ from zeroplan.engines import get_engine
 from zeroplan.engines.base import Workload
 from zeroplan.estimation.workload import model_workload, resolve
 from zeroplan.policy import PrecisionPolicy
+from zeroplan.presets import DEFAULT_SEQ_LEN
 from zeroplan.types import (
     BatchCount, ByteSize, Flag, GpuCount, Numel, Params, SeqLen, StageNumber, check_split, check_total,
 )  # fmt: skip
@@ -85,7 +86,8 @@ class EstimateConfig(BaseModel):
         if self.model is not None:
             return resolve(self.model, self.seq_len)
         if self.architecture is not None:
-            return self.architecture, self.seq_len or min(self.architecture.max_seq_len, 2048)
+            default = min(self.architecture.max_seq_len, DEFAULT_SEQ_LEN)
+            return self.architecture, self.seq_len if self.seq_len is not None else default
         return None
 
     @property

@@ -137,14 +137,13 @@ def estimate(
         from zeroplan.architectures.module_shapes import module_shapes
         from zeroplan.estimation.workload import module_architecture
 
+        if params is not None or tensor_numels is not None:
+            raise ValueError("give exactly one of params, tensor_numels and model")
         shapes = module_shapes(model)  # TypeError for anything but an nn.Module
         architecture = module_architecture(model, shapes)
-        if architecture is None:
-            tensor_numels, model = tuple(math.prod(s) for _, s in shapes), None
-            if tensor_numels is not None and params is not None:
-                raise ValueError("give exactly one of params, tensor_numels and model")
-        else:
-            model = None
+        if architecture is None:  # shapes only: exact padding, no peak
+            tensor_numels = tuple(math.prod(s) for _, s in shapes)
+        model = None
     config = EstimateConfig(
         params=params,
         tensor_numels=tensor_numels,  # the config checks and converts lists (never a str)

@@ -173,9 +173,10 @@ def _bisect_first_true(ok: Callable[[int], bool], lo: int, hi: int) -> int:
     return hi
 
 
-def stage_peaks(config: PlanConfig) -> tuple[dict[int, PeakEstimate], str]:
-    """({stage: peak} of the options without offload, how fits are decided): the engine's peak when the
-    architecture and the step are ones it models, else {} and why fits are on model states."""
+def stage_peaks(config: PlanConfig, nd: Optional[int] = None) -> tuple[dict[int, PeakEstimate], str]:
+    """({stage: peak} of the options without offload, how fits are decided): the engine's peak on ``nd``
+    ranks (default N_d) when the architecture and the step are ones it models, else {} and why fits
+    are on model states."""
     if config.model is None:
         return {}, "fits on model states within the headroom: the peak needs an architecture (--model)"
     why = None
@@ -189,7 +190,7 @@ def stage_peaks(config: PlanConfig) -> tuple[dict[int, PeakEstimate], str]:
         workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
                                   config.grad_accum, config.foreach)  # fmt: skip
         try:
-            rows = engine.estimate(workload, config.nd, engine.settings(policy=config.policy))
+            rows = engine.estimate(workload, nd or config.nd, engine.settings(policy=config.policy))
         except ValueError as exc:  # a policy the engine's peak does not model
             why = str(exc)
         else:
@@ -210,10 +211,25 @@ def _is_activation(term: Term) -> bool:
     return "activation_terms" in term.source or term.source.endswith("measure_stage")
 
 
-def cut_first(peak: PeakEstimate, stage: int, config: PlanConfig) -> str:
-    """Which term to cut first, from the peak's largest live terms: saved block activations by
-    checkpointing (when off), other activations by the micro-batch (when > 1), model states and
-    buffers by a higher stage (below 3), else by more GPUs (N_d)."""
+def _term_bytes(peak: Optional[PeakEstimate], name: str) -> Optional[int]:
+    """The largest term called ``name`` in any phase of ``peak`` (0 when absent); None without a peak."""
+    if peak is None:
+        return None
+    return max((t.bytes for p in peak.phases for t in p.terms if t.name == name), default=0)
+
+
+def cut_first(
+    peak: PeakEstimate,
+    stage: int,
+    config: PlanConfig,
+    next_stage: Optional[PeakEstimate] = None,
+    more_gpus: Optional[PeakEstimate] = None,
+) -> str:
+    """Which term to cut first: the largest live term at the peak that some lever cuts. Saved block
+    activations: checkpointing (when off); other activations: the micro-batch (when > 1), else the
+    sequence length. Anything else: a higher stage if the next stage's peak (``next_stage``) holds less
+    of it, else more GPUs if the peak at 2·N_d (``more_gpus``) does; a term neither cuts (e.g. the model
+    as an engine builds it before sharding) is skipped."""
     for t in peak.peak_terms:
         if _is_activation(t):
             if t.name.startswith("saved activations") and config.checkpointing == "none":
@@ -221,15 +237,21 @@ def cut_first(peak: PeakEstimate, stage: int, config: PlanConfig) -> str:
             elif config.micro_batch > 1:
                 lever = f"micro-batch (--micro-batch below {config.micro_batch}; --grad-accum keeps the batch)"
             else:
-                continue
-        elif stage < 3:
-            lever = f"stage (ZeRO stage {stage + 1} shards more of the model states)"
+                lever = f"sequence length (--seq-len below {config.sequence_length})"
+        elif (_term_bytes(next_stage, t.name) if next_stage is not None else t.bytes) < t.bytes:
+            lever = f"stage (ZeRO stage {stage + 1} holds less of it)"
+        elif (_term_bytes(more_gpus, t.name) if more_gpus is not None else t.bytes) < t.bytes:
+            lever = f"gpus (2 x N_d = {2 * config.nd} holds less of it)"
         else:
-            lever = f"gpus (more than N_d = {config.nd} shards the states further)"
+            continue
         size = format_bytes(t.bytes, "GiB")
         return f"{lever}: {t.name}, {size}, is the largest term it cuts at the {peak.peak_phase} peak"
     t = peak.peak_terms[0]
-    return f"sequence length (--seq-len): {t.name} is the largest term at the {peak.peak_phase} peak"
+    return (
+        f"no lever cuts the largest terms at the {peak.peak_phase} peak ({t.name}, "
+        f"{format_bytes(t.bytes, 'GiB')}): the {config.engine} engine allocates them whatever the stage, "
+        "N_d, micro-batch or checkpointing"
+    )
 
 
 def _option(
@@ -315,7 +337,8 @@ def plan_config(config: PlanConfig) -> Plan:
     if with_peak:
         target = recommendation if recommendation is not None and recommendation.peak is not None else None
         target = target or min(with_peak, key=lambda o: o.peak.peak_bytes)
-        advice = cut_first(target.peak, target.stage, config)
+        more_gpus = stage_peaks(config, 2 * config.nd)[0].get(target.stage)
+        advice = cut_first(target.peak, target.stage, config, peaks.get(target.stage + 1), more_gpus)
     launchers = None
     if recommendation is not None:
         launchers = launcher_configs(config, recommendation.stage, recommendation.offload)
