@@ -27,7 +27,8 @@ def model_workload(
     check_seq_len(spec, seq_len)
     if checkpointing not in ("none", "full"):
         raise ValueError(f"checkpointing={checkpointing!r}: the peak model knows none and full")
-    return Workload(transformer_shapes(spec), spec, seq_len, micro_batch, checkpointing, grad_accum, foreach)  # type: ignore[arg-type]
+    shapes = transformer_shapes(spec)
+    return Workload(shapes, spec, seq_len, micro_batch, checkpointing, grad_accum, foreach)  # type: ignore[arg-type]
 
 
 def resolve(name_or_path: str, seq_len: Optional[int]) -> tuple[TransformerSpec, int]:
