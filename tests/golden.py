@@ -13,6 +13,7 @@ then inspect `git diff tests/data/golden/` before committing.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ GOLDEN = Path(__file__).parent / "data" / "golden"
 INPUTS = GOLDEN / "inputs"
 SHAPES = str(INPUTS / "shapes.json")
 DS_CONFIG = str(INPUTS / "ds_config.json")
+GPT2 = "gpt2-no-dropout.json"  # GPT-2's config.json with dropout 0 and exact GELU; relative: printed as given
 
 # name -> argv after `zeroplan`. The extension of the stored file follows the output format.
 COMMANDS: dict[str, list[str]] = {
@@ -43,6 +45,11 @@ COMMANDS: dict[str, list[str]] = {
     "estimate_gib_fits.txt": ["estimate", "--params", "7.5B", "--gpus", "64", "--units", "GiB",
                               "--gpu-memory", "32GiB"],
     "estimate_stage1.csv": ["estimate", "--params", "1e9", "--gpus", "8", "--csv", "--stage", "1"],
+    "estimate_model_llama.json": ["estimate", "--model", "llama2-7b", "--gpus", "8", "--json"],
+    "estimate_model_llama.txt": ["estimate", "--model", "llama2-7b", "--gpus", "8", "--gpu-memory", "80GiB"],
+    "estimate_model_gpt2_config.json": ["estimate", "--model", GPT2, "--gpus", "4", "--seq-len", "512",
+                                        "--micro-batch", "2", "--checkpointing", "full", "--no-foreach", "--json"],
+    "estimate_model_gpt2_config.txt": ["estimate", "--model", GPT2, "--gpus", "4", "--stage", "3"],
     # plan
     "plan_llama70b.json": ["plan", "--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "64", "--json"],
     "plan_llama70b.txt": ["plan", "--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "64"],
@@ -62,6 +69,10 @@ COMMANDS: dict[str, list[str]] = {
     "plan_mp_fp16.json": ["plan", "--model", "llama3-8b", "--gpu-memory", "24GB", "--gpus", "16",
                           "--model-parallel", "2", "--param-dtype", "fp16", "--bw", "100",
                           "--inter-bw", "25", "--peak-tflops", "300", "--mfu", "0.5", "--json"],
+    "plan_model_gpt2_config.json": ["plan", "--model", GPT2, "--gpu", "a100-40gb", "--gpus", "4",
+                                    "--checkpointing", "none", "--micro-batch", "8", "--json"],
+    "plan_model_llama.txt": ["plan", "--model", "llama3-8b", "--gpu", "h100-80gb", "--gpus", "8",
+                             "--checkpointing", "none"],
     # sweep
     "sweep_params.json": ["sweep", "--params", "7B,70B", "--gpus", "8,64", "--model-parallel", "1,8",
                           "--gpu-memory", "80GiB", "--json"],
@@ -75,6 +86,10 @@ COMMANDS: dict[str, list[str]] = {
                                 "--gpu", "h100-80gb"],
     "sweep_gpt_checkpointing.csv": ["sweep", "--model", "gpt2-xl", "--gpus", "4,8", "--model-parallel", "1,2",
                                     "--checkpointing", "none", "--seq-len", "512", "--micro-batch", "2"],
+    "sweep_model_peak.csv": ["sweep", "--model", "llama2-7b", "--gpus", "8,64", "--stage", "1,2,3",
+                             "--checkpointing", "none", "--micro-batch", "1,2", "--gpu", "h100-80gb"],
+    "sweep_model_gpt2_config.json": ["sweep", "--model", GPT2, "--gpus", "2,4", "--seq-len", "1024",
+                                     "--offload", "none,cpu", "--json"],
     "sweep_shapes.csv": ["sweep", "--shapes", SHAPES, "--gpus", "1,3,6", "--param-dtype", "bf16",
                          "--optimizer", "adam8bit"],
 }
@@ -86,7 +101,12 @@ def run(argv: list[str]) -> str:
 
     from zeroplan.cli import app
 
-    result = CliRunner().invoke(app, argv)
+    here = os.getcwd()
+    os.chdir(INPUTS)  # relative input paths (GPT2) are printed as given, so the outputs do not name a checkout
+    try:
+        result = CliRunner().invoke(app, argv)
+    finally:
+        os.chdir(here)
     assert result.exit_code == 0, f"zeroplan {' '.join(argv)}: exit {result.exit_code}\n{result.output}"
     return result.stdout
 

@@ -102,7 +102,7 @@ BAD = [
     (["--params", "7e9", "--gpu-memory", "-1GB"], "must be a positive size"),
     (["--params", "7e9", "--units", "MB"], "--units"),
     (["--params", "7e9", "--json", "--csv"], "exclusive"),
-    (["--gpus", "8"], "exactly one of --params and --shapes"),
+    (["--gpus", "8"], "exactly one of --params, --shapes and --model"),
     (["--params", "7e9", "--frobnicate"], "No such option"),
 ]
 

@@ -33,6 +33,8 @@ from zeroplan.render.sweep import write_csv, write_parquet
 from zeroplan.sweeping.config import SweepConfig
 from zeroplan.sweeping.grid import sweep_config, sweep_frames
 
+LONG_POSITIONS = str(Path(__file__).parent / "data" / "long-positions-gpt2.json")  # 2**24 positions
+
 runner = CliRunner()
 BIG = "1" + "0" * 400
 E30 = str(10**30)
@@ -123,8 +125,9 @@ def test_strings_with_brackets_are_not_nesting(tmp_path):
         (["sweep", "--params", "7B", "--gpus", "8," + BIG], "gpus=100000...(401 digits): must be <= 16,777,216"),
         (["sweep", "--params", ",".join(str(10**9 + i) for i in range(1000)), "--gpus",
           ",".join(str(i) for i in range(1, 30_001))], "above the limit of 1e+08: split it"),  # fmt: skip
-        (["sweep", "--model", "gpt2-xl", "--seq-len", "16777216", "--micro-batch", "65536", "--checkpointing", "none"],
-         "above the limit of 1.15e+18 (1 EiB)"),  # fmt: skip
+        (["sweep", "--model", LONG_POSITIONS, "--seq-len", "16777216", "--micro-batch", "65536", "--checkpointing",
+          "none"], "above the limit of 1.15e+18 (1 EiB)"),  # fmt: skip
+        (["sweep", "--model", "gpt2-xl", "--seq-len", "1025"], "seq_len=1025: above the model's maximum positions"),
         (["plan", "--params", "7B", "--gpu", "h100-80gb", "--bw", "1e-300"], "bw_gbps=1e-300: must be between 0.001"),
         (["plan", "--params", "7B", "--gpu", "h100-80gb", "--bw", "1e300"], "must be between 0.001 and 1e+06 GB/s"),
         (["plan", "--params", "7B", "--gpu", "h100-80gb", "--inter-bw", "1e-300"], "inter_bw_gbps=1e-300"),

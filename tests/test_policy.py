@@ -87,7 +87,7 @@ def test_tensor_sizes_pad_each_tensor_to_a_multiple_of_nd():
         ({"params": 1e9, "stage": 4}, "stage=4"),
         ({"params": 1e9, "optimizer": "rmsprop"}, "unknown optimizer 'rmsprop'"),
         ({"params": 1e9, "param_dtype": "fp4"}, "unknown dtype 'fp4'"),
-        ({"params": 1e9, "tensor_numels": [3]}, "exactly one of params and tensor_numels"),
+        ({"params": 1e9, "tensor_numels": [3]}, "exactly one of params, tensor_numels and model"),
         ({"tensor_numels": [3, 0]}, "tensor_numels=0: must be >= 1"),
     ],
 )

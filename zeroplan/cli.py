@@ -13,8 +13,9 @@ from typing import Annotated, Optional
 import typer
 
 from zeroplan.cli_options import (
-    GradDtype, MasterWeights, OneLineErrors, OptimizerDtype, OptimizerName, ParamDtype, Unit, UserError,
-    given, given_on_command_line, policy_from, refuse_unused,
+    STEP_OPTIONS, CheckpointingOption, EngineOption, ForeachOption, GradAccumOption, GradDtype, MasterWeights,
+    MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName, ParamDtype, SeqLenOption, Unit,
+    UserError, given, given_on_command_line, policy_from, refuse_unused,
 )  # fmt: skip
 
 
@@ -40,6 +41,13 @@ def estimate(
         help="Ψ, parameters of the whole model: 7.5e9, 7.5B, 1T (exact whole number, 1 to 1e15).",
     ),
     shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes, for exact padding."),
+    model: ModelOption = None,
+    seq_len: SeqLenOption = None,
+    micro_batch: MicroBatchOption = 1,
+    checkpointing: CheckpointingOption = "none",
+    grad_accum: GradAccumOption = 1,
+    foreach: ForeachOption = True,
+    engine: EngineOption = "reference",
     gpus: int = typer.Option(1, help="Total GPUs = N_d x N_m, 1 to 2**24."),
     model_parallel: int = typer.Option(
         1, "--model-parallel",
@@ -75,8 +83,12 @@ def estimate(
         raise UserError("--json and --csv are exclusive: choose one")
     if as_json or as_csv:
         refuse_unused(ctx, ("units",), "to --json or --csv, which give bytes")
-    if (params is None) == (shapes is None):
-        raise UserError("give exactly one of --params and --shapes")
+    if sum(x is not None for x in (params, shapes, model)) != 1:
+        raise UserError("give exactly one of --params, --shapes and --model")
+    if model is None:
+        refuse_unused(ctx, STEP_OPTIONS, "without --model: the training step's peak needs an architecture")
+    else:
+        refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
     settings = given(
         stage=stage,
         param_dtype=param_dtype,
@@ -90,6 +102,10 @@ def estimate(
     config = EstimateConfig(
         params=parse_count(params) if params is not None else None,
         tensor_numels=load_numels(shapes) if shapes is not None else None,
+        model=model,
+        **(dict(seq_len=seq_len, micro_batch=micro_batch, checkpointing=checkpointing, grad_accum=grad_accum,
+                foreach=foreach) if model is not None else {}),  # fmt: skip
+        engine=engine,
         gpus=gpus,
         model_parallel=model_parallel,
         stage=settings.pop("stage", None),
@@ -117,10 +133,7 @@ def sweep(
         None,
         help="JSON file of parameter shapes (one model, exact padding).",
     ),
-    model: Optional[str] = typer.Option(
-        None,
-        help="Reference model preset instead of --params: llama2-70b, ...",
-    ),
+    model: ModelOption = None,
     gpus: str = typer.Option(
         "1",
         help="Total GPU counts, comma-separated: 8,64,512 (each 1 to 2**24; at most 1e8 rows in all).",
@@ -144,8 +157,11 @@ def sweep(
     ),
     checkpointing: str = typer.Option(
         "full",
-        help="Activation recomputation assumed: none, selective, full.",
+        help="Activation recomputation: none, selective, full (default full, as before the peak; the peak "
+        "per GPU knows none and full).",
     ),
+    foreach: ForeachOption = True,
+    engine: Annotated[str, typer.Option(help="Training engine of the peak columns: reference.")] = "reference",
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
@@ -184,6 +200,8 @@ def sweep(
         check_writable(out, inputs=[shapes])
     if model is None and given_on_command_line(ctx, "checkpointing"):
         raise UserError("--checkpointing changes only activations, which need --model")
+    if model is None:
+        refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
         params=parse_counts(params) if params is not None else None,
@@ -192,6 +210,8 @@ def sweep(
         micro_batch=parse_wholes(micro_batch, "micro-batch"),
         seq_len=seq_len,
         checkpointing=checkpointing,
+        foreach=foreach,
+        engine=engine,
         gpus=parse_wholes(gpus, "gpus"),
         model_parallel=parse_wholes(model_parallel, "model-parallel"),
         stages=parse_wholes(stage, "stage"),
@@ -310,7 +330,7 @@ def plot(
 @app.command()
 def plan(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, help="Reference model preset, e.g. llama2-70b (exact Ψ)."),
+    model: ModelOption = None,
     params: Optional[str] = typer.Option(
         None,
         help="Ψ of the whole model instead of a preset: 70e9, 70B (1 to 1e15).",
@@ -352,8 +372,11 @@ def plan(
     ),
     checkpointing: str = typer.Option(
         "full",
-        help="Activation recomputation assumed: none, selective, full.",
+        help="Activation recomputation: none, selective, full (default full, as before the peak; the peak "
+        "per GPU knows none and full).",
     ),
+    foreach: ForeachOption = True,
+    engine: Annotated[str, typer.Option(help="Training engine whose peak decides the fit: reference.")] = "reference",
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -386,8 +409,12 @@ def plan(
         raise UserError("--model and --params are exclusive: choose one")
     if as_json:
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
+    if model is None:
+        refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
     config = PlanConfig(
         model=model,
+        foreach=foreach,
+        engine=engine,
         params=parse_count(params) if params is not None else None,
         gpu=gpu,
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,

@@ -143,3 +143,30 @@ def policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dt
             optimizer_dtype=optimizer_dtype,
         )
     )
+
+
+# The training step of an architecture (issue 8), shared by estimate, plan and sweep.
+ModelOption = Annotated[
+    Optional[str],
+    typer.Option(help="Model preset (llama2-7b, gpt2-xl, ...) or the path of a Hugging Face config.json: exact "
+                 "shapes, and the peak of a training step."),
+]  # fmt: skip
+SeqLenOption = Annotated[
+    Optional[int],
+    typer.Option("--seq-len", help="Tokens per sequence, at most the model's positions (default: the preset's; "
+                 "for a config.json its max positions, at most 2048). Needs --model."),
+]  # fmt: skip
+MicroBatchOption = Annotated[
+    int, typer.Option("--micro-batch", help="Sequences per GPU per micro-step, 1 to 65536. Needs --model.")
+]
+CheckpointingOption = Annotated[
+    str, typer.Option(help="Activation checkpointing: none, or full (every block recomputed). Needs --model.")
+]
+GradAccumOption = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step, 1 to 65536.")]
+ForeachOption = Annotated[
+    bool, typer.Option("--foreach/--no-foreach",
+                       help="Adam's multi-tensor path (default on: torch's choice on CUDA). Needs --model."),
+]  # fmt: skip
+EngineOption = Annotated[str, typer.Option(help="Training engine whose memory is estimated: reference.")]
+STEP_OPTIONS: tuple[str, ...] = ("seq_len", "micro_batch", "checkpointing", "grad_accum", "foreach")
+"""Parameter names of the training-step options: refused without an architecture."""

@@ -151,15 +151,36 @@ def gpu_capacity(gpu: Optional[str], gpu_memory_bytes: Optional[int]) -> tuple[O
     return gpu_memory_bytes, None
 
 
+def is_config_path(name_or_path: str) -> bool:
+    """``--model`` names a config file (not a preset) when it ends in ``.json`` or exists as a path."""
+    return name_or_path.endswith(".json") or Path(name_or_path).exists()
+
+
 def resolve_model(name_or_path: str) -> TransformerSpec:
     """The architecture ``--model`` names: a local Hugging Face ``config.json`` when ``name_or_path``
     exists or ends in ``.json`` (read, never downloaded), else a reference model preset; ValueError
     (one line, listing the presets) otherwise."""
     if not isinstance(name_or_path, str):
         raise ValueError(f"model={name_or_path!r}: expected a preset name or the path of a config.json")
-    if name_or_path.endswith(".json") or Path(name_or_path).exists():
+    if is_config_path(name_or_path):
         return read_hf_config(name_or_path)
     try:
         return get_model(name_or_path).spec
     except ValueError as exc:
         raise ValueError(f"{exc} (or the path of a Hugging Face config.json)") from None
+
+
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence when neither ``--seq-len`` nor a preset gives one (GPT-3's context); a config
+file's default is its maximum positions capped at this (a 128k-position config is rarely trained at
+128k, and a peak at full context would be the largest answer, not the usual one)."""
+
+
+def model_seq_len(name_or_path: str, spec: TransformerSpec) -> int:
+    """The default ``--seq-len`` of ``--model``: the preset's training context, or for a config file
+    min(maximum positions, ``DEFAULT_SEQ_LEN``)."""
+    if not is_config_path(name_or_path):
+        key = name_or_path.strip().lower()
+        if key in model_presets():
+            return min(model_presets()[key].seq_len, spec.max_seq_len)
+    return min(spec.max_seq_len, DEFAULT_SEQ_LEN)

@@ -335,3 +335,110 @@ def reference_run(
 def predict_peak(run: ReferenceRun, block_bytes: int = 1, allocator_overhead_bytes: int = 0) -> PeakEstimate:
     """The peak of ``run`` per phase (``zeroplan.formulas.peak.peak_of`` over ``moments``)."""
     return peak_of(moments(run), block_bytes, allocator_overhead_bytes)
+
+
+# --- The engine contract (zeroplan/engines/base.py): Settings and estimate --------------------------
+# Imported here, not at the top, so this section only adds to the module (the profile above is edited
+# on its own).
+from typing import Annotated, Literal  # noqa: E402
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator  # noqa: E402
+
+from zeroplan.engines.base import EngineEstimate, Workload  # noqa: E402
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES  # noqa: E402
+from zeroplan.policy import PrecisionPolicy  # noqa: E402
+from zeroplan.types import StageNumber  # noqa: E402
+
+CUDA_STAT_BYTES = 4
+"""Bytes of LayerNorm's saved mean/rstd on CUDA, which keeps them in fp32 (``activation_terms`` docstring)."""
+PEAK_OPTIMIZERS: tuple[str, ...] = ("adam", "adamw")
+"""Optimizers whose step the reference profile models (``torch.optim.Adam``/``AdamW``: fp32 m, v, step)."""
+
+
+class Settings(BaseModel):
+    """The reference runtime's options (``validate/runtime.py``): which ZeRO stages, which dtypes, which device.
+
+    The peak model is the runtime as built: 16-bit parameters and gradients, an fp32 master and fp32
+    Adam states (``validate/runtime.py:Runtime.__init__``); another policy still gets model states and
+    collectives, but asking for a peak with it is refused rather than answered for a different run.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stages: tuple[StageNumber, ...] = Field((0, 1, 2, 3), min_length=1)
+    """ZeRO stages to estimate, one row each, in this order."""
+    policy: PrecisionPolicy = PrecisionPolicy()
+    """dtypes of model states and the optimizer (model states and collectives)."""
+    flat_layout: bool = True
+    """the shapes are the model's real tensors (padded per tensor as the runtime pads); False for a bare Ψ."""
+    block_bytes: Annotated[int, Field(ge=1)] = CUDA_BLOCK_BYTES
+    """allocator block size every tensor rounds up to: 512 on CUDA (the planner's target), 1 for none."""
+    allocator_overhead_bytes: Annotated[int, Field(ge=0)] = 0
+    """reserved - allocated, a separate term of every phase; 0 until measured on a GPU."""
+    stat_bytes: Literal[2, 4] = CUDA_STAT_BYTES
+    """bytes of LayerNorm's saved statistics: 4 on CUDA (fp32), 2 on CPU (the input dtype)."""
+
+    @field_validator("stages")
+    @classmethod
+    def _distinct(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"stages={list(v)}: give each stage once")
+        return v
+
+
+def check_peak_policy(policy: PrecisionPolicy) -> None:
+    """ValueError (one line) unless ``policy`` is the run the reference profile describes."""
+    ok = (
+        policy.param_bytes == 2 and policy.grad_bytes == 2 and policy.master_dtype == "fp32"
+        and policy.optimizer in PEAK_OPTIMIZERS and policy.optimizer_dtype == "fp32"
+    )  # fmt: skip
+    if not ok:
+        p = policy.resolved()
+        raise ValueError(
+            "the reference engine's peak models 16-bit params and grads, an fp32 master and fp32 Adam "
+            f"(validate/runtime.py); got params {p['param_dtype']}, grads {p['grad_dtype']}, master "
+            f"{p['master_dtype']}, optimizer {p['optimizer']} ({p['optimizer_dtype']})"
+        )
+
+
+def check_peak_spec(spec: TransformerSpec) -> None:
+    """ValueError (one line) for an architecture whose activations the profile does not count: dropout
+    keeps a mask per dropout op (``activation_terms`` counts none; validate/transformer.py runs no dropout
+    op at p = 0)."""
+    drops = [f"{k}={getattr(spec, k):g}" for k in ("embd_pdrop", "attn_pdrop", "resid_pdrop") if getattr(spec, k)]
+    if drops:
+        raise ValueError(
+            f"the reference engine's peak counts no dropout masks; the config has {', '.join(drops)} "
+            "(set them to 0 in the config.json to plan a run without dropout)"
+        )
+
+
+def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
+    """One row per requested ZeRO stage: model states and collectives from ``zeroplan.estimation``
+    (the paper's formulas with the runtime's padding), the peak per phase from ``predict_peak`` when
+    ``workload.spec`` is set (else None).
+
+    ``grad_accum`` changes no phase's peak: every buffer the runtime keeps across micro-steps (the
+    gradient buffer or shard, master, Adam states) exists at every step already.
+    """
+    from zeroplan.estimation.estimate import stage_estimates  # the one home of model states
+
+    if nd < 1:
+        raise ValueError(f"nd={nd}: must be >= 1")
+    numels = tuple(math.prod(s) for _, s in workload.shapes)
+    if workload.spec is not None:
+        check_peak_policy(settings.policy)
+        check_peak_spec(workload.spec)
+    rows = stage_estimates(numels, nd, settings.policy, settings.stages, None, settings.flat_layout)
+    out = []
+    for row in rows:
+        peak = None
+        if workload.spec is not None:
+            run = reference_run(
+                workload.spec, nd, row.stage, workload.micro_batch, workload.seq_len,
+                workload.checkpointing, workload.foreach, stat_bytes=settings.stat_bytes,
+            )  # fmt: skip
+            peak = predict_peak(run, block_bytes=settings.block_bytes,
+                                allocator_overhead_bytes=settings.allocator_overhead_bytes)  # fmt: skip
+        out.append(EngineEstimate("reference", f"ZeRO-{row.stage}", row.stage, row.memory, peak, row.collectives))
+    return tuple(out)

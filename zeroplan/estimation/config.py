@@ -2,23 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from functools import cached_property
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from zeroplan.architectures.spec import TransformerSpec, numels
+from zeroplan.engines import get_engine
+from zeroplan.engines.base import Workload
+from zeroplan.estimation.workload import model_workload, resolve
 from zeroplan.policy import PrecisionPolicy
-from zeroplan.types import ByteSize, GpuCount, Numel, Params, StageNumber, check_split, check_total
+from zeroplan.presets import DEFAULT_SEQ_LEN
+from zeroplan.types import (
+    BatchCount, ByteSize, Flag, GpuCount, Numel, Params, SeqLen, StageNumber, check_split, check_total,
+)  # fmt: skip
 
 
 class EstimateConfig(BaseModel):
-    """One question to the planner: a model on ``gpus`` GPUs, N_d = gpus / model_parallel."""
+    """One question to the planner: a model on ``gpus`` GPUs, N_d = gpus / model_parallel.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    The model is ``params`` (a bare Ψ), ``tensor_numels`` (real tensors, exact padding) or ``model`` (an
+    architecture: exact shapes, and the peak of a training step of ``micro_batch`` x ``seq_len``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     params: Optional[Params] = None
-    """Ψ for the whole model, in parameters (elements); give this or ``tensor_numels``."""
+    """Ψ for the whole model, in parameters (elements); give this, ``tensor_numels`` or ``model``."""
     tensor_numels: Optional[tuple[Numel, ...]] = Field(None, min_length=1)
     """elements of every parameter tensor of the whole model; enables exact per-tensor padding."""
+    model: Optional[str] = None
+    """a model preset name or the path of a Hugging Face ``config.json`` (``zeroplan.presets.resolve_model``)."""
+    architecture: Optional[TransformerSpec] = None
+    """instead of ``model``: the architecture itself (e.g. read from an ``nn.Module``'s config)."""
+    seq_len: Optional[SeqLen] = None
+    """tokens per sequence; default the preset's, or a config file's maximum positions capped at 2048."""
+    micro_batch: BatchCount = 1
+    """sequences per GPU per micro-step."""
+    checkpointing: Literal["none", "full"] = "none"
+    """``full``: every decoder layer recomputed in backward (``torch.utils.checkpoint`` per block)."""
+    grad_accum: BatchCount = 1
+    """micro-steps per optimizer step."""
+    foreach: Flag = True
+    """the optimizer's multi-tensor path; True is torch's default on CUDA, the planner's target."""
+    engine: str = "reference"
+    """the training engine whose allocations and collectives are estimated (``zeroplan.engines.ENGINES``)."""
     gpus: GpuCount = 1
     """total GPUs = N_d x N_m."""
     model_parallel: GpuCount = 1
@@ -26,16 +54,59 @@ class EstimateConfig(BaseModel):
     stage: Optional[StageNumber] = None
     """show only this ZeRO stage (0-3); None shows all four."""
     gpu_memory_bytes: Optional[ByteSize] = None
-    """memory of one GPU in bytes, to mark which stages fit; None to skip."""
+    """memory of one GPU in bytes, to mark which stages fit (on the peak when known); None to skip."""
     policy: PrecisionPolicy = PrecisionPolicy()
 
     @model_validator(mode="after")
     def _consistent(self) -> "EstimateConfig":
-        if (self.params is None) == (self.tensor_numels is None):
-            raise ValueError("give exactly one of params and tensor_numels")
+        given = [self.params, self.tensor_numels, self.model, self.architecture]
+        if sum(x is not None for x in given) != 1:
+            raise ValueError("give exactly one of params, tensor_numels and model")
         check_split(self.gpus, self.model_parallel)
         check_total(self.tensor_numels or ())
+        get_engine(self.engine)
+        if self.spec is None:
+            step = dict(seq_len=self.seq_len, micro_batch=self.micro_batch, checkpointing=self.checkpointing,
+                        grad_accum=self.grad_accum)  # fmt: skip
+            defaults = dict(seq_len=None, micro_batch=1, checkpointing="none", grad_accum=1)
+            changed = [k for k, v in step.items() if v != defaults[k]]
+            if changed:
+                raise ValueError(f"{changed[0]} describes a training step, which needs model (an architecture)")
+        else:
+            if self.model_parallel != 1:
+                raise ValueError(
+                    f"model_parallel={self.model_parallel}: the peak of an architecture is modelled without "
+                    "tensor or pipeline parallelism (model_parallel=1)"
+                )
+            check_total(numels(self.workload.shapes), "model")
         return self
+
+    @cached_property
+    def _resolved(self) -> Optional[tuple[TransformerSpec, int]]:
+        if self.model is not None:
+            return resolve(self.model, self.seq_len)
+        if self.architecture is not None:
+            default = min(self.architecture.max_seq_len, DEFAULT_SEQ_LEN)
+            return self.architecture, self.seq_len if self.seq_len is not None else default
+        return None
+
+    @property
+    def spec(self) -> Optional[TransformerSpec]:
+        """The architecture, when ``model`` or ``architecture`` gives one."""
+        return None if self._resolved is None else self._resolved[0]
+
+    @property
+    def sequence_length(self) -> Optional[int]:
+        """``seq_len`` as resolved (the model's default when not given); None without an architecture."""
+        return None if self._resolved is None else self._resolved[1]
+
+    @cached_property
+    def workload(self) -> Optional[Workload]:
+        """One micro-step of the architecture (``zeroplan.estimation.workload``); None without one."""
+        if self.spec is None:
+            return None
+        return model_workload(self.spec, self.sequence_length, self.micro_batch, self.checkpointing,
+                              self.grad_accum, self.foreach)  # fmt: skip
 
     @property
     def nd(self) -> int:

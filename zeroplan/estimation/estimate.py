@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+from zeroplan.engines import get_engine, reference
+from zeroplan.engines.base import Workload
 from zeroplan.estimation.config import EstimateConfig
 from zeroplan.estimation.records import Estimate, StageEstimate
 from zeroplan.formulas.collectives import step_collectives
@@ -54,16 +58,36 @@ def stage_estimates(
     return tuple(rows)
 
 
+def workload_of(config: EstimateConfig) -> Workload:
+    """What the engine is asked about: the architecture's step, or the tensors of one MP rank."""
+    if config.workload is not None:
+        return config.workload
+    return Workload(tuple((f"tensor {i}", (n,)) for i, n in enumerate(model_numels(config))))
+
+
 def estimate_config(config: EstimateConfig) -> Estimate:
-    """Memory and communication per GPU for every requested stage of ``config``."""
+    """Memory, communication and (with an architecture) the peak per GPU for every requested stage,
+    from the engine ``config.engine`` (``zeroplan.engines``)."""
     policy = config.policy
-    numels = model_numels(config)
+    workload = workload_of(config)
+    numels = tuple(math.prod(s) for _, s in workload.shapes)
     stages = (0, 1, 2, 3) if config.stage is None else (config.stage,)
-    flat_layout = config.tensor_numels is not None
-    rows = stage_estimates(numels, config.nd, policy, stages, config.gpu_memory_bytes, flat_layout)
+    flat_layout = config.params is None
+    engine = get_engine(config.engine)
+    settings = engine.settings(stages=stages, policy=policy, flat_layout=flat_layout)
+    # "vs DP": plain data parallelism's model states (the reference engine's stage 0) over this row's
+    (dp,) = reference.estimate(Workload(workload.shapes), config.nd, reference.Settings(
+        stages=(0,), policy=policy, flat_layout=flat_layout))  # fmt: skip
+    rows = []
+    for r in engine.estimate(workload, config.nd, settings):
+        need = r.model_states_bytes if r.peak is None else r.peak.peak_bytes
+        fits = None if config.gpu_memory_bytes is None else need <= config.gpu_memory_bytes
+        name = get_stage(r.stage).name if r.stage is not None else r.label
+        reduction = dp.model_states_bytes / r.model_states_bytes
+        rows.append(StageEstimate(r.stage, name, r.memory, reduction, r.collectives, fits, r.peak))
     return Estimate(
         psi=sum(numels),
-        total_params=int(config.params) if config.params else sum(config.tensor_numels),
+        total_params=int(config.params) if config.params else sum(config.tensor_numels or numels),
         gpus=config.gpus,
         nd=config.nd,
         nm=config.model_parallel,
@@ -72,6 +96,11 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         bytes_per_param=policy.bytes_per_param,
         k=policy.k,
         stages=tuple(rows),
+        engine=config.engine,
+        model=config.model if config.model is not None else (config.spec.model_type if config.spec else None),
+        workload=config.workload,
+        block_bytes=getattr(settings, "block_bytes", 1),
+        allocator_overhead_bytes=getattr(settings, "allocator_overhead_bytes", 0),
     )
 
 
@@ -79,22 +108,53 @@ def estimate(
     params: float | None = None,
     gpus: int = 1,
     *,
+    model: object = None,
     model_parallel: int = 1,
     stage: int | None = None,
     tensor_numels: tuple[int, ...] | list[int] | None = None,
     gpu_memory_bytes: int | None = None,
+    seq_len: int | None = None,
+    micro_batch: int = 1,
+    checkpointing: str = "none",
+    grad_accum: int = 1,
+    foreach: bool = True,
+    engine: str = "reference",
     **policy: object,
 ) -> Estimate:
-    """Estimate per-GPU model states and per-step communication of ZeRO stages 0-3.
+    """Estimate per-GPU model states, per-step communication and, with an architecture, the peak.
 
-    ``params`` is Ψ of the whole model (or give ``tensor_numels`` for exact padding); ``gpus`` =
-    N_d x ``model_parallel``. Remaining keywords are ``PrecisionPolicy`` fields (``param_dtype``,
+    Give the model as ``params`` (Ψ of the whole model), ``tensor_numels`` (exact padding) or ``model``:
+    a preset name, the path of a Hugging Face ``config.json``, or a ``torch.nn.Module`` (its shapes,
+    meta device fine; a ``transformers`` model whose config zeroplan reads also gets the peak, any
+    other module shapes only). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
+    ``grad_accum`` and ``foreach`` describe the training step of an architecture. ``gpus`` = N_d x
+    ``model_parallel``. Remaining keywords are ``PrecisionPolicy`` fields (``param_dtype``,
     ``grad_dtype``, ``master_weights``, ``optimizer``, ``optimizer_dtype``). Raises
-    ``pydantic.ValidationError`` on bad input.
+    ``pydantic.ValidationError`` or ValueError on bad input.
     """
+    architecture = None
+    if model is not None and not isinstance(model, str):
+        from zeroplan.architectures.module_shapes import module_shapes
+        from zeroplan.estimation.workload import module_architecture
+
+        if params is not None or tensor_numels is not None:
+            raise ValueError("give exactly one of params, tensor_numels and model")
+        shapes = module_shapes(model)  # TypeError for anything but an nn.Module
+        architecture = module_architecture(model, shapes)
+        if architecture is None:  # shapes only: exact padding, no peak
+            tensor_numels = tuple(math.prod(s) for _, s in shapes)
+        model = None
     config = EstimateConfig(
         params=params,
         tensor_numels=tensor_numels,  # the config checks and converts lists (never a str)
+        model=model,
+        architecture=architecture,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+        grad_accum=grad_accum,
+        foreach=foreach,
+        engine=engine,
         gpus=gpus,
         model_parallel=model_parallel,
         stage=stage,

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
+from zeroplan.engines.base import Workload
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.memory import MemoryBreakdown
+from zeroplan.formulas.peak import PeakEstimate
 from zeroplan.policy import ByteRows, PrecisionPolicy
 
 
@@ -18,7 +21,8 @@ class StageEstimate:
     memory: MemoryBreakdown
     reduction_vs_dp: float  # DP model states / this stage's model states
     collectives: tuple[Collective, ...]
-    fits: bool | None = None  # None when no GPU memory was given
+    fits: bool | None = None  # None when no GPU memory was given; on the peak when it is known
+    peak: Optional[PeakEstimate] = None  # the engine's peak per phase; None without an architecture
 
     @property
     def comm_volume_elements(self) -> int:
@@ -44,6 +48,11 @@ class Estimate:
     bytes_per_param: ByteRows  # ("fp16 params", 2), ...
     k: float  # the paper's K: optimizer-state bytes per parameter, master copy included
     stages: tuple[StageEstimate, ...]
+    engine: str = "reference"  # the engine whose model states, peak and collectives these are
+    model: Optional[str] = None  # --model as given (preset, config path) or the module's class
+    workload: Optional[Workload] = None  # the training step, with an architecture
+    block_bytes: int = 1  # allocator block every peak term is rounded to (512: CUDA)
+    allocator_overhead_bytes: int = 0  # reserved - allocated, 0 until measured on a GPU
 
     def stage(self, number: int) -> StageEstimate:
         return next(s for s in self.stages if s.stage == number)

@@ -6,21 +6,25 @@ here (``zeroplan.presets``), overrides win over presets.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
-from zeroplan.architectures.spec import TransformerSpec, gpt_for_params
+from zeroplan.architectures.spec import TransformerSpec, gpt_for_params, numels, transformer_shapes
+from zeroplan.engines import get_engine
+from zeroplan.estimation.workload import check_seq_len
 from zeroplan.engines.deepspeed import DEFAULT_BUCKET_NUMEL
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.commtime import ALGORITHMS
 from zeroplan.formulas.offload import DEVICES
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.presets import (
-    GpuName, GpuSpec, LinkSpec, ModelName, ModelPreset, get_gpu, get_interconnect, get_model,
+    DEFAULT_SEQ_LEN, GpuName, GpuSpec, LinkSpec, ModelPreset, get_gpu, get_interconnect, get_model, is_config_path,
+    model_seq_len, resolve_model,
 )  # fmt: skip
 from zeroplan.types import (
-    Bandwidth, BatchCount, ByteSize, Checkpointing, Count, Fraction, GpuCount, Params, SeqLen, Tflops,
+    Bandwidth, BatchCount, ByteSize, Checkpointing, Count, Flag, Fraction, GpuCount, Params, SeqLen, Tflops,
     Utilisation, check_bytes, check_split,
 )  # fmt: skip
 
@@ -34,17 +38,16 @@ DEFAULT_MFU = 0.4
 (Llama Team 2024, The Llama 3 Herd of Models, Table 4)."""
 DEFAULT_INTRA = "nvlink4"
 DEFAULT_INTER = "ib-ndr"
-DEFAULT_SEQ_LEN = 2048
-"""Tokens per sequence when neither --seq-len nor a reference model gives one (GPT-3's context)."""
 
 
 class PlanConfig(BaseModel):
     """One capacity-planning question. Give the model as a preset (``model``) or a count (``params``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, ignored_types=(cached_property,))
 
-    model: Optional[ModelName] = None
-    """reference model preset (``zeroplan.presets.model_presets``); exact per-tensor padding."""
+    model: Optional[str] = None
+    """model preset (``zeroplan.presets.model_presets``) or the path of a Hugging Face ``config.json``: exact
+    per-tensor padding, and the peak of a training step."""
     params: Optional[Params] = None
     """Ψ of the whole model in parameters, when no preset is named. Neither: only max model sizes."""
     gpu: Optional[GpuName] = None
@@ -75,7 +78,12 @@ class PlanConfig(BaseModel):
     seq_len: Optional[SeqLen] = None
     """tokens per sequence; default the preset's, else 2048."""
     checkpointing: Checkpointing = "full"
-    """activation recomputation assumed by the activation estimate (``zeroplan.formulas.activations``)."""
+    """activation recomputation assumed by the activation estimate (``zeroplan.formulas.activations``) and
+    the peak (which knows none and full; full stays the default here, as before the peak existed)."""
+    foreach: Flag = True
+    """the optimizer's multi-tensor path, for the peak; True is torch's default on CUDA."""
+    engine: str = "reference"
+    """the training engine whose peak decides the fit (``zeroplan.engines.ENGINES``)."""
     offload: Literal[DEVICES] = "none"
     """the most offload the recommendation may use (all options are always listed)."""
     host_memory_bytes: Optional[ByteSize] = None
@@ -88,6 +96,20 @@ class PlanConfig(BaseModel):
     bucket_numel: Count = DEFAULT_BUCKET_NUMEL
     """elements per collective call (gradient bucket / all-gather bucket)."""
     policy: PrecisionPolicy = BF16_MIXED
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: Optional[str]) -> Optional[str]:
+        """A preset keeps the preset's spelling; a config file must read (one-line error otherwise)."""
+        if v is None:
+            return v
+        resolve_model(v)
+        return v if is_config_path(v) else get_model(v).name
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: str) -> str:
+        return get_engine(v).name
 
     @field_validator("interconnect", "inter_interconnect")
     @classmethod
@@ -110,6 +132,8 @@ class PlanConfig(BaseModel):
                 "give a GPU preset (gpu, --gpu) or the GPU memory (gpu_memory_bytes, --gpu-memory)"
             )
         check_split(self.gpus, self.model_parallel)
+        if self.model is not None:
+            check_seq_len(self.transformer, self.sequence_length)
         if self.transformer is not None:  # keep every printed size a sane byte count
             s, b = self.sequence_length, self.micro_batch
             act = activation_bytes(self.transformer, s, b, self.checkpointing, 1)
@@ -128,7 +152,13 @@ class PlanConfig(BaseModel):
 
     @property
     def model_spec(self) -> Optional[ModelPreset]:
-        return None if self.model is None else get_model(self.model)
+        """The preset ``model`` names; None for a config file or no model."""
+        return None if self.model is None or is_config_path(self.model) else get_model(self.model)
+
+    @cached_property
+    def model_architecture(self) -> Optional[TransformerSpec]:
+        """The architecture ``model`` names (preset or config file); None without one."""
+        return None if self.model is None else resolve_model(self.model)
 
     @property
     def memory_bytes(self) -> int:
@@ -137,13 +167,15 @@ class PlanConfig(BaseModel):
     @property
     def tensor_numels(self) -> Optional[tuple[int, ...]]:
         """Every tensor of the whole model (preset), Ψ as one tensor (params), or None (no model)."""
-        if self.model_spec is not None:
-            return self.model_spec.tensor_numels
+        if self.model_architecture is not None:
+            return numels(transformer_shapes(self.model_architecture))
         return None if self.params is None else (int(self.params),)
 
     @property
     def sequence_length(self) -> int:
-        return self.seq_len or (self.model_spec.seq_len if self.model_spec else DEFAULT_SEQ_LEN)
+        if self.seq_len is not None:
+            return self.seq_len
+        return DEFAULT_SEQ_LEN if self.model is None else model_seq_len(self.model, self.model_architecture)
 
     @property
     def tokens_per_micro_step(self) -> int:
@@ -152,8 +184,8 @@ class PlanConfig(BaseModel):
     @property
     def transformer(self) -> Optional[TransformerSpec]:
         """The preset's architecture, or for ``params`` a GPT-style shape of about Ψ (``gpt_for_params``)."""
-        if self.model_spec is not None:
-            return self.model_spec.spec
+        if self.model_architecture is not None:
+            return self.model_architecture
         return None if self.params is None else gpt_for_params(self.params)
 
     @property

@@ -17,17 +17,21 @@ from typing import Annotated, Callable, Optional
 
 from pydantic import ConfigDict, Field, validate_call
 
+from zeroplan.engines import get_engine
 from zeroplan.engines.deepspeed import deepspeed_config
+from zeroplan.estimation.workload import model_workload
 from zeroplan.engines.fsdp2 import fsdp2_snippet
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import step_collectives
 from zeroplan.formulas.commtime import compute_time_s, ring_link, step_time
+from zeroplan.formulas.peak import PeakEstimate, Term
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
+from zeroplan.render.table import format_bytes
 from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber
 
 _STRICT = ConfigDict(arbitrary_types_allowed=True)
@@ -169,8 +173,89 @@ def _bisect_first_true(ok: Callable[[int], bool], lo: int, hi: int) -> int:
     return hi
 
 
+def stage_peaks(config: PlanConfig, nd: Optional[int] = None) -> tuple[dict[int, PeakEstimate], str]:
+    """({stage: peak} of the options without offload, how fits are decided): the engine's peak on ``nd``
+    ranks (default N_d) when the architecture and the step are ones it models, else {} and why fits
+    are on model states."""
+    if config.model is None:
+        return {}, "fits on model states within the headroom: the peak needs an architecture (--model)"
+    why = None
+    if config.model_parallel != 1:
+        why = f"the peak is modelled without tensor parallelism (N_m = {config.model_parallel})"
+    elif config.checkpointing not in ("none", "full"):
+        why = f"the peak knows checkpointing none and full, not {config.checkpointing}"
+    if why is None:
+        engine = get_engine(config.engine)
+        spec = config.model_architecture
+        workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
+                                  config.grad_accum, config.foreach)  # fmt: skip
+        try:
+            rows = engine.estimate(workload, nd or config.nd, engine.settings(policy=config.policy))
+        except ValueError as exc:  # a policy the engine's peak does not model
+            why = str(exc)
+        else:
+            peaks = {r.stage: r.peak for r in rows if r.peak is not None}
+            return peaks, (
+                f"fits on the peak per GPU ({config.engine} engine, docs/peak.md) within the headroom; "
+                "offload options on model states (no peak model for offload)"
+            )
+    return {}, f"fits on model states within the headroom: {why}"
+
+
+LEVERS = ("checkpointing", "micro-batch", "stage", "gpus")
+"""What ``cut_first`` may advise, cheapest first in the user's hands."""
+
+
+def _is_activation(term: Term) -> bool:
+    """Terms that grow with micro-batch x sequence length (activations, logits, the batch)."""
+    return "activation_terms" in term.source or term.source.endswith("measure_stage")
+
+
+def _term_bytes(peak: Optional[PeakEstimate], name: str) -> Optional[int]:
+    """The largest term called ``name`` in any phase of ``peak`` (0 when absent); None without a peak."""
+    if peak is None:
+        return None
+    return max((t.bytes for p in peak.phases for t in p.terms if t.name == name), default=0)
+
+
+def cut_first(
+    peak: PeakEstimate,
+    stage: int,
+    config: PlanConfig,
+    next_stage: Optional[PeakEstimate] = None,
+    more_gpus: Optional[PeakEstimate] = None,
+) -> str:
+    """Which term to cut first: the largest live term at the peak that some lever cuts. Saved block
+    activations: checkpointing (when off); other activations: the micro-batch (when > 1), else the
+    sequence length. Anything else: a higher stage if the next stage's peak (``next_stage``) holds less
+    of it, else more GPUs if the peak at 2·N_d (``more_gpus``) does; a term neither cuts (e.g. the model
+    as an engine builds it before sharding) is skipped."""
+    for t in peak.peak_terms:
+        if _is_activation(t):
+            if t.name.startswith("saved activations") and config.checkpointing == "none":
+                lever = "checkpointing (--checkpointing full keeps only each block's input)"
+            elif config.micro_batch > 1:
+                lever = f"micro-batch (--micro-batch below {config.micro_batch}; --grad-accum keeps the batch)"
+            else:
+                lever = f"sequence length (--seq-len below {config.sequence_length})"
+        elif (_term_bytes(next_stage, t.name) if next_stage is not None else t.bytes) < t.bytes:
+            lever = f"stage (ZeRO stage {stage + 1} holds less of it)"
+        elif (_term_bytes(more_gpus, t.name) if more_gpus is not None else t.bytes) < t.bytes:
+            lever = f"gpus (2 x N_d = {2 * config.nd} holds less of it)"
+        else:
+            continue
+        size = format_bytes(t.bytes, "GiB")
+        return f"{lever}: {t.name}, {size}, is the largest term it cuts at the {peak.peak_phase} peak"
+    t = peak.peak_terms[0]
+    return (
+        f"no lever cuts the largest terms at the {peak.peak_phase} peak ({t.name}, "
+        f"{format_bytes(t.bytes, 'GiB')}): the {config.engine} engine allocates them whatever the stage, "
+        "N_d, micro-batch or checkpointing"
+    )
+
+
 def _option(
-    config: PlanConfig, stage: int, offload: Offload, numels, ring, compute_s, budget, host
+    config: PlanConfig, stage: int, offload: Offload, numels, ring, compute_s, budget, host, peak=None
 ) -> PlanOption:
     row = get_stage(stage)
     nm, nd, policy = config.model_parallel, config.nd, config.policy
@@ -190,7 +275,8 @@ def _option(
     return PlanOption(
         stage, row.name, offload, **sizes,
         states=states,
-        fits=fits(states, budget, host),
+        fits=fits(states, budget, host) if peak is None else peak.peak_bytes <= budget and fits(states, budget, host),
+        peak=peak,
         min_gpus=min_gpus(config.tensor_numels, budget, stage, nm, offload, policy, host, layout),
         comm_volume_elements=volume,
         comm_bytes_per_rank=sum(t.calls_per_step * t.collective.bytes_per_rank for t in time.collectives),
@@ -213,6 +299,12 @@ def _recommend(config: PlanConfig, options: tuple[PlanOption, ...]) -> tuple[Opt
     if not feasible:
         return None, f"no option fits on up to {MAX_GPUS} GPUs with {headroom}"
     best = min(feasible, key=lambda o: o.min_gpus)
+    if any(o.peak is not None for o in options):  # min_gpus counts model states: a lower bound on the peak's
+        return None, (
+            f"nothing fits on {config.gpus} GPUs with {headroom} (offload allowed: {config.offload}); "
+            f"the fewest GPUs whose model states fit: {best.min_gpus} with stage {best.label} (a lower "
+            "bound: the peak adds activations and buffers)"
+        )
     return None, (
         f"nothing fits on {config.gpus} GPUs with {headroom} (offload allowed: {config.offload}); "
         f"the fewest GPUs that fit: {best.min_gpus} with stage {best.label}"
@@ -234,8 +326,19 @@ def plan_config(config: PlanConfig) -> Plan:
     if whole is not None and config.flops is not None:
         compute_s = compute_time_s(sum(whole), tokens, nm, config.flops, config.mfu)
     keys = [(s, NO_OFFLOAD) for s in range(4)] + [k for k in LADDER if k[1].any]
-    options = tuple(_option(config, s, off, numels, ring, compute_s, budget, host) for s, off in keys)
+    peaks, fit_basis = stage_peaks(config)
+    options = tuple(
+        _option(config, s, off, numels, ring, compute_s, budget, host, None if off.any else peaks.get(s))
+        for s, off in keys
+    )
     recommendation, reason = _recommend(config, options)
+    advice = None
+    with_peak = [o for o in options if o.peak is not None]
+    if with_peak:
+        target = recommendation if recommendation is not None and recommendation.peak is not None else None
+        target = target or min(with_peak, key=lambda o: o.peak.peak_bytes)
+        more_gpus = stage_peaks(config, 2 * config.nd)[0].get(target.stage)
+        advice = cut_first(target.peak, target.stage, config, peaks.get(target.stage + 1), more_gpus)
     launchers = None
     if recommendation is not None:
         launchers = launcher_configs(config, recommendation.stage, recommendation.offload)
@@ -264,6 +367,8 @@ def plan_config(config: PlanConfig) -> Plan:
         recommendation=recommendation,
         reason=reason,
         launchers=launchers,
+        fit_basis=fit_basis,
+        cut_first=advice,
     )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from zeroplan.formulas.commtime import StepTime
+from zeroplan.formulas.peak import PeakEstimate
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
 from zeroplan.policy import ByteRows
@@ -29,6 +30,7 @@ class PlanOption:
     comm_bytes_per_rank: Optional[int] = None  # per optimizer step, ring bytes each rank sends
     time: Optional[StepTime] = None
     pcie_s: Optional[float] = None  # offload traffic time per step on the host link, full duplex
+    peak: Optional[PeakEstimate] = None  # the engine's peak per GPU (no offload, an architecture given)
 
     @property
     def label(self) -> str:
@@ -57,6 +59,8 @@ class Plan:
     recommendation: Optional[PlanOption]
     reason: str
     launchers: Optional[dict[str, object]]  # the recommendation's {"deepspeed": dict, "fsdp2": str}
+    fit_basis: str = ""  # how fits was decided: on the peak, or on model states and why
+    cut_first: Optional[str] = None  # which term to cut first, from the peak's largest terms
 
     @property
     def headroom_bytes(self) -> int:

@@ -6,12 +6,14 @@ import csv
 import io
 
 from zeroplan.estimation.records import Estimate, StageEstimate
-from zeroplan.render.schemas import CollectiveOut, EstimateDoc, EstimateInputs, PolicyOut, StageOut, json_text
+from zeroplan.render.schemas import (
+    CollectiveOut, EstimateDoc, EstimateInputs, PeakTermOut, PhasesOut, PolicyOut, StageOut, StepOut, json_text,
+)  # fmt: skip
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
 
 CSV_COLUMNS = (
     "stage", "name", "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes",
-    "reduction_vs_dp", "fits", "comm_volume_elements", "comm_bytes_per_rank",
+    "reduction_vs_dp", "fits", "comm_volume_elements", "comm_bytes_per_rank", "peak_bytes", "peak_phase",
 )  # fmt: skip
 
 
@@ -29,7 +31,23 @@ def stage_out(s: StageEstimate) -> StageOut:
         comm_volume_elements=s.comm_volume_elements,
         comm_bytes_per_rank=s.comm_bytes_per_rank,
         collectives=[CollectiveOut(**c.as_dict()) for c in s.collectives],
+        peak_bytes=None if s.peak is None else s.peak.peak_bytes,
+        peak_phase=None if s.peak is None else s.peak.peak_phase,
+        phases=None if s.peak is None else PhasesOut(**s.peak.by_phase()),
+        peak_terms=None if s.peak is None else [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source)
+                                                 for t in s.peak.peak_terms],  # fmt: skip
     )
+
+
+def step_out(e: Estimate) -> StepOut | None:
+    """The training step of the peak, or None without an architecture."""
+    w = e.workload
+    if w is None:
+        return None
+    return StepOut(
+        seq_len=w.seq_len, micro_batch=w.micro_batch, checkpointing=w.checkpointing, grad_accum=w.grad_accum,
+        foreach=w.foreach, block_bytes=e.block_bytes, allocator_overhead_bytes=e.allocator_overhead_bytes,
+    )  # fmt: skip
 
 
 def stage_dict(s: StageEstimate) -> dict:
@@ -46,6 +64,9 @@ def estimate_doc(e: Estimate) -> EstimateDoc:
             nm=e.nm,
             gpu_memory_bytes=e.gpu_memory_bytes,
             policy=PolicyOut(**e.policy.resolved()),
+            engine=e.engine,
+            model=e.model,
+            step=step_out(e),
         ),
         bytes_per_param=dict(e.bytes_per_param),
         k=e.k,
@@ -66,12 +87,23 @@ def to_csv(e: Estimate) -> str:
     return out.getvalue()
 
 
+def step_line(e: Estimate) -> str:
+    """'training step: llama2-7b, 1 x 4096 tokens per GPU, checkpointing none, foreach on, grad-accum 1'."""
+    w = e.workload
+    return (
+        f"training step: {e.model}, {w.micro_batch} x {w.seq_len} tokens per GPU, checkpointing "
+        f"{w.checkpointing}, Adam foreach {'on' if w.foreach else 'off'}, grad-accum {w.grad_accum}, engine {e.engine}"
+    )
+
+
 def to_table(e: Estimate, unit: str = "GB") -> str:
     head = (
         f"Ψ = {format_count(e.total_params)} parameters on {e.gpus} GPUs "
         f"(N_d = {e.nd} data-parallel x N_m = {e.nm} model-parallel; Ψ per MP rank = {format_count(e.psi)})"
     )
     columns = ["stage", "ZeRO", "params", "grads", "optimizer", "total/GPU", "vs DP", "comm/step", "sent/rank"]
+    if e.workload is not None:
+        columns += ["peak/GPU", "peak phase"]
     if e.gpu_memory_bytes is not None:
         columns.append(f"fits {format_bytes(e.gpu_memory_bytes, unit)}")
     rows = []
@@ -84,14 +116,30 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
             f"{s.reduction_vs_dp:.2f}x", f"{s.comm_volume_elements / e.psi:.2f}Ψ",
             format_bytes(s.comm_bytes_per_rank, unit),
         ]  # fmt: skip
+        if e.workload is not None:
+            row += [format_bytes(s.peak.peak_bytes, unit), s.peak.peak_phase.replace("_", " ")]
         if s.fits is not None:
             row.append("yes" if s.fits else "no")
         rows.append(row)
-    lines = [head, convention_line(e.bytes_per_param, e.k), "", *format_table([columns, *rows], left=2)]
+    lines = [head, convention_line(e.bytes_per_param, e.k)]
+    if e.workload is not None:
+        lines.append(step_line(e))
+    lines += ["", *format_table([columns, *rows], left=2), ""]
+    if e.workload is None:
+        lines += [
+            f"{unit} = {'1e9' if unit == 'GB' else '2**30'} bytes. Model states only (params, grads, optimizer; "
+            "ZeRO paper sec. 3.1, 5); activations and buffers come on top.",
+            "peak/GPU: needs --model (a preset or a config.json): the peak of a training step needs an architecture.",
+        ]
+    else:
+        fits = " fits: the peak <= GPU memory." if e.gpu_memory_bytes is not None else ""
+        lines += [
+            f"{unit} = {'1e9' if unit == 'GB' else '2**30'} bytes. total/GPU: model states (ZeRO paper sec. 3.1, 5); "
+            f"peak/GPU: the largest phase of a training step on the {e.engine} engine (docs/peak.md).{fits}",
+            f"Peak terms rounded up to {e.block_bytes}-byte CUDA blocks; allocator overhead (reserved - allocated) "
+            f"is a separate term, {e.allocator_overhead_bytes} until measured on a GPU.",
+        ]
     lines += [
-        "",
-        f"{unit} = {'1e9' if unit == 'GB' else '2**30'} bytes. Model states only (params, grads, optimizer; "
-        "ZeRO paper sec. 3.1, 5); activations and buffers come on top.",
         "comm/step: elements moved per rank per step as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, "
         "3Ψ P_os+g+p); sent/rank: bytes each rank sends with ring collectives, (N_d-1)/N_d of that.",
     ]

@@ -20,6 +20,13 @@ MEMORY_NOTE = (
     "gathered stage-3 layers and fragmentation must fit in the headroom; they are not modelled."
 )
 
+PEAK_NOTE = (
+    "fits: the peak per GPU of a training step (model states, activations, buffers and temporaries per "
+    "phase; docs/peak.md) within the headroom, which keeps room for the CUDA context; terms rounded to "
+    "512-byte CUDA blocks, allocator overhead (reserved - allocated) 0 until measured on a GPU. Offload "
+    "options fit on model states (no peak model for offload); min GPUs counts model states, a lower bound."
+)
+
 
 def _link(link: LinkSpec) -> dict:
     return {"name": link.name, "bandwidth_gbps": link.bandwidth_gbps, "alpha_s": link.alpha_s}
@@ -60,6 +67,7 @@ def option_dict(o: PlanOption, per_node: int) -> dict:
         },
         comm_volume_elements=o.comm_volume_elements,
         comm_bytes_per_rank=o.comm_bytes_per_rank,
+        **peak_keys(o.peak),
         comm_time={
             "link": o.time.link,
             "algorithm": o.time.algorithm,
@@ -78,6 +86,20 @@ def option_dict(o: PlanOption, per_node: int) -> dict:
         },
     )
     return out
+
+
+def peak_keys(peak) -> dict:
+    """``peak_bytes``, ``peak_phase``, ``phases``, ``peak_terms`` of a peak (all None without one)."""
+    if peak is None:
+        return dict(peak_bytes=None, peak_phase=None, phases=None, peak_terms=None)
+    return dict(
+        peak_bytes=peak.peak_bytes, peak_phase=peak.peak_phase, phases=peak.by_phase(),
+        peak_terms=[{"name": t.name, "bytes": t.bytes, "source": t.source} for t in peak.peak_terms],
+    )  # fmt: skip
+
+
+def _with_peak(p: Plan) -> bool:
+    return any(o.peak is not None for o in p.options)
 
 
 def _per_node(p: Plan) -> int:
@@ -125,6 +147,8 @@ def plan_dict(p: Plan) -> dict:
             },
             "bytes_per_param": dict(p.bytes_per_param),
             "policy": c.policy.resolved(),
+            "engine": c.engine,
+            "foreach": c.foreach,
         },
         "stages": [option_dict(o, _per_node(p)) for o in p.stages],
         "offload": [option_dict(o, _per_node(p)) for o in p.offload_options],
@@ -139,7 +163,9 @@ def plan_dict(p: Plan) -> dict:
         },
         "recommendation": recommendation,
         "reason": p.reason,
-        "notes": [MEMORY_NOTE, ESTIMATE_NOTE],
+        "fit_basis": p.fit_basis,
+        "cut_first": p.cut_first,
+        "notes": [PEAK_NOTE if _with_peak(p) else MEMORY_NOTE, ESTIMATE_NOTE],
     }
 
 
@@ -183,8 +209,9 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         lines.append(activation_line(p, unit))
     lines.append("")
     header = ["stage + offload", "max Ψ", f"max Ψ ({c.headroom:.0%} free)"]
+    peak = _with_peak(p)
     if p.params is not None:
-        header[1:1] = ["GPU", "host/node", "NVMe/node", "fits", "min GPUs"]
+        header[1:1] = ["GPU", *(["peak"] if peak else []), "host/node", "NVMe/node", "fits", "min GPUs"]
         header += ["sent/rank/step", "comm", "exposed", "PCIe"]
     rows = [header]
     per_node = _per_node(p)
@@ -194,6 +221,7 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
             s = o.states
             row[1:1] = [
                 _size(s.gpu.model_states_bytes, unit),
+                *([_size(o.peak and o.peak.peak_bytes, unit)] if peak else []),
                 _size(s.host_bytes * per_node, unit),
                 _size(s.nvme_bytes * per_node, unit),
                 "yes" if o.fits else "no",
@@ -208,6 +236,10 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         rows.append(row)
     lines += format_table(rows, left=1)
     lines += ["", f"Recommendation: {_recommendation(p, unit)}"]
+    if p.params is not None:
+        lines.append(f"Fit: {p.fit_basis}.")
+    if p.cut_first is not None:
+        lines.append(f"Cut first: {p.cut_first}.")
     rec = p.recommendation
     if rec is not None:
         texts = p.launchers
@@ -221,7 +253,7 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         ]
     lines += [
         "",
-        MEMORY_NOTE,
+        PEAK_NOTE if peak else MEMORY_NOTE,
         ESTIMATE_NOTE,
         "max Ψ: largest model whose states fill the GPU (ZeRO Table 2); min GPUs: fewest N_d x N_m that fit.",
     ]

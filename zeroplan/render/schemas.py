@@ -55,6 +55,35 @@ class CollectiveOut(_Out):
     bytes_per_rank: int = Field(description="bytes one rank sends on a ring algorithm")
 
 
+class PhasesOut(_Out):
+    """Peak bytes per GPU in each phase of a training step (``zeroplan.formulas.peak.PHASES``)."""
+
+    init: int
+    forward: int
+    backward: int
+    optimizer_step: int
+
+
+class PeakTermOut(_Out):
+    """One live term at the peak: a buffer (or group of equal buffers) and where it is allocated."""
+
+    name: str
+    bytes: int = Field(description="as allocated, before the allocator's block rounding")
+    source: str = Field(description="the engine file and function (or formula) it comes from")
+
+
+class StepOut(_Out):
+    """The training step the peak is for (an architecture is given)."""
+
+    seq_len: int
+    micro_batch: int
+    checkpointing: Literal["none", "full"]
+    grad_accum: int
+    foreach: bool
+    block_bytes: int = Field(description="every tensor rounded up to this (512: CUDA's caching allocator)")
+    allocator_overhead_bytes: int = Field(description="reserved - allocated: a separate term, 0 until measured")
+
+
 class StageOut(_Out):
     """One ZeRO stage of ``estimate``: per-GPU model states in bytes and per-step communication."""
 
@@ -65,10 +94,21 @@ class StageOut(_Out):
     optimizer_bytes: int
     model_states_bytes: int
     reduction_vs_dp: float = Field(description="DP model states / this stage's model states")
-    fits: Optional[bool] = Field(description="model states <= GPU memory; null when no memory was given")
+    fits: Optional[bool] = Field(
+        description="peak (when an architecture is given, else model states) <= GPU memory; null when no "
+        "memory was given"
+    )
     comm_volume_elements: int = Field(description="elements moved per step as the ZeRO paper counts (sec. 7)")
     comm_bytes_per_rank: int = Field(description="bytes each rank sends per step with ring collectives")
     collectives: list[CollectiveOut]
+    peak_bytes: Optional[int] = Field(
+        description="the largest phase's peak per GPU (docs/peak.md); null without an architecture (--model)"
+    )
+    peak_phase: Optional[str] = Field(description="the phase the peak falls in; null without an architecture")
+    phases: Optional[PhasesOut] = Field(description="peak per phase, bytes; null without an architecture")
+    peak_terms: Optional[list[PeakTermOut]] = Field(
+        description="the largest live terms at the peak, largest first; null without an architecture"
+    )
 
 
 class EstimateInputs(_Out):
@@ -79,6 +119,9 @@ class EstimateInputs(_Out):
     nm: int
     gpu_memory_bytes: Optional[int]
     policy: PolicyOut
+    engine: str = Field(description="the engine estimated (--engine)")
+    model: Optional[str] = Field(description="--model as given; null for --params or --shapes")
+    step: Optional[StepOut] = Field(description="the training step of the peak; null without an architecture")
 
 
 class EstimateDoc(_Out):
@@ -127,6 +170,8 @@ class PlanInputs(_Out):
     links: LinksOut
     bytes_per_param: dict[str, Number]
     policy: PolicyOut
+    engine: str = Field(description="the engine whose peak decides the fit (--engine)")
+    foreach: bool = Field(description="Adam's foreach path, for the peak")
 
 
 class OffloadOut(_Out):
@@ -166,7 +211,8 @@ class CommTimeOut(_Out):
 
 _MODEL_KEYS = (
     "gpu_bytes", "host_bytes_per_gpu", "host_bytes_per_node", "nvme_bytes_per_gpu", "nvme_bytes_per_node",
-    "pcie", "comm_volume_elements", "comm_bytes_per_rank", "comm_time",
+    "pcie", "comm_volume_elements", "comm_bytes_per_rank", "comm_time", "peak_bytes", "peak_phase", "phases",
+    "peak_terms",
 )  # fmt: skip
 
 
@@ -190,6 +236,11 @@ class PlanOptionOut(_Out):
     comm_volume_elements: Optional[int] = None
     comm_bytes_per_rank: Optional[int] = None
     comm_time: Optional[CommTimeOut] = None
+    peak_bytes: Optional[int] = Field(None, description="the engine's peak per GPU; null with offload or "
+                                      "without an architecture (--model)")  # fmt: skip
+    peak_phase: Optional[str] = None
+    phases: Optional[PhasesOut] = None
+    peak_terms: Optional[list[PeakTermOut]] = None
 
     @model_serializer(mode="wrap")
     def _without_model(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -228,12 +279,20 @@ class PlanDoc(_Out):
     activations: ActivationsOut
     recommendation: Optional[RecommendationOut]
     reason: str
+    fit_basis: str = Field(description="how fits was decided: on the peak per GPU, or on model states and why")
+    cut_first: Optional[str] = Field(description="which term to cut first, from the peak's largest terms; "
+                                     "null without a peak")  # fmt: skip
     notes: list[str]
 
 
 class SweepInputs(_Out):
     gpu_memory_bytes: Optional[int]
     policy: PolicyOut
+    model: Optional[str] = Field(description="--model as given; null for --params or --shapes")
+    seq_len: Optional[int] = Field(description="tokens per sequence of the activation and peak columns")
+    checkpointing: Optional[str] = Field(description="recomputation of the activation and peak columns")
+    foreach: Optional[bool] = Field(description="Adam's foreach path of the peak columns")
+    engine: Optional[str] = Field(description="the engine of the peak columns")
 
 
 class SweepDoc(_Out):

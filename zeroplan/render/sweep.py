@@ -19,17 +19,24 @@ _NEEDS_QUOTES = set(',"\r\n')
 
 def to_records(frame) -> list[dict]:
     """Rows as plain Python values (``fits`` None when unknown), for JSON."""
-    nullable = ("fits", "reduction_vs_dp", "activation_bytes", "total_bytes", "total_fits")
-    out = frame.astype({**dict.fromkeys(nullable, object), "name": str, "offload": str, "collectives": str})
+    nullable = ("fits", "reduction_vs_dp", "activation_bytes", "total_bytes", "total_fits", "peak_bytes",
+                "peak_fits")  # fmt: skip
+    out = frame.astype({**dict.fromkeys(nullable, object), "name": str, "offload": str, "collectives": str,
+                        "peak_phase": str})  # fmt: skip
     for column in nullable:  # unknown fit or activations, no ratio when nothing stays on the GPU
         out[column] = out[column].where(out[column].notna(), None)
+    phase = out["peak_phase"].astype(object)
+    out["peak_phase"] = phase.where(phase != "", None)  # "" codes no peak
     return out.to_dict(orient="records")
 
 
 def _json_head(columns: list[str], config: SweepConfig) -> str:
     doc = SweepDoc(
         inputs=SweepInputs(
-            gpu_memory_bytes=config.gpu_memory_bytes, policy=PolicyOut(**config.policy.resolved())
+            gpu_memory_bytes=config.gpu_memory_bytes, policy=PolicyOut(**config.policy.resolved()),
+            **(dict(model=config.model, seq_len=config.sequence_length, checkpointing=config.checkpointing,
+                    foreach=config.foreach, engine=config.engine) if config.model is not None else
+               dict(model=None, seq_len=None, checkpointing=None, foreach=None, engine=None)),
         ),
         columns=columns,
         rows=[],

@@ -7,17 +7,22 @@ activations <= 1 EiB) keep them below 2**63.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
+from zeroplan.architectures.spec import numels as numels_of
+from zeroplan.engines import get_engine
+from zeroplan.estimation.workload import check_seq_len
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.parsing import parse_offload
 from zeroplan.policy import PrecisionPolicy
-from zeroplan.presets import ModelName, get_model
+from zeroplan.presets import get_model, is_config_path, model_seq_len, resolve_model
 from zeroplan.types import (
-    BatchCount, ByteSize, Checkpointing, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes,
+    BatchCount, ByteSize, Checkpointing, Flag, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes,
     check_total,
 )  # fmt: skip
 
@@ -37,14 +42,20 @@ class SweepConfig(BaseModel):
     """Ψ values of the whole model, in parameters; give this, ``tensor_numels`` or ``model``."""
     tensor_numels: Optional[tuple[Numel, ...]] = Field(None, min_length=1)
     """elements of every parameter tensor of one model (exact padding); replaces ``params``."""
-    model: Optional[ModelName] = None
-    """reference model preset (``zeroplan.presets``): its tensors, and its shape for activations."""
+    model: Optional[str] = None
+    """model preset (``zeroplan.presets``) or the path of a Hugging Face ``config.json``: its tensors, its
+    shape for activations and the peak per GPU."""
     micro_batch: tuple[BatchCount, ...] = (1,)
     """sequences per GPU per micro-step; changes only the activation columns (needs ``model``)."""
     seq_len: Optional[SeqLen] = None
     """tokens per sequence for activations; default the preset's."""
     checkpointing: Checkpointing = "full"
-    """activation recomputation assumed: none, selective or full (``zeroplan.formulas.activations``)."""
+    """activation recomputation assumed: none, selective or full (``zeroplan.formulas.activations``); the
+    peak columns know none and full (full stays the default, as before the peak existed)."""
+    foreach: Flag = True
+    """the optimizer's multi-tensor path, for the peak; True is torch's default on CUDA."""
+    engine: str = "reference"
+    """the training engine of the peak columns (``zeroplan.engines.ENGINES``)."""
     gpus: tuple[GpuCount, ...] = (1,)
     """total GPU counts = N_d x N_m."""
     model_parallel: tuple[GpuCount, ...] = (1,)
@@ -57,6 +68,20 @@ class SweepConfig(BaseModel):
     gpu_memory_bytes: Optional[ByteSize] = None
     """memory of one GPU in bytes, for the ``fits`` column; None leaves it empty."""
     policy: PrecisionPolicy = PrecisionPolicy()
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: Optional[str]) -> Optional[str]:
+        """A preset keeps the preset's spelling; a config file must read (one-line error otherwise)."""
+        if v is None:
+            return v
+        resolve_model(v)
+        return v if is_config_path(v) else get_model(v).name
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: str) -> str:
+        return get_engine(v).name
 
     @field_validator("offload", mode="before")
     @classmethod
@@ -92,9 +117,9 @@ class SweepConfig(BaseModel):
         if rows > MAX_ROWS:
             raise ValueError(f"the grid has up to {rows:,} rows, above the limit of {MAX_ROWS:.0e}: split it")
         if self.model is not None:  # the largest activations of the grid must stay a sane byte count
-            preset = get_model(self.model)
-            seq_len = self.seq_len or preset.seq_len
-            act = activation_bytes(preset.spec, seq_len, max(self.micro_batch), self.checkpointing, 1)
+            seq_len = self.sequence_length
+            check_seq_len(self.spec, seq_len)
+            act = activation_bytes(self.spec, seq_len, max(self.micro_batch), self.checkpointing, 1)
             check_bytes(act or 0, f"activations at seq_len={seq_len}, micro_batch={max(self.micro_batch)}")
         if not any(g % m == 0 for g in self.gpus for m in self.model_parallel):
             raise ValueError(
@@ -107,11 +132,23 @@ class SweepConfig(BaseModel):
             )
         return self
 
+    @cached_property
+    def spec(self) -> Optional[TransformerSpec]:
+        """The architecture ``model`` names; None without one."""
+        return None if self.model is None else resolve_model(self.model)
+
+    @property
+    def sequence_length(self) -> Optional[int]:
+        """``seq_len``, or the model's default (``zeroplan.presets.model_seq_len``); None without a model."""
+        if self.model is None:
+            return None
+        return self.seq_len if self.seq_len is not None else model_seq_len(self.model, self.spec)
+
     @property
     def numels(self) -> Optional[tuple[int, ...]]:
-        """Every tensor of the model: ``tensor_numels`` or the preset's; None for a bare Ψ."""
-        if self.model is not None:
-            return get_model(self.model).tensor_numels
+        """Every tensor of the model: ``tensor_numels`` or the architecture's; None for a bare Ψ."""
+        if self.spec is not None:
+            return numels_of(transformer_shapes(self.spec))
         return self.tensor_numels
 
     @property

@@ -14,20 +14,23 @@ Byte counts stay exact integers: int64 holds 9.2e18, and the largest count here 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 
 import numpy as np
 import pandas as pd
 
+from zeroplan.engines import get_engine
 from zeroplan.estimation.estimate import stage_estimates
+from zeroplan.estimation.workload import model_workload
 from zeroplan.estimation.records import StageEstimate
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload
+from zeroplan.formulas.peak import PHASES, PeakEstimate
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import STAGES
 from zeroplan.planning.plan import rank_states
 from zeroplan.policy import PrecisionPolicy
-from zeroplan.presets import get_model
 from zeroplan.sweeping.config import SweepConfig
 from zeroplan.sweeping.records import SweepRow
 
@@ -89,15 +92,51 @@ def _activations(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tuple[np.
     out, known = np.zeros(m.shape, dtype=np.int64), np.zeros(m.shape, dtype=bool)
     if config.model is None:
         return out, known
-    preset = get_model(config.model)
-    seq_len = config.seq_len or preset.seq_len
     for nm in config.model_parallel:
         for mb in config.micro_batch:
-            value = activation_bytes(preset.spec, seq_len, mb, config.checkpointing, nm)
+            value = activation_bytes(config.spec, config.sequence_length, mb, config.checkpointing, nm)
             if value is not None:
                 where = (m == nm) & (b == mb)
                 out[where], known[where] = value, True
     return out, known
+
+
+@lru_cache(maxsize=4096)
+def _stage_peaks(config: SweepConfig, nd: int, micro_batch: int) -> dict[int, PeakEstimate]:
+    """{stage: peak} of the engine for one (N_d, micro-batch) of the grid (``zeroplan.engines``)."""
+    engine = get_engine(config.engine)
+    workload = model_workload(config.spec, config.sequence_length, micro_batch, config.checkpointing, 1,
+                              config.foreach)  # fmt: skip
+    rows = engine.estimate(workload, nd, engine.settings(stages=config.stages, policy=config.policy))
+    return {r.stage: r.peak for r in rows if r.peak is not None}
+
+
+@lru_cache(maxsize=64)
+def peak_possible(config: SweepConfig) -> bool:
+    """Whether the grid gets peak columns: an architecture, a checkpointing mode the peak knows, and a
+    policy the engine's peak models (the engine raises ValueError for one it does not)."""
+    if config.model is None or config.checkpointing not in ("none", "full"):
+        return False
+    try:
+        _stage_peaks(config, 1, config.micro_batch[0])
+    except ValueError:
+        return False
+    return True
+
+
+def _peaks(config: SweepConfig, nd, m, b, stage, offload_none) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bytes, phase code, known) per row: the peak of rows without offload and with N_m = 1."""
+    out = np.zeros(nd.shape, dtype=np.int64)
+    phase = np.zeros(nd.shape, dtype=np.int64)  # 0: "" (unknown), then PHASES
+    known = np.zeros(nd.shape, dtype=bool)
+    if not peak_possible(config):
+        return out, phase, known
+    rows = np.flatnonzero((m == 1) & offload_none)
+    for i in rows:
+        peak = _stage_peaks(config, int(nd[i]), int(b[i])).get(int(stage[i]))
+        if peak is not None:
+            out[i], phase[i], known[i] = peak.peak_bytes, 1 + PHASES.index(peak.peak_phase), True
+    return out, phase, known
 
 
 def sweep_config(config: SweepConfig) -> pd.DataFrame:
@@ -153,6 +192,11 @@ def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
     else:
         fits = pd.arrays.BooleanArray(per_row("fits"), mask=np.zeros(n_rows, dtype=bool))
     act, known = (repeat(a) for a in _activations(config, m, grid["micro_batch"]))
+    stage_rows = np.tile(np.array([s for s, _ in pairs], dtype=np.int64), nd.size)
+    offload_none = np.tile(np.array([o == NO_OFFLOAD for _, o in pairs]), nd.size)
+    peak, phase, peak_known = _peaks(config, repeat(nd), repeat(m), repeat(grid["micro_batch"]), stage_rows,
+                                     offload_none)  # fmt: skip
+    peak_fits = peak <= (config.gpu_memory_bytes or 0)
     total = per_row("model_states_bytes") + act
     total_fits = total <= (config.gpu_memory_bytes or 0)
     columns = {
@@ -171,6 +215,9 @@ def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
         "activation_bytes": pd.arrays.IntegerArray(act, mask=~known),
         "total_bytes": pd.arrays.IntegerArray(total, mask=~known),
         "total_fits": pd.arrays.BooleanArray(total_fits, mask=~known | (config.gpu_memory_bytes is None)),
+        "peak_bytes": pd.arrays.IntegerArray(peak, mask=~peak_known),
+        "peak_phase": pd.Categorical.from_codes(phase, categories=["", *PHASES]),
+        "peak_fits": pd.arrays.BooleanArray(peak_fits, mask=~peak_known | (config.gpu_memory_bytes is None)),
     }
     return pd.DataFrame(columns, columns=list(COLUMNS))
 
@@ -238,6 +285,8 @@ def sweep(
     micro_batch: Sequence[int] = (1,),
     seq_len: int | None = None,
     checkpointing: str = "full",
+    foreach: bool = True,
+    engine: str = "reference",
     gpu_memory_bytes: int | None = None,
     **policy: object,
 ) -> pd.DataFrame:
@@ -259,6 +308,8 @@ def sweep(
         micro_batch=micro_batch,
         seq_len=seq_len,
         checkpointing=checkpointing,
+        foreach=foreach,
+        engine=engine,
         gpu_memory_bytes=gpu_memory_bytes,
         policy=PrecisionPolicy(**policy),
     )

@@ -15,7 +15,8 @@ class SweepRow(BaseModel):
     traffic per step (``zeroplan.formulas.offload``; 0 without offload). With offload, the memory columns
     are what stays in GPU memory. With a reference ``model``, activations per GPU for each micro-batch
     (``zeroplan.formulas.activations``), ``total_bytes`` = GPU model states + activations and
-    ``total_fits``; these are empty without a model or where no estimate exists.
+    ``total_fits``; these are empty without a model or where no estimate exists. With ``model``, also the
+    peak per GPU of a training step on the engine (``zeroplan.engines``), its phase and ``peak_fits``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -45,3 +46,7 @@ class SweepRow(BaseModel):
     activation_bytes: Optional[int]
     total_bytes: Optional[int]
     total_fits: Optional[bool]
+    peak_bytes: Optional[int] = Field(description="the engine's peak per GPU (docs/peak.md); null without "
+                                      "--model, with offload, N_m > 1 or selective checkpointing")  # fmt: skip
+    peak_phase: Optional[str] = Field(description="the phase the peak falls in; null where peak_bytes is")
+    peak_fits: Optional[bool] = Field(description="peak_bytes <= GPU memory; null without either")
