@@ -1,1 +1,13 @@
-"""One module per training engine: reading its configuration and emitting it for a planned option."""
+"""One module per training engine: reading its configuration, what it allocates and sends, emitting it.
+
+``ENGINES`` maps the ``--engine`` name to the engine module's ``estimate(workload, nd, settings)``
+(contract in ``zeroplan/engines/base.py``). Importing an engine module imports no torch.
+"""
+
+from __future__ import annotations
+
+from zeroplan.engines import deepspeed
+
+ENGINES: dict = {
+    "deepspeed": deepspeed.estimate,
+}
