@@ -455,12 +455,21 @@ def validate_cmd(
     master_port: Optional[int] = typer.Option(
         None, "--master-port", help="TCP port on node 0 (torchrun); default: a free port (one node only)."
     ),
+    engine: str = typer.Option(
+        "reference", "--engine", help="What trains: reference (the bundled runtime) or deepspeed (real DeepSpeed)."
+    ),
+    deepspeed_config: Optional[Path] = typer.Option(
+        None, "--deepspeed-config", help="--engine deepspeed: a ds_config.json to run (default: built-in configs)."
+    ),
 ) -> None:
-    """Train the reference ZeRO runtime, measure memory and traffic, compare with zeroplan; exit 1 if off."""
+    """Train the reference ZeRO runtime (or real DeepSpeed), measure memory and traffic, compare with zeroplan;
+    exit 1 if off."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
         raise UserError('validate needs torch (2.4 to 2.13): install the extra, e.g. pip install ".[validate]"')
+    if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise UserError('--engine deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install ".[deepspeed]"')
     from validate.checks import check_output_path
 
     if json_path is not None:  # first: a run must never be lost to a path that cannot be written
@@ -469,6 +478,7 @@ def validate_cmd(
     from validate.config import ValidateConfig
     from validate.harness import Interrupted, NotNodeZero, RunFailed
     from validate.report import to_table
+    from zeroplan.files import read_json
     from zeroplan.parsing import parse_count
 
     config = ValidateConfig(
@@ -491,6 +501,8 @@ def validate_cmd(
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
+        engine=engine,
+        deepspeed_config=read_json(deepspeed_config, "deepspeed config") if deepspeed_config is not None else None,
     )
     try:
         report = run_validation(config)
