@@ -12,9 +12,10 @@ Each rank builds the model (fp32, as users do; DeepSpeed casts it to bf16/fp16 i
 (MemTracker on CPU: every live tensor byte) and every ``c10d`` op recorded by ``CommCounter``:
 ``init`` (model construction + ``deepspeed.initialize``), ``forward``, ``backward``
 (``engine.backward``), ``optimizer_step`` (``engine.step``). Live bytes are read after ``init`` and
-after every step. DeepSpeed's first use JIT-builds C++ ops into ``~/.cache/torch_extensions``
-(``deepspeed_shm_comm`` when the comm backend is created, ``fused_adam`` when the default Adam is
-built); a row records how long ``deepspeed.initialize`` took so a cold build is visible.
+after every step. DeepSpeed's first use JIT-builds C++ ops into ``~/.cache/torch_extensions``:
+``fused_adam`` when the default Adam is built (``torch_adam: true`` avoids it); ``deepspeed_shm_comm``
+(an inference-only all-reduce) is marked incompatible here so it is never built. A row records how long
+``deepspeed.initialize`` took so a cold build is visible.
 """
 
 from __future__ import annotations
@@ -198,8 +199,13 @@ def main(argv: list[str] | None = None) -> None:
     # MemTracker's gradient hook meets gradients DeepSpeed has already moved into its buckets.
     warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
     import deepspeed
+    import deepspeed.ops
     import torch.distributed as dist
 
+    # deepspeed_shm_comm serves only TorchBackend.inference_all_reduce (comm/torch.py); training collectives are
+    # torch.distributed's. Marked incompatible, build_shm_op returns None and its ~45 s JIT build is skipped
+    # (ops/__init__.py keeps this dict once probed, "so edits to it persist").
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     rank, nd = dist.get_rank(), dist.get_world_size()
     rows = []
