@@ -725,6 +725,13 @@ def init_moments(run: DSRun) -> tuple[Moment, ...]:
                  "runtime/engine.py _configure_distributed_model (module.to(dtype)) -> torch nn.Module._apply"),)))  # fmt: skip
     if optimizer_class(s) == "DeepSpeedZeroOptimizer_Stage3":
         st = _states(run, after_step=False)
+        if s.dtype != "fp32":  # the 16-bit partition converted to fp32, then cloned: both alive for a moment
+            part = stage3_partition_numel(numels, run.nd)
+            src = "runtime/zero/stage3.py _create_fp32_partitions (converted = lp.to(fp32); converted.clone())"
+            out.append(Moment("init", "fp32 master: converted and cloned", (
+                *(t for t in st if t.name in ("16-bit parameter partition", "inf/nan tracker")),
+                Term("16-bit partition converted to fp32", part * 4, src),
+                Term("fp32 master partition (the clone)", part * 4, src))))  # fmt: skip
         out.append(Moment("init", "partitioned parameters gathered once", (*st, Term(
             "largest parameter gathered", max(numels) * p,
             "runtime/zero/partition_parameters.py _allgather_params_sequential")) ))  # fmt: skip
@@ -926,3 +933,66 @@ def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Option
         peak=peak,
         collectives=tuple(_collective(c, nd) for c in collectives(settings, numels, nd)),
     ),)  # fmt: skip
+
+
+# --- planning: the configuration to run, chosen by predicted peak, emitted exactly --------------------------
+
+BUCKET_CHOICES: tuple[int, ...] = (500_000_000, 200_000_000, 50_000_000, 5_000_000)
+"""Bucket sizes ``recommend`` tries (elements): DeepSpeed's default, then smaller ones as its docs suggest
+for memory-bound runs (``reduce_bucket_size`` / ``allgather_bucket_size``)."""
+
+
+def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict:
+    """The ds_config.json that ``Settings.from_ds_config`` reads back as ``s``: every key the profile
+    reads is written, so the run is the configuration that was predicted."""
+    zero: dict = {"stage": s.stage, "reduce_bucket_size": s.reduce_bucket_size,
+                  "allgather_bucket_size": s.allgather_bucket_size, "contiguous_gradients": s.contiguous_gradients,
+                  "reduce_scatter": s.reduce_scatter, "use_multi_rank_bucket_allreduce": s.use_multi_rank_bucket_allreduce}
+    if s.overlap_comm is not None:  # absent: DeepSpeed resolves it by stage (config.py overlap_comm_valid)
+        zero["overlap_comm"] = s.overlap_comm  # fmt: skip
+    if s.stage == 3:
+        zero.update(stage3_prefetch_bucket_size=s.prefetch_bucket_size,
+                    stage3_param_persistence_threshold=s.param_persistence_threshold,
+                    stage3_max_live_parameters=s.max_live_parameters,
+                    stage3_max_reuse_distance=s.max_reuse_distance)  # fmt: skip
+    params: dict = {"torch_adam": s.torch_adam, "adam_w_mode": s.adam_w_mode}
+    if s.foreach is not None:
+        params["foreach"] = s.foreach
+    config: dict = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "optimizer": {"type": "AdamW" if s.optimizer == "adamw" else "Adam", "params": params},
+        "zero_optimization": zero,
+    }
+    if s.dtype != "fp32":
+        config[s.dtype] = {"enabled": True}
+    if s.grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": s.grad_accum_dtype}
+    return config
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The configuration ``recommend`` chose, its prediction, and what it tried."""
+
+    settings: Settings
+    estimate: EngineEstimate
+    ds_config: dict
+    tried: tuple[tuple[int, int, int], ...]
+    """(stage, bucket elements, predicted peak bytes) of every candidate, in the order tried."""
+
+
+def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
+              stat_bytes: Optional[int] = None) -> Optional[Recommendation]:
+    """The lowest ZeRO stage (least traffic), then the largest bucket (fewest calls), whose predicted peak
+    fits ``memory_bytes``; None when none does. Other keys come from ``base``."""
+    tried = []
+    for stage in (1, 2, 3):
+        for bucket in BUCKET_CHOICES:
+            s = base.model_copy(update={"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket})
+            (est,) = estimate(workload, nd, s, stat_bytes)
+            peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
+            tried.append((stage, bucket, peak))
+            if peak <= memory_bytes:
+                return Recommendation(s, est, to_ds_config(s, workload.micro_batch, workload.grad_accum), tuple(tried))
+    return None
