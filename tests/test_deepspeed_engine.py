@@ -39,7 +39,8 @@ STATES_TOL, PEAK_TOL = 0.01, 0.03
 def _configs() -> list[dict]:
     from validate.engines.deepspeed import ds_config
 
-    return [ds_config(s, dtype, zero=SMALL if buckets == "small" else None, optimizer_params={"torch_adam": True})
+    adam = {"torch_adam": True}
+    return [ds_config(s, dtype, zero=SMALL if buckets == "small" else None, optimizer_params=adam)
             for s, dtype, buckets in CASES]  # fmt: skip
 
 
@@ -60,7 +61,9 @@ def _racy(nd: int, case: tuple, phase: str) -> int:
     stage, _, buckets = case
     psi, largest = 36_324, 5_184  # gpt-tiny: parameters, and its largest tensor (a block's MLP weight)
     if stage == 3 and nd == 2 and phase == "init":
-        return largest * 4  # the previously gathered parameter (partition_parameters.py _allgather_params_sequential)
+        return (
+            largest * 4
+        )  # the previously gathered parameter (partition_parameters.py _allgather_params_sequential)
     if buckets == "default" and stage in (1, 2) and phase == "optimizer_step":
         # the one 5e8 bucket holds every gradient: up to a full-model fp32 gradient set and a partition's
         # fp32 temporaries seen alive beside Adam's (get_grad_norm_direct, measured 15-120 kB above)

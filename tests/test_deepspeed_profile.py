@@ -22,8 +22,16 @@ def _workload(micro_batch: int = 2, seq: int = 16) -> Workload:
 
 def test_defaults_are_deepspeed_0_19_8s():
     s = D.Settings.from_ds_config({"zero_optimization": {"stage": 2}})
-    assert (s.reduce_bucket_size, s.allgather_bucket_size, s.prefetch_bucket_size) == (500_000_000, 500_000_000, 50_000_000)
-    assert (s.param_persistence_threshold, s.max_live_parameters, s.max_reuse_distance) == (100_000, 10**9, 10**9)
+    assert (s.reduce_bucket_size, s.allgather_bucket_size, s.prefetch_bucket_size) == (
+        500_000_000,
+        500_000_000,
+        50_000_000,
+    )
+    assert (s.param_persistence_threshold, s.max_live_parameters, s.max_reuse_distance) == (
+        100_000,
+        10**9,
+        10**9,
+    )
     assert s.contiguous_gradients and s.use_multi_rank_bucket_allreduce and not s.overlaps
     assert D.Settings.from_ds_config({"zero_optimization": {"stage": 3}}).overlaps  # overlap_comm_valid
     assert s.dtype == "fp32" and s.grad_dtype == "fp32" and not s.torch_adam
@@ -47,7 +55,10 @@ def test_keys_change_the_settings():
         ({"zero_optimization": {"stage": 2, "overlap_comm": "true"}}, "overlap_comm='true'"),
         ({"zero_optimization": {"stage": 0}}, "covers 1-3"),
         ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD"}}, "Adam and AdamW"),
-        ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"torch_adam": 1}}}, "torch_adam=1"),
+        (
+            {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"torch_adam": 1}}},
+            "torch_adam=1",
+        ),
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload"),
     ],
 )
@@ -66,13 +77,16 @@ def test_stage_option_fills_in_or_contradicts():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_emitted_config_reads_back_as_predicted(stage, dtype):
-    s = D.Settings(stage=stage, dtype=dtype, reduce_bucket_size=5000, torch_adam=True, foreach=False, overlap_comm=True)
+    s = D.Settings(
+        stage=stage, dtype=dtype, reduce_bucket_size=5000, torch_adam=True, foreach=False, overlap_comm=True
+    )
     assert D.Settings.from_ds_config(D.to_ds_config(s)) == s
     assert D.Settings.from_ds_config(D.to_ds_config(D.Settings(stage=stage))) == D.Settings(stage=stage)
 
 
 def test_bucket_is_allocated_at_its_configured_size_whatever_the_model():
-    """Issue 11: ZeRO-2 at defaults peaks at the 5e8-element bucket (2 GB in fp32) for a 36k-parameter model."""
+    """Issue 11: ZeRO-2 at defaults peaks at the 5e8-element bucket (2 GB in fp32) for a 36k-parameter
+    model."""
     w = _workload()
     (big,) = D.estimate(w, 2, D.Settings(stage=2))
     (small,) = D.estimate(w, 2, D.Settings(stage=2, reduce_bucket_size=5000))
@@ -81,7 +95,10 @@ def test_bucket_is_allocated_at_its_configured_size_whatever_the_model():
     assert bucket.bytes == 500_000_000 * 4
     assert 0 < big.peak.peak_bytes - bucket.bytes < small.peak.peak_bytes  # the rest: the model and a step
     assert big.model_states_bytes == small.model_states_bytes  # ZeRO-1/2 buckets live in backward only
-    assert D.ds_estimate_bytes(D.Settings(stage=2), tuple(n for n in (3636, 576)), 2) == 2 * 4212 + 18 * 4212 // 2
+    assert (
+        D.ds_estimate_bytes(D.Settings(stage=2), tuple(n for n in (3636, 576)), 2)
+        == 2 * 4212 + 18 * 4212 // 2
+    )
 
 
 def test_registry_and_no_torch():

@@ -104,7 +104,8 @@ def _cpu_probe():
 
 
 def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
-    """One rank: build ``model_fn()`` and ``deepspeed.initialize`` it under the probes, train on ``batches``."""
+    """One rank: build ``model_fn()`` and ``deepspeed.initialize`` it under the probes, train on
+    ``batches``."""
     import deepspeed
     import torch
 
@@ -161,8 +162,10 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
         "live_bytes_by_device": by_device,
         "comm": _summarise(counter.calls),
         # every call in order as [op, phase, dtype, elements]: those of init first, then one list per step
-        "calls_by_step": [[[c.op, c.phase, c.dtype, c.elements] for c in counter.calls if c.step == k]
-                          for k in range(-1, len(step_s))],
+        "calls_by_step": [
+            [[c.op, c.phase, c.dtype, c.elements] for c in counter.calls if c.step == k]
+            for k in range(-1, len(step_s))
+        ],
         "init_s": round(init_s, 3),
         "step_s": step_s,
         "deepspeed": deepspeed.__version__,
@@ -190,9 +193,13 @@ def _model_and_batches(spec_name: str, nd: int, rank: int, micro_batch: int, ste
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="gpt-tiny", help="preset of validate.models.PRESETS")
-    parser.add_argument("--configs", required=True, help="JSON list of ds_config dicts, run one after another")
+    parser.add_argument(
+        "--configs", required=True, help="JSON list of ds_config dicts, run one after another"
+    )
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: all positions)")
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sample (default: all positions)"
+    )
     parser.add_argument("--out", required=True, help="directory: rank<r>.json is written there")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -202,8 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     import deepspeed.ops
     import torch.distributed as dist
 
-    # deepspeed_shm_comm serves only TorchBackend.inference_all_reduce (comm/torch.py); training collectives are
-    # torch.distributed's. Marked incompatible, build_shm_op returns None and its ~45 s JIT build is skipped
+    # deepspeed_shm_comm serves only TorchBackend.inference_all_reduce (comm/torch.py); training
+    # collectives are torch.distributed's. Marked incompatible, build_shm_op returns None and its ~45 s JIT build is skipped
     # (ops/__init__.py keeps this dict once probed, "so edits to it persist").
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
@@ -217,8 +224,14 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def run_world(configs: list[dict], nd: int, model: str = "gpt-tiny", steps: int = DEFAULT_STEPS,
-              timeout_s: float = 900.0, seq_len: int | None = None) -> list[list[dict]]:
+def run_world(
+    configs: list[dict],
+    nd: int,
+    model: str = "gpt-tiny",
+    steps: int = DEFAULT_STEPS,
+    timeout_s: float = 900.0,
+    seq_len: int | None = None,
+) -> list[list[dict]]:
     """Run ``configs`` on ``nd`` gloo CPU ranks under torchrun (through ``validate.launch``, which names the
     first failed rank); returns rows[rank][config]."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -233,7 +246,11 @@ def run_world(configs: list[dict], nd: int, model: str = "gpt-tiny", steps: int 
         if done.returncode != 0:
             failed = Path(tmp, "failures.json")
             who = json.loads(failed.read_text()) if failed.exists() else None
-            rank = f"rank {who['rank']} exited with code {who['exitcode']}" if who else f"exited {done.returncode}"
+            rank = (
+                f"rank {who['rank']} exited with code {who['exitcode']}"
+                if who
+                else f"exited {done.returncode}"
+            )
             raise RuntimeError(f"deepspeed run (N_d={nd}): {rank}; its log ends:\n{done.stderr[-3000:]}")
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nd)]
 
@@ -251,7 +268,7 @@ def builtin_configs(stages: tuple[int, ...], dtype: str, micro_batch: int, lr: f
 
 
 def workload_for(model: str, micro_batch: int, seq_len: int | None):
-    """The ``Workload`` the ranks train: the model's shapes (``named_parameters`` order) and one micro-step."""
+    """The ``Workload`` the ranks train: the model's shapes (``named_parameters`` order), one micro-step."""
     from validate.models import expected_shapes, spec_for
     from zeroplan.engines.base import Workload
 
@@ -269,8 +286,16 @@ def _ring_elements(calls: list[list]) -> dict[str, int]:
     return out
 
 
-def compare_row(ds: dict, nd: int, rank_rows: list[dict], workload, model_label: str, tolerance: float,
-                peak_tolerance: float, seq_len: int | None = None) -> dict:
+def compare_row(
+    ds: dict,
+    nd: int,
+    rank_rows: list[dict],
+    workload,
+    model_label: str,
+    tolerance: float,
+    peak_tolerance: float,
+    seq_len: int | None = None,
+) -> dict:
     """One ``ReportRow`` (validate/schema.py): ``zeroplan.engines.deepspeed.estimate`` for ``ds`` next to what
     every rank measured; DeepSpeed's own estimator beside it."""
     import statistics
@@ -299,7 +324,10 @@ def compare_row(ds: dict, nd: int, rank_rows: list[dict], workload, model_label:
         nbytes = D.DTYPE_BYTES.get(c.dtype, 1)
         from zeroplan.formulas.collectives import ring_bytes_per_rank
 
-        pred_coll[key] = {"elements": c.elements, "bytes_per_rank": ring_bytes_per_rank(c.op, c.elements, nd, nbytes)}
+        pred_coll[key] = {
+            "elements": c.elements,
+            "bytes_per_rank": ring_bytes_per_rank(c.op, c.elements, nd, nbytes),
+        }
     # steady state: ZeRO-3's first step records its trace (and gathers again in backward)
     steps = [r["calls_by_step"][k] for r in rank_rows for k in range(2, len(r["calls_by_step"]))]
     want = {k: v["elements"] for k, v in pred_coll.items()}
@@ -372,7 +400,8 @@ def run_validation(config) -> dict:
     notes = [
         "engine deepspeed: predictions from zeroplan.engines.deepspeed (DeepSpeed 0.19.8 profile); "
         "deepspeed_estimator_bytes is DeepSpeed's own estimate_zero2/3_model_states_mem_needs for the run; "
-        "collectives compared per step from the second (ZeRO-3 records its trace in the first), ring ops only."
+        "collectives compared per step from the second (ZeRO-3 records its trace in the first), "
+        "ring ops only."
     ]
     return ValidationReport(schema_id=SCHEMA, config=config.model_dump(), torch=ranks[0][0]["torch"], rows=rows,
                             notes=notes, ok=all(r["ok"] for r in rows)).model_dump(by_alias=True)  # fmt: skip
