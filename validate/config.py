@@ -19,6 +19,8 @@ DEFAULT_SIMULATED_WORLD_SIZES = (64,)
 
 
 DEFAULT_MODEL = "gpt-tiny"
+DEEPSPEED_PEAK_TOLERANCE = 0.03
+"""--engine deepspeed without --peak-tolerance: issue 11's target for every phase of real DeepSpeed."""
 MAX_STEPS = 1000  # every step's global batch is made up front (the reference trains on the same ones)
 MAX_BATCH_PER_RANK = 4096
 # Every tensor is padded to a multiple of N_d, so a simulated full buffer holds at least
@@ -105,6 +107,8 @@ class ValidateConfig(BaseModel):
             ds = data.get("deepspeed_config")
             zero = ds.get("zero_optimization") if isinstance(ds, dict) else None
             data["stages"] = (zero.get("stage", 0),) if isinstance(zero, dict) else (1, 2, 3)
+        if isinstance(data, dict) and data.get("engine") == "deepspeed" and data.get("peak_tolerance") is None:
+            data = {**data, "peak_tolerance": DEEPSPEED_PEAK_TOLERANCE}
         return data
 
     @model_validator(mode="after")
