@@ -65,8 +65,8 @@ def _racy(nd: int, case: tuple, phase: str) -> int:
             largest * 4
         )  # the previously gathered parameter (partition_parameters.py _allgather_params_sequential)
     if buckets == "default" and stage in (1, 2) and phase == "optimizer_step":
-        # the one 5e8 bucket holds every gradient: up to a full-model fp32 gradient set and a partition's
-        # fp32 temporaries seen alive beside Adam's (get_grad_norm_direct, measured 15-120 kB above)
+        # the one 5e8 bucket holds every gradient: allreduce_bucket's flattened copy (Ψ elements) may still
+        # be held by gloo when the step starts, beside grads_in_partition (measured 15-120 kB above)
         return psi * 4 + -(-psi // nd) * 4
     return 0
 
