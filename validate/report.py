@@ -63,7 +63,7 @@ def observed_collectives(calls: list[list], nd: int) -> dict[str, dict]:
 
 def predicted_peak(config: ValidateConfig, meta: dict, stage: int, foreach: bool):
     """The reference profile's peak per phase for this row, or None for models it does not describe."""
-    spec = spec_for(config.model, config.params)
+    spec = spec_for(config.model_name, config.params)
     if not isinstance(spec, TransformerSpec):
         return None
     cuda = str(meta["device"]).startswith("cuda")
