@@ -878,7 +878,25 @@ def optimizer_moments(run: DSRun) -> tuple[Moment, ...]:
     part = _partition(s, run.numels, run.nd)
     inner = inner_optimizer_class(s)
     temps = 0 if inner == "FusedAdam" else (1 if run.foreach else 2)
+    out = []
+    if optimizer_class(s) == "DeepSpeedZeroOptimizer":
+        # step() flattens the partition's gradients (views of grads_in_partition, still alive) in the
+        # gradient dtype, then converts the flat copy to fp32 (a no-op in fp32)
+        p, numels = _pbytes(run), run.numels
+        flat_part = flat_padded_numel(numels, run.nd) // run.nd
+        gip = max(sum(numels[i] for i in _partition_params(numels, flat_part, r)) for r in range(run.nd))
+        src = "runtime/zero/stage_1_and_2.py step -> get_flat_partition (_flatten_dense_tensors), .to(fp32)"
+        out.append(Moment("optimizer_step", "flatten the partition's gradients", (*_states(run),
+                   Term("grads_in_partition", gip * p, "runtime/zero/stage_1_and_2.py copy_grads_in_partition"),
+                   Term("flat partition gradient (gradient dtype)", part * DTYPE_BYTES[s.grad_dtype] * (s.grad_dtype != "fp32"), src),
+                   Term("fp32 gradient of the master partition", part * 4, src))))  # fmt: skip
+    elif s.grad_dtype != "fp32":  # ZeRO-3: a copy of the 16-bit gradient partition, then its fp32 conversion
+        src = "runtime/zero/stage3.py _prepare_fp32_grad_for_sub_group (gradient partition copied, then .to(fp32))"
+        out.append(Moment("optimizer_step", "prepare the fp32 gradient", (*_states(run),
+                   Term("gradient partition copy (gradient dtype)", part * DTYPE_BYTES[s.grad_dtype], src),
+                   Term("fp32 gradient of the master partition", part * 4, src))))  # fmt: skip
     return (
+        *out,
         Moment("optimizer_step", f"{inner} update", (*_states(run),
                Term("fp32 gradient of the master partition", part * 4,
                     "runtime/zero/stage_1_and_2.py step / runtime/zero/stage3.py _prepare_fp32_grad_for_sub_group"),
