@@ -16,7 +16,7 @@ pytest.importorskip(
     "deepspeed", reason="DeepSpeed is an optional extra: pip install '.[deepspeed]' (with DS_BUILD_OPS=0)"
 )
 
-from zeroplan.engines import deepspeed_profile as P  # noqa: E402
+from zeroplan.engines import deepspeed as P  # noqa: E402
 
 ND = 2
 SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_param_persistence_threshold": 100}
@@ -56,7 +56,7 @@ def numels() -> tuple[int, ...]:
 @pytest.mark.parametrize("i", range(7))
 def test_optimizer_class_and_model_states_match_profile(runs, numels, i):
     configs, rows = runs
-    cfg = P.DSZeroConfig.from_ds_config(configs[i])
+    cfg = P.Settings.from_ds_config(configs[i])
     terms = P.terms(cfg, numels, ND)
     for rank_rows in rows:
         row = rank_rows[i]
@@ -71,10 +71,10 @@ def test_optimizer_class_and_model_states_match_profile(runs, numels, i):
 def test_default_bucket_is_allocated_at_its_configured_size(runs, numels):
     """ZeRO-3 at defaults keeps a 5e8-element fp32 bucket for a 36k-parameter model (2 GB)."""
     configs, rows = runs
-    default = P.DSZeroConfig.from_ds_config(configs[6])
+    default = P.Settings.from_ds_config(configs[6])
     assert default.reduce_bucket_size == 500_000_000
     for i in (2, 6):
-        cfg = P.DSZeroConfig.from_ds_config(configs[i])
+        cfg = P.Settings.from_ds_config(configs[i])
         bucket = next(t for t in P.terms(cfg, numels, ND) if t.name.startswith("reduce bucket"))
         assert bucket.bytes == cfg.reduce_bucket_size * 4
         assert rows[0][i]["peak_bytes_by_phase"]["init"] >= bucket.bytes
@@ -84,7 +84,7 @@ def test_stage12_bucket_lives_in_backward_only(runs, numels):
     """ZeRO-1/2: the bucket is allocated when backward starts and gone at the step boundary."""
     configs, rows = runs
     for i in (0, 1):
-        cfg = P.DSZeroConfig.from_ds_config(configs[i])
+        cfg = P.Settings.from_ds_config(configs[i])
         terms = P.terms(cfg, numels, ND)
         bucket = next(t for t in terms if t.live == "backward")
         row = rows[0][i]
@@ -96,7 +96,7 @@ def test_stage12_bucket_lives_in_backward_only(runs, numels):
 def test_stage12_collectives_match_profile(runs, numels, i):
     """Per step: an all-reduce per gradient bucket (not a reduce-scatter), the norm, the all-gather."""
     configs, rows = runs
-    cfg = P.DSZeroConfig.from_ds_config(configs[i])
+    cfg = P.Settings.from_ds_config(configs[i])
     want = P.collectives(cfg, numels, ND)
     for step in (0, 1):
         got = {k.split("|", 1)[1]: v for k, v in rows[0][i]["comm"].items() if k.startswith(f"{step}|")}

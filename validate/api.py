@@ -16,6 +16,10 @@ from validate.report import build_report
 def run_validation(config: ValidateConfig) -> dict:
     """Run the matrix of ``config`` (real or simulated) and return the report (``validate.schema``)."""
     check_before_start(config)
+    if config.engine == "deepspeed":
+        from validate.engines.deepspeed import run_validation as run_deepspeed
+
+        return run_deepspeed(config)
     return build_report(config, run_matrix(config))
 
 

@@ -19,6 +19,8 @@ DEFAULT_SIMULATED_WORLD_SIZES = (64,)
 
 
 DEFAULT_MODEL = "gpt-tiny"
+DEEPSPEED_PEAK_TOLERANCE = 0.03
+"""--engine deepspeed without --peak-tolerance: issue 11's target for every phase of real DeepSpeed."""
 MAX_STEPS = 1000  # every step's global batch is made up front (the reference trains on the same ones)
 MAX_BATCH_PER_RANK = 4096
 # Every tensor is padded to a multiple of N_d, so a simulated full buffer holds at least
@@ -88,6 +90,45 @@ class ValidateConfig(BaseModel):
     wire: bool = Field(
         False, description="also count loopback bytes in a private network namespace (Linux, gloo)"
     )
+    engine: Literal["reference", "deepspeed"] = Field(
+        "reference", description="what trains: the bundled reference runtime, or real DeepSpeed (ZeRO 1-3)"
+    )
+    deepspeed_config: Optional[dict] = Field(
+        None, description="--engine deepspeed: a parsed ds_config.json run at every world size (its stage); "
+        "None: built-in configs, one per --stage (1-3) at DeepSpeed's defaults and --param-dtype"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deepspeed_stages(cls, data: object) -> object:
+        """DeepSpeed has stages 1-3: no stages given -> 1, 2, 3, or the stage of the given config."""
+        if isinstance(data, dict) and data.get("engine") == "deepspeed" and data.get("stages") is None:
+            data = dict(data)
+            ds = data.get("deepspeed_config")
+            zero = ds.get("zero_optimization") if isinstance(ds, dict) else None
+            data["stages"] = (zero.get("stage", 0),) if isinstance(zero, dict) else (1, 2, 3)
+        if isinstance(data, dict) and data.get("engine") == "deepspeed" and data.get("peak_tolerance") is None:
+            data = {**data, "peak_tolerance": DEEPSPEED_PEAK_TOLERANCE}
+        return data
+
+    @model_validator(mode="after")
+    def _deepspeed(self) -> ValidateConfig:
+        if self.engine != "deepspeed":
+            if self.deepspeed_config is not None:
+                raise ValueError("--deepspeed-config needs --engine deepspeed")
+            return self
+        if self.simulated or self.wire or self.nnodes > 1 or self.checkpointing != "none" or self.params is not None:
+            raise ValueError("--engine deepspeed runs real gloo ranks on one node: no --simulated, --wire, --nnodes, "
+                             "--checkpointing or --params")  # fmt: skip
+        if 0 in self.stages:
+            raise ValueError("--engine deepspeed: stages 1-3 (DeepSpeed's stage 0 is plain data parallelism)")
+        if self.deepspeed_config is not None:
+            from zeroplan.engines.deepspeed import Settings
+
+            settings = Settings.from_ds_config(self.deepspeed_config)  # one line naming a bad key
+            if self.stages != (settings.stage,):
+                raise ValueError(f"--stage {list(self.stages)} contradicts zero_optimization.stage={settings.stage}")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -231,6 +231,9 @@ def to_table(report: dict) -> str:
             "coll elems meas", "err", "comm/rank pred", "comm/rank derived", "peak init", "peak fwd",
             "peak bwd", "peak opt", "peak err", "parity", "ok"]  # fmt: skip
     wire = any(r.get("wire_bytes_per_rank") is not None for r in report["rows"])
+    ds = any(r.get("deepspeed_estimator_bytes") is not None for r in report["rows"])
+    if ds:  # DeepSpeed's own estimator beside zeroplan's: which was closer to the measured peak
+        cols[-2:-2] = ["DS estimator", "DS est err"]
     if wire:
         cols[-2:-2] = ["wire/rank", "wire/derived"]
     lines = []
@@ -248,6 +251,8 @@ def to_table(report: dict) -> str:
             "-" if r["peak_rel_error"] is None else _pct(r["peak_rel_error"]),
             parity, "yes" if r["ok"] else "NO",
         ])  # fmt: skip
+        if ds:
+            lines[-1][-2:-2] = [_size(r["deepspeed_estimator_bytes"]), _pct(r["deepspeed_estimator_rel_error"])]
         if wire:
             ratio = r.get("wire_to_derived")
             lines[-1][-2:-2] = [

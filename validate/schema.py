@@ -149,6 +149,15 @@ class ReportRow(ValidationRow):
     wire_to_derived: Optional[float] = Field(description="wire_bytes_per_rank / derived_comm_bytes_per_rank")
     checks: Checks
     ok: bool
+    engine: Optional[str] = Field(None, description="what trained (--engine); None: the reference runtime")
+    engine_label: Optional[str] = Field(None, description="the engine's configuration in its own words")
+    deepspeed_estimator_bytes: Optional[int] = Field(
+        None, description="--engine deepspeed: DeepSpeed's own estimate_zero2/3_model_states_mem_needs for the run "
+        "(restated in zeroplan.engines.deepspeed), beside the prediction",
+    )
+    deepspeed_estimator_rel_error: Optional[float] = Field(
+        None, description="(measured peak - DeepSpeed's estimate) / measured peak"
+    )
 
 
 class ValidationReport(BaseModel):

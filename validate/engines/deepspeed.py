@@ -12,9 +12,10 @@ Each rank builds the model (fp32, as users do; DeepSpeed casts it to bf16/fp16 i
 (MemTracker on CPU: every live tensor byte) and every ``c10d`` op recorded by ``CommCounter``:
 ``init`` (model construction + ``deepspeed.initialize``), ``forward``, ``backward``
 (``engine.backward``), ``optimizer_step`` (``engine.step``). Live bytes are read after ``init`` and
-after every step. DeepSpeed's first use JIT-builds C++ ops into ``~/.cache/torch_extensions``
-(``deepspeed_shm_comm`` when the comm backend is created, ``fused_adam`` when the default Adam is
-built); a row records how long ``deepspeed.initialize`` took so a cold build is visible.
+after every step. DeepSpeed's first use JIT-builds C++ ops into ``~/.cache/torch_extensions``:
+``fused_adam`` when the default Adam is built (``torch_adam: true`` avoids it); ``deepspeed_shm_comm``
+(an inference-only all-reduce) is marked incompatible here so it is never built. A row records how long
+``deepspeed.initialize`` took so a cold build is visible.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -102,7 +104,8 @@ def _cpu_probe():
 
 
 def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
-    """One rank: build ``model_fn()`` and ``deepspeed.initialize`` it under the probes, train on ``batches``."""
+    """One rank: build ``model_fn()`` and ``deepspeed.initialize`` it under the probes, train on
+    ``batches``."""
     import deepspeed
     import torch
 
@@ -158,6 +161,11 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
         "probe_breakdown": breakdown,
         "live_bytes_by_device": by_device,
         "comm": _summarise(counter.calls),
+        # every call in order as [op, phase, dtype, elements]: those of init first, then one list per step
+        "calls_by_step": [
+            [[c.op, c.phase, c.dtype, c.elements] for c in counter.calls if c.step == k]
+            for k in range(-1, len(step_s))
+        ],
         "init_s": round(init_s, 3),
         "step_s": step_s,
         "deepspeed": deepspeed.__version__,
@@ -168,7 +176,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
     return row
 
 
-def _model_and_batches(spec_name: str, nd: int, rank: int, micro_batch: int, steps: int):
+def _model_and_batches(spec_name: str, nd: int, rank: int, micro_batch: int, steps: int, seq_len=None):
     import torch
 
     from validate.models import build, make_batch, spec_for
@@ -177,7 +185,7 @@ def _model_and_batches(spec_name: str, nd: int, rank: int, micro_batch: int, ste
     gen = torch.Generator().manual_seed(1234)
     batches = []
     for _ in range(steps):
-        global_batch = make_batch(spec, nd * micro_batch, gen)
+        global_batch = make_batch(spec, nd * micro_batch, gen, seq_len)
         batches.append(tuple(t[rank * micro_batch : (rank + 1) * micro_batch].clone() for t in global_batch))
     return (lambda: build(spec, torch.float32, "cpu")), batches
 
@@ -185,41 +193,218 @@ def _model_and_batches(spec_name: str, nd: int, rank: int, micro_batch: int, ste
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="gpt-tiny", help="preset of validate.models.PRESETS")
-    parser.add_argument("--configs", required=True, help="JSON list of ds_config dicts, run one after another")
+    parser.add_argument(
+        "--configs", required=True, help="JSON list of ds_config dicts, run one after another"
+    )
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sample (default: all positions)"
+    )
     parser.add_argument("--out", required=True, help="directory: rank<r>.json is written there")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # MemTracker's gradient hook meets gradients DeepSpeed has already moved into its buckets.
     warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
     import deepspeed
+    import deepspeed.ops
     import torch.distributed as dist
 
+    # deepspeed_shm_comm serves only TorchBackend.inference_all_reduce (comm/torch.py); training
+    # collectives are torch.distributed's. Marked incompatible, build_shm_op returns None and its ~45 s JIT build is skipped
+    # (ops/__init__.py keeps this dict once probed, "so edits to it persist").
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     rank, nd = dist.get_rank(), dist.get_world_size()
     rows = []
     for config in json.loads(args.configs):
         micro_batch = config["train_micro_batch_size_per_gpu"]
-        model_fn, batches = _model_and_batches(args.model, nd, rank, micro_batch, args.steps)
+        model_fn, batches = _model_and_batches(args.model, nd, rank, micro_batch, args.steps, args.seq_len)
         rows.append(measure(model_fn, config, batches, rank, nd))
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def run_world(configs: list[dict], nd: int, model: str = "gpt-tiny", steps: int = DEFAULT_STEPS,
-              timeout_s: float = 900.0) -> list[list[dict]]:
-    """Run ``configs`` on ``nd`` gloo CPU ranks under torchrun; returns rows[rank][config]."""
+def run_world(
+    configs: list[dict],
+    nd: int,
+    model: str = "gpt-tiny",
+    steps: int = DEFAULT_STEPS,
+    timeout_s: float = 900.0,
+    seq_len: int | None = None,
+) -> list[list[dict]]:
+    """Run ``configs`` on ``nd`` gloo CPU ranks under torchrun (through ``validate.launch``, which names the
+    first failed rank); returns rows[rank][config]."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="zeroplan-deepspeed-") as tmp:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nd}",
+            sys.executable, "-m", "validate.launch", str(Path(tmp, "failures.json")), "--",
+            "--standalone", f"--nproc-per-node={nd}", "--max-restarts", "0",
             "-m", "validate.engines.deepspeed", "--model", model, "--configs", json.dumps(configs),
-            "--steps", str(steps), "--out", tmp,
+            "--steps", str(steps), "--out", tmp, *(["--seq-len", str(seq_len)] if seq_len else []),
         ]  # fmt: skip
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
-            raise RuntimeError(f"deepspeed run (N_d={nd}) exited {done.returncode}:\n{done.stderr[-3000:]}")
+            failed = Path(tmp, "failures.json")
+            who = json.loads(failed.read_text()) if failed.exists() else None
+            rank = (
+                f"rank {who['rank']} exited with code {who['exitcode']}"
+                if who
+                else f"exited {done.returncode}"
+            )
+            raise RuntimeError(f"deepspeed run (N_d={nd}): {rank}; its log ends:\n{done.stderr[-3000:]}")
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nd)]
+
+
+# --- the comparison with zeroplan.engines.deepspeed (no torch: the parent process) ------------------------
+
+RING_OPS = ("all-reduce", "reduce-scatter", "all-gather")
+_TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}
+
+
+def builtin_configs(stages: tuple[int, ...], dtype: str, micro_batch: int, lr: float) -> list[dict]:
+    """One ds_config per stage at DeepSpeed's defaults, except ``torch_adam: true`` (torch's AdamW: no
+    ``fused_adam`` JIT build, ~3 min on a fresh machine; the profile models both)."""
+    return [ds_config(s, dtype, micro_batch, lr, optimizer_params={"torch_adam": True}) for s in stages]
+
+
+def workload_for(model: str, micro_batch: int, seq_len: int | None):
+    """The ``Workload`` the ranks train: the model's shapes (``named_parameters`` order), one micro-step."""
+    from validate.models import expected_shapes, spec_for
+    from zeroplan.engines.base import Workload
+
+    spec = spec_for(model, None)
+    return Workload(tuple(expected_shapes(spec)), spec, seq_len or spec.max_seq_len, micro_batch)
+
+
+def _ring_elements(calls: list[list]) -> dict[str, int]:
+    from validate.report import _key
+
+    out: dict[str, int] = {}
+    for op, phase, dtype, elements in calls:
+        if op in RING_OPS:
+            out[_key(op, phase, dtype)] = out.get(_key(op, phase, dtype), 0) + elements
+    return out
+
+
+def compare_row(
+    ds: dict,
+    nd: int,
+    rank_rows: list[dict],
+    workload,
+    model_label: str,
+    tolerance: float,
+    peak_tolerance: float,
+    seq_len: int | None = None,
+) -> dict:
+    """One ``ReportRow`` (validate/schema.py): ``zeroplan.engines.deepspeed.estimate`` for ``ds`` next to what
+    every rank measured; DeepSpeed's own estimator beside it."""
+    import statistics
+
+    from validate.report import _key, observed_collectives
+    from validate.schema import ReportRow
+    from zeroplan.engines import deepspeed as D
+    from zeroplan.formulas.peak import PHASES as PEAK_PHASES
+
+    settings = D.Settings.from_ds_config(ds)
+    # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32)
+    (est,) = D.estimate(workload, nd, settings, stat_bytes=D.DTYPE_BYTES[settings.dtype])
+    numels = tuple(n for n in (math.prod(sh) for _, sh in workload.shapes))
+    pred_states = est.model_states_bytes
+    boundaries = [[b for k, b in r["boundary_bytes"].items() if k != "init"] for r in rank_rows]
+    measured_states = max(b[-1] for b in boundaries)
+    states_err = (measured_states - pred_states) / pred_states
+    measured_peaks = {p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in PEAK_PHASES}
+    predicted_peaks = est.peak.by_phase()
+    peak_errors = {p: (measured_peaks[p] - predicted_peaks[p]) / measured_peaks[p] for p in PEAK_PHASES}
+    peak_err = max(peak_errors.values(), key=abs)
+
+    pred_coll = {}
+    for c in D.collectives(settings, numels, nd):
+        key = _key(c.op, c.phase, _TORCH_DTYPE.get(c.dtype, c.dtype))
+        nbytes = D.DTYPE_BYTES.get(c.dtype, 1)
+        from zeroplan.formulas.collectives import ring_bytes_per_rank
+
+        pred_coll[key] = {
+            "elements": c.elements,
+            "bytes_per_rank": ring_bytes_per_rank(c.op, c.elements, nd, nbytes),
+        }
+    # steady state: ZeRO-3's first step records its trace (and gathers again in backward)
+    steps = [r["calls_by_step"][k] for r in rank_rows for k in range(2, len(r["calls_by_step"]))]
+    want = {k: v["elements"] for k, v in pred_coll.items()}
+    collectives_match = all(_ring_elements(calls) == want for calls in steps)
+    last = rank_rows[0]["calls_by_step"][-1]
+    measured_coll = observed_collectives(last, nd)
+    ring = {k: v for k, v in measured_coll.items() if k.split("|")[0] in RING_OPS}
+    pred_elements = sum(want.values())
+    measured_elements = sum(v["elements"] for v in ring.values())
+    derived = sum(v["derived_bytes_per_rank"] or 0 for v in ring.values())
+    pred_comm = sum(v["bytes_per_rank"] for v in pred_coll.values())
+    ds_est = D.ds_estimate_bytes(settings, numels, nd)
+    peak = max(measured_peaks.values())
+    checks = {
+        "model_states_within_tolerance": abs(states_err) <= tolerance,
+        "model_states_steady": all(len(set(b)) == 1 for b in boundaries),
+        "collectives_match": collectives_match,
+        "peak_within_tolerance": abs(peak_err) <= peak_tolerance,
+        "parity": None,
+    }
+    step_s = [t for r in rank_rows for t in r["step_s"][1:]] or [t for r in rank_rows for t in r["step_s"]]
+    return ReportRow.model_validate({
+        "stage": settings.stage, "world_size": nd, "mode": "real", "backend": "gloo", "device": "cpu",
+        "model": model_label, "psi": sum(numels),
+        "predicted_model_states_bytes": pred_states, "measured_model_states_bytes": measured_states,
+        "model_states_rel_error": states_err, "model_states_extra_bytes": measured_states - pred_states,
+        "adam_step_bytes": 0,  # a profile term (``step scalars``), not an excess
+        "predicted_breakdown_bytes": {"params": est.memory.params_bytes, "grads": est.memory.grads_bytes,
+                                      "optimizer": est.memory.optimizer_bytes},
+        "probe_breakdown": rank_rows[0]["probe_breakdown"],
+        "predicted_collective_elements": pred_elements, "measured_collective_elements": measured_elements,
+        "collective_elements_rel_error": (measured_elements - pred_elements) / pred_elements if pred_elements else 0.0,
+        "predicted_comm_bytes_per_rank": pred_comm, "derived_comm_bytes_per_rank": derived,
+        "derived_comm_rel_error": (derived - pred_comm) / pred_comm if pred_comm else 0.0,
+        "predicted_collectives": pred_coll, "measured_collectives": measured_coll,
+        "measured_setup_collectives": observed_collectives(rank_rows[0]["calls_by_step"][0], nd),
+        "observed_calls_last_step": last,
+        "measured_peak_bytes": peak, "measured_peak_bytes_by_phase": measured_peaks,
+        "predicted_peak_bytes_by_phase": predicted_peaks, "peak_rel_error_by_phase": peak_errors,
+        "peak_rel_error": peak_err, "predicted_peak_phase": est.peak.peak_phase,
+        "predicted_peak_terms": [{"name": t.name, "bytes": t.bytes, "source": t.source} for t in est.peak.peak_terms],
+        "checkpointing": "none", "seq_len": seq_len, "micro_batch": workload.micro_batch,
+        "foreach": settings.foreach, "parity": None,
+        "seconds": max(sum(r["step_s"]) for r in rank_rows),
+        "step_time_s": {"probed": statistics.median(step_s), "unprobed": 0.0, "unprobed_steps": 0},
+        "wire_bytes_per_rank": None, "profiler_comms": None, "wire_to_derived": None,
+        "checks": checks, "ok": all(v is not False for v in checks.values()),
+        "engine": "deepspeed", "engine_label": est.label,
+        "deepspeed_estimator_bytes": ds_est, "deepspeed_estimator_rel_error": (peak - ds_est) / peak,
+    }).model_dump()  # fmt: skip
+
+
+def run_validation(config) -> dict:
+    """``zeroplan validate --engine deepspeed``: every world size of ``config`` through real DeepSpeed."""
+    from validate.schema import SCHEMA, ValidationReport
+
+    model = config.model_name
+    if config.deepspeed_config is not None:
+        configs = [{"train_micro_batch_size_per_gpu": config.batch_per_rank, "steps_per_print": 10**9,
+                    **config.deepspeed_config}]  # fmt: skip
+    else:
+        configs = builtin_configs(config.stages, config.param_dtype, config.batch_per_rank, config.lr)
+    rows = []
+    for nd in config.world_sizes:
+        ranks = run_world(configs, nd, model, config.steps, config.timeout_s, config.seq_len)
+        for i, ds in enumerate(configs):
+            workload = workload_for(model, ds["train_micro_batch_size_per_gpu"], config.seq_len)
+            rows.append(compare_row(ds, nd, [r[i] for r in ranks], workload, config.model_label, config.tolerance,
+                                    config.peak_tolerance, config.seq_len))  # fmt: skip
+    notes = [
+        "engine deepspeed: predictions from zeroplan.engines.deepspeed (DeepSpeed 0.19.8 profile); "
+        "deepspeed_estimator_bytes is DeepSpeed's own estimate_zero2/3_model_states_mem_needs for the run; "
+        "collectives compared per step from the second (ZeRO-3 records its trace in the first), "
+        "ring ops only."
+    ]
+    return ValidationReport(schema_id=SCHEMA, config=config.model_dump(), torch=ranks[0][0]["torch"], rows=rows,
+                            notes=notes, ok=all(r["ok"] for r in rows)).model_dump(by_alias=True)  # fmt: skip
 
 
 if __name__ == "__main__":

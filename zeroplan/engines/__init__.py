@@ -12,16 +12,18 @@ from typing import Callable
 
 from pydantic import BaseModel
 
-from zeroplan.engines import reference
+from zeroplan.engines import deepspeed, reference
 from zeroplan.engines.base import EngineEstimate, Workload
 
 EstimateFn = Callable[[Workload, int, BaseModel], "tuple[EngineEstimate, ...]"]
 
 ENGINES: dict[str, EstimateFn] = {
     "reference": reference.estimate,
+    "deepspeed": deepspeed.estimate,
 }
 SETTINGS: dict[str, type[BaseModel]] = {
     "reference": reference.Settings,
+    "deepspeed": deepspeed.Settings,
 }
 
 
@@ -34,8 +36,21 @@ class Engine:
     settings: type[BaseModel]
 
 
+PLANNER_ENGINES: tuple[str, ...] = ("reference",)
+"""Engines whose ``Settings`` the planner commands (estimate, plan, sweep) can build from their options
+today. The others are reached through their module's ``estimate`` (Python) and ``zeroplan validate
+--engine``; the commands refuse them with one line rather than guess their settings."""
+
+
 def get_engine(name: str) -> Engine:
-    """The engine called ``name``; ValueError (one line, listing the names) otherwise."""
+    """The planner engine called ``name``; ValueError (one line) for an unknown one or one the planner
+    commands cannot configure yet (``PLANNER_ENGINES``)."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}: known engines are {', '.join(ENGINES)}")
+    if name not in PLANNER_ENGINES:
+        raise ValueError(
+            f"engine {name!r}: not yet configurable from estimate, plan or sweep (planner engines: "
+            f"{', '.join(PLANNER_ENGINES)}); measure it with `zeroplan validate --engine {name}` or call "
+            f"zeroplan.engines.{name}.estimate from Python"
+        )
     return Engine(name, ENGINES[name], SETTINGS[name])

@@ -1,27 +1,41 @@
-"""DeepSpeed: reading a ``ds_config.json`` into planner settings, and writing one for a planned option.
+"""DeepSpeed ZeRO 1-3 as an engine: reading ``ds_config.json``, what it allocates and sends, its JSON.
 
-Reading: the keys of a ``ds_config.json`` (https://www.deepspeed.ai/docs/config-json/) that decide
-model-state memory: ``zero_optimization.stage``, ``fp16.enabled`` / ``bf16.enabled`` (fp32 when
-neither), ``optimizer.type`` (and ``params.momentum`` for SGD), ``data_types.grad_accum_dtype`` and
-``communication_data_type`` (the dtype gradients are kept and reduced in). Batch sizes, buckets and
-schedulers do not change model states and are ignored. Offload is refused here with a pointer to
-``zeroplan plan``, which models it; silently ignoring it would overstate GPU memory.
+One module for everything DeepSpeed-specific (issue 11), in DeepSpeed **0.19.8**'s words; file paths
+in ``source`` strings are relative to the installed ``deepspeed/`` package.
 
-Writing: keys exactly as the DeepSpeed configuration docs spell them (``zero_optimization``,
-``offload_optimizer``, ``offload_param``, ``stage3_*``). Bucket sizes are DeepSpeed's defaults (5e8
-elements; ``stage3_prefetch_bucket_size`` 5e7), written out so the plan's latency estimate and the run
-use the same buckets. No dependency on DeepSpeed: these functions read and build dicts.
+Reading for ``zeroplan estimate`` (``from_deepspeed``): the keys that decide model-state memory
+(``zero_optimization.stage``, ``fp16``/``bf16``, ``optimizer``, ``data_types.grad_accum_dtype``,
+``communication_data_type``). Offload is refused here with a pointer to ``zeroplan plan``.
+
+The engine profile (``Settings``, ``estimate``; contract in ``zeroplan/engines/base.py``): the keys that
+change memory or traffic (buckets, ``contiguous_gradients``, ``overlap_comm``, the ``stage3_*`` knobs,
+precision, the optimizer and its ``torch_adam``/``adam_w_mode``/``foreach``) read strictly with the
+defaults of ``runtime/zero/config.py`` ``DeepSpeedZeroConfig``; the optimizer class DeepSpeed builds
+(``optimizer_class``); every buffer of model states and buckets (``terms``), the moments of each phase
+at which memory peaks (``moments``: ``zeroplan.formulas.peak`` terms, activations from
+``zeroplan.formulas.activation_terms``), the collectives as DeepSpeed issues them (``collectives``) and
+DeepSpeed's own estimators restated (``ds_estimate_zero2_bytes``, ``ds_estimate_zero3_bytes``). Checked
+against real DeepSpeed on gloo CPU by ``validate/engines/deepspeed.py`` (``tests/test_deepspeed_*.py``).
+
+Writing (``deepspeed_config``): keys exactly as the DeepSpeed configuration docs spell them. No
+dependency on DeepSpeed: these functions read and build dicts and records.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Optional
+from dataclasses import dataclass
+from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, validate_call
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, validate_call
 
+from zeroplan.engines.base import EngineEstimate, Workload
 from zeroplan.files import read_json
+from zeroplan.formulas.activation_terms import ModelActivations, model_activations
+from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
+from zeroplan.formulas.memory import MemoryBreakdown
+from zeroplan.formulas.peak import Moment, PeakEstimate, Term, peak_of
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
@@ -66,6 +80,21 @@ def _number(v: object, info: ValidationInfo) -> float:
     return v
 
 
+def _flag(v: object, info: ValidationInfo) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("must be true or false (a JSON boolean)")
+    return v
+
+
+def _elements(v: object, info: ValidationInfo) -> int:
+    """A whole element count >= 0; DeepSpeed's ``pp_int`` fields take 5e8 as well as 500000000."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 0:
+        raise ValueError("must be a whole number of elements >= 0")
+    if v > 10**15:
+        raise ValueError("must be at most 1e15 elements")
+    return int(v)
+
+
 def _text(v: object, info: ValidationInfo) -> str:
     if not isinstance(v, str):
         raise ValueError("must be a string")
@@ -75,6 +104,8 @@ def _text(v: object, info: ValidationInfo) -> str:
 Enabled = Annotated[bool, BeforeValidator(_enabled)]
 Number = Annotated[float, BeforeValidator(_number)]
 Text = Annotated[str, BeforeValidator(_text)]
+Flag = Annotated[bool, BeforeValidator(_flag)]
+Elements = Annotated[int, BeforeValidator(_elements)]
 
 
 class _Section(BaseModel):
@@ -98,6 +129,17 @@ class _Zero(_Section):
     """checked by the stage table (``get_stage``), whose message names the key."""
     offload_optimizer: Optional[_OffloadSection] = None
     offload_param: Optional[_OffloadSection] = None
+    # read by the engine profile (``Settings.from_ds_config``); None: DeepSpeed's default
+    reduce_bucket_size: Optional[Elements] = None
+    allgather_bucket_size: Optional[Elements] = None
+    contiguous_gradients: Optional[Flag] = None
+    overlap_comm: Optional[Flag] = None
+    reduce_scatter: Optional[Flag] = None
+    use_multi_rank_bucket_allreduce: Optional[Flag] = None
+    stage3_prefetch_bucket_size: Optional[Elements] = None
+    stage3_param_persistence_threshold: Optional[Elements] = None
+    stage3_max_live_parameters: Optional[Elements] = None
+    stage3_max_reuse_distance: Optional[Elements] = None
 
 
 class _DataTypes(_Section):
@@ -107,6 +149,9 @@ class _DataTypes(_Section):
 class _OptimizerParams(_Section):
     momentum: Number = 0
     """SGD momentum; 0 (DeepSpeed's and torch's default) keeps no momentum buffer."""
+    torch_adam: Optional[Flag] = None
+    adam_w_mode: Optional[Flag] = None
+    foreach: Optional[Flag] = None
 
 
 class _Optimizer(_Section):
@@ -248,3 +293,724 @@ def deepspeed_config(
         config[policy.param_dtype] = {"enabled": True}
     config["zero_optimization"] = zero
     return config
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The engine profile: what DeepSpeed 0.19.8 ZeRO 1-3 allocates and sends (one rank, one parameter group,
+# no offload). Checked against the real engine: validate/engines/deepspeed.py, docs/engines/deepspeed.md.
+# ---------------------------------------------------------------------------------------------------------
+
+DEEPSPEED_VERSION = "0.19.8"
+DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "int32": 4, "bool": 1}
+DsDtype = Literal["fp32", "bf16", "fp16"]
+# stage_1_and_2.py / bf16_optimizer.py __init__: "4-byte alignment/sizeof(fp16) = 2"; the flat group is
+# padded to a multiple of this times N_d (``flatten_dense_tensors_aligned``).
+NCCL_START_ALIGNMENT_FACTOR = 2
+_ZERO_KEYS = {  # ds_config zero_optimization key -> Settings field
+    "reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
+    "contiguous_gradients": "contiguous_gradients", "overlap_comm": "overlap_comm",
+    "reduce_scatter": "reduce_scatter", "use_multi_rank_bucket_allreduce": "use_multi_rank_bucket_allreduce",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters", "stage3_max_reuse_distance": "max_reuse_distance",
+}  # fmt: skip
+
+
+class Settings(BaseModel):
+    """The ds_config keys that change memory or traffic, with DeepSpeed 0.19.8's defaults.
+
+    Defaults: ``runtime/zero/config.py`` ``DeepSpeedZeroConfig`` (reduce/allgather buckets 5e8
+    elements, prefetch 5e7, persistence threshold 1e5, max live parameters / reuse distance 1e9,
+    ``contiguous_gradients``, ``reduce_scatter`` and ``use_multi_rank_bucket_allreduce`` true,
+    ``overlap_comm`` None -> ``stage == 3`` in ``overlap_comm_valid``); precision from ``fp16`` / ``bf16``
+    ``enabled`` (fp32 when neither), ``grad_accum_dtype`` defaulting to the model dtype
+    (``runtime/engine.py`` ``DeepSpeedEngine.get_data_types``); ``optimizer.params.torch_adam`` (false),
+    ``adam_w_mode`` (true) and ``foreach`` (``DeepSpeedEngine._configure_basic_optimizer``). Sizes are
+    elements.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    stage: Literal[1, 2, 3]
+    dtype: DsDtype = "fp32"
+    grad_accum_dtype: Optional[DsDtype] = None
+    reduce_bucket_size: int = Field(DEFAULT_BUCKET_NUMEL, ge=1)
+    allgather_bucket_size: int = Field(DEFAULT_BUCKET_NUMEL, ge=1)
+    contiguous_gradients: bool = True
+    overlap_comm: Optional[bool] = None
+    reduce_scatter: bool = True
+    use_multi_rank_bucket_allreduce: bool = True
+    prefetch_bucket_size: int = Field(STAGE3_PREFETCH_NUMEL, ge=0)
+    param_persistence_threshold: int = Field(100_000, ge=0)
+    max_live_parameters: int = Field(1_000_000_000, ge=0)
+    max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    optimizer: Literal["adam", "adamw"] = "adam"
+    adam_w_mode: bool = True
+    torch_adam: bool = False
+    foreach: Optional[bool] = None
+
+    @property
+    def grad_dtype(self) -> str:
+        """The gradient accumulation dtype (engine.py ``get_data_types``: the model dtype when absent)."""
+        return self.grad_accum_dtype or self.dtype
+
+    @property
+    def overlaps(self) -> bool:
+        """``overlap_comm`` as DeepSpeed resolves it (config.py ``overlap_comm_valid``)."""
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    @classmethod
+    def from_ds_config(cls, config: object, stage: Optional[int] = None) -> Settings:
+        """Read a parsed ds_config.json strictly; absent keys take DeepSpeed 0.19.8's defaults.
+
+        ``stage`` (``--stage``) fills in a config without ``zero_optimization.stage``; one that
+        contradicts the file is refused. ValueError with one line naming the key.
+        """
+        if not isinstance(config, dict):
+            raise ValueError("deepspeed config: expected a JSON object")
+        try:
+            ds = DeepSpeedConfig.model_validate(config)
+        except ValidationError as exc:
+            raise _ds_error(exc) from None
+        base = from_deepspeed(config)  # offload refused, dtypes and optimizer checked, one line each
+        zero = ds.zero_optimization
+        given = "stage" in (config.get("zero_optimization") or {})
+        if stage is not None and given and stage != base["stage"]:
+            raise ValueError(f"--stage {stage} contradicts zero_optimization.stage={base['stage']}; drop one of them")
+        number = base["stage"] if given or stage is None else stage
+        if number not in (1, 2, 3):
+            raise ValueError(f"deepspeed config: zero_optimization.stage={number}: the DeepSpeed profile covers 1-3")
+        if base.get("optimizer", "adamw") != "adamw":
+            raise ValueError(f"deepspeed config: optimizer.type={ds.optimizer.type!r}: the profile covers Adam and AdamW")
+        params = ds.optimizer.params if ds.optimizer is not None else _OptimizerParams()
+        grad = ds.data_types.grad_accum_dtype
+        found = {field: getattr(zero, key) for key, field in _ZERO_KEYS.items() if getattr(zero, key) is not None}
+        kind = (ds.optimizer.type.lower() if ds.optimizer is not None and ds.optimizer.type else "adam")
+        return cls(
+            stage=number,
+            dtype=base["param_dtype"],
+            grad_accum_dtype=None if grad is None else _ds_dtype(grad, "data_types.grad_accum_dtype"),
+            optimizer="adamw" if kind == "adamw" else "adam",
+            **{k: v for k, v in (("adam_w_mode", params.adam_w_mode), ("torch_adam", params.torch_adam),
+                                 ("foreach", params.foreach)) if v is not None},
+            **found,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DSTerm:
+    """A buffer DeepSpeed allocates on each rank: ``numel`` elements of ``dtype``, alive per ``live``.
+
+    ``live``: ``persistent`` (from ``deepspeed.initialize`` on, at every step boundary), ``lazy``
+    (created by the first ``optimizer_step``, alive from then on), ``backward`` (allocated when backward
+    starts, freed before it ends: the ZeRO-1/2 reduce buckets).
+    """
+
+    name: str
+    live: str
+    numel: int
+    dtype: str
+    source: str
+    tensors: int = 1
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+    def term(self) -> Term:
+        return Term(self.name, self.bytes, self.source, max(self.tensors, 1))
+
+
+@dataclass(frozen=True)
+class DSCollective:
+    """Collectives of one kind DeepSpeed issues per step: ``calls`` calls of ``elements`` in total.
+
+    ``elements`` counts the full tensor of each call (an all-gather's output, an all-reduce's buffer,
+    a reduce-scatter's input), as ``validate.probes.CommCounter`` records them. ``calls`` is exact where
+    ``calls_exact`` (parameter-order buckets), else the greedy-bucket count in parameter order.
+    """
+
+    op: str
+    phase: str
+    calls: int
+    elements: int
+    dtype: str
+    source: str
+    calls_exact: bool = True
+
+
+def optimizer_class(s: Settings) -> str:
+    """The wrapper DeepSpeed builds (engine.py ``_do_optimizer_sanity_check`` then ``_configure_optimizer``)."""
+    if s.stage == 1 and s.dtype == "bf16" and s.grad_dtype == "fp32":
+        return "BF16_Optimizer"  # engine.py _configure_bf16_optimizer -> runtime/bf16_optimizer.py
+    if s.stage == 3:
+        return "DeepSpeedZeroOptimizer_Stage3"  # engine.py _configure_zero_optimizer -> zero/stage3.py
+    return "DeepSpeedZeroOptimizer"  # engine.py _configure_zero_optimizer -> zero/stage_1_and_2.py
+
+
+def inner_optimizer_class(s: Settings) -> str:
+    """The Adam inside (engine.py ``_configure_basic_optimizer``): torch's with ``torch_adam``, else
+    DeepSpeed's ``FusedAdam`` (ops/adam/fused_adam.py; on CPU a JIT-built C++ op, ``fused_adam``)."""
+    if s.torch_adam:  # type "Adam" runs AdamW unless adam_w_mode is false
+        return "AdamW" if s.optimizer == "adamw" or s.adam_w_mode else "Adam"
+    return "FusedAdam"
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def flat_padded_numel(numels: tuple[int, ...], nd: int) -> int:
+    """ZeRO-1/2 and BF16_Optimizer: one flat group padded to 2·N_d (stage_1_and_2.py ``__init__``,
+    ``flatten_dense_tensors_aligned(..., alignment=nccl_start_alignment_factor * world_size)``)."""
+    return _ceil_to(sum(numels), NCCL_START_ALIGNMENT_FACTOR * nd)
+
+
+def stage3_partition_numel(numels: tuple[int, ...], nd: int) -> int:
+    """ZeRO-3: each tensor padded to N_d and split (partition_parameters.py ``_padding_size``,
+    ``_partition_param``); a rank holds the sum of ceil(n / N_d)."""
+    return sum(-(-n // nd) for n in numels)
+
+
+def persistent_numel(s: Settings, numels: tuple[int, ...]) -> int:
+    """ZeRO-3 parameters kept gathered (parameter_offload.py ``mark_persistent_parameters``: ds_numel <=
+    stage3_param_persistence_threshold)."""
+    return sum(n for n in numels if n <= s.param_persistence_threshold) if s.stage == 3 else 0
+
+
+def _partition(s: Settings, numels: tuple[int, ...], nd: int) -> int:
+    if s.stage == 3:
+        return stage3_partition_numel(numels, nd)
+    return flat_padded_numel(numels, nd) // nd
+
+
+def terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
+    """Every buffer of model states and buckets on one rank, for parameters of ``numels`` elements
+    (``model.named_parameters()`` order) at N_d = ``nd``."""
+    p, g, inner, kind = s.dtype, s.grad_dtype, inner_optimizer_class(s), optimizer_class(s)
+    part = _partition(s, numels, nd)
+    fused = 1 if inner == "FusedAdam" else 0
+    out: list[DSTerm] = []
+    if kind == "DeepSpeedZeroOptimizer_Stage3":
+        out += [
+            DSTerm("16-bit parameter partition", "persistent", part, p,
+                   "runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3._create_fp16_partitions_with_defragmentation (lp_param_buffer)"),
+            DSTerm("fp32 master partition", "persistent", part, "fp32",
+                   "runtime/zero/stage3.py _create_fp32_partitions (a clone, even when the model is fp32)"),
+            DSTerm("gradient partition", "persistent", part, g,
+                   "runtime/zero/stage3.py _setup_for_real_optimizer (grad_partitions_flat_buffer, grad_accum_dtype)"),
+            DSTerm("reduce bucket (IPG)", "persistent", s.reduce_bucket_size if s.contiguous_gradients else 0, g,
+                   "runtime/zero/stage3.py _setup_for_real_optimizer (ipg bucket, torch.empty(reduce_bucket_size))"),
+            DSTerm("persistent parameters (gathered)", "lazy", persistent_numel(s, numels), p,
+                   "runtime/zero/parameter_offload.py mark_persistent_parameters; gathered in forward and kept"),
+            DSTerm("inf/nan tracker", "persistent", 1, "bool", "runtime/zero/stage3.py __init__ (inf_or_nan_tracker)"),
+            DSTerm("overflow buffer", "persistent", fused, "int32",
+                   "ops/adam/fused_adam.py FusedAdam.__init__ (_dummy_overflow_buf)"),
+            DSTerm("grad-norm scalar", "lazy", 1, "fp64", "runtime/zero/stage3.py step (fp64 global norm; measured 8 B)"),
+            DSTerm("Adam step tensor", "lazy", 1 - fused, "fp32", "torch/optim/adam.py _init_group (state['step'])"),
+        ]  # fmt: skip
+    else:
+        flat = flat_padded_numel(numels, nd)
+        bf16_opt = kind == "BF16_Optimizer"
+        out += [
+            DSTerm("16-bit flat parameters (full, padded)", "persistent", flat, p,
+                   "runtime/bf16_optimizer.py BF16_Optimizer._setup_for_real_optimizer (bf16_groups_flat)" if bf16_opt
+                   else "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__ (bit16_groups_flat)"),
+            DSTerm("fp32 master partition", "persistent", part, "fp32",
+                   "runtime/bf16_optimizer.py _setup_for_real_optimizer (fp32_groups_flat_partition)" if bf16_opt
+                   else "runtime/zero/stage_1_and_2.py __init__ (single_partition_of_fp32_groups: .clone(), even in fp32)"),
+        ]  # fmt: skip
+        if bf16_opt:
+            out.append(DSTerm("fp32 gradient accumulation buffer (full, padded)", "persistent", flat, g,
+                              "runtime/bf16_optimizer.py _setup_for_real_optimizer (fp32_groups_gradients_flat)"))  # fmt: skip
+        else:
+            buffers = (2 if s.overlaps else 1) if s.contiguous_gradients else 0
+            out.append(DSTerm("reduce bucket (IPG)" + (" x2 (overlap_comm)" if buffers == 2 else ""), "backward",
+                              buffers * s.reduce_bucket_size, g,
+                              "runtime/zero/stage_1_and_2.py setup_buckets (torch.empty(reduce_bucket_size) per comm "
+                              "dtype, a second when overlap_comm), at the first gradient hook", tensors=max(buffers, 1)))  # fmt: skip
+        out.append(DSTerm("overflow buffer", "persistent", fused, "int32",
+                          "ops/adam/fused_adam.py FusedAdam.__init__ (_dummy_overflow_buf)"))  # fmt: skip
+        out.append(DSTerm("step scalars", "lazy", 2 - fused, "fp32",
+                          "the global grad norm kept by the optimizer (measured 4 B) and, with torch Adam, its "
+                          "fp32 step tensor (torch/optim/adam.py _init_group)"))  # fmt: skip
+    out.append(DSTerm(f"Adam m and v ({inner})", "lazy", 2 * part, "fp32",
+                      "ops/adam/fused_adam.py FusedAdam.step (zeros_like exp_avg, exp_avg_sq) / torch/optim/adam.py "
+                      "_init_group", tensors=2))  # fmt: skip
+    return tuple(out)
+
+
+def model_state_bytes(all_terms: tuple[DSTerm, ...], after_step: bool) -> int:
+    """Bytes alive at a step boundary: persistent terms, plus lazy ones once a step has run."""
+    lives = ("persistent", "lazy") if after_step else ("persistent",)
+    return sum(t.bytes for t in all_terms if t.live in lives)
+
+
+def memory_breakdown(s: Settings, numels: tuple[int, ...], nd: int) -> MemoryBreakdown:
+    """Model states after a step, as params (16-bit and persistent gathered), grads, optimizer (master, m, v,
+    scalars) and the ZeRO-3 bucket counted with the gradients (it holds them)."""
+    params = grads = opt = 0
+    for t in terms(s, numels, nd):
+        if t.live == "backward":
+            continue
+        if "parameter" in t.name:
+            params += t.bytes
+        elif "gradient" in t.name or "bucket" in t.name:
+            grads += t.bytes
+        else:
+            opt += t.bytes
+    return MemoryBreakdown(params, grads, opt)
+
+
+def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
+    """Element counts of the buckets DeepSpeed reduces, tensors taken in order: a bucket is sent before a
+    tensor that would overflow it (a tensor larger than the bucket goes alone)
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``; stage3.py
+    ``__reduce_and_partition_ipg_grads``)."""
+    out, current = [], 0
+    for n in numels:
+        if current and current + n > bucket:
+            out.append(current)
+            current = 0
+        current += n
+    if current:
+        out.append(current)
+    return tuple(out)
+
+
+def collectives(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSCollective, ...]:
+    """One steady-state step's collectives (the second step on: ZeRO-3's first step records its trace).
+
+    ``numels`` in parameter order. Stage 1 reduces after backward in parameter order
+    (``reduce_gradients`` walks ``bit16_groups``: calls exact); stage 2 and 3 in gradient-ready order
+    (autograd's; the call count is the parameter-order bucket count, a bound, not exact).
+    """
+    if nd == 1:
+        return ()
+    kind, p, g = optimizer_class(s), s.dtype, s.grad_dtype
+    if kind == "DeepSpeedZeroOptimizer_Stage3":
+        persist = persistent_numel(s, numels)
+        gathered = tuple(n for n in numels if n > s.param_persistence_threshold)
+        out = []
+        if gathered:
+            out.append(DSCollective("all-gather", "forward", len(gathered), sum(gathered), p,
+                                    "runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch of the "
+                                    "recorded trace; kept through backward while stage3_max_live_parameters and "
+                                    "stage3_max_reuse_distance allow: no re-gather)", calls_exact=False))  # fmt: skip
+        out += [
+            DSCollective("reduce-scatter", "backward", len(greedy_buckets(numels, s.reduce_bucket_size)), sum(numels), g,
+                         "runtime/zero/stage3.py __reduce_and_partition_ipg_grads -> "
+                         "partitioned_param_data_shard / reduce_scatter_coalesced, bucket by bucket", calls_exact=False),
+            DSCollective("all-reduce", "optimizer_step", 1, 1, "fp64",
+                         "runtime/zero/stage3.py _get_norm_groups / get_grad_norm (fp64 global norm)"),
+        ]  # fmt: skip
+        if persist:
+            out.append(DSCollective("all-gather", "optimizer_step", sum(1 for n in numels if n <= s.param_persistence_threshold),
+                                    persist, p, "runtime/zero/stage3.py _post_step -> persistent parameters re-gathered "
+                                    "(parameter_offload.py persistent_parameters)"))  # fmt: skip
+        return tuple(out)
+    flat = flat_padded_numel(numels, nd)
+    gather = DSCollective("all-gather", "optimizer_step", 1, flat, p, "runtime/utils.py all_gather_dp_groups (all_gather_into_tensor of the padded flat "
+                          "group; one call while the group fits allgather_bucket_size)")  # fmt: skip
+    if kind == "BF16_Optimizer":
+        return (
+            DSCollective("all-reduce", "backward", 1, flat, p,
+                         "runtime/bf16_optimizer.py BF16_Optimizer (engine.allreduce_gradients of the flat bf16 grads)"),
+            gather,
+        )  # fmt: skip
+    buckets = greedy_buckets(numels, s.reduce_bucket_size)
+    out = [
+        DSCollective("all-reduce", "backward", len(buckets), sum(numels), g,
+                     "runtime/zero/stage_1_and_2.py average_tensor -> allreduce_and_scatter -> allreduce_bucket "
+                     "(use_multi_rank_bucket_allreduce: an all-reduce per bucket, not a reduce-scatter)",
+                     calls_exact=s.stage == 1),
+        DSCollective("all-reduce", "optimizer_step", 1, 1, "fp32",
+                     "runtime/zero/stage_1_and_2.py get_grad_norm_direct (the global gradient norm)"),
+    ]  # fmt: skip
+    if p in ("bf16", "fp16"):
+        out.append(DSCollective("all-reduce", "optimizer_step", 1, 1, "uint8",
+                                "runtime/zero/stage_1_and_2.py has_overflow (check_grad_overflow)"))  # fmt: skip
+    out.append(gather)
+    return tuple(out)
+
+
+def ds_estimate_zero2_bytes(psi: int, nd: int) -> int:
+    """DeepSpeed's own ZeRO-2 estimate per GPU, no offload: 2Ψ + 18Ψ/N_d (runtime/zero/stage_1_and_2.py
+    ``estimate_zero2_model_states_mem_needs``); shown beside the prediction, never used for it."""
+    return 2 * psi + int(18 * psi / nd)
+
+
+def ds_estimate_zero3_bytes(psi: int, largest_layer_numel: int, nd: int) -> int:
+    """DeepSpeed's own ZeRO-3 estimate per GPU, no offload: 4·largest layer + 18Ψ/N_d
+    (runtime/zero/stage3.py ``estimate_zero3_model_states_mem_needs``)."""
+    return 4 * largest_layer_numel + int(18 * psi / nd)
+
+
+def ds_estimate_bytes(s: Settings, numels: tuple[int, ...], nd: int) -> int:
+    """DeepSpeed's own estimator for this run (ZeRO-1 has none: DeepSpeed's ZeRO-2 one is shown)."""
+    if s.stage == 3:
+        return ds_estimate_zero3_bytes(sum(numels), max(numels), nd)
+    return ds_estimate_zero2_bytes(sum(numels), nd)
+
+
+# --- the peak per phase --------------------------------------------------------------------------------
+
+ACT_SRC = "zeroplan/formulas/activation_terms.py"
+
+
+@dataclass(frozen=True)
+class DSRun:
+    """One rank of DeepSpeed training a transformer: settings, parameter sizes (``named_parameters``
+    order), N_d, one micro-batch's activations, and the model's head and final norm sizes."""
+
+    settings: Settings
+    numels: tuple[int, ...]
+    nd: int
+    acts: ModelActivations
+    head_numel: int
+    final_norm_numel: int
+    tied_head: bool
+    checkpointing: str = "none"
+    foreach: bool = False
+
+
+def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
+    return Term(name, nbytes, ACT_SRC, tensors)
+
+
+def _states(run: DSRun, after_step: bool = True) -> tuple[Term, ...]:
+    lives = ("persistent", "lazy") if after_step else ("persistent",)
+    return tuple(t.term() for t in terms(run.settings, run.numels, run.nd) if t.live in lives and t.bytes)
+
+
+def _bucket(run: DSRun) -> tuple[Term, ...]:
+    """ZeRO-1/2: the reduce bucket(s), allocated at the first gradient hook of each backward."""
+    return tuple(t.term() for t in terms(run.settings, run.numels, run.nd) if t.live == "backward" and t.bytes)
+
+
+def _pbytes(run: DSRun) -> int:
+    return DTYPE_BYTES[run.settings.dtype]
+
+
+def _gathered(run: DSRun) -> tuple[Term, ...]:
+    """ZeRO-3 after the first step: every non-persistent parameter gathered by the trace's prefetch and
+    kept through backward (partitioned_param_coordinator.py ``fetch_sub_module``: nothing is released
+    while stage3_max_live_parameters and stage3_max_reuse_distance exceed the model)."""
+    s = run.settings
+    if s.stage != 3:
+        return ()
+    n = sum(x for x in run.numels if x > s.param_persistence_threshold)
+    return (Term("gathered parameters (prefetched trace)", n * _pbytes(run),
+                 "runtime/zero/partitioned_param_coordinator.py fetch_sub_module"),)  # fmt: skip
+
+
+def _blocks_saved(run: DSRun, n: int) -> Term:
+    per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
+    return _act(f"saved activations of {n} blocks", n * per, max(n, 1))
+
+
+def init_moments(run: DSRun) -> tuple[Moment, ...]:
+    """``deepspeed.initialize``: the 16-bit cast, the flat copy (ZeRO-1/2), the optimizer's partitions."""
+    s, numels = run.settings, run.numels
+    p, psi = _pbytes(run), sum(numels)
+    out = []
+    if s.dtype != "fp32":  # engine.py _configure_distributed_model: module.bfloat16()/half(), tensor by tensor
+        # nn.Module._apply converts one parameter at a time: the fp32 ones not yet converted plus the 16-bit ones
+        done, worst = 0, 0
+        for n in numels:
+            worst = max(worst, (psi - done) * 4 + (done + n) * p)
+            done += n
+        out.append(Moment("init", "16-bit cast of the model", (
+            Term("fp32 model as built and its 16-bit copies so far", worst,
+                 "runtime/engine.py _configure_distributed_model (module.to(dtype)) -> torch nn.Module._apply"),)))  # fmt: skip
+    if optimizer_class(s) == "DeepSpeedZeroOptimizer_Stage3":
+        st = _states(run, after_step=False)
+        if s.dtype != "fp32":  # the 16-bit partition converted to fp32, then cloned: both alive for a moment
+            part = stage3_partition_numel(numels, run.nd)
+            src = "runtime/zero/stage3.py _create_fp32_partitions (converted = lp.to(fp32); converted.clone())"
+            out.append(Moment("init", "fp32 master: converted and cloned", (
+                *(t for t in st if t.name in ("16-bit parameter partition", "inf/nan tracker")),
+                Term("16-bit partition converted to fp32", part * 4, src),
+                Term("fp32 master partition (the clone)", part * 4, src))))  # fmt: skip
+        out.append(Moment("init", "partitioned parameters gathered once", (*st, Term(
+            "largest parameter gathered", max(numels) * p,
+            "runtime/zero/partition_parameters.py _allgather_params_sequential")) ))  # fmt: skip
+        return tuple(out)
+    flat = flat_padded_numel(numels, run.nd)
+    part = flat // run.nd
+    src = "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__"
+    out.append(Moment("init", "flatten the 16-bit group", (
+        Term("model parameters (before repointing into the flat buffer)", psi * p, "runtime/engine.py _configure_distributed_model"),
+        Term("alignment padding", (flat - psi) * p, f"{src} (flatten_dense_tensors_aligned)"),
+        Term("16-bit flat parameters", flat * p, f"{src} (bit16_groups_flat)"))))  # fmt: skip
+    out.append(Moment("init", "initialize_optimizer_states", (*_states(run, after_step=False), Term(
+        "fp32 gradient partition (zeros, dropped at once)", part * 4,
+        "runtime/zero/stage_1_and_2.py initialize_optimizer_states (single_grad_partition)"))))  # fmt: skip
+    return tuple(out)
+
+
+def forward_moments(run: DSRun) -> tuple[Moment, ...]:
+    """The last block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of
+    the model states after a step (the peak of a phase is the largest over steps)."""
+    acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
+    base = (*_states(run), *_gathered(run), _act("batch (token ids, targets)", acts.batch, 2),
+            _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
+    if run.checkpointing == "none":
+        last = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
+    else:
+        last = (_blocks_saved(run, L - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+    head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
+    # CausalLM.loss: ``logits = self(tokens).float()``: nothing saves the model-dtype logits, so the fp32 copy
+    # replaces them (in fp32 ``.float()`` returns the same tensor)
+    loss = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved),
+            _act("fp32 logits (loss upcast)", acts.logits_fp32),
+            _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss))  # fmt: skip
+    return (
+        Moment("forward", "last block", (*base, *last)),
+        Moment("forward", "LM head", (*base, *head)),
+        Moment("forward", "cross-entropy", (*base, *loss)),
+    )
+
+
+def _partition_params(numels: tuple[int, ...], part: int, rank: int) -> tuple[int, ...]:
+    """Indices of the parameters overlapping ``rank``'s slice of the flat group (stage_1_and_2.py
+    ``get_partition_info``: a parameter is in a partition when any of its elements is)."""
+    lo, hi, start, out = rank * part, (rank + 1) * part, 0, []
+    for i, n in enumerate(numels):
+        if start < hi and start + n > lo:
+            out.append(i)
+        start += n
+    return tuple(out)
+
+
+def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
+    """ZeRO-1 reduces after backward, in parameter order (``reduce_gradients``): each gradient is copied into
+    the bucket (its autograd tensor freed); the first bucket holding one of this rank's parameters
+    allocates ``grads_in_partition`` (``copy_grads_in_partition``: every parameter overlapping the
+    partition, whole, in the model dtype). The largest over ranks (the validator reports the max)."""
+    numels, p = run.numels, _pbytes(run)
+    part = flat_padded_numel(numels, run.nd) // run.nd
+    buckets = greedy_buckets(numels, run.settings.reduce_bucket_size)
+    out = []
+    for rank in range(run.nd):
+        mine = _partition_params(numels, part, rank)
+        if not mine:
+            continue
+        first_offset, b, start = sum(numels[: mine[0]]), 0, 0
+        while start + buckets[b] <= first_offset:  # the bucket that holds this rank's first parameter
+            start += buckets[b]
+            b += 1
+        sent = sum(buckets[: b + 1])
+        out.append(Moment("backward", f"reduce_gradients: rank {rank}'s grads_in_partition", (
+            *_states(run), *_bucket(run),
+            Term("autograd gradients not yet bucketed", (sum(numels) - sent) * p, "torch autograd (param.grad)"),
+            Term("grads_in_partition", sum(numels[i] for i in mine) * p,
+                 "runtime/zero/stage_1_and_2.py copy_grads_in_partition (torch.empty of the partition's parameters)"),
+            _act("batch (token ids, targets)", run.acts.batch, 2))))  # fmt: skip
+    return tuple(out)
+
+
+def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
+    """ZeRO-2 reduces bucket by bucket in gradient-ready order (the final norm, then the last block's
+    parameters from the last); the first bucket fills during the last block's backward when the model
+    needs more than one. A rank owning a parameter of that bucket allocates its ``grads_in_partition``
+    there, with the activations alive (stage_1_and_2.py ``reduce_ipg_grads`` -> ``copy_grads_in_partition``)."""
+    numels, p = run.numels, _pbytes(run)
+    rev = tuple(reversed(numels))
+    buckets = greedy_buckets(rev, run.settings.reduce_bucket_size)
+    if len(buckets) < 2:  # everything fits one bucket: reduced after backward, activations gone
+        return ()
+    psi, first = sum(numels), buckets[0]
+    part = flat_padded_numel(numels, run.nd) // run.nd
+    out = []
+    for rank in range(run.nd):
+        mine = _partition_params(numels, part, rank)
+        # parameter i occupies [sum(numels[:i]), ...); the first bucket holds the last ``first`` elements
+        if any(sum(numels[: i + 1]) > psi - first for i in mine):
+            out.append((rank, Term("grads_in_partition", sum(numels[i] for i in mine) * p,
+                                   "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
+    return tuple(out)
+
+
+def backward_moments(run: DSRun) -> tuple[Moment, ...]:
+    """Loss backward, the LM head's, the last block's (with the bucket from the first hook on), and at
+    ZeRO-1 the reduction after backward."""
+    acts, blk, L, p, s = run.acts, run.acts.block, run.acts.n_layer, _pbytes(run), run.settings
+    n_d = acts.embed_out
+    base = (*_states(run), *_gathered(run), _act("batch (token ids, targets)", acts.batch, 2),
+            _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss))  # fmt: skip
+    saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
+    out = [
+        Moment("backward", "cross-entropy backward", (*base, *saved_all,
+               _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
+               _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2))),
+        Moment("backward", "LM head backward", (*base, *saved_all, _act("logits gradient", acts.logits),
+               _act("final norm output gradient", n_d),
+               Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"))),
+    ]  # fmt: skip
+    # ZeRO-1 keeps every gradient autograd makes until reduce_gradients; ZeRO-2/3 move each into the
+    # bucket at its hook. A tied head's gradient waits in autograd's input buffer for the embedding's.
+    keeps = s.stage == 1
+    held = run.head_numel * (run.tied_head or keeps) + run.final_norm_numel * keeps
+    kept_root = Term("root gradients held (head weight, final norm)", held * p,
+                     "autograd InputBuffer (tied weight); torch autograd param.grad (ZeRO-1)")  # fmt: skip
+    inflight = (_blocks_saved(run, L),)
+    if run.checkpointing != "none":
+        inflight += (_act("recomputed block's saved activations", blk.saved - blk.ckpt_saved),)
+    ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
+    last = (*base, *inflight, _act("incoming activation gradient", n_d), kept_root,
+            _act("block backward working set", ws), *_bucket(run))  # fmt: skip
+    out.append(Moment("backward", "last block backward", last))
+    if s.stage == 2:
+        out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
+                   for r, gip in _stage2_early_partitions(run))  # fmt: skip
+    if s.stage == 1 and optimizer_class(s) != "BF16_Optimizer":
+        out.extend(_stage1_reduce(run))
+    return tuple(out)
+
+
+def optimizer_moments(run: DSRun) -> tuple[Moment, ...]:
+    """The inner Adam on the fp32 partition: its fp32 gradient (stage_1_and_2.py ``step``:
+    ``single_partition_of_fp32_groups.grad``; stage3.py ``_prepare_fp32_grad_for_sub_group``) and the
+    temporaries of torch's Adam (``_single_tensor_adam``: ``v.sqrt()`` and its quotient; foreach: one),
+    none for FusedAdam (a fused kernel)."""
+    s = run.settings
+    part = _partition(s, run.numels, run.nd)
+    inner = inner_optimizer_class(s)
+    temps = 0 if inner == "FusedAdam" else (1 if run.foreach else 2)
+    out = []
+    if optimizer_class(s) == "DeepSpeedZeroOptimizer":
+        # step() flattens the partition's gradients (views of grads_in_partition, still alive) in the
+        # gradient dtype, then converts the flat copy to fp32 (a no-op in fp32)
+        p, numels = _pbytes(run), run.numels
+        flat_part = flat_padded_numel(numels, run.nd) // run.nd
+        gip = max(sum(numels[i] for i in _partition_params(numels, flat_part, r)) for r in range(run.nd))
+        src = "runtime/zero/stage_1_and_2.py step -> get_flat_partition (_flatten_dense_tensors), .to(fp32)"
+        out.append(Moment("optimizer_step", "flatten the partition's gradients", (*_states(run),
+                   Term("grads_in_partition", gip * p, "runtime/zero/stage_1_and_2.py copy_grads_in_partition"),
+                   Term("flat partition gradient (gradient dtype)", part * DTYPE_BYTES[s.grad_dtype] * (s.grad_dtype != "fp32"), src),
+                   Term("fp32 gradient of the master partition", part * 4, src))))  # fmt: skip
+    elif s.grad_dtype != "fp32":  # ZeRO-3: a copy of the 16-bit gradient partition, then its fp32 conversion
+        src = "runtime/zero/stage3.py _prepare_fp32_grad_for_sub_group (gradient partition copied, then .to(fp32))"
+        out.append(Moment("optimizer_step", "prepare the fp32 gradient", (*_states(run),
+                   Term("gradient partition copy (gradient dtype)", part * DTYPE_BYTES[s.grad_dtype], src),
+                   Term("fp32 gradient of the master partition", part * 4, src))))  # fmt: skip
+    return (
+        *out,
+        Moment("optimizer_step", f"{inner} update", (*_states(run),
+               Term("fp32 gradient of the master partition", part * 4,
+                    "runtime/zero/stage_1_and_2.py step / runtime/zero/stage3.py _prepare_fp32_grad_for_sub_group"),
+               Term(f"{inner} temporaries", temps * part * 4, "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam",
+                    max(temps, 1)))),
+    )  # fmt: skip
+
+
+def moments(run: DSRun) -> tuple[Moment, ...]:
+    """Every moment of a DeepSpeed training step."""
+    return (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run))
+
+
+def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional[int] = None) -> DSRun:
+    """The run of ``workload`` under ``settings``; activations in the model dtype, LayerNorm statistics in
+    ``stat_bytes`` (None: 4, as CUDA keeps them; on CPU they take the input dtype)."""
+    spec = workload.spec
+    if spec is None:
+        raise ValueError("the DeepSpeed peak needs an architecture (a model), not bare tensor sizes")
+    from zeroplan.architectures.spec import block_prefix
+
+    a = DTYPE_BYTES[settings.dtype]
+    acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=a,
+                             stat_bytes=4 if stat_bytes is None else stat_bytes)  # fmt: skip
+    numels = tuple(math.prod(shape) for _, shape in workload.shapes)
+    prefix = block_prefix(spec)
+    # the final norm: the root's norm parameters (GPT-2 ln_f, Llama model.norm)
+    final = sum(math.prod(sh) for n, sh in workload.shapes
+                if not n.startswith(prefix) and (".ln_f." in n or n.startswith("model.norm.")))  # fmt: skip
+    foreach = settings.foreach if settings.foreach is not None else workload.foreach
+    return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
+                 spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach))  # fmt: skip
+
+
+def _collective(c: DSCollective, nd: int) -> Collective:
+    phase = "optimizer step" if c.phase == "optimizer_step" else c.phase
+    nbytes = DTYPE_BYTES.get(c.dtype, 1)
+    return Collective(c.op, phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, nd, nbytes))
+
+
+def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int] = None) -> tuple[EngineEstimate, ...]:
+    """DeepSpeed under ``settings`` on N_d = ``nd`` ranks: model states, peak per phase, one step's collectives."""
+    numels = tuple(math.prod(shape) for _, shape in workload.shapes)
+    peak: Optional[PeakEstimate] = None
+    if workload.spec is not None:
+        peak = peak_of(moments(ds_run(settings, workload, nd, stat_bytes)))
+    return (EngineEstimate(
+        engine="deepspeed",
+        label=f"ZeRO-{settings.stage} {optimizer_class(settings)} + {inner_optimizer_class(settings)}",
+        stage=settings.stage,
+        memory=memory_breakdown(settings, numels, nd),
+        peak=peak,
+        collectives=tuple(_collective(c, nd) for c in collectives(settings, numels, nd)),
+    ),)  # fmt: skip
+
+
+# --- planning: the configuration to run, chosen by predicted peak, emitted exactly --------------------------
+
+BUCKET_CHOICES: tuple[int, ...] = (500_000_000, 200_000_000, 50_000_000, 5_000_000)
+"""Bucket sizes ``recommend`` tries (elements): DeepSpeed's default, then smaller ones as its docs suggest
+for memory-bound runs (``reduce_bucket_size`` / ``allgather_bucket_size``)."""
+
+
+def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict:
+    """The ds_config.json that ``Settings.from_ds_config`` reads back as ``s``: every key the profile
+    reads is written, so the run is the configuration that was predicted."""
+    zero: dict = {"stage": s.stage, "reduce_bucket_size": s.reduce_bucket_size,
+                  "allgather_bucket_size": s.allgather_bucket_size, "contiguous_gradients": s.contiguous_gradients,
+                  "reduce_scatter": s.reduce_scatter, "use_multi_rank_bucket_allreduce": s.use_multi_rank_bucket_allreduce}
+    if s.overlap_comm is not None:  # absent: DeepSpeed resolves it by stage (config.py overlap_comm_valid)
+        zero["overlap_comm"] = s.overlap_comm  # fmt: skip
+    if s.stage == 3:
+        zero.update(stage3_prefetch_bucket_size=s.prefetch_bucket_size,
+                    stage3_param_persistence_threshold=s.param_persistence_threshold,
+                    stage3_max_live_parameters=s.max_live_parameters,
+                    stage3_max_reuse_distance=s.max_reuse_distance)  # fmt: skip
+    params: dict = {"torch_adam": s.torch_adam, "adam_w_mode": s.adam_w_mode}
+    if s.foreach is not None:
+        params["foreach"] = s.foreach
+    config: dict = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "optimizer": {"type": "AdamW" if s.optimizer == "adamw" else "Adam", "params": params},
+        "zero_optimization": zero,
+    }
+    if s.dtype != "fp32":
+        config[s.dtype] = {"enabled": True}
+    if s.grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": s.grad_accum_dtype}
+    return config
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The configuration ``recommend`` chose, its prediction, and what it tried."""
+
+    settings: Settings
+    estimate: EngineEstimate
+    ds_config: dict
+    tried: tuple[tuple[int, int, int], ...]
+    """(stage, bucket elements, predicted peak bytes) of every candidate, in the order tried."""
+
+
+def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
+              stat_bytes: Optional[int] = None) -> Optional[Recommendation]:
+    """The lowest ZeRO stage (least traffic), then the largest bucket (fewest calls), whose predicted peak
+    fits ``memory_bytes``; None when none does. Other keys come from ``base``."""
+    tried = []
+    for stage in (1, 2, 3):
+        for bucket in BUCKET_CHOICES:
+            s = base.model_copy(update={"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket})
+            (est,) = estimate(workload, nd, s, stat_bytes)
+            peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
+            tried.append((stage, bucket, peak))
+            if peak <= memory_bytes:
+                return Recommendation(s, est, to_ds_config(s, workload.micro_batch, workload.grad_accum), tuple(tried))
+    return None
