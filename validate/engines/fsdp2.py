@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -141,6 +143,41 @@ def check_parity(settings: Fsdp2Settings, spec, mesh, local_batch, global_batch,
     return {"grad_max_abs_diff": diff, "grad_max_abs": scale, "grad_rel_diff": diff / scale}
 
 
+@contextmanager
+def gloo_reduce_scatter_settled(probe: MemoryProbe, enabled: bool):
+    """gloo runs a reduce-scatter as an allreduce of a copy of its input on its worker thread, and drops
+    that copy a moment after ``wait()`` returns (``validate.probes.MemoryProbe.settled_bytes``). Left
+    alone, the copy is seen by the tracker at a later moment on some ranks and not others; here each
+    reduce-scatter returns only once the live bytes are steady, so the copy is counted where gloo makes
+    it (the ``gloo reduce-scatter copy`` term of ``zeroplan.engines.fsdp2``). Timing only: nothing is
+    allocated or freed by this wrapper."""
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
+                         "all_gather_into_tensor") if hasattr(dist, n)]  # fmt: skip
+    originals = {n: getattr(dist, n) for n in names}
+
+    def settled(original):
+        def call(*args, **kwargs):
+            work = original(*args, **kwargs)
+            if work is None:  # synchronous: the copy may still be held by the worker thread
+                last, same, deadline = probe.current_bytes(), 0, time.monotonic() + 0.5
+                while same < 3 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                    now = probe.current_bytes()
+                    same, last = (same + 1 if now == last else 0), now
+            return work
+
+        return call
+
+    if enabled:
+        for n in names:
+            setattr(dist, n, settled(originals[n]))
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(dist, n, originals[n])
+
+
 def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, fake: bool) -> dict:
     """Build, shard and train under the probes; returns this rank's row."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -162,7 +199,8 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
             probe.phase(phase)
             counter.phase = phase or "between steps"
 
-        with probe, counter:
+        gloo = dist.get_backend() == "gloo"
+        with probe, counter, gloo_reduce_scatter_settled(probe, gloo):
             enter("init")
             model = shard(build(spec, torch.float32, device), mesh, settings)
             optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, foreach=settings.foreach)

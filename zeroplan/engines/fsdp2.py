@@ -130,6 +130,10 @@ class Settings(BaseModel):
     device: Literal["cuda", "cpu"] = Field(
         "cuda", description="cuda: 512-byte allocator blocks and fp32 LayerNorm statistics; cpu: neither"
     )
+    backend: Literal["nccl", "gloo", "fake"] = Field(
+        "nccl", description="process group backend: gloo's reduce-scatter copies its whole input (a term); "
+        "nccl and the fake group (simulation) add nothing",
+    )  # fmt: skip
     rank: StrictInt = Field(0, ge=0, description="the rank described (rank 0 holds the most: padding is at the end)")
 
     @field_validator("reshard_after_forward")
@@ -448,9 +452,17 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     cast = lambda u: _fp(f"gradient cast to the module dtype (unit {u})",
                          run.shard(u) * run.m if run.r != run.m else 0,
                          "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed)")  # fmt: skip
+    gloo = lambda u: (Term(f"gloo reduce-scatter copy of the whole input (unit {u})", run.nd * run.shard(u) * run.r,
+                           "measured: ProcessGroupGloo runs reduce-scatter as an allreduce of a copy of the input, "
+                           "then copies its chunk out (aten.split, aten.copy_ seen at dispatch)"),)  # fmt: skip
+    gloo = gloo if run.settings.backend == "gloo" else (lambda u: ())
     for i in range(L, 0, -1):
         done = grads(run, range(i + 1, L + 1))
         held = (rs_in(i + 1, "held until the next post_backward"),) if i < L else ()
+        if resharded(run):  # pre_backward: the prefetched all-gather output is copied out, then freed
+            out.append(Moment("backward", f"block {i} copy-out", (
+                *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
+                root_held, ag_output(run, i, "prefetched, freed after copy-out"), unsharded(run, i), *held, done)))  # fmt: skip
         inflight = (_blocks_saved(run, i),)
         if run.checkpointing != "none":
             inflight += (_act("recomputed block's saved activations", blk.saved - blk.ckpt_saved),)
@@ -462,7 +474,7 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         out.append(Moment("backward", f"block {i} reduce-scatter copy-in",
                           (*common, grad_of(i), rs_in(i, "this unit"))))  # fmt: skip
         out.append(Moment("backward", f"block {i} reduce-scatter and cast",
-                          (*common, rs_in(i, "this unit"), rs_out(i), cast(i))))  # fmt: skip
+                          (*common, rs_in(i, "this unit"), rs_out(i), cast(i), *gloo(i))))  # fmt: skip
     blocks_done = grads(run, range(1, L + 1))
     others = (run.units[0].numel - run.head_numel) * p
     if run.tied_head:  # torch/csrc/autograd/input_buffer.cpp: the two gradients are summed out of place
@@ -480,7 +492,7 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         *root_base, Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes)),
         rs_in(0, "this unit"), blocks_done)))  # fmt: skip
     out.append(Moment("backward", "root reduce-scatter and cast",
-                      (*root_base, rs_in(0, "this unit"), rs_out(0), cast(0), blocks_done)))  # fmt: skip
+                      (*root_base, rs_in(0, "this unit"), rs_out(0), cast(0), *gloo(0), blocks_done)))  # fmt: skip
     return tuple(out)
 
 
