@@ -16,6 +16,10 @@ from validate.report import build_report
 def run_validation(config: ValidateConfig) -> dict:
     """Run the matrix of ``config`` (real or simulated) and return the report (``validate.schema``)."""
     check_before_start(config)
+    if config.engine == "fsdp2":
+        from validate.engines.fsdp2 import build_report as fsdp2_report
+
+        return fsdp2_report(config, run_matrix(config))
     return build_report(config, run_matrix(config))
 
 

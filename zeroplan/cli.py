@@ -443,7 +443,19 @@ def validate_cmd(
         None, "--seq-len", help="Tokens per sample (GPT only; at most the model's positions; default: all)."
     ),
     param_dtype: str = typer.Option(
-        "bf16", "--param-dtype", help="16-bit dtype of the runtime's params/grads: bf16 or fp16 (master, Adam: fp32)."
+        "bf16", "--param-dtype", help="16-bit dtype of the runtime's params/grads: bf16 or fp16 (master, Adam: fp32); "
+        "fsdp2: MixedPrecisionPolicy.param_dtype, bf16 or fp32 (no mixed precision).",
+    ),
+    engine: str = typer.Option("reference", "--engine", help="What trains: reference (bundled ZeRO runtime) or fsdp2."),
+    reduce_dtype: Optional[str] = typer.Option(
+        None, "--reduce-dtype", help="fsdp2: MixedPrecisionPolicy.reduce_dtype, bf16 or fp32 (default: param dtype)."
+    ),
+    reshard_after_forward: Optional[bool] = typer.Option(
+        None, "--reshard-after-forward/--no-reshard-after-forward",
+        help="fsdp2: reshard each block after forward (default) or keep it gathered until backward.",
+    ),  # fmt: skip
+    fake_tensors: Optional[bool] = typer.Option(
+        None, "--fake-tensors/--real-tensors", help="--simulated: FakeTensorMode (default on CPU) or real tensors."
     ),
     tolerance: float = typer.Option(0.01, help="Largest relative error of model states still ok."),
     timeout: float = typer.Option(600.0, help="Seconds one world size may run, counted from its launch."),
@@ -456,7 +468,8 @@ def validate_cmd(
         None, "--master-port", help="TCP port on node 0 (torchrun); default: a free port (one node only)."
     ),
 ) -> None:
-    """Train the reference ZeRO runtime, measure memory and traffic, compare with zeroplan; exit 1 if off."""
+    """Train the reference ZeRO runtime (or --engine fsdp2), measure memory and traffic, compare with zeroplan;
+    exit 1 if off."""
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
@@ -481,6 +494,8 @@ def validate_cmd(
         batch_per_rank=batch_per_rank,
         seq_len=seq_len,
         param_dtype=param_dtype,
+        **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
+                reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,
