@@ -137,6 +137,11 @@ class ValidateConfig(BaseModel):
                 raise ValueError("--stage: FSDP2 has no stages; use --reshard-after-forward/--no-reshard-after-forward")
             if self.wire:
                 raise ValueError("--wire: --engine reference only")
+            from validate.models import spec_for
+            from zeroplan.architectures.spec import TransformerSpec
+
+            if not isinstance(spec_for(self.model_name, self.params), TransformerSpec):
+                raise ValueError(f"model {self.model_name}: --engine fsdp2 validates transformers only")
             if self.param_dtype == "fp16" or self.reduce_dtype == "fp16":
                 raise ValueError("fp16: FSDP2 needs a gradient scaler for fp16 (not run); use bf16 or fp32")
             rsf = self.reshard_after_forward

@@ -218,7 +218,8 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
     local_batches = [tuple(t[rank * b : (rank + 1) * b].clone() for t in gb) for gb in global_batches]
     mesh = init_device_mesh(device.type, (nd,))  # before FakeTensorMode: see the module docstring
     readings: dict[str, list[int]] = defaultdict(list)
-    with fake_tensors(fake):
+    mode = fake_tensors(fake)  # entered again for the unprobed steps: one fake mode for all tensors
+    with mode:
         if fake:
             local_batches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in lb) for lb in local_batches]
         counter, probe = CommCounter(), MemoryProbe(device)
@@ -257,7 +258,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
     parity = None
     if not fake and settings.param_dtype == "fp32" and dist.get_backend() != "fake":
         parity = check_parity(settings, spec, mesh, local_batches[0], global_batches[0], device)
-    with fake_tensors(fake):  # the same step without any probe, for the probes' cost
+    with mode:  # the same step without any probe, for the probes' cost
         unprobed_s = [time_step(model, optimizer, local_batches[-1], device) for _ in range(UNPROBED_STEPS)]
     return {
         "rank": rank,

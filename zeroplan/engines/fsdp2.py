@@ -273,7 +273,7 @@ class Fsdp2Run:
     tied_head: bool = False
 
     def __post_init__(self) -> None:
-        if self.nd < 1 or len(self.units) < 2:
+        if self.nd < 1 or len(self.units) < (2 if self.acts is not None else 1):
             raise ValueError(f"nd={self.nd}, units={len(self.units)}: need nd >= 1 and a root plus blocks")
         if self.checkpointing not in ("none", "full"):
             raise ValueError(f"checkpointing={self.checkpointing!r}: expected none or full")
@@ -401,10 +401,15 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
     base = (params(run), adam(run), batch(run), _act("embedding saved (position ids)", acts.embed_saved),
             unsharded(run, 0))  # fmt: skip
-    prev = ag_output(run, L - 1, "previous unit, freed at this copy-out") if L > 1 else ag_output(run, 0, "root")
+    prev = ag_output(run, L - 1 if L > 1 else 0, "previous unit, freed when this copy-out returns")
     gather = Moment("forward", f"block {L} all-gather", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
         prev, copy_in(run, L), ag_output(run, L, "this unit")))  # fmt: skip
+    # wait_for_unshard binds the previous all-gather state to a local (``if prev_all_gather_state := ...``),
+    # so the previous output is freed only when it returns, after this block's copy-out (measured)
+    copy_out = Moment("forward", f"block {L} copy-out", (
+        *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
+        prev, ag_output(run, L, "this unit"), unsharded(run, L)))  # fmt: skip
     if run.checkpointing == "none":
         work = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
     else:
@@ -416,11 +421,13 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
                  _act("logits", acts.logits))  # fmt: skip
     head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts,
                                          ag_output(run, L, "kept until the root's post-forward")))  # fmt: skip
-    upcast = acts.logits_fp32 if run.p != 4 else 0  # logits.float() is the logits themselves in fp32
-    loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts,
-                  _act("fp32 logits (loss upcast)", upcast),
+    # ``logits.float()`` (validate/transformer.py:CausalLM.loss): a copy beside the 16-bit logits, which
+    # nothing keeps once it exists (the head saves its input); in fp32 it is the logits themselves
+    fp32_logits = _act("fp32 logits (loss upcast)", acts.logits_fp32 if run.p != 4 else acts.logits)
+    upcast = Moment("forward", "logits upcast", (*base, *kept_blocks(run, L), *head_acts, fp32_logits))
+    loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], fp32_logits,
                   _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss)))  # fmt: skip
-    return (gather, last, head, loss)
+    return (gather, copy_out, last, head, upcast, loss) if run.p != 4 else (gather, copy_out, last, head, loss)
 
 
 def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
@@ -525,7 +532,11 @@ def predict_peak(run: Fsdp2Run) -> PeakEstimate:
 def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
     """The run of ``workload`` as FSDP2 wraps it (units per decoder layer + root)."""
     spec = workload.spec
-    prefix = block_prefix(spec) if spec is not None else "blocks."
+    if spec is not None:
+        prefix = block_prefix(spec)
+    else:  # bare shapes: decoder layers where the names say so (GPT-2 or Llama names), else one unit
+        known = [p for p in ("transformer.h.", "model.layers.") if any(n.startswith(p) for n, _ in workload.shapes)]
+        prefix = known[0] if known else "\0"
     units = units_of(workload.shapes, prefix)
     if spec is None:
         return Fsdp2Run(units, nd, settings, foreach=_foreach(workload, settings))
