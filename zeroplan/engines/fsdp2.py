@@ -271,6 +271,7 @@ class Fsdp2Run:
     head_numel: int = 0
     final_norm_numel: int = 0
     tied_head: bool = False
+    style: str = "gpt"  # the architecture's layout (architectures.spec): gpt (LayerNorm) or llama (RMSNorm)
 
     def __post_init__(self) -> None:
         if self.nd < 1 or len(self.units) < (2 if self.acts is not None else 1):
@@ -430,6 +431,28 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     return (gather, copy_out, last, head, upcast, loss) if run.p != 4 else (gather, copy_out, last, head, loss)
 
 
+def input_norm_backward(run: Fsdp2Run) -> Term:
+    """A block's input norm when it runs backward (the block's last backward op): what it saved plus its
+    working set. Derived from the ops (to move into ``activation_terms``, which does not split them out):
+    - llama (transformers LlamaRMSNorm): saved h32 = x.to(fp32) (N·d·4), rsqrt (N·4), the normalised
+      16-bit h (N·d·a) and its output (N·d·a, saved by q/k/v); the backward of ``h32.pow(2)`` and of
+      ``h32 * rsqrt`` holds three fp32 N·d temporaries beside the accumulating fp32 input gradient (4·N·d·4),
+      as traced at dispatch (llama-2-7b at N_d = 64: 6·N·d·4 above the rest, 2 KiB under);
+    - gpt (nn.LayerNorm): saved input (N·d·a), mean and rstd (2·N·st), its output (N·d·a); the fused
+      ``native_layer_norm_backward`` allocates the input gradient (N·d·a).
+    """
+    acts, a = run.acts, run.p
+    nd_elems = acts.embed_out // a  # N·d
+    n = acts.batch // 16  # tokens: ids and targets are int64
+    if run.style == "llama":
+        nbytes = nd_elems * 4 + n * 4 + 2 * nd_elems * a + 4 * nd_elems * 4
+    else:
+        st = (acts.final_saved - 2 * nd_elems * a) // (2 * n)
+        nbytes = 3 * nd_elems * a + 2 * n * st
+    return Term("input norm saved and backward working set", nbytes,
+                "derived from LlamaRMSNorm / nn.LayerNorm backward (see input_norm_backward)")
+
+
 def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """Loss and head backward (the root's pre-backward prefetches the last block), each block's backward
     and reduce-scatter (_fsdp_param_group.py:FSDPParamGroup.pre_backward, _backward_prefetch, post_backward;
@@ -476,6 +499,10 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         out.append(Moment("backward", f"block {i} backward", (
             *base, *kept_blocks(run, i - 1), *inflight, _act("incoming activation gradient", n_d), root_held,
             _act("block backward working set", ws), unsharded(run, i), *prefetch(i - 1), *held, done)))  # fmt: skip
+        # the block's first op (its input norm) runs backward last: every weight gradient of the block exists
+        out.append(Moment("backward", f"block {i} gradients complete", (
+            *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),
+            input_norm_backward(run), root_held, unsharded(run, i), grad_of(i), *prefetch(i - 1), *held, done)))  # fmt: skip
         common = (*base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1),
                   _act("block input gradient", n_d), root_held, *prefetch(i - 1), done)  # fmt: skip
         out.append(Moment("backward", f"block {i} reduce-scatter copy-in",
@@ -546,7 +573,7 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
     final = sum(math.prod(s) for n, s in workload.shapes if n.rsplit(".", 2)[-2] in ("ln_f", "norm")
                 and not n.startswith(prefix))  # fmt: skip
     return Fsdp2Run(units, nd, settings, acts, workload.checkpointing, _foreach(workload, settings),
-                    spec.vocab_size * spec.d_model, final, tied_head=spec.tied)  # fmt: skip
+                    spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style)  # fmt: skip
 
 
 def _foreach(workload: Workload, settings: Settings) -> bool:
