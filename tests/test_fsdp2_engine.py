@@ -187,3 +187,38 @@ def test_validate_refuses_options_an_engine_would_ignore(args, message):
     from zeroplan.cli import app
 
     assert_one_line_error(CliRunner().invoke(app, ["validate", *args]), message)
+
+
+def test_baseline_drift(report, tmp_path):
+    import copy
+    import json
+
+    from validate.baseline import drift, read_baseline, with_drift
+
+    _, rep = report
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(rep))
+    old = read_baseline(str(path))  # a report reads back as a baseline (schema round trip)
+    assert drift(rep, old) == [] and with_drift(rep, old, 0.005)["ok"] == rep["ok"]
+    moved = copy.deepcopy(old)
+    row = moved["rows"][0]
+    row["measured_peak_bytes_by_phase"]["backward"] = int(row["measured_peak_bytes_by_phase"]["backward"] / 1.01)
+    lines = drift(rep, moved, 0.005)
+    assert len(lines) == 1 and "measured peak backward" in lines[0] and "+1.00%" in lines[0]
+    assert drift(rep, moved, 0.02) == []
+    assert not with_drift(rep, moved, 0.005)["ok"]
+    gone = copy.deepcopy(old)
+    gone["rows"][0]["world_size"] = 3
+    assert drift(rep, gone)[0].endswith("in the baseline, not in this run")
+
+
+def test_baseline_must_be_a_report(tmp_path):
+    pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": []}')
+    result = CliRunner().invoke(app, ["validate", "--engine", "fsdp2", "--baseline", str(bad)])
+    assert_one_line_error(result, "not a zeroplan validate --json report")

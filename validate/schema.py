@@ -166,4 +166,7 @@ class ValidationReport(BaseModel):
     torch: Optional[str] = Field(description="torch version of the ranks")
     rows: list[ReportRow]
     notes: list[str]
+    baseline_drift: Optional[dict] = Field(
+        None, description="--baseline: {tolerance, lines}: each figure that moved beyond the tolerance"
+    )
     ok: bool

@@ -460,6 +460,12 @@ def validate_cmd(
     tolerance: float = typer.Option(0.01, help="Largest relative error of model states still ok."),
     timeout: float = typer.Option(600.0, help="Seconds one world size may run, counted from its launch."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full result here (atomically)."),
+    baseline: Optional[Path] = typer.Option(
+        None, "--baseline", help="An earlier --json result: fail (exit 1) if a figure moved beyond --baseline-tolerance."
+    ),
+    baseline_tolerance: float = typer.Option(
+        0.005, "--baseline-tolerance", help="Largest relative move of a predicted or measured figure vs --baseline."
+    ),
     wire: bool = typer.Option(False, "--wire", help="Also count bytes on loopback in a private netns (gloo)."),
     nnodes: int = typer.Option(1, "--nnodes", help="Nodes of a real run (torchrun); run this command on each."),
     node_rank: int = typer.Option(0, "--node-rank", help="This node's rank, 0 to nnodes-1 (torchrun)."),
@@ -478,6 +484,16 @@ def validate_cmd(
 
     if json_path is not None:  # first: a run must never be lost to a path that cannot be written
         check_output_path(json_path)
+    if not 0 < baseline_tolerance < 1:
+        raise UserError(f"--baseline-tolerance {baseline_tolerance:g}: must be between 0 and 1")
+    old = None
+    if baseline is not None:
+        from validate.baseline import read_baseline
+
+        try:
+            old = read_baseline(str(baseline))
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     from validate.api import run_validation, write_json_atomic
     from validate.config import ValidateConfig
     from validate.harness import Interrupted, NotNodeZero, RunFailed
@@ -521,9 +537,17 @@ def validate_cmd(
     except RunFailed as exc:
         typer.echo(f"zeroplan: error: {exc}", err=True)
         raise typer.Exit(1) from None
+    if old is not None:
+        from validate.baseline import with_drift
+
+        report = with_drift(report, old, baseline_tolerance)
     if json_path is not None:
         write_json_atomic(report, json_path)
     typer.echo(to_table(report))
+    if old is not None:
+        lines = report["baseline_drift"]["lines"]
+        typer.echo(f"baseline {baseline}: " + ("no figure moved beyond " f"{100 * baseline_tolerance:g}%" if not lines
+                   else "DRIFT: " + "; ".join(lines)))  # fmt: skip
     if not report["ok"]:
         raise typer.Exit(1)
 
