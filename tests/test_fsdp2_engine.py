@@ -222,3 +222,61 @@ def test_baseline_must_be_a_report(tmp_path):
     bad.write_text('{"rows": []}')
     result = CliRunner().invoke(app, ["validate", "--engine", "fsdp2", "--baseline", str(bad)])
     assert_one_line_error(result, "not a zeroplan validate --json report")
+
+
+def test_recommend_by_predicted_peak():
+    from zeroplan.architectures.hf_config import spec_from_hf_config
+    from zeroplan.architectures.spec import transformer_shapes
+    from zeroplan.engines.fsdp2 import plan_options, recommend
+
+    # GPT-2 small (tests/data/hf_configs/gpt2.json's dimensions), 8 x 1024 tokens per rank, N_d = 8
+    spec = spec_from_hf_config({"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12,
+                                "vocab_size": 50257, "n_positions": 1024}, "gpt2")  # fmt: skip
+    w = Workload(transformer_shapes(spec), spec, 1024, 8)
+    s = Settings(param_dtype="bf16", reduce_dtype="fp32")
+    options = plan_options(w, 8, 10**12, s)
+    peaks = [o.estimate.peak.peak_bytes for o in options]  # (keep, none), (reshard, none), (keep, full), (reshard, full)
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3]  # at 12 layers, each step down cuts the peak
+    assert recommend(w, 8, peaks[0], s) == options[0]  # everything fits: the cheapest, no extra work
+    assert recommend(w, 8, peaks[0] - 1, s) == options[1]
+    assert recommend(w, 8, peaks[2], s) == options[2]
+    assert recommend(w, 8, peaks[3] - 1, s) is None
+    best = recommend(w, 8, peaks[3], s)
+    assert (best.settings.reshard_after_forward, best.checkpointing) == (True, "full")
+    # the snippet is the predicted configuration
+    assert "reshard_after_forward=True" in best.snippet and "checkpoint_wrapper(block)" in best.snippet
+    assert "param_dtype=torch.bfloat16, reduce_dtype=torch.float32" in best.snippet
+
+
+def test_snippet_runs_as_predicted(tmp_path):
+    """The emitted code, run on a fake group of 4 with FakeTensorMode, builds what the estimate describes:
+    the same units and reshard setting (checked through FSDP2's own state)."""
+    torch = pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    from zeroplan.engines.fsdp2 import recommend
+
+    w = _gpt_tiny_workload()
+    s = Settings(param_dtype="bf16", reduce_dtype="fp32", device="cpu")
+    best = recommend(w, 4, 10**9, s)
+    script = tmp_path / "snippet.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=4)\n"
+        "from validate.models import build, PRESETS\n"
+        "model = build(PRESETS['gpt-tiny'], torch.float32, 'cpu')\n"
+        "model.layers = model.blocks\n"
+        + best.snippet +
+        "from torch.distributed.fsdp import FSDPModule\n"
+        "units = [m for m in model.modules() if isinstance(m, FSDPModule)]\n"
+        "print(len(units), sum(p.to_local().numel() for p in model.parameters()))\n"
+    )  # fmt: skip
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    units, numel = map(int, done.stdout.split())
+    assert units == 3  # two blocks and the root, as the estimate's units
+    assert numel * 4 == best.estimate.memory.params_bytes  # fp32 padded shards
+    del torch

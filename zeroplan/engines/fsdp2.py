@@ -594,19 +594,69 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll),)
 
 
+# ---- planning: the cheapest configuration whose predicted peak fits ----
+
+# Cheapest first: keeping blocks gathered (False) sends no backward all-gather; resharding adds one
+# all-gather per block (1.5x the traffic); checkpointing adds one forward per block (~1/3 more compute,
+# Korthikanti et al. 2022, section 4). Traffic is cheaper to add than compute on one node, so resharding
+# is tried before checkpointing.
+CANDIDATES: tuple[tuple[bool, str], ...] = ((False, "none"), (True, "none"), (False, "full"), (True, "full"))
+
+
+@dataclass(frozen=True)
+class Fsdp2Option:
+    """One candidate: its settings, checkpointing, the estimate and whether its peak fits."""
+
+    settings: Settings
+    checkpointing: str
+    estimate: EngineEstimate
+    fits: bool
+
+    @property
+    def snippet(self) -> str:
+        return settings_snippet(self.settings, self.checkpointing)
+
+
+def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings) -> tuple[Fsdp2Option, ...]:
+    """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak."""
+    if workload.spec is None:
+        raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
+    out = []
+    for reshard, ckpt in CANDIDATES:
+        s = settings.model_copy(update={"reshard_after_forward": reshard})
+        w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
+                     workload.grad_accum, workload.foreach)  # fmt: skip
+        (row,) = estimate(w, nd, s)
+        out.append(Fsdp2Option(s, ckpt, row, row.peak.peak_bytes <= capacity_bytes))
+    return tuple(out)
+
+
+def recommend(workload: Workload, nd: int, capacity_bytes: int, settings: Settings) -> Optional[Fsdp2Option]:
+    """The cheapest candidate whose predicted peak fits in ``capacity_bytes``; None if none does."""
+    return next((o for o in plan_options(workload, nd, capacity_bytes, settings) if o.fits), None)
+
+
 # ---- the launcher snippet: the code a user copies ----
 
 _TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
 
 
-def settings_snippet(settings: Settings) -> str:
-    """``fully_shard`` code for exactly ``settings`` (what ``estimate`` predicted)."""
+def settings_snippet(settings: Settings, checkpointing: str = "none") -> str:
+    """``fully_shard`` code for exactly ``settings`` and ``checkpointing`` (what ``estimate`` predicted),
+    as ``validate/engines/fsdp2.py:shard`` runs it; ``model.layers`` stands for the decoder layers."""
     dtype = _TORCH_DTYPE[settings.param]
     reduce = _TORCH_DTYPE[settings.reduce]
+    ckpt = (
+        "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper\n"
+        "for i, block in enumerate(model.layers):  # activation checkpointing: recompute each block in backward\n"
+        "    model.layers[i] = checkpoint_wrapper(block)\n"
+        if checkpointing == "full" else ""
+    )  # fmt: skip
     return (
         "import torch\n"
         "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n\n"
-        f"# {settings.label()}; shards stay {settings.module} (no master copy)\n"
+        f"# {settings.label()}, checkpointing {checkpointing}; shards stay {settings.module} (no master copy)\n"
+        f"{ckpt}"
         f"policy = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce})\n"
         "for block in model.layers:  # one unit per decoder layer: one all-gather and reduce-scatter each\n"
         f"    fully_shard(block, mp_policy=policy, reshard_after_forward={settings.reshard_after_forward!r})\n"
