@@ -408,7 +408,7 @@ def build_report(config, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
     notes = [GLOO_NOTE] if any(r["backend"] == "gloo" for r in rows) else []
     if any(r["peak_unchecked_phases"] for r in rows):
         notes.append("FakeTensorMode rows: the init and optimizer_step peaks are reported, not checked "
-                     "(peak_unchecked_phases says why); run --fake-tensors off to check them")  # fmt: skip
+                     "(peak_unchecked_phases says why); run with --real-tensors to check them")  # fmt: skip
     report = ValidationReport(schema_id=SCHEMA, config=config.model_dump(),
                               torch=worlds[0][0].get("torch") if worlds else None, rows=rows, notes=notes,
                               ok=all(r["ok"] for r in rows))  # fmt: skip
