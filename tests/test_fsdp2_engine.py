@@ -3,7 +3,7 @@ against real ``fully_shard`` under the shared probes, on every axis of issue 10.
 
 Real gloo ranks (torchrun) at N_d = 2 and 4 cover reshard on/off, fp32 and bf16 mixed precision (reduce
 fp32), and activation checkpointing on/off: four runs, an orthogonal array, so every pair of settings
-meets once. Simulated (fake process group) at N_d = 8, 64, 512 with real tensors, and a 7B-class Llama
+meets once (one also runs Adam's foreach path). Simulated (fake process group) at N_d = 8, 64, 512 with real tensors, and a 7B-class Llama
 (llama-2-7b's config.json) at N_d = 64 with FakeTensorMode, whose init and optimizer_step peaks are
 reported but not checked (``validate/engines/fsdp2.py:FAKE_TENSOR_PHASES``): the test asserts they are
 over-reads, so the artifact is stated, never hidden.
@@ -38,7 +38,7 @@ RUNS = {
     # name: ValidateConfig fields (engine fsdp2, 2 steps, gpt-tiny unless said)
     "real-2-fp32-reshard": dict(world_sizes=(2,), param_dtype="fp32"),
     "real-2-bf16-keep-ckpt": dict(world_sizes=(2,), param_dtype="bf16", reduce_dtype="fp32",
-                                  reshard_after_forward=False, checkpointing="full"),
+                                  reshard_after_forward=False, checkpointing="full", foreach=True),
     "real-4-bf16-reshard-ckpt": dict(world_sizes=(4,), param_dtype="bf16", reduce_dtype="fp32", checkpointing="full"),
     "real-4-fp32-keep": dict(world_sizes=(4,), param_dtype="fp32", reshard_after_forward=False),
     "sim-8-64-512-bf16": dict(simulated=True, fake_tensors=False, world_sizes=(8, 64, 512), param_dtype="bf16",
