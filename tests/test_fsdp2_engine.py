@@ -144,7 +144,6 @@ def test_reshard_and_policy_change_what_is_sent_and_kept():
     assert keep.stage == 2 and keep.peak.by_phase()["forward"] > reshard.peak.by_phase()["forward"]
     # no separate master copy: fp32 shards of parameters and gradients, Adam's m and v
     assert keep.memory == reshard.memory
-    (k2,) = estimate(w, 4, Settings(reshard_after_forward=2, device="cpu"))
     assert {c.group_size for c in unit_collectives(units_of(w.shapes, "transformer.h."), 4, Settings(
         reshard_after_forward=2)) if c.phase == "backward" and c.op == "all-gather"} == {2}  # fmt: skip
     with pytest.raises(ValueError, match="must divide"):
@@ -273,7 +272,7 @@ def test_snippet_runs_as_predicted(tmp_path):
         "units = [m for m in model.modules() if isinstance(m, FSDPModule)]\n"
         "print(len(units), sum(p.to_local().numel() for p in model.parameters()))\n"
     )  # fmt: skip
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
                           cwd=Path(__file__).resolve().parents[1])  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     units, numel = map(int, done.stdout.split())

@@ -45,7 +45,8 @@ def drift(report: dict, baseline: dict, tolerance: float = DEFAULT_DRIFT_TOLERAN
     rows = {row_key(r): r for r in report["rows"]}
     out = []
     for old in baseline["rows"]:
-        key, label = row_key(old), f"{old['model']} N_d={old['world_size']} {old.get('engine_label') or 'stage %d' % old['stage']}"
+        what = old.get("engine_label") or f"stage {old['stage']}"
+        key, label = row_key(old), f"{old['model']} N_d={old['world_size']} {what}"
         new = rows.get(key)
         if new is None:
             out.append(f"{label}: in the baseline, not in this run")

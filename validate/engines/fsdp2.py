@@ -273,7 +273,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
         "foreach": settings.foreach if settings.foreach is not None else device.type == "cuda",
         "seconds": round(seconds, 3),
         "step_time_s": {"probed": statistics.median(step_s[1:]), "unprobed": statistics.median(unprobed_s),
-                        "unprobed_steps": len(unprobed_s)},  # fmt: skip
+                        "unprobed_steps": len(unprobed_s)},
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "param_shapes": [(name, list(p.shape)) for name, p in model.named_parameters()],
     }
@@ -318,7 +318,7 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
     from zeroplan.formulas.peak import PHASES as PEAK_PHASES
 
     nd = meta["world_size"]
-    predicted, engine = predicted_run(config, meta)
+    predicted, _ = predicted_run(config, meta)
     pred_states = predicted.model_states_bytes
     # model states = parameters + gradients + Adam: all live after backward from the second step on
     measured_states = max(r["readings_bytes"]["after_backward"][-1] for r in rank_rows)

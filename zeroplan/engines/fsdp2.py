@@ -33,18 +33,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from zeroplan.architectures.spec import TransformerSpec, block_prefix
+from zeroplan.architectures.spec import block_prefix
 from zeroplan.engines.base import EngineEstimate, Workload
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
-from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 
 TORCH_VERSION = "2.13.0"  # the source the terms were read from
@@ -119,14 +119,14 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    reshard_after_forward: Union[StrictBool, StrictInt] = Field(
+    reshard_after_forward: StrictBool | StrictInt = Field(
         True, description="True: blocks gathered again in backward (ZeRO-3); False: kept (ZeRO-2); an int k: "
         "kept sharded over k ranks between forward and backward (FSDP2's int option)",
     )  # fmt: skip
     module_dtype: Dtype = Field("fp32", description="dtype the model is built in; the shards keep it")
-    param_dtype: Optional[Dtype] = Field(None, description="MixedPrecisionPolicy.param_dtype; None: module dtype")
-    reduce_dtype: Optional[Dtype] = Field(None, description="MixedPrecisionPolicy.reduce_dtype; None: param dtype")
-    foreach: Optional[bool] = Field(None, description="Adam's foreach path; None: Workload.foreach")
+    param_dtype: Dtype | None = Field(None, description="MixedPrecisionPolicy.param_dtype; None: module dtype")
+    reduce_dtype: Dtype | None = Field(None, description="MixedPrecisionPolicy.reduce_dtype; None: param dtype")
+    foreach: bool | None = Field(None, description="Adam's foreach path; None: Workload.foreach")
     device: Literal["cuda", "cpu"] = Field(
         "cuda", description="cuda: 512-byte allocator blocks and fp32 LayerNorm statistics; cpu: neither"
     )
@@ -265,7 +265,7 @@ class Fsdp2Run:
     units: tuple[Unit, ...]
     nd: int
     settings: Settings
-    acts: Optional[ModelActivations] = None
+    acts: ModelActivations | None = None
     checkpointing: str = "none"
     foreach: bool = False
     head_numel: int = 0
@@ -585,8 +585,9 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     run = fsdp2_run(workload, nd, settings)
     st = model_states(run.units, nd, settings)
     coll = tuple(
-        Collective(c.op, c.phase, c.elements, c.dtype,
-                   ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)))  # fmt: skip
+        Collective(
+            c.op, c.phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype))
+        )
         for c in unit_collectives(run.units, nd, settings)
     )
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
@@ -631,7 +632,7 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
     return tuple(out)
 
 
-def recommend(workload: Workload, nd: int, capacity_bytes: int, settings: Settings) -> Optional[Fsdp2Option]:
+def recommend(workload: Workload, nd: int, capacity_bytes: int, settings: Settings) -> Fsdp2Option | None:
     """The cheapest candidate whose predicted peak fits in ``capacity_bytes``; None if none does."""
     return next((o for o in plan_options(workload, nd, capacity_bytes, settings) if o.fits), None)
 
