@@ -272,6 +272,7 @@ class Fsdp2Run:
     final_norm_numel: int = 0
     tied_head: bool = False
     style: str = "gpt"  # the architecture's layout (architectures.spec): gpt (LayerNorm) or llama (RMSNorm)
+    param_order: tuple[Shape, ...] = ()  # parameters in model.parameters() order (the optimizer's); () = units'
 
     def __post_init__(self) -> None:
         if self.nd < 1 or len(self.units) < (2 if self.acts is not None else 1):
@@ -534,13 +535,15 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """Adam on the sharded DTensor parameters. ``_multi_tensor_adam`` (foreach) makes ``sqrt(v)`` for every
     tensor at once (one local shard's worth); ``_single_tensor_adam`` computes ``v.sqrt() /
     bias_correction2_sqrt`` per tensor, two temporaries of the largest local shard alive at once."""
-    shapes = [s for u in run.units for s in u.shapes]
+    shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
     local = [local_shard_numel(s, run.nd, run.settings.rank) for s in shapes]
     if run.foreach:
         temps = Term("Adam temporaries (foreach sqrt(v))", sum(local) * run.m, f"{ADAM}:_multi_tensor_adam", len(local))
     else:
-        temps = Term("Adam temporaries (sqrt(v) and its quotient, largest tensor)", 2 * max(local) * run.m,
-                     f"{ADAM}:_single_tensor_adam", 2)  # fmt: skip
+        # ``denom`` stays bound to the previous tensor's quotient until this tensor's is assigned (measured)
+        worst = max(2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local))
+        temps = Term("Adam temporaries (sqrt(v), its quotient, the previous tensor's denom)", worst * run.m,
+                     f"{ADAM}:_single_tensor_adam", 3)  # fmt: skip
     return (Moment("optimizer_step", "Adam update", (params(run), adam(run), grads(run, range(len(run.units))), temps)),)
 
 
@@ -573,7 +576,8 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
     final = sum(math.prod(s) for n, s in workload.shapes if n.rsplit(".", 2)[-2] in ("ln_f", "norm")
                 and not n.startswith(prefix))  # fmt: skip
     return Fsdp2Run(units, nd, settings, acts, workload.checkpointing, _foreach(workload, settings),
-                    spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style)  # fmt: skip
+                    spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
+                    param_order=tuple(tuple(s) for _, s in workload.shapes))  # fmt: skip
 
 
 def _foreach(workload: Workload, settings: Settings) -> bool:
