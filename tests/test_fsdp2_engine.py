@@ -3,7 +3,8 @@ against real ``fully_shard`` under the shared probes, on every axis of issue 10.
 
 Real gloo ranks (torchrun) at N_d = 2 and 4 cover reshard on/off, fp32 and bf16 mixed precision (reduce
 fp32), and activation checkpointing on/off: four runs, an orthogonal array, so every pair of settings
-meets once (one also runs Adam's foreach path). Simulated (fake process group) at N_d = 8, 64, 512 with real tensors, and a 7B-class Llama
+meets once (one also runs Adam's foreach path). Simulated (fake process group) at N_d = 8, 64, 512 with real
+tensors (gpt-tiny; tiny-llama at 8), and a 7B-class Llama
 (llama-2-7b's config.json) at N_d = 64 with FakeTensorMode, whose init and optimizer_step peaks are
 reported but not checked (``validate/engines/fsdp2.py:FAKE_TENSOR_PHASES``): the test asserts they are
 over-reads, so the artifact is stated, never hidden.
@@ -43,6 +44,8 @@ RUNS = {
     "real-4-fp32-keep": dict(world_sizes=(4,), param_dtype="fp32", reshard_after_forward=False),
     "sim-8-64-512-bf16": dict(simulated=True, fake_tensors=False, world_sizes=(8, 64, 512), param_dtype="bf16",
                               reduce_dtype="fp32"),
+    "sim-8-tiny-llama-bf16": dict(simulated=True, fake_tensors=False, world_sizes=(8,),
+                                  model=str(DATA / "tiny-llama.json"), param_dtype="bf16", reduce_dtype="fp32"),
     "sim-64-llama-7b-fake": dict(simulated=True, world_sizes=(64,), model=str(DATA / "llama-2-7b.json"),
                                  param_dtype="bf16", reduce_dtype="fp32", batch_per_rank=1, seq_len=256),
 }  # fmt: skip
