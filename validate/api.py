@@ -20,6 +20,10 @@ def run_validation(config: ValidateConfig) -> dict:
         from validate.engines.deepspeed import run_validation as run_deepspeed
 
         return run_deepspeed(config)
+    if config.engine == "fsdp2":
+        from validate.engines.fsdp2 import build_report as fsdp2_report
+
+        return fsdp2_report(config, run_matrix(config))
     return build_report(config, run_matrix(config))
 
 

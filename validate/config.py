@@ -6,9 +6,9 @@ any rank starts; ``validate.checks`` adds what depends on the host (cores, memor
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from zeroplan.types import Count, PositiveFinite, StageNumber, whole_up_to
 
@@ -72,12 +72,23 @@ class ValidateConfig(BaseModel):
     seq_len: Count | None = Field(
         None, description="tokens per sequence (transformers only), up to its positions; default: all positions"
     )
-    param_dtype: Literal["bf16", "fp16"] = Field(
+    engine: Literal["reference", "fsdp2", "deepspeed"] = Field(
+        "reference", description="what trains: the bundled reference runtime, PyTorch FSDP2 or DeepSpeed"
+    )
+    param_dtype: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16",
         description="dtype of the runtime's parameters, gradients and compute (the paper's 16-bit half of "
         "mixed precision); the fp32 master copy and Adam's m, v stay fp32. The planner is asked with the "
-        "same param_dtype, and the parity tolerances follow its unit roundoff",
+        "same param_dtype, and the parity tolerances follow its unit roundoff. fsdp2: "
+        "MixedPrecisionPolicy.param_dtype (fp32: no mixed precision; the model is built in fp32)",
     )
+    reduce_dtype: Optional[Literal["bf16", "fp16", "fp32"]] = Field(
+        None, description="fsdp2 only: MixedPrecisionPolicy.reduce_dtype (default: the param dtype)"
+    )
+    reshard_after_forward: Optional[Union[StrictBool, StrictInt]] = Field(
+        None, description="fsdp2 only: on every block (default True; False keeps them gathered until "
+        "backward; an int k reshards over k ranks)",
+    )  # fmt: skip
     lr: PositiveFinite = Field(1e-3, description="Adam learning rate")
     tolerance: PositiveFinite = Field(0.01, description="largest relative error of model states still ok")
     timeout_s: PositiveFinite = Field(600.0, description="wall-clock limit of one world size, from its launch")
@@ -89,9 +100,6 @@ class ValidateConfig(BaseModel):
     )
     wire: bool = Field(
         False, description="also count loopback bytes in a private network namespace (Linux, gloo)"
-    )
-    engine: Literal["reference", "deepspeed"] = Field(
-        "reference", description="what trains: the bundled reference runtime, or real DeepSpeed (ZeRO 1-3)"
     )
     deepspeed_config: Optional[dict] = Field(
         None, description="--engine deepspeed: a parsed ds_config.json run at every world size (its stage); "
@@ -153,6 +161,32 @@ class ValidateConfig(BaseModel):
         if v > MAX_STEPS:
             raise ValueError(f"steps={v}: at most {MAX_STEPS} (every step's batch is made up front)")
         return v
+
+    @model_validator(mode="after")
+    def _engine_options(self) -> ValidateConfig:
+        """Each engine's own options, and only those (an ignored option is an error)."""
+        fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward") if getattr(self, n) is not None]
+        if self.engine != "fsdp2" and fsdp2_only:
+            raise ValueError(f"{', '.join(n.replace('_', '-') for n in fsdp2_only)}: --engine fsdp2 only")
+        if self.engine == "reference" and self.param_dtype == "fp32":
+            raise ValueError("param-dtype=fp32: the reference runtime trains 16-bit parameters (bf16 or fp16)")
+        if self.engine == "fsdp2":
+            if self.stages != type(self).model_fields["stages"].default:
+                raise ValueError("--stage: FSDP2 has no stages; use --reshard-after-forward/--no-reshard-after-forward")
+            if self.wire:
+                raise ValueError("--wire: --engine reference only")
+            from validate.models import spec_for
+            from zeroplan.architectures.spec import TransformerSpec
+
+            if not isinstance(spec_for(self.model_name, self.params), TransformerSpec):
+                raise ValueError(f"model {self.model_name}: --engine fsdp2 validates transformers only")
+            if self.param_dtype == "fp16" or self.reduce_dtype == "fp16":
+                raise ValueError("fp16: FSDP2 needs a gradient scaler for fp16 (not run); use bf16 or fp32")
+            rsf = self.reshard_after_forward
+            bad = [n for n in self.world_sizes if not isinstance(rsf, bool) and rsf is not None and n % rsf]
+            if bad:
+                raise ValueError(f"reshard-after-forward={rsf}: must divide every world size (got {bad})")
+        return self
 
     @model_validator(mode="after")
     def _wire_needs_real(self) -> ValidateConfig:

@@ -136,9 +136,13 @@ def _in_network_namespace(cmd: list[str]) -> list[str]:
     return ["unshare", "-n", "--", "sh", "-c", f'{up} && exec "$@"', "sh", *cmd]
 
 
+# --engine -> the module its ranks run (same command-line and result file as validate.worker)
+WORKERS = {"reference": "validate.worker", "fsdp2": "validate.engines.fsdp2", "deepspeed": "validate.engines.deepspeed"}
+
+
 def launch_command(config: ValidateConfig, nd: int, tmp: Path, simulated: bool) -> list[str]:
     """The launcher's command line: torchrun for a real run, one worker for a simulated one."""
-    worker = ["-m", "validate.worker", "--config", config.model_dump_json(), "--out", str(tmp / "result.json")]
+    worker = ["-m", WORKERS[config.engine], "--config", config.model_dump_json(), "--out", str(tmp / "result.json")]
     if simulated:
         return [sys.executable, *worker, "--simulated", "--world-size", str(nd), "--rank", "0", "--raw"]
     nodes = (

@@ -261,17 +261,20 @@ def to_table(report: dict) -> str:
             ]
     first = report["rows"][0] if report["rows"] else {}
     dtype = report["config"]["param_dtype"]
-    out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), {dtype} params/grads, fp32 master + Adam m, v",
+    what = first.get("engine_label") or f"{dtype} params/grads, fp32 master + Adam m, v"
+    out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), {what}",
            *format_table([cols, *lines], left=4), ""]  # fmt: skip
     out.append(
-        f"states: model states live at the step boundary (measured: every live tensor byte) vs zeroplan; "
+        ("states: parameters, gradients and Adam's states live after the last backward (fsdp2 frees gradients "
+         "at zero_grad)" if first.get("engine") == "fsdp2" else "states: model states live at the step boundary")
+        + " (measured: every live tensor byte) vs zeroplan; "
         f"err = (measured - predicted) / predicted, tolerance {100 * report['config']['tolerance']:g}%. "
         "coll elems: elements of every collective per step (measured: each c10d call observed at dispatch; "
         "must equal the prediction per collective, phase and dtype, at every step). "
         "comm/rank: bytes one rank sends per step; derived = the ring rule applied to each observed call "
         "(a formula on the measurement, not a measurement: --wire measures bytes). "
         "peak: largest live bytes measured within each phase; peak err: largest (measured - predicted) / "
-        f"measured over the phases (zeroplan.engines.reference), tolerance {100 * report['config']['peak_tolerance']:g}%."
+        f"measured over the phases (zeroplan.engines.{first.get('engine', 'reference')}), tolerance {100 * report['config']['peak_tolerance']:g}%."
     )
     if wire:
         out.append(

@@ -135,6 +135,11 @@ class ReportRow(ValidationRow):
     predicted_peak_terms: Optional[list[dict[str, Union[str, int]]]] = Field(
         description="the largest live terms at the predicted peak: name, bytes, source"
     )
+    engine: Literal["reference", "fsdp2", "deepspeed"] = Field("reference", description="what trained")
+    engine_label: Optional[str] = Field(None, description="the engine's configuration in its own words")
+    peak_unchecked_phases: Optional[dict[str, str]] = Field(
+        None, description="phases whose peak is reported but not checked, each with the reason"
+    )
     checkpointing: Literal["none", "full"]
     seq_len: Optional[int] = Field(description="tokens per sequence as given (None: the model's positions)")
     micro_batch: int = Field(description="sequences (samples) per rank per step")
@@ -170,4 +175,7 @@ class ValidationReport(BaseModel):
     torch: Optional[str] = Field(description="torch version of the ranks")
     rows: list[ReportRow]
     notes: list[str]
+    baseline_drift: Optional[dict] = Field(
+        None, description="--baseline: {tolerance, lines}: each figure that moved beyond the tolerance"
+    )
     ok: bool

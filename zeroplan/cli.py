@@ -472,11 +472,31 @@ def validate_cmd(
         None, "--seq-len", help="Tokens per sample (GPT only; at most the model's positions; default: all)."
     ),
     param_dtype: str = typer.Option(
-        "bf16", "--param-dtype", help="16-bit dtype of the runtime's params/grads: bf16 or fp16 (master, Adam: fp32)."
+        "bf16", "--param-dtype", help="16-bit dtype of the runtime's params/grads: bf16 or fp16 (master, Adam: fp32); "
+        "fsdp2: MixedPrecisionPolicy.param_dtype, bf16 or fp32 (no mixed precision).",
+    ),
+    engine: str = typer.Option(
+        "reference", "--engine", help="What trains: reference (the bundled ZeRO runtime), fsdp2 or deepspeed (the real ones)."
+    ),
+    reduce_dtype: Optional[str] = typer.Option(
+        None, "--reduce-dtype", help="fsdp2: MixedPrecisionPolicy.reduce_dtype, bf16 or fp32 (default: param dtype)."
+    ),
+    reshard_after_forward: Optional[bool] = typer.Option(
+        None, "--reshard-after-forward/--no-reshard-after-forward",
+        help="fsdp2: reshard each block after forward (default) or keep it gathered until backward.",
+    ),  # fmt: skip
+    fake_tensors: Optional[bool] = typer.Option(
+        None, "--fake-tensors/--real-tensors", help="--simulated: FakeTensorMode (default on CPU) or real tensors."
     ),
     tolerance: float = typer.Option(0.01, help="Largest relative error of model states still ok."),
     timeout: float = typer.Option(600.0, help="Seconds one world size may run, counted from its launch."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full result here (atomically)."),
+    baseline: Optional[Path] = typer.Option(
+        None, "--baseline", help="An earlier --json result: fail (exit 1) if a figure moved beyond --baseline-tolerance."
+    ),
+    baseline_tolerance: float = typer.Option(
+        0.005, "--baseline-tolerance", help="Largest relative move of a predicted or measured figure vs --baseline."
+    ),
     wire: bool = typer.Option(False, "--wire", help="Also count bytes on loopback in a private netns (gloo)."),
     nnodes: int = typer.Option(1, "--nnodes", help="Nodes of a real run (torchrun); run this command on each."),
     node_rank: int = typer.Option(0, "--node-rank", help="This node's rank, 0 to nnodes-1 (torchrun)."),
@@ -484,14 +504,12 @@ def validate_cmd(
     master_port: Optional[int] = typer.Option(
         None, "--master-port", help="TCP port on node 0 (torchrun); default: a free port (one node only)."
     ),
-    engine: str = typer.Option(
-        "reference", "--engine", help="What trains: reference (the bundled runtime) or deepspeed (real DeepSpeed)."
-    ),
     deepspeed_config: Optional[Path] = typer.Option(
         None, "--deepspeed-config", help="--engine deepspeed: a ds_config.json to run (default: built-in configs)."
     ),
 ) -> None:
-    """Train the reference ZeRO runtime (or real DeepSpeed), measure memory and traffic, compare with zeroplan;
+    """Train the reference ZeRO runtime (or real FSDP2 / DeepSpeed with --engine), measure memory and traffic,
+    compare with zeroplan;
     exit 1 if off."""
     import importlib.util
 
@@ -503,6 +521,16 @@ def validate_cmd(
 
     if json_path is not None:  # first: a run must never be lost to a path that cannot be written
         check_writable(json_path)
+    if not 0 < baseline_tolerance < 1:
+        raise UserError(f"--baseline-tolerance {baseline_tolerance:g}: must be between 0 and 1")
+    old = None
+    if baseline is not None:
+        from validate.baseline import read_baseline
+
+        try:
+            old = read_baseline(str(baseline))
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     from validate.api import run_validation, write_json_atomic
     from validate.config import ValidateConfig
     from validate.harness import Interrupted, NotNodeZero, RunFailed
@@ -520,6 +548,8 @@ def validate_cmd(
         batch_per_rank=batch_per_rank,
         seq_len=seq_len,
         param_dtype=param_dtype,
+        **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
+                reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,
@@ -530,7 +560,6 @@ def validate_cmd(
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
-        engine=engine,
         deepspeed_config=read_json(deepspeed_config, "deepspeed config") if deepspeed_config is not None else None,
     )
     try:
@@ -547,9 +576,17 @@ def validate_cmd(
     except RunFailed as exc:
         typer.echo(f"zeroplan: error: {exc}", err=True)
         raise typer.Exit(1) from None
+    if old is not None:
+        from validate.baseline import with_drift
+
+        report = with_drift(report, old, baseline_tolerance)
     if json_path is not None:
         write_json_atomic(report, json_path)
     typer.echo(to_table(report))
+    if old is not None:
+        lines = report["baseline_drift"]["lines"]
+        typer.echo(f"baseline {baseline}: " + ("no figure moved beyond " f"{100 * baseline_tolerance:g}%" if not lines
+                   else "DRIFT: " + "; ".join(lines)))  # fmt: skip
     if not report["ok"]:
         raise typer.Exit(1)
 

@@ -24,8 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import sys
+import time
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -35,6 +39,7 @@ from torch import nn
 from validate.models import build, make_batch, spec_for
 from validate.probes import CommCounter, MemoryProbe
 from validate.simulate import fake_tensors, init_fake_world
+from validate.worker import calls_by_step, inject_fault, pick_device
 from zeroplan.files import write_text_atomic
 
 # MemTracker's gradient hook meets DTensor gradients it cannot flatten (FSDP2 sets them after the hook).
@@ -50,7 +55,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class Fsdp2Settings:
     """One FSDP2 run, in FSDP2's own vocabulary."""
 
-    model: str = "gpt-tiny"  # a validate.models preset
+    model: str = "gpt-tiny"  # a validate.models preset, a zeroplan model preset or a config.json path
+    params: float | None = None  # instead of model: a GPT-style model of about this many parameters
     param_dtype: str = "fp32"  # MixedPrecisionPolicy.param_dtype (fp32: no mixed precision)
     reduce_dtype: str | None = None  # MixedPrecisionPolicy.reduce_dtype (None: the param dtype)
     reshard_after_forward: bool | int = True  # on the blocks; the root keeps FSDP2's default
@@ -68,6 +74,15 @@ class Fsdp2Settings:
                 raise ValueError(f"{name}={value!r}: expected one of {', '.join(DTYPES)}")
         if self.steps < 1 or self.batch_per_rank < 1:
             raise ValueError(f"steps={self.steps}, batch_per_rank={self.batch_per_rank}: must be >= 1")
+
+    @classmethod
+    def from_validate(cls, config) -> Fsdp2Settings:
+        """The run ``zeroplan validate --engine fsdp2`` asks for (a ``validate.config.ValidateConfig``)."""
+        rsf = config.reshard_after_forward
+        return cls(model=config.model_name, params=config.params, param_dtype=config.param_dtype,
+                   reduce_dtype=config.reduce_dtype, reshard_after_forward=True if rsf is None else rsf,
+                   checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
+                   batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr)  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> Fsdp2Settings:
@@ -141,11 +156,61 @@ def check_parity(settings: Fsdp2Settings, spec, mesh, local_batch, global_batch,
     return {"grad_max_abs_diff": diff, "grad_max_abs": scale, "grad_rel_diff": diff / scale}
 
 
+@contextmanager
+def gloo_reduce_scatter_settled(probe: MemoryProbe, enabled: bool):
+    """gloo runs a reduce-scatter as an allreduce of a copy of its input on its worker thread, and drops
+    that copy a moment after ``wait()`` returns (``validate.probes.MemoryProbe.settled_bytes``). Left
+    alone, the copy is seen by the tracker at a later moment on some ranks and not others; here each
+    reduce-scatter returns only once the live bytes are steady, so the copy is counted where gloo makes
+    it (the ``gloo reduce-scatter copy`` term of ``zeroplan.engines.fsdp2``). Timing only: nothing is
+    allocated or freed by this wrapper."""
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
+                         "all_gather_into_tensor") if hasattr(dist, n)]  # fmt: skip
+    originals = {n: getattr(dist, n) for n in names}
+
+    def settled(original):
+        def call(*args, **kwargs):
+            work = original(*args, **kwargs)
+            if work is None:  # synchronous: the copy may still be held by the worker thread
+                last, same, deadline = probe.current_bytes(), 0, time.monotonic() + 0.5
+                while same < 3 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                    now = probe.current_bytes()
+                    same, last = (same + 1 if now == last else 0), now
+            return work
+
+        return call
+
+    if enabled:
+        for n in names:
+            setattr(dist, n, settled(originals[n]))
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(dist, n, originals[n])
+
+
+UNPROBED_STEPS = 2  # steps timed without probes after the measured ones (as validate.worker)
+
+
+def time_step(model: nn.Module, optimizer, local_batch, device) -> float:
+    """Seconds of one training step without probes."""
+    t = time.perf_counter()
+    batch = tuple(x.to(device, copy=True) for x in local_batch)
+    model.loss(batch).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
 def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, fake: bool) -> dict:
     """Build, shard and train under the probes; returns this rank's row."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    spec = spec_for(settings.model, None)
+    spec = spec_for(settings.model, settings.params)
     gen = torch.Generator().manual_seed(1234)
     b = settings.batch_per_rank
     global_batches = [make_batch(spec, nd * b, gen, settings.seq_len) for _ in range(settings.steps)]
@@ -153,7 +218,8 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
     local_batches = [tuple(t[rank * b : (rank + 1) * b].clone() for t in gb) for gb in global_batches]
     mesh = init_device_mesh(device.type, (nd,))  # before FakeTensorMode: see the module docstring
     readings: dict[str, list[int]] = defaultdict(list)
-    with fake_tensors(fake):
+    mode = fake_tensors(fake)  # entered again for the unprobed steps: one fake mode for all tensors
+    with mode:
         if fake:
             local_batches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in lb) for lb in local_batches]
         counter, probe = CommCounter(), MemoryProbe(device)
@@ -162,13 +228,16 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
             probe.phase(phase)
             counter.phase = phase or "between steps"
 
-        with probe, counter:
+        gloo = dist.get_backend() == "gloo"
+        with probe, counter, gloo_reduce_scatter_settled(probe, gloo):
             enter("init")
             model = shard(build(spec, torch.float32, device), mesh, settings)
             optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, foreach=settings.foreach)
             enter(None)
             readings["after_init"].append(probe.settled_bytes())
+            step_s, t0 = [], time.perf_counter()
             for step in range(settings.steps):
+                t_step = time.perf_counter()
                 counter.step = step
                 enter("forward")
                 batch = tuple(t.to(device, copy=True) for t in local_batches[step])
@@ -183,9 +252,14 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
                 optimizer.zero_grad(set_to_none=True)
                 enter(None)
                 readings["boundary"].append(probe.settled_bytes())
+                step_s.append(time.perf_counter() - t_step)
+            seconds = time.perf_counter() - t0
+            breakdown = probe.breakdown()
     parity = None
     if not fake and settings.param_dtype == "fp32" and dist.get_backend() != "fake":
         parity = check_parity(settings, spec, mesh, local_batches[0], global_batches[0], device)
+    with mode:  # the same step without any probe, for the probes' cost
+        unprobed_s = [time_step(model, optimizer, local_batches[-1], device) for _ in range(UNPROBED_STEPS)]
     return {
         "rank": rank,
         "parity": parity,
@@ -193,33 +267,192 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
         "readings_bytes": dict(readings),
         "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
         "comm_by_step": summarise_calls(counter.calls, settings.steps),
+        "calls_by_step": calls_by_step(counter.calls, settings.steps),
+        "probe_breakdown": breakdown,
+        # torch.optim.Adam's default (_default_to_fused_or_foreach): foreach on CUDA tensors, not on CPU
+        "foreach": settings.foreach if settings.foreach is not None else device.type == "cuda",
+        "seconds": round(seconds, 3),
+        "step_time_s": {"probed": statistics.median(step_s[1:]), "unprobed": statistics.median(unprobed_s),
+                        "unprobed_steps": len(unprobed_s)},
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "param_shapes": [(name, list(p.shape)) for name, p in model.named_parameters()],
     }
 
 
+# ---- the report: prediction (zeroplan.engines.fsdp2) next to measurement, one row per world size ----
+
+FAKE_TENSOR_PHASES = {
+    "init": "FakeTensorMode: MemTracker also counts the fake tensors of DTensor's sharding propagation "
+    "(mem_tracker.py:MemTracker.__torch_dispatch__ skips them only when no fake mode was active on entry); "
+    "fully_shard makes DTensor parameters here. Checked with real tensors on the same fake group",
+    "optimizer_step": "FakeTensorMode: Adam runs on DTensor parameters, whose sharding propagation makes fake "
+    "tensors of the global shape that MemTracker counts (same cause as init). Checked with real tensors",
+}
+
+
+def predicted_run(config, meta: dict):
+    """The FSDP2 profile's estimate for this world (rank 0: padding is at the end, so it holds the most)."""
+    from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
+    from zeroplan.engines import fsdp2 as profile
+    from zeroplan.engines.base import Workload
+
+    spec = spec_for(config.model_name, config.params)
+    if not isinstance(spec, TransformerSpec):
+        raise ValueError(f"model {config.model_label}: --engine fsdp2 validates transformers only")
+    settings = Fsdp2Settings.from_validate(config)
+    cuda = str(meta["device"]).startswith("cuda")
+    workload = Workload(transformer_shapes(spec), spec, settings.seq_len or spec.max_seq_len, settings.batch_per_rank,
+                        config.checkpointing, foreach=bool(config.foreach if config.foreach is not None else cuda))  # fmt: skip
+    engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
+                              reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
+                              backend=meta["backend"], rank=0)  # fmt: skip
+    (row,) = profile.estimate(workload, meta["world_size"], engine)
+    return row, engine
+
+
+def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
+    """The report row of one world size (``validate.schema.ReportRow``)."""
+    from validate.report import _key, observed_collectives
+    from validate.schema import ReportRow
+    from validate.tolerances import parity_tolerance
+    from zeroplan.formulas.peak import PHASES as PEAK_PHASES
+
+    nd = meta["world_size"]
+    predicted, _ = predicted_run(config, meta)
+    pred_states = predicted.model_states_bytes
+    # model states = parameters + gradients + Adam: all live after backward from the second step on
+    measured_states = max(r["readings_bytes"]["after_backward"][-1] for r in rank_rows)
+    steady = all(len(set(r["readings_bytes"]["boundary"])) == 1 for r in rank_rows)
+    states_err = (measured_states - pred_states) / pred_states
+
+    pred_coll: dict[str, dict] = {}
+    pred_calls: dict[str, list[int]] = {}
+    for c in predicted.collectives:
+        k = _key(c.op, c.phase, c.dtype)
+        row = pred_coll.setdefault(k, {"elements": 0, "bytes_per_rank": 0})
+        row["elements"] += c.elements
+        row["bytes_per_rank"] += c.bytes_per_rank
+        pred_calls.setdefault(k, []).append(c.elements)
+    steps = [s for r in rank_rows for s in r["calls_by_step"][1:]]
+    per_call = lambda calls: {k: [e for op, ph, dt, e in calls if _key(op, ph, dt) == k] for k in {_key(*c[:3]) for c in calls}}
+    collectives_match = all(per_call(s) == pred_calls for s in steps)  # every call's size, in order
+    measured_coll = observed_collectives(steps[-1] if steps else [], nd)
+    pred_elements = sum(v["elements"] for v in pred_coll.values())
+    measured_elements = sum(v["elements"] for v in measured_coll.values())
+    derived_comm = sum(v["derived_bytes_per_rank"] or 0 for v in measured_coll.values())
+    pred_comm = sum(v["bytes_per_rank"] for v in pred_coll.values())
+
+    measured_peak = {p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in PEAK_PHASES}
+    predicted_peak = predicted.peak.by_phase()
+    errors = {p: (measured_peak[p] - predicted_peak[p]) / measured_peak[p] for p in PEAK_PHASES}
+    unchecked = {p: why for p, why in FAKE_TENSOR_PHASES.items() if meta.get("fake_tensors")}
+    checked = {p: e for p, e in errors.items() if p not in unchecked}
+    peak_err = max(checked.values(), key=abs)
+
+    parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
+    parity = None
+    if parities:
+        tol = parity_tolerance("fp32", nd, 1, config.lr).grad_rtol
+        worst = max(parities, key=lambda p: p["grad_rel_diff"])
+        parity = {**worst, "grad_rtol": tol, "ok": worst["grad_rel_diff"] <= tol}
+    checks = {
+        "model_states_within_tolerance": abs(states_err) <= config.tolerance,
+        "model_states_steady": steady,
+        "collectives_match": collectives_match,
+        "peak_within_tolerance": abs(peak_err) <= config.peak_tolerance,
+        "parity": None if parity is None else parity["ok"],
+    }
+    return ReportRow.model_validate({
+        "stage": predicted.stage, "world_size": nd, "mode": "simulated" if config.simulated else "real",
+        "backend": meta["backend"], "device": meta["device"], "model": config.model_label, "psi": config.psi,
+        "engine": "fsdp2", "engine_label": predicted.label,
+        "predicted_model_states_bytes": pred_states, "measured_model_states_bytes": measured_states,
+        "model_states_rel_error": states_err, "model_states_extra_bytes": measured_states - pred_states,
+        "adam_step_bytes": max(r["optimizer_state_bytes"].get("step", 0) for r in rank_rows),
+        "predicted_breakdown_bytes": {"params": predicted.memory.params_bytes, "grads": predicted.memory.grads_bytes,
+                                      "optimizer": predicted.memory.optimizer_bytes},
+        "probe_breakdown": rank_rows[0]["probe_breakdown"],
+        "predicted_collective_elements": pred_elements, "measured_collective_elements": measured_elements,
+        "collective_elements_rel_error": (measured_elements - pred_elements) / pred_elements,
+        "predicted_comm_bytes_per_rank": pred_comm,
+        "derived_comm_bytes_per_rank": derived_comm,  # the ring rule applied to each observed call
+        "derived_comm_rel_error": (derived_comm - pred_comm) / pred_comm if pred_comm else float(derived_comm != 0),
+        "predicted_collectives": pred_coll, "measured_collectives": measured_coll,
+        "measured_setup_collectives": observed_collectives(rank_rows[0]["calls_by_step"][0], nd),
+        "observed_calls_last_step": rank_rows[0]["calls_by_step"][-1],
+        "measured_peak_bytes": max(measured_peak.values()),
+        "measured_peak_bytes_by_phase": measured_peak,
+        "predicted_peak_bytes_by_phase": predicted_peak,
+        "peak_rel_error_by_phase": errors,
+        "peak_rel_error": peak_err,
+        "peak_unchecked_phases": unchecked or None,
+        "predicted_peak_phase": predicted.peak.peak_phase,
+        "predicted_peak_terms": [{"name": t.name, "bytes": t.bytes, "source": t.source} for t in predicted.peak.peak_terms],
+        "checkpointing": config.checkpointing, "seq_len": config.seq_len, "micro_batch": config.batch_per_rank,
+        "foreach": rank_rows[0]["foreach"], "parity": parity,
+        "seconds": max(r["seconds"] for r in rank_rows),
+        "step_time_s": {"probed": max(r["step_time_s"]["probed"] for r in rank_rows),
+                        "unprobed": max(r["step_time_s"]["unprobed"] for r in rank_rows),
+                        "unprobed_steps": rank_rows[0]["step_time_s"]["unprobed_steps"]},
+        "wire_bytes_per_rank": None, "profiler_comms": None, "wire_to_derived": None,
+        "checks": checks, "ok": all(v is not False for v in checks.values()),
+    }).model_dump()  # fmt: skip
+
+
+def build_report(config, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
+    """The whole ``zeroplan validate --engine fsdp2`` result (``validate.schema.ValidationReport``)."""
+    from validate.report import GLOO_NOTE
+    from validate.schema import SCHEMA, ValidationReport
+
+    rows = [compare(config, meta, [rank_rows[0] for rank_rows in ranks]) for meta, ranks in worlds]
+    notes = [GLOO_NOTE] if any(r["backend"] == "gloo" for r in rows) else []
+    if any(r["peak_unchecked_phases"] for r in rows):
+        notes.append("FakeTensorMode rows: the init and optimizer_step peaks are reported, not checked "
+                     "(peak_unchecked_phases says why); run with --real-tensors to check them")  # fmt: skip
+    report = ValidationReport(schema_id=SCHEMA, config=config.model_dump(),
+                              torch=worlds[0][0].get("torch") if worlds else None, rows=rows, notes=notes,
+                              ok=all(r["ok"] for r in rows))  # fmt: skip
+    return report.model_dump(by_alias=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default="{}", help="Fsdp2Settings as JSON")
+    parser.add_argument("--config", default=None, help="instead: a ValidateConfig as JSON (zeroplan validate)")
     parser.add_argument("--simulated", action="store_true", help="rank 0 of a fake group, FakeTensorMode")
     parser.add_argument("--real-tensors", action="store_true", help="simulated, but with real tensors")
     parser.add_argument("--world-size", type=int, default=None, help="N_d when simulated")
+    parser.add_argument("--rank", type=int, default=None, help="the simulated rank (0)")
+    parser.add_argument("--raw", action="store_true", help="accepted for validate.harness (rows are always raw)")
     parser.add_argument("--out", required=True, help="JSON file: every rank's row (written by rank 0)")
     args = parser.parse_args(argv)
-    settings = Fsdp2Settings.from_json(args.settings)
+    config = None
+    if args.config is not None:
+        from validate.config import ValidateConfig
+
+        config = ValidateConfig.model_validate_json(args.config)
+        settings = Fsdp2Settings.from_validate(config)
+    else:
+        settings = Fsdp2Settings.from_json(args.settings)
     device = torch.device("cpu")
     if args.simulated:
         if not args.world_size:
             parser.error("--simulated needs --world-size")
-        nd, rank = args.world_size, 0
+        nd, rank = args.world_size, args.rank or 0
         init_fake_world(nd, rank)
     else:
         nd, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        if torch.cuda.is_available():
+        if config is not None:
+            device = pick_device(config, int(os.environ.get("LOCAL_RANK", "0")))
+        elif torch.cuda.is_available():
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    fake = args.simulated and not args.real_tensors
+    if config is not None:
+        fake = args.simulated and (config.fake_tensors if config.fake_tensors is not None else device.type == "cpu")
+        inject_fault(rank)
+    else:
+        fake = args.simulated and not args.real_tensors
     row = measure(settings, nd, rank, device, fake=fake)
     rows = [row]
     if not args.simulated:
@@ -230,10 +463,14 @@ def main(argv: list[str] | None = None) -> None:
         backend = dist.get_backend()
         meta = {"world_size": nd, "backend": backend, "device": str(device), "torch": torch.__version__}
         meta["fake_tensors"] = fake
-        write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}, indent=1))
+        # "ranks": one list of rows per rank, as validate.worker writes them for validate.harness
+        write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows, "ranks": [[r] for r in rows]}))
     if not args.simulated:
         dist.barrier()  # seen once without it: a gloo rank aborting in teardown while rank 0 still wrote
-    dist.destroy_process_group()
+    # as validate.worker: leave without tearing gloo down (its threads abort a process at exit)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

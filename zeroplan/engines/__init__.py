@@ -12,7 +12,7 @@ from typing import Callable
 
 from pydantic import BaseModel
 
-from zeroplan.engines import deepspeed, reference
+from zeroplan.engines import deepspeed, fsdp2, reference
 from zeroplan.engines.base import EngineEstimate, Workload
 
 EstimateFn = Callable[[Workload, int, BaseModel], "tuple[EngineEstimate, ...]"]
@@ -20,10 +20,12 @@ EstimateFn = Callable[[Workload, int, BaseModel], "tuple[EngineEstimate, ...]"]
 ENGINES: dict[str, EstimateFn] = {
     "reference": reference.estimate,
     "deepspeed": deepspeed.estimate,
+    "fsdp2": fsdp2.estimate,
 }
 SETTINGS: dict[str, type[BaseModel]] = {
     "reference": reference.Settings,
     "deepspeed": deepspeed.Settings,
+    "fsdp2": fsdp2.Settings,
 }
 
 

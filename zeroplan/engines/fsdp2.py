@@ -1,18 +1,675 @@
-"""FSDP2: the ``fully_shard`` code for a planned option, as text the user copies.
+"""PyTorch FSDP2 (``fully_shard``) as an engine: what it allocates and sends, phase by phase, as data.
 
-``torch.distributed.fsdp.fully_shard`` (PyTorch >= 2.6 public API). ``reshard_after_forward=True`` is
-ZeRO-3 (parameters gathered again for backward), ``False`` is ZeRO-2 (unsharded parameters kept from
-forward to backward). FSDP2 has no stage-1 equivalent; its ``CPUOffloadPolicy`` moves parameters,
-gradients and the optimizer step to the CPU together, i.e. stage 3 + optimizer and parameter offload.
-No dependency on PyTorch: this builds a string.
+Read from torch 2.13.0's ``torch/distributed/fsdp/_fully_shard/`` (``SRC``; every term cites
+``<file>.py:<Class.function>``) and measured against the real thing by ``validate/engines/fsdp2.py``
+(``tests/test_fsdp2_engine.py``). Pure: no torch; counts elements, converts to bytes once.
+
+Wrapping is FSDP2's documented pattern: one unit per decoder layer (``architectures.spec.block_prefix``),
+then the root (embeddings, final norm, an untied head); units are listed in forward order, root first.
+The root keeps FSDP2's default ``reshard_after_forward=None``, which does not reshard it after forward
+(``_fsdp_state.py:FSDPState._lazy_init``: ``post_forward_mesh_info = None``).
+
+Symbols: ``nd`` ranks; a parameter of shape ``(d0, *rest)`` is split on dim 0 into ``c = ceil(d0/nd)``
+rows per rank, every rank storing ``c·prod(rest)`` elements (rank r's real rows are
+``clamp(d0 - r·c, 0, c)``, the rest is padding); ``S_u`` = Σ over unit u's parameters of
+``c·prod(rest)``, the unit's padded shard. Dtypes: ``module`` (the parameters as built; the shards keep
+it, so under a bf16 policy they stay fp32 and there is no separate master copy), ``param`` (policy
+``param_dtype``, else module: gathered parameters, activations and autograd's gradients), ``reduce``
+(policy ``reduce_dtype``, else param).
+
+Phases (``zeroplan.formulas.peak``): ``init`` (build in the module dtype, ``fully_shard`` each block,
+then the root, construct Adam), ``forward`` (batch in, loss), ``backward``, ``optimizer_step`` (Adam,
+``zero_grad(set_to_none=True)``). Forward and backward moments hold Adam's m and v (created at the
+first step; a phase's peak is the largest over steps). Activations come from
+``zeroplan.formulas.activation_terms.model_activations``.
+
+torch 2.11: the all-gather and reduce-scatter schedule is the same; 2.11 has no
+``reduce_scatter_max_input_buffers`` and keeps each reduce-scatter input until the next
+``post_backward`` waits on it (one retained, as here with the default of 1); re-read before claiming a
+2.11 row exact (docs/engines/fsdp2.md).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from zeroplan.architectures.spec import block_prefix
+from zeroplan.engines.base import EngineEstimate, Workload
+from zeroplan.formulas.activation_terms import ModelActivations, model_activations
+from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
+from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
+from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 
+TORCH_VERSION = "2.13.0"  # the source the terms were read from
+SRC = "torch/distributed/fsdp/_fully_shard/"
+ADAM = "torch/optim/adam.py"
+STEP_BYTES = 4  # Adam's ``step`` (torch.tensor(0.0, dtype=_get_scalar_dtype()): fp32), one per tensor
+
+Shape = tuple[int, ...]
+
+
+# ---- the dim-0 padding rule (_fsdp_common.py:_chunk_with_empty, _get_dim0_padded_size) ----
+
+
+def shard_rows(d0: int, nd: int) -> int:
+    """Rows of dim 0 each rank stores, padding included: ceil(d0 / nd) (_fsdp_common.py:_chunk_with_empty)."""
+    if d0 < 0 or nd < 1:
+        raise ValueError(f"d0={d0}, nd={nd}: need d0 >= 0 and nd >= 1")
+    return -(-d0 // nd)
+
+
+def padded_shard_numel(shape: Shape, nd: int) -> int:
+    """Elements a rank stores of one parameter: ceil(d0 / nd)·prod(rest) (FSDPParam._init_sharded_param)."""
+    return shard_rows(shape[0], nd) * math.prod(shape[1:]) if shape else 1
+
+
+def local_shard_numel(shape: Shape, nd: int, rank: int) -> int:
+    """Real (unpadded) elements of rank ``rank``'s shard: what ``zeros_like`` of the DTensor allocates."""
+    if not shape:
+        return 1 if rank == 0 else 0
+    c = shard_rows(shape[0], nd)
+    return min(c, max(0, shape[0] - rank * c)) * math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One ``fully_shard`` unit: its name and the shapes of the parameters it manages, in order."""
+
+    name: str
+    shapes: tuple[Shape, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def unit_shard_numel(unit: Unit, nd: int) -> int:
+    """S_u: the unit's padded shard, the all-gather input and reduce-scatter output per rank."""
+    return sum(padded_shard_numel(s, nd) for s in unit.shapes)
+
+
+def units_of(named_shapes: tuple[tuple[str, Shape], ...], prefix: str) -> tuple[Unit, ...]:
+    """FSDP2's documented wrapping: one unit per decoder layer (``<prefix><i>.``), the rest in the root (first)."""
+    root: list[Shape] = []
+    blocks: dict[str, list[Shape]] = {}
+    for name, shape in named_shapes:
+        if name.startswith(prefix):
+            index = name[len(prefix) :].split(".", 1)[0]
+            blocks.setdefault(prefix + index, []).append(tuple(shape))
+        else:
+            root.append(tuple(shape))
+    return (Unit("root", tuple(root)), *(Unit(n, tuple(s)) for n, s in blocks.items()))
+
+
+# ---- settings, in FSDP2's vocabulary ----
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+class Settings(BaseModel):
+    """One FSDP2 configuration: ``fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype,
+    reduce_dtype), reshard_after_forward=...)`` per decoder layer, then ``fully_shard(model, mp_policy)``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reshard_after_forward: StrictBool | StrictInt = Field(
+        True, description="True: blocks gathered again in backward (ZeRO-3); False: kept (ZeRO-2); an int k: "
+        "kept sharded over k ranks between forward and backward (FSDP2's int option)",
+    )  # fmt: skip
+    module_dtype: Dtype = Field("fp32", description="dtype the model is built in; the shards keep it")
+    param_dtype: Dtype | None = Field(None, description="MixedPrecisionPolicy.param_dtype; None: module dtype")
+    reduce_dtype: Dtype | None = Field(None, description="MixedPrecisionPolicy.reduce_dtype; None: param dtype")
+    foreach: bool | None = Field(None, description="Adam's foreach path; None: Workload.foreach")
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda", description="cuda: 512-byte allocator blocks and fp32 LayerNorm statistics; cpu: neither"
+    )
+    backend: Literal["nccl", "gloo", "fake"] = Field(
+        "nccl", description="process group backend: gloo's reduce-scatter copies its whole input (a term); "
+        "nccl and the fake group (simulation) add nothing",
+    )  # fmt: skip
+    rank: StrictInt = Field(0, ge=0, description="the rank described (rank 0 holds the most: padding is at the end)")
+
+    @field_validator("reshard_after_forward")
+    @classmethod
+    def _k(cls, v: bool | int) -> bool | int:
+        if not isinstance(v, bool) and v < 1:
+            raise ValueError(f"reshard_after_forward={v}: an int must be >= 1")
+        return v
+
+    @property
+    def module(self) -> str:
+        return canonical_dtype(self.module_dtype)
+
+    @property
+    def param(self) -> str:
+        """Gathered parameters and autograd's gradients (_fsdp_param.py:FSDPParam.init_dtype_attrs)."""
+        return canonical_dtype(self.param_dtype or self.module_dtype)
+
+    @property
+    def reduce(self) -> str:
+        """Reduce-scatter dtype (_fsdp_collectives.py:foreach_reduce: ``reduce_dtype or grad_dtype``)."""
+        return canonical_dtype(self.reduce_dtype or self.param)
+
+    def label(self) -> str:
+        mp = f", param {self.param}, reduce {self.reduce}" if self.param != self.module else ""
+        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}"
+
+
+def post_forward_group(settings: Settings, nd: int) -> int:
+    """Ranks a block stays sharded over between its forward and backward: nd (True), 1 (False, kept
+    whole) or k (_fsdp_init.py:_get_post_forward_mesh_info; k must divide nd)."""
+    rsf = settings.reshard_after_forward
+    if rsf is True:
+        return nd
+    if rsf is False:
+        return 1
+    if nd % rsf:
+        raise ValueError(f"reshard_after_forward={rsf}: must divide N_d={nd}")
+    return rsf
+
+
+# ---- model states ----
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Persistent bytes of one rank, per term, and what the step boundaries hold."""
+
+    params_bytes: int
+    grads_bytes: int
+    adam_moments_bytes: int  # exp_avg + exp_avg_sq
+    adam_step_bytes: int
+
+    @property
+    def after_init_bytes(self) -> int:
+        """After fully_shard and the optimizer's construction: the sharded parameters alone."""
+        return self.params_bytes
+
+    def after_backward_bytes(self, step: int) -> int:
+        """After backward of step ``step`` (0-based): parameters, gradients, and Adam's states from step 1."""
+        return self.params_bytes + self.grads_bytes + (self.optimizer_bytes if step >= 1 else 0)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.adam_moments_bytes + self.adam_step_bytes
+
+    @property
+    def boundary_bytes(self) -> int:
+        """After optimizer.step() and zero_grad(set_to_none=True): parameters and Adam's states."""
+        return self.params_bytes + self.optimizer_bytes
+
+
+def model_states(units: tuple[Unit, ...], nd: int, settings: Settings) -> ModelStates:
+    """Model states of ``settings.rank`` under FSDP2 with Adam (terms: ``params``, ``grads``, ``adam``)."""
+    shapes = [s for u in units for s in u.shapes]
+    module = dtype_bytes(settings.module)
+    return ModelStates(
+        params_bytes=sum(padded_shard_numel(s, nd) for s in shapes) * module,
+        grads_bytes=sum(unit_shard_numel(u, nd) for u in units) * module,
+        adam_moments_bytes=2 * sum(local_shard_numel(s, nd, settings.rank) for s in shapes) * module,
+        adam_step_bytes=len(shapes) * STEP_BYTES,
+    )
+
+
+# ---- collectives ----
+
+
+@dataclass(frozen=True)
+class UnitCollective:
+    """One collective as FSDP2 issues it: full size in elements (all-gather output, reduce-scatter input)."""
+
+    op: str
+    phase: str
+    unit: str
+    elements: int
+    dtype: str
+    group_size: int
+
+
+def unit_collectives(units: tuple[Unit, ...], nd: int, settings: Settings) -> tuple[UnitCollective, ...]:
+    """The collectives of one training step, in issue order (units in forward order, root first).
+
+    Forward: one all-gather per unit (_fsdp_collectives.py:foreach_all_gather). Backward: the blocks are
+    gathered again in reverse order when resharded after forward (over the post-forward group of k ranks
+    for an int k; never the root: _fsdp_state.py:FSDPState._lazy_init), one reduce-scatter per unit in
+    reverse order (_fsdp_collectives.py:foreach_reduce). Sizes are nd·S_u (dim-0 padded).
+    """
+    full = {u.name: nd * unit_shard_numel(u, nd) for u in units}
+    out = [UnitCollective("all-gather", "forward", u.name, full[u.name], settings.param, nd) for u in units]
+    group = post_forward_group(settings, nd)
+    for u in reversed(units[1:]):  # blocks, last first
+        if group > 1:
+            out.append(UnitCollective("all-gather", "backward", u.name, full[u.name], settings.param, group))
+    for u in reversed(units):
+        out.append(UnitCollective("reduce-scatter", "backward", u.name, full[u.name], settings.reduce, nd))
+    return tuple(out)
+
+
+# ---- the run: what one rank trains ----
+
+
+@dataclass(frozen=True)
+class Fsdp2Run:
+    """One rank of FSDP2 training a model: units (root first), settings, and (with an architecture)
+    one micro-batch's activations; ``head_numel`` and ``final_norm_numel`` are the LM head weight and
+    the final norm's parameters, whose gradients come first in backward and wait for the root's
+    reduce-scatter; ``tied_head``: the head is the token embedding (GPT-2)."""
+
+    units: tuple[Unit, ...]
+    nd: int
+    settings: Settings
+    acts: ModelActivations | None = None
+    checkpointing: str = "none"
+    foreach: bool = False
+    head_numel: int = 0
+    final_norm_numel: int = 0
+    tied_head: bool = False
+    style: str = "gpt"  # the architecture's layout (architectures.spec): gpt (LayerNorm) or llama (RMSNorm)
+    param_order: tuple[Shape, ...] = ()  # parameters in model.parameters() order (the optimizer's); () = units'
+
+    def __post_init__(self) -> None:
+        if self.nd < 1 or len(self.units) < (2 if self.acts is not None else 1):
+            raise ValueError(f"nd={self.nd}, units={len(self.units)}: need nd >= 1 and a root plus blocks")
+        if self.checkpointing not in ("none", "full"):
+            raise ValueError(f"checkpointing={self.checkpointing!r}: expected none or full")
+        post_forward_group(self.settings, self.nd)
+
+    @property
+    def m(self) -> int:
+        return dtype_bytes(self.settings.module)
+
+    @property
+    def p(self) -> int:
+        return dtype_bytes(self.settings.param)
+
+    @property
+    def r(self) -> int:
+        return dtype_bytes(self.settings.reduce)
+
+    def shard(self, u: int) -> int:
+        return unit_shard_numel(self.units[u], self.nd)
+
+
+def _fp(name: str, nbytes: int, where: str, tensors: int = 1) -> Term:
+    return Term(name, nbytes, SRC + where, tensors)
+
+
+def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
+    return Term(name, nbytes, "zeroplan/formulas/activation_terms.py:model_activations", tensors)
+
+
+def params(run: Fsdp2Run) -> Term:
+    """Sharded parameters, padded, in the module dtype (no separate master copy)."""
+    return _fp("sharded parameters (module dtype, padded)", sum(run.shard(u) for u in range(len(run.units))) * run.m,
+               "_fsdp_param.py:FSDPParam._init_sharded_param", sum(len(u.shapes) for u in run.units))  # fmt: skip
+
+
+def grads(run: Fsdp2Run, units) -> Term:
+    """Sharded gradients of ``units`` (views into each unit's reduce-scatter output, cast to the module dtype)."""
+    units = tuple(units)
+    return _fp(f"sharded gradients of {len(units)} unit(s)", sum(run.shard(u) for u in units) * run.m,
+               "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed(reduce_output, orig_dtype))", len(units))  # fmt: skip
+
+
+def adam(run: Fsdp2Run) -> Term:
+    """Adam's exp_avg, exp_avg_sq (zeros_like of the DTensor: the local shard, unpadded) and step."""
+    st = model_states(run.units, run.nd, run.settings)
+    n = sum(len(u.shapes) for u in run.units)
+    return Term("Adam exp_avg, exp_avg_sq, step", st.optimizer_bytes, f"{ADAM}:Adam._init_group (first step)", 3 * n)
+
+
+def unsharded(run: Fsdp2Run, u: int) -> Term:
+    """A unit's unsharded parameters: one padded buffer per tensor in the param dtype."""
+    what = "root" if u == 0 else f"block {u}"
+    return _fp(f"unsharded parameters ({what})", run.nd * run.shard(u) * run.p,
+               "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(run.units[u].shapes))  # fmt: skip
+
+
+def ag_output(run: Fsdp2Run, u: int, why: str) -> Term:
+    """A unit's flat all-gather output (kept in forward until the next unit's copy-out)."""
+    what = "root" if u == 0 else f"block {u}"
+    return _fp(f"all-gather output ({what}, {why})", run.nd * run.shard(u) * run.p,
+               "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard")  # fmt: skip
+
+
+def copy_in(run: Fsdp2Run, u: int) -> Term:
+    """The shard cast to the param dtype for the all-gather (none when the dtypes agree)."""
+    cast = run.settings.param != run.settings.module
+    return _fp(f"all-gather copy-in (unit {u}, cast)", run.shard(u) * run.p if cast else 0,
+               "_fsdp_collectives.py:_get_param_all_gather_inputs")  # fmt: skip
+
+
+def post_forward_shard(run: Fsdp2Run, u: int) -> Term:
+    """reshard_after_forward=k: the block kept sharded over k ranks until backward."""
+    k = post_forward_group(run.settings, run.nd)
+    return _fp(f"post-forward shard (block {u}, k={k})", run.nd * run.shard(u) // k * run.p,
+               "_fsdp_param.py:FSDPParam.to_sharded_post_forward")  # fmt: skip
+
+
+def kept_blocks(run: Fsdp2Run, upto: int) -> tuple[Term, ...]:
+    """Blocks 1..upto between their forward and their backward: whole (False), k-sharded (int) or freed (True)."""
+    k = post_forward_group(run.settings, run.nd)
+    if k == run.nd:
+        return ()
+    if k == 1:
+        return tuple(unsharded(run, u) for u in range(1, upto + 1))
+    return tuple(post_forward_shard(run, u) for u in range(1, upto + 1))
+
+
+def resharded(run: Fsdp2Run) -> bool:
+    """Blocks are gathered again for backward (True, or an int k < nd)."""
+    return post_forward_group(run.settings, run.nd) > 1
+
+
+def batch(run: Fsdp2Run) -> Term:
+    return Term("batch (token ids, targets)", run.acts.batch, "validate/engines/fsdp2.py:measure", 2)
+
+
+def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
+    per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
+    what = "saved activations" if run.checkpointing == "none" else "checkpointed block inputs"
+    return _act(f"{what} of {n} blocks", n * per, n)
+
+
+# ---- moments ----
+
+
+def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+    """``fully_shard`` of each block, then the root: the units not yet sharded are whole, and the shard
+    of this unit is allocated before its whole tensors are dropped (_fsdp_param.py:
+    FSDPParam._init_sharded_param). Adam's constructor allocates nothing (its states come at step 1)."""
+    order = [*range(1, len(run.units)), 0]
+    out = []
+    for i, u in enumerate(order):
+        whole = sum(run.units[v].numel for v in order[i:]) * run.m
+        done = sum(run.shard(v) for v in order[:i]) * run.m
+        out.append(Moment("init", f"fully_shard({run.units[u].name})", (
+            Term("unsharded units as built", whole, "validate/models.py:build"),
+            _fp("shards of the units sharded before", done, "_fsdp_param.py:FSDPParam._init_sharded_param"),
+            _fp("this unit's new shard", run.shard(u) * run.m, "_fsdp_param.py:FSDPParam._init_sharded_param"))))  # fmt: skip
+    return tuple(out)
+
+
+def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+    """The last block's all-gather and forward, the LM head, the loss (_fsdp_state.py:FSDPState._pre_forward,
+    _post_forward: the last all-gather output is freed when the root's forward returns)."""
+    acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
+    base = (params(run), adam(run), batch(run), _act("embedding saved (position ids)", acts.embed_saved),
+            unsharded(run, 0))  # fmt: skip
+    prev = ag_output(run, L - 1 if L > 1 else 0, "previous unit, freed when this copy-out returns")
+    gather = Moment("forward", f"block {L} all-gather", (
+        *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
+        prev, copy_in(run, L), ag_output(run, L, "this unit")))  # fmt: skip
+    # wait_for_unshard binds the previous all-gather state to a local (``if prev_all_gather_state := ...``),
+    # so the previous output is freed only when it returns, after this block's copy-out (measured)
+    copy_out = Moment("forward", f"block {L} copy-out", (
+        *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
+        prev, ag_output(run, L, "this unit"), unsharded(run, L)))  # fmt: skip
+    if run.checkpointing == "none":
+        work = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
+    else:
+        work = (_blocks_saved(run, L - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+    last = Moment("forward", f"block {L} forward", (
+        *base, *kept_blocks(run, L - 1), *work, ag_output(run, L, "kept until the root's post-forward"),
+        unsharded(run, L)))  # fmt: skip
+    head_acts = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved),
+                 _act("logits", acts.logits))  # fmt: skip
+    head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts,
+                                         ag_output(run, L, "kept until the root's post-forward")))  # fmt: skip
+    # ``logits.float()`` (validate/transformer.py:CausalLM.loss): a copy beside the 16-bit logits, which
+    # nothing keeps once it exists (the head saves its input); in fp32 it is the logits themselves
+    fp32_logits = _act("fp32 logits (loss upcast)", acts.logits_fp32 if run.p != 4 else acts.logits)
+    upcast = Moment("forward", "logits upcast", (*base, *kept_blocks(run, L), *head_acts, fp32_logits))
+    loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], fp32_logits,
+                  _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss)))  # fmt: skip
+    return (gather, copy_out, last, head, upcast, loss) if run.p != 4 else (gather, copy_out, last, head, loss)
+
+
+def input_norm_backward(run: Fsdp2Run) -> Term:
+    """A block's input norm when it runs backward (the block's last backward op): what it saved plus its
+    working set. Derived from the ops (to move into ``activation_terms``, which does not split them out):
+    - llama (transformers LlamaRMSNorm): saved h32 = x.to(fp32) (N·d·4), rsqrt (N·4), the normalised
+      16-bit h (N·d·a) and its output (N·d·a, saved by q/k/v); the backward of ``h32.pow(2)`` and of
+      ``h32 * rsqrt`` holds three fp32 N·d temporaries beside the accumulating fp32 input gradient (4·N·d·4),
+      as traced at dispatch (llama-2-7b at N_d = 64: 6·N·d·4 above the rest, 2 KiB under);
+    - gpt (nn.LayerNorm): saved input (N·d·a), mean and rstd (2·N·st), its output (N·d·a); the fused
+      ``native_layer_norm_backward`` allocates the input gradient (N·d·a).
+    """
+    acts, a = run.acts, run.p
+    nd_elems = acts.embed_out // a  # N·d
+    n = acts.batch // 16  # tokens: ids and targets are int64
+    if run.style == "llama":
+        nbytes = nd_elems * 4 + n * 4 + 2 * nd_elems * a + 4 * nd_elems * 4
+    else:
+        st = (acts.final_saved - 2 * nd_elems * a) // (2 * n)
+        nbytes = 3 * nd_elems * a + 2 * n * st
+    return Term("input norm saved and backward working set", nbytes,
+                "derived from LlamaRMSNorm / nn.LayerNorm backward (see input_norm_backward)")
+
+
+def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+    """Loss and head backward (the root's pre-backward prefetches the last block), each block's backward
+    and reduce-scatter (_fsdp_param_group.py:FSDPParamGroup.pre_backward, _backward_prefetch, post_backward;
+    _fsdp_collectives.py:foreach_reduce), the embeddings, the root's reduce-scatter (_fsdp_state.py:
+    FSDPState._root_post_backward_final_callback)."""
+    acts, blk, L, p = run.acts, run.acts.block, len(run.units) - 1, run.p
+    n_d = acts.embed_out  # one N·d activation (or its gradient)
+    base = (params(run), adam(run), batch(run), _act("embedding saved (position ids)", acts.embed_saved),
+            _act("loss", acts.loss), unsharded(run, 0))  # fmt: skip
+    saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
+    prefetch = (lambda u: (ag_output(run, u, "backward prefetch"),) if resharded(run) and u >= 1 else ())
+    out = [Moment("backward", "cross-entropy backward", (*base, *kept_blocks(run, L), *saved_all,
+                  _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
+                  _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2)))]  # fmt: skip
+    root_held = Term("root gradients held (head weight, final norm)", (run.head_numel + run.final_norm_numel) * p,
+                     "autograd (unsharded root .grad until the root's post_backward)", 2)  # fmt: skip
+    out.append(Moment("backward", "LM head backward", (*base, *kept_blocks(run, L), *saved_all,
+                      _act("logits gradient", acts.logits), _act("final norm output gradient", n_d),
+                      Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"), *prefetch(L))))  # fmt: skip
+    ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
+    grad_of = lambda u: Term(f"unsharded gradients (block {u})", run.units[u].numel * p,
+                             "autograd; freed in _fsdp_collectives.py:foreach_reduce (unsharded_grads.clear())",
+                             len(run.units[u].shapes))  # fmt: skip
+    rs_in = lambda u, why: _fp(f"reduce-scatter input (unit {u}, {why})", run.nd * run.shard(u) * run.r,
+                               "_fsdp_collectives.py:foreach_reduce; _fsdp_param_group.py:FSDPParamGroup.post_backward")  # fmt: skip
+    rs_out = lambda u: _fp(f"reduce-scatter output (unit {u})", run.shard(u) * run.r, "_fsdp_collectives.py:foreach_reduce")
+    cast = lambda u: _fp(f"gradient cast to the module dtype (unit {u})",
+                         run.shard(u) * run.m if run.r != run.m else 0,
+                         "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed)")  # fmt: skip
+    gloo = lambda u: (Term(f"gloo reduce-scatter copy of the whole input (unit {u})", run.nd * run.shard(u) * run.r,
+                           "measured: ProcessGroupGloo runs reduce-scatter as an allreduce of a copy of the input, "
+                           "then copies its chunk out (aten.split, aten.copy_ seen at dispatch)"),)  # fmt: skip
+    gloo = gloo if run.settings.backend == "gloo" else (lambda u: ())
+    for i in range(L, 0, -1):
+        done = grads(run, range(i + 1, L + 1))
+        held = (rs_in(i + 1, "held until the next post_backward"),) if i < L else ()
+        if resharded(run):  # pre_backward: the prefetched all-gather output is copied out, then freed
+            out.append(Moment("backward", f"block {i} copy-out", (
+                *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
+                root_held, ag_output(run, i, "prefetched, freed after copy-out"), unsharded(run, i), *held, done)))  # fmt: skip
+        inflight = (_blocks_saved(run, i),)
+        if run.checkpointing != "none":
+            inflight += (_act("recomputed block's saved activations", blk.saved - blk.ckpt_saved),)
+        out.append(Moment("backward", f"block {i} backward", (
+            *base, *kept_blocks(run, i - 1), *inflight, _act("incoming activation gradient", n_d), root_held,
+            _act("block backward working set", ws), unsharded(run, i), *prefetch(i - 1), *held, done)))  # fmt: skip
+        # the block's first op (its input norm) runs backward last: every weight gradient of the block exists
+        out.append(Moment("backward", f"block {i} gradients complete", (
+            *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),
+            input_norm_backward(run), root_held, unsharded(run, i), grad_of(i), *prefetch(i - 1), *held, done)))  # fmt: skip
+        common = (*base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1),
+                  _act("block input gradient", n_d), root_held, *prefetch(i - 1), done)  # fmt: skip
+        out.append(Moment("backward", f"block {i} reduce-scatter copy-in",
+                          (*common, grad_of(i), rs_in(i, "this unit"))))  # fmt: skip
+        out.append(Moment("backward", f"block {i} reduce-scatter and cast",
+                          (*common, rs_in(i, "this unit"), rs_out(i), cast(i), *gloo(i))))  # fmt: skip
+    blocks_done = grads(run, range(1, L + 1))
+    others = (run.units[0].numel - run.head_numel) * p
+    if run.tied_head:  # torch/csrc/autograd/input_buffer.cpp: the two gradients are summed out of place
+        emb = (Term("head weight gradient (input buffer)", run.head_numel * p, "autograd InputBuffer"),
+               Term("embedding weight gradient", run.head_numel * p, "aten embedding_dense_backward"),
+               Term("their sum", run.head_numel * p, "autograd InputBuffer::add"))  # fmt: skip
+    else:
+        emb = (Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"),)
+    out.append(Moment("backward", "embedding backward", (
+        *base, _act("incoming activation gradient", n_d), *emb,
+        Term("other root gradients", others, "autograd (embedding, final norm)"),
+        rs_in(1, "held until the root's post_backward"), blocks_done)))  # fmt: skip
+    root_base = base[:-1]  # the root is resharded before its reduce-scatter
+    out.append(Moment("backward", "root reduce-scatter copy-in", (
+        *root_base, Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes)),
+        rs_in(0, "this unit"), blocks_done)))  # fmt: skip
+    out.append(Moment("backward", "root reduce-scatter and cast",
+                      (*root_base, rs_in(0, "this unit"), rs_out(0), cast(0), *gloo(0), blocks_done)))  # fmt: skip
+    return tuple(out)
+
+
+def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+    """Adam on the sharded DTensor parameters. ``_multi_tensor_adam`` (foreach) makes ``sqrt(v)`` for every
+    tensor at once (one local shard's worth); ``_single_tensor_adam`` computes ``v.sqrt() /
+    bias_correction2_sqrt`` per tensor, two temporaries of the largest local shard alive at once."""
+    shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
+    local = [local_shard_numel(s, run.nd, run.settings.rank) for s in shapes]
+    if run.foreach:
+        temps = Term("Adam temporaries (foreach sqrt(v))", sum(local) * run.m, f"{ADAM}:_multi_tensor_adam", len(local))
+    else:
+        # ``denom`` stays bound to the previous tensor's quotient until this tensor's is assigned (measured)
+        worst = max(2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local))
+        temps = Term("Adam temporaries (sqrt(v), its quotient, the previous tensor's denom)", worst * run.m,
+                     f"{ADAM}:_single_tensor_adam", 3)  # fmt: skip
+    return (Moment("optimizer_step", "Adam update", (params(run), adam(run), grads(run, range(len(run.units))), temps)),)
+
+
+def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+    """Every moment of a training step of FSDP2 (needs activations: an architecture)."""
+    if run.acts is None:
+        raise ValueError("the peak needs an architecture (activations); this run has only tensor shapes")
+    return (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run))
+
+
+def predict_peak(run: Fsdp2Run) -> PeakEstimate:
+    """The peak of ``run`` per phase; CUDA rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``)."""
+    return peak_of(moments(run), CUDA_BLOCK_BYTES if run.settings.device == "cuda" else 1)
+
+
+def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
+    """The run of ``workload`` as FSDP2 wraps it (units per decoder layer + root)."""
+    spec = workload.spec
+    if spec is not None:
+        prefix = block_prefix(spec)
+    else:  # bare shapes: decoder layers where the names say so (GPT-2 or Llama names), else one unit
+        known = [p for p in ("transformer.h.", "model.layers.") if any(n.startswith(p) for n, _ in workload.shapes)]
+        prefix = known[0] if known else "\0"
+    units = units_of(workload.shapes, prefix)
+    if spec is None:
+        return Fsdp2Run(units, nd, settings, foreach=_foreach(workload, settings))
+    act_bytes = dtype_bytes(settings.param)
+    stat_bytes = 4 if settings.device == "cuda" else act_bytes  # CPU native_layer_norm: stats in the input dtype
+    acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=act_bytes, stat_bytes=stat_bytes)
+    final = sum(math.prod(s) for n, s in workload.shapes if n.rsplit(".", 2)[-2] in ("ln_f", "norm")
+                and not n.startswith(prefix))  # fmt: skip
+    return Fsdp2Run(units, nd, settings, acts, workload.checkpointing, _foreach(workload, settings),
+                    spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
+                    param_order=tuple(tuple(s) for _, s in workload.shapes))  # fmt: skip
+
+
+def _foreach(workload: Workload, settings: Settings) -> bool:
+    return workload.foreach if settings.foreach is None else settings.foreach
+
+
+def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
+    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks."""
+    run = fsdp2_run(workload, nd, settings)
+    st = model_states(run.units, nd, settings)
+    coll = tuple(
+        Collective(
+            c.op, c.phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype))
+        )
+        for c in unit_collectives(run.units, nd, settings)
+    )
+    memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
+    peak = predict_peak(run) if run.acts is not None else None
+    return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll),)
+
+
+# ---- planning: the cheapest configuration whose predicted peak fits ----
+
+# Cheapest first: keeping blocks gathered (False) sends no backward all-gather; resharding adds one
+# all-gather per block (1.5x the traffic); checkpointing adds one forward per block (~1/3 more compute,
+# Korthikanti et al. 2022, section 4). Traffic is cheaper to add than compute on one node, so resharding
+# is tried before checkpointing.
+CANDIDATES: tuple[tuple[bool, str], ...] = ((False, "none"), (True, "none"), (False, "full"), (True, "full"))
+
+
+@dataclass(frozen=True)
+class Fsdp2Option:
+    """One candidate: its settings, checkpointing, the estimate and whether its peak fits."""
+
+    settings: Settings
+    checkpointing: str
+    estimate: EngineEstimate
+    fits: bool
+
+    @property
+    def snippet(self) -> str:
+        return settings_snippet(self.settings, self.checkpointing)
+
+
+def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings) -> tuple[Fsdp2Option, ...]:
+    """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak."""
+    if workload.spec is None:
+        raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
+    out = []
+    for reshard, ckpt in CANDIDATES:
+        s = settings.model_copy(update={"reshard_after_forward": reshard})
+        w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
+                     workload.grad_accum, workload.foreach)  # fmt: skip
+        (row,) = estimate(w, nd, s)
+        out.append(Fsdp2Option(s, ckpt, row, row.peak.peak_bytes <= capacity_bytes))
+    return tuple(out)
+
+
+def recommend(workload: Workload, nd: int, capacity_bytes: int, settings: Settings) -> Fsdp2Option | None:
+    """The cheapest candidate whose predicted peak fits in ``capacity_bytes``; None if none does."""
+    return next((o for o in plan_options(workload, nd, capacity_bytes, settings) if o.fits), None)
+
+
+# ---- the launcher snippet: the code a user copies ----
+
 _TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+
+
+def settings_snippet(settings: Settings, checkpointing: str = "none") -> str:
+    """``fully_shard`` code for exactly ``settings`` and ``checkpointing`` (what ``estimate`` predicted),
+    as ``validate/engines/fsdp2.py:shard`` runs it; ``model.layers`` stands for the decoder layers."""
+    dtype = _TORCH_DTYPE[settings.param]
+    reduce = _TORCH_DTYPE[settings.reduce]
+    ckpt = (
+        "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper\n"
+        "for i, block in enumerate(model.layers):  # activation checkpointing: recompute each block in backward\n"
+        "    model.layers[i] = checkpoint_wrapper(block)\n"
+        if checkpointing == "full" else ""
+    )  # fmt: skip
+    return (
+        "import torch\n"
+        "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n\n"
+        f"# {settings.label()}, checkpointing {checkpointing}; shards stay {settings.module} (no master copy)\n"
+        f"{ckpt}"
+        f"policy = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce})\n"
+        "for block in model.layers:  # one unit per decoder layer: one all-gather and reduce-scatter each\n"
+        f"    fully_shard(block, mp_policy=policy, reshard_after_forward={settings.reshard_after_forward!r})\n"
+        "fully_shard(model, mp_policy=policy)  # the root: FSDP2 does not reshard it after forward\n"
+        f"optimizer = torch.optim.Adam(model.parameters(), foreach={settings.foreach!r})\n"
+    )
+
+
 
 
 def fsdp2_snippet(stage: int, offload: Offload = NO_OFFLOAD, policy: PrecisionPolicy = BF16_MIXED) -> str:
