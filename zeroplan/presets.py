@@ -156,6 +156,12 @@ def is_config_path(name_or_path: str) -> bool:
     return name_or_path.endswith(".json") or Path(name_or_path).exists()
 
 
+def _model_ref(v: str) -> str:
+    """A preset keeps the preset's spelling; a config file must read (one-line error otherwise)."""
+    resolve_model(v)
+    return v if is_config_path(v) else get_model(v).name
+
+
 def resolve_model(name_or_path: str) -> TransformerSpec:
     """The architecture ``--model`` names: a local Hugging Face ``config.json`` when ``name_or_path``
     exists or ends in ``.json`` (read, never downloaded), else a reference model preset; ValueError
@@ -184,3 +190,7 @@ def model_seq_len(name_or_path: str, spec: TransformerSpec) -> int:
         if key in model_presets():
             return min(model_presets()[key].seq_len, spec.max_seq_len)
     return min(spec.max_seq_len, DEFAULT_SEQ_LEN)
+
+
+ModelRef = Annotated[str, AfterValidator(_model_ref)]
+"""``--model``: a model preset (stored as the preset spells it) or the path of a config.json that reads."""

@@ -8,9 +8,9 @@ model; ``get_engine`` looks one up. Add an engine with one line in each dict.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Annotated, Callable
 
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel
 
 from zeroplan.engines import deepspeed, fsdp2, reference
 from zeroplan.engines.base import EngineEstimate, Workload
@@ -56,3 +56,7 @@ def get_engine(name: str) -> Engine:
             f"zeroplan.engines.{name}.estimate from Python"
         )
     return Engine(name, ENGINES[name], SETTINGS[name])
+
+
+EngineName = Annotated[str, AfterValidator(lambda v: get_engine(v).name)]
+"""``--engine``: the name of an engine the planner commands can configure (``get_engine``)."""

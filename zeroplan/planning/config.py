@@ -12,7 +12,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from zeroplan.architectures.spec import TransformerSpec, gpt_for_params, numels, transformer_shapes
-from zeroplan.engines import get_engine
+from zeroplan.engines import EngineName
 from zeroplan.estimation.workload import check_seq_len
 from zeroplan.engines.deepspeed import DEFAULT_BUCKET_NUMEL
 from zeroplan.formulas.activations import activation_bytes
@@ -21,7 +21,7 @@ from zeroplan.formulas.offload import DEVICES
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.presets import (
     DEFAULT_SEQ_LEN, GpuName, GpuSpec, LinkSpec, ModelPreset, get_gpu, get_interconnect, get_model, is_config_path,
-    model_seq_len, resolve_model,
+    ModelRef, model_seq_len, resolve_model,
 )  # fmt: skip
 from zeroplan.types import (
     Bandwidth, BatchCount, ByteSize, Checkpointing, Count, Flag, Fraction, GpuCount, Params, SeqLen, Tflops,
@@ -45,7 +45,7 @@ class PlanConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, ignored_types=(cached_property,))
 
-    model: Optional[str] = None
+    model: Optional[ModelRef] = None
     """model preset (``zeroplan.presets.model_presets``) or the path of a Hugging Face ``config.json``: exact
     per-tensor padding, and the peak of a training step."""
     params: Optional[Params] = None
@@ -82,7 +82,7 @@ class PlanConfig(BaseModel):
     the peak (which knows none and full; full stays the default here, as before the peak existed)."""
     foreach: Flag = True
     """the optimizer's multi-tensor path, for the peak; True is torch's default on CUDA."""
-    engine: str = "reference"
+    engine: EngineName = "reference"
     """the training engine whose peak decides the fit (``zeroplan.engines.ENGINES``)."""
     offload: Literal[DEVICES] = "none"
     """the most offload the recommendation may use (all options are always listed)."""
@@ -96,20 +96,6 @@ class PlanConfig(BaseModel):
     bucket_numel: Count = DEFAULT_BUCKET_NUMEL
     """elements per collective call (gradient bucket / all-gather bucket)."""
     policy: PrecisionPolicy = BF16_MIXED
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, v: Optional[str]) -> Optional[str]:
-        """A preset keeps the preset's spelling; a config file must read (one-line error otherwise)."""
-        if v is None:
-            return v
-        resolve_model(v)
-        return v if is_config_path(v) else get_model(v).name
-
-    @field_validator("engine")
-    @classmethod
-    def _engine(cls, v: str) -> str:
-        return get_engine(v).name
 
     @field_validator("interconnect", "inter_interconnect")
     @classmethod

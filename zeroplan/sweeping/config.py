@@ -14,13 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.architectures.spec import numels as numels_of
-from zeroplan.engines import get_engine
+from zeroplan.engines import EngineName
 from zeroplan.estimation.workload import check_seq_len
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.parsing import parse_offload
 from zeroplan.policy import PrecisionPolicy
-from zeroplan.presets import get_model, is_config_path, model_seq_len, resolve_model
+from zeroplan.presets import ModelRef, model_seq_len, resolve_model
 from zeroplan.types import (
     BatchCount, ByteSize, Checkpointing, Flag, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes,
     check_total,
@@ -42,7 +42,7 @@ class SweepConfig(BaseModel):
     """Ψ values of the whole model, in parameters; give this, ``tensor_numels`` or ``model``."""
     tensor_numels: Optional[tuple[Numel, ...]] = Field(None, min_length=1)
     """elements of every parameter tensor of one model (exact padding); replaces ``params``."""
-    model: Optional[str] = None
+    model: Optional[ModelRef] = None
     """model preset (``zeroplan.presets``) or the path of a Hugging Face ``config.json``: its tensors, its
     shape for activations and the peak per GPU."""
     micro_batch: tuple[BatchCount, ...] = (1,)
@@ -54,7 +54,7 @@ class SweepConfig(BaseModel):
     peak columns know none and full (full stays the default, as before the peak existed)."""
     foreach: Flag = True
     """the optimizer's multi-tensor path, for the peak; True is torch's default on CUDA."""
-    engine: str = "reference"
+    engine: EngineName = "reference"
     """the training engine of the peak columns (``zeroplan.engines.ENGINES``)."""
     gpus: tuple[GpuCount, ...] = (1,)
     """total GPU counts = N_d x N_m."""
@@ -68,20 +68,6 @@ class SweepConfig(BaseModel):
     gpu_memory_bytes: Optional[ByteSize] = None
     """memory of one GPU in bytes, for the ``fits`` column; None leaves it empty."""
     policy: PrecisionPolicy = PrecisionPolicy()
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, v: Optional[str]) -> Optional[str]:
-        """A preset keeps the preset's spelling; a config file must read (one-line error otherwise)."""
-        if v is None:
-            return v
-        resolve_model(v)
-        return v if is_config_path(v) else get_model(v).name
-
-    @field_validator("engine")
-    @classmethod
-    def _engine(cls, v: str) -> str:
-        return get_engine(v).name
 
     @field_validator("offload", mode="before")
     @classmethod
