@@ -191,14 +191,20 @@ def _ds_dtype(value: str, key: str) -> str:
     return _DS_DTYPES[value.lower()]
 
 
-def from_deepspeed(config: object) -> dict:
-    """Planner settings (``stage`` and ``PrecisionPolicy`` fields) from a parsed DeepSpeed config."""
+def parse_ds_config(config: object) -> "DeepSpeedConfig":
+    """The sections of a parsed ds_config.json that zeroplan reads, strictly typed; ValueError (one line
+    naming the key) for anything else than a JSON object of the documented types."""
     if not isinstance(config, dict):
         raise ValueError("deepspeed config: expected a JSON object")
     try:
-        ds = DeepSpeedConfig.model_validate(config)
+        return DeepSpeedConfig.model_validate(config)
     except ValidationError as exc:
         raise _ds_error(exc) from None
+
+
+def from_deepspeed(config: object) -> dict:
+    """Planner settings (``stage`` and ``PrecisionPolicy`` fields) from a parsed DeepSpeed config."""
+    ds = parse_ds_config(config)
     zero = ds.zero_optimization
     for key in ("offload_optimizer", "offload_param"):
         section = getattr(zero, key)
@@ -366,12 +372,7 @@ class Settings(BaseModel):
         ``stage`` (``--stage``) fills in a config without ``zero_optimization.stage``; one that
         contradicts the file is refused. ValueError with one line naming the key.
         """
-        if not isinstance(config, dict):
-            raise ValueError("deepspeed config: expected a JSON object")
-        try:
-            ds = DeepSpeedConfig.model_validate(config)
-        except ValidationError as exc:
-            raise _ds_error(exc) from None
+        ds = parse_ds_config(config)
         base = from_deepspeed(config)  # offload refused, dtypes and optimizer checked, one line each
         zero = ds.zero_optimization
         given = "stage" in (config.get("zero_optimization") or {})
