@@ -21,7 +21,8 @@ warnings.filterwarnings(
 
 
 def all_reduce_mean(t: torch.Tensor, nd: int, micro_steps: int = 1) -> None:
-    """In place: ``t`` (a sum of ``micro_steps`` micro-steps' gradients) becomes the mean of every rank's ``t``."""
+    """In place: ``t`` (a sum of ``micro_steps`` micro-steps' gradients) becomes the mean over ranks
+    and micro-steps."""
     if nd * micro_steps > 1:
         t.div_(nd * micro_steps)
     if nd > 1:

@@ -109,7 +109,8 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
 
     # per optimizer step: a collective that runs every micro-step counts G times (commtime's one rule)
     calls = {c: calls_per_optimizer_step(stage, c.op, config.grad_accum) for c in predicted.collectives}
-    pred_coll = {_key(c.op, c.phase, c.dtype): {"elements": c.elements * n, "bytes_per_rank": c.bytes_per_rank * n}
+    pred_coll = {_key(c.op, c.phase, c.dtype): {"elements": c.elements * n,
+                                                "bytes_per_rank": c.bytes_per_rank * n}
                  for c, n in calls.items()}  # fmt: skip
     # Measured: what was observed per call at dispatch, summed per (op, phase, dtype), every step of
     # every rank. It must equal the prediction in elements; bytes are only derived from it.

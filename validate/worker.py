@@ -97,7 +97,8 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
             [tuple(t[(m * nd + rank) * b : (m * nd + rank + 1) * b].clone() for t in gb) for m in range(g)]
             for gb in global_batches
         ]
-        unprobed_batches = [list(mb) for mb in local_batches[-UNPROBED_STEPS:]]  # replayed after the check, without probes
+        # replayed after the check, without probes
+        unprobed_batches = [list(mb) for mb in local_batches[-UNPROBED_STEPS:]]
         if config.wire:  # every rank reads the same namespace-wide counter; a barrier lines them up
             dist.barrier()
             wire_start = loopback_tx_bytes()

@@ -462,7 +462,8 @@ def validate_cmd(
         2, "--micro-batch", "--batch-per-rank", help="Micro-batch: samples per rank per step, 1-4096."
     ),
     grad_accum: int = typer.Option(
-        1, "--grad-accum", help="Micro-steps per optimizer step, 1-64 (reference engine): G forward+backward, one update."
+        1, "--grad-accum",
+        help="Micro-steps per optimizer step, 1-64 (reference engine): G forward+backward, one update.",
     ),
     checkpointing: str = typer.Option("none", help="Activation checkpointing: none, or full (each block recomputed)."),
     foreach: Optional[bool] = typer.Option(

@@ -290,11 +290,13 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
-def _accumulation_moments(run: ReferenceRun, base: tuple[Term, ...], dy: Term, kept_root: Term) -> tuple[Moment, ...]:
+def _accumulation_moments(
+    run: ReferenceRun, base: tuple[Term, ...], dy: Term, kept_root: Term
+) -> tuple[Moment, ...]:
     """Stages 2-3, micro-steps after the first: the unit's gradients, packed and freed, are reduce-scattered
     into a temporary of the unit's shard, which is added into the accumulated shard
     (validate/stage2.py:Stage2.unit_grads_ready). The pack buffer and the temporary are alive together."""
-    acts, blk, L, a = run.acts, run.acts.block, run.acts.n_layer, run.param_bytes
+    blk, L, a = run.acts.block, run.acts.n_layer, run.param_bytes
     src = "validate/stage2.py:Stage2.unit_grads_ready"
     temp = "reduce-scatter output to accumulate ({} shard)"
     return (
