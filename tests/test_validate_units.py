@@ -154,10 +154,10 @@ def test_compare_fails_rows_that_disagree(boundary_extra, rs_elements, parity_ok
     assert row["predicted_peak_bytes_by_phase"] == {k.replace(" ", "_"): v for k, v in MEASURED_PEAKS.items()}
 
 
-def _all_reduce_instead_of_reduce_scatter(out, full, nd):
+def _all_reduce_instead_of_reduce_scatter(out, full, nd, micro_steps=1):
     import torch.distributed as dist
 
-    full.div_(nd)
+    full.div_(nd * micro_steps)
     dist.all_reduce(full)
     out.copy_(full[: out.numel()])
 
@@ -205,7 +205,7 @@ def test_a_runtime_issuing_other_collectives_than_predicted_fails(fake_world_2, 
         monkeypatch.setattr(Stage1, "publish", _extra_all_gather(Stage1.publish))
     if break_it == "one element short":
         original = validate.stage0.all_reduce_mean
-        monkeypatch.setattr(validate.stage0, "all_reduce_mean", lambda t, nd: original(t[:-1], nd))
+        monkeypatch.setattr(validate.stage0, "all_reduce_mean", lambda t, nd, g=1: original(t[:-1], nd, g))
     config = ValidateConfig(model="mlp-tiny", world_sizes=(2,), steps=2, simulated=True, fake_tensors=False)
     rank_row = measure_stage(config, stage, 2, 0, torch.device("cpu"), False)
     row = compare(config, {"world_size": 2, "backend": "fake", "device": "cpu"}, stage, [rank_row])

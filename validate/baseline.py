@@ -33,7 +33,8 @@ def read_baseline(path: str) -> dict:
 def row_key(row: dict) -> tuple:
     """What makes two rows the same configuration."""
     return (row.get("engine", "reference"), row["model"], row["world_size"], row["mode"], row["stage"],
-            row.get("engine_label"), row["checkpointing"], row["micro_batch"], row["seq_len"])  # fmt: skip
+            row.get("engine_label"), row["checkpointing"], row["micro_batch"], row["seq_len"],
+            row.get("grad_accum", 1))  # fmt: skip
 
 
 def _moved(new: int, old: int) -> float:

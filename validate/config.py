@@ -23,6 +23,7 @@ DEEPSPEED_PEAK_TOLERANCE = 0.03
 """--engine deepspeed without --peak-tolerance: issue 11's target for every phase of real DeepSpeed."""
 MAX_STEPS = 1000  # every step's global batch is made up front (the reference trains on the same ones)
 MAX_BATCH_PER_RANK = 4096
+MAX_GRAD_ACCUM = 64  # every micro-batch of every step is made up front, like the steps
 # Every tensor is padded to a multiple of N_d, so a simulated full buffer holds at least
 # (tensors x N_d) elements: the simulation's memory and time grow with N_d even for a tiny model.
 MAX_SIMULATED_WORLD_SIZE = 65536
@@ -65,6 +66,10 @@ class ValidateConfig(BaseModel):
     )
     batch_per_rank: whole_up_to(MAX_BATCH_PER_RANK) = Field(  # type: ignore[valid-type]
         2, description=f"sequences (or samples) per rank per step, 1-{MAX_BATCH_PER_RANK}"
+    )
+    grad_accum: whole_up_to(MAX_GRAD_ACCUM) = Field(  # type: ignore[valid-type]
+        1, description=f"micro-steps per optimizer step, 1-{MAX_GRAD_ACCUM} (reference engine): each runs "
+        "forward and backward on its own micro-batch, then one optimizer step"
     )
     checkpointing: Literal["none", "full"] = Field("none", description="full: every block recomputed in backward")
     foreach: bool | None = Field(None, description="Adam's foreach path; default: as torch chooses for the device")
@@ -166,6 +171,8 @@ class ValidateConfig(BaseModel):
     def _engine_options(self) -> ValidateConfig:
         """Each engine's own options, and only those (an ignored option is an error)."""
         fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward") if getattr(self, n) is not None]
+        if self.engine != "reference" and self.grad_accum != 1:
+            raise ValueError(f"grad-accum={self.grad_accum}: --engine reference only")
         if self.engine != "fsdp2" and fsdp2_only:
             raise ValueError(f"{', '.join(n.replace('_', '-') for n in fsdp2_only)}: --engine fsdp2 only")
         if self.engine == "reference" and self.param_dtype == "fp32":

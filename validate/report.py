@@ -14,6 +14,7 @@ from zeroplan import estimate
 from zeroplan.architectures.spec import TransformerSpec, numels
 from zeroplan.engines.reference import predict_peak, reference_run
 from zeroplan.formulas.collectives import ring_bytes_per_rank
+from zeroplan.formulas.commtime import calls_per_optimizer_step
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT, canonical_dtype, dtype_bytes
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.formulas.peak import PHASES as PEAK_PHASES
@@ -70,7 +71,7 @@ def predicted_peak(config: ValidateConfig, meta: dict, stage: int, foreach: bool
     cuda = str(meta["device"]).startswith("cuda")
     seq = config.seq_len or spec.max_seq_len
     run = reference_run(spec, meta["world_size"], stage, config.batch_per_rank, seq, config.checkpointing,
-                        foreach, stat_bytes=4 if cuda else 2)  # fmt: skip
+                        foreach, stat_bytes=4 if cuda else 2, grad_accum=config.grad_accum)  # fmt: skip
     return predict_peak(run, block_bytes=CUDA_BLOCK_BYTES if cuda else 1)
 
 
@@ -106,8 +107,11 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
     steady = all(len(set(b)) == 1 for b in boundary)
     states_err = (measured_states - pred_states) / pred_states
 
-    pred_coll = {_key(c.op, c.phase, c.dtype): {"elements": c.elements, "bytes_per_rank": c.bytes_per_rank}
-                 for c in predicted.collectives}  # fmt: skip
+    # per optimizer step: a collective that runs every micro-step counts G times (commtime's one rule)
+    calls = {c: calls_per_optimizer_step(stage, c.op, config.grad_accum) for c in predicted.collectives}
+    pred_coll = {_key(c.op, c.phase, c.dtype): {"elements": c.elements * n,
+                                                "bytes_per_rank": c.bytes_per_rank * n}
+                 for c, n in calls.items()}  # fmt: skip
     # Measured: what was observed per call at dispatch, summed per (op, phase, dtype), every step of
     # every rank. It must equal the prediction in elements; bytes are only derived from it.
     steps = [observed_collectives(s, nd) for r in rank_rows for s in r["calls_by_step"][1:]]
@@ -117,7 +121,7 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
     pred_elements = sum(v["elements"] for v in pred_coll.values())
     measured_elements = sum(v["elements"] for v in measured_coll.values())
     derived_comm = sum(v["derived_bytes_per_rank"] or 0 for v in measured_coll.values())
-    pred_comm = predicted.comm_bytes_per_rank
+    pred_comm = sum(c.bytes_per_rank * n for c, n in calls.items())
     peaks = {
         p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in rank_rows[0]["peak_bytes_by_phase"]
     }
@@ -172,6 +176,7 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         "checkpointing": config.checkpointing,
         "seq_len": config.seq_len,
         "micro_batch": config.batch_per_rank,
+        "grad_accum": config.grad_accum,
         "foreach": rank_rows[0].get("foreach"),
         # the rank furthest from the reference (a failing rank if any)
         "parity": min(parities, key=lambda p: (p["ok"], -p["param_mean_abs_diff"])) if parities else None,

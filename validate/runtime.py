@@ -1,6 +1,10 @@
 """What every stage of the reference runtime shares: units, flat layouts, the fp32 master shard, Adam.
 
-A step is ``loss = runtime.model.loss(batch)``, ``runtime.backward(loss)``, ``runtime.step()``.
+An optimizer step is G micro-steps (``grad_accum``, default 1) of ``loss = runtime.model.loss(batch)``,
+``runtime.backward(loss)``, then ``runtime.step()``. Gradients are cleared by the first micro-step's
+backward; every reduction divides by N_d·G (``validate.collectives``), so the reduced gradient is the
+mean over the N_d·G micro-batches. Where a stage reduces under accumulation (once, or every micro-step)
+is stated in its class docstring and follows ``zeroplan.formulas.commtime.runs_every_micro_step``.
 Mixed precision as in the ZeRO paper (section 3.1): 16-bit parameters and gradients, an fp32 master copy
 with Adam's m and v on the rank's shard. The master shard is one flat fp32 tensor (every unit's owned
 slice end to end), so Adam keeps one ``step`` scalar; ``foreach`` is recorded (``self.foreach``) because
@@ -32,9 +36,13 @@ class Runtime:
     stage: int
 
     def __init__(
-        self, model: nn.Module, nd: int, rank: int, lr: float = 1e-3, foreach: bool | None = None
+        self, model: nn.Module, nd: int, rank: int, lr: float = 1e-3, foreach: bool | None = None,
+        grad_accum: int = 1,
     ) -> None:
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum={grad_accum}: must be >= 1")
         self.model, self.nd, self.rank = model, nd, rank
+        self.grad_accum, self.micro_step = grad_accum, 0  # micro-steps per optimizer step; this one (0-based)
         self.units = split_units(model)
         first = self.units[0][1][0]
         self.dtype, self.device = first.dtype, first.device
@@ -62,7 +70,7 @@ class Runtime:
         raise NotImplementedError
 
     def zero_grads(self) -> None:
-        """Before backward: clear persistent gradient buffers."""
+        """Before the first micro-step's backward: clear persistent gradient buffers."""
 
     def unit_grads_ready(self, u: int) -> None:
         """Every gradient of unit ``u`` is accumulated: reduce it (called from autograd hooks)."""
@@ -95,15 +103,28 @@ class Runtime:
         if self._pending[u] == 0:
             self.unit_grads_ready(u)
 
+    @property
+    def last_micro_step(self) -> bool:
+        """True during the backward of the optimizer step's last micro-step (the accumulation boundary)."""
+        return self.micro_step == self.grad_accum - 1
+
     def backward(self, loss: torch.Tensor) -> None:
-        self.zero_grads()
+        """One micro-step's backward; the first of an optimizer step clears the gradients."""
+        if self.micro_step >= self.grad_accum:
+            raise RuntimeError(f"backward: all {self.grad_accum} micro-steps ran; call step() first")
+        if self.micro_step == 0:
+            self.zero_grads()
         self._pending = [len(ps) for _, ps in self.units]
         loss.backward()
         if any(self._pending):
             raise RuntimeError(f"stage {self.stage}: units {self._pending} did not get all their gradients")
+        self.micro_step += 1
 
     def step(self) -> None:
         """Adam on the fp32 master shard, from the reduced 16-bit gradients, then ``publish``."""
+        if self.micro_step != self.grad_accum:
+            raise RuntimeError(f"step: {self.micro_step} of {self.grad_accum} micro-steps ran")
+        self.micro_step = 0
         grad = torch.empty_like(self.master)
         for u, sl in enumerate(self.local_slices):
             grad[sl].copy_(self.reduced_grad(u))

@@ -143,6 +143,9 @@ class ReportRow(ValidationRow):
     checkpointing: Literal["none", "full"]
     seq_len: Optional[int] = Field(description="tokens per sequence as given (None: the model's positions)")
     micro_batch: int = Field(description="sequences (samples) per rank per step")
+    grad_accum: int = Field(
+        1, description="micro-steps per optimizer step (collectives and boundaries are per optimizer step)"
+    )
     foreach: Optional[bool] = Field(description="Adam's foreach path as the runtime ran it")
     parity: Optional[dict[str, Union[bool, int, float, None]]] = Field(
         description="the rank furthest from the reference (a failing one if any); None when simulated"

@@ -18,6 +18,9 @@ class Stage0(Runtime):
       (its bucket) is all-reduced. The buckets together cover the buffer exactly once, so the elements
       all-reduced per step are Ψ, as ``zeroplan.formulas.collectives`` predicts (the validator compares elements);
     - optimizer step: Adam on the full fp32 master, copied into the 16-bit parameters; nothing sent.
+    Gradient accumulation (G micro-steps): every micro-step's gradients add into the buffer, and only the
+    last micro-step's backward all-reduces it (DDP's ``no_sync`` on the others), so Ψ elements per
+    optimizer step whatever G.
     """
 
     stage = 0
@@ -41,11 +44,13 @@ class Stage0(Runtime):
         self._next_bucket = len(self.buckets) - 1
 
     def unit_grads_ready(self, u: int) -> None:
+        if not self.last_micro_step:  # accumulating: the buffer is reduced at the boundary only
+            return
         self._done[u] = True
         while self._next_bucket >= 0 and self._done[self._next_bucket]:
             bucket = self.buckets[self._next_bucket]
             if bucket.stop > bucket.start:
-                all_reduce_mean(self.flat_grad[bucket], self.nd)
+                all_reduce_mean(self.flat_grad[bucket], self.nd, self.grad_accum)
             self._next_bucket -= 1
 
     def reduced_grad(self, u: int) -> torch.Tensor:

@@ -18,6 +18,9 @@ class Stage1(Runtime):
       unit's gradients are all in, the unit is reduce-scattered and the mean lands in this rank's slice;
     - optimizer step: Adam updates the master shard, which is written into this rank's slice of the 16-bit
       parameters, and each unit is all-gathered in place.
+    Gradient accumulation (G micro-steps): gradients add into the full buffer and only the last
+    micro-step's backward reduce-scatters it (DeepSpeed stage 1 reduces at the accumulation boundary), so
+    one reduce-scatter and one all-gather per optimizer step whatever G.
     """
 
     stage = 1
@@ -44,9 +47,11 @@ class Stage1(Runtime):
         self.flat_grad.zero_()
 
     def unit_grads_ready(self, u: int) -> None:
+        if not self.last_micro_step:  # accumulating: the buffer is reduced at the boundary only
+            return
         lay = self.layouts[u]
         mean = torch.empty(lay.shard_numel, dtype=self.dtype, device=self.device)
-        reduce_scatter_mean(mean, self.unit_grads[u], self.nd)
+        reduce_scatter_mean(mean, self.unit_grads[u], self.nd, self.grad_accum)
         lay.owned(self.unit_grads[u], self.rank).copy_(mean)
 
     def reduced_grad(self, u: int) -> torch.Tensor:

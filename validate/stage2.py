@@ -17,6 +17,10 @@ class Stage2(Stage1):
       packed into one temporary padded flat buffer, reduce-scattered into this rank's persistent gradient
       shard and freed, so at most about one unit of full gradients is alive at a time (ZeRO section 5.2);
     - optimizer step: as stage 1: Adam on the shard, then each unit all-gathered in place.
+    Gradient accumulation (G micro-steps): every micro-step reduce-scatters as above (DeepSpeed ZeRO-2
+    reduces each micro-batch's gradients as backward produces them; the full gradient never persists).
+    The first micro-step writes the shard; each later one reduce-scatters into a temporary of the unit's
+    shard size and adds it into the shard. Per optimizer step: G reduce-scatters, one all-gather.
     """
 
     stage = 2
@@ -34,7 +38,14 @@ class Stage2(Stage1):
         )
         for p in ps:
             p.grad = None
-        reduce_scatter_mean(self.grad_shard[self.local_slices[u]], full, self.nd)
+        shard = self.grad_shard[self.local_slices[u]]
+        if self.micro_step == 0:
+            reduce_scatter_mean(shard, full, self.nd, self.grad_accum)
+            return
+        mean = torch.empty(lay.shard_numel, dtype=self.dtype, device=self.device)
+        reduce_scatter_mean(mean, full, self.nd, self.grad_accum)
+        del full  # the pack buffer goes before the sum, as at the first micro-step
+        shard.add_(mean)
 
     def reduced_grad(self, u: int) -> torch.Tensor:
         return self.grad_shard[self.local_slices[u]]

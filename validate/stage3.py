@@ -19,6 +19,8 @@ class Stage3(Stage2):
       backward; gradients are packed, reduce-scattered into the persistent gradient shard and freed as in
       stage 2, and then the full parameters are freed;
     - optimizer step: Adam on the shard, copied into the 16-bit parameter shard; nothing sent.
+    Gradient accumulation (G micro-steps): every micro-step gathers in forward and backward and
+    reduce-scatters into the shard as stage 2 does (DeepSpeed ZeRO-3): 3G passes per optimizer step.
     Under activation checkpointing a block's recompute (in backward) finds the unit gathered already and
     leaves it gathered. The root (embeddings, final norm, tied LM head) stays gathered through the whole backward, since the
     token embedding gets its gradient last; FSDP's root unit behaves the same way.

@@ -59,13 +59,14 @@ def calls_by_step(calls, steps: int) -> list[list[list]]:
     return out
 
 
-def time_step(runtime, local_batch, device) -> float:
-    """Seconds of one training step without probes."""
+def time_step(runtime, micro_batches, device) -> float:
+    """Seconds of one optimizer step (its micro-steps and the update) without probes."""
     t = time.perf_counter()
-    batch = tuple(x.to(device, copy=True) for x in local_batch)
-    loss = runtime.model.loss(batch)
-    runtime.backward(loss)
-    del loss
+    for local_batch in micro_batches:
+        batch = tuple(x.to(device, copy=True) for x in local_batch)
+        loss = runtime.model.loss(batch)
+        runtime.backward(loss)
+        del loss
     runtime.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -83,16 +84,21 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
     spec = spec_for(config.model_name, config.params)
     gen = torch.Generator().manual_seed(1234)
     fake_mode = fake_tensors(fake)
-    b = config.batch_per_rank
-    global_batches = [make_batch(spec, nd * b, gen, config.seq_len) for _ in range(config.steps)]
+    b, g = config.batch_per_rank, config.grad_accum
+    # one global batch per optimizer step: N_d x G micro-batches of b, micro-step m of rank r at (m N_d + r) b
+    global_batches = [make_batch(spec, nd * b * g, gen, config.seq_len) for _ in range(config.steps)]
     with fake_mode:
         if fake:  # only shapes matter: the same batches as fake tensors
             global_batches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in gb) for gb in global_batches]
         # Slices are taken here, before the probes start: a view made under MemTracker would register
         # the whole global batch's storage, which the list below keeps alive past every step boundary.
         # Each step copies its slice onto the device inside the probes, and frees it before the boundary.
-        local_batches = [tuple(t[rank * b : (rank + 1) * b].clone() for t in gb) for gb in global_batches]
-        unprobed_batches = local_batches[-UNPROBED_STEPS:]  # replayed after the check, without probes
+        local_batches = [
+            [tuple(t[(m * nd + rank) * b : (m * nd + rank + 1) * b].clone() for t in gb) for m in range(g)]
+            for gb in global_batches
+        ]
+        # replayed after the check, without probes
+        unprobed_batches = [list(mb) for mb in local_batches[-UNPROBED_STEPS:]]
         if config.wire:  # every rank reads the same namespace-wide counter; a barrier lines them up
             dist.barrier()
             wire_start = loopback_tx_bytes()
@@ -101,23 +107,29 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
         with probe, counter:  # everything the runtime allocates, from its first tensor on
             enter("init", probe, counter)  # building the model, the master and the flat buffers
             model = build(spec, config.torch_dtype, device, checkpointing=config.checkpointing)
-            runtime = RUNTIMES[stage](model, nd, rank, config.lr, config.foreach)
+            runtime = RUNTIMES[stage](model, nd, rank, config.lr, config.foreach, config.grad_accum)
             del model
             enter(None, probe, counter)
             for step in range(config.steps):
                 t_step = time.perf_counter()
-                batch = tuple(t.to(device, copy=True) for t in local_batches.pop(0))
+                micro_batches = local_batches.pop(0)
+                batch = tuple(t.to(device, copy=True) for t in micro_batches.pop(0))
                 counter.step = step
                 last = step == config.steps - 1 and not fake
                 with ProfiledComms() if last else nullcontext() as profiled:  # second source, last step
-                    enter("forward", probe, counter)
-                    loss = runtime.model.loss(batch)
-                    enter("backward", probe, counter)
-                    runtime.backward(loss)
-                    del loss
-                    # gloo drops the last reduce-scatter's buffer a moment after wait(): let it go first,
-                    # so the optimizer step's peak does not count it by chance (settled_bytes)
-                    probe.settled_bytes()
+                    for m in range(g):
+                        if m:  # the next micro-batch replaces this one between phases; the last stays
+                            enter(None, probe, counter)  # alive through the optimizer step, as at G = 1
+                            del batch
+                            batch = tuple(t.to(device, copy=True) for t in micro_batches.pop(0))
+                        enter("forward", probe, counter)
+                        loss = runtime.model.loss(batch)
+                        enter("backward", probe, counter)
+                        runtime.backward(loss)
+                        del loss
+                        # gloo drops the last reduce-scatter's buffer a moment after wait(): let it go
+                        # first, so the next phase's peak does not count it by chance (settled_bytes)
+                        probe.settled_bytes()
                     enter("optimizer step", probe, counter)
                     runtime.step()
                     enter(None, probe, counter)
@@ -174,7 +186,8 @@ def check_parity(config: ValidateConfig, spec, runtime, global_batches, device) 
     ref_master = runtime.local_flat([[master[id(p)] for p in ps] for ps in units], torch.float32)
     ref_grad = runtime.local_flat([[grads[id(p)].float() for p in ps] for ps in units], torch.float32)
     got_master, got_grad = runtime.master.detach(), runtime.local_reduced_grads()
-    tol = parity_tolerance(config.param_dtype, runtime.nd, config.steps, config.lr)
+    # N_d x G 16-bit gradients are summed per element (G micro-steps on each of N_d ranks)
+    tol = parity_tolerance(config.param_dtype, runtime.nd * config.grad_accum, config.steps, config.lr)
     diff = (got_master - ref_master).abs()
     # the 16-bit parameters are the master rounded, exactly, on this rank's slice ...
     published = torch.equal(runtime.local_params16(), got_master.to(runtime.dtype))

@@ -461,6 +461,10 @@ def validate_cmd(
     batch_per_rank: int = typer.Option(
         2, "--micro-batch", "--batch-per-rank", help="Micro-batch: samples per rank per step, 1-4096."
     ),
+    grad_accum: int = typer.Option(
+        1, "--grad-accum",
+        help="Micro-steps per optimizer step, 1-64 (reference engine): G forward+backward, one update.",
+    ),
     checkpointing: str = typer.Option("none", help="Activation checkpointing: none, or full (each block recomputed)."),
     foreach: Optional[bool] = typer.Option(
         None, "--foreach/--no-foreach", help="Adam's foreach path (default: torch's choice for the device)."
@@ -546,6 +550,7 @@ def validate_cmd(
         device=device,
         steps=steps,
         batch_per_rank=batch_per_rank,
+        grad_accum=grad_accum,
         seq_len=seq_len,
         param_dtype=param_dtype,
         **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,

@@ -51,11 +51,14 @@ class ReferenceRun:
     param_bytes: int = 2
     tied_head: bool = True  # the head is the token embedding (GPT): its two gradients meet in backward
     late_grads_numel: int = 0  # a block's parameters whose gradients come before its post-attention norm's input's
+    grad_accum: int = 1  # micro-steps per optimizer step (validate/runtime.py:Runtime.grad_accum)
 
     def __post_init__(self) -> None:
         get_stage(self.stage)
         if self.nd < 1 or len(self.units) < 2:
             raise ValueError(f"nd={self.nd}, units={len(self.units)}: need nd >= 1 and a root plus blocks")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum={self.grad_accum}: must be >= 1")
         if self.checkpointing not in ("none", "full"):
             raise ValueError(f"checkpointing={self.checkpointing!r}: expected none or full")
 
@@ -282,7 +285,33 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
             *base, Term("root gradients (autograd)", root * a, "validate/stage2.py:Stage2.unit_grads_ready"),
             Term("root pack buffer", _full(run, run.units[0]) * a, "validate/stage2.py:Stage2.unit_grads_ready"),
             *_gathered(run, 0))))  # fmt: skip
+    if kept and run.grad_accum > 1:
+        out.extend(_accumulation_moments(run, base, dy, kept_root))
     return tuple(out)
+
+
+def _accumulation_moments(
+    run: ReferenceRun, base: tuple[Term, ...], dy: Term, kept_root: Term
+) -> tuple[Moment, ...]:
+    """Stages 2-3, micro-steps after the first: the unit's gradients, packed and freed, are reduce-scattered
+    into a temporary of the unit's shard, which is added into the accumulated shard
+    (validate/stage2.py:Stage2.unit_grads_ready). The pack buffer and the temporary are alive together."""
+    blk, L, a = run.acts.block, run.acts.n_layer, run.param_bytes
+    src = "validate/stage2.py:Stage2.unit_grads_ready"
+    temp = "reduce-scatter output to accumulate ({} shard)"
+    return (
+        Moment("backward", "last block's accumulated reduce-scatter", (
+            *base, _blocks_saved(run, L - 1), dy, kept_root,
+            _act("first op's saved tensors still pending", blk.pending_at_last_grad
+                 + (blk.held_input_pending if run.checkpointing == "full" else 0)),
+            Term("block pack buffer", _full(run, run.units[-1]) * a, src),
+            Term(temp.format("block"), flat_shard_numel(run.units[-1], run.nd) * a, src),
+            *_gathered(run, 0, L))),  # fmt: skip
+        Moment("backward", "root's accumulated reduce-scatter", (
+            *base, Term("root pack buffer", _full(run, run.units[0]) * a, src),
+            Term(temp.format("root"), flat_shard_numel(run.units[0], run.nd) * a, src),
+            *_gathered(run, 0))),  # fmt: skip
+    )
 
 
 def optimizer_moments(run: ReferenceRun) -> tuple[Moment, ...]:
@@ -315,6 +344,7 @@ def reference_run(
     checkpointing: str = "none",
     foreach: bool = False,
     stat_bytes: int = 2,
+    grad_accum: int = 1,
 ) -> ReferenceRun:
     """The run of ``spec`` as ``validate/transformer.py:CausalLM`` builds it: units (root, then each decoder
     layer by ``block_prefix``) and sizes from ``transformer_shapes``."""
@@ -329,7 +359,8 @@ def reference_run(
                if n.startswith(last) and (".mlp." in n or "post_attention_layernorm" in n))  # fmt: skip
     acts = model_activations(spec, micro_batch, seq_len, stat_bytes=stat_bytes)
     return ReferenceRun((root, *blocks), spec.vocab_size * spec.d_model, final_norm, nd, stage, acts,
-                        checkpointing, foreach, tied_head=spec.tied, late_grads_numel=late)  # fmt: skip
+                        checkpointing, foreach, tied_head=spec.tied, late_grads_numel=late,
+                        grad_accum=grad_accum)  # fmt: skip
 
 
 def predict_peak(run: ReferenceRun, block_bytes: int = 1, allocator_overhead_bytes: int = 0) -> PeakEstimate:
@@ -418,8 +449,13 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     (the paper's formulas with the runtime's padding), the peak per phase from ``predict_peak`` when
     ``workload.spec`` is set (else None).
 
-    ``grad_accum`` changes no phase's peak: every buffer the runtime keeps across micro-steps (the
-    gradient buffer or shard, master, Adam states) exists at every step already.
+    With ``grad_accum`` = G > 1 every buffer the runtime keeps across micro-steps (the gradient buffer
+    or shard, master, Adam states) exists at G = 1 already, so forward and backward of later micro-steps
+    see nothing new alive, and stages 0-1 reduce once at the last micro-step exactly as at G = 1; what
+    G adds is, at stages 2-3, the in-flight reduction of later micro-steps: a reduce-scatter into a
+    temporary of the unit's shard next to its pack buffer (``_accumulation_moments``), which is a phase's
+    peak only where it outgrows the unit's autograd gradients it replaces (N_d = 1 at most ties).
+    Collectives per optimizer step: ``zeroplan.formulas.commtime.calls_per_optimizer_step``.
     """
     from zeroplan.estimation.estimate import stage_estimates  # the one home of model states
 
@@ -437,6 +473,7 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
             run = reference_run(
                 workload.spec, nd, row.stage, workload.micro_batch, workload.seq_len,
                 workload.checkpointing, workload.foreach, stat_bytes=settings.stat_bytes,
+                grad_accum=workload.grad_accum,
             )  # fmt: skip
             peak = predict_peak(run, block_bytes=settings.block_bytes,
                                 allocator_overhead_bytes=settings.allocator_overhead_bytes)  # fmt: skip

@@ -83,6 +83,14 @@ def runs_every_micro_step(stage: int, op: str) -> bool:
     return row.shards_parameters if op == "all-gather" else row.shards_gradients
 
 
+def calls_per_optimizer_step(stage: int, op: str, grad_accum: int) -> int:
+    """Calls of a collective per optimizer step of ``grad_accum`` micro-steps: G if it runs every
+    micro-step (``runs_every_micro_step``), else 1. The reference runtime follows it (validate/stage*.py)."""
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum}: must be >= 1")
+    return grad_accum if runs_every_micro_step(stage, op) else 1
+
+
 @dataclass(frozen=True)
 class TimedCollective:
     """A collective of one step with how often it runs and how long one call takes."""
@@ -172,7 +180,7 @@ def step_time(
         seconds = c.bytes_per_rank / link.bandwidth_bytes_per_s
         seconds += buckets * latency_steps(c.op, nd, algorithm) * link.alpha_s
         every = runs_every_micro_step(stage, c.op)
-        timed.append(TimedCollective(c, every, grad_accum if every else 1, seconds))
+        timed.append(TimedCollective(c, every, calls_per_optimizer_step(stage, c.op, grad_accum), seconds))
     timed_t = tuple(timed)
     exposed = None if compute_s is None else exposed_comm_s(timed_t, compute_s, grad_accum)
     return StepTime(link.name, algorithm, timed_t, compute_s, exposed)
