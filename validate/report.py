@@ -279,7 +279,7 @@ def to_table(report: dict) -> str:
         "comm/rank: bytes one rank sends per step; derived = the ring rule applied to each observed call "
         "(a formula on the measurement, not a measurement: --wire measures bytes). "
         "peak: largest live bytes measured within each phase; peak err: largest (measured - predicted) / "
-        f"measured over the phases (zeroplan.engines.{first.get('engine', 'reference')}), tolerance {100 * report['config']['peak_tolerance']:g}%."
+        f"measured over the phases (zeroplan.engines.{first.get('engine') or 'reference'}), tolerance {100 * report['config']['peak_tolerance']:g}%."
     )
     if wire:
         out.append(
