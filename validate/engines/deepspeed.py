@@ -132,16 +132,15 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
             batch = batches.pop(0)
             counter.step = step
             t0 = time.perf_counter()
-            for phase, work in (
-                ("forward", lambda: engine.module.loss(batch)),
-                ("backward", lambda: engine.backward(loss)),
-                ("optimizer_step", engine.step),
-            ):
-                probe.phase(phase)
-                counter.phase = phase
-                result = work()
-                if phase == "forward":
-                    loss = result
+            probe.phase("forward")
+            counter.phase = "forward"
+            loss = engine.module.loss(batch)
+            probe.phase("backward")
+            counter.phase = "backward"
+            engine.backward(loss)
+            probe.phase("optimizer_step")
+            counter.phase = "optimizer_step"
+            engine.step()
             del loss, batch
             probe.phase(None)
             counter.phase = "between steps"
