@@ -14,7 +14,7 @@ About 60 s on two shared cores once it is built.
 
 Two races of the CPU measurement are asserted as bounds, not equalities (docs/engines/deepspeed.md):
 gloo's worker thread drops its reference to a finished collective's buffer a moment after ``wait()``,
-so a rank may still count the previous gathered parameter (ZeRO-3 init and forward) or, with the single
+so a rank may still count the previous gathered parameter (ZeRO-3 init, forward and backward) or, with the single
 default bucket at ZeRO-1/2, gradient buffers of the reduction (optimizer step) at its peak.
 """
 
@@ -66,10 +66,11 @@ def _racy(nd: int, case: tuple, phase: str) -> int:
     """Bytes a gloo-held buffer may add to a measured peak (0: none; the check is then exact to 3%)."""
     stage, _, buckets = case
     psi, largest = 36_324, 5_184  # gpt-tiny: parameters, and its largest tensor (a block's MLP weight)
-    if stage == 3 and phase in ("init", "forward"):
+    if stage == 3 and phase in ("init", "forward", "backward"):
         # a gathered parameter's buffers (full output, padded input) still held by gloo when the next gather
-        # starts (partition_parameters.py _allgather_params_sequential at init, the prefetch in forward);
-        # seen: +20,736 B at init (N_d = 2), +21,312 B in forward on one rank of four
+        # starts (partition_parameters.py _allgather_params_sequential at init, the prefetch in forward, the
+        # re-gather in backward); seen: +20,736 B at init (N_d = 2), +21,312 B in forward and +21,320 B in
+        # backward on one rank of four
         return 2 * largest * 4
     if stage in (1, 2) and phase == "optimizer_step":
         # allreduce_bucket all-reduces self.flatten(bucket), a copy of the last bucket (all Ψ elements with the
