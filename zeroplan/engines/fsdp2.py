@@ -454,6 +454,15 @@ def input_norm_backward(run: Fsdp2Run) -> Term:
                 "derived from LlamaRMSNorm / nn.LayerNorm backward (see input_norm_backward)")
 
 
+def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:
+    """A unit's reduce-scatter, then the cast of its output to the module dtype: two moments, since gloo's
+    copy of the input is gone before the cast (_fsdp_collectives.py:foreach_reduce runs
+    ``_to_dtype_if_needed(reduce_output, orig_dtype)`` after the collective; traced at dispatch, gpt-tiny
+    bf16/bf16 at N_d = 2: the copy drops as the fp32 cast is made, so both are never live together)."""
+    return (Moment("backward", f"{what} reduce-scatter", (*common, rs_in, rs_out, *gloo)),
+            Moment("backward", f"{what} cast to the module dtype", (*common, rs_in, rs_out, cast)))  # fmt: skip
+
+
 def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """Loss and head backward (the root's pre-backward prefetches the last block), each block's backward
     and reduce-scatter (_fsdp_param_group.py:FSDPParamGroup.pre_backward, _backward_prefetch, post_backward;
@@ -508,8 +517,7 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
                   _act("block input gradient", n_d), root_held, *prefetch(i - 1), done)  # fmt: skip
         out.append(Moment("backward", f"block {i} reduce-scatter copy-in",
                           (*common, grad_of(i), rs_in(i, "this unit"))))  # fmt: skip
-        out.append(Moment("backward", f"block {i} reduce-scatter and cast",
-                          (*common, rs_in(i, "this unit"), rs_out(i), cast(i), *gloo(i))))  # fmt: skip
+        out.extend(reduce_scatter_moments(f"block {i}", common, rs_in(i, "this unit"), rs_out(i), cast(i), gloo(i)))
     blocks_done = grads(run, range(1, L + 1))
     others = (run.units[0].numel - run.head_numel) * p
     if run.tied_head:  # torch/csrc/autograd/input_buffer.cpp: the two gradients are summed out of place
@@ -526,8 +534,8 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     out.append(Moment("backward", "root reduce-scatter copy-in", (
         *root_base, Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes)),
         rs_in(0, "this unit"), blocks_done)))  # fmt: skip
-    out.append(Moment("backward", "root reduce-scatter and cast",
-                      (*root_base, rs_in(0, "this unit"), rs_out(0), cast(0), *gloo(0), blocks_done)))  # fmt: skip
+    out.extend(reduce_scatter_moments("root", (*root_base, blocks_done), rs_in(0, "this unit"), rs_out(0), cast(0),
+                                      gloo(0)))  # fmt: skip
     return tuple(out)
 
 
