@@ -505,7 +505,7 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
                 root_held, ag_output(run, i, "prefetched, freed after copy-out"), unsharded(run, i), *held, done)))  # fmt: skip
         inflight = (_blocks_saved(run, i),)
         if run.checkpointing != "none":
-            inflight += (_act("recomputed block's saved activations", blk.saved - blk.ckpt_saved),)
+            inflight += (_act("recomputed block's saved activations", blk.recomputed),)
         out.append(Moment("backward", f"block {i} backward", (
             *base, *kept_blocks(run, i - 1), *inflight, _act("incoming activation gradient", n_d), root_held,
             _act("block backward working set", ws), unsharded(run, i), *prefetch(i - 1), *held, done)))  # fmt: skip
