@@ -339,17 +339,48 @@ def ag_output(run: Fsdp2Run, u: int, why: str) -> Term:
                "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard")  # fmt: skip
 
 
-def copy_in(run: Fsdp2Run, u: int) -> Term:
-    """The shard cast to the param dtype for the all-gather (none when the dtypes agree)."""
+def copy_in(run: Fsdp2Run, u: int, post_forward: bool = False) -> Term:
+    """The all-gather input copied into one flat buffer in the param dtype (none when the dtypes agree:
+    ``use_foreach_copy`` needs a ``param_dtype``); from the post-forward state of an int k it is the
+    k-sharded data, nd·S_u/k elements, else the shard S_u (_fsdp_collectives.py:_get_param_all_gather_inputs)."""
     cast = run.settings.param != run.settings.module
-    return _fp(f"all-gather copy-in (unit {u}, cast)", run.shard(u) * run.p if cast else 0,
-               "_fsdp_collectives.py:_get_param_all_gather_inputs")  # fmt: skip
+    numel = run.nd * run.shard(u) // post_forward_group(run.settings, run.nd) if post_forward else run.shard(u)
+    return _fp(f"all-gather copy-in (unit {u}{', post-forward' if post_forward else ''}, cast)",
+               numel * run.p if cast else 0, "_fsdp_collectives.py:_get_param_all_gather_inputs")  # fmt: skip
 
 
 def post_forward_shard(run: Fsdp2Run, u: int) -> Term:
     """reshard_after_forward=k: the block kept sharded over k ranks until backward."""
     k = post_forward_group(run.settings, run.nd)
     return _fp(f"post-forward shard (block {u}, k={k})", run.nd * run.shard(u) // k * run.p,
+               "_fsdp_param.py:FSDPParam.to_sharded_post_forward")  # fmt: skip
+
+
+def partial_reshard(run: Fsdp2Run) -> bool:
+    """reshard_after_forward=k with 1 < k < nd: blocks kept sharded over k ranks between forward and backward."""
+    return 1 < post_forward_group(run.settings, run.nd) < run.nd
+
+
+def mesh_ranks(run: Fsdp2Run) -> tuple[Term, ...]:
+    """The post-forward mesh's rank tensor: ``_get_post_forward_mesh_info`` builds a ``DeviceMesh`` from
+    ``mesh_info.mesh.mesh.view(-1, k)``, a new int32 tensor of the nd ranks (``DeviceMesh.mesh``), which
+    the new mesh keeps as its rank map (measured: 16, 32, 256 B at N_d = 4, 8, 64, from init on)."""
+    if not partial_reshard(run):
+        return ()
+    return (_fp("post-forward mesh ranks (int32)", 4 * run.nd, "_fsdp_init.py:_get_post_forward_mesh_info"),)
+
+
+def post_forward_reshard(run: Fsdp2Run, u: int) -> Term:
+    """The k-sharded copy made at a block's post-forward, parameter by parameter: each clones its slice
+    (nd·c·rest/k) and then frees its unsharded tensor (nd·c·rest), so the most held beyond the unsharded
+    block is max over j of clone_j + Σ_{i<j} (clone_i - full_i) (_fsdp_param.py:FSDPParam.to_sharded_post_forward)."""
+    k = post_forward_group(run.settings, run.nd)
+    held, worst = 0, 0
+    for shape in run.units[u].shapes:
+        full = run.nd * padded_shard_numel(shape, run.nd)
+        worst = max(worst, held + full // k)
+        held += full // k - full
+    return _fp(f"post-forward reshard (block {u}, k={k}): clones less what is freed", worst * run.p,
                "_fsdp_param.py:FSDPParam.to_sharded_post_forward")  # fmt: skip
 
 
@@ -391,7 +422,7 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         whole = sum(run.units[v].numel for v in order[i:]) * run.m
         done = sum(run.shard(v) for v in order[:i]) * run.m
         out.append(Moment("init", f"fully_shard({run.units[u].name})", (
-            Term("unsharded units as built", whole, "validate/models.py:build"),
+            *mesh_ranks(run), Term("unsharded units as built", whole, "validate/models.py:build"),
             _fp("shards of the units sharded before", done, "_fsdp_param.py:FSDPParam._init_sharded_param"),
             _fp("this unit's new shard", run.shard(u) * run.m, "_fsdp_param.py:FSDPParam._init_sharded_param"))))  # fmt: skip
     return tuple(out)
@@ -401,8 +432,8 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """The last block's all-gather and forward, the LM head, the loss (_fsdp_state.py:FSDPState._pre_forward,
     _post_forward: the last all-gather output is freed when the root's forward returns)."""
     acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
-    base = (params(run), adam(run), batch(run), _act("embedding saved (position ids)", acts.embed_saved),
-            unsharded(run, 0))  # fmt: skip
+    base = (*mesh_ranks(run), params(run), adam(run), batch(run),
+            _act("embedding saved (position ids)", acts.embed_saved), unsharded(run, 0))  # fmt: skip
     prev = ag_output(run, L - 1 if L > 1 else 0, "previous unit, freed when this copy-out returns")
     gather = Moment("forward", f"block {L} all-gather", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
@@ -419,6 +450,12 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     last = Moment("forward", f"block {L} forward", (
         *base, *kept_blocks(run, L - 1), *work, ag_output(run, L, "kept until the root's post-forward"),
         unsharded(run, L)))  # fmt: skip
+    # reshard_after_forward=k: the block's post-forward copies its k-sharded slices while it is whole
+    # (the block output is alive, its last op's output is gone: traced, gpt-tiny N_d = 8, k = 2)
+    reshard = (Moment("forward", f"block {L} post-forward reshard", (
+        *base, *kept_blocks(run, L - 1), _blocks_saved(run, L), _act("block output", acts.embed_out),
+        ag_output(run, L, "kept until the root's post-forward"), unsharded(run, L), post_forward_reshard(run, L))),
+    ) if partial_reshard(run) else ()  # fmt: skip
     head_acts = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved),
                  _act("logits", acts.logits))  # fmt: skip
     head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts,
@@ -429,7 +466,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     upcast = Moment("forward", "logits upcast", (*base, *kept_blocks(run, L), *head_acts, fp32_logits))
     loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], fp32_logits,
                   _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss)))  # fmt: skip
-    return (gather, copy_out, last, head, upcast, loss) if run.p != 4 else (gather, copy_out, last, head, loss)
+    return (gather, copy_out, last, *reshard, head, *((upcast,) if run.p != 4 else ()), loss)
 
 
 def input_norm_backward(run: Fsdp2Run) -> Term:
@@ -470,13 +507,20 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     FSDPState._root_post_backward_final_callback)."""
     acts, blk, L, p = run.acts, run.acts.block, len(run.units) - 1, run.p
     n_d = acts.embed_out  # one N·d activation (or its gradient)
-    base = (params(run), adam(run), batch(run), _act("embedding saved (position ids)", acts.embed_saved),
-            _act("loss", acts.loss), unsharded(run, 0))  # fmt: skip
+    base = (*mesh_ranks(run), params(run), adam(run), batch(run),
+            _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss), unsharded(run, 0))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     prefetch = (lambda u: (ag_output(run, u, "backward prefetch"),) if resharded(run) and u >= 1 else ())
     out = [Moment("backward", "cross-entropy backward", (*base, *kept_blocks(run, L), *saved_all,
                   _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
                   _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2)))]  # fmt: skip
+    # a backward all-gather copies its input (the shard, or the k-sharded data) into a flat param-dtype
+    # buffer first, freed once the collective returns: the root's pre_backward prefetches the last block
+    gather_in = lambda u: copy_in(run, u, post_forward=partial_reshard(run))
+    if resharded(run):
+        out.append(Moment("backward", f"block {L} backward all-gather (root's prefetch)", (
+            *base, *kept_blocks(run, L), *saved_all, _act("logits gradient", acts.logits), gather_in(L),
+            ag_output(run, L, "backward prefetch"))))  # fmt: skip
     root_held = Term("root gradients held (head weight, final norm)", (run.head_numel + run.final_norm_numel) * p,
                      "autograd (unsharded root .grad until the root's post_backward)", 2)  # fmt: skip
     out.append(Moment("backward", "LM head backward", (*base, *kept_blocks(run, L), *saved_all,
@@ -499,10 +543,15 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     for i in range(L, 0, -1):
         done = grads(run, range(i + 1, L + 1))
         held = (rs_in(i + 1, "held until the next post_backward"),) if i < L else ()
-        if resharded(run):  # pre_backward: the prefetched all-gather output is copied out, then freed
+        if resharded(run):  # pre_backward: the prefetched all-gather output is copied out, then freed (with
+            # the block's k-sharded data: FSDPParam.to_unsharded), then the next block is prefetched
             out.append(Moment("backward", f"block {i} copy-out", (
-                *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
+                *base, *kept_blocks(run, i), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
                 root_held, ag_output(run, i, "prefetched, freed after copy-out"), unsharded(run, i), *held, done)))  # fmt: skip
+            if i > 1:
+                out.append(Moment("backward", f"block {i - 1} backward all-gather (prefetch)", (
+                    *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
+                    root_held, unsharded(run, i), gather_in(i - 1), *prefetch(i - 1), *held, done)))  # fmt: skip
         inflight = (_blocks_saved(run, i),)
         if run.checkpointing != "none":
             inflight += (_act("recomputed block's saved activations", blk.recomputed),)
@@ -552,7 +601,7 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         worst = max(2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local))
         temps = Term("Adam temporaries (sqrt(v), its quotient, the previous tensor's denom)", worst * run.m,
                      f"{ADAM}:_single_tensor_adam", 3)  # fmt: skip
-    return (Moment("optimizer_step", "Adam update", (params(run), adam(run), grads(run, range(len(run.units))), temps)),)
+    return (Moment("optimizer_step", "Adam update", (*mesh_ranks(run), params(run), adam(run), grads(run, range(len(run.units))), temps)),)
 
 
 def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
