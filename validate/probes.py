@@ -39,6 +39,20 @@ class CommCall:
     step: int
     elements: int
     dtype: str
+    group_size: int | None = None  # ranks of the process group it ran on (None: not readable at dispatch)
+
+
+def _group_size(args) -> int | None:
+    """Size of the process group a c10d op was dispatched on (a ScriptObject there; ``ProcessGroup.unbox``)."""
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except (AttributeError, RuntimeError):
+                return None
+    return None
 
 
 class CommCounter(TorchDispatchMode):
@@ -58,7 +72,7 @@ class CommCounter(TorchDispatchMode):
             tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
             elements = sum(t.numel() for t in tensors)
             dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "?"
-            self.calls.append(CommCall(op, self.phase, self.step, elements, dtype))
+            self.calls.append(CommCall(op, self.phase, self.step, elements, dtype, _group_size(args)))
         return func(*args, **(kwargs or {}))
 
 

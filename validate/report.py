@@ -42,17 +42,19 @@ def _key(op: str, phase: str, dtype: str) -> str:
     return f"{op}|{phase}|{_dtype(dtype)}"
 
 
-def observed_collectives(calls: list[list], nd: int) -> dict[str, dict]:
+def observed_collectives(calls: list[list], nd: int, group_sizes: list | None = None) -> dict[str, dict]:
     """Observed calls summed per (op, phase, dtype): ``calls`` and ``elements`` are counted at dispatch;
     ``derived_bytes_per_rank`` is the planner's ring rule applied to each call (derived, not measured;
-    None for a collective the rule does not cover)."""
+    None for a collective the rule does not cover) over the call's group (``group_sizes``, in call order,
+    as seen at dispatch; None or missing: ``nd``)."""
     out: dict[str, dict] = {}
-    for op, phase, dtype, elements in calls:
+    sizes = list(group_sizes or []) + [None] * len(calls)
+    for (op, phase, dtype, elements), size in zip(calls, sizes):
         row = out.setdefault(_key(op, phase, dtype), {"calls": 0, "elements": 0, "derived_bytes_per_rank": 0})
         row["calls"] += 1
         row["elements"] += elements
         derived = (
-            ring_bytes_per_rank(op, elements, nd, dtype_bytes(dtype))
+            ring_bytes_per_rank(op, elements, size or nd, dtype_bytes(dtype))
             if op in RING_OPS and _dtype(dtype) in BYTES_PER_ELEMENT
             else None
         )

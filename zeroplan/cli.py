@@ -489,6 +489,11 @@ def validate_cmd(
         None, "--reshard-after-forward/--no-reshard-after-forward",
         help="fsdp2: reshard each block after forward (default) or keep it gathered until backward.",
     ),  # fmt: skip
+    reshard_after_forward_size: Optional[int] = typer.Option(
+        None, "--reshard-after-forward-size", metavar="K",
+        help="fsdp2: reshard_after_forward=K, FSDP2's int form: each block kept sharded over K ranks between "
+        "forward and backward (K divides every world size; K = N_d is True, 1 is False).",
+    ),  # fmt: skip
     fake_tensors: Optional[bool] = typer.Option(
         None, "--fake-tensors/--real-tensors", help="--simulated: FakeTensorMode (default on CPU) or real tensors."
     ),
@@ -527,6 +532,14 @@ def validate_cmd(
         check_writable(json_path)
     if not 0 < baseline_tolerance < 1:
         raise UserError(f"--baseline-tolerance {baseline_tolerance:g}: must be between 0 and 1")
+    if reshard_after_forward_size is not None:  # the flags stay bool; the int has its own option (docs/engines/fsdp2.md)
+        if engine != "fsdp2":
+            raise UserError("--reshard-after-forward-size: --engine fsdp2 only")
+        if reshard_after_forward is not None:
+            raise UserError("--reshard-after-forward-size and --[no-]reshard-after-forward are exclusive: give one")
+        if reshard_after_forward_size < 1:
+            raise UserError(f"--reshard-after-forward-size {reshard_after_forward_size}: must be >= 1")
+        reshard_after_forward = reshard_after_forward_size
     old = None
     if baseline is not None:
         from validate.baseline import read_baseline

@@ -268,6 +268,8 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
         "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
         "comm_by_step": summarise_calls(counter.calls, settings.steps),
         "calls_by_step": calls_by_step(counter.calls, settings.steps),
+        # the process group each call ran on, in the same order (reshard_after_forward=k: k-rank all-gathers)
+        "group_sizes_by_step": [[c.group_size for c in counter.calls if c.step == s] for s in range(-1, settings.steps)],
         "probe_breakdown": breakdown,
         # torch.optim.Adam's default (_default_to_fused_or_foreach): foreach on CUDA tensors, not on CPU
         "foreach": settings.foreach if settings.foreach is not None else device.type == "cuda",
@@ -336,7 +338,8 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
     steps = [s for r in rank_rows for s in r["calls_by_step"][1:]]
     per_call = lambda calls: {k: [e for op, ph, dt, e in calls if _key(op, ph, dt) == k] for k in {_key(*c[:3]) for c in calls}}
     collectives_match = all(per_call(s) == pred_calls for s in steps)  # every call's size, in order
-    measured_coll = observed_collectives(steps[-1] if steps else [], nd)
+    last_sizes = rank_rows[-1].get("group_sizes_by_step", [[]])[-1]
+    measured_coll = observed_collectives(steps[-1] if steps else [], nd, last_sizes)
     pred_elements = sum(v["elements"] for v in pred_coll.values())
     measured_elements = sum(v["elements"] for v in measured_coll.values())
     derived_comm = sum(v["derived_bytes_per_rank"] or 0 for v in measured_coll.values())
