@@ -361,13 +361,20 @@ def partial_reshard(run: Fsdp2Run) -> bool:
     return 1 < post_forward_group(run.settings, run.nd) < run.nd
 
 
+def mesh_ranks_bytes(settings: Settings, nd: int) -> int:
+    """The post-forward mesh's rank tensor, held from init on beside the model states (0 unless 1 < k < nd):
+    ``_get_post_forward_mesh_info`` builds a ``DeviceMesh`` from ``mesh_info.mesh.mesh.view(-1, k)``, a new
+    int32 tensor of the nd ranks (``DeviceMesh.mesh``) that the new mesh keeps as its rank map
+    (measured with 2 blocks: 16, 32, 256 B at N_d = 4, 8, 64)."""
+    return 4 * nd if 1 < post_forward_group(settings, nd) < nd else 0
+
+
 def mesh_ranks(run: Fsdp2Run) -> tuple[Term, ...]:
-    """The post-forward mesh's rank tensor: ``_get_post_forward_mesh_info`` builds a ``DeviceMesh`` from
-    ``mesh_info.mesh.mesh.view(-1, k)``, a new int32 tensor of the nd ranks (``DeviceMesh.mesh``), which
-    the new mesh keeps as its rank map (measured: 16, 32, 256 B at N_d = 4, 8, 64, from init on)."""
+    """``mesh_ranks_bytes`` as a term of every moment from the first ``fully_shard`` on."""
     if not partial_reshard(run):
         return ()
-    return (_fp("post-forward mesh ranks (int32)", 4 * run.nd, "_fsdp_init.py:_get_post_forward_mesh_info"),)
+    return (_fp("post-forward mesh ranks (int32)", mesh_ranks_bytes(run.settings, run.nd),
+                "_fsdp_init.py:_get_post_forward_mesh_info"),)  # fmt: skip
 
 
 def post_forward_reshard(run: Fsdp2Run, u: int) -> Term:
