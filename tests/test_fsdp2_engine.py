@@ -36,6 +36,8 @@ from zeroplan.engines.fsdp2 import (
 
 DATA = Path(__file__).resolve().parent / "data" / "hf_configs"
 PEAK_BOUND, STATES_BOUND = 0.03, 0.01
+LLAMA_4_LAYERS = "tiny-llama.json with num_hidden_layers = 4"  # written by the fixture (not a file in hf_configs,
+# whose every file tests/test_architectures.py checks)
 
 RUNS = {
     # name: ValidateConfig fields (engine fsdp2, 2 steps, gpt-tiny unless said)
@@ -61,6 +63,9 @@ RUNS = {
                               reduce_dtype="fp32"),
     "sim-8-tiny-llama-bf16": dict(simulated=True, fake_tensors=False, world_sizes=(8,),
                                   model=str(DATA / "tiny-llama.json"), param_dtype="bf16", reduce_dtype="fp32"),
+    # four Llama layers: the start of backward (final RMSNorm backward beside the prefetched last block) peaks
+    "sim-8-tiny-llama-4-layers-k2": dict(simulated=True, fake_tensors=False, world_sizes=(8,), model=LLAMA_4_LAYERS,
+                                         param_dtype="bf16", reshard_after_forward=2),
     "sim-64-llama-7b-fake": dict(simulated=True, world_sizes=(64,), model=str(DATA / "llama-2-7b.json"),
                                  param_dtype="bf16", reduce_dtype="fp32", batch_per_rank=1, seq_len=256),
 }  # fmt: skip
@@ -72,7 +77,14 @@ def report(request):
     from validate.api import run_validation
     from validate.config import ValidateConfig
 
-    config = ValidateConfig(engine="fsdp2", steps=2, device="cpu", **RUNS[request.param])
+    fields = dict(RUNS[request.param])
+    if fields.get("model") == LLAMA_4_LAYERS:
+        import json
+
+        path = request.getfixturevalue("tmp_path_factory").mktemp("hf") / "tiny-llama-4-layers.json"
+        path.write_text(json.dumps({**json.loads((DATA / "tiny-llama.json").read_text()), "num_hidden_layers": 4}))
+        fields["model"] = str(path)
+    config = ValidateConfig(engine="fsdp2", steps=2, device="cpu", **fields)
     return request.param, run_validation(config)
 
 

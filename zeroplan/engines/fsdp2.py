@@ -507,6 +507,23 @@ def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: T
             Moment("backward", f"{what} cast to the module dtype", (*common, rs_in, rs_out, cast)))  # fmt: skip
 
 
+def final_norm_backward(run: Fsdp2Run) -> Term:
+    """The final norm running backward, after the LM head (its output, saved by the head, and the logits
+    gradient are gone): what it saved plus its working set.
+    - llama: the fp32 copy h32 and five fp32 N·d temporaries at ``pow``'s backward (the gradient through
+      h·rsqrt, through the mean, pow's h^1, its scaled copy, their product), 6·N·d·4; rsqrt, the 16-bit
+      normalised copy and the output gradient are released by then (traced at dispatch: tiny-llama with 4
+      layers, N_d = 8, bf16 and fp32, reshard_after_forward=2: the backward peak, exact);
+    - gpt: the saved input, mean and rstd, the output gradient and ``native_layer_norm_backward``'s input
+      gradient: ``final_saved`` (input, stats, output) + N·d·a.
+    """
+    acts, a = run.acts, run.p
+    nd_elems = acts.embed_out // a  # N·d
+    nbytes = 6 * nd_elems * 4 if run.style == "llama" else acts.final_saved + nd_elems * a
+    return Term("final norm saved and backward working set", nbytes,
+                "derived from LlamaRMSNorm / nn.LayerNorm backward (see final_norm_backward)")
+
+
 def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """Loss and head backward (the root's pre-backward prefetches the last block), each block's backward
     and reduce-scatter (_fsdp_param_group.py:FSDPParamGroup.pre_backward, _backward_prefetch, post_backward;
@@ -533,6 +550,8 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     out.append(Moment("backward", "LM head backward", (*base, *kept_blocks(run, L), *saved_all,
                       _act("logits gradient", acts.logits), _act("final norm output gradient", n_d),
                       Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"), *prefetch(L))))  # fmt: skip
+    out.append(Moment("backward", "final norm backward", (*base, *kept_blocks(run, L), _blocks_saved(run, L),
+                      root_held, final_norm_backward(run), *prefetch(L))))  # fmt: skip
     ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
     grad_of = lambda u: Term(f"unsharded gradients (block {u})", run.units[u].numel * p,
                              "autograd; freed in _fsdp_collectives.py:foreach_reduce (unsharded_grads.clear())",
