@@ -317,9 +317,8 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
     from validate.report import _key, observed_collectives
     from validate.schema import ReportRow
     from validate.tolerances import parity_tolerance
-    from zeroplan.formulas.peak import PHASES as PEAK_PHASES
-
     from zeroplan.engines.fsdp2 import mesh_ranks_bytes
+    from zeroplan.formulas.peak import PHASES as PEAK_PHASES
 
     nd = meta["world_size"]
     predicted, engine = predicted_run(config, meta)
