@@ -90,6 +90,11 @@ class ValidateConfig(BaseModel):
     reduce_dtype: Optional[Literal["bf16", "fp16", "fp32"]] = Field(
         None, description="fsdp2 only: MixedPrecisionPolicy.reduce_dtype (default: the param dtype)"
     )
+    fsdp2_init: Optional[Literal["materialized", "meta"]] = Field(
+        None, description="fsdp2 only: how the model is built: materialized (whole on the device, then "
+        "fully_shard; the default here) or meta (on the meta device, fully_shard, to_empty, then initialised "
+        "shard by shard: FSDP2's pattern for large models)",
+    )
     reshard_after_forward: Optional[Union[StrictBool, StrictInt]] = Field(
         None, description="fsdp2 only: on every block (default True; False keeps them gathered until "
         "backward; an int k reshards over k ranks)",
@@ -170,7 +175,7 @@ class ValidateConfig(BaseModel):
     @model_validator(mode="after")
     def _engine_options(self) -> ValidateConfig:
         """Each engine's own options, and only those (an ignored option is an error)."""
-        fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward") if getattr(self, n) is not None]
+        fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward", "fsdp2_init") if getattr(self, n) is not None]
         if self.engine != "reference" and self.grad_accum != 1:
             raise ValueError(f"grad-accum={self.grad_accum}: --engine reference only")
         if self.engine != "fsdp2" and fsdp2_only:

@@ -106,6 +106,12 @@ def _reset_tracker_peak(tracker) -> None:
     tracker._peak_mem = {dev: s["Total"] for dev, s in snap.items()}
 
 
+def _on_devices(snapshot: dict) -> list[dict]:
+    """MemTracker's per-device snapshots, less the meta device: a meta tensor has a size but no memory
+    (FSDP2's meta-device init builds the whole model there before ``to_empty``)."""
+    return [s for dev, s in snapshot.items() if torch.device(dev).type != "meta"]
+
+
 class MemoryProbe:
     """Live bytes at step boundaries and the peak of each phase, on CPU (MemTracker) or CUDA (allocator)."""
 
@@ -137,7 +143,7 @@ class MemoryProbe:
             _clear_cublas_workspaces()
             torch.cuda.synchronize()
             return torch.cuda.memory_allocated() - self.baseline
-        return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("current").values())
+        return sum(s["Total"] for s in _on_devices(self.tracker.get_tracker_snapshot("current")))
 
     def settled_bytes(self, wait_s: float = 2.0, poll_s: float = 0.002, polls: int = 3) -> int:
         """``current_bytes`` once no collective's temporary is still held; sleeps only when needed.
@@ -170,7 +176,7 @@ class MemoryProbe:
             keys = ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_alloc_retries", "num_ooms")
             return {k: stats[k] for k in keys if k in stats}
         out: dict[str, int] = {}
-        for snap in self.tracker.get_tracker_snapshot("current").values():
+        for snap in _on_devices(self.tracker.get_tracker_snapshot("current")):
             for key, value in snap.items():
                 name = getattr(key, "value", key)
                 out[name] = out.get(name, 0) + value
@@ -180,7 +186,7 @@ class MemoryProbe:
         if self.cuda:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.baseline
-        return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("peak").values())
+        return sum(s["Total"] for s in _on_devices(self.tracker.get_tracker_snapshot("peak")))
 
     def phase(self, name: str | None) -> None:
         """Close the open phase (keeping its largest peak over steps) and open ``name``."""

@@ -494,6 +494,10 @@ def validate_cmd(
         help="fsdp2: reshard_after_forward=K, FSDP2's int form: each block kept sharded over K ranks between "
         "forward and backward (K divides every world size; K = N_d is True, 1 is False).",
     ),  # fmt: skip
+    fsdp2_init: Optional[str] = typer.Option(
+        None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
+        "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
+    ),
     fake_tensors: Optional[bool] = typer.Option(
         None, "--fake-tensors/--real-tensors", help="--simulated: FakeTensorMode (default on CPU) or real tensors."
     ),
@@ -567,7 +571,7 @@ def validate_cmd(
         seq_len=seq_len,
         param_dtype=param_dtype,
         **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
-                reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors),
+                reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,

@@ -66,8 +66,11 @@ class Fsdp2Settings:
     batch_per_rank: int = 2
     seq_len: int | None = None  # None: the model's maximum
     lr: float = 1e-3
+    init: str = "materialized"  # or "meta": built on the meta device, sharded, to_empty, then initialised
 
     def __post_init__(self) -> None:
+        if self.init not in ("materialized", "meta"):
+            raise ValueError(f"init={self.init!r}: expected materialized or meta")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPES:
@@ -82,7 +85,8 @@ class Fsdp2Settings:
         return cls(model=config.model_name, params=config.params, param_dtype=config.param_dtype,
                    reduce_dtype=config.reduce_dtype, reshard_after_forward=True if rsf is None else rsf,
                    checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
-                   batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr)  # fmt: skip
+                   batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
+                   init=config.fsdp2_init or "materialized")  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> Fsdp2Settings:
@@ -91,6 +95,18 @@ class Fsdp2Settings:
         if unknown:
             raise ValueError(f"unknown FSDP2 settings: {', '.join(sorted(unknown))}")
         return cls(**data)
+
+
+def build_sharded(spec, mesh, settings: Fsdp2Settings, device: torch.device) -> nn.Module:
+    """The model in fp32, sharded: built whole on ``device`` then ``fully_shard`` (materialized), or built
+    on the meta device, sharded, given device memory shard by shard (``nn.Module.to_empty``, which FSDP2's
+    ``FSDPModule._apply`` follows with ``FSDPParam.reset_sharded_param``) and initialised in place (meta)."""
+    if settings.init == "materialized":
+        return shard(build(spec, torch.float32, device), mesh, settings)
+    model = shard(build(spec, torch.float32, "meta"), mesh, settings)
+    model.to_empty(device=device)
+    model._init_weights()
+    return model
 
 
 def shard(model: nn.Module, mesh, settings: Fsdp2Settings) -> nn.Module:
@@ -231,7 +247,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
         gloo = dist.get_backend() == "gloo"
         with probe, counter, gloo_reduce_scatter_settled(probe, gloo):
             enter("init")
-            model = shard(build(spec, torch.float32, device), mesh, settings)
+            model = build_sharded(spec, mesh, settings, device)
             optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, foreach=settings.foreach)
             enter(None)
             readings["after_init"].append(probe.settled_bytes())
