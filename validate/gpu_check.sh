@@ -11,7 +11,7 @@
 # 2. reference runtime, simulated: rank 0 of N_d = 8 and 64 on a fake process group with real CUDA
 #    tensors (a ~300M-parameter GPT), memory per phase from the allocator.
 # 3. FSDP2 (real fully_shard), simulated with real CUDA tensors: rank 0 of N_d = 8 and 64 (the same GPT,
-#    bf16 MixedPrecisionPolicy), reshard off, checkpointing full, fp32, and Llama-3.2-1B's config at 8.
+#    bf16 MixedPrecisionPolicy), reshard off, checkpointing full, fp32, and Llama-2-7B's config at 64.
 #    One GPU cannot hold two NCCL ranks, so FSDP2's collectives are checked on the fake group (elements
 #    per call, as on gloo); its world-size-1 shortcut (no collectives) is not a case zeroplan models.
 # Writes OUT_DIR/<step>.{json,txt} and OUT_DIR/summary.txt; exits non-zero when any row is out of
@@ -24,7 +24,7 @@ out=${1:-gpu_check_out}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")/.." && pwd)
 configs=$here/tests/data/hf_configs
-params=3e8; seq=128; llama=$configs/llama-3.2-1b.json
+params=3e8; seq=128; llama=$configs/llama-2-7b.json
 if [[ $device == cpu ]]; then params=2e6; seq=16; llama=$configs/tiny-llama.json; fi
 
 python - "$device" > "$out/env.txt" <<'PY'
@@ -39,8 +39,14 @@ PY
 cat "$out/env.txt"
 
 status=0
+if [[ $device == cuda && cuda_extras =~ ${ONLY:-.} ]]; then  # library workspaces, op by op (validate/cuda_extras.py)
+  timeout 60 python -m validate.cuda_extras > "$out/cuda_extras.json" || status=1
+  cat "$out/cuda_extras.json"
+fi
+only=${ONLY:-.}  # ONLY=REGEX runs the steps whose name matches (e.g. ONLY=fsdp2 for a rerun)
 step() {  # step NAME SECONDS ARGS...: one `zeroplan validate`, its table in NAME.txt, its rows in NAME.json
   local name=$1 limit=$2; shift 2
+  [[ $name =~ $only ]] || return 0
   local t0=$SECONDS
   if timeout "$limit" python -c 'from zeroplan.cli import main; main()' validate --device "$device" "$@" \
       --json "$out/$name.json" > "$out/$name.txt" 2>&1; then
@@ -62,5 +68,5 @@ step fsdp2_sim_bf16 90 "${sim[@]}" --world-size 8 --world-size 64 --params "$par
 step fsdp2_sim_noreshard_ckpt 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" \
   --no-reshard-after-forward --checkpointing full
 step fsdp2_sim_fp32 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --param-dtype fp32
-step fsdp2_sim_llama 90 "${sim[@]}" --world-size 8 --model "$llama" --seq-len "$seq" --reduce-dtype fp32
+step fsdp2_sim_llama 120 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32
 exit $status

@@ -440,6 +440,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--simulated needs --world-size")
         nd, rank = args.world_size, args.rank or 0
         init_fake_world(nd, rank)
+        if config is not None:  # real tensors on the GPU under the fake group: the allocator measures
+            device = pick_device(config, 0)
     else:
         nd, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if config is not None:
