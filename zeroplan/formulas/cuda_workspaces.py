@@ -41,4 +41,4 @@ def library_workspaces(capability: tuple[int, int] = (9, 0), biased_linear: bool
     cublas = GEMM_THREADS * cublas_workspace_bytes(capability)
     lt = CUBLASLT_WORKSPACE_BYTES if biased_linear else 0
     return Term("CUDA library workspaces (cuBLAS x2, cuBLASLt)" if lt else "CUDA library workspaces (cuBLAS x2)",
-                cublas + lt, SOURCE, tensors=GEMM_THREADS + (1 if lt else 0))  # fmt: skip
+                cublas + lt, SOURCE)  # fmt: skip  (one tensor: each size is a multiple of the 512-byte block)
