@@ -139,8 +139,8 @@ class MemoryProbe:
             self.tracker.__exit__(*exc)
 
     def current_bytes(self) -> int:
+        """Live bytes; on CUDA including the library workspaces the step keeps (``release_workspaces``)."""
         if self.cuda:
-            _clear_cublas_workspaces()
             torch.cuda.synchronize()
             return torch.cuda.memory_allocated() - self.baseline
         return sum(s["Total"] for s in _on_devices(self.tracker.get_tracker_snapshot("current")))
@@ -168,6 +168,19 @@ class MemoryProbe:
             last = now
         self._settled = last
         return last
+
+    def release_workspaces(self) -> int:
+        """CUDA: free the cuBLAS / cuBLASLt workspaces and return the bytes that freed (0 on CPU).
+
+        They are left alone while the steps run, so each phase's peak holds them as an unprobed run does
+        (``zeroplan.formulas.cuda_workspaces``); called once after the last step, the bytes it frees
+        are the measured workspace, which the step-boundary readings subtract to give tensors alone.
+        """
+        if not self.cuda:
+            return 0
+        before = self.current_bytes()
+        _clear_cublas_workspaces()
+        return before - self.current_bytes()
 
     def breakdown(self) -> dict[str, int]:
         """MemTracker's own split of the live bytes on CPU; on CUDA the allocator's own counters."""

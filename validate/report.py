@@ -16,6 +16,7 @@ from zeroplan.engines.reference import predict_peak, reference_run
 from zeroplan.formulas.collectives import ring_bytes_per_rank
 from zeroplan.formulas.commtime import calls_per_optimizer_step
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT, canonical_dtype, dtype_bytes
+from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.formulas.peak import PHASES as PEAK_PHASES
 from zeroplan.render.table import format_table
@@ -74,7 +75,10 @@ def predicted_peak(config: ValidateConfig, meta: dict, stage: int, foreach: bool
     seq = config.seq_len or spec.max_seq_len
     run = reference_run(spec, meta["world_size"], stage, config.batch_per_rank, seq, config.checkpointing,
                         foreach, stat_bytes=4 if cuda else 2, grad_accum=config.grad_accum)  # fmt: skip
-    return predict_peak(run, block_bytes=CUDA_BLOCK_BYTES if cuda else 1)
+    if not cuda:
+        return predict_peak(run)
+    resident = (library_workspaces(tuple(meta.get("cuda_capability", (9, 0))), spec.biased_linear),)
+    return predict_peak(run, block_bytes=CUDA_BLOCK_BYTES, resident=resident)
 
 
 def peak_rows(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict]) -> dict:

@@ -270,6 +270,9 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
                 readings["boundary"].append(probe.settled_bytes())
                 step_s.append(time.perf_counter() - t_step)
             seconds = time.perf_counter() - t0
+            workspaces = probe.release_workspaces()  # CUDA: kept from the first backward on; 0 on CPU
+            for key in ("after_backward", "boundary"):  # both hold them at every step
+                readings[key] = [b - workspaces for b in readings[key]]
             breakdown = probe.breakdown()
     parity = None
     if not fake and settings.param_dtype == "fp32" and dist.get_backend() != "fake":
@@ -281,6 +284,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
         "parity": parity,
         "settings": asdict(settings),
         "readings_bytes": dict(readings),
+        "library_workspace_bytes": workspaces,
         "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
         "comm_by_step": summarise_calls(counter.calls, settings.steps),
         "calls_by_step": calls_by_step(counter.calls, settings.steps),
@@ -323,7 +327,8 @@ def predicted_run(config, meta: dict):
                         config.checkpointing, foreach=bool(config.foreach if config.foreach is not None else cuda))  # fmt: skip
     engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
                               reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
-                              backend=meta["backend"], rank=0)  # fmt: skip
+                              backend=meta["backend"], rank=0,
+                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], engine)
     return row, engine
 
@@ -462,6 +467,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--simulated needs --world-size")
         nd, rank = args.world_size, args.rank or 0
         init_fake_world(nd, rank)
+        if config is not None:  # real tensors on the GPU under the fake group: the allocator measures
+            device = pick_device(config, 0)
     else:
         nd, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if config is not None:
@@ -484,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         backend = dist.get_backend()
         meta = {"world_size": nd, "backend": backend, "device": str(device), "torch": torch.__version__}
+        if device.type == "cuda":
+            meta["cuda_capability"] = list(torch.cuda.get_device_capability(device))
         meta["fake_tensors"] = fake
         # "ranks": one list of rows per rank, as validate.worker writes them for validate.harness
         write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows, "ranks": [[r] for r in rows]}))

@@ -44,6 +44,7 @@ from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
+from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 
@@ -135,6 +136,10 @@ class Settings(BaseModel):
         "nccl and the fake group (simulation) add nothing",
     )  # fmt: skip
     rank: StrictInt = Field(0, ge=0, description="the rank described (rank 0 holds the most: padding is at the end)")
+    cuda_capability: tuple[StrictInt, StrictInt] = Field(
+        (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
+        "(formulas.cuda_workspaces); (9, 0) is H100/H200",
+    )  # fmt: skip
 
     @field_validator("reshard_after_forward")
     @classmethod
@@ -272,6 +277,7 @@ class Fsdp2Run:
     final_norm_numel: int = 0
     tied_head: bool = False
     style: str = "gpt"  # the architecture's layout (architectures.spec): gpt (LayerNorm) or llama (RMSNorm)
+    biased_linear: bool = True  # a projection has a bias: its GEMM takes cuBLASLt's workspace on CUDA
     param_order: tuple[Shape, ...] = ()  # parameters in model.parameters() order (the optimizer's); () = units'
 
     def __post_init__(self) -> None:
@@ -638,8 +644,12 @@ def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
 
 
 def predict_peak(run: Fsdp2Run) -> PeakEstimate:
-    """The peak of ``run`` per phase; CUDA rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``)."""
-    return peak_of(moments(run), CUDA_BLOCK_BYTES if run.settings.device == "cuda" else 1)
+    """The peak of ``run`` per phase; CUDA rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``) and
+    keeps the cuBLAS / cuBLASLt workspaces from the first backward on (``formulas.cuda_workspaces``)."""
+    if run.settings.device != "cuda":
+        return peak_of(moments(run))
+    resident = (library_workspaces(run.settings.cuda_capability, run.biased_linear),)
+    return peak_of(moments(run), CUDA_BLOCK_BYTES, resident=resident)
 
 
 def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
@@ -660,7 +670,7 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                 and not n.startswith(prefix))  # fmt: skip
     return Fsdp2Run(units, nd, settings, acts, workload.checkpointing, _foreach(workload, settings),
                     spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
-                    param_order=tuple(tuple(s) for _, s in workload.shapes))  # fmt: skip
+                    biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes))  # fmt: skip
 
 
 def _foreach(workload: Workload, settings: Settings) -> bool:

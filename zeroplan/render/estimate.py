@@ -136,8 +136,9 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
         lines += [
             f"{unit} = {'1e9' if unit == 'GB' else '2**30'} bytes. total/GPU: model states (ZeRO paper sec. 3.1, 5); "
             f"peak/GPU: the largest phase of a training step on the {e.engine} engine (docs/peak.md).{fits}",
-            f"Peak terms rounded up to {e.block_bytes}-byte CUDA blocks; allocator overhead (reserved - allocated) "
-            f"is a separate term, {e.allocator_overhead_bytes} until measured on a GPU.",
+            f"Peak terms rounded up to {e.block_bytes}-byte CUDA blocks, plus cuBLAS/cuBLASLt workspaces after init "
+            f"(docs/peak.md); allocator overhead (reserved - allocated) is a separate term, "
+            f"{e.allocator_overhead_bytes} until measured on a GPU.",
         ]
     lines += [
         "comm/step: elements moved per rank per step as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, "
