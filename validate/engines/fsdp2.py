@@ -312,8 +312,9 @@ FAKE_TENSOR_PHASES = {
 }
 
 
-def predicted_run(config, meta: dict):
-    """The FSDP2 profile's estimate for this world (rank 0: padding is at the end, so it holds the most)."""
+def predicted_run(config, meta: dict, rank: int = 0):
+    """The FSDP2 profile's estimate of ``rank`` in this world (rank 0 holds the most between steps: padding is
+    at the end; a rank with padding re-pads its shards at a meta-device init)."""
     from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
     from zeroplan.engines import fsdp2 as profile
     from zeroplan.engines.base import Workload
@@ -327,7 +328,7 @@ def predicted_run(config, meta: dict):
                         config.checkpointing, foreach=bool(config.foreach if config.foreach is not None else cuda))  # fmt: skip
     engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
                               reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
-                              backend=meta["backend"], rank=0,
+                              backend=meta["backend"], rank=rank, init=settings.init,
                               cuda_capability=tuple(meta.get("cuda_capability", (9, 0))))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], engine)
     return row, engine
@@ -370,7 +371,10 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
     pred_comm = sum(v["bytes_per_rank"] for v in pred_coll.values())
 
     measured_peak = {p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in PEAK_PHASES}
-    predicted_peak = predicted.peak.by_phase()
+    # the largest of the measured ranks' predictions, phase by phase (what measured_peak takes over them)
+    by_rank = [predicted.peak.by_phase()] + [predicted_run(config, meta, r)[0].peak.by_phase()
+                                             for r in sorted({row["rank"] for row in rank_rows} - {0})]  # fmt: skip
+    predicted_peak = {p: max(b[p] for b in by_rank) for p in PEAK_PHASES}
     errors = {p: (measured_peak[p] - predicted_peak[p]) / measured_peak[p] for p in PEAK_PHASES}
     unchecked = {p: why for p, why in FAKE_TENSOR_PHASES.items() if meta.get("fake_tensors")}
     checked = {p: e for p, e in errors.items() if p not in unchecked}

@@ -136,6 +136,11 @@ class Settings(BaseModel):
         "nccl and the fake group (simulation) add nothing",
     )  # fmt: skip
     rank: StrictInt = Field(0, ge=0, description="the rank described (rank 0 holds the most: padding is at the end)")
+    init: Literal["meta", "materialized"] = Field(
+        "meta", description="meta: built on the meta device, fully_shard, to_empty, initialised shard by shard "
+        "(FSDP2's pattern for models larger than one GPU; the planner's default); materialized: built whole "
+        "on the device, then fully_shard (init holds the whole model)",
+    )  # fmt: skip
     cuda_capability: tuple[StrictInt, StrictInt] = Field(
         (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
         "(formulas.cuda_workspaces); (9, 0) is H100/H200",
@@ -428,7 +433,24 @@ def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
 def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """``fully_shard`` of each block, then the root: the units not yet sharded are whole, and the shard
     of this unit is allocated before its whole tensors are dropped (_fsdp_param.py:
-    FSDPParam._init_sharded_param). Adam's constructor allocates nothing (its states come at step 1)."""
+    FSDPParam._init_sharded_param). Adam's constructor allocates nothing (its states come at step 1).
+
+    ``init="meta"``: nothing is allocated until ``to_empty`` gives each shard device memory
+    (torch/nn/modules/module.py:Module.to_empty, then _fully_shard/_fully_shard.py:FSDPModule._apply:
+    FSDPParam.reset_sharded_param), and the in-place initialisation adds nothing (measured: the init
+    peak is the padded shards, gpt-tiny N_d = 2 and tiny-llama N_d = 8, MemTracker less the meta device)."""
+    if run.settings.init == "meta":
+        rank, src = run.settings.rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
+        shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
+        repad = [local_shard_numel(s, run.nd, rank) for s in shapes
+                 if local_shard_numel(s, run.nd, rank) != padded_shard_numel(s, run.nd)]  # fmt: skip
+        return (
+            Moment("init", "to_empty: the shards get device memory", (*mesh_ranks(run), params(run))),
+            # a shard shorter than its padded size (ranks at the end) is copied into a new padded tensor
+            # while its unpadded one is alive: the largest such copy on top of all shards bounds the peak
+            Moment("init", "to_empty: re-padding a short shard", (*mesh_ranks(run), params(run),
+                   _fp("the unpadded shard being re-padded", max(repad, default=0) * run.m, src))),
+        )  # fmt: skip
     order = [*range(1, len(run.units)), 0]
     out = []
     for i, u in enumerate(order):
@@ -750,15 +772,27 @@ def settings_snippet(settings: Settings, checkpointing: str = "none") -> str:
         "    model.layers[i] = checkpoint_wrapper(block)\n"
         if checkpointing == "full" else ""
     )  # fmt: skip
+    meta = settings.init == "meta"
+    init_note = (
+        "# built on the meta device: `with torch.device(\"meta\"): model = ...` (no memory until to_empty)\n"
+        if meta else "# the model was built whole on the device (init holds all of it before sharding)\n"
+    )  # fmt: skip
+    materialize = (
+        "model.to_empty(device=\"cuda\")  # each rank allocates its shards only\n"
+        "model.init_weights()  # your in-place initialisation, run on the shards (DTensor)\n"
+        if meta else ""
+    )  # fmt: skip
     return (
         "import torch\n"
         "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n\n"
         f"# {settings.label()}, checkpointing {checkpointing}; shards stay {settings.module} (no master copy)\n"
+        f"{init_note}"
         f"{ckpt}"
         f"policy = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce})\n"
         "for block in model.layers:  # one unit per decoder layer: one all-gather and reduce-scatter each\n"
         f"    fully_shard(block, mp_policy=policy, reshard_after_forward={settings.reshard_after_forward!r})\n"
         "fully_shard(model, mp_policy=policy)  # the root: FSDP2 does not reshard it after forward\n"
+        f"{materialize}"
         f"optimizer = torch.optim.Adam(model.parameters(), foreach={settings.foreach!r})\n"
     )
 
