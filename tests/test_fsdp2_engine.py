@@ -45,7 +45,7 @@ RUNS = {
     "real-2-bf16-keep-ckpt": dict(world_sizes=(2,), param_dtype="bf16", reduce_dtype="fp32",
                                   reshard_after_forward=False, checkpointing="full", foreach=True),
     "real-4-bf16-reshard-ckpt": dict(world_sizes=(4,), param_dtype="bf16", reduce_dtype="fp32", checkpointing="full"),
-    "real-4-fp32-keep": dict(world_sizes=(4,), param_dtype="fp32", reshard_after_forward=False),
+    "real-4-fp32-keep-meta": dict(world_sizes=(4,), param_dtype="fp32", reshard_after_forward=False, fsdp2_init="meta"),
     # `zeroplan validate --engine fsdp2`'s default policy: bf16 params and bf16 reduce (the cast of the
     # reduce-scatter output to fp32 comes after gloo's copy is gone: docs/engines/fsdp2.md)
     "real-2-bf16-default": dict(world_sizes=(2,), param_dtype="bf16"),
@@ -56,7 +56,8 @@ RUNS = {
     # Llama layout (RMSNorm, RoPE, GQA, SwiGLU) on real gloo: fp32 (the RMSNorm upcast is its input: forward
     # was -2.7%) and bf16 with checkpointing (the recomputed block's saved set: backward was +1.0%); fp32 with
     # checkpointing and bf16 without were exact before and are in docs/engines/fsdp2.md (suite time)
-    "real-2-tiny-llama-fp32": dict(world_sizes=(2,), model=str(DATA / "tiny-llama.json"), param_dtype="fp32"),
+    "real-2-tiny-llama-fp32-meta": dict(world_sizes=(2,), model=str(DATA / "tiny-llama.json"), param_dtype="fp32",
+                                        fsdp2_init="meta"),
     "real-2-tiny-llama-bf16-ckpt": dict(world_sizes=(2,), model=str(DATA / "tiny-llama.json"), param_dtype="bf16",
                                         checkpointing="full"),
     "sim-8-64-512-bf16": dict(simulated=True, fake_tensors=False, world_sizes=(8, 64, 512), param_dtype="bf16",
@@ -163,9 +164,13 @@ def _gpt_tiny_workload(**kw) -> Workload:
 def test_gpt_tiny_closed_form():
     # measured in docs/engines/fsdp2.md: gloo N_d = 2, fp32: after backward 290,992 B; peaks 177,336 / 522,816 /
     # 572,360 / 312,016 B (init / forward / backward / optimizer); every collective 4,320 / 16,020 elements
-    (row,) = estimate(_gpt_tiny_workload(), 2, Settings(device="cpu", backend="gloo"))
+    (row,) = estimate(_gpt_tiny_workload(), 2, Settings(device="cpu", backend="gloo", init="materialized"))
     assert row.model_states_bytes == 290_992
     assert row.peak.by_phase() == {"init": 177_336, "forward": 522_816, "backward": 572_360, "optimizer_step": 312_016}
+    # meta-device init (the default): only the shards, 36,324 elements / 2 ranks, fp32 (measured 72,720 B on
+    # rank 0 with `zeroplan validate --engine fsdp2 --init meta --world-size 2`)
+    (meta,) = estimate(_gpt_tiny_workload(), 2, Settings(device="cpu", backend="gloo"))
+    assert meta.peak.by_phase() == {**row.peak.by_phase(), "init": 72_720}
     assert [c.elements for c in row.collectives] == [4320, 16020, 16020, 16020, 16020, 16020, 16020, 4320]
     assert row.stage == 3 and row.engine == "fsdp2"
 
@@ -174,10 +179,10 @@ def test_measured_rows_closed_form():
     # measured (docs/engines/fsdp2.md), gpt-tiny, 2 steps, rank 0, gloo on CPU:
     # the default policy (bf16 params and reduce) at N_d = 2: backward was over-predicted by 16,020 B when
     # the cast of the reduce-scatter output was counted beside gloo's copy of the input
-    (row,) = estimate(_gpt_tiny_workload(), 2, Settings(param_dtype="bf16", device="cpu", backend="gloo"))
+    (row,) = estimate(_gpt_tiny_workload(), 2, Settings(param_dtype="bf16", device="cpu", backend="gloo", init="materialized"))
     assert row.peak.by_phase() == {"init": 177_336, "forward": 371_248, "backward": 402_944, "optimizer_step": 312_016}
     # reshard_after_forward=2 at N_d = 4, fp32 (the post-forward mesh adds 16 B from init on)
-    (row,) = estimate(_gpt_tiny_workload(), 4, Settings(reshard_after_forward=2, device="cpu", backend="gloo"))
+    (row,) = estimate(_gpt_tiny_workload(), 4, Settings(reshard_after_forward=2, device="cpu", backend="gloo", init="materialized"))
     assert row.peak.by_phase() == {"init": 161_332, "forward": 449_320, "backward": 495_840, "optimizer_step": 156_368}
 
 
@@ -316,17 +321,29 @@ def test_snippet_runs_as_predicted(tmp_path):
         "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
         "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=4)\n"
         "from validate.models import build, PRESETS\n"
-        "model = build(PRESETS['gpt-tiny'], torch.float32, 'cpu')\n"
-        "model.layers = model.blocks\n"
+        "model = build(PRESETS['gpt-tiny'], torch.float32, 'meta')  # init='meta', as the snippet says\n"
+        "model.layers, model.init_weights = model.blocks, model._init_weights\n"
         + best.snippet +
         "from torch.distributed.fsdp import FSDPModule\n"
         "units = [m for m in model.modules() if isinstance(m, FSDPModule)]\n"
-        "print(len(units), sum(p.to_local().numel() for p in model.parameters()))\n"
+        "print(len(units), sum(p.to_local().numel() for p in model.parameters()),\n"
+        "      int(any(p.to_local().is_meta for p in model.parameters())))\n"
     )  # fmt: skip
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
                           cwd=Path(__file__).resolve().parents[1])  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    units, numel = map(int, done.stdout.split())
+    units, numel, still_meta = map(int, done.stdout.split())
+    assert not still_meta  # the snippet's to_empty gave every shard memory
     assert units == 3  # two blocks and the root, as the estimate's units
     assert numel * 4 == best.estimate.memory.params_bytes  # fp32 padded shards
     del torch
+
+
+def test_world_size_one_is_refused_not_guessed():
+    # FSDP2 at one rank skips its collectives (_fsdp_param_group.py: world_size == 1): not modelled
+    with pytest.raises(ValueError, match="N_d = 1"):
+        estimate(_gpt_tiny_workload(), 1, Settings(device="cpu"))
+    from validate.config import ValidateConfig
+
+    with pytest.raises(ValueError, match="world-size=1"):
+        ValidateConfig(engine="fsdp2", world_sizes=(1,))

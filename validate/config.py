@@ -194,6 +194,9 @@ class ValidateConfig(BaseModel):
                 raise ValueError(f"model {self.model_name}: --engine fsdp2 validates transformers only")
             if self.param_dtype == "fp16" or self.reduce_dtype == "fp16":
                 raise ValueError("fp16: FSDP2 needs a gradient scaler for fp16 (not run); use bf16 or fp32")
+            if 1 in self.world_sizes:
+                raise ValueError("world-size=1: FSDP2 takes its world-size-1 path there (no collectives), which "
+                                 "zeroplan does not model; use 2 or more")  # fmt: skip
             rsf = self.reshard_after_forward
             bad = [n for n in self.world_sizes if not isinstance(rsf, bool) and rsf is not None and n % rsf]
             if bad:

@@ -286,6 +286,10 @@ class Fsdp2Run:
     param_order: tuple[Shape, ...] = ()  # parameters in model.parameters() order (the optimizer's); () = units'
 
     def __post_init__(self) -> None:
+        if self.nd == 1:
+            raise ValueError("N_d = 1: FSDP2 takes its world-size-1 path there (no all-gather or reduce-scatter; "
+                             "_fsdp_param_group.py:FSDPParamGroup.unshard), which this profile does not model: "
+                             "use N_d >= 2")  # fmt: skip
         if self.nd < 1 or len(self.units) < (2 if self.acts is not None else 1):
             raise ValueError(f"nd={self.nd}, units={len(self.units)}: need nd >= 1 and a root plus blocks")
         if self.checkpointing not in ("none", "full"):
@@ -778,7 +782,7 @@ def settings_snippet(settings: Settings, checkpointing: str = "none") -> str:
         if meta else "# the model was built whole on the device (init holds all of it before sharding)\n"
     )  # fmt: skip
     materialize = (
-        "model.to_empty(device=\"cuda\")  # each rank allocates its shards only\n"
+        f"model.to_empty(device={settings.device!r})  # each rank allocates its shards only\n"
         "model.init_weights()  # your in-place initialisation, run on the shards (DTensor)\n"
         if meta else ""
     )  # fmt: skip
