@@ -13,9 +13,10 @@ from typing import Annotated, Optional
 import typer
 
 from zeroplan.cli_options import (
-    STEP_OPTIONS, CheckpointingOption, EngineOption, ForeachOption, GradAccumOption, GradDtype, MasterWeights,
-    MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName, ParamDtype, SeqLenOption, Unit,
-    UserError, given, given_on_command_line, policy_from, refuse_unused,
+    STEP_OPTIONS, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption, GradAccumOption,
+    GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
+    ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, engine_options_from, given,
+    given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 
 
@@ -53,11 +54,13 @@ def estimate(
         1, "--model-parallel",
         help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
     ),
-    stage: Optional[int] = typer.Option(None, help="Show only this ZeRO stage (0-3)."),
-    deepspeed_config: Optional[Path] = typer.Option(
-        None, "--deepspeed-config", help="ds_config.json: takes stage, dtypes and optimizer from it."
+    stage: Optional[int] = typer.Option(
+        None, help="Show only this ZeRO stage (0-3); deepspeed: the stage when --deepspeed-config gives none."
     ),
+    deepspeed_config: DeepSpeedConfigOption = None,
+    reshard_after_forward: ReshardOption = None,
     param_dtype: ParamDtype = None,
+    reduce_dtype: ReduceDtypeOption = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
     optimizer: OptimizerName = None,
@@ -72,6 +75,7 @@ def estimate(
 ) -> None:
     """Per-GPU model states and per-step communication of ZeRO stages 0-3."""
     from zeroplan.architectures.shapes_file import load_numels
+    from zeroplan.engines import get_engine
     from zeroplan.engines.deepspeed import merge_deepspeed
     from zeroplan.estimation.config import EstimateConfig
     from zeroplan.estimation.estimate import estimate_config
@@ -89,16 +93,16 @@ def estimate(
         refuse_unused(ctx, STEP_OPTIONS, "without --model: the training step's peak needs an architecture")
     else:
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
-    settings = given(
-        stage=stage,
-        param_dtype=param_dtype,
-        grad_dtype=grad_dtype,
-        master_weights=master_weights,
-        optimizer=optimizer,
-        optimizer_dtype=optimizer_dtype,
-    )
-    if deepspeed_config is not None:
-        settings = merge_deepspeed(deepspeed_config, settings)
+    refuse_foreign(ctx, engine)
+    options = engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
+    policy: dict = {}
+    if "policy" in get_engine(engine).options:  # the paper's vocabulary; a ds_config completes it
+        settings = given(stage=stage, param_dtype=param_dtype, grad_dtype=grad_dtype, master_weights=master_weights,
+                         optimizer=optimizer, optimizer_dtype=optimizer_dtype)  # fmt: skip
+        if deepspeed_config is not None:
+            settings = merge_deepspeed(deepspeed_config, settings)
+        stage = settings.pop("stage", None)
+        policy = {"policy": PrecisionPolicy(**settings)}
     config = EstimateConfig(
         params=parse_count(params) if params is not None else None,
         tensor_numels=load_numels(shapes) if shapes is not None else None,
@@ -108,9 +112,10 @@ def estimate(
         engine=engine,
         gpus=gpus,
         model_parallel=model_parallel,
-        stage=settings.pop("stage", None),
+        stage=stage,
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
-        policy=PrecisionPolicy(**settings),
+        **policy,
+        engine_options=options,
     )
     result = estimate_config(config)
     if as_json:

@@ -109,6 +109,17 @@ class StageOut(_Out):
     peak_terms: Optional[list[PeakTermOut]] = Field(
         description="the largest live terms at the peak, largest first; null without an architecture"
     )
+    own_estimator_bytes: Optional[int] = Field(
+        None, description="the engine's own estimator for the same run (deepspeed: DeepSpeed's "
+        "estimate_zero2/3_model_states_mem_needs), beside the prediction; the key is absent for engines without one",
+    )  # fmt: skip
+
+    @model_serializer(mode="wrap")
+    def _without_own(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
+        out = handler(self)
+        if self.own_estimator_bytes is None:
+            out.pop("own_estimator_bytes")
+        return out
 
 
 class EstimateInputs(_Out):
