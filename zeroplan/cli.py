@@ -381,7 +381,11 @@ def plan(
         "per GPU knows none and full).",
     ),
     foreach: ForeachOption = True,
-    engine: Annotated[str, typer.Option(help="Training engine whose peak decides the fit: reference.")] = "reference",
+    engine: Annotated[str, typer.Option(
+        help="Training engine whose peak decides the fit: reference (ZeRO stages and offload), fsdp2 (chooses "
+        "reshard_after_forward and checkpointing) or deepspeed (chooses the stage and bucket sizes).")] = "reference",
+    deepspeed_config: DeepSpeedConfigOption = None,
+    reduce_dtype: ReduceDtypeOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -405,6 +409,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
 ) -> None:
     """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
+    from zeroplan.engines import get_engine
     from zeroplan.parsing import parse_bytes, parse_count
     from zeroplan.planning.config import PlanConfig
     from zeroplan.planning.plan import plan_config
@@ -416,10 +421,15 @@ def plan(
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
+    refuse_foreign(ctx, engine)
+    refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
+        raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     config = PlanConfig(
         model=model,
         foreach=foreach,
         engine=engine,
+        engine_options=engine_options_from(engine, deepspeed_config, None, param_dtype, reduce_dtype),
         params=parse_count(params) if params is not None else None,
         gpu=gpu,
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,

@@ -41,6 +41,8 @@ class Engine:
     """the engine's own memory estimator for the same run, shown beside the prediction; None if it has none."""
     own_estimator_name: str = ""
     block_bytes: Callable[[BaseModel], int] = lambda settings: 1
+    plan_chooses: tuple[str, ...] = ()
+    """``plan`` options its own search decides (refused when given: fsdp2 tries both checkpointing modes)."""
     """the allocator block its peak terms are rounded to, for the settings given."""
 
     @property
@@ -58,7 +60,8 @@ REGISTRY: dict[str, Engine] = {
                         deepspeed.ds_estimate_bytes, "DeepSpeed's estimator",
                         deepspeed.planner_block_bytes),
     "fsdp2": Engine("fsdp2", fsdp2.estimate, fsdp2.Settings, fsdp2.planner_settings, fsdp2.planner_policy,
-                    fsdp2.PLANNER_OPTIONS, fsdp2.planner_plan, block_bytes=fsdp2.planner_block_bytes),
+                    fsdp2.PLANNER_OPTIONS, fsdp2.planner_plan, block_bytes=fsdp2.planner_block_bytes,
+                    plan_chooses=("checkpointing",)),
 }  # fmt: skip
 ENGINES: dict[str, EstimateFn] = {name: e.estimate for name, e in REGISTRY.items()}
 SETTINGS: dict[str, type[BaseModel]] = {name: e.settings for name, e in REGISTRY.items()}

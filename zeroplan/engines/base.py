@@ -136,6 +136,8 @@ class EnginePlan:
     """where the recommendation's configuration goes in ``plan --json``: ``deepspeed`` or ``fsdp2``."""
     order: str
     """why the candidates are in this order (cheapest first), for the plan's reason."""
+    base: object = None
+    """the engine ``Settings`` the candidates vary (their byte convention: ``Engine.policy``)."""
 
 
 class EngineOptions(BaseModel):

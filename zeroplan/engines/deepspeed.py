@@ -1062,7 +1062,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
             candidates.append(Candidate(f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e"), est,
                                         need <= capacity_bytes, to_ds_config(s, workload.micro_batch,
                                                                              workload.grad_accum), bucket))  # fmt: skip
-    return EnginePlan(tuple(candidates), index, "deepspeed", PLAN_ORDER)
+    return EnginePlan(tuple(candidates), index, "deepspeed", PLAN_ORDER, base)
 
 
 def planner_block_bytes(settings: Settings) -> int:

@@ -759,7 +759,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
         for o in options_
     )
     index = None if chosen is None else options_.index(chosen)
-    return EnginePlan(candidates, index, "fsdp2", PLAN_ORDER)
+    return EnginePlan(candidates, index, "fsdp2", PLAN_ORDER, settings)
 
 
 def planner_block_bytes(settings: Settings) -> int:
