@@ -166,7 +166,12 @@ def sweep(
         "per GPU knows none and full).",
     ),
     foreach: ForeachOption = True,
-    engine: Annotated[str, typer.Option(help="Training engine of the peak columns: reference.")] = "reference",
+    engine: Annotated[str, typer.Option(
+        help="Training engine of the rows: reference (one row per --stage), fsdp2 or deepspeed (one row per "
+        "configuration: the sharding the engine runs; deepspeed: one per --stage given).")] = "reference",
+    deepspeed_config: DeepSpeedConfigOption = None,
+    reshard_after_forward: ReshardOption = None,
+    reduce_dtype: ReduceDtypeOption = None,
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
@@ -187,6 +192,7 @@ def sweep(
     import importlib.util
 
     from zeroplan.architectures.shapes_file import load_numels
+    from zeroplan.engines import get_engine
     from zeroplan.files import atomic_write, check_writable
     from zeroplan.parsing import parse_bytes, parse_counts, parse_list, parse_offload, parse_wholes
     from zeroplan.presets import gpu_capacity
@@ -207,6 +213,10 @@ def sweep(
         raise UserError("--checkpointing changes only activations, which need --model")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
+    refuse_foreign(ctx, engine)
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
+        raise UserError("--deepspeed-config does not apply to sweep --engine reference: give the policy options")
+    reads_policy = "policy" in get_engine(engine).options
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
         params=parse_counts(params) if params is not None else None,
@@ -219,10 +229,12 @@ def sweep(
         engine=engine,
         gpus=parse_wholes(gpus, "gpus"),
         model_parallel=parse_wholes(model_parallel, "model-parallel"),
-        stages=parse_wholes(stage, "stage"),
+        **({"stages": parse_wholes(stage, "stage")} if given_on_command_line(ctx, "stage") or reads_policy else {}),
         offload=parse_list(offload, "offload", parse_offload),
         gpu_memory_bytes=capacity,
-        policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
+        policy=policy_from(param_dtype if reads_policy else None, grad_dtype, master_weights, optimizer,
+                           optimizer_dtype),  # fmt: skip
+        engine_options=engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype),
     )
 
     def write(sink) -> None:

@@ -67,7 +67,7 @@ class EstimateConfig(BaseModel):
             raise ValueError("give exactly one of params, tensor_numels and model")
         check_split(self.gpus, self.model_parallel)
         check_total(self.tensor_numels or ())
-        self.planner_options  # options outside the engine's vocabulary: one line
+        _ = self.planner_options  # options outside the engine's vocabulary: one line
         if self.spec is None:
             step = dict(seq_len=self.seq_len, micro_batch=self.micro_batch, checkpointing=self.checkpointing,
                         grad_accum=self.grad_accum)  # fmt: skip

@@ -122,7 +122,7 @@ class PlanConfig(BaseModel):
                 "give a GPU preset (gpu, --gpu) or the GPU memory (gpu_memory_bytes, --gpu-memory)"
             )
         check_split(self.gpus, self.model_parallel)
-        self.planner_options  # options outside the engine's vocabulary: one line
+        _ = self.planner_options  # options outside the engine's vocabulary: one line
         if get_engine(self.engine).plan is not None:  # the engine's own search by predicted peak
             why = {"model": self.model is None, "model_parallel": self.model_parallel != 1,
                    "offload": self.offload != "none", "host_memory_bytes": self.host_memory_bytes is not None,
