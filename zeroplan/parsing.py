@@ -114,5 +114,5 @@ def parse_reshard(text: str) -> bool | int:
     if key in ("true", "false"):
         return key == "true"
     if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) < 1:
-        raise ValueError(f"reshard-after-forward={show(text)}: expected true, false or a whole number of ranks >= 1")
+        raise ValueError(f"reshard-after-forward={show(text)!r}: expected true, false or a whole number of ranks >= 1")
     return int(key)

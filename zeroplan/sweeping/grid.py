@@ -384,7 +384,7 @@ def sweep(
         tensor_numels=tensor_numels,
         gpus=gpus,
         model_parallel=model_parallel,
-        stages=stages,
+        **({} if tuple(stages) == (0, 1, 2, 3) else {"stages": stages}),  # given: one row per stage (deepspeed)
         offload=offload,
         model=model,
         micro_batch=micro_batch,
