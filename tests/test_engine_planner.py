@@ -345,3 +345,12 @@ def test_planner_options_are_data_per_engine():
     assert ds == deepspeed.Settings(stage=3)
     assert get_engine("fsdp2").one_row and get_engine("deepspeed").one_row and not get_engine("reference").one_row
     assert hash(EngineOptions(ds_config={"a": [1]})) == hash(EngineOptions(ds_config={"a": [1]}))
+
+
+def test_plan_python_api_routes_engine_keywords_and_refuses_a_policy_the_engine_does_not_read():
+    p = zeroplan.plan(TINY, gpu="h100-80gb", gpus=2, engine="fsdp2", param_dtype="fp32")
+    rec = fsdp2.recommend(workload(TINY, 16), 2, p.budget_bytes, fsdp2.Settings(param_dtype="fp32", foreach=True))
+    assert p.recommendation.label.startswith(f"reshard_after_forward={rec.settings.reshard_after_forward},")
+    assert p.launchers == {"deepspeed": None, "fsdp2": rec.snippet}
+    with pytest.raises(ValueError, match="a precision policy .* does not apply to engine 'deepspeed'"):
+        zeroplan.plan(TINY, gpu="h100-80gb", engine="deepspeed", policy=zeroplan.PrecisionPolicy(param_dtype="fp32"))

@@ -462,7 +462,8 @@ def plan(
         host_memory_bytes=parse_bytes(host_memory, "host-memory") if host_memory is not None else None,
         peak_tflops=peak_tflops,
         mfu=mfu,
-        policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
+        **({"policy": policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype)}
+           if "policy" in get_engine(engine).options else {}),  # fmt: skip
     )
     result = plan_config(config)
     typer.echo(to_json(result) if as_json else to_table(result, units.value))

@@ -223,12 +223,12 @@ def engine_options_from(engine_name: str, deepspeed_config, reshard_after_forwar
     from zeroplan.parsing import parse_reshard
 
     mine = get_engine(engine_name).options
-    found = dict(
-        ds_config=read_json(deepspeed_config, "deepspeed config") if deepspeed_config is not None else None,
-        reshard_after_forward=parse_reshard(reshard_after_forward) if reshard_after_forward is not None else None,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-    )
+    found = {
+        "ds_config": read_json(deepspeed_config, "deepspeed config") if deepspeed_config is not None else None,
+        "reshard_after_forward": parse_reshard(reshard_after_forward) if reshard_after_forward is not None else None,
+        "param_dtype": param_dtype,
+        "reduce_dtype": reduce_dtype,
+    }
     return EngineOptions(**{k: v for k, v in found.items() if k in mine and v is not None})
 
 

@@ -8,8 +8,9 @@ Add an engine with one entry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Optional
 
 from pydantic import AfterValidator, BaseModel
 

@@ -22,8 +22,9 @@ shared probes); it compares its measurements with this module's ``estimate`` row
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Optional, Union
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
@@ -95,7 +96,7 @@ class PlannerOptions:
 
     stages: tuple[int, ...] = (0, 1, 2, 3)
     """reference: the ZeRO stages to estimate, one row each."""
-    policy: PrecisionPolicy = PrecisionPolicy()
+    policy: PrecisionPolicy = field(default_factory=PrecisionPolicy)
     """reference: dtypes of the model states and the optimizer (the paper's vocabulary)."""
     flat_layout: bool = True
     """the shapes are the model's real tensors (per-tensor padding); False for a bare Ψ."""
@@ -103,7 +104,7 @@ class PlannerOptions:
     """deepspeed: ``--stage``, the ZeRO stage when the ds_config gives none (a contradiction is refused)."""
     ds_config: Optional[Mapping[str, Any]] = None
     """deepspeed: the parsed ``ds_config.json`` (None: DeepSpeed's defaults for every key)."""
-    reshard_after_forward: Optional[Union[bool, int]] = None
+    reshard_after_forward: Optional[bool | int] = None
     """fsdp2: ``fully_shard(reshard_after_forward=...)``: True, False or the post-forward group size."""
     param_dtype: Optional[str] = None
     """fsdp2: ``MixedPrecisionPolicy.param_dtype``."""
@@ -149,7 +150,7 @@ class EngineOptions(BaseModel):
 
     ds_config: Optional[dict[str, Any]] = None
     """deepspeed: the parsed ``ds_config.json``."""
-    reshard_after_forward: Optional[Union[StrictBool, StrictInt]] = None
+    reshard_after_forward: Optional[StrictBool | StrictInt] = None
     """fsdp2: True, False, or the post-forward group size (a divisor of N_d, torch's rule)."""
     param_dtype: Optional[str] = None
     """fsdp2: ``MixedPrecisionPolicy.param_dtype``."""

@@ -755,9 +755,9 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     chosen = recommend(workload, nd, capacity_bytes, settings)
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}",
-                  o.estimate, o.fits, o.snippet)  # fmt: skip
+                  o.estimate, o.fits, o.snippet)
         for o in options_
-    )
+    )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)
     return EnginePlan(candidates, index, "fsdp2", PLAN_ORDER, settings)
 

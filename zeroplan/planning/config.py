@@ -148,8 +148,8 @@ class PlanConfig(BaseModel):
     def planner_options(self) -> PlannerOptions:
         """What the engine's ``planner_settings`` reads (the reference engine: the policy)."""
         engine = get_engine(self.engine)
-        policy = self.policy if "policy" in engine.options else None
-        return planner_options(engine, self.engine_options, policy=policy)
+        reads_policy = "policy" in engine.options or self.policy != BF16_MIXED  # else refused, not ignored
+        return planner_options(engine, self.engine_options, policy=self.policy if reads_policy else None)
 
     @property
     def nd(self) -> int:

@@ -18,6 +18,7 @@ from typing import Annotated, Callable, Optional
 from pydantic import ConfigDict, Field, validate_call
 
 from zeroplan.engines import get_engine, planner_options
+from zeroplan.engines.base import EngineOptions
 from zeroplan.engines.deepspeed import deepspeed_config
 from zeroplan.estimation.workload import model_workload
 from zeroplan.engines.fsdp2 import fsdp2_snippet
@@ -460,6 +461,11 @@ def plan(model: Optional[str] = None, params: Optional[float] = None, **options:
 
     Keywords are ``PlanConfig`` fields, e.g. ``zeroplan.plan("llama2-70b", gpu="h100-80gb", gpus=64)``
     or ``zeroplan.plan(gpu_memory_bytes=32 * 10**9, gpus=64)`` (ZeRO Table 2). Raises ValueError or
-    ``pydantic.ValidationError`` on bad input.
+    ``pydantic.ValidationError`` on bad input. An engine's own options are keywords too
+    (``zeroplan.plan("llama2-7b", gpu="h100-80gb", engine="fsdp2", param_dtype="bf16")``; ``ds_config=``
+    for deepspeed): they go to ``PlanConfig.engine_options``.
     """
+    mine = {k: options.pop(k) for k in list(options) if k in EngineOptions.model_fields}
+    if mine:
+        options["engine_options"] = EngineOptions(**mine)
     return plan_config(PlanConfig(model=model, params=params, **options))

@@ -181,7 +181,7 @@ def _engine_frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFr
     m = grid["model_parallel"]
     nd, b = grid["gpus"] // m, grid["micro_batch"]
     stages = config.engine_stages
-    rows = [_engine_row(config, int(n), int(mb), st) for n, mb in zip(nd, b) for st in stages]
+    rows = [_engine_row(config, int(n), int(mb), st) for n, mb in zip(nd, b, strict=True) for st in stages]
     k = len(stages)
 
     def repeat(a: np.ndarray) -> np.ndarray:
