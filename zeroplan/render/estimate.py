@@ -148,7 +148,7 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
         ]  # fmt: skip
     if e.own_estimator is not None:
         lines.append(f"{e.own_estimator}: the engine's own formula for the same run (model states only: no "
-                     "buckets, activations or temporaries), shown to compare with peak/GPU; never used for it.")  # fmt: skip
+                     "buckets, activations or temporaries), shown beside the prediction to compare; never used for it.")  # fmt: skip
     lines += [
         "comm/step: elements moved per rank per step as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, "
         "3Ψ P_os+g+p); sent/rank: bytes each rank sends with ring collectives, (N_d-1)/N_d of that.",
