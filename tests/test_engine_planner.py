@@ -354,3 +354,8 @@ def test_plan_python_api_routes_engine_keywords_and_refuses_a_policy_the_engine_
     assert p.launchers == {"deepspeed": None, "fsdp2": rec.snippet}
     with pytest.raises(ValueError, match="a precision policy .* does not apply to engine 'deepspeed'"):
         zeroplan.plan(TINY, gpu="h100-80gb", engine="deepspeed", policy=zeroplan.PrecisionPolicy(param_dtype="fp32"))
+
+
+def test_plan_python_api_refuses_what_the_engine_chooses():
+    with pytest.raises(ValueError, match="checkpointing does not apply to plan --engine fsdp2"):
+        zeroplan.plan(TINY, gpu="h100-80gb", engine="fsdp2", checkpointing="none")

@@ -127,6 +127,10 @@ class PlanConfig(BaseModel):
             why = {"model": self.model is None, "model_parallel": self.model_parallel != 1,
                    "offload": self.offload != "none", "host_memory_bytes": self.host_memory_bytes is not None,
                    "checkpointing": self.checkpointing not in ("none", "full")}  # fmt: skip
+            chosen = [k for k in get_engine(self.engine).plan_chooses if k in self.model_fields_set]
+            if chosen:
+                raise ValueError(f"{chosen[0]} does not apply to plan --engine {self.engine}, which chooses it by "
+                                 "predicted peak")  # fmt: skip
             bad = next((k for k, v in why.items() if v), None)
             if bad is not None:
                 raise ValueError(
