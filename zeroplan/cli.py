@@ -457,7 +457,7 @@ def plan(
         micro_batch=micro_batch,
         grad_accum=grad_accum,
         seq_len=seq_len,
-        checkpointing=checkpointing,
+        **({} if "checkpointing" in get_engine(engine).plan_chooses else {"checkpointing": checkpointing}),
         offload=offload,
         host_memory_bytes=parse_bytes(host_memory, "host-memory") if host_memory is not None else None,
         peak_tflops=peak_tflops,
