@@ -49,15 +49,17 @@ def engine_rows(model: str, nd: int, seq_len: int, micro_batch=1, checkpointing=
     return reference.estimate(workload, nd, settings)
 
 
-def test_registry_lists_the_reference_engine_and_refuses_others_in_one_line():
+def test_registry_maps_every_engine_to_its_module_and_refuses_unknown_ones_in_one_line():
+    from zeroplan.engines import REGISTRY, deepspeed, fsdp2
+
     assert ENGINES["reference"] is reference.estimate and SETTINGS["reference"] is reference.Settings
-    engine = get_engine("reference")
-    assert (engine.estimate, engine.settings) == (reference.estimate, reference.Settings)
-    with pytest.raises(ValueError, match="unknown engine 'fsdp9': known engines are reference"):
+    for name, module in (("reference", reference), ("fsdp2", fsdp2), ("deepspeed", deepspeed)):
+        engine = get_engine(name)
+        assert (engine.estimate, engine.settings) == (module.estimate, module.Settings)
+        assert engine.planner_settings is module.planner_settings and engine.options == module.PLANNER_OPTIONS
+    assert set(REGISTRY) == set(ENGINES) == {"reference", "fsdp2", "deepspeed"}
+    with pytest.raises(ValueError, match="unknown engine 'fsdp9': known engines are reference, deepspeed, fsdp2"):
         get_engine("fsdp9")
-    for name in set(ENGINES) - {"reference"}:  # registered, but the planner cannot build their settings yet
-        with pytest.raises(ValueError, match=f"engine '{name}': not yet configurable from estimate"):
-            get_engine(name)
 
 
 def test_reference_estimate_rows_model_states_from_estimation_and_peak_from_predict_peak():

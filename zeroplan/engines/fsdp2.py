@@ -38,7 +38,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from zeroplan.architectures.spec import block_prefix
-from zeroplan.engines.base import EngineEstimate, Workload
+from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
@@ -846,3 +846,53 @@ def fsdp2_snippet(stage: int, offload: Offload = NO_OFFLOAD, policy: PrecisionPo
         "# Gradient accumulation: model.set_requires_gradient_sync(False) on all but the last micro-step\n"
         "# skips the reduce-scatter but keeps unsharded gradients (more memory than the plan assumes).\n"
     )
+
+
+# ---- the planner's side (estimate, plan, sweep): options -> Settings, the byte convention, the plan ----
+
+PLANNER_OPTIONS: tuple[str, ...] = ("reshard_after_forward", "param_dtype", "reduce_dtype")
+"""The ``PlannerOptions`` fields in FSDP2's vocabulary (``fully_shard`` and ``MixedPrecisionPolicy``)."""
+PLAN_ORDER = ("keep blocks gathered (no backward all-gather), then reshard (one more all-gather per block), "
+              "then checkpointing (one more forward per block), then both")  # fmt: skip
+
+
+def planner_settings(options: PlannerOptions) -> Settings:
+    """FSDP2's ``Settings`` from the planner's options, as ``fully_shard`` runs on CUDA with NCCL and a
+    model built in fp32; an option not given keeps FSDP2's default (reshard after forward, no mixed
+    precision)."""
+    given: dict = {}
+    if options.reshard_after_forward is not None:
+        given["reshard_after_forward"] = options.reshard_after_forward
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(options, key) is not None:
+            given[key] = canonical_dtype(getattr(options, key))
+    return Settings(**given)
+
+
+def planner_policy(settings: Settings) -> PrecisionPolicy:
+    """The byte convention of FSDP2's model states (``model_states``): parameters and gradients in the module
+    dtype, no master copy, Adam's m and v in the module dtype."""
+    return PrecisionPolicy(param_dtype=settings.module, master_weights=False, optimizer="adam",
+                           optimizer_dtype=settings.module)  # fmt: skip
+
+
+def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
+    """``zeroplan plan --engine fsdp2``: every candidate of ``plan_options`` (cheapest first) with the
+    snippet of exactly the configuration predicted; the recommendation is ``recommend``'s."""
+    settings = planner_settings(options)
+    if settings.foreach is None:  # the snippet names the foreach path the prediction used
+        settings = settings.model_copy(update={"foreach": workload.foreach})
+    options_ = plan_options(workload, nd, capacity_bytes, settings)
+    chosen = recommend(workload, nd, capacity_bytes, settings)
+    candidates = tuple(
+        Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}",
+                  o.estimate, o.fits, o.snippet)
+        for o in options_
+    )  # fmt: skip
+    index = None if chosen is None else options_.index(chosen)
+    return EnginePlan(candidates, index, "fsdp2", PLAN_ORDER, settings)
+
+
+def planner_block_bytes(settings: Settings) -> int:
+    """The allocator block every peak term is rounded to (``predict_peak``): 512 on CUDA, none on CPU."""
+    return CUDA_BLOCK_BYTES if settings.device == "cuda" else 1

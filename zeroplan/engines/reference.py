@@ -377,7 +377,7 @@ from typing import Annotated, Literal, Optional  # noqa: E402
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator  # noqa: E402
 
-from zeroplan.engines.base import EngineEstimate, Workload  # noqa: E402
+from zeroplan.engines.base import EngineEstimate, PlannerOptions, Workload  # noqa: E402
 from zeroplan.formulas.cuda_workspaces import library_workspaces  # noqa: E402
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES  # noqa: E402
 from zeroplan.policy import PrecisionPolicy  # noqa: E402
@@ -487,3 +487,24 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
                                 allocator_overhead_bytes=settings.allocator_overhead_bytes, resident=resident)  # fmt: skip
         out.append(EngineEstimate("reference", f"ZeRO-{row.stage}", row.stage, row.memory, peak, row.collectives))
     return tuple(out)
+
+
+# ---- the planner's side: options -> Settings and the byte convention ----
+
+PLANNER_OPTIONS: tuple[str, ...] = ("stages", "policy")
+"""The ``PlannerOptions`` fields in the reference runtime's vocabulary (the paper's: stages, a policy)."""
+
+
+def planner_settings(options: PlannerOptions) -> Settings:
+    """The reference runtime's ``Settings``: the requested stages and policy, the planner's CUDA target."""
+    return Settings(stages=options.stages, policy=options.policy, flat_layout=options.flat_layout)
+
+
+def planner_policy(settings: Settings) -> PrecisionPolicy:
+    """The byte convention of the model states: the policy as given."""
+    return settings.policy
+
+
+def planner_block_bytes(settings: Settings) -> int:
+    """The allocator block every peak term is rounded to."""
+    return settings.block_bytes
