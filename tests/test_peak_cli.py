@@ -22,6 +22,7 @@ from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.cli import app
 from zeroplan.engines import ENGINES, SETTINGS, get_engine, reference
 from zeroplan.engines.base import Workload
+from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.presets import read_hf_config, resolve_model
 
@@ -71,7 +72,8 @@ def test_reference_estimate_rows_model_states_from_estimation_and_peak_from_pred
     for r, s in zip(rows, plain.stages):
         assert r.memory == s.memory and r.collectives == s.collectives
         run_ = reference.reference_run(spec, 3, r.stage, 2, 8, "full", False, stat_bytes=4)
-        assert r.peak == reference.predict_peak(run_, block_bytes=CUDA_BLOCK_BYTES)
+        workspaces = (library_workspaces((9, 0), spec.biased_linear),)  # the planner's GPU: compute capability 9.0
+        assert r.peak == reference.predict_peak(run_, block_bytes=CUDA_BLOCK_BYTES, resident=workspaces)
     # without an architecture: the same model states, no peak
     bare = reference.estimate(Workload(workload.shapes), 3, reference.Settings())
     assert [b.memory for b in bare] == [r.memory for r in rows] and {b.peak for b in bare} == {None}
