@@ -11,7 +11,8 @@
 # 2. reference runtime, simulated: rank 0 of N_d = 8 and 64 on a fake process group with real CUDA
 #    tensors (a ~300M-parameter GPT), memory per phase from the allocator.
 # 3. FSDP2 (real fully_shard), simulated with real CUDA tensors: rank 0 of N_d = 8 and 64 (the same GPT,
-#    bf16 MixedPrecisionPolicy), reshard off, checkpointing full, fp32, and Llama-2-7B's config at 64.
+#    bf16 MixedPrecisionPolicy), reshard off, checkpointing full, fp32, meta-device init, and
+#    Llama-2-7B's config at 64 (meta and materialized init).
 #    One GPU cannot hold two NCCL ranks, so FSDP2's collectives are checked on the fake group (elements
 #    per call, as on gloo); its world-size-1 shortcut (no collectives) is not a case zeroplan models.
 # Writes OUT_DIR/<step>.{json,txt} and OUT_DIR/summary.txt; exits non-zero when any row is out of
@@ -68,5 +69,8 @@ step fsdp2_sim_bf16 90 "${sim[@]}" --world-size 8 --world-size 64 --params "$par
 step fsdp2_sim_noreshard_ckpt 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" \
   --no-reshard-after-forward --checkpointing full
 step fsdp2_sim_fp32 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --param-dtype fp32
+step fsdp2_sim_meta 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --init meta
+step fsdp2_sim_llama_meta 90 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32 \
+  --init meta
 step fsdp2_sim_llama 120 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32
 exit $status
