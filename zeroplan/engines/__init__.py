@@ -42,9 +42,9 @@ class Engine:
     """the engine's own memory estimator for the same run, shown beside the prediction; None if it has none."""
     own_estimator_name: str = ""
     block_bytes: Callable[[BaseModel], int] = lambda settings: 1
+    """the allocator block its peak terms are rounded to, for the settings given."""
     plan_chooses: tuple[str, ...] = ()
     """``plan`` options its own search decides (refused when given: fsdp2 tries both checkpointing modes)."""
-    """the allocator block its peak terms are rounded to, for the settings given."""
 
     @property
     def one_row(self) -> bool:
