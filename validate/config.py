@@ -184,7 +184,7 @@ class ValidateConfig(BaseModel):
             raise ValueError("param-dtype=fp32: the reference runtime trains 16-bit parameters (bf16 or fp16)")
         if self.engine == "fsdp2":
             if self.stages != type(self).model_fields["stages"].default:
-                raise ValueError("--stage: FSDP2 has no stages; use --reshard-after-forward/--no-reshard-after-forward")
+                raise ValueError("--stage: FSDP2 has no stages; use --reshard-after-forward true|false|K")
             if self.wire:
                 raise ValueError("--wire: --engine reference only")
             from validate.models import spec_for

@@ -67,7 +67,7 @@ step ref_sim 120 --simulated --world-size 8 --world-size 64 --params "$params" -
 sim=(--engine fsdp2 --simulated --real-tensors --steps 2 --batch-per-rank 1)
 step fsdp2_sim_bf16 90 "${sim[@]}" --world-size 8 --world-size 64 --params "$params" --seq-len "$seq"
 step fsdp2_sim_noreshard_ckpt 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" \
-  --no-reshard-after-forward --checkpointing full
+  --reshard-after-forward false --checkpointing full
 step fsdp2_sim_fp32 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --param-dtype fp32
 step fsdp2_sim_meta 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --init meta
 step fsdp2_sim_llama_meta 90 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32 \

@@ -513,15 +513,7 @@ def validate_cmd(
     reduce_dtype: Optional[str] = typer.Option(
         None, "--reduce-dtype", help="fsdp2: MixedPrecisionPolicy.reduce_dtype, bf16 or fp32 (default: param dtype)."
     ),
-    reshard_after_forward: Optional[bool] = typer.Option(
-        None, "--reshard-after-forward/--no-reshard-after-forward",
-        help="fsdp2: reshard each block after forward (default) or keep it gathered until backward.",
-    ),  # fmt: skip
-    reshard_after_forward_size: Optional[int] = typer.Option(
-        None, "--reshard-after-forward-size", metavar="K",
-        help="fsdp2: reshard_after_forward=K, FSDP2's int form: each block kept sharded over K ranks between "
-        "forward and backward (K divides every world size; K = N_d is True, 1 is False).",
-    ),  # fmt: skip
+    reshard_after_forward: ReshardOption = None,
     fsdp2_init: Optional[str] = typer.Option(
         None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
         "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
@@ -564,14 +556,13 @@ def validate_cmd(
         check_writable(json_path)
     if not 0 < baseline_tolerance < 1:
         raise UserError(f"--baseline-tolerance {baseline_tolerance:g}: must be between 0 and 1")
-    if reshard_after_forward_size is not None:  # the flags stay bool; the int has its own option (docs/engines/fsdp2.md)
-        if engine != "fsdp2":
-            raise UserError("--reshard-after-forward-size: --engine fsdp2 only")
-        if reshard_after_forward is not None:
-            raise UserError("--reshard-after-forward-size and --[no-]reshard-after-forward are exclusive: give one")
-        if reshard_after_forward_size < 1:
-            raise UserError(f"--reshard-after-forward-size {reshard_after_forward_size}: must be >= 1")
-        reshard_after_forward = reshard_after_forward_size
+    if reshard_after_forward is not None:  # the planner's vocabulary: true, false or K (zeroplan.parsing)
+        from zeroplan.parsing import parse_reshard
+
+        try:
+            reshard_after_forward = parse_reshard(reshard_after_forward)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     old = None
     if baseline is not None:
         from validate.baseline import read_baseline
