@@ -744,6 +744,17 @@ def init_moments(run: DSRun) -> tuple[Moment, ...]:
         Term("model parameters (before repointing into the flat buffer)", psi * p, "runtime/engine.py _configure_distributed_model"),
         Term("alignment padding", (flat - psi) * p, f"{src} (flatten_dense_tensors_aligned)"),
         Term("16-bit flat parameters", flat * p, f"{src} (bit16_groups_flat)"))))  # fmt: skip
+    if optimizer_class(s) == "BF16_Optimizer":
+        # no initialize_optimizer_states: the fp32 partition is cloned from the 16-bit one (.clone().float():
+        # the clone dies at once), then the full fp32 gradient buffer (zeros_like) completes the states
+        bsrc = "runtime/bf16_optimizer.py BF16_Optimizer._setup_for_real_optimizer"
+        out.append(Moment("init", "fp32 partition cloned, gradient buffer zeroed", (
+            *_states(run, after_step=False),)))  # fmt: skip
+        out.append(Moment("init", "fp32 partition from the 16-bit clone", (
+            Term("16-bit flat parameters", flat * p, f"{bsrc} (bf16_groups_flat)"),
+            Term("16-bit partition clone", part * p, f"{bsrc} (bf16_dp_partitions[rank].clone())"),
+            Term("fp32 master partition", part * 4, f"{bsrc} (.float(): fp32_groups_flat_partition)"))))  # fmt: skip
+        return tuple(out)
     out.append(Moment("init", "initialize_optimizer_states", (*_states(run, after_step=False), Term(
         "fp32 gradient partition (zeros, dropped at once)", part * 4,
         "runtime/zero/stage_1_and_2.py initialize_optimizer_states (single_grad_partition)"))))  # fmt: skip
@@ -850,8 +861,13 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
                Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"))),
     ]  # fmt: skip
     # ZeRO-1 keeps every gradient autograd makes until reduce_gradients; ZeRO-2/3 move each into the
-    # bucket at its hook. A tied head's gradient waits in autograd's input buffer for the embedding's.
-    keeps = s.stage == 1
+    # bucket at its hook, and so does ZeRO-1 with overlap_comm (stage_1_and_2.py
+    # reduce_ready_partitions_and_remove_grads: at the accumulation boundary, from the hooks
+    # create_gradient_handling_hooks installs; reduce_gradients then skips its walk). BF16_Optimizer keeps
+    # them too (update_hp_grads after backward). A tied head's gradient waits in autograd's input buffer.
+    bf16_opt = optimizer_class(s) == "BF16_Optimizer"
+    hooks_reduce = s.stage == 2 or (s.stage == 1 and s.overlaps and not bf16_opt)
+    keeps = s.stage == 1 and not hooks_reduce
     held = run.head_numel * (run.tied_head or keeps) + run.final_norm_numel * keeps
     kept_root = Term("root gradients held (head weight, final norm)", held * p,
                      "autograd InputBuffer (tied weight); torch autograd param.grad (ZeRO-1)")  # fmt: skip
@@ -862,12 +878,32 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     last = (*base, *inflight, _act("incoming activation gradient", n_d), kept_root,
             _act("block backward working set", ws), *_bucket(run))  # fmt: skip
     out.append(Moment("backward", "last block backward", last))
-    if s.stage == 2:
+    if hooks_reduce:
         out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
                    for r, gip in _stage2_early_partitions(run))  # fmt: skip
-    if s.stage == 1 and optimizer_class(s) != "BF16_Optimizer":
+    if s.stage == 1 and not bf16_opt and not hooks_reduce:
         out.extend(_stage1_reduce(run))
+    if bf16_opt:
+        out.extend(_bf16_after_backward(run))
     return tuple(out)
+
+
+def _bf16_after_backward(run: DSRun) -> tuple[Moment, ...]:
+    """BF16_Optimizer after backward: every 16-bit gradient (param.grad) is added into the fp32 buffer one
+    tensor at a time through an fp32 copy, then the engine all-reduces the flat fp32 buffer converted to
+    the communication dtype; the 16-bit gradients live on until zero_grad after the step."""
+    numels, p, flat = run.numels, _pbytes(run), flat_padded_numel(run.numels, run.nd)
+    base = (*_states(run), _act("batch (token ids, targets)", run.acts.batch, 2), _act("loss", run.acts.loss),
+            Term("16-bit gradients (param.grad)", sum(numels) * p,
+                 "torch autograd; runtime/bf16_optimizer.py update_hp_grads (clear_lp_grads=False)"))  # fmt: skip
+    return (
+        Moment("backward", "update_hp_grads", (*base, Term(
+            "fp32 copy of the largest 16-bit gradient", max(numels) * 4,
+            "runtime/bf16_optimizer.py _update_hp_grad (lp.grad.data.to(hp_grad.dtype))")),),  # fmt: skip
+        Moment("backward", "all-reduce of the flat gradients", (*base, Term(
+            "flat fp32 gradients in the communication dtype", flat * p,
+            "runtime/engine.py buffered_allreduce_fallback -> allreduce_bucket (tensor.to(communication_data_type))")),),  # fmt: skip
+    )
 
 
 def optimizer_moments(run: DSRun) -> tuple[Moment, ...]:
