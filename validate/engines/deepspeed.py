@@ -461,7 +461,7 @@ def compare_row(
     peak_err = max(peak_errors.values(), key=abs)
 
     pred_coll = {}
-    for c in D.collectives(settings, numels, nd):
+    for c in D.collectives(settings, numels, nd, workload.grad_accum):
         key = _key(c.op, c.phase, _TORCH_DTYPE.get(c.dtype, c.dtype))
         nbytes = D.DTYPE_BYTES.get(c.dtype, 1)
         from zeroplan.formulas.collectives import ring_bytes_per_rank
@@ -536,7 +536,8 @@ def run_validation(config) -> dict:
     for nd in config.world_sizes:
         ranks = run_world(configs, nd, model, config.steps, config.timeout_s, config.seq_len)
         for i, ds in enumerate(configs):
-            workload = workload_for(model, ds["train_micro_batch_size_per_gpu"], config.seq_len)
+            workload = workload_for(model, ds["train_micro_batch_size_per_gpu"], config.seq_len,
+                                    ds.get("gradient_accumulation_steps", 1))  # fmt: skip
             rows.append(compare_row(ds, nd, [r[i] for r in ranks], workload, config.model_label, config.tolerance,
                                     config.peak_tolerance, config.seq_len))  # fmt: skip
     notes = [

@@ -579,8 +579,12 @@ def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def collectives(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSCollective, ...]:
+def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int = 1) -> tuple[DSCollective, ...]:
     """One steady-state step's collectives (the second step on: ZeRO-3's first step records its trace).
+
+    ``grad_accum`` micro-steps per step (measured at 2): ZeRO-2 reduces every micro-step, ZeRO-3 gathers
+    in every micro-step's forward and reduce-scatters in every backward; ZeRO-1 and BF16_Optimizer reduce at
+    the boundary only (engine.py ``allreduce_gradients``).
 
     ``numels`` in parameter order. Stage 1 reduces after backward in parameter order
     (``reduce_gradients`` walks ``bit16_groups``: calls exact); stage 2 and 3 in gradient-ready order
@@ -594,12 +598,13 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSCollec
         gathered = tuple(n for n in numels if n > s.param_persistence_threshold)
         out = []
         if gathered:
-            out.append(DSCollective("all-gather", "forward", len(gathered), sum(gathered), p,
+            out.append(DSCollective("all-gather", "forward", grad_accum * len(gathered), grad_accum * sum(gathered), p,
                                     "runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch of the "
                                     "recorded trace; kept through backward while stage3_max_live_parameters and "
                                     "stage3_max_reuse_distance allow: no re-gather)", calls_exact=False))  # fmt: skip
         out += [
-            DSCollective("reduce-scatter", "backward", len(greedy_buckets(numels, s.reduce_bucket_size)), sum(numels), g,
+            DSCollective("reduce-scatter", "backward", grad_accum * len(greedy_buckets(numels, s.reduce_bucket_size)),
+                         grad_accum * sum(numels), g,
                          "runtime/zero/stage3.py __reduce_and_partition_ipg_grads -> "
                          "partitioned_param_data_shard / reduce_scatter_coalesced, bucket by bucket", calls_exact=False),
             DSCollective("all-reduce", "optimizer_step", 1, 1, "fp64",
@@ -620,8 +625,9 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSCollec
             gather,
         )  # fmt: skip
     buckets = greedy_buckets(numels, s.reduce_bucket_size)
+    micro = grad_accum if s.stage == 2 else 1
     out = [
-        DSCollective("all-reduce", "backward", len(buckets), sum(numels), g,
+        DSCollective("all-reduce", "backward", micro * len(buckets), micro * sum(numels), g,
                      "runtime/zero/stage_1_and_2.py average_tensor -> allreduce_and_scatter -> allreduce_bucket "
                      "(use_multi_rank_bucket_allreduce: an all-reduce per bucket, not a reduce-scatter)",
                      calls_exact=s.stage == 1),
@@ -673,6 +679,7 @@ class DSRun:
     tied_head: bool
     checkpointing: str = "none"
     foreach: bool = False
+    grad_accum: int = 1
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -761,12 +768,35 @@ def init_moments(run: DSRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
+def _held_between_micro_steps(run: DSRun, with_bucket: bool = True) -> tuple[Term, ...]:
+    """With ``gradient_accumulation_steps`` > 1, what an earlier micro-step leaves for the next one's forward
+    and backward (measured at G = 2). ZeRO-1 (and BF16_Optimizer) reduce only at the boundary
+    (engine.py ``allreduce_gradients``; stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads`` tests
+    ``is_gradient_accumulation_boundary``): autograd's gradients stay in ``param.grad``, and the reduce
+    bucket the first hook allocated stays until the boundary's ``_release_ipg_buffers``. ZeRO-2 reduces every
+    micro-step into ``grads_in_partition``, kept to the step (the largest rank's). ZeRO-3 accumulates into its
+    persistent gradient partition: nothing more."""
+    s = run.settings
+    if run.grad_accum == 1 or s.stage == 3:
+        return ()
+    p, numels = _pbytes(run), run.numels
+    if s.stage == 1:
+        grads = Term("gradients of earlier micro-steps (param.grad)", sum(numels) * p,
+                     "torch autograd AccumulateGrad; runtime/engine.py allreduce_gradients (stage 1: at the boundary only)")  # fmt: skip
+        bucket = _bucket(run) if with_bucket and optimizer_class(s) != "BF16_Optimizer" else ()
+        return (grads, *bucket)
+    part = flat_padded_numel(numels, run.nd) // run.nd
+    gip = max(sum(numels[i] for i in _partition_params(numels, part, r)) for r in range(run.nd))
+    return (Term("grads_in_partition (accumulated over micro-steps)", gip * p,
+                 "runtime/zero/stage_1_and_2.py copy_grads_in_partition (kept until the step)"),)  # fmt: skip
+
+
 def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     """The last block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of
     the model states after a step (the peak of a phase is the largest over steps)."""
     acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
-    base = (*_states(run), *_gathered(run), _act("batch (token ids, targets)", acts.batch, 2),
-            _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
+    base = (*_states(run), *_gathered(run), *_held_between_micro_steps(run),
+            _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
     if run.checkpointing == "none":
         last = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
     else:
@@ -849,7 +879,9 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     ZeRO-1 the reduction after backward."""
     acts, blk, L, p, s = run.acts, run.acts.block, run.acts.n_layer, _pbytes(run), run.settings
     n_d = acts.embed_out
-    base = (*_states(run), *_gathered(run), _act("batch (token ids, targets)", acts.batch, 2),
+    accumulating = run.grad_accum > 1 and s.stage in (1, 2)
+    base = (*_states(run), *_gathered(run), *_held_between_micro_steps(run),
+            _act("batch (token ids, targets)", acts.batch, 2),
             _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     out = [
@@ -867,7 +899,7 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     # them too (update_hp_grads after backward). A tied head's gradient waits in autograd's input buffer.
     bf16_opt = optimizer_class(s) == "BF16_Optimizer"
     hooks_reduce = s.stage == 2 or (s.stage == 1 and s.overlaps and not bf16_opt)
-    keeps = s.stage == 1 and not hooks_reduce
+    keeps = s.stage == 1 and not hooks_reduce and not accumulating  # accumulating: all of them are in base
     held = run.head_numel * (run.tied_head or keeps) + run.final_norm_numel * keeps
     kept_root = Term("root gradients held (head weight, final norm)", held * p,
                      "autograd InputBuffer (tied weight); torch autograd param.grad (ZeRO-1)")  # fmt: skip
@@ -876,9 +908,18 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
         inflight += (_act("recomputed block's saved activations", blk.saved - blk.ckpt_saved),)
     ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
     last = (*base, *inflight, _act("incoming activation gradient", n_d), kept_root,
-            _act("block backward working set", ws), *_bucket(run))  # fmt: skip
+            _act("block backward working set", ws), *(() if accumulating and s.stage == 1 else _bucket(run)))  # fmt: skip
+    if accumulating and s.stage == 2:
+        # param.grad of a partition parameter is a view of grads_in_partition after the first micro-step
+        # (copy_grads_in_partition: grad_reduc.data = new_grad_tensor); autograd's accumulation then makes a
+        # new tensor per parameter (grad + new grad), alive until its bucket is reduced: at most the
+        # rank's partition parameters (measured at N_d = 2, G = 2: the largest rank's, exactly)
+        (held,) = _held_between_micro_steps(run)
+        last = (*last, Term("accumulated gradients of the partition's parameters (autograd, out of place)",
+                            held.bytes, "torch autograd AccumulateGrad; runtime/zero/stage_1_and_2.py "
+                            "copy_grads_in_partition"))  # fmt: skip
     out.append(Moment("backward", "last block backward", last))
-    if hooks_reduce:
+    if hooks_reduce and not accumulating:  # accumulating: every rank's grads_in_partition is in base
         out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
                    for r, gip in _stage2_early_partitions(run))  # fmt: skip
     if s.stage == 1 and not bf16_opt and not hooks_reduce:
@@ -965,7 +1006,8 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
                 if not n.startswith(prefix) and (".ln_f." in n or n.startswith("model.norm.")))  # fmt: skip
     foreach = settings.foreach if settings.foreach is not None else workload.foreach
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
-                 spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach))  # fmt: skip
+                 spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
+                 workload.grad_accum)  # fmt: skip
 
 
 def _collective(c: DSCollective, nd: int) -> Collective:
@@ -986,7 +1028,7 @@ def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Option
         stage=settings.stage,
         memory=memory_breakdown(settings, numels, nd),
         peak=peak,
-        collectives=tuple(_collective(c, nd) for c in collectives(settings, numels, nd)),
+        collectives=tuple(_collective(c, nd) for c in collectives(settings, numels, nd, workload.grad_accum)),
     ),)  # fmt: skip
 
 
