@@ -328,6 +328,11 @@ def main(argv: list[str] | None = None) -> None:
         "--checkpointing", choices=("none", "full"), default="none",
         help="full: every block recomputed in backward (torch.utils.checkpoint, as the reference runtime)",
     )  # fmt: skip
+    parser.add_argument(
+        "--runs", default=None,
+        help="JSON list parallel to --configs: per config, {\"model\": ..., \"checkpointing\": ...} overriding "
+        "--model and --checkpointing",
+    )  # fmt: skip
     parser.add_argument("--out", required=True, help="directory: rank<r>.json is written there")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -344,17 +349,19 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, nd = dist.get_rank(), dist.get_world_size()
     rows = []
-    for config in json.loads(args.configs):
+    configs = json.loads(args.configs)
+    runs = json.loads(args.runs) if args.runs else [{}] * len(configs)
+    for config, run in zip(configs, runs):
         micro_batch = config["train_micro_batch_size_per_gpu"]
         model_fn, batches = _model_and_batches(
-            args.model,
+            run.get("model", args.model),
             nd,
             rank,
             micro_batch,
             args.steps,
             args.seq_len,
             config.get("gradient_accumulation_steps", 1),
-            args.checkpointing,
+            run.get("checkpointing", args.checkpointing),
         )
         rows.append(measure(model_fn, config, batches, rank, nd))
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(rows))
@@ -369,16 +376,19 @@ def run_world(
     timeout_s: float = 900.0,
     seq_len: int | None = None,
     checkpointing: str = "none",
+    runs: list[dict] | None = None,
 ) -> list[list[dict]]:
     """Run ``configs`` on ``nd`` gloo CPU ranks under torchrun (through ``validate.launch``, which names the
-    first failed rank); returns rows[rank][config]."""
+    first failed rank); returns rows[rank][config]. ``runs``: per config, a ``model`` and ``checkpointing``
+    other than the world's (one world's ~30 s of setup shared by several models)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="zeroplan-deepspeed-") as tmp:
         cmd = [
             sys.executable, "-m", "validate.launch", str(Path(tmp, "failures.json")), "--",
             "--standalone", f"--nproc-per-node={nd}", "--max-restarts", "0",
             "-m", "validate.engines.deepspeed", "--model", model, "--configs", json.dumps(configs),
-            "--steps", str(steps), "--out", tmp, "--checkpointing", checkpointing, *(["--seq-len", str(seq_len)] if seq_len else []),
+            "--steps", str(steps), "--out", tmp, "--checkpointing", checkpointing,
+            *(["--runs", json.dumps(runs)] if runs else []), *(["--seq-len", str(seq_len)] if seq_len else []),
         ]  # fmt: skip
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
