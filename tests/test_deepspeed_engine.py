@@ -64,7 +64,7 @@ def world(request):
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[f"z{s}-{d}-{b}" for s, d, b in CASES])
 def test_row_within_tolerance(world, i):
-    nd, configs, ranks, rows = world
+    _, configs, ranks, rows = world
     row = rows[i]
     settings = D.Settings.from_ds_config(configs[i])
     assert ranks[0][i]["optimizer_class"] == D.optimizer_class(settings)
@@ -91,3 +91,23 @@ def test_default_bucket_dominates_and_deepspeeds_estimator_misses_it(world):
         assert row["measured_peak_bytes"] >= bucket
         assert abs(row["peak_rel_error"]) <= PEAK_TOL
         assert row["deepspeed_estimator_rel_error"] > 0.99  # the estimator is under 1% of the measured peak
+
+
+def test_stage3_broadcasts_are_the_trace_checks(world):
+    """ZeRO-3's only broadcasts after init are its trace checks: ``partitioned_param_coordinator.py
+    reset_step`` runs ``zero/utils.py assert_ints_same_as_other_ranks`` (rank 0 broadcasts a list's length,
+    then the list, int64) while the trace is incomplete: in step 0's forward on the empty module trace, in
+    step 1's on the recorded module trace and twice on the parameter trace (ids, last-used step); none from
+    step 2, the trace complete. ZeRO-1/2 broadcast nothing after init."""
+    _, _, ranks, _ = world
+    for i, (stage, _, _) in enumerate(CASES):
+        for r in ranks:
+            _, *steps = r[i]["calls_by_step"]
+            sizes = [[c[3] for c in calls if c[0] == "broadcast_"] for calls in steps]
+            assert all(c[1:3] == ["forward", "int64"] for calls in steps for c in calls if c[0] == "broadcast_")
+            if stage != 3:
+                assert sizes == [[], [], []]
+                continue
+            modules, params = sizes[1][1], sizes[1][3]
+            assert sizes[0] == [1, 0] and sizes[1] == [1, modules, 1, params, 1, params] and sizes[2] == []
+            assert modules > 0 and params >= 28  # every parameter of gpt-tiny (28 tensors) is in the trace
