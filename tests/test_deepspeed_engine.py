@@ -1,8 +1,9 @@
 """Real DeepSpeed ZeRO 1-3 (gloo, CPU) against ``zeroplan.engines.deepspeed.estimate``: the issue-11 matrix.
 
-Two torchrun worlds (N_d = 2 and 4) each train gpt-tiny for two steps under nine ds_configs: ZeRO-1, 2
-and 3 at DeepSpeed's default buckets (5e8 elements) and at small ones (5e3), fp32, plus ZeRO-1, 2 and 3
-in bf16 with small buckets. Rows are built by the validator's own comparison
+Two torchrun worlds (N_d = 2 and 4) each train gpt-tiny for three steps under fourteen ds_configs: ZeRO-1,
+2 and 3 at DeepSpeed's default buckets (5e8 elements) and at small ones (5e3), fp32, plus ZeRO-1, 2 and 3
+in bf16 with small buckets, two with FusedAdam, ZeRO-1 and 2 with ``overlap_comm`` and BF16_Optimizer.
+Rows are built by the validator's own comparison
 (``validate.engines.deepspeed.compare_row``, what ``zeroplan validate --engine deepspeed`` prints):
 model states within 1%, every phase's peak within 3%, steady-state collectives equal in elements.
 
@@ -37,6 +38,9 @@ CASES += [(s, "bf16", "small") for s in (1, 2, 3)]
 # peak moves to where step() flattens the partition's gradients
 FUSED = [(2, "fp32", "small"), (3, "bf16", "small")]
 CASES += [(s, d, b + "+fused") for s, d, b in FUSED]
+# overlap_comm at ZeRO-1/2 (two buckets; ZeRO-1 then reduces from its hooks), and BF16_Optimizer: what
+# DeepSpeed builds for bf16 at ZeRO-1 with fp32 gradient accumulation (engine.py _do_optimizer_sanity_check)
+CASES += [(1, "fp32", "small+overlap"), (2, "fp32", "small+overlap"), (1, "bf16", "small+fp32acc")]
 STATES_TOL, PEAK_TOL = 0.01, 0.03
 
 
@@ -46,7 +50,12 @@ def _configs() -> list[dict]:
     def adam(buckets: str) -> dict:
         return {} if buckets.endswith("+fused") else {"torch_adam": True}
 
-    return [ds_config(s, dtype, zero=SMALL if buckets.startswith("small") else None, optimizer_params=adam(buckets))
+    def zero(buckets: str) -> dict | None:
+        small = SMALL if buckets.startswith("small") else {}
+        return {**small, "overlap_comm": True} if buckets.endswith("+overlap") else small or None
+
+    return [ds_config(s, dtype, zero=zero(buckets), optimizer_params=adam(buckets),
+                      grad_accum_dtype="fp32" if buckets.endswith("+fp32acc") else None)
             for s, dtype, buckets in CASES]  # fmt: skip
 
 
@@ -104,10 +113,31 @@ def test_stage3_broadcasts_are_the_trace_checks(world):
         for r in ranks:
             _, *steps = r[i]["calls_by_step"]
             sizes = [[c[3] for c in calls if c[0] == "broadcast_"] for calls in steps]
-            assert all(c[1:3] == ["forward", "int64"] for calls in steps for c in calls if c[0] == "broadcast_")
+            assert all(
+                c[1:3] == ["forward", "int64"] for calls in steps for c in calls if c[0] == "broadcast_"
+            )
             if stage != 3:
                 assert sizes == [[], [], []]
                 continue
             modules, params = sizes[1][1], sizes[1][3]
             assert sizes[0] == [1, 0] and sizes[1] == [1, modules, 1, params, 1, params] and sizes[2] == []
             assert modules > 0 and params >= 28  # every parameter of gpt-tiny (28 tensors) is in the trace
+
+
+def test_zero1_with_overlap_comm_reduces_from_its_hooks(world):
+    """overlap_comm at ZeRO-1: the hooks create_gradient_handling_hooks installs reduce at the boundary, in
+    gradient-ready order (stage_1_and_2.py reduce_ready_partitions_and_remove_grads), not reduce_gradients'
+    walk in parameter order: measured, the buckets of the reversed parameter order, exactly."""
+    import math
+
+    from validate.engines.deepspeed import workload_for
+
+    _, _, ranks, _ = world
+    numels = tuple(math.prod(sh) for _, sh in workload_for("gpt-tiny", 2, None).shapes)
+    for case, order in (
+        ((1, "fp32", "small+overlap"), tuple(reversed(numels))),
+        ((1, "fp32", "small"), numels),
+    ):
+        i = CASES.index(case)
+        sizes = [c[3] for c in ranks[0][i]["calls_by_step"][-1] if c[:2] == ["all-reduce", "backward"]]
+        assert tuple(sizes) == D.greedy_buckets(order, SMALL["reduce_bucket_size"]), (case, sizes)
