@@ -130,9 +130,9 @@ class ValidateConfig(BaseModel):
             if self.deepspeed_config is not None:
                 raise ValueError("--deepspeed-config needs --engine deepspeed")
             return self
-        if self.simulated or self.wire or self.nnodes > 1 or self.checkpointing != "none" or self.params is not None:
-            raise ValueError("--engine deepspeed runs real gloo ranks on one node: no --simulated, --wire, --nnodes, "
-                             "--checkpointing or --params")  # fmt: skip
+        if self.simulated or self.wire or self.nnodes > 1 or self.params is not None:
+            raise ValueError("--engine deepspeed runs real gloo ranks on one node: no --simulated, --wire, --nnodes "
+                             "or --params")  # fmt: skip
         if 0 in self.stages:
             raise ValueError("--engine deepspeed: stages 1-3 (DeepSpeed's stage 0 is plain data parallelism)")
         if self.deepspeed_config is not None:

@@ -544,10 +544,12 @@ def run_validation(config) -> dict:
         configs = builtin_configs(config.stages, config.param_dtype, config.batch_per_rank, config.lr)
     rows = []
     for nd in config.world_sizes:
-        ranks = run_world(configs, nd, model, config.steps, config.timeout_s, config.seq_len)
+        ranks = run_world(
+            configs, nd, model, config.steps, config.timeout_s, config.seq_len, config.checkpointing
+        )
         for i, ds in enumerate(configs):
             workload = workload_for(model, ds["train_micro_batch_size_per_gpu"], config.seq_len,
-                                    ds.get("gradient_accumulation_steps", 1))  # fmt: skip
+                                    ds.get("gradient_accumulation_steps", 1), config.checkpointing)  # fmt: skip
             rows.append(compare_row(ds, nd, [r[i] for r in ranks], workload, config.model_label, config.tolerance,
                                     config.peak_tolerance, config.seq_len))  # fmt: skip
     notes = [
