@@ -616,8 +616,10 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int =
                                     "(parameter_offload.py persistent_parameters)"))  # fmt: skip
         return tuple(out)
     flat = flat_padded_numel(numels, nd)
-    gather = DSCollective("all-gather", "optimizer_step", 1, flat, p, "runtime/utils.py all_gather_dp_groups (all_gather_into_tensor of the padded flat "
-                          "group; one call while the group fits allgather_bucket_size)")  # fmt: skip
+    gather = DSCollective("all-gather", "optimizer_step", 1, flat, p, "runtime/utils.py all_gather_dp_groups -> "
+                          "all_gather_into_tensor_dp_groups (one all_gather_into_tensor of the padded flat group, "
+                          "whatever allgather_bucket_size: its shards are cut only without all_gather_into_tensor; "
+                          "measured: one call at 5,000 elements)")  # fmt: skip
     if kind == "BF16_Optimizer":
         return (
             DSCollective("all-reduce", "backward", 1, flat, p,
