@@ -89,11 +89,12 @@ def test_what_accumulation_changes_is_measured(world):
     import math
 
     from validate.engines.deepspeed import workload_for
+    from validate.report import _key
 
     numels = tuple(math.prod(sh) for _, sh in workload_for("gpt-tiny", 2, None).shapes)
     for name, op in (("z2-accum2", "all-reduce"), ("z3-accum2", "reduce-scatter")):
         _, _, row = world[name]
-        measured = row["measured_collectives"][f"{op}|backward|float32"]
+        measured = row["measured_collectives"][_key(op, "backward", "float32")]
         assert measured["elements"] == 2 * sum(numels), measured
     _, ranks, _ = world["z1-accum2"]
     sizes = [c[3] for c in ranks[0]["calls_by_step"][-1] if c[:2] == ["all-reduce", "backward"]]
