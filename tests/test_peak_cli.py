@@ -22,6 +22,7 @@ from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.cli import app
 from zeroplan.engines import ENGINES, SETTINGS, get_engine, reference
 from zeroplan.engines.base import Workload
+from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.presets import read_hf_config, resolve_model
 
@@ -49,15 +50,17 @@ def engine_rows(model: str, nd: int, seq_len: int, micro_batch=1, checkpointing=
     return reference.estimate(workload, nd, settings)
 
 
-def test_registry_lists_the_reference_engine_and_refuses_others_in_one_line():
+def test_registry_maps_every_engine_to_its_module_and_refuses_unknown_ones_in_one_line():
+    from zeroplan.engines import REGISTRY, deepspeed, fsdp2
+
     assert ENGINES["reference"] is reference.estimate and SETTINGS["reference"] is reference.Settings
-    engine = get_engine("reference")
-    assert (engine.estimate, engine.settings) == (reference.estimate, reference.Settings)
-    with pytest.raises(ValueError, match="unknown engine 'fsdp9': known engines are reference"):
+    for name, module in (("reference", reference), ("fsdp2", fsdp2), ("deepspeed", deepspeed)):
+        engine = get_engine(name)
+        assert (engine.estimate, engine.settings) == (module.estimate, module.Settings)
+        assert engine.planner_settings is module.planner_settings and engine.options == module.PLANNER_OPTIONS
+    assert set(REGISTRY) == set(ENGINES) == {"reference", "fsdp2", "deepspeed"}
+    with pytest.raises(ValueError, match="unknown engine 'fsdp9': known engines are reference, deepspeed, fsdp2"):
         get_engine("fsdp9")
-    for name in set(ENGINES) - {"reference"}:  # registered, but the planner cannot build their settings yet
-        with pytest.raises(ValueError, match=f"engine '{name}': not yet configurable from estimate"):
-            get_engine(name)
 
 
 def test_reference_estimate_rows_model_states_from_estimation_and_peak_from_predict_peak():
@@ -69,7 +72,8 @@ def test_reference_estimate_rows_model_states_from_estimation_and_peak_from_pred
     for r, s in zip(rows, plain.stages):
         assert r.memory == s.memory and r.collectives == s.collectives
         run_ = reference.reference_run(spec, 3, r.stage, 2, 8, "full", False, stat_bytes=4)
-        assert r.peak == reference.predict_peak(run_, block_bytes=CUDA_BLOCK_BYTES)
+        workspaces = (library_workspaces((9, 0), spec.biased_linear),)  # the planner's GPU: compute capability 9.0
+        assert r.peak == reference.predict_peak(run_, block_bytes=CUDA_BLOCK_BYTES, resident=workspaces)
     # without an architecture: the same model states, no peak
     bare = reference.estimate(Workload(workload.shapes), 3, reference.Settings())
     assert [b.memory for b in bare] == [r.memory for r in rows] and {b.peak for b in bare} == {None}

@@ -223,3 +223,23 @@ def test_only_the_plotting_module_imports_matplotlib_and_only_the_sweep_module_p
                 if top in owners:
                     owners[top].add(path.relative_to(package).as_posix())
     assert owners == {"pandas": {"sweeping/grid.py"}, "matplotlib": {"plots.py"}}
+
+
+def test_peak_by_phase_draws_each_phase_with_its_error():
+    from types import SimpleNamespace
+
+    # synthetic numbers (the plot, not a measurement): run 2's optimizer phase is not checked
+    pred = {"init": 1_000_000, "forward": 2_000_000, "backward": 4_000_000, "optimizer_step": 1_000_000}
+    meas = {**pred, "backward": 4_040_404}
+    rows = [SimpleNamespace(predicted_peak_bytes_by_phase=pred, measured_peak_bytes_by_phase=pred,
+                            peak_unchecked_phases=None),
+            SimpleNamespace(predicted_peak_bytes_by_phase=pred, measured_peak_bytes_by_phase=meas,
+                            peak_unchecked_phases={"optimizer_step": "FakeTensorMode"})]  # fmt: skip
+    fig = plots.peak_by_phase(rows, ["a", "b"])
+    init_ax, _, backward_ax, opt_ax = fig.axes[:4]
+    assert backward_ax.get_ylabel() == "backward, MB" and init_ax.get_yscale() == "log"
+    assert [p.get_height() for p in backward_ax.patches] == [4.0, 4.0, 4.0, 4.040404]
+    assert [t.get_text() for t in backward_ax.texts] == ["+0.00%", "+1.00%"]  # (measured - predicted) / measured
+    assert [t.get_text() for t in opt_ax.texts] == ["+0.00%", "+0.00% (not checked)"]
+    with pytest.raises(ValueError, match="one label per row"):
+        plots.peak_by_phase(rows, ["a"])

@@ -90,6 +90,11 @@ class ValidateConfig(BaseModel):
     reduce_dtype: Optional[Literal["bf16", "fp16", "fp32"]] = Field(
         None, description="fsdp2 only: MixedPrecisionPolicy.reduce_dtype (default: the param dtype)"
     )
+    fsdp2_init: Optional[Literal["materialized", "meta"]] = Field(
+        None, description="fsdp2 only: how the model is built: materialized (whole on the device, then "
+        "fully_shard; the default here) or meta (on the meta device, fully_shard, to_empty, then initialised "
+        "shard by shard: FSDP2's pattern for large models)",
+    )
     reshard_after_forward: Optional[Union[StrictBool, StrictInt]] = Field(
         None, description="fsdp2 only: on every block (default True; False keeps them gathered until "
         "backward; an int k reshards over k ranks)",
@@ -170,7 +175,7 @@ class ValidateConfig(BaseModel):
     @model_validator(mode="after")
     def _engine_options(self) -> ValidateConfig:
         """Each engine's own options, and only those (an ignored option is an error)."""
-        fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward") if getattr(self, n) is not None]
+        fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward", "fsdp2_init") if getattr(self, n) is not None]
         if self.engine != "reference" and self.grad_accum != 1:
             raise ValueError(f"grad-accum={self.grad_accum}: --engine reference only")
         if self.engine != "fsdp2" and fsdp2_only:
@@ -189,6 +194,9 @@ class ValidateConfig(BaseModel):
                 raise ValueError(f"model {self.model_name}: --engine fsdp2 validates transformers only")
             if self.param_dtype == "fp16" or self.reduce_dtype == "fp16":
                 raise ValueError("fp16: FSDP2 needs a gradient scaler for fp16 (not run); use bf16 or fp32")
+            if 1 in self.world_sizes:
+                raise ValueError("world-size=1: FSDP2 takes its world-size-1 path there (no collectives), which "
+                                 "zeroplan does not model; use 2 or more")  # fmt: skip
             rsf = self.reshard_after_forward
             bad = [n for n in self.world_sizes if not isinstance(rsf, bool) and rsf is not None and n % rsf]
             if bad:

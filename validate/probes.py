@@ -39,6 +39,20 @@ class CommCall:
     step: int
     elements: int
     dtype: str
+    group_size: int | None = None  # ranks of the process group it ran on (None: not readable at dispatch)
+
+
+def _group_size(args) -> int | None:
+    """Size of the process group a c10d op was dispatched on (a ScriptObject there; ``ProcessGroup.unbox``)."""
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except (AttributeError, RuntimeError):
+                return None
+    return None
 
 
 class CommCounter(TorchDispatchMode):
@@ -58,7 +72,7 @@ class CommCounter(TorchDispatchMode):
             tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
             elements = sum(t.numel() for t in tensors)
             dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "?"
-            self.calls.append(CommCall(op, self.phase, self.step, elements, dtype))
+            self.calls.append(CommCall(op, self.phase, self.step, elements, dtype, _group_size(args)))
         return func(*args, **(kwargs or {}))
 
 
@@ -92,6 +106,12 @@ def _reset_tracker_peak(tracker) -> None:
     tracker._peak_mem = {dev: s["Total"] for dev, s in snap.items()}
 
 
+def _on_devices(snapshot: dict) -> list[dict]:
+    """MemTracker's per-device snapshots, less the meta device: a meta tensor has a size but no memory
+    (FSDP2's meta-device init builds the whole model there before ``to_empty``)."""
+    return [s for dev, s in snapshot.items() if torch.device(dev).type != "meta"]
+
+
 class MemoryProbe:
     """Live bytes at step boundaries and the peak of each phase, on CPU (MemTracker) or CUDA (allocator)."""
 
@@ -119,11 +139,11 @@ class MemoryProbe:
             self.tracker.__exit__(*exc)
 
     def current_bytes(self) -> int:
+        """Live bytes; on CUDA including the library workspaces the step keeps (``release_workspaces``)."""
         if self.cuda:
-            _clear_cublas_workspaces()
             torch.cuda.synchronize()
             return torch.cuda.memory_allocated() - self.baseline
-        return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("current").values())
+        return sum(s["Total"] for s in _on_devices(self.tracker.get_tracker_snapshot("current")))
 
     def settled_bytes(self, wait_s: float = 2.0, poll_s: float = 0.002, polls: int = 3) -> int:
         """``current_bytes`` once no collective's temporary is still held; sleeps only when needed.
@@ -149,6 +169,19 @@ class MemoryProbe:
         self._settled = last
         return last
 
+    def release_workspaces(self) -> int:
+        """CUDA: free the cuBLAS / cuBLASLt workspaces and return the bytes that freed (0 on CPU).
+
+        They are left alone while the steps run, so each phase's peak holds them as an unprobed run does
+        (``zeroplan.formulas.cuda_workspaces``); called once after the last step, the bytes it frees
+        are the measured workspace, which the step-boundary readings subtract to give tensors alone.
+        """
+        if not self.cuda:
+            return 0
+        before = self.current_bytes()
+        _clear_cublas_workspaces()
+        return before - self.current_bytes()
+
     def breakdown(self) -> dict[str, int]:
         """MemTracker's own split of the live bytes on CPU; on CUDA the allocator's own counters."""
         if self.cuda:
@@ -156,7 +189,7 @@ class MemoryProbe:
             keys = ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_alloc_retries", "num_ooms")
             return {k: stats[k] for k in keys if k in stats}
         out: dict[str, int] = {}
-        for snap in self.tracker.get_tracker_snapshot("current").values():
+        for snap in _on_devices(self.tracker.get_tracker_snapshot("current")):
             for key, value in snap.items():
                 name = getattr(key, "value", key)
                 out[name] = out.get(name, 0) + value
@@ -166,7 +199,7 @@ class MemoryProbe:
         if self.cuda:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.baseline
-        return sum(s["Total"] for s in self.tracker.get_tracker_snapshot("peak").values())
+        return sum(s["Total"] for s in _on_devices(self.tracker.get_tracker_snapshot("peak")))
 
     def phase(self, name: str | None) -> None:
         """Close the open phase (keeping its largest peak over steps) and open ``name``."""

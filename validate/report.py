@@ -16,6 +16,7 @@ from zeroplan.engines.reference import predict_peak, reference_run
 from zeroplan.formulas.collectives import ring_bytes_per_rank
 from zeroplan.formulas.commtime import calls_per_optimizer_step
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT, canonical_dtype, dtype_bytes
+from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.formulas.peak import PHASES as PEAK_PHASES
 from zeroplan.render.table import format_table
@@ -42,17 +43,19 @@ def _key(op: str, phase: str, dtype: str) -> str:
     return f"{op}|{phase}|{_dtype(dtype)}"
 
 
-def observed_collectives(calls: list[list], nd: int) -> dict[str, dict]:
+def observed_collectives(calls: list[list], nd: int, group_sizes: list | None = None) -> dict[str, dict]:
     """Observed calls summed per (op, phase, dtype): ``calls`` and ``elements`` are counted at dispatch;
     ``derived_bytes_per_rank`` is the planner's ring rule applied to each call (derived, not measured;
-    None for a collective the rule does not cover)."""
+    None for a collective the rule does not cover) over the call's group (``group_sizes``, in call order,
+    as seen at dispatch; None or missing: ``nd``)."""
     out: dict[str, dict] = {}
-    for op, phase, dtype, elements in calls:
+    sizes = list(group_sizes or []) + [None] * len(calls)
+    for (op, phase, dtype, elements), size in zip(calls, sizes):
         row = out.setdefault(_key(op, phase, dtype), {"calls": 0, "elements": 0, "derived_bytes_per_rank": 0})
         row["calls"] += 1
         row["elements"] += elements
         derived = (
-            ring_bytes_per_rank(op, elements, nd, dtype_bytes(dtype))
+            ring_bytes_per_rank(op, elements, size or nd, dtype_bytes(dtype))
             if op in RING_OPS and _dtype(dtype) in BYTES_PER_ELEMENT
             else None
         )
@@ -72,7 +75,10 @@ def predicted_peak(config: ValidateConfig, meta: dict, stage: int, foreach: bool
     seq = config.seq_len or spec.max_seq_len
     run = reference_run(spec, meta["world_size"], stage, config.batch_per_rank, seq, config.checkpointing,
                         foreach, stat_bytes=4 if cuda else 2, grad_accum=config.grad_accum)  # fmt: skip
-    return predict_peak(run, block_bytes=CUDA_BLOCK_BYTES if cuda else 1)
+    if not cuda:
+        return predict_peak(run)
+    resident = (library_workspaces(tuple(meta.get("cuda_capability", (9, 0))), spec.biased_linear),)
+    return predict_peak(run, block_bytes=CUDA_BLOCK_BYTES, resident=resident)
 
 
 def peak_rows(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict]) -> dict:

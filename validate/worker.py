@@ -136,6 +136,8 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
                 del batch
                 boundary.append(probe.settled_bytes())
                 step_s.append(time.perf_counter() - t_step)
+            workspaces = probe.release_workspaces()  # CUDA: kept from the first backward on; 0 on CPU
+            boundary = [b - workspaces for b in boundary]
             breakdown = probe.breakdown()
         seconds = time.perf_counter() - t0
         wire = None
@@ -147,6 +149,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
             "stage": stage,
             "rank": rank,
             "boundary_bytes": boundary,
+            "library_workspace_bytes": workspaces,
             "probe_breakdown": breakdown,
             "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
             "calls_by_step": calls_by_step(counter.calls, config.steps),
@@ -282,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     backend = init_group(config, nd, rank, args.init, args.simulated, device)
     rows = run(config, nd, rank, device, args.simulated)
     meta = {"world_size": nd, "backend": backend, "device": str(device), "torch": torch.__version__}
+    if device.type == "cuda":
+        meta["cuda_capability"] = list(torch.cuda.get_device_capability(device))
     everyone = [rows]
     if torchrun:  # one file for the whole world, from rank 0
         everyone = [None] * nd if rank == 0 else None

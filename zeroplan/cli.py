@@ -13,9 +13,10 @@ from typing import Annotated, Optional
 import typer
 
 from zeroplan.cli_options import (
-    STEP_OPTIONS, CheckpointingOption, EngineOption, ForeachOption, GradAccumOption, GradDtype, MasterWeights,
-    MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName, ParamDtype, SeqLenOption, Unit,
-    UserError, given, given_on_command_line, policy_from, refuse_unused,
+    STEP_OPTIONS, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption, GradAccumOption,
+    GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
+    ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, engine_options_from, given,
+    given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 
 
@@ -53,11 +54,13 @@ def estimate(
         1, "--model-parallel",
         help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
     ),
-    stage: Optional[int] = typer.Option(None, help="Show only this ZeRO stage (0-3)."),
-    deepspeed_config: Optional[Path] = typer.Option(
-        None, "--deepspeed-config", help="ds_config.json: takes stage, dtypes and optimizer from it."
+    stage: Optional[int] = typer.Option(
+        None, help="Show only this ZeRO stage (0-3); deepspeed: the stage when --deepspeed-config gives none."
     ),
+    deepspeed_config: DeepSpeedConfigOption = None,
+    reshard_after_forward: ReshardOption = None,
     param_dtype: ParamDtype = None,
+    reduce_dtype: ReduceDtypeOption = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
     optimizer: OptimizerName = None,
@@ -72,6 +75,7 @@ def estimate(
 ) -> None:
     """Per-GPU model states and per-step communication of ZeRO stages 0-3."""
     from zeroplan.architectures.shapes_file import load_numels
+    from zeroplan.engines import get_engine
     from zeroplan.engines.deepspeed import merge_deepspeed
     from zeroplan.estimation.config import EstimateConfig
     from zeroplan.estimation.estimate import estimate_config
@@ -89,16 +93,16 @@ def estimate(
         refuse_unused(ctx, STEP_OPTIONS, "without --model: the training step's peak needs an architecture")
     else:
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
-    settings = given(
-        stage=stage,
-        param_dtype=param_dtype,
-        grad_dtype=grad_dtype,
-        master_weights=master_weights,
-        optimizer=optimizer,
-        optimizer_dtype=optimizer_dtype,
-    )
-    if deepspeed_config is not None:
-        settings = merge_deepspeed(deepspeed_config, settings)
+    refuse_foreign(ctx, engine)
+    options = engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
+    policy: dict = {}
+    if "policy" in get_engine(engine).options:  # the paper's vocabulary; a ds_config completes it
+        settings = given(stage=stage, param_dtype=param_dtype, grad_dtype=grad_dtype, master_weights=master_weights,
+                         optimizer=optimizer, optimizer_dtype=optimizer_dtype)  # fmt: skip
+        if deepspeed_config is not None:
+            settings = merge_deepspeed(deepspeed_config, settings)
+        stage = settings.pop("stage", None)
+        policy = {"policy": PrecisionPolicy(**settings)}
     config = EstimateConfig(
         params=parse_count(params) if params is not None else None,
         tensor_numels=load_numels(shapes) if shapes is not None else None,
@@ -108,9 +112,10 @@ def estimate(
         engine=engine,
         gpus=gpus,
         model_parallel=model_parallel,
-        stage=settings.pop("stage", None),
+        stage=stage,
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
-        policy=PrecisionPolicy(**settings),
+        **policy,
+        engine_options=options,
     )
     result = estimate_config(config)
     if as_json:
@@ -161,7 +166,12 @@ def sweep(
         "per GPU knows none and full).",
     ),
     foreach: ForeachOption = True,
-    engine: Annotated[str, typer.Option(help="Training engine of the peak columns: reference.")] = "reference",
+    engine: Annotated[str, typer.Option(
+        help="Training engine of the rows: reference (one row per --stage), fsdp2 or deepspeed (one row per "
+        "configuration: the sharding the engine runs; deepspeed: one per --stage given).")] = "reference",
+    deepspeed_config: DeepSpeedConfigOption = None,
+    reshard_after_forward: ReshardOption = None,
+    reduce_dtype: ReduceDtypeOption = None,
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
@@ -182,6 +192,7 @@ def sweep(
     import importlib.util
 
     from zeroplan.architectures.shapes_file import load_numels
+    from zeroplan.engines import get_engine
     from zeroplan.files import atomic_write, check_writable
     from zeroplan.parsing import parse_bytes, parse_counts, parse_list, parse_offload, parse_wholes
     from zeroplan.presets import gpu_capacity
@@ -202,6 +213,10 @@ def sweep(
         raise UserError("--checkpointing changes only activations, which need --model")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
+    refuse_foreign(ctx, engine)
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
+        raise UserError("--deepspeed-config does not apply to sweep --engine reference: give the policy options")
+    reads_policy = "policy" in get_engine(engine).options
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
         params=parse_counts(params) if params is not None else None,
@@ -214,10 +229,12 @@ def sweep(
         engine=engine,
         gpus=parse_wholes(gpus, "gpus"),
         model_parallel=parse_wholes(model_parallel, "model-parallel"),
-        stages=parse_wholes(stage, "stage"),
+        **({"stages": parse_wholes(stage, "stage")} if given_on_command_line(ctx, "stage") or reads_policy else {}),
         offload=parse_list(offload, "offload", parse_offload),
         gpu_memory_bytes=capacity,
-        policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
+        policy=policy_from(param_dtype if reads_policy else None, grad_dtype, master_weights, optimizer,
+                           optimizer_dtype),  # fmt: skip
+        engine_options=engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype),
     )
 
     def write(sink) -> None:
@@ -376,7 +393,11 @@ def plan(
         "per GPU knows none and full).",
     ),
     foreach: ForeachOption = True,
-    engine: Annotated[str, typer.Option(help="Training engine whose peak decides the fit: reference.")] = "reference",
+    engine: Annotated[str, typer.Option(
+        help="Training engine whose peak decides the fit: reference (ZeRO stages and offload), fsdp2 (chooses "
+        "reshard_after_forward and checkpointing) or deepspeed (chooses the stage and bucket sizes).")] = "reference",
+    deepspeed_config: DeepSpeedConfigOption = None,
+    reduce_dtype: ReduceDtypeOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -400,6 +421,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
 ) -> None:
     """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
+    from zeroplan.engines import get_engine
     from zeroplan.parsing import parse_bytes, parse_count
     from zeroplan.planning.config import PlanConfig
     from zeroplan.planning.plan import plan_config
@@ -411,10 +433,15 @@ def plan(
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
+    refuse_foreign(ctx, engine)
+    refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
+        raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     config = PlanConfig(
         model=model,
         foreach=foreach,
         engine=engine,
+        engine_options=engine_options_from(engine, deepspeed_config, None, param_dtype, reduce_dtype),
         params=parse_count(params) if params is not None else None,
         gpu=gpu,
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
@@ -430,12 +457,13 @@ def plan(
         micro_batch=micro_batch,
         grad_accum=grad_accum,
         seq_len=seq_len,
-        checkpointing=checkpointing,
+        **({} if "checkpointing" in get_engine(engine).plan_chooses else {"checkpointing": checkpointing}),
         offload=offload,
         host_memory_bytes=parse_bytes(host_memory, "host-memory") if host_memory is not None else None,
         peak_tflops=peak_tflops,
         mfu=mfu,
-        policy=policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype),
+        **({"policy": policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype)}
+           if "policy" in get_engine(engine).options else {}),  # fmt: skip
     )
     result = plan_config(config)
     typer.echo(to_json(result) if as_json else to_table(result, units.value))
@@ -489,6 +517,15 @@ def validate_cmd(
         None, "--reshard-after-forward/--no-reshard-after-forward",
         help="fsdp2: reshard each block after forward (default) or keep it gathered until backward.",
     ),  # fmt: skip
+    reshard_after_forward_size: Optional[int] = typer.Option(
+        None, "--reshard-after-forward-size", metavar="K",
+        help="fsdp2: reshard_after_forward=K, FSDP2's int form: each block kept sharded over K ranks between "
+        "forward and backward (K divides every world size; K = N_d is True, 1 is False).",
+    ),  # fmt: skip
+    fsdp2_init: Optional[str] = typer.Option(
+        None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
+        "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
+    ),
     fake_tensors: Optional[bool] = typer.Option(
         None, "--fake-tensors/--real-tensors", help="--simulated: FakeTensorMode (default on CPU) or real tensors."
     ),
@@ -527,6 +564,14 @@ def validate_cmd(
         check_writable(json_path)
     if not 0 < baseline_tolerance < 1:
         raise UserError(f"--baseline-tolerance {baseline_tolerance:g}: must be between 0 and 1")
+    if reshard_after_forward_size is not None:  # the flags stay bool; the int has its own option (docs/engines/fsdp2.md)
+        if engine != "fsdp2":
+            raise UserError("--reshard-after-forward-size: --engine fsdp2 only")
+        if reshard_after_forward is not None:
+            raise UserError("--reshard-after-forward-size and --[no-]reshard-after-forward are exclusive: give one")
+        if reshard_after_forward_size < 1:
+            raise UserError(f"--reshard-after-forward-size {reshard_after_forward_size}: must be >= 1")
+        reshard_after_forward = reshard_after_forward_size
     old = None
     if baseline is not None:
         from validate.baseline import read_baseline
@@ -554,7 +599,7 @@ def validate_cmd(
         seq_len=seq_len,
         param_dtype=param_dtype,
         **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
-                reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors),
+                reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -167,6 +168,69 @@ ForeachOption = Annotated[
     bool, typer.Option("--foreach/--no-foreach",
                        help="Adam's multi-tensor path (default on: torch's choice on CUDA). Needs --model."),
 ]  # fmt: skip
-EngineOption = Annotated[str, typer.Option(help="Training engine whose memory is estimated: reference.")]
+EngineOption = Annotated[
+    str, typer.Option(help="Training engine whose memory is estimated: reference (the paper's stages, the bundled "
+                      "runtime), fsdp2 (PyTorch fully_shard) or deepspeed (ZeRO 1-3 from --deepspeed-config).")
+]  # fmt: skip
+ReshardOption = Annotated[
+    Optional[str],
+    typer.Option("--reshard-after-forward", help="fsdp2: true (default: blocks gathered again in backward), false "
+                 "(kept gathered) or an integer k dividing N_d (kept sharded over k ranks until backward)."),
+]  # fmt: skip
+ReduceDtypeOption = Annotated[
+    Optional[str],
+    typer.Option("--reduce-dtype", help="fsdp2: MixedPrecisionPolicy.reduce_dtype, fp32, bf16 or fp16 (default: "
+                 "the param dtype)."),
+]  # fmt: skip
+DeepSpeedConfigOption = Annotated[
+    Optional[Path],
+    typer.Option("--deepspeed-config", help="ds_config.json: with --engine deepspeed the engine's settings (buckets, "
+                 "precision, optimizer, stage); with reference, its stage, dtypes and optimizer."),
+]  # fmt: skip
+ENGINE_VOCABULARY: dict[str, tuple[str, ...]] = {
+    "stage": ("stages", "stage"),
+    "deepspeed_config": ("policy", "ds_config"),
+    "param_dtype": ("policy", "param_dtype"),
+    "grad_dtype": ("policy",),
+    "master_weights": ("policy",),
+    "optimizer": ("policy",),
+    "optimizer_dtype": ("policy",),
+    "reshard_after_forward": ("reshard_after_forward",),
+    "reduce_dtype": ("reduce_dtype",),
+}
+"""Command parameter -> the ``PlannerOptions`` fields it sets; an engine takes it when its vocabulary
+(``zeroplan.engines.Engine.options``) holds any of them."""
+
+
+def refuse_foreign(ctx, engine_name: str) -> None:
+    """UserError (one line) for an option outside ``--engine``'s vocabulary, e.g. ``--reshard-after-forward``
+    with reference, ``--grad-dtype`` or ``--stage`` with fsdp2; an unknown engine name first."""
+    from zeroplan.engines import get_engine
+
+    engine = get_engine(engine_name)
+    names = {p.name for p in ctx.command.params}
+    foreign = tuple(n for n, fields in ENGINE_VOCABULARY.items()
+                    if n in names and not set(fields) & set(engine.options))  # fmt: skip
+    refuse_unused(ctx, foreign, f"to --engine {engine.name} (its options: {', '.join(engine.options)})")
+
+
+def engine_options_from(engine_name: str, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype):
+    """The ``EngineOptions`` of the command line for an engine that reads them (``refuse_foreign`` has
+    refused the others): the ds_config parsed, ``--reshard-after-forward`` parsed, the dtypes as given."""
+    from zeroplan.engines import get_engine
+    from zeroplan.engines.base import EngineOptions
+    from zeroplan.files import read_json
+    from zeroplan.parsing import parse_reshard
+
+    mine = get_engine(engine_name).options
+    found = {
+        "ds_config": read_json(deepspeed_config, "deepspeed config") if deepspeed_config is not None else None,
+        "reshard_after_forward": parse_reshard(reshard_after_forward) if reshard_after_forward is not None else None,
+        "param_dtype": param_dtype,
+        "reduce_dtype": reduce_dtype,
+    }
+    return EngineOptions(**{k: v for k, v in found.items() if k in mine and v is not None})
+
+
 STEP_OPTIONS: tuple[str, ...] = ("seq_len", "micro_batch", "checkpointing", "grad_accum", "foreach")
 """Parameter names of the training-step options: refused without an architecture."""

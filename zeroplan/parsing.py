@@ -105,3 +105,14 @@ def parse_offload(text: str | Offload) -> Offload:
     if len(parts) > 2 or not all(p in DEVICES for p in parts):
         raise ValueError(f"offload={text!r}: expected {OFFLOAD_HELP.removeprefix('offload: ')}")
     return Offload(parts[0], parts[1] if len(parts) == 2 else "none")
+
+
+def parse_reshard(text: str) -> bool | int:
+    """``--reshard-after-forward``: true, false, or a whole number of ranks (FSDP2's int: the post-forward
+    group size, a divisor of N_d checked against N_d by ``zeroplan.engines.fsdp2.post_forward_group``)."""
+    key = text.strip().lower()
+    if key in ("true", "false"):
+        return key == "true"
+    if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) < 1:
+        raise ValueError(f"reshard-after-forward={show(text)!r}: expected true, false or a whole number of ranks >= 1")
+    return int(key)

@@ -389,6 +389,41 @@ def predicted_vs_measured(rows: Sequence[ValidationRow]) -> Figure:
     return fig
 
 
+PEAK_PHASES = ("init", "forward", "backward", "optimizer_step")  # zeroplan.formulas.peak.PHASES, in step order
+
+
+def peak_by_phase(rows: Sequence[Any], labels: Sequence[str]) -> Figure:
+    """Predicted and measured peak of each phase for validator runs (``validate.schema.ReportRow``), one
+    panel per phase, one pair of bars per run labelled by ``labels``; the relative error
+    (measured - predicted) / measured above each pair, "not checked" where the row says so."""
+    if len(labels) != len(rows) or not rows:
+        raise ValueError(f"peak_by_phase: {len(rows)} rows and {len(labels)} labels: need one label per row")
+    fig = Figure(figsize=(max(8.0, 0.9 * len(rows) + 3), 10.0), layout="constrained")
+    axes = fig.subplots(len(PEAK_PHASES), 1, sharex=True)
+    x = list(range(len(rows)))
+    for ax, phase in zip(axes, PEAK_PHASES):
+        pred = [r.predicted_peak_bytes_by_phase[phase] for r in rows]
+        meas = [r.measured_peak_bytes_by_phase[phase] for r in rows]
+        unit, scale = _auto_unit(pred + meas)
+        ax.bar([i - 0.2 for i in x], [p / scale for p in pred], width=0.4, color="white", edgecolor="#1f77b4",
+               hatch="//", linewidth=1.2)  # fmt: skip
+        ax.bar([i + 0.2 for i in x], [m / scale for m in meas], width=0.4, color="#1f77b4")
+        for i, (r, p, m) in enumerate(zip(rows, pred, meas)):
+            unchecked = phase in (r.peak_unchecked_phases or {})
+            text = f"{100 * (m - p) / m:+.2f}%" + (" (not checked)" if unchecked else "")
+            ax.annotate(text, (i, max(p, m) / scale), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+                        textcoords="offset points")  # fmt: skip
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{phase}, {unit}")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[-1].set_xticks(x, labels, fontsize=8)
+    handles = [Patch(facecolor="white", edgecolor="#1f77b4", hatch="//", label="predicted peak"),
+               Patch(facecolor="#1f77b4", label="measured peak")]  # fmt: skip
+    _legend(fig, axes[-1], ncol=2, handles=handles)
+    fig.suptitle("peak per phase: prediction vs measurement (error = (measured - predicted) / measured)")
+    return fig
+
+
 def check_format(path: str | Path) -> str:
     """The output format from the file name: '.png', '.svg' or '.pdf'; ValueError for anything else."""
     suffix = Path(path).suffix.lower()

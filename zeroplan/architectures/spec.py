@@ -76,6 +76,11 @@ class TransformerSpec:
     resid_pdrop: float = 0.0
     """dropout after the attention and MLP output projections (GPT-2 ``resid_pdrop``)."""
 
+    @property
+    def biased_linear(self) -> bool:
+        """Whether a projection has a bias (GPT-2: all of them; llama layout: as the config asks)."""
+        return self.style == "gpt" or self.qkv_bias or self.o_bias or self.mlp_bias
+
     def __post_init__(self) -> None:
         for name in ("n_layer", "d_model", "n_head", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:

@@ -21,13 +21,18 @@ shared probes); it compares its measurements with this module's ``estimate`` row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from zeroplan.architectures.spec import Shape, TransformerSpec
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.peak import PeakEstimate
+from zeroplan.policy import PrecisionPolicy
 
 Checkpointing = Literal["none", "full"]
 
@@ -75,3 +80,87 @@ class EngineEstimate:
     @property
     def model_states_bytes(self) -> int:
         return self.memory.model_states_bytes
+
+
+# ---- the planner's side: what `estimate`, `plan` and `sweep` were asked, and what `plan` may answer ----
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """What the planner commands were asked, for an engine's ``planner_settings(options) -> Settings``.
+
+    The shared fields first, then each engine's own vocabulary; None means "not given: the engine's
+    default". Which of the vocabulary fields an engine reads is data (``zeroplan.engines.Engine.options``),
+    so the commands refuse the others in one line instead of ignoring them.
+    """
+
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    """reference: the ZeRO stages to estimate, one row each."""
+    policy: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    """reference: dtypes of the model states and the optimizer (the paper's vocabulary)."""
+    flat_layout: bool = True
+    """the shapes are the model's real tensors (per-tensor padding); False for a bare Ψ."""
+    stage: Optional[int] = None
+    """deepspeed: ``--stage``, the ZeRO stage when the ds_config gives none (a contradiction is refused)."""
+    ds_config: Optional[Mapping[str, Any]] = None
+    """deepspeed: the parsed ``ds_config.json`` (None: DeepSpeed's defaults for every key)."""
+    reshard_after_forward: Optional[bool | int] = None
+    """fsdp2: ``fully_shard(reshard_after_forward=...)``: True, False or the post-forward group size."""
+    param_dtype: Optional[str] = None
+    """fsdp2: ``MixedPrecisionPolicy.param_dtype``."""
+    reduce_dtype: Optional[str] = None
+    """fsdp2: ``MixedPrecisionPolicy.reduce_dtype``."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration an engine's planner tried: its estimate, whether its predicted peak fits, and
+    exactly what to run for it (a ds_config dict, a ``fully_shard`` snippet)."""
+
+    label: str
+    """the configuration in the engine's words, e.g. ``reshard_after_forward=False, checkpointing none``."""
+    estimate: EngineEstimate
+    fits: bool
+    launcher: object
+    bucket_numel: Optional[int] = None
+    """elements per collective call the configuration uses (DeepSpeed's buckets); None: one call per row."""
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """An engine's answer to ``zeroplan plan``: every candidate, cheapest first, and the one to run."""
+
+    candidates: tuple[Candidate, ...]
+    recommended: Optional[int]
+    """index of the cheapest candidate that fits; None when none does."""
+    launcher_key: str
+    """where the recommendation's configuration goes in ``plan --json``: ``deepspeed`` or ``fsdp2``."""
+    order: str
+    """why the candidates are in this order (cheapest first), for the plan's reason."""
+    base: object = None
+    """the engine ``Settings`` the candidates vary (their byte convention: ``Engine.policy``)."""
+
+
+class EngineOptions(BaseModel):
+    """The engine-vocabulary options of a planner question (``EstimateConfig``, ``PlanConfig``,
+    ``SweepConfig``); None: not given. ``zeroplan.engines.planner_options`` checks them against the
+    engine's vocabulary and makes the ``PlannerOptions`` its ``planner_settings`` reads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ds_config: Optional[dict[str, Any]] = None
+    """deepspeed: the parsed ``ds_config.json``."""
+    reshard_after_forward: Optional[StrictBool | StrictInt] = None
+    """fsdp2: True, False, or the post-forward group size (a divisor of N_d, torch's rule)."""
+    param_dtype: Optional[str] = None
+    """fsdp2: ``MixedPrecisionPolicy.param_dtype``."""
+    reduce_dtype: Optional[str] = None
+    """fsdp2: ``MixedPrecisionPolicy.reduce_dtype``."""
+
+    def __hash__(self) -> int:  # a dict field: hash its canonical JSON (configs are lru_cache keys)
+        return hash(json.dumps(self.model_dump(), sort_keys=True))
+
+    @property
+    def given(self) -> tuple[str, ...]:
+        """The fields that were given, in field order."""
+        return tuple(k for k in type(self).model_fields if getattr(self, k) is not None)

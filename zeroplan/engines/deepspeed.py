@@ -30,7 +30,7 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, validate_call
 
-from zeroplan.engines.base import EngineEstimate, Workload
+from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
 from zeroplan.files import read_json
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
@@ -1120,3 +1120,56 @@ def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
             if peak <= memory_bytes:
                 return Recommendation(s, est, to_ds_config(s, workload.micro_batch, workload.grad_accum), tuple(tried))
     return None
+
+
+# --- the planner's side (estimate, plan, sweep): options -> Settings, the byte convention, the plan ----------
+
+PLANNER_OPTIONS: tuple[str, ...] = ("ds_config", "stage")
+"""The ``PlannerOptions`` fields in DeepSpeed's vocabulary: a ``ds_config.json`` and ``--stage``."""
+PLAN_ORDER = "the lowest ZeRO stage (least traffic), then the largest bucket (fewest calls)"
+
+
+def planner_settings(options: PlannerOptions) -> Settings:
+    """DeepSpeed's ``Settings`` from ``--deepspeed-config`` (absent keys: DeepSpeed 0.19.8's defaults) and
+    ``--stage`` (fills in a config without a stage; a contradiction is refused)."""
+    config = dict(options.ds_config) if options.ds_config is not None else {}
+    zero = config.get("zero_optimization")
+    if options.stage is None and not (isinstance(zero, dict) and "stage" in zero):
+        raise ValueError("--engine deepspeed needs the ZeRO stage: give --stage or zero_optimization.stage in "
+                         "--deepspeed-config")  # fmt: skip
+    return Settings.from_ds_config(config, options.stage)
+
+
+def planner_policy(settings: Settings) -> PrecisionPolicy:
+    """The byte convention of DeepSpeed's model states: 16-bit (or fp32) parameters, gradients in
+    ``grad_accum_dtype``, an fp32 master partition (a clone even in fp32) and fp32 Adam m and v."""
+    return PrecisionPolicy(param_dtype=settings.dtype, grad_dtype=settings.grad_dtype, master_weights=True,
+                           optimizer=settings.optimizer, optimizer_dtype="fp32")  # fmt: skip
+
+
+def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
+    """``zeroplan plan --engine deepspeed``: every (stage, bucket) ``recommend`` may try, in its order, each
+    with the ds_config of exactly that prediction; the recommendation is ``recommend``'s. The other keys
+    come from ``--deepspeed-config`` (the plan chooses the stage: the file's is one of the candidates)."""
+    config = dict(options.ds_config) if options.ds_config is not None else {}
+    zero = dict(config.get("zero_optimization") or {})
+    zero.pop("stage", None)
+    base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
+    chosen = recommend(workload, nd, capacity_bytes, base)
+    candidates, index = [], None
+    for stage in (1, 2, 3):
+        for bucket in BUCKET_CHOICES:
+            s = base.model_copy(update={"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket})
+            (est,) = estimate(workload, nd, s)
+            need = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
+            if chosen is not None and s == chosen.settings:
+                index = len(candidates)
+            candidates.append(Candidate(f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e"), est,
+                                        need <= capacity_bytes, to_ds_config(s, workload.micro_batch,
+                                                                             workload.grad_accum), bucket))  # fmt: skip
+    return EnginePlan(tuple(candidates), index, "deepspeed", PLAN_ORDER, base)
+
+
+def planner_block_bytes(settings: Settings) -> int:
+    """The allocator block the peak is rounded to: none (``estimate`` sums the terms as allocated)."""
+    return 1

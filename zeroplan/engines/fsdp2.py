@@ -38,12 +38,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from zeroplan.architectures.spec import block_prefix
-from zeroplan.engines.base import EngineEstimate, Workload
+from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
+from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 
@@ -135,6 +136,15 @@ class Settings(BaseModel):
         "nccl and the fake group (simulation) add nothing",
     )  # fmt: skip
     rank: StrictInt = Field(0, ge=0, description="the rank described (rank 0 holds the most: padding is at the end)")
+    init: Literal["meta", "materialized"] = Field(
+        "meta", description="meta: built on the meta device, fully_shard, to_empty, initialised shard by shard "
+        "(FSDP2's pattern for models larger than one GPU; the planner's default); materialized: built whole "
+        "on the device, then fully_shard (init holds the whole model)",
+    )  # fmt: skip
+    cuda_capability: tuple[StrictInt, StrictInt] = Field(
+        (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
+        "(formulas.cuda_workspaces); (9, 0) is H100/H200",
+    )  # fmt: skip
 
     @field_validator("reshard_after_forward")
     @classmethod
@@ -272,9 +282,14 @@ class Fsdp2Run:
     final_norm_numel: int = 0
     tied_head: bool = False
     style: str = "gpt"  # the architecture's layout (architectures.spec): gpt (LayerNorm) or llama (RMSNorm)
+    biased_linear: bool = True  # a projection has a bias: its GEMM takes cuBLASLt's workspace on CUDA
     param_order: tuple[Shape, ...] = ()  # parameters in model.parameters() order (the optimizer's); () = units'
 
     def __post_init__(self) -> None:
+        if self.nd == 1:
+            raise ValueError("N_d = 1: FSDP2 takes its world-size-1 path there (no all-gather or reduce-scatter; "
+                             "_fsdp_param_group.py:FSDPParamGroup.unshard), which this profile does not model: "
+                             "use N_d >= 2")  # fmt: skip
         if self.nd < 1 or len(self.units) < (2 if self.acts is not None else 1):
             raise ValueError(f"nd={self.nd}, units={len(self.units)}: need nd >= 1 and a root plus blocks")
         if self.checkpointing not in ("none", "full"):
@@ -339,17 +354,55 @@ def ag_output(run: Fsdp2Run, u: int, why: str) -> Term:
                "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard")  # fmt: skip
 
 
-def copy_in(run: Fsdp2Run, u: int) -> Term:
-    """The shard cast to the param dtype for the all-gather (none when the dtypes agree)."""
+def copy_in(run: Fsdp2Run, u: int, post_forward: bool = False) -> Term:
+    """The all-gather input copied into one flat buffer in the param dtype (none when the dtypes agree:
+    ``use_foreach_copy`` needs a ``param_dtype``); from the post-forward state of an int k it is the
+    k-sharded data, nd·S_u/k elements, else the shard S_u (_fsdp_collectives.py:_get_param_all_gather_inputs)."""
     cast = run.settings.param != run.settings.module
-    return _fp(f"all-gather copy-in (unit {u}, cast)", run.shard(u) * run.p if cast else 0,
-               "_fsdp_collectives.py:_get_param_all_gather_inputs")  # fmt: skip
+    numel = run.nd * run.shard(u) // post_forward_group(run.settings, run.nd) if post_forward else run.shard(u)
+    return _fp(f"all-gather copy-in (unit {u}{', post-forward' if post_forward else ''}, cast)",
+               numel * run.p if cast else 0, "_fsdp_collectives.py:_get_param_all_gather_inputs")  # fmt: skip
 
 
 def post_forward_shard(run: Fsdp2Run, u: int) -> Term:
     """reshard_after_forward=k: the block kept sharded over k ranks until backward."""
     k = post_forward_group(run.settings, run.nd)
     return _fp(f"post-forward shard (block {u}, k={k})", run.nd * run.shard(u) // k * run.p,
+               "_fsdp_param.py:FSDPParam.to_sharded_post_forward")  # fmt: skip
+
+
+def partial_reshard(run: Fsdp2Run) -> bool:
+    """reshard_after_forward=k with 1 < k < nd: blocks kept sharded over k ranks between forward and backward."""
+    return 1 < post_forward_group(run.settings, run.nd) < run.nd
+
+
+def mesh_ranks_bytes(settings: Settings, nd: int) -> int:
+    """The post-forward mesh's rank tensor, held from init on beside the model states (0 unless 1 < k < nd):
+    ``_get_post_forward_mesh_info`` builds a ``DeviceMesh`` from ``mesh_info.mesh.mesh.view(-1, k)``, a new
+    int32 tensor of the nd ranks (``DeviceMesh.mesh``) that the new mesh keeps as its rank map
+    (measured with 2 blocks: 16, 32, 256 B at N_d = 4, 8, 64)."""
+    return 4 * nd if 1 < post_forward_group(settings, nd) < nd else 0
+
+
+def mesh_ranks(run: Fsdp2Run) -> tuple[Term, ...]:
+    """``mesh_ranks_bytes`` as a term of every moment from the first ``fully_shard`` on."""
+    if not partial_reshard(run):
+        return ()
+    return (_fp("post-forward mesh ranks (int32)", mesh_ranks_bytes(run.settings, run.nd),
+                "_fsdp_init.py:_get_post_forward_mesh_info"),)  # fmt: skip
+
+
+def post_forward_reshard(run: Fsdp2Run, u: int) -> Term:
+    """The k-sharded copy made at a block's post-forward, parameter by parameter: each clones its slice
+    (nd·c·rest/k) and then frees its unsharded tensor (nd·c·rest), so the most held beyond the unsharded
+    block is max over j of clone_j + Σ_{i<j} (clone_i - full_i) (_fsdp_param.py:FSDPParam.to_sharded_post_forward)."""
+    k = post_forward_group(run.settings, run.nd)
+    held, worst = 0, 0
+    for shape in run.units[u].shapes:
+        full = run.nd * padded_shard_numel(shape, run.nd)
+        worst = max(worst, held + full // k)
+        held += full // k - full
+    return _fp(f"post-forward reshard (block {u}, k={k}): clones less what is freed", worst * run.p,
                "_fsdp_param.py:FSDPParam.to_sharded_post_forward")  # fmt: skip
 
 
@@ -384,14 +437,31 @@ def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
 def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """``fully_shard`` of each block, then the root: the units not yet sharded are whole, and the shard
     of this unit is allocated before its whole tensors are dropped (_fsdp_param.py:
-    FSDPParam._init_sharded_param). Adam's constructor allocates nothing (its states come at step 1)."""
+    FSDPParam._init_sharded_param). Adam's constructor allocates nothing (its states come at step 1).
+
+    ``init="meta"``: nothing is allocated until ``to_empty`` gives each shard device memory
+    (torch/nn/modules/module.py:Module.to_empty, then _fully_shard/_fully_shard.py:FSDPModule._apply:
+    FSDPParam.reset_sharded_param), and the in-place initialisation adds nothing (measured: the init
+    peak is the padded shards, gpt-tiny N_d = 2 and tiny-llama N_d = 8, MemTracker less the meta device)."""
+    if run.settings.init == "meta":
+        rank, src = run.settings.rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
+        shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
+        repad = [local_shard_numel(s, run.nd, rank) for s in shapes
+                 if local_shard_numel(s, run.nd, rank) != padded_shard_numel(s, run.nd)]  # fmt: skip
+        return (
+            Moment("init", "to_empty: the shards get device memory", (*mesh_ranks(run), params(run))),
+            # a shard shorter than its padded size (ranks at the end) is copied into a new padded tensor
+            # while its unpadded one is alive: the largest such copy on top of all shards bounds the peak
+            Moment("init", "to_empty: re-padding a short shard", (*mesh_ranks(run), params(run),
+                   _fp("the unpadded shard being re-padded", max(repad, default=0) * run.m, src))),
+        )  # fmt: skip
     order = [*range(1, len(run.units)), 0]
     out = []
     for i, u in enumerate(order):
         whole = sum(run.units[v].numel for v in order[i:]) * run.m
         done = sum(run.shard(v) for v in order[:i]) * run.m
         out.append(Moment("init", f"fully_shard({run.units[u].name})", (
-            Term("unsharded units as built", whole, "validate/models.py:build"),
+            *mesh_ranks(run), Term("unsharded units as built", whole, "validate/models.py:build"),
             _fp("shards of the units sharded before", done, "_fsdp_param.py:FSDPParam._init_sharded_param"),
             _fp("this unit's new shard", run.shard(u) * run.m, "_fsdp_param.py:FSDPParam._init_sharded_param"))))  # fmt: skip
     return tuple(out)
@@ -401,8 +471,8 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """The last block's all-gather and forward, the LM head, the loss (_fsdp_state.py:FSDPState._pre_forward,
     _post_forward: the last all-gather output is freed when the root's forward returns)."""
     acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
-    base = (params(run), adam(run), batch(run), _act("embedding saved (position ids)", acts.embed_saved),
-            unsharded(run, 0))  # fmt: skip
+    base = (*mesh_ranks(run), params(run), adam(run), batch(run),
+            _act("embedding saved (position ids)", acts.embed_saved), unsharded(run, 0))  # fmt: skip
     prev = ag_output(run, L - 1 if L > 1 else 0, "previous unit, freed when this copy-out returns")
     gather = Moment("forward", f"block {L} all-gather", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
@@ -419,6 +489,12 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     last = Moment("forward", f"block {L} forward", (
         *base, *kept_blocks(run, L - 1), *work, ag_output(run, L, "kept until the root's post-forward"),
         unsharded(run, L)))  # fmt: skip
+    # reshard_after_forward=k: the block's post-forward copies its k-sharded slices while it is whole
+    # (the block output is alive, its last op's output is gone: traced, gpt-tiny N_d = 8, k = 2)
+    reshard = (Moment("forward", f"block {L} post-forward reshard", (
+        *base, *kept_blocks(run, L - 1), _blocks_saved(run, L), _act("block output", acts.embed_out),
+        ag_output(run, L, "kept until the root's post-forward"), unsharded(run, L), post_forward_reshard(run, L))),
+    ) if partial_reshard(run) else ()  # fmt: skip
     head_acts = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved),
                  _act("logits", acts.logits))  # fmt: skip
     head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts,
@@ -429,7 +505,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     upcast = Moment("forward", "logits upcast", (*base, *kept_blocks(run, L), *head_acts, fp32_logits))
     loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], fp32_logits,
                   _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss)))  # fmt: skip
-    return (gather, copy_out, last, head, upcast, loss) if run.p != 4 else (gather, copy_out, last, head, loss)
+    return (gather, copy_out, last, *reshard, head, *((upcast,) if run.p != 4 else ()), loss)
 
 
 def input_norm_backward(run: Fsdp2Run) -> Term:
@@ -454,6 +530,32 @@ def input_norm_backward(run: Fsdp2Run) -> Term:
                 "derived from LlamaRMSNorm / nn.LayerNorm backward (see input_norm_backward)")
 
 
+def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:
+    """A unit's reduce-scatter, then the cast of its output to the module dtype: two moments, since gloo's
+    copy of the input is gone before the cast (_fsdp_collectives.py:foreach_reduce runs
+    ``_to_dtype_if_needed(reduce_output, orig_dtype)`` after the collective; traced at dispatch, gpt-tiny
+    bf16/bf16 at N_d = 2: the copy drops as the fp32 cast is made, so both are never live together)."""
+    return (Moment("backward", f"{what} reduce-scatter", (*common, rs_in, rs_out, *gloo)),
+            Moment("backward", f"{what} cast to the module dtype", (*common, rs_in, rs_out, cast)))  # fmt: skip
+
+
+def final_norm_backward(run: Fsdp2Run) -> Term:
+    """The final norm running backward, after the LM head (its output, saved by the head, and the logits
+    gradient are gone): what it saved plus its working set.
+    - llama: the fp32 copy h32 and five fp32 N·d temporaries at ``pow``'s backward (the gradient through
+      h·rsqrt, through the mean, pow's h^1, its scaled copy, their product), 6·N·d·4; rsqrt, the 16-bit
+      normalised copy and the output gradient are released by then (traced at dispatch: tiny-llama with 4
+      layers, N_d = 8, bf16 and fp32, reshard_after_forward=2: the backward peak, exact);
+    - gpt: the saved input, mean and rstd, the output gradient and ``native_layer_norm_backward``'s input
+      gradient: ``final_saved`` (input, stats, output) + N·d·a.
+    """
+    acts, a = run.acts, run.p
+    nd_elems = acts.embed_out // a  # N·d
+    nbytes = 6 * nd_elems * 4 if run.style == "llama" else acts.final_saved + nd_elems * a
+    return Term("final norm saved and backward working set", nbytes,
+                "derived from LlamaRMSNorm / nn.LayerNorm backward (see final_norm_backward)")
+
+
 def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """Loss and head backward (the root's pre-backward prefetches the last block), each block's backward
     and reduce-scatter (_fsdp_param_group.py:FSDPParamGroup.pre_backward, _backward_prefetch, post_backward;
@@ -461,18 +563,27 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     FSDPState._root_post_backward_final_callback)."""
     acts, blk, L, p = run.acts, run.acts.block, len(run.units) - 1, run.p
     n_d = acts.embed_out  # one N·d activation (or its gradient)
-    base = (params(run), adam(run), batch(run), _act("embedding saved (position ids)", acts.embed_saved),
-            _act("loss", acts.loss), unsharded(run, 0))  # fmt: skip
+    base = (*mesh_ranks(run), params(run), adam(run), batch(run),
+            _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss), unsharded(run, 0))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     prefetch = (lambda u: (ag_output(run, u, "backward prefetch"),) if resharded(run) and u >= 1 else ())
     out = [Moment("backward", "cross-entropy backward", (*base, *kept_blocks(run, L), *saved_all,
                   _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
                   _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2)))]  # fmt: skip
+    # a backward all-gather copies its input (the shard, or the k-sharded data) into a flat param-dtype
+    # buffer first, freed once the collective returns: the root's pre_backward prefetches the last block
+    gather_in = lambda u: copy_in(run, u, post_forward=partial_reshard(run))
+    if resharded(run):
+        out.append(Moment("backward", f"block {L} backward all-gather (root's prefetch)", (
+            *base, *kept_blocks(run, L), *saved_all, _act("logits gradient", acts.logits), gather_in(L),
+            ag_output(run, L, "backward prefetch"))))  # fmt: skip
     root_held = Term("root gradients held (head weight, final norm)", (run.head_numel + run.final_norm_numel) * p,
                      "autograd (unsharded root .grad until the root's post_backward)", 2)  # fmt: skip
     out.append(Moment("backward", "LM head backward", (*base, *kept_blocks(run, L), *saved_all,
                       _act("logits gradient", acts.logits), _act("final norm output gradient", n_d),
                       Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"), *prefetch(L))))  # fmt: skip
+    out.append(Moment("backward", "final norm backward", (*base, *kept_blocks(run, L), _blocks_saved(run, L),
+                      root_held, final_norm_backward(run), *prefetch(L))))  # fmt: skip
     ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
     grad_of = lambda u: Term(f"unsharded gradients (block {u})", run.units[u].numel * p,
                              "autograd; freed in _fsdp_collectives.py:foreach_reduce (unsharded_grads.clear())",
@@ -490,13 +601,18 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     for i in range(L, 0, -1):
         done = grads(run, range(i + 1, L + 1))
         held = (rs_in(i + 1, "held until the next post_backward"),) if i < L else ()
-        if resharded(run):  # pre_backward: the prefetched all-gather output is copied out, then freed
+        if resharded(run):  # pre_backward: the prefetched all-gather output is copied out, then freed (with
+            # the block's k-sharded data: FSDPParam.to_unsharded), then the next block is prefetched
             out.append(Moment("backward", f"block {i} copy-out", (
-                *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
+                *base, *kept_blocks(run, i), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
                 root_held, ag_output(run, i, "prefetched, freed after copy-out"), unsharded(run, i), *held, done)))  # fmt: skip
+            if i > 1:
+                out.append(Moment("backward", f"block {i - 1} backward all-gather (prefetch)", (
+                    *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
+                    root_held, unsharded(run, i), gather_in(i - 1), *prefetch(i - 1), *held, done)))  # fmt: skip
         inflight = (_blocks_saved(run, i),)
         if run.checkpointing != "none":
-            inflight += (_act("recomputed block's saved activations", blk.saved - blk.ckpt_saved),)
+            inflight += (_act("recomputed block's saved activations", blk.recomputed),)
         out.append(Moment("backward", f"block {i} backward", (
             *base, *kept_blocks(run, i - 1), *inflight, _act("incoming activation gradient", n_d), root_held,
             _act("block backward working set", ws), unsharded(run, i), *prefetch(i - 1), *held, done)))  # fmt: skip
@@ -508,8 +624,7 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
                   _act("block input gradient", n_d), root_held, *prefetch(i - 1), done)  # fmt: skip
         out.append(Moment("backward", f"block {i} reduce-scatter copy-in",
                           (*common, grad_of(i), rs_in(i, "this unit"))))  # fmt: skip
-        out.append(Moment("backward", f"block {i} reduce-scatter and cast",
-                          (*common, rs_in(i, "this unit"), rs_out(i), cast(i), *gloo(i))))  # fmt: skip
+        out.extend(reduce_scatter_moments(f"block {i}", common, rs_in(i, "this unit"), rs_out(i), cast(i), gloo(i)))
     blocks_done = grads(run, range(1, L + 1))
     others = (run.units[0].numel - run.head_numel) * p
     if run.tied_head:  # torch/csrc/autograd/input_buffer.cpp: the two gradients are summed out of place
@@ -526,8 +641,8 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     out.append(Moment("backward", "root reduce-scatter copy-in", (
         *root_base, Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes)),
         rs_in(0, "this unit"), blocks_done)))  # fmt: skip
-    out.append(Moment("backward", "root reduce-scatter and cast",
-                      (*root_base, rs_in(0, "this unit"), rs_out(0), cast(0), *gloo(0), blocks_done)))  # fmt: skip
+    out.extend(reduce_scatter_moments("root", (*root_base, blocks_done), rs_in(0, "this unit"), rs_out(0), cast(0),
+                                      gloo(0)))  # fmt: skip
     return tuple(out)
 
 
@@ -544,7 +659,7 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         worst = max(2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local))
         temps = Term("Adam temporaries (sqrt(v), its quotient, the previous tensor's denom)", worst * run.m,
                      f"{ADAM}:_single_tensor_adam", 3)  # fmt: skip
-    return (Moment("optimizer_step", "Adam update", (params(run), adam(run), grads(run, range(len(run.units))), temps)),)
+    return (Moment("optimizer_step", "Adam update", (*mesh_ranks(run), params(run), adam(run), grads(run, range(len(run.units))), temps)),)
 
 
 def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
@@ -555,8 +670,12 @@ def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
 
 
 def predict_peak(run: Fsdp2Run) -> PeakEstimate:
-    """The peak of ``run`` per phase; CUDA rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``)."""
-    return peak_of(moments(run), CUDA_BLOCK_BYTES if run.settings.device == "cuda" else 1)
+    """The peak of ``run`` per phase; CUDA rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``) and
+    keeps the cuBLAS / cuBLASLt workspaces from the first backward on (``formulas.cuda_workspaces``)."""
+    if run.settings.device != "cuda":
+        return peak_of(moments(run))
+    resident = (library_workspaces(run.settings.cuda_capability, run.biased_linear),)
+    return peak_of(moments(run), CUDA_BLOCK_BYTES, resident=resident)
 
 
 def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
@@ -577,7 +696,7 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                 and not n.startswith(prefix))  # fmt: skip
     return Fsdp2Run(units, nd, settings, acts, workload.checkpointing, _foreach(workload, settings),
                     spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
-                    param_order=tuple(tuple(s) for _, s in workload.shapes))  # fmt: skip
+                    biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes))  # fmt: skip
 
 
 def _foreach(workload: Workload, settings: Settings) -> bool:
@@ -657,15 +776,27 @@ def settings_snippet(settings: Settings, checkpointing: str = "none") -> str:
         "    model.layers[i] = checkpoint_wrapper(block)\n"
         if checkpointing == "full" else ""
     )  # fmt: skip
+    meta = settings.init == "meta"
+    init_note = (
+        "# built on the meta device: `with torch.device(\"meta\"): model = ...` (no memory until to_empty)\n"
+        if meta else "# the model was built whole on the device (init holds all of it before sharding)\n"
+    )  # fmt: skip
+    materialize = (
+        f"model.to_empty(device={settings.device!r})  # each rank allocates its shards only\n"
+        "model.init_weights()  # your in-place initialisation, run on the shards (DTensor)\n"
+        if meta else ""
+    )  # fmt: skip
     return (
         "import torch\n"
         "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n\n"
         f"# {settings.label()}, checkpointing {checkpointing}; shards stay {settings.module} (no master copy)\n"
+        f"{init_note}"
         f"{ckpt}"
         f"policy = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce})\n"
         "for block in model.layers:  # one unit per decoder layer: one all-gather and reduce-scatter each\n"
         f"    fully_shard(block, mp_policy=policy, reshard_after_forward={settings.reshard_after_forward!r})\n"
         "fully_shard(model, mp_policy=policy)  # the root: FSDP2 does not reshard it after forward\n"
+        f"{materialize}"
         f"optimizer = torch.optim.Adam(model.parameters(), foreach={settings.foreach!r})\n"
     )
 
@@ -715,3 +846,53 @@ def fsdp2_snippet(stage: int, offload: Offload = NO_OFFLOAD, policy: PrecisionPo
         "# Gradient accumulation: model.set_requires_gradient_sync(False) on all but the last micro-step\n"
         "# skips the reduce-scatter but keeps unsharded gradients (more memory than the plan assumes).\n"
     )
+
+
+# ---- the planner's side (estimate, plan, sweep): options -> Settings, the byte convention, the plan ----
+
+PLANNER_OPTIONS: tuple[str, ...] = ("reshard_after_forward", "param_dtype", "reduce_dtype")
+"""The ``PlannerOptions`` fields in FSDP2's vocabulary (``fully_shard`` and ``MixedPrecisionPolicy``)."""
+PLAN_ORDER = ("keep blocks gathered (no backward all-gather), then reshard (one more all-gather per block), "
+              "then checkpointing (one more forward per block), then both")  # fmt: skip
+
+
+def planner_settings(options: PlannerOptions) -> Settings:
+    """FSDP2's ``Settings`` from the planner's options, as ``fully_shard`` runs on CUDA with NCCL and a
+    model built in fp32; an option not given keeps FSDP2's default (reshard after forward, no mixed
+    precision)."""
+    given: dict = {}
+    if options.reshard_after_forward is not None:
+        given["reshard_after_forward"] = options.reshard_after_forward
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(options, key) is not None:
+            given[key] = canonical_dtype(getattr(options, key))
+    return Settings(**given)
+
+
+def planner_policy(settings: Settings) -> PrecisionPolicy:
+    """The byte convention of FSDP2's model states (``model_states``): parameters and gradients in the module
+    dtype, no master copy, Adam's m and v in the module dtype."""
+    return PrecisionPolicy(param_dtype=settings.module, master_weights=False, optimizer="adam",
+                           optimizer_dtype=settings.module)  # fmt: skip
+
+
+def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
+    """``zeroplan plan --engine fsdp2``: every candidate of ``plan_options`` (cheapest first) with the
+    snippet of exactly the configuration predicted; the recommendation is ``recommend``'s."""
+    settings = planner_settings(options)
+    if settings.foreach is None:  # the snippet names the foreach path the prediction used
+        settings = settings.model_copy(update={"foreach": workload.foreach})
+    options_ = plan_options(workload, nd, capacity_bytes, settings)
+    chosen = recommend(workload, nd, capacity_bytes, settings)
+    candidates = tuple(
+        Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}",
+                  o.estimate, o.fits, o.snippet)
+        for o in options_
+    )  # fmt: skip
+    index = None if chosen is None else options_.index(chosen)
+    return EnginePlan(candidates, index, "fsdp2", PLAN_ORDER, settings)
+
+
+def planner_block_bytes(settings: Settings) -> int:
+    """The allocator block every peak term is rounded to (``predict_peak``): 512 on CUDA, none on CPU."""
+    return CUDA_BLOCK_BYTES if settings.device == "cuda" else 1

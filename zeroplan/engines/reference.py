@@ -363,19 +363,22 @@ def reference_run(
                         grad_accum=grad_accum)  # fmt: skip
 
 
-def predict_peak(run: ReferenceRun, block_bytes: int = 1, allocator_overhead_bytes: int = 0) -> PeakEstimate:
-    """The peak of ``run`` per phase (``zeroplan.formulas.peak.peak_of`` over ``moments``)."""
-    return peak_of(moments(run), block_bytes, allocator_overhead_bytes)
+def predict_peak(run: ReferenceRun, block_bytes: int = 1, allocator_overhead_bytes: int = 0,
+                 resident: tuple[Term, ...] = ()) -> PeakEstimate:  # fmt: skip
+    """The peak of ``run`` per phase (``zeroplan.formulas.peak.peak_of`` over ``moments``); ``resident``:
+    terms live after init (on CUDA the library workspaces, ``formulas.cuda_workspaces``)."""
+    return peak_of(moments(run), block_bytes, allocator_overhead_bytes, resident=resident)
 
 
 # --- The engine contract (zeroplan/engines/base.py): Settings and estimate --------------------------
 # Imported here, not at the top, so this section only adds to the module (the profile above is edited
 # on its own).
-from typing import Annotated, Literal  # noqa: E402
+from typing import Annotated, Literal, Optional  # noqa: E402
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator  # noqa: E402
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator  # noqa: E402
 
-from zeroplan.engines.base import EngineEstimate, Workload  # noqa: E402
+from zeroplan.engines.base import EngineEstimate, PlannerOptions, Workload  # noqa: E402
+from zeroplan.formulas.cuda_workspaces import library_workspaces  # noqa: E402
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES  # noqa: E402
 from zeroplan.policy import PrecisionPolicy  # noqa: E402
 from zeroplan.types import StageNumber  # noqa: E402
@@ -408,6 +411,9 @@ class Settings(BaseModel):
     """reserved - allocated, a separate term of every phase; 0 until measured on a GPU."""
     stat_bytes: Literal[2, 4] = CUDA_STAT_BYTES
     """bytes of LayerNorm's saved statistics: 4 on CUDA (fp32), 2 on CPU (the input dtype)."""
+    cuda_capability: Optional[tuple[StrictInt, StrictInt]] = (9, 0)
+    """the GPU's compute capability, which sizes the cuBLAS workspaces every phase after init holds
+    (``formulas.cuda_workspaces``); (9, 0) is H100/H200; None: no GPU (CPU runs)."""
 
     @field_validator("stages")
     @classmethod
@@ -475,7 +481,30 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
                 workload.checkpointing, workload.foreach, stat_bytes=settings.stat_bytes,
                 grad_accum=workload.grad_accum,
             )  # fmt: skip
+            cap = settings.cuda_capability
+            resident = () if cap is None else (library_workspaces(cap, workload.spec.biased_linear),)
             peak = predict_peak(run, block_bytes=settings.block_bytes,
-                                allocator_overhead_bytes=settings.allocator_overhead_bytes)  # fmt: skip
+                                allocator_overhead_bytes=settings.allocator_overhead_bytes, resident=resident)  # fmt: skip
         out.append(EngineEstimate("reference", f"ZeRO-{row.stage}", row.stage, row.memory, peak, row.collectives))
     return tuple(out)
+
+
+# ---- the planner's side: options -> Settings and the byte convention ----
+
+PLANNER_OPTIONS: tuple[str, ...] = ("stages", "policy")
+"""The ``PlannerOptions`` fields in the reference runtime's vocabulary (the paper's: stages, a policy)."""
+
+
+def planner_settings(options: PlannerOptions) -> Settings:
+    """The reference runtime's ``Settings``: the requested stages and policy, the planner's CUDA target."""
+    return Settings(stages=options.stages, policy=options.policy, flat_layout=options.flat_layout)
+
+
+def planner_policy(settings: Settings) -> PrecisionPolicy:
+    """The byte convention of the model states: the policy as given."""
+    return settings.policy
+
+
+def planner_block_bytes(settings: Settings) -> int:
+    """The allocator block every peak term is rounded to."""
+    return settings.block_bytes

@@ -8,8 +8,8 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zeroplan.architectures.spec import TransformerSpec, numels
-from zeroplan.engines import get_engine
-from zeroplan.engines.base import Workload
+from zeroplan.engines import get_engine, planner_options
+from zeroplan.engines.base import EngineOptions, PlannerOptions, Workload
 from zeroplan.estimation.workload import model_workload, resolve
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.presets import DEFAULT_SEQ_LEN
@@ -56,6 +56,9 @@ class EstimateConfig(BaseModel):
     gpu_memory_bytes: Optional[ByteSize] = None
     """memory of one GPU in bytes, to mark which stages fit (on the peak when known); None to skip."""
     policy: PrecisionPolicy = PrecisionPolicy()
+    """the reference engine's precision policy (the paper's vocabulary); refused for the other engines."""
+    engine_options: EngineOptions = EngineOptions()
+    """options in the engine's own vocabulary (``--reshard-after-forward``, ``--deepspeed-config``, ...)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "EstimateConfig":
@@ -64,7 +67,7 @@ class EstimateConfig(BaseModel):
             raise ValueError("give exactly one of params, tensor_numels and model")
         check_split(self.gpus, self.model_parallel)
         check_total(self.tensor_numels or ())
-        get_engine(self.engine)
+        _ = self.planner_options  # options outside the engine's vocabulary: one line
         if self.spec is None:
             step = dict(seq_len=self.seq_len, micro_batch=self.micro_batch, checkpointing=self.checkpointing,
                         grad_accum=self.grad_accum)  # fmt: skip
@@ -107,6 +110,13 @@ class EstimateConfig(BaseModel):
             return None
         return model_workload(self.spec, self.sequence_length, self.micro_batch, self.checkpointing,
                               self.grad_accum, self.foreach)  # fmt: skip
+
+    @property
+    def planner_options(self) -> PlannerOptions:
+        """What the engine's ``planner_settings`` reads (``zeroplan.engines.planner_options``)."""
+        policy = self.policy if "policy" in self.model_fields_set else None
+        return planner_options(get_engine(self.engine), self.engine_options, stage=self.stage, policy=policy,
+                               flat_layout=self.params is None)  # fmt: skip
 
     @property
     def nd(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from zeroplan.engines import get_engine, reference
+from zeroplan.engines import get_engine, reference, split_keywords
 from zeroplan.engines.base import Workload
 from zeroplan.estimation.config import EstimateConfig
 from zeroplan.estimation.records import Estimate, StageEstimate
@@ -66,25 +66,27 @@ def workload_of(config: EstimateConfig) -> Workload:
 
 
 def estimate_config(config: EstimateConfig) -> Estimate:
-    """Memory, communication and (with an architecture) the peak per GPU for every requested stage,
-    from the engine ``config.engine`` (``zeroplan.engines``)."""
-    policy = config.policy
+    """Memory, communication and (with an architecture) the peak per GPU of every row the engine
+    ``config.engine`` answers (``zeroplan.engines``): one per requested stage (reference) or the one
+    sharding its settings select (fsdp2, deepspeed)."""
     workload = workload_of(config)
     numels = tuple(math.prod(s) for _, s in workload.shapes)
-    stages = (0, 1, 2, 3) if config.stage is None else (config.stage,)
-    flat_layout = config.params is None
+    options = config.planner_options
     engine = get_engine(config.engine)
-    settings = engine.settings(stages=stages, policy=policy, flat_layout=flat_layout)
-    # "vs DP": plain data parallelism's model states (the reference engine's stage 0) over this row's
+    settings = engine.planner_settings(options)
+    policy = engine.policy(settings)  # the byte convention of this engine's model states
+    # "vs DP": plain data parallelism's model states (the reference engine's stage 0, the same byte
+    # convention) over this row's
     (dp,) = reference.estimate(Workload(workload.shapes), config.nd, reference.Settings(
-        stages=(0,), policy=policy, flat_layout=flat_layout))  # fmt: skip
+        stages=(0,), policy=policy, flat_layout=options.flat_layout))  # fmt: skip
+    own = engine.own_estimator(settings, numels, config.nd) if engine.own_estimator is not None else None
     rows = []
     for r in engine.estimate(workload, config.nd, settings):
         need = r.model_states_bytes if r.peak is None else r.peak.peak_bytes
         fits = None if config.gpu_memory_bytes is None else need <= config.gpu_memory_bytes
-        name = get_stage(r.stage).name if r.stage is not None else r.label
+        name = r.label if engine.one_row else get_stage(r.stage).name
         reduction = dp.model_states_bytes / r.model_states_bytes
-        rows.append(StageEstimate(r.stage, name, r.memory, reduction, r.collectives, fits, r.peak))
+        rows.append(StageEstimate(r.stage, name, r.memory, reduction, r.collectives, fits, r.peak, own))
     return Estimate(
         psi=sum(numels),
         total_params=int(config.params) if config.params else sum(config.tensor_numels or numels),
@@ -99,8 +101,9 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         engine=config.engine,
         model=config.model if config.model is not None else (config.spec.model_type if config.spec else None),
         workload=config.workload,
-        block_bytes=getattr(settings, "block_bytes", 1),
+        block_bytes=engine.block_bytes(settings),
         allocator_overhead_bytes=getattr(settings, "allocator_overhead_bytes", 0),
+        own_estimator=engine.own_estimator_name or None,
     )
 
 
@@ -119,7 +122,7 @@ def estimate(
     grad_accum: int = 1,
     foreach: bool = True,
     engine: str = "reference",
-    **policy: object,
+    **options: object,
 ) -> Estimate:
     """Estimate per-GPU model states, per-step communication and, with an architecture, the peak.
 
@@ -128,10 +131,13 @@ def estimate(
     meta device fine; a ``transformers`` model whose config zeroplan reads also gets the peak, any
     other module shapes only). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
     ``grad_accum`` and ``foreach`` describe the training step of an architecture. ``gpus`` = N_d x
-    ``model_parallel``. Remaining keywords are ``PrecisionPolicy`` fields (``param_dtype``,
-    ``grad_dtype``, ``master_weights``, ``optimizer``, ``optimizer_dtype``). Raises
+    ``model_parallel``. Remaining keywords are the engine's options: for ``reference``,
+    ``PrecisionPolicy`` fields (``param_dtype``, ``grad_dtype``, ``master_weights``, ``optimizer``,
+    ``optimizer_dtype``); for ``fsdp2``, ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``;
+    for ``deepspeed``, ``ds_config`` (a parsed ds_config.json; ``stage`` fills in its stage). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
+    policy, engine_options = split_keywords(engine, options)
     architecture = None
     if model is not None and not isinstance(model, str):
         from zeroplan.architectures.module_shapes import module_shapes
@@ -159,6 +165,7 @@ def estimate(
         model_parallel=model_parallel,
         stage=stage,
         gpu_memory_bytes=gpu_memory_bytes,
-        policy=PrecisionPolicy(**policy),
+        **({} if policy is None else {"policy": PrecisionPolicy(**policy)}),
+        engine_options=engine_options,
     )
     return estimate_config(config)

@@ -23,6 +23,7 @@ class StageEstimate:
     collectives: tuple[Collective, ...]
     fits: bool | None = None  # None when no GPU memory was given; on the peak when it is known
     peak: Optional[PeakEstimate] = None  # the engine's peak per phase; None without an architecture
+    own_estimate_bytes: Optional[int] = None  # the engine's own estimator for this run (DeepSpeed's), if any
 
     @property
     def comm_volume_elements(self) -> int:
@@ -53,6 +54,7 @@ class Estimate:
     workload: Optional[Workload] = None  # the training step, with an architecture
     block_bytes: int = 1  # allocator block every peak term is rounded to (512: CUDA)
     allocator_overhead_bytes: int = 0  # reserved - allocated, 0 until measured on a GPU
+    own_estimator: Optional[str] = None  # name of the engine's own estimator shown beside ours, if any
 
     def stage(self, number: int) -> StageEstimate:
         return next(s for s in self.stages if s.stage == number)

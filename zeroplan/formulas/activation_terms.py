@@ -203,7 +203,7 @@ def _llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
     masked = spec.sliding_window is not None and s > spec.sliding_window
     repeated = spec.n_kv_head < spec.n_head and (masked or spec.head_dim > 256)
     lse = n * spec.n_head * 4
-    norm = 8 * n * d + 4 * n  # fp32 copy and squares (or product), rsqrt
+    norm = (8 if a < 4 else 4) * n * d + 4 * n  # fp32 copy (fp32: the input itself) and squares (or product), rsqrt
     rope_q = n * a * (d + 4 * q + 2 * kv)  # norm out, q, k, v, q·cos, rotate_half(q), ·sin
     rope_k = n * a * (d + 2 * q + 5 * kv)  # norm out, q, k, v, rotated q, k·cos, rotate_half(k), ·sin
     sdpa = n * a * (d + 2 * q + 2 * kv + (2 * q if repeated else 0)) + lse + (s * s * a if masked else 0)
@@ -218,19 +218,24 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     (GQA), SwiGLU; Mistral and Qwen2 alike (biases change no activation)."""
     d, f = spec.d_model, spec.ffn
     # RMSNorm: fp32 copy (saved by pow and by the product), rsqrt (N fp32), normalised 16-bit (saved
-    # by the weight product) and its output (saved by the next linears)
+    # by the weight product) and its output (saved by the next linears). In fp32 (a = 4) the copy is
+    # the norm's input itself (``x.to(torch.float32)`` returns x): the block input and x1 are saved.
     rms = n * d * 4 + n * 4 + 2 * n * d * a
+    own_input = a == 4  # the two norms save the block input and x1 themselves
     attn = _llama_attention_saved(spec, n, b, s, a)
     # gate out's kept tensors (SiLU: its input), act out and up out (the product's factors), the product
     mlp = (ACT_KEPT[spec.hidden_act] + 3) * n * f * a
     saved = 2 * rms + attn + mlp
     return BlockActivations(
         saved=saved,
-        # nothing saves the block input or x1: both live beside the last product, down's out, the sum
-        forward_extra=4 * n * d * a,
+        # 16-bit: nothing saves the block input or x1: both live beside the last product, down's out and
+        # the sum; fp32: they are in ``saved`` (measured: tiny-llama fp32 at N_d = 2, forward exact)
+        forward_extra=(2 if own_input else 4) * n * d * a,
         ckpt_forward_peak=n * d * a + _llama_nograd_peak(spec, n, s, a),
         ckpt_saved=n * d * a,
-        recomputed=saved,  # nothing in the block saves its input: the held input comes on top
+        # 16-bit: nothing in the block saves its input, the held input comes on top; fp32: the input
+        # norm saves the held input itself (one storage)
+        recomputed=saved - (n * d * a if own_input else 0),
         pending_at_last_grad=n * d * 4 + n * 4 + n * d * a,
         held_input_pending=n * d * a,
         norm_backward_saved=saved - mlp - 2 * n * d * a,

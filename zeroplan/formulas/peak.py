@@ -76,13 +76,17 @@ class PeakEstimate:
 
 
 def peak_of(
-    moments: Iterable[Moment], block_bytes: int = 1, allocator_overhead_bytes: int = 0, top: int = TOP_TERMS
+    moments: Iterable[Moment], block_bytes: int = 1, allocator_overhead_bytes: int = 0, top: int = TOP_TERMS,
+    resident: tuple[Term, ...] = (),
 ) -> PeakEstimate:
-    """Max over each phase's moments of the summed terms (rounded to ``block_bytes``), plus overhead."""
+    """Max over each phase's moments of the summed terms (rounded to ``block_bytes``), plus overhead;
+    ``resident`` terms are live in every phase after ``init`` (``formulas.cuda_workspaces``)."""
     if block_bytes < 1 or allocator_overhead_bytes < 0:
         raise ValueError(f"block_bytes={block_bytes}, allocator_overhead_bytes={allocator_overhead_bytes}")
     overhead = Term("allocator overhead (reserved - allocated)", allocator_overhead_bytes,
                     "measured on the GPU; 0 until measured")  # fmt: skip
+    if resident:
+        moments = [m if m.phase == "init" else Moment(m.phase, m.name, (*m.terms, *resident)) for m in moments]
     best: dict[str, Moment] = {}
     for m in moments:
         if m.phase not in PHASES:

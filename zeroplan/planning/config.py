@@ -12,7 +12,8 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from zeroplan.architectures.spec import TransformerSpec, gpt_for_params, numels, transformer_shapes
-from zeroplan.engines import EngineName
+from zeroplan.engines import EngineName, get_engine, planner_options
+from zeroplan.engines.base import EngineOptions, PlannerOptions
 from zeroplan.estimation.workload import check_seq_len
 from zeroplan.engines.deepspeed import DEFAULT_BUCKET_NUMEL
 from zeroplan.formulas.activations import activation_bytes
@@ -84,6 +85,9 @@ class PlanConfig(BaseModel):
     """the optimizer's multi-tensor path, for the peak; True is torch's default on CUDA."""
     engine: EngineName = "reference"
     """the training engine whose peak decides the fit (``zeroplan.engines.ENGINES``)."""
+    engine_options: EngineOptions = EngineOptions()
+    """options in the engine's own vocabulary (``--deepspeed-config``, ``--param-dtype``/``--reduce-dtype``
+    of FSDP2's ``MixedPrecisionPolicy``); an engine's own plan chooses the rest."""
     offload: Literal[DEVICES] = "none"
     """the most offload the recommendation may use (all options are always listed)."""
     host_memory_bytes: Optional[ByteSize] = None
@@ -118,6 +122,22 @@ class PlanConfig(BaseModel):
                 "give a GPU preset (gpu, --gpu) or the GPU memory (gpu_memory_bytes, --gpu-memory)"
             )
         check_split(self.gpus, self.model_parallel)
+        _ = self.planner_options  # options outside the engine's vocabulary: one line
+        if get_engine(self.engine).plan is not None:  # the engine's own search by predicted peak
+            why = {"model": self.model is None, "model_parallel": self.model_parallel != 1,
+                   "offload": self.offload != "none", "host_memory_bytes": self.host_memory_bytes is not None,
+                   "checkpointing": self.checkpointing not in ("none", "full")}  # fmt: skip
+            chosen = [k for k in get_engine(self.engine).plan_chooses if k in self.model_fields_set]
+            if chosen:
+                raise ValueError(f"{chosen[0]} does not apply to plan --engine {self.engine}, which chooses it by "
+                                 "predicted peak")  # fmt: skip
+            bad = next((k for k, v in why.items() if v), None)
+            if bad is not None:
+                raise ValueError(
+                    f"plan --engine {self.engine} searches its own options by predicted peak, which needs a model "
+                    "(an architecture), model_parallel=1, checkpointing none or full and no offload; got "
+                    f"{bad}={getattr(self, bad)!r}"
+                )
         if self.model is not None:
             check_seq_len(self.transformer, self.sequence_length)
         if self.transformer is not None:  # keep every printed size a sane byte count
@@ -127,6 +147,13 @@ class PlanConfig(BaseModel):
         return self
 
     # Resolved values: overrides first, then presets, then documented defaults.
+
+    @property
+    def planner_options(self) -> PlannerOptions:
+        """What the engine's ``planner_settings`` reads (the reference engine: the policy)."""
+        engine = get_engine(self.engine)
+        reads_policy = "policy" in engine.options or self.policy != BF16_MIXED  # else refused, not ignored
+        return planner_options(engine, self.engine_options, policy=self.policy if reads_policy else None)
 
     @property
     def nd(self) -> int:

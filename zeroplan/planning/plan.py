@@ -17,7 +17,8 @@ from typing import Annotated, Callable, Optional
 
 from pydantic import ConfigDict, Field, validate_call
 
-from zeroplan.engines import get_engine
+from zeroplan.engines import get_engine, planner_options
+from zeroplan.engines.base import EngineOptions
 from zeroplan.engines.deepspeed import deepspeed_config
 from zeroplan.estimation.workload import model_workload
 from zeroplan.engines.fsdp2 import fsdp2_snippet
@@ -190,7 +191,8 @@ def stage_peaks(config: PlanConfig, nd: Optional[int] = None) -> tuple[dict[int,
         workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
                                   config.grad_accum, config.foreach)  # fmt: skip
         try:
-            rows = engine.estimate(workload, nd or config.nd, engine.settings(policy=config.policy))
+            settings = engine.planner_settings(planner_options(engine, config.engine_options, policy=config.policy))
+            rows = engine.estimate(workload, nd or config.nd, settings)
         except ValueError as exc:  # a policy the engine's peak does not model
             why = str(exc)
         else:
@@ -311,8 +313,81 @@ def _recommend(config: PlanConfig, options: tuple[PlanOption, ...]) -> tuple[Opt
     )
 
 
+def engine_plan_config(config: PlanConfig) -> Plan:
+    """``plan`` for an engine with its own search (``Engine.plan``: fsdp2, deepspeed): every candidate the
+    engine tries, cheapest first, each with its predicted peak and exactly the configuration to run; the
+    recommendation is the engine's (the cheapest whose peak fits within the headroom)."""
+    engine = get_engine(config.engine)
+    nd = config.nd
+    budget = int(config.memory_bytes * (1 - config.headroom))
+    spec = config.model_architecture
+    workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
+                              config.grad_accum, config.foreach)  # fmt: skip
+    options = config.planner_options
+    answer = engine.plan(workload, nd, budget, options)
+    ring = ring_link(nd, 1, config.gpus_per_node, config.intra_link, config.inter_link)
+    whole = config.tensor_numels
+    tokens = config.tokens_per_micro_step * config.grad_accum
+    compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, 1, config.flops, config.mfu)
+    rows = []
+    for c in answer.candidates:
+        e = c.estimate
+        time = step_time(e.stage, e.collectives, nd, ring, config.grad_accum, config.algorithm, c.bucket_numel,
+                         compute_s)  # fmt: skip
+        rows.append(PlanOption(
+            e.stage, e.label, NO_OFFLOAD, None, None,
+            states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0),
+            fits=c.fits,
+            comm_volume_elements=sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives),
+            comm_bytes_per_rank=sum(t.calls_per_step * t.collective.bytes_per_rank for t in time.collectives),
+            time=time,
+            pcie_s=0.0,
+            peak=e.peak,
+            candidate=c.label,
+        ))  # fmt: skip
+    headroom = f"{config.headroom:.0%} of GPU memory kept free"
+    recommendation = launchers = advice = None
+    if answer.recommended is not None:
+        recommendation = rows[answer.recommended]
+        launchers = {"deepspeed": None, "fsdp2": None, answer.launcher_key: answer.candidates[answer.recommended].launcher}
+        reason = (f"the cheapest of {len(rows)} {engine.name} configurations whose predicted peak fits on "
+                  f"{config.gpus} GPUs with {headroom} (tried in order: {answer.order})")  # fmt: skip
+    else:
+        reason = f"no {engine.name} configuration's predicted peak fits on {config.gpus} GPUs with {headroom}"
+        least = min((o for o in rows if o.peak is not None), key=lambda o: o.peak.peak_bytes, default=None)
+        if least is not None:
+            advice = cut_first(least.peak, least.stage, config)
+    policy = engine.policy(answer.base)
+    return Plan(
+        config=config,
+        params=sum(whole),
+        psi=sum(whole),
+        gpu_memory_bytes=config.memory_bytes,
+        budget_bytes=budget,
+        host_budget_bytes=None,
+        intra=config.intra_link,
+        inter=config.inter_link,
+        ring=ring,
+        host_link=config.host_link,
+        tokens_per_step=tokens,
+        activation_bytes=None,  # in the peak of every candidate (their checkpointing), not apart
+        bytes_per_param=policy.bytes_per_param,
+        k=policy.k,
+        options=tuple(rows),
+        recommendation=recommendation,
+        reason=reason,
+        launchers=launchers,
+        fit_basis=f"fits on the predicted peak per GPU ({engine.name} engine, docs/engines/{engine.name}.md) "
+                  "within the headroom",
+        cut_first=advice,
+    )  # fmt: skip
+
+
 def plan_config(config: PlanConfig) -> Plan:
-    """Evaluate every (stage, offload) option of ``config`` and recommend one."""
+    """Evaluate every (stage, offload) option of ``config`` and recommend one; an engine with its own
+    search (``Engine.plan``) answers through ``engine_plan_config``."""
+    if get_engine(config.engine).plan is not None:
+        return engine_plan_config(config)
     nm, nd = config.model_parallel, config.nd
     budget = int(config.memory_bytes * (1 - config.headroom))
     host = None
@@ -386,6 +461,11 @@ def plan(model: Optional[str] = None, params: Optional[float] = None, **options:
 
     Keywords are ``PlanConfig`` fields, e.g. ``zeroplan.plan("llama2-70b", gpu="h100-80gb", gpus=64)``
     or ``zeroplan.plan(gpu_memory_bytes=32 * 10**9, gpus=64)`` (ZeRO Table 2). Raises ValueError or
-    ``pydantic.ValidationError`` on bad input.
+    ``pydantic.ValidationError`` on bad input. An engine's own options are keywords too
+    (``zeroplan.plan("llama2-7b", gpu="h100-80gb", engine="fsdp2", param_dtype="bf16")``; ``ds_config=``
+    for deepspeed): they go to ``PlanConfig.engine_options``.
     """
+    mine = {k: options.pop(k) for k in list(options) if k in EngineOptions.model_fields}
+    if mine:
+        options["engine_options"] = EngineOptions(**mine)
     return plan_config(PlanConfig(model=model, params=params, **options))

@@ -31,9 +31,12 @@ class PlanOption:
     time: Optional[StepTime] = None
     pcie_s: Optional[float] = None  # offload traffic time per step on the host link, full duplex
     peak: Optional[PeakEstimate] = None  # the engine's peak per GPU (no offload, an architecture given)
+    candidate: Optional[str] = None  # an engine's own configuration (plan --engine fsdp2|deepspeed), its words
 
     @property
     def label(self) -> str:
+        if self.candidate is not None:
+            return self.candidate
         return f"{self.stage}" if not self.offload.any else f"{self.stage} + {self.offload.label}"
 
 
@@ -58,7 +61,8 @@ class Plan:
     options: tuple[PlanOption, ...]  # stages 0-3 without offload, then the offload options
     recommendation: Optional[PlanOption]
     reason: str
-    launchers: Optional[dict[str, object]]  # the recommendation's {"deepspeed": dict, "fsdp2": str}
+    launchers: Optional[dict[str, object]]  # the recommendation's {"deepspeed": dict, "fsdp2": str}; with an
+    # engine's own plan, only that engine's entry is set (the configuration it predicted), the other is None
     fit_basis: str = ""  # how fits was decided: on the peak, or on model states and why
     cut_first: Optional[str] = None  # which term to cut first, from the peak's largest terms
 

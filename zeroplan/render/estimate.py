@@ -36,6 +36,7 @@ def stage_out(s: StageEstimate) -> StageOut:
         phases=None if s.peak is None else PhasesOut(**s.peak.by_phase()),
         peak_terms=None if s.peak is None else [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source)
                                                  for t in s.peak.peak_terms],  # fmt: skip
+        own_estimator_bytes=s.own_estimate_bytes,
     )
 
 
@@ -104,6 +105,8 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
     columns = ["stage", "ZeRO", "params", "grads", "optimizer", "total/GPU", "vs DP", "comm/step", "sent/rank"]
     if e.workload is not None:
         columns += ["peak/GPU", "peak phase"]
+    if e.own_estimator is not None:
+        columns.append(e.own_estimator)
     if e.gpu_memory_bytes is not None:
         columns.append(f"fits {format_bytes(e.gpu_memory_bytes, unit)}")
     rows = []
@@ -118,6 +121,8 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
         ]  # fmt: skip
         if e.workload is not None:
             row += [format_bytes(s.peak.peak_bytes, unit), s.peak.peak_phase.replace("_", " ")]
+        if e.own_estimator is not None:
+            row.append(format_bytes(s.own_estimate_bytes, unit))
         if s.fits is not None:
             row.append("yes" if s.fits else "no")
         rows.append(row)
@@ -136,9 +141,14 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
         lines += [
             f"{unit} = {'1e9' if unit == 'GB' else '2**30'} bytes. total/GPU: model states (ZeRO paper sec. 3.1, 5); "
             f"peak/GPU: the largest phase of a training step on the {e.engine} engine (docs/peak.md).{fits}",
-            f"Peak terms rounded up to {e.block_bytes}-byte CUDA blocks; allocator overhead (reserved - allocated) "
-            f"is a separate term, {e.allocator_overhead_bytes} until measured on a GPU.",
-        ]
+            (f"Peak terms rounded up to {e.block_bytes}-byte CUDA blocks, plus cuBLAS/cuBLASLt workspaces after "
+             "init (docs/peak.md); " if e.block_bytes > 1 else "Peak terms as allocated (no allocator block rounding); ")
+            + f"allocator overhead (reserved - allocated) is a separate term, {e.allocator_overhead_bytes} until "
+            "measured on a GPU.",
+        ]  # fmt: skip
+    if e.own_estimator is not None:
+        lines.append(f"{e.own_estimator}: the engine's own formula for the same run (model states only: no "
+                     "buckets, activations or temporaries), shown beside the prediction to compare; never used for it.")  # fmt: skip
     lines += [
         "comm/step: elements moved per rank per step as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, "
         "3Ψ P_os+g+p); sent/rank: bytes each rank sends with ring collectives, (N_d-1)/N_d of that.",

@@ -98,6 +98,18 @@ def peak_keys(peak) -> dict:
     )  # fmt: skip
 
 
+ENGINE_NOTE = (
+    "fits: the engine's predicted peak per GPU of a training step (model states, activations, buffers and "
+    "temporaries per phase; docs/engines/) within the headroom, which keeps room for the CUDA context. GPU: "
+    "model states as the engine holds them. The configuration printed is exactly the one predicted."
+)
+
+
+def _engine_plan(p: Plan) -> bool:
+    """The options are an engine's own candidates (``plan --engine fsdp2|deepspeed``)."""
+    return any(o.candidate is not None for o in p.options)
+
+
 def _with_peak(p: Plan) -> bool:
     return any(o.peak is not None for o in p.options)
 
@@ -165,7 +177,7 @@ def plan_dict(p: Plan) -> dict:
         "reason": p.reason,
         "fit_basis": p.fit_basis,
         "cut_first": p.cut_first,
-        "notes": [PEAK_NOTE if _with_peak(p) else MEMORY_NOTE, ESTIMATE_NOTE],
+        "notes": [ENGINE_NOTE if _engine_plan(p) else PEAK_NOTE if _with_peak(p) else MEMORY_NOTE, ESTIMATE_NOTE],
     }
 
 
@@ -205,6 +217,8 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         f"host link {p.host_link.name} ({p.host_link.bandwidth_gbps:g} GB/s)",
         convention_line(p.bytes_per_param, p.k),
     ]
+    if _engine_plan(p):
+        return "\n".join([*lines, "", *_engine_table(p, unit)])
     if p.params is not None:
         lines.append(activation_line(p, unit))
     lines.append("")
@@ -260,6 +274,27 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
     return "\n".join(lines)
 
 
+def _engine_table(p: Plan, unit: str) -> list[str]:
+    """The candidates of an engine's own plan, its recommendation and exactly the configuration to run."""
+    rows = [["configuration", "ZeRO", "GPU", "peak", "peak phase", "fits", "sent/rank/step", "comm", "exposed"]]
+    for o in p.options:
+        rows.append([
+            o.label, str(o.stage), _size(o.states.gpu.model_states_bytes, unit), _size(o.peak and o.peak.peak_bytes, unit),
+            o.peak.peak_phase.replace("_", " ") if o.peak else "-", "yes" if o.fits else "no",
+            _size(o.comm_bytes_per_rank, unit), _seconds(o.time.comm_s), _seconds(o.time.exposed_comm_s),
+        ])  # fmt: skip
+    lines = [*format_table(rows, left=1), "", f"Recommendation: {_recommendation(p, unit)}", f"Fit: {p.fit_basis}."]
+    if p.cut_first is not None:
+        lines.append(f"Cut first: {p.cut_first}.")
+    if p.recommendation is not None:
+        for key, title in (("deepspeed", "DeepSpeed config (exactly the one predicted):"),
+                           ("fsdp2", "FSDP2 (exactly the configuration predicted):")):  # fmt: skip
+            text = p.launchers.get(key)
+            if text is not None:
+                lines += ["", title, json_text(text, indent=2) if isinstance(text, dict) else text.rstrip("\n")]
+    return [*lines, "", ENGINE_NOTE, ESTIMATE_NOTE]
+
+
 def _recommendation(p: Plan, unit: str) -> str:
     rec = p.recommendation
     if rec is None:
@@ -273,7 +308,8 @@ def _recommendation(p: Plan, unit: str) -> str:
     )
     if t.compute_s is not None:
         comm += f" ({_seconds(t.exposed_comm_s)} exposed behind {_seconds(t.compute_s)} of compute)"
-    return f"ZeRO stage {rec.label}: {p.reason}; {comm}."
+    what = rec.label if rec.candidate is not None else f"ZeRO stage {rec.label}"
+    return f"{what}: {p.reason}; {comm}."
 
 
 def activation_line(p: Plan, unit: str) -> str:

@@ -109,6 +109,17 @@ class StageOut(_Out):
     peak_terms: Optional[list[PeakTermOut]] = Field(
         description="the largest live terms at the peak, largest first; null without an architecture"
     )
+    own_estimator_bytes: Optional[int] = Field(
+        None, description="the engine's own estimator for the same run (deepspeed: DeepSpeed's "
+        "estimate_zero2/3_model_states_mem_needs), beside the prediction; the key is absent for engines without one",
+    )  # fmt: skip
+
+    @model_serializer(mode="wrap")
+    def _without_own(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
+        out = handler(self)
+        if self.own_estimator_bytes is None:
+            out.pop("own_estimator_bytes")
+        return out
 
 
 class EstimateInputs(_Out):
@@ -223,10 +234,12 @@ class PlanOptionOut(_Out):
     name: str
     offload: OffloadOut
     label: str
-    max_params: Optional[int]
+    max_params: Optional[int] = Field(description="largest Ψ whose model states fill the GPU (ZeRO Table 2); "
+                                      "null: no limit, or an engine's own candidate (plan --engine fsdp2|deepspeed)")
     max_params_with_headroom: Optional[int]
     fits: Optional[bool]
-    min_gpus: Optional[int]
+    min_gpus: Optional[int] = Field(description="fewest GPUs that fit; null: none up to 2**20, no model, or an "
+                                    "engine's own candidate")
     gpu_bytes: Optional[GpuBytesOut] = None
     host_bytes_per_gpu: Optional[int] = None
     host_bytes_per_node: Optional[int] = None
@@ -265,8 +278,12 @@ class RecommendationOut(_Out):
     stage: int
     offload: OffloadOut
     label: str
-    deepspeed: dict[str, Any] = Field(description="ds_config.json for this option")
-    fsdp2: str = Field(description="FSDP2 fully_shard code for this option")
+    deepspeed: Optional[dict[str, Any]] = Field(
+        description="ds_config.json for this option; with plan --engine fsdp2, null"
+    )
+    fsdp2: Optional[str] = Field(
+        description="FSDP2 fully_shard code for this option; with plan --engine deepspeed, null"
+    )
 
 
 class PlanDoc(_Out):

@@ -33,7 +33,7 @@ def to_records(frame) -> list[dict]:
 def _json_head(columns: list[str], config: SweepConfig) -> str:
     doc = SweepDoc(
         inputs=SweepInputs(
-            gpu_memory_bytes=config.gpu_memory_bytes, policy=PolicyOut(**config.policy.resolved()),
+            gpu_memory_bytes=config.gpu_memory_bytes, policy=PolicyOut(**config.byte_policy.resolved()),
             **(dict(model=config.model, seq_len=config.sequence_length, checkpointing=config.checkpointing,
                     foreach=config.foreach, engine=config.engine) if config.model is not None else
                dict(model=None, seq_len=None, checkpointing=None, foreach=None, engine=None)),

@@ -7,6 +7,7 @@ activations <= 1 EiB) keep them below 2**63.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import cached_property
 from typing import Optional
 
@@ -14,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.architectures.spec import numels as numels_of
-from zeroplan.engines import EngineName
+from zeroplan.engines import EngineName, get_engine, planner_options
+from zeroplan.engines.base import EngineOptions, PlannerOptions
 from zeroplan.estimation.workload import check_seq_len
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
@@ -30,6 +32,11 @@ MAX_ROWS = 10**8
 """Most rows one sweep may have (counted before pairs that do not divide are left out): 1e8 rows is
 about 20 GB of CSV; the command streams it in chunks, but ``zeroplan.sweep`` returns one DataFrame of
 about 200 bytes a row. Split a larger grid into several sweeps."""
+
+
+ENGINE_MAX_EVALUATIONS = 4096
+"""Most (N_d, micro-batch, stage) estimates one sweep of a one-row engine (fsdp2, deepspeed) may ask: each is
+a full ``Engine.estimate`` (a walk over the step's moments), not a vectorised formula."""
 
 
 class SweepConfig(BaseModel):
@@ -68,6 +75,9 @@ class SweepConfig(BaseModel):
     gpu_memory_bytes: Optional[ByteSize] = None
     """memory of one GPU in bytes, for the ``fits`` column; None leaves it empty."""
     policy: PrecisionPolicy = PrecisionPolicy()
+    """the reference engine's precision policy; refused (when not the default) for the other engines."""
+    engine_options: EngineOptions = EngineOptions()
+    """options in the engine's own vocabulary (``--reshard-after-forward``, ``--deepspeed-config``, ...)."""
 
     @field_validator("offload", mode="before")
     @classmethod
@@ -111,6 +121,23 @@ class SweepConfig(BaseModel):
             raise ValueError(
                 f"no model_parallel in {list(self.model_parallel)} divides any gpus in {list(self.gpus)}"
             )
+        engine = get_engine(self.engine)
+        _ = self.planner_options(self.engine_stages[0] if engine.one_row else None)  # the engine's vocabulary
+        if engine.one_row:
+            why = {"model": self.model is None, "model_parallel": self.model_parallel != (1,),
+                   "offload": self.offload != (NO_OFFLOAD,), "checkpointing": self.checkpointing not in ("none", "full")}
+            bad = next((k for k, v in why.items() if v), None)
+            if bad is not None:
+                raise ValueError(
+                    f"sweep --engine {self.engine} evaluates the engine's own configuration, which needs a model "
+                    "(an architecture), model_parallel=1, no offload and checkpointing none or full; got "
+                    f"{bad}={getattr(self, bad)!r}"
+                )  # fmt: skip
+            evaluations = len(self.gpus) * len(self.micro_batch) * len(self.engine_stages)
+            if evaluations > ENGINE_MAX_EVALUATIONS:
+                raise ValueError(f"sweep --engine {self.engine}: {evaluations} engine estimates (gpus x micro_batch x "
+                                 f"stages), above the limit of {ENGINE_MAX_EVALUATIONS}: split the sweep")  # fmt: skip
+            engine.planner_settings(self.planner_options(self.engine_stages[0]))  # a bad ds_config: before any work
         if not self.pairs:
             offloads = ", ".join(o.label for o in self.offload)
             raise ValueError(
@@ -136,6 +163,29 @@ class SweepConfig(BaseModel):
         if self.spec is not None:
             return numels_of(transformer_shapes(self.spec))
         return self.tensor_numels
+
+    def planner_options(self, stage: Optional[int] = None) -> PlannerOptions:
+        """What the engine's ``planner_settings`` reads: the stages and policy (reference), one ``stage``
+        (deepspeed), the engine options; ValueError for an option outside the engine's vocabulary."""
+        engine = get_engine(self.engine)
+        reads_policy = "policy" in engine.options or self.policy != PrecisionPolicy()
+        planner = planner_options(engine, self.engine_options, stage=stage,
+                                  policy=self.policy if reads_policy else None)  # fmt: skip
+        return replace(planner, stages=self.stages) if stage is None else planner
+
+    @property
+    def engine_stages(self) -> tuple[Optional[int], ...]:
+        """Rows per configuration of a one-row engine (``Engine.one_row``): one per ``stages`` given (an
+        engine that reads a stage: DeepSpeed), else one, the stage its settings select (None)."""
+        return self.stages if "stages" in self.model_fields_set else (None,)
+
+    @property
+    def byte_policy(self) -> PrecisionPolicy:
+        """The byte convention of the rows' model states: the policy, or a one-row engine's own."""
+        engine = get_engine(self.engine)
+        if not engine.one_row:
+            return self.policy
+        return engine.policy(engine.planner_settings(self.planner_options(self.engine_stages[0])))
 
     @property
     def pairs(self) -> tuple[tuple[int, Offload], ...]:

@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 import pandas as pd
 
-from zeroplan.engines import get_engine
+from zeroplan.engines import get_engine, split_keywords
 from zeroplan.estimation.estimate import stage_estimates
 from zeroplan.estimation.workload import model_workload
 from zeroplan.estimation.records import StageEstimate
@@ -39,8 +39,13 @@ COLUMNS: tuple[str, ...] = tuple(SweepRow.model_fields)
 
 
 def collectives_summary(collectives: Sequence[Collective]) -> str:
-    """One string for a step's collectives, e.g. 'reduce-scatter(backward) + all-gather(optimizer step)'."""
-    return " + ".join(f"{c.op}({c.phase})" for c in collectives)
+    """One string for a step's collectives, e.g. 'reduce-scatter(backward) + all-gather(optimizer step)';
+    kinds issued several times (FSDP2: one per unit) are counted: '13 x all-gather(forward) + ...'."""
+    counts: dict[str, int] = {}
+    for c in collectives:
+        key = f"{c.op}({c.phase})"
+        counts[key] = counts.get(key, 0) + 1
+    return " + ".join(key if n == 1 else f"{n} x {key}" for key, n in counts.items())
 
 
 def _collectives_column(sweep_rows: list, nd: np.ndarray) -> pd.Categorical:
@@ -107,7 +112,7 @@ def _stage_peaks(config: SweepConfig, nd: int, micro_batch: int) -> dict[int, Pe
     engine = get_engine(config.engine)
     workload = model_workload(config.spec, config.sequence_length, micro_batch, config.checkpointing, 1,
                               config.foreach)  # fmt: skip
-    rows = engine.estimate(workload, nd, engine.settings(stages=config.stages, policy=config.policy))
+    rows = engine.estimate(workload, nd, engine.planner_settings(config.planner_options()))
     return {r.stage: r.peak for r in rows if r.peak is not None}
 
 
@@ -148,13 +153,89 @@ def sweep_config(config: SweepConfig) -> pd.DataFrame:
 def sweep_frames(config: SweepConfig, rows: int = CHUNK_ROWS) -> Iterator[pd.DataFrame]:
     """``sweep_config(config)`` in consecutive frames of about ``rows`` rows: the same rows in the same
     order, for writing a large sweep with bounded memory."""
-    step = max(1, rows // len(config.pairs))
+    per = len(config.engine_stages) if get_engine(config.engine).one_row else len(config.pairs)
+    step = max(1, rows // per)
     for start in range(0, n_configurations(config), step):
         yield _frame(config, _grid(config, start, start + step))
 
 
+@lru_cache(maxsize=4096)
+def _engine_row(config: SweepConfig, nd: int, micro_batch: int, stage: int | None) -> StageEstimate:
+    """One configuration of a one-row engine (``Engine.one_row``) as a ``StageEstimate``: model states,
+    collectives and peak from ``Engine.estimate``, "vs DP" against the reference stage 0 in the engine's
+    byte convention, as ``zeroplan.estimate`` computes them."""
+    engine = get_engine(config.engine)
+    workload = model_workload(config.spec, config.sequence_length, micro_batch, config.checkpointing, 1,
+                              config.foreach)  # fmt: skip
+    settings = engine.planner_settings(config.planner_options(stage))
+    (row,) = engine.estimate(workload, nd, settings)
+    (dp,) = stage_estimates(config.numels, nd, engine.policy(settings), (0,), None, True)
+    fits = None if config.gpu_memory_bytes is None else row.model_states_bytes <= config.gpu_memory_bytes
+    reduction = dp.memory.model_states_bytes / row.model_states_bytes
+    return StageEstimate(row.stage, row.label, row.memory, reduction, row.collectives, fits, row.peak)
+
+
+def _engine_frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
+    """The rows of ``grid`` for a one-row engine: every configuration through ``Engine.estimate`` (cached
+    per N_d, micro-batch and stage), in the columns and dtypes of the vectorised frame."""
+    m = grid["model_parallel"]
+    nd, b = grid["gpus"] // m, grid["micro_batch"]
+    stages = config.engine_stages
+    rows = [_engine_row(config, int(n), int(mb), st) for n, mb in zip(nd, b, strict=True) for st in stages]
+    k = len(stages)
+
+    def repeat(a: np.ndarray) -> np.ndarray:
+        return np.repeat(a, k)
+
+    def ints(values) -> np.ndarray:
+        return np.array(list(values), dtype=np.int64)
+
+    def categorical(labels: list[str]) -> pd.Categorical:
+        return pd.Categorical(labels, categories=list(dict.fromkeys(labels)))
+
+    n_rows = len(rows)
+    known_peak = np.array([r.peak is not None for r in rows], dtype=bool)
+    peak = ints(r.peak.peak_bytes if r.peak is not None else 0 for r in rows)
+    phase = ints(1 + PHASES.index(r.peak.peak_phase) if r.peak is not None else 0 for r in rows)
+    states = ints(r.memory.model_states_bytes for r in rows)
+    act, known = (repeat(a) for a in _activations(config, m, b))
+    memory = config.gpu_memory_bytes
+    no_memory = np.full(n_rows, memory is None)
+    zeros = np.zeros(n_rows, dtype=np.int64)
+    columns = {
+        "params": repeat(grid["params"]),
+        "gpus": repeat(grid["gpus"]),
+        "model_parallel": repeat(m),
+        "nd": repeat(nd),
+        "psi": repeat(np.broadcast_to(sum(config.numels), nd.shape)),
+        "micro_batch": repeat(b),
+        "stage": ints(r.stage for r in rows),
+        "name": categorical([r.name for r in rows]),
+        "offload": categorical([NO_OFFLOAD.label] * n_rows),
+        "params_bytes": ints(r.memory.params_bytes for r in rows),
+        "grads_bytes": ints(r.memory.grads_bytes for r in rows),
+        "optimizer_bytes": ints(r.memory.optimizer_bytes for r in rows),
+        "model_states_bytes": states,
+        "reduction_vs_dp": np.array([r.reduction_vs_dp for r in rows], dtype=np.float64),
+        "fits": pd.arrays.BooleanArray(states <= (memory or 0), mask=no_memory),
+        "comm_volume_elements": ints(r.comm_volume_elements for r in rows),
+        "comm_bytes_per_rank": ints(r.comm_bytes_per_rank for r in rows),
+        "collectives": categorical([collectives_summary(r.collectives) for r in rows]),
+        "host_bytes": zeros, "nvme_bytes": zeros, "h2d_bytes": zeros, "d2h_bytes": zeros,
+        "activation_bytes": pd.arrays.IntegerArray(act, mask=~known),
+        "total_bytes": pd.arrays.IntegerArray(states + act, mask=~known),
+        "total_fits": pd.arrays.BooleanArray(states + act <= (memory or 0), mask=~known | no_memory),
+        "peak_bytes": pd.arrays.IntegerArray(peak, mask=~known_peak),
+        "peak_phase": pd.Categorical.from_codes(phase, categories=["", *PHASES]),
+        "peak_fits": pd.arrays.BooleanArray(peak <= (memory or 0), mask=~known_peak | no_memory),
+    }  # fmt: skip
+    return pd.DataFrame(columns, columns=list(COLUMNS))
+
+
 def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
     """The rows of the configurations in ``grid`` (see ``sweep_config``)."""
+    if get_engine(config.engine).one_row:
+        return _engine_frame(config, grid)
     m = grid["model_parallel"]
     nd = grid["gpus"] // m
     if config.numels:
@@ -288,21 +369,22 @@ def sweep(
     foreach: bool = True,
     engine: str = "reference",
     gpu_memory_bytes: int | None = None,
-    **policy: object,
+    **options: object,
 ) -> pd.DataFrame:
     """``zeroplan.estimate`` for every combination of ``params`` x ``gpus`` x ``model_parallel``.
 
     Returns one row per configuration, stage and ``offload`` (columns ``COLUMNS``); byte columns are exact
     int64. ``offload`` items are ``zeroplan.parsing.parse_offload`` strings ('none', 'cpu', 'cpu/cpu', ...).
-    Remaining keywords are ``PrecisionPolicy`` fields, as for ``estimate``. Raises
-    ``pydantic.ValidationError`` on bad input.
+    Remaining keywords are the engine's options, as for ``estimate`` (``PrecisionPolicy`` fields for the
+    reference engine). Raises ``pydantic.ValidationError`` on bad input.
     """
+    policy, engine_options = split_keywords(engine, options)
     config = SweepConfig(  # the config checks and converts the sequences (a str or a number is refused)
         params=params,
         tensor_numels=tensor_numels,
         gpus=gpus,
         model_parallel=model_parallel,
-        stages=stages,
+        **({} if tuple(stages) == (0, 1, 2, 3) else {"stages": stages}),  # given: one row per stage (deepspeed)
         offload=offload,
         model=model,
         micro_batch=micro_batch,
@@ -311,7 +393,8 @@ def sweep(
         foreach=foreach,
         engine=engine,
         gpu_memory_bytes=gpu_memory_bytes,
-        policy=PrecisionPolicy(**policy),
+        policy=PrecisionPolicy(**(policy or {})),
+        engine_options=engine_options,
     )
     return sweep_config(config)
 
