@@ -196,17 +196,36 @@ class GlooSettled:
             setattr(self.backend, name, original)
 
 
-def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
-    """One rank: build ``model_fn()`` and ``deepspeed.initialize`` it under the probes, train on
-    ``batches``."""
+def build_model(model_fn, config: dict, zero_init: bool):
+    """``model_fn()`` as built: whole (``zero_init`` false), or under ``deepspeed.zero.Init`` with the run's
+    ds_config (ZeRO-3's way for a model larger than one device: runtime/zero/partition_parameters.py ``Init``
+    creates each floating-point tensor in the config's dtype and partitions a module's parameters right
+    after its ``__init__``, so no rank holds the whole model).
+
+    ``Init`` replaces ``torch.nn.functional.linear`` with ``zero3_linear_wrap`` for good
+    (``_enable_mem_efficient_linear``: "persists unless manually reset"): the caller restores it after the
+    run (``measure`` puts torch's back), so a later run of the same world trains with torch's."""
+    if not zero_init:
+        return model_fn()
+    import deepspeed
+
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        return model_fn()
+
+
+def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init: bool = False) -> dict:
+    """One rank: build ``model_fn()`` (under ``deepspeed.zero.Init`` when ``zero_init``) and
+    ``deepspeed.initialize`` it under the probes, train on ``batches``."""
     import deepspeed
     import deepspeed.comm.comm as ds_comm
     import torch
+    import torch.nn.functional as F
 
     from validate.probes import CommCounter
 
     counter, probe = CommCounter(), _cpu_probe()
     boundary: dict[str, int] = {}
+    linear = F.linear
 
     def enter(phase: str | None, step: int | None = None) -> None:
         # Python's cyclic garbage collector runs when allocation counts say so: at a different moment on
@@ -226,14 +245,18 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
     try:
         with probe, counter, GlooSettled(ds_comm.cdb) as settled:
             enter("init", -1)
+            # the build's own peak is kept apart ("build_peak_bytes") and stays in init's
+            probe.phase("build")
             t0 = time.perf_counter()
-            model = model_fn()
+            model = build_model(model_fn, config, zero_init)
+            probe.phase("init")
             engine, optimizer, _, _ = deepspeed.initialize(
                 model=model, model_parameters=model.parameters(), config=config
             )
             init_s = time.perf_counter() - t0
             del model
             enter(None)
+            probe.peaks["init"] = max(probe.peaks["init"], probe.peaks["build"])
             boundary["init"] = probe.settled_bytes()
             accum = config.get("gradient_accumulation_steps", 1)
             step_s = []
@@ -261,6 +284,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
             breakdown = probe.breakdown()
             by_device = probe.by_device()
     finally:
+        F.linear = linear  # zero.Init's zero3_linear_wrap, if any, ends with its run
         if was_enabled:
             gc.enable()
     inner = getattr(optimizer, "optimizer", None)
@@ -268,10 +292,12 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
         "rank": rank,
         "world_size": nd,
         "config": config,
+        "zero_init": zero_init,
         "optimizer_class": type(optimizer).__name__,
         "inner_optimizer_class": type(inner).__name__ if inner is not None else None,
         "boundary_bytes": boundary,
         "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
+        "build_peak_bytes": probe.peaks["build"],  # the model's construction, within init's peak
         "probe_breakdown": breakdown,
         "live_bytes_by_device": by_device,
         "comm": _summarise(counter.calls),
@@ -330,8 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--runs", default=None,
-        help="JSON list parallel to --configs: per config, {\"model\": ..., \"checkpointing\": ...} overriding "
-        "--model and --checkpointing",
+        help="JSON list parallel to --configs: per config, {\"model\": ..., \"checkpointing\": ..., \"zero_init\": "
+        "...} overriding --model, --checkpointing and --zero-init",
+    )  # fmt: skip
+    parser.add_argument(
+        "--zero-init", action="store_true",
+        help="build the model under deepspeed.zero.Init(config_dict_or_path=<the run's ds_config>) (ZeRO-3 only)",
     )  # fmt: skip
     parser.add_argument("--out", required=True, help="directory: rank<r>.json is written there")
     args = parser.parse_args(argv)
@@ -363,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
             config.get("gradient_accumulation_steps", 1),
             run.get("checkpointing", args.checkpointing),
         )
-        rows.append(measure(model_fn, config, batches, rank, nd))
+        rows.append(measure(model_fn, config, batches, rank, nd, bool(run.get("zero_init", args.zero_init))))
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -377,10 +407,12 @@ def run_world(
     seq_len: int | None = None,
     checkpointing: str = "none",
     runs: list[dict] | None = None,
+    zero_init: bool = False,
 ) -> list[list[dict]]:
     """Run ``configs`` on ``nd`` gloo CPU ranks under torchrun (through ``validate.launch``, which names the
     first failed rank); returns rows[rank][config]. ``runs``: per config, a ``model`` and ``checkpointing``
-    other than the world's (one world's ~30 s of setup shared by several models)."""
+    other than the world's (one world's ~30 s of setup shared by several models) and ``zero_init``: build
+    under ``deepspeed.zero.Init`` (``build_model``)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="zeroplan-deepspeed-") as tmp:
         cmd = [
@@ -388,7 +420,7 @@ def run_world(
             "--standalone", f"--nproc-per-node={nd}", "--max-restarts", "0",
             "-m", "validate.engines.deepspeed", "--model", model, "--configs", json.dumps(configs),
             "--steps", str(steps), "--out", tmp, "--checkpointing", checkpointing,
-            *(["--runs", json.dumps(runs)] if runs else []), *(["--seq-len", str(seq_len)] if seq_len else []),
+            *(["--runs", json.dumps(runs)] if runs else []), *(["--zero-init"] if zero_init else []), *(["--seq-len", str(seq_len)] if seq_len else []),
         ]  # fmt: skip
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
@@ -457,7 +489,8 @@ def compare_row(
     from zeroplan.engines import deepspeed as D
     from zeroplan.formulas.peak import PHASES as PEAK_PHASES
 
-    settings = D.Settings.from_ds_config(ds)
+    # how the ranks built the model, passed explicitly (the profile's default is zero.Init at stage 3)
+    settings = D.Settings.from_ds_config(ds, zero_init=bool(rank_rows[0].get("zero_init", False)))
     # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32)
     (est,) = D.estimate(workload, nd, settings, stat_bytes=D.DTYPE_BYTES[settings.dtype])
     numels = tuple(n for n in (math.prod(sh) for _, sh in workload.shapes))
@@ -545,7 +578,8 @@ def run_validation(config) -> dict:
     rows = []
     for nd in config.world_sizes:
         ranks = run_world(
-            configs, nd, model, config.steps, config.timeout_s, config.seq_len, config.checkpointing
+            configs, nd, model, config.steps, config.timeout_s, config.seq_len, config.checkpointing,
+            zero_init=config.zero_init,
         )
         for i, ds in enumerate(configs):
             workload = workload_for(model, ds["train_micro_batch_size_per_gpu"], config.seq_len,

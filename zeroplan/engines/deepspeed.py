@@ -28,7 +28,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, validate_call
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator,
+                      validate_call)
 
 from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
 from zeroplan.files import read_json
@@ -354,6 +355,25 @@ class Settings(BaseModel):
     adam_w_mode: bool = True
     torch_adam: bool = False
     foreach: Optional[bool] = None
+    zero_init: Optional[bool] = None
+    """ZeRO-3: the model built under ``deepspeed.zero.Init(config_dict_or_path=ds_config)``
+    (runtime/zero/partition_parameters.py ``Init``: each module's parameters are created in the config's
+    dtype and partitioned right after its ``__init__``, so no rank holds the whole model) or, False, built
+    whole and partitioned by ``deepspeed.initialize``. Not a ds_config key: how the script builds the model.
+    None: True at stage 3, DeepSpeed's documented way to build a model larger than one device (and what
+    Hugging Face ``from_pretrained`` does when the config is ZeRO-3: ``is_deepspeed_zero3_enabled``);
+    stages 1-2 never (``Init`` partitions parameters, which only ZeRO-3 does)."""
+
+    @model_validator(mode="after")
+    def _zero_init_stage(self) -> Settings:
+        if self.zero_init and self.stage != 3:
+            raise ValueError(f"zero_init: deepspeed.zero.Init partitions parameters for ZeRO-3 only, not stage {self.stage}")
+        return self
+
+    @property
+    def builds_partitioned(self) -> bool:
+        """Whether the model is built under ``deepspeed.zero.Init`` (``zero_init``; None: at stage 3)."""
+        return self.stage == 3 and self.zero_init is not False
 
     @property
     def grad_dtype(self) -> str:
@@ -366,11 +386,12 @@ class Settings(BaseModel):
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
 
     @classmethod
-    def from_ds_config(cls, config: object, stage: Optional[int] = None) -> Settings:
+    def from_ds_config(cls, config: object, stage: Optional[int] = None, zero_init: Optional[bool] = None) -> Settings:
         """Read a parsed ds_config.json strictly; absent keys take DeepSpeed 0.19.8's defaults.
 
         ``stage`` (``--stage``) fills in a config without ``zero_optimization.stage``; one that
-        contradicts the file is refused. ValueError with one line naming the key.
+        contradicts the file is refused. ``zero_init``: how the model is built (not in a ds_config; the
+        field's doc). ValueError with one line naming the key.
         """
         ds = parse_ds_config(config)
         base = from_deepspeed(config)  # offload refused, dtypes and optimizer checked, one line each
@@ -395,6 +416,7 @@ class Settings(BaseModel):
             **{k: v for k, v in (("adam_w_mode", params.adam_w_mode), ("torch_adam", params.torch_adam),
                                  ("foreach", params.foreach)) if v is not None},
             **found,
+            **({} if zero_init is None else {"zero_init": zero_init}),
         )  # fmt: skip
 
 
@@ -682,6 +704,9 @@ class DSRun:
     checkpointing: str = "none"
     foreach: bool = False
     grad_accum: int = 1
+    modules: tuple[tuple[int, ...], ...] = ()
+    """parameter sizes module by module, in build order (``named_parameters`` grouped by owning module):
+    what ``deepspeed.zero.Init`` partitions after each module's ``__init__``."""
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -719,12 +744,66 @@ def _blocks_saved(run: DSRun, n: int) -> Term:
     return _act(f"saved activations of {n} blocks", n * per, max(n, 1))
 
 
+ZINIT = "runtime/zero/partition_parameters.py"
+
+
+def _largest(moments: list[Moment]) -> Moment:
+    return max(moments, key=lambda m: m.total())
+
+
+def zero_init_moments(run: DSRun) -> tuple[Moment, ...]:
+    """The model built under ``deepspeed.zero.Init``, module by module (``run.modules``): the worst moment
+    of the builds and the worst of the weight initialisation (``Module.apply``).
+
+    Each floating-point tensor is created as asked (fp32) and converted to the config's dtype, both alive
+    for a moment (``zero_wrapper_for_fp_tensor_constructor``: ``tensor.data = tensor.data.to(dtype)``).
+    After a module's ``__init__`` (``partition_after`` -> ``Init._post_init_method``) each of its parameters
+    gets its partition, ceil(n / N_d) elements (``_partition_param``: ``ds_tensor = torch.empty(partition
+    _size)``), before its full tensor is freed (``free_param``); the broadcast before it
+    (``_zero_init_param``) is in place. The model's weight initialisation through ``Module.apply``
+    (``apply_with_gather``) gathers one module's parameters at a time, each into a padded
+    ceil(n / N_d)·N_d buffer (``_allgather_params_sequential``: ``flat_tensor``), then re-partitions them
+    into the partitions they had. Measured: docs/engines/deepspeed.md "ZeRO-3 built under zero.Init".
+    """
+    p, nd = _pbytes(run), run.nd
+    part = lambda n: -(-n // nd)  # noqa: E731 - partition_parameters.py _partition_numel
+    built, applied, before = [], [], 0
+    for params in run.modules:
+        done = 0  # this module's parameters created so far (full, in the config's dtype)
+        for n in params:
+            built.append(Moment("init", "zero.Init: a parameter created, then converted", (
+                Term("partitions of the modules built before", before, f"{ZINIT} _partition_param (ds_tensor)"),
+                Term("this module's parameters created before it", done, f"{ZINIT} zero_wrapper_for_fp_tensor_constructor"),
+                Term("the parameter as created (fp32)", n * 4, f"{ZINIT} zero_wrapper_for_fp_tensor_constructor (fn(*args))"),
+                Term("its copy in the config's dtype", n * p if p != 4 else 0,
+                     f"{ZINIT} zero_wrapper_for_fp_tensor_constructor (tensor.data.to(target_fp_dtype))"))))  # fmt: skip
+            done += n * p
+        for i, n in enumerate(params):
+            built.append(Moment("init", "zero.Init: a module's parameter partitioned", (
+                Term("partitions of the modules built before", before, f"{ZINIT} _partition_param (ds_tensor)"),
+                Term("this module's parameters partitioned before it", sum(part(x) for x in params[:i]) * p,
+                     f"{ZINIT} _partition_param (ds_tensor)"),
+                Term("this module's parameters not yet freed", sum(params[i:]) * p, f"{ZINIT} free_param (after the copy)"),
+                Term("the parameter's new partition", part(n) * p,
+                     f"{ZINIT} Init._post_init_method -> _zero_init_param -> _partition_param (ds_tensor)"))))  # fmt: skip
+        before += sum(part(n) for n in params) * p
+    for params in run.modules:
+        applied.append(Moment("init", "zero.Init: a module's parameters gathered for Module.apply", (
+            Term("partitions of the whole model", before, f"{ZINIT} _partition_param (ds_tensor)"),
+            Term("this module's parameters gathered (padded)", sum(part(n) * nd for n in params) * p,
+                 f"{ZINIT} apply_with_gather -> _allgather_params_sequential (flat_tensor)"))))  # fmt: skip
+    return tuple(_largest(m) for m in (built, applied) if m)
+
+
 def init_moments(run: DSRun) -> tuple[Moment, ...]:
-    """``deepspeed.initialize``: the 16-bit cast, the flat copy (ZeRO-1/2), the optimizer's partitions."""
+    """``deepspeed.initialize``: the 16-bit cast, the flat copy (ZeRO-1/2), the optimizer's partitions; the
+    model's build under ``deepspeed.zero.Init`` (``zero_init_moments``) when the settings say so."""
     s, numels = run.settings, run.numels
     p, psi = _pbytes(run), sum(numels)
-    out = []
-    if s.dtype != "fp32":  # engine.py _configure_distributed_model: module.bfloat16()/half(), tensor by tensor
+    out = list(zero_init_moments(run)) if s.builds_partitioned else []
+    # engine.py _configure_distributed_model -> _cast_module_mixed_precision: zero.Init built the model in the
+    # config's dtype already (is_zero_init_model: no cast), else p.data.to(dtype), tensor by tensor
+    if s.dtype != "fp32" and not s.builds_partitioned:
         # nn.Module._apply converts one parameter at a time: the fp32 ones not yet converted plus the 16-bit ones
         done, worst = 0, 0
         for n in numels:
@@ -743,12 +822,14 @@ def init_moments(run: DSRun) -> tuple[Moment, ...]:
                 Term("16-bit partition converted to fp32", part * 4, src),
                 Term("fp32 master partition (the clone)", part * 4, src))))  # fmt: skip
         # the built model is partitioned tensor by tensor: the first one's partition is allocated while the
-        # whole model is still alive (measured: Llama, N_d = 4, 195,984 B = Ψ·4 + ceil(4,944 / 4)·4)
+        # whole model is still alive (measured: Llama, N_d = 4, 195,984 B = Ψ·4 + ceil(4,944 / 4)·4); under
+        # zero.Init it was partitioned as built (zero_init_moments): _convert_to_zero_parameters skips it
         psrc = "runtime/zero/partition_parameters.py _convert_to_zero_parameters -> _zero_init_param -> _partition_param"
-        out.append(Moment("init", "the built model partitioned, first tensor", (
-            Term("model parameters as built (model dtype)", psi * p, "runtime/engine.py _configure_distributed_model"),
-            Term("first parameter's partition", -(-numels[0] // run.nd) * p,
-                 f"{psrc} (ds_tensor allocated before param.data is freed)"))))  # fmt: skip
+        if not s.builds_partitioned:
+            out.append(Moment("init", "the built model partitioned, first tensor", (
+                Term("model parameters as built (model dtype)", psi * p, "runtime/engine.py _configure_distributed_model"),
+                Term("first parameter's partition", -(-numels[0] // run.nd) * p,
+                     f"{psrc} (ds_tensor allocated before param.data is freed)"))))  # fmt: skip
         out.append(Moment("init", "partitioned parameters gathered once", (*st, Term(
             "largest parameter gathered", max(numels) * p,
             "runtime/zero/partition_parameters.py _allgather_params_sequential")) ))  # fmt: skip
@@ -1032,9 +1113,12 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     final = sum(math.prod(sh) for n, sh in workload.shapes
                 if not n.startswith(prefix) and (".ln_f." in n or n.startswith("model.norm.")))  # fmt: skip
     foreach = settings.foreach if settings.foreach is not None else workload.foreach
+    owners: dict[str, list[int]] = {}  # insertion order: the order the modules were built
+    for name, shape in workload.shapes:
+        owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
-                 workload.grad_accum)  # fmt: skip
+                 workload.grad_accum, tuple(tuple(v) for v in owners.values()))  # fmt: skip
 
 
 def _collective(c: DSCollective, nd: int) -> Collective:
