@@ -1179,6 +1179,24 @@ def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict
     return config
 
 
+def build_snippet(s: Settings, config_path: str = "ds_config.json") -> Optional[str]:
+    """How to build the model for ``s`` as the profile predicted it: under ``deepspeed.zero.Init`` with the
+    run's ds_config (``Settings.zero_init``; as ``validate/engines/deepspeed.py`` ``build_model`` does), or
+    None where the model is built as usual (whole, then partitioned by ``deepspeed.initialize``)."""
+    if not s.builds_partitioned:
+        return None
+    return (
+        "import deepspeed\n\n"
+        "# ZeRO-3 as predicted: each module is partitioned as it is built (partition_parameters.py Init), so no\n"
+        "# rank holds the whole model; initialise weights through model.apply (each module gathered for it).\n"
+        "# Hugging Face: HfDeepSpeedConfig(ds_config) before from_pretrained does the same.\n"
+        f"with deepspeed.zero.Init(config_dict_or_path={config_path!r}):\n"
+        "    model = build_model()  # your model's constructor\n"
+        "engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),\n"
+        f"                                               config={config_path!r})\n"
+    )
+
+
 @dataclass(frozen=True)
 class Recommendation:
     """The configuration ``recommend`` chose, its prediction, and what it tried."""
@@ -1250,7 +1268,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
                 index = len(candidates)
             candidates.append(Candidate(f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e"), est,
                                         need <= capacity_bytes, to_ds_config(s, workload.micro_batch,
-                                                                             workload.grad_accum), bucket))  # fmt: skip
+                                                                             workload.grad_accum), bucket,
+                                        build_snippet(s)))  # fmt: skip
     return EnginePlan(tuple(candidates), index, "deepspeed", PLAN_ORDER, base)
 
 

@@ -284,6 +284,10 @@ class RecommendationOut(_Out):
     fsdp2: Optional[str] = Field(
         description="FSDP2 fully_shard code for this option; with plan --engine deepspeed, null"
     )
+    deepspeed_build: Optional[str] = Field(
+        None, description="plan --engine deepspeed at ZeRO-3: how the model is built for the prediction to hold "
+        "(under deepspeed.zero.Init(config_dict_or_path=...)); absent otherwise",
+    )
 
 
 class PlanDoc(_Out):
