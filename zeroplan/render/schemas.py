@@ -289,6 +289,14 @@ class RecommendationOut(_Out):
         "(under deepspeed.zero.Init(config_dict_or_path=...)); absent otherwise",
     )
 
+    @model_serializer(mode="wrap")
+    def _absent_build(self, handler: SerializerFunctionWrapHandler):
+        """``deepspeed_build`` is written only where it applies: earlier outputs keep their keys."""
+        out = handler(self)
+        if out.get("deepspeed_build") is None:
+            out.pop("deepspeed_build", None)
+        return out
+
 
 class PlanDoc(_Out):
     """``zeroplan plan --json``."""
