@@ -504,7 +504,7 @@ def compare_row(
     peak_err = max(peak_errors.values(), key=abs)
 
     pred_coll = {}
-    for c in D.collectives(settings, numels, nd, workload.grad_accum):
+    for c in D.collectives(settings, numels, nd, workload.grad_accum, *D._trace(workload)):
         key = _key(c.op, c.phase, _TORCH_DTYPE.get(c.dtype, c.dtype))
         nbytes = D.DTYPE_BYTES.get(c.dtype, 1)
         from zeroplan.formulas.collectives import ring_bytes_per_rank

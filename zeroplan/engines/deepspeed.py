@@ -601,7 +601,8 @@ def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int = 1) -> tuple[DSCollective, ...]:
+def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int = 1,
+                trace: tuple[tuple[int, ...], ...] = (), tied_head: bool = False) -> tuple[DSCollective, ...]:
     """One steady-state step's collectives (the second step on: ZeRO-3's first step records its trace).
 
     ``grad_accum`` micro-steps per step (measured at 2): ZeRO-2 reduces every micro-step, ZeRO-3 gathers
@@ -624,6 +625,12 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int =
                                     "runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch of the "
                                     "recorded trace; kept through backward while stage3_max_live_parameters and "
                                     "stage3_max_reuse_distance allow: no re-gather)", calls_exact=False))  # fmt: skip
+        released = [n for module, r in zip(trace, released_after_forward(s, trace, tied_head)) if r
+                    for n in module if n > s.param_persistence_threshold]
+        if released:  # ``trace``: the forward order of the modules (forward_trace)
+            out.append(DSCollective("all-gather", "backward", grad_accum * len(released), grad_accum * sum(released), p,
+                                    "runtime/zero/partitioned_param_coordinator.py fetch_sub_module: the parameters "
+                                    "released after forward (released_after_forward) gathered again", calls_exact=False))  # fmt: skip
         out += [
             DSCollective("reduce-scatter", "backward", grad_accum * len(greedy_buckets(numels, s.reduce_bucket_size)),
                          grad_accum * sum(numels), g,
@@ -707,6 +714,8 @@ class DSRun:
     modules: tuple[tuple[int, ...], ...] = ()
     """parameter sizes module by module, in build order (``named_parameters`` grouped by owning module):
     what ``deepspeed.zero.Init`` partitions after each module's ``__init__``."""
+    trace: tuple[tuple[int, ...], ...] = ()
+    """parameter sizes module by module in forward order: ZeRO-3's module trace (``forward_trace``)."""
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -727,16 +736,53 @@ def _pbytes(run: DSRun) -> int:
     return DTYPE_BYTES[run.settings.dtype]
 
 
+def released_after_forward(s: Settings, trace: tuple[tuple[int, ...], ...], tied_head: bool = False) -> tuple[bool, ...]:
+    """ZeRO-3 without prefetch (``stage3_prefetch_bucket_size`` 0): per module of the forward ``trace``,
+    whether its parameters are released after its forward (partitioned_param_coordinator.py
+    ``release_sub_module`` -> ``__params_to_release``: kept only if the module comes again within the next
+    ``stage3_max_reuse_distance`` elements of the trace; module i comes again in backward, after the
+    modules behind it ran forward and backward: 2·Σ numel behind it traversed). Measured on tiny-llama at
+    distances 0, 5,000, 10,000, 20,000 and 1e9: peaks and the backward re-gathers exact. With prefetch,
+    parameters fetched ahead for a later step are kept too (``__most_recent_step_id_param_fetched_for``):
+    not modelled, nothing is released (validated only while the distance exceeds the model); a tied head
+    (the embedding used again by the head) likewise."""
+    if s.stage != 3 or s.prefetch_bucket_size > 0 or tied_head:
+        return tuple(False for _ in trace)
+    behind, out = 0, []
+    for module in reversed(trace):
+        out.append(2 * behind >= s.max_reuse_distance)
+        behind += sum(module)
+    return tuple(reversed(out))
+
+
+def gathered_numel(run: DSRun) -> tuple[int, int, int]:
+    """ZeRO-3: (elements kept gathered from forward into backward, elements and parameters re-gathered in
+    backward), non-persistent parameters only (persistent ones stay gathered: ``persistent parameters``)."""
+    s = run.settings
+    trace = run.trace or tuple((n,) for n in run.numels)
+    kept = regathered = calls = 0
+    for module, released in zip(trace, released_after_forward(s, trace, run.tied_head)):
+        gathered = [n for n in module if n > s.param_persistence_threshold]
+        if released:
+            regathered, calls = regathered + sum(gathered), calls + len(gathered)
+        else:
+            kept += sum(gathered)
+    return kept, regathered, calls
+
+
 def _gathered(run: DSRun) -> tuple[Term, ...]:
-    """ZeRO-3 after the first step: every non-persistent parameter gathered by the trace's prefetch and
-    kept through backward (partitioned_param_coordinator.py ``fetch_sub_module``: nothing is released
-    while stage3_max_live_parameters and stage3_max_reuse_distance exceed the model)."""
+    """ZeRO-3 after the first step: the non-persistent parameters gathered by the trace's fetches and kept
+    through backward (partitioned_param_coordinator.py ``fetch_sub_module``): all of them while
+    stage3_max_reuse_distance exceeds the model (or with prefetch), else those ``released_after_forward``
+    keeps; the forward and backward peaks are at the turn, where these are live."""
     s = run.settings
     if s.stage != 3:
         return ()
-    n = sum(x for x in run.numels if x > s.param_persistence_threshold)
-    return (Term("gathered parameters (prefetched trace)", n * _pbytes(run),
-                 "runtime/zero/partitioned_param_coordinator.py fetch_sub_module"),)  # fmt: skip
+    kept, regathered, _ = gathered_numel(run)
+    name = "gathered parameters kept for reuse (stage3_max_reuse_distance)" if regathered else \
+        "gathered parameters (prefetched trace)"
+    return (Term(name, kept * _pbytes(run), "runtime/zero/partitioned_param_coordinator.py fetch_sub_module, "
+                 "release_sub_module"),)  # fmt: skip
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:
@@ -1118,7 +1164,47 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
         owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
-                 workload.grad_accum, tuple(tuple(v) for v in owners.values()))  # fmt: skip
+                 workload.grad_accum, tuple(tuple(v) for v in owners.values()),
+                 forward_trace(workload.shapes, spec.style))  # fmt: skip
+
+
+# modeling_llama.py LlamaDecoderLayer.forward: input_layernorm, self_attn, post_attention_layernorm, mlp
+# (registered self_attn, mlp, then the norms); GPT-2 blocks run in registration order.
+_LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def forward_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: str) -> tuple[tuple[int, ...], ...]:
+    """Parameter sizes grouped by owning module, in the order forward runs the modules (ZeRO-3's trace,
+    partitioned_param_coordinator.py ``record_module``)."""
+    owners: dict[str, list[int]] = {}
+    for name, shape in shapes:
+        owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
+
+    def forward_rank(owner: str) -> int:  # within one decoder layer; 0 outside
+        parts = owner.split(".")
+        sub = parts[3] if style == "llama" and len(parts) > 3 and parts[1] == "layers" else None
+        return _LLAMA_FORWARD.index(sub) if sub in _LLAMA_FORWARD else 0
+
+    def layer(owner: str) -> str:
+        return ".".join(owner.split(".")[:3]) if ".layers." in f".{owner}." else owner
+
+    out: list[tuple[int, ...]] = []
+    run: list[str] = []  # the owners of one decoder layer (or one top-level module), in registration order
+    for owner in [*owners, None]:
+        if run and (owner is None or layer(owner) != layer(run[0])):
+            out += [tuple(owners[o]) for o in sorted(run, key=forward_rank)]  # sorted() is stable
+            run = []
+        if owner is not None:
+            run.append(owner)
+    return tuple(out)
+
+
+def _trace(workload: Workload) -> tuple[tuple[tuple[int, ...], ...], bool]:
+    """(forward trace, tied head) of ``workload`` for ``collectives``; none without an architecture."""
+    spec = workload.spec
+    if spec is None:
+        return (), False
+    return forward_trace(workload.shapes, spec.style), spec.style == "gpt" and spec.tie_word_embeddings
 
 
 def _collective(c: DSCollective, nd: int) -> Collective:
@@ -1139,7 +1225,8 @@ def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Option
         stage=settings.stage,
         memory=memory_breakdown(settings, numels, nd),
         peak=peak,
-        collectives=tuple(_collective(c, nd) for c in collectives(settings, numels, nd, workload.grad_accum)),
+        collectives=tuple(_collective(c, nd) for c in collectives(settings, numels, nd, workload.grad_accum,
+                                                                  *_trace(workload))),
     ),)  # fmt: skip
 
 
@@ -1208,19 +1295,33 @@ class Recommendation:
     """(stage, bucket elements, predicted peak bytes) of every candidate, in the order tried."""
 
 
+def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
+    """What ``recommend`` tries, in its order: ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3
+    without prefetch (``stage3_prefetch_bucket_size`` 0: a module's parameters are released after use unless
+    reused within ``stage3_max_reuse_distance``, ``released_after_forward``; more all-gathers, no overlap)."""
+    out = []
+    for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
+        for bucket in BUCKET_CHOICES:
+            update = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+            if prefetch is not None:
+                update["prefetch_bucket_size"] = prefetch
+            label = f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e") + (", no prefetch" if prefetch == 0 else "")
+            out.append((label, base.model_copy(update=update)))
+    return tuple(out)
+
+
 def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
               stat_bytes: Optional[int] = None) -> Optional[Recommendation]:
-    """The lowest ZeRO stage (least traffic), then the largest bucket (fewest calls), whose predicted peak
-    fits ``memory_bytes``; None when none does. Other keys come from ``base``."""
+    """The first of ``candidates`` (lowest ZeRO stage: least traffic; then the largest bucket: fewest calls;
+    ZeRO-3 without prefetch last) whose predicted peak fits ``memory_bytes``; None when none does. Other
+    keys come from ``base``."""
     tried = []
-    for stage in (1, 2, 3):
-        for bucket in BUCKET_CHOICES:
-            s = base.model_copy(update={"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket})
-            (est,) = estimate(workload, nd, s, stat_bytes)
-            peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
-            tried.append((stage, bucket, peak))
-            if peak <= memory_bytes:
-                return Recommendation(s, est, to_ds_config(s, workload.micro_batch, workload.grad_accum), tuple(tried))
+    for _, s in candidates(base):
+        (est,) = estimate(workload, nd, s, stat_bytes)
+        peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
+        tried.append((s.stage, s.reduce_bucket_size, peak))
+        if peak <= memory_bytes:
+            return Recommendation(s, est, to_ds_config(s, workload.micro_batch, workload.grad_accum), tuple(tried))
     return None
 
 
@@ -1228,7 +1329,8 @@ def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
 
 PLANNER_OPTIONS: tuple[str, ...] = ("ds_config", "stage")
 """The ``PlannerOptions`` fields in DeepSpeed's vocabulary: a ``ds_config.json`` and ``--stage``."""
-PLAN_ORDER = "the lowest ZeRO stage (least traffic), then the largest bucket (fewest calls)"
+PLAN_ORDER = ("the lowest ZeRO stage (least traffic), then the largest bucket (fewest calls), ZeRO-3 without "
+              "prefetch last (parameters released after use, re-gathered in backward)")
 
 
 def planner_settings(options: PlannerOptions) -> Settings:
@@ -1258,19 +1360,15 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     zero.pop("stage", None)
     base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
     chosen = recommend(workload, nd, capacity_bytes, base)
-    candidates, index = [], None
-    for stage in (1, 2, 3):
-        for bucket in BUCKET_CHOICES:
-            s = base.model_copy(update={"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket})
-            (est,) = estimate(workload, nd, s)
-            need = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
-            if chosen is not None and s == chosen.settings:
-                index = len(candidates)
-            candidates.append(Candidate(f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e"), est,
-                                        need <= capacity_bytes, to_ds_config(s, workload.micro_batch,
-                                                                             workload.grad_accum), bucket,
-                                        build_snippet(s)))  # fmt: skip
-    return EnginePlan(tuple(candidates), index, "deepspeed", PLAN_ORDER, base)
+    out, index = [], None
+    for label, s in candidates(base):
+        (est,) = estimate(workload, nd, s)
+        need = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
+        if chosen is not None and s == chosen.settings:
+            index = len(out)
+        out.append(Candidate(label, est, need <= capacity_bytes, to_ds_config(s, workload.micro_batch, workload.grad_accum),
+                             s.reduce_bucket_size, build_snippet(s)))  # fmt: skip
+    return EnginePlan(tuple(out), index, "deepspeed", PLAN_ORDER, base)
 
 
 def planner_block_bytes(settings: Settings) -> int:
