@@ -9,6 +9,7 @@ through the validator's ``compare_row`` (which passes how the ranks built the mo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -17,16 +18,20 @@ import pytest
 
 from clicheck import assert_one_line_error
 from zeroplan.engines import deepspeed as D
-from zeroplan.formulas.peak import PHASES
+from zeroplan.formulas.peak import PHASES, peak_of
 
 ND, STATES_TOL, PEAK_TOL = 2, 0.01, 0.03
 LLAMA = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json")
 SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
          "stage3_param_persistence_threshold": 100}  # fmt: skip
-CASES = {  # name -> (model, dtype, zero_init)
-    "gpt-fp32-zero-init": ("gpt-tiny", "fp32", True),
-    "llama-bf16-zero-init": (LLAMA, "bf16", True),
-    "gpt-fp32-materialized": ("gpt-tiny", "fp32", False),
+# ZeRO-3 without prefetch, reuse distance 10,000: tiny-llama keeps its LM head and last down_proj gathered
+# from forward into backward (2·4,992 < 10,000) and re-gathers the other 14 parameters in backward
+NO_PREFETCH = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 10_000}
+CASES = {  # name -> (model, dtype, zero_init, extra zero_optimization keys)
+    "gpt-fp32-zero-init": ("gpt-tiny", "fp32", True, {}),
+    "llama-bf16-zero-init": (LLAMA, "bf16", True, {}),
+    "gpt-fp32-materialized": ("gpt-tiny", "fp32", False, {}),
+    "llama-fp32-no-prefetch": (LLAMA, "fp32", True, NO_PREFETCH),
 }
 
 
@@ -35,11 +40,12 @@ def world():
     pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: DS_BUILD_OPS=0 pip install '.[deepspeed]'")
     from validate.engines.deepspeed import compare_row, ds_config, run_world, workload_for
 
-    configs = [ds_config(3, dtype, zero=SMALL, optimizer_params={"torch_adam": True}) for _, dtype, _ in CASES.values()]
-    runs = [{"model": model, "zero_init": zi} for model, _, zi in CASES.values()]
-    ranks = run_world(configs, ND, steps=2, runs=runs)
+    configs = [ds_config(3, dtype, zero={**SMALL, **extra}, optimizer_params={"torch_adam": True})
+               for _, dtype, _, extra in CASES.values()]  # fmt: skip
+    runs = [{"model": model, "zero_init": zi} for model, _, zi, _ in CASES.values()]
+    ranks = run_world(configs, ND, steps=3, runs=runs)  # steady-state collectives: the third step
     out = {}
-    for i, (name, (model, _, zi)) in enumerate(CASES.items()):
+    for i, (name, (model, _, zi, _)) in enumerate(CASES.items()):
         workload = workload_for(model, configs[i]["train_micro_batch_size_per_gpu"], None)
         rank_rows = [r[i] for r in ranks]
         row = compare_row(configs[i], ND, rank_rows, workload, name, STATES_TOL, PEAK_TOL)
@@ -60,7 +66,7 @@ def test_row_within_tolerance(world, name):
         assert abs(measured - predicted) <= PEAK_TOL * measured, (phase, measured, predicted)
 
 
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[2]])
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[2] and not c[3]])
 def test_build_peak_is_zero_init_moments(world, name):
     """The build's peak: exactly the largest of ``zero_init_moments`` on the quietest rank; another rank
     may still hold one full parameter gloo has not let go of after its broadcast (measured up to the
@@ -70,6 +76,20 @@ def test_build_peak_is_zero_init_moments(world, name):
     measured = [r["build_peak_bytes"] for r in rank_rows]
     assert min(measured) == predicted, (measured, predicted)
     assert max(measured) <= predicted + max(run.numels) * 4, (measured, predicted)
+
+
+def test_released_parameters_are_gathered_again_in_backward(world):
+    """The no-prefetch row is not the plain one in disguise: 14 of tiny-llama's 16 gathered parameters are
+    all-gathered again in backward, and its forward peak is below the all-kept prediction."""
+    from validate.report import _key
+
+    _, row, run = world["llama-fp32-no-prefetch"]
+    kept, regathered, calls = D.gathered_numel(run)
+    assert (kept, calls) == (4_944 + 4_224, 14)
+    assert row["measured_collectives"][_key("all-gather", "backward", "float32")]["elements"] == regathered
+    everything = run.settings.model_copy(update={"max_reuse_distance": 10**9})
+    allkept = peak_of(D.moments(dataclasses.replace(run, settings=everything)))
+    assert row["measured_peak_bytes_by_phase"]["forward"] == allkept.by_phase()["forward"] - regathered * 4
 
 
 def test_zero_init_never_holds_the_whole_model(world):
@@ -117,6 +137,37 @@ def test_init_peak_at_70b_on_64_gpus():
     assert init[False] >= psi * 4
     part = D.stage3_partition_numel(tuple(math.prod(sh) for _, sh in w.shapes), 64)
     assert init[True] < psi * 4 / 20 and init[True] >= part * (2 + 4 + 4)  # 16-bit partition, converted, clone
+
+
+def test_release_rule():
+    """partitioned_param_coordinator.py __params_to_release without prefetch: kept while 2·Σ behind < R."""
+    trace = ((10,), (20,), (5,), (30,))  # behind: 55, 35, 30, 0
+    s = D.Settings(stage=3, prefetch_bucket_size=0, max_reuse_distance=61)
+    assert D.released_after_forward(s, trace) == (True, True, False, False)
+    assert D.released_after_forward(s.model_copy(update={"max_reuse_distance": 0}), trace) == (True,) * 4
+    assert D.released_after_forward(s.model_copy(update={"prefetch_bucket_size": 1}), trace) == (False,) * 4
+    assert D.released_after_forward(s, trace, tied_head=True) == (False,) * 4
+
+
+def test_plan_fits_llama2_70b_on_64_h100(tmp_path):
+    """The planner's question of issue 11: ZeRO-3 built under zero.Init, without prefetch, fits."""
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                "zero_optimization": {"stage": 3}}))  # fmt: skip
+    got = CliRunner().invoke(app, ["plan", "--engine", "deepspeed", "--deepspeed-config", str(path), "--model",
+                                   "llama2-70b", "--gpus", "64", "--gpu", "h100-80gb", "--json"])  # fmt: skip
+    assert got.exit_code == 0, got.output
+    d = json.loads(got.stdout)
+    rec = d["recommendation"]
+    assert rec["label"] == "ZeRO-3, buckets 5e8, no prefetch", rec["label"]
+    assert rec["deepspeed"]["zero_optimization"]["stage3_prefetch_bucket_size"] == 0
+    assert "deepspeed.zero.Init(" in rec["deepspeed_build"]
+    picked = next(o for o in d["stages"] if o["label"] == rec["label"])
+    assert picked["peak_bytes"] <= 0.9 * 80 * 2**30 < min(o["peak_bytes"] for o in d["stages"] if "prefetch" not in o["label"])
 
 
 def test_plan_emits_the_zero_init_build(tmp_path):
