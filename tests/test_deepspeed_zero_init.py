@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 
 import pytest
-
 from clicheck import assert_one_line_error
+
 from zeroplan.engines import deepspeed as D
 from zeroplan.formulas.peak import PHASES, peak_of
 

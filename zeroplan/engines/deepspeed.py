@@ -812,7 +812,10 @@ def zero_init_moments(run: DSRun) -> tuple[Moment, ...]:
     into the partitions they had. Measured: docs/engines/deepspeed.md "ZeRO-3 built under zero.Init".
     """
     p, nd = _pbytes(run), run.nd
-    part = lambda n: -(-n // nd)  # noqa: E731 - partition_parameters.py _partition_numel
+
+    def part(n: int) -> int:  # partition_parameters.py _partition_numel
+        return -(-n // nd)
+
     built, applied, before = [], [], 0
     for params in run.modules:
         done = 0  # this module's parameters created so far (full, in the config's dtype)
