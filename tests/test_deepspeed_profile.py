@@ -4,6 +4,8 @@ the optimizer class it builds, emitted configs that read back as predicted, and 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from zeroplan.architectures.spec import transformer_shapes
@@ -121,3 +123,55 @@ def test_recommend_lowest_stage_then_largest_bucket_that_fits():
     assert r.estimate.peak.peak_bytes <= 30 * 10**6
     assert D.Settings.from_ds_config(r.ds_config) == r.settings  # the JSON is the predicted configuration
     assert D.recommend(w, 4, 10**6, D.Settings(stage=1)) is None  # no bucket choice fits 1 MB
+
+
+@pytest.mark.parametrize(("stage", "scaled"), [(1, set()), (2, {("all-reduce", "backward")}),
+                                               (3, {("all-gather", "forward"), ("reduce-scatter", "backward")})])  # fmt: skip
+def test_collectives_per_micro_step_under_accumulation(stage, scaled):
+    """gradient_accumulation_steps = G: ZeRO-2 reduces every micro-step, ZeRO-3 gathers and reduce-scatters
+    every micro-step, ZeRO-1 reduces at the boundary only (measured at G = 2: tests/test_deepspeed_engine.py)."""
+    wl = _workload()
+    numels = tuple(math.prod(sh) for _, sh in wl.shapes)
+    s = D.Settings.from_ds_config({"zero_optimization": {"stage": stage, "reduce_bucket_size": 5000,
+                                                         "stage3_param_persistence_threshold": 100}})  # fmt: skip
+    one, two = D.collectives(s, numels, 2), D.collectives(s, numels, 2, grad_accum=2)
+    for a, b in zip(one, two):
+        k = 2 if (a.op, a.phase) in scaled else 1
+        assert (b.calls, b.elements) == (k * a.calls, k * a.elements), (a, b)
+
+
+def test_accumulation_holds_gradients_between_micro_steps():
+    """G = 2 adds to forward what the first micro-step leaves: ZeRO-1 every gradient and its bucket, ZeRO-2
+    the largest rank's grads_in_partition, ZeRO-3 nothing; G = 1 is unchanged."""
+    import dataclasses
+
+    wl = _workload()
+    psi = sum(math.prod(sh) for _, sh in wl.shapes)
+    for stage, extra in ((1, psi * 4 + 5000 * 4), (3, 0)):
+        s = D.Settings.from_ds_config({"zero_optimization": {"stage": stage, "reduce_bucket_size": 5000}})
+        (g1,) = D.estimate(wl, 2, s)
+        (g2,) = D.estimate(dataclasses.replace(wl, grad_accum=2), 2, s)
+        assert g2.peak.by_phase()["forward"] - g1.peak.by_phase()["forward"] == extra
+        assert g2.peak.by_phase()["init"] == g1.peak.by_phase()["init"]
+
+
+def test_bf16_optimizer_and_overlap_moments():
+    """BF16_Optimizer has no initialize_optimizer_states (its init peak is its states) and reduces after
+    backward through a 16-bit copy of the flat fp32 gradients; ZeRO-1 with overlap_comm reduces from the
+    hooks (no reduce_gradients walk after backward)."""
+    wl = _workload()
+    bf16 = D.Settings.from_ds_config({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+                                      "zero_optimization": {"stage": 1}})  # fmt: skip
+    assert D.optimizer_class(bf16) == "BF16_Optimizer"
+    (est,) = D.estimate(wl, 2, bf16)
+    numels = tuple(math.prod(sh) for _, sh in wl.shapes)
+    states_at_init = D.model_state_bytes(D.terms(bf16, numels, 2), after_step=False)
+    assert est.peak.by_phase()["init"] == states_at_init  # measured 290,592 B at N_d = 2 (the cast is smaller)
+    run = D.ds_run(bf16, wl, 2)
+    names = [m.name for m in D.backward_moments(run)]
+    assert "all-reduce of the flat gradients" in names and not any("reduce_gradients" in n for n in names)
+    overlap = D.Settings.from_ds_config({"zero_optimization": {"stage": 1, "overlap_comm": True,
+                                                               "reduce_bucket_size": 5000}})  # fmt: skip
+    plain = overlap.model_copy(update={"overlap_comm": False})
+    assert any("reduce_gradients" in m.name for m in D.backward_moments(D.ds_run(plain, wl, 2)))
+    assert not any("reduce_gradients" in m.name for m in D.backward_moments(D.ds_run(overlap, wl, 2)))

@@ -272,7 +272,7 @@ def test_plan_deepspeed_recommends_stage_and_buckets_and_its_ds_config_predicts_
     assert chosen is not None
     rec = d["recommendation"]
     assert rec["fsdp2"] is None and rec["deepspeed"] == chosen.ds_config
-    assert len(d["stages"]) == 3 * len(deepspeed.BUCKET_CHOICES)
+    assert len(d["stages"]) == len(deepspeed.candidates(base)) == 4 * len(deepspeed.BUCKET_CHOICES)  # + ZeRO-3 no prefetch
     # the emitted ds_config, read back, is the configuration whose peak was predicted
     settings = deepspeed.Settings.from_ds_config(rec["deepspeed"])
     assert settings == chosen.settings

@@ -115,6 +115,11 @@ class ValidateConfig(BaseModel):
         None, description="--engine deepspeed: a parsed ds_config.json run at every world size (its stage); "
         "None: built-in configs, one per --stage (1-3) at DeepSpeed's defaults and --param-dtype"
     )
+    zero_init: bool = Field(
+        False, description="--engine deepspeed, ZeRO-3 only: build the model under deepspeed.zero.Init("
+        "config_dict_or_path=<the run's ds_config>) (each module partitioned as it is built: DeepSpeed's way "
+        "for models larger than one device); False: built whole, partitioned by deepspeed.initialize",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -134,10 +139,15 @@ class ValidateConfig(BaseModel):
         if self.engine != "deepspeed":
             if self.deepspeed_config is not None:
                 raise ValueError("--deepspeed-config needs --engine deepspeed")
+            if self.zero_init:
+                raise ValueError("--zero-init: --engine deepspeed only (deepspeed.zero.Init)")
             return self
-        if self.simulated or self.wire or self.nnodes > 1 or self.checkpointing != "none" or self.params is not None:
-            raise ValueError("--engine deepspeed runs real gloo ranks on one node: no --simulated, --wire, --nnodes, "
-                             "--checkpointing or --params")  # fmt: skip
+        if self.zero_init and self.stages != (3,):
+            raise ValueError(f"--zero-init: deepspeed.zero.Init partitions parameters for ZeRO-3 only (stages "
+                             f"{list(self.stages)}); give --stage 3 or a ds_config of stage 3")  # fmt: skip
+        if self.simulated or self.wire or self.nnodes > 1 or self.params is not None:
+            raise ValueError("--engine deepspeed runs real gloo ranks on one node: no --simulated, --wire, --nnodes "
+                             "or --params")  # fmt: skip
         if 0 in self.stages:
             raise ValueError("--engine deepspeed: stages 1-3 (DeepSpeed's stage 0 is plain data parallelism)")
         if self.deepspeed_config is not None:

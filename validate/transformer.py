@@ -213,6 +213,15 @@ class _Body(nn.Module):
     """A named container (``transformer`` / ``model``) so parameter names match transformers'."""
 
 
+def _init_module(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, Conv1D, nn.Embedding)):
+        nn.init.normal_(module.weight, std=INIT_STD)
+    if isinstance(module, (nn.Linear, Conv1D, nn.LayerNorm)) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, (nn.LayerNorm, RMSNorm)):
+        nn.init.ones_(module.weight)
+
+
 class CausalLM(nn.Module):
     """The causal LM of ``spec``; ``loss(batch)`` on a (tokens, targets) batch."""
 
@@ -255,14 +264,11 @@ class CausalLM(nn.Module):
     def _init_weights(self) -> None:
         """PreTrainedModel._init_weights as GPT-2 and Llama do it (without GPT-2's 1/sqrt(2L) scaling of
         output projections, which changes no shape or memory): N(0, 0.02) matrices and embeddings, zero
-        biases, unit norms."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, Conv1D, nn.Embedding)):
-                nn.init.normal_(module.weight, std=INIT_STD)
-            if isinstance(module, (nn.Linear, Conv1D, nn.LayerNorm)) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-            if isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
+        biases, unit norms. Through ``Module.apply``, as ``PreTrainedModel.post_init`` does: under
+        ``deepspeed.zero.Init`` (partition_parameters.py ``apply_with_gather``) each module's parameters,
+        partitioned by then, are gathered for it; the leaves are visited in the same order as
+        ``modules()``, so the same values are drawn."""
+        self.apply(_init_module)
 
     def _positions(self, x: torch.Tensor) -> tuple:
         """(rope, mask) for the llama layout: LlamaRotaryEmbedding's cos and sin (fp32, then the

@@ -540,6 +540,10 @@ def validate_cmd(
     deepspeed_config: Optional[Path] = typer.Option(
         None, "--deepspeed-config", help="--engine deepspeed: a ds_config.json to run (default: built-in configs)."
     ),
+    zero_init: bool = typer.Option(
+        False, "--zero-init", help="--engine deepspeed, ZeRO-3: build the model under deepspeed.zero.Init("
+        "config_dict_or_path=<the ds_config>), partitioned as built (default: built whole, then partitioned).",
+    ),
 ) -> None:
     """Train the reference ZeRO runtime (or real FSDP2 / DeepSpeed with --engine), measure memory and traffic,
     compare with zeroplan;
@@ -602,6 +606,7 @@ def validate_cmd(
         master_addr=master_addr,
         master_port=master_port,
         deepspeed_config=read_json(deepspeed_config, "deepspeed config") if deepspeed_config is not None else None,
+        zero_init=zero_init,
     )
     try:
         report = run_validation(config)

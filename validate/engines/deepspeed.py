@@ -103,60 +103,201 @@ def _cpu_probe():
     return CpuMemoryProbe(torch.device("cpu"))
 
 
-def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
-    """One rank: build ``model_fn()`` and ``deepspeed.initialize`` it under the probes, train on
-    ``batches``."""
+SETTLED_OPS = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_base", "all_gather_coalesced",
+               "all_to_all_single", "all_to_all", "gather", "scatter")  # fmt: skip
+
+
+class _Completed:
+    """The handle an asynchronous DeepSpeed collective gets back once ``GlooSettled`` has finished it."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class GlooSettled:
+    """Every collective DeepSpeed issues (``deepspeed/comm/comm.py``: all through its backend object ``cdb``,
+    ``comm/torch.py TorchBackend``) returns only once gloo has let go of its tensors.
+
+    gloo's worker thread keeps the finished work, and with it every tensor of the call, a moment after
+    ``wait()`` returns (``ProcessGroupGloo::runLoop`` resets ``workInProgress_`` after marking the future
+    done). A buffer DeepSpeed frees right after (ZeRO-1/2 ``allreduce_bucket``'s flattened copy, a ZeRO-3
+    parameter released after its gather) then stays alive on some ranks of some runs and not others. Here a
+    call waits for its work (asynchronous ones too: the caller gets a finished handle), drops it, and spins
+    until the storage use count of every tensor it was given is back to what it was before the call
+    (``torch._C._storage_Use_Count``): the only other holder is gloo's work, so that is the moment gloo is
+    done: deterministic, no timing guess. Nothing is allocated or freed by this wrapper; ops stay the same
+    (the dispatch-level ``CommCounter`` sees them unchanged). Async calls become synchronous: on CPU gloo
+    overlaps nothing with compute that changes a buffer's life (DeepSpeed allocates before it issues).
+    ``stats``: calls, calls that found gloo still holding a tensor, the longest wait, and calls that gave
+    up after ``deadline_s`` (counted, never hidden: a row reports them).
+    """
+
+    def __init__(self, backend, deadline_s: float = 5.0) -> None:
+        self.backend, self.deadline_s = backend, deadline_s
+        self.stats = {"calls": 0, "held": 0, "max_wait_s": 0.0, "unsettled": 0}
+        self._originals: dict = {}
+
+    @staticmethod
+    def _tensors(args, kwargs) -> list:
+        import torch
+
+        out = []
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    out.append(t)
+        return out
+
+    def _wrap(self, original):
+        import torch
+
+        def count(t) -> int:
+            return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+        def call(*args, **kwargs):
+            tensors = self._tensors(args, kwargs)
+            before = [count(t) for t in tensors]
+            works = original(*args, **kwargs)
+            asked_async = works is not None
+            works = list(works) if isinstance(works, (list, tuple)) else [works]
+            while works:  # each handle dropped once finished: it holds the call's tensors too
+                work = works.pop()
+                if work is not None and hasattr(work, "wait"):
+                    work.wait()
+                del work
+            t0 = time.monotonic()
+            held = False
+            while any(count(t) > b for t, b in zip(tensors, before)):
+                held = True
+                if time.monotonic() - t0 > self.deadline_s:
+                    self.stats["unsettled"] += 1
+                    break
+                time.sleep(0.0002)
+            self.stats["calls"] += 1
+            self.stats["held"] += held
+            self.stats["max_wait_s"] = max(self.stats["max_wait_s"], round(time.monotonic() - t0, 4))
+            return _Completed() if asked_async else None
+
+        return call
+
+    def __enter__(self) -> GlooSettled:  # noqa: PYI034 - typing.Self needs Python 3.11
+        for name in SETTLED_OPS:
+            if hasattr(self.backend, name):
+                self._originals[name] = getattr(self.backend, name)
+                setattr(self.backend, name, self._wrap(self._originals[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(self.backend, name, original)
+
+
+def build_model(model_fn, config: dict, zero_init: bool):
+    """``model_fn()`` as built: whole (``zero_init`` false), or under ``deepspeed.zero.Init`` with the run's
+    ds_config (ZeRO-3's way for a model larger than one device: runtime/zero/partition_parameters.py ``Init``
+    creates each floating-point tensor in the config's dtype and partitions a module's parameters right
+    after its ``__init__``, so no rank holds the whole model).
+
+    ``Init`` replaces ``torch.nn.functional.linear`` with ``zero3_linear_wrap`` for good
+    (``_enable_mem_efficient_linear``: "persists unless manually reset"): the caller restores it after the
+    run (``measure`` puts torch's back), so a later run of the same world trains with torch's."""
+    if not zero_init:
+        return model_fn()
     import deepspeed
+
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        return model_fn()
+
+
+def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init: bool = False) -> dict:
+    """One rank: build ``model_fn()`` (under ``deepspeed.zero.Init`` when ``zero_init``) and
+    ``deepspeed.initialize`` it under the probes, train on ``batches``."""
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
     import torch
+    import torch.nn.functional as F
 
     from validate.probes import CommCounter
 
     counter, probe = CommCounter(), _cpu_probe()
     boundary: dict[str, int] = {}
-    with probe, counter:
-        probe.phase("init")
-        counter.phase, counter.step = "init", -1
-        t0 = time.perf_counter()
-        model = model_fn()
-        engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=config
-        )
-        init_s = time.perf_counter() - t0
-        del model
-        probe.phase(None)
-        boundary["init"] = probe.settled_bytes()
-        step_s = []
-        for step in range(len(batches)):
-            # popped, and dropped before the boundary: MemTracker registers an input the first time an
-            # op reads it, so a batch kept in the list would count at every later boundary
-            batch = batches.pop(0)
+    linear = F.linear
+
+    def enter(phase: str | None, step: int | None = None) -> None:
+        # Python's cyclic garbage collector runs when allocation counts say so: at a different moment on
+        # each rank. The probes' own hooks make cycles that hold autograd nodes (MemTracker's ModTracker
+        # multi-grad hooks; seen holding a Ψ·4 B tensor at ZeRO-1 and 20 kB at ZeRO-2 until collected), so
+        # automatic collection is off while measuring and garbage is collected here, between phases:
+        # what a phase makes lives to its end, the same on every rank and every run.
+        gc.collect()
+        probe.phase(phase)
+        counter.phase = phase or "between steps"
+        if step is not None:
             counter.step = step
+
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with probe, counter, GlooSettled(ds_comm.cdb) as settled:
+            enter("init", -1)
+            # the build's own peak is kept apart ("build_peak_bytes") and stays in init's
+            probe.phase("build")
             t0 = time.perf_counter()
-            probe.phase("forward")
-            counter.phase = "forward"
-            loss = engine.module.loss(batch)
-            probe.phase("backward")
-            counter.phase = "backward"
-            engine.backward(loss)
-            probe.phase("optimizer_step")
-            counter.phase = "optimizer_step"
-            engine.step()
-            del loss, batch
-            probe.phase(None)
-            counter.phase = "between steps"
-            step_s.append(round(time.perf_counter() - t0, 3))
-            boundary[f"step{step}"] = probe.settled_bytes()
-        breakdown = probe.breakdown()
-        by_device = probe.by_device()
+            model = build_model(model_fn, config, zero_init)
+            probe.phase("init")
+            engine, optimizer, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=config
+            )
+            init_s = time.perf_counter() - t0
+            del model
+            enter(None)
+            probe.peaks["init"] = max(probe.peaks["init"], probe.peaks["build"])
+            boundary["init"] = probe.settled_bytes()
+            accum = config.get("gradient_accumulation_steps", 1)
+            step_s = []
+            for step in range(len(batches)):
+                t0 = time.perf_counter()
+                for micro in range(accum):
+                    # popped, and dropped before the boundary: MemTracker registers an input the first time
+                    # an op reads it, so a batch kept in the list would count at every later boundary
+                    batch = batches[step].pop(0)
+                    enter("forward", step)
+                    loss = engine.module.loss(batch)
+                    enter("backward")
+                    engine.backward(loss)
+                    del loss
+                    if micro < accum - 1:  # DeepSpeed's step() only counts the micro-step off the boundary
+                        enter(None)
+                        engine.step()
+                        del batch
+                enter("optimizer_step")
+                engine.step()
+                del batch
+                enter(None)
+                step_s.append(round(time.perf_counter() - t0, 3))
+                boundary[f"step{step}"] = probe.settled_bytes()
+            breakdown = probe.breakdown()
+            by_device = probe.by_device()
+    finally:
+        F.linear = linear  # zero.Init's zero3_linear_wrap, if any, ends with its run
+        if was_enabled:
+            gc.enable()
     inner = getattr(optimizer, "optimizer", None)
     row = {
         "rank": rank,
         "world_size": nd,
         "config": config,
+        "zero_init": zero_init,
         "optimizer_class": type(optimizer).__name__,
         "inner_optimizer_class": type(inner).__name__ if inner is not None else None,
         "boundary_bytes": boundary,
         "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
+        "build_peak_bytes": probe.peaks["build"],  # the model's construction, within init's peak
         "probe_breakdown": breakdown,
         "live_bytes_by_device": by_device,
         "comm": _summarise(counter.calls),
@@ -165,6 +306,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
             [[c.op, c.phase, c.dtype, c.elements] for c in counter.calls if c.step == k]
             for k in range(-1, len(step_s))
         ],
+        "gloo_settle": settled.stats,
         "init_s": round(init_s, 3),
         "step_s": step_s,
         "deepspeed": deepspeed.__version__,
@@ -175,7 +317,11 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
     return row
 
 
-def _model_and_batches(spec_name: str, nd: int, rank: int, micro_batch: int, steps: int, seq_len=None):
+def _model_and_batches(
+    spec_name: str, nd: int, rank: int, micro_batch: int, steps: int, seq_len=None, accum: int = 1,
+    checkpointing: str = "none",
+):  # fmt: skip
+    """The model builder and, per step, ``accum`` micro-batches of this rank (slices of one global batch)."""
     import torch
 
     from validate.models import build, make_batch, spec_for
@@ -184,9 +330,14 @@ def _model_and_batches(spec_name: str, nd: int, rank: int, micro_batch: int, ste
     gen = torch.Generator().manual_seed(1234)
     batches = []
     for _ in range(steps):
-        global_batch = make_batch(spec, nd * micro_batch, gen, seq_len)
-        batches.append(tuple(t[rank * micro_batch : (rank + 1) * micro_batch].clone() for t in global_batch))
-    return (lambda: build(spec, torch.float32, "cpu")), batches
+        micro = []
+        for _ in range(accum):
+            global_batch = make_batch(spec, nd * micro_batch, gen, seq_len)
+            micro.append(
+                tuple(t[rank * micro_batch : (rank + 1) * micro_batch].clone() for t in global_batch)
+            )
+        batches.append(micro)
+    return (lambda: build(spec, torch.float32, "cpu", checkpointing=checkpointing)), batches
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,6 +350,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--seq-len", type=int, default=None, help="tokens per sample (default: all positions)"
     )
+    parser.add_argument(
+        "--checkpointing", choices=("none", "full"), default="none",
+        help="full: every block recomputed in backward (torch.utils.checkpoint, as the reference runtime)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--runs", default=None,
+        help="JSON list parallel to --configs: per config, {\"model\": ..., \"checkpointing\": ..., \"zero_init\": "
+        "...} overriding --model, --checkpointing and --zero-init",
+    )  # fmt: skip
+    parser.add_argument(
+        "--zero-init", action="store_true",
+        help="build the model under deepspeed.zero.Init(config_dict_or_path=<the run's ds_config>) (ZeRO-3 only)",
+    )  # fmt: skip
     parser.add_argument("--out", required=True, help="directory: rank<r>.json is written there")
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -215,10 +379,21 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, nd = dist.get_rank(), dist.get_world_size()
     rows = []
-    for config in json.loads(args.configs):
+    configs = json.loads(args.configs)
+    runs = json.loads(args.runs) if args.runs else [{}] * len(configs)
+    for config, run in zip(configs, runs):
         micro_batch = config["train_micro_batch_size_per_gpu"]
-        model_fn, batches = _model_and_batches(args.model, nd, rank, micro_batch, args.steps, args.seq_len)
-        rows.append(measure(model_fn, config, batches, rank, nd))
+        model_fn, batches = _model_and_batches(
+            run.get("model", args.model),
+            nd,
+            rank,
+            micro_batch,
+            args.steps,
+            args.seq_len,
+            config.get("gradient_accumulation_steps", 1),
+            run.get("checkpointing", args.checkpointing),
+        )
+        rows.append(measure(model_fn, config, batches, rank, nd, bool(run.get("zero_init", args.zero_init))))
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -230,16 +405,22 @@ def run_world(
     steps: int = DEFAULT_STEPS,
     timeout_s: float = 900.0,
     seq_len: int | None = None,
+    checkpointing: str = "none",
+    runs: list[dict] | None = None,
+    zero_init: bool = False,
 ) -> list[list[dict]]:
     """Run ``configs`` on ``nd`` gloo CPU ranks under torchrun (through ``validate.launch``, which names the
-    first failed rank); returns rows[rank][config]."""
+    first failed rank); returns rows[rank][config]. ``runs``: per config, a ``model`` and ``checkpointing``
+    other than the world's (one world's ~30 s of setup shared by several models) and ``zero_init``: build
+    under ``deepspeed.zero.Init`` (``build_model``)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="zeroplan-deepspeed-") as tmp:
         cmd = [
             sys.executable, "-m", "validate.launch", str(Path(tmp, "failures.json")), "--",
             "--standalone", f"--nproc-per-node={nd}", "--max-restarts", "0",
             "-m", "validate.engines.deepspeed", "--model", model, "--configs", json.dumps(configs),
-            "--steps", str(steps), "--out", tmp, *(["--seq-len", str(seq_len)] if seq_len else []),
+            "--steps", str(steps), "--out", tmp, "--checkpointing", checkpointing,
+            *(["--runs", json.dumps(runs)] if runs else []), *(["--zero-init"] if zero_init else []), *(["--seq-len", str(seq_len)] if seq_len else []),
         ]  # fmt: skip
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
@@ -266,13 +447,17 @@ def builtin_configs(stages: tuple[int, ...], dtype: str, micro_batch: int, lr: f
     return [ds_config(s, dtype, micro_batch, lr, optimizer_params={"torch_adam": True}) for s in stages]
 
 
-def workload_for(model: str, micro_batch: int, seq_len: int | None):
-    """The ``Workload`` the ranks train: the model's shapes (``named_parameters`` order), one micro-step."""
+def workload_for(
+    model: str, micro_batch: int, seq_len: int | None, grad_accum: int = 1, checkpointing: str = "none"
+):
+    """The ``Workload`` the ranks train: the model's shapes (``named_parameters`` order), ``grad_accum``
+    micro-steps of ``micro_batch`` sequences per optimizer step."""
     from validate.models import expected_shapes, spec_for
     from zeroplan.engines.base import Workload
 
     spec = spec_for(model, None)
-    return Workload(tuple(expected_shapes(spec)), spec, seq_len or spec.max_seq_len, micro_batch)
+    return Workload(tuple(expected_shapes(spec)), spec, seq_len or spec.max_seq_len, micro_batch,
+                    checkpointing=checkpointing, grad_accum=grad_accum)  # fmt: skip
 
 
 def _ring_elements(calls: list[list]) -> dict[str, int]:
@@ -304,7 +489,8 @@ def compare_row(
     from zeroplan.engines import deepspeed as D
     from zeroplan.formulas.peak import PHASES as PEAK_PHASES
 
-    settings = D.Settings.from_ds_config(ds)
+    # how the ranks built the model, passed explicitly (the profile's default is zero.Init at stage 3)
+    settings = D.Settings.from_ds_config(ds, zero_init=bool(rank_rows[0].get("zero_init", False)))
     # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32)
     (est,) = D.estimate(workload, nd, settings, stat_bytes=D.DTYPE_BYTES[settings.dtype])
     numels = tuple(n for n in (math.prod(sh) for _, sh in workload.shapes))
@@ -318,7 +504,7 @@ def compare_row(
     peak_err = max(peak_errors.values(), key=abs)
 
     pred_coll = {}
-    for c in D.collectives(settings, numels, nd):
+    for c in D.collectives(settings, numels, nd, workload.grad_accum, *D._trace(workload)):
         key = _key(c.op, c.phase, _TORCH_DTYPE.get(c.dtype, c.dtype))
         nbytes = D.DTYPE_BYTES.get(c.dtype, 1)
         from zeroplan.formulas.collectives import ring_bytes_per_rank
@@ -368,7 +554,7 @@ def compare_row(
         "predicted_peak_bytes_by_phase": predicted_peaks, "peak_rel_error_by_phase": peak_errors,
         "peak_rel_error": peak_err, "predicted_peak_phase": est.peak.peak_phase,
         "predicted_peak_terms": [{"name": t.name, "bytes": t.bytes, "source": t.source} for t in est.peak.peak_terms],
-        "checkpointing": "none", "seq_len": seq_len, "micro_batch": workload.micro_batch,
+        "checkpointing": workload.checkpointing, "seq_len": seq_len, "micro_batch": workload.micro_batch,
         "foreach": settings.foreach, "parity": None,
         "seconds": max(sum(r["step_s"]) for r in rank_rows),
         "step_time_s": {"probed": statistics.median(step_s), "unprobed": 0.0, "unprobed_steps": 0},
@@ -391,9 +577,13 @@ def run_validation(config) -> dict:
         configs = builtin_configs(config.stages, config.param_dtype, config.batch_per_rank, config.lr)
     rows = []
     for nd in config.world_sizes:
-        ranks = run_world(configs, nd, model, config.steps, config.timeout_s, config.seq_len)
+        ranks = run_world(
+            configs, nd, model, config.steps, config.timeout_s, config.seq_len, config.checkpointing,
+            zero_init=config.zero_init,
+        )
         for i, ds in enumerate(configs):
-            workload = workload_for(model, ds["train_micro_batch_size_per_gpu"], config.seq_len)
+            workload = workload_for(model, ds["train_micro_batch_size_per_gpu"], config.seq_len,
+                                    ds.get("gradient_accumulation_steps", 1), config.checkpointing)  # fmt: skip
             rows.append(compare_row(ds, nd, [r[i] for r in ranks], workload, config.model_label, config.tolerance,
                                     config.peak_tolerance, config.seq_len))  # fmt: skip
     notes = [

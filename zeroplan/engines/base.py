@@ -124,6 +124,9 @@ class Candidate:
     launcher: object
     bucket_numel: Optional[int] = None
     """elements per collective call the configuration uses (DeepSpeed's buckets); None: one call per row."""
+    build: Optional[str] = None
+    """how the model must be built for the prediction to hold (DeepSpeed ZeRO-3: under
+    ``deepspeed.zero.Init``); None: as usual."""
 
 
 @dataclass(frozen=True)

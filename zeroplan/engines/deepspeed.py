@@ -28,7 +28,8 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, validate_call
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator,
+                      validate_call)
 
 from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
 from zeroplan.files import read_json
@@ -354,6 +355,25 @@ class Settings(BaseModel):
     adam_w_mode: bool = True
     torch_adam: bool = False
     foreach: Optional[bool] = None
+    zero_init: Optional[bool] = None
+    """ZeRO-3: the model built under ``deepspeed.zero.Init(config_dict_or_path=ds_config)``
+    (runtime/zero/partition_parameters.py ``Init``: each module's parameters are created in the config's
+    dtype and partitioned right after its ``__init__``, so no rank holds the whole model) or, False, built
+    whole and partitioned by ``deepspeed.initialize``. Not a ds_config key: how the script builds the model.
+    None: True at stage 3, DeepSpeed's documented way to build a model larger than one device (and what
+    Hugging Face ``from_pretrained`` does when the config is ZeRO-3: ``is_deepspeed_zero3_enabled``);
+    stages 1-2 never (``Init`` partitions parameters, which only ZeRO-3 does)."""
+
+    @model_validator(mode="after")
+    def _zero_init_stage(self) -> Settings:
+        if self.zero_init and self.stage != 3:
+            raise ValueError(f"zero_init: deepspeed.zero.Init partitions parameters for ZeRO-3 only, not stage {self.stage}")
+        return self
+
+    @property
+    def builds_partitioned(self) -> bool:
+        """Whether the model is built under ``deepspeed.zero.Init`` (``zero_init``; None: at stage 3)."""
+        return self.stage == 3 and self.zero_init is not False
 
     @property
     def grad_dtype(self) -> str:
@@ -366,11 +386,12 @@ class Settings(BaseModel):
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
 
     @classmethod
-    def from_ds_config(cls, config: object, stage: Optional[int] = None) -> Settings:
+    def from_ds_config(cls, config: object, stage: Optional[int] = None, zero_init: Optional[bool] = None) -> Settings:
         """Read a parsed ds_config.json strictly; absent keys take DeepSpeed 0.19.8's defaults.
 
         ``stage`` (``--stage``) fills in a config without ``zero_optimization.stage``; one that
-        contradicts the file is refused. ValueError with one line naming the key.
+        contradicts the file is refused. ``zero_init``: how the model is built (not in a ds_config; the
+        field's doc). ValueError with one line naming the key.
         """
         ds = parse_ds_config(config)
         base = from_deepspeed(config)  # offload refused, dtypes and optimizer checked, one line each
@@ -395,6 +416,7 @@ class Settings(BaseModel):
             **{k: v for k, v in (("adam_w_mode", params.adam_w_mode), ("torch_adam", params.torch_adam),
                                  ("foreach", params.foreach)) if v is not None},
             **found,
+            **({} if zero_init is None else {"zero_init": zero_init}),
         )  # fmt: skip
 
 
@@ -579,8 +601,13 @@ def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def collectives(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSCollective, ...]:
+def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int = 1,
+                trace: tuple[tuple[int, ...], ...] = (), tied_head: bool = False) -> tuple[DSCollective, ...]:
     """One steady-state step's collectives (the second step on: ZeRO-3's first step records its trace).
+
+    ``grad_accum`` micro-steps per step (measured at 2): ZeRO-2 reduces every micro-step, ZeRO-3 gathers
+    in every micro-step's forward and reduce-scatters in every backward; ZeRO-1 and BF16_Optimizer reduce at
+    the boundary only (engine.py ``allreduce_gradients``).
 
     ``numels`` in parameter order. Stage 1 reduces after backward in parameter order
     (``reduce_gradients`` walks ``bit16_groups``: calls exact); stage 2 and 3 in gradient-ready order
@@ -594,12 +621,19 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSCollec
         gathered = tuple(n for n in numels if n > s.param_persistence_threshold)
         out = []
         if gathered:
-            out.append(DSCollective("all-gather", "forward", len(gathered), sum(gathered), p,
+            out.append(DSCollective("all-gather", "forward", grad_accum * len(gathered), grad_accum * sum(gathered), p,
                                     "runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch of the "
                                     "recorded trace; kept through backward while stage3_max_live_parameters and "
                                     "stage3_max_reuse_distance allow: no re-gather)", calls_exact=False))  # fmt: skip
+        released = [n for module, r in zip(trace, released_after_forward(s, trace, tied_head)) if r
+                    for n in module if n > s.param_persistence_threshold]
+        if released:  # ``trace``: the forward order of the modules (forward_trace)
+            out.append(DSCollective("all-gather", "backward", grad_accum * len(released), grad_accum * sum(released), p,
+                                    "runtime/zero/partitioned_param_coordinator.py fetch_sub_module: the parameters "
+                                    "released after forward (released_after_forward) gathered again", calls_exact=False))  # fmt: skip
         out += [
-            DSCollective("reduce-scatter", "backward", len(greedy_buckets(numels, s.reduce_bucket_size)), sum(numels), g,
+            DSCollective("reduce-scatter", "backward", grad_accum * len(greedy_buckets(numels, s.reduce_bucket_size)),
+                         grad_accum * sum(numels), g,
                          "runtime/zero/stage3.py __reduce_and_partition_ipg_grads -> "
                          "partitioned_param_data_shard / reduce_scatter_coalesced, bucket by bucket", calls_exact=False),
             DSCollective("all-reduce", "optimizer_step", 1, 1, "fp64",
@@ -611,8 +645,10 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSCollec
                                     "(parameter_offload.py persistent_parameters)"))  # fmt: skip
         return tuple(out)
     flat = flat_padded_numel(numels, nd)
-    gather = DSCollective("all-gather", "optimizer_step", 1, flat, p, "runtime/utils.py all_gather_dp_groups (all_gather_into_tensor of the padded flat "
-                          "group; one call while the group fits allgather_bucket_size)")  # fmt: skip
+    gather = DSCollective("all-gather", "optimizer_step", 1, flat, p, "runtime/utils.py all_gather_dp_groups -> "
+                          "all_gather_into_tensor_dp_groups (one all_gather_into_tensor of the padded flat group, "
+                          "whatever allgather_bucket_size: its shards are cut only without all_gather_into_tensor; "
+                          "measured: one call at 5,000 elements)")  # fmt: skip
     if kind == "BF16_Optimizer":
         return (
             DSCollective("all-reduce", "backward", 1, flat, p,
@@ -620,11 +656,12 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSCollec
             gather,
         )  # fmt: skip
     buckets = greedy_buckets(numels, s.reduce_bucket_size)
+    micro = grad_accum if s.stage == 2 else 1
     out = [
-        DSCollective("all-reduce", "backward", len(buckets), sum(numels), g,
+        DSCollective("all-reduce", "backward", micro * len(buckets), micro * sum(numels), g,
                      "runtime/zero/stage_1_and_2.py average_tensor -> allreduce_and_scatter -> allreduce_bucket "
                      "(use_multi_rank_bucket_allreduce: an all-reduce per bucket, not a reduce-scatter)",
-                     calls_exact=s.stage == 1),
+                     calls_exact=s.stage == 1 and not s.overlaps),  # overlap_comm: from the hooks
         DSCollective("all-reduce", "optimizer_step", 1, 1, "fp32",
                      "runtime/zero/stage_1_and_2.py get_grad_norm_direct (the global gradient norm)"),
     ]  # fmt: skip
@@ -673,6 +710,12 @@ class DSRun:
     tied_head: bool
     checkpointing: str = "none"
     foreach: bool = False
+    grad_accum: int = 1
+    modules: tuple[tuple[int, ...], ...] = ()
+    """parameter sizes module by module, in build order (``named_parameters`` grouped by owning module):
+    what ``deepspeed.zero.Init`` partitions after each module's ``__init__``."""
+    trace: tuple[tuple[int, ...], ...] = ()
+    """parameter sizes module by module in forward order: ZeRO-3's module trace (``forward_trace``)."""
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -693,16 +736,53 @@ def _pbytes(run: DSRun) -> int:
     return DTYPE_BYTES[run.settings.dtype]
 
 
+def released_after_forward(s: Settings, trace: tuple[tuple[int, ...], ...], tied_head: bool = False) -> tuple[bool, ...]:
+    """ZeRO-3 without prefetch (``stage3_prefetch_bucket_size`` 0): per module of the forward ``trace``,
+    whether its parameters are released after its forward (partitioned_param_coordinator.py
+    ``release_sub_module`` -> ``__params_to_release``: kept only if the module comes again within the next
+    ``stage3_max_reuse_distance`` elements of the trace; module i comes again in backward, after the
+    modules behind it ran forward and backward: 2·Σ numel behind it traversed). Measured on tiny-llama at
+    distances 0, 5,000, 10,000, 20,000 and 1e9: peaks and the backward re-gathers exact. With prefetch,
+    parameters fetched ahead for a later step are kept too (``__most_recent_step_id_param_fetched_for``):
+    not modelled, nothing is released (validated only while the distance exceeds the model); a tied head
+    (the embedding used again by the head) likewise."""
+    if s.stage != 3 or s.prefetch_bucket_size > 0 or tied_head:
+        return tuple(False for _ in trace)
+    behind, out = 0, []
+    for module in reversed(trace):
+        out.append(2 * behind >= s.max_reuse_distance)
+        behind += sum(module)
+    return tuple(reversed(out))
+
+
+def gathered_numel(run: DSRun) -> tuple[int, int, int]:
+    """ZeRO-3: (elements kept gathered from forward into backward, elements and parameters re-gathered in
+    backward), non-persistent parameters only (persistent ones stay gathered: ``persistent parameters``)."""
+    s = run.settings
+    trace = run.trace or tuple((n,) for n in run.numels)
+    kept = regathered = calls = 0
+    for module, released in zip(trace, released_after_forward(s, trace, run.tied_head)):
+        gathered = [n for n in module if n > s.param_persistence_threshold]
+        if released:
+            regathered, calls = regathered + sum(gathered), calls + len(gathered)
+        else:
+            kept += sum(gathered)
+    return kept, regathered, calls
+
+
 def _gathered(run: DSRun) -> tuple[Term, ...]:
-    """ZeRO-3 after the first step: every non-persistent parameter gathered by the trace's prefetch and
-    kept through backward (partitioned_param_coordinator.py ``fetch_sub_module``: nothing is released
-    while stage3_max_live_parameters and stage3_max_reuse_distance exceed the model)."""
+    """ZeRO-3 after the first step: the non-persistent parameters gathered by the trace's fetches and kept
+    through backward (partitioned_param_coordinator.py ``fetch_sub_module``): all of them while
+    stage3_max_reuse_distance exceeds the model (or with prefetch), else those ``released_after_forward``
+    keeps; the forward and backward peaks are at the turn, where these are live."""
     s = run.settings
     if s.stage != 3:
         return ()
-    n = sum(x for x in run.numels if x > s.param_persistence_threshold)
-    return (Term("gathered parameters (prefetched trace)", n * _pbytes(run),
-                 "runtime/zero/partitioned_param_coordinator.py fetch_sub_module"),)  # fmt: skip
+    kept, regathered, _ = gathered_numel(run)
+    name = "gathered parameters kept for reuse (stage3_max_reuse_distance)" if regathered else \
+        "gathered parameters (prefetched trace)"
+    return (Term(name, kept * _pbytes(run), "runtime/zero/partitioned_param_coordinator.py fetch_sub_module, "
+                 "release_sub_module"),)  # fmt: skip
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:
@@ -710,12 +790,69 @@ def _blocks_saved(run: DSRun, n: int) -> Term:
     return _act(f"saved activations of {n} blocks", n * per, max(n, 1))
 
 
+ZINIT = "runtime/zero/partition_parameters.py"
+
+
+def _largest(moments: list[Moment]) -> Moment:
+    return max(moments, key=lambda m: m.total())
+
+
+def zero_init_moments(run: DSRun) -> tuple[Moment, ...]:
+    """The model built under ``deepspeed.zero.Init``, module by module (``run.modules``): the worst moment
+    of the builds and the worst of the weight initialisation (``Module.apply``).
+
+    Each floating-point tensor is created as asked (fp32) and converted to the config's dtype, both alive
+    for a moment (``zero_wrapper_for_fp_tensor_constructor``: ``tensor.data = tensor.data.to(dtype)``).
+    After a module's ``__init__`` (``partition_after`` -> ``Init._post_init_method``) each of its parameters
+    gets its partition, ceil(n / N_d) elements (``_partition_param``: ``ds_tensor = torch.empty(partition
+    _size)``), before its full tensor is freed (``free_param``); the broadcast before it
+    (``_zero_init_param``) is in place. The model's weight initialisation through ``Module.apply``
+    (``apply_with_gather``) gathers one module's parameters at a time, each into a padded
+    ceil(n / N_d)·N_d buffer (``_allgather_params_sequential``: ``flat_tensor``), then re-partitions them
+    into the partitions they had. Measured: docs/engines/deepspeed.md "ZeRO-3 built under zero.Init".
+    """
+    p, nd = _pbytes(run), run.nd
+
+    def part(n: int) -> int:  # partition_parameters.py _partition_numel
+        return -(-n // nd)
+
+    built, applied, before = [], [], 0
+    for params in run.modules:
+        done = 0  # this module's parameters created so far (full, in the config's dtype)
+        for n in params:
+            built.append(Moment("init", "zero.Init: a parameter created, then converted", (
+                Term("partitions of the modules built before", before, f"{ZINIT} _partition_param (ds_tensor)"),
+                Term("this module's parameters created before it", done, f"{ZINIT} zero_wrapper_for_fp_tensor_constructor"),
+                Term("the parameter as created (fp32)", n * 4, f"{ZINIT} zero_wrapper_for_fp_tensor_constructor (fn(*args))"),
+                Term("its copy in the config's dtype", n * p if p != 4 else 0,
+                     f"{ZINIT} zero_wrapper_for_fp_tensor_constructor (tensor.data.to(target_fp_dtype))"))))  # fmt: skip
+            done += n * p
+        for i, n in enumerate(params):
+            built.append(Moment("init", "zero.Init: a module's parameter partitioned", (
+                Term("partitions of the modules built before", before, f"{ZINIT} _partition_param (ds_tensor)"),
+                Term("this module's parameters partitioned before it", sum(part(x) for x in params[:i]) * p,
+                     f"{ZINIT} _partition_param (ds_tensor)"),
+                Term("this module's parameters not yet freed", sum(params[i:]) * p, f"{ZINIT} free_param (after the copy)"),
+                Term("the parameter's new partition", part(n) * p,
+                     f"{ZINIT} Init._post_init_method -> _zero_init_param -> _partition_param (ds_tensor)"))))  # fmt: skip
+        before += sum(part(n) for n in params) * p
+    for params in run.modules:
+        applied.append(Moment("init", "zero.Init: a module's parameters gathered for Module.apply", (
+            Term("partitions of the whole model", before, f"{ZINIT} _partition_param (ds_tensor)"),
+            Term("this module's parameters gathered (padded)", sum(part(n) * nd for n in params) * p,
+                 f"{ZINIT} apply_with_gather -> _allgather_params_sequential (flat_tensor)"))))  # fmt: skip
+    return tuple(_largest(m) for m in (built, applied) if m)
+
+
 def init_moments(run: DSRun) -> tuple[Moment, ...]:
-    """``deepspeed.initialize``: the 16-bit cast, the flat copy (ZeRO-1/2), the optimizer's partitions."""
+    """``deepspeed.initialize``: the 16-bit cast, the flat copy (ZeRO-1/2), the optimizer's partitions; the
+    model's build under ``deepspeed.zero.Init`` (``zero_init_moments``) when the settings say so."""
     s, numels = run.settings, run.numels
     p, psi = _pbytes(run), sum(numels)
-    out = []
-    if s.dtype != "fp32":  # engine.py _configure_distributed_model: module.bfloat16()/half(), tensor by tensor
+    out = list(zero_init_moments(run)) if s.builds_partitioned else []
+    # engine.py _configure_distributed_model -> _cast_module_mixed_precision: zero.Init built the model in the
+    # config's dtype already (is_zero_init_model: no cast), else p.data.to(dtype), tensor by tensor
+    if s.dtype != "fp32" and not s.builds_partitioned:
         # nn.Module._apply converts one parameter at a time: the fp32 ones not yet converted plus the 16-bit ones
         done, worst = 0, 0
         for n in numels:
@@ -733,6 +870,15 @@ def init_moments(run: DSRun) -> tuple[Moment, ...]:
                 *(t for t in st if t.name in ("16-bit parameter partition", "inf/nan tracker")),
                 Term("16-bit partition converted to fp32", part * 4, src),
                 Term("fp32 master partition (the clone)", part * 4, src))))  # fmt: skip
+        # the built model is partitioned tensor by tensor: the first one's partition is allocated while the
+        # whole model is still alive (measured: Llama, N_d = 4, 195,984 B = Ψ·4 + ceil(4,944 / 4)·4); under
+        # zero.Init it was partitioned as built (zero_init_moments): _convert_to_zero_parameters skips it
+        psrc = "runtime/zero/partition_parameters.py _convert_to_zero_parameters -> _zero_init_param -> _partition_param"
+        if not s.builds_partitioned:
+            out.append(Moment("init", "the built model partitioned, first tensor", (
+                Term("model parameters as built (model dtype)", psi * p, "runtime/engine.py _configure_distributed_model"),
+                Term("first parameter's partition", -(-numels[0] // run.nd) * p,
+                     f"{psrc} (ds_tensor allocated before param.data is freed)"))))  # fmt: skip
         out.append(Moment("init", "partitioned parameters gathered once", (*st, Term(
             "largest parameter gathered", max(numels) * p,
             "runtime/zero/partition_parameters.py _allgather_params_sequential")) ))  # fmt: skip
@@ -744,18 +890,52 @@ def init_moments(run: DSRun) -> tuple[Moment, ...]:
         Term("model parameters (before repointing into the flat buffer)", psi * p, "runtime/engine.py _configure_distributed_model"),
         Term("alignment padding", (flat - psi) * p, f"{src} (flatten_dense_tensors_aligned)"),
         Term("16-bit flat parameters", flat * p, f"{src} (bit16_groups_flat)"))))  # fmt: skip
+    if optimizer_class(s) == "BF16_Optimizer":
+        # no initialize_optimizer_states: the fp32 partition is cloned from the 16-bit one (.clone().float():
+        # the clone dies at once), then the full fp32 gradient buffer (zeros_like) completes the states
+        bsrc = "runtime/bf16_optimizer.py BF16_Optimizer._setup_for_real_optimizer"
+        out.append(Moment("init", "fp32 partition cloned, gradient buffer zeroed", (
+            *_states(run, after_step=False),)))  # fmt: skip
+        out.append(Moment("init", "fp32 partition from the 16-bit clone", (
+            Term("16-bit flat parameters", flat * p, f"{bsrc} (bf16_groups_flat)"),
+            Term("16-bit partition clone", part * p, f"{bsrc} (bf16_dp_partitions[rank].clone())"),
+            Term("fp32 master partition", part * 4, f"{bsrc} (.float(): fp32_groups_flat_partition)"))))  # fmt: skip
+        return tuple(out)
     out.append(Moment("init", "initialize_optimizer_states", (*_states(run, after_step=False), Term(
         "fp32 gradient partition (zeros, dropped at once)", part * 4,
         "runtime/zero/stage_1_and_2.py initialize_optimizer_states (single_grad_partition)"))))  # fmt: skip
     return tuple(out)
 
 
+def _held_between_micro_steps(run: DSRun, with_bucket: bool = True) -> tuple[Term, ...]:
+    """With ``gradient_accumulation_steps`` > 1, what an earlier micro-step leaves for the next one's forward
+    and backward (measured at G = 2). ZeRO-1 (and BF16_Optimizer) reduce only at the boundary
+    (engine.py ``allreduce_gradients``; stage_1_and_2.py ``reduce_ready_partitions_and_remove_grads`` tests
+    ``is_gradient_accumulation_boundary``): autograd's gradients stay in ``param.grad``, and the reduce
+    bucket the first hook allocated stays until the boundary's ``_release_ipg_buffers``. ZeRO-2 reduces every
+    micro-step into ``grads_in_partition``, kept to the step (the largest rank's). ZeRO-3 accumulates into its
+    persistent gradient partition: nothing more."""
+    s = run.settings
+    if run.grad_accum == 1 or s.stage == 3:
+        return ()
+    p, numels = _pbytes(run), run.numels
+    if s.stage == 1:
+        grads = Term("gradients of earlier micro-steps (param.grad)", sum(numels) * p,
+                     "torch autograd AccumulateGrad; runtime/engine.py allreduce_gradients (stage 1: at the boundary only)")  # fmt: skip
+        bucket = _bucket(run) if with_bucket and optimizer_class(s) != "BF16_Optimizer" else ()
+        return (grads, *bucket)
+    part = flat_padded_numel(numels, run.nd) // run.nd
+    gip = max(sum(numels[i] for i in _partition_params(numels, part, r)) for r in range(run.nd))
+    return (Term("grads_in_partition (accumulated over micro-steps)", gip * p,
+                 "runtime/zero/stage_1_and_2.py copy_grads_in_partition (kept until the step)"),)  # fmt: skip
+
+
 def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     """The last block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of
     the model states after a step (the peak of a phase is the largest over steps)."""
     acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
-    base = (*_states(run), *_gathered(run), _act("batch (token ids, targets)", acts.batch, 2),
-            _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
+    base = (*_states(run), *_gathered(run), *_held_between_micro_steps(run),
+            _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
     if run.checkpointing == "none":
         last = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
     else:
@@ -838,7 +1018,9 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     ZeRO-1 the reduction after backward."""
     acts, blk, L, p, s = run.acts, run.acts.block, run.acts.n_layer, _pbytes(run), run.settings
     n_d = acts.embed_out
-    base = (*_states(run), *_gathered(run), _act("batch (token ids, targets)", acts.batch, 2),
+    accumulating = run.grad_accum > 1 and s.stage in (1, 2)
+    base = (*_states(run), *_gathered(run), *_held_between_micro_steps(run),
+            _act("batch (token ids, targets)", acts.batch, 2),
             _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     out = [
@@ -850,8 +1032,13 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
                Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"))),
     ]  # fmt: skip
     # ZeRO-1 keeps every gradient autograd makes until reduce_gradients; ZeRO-2/3 move each into the
-    # bucket at its hook. A tied head's gradient waits in autograd's input buffer for the embedding's.
-    keeps = s.stage == 1
+    # bucket at its hook, and so does ZeRO-1 with overlap_comm (stage_1_and_2.py
+    # reduce_ready_partitions_and_remove_grads: at the accumulation boundary, from the hooks
+    # create_gradient_handling_hooks installs; reduce_gradients then skips its walk). BF16_Optimizer keeps
+    # them too (update_hp_grads after backward). A tied head's gradient waits in autograd's input buffer.
+    bf16_opt = optimizer_class(s) == "BF16_Optimizer"
+    hooks_reduce = s.stage == 2 or (s.stage == 1 and s.overlaps and not bf16_opt)
+    keeps = s.stage == 1 and not hooks_reduce and not accumulating  # accumulating: all of them are in base
     held = run.head_numel * (run.tied_head or keeps) + run.final_norm_numel * keeps
     kept_root = Term("root gradients held (head weight, final norm)", held * p,
                      "autograd InputBuffer (tied weight); torch autograd param.grad (ZeRO-1)")  # fmt: skip
@@ -860,14 +1047,52 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
         inflight += (_act("recomputed block's saved activations", blk.saved - blk.ckpt_saved),)
     ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
     last = (*base, *inflight, _act("incoming activation gradient", n_d), kept_root,
-            _act("block backward working set", ws), *_bucket(run))  # fmt: skip
-    out.append(Moment("backward", "last block backward", last))
-    if s.stage == 2:
+            _act("block backward working set", ws), *(() if accumulating and s.stage == 1 else _bucket(run)))  # fmt: skip
+    if accumulating and s.stage == 2:
+        # per rank: its own grads_in_partition, held from the first micro-step; a partition parameter's
+        # param.grad is then a view of it (copy_grads_in_partition: grad_reduc.data = new_grad_tensor), so
+        # autograd accumulates out of place (grad + new grad, a new tensor until its bucket is reduced): on the
+        # ranks owning the first bucket's parameters, as big again as their grads_in_partition at the last
+        # block (measured at G = 2: N_d = 2 and 4, -0.05% and -0.07%)
+        held_name = "grads_in_partition (accumulated over micro-steps)"
+        last = tuple(t for t in last if t.name != held_name)
+        early = {r for r, _ in _stage2_early_partitions(run)}
+        part = flat_padded_numel(run.numels, run.nd) // run.nd
+        src = "runtime/zero/stage_1_and_2.py copy_grads_in_partition"
+        for r in range(run.nd):
+            gip = sum(run.numels[i] for i in _partition_params(run.numels, part, r)) * p
+            out.append(Moment("backward", f"last block backward, rank {r} (accumulating)", (
+                *last, Term(held_name, gip, f"{src} (kept until the step)"),
+                *((Term("accumulated gradients of the partition's parameters (autograd, out of place)", gip,
+                        f"torch autograd AccumulateGrad; {src}"),) if r in early else ()))))  # fmt: skip
+    else:
+        out.append(Moment("backward", "last block backward", last))
+    if hooks_reduce and not accumulating:  # accumulating: every rank's grads_in_partition is in base
         out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
                    for r, gip in _stage2_early_partitions(run))  # fmt: skip
-    if s.stage == 1 and optimizer_class(s) != "BF16_Optimizer":
+    if s.stage == 1 and not bf16_opt and not hooks_reduce:
         out.extend(_stage1_reduce(run))
+    if bf16_opt:
+        out.extend(_bf16_after_backward(run))
     return tuple(out)
+
+
+def _bf16_after_backward(run: DSRun) -> tuple[Moment, ...]:
+    """BF16_Optimizer after backward: every 16-bit gradient (param.grad) is added into the fp32 buffer one
+    tensor at a time through an fp32 copy, then the engine all-reduces the flat fp32 buffer converted to
+    the communication dtype; the 16-bit gradients live on until zero_grad after the step."""
+    numels, p, flat = run.numels, _pbytes(run), flat_padded_numel(run.numels, run.nd)
+    base = (*_states(run), _act("batch (token ids, targets)", run.acts.batch, 2), _act("loss", run.acts.loss),
+            Term("16-bit gradients (param.grad)", sum(numels) * p,
+                 "torch autograd; runtime/bf16_optimizer.py update_hp_grads (clear_lp_grads=False)"))  # fmt: skip
+    return (
+        Moment("backward", "update_hp_grads", (*base, Term(
+            "fp32 copy of the largest 16-bit gradient", max(numels) * 4,
+            "runtime/bf16_optimizer.py _update_hp_grad (lp.grad.data.to(hp_grad.dtype))")),),  # fmt: skip
+        Moment("backward", "all-reduce of the flat gradients", (*base, Term(
+            "flat fp32 gradients in the communication dtype", flat * p,
+            "runtime/engine.py buffered_allreduce_fallback -> allreduce_bucket (tensor.to(communication_data_type))")),),  # fmt: skip
+    )
 
 
 def optimizer_moments(run: DSRun) -> tuple[Moment, ...]:
@@ -896,6 +1121,15 @@ def optimizer_moments(run: DSRun) -> tuple[Moment, ...]:
         out.append(Moment("optimizer_step", "prepare the fp32 gradient", (*_states(run),
                    Term("gradient partition copy (gradient dtype)", part * DTYPE_BYTES[s.grad_dtype], src),
                    Term("fp32 gradient of the master partition", part * 4, src))))  # fmt: skip
+    if optimizer_class(s) == "BF16_Optimizer":
+        # the inner Adam's gradient is a view of the fp32 gradient buffer (step: param_partition.grad =
+        # grad_partition, fp32 already); the 16-bit param.grad live until zero_grad after the step
+        bsrc = "runtime/bf16_optimizer.py BF16_Optimizer.step"
+        return (Moment("optimizer_step", f"{inner} update", (*_states(run),
+                Term("16-bit gradients (param.grad)", sum(run.numels) * _pbytes(run),
+                     f"{bsrc}; freed by zero_grad(set_to_none=True) after the step"),
+                Term(f"{inner} temporaries", temps * part * 4, "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam",
+                     max(temps, 1)))),)  # fmt: skip
     return (
         *out,
         Moment("optimizer_step", f"{inner} update", (*_states(run),
@@ -928,8 +1162,52 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     final = sum(math.prod(sh) for n, sh in workload.shapes
                 if not n.startswith(prefix) and (".ln_f." in n or n.startswith("model.norm.")))  # fmt: skip
     foreach = settings.foreach if settings.foreach is not None else workload.foreach
+    owners: dict[str, list[int]] = {}  # insertion order: the order the modules were built
+    for name, shape in workload.shapes:
+        owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
-                 spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach))  # fmt: skip
+                 spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
+                 workload.grad_accum, tuple(tuple(v) for v in owners.values()),
+                 forward_trace(workload.shapes, spec.style))  # fmt: skip
+
+
+# modeling_llama.py LlamaDecoderLayer.forward: input_layernorm, self_attn, post_attention_layernorm, mlp
+# (registered self_attn, mlp, then the norms); GPT-2 blocks run in registration order.
+_LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def forward_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: str) -> tuple[tuple[int, ...], ...]:
+    """Parameter sizes grouped by owning module, in the order forward runs the modules (ZeRO-3's trace,
+    partitioned_param_coordinator.py ``record_module``)."""
+    owners: dict[str, list[int]] = {}
+    for name, shape in shapes:
+        owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
+
+    def forward_rank(owner: str) -> int:  # within one decoder layer; 0 outside
+        parts = owner.split(".")
+        sub = parts[3] if style == "llama" and len(parts) > 3 and parts[1] == "layers" else None
+        return _LLAMA_FORWARD.index(sub) if sub in _LLAMA_FORWARD else 0
+
+    def layer(owner: str) -> str:
+        return ".".join(owner.split(".")[:3]) if ".layers." in f".{owner}." else owner
+
+    out: list[tuple[int, ...]] = []
+    run: list[str] = []  # the owners of one decoder layer (or one top-level module), in registration order
+    for owner in [*owners, None]:
+        if run and (owner is None or layer(owner) != layer(run[0])):
+            out += [tuple(owners[o]) for o in sorted(run, key=forward_rank)]  # sorted() is stable
+            run = []
+        if owner is not None:
+            run.append(owner)
+    return tuple(out)
+
+
+def _trace(workload: Workload) -> tuple[tuple[tuple[int, ...], ...], bool]:
+    """(forward trace, tied head) of ``workload`` for ``collectives``; none without an architecture."""
+    spec = workload.spec
+    if spec is None:
+        return (), False
+    return forward_trace(workload.shapes, spec.style), spec.style == "gpt" and spec.tie_word_embeddings
 
 
 def _collective(c: DSCollective, nd: int) -> Collective:
@@ -950,7 +1228,8 @@ def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Option
         stage=settings.stage,
         memory=memory_breakdown(settings, numels, nd),
         peak=peak,
-        collectives=tuple(_collective(c, nd) for c in collectives(settings, numels, nd)),
+        collectives=tuple(_collective(c, nd) for c in collectives(settings, numels, nd, workload.grad_accum,
+                                                                  *_trace(workload))),
     ),)  # fmt: skip
 
 
@@ -990,6 +1269,24 @@ def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict
     return config
 
 
+def build_snippet(s: Settings, config_path: str = "ds_config.json") -> Optional[str]:
+    """How to build the model for ``s`` as the profile predicted it: under ``deepspeed.zero.Init`` with the
+    run's ds_config (``Settings.zero_init``; as ``validate/engines/deepspeed.py`` ``build_model`` does), or
+    None where the model is built as usual (whole, then partitioned by ``deepspeed.initialize``)."""
+    if not s.builds_partitioned:
+        return None
+    return (
+        "import deepspeed\n\n"
+        "# ZeRO-3 as predicted: each module is partitioned as it is built (partition_parameters.py Init), so no\n"
+        "# rank holds the whole model; initialise weights through model.apply (each module gathered for it).\n"
+        "# Hugging Face: HfDeepSpeedConfig(ds_config) before from_pretrained does the same.\n"
+        f"with deepspeed.zero.Init(config_dict_or_path={config_path!r}):\n"
+        "    model = build_model()  # your model's constructor\n"
+        "engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),\n"
+        f"                                               config={config_path!r})\n"
+    )
+
+
 @dataclass(frozen=True)
 class Recommendation:
     """The configuration ``recommend`` chose, its prediction, and what it tried."""
@@ -1001,19 +1298,33 @@ class Recommendation:
     """(stage, bucket elements, predicted peak bytes) of every candidate, in the order tried."""
 
 
+def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
+    """What ``recommend`` tries, in its order: ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3
+    without prefetch (``stage3_prefetch_bucket_size`` 0: a module's parameters are released after use unless
+    reused within ``stage3_max_reuse_distance``, ``released_after_forward``; more all-gathers, no overlap)."""
+    out = []
+    for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
+        for bucket in BUCKET_CHOICES:
+            update = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+            if prefetch is not None:
+                update["prefetch_bucket_size"] = prefetch
+            label = f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e") + (", no prefetch" if prefetch == 0 else "")
+            out.append((label, base.model_copy(update=update)))
+    return tuple(out)
+
+
 def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
               stat_bytes: Optional[int] = None) -> Optional[Recommendation]:
-    """The lowest ZeRO stage (least traffic), then the largest bucket (fewest calls), whose predicted peak
-    fits ``memory_bytes``; None when none does. Other keys come from ``base``."""
+    """The first of ``candidates`` (lowest ZeRO stage: least traffic; then the largest bucket: fewest calls;
+    ZeRO-3 without prefetch last) whose predicted peak fits ``memory_bytes``; None when none does. Other
+    keys come from ``base``."""
     tried = []
-    for stage in (1, 2, 3):
-        for bucket in BUCKET_CHOICES:
-            s = base.model_copy(update={"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket})
-            (est,) = estimate(workload, nd, s, stat_bytes)
-            peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
-            tried.append((stage, bucket, peak))
-            if peak <= memory_bytes:
-                return Recommendation(s, est, to_ds_config(s, workload.micro_batch, workload.grad_accum), tuple(tried))
+    for _, s in candidates(base):
+        (est,) = estimate(workload, nd, s, stat_bytes)
+        peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
+        tried.append((s.stage, s.reduce_bucket_size, peak))
+        if peak <= memory_bytes:
+            return Recommendation(s, est, to_ds_config(s, workload.micro_batch, workload.grad_accum), tuple(tried))
     return None
 
 
@@ -1021,7 +1332,8 @@ def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
 
 PLANNER_OPTIONS: tuple[str, ...] = ("ds_config", "stage")
 """The ``PlannerOptions`` fields in DeepSpeed's vocabulary: a ``ds_config.json`` and ``--stage``."""
-PLAN_ORDER = "the lowest ZeRO stage (least traffic), then the largest bucket (fewest calls)"
+PLAN_ORDER = ("the lowest ZeRO stage (least traffic), then the largest bucket (fewest calls), ZeRO-3 without "
+              "prefetch last (parameters released after use, re-gathered in backward)")
 
 
 def planner_settings(options: PlannerOptions) -> Settings:
@@ -1051,18 +1363,15 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     zero.pop("stage", None)
     base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
     chosen = recommend(workload, nd, capacity_bytes, base)
-    candidates, index = [], None
-    for stage in (1, 2, 3):
-        for bucket in BUCKET_CHOICES:
-            s = base.model_copy(update={"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket})
-            (est,) = estimate(workload, nd, s)
-            need = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
-            if chosen is not None and s == chosen.settings:
-                index = len(candidates)
-            candidates.append(Candidate(f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e"), est,
-                                        need <= capacity_bytes, to_ds_config(s, workload.micro_batch,
-                                                                             workload.grad_accum), bucket))  # fmt: skip
-    return EnginePlan(tuple(candidates), index, "deepspeed", PLAN_ORDER, base)
+    out, index = [], None
+    for label, s in candidates(base):
+        (est,) = estimate(workload, nd, s)
+        need = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
+        if chosen is not None and s == chosen.settings:
+            index = len(out)
+        out.append(Candidate(label, est, need <= capacity_bytes, to_ds_config(s, workload.micro_batch, workload.grad_accum),
+                             s.reduce_bucket_size, build_snippet(s)))  # fmt: skip
+    return EnginePlan(tuple(out), index, "deepspeed", PLAN_ORDER, base)
 
 
 def planner_block_bytes(settings: Settings) -> int:

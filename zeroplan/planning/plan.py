@@ -349,7 +349,10 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     recommendation = launchers = advice = None
     if answer.recommended is not None:
         recommendation = rows[answer.recommended]
-        launchers = {"deepspeed": None, "fsdp2": None, answer.launcher_key: answer.candidates[answer.recommended].launcher}
+        chosen = answer.candidates[answer.recommended]
+        launchers = {"deepspeed": None, "fsdp2": None, answer.launcher_key: chosen.launcher}
+        if chosen.build is not None:  # the model's construction the prediction assumed (deepspeed.zero.Init)
+            launchers[f"{answer.launcher_key}_build"] = chosen.build
         reason = (f"the cheapest of {len(rows)} {engine.name} configurations whose predicted peak fits on "
                   f"{config.gpus} GPUs with {headroom} (tried in order: {answer.order})")  # fmt: skip
     else:

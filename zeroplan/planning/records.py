@@ -62,7 +62,8 @@ class Plan:
     recommendation: Optional[PlanOption]
     reason: str
     launchers: Optional[dict[str, object]]  # the recommendation's {"deepspeed": dict, "fsdp2": str}; with an
-    # engine's own plan, only that engine's entry is set (the configuration it predicted), the other is None
+    # engine's own plan, only that engine's entry is set (the configuration it predicted), the other is None;
+    # "deepspeed_build" too at ZeRO-3: the model built under deepspeed.zero.Init, as predicted
     fit_basis: str = ""  # how fits was decided: on the peak, or on model states and why
     cut_first: Optional[str] = None  # which term to cut first, from the peak's largest terms
 

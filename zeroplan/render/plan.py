@@ -288,6 +288,7 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
         lines.append(f"Cut first: {p.cut_first}.")
     if p.recommendation is not None:
         for key, title in (("deepspeed", "DeepSpeed config (exactly the one predicted):"),
+                           ("deepspeed_build", "Build the model as predicted (with that file as ds_config.json):"),
                            ("fsdp2", "FSDP2 (exactly the configuration predicted):")):  # fmt: skip
             text = p.launchers.get(key)
             if text is not None:

@@ -284,6 +284,18 @@ class RecommendationOut(_Out):
     fsdp2: Optional[str] = Field(
         description="FSDP2 fully_shard code for this option; with plan --engine deepspeed, null"
     )
+    deepspeed_build: Optional[str] = Field(
+        None, description="plan --engine deepspeed at ZeRO-3: how the model is built for the prediction to hold "
+        "(under deepspeed.zero.Init(config_dict_or_path=...)); absent otherwise",
+    )
+
+    @model_serializer(mode="wrap")
+    def _absent_build(self, handler: SerializerFunctionWrapHandler):
+        """``deepspeed_build`` is written only where it applies: earlier outputs keep their keys."""
+        out = handler(self)
+        if out.get("deepspeed_build") is None:
+            out.pop("deepspeed_build", None)
+        return out
 
 
 class PlanDoc(_Out):

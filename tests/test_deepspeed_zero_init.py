@@ -1,0 +1,208 @@
+"""ZeRO-3 with the model built under ``deepspeed.zero.Init`` (real DeepSpeed, gloo, CPU) against
+``zeroplan.engines.deepspeed`` (``Settings.zero_init``, ``zero_init_moments``), and the planner's side.
+
+One torchrun world of N_d = 2 (``run_world(..., runs=...)``): gpt-tiny fp32 and tiny-llama bf16 built under
+``zero.Init``, and gpt-tiny fp32 built whole (the materialized path, for the before/after). Each row goes
+through the validator's ``compare_row`` (which passes how the ranks built the model); the build's own peak
+(``build_peak_bytes``, within init's) is compared with ``zero_init_moments``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+from clicheck import assert_one_line_error
+
+from zeroplan.engines import deepspeed as D
+from zeroplan.formulas.peak import PHASES, peak_of
+
+ND, STATES_TOL, PEAK_TOL = 2, 0.01, 0.03
+LLAMA = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json")
+SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
+         "stage3_param_persistence_threshold": 100}  # fmt: skip
+# ZeRO-3 without prefetch, reuse distance 10,000: tiny-llama keeps its LM head and last down_proj gathered
+# from forward into backward (2·4,992 < 10,000) and re-gathers the other 14 parameters in backward
+NO_PREFETCH = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 10_000}
+CASES = {  # name -> (model, dtype, zero_init, extra zero_optimization keys)
+    "gpt-fp32-zero-init": ("gpt-tiny", "fp32", True, {}),
+    "llama-bf16-zero-init": (LLAMA, "bf16", True, {}),
+    "gpt-fp32-materialized": ("gpt-tiny", "fp32", False, {}),
+    "llama-fp32-no-prefetch": (LLAMA, "fp32", True, NO_PREFETCH),
+}
+
+
+@pytest.fixture(scope="module")
+def world():
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: DS_BUILD_OPS=0 pip install '.[deepspeed]'")
+    from validate.engines.deepspeed import compare_row, ds_config, run_world, workload_for
+
+    configs = [ds_config(3, dtype, zero={**SMALL, **extra}, optimizer_params={"torch_adam": True})
+               for _, dtype, _, extra in CASES.values()]  # fmt: skip
+    runs = [{"model": model, "zero_init": zi} for model, _, zi, _ in CASES.values()]
+    ranks = run_world(configs, ND, steps=3, runs=runs)  # steady-state collectives: the third step
+    out = {}
+    for i, (name, (model, _, zi, _)) in enumerate(CASES.items()):
+        workload = workload_for(model, configs[i]["train_micro_batch_size_per_gpu"], None)
+        rank_rows = [r[i] for r in ranks]
+        row = compare_row(configs[i], ND, rank_rows, workload, name, STATES_TOL, PEAK_TOL)
+        settings = D.Settings.from_ds_config(configs[i], zero_init=zi)
+        out[name] = (rank_rows, row, D.ds_run(settings, workload, ND, stat_bytes=D.DTYPE_BYTES[settings.dtype]))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_row_within_tolerance(world, name):
+    rank_rows, row, _ = world[name]
+    assert all(r["zero_init"] is CASES[name][2] for r in rank_rows)
+    assert abs(row["model_states_rel_error"]) <= STATES_TOL, row["model_states_rel_error"]
+    assert row["checks"]["collectives_match"], (row["predicted_collectives"], row["measured_collectives"])
+    for phase in PHASES:
+        measured = row["measured_peak_bytes_by_phase"][phase]
+        predicted = row["predicted_peak_bytes_by_phase"][phase]
+        assert abs(measured - predicted) <= PEAK_TOL * measured, (phase, measured, predicted)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[2] and not c[3]])
+def test_build_peak_is_zero_init_moments(world, name):
+    """The build's peak: exactly the largest of ``zero_init_moments`` on the quietest rank; another rank
+    may still hold one full parameter gloo has not let go of after its broadcast (measured up to the
+    largest parameter at N_d = 4, docs/engines/deepspeed.md), never more."""
+    rank_rows, _, run = world[name]
+    predicted = max(m.total() for m in D.zero_init_moments(run))
+    measured = [r["build_peak_bytes"] for r in rank_rows]
+    assert min(measured) == predicted, (measured, predicted)
+    assert max(measured) <= predicted + max(run.numels) * 4, (measured, predicted)
+
+
+def test_released_parameters_are_gathered_again_in_backward(world):
+    """The no-prefetch row is not the plain one in disguise: 14 of tiny-llama's 16 gathered parameters are
+    all-gathered again in backward, and its forward peak is below the all-kept prediction."""
+    from validate.report import _key
+
+    _, row, run = world["llama-fp32-no-prefetch"]
+    kept, regathered, calls = D.gathered_numel(run)
+    assert (kept, calls) == (4_944 + 4_224, 14)
+    assert row["measured_collectives"][_key("all-gather", "backward", "float32")]["elements"] == regathered
+    everything = run.settings.model_copy(update={"max_reuse_distance": 10**9})
+    allkept = peak_of(D.moments(dataclasses.replace(run, settings=everything)))
+    assert row["measured_peak_bytes_by_phase"]["forward"] == allkept.by_phase()["forward"] - regathered * 4
+
+
+def test_zero_init_never_holds_the_whole_model(world):
+    """Before/after on the same model: built whole, the build holds Ψ fp32 elements; under zero.Init the
+    partitions and one module at a time."""
+    whole, _, run = world["gpt-fp32-materialized"]
+    parts, _, _ = world["gpt-fp32-zero-init"]
+    psi = sum(run.numels)
+    assert all(r["build_peak_bytes"] == psi * 4 for r in whole)
+    assert max(r["build_peak_bytes"] for r in parts) < psi * 4 * 0.7
+
+
+def _workload(model: str = "llama2-70b"):
+    from zeroplan.architectures.spec import transformer_shapes
+    from zeroplan.engines.base import Workload
+    from zeroplan.presets import get_model
+
+    spec = get_model(model).spec
+    return Workload(tuple(transformer_shapes(spec)), spec, spec.max_seq_len, 1)
+
+
+def test_settings_zero_init_vocabulary():
+    assert D.Settings(stage=3).builds_partitioned and not D.Settings(stage=3, zero_init=False).builds_partitioned
+    assert not D.Settings(stage=2).builds_partitioned
+    with pytest.raises(ValueError, match="ZeRO-3 only"):
+        D.Settings(stage=2, zero_init=True)
+    config = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    assert D.Settings.from_ds_config(config).zero_init is None
+    assert D.Settings.from_ds_config(config, zero_init=False).zero_init is False
+    # not a ds_config key: the emitted file reads back as the settings the planner predicted
+    s = D.Settings.from_ds_config(config)
+    assert D.Settings.from_ds_config(D.to_ds_config(s)) == s
+
+
+def test_init_peak_at_70b_on_64_gpus():
+    """ZeRO-3, Llama-2-70B, N_d = 64, bf16: built whole, init holds the fp32 model (Ψ·4 and the 16-bit cast
+    beside it); under zero.Init the largest init moment is deepspeed.initialize's fp32 master clone."""
+    w = _workload()
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    psi = sum(math.prod(sh) for _, sh in w.shapes)
+    init = {}
+    for zi in (False, True):
+        (est,) = D.estimate(w, 64, D.Settings.from_ds_config(config, zero_init=zi))
+        init[zi] = est.peak.by_phase()["init"]
+    assert init[False] >= psi * 4
+    part = D.stage3_partition_numel(tuple(math.prod(sh) for _, sh in w.shapes), 64)
+    assert init[True] < psi * 4 / 20 and init[True] >= part * (2 + 4 + 4)  # 16-bit partition, converted, clone
+
+
+def test_release_rule():
+    """partitioned_param_coordinator.py __params_to_release without prefetch: kept while 2·Σ behind < R."""
+    trace = ((10,), (20,), (5,), (30,))  # behind: 55, 35, 30, 0
+    s = D.Settings(stage=3, prefetch_bucket_size=0, max_reuse_distance=61)
+    assert D.released_after_forward(s, trace) == (True, True, False, False)
+    assert D.released_after_forward(s.model_copy(update={"max_reuse_distance": 0}), trace) == (True,) * 4
+    assert D.released_after_forward(s.model_copy(update={"prefetch_bucket_size": 1}), trace) == (False,) * 4
+    assert D.released_after_forward(s, trace, tied_head=True) == (False,) * 4
+
+
+def test_plan_fits_llama2_70b_on_64_h100(tmp_path):
+    """The planner's question of issue 11: ZeRO-3 built under zero.Init, without prefetch, fits."""
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                "zero_optimization": {"stage": 3}}))  # fmt: skip
+    got = CliRunner().invoke(app, ["plan", "--engine", "deepspeed", "--deepspeed-config", str(path), "--model",
+                                   "llama2-70b", "--gpus", "64", "--gpu", "h100-80gb", "--json"])  # fmt: skip
+    assert got.exit_code == 0, got.output
+    d = json.loads(got.stdout)
+    rec = d["recommendation"]
+    assert rec["label"] == "ZeRO-3, buckets 5e8, no prefetch", rec["label"]
+    assert rec["deepspeed"]["zero_optimization"]["stage3_prefetch_bucket_size"] == 0
+    assert "deepspeed.zero.Init(" in rec["deepspeed_build"]
+    picked = next(o for o in d["stages"] if o["label"] == rec["label"])
+    assert picked["peak_bytes"] <= 0.9 * 80 * 2**30 < min(o["peak_bytes"] for o in d["stages"] if "prefetch" not in o["label"])
+
+
+def test_plan_emits_the_zero_init_build(tmp_path):
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    # 6 GiB a GPU: ZeRO-1/2 do not fit (their init holds the fp32 model, 5.8 GiB), ZeRO-3 does
+    args = ["plan", "--engine", "deepspeed", "--deepspeed-config", str(path), "--model", "gpt2-xl",
+            "--gpus", "64", "--gpu-memory", "6GiB"]  # fmt: skip
+    got = CliRunner().invoke(app, [*args, "--json"])
+    text = CliRunner().invoke(app, args)
+    assert got.exit_code == 0, got.output
+    rec = json.loads(got.stdout)["recommendation"]
+    assert rec["deepspeed"]["zero_optimization"]["stage"] == 3, rec["label"]
+    assert "deepspeed.zero.Init(config_dict_or_path='ds_config.json')" in rec["deepspeed_build"]
+    assert "deepspeed.zero.Init(config_dict_or_path='ds_config.json')" in text.stdout
+    assert D.build_snippet(D.Settings(stage=2)) is None and D.build_snippet(D.Settings(stage=3, zero_init=False)) is None
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--zero-init"], "--engine deepspeed only"),
+        (["--engine", "deepspeed", "--stage", "2", "--zero-init"], "ZeRO-3 only"),
+        (["--engine", "deepspeed", "--zero-init"], "ZeRO-3 only"),  # the built-in configs: stages 1-3
+    ],
+)
+def test_validate_refuses_zero_init_off_zero3(args, message):
+    pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    assert_one_line_error(CliRunner().invoke(app, ["validate", *args]), message)
