@@ -221,6 +221,9 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
             counter.step = step
 
     gc.collect()
+    # what exists before the run (torch, DeepSpeed: ~200k objects) cannot be the run's garbage; frozen, a full
+    # collection scans only the run's own objects (0.02 ms instead of 130 ms, measured)
+    gc.freeze()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -261,6 +264,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int) -> dict:
             breakdown = probe.breakdown()
             by_device = probe.by_device()
     finally:
+        gc.unfreeze()
         if was_enabled:
             gc.enable()
     inner = getattr(optimizer, "optimizer", None)
