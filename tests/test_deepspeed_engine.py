@@ -95,9 +95,9 @@ def test_row_within_tolerance(world, i):
 
 # ZeRO-1/2's optimizer step: with gloo settled and garbage collected between phases, one rank of some runs
 # still reads more at the step (2026-11-30 suites, N_d = 4: +74,872 B at the default bucket, +15,072 B with
-# 5e3-element buckets; the other runs of the rows match to 4 B). The holder is not found (docs/engines/
-# deepspeed.md), so this one phase of ZeRO-1/2 keeps a one-sided bound: allreduce_bucket's flat copy of the
-# last bucket (all Ψ elements with the single default bucket), twice.
+# 5e3-element buckets; the other runs of the rows match to 4 B). Likely gloo's all-reduce keeping the tensor
+# itself, waited on since (docs/engines/deepspeed.md); until more runs confirm, this one phase of ZeRO-1/2
+# keeps a one-sided bound: allreduce_bucket's flat copy of the last bucket (all Ψ with the default), twice.
 def _unsettled_step_bytes(case: tuple) -> int:
     """Bytes the optimizer step of ``case`` may read above the prediction (0: checked at 3%)."""
     stage, _, buckets = case
