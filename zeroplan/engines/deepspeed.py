@@ -1044,7 +1044,7 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
                      "autograd InputBuffer (tied weight); torch autograd param.grad (ZeRO-1)")  # fmt: skip
     inflight = (_blocks_saved(run, L),)
     if run.checkpointing != "none":
-        inflight += (_act("recomputed block's saved activations", blk.saved - blk.ckpt_saved),)
+        inflight += (_act("recomputed block's saved activations", blk.recomputed),)
     ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
     last = (*base, *inflight, _act("incoming activation gradient", n_d), kept_root,
             _act("block backward working set", ws), *(() if accumulating and s.stage == 1 else _bucket(run)))  # fmt: skip
