@@ -75,12 +75,16 @@ def check_writable(path: str | Path, inputs: Sequence[str | Path | None] = ()) -
     for source in inputs:
         if source is not None and _same_file(path, Path(source)):
             raise ValueError(f"{str(path)!r}: is also an input of this command; write to another file")
-    try:  # the writer's own first step, tried now: a temporary file beside the target (a longer name)
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.")
-    except OSError as exc:
-        raise ValueError(f"{str(path)[:80]!r}: cannot write there ({exc.strerror})") from None
-    os.close(fd)
-    os.unlink(tmp)
+    # The writer's own first step, tried now: a temporary file beside the target, with a name as long as
+    # the writer's (``~`` where it has ``.``, so the probe is never mistaken for a write in progress);
+    # SIGTERM and SIGHUP wait until it is gone, so a signal cannot leave it behind.
+    with _signals_held():
+        try:
+            fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}~")
+        except OSError as exc:
+            raise ValueError(f"{str(path)[:80]!r}: cannot write there ({exc.strerror})") from None
+        os.close(fd)
+        os.unlink(tmp)
     return parent
 
 
