@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from clicheck import assert_one_line_error
-from typer.testing import CliRunner
+from clicheck import assert_one_line_error, run, run_json, runner
 
 import zeroplan
 from zeroplan.architectures.spec import transformer_shapes
@@ -29,17 +28,6 @@ DATA = Path(__file__).parent / "data"
 GPT2 = str(DATA / "golden" / "inputs" / "gpt2-no-dropout.json")  # 124M, dropout 0
 TINY = str(DATA / "hf_configs" / "tiny-gpt2.json")  # 2 layers, d = 36, 16 positions
 DS_CONFIG = str(DATA / "golden" / "inputs" / "ds_config.json")  # ZeRO-2, bf16, fp32 grad accumulation
-runner = CliRunner()
-
-
-def run(*args: str):
-    return runner.invoke(app, list(args))
-
-
-def run_json(*args: str) -> dict:
-    result = run(*args, "--json")
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
 
 
 def workload(model: str, seq_len: int, micro_batch: int = 1, checkpointing: str = "none", foreach: bool = True):

@@ -14,12 +14,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from typer.testing import CliRunner
 
 import zeroplan
-from clicheck import assert_one_line_error
+from clicheck import assert_one_line_error, run, run_json
 from zeroplan.architectures.spec import transformer_shapes
-from zeroplan.cli import app
 from zeroplan.engines import ENGINES, SETTINGS, get_engine, reference
 from zeroplan.engines.base import Workload
 from zeroplan.formulas.cuda_workspaces import library_workspaces
@@ -30,17 +28,6 @@ DATA = Path(__file__).parent / "data"
 TINY_GPT2 = str(DATA / "hf_configs" / "tiny-gpt2.json")  # dropout 0, 16 positions
 TINY_LLAMA = str(DATA / "hf_configs" / "tiny-llama.json")
 GPT2 = str(DATA / "golden" / "inputs" / "gpt2-no-dropout.json")
-runner = CliRunner()
-
-
-def run(*args: str):
-    return runner.invoke(app, list(args))
-
-
-def run_json(*args: str) -> dict:
-    result = run(*args, "--json")
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
 
 
 def engine_rows(model: str, nd: int, seq_len: int, micro_batch=1, checkpointing="none", foreach=True, **policy):
