@@ -156,6 +156,10 @@ class ValidateConfig(BaseModel):
             settings = Settings.from_ds_config(self.deepspeed_config)  # one line naming a bad key
             if self.stages != (settings.stage,):
                 raise ValueError(f"--stage {list(self.stages)} contradicts zero_optimization.stage={settings.stage}")
+            from zeroplan.engines.deepspeed import ds_batch
+
+            for nd in self.world_sizes:  # DeepSpeed's batch rule, refused here rather than in a rank
+                ds_batch(self.deepspeed_config, nd)
         return self
 
     @model_validator(mode="before")

@@ -15,8 +15,8 @@ import typer
 from zeroplan.cli_options import (
     STEP_OPTIONS, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption, GradAccumOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
-    ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, engine_options_from, given,
-    given_on_command_line, policy_from, refuse_foreign, refuse_unused,
+    ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch, engine_options_from,
+    given, given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 
 
@@ -79,6 +79,7 @@ def estimate(
     from zeroplan.engines.deepspeed import merge_deepspeed
     from zeroplan.estimation.config import EstimateConfig
     from zeroplan.estimation.estimate import estimate_config
+    from zeroplan.files import read_json
     from zeroplan.parsing import parse_bytes, parse_count
     from zeroplan.policy import PrecisionPolicy
     from zeroplan.render.estimate import to_csv, to_json, to_table
@@ -95,6 +96,10 @@ def estimate(
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
     refuse_foreign(ctx, engine)
     options = engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
+    if model is not None and deepspeed_config is not None:  # the file's batch is the run's (N_d = gpus here)
+        batch = ds_config_batch(ctx, read_json(deepspeed_config, "deepspeed config"), gpus,
+                                {"micro_batch": micro_batch, "grad_accum": grad_accum})
+        micro_batch, grad_accum = (batch.micro_batch, batch.grad_accum) if batch else (micro_batch, grad_accum)
     policy: dict = {}
     if "policy" in get_engine(engine).options:  # the paper's vocabulary; a ds_config completes it
         settings = given(stage=stage, param_dtype=param_dtype, grad_dtype=grad_dtype, master_weights=master_weights,
@@ -217,12 +222,22 @@ def sweep(
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
         raise UserError("--deepspeed-config does not apply to sweep --engine reference: give the policy options")
     reads_policy = "policy" in get_engine(engine).options
+    options = engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
+    micro_batches = parse_wholes(micro_batch, "micro-batch")
+    if model is not None:  # the file's batch; N_d is fixed only by one --gpus over one --model-parallel
+        gpu_list, mp_list = parse_wholes(gpus, "gpus"), parse_wholes(model_parallel, "model-parallel")
+        fixed = gpu_list[0] // mp_list[0] if len(gpu_list) == len(mp_list) == 1 else None
+        batch = ds_config_batch(ctx, options.ds_config, fixed, {"micro_batch": micro_batches})
+        if batch is not None and batch.grad_accum != 1:
+            raise UserError(f"the DeepSpeed config accumulates {batch.grad_accum} micro-steps per step and sweep "
+                            "models one: use zeroplan estimate or plan (--grad-accum)")  # fmt: skip
+        micro_batches = (batch.micro_batch,) if batch else micro_batches
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
         params=parse_counts(params) if params is not None else None,
         tensor_numels=load_numels(shapes) if shapes is not None else None,
         model=model,
-        micro_batch=parse_wholes(micro_batch, "micro-batch"),
+        micro_batch=micro_batches,
         seq_len=seq_len,
         checkpointing=checkpointing,
         foreach=foreach,
@@ -234,7 +249,7 @@ def sweep(
         gpu_memory_bytes=capacity,
         policy=policy_from(param_dtype if reads_policy else None, grad_dtype, master_weights, optimizer,
                            optimizer_dtype),  # fmt: skip
-        engine_options=engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype),
+        engine_options=options,
     )
 
     def write(sink) -> None:
@@ -437,11 +452,16 @@ def plan(
     refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
+    options = engine_options_from(engine, deepspeed_config, None, param_dtype, reduce_dtype)
+    if model is not None and gpus % model_parallel == 0:  # the file's batch at the planned N_d (PlanConfig checks the split)
+        batch = ds_config_batch(ctx, options.ds_config, gpus // model_parallel,
+                                {"micro_batch": micro_batch, "grad_accum": grad_accum})
+        micro_batch, grad_accum = (batch.micro_batch, batch.grad_accum) if batch else (micro_batch, grad_accum)
     config = PlanConfig(
         model=model,
         foreach=foreach,
         engine=engine,
-        engine_options=engine_options_from(engine, deepspeed_config, None, param_dtype, reduce_dtype),
+        engine_options=options,
         params=parse_count(params) if params is not None else None,
         gpu=gpu,
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
@@ -471,6 +491,7 @@ def plan(
 
 @app.command("validate")
 def validate_cmd(
+    ctx: typer.Context,
     world_size: Optional[list[int]] = typer.Option(
         None, "--world-size",
         help="N_d; repeat for several. Default: 2 and 4 (64 with --simulated). Real: at most 4 ranks per usable "
@@ -582,6 +603,11 @@ def validate_cmd(
     from zeroplan.files import read_json
     from zeroplan.parsing import parse_count
 
+    ds = read_json(deepspeed_config, "deepspeed config") if deepspeed_config is not None else None
+    batch_keys = sorted(k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+                        if isinstance(ds, dict) and k in ds)  # fmt: skip
+    if batch_keys:
+        refuse_unused(ctx, ("batch_per_rank",), f"with a DeepSpeed config that sets the batch ({', '.join(batch_keys)})")
     config = ValidateConfig(
         **given(stages=tuple(stage) if stage else None, world_sizes=tuple(world_size) if world_size else None),
         model=model,
@@ -605,7 +631,7 @@ def validate_cmd(
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
-        deepspeed_config=read_json(deepspeed_config, "deepspeed config") if deepspeed_config is not None else None,
+        deepspeed_config=ds,
         zero_init=zero_init,
     )
     try:

@@ -572,18 +572,28 @@ def compare_row(
     }).model_dump()  # fmt: skip
 
 
+def run_configs(config, nd: int) -> list[dict]:
+    """The ds_configs ``zeroplan validate --engine deepspeed`` trains at ``nd`` ranks: the user's, its batch
+    written out as DeepSpeed derives it (``zeroplan.engines.deepspeed.ds_batch``; ``--micro-batch`` where
+    the file has no batch key), else the built-in ones."""
+    from zeroplan.engines.deepspeed import ds_batch
+
+    if config.deepspeed_config is None:
+        return builtin_configs(config.stages, config.param_dtype, config.batch_per_rank, config.lr)
+    batch = ds_batch(config.deepspeed_config, nd)
+    fixed = ({"train_micro_batch_size_per_gpu": batch.micro_batch, "gradient_accumulation_steps": batch.grad_accum}
+             if batch else {"train_micro_batch_size_per_gpu": config.batch_per_rank})  # fmt: skip
+    return [{"steps_per_print": 10**9, **config.deepspeed_config, **fixed}]
+
+
 def run_validation(config) -> dict:
     """``zeroplan validate --engine deepspeed``: every world size of ``config`` through real DeepSpeed."""
     from validate.schema import SCHEMA, ValidationReport
 
     model = config.model_name
-    if config.deepspeed_config is not None:
-        configs = [{"train_micro_batch_size_per_gpu": config.batch_per_rank, "steps_per_print": 10**9,
-                    **config.deepspeed_config}]  # fmt: skip
-    else:
-        configs = builtin_configs(config.stages, config.param_dtype, config.batch_per_rank, config.lr)
     rows = []
     for nd in config.world_sizes:
+        configs = run_configs(config, nd)
         ranks = run_world(
             configs, nd, model, config.steps, config.timeout_s, config.seq_len, config.checkpointing,
             zero_init=config.zero_init,

@@ -40,7 +40,7 @@ from zeroplan.formulas.peak import Moment, PeakEstimate, Term, peak_of
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
-from zeroplan.types import BatchCount, Numel, StageNumber
+from zeroplan.types import MAX_BATCH, MAX_GPUS, BatchCount, Numel, StageNumber
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
 """Elements per gradient bucket / all-gather call: DeepSpeed's default ``reduce_bucket_size`` and
@@ -109,6 +109,20 @@ Flag = Annotated[bool, BeforeValidator(_flag)]
 Elements = Annotated[int, BeforeValidator(_elements)]
 
 
+def _batch(v: object, info: ValidationInfo) -> int:
+    """A batch key: a JSON integer >= 1 (``train_batch_size`` up to MAX_BATCH · MAX_BATCH · MAX_GPUS)."""
+    if v == "auto":
+        raise ValueError("the HF Trainer fills in 'auto'; give a whole number")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError("must be a whole number >= 1 (a JSON integer)")
+    if v > MAX_BATCH * (MAX_BATCH * MAX_GPUS if info.field_name == "train_batch_size" else 1):
+        raise ValueError(f"must be at most {MAX_BATCH * (MAX_BATCH * MAX_GPUS if info.field_name == 'train_batch_size' else 1)}")
+    return v
+
+
+BatchKey = Annotated[int, BeforeValidator(_batch)]
+
+
 class _Section(BaseModel):
     """A section of ``ds_config.json``: the keys zeroplan reads are typed strictly; DeepSpeed's many
     other keys are allowed and not read."""
@@ -171,6 +185,9 @@ class DeepSpeedConfig(_Section):
     data_types: _DataTypes = _DataTypes()
     communication_data_type: Optional[Text] = None
     optimizer: Optional[_Optimizer] = None
+    train_batch_size: Optional[BatchKey] = None
+    train_micro_batch_size_per_gpu: Optional[BatchKey] = None
+    gradient_accumulation_steps: Optional[BatchKey] = None
 
 
 def _ds_error(exc: ValidationError) -> ValueError:
@@ -256,6 +273,46 @@ def merge_deepspeed(path: str | Path, given: dict) -> dict:
     if clash:
         raise ValueError(f"--{clash[0].replace('_', '-')} contradicts the DeepSpeed config; drop one of them")
     return given | from_file
+
+
+@dataclass(frozen=True)
+class DsBatch:
+    """The batch a ds_config trains per rank: ``micro_batch`` sequences per micro-step, ``grad_accum``
+    micro-steps per optimizer step (DeepSpeed's ``train_micro_batch_size_per_gpu`` and
+    ``gradient_accumulation_steps`` after it has derived the missing ones)."""
+
+    micro_batch: int
+    grad_accum: int
+
+
+def ds_batch(config: object, nd: Optional[int]) -> Optional[DsBatch]:
+    """The batch DeepSpeed derives from a ds_config at ``nd`` data-parallel ranks (``runtime/config.py``
+    ``DeepSpeedConfig._set_batch_related_parameters`` then ``_batch_assertion``); None when the file has no
+    batch key (a fragment: the command line's batch applies). ValueError, one line, where DeepSpeed would
+    refuse the file, or where the batch depends on N_d (``train_batch_size``) and ``nd`` is None (a
+    command that varies N_d)."""
+    ds = parse_ds_config(config)
+    tb, mb, ga = ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps
+    if tb is None and mb is None:
+        if ga is None:
+            return None
+        raise ValueError("deepspeed config: gradient_accumulation_steps without train_batch_size or "
+                         "train_micro_batch_size_per_gpu: DeepSpeed needs one of them")  # fmt: skip
+    if tb is not None and nd is None:
+        raise ValueError(f"deepspeed config: train_batch_size={tb} fixes the micro-batch for one N_d only, and "
+                         "this command varies N_d: give train_micro_batch_size_per_gpu (and "
+                         "gradient_accumulation_steps) instead")  # fmt: skip
+    if tb is not None and mb is not None and ga is None:
+        ga = tb // mb // nd
+    elif tb is not None and ga is not None and mb is None:
+        mb = tb // nd // ga
+    elif tb is not None and mb is None:
+        mb, ga = tb // nd, 1
+    ga = ga or 1
+    if mb < 1 or ga < 1 or (tb is not None and tb != mb * ga * nd):
+        raise ValueError(f"deepspeed config: train_batch_size={tb} is not train_micro_batch_size_per_gpu x "
+                         f"gradient_accumulation_steps x N_d = {mb} x {ga} x {nd}: DeepSpeed refuses it")  # fmt: skip
+    return DsBatch(micro_batch=mb, grad_accum=ga)
 
 
 def _offload_block(device: str) -> dict:
