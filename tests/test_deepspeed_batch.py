@@ -32,7 +32,7 @@ REFUSED = [  # DeepSpeed's asserts, refused here before any work
      "2 x 2 x 8"),
     ({"train_batch_size": 4}, 8, "= 0 x 1 x 8"),
     ({"gradient_accumulation_steps": 4}, 8, "without train_batch_size or train_micro_batch_size_per_gpu"),
-    ({"train_micro_batch_size_per_gpu": "auto"}, 8, "the HF Trainer fills in 'auto'"),
+    ({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2}, 8, "without train_batch_size"),
     ({"train_micro_batch_size_per_gpu": 2.0}, 8, "must be a whole number >= 1"),
     ({"train_micro_batch_size_per_gpu": True}, 8, "must be a whole number >= 1"),
     ({"gradient_accumulation_steps": 0, "train_micro_batch_size_per_gpu": 1}, 8, "must be a whole number >= 1"),
@@ -66,7 +66,11 @@ def test_refused_in_one_line(keys, nd, message):
 
 
 def test_no_batch_key_leaves_the_command_lines():
+    """Neither a file without batch keys nor one whose keys are "auto" (the HF Trainer fills those from its own
+    arguments; here the command line is those arguments) fixes the batch."""
     assert ds_batch(STAGE2, 8) is None
+    auto = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    assert ds_batch({**STAGE2, **auto}, 8) is None
 
 
 @pytest.fixture

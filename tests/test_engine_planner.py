@@ -92,8 +92,10 @@ def test_estimate_deepspeed_json_is_the_engine_row_with_deepspeeds_own_estimator
     config = json.loads(Path(DS_CONFIG).read_text())
     settings = deepspeed.Settings.from_ds_config(config)
     assert (settings.stage, settings.dtype, settings.grad_dtype) == (2, "bf16", "fp32")
-    (row,) = deepspeed.estimate(workload(GPT2, 1024), 8, settings)
+    # the file's train_micro_batch_size_per_gpu (4) is the run's (engines/deepspeed.py ds_batch)
+    (row,) = deepspeed.estimate(workload(GPT2, 1024, micro_batch=config["train_micro_batch_size_per_gpu"]), 8, settings)
     assert d["inputs"]["engine"] == "deepspeed" and len(d["stages"]) == 1
+    assert d["inputs"]["step"]["micro_batch"] == 4
     assert_row_is(d["stages"][0], row)
     psi = sum(math.prod(s) for _, s in transformer_shapes(resolve_model(GPT2)))
     assert d["stages"][0]["own_estimator_bytes"] == 2 * psi + int(18 * psi / 8)  # estimate_zero2_model_states_mem_needs

@@ -109,10 +109,11 @@ Flag = Annotated[bool, BeforeValidator(_flag)]
 Elements = Annotated[int, BeforeValidator(_elements)]
 
 
-def _batch(v: object, info: ValidationInfo) -> int:
-    """A batch key: a JSON integer >= 1 (``train_batch_size`` up to MAX_BATCH · MAX_BATCH · MAX_GPUS)."""
-    if v == "auto":
-        raise ValueError("the HF Trainer fills in 'auto'; give a whole number")
+def _batch(v: object, info: ValidationInfo) -> Optional[int]:
+    """A batch key: a JSON integer >= 1 (``train_batch_size`` up to MAX_BATCH · MAX_BATCH · MAX_GPUS), or
+    ``"auto"``, which the HF Trainer fills in from its own arguments: here the command line's (None)."""
+    if v is None or v == "auto":
+        return None
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError("must be a whole number >= 1 (a JSON integer)")
     if v > MAX_BATCH * (MAX_BATCH * MAX_GPUS if info.field_name == "train_batch_size" else 1):
@@ -120,7 +121,7 @@ def _batch(v: object, info: ValidationInfo) -> int:
     return v
 
 
-BatchKey = Annotated[int, BeforeValidator(_batch)]
+BatchKey = Annotated[Optional[int], BeforeValidator(_batch)]
 
 
 class _Section(BaseModel):
@@ -185,9 +186,9 @@ class DeepSpeedConfig(_Section):
     data_types: _DataTypes = _DataTypes()
     communication_data_type: Optional[Text] = None
     optimizer: Optional[_Optimizer] = None
-    train_batch_size: Optional[BatchKey] = None
-    train_micro_batch_size_per_gpu: Optional[BatchKey] = None
-    gradient_accumulation_steps: Optional[BatchKey] = None
+    train_batch_size: BatchKey = None
+    train_micro_batch_size_per_gpu: BatchKey = None
+    gradient_accumulation_steps: BatchKey = None
 
 
 def _ds_error(exc: ValidationError) -> ValueError:
