@@ -104,7 +104,7 @@ def test_estimate_runs_the_files_batch(ds_file):
 @pytest.mark.parametrize("command", [
     ("estimate", "--gpus", "8", "--micro-batch", "3"),
     ("plan", "--gpus", "8", "--gpu", "h100-80gb", "--grad-accum", "2"),
-    ("sweep", "--gpus", "8", "--micro-batch", "1,2"),
+    ("sweep", "--gpus", "8", "--micro-batch", "3"),
 ])  # fmt: skip
 def test_a_command_line_that_contradicts_the_file_is_refused(ds_file, command):
     name, *rest = command
@@ -129,7 +129,14 @@ def test_sweep_takes_a_micro_batch_and_refuses_what_it_cannot_model(ds_file):
     assert_one_line_error(varied, "fixes the micro-batch for one N_d only")
     accum = run("sweep", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "8",
                 "--deepspeed-config", ds_file(train_batch_size=64, gradient_accumulation_steps=2))  # fmt: skip
-    assert_one_line_error(accum, "accumulates 2 micro-steps per step and sweep models one")
+    assert_one_line_error(accum, "accumulates 2 micro-steps per step and a sweep row is one")
+    several = run("sweep", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "8", "--micro-batch", "1,2",
+                  "--deepspeed-config", ds_file(train_micro_batch_size_per_gpu=3))  # fmt: skip
+    assert_one_line_error(several, "--micro-batch lists several values and the DeepSpeed config sets the batch")
+    # a file without batch keys keeps the command line's list
+    rows = run_json("sweep", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "8", "--micro-batch", "1,2",
+                    "--deepspeed-config", ds_file())["rows"]  # fmt: skip
+    assert sorted(r["micro_batch"] for r in rows) == [1, 2]
 
 
 def test_validate_checks_the_batch_before_any_rank_starts(ds_file):
@@ -153,3 +160,26 @@ def test_validate_trains_the_batch_deepspeed_derives():
             for c in run_configs(config, nd)] == [(2, 4), (2, 2)]  # fmt: skip
     plain = ValidateConfig(engine="deepspeed", deepspeed_config=STAGE2, batch_per_rank=3)
     assert run_configs(plain, 2)[0]["train_micro_batch_size_per_gpu"] == 3
+
+
+def test_the_python_api_runs_the_files_batch_too():
+    """zeroplan.estimate / zeroplan.plan with ``ds_config=`` follow the same rule (``run_batch``): the
+    notebooks' path, where a silent micro-batch of 1 would be the same wrong number."""
+    import zeroplan
+
+    ds = {**STAGE2, "train_batch_size": 64, "train_micro_batch_size_per_gpu": 2}
+    est = zeroplan.estimate(model="llama2-7b", gpus=8, engine="deepspeed", ds_config=ds)
+    same = zeroplan.estimate(model="llama2-7b", gpus=8, engine="deepspeed", ds_config=STAGE2, micro_batch=2,
+                             grad_accum=4)  # fmt: skip
+    assert (est.workload.micro_batch, est.workload.grad_accum) == (2, 4)
+    assert est.stages[0].peak.peak_bytes == same.stages[0].peak.peak_bytes
+    with pytest.raises(ValueError, match="micro_batch 3 contradicts the DeepSpeed config"):
+        zeroplan.estimate(model="llama2-7b", gpus=8, engine="deepspeed", ds_config=ds, micro_batch=3)
+    rows = zeroplan.sweep(gpus=[8, 16], model="llama2-7b", engine="deepspeed",
+                          ds_config={**STAGE2, "train_micro_batch_size_per_gpu": 2})  # fmt: skip
+    assert list(rows["micro_batch"]) == [2, 2]
+    with pytest.raises(ValueError, match="accumulates 4 micro-steps per step and a sweep row is one"):
+        zeroplan.sweep(gpus=[8], model="llama2-7b", engine="deepspeed", ds_config=ds)
+    plan = zeroplan.plan("llama2-7b", gpu="h100-80gb", gpus=8, engine="deepspeed", ds_config=ds)
+    emitted = plan.launchers["deepspeed"]
+    assert (emitted["train_micro_batch_size_per_gpu"], emitted["gradient_accumulation_steps"]) == (2, 4)

@@ -97,9 +97,8 @@ def estimate(
     refuse_foreign(ctx, engine)
     options = engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
     if model is not None and deepspeed_config is not None:  # the file's batch is the run's (N_d = gpus here)
-        batch = ds_config_batch(ctx, read_json(deepspeed_config, "deepspeed config"), gpus,
-                                {"micro_batch": micro_batch, "grad_accum": grad_accum})
-        micro_batch, grad_accum = (batch.micro_batch, batch.grad_accum) if batch else (micro_batch, grad_accum)
+        micro_batch, grad_accum = ds_config_batch(ctx, read_json(deepspeed_config, "deepspeed config"), gpus,
+                                                  {"micro_batch": micro_batch, "grad_accum": grad_accum})
     policy: dict = {}
     if "policy" in get_engine(engine).options:  # the paper's vocabulary; a ds_config completes it
         settings = given(stage=stage, param_dtype=param_dtype, grad_dtype=grad_dtype, master_weights=master_weights,
@@ -224,14 +223,13 @@ def sweep(
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
     micro_batches = parse_wholes(micro_batch, "micro-batch")
-    if model is not None:  # the file's batch; N_d is fixed only by one --gpus over one --model-parallel
-        gpu_list, mp_list = parse_wholes(gpus, "gpus"), parse_wholes(model_parallel, "model-parallel")
-        fixed = gpu_list[0] // mp_list[0] if len(gpu_list) == len(mp_list) == 1 else None
-        batch = ds_config_batch(ctx, options.ds_config, fixed, {"micro_batch": micro_batches})
-        if batch is not None and batch.grad_accum != 1:
-            raise UserError(f"the DeepSpeed config accumulates {batch.grad_accum} micro-steps per step and sweep "
-                            "models one: use zeroplan estimate or plan (--grad-accum)")  # fmt: skip
-        micro_batches = (batch.micro_batch,) if batch else micro_batches
+    if model is not None:  # a ds_config's batch is the rows' (sweep_micro_batches)
+        from zeroplan.engines.deepspeed import sweep_micro_batches
+
+        pairs = [(g, m) for g in parse_wholes(gpus, "gpus") for m in parse_wholes(model_parallel, "model-parallel")]
+        typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None
+        micro_batches = sweep_micro_batches(options.ds_config, tuple(g // m for g, m in pairs if g % m == 0), typed,
+                                            "--micro-batch") or micro_batches  # fmt: skip
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
         params=parse_counts(params) if params is not None else None,
@@ -454,9 +452,8 @@ def plan(
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     options = engine_options_from(engine, deepspeed_config, None, param_dtype, reduce_dtype)
     if model is not None and gpus % model_parallel == 0:  # the file's batch at the planned N_d (PlanConfig checks the split)
-        batch = ds_config_batch(ctx, options.ds_config, gpus // model_parallel,
-                                {"micro_batch": micro_batch, "grad_accum": grad_accum})
-        micro_batch, grad_accum = (batch.micro_batch, batch.grad_accum) if batch else (micro_batch, grad_accum)
+        micro_batch, grad_accum = ds_config_batch(ctx, options.ds_config, gpus // model_parallel,
+                                                  {"micro_batch": micro_batch, "grad_accum": grad_accum})
     config = PlanConfig(
         model=model,
         foreach=foreach,

@@ -232,25 +232,17 @@ def engine_options_from(engine_name: str, deepspeed_config, reshard_after_forwar
     return EngineOptions(**{k: v for k, v in found.items() if k in mine and v is not None})
 
 
-def ds_config_batch(ctx, ds_config: Optional[dict], nd: Optional[int], given: dict[str, object]):
-    """The batch a ds_config fixes (``zeroplan.engines.deepspeed.ds_batch``: DeepSpeed's own derivation at
-    ``nd`` ranks), or None when there is no file or it has no batch key. ``given``: the command's batch
-    parameters (``micro_batch``, ``grad_accum``) as parsed; one the user typed must agree with the file
-    (which one was meant is not ours to guess), one left at its default yields to it."""
-    from zeroplan.engines.deepspeed import ds_batch
+def ds_config_batch(ctx, ds_config: Optional[dict], nd: Optional[int], given: dict[str, int]):
+    """(micro-batch, accumulation) of the run (``zeroplan.engines.deepspeed.run_batch``): the ds_config's
+    batch where it sets one, a value of ``given`` (parameter name -> value) counting as given only when
+    the user typed it."""
+    from zeroplan.engines.deepspeed import run_batch
 
-    batch = ds_batch(ds_config, nd) if ds_config is not None else None
-    if batch is None:
-        return None
-    keys = {"micro_batch": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps"}
-    for name in given_on_command_line(ctx, *given):
-        value = getattr(batch, name)
-        if given[name] not in (value, (value,)):
-            flag = next(p.opts[0] for p in ctx.command.params if p.name == name)
-            at = f" at N_d = {nd}" if nd is not None else ""
-            raise UserError(f"{flag} contradicts the DeepSpeed config, whose {keys[name]} is {value}{at}; "
-                            "drop one of them")
-    return batch
+    typed = set(given_on_command_line(ctx, *given))
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    batch = run_batch(ds_config, nd, *(given[n] if n in typed else None for n in ("micro_batch", "grad_accum")),
+                      names=(flags.get("micro_batch", ""), flags.get("grad_accum", "")))  # fmt: skip
+    return batch.micro_batch, batch.grad_accum
 
 
 STEP_OPTIONS: tuple[str, ...] = ("seq_len", "micro_batch", "checkpointing", "grad_accum", "foreach")

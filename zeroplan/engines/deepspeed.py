@@ -316,6 +316,41 @@ def ds_batch(config: object, nd: Optional[int]) -> Optional[DsBatch]:
     return DsBatch(micro_batch=mb, grad_accum=ga)
 
 
+def run_batch(config: Optional[dict], nd: Optional[int], micro_batch: Optional[int], grad_accum: Optional[int],
+              names: tuple[str, str] = ("micro_batch", "grad_accum")) -> DsBatch:
+    """The batch of the run: the ds_config's (``ds_batch``) where it sets one, else ``micro_batch`` and
+    ``grad_accum`` (1 where None). A given value must agree with the file, one left None yields to it:
+    which one the user meant is not ours to guess. ``names``: how the caller spells the two."""
+    batch = ds_batch(config, nd) if config is not None else None
+    if batch is None:
+        return DsBatch(micro_batch or 1, grad_accum or 1)
+    keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    for name, key, given, value in zip(names, keys, (micro_batch, grad_accum), (batch.micro_batch, batch.grad_accum)):
+        if given is not None and given != value:
+            at = f" at N_d = {nd}" if nd is not None else ""
+            raise ValueError(f"{name} {given} contradicts the DeepSpeed config, whose {key} is {value}{at}; "
+                             "drop one of them")
+    return batch
+
+
+def sweep_micro_batches(config: Optional[dict], nds: tuple[int, ...], micro_batches: Optional[tuple[int, ...]],
+                        name: str = "micro_batch") -> Optional[tuple[int, ...]]:
+    """``sweep``'s micro-batches over N_d values ``nds``: (the file's,) where the ds_config sets the batch
+    (``run_batch``; ``train_batch_size`` only when every row has the same N_d), None where it does not
+    (``micro_batches`` stand, None: given none). ValueError for several given, a contradiction, or a file
+    that accumulates (a sweep row is one micro-step per step)."""
+    nd = nds[0] if len(set(nds)) == 1 else None
+    if config is None or ds_batch(config, nd) is None:
+        return None
+    if micro_batches is not None and len(micro_batches) > 1:
+        raise ValueError(f"{name} lists several values and the DeepSpeed config sets the batch; drop one")
+    batch = run_batch(config, nd, micro_batches[0] if micro_batches else None, None, names=(name, ""))
+    if batch.grad_accum != 1:
+        raise ValueError(f"the DeepSpeed config accumulates {batch.grad_accum} micro-steps per step and a sweep row "
+                         "is one: use estimate or plan (grad_accum)")  # fmt: skip
+    return (batch.micro_batch,)
+
+
 def _offload_block(device: str) -> dict:
     block: dict = {"device": device, "pin_memory": True}
     if device == "nvme":

@@ -6,6 +6,7 @@ import math
 
 from zeroplan.engines import get_engine, reference, split_keywords
 from zeroplan.engines.base import Workload
+from zeroplan.engines.deepspeed import run_batch
 from zeroplan.estimation.config import EstimateConfig
 from zeroplan.estimation.records import Estimate, StageEstimate
 from zeroplan.formulas.collectives import step_collectives
@@ -107,6 +108,19 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     )
 
 
+def api_batch(ds_config: dict | None, gpus: object, model_parallel: object, micro_batch: object,
+           grad_accum: object) -> tuple[object, object]:
+    """The Python API's micro-batch and accumulation: a ds_config's where it sets them (``run_batch`` at N_d =
+    gpus / model_parallel), else as given (1 for None); values of the wrong type pass through to the
+    config, which refuses them by name."""
+    whole = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (gpus, model_parallel))
+    typed = all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (micro_batch, grad_accum))
+    if ds_config is None or not (whole and typed):
+        return (1 if micro_batch is None else micro_batch), (1 if grad_accum is None else grad_accum)
+    batch = run_batch(ds_config, gpus // model_parallel if gpus % model_parallel == 0 else None, micro_batch, grad_accum)
+    return batch.micro_batch, batch.grad_accum
+
+
 def estimate(
     params: float | None = None,
     gpus: int = 1,
@@ -117,9 +131,9 @@ def estimate(
     tensor_numels: tuple[int, ...] | list[int] | None = None,
     gpu_memory_bytes: int | None = None,
     seq_len: int | None = None,
-    micro_batch: int = 1,
+    micro_batch: int | None = None,
     checkpointing: str = "none",
-    grad_accum: int = 1,
+    grad_accum: int | None = None,
     foreach: bool = True,
     engine: str = "reference",
     **options: object,
@@ -130,7 +144,9 @@ def estimate(
     a preset name, the path of a Hugging Face ``config.json``, or a ``torch.nn.Module`` (its shapes,
     meta device fine; a ``transformers`` model whose config zeroplan reads also gets the peak, any
     other module shapes only). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
-    ``grad_accum`` and ``foreach`` describe the training step of an architecture. ``gpus`` = N_d x
+    ``grad_accum`` and ``foreach`` describe the training step of an architecture (micro-batch and
+    accumulation: a ``ds_config``'s batch where it sets one, ``zeroplan.engines.deepspeed.run_batch``;
+    else 1). ``gpus`` = N_d x
     ``model_parallel``. Remaining keywords are the engine's options: for ``reference``,
     ``PrecisionPolicy`` fields (``param_dtype``, ``grad_dtype``, ``master_weights``, ``optimizer``,
     ``optimizer_dtype``); for ``fsdp2``, ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``;
@@ -138,6 +154,8 @@ def estimate(
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
     policy, engine_options = split_keywords(engine, options)
+    micro_batch, grad_accum = api_batch(engine_options.ds_config if model is not None else None, gpus, model_parallel,
+                                     micro_batch, grad_accum)  # fmt: skip
     architecture = None
     if model is not None and not isinstance(model, str):
         from zeroplan.architectures.module_shapes import module_shapes

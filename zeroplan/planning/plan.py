@@ -471,4 +471,12 @@ def plan(model: Optional[str] = None, params: Optional[float] = None, **options:
     mine = {k: options.pop(k) for k in list(options) if k in EngineOptions.model_fields}
     if mine:
         options["engine_options"] = EngineOptions(**mine)
+    if model is not None and mine.get("ds_config") is not None:  # the file's batch (run_batch), at the planned N_d
+        from zeroplan.estimation.estimate import api_batch
+
+        fields = PlanConfig.model_fields
+        options["micro_batch"], options["grad_accum"] = api_batch(
+            mine["ds_config"], options.get("gpus", fields["gpus"].default),
+            options.get("model_parallel", fields["model_parallel"].default),
+            options.get("micro_batch"), options.get("grad_accum"))  # fmt: skip
     return plan_config(PlanConfig(model=model, params=params, **options))

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from zeroplan.engines import get_engine, split_keywords
+from zeroplan.engines.deepspeed import sweep_micro_batches
 from zeroplan.estimation.estimate import stage_estimates
 from zeroplan.estimation.workload import model_workload
 from zeroplan.estimation.records import StageEstimate
@@ -354,6 +355,12 @@ def _dp_bytes(numels: tuple, nd: np.ndarray, config: SweepConfig, flat_layout: b
     return np.asarray(dp.memory.model_states_bytes, dtype=np.int64)
 
 
+def _whole_lists(*lists: object) -> bool:
+    """Each of ``lists`` is None or a list/tuple of whole numbers >= 1 (else the config refuses it by name)."""
+    return all(v is None or (isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
+               and x >= 1 for x in v)) for v in lists)  # fmt: skip
+
+
 def sweep(
     params: Sequence[float] | None = None,
     gpus: Sequence[int] = (1,),
@@ -363,7 +370,7 @@ def sweep(
     offload: Sequence[str | Offload] = ("none",),
     tensor_numels: Sequence[int] | None = None,
     model: str | None = None,
-    micro_batch: Sequence[int] = (1,),
+    micro_batch: Sequence[int] | None = None,
     seq_len: int | None = None,
     checkpointing: str = "full",
     foreach: bool = True,
@@ -376,9 +383,16 @@ def sweep(
     Returns one row per configuration, stage and ``offload`` (columns ``COLUMNS``); byte columns are exact
     int64. ``offload`` items are ``zeroplan.parsing.parse_offload`` strings ('none', 'cpu', 'cpu/cpu', ...).
     Remaining keywords are the engine's options, as for ``estimate`` (``PrecisionPolicy`` fields for the
-    reference engine). Raises ``pydantic.ValidationError`` on bad input.
+    reference engine). ``micro_batch``: a ds_config's where it sets the batch
+    (``zeroplan.engines.deepspeed.sweep_micro_batches``), else as given (None: 1). Raises
+    ``pydantic.ValidationError`` or ValueError on bad input.
     """
     policy, engine_options = split_keywords(engine, options)
+    if model is not None and engine_options.ds_config is not None and _whole_lists(gpus, model_parallel, micro_batch):
+        pairs = [(g, m) for g in gpus for m in model_parallel if g % m == 0]
+        micro_batch = sweep_micro_batches(engine_options.ds_config, tuple(g // m for g, m in pairs),
+                                          None if micro_batch is None else tuple(micro_batch)) or micro_batch  # fmt: skip
+    micro_batch = (1,) if micro_batch is None else micro_batch
     config = SweepConfig(  # the config checks and converts the sequences (a str or a number is refused)
         params=params,
         tensor_numels=tensor_numels,
