@@ -19,8 +19,8 @@ Every phase is checked at 3% of the maximum over ranks: the runner settles what 
 the tensor's and its storage's use counts back where they were; garbage collected between phases), and
 each row reports how many collectives found gloo still holding a tensor (``gloo_settle``), none given up
 on. The optimizer step of ZeRO-1/2 was the last phase with a one-sided bound (one rank of some runs read
-up to +74,872 B more before the tensor's own use count was waited on); 15 worlds of this matrix since
-(2026-11-30, 8 at N_d = 4, 7 at N_d = 2, every rank) read +260 or +264 B at that step, so it is checked
+up to +74,872 B more before the tensor's own use count was waited on); 13 worlds of this matrix since
+(2026-11-30, 8 at N_d = 4, 5 at N_d = 2, every rank) read +260 or +264 B at that step, so it is checked
 at 3% like every other phase (docs/engines/deepspeed.md).
 """
 
