@@ -6,8 +6,10 @@ One torchrun world of N_d = 2 trains every case below for two steps (``run_world
 model and checkpointing per config, so one world's ~30 s of setup serves them all), each row compared by
 the validator's own ``compare_row``: model states within 1%, every phase's peak within 3%, steady-state
 collectives equal in elements (the second step: ZeRO-3 records its trace in the first). fp32 and torch's
-AdamW (``torch_adam``): the dtype and kernel do not matter here. fp16 is not here: DeepSpeed refuses it on
-this CPU (docs/engines/deepspeed.md).
+AdamW (``torch_adam``): the dtype and kernel do not matter here, except in the fp16 rows: DeepSpeed's fp16
+path (its loss scaler and overflow checks; ZeRO-3 adds an all-reduce of the overflow flag) on a CPU whose
+oneDNN has no fp16, with DeepSpeed's capability check answered yes by the runner (``fp16_on_cpu``,
+docs/engines/deepspeed.md).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def _cases() -> dict[str, tuple[dict, dict]]:
         "z2-checkpointing": (ds_config(2, zero=SMALL, optimizer_params=adam), {"checkpointing": "full"}),
         "z2-llama": (ds_config(2, zero=SMALL, optimizer_params=adam), {"model": LLAMA}),
         "z3-llama": (ds_config(3, zero=SMALL, optimizer_params=adam), {"model": LLAMA}),
+        # fp16: DeepSpeed's capability check answered yes on this CPU (validate/engines/deepspeed.py fp16_on_cpu)
+        **{f"z{s}-fp16": (ds_config(s, "fp16", zero=SMALL, optimizer_params=adam), {}) for s in (1, 2, 3)},
     }  # fmt: skip
 
 
@@ -99,3 +103,23 @@ def test_what_accumulation_changes_is_measured(world):
     _, ranks, _ = world["z1-accum2"]
     sizes = [c[3] for c in ranks[0]["calls_by_step"][-1] if c[:2] == ["all-reduce", "backward"]]
     assert tuple(sizes) == D.greedy_buckets(numels, SMALL["reduce_bucket_size"]), sizes
+
+
+def test_fp16_runs_deepspeeds_fp16_path(world):
+    """The fp16 rows ran DeepSpeed's fp16 optimizer (dtype float16 parameters, its loss scaler), not a
+    bf16 or fp32 run renamed: the override is reported where DeepSpeed would have refused, and only there."""
+    import torch
+
+    for name, (config, rank_rows, row) in world.items():
+        fp16 = name.endswith("-fp16")
+        assert all(r["fp16_capability_overridden"] is (fp16 and not _cpu_has_fp16(torch)) for r in rank_rows), name
+        if fp16:
+            assert row["measured_collectives"].get("all-reduce|optimizer_step|int8"), row["measured_collectives"]
+
+
+def _cpu_has_fp16(torch) -> bool:
+    """What DeepSpeed's CPU accelerator asks (accelerator/cpu_accelerator.py is_fp16_supported)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # as DeepSpeed: an op this torch lacks means no
+        return False

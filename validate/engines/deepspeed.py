@@ -21,6 +21,7 @@ after every step. DeepSpeed's first use JIT-builds C++ ops into ``~/.cache/torch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -197,6 +198,29 @@ class GlooSettled:
     def __exit__(self, *exc) -> None:
         for name, original in self._originals.items():
             setattr(self.backend, name, original)
+
+
+@contextlib.contextmanager
+def fp16_on_cpu(config: dict):
+    """Run an fp16 ``config`` on the CPU accelerator: yields whether DeepSpeed's capability check was overridden.
+
+    DeepSpeed refuses fp16 on a CPU whose oneDNN has no fp16 kernels (``accelerator/cpu_accelerator.py``
+    ``is_fp16_supported``: AVX512-FP16 or AMX-FP16; ``runtime/engine.py _do_sanity_check`` raises "Type fp16 is
+    not supported on your device."), though torch's own CPU kernels run fp16. For an fp16 config this answers
+    that one question yes for the run, so DeepSpeed's fp16 path runs as written (its optimizer, loss scaler
+    and overflow checks: the allocations and collectives measured); only the kernels are torch's CPU ones."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    wanted = bool(config.get("fp16", {}).get("enabled")) and accelerator.device_name() == "cpu"
+    if not wanted or accelerator.is_fp16_supported():
+        yield False
+        return
+    accelerator.is_fp16_supported = lambda: True
+    try:
+        yield True
+    finally:
+        del accelerator.is_fp16_supported
 
 
 def build_model(model_fn, config: dict, zero_init: bool):
@@ -400,7 +424,9 @@ def main(argv: list[str] | None = None) -> None:
             config.get("gradient_accumulation_steps", 1),
             run.get("checkpointing", args.checkpointing),
         )
-        rows.append(measure(model_fn, config, batches, rank, nd, bool(run.get("zero_init", args.zero_init))))
+        with fp16_on_cpu(config) as overridden:
+            row = measure(model_fn, config, batches, rank, nd, bool(run.get("zero_init", args.zero_init)))
+        rows.append({**row, "fp16_capability_overridden": overridden})
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -591,23 +617,28 @@ def run_validation(config) -> dict:
     from validate.schema import SCHEMA, ValidationReport
 
     model = config.model_name
-    rows = []
+    rows, overridden = [], False
     for nd in config.world_sizes:
         configs = run_configs(config, nd)
         ranks = run_world(
             configs, nd, model, config.steps, config.timeout_s, config.seq_len, config.checkpointing,
             zero_init=config.zero_init,
         )
+        overridden = overridden or any(r.get("fp16_capability_overridden") for r in ranks[0])
         for i, ds in enumerate(configs):
             workload = workload_for(model, ds["train_micro_batch_size_per_gpu"], config.seq_len,
                                     ds.get("gradient_accumulation_steps", 1), config.checkpointing)  # fmt: skip
             rows.append(compare_row(ds, nd, [r[i] for r in ranks], workload, config.model_label, config.tolerance,
                                     config.peak_tolerance, config.seq_len))  # fmt: skip
+    fp16_note = ("fp16 on a CPU without oneDNN fp16: the runner answered DeepSpeed's capability check "
+                 "(accelerator/cpu_accelerator.py is_fp16_supported) yes, so DeepSpeed's fp16 path ran as "
+                 "written with torch's CPU kernels (validate/engines/deepspeed.py fp16_on_cpu)")  # fmt: skip
     notes = [
         "engine deepspeed: predictions from zeroplan.engines.deepspeed (DeepSpeed 0.19.8 profile); "
         "deepspeed_estimator_bytes is DeepSpeed's own estimate_zero2/3_model_states_mem_needs for the run; "
         "collectives compared per step from the second (ZeRO-3 records its trace in the first), "
-        "ring ops only."
+        "ring ops only.",
+        *([fp16_note] if overridden else []),
     ]
     return ValidationReport(schema_id=SCHEMA, config=config.model_dump(), torch=ranks[0][0]["torch"], rows=rows,
                             notes=notes, ok=all(r["ok"] for r in rows)).model_dump(by_alias=True)  # fmt: skip

@@ -732,6 +732,10 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int =
             DSCollective("all-reduce", "optimizer_step", 1, 1, "fp64",
                          "runtime/zero/stage3.py _get_norm_groups / get_grad_norm (fp64 global norm)"),
         ]  # fmt: skip
+        if p == "fp16":  # measured with the CPU accelerator's fp16 check overridden (docs/engines/deepspeed.md)
+            out.append(DSCollective("all-reduce", "optimizer_step", 1, 1, "uint8",
+                                    "runtime/zero/stage3.py _overflow_check_and_loss_scale_update (fp16 only) -> "
+                                    "has_overflow"))  # fmt: skip
         if persist:
             out.append(DSCollective("all-gather", "optimizer_step", sum(1 for n in numels if n <= s.param_persistence_threshold),
                                     persist, p, "runtime/zero/stage3.py _post_step -> persistent parameters re-gathered "
