@@ -68,14 +68,12 @@ def test_row_within_tolerance(world, name):
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[2] and not c[3]])
 def test_build_peak_is_zero_init_moments(world, name):
-    """The build's peak: exactly the largest of ``zero_init_moments`` on the quietest rank; another rank
-    may still hold one full parameter gloo has not let go of after its broadcast (measured up to the
-    largest parameter at N_d = 4, docs/engines/deepspeed.md), never more."""
+    """The build's peak: exactly the largest of ``zero_init_moments`` on every rank. (Some ranks used to
+    hold one full parameter more, gloo's until the runner waited on the tensor's own use count; none since
+    in 10 worlds at N_d = 2 and 4, docs/engines/deepspeed.md.)"""
     rank_rows, _, run = world[name]
     predicted = max(m.total() for m in D.zero_init_moments(run))
-    measured = [r["build_peak_bytes"] for r in rank_rows]
-    assert min(measured) == predicted, (measured, predicted)
-    assert max(measured) <= predicted + max(run.numels) * 4, (measured, predicted)
+    assert [r["build_peak_bytes"] for r in rank_rows] == [predicted] * len(rank_rows)
 
 
 def test_released_parameters_are_gathered_again_in_backward(world):
