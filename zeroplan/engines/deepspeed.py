@@ -1548,7 +1548,7 @@ class Recommendation:
 def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
     """What ``recommend`` tries, in its order: ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3
     without prefetch (``stage3_prefetch_bucket_size`` 0: a module's parameters are released after use unless
-    reused within ``stage3_max_reuse_distance``, ``released_after_forward``; more all-gathers, no overlap)."""
+    reused within ``stage3_max_reuse_distance``, ``stage3_schedule``; more all-gathers, no overlap)."""
     out = []
     for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
         for bucket in BUCKET_CHOICES:
