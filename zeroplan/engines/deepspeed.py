@@ -23,6 +23,7 @@ dependency on DeepSpeed: these functions read and build dicts and records.
 
 from __future__ import annotations
 
+import bisect
 import math
 from pathlib import Path
 from dataclasses import dataclass
@@ -812,7 +813,6 @@ def stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, persis
 def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: int, bucket: int,
                      max_live: int, max_reuse: int) -> Stage3Schedule:
     """``stage3_schedule`` (cached: the planner asks for the same schedule at every candidate)."""
-    import bisect
 
     NA, INFLIGHT, AVAILABLE = 0, 1, 2  # partition_parameters.py ZeroParamStatus
     persist = [n <= threshold for n in numels]  # parameter_offload.py mark_persistent_parameters
