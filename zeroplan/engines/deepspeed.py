@@ -803,8 +803,7 @@ class Stage3Schedule:
 
 def stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, persistence_threshold: int,
                     prefetch_bucket_size: int, max_live_parameters: int, max_reuse_distance: int) -> Stage3Schedule:
-    """Replay DeepSpeed 0.19.8's ``PartitionedParameterCoordinator`` (runtime/zero/partitioned_param_coordinator.py)
-    over a complete trace, from ``reset_step`` to ``release_backward_leftovers``."""
+    """Replay partitioned_param_coordinator.py ``PartitionedParameterCoordinator`` (0.19.8) over ``trace``."""
     return _stage3_schedule(trace, numels, nd, persistence_threshold, prefetch_bucket_size, max_live_parameters,
                             max_reuse_distance)  # fmt: skip
 
@@ -909,7 +908,7 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
             fetched_for[p] = used_at
             popped.add(p)
         if popped != expected:
-            raise ValueError(f"ZeRO-3 trace: step {step} expected parameters {sorted(expected)}, got {sorted(popped)}")
+            raise ValueError(f"ZeRO-3 trace: step {step} expected {sorted(expected)} next in the queue, got {sorted(popped)}")
         if bucket > 0:
             limit = min(max_live - st["avail"], bucket)
             chosen: set[int] = set()
@@ -990,8 +989,9 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
                 out += called(c)
             else:
                 out.append(c)
-        if style == "llama" and path.rpartition(".")[2].isdigit():
-            out.sort(key=lambda c: _LLAMA_FORWARD.index(c.rpartition(".")[2]) if c.rpartition(".")[2] in _LLAMA_FORWARD else 0)
+        if style == "llama" and path.rpartition(".")[2].isdigit():  # a decoder layer; sorted() is stable
+            rank = {name: i for i, name in enumerate(_LLAMA_FORWARD)}
+            out.sort(key=lambda c: rank.get(c.rpartition(".")[2], 0))
         return out
 
     index: dict[str, int] = {}
@@ -1002,8 +1002,9 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
             own = list(params[path])
             if path == "" and style is not None:  # the head weight, an external parameter of the root
                 head = next((i for i, n in enumerate(names) if n == "lm_head.weight"), None)
-                if head is None and tied:
-                    head = next((i for i, n in enumerate(names) if n.endswith(("wte.weight", "embed_tokens.weight"))), None)
+                if head is None and tied:  # CausalLM.head_weight: the token embedding
+                    embed = ("wte.weight", "embed_tokens.weight")
+                    head = next((i for i, n in enumerate(names) if n.endswith(embed)), None)
                 own += [head] if head is not None else []
             index[path] = len(modules)
             modules.append(tuple(own))
