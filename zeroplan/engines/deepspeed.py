@@ -751,6 +751,14 @@ class TraceEvent:
     op: Literal["fetch", "release"]
     module: int
     forward: bool
+    in_backward: Optional[bool] = None
+    """the training phase it happens in (all-gathers and peaks are counted there); None: backward iff not
+    ``forward``. A forward hook inside backward (activation checkpointing's recomputed forward) sets True."""
+
+    @property
+    def backward_phase(self) -> bool:
+        """Whether the event happens while backward runs."""
+        return (not self.forward) if self.in_backward is None else self.in_backward
 
 
 @dataclass(frozen=True)
@@ -841,7 +849,7 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
         st["mem"] += n
         st["high"] = max(st["high"], st["mem"])
 
-    def all_gather(params, forward: bool) -> None:  # __all_gather_params_ -> all_gather_coalesced
+    def all_gather(params, forward: bool) -> None:  # __all_gather_params_ -> all_gather_coalesced; forward: the phase
         todo = sorted(p for p in params if status[p] == NA)
         if not todo:
             return
@@ -894,7 +902,7 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
             out.add(p)
         return out
 
-    def fetch(m: int, forward: bool) -> None:  # fetch_sub_module
+    def fetch(m: int, forward: bool) -> None:  # fetch_sub_module; forward: the phase (calls counted there)
         step, params = st["step"], set(trace.modules[m])
         all_gather(params, forward)
         for p in params:
@@ -935,10 +943,10 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
     forward_peak = backward_peak = 0
     for e in trace.events:
         st["high"] = st["mem"]
-        (fetch if e.op == FETCH else release)(e.module, e.forward)
+        (fetch if e.op == FETCH else release)(e.module, not e.backward_phase)
         gathered.append(st["mem"])
         high.append(st["high"])
-        if e.forward:
+        if not e.backward_phase:
             forward_peak = max(forward_peak, st["high"])
         else:
             backward_peak = max(backward_peak, st["high"])
