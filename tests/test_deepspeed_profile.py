@@ -284,3 +284,14 @@ def test_schedule_reproduces_the_measured_coordinator():
     assert s.gathered[: len(measured_forward)] == measured_forward
     assert s.at(trace, "forward end") == 51744 and s.at(trace, "LM head backward") == 56688
     assert (s.forward_calls, s.forward_elements, s.backward_calls, s.backward_elements) == (7, 52464, 1, 4944)
+
+
+def test_a_forward_hook_inside_backward_is_counted_there():
+    """TraceEvent.in_backward (activation checkpointing's recomputed forward runs forward hooks in backward):
+    the same hooks as in ``_abc_trace`` at distance 0 without prefetch, A's backward fetch marked as a forward
+    hook inside backward: its all-gather is counted in backward all the same."""
+    base = _abc_trace()
+    events = tuple(D.TraceEvent(e.op, e.module, True, in_backward=True) if (i >= 8 and e.module == 1) else e
+                   for i, e in enumerate(base.events))  # fmt: skip
+    s = D.stage3_schedule(D.Stage3Trace(base.modules, events, base.marks), NUMELS, 2, 0, 0, 10**9, 0)
+    assert (s.forward_calls, s.backward_calls, s.backward_elements) == (3, 3, 60) and s.regathered == (2, 1, 0)
