@@ -268,7 +268,8 @@ def test_stage3_trace_of_the_validator_causal_lm():
 def test_schedule_reproduces_the_measured_coordinator():
     """tiny-llama, N_d = 2, prefetch 5,000, distance 0: the gathered elements after every hook of a steady
     step as a probe of DeepSpeed's coordinator read them (the storages of the gathered parameters and of the
-    flat buffers in the inflight registry; docs/engines/deepspeed.md), and its all-gather calls."""
+    flat buffers in the inflight registry: validate/engines/deepspeed_coordinator_probe.py), and its
+    all-gather calls."""
     from validate.models import spec_for
 
     spec = spec_for(str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json"), None)
