@@ -49,6 +49,15 @@ def _cases() -> dict[str, tuple[dict, dict]]:
         "z3-llama": (ds_config(3, zero=SMALL, optimizer_params=adam), {"model": LLAMA}),
         # fp16: DeepSpeed's capability check answered yes on this CPU (validate/engines/deepspeed.py fp16_on_cpu)
         **{f"z{s}-fp16": (ds_config(s, "fp16", zero=SMALL, optimizer_params=adam), {}) for s in (1, 2, 3)},
+        # ZeRO-3 with prefetch and a reuse distance below the model (stage3_schedule): distance 0 releases
+        # what the prefetch scan has not marked; 1e4 keeps the root's head weight for backward; DeepSpeed's
+        # default prefetch gathers the whole model in one coalesced all-gather at the root's fetch
+        "z3-llama-prefetch-r0": (ds_config(3, zero={**SMALL, "stage3_max_reuse_distance": 0}, optimizer_params=adam),
+                                 {"model": LLAMA}),
+        "z3-llama-prefetch-r1e4": (ds_config(3, zero={**SMALL, "stage3_max_reuse_distance": 10_000},
+                                             optimizer_params=adam), {"model": LLAMA}),
+        "z3-default-prefetch-r0": (ds_config(3, zero={**SMALL, "stage3_prefetch_bucket_size": 50_000_000,
+                                                      "stage3_max_reuse_distance": 0}, optimizer_params=adam), {}),
     }  # fmt: skip
 
 
@@ -123,3 +132,28 @@ def _cpu_has_fp16(torch) -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     except Exception:  # as DeepSpeed: an op this torch lacks means no
         return False
+
+
+def test_prefetch_rows_follow_the_coordinator(world):
+    """The prefetch rows are the coordinator's schedule, not everything gathered: at distance 0 the root's
+    head weight is released after forward and gathered again in backward (one call), at 1e4 it is kept; the
+    forward all-gathers are the prefetch's coalesced calls (7 for tiny-llama at 5,000 elements, not one per
+    parameter), and forward ends with the flat buffer (9,168 elements) of the coalesced all-gather of layer 1's
+    down_proj and the embedding's backward use still waited on: the measured forward peak is 16,896 B above
+    "everything gathered" (the profile before) at distance 0, where the head is released, 36,672 B at 1e4."""
+    from validate.engines.deepspeed import workload_for
+    from validate.report import _key
+
+    for name, backward in (("z3-llama-prefetch-r0", (1, 4_944)), ("z3-llama-prefetch-r1e4", None)):
+        config, ranks, row = world[name]
+        calls = [c for c in ranks[0]["calls_by_step"][-1] if c[0] == "all-gather"]
+        assert [c[3] for c in calls if c[1] == "forward"] == [4_944, 7_248, 8_064, 8_448, 6_144, 8_448, 9_168]
+        regathered = [c[3] for c in calls if c[1] == "backward"]
+        assert (len(regathered), sum(regathered)) == (backward or (0, 0)), regathered
+        run = D.ds_run(D.Settings.from_ds_config(config), workload_for(LLAMA, 2, None), ND, stat_bytes=4)
+        s = run.settings
+        sched = D.stage3_schedule(run.trace, run.numels, ND, s.param_persistence_threshold, s.prefetch_bucket_size,
+                                  s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
+        assert sched.at(run.trace, "forward end") == 47_520 + 9_168 - (4_944 if backward else 0)
+        assert row["measured_peak_bytes_by_phase"]["forward"] == row["predicted_peak_bytes_by_phase"]["forward"]
+        assert row["measured_collectives"][_key("all-gather", "forward", "float32")]["elements"] == 52_464

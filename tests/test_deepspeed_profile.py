@@ -5,6 +5,7 @@ the optimizer class it builds, emitted configs that read back as predicted, and 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -175,3 +176,123 @@ def test_bf16_optimizer_and_overlap_moments():
     plain = overlap.model_copy(update={"overlap_comm": False})
     assert any("reduce_gradients" in m.name for m in D.backward_moments(D.ds_run(plain, wl, 2)))
     assert not any("reduce_gradients" in m.name for m in D.backward_moments(D.ds_run(overlap, wl, 2)))
+
+
+# --- ZeRO-3's coordinator replayed (stage3_schedule), on hand-worked traces -------------------------------
+
+
+def _abc_trace() -> D.Stage3Trace:
+    """A root (no parameters) calling A, B, C (parameters 0, 1, 2); backward mirrors it, the root is left for
+    release_backward_leftovers. Fetch steps: root 0, A 1, B 2, C 3, root 4, C 5, B 6, A 7."""
+    F, R = D.FETCH, D.RELEASE
+    fwd = [(F, 0), (F, 1), (R, 1), (F, 2), (R, 2), (F, 3), (R, 3), (R, 0)]
+    bwd = [(F, 0), (F, 3), (R, 3), (F, 2), (R, 2), (F, 1), (R, 1)]
+    events = tuple(D.TraceEvent(op, m, True) for op, m in fwd) + tuple(D.TraceEvent(op, m, False) for op, m in bwd)
+    return D.Stage3Trace(((), (0,), (1,), (2,)), events, (("forward end", 7, 7),))
+
+
+NUMELS = (10, 20, 30)
+
+
+def test_schedule_without_prefetch_releases_by_reuse_distance():
+    """__params_to_release: kept while the next use is within max_reuse_distance elements of
+    __submodule_order[step_id:]. C's next use is the next module (0 elements away), B's 60 away (C, root, C),
+    A's 100; at distance 0 everything goes and is gathered again in backward, one call each."""
+    trace = _abc_trace()
+    s0 = D.stage3_schedule(trace, NUMELS, 2, 0, 0, 10**9, 0)
+    assert s0.gathered == (0, 10, 0, 20, 0, 30, 0, 0, 0, 30, 0, 20, 0, 10, 0)
+    assert (s0.forward_calls, s0.forward_elements, s0.backward_calls, s0.backward_elements) == (3, 60, 3, 60)
+    assert s0.regathered == (2, 1, 0)
+    s31 = D.stage3_schedule(trace, NUMELS, 2, 0, 0, 10**9, 31)  # C kept
+    assert s31.at(trace, "forward end") == 30 and s31.regathered == (1, 0)
+    s61 = D.stage3_schedule(trace, NUMELS, 2, 0, 0, 10**9, 61)  # C and B kept
+    assert s61.at(trace, "forward end") == 50 and s61.regathered == (0,)
+    # the rule the no-prefetch profile used before (kept iff 2·Σ numel behind < R) is the same here
+    assert D.stage3_schedule(trace, NUMELS, 2, 0, 0, 10**9, 101).regathered == ()
+
+
+def test_schedule_with_prefetch():
+    """fetch_sub_module's prefetch scan, worked by hand (bucket 25 elements, distance 0, N_d = 2):
+    root: prefetch p0, p1 (10 + 20 >= 25: one coalesced all-gather, flat buffer 30);
+    A: its wait copies p0 and p1 out of the flat buffer (30 + 10 + 20), prefetch p2 alone (+30);
+    A released at distance 0 (-10); B pops the last registry entry of the flat buffer (-30), the scan pops
+    (p2, 5) (in flight: marked), (p1, 6) (available: marked) and (p0, 7) (+10): the queue is empty;
+    B and C are not released in forward: their backward use was marked by the scan (reuse skipped by
+    prefetch); in backward each goes after its last use. Nothing is gathered twice."""
+    s = D.stage3_schedule(_abc_trace(), NUMELS, 2, 0, 25, 10**9, 0)
+    assert s.gathered == (30, 90, 80, 60, 60, 60, 60, 60, 60, 60, 30, 30, 10, 10, 0)
+    assert s.high[3] == 80  # B's fetch: the flat buffer is freed after its last wait, before the prefetch
+    assert (s.forward_peak, s.backward_peak) == (90, 60)
+    assert (s.forward_calls, s.forward_elements, s.backward_calls, s.backward_elements) == (3, 70, 0, 0)
+    assert s.regathered == ()
+
+
+def test_schedule_limits_and_padding():
+    """stage3_max_live_parameters caps the prefetch (max_live - gathered): at 30 the root's prefetch of p0, p1
+    fills it, A prefetches nothing, B prefetches p2 once A's p0 is released; the scan never reached the
+    backward uses, so nothing is kept and all three are gathered again in backward. Persistent parameters (numel <= threshold) are never gathered or
+    released; an all-gather's elements are its output, each parameter padded to N_d."""
+    trace = _abc_trace()
+    s = D.stage3_schedule(trace, NUMELS, 2, 0, 25, 30, 0)
+    assert s.gathered[:4] == (30, 60, 50, 50) and s.forward_calls == 2
+    assert s.regathered == (2, 1, 0)
+    persistent = D.stage3_schedule(trace, NUMELS, 2, 10, 0, 10**9, 0)  # p0 persistent
+    assert persistent.gathered[1] == 0 and persistent.forward_calls == 2
+    odd = D.stage3_schedule(trace, (9, 20, 30), 4, 0, 0, 10**9, 0)  # 9 -> 12, 20 -> 20, 30 -> 32
+    assert odd.gathered[1] == 12 and odd.forward_elements == 12 + 20 + 32
+
+
+def test_stage3_trace_of_the_validator_causal_lm():
+    """The module hooks DeepSpeed records for tiny-llama (parameter_offload.py, measured with a probe of the
+    coordinator at N_d = 2): the root first, with the head weight as its external parameter; a decoder layer
+    runs input_layernorm, self_attn (q, k, v, o), post_attention_layernorm, mlp (gate, up, down); backward
+    mirrors it; the root and the embedding are never released in backward."""
+    from validate.models import spec_for
+
+    spec = spec_for(str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json"), None)
+    shapes = tuple(transformer_shapes(spec))
+    trace = D.stage3_trace(shapes, "llama")
+    names = [n for n, _ in shapes]
+    fetched = [trace.names[e.module] for e in trace.events if e.op == D.FETCH]
+    assert fetched[:8] == ["(root)", "model.embed_tokens", "model.layers.0", "model.layers.0.input_layernorm",
+                           "model.layers.0.self_attn", "model.layers.0.self_attn.q_proj",
+                           "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]  # fmt: skip
+    assert fetched[27:34] == ["(root)", "model.norm", "model.layers.1", "model.layers.1.mlp",
+                              "model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.gate_proj"]  # fmt: skip
+    assert len(fetched) == 54 and fetched[-1] == "model.embed_tokens"
+    assert trace.modules[0] == (names.index("lm_head.weight"),)
+    released_in_backward = {trace.names[e.module] for e in trace.events if e.op == D.RELEASE and not e.forward}
+    assert "(root)" not in released_in_backward and "model.embed_tokens" not in released_in_backward
+
+
+def test_schedule_reproduces_the_measured_coordinator():
+    """tiny-llama, N_d = 2, prefetch 5,000, distance 0: the gathered elements after every hook of a steady
+    step as a probe of DeepSpeed's coordinator read them (the storages of the gathered parameters and of the
+    flat buffers in the inflight registry: validate/engines/deepspeed_coordinator_probe.py), and its
+    all-gather calls."""
+    from validate.models import spec_for
+
+    spec = spec_for(str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json"), None)
+    shapes = tuple(transformer_shapes(spec))
+    numels = tuple(math.prod(sh) for _, sh in shapes)
+    trace = D.stage3_trace(shapes, "llama")
+    s = D.stage3_schedule(trace, numels, 2, 100, 5000, 10**9, 0)
+    measured_forward = (12192, 27504, 22560, 31008, 37152, 37152, 45600, 47520, 47520, 55584, 55584, 55584,
+                        55584, 55584, 55584, 55584, 55584, 55584, 55584, 47520, 47520, 55968, 55968, 47520,
+                        47520, 47520, 47520, 47520, 47520, 47520, 47520, 53664, 53664, 53664, 53664, 53664,
+                        53664, 47520, 47520, 47520, 47520, 47520, 47520, 55968, 55968, 47520, 47520, 56688,
+                        56688, 56688, 56688, 56688, 56688, 51744)  # fmt: skip
+    assert s.gathered[: len(measured_forward)] == measured_forward
+    assert s.at(trace, "forward end") == 51744 and s.at(trace, "LM head backward") == 56688
+    assert (s.forward_calls, s.forward_elements, s.backward_calls, s.backward_elements) == (7, 52464, 1, 4944)
+
+
+def test_a_forward_hook_inside_backward_is_counted_there():
+    """TraceEvent.in_backward (activation checkpointing's recomputed forward runs forward hooks in backward):
+    the same hooks as in ``_abc_trace`` at distance 0 without prefetch, A's backward fetch marked as a forward
+    hook inside backward: its all-gather is counted in backward all the same."""
+    base = _abc_trace()
+    events = tuple(D.TraceEvent(e.op, e.module, True, in_backward=True) if (i >= 8 and e.module == 1) else e
+                   for i, e in enumerate(base.events))  # fmt: skip
+    s = D.stage3_schedule(D.Stage3Trace(base.modules, events, base.marks), NUMELS, 2, 0, 0, 10**9, 0)
+    assert (s.forward_calls, s.backward_calls, s.backward_elements) == (3, 3, 60) and s.regathered == (2, 1, 0)

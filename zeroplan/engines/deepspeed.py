@@ -23,9 +23,11 @@ dependency on DeepSpeed: these functions read and build dicts and records.
 
 from __future__ import annotations
 
+import bisect
 import math
 from pathlib import Path
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Annotated, Literal, Optional
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator,
@@ -695,7 +697,7 @@ def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
 
 
 def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int = 1,
-                trace: tuple[tuple[int, ...], ...] = (), tied_head: bool = False) -> tuple[DSCollective, ...]:
+                trace: Optional[Stage3Trace] = None) -> tuple[DSCollective, ...]:
     """One steady-state step's collectives (the second step on: ZeRO-3's first step records its trace).
 
     ``grad_accum`` micro-steps per step (measured at 2): ZeRO-2 reduces every micro-step, ZeRO-3 gathers
@@ -711,19 +713,17 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int =
     kind, p, g = optimizer_class(s), s.dtype, s.grad_dtype
     if kind == "DeepSpeedZeroOptimizer_Stage3":
         persist = persistent_numel(s, numels)
-        gathered = tuple(n for n in numels if n > s.param_persistence_threshold)
         out = []
-        if gathered:
-            out.append(DSCollective("all-gather", "forward", grad_accum * len(gathered), grad_accum * sum(gathered), p,
-                                    "runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch of the "
-                                    "recorded trace; kept through backward while stage3_max_live_parameters and "
-                                    "stage3_max_reuse_distance allow: no re-gather)", calls_exact=False))  # fmt: skip
-        released = [n for module, r in zip(trace, released_after_forward(s, trace, tied_head)) if r
-                    for n in module if n > s.param_persistence_threshold]
-        if released:  # ``trace``: the forward order of the modules (forward_trace)
-            out.append(DSCollective("all-gather", "backward", grad_accum * len(released), grad_accum * sum(released), p,
-                                    "runtime/zero/partitioned_param_coordinator.py fetch_sub_module: the parameters "
-                                    "released after forward (released_after_forward) gathered again", calls_exact=False))  # fmt: skip
+        if trace is None:
+            trace = stage3_trace(tuple((f"t{i}.weight", (n,)) for i, n in enumerate(numels)))
+        sched = stage3_schedule(trace, numels, nd, s.param_persistence_threshold, s.prefetch_bucket_size,
+                                s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
+        src = ("runtime/zero/partitioned_param_coordinator.py fetch_sub_module -> __all_gather_params (the module's "
+               "parameters, then the prefetch: one all_gather_coalesced call each; stage3_schedule)")
+        for phase, calls, elements in (("forward", sched.forward_calls, sched.forward_elements),
+                                       ("backward", sched.backward_calls, sched.backward_elements)):
+            if calls:
+                out.append(DSCollective("all-gather", phase, grad_accum * calls, grad_accum * elements, p, src))
         out += [
             DSCollective("reduce-scatter", "backward", grad_accum * len(greedy_buckets(numels, s.reduce_bucket_size)),
                          grad_accum * sum(numels), g,
@@ -811,8 +811,8 @@ class DSRun:
     modules: tuple[tuple[int, ...], ...] = ()
     """parameter sizes module by module, in build order (``named_parameters`` grouped by owning module):
     what ``deepspeed.zero.Init`` partitions after each module's ``__init__``."""
-    trace: tuple[tuple[int, ...], ...] = ()
-    """parameter sizes module by module in forward order: ZeRO-3's module trace (``forward_trace``)."""
+    trace: Optional[Stage3Trace] = None
+    """ZeRO-3's module trace (``stage3_trace``): what the coordinator fetches and releases, in order."""
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -833,53 +833,340 @@ def _pbytes(run: DSRun) -> int:
     return DTYPE_BYTES[run.settings.dtype]
 
 
-def released_after_forward(s: Settings, trace: tuple[tuple[int, ...], ...], tied_head: bool = False) -> tuple[bool, ...]:
-    """ZeRO-3 without prefetch (``stage3_prefetch_bucket_size`` 0): per module of the forward ``trace``,
-    whether its parameters are released after its forward (partitioned_param_coordinator.py
-    ``release_sub_module`` -> ``__params_to_release``: kept only if the module comes again within the next
-    ``stage3_max_reuse_distance`` elements of the trace; module i comes again in backward, after the
-    modules behind it ran forward and backward: 2·Σ numel behind it traversed). Measured on tiny-llama at
-    distances 0, 5,000, 10,000, 20,000 and 1e9: peaks and the backward re-gathers exact. With prefetch,
-    parameters fetched ahead for a later step are kept too (``__most_recent_step_id_param_fetched_for``):
-    not modelled, nothing is released (validated only while the distance exceeds the model); a tied head
-    (the embedding used again by the head) likewise."""
-    if s.stage != 3 or s.prefetch_bucket_size > 0 or tied_head:
-        return tuple(False for _ in trace)
-    behind, out = 0, []
-    for module in reversed(trace):
-        out.append(2 * behind >= s.max_reuse_distance)
-        behind += sum(module)
-    return tuple(reversed(out))
+# --- ZeRO-3: which parameters are gathered when (the coordinator's schedule over the module trace) ------
+
+FETCH, RELEASE = "fetch", "release"
 
 
-def gathered_numel(run: DSRun) -> tuple[int, int, int]:
-    """ZeRO-3: (elements kept gathered from forward into backward, elements and parameters re-gathered in
-    backward), non-persistent parameters only (persistent ones stay gathered: ``persistent parameters``)."""
-    s = run.settings
-    trace = run.trace or tuple((n,) for n in run.numels)
-    kept = regathered = calls = 0
-    for module, released in zip(trace, released_after_forward(s, trace, run.tied_head)):
-        gathered = [n for n in module if n > s.param_persistence_threshold]
-        if released:
-            regathered, calls = regathered + sum(gathered), calls + len(gathered)
+@dataclass(frozen=True)
+class TraceEvent:
+    """One hook of ZeRO-3's module trace: ``fetch`` (parameter_offload.py ``pre_sub_module_forward_function``
+    / ``pre_sub_module_backward_function`` -> ``fetch_sub_module``) or ``release`` (``post_sub_module_forward_
+    function`` / ``post_sub_module_backward_function`` -> ``release_sub_module``) of ``module``, in forward
+    or backward."""
+
+    op: Literal["fetch", "release"]
+    module: int
+    forward: bool
+    in_backward: Optional[bool] = None
+    """the training phase it happens in (all-gathers and peaks are counted there); None: backward iff not
+    ``forward``. A forward hook inside backward (activation checkpointing's recomputed forward) sets True."""
+
+    @property
+    def backward_phase(self) -> bool:
+        """Whether the event happens while backward runs."""
+        return (not self.forward) if self.in_backward is None else self.in_backward
+
+
+@dataclass(frozen=True)
+class Stage3Trace:
+    """One micro-step's module hooks as ZeRO-3 sees them: ``modules`` (per module, the indices of its
+    parameters in ``named_parameters`` order, external ones included: partitioned_param_coordinator.py
+    ``iter_params``), ``events`` (forward, then backward; a module fetched in backward and never released
+    there, because no input of it needs a gradient, is released by ``release_backward_leftovers`` at the
+    end) and ``marks``: (name, first event, last event) spans the peak moments read."""
+
+    modules: tuple[tuple[int, ...], ...]
+    events: tuple[TraceEvent, ...]
+    marks: tuple[tuple[str, int, int], ...] = ()
+    names: tuple[str, ...] = ()
+    """the modules' names (``named_modules``), for reading; not used by the schedule."""
+
+    def span(self, name: str) -> tuple[int, int]:
+        """The (first, last) event of mark ``name``."""
+        for mark, first, last in self.marks:
+            if mark == name:
+                return first, last
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class Stage3Schedule:
+    """What ``stage3_schedule`` found for one steady-state micro-step (elements, on one rank).
+
+    ``gathered[i]``: gathered non-persistent parameter elements after event ``i`` (each parameter's own
+    tensor, plus the flat buffer of a coalesced all-gather while one of its parameters is still waiting in
+    the inflight registry); ``high[i]``: the most during the event. ``regathered``: parameters all-gathered
+    in backward (indices). Calls and elements of the all-gathers, forward and backward, elements as the
+    output tensor (each parameter padded to N_d)."""
+
+    gathered: tuple[int, ...]
+    high: tuple[int, ...]
+    forward_peak: int
+    backward_peak: int
+    regathered: tuple[int, ...]
+    forward_calls: int
+    forward_elements: int
+    backward_calls: int
+    backward_elements: int
+
+    def at(self, trace: Stage3Trace, mark: str) -> int:
+        """The most gathered after any event of ``mark``'s span."""
+        first, last = trace.span(mark)
+        return max(self.gathered[first : last + 1])
+
+
+def stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, persistence_threshold: int,
+                    prefetch_bucket_size: int, max_live_parameters: int, max_reuse_distance: int) -> Stage3Schedule:
+    """Replay partitioned_param_coordinator.py ``PartitionedParameterCoordinator`` (0.19.8) over ``trace``."""
+    return _stage3_schedule(trace, numels, nd, persistence_threshold, prefetch_bucket_size, max_live_parameters,
+                            max_reuse_distance)  # fmt: skip
+
+
+@lru_cache(maxsize=256)
+def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: int, bucket: int,
+                     max_live: int, max_reuse: int) -> Stage3Schedule:
+    """``stage3_schedule`` (cached: the planner asks for the same schedule at every candidate)."""
+
+    NA, INFLIGHT, AVAILABLE = 0, 1, 2  # partition_parameters.py ZeroParamStatus
+    persist = [n <= threshold for n in numels]  # parameter_offload.py mark_persistent_parameters
+    padded = [-(-n // nd) * nd for n in numels]  # _all_gather_sequential buffer / _all_gather_dtype flat share
+    order = [e.module for e in trace.events if e.op == FETCH]  # record_module: __submodule_order
+    # record_parameters: __param_order, each module's parameters sorted by ds_id, with the step it is used at
+    queue = [(p, step) for step, m in enumerate(order) for p in sorted(set(trace.modules[m]))]
+    uses: dict[int, list[int]] = {}
+    for step, m in enumerate(order):
+        for p in set(trace.modules[m]):
+            uses.setdefault(p, []).append(step)
+    before = [0]  # elements of the modules before step k (__params_to_release counts every parameter)
+    for m in order:
+        before.append(before[-1] + sum(numels[p] for p in trace.modules[m]))
+
+    status = [AVAILABLE if persist[p] else NA for p in range(len(numels))]
+    active: list[set[int]] = [set() for _ in numels]  # ds_active_sub_modules
+    fetched_for = [-(10**10)] * len(numels)  # __most_recent_step_id_param_fetched_for
+    own = [0] * len(numels)  # elements a gathered parameter holds
+    registry: dict[int, int] = {}  # __inflight_param_registry: parameter -> handle
+    handles: dict[int, list] = {}  # handle -> [parameters, flat elements (0: one parameter), waiting, done]
+    st = {"step": 0, "qi": 0, "avail": 0, "mem": 0, "high": 0}
+    calls = {True: [0, 0], False: [0, 0]}
+    regathered: list[int] = []
+
+    def grow(n: int) -> None:
+        st["mem"] += n
+        st["high"] = max(st["high"], st["mem"])
+
+    def all_gather(params, forward: bool) -> None:  # __all_gather_params_ -> all_gather_coalesced; forward: the phase
+        todo = sorted(p for p in params if status[p] == NA)
+        if not todo:
+            return
+        st["avail"] += sum(numels[p] for p in todo)
+        calls[forward][0] += 1
+        calls[forward][1] += sum(padded[p] for p in todo)
+        if not forward:
+            regathered.extend(todo)
+        hid = len(handles)
+        if len(todo) == 1:  # _all_gather_sequential: param.data is the padded buffer
+            own[todo[0]] = padded[todo[0]]
+            grow(padded[todo[0]])
+            handles[hid] = [todo, 0, 1, False]
+        else:  # _all_gather_dtype: one flat buffer; wait() copies each parameter out (torch.cat)
+            flat = sum(padded[p] for p in todo)
+            grow(flat)
+            handles[hid] = [todo, flat, len(todo), False]
+        for p in todo:
+            status[p], registry[p] = INFLIGHT, hid
+
+    def wait(p: int) -> None:  # fetch_sub_module: __inflight_param_registry.pop(param).wait()
+        if p not in registry:
+            return
+        h = handles[registry.pop(p)]
+        if not h[3]:
+            h[3] = True
+            for q in h[0]:
+                status[q] = AVAILABLE
+                if h[1]:
+                    own[q] = numels[q]
+                    grow(numels[q])
+        h[2] -= 1
+        if h[2] == 0 and h[1]:
+            st["mem"] -= h[1]
+
+    def free(p: int) -> None:  # __release_param
+        if status[p] == AVAILABLE and not active[p] and not persist[p]:
+            status[p] = NA
+            st["mem"] -= own[p]
+            st["avail"] -= numels[p]
+
+    def to_release(m: int, step: int) -> set[int]:  # __params_to_release
+        out = set()
+        for p in set(trace.modules[m]):
+            if persist[p] or fetched_for[p] > step:  # "reuse skipped by prefetch"
+                continue
+            k = bisect.bisect_left(uses[p], step)  # its next use in __submodule_order[step_id:]
+            if k < len(uses[p]) and before[uses[p][k]] - before[step] < max_reuse:
+                continue
+            out.add(p)
+        return out
+
+    def fetch(m: int, forward: bool) -> None:  # fetch_sub_module; forward: the phase (calls counted there)
+        step, params = st["step"], set(trace.modules[m])
+        all_gather(params, forward)
+        for p in params:
+            active[p].add(m)
+            wait(p)
+        expected = {p for p in params if fetched_for[p] < step}
+        popped = set()
+        while st["qi"] < len(queue) and len(popped) < len(expected):
+            p, used_at = queue[st["qi"]]
+            st["qi"] += 1
+            fetched_for[p] = used_at
+            popped.add(p)
+        if popped != expected:
+            raise ValueError(f"ZeRO-3 trace: step {step} expected {sorted(expected)} next in the queue, got {sorted(popped)}")
+        if bucket > 0:
+            limit = min(max_live - st["avail"], bucket)
+            chosen: set[int] = set()
+            numel = 0
+            while st["qi"] < len(queue) and numel < limit:
+                p, used_at = queue[st["qi"]]
+                st["qi"] += 1
+                if status[p] == NA and p not in chosen:
+                    chosen.add(p)
+                    numel += numels[p]
+                fetched_for[p] = max(fetched_for[p], used_at)
+            if numel:
+                all_gather(chosen, forward)
+        st["step"] += 1
+
+    def release(m: int, forward: bool) -> None:  # release_sub_module
+        drop = to_release(m, st["step"])
+        for p in set(trace.modules[m]):
+            active[p].discard(m)
+            if p in drop:
+                free(p)
+
+    gathered, high = [], []
+    forward_peak = backward_peak = 0
+    for e in trace.events:
+        st["high"] = st["mem"]
+        (fetch if e.op == FETCH else release)(e.module, not e.backward_phase)
+        gathered.append(st["mem"])
+        high.append(st["high"])
+        if not e.backward_phase:
+            forward_peak = max(forward_peak, st["high"])
         else:
-            kept += sum(gathered)
-    return kept, regathered, calls
+            backward_peak = max(backward_peak, st["high"])
+    return Stage3Schedule(tuple(gathered), tuple(high), forward_peak, backward_peak, tuple(regathered),
+                          calls[True][0], calls[True][1], calls[False][0], calls[False][1])  # fmt: skip
 
 
-def _gathered(run: DSRun) -> tuple[Term, ...]:
-    """ZeRO-3 after the first step: the non-persistent parameters gathered by the trace's fetches and kept
-    through backward (partitioned_param_coordinator.py ``fetch_sub_module``): all of them while
-    stage3_max_reuse_distance exceeds the model (or with prefetch), else those ``released_after_forward``
-    keeps; the forward and backward peaks are at the turn, where these are live."""
-    s = run.settings
-    if s.stage != 3:
+_LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+"""modeling_llama.py LlamaDecoderLayer.forward runs these in this order (registered self_attn, mlp, then the
+norms); GPT-2 blocks run in registration order."""
+
+
+def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optional[str] = None,
+                 tied: bool = False) -> Stage3Trace:
+    """ZeRO-3's module trace of the validator's causal LM (validate/transformer.py ``CausalLM``) from its
+    parameter names: every module called in forward gets its hooks (parameter_offload.py
+    ``_register_deepspeed_module``), containers that are never called (the ``transformer``/``model`` body,
+    the block ``ModuleList``) do not; the head weight is applied by the root (``F.linear``), so it is an
+    external parameter of the root (``ZeROOrderedDict.__getitem__`` -> ``register_external_parameter``;
+    measured: the root's fetch all-gathers it) and ``lm_head`` itself is never called. Backward mirrors
+    forward: a module's pre-backward fetch, its children from the last, its post-backward release, except
+    where no input needs a gradient (the root and the embeddings, fed token ids): those wait for
+    ``release_backward_leftovers``."""
+    names = [name for name, _ in shapes]
+    children: dict[str, list[str]] = {"": []}
+    params: dict[str, list[int]] = {"": []}
+    for i, name in enumerate(names):
+        owner = name.rpartition(".")[0]
+        params.setdefault(owner, []).append(i)
+        parts = owner.split(".") if owner else []
+        for depth in range(len(parts)):
+            parent, path = ".".join(parts[:depth]), ".".join(parts[: depth + 1])
+            if path not in children:
+                children[path] = []
+                params.setdefault(path, [])
+                children[parent].append(path)
+
+    def is_list(path: str) -> bool:  # nn.ModuleList: children named 0, 1, ...
+        return bool(children[path]) and all(c.rpartition(".")[2].isdigit() for c in children[path])
+
+    def called(path: str) -> list[str]:
+        """The modules ``path``'s forward calls, in order (containers never called are looked through)."""
+        out = []
+        for c in children[path]:
+            if c == "lm_head" and style is not None:
+                continue  # CausalLM.forward: F.linear(x, self.head_weight)
+            if is_list(c) or (path == "" and style is not None and not params[c]):
+                out += called(c)
+            else:
+                out.append(c)
+        if style == "llama" and path.rpartition(".")[2].isdigit():  # a decoder layer; sorted() is stable
+            rank = {name: i for i, name in enumerate(_LLAMA_FORWARD)}
+            out.sort(key=lambda c: rank.get(c.rpartition(".")[2], 0))
+        return out
+
+    index: dict[str, int] = {}
+    modules: list[tuple[int, ...]] = []
+
+    def module(path: str) -> int:
+        if path not in index:
+            own = list(params[path])
+            if path == "" and style is not None:  # the head weight, an external parameter of the root
+                head = next((i for i, n in enumerate(names) if n == "lm_head.weight"), None)
+                if head is None and tied:  # CausalLM.head_weight: the token embedding
+                    embed = ("wte.weight", "embed_tokens.weight")
+                    head = next((i for i, n in enumerate(names) if n.endswith(embed)), None)
+                own += [head] if head is not None else []
+            index[path] = len(modules)
+            modules.append(tuple(own))
+        return index[path]
+
+    top = called("")
+    first_block = next((i for i, c in enumerate(top) if c.rpartition(".")[2].isdigit()), len(top))
+    no_grad_input = {""} | set(top[:first_block] if style is not None else ())  # the embeddings: token ids in
+    events: list[TraceEvent] = []
+    spans: dict[str, list[int]] = {}
+    last_block = next((c for c in reversed(top) if c.rpartition(".")[2].isdigit()), None)
+
+    def forward(path: str) -> None:
+        start = len(events)
+        events.append(TraceEvent(FETCH, module(path), True))
+        for c in called(path):
+            forward(c)
+        if path == "":
+            spans["LM head forward"] = [len(events) - 1, len(events) - 1]
+        events.append(TraceEvent(RELEASE, module(path), True))
+        if path == last_block:
+            spans["last block forward"] = [start, len(events) - 1]
+
+    def backward(path: str) -> None:
+        start = len(events)
+        events.append(TraceEvent(FETCH, module(path), False))
+        if path == "":
+            spans["LM head backward"] = [start, start]
+        for c in reversed(called(path)):
+            backward(c)
+        if path not in no_grad_input:
+            events.append(TraceEvent(RELEASE, module(path), False))
+        if path == last_block:
+            spans["last block backward"] = [start, len(events) - 1]
+
+    forward("")
+    spans["forward end"] = [len(events) - 1, len(events) - 1]
+    backward("")
+    spans.setdefault("last block forward", spans["forward end"])
+    spans.setdefault("last block backward", spans["LM head backward"])
+    marks = tuple((k, v[0], v[1]) for k, v in spans.items())
+    by_index = sorted(index, key=index.get)
+    return Stage3Trace(tuple(modules), tuple(events), marks, tuple(p or "(root)" for p in by_index))
+
+
+def _gathered(run: DSRun, mark: str) -> tuple[Term, ...]:
+    """ZeRO-3 after the first step: the non-persistent parameters gathered at the peak moment ``mark`` of the
+    trace (``stage3_schedule``: fetched or prefetched and not yet released, plus the flat buffers of
+    coalesced all-gathers still waited on)."""
+    if run.settings.stage != 3 or run.trace is None:
         return ()
-    kept, regathered, _ = gathered_numel(run)
-    name = "gathered parameters kept for reuse (stage3_max_reuse_distance)" if regathered else \
-        "gathered parameters (prefetched trace)"
-    return (Term(name, kept * _pbytes(run), "runtime/zero/partitioned_param_coordinator.py fetch_sub_module, "
-                 "release_sub_module"),)  # fmt: skip
+    s = run.settings
+    sched = stage3_schedule(run.trace, run.numels, run.nd, s.param_persistence_threshold, s.prefetch_bucket_size,
+                            s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
+    return (Term(f"gathered parameters ({mark})", sched.at(run.trace, mark) * _pbytes(run),
+                 "runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch), release_sub_module "
+                 "(__params_to_release); partition_parameters.py all_gather_coalesced"),)  # fmt: skip
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:
@@ -1031,7 +1318,7 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     """The last block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of
     the model states after a step (the peak of a phase is the largest over steps)."""
     acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
-    base = (*_states(run), *_gathered(run), *_held_between_micro_steps(run),
+    base = (*_states(run), *_held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
     if run.checkpointing == "none":
         last = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
@@ -1044,9 +1331,9 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
             _act("fp32 logits (loss upcast)", acts.logits_fp32),
             _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss))  # fmt: skip
     return (
-        Moment("forward", "last block", (*base, *last)),
-        Moment("forward", "LM head", (*base, *head)),
-        Moment("forward", "cross-entropy", (*base, *loss)),
+        Moment("forward", "last block", (*base, *_gathered(run, "last block forward"), *last)),
+        Moment("forward", "LM head", (*base, *_gathered(run, "LM head forward"), *head)),
+        Moment("forward", "cross-entropy", (*base, *_gathered(run, "forward end"), *loss)),
     )
 
 
@@ -1116,15 +1403,16 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     acts, blk, L, p, s = run.acts, run.acts.block, run.acts.n_layer, _pbytes(run), run.settings
     n_d = acts.embed_out
     accumulating = run.grad_accum > 1 and s.stage in (1, 2)
-    base = (*_states(run), *_gathered(run), *_held_between_micro_steps(run),
+    base = (*_states(run), *_held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2),
             _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     out = [
-        Moment("backward", "cross-entropy backward", (*base, *saved_all,
+        Moment("backward", "cross-entropy backward", (*base, *_gathered(run, "forward end"), *saved_all,
                _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
                _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2))),
-        Moment("backward", "LM head backward", (*base, *saved_all, _act("logits gradient", acts.logits),
+        Moment("backward", "LM head backward", (*base, *_gathered(run, "LM head backward"), *saved_all,
+               _act("logits gradient", acts.logits),
                _act("final norm output gradient", n_d),
                Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"))),
     ]  # fmt: skip
@@ -1143,7 +1431,7 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     if run.checkpointing != "none":
         inflight += (_act("recomputed block's saved activations", blk.recomputed),)
     ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
-    last = (*base, *inflight, _act("incoming activation gradient", n_d), kept_root,
+    last = (*base, *_gathered(run, "last block backward"), *inflight, _act("incoming activation gradient", n_d), kept_root,
             _act("block backward working set", ws), *(() if accumulating and s.stage == 1 else _bucket(run)))  # fmt: skip
     if accumulating and s.stage == 2:
         # per rank: its own grads_in_partition, held from the first micro-step; a partition parameter's
@@ -1264,47 +1552,15 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
         owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
-                 workload.grad_accum, tuple(tuple(v) for v in owners.values()),
-                 forward_trace(workload.shapes, spec.style))  # fmt: skip
+                 workload.grad_accum, tuple(tuple(v) for v in owners.values()), *_trace(workload))  # fmt: skip
 
 
-# modeling_llama.py LlamaDecoderLayer.forward: input_layernorm, self_attn, post_attention_layernorm, mlp
-# (registered self_attn, mlp, then the norms); GPT-2 blocks run in registration order.
-_LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-
-
-def forward_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: str) -> tuple[tuple[int, ...], ...]:
-    """Parameter sizes grouped by owning module, in the order forward runs the modules (ZeRO-3's trace,
-    partitioned_param_coordinator.py ``record_module``)."""
-    owners: dict[str, list[int]] = {}
-    for name, shape in shapes:
-        owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
-
-    def forward_rank(owner: str) -> int:  # within one decoder layer; 0 outside
-        parts = owner.split(".")
-        sub = parts[3] if style == "llama" and len(parts) > 3 and parts[1] == "layers" else None
-        return _LLAMA_FORWARD.index(sub) if sub in _LLAMA_FORWARD else 0
-
-    def layer(owner: str) -> str:
-        return ".".join(owner.split(".")[:3]) if ".layers." in f".{owner}." else owner
-
-    out: list[tuple[int, ...]] = []
-    run: list[str] = []  # the owners of one decoder layer (or one top-level module), in registration order
-    for owner in [*owners, None]:
-        if run and (owner is None or layer(owner) != layer(run[0])):
-            out += [tuple(owners[o]) for o in sorted(run, key=forward_rank)]  # sorted() is stable
-            run = []
-        if owner is not None:
-            run.append(owner)
-    return tuple(out)
-
-
-def _trace(workload: Workload) -> tuple[tuple[tuple[int, ...], ...], bool]:
-    """(forward trace, tied head) of ``workload`` for ``collectives``; none without an architecture."""
+def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:
+    """(ZeRO-3's module trace of ``workload``,) for ``collectives``: ``stage3_trace`` of its parameter names,
+    the validator's causal LM where there is an architecture."""
     spec = workload.spec
-    if spec is None:
-        return (), False
-    return forward_trace(workload.shapes, spec.style), spec.style == "gpt" and spec.tie_word_embeddings
+    style = spec.style if spec is not None else None
+    return (stage3_trace(workload.shapes, style, spec is not None and spec.style == "gpt" and spec.tie_word_embeddings),)
 
 
 def _collective(c: DSCollective, nd: int) -> Collective:
@@ -1398,7 +1654,7 @@ class Recommendation:
 def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
     """What ``recommend`` tries, in its order: ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3
     without prefetch (``stage3_prefetch_bucket_size`` 0: a module's parameters are released after use unless
-    reused within ``stage3_max_reuse_distance``, ``released_after_forward``; more all-gathers, no overlap)."""
+    reused within ``stage3_max_reuse_distance``, ``stage3_schedule``; more all-gathers, no overlap)."""
     out = []
     for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
         for bucket in BUCKET_CHOICES:
