@@ -15,6 +15,8 @@
 #    Llama-2-7B's config at 64 (meta and materialized init).
 #    One GPU cannot hold two NCCL ranks, so FSDP2's collectives are checked on the fake group (elements
 #    per call, as on gloo); its world-size-1 shortcut (no collectives) is not a case zeroplan models.
+# 4. Opt-in, ONLY=snapshot: the FSDP2 bf16 run at N_d = 8 again, with the CUDA allocator's snapshot at each
+#    reading of its last step and the live bytes by allocation site (the residual of docs/validate.md).
 # Writes OUT_DIR/<step>.{json,txt} and OUT_DIR/summary.txt; exits non-zero when any row is out of
 # tolerance or a step fails.
 set -uo pipefail
@@ -73,4 +75,15 @@ step fsdp2_sim_meta 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "
 step fsdp2_sim_llama_meta 90 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32 \
   --init meta
 step fsdp2_sim_llama 120 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32
+# Opt-in (ONLY=snapshot): the 305M GPT's FSDP2 residual at N_d = 8, with the allocator's record of what is
+# live at each reading of the last step, by allocation site (validate/cuda_snapshot.py; pickles for memory_viz).
+if [[ ${ONLY:-} =~ snapshot ]]; then
+  only=snapshot
+  ZEROPLAN_CUDA_SNAPSHOT="$out/snapshots" step fsdp2_snapshot 120 "${sim[@]}" --world-size 8 --params "$params" \
+    --seq-len "$seq"
+  if [[ $device == cuda ]]; then  # on CPU (--cpu) nothing is recorded
+    python -m validate.cuda_snapshot "$out/snapshots" > "$out/fsdp2_snapshot_sites.txt" || status=1
+    cat "$out/fsdp2_snapshot_sites.txt"
+  fi
+fi
 exit $status

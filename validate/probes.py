@@ -122,9 +122,13 @@ class MemoryProbe:
         self._phase: str | None = None
         self.baseline = 0  # CUDA: bytes allocated before the probe started
         self._settled: int | None = None  # the last settled step-boundary reading
+        self.recording = False  # CUDA allocator history for validate.cuda_snapshot (ZEROPLAN_CUDA_SNAPSHOT)
 
     def __enter__(self) -> MemoryProbe:  # noqa: PYI034 - typing.Self needs Python 3.11
         if self.cuda:
+            from validate.cuda_snapshot import start_recording
+
+            self.recording = start_recording()  # ZEROPLAN_CUDA_SNAPSHOT set: the allocator's history, by site
             _clear_cublas_workspaces()  # left by earlier work (the parity reference); not ours
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -137,6 +141,10 @@ class MemoryProbe:
     def __exit__(self, *exc) -> None:
         if self.tracker is not None:
             self.tracker.__exit__(*exc)
+        if self.recording:
+            from validate.cuda_snapshot import stop_recording
+
+            stop_recording()
 
     def current_bytes(self) -> int:
         """Live bytes; on CUDA including the library workspaces the step keeps (``release_workspaces``)."""

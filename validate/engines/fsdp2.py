@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from validate.models import build, make_batch, spec_for
+from validate import cuda_snapshot
 from validate.probes import CommCounter, MemoryProbe
 from validate.simulate import fake_tensors, init_fake_world
 from validate.worker import calls_by_step, inject_fault, pick_device
@@ -249,25 +250,32 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
             enter("init")
             model = build_sharded(spec, mesh, settings, device)
             optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, foreach=settings.foreach)
+
+            def read(name: str, last: bool = True) -> None:
+                readings[name].append(probe.settled_bytes())
+                if probe.recording and last:  # ZEROPLAN_CUDA_SNAPSHOT: what is live, by allocation site
+                    cuda_snapshot.dump(f"nd{nd}_rank{rank}_{name}")
+
             enter(None)
-            readings["after_init"].append(probe.settled_bytes())
+            read("after_init")
             step_s, t0 = [], time.perf_counter()
             for step in range(settings.steps):
                 t_step = time.perf_counter()
                 counter.step = step
+                last = step == settings.steps - 1
                 enter("forward")
                 batch = tuple(t.to(device, copy=True) for t in local_batches[step])
                 loss = model.loss(batch)
-                readings["after_forward"].append(probe.settled_bytes())
+                read("after_forward", last)
                 enter("backward")
                 loss.backward()
                 del loss, batch
-                readings["after_backward"].append(probe.settled_bytes())
+                read("after_backward", last)
                 enter("optimizer_step")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 enter(None)
-                readings["boundary"].append(probe.settled_bytes())
+                read("boundary", last)
                 step_s.append(time.perf_counter() - t_step)
             seconds = time.perf_counter() - t0
             workspaces = probe.release_workspaces()  # CUDA: kept from the first backward on; 0 on CPU
