@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pickle
 
-from validate.cuda_snapshot import live_by_site, report
+from validate.cuda_snapshot import live_by_site, report, slack_bytes
 
 FSDP = {"filename": "/x/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "line": 412,
         "name": "foreach_reduce"}  # fmt: skip
@@ -42,5 +42,17 @@ def test_report_reads_every_snapshot_of_a_run(tmp_path):
     for name in ("nd8_rank0_boundary", "nd8_rank0_after_init"):
         (tmp_path / f"{name}.pickle").write_bytes(pickle.dumps(SNAPSHOT))
     lines = report(tmp_path, top=1).splitlines()
-    assert lines[0] == "nd8_rank0_after_init: 34,816 B live in 4 blocks"
+    assert lines[0] == ("nd8_rank0_after_init: 34,816 B live in 4 blocks; 0 B of them beyond the requests' "
+                        "512-B rounding, in 0 blocks")
     assert lines[1].split() [:3] == ["33,280", "B", "2"] and lines[2].startswith("nd8_rank0_boundary")
+
+
+def test_slack_is_what_no_request_asked_for():
+    """A block handed out whole (a cached 16,896-B block for a 16,381-B request: 16,384 after rounding) carries
+    512 B no tensor asked for; a request rounded up to 512 B carries none."""
+    whole = {"segments": [{"blocks": [
+        {"state": "active_allocated", "size": 16_896, "requested_size": 16_381},
+        {"state": "active_allocated", "size": 512, "requested_size": 100},
+        {"state": "inactive", "size": 1 << 20, "requested_size": 0}]}]}  # fmt: skip
+    assert slack_bytes(whole) == (512, 1)
+    assert slack_bytes(SNAPSHOT) == (0, 0)  # every request there is 3 B under its 512-B multiple

@@ -71,18 +71,29 @@ def _site(frames: list[dict], depth: int) -> str:
     return " <- ".join(kept[:depth]) or "(no Python frame recorded)"
 
 
+def _live(snapshot: dict) -> list[dict]:
+    return [b for seg in snapshot.get("segments", []) for b in seg.get("blocks", []) if b.get("state") == "active_allocated"]
+
+
 def live_by_site(snapshot: dict, depth: int = 2) -> list[tuple[str, int, int]]:
     """(site, bytes, blocks) of every live block (``active_allocated``) of an allocator snapshot, largest
     first. Bytes are the block sizes the allocator counts in ``memory_allocated`` (rounded to 512 B)."""
     sites: dict[str, list[int]] = {}
-    for segment in snapshot.get("segments", []):
-        for block in segment.get("blocks", []):
-            if block.get("state") != "active_allocated":
-                continue
-            entry = sites.setdefault(_site(block.get("frames", []), depth), [0, 0])
-            entry[0] += int(block.get("size", 0))
-            entry[1] += 1
+    for block in _live(snapshot):
+        entry = sites.setdefault(_site(block.get("frames", []), depth), [0, 0])
+        entry[0] += int(block.get("size", 0))
+        entry[1] += 1
     return sorted(((s, b, n) for s, (b, n) in sites.items()), key=lambda x: -x[1])
+
+
+def slack_bytes(snapshot: dict) -> tuple[int, int]:
+    """(slack over 512-B rounding, blocks carrying it): live block bytes beyond each request rounded up to
+    512 B. The allocator hands out a cached large block whole when what would remain is under 1 MiB
+    (CUDACachingAllocator.cpp ``should_split``), and ``memory_allocated`` counts the whole block: bytes
+    no tensor asked for, which depend on what was freed before."""
+    extra = [int(b.get("size", 0)) - -(-int(b.get("requested_size", b.get("size", 0))) // 512) * 512
+             for b in _live(snapshot)]  # fmt: skip
+    return sum(e for e in extra if e > 0), sum(1 for e in extra if e > 0)
 
 
 def report(directory: Path, top: int = 15) -> str:
@@ -90,8 +101,10 @@ def report(directory: Path, top: int = 15) -> str:
     lines = []
     for path in sorted(directory.glob("*.pickle")):
         with open(path, "rb") as f:
-            sites = live_by_site(pickle.load(f))
-        lines.append(f"{path.stem}: {sum(b for _, b, _ in sites):,} B live in {sum(n for *_, n in sites)} blocks")
+            snapshot = pickle.load(f)
+        sites, (slack, carrying) = live_by_site(snapshot), slack_bytes(snapshot)
+        lines.append(f"{path.stem}: {sum(b for _, b, _ in sites):,} B live in {sum(n for *_, n in sites)} blocks; "
+                     f"{slack:,} B of them beyond the requests' 512-B rounding, in {carrying} blocks")  # fmt: skip
         lines += [f"  {b:>14,} B {n:>5} blocks  {s}" for s, b, n in sites[:top]]
     return "\n".join(lines)
 

@@ -194,7 +194,10 @@ class MemoryProbe:
         """MemTracker's own split of the live bytes on CPU; on CUDA the allocator's own counters."""
         if self.cuda:
             stats = torch.cuda.memory_stats()
-            keys = ("allocated_bytes.all.current", "reserved_bytes.all.peak", "num_alloc_retries", "num_ooms")
+            # requested: what the tensors asked for (torch >= 2.1); allocated - requested is the allocator's
+            # rounding and the blocks it handed out whole (validate.cuda_snapshot.slack_bytes)
+            keys = ("allocated_bytes.all.current", "requested_bytes.all.current", "reserved_bytes.all.peak",
+                    "num_alloc_retries", "num_ooms")
             return {k: stats[k] for k in keys if k in stats}
         out: dict[str, int] = {}
         for snap in _on_devices(self.tracker.get_tracker_snapshot("current")):
