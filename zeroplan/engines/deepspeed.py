@@ -716,6 +716,11 @@ class DSRun:
     what ``deepspeed.zero.Init`` partitions after each module's ``__init__``."""
     trace: tuple[tuple[int, ...], ...] = ()
     """parameter sizes module by module in forward order: ZeRO-3's module trace (``forward_trace``)."""
+    fetches: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """ZeRO-3's forward fetches (``forward_fetches``)."""
+    mlp_fetches: tuple[int, int] = (-1, -1)
+    """indices into ``fetches`` of the last block's MLP input projection (GPT-2 ``c_fc``, Llama ``up_proj``,
+    the later of gate and up) and output projection (``c_proj``, ``down_proj``); -1 where absent."""
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -783,6 +788,19 @@ def _gathered(run: DSRun) -> tuple[Term, ...]:
         "gathered parameters (prefetched trace)"
     return (Term(name, kept * _pbytes(run), "runtime/zero/partitioned_param_coordinator.py fetch_sub_module, "
                  "release_sub_module"),)  # fmt: skip
+
+
+def _open_gather_buffers(run: DSRun, after: int) -> tuple[Term, ...]:
+    """ZeRO-3: the coalesced all-gather buffers still alive beside their gathered parameters while fetch
+    ``after`` runs forward (``open_gather_buffers_numel``; measured: gpt-tiny checkpointed, N_d = 2 and 4,
+    21,312 B: the last block's c_fc bias and c_proj weight, prefetched together)."""
+    if run.settings.stage != 3 or after < 0:
+        return ()
+    numel = open_gather_buffers_numel(run.settings, run.numels, run.nd, run.fetches, after)
+    return (Term("coalesced all-gather buffers awaiting their last module", numel * _pbytes(run),
+                 "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor) held by "
+                 "AllGatherCoalescedHandle until partitioned_param_coordinator.py _fetch_sub_module_impl pops the "
+                 "group's last parameter"),) if numel else ()
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:
@@ -937,9 +955,13 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     base = (*_states(run), *_gathered(run), *_held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
     if run.checkpointing == "none":
-        last = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
+        last = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2),
+                *_open_gather_buffers(run, run.mlp_fetches[1]))  # fmt: skip
     else:
-        last = (_blocks_saved(run, L - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+        # the checkpointed block peaks in its MLP, after the input projection and before the output projection
+        # (activation_terms.py: the MLP's term of the no-grad working set)
+        last = (_blocks_saved(run, L - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak),
+                *_open_gather_buffers(run, run.mlp_fetches[0]))  # fmt: skip
     head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
     # CausalLM.loss: ``logits = self(tokens).float()``: nothing saves the model-dtype logits, so the fp32 copy
     # replaces them (in fp32 ``.float()`` returns the same tensor)
@@ -1165,10 +1187,19 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     owners: dict[str, list[int]] = {}  # insertion order: the order the modules were built
     for name, shape in workload.shapes:
         owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
+    fetches = forward_fetches(workload.shapes, spec.style, spec.tied)
+    last = f"{prefix}{spec.n_layer - 1}."
+    names = [name for name, _ in fetches]
+    cuts = tuple(names.index(last + m) if last + m in names else -1 for m in _MLP_PROJECTIONS[spec.style])
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
                  workload.grad_accum, tuple(tuple(v) for v in owners.values()),
-                 forward_trace(workload.shapes, spec.style))  # fmt: skip
+                 forward_trace(workload.shapes, spec.style), fetches, cuts)  # fmt: skip
+
+
+# the MLP's input projection run last before its activation product, and its output projection
+# (validate/transformer.py GPT2MLP, LlamaMLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``)
+_MLP_PROJECTIONS = {"gpt": ("mlp.c_fc", "mlp.c_proj"), "llama": ("mlp.up_proj", "mlp.down_proj")}
 
 
 # modeling_llama.py LlamaDecoderLayer.forward: input_layernorm, self_attn, post_attention_layernorm, mlp
@@ -1200,6 +1231,137 @@ def forward_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: str) -
         if owner is not None:
             run.append(owner)
     return tuple(out)
+
+
+# the modules whose forward the model calls (validate/transformer.py CausalLM, as transformers' GPT2LMHeadModel and
+# LlamaForCausalLM): the body (``transformer`` / ``model``) and the ModuleList of layers are only containers,
+# never called, so they fire no hooks
+_UNCALLED = {"gpt": ("transformer", "transformer.h"), "llama": ("model", "model.layers")}
+
+
+def forward_fetches(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: str,
+                    tied: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """ZeRO-3's forward fetches in call order: (module name, indices into ``shapes`` of the parameters it fetches).
+
+    Every called module's pre-forward hook fetches (parameter_offload.py ``pre_sub_module_forward_function`` ->
+    partitioned_param_coordinator.py ``fetch_sub_module``), a container with no parameters of its own too (and
+    each fetch prefetches); a parent's hook runs before its children's. A tied head is the root's external
+    parameter (parameter_offload.py ``register_external_parameter``: the root's forward reads the embedding's
+    weight), fetched first. Module order: registration order, Llama's layer as ``_LLAMA_FORWARD``."""
+    owners: dict[str, list[int]] = {}
+    for i, (name, _) in enumerate(shapes):
+        owners.setdefault(name.rpartition(".")[0], []).append(i)
+    tree: dict[str, list[str]] = {"": []}  # parent -> children, registration order
+    for owner in owners:
+        parts = owner.split(".")
+        for k in range(1, len(parts) + 1):
+            child, parent = ".".join(parts[:k]), ".".join(parts[: k - 1])
+            tree.setdefault(child, [])
+            if child not in tree[parent]:
+                tree[parent].append(child)
+    embed = next((o for o in owners if o.endswith((".wte", ".embed_tokens"))), None)
+    skip = _UNCALLED.get(style, ())
+    out: list[tuple[str, tuple[int, ...]]] = []
+
+    def visit(module: str) -> None:
+        if module not in skip:
+            own = tuple(owners.get(module, ()))
+            out.append((module, tuple(owners[embed]) + own if module == "" and tied and embed else own))
+        children = tree[module]
+        if style == "llama":
+            children = sorted(children, key=lambda c: _LLAMA_FORWARD.index(c.rpartition(".")[2])
+                              if c.rpartition(".")[2] in _LLAMA_FORWARD else -1)  # fmt: skip
+        for child in children:
+            visit(child)
+
+    visit("")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class PrefetchGroup:
+    """One all-gather ZeRO-3 issues in a steady-state forward: the parameters (indices) it gathers, the fetch
+    (index into ``forward_fetches``) that issued it, the first that waited on it and the one that popped its
+    last parameter from the in-flight registry (its buffer is freed then)."""
+
+    params: tuple[int, ...]
+    issued: int
+    waited: int
+    freed: int
+
+
+def prefetch_groups(s: Settings, numels: tuple[int, ...],
+                    fetches: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[PrefetchGroup, ...]:
+    """The all-gathers of a steady-state ZeRO-3 forward (the second step on: the trace is complete), step by step
+    as partitioned_param_coordinator.py ``_fetch_sub_module_impl`` runs each fetch: all-gather the module's
+    parameters not available, wait on its parameters (``__inflight_param_registry.pop(param).wait()``), pop
+    them off the trace's queue, then prefetch from the queue until ``stage3_prefetch_bucket_size`` elements
+    (``min(stage3_max_live_parameters - available, bucket)``) not available are taken: one all-gather of them
+    all. Persistent parameters (``stage3_param_persistence_threshold``) stay available. Assumes nothing is
+    released during forward (``released_after_forward`` all False: stage3_max_reuse_distance above the model)."""
+    available = {i for i, n in enumerate(numels) if n <= s.param_persistence_threshold}
+    queue = [(p, k) for k, (_, params) in enumerate(fetches) for p in sorted(set(params))]
+    head, latest = 0, {}  # queue position; param -> step_id_last_used_at of its latest pop
+    inflight: dict[int, int] = {}  # param -> group index
+    groups: list[list] = []  # [params, issued, waited, freed]
+    n_available = 0
+
+    def gather(params: list[int], k: int) -> None:
+        nonlocal n_available
+        n_available += sum(numels[p] for p in params)
+        groups.append([tuple(sorted(params)), k, None, None])
+        for p in params:
+            inflight[p] = len(groups) - 1
+
+    for k, (_, params) in enumerate(fetches):
+        own = sorted(set(params))
+        missing = [p for p in own if p not in available and p not in inflight]
+        if missing:
+            gather(missing, k)
+        for p in own:  # wait: the whole group's parameters become available
+            if p in inflight:
+                gi = inflight.pop(p)
+                g = groups[gi]
+                if g[2] is None:
+                    g[2] = k
+                    available.update(g[0])
+                if gi not in inflight.values():
+                    g[3] = k
+        fresh = [p for p in own if latest.get(p, -1) < k]
+        discarded: set[int] = set()
+        while head < len(queue) and len(discarded) < len(fresh):
+            p, step = queue[head]
+            head += 1
+            latest[p] = step
+            discarded.add(p)
+        budget = min(s.max_live_parameters - n_available, s.prefetch_bucket_size)
+        taken: list[int] = []
+        taken_numel = 0
+        while head < len(queue) and taken_numel < budget:
+            p, step = queue[head]
+            head += 1
+            latest[p] = max(latest.get(p, -1), step)
+            if p not in available and p not in inflight and p not in taken:
+                taken.append(p)
+                taken_numel += numels[p]
+        if taken:
+            gather(taken, k)
+    return tuple(PrefetchGroup(g[0], g[1], g[2] if g[2] is not None else len(fetches),
+                               g[3] if g[3] is not None else len(fetches)) for g in groups)  # fmt: skip
+
+
+def open_gather_buffers_numel(s: Settings, numels: tuple[int, ...], nd: int,
+                              fetches: tuple[tuple[str, tuple[int, ...]], ...], after: int) -> int:
+    """Elements of the coalesced all-gather buffers alive beside their gathered parameters while module
+    ``after`` (an index into ``fetches``) runs forward: a group of several parameters is gathered into one flat
+    buffer (partition_parameters.py ``_all_gather_dtype``: ``flat_tensor``, Σ ceil(n / N_d)·N_d elements);
+    waiting on it copies each parameter out (``AllGatherCoalescedHandle.wait``: ``param.data = torch.cat(...)``),
+    but the buffer lives on in the handle until the registry has popped the group's last parameter, at the fetch
+    of the last module owning one. Groups waited on and not yet freed; one parameter alone is gathered in place
+    (``_all_gather_sequential``)."""
+    return sum(sum(-(-numels[p] // nd) * nd for p in g.params)
+               for g in prefetch_groups(s, numels, fetches)
+               if len(g.params) > 1 and g.waited <= after < g.freed)  # fmt: skip
 
 
 def _trace(workload: Workload) -> tuple[tuple[tuple[int, ...], ...], bool]:
