@@ -718,9 +718,9 @@ class DSRun:
     """parameter sizes module by module in forward order: ZeRO-3's module trace (``forward_trace``)."""
     fetches: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """ZeRO-3's forward fetches (``forward_fetches``)."""
-    mlp_fetches: tuple[int, int] = (-1, -1)
-    """indices into ``fetches`` of the last block's MLP input projection (GPT-2 ``c_fc``, Llama ``up_proj``,
-    the later of gate and up) and output projection (``c_proj``, ``down_proj``); -1 where absent."""
+    mlp_fetches: tuple[tuple[int, int], ...] = ()
+    """per block, indices into ``fetches`` of its MLP input projection (GPT-2 ``c_fc``, Llama ``up_proj``, the
+    later of gate and up) and output projection (``c_proj``, ``down_proj``); -1 where absent."""
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -790,17 +790,25 @@ def _gathered(run: DSRun) -> tuple[Term, ...]:
                  "release_sub_module"),)  # fmt: skip
 
 
-def _open_gather_buffers(run: DSRun, after: int) -> tuple[Term, ...]:
+def _open_gather_buffers(run: DSRun, groups: tuple[PrefetchGroup, ...], after: int) -> tuple[Term, ...]:
     """ZeRO-3: the coalesced all-gather buffers still alive beside their gathered parameters while fetch
-    ``after`` runs forward (``open_gather_buffers_numel``; measured: gpt-tiny checkpointed, N_d = 2 and 4,
-    21,312 B: the last block's c_fc bias and c_proj weight, prefetched together)."""
-    if run.settings.stage != 3 or after < 0:
+    ``after`` runs forward (``gather_buffers_numel``; measured: gpt-tiny checkpointed, N_d = 2 and 4,
+    21,312 B in the last block: its c_fc bias and c_proj weight, prefetched together)."""
+    if after < 0:
         return ()
-    numel = open_gather_buffers_numel(run.settings, run.numels, run.nd, run.fetches, after)
+    numel = gather_buffers_numel(groups, run.numels, run.nd, after)[1]
     return (Term("coalesced all-gather buffers awaiting their last module", numel * _pbytes(run),
                  "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor) held by "
                  "AllGatherCoalescedHandle until partitioned_param_coordinator.py _fetch_sub_module_impl pops the "
                  "group's last parameter"),) if numel else ()
+
+
+def _resident(run: DSRun, groups: tuple[PrefetchGroup, ...], after: int) -> Term:
+    """ZeRO-3 mid-forward: the non-persistent parameters gathered or in flight while fetch ``after`` runs
+    (``gather_buffers_numel``): what the fetches and prefetches of the trace have issued by then."""
+    numel = gather_buffers_numel(groups, run.numels, run.nd, after)[0]
+    return Term("parameters gathered or in flight (prefetched so far)", numel * _pbytes(run),
+                "runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch_groups)")
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:
@@ -949,19 +957,32 @@ def _held_between_micro_steps(run: DSRun, with_bucket: bool = True) -> tuple[Ter
 
 
 def forward_moments(run: DSRun) -> tuple[Moment, ...]:
-    """The last block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of
-    the model states after a step (the peak of a phase is the largest over steps)."""
+    """Each block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of the
+    model states after a step (the peak of a phase is the largest over steps).
+
+    A block's moment: its output (or, checkpointed, its MLP's no-grad peak, after the input projection and
+    before the output projection: activation_terms.py, the MLP's term of the working set) with the blocks before
+    it saved. At ZeRO-3 what is gathered then is what the trace's fetches and prefetches have issued
+    (``prefetch_groups``), with the coalesced buffers still open; the last block and the head see every
+    parameter gathered (``_gathered``)."""
     acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
-    base = (*_states(run), *_gathered(run), *_held_between_micro_steps(run),
-            _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
-    if run.checkpointing == "none":
-        last = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2),
-                *_open_gather_buffers(run, run.mlp_fetches[1]))  # fmt: skip
-    else:
-        # the checkpointed block peaks in its MLP, after the input projection and before the output projection
-        # (activation_terms.py: the MLP's term of the no-grad working set)
-        last = (_blocks_saved(run, L - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak),
-                *_open_gather_buffers(run, run.mlp_fetches[0]))  # fmt: skip
+    states = (*_states(run), *_held_between_micro_steps(run),
+              _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
+    base = (*states, *_gathered(run))
+    s = run.settings
+    prefetched = s.stage == 3 and run.fetches and not any(released_after_forward(s, run.trace, run.tied_head))
+    groups = prefetch_groups(s, run.numels, run.fetches) if prefetched else ()
+
+    def block(j: int) -> tuple[Term, ...]:
+        cut = run.mlp_fetches[j][0 if run.checkpointing != "none" else 1] if prefetched else -1
+        if run.checkpointing == "none":
+            out = (_blocks_saved(run, j + 1), _act("block output and last op's output", blk.forward_extra, 2))
+        else:
+            out = (_blocks_saved(run, j), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+        return (*out, *_open_gather_buffers(run, groups, cut))
+
+    earlier = [Moment("forward", f"block {j}", (*states, _resident(run, groups, run.mlp_fetches[j][
+        0 if run.checkpointing != "none" else 1]), *block(j))) for j in range(L - 1)] if prefetched else []  # fmt: skip
     head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
     # CausalLM.loss: ``logits = self(tokens).float()``: nothing saves the model-dtype logits, so the fp32 copy
     # replaces them (in fp32 ``.float()`` returns the same tensor)
@@ -969,7 +990,8 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
             _act("fp32 logits (loss upcast)", acts.logits_fp32),
             _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss))  # fmt: skip
     return (
-        Moment("forward", "last block", (*base, *last)),
+        *earlier,
+        Moment("forward", "last block", (*base, *block(L - 1))),
         Moment("forward", "LM head", (*base, *head)),
         Moment("forward", "cross-entropy", (*base, *loss)),
     )
@@ -1188,9 +1210,9 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     for name, shape in workload.shapes:
         owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
     fetches = forward_fetches(workload.shapes, spec.style, spec.tied)
-    last = f"{prefix}{spec.n_layer - 1}."
     names = [name for name, _ in fetches]
-    cuts = tuple(names.index(last + m) if last + m in names else -1 for m in _MLP_PROJECTIONS[spec.style])
+    cuts = tuple(tuple(names.index(f"{prefix}{j}.{m}") if f"{prefix}{j}.{m}" in names else -1
+                       for m in _MLP_PROJECTIONS[spec.style]) for j in range(spec.n_layer))  # fmt: skip
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
                  workload.grad_accum, tuple(tuple(v) for v in owners.values()),
@@ -1246,8 +1268,12 @@ def forward_fetches(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: str,
     Every called module's pre-forward hook fetches (parameter_offload.py ``pre_sub_module_forward_function`` ->
     partitioned_param_coordinator.py ``fetch_sub_module``), a container with no parameters of its own too (and
     each fetch prefetches); a parent's hook runs before its children's. A tied head is the root's external
-    parameter (parameter_offload.py ``register_external_parameter``: the root's forward reads the embedding's
-    weight), fetched first. Module order: registration order, Llama's layer as ``_LLAMA_FORWARD``."""
+    parameter, fetched first: validate/transformer.py ``CausalLM.forward`` computes the head as
+    ``F.linear(x, self.head_weight)`` on the root (the embedding's weight when tied, else ``lm_head``'s, whose
+    module is then never called), and ZeRO-3 registers a weight read outside its module's forward as the
+    reading module's external parameter (parameter_offload.py ``register_external_parameter``). Module order:
+    registration order, Llama's layer as ``_LLAMA_FORWARD``. (transformers calls ``lm_head`` as a module: one
+    more fetch there, the same parameters.)"""
     owners: dict[str, list[int]] = {}
     for i, (name, _) in enumerate(shapes):
         owners.setdefault(name.rpartition(".")[0], []).append(i)
@@ -1259,14 +1285,14 @@ def forward_fetches(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: str,
             tree.setdefault(child, [])
             if child not in tree[parent]:
                 tree[parent].append(child)
-    embed = next((o for o in owners if o.endswith((".wte", ".embed_tokens"))), None)
-    skip = _UNCALLED.get(style, ())
+    head = next((o for o in owners if o.endswith((".wte", ".embed_tokens"))), None) if tied else "lm_head"
+    skip = (*_UNCALLED.get(style, ()), "lm_head")
     out: list[tuple[str, tuple[int, ...]]] = []
 
     def visit(module: str) -> None:
         if module not in skip:
             own = tuple(owners.get(module, ()))
-            out.append((module, tuple(owners[embed]) + own if module == "" and tied and embed else own))
+            out.append((module, tuple(owners[head]) + own if module == "" and head in owners else own))
         children = tree[module]
         if style == "llama":
             children = sorted(children, key=lambda c: _LLAMA_FORWARD.index(c.rpartition(".")[2])
@@ -1350,18 +1376,31 @@ def prefetch_groups(s: Settings, numels: tuple[int, ...],
                                g[3] if g[3] is not None else len(fetches)) for g in groups)  # fmt: skip
 
 
-def open_gather_buffers_numel(s: Settings, numels: tuple[int, ...], nd: int,
-                              fetches: tuple[tuple[str, tuple[int, ...]], ...], after: int) -> int:
-    """Elements of the coalesced all-gather buffers alive beside their gathered parameters while module
-    ``after`` (an index into ``fetches``) runs forward: a group of several parameters is gathered into one flat
-    buffer (partition_parameters.py ``_all_gather_dtype``: ``flat_tensor``, Σ ceil(n / N_d)·N_d elements);
-    waiting on it copies each parameter out (``AllGatherCoalescedHandle.wait``: ``param.data = torch.cat(...)``),
-    but the buffer lives on in the handle until the registry has popped the group's last parameter, at the fetch
-    of the last module owning one. Groups waited on and not yet freed; one parameter alone is gathered in place
-    (``_all_gather_sequential``)."""
-    return sum(sum(-(-numels[p] // nd) * nd for p in g.params)
-               for g in prefetch_groups(s, numels, fetches)
-               if len(g.params) > 1 and g.waited <= after < g.freed)  # fmt: skip
+def gather_buffers_numel(groups: tuple[PrefetchGroup, ...], numels: tuple[int, ...], nd: int,
+                         after: int) -> tuple[int, int]:
+    """(elements of the parameters gathered or in flight, elements of the open coalesced buffers) while fetch
+    ``after`` (an index into ``forward_fetches``) runs forward, from ``prefetch_groups``.
+
+    A group of several parameters is gathered into one flat buffer (partition_parameters.py
+    ``_all_gather_dtype``: ``flat_tensor``, Σ ceil(n / N_d)·N_d elements); waiting on it copies each parameter
+    out (``AllGatherCoalescedHandle.wait``: ``param.data = torch.cat(...)``, n elements), but the buffer lives on
+    in the handle until the registry has popped the group's last parameter, at the fetch of the last module
+    owning one: open. One parameter alone is gathered in place into ceil(n / N_d)·N_d elements
+    (``_all_gather_sequential``: ``param_buffer``)."""
+    resident = open_ = 0
+    for g in groups:
+        if g.issued > after:
+            continue
+        padded = sum(-(-numels[p] // nd) * nd for p in g.params)
+        coalesced = len(g.params) > 1
+        waited = g.waited <= after
+        alive = after < g.freed
+        if not waited:
+            resident += padded
+        else:
+            resident += sum(numels[p] for p in g.params) if coalesced else padded
+            open_ += padded if coalesced and alive else 0
+    return resident, open_
 
 
 def _trace(workload: Workload) -> tuple[tuple[tuple[int, ...], ...], bool]:
