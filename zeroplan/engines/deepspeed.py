@@ -718,6 +718,8 @@ class DSRun:
     """parameter sizes module by module in forward order: ZeRO-3's module trace (``forward_trace``)."""
     fetches: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """ZeRO-3's forward fetches (``forward_fetches``)."""
+    param_blocks: tuple[int, ...] = ()
+    """per parameter (``named_parameters`` order), the index of its decoder block; -1 outside the blocks."""
     mlp_fetches: tuple[tuple[int, int], ...] = ()
     """per block, indices into ``fetches`` of its MLP input projection (GPT-2 ``c_fc``, Llama ``up_proj``, the
     later of gate and up) and output projection (``c_proj``, ``down_proj``); -1 where absent."""
@@ -1035,6 +1037,60 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
+def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
+    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``) where j is the
+    last block whose backward starts with that partition alive, or -1 when it comes after every block's.
+
+    Gradients are bucketed in gradient-ready order (taken, as ``_stage2_early_partitions`` does, as the reverse
+    of parameter order); a bucket is reduced at the hook of the first gradient that does not fit
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads`` -> ``reduce_ipg_grads``), and a rank's
+    ``grads_in_partition`` is allocated by the first reduction of a bucket holding one of its parameters
+    (``copy_grads_in_partition``), to live until the step. A reduction at the hook of block b's output projection
+    (its first gradients, GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``) comes at b's first op; one later in b
+    comes before b - 1's; one at the final norm's or the head's before the last block's. Under checkpointing
+    every block's backward holds its recomputed activations, so the partition allocated in one block is live
+    at the next block's peak nearly as large (measured: gpt-tiny, N_d = 4, rank 2's partition, allocated at the
+    last block's c_fc weight gradient, peaks at block 0's c_proj backward)."""
+    numels, p, nd = run.numels, _pbytes(run), run.nd
+    if not run.param_blocks or len(run.mlp_fetches) != run.acts.n_layer:
+        return ()
+    order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
+    buckets = greedy_buckets(tuple(numels[i] for i in order), run.settings.reduce_bucket_size)
+    first_of_bucket, at = [], 0
+    for size in buckets:
+        first_of_bucket.append(at)
+        at_numel = 0
+        while at_numel < size:
+            at_numel += numels[order[at]]
+            at += 1
+    bucket_of = {}
+    for b, start in enumerate(first_of_bucket):
+        end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
+        for i in order[start:end]:
+            bucket_of[i] = b
+    blocks = [i for i, j in enumerate(run.param_blocks) if j >= 0]
+    outputs = {i for j, (_, out) in enumerate(run.mlp_fetches) if out >= 0 for i in run.fetches[out][1]}
+    part = flat_padded_numel(numels, nd) // nd
+    out = []
+    for rank in range(nd):
+        mine = _partition_params(numels, part, rank)
+        if not mine:
+            continue
+        first = min(bucket_of[i] for i in mine)
+        if first + 1 >= len(buckets):
+            continue  # the last bucket: reduced after backward
+        hook = order[first_of_bucket[first + 1]]  # the gradient whose hook reduces it
+        j = run.param_blocks[hook]
+        if j < 0:
+            j = run.acts.n_layer - 1 if blocks and hook > max(blocks) else -1  # final norm / head, or embeddings
+        elif hook not in outputs:
+            j -= 1
+        if j >= 0:
+            out.append((rank, j, Term("grads_in_partition", sum(numels[i] for i in mine) * p,
+                                      "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
+    return tuple(out)
+
+
 def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
     """ZeRO-2 reduces bucket by bucket in gradient-ready order (the final norm, then the last block's
     parameters from the last); the first bucket fills during the last block's backward when the model
@@ -1114,6 +1170,10 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     if hooks_reduce and not accumulating:  # accumulating: every rank's grads_in_partition is in base
         out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
                    for r, gip in _stage2_early_partitions(run))  # fmt: skip
+        for r, j, gip in _partition_allocations(run):  # block j's first op, with blocks 0..j held
+            held = (_blocks_saved(run, j + 1), *inflight[1:])
+            out.append(Moment("backward", f"block {j} backward, rank {r}'s grads_in_partition",
+                              (*(t for t in last if t not in inflight), *held, gip)))  # fmt: skip
     if s.stage == 1 and not bf16_opt and not hooks_reduce:
         out.extend(_stage1_reduce(run))
     if bf16_opt:
@@ -1216,7 +1276,9 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
                  workload.grad_accum, tuple(tuple(v) for v in owners.values()),
-                 forward_trace(workload.shapes, spec.style), fetches, cuts)  # fmt: skip
+                 forward_trace(workload.shapes, spec.style), fetches,
+                 tuple(int(n[len(prefix):].split(".")[0]) if n.startswith(prefix) else -1 for n, _ in workload.shapes),
+                 cuts)  # fmt: skip
 
 
 # the MLP's input projection run last before its activation product, and its output projection
