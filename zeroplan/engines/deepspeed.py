@@ -1068,7 +1068,7 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
         end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
         for i in order[start:end]:
             bucket_of[i] = b
-    blocks = [i for i, j in enumerate(run.param_blocks) if j >= 0]
+    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
     outputs = {i for j, (_, out) in enumerate(run.mlp_fetches) if out >= 0 for i in run.fetches[out][1]}
     part = flat_padded_numel(numels, nd) // nd
     out = []
@@ -1082,7 +1082,7 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
         hook = order[first_of_bucket[first + 1]]  # the gradient whose hook reduces it
         j = run.param_blocks[hook]
         if j < 0:
-            j = run.acts.n_layer - 1 if blocks and hook > max(blocks) else -1  # final norm / head, or embeddings
+            j = run.acts.n_layer - 1 if 0 <= last_in_blocks < hook else -1  # final norm / head, or embeddings
         elif hook not in outputs:
             j -= 1
         if j >= 0:
@@ -1170,7 +1170,11 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     if hooks_reduce and not accumulating:  # accumulating: every rank's grads_in_partition is in base
         out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
                    for r, gip in _stage2_early_partitions(run))  # fmt: skip
-        for r, j, gip in _partition_allocations(run):  # block j's first op, with blocks 0..j held
+        largest: dict[int, tuple[int, Term]] = {}  # block -> the rank with the largest partition live there
+        for r, j, gip in _partition_allocations(run):
+            if j not in largest or gip.bytes > largest[j][1].bytes:
+                largest[j] = (r, gip)
+        for j, (r, gip) in sorted(largest.items()):  # block j's first op, with blocks 0..j held
             held = (_blocks_saved(run, j + 1), *inflight[1:])
             out.append(Moment("backward", f"block {j} backward, rank {r}'s grads_in_partition",
                               (*(t for t in last if t not in inflight), *held, gip)))  # fmt: skip
@@ -1270,9 +1274,9 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     for name, shape in workload.shapes:
         owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
     fetches = forward_fetches(workload.shapes, spec.style, spec.tied)
-    names = [name for name, _ in fetches]
-    cuts = tuple(tuple(names.index(f"{prefix}{j}.{m}") if f"{prefix}{j}.{m}" in names else -1
-                       for m in _MLP_PROJECTIONS[spec.style]) for j in range(spec.n_layer))  # fmt: skip
+    at = {name: k for k, (name, _) in enumerate(fetches)}
+    cuts = tuple(tuple(at.get(f"{prefix}{j}.{m}", -1) for m in _MLP_PROJECTIONS[spec.style])
+                 for j in range(spec.n_layer))  # fmt: skip
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
                  workload.grad_accum, tuple(tuple(v) for v in owners.values()),
