@@ -1091,6 +1091,35 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
     return tuple(out)
 
 
+def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
+    """ZeRO-1 reducing from its hooks (``overlap_comm``), per rank, per block j: the gradients of parameters
+    larger than ``reduce_bucket_size`` outside the rank's partition from blocks after j (and the final norm and
+    head), alive at j's first backward op. Such a gradient is reduced in place, not copied into the bucket
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``: ``extra_large_param_to_reduce``), and
+    stage 1 clears no gradient after reducing it (``reduce_ipg_grads``: only stage 2 calls
+    ``clear_grad_attribute``), so it lives to the step's ``zero_grad``; smaller ones are views of the reused
+    bucket. Measured: gpt-tiny, 5,000-element buckets, N_d = 4, checkpointed: ranks 0, 1, 2 held 41,472,
+    41,472 and 20,736 B of c_fc / c_proj weight gradients more than ZeRO-2 in the same world."""
+    numels, p, nd, L = run.numels, _pbytes(run), run.nd, run.acts.n_layer
+    if not run.param_blocks:
+        return {}
+    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    part = flat_padded_numel(numels, nd) // nd
+    out = {}
+    for rank in range(nd):
+        mine = set(_partition_params(numels, part, rank))
+        blocks = [L if run.param_blocks[i] < 0 else run.param_blocks[i] for i, n in enumerate(numels)
+                  if n > run.settings.reduce_bucket_size and i not in mine
+                  and (run.param_blocks[i] >= 0 or i > last_in_blocks)]  # not the embeddings (after the blocks)
+        sizes = [n for i, n in enumerate(numels) if n > run.settings.reduce_bucket_size and i not in mine
+                 and (run.param_blocks[i] >= 0 or i > last_in_blocks)]
+        out[rank] = tuple(Term("gradients larger than the bucket, outside the partition (kept to the step)",
+                               sum(n for n, b in zip(sizes, blocks) if b > j) * p,
+                               "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce; stage 1 "
+                               "clears no gradient)") for j in range(L))  # fmt: skip
+    return out
+
+
 def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
     """ZeRO-2 reduces bucket by bucket in gradient-ready order (the final norm, then the last block's
     parameters from the last); the first bucket fills during the last block's backward when the model
@@ -1170,14 +1199,19 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     if hooks_reduce and not accumulating:  # accumulating: every rank's grads_in_partition is in base
         out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
                    for r, gip in _stage2_early_partitions(run))  # fmt: skip
-        largest: dict[int, tuple[int, Term]] = {}  # block -> the rank with the largest partition live there
-        for r, j, gip in _partition_allocations(run):
-            if j not in largest or gip.bytes > largest[j][1].bytes:
-                largest[j] = (r, gip)
-        for j, (r, gip) in sorted(largest.items()):  # block j's first op, with blocks 0..j held
-            held = (_blocks_saved(run, j + 1), *inflight[1:])
-            out.append(Moment("backward", f"block {j} backward, rank {r}'s grads_in_partition",
-                              (*(t for t in last if t not in inflight), *held, gip)))  # fmt: skip
+        allocated = {r: (j, gip) for r, j, gip in _partition_allocations(run)}
+        kept = _stage1_kept_gradients(run) if s.stage == 1 else {}
+        for j in range(L):  # block j's first op, with blocks 0..j held: the rank holding the most there
+            best: tuple[Term, ...] = ()
+            for r in range(run.nd):
+                held_r = (*((allocated[r][1],) if r in allocated and j <= allocated[r][0] else ()),
+                          *((kept[r][j],) if r in kept and kept[r][j].bytes else ()))
+                if sum(t.bytes for t in held_r) > sum(t.bytes for t in best):
+                    best, who = held_r, r
+            if best:
+                out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
+                                  (*(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+                                   *best)))  # fmt: skip
     if s.stage == 1 and not bf16_opt and not hooks_reduce:
         out.extend(_stage1_reduce(run))
     if bf16_opt:
