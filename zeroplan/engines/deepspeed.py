@@ -972,19 +972,21 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
               _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
     base = (*states, *_gathered(run))
     s = run.settings
-    prefetched = s.stage == 3 and run.fetches and not any(released_after_forward(s, run.trace, run.tied_head))
+    prefetched = s.stage == 3 and bool(run.fetches) and not any(released_after_forward(s, run.trace, run.tied_head))
     groups = prefetch_groups(s, run.numels, run.fetches) if prefetched else ()
 
+    def cut(j: int) -> int:  # the fetch block j's moment comes after: its MLP's input or output projection
+        return run.mlp_fetches[j][0 if run.checkpointing != "none" else 1] if prefetched else -1
+
     def block(j: int) -> tuple[Term, ...]:
-        cut = run.mlp_fetches[j][0 if run.checkpointing != "none" else 1] if prefetched else -1
         if run.checkpointing == "none":
             out = (_blocks_saved(run, j + 1), _act("block output and last op's output", blk.forward_extra, 2))
         else:
             out = (_blocks_saved(run, j), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
-        return (*out, *_open_gather_buffers(run, groups, cut))
+        return (*out, *_open_gather_buffers(run, groups, cut(j)))
 
-    earlier = [Moment("forward", f"block {j}", (*states, _resident(run, groups, run.mlp_fetches[j][
-        0 if run.checkpointing != "none" else 1]), *block(j))) for j in range(L - 1)] if prefetched else []  # fmt: skip
+    earlier = [Moment("forward", f"block {j}", (*states, _resident(run, groups, cut(j)), *block(j)))
+               for j in range(L - 1)] if prefetched else []  # fmt: skip
     head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
     # CausalLM.loss: ``logits = self(tokens).float()``: nothing saves the model-dtype logits, so the fp32 copy
     # replaces them (in fp32 ``.float()`` returns the same tensor)
@@ -1106,15 +1108,14 @@ def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
     last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
     part = flat_padded_numel(numels, nd) // nd
     out = {}
+    # (parameter, its block; L for the final norm and head, reduced before every block) of the gradients larger
+    # than the bucket; the embeddings' come after the blocks
+    large = [(i, L if b < 0 else b) for i, (n, b) in enumerate(zip(numels, run.param_blocks))
+             if n > run.settings.reduce_bucket_size and (b >= 0 or i > last_in_blocks)]  # fmt: skip
     for rank in range(nd):
         mine = set(_partition_params(numels, part, rank))
-        blocks = [L if run.param_blocks[i] < 0 else run.param_blocks[i] for i, n in enumerate(numels)
-                  if n > run.settings.reduce_bucket_size and i not in mine
-                  and (run.param_blocks[i] >= 0 or i > last_in_blocks)]  # not the embeddings (after the blocks)
-        sizes = [n for i, n in enumerate(numels) if n > run.settings.reduce_bucket_size and i not in mine
-                 and (run.param_blocks[i] >= 0 or i > last_in_blocks)]
         out[rank] = tuple(Term("gradients larger than the bucket, outside the partition (kept to the step)",
-                               sum(n for n, b in zip(sizes, blocks) if b > j) * p,
+                               sum(numels[i] for i, b in large if b > j and i not in mine) * p,
                                "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce; stage 1 "
                                "clears no gradient)") for j in range(L))  # fmt: skip
     return out
