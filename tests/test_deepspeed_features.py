@@ -1,5 +1,5 @@
 """Real DeepSpeed (gloo, CPU) beyond the matrix of tests/test_deepspeed_engine.py (which has overlap_comm and
-BF16_Optimizer at N_d = 2 and 4): gradient accumulation, activation checkpointing and a Llama, against
+BF16_Optimizer at N_d = 2 and 4): gradient accumulation, activation checkpointing (ZeRO-2 and 3) and a Llama, against
 ``zeroplan.engines.deepspeed``.
 
 One torchrun world of N_d = 2 trains every case below for two steps (``run_world(..., runs=...)``: a
@@ -45,6 +45,7 @@ def _cases() -> dict[str, tuple[dict, dict]]:
         "z2-accum2": (accum(ds_config(2, zero=SMALL, optimizer_params=adam)), {}),
         "z3-accum2": (accum(ds_config(3, zero=SMALL, optimizer_params=adam)), {}),
         "z2-checkpointing": (ds_config(2, zero=SMALL, optimizer_params=adam), {"checkpointing": "full"}),
+        "z3-checkpointing": (ds_config(3, zero=SMALL, optimizer_params=adam), {"checkpointing": "full"}),
         "z2-llama": (ds_config(2, zero=SMALL, optimizer_params=adam), {"model": LLAMA}),
         "z3-llama": (ds_config(3, zero=SMALL, optimizer_params=adam), {"model": LLAMA}),
         # fp16: DeepSpeed's capability check answered yes on this CPU (validate/engines/deepspeed.py fp16_on_cpu)
@@ -157,3 +158,23 @@ def test_prefetch_rows_follow_the_coordinator(world):
         assert sched.at(run.trace, "forward end") == 47_520 + 9_168 - (4_944 if backward else 0)
         assert row["measured_peak_bytes_by_phase"]["forward"] == row["predicted_peak_bytes_by_phase"]["forward"]
         assert row["measured_collectives"][_key("all-gather", "forward", "float32")]["elements"] == 52_464
+@pytest.mark.parametrize("name", ["z3-checkpointing", "z3-llama"])
+def test_zero3_forward_gathers_are_the_simulated_prefetches(world, name):
+    """ZeRO-3's forward all-gathers, call by call, are ``prefetch_groups``'s: which parameters each fetch and
+    prefetch takes (each call's elements: its buffer, Σ ceil(n / N_d)·N_d), in order, on every rank and step
+    from the second. The profile's open coalesced buffers (the checkpointed block's forward peak) rest on it."""
+    import math
+
+    from validate.engines.deepspeed import workload_for
+
+    config, ranks, _ = world[name]
+    workload = workload_for(_cases()[name][1].get("model", "gpt-tiny"), 2, None)
+    numels = tuple(math.prod(sh) for _, sh in workload.shapes)
+    settings = D.Settings.from_ds_config(config)
+    fetches = D.forward_fetches(workload.shapes, workload.spec.style, workload.spec.tied)
+    want = [sum(-(-numels[p] // ND) * ND for p in g.params) for g in D.prefetch_groups(settings, numels, fetches)]
+    assert len(want) > 3 and any(len(g.params) > 1 for g in D.prefetch_groups(settings, numels, fetches))
+    for rank in ranks:
+        for calls in rank["calls_by_step"][2:]:
+            got = [c[3] for c in calls if c[:2] == ["all-gather", "forward"]]
+            assert got == want, (got, want)

@@ -1169,6 +1169,27 @@ def _gathered(run: DSRun, mark: str) -> tuple[Term, ...]:
                  "(__params_to_release); partition_parameters.py all_gather_coalesced"),)  # fmt: skip
 
 
+def _open_gather_buffers(run: DSRun, groups: tuple[PrefetchGroup, ...], after: int) -> tuple[Term, ...]:
+    """ZeRO-3: the coalesced all-gather buffers still alive beside their gathered parameters while fetch
+    ``after`` runs forward (``gather_buffers_numel``; measured: gpt-tiny checkpointed, N_d = 2 and 4,
+    21,312 B in the last block: its c_fc bias and c_proj weight, prefetched together)."""
+    if after < 0:
+        return ()
+    numel = gather_buffers_numel(groups, run.numels, run.nd, after)[1]
+    return (Term("coalesced all-gather buffers awaiting their last module", numel * _pbytes(run),
+                 "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor) held by "
+                 "AllGatherCoalescedHandle until partitioned_param_coordinator.py _fetch_sub_module_impl pops the "
+                 "group's last parameter"),) if numel else ()
+
+
+def _resident(run: DSRun, groups: tuple[PrefetchGroup, ...], after: int) -> Term:
+    """ZeRO-3 mid-forward: the non-persistent parameters gathered or in flight while fetch ``after`` runs
+    (``gather_buffers_numel``): what the fetches and prefetches of the trace have issued by then."""
+    numel = gather_buffers_numel(groups, run.numels, run.nd, after)[0]
+    return Term("parameters gathered or in flight (prefetched so far)", numel * _pbytes(run),
+                "runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch_groups)")
+
+
 def _blocks_saved(run: DSRun, n: int) -> Term:
     per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
     return _act(f"saved activations of {n} blocks", n * per, max(n, 1))
@@ -1315,8 +1336,14 @@ def _held_between_micro_steps(run: DSRun, with_bucket: bool = True) -> tuple[Ter
 
 
 def forward_moments(run: DSRun) -> tuple[Moment, ...]:
-    """The last block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of
-    the model states after a step (the peak of a phase is the largest over steps)."""
+    """Each block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of the
+    model states after a step (the peak of a phase is the largest over steps).
+
+    A block's moment: its output (or, checkpointed, its MLP's no-grad peak, after the input projection and
+    before the output projection: activation_terms.py, the MLP's term of the working set) with the blocks before
+    it saved. At ZeRO-3 what is gathered then is what the trace's fetches and prefetches have issued
+    (``prefetch_groups``), with the coalesced buffers still open; the last block and the head see every
+    parameter gathered (``_gathered``)."""
     acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
     base = (*_states(run), *_held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
@@ -1373,6 +1400,88 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
                  "runtime/zero/stage_1_and_2.py copy_grads_in_partition (torch.empty of the partition's parameters)"),
             _act("batch (token ids, targets)", run.acts.batch, 2))))  # fmt: skip
     return tuple(out)
+
+
+def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
+    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``) where j is the
+    last block whose backward starts with that partition alive, or -1 when it comes after every block's.
+
+    Gradients are bucketed in gradient-ready order (taken, as ``_stage2_early_partitions`` does, as the reverse
+    of parameter order); a bucket is reduced at the hook of the first gradient that does not fit
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads`` -> ``reduce_ipg_grads``), and a rank's
+    ``grads_in_partition`` is allocated by the first reduction of a bucket holding one of its parameters
+    (``copy_grads_in_partition``), to live until the step. A reduction at the hook of block b's output projection
+    (its first gradients, GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``) comes at b's first op; one later in b
+    comes before b - 1's; one at the final norm's or the head's before the last block's. Under checkpointing
+    every block's backward holds its recomputed activations, so the partition allocated in one block is live
+    at the next block's peak nearly as large (measured: gpt-tiny, N_d = 4, rank 2's partition, allocated at the
+    last block's c_fc weight gradient, peaks at block 0's c_proj backward)."""
+    numels, p, nd = run.numels, _pbytes(run), run.nd
+    if not run.param_blocks or len(run.mlp_fetches) != run.acts.n_layer:
+        return ()
+    order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
+    buckets = greedy_buckets(tuple(numels[i] for i in order), run.settings.reduce_bucket_size)
+    first_of_bucket, at = [], 0
+    for size in buckets:
+        first_of_bucket.append(at)
+        at_numel = 0
+        while at_numel < size:
+            at_numel += numels[order[at]]
+            at += 1
+    bucket_of = {}
+    for b, start in enumerate(first_of_bucket):
+        end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
+        for i in order[start:end]:
+            bucket_of[i] = b
+    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    outputs = {i for j, (_, out) in enumerate(run.mlp_fetches) if out >= 0 for i in run.fetches[out][1]}
+    part = flat_padded_numel(numels, nd) // nd
+    out = []
+    for rank in range(nd):
+        mine = _partition_params(numels, part, rank)
+        if not mine:
+            continue
+        first = min(bucket_of[i] for i in mine)
+        if first + 1 >= len(buckets):
+            continue  # the last bucket: reduced after backward
+        hook = order[first_of_bucket[first + 1]]  # the gradient whose hook reduces it
+        j = run.param_blocks[hook]
+        if j < 0:
+            j = run.acts.n_layer - 1 if 0 <= last_in_blocks < hook else -1  # final norm / head, or embeddings
+        elif hook not in outputs:
+            j -= 1
+        if j >= 0:
+            out.append((rank, j, Term("grads_in_partition", sum(numels[i] for i in mine) * p,
+                                      "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
+    return tuple(out)
+
+
+def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
+    """ZeRO-1 reducing from its hooks (``overlap_comm``), per rank, per block j: the gradients of parameters
+    larger than ``reduce_bucket_size`` outside the rank's partition from blocks after j (and the final norm and
+    head), alive at j's first backward op. Such a gradient is reduced in place, not copied into the bucket
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``: ``extra_large_param_to_reduce``), and
+    stage 1 clears no gradient after reducing it (``reduce_ipg_grads``: only stage 2 calls
+    ``clear_grad_attribute``), so it lives to the step's ``zero_grad``; smaller ones are views of the reused
+    bucket. Measured: gpt-tiny, 5,000-element buckets, N_d = 4, checkpointed: ranks 0, 1, 2 held 41,472,
+    41,472 and 20,736 B of c_fc / c_proj weight gradients more than ZeRO-2 in the same world."""
+    numels, p, nd, L = run.numels, _pbytes(run), run.nd, run.acts.n_layer
+    if not run.param_blocks:
+        return {}
+    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    part = flat_padded_numel(numels, nd) // nd
+    out = {}
+    # (parameter, its block; L for the final norm and head, reduced before every block) of the gradients larger
+    # than the bucket; the embeddings' come after the blocks
+    large = [(i, L if b < 0 else b) for i, (n, b) in enumerate(zip(numels, run.param_blocks))
+             if n > run.settings.reduce_bucket_size and (b >= 0 or i > last_in_blocks)]  # fmt: skip
+    for rank in range(nd):
+        mine = set(_partition_params(numels, part, rank))
+        out[rank] = tuple(Term("gradients larger than the bucket, outside the partition (kept to the step)",
+                               sum(numels[i] for i, b in large if b > j and i not in mine) * p,
+                               "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce; stage 1 "
+                               "clears no gradient)") for j in range(L))  # fmt: skip
+    return out
 
 
 def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
@@ -1455,6 +1564,19 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     if hooks_reduce and not accumulating:  # accumulating: every rank's grads_in_partition is in base
         out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
                    for r, gip in _stage2_early_partitions(run))  # fmt: skip
+        allocated = {r: (j, gip) for r, j, gip in _partition_allocations(run)}
+        kept = _stage1_kept_gradients(run) if s.stage == 1 else {}
+        for j in range(L):  # block j's first op, with blocks 0..j held: the rank holding the most there
+            best: tuple[Term, ...] = ()
+            for r in range(run.nd):
+                held_r = (*((allocated[r][1],) if r in allocated and j <= allocated[r][0] else ()),
+                          *((kept[r][j],) if r in kept and kept[r][j].bytes else ()))
+                if sum(t.bytes for t in held_r) > sum(t.bytes for t in best):
+                    best, who = held_r, r
+            if best:
+                out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
+                                  (*(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+                                   *best)))  # fmt: skip
     if s.stage == 1 and not bf16_opt and not hooks_reduce:
         out.extend(_stage1_reduce(run))
     if bf16_opt:
@@ -1550,6 +1672,10 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     owners: dict[str, list[int]] = {}  # insertion order: the order the modules were built
     for name, shape in workload.shapes:
         owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
+    fetches = forward_fetches(workload.shapes, spec.style, spec.tied)
+    at = {name: k for k, (name, _) in enumerate(fetches)}
+    cuts = tuple(tuple(at.get(f"{prefix}{j}.{m}", -1) for m in _MLP_PROJECTIONS[spec.style])
+                 for j in range(spec.n_layer))  # fmt: skip
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
                  workload.grad_accum, tuple(tuple(v) for v in owners.values()), *_trace(workload))  # fmt: skip
