@@ -303,17 +303,24 @@ def test_zero3_prefetch_groups_as_measured():
     """gpt-tiny, 5,000-element prefetch: the all-gathers of a steady-state forward as logged from
     partitioned_param_coordinator.py ``__all_gather_params_`` (DeepSpeed 0.19.8, N_d = 2, 2026-11-30): the root
     fetches the tied head (wte) alone, then each fetch prefetches the next >= 5,000 elements not available;
-    coalesced buffers are freed at the fetch that pops their last parameter."""
+    coalesced buffers are freed at the fetch that pops their last parameter (``stage3_schedule``'s calls)."""
     w = _workload()
     names = [n for n, _ in w.shapes]
     numels = tuple(math.prod(sh) for _, sh in w.shapes)
-    fetches = D.forward_fetches(w.shapes, "gpt", True)
-    assert [m for m, _ in fetches][:4] == ["", "transformer.wte", "transformer.wpe", "transformer.h.0"]
-    assert "transformer" not in dict(fetches) and "transformer.h" not in dict(fetches)
+    trace = D.stage3_trace(w.shapes, "gpt", True)
+    fetched = [trace.names[e.module] for e in trace.events if e.op == D.FETCH and e.forward]
+    assert fetched[:4] == ["(root)", "transformer.wte", "transformer.wpe", "transformer.h.0"]
+    assert "transformer" not in fetched and "transformer.h" not in fetched
     s = D.Settings.from_ds_config({"zero_optimization": {"stage": 3, **SMALL3}})
-    groups = D.prefetch_groups(s, numels, fetches)
-    got = [([names[p].removeprefix("transformer.") for p in g.params], fetches[g.issued][0].removeprefix("transformer."),
-            fetches[g.freed][0].removeprefix("transformer.")) for g in groups]  # fmt: skip
+    sched = D.stage3_schedule(trace, numels, 2, s.param_persistence_threshold, s.prefetch_bucket_size,
+                              s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
+
+    def module(event: int) -> str:
+        return trace.names[trace.events[event].module].removeprefix("transformer.").replace("(root)", "")
+
+    forward = [g for g in sched.gathers if trace.events[g.issued].forward]
+    got = [([names[p].removeprefix("transformer.") for p in g.params], module(g.issued), module(g.popped))
+           for g in forward]  # fmt: skip
     assert got == [
         (["wte.weight"], "", ""),
         (["wpe.weight", "h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight"], "", "h.0.attn.c_proj"),
@@ -325,11 +332,14 @@ def test_zero3_prefetch_groups_as_measured():
     ]  # fmt: skip
     # in the last block's MLP (c_fc run, c_proj not yet fetched) the c_fc bias + c_proj weight buffer is open:
     # measured with MemTracker at the checkpointed forward's peak, 21,312 B at N_d = 2 and 4
-    c_fc = [m for m, _ in fetches].index("transformer.h.1.mlp.c_fc")
     for nd in (2, 4):
-        resident, open_ = D.gather_buffers_numel(groups, numels, nd, c_fc)
-        assert open_ * 4 == 21_312
-        assert resident == sum(n for n in numels if n > 100)  # everything issued by then (sizes divide by N_d)
+        sched = D.stage3_schedule(trace, numels, nd, s.param_persistence_threshold, s.prefetch_bucket_size,
+                                  s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
+        c_fc = sched.event(trace, "block 1 MLP input")
+        assert module(c_fc) == "h.1.mlp.c_fc"
+        assert sched.buffers[c_fc] * 4 == 21_312
+        # everything issued by then (sizes divide by N_d), the open buffer beside it
+        assert sched.gathered[c_fc] - sched.buffers[c_fc] == sum(n for n in numels if n > 100)
 
 
 def test_checkpointed_forward_peaks_with_the_open_buffer():
