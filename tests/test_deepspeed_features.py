@@ -159,8 +159,8 @@ def test_prefetch_rows_follow_the_coordinator(world):
         assert row["measured_peak_bytes_by_phase"]["forward"] == row["predicted_peak_bytes_by_phase"]["forward"]
         assert row["measured_collectives"][_key("all-gather", "forward", "float32")]["elements"] == 52_464
 @pytest.mark.parametrize("name", ["z3-checkpointing", "z3-llama"])
-def test_zero3_forward_gathers_are_the_simulated_prefetches(world, name):
-    """ZeRO-3's forward all-gathers, call by call, are ``prefetch_groups``'s: which parameters each fetch and
+def test_zero3_forward_gathers_are_the_replayed_prefetches(world, name):
+    """ZeRO-3's forward all-gathers, call by call, are ``stage3_schedule``'s: which parameters each fetch and
     prefetch takes (each call's elements: its buffer, Σ ceil(n / N_d)·N_d), in order, on every rank and step
     from the second. The profile's open coalesced buffers (the checkpointed block's forward peak) rest on it."""
     import math
@@ -170,10 +170,15 @@ def test_zero3_forward_gathers_are_the_simulated_prefetches(world, name):
     config, ranks, _ = world[name]
     workload = workload_for(_cases()[name][1].get("model", "gpt-tiny"), 2, None)
     numels = tuple(math.prod(sh) for _, sh in workload.shapes)
-    settings = D.Settings.from_ds_config(config)
-    fetches = D.forward_fetches(workload.shapes, workload.spec.style, workload.spec.tied)
-    want = [sum(-(-numels[p] // ND) * ND for p in g.params) for g in D.prefetch_groups(settings, numels, fetches)]
-    assert len(want) > 3 and any(len(g.params) > 1 for g in D.prefetch_groups(settings, numels, fetches))
+    s = D.Settings.from_ds_config(config)
+    trace = D.stage3_trace(workload.shapes, workload.spec.style,
+                           workload.spec.style == "gpt" and workload.spec.tie_word_embeddings)  # fmt: skip
+    sched = D.stage3_schedule(trace, numels, ND, s.param_persistence_threshold, s.prefetch_bucket_size,
+                              s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
+    forward = [g for g in sched.gathers if not trace.events[g.issued].backward_phase]
+    want = [g.elements for g in forward]
+    assert want == [sum(-(-numels[p] // ND) * ND for p in g.params) for g in forward]
+    assert len(want) > 3 and any(len(g.params) > 1 for g in forward)
     for rank in ranks:
         for calls in rank["calls_by_step"][2:]:
             got = [c[3] for c in calls if c[:2] == ["all-gather", "forward"]]
