@@ -1624,6 +1624,17 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
                         f"torch autograd AccumulateGrad; {src}"),) if r in early else ()))))  # fmt: skip
     else:
         out.append(Moment("backward", "last block backward", last))
+    if keeps and run.param_blocks:
+        # ZeRO-1 reducing after backward: autograd's gradients pile up block by block, so block j's first op
+        # also holds every later block's (under checkpointing its recomputed activations make it nearly as
+        # large as the last block's: measured gpt-tiny, N_d = 4, every rank at block 0)
+        for j in range(L - 1):
+            later = sum(n for n, b in zip(run.numels, run.param_blocks) if b > j)
+            out.append(Moment("backward", f"block {j} backward, the later blocks' gradients held", (
+                *(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+                Term("gradients of the later blocks (param.grad)", later * p,
+                     "torch autograd AccumulateGrad; runtime/zero/stage_1_and_2.py process_gradients (stage 1 "
+                     "without overlap_comm reduces in reduce_gradients, after backward)"))))  # fmt: skip
     if hooks_reduce and not accumulating:  # accumulating: every rank's grads_in_partition is in base
         out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
                    for r, gip in _stage2_early_partitions(run))  # fmt: skip
