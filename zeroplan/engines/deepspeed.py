@@ -1216,13 +1216,13 @@ GATHER_SRC = ("runtime/zero/partitioned_param_coordinator.py fetch_sub_module (p
               "(__params_to_release); partition_parameters.py all_gather_coalesced")  # fmt: skip
 
 
-def _gathered(run: DSRun, mark: str, during: bool = False) -> tuple[Term, ...]:
+def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bool = False) -> tuple[Term, ...]:
     """ZeRO-3 after the first step: the non-persistent parameters gathered at the peak moment ``mark`` of the
     trace (``stage3_schedule``: fetched or prefetched and not yet released) and, apart, the flat buffers of
     coalesced all-gathers still open there (measured: gpt-tiny checkpointed, N_d = 2 and 4, 21,312 B in the last
     block's MLP: its c_fc bias and c_proj weight, prefetched together). ``during``: the most while the mark's
-    event runs (its wait frees a buffer only after its own all-gather), one term."""
-    sched = _schedule(run)
+    event runs (its wait frees a buffer only after its own all-gather), one term. ``sched``: ``_schedule(run)``
+    (asked once per phase: hashing a 70B trace for the cache costs milliseconds)."""
     if sched is None:
         return ()
     p, i = _pbytes(run), sched.event(run.trace, mark)
@@ -1394,7 +1394,7 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     projection is fetched: its saved activations are all made (the projection's input is the last), its
     output and the projection's not yet, and a coalesced buffer whose last parameter is that projection's is
     still open until the fetch's wait."""
-    acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
+    acts, blk, L, sched = run.acts, run.acts.block, run.acts.n_layer, _schedule(run)
     base = (*_states(run), *_held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
     staged = run.settings.stage == 3 and run.trace is not None and f"block {L - 1} output projection" in dict(
@@ -1404,15 +1404,15 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
         name = "last block" if j == L - 1 else f"block {j}"
         if run.checkpointing != "none":
             held = (_blocks_saved(run, j), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
-            return (Moment("forward", name, (*base, *_gathered(run, f"block {j} MLP input" if staged
+            return (Moment("forward", name, (*base, *_gathered(run, sched, f"block {j} MLP input" if staged
                                                                 else "last block forward"), *held)),)  # fmt: skip
         done = (_blocks_saved(run, j + 1), _act("block output and last op's output", blk.forward_extra, 2))
         if not staged:
-            return (Moment("forward", name, (*base, *_gathered(run, "last block forward"), *done)),)
+            return (Moment("forward", name, (*base, *_gathered(run, sched, "last block forward"), *done)),)
         mark = f"block {j} output projection"
         before = (_blocks_saved(run, j + 1), _act("block input and residual (not saved)", blk.forward_before_output))
-        return (Moment("forward", f"{name}, output projection fetched", (*base, *_gathered(run, mark, during=True), *before)),
-                Moment("forward", name, (*base, *_gathered(run, mark), *done)))  # fmt: skip
+        return (Moment("forward", f"{name}, output projection fetched", (*base, *_gathered(run, sched, mark, during=True), *before)),
+                Moment("forward", name, (*base, *_gathered(run, sched, mark), *done)))  # fmt: skip
 
     head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
     # CausalLM.loss: ``logits = self(tokens).float()``: nothing saves the model-dtype logits, so the fp32 copy
@@ -1422,8 +1422,8 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
             _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss))  # fmt: skip
     return (
         *(m for j in (range(L) if staged else (L - 1,)) for m in block(j)),
-        Moment("forward", "LM head", (*base, *_gathered(run, "LM head forward"), *head)),
-        Moment("forward", "cross-entropy", (*base, *_gathered(run, "forward end"), *loss)),
+        Moment("forward", "LM head", (*base, *_gathered(run, sched, "LM head forward"), *head)),
+        Moment("forward", "cross-entropy", (*base, *_gathered(run, sched, "forward end"), *loss)),
     )
 
 
@@ -1573,17 +1573,17 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     """Loss backward, the LM head's, the last block's (with the bucket from the first hook on), and at
     ZeRO-1 the reduction after backward."""
     acts, blk, L, p, s = run.acts, run.acts.block, run.acts.n_layer, _pbytes(run), run.settings
-    n_d = acts.embed_out
+    n_d, sched = acts.embed_out, _schedule(run)
     accumulating = run.grad_accum > 1 and s.stage in (1, 2)
     base = (*_states(run), *_held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2),
             _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     out = [
-        Moment("backward", "cross-entropy backward", (*base, *_gathered(run, "forward end"), *saved_all,
+        Moment("backward", "cross-entropy backward", (*base, *_gathered(run, sched, "forward end"), *saved_all,
                _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
                _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2))),
-        Moment("backward", "LM head backward", (*base, *_gathered(run, "LM head backward"), *saved_all,
+        Moment("backward", "LM head backward", (*base, *_gathered(run, sched, "LM head backward"), *saved_all,
                _act("logits gradient", acts.logits),
                _act("final norm output gradient", n_d),
                Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"))),
@@ -1603,7 +1603,7 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     if run.checkpointing != "none":
         inflight += (_act("recomputed block's saved activations", blk.recomputed),)
     ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
-    last = (*base, *_gathered(run, "last block backward"), *inflight, _act("incoming activation gradient", n_d), kept_root,
+    last = (*base, *_gathered(run, sched, "last block backward"), *inflight, _act("incoming activation gradient", n_d), kept_root,
             _act("block backward working set", ws), *(() if accumulating and s.stage == 1 else _bucket(run)))  # fmt: skip
     if accumulating and s.stage == 2:
         # per rank: its own grads_in_partition, held from the first micro-step; a partition parameter's
