@@ -1570,8 +1570,10 @@ def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
 
 
 def backward_moments(run: DSRun) -> tuple[Moment, ...]:
-    """Loss backward, the LM head's, the last block's (with the bucket from the first hook on), and at
-    ZeRO-1 the reduction after backward."""
+    """Loss backward, the LM head's, the last block's (with the bucket from the first hook on), each earlier
+    block's first op with what a rank still holds from the later blocks (ZeRO-1 reducing after backward: their
+    ``param.grad``; ZeRO-2 and ZeRO-1 with ``overlap_comm``: ``_partition_allocations``,
+    ``_stage1_kept_gradients``), and at ZeRO-1 the reduction after backward."""
     acts, blk, L, p, s = run.acts, run.acts.block, run.acts.n_layer, _pbytes(run), run.settings
     n_d, sched = acts.embed_out, _schedule(run)
     accumulating = run.grad_accum > 1 and s.stage in (1, 2)
