@@ -1,5 +1,5 @@
 """Real DeepSpeed (gloo, CPU) beyond the matrix of tests/test_deepspeed_engine.py (which has overlap_comm and
-BF16_Optimizer at N_d = 2 and 4): gradient accumulation, activation checkpointing and a Llama, against
+BF16_Optimizer at N_d = 2 and 4): gradient accumulation, activation checkpointing (ZeRO-2 and 3) and a Llama, against
 ``zeroplan.engines.deepspeed``.
 
 One torchrun world of N_d = 2 trains every case below for two steps (``run_world(..., runs=...)``: a
@@ -45,6 +45,7 @@ def _cases() -> dict[str, tuple[dict, dict]]:
         "z2-accum2": (accum(ds_config(2, zero=SMALL, optimizer_params=adam)), {}),
         "z3-accum2": (accum(ds_config(3, zero=SMALL, optimizer_params=adam)), {}),
         "z2-checkpointing": (ds_config(2, zero=SMALL, optimizer_params=adam), {"checkpointing": "full"}),
+        "z3-checkpointing": (ds_config(3, zero=SMALL, optimizer_params=adam), {"checkpointing": "full"}),
         "z2-llama": (ds_config(2, zero=SMALL, optimizer_params=adam), {"model": LLAMA}),
         "z3-llama": (ds_config(3, zero=SMALL, optimizer_params=adam), {"model": LLAMA}),
         # fp16: DeepSpeed's capability check answered yes on this CPU (validate/engines/deepspeed.py fp16_on_cpu)
@@ -157,3 +158,28 @@ def test_prefetch_rows_follow_the_coordinator(world):
         assert sched.at(run.trace, "forward end") == 47_520 + 9_168 - (4_944 if backward else 0)
         assert row["measured_peak_bytes_by_phase"]["forward"] == row["predicted_peak_bytes_by_phase"]["forward"]
         assert row["measured_collectives"][_key("all-gather", "forward", "float32")]["elements"] == 52_464
+@pytest.mark.parametrize("name", ["z3-checkpointing", "z3-llama"])
+def test_zero3_forward_gathers_are_the_replayed_prefetches(world, name):
+    """ZeRO-3's forward all-gathers, call by call, are ``stage3_schedule``'s: which parameters each fetch and
+    prefetch takes (each call's elements: its buffer, Σ ceil(n / N_d)·N_d), in order, on every rank and step
+    from the second. The profile's open coalesced buffers (the checkpointed block's forward peak) rest on it."""
+    import math
+
+    from validate.engines.deepspeed import workload_for
+
+    config, ranks, _ = world[name]
+    workload = workload_for(_cases()[name][1].get("model", "gpt-tiny"), 2, None)
+    numels = tuple(math.prod(sh) for _, sh in workload.shapes)
+    s = D.Settings.from_ds_config(config)
+    trace = D.stage3_trace(workload.shapes, workload.spec.style,
+                           workload.spec.style == "gpt" and workload.spec.tie_word_embeddings)  # fmt: skip
+    sched = D.stage3_schedule(trace, numels, ND, s.param_persistence_threshold, s.prefetch_bucket_size,
+                              s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
+    forward = [g for g in sched.gathers if not trace.events[g.issued].backward_phase]
+    want = [g.elements for g in forward]
+    assert want == [sum(-(-numels[p] // ND) * ND for p in g.params) for g in forward]
+    assert len(want) > 3 and any(len(g.params) > 1 for g in forward)
+    for rank in ranks:
+        for calls in rank["calls_by_step"][2:]:
+            got = [c[3] for c in calls if c[:2] == ["all-gather", "forward"]]
+            assert got == want, (got, want)

@@ -813,6 +813,10 @@ class DSRun:
     what ``deepspeed.zero.Init`` partitions after each module's ``__init__``."""
     trace: Optional[Stage3Trace] = None
     """ZeRO-3's module trace (``stage3_trace``): what the coordinator fetches and releases, in order."""
+    param_blocks: tuple[int, ...] = ()
+    """per parameter (``named_parameters`` order), the index of its decoder block; -1 outside the blocks."""
+    output_projections: tuple[int, ...] = ()
+    """the parameters of the blocks' MLP output projections (GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``)."""
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -881,6 +885,19 @@ class Stage3Trace:
 
 
 @dataclass(frozen=True)
+class Stage3Gather:
+    """One all-gather of the coordinator (partition_parameters.py ``all_gather_coalesced``): the parameters it
+    gathers (indices), the event that issued it (a module's own fetch or the prefetch after it), its elements
+    (the output: each parameter padded to N_d) and the event whose wait popped its last parameter from the
+    inflight registry (its flat buffer, if coalesced, is freed there; -1: still in flight at the end)."""
+
+    params: tuple[int, ...]
+    issued: int
+    elements: int
+    popped: int
+
+
+@dataclass(frozen=True)
 class Stage3Schedule:
     """What ``stage3_schedule`` found for one steady-state micro-step (elements, on one rank).
 
@@ -899,11 +916,20 @@ class Stage3Schedule:
     forward_elements: int
     backward_calls: int
     backward_elements: int
+    buffers: tuple[int, ...] = ()
+    """``buffers[i]``: the part of ``gathered[i]`` that is flat buffers of coalesced all-gathers still open (their
+    parameters were copied out at the first wait; the buffer lives until the registry pops the last one)."""
+    gathers: tuple[Stage3Gather, ...] = ()
+    """every all-gather call, in order."""
+
+    def event(self, trace: Stage3Trace, mark: str) -> int:
+        """The first event of ``mark``'s span after which the most is gathered."""
+        first, last = trace.span(mark)
+        return max(range(first, last + 1), key=lambda i: (self.gathered[i], -i))
 
     def at(self, trace: Stage3Trace, mark: str) -> int:
         """The most gathered after any event of ``mark``'s span."""
-        first, last = trace.span(mark)
-        return max(self.gathered[first : last + 1])
+        return self.gathered[self.event(trace, mark)]
 
 
 def stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, persistence_threshold: int,
@@ -938,7 +964,8 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
     own = [0] * len(numels)  # elements a gathered parameter holds
     registry: dict[int, int] = {}  # __inflight_param_registry: parameter -> handle
     handles: dict[int, list] = {}  # handle -> [parameters, flat elements (0: one parameter), waiting, done]
-    st = {"step": 0, "qi": 0, "avail": 0, "mem": 0, "high": 0}
+    st = {"step": 0, "qi": 0, "avail": 0, "mem": 0, "high": 0, "flat": 0, "event": 0}
+    issued: list[list] = []  # per call: [params, event, elements, popped]
     calls = {True: [0, 0], False: [0, 0]}
     regathered: list[int] = []
 
@@ -956,6 +983,7 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
         if not forward:
             regathered.extend(todo)
         hid = len(handles)
+        issued.append([tuple(todo), st["event"], sum(padded[p] for p in todo), -1])
         if len(todo) == 1:  # _all_gather_sequential: param.data is the padded buffer
             own[todo[0]] = padded[todo[0]]
             grow(padded[todo[0]])
@@ -963,6 +991,7 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
         else:  # _all_gather_dtype: one flat buffer; wait() copies each parameter out (torch.cat)
             flat = sum(padded[p] for p in todo)
             grow(flat)
+            st["flat"] += flat
             handles[hid] = [todo, flat, len(todo), False]
         for p in todo:
             status[p], registry[p] = INFLIGHT, hid
@@ -970,7 +999,8 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
     def wait(p: int) -> None:  # fetch_sub_module: __inflight_param_registry.pop(param).wait()
         if p not in registry:
             return
-        h = handles[registry.pop(p)]
+        hid = registry.pop(p)
+        h = handles[hid]
         if not h[3]:
             h[3] = True
             for q in h[0]:
@@ -979,8 +1009,10 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
                     own[q] = numels[q]
                     grow(numels[q])
         h[2] -= 1
-        if h[2] == 0 and h[1]:
+        if h[2] == 0:
+            issued[hid][3] = st["event"]
             st["mem"] -= h[1]
+            st["flat"] -= h[1]
 
     def free(p: int) -> None:  # __release_param
         if status[p] == AVAILABLE and not active[p] and not persist[p]:
@@ -1036,24 +1068,31 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
             if p in drop:
                 free(p)
 
-    gathered, high = [], []
+    gathered, high, buffers = [], [], []
     forward_peak = backward_peak = 0
-    for e in trace.events:
-        st["high"] = st["mem"]
+    for i, e in enumerate(trace.events):
+        st["high"], st["event"] = st["mem"], i
         (fetch if e.op == FETCH else release)(e.module, not e.backward_phase)
         gathered.append(st["mem"])
         high.append(st["high"])
+        buffers.append(st["flat"])
         if not e.backward_phase:
             forward_peak = max(forward_peak, st["high"])
         else:
             backward_peak = max(backward_peak, st["high"])
     return Stage3Schedule(tuple(gathered), tuple(high), forward_peak, backward_peak, tuple(regathered),
-                          calls[True][0], calls[True][1], calls[False][0], calls[False][1])  # fmt: skip
+                          calls[True][0], calls[True][1], calls[False][0], calls[False][1], tuple(buffers),
+                          tuple(Stage3Gather(*g) for g in issued))  # fmt: skip
 
 
 _LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 """modeling_llama.py LlamaDecoderLayer.forward runs these in this order (registered self_attn, mlp, then the
 norms); GPT-2 blocks run in registration order."""
+
+
+_MLP_PROJECTIONS = {"gpt": ("c_fc", "c_proj"), "llama": ("up_proj", "down_proj")}
+"""A block's MLP input projection (the one run last before the activation product) and output projection
+(validate/transformer.py GPT2MLP, LlamaMLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``)."""
 
 
 def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optional[str] = None,
@@ -1066,7 +1105,10 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
     measured: the root's fetch all-gathers it) and ``lm_head`` itself is never called. Backward mirrors
     forward: a module's pre-backward fetch, its children from the last, its post-backward release, except
     where no input needs a gradient (the root and the embeddings, fed token ids): those wait for
-    ``release_backward_leftovers``."""
+    ``release_backward_leftovers``.
+
+    Marks: per decoder block j, ``block j MLP input`` (the fetch of its MLP input projection) and ``block j output
+    projection`` (the fetch of its MLP output projection, the block's last module), for the forward moments."""
     names = [name for name, _ in shapes]
     children: dict[str, list[str]] = {"": []}
     params: dict[str, list[int]] = {"": []}
@@ -1122,9 +1164,15 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
     spans: dict[str, list[int]] = {}
     last_block = next((c for c in reversed(top) if c.rpartition(".")[2].isdigit()), None)
 
+    projections = _MLP_PROJECTIONS.get(style or "", ())
+
     def forward(path: str) -> None:
         start = len(events)
         events.append(TraceEvent(FETCH, module(path), True))
+        block, _, leaf = path.rpartition(".mlp.")
+        if leaf in projections and block.rpartition(".")[2].isdigit():
+            what = "MLP input" if leaf == projections[0] else "output projection"
+            spans[f"block {block.rpartition('.')[2]} {what}"] = [start, start]
         for c in called(path):
             forward(c)
         if path == "":
@@ -1155,18 +1203,37 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
     return Stage3Trace(tuple(modules), tuple(events), marks, tuple(p or "(root)" for p in by_index))
 
 
-def _gathered(run: DSRun, mark: str) -> tuple[Term, ...]:
-    """ZeRO-3 after the first step: the non-persistent parameters gathered at the peak moment ``mark`` of the
-    trace (``stage3_schedule``: fetched or prefetched and not yet released, plus the flat buffers of
-    coalesced all-gathers still waited on)."""
-    if run.settings.stage != 3 or run.trace is None:
-        return ()
+def _schedule(run: DSRun) -> Optional[Stage3Schedule]:
+    """ZeRO-3's replayed coordinator for ``run`` (``stage3_schedule``); None below stage 3."""
     s = run.settings
-    sched = stage3_schedule(run.trace, run.numels, run.nd, s.param_persistence_threshold, s.prefetch_bucket_size,
-                            s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
-    return (Term(f"gathered parameters ({mark})", sched.at(run.trace, mark) * _pbytes(run),
-                 "runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch), release_sub_module "
-                 "(__params_to_release); partition_parameters.py all_gather_coalesced"),)  # fmt: skip
+    if s.stage != 3 or run.trace is None:
+        return None
+    return stage3_schedule(run.trace, run.numels, run.nd, s.param_persistence_threshold, s.prefetch_bucket_size,
+                           s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
+
+
+GATHER_SRC = ("runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch), release_sub_module "
+              "(__params_to_release); partition_parameters.py all_gather_coalesced")  # fmt: skip
+
+
+def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bool = False) -> tuple[Term, ...]:
+    """ZeRO-3 after the first step: the non-persistent parameters gathered at the peak moment ``mark`` of the
+    trace (``stage3_schedule``: fetched or prefetched and not yet released) and, apart, the flat buffers of
+    coalesced all-gathers still open there (measured: gpt-tiny checkpointed, N_d = 2 and 4, 21,312 B in the last
+    block's MLP: its c_fc bias and c_proj weight, prefetched together). ``during``: the most while the mark's
+    event runs (its wait frees a buffer only after its own all-gather), one term. ``sched``: ``_schedule(run)``
+    (asked once per phase: hashing a 70B trace for the cache costs milliseconds)."""
+    if sched is None:
+        return ()
+    p, i = _pbytes(run), sched.event(run.trace, mark)
+    if during:
+        return (Term(f"gathered parameters and open all-gather buffers (during {mark})", sched.high[i] * p, GATHER_SRC),)
+    buffers = sched.buffers[i] if sched.buffers else 0
+    return (Term(f"gathered parameters ({mark})", (sched.gathered[i] - buffers) * p, GATHER_SRC),
+            *((Term("coalesced all-gather buffers awaiting their last module", buffers * p,
+                    "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor) held by "
+                    "AllGatherCoalescedHandle until partitioned_param_coordinator.py fetch_sub_module pops the "
+                    "call's last parameter"),) if buffers else ()))  # fmt: skip
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:
@@ -1315,15 +1382,38 @@ def _held_between_micro_steps(run: DSRun, with_bucket: bool = True) -> tuple[Ter
 
 
 def forward_moments(run: DSRun) -> tuple[Moment, ...]:
-    """The last block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of
-    the model states after a step (the peak of a phase is the largest over steps)."""
-    acts, blk, L = run.acts, run.acts.block, run.acts.n_layer
+    """Each block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of the
+    model states after a step (the peak of a phase is the largest over steps).
+
+    A block's moment, with the blocks before it saved: its output (after its MLP output projection, the block's
+    last module, is fetched) or, checkpointed, its MLP's no-grad peak (after the input projection is fetched,
+    before the output projection: activation_terms.py, the MLP's term of the working set). At ZeRO-3 what is
+    gathered then is read off the replayed coordinator at that fetch (``stage3_schedule``; the trace's marks
+    ``block j output projection`` / ``block j MLP input``), the open coalesced buffers apart; below stage 3
+    only the last block's moment can be the largest. Without checkpointing a block also peaks while its output
+    projection is fetched: its saved activations are all made (the projection's input is the last), its
+    output and the projection's not yet, and a coalesced buffer whose last parameter is that projection's is
+    still open until the fetch's wait."""
+    acts, blk, L, sched = run.acts, run.acts.block, run.acts.n_layer, _schedule(run)
     base = (*_states(run), *_held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
-    if run.checkpointing == "none":
-        last = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
-    else:
-        last = (_blocks_saved(run, L - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+    staged = run.settings.stage == 3 and run.trace is not None and f"block {L - 1} output projection" in dict(
+        (m, f) for m, f, _ in run.trace.marks)  # fmt: skip
+
+    def block(j: int) -> tuple[Moment, ...]:
+        name = "last block" if j == L - 1 else f"block {j}"
+        if run.checkpointing != "none":
+            held = (_blocks_saved(run, j), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+            return (Moment("forward", name, (*base, *_gathered(run, sched, f"block {j} MLP input" if staged
+                                                                else "last block forward"), *held)),)  # fmt: skip
+        done = (_blocks_saved(run, j + 1), _act("block output and last op's output", blk.forward_extra, 2))
+        if not staged:
+            return (Moment("forward", name, (*base, *_gathered(run, sched, "last block forward"), *done)),)
+        mark = f"block {j} output projection"
+        before = (_blocks_saved(run, j + 1), _act("block input and residual (not saved)", blk.forward_before_output))
+        return (Moment("forward", f"{name}, output projection fetched", (*base, *_gathered(run, sched, mark, during=True), *before)),
+                Moment("forward", name, (*base, *_gathered(run, sched, mark), *done)))  # fmt: skip
+
     head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
     # CausalLM.loss: ``logits = self(tokens).float()``: nothing saves the model-dtype logits, so the fp32 copy
     # replaces them (in fp32 ``.float()`` returns the same tensor)
@@ -1331,9 +1421,9 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
             _act("fp32 logits (loss upcast)", acts.logits_fp32),
             _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss))  # fmt: skip
     return (
-        Moment("forward", "last block", (*base, *_gathered(run, "last block forward"), *last)),
-        Moment("forward", "LM head", (*base, *_gathered(run, "LM head forward"), *head)),
-        Moment("forward", "cross-entropy", (*base, *_gathered(run, "forward end"), *loss)),
+        *(m for j in (range(L) if staged else (L - 1,)) for m in block(j)),
+        Moment("forward", "LM head", (*base, *_gathered(run, sched, "LM head forward"), *head)),
+        Moment("forward", "cross-entropy", (*base, *_gathered(run, sched, "forward end"), *loss)),
     )
 
 
@@ -1375,6 +1465,88 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
+def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
+    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``) where j is the
+    last block whose backward starts with that partition alive, or -1 when it comes after every block's.
+
+    Gradients are bucketed in gradient-ready order (taken, as ``_stage2_early_partitions`` does, as the reverse
+    of parameter order); a bucket is reduced at the hook of the first gradient that does not fit
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads`` -> ``reduce_ipg_grads``), and a rank's
+    ``grads_in_partition`` is allocated by the first reduction of a bucket holding one of its parameters
+    (``copy_grads_in_partition``), to live until the step. A reduction at the hook of block b's output projection
+    (its first gradients, GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``) comes at b's first op; one later in b
+    comes before b - 1's; one at the final norm's or the head's before the last block's. Under checkpointing
+    every block's backward holds its recomputed activations, so the partition allocated in one block is live
+    at the next block's peak nearly as large (measured: gpt-tiny, N_d = 4, rank 2's partition, allocated at the
+    last block's c_fc weight gradient, peaks at block 0's c_proj backward)."""
+    numels, p, nd = run.numels, _pbytes(run), run.nd
+    if not run.param_blocks:
+        return ()
+    order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
+    buckets = greedy_buckets(tuple(numels[i] for i in order), run.settings.reduce_bucket_size)
+    first_of_bucket, at = [], 0
+    for size in buckets:
+        first_of_bucket.append(at)
+        at_numel = 0
+        while at_numel < size:
+            at_numel += numels[order[at]]
+            at += 1
+    bucket_of = {}
+    for b, start in enumerate(first_of_bucket):
+        end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
+        for i in order[start:end]:
+            bucket_of[i] = b
+    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    outputs = set(run.output_projections)
+    part = flat_padded_numel(numels, nd) // nd
+    out = []
+    for rank in range(nd):
+        mine = _partition_params(numels, part, rank)
+        if not mine:
+            continue
+        first = min(bucket_of[i] for i in mine)
+        if first + 1 >= len(buckets):
+            continue  # the last bucket: reduced after backward
+        hook = order[first_of_bucket[first + 1]]  # the gradient whose hook reduces it
+        j = run.param_blocks[hook]
+        if j < 0:
+            j = run.acts.n_layer - 1 if 0 <= last_in_blocks < hook else -1  # final norm / head, or embeddings
+        elif hook not in outputs:
+            j -= 1
+        if j >= 0:
+            out.append((rank, j, Term("grads_in_partition", sum(numels[i] for i in mine) * p,
+                                      "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
+    return tuple(out)
+
+
+def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
+    """ZeRO-1 reducing from its hooks (``overlap_comm``), per rank, per block j: the gradients of parameters
+    larger than ``reduce_bucket_size`` outside the rank's partition from blocks after j (and the final norm and
+    head), alive at j's first backward op. Such a gradient is reduced in place, not copied into the bucket
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``: ``extra_large_param_to_reduce``), and
+    stage 1 clears no gradient after reducing it (``reduce_ipg_grads``: only stage 2 calls
+    ``clear_grad_attribute``), so it lives to the step's ``zero_grad``; smaller ones are views of the reused
+    bucket. Measured: gpt-tiny, 5,000-element buckets, N_d = 4, checkpointed: ranks 0, 1, 2 held 41,472,
+    41,472 and 20,736 B of c_fc / c_proj weight gradients more than ZeRO-2 in the same world."""
+    numels, p, nd, L = run.numels, _pbytes(run), run.nd, run.acts.n_layer
+    if not run.param_blocks:
+        return {}
+    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    part = flat_padded_numel(numels, nd) // nd
+    out = {}
+    # (parameter, its block; L for the final norm and head, reduced before every block) of the gradients larger
+    # than the bucket; the embeddings' come after the blocks
+    large = [(i, L if b < 0 else b) for i, (n, b) in enumerate(zip(numels, run.param_blocks))
+             if n > run.settings.reduce_bucket_size and (b >= 0 or i > last_in_blocks)]  # fmt: skip
+    for rank in range(nd):
+        mine = set(_partition_params(numels, part, rank))
+        out[rank] = tuple(Term("gradients larger than the bucket, outside the partition (kept to the step)",
+                               sum(numels[i] for i, b in large if b > j and i not in mine) * p,
+                               "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce; stage 1 "
+                               "clears no gradient)") for j in range(L))  # fmt: skip
+    return out
+
+
 def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
     """ZeRO-2 reduces bucket by bucket in gradient-ready order (the final norm, then the last block's
     parameters from the last); the first bucket fills during the last block's backward when the model
@@ -1398,20 +1570,22 @@ def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
 
 
 def backward_moments(run: DSRun) -> tuple[Moment, ...]:
-    """Loss backward, the LM head's, the last block's (with the bucket from the first hook on), and at
-    ZeRO-1 the reduction after backward."""
+    """Loss backward, the LM head's, the last block's (with the bucket from the first hook on), each earlier
+    block's first op with what a rank still holds from the later blocks (ZeRO-1 reducing after backward: their
+    ``param.grad``; ZeRO-2 and ZeRO-1 with ``overlap_comm``: ``_partition_allocations``,
+    ``_stage1_kept_gradients``), and at ZeRO-1 the reduction after backward."""
     acts, blk, L, p, s = run.acts, run.acts.block, run.acts.n_layer, _pbytes(run), run.settings
-    n_d = acts.embed_out
+    n_d, sched = acts.embed_out, _schedule(run)
     accumulating = run.grad_accum > 1 and s.stage in (1, 2)
     base = (*_states(run), *_held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2),
             _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     out = [
-        Moment("backward", "cross-entropy backward", (*base, *_gathered(run, "forward end"), *saved_all,
+        Moment("backward", "cross-entropy backward", (*base, *_gathered(run, sched, "forward end"), *saved_all,
                _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
                _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2))),
-        Moment("backward", "LM head backward", (*base, *_gathered(run, "LM head backward"), *saved_all,
+        Moment("backward", "LM head backward", (*base, *_gathered(run, sched, "LM head backward"), *saved_all,
                _act("logits gradient", acts.logits),
                _act("final norm output gradient", n_d),
                Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"))),
@@ -1431,7 +1605,7 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     if run.checkpointing != "none":
         inflight += (_act("recomputed block's saved activations", blk.recomputed),)
     ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
-    last = (*base, *_gathered(run, "last block backward"), *inflight, _act("incoming activation gradient", n_d), kept_root,
+    last = (*base, *_gathered(run, sched, "last block backward"), *inflight, _act("incoming activation gradient", n_d), kept_root,
             _act("block backward working set", ws), *(() if accumulating and s.stage == 1 else _bucket(run)))  # fmt: skip
     if accumulating and s.stage == 2:
         # per rank: its own grads_in_partition, held from the first micro-step; a partition parameter's
@@ -1452,9 +1626,33 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
                         f"torch autograd AccumulateGrad; {src}"),) if r in early else ()))))  # fmt: skip
     else:
         out.append(Moment("backward", "last block backward", last))
+    if keeps and run.param_blocks:
+        # ZeRO-1 reducing after backward: autograd's gradients pile up block by block, so block j's first op
+        # also holds every later block's (under checkpointing its recomputed activations make it nearly as
+        # large as the last block's: measured gpt-tiny, N_d = 4, every rank at block 0)
+        for j in range(L - 1):
+            later = sum(n for n, b in zip(run.numels, run.param_blocks) if b > j)
+            out.append(Moment("backward", f"block {j} backward, the later blocks' gradients held", (
+                *(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+                Term("gradients of the later blocks (param.grad)", later * p,
+                     "torch autograd AccumulateGrad; runtime/zero/stage_1_and_2.py process_gradients (stage 1 "
+                     "without overlap_comm reduces in reduce_gradients, after backward)"))))  # fmt: skip
     if hooks_reduce and not accumulating:  # accumulating: every rank's grads_in_partition is in base
         out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
                    for r, gip in _stage2_early_partitions(run))  # fmt: skip
+        allocated = {r: (j, gip) for r, j, gip in _partition_allocations(run)}
+        kept = _stage1_kept_gradients(run) if s.stage == 1 else {}
+        for j in range(L):  # block j's first op, with blocks 0..j held: the rank holding the most there
+            best: tuple[Term, ...] = ()
+            for r in range(run.nd):
+                held_r = (*((allocated[r][1],) if r in allocated and j <= allocated[r][0] else ()),
+                          *((kept[r][j],) if r in kept and kept[r][j].bytes else ()))
+                if sum(t.bytes for t in held_r) > sum(t.bytes for t in best):
+                    best, who = held_r, r
+            if best:
+                out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
+                                  (*(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+                                   *best)))  # fmt: skip
     if s.stage == 1 and not bf16_opt and not hooks_reduce:
         out.extend(_stage1_reduce(run))
     if bf16_opt:
@@ -1550,9 +1748,12 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     owners: dict[str, list[int]] = {}  # insertion order: the order the modules were built
     for name, shape in workload.shapes:
         owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
+    blocks = tuple(int(n[len(prefix):].split(".")[0]) if n.startswith(prefix) else -1 for n, _ in workload.shapes)
+    output = f".mlp.{_MLP_PROJECTIONS[spec.style][1]}."
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
-                 workload.grad_accum, tuple(tuple(v) for v in owners.values()), *_trace(workload))  # fmt: skip
+                 workload.grad_accum, tuple(tuple(v) for v in owners.values()), *_trace(workload), blocks,
+                 tuple(i for i, (n, _) in enumerate(workload.shapes) if blocks[i] >= 0 and output in n))  # fmt: skip
 
 
 def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:

@@ -74,6 +74,9 @@ class BlockActivations:
     backward_first_op: int
     first_weight_grads: int
     backward_act_grads: int
+    forward_before_output: int = 0
+    """alive beside ``saved`` when the block's MLP output projection is called (its input, the last tensor the
+    block saves, is made): ``forward_extra`` less the projection's output and the block output."""
     backward_first_op_recomputed: int = 0
     """``backward_first_op`` of a recomputed block (full checkpointing)."""
     recomputed: int = 0
@@ -161,6 +164,7 @@ def _gpt_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, st: int) -
     return BlockActivations(
         saved=saved,
         forward_extra=2 * n * d * a,  # the MLP's projection and the block output x + mlp(x)
+        forward_before_output=0,  # the block input and x1 are saved (LN1, LN2)
         ckpt_forward_peak=ckpt_peak,
         ckpt_saved=n * d * a,
         # mlp.c_proj's addmm backward: d(act out), dW (mm), then the bias gradient (a sum); a recomputed
@@ -231,6 +235,7 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
         # 16-bit: nothing saves the block input or x1: both live beside the last product, down's out and
         # the sum; fp32: they are in ``saved`` (measured: tiny-llama fp32 at N_d = 2, forward exact)
         forward_extra=(2 if own_input else 4) * n * d * a,
+        forward_before_output=(0 if own_input else 2) * n * d * a,  # the block input and x1, 16-bit
         ckpt_forward_peak=n * d * a + _llama_nograd_peak(spec, n, s, a),
         ckpt_saved=n * d * a,
         # 16-bit: nothing in the block saves its input, the held input comes on top; fp32: the input
