@@ -348,11 +348,45 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
     return row
 
 
+def hf_builder(config_path: str, checkpointing: str = "none"):
+    """A builder of the Hugging Face ``transformers`` causal LM of a ``config.json`` (never downloaded: the
+    file's keys through ``AutoConfig.for_model``), random init, fp32, with ``loss(batch)`` as the runner calls it.
+
+    ``attn_implementation="sdpa"``: the attention ``validate/transformer.py`` mirrors and
+    ``zeroplan.formulas.activation_terms`` models (eager would keep the t x t probabilities). The loss is
+    the model's own (``forward(labels=..., shift_labels=...)`` -> ``loss/loss_utils.py ForCausalLMLoss``:
+    logits upcast, mean cross-entropy) on the validator's targets (``shift_labels``: already shifted, so
+    the same targets as ``CausalLM.loss``); ``use_cache=False``: a training step keeps no KV cache."""
+    if checkpointing != "none":
+        raise ValueError("hf runs: checkpointing not supported (transformers' gradient_checkpointing_enable)")
+    import torch
+    import transformers
+
+    keys = json.loads(Path(config_path).read_text())
+
+    def build():
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(**keys)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                              dtype=torch.float32)  # fmt: skip
+        model.train()
+
+        def loss(batch):
+            tokens, targets = batch
+            return model(input_ids=tokens, labels=targets, shift_labels=targets, use_cache=False).loss
+
+        model.loss = loss
+        return model
+
+    return build
+
+
 def _model_and_batches(
     spec_name: str, nd: int, rank: int, micro_batch: int, steps: int, seq_len=None, accum: int = 1,
-    checkpointing: str = "none",
+    checkpointing: str = "none", hf: bool = False,
 ):  # fmt: skip
-    """The model builder and, per step, ``accum`` micro-batches of this rank (slices of one global batch)."""
+    """The model builder and, per step, ``accum`` micro-batches of this rank (slices of one global batch);
+    ``hf``: the ``transformers`` model of the config file ``spec_name`` (``hf_builder``), the same batches."""
     import torch
 
     from validate.models import build, make_batch, spec_for
@@ -368,6 +402,8 @@ def _model_and_batches(
                 tuple(t[rank * micro_batch : (rank + 1) * micro_batch].clone() for t in global_batch)
             )
         batches.append(micro)
+    if hf:
+        return hf_builder(spec_name, checkpointing), batches
     return (lambda: build(spec, torch.float32, "cpu", checkpointing=checkpointing)), batches
 
 
@@ -388,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--runs", default=None,
         help="JSON list parallel to --configs: per config, {\"model\": ..., \"checkpointing\": ..., \"zero_init\": "
-        "...} overriding --model, --checkpointing and --zero-init",
+        "...} overriding --model, --checkpointing and --zero-init; \"hf\": true builds the transformers model "
+        "of the model's config.json (hf_builder)",
     )  # fmt: skip
     parser.add_argument(
         "--zero-init", action="store_true",
@@ -423,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
             args.seq_len,
             config.get("gradient_accumulation_steps", 1),
             run.get("checkpointing", args.checkpointing),
+            bool(run.get("hf", False)),
         )
         with fp16_on_cpu(config) as overridden:
             row = measure(model_fn, config, batches, rank, nd, bool(run.get("zero_init", args.zero_init)))
@@ -445,7 +483,8 @@ def run_world(
     """Run ``configs`` on ``nd`` gloo CPU ranks under torchrun (through ``validate.launch``, which names the
     first failed rank); returns rows[rank][config]. ``runs``: per config, a ``model`` and ``checkpointing``
     other than the world's (one world's ~30 s of setup shared by several models) and ``zero_init``: build
-    under ``deepspeed.zero.Init`` (``build_model``)."""
+    under ``deepspeed.zero.Init`` (``build_model``); ``hf``: true builds the ``transformers`` model of the
+    ``model`` config.json instead of the validator's (``hf_builder``)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="zeroplan-deepspeed-") as tmp:
         cmd = [
