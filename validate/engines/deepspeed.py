@@ -520,16 +520,18 @@ def builtin_configs(stages: tuple[int, ...], dtype: str, micro_batch: int, lr: f
 
 
 def workload_for(
-    model: str, micro_batch: int, seq_len: int | None, grad_accum: int = 1, checkpointing: str = "none"
-):
+    model: str, micro_batch: int, seq_len: int | None, grad_accum: int = 1, checkpointing: str = "none",
+    hf: bool = False,
+):  # fmt: skip
     """The ``Workload`` the ranks train: the model's shapes (``named_parameters`` order), ``grad_accum``
-    micro-steps of ``micro_batch`` sequences per optimizer step."""
+    micro-steps of ``micro_batch`` sequences per optimizer step; ``hf``: the transformers model's module tree
+    (a run with ``"hf": true``)."""
     from validate.models import expected_shapes, spec_for
     from zeroplan.engines.base import Workload
 
     spec = spec_for(model, None)
     return Workload(tuple(expected_shapes(spec)), spec, seq_len or spec.max_seq_len, micro_batch,
-                    checkpointing=checkpointing, grad_accum=grad_accum)  # fmt: skip
+                    checkpointing=checkpointing, grad_accum=grad_accum, transformers=hf)  # fmt: skip
 
 
 def _ring_elements(calls: list[list]) -> dict[str, int]:

@@ -58,6 +58,9 @@ class Workload:
     """micro-steps per optimizer step."""
     foreach: bool = False
     """the optimizer's multi-tensor (``foreach``) path; torch's default is True on CUDA, False on CPU."""
+    transformers: bool = False
+    """the module tree is Hugging Face transformers' (``LlamaForCausalLM``: body and ``lm_head`` called as
+    modules), not validate/transformer.py ``CausalLM`` (head applied by the root); ZeRO-3's hook order."""
 
 
 @dataclass(frozen=True)

@@ -1096,7 +1096,7 @@ _MLP_PROJECTIONS = {"gpt": ("c_fc", "c_proj"), "llama": ("up_proj", "down_proj")
 
 
 def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optional[str] = None,
-                 tied: bool = False) -> Stage3Trace:
+                 tied: bool = False, head_module: bool = False) -> Stage3Trace:
     """ZeRO-3's module trace of the validator's causal LM (validate/transformer.py ``CausalLM``) from its
     parameter names: every module called in forward gets its hooks (parameter_offload.py
     ``_register_deepspeed_module``), containers that are never called (the ``transformer``/``model`` body,
@@ -1107,9 +1107,20 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
     where no input needs a gradient (the root and the embeddings, fed token ids): those wait for
     ``release_backward_leftovers``.
 
+    ``head_module``: the transformers model instead (modeling_llama.py ``LlamaForCausalLM.forward``,
+    modeling_gpt2.py ``GPT2LMHeadModel.forward``: ``self.model(...)`` / ``self.transformer(...)``, then
+    ``self.lm_head(hidden_states)``): the body is called (hooks, no parameters of its own; fed token ids, so no
+    post-backward release) and ``lm_head`` is a module called after it, owning the head weight (the token
+    embedding's when tied); the root has no parameter. Measured (tiny-llama, N_d = 2): the all-gathers equal
+    this trace's call for call. Modules without parameters (LlamaRotaryEmbedding, the MLP's activation) have
+    hooks too; left out: they gather nothing and the replay's reuse distance walks elements.
+
     Marks: per decoder block j, ``block j MLP input`` (the fetch of its MLP input projection) and ``block j output
     projection`` (the fetch of its MLP output projection, the block's last module), for the forward moments."""
     names = [name for name, _ in shapes]
+    head = next((i for i, n in enumerate(names) if n == "lm_head.weight"), None)
+    if head is None and tied:  # the head weight is the token embedding (CausalLM.head_weight; tied lm_head)
+        head = next((i for i, n in enumerate(names) if n.endswith(("wte.weight", "embed_tokens.weight"))), None)
     children: dict[str, list[str]] = {"": []}
     params: dict[str, list[int]] = {"": []}
     for i, name in enumerate(names):
@@ -1130,15 +1141,17 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
         """The modules ``path``'s forward calls, in order (containers never called are looked through)."""
         out = []
         for c in children[path]:
-            if c == "lm_head" and style is not None:
+            if c == "lm_head" and style is not None and not head_module:
                 continue  # CausalLM.forward: F.linear(x, self.head_weight)
-            if is_list(c) or (path == "" and style is not None and not params[c]):
+            if is_list(c) or (path == "" and style is not None and not head_module and not params[c]):
                 out += called(c)
             else:
                 out.append(c)
         if style == "llama" and path.rpartition(".")[2].isdigit():  # a decoder layer; sorted() is stable
             rank = {name: i for i, name in enumerate(_LLAMA_FORWARD)}
             out.sort(key=lambda c: rank.get(c.rpartition(".")[2], 0))
+        if head_module and path == "" and head is not None and "lm_head" not in out:
+            out.append("lm_head")  # tied: lm_head.weight is not in named_parameters, the module is still called
         return out
 
     index: dict[str, int] = {}
@@ -1146,20 +1159,20 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
 
     def module(path: str) -> int:
         if path not in index:
-            own = list(params[path])
-            if path == "" and style is not None:  # the head weight, an external parameter of the root
-                head = next((i for i, n in enumerate(names) if n == "lm_head.weight"), None)
-                if head is None and tied:  # CausalLM.head_weight: the token embedding
-                    embed = ("wte.weight", "embed_tokens.weight")
-                    head = next((i for i, n in enumerate(names) if n.endswith(embed)), None)
+            own = list(params.get(path, ()))
+            if path == "" and style is not None and not head_module:  # the head weight, the root's external parameter
                 own += [head] if head is not None else []
+            if path == "lm_head" and head_module:  # a tied head owns the embedding's weight: not in the names
+                own = [head] if head is not None else []
             index[path] = len(modules)
             modules.append(tuple(own))
         return index[path]
 
     top = called("")
+    bodies = [c for c in top if c != "lm_head" and children[c]] if head_module else []
+    top = called(bodies[0]) if bodies else top  # the transformers body's own calls
     first_block = next((i for i, c in enumerate(top) if c.rpartition(".")[2].isdigit()), len(top))
-    no_grad_input = {""} | set(top[:first_block] if style is not None else ())  # the embeddings: token ids in
+    no_grad_input = {"", *bodies} | set(top[:first_block] if style is not None else ())  # the embeddings: token ids in
     events: list[TraceEvent] = []
     spans: dict[str, list[int]] = {}
     last_block = next((c for c in reversed(top) if c.rpartition(".")[2].isdigit()), None)
@@ -1173,9 +1186,11 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
         if leaf in projections and block.rpartition(".")[2].isdigit():
             what = "MLP input" if leaf == projections[0] else "output projection"
             spans[f"block {block.rpartition('.')[2]} {what}"] = [start, start]
+        if path == "lm_head" and head_module:
+            spans["LM head forward"] = [start, start]
         for c in called(path):
             forward(c)
-        if path == "":
+        if path == "" and not head_module:
             spans["LM head forward"] = [len(events) - 1, len(events) - 1]
         events.append(TraceEvent(RELEASE, module(path), True))
         if path == last_block:
@@ -1184,7 +1199,7 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
     def backward(path: str) -> None:
         start = len(events)
         events.append(TraceEvent(FETCH, module(path), False))
-        if path == "":
+        if path == ("lm_head" if head_module else ""):
             spans["LM head backward"] = [start, start]
         for c in reversed(called(path)):
             backward(c)
@@ -1758,10 +1773,11 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
 
 def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:
     """(ZeRO-3's module trace of ``workload``,) for ``collectives``: ``stage3_trace`` of its parameter names,
-    the validator's causal LM where there is an architecture."""
+    the validator's causal LM where there is an architecture, the transformers one with ``Workload.transformers``."""
     spec = workload.spec
     style = spec.style if spec is not None else None
-    return (stage3_trace(workload.shapes, style, spec is not None and spec.style == "gpt" and spec.tie_word_embeddings),)
+    tied = spec is not None and spec.style == "gpt" and spec.tie_word_embeddings
+    return (stage3_trace(workload.shapes, style, tied, workload.transformers and spec is not None),)
 
 
 def _collective(c: DSCollective, nd: int) -> Collective:
