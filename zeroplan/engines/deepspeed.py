@@ -1186,8 +1186,8 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
         if leaf in projections and block.rpartition(".")[2].isdigit():
             what = "MLP input" if leaf == projections[0] else "output projection"
             spans[f"block {block.rpartition('.')[2]} {what}"] = [start, start]
-        if path == "lm_head" and head_module:
-            spans["LM head forward"] = [start, start]
+        if path == "lm_head" and head_module:  # its fetch: the final norm's output made, the logits not yet
+            spans["LM head forward"] = spans["LM head fetch"] = [start, start]
         for c in called(path):
             forward(c)
         if path == "" and not head_module:
@@ -1435,8 +1435,15 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     loss = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved),
             _act("fp32 logits (loss upcast)", acts.logits_fp32),
             _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss))  # fmt: skip
+    # the head a module of its own (transformers' lm_head; stage3_trace ``head_module``): while its fetch runs, a
+    # coalesced buffer whose last parameter is the head's is still open (measured: tiny-llama, DeepSpeed's
+    # default prefetch, the root's one call held to lm_head's fetch, +12,544 B over the last block's moment)
+    fetched = () if sched is None or "LM head fetch" not in dict((m, f) for m, f, _ in run.trace.marks) else (
+        Moment("forward", "LM head, its weight fetched", (*base, *_gathered(run, sched, "LM head fetch", during=True),
+               _blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))),)  # fmt: skip
     return (
         *(m for j in (range(L) if staged else (L - 1,)) for m in block(j)),
+        *fetched,
         Moment("forward", "LM head", (*base, *_gathered(run, sched, "LM head forward"), *head)),
         Moment("forward", "cross-entropy", (*base, *_gathered(run, sched, "forward end"), *loss)),
     )
