@@ -5,7 +5,8 @@ BF16_Optimizer at N_d = 2 and 4): gradient accumulation, activation checkpointin
 One torchrun world of N_d = 2 trains every case below for two steps (``run_world(..., runs=...)``: a
 model and checkpointing per config, so one world's ~30 s of setup serves them all), each row compared by
 the validator's own ``compare_row``: model states within 1%, every phase's peak within 3%, steady-state
-collectives equal in elements (the second step: ZeRO-3 records its trace in the first). fp32 and torch's
+collectives equal in elements (the second step: ZeRO-3 records its trace in the first). One row trains
+transformers' ``LlamaForCausalLM`` of the same config (``"hf": true``, ``hf_builder``). fp32 and torch's
 AdamW (``torch_adam``): the dtype and kernel do not matter here, except in the fp16 rows: DeepSpeed's fp16
 path (its loss scaler and overflow checks; ZeRO-3 adds an all-reduce of the overflow flag) on a CPU whose
 oneDNN has no fp16, with DeepSpeed's capability check answered yes by the runner (``fp16_on_cpu``,
@@ -59,6 +60,11 @@ def _cases() -> dict[str, tuple[dict, dict]]:
                                              optimizer_params=adam), {"model": LLAMA}),
         "z3-default-prefetch-r0": (ds_config(3, zero={**SMALL, "stage3_prefetch_bucket_size": 50_000_000,
                                                       "stage3_max_reuse_distance": 0}, optimizer_params=adam), {}),
+        # transformers' LlamaForCausalLM of the same config (hf_builder): body and lm_head called as modules
+        # (stage3_trace head_module); the root's one prefetch call is held open to lm_head's fetch
+        "z3-llama-hf-default-prefetch-r0": (ds_config(3, zero={**SMALL, "stage3_prefetch_bucket_size": 50_000_000,
+                                                               "stage3_max_reuse_distance": 0}, optimizer_params=adam),
+                                            {"model": LLAMA, "hf": True}),
     }  # fmt: skip
 
 
@@ -76,7 +82,8 @@ def world():
     rows = {}
     for i, (name, (config, run)) in enumerate(cases.items()):
         workload = workload_for(run.get("model", "gpt-tiny"), config["train_micro_batch_size_per_gpu"], None,
-                                config.get("gradient_accumulation_steps", 1), run.get("checkpointing", "none"))  # fmt: skip
+                                config.get("gradient_accumulation_steps", 1), run.get("checkpointing", "none"),
+                                hf=run.get("hf", False))  # fmt: skip
         rows[name] = (config, [r[i] for r in ranks],
                       compare_row(config, ND, [r[i] for r in ranks], workload, name, STATES_TOL, PEAK_TOL))  # fmt: skip
     return rows
@@ -183,3 +190,25 @@ def test_zero3_forward_gathers_are_the_replayed_prefetches(world, name):
         for calls in rank["calls_by_step"][2:]:
             got = [c[3] for c in calls if c[:2] == ["all-gather", "forward"]]
             assert got == want, (got, want)
+
+
+def test_the_transformers_model_is_what_ran(world):
+    """The hf row trained transformers' model, not the validator's in disguise: its head is gathered with the
+    root's prefetch and kept to backward (one forward call, nothing in backward), where the validator's model
+    of the same config, at the same settings, gathers the head again in backward (stage3_trace)."""
+    from validate.report import _key
+
+    _, _, hf = world["z3-llama-hf-default-prefetch-r0"]
+    assert _key("all-gather", "backward", "float32") not in hf["measured_collectives"]
+    assert hf["measured_collectives"][_key("all-gather", "forward", "float32")]["elements"] == 47520
+    _, ranks, _ = world["z3-llama-hf-default-prefetch-r0"]
+    assert [c[3] for c in ranks[0]["calls_by_step"][-1] if c[:2] == ["all-gather", "forward"]] == [47520]
+    import math
+
+    from validate.engines.deepspeed import workload_for
+
+    config, _, _ = world["z3-llama-hf-default-prefetch-r0"]
+    validator = workload_for(LLAMA, 2, None)
+    numels = tuple(math.prod(sh) for _, sh in validator.shapes)
+    predicted = D.collectives(D.Settings.from_ds_config(config, zero_init=False), numels, ND, 1, *D._trace(validator))
+    assert [c.elements for c in predicted if c.op == "all-gather" and c.phase == "backward"] == [4944]

@@ -287,6 +287,34 @@ def test_schedule_reproduces_the_measured_coordinator():
     assert (s.forward_calls, s.forward_elements, s.backward_calls, s.backward_elements) == (7, 52464, 1, 4944)
 
 
+def test_transformers_trace_reproduces_the_measured_all_gathers():
+    """transformers' LlamaForCausalLM (``head_module``: body and lm_head called as modules) built from tiny-llama,
+    real DeepSpeed at N_d = 2 (``run_world(..., runs=[{"model": ..., "hf": True}])``, 2026-11-30): the steady
+    step's forward all-gathers (CommCounter), call for call; the validator's trace (head from the root's fetch)
+    gathers the head first and again in backward at distance 0, which the transformers model does not."""
+    from validate.models import spec_for
+
+    spec = spec_for(str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json"), None)
+    shapes = tuple(transformer_shapes(spec))
+    numels = tuple(math.prod(sh) for _, sh in shapes)
+    hf = D.stage3_trace(shapes, "llama", head_module=True)
+    assert hf.names[:3] == ("(root)", "model", "model.embed_tokens") and hf.modules[:2] == ((), ())
+    assert hf.modules[hf.names.index("lm_head")] == (len(shapes) - 1,)
+    measured = {  # (prefetch, distance): the step's all-gather sizes, all in forward (the embedding, released
+        # after its forward below distance 1e9, is prefetched again at the end of forward: 4,944)
+        (5000, 0): (7248, 8064, 8448, 6144, 8448, 9168, 4944),
+        (5000, 10_000): (7248, 8064, 8448, 6144, 8448, 9168, 4944),
+        (5000, 10**9): (7248, 8064, 8448, 6144, 8448, 9168),
+        (50_000_000, 0): (47520,),
+    }
+    for (prefetch, distance), sizes in measured.items():
+        s = D.stage3_schedule(hf, numels, 2, 100, prefetch, 10**9, distance)
+        assert tuple(g.elements for g in s.gathers) == sizes, (prefetch, distance)
+        assert s.forward_elements == sum(sizes) and s.backward_elements == 0
+    validator = D.stage3_schedule(D.stage3_trace(shapes, "llama"), numels, 2, 100, 5000, 10**9, 0)
+    assert validator.gathers[0].elements == 4944 and validator.backward_elements == 4944
+
+
 def test_a_forward_hook_inside_backward_is_counted_there():
     """TraceEvent.in_backward (activation checkpointing's recomputed forward runs forward hooks in backward):
     the same hooks as in ``_abc_trace`` at distance 0 without prefetch, A's backward fetch marked as a forward
