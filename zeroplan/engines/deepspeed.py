@@ -1140,7 +1140,7 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
     def called(path: str) -> list[str]:
         """The modules ``path``'s forward calls, in order (containers never called are looked through)."""
         out = []
-        for c in children[path]:
+        for c in children.get(path, ()):
             if c == "lm_head" and style is not None and not head_module:
                 continue  # CausalLM.forward: F.linear(x, self.head_weight)
             if is_list(c) or (path == "" and style is not None and not head_module and not params[c]):
