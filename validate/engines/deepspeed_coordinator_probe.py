@@ -5,7 +5,7 @@ gathered when" measured, and ``tests/test_deepspeed_profile.py`` keeps)::
 
     PYTHONPATH=$PWD DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 \\
         -m validate.engines.deepspeed_coordinator_probe tests/data/hf_configs/tiny-llama.json \\
-        '{"stage3_prefetch_bucket_size": 5000, "stage3_max_reuse_distance": 0}' out.json
+        '{"stage3_prefetch_bucket_size": 5000, "stage3_max_reuse_distance": 0}' out.json [hf]
 
 It wraps ``PartitionedParameterCoordinator.fetch_sub_module``, ``release_sub_module`` and
 ``__all_gather_params_`` (runtime/zero/partitioned_param_coordinator.py) and, after every hook, reads the
@@ -36,12 +36,13 @@ def main(argv: list[str]) -> None:
     from validate.engines.deepspeed import _model_and_batches, ds_config
 
     model_name, zero, out = argv[0], json.loads(argv[1]), argv[2]
+    hf = argv[3:] == ["hf"]  # a fourth argument ``hf``: transformers' model of the config (hf_builder)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     rank, nd = dist.get_rank(), dist.get_world_size()
     zero = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_param_persistence_threshold": 100, **zero}
     config = ds_config(3, zero=zero, optimizer_params={"torch_adam": True})
-    model_fn, batches = _model_and_batches(model_name, nd, rank, 2, 3)
+    model_fn, batches = _model_and_batches(model_name, nd, rank, 2, 3, hf=hf)
     model = model_fn()
     names: dict[int, str] = {}
     log: list = []
