@@ -1783,8 +1783,10 @@ def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:
     the validator's causal LM where there is an architecture, the transformers one with ``Workload.transformers``."""
     spec = workload.spec
     style = spec.style if spec is not None else None
-    tied = spec is not None and spec.style == "gpt" and spec.tie_word_embeddings
-    return (stage3_trace(workload.shapes, style, tied, workload.transformers and spec is not None),)
+    hf = workload.transformers and spec is not None
+    # transformers' lm_head is the embedding's weight whenever tied (any style); CausalLM's rule is unchanged
+    tied = spec is not None and (spec.style == "gpt" or hf) and spec.tie_word_embeddings
+    return (stage3_trace(workload.shapes, style, tied, hf),)
 
 
 def _collective(c: DSCollective, nd: int) -> Collective:
