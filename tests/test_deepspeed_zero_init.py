@@ -109,8 +109,8 @@ def _workload(model: str = "llama2-70b"):
     from zeroplan.engines.base import Workload
     from zeroplan.presets import get_model
 
-    spec = get_model(model).spec
-    return Workload(tuple(transformer_shapes(spec)), spec, spec.max_seq_len, 1)
+    spec = get_model(model).spec  # as the planner builds it (estimation/workload.py model_workload)
+    return Workload(tuple(transformer_shapes(spec)), spec, spec.max_seq_len, 1, transformers=True)
 
 
 def test_settings_zero_init_vocabulary():
@@ -184,7 +184,7 @@ def test_plan_fits_llama2_70b_on_64_h100(tmp_path):
     (trace,) = D._trace(w)
     at = {pf: D.stage3_schedule(trace, numels, 64, 100_000, pf, 10**9, 10**9).at(trace, "last block backward")
           for pf in (50_000_000, 0)}  # fmt: skip
-    assert at[0] < at[50_000_000] < at[0] + 2 * max(numels)
+    assert at[0] < at[50_000_000]  # prefetch keeps what its scan marked for a later step (not released)
     assert peaks[rec["label"]] - peaks["ZeRO-3, buckets 5e8, no prefetch"] == (at[50_000_000] - at[0]) * 2
 
 

@@ -23,12 +23,16 @@ def model_workload(
     grad_accum: int = 1,
     foreach: bool = True,
 ) -> Workload:
-    """The ``Workload`` of one micro-step of ``spec`` (exact shapes from ``transformer_shapes``)."""
+    """The ``Workload`` of one micro-step of ``spec`` (exact shapes from ``transformer_shapes``), as users run
+    it: the ``transformers`` model of the architecture (``Workload.transformers``: its module tree decides
+    ZeRO-3's hook order; measured, docs/engines/deepspeed.md "Hugging Face models"). The validator's own
+    ``CausalLM`` runs are predicted with ``validate.engines.deepspeed.workload_for`` instead."""
     check_seq_len(spec, seq_len)
     if checkpointing not in ("none", "full"):
         raise ValueError(f"checkpointing={checkpointing!r}: the peak model knows none and full")
     shapes = transformer_shapes(spec)
-    return Workload(shapes, spec, seq_len, micro_batch, checkpointing, grad_accum, foreach)  # type: ignore[arg-type]
+    return Workload(shapes, spec, seq_len, micro_batch, checkpointing, grad_accum, foreach,  # type: ignore[arg-type]
+                    transformers=True)
 
 
 def resolve(name_or_path: str, seq_len: Optional[int]) -> tuple[TransformerSpec, int]:
