@@ -97,8 +97,8 @@ def estimate(
     refuse_foreign(ctx, engine)
     options = engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
     if model is not None and deepspeed_config is not None:  # the file's batch is the run's (N_d = gpus here)
-        micro_batch, grad_accum = ds_config_batch(ctx, read_json(deepspeed_config, "deepspeed config"), gpus,
-                                                  {"micro_batch": micro_batch, "grad_accum": grad_accum})
+        ds = options.ds_config if options.ds_config is not None else read_json(deepspeed_config, "deepspeed config")
+        micro_batch, grad_accum = ds_config_batch(ctx, ds, gpus, {"micro_batch": micro_batch, "grad_accum": grad_accum})
     policy: dict = {}
     if "policy" in get_engine(engine).options:  # the paper's vocabulary; a ds_config completes it
         settings = given(stage=stage, param_dtype=param_dtype, grad_dtype=grad_dtype, master_weights=master_weights,
@@ -226,9 +226,9 @@ def sweep(
     if model is not None:  # a ds_config's batch is the rows' (sweep_micro_batches)
         from zeroplan.engines.deepspeed import sweep_micro_batches
 
-        pairs = [(g, m) for g in parse_wholes(gpus, "gpus") for m in parse_wholes(model_parallel, "model-parallel")]
         typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None
-        micro_batches = sweep_micro_batches(options.ds_config, tuple(g // m for g, m in pairs if g % m == 0), typed,
+        micro_batches = sweep_micro_batches(options.ds_config, parse_wholes(gpus, "gpus"),
+                                            parse_wholes(model_parallel, "model-parallel"), typed,
                                             "--micro-batch") or micro_batches  # fmt: skip
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(

@@ -335,13 +335,14 @@ def run_batch(config: Optional[dict], nd: Optional[int], micro_batch: Optional[i
     return batch
 
 
-def sweep_micro_batches(config: Optional[dict], nds: tuple[int, ...], micro_batches: Optional[tuple[int, ...]],
-                        name: str = "micro_batch") -> Optional[tuple[int, ...]]:
-    """``sweep``'s micro-batches over N_d values ``nds``: (the file's,) where the ds_config sets the batch
-    (``run_batch``; ``train_batch_size`` only when every row has the same N_d), None where it does not
-    (``micro_batches`` stand, None: given none). ValueError for several given, a contradiction, or a file
-    that accumulates (a sweep row is one micro-step per step)."""
-    nd = nds[0] if len(set(nds)) == 1 else None
+def sweep_micro_batches(config: Optional[dict], gpus: tuple[int, ...], model_parallel: tuple[int, ...],
+                        micro_batches: Optional[tuple[int, ...]], name: str = "micro_batch") -> Optional[tuple[int, ...]]:
+    """``sweep``'s micro-batches over the grid's N_d = gpus / model_parallel (pairs that divide): (the file's,)
+    where the ds_config sets the batch (``run_batch``; ``train_batch_size`` only when every row has the same
+    N_d), None where it does not (``micro_batches`` stand, None: given none). ValueError for several given, a
+    contradiction, or a file that accumulates (a sweep row is one micro-step per step)."""
+    nds = {g // m for g in gpus for m in model_parallel if g % m == 0}
+    nd = next(iter(nds)) if len(nds) == 1 else None
     if config is None or ds_batch(config, nd) is None:
         return None
     if micro_batches is not None and len(micro_batches) > 1:

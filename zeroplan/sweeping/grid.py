@@ -389,9 +389,8 @@ def sweep(
     """
     policy, engine_options = split_keywords(engine, options)
     if model is not None and engine_options.ds_config is not None and _whole_lists(gpus, model_parallel, micro_batch):
-        pairs = [(g, m) for g in gpus for m in model_parallel if g % m == 0]
-        micro_batch = sweep_micro_batches(engine_options.ds_config, tuple(g // m for g, m in pairs),
-                                          None if micro_batch is None else tuple(micro_batch)) or micro_batch  # fmt: skip
+        micro_batch = sweep_micro_batches(engine_options.ds_config, tuple(gpus), tuple(model_parallel),
+                                          None if micro_batch is None else tuple(micro_batch)) or micro_batch
     micro_batch = (1,) if micro_batch is None else micro_batch
     config = SweepConfig(  # the config checks and converts the sequences (a str or a number is refused)
         params=params,
