@@ -91,7 +91,8 @@ class CachingAllocator:
         self.unmapped: dict[tuple[int, bool], list[Block]] = {}
         self.segments: dict[int, Segment] = {}
         self.clock = {True: [0], False: [0]}  # ``get_free_blocks_call_count`` of the small and large pool
-        self.log: list[tuple[str, int, int, int]] = []  # (segment_alloc|segment_free|segment_map|segment_unmap, addr, size, stream)
+        # (segment_alloc | segment_free | segment_map | segment_unmap, address, bytes, stream), in order
+        self.log: list[tuple[str, int, int, int]] = []
         self._next_address = 1 << 32
 
     # -- public operations -------------------------------------------------------------------------
@@ -105,9 +106,10 @@ class CachingAllocator:
         if block is None:
             if self.config.garbage_collection_threshold > 0 and self.capacity is not None:
                 self._garbage_collect()
-            block = (self._alloc_block(pool, rounded, stream, segment_address)
-                     or (self._release_available(pool, rounded) and self._alloc_block(pool, rounded, stream, segment_address))
-                     or (self._release_cached() and self._alloc_block(pool, rounded, stream, segment_address, retry=True)))  # fmt: skip
+            new = self._alloc_block
+            block = (new(pool, rounded, stream, segment_address)
+                     or (self._release_available(pool, rounded) and new(pool, rounded, stream, segment_address))
+                     or (self._release_cached() and new(pool, rounded, stream, segment_address, retry=True)))  # fmt: skip
         if block is None:
             self.stats.num_ooms += 1
             raise OutOfMemory(size, self.stats.reserved.current, self.stats.allocated.current)
@@ -217,7 +219,9 @@ class CachingAllocator:
     def _fits(self, size: int) -> bool:
         return self.capacity is None or self.stats.reserved.current + size <= self.capacity
 
-    def _alloc_block(self, pool: Pool, size: int, stream: int, address: int | None, retry: bool = False) -> Block | None:
+    def _alloc_block(
+        self, pool: Pool, size: int, stream: int, address: int | None, retry: bool = False
+    ) -> Block | None:
         """``alloc_block``: a new segment of ``get_allocation_size`` bytes (or expandable pages); None when
         ``cudaMalloc`` would fail."""
         if retry:

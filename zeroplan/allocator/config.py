@@ -163,7 +163,8 @@ def _divisions(tok: list[str], i: int) -> tuple[tuple[int, ...], int]:
 
 
 IGNORED = ("backend", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register", "pinned_num_register_threads",
-           "pinned_use_background_threads", "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse")  # fmt: skip
+           "pinned_use_background_threads", "pinned_reserve_segment_size_mb",
+           "graph_capture_record_stream_reuse")  # fmt: skip
 """Keys torch accepts that do not change where device blocks go (``backend:cudaMallocAsync`` is refused)."""
 
 

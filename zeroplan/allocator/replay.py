@@ -61,7 +61,8 @@ class Replay:
     phases: dict[str, PhasePeak]
     segments: tuple[SegmentInfo, ...]
     segment_log: tuple[tuple[str, int, int, int], ...]
-    """Every ``segment_alloc`` / ``segment_free`` / ``segment_map`` / ``segment_unmap``: (action, address, bytes, stream)."""
+    """Every ``segment_alloc`` / ``segment_free`` / ``segment_map`` / ``segment_unmap`` in order:
+    (action, address, bytes, stream)."""
     addresses: tuple[tuple[object, int], ...] = ()
     """(id, address the model gave it) of every ``alloc`` in order (a replayed snapshot's ids are the recorded
     addresses, so any difference is a block placed elsewhere)."""

@@ -70,7 +70,8 @@ def trace_events(snapshot: dict, device: int = 0, phases: list[str] | None = Non
 
 def recorded_segment_sizes(snapshot: dict, device: int = 0) -> list[int]:
     """Bytes of each recorded ``segment_alloc`` (``cudaMalloc``), in order."""
-    return [int(e["size"]) for e in (snapshot.get("device_traces") or [[]])[device] if e.get("action") == "segment_alloc"]
+    trace = (snapshot.get("device_traces") or [[]])[device]
+    return [int(e["size"]) for e in trace if e.get("action") == "segment_alloc"]
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,9 @@ class Comparison:
 def compare(snapshot: dict, result: Replay, device: int = 0) -> Comparison:
     """Segment by segment: each ``cudaMalloc``'s bytes, each block's address, the final segments' blocks."""
     recorded, model = recorded_segment_sizes(snapshot, device), result.segment_sizes()
-    sizes = tuple((i, recorded[i] if i < len(recorded) else None, model[i] if i < len(model) else None)
-                  for i in range(max(len(recorded), len(model)))
-                  if (recorded[i] if i < len(recorded) else None) != (model[i] if i < len(model) else None))  # fmt: skip
+    n = max(len(recorded), len(model))
+    recorded, model = recorded + [None] * (n - len(recorded)), model + [None] * (n - len(model))
+    sizes = tuple((i, r, m) for i, (r, m) in enumerate(zip(recorded, model)) if r != m)
     moved = tuple((a, m) for a, m in result.addresses if isinstance(a, int) and a != m)
     ours = {s.address: [(b.address, b.size, b.state) for b in s.blocks] for s in result.segments}
     differ = []

@@ -49,7 +49,8 @@ def cuda_context(torch_version: str, capability: tuple[int, int]) -> Term:
     has measured it (it is not a formula: it depends on the driver, CUDA and the kernels loaded)."""
     for (prefix, cap), measured in CUDA_CONTEXT_MEASURED.items():
         if torch_version.startswith(prefix) and tuple(capability) == cap:
-            return Term("CUDA context", measured, f"measured: validate/gpu_check.sh, torch {prefix}, sm_{cap[0]}{cap[1]}")
+            source = f"measured: validate/gpu_check.sh, torch {prefix}, sm_{cap[0]}{cap[1]}"
+            return Term("CUDA context", measured, source)
     raise ValueError(f"CUDA context for torch {torch_version} on compute capability {capability[0]}.{capability[1]}: "
                      "not measured yet (validate/gpu_check.sh records it)")  # fmt: skip
 
