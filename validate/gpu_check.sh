@@ -105,8 +105,10 @@ step fsdp2_sim_noreshard_ckpt 60 "${sim[@]}" --world-size 8 --params "$params" -
 step fsdp2_sim_fp32 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --param-dtype fp32
 step fsdp2_sim_meta 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --init meta
 
+# ZeRO-Offload with torch's Adam on the host (no cpu_adam JIT build, minutes on a fresh machine)
 cat > "$out/ds_offload.json" <<'JSON'
 {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": true},
+ "optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": true}}, "zero_force_ds_cpu_optimizer": false,
  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true}}}
 JSON
 step ds_ws1 120 --engine deepspeed --world-size 1 --model "$tiny" --steps 2
@@ -120,28 +122,35 @@ step ref_ws1_mlp 60 --world-size 1 --model mlp-tiny --tolerance 0.02
 step ref_sim 120 --simulated --world-size 8 --world-size 64 --params "$params" --steps 2 --batch-per-rank 1 \
   --seq-len "$seq"
 
-runs() {  # runs NAME B ARGS...: 0 when micro-batch B trains (whatever its tolerance), 1 when out of memory
+runs() {  # runs NAME B ARGS...: 0 when micro-batch B trains (whatever its tolerance), 1 out of memory, 2 other error
   local name=$1 b=$2; shift 2
-  ZEROPLAN_CUDA_HISTORY="$out/history/${name}_b$b" ZEROPLAN_CUDA_HISTORY_LABEL="${name}_b$b" timeout 60 \
+  local log="$out/${name}_b$b.txt" json="$out/${name}_b$b.json"
+  ZEROPLAN_CUDA_HISTORY="$out/history/${name}_b$b" ZEROPLAN_CUDA_HISTORY_LABEL="${name}_b$b" timeout 90 \
     python -c 'from zeroplan.cli import main; main()' validate --device "$device" "$@" --batch-per-rank "$b" \
-    > "$out/${name}_b$b.txt" 2>&1
-  ! grep -qi 'out of memory\|OutOfMemoryError' "$out/${name}_b$b.txt"
+    --json "$json" > "$log" 2>&1
+  local rc=$?
+  if grep -qi 'out of memory\|OutOfMemoryError' "$log"; then return 1; fi
+  if ((rc == 0)) || [[ -s $json ]]; then return 0; fi
+  return 2
 }
 search() {  # search NAME ARGS...: largest micro-batch that runs, doubling then bisecting, within 100 s
   local name=$1; shift
   skip "$name" && return 0
-  local t0=$SECONDS ok=0 bad=0 b=1
+  local t0=$SECONDS ok=0 bad=0 b=1 rc note=""
   while ((bad == 0 && b <= max_batch && SECONDS - t0 < 100 && $(left) > 60)); do
-    if runs "$name" "$b" "$@"; then ok=$b; b=$((b * 2)); else bad=$b; fi
+    runs "$name" "$b" "$@"; rc=$?
+    if ((rc == 0)); then ok=$b; b=$((b * 2)); elif ((rc == 1)); then bad=$b; else note=" (error at $b: see ${name}_b$b.txt)"; break; fi
   done
-  while ((bad > ok + 1 && SECONDS - t0 < 100 && $(left) > 60)); do
+  while [[ -z $note ]] && ((bad > ok + 1 && SECONDS - t0 < 100 && $(left) > 60)); do
     b=$(((ok + bad) / 2))
-    if runs "$name" "$b" "$@"; then ok=$b; else bad=$b; fi
+    runs "$name" "$b" "$@"; rc=$?
+    if ((rc == 0)); then ok=$b; elif ((rc == 1)); then bad=$b; else note=" (error at $b: see ${name}_b$b.txt)"; break; fi
   done
-  echo "batch $name: largest that ran $ok, smallest out of memory ${bad/#0/none found} ($((SECONDS - t0)) s)" \
+  echo "batch $name: largest that ran $ok, smallest out of memory ${bad/#0/none found}$note ($((SECONDS - t0)) s)" \
     | tee -a "$out/summary.txt"
+  [[ -z $note ]] || status=1
 }
-big=(--engine fsdp2 --simulated --real-tensors --steps 1 --world-size 64 --model "$llama" --seq-len "$big_seq"
+big=(--engine fsdp2 --simulated --real-tensors --steps 2 --world-size 64 --model "$llama" --seq-len "$big_seq"
   --reduce-dtype fp32 --init meta)
 search batch_llama_meta "${big[@]}"
 search batch_llama_meta_noreshard "${big[@]}" --reshard-after-forward false
