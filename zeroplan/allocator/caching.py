@@ -229,7 +229,7 @@ class CachingAllocator:
         if self.config.expandable_segments:
             from zeroplan.allocator.expandable import allocate_expandable
 
-            return allocate_expandable(self, pool, size, stream)
+            return allocate_expandable(self, pool, size, stream, address)
         alloc = allocation_size(size)
         if not self._fits(alloc):
             return None

@@ -33,7 +33,7 @@ def _room(block: Block | None, size: int) -> bool:
     return total >= size
 
 
-def _find(alloc: CachingAllocator, small: bool, stream: int, size: int) -> Block:
+def _find(alloc: CachingAllocator, small: bool, stream: int, size: int, address: int | None) -> Block:
     """``find_expandable_block``: the lowest-address unmapped block (or the free one before it) with room,
     else a new segment's single unmapped block."""
     unmapped = alloc.unmapped.setdefault((stream, small), [])
@@ -46,8 +46,9 @@ def _find(alloc: CachingAllocator, small: bool, stream: int, size: int) -> Block
 
     page = PAGE_BYTES[small]
     virtual = VIRTUAL_BYTES if alloc.capacity is None else -(-(alloc.capacity * 9 // 8) // page) * page
-    address = alloc._next_address
-    alloc._next_address += virtual
+    if address is None or address in alloc.segments:  # a replayed trace says where the segment's first page went
+        address = alloc._next_address
+    alloc._next_address = max(alloc._next_address, address + virtual)
     segment = Segment(address, stream, small, expandable=True, page=page)
     block = Block(address, virtual, stream, small, segment)
     block.mapped = False
@@ -84,9 +85,12 @@ def _map(alloc: CachingAllocator, pool: Pool, block: Block, size: int) -> bool:
     return True
 
 
-def allocate_expandable(alloc: CachingAllocator, pool: Pool, size: int, stream: int) -> Block | None:
-    """``try_allocate_expandable_block``: a free block of at least ``size`` bytes, mapping pages as needed."""
-    candidate = _find(alloc, pool.small, stream, size)
+def allocate_expandable(
+    alloc: CachingAllocator, pool: Pool, size: int, stream: int, address: int | None = None
+) -> Block | None:
+    """``try_allocate_expandable_block``: a free block of at least ``size`` bytes, mapping pages as needed;
+    ``address``: where a new segment starts (a replayed trace's first ``segment_map``)."""
+    candidate = _find(alloc, pool.small, stream, size, address)
     if not candidate.mapped:
         if not _map(alloc, pool, candidate, min(candidate.size, size)):
             return None

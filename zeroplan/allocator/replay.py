@@ -71,8 +71,8 @@ class Replay:
     num_alloc_retries: int = 0
 
     def segment_sizes(self) -> list[int]:
-        """Bytes of each ``cudaMalloc`` in order (``segment_alloc`` events)."""
-        return [size for action, _, size, _ in self.segment_log if action == "segment_alloc"]
+        """Bytes of each ``cudaMalloc`` (``segment_alloc``) or expandable-segment mapping (``segment_map``), in order."""
+        return [size for action, _, size, _ in self.segment_log if action in ("segment_alloc", "segment_map")]
 
 
 def _event(raw) -> Event:

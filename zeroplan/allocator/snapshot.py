@@ -28,7 +28,7 @@ def compact(snapshot: dict, device: int = 0) -> dict:
     traces = snapshot.get("device_traces") or [[]]
     trace = [{k: e[k] for k in TRACE_KEYS if k in e} for e in traces[device]]
     segments = [{"address": s["address"], "total_size": s["total_size"], "stream": s.get("stream", 0),
-                 "segment_type": s.get("segment_type", "large"),
+                 "segment_type": s.get("segment_type", "large"), "is_expandable": bool(s.get("is_expandable")),
                  "blocks": [{k: b.get(k, 0) for k in ("address", "size", "requested_size", "state")}
                             for b in s.get("blocks", [])]}
                 for s in snapshot.get("segments", []) if s.get("device", device) == device]  # fmt: skip
@@ -44,7 +44,7 @@ def trace_events(snapshot: dict, device: int = 0, phases: list[str] | None = Non
     names = iter(phases or ())
     for entry in (snapshot.get("device_traces") or [[]])[device]:
         action = entry.get("action")
-        if action == "segment_alloc":
+        if action in ("segment_alloc", "segment_map"):  # where the next alloc's new segment (or pages) went
             new_segment = int(entry["addr"])
         elif action == "alloc":
             address = int(entry["addr"])
@@ -69,9 +69,9 @@ def trace_events(snapshot: dict, device: int = 0, phases: list[str] | None = Non
 
 
 def recorded_segment_sizes(snapshot: dict, device: int = 0) -> list[int]:
-    """Bytes of each recorded ``segment_alloc`` (``cudaMalloc``), in order."""
+    """Bytes of each recorded ``segment_alloc`` (``cudaMalloc``) or ``segment_map`` (expandable pages), in order."""
     trace = (snapshot.get("device_traces") or [[]])[device]
-    return [int(e["size"]) for e in trace if e.get("action") == "segment_alloc"]
+    return [int(e["size"]) for e in trace if e.get("action") in ("segment_alloc", "segment_map")]
 
 
 @dataclass(frozen=True)
