@@ -196,3 +196,31 @@ def test_the_allocator_object_can_be_driven_directly():
     alloc.free(block)
     with pytest.raises(ValueError, match="freed twice"):
         alloc.free(block)
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64", "roundup_power2_divisions:4"])
+def test_random_traces_keep_the_allocators_invariants(conf):
+    """3,000 seeded random allocations and frees on two streams: allocated bytes are the live blocks, reserved
+    bytes the segments; blocks tile each segment without gaps; no two free neighbours stay unmerged."""
+    import random
+
+    rng, events, live = random.Random(21), [], []
+    for i in range(3000):
+        if live and rng.random() < 0.48:
+            events.append(("free", live.pop(rng.randrange(len(live)))))
+        else:
+            size = rng.choice([rng.randint(1, 4096), rng.randint(1, MiB), rng.randint(MiB, 12 * MiB),
+                               rng.randint(12 * MiB, 200 * MiB)])  # fmt: skip
+            events.append(("alloc", i, size, rng.choice([0, 0, 7])))
+            live.append(i)
+    for end in ([], [("empty_cache",)]):
+        r = replay(events + end, parse_alloc_conf(conf))
+        assert r.allocated_bytes == sum(b.size for s in r.segments for b in s.blocks if b.state == "active_allocated")
+        assert r.reserved_bytes == sum(s.total_size for s in r.segments) <= r.reserved_peak_bytes
+        assert r.requested_bytes <= r.allocated_bytes <= r.allocated_peak_bytes
+        for seg in r.segments:
+            blocks = seg.blocks
+            assert all(a.address + a.size == b.address for a, b in zip(blocks, blocks[1:]))
+            assert not any(a.state == b.state == "inactive" for a, b in zip(blocks, blocks[1:]))
+        if end:  # after empty_cache no segment is entirely free
+            assert all(any(b.state != "inactive" for b in s.blocks) for s in r.segments)

@@ -119,9 +119,16 @@ class SegmentInfo:
         return sum(b.size for b in self.blocks if b.state == "active_allocated")
 
 
-def segment_info(segment: Segment) -> SegmentInfo:
+def segment_infos(segment: Segment) -> list[SegmentInfo]:
+    """The segment as torch's snapshot shows it: one entry per contiguous mapped range (``snapshot()``: an
+    expandable segment with unmapped holes is several), each with its blocks."""
     state = {(True, False): "active_allocated", (False, True): "active_pending_free", (False, False): "inactive"}
-    blocks = tuple(BlockInfo(b.address, b.size, b.requested, state[(b.allocated, b.pending)])
-                   for b in segment.blocks() if b.mapped)  # fmt: skip
-    return SegmentInfo(segment.address, sum(b.size for b in blocks), segment.stream,
-                       "small" if segment.small else "large", segment.expandable, blocks)  # fmt: skip
+    ranges: list[list[BlockInfo]] = [[]]
+    for b in segment.blocks():
+        if b.mapped:
+            ranges[-1].append(BlockInfo(b.address, b.size, b.requested, state[(b.allocated, b.pending)]))
+        elif ranges[-1]:
+            ranges.append([])
+    kind = "small" if segment.small else "large"
+    return [SegmentInfo(r[0].address, sum(b.size for b in r), segment.stream, kind, segment.expandable, tuple(r))
+            for r in ranges if r]  # fmt: skip

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zeroplan.allocator.blocks import Block, Pool, Segment, SegmentInfo, segment_info
+from zeroplan.allocator.blocks import Block, Pool, Segment, SegmentInfo, segment_infos
 from zeroplan.allocator.config import (
     K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig, allocation_size,
     is_small, round_size,
@@ -152,7 +152,7 @@ class CachingAllocator:
 
     def segment_infos(self) -> tuple[SegmentInfo, ...]:
         """Every segment, by address (``torch.cuda.memory._snapshot()['segments']``)."""
-        return tuple(segment_info(self.segments[a]) for a in sorted(self.segments))
+        return tuple(info for a in sorted(self.segments) for info in segment_infos(self.segments[a]))
 
     # -- choosing a block ----------------------------------------------------------------------------
     def _pool(self, stream: int, small: bool) -> Pool:
