@@ -142,14 +142,24 @@ def record_process_history() -> bool:
     if not torch.cuda.is_available():
         return False
 
-    def start() -> None:
-        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
-                                                 max_entries=HISTORY_ENTRIES)  # fmt: skip
+    def start() -> None:  # a recording that cannot start must not stop the run it would have recorded
+        try:
+            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                     max_entries=HISTORY_ENTRIES)  # fmt: skip
+        except (RuntimeError, TypeError) as exc:
+            print(f"validate.cuda_snapshot: no allocator history: {exc}".splitlines()[0], file=sys.stderr)
 
     # at CUDA's lazy initialisation, before the first allocation; a process that never touches CUDA records nothing
     torch.cuda._lazy_call(start)
-    atexit.register(write_history, Path(directory))
+    atexit.register(_write_quietly, Path(directory))
     return True
+
+
+def _write_quietly(directory: Path) -> None:
+    try:
+        write_history(directory)
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"validate.cuda_snapshot: history not written: {exc}".splitlines()[0], file=sys.stderr)
 
 
 def write_history(directory: Path) -> Path | None:
