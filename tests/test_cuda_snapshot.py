@@ -122,3 +122,28 @@ def test_gpu_check_is_valid_bash():
 
     script = Path(__file__).parent.parent / "validate" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
+
+
+def test_write_history_writes_what_replay_reads(tmp_path, monkeypatch):
+    """``write_history`` on CPU with torch.cuda's readers stubbed by what an H200 process would return: the file
+    it writes replays exactly (the recording itself needs a GPU: validate/gpu_check.sh)."""
+    import torch
+
+    from validate import cuda_snapshot
+
+    data = _history()
+    snap = {"segments": [dict(s, device=0, is_expandable=False) for s in data["segments"]],
+            "device_traces": [[dict(e, frames=[], time_us=1) for e in data["device_traces"][0]]]}  # fmt: skip
+    stats = {"reserved_bytes.all.peak": 20 << 20, "allocated_bytes.all.peak": 20 << 20, "num_ooms": 0}
+    for name, value in {"is_initialized": lambda: True, "synchronize": lambda: None, "memory_stats": lambda: stats,
+                        "mem_get_info": lambda: (100 << 30, 141 << 30), "get_device_name": lambda _: "NVIDIA H200",
+                        "get_device_capability": lambda _: (9, 0), "memory_reserved": lambda: 20 << 20}.items():  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: snap)
+    monkeypatch.setenv(cuda_snapshot.LABEL_ENV, "fsdp2_sim_bf16")
+    path = cuda_snapshot.write_history(tmp_path)
+    assert path.name.startswith("fsdp2_sim_bf16_") and path.suffix == ".json"
+    written = json.loads(path.read_text())
+    assert written["meta"]["capability"] == [9, 0] and written["meta"]["stats"]["num_ooms"] == 0
+    assert "frames" not in path.read_text()
+    assert cuda_snapshot.replay_history(written).startswith("5 events, 1 segments: exact")
