@@ -23,24 +23,33 @@ HIDE_ENV = "ZEROPLAN_TEST_HIDE"
 # The finder, as source: conftest installs it here, and a sitecustomize.py on PYTHONPATH installs it in
 # children (Python imports sitecustomize at start-up, before any test code runs).
 _HIDER = '''
-import importlib.abc
 import os
 import sys
 
 
-class _Hidden(importlib.abc.MetaPathFinder):
-    """Refuses the top-level packages named in $ZEROPLAN_TEST_HIDE, as a missing install would."""
+class _Hidden:
+    """A meta-path finder that answers None for the packages named in $ZEROPLAN_TEST_HIDE, as if missing.
+
+    Every finder is wrapped, so the whole lookup finds nothing: ``importlib.util.find_spec`` returns None
+    and ``import`` raises ModuleNotFoundError, exactly as when the package is not installed."""
 
     names = frozenset(n.strip() for n in os.environ.get("ZEROPLAN_TEST_HIDE", "").split(",") if n.strip())
 
+    def __init__(self, inner):
+        self.inner = inner
+
     def find_spec(self, fullname, path=None, target=None):
         if fullname.split(".")[0] in self.names:
-            raise ModuleNotFoundError(f"No module named {fullname!r} ($ZEROPLAN_TEST_HIDE)", name=fullname)
-        return None
+            return None
+        return self.inner.find_spec(fullname, path, target)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
-if _Hidden.names and not any(type(f).__name__ == "_Hidden" for f in sys.meta_path):
-    sys.meta_path.insert(0, _Hidden())
+if _Hidden.names:
+    sys.meta_path[:] = [f if type(f).__name__ == "_Hidden" or not hasattr(f, "find_spec") else _Hidden(f)
+                        for f in sys.meta_path]
 '''
 
 
