@@ -97,10 +97,8 @@ def console_blocks(root: Path = ROOT) -> list[ConsoleBlock]:
             if line.lstrip().startswith("```"):
                 fence = None if fence is not None else i
                 continue
-            if fence is None or not line.startswith("$ "):
-                continue
-            if not line.startswith("$ zeroplan "):
-                raise ValueError(f"{path}:{i + 1}: a console line that is not a zeroplan command: {line!r}")
+            if fence is None or not line.startswith("$ zeroplan "):
+                continue  # another `$ ` command (pip, python) ends the block above it and is not run
             end = i + 1
             while end < len(lines) and not lines[end].lstrip().startswith(("```", "$ ")):
                 end += 1
