@@ -147,3 +147,15 @@ def test_write_history_writes_what_replay_reads(tmp_path, monkeypatch):
     assert written["meta"]["capability"] == [9, 0] and written["meta"]["stats"]["num_ooms"] == 0
     assert "frames" not in path.read_text()
     assert cuda_snapshot.replay_history(written).startswith("5 events, 1 segments: exact")
+
+
+def test_replay_reads_the_probes_pickles_and_says_when_a_history_is_empty(tmp_path):
+    from validate.cuda_snapshot import replay_report
+
+    data = _history()
+    del data["meta"]  # a ZEROPLAN_CUDA_SNAPSHOT pickle: torch's snapshot as is
+    (tmp_path / "nd8_rank0_after_backward.pickle").write_bytes(pickle.dumps(data))
+    (tmp_path / "stopped_1.json").write_text(json.dumps({"segments": [], "device_traces": [[]], "meta": {}}))
+    lines = replay_report(tmp_path).splitlines()
+    assert lines[0].startswith("nd8_rank0_after_backward.pickle: 5 events, 1 segments: exact")
+    assert lines[1].startswith("stopped_1.json: no events")

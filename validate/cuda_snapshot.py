@@ -31,6 +31,8 @@ from pathlib import Path
 ENV = "ZEROPLAN_CUDA_SNAPSHOT"
 HISTORY_ENV = "ZEROPLAN_CUDA_HISTORY"
 LABEL_ENV = "ZEROPLAN_CUDA_HISTORY_LABEL"
+SNAPSHOT_ENTRIES = 200_000
+"""Trace entries ``start_recording`` keeps (it also caps a whole-process history recorded beside it)."""
 HISTORY_ENTRIES = 5_000_000
 """Trace entries kept (a ring buffer: more would drop the first ones and the replay would refuse the history)."""
 HOOK = "import validate.cuda_snapshot as _z\n_z.record_process_history()\n"
@@ -55,7 +57,7 @@ def start_recording() -> bool:
 
     if snapshot_dir() is None or not torch.cuda.is_available():
         return False
-    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
     return True
 
 
@@ -179,7 +181,8 @@ def write_history(directory: Path) -> Path | None:
                     "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                     "stats": {k: stats[k] for k in STAT_KEYS if k in stats},
                     "device_used_bytes": total - free, "reserved_bytes_at_exit": torch.cuda.memory_reserved(),
-                    "entries_cap": HISTORY_ENTRIES, "argv": sys.argv[:8]}  # fmt: skip
+                    "entries_cap": SNAPSHOT_ENTRIES if snapshot_dir() else HISTORY_ENTRIES,
+                    "argv": sys.argv[:8]}  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{os.environ.get(LABEL_ENV, 'run')}_{os.getpid()}.json"
     path.write_text(json.dumps(data, separators=(",", ":")))
@@ -192,8 +195,11 @@ def replay_history(data: dict) -> str:
     from zeroplan.allocator.snapshot import compare, trace_events
 
     meta = data.get("meta", {})
-    trace = data["device_traces"][0]
-    if len(trace) >= meta.get("entries_cap", HISTORY_ENTRIES):
+    trace = (data.get("device_traces") or [[]])[0]
+    if not trace:
+        return "no events (a probe with ZEROPLAN_CUDA_SNAPSHOT stops and clears the recording: see its pickles)"
+    cap = meta.get("entries_cap", SNAPSHOT_ENTRIES)  # no meta: a probe's pickle, recorded with SNAPSHOT_ENTRIES
+    if len(trace) >= cap:
         return f"{len(trace)} events: the ring buffer wrapped, the history does not start at an empty allocator"
     result = replay(trace_events(data), parse_alloc_conf(meta.get("alloc_conf", "")))
     got, stats = compare(data, result), meta.get("stats", {})
@@ -206,12 +212,19 @@ def replay_history(data: dict) -> str:
             "(derived: device used - reserved)")  # fmt: skip
 
 
+def _load(path: Path) -> dict:
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    with open(path, "rb") as f:  # a ZEROPLAN_CUDA_SNAPSHOT pickle: the history up to that reading, with stacks
+        return pickle.load(f)
+
+
 def replay_report(directory: Path) -> str:
-    """``replay_history`` for every ``*.json`` history under ``directory``."""
+    """``replay_history`` for every ``*.json`` history and ``*.pickle`` snapshot under ``directory``."""
     lines = []
-    for path in sorted(directory.rglob("*.json")):
+    for path in sorted([*directory.rglob("*.json"), *directory.rglob("*.pickle")]):
         try:
-            lines.append(f"{path.relative_to(directory)}: {replay_history(json.loads(path.read_text()))}")
+            lines.append(f"{path.relative_to(directory)}: {replay_history(_load(path))}")
         except (ValueError, KeyError) as exc:
             lines.append(f"{path.relative_to(directory)}: not replayable: {exc}")
     return "\n".join(lines)

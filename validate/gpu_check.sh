@@ -151,6 +151,7 @@ step ref_sim 120 --simulated --world-size 8 --world-size 64 --params "$params" -
 
 if [[ $device == cuda ]]; then  # every recorded history through the allocator model (no torch needed)
   python -m validate.cuda_snapshot replay "$out/history" > "$out/history_replay.txt" || status=1
+  [[ -d $out/snapshots ]] && python -m validate.cuda_snapshot replay "$out/snapshots" >> "$out/history_replay.txt"
   cat "$out/history_replay.txt"
 fi
 echo "total $SECONDS s" | tee -a "$out/summary.txt"
