@@ -32,7 +32,8 @@ def hub_cache_dir(environ: Optional[dict] = None) -> Path:
     for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if env.get(key):
             return Path(os.path.expandvars(os.path.expanduser(env[key])))
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
+    xdg = env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    home = env.get("HF_HOME") or os.path.join(xdg, "huggingface")
     return Path(os.path.expandvars(os.path.expanduser(home))) / "hub"
 
 

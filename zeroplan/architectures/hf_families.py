@@ -44,7 +44,8 @@ def _layer_types(r, n_layer: int, sliding: Callable[[int], bool]) -> tuple[str, 
     types = r.raw("layer_types")
     if types is hf._MISSING or types is None:
         types = ["sliding_attention" if sliding(i) else "full_attention" for i in range(n_layer)]
-    if not isinstance(types, list) or set(types) - {"full_attention", "sliding_attention"} or len(types) != n_layer:
+    known = {"full_attention", "sliding_attention"}
+    if not isinstance(types, list) or set(types) - known or len(types) != n_layer:
         raise r.fail("layer_types", f"{types!r} is not a list of {n_layer} full_attention / sliding_attention")
     return None if "sliding_attention" not in types else tuple(types)
 
@@ -52,7 +53,8 @@ def _layer_types(r, n_layer: int, sliding: Callable[[int], bool]) -> tuple[str, 
 def _gemma(r, model_type: str, positions: int, softcaps: tuple, every: int) -> dict:
     """Gemma2Config / Gemma3TextConfig: 4 key/value heads and head_dim 256 by default, tied embeddings,
     ``hidden_activation`` (gelu_pytorch_tanh), ``attention_bias`` on q, k, v, o, four norms per layer;
-    sliding-window layers: all but every ``every``-th (Gemma 2: every 2nd; Gemma 3: ``sliding_window_pattern``, 6)."""
+    sliding-window layers: all but every ``every``-th (Gemma 2: every 2nd; Gemma 3:
+    ``sliding_window_pattern``, 6)."""
     r.require_default("use_bidirectional_attention", False, "zeroplan plans causal language models")
     fields = hf._llama_common(r, kv_default=4, positions=positions, tie=True)
     bias = r.flag("attention_bias", False)
@@ -115,7 +117,7 @@ def _phi3(r) -> dict:
     )  # fmt: skip
 
 
-def _sparse(r, n_layer: int, step_key: str | None, only_key: str | None, first_dense: int = 0) -> tuple[int, ...]:
+def _sparse(r, n_layer: int, step_key: str | None, only_key: str | None, first_dense: int = 0) -> tuple:
     """Sparse layers: Qwen-MoE's ``(i + 1) % decoder_sparse_step == 0`` and not in ``mlp_only_layers``;
     DeepSeek's ``i >= first_k_dense_replace``; Mixtral's every layer."""
     step = r.count(step_key, 1) if step_key else 1
@@ -129,15 +131,22 @@ def _sparse(r, n_layer: int, step_key: str | None, only_key: str | None, first_d
 def _dense_ffn(r, fields: dict, moe: MoeSpec, default: int) -> dict:
     """``intermediate_size`` sets the dense layers' MLP: required when there is one, else the default."""
     dense = len(moe.sparse_layers) < fields["n_layer"]
-    return dict(fields, ffn_hidden=r.count("intermediate_size") if dense else r.count("intermediate_size", default))
+    width = r.count("intermediate_size") if dense else r.count("intermediate_size", default)
+    return dict(fields, ffn_hidden=width)
+
+
+def _moe(r, experts: str, top_k: int, width: int, sparse: tuple, shared: int = 0, norm: bool = False) -> MoeSpec:
+    """The sparse MLP: ``experts`` names the expert count (required); ``num_experts_per_tok`` defaults to
+    ``top_k``, ``norm_topk_prob`` to ``norm``."""
+    return _record(r, MoeSpec, r.count(experts), r.count("num_experts_per_tok", top_k), width, sparse,
+                   shared, r.flag("norm_topk_prob", norm))  # fmt: skip
 
 
 def _mixtral(r) -> dict:
     """MixtralConfig: every layer sparse, experts of ``intermediate_size``, 8 key/value heads, top-2 of
     ``num_local_experts`` (alias ``num_experts``), rms_norm_eps 1e-5, RoPE theta 1e6."""
     fields = hf._llama_common(r, kv_default=8, positions=4096 * 32, tie=False)
-    moe = _record(r, MoeSpec, r.count("num_local_experts"), r.count("num_experts_per_tok", 2), fields["ffn_hidden"],
-                  tuple(range(fields["n_layer"])))  # fmt: skip
+    moe = _moe(r, "num_local_experts", 2, fields["ffn_hidden"], tuple(range(fields["n_layer"])))
     if r.raw("rope_theta") in (hf._MISSING, None) and fields["rope_theta"] == hf.DEFAULT_ROPE_THETA:
         fields["rope_theta"] = 1_000_000.0  # MixtralConfig.default_theta
     return dict(fields, model_type="mixtral", moe=moe, norm_eps=r.number("rms_norm_eps", 1e-5),
@@ -151,8 +160,8 @@ def _qwen2_moe(r) -> dict:
     fields = dict(hf._llama_common(r, kv_default=16, positions=32768, tie=False), model_type="qwen2_moe",
                   qkv_bias=r.flag("qkv_bias", True))  # fmt: skip
     sparse = _sparse(r, fields["n_layer"], "decoder_sparse_step", "mlp_only_layers")
-    moe = _record(r, MoeSpec, r.count("num_experts"), r.count("num_experts_per_tok", 4), r.count("moe_intermediate_size"),
-                  sparse, r.count("shared_expert_intermediate_size", 5632), r.flag("norm_topk_prob", False))  # fmt: skip
+    moe = _moe(r, "num_experts", 4, r.count("moe_intermediate_size"), sparse,
+               r.count("shared_expert_intermediate_size", 5632))
     return _dense_ffn(r, dict(fields, moe=moe), moe, 5632)
 
 
@@ -161,12 +170,11 @@ def _qwen3_moe(r) -> dict:
     (``num_experts``, alias ``num_local_experts``), top-8, no shared expert; a sliding window on every
     layer only with ``use_sliding_window``."""
     bias = r.flag("attention_bias", False)
+    window = hf._window(r, 4096) if r.flag("use_sliding_window", False) else None
     fields = dict(hf._llama_common(r, kv_default=4, positions=32768, tie=False), model_type="qwen3_moe",
-                  qkv_bias=bias, o_bias=bias, qk_norm=True,
-                  sliding_window=hf._window(r, 4096) if r.flag("use_sliding_window", False) else None)  # fmt: skip
+                  qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_window=window)  # fmt: skip
     sparse = _sparse(r, fields["n_layer"], "decoder_sparse_step", "mlp_only_layers")
-    moe = _record(r, MoeSpec, r.count("num_experts"), r.count("num_experts_per_tok", 8), r.count("moe_intermediate_size"),
-                  sparse, 0, r.flag("norm_topk_prob", False))  # fmt: skip
+    moe = _moe(r, "num_experts", 8, r.count("moe_intermediate_size"), sparse)
     return _dense_ffn(r, dict(fields, moe=moe), moe, 6144)
 
 
@@ -177,13 +185,13 @@ def _deepseek_v3(r) -> dict:
     (``num_nextn_predict_layers``): neither does zeroplan."""
     fields = hf._llama_common(r, kv_default=None, positions=4096, tie=False)
     q_rank = r.raw("q_lora_rank")
-    mla = _record(r, MlaSpec, None if q_rank is None else r.count("q_lora_rank", 1536), r.count("kv_lora_rank", 512),
-                  r.count("qk_nope_head_dim", 128), r.count("qk_rope_head_dim", 64), r.count("v_head_dim", 128))  # fmt: skip
+    mla = _record(r, MlaSpec, None if q_rank is None else r.count("q_lora_rank", 1536),
+                  r.count("kv_lora_rank", 512), r.count("qk_nope_head_dim", 128),
+                  r.count("qk_rope_head_dim", 64), r.count("v_head_dim", 128))  # fmt: skip
     n_layer = fields["n_layer"]
     sparse = _sparse(r, n_layer, None, None, r.count("first_k_dense_replace", 3, minimum=0))
     expert_ffn = r.count("moe_intermediate_size")
-    moe = _record(r, MoeSpec, r.count("n_routed_experts"), r.count("num_experts_per_tok", 8), expert_ffn, sparse,
-                  expert_ffn * r.count("n_shared_experts", 1), r.flag("norm_topk_prob", True))  # fmt: skip
+    moe = _moe(r, "n_routed_experts", 8, expert_ffn, sparse, expert_ffn * r.count("n_shared_experts", 1), True)
     bias = r.flag("attention_bias", False)
     # DeepseekV3Config.__post_init__: head_dim = qk_rope_head_dim (the rotary part of each head)
     return _dense_ffn(r, dict(fields, model_type="deepseek_v3", mla=mla, moe=moe, head_dim=mla.qk_rope_head_dim,

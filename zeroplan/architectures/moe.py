@@ -7,7 +7,8 @@ two 3D parameters (``experts.gate_up_proj`` (E, 2·f_e, d) and ``experts.down_pr
 ordinary tensors. The router is ``gate.weight`` (E, d). Each family registers the pieces in its own order:
 
 - ``mixtral``   (MixtralSparseMoeBlock):   gate, experts
-- ``qwen2_moe`` (Qwen2MoeSparseMoeBlock):  gate, experts, shared_expert (a SwiGLU MLP), shared_expert_gate (1, d)
+- ``qwen2_moe`` (Qwen2MoeSparseMoeBlock):  gate, experts, shared_expert (a SwiGLU MLP),
+  shared_expert_gate (1, d)
 - ``qwen3_moe`` (Qwen3MoeSparseMoeBlock):  experts, gate
 - ``deepseek_v3`` (DeepseekV3MoE):         experts, gate, shared_experts (a SwiGLU MLP of
   n_shared_experts · moe_intermediate_size); the router also has the buffer ``e_score_correction_bias``
@@ -95,7 +96,8 @@ def linear(name: str, n_out: int, n_in: int, bias: bool = False) -> Shapes:
 
 def swiglu(prefix: str, d: int, f: int) -> Shapes:
     """gate_proj, up_proj, down_proj without biases (the MLP of every family here)."""
-    return linear(prefix + "gate_proj", f, d) + linear(prefix + "up_proj", f, d) + linear(prefix + "down_proj", d, f)
+    out = linear(prefix + "gate_proj", f, d) + linear(prefix + "up_proj", f, d)
+    return out + linear(prefix + "down_proj", d, f)
 
 
 def moe_shapes(moe: MoeSpec, model_type: str, d: int, prefix: str) -> Shapes:
@@ -103,7 +105,8 @@ def moe_shapes(moe: MoeSpec, model_type: str, d: int, prefix: str) -> Shapes:
     e, fe = moe.n_experts, moe.expert_ffn
     pieces = {
         "gate": [(prefix + "gate.weight", (e, d))],
-        "experts": [(prefix + "experts.gate_up_proj", (e, 2 * fe, d)), (prefix + "experts.down_proj", (e, d, fe))],
+        "experts": [(prefix + "experts.gate_up_proj", (e, 2 * fe, d)),
+                    (prefix + "experts.down_proj", (e, d, fe))],
         "shared_expert": swiglu(prefix + "shared_expert.", d, moe.shared_ffn),
         "shared_experts": swiglu(prefix + "shared_experts.", d, moe.shared_ffn),
         "shared_expert_gate": [(prefix + "shared_expert_gate.weight", (1, d))],

@@ -224,7 +224,8 @@ def _mlp_shapes(spec: TransformerSpec, layer: int, p: str) -> list[tuple[str, Sh
         return moe_shapes(spec.moe, spec.model_type, d, p)
     if spec.fused_projections:
         return linear(p + "gate_up_proj", 2 * f, d, bias) + linear(p + "down_proj", d, f, bias)
-    return linear(p + "gate_proj", f, d, bias) + linear(p + "up_proj", f, d, bias) + linear(p + "down_proj", d, f, bias)
+    out = linear(p + "gate_proj", f, d, bias) + linear(p + "up_proj", f, d, bias)
+    return out + linear(p + "down_proj", d, f, bias)
 
 
 def _llama_shapes(spec: TransformerSpec) -> list[tuple[str, Shape]]:

@@ -35,7 +35,9 @@ from typing import Optional
 from zeroplan.architectures.moe import MoeSpec
 
 #: bytes of a routing weight per family; None: the activation dtype (see the module docstring)
-ROUTING_WEIGHT_BYTES: dict[str, Optional[int]] = {"mixtral": 4, "deepseek_v3": 4, "qwen2_moe": None, "qwen3_moe": None}
+ROUTING_WEIGHT_BYTES: dict[str, Optional[int]] = {
+    "mixtral": 4, "deepseek_v3": 4, "qwen2_moe": None, "qwen3_moe": None,
+}  # fmt: skip
 #: transformers' experts implementations modelled here, the default first
 EXPERTS_IMPLEMENTATIONS: tuple[str, ...] = ("grouped_mm", "eager")
 INDEX_BYTES = 8  # int64 indices (sort's permutation, torch.where's)
@@ -62,7 +64,8 @@ def expert_activations(
     if model_type not in ROUTING_WEIGHT_BYTES:
         raise ValueError(f"model_type={model_type!r}: expected one of {', '.join(ROUTING_WEIGHT_BYTES)}")
     if implementation not in EXPERTS_IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}: expected one of {', '.join(EXPERTS_IMPLEMENTATIONS)}")
+        known = ", ".join(EXPERTS_IMPLEMENTATIONS)
+        raise ValueError(f"implementation={implementation!r}: expected one of {known}")
     if n_tokens < 1 or act_bytes < 1:
         raise ValueError(f"n_tokens={n_tokens}, act_bytes={act_bytes}: each must be >= 1")
     a, d, f = act_bytes, d_model, moe.expert_ffn
