@@ -179,3 +179,20 @@ def test_the_peak_is_refused_where_it_is_not_modelled(name, missing):
     with pytest.raises(ValueError, match=f"its activation peak is not modelled yet \\({missing};") as info:
         model_activations(spec, 1, 8)
     assert str(info.value).startswith(f"model_type {spec.model_type!r}: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "nd", "per_rank"),
+    [  # docs/models.md: FSDP2 splits the (E, 2f, d) expert tensors on E, ceil(E / N_d) rows per rank
+        ("mixtral-8x7b-v0.1", 8, 5_837_849_088),  # = Ψ / 8 exactly
+        ("mixtral-8x7b-v0.1", 64, 5_662_347_328),  # 7.76 x Ψ / 64: one whole expert per rank
+        ("qwen3-30b-a3b", 64, 477_064_416),  # 128 experts: still even
+    ],
+)
+def test_fsdp2_dim0_rule_on_expert_tensors(name, nd, per_rank):
+    from zeroplan.engines.fsdp2 import padded_shard_numel
+
+    shapes = transformer_shapes(read_hf_config(CONFIGS / f"{name}.json"))
+    assert sum(padded_shard_numel(s, nd) for _, s in shapes) == per_rank
+    psi = sum(math.prod(s) for _, s in shapes)
+    assert per_rank / (psi / nd) == pytest.approx({8: 1.0, 64: 7.759 if "mixtral" in name else 1.0}[nd], abs=1e-3)
