@@ -196,3 +196,18 @@ def test_fsdp2_dim0_rule_on_expert_tensors(name, nd, per_rank):
     assert sum(padded_shard_numel(s, nd) for _, s in shapes) == per_rank
     psi = sum(math.prod(s) for _, s in shapes)
     assert per_rank / (psi / nd) == pytest.approx({8: 1.0, 64: 7.759 if "mixtral" in name else 1.0}[nd], abs=1e-3)
+
+
+def test_live_module_of_an_unmodelled_family_gets_model_states_without_a_peak():
+    """``zeroplan.estimate(model=<Qwen3 module>)``: exact model states from the module's own tensors, no
+    peak (the family's activations are not modelled yet), not the refusal line."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import zeroplan
+
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100, head_dim=16)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(cfg)
+    result = zeroplan.estimate(model=model, gpus=4)
+    assert result.psi == sum(p.numel() for p in model.parameters()) == 86_912

@@ -43,8 +43,10 @@ def resolve(name_or_path: str, seq_len: Optional[int]) -> tuple[TransformerSpec,
 
 def module_architecture(module: object, shapes: tuple) -> Optional[TransformerSpec]:
     """The architecture of a ``transformers`` model (its ``config``), when its parameters are exactly
-    ``transformer_shapes`` of it; None for any other module (shapes only, no peak)."""
+    ``transformer_shapes`` of it; None for any other module, and for a family whose activation peak is not
+    modelled yet (``unmodelled_features``): shapes only, no peak, as for any module."""
     from zeroplan.architectures.hf_config import spec_from_hf_config
+    from zeroplan.formulas.activation_terms import unmodelled_features
 
     config = getattr(module, "config", None)
     to_dict = getattr(config, "to_dict", None)
@@ -54,4 +56,6 @@ def module_architecture(module: object, shapes: tuple) -> Optional[TransformerSp
         spec = spec_from_hf_config(to_dict(), f"{type(module).__name__}.config")
     except ValueError:
         return None
-    return spec if transformer_shapes(spec) == tuple(shapes) else None
+    if unmodelled_features(spec) or transformer_shapes(spec) != tuple(shapes):
+        return None
+    return spec
