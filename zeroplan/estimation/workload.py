@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.engines.base import Workload
+from zeroplan.formulas.stages import get_stage
 from zeroplan.presets import model_seq_len, resolve_model
+
+if TYPE_CHECKING:
+    from zeroplan.engines import Engine
 
 
 def check_seq_len(spec: TransformerSpec, seq_len: int) -> None:
@@ -55,3 +59,21 @@ def module_architecture(module: object, shapes: tuple) -> Optional[TransformerSp
     except ValueError:
         return None
     return spec if transformer_shapes(spec) == tuple(shapes) else None
+
+
+def check_zero3_traffic(engine: Engine, workload: Workload, stage: Optional[int]) -> None:
+    """ValueError (one line) for ZeRO-3 traffic the workload cannot give: the one rule for estimate, plan
+    and sweep. Without a module tree (a bare Ψ, a list of tensor sizes: ``Workload.spec`` is None) the
+    paper's count (an engine answering one row per ZeRO stage, ``not Engine.one_row``: every parameter gathered before forward and again before backward,
+    3Ψ, ZeRO sec. 7.2) still holds, but an engine that reads ZeRO-3's collectives off the module tree
+    cannot: FSDP2 never reshards the root unit after forward, DeepSpeed keeps a module's parameters
+    gathered when they are reused soon (``stage3_max_reuse_distance``), so one bare tensor would be
+    gathered once (2Ψ), which is neither the paper's count nor any real model's."""
+    paper_count = not engine.one_row
+    if workload.spec is None and not paper_count and stage is not None and get_stage(stage).shards_parameters:
+        raise ValueError(
+            f"ZeRO-3 traffic of engine {engine.name!r} follows the model's module tree (which units are "
+            "gathered again for backward), and a bare parameter count or list of tensor sizes has none: give "
+            "--model (a preset or a config.json), a sharding without ZeRO-3 (deepspeed --stage 1|2, fsdp2 "
+            "--reshard-after-forward false), or the reference engine (the paper's 3Ψ)"
+        )

@@ -9,6 +9,9 @@ Every number comes from the pure formulas (``zeroplan.formulas.memory`` via ``ze
 - ``min_gpus``: the fewest GPUs N_d x N_m (N_m fixed) that fit, up to ``MAX_GPUS``; None when no N_d fits
   (stages 0 and 1 keep a full copy of parameters or gradients, so some models never fit);
 - the recommendation: the first option, in order of increasing communication and offload cost, that fits.
+
+With an architecture every option is decided on the engine's peak per GPU; an offload option on its
+stage's peak with the offloaded model states on the host (``zeroplan.planning.offload_peak``).
 """
 
 from __future__ import annotations
@@ -19,9 +22,7 @@ from pydantic import ConfigDict, Field, validate_call
 
 from zeroplan.engines import get_engine, planner_options
 from zeroplan.engines.base import EngineOptions
-from zeroplan.engines.deepspeed import deepspeed_config
 from zeroplan.estimation.workload import model_workload
-from zeroplan.engines.fsdp2 import fsdp2_snippet
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import step_collectives
 from zeroplan.formulas.commtime import compute_time_s, ring_link, step_time
@@ -30,6 +31,7 @@ from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, off
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
 from zeroplan.planning.config import PlanConfig
+from zeroplan.planning.offload_peak import offload_peak
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.render.table import format_bytes
@@ -174,10 +176,17 @@ def _bisect_first_true(ok: Callable[[int], bool], lo: int, hi: int) -> int:
     return hi
 
 
-def stage_peaks(config: PlanConfig, nd: Optional[int] = None) -> tuple[dict[int, PeakEstimate], str]:
-    """({stage: peak} of the options without offload, how fits are decided): the engine's peak on ``nd``
-    ranks (default N_d) when the architecture and the step are ones it models, else {} and why fits
-    are on model states."""
+OptionKey = tuple[int, Offload]
+"""(stage, offload): one option of the ladder."""
+
+
+def option_peaks(
+    config: PlanConfig, keys: tuple[OptionKey, ...], nd: Optional[int] = None
+) -> tuple[dict[OptionKey, PeakEstimate], str]:
+    """({(stage, offload): peak} of ``keys``, how fits are decided): the engine's peak on ``nd`` ranks
+    (default N_d) of each stage, for an offload option with the offloaded model states on the host
+    (``offload_peak``), when the architecture and the step are ones it models; else {} and why fits are
+    on model states. Each stage is estimated once, and only the stages of ``keys``."""
     if config.model is None:
         return {}, "fits on model states within the headroom: the peak needs an architecture (--model)"
     why = None
@@ -187,19 +196,28 @@ def stage_peaks(config: PlanConfig, nd: Optional[int] = None) -> tuple[dict[int,
         why = f"the peak knows checkpointing none and full, not {config.checkpointing}"
     if why is None:
         engine = get_engine(config.engine)
-        spec = config.model_architecture
-        workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
-                                  config.grad_accum, config.foreach)  # fmt: skip
+        stages = sorted({s for s, _ in keys})
+        workload = model_workload(config.model_architecture, config.sequence_length, config.micro_batch,
+                                  config.checkpointing, config.grad_accum, config.foreach)  # fmt: skip
         try:
-            settings = engine.planner_settings(planner_options(engine, config.engine_options, policy=config.policy))
+            options = planner_options(engine, config.engine_options, policy=config.policy,
+                                      stage=stages[0] if len(stages) == 1 else None)  # fmt: skip
+            settings = engine.planner_settings(options)
             rows = engine.estimate(workload, nd or config.nd, settings)
         except ValueError as exc:  # a policy the engine's peak does not model
             why = str(exc)
         else:
-            peaks = {r.stage: r.peak for r in rows if r.peak is not None}
+            block = engine.block_bytes(settings)
+            by_stage = {r.stage: r.peak for r in rows if r.peak is not None}
+            peaks = {
+                (s, off): by_stage[s] if not off.any else offload_peak(by_stage[s], s, off, block)
+                for s, off in keys
+                if s in by_stage
+            }
             return peaks, (
                 f"fits on the peak per GPU ({config.engine} engine, docs/peak.md) within the headroom; "
-                "offload options on model states (no peak model for offload)"
+                "an offload option on its stage's peak with the offloaded model states on the host "
+                "(docs/plan.md#offload-options)"
             )
     return {}, f"fits on model states within the headroom: {why}"
 
@@ -403,11 +421,10 @@ def plan_config(config: PlanConfig) -> Plan:
     compute_s = None
     if whole is not None and config.flops is not None:
         compute_s = compute_time_s(sum(whole), tokens, nm, config.flops, config.mfu)
-    keys = [(s, NO_OFFLOAD) for s in range(4)] + [k for k in LADDER if k[1].any]
-    peaks, fit_basis = stage_peaks(config)
+    keys = tuple((s, NO_OFFLOAD) for s in range(4)) + tuple(k for k in LADDER if k[1].any)
+    peaks, fit_basis = option_peaks(config, keys)
     options = tuple(
-        _option(config, s, off, numels, ring, compute_s, budget, host, None if off.any else peaks.get(s))
-        for s, off in keys
+        _option(config, s, off, numels, ring, compute_s, budget, host, peaks.get((s, off))) for s, off in keys
     )
     recommendation, reason = _recommend(config, options)
     advice = None
@@ -415,11 +432,10 @@ def plan_config(config: PlanConfig) -> Plan:
     if with_peak:
         target = recommendation if recommendation is not None and recommendation.peak is not None else None
         target = target or min(with_peak, key=lambda o: o.peak.peak_bytes)
-        more_gpus = stage_peaks(config, 2 * config.nd)[0].get(target.stage)
-        advice = cut_first(target.peak, target.stage, config, peaks.get(target.stage + 1), more_gpus)
-    launchers = None
-    if recommendation is not None:
-        launchers = launcher_configs(config, recommendation.stage, recommendation.offload)
+        key = (target.stage, target.offload)
+        more_gpus = option_peaks(config, (key,), 2 * config.nd)[0].get(key)
+        advice = cut_first(target.peak, target.stage, config, peaks.get((target.stage + 1, target.offload)),
+                           more_gpus)  # fmt: skip
     spec = config.transformer
     activations = None
     if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (formulas.activations)
@@ -444,19 +460,10 @@ def plan_config(config: PlanConfig) -> Plan:
         options=options,
         recommendation=recommendation,
         reason=reason,
-        launchers=launchers,
+        launchers=None,  # the rows are the reference runtime's: no other engine's configuration is printed
         fit_basis=fit_basis,
         cut_first=advice,
     )
-
-
-def launcher_configs(config: PlanConfig, stage: int, offload: Offload) -> dict[str, object]:
-    """What to run for one option, from each engine's module: {"deepspeed": dict, "fsdp2": str}."""
-    c = config
-    return {
-        "deepspeed": deepspeed_config(stage, offload, c.micro_batch, c.grad_accum, c.policy, c.bucket_numel),
-        "fsdp2": fsdp2_snippet(stage, offload, c.policy),
-    }
 
 
 def plan(model: Optional[str] = None, params: Optional[float] = None, **options: object) -> Plan:
