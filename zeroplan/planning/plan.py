@@ -16,6 +16,7 @@ stage's peak with the offloaded model states on the host (``zeroplan.planning.of
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Callable, Optional
 
 from pydantic import ConfigDict, Field, validate_call
@@ -243,13 +244,16 @@ def cut_first(
     stage: int,
     config: PlanConfig,
     next_stage: Optional[PeakEstimate] = None,
-    more_gpus: Optional[PeakEstimate] = None,
+    more_gpus: Optional[PeakEstimate | Callable[[], Optional[PeakEstimate]]] = None,
 ) -> str:
     """Which term to cut first: the largest live term at the peak that some lever cuts. Saved block
     activations: checkpointing (when off); other activations: the micro-batch (when > 1), else the
     sequence length. Anything else: a higher stage if the next stage's peak (``next_stage``) holds less
     of it, else more GPUs if the peak at 2·N_d (``more_gpus``) does; a term neither cuts (e.g. the model
-    as an engine builds it before sharding) is skipped."""
+    as an engine builds it before sharding) is skipped. ``more_gpus`` may be a function that returns that
+    peak: it is then estimated only when a term reaches that lever (an engine estimate at 2·N_d is a
+    fifth of a 405B plan)."""
+    more = functools.cache(more_gpus if callable(more_gpus) else lambda: more_gpus)
     for t in peak.peak_terms:
         if _is_activation(t):
             if t.name.startswith("saved activations") and config.checkpointing == "none":
@@ -260,7 +264,7 @@ def cut_first(
                 lever = f"sequence length (--seq-len below {config.sequence_length})"
         elif (_term_bytes(next_stage, t.name) if next_stage is not None else t.bytes) < t.bytes:
             lever = f"stage (ZeRO stage {stage + 1} holds less of it)"
-        elif (_term_bytes(more_gpus, t.name) if more_gpus is not None else t.bytes) < t.bytes:
+        elif (_term_bytes(more(), t.name) if more() is not None else t.bytes) < t.bytes:
             lever = f"gpus (2 x N_d = {2 * config.nd} holds less of it)"
         else:
             continue
@@ -433,9 +437,8 @@ def plan_config(config: PlanConfig) -> Plan:
         target = recommendation if recommendation is not None and recommendation.peak is not None else None
         target = target or min(with_peak, key=lambda o: o.peak.peak_bytes)
         key = (target.stage, target.offload)
-        more_gpus = option_peaks(config, (key,), 2 * config.nd)[0].get(key)
         advice = cut_first(target.peak, target.stage, config, peaks.get((target.stage + 1, target.offload)),
-                           more_gpus)  # fmt: skip
+                           lambda: option_peaks(config, (key,), 2 * config.nd)[0].get(key))  # fmt: skip
     spec = config.transformer
     activations = None
     if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (formulas.activations)
