@@ -11,12 +11,13 @@ Every number comes from the pure formulas (``zeroplan.formulas.memory`` via ``ze
 - the recommendation: the first option, in order of increasing communication and offload cost, that fits.
 
 With an architecture every option is decided on the engine's peak per GPU; an offload option on its
-stage's peak with the offloaded model states on the host (``zeroplan.planning.offload_peak``).
+stage's peak with the offloaded model states on the host (``zeroplan.planning.offload_peak``). The advice
+on what to cut is ``zeroplan.planning.cut_first``; an engine with its own search answers through
+``zeroplan.planning.engine_plan``.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Annotated, Callable, Optional
 
 from pydantic import ConfigDict, Field, validate_call
@@ -27,15 +28,16 @@ from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import step_collectives
 from zeroplan.formulas.commtime import compute_time_s, ring_link, step_time
-from zeroplan.formulas.peak import PeakEstimate, Term
+from zeroplan.formulas.peak import PeakEstimate
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
 from zeroplan.planning.config import PlanConfig
+from zeroplan.planning.cut_first import cut_first
+from zeroplan.planning.engine_plan import engine_plan_config
 from zeroplan.planning.offload_peak import offload_peak
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
-from zeroplan.render.table import format_bytes
 from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber
 
 _STRICT = ConfigDict(arbitrary_types_allowed=True)
@@ -223,61 +225,6 @@ def option_peaks(
     return {}, f"fits on model states within the headroom: {why}"
 
 
-LEVERS = ("checkpointing", "micro-batch", "stage", "gpus")
-"""What ``cut_first`` may advise, cheapest first in the user's hands."""
-
-
-def _is_activation(term: Term) -> bool:
-    """Terms that grow with micro-batch x sequence length (activations, logits, the batch)."""
-    return "activation_terms" in term.source or term.source.endswith("measure_stage")
-
-
-def _term_bytes(peak: Optional[PeakEstimate], name: str) -> Optional[int]:
-    """The largest term called ``name`` in any phase of ``peak`` (0 when absent); None without a peak."""
-    if peak is None:
-        return None
-    return max((t.bytes for p in peak.phases for t in p.terms if t.name == name), default=0)
-
-
-def cut_first(
-    peak: PeakEstimate,
-    stage: int,
-    config: PlanConfig,
-    next_stage: Optional[PeakEstimate] = None,
-    more_gpus: Optional[PeakEstimate | Callable[[], Optional[PeakEstimate]]] = None,
-) -> str:
-    """Which term to cut first: the largest live term at the peak that some lever cuts. Saved block
-    activations: checkpointing (when off); other activations: the micro-batch (when > 1), else the
-    sequence length. Anything else: a higher stage if the next stage's peak (``next_stage``) holds less
-    of it, else more GPUs if the peak at 2·N_d (``more_gpus``) does; a term neither cuts (e.g. the model
-    as an engine builds it before sharding) is skipped. ``more_gpus`` may be a function that returns that
-    peak: it is then estimated only when a term reaches that lever (an engine estimate at 2·N_d is a
-    fifth of a 405B plan)."""
-    more = functools.cache(more_gpus if callable(more_gpus) else lambda: more_gpus)
-    for t in peak.peak_terms:
-        if _is_activation(t):
-            if t.name.startswith("saved activations") and config.checkpointing == "none":
-                lever = "checkpointing (--checkpointing full keeps only each block's input)"
-            elif config.micro_batch > 1:
-                lever = f"micro-batch (--micro-batch below {config.micro_batch}; --grad-accum keeps the batch)"
-            else:
-                lever = f"sequence length (--seq-len below {config.sequence_length})"
-        elif (_term_bytes(next_stage, t.name) if next_stage is not None else t.bytes) < t.bytes:
-            lever = f"stage (ZeRO stage {stage + 1} holds less of it)"
-        elif (_term_bytes(more(), t.name) if more() is not None else t.bytes) < t.bytes:
-            lever = f"gpus (2 x N_d = {2 * config.nd} holds less of it)"
-        else:
-            continue
-        size = format_bytes(t.bytes, "GiB")
-        return f"{lever}: {t.name}, {size}, is the largest term it cuts at the {peak.peak_phase} peak"
-    t = peak.peak_terms[0]
-    return (
-        f"no lever cuts the largest terms at the {peak.peak_phase} peak ({t.name}, "
-        f"{format_bytes(t.bytes, 'GiB')}): the {config.engine} engine allocates them whatever the stage, "
-        "N_d, micro-batch or checkpointing"
-    )
-
-
 def _option(
     config: PlanConfig, stage: int, offload: Offload, numels, ring, compute_s, budget, host, peak=None
 ) -> PlanOption:
@@ -333,79 +280,6 @@ def _recommend(config: PlanConfig, options: tuple[PlanOption, ...]) -> tuple[Opt
         f"nothing fits on {config.gpus} GPUs with {headroom} (offload allowed: {config.offload}); "
         f"the fewest GPUs that fit: {best.min_gpus} with stage {best.label}"
     )
-
-
-def engine_plan_config(config: PlanConfig) -> Plan:
-    """``plan`` for an engine with its own search (``Engine.plan``: fsdp2, deepspeed): every candidate the
-    engine tries, cheapest first, each with its predicted peak and exactly the configuration to run; the
-    recommendation is the engine's (the cheapest whose peak fits within the headroom)."""
-    engine = get_engine(config.engine)
-    nd = config.nd
-    budget = int(config.memory_bytes * (1 - config.headroom))
-    spec = config.model_architecture
-    workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
-                              config.grad_accum, config.foreach)  # fmt: skip
-    options = config.planner_options
-    answer = engine.plan(workload, nd, budget, options)
-    ring = ring_link(nd, 1, config.gpus_per_node, config.intra_link, config.inter_link)
-    whole = config.tensor_numels
-    tokens = config.tokens_per_micro_step * config.grad_accum
-    compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, 1, config.flops, config.mfu)
-    rows = []
-    for c in answer.candidates:
-        e = c.estimate
-        time = step_time(e.stage, e.collectives, nd, ring, config.grad_accum, config.algorithm, c.bucket_numel,
-                         compute_s)  # fmt: skip
-        rows.append(PlanOption(
-            e.stage, e.label, NO_OFFLOAD, None, None,
-            states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0),
-            fits=c.fits,
-            comm_volume_elements=sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives),
-            comm_bytes_per_rank=sum(t.calls_per_step * t.collective.bytes_per_rank for t in time.collectives),
-            time=time,
-            pcie_s=0.0,
-            peak=e.peak,
-            candidate=c.label,
-        ))  # fmt: skip
-    headroom = f"{config.headroom:.0%} of GPU memory kept free"
-    recommendation = launchers = advice = None
-    if answer.recommended is not None:
-        recommendation = rows[answer.recommended]
-        chosen = answer.candidates[answer.recommended]
-        launchers = {"deepspeed": None, "fsdp2": None, answer.launcher_key: chosen.launcher}
-        if chosen.build is not None:  # the model's construction the prediction assumed (deepspeed.zero.Init)
-            launchers[f"{answer.launcher_key}_build"] = chosen.build
-        reason = (f"the cheapest of {len(rows)} {engine.name} configurations whose predicted peak fits on "
-                  f"{config.gpus} GPUs with {headroom} (tried in order: {answer.order})")  # fmt: skip
-    else:
-        reason = f"no {engine.name} configuration's predicted peak fits on {config.gpus} GPUs with {headroom}"
-        least = min((o for o in rows if o.peak is not None), key=lambda o: o.peak.peak_bytes, default=None)
-        if least is not None:
-            advice = cut_first(least.peak, least.stage, config)
-    policy = engine.policy(answer.base)
-    return Plan(
-        config=config,
-        params=sum(whole),
-        psi=sum(whole),
-        gpu_memory_bytes=config.memory_bytes,
-        budget_bytes=budget,
-        host_budget_bytes=None,
-        intra=config.intra_link,
-        inter=config.inter_link,
-        ring=ring,
-        host_link=config.host_link,
-        tokens_per_step=tokens,
-        activation_bytes=None,  # in the peak of every candidate (their checkpointing), not apart
-        bytes_per_param=policy.bytes_per_param,
-        k=policy.k,
-        options=tuple(rows),
-        recommendation=recommendation,
-        reason=reason,
-        launchers=launchers,
-        fit_basis=f"fits on the predicted peak per GPU ({engine.name} engine, docs/engines/{engine.name}.md) "
-                  "within the headroom",
-        cut_first=advice,
-    )  # fmt: skip
 
 
 def plan_config(config: PlanConfig) -> Plan:
