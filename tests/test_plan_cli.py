@@ -187,24 +187,31 @@ def test_plan_never_imports_heavy_modules():
 
 @pytest.mark.parametrize("engine", [["--engine", "fsdp2"], ["--engine", "fsdp2", "--reshard-after-forward", "2"],
                                     ["--engine", "deepspeed", "--stage", "3"]])  # fmt: skip
-def test_zero3_traffic_without_a_module_tree_is_refused_by_every_command(engine):
-    """Issue 16: a bare Ψ is one tensor in FSDP2's root unit (never resharded) or one DeepSpeed module, so
-    ZeRO-3 came out as 2Ψ under a footnote saying 3Ψ; estimate refuses it (plan and sweep refuse an engine
-    without --model), the reference engine keeps the paper's 3Ψ in all three."""
+def test_zero3_traffic_without_a_module_tree_is_modelled_as_layers_by_every_command(engine):
+    """Issue 16: a bare Ψ was one tensor in FSDP2's root unit (never resharded) or one DeepSpeed module,
+    so ZeRO-3 came out as 2Ψ under a footnote saying 3Ψ. Without a module tree estimate models it as layers
+    (gathered for forward and again for backward, in the engine's dtypes: 3Ψ); plan and sweep refuse an
+    engine without --model; a sharding without ZeRO-3 keeps the engine's own collectives."""
     import zeroplan
+    from zeroplan.formulas.collectives import step_collectives
 
-    est = runner.invoke(app, ["estimate", "--params", "7e9", "--gpus", "8", *engine])
-    assert_one_line_error(est, "follows the model's module tree")
+    psi, nd = 7 * 10**9, 8
+    est = runner.invoke(app, ["estimate", "--params", "7e9", "--gpus", "8", *engine, "--json"])
+    (row,) = json.loads(est.stdout)["stages"]
+    assert row["stage"] == 3 and row["comm_volume_elements"] == 3 * psi
+    dtypes = [c["dtype"] for c in row["collectives"]]
+    assert row["collectives"] == [c.as_dict() for c in step_collectives(3, (psi,), nd, dtypes[0], dtypes[2])]
+    assert row["model_states_bytes"] > 0  # the engine's own model states are kept
     for command in (["plan", "--gpu", "h100-80gb"], ["sweep"]):
         r = runner.invoke(app, [*command, "--params", "7e9", "--gpus", "8", *engine[:2]])
         assert_one_line_error(r, "does not apply without --model")
-    with pytest.raises(ValueError, match="follows the model's module tree"):
-        zeroplan.estimate(7e9, gpus=8, engine="fsdp2")
-    below = ["--reshard-after-forward", "false"] if "fsdp2" in engine else ["--stage", "2"]
-    two = runner.invoke(app, ["estimate", "--params", "7e9", "--gpus", "8", *engine[:2], *below, "--json"])
-    assert two.exit_code == 0, two.output
-    if "fsdp2" in engine:  # not resharded: one all-gather and one reduce-scatter, the paper's P_os+g count
-        assert json.loads(two.stdout)["stages"][0]["comm_volume_elements"] == 2 * 7 * 10**9
+    api = zeroplan.estimate(7e9, gpus=8, engine="fsdp2").stages[0]
+    assert api.comm_volume_elements == 3 * psi and len(api.collectives) == 3
+    assert zeroplan.estimate(7e9, gpus=1, engine="deepspeed", stage=3).stages[0].collectives == ()
+    if "fsdp2" in engine:  # not resharded: the engine's own all-gather and reduce-scatter, 2Ψ
+        two = runner.invoke(app, ["estimate", "--params", "7e9", "--gpus", "8", *engine[:2],
+                                  "--reshard-after-forward", "false", "--json"])  # fmt: skip
+        assert json.loads(two.stdout)["stages"][0]["comm_volume_elements"] == 2 * psi
 
 
 def test_reference_engine_prints_the_papers_3psi_for_a_bare_psi_in_every_command():

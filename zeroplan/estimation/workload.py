@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-from zeroplan.engines.base import Workload
+from zeroplan.engines.base import EngineEstimate, Workload
+from zeroplan.formulas.collectives import Collective, step_collectives
 from zeroplan.formulas.stages import get_stage
 from zeroplan.presets import model_seq_len, resolve_model
 
@@ -61,19 +63,24 @@ def module_architecture(module: object, shapes: tuple) -> Optional[TransformerSp
     return spec if transformer_shapes(spec) == tuple(shapes) else None
 
 
-def check_zero3_traffic(engine: Engine, workload: Workload, stage: Optional[int]) -> None:
-    """ValueError (one line) for ZeRO-3 traffic the workload cannot give: the one rule for estimate, plan
-    and sweep. Without a module tree (a bare Ψ, a list of tensor sizes: ``Workload.spec`` is None) the
-    paper's count (an engine answering one row per ZeRO stage, ``not Engine.one_row``: every parameter gathered before forward and again before backward,
-    3Ψ, ZeRO sec. 7.2) still holds, but an engine that reads ZeRO-3's collectives off the module tree
-    cannot: FSDP2 never reshards the root unit after forward, DeepSpeed keeps a module's parameters
-    gathered when they are reused soon (``stage3_max_reuse_distance``), so one bare tensor would be
-    gathered once (2Ψ), which is neither the paper's count nor any real model's."""
-    paper_count = not engine.one_row
-    if workload.spec is None and not paper_count and stage is not None and get_stage(stage).shards_parameters:
-        raise ValueError(
-            f"ZeRO-3 traffic of engine {engine.name!r} follows the model's module tree (which units are "
-            "gathered again for backward), and a bare parameter count or list of tensor sizes has none: give "
-            "--model (a preset or a config.json), a sharding without ZeRO-3 (deepspeed --stage 1|2, fsdp2 "
-            "--reshard-after-forward false), or the reference engine (the paper's 3Ψ)"
-        )
+def layered_zero3(engine: Engine, workload: Workload, row: EngineEstimate, nd: int) -> tuple[Collective, ...]:
+    """The collectives to print for ``row``: the engine's own, except ZeRO-3 of a workload without a module
+    tree (a bare Ψ, a list of tensor sizes: ``Workload.spec`` is None) on an engine that reads ZeRO-3's
+    traffic off the module tree (one row per configuration, ``Engine.one_row``), which is modelled as layers.
+
+    The one rule for estimate, plan and sweep (plan and sweep refuse those engines without --model). An
+    engine's ZeRO-3 traffic depends on the tree: FSDP2 never reshards the root unit after forward, and
+    DeepSpeed keeps a module's parameters gathered when they are reused soon (``stage3_max_reuse_distance``),
+    so one bare tensor would be gathered once (2Ψ), which is no real model's count. As layers, every
+    parameter is gathered for forward and again for backward and its gradient reduce-scattered once (ZeRO
+    sec. 7.2: 3Ψ, ``formulas.collectives.step_collectives``), in the dtypes of the engine's own all-gather
+    and reduce-scatter; the engine's per-unit calls, post-forward groups and scalars are not kept."""
+    if workload.spec is not None or not engine.one_row or row.stage is None:
+        return row.collectives
+    if not get_stage(row.stage).shards_parameters:
+        return row.collectives
+    if nd == 1:
+        return ()  # nothing is communicated (step_collectives)
+    dtype = {c.op: c.dtype for c in reversed(row.collectives)}  # the first of each kind
+    numels = tuple(math.prod(s) for _, s in workload.shapes)
+    return step_collectives(row.stage, numels, nd, dtype["all-gather"], dtype["reduce-scatter"], False)
