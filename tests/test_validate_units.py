@@ -117,8 +117,12 @@ MEASURED_PEAKS = {"init": 363240, "forward": 687436, "backward": 700364, "optimi
 
 
 def _rank_row(stage, boundary, calls, parity_ok=True, peak_extra=0):
+    from validate.models import PRESETS, build
+    from zeroplan.architectures.module_shapes import module_shapes
+
+    shapes = [[n, list(s)] for n, s in module_shapes(build(PRESETS["gpt-tiny"], torch.bfloat16, "meta"))]
     return {
-        "stage": stage, "rank": 0, "boundary_bytes": boundary, "probe_breakdown": {}, "foreach": False,
+        "stage": stage, "rank": 0, "param_shapes": shapes, "boundary_bytes": boundary, "probe_breakdown": {}, "foreach": False,
         "peak_bytes_by_phase": {**MEASURED_PEAKS, "backward": MEASURED_PEAKS["backward"] + peak_extra},
         "calls_by_step": [[], *calls], "adam_step_bytes": 4, "seconds": 0.0,
         "step_time_s": {"probed": 0.2, "unprobed": 0.1, "unprobed_steps": 2},
