@@ -342,91 +342,71 @@ def predicted_run(config, meta: dict, rank: int = 0):
     return row, engine
 
 
+MESH_TERM = "post-forward mesh ranks"
+"""The profile's name of FSDP2's one persistent term beside the model states (``zeroplan.engines.fsdp2``
+``mesh_ranks``: the post-forward mesh's int32 rank tensor of an int ``reshard_after_forward``)."""
+
+
+def beside_states(predicted) -> tuple:
+    """The terms the profile holds beside the model states after backward, read from its row: those of the
+    optimizer step's moment (live from init on) named ``MESH_TERM``."""
+    (phase,) = (p for p in predicted.peak.phases if p.phase == "optimizer_step")
+    return tuple(t for t in phase.terms if t.name.startswith(MESH_TERM))
+
+
+def runner_changes(meta: dict) -> list[str]:
+    """What this runner changes in the FSDP2 it measures, beyond the probes (``ReportRow.runner_changes``)."""
+    out = ["one intra-op thread per rank (OMP_NUM_THREADS=1, validate.harness)"]
+    if meta["backend"] == "gloo":
+        out.append("gloo's synchronous reduce-scatters and all-gathers return only once the live bytes are steady "
+                   "(gloo_reduce_scatter_settled: timing only; FSDP2's asynchronous calls are left alone)")  # fmt: skip
+    if meta.get("fake_tensors"):
+        out.append("simulated: rank 0 of a fake process group under FakeTensorMode (validate.simulate)")
+    elif meta["backend"] == "fake":
+        out.append("simulated: rank 0 of a fake process group, real tensors (validate.simulate)")
+    return out
+
+
 def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
-    """The report row of one world size (``validate.schema.ReportRow``)."""
-    from validate.report import _key, observed_collectives
-    from validate.schema import ReportRow
+    """The report row of one world size (``validate.schema.ReportRow``), through ``validate.compare``."""
+    from validate.compare import Prediction, Readings, finish
+    from validate.compare import compare as compare_rows
     from validate.tolerances import parity_tolerance
-    from zeroplan.engines.fsdp2 import mesh_ranks_bytes
     from zeroplan.formulas.peak import PHASES as PEAK_PHASES
 
     nd = meta["world_size"]
-    predicted, engine = predicted_run(config, meta)
-    pred_states = predicted.model_states_bytes
-    # model states = parameters + gradients + Adam: all live after backward from the second step on, beside
-    # FSDP2's own persistent bookkeeping, a named term of the profile (an int reshard_after_forward's mesh
-    # ranks: 256 B at N_d = 64, 1.7% of gpt-tiny's states there); model_states_extra_bytes shows it
-    measured_states = max(r["readings_bytes"]["after_backward"][-1] for r in rank_rows)
-    steady = all(len(set(r["readings_bytes"]["boundary"])) == 1 for r in rank_rows)
-    states_err = (measured_states - pred_states - mesh_ranks_bytes(engine, nd)) / pred_states
-
-    pred_coll: dict[str, dict] = {}
-    pred_calls: dict[str, list[int]] = {}
-    for c in predicted.collectives:
-        k = _key(c.op, c.phase, c.dtype)
-        row = pred_coll.setdefault(k, {"elements": 0, "bytes_per_rank": 0})
-        row["elements"] += c.elements
-        row["bytes_per_rank"] += c.bytes_per_rank
-        pred_calls.setdefault(k, []).append(c.elements)
-    steps = [s for r in rank_rows for s in r["calls_by_step"][1:]]
-    per_call = lambda calls: {k: [e for op, ph, dt, e in calls if _key(op, ph, dt) == k] for k in {_key(*c[:3]) for c in calls}}
-    collectives_match = all(per_call(s) == pred_calls for s in steps)  # every call's size, in order
-    last_sizes = rank_rows[-1].get("group_sizes_by_step", [[]])[-1]
-    measured_coll = observed_collectives(steps[-1] if steps else [], nd, last_sizes)
-    pred_elements = sum(v["elements"] for v in pred_coll.values())
-    measured_elements = sum(v["elements"] for v in measured_coll.values())
-    derived_comm = sum(v["derived_bytes_per_rank"] or 0 for v in measured_coll.values())
-    pred_comm = sum(v["bytes_per_rank"] for v in pred_coll.values())
-
-    measured_peak = {p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in PEAK_PHASES}
-    # the largest of the measured ranks' predictions, phase by phase (what measured_peak takes over them)
+    predicted, _ = predicted_run(config, meta)
+    # the largest of the measured ranks' predictions, phase by phase (what the measured peak takes over them)
     by_rank = [predicted.peak.by_phase()] + [predicted_run(config, meta, r)[0].peak.by_phase()
                                              for r in sorted({row["rank"] for row in rank_rows} - {0})]  # fmt: skip
-    predicted_peak = {p: max(b[p] for b in by_rank) for p in PEAK_PHASES}
-    errors = {p: (measured_peak[p] - predicted_peak[p]) / measured_peak[p] for p in PEAK_PHASES}
-    unchecked = {p: why for p, why in FAKE_TENSOR_PHASES.items() if meta.get("fake_tensors")}
-    checked = {p: e for p, e in errors.items() if p not in unchecked}
-    peak_err = max(checked.values(), key=abs)
-
+    # model states = parameters + gradients + Adam: all live after backward from the second step on, beside
+    # FSDP2's own persistent bookkeeping, a named term of the profile (beside_states)
+    readings = Readings(
+        states_bytes=max(r["readings_bytes"]["after_backward"][-1] for r in rank_rows),
+        steady=all(len(set(r["readings_bytes"]["boundary"])) == 1 for r in rank_rows),
+        peak_bytes_by_phase={p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in PEAK_PHASES},
+        steps=[s for r in rank_rows for s in r["calls_by_step"][1:]],
+        last_step=rank_rows[0]["calls_by_step"][-1],
+        setup_calls=rank_rows[0]["calls_by_step"][0],
+        nd=nd,
+        group_sizes=rank_rows[0].get("group_sizes_by_step", [[]])[-1],
+        unchecked_phases={p: why for p, why in FAKE_TENSOR_PHASES.items() if meta.get("fake_tensors")},
+    )
+    prediction = Prediction(predicted, peak_by_phase={p: max(b[p] for b in by_rank) for p in PEAK_PHASES},
+                            beside_states=beside_states(predicted), per_call=True)  # fmt: skip
+    row = compare_rows(prediction, readings, config.tolerance, config.peak_tolerance)
     parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
     parity = None
     if parities:
         tol = parity_tolerance("fp32", nd, 1, config.lr).grad_rtol
         worst = max(parities, key=lambda p: p["grad_rel_diff"])
         parity = {**worst, "grad_rtol": tol, "ok": worst["grad_rel_diff"] <= tol}
-    checks = {
-        "model_states_within_tolerance": abs(states_err) <= config.tolerance,
-        "model_states_steady": steady,
-        "collectives_match": collectives_match,
-        "peak_within_tolerance": abs(peak_err) <= config.peak_tolerance,
-        "parity": None if parity is None else parity["ok"],
-    }
-    return ReportRow.model_validate({
-        "stage": predicted.stage, "world_size": nd, "mode": "simulated" if config.simulated else "real",
+    return finish({
+        **row, "world_size": nd, "mode": "simulated" if config.simulated else "real",
         "backend": meta["backend"], "device": meta["device"], "model": config.model_label, "psi": config.psi,
-        "engine": "fsdp2", "engine_label": predicted.label,
-        "predicted_model_states_bytes": pred_states, "measured_model_states_bytes": measured_states,
-        "model_states_rel_error": states_err, "model_states_extra_bytes": measured_states - pred_states,
+        "engine": "fsdp2", "runner_changes": runner_changes(meta),
         "adam_step_bytes": max(r["optimizer_state_bytes"].get("step", 0) for r in rank_rows),
-        "predicted_breakdown_bytes": {"params": predicted.memory.params_bytes, "grads": predicted.memory.grads_bytes,
-                                      "optimizer": predicted.memory.optimizer_bytes},
         "probe_breakdown": rank_rows[0]["probe_breakdown"],
-        "predicted_collective_elements": pred_elements, "measured_collective_elements": measured_elements,
-        "collective_elements_rel_error": (measured_elements - pred_elements) / pred_elements,
-        "predicted_comm_bytes_per_rank": pred_comm,
-        "derived_comm_bytes_per_rank": derived_comm,  # the ring rule applied to each observed call
-        "derived_comm_rel_error": (derived_comm - pred_comm) / pred_comm if pred_comm else float(derived_comm != 0),
-        "predicted_collectives": pred_coll, "measured_collectives": measured_coll,
-        "measured_setup_collectives": observed_collectives(rank_rows[0]["calls_by_step"][0], nd),
-        "observed_calls_last_step": rank_rows[0]["calls_by_step"][-1],
-        "measured_peak_bytes": max(measured_peak.values()),
-        "measured_peak_bytes_by_phase": measured_peak,
-        "predicted_peak_bytes_by_phase": predicted_peak,
-        "peak_rel_error_by_phase": errors,
-        "peak_rel_error": peak_err,
-        "peak_unchecked_phases": unchecked or None,
-        "predicted_peak_phase": predicted.peak.peak_phase,
-        "predicted_peak_terms": [{"name": t.name, "bytes": t.bytes, "source": t.source} for t in predicted.peak.peak_terms],
         "checkpointing": config.checkpointing, "seq_len": config.seq_len, "micro_batch": config.batch_per_rank,
         "foreach": rank_rows[0]["foreach"], "parity": parity,
         "seconds": max(r["seconds"] for r in rank_rows),
@@ -434,8 +414,7 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
                         "unprobed": max(r["step_time_s"]["unprobed"] for r in rank_rows),
                         "unprobed_steps": rank_rows[0]["step_time_s"]["unprobed_steps"]},
         "wire_bytes_per_rank": None, "profiler_comms": None, "wire_to_derived": None,
-        "checks": checks, "ok": all(v is not False for v in checks.values()),
-    }).model_dump()  # fmt: skip
+    }, None if parity is None else parity["ok"])  # fmt: skip
 
 
 def build_report(config, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
@@ -455,6 +434,9 @@ def build_report(config, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from validate.lifeline import die_with_parent
+
+    die_with_parent()  # a rank never outlives its launcher (validate.harness), even one killed by SIGKILL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default="{}", help="Fsdp2Settings as JSON")
     parser.add_argument("--config", default=None, help="instead: a ValidateConfig as JSON (zeroplan validate)")
