@@ -217,6 +217,10 @@ def to_table(report: dict) -> str:
             "wire/rank: bytes really sent on loopback per rank per step (--wire: the ranks run alone in a "
             "network namespace; /proc/net/dev, TCP/IP headers, ACKs and two barriers included)."
         )
+    changes = list(dict.fromkeys(c for r in report["rows"] for c in r.get("runner_changes") or []))
+    if changes:
+        out.append("runner changes (what the runner does to the engine it measures, beyond the probes; each "
+                   "row's runner_changes): " + "; ".join(changes) + ".")  # fmt: skip
     out += report["notes"]
     bad = [f"stage {r['stage']} N_d={r['world_size']}: " + ", ".join(k for k, v in r["checks"].items() if v is False)
            for r in report["rows"] if not r["ok"]]  # fmt: skip
