@@ -25,7 +25,7 @@ def _fsdp2(config: ValidateConfig) -> dict:
 
 
 def _deepspeed(config: ValidateConfig) -> dict:
-    from validate.engines.deepspeed import run_validation as run_deepspeed
+    from validate.engines.deepspeed_compare import run_validation as run_deepspeed
 
     return run_deepspeed(config)
 

@@ -40,12 +40,17 @@ def rel_error(measured: float, predicted: float, base: float) -> float:
     return float(measured != predicted)
 
 
+TORCH_NAMES = {"fp64": "float64"}
+"""dtypes a profile names that the byte table (``zeroplan.formulas.dtypes``) does not know, by torch's name
+(the DeepSpeed profile's fp64 gradient norm), so that the prediction's key is the observed one."""
+
+
 def _dtype(name: str) -> str:
-    """The planner's name of a dtype (``bfloat16`` -> ``bf16``), or the name as observed if it has none."""
+    """The planner's name of a dtype (``bfloat16`` -> ``bf16``), or torch's name if it has none."""
     try:
         return canonical_dtype(name)
     except ValueError:
-        return name
+        return TORCH_NAMES.get(name, name)
 
 
 def key(op: str, phase: str, dtype: str) -> str:
