@@ -19,7 +19,7 @@ def _reference(config: ValidateConfig) -> dict:
 
 
 def _fsdp2(config: ValidateConfig) -> dict:
-    from validate.engines.fsdp2 import build_report as fsdp2_report
+    from validate.engines.fsdp2_compare import build_report as fsdp2_report
 
     return fsdp2_report(config, run_matrix(config))
 
