@@ -191,6 +191,16 @@ def _read_bounded(path: Path, name: str) -> bytes:
         os.close(fd)
 
 
+def read_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of ``path``, bounded as ``read_json`` (a YAML or TOML config is parsed by its reader);
+    ValueError naming ``what`` and the file."""
+    name = f"{what} {str(path)!r}"
+    try:
+        return _read_bounded(Path(path), name).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{name}: not UTF-8 text") from None
+
+
 def json_depth(text: str) -> int:
     """Deepest nesting of ``[`` and ``{`` in JSON ``text``, brackets inside strings not counted."""
     brackets = _BRACKET.findall(_STRING.sub("", text))
