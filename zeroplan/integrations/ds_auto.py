@@ -31,6 +31,20 @@ class Filled:
     source: str
 
 
+@dataclass(frozen=True)
+class AutoResolution:
+    """A ds_config as DeepSpeed receives it: ``config`` (a new dict), ``filled`` (each key that was ``"auto"`` or
+    was added, what it became and which step decided it), ``unresolved`` (keys left ``"auto"`` and why)."""
+
+    config: dict
+    filled: tuple[Filled, ...]
+    unresolved: tuple[tuple[str, str], ...]
+
+
+SCHEDULER_STEPS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps")
+STEPS_WHY = "set from the number of training steps when training starts; no memory or traffic effect"
+
+
 @dataclass
 class AutoFill:
     """A private copy of a ds_config being filled, with the record of every key filled so far."""
@@ -83,6 +97,16 @@ class AutoFill:
             more = f" (and {len(self.mismatches) - 1} more)" if len(self.mismatches) > 1 else ""
             raise ValueError(f"deepspeed config: {self.mismatches[0]}{more}: the HF Trainer refuses a ds_config value "
                              "that contradicts its arguments; set it to \"auto\" or drop one of them")  # fmt: skip
+
+
+def finish(fill: AutoFill, who: str) -> AutoResolution:
+    """The resolution: the scheduler's step counts may stay ``"auto"`` (said in ``unresolved``); any other
+    ``"auto"`` left is refused in one line naming ``who`` would have refused it."""
+    left = auto_keys(fill.config)
+    refused = [k for k in left if k not in SCHEDULER_STEPS]
+    if refused:
+        raise ValueError(f"deepspeed config: {refused[0]}='auto': {who}; give a value")
+    return AutoResolution(fill.config, tuple(fill.filled), tuple((k, STEPS_WHY) for k in left))
 
 
 def auto_keys(config: object, prefix: str = "") -> tuple[str, ...]:

@@ -37,7 +37,7 @@ from typing import Literal, Optional
 
 from zeroplan.integrations.accelerate_deepspeed import (HIDDEN_KEYS, MixedPrecision, PluginFields, hidden_values,
                                                         mixed_precision_fill, need_hidden, plugin_fill, prepare_fill)
-from zeroplan.integrations.ds_auto import AutoFill, Filled, auto_keys
+from zeroplan.integrations.ds_auto import SCHEDULER_STEPS, AutoFill, AutoResolution, Filled, finish
 
 TRANSFORMERS_VERSION = "5.24.0"
 _PROCESS = "transformers integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process"
@@ -58,7 +58,6 @@ TRAINER_DEFAULTS: dict[str, object] = {
     "bf16": False,
 }
 """``TrainingArguments``' defaults for the fields ``"auto"`` reads (transformers 5.24.0 ``training_args.py``)."""
-_SCHEDULER_STEPS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps")
 
 
 @dataclass(frozen=True)
@@ -98,17 +97,6 @@ class TrainerRun:
         return "fp16" if self.dtype == "fp16" else "bf16" if self.dtype == "bf16" else "no"
 
 
-@dataclass(frozen=True)
-class AutoResolution:
-    """A ds_config as DeepSpeed receives it from the Trainer: ``config`` (a new dict), ``filled`` (each key
-    that was ``"auto"`` or was added, what it became and which step decided it), ``unresolved`` (keys left
-    ``"auto"`` and why)."""
-
-    config: dict
-    filled: tuple[Filled, ...]
-    unresolved: tuple[tuple[str, str], ...]
-
-
 def trainer_config_process(fill: AutoFill, run: TrainerRun) -> None:
     """Step 1 (module docstring)."""
     mb, mb_given = run.arg("per_device_train_batch_size")
@@ -143,8 +131,8 @@ def trainer_config_finalize(fill: AutoFill, run: TrainerRun) -> None:
         n = run.num_training_steps
         warmup, _ = run.arg("warmup_steps")
         steps = int(warmup) if warmup >= 1 else math.ceil(n * warmup)  # TrainingArguments.get_warmup_steps
-        fill.fill(_SCHEDULER_STEPS[0], n, _FINALIZE, True, "num_training_steps")
-        fill.fill(_SCHEDULER_STEPS[1], max(1, steps), _FINALIZE, run.warmup_steps is not None, "warmup_steps")
+        fill.fill(SCHEDULER_STEPS[0], n, _FINALIZE, True, "num_training_steps")
+        fill.fill(SCHEDULER_STEPS[1], max(1, steps), _FINALIZE, run.warmup_steps is not None, "warmup_steps")
     fill.refuse_mismatches()
 
 
@@ -162,12 +150,5 @@ def resolve_trainer_auto(config: object, run: TrainerRun = TrainerRun()) -> Auto
         fill.filled.append(Filled("zero_allow_untested_optimizer", True, f"{_OPTIM} (no optimizer section: the "
                                   "Trainer's own, adamw_torch_fused by default)"))  # fmt: skip
     prepare_fill(fill, run.hidden_size)
-    left = auto_keys(fill.config)
-    unresolved = tuple((k, "the Trainer sets it from num_training_steps at train(); no memory or traffic effect")
-                       for k in left if k in _SCHEDULER_STEPS)  # fmt: skip
-    refused = [k for k in left if k not in _SCHEDULER_STEPS]
-    if refused:
-        raise ValueError(f"deepspeed config: {refused[0]}='auto': neither the HF Trainer (transformers "
-                         f"{TRANSFORMERS_VERSION}) nor accelerate fills it (Accelerator.prepare refuses it: "
-                         "'not found in kwargs'); give a value")  # fmt: skip
-    return AutoResolution(fill.config, tuple(fill.filled), unresolved)
+    return finish(fill, f"neither the HF Trainer (transformers {TRANSFORMERS_VERSION}) nor accelerate fills it "
+                        "(Accelerator.prepare refuses it: 'not found in kwargs')")

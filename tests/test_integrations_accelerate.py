@@ -1,0 +1,174 @@
+"""``--accelerate-config`` (zeroplan.integrations.accelerate_config) against accelerate itself: each file goes
+through ``accelerate launch``'s own steps (``_validate_launch_command``, ``prepare_multi_gpu_env`` /
+``prepare_deepspeed_cmd_env``) into the environment the plugins read, then ``FullyShardedDataParallelPlugin`` /
+``DeepSpeedPlugin`` are built from it and compared field by field (skipped without accelerate)."""
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from zeroplan.integrations.accelerate_config import (AccelerateDeepSpeed, AccelerateFsdp, prepare_deepspeed,
+                                                     read_accelerate_config)
+
+DATA = Path(__file__).parent / "data" / "integrations" / "accelerate"
+TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """``launch(name)``: the plugin accelerate builds for ``accelerate launch --config_file name``."""
+    pytest.importorskip("accelerate")
+    monkeypatch.chdir(DATA)
+    for key in list(os.environ):
+        if key.startswith(("ACCELERATE_", "FSDP_")):
+            monkeypatch.delenv(key)
+
+    def launch(name: str):
+        from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+        from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+        from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+        args = launch_command_parser().parse_args(["--config_file", name, "train.py"])
+        args, defaults, mp_from_config = _validate_launch_command(args)
+        if args.use_deepspeed:  # launch_command: the fields _deepspeed_config_checks looks at
+            fields = list(defaults.deepspeed_config) + (["mixed_precision"] if mp_from_config else [])
+            args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+            env = prepare_deepspeed_cmd_env(args)[1]
+        else:
+            env = prepare_multi_gpu_env(args)
+        for key, value in env.items():
+            if key.startswith(("ACCELERATE_", "FSDP_")):
+                monkeypatch.setenv(key, value)
+        mp = env["ACCELERATE_MIXED_PRECISION"]
+        plugin = DeepSpeedPlugin() if args.use_deepspeed else FullyShardedDataParallelPlugin()
+        if args.use_deepspeed or mp != "no":  # state.py AcceleratorState: DeepSpeed always, FSDP unless "no"
+            plugin.set_mixed_precision(mp)
+        return SimpleNamespace(plugin=plugin, mixed_precision=mp, num_processes=args.num_processes)
+
+    return launch
+
+
+@pytest.mark.parametrize("name", ["fsdp2_llama.yaml", "fsdp2_minimal.yaml"])
+def test_fsdp2_settings_are_what_accelerate_builds(launched, name):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    ours = read_accelerate_config(DATA / name)
+    assert isinstance(ours, AccelerateFsdp)
+    real = launched(name)
+    p = real.plugin
+    assert p.fsdp_version == 2
+    assert ours.reshard_after_forward is p.reshard_after_forward
+    assert ours.activation_checkpointing is p.activation_checkpointing
+    assert ours.activation_checkpointing_offload is p.activation_checkpointing_offload
+    assert (ours.init == "meta") is p.cpu_ram_efficient_loading
+    assert ours.offload_params is isinstance(p.cpu_offload, CPUOffloadPolicy)
+    assert (ours.mixed_precision, ours.num_processes) == (real.mixed_precision, real.num_processes)
+    policy = p.mixed_precision_policy
+    assert (ours.param_dtype, ours.reduce_dtype) == ((None, None) if policy is None else (
+        next(k for k, v in TORCH_DTYPES.items() if v == str(policy.param_dtype)),
+        next(k for k, v in TORCH_DTYPES.items() if v == str(policy.reduce_dtype))))
+    wrap = {"transformer_based_wrap": transformer_auto_wrap_policy, "size_based_wrap": size_based_auto_wrap_policy}
+    assert p.auto_wrap_policy is wrap.get(ours.auto_wrap_policy)
+    if ours.auto_wrap_policy == "transformer_based_wrap":
+        assert list(ours.transformer_layer_cls_to_wrap) == p.transformer_cls_names_to_wrap
+    else:
+        assert ours.min_num_params == p.min_num_params
+
+
+def test_fsdp2_values_the_files_say():
+    llama = read_accelerate_config(DATA / "fsdp2_llama.yaml")
+    assert (llama.reshard_after_forward, llama.param_dtype, llama.reduce_dtype, llama.module_dtype) == (False, "bf16", "bf16", "fp32")
+    assert (llama.init, llama.activation_checkpointing, llama.transformer_layer_cls_to_wrap) == ("meta", True, ("LlamaDecoderLayer",))
+    assert [u.reshard_after_forward for u in llama.wrapping] == [False, False, False, None]
+    minimal = read_accelerate_config(DATA / "fsdp2_minimal.yaml")
+    assert (minimal.init, minimal.param_dtype, minimal.module_dtype, minimal.reshard_after_forward) == ("cpu", None, None, True)
+    assert [u.reshard_after_forward for u in minimal.wrapping] == [True, True, False, None]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_wrapping_is_the_order_fsdp2_prepare_model_calls_fully_shard(launched, monkeypatch, tied):
+    """``fsdp2_prepare_model`` run on a tiny meta-device Llama with ``fully_shard`` recorded, not run."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    import torch.distributed.fsdp as fsdp
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = launched("fsdp2_llama.yaml").plugin
+    plugin.cpu_ram_efficient_loading = False  # the order is the same; loading broadcasts need a process group
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=2, vocab_size=64, tie_word_embeddings=tied)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    calls = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda m, **kw: calls.append(
+        ([names[id(x)] for x in m] if isinstance(m, list) else names[id(m)], kw.get("reshard_after_forward", "default"))))
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16",
+                                  is_main_process=True, device=torch.device("cpu"), parallelism_config=None)
+    fsdp2_prepare_model(accelerator, model)
+    ours = read_accelerate_config(DATA / "fsdp2_llama.yaml").wrapping
+    blocks = [c for c in calls if c[0] in ("model.layers.0", "model.layers.1")]
+    assert blocks == [("model.layers.0", ours[0].reshard_after_forward), ("model.layers.1", ours[0].reshard_after_forward)]
+    rest = calls[len(blocks):]
+    tail = (["model.norm", "model.embed_tokens", "lm_head"] if tied else ["model.norm", "lm_head"], ours[2].reshard_after_forward)
+    embed = [] if tied else [("model.embed_tokens", ours[1].reshard_after_forward)]
+    assert rest == [*embed, tail, ("<root>", "default")] and ours[3].reshard_after_forward is None
+
+
+@pytest.mark.parametrize("name", ["deepspeed_fields.yaml", "deepspeed_stage2.yaml", "deepspeed_file.yaml"])
+def test_deepspeed_config_is_what_the_plugin_builds(launched, name):
+    real = launched(name)
+    ours = read_accelerate_config(DATA / name)  # deepspeed_file.yaml names its ds_config from the data folder
+    assert isinstance(ours, AccelerateDeepSpeed)
+    expected = dict(real.plugin.deepspeed_config)
+    expected.pop("steps_per_print")  # accelerate's inf (logging); zeroplan keeps the file's
+    got = dict(ours.ds_config)
+    got.pop("steps_per_print", None)
+    assert got == expected
+    assert ours.zero3_init is real.plugin.zero3_init_flag
+    assert (ours.mixed_precision, ours.num_processes) == (real.mixed_precision, real.num_processes)
+
+
+def test_deepspeed_values_the_files_say(monkeypatch):
+    monkeypatch.chdir(DATA)  # a relative deepspeed_config_file is opened from the current directory
+    fields = read_accelerate_config(DATA / "deepspeed_fields.yaml")
+    zero = fields.ds_config["zero_optimization"]
+    assert (zero["stage"], zero["offload_optimizer"]["device"], fields.ds_config["gradient_accumulation_steps"]) == (3, "cpu", 4)
+    assert fields.ds_config["bf16"] == {"enabled": True} and fields.zero3_init is True
+    assert fields.unresolved == ("train_batch_size", "train_micro_batch_size_per_gpu")
+    prepared = prepare_deepspeed(fields, micro_batch=2)
+    assert (prepared.config["train_micro_batch_size_per_gpu"], prepared.config["train_batch_size"]) == (2, 2 * 4 * 4)
+    stage3 = prepare_deepspeed(read_accelerate_config(DATA / "deepspeed_file.yaml"), 1, hidden_size=100)
+    assert stage3.config["zero_optimization"]["stage3_prefetch_bucket_size"] == 9000
+    assert [k for k, _ in stage3.unresolved] == ["scheduler.params.total_num_steps"]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("template_fsdp.yaml", "fsdp_version=1 .*FSDP2"),
+    ("tp_hsdp.yaml", "parallelism_config.parallelism_config_dp_replicate_size=2"),
+    ("template_deepspeed.yaml", "zero_stage1_config.json'?: No such file"),
+])  # fmt: skip
+def test_refused_in_one_line(name, message):
+    with pytest.raises(ValueError, match=message) as info:
+        read_accelerate_config(DATA / name)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_files(tmp_path):
+    cases = {"distributed_type: MULTI_GPU\nnum_processes: 2\n": "distributed_type='MULTI_GPU'",
+             "distributed_type: FSDP\nfsdp_config: {fsdp_version: 2}\n": "no num_processes",
+             "distributed_type: FSDP\nnum_processes: 2\nfsdp_config: {fsdp_version: 2, fsdp_reshard_after_forward: FULL_SHARD}\n":
+                 "fsdp_reshard_after_forward='FULL_SHARD'",
+             "distributed_type: DEEPSPEED\nnum_processes: 2\nmixed_precision: bf16\n"
+             "deepspeed_config: {deepspeed_config_file: x.json}\n": "mixed_precision with deepspeed_config_file",
+             "bogus_key: 1\ndistributed_type: FSDP\n": "unknown key 'bogus_key'",
+             "distributed_type: [FSDP\n": "not valid YAML",
+             "- a list\n": "expected a mapping"}  # fmt: skip
+    for text, message in cases.items():
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_accelerate_config(path)
