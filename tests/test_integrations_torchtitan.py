@@ -1,0 +1,74 @@
+"""``--torchtitan-config`` (zeroplan.integrations.torchtitan_config) on torchtitan v0.2.2's own TOML job configs,
+with the defaults checked against the installed torchtitan's dataclasses (the fields kept by 0.3.0)."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from zeroplan.integrations.torchtitan_config import (PARALLELISM_DEFAULTS, TRAINING_DEFAULTS, TorchtitanRun,
+                                                     read_torchtitan_config)
+
+DATA = Path(__file__).parent / "data" / "integrations" / "torchtitan"
+
+
+def test_defaults_are_torchtitans_own():
+    config = pytest.importorskip("torchtitan.config")
+    training = {f.name: f.default for f in dataclasses.fields(config.TrainingConfig)}
+    parallelism = {f.name: f.default for f in dataclasses.fields(config.ParallelismConfig)}
+    assert {k: training[k] for k in TRAINING_DEFAULTS} == TRAINING_DEFAULTS
+    assert {k: parallelism[k] for k in PARALLELISM_DEFAULTS} == PARALLELISM_DEFAULTS
+
+
+@pytest.mark.parametrize("name, gpus, expected", [
+    # (nd, local batch, grad accum, seq len, module, param, reduce dtype, reshard, AC mode, AC option)
+    ("llama3_debug_model.toml", 8, (8, 8, 1, 2048, "fp32", "bf16", "fp32", True, "selective", "2")),
+    ("llama3_8b.toml", 64, (64, 1, 1, 8192, "fp32", "bf16", "fp32", True, "selective", "op")),
+    ("qwen3_32b.toml", 16, (16, 2, 1, 4096, "fp32", "bf16", "fp32", True, "full", None)),
+])  # fmt: skip
+def test_the_values_torchtitan_runs(name, gpus, expected):
+    run = read_torchtitan_config(DATA / name, world_size=gpus)
+    assert isinstance(run, TorchtitanRun)
+    got = (run.nd, run.local_batch_size, run.grad_accum, run.seq_len, run.module_dtype, run.param_dtype,
+           run.reduce_dtype, run.reshard_after_forward, run.checkpointing, run.selective_ac_option)
+    assert got == expected
+    assert run.init == "meta" and run.compile is False and run.converters == ()
+    assert [(u.modules, u.reshard_after_forward) for u in run.wrapping] == [
+        ("tok_embeddings", True), ("each block of layers", True), ("[norm, output]", False),
+        ("the root (every parameter not in a unit above)", None)]
+
+
+def test_options_change_what_is_read(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[training]\nlocal_batch_size = 2\nglobal_batch_size = 64\ndtype = "bfloat16"\n'
+                    '[parallelism]\ndata_parallel_shard_degree = 4\nfsdp_reshard_after_forward = "always"\n'
+                    '[activation_checkpoint]\nmode = "none"\n[model]\nconverters = ["float8"]\n[compile]\nenable = true\n')
+    run = read_torchtitan_config(path)
+    assert (run.nd, run.grad_accum, run.module_dtype, run.checkpointing) == (4, 8, "bf16", "none")
+    assert [u.reshard_after_forward for u in run.wrapping] == [True, True, True, None]
+    assert run.converters == ("float8",) and run.compile is True
+    path.write_text('[parallelism]\nfsdp_reshard_after_forward = "never"\n')
+    assert [u.reshard_after_forward for u in read_torchtitan_config(path, world_size=2).wrapping] == [False, False, False, None]
+
+
+@pytest.mark.parametrize("text, gpus, message", [
+    ("", None, "data_parallel_shard_degree=-1 takes the ranks left over"),
+    ("[parallelism]\ndata_parallel_shard_degree = 3\n", 8, "3 x replicate 1 != 8 GPUs"),
+    ("[parallelism]\ndata_parallel_replicate_degree = 2\n", 8, "HSDP"),
+    ("[parallelism]\ndata_parallel_shard_degree = 1\n", None, "no FSDP"),
+    ("[training]\nlocal_batch_size = 3\nglobal_batch_size = 10\n", 2, "not a multiple"),
+    ('[training]\nmixed_precision_reduce = "bfloat16"\n', 2, "mixed_precision_reduce='bfloat16'"),
+    ('[activation_checkpoint]\nmode = "memory_budget"\n', 2, "memory_budget"),
+    ("[training\n", 2, "not valid TOML"),
+])  # fmt: skip
+def test_refused_in_one_line(tmp_path, text, gpus, message):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as info:
+        read_torchtitan_config(path, world_size=gpus)
+    assert "\n" not in str(info.value)
+
+
+def test_tensor_parallel_presets_are_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_degree=8: zeroplan models one data-parallel dimension"):
+        read_torchtitan_config(DATA / "llama3_70b.toml", world_size=256)
