@@ -92,7 +92,7 @@ def test_estimate_deepspeed_json_is_the_engine_row_with_deepspeeds_own_estimator
     config = json.loads(Path(DS_CONFIG).read_text())
     settings = deepspeed.Settings.from_ds_config(config)
     assert (settings.stage, settings.dtype, settings.grad_dtype) == (2, "bf16", "fp32")
-    # the file's train_micro_batch_size_per_gpu (4) is the run's (engines/deepspeed.py ds_batch)
+    # the file's train_micro_batch_size_per_gpu (4) is the run's (engines/deepspeed/batch.py ds_batch)
     (row,) = deepspeed.estimate(workload(GPT2, 1024, micro_batch=config["train_micro_batch_size_per_gpu"]), 8, settings)
     assert d["inputs"]["engine"] == "deepspeed" and len(d["stages"]) == 1
     assert d["inputs"]["step"]["micro_batch"] == 4
