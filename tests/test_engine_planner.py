@@ -252,8 +252,9 @@ def test_plan_deepspeed_recommends_stage_and_buckets_and_its_ds_config_predicts_
     w = workload(TINY, 16, checkpointing="full")
     base = deepspeed.Settings.from_ds_config({"bf16": {"enabled": True}}, 1)
     top = deepspeed.recommend(w, 4, 10**15, base)
-    assert top.settings.stage == 1  # everything fits a huge GPU: the cheapest
-    memory = top.estimate.peak.peak_bytes - 1  # ZeRO-1 with the default bucket no longer fits
+    # everything fits a huge GPU: the first of the plan's order (fewest bytes sent per step: ZeRO-3 here)
+    assert top.settings == deepspeed.ranked(w, 4, base)[0].settings and top.settings.stage == 3
+    memory = top.estimate.peak.peak_bytes - 1  # the first candidate no longer fits
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
     d = run_json("plan", "--engine", "deepspeed", "--deepspeed-config", str(cfg), "--model", TINY, "--gpus", "4",

@@ -35,9 +35,9 @@ from zeroplan.engines.deepspeed.coordinator import Coordinator, Stage3Gather, St
 from zeroplan.engines.deepspeed.estimator import ds_estimate_bytes, ds_estimate_zero2_bytes, ds_estimate_zero3_bytes
 from zeroplan.engines.deepspeed.phases import (backward_moments, forward_moments, init_moments, moments,
                                                optimizer_moments)
-from zeroplan.engines.deepspeed.plan import (BUCKET_CHOICES, PLAN_ORDER, PLANNER_OPTIONS, Recommendation,
+from zeroplan.engines.deepspeed.plan import (BUCKET_CHOICES, PLAN_ORDER, PLANNER_OPTIONS, Recommendation, Tried,
                                              build_snippet, candidates, planner_block_bytes, planner_plan,
-                                             planner_policy, planner_settings, recommend)
+                                             planner_policy, planner_settings, ranked, recommend, sent_bytes_per_step)
 from zeroplan.engines.deepspeed.profile import estimate
 from zeroplan.engines.deepspeed.run import DSRun, _trace, ds_run
 from zeroplan.engines.deepspeed.settings import (DEEPSPEED_VERSION, DTYPE_BYTES, NCCL_START_ALIGNMENT_FACTOR,
@@ -51,7 +51,7 @@ from zeroplan.engines.deepspeed.zero12 import _partition_allocations, _stage1_ke
 
 __all__ = [
     "BUCKET_CHOICES", "DEEPSPEED_OPTIMIZERS", "DEEPSPEED_VERSION", "DEFAULT_BUCKET_NUMEL", "DTYPE_BYTES", "FETCH",
-    "NCCL_START_ALIGNMENT_FACTOR", "NVME_PATH", "PLANNER_OPTIONS", "PLAN_ORDER", "RELEASE", "STAGE3_PREFETCH_NUMEL",
+    "NCCL_START_ALIGNMENT_FACTOR", "NVME_PATH", "PLANNER_OPTIONS", "PLAN_ORDER", "Tried", "ranked", "sent_bytes_per_step", "RELEASE", "STAGE3_PREFETCH_NUMEL",
     "Coordinator", "DSCollective", "DSRun", "DSTerm", "DeepSpeedConfig", "DsBatch", "DsDtype", "Recommendation",
     "Settings", "Stage3Gather", "Stage3Schedule", "Stage3Trace", "TraceEvent", "Wrapper",
     "_partition_allocations", "_stage1_kept_gradients", "_trace",

@@ -11,6 +11,7 @@ from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, Planner
 from zeroplan.engines.deepspeed.config import to_ds_config
 from zeroplan.engines.deepspeed.profile import estimate
 from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.formulas.commtime import calls_per_optimizer_step
 from zeroplan.policy import PrecisionPolicy
 
 
@@ -49,9 +50,9 @@ class Recommendation:
 
 
 def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
-    """What ``recommend`` tries, in its order: ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3
-    without prefetch (``stage3_prefetch_bucket_size`` 0: a module's parameters are released after use unless
-    reused within ``stage3_max_reuse_distance``, ``stage3_schedule``; more all-gathers, no overlap)."""
+    """What ``recommend`` tries: ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3 without prefetch
+    (``stage3_prefetch_bucket_size`` 0: a module's parameters are released after use unless reused within
+    ``stage3_max_reuse_distance``, ``stage3_schedule``; more all-gathers, no overlap). ``ranked`` orders them."""
     out = []
     for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
         for bucket in BUCKET_CHOICES:
@@ -63,18 +64,54 @@ def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
     return tuple(out)
 
 
-def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
-              stat_bytes: Optional[int] = None) -> Optional[Recommendation]:
-    """The first of ``candidates`` (lowest ZeRO stage: least traffic; then the largest bucket: fewest calls;
-    ZeRO-3 without prefetch last) whose predicted peak fits ``memory_bytes``; None when none does. Other
-    keys come from ``base``."""
-    tried = []
-    for _, s in candidates(base):
+def sent_bytes_per_step(est: EngineEstimate, grad_accum: int) -> int:
+    """Bytes one rank sends per optimizer step as ``zeroplan plan`` prints them (its sent/rank/step column,
+    planning/plan.py ``engine_plan_config``): each collective's ring bytes times its calls per step
+    (formulas/commtime.py ``calls_per_optimizer_step``)."""
+    return sum(calls_per_optimizer_step(est.stage, c.op, grad_accum) * c.bytes_per_rank for c in est.collectives)
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One candidate, estimated once: its label, settings, estimate, predicted peak and bytes sent per step."""
+
+    label: str
+    settings: Settings
+    estimate: EngineEstimate
+    peak_bytes: int
+    sent_bytes: int
+
+
+PLAN_ORDER = ("the fewest bytes sent per rank per step (the sent/rank/step column), then the largest bucket "
+              "(fewest calls, each paying the link latency), then the lowest ZeRO stage")
+"""What ``ranked`` orders by, as the plan states it. DeepSpeed's ZeRO-1/2 all-reduce their gradients
+(``use_multi_rank_bucket_allreduce``: 2 passes, not a reduce-scatter's 1) and all-gather the flat group, so
+they send about as much as ZeRO-3 (gathers in forward and backward, a reduce-scatter) and, with small
+parameters kept gathered (``stage3_param_persistence_threshold``), more: "lowest stage = least traffic",
+the order before, is not true of DeepSpeed."""
+
+
+def ranked(workload: Workload, nd: int, base: Settings, stat_bytes: Optional[int] = None) -> tuple[Tried, ...]:
+    """Every one of ``candidates`` estimated once, in the plan's order (``PLAN_ORDER``; ties keep the order
+    of ``candidates``: the lower stage, prefetch before none)."""
+    out = []
+    for label, s in candidates(base):
         (est,) = estimate(workload, nd, s, stat_bytes)
         peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
-        tried.append((s.stage, s.reduce_bucket_size, peak))
-        if peak <= memory_bytes:
-            return Recommendation(s, est, to_ds_config(s, workload.micro_batch, workload.grad_accum), tuple(tried))
+        out.append(Tried(label, s, est, peak, sent_bytes_per_step(est, workload.grad_accum)))
+    return tuple(sorted(out, key=lambda t: (t.sent_bytes, -t.settings.reduce_bucket_size)))
+
+
+def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
+              stat_bytes: Optional[int] = None) -> Optional[Recommendation]:
+    """The first of ``ranked`` (``PLAN_ORDER``) whose predicted peak fits ``memory_bytes``; None when none
+    does. Other keys come from ``base``."""
+    tried = []
+    for t in ranked(workload, nd, base, stat_bytes):
+        tried.append((t.settings.stage, t.settings.reduce_bucket_size, t.peak_bytes))
+        if t.peak_bytes <= memory_bytes:
+            ds = to_ds_config(t.settings, workload.micro_batch, workload.grad_accum)
+            return Recommendation(t.settings, t.estimate, ds, tuple(tried))
     return None
 
 
@@ -82,10 +119,6 @@ def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
 
 PLANNER_OPTIONS: tuple[str, ...] = ("ds_config", "stage")
 """The ``PlannerOptions`` fields in DeepSpeed's vocabulary: a ``ds_config.json`` and ``--stage``."""
-PLAN_ORDER = ("the lowest ZeRO stage (least traffic), then the largest bucket (fewest calls), ZeRO-3 without "
-              "prefetch last (parameters released after use, re-gathered in backward)")
-
-
 def planner_settings(options: PlannerOptions) -> Settings:
     """DeepSpeed's ``Settings`` from ``--deepspeed-config`` (absent keys: DeepSpeed 0.19.8's defaults) and
     ``--stage`` (fills in a config without a stage; a contradiction is refused)."""
@@ -105,23 +138,20 @@ def planner_policy(settings: Settings) -> PrecisionPolicy:
 
 
 def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
-    """``zeroplan plan --engine deepspeed``: every (stage, bucket) ``recommend`` may try, in its order, each
-    with the ds_config of exactly that prediction; the recommendation is ``recommend``'s. The other keys
-    come from ``--deepspeed-config`` (the plan chooses the stage: the file's is one of the candidates)."""
+    """``zeroplan plan --engine deepspeed``: every (stage, bucket) of ``candidates``, each estimated once, in
+    the plan's order (``ranked``), each with the ds_config of exactly that prediction; the recommendation is
+    the first that fits (``recommend``'s). The other keys come from ``--deepspeed-config`` (the plan chooses
+    the stage: the file's is one of the candidates)."""
     config = dict(options.ds_config) if options.ds_config is not None else {}
     zero = dict(config.get("zero_optimization") or {})
     zero.pop("stage", None)
     base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
-    chosen = recommend(workload, nd, capacity_bytes, base)
-    out, index = [], None
-    for label, s in candidates(base):
-        (est,) = estimate(workload, nd, s)
-        need = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
-        if chosen is not None and s == chosen.settings:
-            index = len(out)
-        out.append(Candidate(label, est, need <= capacity_bytes, to_ds_config(s, workload.micro_batch, workload.grad_accum),
-                             s.reduce_bucket_size, build_snippet(s)))  # fmt: skip
-    return EnginePlan(tuple(out), index, "deepspeed", PLAN_ORDER, base)
+    order = ranked(workload, nd, base)
+    index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
+    out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
+                          to_ds_config(t.settings, workload.micro_batch, workload.grad_accum),
+                          t.settings.reduce_bucket_size, build_snippet(t.settings)) for t in order)  # fmt: skip
+    return EnginePlan(out, index, "deepspeed", PLAN_ORDER, base)
 
 
 def planner_block_bytes(settings: Settings) -> int:
