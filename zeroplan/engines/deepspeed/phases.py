@@ -141,12 +141,19 @@ def later_blocks_held(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, 
     N_d = 4, every rank at block 0)."""
     if not run.param_blocks:
         return ()
-    out = []
-    for j in range(run.acts.n_layer - 1):
-        later = sum(n for n, b in zip(run.numels, run.param_blocks) if b > j)
+    L, out = run.acts.n_layer, []
+    later = [0] * (L + 1)  # later[j]: parameter elements of the blocks after j
+    for n, b in zip(run.numels, run.param_blocks):
+        if 0 < b <= L:
+            later[b - 1] += n
+        elif b > L:
+            later[L] += n
+    for j in range(L - 1, -1, -1):
+        later[j] += later[j + 1]
+    for j in range(L - 1):
         out.append(Moment("backward", f"block {j} backward, the later blocks' gradients held", (
             *(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
-            Term("gradients of the later blocks (param.grad)", later * _pbytes(run),
+            Term("gradients of the later blocks (param.grad)", later[j] * _pbytes(run),
                  "torch autograd AccumulateGrad; runtime/zero/stage_1_and_2.py process_gradients (stage 1 "
                  "without overlap_comm reduces in reduce_gradients, after backward)"))))  # fmt: skip
     return tuple(out)

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Optional
 
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
+from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup
 from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, Stage3Trace, stage3_trace
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
-from zeroplan.formulas.peak import Moment, Term
+from zeroplan.formulas.peak import Term
 
 if TYPE_CHECKING:
     from zeroplan.engines.deepspeed.wrapper import Wrapper
@@ -48,6 +49,16 @@ class DSRun:
     """the parameters of the blocks' MLP output projections (GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``)."""
 
     @cached_property
+    def flat(self) -> FlatGroup:
+        """The flat group's layout (ZeRO-1/2, BF16_Optimizer): which parameters each rank's partition holds."""
+        return FlatGroup(self.numels, self.nd)
+
+    @cached_property
+    def model_terms(self) -> tuple[DSTerm, ...]:
+        """Every buffer of model states and buckets (``terms``), computed once per run."""
+        return self.wrapper.terms(self.settings, self.numels, self.nd)
+
+    @cached_property
     def wrapper(self) -> Wrapper:
         """The optimizer wrapper DeepSpeed builds for ``settings`` (``wrapper_for``), chosen once per run."""
         from zeroplan.engines.deepspeed.wrapper import wrapper_for  # the wrappers' modules import this one
@@ -60,12 +71,14 @@ def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
 
 
 def _states(run: DSRun, after_step: bool = True) -> tuple[Term, ...]:
+    """The model states alive (``run.model_terms``): persistent ones, and lazy ones after the first step."""
     lives = ("persistent", "lazy") if after_step else ("persistent",)
-    return tuple(t.term() for t in run.wrapper.terms(run.settings, run.numels, run.nd) if t.live in lives and t.bytes)
+    return tuple(t.term() for t in run.model_terms if t.live in lives and t.bytes)
+
 
 def _bucket(run: DSRun) -> tuple[Term, ...]:
     """ZeRO-1/2: the reduce bucket(s), allocated at the first gradient hook of each backward."""
-    return tuple(t.term() for t in run.wrapper.terms(run.settings, run.numels, run.nd) if t.live == "backward" and t.bytes)
+    return tuple(t.term() for t in run.model_terms if t.live == "backward" and t.bytes)
 
 
 def _pbytes(run: DSRun) -> int:
@@ -109,38 +122,44 @@ def _blocks_saved(run: DSRun, n: int) -> Term:
 ZINIT = "runtime/zero/partition_parameters.py"
 
 
-def _largest(moments: list[Moment]) -> Moment:
-    return max(moments, key=lambda m: m.total())
-
-
 def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional[int] = None) -> DSRun:
     """The run of ``workload`` under ``settings``; activations in the model dtype, LayerNorm statistics in
     ``stat_bytes`` (None: 4, as CUDA keeps them; on CPU they take the input dtype)."""
     spec = workload.spec
     if spec is None:
         raise ValueError("the DeepSpeed peak needs an architecture (a model), not bare tensor sizes")
-    from zeroplan.architectures.spec import block_prefix
-
     a = DTYPE_BYTES[settings.dtype]
     acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=a,
                              stat_bytes=4 if stat_bytes is None else stat_bytes)  # fmt: skip
+    numels, final, modules, blocks, outputs = _layout(workload)
+    foreach = settings.foreach if settings.foreach is not None else workload.foreach
+    return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
+                 spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
+                 workload.grad_accum, modules, *_trace(workload), blocks, outputs)  # fmt: skip
+
+
+@lru_cache(maxsize=32)  # the same for every candidate of a plan
+def _layout(workload: Workload) -> tuple[tuple[int, ...], int, tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]]:
+    """(parameter sizes, final norm elements, sizes module by module, block of each parameter, output
+    projections) of ``workload``, from its parameter names (``DSRun``'s fields)."""
+    from zeroplan.architectures.spec import block_prefix
+
+    spec = workload.spec
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
     prefix = block_prefix(spec)
     # the final norm: the root's norm parameters (GPT-2 ln_f, Llama model.norm)
     final = sum(math.prod(sh) for n, sh in workload.shapes
                 if not n.startswith(prefix) and (".ln_f." in n or n.startswith("model.norm.")))  # fmt: skip
-    foreach = settings.foreach if settings.foreach is not None else workload.foreach
     owners: dict[str, list[int]] = {}  # insertion order: the order the modules were built
     for name, shape in workload.shapes:
         owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
     blocks = tuple(int(n[len(prefix):].split(".")[0]) if n.startswith(prefix) else -1 for n, _ in workload.shapes)
     output = f".mlp.{_MLP_PROJECTIONS[spec.style][1]}."
-    return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
-                 spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
-                 workload.grad_accum, tuple(tuple(v) for v in owners.values()), *_trace(workload), blocks,
-                 tuple(i for i, (n, _) in enumerate(workload.shapes) if blocks[i] >= 0 and output in n))  # fmt: skip
+    outputs = tuple(i for i, (n, _) in enumerate(workload.shapes) if blocks[i] >= 0 and output in n)
+    return numels, final, tuple(tuple(v) for v in owners.values()), blocks, outputs
 
 
+@lru_cache(maxsize=32)  # every candidate of a plan, and ds_run and collectives of one estimate, ask for it
 def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:
     """(ZeRO-3's module trace of ``workload``,) for ``collectives``: ``stage3_trace`` of its parameter names,
     the validator's causal LM where there is an architecture, the transformers one with ``Workload.transformers``."""

@@ -5,6 +5,8 @@ term naming the DeepSpeed file and function it was read from; and the padding ru
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, NCCL_START_ALIGNMENT_FACTOR, Settings, inner_optimizer_class
@@ -57,9 +59,37 @@ def persistent_numel(s: Settings, numels: tuple[int, ...]) -> int:
     return sum(n for n in numels if n <= s.param_persistence_threshold) if s.stage == 3 else 0
 
 
+class FlatGroup:
+    """ZeRO-1/2 and BF16_Optimizer: the parameters laid out in one flat group (``numels`` in
+    ``named_parameters`` order) cut into N_d partitions of ``part`` elements (``flat_padded_numel``)."""
+
+    def __init__(self, numels: tuple[int, ...], nd: int) -> None:
+        self.numels, self.nd = numels, nd
+        self.offsets = (0, *itertools.accumulate(numels))
+        """where each parameter starts, and where the last ends (prefix sums)."""
+        self.part = flat_padded_numel(numels, nd) // nd
+
+    def range(self, rank: int) -> tuple[int, int]:
+        """(first, end) indices of the parameters overlapping ``rank``'s slice [rank·part, (rank + 1)·part):
+        those that start before its end and end after its start (offsets ascend, so a range)."""
+        offsets, n = self.offsets, len(self.numels)
+        first = bisect.bisect_right(offsets, rank * self.part, 1, n + 1) - 1  # the first i with offsets[i + 1] > lo
+        end = bisect.bisect_left(offsets, (rank + 1) * self.part, 0, n)  # the first i with offsets[i] >= hi
+        return first, max(first, end)
+
+    def params(self, rank: int) -> tuple[int, ...]:
+        """Indices of the parameters overlapping ``rank``'s slice (stage_1_and_2.py ``get_partition_info``: a
+        parameter is in a partition when any of its elements is)."""
+        return tuple(range(*self.range(rank)))
+
+    def params_numel(self, rank: int) -> int:
+        """Elements of the parameters overlapping ``rank``'s slice, whole (``copy_grads_in_partition``)."""
+        first, end = self.range(rank)
+        return self.offsets[end] - self.offsets[first]
+
+
 def _partition_params(numels: tuple[int, ...], part: int, rank: int) -> tuple[int, ...]:
-    """Indices of the parameters overlapping ``rank``'s slice of the flat group (stage_1_and_2.py
-    ``get_partition_info``: a parameter is in a partition when any of its elements is)."""
+    """Indices of the parameters overlapping ``rank``'s slice of ``part`` elements (``FlatGroup.params``)."""
     lo, hi, start, out = rank * part, (rank + 1) * part, 0, []
     for i, n in enumerate(numels):
         if start < hi and start + n > lo:

@@ -44,11 +44,23 @@ class Stage3Trace:
     """the modules' names (``named_modules``), for reading; not used by the schedule."""
 
     def span(self, name: str) -> tuple[int, int]:
-        """The (first, last) event of mark ``name``."""
-        for mark, first, last in self.marks:
-            if mark == name:
-                return first, last
-        raise KeyError(name)
+        """The (first, last) event of mark ``name`` (the first mark of that name)."""
+        spans = self.__dict__.get("_spans")
+        if spans is None:  # computed once: the moments read a 405B trace's marks hundreds of times
+            spans = {}
+            for mark, first, last in self.marks:
+                spans.setdefault(mark, (first, last))
+            object.__setattr__(self, "_spans", spans)
+        return spans[name]
+
+    def __hash__(self) -> int:
+        """The fields' hash, computed once (the coordinator's cache is keyed by the trace: a 405B model's
+        has ~12,000 events). Not a field: equality, ``repr`` and ``asdict`` are the dataclass's."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.modules, self.events, self.marks, self.names))
+            object.__setattr__(self, "_hash", h)
+        return h
 
 
 _LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -94,6 +106,7 @@ class _TraceBuilder:
         self.modules: list[tuple[int, ...]] = []
         self.events: list[TraceEvent] = []
         self.spans: dict[str, list[int]] = {}
+        self._called: dict[str, list[str]] = {}
         top = self.called("")
         self.bodies = [c for c in top if c != "lm_head" and self.children[c]] if head_module else []
         top = self.called(self.bodies[0]) if self.bodies else top  # the transformers body's own calls
@@ -107,7 +120,13 @@ class _TraceBuilder:
         return bool(self.children[path]) and all(c.rpartition(".")[2].isdigit() for c in self.children[path])
 
     def called(self, path: str) -> list[str]:
-        """The modules ``path``'s forward calls, in order (containers never called are looked through)."""
+        """The modules ``path``'s forward calls, in order (containers never called are looked through);
+        computed once per module (forward and backward walk the tree again)."""
+        if path not in self._called:
+            self._called[path] = self._calls(path)
+        return self._called[path]
+
+    def _calls(self, path: str) -> list[str]:
         style, head_module = self.style, self.head_module
         out = []
         for c in self.children.get(path, ()):

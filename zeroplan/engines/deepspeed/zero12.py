@@ -9,11 +9,14 @@ partition and all-gathers the 16-bit flat group. ZeRO-1 and 2 differ in DeepSpee
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 from zeroplan.engines.deepspeed.collectives import greedy_buckets, zero12_collectives
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments, flatten_moment, later_blocks_held
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import _partition_params, flat_padded_numel, zero12_terms
+from zeroplan.engines.deepspeed.terms import flat_padded_numel, zero12_terms
 from zeroplan.engines.deepspeed.wrapper import Wrapper
 from zeroplan.formulas.peak import Moment, Term
 
@@ -29,9 +32,7 @@ def reduces_from_hooks(s: Settings) -> bool:
 
 def _largest_partition_numel(run: DSRun) -> int:
     """The most parameter elements overlapping one rank's slice of the flat group (the largest rank's)."""
-    numels = run.numels
-    part = flat_padded_numel(numels, run.nd) // run.nd
-    return max(sum(numels[i] for i in _partition_params(numels, part, r)) for r in range(run.nd))
+    return max(run.flat.params_numel(r) for r in range(run.nd))
 
 
 def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
@@ -40,22 +41,18 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     allocates ``grads_in_partition`` (``copy_grads_in_partition``: every parameter overlapping the
     partition, whole, in the model dtype). The largest over ranks (the validator reports the max)."""
     numels, p = run.numels, _pbytes(run)
-    part = flat_padded_numel(numels, run.nd) // run.nd
-    buckets = greedy_buckets(numels, run.settings.reduce_bucket_size)
+    bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, run.settings.reduce_bucket_size)))
+    offsets, states, psi = run.flat.offsets, (*_states(run), *_bucket(run)), sum(numels)
     out = []
     for rank in range(run.nd):
-        mine = _partition_params(numels, part, rank)
+        mine = run.flat.params(rank)
         if not mine:
             continue
-        first_offset, b, start = sum(numels[: mine[0]]), 0, 0
-        while start + buckets[b] <= first_offset:  # the bucket that holds this rank's first parameter
-            start += buckets[b]
-            b += 1
-        sent = sum(buckets[: b + 1])
+        sent = bucket_ends[bisect.bisect_right(bucket_ends, offsets[mine[0]])]  # the bucket holding its first
         out.append(Moment("backward", f"reduce_gradients: rank {rank}'s grads_in_partition", (
-            *_states(run), *_bucket(run),
-            Term("autograd gradients not yet bucketed", (sum(numels) - sent) * p, "torch autograd (param.grad)"),
-            Term("grads_in_partition", sum(numels[i] for i in mine) * p,
+            *states,
+            Term("autograd gradients not yet bucketed", (psi - sent) * p, "torch autograd (param.grad)"),
+            Term("grads_in_partition", run.flat.params_numel(rank) * p,
                  "runtime/zero/stage_1_and_2.py copy_grads_in_partition (torch.empty of the partition's parameters)"),
             _act("batch (token ids, targets)", run.acts.batch, 2))))  # fmt: skip
     return tuple(out)
@@ -94,10 +91,9 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
             bucket_of[i] = b
     last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
     outputs = set(run.output_projections)
-    part = flat_padded_numel(numels, nd) // nd
     out = []
     for rank in range(nd):
-        mine = _partition_params(numels, part, rank)
+        mine = run.flat.params(rank)
         if not mine:
             continue
         first = min(bucket_of[i] for i in mine)
@@ -110,7 +106,7 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
         elif hook not in outputs:
             j -= 1
         if j >= 0:
-            out.append((rank, j, Term("grads_in_partition", sum(numels[i] for i in mine) * p,
+            out.append((rank, j, Term("grads_in_partition", run.flat.params_numel(rank) * p,
                                       "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
     return tuple(out)
 
@@ -128,16 +124,27 @@ def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
     if not run.param_blocks:
         return {}
     last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
-    part = flat_padded_numel(numels, nd) // nd
     out = {}
     # (parameter, its block; L for the final norm and head, reduced before every block) of the gradients larger
     # than the bucket; the embeddings' come after the blocks
     large = [(i, L if b < 0 else b) for i, (n, b) in enumerate(zip(numels, run.param_blocks))
              if n > run.settings.reduce_bucket_size and (b >= 0 or i > last_in_blocks)]  # fmt: skip
+    after = [0] * (L + 1)  # after[j]: elements of the large gradients from blocks after j
+    for i, b in large:
+        after[min(b, L)] += numels[i]
+    for j in range(L - 1, -1, -1):
+        after[j] += after[j + 1]
+    after = after[1:] + [0]  # blocks > j
     for rank in range(nd):
-        mine = set(_partition_params(numels, part, rank))
+        mine_after = [0] * (L + 1)  # the same, of the rank's own parameters (few: a slice of the flat group)
+        first, end = run.flat.range(rank)
+        for i, b in large:
+            if first <= i < end:
+                mine_after[min(b, L)] += numels[i]
+        for j in range(L - 1, -1, -1):
+            mine_after[j] += mine_after[j + 1]
         out[rank] = tuple(Term("gradients larger than the bucket, outside the partition (kept to the step)",
-                               sum(numels[i] for i, b in large if b > j and i not in mine) * p,
+                               (after[j] - mine_after[j + 1]) * p,
                                "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce; stage 1 "
                                "clears no gradient)") for j in range(L))  # fmt: skip
     return out
@@ -153,16 +160,46 @@ def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
     buckets = greedy_buckets(rev, run.settings.reduce_bucket_size)
     if len(buckets) < 2:  # everything fits one bucket: reduced after backward, activations gone
         return ()
-    psi, first = sum(numels), buckets[0]
-    part = flat_padded_numel(numels, run.nd) // run.nd
+    psi, first, offsets = sum(numels), buckets[0], run.flat.offsets
     out = []
     for rank in range(run.nd):
-        mine = _partition_params(numels, part, rank)
-        # parameter i occupies [sum(numels[:i]), ...); the first bucket holds the last ``first`` elements
-        if any(sum(numels[: i + 1]) > psi - first for i in mine):
-            out.append((rank, Term("grads_in_partition", sum(numels[i] for i in mine) * p,
+        start, end = run.flat.range(rank)
+        # parameter i occupies [offsets[i], offsets[i + 1]); the first bucket holds the last ``first`` elements
+        if end > start and offsets[end] > psi - first:
+            out.append((rank, Term("grads_in_partition", run.flat.params_numel(rank) * p,
                                    "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
     return tuple(out)
+
+
+def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, Term]],
+                        kept: dict[int, tuple[Term, ...]]) -> dict[int, int]:
+    """Block j -> the first rank holding the most bytes at j's first backward op (its ``grads_in_partition``
+    where allocated at a block >= j, plus its kept gradients at j), for the blocks where some rank holds any.
+    Without kept gradients the ranks are swept once from the last block down (each joins at its block)."""
+    if kept:
+        out = {}
+        for j in range(n_layer):
+            most, who = 0, None
+            for r in range(nd):
+                held = (allocated[r][1].bytes if r in allocated and j <= allocated[r][0] else 0) + (
+                    kept[r][j].bytes if r in kept else 0)
+                if held > most:
+                    most, who = held, r
+            if who is not None:
+                out[j] = who
+        return out
+    joins: dict[int, list[int]] = {}
+    for r, (j, _) in allocated.items():
+        joins.setdefault(j, []).append(r)
+    out, most, who = {}, 0, None
+    for j in range(n_layer - 1, -1, -1):
+        for r in joins.get(j, ()):
+            held = allocated[r][1].bytes
+            if held > most or (held == most and who is not None and r < who):
+                most, who = held, r
+        if who is not None:
+            out[j] = who
+    return dict(sorted(out.items()))
 
 
 class ZeroOptimizer(Wrapper):
@@ -235,10 +272,9 @@ class ZeroOptimizer(Wrapper):
         held_name = "grads_in_partition (accumulated over micro-steps)"
         last = tuple(t for t in last if t.name != held_name)
         early = {r for r, _ in _stage2_early_partitions(run)}
-        part = flat_padded_numel(run.numels, run.nd) // run.nd
         out = []
         for r in range(run.nd):
-            gip = sum(run.numels[i] for i in _partition_params(run.numels, part, r)) * p
+            gip = run.flat.params_numel(r) * p
             out.append(Moment("backward", f"last block backward, rank {r} (accumulating)", (
                 *last, Term(held_name, gip, f"{GIP_SRC} (kept until the step)"),
                 *((Term("accumulated gradients of the partition's parameters (autograd, out of place)", gip,
@@ -248,21 +284,16 @@ class ZeroOptimizer(Wrapper):
     @staticmethod
     def _blocks_from_hooks(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
         """Block j's first op, with blocks 0..j held: the rank holding the most there (its partition, if
-        allocated by then, and at ZeRO-1 its kept gradients larger than the bucket)."""
+        allocated by then, and at ZeRO-1 its kept gradients larger than the bucket; the lowest rank of a tie)."""
         allocated = {r: (j, gip) for r, j, gip in _partition_allocations(run)}
         kept = _stage1_kept_gradients(run) if not run.settings.partition_gradients else {}
         out = []
-        for j in range(run.acts.n_layer):
-            best: tuple[Term, ...] = ()
-            for r in range(run.nd):
-                held_r = (*((allocated[r][1],) if r in allocated and j <= allocated[r][0] else ()),
-                          *((kept[r][j],) if r in kept and kept[r][j].bytes else ()))
-                if sum(t.bytes for t in held_r) > sum(t.bytes for t in best):
-                    best, who = held_r, r
-            if best:
-                out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
-                                  (*(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
-                                   *best)))  # fmt: skip
+        for j, who in _most_held_by_block(run.nd, run.acts.n_layer, allocated, kept).items():
+            best = (*((allocated[who][1],) if who in allocated and j <= allocated[who][0] else ()),
+                    *((kept[who][j],) if who in kept and kept[who][j].bytes else ()))
+            out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
+                              (*(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+                               *best)))  # fmt: skip
         return tuple(out)
 
     def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:

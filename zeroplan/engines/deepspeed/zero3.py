@@ -8,12 +8,13 @@ the fp32 master partition, and the persistent parameters are re-gathered."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 from zeroplan.engines.deepspeed.collectives import zero3_collectives
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
-from zeroplan.engines.deepspeed.run import ZINIT, DSRun, _largest, _pbytes, _states
+from zeroplan.engines.deepspeed.run import ZINIT, DSRun, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import stage3_partition_numel, zero3_terms
 from zeroplan.engines.deepspeed.wrapper import Wrapper
@@ -34,37 +35,66 @@ def zero_init_moments(run: DSRun) -> tuple[Moment, ...]:
     ceil(n / N_d)·N_d buffer (``_allgather_params_sequential``: ``flat_tensor``), then re-partitions them
     into the partitions they had. Measured: docs/engines/deepspeed.md "ZeRO-3 built under zero.Init".
     """
-    p, nd = _pbytes(run), run.nd
+    return _zero_init_moments(run.modules, run.nd, _pbytes(run))
 
-    def part(n: int) -> int:  # partition_parameters.py _partition_numel
-        return -(-n // nd)
 
-    built, applied, before = [], [], 0
-    for params in run.modules:
+@lru_cache(maxsize=16)
+def _zero_init_moments(modules: tuple[tuple[int, ...], ...], nd: int, p: int) -> tuple[Moment, ...]:
+    """``zero_init_moments`` of parameter sizes ``modules`` at N_d = ``nd``, ``p`` bytes per element (cached: every
+    ZeRO-3 candidate of a plan builds the same model)."""
+    # each moment's terms as numbers first (a 405B model has ~900 of them); the Moment of the largest is
+    # built, the first of equal ones as ``max`` picks it
+    built: list[tuple[int, str, int, int, int, int]] = []  # (total, kind, before, done, n / i, ...)
+    applied: list[tuple[int, int]] = []  # (total, module index)
+    before = 0
+    for params in modules:
         done = 0  # this module's parameters created so far (full, in the config's dtype)
         for n in params:
-            built.append(Moment("init", "zero.Init: a parameter created, then converted", (
-                Term("partitions of the modules built before", before, f"{ZINIT} _partition_param (ds_tensor)"),
-                Term("this module's parameters created before it", done, f"{ZINIT} zero_wrapper_for_fp_tensor_constructor"),
-                Term("the parameter as created (fp32)", n * 4, f"{ZINIT} zero_wrapper_for_fp_tensor_constructor (fn(*args))"),
-                Term("its copy in the config's dtype", n * p if p != 4 else 0,
-                     f"{ZINIT} zero_wrapper_for_fp_tensor_constructor (tensor.data.to(target_fp_dtype))"))))  # fmt: skip
+            copy = n * p if p != 4 else 0
+            built.append((before + done + n * 4 + copy, "created", before, done, n, copy))
             done += n * p
-        for i, n in enumerate(params):
-            built.append(Moment("init", "zero.Init: a module's parameter partitioned", (
-                Term("partitions of the modules built before", before, f"{ZINIT} _partition_param (ds_tensor)"),
-                Term("this module's parameters partitioned before it", sum(part(x) for x in params[:i]) * p,
-                     f"{ZINIT} _partition_param (ds_tensor)"),
-                Term("this module's parameters not yet freed", sum(params[i:]) * p, f"{ZINIT} free_param (after the copy)"),
-                Term("the parameter's new partition", part(n) * p,
-                     f"{ZINIT} Init._post_init_method -> _zero_init_param -> _partition_param (ds_tensor)"))))  # fmt: skip
-        before += sum(part(n) for n in params) * p
-    for params in run.modules:
-        applied.append(Moment("init", "zero.Init: a module's parameters gathered for Module.apply", (
+        parted, left = 0, sum(params)  # partitioned before it, not yet freed (elements)
+        for n in params:
+            built.append((before + parted * p + left * p + _part(n, nd) * p, "partitioned", before, parted * p,
+                          left * p, _part(n, nd) * p))  # fmt: skip
+            parted += _part(n, nd)
+            left -= n
+        before += sum(_part(n, nd) for n in params) * p
+    for k, params in enumerate(modules):
+        applied.append((before + sum(_part(n, nd) * nd for n in params) * p, k))
+    out = []
+    if built:
+        out.append(_zero_init_built(*max(built, key=lambda m: m[0])[1:]))
+    if applied:
+        total, k = max(applied, key=lambda m: m[0])
+        out.append(Moment("init", "zero.Init: a module's parameters gathered for Module.apply", (
             Term("partitions of the whole model", before, f"{ZINIT} _partition_param (ds_tensor)"),
-            Term("this module's parameters gathered (padded)", sum(part(n) * nd for n in params) * p,
+            Term("this module's parameters gathered (padded)", total - before,
                  f"{ZINIT} apply_with_gather -> _allgather_params_sequential (flat_tensor)"))))  # fmt: skip
-    return tuple(_largest(m) for m in (built, applied) if m)
+    return tuple(out)
+
+
+def _part(n: int, nd: int) -> int:  # partition_parameters.py _partition_numel
+    return -(-n // nd)
+
+
+def _zero_init_built(kind: str, before: int, a: int, b: int, c: int) -> Moment:
+    """A moment of a module's build under ``zero.Init``: a parameter ``created`` (``a``: the module's earlier
+    parameters in bytes, ``b``: its elements, ``c``: its copy's bytes) or ``partitioned`` (``a``: the module's
+    partitions so far, ``b``: its parameters not yet freed, ``c``: the new partition, in bytes)."""
+    if kind == "created":
+        return Moment("init", "zero.Init: a parameter created, then converted", (
+            Term("partitions of the modules built before", before, f"{ZINIT} _partition_param (ds_tensor)"),
+            Term("this module's parameters created before it", a, f"{ZINIT} zero_wrapper_for_fp_tensor_constructor"),
+            Term("the parameter as created (fp32)", b * 4, f"{ZINIT} zero_wrapper_for_fp_tensor_constructor (fn(*args))"),
+            Term("its copy in the config's dtype", c,
+                 f"{ZINIT} zero_wrapper_for_fp_tensor_constructor (tensor.data.to(target_fp_dtype))")))  # fmt: skip
+    return Moment("init", "zero.Init: a module's parameter partitioned", (
+        Term("partitions of the modules built before", before, f"{ZINIT} _partition_param (ds_tensor)"),
+        Term("this module's parameters partitioned before it", a, f"{ZINIT} _partition_param (ds_tensor)"),
+        Term("this module's parameters not yet freed", b, f"{ZINIT} free_param (after the copy)"),
+        Term("the parameter's new partition", c,
+             f"{ZINIT} Init._post_init_method -> _zero_init_param -> _partition_param (ds_tensor)")))  # fmt: skip
 
 
 class ZeroOptimizerStage3(Wrapper):
