@@ -29,10 +29,10 @@ from zeroplan.formulas.peak import PeakEstimate, Term
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
+from zeroplan.number_formats import format_bytes
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
-from zeroplan.render.table import format_bytes
 from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber
 
 _STRICT = ConfigDict(arbitrary_types_allowed=True)
