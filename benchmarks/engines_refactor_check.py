@@ -139,6 +139,8 @@ def api_cases() -> dict[str, str]:
     for params in (7.5e9, 1e12):
         out[f"api params {params}"] = _answer(lambda: zeroplan.estimate(params, 64, gpu_memory_bytes=80 * 2**30))
     out["api plan fsdp2"] = _answer(lambda: zeroplan.plan(model="llama2-7b", gpus=8, gpu="h100-80gb", engine="fsdp2"))
+    for gpus in (8, 64):  # the reference engine's plan: the ladder, link times (ring_link) and the lever note
+        out[f"api plan reference {gpus}"] = _answer(lambda: zeroplan.plan(model="llama2-7b", gpus=gpus, gpu="h100-80gb"))
     return out
 
 
