@@ -1,4 +1,68 @@
+"""Test-session settings shared by every test module.
+
+``ZEROPLAN_TEST_HIDE=deepspeed[,other]`` makes those packages unimportable, in this process and in every
+Python child it starts (torchrun ranks, ``python -c`` subprocesses), as if they were not installed. It is
+how the optional-extra skips are checked on a machine that has the extras:
+
+    ZEROPLAN_TEST_HIDE=deepspeed pytest -q tests/test_deepspeed_batch.py -p no:cacheprovider -rs
+
+Each test that needs DeepSpeed must then skip with a reason (``pytest.importorskip("deepspeed",
+reason=...)``), and every other test must still pass.
+"""
+
 import os
+import sys
+import tempfile
+from pathlib import Path
 
 # Plots are rendered without a display, in tests and in executed notebooks.
 os.environ.setdefault("MPLBACKEND", "agg")
+
+HIDE_ENV = "ZEROPLAN_TEST_HIDE"
+
+# The finder, as source: conftest installs it here, and a sitecustomize.py on PYTHONPATH installs it in
+# children (Python imports sitecustomize at start-up, before any test code runs).
+_HIDER = '''
+import os
+import sys
+
+
+class _Hidden:
+    """A meta-path finder that answers None for the packages named in $ZEROPLAN_TEST_HIDE, as if missing.
+
+    Every finder is wrapped, so the whole lookup finds nothing: ``importlib.util.find_spec`` returns None
+    and ``import`` raises ModuleNotFoundError, exactly as when the package is not installed."""
+
+    names = frozenset(n.strip() for n in os.environ.get("ZEROPLAN_TEST_HIDE", "").split(",") if n.strip())
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in self.names:
+            return None
+        return self.inner.find_spec(fullname, path, target)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+if _Hidden.names:
+    sys.meta_path[:] = [f if type(f).__name__ == "_Hidden" or not hasattr(f, "find_spec") else _Hidden(f)
+                        for f in sys.meta_path]
+'''
+
+
+def _hide_packages() -> None:
+    if not os.environ.get(HIDE_ENV, "").strip():
+        return
+    hidden = [n for n in sys.modules if n.split(".")[0] in os.environ[HIDE_ENV].split(",")]
+    if hidden:
+        raise RuntimeError(f"{HIDE_ENV}: already imported before conftest: {sorted(hidden)[:3]}")
+    exec(compile(_HIDER, "<ZEROPLAN_TEST_HIDE>", "exec"), {"__name__": "zeroplan_test_hide"})
+    site = Path(tempfile.mkdtemp(prefix="zeroplan-hide-"))
+    (site / "sitecustomize.py").write_text(_HIDER)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+
+
+_hide_packages()

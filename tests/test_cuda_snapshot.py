@@ -4,6 +4,7 @@ of its allocation, innermost first). The recording itself needs a GPU (validate/
 
 from __future__ import annotations
 
+import json
 import pickle
 
 from validate.cuda_snapshot import live_by_site, report, slack_bytes
@@ -56,3 +57,105 @@ def test_slack_is_what_no_request_asked_for():
         {"state": "inactive", "size": 1 << 20, "requested_size": 0}]}]}  # fmt: skip
     assert slack_bytes(whole) == (512, 1)
     assert slack_bytes(SNAPSHOT) == (0, 0)  # every request there is 3 B under its 512-B multiple
+
+
+def _history() -> dict:
+    """A compact whole-process history as ``write_history`` writes it (torch's trace entries, no stacks)."""
+    mib, base = 1 << 20, 0x7F0000000000
+    trace = [{"action": "segment_alloc", "addr": base, "size": 20 * mib, "stream": 0},
+             {"action": "alloc", "addr": base, "size": 5 * mib, "stream": 0},  # 1-10 MiB: a 20 MiB segment
+             {"action": "free_requested", "addr": base, "size": 5 * mib, "stream": 0},
+             {"action": "free_completed", "addr": base, "size": 5 * mib, "stream": 0},
+             {"action": "alloc", "addr": base, "size": 19 * mib + 1, "stream": 0}]  # fmt: skip
+    segments = [{"address": base, "total_size": 20 * mib, "stream": 0, "segment_type": "large",
+                 "blocks": [{"address": base, "size": 20 * mib, "requested_size": 19 * mib + 1,
+                             "state": "active_allocated"}]}]  # fmt: skip
+    stats = {"reserved_bytes.all.peak": 20 * mib, "allocated_bytes.all.peak": 20 * mib}
+    meta = {"alloc_conf": "", "stats": stats, "device_used_bytes": 600 * mib, "reserved_bytes_at_exit": 20 * mib,
+            "entries_cap": 100}  # fmt: skip
+    return {"segments": segments, "device_traces": [trace], "meta": meta}
+
+
+def test_a_recorded_process_history_replays_through_the_allocator_model(tmp_path):
+    from validate.cuda_snapshot import replay_history, replay_report
+
+    line = replay_history(_history())
+    # 19 MiB + 1 B rounds to 19 MiB + 512: the 20 MiB block is handed out whole (under 1 MiB would remain)
+    assert line.startswith("5 events, 1 segments: exact; reserved peak model 20,971,520 B, measured 20,971,520 B;")
+    assert "allocated peak model 20,971,520 B, measured 20,971,520 B" in line
+    assert "outside the allocator 608,174,080 B (derived" in line
+    (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "run_1.json").write_text(json.dumps(_history()))
+    wrapped = _history()
+    wrapped["meta"]["entries_cap"] = 5
+    (tmp_path / "step" / "run_2.json").write_text(json.dumps(wrapped))
+    lines = replay_report(tmp_path).splitlines()
+    assert lines[0].startswith("step/run_1.json: 5 events, 1 segments: exact")
+    assert lines[1] == "step/run_2.json: 5 events: the ring buffer wrapped, the history does not start at an empty allocator"
+
+
+def test_a_history_the_model_disagrees_with_says_so():
+    from validate.cuda_snapshot import replay_history
+
+    data = _history()
+    data["device_traces"][0].insert(4, {"action": "segment_alloc", "addr": 0x7F1000000000, "size": 20 * (1 << 20),
+                                        "stream": 0})  # the GPU would have made a new segment: the model does not
+    data["device_traces"][0][-1]["addr"] = 0x7F1000000000
+    assert "1 segments: DIFFERS: 1 segment sizes, 1 addresses, 0 final segments" in replay_history(data)
+
+
+def test_history_recording_is_inert_without_a_gpu_or_the_variable(monkeypatch):
+    from validate import cuda_snapshot
+
+    monkeypatch.delenv(cuda_snapshot.HISTORY_ENV, raising=False)
+    assert cuda_snapshot.record_process_history() is False
+    monkeypatch.setenv(cuda_snapshot.HISTORY_ENV, "/nonexistent")
+    import torch
+
+    assert cuda_snapshot.record_process_history() is torch.cuda.is_available()
+    compile(cuda_snapshot.HOOK, "sitecustomize.py", "exec")  # the hook gpu_check.sh writes is valid Python
+
+
+def test_gpu_check_is_valid_bash():
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "validate" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
+
+
+def test_write_history_writes_what_replay_reads(tmp_path, monkeypatch):
+    """``write_history`` on CPU with torch.cuda's readers stubbed by what an H200 process would return: the file
+    it writes replays exactly (the recording itself needs a GPU: validate/gpu_check.sh)."""
+    import torch
+
+    from validate import cuda_snapshot
+
+    data = _history()
+    snap = {"segments": [dict(s, device=0, is_expandable=False) for s in data["segments"]],
+            "device_traces": [[dict(e, frames=[], time_us=1) for e in data["device_traces"][0]]]}  # fmt: skip
+    stats = {"reserved_bytes.all.peak": 20 << 20, "allocated_bytes.all.peak": 20 << 20, "num_ooms": 0}
+    for name, value in {"is_initialized": lambda: True, "synchronize": lambda: None, "memory_stats": lambda: stats,
+                        "mem_get_info": lambda: (100 << 30, 141 << 30), "get_device_name": lambda _: "NVIDIA H200",
+                        "get_device_capability": lambda _: (9, 0), "memory_reserved": lambda: 20 << 20}.items():  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: snap)
+    monkeypatch.setenv(cuda_snapshot.LABEL_ENV, "fsdp2_sim_bf16")
+    path = cuda_snapshot.write_history(tmp_path)
+    assert path.name.startswith("fsdp2_sim_bf16_") and path.suffix == ".json"
+    written = json.loads(path.read_text())
+    assert written["meta"]["capability"] == [9, 0] and written["meta"]["stats"]["num_ooms"] == 0
+    assert "frames" not in path.read_text()
+    assert cuda_snapshot.replay_history(written).startswith("5 events, 1 segments: exact")
+
+
+def test_replay_reads_the_probes_pickles_and_says_when_a_history_is_empty(tmp_path):
+    from validate.cuda_snapshot import replay_report
+
+    data = _history()
+    del data["meta"]  # a ZEROPLAN_CUDA_SNAPSHOT pickle: torch's snapshot as is
+    (tmp_path / "nd8_rank0_after_backward.pickle").write_bytes(pickle.dumps(data))
+    (tmp_path / "stopped_1.json").write_text(json.dumps({"segments": [], "device_traces": [[]], "meta": {}}))
+    lines = replay_report(tmp_path).splitlines()
+    assert lines[0].startswith("nd8_rank0_after_backward.pickle: 5 events, 1 segments: exact")
+    assert lines[1].startswith("stopped_1.json: no events")

@@ -77,3 +77,23 @@ def test_fsdp2_adds_them_on_cuda_only():
     terms = {t.name for p in gpu.peak.phases if p.phase != "init" for t in p.terms}
     assert "CUDA library workspaces (cuBLAS x2)" in terms
     assert not any("workspace" in t.name for p in cpu.peak.phases for t in p.terms)
+
+
+@pytest.mark.parametrize(("gpu", "each"), [("a100-80gb", 8_519_680), ("a100-40gb", 8_519_680), ("v100-32gb", 8_519_680),
+                                           ("h100-80gb", 32 * 2**20), ("h200-141gb", 32 * 2**20), ("b200", 32 * 2**20)])  # fmt: skip
+def test_the_workspace_follows_the_gpu_presets_compute_capability(gpu, each):
+    """parseChosenWorkspaceSize: 32 MiB on majors 9-12 (Hopper, Blackwell), :4096:2:16:8 elsewhere: an A100
+    plan holds 2 x 8.125 MiB + 1 MiB, not an H100's 2 x 32 MiB + 1 MiB."""
+    from zeroplan.formulas.cuda_workspaces import capability_of
+
+    assert cublas_workspace_bytes(capability_of(gpu)) == each
+    assert library_workspaces(capability_of(gpu)).bytes == 2 * each + 2**20
+
+
+def test_every_nvidia_preset_has_a_compute_capability():
+    from zeroplan.formulas.cuda_workspaces import CAPABILITY_BY_GPU, capability_of
+    from zeroplan.presets import gpu_presets
+
+    names = set(gpu_presets())
+    assert names - set(CAPABILITY_BY_GPU) == {"mi300x"}  # ROCm: hipBLAS workspaces are not modelled
+    assert capability_of("mi300x") is None

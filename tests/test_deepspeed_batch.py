@@ -141,6 +141,8 @@ def test_sweep_takes_a_micro_batch_and_refuses_what_it_cannot_model(ds_file):
 
 def test_validate_checks_the_batch_before_any_rank_starts(ds_file):
     pytest.importorskip("torch")
+    # without DeepSpeed the CLI's first answer is "--engine deepspeed needs DeepSpeed" (one line, exit 2)
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra")
     path = ds_file(train_batch_size=8)
     assert_one_line_error(run("validate", "--engine", "deepspeed", "--deepspeed-config", path, "--micro-batch", "2"),
                           "--micro-batch does not apply with a DeepSpeed config that sets the batch")  # fmt: skip

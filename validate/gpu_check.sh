@@ -1,34 +1,45 @@
 #!/usr/bin/env bash
-# GPU check of the validator, for a machine with one NVIDIA GPU; about 4 minutes, under 8.
+# GPU check of the validator and the allocator model, for a machine with one NVIDIA GPU: ONE command, under
+# 10 minutes (BUDGET_S, default 540 s: a step that would end past it is skipped and says so).
 #
-#   validate/gpu_check.sh [OUT_DIR]          # on the GPU: NCCL + CUDA allocator statistics
+#   validate/gpu_check.sh [OUT_DIR]          # on the GPU: NCCL + CUDA allocator statistics and history
 #   validate/gpu_check.sh --cpu [OUT_DIR]    # the same steps on CPU (gloo, MemTracker), small, as a dry run
 #
 # Every step is `zeroplan validate` (prediction vs measurement, row by row); on CUDA the measurement is the
-# caching allocator's memory_allocated / max_memory_allocated per phase, not MemTracker.
-# 1. reference runtime, real run at world size 1 (NCCL on the GPU): stages 0-3 on gpt-tiny and mlp-tiny;
-#    no collectives are predicted or allowed at N_d = 1; model states within 1% (mlp-tiny: 2%, below).
-# 2. reference runtime, simulated: rank 0 of N_d = 8 and 64 on a fake process group with real CUDA
-#    tensors (a ~300M-parameter GPT), memory per phase from the allocator.
-# 3. FSDP2 (real fully_shard), simulated with real CUDA tensors: rank 0 of N_d = 8 and 64 (the same GPT,
-#    bf16 MixedPrecisionPolicy), reshard off, checkpointing full, fp32, meta-device init, and
-#    Llama-2-7B's config at 64 (meta and materialized init).
-#    One GPU cannot hold two NCCL ranks, so FSDP2's collectives are checked on the fake group (elements
-#    per call, as on gloo); its world-size-1 shortcut (no collectives) is not a case zeroplan models.
-# 4. Opt-in, ONLY=snapshot: the FSDP2 bf16 run at N_d = 8 again, with the CUDA allocator's snapshot at each
-#    reading of its last step and the live bytes by allocation site (the residual of docs/validate.md).
-# Writes OUT_DIR/<step>.{json,txt} and OUT_DIR/summary.txt; exits non-zero when any row is out of
-# tolerance or a step fails.
+# caching allocator's memory_allocated / max_memory_allocated per phase, not MemTracker. In order:
+# 1. cuda_extras: the library workspaces op by op (validate/cuda_extras.py).
+# 2. snapshot: FSDP2 bf16 at N_d = 8 (305M GPT) with the allocator's snapshot at each reading of its last
+#    step and the live bytes by allocation site (the +15.7 MiB residual of docs/validate.md).
+# 3. FSDP2 (real fully_shard) simulated with real CUDA tensors on a fake group: the 305M GPT at N_d 8 and 64
+#    (bf16), reshard off + checkpointing, fp32, meta init; Llama-2-7B's config at 64 (meta and materialized,
+#    reshard off); bf16 and Llama meta again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+# 4. DeepSpeed ZeRO-1/2/3 at world size 1 (real NCCL) on gpt-tiny (offload: not until validate models it).
+# 5. the largest micro-batch that runs (Llama-2-7B's config, FSDP2 at N_d 64, meta init, seq 4096; reshard
+#    on and off): doubling, then bisection, until an out-of-memory bracket or 100 s; compare it on any
+#    machine with the largest `zeroplan plan --micro-batch B` that fits.
+# 6. reference runtime: real NCCL at world size 1 (gpt-tiny, mlp-tiny), simulated N_d 8 and 64.
+# Each step's Python processes record the allocator's whole history (validate/cuda_snapshot.py:
+# record_process_history, through OUT_DIR/hook/sitecustomize.py) into OUT_DIR/history/<step>/*.json;
+# 7. `python -m validate.cuda_snapshot replay OUT_DIR/history` replays each one through zeroplan.allocator
+#    (segment by segment, reserved and allocated peaks vs the allocator's counters) into history_replay.txt.
+# Writes OUT_DIR/<step>.{json,txt}, OUT_DIR/summary.txt; ONLY=REGEX runs the steps whose name matches;
+# exits non-zero when any row is out of tolerance or a step fails. Works on torch 2.11-2.13.
 set -uo pipefail
 
 device=cuda
 if [[ "${1:-}" == "--cpu" ]]; then device=cpu; shift; fi
 out=${1:-gpu_check_out}
-mkdir -p "$out"
+mkdir -p "$out/history" "$out/hook"
+out=$(cd "$out" && pwd)
 here=$(cd "$(dirname "$0")/.." && pwd)
+budget=${BUDGET_S:-540}
 configs=$here/tests/data/hf_configs
-params=3e8; seq=128; llama=$configs/llama-2-7b.json
-if [[ $device == cpu ]]; then params=2e6; seq=16; llama=$configs/tiny-llama.json; fi
+params=3e8; seq=128; llama=$configs/llama-2-7b.json; big_seq=4096; tiny=gpt-tiny; max_batch=${MAX_BATCH:-256}
+if [[ $device == cpu ]]; then
+  params=2e6; seq=16; llama=$configs/tiny-llama.json; big_seq=32; max_batch=2; export DS_ACCELERATOR=cpu
+fi
+export PYTHONPATH="$out/hook:$here${PYTHONPATH:+:$PYTHONPATH}"
+python -c 'import validate.cuda_snapshot as z; print(z.HOOK, end="")' > "$out/hook/sitecustomize.py" || exit 2
 
 python - "$device" > "$out/env.txt" <<'PY'
 import sys, torch
@@ -37,28 +48,99 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch
 if device == "cuda":
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA GPU visible; run with --cpu for the CPU path")
-    print("gpu", torch.cuda.get_device_name(0), "nccl", torch.cuda.nccl.version())
+    print("gpu", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0),
+          "nccl", torch.cuda.nccl.version())
 PY
+[[ $? == 0 ]] || exit 2
 cat "$out/env.txt"
 
 status=0
-if [[ $device == cuda && cuda_extras =~ ${ONLY:-.} ]]; then  # library workspaces, op by op (validate/cuda_extras.py)
-  timeout 60 python -m validate.cuda_extras > "$out/cuda_extras.json" || status=1
-  cat "$out/cuda_extras.json"
-fi
 only=${ONLY:-.}  # ONLY=REGEX runs the steps whose name matches (e.g. ONLY=fsdp2 for a rerun)
+left() { echo $((budget - SECONDS)); }
+skip() {  # skip NAME LIMIT: true (and noted) when NAME is not selected or would end past the budget
+  [[ $1 =~ $only ]] || return 0
+  if (($(left) < 20)); then echo "SKIP  $1 (budget of $budget s spent)" | tee -a "$out/summary.txt"; return 0; fi
+  return 1
+}
 step() {  # step NAME SECONDS ARGS...: one `zeroplan validate`, its table in NAME.txt, its rows in NAME.json
   local name=$1 limit=$2; shift 2
-  [[ $name =~ $only ]] || return 0
+  skip "$name" && return 0
+  ((limit > $(left))) && limit=$(left)
   local t0=$SECONDS
-  if timeout "$limit" python -c 'from zeroplan.cli import main; main()' validate --device "$device" "$@" \
+  if ZEROPLAN_CUDA_HISTORY="$out/history/$name" ZEROPLAN_CUDA_HISTORY_LABEL=$name timeout "$limit" \
+      python -c 'from zeroplan.cli import main; main()' validate --device "$device" "$@" \
       --json "$out/$name.json" > "$out/$name.txt" 2>&1; then
     echo "ok    $name ($((SECONDS - t0)) s)" | tee -a "$out/summary.txt"
   else
     echo "FAIL  $name ($((SECONDS - t0)) s)" | tee -a "$out/summary.txt"; status=1
   fi
-  grep -v '^states:\|^gloo runs' "$out/$name.txt"
+  grep -v '^states:\|^gloo runs' "$out/$name.txt" | tail -n 25
 }
+
+if [[ $device == cuda ]] && ! skip cuda_extras; then  # library workspaces, op by op (validate/cuda_extras.py)
+  timeout 60 python -m validate.cuda_extras > "$out/cuda_extras.json" || status=1
+  cat "$out/cuda_extras.json"
+fi
+sim=(--engine fsdp2 --simulated --real-tensors --steps 2 --batch-per-rank 1)
+if [[ snapshot =~ $only ]]; then  # where the +15.7 MiB live (validate/cuda_snapshot.py), readings as phase marks
+  ZEROPLAN_CUDA_SNAPSHOT="$out/snapshots" step snapshot 120 "${sim[@]}" --world-size 8 --params "$params" \
+    --seq-len "$seq"
+  if [[ $device == cuda && -d $out/snapshots ]]; then
+    python -m validate.cuda_snapshot "$out/snapshots" > "$out/snapshot_sites.txt" || status=1
+    head -n 40 "$out/snapshot_sites.txt"
+  fi
+fi
+step fsdp2_sim_bf16 90 "${sim[@]}" --world-size 8 --world-size 64 --params "$params" --seq-len "$seq"
+step fsdp2_sim_llama_meta 90 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32 \
+  --init meta
+step fsdp2_sim_llama 120 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32
+step fsdp2_sim_llama_meta_noreshard 90 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" \
+  --reduce-dtype fp32 --init meta --reshard-after-forward false
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step fsdp2_sim_bf16_expandable 90 "${sim[@]}" --world-size 8 \
+  --world-size 64 --params "$params" --seq-len "$seq"
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step fsdp2_sim_llama_meta_expandable 90 "${sim[@]}" \
+  --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32 --init meta
+step fsdp2_sim_noreshard_ckpt 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" \
+  --reshard-after-forward false --checkpointing full
+step fsdp2_sim_fp32 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --param-dtype fp32
+step fsdp2_sim_meta 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --init meta
+
+step ds_ws1 120 --engine deepspeed --world-size 1 --model "$tiny" --steps 2
+# Not yet: DeepSpeed with offload_optimizer / offload_param, which `zeroplan validate` refuses until the engine
+# profiles model offload (issue 21, "Offload on the engines").
+
+runs() {  # runs NAME B ARGS...: 0 when micro-batch B trains (whatever its tolerance), 1 out of memory, 2 other error
+  local name=$1 b=$2; shift 2
+  local log="$out/${name}_b$b.txt" json="$out/${name}_b$b.json"
+  ZEROPLAN_CUDA_HISTORY="$out/history/${name}_b$b" ZEROPLAN_CUDA_HISTORY_LABEL="${name}_b$b" timeout 90 \
+    python -c 'from zeroplan.cli import main; main()' validate --device "$device" "$@" --batch-per-rank "$b" \
+    --json "$json" > "$log" 2>&1
+  local rc=$?
+  if grep -qi 'out of memory\|OutOfMemoryError' "$log"; then return 1; fi
+  if ((rc == 0)) || [[ -s $json ]]; then return 0; fi
+  return 2
+}
+search() {  # search NAME ARGS...: largest micro-batch that runs, doubling then bisecting, within 100 s
+  local name=$1; shift
+  skip "$name" && return 0
+  local t0=$SECONDS ok=0 bad=0 b=1 rc note=""
+  while ((bad == 0 && b <= max_batch && SECONDS - t0 < 100 && $(left) > 60)); do
+    runs "$name" "$b" "$@"; rc=$?
+    if ((rc == 0)); then ok=$b; b=$((b * 2)); elif ((rc == 1)); then bad=$b; else note=" (error at $b: see ${name}_b$b.txt)"; break; fi
+  done
+  while [[ -z $note ]] && ((bad > ok + 1 && SECONDS - t0 < 100 && $(left) > 60)); do
+    b=$(((ok + bad) / 2))
+    runs "$name" "$b" "$@"; rc=$?
+    if ((rc == 0)); then ok=$b; elif ((rc == 1)); then bad=$b; else note=" (error at $b: see ${name}_b$b.txt)"; break; fi
+  done
+  echo "batch $name: largest that ran $ok, smallest out of memory ${bad/#0/none found}$note ($((SECONDS - t0)) s)" \
+    | tee -a "$out/summary.txt"
+  [[ -z $note ]] || status=1
+}
+big=(--engine fsdp2 --simulated --real-tensors --steps 2 --world-size 64 --model "$llama" --seq-len "$big_seq"
+  --reduce-dtype fp32 --init meta)
+search batch_llama_meta "${big[@]}"
+search batch_llama_meta_noreshard "${big[@]}" --reshard-after-forward false
 
 # The caching allocator rounds every block up to 512 bytes: 5 model-state tensors on gpt-tiny's 568 KiB
 # add under 0.1 %, on mlp-tiny's 125 KiB up to 1.4 %, hence its 2 % tolerance.
@@ -66,24 +148,11 @@ step ref_ws1_gpt 90 --world-size 1 --model gpt-tiny --tolerance 0.01
 step ref_ws1_mlp 60 --world-size 1 --model mlp-tiny --tolerance 0.02
 step ref_sim 120 --simulated --world-size 8 --world-size 64 --params "$params" --steps 2 --batch-per-rank 1 \
   --seq-len "$seq"
-sim=(--engine fsdp2 --simulated --real-tensors --steps 2 --batch-per-rank 1)
-step fsdp2_sim_bf16 90 "${sim[@]}" --world-size 8 --world-size 64 --params "$params" --seq-len "$seq"
-step fsdp2_sim_noreshard_ckpt 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" \
-  --reshard-after-forward false --checkpointing full
-step fsdp2_sim_fp32 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --param-dtype fp32
-step fsdp2_sim_meta 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --init meta
-step fsdp2_sim_llama_meta 90 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32 \
-  --init meta
-step fsdp2_sim_llama 120 "${sim[@]}" --world-size 64 --model "$llama" --seq-len "$seq" --reduce-dtype fp32
-# Opt-in (ONLY=snapshot): the 305M GPT's FSDP2 residual at N_d = 8, with the allocator's record of what is
-# live at each reading of the last step, by allocation site (validate/cuda_snapshot.py; pickles for memory_viz).
-if [[ ${ONLY:-} =~ snapshot ]]; then
-  only=snapshot
-  ZEROPLAN_CUDA_SNAPSHOT="$out/snapshots" step fsdp2_snapshot 120 "${sim[@]}" --world-size 8 --params "$params" \
-    --seq-len "$seq"
-  if [[ $device == cuda ]]; then  # on CPU (--cpu) nothing is recorded
-    python -m validate.cuda_snapshot "$out/snapshots" > "$out/fsdp2_snapshot_sites.txt" || status=1
-    cat "$out/fsdp2_snapshot_sites.txt"
-  fi
+
+if [[ $device == cuda ]]; then  # every recorded history through the allocator model (no torch needed)
+  python -m validate.cuda_snapshot replay "$out/history" > "$out/history_replay.txt" || status=1
+  [[ -d $out/snapshots ]] && python -m validate.cuda_snapshot replay "$out/snapshots" >> "$out/history_replay.txt"
+  cat "$out/history_replay.txt"
 fi
+echo "total $SECONDS s" | tee -a "$out/summary.txt"
 exit $status

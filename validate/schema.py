@@ -80,8 +80,12 @@ class ReportRow(ValidationRow):
     device: str
     model: str = Field(description="preset name, or gpt~PSI for --params")
     psi: int = Field(description="parameters of the model built")
-    model_states_rel_error: float
-    model_states_extra_bytes: int
+    model_states_rel_error: float = Field(description="(measured - predicted) / predicted model states")
+    model_states_extra_bytes: int = Field(description="measured - predicted model states (bytes)")
+    predicted_beside_states_terms: Optional[list[dict[str, Union[str, int]]]] = Field(
+        None, description="terms of the profile live beside the model states where they are read, part of "
+        "predicted_model_states_bytes (name, bytes, source; e.g. FSDP2's post-forward mesh ranks); None: none",
+    )  # fmt: skip
     adam_step_bytes: int = Field(description="Adam's step counters (the expected excess: 4 bytes)")
     predicted_breakdown_bytes: dict[str, int]
     probe_breakdown: dict[str, Union[int, float]] = Field(
@@ -136,6 +140,10 @@ class ReportRow(ValidationRow):
     wire_to_derived: Optional[float] = Field(description="wire_bytes_per_rank / derived_comm_bytes_per_rank")
     checks: Checks
     ok: bool
+    runner_changes: list[str] = Field(
+        default_factory=list, description="what the runner changes in the engine it measures, beyond the probes "
+        "(synchronous collectives, GC off, a capability answered): each change in words, with where it is made",
+    )  # fmt: skip
     engine: Optional[str] = Field(None, description="what trained (--engine); None: the reference runtime")
     engine_label: Optional[str] = Field(None, description="the engine's configuration in its own words")
     deepspeed_estimator_bytes: Optional[int] = Field(

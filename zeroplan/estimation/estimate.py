@@ -9,6 +9,7 @@ from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed import run_batch
 from zeroplan.estimation.config import EstimateConfig
 from zeroplan.estimation.records import Estimate, StageEstimate
+from zeroplan.estimation.workload import layered_zero3
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stage_table import stage_memory, stage_table
 from zeroplan.formulas.stages import get_stage
@@ -74,7 +75,8 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         fits = None if config.gpu_memory_bytes is None else need <= config.gpu_memory_bytes
         name = r.label if engine.one_row else get_stage(r.stage).name
         reduction = dp.model_states_bytes / r.model_states_bytes
-        rows.append(StageEstimate(r.stage, name, r.memory, reduction, r.collectives, fits, r.peak, own))
+        collectives = layered_zero3(engine, workload, r, config.nd)
+        rows.append(StageEstimate(r.stage, name, r.memory, reduction, collectives, fits, r.peak, own))
     return Estimate(
         psi=sum(numels),
         total_params=int(config.params) if config.params else sum(config.tensor_numels or numels),

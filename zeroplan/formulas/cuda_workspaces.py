@@ -9,8 +9,10 @@ step holds two cuBLAS workspaces, plus one cuBLASLt workspace when the forward r
 (``addmm`` with a bias epilogue goes to cuBLASLt: ``at::cuda::blas::gemm_and_bias``).
 
 Sizes are torch's defaults (``CUBLAS_WORKSPACE_CONFIG`` and ``CUBLASLT_WORKSPACE_SIZE`` change them):
-``parseChosenWorkspaceSize`` (32 MiB on compute capability 9.0, else ``:4096:2:16:8``) and
-``parseCUDABlasLtWorkspaceSize`` (1024 KiB). Measured on an H200 (torch 2.11, CUDA 13;
+``parseChosenWorkspaceSize`` (32 MiB on Hopper and Blackwell, compute capability major 9, 10, 11 or 12 in
+current torch; 9.0 only before; else ``:4096:2:16:8``, 8.125 MiB) and ``parseCUDABlasLtWorkspaceSize``
+(1024 KiB). The GPU's compute capability comes from its preset (``capability_of``): an A100 (8.0) gets
+8.125 MiB workspaces, not an H100's 32 MiB. Measured on an H200 (torch 2.11, CUDA 13;
 ``python -m validate.cuda_extras``): one ``mm`` keeps 33,554,432 B, one biased ``F.linear`` 34,603,008 B
 (the cuBLASLt workspace is separate there, not unified), forward + backward of one ``mm`` 67,108,864 B.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 from zeroplan.formulas.peak import Term
 
 CUBLAS_WORKSPACE_SM90_BYTES = 4096 * 8 * 1024
-"""``CublasHandlePool.cpp:parseChosenWorkspaceSize``: the default on compute capability 9.0 (H100, H200)."""
+"""``CublasHandlePool.cpp:parseChosenWorkspaceSize``: the default on Hopper (H100, H200) and Blackwell."""
 CUBLAS_WORKSPACE_OTHER_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
 """The same function's default elsewhere (``:4096:2:16:8``)."""
 CUBLASLT_WORKSPACE_BYTES = 1024 * 1024
@@ -30,9 +32,25 @@ GEMM_THREADS = 2
 SOURCE = "aten/src/ATen/cuda/CublasHandlePool.cpp (getCurrentCUDABlasHandle); measured by validate/cuda_extras.py"
 
 
+LARGE_WORKSPACE_MAJORS = (9, 10, 11, 12)
+"""``parseChosenWorkspaceSize``: ``use32mb = major == 9 || major == 10 || major == 11 || major == 12`` (torch
+main, 2026; torch <= 2.7 tested ``major == 9 && minor == 0``: the same for every preset but the B200)."""
+CAPABILITY_BY_GPU: dict[str, tuple[int, int]] = {
+    "v100-32gb": (7, 0), "a100-40gb": (8, 0), "a100-80gb": (8, 0), "h100-80gb": (9, 0), "h200-141gb": (9, 0),
+    "b200": (10, 0),
+}  # fmt: skip
+"""Compute capability of each NVIDIA preset of ``zeroplan/data/gpus.json`` (NVIDIA, "CUDA GPUs - Compute
+Capability", developer.nvidia.com/cuda-gpus). ``mi300x`` is a ROCm GPU: hipBLAS workspaces are not modelled."""
+
+
+def capability_of(gpu: str) -> tuple[int, int] | None:
+    """The compute capability of GPU preset ``gpu``; None for a preset that is not an NVIDIA GPU."""
+    return CAPABILITY_BY_GPU.get(gpu)
+
+
 def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
     """One cuBLAS workspace on a GPU of ``capability`` (major, minor): torch's default size."""
-    return CUBLAS_WORKSPACE_SM90_BYTES if tuple(capability) == (9, 0) else CUBLAS_WORKSPACE_OTHER_BYTES
+    return CUBLAS_WORKSPACE_SM90_BYTES if capability[0] in LARGE_WORKSPACE_MAJORS else CUBLAS_WORKSPACE_OTHER_BYTES
 
 
 def library_workspaces(capability: tuple[int, int] = (9, 0), biased_linear: bool = True) -> Term:

@@ -1,0 +1,156 @@
+"""Replay an ordered allocation trace through the allocator model: allocated and reserved, current and peak,
+per phase, and the segments it ends with.
+
+A trace is a sequence of events, each an ``Event`` or a plain tuple ``(action, id, size, stream)``:
+
+- ``("alloc", id, size, stream)``: a tensor of ``size`` bytes on ``stream`` (0: the default stream);
+- ``("free", id)``: the tensor is dropped and its block cached at once;
+- ``("free_requested", id)`` / ``("free_completed", id)``: the same in two steps, for a block another
+  stream still uses (``recordStream``): ``allocated`` falls at the first, the block is reusable at the second;
+- ``("phase", name)``: a new phase starts; peaks are reset to the current values
+  (``torch.cuda.reset_peak_memory_stats``) and the phase's peaks recorded when the next one starts;
+- ``("empty_cache",)``: ``torch.cuda.empty_cache()``;
+- ``("segment_free", address)``: one recorded ``cudaFree`` (a replayed snapshot's ``segment_free``).
+
+The first ``alloc`` that cannot get memory (``capacity_bytes``) stops the replay: ``oom`` says where.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from zeroplan.allocator.blocks import Block, SegmentInfo
+from zeroplan.allocator.caching import CachingAllocator, OutOfMemory
+from zeroplan.allocator.config import AllocatorConfig
+
+ACTIONS = ("alloc", "free", "free_requested", "free_completed", "phase", "empty_cache", "segment_free")
+
+
+class Event(NamedTuple):
+    """One step of a trace (see the module docstring); ``segment_address``: where a recorded trace's new
+    segment went, so that ties between equal-size blocks break as on the GPU."""
+
+    action: str
+    id: object = None
+    size: int = 0
+    stream: int = 0
+    segment_address: int | None = None
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    """``max_memory_allocated`` and ``max_memory_reserved`` over one phase (bytes, whole blocks / segments)."""
+
+    allocated_bytes: int
+    reserved_bytes: int
+    requested_bytes: int
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What the allocator model ends with after a trace."""
+
+    allocated_bytes: int
+    allocated_peak_bytes: int
+    reserved_bytes: int
+    reserved_peak_bytes: int
+    requested_bytes: int
+    requested_peak_bytes: int
+    phases: dict[str, PhasePeak]
+    segments: tuple[SegmentInfo, ...]
+    segment_log: tuple[tuple[str, int, int, int], ...]
+    """Every ``segment_alloc`` / ``segment_free`` / ``segment_map`` / ``segment_unmap`` in order:
+    (action, address, bytes, stream)."""
+    addresses: tuple[tuple[object, int], ...] = ()
+    """(id, address the model gave it) of every ``alloc`` in order (a replayed snapshot's ids are the recorded
+    addresses, so any difference is a block placed elsewhere)."""
+    oom: tuple[int, int] | None = None
+    """(index of the event, bytes requested) of the allocation that ran out of memory; None if none did."""
+    num_alloc_retries: int = 0
+
+    def segment_sizes(self) -> list[int]:
+        """Bytes of each ``cudaMalloc`` (``segment_alloc``) or expandable-segment mapping (``segment_map``), in order."""
+        return [size for action, _, size, _ in self.segment_log if action in ("segment_alloc", "segment_map")]
+
+
+def _event(raw) -> Event:
+    event = raw if isinstance(raw, Event) else Event(*raw)
+    if event.action not in ACTIONS:
+        raise ValueError(f"trace event {tuple(raw)!r}: action must be one of {', '.join(ACTIONS)}")
+    if event.action == "alloc" and (not isinstance(event.size, int) or event.size <= 0):
+        raise ValueError(f"trace event {tuple(raw)!r}: an alloc needs a size > 0 bytes")
+    return event
+
+
+class _Run:
+    """The state of one replay: the allocator, live blocks by id, phase bookkeeping."""
+
+    def __init__(self, config: AllocatorConfig, capacity_bytes: int | None) -> None:
+        self.alloc = CachingAllocator(config, capacity_bytes)
+        self.live: dict[object, Block] = {}
+        self.addresses: list[tuple[object, int]] = []
+        self.phases: dict[str, PhasePeak] = {}
+        self.phase: str | None = None
+        self.overall = [0, 0, 0]  # whole-trace peaks of allocated, reserved, requested (phases reset the stats')
+
+    def _fold_overall(self) -> None:
+        s = self.alloc.stats
+        self.overall = [max(o, p) for o, p in zip(self.overall, (s.allocated.peak, s.reserved.peak, s.requested.peak))]
+
+    def close_phase(self) -> None:
+        if self.phase is not None:
+            s, old = self.alloc.stats, self.phases.get(self.phase)
+            peak = PhasePeak(s.allocated.peak, s.reserved.peak, s.requested.peak)
+            if old is not None:  # a phase that comes back (the next step's forward) keeps its largest peak
+                peak = PhasePeak(*(max(a, b) for a, b in zip(
+                    (old.allocated_bytes, old.reserved_bytes, old.requested_bytes),
+                    (peak.allocated_bytes, peak.reserved_bytes, peak.requested_bytes))))  # fmt: skip
+            self.phases[self.phase] = peak
+
+    def step(self, event: Event) -> None:
+        a = self.alloc
+        if event.action == "alloc":
+            if event.id in self.live:
+                raise ValueError(f"trace event alloc {event.id!r}: that id is still live")
+            block = a.malloc(event.size, event.stream, event.segment_address)
+            self.live[event.id] = block
+            self.addresses.append((event.id, block.address))
+        elif event.action in ("free", "free_requested"):
+            block = self.live.get(event.id) if event.action == "free_requested" else self.live.pop(event.id, None)
+            if block is None or not block.allocated:
+                raise ValueError(f"trace event {event.action} {event.id!r}: no live allocation has that id")
+            a.free_requested(block, pending=event.action == "free_requested")
+        elif event.action == "free_completed":
+            block = self.live.pop(event.id, None)
+            if block is None:
+                raise ValueError(f"trace event free_completed {event.id!r}: no allocation has that id")
+            a.free_completed(block)
+        elif event.action == "phase":
+            self.close_phase()
+            self._fold_overall()
+            self.phase = str(event.id)
+            a.stats.reset_peaks()
+        elif event.action == "empty_cache":
+            a.empty_cache()
+        else:
+            a.release_segment(int(event.id))
+
+
+def replay(events: Iterable, config: AllocatorConfig = AllocatorConfig(), capacity_bytes: int | None = None) -> Replay:
+    """Run ``events`` through a fresh allocator (``config``; ``capacity_bytes``: what ``cudaMalloc`` can get)."""
+    run, oom = _Run(config, capacity_bytes), None
+    for index, raw in enumerate(events):
+        event = _event(raw)
+        try:
+            run.step(event)
+        except OutOfMemory as exc:
+            oom = (index, exc.size)
+            break
+    run.close_phase()
+    run._fold_overall()
+    s, (allocated, reserved, requested) = run.alloc.stats, run.overall
+    return Replay(s.allocated.current, allocated, s.reserved.current, reserved, s.requested.current,
+                  requested, run.phases, run.alloc.segment_infos(), tuple(run.alloc.log), tuple(run.addresses), oom,
+                  s.num_alloc_retries)  # fmt: skip
