@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field
 
-from zeroplan.types import ByteCount, Flag, GpuCount, StageNumber
+from zeroplan.plot_data import ValidationRow  # the keys every row has: what zeroplan plot reads, its home
 
 SCHEMA = "zeroplan.validate/2"
 
@@ -28,27 +28,6 @@ RENAMED_FROM_V1 = {
     "checks.comm_exact": "checks.collectives_match",
     "measured_collectives.*.bytes_per_rank": "measured_collectives.*.derived_bytes_per_rank",
 }
-
-
-class ValidationRow(BaseModel):
-    """The keys every row has (what ``zeroplan plot`` reads; other keys are ignored here)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    stage: StageNumber = Field(description="ZeRO stage 0-3")
-    world_size: GpuCount = Field(description="N_d")
-    mode: StrictStr = Field(description="real or simulated")
-    backend: StrictStr = Field(description="gloo, nccl or fake")
-    predicted_model_states_bytes: ByteCount = Field(description="zeroplan.estimate's model states per rank")
-    measured_model_states_bytes: ByteCount = Field(
-        description="live tensor bytes at the step boundary, max over ranks"
-    )
-    predicted_comm_bytes_per_rank: ByteCount = Field(description="zeroplan.estimate's bytes sent per rank per step")
-    derived_comm_bytes_per_rank: ByteCount = Field(
-        validation_alias=AliasChoices("derived_comm_bytes_per_rank", "measured_comm_bytes_per_rank"),
-        description="ring rule applied to each observed call (derived; schema /1 called it measured_...)",
-    )
-    ok: Flag = Field(description="every check passed")
 
 
 class PredictedCollective(BaseModel):

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 from zeroplan.formulas.peak import PeakEstimate, Term
 from zeroplan.planning.config import PlanConfig
-from zeroplan.render.table import format_bytes
+from zeroplan.number_formats import format_bytes
 
 LEVERS = ("checkpointing", "micro-batch", "stage", "gpus")
 """What ``cut_first`` may advise, cheapest first in the user's hands."""
