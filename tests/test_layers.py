@@ -3,7 +3,7 @@ counts): no import circle, no arrow back up, no module over 400 lines, no named 
 the engines and the validator's engine runners (docs/architecture.md).
 
 Layers, low to high (a module may import its own layer and the ones below):
-files, hub < architectures < formulas, allocator < types < policy, presets, parsing, number_formats < engines
+files, hub, integrations (readers of the configs users have) < architectures < formulas, allocator < types < policy, presets, parsing, number_formats < engines
 < estimation, planning, sweeping (and the ``zeroplan`` facade) < render < plots, plot_data (an edge)
 < validate (above the planner) < cli, cli_options.
 
@@ -23,7 +23,7 @@ PACKAGES = ("zeroplan", "validate")
 MAX_LINES = 400
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("zeroplan.files", "zeroplan.hub"),
+    ("zeroplan.files", "zeroplan.hub", "zeroplan.integrations"),
     ("zeroplan.architectures",),
     ("zeroplan.formulas", "zeroplan.allocator"),
     ("zeroplan.types",),
