@@ -159,3 +159,23 @@ def test_trainer_defaults_are_transformers_own():
     fields = {f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}
     assert {k: fields[k] for k in TRAINER_DEFAULTS} == TRAINER_DEFAULTS
     assert transformers.__version__ == "5.24.0"
+
+
+def test_estimate_reads_a_trainer_config_and_says_what_auto_became(tmp_path):
+    """``estimate --deepspeed-config`` of a file with "auto": the numbers of the same run given the resolved
+    plain file, and the table's lines saying which keys were "auto" and what they became."""
+    from clicheck import assert_one_line_error, run, run_json
+
+    auto = str(DATA / "accelerate_zero_stage3.json")
+    plain = tmp_path / "plain.json"
+    resolved = resolve_trainer_auto(load("accelerate_zero_stage3.json"), TrainerRun(nd=8, micro_batch=2, hidden_size=4096))
+    plain.write_text(json.dumps(resolved.config))
+    common = ("--model", "llama2-7b", "--engine", "deepspeed", "--gpus", "8", "--micro-batch", "2")
+    got, expected = run_json("estimate", *common, "--deepspeed-config", auto), run_json("estimate", *common, "--deepspeed-config", str(plain))
+    assert got == expected
+    table = run("estimate", *common, "--deepspeed-config", auto).stdout
+    assert "zero_optimization.stage3_prefetch_bucket_size               = 15099494  (HfTrainerDeepSpeedConfig." \
+           "trainer_config_finalize (hidden_size 4096, ZeRO-3))" in table
+    assert "train_batch_size                                            = 16  " in table
+    assert_one_line_error(run("estimate", "--params", "7B", "--engine", "deepspeed", "--deepspeed-config", auto),
+                          "reduce_bucket_size='auto': the HF Trainer fills it from the model's hidden_size")

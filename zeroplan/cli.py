@@ -19,6 +19,7 @@ from zeroplan.cli_options import (
     given, given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
+from zeroplan.cli_options import resolve_hf_auto  # a ds_config's "auto" (zeroplan.integrations.hf_trainer)
 from zeroplan.hub import with_revision
 
 
@@ -100,6 +101,7 @@ def estimate(
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
     refuse_foreign(ctx, engine)
     options = engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
+    options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len, gpus // model_parallel, micro_batch, grad_accum)
     if model is not None and deepspeed_config is not None:  # the file's batch is the run's (N_d = gpus here)
         ds = options.ds_config if options.ds_config is not None else read_json(deepspeed_config, "deepspeed config")
         micro_batch, grad_accum = ds_config_batch(ctx, ds, gpus, {"micro_batch": micro_batch, "grad_accum": grad_accum})
@@ -131,7 +133,7 @@ def estimate(
     elif as_csv:
         out = to_csv(result)
     else:
-        out = to_table(result, units.value)
+        out = "\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines))
     typer.echo(out.rstrip("\n"))
 
 
@@ -459,6 +461,9 @@ def plan(
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     options = engine_options_from(engine, deepspeed_config, None, param_dtype, reduce_dtype)
+    options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len,
+                                          gpus // model_parallel if gpus % model_parallel == 0 else None,
+                                          micro_batch, grad_accum)  # fmt: skip
     if model is not None and gpus % model_parallel == 0:  # the file's batch at the planned N_d (PlanConfig checks the split)
         micro_batch, grad_accum = ds_config_batch(ctx, options.ds_config, gpus // model_parallel,
                                                   {"micro_batch": micro_batch, "grad_accum": grad_accum})
@@ -491,7 +496,7 @@ def plan(
            if "policy" in get_engine(engine).options else {}),  # fmt: skip
     )
     result = plan_config(config)
-    typer.echo(to_json(result) if as_json else to_table(result, units.value))
+    typer.echo(to_json(result) if as_json else "\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines)))
 
 
 @app.command("validate")
