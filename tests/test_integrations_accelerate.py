@@ -172,3 +172,42 @@ def test_bad_files(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             read_accelerate_config(path)
+
+
+def test_estimate_and_plan_run_an_accelerate_deepspeed_config(tmp_path):
+    """``--accelerate-config`` (DEEPSPEED): the deepspeed engine on the ds_config accelerate hands DeepSpeed, at
+    num_processes GPUs: the numbers of ``--deepspeed-config`` given that dict; the table says what was filled."""
+    from clicheck import run, run_json
+
+    yaml_file = str(DATA / "deepspeed_stage2.yaml")
+    prepared = prepare_deepspeed(read_accelerate_config(yaml_file), micro_batch=2)
+    plain = tmp_path / "ds.json"
+    plain.write_text(__import__("json").dumps(prepared.config))
+    model = ("--model", "llama2-7b", "--micro-batch", "2")
+    assert run_json("estimate", *model, "--accelerate-config", yaml_file) == run_json(
+        "estimate", *model, "--engine", "deepspeed", "--gpus", "2", "--deepspeed-config", str(plain))
+    table = run("estimate", *model, "--accelerate-config", yaml_file).stdout
+    assert "  train_batch_size = 4  (Accelerator._prepare_deepspeed (batch x accumulation x processes))" in table
+    assert "ZeRO-2 DeepSpeedZeroOptimizer" in table
+    gpu = ("--gpu", "h100-80gb")
+    assert run_json("plan", *model, *gpu, "--accelerate-config", yaml_file)["inputs"] == run_json(
+        "plan", *model, *gpu, "--engine", "deepspeed", "--gpus", "2", "--deepspeed-config", str(plain))["inputs"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--accelerate-config", str(DATA / "fsdp2_llama.yaml")),
+     "--accelerate-config: accelerate's fsdp2_prepare_model wraps each LlamaDecoderLayer module"),
+    (("--torchtitan-config", str(DATA.parent / "torchtitan" / "llama3_8b.toml"), "--gpus", "8"),
+     "--torchtitan-config: torchtitan 0.2.2's apply_fsdp wraps tok_embeddings"),
+    (("--accelerate-config", str(DATA / "deepspeed_stage2.yaml"), "--gpus", "4"),
+     "--gpus 4 contradicts the accelerate config's num_processes (2)"),
+    (("--accelerate-config", str(DATA / "deepspeed_stage2.yaml"), "--engine", "fsdp2"),
+     "--engine fsdp2 contradicts the accelerate config (DEEPSPEED)"),
+    (("--accelerate-config", str(DATA / "deepspeed_stage2.yaml"), "--torchtitan-config", "x.toml"),
+     "give one of --accelerate-config, --torchtitan-config and --deepspeed-config"),
+    (("--accelerate-config", str(DATA / "template_fsdp.yaml")), "fsdp_version=1"),
+])  # fmt: skip
+def test_estimate_refuses_in_one_line(args, message):
+    from clicheck import assert_one_line_error, run
+
+    assert_one_line_error(run("estimate", "--model", "llama2-7b", *args), message)

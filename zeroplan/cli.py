@@ -19,7 +19,9 @@ from zeroplan.cli_options import (
     given, given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
-from zeroplan.cli_options import resolve_hf_auto  # a ds_config's "auto" (zeroplan.integrations.hf_trainer)
+from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
+    AccelerateConfigOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
+)  # fmt: skip
 from zeroplan.hub import with_revision
 
 
@@ -62,6 +64,8 @@ def estimate(
         None, help="Show only this ZeRO stage (0-3); deepspeed: the stage when --deepspeed-config gives none."
     ),
     deepspeed_config: DeepSpeedConfigOption = None,
+    accelerate_config: AccelerateConfigOption = None,
+    torchtitan_config: TorchtitanConfigOption = None,
     reshard_after_forward: ReshardOption = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtypeOption = None,
@@ -99,10 +103,13 @@ def estimate(
         refuse_unused(ctx, STEP_OPTIONS, "without --model: the training step's peak needs an architecture")
     else:
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
+    engine, gpus, file_options, file_lines = from_config_files(
+        ctx, accelerate_config, torchtitan_config, deepspeed_config, engine, gpus, model, seq_len, micro_batch, grad_accum)
     refuse_foreign(ctx, engine)
-    options = engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
+    options = file_options or engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
     options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len, gpus // model_parallel, micro_batch, grad_accum)
-    if model is not None and deepspeed_config is not None:  # the file's batch is the run's (N_d = gpus here)
+    auto_lines = (*file_lines, *auto_lines)
+    if model is not None and (deepspeed_config is not None or file_options is not None):  # the file's batch: the run's
         ds = options.ds_config if options.ds_config is not None else read_json(deepspeed_config, "deepspeed config")
         micro_batch, grad_accum = ds_config_batch(ctx, ds, gpus, {"micro_batch": micro_batch, "grad_accum": grad_accum})
     policy: dict = {}
@@ -419,6 +426,8 @@ def plan(
         help="Training engine whose peak decides the fit: reference (ZeRO stages and offload), fsdp2 (chooses "
         "reshard_after_forward and checkpointing) or deepspeed (chooses the stage and bucket sizes).")] = "reference",
     deepspeed_config: DeepSpeedConfigOption = None,
+    accelerate_config: AccelerateConfigOption = None,
+    torchtitan_config: TorchtitanConfigOption = None,
     reduce_dtype: ReduceDtypeOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
@@ -456,14 +465,17 @@ def plan(
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
+    engine, gpus, file_options, file_lines = from_config_files(
+        ctx, accelerate_config, torchtitan_config, deepspeed_config, engine, gpus, model, seq_len, micro_batch, grad_accum)
     refuse_foreign(ctx, engine)
     refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
-    options = engine_options_from(engine, deepspeed_config, None, param_dtype, reduce_dtype)
+    options = file_options or engine_options_from(engine, deepspeed_config, None, param_dtype, reduce_dtype)
     options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len,
                                           gpus // model_parallel if gpus % model_parallel == 0 else None,
                                           micro_batch, grad_accum)  # fmt: skip
+    auto_lines = (*file_lines, *auto_lines)
     if model is not None and gpus % model_parallel == 0:  # the file's batch at the planned N_d (PlanConfig checks the split)
         micro_batch, grad_accum = ds_config_batch(ctx, options.ds_config, gpus // model_parallel,
                                                   {"micro_batch": micro_batch, "grad_accum": grad_accum})

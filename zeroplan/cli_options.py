@@ -251,39 +251,5 @@ def ds_config_batch(ctx, ds_config: Optional[dict], nd: Optional[int], given: di
     return batch.micro_batch, batch.grad_accum
 
 
-def resolve_hf_auto(ctx, options, model: Optional[str], seq_len: Optional[int], nd: Optional[int], micro_batch: int,
-                    grad_accum: int):
-    """``--deepspeed-config`` with ``"auto"``: the ds_config as the HF Trainer resolves it
-    (``zeroplan.integrations.hf_trainer``) for this command's run, and the lines saying what each key became.
-
-    The run: N_d; the micro-batch and accumulation as typed, or the command line's default where the file
-    says ``"auto"`` or nothing (a plain value in the file stands: ``run_batch`` then checks it); the hidden
-    size of ``--model``; the precision is the Trainer's default (neither ``--fp16`` nor ``--bf16``): fp32.
-    Returns ``(options, lines)``; ``options`` unchanged and no lines when nothing is ``"auto"``."""
-    from zeroplan.integrations.ds_auto import auto_keys
-
-    ds = options.ds_config
-    if ds is None or not auto_keys(ds):
-        return options, ()
-    from zeroplan.estimation.workload import resolve
-    from zeroplan.integrations.hf_trainer import TRANSFORMERS_VERSION, TrainerRun, resolve_trainer_auto
-
-    typed = set(given_on_command_line(ctx, "micro_batch", "grad_accum"))
-
-    def stated(name: str, key: str, value: int) -> Optional[int]:
-        return value if name in typed or ds.get(key) in ("auto", None) else None
-
-    run = TrainerRun(nd=nd or 1, micro_batch=stated("micro_batch", "train_micro_batch_size_per_gpu", micro_batch),
-                     grad_accum=stated("grad_accum", "gradient_accumulation_steps", grad_accum),
-                     hidden_size=resolve(model, seq_len)[0].d_model if model is not None else None)  # fmt: skip
-    res = resolve_trainer_auto(ds, run)
-    width = max(len(f.key) for f in res.filled) if res.filled else 0
-    lines = (f'ds_config "auto" as the HF Trainer resolves it (transformers {TRANSFORMERS_VERSION}, '
-             "docs/integrations.md):",
-             *(f"  {f.key:<{width}} = {f.value!r}  ({f.source.split(' ', 2)[-1]})" for f in res.filled),
-             *(f"  {key:<{width}} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
-    return options.model_copy(update={"ds_config": res.config}), lines
-
-
 STEP_OPTIONS: tuple[str, ...] = ("seq_len", "micro_batch", "checkpointing", "grad_accum", "foreach")
 """Parameter names of the training-step options: refused without an architecture."""

@@ -1,0 +1,117 @@
+"""The CLI's side of the configuration files users already have (``zeroplan.integrations``, docs/integrations.md):
+a ``--deepspeed-config`` with ``"auto"``, ``--accelerate-config`` and ``--torchtitan-config``, turned into the
+engine options of ``estimate`` and ``plan``, with the lines the table prints about them. A setting the engines
+cannot express yet is refused in one line naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from zeroplan.cli_options import UserError, given_on_command_line
+
+
+def resolve_hf_auto(ctx, options, model: Optional[str], seq_len: Optional[int], nd: Optional[int], micro_batch: int,
+                    grad_accum: int):
+    """``--deepspeed-config`` with ``"auto"``: the ds_config as the HF Trainer resolves it
+    (``zeroplan.integrations.hf_trainer``) for this command's run, and the lines saying what each key became.
+
+    The run: N_d; the micro-batch and accumulation as typed, or the command line's default where the file
+    says ``"auto"`` or nothing (a plain value in the file stands: ``run_batch`` then checks it); the hidden
+    size of ``--model``; the precision is the Trainer's default (neither ``--fp16`` nor ``--bf16``): fp32.
+    Returns ``(options, lines)``; ``options`` unchanged and no lines when nothing is ``"auto"``."""
+    from zeroplan.integrations.ds_auto import auto_keys
+
+    ds = options.ds_config
+    if ds is None or not auto_keys(ds):
+        return options, ()
+    from zeroplan.estimation.workload import resolve
+    from zeroplan.integrations.hf_trainer import TRANSFORMERS_VERSION, TrainerRun, resolve_trainer_auto
+
+    typed = set(given_on_command_line(ctx, "micro_batch", "grad_accum"))
+
+    def stated(name: str, key: str, value: int) -> Optional[int]:
+        return value if name in typed or ds.get(key) in ("auto", None) else None
+
+    run = TrainerRun(nd=nd or 1, micro_batch=stated("micro_batch", "train_micro_batch_size_per_gpu", micro_batch),
+                     grad_accum=stated("grad_accum", "gradient_accumulation_steps", grad_accum),
+                     hidden_size=resolve(model, seq_len)[0].d_model if model is not None else None)  # fmt: skip
+    res = resolve_trainer_auto(ds, run)
+    width = max(len(f.key) for f in res.filled) if res.filled else 0
+    lines = (f'ds_config "auto" as the HF Trainer resolves it (transformers {TRANSFORMERS_VERSION}, '
+             "docs/integrations.md):",
+             *(f"  {f.key:<{width}} = {f.value!r}  ({f.source.split(' ', 2)[-1]})" for f in res.filled),
+             *(f"  {key:<{width}} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
+    return options.model_copy(update={"ds_config": res.config}), lines
+
+
+
+
+AccelerateConfigOption = Annotated[
+    Optional[Path],
+    typer.Option("--accelerate-config", help="accelerate launch --config_file YAML: DEEPSPEED sets the deepspeed "
+                 "engine, its ds_config and --gpus (num_processes); FSDP (version 2) is read and refused until the "
+                 "fsdp2 profile models accelerate's wrapping (docs/integrations.md)."),
+]  # fmt: skip
+TorchtitanConfigOption = Annotated[
+    Optional[Path],
+    typer.Option("--torchtitan-config", help="torchtitan TOML job config (torchtitan <= 0.2.2): read and refused "
+                 "until the fsdp2 profile models torchtitan's wrapping (docs/integrations.md)."),
+]  # fmt: skip
+
+
+def _wrapping_refusal(flag: str, who: str, units) -> UserError:
+    said = "; ".join(f"{u.modules} (reshard_after_forward={u.reshard_after_forward})" for u in units)
+    return UserError(f"{flag}: {who} wraps {said}; the fsdp2 profile models one unit per block and the rest in the "
+                     "root, so it would predict another run: refused until it takes wrapping as data")  # fmt: skip
+
+
+def _implied(ctx, name: str, given: object, value: object, flag: str, why: str) -> object:
+    """``value`` (what the file says) for the parameter ``name``; UserError when the user typed another."""
+    if name in given_on_command_line(ctx, name) and given != value:
+        raise UserError(f"{flag} {given} contradicts {why} ({value}); drop one of them")
+    return value
+
+
+def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config: Optional[Path],
+                      deepspeed_config: Optional[Path], engine: str, gpus: int, model: Optional[str],
+                      seq_len: Optional[int], micro_batch: int, grad_accum: int):
+    """``(engine, gpus, EngineOptions or None, lines)`` from ``--accelerate-config`` / ``--torchtitan-config``
+    (None and no lines without them). One line (UserError or ValueError) for two configuration files, an
+    option that contradicts the file, and what the engines cannot express."""
+    if accelerate_config is None and torchtitan_config is None:
+        return engine, gpus, None, ()
+    if sum(x is not None for x in (accelerate_config, torchtitan_config, deepspeed_config)) > 1:
+        raise UserError("give one of --accelerate-config, --torchtitan-config and --deepspeed-config")
+    if torchtitan_config is not None:
+        from zeroplan.integrations.torchtitan_config import TORCHTITAN_VERSION, read_torchtitan_config
+
+        typed = "gpus" in given_on_command_line(ctx, "gpus")
+        run = read_torchtitan_config(torchtitan_config, world_size=gpus if typed else None)
+        raise _wrapping_refusal("--torchtitan-config", f"torchtitan {TORCHTITAN_VERSION}'s apply_fsdp", run.wrapping)
+    from zeroplan.engines.base import EngineOptions
+    from zeroplan.integrations.accelerate_config import (AccelerateFsdp, prepare_deepspeed,
+                                                         read_accelerate_config)
+
+    run = read_accelerate_config(accelerate_config)
+    if isinstance(run, AccelerateFsdp):
+        raise _wrapping_refusal("--accelerate-config", "accelerate's fsdp2_prepare_model", run.wrapping)
+    engine = _implied(ctx, "engine", engine, "deepspeed", "--engine", "the accelerate config (DEEPSPEED)")
+    gpus = _implied(ctx, "gpus", gpus, run.num_processes, "--gpus", "the accelerate config's num_processes")
+    stage = run.ds_config.get("zero_optimization", {}).get("stage")
+    if stage == 3 and not run.zero3_init:
+        raise UserError("--accelerate-config: zero3_init_flag false (the model built whole, then partitioned): "
+                        "estimate and plan model ZeRO-3 under deepspeed.zero.Init; not expressible yet")  # fmt: skip
+    hidden = None
+    if model is not None:
+        from zeroplan.estimation.workload import resolve
+
+        hidden = resolve(model, seq_len)[0].d_model
+    res = prepare_deepspeed(run, micro_batch, grad_accum, hidden)
+    lines = ("accelerate config: the ds_config as accelerate hands it to DeepSpeed "
+             f"({'from ' + run.config_file if run.config_file else 'built from deepspeed_config'}):",
+             *(f"  {f.key} = {f.value!r}  ({f.source.split(' ', 2)[-1]})" for f in res.filled),
+             *(f"  {key} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
+    return engine, gpus, EngineOptions(ds_config=res.config), lines
