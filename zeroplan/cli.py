@@ -107,7 +107,8 @@ def estimate(
         ctx, accelerate_config, torchtitan_config, deepspeed_config, engine, gpus, model, seq_len, micro_batch, grad_accum)
     refuse_foreign(ctx, engine)
     options = file_options or engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
-    options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len, gpus // model_parallel, micro_batch, grad_accum)
+    nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
+    options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len, nd, micro_batch, grad_accum)
     auto_lines = (*file_lines, *auto_lines)
     if model is not None and (deepspeed_config is not None or file_options is not None):  # the file's batch: the run's
         ds = options.ds_config if options.ds_config is not None else read_json(deepspeed_config, "deepspeed config")
@@ -473,8 +474,8 @@ def plan(
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     options = file_options or engine_options_from(engine, deepspeed_config, None, param_dtype, reduce_dtype)
     options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len,
-                                          gpus // model_parallel if gpus % model_parallel == 0 else None,
-                                          micro_batch, grad_accum)  # fmt: skip
+                                          gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0
+                                          else None, micro_batch, grad_accum)  # fmt: skip
     auto_lines = (*file_lines, *auto_lines)
     if model is not None and gpus % model_parallel == 0:  # the file's batch at the planned N_d (PlanConfig checks the split)
         micro_batch, grad_accum = ds_config_batch(ctx, options.ds_config, gpus // model_parallel,
