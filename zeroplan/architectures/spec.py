@@ -82,6 +82,10 @@ class TransformerSpec:
         return self.style == "gpt" or self.qkv_bias or self.o_bias or self.mlp_bias
 
     def __post_init__(self) -> None:
+        from zeroplan.types import check_dimensions  # zeroplan.types imports this module's users
+
+        # before any shape is built: bounded work (docs/limits.md); rope_theta is a wavelength, not a size
+        check_dimensions({k: v for k, v in vars(self).items() if k != "rope_theta"})
         for name in ("n_layer", "d_model", "n_head", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -119,6 +123,9 @@ class TransformerSpec:
                 f"n_kv_head={self.n_kv_head}, head_dim={self.head_dim}: the gpt layout has full multi-head "
                 f"attention (n_kv_head = n_head = {self.n_head}, head_dim = d_model / n_head)"
             )
+        from zeroplan.types import check_total
+
+        check_total(numels(transformer_shapes(self)), "model")  # Ψ <= 1e15: the same bound as --params
 
     @property
     def ffn(self) -> int:

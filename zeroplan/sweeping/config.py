@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from functools import cached_property
-from typing import Optional
+from typing import Annotated, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.architectures.spec import numels as numels_of
@@ -23,6 +23,7 @@ from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.parsing import parse_offload
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.presets import ModelRef, model_seq_len, resolve_model
+from zeroplan.types import model_name
 from zeroplan.types import (
     BatchCount, ByteSize, Checkpointing, Flag, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes,
     check_total,
@@ -49,7 +50,7 @@ class SweepConfig(BaseModel):
     """Ψ values of the whole model, in parameters; give this, ``tensor_numels`` or ``model``."""
     tensor_numels: Optional[tuple[Numel, ...]] = Field(None, min_length=1)
     """elements of every parameter tensor of one model (exact padding); replaces ``params``."""
-    model: Optional[ModelRef] = None
+    model: Optional[Annotated[ModelRef, BeforeValidator(model_name)]] = None
     """model preset (``zeroplan.presets``) or the path of a Hugging Face ``config.json``: its tensors, its
     shape for activations and the peak per GPU."""
     micro_batch: tuple[BatchCount, ...] = (1,)
