@@ -34,6 +34,11 @@ DEFAULT_ROPE_THETA = 10_000.0
 _MISSING = object()
 
 
+def _shown(value: object) -> str:
+    """``value`` for a message: text quoted (``'8'`` is not 8), anything else short (``zeroplan.types.show``)."""
+    return repr(value if len(value) <= 40 else value[:37] + "...") if isinstance(value, str) else show(value)
+
+
 def _finite(value: object) -> bool:
     """A JSON number (not true/false) that is a finite float (a 400-digit integer is not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -74,9 +79,9 @@ class _Reader:
     def count_value(self, key: str, value: object, minimum: int = 1) -> int:
         """``value`` (of ``key``) as a whole number in [``minimum``, the dimension's limit]."""
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(key, f"{show(value)} is not a whole number >= {minimum}")
+            raise self.fail(key, f"{_shown(value)} is not a whole number >= {minimum}")
         if value > dimension_limit(key):
-            raise self.fail(key, f"{show(value)} is above the limit of {dimension_limit(key):,} (docs/limits.md)")
+            raise self.fail(key, f"{_shown(value)} is above the limit of {dimension_limit(key):,} (docs/limits.md)")
         return value
 
     def number(self, key: str, default: float) -> float:
@@ -84,7 +89,7 @@ class _Reader:
         if value is _MISSING or value is None:
             return default
         if not _finite(value) or value < 0:
-            raise self.fail(key, f"{show(value)} is not a finite number >= 0")
+            raise self.fail(key, f"{_shown(value)} is not a finite number >= 0")
         return float(value)
 
     def flag(self, key: str, default: bool) -> bool:
@@ -143,10 +148,10 @@ def _rope(r: _Reader) -> dict:
     theta = rope.get("rope_theta", r.raw("rope_theta"))
     theta = DEFAULT_ROPE_THETA if theta is _MISSING or theta is None else theta
     if not _finite(theta) or theta <= 0:
-        raise r.fail("rope_theta", f"{show(theta)} is not a finite number > 0")
+        raise r.fail("rope_theta", f"{_shown(theta)} is not a finite number > 0")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if not isinstance(rope_type, str) or rope_type not in ROPE_KEYS:
-        raise r.fail("rope_parameters", f"rope_type={show(rope_type)} is not one of {', '.join(ROPE_KEYS)}")
+        raise r.fail("rope_parameters", f"rope_type={_shown(rope_type)} is not one of {', '.join(ROPE_KEYS)}")
     _check_rope(r, rope, rope_type)
     return dict(rope_theta=float(theta), rope_type=rope_type)
 
@@ -186,7 +191,7 @@ def _check_rope(r: _Reader, rope: Mapping[str, object], rope_type: str) -> None:
         value, low = rope[key], _ROPE_MINIMUM.get(key, 0.0)
         values = value if key in ("short_factor", "long_factor") and isinstance(value, list) and value else [value]
         if not all(_finite(v) and v >= low for v in values):
-            raise r.fail(where, f"{key}={show(value)} is not a finite number >= {low:g}")
+            raise r.fail(where, f"{key}={_shown(value)} is not a finite number >= {low:g}")
     if not 0 < rope.get("partial_rotary_factor", 1.0) <= 1:
         raise r.fail(where, f"partial_rotary_factor={rope['partial_rotary_factor']} is not in (0, 1]")
     for high, low_key in (("high_freq_factor", "low_freq_factor"), ("beta_fast", "beta_slow")):
@@ -249,7 +254,7 @@ def _qwen2(r: _Reader) -> dict:
                        for i in range(n_layer)]  # fmt: skip
     kinds = ("full_attention", "sliding_attention")
     if not isinstance(layer_types, list) or not all(isinstance(t, str) and t in kinds for t in layer_types):
-        raise r.fail("layer_types", f"{show(layer_types)} is not a list of full_attention / sliding_attention")
+        raise r.fail("layer_types", f"{_shown(layer_types)} is not a list of full_attention / sliding_attention")
     if len(layer_types) != n_layer:  # Qwen2Config: one entry per layer (transformers' layer_type_validation)
         raise r.fail("layer_types", f"{len(layer_types)} entries for num_hidden_layers={n_layer}")
     if len(set(layer_types)) > 1:
@@ -275,7 +280,7 @@ def spec_from_hf_config(config: Mapping[str, object], source: str = "config") ->
     if model_type is None:
         raise ValueError(f"{source}: model_type: missing (expected one of {', '.join(FAMILIES)})")
     if not isinstance(model_type, str) or model_type not in FAMILIES:  # a list or dict is no family either
-        raise ValueError(f"{source}: model_type: {show(model_type)} is not supported "
+        raise ValueError(f"{source}: model_type: {_shown(model_type)} is not supported "
                          f"(expected one of {', '.join(FAMILIES)})")  # fmt: skip
     reader = _Reader(config, source, _ALIASES.get(model_type, {}))
     fields = FAMILIES[model_type](reader)

@@ -229,10 +229,15 @@ def gpt_for_params(psi: float, vocab_size: int = 50304) -> TransformerSpec:
     """A GPT-style spec with about ``psi`` parameters, for simulating a model given only Ψ.
 
     Blocks hold 12·d² + 13·d parameters. The width follows GPT-3's aspect ratio n_layer ≈ d_model / 128
-    (175B: 96 layers of 12288), so Ψ ≈ 12·d³/128, rounded to a multiple of 128 with 128-wide heads.
+    (175B: 96 layers of 12288), so Ψ ≈ 12·d³/128, rounded to a multiple of 128 with 128-wide heads; above
+    ``zeroplan.types.MAX_LAYERS`` layers (Ψ beyond about 4e12) the model keeps that many and widens instead.
     """
+    from zeroplan.types import MAX_LAYERS
+
     d_model = max(128, round((psi * 128 / 12) ** (1 / 3) / 128) * 128)
+    if (psi * 128 / 12) ** (1 / 3) / 128 > MAX_LAYERS:  # deeper than the layer bound: as deep as allowed, wider
+        d_model = max(128, math.floor(math.sqrt(psi / (12 * MAX_LAYERS)) / 128) * 128)
     per_layer = 12 * d_model * d_model + 13 * d_model
     embed = (vocab_size + 1024) * d_model + 2 * d_model
-    n_layer = max(1, round((psi - embed) / per_layer))
+    n_layer = min(MAX_LAYERS, max(1, round((psi - embed) / per_layer)))
     return TransformerSpec(n_layer, d_model, d_model // 128, vocab_size)
