@@ -206,6 +206,7 @@ def sweep(
     from zeroplan.render.sweep import write_csv, write_json, write_parquet
     from zeroplan.sweeping.config import SweepConfig
     from zeroplan.sweeping.grid import sweep_frames
+    from zeroplan.types import MAX_BATCH, MAX_GPUS, check_wholes
 
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
@@ -232,9 +233,10 @@ def sweep(
         from zeroplan.engines.deepspeed import sweep_micro_batches
 
         typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None
-        micro_batches = sweep_micro_batches(options.ds_config, parse_wholes(gpus, "gpus"),
-                                            parse_wholes(model_parallel, "model-parallel"), typed,
-                                            "--micro-batch") or micro_batches  # fmt: skip
+        micro_batches = sweep_micro_batches(  # the lists in range first: the config checks them only later
+            options.ds_config, check_wholes(parse_wholes(gpus, "gpus"), "gpus", MAX_GPUS),
+            check_wholes(parse_wholes(model_parallel, "model-parallel"), "model_parallel", MAX_GPUS),
+            typed and check_wholes(typed, "micro_batch", MAX_BATCH), "--micro-batch") or micro_batches
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
         params=parse_counts(params) if params is not None else None,
@@ -321,6 +323,7 @@ def plot(
     ),
 ) -> None:
     """Draw a sweep (memory, breakdown, comm) or validator results (validate) to an image file."""
+    _quiet_matplotlib_cache_warnings()
     from zeroplan import plots
     from zeroplan.files import check_writable
     from zeroplan.parsing import parse_bytes, parse_counts, parse_wholes
@@ -360,6 +363,19 @@ def plot(
         frame = sweep_config(config)
         fig = plots.figure(view.value, frame, gpu_memory_bytes=capacity, gpu_label=capacity_label)
     plots.save(fig, out, inputs=[results, model])
+
+
+def _quiet_matplotlib_cache_warnings() -> None:
+    """With an unwritable HOME (or MPLCONFIGDIR) matplotlib makes a temporary config and cache folder, removes
+    it at exit and logs two warnings saying so; they are not about the user's input or output, and would
+    break the one-line rule, so those two (and only those) are dropped."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not (text.startswith("mkdir -p failed for path") or text.startswith("Matplotlib created a temporary"))
+
+    logging.getLogger("matplotlib").addFilter(keep)
 
 
 @app.command()
@@ -459,7 +475,8 @@ def plan(
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     options = engine_options_from(engine, deepspeed_config, None, param_dtype, reduce_dtype)
-    if model is not None and gpus % model_parallel == 0:  # the file's batch at the planned N_d (PlanConfig checks the split)
+    if model is not None and model_parallel >= 1 and gpus % model_parallel == 0:  # the file's batch at the planned N_d
+        # (PlanConfig checks the split and refuses model_parallel < 1 in one line)
         micro_batch, grad_accum = ds_config_batch(ctx, options.ds_config, gpus // model_parallel,
                                                   {"micro_batch": micro_batch, "grad_accum": grad_accum})
     config = PlanConfig(

@@ -11,6 +11,7 @@ import math
 import operator
 import os
 import re
+import types
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Strict, ValidationError, ValidationInfo
@@ -225,6 +226,15 @@ def model_name(v: object, info: ValidationInfo) -> str:
     if not isinstance(v, str):
         raise ValueError(f"{info.field_name}={show(v)}: expected a preset name or the path of a config.json")
     return v
+
+
+def check_wholes(values: tuple, what: str, maximum: int) -> tuple:
+    """``values`` unchanged if each is a whole number in [1, ``maximum``]; else the one-line ValueError of the
+    config fields (``gpus=0: must be >= 1``), for a command that must use a list before its config exists."""
+    check, info = _whole(maximum), types.SimpleNamespace(field_name=what)
+    for v in values:
+        check(v, info)
+    return values
 
 
 def whole_up_to(maximum: int) -> object:
