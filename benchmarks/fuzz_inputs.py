@@ -155,9 +155,22 @@ def _mutate(argv: list[str], rng: random.Random) -> list[str]:
     return argv
 
 
-def _digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()
-            if p.is_file() and not p.is_symlink() and not p.name.startswith("out")}  # fmt: skip
+def _inputs(argv: list[str]) -> list[Path]:
+    """The files ``argv`` reads: the value of every option but the output (``--out``, ``validate --json``)
+    that names an existing file."""
+    out = {i + 1 for i, a in enumerate(argv) if a in ("--out", "--json")}
+    return [Path(a) for i, a in enumerate(argv) if i not in out and i > 0 and len(a) < 4000 and _is_file(a)]
+
+
+def _is_file(name: str) -> bool:
+    try:
+        return Path(name).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _digest(files: list[Path]) -> dict[Path, str]:
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files if _is_file(str(p))}
 
 
 def _alarm(_signum, _frame) -> None:
@@ -166,7 +179,8 @@ def _alarm(_signum, _frame) -> None:
 
 def _cli_case(argv: list[str], folder: Path, timeout_s: float) -> tuple[str, str | None]:
     """(exit label, broken promise or None) of ``zeroplan ARGV``."""
-    before = _digest(folder)
+    inputs = _inputs(argv)
+    before = _digest(inputs)
     signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
@@ -187,7 +201,7 @@ def _cli_case(argv: list[str], folder: Path, timeout_s: float) -> tuple[str, str
             return "exit 2", f"not one error line: stdout={r.stdout[:100]!r} stderr={r.stderr[:300]!r}"
     if code == 0 and NAN.search(r.stdout):
         return "exit 0", f"nan or inf printed: {NAN.search(r.stdout).group()!r}"
-    after = _digest(folder)
+    after = _digest(inputs)
     if any(after.get(name) != digest for name, digest in before.items()):
         return f"exit {code}", "an input file changed"
     return f"exit {code}", None

@@ -402,3 +402,31 @@ def test_fuzz_slice_finds_no_broken_promise(tmp_path):
     report = run_cases(seed=18, count=40, folder=tmp_path, timeout_s=60, include_validate=False)
     assert report.ran == 40
     assert report.broken == [], "\n".join(report.broken)
+
+
+# ---------------------------------------------------------------- what the fuzzer found (kept as cases)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: zeroplan.estimate(7e9, engine={}),
+    lambda: zeroplan.estimate(7e9, engine=["fsdp2"]),
+    lambda: zeroplan.sweep([7e9], engine={}),
+    lambda: zeroplan.sweep([7e9], stages=3),
+    lambda: zeroplan.sweep(model="gpt2-xl", gpus=(2, 4), stages=16777217),
+])  # fmt: skip
+def test_fuzzer_finds_in_python_are_value_errors(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "gpt2-xl", "--gpu", "a100-40gb", "--engine", "fsdp2", "--model-parallel", "0"],
+     "model_parallel=0: must be >= 1"),
+    (["sweep", "--model", "gpt2-xl", "--engine", "deepspeed", "--stage", "2", "--model-parallel", "0"],
+     "model_parallel=0: must be >= 1"),
+    (["sweep", "--model", "gpt2-xl", "--engine", "deepspeed", "--stage", "2", "--gpus", "0"], "gpus=0: must be >= 1"),
+    (["sweep", "--model", "gpt2-xl", "--engine", "deepspeed", "--stage", "2", "--micro-batch", "0"],
+     "micro_batch=0: must be >= 1"),
+])  # fmt: skip
+def test_fuzzer_finds_on_the_command_line_are_one_line(argv, message):
+    assert_one_line_error(run(*argv), message)

@@ -16,7 +16,7 @@ from zeroplan.formulas.memory import model_states
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import PrecisionPolicy
-from zeroplan.types import show
+from zeroplan.types import engine_name, show
 
 
 def model_numels(config: EstimateConfig) -> tuple[int, ...]:
@@ -156,7 +156,7 @@ def estimate(
     for ``deepspeed``, ``ds_config`` (a parsed ds_config.json; ``stage`` fills in its stage). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
-    policy, engine_options = split_keywords(engine, options)
+    policy, engine_options = split_keywords(engine_name(engine), options)
     micro_batch, grad_accum = api_batch(engine_options.ds_config if model is not None else None, gpus, model_parallel,
                                      micro_batch, grad_accum)  # fmt: skip
     architecture = None
