@@ -430,3 +430,12 @@ def test_fuzzer_finds_in_python_are_value_errors(call):
 ])  # fmt: skip
 def test_fuzzer_finds_on_the_command_line_are_one_line(argv, message):
     assert_one_line_error(run(*argv), message)
+
+
+def test_an_engine_sweep_of_a_deep_model_gets_fewer_estimates(tmp_path):
+    cfg = write(tmp_path / "deep.json", {**TINY_LLAMA, "num_hidden_layers": MAX_LAYERS})
+    gpus = ",".join(str(2**i) for i in range(10))
+    micro = ",".join(str(i) for i in range(1, 60))  # 590 estimates: fine at 32 layers, not at 256
+    assert_one_line_error(run("sweep", "--model", str(cfg), "--engine", "fsdp2", "--gpus", gpus, "--micro-batch", micro),
+                          f"590 engine estimates (gpus x micro_batch x stages) of a {MAX_LAYERS}-layer model, above "
+                          f"the limit of {4096 * 32 // MAX_LAYERS}")  # fmt: skip

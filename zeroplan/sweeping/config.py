@@ -38,6 +38,9 @@ about 200 bytes a row. Split a larger grid into several sweeps."""
 ENGINE_MAX_EVALUATIONS = 4096
 """Most (N_d, micro-batch, stage) estimates one sweep of a one-row engine (fsdp2, deepspeed) may ask: each is
 a full ``Engine.estimate`` (a walk over the step's moments), not a vectorised formula."""
+ENGINE_MAX_LAYER_EVALUATIONS = ENGINE_MAX_EVALUATIONS * 32
+"""The same budget in estimates x layers: a walk grows with the layer count, so a model deeper than 32 layers
+gets proportionally fewer estimates (512 at the 256-layer bound, about 0.3 CPU s each: docs/limits.md)."""
 
 
 class SweepConfig(BaseModel):
@@ -135,9 +138,11 @@ class SweepConfig(BaseModel):
                     f"{bad}={getattr(self, bad)!r}"
                 )  # fmt: skip
             evaluations = len(self.gpus) * len(self.micro_batch) * len(self.engine_stages)
-            if evaluations > ENGINE_MAX_EVALUATIONS:
+            limit = min(ENGINE_MAX_EVALUATIONS, ENGINE_MAX_LAYER_EVALUATIONS // self.spec.n_layer)
+            if evaluations > limit:
                 raise ValueError(f"sweep --engine {self.engine}: {evaluations} engine estimates (gpus x micro_batch x "
-                                 f"stages), above the limit of {ENGINE_MAX_EVALUATIONS}: split the sweep")  # fmt: skip
+                                 f"stages) of a {self.spec.n_layer}-layer model, above the limit of {limit} "
+                                 f"({ENGINE_MAX_EVALUATIONS}, fewer above 32 layers): split the sweep")  # fmt: skip
             engine.planner_settings(self.planner_options(self.engine_stages[0]))  # a bad ds_config: before any work
         if not self.pairs:
             offloads = ", ".join(o.label for o in self.offload)
