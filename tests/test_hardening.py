@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import zeroplan
+import zeroplan.presets
 from clicheck import assert_one_line_error
 from zeroplan.cli import app
 from zeroplan.cli_options import refuse_repeated
@@ -335,6 +337,7 @@ BAD_VALUES = st.one_of(
 PUBLIC = {
     "estimate": (zeroplan.estimate, dict(params=7e9, gpus=8)),
     "estimate_shapes": (zeroplan.estimate, dict(tensor_numels=(100, 7), gpus=8, stage=3)),
+    "estimate_model": (zeroplan.estimate, dict(model="gpt2-xl", gpus=8)),
     "plan": (zeroplan.plan, dict(params=7e9, gpu="h100-80gb", gpus=8)),
     "sweep": (zeroplan.sweep, dict(params=(7e9,), gpus=(8,))),
     "max_params": (max_params, dict(gpu_budget_bytes=80 * 10**9, stage=3, nd=8)),
@@ -347,6 +350,39 @@ PUBLIC = {
 KEYS = [(name, key) for name, (_, kwargs) in PUBLIC.items() for key in kwargs]
 
 
+def _whole(v, low, high):
+    return not isinstance(v, bool) and isinstance(v, int) and low <= v <= high
+
+
+def _integral(v, low, high):  # Ψ and byte sizes: an integral float is exact and accepted
+    if isinstance(v, float):
+        return math.isfinite(v) and v.is_integer() and low <= v <= high
+    return _whole(v, low, high)
+
+
+def _numels(v):
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(_whole(n, 1, 10**15) for n in v) and sum(v) <= 10**15
+
+
+ACCEPTS = {  # what each argument may legitimately be: a value outside it must raise ValueError (issue 18)
+    "params": lambda v: _integral(v, 1, 10**15),
+    "gpus": lambda v: _whole(v, 1, 2**24),
+    "nd": lambda v: _whole(v, 1, 2**24),
+    "stage": lambda v: _whole(v, 0, 3),
+    "tensor_numels": _numels,
+    "gpu_budget_bytes": lambda v: _integral(v, 0, 2**60),
+    "gpu": lambda v: isinstance(v, str) and v.strip().lower() in zeroplan.presets.gpu_presets(),
+    "config": lambda v: isinstance(v, dict),
+    "model": lambda v: isinstance(v, str),  # a preset or a config path; a dict or an int is a ValueError  # every key zeroplan does not read is allowed
+    # the parsers read str(text): a positive whole number given as a number is its own text
+    "text": lambda v: (isinstance(v, str) and re.fullmatch(r"[0-9.eE+ ]*[0-9][0-9.eE+ ]*[kKmMgGbBtTiI]{0,3}", v.strip())
+                       or _integral(v, 1, math.inf)),
+    ("sweep", "params"): lambda v: isinstance(v, (list, tuple)) and all(ACCEPTS["params"](x) for x in v),
+    ("sweep", "gpus"): lambda v: isinstance(v, (list, tuple)) and all(ACCEPTS["gpus"](x) for x in v),
+}
+ACCEPTS_NONE = {("estimate_shapes", "stage"), ("plan", "params")}  # None: every stage; no Ψ: the largest model
+
+
 @pytest.mark.parametrize("name, key", KEYS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(value=BAD_VALUES)
@@ -355,7 +391,9 @@ def test_public_functions_raise_only_value_errors(name, key, value):
     try:
         function(**{**kwargs, key: value})
     except ValueError:  # ValidationError is one
-        pass
+        return
+    ok = ACCEPTS.get((name, key), ACCEPTS.get(key))(value) or (value is None and (name, key) in ACCEPTS_NONE)
+    assert ok, f"{name}({key}={value!r}) was accepted silently"
 
 
 # ---------------------------------------------------------------- the one writer

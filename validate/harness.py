@@ -14,8 +14,9 @@ Nothing outlives the run, whatever ends it:
   ``KeyboardInterrupt``;
 - SIGKILL to the parent (nothing can run in it): the launcher and each rank have asked the kernel to
   kill them when their parent dies (``lifeline.die_with_parent``), so the ranks die with it; the
-  temporary folder is removed by the next run (``remove_stale_dirs``: folders whose owner, named in
-  the folder's name by pid and start time, is gone).
+  temporary folder, which holds all the ranks' scratch (``TMPDIR``), is removed by its janitor
+  (``lifeline.guard``), which outlives the parent; ``remove_stale_dirs`` (folders whose owner, named in
+  the folder's name by pid and start time, is gone) stays as a second line for a janitor killed too.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import uuid
 from pathlib import Path
 
 from validate.config import ValidateConfig
-from validate.lifeline import ROOT_ENV, RUN_ENV, die_with_parent
+from validate.lifeline import ROOT_ENV, RUN_ENV, die_with_parent, guard, kill_marked, marked_pids  # noqa: F401
 
 LOG_TAIL_CHARS = 1500
 POLL_S = 0.05
@@ -76,23 +77,16 @@ def remove_stale_dirs(root: str | None = None) -> list[Path]:
 
 
 def _run_dir() -> Path:
-    remove_stale_dirs()
+    """The run's scratch folder in the temporary directory; ValueError (one line) naming it if it cannot be
+    made (an unwritable or missing ``TMPDIR``): no output is involved, the environment is."""
     me = os.getpid()
-    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{me}-{_start_time(me)}-"))
-
-
-def marked_pids(marker: str) -> set[int]:
-    """Processes whose environment carries ``RUN_ENV=marker`` (this run's launcher and ranks)."""
-    needle = f"{RUN_ENV}={marker}".encode()
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    pids.add(int(entry.name))
-            except OSError:
-                continue
-    return pids
+    try:
+        remove_stale_dirs()
+        return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{me}-{_start_time(me)}-"))
+    except OSError as exc:
+        where = os.environ.get("TMPDIR") or tempfile.gettempdir()
+        raise ValueError(f"cannot create the run's temporary folder in TMPDIR={where!r} ({exc.strerror or exc}): "
+                         "set TMPDIR to a writable directory") from None
 
 
 def _stop(proc: subprocess.Popen | None, marker: str) -> None:
@@ -104,14 +98,7 @@ def _stop(proc: subprocess.Popen | None, marker: str) -> None:
             pass
     if proc is not None:
         proc.wait()
-    deadline = time.monotonic() + 10
-    while (left := marked_pids(marker)) and time.monotonic() < deadline:
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(POLL_S)
+    kill_marked(marker)
 
 
 def _tail(*paths: Path) -> str:
@@ -200,6 +187,8 @@ def run_world(
     if config.wire:
         env["GLOO_SOCKET_IFNAME"] = "lo"
     tmp, proc, me = _run_dir(), None, os.getpid()
+    janitor = guard(tmp, marker)  # removes tmp and the run's processes even if this process is SIGKILLed
+    env["TMPDIR"] = str(tmp)  # every rank's own scratch lands in the folder the janitor removes
     try:
         with open(tmp / "launcher.log", "w") as log:
             proc = subprocess.Popen(
@@ -226,6 +215,8 @@ def run_world(
     finally:
         _stop(proc, marker)
         shutil.rmtree(tmp, ignore_errors=True)
+        janitor.stdin.close()
+        janitor.wait()
     return out["meta"], out["ranks"]
 
 

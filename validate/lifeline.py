@@ -5,14 +5,24 @@ the launcher (torchrun) and every rank call it first thing. When a parent dies, 
 kernel sends SIGKILL to its children, so a killed run leaves no rank behind. A process whose parent
 died before it could ask is caught by the check that follows: its parent pid changed, or the run's
 root process (``ROOT_ENV``) is gone.
+
+The run's scratch folder has a lifeline too (``guard``): a small janitor process, outside the run and
+in a session of its own, holds a pipe from the parent. When the pipe closes (the parent is done, or
+died, even by SIGKILL: the kernel closes its end) the janitor kills what is left of the run (processes
+carrying ``RUN_ENV``), removes the folder and exits, so a run leaves nothing a later run has to clean.
+The ranks keep all their scratch in that folder (``TMPDIR`` points into it).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 ROOT_ENV = "ZEROPLAN_VALIDATE_ROOT"  # pid of the ``zeroplan validate`` process that owns the run
@@ -41,3 +51,50 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def marked_pids(marker: str) -> set[int]:
+    """Processes whose environment carries ``RUN_ENV=marker`` (a run's launcher and ranks)."""
+    needle = f"{RUN_ENV}={marker}".encode()
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.add(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def kill_marked(marker: str, timeout_s: float = 10.0) -> None:
+    """SIGKILL every process of the run ``marker`` until none is left (or ``timeout_s`` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := marked_pids(marker)) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
+def guard(folder: Path, marker: str) -> subprocess.Popen:
+    """Start the janitor of ``folder``: it waits for EOF on its stdin (close ``.stdin`` when done; the
+    kernel closes it if this process dies), then kills the run ``marker`` and removes ``folder``."""
+    env = {k: v for k, v in os.environ.items() if k != RUN_ENV}  # never one of the processes it kills
+    return subprocess.Popen(
+        [sys.executable, "-m", "validate.lifeline", str(folder), marker], stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
+    )  # fmt: skip
+
+
+def _janitor(folder: str, marker: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the end of the pipe ends it
+    sys.stdin.buffer.read()  # returns at EOF: the parent closed the pipe or is gone
+    kill_marked(marker)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    _janitor(sys.argv[1], sys.argv[2])

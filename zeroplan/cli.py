@@ -188,7 +188,10 @@ def sweep(
     engine: Annotated[str, typer.Option(
         help="Training engine of the rows: reference (one row per --stage), fsdp2 or deepspeed (one row per "
         "configuration: the sharding the engine runs; deepspeed: one per --stage given).")] = "reference",
-    deepspeed_config: DeepSpeedConfigOption = None,
+    deepspeed_config: Annotated[Optional[Path], typer.Option(
+        "--deepspeed-config", help="ds_config.json, with --engine deepspeed only: the engine's settings (buckets, "
+        "precision, optimizer; --stage gives the rows' stages). With --engine reference give the policy "
+        "options (--param-dtype, --optimizer, ...) instead.")] = None,
     reshard_after_forward: ReshardOption = None,
     reduce_dtype: ReduceDtypeOption = None,
     param_dtype: ParamDtype = None,
@@ -219,6 +222,7 @@ def sweep(
     from zeroplan.render.sweep import write_csv, write_json, write_parquet
     from zeroplan.sweeping.config import SweepConfig
     from zeroplan.sweeping.grid import sweep_frames
+    from zeroplan.types import MAX_BATCH, MAX_GPUS, check_wholes
 
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
@@ -227,15 +231,17 @@ def sweep(
         raise UserError("--json and an --out ending in .parquet are exclusive: choose one format")
     if parquet and importlib.util.find_spec("pyarrow") is None:
         raise UserError('writing .parquet needs pyarrow: pip install pyarrow (or ".[parquet]")')
+    inputs = [shapes, model, deepspeed_config]  # every file sweep reads (a preset name is none)
     if out is not None:
-        check_writable(out, inputs=[shapes])
+        check_writable(out, inputs)
     if model is None and given_on_command_line(ctx, "checkpointing"):
         raise UserError("--checkpointing changes only activations, which need --model")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
     refuse_foreign(ctx, engine)
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
-        raise UserError("--deepspeed-config does not apply to sweep --engine reference: give the policy options")
+        raise UserError("--deepspeed-config does not apply to sweep --engine reference: use --engine deepspeed "
+                        "--model NAME with it, or give the reference policy options (--param-dtype, --optimizer, ...)")
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype)
     micro_batches = parse_wholes(micro_batch, "micro-batch")
@@ -243,9 +249,10 @@ def sweep(
         from zeroplan.engines.deepspeed import sweep_micro_batches
 
         typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None
-        micro_batches = sweep_micro_batches(options.ds_config, parse_wholes(gpus, "gpus"),
-                                            parse_wholes(model_parallel, "model-parallel"), typed,
-                                            "--micro-batch") or micro_batches  # fmt: skip
+        micro_batches = sweep_micro_batches(  # the lists in range first: the config checks them only later
+            options.ds_config, check_wholes(parse_wholes(gpus, "gpus"), "gpus", MAX_GPUS),
+            check_wholes(parse_wholes(model_parallel, "model-parallel"), "model_parallel", MAX_GPUS),
+            typed and check_wholes(typed, "micro_batch", MAX_BATCH), "--micro-batch") or micro_batches
     capacity, _ = gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)
     config = SweepConfig(
         params=parse_counts(params) if params is not None else None,
@@ -273,14 +280,14 @@ def sweep(
     if out is None:
         write(typer.get_binary_stream("stdout"))
     elif parquet:
-        atomic_write(out, lambda tmp: write_parquet(sweep_frames(config), tmp), inputs=[shapes])
+        atomic_write(out, lambda tmp: write_parquet(sweep_frames(config), tmp), inputs=inputs)
     else:
 
         def write_file(tmp: str) -> None:
             with open(tmp, "wb") as sink:
                 write(sink)
 
-        atomic_write(out, write_file, inputs=[shapes])
+        atomic_write(out, write_file, inputs=inputs)
 
 
 class PlotView(str, Enum):
@@ -332,6 +339,7 @@ def plot(
     ),
 ) -> None:
     """Draw a sweep (memory, breakdown, comm) or validator results (validate) to an image file."""
+    _quiet_matplotlib_cache_warnings()
     from zeroplan import plots
     from zeroplan.files import check_writable
     from zeroplan.parsing import parse_bytes, parse_counts, parse_wholes
@@ -340,7 +348,7 @@ def plot(
     from zeroplan.sweeping.grid import sweep_config
 
     plots.check_format(out)  # before any work: a bad name is one line, not a traceback after the sweep
-    check_writable(out, inputs=[results])
+    check_writable(out, inputs=[results, model])
     policy = ("param_dtype", "grad_dtype", "master_weights", "optimizer", "optimizer_dtype")
     if view is PlotView.validate:
         why = "to --view validate, which draws --results only"
@@ -370,7 +378,20 @@ def plot(
         plots.check_points(view.value, n_params=len(config.params or (1,)), n_gpus=len(config.gpus))
         frame = sweep_config(config)
         fig = plots.figure(view.value, frame, gpu_memory_bytes=capacity, gpu_label=capacity_label)
-    plots.save(fig, out, inputs=[results])
+    plots.save(fig, out, inputs=[results, model])
+
+
+def _quiet_matplotlib_cache_warnings() -> None:
+    """With an unwritable HOME (or MPLCONFIGDIR) matplotlib makes a temporary config and cache folder, removes
+    it at exit and logs two warnings saying so; they are not about the user's input or output, and would
+    break the one-line rule, so those two (and only those) are dropped."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not (text.startswith("mkdir -p failed for path") or text.startswith("Matplotlib created a temporary"))
+
+    logging.getLogger("matplotlib").addFilter(keep)
 
 
 @app.command()
@@ -426,7 +447,10 @@ def plan(
     engine: Annotated[str, typer.Option(
         help="Training engine whose peak decides the fit: reference (ZeRO stages and offload), fsdp2 (chooses "
         "reshard_after_forward and checkpointing) or deepspeed (chooses the stage and bucket sizes).")] = "reference",
-    deepspeed_config: DeepSpeedConfigOption = None,
+    deepspeed_config: Annotated[Optional[Path], typer.Option(
+        "--deepspeed-config", help="ds_config.json, with --engine deepspeed only: the settings the search keeps "
+        "(precision, optimizer, batch; it chooses the stage and buckets). With --engine reference the plan emits "
+        "a ds_config instead.")] = None,
     accelerate_config: AccelerateConfigOption = None,
     torchtitan_config: TorchtitanConfigOption = None,
     reduce_dtype: ReduceDtypeOption = None,
@@ -477,7 +501,8 @@ def plan(
                                           gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0
                                           else None, micro_batch, grad_accum)  # fmt: skip
     auto_lines = (*file_lines, *auto_lines)
-    if model is not None and gpus % model_parallel == 0:  # the file's batch at the planned N_d (PlanConfig checks the split)
+    if model is not None and model_parallel >= 1 and gpus % model_parallel == 0:  # the file's batch at the planned N_d
+        # (PlanConfig checks the split and refuses model_parallel < 1 in one line)
         micro_batch, grad_accum = ds_config_batch(ctx, options.ds_config, gpus // model_parallel,
                                                   {"micro_batch": micro_batch, "grad_accum": grad_accum})
     config = PlanConfig(
@@ -601,7 +626,7 @@ def validate_cmd(
     from zeroplan.files import check_writable
 
     if json_path is not None:  # first: a run must never be lost to a path that cannot be written
-        check_writable(json_path)
+        check_writable(json_path, inputs=[model, baseline, deepspeed_config])
     if not 0 < baseline_tolerance < 1:
         raise UserError(f"--baseline-tolerance {baseline_tolerance:g}: must be between 0 and 1")
     if reshard_after_forward is not None:  # the planner's vocabulary: true, false or K (zeroplan.parsing)
@@ -619,6 +644,9 @@ def validate_cmd(
             old = read_baseline(str(baseline))
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        if not old["rows"]:  # "no figure moved" would be said having compared nothing
+            raise UserError(f"--baseline {str(baseline)!r}: has no rows, so nothing could be compared; give the "
+                            "--json report of a run that measured at least one configuration")
     from validate.api import run_validation, write_json_atomic
     from validate.config import ValidateConfig
     from validate.harness import Interrupted, NotNodeZero, RunFailed
@@ -676,6 +704,7 @@ def validate_cmd(
 
         report = with_drift(report, old, baseline_tolerance)
     if json_path is not None:
+        check_writable(json_path, inputs=[model, baseline, deepspeed_config])  # nothing put in the way since
         write_json_atomic(report, json_path)
     typer.echo(to_table(report))
     if old is not None:

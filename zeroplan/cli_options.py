@@ -55,9 +55,14 @@ class OneLineErrors(TyperGroup):
         except typer.Abort:
             typer.echo("zeroplan: aborted", err=True)
             rv = 130
-        except OSError as exc:  # stdout on a full disk or closed: the input was fine, the output was not
-            typer.echo(f"zeroplan: error: cannot write the output ({exc.strerror or exc})", err=True)
-            rv = 1
+        except OSError as exc:
+            if exc.filename is not None:  # a name the user gave, probed as an input (files are written by
+                # zeroplan.files, which turns its OSErrors into ValueErrors): an input error, exit 2
+                typer.echo(f"zeroplan: error: {str(exc.filename)[:80]!r}: {exc.strerror or exc}", err=True)
+                rv = 2
+            else:  # stdout on a full disk or closed: the input was fine, the output was not
+                typer.echo(f"zeroplan: error: cannot write the output ({exc.strerror or exc})", err=True)
+                rv = 1
         except Terminated as exc:  # SIGTERM/SIGHUP while writing: the temporary file is already removed
             typer.echo(f"zeroplan: error: terminated by {exc}", err=True)
             rv = 128 + exc.signum

@@ -42,11 +42,33 @@ class Terminated(BaseException):
         self.signum = signum
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def file_identity(path: str | Path) -> tuple:
+    """What makes two names the same file: ``(st_dev, st_ino)`` of the file ``path`` names, links resolved
+    (``os.stat`` follows them; hard links share an inode), or, for a name that does not exist yet,
+    ``("new", resolved parent directory, name)``. Never compares strings: ``./d/../cfg.json``,
+    ``cfg.json`` and a symlink to it are one file."""
     try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
+        info = os.stat(path)
+    except (OSError, ValueError):  # missing, a name the file system refuses (too long), or a NUL byte
+        path = Path(path)
+        return ("new", os.path.realpath(path.parent if str(path.parent) else "."), path.name)
+    return (info.st_dev, info.st_ino)
+
+
+def refuse_input_as_output(output: str | Path, inputs: Sequence[str | Path | None]) -> None:
+    """ValueError (one line) when ``output`` is the same file as one of ``inputs`` (``file_identity``).
+
+    The one home of the rule "no command writes over its own input": every command that writes a file
+    (``sweep --out``, ``plot --out``, ``validate --json``) passes every file it reads (``--model`` config,
+    ``--shapes``, ``--deepspeed-config``, ``--results``, ``--baseline``). An input that does not exist
+    (a preset name given to ``--model``) is no file and is skipped."""
+    target = file_identity(output)
+    if target[0] == "new":
+        return  # an input was read, so it exists; a name not yet created is none of them
+    for source in inputs:
+        if source is not None and os.path.exists(source) and file_identity(source) == target:
+            raise ValueError(f"{str(output)[:80]!r}: is also an input of this command ({str(source)[:80]!r}); "
+                             "write to another file")
 
 
 def check_writable(path: str | Path, inputs: Sequence[str | Path | None] = ()) -> Path:
@@ -72,9 +94,7 @@ def check_writable(path: str | Path, inputs: Sequence[str | Path | None] = ()) -
         raise ValueError(f"{str(path)!r}: is a symbolic link; give the file it points to, or a new name")
     if mode is not None and not stat.S_ISREG(mode):
         raise ValueError(f"{str(path)!r}: not a regular file (a device, FIFO or socket); give a file name")
-    for source in inputs:
-        if source is not None and _same_file(path, Path(source)):
-            raise ValueError(f"{str(path)!r}: is also an input of this command; write to another file")
+    refuse_input_as_output(path, inputs)
     # The writer's own first step, tried now: a temporary file beside the target, with a name as long as
     # the writer's (``~`` where it has ``.``, so the probe is never mistaken for a write in progress);
     # SIGTERM and SIGHUP wait until it is gone, so a signal cannot leave it behind.

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import re
+import types
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Strict, ValidationError, ValidationInfo
@@ -31,6 +33,50 @@ MAX_BATCH = 2**16
 """Largest micro-batch (sequences per GPU per micro-step) and gradient-accumulation count."""
 MAX_BYTES = 2**60
 """Largest memory size, in bytes (1 EiB): GPU memory, host memory, and any byte count a result may hold."""
+MAX_LAYERS = 256
+"""Most decoder layers of an architecture (``num_hidden_layers``, ``n_layer``). Real models have fewer
+than 200 (GPT-3 96, Llama 3.1 405B 126); the bound keeps the worst case of every command bounded: the
+engines' step walks are about quadratic in the layer count (docs/limits.md quotes the seconds)."""
+MAX_WIDTH = 2**20
+"""Widest dimension of an architecture (hidden, MLP/intermediate, head_dim, low-rank and expert widths):
+1,048,576, some fifty times the widest model trained (18,432)."""
+MAX_HEADS = 2**14
+"""Most attention (or key/value) heads: 16,384 (models use at most a few hundred)."""
+MAX_VOCAB = 2**24
+"""Largest vocabulary: 16,777,216 tokens (real ones are at most about 256k)."""
+MAX_EXPERTS = 2**12
+"""Most experts of a mixture-of-experts layer, routed or shared, and experts per token: 4096 (real: <= 384)."""
+DIMENSION_LIMITS: dict[str, int] = {
+    **dict.fromkeys(("n_layer", "num_hidden_layers", "max_window_layers", "first_k_dense_replace",
+                     "decoder_sparse_step"), MAX_LAYERS),
+    **dict.fromkeys(("n_head", "num_attention_heads", "n_kv_head", "num_key_value_heads"), MAX_HEADS),
+    **dict.fromkeys(("vocab_size",), MAX_VOCAB),
+    **dict.fromkeys(("max_seq_len", "n_positions", "max_position_embeddings", "sliding_window",
+                     "original_max_position_embeddings"), 2**24),
+    **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts",
+                     "num_experts_per_tok", "n_group", "topk_group"), MAX_EXPERTS),
+}  # fmt: skip
+"""Bound of each architecture dimension by its name (Hugging Face key or ``TransformerSpec`` field); any
+other whole-number dimension (hidden, intermediate, head_dim, ...) is bounded by ``MAX_WIDTH``. One
+table for the config reader (``zeroplan.architectures.hf_config``) and ``TransformerSpec``, checked before
+any shape is built."""
+
+
+def dimension_limit(name: str) -> int:
+    """The largest value the architecture dimension ``name`` may take (``DIMENSION_LIMITS``)."""
+    return DIMENSION_LIMITS.get(name, MAX_WIDTH)
+
+
+def check_dimensions(values: dict[str, object], source: str = "") -> None:
+    """ValueError (one line, naming the dimension, its value and its bound) for a whole-number dimension
+    above ``dimension_limit``; None and non-integers are left to the caller's own checks."""
+    for name, v in values.items():
+        if isinstance(v, int) and not isinstance(v, bool) and v > dimension_limit(name):
+            prefix = f"{source}: " if source else ""
+            raise ValueError(f"{prefix}{name}={show(v)}: above the limit of {dimension_limit(name):,} "
+                             "(docs/limits.md)")
+
+
 MAX_COUNT = 2**53
 """Largest whole number of any other kind (model dimensions, bucket sizes): exact as a float too."""
 BANDWIDTH_GBPS = (1e-3, 1e6)
@@ -171,6 +217,34 @@ def _stage(v: object, info: ValidationInfo) -> int:
     return get_stage(v, info.field_name).number
 
 
+def model_name(v: object, info: ValidationInfo) -> str:
+    """``model``: a preset name or the path of a config.json, given as ``str`` or as a path object
+    (``pathlib.Path``, any ``os.PathLike``: the docs' ``model=Path("config.json")``); anything else (a
+    dict, an int) is one ValueError naming the field."""
+    if isinstance(v, os.PathLike):
+        v = os.fspath(v)
+    if not isinstance(v, str):
+        raise ValueError(f"{info.field_name}={show(v)}: expected a preset name or the path of a config.json")
+    return v
+
+
+def check_wholes(values: tuple, what: str, maximum: int) -> tuple:
+    """``values`` unchanged if each is a whole number in [1, ``maximum``]; else the one-line ValueError of the
+    config fields (``gpus=0: must be >= 1``), for a command that must use a list before its config exists."""
+    check, info = _whole(maximum), types.SimpleNamespace(field_name=what)
+    for v in values:
+        check(v, info)
+    return values
+
+
+def engine_name(v: object) -> str:
+    """``engine=`` of the Python API as text, before ``zeroplan.engines.get_engine`` looks it up (a dict or a
+    list would be a TypeError there: unhashable); ValueError otherwise."""
+    if not isinstance(v, str):
+        raise ValueError(f"engine={show(v)}: expected an engine name (reference, fsdp2, deepspeed)")
+    return v
+
+
 def whole_up_to(maximum: int) -> object:
     """A whole number in [1, ``maximum``] as an annotated type, for a field with its own documented cap."""
     return Annotated[int, BeforeValidator(_whole(maximum))]
@@ -212,6 +286,8 @@ Utilisation = Annotated[float, BeforeValidator(_within(*MFU))]
 """Model FLOPs utilisation within ``MFU``."""
 StageNumber = Annotated[int, BeforeValidator(_stage)]
 """A ZeRO stage, 0-3."""
+ModelName = Annotated[str, BeforeValidator(model_name)]
+"""``model``: a preset name or a config path (str or ``os.PathLike``), as text."""
 Flag = Annotated[bool, Strict()]
 """True or False only (no 1, "yes" or "false")."""
 DType = Annotated[str, Strict(), AfterValidator(canonical_dtype)]

@@ -20,16 +20,33 @@ silently plans a different model, so a missing one is a one-line ValueError nami
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from zeroplan.files import read_json
 from zeroplan.architectures.spec import ACTIVATIONS, TransformerSpec
+from zeroplan.types import dimension_limit, show
 
 #: transformers/modeling_rope_utils.py: RotaryEmbeddingConfigMixin.default_theta
 DEFAULT_ROPE_THETA = 10_000.0
 
 _MISSING = object()
+
+
+def _shown(value: object) -> str:
+    """``value`` for a message: text quoted (``'8'`` is not 8), anything else short (``zeroplan.types.show``)."""
+    return repr(value if len(value) <= 40 else value[:37] + "...") if isinstance(value, str) else show(value)
+
+
+def _finite(value: object) -> bool:
+    """A JSON number (not true/false) that is a finite float (a 400-digit integer is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 class _Reader:
@@ -57,16 +74,22 @@ class _Reader:
             if default is _MISSING:
                 raise self.fail(key, "missing (required: it sets parameter shapes)")
             return default  # type: ignore[return-value]
+        return self.count_value(key, value, minimum)  # bounded before any shape is built
+
+    def count_value(self, key: str, value: object, minimum: int = 1) -> int:
+        """``value`` (of ``key``) as a whole number in [``minimum``, the dimension's limit]."""
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(key, f"{value!r} is not a whole number >= {minimum}")
+            raise self.fail(key, f"{_shown(value)} is not a whole number >= {minimum}")
+        if value > dimension_limit(key):
+            raise self.fail(key, f"{_shown(value)} is above the limit of {dimension_limit(key):,} (docs/limits.md)")
         return value
 
     def number(self, key: str, default: float) -> float:
         value = self.raw(key)
         if value is _MISSING or value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise self.fail(key, f"{value!r} is not a number >= 0")
+        if not _finite(value) or value < 0:
+            raise self.fail(key, f"{_shown(value)} is not a finite number >= 0")
         return float(value)
 
     def flag(self, key: str, default: bool) -> bool:
@@ -124,12 +147,56 @@ def _rope(r: _Reader) -> dict:
         raise r.fail("rope_parameters", f"{rope!r} is not an object")
     theta = rope.get("rope_theta", r.raw("rope_theta"))
     theta = DEFAULT_ROPE_THETA if theta is _MISSING or theta is None else theta
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise r.fail("rope_theta", f"{theta!r} is not a number > 0")
+    if not _finite(theta) or theta <= 0:
+        raise r.fail("rope_theta", f"{_shown(theta)} is not a finite number > 0")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if not isinstance(rope_type, str):
-        raise r.fail("rope_parameters", f"rope_type={rope_type!r} is not a string")
+    if not isinstance(rope_type, str) or rope_type not in ROPE_KEYS:
+        raise r.fail("rope_parameters", f"rope_type={_shown(rope_type)} is not one of {', '.join(ROPE_KEYS)}")
+    _check_rope(r, rope, rope_type)
     return dict(rope_theta=float(theta), rope_type=rope_type)
+
+
+#: transformers/modeling_rope_utils.py (5.24): RotaryEmbeddingConfigMixin._validate_<type>_rope_parameters:
+#: the rope types it knows and the keys each requires (a missing one is transformers' KeyError).
+ROPE_KEYS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings"}),
+    "longrope": frozenset({"short_factor", "long_factor", "original_max_position_embeddings"}),
+    "llama3": frozenset({"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}),
+    "proportional": frozenset(),
+}
+_ROPE_NUMBERS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                 "low_freq_factor", "high_freq_factor", "partial_rotary_factor", "short_factor", "long_factor")
+#: the smallest value of each numeric rope key transformers' validators accept (factor >= 1, others >= 0)
+_ROPE_MINIMUM = {"factor": 1.0}
+
+
+def _check_rope(r: _Reader, rope: Mapping[str, object], rope_type: str) -> None:
+    """One line for a rope dict transformers would refuse or warn about: a missing required key, a
+    numeric value that is not a finite number >= 0 (factor >= 1; short/long_factor non-empty lists of
+    them), a partial_rotary_factor outside (0, 1], high_freq_factor <= low_freq_factor or beta_fast <=
+    beta_slow. Keys transformers does not read are left alone, as transformers leaves them (a warning)."""
+    required = ROPE_KEYS[rope_type]
+    where = f"rope_parameters ({rope_type})"
+    missing = sorted(required - set(rope))
+    if missing:
+        raise r.fail(where, f"{missing[0]}: missing (transformers requires it for rope_type {rope_type})")
+    if "original_max_position_embeddings" in rope:
+        r.count_value("original_max_position_embeddings", rope["original_max_position_embeddings"])
+    for key in _ROPE_NUMBERS:
+        if key not in rope:
+            continue
+        value, low = rope[key], _ROPE_MINIMUM.get(key, 0.0)
+        values = value if key in ("short_factor", "long_factor") and isinstance(value, list) and value else [value]
+        if not all(_finite(v) and v >= low for v in values):
+            raise r.fail(where, f"{key}={_shown(value)} is not a finite number >= {low:g}")
+    if not 0 < rope.get("partial_rotary_factor", 1.0) <= 1:
+        raise r.fail(where, f"partial_rotary_factor={rope['partial_rotary_factor']} is not in (0, 1]")
+    for high, low_key in (("high_freq_factor", "low_freq_factor"), ("beta_fast", "beta_slow")):
+        if high in rope and low_key in rope and rope[high] <= rope[low_key]:
+            raise r.fail(where, f"{high}={rope[high]} is not above {low_key}={rope[low_key]}")
 
 
 def _llama_common(r: _Reader, kv_default: int | None, positions: int, tie: bool) -> dict:
@@ -185,8 +252,11 @@ def _qwen2(r: _Reader) -> dict:
         first = r.count("max_window_layers", 28, minimum=0)
         layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                        for i in range(n_layer)]  # fmt: skip
-    if not isinstance(layer_types, list) or set(layer_types) - {"full_attention", "sliding_attention"}:
-        raise r.fail("layer_types", f"{layer_types!r} is not a list of full_attention / sliding_attention")
+    kinds = ("full_attention", "sliding_attention")
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) and t in kinds for t in layer_types):
+        raise r.fail("layer_types", f"{_shown(layer_types)} is not a list of full_attention / sliding_attention")
+    if len(layer_types) != n_layer:  # Qwen2Config: one entry per layer (transformers' layer_type_validation)
+        raise r.fail("layer_types", f"{len(layer_types)} entries for num_hidden_layers={n_layer}")
     if len(set(layer_types)) > 1:
         raise r.fail("layer_types", "sliding windows on some layers only are not supported")
     if "sliding_attention" in layer_types and window is None:
@@ -209,8 +279,8 @@ def spec_from_hf_config(config: Mapping[str, object], source: str = "config") ->
     model_type = config.get("model_type")
     if model_type is None:
         raise ValueError(f"{source}: model_type: missing (expected one of {', '.join(FAMILIES)})")
-    if model_type not in FAMILIES:
-        raise ValueError(f"{source}: model_type: {model_type!r} is not supported "
+    if not isinstance(model_type, str) or model_type not in FAMILIES:  # a list or dict is no family either
+        raise ValueError(f"{source}: model_type: {_shown(model_type)} is not supported "
                          f"(expected one of {', '.join(FAMILIES)})")  # fmt: skip
     reader = _Reader(config, source, _ALIASES.get(model_type, {}))
     fields = FAMILIES[model_type](reader)

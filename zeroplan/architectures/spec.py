@@ -110,6 +110,10 @@ class TransformerSpec:
         return self.style == "gpt" or self.qkv_bias or self.o_bias or self.mlp_bias
 
     def __post_init__(self) -> None:
+        from zeroplan.types import check_dimensions  # zeroplan.types imports this module's users
+
+        # before any shape is built: bounded work (docs/limits.md); rope_theta is a wavelength, not a size
+        check_dimensions({k: v for k, v in vars(self).items() if k != "rope_theta"})
         for name in ("n_layer", "d_model", "n_head", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -153,6 +157,9 @@ class TransformerSpec:
                 f"n_kv_head={self.n_kv_head}, head_dim={self.head_dim}: the gpt layout has full multi-head "
                 f"attention (n_kv_head = n_head = {self.n_head}, head_dim = d_model / n_head)"
             )
+        from zeroplan.types import check_total
+
+        check_total(numels(transformer_shapes(self)), "model")  # Ψ <= 1e15: the same bound as --params
 
     @property
     def ffn(self) -> int:
@@ -276,10 +283,15 @@ def gpt_for_params(psi: float, vocab_size: int = 50304) -> TransformerSpec:
     """A GPT-style spec with about ``psi`` parameters, for simulating a model given only Ψ.
 
     Blocks hold 12·d² + 13·d parameters. The width follows GPT-3's aspect ratio n_layer ≈ d_model / 128
-    (175B: 96 layers of 12288), so Ψ ≈ 12·d³/128, rounded to a multiple of 128 with 128-wide heads.
+    (175B: 96 layers of 12288), so Ψ ≈ 12·d³/128, rounded to a multiple of 128 with 128-wide heads; above
+    ``zeroplan.types.MAX_LAYERS`` layers (Ψ beyond about 4e12) the model keeps that many and widens instead.
     """
+    from zeroplan.types import MAX_LAYERS
+
     d_model = max(128, round((psi * 128 / 12) ** (1 / 3) / 128) * 128)
+    if (psi * 128 / 12) ** (1 / 3) / 128 > MAX_LAYERS:  # deeper than the layer bound: as deep as allowed, wider
+        d_model = max(128, math.floor(math.sqrt(psi / (12 * MAX_LAYERS)) / 128) * 128)
     per_layer = 12 * d_model * d_model + 13 * d_model
     embed = (vocab_size + 1024) * d_model + 2 * d_model
-    n_layer = max(1, round((psi - embed) / per_layer))
+    n_layer = min(MAX_LAYERS, max(1, round((psi - embed) / per_layer)))
     return TransformerSpec(n_layer, d_model, d_model // 128, vocab_size)

@@ -14,7 +14,7 @@ from zeroplan.estimation.workload import model_workload, resolve
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.presets import DEFAULT_SEQ_LEN
 from zeroplan.types import (
-    BatchCount, ByteSize, Flag, GpuCount, Numel, Params, SeqLen, StageNumber, check_split, check_total,
+    BatchCount, ByteSize, Flag, GpuCount, ModelName, Numel, Params, SeqLen, StageNumber, check_split, check_total,
 )  # fmt: skip
 
 
@@ -31,7 +31,7 @@ class EstimateConfig(BaseModel):
     """Ψ for the whole model, in parameters (elements); give this, ``tensor_numels`` or ``model``."""
     tensor_numels: Optional[tuple[Numel, ...]] = Field(None, min_length=1)
     """elements of every parameter tensor of the whole model; enables exact per-tensor padding."""
-    model: Optional[str] = None
+    model: Optional[ModelName] = None
     """a model preset name or the path of a Hugging Face ``config.json`` (``zeroplan.presets.resolve_model``)."""
     architecture: Optional[TransformerSpec] = None
     """instead of ``model``: the architecture itself (e.g. read from an ``nn.Module``'s config)."""

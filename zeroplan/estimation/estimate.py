@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 from zeroplan.engines import get_engine, reference, split_keywords
 from zeroplan.engines.base import Workload
@@ -14,6 +16,7 @@ from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stage_table import stage_memory, stage_table
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import PrecisionPolicy
+from zeroplan.types import engine_name, show
 
 
 def model_numels(config: EstimateConfig) -> tuple[int, ...]:
@@ -142,17 +145,23 @@ def estimate(
     for ``deepspeed``, ``ds_config`` (a parsed ds_config.json; ``stage`` fills in its stage). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
-    policy, engine_options = split_keywords(engine, options)
+    policy, engine_options = split_keywords(engine_name(engine), options)
     micro_batch, grad_accum = api_batch(engine_options.ds_config if model is not None else None, gpus, model_parallel,
                                      micro_batch, grad_accum)  # fmt: skip
     architecture = None
+    if isinstance(model, os.PathLike):  # model=Path("config.json"), as the docs say
+        model = os.fspath(model)
     if model is not None and not isinstance(model, str):
         from zeroplan.architectures.module_shapes import module_shapes
         from zeroplan.estimation.workload import module_architecture
 
+        torch = sys.modules.get("torch")  # a module object means torch is imported; never import it here
+        if torch is None or not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model={show(model)}: expected a preset name, the path of a config.json or a "
+                             "torch.nn.Module")  # fmt: skip
         if params is not None or tensor_numels is not None:
             raise ValueError("give exactly one of params, tensor_numels and model")
-        shapes = module_shapes(model)  # TypeError for anything but an nn.Module
+        shapes = module_shapes(model)
         architecture = module_architecture(model, shapes)
         if architecture is None:  # shapes only: exact padding, no peak
             tensor_numels = tuple(math.prod(s) for _, s in shapes)

@@ -7,9 +7,9 @@ here (``zeroplan.presets``), overrides win over presets.
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from zeroplan.architectures.spec import TransformerSpec, gpt_for_params, numels, transformer_shapes
 from zeroplan.engines import EngineName, get_engine, planner_options
@@ -24,6 +24,7 @@ from zeroplan.presets import (
     DEFAULT_SEQ_LEN, GpuName, GpuSpec, LinkSpec, ModelPreset, get_gpu, get_interconnect, get_model, is_config_path,
     ModelRef, model_seq_len, resolve_model,
 )  # fmt: skip
+from zeroplan.types import model_name
 from zeroplan.types import (
     Bandwidth, BatchCount, ByteSize, Checkpointing, Count, Flag, Fraction, GpuCount, Params, SeqLen, Tflops,
     Utilisation, check_bytes, check_split,
@@ -46,7 +47,7 @@ class PlanConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, ignored_types=(cached_property,))
 
-    model: Optional[ModelRef] = None
+    model: Optional[Annotated[ModelRef, BeforeValidator(model_name)]] = None
     """model preset (``zeroplan.presets.model_presets``) or the path of a Hugging Face ``config.json``: exact
     per-tensor padding, and the peak of a training step."""
     params: Optional[Params] = None
@@ -138,6 +139,7 @@ class PlanConfig(BaseModel):
                     "(an architecture), model_parallel=1, checkpointing none or full and no offload; got "
                     f"{bad}={getattr(self, bad)!r}"
                 )
+            _check_file_settings(self)
         if self.model is not None:
             check_seq_len(self.transformer, self.sequence_length)
         if self.transformer is not None:  # keep every printed size a sane byte count
@@ -225,3 +227,14 @@ class PlanConfig(BaseModel):
     @property
     def host_link(self) -> LinkSpec:
         return get_interconnect(self.gpu_spec.host_link if self.gpu_spec else "pcie4")
+
+
+def _check_file_settings(config: "PlanConfig") -> None:
+    """The engine's settings file read by the same check ``estimate`` uses (``Engine.planner_settings``),
+    so a file ``estimate`` refuses is refused by ``plan`` too: a ``zero_optimization.stage`` of 4, 0 or "3"
+    (the engine's own search drops the file's stage before reading it, ``planner_plan``). A file without
+    a stage is left to the search, which chooses one."""
+    ds = config.engine_options.ds_config
+    zero = ds.get("zero_optimization") if isinstance(ds, dict) else None
+    if isinstance(zero, dict) and "stage" in zero:
+        get_engine(config.engine).planner_settings(config.planner_options)

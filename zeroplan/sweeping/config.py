@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from functools import cached_property
-from typing import Optional
+from typing import Annotated, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.architectures.spec import numels as numels_of
@@ -23,6 +23,7 @@ from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.parsing import parse_offload
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.presets import ModelRef, model_seq_len, resolve_model
+from zeroplan.types import model_name
 from zeroplan.types import (
     BatchCount, ByteSize, Checkpointing, Flag, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes,
     check_total,
@@ -37,6 +38,9 @@ about 200 bytes a row. Split a larger grid into several sweeps."""
 ENGINE_MAX_EVALUATIONS = 4096
 """Most (N_d, micro-batch, stage) estimates one sweep of a one-row engine (fsdp2, deepspeed) may ask: each is
 a full ``Engine.estimate`` (a walk over the step's moments), not a vectorised formula."""
+ENGINE_MAX_LAYER_EVALUATIONS = ENGINE_MAX_EVALUATIONS * 32
+"""The same budget in estimates x layers: a walk grows with the layer count, so a model deeper than 32 layers
+gets proportionally fewer estimates (512 at the 256-layer bound, about 0.3 CPU s each: docs/limits.md)."""
 
 
 class SweepConfig(BaseModel):
@@ -49,7 +53,7 @@ class SweepConfig(BaseModel):
     """Ψ values of the whole model, in parameters; give this, ``tensor_numels`` or ``model``."""
     tensor_numels: Optional[tuple[Numel, ...]] = Field(None, min_length=1)
     """elements of every parameter tensor of one model (exact padding); replaces ``params``."""
-    model: Optional[ModelRef] = None
+    model: Optional[Annotated[ModelRef, BeforeValidator(model_name)]] = None
     """model preset (``zeroplan.presets``) or the path of a Hugging Face ``config.json``: its tensors, its
     shape for activations and the peak per GPU."""
     micro_batch: tuple[BatchCount, ...] = (1,)
@@ -134,9 +138,11 @@ class SweepConfig(BaseModel):
                     f"{bad}={getattr(self, bad)!r}"
                 )  # fmt: skip
             evaluations = len(self.gpus) * len(self.micro_batch) * len(self.engine_stages)
-            if evaluations > ENGINE_MAX_EVALUATIONS:
+            limit = min(ENGINE_MAX_EVALUATIONS, ENGINE_MAX_LAYER_EVALUATIONS // self.spec.n_layer)
+            if evaluations > limit:
                 raise ValueError(f"sweep --engine {self.engine}: {evaluations} engine estimates (gpus x micro_batch x "
-                                 f"stages), above the limit of {ENGINE_MAX_EVALUATIONS}: split the sweep")  # fmt: skip
+                                 f"stages) of a {self.spec.n_layer}-layer model, above the limit of {limit} "
+                                 f"({ENGINE_MAX_EVALUATIONS}, fewer above 32 layers): split the sweep")  # fmt: skip
             engine.planner_settings(self.planner_options(self.engine_stages[0]))  # a bad ds_config: before any work
         if not self.pairs:
             offloads = ", ".join(o.label for o in self.offload)
