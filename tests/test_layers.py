@@ -47,9 +47,6 @@ CIRCLES_ALLOWED: dict[tuple[str, ...], str] = {
 }
 ARROWS_UP_ALLOWED: dict[str, str] = {
     # importer -> why it may still import a higher layer (to be emptied)
-    "zeroplan.architectures.shapes_file": "MAX_PARAMS and show from zeroplan.types (a package circle "
-    "architectures -> types -> formulas -> architectures): their home is types.py (harden's), to move below "
-    "architectures (e.g. zeroplan/files.py or an architectures limits module) with types re-exporting them",
 }
 LONG_ALLOWED: dict[str, str] = {
     # module -> why it may still be over MAX_LINES (to be split by its owner)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from zeroplan.files import read_json
 from zeroplan.architectures.spec import ACTIVATIONS, TransformerSpec
-from zeroplan.types import dimension_limit, show
+from zeroplan.architectures.limits import dimension_limit, show
 
 #: transformers/modeling_rope_utils.py: RotaryEmbeddingConfigMixin.default_theta
 DEFAULT_ROPE_THETA = 10_000.0

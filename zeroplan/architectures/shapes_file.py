@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zeroplan.files import read_json
-from zeroplan.types import MAX_PARAMS, show
+from zeroplan.architectures.limits import MAX_PARAMS, show
 
 
 def numels_from_shapes(shapes: object) -> tuple[int, ...]:

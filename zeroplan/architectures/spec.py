@@ -110,7 +110,7 @@ class TransformerSpec:
         return self.style == "gpt" or self.qkv_bias or self.o_bias or self.mlp_bias
 
     def __post_init__(self) -> None:
-        from zeroplan.types import check_dimensions  # zeroplan.types imports this module's users
+        from zeroplan.architectures.limits import check_dimensions
 
         # before any shape is built: bounded work (docs/limits.md); rope_theta is a wavelength, not a size
         check_dimensions({k: v for k, v in vars(self).items() if k != "rope_theta"})
@@ -157,7 +157,7 @@ class TransformerSpec:
                 f"n_kv_head={self.n_kv_head}, head_dim={self.head_dim}: the gpt layout has full multi-head "
                 f"attention (n_kv_head = n_head = {self.n_head}, head_dim = d_model / n_head)"
             )
-        from zeroplan.types import check_total
+        from zeroplan.architectures.limits import check_total
 
         check_total(numels(transformer_shapes(self)), "model")  # Ψ <= 1e15: the same bound as --params
 
@@ -286,7 +286,7 @@ def gpt_for_params(psi: float, vocab_size: int = 50304) -> TransformerSpec:
     (175B: 96 layers of 12288), so Ψ ≈ 12·d³/128, rounded to a multiple of 128 with 128-wide heads; above
     ``zeroplan.types.MAX_LAYERS`` layers (Ψ beyond about 4e12) the model keeps that many and widens instead.
     """
-    from zeroplan.types import MAX_LAYERS
+    from zeroplan.architectures.limits import MAX_LAYERS
 
     d_model = max(128, round((psi * 128 / 12) ** (1 / 3) / 128) * 128)
     if (psi * 128 / 12) ** (1 / 3) / 128 > MAX_LAYERS:  # deeper than the layer bound: as deep as allowed, wider
