@@ -68,10 +68,16 @@ class Fsdp2Settings:
     seq_len: int | None = None  # None: the model's maximum
     lr: float = 1e-3
     init: str = "materialized"  # or "meta": built on the meta device, sharded, to_empty, then initialised
+    hf: bool = False  # train transformers' own class of the model's config.json (deepspeed.py hf_builder)
+    labels: bool = True  # hf: loss from forward(labels=...) inside the root's forward; False: outside it
 
     def __post_init__(self) -> None:
         if self.init not in ("materialized", "meta"):
             raise ValueError(f"init={self.init!r}: expected materialized or meta")
+        if self.hf and (self.init != "materialized" or self.checkpointing or self.params is not None):
+            raise ValueError("hf=True: a config.json model, materialized, without checkpointing (hf_builder)")
+        if not self.labels and not self.hf:
+            raise ValueError("labels=False: hf runs only (the validator's CausalLM computes its loss outside)")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPES:
@@ -87,7 +93,7 @@ class Fsdp2Settings:
                    reduce_dtype=config.reduce_dtype, reshard_after_forward=True if rsf is None else rsf,
                    checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
                    batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
-                   init=config.fsdp2_init or "materialized")  # fmt: skip
+                   init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)))  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> Fsdp2Settings:
@@ -98,19 +104,51 @@ class Fsdp2Settings:
         return cls(**data)
 
 
+def build_model(spec, settings: Fsdp2Settings, device) -> nn.Module:
+    """The unsharded fp32 model with ``loss(batch)``: the validator's ``CausalLM``, or with ``hf`` the
+    transformers class of the config.json (``validate.engines.deepspeed.hf_builder``, the one home of that
+    build). ``labels=False``: the loss is taken outside the model, from its logits, as ``CausalLM.loss``
+    does (``logits.float()``, mean cross-entropy), so the root's forward returns before the loss."""
+    if not settings.hf:
+        return build(spec, torch.float32, device)
+    from validate.engines.deepspeed import hf_builder
+
+    model = hf_builder(settings.model)().to(device)
+    if not settings.labels:
+        import torch.nn.functional as F
+
+        def loss(batch):
+            tokens, targets = batch
+            logits = model(input_ids=tokens, use_cache=False).logits.float()
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+        model.loss = loss
+    return model
+
+
+def decoder_layers(model: nn.Module, spec) -> nn.ModuleList:
+    """The decoder layers FSDP2 wraps one by one: ``model.blocks`` (CausalLM), or transformers' own list
+    named as ``zeroplan.architectures.spec.block_prefix`` says (``transformer.h``, ``model.layers``)."""
+    if hasattr(model, "blocks"):
+        return model.blocks
+    from zeroplan.architectures.spec import block_prefix
+
+    return model.get_submodule(block_prefix(spec).rstrip("."))
+
+
 def build_sharded(spec, mesh, settings: Fsdp2Settings, device: torch.device) -> nn.Module:
     """The model in fp32, sharded: built whole on ``device`` then ``fully_shard`` (materialized), or built
     on the meta device, sharded, given device memory shard by shard (``nn.Module.to_empty``, which FSDP2's
     ``FSDPModule._apply`` follows with ``FSDPParam.reset_sharded_param``) and initialised in place (meta)."""
     if settings.init == "materialized":
-        return shard(build(spec, torch.float32, device), mesh, settings)
-    model = shard(build(spec, torch.float32, "meta"), mesh, settings)
+        return shard(build_model(spec, settings, device), mesh, settings, spec)
+    model = shard(build(spec, torch.float32, "meta"), mesh, settings, spec)
     model.to_empty(device=device)
     model._init_weights()
     return model
 
 
-def shard(model: nn.Module, mesh, settings: Fsdp2Settings) -> nn.Module:
+def shard(model: nn.Module, mesh, settings: Fsdp2Settings, spec=None) -> nn.Module:
     """``fully_shard`` per block, then the root: FSDP2's documented pattern (torchtitan does the same)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -118,15 +156,28 @@ def shard(model: nn.Module, mesh, settings: Fsdp2Settings) -> nn.Module:
         param_dtype=DTYPES[settings.param_dtype],
         reduce_dtype=DTYPES[settings.reduce_dtype] if settings.reduce_dtype else None,
     )
+    blocks = decoder_layers(model, spec)
     if settings.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = checkpoint_wrapper(block)
-    for block in model.blocks:
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block)
+    for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def peak_breakdown(tracker) -> dict[str, int]:
+    """MemTracker's own categories (parameters, gradients, optimizer states, activations, temporaries,
+    buffers, inputs) at the peak of the open phase, summed over the devices that hold memory."""
+    out: dict[str, int] = {}
+    for dev, snap in tracker.get_tracker_snapshot("peak").items():
+        if torch.device(dev).type != "meta":
+            for key, value in snap.items():
+                name = getattr(key, "value", key)
+                out[name] = out.get(name, 0) + value
+    return {k: v for k, v in out.items() if v}
 
 
 def summarise_calls(calls, steps: int) -> list[dict]:
@@ -160,9 +211,9 @@ def check_parity(settings: Fsdp2Settings, spec, mesh, local_batch, global_batch,
     one process's gradients of the global batch (the mean of N_d equal micro-batch losses is the global mean
     loss). A reduce-scatter that sums instead of averaging (gloo's AVG before pytorch#162338 was fixed) is
     off by a factor N_d; summation order alone gives ~1e-7 relative."""
-    model = shard(build(spec, torch.float32, device), mesh, settings)
+    model = shard(build_model(spec, settings, device), mesh, settings, spec)
     model.loss(tuple(t.to(device) for t in local_batch)).backward()
-    reference = build(spec, torch.float32, device)
+    reference = build_model(spec, settings, device)
     reference.loss(tuple(t.to(device) for t in global_batch)).backward()
     ref = {name: p.grad for name, p in reference.named_parameters()}
     scale = max(float(g.abs().max()) for g in ref.values())
@@ -241,7 +292,13 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
             local_batches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in lb) for lb in local_batches]
         counter, probe = CommCounter(), MemoryProbe(device)
 
+        peak_split: dict[str, dict[str, int]] = {}
+
         def enter(phase: str | None) -> None:
+            if probe._phase is not None and probe.tracker is not None:  # CPU: the tracker's categories at the peak
+                split = peak_breakdown(probe.tracker)
+                if split.get("Total", 0) >= peak_split.get(probe._phase, {}).get("Total", -1):
+                    peak_split[probe._phase] = split
             probe.phase(phase)
             counter.phase = phase or "between steps"
 
@@ -299,6 +356,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
         # the process group each call ran on, in the same order (reshard_after_forward=k: k-rank all-gathers)
         "group_sizes_by_step": [[c.group_size for c in counter.calls if c.step == s] for s in range(-1, settings.steps)],
         "probe_breakdown": breakdown,
+        "peak_breakdown_by_phase": peak_split,  # MemTracker's categories at each phase's peak (CPU)
         # torch.optim.Adam's default (_default_to_fused_or_foreach): foreach on CUDA tensors, not on CPU
         "foreach": settings.foreach if settings.foreach is not None else device.type == "cuda",
         "seconds": round(seconds, 3),
@@ -323,21 +381,29 @@ FAKE_TENSOR_PHASES = {
 def predicted_run(config, meta: dict, rank: int = 0):
     """The FSDP2 profile's estimate of ``rank`` in this world (rank 0 holds the most between steps: padding is
     at the end; a rank with padding re-pads its shards at a meta-device init)."""
+    return predict(Fsdp2Settings.from_validate(config), meta, rank)
+
+
+def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
+    """(the estimate row, the profile's Settings) of the run ``settings`` on ``rank`` of ``meta``'s world;
+    ``hf``: the transformers module tree (``Workload.transformers``)."""
     from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
     from zeroplan.engines import fsdp2 as profile
     from zeroplan.engines.base import Workload
 
-    spec = spec_for(config.model_name, config.params)
+    spec = spec_for(settings.model, settings.params)
     if not isinstance(spec, TransformerSpec):
-        raise ValueError(f"model {config.model_label}: --engine fsdp2 validates transformers only")
-    settings = Fsdp2Settings.from_validate(config)
+        raise ValueError(f"model {settings.model}: --engine fsdp2 validates transformers only")
     cuda = str(meta["device"]).startswith("cuda")
+    foreach = settings.foreach if settings.foreach is not None else cuda
     workload = Workload(transformer_shapes(spec), spec, settings.seq_len or spec.max_seq_len, settings.batch_per_rank,
-                        config.checkpointing, foreach=bool(config.foreach if config.foreach is not None else cuda))  # fmt: skip
+                        "full" if settings.checkpointing else "none", foreach=bool(foreach),
+                        transformers=settings.hf)  # fmt: skip
     engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
                               reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
                               backend=meta["backend"], rank=rank, init=settings.init,
-                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))))  # fmt: skip
+                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))),
+                              **({"loss_in_forward": settings.labels} if settings.hf else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], engine)
     return row, engine
 
@@ -452,6 +518,37 @@ def build_report(config, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
                               torch=worlds[0][0].get("torch") if worlds else None, rows=rows, notes=notes,
                               ok=all(r["ok"] for r in rows))  # fmt: skip
     return report.model_dump(by_alias=True)
+
+
+def run_world(settings: Fsdp2Settings, nd: int, timeout_s: float = 600.0) -> dict:
+    """``settings`` trained on ``nd`` gloo CPU ranks under torchrun (through ``validate.launch``, which names
+    the first failed rank): ``{"meta": ..., "rows": [every rank's row]}``, as ``main`` writes it."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory(prefix="zeroplan-fsdp2-") as tmp:
+        out = Path(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "validate.launch", str(Path(tmp, "failures.json")), "--", "--standalone",
+               f"--nproc-per-node={nd}", "--max-restarts", "0", "-m", "validate.engines.fsdp2",
+               "--settings", json.dumps(asdict(settings)), "--out", str(out)]  # fmt: skip
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"fsdp2 run (N_d={nd}) exited {done.returncode}; its log ends:\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def peak_errors_by_rank(settings: Fsdp2Settings, result: dict) -> list[dict[str, float]]:
+    """Per rank, per phase: (measured - predicted) / measured, each rank against its own prediction."""
+    from zeroplan.formulas.peak import PHASES as PEAK_PHASES
+
+    out = []
+    for row in result["rows"]:
+        predicted = predict(settings, result["meta"], row["rank"])[0].peak.by_phase()
+        measured = row["peak_bytes_by_phase"]
+        out.append({p: (measured[p] - predicted[p]) / measured[p] for p in PEAK_PHASES})
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
