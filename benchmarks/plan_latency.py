@@ -3,7 +3,8 @@
 Target (issue: capacity planning): `zeroplan plan` stays interactive, well under the time of
 `python -c "import torch"` (it never imports torch, pandas or matplotlib). The largest preset
 (llama3-405b, 885 tensors, exact padding) on 1,024 GPUs is the slowest case: 10 options, each with a
-min-GPU search and two max-size searches. Run: python benchmarks/plan_latency.py
+min-GPU search and two max-size searches, and with N_m = 1 the engine's peak of every stage; the FSDP2
+and DeepSpeed plans predict the peak of each of their candidates. Run: python benchmarks/plan_latency.py [REPEATS]
 """
 
 from __future__ import annotations
@@ -19,16 +20,26 @@ from cli_latency import compare  # benchmarks/ is on sys.path when run as a scri
 REPEATS = 5
 ARGS = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024", "--model-parallel", "8",
         "--grad-accum", "16", "--json"]  # fmt: skip
+PEAK = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024"]  # N_m = 1: every option's peak
+ZEROPLAN = shutil.which("zeroplan") or "zeroplan"
 COMMANDS = {
-    "zeroplan plan (llama3-405b)": [shutil.which("zeroplan") or "zeroplan", *ARGS],
+    "zeroplan plan (llama3-405b)": [ZEROPLAN, *ARGS],
+    "plan, peaks (reference)": [ZEROPLAN, *PEAK],
+    "plan --engine fsdp2": [ZEROPLAN, *PEAK, "--engine", "fsdp2"],
+    "plan --engine deepspeed": [ZEROPLAN, *PEAK, "--engine", "deepspeed"],
     'python -c "import torch"': [sys.executable, "-c", "import torch"],
 }
+"""Issue 16's target: every plan, any engine, under a quarter of the torch import (the largest preset)."""
 
 
 def main() -> None:
-    compare(COMMANDS, REPEATS)
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else REPEATS
+    medians = compare(COMMANDS, repeats)
+    torch_s = medians['python -c "import torch"']
+    for name, m in medians.items():
+        print(f"{name:30s} {m / torch_s:5.2f}x the torch import")
     calls = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start = time.perf_counter()
         zeroplan.plan("llama3-405b", gpu="h100-80gb", gpus=1024, model_parallel=8, grad_accum=16)
         calls.append(time.perf_counter() - start)

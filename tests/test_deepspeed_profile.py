@@ -116,11 +116,19 @@ def test_registry_and_no_torch():
     assert not ({"torch", "deepspeed", "pandas", "matplotlib"} & names)
 
 
-def test_recommend_lowest_stage_then_largest_bucket_that_fits():
+def test_recommend_fewest_bytes_sent_then_largest_bucket_that_fits():
     w = _workload()
+    order = D.ranked(w, 4, D.Settings(stage=1))
+    keys = [(t.sent_bytes, -t.settings.reduce_bucket_size) for t in order]
+    assert keys == sorted(keys) and len(order) == len(D.candidates(D.Settings(stage=1)))
+    # N_d = 4, Ψ = 36,324 (9,081 per rank): ZeRO-3 keeps every tensor gathered (all under the persistence
+    # threshold) and sends a reduce-scatter and the persistent re-gather, 3·9,081·4 B each, plus the fp64 norm
+    # (48 B); ZeRO-1/2 all-reduce (2·3·9,081·4 B), the fp32 norm (24 B) and all-gather the flat group padded to
+    # 36,328 (3·9,082·4 B)
+    assert (order[0].sent_bytes, order[-1].sent_bytes) == (2 * 3 * 9_081 * 4 + 48, 2 * 3 * 9_081 * 4 + 24 + 3 * 9_082 * 4)
     r = D.recommend(w, 4, 30 * 10**6, D.Settings(stage=1))
-    assert (r.settings.stage, r.settings.reduce_bucket_size) == (1, 5_000_000)
-    assert [t[1] for t in r.tried] == list(D.BUCKET_CHOICES)
+    assert (r.settings.stage, r.settings.reduce_bucket_size) == (3, 5_000_000)
+    assert [t[1] for t in r.tried] == [b for b in D.BUCKET_CHOICES for _ in (0, 1)][:-1]  # with, without prefetch
     assert r.estimate.peak.peak_bytes <= 30 * 10**6
     assert D.Settings.from_ds_config(r.ds_config) == r.settings  # the JSON is the predicted configuration
     assert D.recommend(w, 4, 10**6, D.Settings(stage=1)) is None  # no bucket choice fits 1 MB

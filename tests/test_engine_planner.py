@@ -92,7 +92,7 @@ def test_estimate_deepspeed_json_is_the_engine_row_with_deepspeeds_own_estimator
     config = json.loads(Path(DS_CONFIG).read_text())
     settings = deepspeed.Settings.from_ds_config(config)
     assert (settings.stage, settings.dtype, settings.grad_dtype) == (2, "bf16", "fp32")
-    # the file's train_micro_batch_size_per_gpu (4) is the run's (engines/deepspeed.py ds_batch)
+    # the file's train_micro_batch_size_per_gpu (4) is the run's (engines/deepspeed/batch.py ds_batch)
     (row,) = deepspeed.estimate(workload(GPT2, 1024, micro_batch=config["train_micro_batch_size_per_gpu"]), 8, settings)
     assert d["inputs"]["engine"] == "deepspeed" and len(d["stages"]) == 1
     assert d["inputs"]["step"]["micro_batch"] == 4
@@ -252,8 +252,9 @@ def test_plan_deepspeed_recommends_stage_and_buckets_and_its_ds_config_predicts_
     w = workload(TINY, 16, checkpointing="full")
     base = deepspeed.Settings.from_ds_config({"bf16": {"enabled": True}}, 1)
     top = deepspeed.recommend(w, 4, 10**15, base)
-    assert top.settings.stage == 1  # everything fits a huge GPU: the cheapest
-    memory = top.estimate.peak.peak_bytes - 1  # ZeRO-1 with the default bucket no longer fits
+    # everything fits a huge GPU: the first of the plan's order (fewest bytes sent per step: ZeRO-3 here)
+    assert top.settings == deepspeed.ranked(w, 4, base)[0].settings and top.settings.stage == 3
+    memory = top.estimate.peak.peak_bytes - 1  # the first candidate no longer fits
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
     d = run_json("plan", "--engine", "deepspeed", "--deepspeed-config", str(cfg), "--model", TINY, "--gpus", "4",

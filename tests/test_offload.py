@@ -130,3 +130,66 @@ def test_zero_offload_single_v100():
     s = rank_states((psi,), 1, 2, Offload("cpu"), flat_layout=False)
     assert (s.gpu.params_bytes, s.gpu.grads_bytes, s.gpu.optimizer_bytes) == (2 * psi, 0, 0)
     assert (s.host_bytes, s.h2d_bytes, s.d2h_bytes) == (14 * psi, 2 * psi, 2 * psi)
+
+
+# ---- the peak of an offload option (zeroplan.planning.offload_peak) ----
+
+from zeroplan.engines import reference as R  # noqa: E402
+from zeroplan.formulas.cuda_workspaces import library_workspaces  # noqa: E402
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, peak_of  # noqa: E402
+from zeroplan.planning.offload_peak import moved_names, offload_peak  # noqa: E402
+from zeroplan.presets import resolve_model  # noqa: E402
+
+OFFLOADS = [(s, o) for s, o in LADDER if o.any]
+LLAMA = resolve_model("llama2-7b")
+
+
+def _run(stage, checkpointing="none", grad_accum=1):
+    return R.reference_run(LLAMA, 8, stage, 2, 512, checkpointing, True, stat_bytes=4, grad_accum=grad_accum)
+
+
+def _peak(moments):
+    resident = (library_workspaces((9, 0), LLAMA.biased_linear),)
+    return peak_of(moments, CUDA_BLOCK_BYTES, resident=resident)
+
+
+@pytest.mark.parametrize("stage, offload", OFFLOADS)
+@pytest.mark.parametrize("checkpointing, grad_accum", [("none", 1), ("full", 2)])
+def test_offload_peak_is_the_peak_of_the_moments_with_the_terms_moved(stage, offload, checkpointing, grad_accum):
+    """Taking the moved terms off each phase's largest moment equals re-taking the peak over every moment
+    without them (after init): they are live at every moment there."""
+    moments = R.moments(_run(stage, checkpointing, grad_accum))
+    names = moved_names(stage, offload)
+    kept = [m if m.phase == "init" else Moment(m.phase, m.name, tuple(t for t in m.terms if not t.name.startswith(names)))
+            for m in moments]  # fmt: skip
+    got = offload_peak(_peak(moments), stage, offload, CUDA_BLOCK_BYTES)
+    assert got.by_phase() == _peak(kept).by_phase()
+    assert got.peak_bytes == _peak(kept).peak_bytes and got.peak_phase == _peak(kept).peak_phase
+
+
+@pytest.mark.parametrize("stage, offload", OFFLOADS)
+def test_offload_peak_moves_what_offloaded_states_moves(stage, offload):
+    """After init the GPU loses exactly the model states ``offloaded_states`` puts on the host (plus Adam's
+    4-byte step and the optimizer step's fp32 gradient and temporaries), and every moved name exists."""
+    run = _run(stage)
+    names = moved_names(stage, offload)
+    terms = {t.name for m in R.moments(run) for t in m.terms}
+    assert all(any(t.startswith(n) for t in terms) for n in names)
+    base = _peak(R.moments(run))
+    got = offload_peak(base, stage, offload, CUDA_BLOCK_BYTES)
+    numels = tuple(n for u in run.units for n in u)
+    policy_states = optimizer_states("adam")
+    on_gpu = offloaded_states(numels, 8, stage, Offload(), 2, 2, policy_states, "fp32").gpu.model_states_bytes
+    placed = offloaded_states(numels, 8, stage, offload, 2, 2, policy_states, "fp32").gpu.model_states_bytes
+    forward = base.by_phase()["forward"] - got.by_phase()["forward"]
+    assert 0 <= forward - (on_gpu - placed) <= 4 * CUDA_BLOCK_BYTES + R.ADAM_STEP_BYTES  # rounding, Adam's step
+    assert got.by_phase()["init"] == base.by_phase()["init"]  # built as the runtime builds it
+
+
+def test_no_offload_moves_nothing():
+    base = _peak(R.moments(_run(3)))
+    assert offload_peak(base, 3, Offload(), CUDA_BLOCK_BYTES) == base
+    assert moved_names(1, Offload("cpu")) == ("fp32 master", "Adam m, v, step", "fp32 gradient of the master",
+                                              "Adam temporaries")  # stage 1: the full gradients stay  # fmt: skip
+    assert "16-bit gradient shard" in moved_names(2, Offload("cpu"))
+    assert moved_names(3, Offload("cpu", "cpu"))[-1] == "16-bit parameter shard"

@@ -22,6 +22,7 @@ from zeroplan.engines import ENGINES, SETTINGS, get_engine, reference
 from zeroplan.engines.base import Workload
 from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
+from zeroplan.planning.offload_peak import offload_peak
 from zeroplan.presets import read_hf_config, resolve_model
 
 DATA = Path(__file__).parent / "data"
@@ -145,7 +146,8 @@ def test_plan_fits_on_the_peak_and_names_a_term_to_cut():
     for o in p.stages:
         assert o.peak == rows[o.stage].peak
         assert o.fits == (o.peak.peak_bytes <= p.budget_bytes)
-    assert {o.peak for o in p.offload_options} == {None}
+    for o in p.offload_options:  # the stage's peak with the offloaded terms on the host (planning/offload_peak.py)
+        assert o.peak == offload_peak(rows[o.stage].peak, o.stage, o.offload, 512)
     # GPT-2 at 8 x 1024 tokens: activations (saved by blocks, or the fp32 loss's) are the largest terms
     target = p.recommendation if p.recommendation is not None else min(p.stages, key=lambda o: o.peak.peak_bytes)
     assert p.cut_first.split(" ")[0] in ("checkpointing", "micro-batch")

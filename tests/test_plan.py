@@ -89,9 +89,26 @@ def test_lowest_stage_that_fits_wins():
 
 
 def test_host_memory_limits_offload():
-    big = zeroplan.plan("llama2-70b", gpu="h100-80gb", gpus=8, offload="cpu")
-    small_host = zeroplan.plan("llama2-70b", gpu="h100-80gb", gpus=8, offload="cpu", host_memory_bytes=10**9)
-    assert big.recommendation is not None and small_host.recommendation is None
+    big = zeroplan.plan("llama2-7b", gpu="a100-40gb", gpus=4, offload="cpu")
+    small_host = zeroplan.plan("llama2-7b", gpu="a100-40gb", gpus=4, offload="cpu", host_memory_bytes=10**9)
+    assert big.recommendation.label == "1 + optimizer->cpu" and small_host.recommendation is None
+
+
+def test_never_recommends_what_its_own_peak_contradicts():
+    """Issue 16: 70B on 64 H100s with CPU offload was "stage 3 + optimizer->cpu: fits" beside a 140 GiB
+    stage-3 peak. Offload rows carry their stage's peak with the offloaded states on the host; the reference
+    runtime builds the whole 16-bit model on every rank (128 GiB at init), so nothing fits."""
+    p = zeroplan.plan("llama2-70b", gpu="h100-80gb", gpus=64, offload="cpu")
+    assert p.recommendation is None and all(o.peak is not None for o in p.options)
+    for o in p.offload_options:
+        assert o.fits == (o.peak.peak_bytes <= p.budget_bytes and o.states.gpu.model_states_bytes <= p.budget_bytes)
+        assert o.peak.peak_bytes <= p.option(o.stage).peak.peak_bytes
+    s3, s3cpu = p.option(3), p.option(3, Offload("cpu"))
+    assert s3cpu.peak.by_phase()["init"] == s3.peak.by_phase()["init"] == s3cpu.peak.peak_bytes
+    assert s3cpu.peak.by_phase()["forward"] < s3.peak.by_phase()["forward"]
+    for kw in (dict(gpu="a100-40gb", gpus=4), dict(gpu="h100-80gb", gpus=1), dict(gpu="h100-80gb", gpus=64)):
+        rec = zeroplan.plan("llama2-7b", offload="nvme", **kw).recommendation
+        assert rec is not None and rec.peak.peak_bytes <= zeroplan.plan("llama2-7b", **kw).budget_bytes
 
 
 def test_host_bytes_per_node_scale_with_gpus_per_node_not_total():

@@ -81,9 +81,8 @@ def test_json_schema_with_a_model():
     assert [c["calls_per_step"] for c in d["stages"][3]["comm_time"]["collectives"]] == [4, 4, 4]
     rec = d["recommendation"]
     assert rec["stage"] == 3 and rec["offload"] == {"optimizer": "none", "params": "none"}
-    assert rec["deepspeed"]["zero_optimization"]["stage"] == 3
-    assert rec["deepspeed"]["gradient_accumulation_steps"] == 4
-    assert "reshard_after_forward=True" in rec["fsdp2"]
+    # the rows are the reference runtime's: no other engine's configuration (plan --engine deepspeed|fsdp2)
+    assert rec["deepspeed"] is None and rec["fsdp2"] is None
 
 
 def test_host_memory_per_node_scales_with_gpus_per_node():
@@ -95,13 +94,13 @@ def test_host_memory_per_node_scales_with_gpus_per_node():
     assert o8["host_bytes_per_node"] == 2 * o4["host_bytes_per_node"] == 8 * 14 * 125_000_000
 
 
-def test_table_output_has_recommendation_and_launchers():
+def test_table_output_has_recommendation_and_no_other_engines_launcher():
     r = run("--model", "llama3-8b", "--gpu", "a100-80gb", "--gpus", "8")
     assert r.exit_code == 0, r.output
     assert "Recommendation: ZeRO stage 1:" in r.stdout
     assert "bf16 params 2 + bf16 grads 2 + fp32 master 4 + fp32 Adam m 4 + fp32 Adam v 4 = 16 (K = 12)" in r.stdout
-    assert '"zero_optimization": {' in r.stdout and '"stage": 1' in r.stdout
-    assert "FSDP2 has no stage-1 equivalent" in r.stdout
+    assert '"zero_optimization"' not in r.stdout and "fully_shard" not in r.stdout
+    assert "Launchers: none printed" in r.stdout and "--engine deepspeed" in r.stdout
     assert "alpha-beta estimate" in r.stdout
 
 
@@ -115,12 +114,11 @@ def test_activations_line_and_json():
 
 
 def test_offload_recommendation_when_allowed():
-    d = run_json("--model", "llama2-70b", "--gpu", "h100-80gb", "--gpus", "8", "--offload", "cpu")
-    assert d["recommendation"]["label"] == "3 + optimizer->cpu"
-    assert d["recommendation"]["deepspeed"]["zero_optimization"]["offload_optimizer"] == {
-        "device": "cpu",
-        "pin_memory": True,
-    }
+    d = run_json("--model", "llama2-7b", "--gpu", "a100-40gb", "--gpus", "4", "--offload", "cpu")
+    assert d["recommendation"]["label"] == "1 + optimizer->cpu"
+    rec = next(o for o in d["offload"] if o["label"] == "1 + optimizer->cpu")
+    assert rec["fits"] and rec["peak_bytes"] <= d["inputs"]["budget_bytes"] < d["stages"][1]["peak_bytes"]
+    assert rec["phases"]["init"] == d["stages"][1]["phases"]["init"]  # built as the runtime builds it
 
 
 def test_overrides_win_over_presets():
@@ -185,3 +183,43 @@ def test_plan_never_imports_heavy_modules():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["inputs"]["params"] == 68_976_648_192
     assert out.stderr.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("engine", [["--engine", "fsdp2"], ["--engine", "fsdp2", "--reshard-after-forward", "2"],
+                                    ["--engine", "deepspeed", "--stage", "3"]])  # fmt: skip
+def test_zero3_traffic_without_a_module_tree_is_modelled_as_layers_by_every_command(engine):
+    """Issue 16: a bare Ψ was one tensor in FSDP2's root unit (never resharded) or one DeepSpeed module,
+    so ZeRO-3 came out as 2Ψ under a footnote saying 3Ψ. Without a module tree estimate models it as layers
+    (gathered for forward and again for backward, in the engine's dtypes: 3Ψ); plan and sweep refuse an
+    engine without --model; a sharding without ZeRO-3 keeps the engine's own collectives."""
+    import zeroplan
+    from zeroplan.formulas.collectives import step_collectives
+
+    psi, nd = 7 * 10**9, 8
+    est = runner.invoke(app, ["estimate", "--params", "7e9", "--gpus", "8", *engine, "--json"])
+    (row,) = json.loads(est.stdout)["stages"]
+    assert row["stage"] == 3 and row["comm_volume_elements"] == 3 * psi
+    dtypes = [c["dtype"] for c in row["collectives"]]
+    assert row["collectives"] == [c.as_dict() for c in step_collectives(3, (psi,), nd, dtypes[0], dtypes[2])]
+    assert row["model_states_bytes"] > 0  # the engine's own model states are kept
+    for command in (["plan", "--gpu", "h100-80gb"], ["sweep"]):
+        r = runner.invoke(app, [*command, "--params", "7e9", "--gpus", "8", *engine[:2]])
+        assert_one_line_error(r, "does not apply without --model")
+    api = zeroplan.estimate(7e9, gpus=8, engine="fsdp2").stages[0]
+    assert api.comm_volume_elements == 3 * psi and len(api.collectives) == 3
+    assert zeroplan.estimate(7e9, gpus=1, engine="deepspeed", stage=3).stages[0].collectives == ()
+    if "fsdp2" in engine:  # not resharded: the engine's own all-gather and reduce-scatter, 2Ψ
+        two = runner.invoke(app, ["estimate", "--params", "7e9", "--gpus", "8", *engine[:2],
+                                  "--reshard-after-forward", "false", "--json"])  # fmt: skip
+        assert json.loads(two.stdout)["stages"][0]["comm_volume_elements"] == 2 * psi
+
+
+def test_reference_engine_prints_the_papers_3psi_for_a_bare_psi_in_every_command():
+    import zeroplan
+
+    psi = 7 * 10**9
+    est = runner.invoke(app, ["estimate", "--params", "7e9", "--gpus", "8", "--stage", "3", "--json"])
+    assert json.loads(est.stdout)["stages"][0]["comm_volume_elements"] == 3 * psi
+    assert run_json("--params", "7e9", "--gpu", "h100-80gb", "--gpus", "8")["stages"][3]["comm_volume_elements"] == 3 * psi
+    rows = zeroplan.sweep(params=[7e9], gpus=[8], stages=[3])
+    assert list(rows["comm_volume_elements"]) == [3 * psi]

@@ -117,8 +117,12 @@ MEASURED_PEAKS = {"init": 363240, "forward": 687436, "backward": 700364, "optimi
 
 
 def _rank_row(stage, boundary, calls, parity_ok=True, peak_extra=0):
+    from validate.models import PRESETS, build
+    from zeroplan.architectures.module_shapes import module_shapes
+
+    shapes = [[n, list(s)] for n, s in module_shapes(build(PRESETS["gpt-tiny"], torch.bfloat16, "meta"))]
     return {
-        "stage": stage, "rank": 0, "boundary_bytes": boundary, "probe_breakdown": {}, "foreach": False,
+        "stage": stage, "rank": 0, "param_shapes": shapes, "boundary_bytes": boundary, "probe_breakdown": {}, "foreach": False,
         "peak_bytes_by_phase": {**MEASURED_PEAKS, "backward": MEASURED_PEAKS["backward"] + peak_extra},
         "calls_by_step": [[], *calls], "adam_step_bytes": 4, "seconds": 0.0,
         "step_time_s": {"probed": 0.2, "unprobed": 0.1, "unprobed_steps": 2},
@@ -295,3 +299,52 @@ def test_the_peak_is_predicted_for_the_default_model():
 
     est = predicted_peak(ValidateConfig(), {"world_size": 2, "device": "cpu"}, 0, False)
     assert est.by_phase() == {k.replace(" ", "_"): v for k, v in MEASURED_PEAKS.items()}
+
+
+def _toy_comparison(states_bytes, calls, peak=None, per_call=False, beside=()):
+    from validate.compare import Prediction, Readings, compare
+    from zeroplan.engines.base import EngineEstimate
+    from zeroplan.formulas.collectives import Collective
+    from zeroplan.formulas.memory import MemoryBreakdown
+    from zeroplan.formulas.peak import Term
+
+    predicted = (Collective("all-gather", "forward", 6, "fp32", 12), Collective("all-gather", "forward", 4, "fp32", 8))
+    est = EngineEstimate("toy", "toy", 3, MemoryBreakdown(100, 50, 200), peak, predicted)
+    measured_peaks = {"init": 400, "forward": 500, "backward": 0, "optimizer_step": 450}
+    got = Readings(states_bytes, True, measured_peaks, [calls], calls, [], nd=2)
+    prediction = Prediction(est, per_call=per_call, beside_states=tuple(Term(n, b, "toy.py") for n, b in beside))
+    return compare(prediction, got, tolerance=0.01, peak_tolerance=0.02)
+
+
+def test_one_comparison_puts_named_terms_on_the_prediction_side_and_guards_every_division():
+    from validate.compare import rel_error
+
+    calls = [["all-gather", "forward", "float32", 6], ["all-gather", "forward", "float32", 4]]
+    row = _toy_comparison(366, calls, beside=[("mesh ranks", 16)])
+    # the measurement is never corrected: the named term is part of what is predicted
+    assert row["predicted_model_states_bytes"] == 350 + 16 and row["measured_model_states_bytes"] == 366
+    assert row["model_states_extra_bytes"] == 0 and row["model_states_rel_error"] == 0
+    assert row["predicted_beside_states_terms"] == [{"name": "mesh ranks", "bytes": 16, "source": "toy.py"}]
+    assert row["checks"] == {"model_states_within_tolerance": True, "model_states_steady": True,
+                             "collectives_match": True, "peak_within_tolerance": None}  # fmt: skip
+    assert row["predicted_collectives"] == {"all-gather|forward|fp32": {"elements": 10, "bytes_per_rank": 20}}
+    assert row["measured_collectives"]["all-gather|forward|fp32"]["derived_bytes_per_rank"] == 20  # 1·3·4 + 1·2·4
+    # summed per key by default; call by call, in order, when the profile predicts each call
+    swapped = list(reversed(calls))
+    assert _toy_comparison(366, swapped)["checks"]["collectives_match"] is True
+    assert _toy_comparison(366, swapped, per_call=True)["checks"]["collectives_match"] is False
+    assert _toy_comparison(350, calls, beside=[("mesh ranks", 16)])["model_states_rel_error"] == pytest.approx(-16 / 366)
+    # no collective predicted: 0 if none is seen, 1 (100%) if some is; a phase measured at 0 is not divided by
+    assert (rel_error(0, 0, 0), rel_error(5, 0, 0), rel_error(3, 2, 4)) == (0.0, 1.0, 0.25)
+
+
+def test_one_comparison_checks_every_measured_phase_against_the_predicted_peak():
+    from zeroplan.formulas.peak import Moment, Term, peak_of
+
+    moments = [Moment(p, p, (Term("t", b, "toy.py"),)) for p, b in
+               (("init", 400), ("forward", 490), ("backward", 10), ("optimizer_step", 450))]  # fmt: skip
+    calls = [["all-gather", "forward", "float32", 10]]
+    row = _toy_comparison(350, calls, peak=peak_of(moments))
+    assert row["peak_rel_error_by_phase"] == {"init": 0.0, "forward": pytest.approx(0.02), "optimizer_step": 0.0}
+    assert row["peak_rel_error"] == pytest.approx(0.02) and row["checks"]["peak_within_tolerance"] is True
+    assert row["predicted_peak_phase"] == "forward" and row["measured_peak_bytes"] == 500

@@ -19,13 +19,13 @@ def _reference(config: ValidateConfig) -> dict:
 
 
 def _fsdp2(config: ValidateConfig) -> dict:
-    from validate.engines.fsdp2 import build_report as fsdp2_report
+    from validate.engines.fsdp2_compare import build_report as fsdp2_report
 
     return fsdp2_report(config, run_matrix(config))
 
 
 def _deepspeed(config: ValidateConfig) -> dict:
-    from validate.engines.deepspeed import run_validation as run_deepspeed
+    from validate.engines.deepspeed_compare import run_validation as run_deepspeed
 
     return run_deepspeed(config)
 

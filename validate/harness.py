@@ -140,9 +140,13 @@ def _in_network_namespace(cmd: list[str]) -> list[str]:
 WORKERS = {"reference": "validate.worker", "fsdp2": "validate.engines.fsdp2", "deepspeed": "validate.engines.deepspeed"}
 
 
-def launch_command(config: ValidateConfig, nd: int, tmp: Path, simulated: bool) -> list[str]:
-    """The launcher's command line: torchrun for a real run, one worker for a simulated one."""
-    worker = ["-m", WORKERS[config.engine], "--config", config.model_dump_json(), "--out", str(tmp / "result.json")]
+def launch_command(
+    config: ValidateConfig, nd: int, tmp: Path, simulated: bool, worker_args: tuple[str, ...] = ()
+) -> list[str]:
+    """The launcher's command line: torchrun for a real run, one worker for a simulated one; ``worker_args``:
+    more arguments of the engine's worker (the DeepSpeed runner's ds_configs)."""
+    worker = ["-m", WORKERS[config.engine], "--config", config.model_dump_json(), "--out", str(tmp / "result.json"),
+              *worker_args]  # fmt: skip
     if simulated:
         return [sys.executable, *worker, "--simulated", "--world-size", str(nd), "--rank", "0", "--raw"]
     nodes = (
@@ -184,7 +188,9 @@ def _failure(config: ValidateConfig, nd: int, tmp: Path, code: int) -> RunFailed
     )
 
 
-def run_world(config: ValidateConfig, nd: int, simulated: bool) -> tuple[dict, list[list[dict]]]:
+def run_world(
+    config: ValidateConfig, nd: int, simulated: bool, worker_args: tuple[str, ...] = ()
+) -> tuple[dict, list[list[dict]]]:
     """Run every stage of ``config`` at world size ``nd``; returns (meta, rows of each rank)."""
     deadline = time.monotonic() + config.timeout_s  # from the launch, not from the ranks' start
     marker = uuid.uuid4().hex
@@ -197,7 +203,7 @@ def run_world(config: ValidateConfig, nd: int, simulated: bool) -> tuple[dict, l
     try:
         with open(tmp / "launcher.log", "w") as log:
             proc = subprocess.Popen(
-                launch_command(config, nd, tmp, simulated), stdout=log, stderr=subprocess.STDOUT, env=env,
+                launch_command(config, nd, tmp, simulated, worker_args), stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True, preexec_fn=lambda: die_with_parent(me),
             )  # fmt: skip
         while proc.poll() is None:

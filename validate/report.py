@@ -1,27 +1,38 @@
 """Prediction next to measurement, one row per (world size, stage), and the verdict.
 
-Predictions come from ``zeroplan.estimate`` on the model's exact tensor sizes (from
-``zeroplan.architectures.spec``, the planner's shape functions), with the runtime's precision: 16-bit parameters
-and gradients (``ValidateConfig.param_dtype``, bf16 by default), fp32 master copy, Adam with fp32 m and v.
+Predictions come from ``zeroplan.engines.reference`` on the parameters the ranks built (their
+``named_parameters()`` shapes, recorded by ``validate.worker``), with the runtime's precision: 16-bit
+parameters and gradients (``ValidateConfig.param_dtype``, bf16 by default), fp32 master copy, Adam with
+fp32 m and v. The comparison itself is ``validate.compare``'s, shared with the other engines' runners.
 """
 
 from __future__ import annotations
 
+import math
+
+from validate.compare import Prediction, Readings, finish
+from validate.compare import compare as compare_rows
+from validate.compare import key as _key  # noqa: F401 - the runners' and tests' name for it
+from validate.compare import observed_collectives  # noqa: F401 - re-exported: its home is validate.compare
 from validate.config import ValidateConfig
 from validate.models import expected_shapes, spec_for
-from validate.schema import SCHEMA, ReportRow, ValidationReport
-from zeroplan import estimate
-from zeroplan.architectures.spec import TransformerSpec, numels
-from zeroplan.engines.reference import predict_peak, reference_run
-from zeroplan.formulas.collectives import ring_bytes_per_rank
+from validate.schema import SCHEMA, ValidationReport
+from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
+from zeroplan.engines.base import EngineEstimate, Workload
+from zeroplan.engines.reference import Settings, estimate
+from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.commtime import calls_per_optimizer_step
-from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT, canonical_dtype, dtype_bytes
-from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
-from zeroplan.formulas.peak import PHASES as PEAK_PHASES
+from zeroplan.policy import PrecisionPolicy
 from zeroplan.render.table import format_table
 
-RING_OPS = ("all-reduce", "reduce-scatter", "all-gather")
+RUNNER_CHANGES = (
+    "one intra-op thread per rank (OMP_NUM_THREADS=1, validate.harness)",
+    "after each backward and at each step boundary the probe waits until gloo has let go of the last "
+    "collective's buffer before reading (MemoryProbe.settled_bytes: timing only)",
+)
+"""What the runner does to the runtime it measures, beyond the probes (the reference runtime is the
+validator's own: its collectives are synchronous as written, validate/collectives.py)."""
 GLOO_NOTE = (
     "gloo runs a reduce-scatter as a full all-reduce followed by a local copy, so on the wire it sends "
     "twice the ring volume counted here (seen with --wire: gpt-tiny at N_d = 2 sends 1.06x the logical "
@@ -31,154 +42,70 @@ GLOO_NOTE = (
 )
 
 
-def _dtype(name: str) -> str:
-    """The planner's name of a dtype (``bfloat16`` -> ``bf16``), or the name as observed if it has none."""
-    try:
-        return canonical_dtype(name)
-    except ValueError:
-        return name
-
-
-def _key(op: str, phase: str, dtype: str) -> str:
-    return f"{op}|{phase}|{_dtype(dtype)}"
-
-
-def observed_collectives(calls: list[list], nd: int, group_sizes: list | None = None) -> dict[str, dict]:
-    """Observed calls summed per (op, phase, dtype): ``calls`` and ``elements`` are counted at dispatch;
-    ``derived_bytes_per_rank`` is the planner's ring rule applied to each call (derived, not measured;
-    None for a collective the rule does not cover) over the call's group (``group_sizes``, in call order,
-    as seen at dispatch; None or missing: ``nd``)."""
-    out: dict[str, dict] = {}
-    sizes = list(group_sizes or []) + [None] * len(calls)
-    for (op, phase, dtype, elements), size in zip(calls, sizes):
-        row = out.setdefault(_key(op, phase, dtype), {"calls": 0, "elements": 0, "derived_bytes_per_rank": 0})
-        row["calls"] += 1
-        row["elements"] += elements
-        derived = (
-            ring_bytes_per_rank(op, elements, size or nd, dtype_bytes(dtype))
-            if op in RING_OPS and _dtype(dtype) in BYTES_PER_ELEMENT
-            else None
-        )
-        row["derived_bytes_per_rank"] = (
-            None if derived is None or row["derived_bytes_per_rank"] is None
-            else row["derived_bytes_per_rank"] + derived
-        )  # fmt: skip
-    return out
+def reference_estimate(config: ValidateConfig, meta: dict, stage: int, shapes, foreach: bool) -> EngineEstimate:
+    """``zeroplan.engines.reference``'s row for this run, from the parameters the ranks built (``shapes``: the
+    model's ``named_parameters()``, ``zeroplan.architectures.module_shapes``). The peak profile sizes its units
+    from the planner's shapes of the architecture (``reference_run``), so it speaks only for a model built
+    with exactly those shapes, and for none that runs dropout (it counts no masks): otherwise no peak."""
+    spec = spec_for(config.model_name, config.params)  # model_name: the default preset when none is given
+    shapes = tuple((name, tuple(shape)) for name, shape in shapes)
+    peak_spec = (
+        spec if isinstance(spec, TransformerSpec) and transformer_shapes(spec) == shapes
+        and not (spec.embd_pdrop or spec.attn_pdrop or spec.resid_pdrop) else None
+    )  # fmt: skip
+    cuda = str(meta["device"]).startswith("cuda")
+    seq = (config.seq_len or spec.max_seq_len) if peak_spec is not None else 1
+    workload = Workload(shapes, peak_spec, seq, config.batch_per_rank, config.checkpointing, config.grad_accum, foreach)
+    settings = Settings(stages=(stage,), policy=PrecisionPolicy(param_dtype=config.param_dtype),
+                        block_bytes=CUDA_BLOCK_BYTES if cuda else 1, stat_bytes=4 if cuda else 2,
+                        cuda_capability=tuple(meta.get("cuda_capability", (9, 0))) if cuda else None)  # fmt: skip
+    (row,) = estimate(workload, meta["world_size"], settings)
+    return row
 
 
 def predicted_peak(config: ValidateConfig, meta: dict, stage: int, foreach: bool):
-    """The reference profile's peak per phase for this row, or None for models it does not describe."""
-    spec = spec_for(config.model_name, config.params)  # model_name: the default preset when none is given
-    if not isinstance(spec, TransformerSpec):
-        return None
-    cuda = str(meta["device"]).startswith("cuda")
-    seq = config.seq_len or spec.max_seq_len
-    run = reference_run(spec, meta["world_size"], stage, config.batch_per_rank, seq, config.checkpointing,
-                        foreach, stat_bytes=4 if cuda else 2, grad_accum=config.grad_accum)  # fmt: skip
-    if not cuda:
-        return predict_peak(run)
-    resident = (library_workspaces(tuple(meta.get("cuda_capability", (9, 0))), spec.biased_linear),)
-    return predict_peak(run, block_bytes=CUDA_BLOCK_BYTES, resident=resident)
-
-
-def peak_rows(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict]) -> dict:
-    """Predicted and measured peak per phase (keys of ``zeroplan.formulas.peak.PHASES``) and the largest error."""
-    measured = {p.replace(" ", "_"): max(r["peak_bytes_by_phase"][p] for r in rank_rows)
-                for p in rank_rows[0]["peak_bytes_by_phase"]}  # fmt: skip
-    foreach = rank_rows[0].get("foreach", config.foreach)  # rows of older workers lack it
-    estimate_ = predicted_peak(config, meta, stage, bool(foreach))
-    if estimate_ is None:
-        return {"predicted_peak_bytes_by_phase": None, "measured_peak_bytes_by_phase": measured,
-                "peak_rel_error": None, "predicted_peak_terms": None}  # fmt: skip
-    predicted = estimate_.by_phase()
-    errors = {p: (measured[p] - predicted[p]) / measured[p] for p in PEAK_PHASES if measured.get(p)}
-    return {
-        "predicted_peak_bytes_by_phase": predicted,
-        "measured_peak_bytes_by_phase": measured,
-        "peak_rel_error_by_phase": errors,
-        "peak_rel_error": max(errors.values(), key=abs),
-        "predicted_peak_phase": estimate_.peak_phase,
-        "predicted_peak_terms": [{"name": t.name, "bytes": t.bytes, "source": t.source} for t in estimate_.peak_terms],
-    }
+    """The reference profile's peak per phase for the model ``config`` builds, or None where it has none."""
+    shapes = expected_shapes(spec_for(config.model_name, config.params))
+    return reference_estimate(config, meta, stage, shapes, foreach).peak
 
 
 def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict]) -> dict:
     """The JSON row of one stage at one world size, from every rank's measurements."""
     nd = meta["world_size"]
-    tensor_numels = numels(expected_shapes(spec_for(config.model_name, config.params)))
-    predicted = estimate(tensor_numels=tensor_numels, gpus=nd, stage=stage, param_dtype=config.param_dtype).stages[0]
-    pred_states = predicted.memory.model_states_bytes
-    boundary = [r["boundary_bytes"] for r in rank_rows]
-    measured_states = max(b[-1] for b in boundary)
-    steady = all(len(set(b)) == 1 for b in boundary)
-    states_err = (measured_states - pred_states) / pred_states
-
+    foreach = rank_rows[0].get("foreach", config.foreach)  # rows of older workers lack it
+    predicted = reference_estimate(config, meta, stage, rank_rows[0]["param_shapes"], bool(foreach))
     # per optimizer step: a collective that runs every micro-step counts G times (commtime's one rule)
-    calls = {c: calls_per_optimizer_step(stage, c.op, config.grad_accum) for c in predicted.collectives}
-    pred_coll = {_key(c.op, c.phase, c.dtype): {"elements": c.elements * n,
-                                                "bytes_per_rank": c.bytes_per_rank * n}
-                 for c, n in calls.items()}  # fmt: skip
-    # Measured: what was observed per call at dispatch, summed per (op, phase, dtype), every step of
-    # every rank. It must equal the prediction in elements; bytes are only derived from it.
-    steps = [observed_collectives(s, nd) for r in rank_rows for s in r["calls_by_step"][1:]]
-    measured_coll = steps[-1]
-    elements_of = lambda coll: {k: v["elements"] for k, v in coll.items()}
-    collectives_match = all(elements_of(s) == elements_of(pred_coll) for s in steps)
-    pred_elements = sum(v["elements"] for v in pred_coll.values())
-    measured_elements = sum(v["elements"] for v in measured_coll.values())
-    derived_comm = sum(v["derived_bytes_per_rank"] or 0 for v in measured_coll.values())
-    pred_comm = sum(c.bytes_per_rank * n for c, n in calls.items())
-    peaks = {
-        p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in rank_rows[0]["peak_bytes_by_phase"]
-    }
-    peak = peak_rows(config, meta, stage, rank_rows)
+    per_step = []
+    for c in predicted.collectives:
+        n = calls_per_optimizer_step(stage, c.op, config.grad_accum)
+        per_step.append(Collective(c.op, c.phase, c.elements * n, c.dtype, c.bytes_per_rank * n))
+    boundary = [r["boundary_bytes"] for r in rank_rows]
+    phases = rank_rows[0]["peak_bytes_by_phase"]
+    readings = Readings(
+        states_bytes=max(b[-1] for b in boundary),
+        steady=all(len(set(b)) == 1 for b in boundary),
+        peak_bytes_by_phase={p.replace(" ", "_"): max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in phases},
+        # every step of every rank must match; the first list holds the calls made while building the runtime
+        steps=[s for r in rank_rows for s in r["calls_by_step"][1:]],
+        last_step=rank_rows[0]["calls_by_step"][-1],
+        setup_calls=rank_rows[0]["calls_by_step"][0],
+        nd=nd,
+    )
+    row = compare_rows(Prediction(predicted, tuple(per_step)), readings, config.tolerance, config.peak_tolerance)
     parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
-    parity_ok = all(p["ok"] for p in parities) if parities else None
-    checks = {
-        "model_states_within_tolerance": abs(states_err) <= config.tolerance,
-        "model_states_steady": steady,
-        "collectives_match": collectives_match,
-        "peak_within_tolerance": None if peak["peak_rel_error"] is None
-        else abs(peak["peak_rel_error"]) <= config.peak_tolerance,
-        "parity": parity_ok,
-    }
-    return ReportRow.model_validate({
-        "stage": stage,
+    return finish({
+        **row,
         "world_size": nd,
         "mode": "simulated" if config.simulated else "real",
         "backend": meta["backend"],
         "device": meta["device"],
         "model": config.model_label,
-        "psi": sum(tensor_numels),
-        "predicted_model_states_bytes": pred_states,
-        "measured_model_states_bytes": measured_states,
-        "model_states_rel_error": states_err,
-        "model_states_extra_bytes": measured_states - pred_states,
+        "psi": sum(math.prod(s) for _, s in rank_rows[0]["param_shapes"]),
+        "engine_label": None,
+        "runner_changes": list(RUNNER_CHANGES),
         "adam_step_bytes": max(r["adam_step_bytes"] for r in rank_rows),
-        "predicted_breakdown_bytes": {
-            "params": predicted.memory.params_bytes,
-            "grads": predicted.memory.grads_bytes,
-            "optimizer": predicted.memory.optimizer_bytes,
-        },
         # CPU: MemTracker's own categories (bytes); CUDA: allocator counters (memory_stats)
         "probe_breakdown": rank_rows[0]["probe_breakdown"],
-        "predicted_collective_elements": pred_elements,
-        "measured_collective_elements": measured_elements,
-        "collective_elements_rel_error": (
-            (measured_elements - pred_elements) / pred_elements if pred_elements else float(measured_elements != 0)
-        ),
-        "predicted_comm_bytes_per_rank": pred_comm,
-        # the ring rule applied to each observed call: derived from the measurement, not measured
-        "derived_comm_bytes_per_rank": derived_comm,
-        "derived_comm_rel_error": (derived_comm - pred_comm) / pred_comm if pred_comm else float(derived_comm != 0),
-        "predicted_collectives": pred_coll,
-        "measured_collectives": measured_coll,
-        # calls rank 0 issued while building the runtime (none predicted; reported, not checked)
-        "measured_setup_collectives": observed_collectives(rank_rows[0]["calls_by_step"][0], nd),
-        # every call rank 0 issued in the last step, in order: [op, phase, dtype, elements]
-        "observed_calls_last_step": rank_rows[0]["calls_by_step"][-1],
-        "measured_peak_bytes": max(peaks.values()),
-        **peak,
         "checkpointing": config.checkpointing,
         "seq_len": config.seq_len,
         "micro_batch": config.batch_per_rank,
@@ -197,13 +124,11 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         # the profiler's backend-level communication events of the last step (real runs; rank 0)
         "profiler_comms": rank_rows[0].get("profiler_comms"),
         "wire_to_derived": (
-            rank_rows[0]["wire_bytes_per_rank"] / derived_comm
-            if rank_rows[0].get("wire_bytes_per_rank") is not None and derived_comm
+            rank_rows[0]["wire_bytes_per_rank"] / row["derived_comm_bytes_per_rank"]
+            if rank_rows[0].get("wire_bytes_per_rank") is not None and row["derived_comm_bytes_per_rank"]
             else None
         ),
-        "checks": checks,
-        "ok": all(v is not False for v in checks.values()),
-    }).model_dump()
+    }, all(p["ok"] for p in parities) if parities else None)
 
 
 def build_report(config: ValidateConfig, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
@@ -292,6 +217,10 @@ def to_table(report: dict) -> str:
             "wire/rank: bytes really sent on loopback per rank per step (--wire: the ranks run alone in a "
             "network namespace; /proc/net/dev, TCP/IP headers, ACKs and two barriers included)."
         )
+    changes = list(dict.fromkeys(c for r in report["rows"] for c in r.get("runner_changes") or []))
+    if changes:
+        out.append("runner changes (what the runner does to the engine it measures, beyond the probes; each "
+                   "row's runner_changes): " + "; ".join(changes) + ".")  # fmt: skip
     out += report["notes"]
     bad = [f"stage {r['stage']} N_d={r['world_size']}: " + ", ".join(k for k, v in r["checks"].items() if v is False)
            for r in report["rows"] if not r["ok"]]  # fmt: skip

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field
 
-from zeroplan.types import ByteCount, Flag, GpuCount, StageNumber
+from zeroplan.plot_data import ValidationRow  # the keys every row has: what zeroplan plot reads, its home
 
 SCHEMA = "zeroplan.validate/2"
 
@@ -28,27 +28,6 @@ RENAMED_FROM_V1 = {
     "checks.comm_exact": "checks.collectives_match",
     "measured_collectives.*.bytes_per_rank": "measured_collectives.*.derived_bytes_per_rank",
 }
-
-
-class ValidationRow(BaseModel):
-    """The keys every row has (what ``zeroplan plot`` reads; other keys are ignored here)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    stage: StageNumber = Field(description="ZeRO stage 0-3")
-    world_size: GpuCount = Field(description="N_d")
-    mode: StrictStr = Field(description="real or simulated")
-    backend: StrictStr = Field(description="gloo, nccl or fake")
-    predicted_model_states_bytes: ByteCount = Field(description="zeroplan.estimate's model states per rank")
-    measured_model_states_bytes: ByteCount = Field(
-        description="live tensor bytes at the step boundary, max over ranks"
-    )
-    predicted_comm_bytes_per_rank: ByteCount = Field(description="zeroplan.estimate's bytes sent per rank per step")
-    derived_comm_bytes_per_rank: ByteCount = Field(
-        validation_alias=AliasChoices("derived_comm_bytes_per_rank", "measured_comm_bytes_per_rank"),
-        description="ring rule applied to each observed call (derived; schema /1 called it measured_...)",
-    )
-    ok: Flag = Field(description="every check passed")
 
 
 class PredictedCollective(BaseModel):
@@ -101,8 +80,12 @@ class ReportRow(ValidationRow):
     device: str
     model: str = Field(description="preset name, or gpt~PSI for --params")
     psi: int = Field(description="parameters of the model built")
-    model_states_rel_error: float
-    model_states_extra_bytes: int
+    model_states_rel_error: float = Field(description="(measured - predicted) / predicted model states")
+    model_states_extra_bytes: int = Field(description="measured - predicted model states (bytes)")
+    predicted_beside_states_terms: Optional[list[dict[str, Union[str, int]]]] = Field(
+        None, description="terms of the profile live beside the model states where they are read, part of "
+        "predicted_model_states_bytes (name, bytes, source; e.g. FSDP2's post-forward mesh ranks); None: none",
+    )  # fmt: skip
     adam_step_bytes: int = Field(description="Adam's step counters (the expected excess: 4 bytes)")
     predicted_breakdown_bytes: dict[str, int]
     probe_breakdown: dict[str, Union[int, float]] = Field(
@@ -157,6 +140,10 @@ class ReportRow(ValidationRow):
     wire_to_derived: Optional[float] = Field(description="wire_bytes_per_rank / derived_comm_bytes_per_rank")
     checks: Checks
     ok: bool
+    runner_changes: list[str] = Field(
+        default_factory=list, description="what the runner changes in the engine it measures, beyond the probes "
+        "(synchronous collectives, GC off, a capability answered): each change in words, with where it is made",
+    )  # fmt: skip
     engine: Optional[str] = Field(None, description="what trained (--engine); None: the reference runtime")
     engine_label: Optional[str] = Field(None, description="the engine's configuration in its own words")
     deepspeed_estimator_bytes: Optional[int] = Field(

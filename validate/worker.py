@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zeroplan.architectures.module_shapes import module_shapes
 from zeroplan.files import write_text_atomic
 
 from validate.config import ValidateConfig
@@ -107,6 +108,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
         with probe, counter:  # everything the runtime allocates, from its first tensor on
             enter("init", probe, counter)  # building the model, the master and the flat buffers
             model = build(spec, config.torch_dtype, device, checkpointing=config.checkpointing)
+            param_shapes = module_shapes(model)  # what the prediction is made for (reads .shape only)
             runtime = RUNTIMES[stage](model, nd, rank, config.lr, config.foreach, config.grad_accum)
             del model
             enter(None, probe, counter)
@@ -148,6 +150,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
         row = {
             "stage": stage,
             "rank": rank,
+            "param_shapes": [[name, list(shape)] for name, shape in param_shapes],
             "boundary_bytes": boundary,
             "library_workspace_bytes": workspaces,
             "probe_breakdown": breakdown,

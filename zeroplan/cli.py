@@ -18,6 +18,8 @@ from zeroplan.cli_options import (
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch, engine_options_from,
     given, given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
+from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
+from zeroplan.hub import with_revision
 
 
 app = typer.Typer(
@@ -43,6 +45,7 @@ def estimate(
     ),
     shapes: Optional[Path] = typer.Option(None, help="JSON file of parameter shapes, for exact padding."),
     model: ModelOption = None,
+    revision: RevisionOption = None,
     seq_len: SeqLenOption = None,
     micro_batch: MicroBatchOption = 1,
     checkpointing: CheckpointingOption = "none",
@@ -74,6 +77,7 @@ def estimate(
     as_csv: bool = typer.Option(False, "--csv", help="Print CSV, one row per stage."),
 ) -> None:
     """Per-GPU model states and per-step communication of ZeRO stages 0-3."""
+    model = with_revision(model, revision)  # ORG/NAME@REV: zeroplan.hub
     from zeroplan.architectures.shapes_file import load_numels
     from zeroplan.engines import get_engine
     from zeroplan.engines.deepspeed import merge_deepspeed
@@ -143,6 +147,7 @@ def sweep(
         help="JSON file of parameter shapes (one model, exact padding).",
     ),
     model: ModelOption = None,
+    revision: RevisionOption = None,
     gpus: str = typer.Option(
         "1",
         help="Total GPU counts, comma-separated: 8,64,512 (each 1 to 2**24; at most 1e8 rows in all).",
@@ -193,6 +198,7 @@ def sweep(
     ),
 ) -> None:
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
+    model = with_revision(model, revision)  # ORG/NAME@REV: zeroplan.hub
     import importlib.util
 
     from zeroplan.architectures.shapes_file import load_numels
@@ -361,6 +367,7 @@ def plot(
 def plan(
     ctx: typer.Context,
     model: ModelOption = None,
+    revision: RevisionOption = None,
     params: Optional[str] = typer.Option(
         None,
         help="Ψ of the whole model instead of a preset: 70e9, 70B (1 to 1e15).",
@@ -434,6 +441,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
 ) -> None:
     """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
+    model = with_revision(model, revision)  # ORG/NAME@REV: zeroplan.hub
     from zeroplan.engines import get_engine
     from zeroplan.parsing import parse_bytes, parse_count
     from zeroplan.planning.config import PlanConfig

@@ -149,8 +149,14 @@ def policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dt
 # The training step of an architecture (issue 8), shared by estimate, plan and sweep.
 ModelOption = Annotated[
     Optional[str],
-    typer.Option(help="Model preset (llama2-7b, gpt2-xl, ...) or the path of a Hugging Face config.json: exact "
-                 "shapes, and the peak of a training step."),
+    typer.Option(help="Model preset (llama2-7b, gpt2-xl, ...), the path of a Hugging Face config.json, or "
+                 "ORG/NAME in the local Hugging Face cache (never downloaded): exact shapes, and the peak of a "
+                 "training step."),
+]  # fmt: skip
+RevisionOption = Annotated[
+    Optional[str],
+    typer.Option(help="With --model ORG/NAME: the cached snapshot of this branch, tag or commit (default: "
+                 "refs/main, else the newest)."),
 ]  # fmt: skip
 SeqLenOption = Annotated[
     Optional[int],

@@ -3,7 +3,8 @@
 Every function takes numbers already computed elsewhere (a ``zeroplan.sweep`` DataFrame, or rows of a
 ``zeroplan validate --json`` file) and returns a ``matplotlib.figure.Figure``; nothing is computed here.
 Figures are built without pyplot, so no global state leaks between calls; ``save`` writes them atomically.
-Units: GB = 1e9 bytes, the ZeRO paper's unit.
+What is not drawing (the validator rows read, the checks before any work, axis labels) is in
+``zeroplan.plot_data``, re-exported here. Units: GB = 1e9 bytes, the ZeRO paper's unit.
 """
 
 from __future__ import annotations
@@ -16,56 +17,25 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
-from pydantic import ValidationError
 
-from zeroplan.files import atomic_write, read_json
+from zeroplan.files import atomic_write
 from zeroplan.formulas.stages import STAGES
-from zeroplan.types import error_line
+from zeroplan.number_formats import format_count
+from zeroplan.plot_data import (  # noqa: F401 (re-exported: plots.load_validation, plots.check_points, ...)
+    FORMATS, GB, MAX_GPU_COUNTS, MAX_PANELS, MAX_RUNS, STAGE_WHAT, VIEWS, ValidationRow, _auto_unit, _gb, _one_value,
+    _suptitle, _title_params, check_format, check_points, load_validation, stage_label,
+)  # fmt: skip
 
-from validate.schema import ValidationRow  # the report's schema, no torch
-
-GB = 1e9
 LOG_TICK_SUBS = (1.0, 2.0, 5.0)
 """Labelled log ticks at 1, 2, 5 x 10^k, so a range narrower than a decade still has labels."""
-FORMATS = (".png", ".svg", ".pdf")
-MAX_RUNS = 60
-"""Most validator runs one ``validate`` figure draws: each is a labelled pair of bars 0.75 in wide, so 60
-make a 48-inch figure, already past what a screen shows; filter the rows for more."""
-MAX_PANELS = 6
-"""Most Ψ panels side by side in the memory view (5 in each)."""
-MAX_GPU_COUNTS = 64
-"""Most GPU counts on one axis (ticks of the memory view, bar groups of the comm view)."""
-VIEWS = ("memory", "breakdown", "comm", "validate")
 STAGE_COLORS = ("#4d4d4d", "#1f77b4", "#ff7f0e", "#2ca02c")  # grey for plain DP, then one hue per stage
 STAGE_MARKERS = ("o", "s", "^", "D")
-STAGE_WHAT = ("no sharding", "optimizer sharded", "+ gradients sharded", "+ parameters sharded")
 COMPONENT_COLORS = {"params_bytes": "#4c72b0", "grads_bytes": "#dd8452", "optimizer_bytes": "#55a868"}
 COMPONENT_LABELS = {
     "params_bytes": "parameters",
     "grads_bytes": "gradients",
     "optimizer_bytes": "optimizer states",
 }
-
-
-def stage_label(stage: int) -> str:
-    """'stage 2 P_os+g (+ gradients sharded)'."""
-    return f"stage {stage} {STAGES[stage].name} ({STAGE_WHAT[stage]})"
-
-
-def _gb(x: float, _pos: object = None) -> str:
-    """Tick label in GB with as few digits as the value needs: 0.5, 2, 31.4, 1200."""
-    v = x / GB
-    if v == 0:
-        return "0"
-    if v >= 100:
-        return f"{v:,.0f}"
-    return f"{v:.3g}"
-
-
-def _title_params(frame: Any) -> str:
-    from zeroplan.render.table import format_count
-
-    return ", ".join(f"Ψ = {format_count(p)}" for p in dict.fromkeys(frame["params"]))
 
 
 def _capacity(ax: Any, gpu_memory_bytes: Optional[int], gpu_label: Optional[str]) -> None:
@@ -86,13 +56,6 @@ def _legend(fig: Figure, ax: Any, ncol: int = 2, handles: Optional[list] = None)
     if handles is None:
         handles, _ = ax.get_legend_handles_labels()
     fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=9, frameon=False)
-
-
-def _one_value(frame: Any, column: str, what: str) -> int:
-    values = list(dict.fromkeys(frame[column]))
-    if len(values) != 1:
-        raise ValueError(f"{what}: give one {column} value for this view, got {values}")
-    return int(values[0])
 
 
 def memory_vs_nd(
@@ -124,12 +87,6 @@ def memory_vs_nd(
     _legend(fig, axes[0])
     fig.suptitle(_suptitle(frame, "Per-GPU memory of model states by ZeRO stage"))
     return fig
-
-
-def _suptitle(frame: Any, what: str) -> str:
-    mp = sorted({int(m) for m in frame["model_parallel"]})
-    tail = f", model parallel N_m = {mp[0]}" if mp != [1] else ""
-    return f"{what}{tail}"
 
 
 def breakdown_bars(
@@ -277,8 +234,6 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
     if all(c is not None for c in compute):
         handles.append(Line2D([], [], color="black", linewidth=2.5, label="compute per step"))
     _legend(fig, mem_ax, ncol=3, handles=handles)
-    from zeroplan.render.table import format_count
-
     p0 = plans[0]
     model = p0.config.model or f"Ψ = {format_count(p0.params)}"
     fig.suptitle(
@@ -286,31 +241,6 @@ def stage_tradeoffs(plans: Sequence[Any]) -> Figure:
         f"{p0.tokens_per_step:,} tokens per GPU per step"
     )
     return fig
-
-
-def load_validation(path: str | Path) -> list[ValidationRow]:
-    """Rows of a ``zeroplan validate --json`` file; ValueError with one line if missing or malformed."""
-    name = str(path)
-    doc = read_json(path, "validation file")
-    rows = doc.get("rows") if isinstance(doc, dict) else doc
-    if not isinstance(rows, list) or not rows:
-        raise ValueError(f"validation file {name!r}: expected a non-empty list 'rows' of results")
-    out = []
-    for i, row in enumerate(rows):
-        try:
-            out.append(ValidationRow.model_validate(row))
-        except ValidationError as exc:
-            raise ValueError(f"validation file {name!r}: rows[{i}]: {error_line(exc)}") from None
-    return out
-
-
-def _auto_unit(values: Sequence[float]) -> tuple[str, float]:
-    """The decimal unit that puts the largest value between 1 and 1000: ('MB', 1e6), ..."""
-    top = max(max(values), 1)
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if top >= scale:
-            return unit, scale
-    return "B", 1.0
 
 
 def predicted_vs_measured(rows: Sequence[ValidationRow]) -> Figure:
@@ -424,15 +354,6 @@ def peak_by_phase(rows: Sequence[Any], labels: Sequence[str]) -> Figure:
     return fig
 
 
-def check_format(path: str | Path) -> str:
-    """The output format from the file name: '.png', '.svg' or '.pdf'; ValueError for anything else."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in FORMATS:
-        what = f"unknown image extension {suffix!r}" if suffix else "no image extension"
-        raise ValueError(f"out={str(path)!r}: {what}; use .png, .svg or .pdf")
-    return suffix
-
-
 def _log_memory_axes(ax: Any, nds: Sequence[int]) -> None:
     """Log-log axes of bytes per GPU against N_d: one labelled tick per N_d, GB ticks at 1-2-5."""
     ax.set_xscale("log", base=2)
@@ -450,25 +371,6 @@ def save(fig: Figure, path: str | Path, dpi: int = 150, inputs: Sequence[str | P
     """Render ``fig`` to ``path`` atomically, so no partial image is left (never over one of ``inputs``)."""
     suffix = check_format(Path(path))
     atomic_write(path, lambda tmp: fig.savefig(tmp, format=suffix[1:], dpi=dpi), suffix, inputs)
-
-
-def check_points(view: str, n_params: int = 1, n_gpus: int = 1, runs: int = 0) -> None:
-    """ValueError with one line when a figure would hold more than can be read (see ``MAX_PANELS``,
-    ``MAX_GPU_COUNTS``, ``MAX_RUNS``). Checked before any work: a 20,000-run validate figure took 5
-    minutes and 12 GB to draw a 75 MB image no one could read."""
-    if view == "validate" and runs > MAX_RUNS:
-        raise ValueError(
-            f"--view validate: {runs} runs, at most {MAX_RUNS} fit one figure (a labelled pair of bars "
-            "each); keep fewer rows, e.g. jq '.rows |= map(select(.stage == 3))' results.json"
-        )
-    if view == "memory" and n_params > MAX_PANELS:
-        raise ValueError(
-            f"--view memory: {n_params} params values, at most {MAX_PANELS} panels fit; plot fewer"
-        )
-    if view in ("memory", "breakdown", "comm") and n_gpus > MAX_GPU_COUNTS:
-        raise ValueError(
-            f"--view {view}: {n_gpus} GPU counts, at most {MAX_GPU_COUNTS} fit one axis; give fewer --gpus"
-        )
 
 
 def figure(

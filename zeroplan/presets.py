@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 
 from zeroplan.architectures.hf_config import read_hf_config, spec_from_hf_config
 from zeroplan.architectures.spec import TransformerSpec, numels, transformer_shapes
+from zeroplan.hub import cached_config, is_hub_name
 from zeroplan.types import Bandwidth, ByteSize, Flops, Latency, SeqLen
 
 
@@ -159,17 +160,19 @@ def is_config_path(name_or_path: str) -> bool:
 def _model_ref(v: str) -> str:
     """A preset keeps the preset's spelling; a config file must read (one-line error otherwise)."""
     resolve_model(v)
-    return v if is_config_path(v) else get_model(v).name
+    return v if is_config_path(v) or is_hub_name(v) else get_model(v).name
 
 
 def resolve_model(name_or_path: str) -> TransformerSpec:
     """The architecture ``--model`` names: a local Hugging Face ``config.json`` when ``name_or_path``
-    exists or ends in ``.json`` (read, never downloaded), else a reference model preset; ValueError
-    (one line, listing the presets) otherwise."""
+    exists or ends in ``.json`` (read, never downloaded), the cached config.json of ``ORG/NAME[@REV]``
+    (``zeroplan.hub``), else a reference model preset; ValueError (one line, listing the presets) otherwise."""
     if not isinstance(name_or_path, str):
         raise ValueError(f"model={name_or_path!r}: expected a preset name or the path of a config.json")
     if is_config_path(name_or_path):
         return read_hf_config(name_or_path)
+    if is_hub_name(name_or_path):
+        return read_hf_config(cached_config(name_or_path))
     try:
         return get_model(name_or_path).spec
     except ValueError as exc:

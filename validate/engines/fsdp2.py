@@ -367,23 +367,6 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
     }
 
 
-# ---- the report: prediction (zeroplan.engines.fsdp2) next to measurement, one row per world size ----
-
-FAKE_TENSOR_PHASES = {
-    "init": "FakeTensorMode: MemTracker also counts the fake tensors of DTensor's sharding propagation "
-    "(mem_tracker.py:MemTracker.__torch_dispatch__ skips them only when no fake mode was active on entry); "
-    "fully_shard makes DTensor parameters here. Checked with real tensors on the same fake group",
-    "optimizer_step": "FakeTensorMode: Adam runs on DTensor parameters, whose sharding propagation makes fake "
-    "tensors of the global shape that MemTracker counts (same cause as init). Checked with real tensors",
-}
-
-
-def predicted_run(config, meta: dict, rank: int = 0):
-    """The FSDP2 profile's estimate of ``rank`` in this world (rank 0 holds the most between steps: padding is
-    at the end; a rank with padding re-pads its shards at a meta-device init)."""
-    return predict(Fsdp2Settings.from_validate(config), meta, rank)
-
-
 def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
     """(the estimate row, the profile's Settings) of the run ``settings`` on ``rank`` of ``meta``'s world;
     ``hf``: the transformers module tree (``Workload.transformers``)."""
@@ -406,118 +389,6 @@ def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
                               **({"loss_in_forward": settings.labels} if settings.hf else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], engine)
     return row, engine
-
-
-def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
-    """The report row of one world size (``validate.schema.ReportRow``)."""
-    from validate.report import _key, observed_collectives
-    from validate.schema import ReportRow
-    from validate.tolerances import parity_tolerance
-    from zeroplan.engines.fsdp2 import mesh_ranks_bytes
-    from zeroplan.formulas.peak import PHASES as PEAK_PHASES
-
-    nd = meta["world_size"]
-    predicted, engine = predicted_run(config, meta)
-    pred_states = predicted.model_states_bytes
-    # model states = parameters + gradients + Adam: all live after backward from the second step on, beside
-    # FSDP2's own persistent bookkeeping, a named term of the profile (an int reshard_after_forward's mesh
-    # ranks: 256 B at N_d = 64, 1.7% of gpt-tiny's states there); model_states_extra_bytes shows it
-    measured_states = max(r["readings_bytes"]["after_backward"][-1] for r in rank_rows)
-    steady = all(len(set(r["readings_bytes"]["boundary"])) == 1 for r in rank_rows)
-    states_err = (measured_states - pred_states - mesh_ranks_bytes(engine, nd)) / pred_states
-
-    pred_coll: dict[str, dict] = {}
-    pred_calls: dict[str, list[int]] = {}
-    for c in predicted.collectives:
-        k = _key(c.op, c.phase, c.dtype)
-        row = pred_coll.setdefault(k, {"elements": 0, "bytes_per_rank": 0})
-        row["elements"] += c.elements
-        row["bytes_per_rank"] += c.bytes_per_rank
-        pred_calls.setdefault(k, []).append(c.elements)
-    steps = [s for r in rank_rows for s in r["calls_by_step"][1:]]
-    per_call = lambda calls: {k: [e for op, ph, dt, e in calls if _key(op, ph, dt) == k] for k in {_key(*c[:3]) for c in calls}}
-    collectives_match = all(per_call(s) == pred_calls for s in steps)  # every call's size, in order
-    last_sizes = rank_rows[-1].get("group_sizes_by_step", [[]])[-1]
-    measured_coll = observed_collectives(steps[-1] if steps else [], nd, last_sizes)
-    pred_elements = sum(v["elements"] for v in pred_coll.values())
-    measured_elements = sum(v["elements"] for v in measured_coll.values())
-    derived_comm = sum(v["derived_bytes_per_rank"] or 0 for v in measured_coll.values())
-    pred_comm = sum(v["bytes_per_rank"] for v in pred_coll.values())
-
-    measured_peak = {p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in PEAK_PHASES}
-    # the largest of the measured ranks' predictions, phase by phase (what measured_peak takes over them)
-    by_rank = [predicted.peak.by_phase()] + [predicted_run(config, meta, r)[0].peak.by_phase()
-                                             for r in sorted({row["rank"] for row in rank_rows} - {0})]  # fmt: skip
-    predicted_peak = {p: max(b[p] for b in by_rank) for p in PEAK_PHASES}
-    errors = {p: (measured_peak[p] - predicted_peak[p]) / measured_peak[p] for p in PEAK_PHASES}
-    unchecked = {p: why for p, why in FAKE_TENSOR_PHASES.items() if meta.get("fake_tensors")}
-    checked = {p: e for p, e in errors.items() if p not in unchecked}
-    peak_err = max(checked.values(), key=abs)
-
-    parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
-    parity = None
-    if parities:
-        tol = parity_tolerance("fp32", nd, 1, config.lr).grad_rtol
-        worst = max(parities, key=lambda p: p["grad_rel_diff"])
-        parity = {**worst, "grad_rtol": tol, "ok": worst["grad_rel_diff"] <= tol}
-    checks = {
-        "model_states_within_tolerance": abs(states_err) <= config.tolerance,
-        "model_states_steady": steady,
-        "collectives_match": collectives_match,
-        "peak_within_tolerance": abs(peak_err) <= config.peak_tolerance,
-        "parity": None if parity is None else parity["ok"],
-    }
-    return ReportRow.model_validate({
-        "stage": predicted.stage, "world_size": nd, "mode": "simulated" if config.simulated else "real",
-        "backend": meta["backend"], "device": meta["device"], "model": config.model_label, "psi": config.psi,
-        "engine": "fsdp2", "engine_label": predicted.label,
-        "predicted_model_states_bytes": pred_states, "measured_model_states_bytes": measured_states,
-        "model_states_rel_error": states_err, "model_states_extra_bytes": measured_states - pred_states,
-        "adam_step_bytes": max(r["optimizer_state_bytes"].get("step", 0) for r in rank_rows),
-        "predicted_breakdown_bytes": {"params": predicted.memory.params_bytes, "grads": predicted.memory.grads_bytes,
-                                      "optimizer": predicted.memory.optimizer_bytes},
-        "probe_breakdown": rank_rows[0]["probe_breakdown"],
-        "predicted_collective_elements": pred_elements, "measured_collective_elements": measured_elements,
-        "collective_elements_rel_error": (measured_elements - pred_elements) / pred_elements,
-        "predicted_comm_bytes_per_rank": pred_comm,
-        "derived_comm_bytes_per_rank": derived_comm,  # the ring rule applied to each observed call
-        "derived_comm_rel_error": (derived_comm - pred_comm) / pred_comm if pred_comm else float(derived_comm != 0),
-        "predicted_collectives": pred_coll, "measured_collectives": measured_coll,
-        "measured_setup_collectives": observed_collectives(rank_rows[0]["calls_by_step"][0], nd),
-        "observed_calls_last_step": rank_rows[0]["calls_by_step"][-1],
-        "measured_peak_bytes": max(measured_peak.values()),
-        "measured_peak_bytes_by_phase": measured_peak,
-        "predicted_peak_bytes_by_phase": predicted_peak,
-        "peak_rel_error_by_phase": errors,
-        "peak_rel_error": peak_err,
-        "peak_unchecked_phases": unchecked or None,
-        "predicted_peak_phase": predicted.peak.peak_phase,
-        "predicted_peak_terms": [{"name": t.name, "bytes": t.bytes, "source": t.source} for t in predicted.peak.peak_terms],
-        "checkpointing": config.checkpointing, "seq_len": config.seq_len, "micro_batch": config.batch_per_rank,
-        "foreach": rank_rows[0]["foreach"], "parity": parity,
-        "seconds": max(r["seconds"] for r in rank_rows),
-        "step_time_s": {"probed": max(r["step_time_s"]["probed"] for r in rank_rows),
-                        "unprobed": max(r["step_time_s"]["unprobed"] for r in rank_rows),
-                        "unprobed_steps": rank_rows[0]["step_time_s"]["unprobed_steps"]},
-        "wire_bytes_per_rank": None, "profiler_comms": None, "wire_to_derived": None,
-        "checks": checks, "ok": all(v is not False for v in checks.values()),
-    }).model_dump()  # fmt: skip
-
-
-def build_report(config, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
-    """The whole ``zeroplan validate --engine fsdp2`` result (``validate.schema.ValidationReport``)."""
-    from validate.report import GLOO_NOTE
-    from validate.schema import SCHEMA, ValidationReport
-
-    rows = [compare(config, meta, [rank_rows[0] for rank_rows in ranks]) for meta, ranks in worlds]
-    notes = [GLOO_NOTE] if any(r["backend"] == "gloo" for r in rows) else []
-    if any(r["peak_unchecked_phases"] for r in rows):
-        notes.append("FakeTensorMode rows: the init and optimizer_step peaks are reported, not checked "
-                     "(peak_unchecked_phases says why); run with --real-tensors to check them")  # fmt: skip
-    report = ValidationReport(schema_id=SCHEMA, config=config.model_dump(),
-                              torch=worlds[0][0].get("torch") if worlds else None, rows=rows, notes=notes,
-                              ok=all(r["ok"] for r in rows))  # fmt: skip
-    return report.model_dump(by_alias=True)
 
 
 def run_world(settings: Fsdp2Settings, nd: int, timeout_s: float = 600.0) -> dict:
@@ -552,6 +423,9 @@ def peak_errors_by_rank(settings: Fsdp2Settings, result: dict) -> list[dict[str,
 
 
 def main(argv: list[str] | None = None) -> None:
+    from validate.lifeline import die_with_parent
+
+    die_with_parent()  # a rank never outlives its launcher (validate.harness), even one killed by SIGKILL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default="{}", help="Fsdp2Settings as JSON")
     parser.add_argument("--config", default=None, help="instead: a ValidateConfig as JSON (zeroplan validate)")
@@ -612,6 +486,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.stderr.flush()
     os._exit(0)
 
+
+# the parent's side, importable from here as before (notebooks, docs)
+from validate.engines.fsdp2_compare import FAKE_TENSOR_PHASES, build_report, compare, predicted_run  # noqa: E402, F401
 
 if __name__ == "__main__":
     main()

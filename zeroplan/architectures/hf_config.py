@@ -226,3 +226,11 @@ def read_hf_config(path: str | Path) -> TransformerSpec:
     not a supported, complete config."""
     source = f"config {str(path)!r}"
     return spec_from_hf_config(read_json(path, "config"), source)  # type: ignore[arg-type]
+
+
+# The newer families (Qwen3, Gemma 2/3, Phi-3, mixture-of-experts) live in their own module; imported
+# last because their readers use ``_Reader`` and ``_llama_common`` above.
+from zeroplan.architectures.hf_families import NEW_ALIASES, NEW_FAMILIES  # noqa: E402
+
+FAMILIES.update(NEW_FAMILIES)
+_ALIASES.update(NEW_ALIASES)

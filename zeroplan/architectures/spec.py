@@ -12,18 +12,29 @@ Two layouts (``style``):
 - ``"llama"`` (model_type ``llama``, ``mistral``, ``qwen2``): rotary positions (no parameters), RMSNorm
   (weight only), separate q/k/v/o projections with ``n_kv_head`` key/value heads of ``head_dim``,
   SwiGLU MLP (gate, up, down); biases where the config asks for them (Qwen2: q, k, v); LM head untied
-  by default.
+  by default. The newer families keep this layout (``model.layers.{i}.``, ``model.norm``) and add to it:
+  q/k norms (``qk_norm``: Qwen3, Gemma 3), Gemma's four norms per layer (``sandwich_norms``), Phi-3's
+  fused ``qkv_proj`` and ``gate_up_proj`` (``fused_projections``), sparse MLPs (``moe``: Mixtral,
+  Qwen-MoE, DeepSeek-V3) and multi-head latent attention (``mla``: DeepSeek-V3); ``architectures.moe``
+  has those two.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
+
+from zeroplan.architectures.moe import MlaSpec, MoeSpec, linear, mla_shapes, moe_shapes
 
 Shape = tuple[int, ...]
 
 #: HF ``model_type`` -> layout. One home for the families zeroplan knows.
-FAMILY_STYLE: dict[str, str] = {"gpt2": "gpt", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+FAMILY_STYLE: dict[str, str] = {
+    "gpt2": "gpt", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma2": "llama",
+    "gemma3_text": "llama", "phi3": "llama", "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama",
+    "deepseek_v3": "llama",
+}  # fmt: skip
 
 #: Activation functions the reference runtime implements, as transformers' ``ACT2FN`` names them
 #: (transformers/activations.py): GPT-2's default ``gelu_new`` and the Llama family's ``silu``.
@@ -74,7 +85,24 @@ class TransformerSpec:
     attn_pdrop: float = 0.0
     """dropout on attention probabilities (GPT-2 ``attn_pdrop``, Llama family ``attention_dropout``)."""
     resid_pdrop: float = 0.0
-    """dropout after the attention and MLP output projections (GPT-2 ``resid_pdrop``)."""
+    """dropout after the attention and MLP output projections (GPT-2 ``resid_pdrop``, Phi-3's)."""
+    qk_norm: bool = False
+    """llama layout: RMSNorm over head_dim on queries and keys (``q_norm``, ``k_norm``: Qwen3, Gemma 3)."""
+    sandwich_norms: bool = False
+    """llama layout: Gemma 2/3's ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` too."""
+    fused_projections: bool = False
+    """llama layout: Phi-3's ``qkv_proj`` (q, k, v in one) and ``gate_up_proj`` (gate, up in one)."""
+    attn_logit_softcap: Optional[float] = None
+    """Gemma 2: attention scores through cap·tanh(score / cap) (no parameters)."""
+    final_logit_softcap: Optional[float] = None
+    """Gemma 2: logits through cap·tanh(logit / cap) (no parameters)."""
+    layer_types: Optional[tuple[str, ...]] = None
+    """per layer ``full_attention`` / ``sliding_attention`` where they differ (Gemma); None: every layer
+    as ``sliding_window`` says."""
+    moe: Optional[MoeSpec] = None
+    """the sparse MLP and the layers that hold it (``architectures.moe``); None: dense."""
+    mla: Optional[MlaSpec] = None
+    """multi-head latent attention's widths (DeepSeek-V3); None: q/k/v/o projections."""
 
     @property
     def biased_linear(self) -> bool:
@@ -114,6 +142,12 @@ class TransformerSpec:
             raise ValueError(f"norm_eps={self.norm_eps}, rope_theta={self.rope_theta}: must be > 0")
         if self.d_model % self.n_head:  # transformers' GPT2Attention and LlamaConfig refuse it too
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if gpt and any((self.qk_norm, self.sandwich_norms, self.fused_projections, self.moe, self.mla)):
+            raise ValueError("qk_norm, sandwich_norms, fused_projections, moe and mla need the 'llama' layout")
+        if self.moe is not None and max(self.moe.sparse_layers, default=-1) >= self.n_layer:
+            raise ValueError(f"moe.sparse_layers={self.moe.sparse_layers}: the model has {self.n_layer} layers")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layer:
+            raise ValueError(f"layer_types: {len(self.layer_types)} entries for {self.n_layer} layers")
         if gpt and (self.n_kv_head != self.n_head or self.head_dim * self.n_head != self.d_model):
             raise ValueError(
                 f"n_kv_head={self.n_kv_head}, head_dim={self.head_dim}: the gpt layout has full multi-head "
@@ -167,25 +201,45 @@ def _gpt_shapes(spec: TransformerSpec) -> list[tuple[str, Shape]]:
     return out
 
 
+def _attention_shapes(spec: TransformerSpec, p: str) -> list[tuple[str, Shape]]:
+    """LlamaAttention and its relatives under ``p`` (``model.layers.{i}.self_attn.``): Phi3Attention
+    registers o_proj before its fused qkv_proj; Qwen3/Gemma 3 add q_norm and k_norm (head_dim) last."""
+    d, q, kv = spec.d_model, spec.q_dim, spec.kv_dim
+    if spec.mla is not None:
+        return mla_shapes(spec.mla, spec.n_head, d, p, spec.qkv_bias)
+    if spec.fused_projections:
+        return linear(p + "o_proj", d, q, spec.o_bias) + linear(p + "qkv_proj", q + 2 * kv, d, spec.qkv_bias)
+    out = linear(p + "q_proj", q, d, spec.qkv_bias) + linear(p + "k_proj", kv, d, spec.qkv_bias)
+    out += linear(p + "v_proj", kv, d, spec.qkv_bias) + linear(p + "o_proj", d, q, spec.o_bias)
+    if spec.qk_norm:
+        out += [(p + "q_norm.weight", (spec.head_dim,)), (p + "k_norm.weight", (spec.head_dim,))]
+    return out
+
+
+def _mlp_shapes(spec: TransformerSpec, layer: int, p: str) -> list[tuple[str, Shape]]:
+    """The layer's MLP under ``p`` (``model.layers.{i}.mlp.``): sparse where ``spec.moe`` says, Phi-3's fused
+    gate_up_proj, else gate, up, down."""
+    d, f, bias = spec.d_model, spec.ffn, spec.mlp_bias
+    if spec.moe is not None and layer in spec.moe.sparse_layers:
+        return moe_shapes(spec.moe, spec.model_type, d, p)
+    if spec.fused_projections:
+        return linear(p + "gate_up_proj", 2 * f, d, bias) + linear(p + "down_proj", d, f, bias)
+    out = linear(p + "gate_proj", f, d, bias) + linear(p + "up_proj", f, d, bias)
+    return out + linear(p + "down_proj", d, f, bias)
+
+
 def _llama_shapes(spec: TransformerSpec) -> list[tuple[str, Shape]]:
-    """transformers/models/llama/modeling_llama.py: LlamaForCausalLM; Mistral and Qwen2 register the
-    same modules (LlamaDecoderLayer: self_attn, mlp, then the two norms)."""
-    d, f, q, kv = spec.d_model, spec.ffn, spec.q_dim, spec.kv_dim
-
-    def linear(name: str, n_out: int, n_in: int, bias: bool) -> list[tuple[str, Shape]]:
-        return [(name + ".weight", (n_out, n_in))] + ([(name + ".bias", (n_out,))] if bias else [])
-
+    """transformers/models/llama/modeling_llama.py: LlamaForCausalLM; the other llama-layout families
+    register the same decoder layer (self_attn, mlp, then the norms: two, or Gemma's four)."""
+    d = spec.d_model
+    norms = ("input_layernorm", "post_attention_layernorm")
+    if spec.sandwich_norms:
+        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     out: list[tuple[str, Shape]] = [("model.embed_tokens.weight", (spec.vocab_size, d))]
     for i in range(spec.n_layer):
         p = f"{BLOCK_PREFIX['llama']}{i}."
-        out += linear(p + "self_attn.q_proj", q, d, spec.qkv_bias)
-        out += linear(p + "self_attn.k_proj", kv, d, spec.qkv_bias)
-        out += linear(p + "self_attn.v_proj", kv, d, spec.qkv_bias)
-        out += linear(p + "self_attn.o_proj", d, q, spec.o_bias)
-        out += linear(p + "mlp.gate_proj", f, d, spec.mlp_bias)
-        out += linear(p + "mlp.up_proj", f, d, spec.mlp_bias)
-        out += linear(p + "mlp.down_proj", d, f, spec.mlp_bias)
-        out += [(p + "input_layernorm.weight", (d,)), (p + "post_attention_layernorm.weight", (d,))]
+        out += _attention_shapes(spec, p + "self_attn.") + _mlp_shapes(spec, i, p + "mlp.")
+        out += [(p + norm + ".weight", (d,)) for norm in norms]
     out.append(("model.norm.weight", (d,)))
     return out
 

@@ -9,9 +9,9 @@ from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed import run_batch
 from zeroplan.estimation.config import EstimateConfig
 from zeroplan.estimation.records import Estimate, StageEstimate
-from zeroplan.formulas.collectives import step_collectives
-from zeroplan.formulas.memory import model_states
+from zeroplan.estimation.workload import layered_zero3
 from zeroplan.formulas.sharding import shard_numel
+from zeroplan.formulas.stage_table import stage_memory, stage_table
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import PrecisionPolicy
 
@@ -30,32 +30,20 @@ def stage_estimates(
     gpu_memory_bytes: int | None = None,
     flat_layout: bool = False,
 ) -> tuple[StageEstimate, ...]:
-    """Memory and communication of each of ``stages`` for tensors of ``numels`` elements on ``nd`` ranks.
+    """Memory and communication of each of ``stages`` for tensors of ``numels`` elements on ``nd`` ranks
+    (``zeroplan.formulas.stage_table``), with the reduction against plain DP and whether it fits.
 
     The entries of ``numels`` and ``nd`` may also be numpy int64 arrays of one shape: ``zeroplan.sweep``
     evaluates a whole grid through this same code, so the vectorised and scalar answers cannot drift.
     ``flat_layout``: the numels are the model's real tensors, so full buffers are padded as the runtime
     pads them (``zeroplan.formulas.memory.buffer_numels``); False for a bare Ψ.
     """
-    states = policy.states
-
-    def memory(stage: int):
-        return model_states(
-            numels, nd, stage, policy.param_bytes, policy.grad_bytes, states, policy.master_dtype, flat_layout
-        )
-
-    dp_total = memory(0).model_states_bytes
+    dp_total = stage_memory(numels, nd, 0, policy, flat_layout).model_states_bytes
     rows = []
-    for number in stages:
-        row = get_stage(number)
-        mem = memory(row.number)
-        collectives = step_collectives(
-            row.number, numels, nd, policy.param_dtype, policy.resolved_grad_dtype, flat_layout
-        )
-        fits = None if gpu_memory_bytes is None else mem.model_states_bytes <= gpu_memory_bytes
-        rows.append(
-            StageEstimate(row.number, row.name, mem, dp_total / mem.model_states_bytes, collectives, fits)
-        )
+    for r in stage_table(numels, nd, policy, stages, flat_layout):
+        fits = None if gpu_memory_bytes is None else r.memory.model_states_bytes <= gpu_memory_bytes
+        rows.append(StageEstimate(r.stage.number, r.stage.name, r.memory, dp_total / r.memory.model_states_bytes,
+                                  r.collectives, fits))  # fmt: skip
     return tuple(rows)
 
 
@@ -87,7 +75,8 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         fits = None if config.gpu_memory_bytes is None else need <= config.gpu_memory_bytes
         name = r.label if engine.one_row else get_stage(r.stage).name
         reduction = dp.model_states_bytes / r.model_states_bytes
-        rows.append(StageEstimate(r.stage, name, r.memory, reduction, r.collectives, fits, r.peak, own))
+        collectives = layered_zero3(engine, workload, r, config.nd)
+        rows.append(StageEstimate(r.stage, name, r.memory, reduction, collectives, fits, r.peak, own))
     return Estimate(
         psi=sum(numels),
         total_params=int(config.params) if config.params else sum(config.tensor_numels or numels),

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import TYPE_CHECKING, Optional
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-from zeroplan.engines.base import Workload
+from zeroplan.engines.base import EngineEstimate, Workload
+from zeroplan.formulas.collectives import Collective, step_collectives
+from zeroplan.formulas.stages import get_stage
 from zeroplan.presets import model_seq_len, resolve_model
+
+if TYPE_CHECKING:
+    from zeroplan.engines import Engine
 
 
 def check_seq_len(spec: TransformerSpec, seq_len: int) -> None:
@@ -43,8 +49,10 @@ def resolve(name_or_path: str, seq_len: Optional[int]) -> tuple[TransformerSpec,
 
 def module_architecture(module: object, shapes: tuple) -> Optional[TransformerSpec]:
     """The architecture of a ``transformers`` model (its ``config``), when its parameters are exactly
-    ``transformer_shapes`` of it; None for any other module (shapes only, no peak)."""
+    ``transformer_shapes`` of it; None for any other module, and for a family whose activation peak is not
+    modelled yet (``unmodelled_features``): shapes only, no peak, as for any module."""
     from zeroplan.architectures.hf_config import spec_from_hf_config
+    from zeroplan.formulas.activation_terms import unmodelled_features
 
     config = getattr(module, "config", None)
     to_dict = getattr(config, "to_dict", None)
@@ -54,4 +62,29 @@ def module_architecture(module: object, shapes: tuple) -> Optional[TransformerSp
         spec = spec_from_hf_config(to_dict(), f"{type(module).__name__}.config")
     except ValueError:
         return None
-    return spec if transformer_shapes(spec) == tuple(shapes) else None
+    if unmodelled_features(spec) or transformer_shapes(spec) != tuple(shapes):
+        return None
+    return spec
+
+
+def layered_zero3(engine: Engine, workload: Workload, row: EngineEstimate, nd: int) -> tuple[Collective, ...]:
+    """The collectives to print for ``row``: the engine's own, except ZeRO-3 of a workload without a module
+    tree (a bare Ψ, a list of tensor sizes: ``Workload.spec`` is None) on an engine that reads ZeRO-3's
+    traffic off the module tree (one row per configuration, ``Engine.one_row``), which is modelled as layers.
+
+    The one rule for estimate, plan and sweep (plan and sweep refuse those engines without --model). An
+    engine's ZeRO-3 traffic depends on the tree: FSDP2 never reshards the root unit after forward, and
+    DeepSpeed keeps a module's parameters gathered when they are reused soon (``stage3_max_reuse_distance``),
+    so one bare tensor would be gathered once (2Ψ), which is no real model's count. As layers, every
+    parameter is gathered for forward and again for backward and its gradient reduce-scattered once (ZeRO
+    sec. 7.2: 3Ψ, ``formulas.collectives.step_collectives``), in the dtypes of the engine's own all-gather
+    and reduce-scatter; the engine's per-unit calls, post-forward groups and scalars are not kept."""
+    if workload.spec is not None or not engine.one_row or row.stage is None:
+        return row.collectives
+    if not get_stage(row.stage).shards_parameters:
+        return row.collectives
+    if nd == 1:
+        return ()  # nothing is communicated (step_collectives)
+    dtype = {c.op: c.dtype for c in reversed(row.collectives)}  # the first of each kind
+    numels = tuple(math.prod(s) for _, s in workload.shapes)
+    return step_collectives(row.stage, numels, nd, dtype["all-gather"], dtype["reduce-scatter"], False)

@@ -21,13 +21,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from zeroplan.formulas.collectives import PASSES, Collective
 from zeroplan.formulas.sharding import ceil_div
 from zeroplan.formulas.stages import get_stage
-from zeroplan.presets import LinkSpec
 
 ALGORITHMS: tuple[str, ...] = ("ring", "tree")
+
+L = TypeVar("L", bound="Link")
+
+
+class Link(Protocol):
+    """What the alpha-beta model reads of a link: ``zeroplan.presets.LinkSpec`` (the presets and options
+    build it; the formulas only read it, so they import no preset)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def bandwidth_gbps(self) -> float: ...
+    @property
+    def alpha_s(self) -> float: ...
+    @property
+    def bandwidth_bytes_per_s(self) -> float: ...
+    def model_copy(self: L, *, update: dict[str, Any] | None = None, deep: bool = False) -> L: ...
 FORWARD_SHARE = 1 / 3
 """Forward share of training FLOPs: 2Ψ of 6Ψ per token forward, 4Ψ backward (Kaplan et al. 2020, sec. 2.1)."""
 
@@ -53,7 +70,7 @@ def alpha_beta_time_s(
     return factor * size_bytes / bandwidth_bytes_per_s + latency_steps(op, n, algorithm) * alpha_s
 
 
-def ring_link(nd: int, nm: int, gpus_per_node: int, intra: LinkSpec, inter: LinkSpec) -> LinkSpec:
+def ring_link(nd: int, nm: int, gpus_per_node: int, intra: L, inter: Link) -> L:
     """The link that limits the data-parallel ring: intra-node if the whole group fits in one node.
 
     Model-parallel ranks are placed inside a node first (as Megatron-LM places tensor parallelism), so a
@@ -62,13 +79,14 @@ def ring_link(nd: int, nm: int, gpus_per_node: int, intra: LinkSpec, inter: Link
     """
     if nd <= max(1, gpus_per_node // nm):
         return intra
-    return LinkSpec(
+    # every field is replaced, from fields the links' model already checked (``LinkSpec``)
+    return intra.model_copy(update=dict(
         name=f"{intra.name} + {inter.name}",
         scope="inter",
         bandwidth_gbps=min(intra.bandwidth_gbps, inter.bandwidth_gbps),
         alpha_s=max(intra.alpha_s, inter.alpha_s),
         source="slowest link of a ring that crosses nodes",
-    )
+    ))  # fmt: skip
 
 
 def runs_every_micro_step(stage: int, op: str) -> bool:
@@ -159,7 +177,7 @@ def step_time(
     stage: int,
     collectives: tuple[Collective, ...],
     nd: int,
-    link: LinkSpec,
+    link: Link,
     grad_accum: int = 1,
     algorithm: str = "ring",
     bucket_numel: int | None = None,

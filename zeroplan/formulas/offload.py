@@ -109,8 +109,10 @@ def offloaded_states(
     if micro_steps < 1:
         raise ValueError(f"micro_steps={micro_steps}: must be >= 1")
     row = get_stage(stage)
-    _, shard = buffer_numels(numels, nd, stage, flat_layout)
     resident = model_states(numels, nd, stage, param_bytes, grad_bytes, states, master_dtype, flat_layout)
+    if not offload.any:  # the searches' common case: skip the shard's pass over every tensor
+        return OffloadBreakdown(resident, 0, 0, 0, 0, 0, 0)
+    _, shard = buffer_numels(numels, nd, stage, flat_layout)
     gpu_params, gpu_grads, gpu_opt = resident.params_bytes, resident.grads_bytes, resident.optimizer_bytes
     host = nvme = h2d = d2h = nvme_read = nvme_write = 0
     grad_copies = micro_steps if row.shards_gradients else 1

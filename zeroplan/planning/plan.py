@@ -9,6 +9,11 @@ Every number comes from the pure formulas (``zeroplan.formulas.memory`` via ``ze
 - ``min_gpus``: the fewest GPUs N_d x N_m (N_m fixed) that fit, up to ``MAX_GPUS``; None when no N_d fits
   (stages 0 and 1 keep a full copy of parameters or gradients, so some models never fit);
 - the recommendation: the first option, in order of increasing communication and offload cost, that fits.
+
+With an architecture every option is decided on the engine's peak per GPU; an offload option on its
+stage's peak with the offloaded model states on the host (``zeroplan.planning.offload_peak``). The advice
+on what to cut is ``zeroplan.planning.cut_first``; an engine with its own search answers through
+``zeroplan.planning.engine_plan``.
 """
 
 from __future__ import annotations
@@ -19,20 +24,21 @@ from pydantic import ConfigDict, Field, validate_call
 
 from zeroplan.engines import get_engine, planner_options
 from zeroplan.engines.base import EngineOptions
-from zeroplan.engines.deepspeed import deepspeed_config
 from zeroplan.estimation.workload import model_workload
-from zeroplan.engines.fsdp2 import fsdp2_snippet
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import step_collectives
 from zeroplan.formulas.commtime import compute_time_s, ring_link, step_time
-from zeroplan.formulas.peak import PeakEstimate, Term
+from zeroplan.formulas.peak import PeakEstimate
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
+from zeroplan.number_formats import format_bytes
 from zeroplan.planning.config import PlanConfig
+from zeroplan.planning.cut_first import cut_first
+from zeroplan.planning.engine_plan import engine_plan_config
+from zeroplan.planning.offload_peak import offload_peak
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
-from zeroplan.render.table import format_bytes
 from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber
 
 _STRICT = ConfigDict(arbitrary_types_allowed=True)
@@ -174,10 +180,17 @@ def _bisect_first_true(ok: Callable[[int], bool], lo: int, hi: int) -> int:
     return hi
 
 
-def stage_peaks(config: PlanConfig, nd: Optional[int] = None) -> tuple[dict[int, PeakEstimate], str]:
-    """({stage: peak} of the options without offload, how fits are decided): the engine's peak on ``nd``
-    ranks (default N_d) when the architecture and the step are ones it models, else {} and why fits
-    are on model states."""
+OptionKey = tuple[int, Offload]
+"""(stage, offload): one option of the ladder."""
+
+
+def option_peaks(
+    config: PlanConfig, keys: tuple[OptionKey, ...], nd: Optional[int] = None
+) -> tuple[dict[OptionKey, PeakEstimate], str]:
+    """({(stage, offload): peak} of ``keys``, how fits are decided): the engine's peak on ``nd`` ranks
+    (default N_d) of each stage, for an offload option with the offloaded model states on the host
+    (``offload_peak``), when the architecture and the step are ones it models; else {} and why fits are
+    on model states. Each stage is estimated once, and only the stages of ``keys``."""
     if config.model is None:
         return {}, "fits on model states within the headroom: the peak needs an architecture (--model)"
     why = None
@@ -187,73 +200,30 @@ def stage_peaks(config: PlanConfig, nd: Optional[int] = None) -> tuple[dict[int,
         why = f"the peak knows checkpointing none and full, not {config.checkpointing}"
     if why is None:
         engine = get_engine(config.engine)
-        spec = config.model_architecture
-        workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
-                                  config.grad_accum, config.foreach)  # fmt: skip
+        stages = sorted({s for s, _ in keys})
+        workload = model_workload(config.model_architecture, config.sequence_length, config.micro_batch,
+                                  config.checkpointing, config.grad_accum, config.foreach)  # fmt: skip
         try:
-            settings = engine.planner_settings(planner_options(engine, config.engine_options, policy=config.policy))
+            options = planner_options(engine, config.engine_options, policy=config.policy,
+                                      stage=stages[0] if len(stages) == 1 else None)  # fmt: skip
+            settings = engine.planner_settings(options)
             rows = engine.estimate(workload, nd or config.nd, settings)
         except ValueError as exc:  # a policy the engine's peak does not model
             why = str(exc)
         else:
-            peaks = {r.stage: r.peak for r in rows if r.peak is not None}
+            block = engine.block_bytes(settings)
+            by_stage = {r.stage: r.peak for r in rows if r.peak is not None}
+            peaks = {
+                (s, off): by_stage[s] if not off.any else offload_peak(by_stage[s], s, off, block)
+                for s, off in keys
+                if s in by_stage
+            }
             return peaks, (
                 f"fits on the peak per GPU ({config.engine} engine, docs/peak.md) within the headroom; "
-                "offload options on model states (no peak model for offload)"
+                "an offload option on its stage's peak with the offloaded model states on the host "
+                "(docs/plan.md#offload-options)"
             )
     return {}, f"fits on model states within the headroom: {why}"
-
-
-LEVERS = ("checkpointing", "micro-batch", "stage", "gpus")
-"""What ``cut_first`` may advise, cheapest first in the user's hands."""
-
-
-def _is_activation(term: Term) -> bool:
-    """Terms that grow with micro-batch x sequence length (activations, logits, the batch)."""
-    return "activation_terms" in term.source or term.source.endswith("measure_stage")
-
-
-def _term_bytes(peak: Optional[PeakEstimate], name: str) -> Optional[int]:
-    """The largest term called ``name`` in any phase of ``peak`` (0 when absent); None without a peak."""
-    if peak is None:
-        return None
-    return max((t.bytes for p in peak.phases for t in p.terms if t.name == name), default=0)
-
-
-def cut_first(
-    peak: PeakEstimate,
-    stage: int,
-    config: PlanConfig,
-    next_stage: Optional[PeakEstimate] = None,
-    more_gpus: Optional[PeakEstimate] = None,
-) -> str:
-    """Which term to cut first: the largest live term at the peak that some lever cuts. Saved block
-    activations: checkpointing (when off); other activations: the micro-batch (when > 1), else the
-    sequence length. Anything else: a higher stage if the next stage's peak (``next_stage``) holds less
-    of it, else more GPUs if the peak at 2·N_d (``more_gpus``) does; a term neither cuts (e.g. the model
-    as an engine builds it before sharding) is skipped."""
-    for t in peak.peak_terms:
-        if _is_activation(t):
-            if t.name.startswith("saved activations") and config.checkpointing == "none":
-                lever = "checkpointing (--checkpointing full keeps only each block's input)"
-            elif config.micro_batch > 1:
-                lever = f"micro-batch (--micro-batch below {config.micro_batch}; --grad-accum keeps the batch)"
-            else:
-                lever = f"sequence length (--seq-len below {config.sequence_length})"
-        elif (_term_bytes(next_stage, t.name) if next_stage is not None else t.bytes) < t.bytes:
-            lever = f"stage (ZeRO stage {stage + 1} holds less of it)"
-        elif (_term_bytes(more_gpus, t.name) if more_gpus is not None else t.bytes) < t.bytes:
-            lever = f"gpus (2 x N_d = {2 * config.nd} holds less of it)"
-        else:
-            continue
-        size = format_bytes(t.bytes, "GiB")
-        return f"{lever}: {t.name}, {size}, is the largest term it cuts at the {peak.peak_phase} peak"
-    t = peak.peak_terms[0]
-    return (
-        f"no lever cuts the largest terms at the {peak.peak_phase} peak ({t.name}, "
-        f"{format_bytes(t.bytes, 'GiB')}): the {config.engine} engine allocates them whatever the stage, "
-        "N_d, micro-batch or checkpointing"
-    )
 
 
 def _option(
@@ -313,79 +283,6 @@ def _recommend(config: PlanConfig, options: tuple[PlanOption, ...]) -> tuple[Opt
     )
 
 
-def engine_plan_config(config: PlanConfig) -> Plan:
-    """``plan`` for an engine with its own search (``Engine.plan``: fsdp2, deepspeed): every candidate the
-    engine tries, cheapest first, each with its predicted peak and exactly the configuration to run; the
-    recommendation is the engine's (the cheapest whose peak fits within the headroom)."""
-    engine = get_engine(config.engine)
-    nd = config.nd
-    budget = int(config.memory_bytes * (1 - config.headroom))
-    spec = config.model_architecture
-    workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
-                              config.grad_accum, config.foreach)  # fmt: skip
-    options = config.planner_options
-    answer = engine.plan(workload, nd, budget, options)
-    ring = ring_link(nd, 1, config.gpus_per_node, config.intra_link, config.inter_link)
-    whole = config.tensor_numels
-    tokens = config.tokens_per_micro_step * config.grad_accum
-    compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, 1, config.flops, config.mfu)
-    rows = []
-    for c in answer.candidates:
-        e = c.estimate
-        time = step_time(e.stage, e.collectives, nd, ring, config.grad_accum, config.algorithm, c.bucket_numel,
-                         compute_s)  # fmt: skip
-        rows.append(PlanOption(
-            e.stage, e.label, NO_OFFLOAD, None, None,
-            states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0),
-            fits=c.fits,
-            comm_volume_elements=sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives),
-            comm_bytes_per_rank=sum(t.calls_per_step * t.collective.bytes_per_rank for t in time.collectives),
-            time=time,
-            pcie_s=0.0,
-            peak=e.peak,
-            candidate=c.label,
-        ))  # fmt: skip
-    headroom = f"{config.headroom:.0%} of GPU memory kept free"
-    recommendation = launchers = advice = None
-    if answer.recommended is not None:
-        recommendation = rows[answer.recommended]
-        chosen = answer.candidates[answer.recommended]
-        launchers = {"deepspeed": None, "fsdp2": None, answer.launcher_key: chosen.launcher}
-        if chosen.build is not None:  # the model's construction the prediction assumed (deepspeed.zero.Init)
-            launchers[f"{answer.launcher_key}_build"] = chosen.build
-        reason = (f"the cheapest of {len(rows)} {engine.name} configurations whose predicted peak fits on "
-                  f"{config.gpus} GPUs with {headroom} (tried in order: {answer.order})")  # fmt: skip
-    else:
-        reason = f"no {engine.name} configuration's predicted peak fits on {config.gpus} GPUs with {headroom}"
-        least = min((o for o in rows if o.peak is not None), key=lambda o: o.peak.peak_bytes, default=None)
-        if least is not None:
-            advice = cut_first(least.peak, least.stage, config)
-    policy = engine.policy(answer.base)
-    return Plan(
-        config=config,
-        params=sum(whole),
-        psi=sum(whole),
-        gpu_memory_bytes=config.memory_bytes,
-        budget_bytes=budget,
-        host_budget_bytes=None,
-        intra=config.intra_link,
-        inter=config.inter_link,
-        ring=ring,
-        host_link=config.host_link,
-        tokens_per_step=tokens,
-        activation_bytes=None,  # in the peak of every candidate (their checkpointing), not apart
-        bytes_per_param=policy.bytes_per_param,
-        k=policy.k,
-        options=tuple(rows),
-        recommendation=recommendation,
-        reason=reason,
-        launchers=launchers,
-        fit_basis=f"fits on the predicted peak per GPU ({engine.name} engine, docs/engines/{engine.name}.md) "
-                  "within the headroom",
-        cut_first=advice,
-    )  # fmt: skip
-
-
 def plan_config(config: PlanConfig) -> Plan:
     """Evaluate every (stage, offload) option of ``config`` and recommend one; an engine with its own
     search (``Engine.plan``) answers through ``engine_plan_config``."""
@@ -403,11 +300,10 @@ def plan_config(config: PlanConfig) -> Plan:
     compute_s = None
     if whole is not None and config.flops is not None:
         compute_s = compute_time_s(sum(whole), tokens, nm, config.flops, config.mfu)
-    keys = [(s, NO_OFFLOAD) for s in range(4)] + [k for k in LADDER if k[1].any]
-    peaks, fit_basis = stage_peaks(config)
+    keys = tuple((s, NO_OFFLOAD) for s in range(4)) + tuple(k for k in LADDER if k[1].any)
+    peaks, fit_basis = option_peaks(config, keys)
     options = tuple(
-        _option(config, s, off, numels, ring, compute_s, budget, host, None if off.any else peaks.get(s))
-        for s, off in keys
+        _option(config, s, off, numels, ring, compute_s, budget, host, peaks.get((s, off))) for s, off in keys
     )
     recommendation, reason = _recommend(config, options)
     advice = None
@@ -415,11 +311,9 @@ def plan_config(config: PlanConfig) -> Plan:
     if with_peak:
         target = recommendation if recommendation is not None and recommendation.peak is not None else None
         target = target or min(with_peak, key=lambda o: o.peak.peak_bytes)
-        more_gpus = stage_peaks(config, 2 * config.nd)[0].get(target.stage)
-        advice = cut_first(target.peak, target.stage, config, peaks.get(target.stage + 1), more_gpus)
-    launchers = None
-    if recommendation is not None:
-        launchers = launcher_configs(config, recommendation.stage, recommendation.offload)
+        key = (target.stage, target.offload)
+        advice = cut_first(target.peak, target.stage, config, peaks.get((target.stage + 1, target.offload)),
+                           lambda: option_peaks(config, (key,), 2 * config.nd)[0].get(key))  # fmt: skip
     spec = config.transformer
     activations = None
     if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (formulas.activations)
@@ -444,19 +338,10 @@ def plan_config(config: PlanConfig) -> Plan:
         options=options,
         recommendation=recommendation,
         reason=reason,
-        launchers=launchers,
+        launchers=None,  # the rows are the reference runtime's: no other engine's configuration is printed
         fit_basis=fit_basis,
         cut_first=advice,
     )
-
-
-def launcher_configs(config: PlanConfig, stage: int, offload: Offload) -> dict[str, object]:
-    """What to run for one option, from each engine's module: {"deepspeed": dict, "fsdp2": str}."""
-    c = config
-    return {
-        "deepspeed": deepspeed_config(stage, offload, c.micro_batch, c.grad_accum, c.policy, c.bucket_numel),
-        "fsdp2": fsdp2_snippet(stage, offload, c.policy),
-    }
 
 
 def plan(model: Optional[str] = None, params: Optional[float] = None, **options: object) -> Plan:

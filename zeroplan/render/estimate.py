@@ -149,8 +149,10 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
     if e.own_estimator is not None:
         lines.append(f"{e.own_estimator}: the engine's own formula for the same run (model states only: no "
                      "buckets, activations or temporaries), shown beside the prediction to compare; never used for it.")  # fmt: skip
+    counted = ("as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, 3Ψ P_os+g+p)" if e.engine == "reference" else
+               f"by the calls the {e.engine} engine itself issues (its own collectives, not the paper's count)")
     lines += [
-        "comm/step: elements moved per rank per step as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, "
-        "3Ψ P_os+g+p); sent/rank: bytes each rank sends with ring collectives, (N_d-1)/N_d of that.",
-    ]
+        f"comm/step: elements moved per rank per step {counted}; sent/rank: bytes each rank sends with ring "
+        "collectives, (N_d-1)/N_d of that.",
+    ]  # fmt: skip
     return "\n".join(lines)

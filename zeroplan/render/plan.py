@@ -23,8 +23,15 @@ MEMORY_NOTE = (
 PEAK_NOTE = (
     "fits: the peak per GPU of a training step (model states, activations, buffers and temporaries per "
     "phase; docs/peak.md) within the headroom, which keeps room for the CUDA context; terms rounded to "
-    "512-byte CUDA blocks, allocator overhead (reserved - allocated) 0 until measured on a GPU. Offload "
-    "options fit on model states (no peak model for offload); min GPUs counts model states, a lower bound."
+    "512-byte CUDA blocks, allocator overhead (reserved - allocated) 0 until measured on a GPU. An offload "
+    "option's peak is its stage's with the offloaded model states on the host after init (docs/plan.md); "
+    "min GPUs counts model states, a lower bound."
+)
+LAUNCHER_NOTE = (
+    "Launchers: none printed. These rows are the ZeRO paper's model states and the reference runtime's peak "
+    "(validate/), not a DeepSpeed or FSDP2 run, whose own peaks differ; `zeroplan plan --engine deepspeed` "
+    "or `--engine fsdp2` (with --model) searches that engine's configurations and prints exactly the one "
+    "it predicted."
 )
 
 
@@ -127,7 +134,7 @@ def plan_dict(p: Plan) -> dict:
             "stage": rec.stage,
             "offload": {"optimizer": rec.offload.optimizer, "params": rec.offload.params},
             "label": rec.label,
-            **p.launchers,
+            **(p.launchers or {"deepspeed": None, "fsdp2": None}),
         }
     return {
         "schema": SCHEMA,
@@ -254,17 +261,8 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         lines.append(f"Fit: {p.fit_basis}.")
     if p.cut_first is not None:
         lines.append(f"Cut first: {p.cut_first}.")
-    rec = p.recommendation
-    if rec is not None:
-        texts = p.launchers
-        lines += [
-            "",
-            "DeepSpeed config:",
-            json_text(texts["deepspeed"], indent=2),
-            "",
-            "FSDP2:",
-            texts["fsdp2"].rstrip("\n"),
-        ]
+    if p.recommendation is not None:
+        lines += ["", LAUNCHER_NOTE]
     lines += [
         "",
         PEAK_NOTE if peak else MEMORY_NOTE,

@@ -279,10 +279,12 @@ class RecommendationOut(_Out):
     offload: OffloadOut
     label: str
     deepspeed: Optional[dict[str, Any]] = Field(
-        description="ds_config.json for this option; with plan --engine fsdp2, null"
+        description="ds_config.json for this option (plan --engine deepspeed only); null with --engine fsdp2 or the "
+        "reference engine, whose predictions are not DeepSpeed's"
     )
     fsdp2: Optional[str] = Field(
-        description="FSDP2 fully_shard code for this option; with plan --engine deepspeed, null"
+        description="FSDP2 fully_shard code for this option (plan --engine fsdp2 only); null with --engine "
+        "deepspeed or the reference engine"
     )
     deepspeed_build: Optional[str] = Field(
         None, description="plan --engine deepspeed at ZeRO-3: how the model is built for the prediction to hold "

@@ -1,10 +1,9 @@
-"""The one text-table formatter, the one convention line, and the number formats of every text view."""
+"""The one text-table formatter and the one convention line; the number formats of every text view live in
+``zeroplan.number_formats`` (the planner words a note with them too) and are re-exported here."""
 
 from __future__ import annotations
 
-import math
-
-from zeroplan.parsing import BYTE_UNITS
+from zeroplan.number_formats import format_bytes, format_count  # noqa: F401 (re-exported)
 from zeroplan.policy import ByteRows
 
 
@@ -24,20 +23,3 @@ def convention_line(bytes_per_param: ByteRows, k: float) -> str:
     parts = " + ".join(f"{name} {b:g}" for name, b in bytes_per_param)
     total = sum(b for _, b in bytes_per_param)
     return f"bytes per parameter: {parts} = {total:g} (K = {k:g})"
-
-
-def format_bytes(n: float, unit: str = "GB") -> str:
-    """Bytes in ``unit`` with three significant digits at least, e.g. '31.4 GB', '1.88 GB', '4187.5 GB'."""
-    value = n / BYTE_UNITS[unit.lower()]
-    if value == 0:
-        return f"0 {unit}"
-    decimals = max(0, 2 - math.floor(math.log10(abs(value))))
-    return f"{value:,.{min(decimals, 6)}f} {unit}"
-
-
-def format_count(n: float) -> str:
-    """A parameter count in the paper's style: 7.5B, 128B, 1T."""
-    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.4g}{suffix}"
-    return f"{n:.0f}"

@@ -1,0 +1,154 @@
+"""What the DeepSpeed runner changes in the DeepSpeed it measures, each change in one place.
+
+Every report row lists the changes made for it (``runner_changes``, ``ReportRow.runner_changes``):
+- ``GlooSettled``: DeepSpeed's collectives made synchronous (gloo lets go of the tensors first); a run with
+  ``"settle": false`` leaves DeepSpeed's own asynchronous handles (measured against it: docs/engines).
+- ``fp16_on_cpu``: DeepSpeed's fp16 capability question answered yes on a CPU without oneDNN fp16.
+- in ``validate.engines.deepspeed``: the cyclic garbage collector off while measuring (``measure``),
+  ``torch.nn.functional.linear`` restored after a ``zero.Init`` run (``build_model``), the inference-only
+  ``deepspeed_shm_comm`` op never built (``main``); one intra-op thread per rank (``validate.harness``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+SETTLED_OPS = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_base", "all_gather_coalesced",
+               "all_to_all_single", "all_to_all", "gather", "scatter")  # fmt: skip
+
+
+class _Completed:
+    """The handle an asynchronous DeepSpeed collective gets back once ``GlooSettled`` has finished it."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class GlooSettled:
+    """Every collective DeepSpeed issues (``deepspeed/comm/comm.py``: all through its backend object ``cdb``,
+    ``comm/torch.py TorchBackend``) returns only once gloo has let go of its tensors.
+
+    gloo's worker thread keeps the finished work, and with it every tensor of the call, a moment after
+    ``wait()`` returns (``ProcessGroupGloo::runLoop`` resets ``workInProgress_`` after marking the future
+    done). A buffer DeepSpeed frees right after (ZeRO-1/2 ``allreduce_bucket``'s flattened copy, a ZeRO-3
+    parameter released after its gather) then stays alive on some ranks of some runs and not others. Here a
+    call waits for its work (asynchronous ones too: the caller gets a finished handle), drops it, and spins
+    until the use counts of every tensor it was given, of the tensor itself (``Tensor._use_count``: gloo's
+    all-reduce keeps the tensor) and of its storage (``torch._C._storage_Use_Count``: the all-gather keeps
+    chunks of it), are back to what they were before the call: the only other holder is gloo's work, so
+    that is the moment gloo is done: deterministic, no timing guess. Nothing is allocated or freed by this wrapper; ops stay the same
+    (the dispatch-level ``CommCounter`` sees them unchanged). Async calls become synchronous: on CPU gloo
+    overlaps nothing with compute that changes a buffer's life (DeepSpeed allocates before it issues).
+    ``stats``: calls, calls that found gloo still holding a tensor, the longest wait, and calls that gave
+    up after ``deadline_s`` (counted, never hidden: a row reports them).
+    """
+
+    def __init__(self, backend, deadline_s: float = 5.0) -> None:
+        self.backend, self.deadline_s = backend, deadline_s
+        self.stats = {"calls": 0, "held": 0, "max_wait_s": 0.0, "unsettled": 0}
+        self._originals: dict = {}
+
+    @staticmethod
+    def _tensors(args, kwargs) -> list:
+        import torch
+
+        out = []
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    out.append(t)
+        return out
+
+    def _wrap(self, original):
+        import torch
+
+        def count(t) -> tuple[int, int]:
+            # gloo keeps either the tensor itself (all-reduce: the TensorImpl's count) or views of it (all-gather
+            # chunks: the storage's count); both are back to their value before the call once it is done
+            return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+        def call(*args, **kwargs):
+            tensors = self._tensors(args, kwargs)
+            before = [count(t) for t in tensors]
+            works = original(*args, **kwargs)
+            asked_async = works is not None
+            works = list(works) if isinstance(works, (list, tuple)) else [works]
+            while works:  # each handle dropped once finished: it holds the call's tensors too
+                work = works.pop()
+                if work is not None and hasattr(work, "wait"):
+                    work.wait()
+                del work
+            t0 = time.monotonic()
+            held = False
+            while any(c > b for t, pair in zip(tensors, before) for c, b in zip(count(t), pair)):
+                held = True
+                if time.monotonic() - t0 > self.deadline_s:
+                    self.stats["unsettled"] += 1
+                    break
+                time.sleep(0.0002)
+            self.stats["calls"] += 1
+            self.stats["held"] += held
+            self.stats["max_wait_s"] = max(self.stats["max_wait_s"], round(time.monotonic() - t0, 4))
+            return _Completed() if asked_async else None
+
+        return call
+
+    def __enter__(self) -> GlooSettled:  # noqa: PYI034 - typing.Self needs Python 3.11
+        for name in SETTLED_OPS:
+            if hasattr(self.backend, name):
+                self._originals[name] = getattr(self.backend, name)
+                setattr(self.backend, name, self._wrap(self._originals[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(self.backend, name, original)
+
+
+@contextlib.contextmanager
+def fp16_on_cpu(config: dict):
+    """Run an fp16 ``config`` on the CPU accelerator: yields whether DeepSpeed's capability check was overridden.
+
+    DeepSpeed refuses fp16 on a CPU whose oneDNN has no fp16 kernels (``accelerator/cpu_accelerator.py``
+    ``is_fp16_supported``: AVX512-FP16 or AMX-FP16; ``runtime/engine.py _do_sanity_check`` raises "Type fp16 is
+    not supported on your device."), though torch's own CPU kernels run fp16. For an fp16 config this answers
+    that one question yes for the run, so DeepSpeed's fp16 path runs as written (its optimizer, loss scaler
+    and overflow checks: the allocations and collectives measured); only the kernels are torch's CPU ones."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    wanted = bool(config.get("fp16", {}).get("enabled")) and accelerator.device_name() == "cpu"
+    if not wanted or accelerator.is_fp16_supported():
+        yield False
+        return
+    accelerator.is_fp16_supported = lambda: True
+    try:
+        yield True
+    finally:
+        del accelerator.is_fp16_supported
+
+
+
+
+def runner_changes(row: dict) -> list[str]:
+    """What this runner changed in the DeepSpeed it measured for ``row`` (``ReportRow.runner_changes``)."""
+    out = ["one intra-op thread per rank (OMP_NUM_THREADS=1, validate.harness)"]
+    if row["gloo_settle"] is not None:
+        out.append("collectives made synchronous: each one through deepspeed.comm's backend waits for its work "
+                   "and for gloo to let go of its tensors, and an asynchronous caller gets a finished handle "
+                   "(GlooSettled)")  # fmt: skip
+    else:
+        out.append("collectives left asynchronous: DeepSpeed's own handles (no GlooSettled)")
+    out.append("Python's cyclic garbage collector off while measuring, gc.collect() at every phase boundary, "
+               "objects from before the run frozen (measure)")  # fmt: skip
+    if row.get("fp16_capability_overridden"):
+        out.append("fp16 capability answered yes on CPU (accelerator is_fp16_supported; fp16_on_cpu)")
+    if row.get("zero_init"):
+        out.append("torch.nn.functional.linear restored after the run (zero.Init's zero3_linear_wrap; build_model)")
+    out.append("deepspeed_shm_comm (TorchBackend.inference_all_reduce only) marked incompatible: never built")
+    return out

@@ -1,0 +1,173 @@
+"""The parent's side of the DeepSpeed runner: start its ranks through ``validate.harness``, compare with the
+profile (``zeroplan.engines.deepspeed``) through ``validate.compare``, build the report. No DeepSpeed here.
+
+The ranks (``validate.engines.deepspeed``) run under the same harness as the other engines' (torchrun behind
+``validate.launch``, a lifeline to the parent, the run's marker, a timeout, SIGTERM/SIGHUP/SIGINT cleanup).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+from validate.compare import RING_OPS, Prediction, Readings, finish
+from validate.compare import compare as compare_rows
+
+DEFAULT_STEPS = 2
+PHASE_OF = {"optimizer step": "optimizer_step"}
+"""The profile's phase names (``zeroplan.formulas.collectives``) -> this runner's (``CommCounter.phase``)."""
+
+
+def builtin_configs(stages: tuple[int, ...], dtype: str, micro_batch: int, lr: float) -> list[dict]:
+    """One ds_config per stage at DeepSpeed's defaults, except ``torch_adam: true`` (torch's AdamW: no
+    ``fused_adam`` JIT build, ~3 min on a fresh machine; the profile models both)."""
+    from validate.engines.deepspeed import ds_config
+
+    return [ds_config(s, dtype, micro_batch, lr, optimizer_params={"torch_adam": True}) for s in stages]
+
+
+def run_configs(config, nd: int) -> list[dict]:
+    """The ds_configs ``zeroplan validate --engine deepspeed`` trains at ``nd`` ranks: the user's, its batch
+    written out as DeepSpeed derives it (``zeroplan.engines.deepspeed.ds_batch``; ``--micro-batch`` where
+    the file has no batch key), else the built-in ones."""
+    from zeroplan.engines.deepspeed import ds_batch
+
+    if config.deepspeed_config is None:
+        return builtin_configs(config.stages, config.param_dtype, config.batch_per_rank, config.lr)
+    batch = ds_batch(config.deepspeed_config, nd)
+    fixed = ({"train_micro_batch_size_per_gpu": batch.micro_batch, "gradient_accumulation_steps": batch.grad_accum}
+             if batch else {"train_micro_batch_size_per_gpu": config.batch_per_rank})  # fmt: skip
+    return [{"steps_per_print": 10**9, **config.deepspeed_config, **fixed}]
+
+
+def run_world(
+    configs: list[dict],
+    nd: int,
+    model: str = "gpt-tiny",
+    steps: int = DEFAULT_STEPS,
+    timeout_s: float = 900.0,
+    seq_len: int | None = None,
+    checkpointing: str = "none",
+    runs: list[dict] | None = None,
+    zero_init: bool = False,
+) -> list[list[dict]]:
+    """Run ``configs`` on ``nd`` gloo CPU ranks through ``validate.harness.run_world``; returns
+    rows[rank][config]. ``runs``: per config, a ``model`` and ``checkpointing`` other than the world's (one
+    world's ~30 s of setup shared by several models), ``zero_init``: build under ``deepspeed.zero.Init``
+    (``build_model``), ``hf``: true builds the ``transformers`` model of the ``model`` config.json instead of
+    the validator's (``hf_builder``), ``settle``: false leaves DeepSpeed's collectives asynchronous (no
+    ``GlooSettled``: the engine's own handles). A failed rank or a timeout raises ``RunFailed``."""
+    from validate.config import ValidateConfig
+    from validate.harness import run_world as run_ranks
+
+    config = ValidateConfig(engine="deepspeed", model=model, world_sizes=(nd,), steps=steps, timeout_s=timeout_s,
+                            seq_len=seq_len, checkpointing=checkpointing, zero_init=zero_init,
+                            stages=(3,) if zero_init else None, device="cpu")  # fmt: skip
+    args = ("--configs", json.dumps(configs), *(("--runs", json.dumps(runs)) if runs else ()))
+    _, ranks = run_ranks(config, nd, False, args)
+    return ranks
+
+
+def workload_for(
+    model: str, micro_batch: int, seq_len: int | None, grad_accum: int = 1, checkpointing: str = "none",
+    hf: bool = False,
+):  # fmt: skip
+    """The ``Workload`` the ranks train: the model's shapes (``named_parameters`` order), ``grad_accum``
+    micro-steps of ``micro_batch`` sequences per optimizer step; ``hf``: the transformers model's module tree
+    (a run with ``"hf": true``)."""
+    from validate.models import expected_shapes, spec_for
+    from zeroplan.engines.base import Workload
+
+    spec = spec_for(model, None)
+    return Workload(tuple(expected_shapes(spec)), spec, seq_len or spec.max_seq_len, micro_batch,
+                    checkpointing=checkpointing, grad_accum=grad_accum, transformers=hf)  # fmt: skip
+
+
+def readings(rank_rows: list[dict], nd: int) -> Readings:
+    """What DeepSpeed's ranks measured: model states at the step boundaries after init; collectives from the
+    third step list (the second step: ZeRO-3 records its trace in the first)."""
+    from zeroplan.formulas.peak import PHASES as PEAK_PHASES
+
+    boundaries = [[b for k, b in r["boundary_bytes"].items() if k != "init"] for r in rank_rows]
+    return Readings(
+        states_bytes=max(b[-1] for b in boundaries),
+        steady=all(len(set(b)) == 1 for b in boundaries),
+        peak_bytes_by_phase={p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in PEAK_PHASES},
+        steps=[r["calls_by_step"][k] for r in rank_rows for k in range(2, len(r["calls_by_step"]))],
+        last_step=rank_rows[0]["calls_by_step"][-1],
+        setup_calls=rank_rows[0]["calls_by_step"][0],
+        nd=nd,
+    )
+
+
+def compare_row(
+    ds: dict,
+    nd: int,
+    rank_rows: list[dict],
+    workload,
+    model_label: str,
+    tolerance: float,
+    peak_tolerance: float,
+    seq_len: int | None = None,
+) -> dict:
+    """One ``ReportRow`` (validate/schema.py): ``zeroplan.engines.deepspeed.estimate`` for ``ds`` next to what
+    every rank measured (``validate.compare``); DeepSpeed's own estimator beside it."""
+    from dataclasses import replace
+
+    from zeroplan.engines import deepspeed as D
+
+    # how the ranks built the model, passed explicitly (the profile's default is zero.Init at stage 3)
+    settings = D.Settings.from_ds_config(ds, zero_init=bool(rank_rows[0].get("zero_init", False)))
+    # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32)
+    (est,) = D.estimate(workload, nd, settings, stat_bytes=D.DTYPE_BYTES[settings.dtype])
+    numels = tuple(math.prod(sh) for _, sh in workload.shapes)
+    collectives = tuple(replace(c, phase=PHASE_OF.get(c.phase, c.phase)) for c in est.collectives)
+    # the profile predicts the ring collectives (DeepSpeed's scalar all-reduces are reported, not checked)
+    row = compare_rows(Prediction(est, collectives, ops=RING_OPS), readings(rank_rows, nd), tolerance, peak_tolerance)
+    ds_est = D.ds_estimate_bytes(settings, numels, nd)
+    peak = row["measured_peak_bytes"]
+    step_s = [t for r in rank_rows for t in r["step_s"][1:]] or [t for r in rank_rows for t in r["step_s"]]
+    return finish({
+        **row, "world_size": nd, "mode": "real", "backend": "gloo", "device": "cpu",
+        "model": model_label, "psi": sum(numels), "engine": "deepspeed",
+        "runner_changes": rank_rows[0].get("runner_changes", []),
+        "adam_step_bytes": 0,  # a profile term (``step scalars``), not an excess
+        "probe_breakdown": rank_rows[0]["probe_breakdown"],
+        "checkpointing": workload.checkpointing, "seq_len": seq_len, "micro_batch": workload.micro_batch,
+        "foreach": settings.foreach, "parity": None,
+        "seconds": max(sum(r["step_s"]) for r in rank_rows),
+        "step_time_s": {"probed": statistics.median(step_s), "unprobed": 0.0, "unprobed_steps": 0},
+        "wire_bytes_per_rank": None, "profiler_comms": None, "wire_to_derived": None,
+        "deepspeed_estimator_bytes": ds_est, "deepspeed_estimator_rel_error": (peak - ds_est) / peak,
+    }, None)  # fmt: skip
+
+
+def run_validation(config) -> dict:
+    """``zeroplan validate --engine deepspeed``: every world size of ``config`` through real DeepSpeed, under
+    ``validate.harness.run_matrix`` (the ranks derive their ds_configs with ``run_configs``)."""
+    from validate.harness import run_matrix
+    from validate.schema import SCHEMA, ValidationReport
+
+    rows = []
+    worlds = run_matrix(config)
+    for nd, (_, ranks) in zip(config.world_sizes, worlds):
+        for i, ds in enumerate(run_configs(config, nd)):
+            workload = workload_for(config.model_name, ds["train_micro_batch_size_per_gpu"], config.seq_len,
+                                    ds.get("gradient_accumulation_steps", 1), config.checkpointing)  # fmt: skip
+            rows.append(compare_row(ds, nd, [r[i] for r in ranks], workload, config.model_label, config.tolerance,
+                                    config.peak_tolerance, config.seq_len))  # fmt: skip
+    overridden = any(r.get("fp16_capability_overridden") for _, ranks in worlds for r in ranks[0])
+    fp16_note = ("fp16 on a CPU without oneDNN fp16: the runner answered DeepSpeed's capability check "
+                 "(accelerator/cpu_accelerator.py is_fp16_supported) yes, so DeepSpeed's fp16 path ran as "
+                 "written with torch's CPU kernels (validate/engines/deepspeed.py fp16_on_cpu)")  # fmt: skip
+    notes = [
+        "engine deepspeed: predictions from zeroplan.engines.deepspeed (DeepSpeed 0.19.8 profile); "
+        "deepspeed_estimator_bytes is DeepSpeed's own estimate_zero2/3_model_states_mem_needs for the run; "
+        "collectives compared per step from the second (ZeRO-3 records its trace in the first), "
+        "ring ops only.",
+        *([fp16_note] if overridden else []),
+    ]
+    torch_version = worlds[0][1][0][0]["torch"] if worlds else None
+    return ValidationReport(schema_id=SCHEMA, config=config.model_dump(), torch=torch_version, rows=rows,
+                            notes=notes, ok=all(r["ok"] for r in rows)).model_dump(by_alias=True)  # fmt: skip

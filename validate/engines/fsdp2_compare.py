@@ -1,0 +1,129 @@
+"""The parent's side of the FSDP2 runner: the profile's row (``zeroplan.engines.fsdp2``) for each world the
+ranks (``validate.engines.fsdp2``) measured, compared through ``validate.compare``, and the report.
+"""
+
+from __future__ import annotations
+
+from validate.models import spec_for
+
+FAKE_TENSOR_PHASES = {
+    "init": "FakeTensorMode: MemTracker also counts the fake tensors of DTensor's sharding propagation "
+    "(mem_tracker.py:MemTracker.__torch_dispatch__ skips them only when no fake mode was active on entry); "
+    "fully_shard makes DTensor parameters here. Checked with real tensors on the same fake group",
+    "optimizer_step": "FakeTensorMode: Adam runs on DTensor parameters, whose sharding propagation makes fake "
+    "tensors of the global shape that MemTracker counts (same cause as init). Checked with real tensors",
+}
+
+
+def predicted_run(config, meta: dict, rank: int = 0):
+    """The FSDP2 profile's estimate of ``rank`` in this world (rank 0 holds the most between steps: padding is
+    at the end; a rank with padding re-pads its shards at a meta-device init)."""
+    from validate.engines.fsdp2 import Fsdp2Settings
+    from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
+    from zeroplan.engines import fsdp2 as profile
+    from zeroplan.engines.base import Workload
+
+    spec = spec_for(config.model_name, config.params)
+    if not isinstance(spec, TransformerSpec):
+        raise ValueError(f"model {config.model_label}: --engine fsdp2 validates transformers only")
+    settings = Fsdp2Settings.from_validate(config)
+    cuda = str(meta["device"]).startswith("cuda")
+    workload = Workload(transformer_shapes(spec), spec, settings.seq_len or spec.max_seq_len, settings.batch_per_rank,
+                        config.checkpointing, foreach=bool(config.foreach if config.foreach is not None else cuda))  # fmt: skip
+    engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
+                              reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
+                              backend=meta["backend"], rank=rank, init=settings.init,
+                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))))  # fmt: skip
+    (row,) = profile.estimate(workload, meta["world_size"], engine)
+    return row, engine
+
+
+MESH_TERM = "post-forward mesh ranks"
+"""The profile's name of FSDP2's one persistent term beside the model states (``zeroplan.engines.fsdp2``
+``mesh_ranks``: the post-forward mesh's int32 rank tensor of an int ``reshard_after_forward``)."""
+
+
+def beside_states(predicted) -> tuple:
+    """The terms the profile holds beside the model states after backward, read from its row: those of the
+    optimizer step's moment (live from init on) named ``MESH_TERM``."""
+    (phase,) = (p for p in predicted.peak.phases if p.phase == "optimizer_step")
+    return tuple(t for t in phase.terms if t.name.startswith(MESH_TERM))
+
+
+def runner_changes(meta: dict) -> list[str]:
+    """What this runner changes in the FSDP2 it measures, beyond the probes (``ReportRow.runner_changes``)."""
+    out = ["one intra-op thread per rank (OMP_NUM_THREADS=1, validate.harness)"]
+    if meta["backend"] == "gloo":
+        out.append("gloo's synchronous reduce-scatters and all-gathers return only once the live bytes are steady "
+                   "(gloo_reduce_scatter_settled: timing only; FSDP2's asynchronous calls are left alone)")  # fmt: skip
+    if meta.get("fake_tensors"):
+        out.append("simulated: rank 0 of a fake process group under FakeTensorMode (validate.simulate)")
+    elif meta["backend"] == "fake":
+        out.append("simulated: rank 0 of a fake process group, real tensors (validate.simulate)")
+    return out
+
+
+def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
+    """The report row of one world size (``validate.schema.ReportRow``), through ``validate.compare``."""
+    from validate.compare import Prediction, Readings, finish
+    from validate.compare import compare as compare_rows
+    from validate.tolerances import parity_tolerance
+    from zeroplan.formulas.peak import PHASES as PEAK_PHASES
+
+    nd = meta["world_size"]
+    predicted, _ = predicted_run(config, meta)
+    # the largest of the measured ranks' predictions, phase by phase (what the measured peak takes over them)
+    by_rank = [predicted.peak.by_phase()] + [predicted_run(config, meta, r)[0].peak.by_phase()
+                                             for r in sorted({row["rank"] for row in rank_rows} - {0})]  # fmt: skip
+    # model states = parameters + gradients + Adam: all live after backward from the second step on, beside
+    # FSDP2's own persistent bookkeeping, a named term of the profile (beside_states)
+    readings = Readings(
+        states_bytes=max(r["readings_bytes"]["after_backward"][-1] for r in rank_rows),
+        steady=all(len(set(r["readings_bytes"]["boundary"])) == 1 for r in rank_rows),
+        peak_bytes_by_phase={p: max(r["peak_bytes_by_phase"][p] for r in rank_rows) for p in PEAK_PHASES},
+        steps=[s for r in rank_rows for s in r["calls_by_step"][1:]],
+        last_step=rank_rows[0]["calls_by_step"][-1],
+        setup_calls=rank_rows[0]["calls_by_step"][0],
+        nd=nd,
+        group_sizes=rank_rows[0].get("group_sizes_by_step", [[]])[-1],
+        unchecked_phases={p: why for p, why in FAKE_TENSOR_PHASES.items() if meta.get("fake_tensors")},
+    )
+    prediction = Prediction(predicted, peak_by_phase={p: max(b[p] for b in by_rank) for p in PEAK_PHASES},
+                            beside_states=beside_states(predicted), per_call=True)  # fmt: skip
+    row = compare_rows(prediction, readings, config.tolerance, config.peak_tolerance)
+    parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
+    parity = None
+    if parities:
+        tol = parity_tolerance("fp32", nd, 1, config.lr).grad_rtol
+        worst = max(parities, key=lambda p: p["grad_rel_diff"])
+        parity = {**worst, "grad_rtol": tol, "ok": worst["grad_rel_diff"] <= tol}
+    return finish({
+        **row, "world_size": nd, "mode": "simulated" if config.simulated else "real",
+        "backend": meta["backend"], "device": meta["device"], "model": config.model_label, "psi": config.psi,
+        "engine": "fsdp2", "runner_changes": runner_changes(meta),
+        "adam_step_bytes": max(r["optimizer_state_bytes"].get("step", 0) for r in rank_rows),
+        "probe_breakdown": rank_rows[0]["probe_breakdown"],
+        "checkpointing": config.checkpointing, "seq_len": config.seq_len, "micro_batch": config.batch_per_rank,
+        "foreach": rank_rows[0]["foreach"], "parity": parity,
+        "seconds": max(r["seconds"] for r in rank_rows),
+        "step_time_s": {"probed": max(r["step_time_s"]["probed"] for r in rank_rows),
+                        "unprobed": max(r["step_time_s"]["unprobed"] for r in rank_rows),
+                        "unprobed_steps": rank_rows[0]["step_time_s"]["unprobed_steps"]},
+        "wire_bytes_per_rank": None, "profiler_comms": None, "wire_to_derived": None,
+    }, None if parity is None else parity["ok"])  # fmt: skip
+
+
+def build_report(config, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
+    """The whole ``zeroplan validate --engine fsdp2`` result (``validate.schema.ValidationReport``)."""
+    from validate.report import GLOO_NOTE
+    from validate.schema import SCHEMA, ValidationReport
+
+    rows = [compare(config, meta, [rank_rows[0] for rank_rows in ranks]) for meta, ranks in worlds]
+    notes = [GLOO_NOTE] if any(r["backend"] == "gloo" for r in rows) else []
+    if any(r["peak_unchecked_phases"] for r in rows):
+        notes.append("FakeTensorMode rows: the init and optimizer_step peaks are reported, not checked "
+                     "(peak_unchecked_phases says why); run with --real-tensors to check them")  # fmt: skip
+    report = ValidationReport(schema_id=SCHEMA, config=config.model_dump(),
+                              torch=worlds[0][0].get("torch") if worlds else None, rows=rows, notes=notes,
+                              ok=all(r["ok"] for r in rows))  # fmt: skip
+    return report.model_dump(by_alias=True)

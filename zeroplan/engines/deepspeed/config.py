@@ -1,0 +1,339 @@
+"""The ``ds_config.json`` schema, DeepSpeed **0.19.8**'s: ONE reader and ONE home for the writers.
+
+Reading (``parse_ds_config``; ``from_deepspeed``/``load_deepspeed``/``merge_deepspeed`` for ``zeroplan
+estimate``): the keys that decide model-state memory (``zero_optimization.stage``, ``fp16``/``bf16``,
+``optimizer``, ``data_types.grad_accum_dtype``, ``communication_data_type``), strictly typed, with
+DeepSpeed's defaults; offload is refused with a pointer to ``zeroplan plan``. The engine profile reads the
+same parsed sections (``Settings.from_ds_config``).
+
+Writing: ``to_ds_config`` (the profile's: every key ``Settings.from_ds_config`` reads, so the run is the
+configuration predicted) and ``deepspeed_config`` (the paper planner's launcher: stage, offload, precision,
+buckets). Both spell the batch and precision keys through the same two helpers (``_batch_keys``,
+``_precision_keys``), keys exactly as the DeepSpeed configuration docs spell them. No dependency on
+DeepSpeed: these functions read and build dicts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, validate_call
+
+from zeroplan.files import read_json
+from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
+from zeroplan.formulas.stages import get_stage
+from zeroplan.policy import BF16_MIXED, PrecisionPolicy
+from zeroplan.types import MAX_BATCH, MAX_GPUS, BatchCount, Numel, StageNumber
+
+if TYPE_CHECKING:  # settings.py reads this module's schema: the writer only reads a Settings' fields
+    from zeroplan.engines.deepspeed.settings import Settings
+
+DEFAULT_BUCKET_NUMEL = 500_000_000
+"""Elements per gradient bucket / all-gather call: DeepSpeed's default ``reduce_bucket_size`` and
+``allgather_bucket_size`` (5e8); the plan's latency estimate uses it too."""
+STAGE3_PREFETCH_NUMEL = 50_000_000
+"""DeepSpeed's default ``stage3_prefetch_bucket_size`` (5e7 elements)."""
+NVME_PATH = "/local_nvme"
+"""Placeholder mount point for ZeRO-Infinity; replace with a local NVMe path."""
+
+# DeepSpeed optimizer types (case-insensitive) -> zeroplan optimizer names. DeepSpeed's "Adam" runs
+# AdamW unless adam_w_mode is false; both keep m and v, so the bytes are the same.
+DEEPSPEED_OPTIMIZERS: dict[str, str] = {
+    "adam": "adamw",
+    "adamw": "adamw",
+    "fusedadam": "adamw",
+    "cpuadam": "adamw",
+    "onebitadam": "adamw",
+    "zerooneadam": "adamw",
+    "lamb": "lamb",
+    "onebitlamb": "lamb",
+    "lion": "lion",
+    "sgd": "sgd",
+}
+_DS_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def _enabled(v: object, info: ValidationInfo) -> bool:
+    if v == "auto":
+        raise ValueError("the HF Trainer fills in 'auto'; give true or false")
+    if not isinstance(v, bool):
+        raise ValueError("must be true or false (a JSON boolean, not a string or number)")
+    return v
+
+
+def _number(v: object, info: ValidationInfo) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError("must be a finite JSON number")
+    return v
+
+
+def _flag(v: object, info: ValidationInfo) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError("must be true or false (a JSON boolean)")
+    return v
+
+
+def _elements(v: object, info: ValidationInfo) -> int:
+    """A whole element count >= 0; DeepSpeed's ``pp_int`` fields take 5e8 as well as 500000000."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 0:
+        raise ValueError("must be a whole number of elements >= 0")
+    if v > 10**15:
+        raise ValueError("must be at most 1e15 elements")
+    return int(v)
+
+
+def _text(v: object, info: ValidationInfo) -> str:
+    if not isinstance(v, str):
+        raise ValueError("must be a string")
+    return v
+
+
+Enabled = Annotated[bool, BeforeValidator(_enabled)]
+Number = Annotated[float, BeforeValidator(_number)]
+Text = Annotated[str, BeforeValidator(_text)]
+Flag = Annotated[bool, BeforeValidator(_flag)]
+Elements = Annotated[int, BeforeValidator(_elements)]
+
+
+def _batch(v: object, info: ValidationInfo) -> Optional[int]:
+    """A batch key: a JSON integer >= 1 (``train_batch_size`` up to MAX_BATCH · MAX_BATCH · MAX_GPUS), or
+    ``"auto"``, which the HF Trainer fills in from its own arguments: here the command line's (None)."""
+    if v is None or v == "auto":
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError("must be a whole number >= 1 (a JSON integer)")
+    if v > MAX_BATCH * (MAX_BATCH * MAX_GPUS if info.field_name == "train_batch_size" else 1):
+        raise ValueError(f"must be at most {MAX_BATCH * (MAX_BATCH * MAX_GPUS if info.field_name == 'train_batch_size' else 1)}")
+    return v
+
+
+BatchKey = Annotated[Optional[int], BeforeValidator(_batch)]
+
+
+class _Section(BaseModel):
+    """A section of ``ds_config.json``: the keys zeroplan reads are typed strictly; DeepSpeed's many
+    other keys are allowed and not read."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+
+
+class _Switch(_Section):
+    enabled: Enabled = False
+    """``fp16.enabled`` / ``bf16.enabled``; DeepSpeed's default is false."""
+
+
+class _OffloadSection(_Section):
+    device: Optional[Text] = "none"
+
+
+class _Zero(_Section):
+    stage: object = 0
+    """checked by the stage table (``get_stage``), whose message names the key."""
+    offload_optimizer: Optional[_OffloadSection] = None
+    offload_param: Optional[_OffloadSection] = None
+    # read by the engine profile (``Settings.from_ds_config``); None: DeepSpeed's default
+    reduce_bucket_size: Optional[Elements] = None
+    allgather_bucket_size: Optional[Elements] = None
+    contiguous_gradients: Optional[Flag] = None
+    overlap_comm: Optional[Flag] = None
+    reduce_scatter: Optional[Flag] = None
+    use_multi_rank_bucket_allreduce: Optional[Flag] = None
+    stage3_prefetch_bucket_size: Optional[Elements] = None
+    stage3_param_persistence_threshold: Optional[Elements] = None
+    stage3_max_live_parameters: Optional[Elements] = None
+    stage3_max_reuse_distance: Optional[Elements] = None
+
+
+class _DataTypes(_Section):
+    grad_accum_dtype: Optional[Text] = None
+
+
+class _OptimizerParams(_Section):
+    momentum: Number = 0
+    """SGD momentum; 0 (DeepSpeed's and torch's default) keeps no momentum buffer."""
+    torch_adam: Optional[Flag] = None
+    adam_w_mode: Optional[Flag] = None
+    foreach: Optional[Flag] = None
+
+
+class _Optimizer(_Section):
+    type: Text = ""
+    params: _OptimizerParams = _OptimizerParams()
+
+
+class DeepSpeedConfig(_Section):
+    """The keys of a ``ds_config.json`` that decide model-state memory, with DeepSpeed's defaults."""
+
+    zero_optimization: _Zero = _Zero()
+    fp16: _Switch = _Switch()
+    bf16: _Switch = _Switch()
+    bfloat16: _Switch = _Switch()
+    """the older spelling of ``bf16``."""
+    data_types: _DataTypes = _DataTypes()
+    communication_data_type: Optional[Text] = None
+    optimizer: Optional[_Optimizer] = None
+    train_batch_size: BatchKey = None
+    train_micro_batch_size_per_gpu: BatchKey = None
+    gradient_accumulation_steps: BatchKey = None
+
+
+def _ds_error(exc: ValidationError) -> ValueError:
+    """The first error of a ``DeepSpeedConfig`` as one line naming the key, e.g.
+    "deepspeed config: fp16.enabled='false': must be true or false (...)"."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return ValueError(f"deepspeed config: {loc!r} must be an object")
+    if isinstance(err.get("input"), (str, int, float, bool, type(None))):
+        return ValueError(f"deepspeed config: {loc}={err['input']!r}: {msg}")
+    return ValueError(f"deepspeed config: {loc}: {msg}")
+
+
+def _ds_dtype(value: str, key: str) -> str:
+    if value.lower() not in _DS_DTYPES:
+        raise ValueError(f"deepspeed config: {key}={value!r}: expected one of fp32, fp16, bf16")
+    return _DS_DTYPES[value.lower()]
+
+
+def parse_ds_config(config: object) -> "DeepSpeedConfig":
+    """The sections of a parsed ds_config.json that zeroplan reads, strictly typed; ValueError (one line
+    naming the key) for anything else than a JSON object of the documented types."""
+    if not isinstance(config, dict):
+        raise ValueError("deepspeed config: expected a JSON object")
+    try:
+        return DeepSpeedConfig.model_validate(config)
+    except ValidationError as exc:
+        raise _ds_error(exc) from None
+
+
+def from_deepspeed(config: object) -> dict:
+    """Planner settings (``stage`` and ``PrecisionPolicy`` fields) from a parsed DeepSpeed config."""
+    ds = parse_ds_config(config)
+    zero = ds.zero_optimization
+    for key in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, key)
+        device = section.device if section is not None else None
+        if device not in ("none", None):
+            raise ValueError(
+                f"deepspeed config: zero_optimization.{key}.device={device!r}: `zeroplan estimate` models "
+                "GPU-resident states; use `zeroplan plan --offload cpu|nvme` for offload"
+            )
+    stage = get_stage(zero.stage, "deepspeed config: zero_optimization.stage").number
+
+    fp16, bf16 = ds.fp16.enabled, ds.bf16.enabled or ds.bfloat16.enabled
+    if fp16 and bf16:
+        raise ValueError("deepspeed config: fp16.enabled and bf16.enabled are both true")
+    param_dtype = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    settings: dict = {"stage": stage, "param_dtype": param_dtype}
+
+    grad_dtype = ds.data_types.grad_accum_dtype or ds.communication_data_type
+    if grad_dtype is not None:
+        settings["grad_dtype"] = _ds_dtype(grad_dtype, "grad_accum_dtype/communication_data_type")
+
+    optimizer = ds.optimizer
+    if optimizer is not None and config["optimizer"]:  # an empty section is no optimizer
+        kind = optimizer.type.lower()
+        if kind not in DEEPSPEED_OPTIMIZERS:
+            known = ", ".join(sorted(DEEPSPEED_OPTIMIZERS))
+            raise ValueError(f"deepspeed config: optimizer.type={optimizer.type!r}: expected one of {known}")
+        name = DEEPSPEED_OPTIMIZERS[kind]
+        if name == "sgd" and optimizer.params.momentum:
+            name = "sgd-momentum"
+        settings["optimizer"] = name
+    return settings
+
+
+def load_deepspeed(path: str | Path) -> dict:
+    """``from_deepspeed`` of a JSON file; ValueError with one line when it is missing or malformed."""
+    return from_deepspeed(read_json(path, "deepspeed config"))
+
+
+def merge_deepspeed(path: str | Path, given: dict) -> dict:
+    """``given`` settings (stage and policy fields the user set) completed from a DeepSpeed config file.
+
+    ValueError when an option contradicts the file: the user meant one of them, and guessing which
+    would print a number for a run that does not exist.
+    """
+    from_file = load_deepspeed(path)
+    clash = sorted(k for k in from_file if k in given and given[k] != from_file[k])
+    if clash:
+        raise ValueError(f"--{clash[0].replace('_', '-')} contradicts the DeepSpeed config; drop one of them")
+    return given | from_file
+
+
+def _offload_block(device: str) -> dict:
+    block: dict = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        block["nvme_path"] = NVME_PATH
+    return block
+
+
+def _batch_keys(micro_batch: int, grad_accum: int) -> dict:
+    """The batch as DeepSpeed's config docs spell it (``train_batch_size`` left to DeepSpeed to derive)."""
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum}
+
+
+def _precision_keys(dtype: str) -> dict:
+    """``{"bf16": {"enabled": true}}`` or fp16's; nothing for fp32 (DeepSpeed's default)."""
+    return {dtype: {"enabled": True}} if dtype in ("bf16", "fp16") else {}
+
+
+@validate_call(config=ConfigDict(arbitrary_types_allowed=True))
+def deepspeed_config(
+    stage: StageNumber,
+    offload: Offload = NO_OFFLOAD,
+    micro_batch: BatchCount = 1,
+    grad_accum: BatchCount = 1,
+    policy: PrecisionPolicy = BF16_MIXED,
+    bucket_numel: Numel = DEFAULT_BUCKET_NUMEL,
+) -> dict:
+    """A DeepSpeed config dict for ``stage`` and ``offload`` (dump it with ``json.dumps``): the paper
+    planner's launcher (``zeroplan.planning.plan``), stages 0-3 and offload, DeepSpeed's recommended keys."""
+    check_offload(stage, offload)
+    zero: dict = {"stage": stage}
+    if stage >= 1:
+        zero.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=bucket_numel)
+    if stage in (1, 2):
+        zero.update(allgather_partitions=True, allgather_bucket_size=bucket_numel, reduce_scatter=True)
+    if stage == 3:
+        zero.update(
+            stage3_prefetch_bucket_size=STAGE3_PREFETCH_NUMEL,
+            stage3_param_persistence_threshold=100_000,
+            stage3_max_live_parameters=1_000_000_000,
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
+    if offload.optimizer != "none":
+        zero["offload_optimizer"] = _offload_block(offload.optimizer)
+    if offload.params != "none":
+        zero["offload_param"] = _offload_block(offload.params)
+    return {**_batch_keys(micro_batch, grad_accum), **_precision_keys(policy.param_dtype), "zero_optimization": zero}
+
+
+def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict:
+    """The ds_config.json that ``Settings.from_ds_config`` reads back as ``s``: every key the profile
+    reads is written, so the run is the configuration that was predicted."""
+    zero: dict = {"stage": s.stage, "reduce_bucket_size": s.reduce_bucket_size,
+                  "allgather_bucket_size": s.allgather_bucket_size, "contiguous_gradients": s.contiguous_gradients,
+                  "reduce_scatter": s.reduce_scatter, "use_multi_rank_bucket_allreduce": s.use_multi_rank_bucket_allreduce}
+    if s.overlap_comm is not None:  # absent: DeepSpeed resolves it by stage (config.py overlap_comm_valid)
+        zero["overlap_comm"] = s.overlap_comm  # fmt: skip
+    if s.stage == 3:
+        zero.update(stage3_prefetch_bucket_size=s.prefetch_bucket_size,
+                    stage3_param_persistence_threshold=s.param_persistence_threshold,
+                    stage3_max_live_parameters=s.max_live_parameters,
+                    stage3_max_reuse_distance=s.max_reuse_distance)  # fmt: skip
+    params: dict = {"torch_adam": s.torch_adam, "adam_w_mode": s.adam_w_mode}
+    if s.foreach is not None:
+        params["foreach"] = s.foreach
+    config: dict = {
+        **_batch_keys(micro_batch, grad_accum),
+        "optimizer": {"type": "AdamW" if s.optimizer == "adamw" else "Adam", "params": params},
+        "zero_optimization": zero,
+        **_precision_keys(s.dtype),
+    }
+    if s.grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": s.grad_accum_dtype}
+    return config

@@ -1,0 +1,259 @@
+"""ZeRO-3's ``PartitionedParameterCoordinator`` (runtime/zero/partitioned_param_coordinator.py, 0.19.8)
+replayed over a module trace (``trace.py``): which parameters are gathered after each hook, the flat buffers
+of coalesced all-gathers still open, and every all-gather call."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from functools import lru_cache
+
+from zeroplan.engines.deepspeed.trace import FETCH, Stage3Trace
+
+@dataclass(frozen=True)
+class Stage3Gather:
+    """One all-gather of the coordinator (partition_parameters.py ``all_gather_coalesced``): the parameters it
+    gathers (indices), the event that issued it (a module's own fetch or the prefetch after it), its elements
+    (the output: each parameter padded to N_d) and the event whose wait popped its last parameter from the
+    inflight registry (its flat buffer, if coalesced, is freed there; -1: still in flight at the end)."""
+
+    params: tuple[int, ...]
+    issued: int
+    elements: int
+    popped: int
+
+
+@dataclass(frozen=True)
+class Stage3Schedule:
+    """What ``stage3_schedule`` found for one steady-state micro-step (elements, on one rank).
+
+    ``gathered[i]``: gathered non-persistent parameter elements after event ``i`` (each parameter's own
+    tensor, plus the flat buffer of a coalesced all-gather while one of its parameters is still waiting in
+    the inflight registry); ``high[i]``: the most during the event. ``regathered``: parameters all-gathered
+    in backward (indices). Calls and elements of the all-gathers, forward and backward, elements as the
+    output tensor (each parameter padded to N_d)."""
+
+    gathered: tuple[int, ...]
+    high: tuple[int, ...]
+    forward_peak: int
+    backward_peak: int
+    regathered: tuple[int, ...]
+    forward_calls: int
+    forward_elements: int
+    backward_calls: int
+    backward_elements: int
+    buffers: tuple[int, ...] = ()
+    """``buffers[i]``: the part of ``gathered[i]`` that is flat buffers of coalesced all-gathers still open (their
+    parameters were copied out at the first wait; the buffer lives until the registry pops the last one)."""
+    gathers: tuple[Stage3Gather, ...] = ()
+    """every all-gather call, in order."""
+
+    def event(self, trace: Stage3Trace, mark: str) -> int:
+        """The first event of ``mark``'s span after which the most is gathered."""
+        first, last = trace.span(mark)
+        return max(range(first, last + 1), key=lambda i: (self.gathered[i], -i))
+
+    def at(self, trace: Stage3Trace, mark: str) -> int:
+        """The most gathered after any event of ``mark``'s span."""
+        return self.gathered[self.event(trace, mark)]
+
+
+def stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, persistence_threshold: int,
+                    prefetch_bucket_size: int, max_live_parameters: int, max_reuse_distance: int) -> Stage3Schedule:
+    """Replay partitioned_param_coordinator.py ``PartitionedParameterCoordinator`` (0.19.8) over ``trace``."""
+    return _stage3_schedule(trace, numels, nd, persistence_threshold, prefetch_bucket_size, max_live_parameters,
+                            max_reuse_distance)  # fmt: skip
+
+
+NOT_AVAILABLE, INFLIGHT, AVAILABLE = 0, 1, 2
+"""partition_parameters.py ``ZeroParamStatus``."""
+
+
+@dataclass
+class _Handle:
+    """An ``all_gather_coalesced`` handle: its parameters, its flat buffer's elements (0: one parameter,
+    ``_all_gather_sequential``, whose buffer is the parameter), how many still wait in the registry, and
+    whether its first wait has run (``wait()`` copies every parameter out of the flat buffer)."""
+
+    params: list[int]
+    flat: int
+    waiting: int
+    done: bool = False
+
+
+class Coordinator:
+    """One rank's ``PartitionedParameterCoordinator`` at the steady state: the parameter order recorded by
+    the first step (``record_module``/``record_parameters``) replayed as a prefetch queue, with the memory
+    gathered counted in elements (each parameter's own tensor, plus open coalesced flat buffers)."""
+
+    def __init__(self, trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: int, bucket: int,
+                 max_live: int, max_reuse: int) -> None:
+        self.modules, self.numels, self.bucket = trace.modules, numels, bucket
+        self.max_live, self.max_reuse = max_live, max_reuse
+        self.persist = [n <= threshold for n in numels]  # parameter_offload.py mark_persistent_parameters
+        self.padded = [-(-n // nd) * nd for n in numels]  # _all_gather_sequential buffer / _all_gather_dtype share
+        order = [e.module for e in trace.events if e.op == FETCH]  # record_module: __submodule_order
+        # record_parameters: __param_order, each module's parameters sorted by ds_id, with the step it is used at
+        self.queue = [(p, step) for step, m in enumerate(order) for p in sorted(set(trace.modules[m]))]
+        self.uses: dict[int, list[int]] = {}
+        for step, m in enumerate(order):
+            for p in set(trace.modules[m]):
+                self.uses.setdefault(p, []).append(step)
+        self.before = [0]  # elements of the modules before step k (__params_to_release counts every parameter)
+        for m in order:
+            self.before.append(self.before[-1] + sum(numels[p] for p in trace.modules[m]))
+        self.status = [AVAILABLE if self.persist[p] else NOT_AVAILABLE for p in range(len(numels))]
+        self.active: list[set[int]] = [set() for _ in numels]  # ds_active_sub_modules
+        self.fetched_for = [-(10**10)] * len(numels)  # __most_recent_step_id_param_fetched_for
+        self.own = [0] * len(numels)  # elements a gathered parameter holds
+        self.registry: dict[int, int] = {}  # __inflight_param_registry: parameter -> handle
+        self.handles: list[_Handle] = []
+        self.issued: list[list] = []  # per call: [params, event, elements, popped]
+        self.calls = {True: [0, 0], False: [0, 0]}  # forward phase?: [calls, elements]
+        self.regathered: list[int] = []
+        self.step = self.next_in_queue = 0
+        self.avail = self.mem = self.high = self.flat = self.event = 0  # elements; the event being replayed
+
+    def grow(self, n: int) -> None:
+        self.mem += n
+        self.high = max(self.high, self.mem)
+
+    def all_gather(self, params, forward: bool) -> None:
+        """__all_gather_params_ -> all_gather_coalesced; ``forward``: the phase the call is counted in."""
+        todo = sorted(p for p in params if self.status[p] == NOT_AVAILABLE)
+        if not todo:
+            return
+        elements = sum(self.padded[p] for p in todo)
+        self.avail += sum(self.numels[p] for p in todo)
+        self.calls[forward][0] += 1
+        self.calls[forward][1] += elements
+        if not forward:
+            self.regathered.extend(todo)
+        hid = len(self.handles)
+        self.issued.append([tuple(todo), self.event, elements, -1])
+        if len(todo) == 1:  # _all_gather_sequential: param.data is the padded buffer
+            self.own[todo[0]] = self.padded[todo[0]]
+            self.grow(self.padded[todo[0]])
+            self.handles.append(_Handle(todo, 0, 1))
+        else:  # _all_gather_dtype: one flat buffer; wait() copies each parameter out (torch.cat)
+            self.grow(elements)
+            self.flat += elements
+            self.handles.append(_Handle(todo, elements, len(todo)))
+        for p in todo:
+            self.status[p], self.registry[p] = INFLIGHT, hid
+
+    def wait(self, p: int) -> None:
+        """fetch_sub_module: ``__inflight_param_registry.pop(param).wait()``."""
+        if p not in self.registry:
+            return
+        hid = self.registry.pop(p)
+        h = self.handles[hid]
+        if not h.done:
+            h.done = True
+            for q in h.params:
+                self.status[q] = AVAILABLE
+                if h.flat:
+                    self.own[q] = self.numels[q]
+                    self.grow(self.numels[q])
+        h.waiting -= 1
+        if h.waiting == 0:
+            self.issued[hid][3] = self.event
+            self.mem -= h.flat
+            self.flat -= h.flat
+
+    def free(self, p: int) -> None:
+        """__release_param."""
+        if self.status[p] == AVAILABLE and not self.active[p] and not self.persist[p]:
+            self.status[p] = NOT_AVAILABLE
+            self.mem -= self.own[p]
+            self.avail -= self.numels[p]
+
+    def to_release(self, m: int) -> set[int]:
+        """__params_to_release: module ``m``'s parameters not reused within ``max_reuse`` elements."""
+        out, step = set(), self.step
+        for p in set(self.modules[m]):
+            if self.persist[p] or self.fetched_for[p] > step:  # "reuse skipped by prefetch"
+                continue
+            uses = self.uses[p]
+            k = bisect.bisect_left(uses, step)  # its next use in __submodule_order[step_id:]
+            if k < len(uses) and self.before[uses[k]] - self.before[step] < self.max_reuse:
+                continue
+            out.add(p)
+        return out
+
+    def pop_expected(self, params: set[int]) -> None:
+        """fetch_sub_module: the module's own parameters leave the head of the queue."""
+        expected = {p for p in params if self.fetched_for[p] < self.step}
+        popped = set()
+        while self.next_in_queue < len(self.queue) and len(popped) < len(expected):
+            p, used_at = self.queue[self.next_in_queue]
+            self.next_in_queue += 1
+            self.fetched_for[p] = used_at
+            popped.add(p)
+        if popped != expected:
+            raise ValueError(f"ZeRO-3 trace: step {self.step} expected {sorted(expected)} next in the queue, "
+                             f"got {sorted(popped)}")  # fmt: skip
+
+    def prefetch(self, forward: bool) -> None:
+        """fetch_sub_module: up to ``stage3_prefetch_bucket_size`` elements (and ``max_live_parameters``) of
+        the queue, gathered in one call."""
+        limit = min(self.max_live - self.avail, self.bucket)
+        chosen: set[int] = set()
+        numel = 0
+        while self.next_in_queue < len(self.queue) and numel < limit:
+            p, used_at = self.queue[self.next_in_queue]
+            self.next_in_queue += 1
+            if self.status[p] == NOT_AVAILABLE and p not in chosen:
+                chosen.add(p)
+                numel += self.numels[p]
+            self.fetched_for[p] = max(self.fetched_for[p], used_at)
+        if numel:
+            self.all_gather(chosen, forward)
+
+    def fetch(self, m: int, forward: bool) -> None:
+        """fetch_sub_module; ``forward``: the phase (calls counted there)."""
+        params = set(self.modules[m])
+        self.all_gather(params, forward)
+        for p in params:
+            self.active[p].add(m)
+            self.wait(p)
+        self.pop_expected(params)
+        if self.bucket > 0:
+            self.prefetch(forward)
+        self.step += 1
+
+    def release(self, m: int) -> None:
+        """release_sub_module."""
+        drop = self.to_release(m)
+        for p in set(self.modules[m]):
+            self.active[p].discard(m)
+            if p in drop:
+                self.free(p)
+
+    def replay(self, trace: Stage3Trace) -> Stage3Schedule:
+        """Every event of ``trace`` in order, and what was gathered after each."""
+        gathered, high, buffers = [], [], []
+        forward_peak = backward_peak = 0
+        for i, e in enumerate(trace.events):
+            self.high, self.event = self.mem, i
+            if e.op == FETCH:
+                self.fetch(e.module, not e.backward_phase)
+            else:
+                self.release(e.module)
+            gathered.append(self.mem)
+            high.append(self.high)
+            buffers.append(self.flat)
+            if not e.backward_phase:
+                forward_peak = max(forward_peak, self.high)
+            else:
+                backward_peak = max(backward_peak, self.high)
+        return Stage3Schedule(tuple(gathered), tuple(high), forward_peak, backward_peak, tuple(self.regathered),
+                              *self.calls[True], *self.calls[False], tuple(buffers),
+                              tuple(Stage3Gather(*g) for g in self.issued))  # fmt: skip
+
+
+@lru_cache(maxsize=256)
+def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: int, bucket: int,
+                     max_live: int, max_reuse: int) -> Stage3Schedule:
+    """``stage3_schedule`` (cached: the planner asks for the same schedule at every candidate)."""
+    return Coordinator(trace, numels, nd, threshold, bucket, max_live, max_reuse).replay(trace)

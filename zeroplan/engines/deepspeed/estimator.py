@@ -1,0 +1,25 @@
+"""DeepSpeed's own model-state estimators, restated: shown beside the prediction (``zeroplan estimate``'s
+"DeepSpeed's estimator" column), never used for it."""
+
+from __future__ import annotations
+
+from zeroplan.engines.deepspeed.settings import Settings
+
+def ds_estimate_zero2_bytes(psi: int, nd: int) -> int:
+    """DeepSpeed's own ZeRO-2 estimate per GPU, no offload: 2Ψ + 18Ψ/N_d (runtime/zero/stage_1_and_2.py
+    ``estimate_zero2_model_states_mem_needs``); shown beside the prediction, never used for it."""
+    return 2 * psi + int(18 * psi / nd)
+
+
+def ds_estimate_zero3_bytes(psi: int, largest_layer_numel: int, nd: int) -> int:
+    """DeepSpeed's own ZeRO-3 estimate per GPU, no offload: 4·largest layer + 18Ψ/N_d
+    (runtime/zero/stage3.py ``estimate_zero3_model_states_mem_needs``)."""
+    return 4 * largest_layer_numel + int(18 * psi / nd)
+
+
+def ds_estimate_bytes(s: Settings, numels: tuple[int, ...], nd: int) -> int:
+    """DeepSpeed's own estimator for this run: the one of the file of its wrapper (ZeRO-1 has none: DeepSpeed's
+    ZeRO-2 one is shown)."""
+    if s.stage == 3:  # stage3.py estimate_zero3_model_states_mem_needs_all_live; else stage_1_and_2.py's
+        return ds_estimate_zero3_bytes(sum(numels), max(numels), nd)
+    return ds_estimate_zero2_bytes(sum(numels), nd)

@@ -1,0 +1,185 @@
+"""The moments of a DeepSpeed training step that every optimizer wrapper shares: the model's 16-bit cast,
+the forward (blocks, LM head, loss), the start of backward (loss, LM head, last block) and the inner Adam's
+update; each wrapper (``zero12.py``, ``bf16.py``, ``zero3.py``) adds its own moments through
+``DSRun.wrapper``, so no function here asks which wrapper or stage runs."""
+
+from __future__ import annotations
+
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
+from zeroplan.engines.deepspeed.settings import inner_optimizer_class
+from zeroplan.engines.deepspeed.terms import flat_padded_numel
+from zeroplan.formulas.peak import Moment, Term
+
+
+def cast_moments(run: DSRun) -> tuple[Moment, ...]:
+    """The model's 16-bit cast in ``deepspeed.initialize``, tensor by tensor (none in fp32, none when
+    ``deepspeed.zero.Init`` built it in the config's dtype)."""
+    s, numels = run.settings, run.numels
+    p, psi = _pbytes(run), sum(numels)
+    # engine.py _configure_distributed_model -> _cast_module_mixed_precision: zero.Init built the model in the
+    # config's dtype already (is_zero_init_model: no cast), else p.data.to(dtype), tensor by tensor
+    if s.dtype == "fp32" or s.builds_partitioned:
+        return ()
+    # nn.Module._apply converts one parameter at a time: the fp32 ones not yet converted plus the 16-bit ones
+    done, worst = 0, 0
+    for n in numels:
+        worst = max(worst, (psi - done) * 4 + (done + n) * p)
+        done += n
+    return (Moment("init", "16-bit cast of the model", (
+        Term("fp32 model as built and its 16-bit copies so far", worst,
+             "runtime/engine.py _configure_distributed_model (module.to(dtype)) -> torch nn.Module._apply"),)),)  # fmt: skip
+
+
+def flatten_moment(run: DSRun) -> Moment:
+    """ZeRO-1/2 and BF16_Optimizer: the 16-bit group copied into one padded flat buffer (the model's tensors
+    are repointed into it afterwards)."""
+    p, psi, flat = _pbytes(run), sum(run.numels), flat_padded_numel(run.numels, run.nd)
+    src = "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__"
+    return Moment("init", "flatten the 16-bit group", (
+        Term("model parameters (before repointing into the flat buffer)", psi * p, "runtime/engine.py _configure_distributed_model"),
+        Term("alignment padding", (flat - psi) * p, f"{src} (flatten_dense_tensors_aligned)"),
+        Term("16-bit flat parameters", flat * p, f"{src} (bit16_groups_flat)")))  # fmt: skip
+
+
+def init_moments(run: DSRun) -> tuple[Moment, ...]:
+    """``deepspeed.initialize``: the 16-bit cast, the flat copy (ZeRO-1/2), the optimizer's partitions; the
+    model's build under ``deepspeed.zero.Init`` (``zero_init_moments``) when the settings say so."""
+    return run.wrapper.init_moments(run)
+
+
+def forward_moments(run: DSRun) -> tuple[Moment, ...]:
+    """Each block, the LM head and the loss (validate/transformer.py CausalLM.forward, loss), on top of the
+    model states after a step (the peak of a phase is the largest over steps).
+
+    A block's moment, with the blocks before it saved: its output (after its MLP output projection, the block's
+    last module, is fetched) or, checkpointed, its MLP's no-grad peak (after the input projection is fetched,
+    before the output projection: activation_terms.py, the MLP's term of the working set). At ZeRO-3 what is
+    gathered then is read off the replayed coordinator at that fetch (``stage3_schedule``; the trace's marks
+    ``block j output projection`` / ``block j MLP input``), the open coalesced buffers apart; below stage 3
+    only the last block's moment can be the largest. Without checkpointing a block also peaks while its output
+    projection is fetched: its saved activations are all made (the projection's input is the last), its
+    output and the projection's not yet, and a coalesced buffer whose last parameter is that projection's is
+    still open until the fetch's wait."""
+    acts, blk, L, sched = run.acts, run.acts.block, run.acts.n_layer, _schedule(run)
+    base = (*_states(run), *run.wrapper.held_between_micro_steps(run),
+            _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
+    # the coordinator's moment per block where it replays a trace with per-block marks (ZeRO-3)
+    staged = sched is not None and f"block {L - 1} output projection" in dict((m, f) for m, f, _ in run.trace.marks)
+
+    def block(j: int) -> tuple[Moment, ...]:
+        name = "last block" if j == L - 1 else f"block {j}"
+        if run.checkpointing != "none":
+            held = (_blocks_saved(run, j), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+            return (Moment("forward", name, (*base, *_gathered(run, sched, f"block {j} MLP input" if staged
+                                                                else "last block forward"), *held)),)  # fmt: skip
+        done = (_blocks_saved(run, j + 1), _act("block output and last op's output", blk.forward_extra, 2))
+        if not staged:
+            return (Moment("forward", name, (*base, *_gathered(run, sched, "last block forward"), *done)),)
+        mark = f"block {j} output projection"
+        before = (_blocks_saved(run, j + 1), _act("block input and residual (not saved)", blk.forward_before_output))
+        return (Moment("forward", f"{name}, output projection fetched", (*base, *_gathered(run, sched, mark, during=True), *before)),
+                Moment("forward", name, (*base, *_gathered(run, sched, mark), *done)))  # fmt: skip
+
+    head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
+    # CausalLM.loss: ``logits = self(tokens).float()``: nothing saves the model-dtype logits, so the fp32 copy
+    # replaces them (in fp32 ``.float()`` returns the same tensor)
+    loss = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved),
+            _act("fp32 logits (loss upcast)", acts.logits_fp32),
+            _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss))  # fmt: skip
+    # the head a module of its own (transformers' lm_head; stage3_trace ``head_module``): while its fetch runs, a
+    # coalesced buffer whose last parameter is the head's is still open (measured: tiny-llama, DeepSpeed's
+    # default prefetch, the root's one call held to lm_head's fetch, +12,544 B over the last block's moment)
+    fetched = () if sched is None or "LM head fetch" not in dict((m, f) for m, f, _ in run.trace.marks) else (
+        Moment("forward", "LM head, its weight fetched", (*base, *_gathered(run, sched, "LM head fetch", during=True),
+               _blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))),)  # fmt: skip
+    return (
+        *(m for j in (range(L) if staged else (L - 1,)) for m in block(j)),
+        *fetched,
+        Moment("forward", "LM head", (*base, *_gathered(run, sched, "LM head forward"), *head)),
+        Moment("forward", "cross-entropy", (*base, *_gathered(run, sched, "forward end"), *loss)),
+    )
+
+
+def backward_moments(run: DSRun) -> tuple[Moment, ...]:
+    """Loss backward, the LM head's, the last block's (with the bucket from the first hook on), then what the
+    wrapper adds (``Wrapper.backward_after_last_block``): each earlier block's first op with what a rank still
+    holds from the later blocks, and the reduction after backward where the wrapper reduces there."""
+    acts, blk, L, p = run.acts, run.acts.block, run.acts.n_layer, _pbytes(run)
+    n_d, sched = acts.embed_out, _schedule(run)
+    base = (*_states(run), *run.wrapper.held_between_micro_steps(run),
+            _act("batch (token ids, targets)", acts.batch, 2),
+            _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss))  # fmt: skip
+    saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
+    out = [
+        Moment("backward", "cross-entropy backward", (*base, *_gathered(run, sched, "forward end"), *saved_all,
+               _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
+               _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2))),
+        Moment("backward", "LM head backward", (*base, *_gathered(run, sched, "LM head backward"), *saved_all,
+               _act("logits gradient", acts.logits),
+               _act("final norm output gradient", n_d),
+               Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"))),
+    ]  # fmt: skip
+    # a wrapper that reduces after backward keeps every gradient autograd makes until then (its
+    # ``keeps_gradients``); a tied head's gradient waits in autograd's input buffer whatever the wrapper
+    keeps = run.wrapper.keeps_gradients(run)
+    held = run.head_numel * (run.tied_head or keeps) + run.final_norm_numel * keeps
+    kept_root = Term("root gradients held (head weight, final norm)", held * p,
+                     "autograd InputBuffer (tied weight); torch autograd param.grad (ZeRO-1)")  # fmt: skip
+    inflight = (_blocks_saved(run, L),)
+    if run.checkpointing != "none":
+        inflight += (_act("recomputed block's saved activations", blk.recomputed),)
+    ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
+    last = (*base, *_gathered(run, sched, "last block backward"), *inflight, _act("incoming activation gradient", n_d),
+            kept_root, _act("block backward working set", ws), *run.wrapper.last_block_bucket(run))  # fmt: skip
+    return (*out, *run.wrapper.backward_after_last_block(run, last, inflight))
+
+
+def later_blocks_held(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
+    """A wrapper reducing after backward (ZeRO-1 without ``overlap_comm``, BF16_Optimizer): autograd's
+    gradients pile up block by block, so block j's first op also holds every later block's (under
+    checkpointing its recomputed activations make it nearly as large as the last block's: measured gpt-tiny,
+    N_d = 4, every rank at block 0)."""
+    if not run.param_blocks:
+        return ()
+    L, out = run.acts.n_layer, []
+    later = [0] * (L + 1)  # later[j]: parameter elements of the blocks after j
+    for n, b in zip(run.numels, run.param_blocks):
+        if 0 < b <= L:
+            later[b - 1] += n
+        elif b > L:
+            later[L] += n
+    for j in range(L - 1, -1, -1):
+        later[j] += later[j + 1]
+    for j in range(L - 1):
+        out.append(Moment("backward", f"block {j} backward, the later blocks' gradients held", (
+            *(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+            Term("gradients of the later blocks (param.grad)", later[j] * _pbytes(run),
+                 "torch autograd AccumulateGrad; runtime/zero/stage_1_and_2.py process_gradients (stage 1 "
+                 "without overlap_comm reduces in reduce_gradients, after backward)"))))  # fmt: skip
+    return tuple(out)
+
+
+def optimizer_moments(run: DSRun) -> tuple[Moment, ...]:
+    """The inner Adam on the fp32 partition: its fp32 gradient (stage_1_and_2.py ``step``:
+    ``single_partition_of_fp32_groups.grad``; stage3.py ``_prepare_fp32_grad_for_sub_group``) and the
+    temporaries of torch's Adam (``_single_tensor_adam``: ``v.sqrt()`` and its quotient; foreach: one),
+    none for FusedAdam (a fused kernel)."""
+    s = run.settings
+    part = run.wrapper.partition_numel(s, run.numels, run.nd)
+    inner = inner_optimizer_class(s)
+    temps = 0 if inner == "FusedAdam" else (1 if run.foreach else 2)
+    return run.wrapper.optimizer_moments(run, part, inner, temps)
+
+
+def adam_update(run: DSRun, part: int, inner: str, temps: int) -> Moment:
+    """ZeRO-1/2 and ZeRO-3: the inner Adam's update, its fp32 gradient and torch Adam's temporaries alive."""
+    return Moment("optimizer_step", f"{inner} update", (*_states(run),
+                  Term("fp32 gradient of the master partition", part * 4,
+                       "runtime/zero/stage_1_and_2.py step / runtime/zero/stage3.py _prepare_fp32_grad_for_sub_group"),
+                  Term(f"{inner} temporaries", temps * part * 4, "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam",
+                       max(temps, 1))))  # fmt: skip
+
+
+def moments(run: DSRun) -> tuple[Moment, ...]:
+    """Every moment of a DeepSpeed training step."""
+    return (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run))

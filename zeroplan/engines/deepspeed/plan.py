@@ -1,0 +1,159 @@
+"""``zeroplan plan --engine deepspeed``: the configurations DeepSpeed's planner tries, the one it recommends,
+each with the ds_config of exactly that prediction (``to_ds_config``), and the planner hooks of the engine
+contract (``planner_settings``, ``planner_policy``, ``planner_plan``, ``planner_block_bytes``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
+from zeroplan.engines.deepspeed.config import to_ds_config
+from zeroplan.engines.deepspeed.profile import estimate
+from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.formulas.commtime import calls_per_optimizer_step
+from zeroplan.policy import PrecisionPolicy
+
+
+BUCKET_CHOICES: tuple[int, ...] = (500_000_000, 200_000_000, 50_000_000, 5_000_000)
+"""Bucket sizes ``recommend`` tries (elements): DeepSpeed's default, then smaller ones as its docs suggest
+for memory-bound runs (``reduce_bucket_size`` / ``allgather_bucket_size``)."""
+
+
+def build_snippet(s: Settings, config_path: str = "ds_config.json") -> Optional[str]:
+    """How to build the model for ``s`` as the profile predicted it: under ``deepspeed.zero.Init`` with the
+    run's ds_config (``Settings.zero_init``; as ``validate/engines/deepspeed.py`` ``build_model`` does), or
+    None where the model is built as usual (whole, then partitioned by ``deepspeed.initialize``)."""
+    if not s.builds_partitioned:
+        return None
+    return (
+        "import deepspeed\n\n"
+        "# ZeRO-3 as predicted: each module is partitioned as it is built (partition_parameters.py Init), so no\n"
+        "# rank holds the whole model; initialise weights through model.apply (each module gathered for it).\n"
+        "# Hugging Face: HfDeepSpeedConfig(ds_config) before from_pretrained does the same.\n"
+        f"with deepspeed.zero.Init(config_dict_or_path={config_path!r}):\n"
+        "    model = build_model()  # your model's constructor\n"
+        "engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),\n"
+        f"                                               config={config_path!r})\n"
+    )
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The configuration ``recommend`` chose, its prediction, and what it tried."""
+
+    settings: Settings
+    estimate: EngineEstimate
+    ds_config: dict
+    tried: tuple[tuple[int, int, int], ...]
+    """(stage, bucket elements, predicted peak bytes) of every candidate, in the order tried."""
+
+
+def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
+    """What ``recommend`` tries: ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3 without prefetch
+    (``stage3_prefetch_bucket_size`` 0: a module's parameters are released after use unless reused within
+    ``stage3_max_reuse_distance``, ``stage3_schedule``; more all-gathers, no overlap). ``ranked`` orders them."""
+    out = []
+    for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
+        for bucket in BUCKET_CHOICES:
+            update = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+            if prefetch is not None:
+                update["prefetch_bucket_size"] = prefetch
+            label = f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e") + (", no prefetch" if prefetch == 0 else "")
+            out.append((label, base.model_copy(update=update)))
+    return tuple(out)
+
+
+def sent_bytes_per_step(est: EngineEstimate, grad_accum: int) -> int:
+    """Bytes one rank sends per optimizer step as ``zeroplan plan`` prints them (its sent/rank/step column,
+    planning/plan.py ``engine_plan_config``): each collective's ring bytes times its calls per step
+    (formulas/commtime.py ``calls_per_optimizer_step``)."""
+    return sum(calls_per_optimizer_step(est.stage, c.op, grad_accum) * c.bytes_per_rank for c in est.collectives)
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One candidate, estimated once: its label, settings, estimate, predicted peak and bytes sent per step."""
+
+    label: str
+    settings: Settings
+    estimate: EngineEstimate
+    peak_bytes: int
+    sent_bytes: int
+
+
+PLAN_ORDER = ("the fewest bytes sent per rank per step (the sent/rank/step column), then the largest bucket "
+              "(fewest calls, each paying the link latency), then the lowest ZeRO stage")
+"""What ``ranked`` orders by, as the plan states it. DeepSpeed's ZeRO-1/2 all-reduce their gradients
+(``use_multi_rank_bucket_allreduce``: 2 passes, not a reduce-scatter's 1) and all-gather the flat group, so
+they send about as much as ZeRO-3 (gathers in forward and backward, a reduce-scatter) and, with small
+parameters kept gathered (``stage3_param_persistence_threshold``), more: "lowest stage = least traffic",
+the order before, is not true of DeepSpeed."""
+
+
+def ranked(workload: Workload, nd: int, base: Settings, stat_bytes: Optional[int] = None) -> tuple[Tried, ...]:
+    """Every one of ``candidates`` estimated once, in the plan's order (``PLAN_ORDER``; ties keep the order
+    of ``candidates``: the lower stage, prefetch before none)."""
+    out = []
+    for label, s in candidates(base):
+        (est,) = estimate(workload, nd, s, stat_bytes)
+        peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
+        out.append(Tried(label, s, est, peak, sent_bytes_per_step(est, workload.grad_accum)))
+    return tuple(sorted(out, key=lambda t: (t.sent_bytes, -t.settings.reduce_bucket_size)))
+
+
+def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
+              stat_bytes: Optional[int] = None) -> Optional[Recommendation]:
+    """The first of ``ranked`` (``PLAN_ORDER``) whose predicted peak fits ``memory_bytes``; None when none
+    does. Other keys come from ``base``."""
+    tried = []
+    for t in ranked(workload, nd, base, stat_bytes):
+        tried.append((t.settings.stage, t.settings.reduce_bucket_size, t.peak_bytes))
+        if t.peak_bytes <= memory_bytes:
+            ds = to_ds_config(t.settings, workload.micro_batch, workload.grad_accum)
+            return Recommendation(t.settings, t.estimate, ds, tuple(tried))
+    return None
+
+
+# --- the planner's side (estimate, plan, sweep): options -> Settings, the byte convention, the plan ----------
+
+PLANNER_OPTIONS: tuple[str, ...] = ("ds_config", "stage")
+"""The ``PlannerOptions`` fields in DeepSpeed's vocabulary: a ``ds_config.json`` and ``--stage``."""
+def planner_settings(options: PlannerOptions) -> Settings:
+    """DeepSpeed's ``Settings`` from ``--deepspeed-config`` (absent keys: DeepSpeed 0.19.8's defaults) and
+    ``--stage`` (fills in a config without a stage; a contradiction is refused)."""
+    config = dict(options.ds_config) if options.ds_config is not None else {}
+    zero = config.get("zero_optimization")
+    if options.stage is None and not (isinstance(zero, dict) and "stage" in zero):
+        raise ValueError("--engine deepspeed needs the ZeRO stage: give --stage or zero_optimization.stage in "
+                         "--deepspeed-config")  # fmt: skip
+    return Settings.from_ds_config(config, options.stage)
+
+
+def planner_policy(settings: Settings) -> PrecisionPolicy:
+    """The byte convention of DeepSpeed's model states: 16-bit (or fp32) parameters, gradients in
+    ``grad_accum_dtype``, an fp32 master partition (a clone even in fp32) and fp32 Adam m and v."""
+    return PrecisionPolicy(param_dtype=settings.dtype, grad_dtype=settings.grad_dtype, master_weights=True,
+                           optimizer=settings.optimizer, optimizer_dtype="fp32")  # fmt: skip
+
+
+def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
+    """``zeroplan plan --engine deepspeed``: every (stage, bucket) of ``candidates``, each estimated once, in
+    the plan's order (``ranked``), each with the ds_config of exactly that prediction; the recommendation is
+    the first that fits (``recommend``'s). The other keys come from ``--deepspeed-config`` (the plan chooses
+    the stage: the file's is one of the candidates)."""
+    config = dict(options.ds_config) if options.ds_config is not None else {}
+    zero = dict(config.get("zero_optimization") or {})
+    zero.pop("stage", None)
+    base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
+    order = ranked(workload, nd, base)
+    index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
+    out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
+                          to_ds_config(t.settings, workload.micro_batch, workload.grad_accum),
+                          t.settings.reduce_bucket_size, build_snippet(t.settings)) for t in order)  # fmt: skip
+    return EnginePlan(out, index, "deepspeed", PLAN_ORDER, base)
+
+
+def planner_block_bytes(settings: Settings) -> int:
+    """The allocator block the peak is rounded to: none (``estimate`` sums the terms as allocated)."""
+    return 1

@@ -1,0 +1,171 @@
+"""One rank of DeepSpeed training a transformer (``DSRun``, built by ``ds_run``) and the terms every
+phase's moments share: the model states alive, the reduce bucket, saved activations, and ZeRO-3's gathered
+parameters read off the replayed coordinator."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING, Optional
+
+from zeroplan.engines.base import Workload
+from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
+from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup
+from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, Stage3Trace, stage3_trace
+from zeroplan.formulas.activation_terms import ModelActivations, model_activations
+from zeroplan.formulas.peak import Term
+
+if TYPE_CHECKING:
+    from zeroplan.engines.deepspeed.wrapper import Wrapper
+
+ACT_SRC = "zeroplan/formulas/activation_terms.py"
+
+
+@dataclass(frozen=True)
+class DSRun:
+    """One rank of DeepSpeed training a transformer: settings, parameter sizes (``named_parameters``
+    order), N_d, one micro-batch's activations, and the model's head and final norm sizes."""
+
+    settings: Settings
+    numels: tuple[int, ...]
+    nd: int
+    acts: ModelActivations
+    head_numel: int
+    final_norm_numel: int
+    tied_head: bool
+    checkpointing: str = "none"
+    foreach: bool = False
+    grad_accum: int = 1
+    modules: tuple[tuple[int, ...], ...] = ()
+    """parameter sizes module by module, in build order (``named_parameters`` grouped by owning module):
+    what ``deepspeed.zero.Init`` partitions after each module's ``__init__``."""
+    trace: Optional[Stage3Trace] = None
+    """ZeRO-3's module trace (``stage3_trace``): what the coordinator fetches and releases, in order."""
+    param_blocks: tuple[int, ...] = ()
+    """per parameter (``named_parameters`` order), the index of its decoder block; -1 outside the blocks."""
+    output_projections: tuple[int, ...] = ()
+    """the parameters of the blocks' MLP output projections (GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``)."""
+
+    @cached_property
+    def flat(self) -> FlatGroup:
+        """The flat group's layout (ZeRO-1/2, BF16_Optimizer): which parameters each rank's partition holds."""
+        return FlatGroup(self.numels, self.nd)
+
+    @cached_property
+    def model_terms(self) -> tuple[DSTerm, ...]:
+        """Every buffer of model states and buckets (``terms``), computed once per run."""
+        return self.wrapper.terms(self.settings, self.numels, self.nd)
+
+    @cached_property
+    def wrapper(self) -> Wrapper:
+        """The optimizer wrapper DeepSpeed builds for ``settings`` (``wrapper_for``), chosen once per run."""
+        from zeroplan.engines.deepspeed.wrapper import wrapper_for  # the wrappers' modules import this one
+
+        return wrapper_for(self.settings)
+
+
+def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
+    return Term(name, nbytes, ACT_SRC, tensors)
+
+
+def _states(run: DSRun, after_step: bool = True) -> tuple[Term, ...]:
+    """The model states alive (``run.model_terms``): persistent ones, and lazy ones after the first step."""
+    lives = ("persistent", "lazy") if after_step else ("persistent",)
+    return tuple(t.term() for t in run.model_terms if t.live in lives and t.bytes)
+
+
+def _bucket(run: DSRun) -> tuple[Term, ...]:
+    """ZeRO-1/2: the reduce bucket(s), allocated at the first gradient hook of each backward."""
+    return tuple(t.term() for t in run.model_terms if t.live == "backward" and t.bytes)
+
+
+def _pbytes(run: DSRun) -> int:
+    return DTYPE_BYTES[run.settings.dtype]
+
+
+def _schedule(run: DSRun) -> Optional[Stage3Schedule]:
+    """ZeRO-3's replayed coordinator for ``run`` (``stage3_schedule``); None for the wrappers that gather nothing."""
+    return run.wrapper.schedule(run)
+
+
+GATHER_SRC = ("runtime/zero/partitioned_param_coordinator.py fetch_sub_module (prefetch), release_sub_module "
+              "(__params_to_release); partition_parameters.py all_gather_coalesced")  # fmt: skip
+
+
+def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bool = False) -> tuple[Term, ...]:
+    """ZeRO-3 after the first step: the non-persistent parameters gathered at the peak moment ``mark`` of the
+    trace (``stage3_schedule``: fetched or prefetched and not yet released) and, apart, the flat buffers of
+    coalesced all-gathers still open there (measured: gpt-tiny checkpointed, N_d = 2 and 4, 21,312 B in the last
+    block's MLP: its c_fc bias and c_proj weight, prefetched together). ``during``: the most while the mark's
+    event runs (its wait frees a buffer only after its own all-gather), one term. ``sched``: ``_schedule(run)``
+    (asked once per phase: hashing a 70B trace for the cache costs milliseconds)."""
+    if sched is None:
+        return ()
+    p, i = _pbytes(run), sched.event(run.trace, mark)
+    if during:
+        return (Term(f"gathered parameters and open all-gather buffers (during {mark})", sched.high[i] * p, GATHER_SRC),)
+    buffers = sched.buffers[i] if sched.buffers else 0
+    return (Term(f"gathered parameters ({mark})", (sched.gathered[i] - buffers) * p, GATHER_SRC),
+            *((Term("coalesced all-gather buffers awaiting their last module", buffers * p,
+                    "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor) held by "
+                    "AllGatherCoalescedHandle until partitioned_param_coordinator.py fetch_sub_module pops the "
+                    "call's last parameter"),) if buffers else ()))  # fmt: skip
+
+
+def _blocks_saved(run: DSRun, n: int) -> Term:
+    per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
+    return _act(f"saved activations of {n} blocks", n * per, max(n, 1))
+
+
+ZINIT = "runtime/zero/partition_parameters.py"
+
+
+def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional[int] = None) -> DSRun:
+    """The run of ``workload`` under ``settings``; activations in the model dtype, LayerNorm statistics in
+    ``stat_bytes`` (None: 4, as CUDA keeps them; on CPU they take the input dtype)."""
+    spec = workload.spec
+    if spec is None:
+        raise ValueError("the DeepSpeed peak needs an architecture (a model), not bare tensor sizes")
+    a = DTYPE_BYTES[settings.dtype]
+    acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=a,
+                             stat_bytes=4 if stat_bytes is None else stat_bytes)  # fmt: skip
+    numels, final, modules, blocks, outputs = _layout(workload)
+    foreach = settings.foreach if settings.foreach is not None else workload.foreach
+    return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
+                 spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
+                 workload.grad_accum, modules, *_trace(workload), blocks, outputs)  # fmt: skip
+
+
+@lru_cache(maxsize=32)  # the same for every candidate of a plan
+def _layout(workload: Workload) -> tuple[tuple[int, ...], int, tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]]:
+    """(parameter sizes, final norm elements, sizes module by module, block of each parameter, output
+    projections) of ``workload``, from its parameter names (``DSRun``'s fields)."""
+    from zeroplan.architectures.spec import block_prefix
+
+    spec = workload.spec
+    numels = tuple(math.prod(shape) for _, shape in workload.shapes)
+    prefix = block_prefix(spec)
+    # the final norm: the root's norm parameters (GPT-2 ln_f, Llama model.norm)
+    final = sum(math.prod(sh) for n, sh in workload.shapes
+                if not n.startswith(prefix) and (".ln_f." in n or n.startswith("model.norm.")))  # fmt: skip
+    owners: dict[str, list[int]] = {}  # insertion order: the order the modules were built
+    for name, shape in workload.shapes:
+        owners.setdefault(name.rpartition(".")[0], []).append(math.prod(shape))
+    blocks = tuple(int(n[len(prefix):].split(".")[0]) if n.startswith(prefix) else -1 for n, _ in workload.shapes)
+    output = f".mlp.{_MLP_PROJECTIONS[spec.style][1]}."
+    outputs = tuple(i for i, (n, _) in enumerate(workload.shapes) if blocks[i] >= 0 and output in n)
+    return numels, final, tuple(tuple(v) for v in owners.values()), blocks, outputs
+
+
+@lru_cache(maxsize=32)  # every candidate of a plan, and ds_run and collectives of one estimate, ask for it
+def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:
+    """(ZeRO-3's module trace of ``workload``,) for ``collectives``: ``stage3_trace`` of its parameter names,
+    the validator's causal LM where there is an architecture, the transformers one with ``Workload.transformers``."""
+    spec = workload.spec
+    style = spec.style if spec is not None else None
+    hf = workload.transformers and spec is not None
+    # transformers' lm_head is the embedding's weight whenever tied (any style); CausalLM's rule is unchanged
+    tied = spec is not None and (spec.style == "gpt" or hf) and spec.tie_word_embeddings
+    return (stage3_trace(workload.shapes, style, tied, hf),)

@@ -1,0 +1,146 @@
+"""The engine profile's settings: the ds_config keys that change memory or traffic, with DeepSpeed 0.19.8's
+defaults (``Settings``), the dtype table, and which optimizer classes DeepSpeed builds for them."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from zeroplan.engines.deepspeed.config import (DEFAULT_BUCKET_NUMEL, STAGE3_PREFETCH_NUMEL, _ds_dtype, _OptimizerParams,
+                                               from_deepspeed, parse_ds_config)
+
+DEEPSPEED_VERSION = "0.19.8"
+DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "int32": 4, "bool": 1}
+DsDtype = Literal["fp32", "bf16", "fp16"]
+# stage_1_and_2.py / bf16_optimizer.py __init__: "4-byte alignment/sizeof(fp16) = 2"; the flat group is
+# padded to a multiple of this times N_d (``flatten_dense_tensors_aligned``).
+NCCL_START_ALIGNMENT_FACTOR = 2
+_ZERO_KEYS = {  # ds_config zero_optimization key -> Settings field
+    "reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
+    "contiguous_gradients": "contiguous_gradients", "overlap_comm": "overlap_comm",
+    "reduce_scatter": "reduce_scatter", "use_multi_rank_bucket_allreduce": "use_multi_rank_bucket_allreduce",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters", "stage3_max_reuse_distance": "max_reuse_distance",
+}  # fmt: skip
+
+
+class Settings(BaseModel):
+    """The ds_config keys that change memory or traffic, with DeepSpeed 0.19.8's defaults.
+
+    Defaults: ``runtime/zero/config.py`` ``DeepSpeedZeroConfig`` (reduce/allgather buckets 5e8
+    elements, prefetch 5e7, persistence threshold 1e5, max live parameters / reuse distance 1e9,
+    ``contiguous_gradients``, ``reduce_scatter`` and ``use_multi_rank_bucket_allreduce`` true,
+    ``overlap_comm`` None -> ``stage == 3`` in ``overlap_comm_valid``); precision from ``fp16`` / ``bf16``
+    ``enabled`` (fp32 when neither), ``grad_accum_dtype`` defaulting to the model dtype
+    (``runtime/engine.py`` ``DeepSpeedEngine.get_data_types``); ``optimizer.params.torch_adam`` (false),
+    ``adam_w_mode`` (true) and ``foreach`` (``DeepSpeedEngine._configure_basic_optimizer``). Sizes are
+    elements.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    stage: Literal[1, 2, 3]
+    dtype: DsDtype = "fp32"
+    grad_accum_dtype: Optional[DsDtype] = None
+    reduce_bucket_size: int = Field(DEFAULT_BUCKET_NUMEL, ge=1)
+    allgather_bucket_size: int = Field(DEFAULT_BUCKET_NUMEL, ge=1)
+    contiguous_gradients: bool = True
+    overlap_comm: Optional[bool] = None
+    reduce_scatter: bool = True
+    use_multi_rank_bucket_allreduce: bool = True
+    prefetch_bucket_size: int = Field(STAGE3_PREFETCH_NUMEL, ge=0)
+    param_persistence_threshold: int = Field(100_000, ge=0)
+    max_live_parameters: int = Field(1_000_000_000, ge=0)
+    max_reuse_distance: int = Field(1_000_000_000, ge=0)
+    optimizer: Literal["adam", "adamw"] = "adam"
+    adam_w_mode: bool = True
+    torch_adam: bool = False
+    foreach: Optional[bool] = None
+    zero_init: Optional[bool] = None
+    """ZeRO-3: the model built under ``deepspeed.zero.Init(config_dict_or_path=ds_config)``
+    (runtime/zero/partition_parameters.py ``Init``: each module's parameters are created in the config's
+    dtype and partitioned right after its ``__init__``, so no rank holds the whole model) or, False, built
+    whole and partitioned by ``deepspeed.initialize``. Not a ds_config key: how the script builds the model.
+    None: True at stage 3, DeepSpeed's documented way to build a model larger than one device (and what
+    Hugging Face ``from_pretrained`` does when the config is ZeRO-3: ``is_deepspeed_zero3_enabled``);
+    stages 1-2 never (``Init`` partitions parameters, which only ZeRO-3 does)."""
+
+    @model_validator(mode="after")
+    def _zero_init_stage(self) -> Settings:
+        if self.zero_init and self.stage != 3:
+            raise ValueError(f"zero_init: deepspeed.zero.Init partitions parameters for ZeRO-3 only, not stage {self.stage}")
+        return self
+
+    @property
+    def builds_partitioned(self) -> bool:
+        """Whether the model is built under ``deepspeed.zero.Init`` (``zero_init``; None: at stage 3)."""
+        return self.stage == 3 and self.zero_init is not False
+
+    @property
+    def grad_dtype(self) -> str:
+        """The gradient accumulation dtype (engine.py ``get_data_types``: the model dtype when absent)."""
+        return self.grad_accum_dtype or self.dtype
+
+    @property
+    def partition_gradients(self) -> bool:
+        """ZeRO-2's gradient partitioning in ``DeepSpeedZeroOptimizer`` (engine.py ``_configure_zero_optimizer``:
+        ``partition_grads=zero_stage == ZeroStageEnum.gradients``): reduce every micro-step, keep the partition."""
+        return self.stage == 2
+
+    @property
+    def overlaps(self) -> bool:
+        """``overlap_comm`` as DeepSpeed resolves it (config.py ``overlap_comm_valid``)."""
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    @classmethod
+    def from_ds_config(cls, config: object, stage: Optional[int] = None, zero_init: Optional[bool] = None) -> Settings:
+        """Read a parsed ds_config.json strictly; absent keys take DeepSpeed 0.19.8's defaults.
+
+        ``stage`` (``--stage``) fills in a config without ``zero_optimization.stage``; one that
+        contradicts the file is refused. ``zero_init``: how the model is built (not in a ds_config; the
+        field's doc). ValueError with one line naming the key.
+        """
+        ds = parse_ds_config(config)
+        base = from_deepspeed(config)  # offload refused, dtypes and optimizer checked, one line each
+        zero = ds.zero_optimization
+        given = "stage" in (config.get("zero_optimization") or {})
+        if stage is not None and given and stage != base["stage"]:
+            raise ValueError(f"--stage {stage} contradicts zero_optimization.stage={base['stage']}; drop one of them")
+        number = base["stage"] if given or stage is None else stage
+        if number not in (1, 2, 3):
+            raise ValueError(f"deepspeed config: zero_optimization.stage={number}: the DeepSpeed profile covers 1-3")
+        if base.get("optimizer", "adamw") != "adamw":
+            raise ValueError(f"deepspeed config: optimizer.type={ds.optimizer.type!r}: the profile covers Adam and AdamW")
+        params = ds.optimizer.params if ds.optimizer is not None else _OptimizerParams()
+        grad = ds.data_types.grad_accum_dtype
+        found = {field: getattr(zero, key) for key, field in _ZERO_KEYS.items() if getattr(zero, key) is not None}
+        kind = (ds.optimizer.type.lower() if ds.optimizer is not None and ds.optimizer.type else "adam")
+        return cls(
+            stage=number,
+            dtype=base["param_dtype"],
+            grad_accum_dtype=None if grad is None else _ds_dtype(grad, "data_types.grad_accum_dtype"),
+            optimizer="adamw" if kind == "adamw" else "adam",
+            **{k: v for k, v in (("adam_w_mode", params.adam_w_mode), ("torch_adam", params.torch_adam),
+                                 ("foreach", params.foreach)) if v is not None},
+            **found,
+            **({} if zero_init is None else {"zero_init": zero_init}),
+        )  # fmt: skip
+
+
+def optimizer_class(s: Settings) -> str:
+    """The wrapper DeepSpeed builds (engine.py ``_do_optimizer_sanity_check`` then ``_configure_optimizer``)."""
+    if s.stage == 1 and s.dtype == "bf16" and s.grad_dtype == "fp32":
+        return "BF16_Optimizer"  # engine.py _configure_bf16_optimizer -> runtime/bf16_optimizer.py
+    if s.stage == 3:
+        return "DeepSpeedZeroOptimizer_Stage3"  # engine.py _configure_zero_optimizer -> zero/stage3.py
+    return "DeepSpeedZeroOptimizer"  # engine.py _configure_zero_optimizer -> zero/stage_1_and_2.py
+
+
+def inner_optimizer_class(s: Settings) -> str:
+    """The Adam inside (engine.py ``_configure_basic_optimizer``): torch's with ``torch_adam``, else
+    DeepSpeed's ``FusedAdam`` (ops/adam/fused_adam.py; on CPU a JIT-built C++ op, ``fused_adam``)."""
+    if s.torch_adam:  # type "Adam" runs AdamW unless adam_w_mode is false
+        return "AdamW" if s.optimizer == "adamw" or s.adam_w_mode else "Adam"
+    return "FusedAdam"

@@ -1,0 +1,207 @@
+"""What DeepSpeed allocates on each rank for model states and buckets: ``DSTerm`` records, one list per
+optimizer wrapper (``zero12_terms``: stage_1_and_2.py ``DeepSpeedZeroOptimizer``; ``bf16_terms``:
+bf16_optimizer.py ``BF16_Optimizer``; ``zero3_terms``: stage3.py ``DeepSpeedZeroOptimizer_Stage3``), each
+term naming the DeepSpeed file and function it was read from; and the padding rules they share."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, NCCL_START_ALIGNMENT_FACTOR, Settings, inner_optimizer_class
+from zeroplan.formulas.memory import MemoryBreakdown
+from zeroplan.formulas.peak import Term
+
+@dataclass(frozen=True)
+class DSTerm:
+    """A buffer DeepSpeed allocates on each rank: ``numel`` elements of ``dtype``, alive per ``live``.
+
+    ``live``: ``persistent`` (from ``deepspeed.initialize`` on, at every step boundary), ``lazy``
+    (created by the first ``optimizer_step``, alive from then on), ``backward`` (allocated when backward
+    starts, freed before it ends: the ZeRO-1/2 reduce buckets).
+    """
+
+    name: str
+    live: str
+    numel: int
+    dtype: str
+    source: str
+    tensors: int = 1
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+    def term(self) -> Term:
+        return Term(self.name, self.bytes, self.source, max(self.tensors, 1))
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def flat_padded_numel(numels: tuple[int, ...], nd: int) -> int:
+    """ZeRO-1/2 and BF16_Optimizer: one flat group padded to 2·N_d (stage_1_and_2.py ``__init__``,
+    ``flatten_dense_tensors_aligned(..., alignment=nccl_start_alignment_factor * world_size)``)."""
+    return _ceil_to(sum(numels), NCCL_START_ALIGNMENT_FACTOR * nd)
+
+
+def stage3_partition_numel(numels: tuple[int, ...], nd: int) -> int:
+    """ZeRO-3: each tensor padded to N_d and split (partition_parameters.py ``_padding_size``,
+    ``_partition_param``); a rank holds the sum of ceil(n / N_d)."""
+    return sum(-(-n // nd) for n in numels)
+
+
+def persistent_numel(s: Settings, numels: tuple[int, ...]) -> int:
+    """ZeRO-3 parameters kept gathered (parameter_offload.py ``mark_persistent_parameters``: ds_numel <=
+    stage3_param_persistence_threshold)."""
+    return sum(n for n in numels if n <= s.param_persistence_threshold) if s.stage == 3 else 0
+
+
+class FlatGroup:
+    """ZeRO-1/2 and BF16_Optimizer: the parameters laid out in one flat group (``numels`` in
+    ``named_parameters`` order) cut into N_d partitions of ``part`` elements (``flat_padded_numel``)."""
+
+    def __init__(self, numels: tuple[int, ...], nd: int) -> None:
+        self.numels, self.nd = numels, nd
+        self.offsets = (0, *itertools.accumulate(numels))
+        """where each parameter starts, and where the last ends (prefix sums)."""
+        self.part = flat_padded_numel(numels, nd) // nd
+
+    def range(self, rank: int) -> tuple[int, int]:
+        """(first, end) indices of the parameters overlapping ``rank``'s slice [rank·part, (rank + 1)·part):
+        those that start before its end and end after its start (offsets ascend, so a range)."""
+        offsets, n = self.offsets, len(self.numels)
+        first = bisect.bisect_right(offsets, rank * self.part, 1, n + 1) - 1  # the first i with offsets[i + 1] > lo
+        end = bisect.bisect_left(offsets, (rank + 1) * self.part, 0, n)  # the first i with offsets[i] >= hi
+        return first, max(first, end)
+
+    def params(self, rank: int) -> tuple[int, ...]:
+        """Indices of the parameters overlapping ``rank``'s slice (stage_1_and_2.py ``get_partition_info``: a
+        parameter is in a partition when any of its elements is)."""
+        return tuple(range(*self.range(rank)))
+
+    def params_numel(self, rank: int) -> int:
+        """Elements of the parameters overlapping ``rank``'s slice, whole (``copy_grads_in_partition``)."""
+        first, end = self.range(rank)
+        return self.offsets[end] - self.offsets[first]
+
+
+def _partition_params(numels: tuple[int, ...], part: int, rank: int) -> tuple[int, ...]:
+    """Indices of the parameters overlapping ``rank``'s slice of ``part`` elements (``FlatGroup.params``)."""
+    lo, hi, start, out = rank * part, (rank + 1) * part, 0, []
+    for i, n in enumerate(numels):
+        if start < hi and start + n > lo:
+            out.append(i)
+        start += n
+    return tuple(out)
+
+
+def _fused(s: Settings) -> int:
+    """1 with DeepSpeed's FusedAdam (its overflow buffer; no step tensor), 0 with torch's Adam."""
+    return 1 if inner_optimizer_class(s) == "FusedAdam" else 0
+
+
+def _adam_moments(s: Settings, part: int) -> DSTerm:
+    return DSTerm(f"Adam m and v ({inner_optimizer_class(s)})", "lazy", 2 * part, "fp32",
+                  "ops/adam/fused_adam.py FusedAdam.step (zeros_like exp_avg, exp_avg_sq) / torch/optim/adam.py "
+                  "_init_group", tensors=2)  # fmt: skip
+
+
+def _flat_scalars(s: Settings) -> tuple[DSTerm, ...]:
+    """ZeRO-1/2 and BF16_Optimizer: FusedAdam's overflow buffer, the norm and torch Adam's step."""
+    fused = _fused(s)
+    return (DSTerm("overflow buffer", "persistent", fused, "int32",
+                   "ops/adam/fused_adam.py FusedAdam.__init__ (_dummy_overflow_buf)"),
+            DSTerm("step scalars", "lazy", 2 - fused, "fp32",
+                   "the global grad norm kept by the optimizer (measured 4 B) and, with torch Adam, its "
+                   "fp32 step tensor (torch/optim/adam.py _init_group)"))  # fmt: skip
+
+
+def zero3_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
+    """``DeepSpeedZeroOptimizer_Stage3``: every tensor partitioned (ceil(n / N_d) each)."""
+    p, g, part, fused = s.dtype, s.grad_dtype, stage3_partition_numel(numels, nd), _fused(s)
+    return (
+        DSTerm("16-bit parameter partition", "persistent", part, p,
+               "runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3._create_fp16_partitions_with_defragmentation (lp_param_buffer)"),
+        DSTerm("fp32 master partition", "persistent", part, "fp32",
+               "runtime/zero/stage3.py _create_fp32_partitions (a clone, even when the model is fp32)"),
+        DSTerm("gradient partition", "persistent", part, g,
+               "runtime/zero/stage3.py _setup_for_real_optimizer (grad_partitions_flat_buffer, grad_accum_dtype)"),
+        DSTerm("reduce bucket (IPG)", "persistent", s.reduce_bucket_size if s.contiguous_gradients else 0, g,
+               "runtime/zero/stage3.py _setup_for_real_optimizer (ipg bucket, torch.empty(reduce_bucket_size))"),
+        DSTerm("persistent parameters (gathered)", "lazy", persistent_numel(s, numels), p,
+               "runtime/zero/parameter_offload.py mark_persistent_parameters; gathered in forward and kept"),
+        DSTerm("inf/nan tracker", "persistent", 1, "bool", "runtime/zero/stage3.py __init__ (inf_or_nan_tracker)"),
+        DSTerm("overflow buffer", "persistent", fused, "int32",
+               "ops/adam/fused_adam.py FusedAdam.__init__ (_dummy_overflow_buf)"),
+        DSTerm("grad-norm scalar", "lazy", 1, "fp64", "runtime/zero/stage3.py step (fp64 global norm; measured 8 B)"),
+        DSTerm("Adam step tensor", "lazy", 1 - fused, "fp32", "torch/optim/adam.py _init_group (state['step'])"),
+        _adam_moments(s, part),
+    )  # fmt: skip
+
+
+def zero12_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
+    """``DeepSpeedZeroOptimizer`` (ZeRO-1 and 2): the full flat 16-bit group, an fp32 partition, the reduce
+    bucket(s) of each backward."""
+    flat, g = flat_padded_numel(numels, nd), s.grad_dtype
+    buffers = (2 if s.overlaps else 1) if s.contiguous_gradients else 0
+    return (
+        DSTerm("16-bit flat parameters (full, padded)", "persistent", flat, s.dtype,
+               "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__ (bit16_groups_flat)"),
+        DSTerm("fp32 master partition", "persistent", flat // nd, "fp32",
+               "runtime/zero/stage_1_and_2.py __init__ (single_partition_of_fp32_groups: .clone(), even in fp32)"),
+        DSTerm("reduce bucket (IPG)" + (" x2 (overlap_comm)" if buffers == 2 else ""), "backward",
+               buffers * s.reduce_bucket_size, g,
+               "runtime/zero/stage_1_and_2.py setup_buckets (torch.empty(reduce_bucket_size) per comm "
+               "dtype, a second when overlap_comm), at the first gradient hook", tensors=max(buffers, 1)),
+        *_flat_scalars(s),
+        _adam_moments(s, flat // nd),
+    )  # fmt: skip
+
+
+def bf16_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
+    """``BF16_Optimizer`` (ZeRO-1, bf16 model, fp32 gradient accumulation): the full flat 16-bit group, an
+    fp32 partition and a full fp32 gradient buffer."""
+    flat = flat_padded_numel(numels, nd)
+    return (
+        DSTerm("16-bit flat parameters (full, padded)", "persistent", flat, s.dtype,
+               "runtime/bf16_optimizer.py BF16_Optimizer._setup_for_real_optimizer (bf16_groups_flat)"),
+        DSTerm("fp32 master partition", "persistent", flat // nd, "fp32",
+               "runtime/bf16_optimizer.py _setup_for_real_optimizer (fp32_groups_flat_partition)"),
+        DSTerm("fp32 gradient accumulation buffer (full, padded)", "persistent", flat, s.grad_dtype,
+               "runtime/bf16_optimizer.py _setup_for_real_optimizer (fp32_groups_gradients_flat)"),
+        *_flat_scalars(s),
+        _adam_moments(s, flat // nd),
+    )  # fmt: skip
+
+
+def terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
+    """Every buffer of model states and buckets on one rank, for parameters of ``numels`` elements
+    (``model.named_parameters()`` order) at N_d = ``nd``: the list of the wrapper DeepSpeed builds."""
+    from zeroplan.engines.deepspeed.wrapper import wrapper_for  # wrapper.py imports this module
+
+    return wrapper_for(s).terms(s, numels, nd)
+
+
+def model_state_bytes(all_terms: tuple[DSTerm, ...], after_step: bool) -> int:
+    """Bytes alive at a step boundary: persistent terms, plus lazy ones once a step has run."""
+    lives = ("persistent", "lazy") if after_step else ("persistent",)
+    return sum(t.bytes for t in all_terms if t.live in lives)
+
+
+def memory_breakdown(s: Settings, numels: tuple[int, ...], nd: int) -> MemoryBreakdown:
+    """Model states after a step, as params (16-bit and persistent gathered), grads, optimizer (master, m, v,
+    scalars) and the ZeRO-3 bucket counted with the gradients (it holds them)."""
+    params = grads = opt = 0
+    for t in terms(s, numels, nd):
+        if t.live == "backward":
+            continue
+        if "parameter" in t.name:
+            params += t.bytes
+        elif "gradient" in t.name or "bucket" in t.name:
+            grads += t.bytes
+        else:
+            opt += t.bytes
+    return MemoryBreakdown(params, grads, opt)

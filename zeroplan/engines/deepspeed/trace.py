@@ -1,0 +1,222 @@
+"""ZeRO-3's module trace: the fetch and release hooks DeepSpeed 0.19.8 runs, module by module, in one
+micro-step (``runtime/zero/parameter_offload.py``), derived from the parameter names of the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+FETCH, RELEASE = "fetch", "release"
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One hook of ZeRO-3's module trace: ``fetch`` (parameter_offload.py ``pre_sub_module_forward_function``
+    / ``pre_sub_module_backward_function`` -> ``fetch_sub_module``) or ``release`` (``post_sub_module_forward_
+    function`` / ``post_sub_module_backward_function`` -> ``release_sub_module``) of ``module``, in forward
+    or backward."""
+
+    op: Literal["fetch", "release"]
+    module: int
+    forward: bool
+    in_backward: Optional[bool] = None
+    """the training phase it happens in (all-gathers and peaks are counted there); None: backward iff not
+    ``forward``. A forward hook inside backward (activation checkpointing's recomputed forward) sets True."""
+
+    @property
+    def backward_phase(self) -> bool:
+        """Whether the event happens while backward runs."""
+        return (not self.forward) if self.in_backward is None else self.in_backward
+
+
+@dataclass(frozen=True)
+class Stage3Trace:
+    """One micro-step's module hooks as ZeRO-3 sees them: ``modules`` (per module, the indices of its
+    parameters in ``named_parameters`` order, external ones included: partitioned_param_coordinator.py
+    ``iter_params``), ``events`` (forward, then backward; a module fetched in backward and never released
+    there, because no input of it needs a gradient, is released by ``release_backward_leftovers`` at the
+    end) and ``marks``: (name, first event, last event) spans the peak moments read."""
+
+    modules: tuple[tuple[int, ...], ...]
+    events: tuple[TraceEvent, ...]
+    marks: tuple[tuple[str, int, int], ...] = ()
+    names: tuple[str, ...] = ()
+    """the modules' names (``named_modules``), for reading; not used by the schedule."""
+
+    def span(self, name: str) -> tuple[int, int]:
+        """The (first, last) event of mark ``name`` (the first mark of that name)."""
+        spans = self.__dict__.get("_spans")
+        if spans is None:  # computed once: the moments read a 405B trace's marks hundreds of times
+            spans = {}
+            for mark, first, last in self.marks:
+                spans.setdefault(mark, (first, last))
+            object.__setattr__(self, "_spans", spans)
+        return spans[name]
+
+    def __hash__(self) -> int:
+        """The fields' hash, computed once (the coordinator's cache is keyed by the trace: a 405B model's
+        has ~12,000 events). Not a field: equality, ``repr`` and ``asdict`` are the dataclass's."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.modules, self.events, self.marks, self.names))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+
+_LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+"""modeling_llama.py LlamaDecoderLayer.forward runs these in this order (registered self_attn, mlp, then the
+norms); GPT-2 blocks run in registration order."""
+
+
+_MLP_PROJECTIONS = {"gpt": ("c_fc", "c_proj"), "llama": ("up_proj", "down_proj")}
+"""A block's MLP input projection (the one run last before the activation product) and output projection
+(validate/transformer.py GPT2MLP, LlamaMLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``)."""
+
+
+def _module_tree(names: list[str]) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
+    """(children of each module path, indices of each module's own parameters) from parameter names."""
+    children: dict[str, list[str]] = {"": []}
+    params: dict[str, list[int]] = {"": []}
+    for i, name in enumerate(names):
+        owner = name.rpartition(".")[0]
+        params.setdefault(owner, []).append(i)
+        parts = owner.split(".") if owner else []
+        for depth in range(len(parts)):
+            parent, path = ".".join(parts[:depth]), ".".join(parts[: depth + 1])
+            if path not in children:
+                children[path] = []
+                params.setdefault(path, [])
+                children[parent].append(path)
+    return children, params
+
+
+class _TraceBuilder:
+    """Walks the module tree of ``stage3_trace``: forward from the root, then backward, recording each
+    module's hooks (``events``) and the marks (``spans``) the peak moments read."""
+
+    def __init__(self, shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optional[str], tied: bool,
+                 head_module: bool) -> None:
+        names = [name for name, _ in shapes]
+        head = next((i for i, n in enumerate(names) if n == "lm_head.weight"), None)
+        if head is None and tied:  # the head weight is the token embedding (CausalLM.head_weight; tied lm_head)
+            head = next((i for i, n in enumerate(names) if n.endswith(("wte.weight", "embed_tokens.weight"))), None)
+        self.style, self.head_module, self.head = style, head_module, head
+        self.children, self.params = _module_tree(names)
+        self.index: dict[str, int] = {}
+        self.modules: list[tuple[int, ...]] = []
+        self.events: list[TraceEvent] = []
+        self.spans: dict[str, list[int]] = {}
+        self._called: dict[str, list[str]] = {}
+        top = self.called("")
+        self.bodies = [c for c in top if c != "lm_head" and self.children[c]] if head_module else []
+        top = self.called(self.bodies[0]) if self.bodies else top  # the transformers body's own calls
+        first_block = next((i for i, c in enumerate(top) if c.rpartition(".")[2].isdigit()), len(top))
+        # the root, the body and the embeddings: fed token ids, no input needs a gradient
+        self.no_grad_input = {"", *self.bodies} | set(top[:first_block] if style is not None else ())
+        self.last_block = next((c for c in reversed(top) if c.rpartition(".")[2].isdigit()), None)
+        self.projections = _MLP_PROJECTIONS.get(style or "", ())
+
+    def is_list(self, path: str) -> bool:  # nn.ModuleList: children named 0, 1, ...
+        return bool(self.children[path]) and all(c.rpartition(".")[2].isdigit() for c in self.children[path])
+
+    def called(self, path: str) -> list[str]:
+        """The modules ``path``'s forward calls, in order (containers never called are looked through);
+        computed once per module (forward and backward walk the tree again)."""
+        if path not in self._called:
+            self._called[path] = self._calls(path)
+        return self._called[path]
+
+    def _calls(self, path: str) -> list[str]:
+        style, head_module = self.style, self.head_module
+        out = []
+        for c in self.children.get(path, ()):
+            if c == "lm_head" and style is not None and not head_module:
+                continue  # CausalLM.forward: F.linear(x, self.head_weight)
+            if self.is_list(c) or (path == "" and style is not None and not head_module and not self.params[c]):
+                out += self.called(c)
+            else:
+                out.append(c)
+        if style == "llama" and path.rpartition(".")[2].isdigit():  # a decoder layer; sorted() is stable
+            rank = {name: i for i, name in enumerate(_LLAMA_FORWARD)}
+            out.sort(key=lambda c: rank.get(c.rpartition(".")[2], 0))
+        if head_module and path == "" and self.head is not None and "lm_head" not in out:
+            out.append("lm_head")  # tied: lm_head.weight is not in named_parameters, the module is still called
+        return out
+
+    def module(self, path: str) -> int:
+        """The index of module ``path``, numbered in the order first fetched, with its parameters."""
+        if path not in self.index:
+            own = list(self.params.get(path, ()))
+            if path == "" and self.style is not None and not self.head_module:  # the head weight: the root's external parameter
+                own += [self.head] if self.head is not None else []
+            if path == "lm_head" and self.head_module:  # a tied head owns the embedding's weight: not in the names
+                own = [self.head] if self.head is not None else []
+            self.index[path] = len(self.modules)
+            self.modules.append(tuple(own))
+        return self.index[path]
+
+    def forward(self, path: str) -> None:
+        events, spans = self.events, self.spans
+        start = len(events)
+        events.append(TraceEvent(FETCH, self.module(path), True))
+        block, _, leaf = path.rpartition(".mlp.")
+        if leaf in self.projections and block.rpartition(".")[2].isdigit():
+            what = "MLP input" if leaf == self.projections[0] else "output projection"
+            spans[f"block {block.rpartition('.')[2]} {what}"] = [start, start]
+        if path == "lm_head" and self.head_module:  # its fetch: the final norm's output made, the logits not yet
+            spans["LM head forward"] = spans["LM head fetch"] = [start, start]
+        for c in self.called(path):
+            self.forward(c)
+        if path == "" and not self.head_module:
+            spans["LM head forward"] = [len(events) - 1, len(events) - 1]
+        events.append(TraceEvent(RELEASE, self.module(path), True))
+        if path == self.last_block:
+            spans["last block forward"] = [start, len(events) - 1]
+
+    def backward(self, path: str) -> None:
+        events, spans = self.events, self.spans
+        start = len(events)
+        events.append(TraceEvent(FETCH, self.module(path), False))
+        if path == ("lm_head" if self.head_module else ""):
+            spans["LM head backward"] = [start, start]
+        for c in reversed(self.called(path)):
+            self.backward(c)
+        if path not in self.no_grad_input:
+            events.append(TraceEvent(RELEASE, self.module(path), False))
+        if path == self.last_block:
+            spans["last block backward"] = [start, len(events) - 1]
+
+    def trace(self) -> Stage3Trace:
+        self.forward("")
+        self.spans["forward end"] = [len(self.events) - 1, len(self.events) - 1]
+        self.backward("")
+        self.spans.setdefault("last block forward", self.spans["forward end"])
+        self.spans.setdefault("last block backward", self.spans["LM head backward"])
+        marks = tuple((k, v[0], v[1]) for k, v in self.spans.items())
+        by_index = sorted(self.index, key=self.index.get)
+        return Stage3Trace(tuple(self.modules), tuple(self.events), marks, tuple(p or "(root)" for p in by_index))
+
+
+def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optional[str] = None,
+                 tied: bool = False, head_module: bool = False) -> Stage3Trace:
+    """ZeRO-3's module trace of the validator's causal LM (validate/transformer.py ``CausalLM``) from its
+    parameter names: every module called in forward gets its hooks (parameter_offload.py
+    ``_register_deepspeed_module``), containers that are never called (the ``transformer``/``model`` body,
+    the block ``ModuleList``) do not; the head weight is applied by the root (``F.linear``), so it is an
+    external parameter of the root (``ZeROOrderedDict.__getitem__`` -> ``register_external_parameter``;
+    measured: the root's fetch all-gathers it) and ``lm_head`` itself is never called. Backward mirrors
+    forward: a module's pre-backward fetch, its children from the last, its post-backward release, except
+    where no input needs a gradient (the root and the embeddings, fed token ids): those wait for
+    ``release_backward_leftovers``.
+
+    ``head_module``: the transformers model instead (modeling_llama.py ``LlamaForCausalLM.forward``,
+    modeling_gpt2.py ``GPT2LMHeadModel.forward``: ``self.model(...)`` / ``self.transformer(...)``, then
+    ``self.lm_head(hidden_states)``): the body is called (hooks, no parameters of its own; fed token ids, so no
+    post-backward release) and ``lm_head`` is a module called after it, owning the head weight (the token
+    embedding's when tied); the root has no parameter. Measured (tiny-llama, N_d = 2): the all-gathers equal
+    this trace's call for call. Modules without parameters (LlamaRotaryEmbedding, the MLP's activation) have
+    hooks too; left out: they gather nothing and the replay's reuse distance walks elements.
+
+    Marks: per decoder block j, ``block j MLP input`` (the fetch of its MLP input projection) and ``block j output
+    projection`` (the fetch of its MLP output projection, the block's last module), for the forward moments."""
+    return _TraceBuilder(shapes, style, tied, head_module).trace()

@@ -1,0 +1,311 @@
+"""``DeepSpeedZeroOptimizer`` (runtime/zero/stage_1_and_2.py, DeepSpeed 0.19.8): ZeRO-1 and ZeRO-2.
+
+Its schedule: forward on the full 16-bit flat group; backward reduces gradients bucket by bucket, from the
+gradient hooks (``partition_gradients``, ZeRO-2, or ``overlap_comm``: ``reduces_from_hooks``) or after
+backward in parameter order (``reduce_gradients``, ZeRO-1), each rank copying what overlaps its partition
+into ``grads_in_partition``; the step flattens the partition's gradients to fp32, updates the fp32 master
+partition and all-gathers the 16-bit flat group. ZeRO-1 and 2 differ in DeepSpeed by ``partition_gradients``
+(``Settings.partition_gradients``), and so here."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+
+from zeroplan.engines.deepspeed.collectives import greedy_buckets, zero12_collectives
+from zeroplan.engines.deepspeed.phases import adam_update, cast_moments, flatten_moment, later_blocks_held
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
+from zeroplan.engines.deepspeed.terms import flat_padded_numel, zero12_terms
+from zeroplan.engines.deepspeed.wrapper import Wrapper
+from zeroplan.formulas.peak import Moment, Term
+
+GIP_SRC = "runtime/zero/stage_1_and_2.py copy_grads_in_partition"
+
+
+def reduces_from_hooks(s: Settings) -> bool:
+    """Whether gradients are reduced from the hooks in backward (stage_1_and_2.py ``__init__``: ``if
+    self.partition_gradients or self.overlap_comm: self.create_gradient_handling_hooks()``), else after
+    backward (``reduce_gradients`` walks ``bit16_groups``)."""
+    return s.partition_gradients or s.overlaps
+
+
+def _largest_partition_numel(run: DSRun) -> int:
+    """The most parameter elements overlapping one rank's slice of the flat group (the largest rank's)."""
+    return max(run.flat.params_numel(r) for r in range(run.nd))
+
+
+def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
+    """ZeRO-1 reduces after backward, in parameter order (``reduce_gradients``): each gradient is copied into
+    the bucket (its autograd tensor freed); the first bucket holding one of this rank's parameters
+    allocates ``grads_in_partition`` (``copy_grads_in_partition``: every parameter overlapping the
+    partition, whole, in the model dtype). The largest over ranks (the validator reports the max)."""
+    numels, p = run.numels, _pbytes(run)
+    bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, run.settings.reduce_bucket_size)))
+    offsets, states, psi = run.flat.offsets, (*_states(run), *_bucket(run)), sum(numels)
+    out = []
+    for rank in range(run.nd):
+        mine = run.flat.params(rank)
+        if not mine:
+            continue
+        sent = bucket_ends[bisect.bisect_right(bucket_ends, offsets[mine[0]])]  # the bucket holding its first
+        out.append(Moment("backward", f"reduce_gradients: rank {rank}'s grads_in_partition", (
+            *states,
+            Term("autograd gradients not yet bucketed", (psi - sent) * p, "torch autograd (param.grad)"),
+            Term("grads_in_partition", run.flat.params_numel(rank) * p,
+                 "runtime/zero/stage_1_and_2.py copy_grads_in_partition (torch.empty of the partition's parameters)"),
+            _act("batch (token ids, targets)", run.acts.batch, 2))))  # fmt: skip
+    return tuple(out)
+
+
+def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
+    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``) where j is the
+    last block whose backward starts with that partition alive, or -1 when it comes after every block's.
+
+    Gradients are bucketed in gradient-ready order (taken, as ``_stage2_early_partitions`` does, as the reverse
+    of parameter order); a bucket is reduced at the hook of the first gradient that does not fit
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads`` -> ``reduce_ipg_grads``), and a rank's
+    ``grads_in_partition`` is allocated by the first reduction of a bucket holding one of its parameters
+    (``copy_grads_in_partition``), to live until the step. A reduction at the hook of block b's output projection
+    (its first gradients, GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``) comes at b's first op; one later in b
+    comes before b - 1's; one at the final norm's or the head's before the last block's. Under checkpointing
+    every block's backward holds its recomputed activations, so the partition allocated in one block is live
+    at the next block's peak nearly as large (measured: gpt-tiny, N_d = 4, rank 2's partition, allocated at the
+    last block's c_fc weight gradient, peaks at block 0's c_proj backward)."""
+    numels, p, nd = run.numels, _pbytes(run), run.nd
+    if not run.param_blocks:
+        return ()
+    order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
+    buckets = greedy_buckets(tuple(numels[i] for i in order), run.settings.reduce_bucket_size)
+    first_of_bucket, at = [], 0
+    for size in buckets:
+        first_of_bucket.append(at)
+        at_numel = 0
+        while at_numel < size:
+            at_numel += numels[order[at]]
+            at += 1
+    bucket_of = {}
+    for b, start in enumerate(first_of_bucket):
+        end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
+        for i in order[start:end]:
+            bucket_of[i] = b
+    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    outputs = set(run.output_projections)
+    out = []
+    for rank in range(nd):
+        mine = run.flat.params(rank)
+        if not mine:
+            continue
+        first = min(bucket_of[i] for i in mine)
+        if first + 1 >= len(buckets):
+            continue  # the last bucket: reduced after backward
+        hook = order[first_of_bucket[first + 1]]  # the gradient whose hook reduces it
+        j = run.param_blocks[hook]
+        if j < 0:
+            j = run.acts.n_layer - 1 if 0 <= last_in_blocks < hook else -1  # final norm / head, or embeddings
+        elif hook not in outputs:
+            j -= 1
+        if j >= 0:
+            out.append((rank, j, Term("grads_in_partition", run.flat.params_numel(rank) * p,
+                                      "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
+    return tuple(out)
+
+
+def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
+    """ZeRO-1 reducing from its hooks (``overlap_comm``), per rank, per block j: the gradients of parameters
+    larger than ``reduce_bucket_size`` outside the rank's partition from blocks after j (and the final norm and
+    head), alive at j's first backward op. Such a gradient is reduced in place, not copied into the bucket
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``: ``extra_large_param_to_reduce``), and
+    stage 1 clears no gradient after reducing it (``reduce_ipg_grads``: only stage 2 calls
+    ``clear_grad_attribute``), so it lives to the step's ``zero_grad``; smaller ones are views of the reused
+    bucket. Measured: gpt-tiny, 5,000-element buckets, N_d = 4, checkpointed: ranks 0, 1, 2 held 41,472,
+    41,472 and 20,736 B of c_fc / c_proj weight gradients more than ZeRO-2 in the same world."""
+    numels, p, nd, L = run.numels, _pbytes(run), run.nd, run.acts.n_layer
+    if not run.param_blocks:
+        return {}
+    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    out = {}
+    # (parameter, its block; L for the final norm and head, reduced before every block) of the gradients larger
+    # than the bucket; the embeddings' come after the blocks
+    large = [(i, L if b < 0 else b) for i, (n, b) in enumerate(zip(numels, run.param_blocks))
+             if n > run.settings.reduce_bucket_size and (b >= 0 or i > last_in_blocks)]  # fmt: skip
+    after = [0] * (L + 1)  # after[j]: elements of the large gradients from blocks after j
+    for i, b in large:
+        after[min(b, L)] += numels[i]
+    for j in range(L - 1, -1, -1):
+        after[j] += after[j + 1]
+    after = after[1:] + [0]  # blocks > j
+    for rank in range(nd):
+        mine_after = [0] * (L + 1)  # the same, of the rank's own parameters (few: a slice of the flat group)
+        first, end = run.flat.range(rank)
+        for i, b in large:
+            if first <= i < end:
+                mine_after[min(b, L)] += numels[i]
+        for j in range(L - 1, -1, -1):
+            mine_after[j] += mine_after[j + 1]
+        out[rank] = tuple(Term("gradients larger than the bucket, outside the partition (kept to the step)",
+                               (after[j] - mine_after[j + 1]) * p,
+                               "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce; stage 1 "
+                               "clears no gradient)") for j in range(L))  # fmt: skip
+    return out
+
+
+def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
+    """ZeRO-2 reduces bucket by bucket in gradient-ready order (the final norm, then the last block's
+    parameters from the last); the first bucket fills during the last block's backward when the model
+    needs more than one. A rank owning a parameter of that bucket allocates its ``grads_in_partition``
+    there, with the activations alive (stage_1_and_2.py ``reduce_ipg_grads`` -> ``copy_grads_in_partition``)."""
+    numels, p = run.numels, _pbytes(run)
+    rev = tuple(reversed(numels))
+    buckets = greedy_buckets(rev, run.settings.reduce_bucket_size)
+    if len(buckets) < 2:  # everything fits one bucket: reduced after backward, activations gone
+        return ()
+    psi, first, offsets = sum(numels), buckets[0], run.flat.offsets
+    out = []
+    for rank in range(run.nd):
+        start, end = run.flat.range(rank)
+        # parameter i occupies [offsets[i], offsets[i + 1]); the first bucket holds the last ``first`` elements
+        if end > start and offsets[end] > psi - first:
+            out.append((rank, Term("grads_in_partition", run.flat.params_numel(rank) * p,
+                                   "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
+    return tuple(out)
+
+
+def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, Term]],
+                        kept: dict[int, tuple[Term, ...]]) -> dict[int, int]:
+    """Block j -> the first rank holding the most bytes at j's first backward op (its ``grads_in_partition``
+    where allocated at a block >= j, plus its kept gradients at j), for the blocks where some rank holds any.
+    Without kept gradients the ranks are swept once from the last block down (each joins at its block)."""
+    if kept:
+        out = {}
+        for j in range(n_layer):
+            most, who = 0, None
+            for r in range(nd):
+                held = (allocated[r][1].bytes if r in allocated and j <= allocated[r][0] else 0) + (
+                    kept[r][j].bytes if r in kept else 0)
+                if held > most:
+                    most, who = held, r
+            if who is not None:
+                out[j] = who
+        return out
+    joins: dict[int, list[int]] = {}
+    for r, (j, _) in allocated.items():
+        joins.setdefault(j, []).append(r)
+    out, most, who = {}, 0, None
+    for j in range(n_layer - 1, -1, -1):
+        for r in joins.get(j, ()):
+            held = allocated[r][1].bytes
+            if held > most or (held == most and who is not None and r < who):
+                most, who = held, r
+        if who is not None:
+            out[j] = who
+    return dict(sorted(out.items()))
+
+
+class ZeroOptimizer(Wrapper):
+    name = "DeepSpeedZeroOptimizer"
+    terms = staticmethod(zero12_terms)
+    collectives = staticmethod(zero12_collectives)
+
+    def init_moments(self, run: DSRun) -> tuple[Moment, ...]:
+        """The cast, the flat copy, then ``initialize_optimizer_states`` (an fp32 gradient partition of zeros,
+        dropped at once)."""
+        part = flat_padded_numel(run.numels, run.nd) // run.nd
+        return (*cast_moments(run), flatten_moment(run),
+                Moment("init", "initialize_optimizer_states", (*_states(run, after_step=False), Term(
+                    "fp32 gradient partition (zeros, dropped at once)", part * 4,
+                    "runtime/zero/stage_1_and_2.py initialize_optimizer_states (single_grad_partition)"))))  # fmt: skip
+
+    def held_between_micro_steps(self, run: DSRun) -> tuple[Term, ...]:
+        """(Measured at G = 2.) ZeRO-1 reduces only at the boundary (engine.py ``allreduce_gradients``;
+        ``reduce_ready_partitions_and_remove_grads`` tests ``is_gradient_accumulation_boundary``): autograd's
+        gradients stay in ``param.grad``, and the reduce bucket the first hook allocated stays until the
+        boundary's ``_release_ipg_buffers``. ZeRO-2 reduces every micro-step into ``grads_in_partition``,
+        kept to the step (the largest rank's)."""
+        if run.grad_accum == 1:
+            return ()
+        p = _pbytes(run)
+        if not run.settings.partition_gradients:
+            grads = Term("gradients of earlier micro-steps (param.grad)", sum(run.numels) * p,
+                         "torch autograd AccumulateGrad; runtime/engine.py allreduce_gradients (stage 1: at the boundary only)")  # fmt: skip
+            return (grads, *_bucket(run))
+        return (Term("grads_in_partition (accumulated over micro-steps)", _largest_partition_numel(run) * p,
+                     f"{GIP_SRC} (kept until the step)"),)  # fmt: skip
+
+    def keeps_gradients(self, run: DSRun) -> bool:
+        """ZeRO-1 reducing after backward keeps every gradient autograd makes until ``reduce_gradients``;
+        from the hooks each moves into the bucket (``reduce_ready_partitions_and_remove_grads``).
+        Accumulating, all of them are in ``held_between_micro_steps``."""
+        return not reduces_from_hooks(run.settings) and run.grad_accum == 1
+
+    def last_block_bucket(self, run: DSRun) -> tuple[Term, ...]:
+        """The bucket(s) from the first hook on; ZeRO-1 accumulating holds its bucket between micro-steps."""
+        return () if run.grad_accum > 1 and not run.settings.partition_gradients else _bucket(run)
+
+    def backward_after_last_block(self, run: DSRun, last: tuple[Term, ...],
+                                  inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
+        """The last block (per rank when ZeRO-2 accumulates), the earlier blocks with what a rank holds from
+        the later ones (``later_blocks_held``; from the hooks: ``_partition_allocations``,
+        ``_stage1_kept_gradients``), and ZeRO-1's reduction after backward (``_stage1_reduce``)."""
+        s, accumulating = run.settings, run.grad_accum > 1
+        hooks = reduces_from_hooks(s)
+        out = list(self._last_block_accumulating(run, last) if accumulating and s.partition_gradients
+                   else (Moment("backward", "last block backward", last),))  # fmt: skip
+        if self.keeps_gradients(run):
+            out.extend(later_blocks_held(run, last, inflight))
+        if hooks and not accumulating:
+            out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
+                       for r, gip in _stage2_early_partitions(run))  # fmt: skip
+            out.extend(self._blocks_from_hooks(run, last, inflight))
+        if not hooks:
+            out.extend(_stage1_reduce(run))
+        return tuple(out)
+
+    @staticmethod
+    def _last_block_accumulating(run: DSRun, last: tuple[Term, ...]) -> tuple[Moment, ...]:
+        """ZeRO-2 accumulating, per rank: its own grads_in_partition, held from the first micro-step; a
+        partition parameter's param.grad is then a view of it (copy_grads_in_partition: grad_reduc.data =
+        new_grad_tensor), so autograd accumulates out of place (grad + new grad, a new tensor until its bucket
+        is reduced): on the ranks owning the first bucket's parameters, as big again as their
+        grads_in_partition at the last block (measured at G = 2: N_d = 2 and 4, -0.05% and -0.07%)."""
+        p = _pbytes(run)
+        held_name = "grads_in_partition (accumulated over micro-steps)"
+        last = tuple(t for t in last if t.name != held_name)
+        early = {r for r, _ in _stage2_early_partitions(run)}
+        out = []
+        for r in range(run.nd):
+            gip = run.flat.params_numel(r) * p
+            out.append(Moment("backward", f"last block backward, rank {r} (accumulating)", (
+                *last, Term(held_name, gip, f"{GIP_SRC} (kept until the step)"),
+                *((Term("accumulated gradients of the partition's parameters (autograd, out of place)", gip,
+                        f"torch autograd AccumulateGrad; {GIP_SRC}"),) if r in early else ()))))  # fmt: skip
+        return tuple(out)
+
+    @staticmethod
+    def _blocks_from_hooks(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
+        """Block j's first op, with blocks 0..j held: the rank holding the most there (its partition, if
+        allocated by then, and at ZeRO-1 its kept gradients larger than the bucket; the lowest rank of a tie)."""
+        allocated = {r: (j, gip) for r, j, gip in _partition_allocations(run)}
+        kept = _stage1_kept_gradients(run) if not run.settings.partition_gradients else {}
+        out = []
+        for j, who in _most_held_by_block(run.nd, run.acts.n_layer, allocated, kept).items():
+            best = (*((allocated[who][1],) if who in allocated and j <= allocated[who][0] else ()),
+                    *((kept[who][j],) if who in kept and kept[who][j].bytes else ()))
+            out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
+                              (*(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+                               *best)))  # fmt: skip
+        return tuple(out)
+
+    def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:
+        """``step`` flattens the partition's gradients (views of grads_in_partition, still alive) in the
+        gradient dtype, then converts the flat copy to fp32 (a no-op in fp32); then the update."""
+        s, p = run.settings, _pbytes(run)
+        src = "runtime/zero/stage_1_and_2.py step -> get_flat_partition (_flatten_dense_tensors), .to(fp32)"
+        return (Moment("optimizer_step", "flatten the partition's gradients", (*_states(run),
+                Term("grads_in_partition", _largest_partition_numel(run) * p, GIP_SRC),
+                Term("flat partition gradient (gradient dtype)", part * DTYPE_BYTES[s.grad_dtype] * (s.grad_dtype != "fp32"), src),
+                Term("fp32 gradient of the master partition", part * 4, src))),
+                adam_update(run, part, inner, temps))  # fmt: skip
+
+
+ZERO12_OPTIMIZER = ZeroOptimizer()

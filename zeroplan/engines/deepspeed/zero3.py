@@ -1,0 +1,161 @@
+"""``DeepSpeedZeroOptimizer_Stage3`` (runtime/zero/stage3.py, DeepSpeed 0.19.8): ZeRO-3.
+
+Its schedule: every tensor partitioned (ceil(n / N_d) per rank; under ``deepspeed.zero.Init`` as each module
+is built: ``zero_init_moments``); in forward and again in backward the parameter coordinator all-gathers each
+module's parameters at its hook and prefetches the next ones (``coordinator.py``, over the module trace of
+``trace.py``); gradients are reduce-scattered bucket by bucket into the gradient partition; the step updates
+the fp32 master partition, and the persistent parameters are re-gathered."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+from zeroplan.engines.deepspeed.collectives import zero3_collectives
+from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
+from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
+from zeroplan.engines.deepspeed.run import ZINIT, DSRun, _pbytes, _states
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
+from zeroplan.engines.deepspeed.terms import stage3_partition_numel, zero3_terms
+from zeroplan.engines.deepspeed.wrapper import Wrapper
+from zeroplan.formulas.peak import Moment, Term
+
+
+def zero_init_moments(run: DSRun) -> tuple[Moment, ...]:
+    """The model built under ``deepspeed.zero.Init``, module by module (``run.modules``): the worst moment
+    of the builds and the worst of the weight initialisation (``Module.apply``).
+
+    Each floating-point tensor is created as asked (fp32) and converted to the config's dtype, both alive
+    for a moment (``zero_wrapper_for_fp_tensor_constructor``: ``tensor.data = tensor.data.to(dtype)``).
+    After a module's ``__init__`` (``partition_after`` -> ``Init._post_init_method``) each of its parameters
+    gets its partition, ceil(n / N_d) elements (``_partition_param``: ``ds_tensor = torch.empty(partition
+    _size)``), before its full tensor is freed (``free_param``); the broadcast before it
+    (``_zero_init_param``) is in place. The model's weight initialisation through ``Module.apply``
+    (``apply_with_gather``) gathers one module's parameters at a time, each into a padded
+    ceil(n / N_d)·N_d buffer (``_allgather_params_sequential``: ``flat_tensor``), then re-partitions them
+    into the partitions they had. Measured: docs/engines/deepspeed.md "ZeRO-3 built under zero.Init".
+    """
+    return _zero_init_moments(run.modules, run.nd, _pbytes(run))
+
+
+@lru_cache(maxsize=16)
+def _zero_init_moments(modules: tuple[tuple[int, ...], ...], nd: int, p: int) -> tuple[Moment, ...]:
+    """``zero_init_moments`` of parameter sizes ``modules`` at N_d = ``nd``, ``p`` bytes per element (cached: every
+    ZeRO-3 candidate of a plan builds the same model)."""
+    # each moment's terms as numbers first (a 405B model has ~900 of them); the Moment of the largest is
+    # built, the first of equal ones as ``max`` picks it
+    built: list[tuple[int, str, int, int, int, int]] = []  # (total, kind, before, done, n / i, ...)
+    applied: list[tuple[int, int]] = []  # (total, module index)
+    before = 0
+    for params in modules:
+        done = 0  # this module's parameters created so far (full, in the config's dtype)
+        for n in params:
+            copy = n * p if p != 4 else 0
+            built.append((before + done + n * 4 + copy, "created", before, done, n, copy))
+            done += n * p
+        parted, left = 0, sum(params)  # partitioned before it, not yet freed (elements)
+        for n in params:
+            built.append((before + parted * p + left * p + _part(n, nd) * p, "partitioned", before, parted * p,
+                          left * p, _part(n, nd) * p))  # fmt: skip
+            parted += _part(n, nd)
+            left -= n
+        before += sum(_part(n, nd) for n in params) * p
+    for k, params in enumerate(modules):
+        applied.append((before + sum(_part(n, nd) * nd for n in params) * p, k))
+    out = []
+    if built:
+        out.append(_zero_init_built(*max(built, key=lambda m: m[0])[1:]))
+    if applied:
+        total, k = max(applied, key=lambda m: m[0])
+        out.append(Moment("init", "zero.Init: a module's parameters gathered for Module.apply", (
+            Term("partitions of the whole model", before, f"{ZINIT} _partition_param (ds_tensor)"),
+            Term("this module's parameters gathered (padded)", total - before,
+                 f"{ZINIT} apply_with_gather -> _allgather_params_sequential (flat_tensor)"))))  # fmt: skip
+    return tuple(out)
+
+
+def _part(n: int, nd: int) -> int:  # partition_parameters.py _partition_numel
+    return -(-n // nd)
+
+
+def _zero_init_built(kind: str, before: int, a: int, b: int, c: int) -> Moment:
+    """A moment of a module's build under ``zero.Init``: a parameter ``created`` (``a``: the module's earlier
+    parameters in bytes, ``b``: its elements, ``c``: its copy's bytes) or ``partitioned`` (``a``: the module's
+    partitions so far, ``b``: its parameters not yet freed, ``c``: the new partition, in bytes)."""
+    if kind == "created":
+        return Moment("init", "zero.Init: a parameter created, then converted", (
+            Term("partitions of the modules built before", before, f"{ZINIT} _partition_param (ds_tensor)"),
+            Term("this module's parameters created before it", a, f"{ZINIT} zero_wrapper_for_fp_tensor_constructor"),
+            Term("the parameter as created (fp32)", b * 4, f"{ZINIT} zero_wrapper_for_fp_tensor_constructor (fn(*args))"),
+            Term("its copy in the config's dtype", c,
+                 f"{ZINIT} zero_wrapper_for_fp_tensor_constructor (tensor.data.to(target_fp_dtype))")))  # fmt: skip
+    return Moment("init", "zero.Init: a module's parameter partitioned", (
+        Term("partitions of the modules built before", before, f"{ZINIT} _partition_param (ds_tensor)"),
+        Term("this module's parameters partitioned before it", a, f"{ZINIT} _partition_param (ds_tensor)"),
+        Term("this module's parameters not yet freed", b, f"{ZINIT} free_param (after the copy)"),
+        Term("the parameter's new partition", c,
+             f"{ZINIT} Init._post_init_method -> _zero_init_param -> _partition_param (ds_tensor)")))  # fmt: skip
+
+
+class ZeroOptimizerStage3(Wrapper):
+    name = "DeepSpeedZeroOptimizer_Stage3"
+    terms = staticmethod(zero3_terms)
+    collectives = staticmethod(zero3_collectives)
+
+    def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
+        return stage3_partition_numel(numels, nd)
+
+    def schedule(self, run: DSRun) -> Optional[Stage3Schedule]:
+        """The coordinator replayed over the run's module trace (``stage3_schedule``; None without one)."""
+        s = run.settings
+        if run.trace is None:
+            return None
+        return stage3_schedule(run.trace, run.numels, run.nd, s.param_persistence_threshold, s.prefetch_bucket_size,
+                               s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
+
+    def init_moments(self, run: DSRun) -> tuple[Moment, ...]:
+        """The model built under ``zero.Init`` or cast, the fp32 master converted and cloned, the built model
+        partitioned (not under ``zero.Init``), every parameter gathered once."""
+        s, numels = run.settings, run.numels
+        p, psi = _pbytes(run), sum(numels)
+        out = [*(zero_init_moments(run) if s.builds_partitioned else ()), *cast_moments(run)]
+        st = _states(run, after_step=False)
+        if s.dtype != "fp32":  # the 16-bit partition converted to fp32, then cloned: both alive for a moment
+            part = stage3_partition_numel(numels, run.nd)
+            src = "runtime/zero/stage3.py _create_fp32_partitions (converted = lp.to(fp32); converted.clone())"
+            out.append(Moment("init", "fp32 master: converted and cloned", (
+                *(t for t in st if t.name in ("16-bit parameter partition", "inf/nan tracker")),
+                Term("16-bit partition converted to fp32", part * 4, src),
+                Term("fp32 master partition (the clone)", part * 4, src))))  # fmt: skip
+        # the built model is partitioned tensor by tensor: the first one's partition is allocated while the
+        # whole model is still alive (measured: Llama, N_d = 4, 195,984 B = Ψ·4 + ceil(4,944 / 4)·4); under
+        # zero.Init it was partitioned as built (zero_init_moments): _convert_to_zero_parameters skips it
+        psrc = "runtime/zero/partition_parameters.py _convert_to_zero_parameters -> _zero_init_param -> _partition_param"
+        if not s.builds_partitioned:
+            out.append(Moment("init", "the built model partitioned, first tensor", (
+                Term("model parameters as built (model dtype)", psi * p, "runtime/engine.py _configure_distributed_model"),
+                Term("first parameter's partition", -(-numels[0] // run.nd) * p,
+                     f"{psrc} (ds_tensor allocated before param.data is freed)"))))  # fmt: skip
+        out.append(Moment("init", "partitioned parameters gathered once", (*st, Term(
+            "largest parameter gathered", max(numels) * p,
+            "runtime/zero/partition_parameters.py _allgather_params_sequential")) ))  # fmt: skip
+        return tuple(out)
+
+    def backward_after_last_block(self, run: DSRun, last: tuple[Term, ...],
+                                  inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
+        """Each gradient moves into the bucket at its hook: nothing piles up after the last block."""
+        return (Moment("backward", "last block backward", last),)
+
+    def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:
+        """A copy of the 16-bit gradient partition, then its fp32 conversion (none in fp32); the update."""
+        s = run.settings
+        out = []
+        if s.grad_dtype != "fp32":
+            src = "runtime/zero/stage3.py _prepare_fp32_grad_for_sub_group (gradient partition copied, then .to(fp32))"
+            out.append(Moment("optimizer_step", "prepare the fp32 gradient", (*_states(run),
+                       Term("gradient partition copy (gradient dtype)", part * DTYPE_BYTES[s.grad_dtype], src),
+                       Term("fp32 gradient of the master partition", part * 4, src))))  # fmt: skip
+        return (*out, adam_update(run, part, inner, temps))
+
+
+ZERO3_OPTIMIZER = ZeroOptimizerStage3()

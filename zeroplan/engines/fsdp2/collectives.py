@@ -1,0 +1,38 @@
+"""The collectives FSDP2 issues in one training step, in issue order (``_fsdp_collectives.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeroplan.engines.fsdp2.param import Unit, unit_shard_numel
+from zeroplan.engines.fsdp2.settings import Settings, post_forward_group
+
+@dataclass(frozen=True)
+class UnitCollective:
+    """One collective as FSDP2 issues it: full size in elements (all-gather output, reduce-scatter input)."""
+
+    op: str
+    phase: str
+    unit: str
+    elements: int
+    dtype: str
+    group_size: int
+
+
+def unit_collectives(units: tuple[Unit, ...], nd: int, settings: Settings) -> tuple[UnitCollective, ...]:
+    """The collectives of one training step, in issue order (units in forward order, root first).
+
+    Forward: one all-gather per unit (_fsdp_collectives.py:foreach_all_gather). Backward: the blocks are
+    gathered again in reverse order when resharded after forward (over the post-forward group of k ranks
+    for an int k; never the root: _fsdp_state.py:FSDPState._lazy_init), one reduce-scatter per unit in
+    reverse order (_fsdp_collectives.py:foreach_reduce). Sizes are nd·S_u (dim-0 padded).
+    """
+    full = {u.name: nd * unit_shard_numel(u, nd) for u in units}
+    out = [UnitCollective("all-gather", "forward", u.name, full[u.name], settings.param, nd) for u in units]
+    group = post_forward_group(settings, nd)
+    for u in reversed(units[1:]):  # blocks, last first
+        if group > 1:
+            out.append(UnitCollective("all-gather", "backward", u.name, full[u.name], settings.param, group))
+    for u in reversed(units):
+        out.append(UnitCollective("reduce-scatter", "backward", u.name, full[u.name], settings.reduce, nd))
+    return tuple(out)

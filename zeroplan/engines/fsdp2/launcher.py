@@ -1,0 +1,93 @@
+"""The code a user copies: ``fully_shard`` for exactly the settings predicted (``settings_snippet``), and
+FSDP2's equivalent of a ZeRO stage and offload (``fsdp2_snippet``)."""
+
+from __future__ import annotations
+
+from zeroplan.engines.fsdp2.settings import Settings
+from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
+from zeroplan.policy import BF16_MIXED, PrecisionPolicy
+
+_TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+
+
+def settings_snippet(settings: Settings, checkpointing: str = "none") -> str:
+    """``fully_shard`` code for exactly ``settings`` and ``checkpointing`` (what ``estimate`` predicted),
+    as ``validate/engines/fsdp2.py:shard`` runs it; ``model.layers`` stands for the decoder layers."""
+    dtype = _TORCH_DTYPE[settings.param]
+    reduce = _TORCH_DTYPE[settings.reduce]
+    ckpt = (
+        "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper\n"
+        "for i, block in enumerate(model.layers):  # activation checkpointing: recompute each block in backward\n"
+        "    model.layers[i] = checkpoint_wrapper(block)\n"
+        if checkpointing == "full" else ""
+    )  # fmt: skip
+    meta = settings.init == "meta"
+    init_note = (
+        "# built on the meta device: `with torch.device(\"meta\"): model = ...` (no memory until to_empty)\n"
+        if meta else "# the model was built whole on the device (init holds all of it before sharding)\n"
+    )  # fmt: skip
+    materialize = (
+        f"model.to_empty(device={settings.device!r})  # each rank allocates its shards only\n"
+        "model.init_weights()  # your in-place initialisation, run on the shards (DTensor)\n"
+        if meta else ""
+    )  # fmt: skip
+    return (
+        "import torch\n"
+        "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n\n"
+        f"# {settings.label()}, checkpointing {checkpointing}; shards stay {settings.module} (no master copy)\n"
+        f"{init_note}"
+        f"{ckpt}"
+        f"policy = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce})\n"
+        "for block in model.layers:  # one unit per decoder layer: one all-gather and reduce-scatter each\n"
+        f"    fully_shard(block, mp_policy=policy, reshard_after_forward={settings.reshard_after_forward!r})\n"
+        "fully_shard(model, mp_policy=policy)  # the root: FSDP2 does not reshard it after forward\n"
+        f"{materialize}"
+        f"optimizer = torch.optim.Adam(model.parameters(), foreach={settings.foreach!r})\n"
+    )
+
+
+
+
+def fsdp2_snippet(stage: int, offload: Offload = NO_OFFLOAD, policy: PrecisionPolicy = BF16_MIXED) -> str:
+    """FSDP2 ``fully_shard`` code for ``stage`` and ``offload``, or a comment saying it has no equivalent."""
+    check_offload(stage, offload)
+    if stage == 0:
+        return (
+            "# ZeRO stage 0 is plain data parallelism: no FSDP needed.\n"
+            "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "model = DDP(model)  # gradients all-reduced in buckets during backward\n"
+        )
+    if stage == 1:
+        return "# FSDP2 has no stage-1 equivalent (sharded optimizer states only); use DeepSpeed stage 1.\n"
+    full_offload = offload == Offload("cpu", "cpu")
+    if offload.any and not full_offload:
+        return (
+            f"# FSDP2 has no equivalent of stage {stage} + {offload.label}: its CPUOffloadPolicy offloads\n"
+            "# parameters, gradients and the optimizer step together\n"
+            "# (stage 3 + optimizer->cpu, params->cpu).\n"
+        )
+    dtype = _TORCH_DTYPE.get(policy.param_dtype, "torch.bfloat16")
+    reduce = _TORCH_DTYPE.get(policy.resolved_grad_dtype, dtype)
+    reshard = "True" if stage == 3 else "False"
+    why = (
+        "parameters gathered again for backward" if stage == 3 else "parameters kept unsharded until backward"
+    )
+    imports = "fully_shard, MixedPrecisionPolicy" + (", CPUOffloadPolicy" if full_offload else "")
+    offload_arg = "\n    offload_policy=CPUOffloadPolicy(pin_memory=True)," if full_offload else ""
+    return (
+        "import torch\n"
+        f"from torch.distributed.fsdp import {imports}\n\n"
+        f"# ZeRO stage {stage}: reshard_after_forward={reshard} "
+        f"({why}).\n"
+        "# FSDP2 keeps sharded parameters in their original dtype (fp32) and casts them for compute, so the\n"
+        "# optimizer needs no master copy: fp32 params + fp32 grads + Adam m, v = 16 bytes/param per shard.\n"
+        "kwargs = dict(\n"
+        f"    mp_policy=MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce}),\n"
+        f"    reshard_after_forward={reshard},{offload_arg}\n"
+        ")\n"
+        "for block in model.layers:  # one FSDP unit per block: one all-gather and reduce-scatter each\n"
+        "    fully_shard(block, **kwargs)\n"
+        "fully_shard(model, **kwargs)\n"
+        "# Gradient accumulation: model.set_requires_gradient_sync(False) on all but the last micro-step\n"
+        "# skips the reduce-scatter but keeps unsharded gradients (more memory than the plan assumes).\n"
+    )

@@ -1,0 +1,246 @@
+"""FSDP2's phases as moments: at each point where live memory can peak, the terms alive there
+(``zeroplan.formulas.peak`` sums them); read from ``_fsdp_state.py``, ``_fsdp_param_group.py`` and
+``_fsdp_collectives.py`` (``SRC``)."""
+
+from __future__ import annotations
+
+from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel
+from zeroplan.engines.fsdp2.settings import ADAM
+from zeroplan.engines.fsdp2.terms import (
+    Fsdp2Run,
+    _act,
+    _blocks_saved,
+    _fp,
+    adam,
+    ag_output,
+    batch,
+    copy_in,
+    final_norm_backward,
+    gather_input,
+    gloo_copy,
+    grad_cast,
+    grads,
+    input_norm_backward,
+    kept_blocks,
+    mesh_ranks,
+    params,
+    partial_reshard,
+    post_forward_reshard,
+    prefetched,
+    resharded,
+    rs_input,
+    rs_output,
+    unit_grads,
+    unsharded,
+)
+from zeroplan.formulas.cuda_workspaces import library_workspaces
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
+
+def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+    """``fully_shard`` of each block, then the root: the units not yet sharded are whole, and the shard
+    of this unit is allocated before its whole tensors are dropped (_fsdp_param.py:
+    FSDPParam._init_sharded_param). Adam's constructor allocates nothing (its states come at step 1).
+
+    ``init="meta"``: nothing is allocated until ``to_empty`` gives each shard device memory
+    (torch/nn/modules/module.py:Module.to_empty, then _fully_shard/_fully_shard.py:FSDPModule._apply:
+    FSDPParam.reset_sharded_param), and the in-place initialisation adds nothing (measured: the init
+    peak is the padded shards, gpt-tiny N_d = 2 and tiny-llama N_d = 8, MemTracker less the meta device)."""
+    if run.settings.init == "meta":
+        rank, src = run.settings.rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
+        shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
+        repad = [local_shard_numel(s, run.nd, rank) for s in shapes
+                 if local_shard_numel(s, run.nd, rank) != padded_shard_numel(s, run.nd)]  # fmt: skip
+        return (
+            Moment("init", "to_empty: the shards get device memory", (*mesh_ranks(run), params(run))),
+            # a shard shorter than its padded size (ranks at the end) is copied into a new padded tensor
+            # while its unpadded one is alive: the largest such copy on top of all shards bounds the peak
+            Moment("init", "to_empty: re-padding a short shard", (*mesh_ranks(run), params(run),
+                   _fp("the unpadded shard being re-padded", max(repad, default=0) * run.m, src))),
+        )  # fmt: skip
+    order = [*range(1, len(run.units)), 0]
+    out = []
+    for i, u in enumerate(order):
+        whole = sum(run.units[v].numel for v in order[i:]) * run.m
+        done = sum(run.shard(v) for v in order[:i]) * run.m
+        out.append(Moment("init", f"fully_shard({run.units[u].name})", (
+            *mesh_ranks(run), Term("unsharded units as built", whole, "validate/models.py:build"),
+            _fp("shards of the units sharded before", done, "_fsdp_param.py:FSDPParam._init_sharded_param"),
+            _fp("this unit's new shard", run.shard(u) * run.m, "_fsdp_param.py:FSDPParam._init_sharded_param"))))  # fmt: skip
+    return tuple(out)
+
+
+def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+    """The last block's all-gather and forward, the LM head, the loss (_fsdp_state.py:FSDPState._pre_forward,
+    _post_forward: the last all-gather output is freed when the root's forward returns)."""
+    acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
+    base = (*mesh_ranks(run), params(run), adam(run), batch(run),
+            _act("embedding saved (position ids)", acts.embed_saved), unsharded(run, 0))  # fmt: skip
+    prev = ag_output(run, L - 1 if L > 1 else 0, "previous unit, freed when this copy-out returns")
+    gather = Moment("forward", f"block {L} all-gather", (
+        *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
+        prev, copy_in(run, L), ag_output(run, L, "this unit")))  # fmt: skip
+    # wait_for_unshard binds the previous all-gather state to a local (``if prev_all_gather_state := ...``),
+    # so the previous output is freed only when it returns, after this block's copy-out (measured)
+    copy_out = Moment("forward", f"block {L} copy-out", (
+        *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
+        prev, ag_output(run, L, "this unit"), unsharded(run, L)))  # fmt: skip
+    if run.checkpointing == "none":
+        work = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
+    else:
+        work = (_blocks_saved(run, L - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+    last = Moment("forward", f"block {L} forward", (
+        *base, *kept_blocks(run, L - 1), *work, ag_output(run, L, "kept until the root's post-forward"),
+        unsharded(run, L)))  # fmt: skip
+    # reshard_after_forward=k: the block's post-forward copies its k-sharded slices while it is whole
+    # (the block output is alive, its last op's output is gone: traced, gpt-tiny N_d = 8, k = 2)
+    reshard = (Moment("forward", f"block {L} post-forward reshard", (
+        *base, *kept_blocks(run, L - 1), _blocks_saved(run, L), _act("block output", acts.embed_out),
+        ag_output(run, L, "kept until the root's post-forward"), unsharded(run, L), post_forward_reshard(run, L))),
+    ) if partial_reshard(run) else ()  # fmt: skip
+    head_acts = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved),
+                 _act("logits", acts.logits))  # fmt: skip
+    head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts,
+                                         ag_output(run, L, "kept until the root's post-forward")))  # fmt: skip
+    # ``logits.float()`` (validate/transformer.py:CausalLM.loss): a copy beside the 16-bit logits, which
+    # nothing keeps once it exists (the head saves its input); in fp32 it is the logits themselves
+    fp32_logits = _act("fp32 logits (loss upcast)", acts.logits_fp32 if run.p != 4 else acts.logits)
+    upcast = Moment("forward", "logits upcast", (*base, *kept_blocks(run, L), *head_acts, fp32_logits))
+    loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], fp32_logits,
+                  _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss)))  # fmt: skip
+    return (gather, copy_out, last, *reshard, head, *((upcast,) if run.p != 4 else ()), loss)
+
+
+def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:
+    """A unit's reduce-scatter, then the cast of its output to the module dtype: two moments, since gloo's
+    copy of the input is gone before the cast (_fsdp_collectives.py:foreach_reduce runs
+    ``_to_dtype_if_needed(reduce_output, orig_dtype)`` after the collective; traced at dispatch, gpt-tiny
+    bf16/bf16 at N_d = 2: the copy drops as the fp32 cast is made, so both are never live together)."""
+    return (Moment("backward", f"{what} reduce-scatter", (*common, rs_in, rs_out, *gloo)),
+            Moment("backward", f"{what} cast to the module dtype", (*common, rs_in, rs_out, cast)))  # fmt: skip
+
+
+def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+    """Loss and head backward (the root's pre-backward prefetches the last block), each block's backward
+    and reduce-scatter (_fsdp_param_group.py:FSDPParamGroup.pre_backward, _backward_prefetch, post_backward;
+    _fsdp_collectives.py:foreach_reduce), the embeddings, the root's reduce-scatter (_fsdp_state.py:
+    FSDPState._root_post_backward_final_callback)."""
+    acts, L, p = run.acts, len(run.units) - 1, run.p
+    n_d = acts.embed_out  # one N·d activation (or its gradient)
+    base = (*mesh_ranks(run), params(run), adam(run), batch(run),
+            _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss), unsharded(run, 0))  # fmt: skip
+    saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
+    out = [Moment("backward", "cross-entropy backward", (*base, *kept_blocks(run, L), *saved_all,
+                  _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
+                  _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2)))]  # fmt: skip
+    # a backward all-gather copies its input (the shard, or the k-sharded data) into a flat param-dtype
+    # buffer first, freed once the collective returns: the root's pre_backward prefetches the last block
+    if resharded(run):
+        out.append(Moment("backward", f"block {L} backward all-gather (root's prefetch)", (
+            *base, *kept_blocks(run, L), *saved_all, _act("logits gradient", acts.logits), gather_input(run, L),
+            ag_output(run, L, "backward prefetch"))))  # fmt: skip
+    root_held = Term("root gradients held (head weight, final norm)", (run.head_numel + run.final_norm_numel) * p,
+                     "autograd (unsharded root .grad until the root's post_backward)", 2)  # fmt: skip
+    out.append(Moment("backward", "LM head backward", (*base, *kept_blocks(run, L), *saved_all,
+                      _act("logits gradient", acts.logits), _act("final norm output gradient", n_d),
+                      Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"),
+                      *prefetched(run, L))))  # fmt: skip
+    out.append(Moment("backward", "final norm backward", (*base, *kept_blocks(run, L), _blocks_saved(run, L),
+                      root_held, final_norm_backward(run), *prefetched(run, L))))  # fmt: skip
+    for i in range(L, 0, -1):
+        out.extend(block_backward_moments(run, i, base, root_held))
+    out.extend(root_backward_moments(run, base))
+    return tuple(out)
+
+
+def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_held: Term) -> tuple[Moment, ...]:
+    """Block ``i`` in backward: its copy-out and the next block's prefetch (resharded), its backward, its
+    gradients complete, its reduce-scatter; the blocks after it are reduced (``done``), the previous
+    block's reduce-scatter input is held until this post_backward."""
+    blk, L, n_d = run.acts.block, len(run.units) - 1, run.acts.embed_out
+    ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
+    done = grads(run, range(i + 1, L + 1))
+    held = (rs_input(run, i + 1, "held until the next post_backward"),) if i < L else ()
+    out = []
+    if resharded(run):  # pre_backward: the prefetched all-gather output is copied out, then freed (with
+        # the block's k-sharded data: FSDPParam.to_unsharded), then the next block is prefetched
+        out.append(Moment("backward", f"block {i} copy-out", (
+            *base, *kept_blocks(run, i), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
+            root_held, ag_output(run, i, "prefetched, freed after copy-out"), unsharded(run, i), *held, done)))  # fmt: skip
+        if i > 1:
+            out.append(Moment("backward", f"block {i - 1} backward all-gather (prefetch)", (
+                *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
+                root_held, unsharded(run, i), gather_input(run, i - 1), *prefetched(run, i - 1), *held, done)))  # fmt: skip
+    inflight = (_blocks_saved(run, i),)
+    if run.checkpointing != "none":
+        inflight += (_act("recomputed block's saved activations", blk.recomputed),)
+    out.append(Moment("backward", f"block {i} backward", (
+        *base, *kept_blocks(run, i - 1), *inflight, _act("incoming activation gradient", n_d), root_held,
+        _act("block backward working set", ws), unsharded(run, i), *prefetched(run, i - 1), *held, done)))  # fmt: skip
+    # the block's first op (its input norm) runs backward last: every weight gradient of the block exists
+    out.append(Moment("backward", f"block {i} gradients complete", (
+        *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),
+        input_norm_backward(run), root_held, unsharded(run, i), unit_grads(run, i), *prefetched(run, i - 1),
+        *held, done)))  # fmt: skip
+    common = (*base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1),
+              _act("block input gradient", n_d), root_held, *prefetched(run, i - 1), done)  # fmt: skip
+    out.append(Moment("backward", f"block {i} reduce-scatter copy-in",
+                      (*common, unit_grads(run, i), rs_input(run, i, "this unit"))))  # fmt: skip
+    out.extend(reduce_scatter_moments(f"block {i}", common, rs_input(run, i, "this unit"), rs_output(run, i),
+                                      grad_cast(run, i), gloo_copy(run, i)))  # fmt: skip
+    return tuple(out)
+
+
+def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment, ...]:
+    """The embeddings' backward (a tied head's two gradients summed), then the root's reduce-scatter."""
+    L, p, n_d = len(run.units) - 1, run.p, run.acts.embed_out
+    blocks_done = grads(run, range(1, L + 1))
+    others = (run.units[0].numel - run.head_numel) * p
+    if run.tied_head:  # torch/csrc/autograd/input_buffer.cpp: the two gradients are summed out of place
+        emb = (Term("head weight gradient (input buffer)", run.head_numel * p, "autograd InputBuffer"),
+               Term("embedding weight gradient", run.head_numel * p, "aten embedding_dense_backward"),
+               Term("their sum", run.head_numel * p, "autograd InputBuffer::add"))  # fmt: skip
+    else:
+        emb = (Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"),)
+    out = [Moment("backward", "embedding backward", (
+        *base, _act("incoming activation gradient", n_d), *emb,
+        Term("other root gradients", others, "autograd (embedding, final norm)"),
+        rs_input(run, 1, "held until the root's post_backward"), blocks_done))]  # fmt: skip
+    root_base = base[:-1]  # the root is resharded before its reduce-scatter
+    out.append(Moment("backward", "root reduce-scatter copy-in", (
+        *root_base, Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes)),
+        rs_input(run, 0, "this unit"), blocks_done)))  # fmt: skip
+    out.extend(reduce_scatter_moments("root", (*root_base, blocks_done), rs_input(run, 0, "this unit"),
+                                      rs_output(run, 0), grad_cast(run, 0), gloo_copy(run, 0)))  # fmt: skip
+    return tuple(out)
+
+
+def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+    """Adam on the sharded DTensor parameters. ``_multi_tensor_adam`` (foreach) makes ``sqrt(v)`` for every
+    tensor at once (one local shard's worth); ``_single_tensor_adam`` computes ``v.sqrt() /
+    bias_correction2_sqrt`` per tensor, two temporaries of the largest local shard alive at once."""
+    shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
+    local = [local_shard_numel(s, run.nd, run.settings.rank) for s in shapes]
+    if run.foreach:
+        temps = Term("Adam temporaries (foreach sqrt(v))", sum(local) * run.m, f"{ADAM}:_multi_tensor_adam", len(local))
+    else:
+        # ``denom`` stays bound to the previous tensor's quotient until this tensor's is assigned (measured)
+        worst = max(2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local))
+        temps = Term("Adam temporaries (sqrt(v), its quotient, the previous tensor's denom)", worst * run.m,
+                     f"{ADAM}:_single_tensor_adam", 3)  # fmt: skip
+    return (Moment("optimizer_step", "Adam update", (*mesh_ranks(run), params(run), adam(run), grads(run, range(len(run.units))), temps)),)
+
+
+def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+    """Every moment of a training step of FSDP2 (needs activations: an architecture)."""
+    if run.acts is None:
+        raise ValueError("the peak needs an architecture (activations); this run has only tensor shapes")
+    return (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run))
+
+
+def predict_peak(run: Fsdp2Run) -> PeakEstimate:
+    """The peak of ``run`` per phase; CUDA rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``) and
+    keeps the cuBLAS / cuBLASLt workspaces from the first backward on (``formulas.cuda_workspaces``)."""
+    if run.settings.device != "cuda":
+        return peak_of(moments(run))
+    resident = (library_workspaces(run.settings.cuda_capability, run.biased_linear),)
+    return peak_of(moments(run), CUDA_BLOCK_BYTES, resident=resident)

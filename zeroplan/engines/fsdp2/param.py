@@ -1,0 +1,65 @@
+"""FSDP2's dim-0 padding rule and its units: what one rank stores of each parameter
+(``_fsdp_common.py:_chunk_with_empty``, ``_get_dim0_padded_size``; ``_fsdp_param.py:FSDPParam``).
+
+FSDP2 pads each parameter on dim 0 to ``ceil(d0 / nd)`` rows per rank; the reference runtime pads a flat
+buffer instead (``zeroplan.formulas.sharding``): two engines, two rules, each named for its engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+Shape = tuple[int, ...]
+
+
+# ---- the dim-0 padding rule (_fsdp_common.py:_chunk_with_empty, _get_dim0_padded_size) ----
+
+
+def shard_rows(d0: int, nd: int) -> int:
+    """Rows of dim 0 each rank stores, padding included: ceil(d0 / nd) (_fsdp_common.py:_chunk_with_empty)."""
+    if d0 < 0 or nd < 1:
+        raise ValueError(f"d0={d0}, nd={nd}: need d0 >= 0 and nd >= 1")
+    return -(-d0 // nd)
+
+
+def padded_shard_numel(shape: Shape, nd: int) -> int:
+    """Elements a rank stores of one parameter: ceil(d0 / nd)·prod(rest) (FSDPParam._init_sharded_param)."""
+    return shard_rows(shape[0], nd) * math.prod(shape[1:]) if shape else 1
+
+
+def local_shard_numel(shape: Shape, nd: int, rank: int) -> int:
+    """Real (unpadded) elements of rank ``rank``'s shard: what ``zeros_like`` of the DTensor allocates."""
+    if not shape:
+        return 1 if rank == 0 else 0
+    c = shard_rows(shape[0], nd)
+    return min(c, max(0, shape[0] - rank * c)) * math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One ``fully_shard`` unit: its name and the shapes of the parameters it manages, in order."""
+
+    name: str
+    shapes: tuple[Shape, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def unit_shard_numel(unit: Unit, nd: int) -> int:
+    """S_u: the unit's padded shard, the all-gather input and reduce-scatter output per rank."""
+    return sum(padded_shard_numel(s, nd) for s in unit.shapes)
+
+
+def units_of(named_shapes: tuple[tuple[str, Shape], ...], prefix: str) -> tuple[Unit, ...]:
+    """FSDP2's documented wrapping: one unit per decoder layer (``<prefix><i>.``), the rest in the root (first)."""
+    root: list[Shape] = []
+    blocks: dict[str, list[Shape]] = {}
+    for name, shape in named_shapes:
+        if name.startswith(prefix):
+            index = name[len(prefix) :].split(".", 1)[0]
+            blocks.setdefault(prefix + index, []).append(tuple(shape))
+        else:
+            root.append(tuple(shape))
+    return (Unit("root", tuple(root)), *(Unit(n, tuple(s)) for n, s in blocks.items()))

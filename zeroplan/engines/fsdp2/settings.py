@@ -1,0 +1,90 @@
+"""FSDP2's settings in its own vocabulary (``fully_shard``, ``MixedPrecisionPolicy``) and the sources the
+terms were read from. FSDP2 keeps the same split: ``_fsdp_api.py`` (the policies), ``_fsdp_init.py``
+(the post-forward mesh)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from zeroplan.formulas.dtypes import canonical_dtype
+
+TORCH_VERSION = "2.13.0"  # the source the terms were read from
+SRC = "torch/distributed/fsdp/_fully_shard/"
+ADAM = "torch/optim/adam.py"
+STEP_BYTES = 4  # Adam's ``step`` (torch.tensor(0.0, dtype=_get_scalar_dtype()): fp32), one per tensor
+
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+class Settings(BaseModel):
+    """One FSDP2 configuration: ``fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype,
+    reduce_dtype), reshard_after_forward=...)`` per decoder layer, then ``fully_shard(model, mp_policy)``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reshard_after_forward: StrictBool | StrictInt = Field(
+        True, description="True: blocks gathered again in backward (ZeRO-3); False: kept (ZeRO-2); an int k: "
+        "kept sharded over k ranks between forward and backward (FSDP2's int option)",
+    )  # fmt: skip
+    module_dtype: Dtype = Field("fp32", description="dtype the model is built in; the shards keep it")
+    param_dtype: Dtype | None = Field(None, description="MixedPrecisionPolicy.param_dtype; None: module dtype")
+    reduce_dtype: Dtype | None = Field(None, description="MixedPrecisionPolicy.reduce_dtype; None: param dtype")
+    foreach: bool | None = Field(None, description="Adam's foreach path; None: Workload.foreach")
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda", description="cuda: 512-byte allocator blocks and fp32 LayerNorm statistics; cpu: neither"
+    )
+    backend: Literal["nccl", "gloo", "fake"] = Field(
+        "nccl", description="process group backend: gloo's reduce-scatter copies its whole input (a term); "
+        "nccl and the fake group (simulation) add nothing",
+    )  # fmt: skip
+    rank: StrictInt = Field(0, ge=0, description="the rank described (rank 0 holds the most: padding is at the end)")
+    init: Literal["meta", "materialized"] = Field(
+        "meta", description="meta: built on the meta device, fully_shard, to_empty, initialised shard by shard "
+        "(FSDP2's pattern for models larger than one GPU; the planner's default); materialized: built whole "
+        "on the device, then fully_shard (init holds the whole model)",
+    )  # fmt: skip
+    cuda_capability: tuple[StrictInt, StrictInt] = Field(
+        (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
+        "(formulas.cuda_workspaces); (9, 0) is H100/H200",
+    )  # fmt: skip
+
+    @field_validator("reshard_after_forward")
+    @classmethod
+    def _k(cls, v: bool | int) -> bool | int:
+        if not isinstance(v, bool) and v < 1:
+            raise ValueError(f"reshard_after_forward={v}: an int must be >= 1")
+        return v
+
+    @property
+    def module(self) -> str:
+        return canonical_dtype(self.module_dtype)
+
+    @property
+    def param(self) -> str:
+        """Gathered parameters and autograd's gradients (_fsdp_param.py:FSDPParam.init_dtype_attrs)."""
+        return canonical_dtype(self.param_dtype or self.module_dtype)
+
+    @property
+    def reduce(self) -> str:
+        """Reduce-scatter dtype (_fsdp_collectives.py:foreach_reduce: ``reduce_dtype or grad_dtype``)."""
+        return canonical_dtype(self.reduce_dtype or self.param)
+
+    def label(self) -> str:
+        mp = f", param {self.param}, reduce {self.reduce}" if self.param != self.module else ""
+        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}"
+
+
+def post_forward_group(settings: Settings, nd: int) -> int:
+    """Ranks a block stays sharded over between its forward and backward: nd (True), 1 (False, kept
+    whole) or k (_fsdp_init.py:_get_post_forward_mesh_info; k must divide nd)."""
+    rsf = settings.reshard_after_forward
+    if rsf is True:
+        return nd
+    if rsf is False:
+        return 1
+    if nd % rsf:
+        raise ValueError(f"reshard_after_forward={rsf}: must divide N_d={nd}")
+    return rsf

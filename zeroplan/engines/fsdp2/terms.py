@@ -1,0 +1,330 @@
+"""What one FSDP2 rank holds, as terms: the run (units, settings, activations), its model states, and one
+function per term, each citing the FSDP2 file and function that allocates it (``SRC``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zeroplan.architectures.spec import block_prefix
+from zeroplan.engines.base import Workload
+from zeroplan.engines.fsdp2.param import Shape, Unit, local_shard_numel, padded_shard_numel, unit_shard_numel, units_of
+from zeroplan.engines.fsdp2.settings import ADAM, SRC, STEP_BYTES, Settings, post_forward_group
+from zeroplan.formulas.activation_terms import ModelActivations, model_activations
+from zeroplan.formulas.dtypes import dtype_bytes
+from zeroplan.formulas.peak import Term
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Persistent bytes of one rank, per term, and what the step boundaries hold."""
+
+    params_bytes: int
+    grads_bytes: int
+    adam_moments_bytes: int  # exp_avg + exp_avg_sq
+    adam_step_bytes: int
+
+    @property
+    def after_init_bytes(self) -> int:
+        """After fully_shard and the optimizer's construction: the sharded parameters alone."""
+        return self.params_bytes
+
+    def after_backward_bytes(self, step: int) -> int:
+        """After backward of step ``step`` (0-based): parameters, gradients, and Adam's states from step 1."""
+        return self.params_bytes + self.grads_bytes + (self.optimizer_bytes if step >= 1 else 0)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.adam_moments_bytes + self.adam_step_bytes
+
+    @property
+    def boundary_bytes(self) -> int:
+        """After optimizer.step() and zero_grad(set_to_none=True): parameters and Adam's states."""
+        return self.params_bytes + self.optimizer_bytes
+
+
+def model_states(units: tuple[Unit, ...], nd: int, settings: Settings) -> ModelStates:
+    """Model states of ``settings.rank`` under FSDP2 with Adam (terms: ``params``, ``grads``, ``adam``)."""
+    shapes = [s for u in units for s in u.shapes]
+    module = dtype_bytes(settings.module)
+    return ModelStates(
+        params_bytes=sum(padded_shard_numel(s, nd) for s in shapes) * module,
+        grads_bytes=sum(unit_shard_numel(u, nd) for u in units) * module,
+        adam_moments_bytes=2 * sum(local_shard_numel(s, nd, settings.rank) for s in shapes) * module,
+        adam_step_bytes=len(shapes) * STEP_BYTES,
+    )
+
+
+# ---- the run: what one rank trains ----
+
+
+@dataclass(frozen=True)
+class Fsdp2Run:
+    """One rank of FSDP2 training a model: units (root first), settings, and (with an architecture)
+    one micro-batch's activations; ``head_numel`` and ``final_norm_numel`` are the LM head weight and
+    the final norm's parameters, whose gradients come first in backward and wait for the root's
+    reduce-scatter; ``tied_head``: the head is the token embedding (GPT-2)."""
+
+    units: tuple[Unit, ...]
+    nd: int
+    settings: Settings
+    acts: ModelActivations | None = None
+    checkpointing: str = "none"
+    foreach: bool = False
+    head_numel: int = 0
+    final_norm_numel: int = 0
+    tied_head: bool = False
+    style: str = "gpt"  # the architecture's layout (architectures.spec): gpt (LayerNorm) or llama (RMSNorm)
+    biased_linear: bool = True  # a projection has a bias: its GEMM takes cuBLASLt's workspace on CUDA
+    param_order: tuple[Shape, ...] = ()  # parameters in model.parameters() order (the optimizer's); () = units'
+
+    def __post_init__(self) -> None:
+        if self.nd == 1:
+            raise ValueError("N_d = 1: FSDP2 takes its world-size-1 path there (no all-gather or reduce-scatter; "
+                             "_fsdp_param_group.py:FSDPParamGroup.unshard), which this profile does not model: "
+                             "use N_d >= 2")  # fmt: skip
+        if self.nd < 1 or len(self.units) < (2 if self.acts is not None else 1):
+            raise ValueError(f"nd={self.nd}, units={len(self.units)}: need nd >= 1 and a root plus blocks")
+        if self.checkpointing not in ("none", "full"):
+            raise ValueError(f"checkpointing={self.checkpointing!r}: expected none or full")
+        post_forward_group(self.settings, self.nd)
+
+    @property
+    def m(self) -> int:
+        return dtype_bytes(self.settings.module)
+
+    @property
+    def p(self) -> int:
+        return dtype_bytes(self.settings.param)
+
+    @property
+    def r(self) -> int:
+        return dtype_bytes(self.settings.reduce)
+
+    def shard(self, u: int) -> int:
+        return unit_shard_numel(self.units[u], self.nd)
+
+
+def _fp(name: str, nbytes: int, where: str, tensors: int = 1) -> Term:
+    return Term(name, nbytes, SRC + where, tensors)
+
+
+def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
+    return Term(name, nbytes, "zeroplan/formulas/activation_terms.py:model_activations", tensors)
+
+
+def params(run: Fsdp2Run) -> Term:
+    """Sharded parameters, padded, in the module dtype (no separate master copy)."""
+    return _fp("sharded parameters (module dtype, padded)", sum(run.shard(u) for u in range(len(run.units))) * run.m,
+               "_fsdp_param.py:FSDPParam._init_sharded_param", sum(len(u.shapes) for u in run.units))  # fmt: skip
+
+
+def grads(run: Fsdp2Run, units) -> Term:
+    """Sharded gradients of ``units`` (views into each unit's reduce-scatter output, cast to the module dtype)."""
+    units = tuple(units)
+    return _fp(f"sharded gradients of {len(units)} unit(s)", sum(run.shard(u) for u in units) * run.m,
+               "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed(reduce_output, orig_dtype))", len(units))  # fmt: skip
+
+
+def adam(run: Fsdp2Run) -> Term:
+    """Adam's exp_avg, exp_avg_sq (zeros_like of the DTensor: the local shard, unpadded) and step."""
+    st = model_states(run.units, run.nd, run.settings)
+    n = sum(len(u.shapes) for u in run.units)
+    return Term("Adam exp_avg, exp_avg_sq, step", st.optimizer_bytes, f"{ADAM}:Adam._init_group (first step)", 3 * n)
+
+
+def unsharded(run: Fsdp2Run, u: int) -> Term:
+    """A unit's unsharded parameters: one padded buffer per tensor in the param dtype."""
+    what = "root" if u == 0 else f"block {u}"
+    return _fp(f"unsharded parameters ({what})", run.nd * run.shard(u) * run.p,
+               "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(run.units[u].shapes))  # fmt: skip
+
+
+def ag_output(run: Fsdp2Run, u: int, why: str) -> Term:
+    """A unit's flat all-gather output (kept in forward until the next unit's copy-out)."""
+    what = "root" if u == 0 else f"block {u}"
+    return _fp(f"all-gather output ({what}, {why})", run.nd * run.shard(u) * run.p,
+               "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard")  # fmt: skip
+
+
+def copy_in(run: Fsdp2Run, u: int, post_forward: bool = False) -> Term:
+    """The all-gather input copied into one flat buffer in the param dtype (none when the dtypes agree:
+    ``use_foreach_copy`` needs a ``param_dtype``); from the post-forward state of an int k it is the
+    k-sharded data, nd·S_u/k elements, else the shard S_u (_fsdp_collectives.py:_get_param_all_gather_inputs)."""
+    cast = run.settings.param != run.settings.module
+    numel = run.nd * run.shard(u) // post_forward_group(run.settings, run.nd) if post_forward else run.shard(u)
+    return _fp(f"all-gather copy-in (unit {u}{', post-forward' if post_forward else ''}, cast)",
+               numel * run.p if cast else 0, "_fsdp_collectives.py:_get_param_all_gather_inputs")  # fmt: skip
+
+
+def post_forward_shard(run: Fsdp2Run, u: int) -> Term:
+    """reshard_after_forward=k: the block kept sharded over k ranks until backward."""
+    k = post_forward_group(run.settings, run.nd)
+    return _fp(f"post-forward shard (block {u}, k={k})", run.nd * run.shard(u) // k * run.p,
+               "_fsdp_param.py:FSDPParam.to_sharded_post_forward")  # fmt: skip
+
+
+def partial_reshard(run: Fsdp2Run) -> bool:
+    """reshard_after_forward=k with 1 < k < nd: blocks kept sharded over k ranks between forward and backward."""
+    return 1 < post_forward_group(run.settings, run.nd) < run.nd
+
+
+def mesh_ranks_bytes(settings: Settings, nd: int) -> int:
+    """The post-forward mesh's rank tensor, held from init on beside the model states (0 unless 1 < k < nd):
+    ``_get_post_forward_mesh_info`` builds a ``DeviceMesh`` from ``mesh_info.mesh.mesh.view(-1, k)``, a new
+    int32 tensor of the nd ranks (``DeviceMesh.mesh``) that the new mesh keeps as its rank map
+    (measured with 2 blocks: 16, 32, 256 B at N_d = 4, 8, 64)."""
+    return 4 * nd if 1 < post_forward_group(settings, nd) < nd else 0
+
+
+def mesh_ranks(run: Fsdp2Run) -> tuple[Term, ...]:
+    """``mesh_ranks_bytes`` as a term of every moment from the first ``fully_shard`` on."""
+    if not partial_reshard(run):
+        return ()
+    return (_fp("post-forward mesh ranks (int32)", mesh_ranks_bytes(run.settings, run.nd),
+                "_fsdp_init.py:_get_post_forward_mesh_info"),)  # fmt: skip
+
+
+def post_forward_reshard(run: Fsdp2Run, u: int) -> Term:
+    """The k-sharded copy made at a block's post-forward, parameter by parameter: each clones its slice
+    (nd·c·rest/k) and then frees its unsharded tensor (nd·c·rest), so the most held beyond the unsharded
+    block is max over j of clone_j + Σ_{i<j} (clone_i - full_i) (_fsdp_param.py:FSDPParam.to_sharded_post_forward)."""
+    k = post_forward_group(run.settings, run.nd)
+    held, worst = 0, 0
+    for shape in run.units[u].shapes:
+        full = run.nd * padded_shard_numel(shape, run.nd)
+        worst = max(worst, held + full // k)
+        held += full // k - full
+    return _fp(f"post-forward reshard (block {u}, k={k}): clones less what is freed", worst * run.p,
+               "_fsdp_param.py:FSDPParam.to_sharded_post_forward")  # fmt: skip
+
+
+def kept_blocks(run: Fsdp2Run, upto: int) -> tuple[Term, ...]:
+    """Blocks 1..upto between their forward and their backward: whole (False), k-sharded (int) or freed (True)."""
+    k = post_forward_group(run.settings, run.nd)
+    if k == run.nd:
+        return ()
+    if k == 1:
+        return tuple(unsharded(run, u) for u in range(1, upto + 1))
+    return tuple(post_forward_shard(run, u) for u in range(1, upto + 1))
+
+
+def resharded(run: Fsdp2Run) -> bool:
+    """Blocks are gathered again for backward (True, or an int k < nd)."""
+    return post_forward_group(run.settings, run.nd) > 1
+
+
+def batch(run: Fsdp2Run) -> Term:
+    return Term("batch (token ids, targets)", run.acts.batch, "validate/engines/fsdp2.py:measure", 2)
+
+
+def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
+    per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
+    what = "saved activations" if run.checkpointing == "none" else "checkpointed block inputs"
+    return _act(f"{what} of {n} blocks", n * per, n)
+
+
+def prefetched(run: Fsdp2Run, u: int) -> tuple[Term, ...]:
+    """Block ``u``'s all-gather output, prefetched for its backward (resharded blocks only; never the root)."""
+    return (ag_output(run, u, "backward prefetch"),) if resharded(run) and u >= 1 else ()
+
+
+def gather_input(run: Fsdp2Run, u: int) -> Term:
+    """A backward all-gather's copy-in: from the k-sharded data under an int reshard_after_forward."""
+    return copy_in(run, u, post_forward=partial_reshard(run))
+
+
+def unit_grads(run: Fsdp2Run, u: int) -> Term:
+    """Block ``u``'s unsharded gradients as autograd made them, until its reduce-scatter copies them in."""
+    return Term(f"unsharded gradients (block {u})", run.units[u].numel * run.p,
+                "autograd; freed in _fsdp_collectives.py:foreach_reduce (unsharded_grads.clear())",
+                len(run.units[u].shapes))  # fmt: skip
+
+
+def rs_input(run: Fsdp2Run, u: int, why: str) -> Term:
+    """Unit ``u``'s flat reduce-scatter input (nd·S_u in the reduce dtype)."""
+    return _fp(f"reduce-scatter input (unit {u}, {why})", run.nd * run.shard(u) * run.r,
+               "_fsdp_collectives.py:foreach_reduce; _fsdp_param_group.py:FSDPParamGroup.post_backward")  # fmt: skip
+
+
+def rs_output(run: Fsdp2Run, u: int) -> Term:
+    """Unit ``u``'s reduce-scatter output (S_u in the reduce dtype)."""
+    return _fp(f"reduce-scatter output (unit {u})", run.shard(u) * run.r, "_fsdp_collectives.py:foreach_reduce")
+
+
+def grad_cast(run: Fsdp2Run, u: int) -> Term:
+    """The reduce-scatter output cast to the module dtype (nothing when the dtypes agree)."""
+    return _fp(f"gradient cast to the module dtype (unit {u})", run.shard(u) * run.m if run.r != run.m else 0,
+               "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed)")  # fmt: skip
+
+
+def gloo_copy(run: Fsdp2Run, u: int) -> tuple[Term, ...]:
+    """gloo's copy of unit ``u``'s whole reduce-scatter input (nccl and the fake group: nothing)."""
+    if run.settings.backend != "gloo":
+        return ()
+    return (Term(f"gloo reduce-scatter copy of the whole input (unit {u})", run.nd * run.shard(u) * run.r,
+                 "measured: ProcessGroupGloo runs reduce-scatter as an allreduce of a copy of the input, "
+                 "then copies its chunk out (aten.split, aten.copy_ seen at dispatch)"),)  # fmt: skip
+
+
+def input_norm_backward(run: Fsdp2Run) -> Term:
+    """A block's input norm when it runs backward (the block's last backward op): what it saved plus its
+    working set. Derived from the ops (to move into ``activation_terms``, which does not split them out):
+    - llama (transformers LlamaRMSNorm): saved h32 = x.to(fp32) (N·d·4), rsqrt (N·4), the normalised
+      16-bit h (N·d·a) and its output (N·d·a, saved by q/k/v); the backward of ``h32.pow(2)`` and of
+      ``h32 * rsqrt`` holds three fp32 N·d temporaries beside the accumulating fp32 input gradient (4·N·d·4),
+      as traced at dispatch (llama-2-7b at N_d = 64: 6·N·d·4 above the rest, 2 KiB under);
+    - gpt (nn.LayerNorm): saved input (N·d·a), mean and rstd (2·N·st), its output (N·d·a); the fused
+      ``native_layer_norm_backward`` allocates the input gradient (N·d·a).
+    """
+    acts, a = run.acts, run.p
+    nd_elems = acts.embed_out // a  # N·d
+    n = acts.batch // 16  # tokens: ids and targets are int64
+    if run.style == "llama":
+        nbytes = nd_elems * 4 + n * 4 + 2 * nd_elems * a + 4 * nd_elems * 4
+    else:
+        st = (acts.final_saved - 2 * nd_elems * a) // (2 * n)
+        nbytes = 3 * nd_elems * a + 2 * n * st
+    return Term("input norm saved and backward working set", nbytes,
+                "derived from LlamaRMSNorm / nn.LayerNorm backward (see input_norm_backward)")
+
+
+def final_norm_backward(run: Fsdp2Run) -> Term:
+    """The final norm running backward, after the LM head (its output, saved by the head, and the logits
+    gradient are gone): what it saved plus its working set.
+    - llama: the fp32 copy h32 and five fp32 N·d temporaries at ``pow``'s backward (the gradient through
+      h·rsqrt, through the mean, pow's h^1, its scaled copy, their product), 6·N·d·4; rsqrt, the 16-bit
+      normalised copy and the output gradient are released by then (traced at dispatch: tiny-llama with 4
+      layers, N_d = 8, bf16 and fp32, reshard_after_forward=2: the backward peak, exact);
+    - gpt: the saved input, mean and rstd, the output gradient and ``native_layer_norm_backward``'s input
+      gradient: ``final_saved`` (input, stats, output) + N·d·a.
+    """
+    acts, a = run.acts, run.p
+    nd_elems = acts.embed_out // a  # N·d
+    nbytes = 6 * nd_elems * 4 if run.style == "llama" else acts.final_saved + nd_elems * a
+    return Term("final norm saved and backward working set", nbytes,
+                "derived from LlamaRMSNorm / nn.LayerNorm backward (see final_norm_backward)")
+
+
+def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
+    """The run of ``workload`` as FSDP2 wraps it (units per decoder layer + root)."""
+    spec = workload.spec
+    if spec is not None:
+        prefix = block_prefix(spec)
+    else:  # bare shapes: decoder layers where the names say so (GPT-2 or Llama names), else one unit
+        known = [p for p in ("transformer.h.", "model.layers.") if any(n.startswith(p) for n, _ in workload.shapes)]
+        prefix = known[0] if known else "\0"
+    units = units_of(workload.shapes, prefix)
+    if spec is None:
+        return Fsdp2Run(units, nd, settings, foreach=_foreach(workload, settings))
+    act_bytes = dtype_bytes(settings.param)
+    stat_bytes = 4 if settings.device == "cuda" else act_bytes  # CPU native_layer_norm: stats in the input dtype
+    acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=act_bytes, stat_bytes=stat_bytes)
+    final = sum(math.prod(s) for n, s in workload.shapes if n.rsplit(".", 2)[-2] in ("ln_f", "norm")
+                and not n.startswith(prefix))  # fmt: skip
+    return Fsdp2Run(units, nd, settings, acts, workload.checkpointing, _foreach(workload, settings),
+                    spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
+                    biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes))  # fmt: skip
+
+
+def _foreach(workload: Workload, settings: Settings) -> bool:
+    return workload.foreach if settings.foreach is None else settings.foreach

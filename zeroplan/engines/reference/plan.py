@@ -1,0 +1,73 @@
+"""The reference runtime behind the engine contract (``zeroplan/engines/base.py``): ``estimate`` (one row
+per ZeRO stage) and the planner's options in its vocabulary (the paper's: stages, a policy). The planner's
+ladder of stages and offload (``zeroplan.planning.plan``) plans it; it has no search of its own."""
+
+from __future__ import annotations
+
+import math
+
+from zeroplan.engines.base import EngineEstimate, PlannerOptions, Workload
+from zeroplan.engines.reference.collectives import stage_rows
+from zeroplan.engines.reference.moments import predict_peak
+from zeroplan.engines.reference.settings import Settings, check_peak_policy, check_peak_spec
+from zeroplan.engines.reference.terms import reference_run
+from zeroplan.formulas.cuda_workspaces import library_workspaces
+from zeroplan.policy import PrecisionPolicy
+
+def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
+    """One row per requested ZeRO stage: model states and collectives from the stage table
+    (``collectives.stage_rows``: the paper's formulas with the runtime's padding), the peak per phase from
+    ``predict_peak`` when ``workload.spec`` is set (else None).
+
+    With ``grad_accum`` = G > 1 every buffer the runtime keeps across micro-steps (the gradient buffer
+    or shard, master, Adam states) exists at G = 1 already, so forward and backward of later micro-steps
+    see nothing new alive, and stages 0-1 reduce once at the last micro-step exactly as at G = 1; what
+    G adds is, at stages 2-3, the in-flight reduction of later micro-steps: a reduce-scatter into a
+    temporary of the unit's shard next to its pack buffer (``_accumulation_moments``), which is a phase's
+    peak only where it outgrows the unit's autograd gradients it replaces (N_d = 1 at most ties).
+    Collectives per optimizer step: ``zeroplan.formulas.commtime.calls_per_optimizer_step``.
+    """
+    if nd < 1:
+        raise ValueError(f"nd={nd}: must be >= 1")
+    numels = tuple(math.prod(s) for _, s in workload.shapes)
+    if workload.spec is not None:
+        check_peak_policy(settings.policy)
+        check_peak_spec(workload.spec)
+    rows = stage_rows(numels, nd, settings)
+    out = []
+    for row in rows:
+        peak = None
+        if workload.spec is not None:
+            run = reference_run(
+                workload.spec, nd, row.stage.number, workload.micro_batch, workload.seq_len,
+                workload.checkpointing, workload.foreach, stat_bytes=settings.stat_bytes,
+                grad_accum=workload.grad_accum,
+            )  # fmt: skip
+            cap = settings.cuda_capability
+            resident = () if cap is None else (library_workspaces(cap, workload.spec.biased_linear),)
+            peak = predict_peak(run, block_bytes=settings.block_bytes,
+                                allocator_overhead_bytes=settings.allocator_overhead_bytes, resident=resident)  # fmt: skip
+        number = row.stage.number
+        out.append(EngineEstimate("reference", f"ZeRO-{number}", number, row.memory, peak, row.collectives))
+    return tuple(out)
+
+
+# ---- the planner's side: options -> Settings and the byte convention ----
+
+PLANNER_OPTIONS: tuple[str, ...] = ("stages", "policy")
+"""The ``PlannerOptions`` fields in the reference runtime's vocabulary (the paper's: stages, a policy)."""
+
+
+def planner_settings(options: PlannerOptions) -> Settings:
+    """The reference runtime's ``Settings``: the requested stages and policy, the planner's CUDA target."""
+    return Settings(stages=options.stages, policy=options.policy, flat_layout=options.flat_layout)
+
+
+def planner_policy(settings: Settings) -> PrecisionPolicy:
+    """The byte convention of the model states: the policy as given."""
+    return settings.policy
+
+
+def planner_block_bytes(settings: Settings) -> int:
+    """The allocator block every peak term is rounded to."""
+    return settings.block_bytes

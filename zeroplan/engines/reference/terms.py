@@ -1,0 +1,165 @@
+"""What one rank of the reference runtime holds, as terms: the run (units, stage, activations) and one
+function per term, each naming the ``validate/<file>.py:<function>`` that allocates it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zeroplan.architectures.spec import TransformerSpec, block_prefix, transformer_shapes
+from zeroplan.engines.reference.settings import ADAM_STEP_BYTES, MASTER_BYTES
+from zeroplan.formulas.activation_terms import ModelActivations, model_activations
+from zeroplan.formulas.peak import Term
+from zeroplan.formulas.sharding import flat_padded_numel, flat_shard_numel
+from zeroplan.formulas.stages import get_stage
+
+#: the final norm's parameter names (transformers' GPT2Model.ln_f, LlamaModel.norm)
+FINAL_NORM_PREFIX = {"gpt": "transformer.ln_f.", "llama": "model.norm."}
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """One rank of the reference runtime training a transformer.
+
+    ``units``: element counts of each unit's tensors, root first then one tuple per block (in
+    ``validate/runtime.py:split_units`` order); ``head_numel`` and ``final_norm_numel``: the LM head
+    weight (V·d, tied or not) and the final norm's parameters, whose gradients come first in backward.
+    """
+
+    units: tuple[tuple[int, ...], ...]
+    head_numel: int
+    final_norm_numel: int
+    nd: int
+    stage: int
+    acts: ModelActivations
+    checkpointing: str = "none"
+    foreach: bool = False
+    param_bytes: int = 2
+    tied_head: bool = True  # the head is the token embedding (GPT): its two gradients meet in backward
+    late_grads_numel: int = 0  # a block's parameters whose gradients come before its post-attention norm's input's
+    grad_accum: int = 1  # micro-steps per optimizer step (validate/runtime.py:Runtime.grad_accum)
+
+    def __post_init__(self) -> None:
+        get_stage(self.stage)
+        if self.nd < 1 or len(self.units) < 2:
+            raise ValueError(f"nd={self.nd}, units={len(self.units)}: need nd >= 1 and a root plus blocks")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum={self.grad_accum}: must be >= 1")
+        if self.checkpointing not in ("none", "full"):
+            raise ValueError(f"checkpointing={self.checkpointing!r}: expected none or full")
+
+
+def _psi(run: ReferenceRun) -> int:
+    return sum(sum(u) for u in run.units)
+
+
+def _align(run: ReferenceRun) -> int:
+    """Stage 0 keeps whole unpadded tensors (DDP); sharded stages pad every tensor to N_d (flat.py)."""
+    return run.nd if get_stage(run.stage).shards_optimizer else 1
+
+
+def _shard(run: ReferenceRun) -> int:
+    """Elements of this rank's master shard (validate/runtime.py:Runtime.__init__, local_slices)."""
+    if not get_stage(run.stage).shards_optimizer:
+        return _psi(run)
+    return sum(flat_shard_numel(u, run.nd) for u in run.units)
+
+
+def _full(run: ReferenceRun, unit: tuple[int, ...]) -> int:
+    """Elements of a unit's full flat buffer (validate/flat.py:FlatLayout.full_numel)."""
+    return flat_padded_numel(unit, _align(run))
+
+
+def params16(run: ReferenceRun) -> Term:
+    """16-bit parameters kept between steps: full (stages 0-2, padded from 1) or the shard (3)."""
+    st, a = get_stage(run.stage), run.param_bytes
+    if st.shards_parameters:
+        return Term("16-bit parameter shard", _shard(run) * a, "validate/stage3.py:Stage3.setup")
+    src = "validate/stage1.py:Stage1.setup" if st.shards_optimizer else "validate/stage0.py:Stage0.setup"
+    return Term("16-bit parameters", sum(_full(run, u) for u in run.units) * a, src)
+
+
+def grads16(run: ReferenceRun) -> Term:
+    """Persistent 16-bit gradients: the full flat buffer (stages 0-1) or the reduced shard (2-3)."""
+    st, a = get_stage(run.stage), run.param_bytes
+    if st.shards_gradients:
+        return Term("16-bit gradient shard", _shard(run) * a, "validate/stage2.py:Stage2.setup_grads")
+    src = "validate/stage1.py:Stage1.setup_grads" if st.shards_optimizer else "validate/stage0.py:Stage0.setup"
+    return Term("16-bit gradient buffer", sum(_full(run, u) for u in run.units) * a, src)
+
+
+def master(run: ReferenceRun) -> Term:
+    """fp32 master copy of this rank's shard (validate/runtime.py:Runtime.__init__)."""
+    return Term("fp32 master", _shard(run) * MASTER_BYTES, "validate/runtime.py:Runtime.__init__")
+
+
+def adam_states(run: ReferenceRun) -> Term:
+    """Adam's m and v (fp32, like the master) and its step scalar, created lazily at the first step."""
+    return Term("Adam m, v, step", 2 * _shard(run) * MASTER_BYTES + ADAM_STEP_BYTES,
+                "torch/optim/adam.py:Adam._init_group via validate/runtime.py:Runtime.step", tensors=3)  # fmt: skip
+
+
+def batch(run: ReferenceRun) -> Term:
+    """The micro-batch's int64 tokens and targets, copied to the device (validate/worker.py:measure_stage)."""
+    return Term("batch (token ids, targets)", run.acts.batch, "validate/worker.py:measure_stage", tensors=2)
+
+
+def _states(run: ReferenceRun) -> tuple[Term, ...]:
+    return (params16(run), grads16(run), master(run), adam_states(run))
+
+
+def _gathered(run: ReferenceRun, *units: int) -> tuple[Term, ...]:
+    """Stage 3: units whose full 16-bit parameters are gathered (validate/stage3.py:Stage3._gather)."""
+    if not get_stage(run.stage).shards_parameters:
+        return ()
+    names = {0: "gathered root unit"}
+    return tuple(
+        Term(names.get(u, "gathered block unit"), _full(run, run.units[u]) * run.param_bytes,
+             "validate/stage3.py:Stage3._gather")  # fmt: skip
+        for u in units
+    )
+
+
+def _kept_grads(run: ReferenceRun) -> bool:
+    """Stages 2-3 let autograd allocate each gradient and keep it until its unit is reduced
+    (validate/stage2.py:Stage2.unit_grads_ready); stages 0-1 accumulate into the persistent buffer."""
+    return get_stage(run.stage).shards_gradients
+
+
+def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
+    return Term(name, nbytes, "zeroplan/formulas/activation_terms.py", tensors)
+
+
+def _blocks_saved(run: ReferenceRun, n: int) -> Term:
+    """Saved activations of ``n`` blocks (their inputs only under full checkpointing)."""
+    per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
+    what = "saved activations" if run.checkpointing == "none" else "checkpointed block inputs"
+    return _act(f"{what} of {n} blocks", n * per, n)
+
+
+def reference_run(
+    spec: TransformerSpec,
+    nd: int,
+    stage: int,
+    micro_batch: int,
+    seq_len: int,
+    checkpointing: str = "none",
+    foreach: bool = False,
+    stat_bytes: int = 2,
+    grad_accum: int = 1,
+) -> ReferenceRun:
+    """The run of ``spec`` as ``validate/transformer.py:CausalLM`` builds it: units (root, then each decoder
+    layer by ``block_prefix``) and sizes from ``transformer_shapes``."""
+    shapes, prefix = transformer_shapes(spec), block_prefix(spec)
+    root = tuple(math.prod(s) for n, s in shapes if not n.startswith(prefix))
+    blocks = tuple(
+        tuple(math.prod(s) for n, s in shapes if n.startswith(f"{prefix}{i}.")) for i in range(spec.n_layer)
+    )
+    final_norm = sum(math.prod(s) for n, s in shapes if n.startswith(FINAL_NORM_PREFIX[spec.style]))
+    last = f"{prefix}{spec.n_layer - 1}."
+    late = sum(math.prod(s) for n, s in shapes
+               if n.startswith(last) and (".mlp." in n or "post_attention_layernorm" in n))  # fmt: skip
+    acts = model_activations(spec, micro_batch, seq_len, stat_bytes=stat_bytes)
+    return ReferenceRun((root, *blocks), spec.vocab_size * spec.d_model, final_norm, nd, stage, acts,
+                        checkpointing, foreach, tied_head=spec.tied, late_grads_numel=late,
+                        grad_accum=grad_accum)  # fmt: skip

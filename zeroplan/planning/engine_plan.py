@@ -1,0 +1,83 @@
+"""``plan`` for an engine with its own search (``Engine.plan``: fsdp2, deepspeed): its candidates as plan rows."""
+
+from __future__ import annotations
+
+from zeroplan.engines import get_engine
+from zeroplan.estimation.workload import model_workload
+from zeroplan.formulas.commtime import compute_time_s, ring_link, step_time
+from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
+from zeroplan.planning.config import PlanConfig
+from zeroplan.planning.cut_first import cut_first
+from zeroplan.planning.records import Plan, PlanOption
+
+def engine_plan_config(config: PlanConfig) -> Plan:
+    """``plan`` for an engine with its own search (``Engine.plan``: fsdp2, deepspeed): every candidate the
+    engine tries, cheapest first, each with its predicted peak and exactly the configuration to run; the
+    recommendation is the engine's (the cheapest whose peak fits within the headroom)."""
+    engine = get_engine(config.engine)
+    nd = config.nd
+    budget = int(config.memory_bytes * (1 - config.headroom))
+    spec = config.model_architecture
+    workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
+                              config.grad_accum, config.foreach)  # fmt: skip
+    options = config.planner_options
+    answer = engine.plan(workload, nd, budget, options)
+    ring = ring_link(nd, 1, config.gpus_per_node, config.intra_link, config.inter_link)
+    whole = config.tensor_numels
+    tokens = config.tokens_per_micro_step * config.grad_accum
+    compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, 1, config.flops, config.mfu)
+    rows = []
+    for c in answer.candidates:
+        e = c.estimate
+        time = step_time(e.stage, e.collectives, nd, ring, config.grad_accum, config.algorithm, c.bucket_numel,
+                         compute_s)  # fmt: skip
+        rows.append(PlanOption(
+            e.stage, e.label, NO_OFFLOAD, None, None,
+            states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0),
+            fits=c.fits,
+            comm_volume_elements=sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives),
+            comm_bytes_per_rank=sum(t.calls_per_step * t.collective.bytes_per_rank for t in time.collectives),
+            time=time,
+            pcie_s=0.0,
+            peak=e.peak,
+            candidate=c.label,
+        ))  # fmt: skip
+    headroom = f"{config.headroom:.0%} of GPU memory kept free"
+    recommendation = launchers = advice = None
+    if answer.recommended is not None:
+        recommendation = rows[answer.recommended]
+        chosen = answer.candidates[answer.recommended]
+        launchers = {"deepspeed": None, "fsdp2": None, answer.launcher_key: chosen.launcher}
+        if chosen.build is not None:  # the model's construction the prediction assumed (deepspeed.zero.Init)
+            launchers[f"{answer.launcher_key}_build"] = chosen.build
+        reason = (f"the cheapest of {len(rows)} {engine.name} configurations whose predicted peak fits on "
+                  f"{config.gpus} GPUs with {headroom} (tried in order: {answer.order})")  # fmt: skip
+    else:
+        reason = f"no {engine.name} configuration's predicted peak fits on {config.gpus} GPUs with {headroom}"
+        least = min((o for o in rows if o.peak is not None), key=lambda o: o.peak.peak_bytes, default=None)
+        if least is not None:
+            advice = cut_first(least.peak, least.stage, config)
+    policy = engine.policy(answer.base)
+    return Plan(
+        config=config,
+        params=sum(whole),
+        psi=sum(whole),
+        gpu_memory_bytes=config.memory_bytes,
+        budget_bytes=budget,
+        host_budget_bytes=None,
+        intra=config.intra_link,
+        inter=config.inter_link,
+        ring=ring,
+        host_link=config.host_link,
+        tokens_per_step=tokens,
+        activation_bytes=None,  # in the peak of every candidate (their checkpointing), not apart
+        bytes_per_param=policy.bytes_per_param,
+        k=policy.k,
+        options=tuple(rows),
+        recommendation=recommendation,
+        reason=reason,
+        launchers=launchers,
+        fit_basis=f"fits on the predicted peak per GPU ({engine.name} engine, docs/engines/{engine.name}.md) "
+                  "within the headroom",
+        cut_first=advice,
+    )  # fmt: skip
