@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from validate.engines.fsdp2_hf import build_model, decoder_layers, peak_breakdown
 from validate.models import build, make_batch, spec_for
 from validate import cuda_snapshot
 from validate.probes import CommCounter, MemoryProbe
@@ -104,38 +105,6 @@ class Fsdp2Settings:
         return cls(**data)
 
 
-def build_model(spec, settings: Fsdp2Settings, device) -> nn.Module:
-    """The unsharded fp32 model with ``loss(batch)``: the validator's ``CausalLM``, or with ``hf`` the
-    transformers class of the config.json (``validate.engines.deepspeed.hf_builder``, the one home of that
-    build). ``labels=False``: the loss is taken outside the model, from its logits, as ``CausalLM.loss``
-    does (``logits.float()``, mean cross-entropy), so the root's forward returns before the loss."""
-    if not settings.hf:
-        return build(spec, torch.float32, device)
-    from validate.engines.deepspeed import hf_builder
-
-    model = hf_builder(settings.model)().to(device)
-    if not settings.labels:
-        import torch.nn.functional as F
-
-        def loss(batch):
-            tokens, targets = batch
-            logits = model(input_ids=tokens, use_cache=False).logits.float()
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
-
-        model.loss = loss
-    return model
-
-
-def decoder_layers(model: nn.Module, spec) -> nn.ModuleList:
-    """The decoder layers FSDP2 wraps one by one: ``model.blocks`` (CausalLM), or transformers' own list
-    named as ``zeroplan.architectures.spec.block_prefix`` says (``transformer.h``, ``model.layers``)."""
-    if hasattr(model, "blocks"):
-        return model.blocks
-    from zeroplan.architectures.spec import block_prefix
-
-    return model.get_submodule(block_prefix(spec).rstrip("."))
-
-
 def build_sharded(spec, mesh, settings: Fsdp2Settings, device: torch.device) -> nn.Module:
     """The model in fp32, sharded: built whole on ``device`` then ``fully_shard`` (materialized), or built
     on the meta device, sharded, given device memory shard by shard (``nn.Module.to_empty``, which FSDP2's
@@ -166,18 +135,6 @@ def shard(model: nn.Module, mesh, settings: Fsdp2Settings, spec=None) -> nn.Modu
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
-
-
-def peak_breakdown(tracker) -> dict[str, int]:
-    """MemTracker's own categories (parameters, gradients, optimizer states, activations, temporaries,
-    buffers, inputs) at the peak of the open phase, summed over the devices that hold memory."""
-    out: dict[str, int] = {}
-    for dev, snap in tracker.get_tracker_snapshot("peak").items():
-        if torch.device(dev).type != "meta":
-            for key, value in snap.items():
-                name = getattr(key, "value", key)
-                out[name] = out.get(name, 0) + value
-    return {k: v for k, v in out.items() if v}
 
 
 def summarise_calls(calls, steps: int) -> list[dict]:
@@ -365,61 +322,6 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "param_shapes": [(name, list(p.shape)) for name, p in model.named_parameters()],
     }
-
-
-def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
-    """(the estimate row, the profile's Settings) of the run ``settings`` on ``rank`` of ``meta``'s world;
-    ``hf``: the transformers module tree (``Workload.transformers``)."""
-    from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-    from zeroplan.engines import fsdp2 as profile
-    from zeroplan.engines.base import Workload
-
-    spec = spec_for(settings.model, settings.params)
-    if not isinstance(spec, TransformerSpec):
-        raise ValueError(f"model {settings.model}: --engine fsdp2 validates transformers only")
-    cuda = str(meta["device"]).startswith("cuda")
-    foreach = settings.foreach if settings.foreach is not None else cuda
-    workload = Workload(transformer_shapes(spec), spec, settings.seq_len or spec.max_seq_len, settings.batch_per_rank,
-                        "full" if settings.checkpointing else "none", foreach=bool(foreach),
-                        transformers=settings.hf)  # fmt: skip
-    engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
-                              reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
-                              backend=meta["backend"], rank=rank, init=settings.init,
-                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))),
-                              **({"loss_in_forward": settings.labels} if settings.hf else {}))  # fmt: skip
-    (row,) = profile.estimate(workload, meta["world_size"], engine)
-    return row, engine
-
-
-def run_world(settings: Fsdp2Settings, nd: int, timeout_s: float = 600.0) -> dict:
-    """``settings`` trained on ``nd`` gloo CPU ranks under torchrun (through ``validate.launch``, which names
-    the first failed rank): ``{"meta": ..., "rows": [every rank's row]}``, as ``main`` writes it."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with tempfile.TemporaryDirectory(prefix="zeroplan-fsdp2-") as tmp:
-        out = Path(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "validate.launch", str(Path(tmp, "failures.json")), "--", "--standalone",
-               f"--nproc-per-node={nd}", "--max-restarts", "0", "-m", "validate.engines.fsdp2",
-               "--settings", json.dumps(asdict(settings)), "--out", str(out)]  # fmt: skip
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        if done.returncode != 0 or not out.exists():
-            raise RuntimeError(f"fsdp2 run (N_d={nd}) exited {done.returncode}; its log ends:\n{done.stderr[-3000:]}")
-        return json.loads(out.read_text())
-
-
-def peak_errors_by_rank(settings: Fsdp2Settings, result: dict) -> list[dict[str, float]]:
-    """Per rank, per phase: (measured - predicted) / measured, each rank against its own prediction."""
-    from zeroplan.formulas.peak import PHASES as PEAK_PHASES
-
-    out = []
-    for row in result["rows"]:
-        predicted = predict(settings, result["meta"], row["rank"])[0].peak.by_phase()
-        measured = row["peak_bytes_by_phase"]
-        out.append({p: (measured[p] - predicted[p]) / measured[p] for p in PEAK_PHASES})
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
