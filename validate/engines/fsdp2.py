@@ -249,13 +249,15 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
             local_batches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in lb) for lb in local_batches]
         counter, probe = CommCounter(), MemoryProbe(device)
 
-        peak_split: dict[str, dict[str, int]] = {}
+        peak_split: dict[str, dict[str, int]] = {}  # the largest over steps, as probe.peaks
+        open_phase: list[str | None] = [None]
 
         def enter(phase: str | None) -> None:
-            if probe._phase is not None and probe.tracker is not None:  # CPU: the tracker's categories at the peak
+            if open_phase[0] is not None and probe.tracker is not None:  # CPU: MemTracker's categories at the peak
                 split = peak_breakdown(probe.tracker)
-                if split.get("Total", 0) >= peak_split.get(probe._phase, {}).get("Total", -1):
-                    peak_split[probe._phase] = split
+                if split.get("Total", 0) >= peak_split.get(open_phase[0], {}).get("Total", -1):
+                    peak_split[open_phase[0]] = split
+            open_phase[0] = phase
             probe.phase(phase)
             counter.phase = phase or "between steps"
 
