@@ -81,8 +81,9 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
 
 
 def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
-    """The last block's all-gather and forward, the LM head, the loss (_fsdp_state.py:FSDPState._pre_forward,
-    _post_forward: the last all-gather output is freed when the root's forward returns)."""
+    """The first block's all-gather and copy-out (the root's output still bound), the last block's all-gather
+    and forward, the LM head, the loss (_fsdp_state.py:FSDPState._pre_forward, _post_forward: the last
+    all-gather output is freed when the root's forward returns, after the loss in transformers' tree)."""
     acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
     base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
             _act("embedding saved (position ids)", acts.embed_saved), unsharded(run, 0))  # fmt: skip
