@@ -1,6 +1,6 @@
 """transformers' own module tree under FSDP2 (``Workload.transformers``): what it holds that the validator's
 ``CausalLM`` does not, as terms, each with the file and function it was read from and the row it was
-measured on (``tests/test_fsdp2_hf.py``; real gloo, MemTracker's categories at each phase's peak).
+measured on (``tests/test_fsdp2_hf_recorded.py``, ``tests/test_fsdp2_hf.py``; real gloo, MemTracker's categories at each phase's peak).
 
 - ``forward(labels=...)`` computes the loss inside the root's forward (``loss_utils.py:ForCausalLMLoss``,
   called from ``LlamaForCausalLM.forward`` / ``GPT2LMHeadModel.forward``), so:
