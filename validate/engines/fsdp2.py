@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from validate.engines.fsdp2_hf import build_model, decoder_layers, peak_breakdown
 from validate.models import build, make_batch, spec_for
 from validate import cuda_snapshot
 from validate.probes import CommCounter, MemoryProbe
@@ -68,10 +69,16 @@ class Fsdp2Settings:
     seq_len: int | None = None  # None: the model's maximum
     lr: float = 1e-3
     init: str = "materialized"  # or "meta": built on the meta device, sharded, to_empty, then initialised
+    hf: bool = False  # train transformers' own class of the model's config.json (deepspeed.py hf_builder)
+    labels: bool = True  # hf: loss from forward(labels=...) inside the root's forward; False: outside it
 
     def __post_init__(self) -> None:
         if self.init not in ("materialized", "meta"):
             raise ValueError(f"init={self.init!r}: expected materialized or meta")
+        if self.hf and (self.init != "materialized" or self.checkpointing or self.params is not None):
+            raise ValueError("hf=True: a config.json model, materialized, without checkpointing (hf_builder)")
+        if not self.labels and not self.hf:
+            raise ValueError("labels=False: hf runs only (the validator's CausalLM computes its loss outside)")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPES:
@@ -87,7 +94,7 @@ class Fsdp2Settings:
                    reduce_dtype=config.reduce_dtype, reshard_after_forward=True if rsf is None else rsf,
                    checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
                    batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
-                   init=config.fsdp2_init or "materialized")  # fmt: skip
+                   init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)))  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> Fsdp2Settings:
@@ -103,14 +110,14 @@ def build_sharded(spec, mesh, settings: Fsdp2Settings, device: torch.device) -> 
     on the meta device, sharded, given device memory shard by shard (``nn.Module.to_empty``, which FSDP2's
     ``FSDPModule._apply`` follows with ``FSDPParam.reset_sharded_param``) and initialised in place (meta)."""
     if settings.init == "materialized":
-        return shard(build(spec, torch.float32, device), mesh, settings)
-    model = shard(build(spec, torch.float32, "meta"), mesh, settings)
+        return shard(build_model(spec, settings, device), mesh, settings, spec)
+    model = shard(build(spec, torch.float32, "meta"), mesh, settings, spec)
     model.to_empty(device=device)
     model._init_weights()
     return model
 
 
-def shard(model: nn.Module, mesh, settings: Fsdp2Settings) -> nn.Module:
+def shard(model: nn.Module, mesh, settings: Fsdp2Settings, spec=None) -> nn.Module:
     """``fully_shard`` per block, then the root: FSDP2's documented pattern (torchtitan does the same)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -118,12 +125,13 @@ def shard(model: nn.Module, mesh, settings: Fsdp2Settings) -> nn.Module:
         param_dtype=DTYPES[settings.param_dtype],
         reduce_dtype=DTYPES[settings.reduce_dtype] if settings.reduce_dtype else None,
     )
+    blocks = decoder_layers(model, spec)
     if settings.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = checkpoint_wrapper(block)
-    for block in model.blocks:
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block)
+    for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
@@ -160,9 +168,9 @@ def check_parity(settings: Fsdp2Settings, spec, mesh, local_batch, global_batch,
     one process's gradients of the global batch (the mean of N_d equal micro-batch losses is the global mean
     loss). A reduce-scatter that sums instead of averaging (gloo's AVG before pytorch#162338 was fixed) is
     off by a factor N_d; summation order alone gives ~1e-7 relative."""
-    model = shard(build(spec, torch.float32, device), mesh, settings)
+    model = shard(build_model(spec, settings, device), mesh, settings, spec)
     model.loss(tuple(t.to(device) for t in local_batch)).backward()
-    reference = build(spec, torch.float32, device)
+    reference = build_model(spec, settings, device)
     reference.loss(tuple(t.to(device) for t in global_batch)).backward()
     ref = {name: p.grad for name, p in reference.named_parameters()}
     scale = max(float(g.abs().max()) for g in ref.values())
@@ -241,7 +249,15 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
             local_batches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in lb) for lb in local_batches]
         counter, probe = CommCounter(), MemoryProbe(device)
 
+        peak_split: dict[str, dict[str, int]] = {}  # the largest over steps, as probe.peaks
+        open_phase: list[str | None] = [None]
+
         def enter(phase: str | None) -> None:
+            if open_phase[0] is not None and probe.tracker is not None:  # CPU: MemTracker's categories at the peak
+                split = peak_breakdown(probe.tracker)
+                if split.get("Total", 0) >= peak_split.get(open_phase[0], {}).get("Total", -1):
+                    peak_split[open_phase[0]] = split
+            open_phase[0] = phase
             probe.phase(phase)
             counter.phase = phase or "between steps"
 
@@ -299,6 +315,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
         # the process group each call ran on, in the same order (reshard_after_forward=k: k-rank all-gathers)
         "group_sizes_by_step": [[c.group_size for c in counter.calls if c.step == s] for s in range(-1, settings.steps)],
         "probe_breakdown": breakdown,
+        "peak_breakdown_by_phase": peak_split,  # MemTracker's categories at each phase's peak (CPU)
         # torch.optim.Adam's default (_default_to_fused_or_foreach): foreach on CUDA tensors, not on CPU
         "foreach": settings.foreach if settings.foreach is not None else device.type == "cuda",
         "seconds": round(seconds, 3),

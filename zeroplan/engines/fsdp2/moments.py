@@ -4,6 +4,15 @@
 
 from __future__ import annotations
 
+from zeroplan.engines.fsdp2.hf_tree import (
+    head_grad_held,
+    last_block_in_loss,
+    logits_in_loss,
+    position_ids,
+    root_backward_released,
+    rotary_buffers,
+    tied_head_build,
+)
 from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel
 from zeroplan.engines.fsdp2.settings import ADAM
 from zeroplan.engines.fsdp2.terms import (
@@ -51,31 +60,42 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         repad = [local_shard_numel(s, run.nd, rank) for s in shapes
                  if local_shard_numel(s, run.nd, rank) != padded_shard_numel(s, run.nd)]  # fmt: skip
         return (
-            Moment("init", "to_empty: the shards get device memory", (*mesh_ranks(run), params(run))),
+            Moment("init", "to_empty: the shards get device memory", (*mesh_ranks(run), *rotary_buffers(run), params(run))),
             # a shard shorter than its padded size (ranks at the end) is copied into a new padded tensor
             # while its unpadded one is alive: the largest such copy on top of all shards bounds the peak
-            Moment("init", "to_empty: re-padding a short shard", (*mesh_ranks(run), params(run),
+            Moment("init", "to_empty: re-padding a short shard", (*mesh_ranks(run), *rotary_buffers(run), params(run),
                    _fp("the unpadded shard being re-padded", max(repad, default=0) * run.m, src))),
         )  # fmt: skip
     order = [*range(1, len(run.units)), 0]
-    out = []
+    out = [Moment("init", "build: lm_head before tie_weights", (*rotary_buffers(run), Term(
+        "unsharded units as built", sum(u.numel for u in run.units) * run.m, "validate/models.py:build"),
+        *tied_head_build(run)))] if tied_head_build(run) else []  # fmt: skip
     for i, u in enumerate(order):
         whole = sum(run.units[v].numel for v in order[i:]) * run.m
         done = sum(run.shard(v) for v in order[:i]) * run.m
         out.append(Moment("init", f"fully_shard({run.units[u].name})", (
-            *mesh_ranks(run), Term("unsharded units as built", whole, "validate/models.py:build"),
+            *mesh_ranks(run), *rotary_buffers(run), Term("unsharded units as built", whole, "validate/models.py:build"),
             _fp("shards of the units sharded before", done, "_fsdp_param.py:FSDPParam._init_sharded_param"),
             _fp("this unit's new shard", run.shard(u) * run.m, "_fsdp_param.py:FSDPParam._init_sharded_param"))))  # fmt: skip
     return tuple(out)
 
 
 def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
-    """The last block's all-gather and forward, the LM head, the loss (_fsdp_state.py:FSDPState._pre_forward,
-    _post_forward: the last all-gather output is freed when the root's forward returns)."""
+    """The first block's all-gather and copy-out (the root's output still bound), the last block's all-gather
+    and forward, the LM head, the loss (_fsdp_state.py:FSDPState._pre_forward, _post_forward: the last
+    all-gather output is freed when the root's forward returns, after the loss in transformers' tree)."""
     acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
-    base = (*mesh_ranks(run), params(run), adam(run), batch(run),
+    base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
             _act("embedding saved (position ids)", acts.embed_saved), unsharded(run, 0))  # fmt: skip
+    head_base, base = base, (*base, *position_ids(run))  # transformers' body frees its position ids on return
     prev = ag_output(run, L - 1 if L > 1 else 0, "previous unit, freed when this copy-out returns")
+    # the first block's all-gather: the root's all-gather output is the previous one (freed when this
+    # block's wait_for_unshard returns, as above: _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard)
+    root_prev = ag_output(run, 0, "the root's, freed when this copy-out returns")
+    first = (Moment("forward", "block 1 all-gather", (*base, _act("block input", acts.embed_out), root_prev,
+                    copy_in(run, 1), ag_output(run, 1, "this unit"))),
+             Moment("forward", "block 1 copy-out", (*base, _act("block input", acts.embed_out), root_prev,
+                    ag_output(run, 1, "this unit"), unsharded(run, 1)))) if L > 1 else ()  # fmt: skip
     gather = Moment("forward", f"block {L} all-gather", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
         prev, copy_in(run, L), ag_output(run, L, "this unit")))  # fmt: skip
@@ -99,15 +119,18 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     ) if partial_reshard(run) else ()  # fmt: skip
     head_acts = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved),
                  _act("logits", acts.logits))  # fmt: skip
+    base = head_base
     head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts,
                                          ag_output(run, L, "kept until the root's post-forward")))  # fmt: skip
+    in_loss = last_block_in_loss(run)  # transformers' forward(labels=...): the loss before the post-forward
     # ``logits.float()`` (validate/transformer.py:CausalLM.loss): a copy beside the 16-bit logits, which
     # nothing keeps once it exists (the head saves its input); in fp32 it is the logits themselves
     fp32_logits = _act("fp32 logits (loss upcast)", acts.logits_fp32 if run.p != 4 else acts.logits)
-    upcast = Moment("forward", "logits upcast", (*base, *kept_blocks(run, L), *head_acts, fp32_logits))
-    loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], fp32_logits,
-                  _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss)))  # fmt: skip
-    return (gather, copy_out, last, *reshard, head, *((upcast,) if run.p != 4 else ()), loss)
+    upcast = Moment("forward", "logits upcast", (*base, *kept_blocks(run, L), *head_acts, fp32_logits, *in_loss))
+    loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], *logits_in_loss(run),
+                  fp32_logits, _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
+                  _act("loss", acts.loss), *in_loss))  # fmt: skip
+    return (*first, gather, copy_out, last, *reshard, head, *((upcast,) if run.p != 4 else ()), loss)
 
 
 def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:
@@ -126,15 +149,22 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     FSDPState._root_post_backward_final_callback)."""
     acts, L, p = run.acts, len(run.units) - 1, run.p
     n_d = acts.embed_out  # one N·d activation (or its gradient)
-    base = (*mesh_ranks(run), params(run), adam(run), batch(run),
+    base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
             _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss), unsharded(run, 0))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
-    out = [Moment("backward", "cross-entropy backward", (*base, *kept_blocks(run, L), *saved_all,
-                  _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
-                  _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2)))]  # fmt: skip
+    log_softmax = _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax)
+    # the loss inside the root's forward (transformers' labels=): the root's pre-backward hook fires on the
+    # loss, before the cross-entropy backward, and prefetches the last block (hf_tree)
+    early = run.loss_in_forward and resharded(run)
+    out = [Moment("backward", f"block {L} backward all-gather (root's prefetch, before the loss backward)", (
+        *base, *kept_blocks(run, L), *saved_all, log_softmax, gather_input(run, L),
+        ag_output(run, L, "backward prefetch"))), ] if early else []  # fmt: skip
+    out.append(Moment("backward", "cross-entropy backward", (*base, *kept_blocks(run, L), *saved_all, log_softmax,
+                      _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2),
+                      *(prefetched(run, L) if early else ()))))  # fmt: skip
     # a backward all-gather copies its input (the shard, or the k-sharded data) into a flat param-dtype
     # buffer first, freed once the collective returns: the root's pre_backward prefetches the last block
-    if resharded(run):
+    if resharded(run) and not early:
         out.append(Moment("backward", f"block {L} backward all-gather (root's prefetch)", (
             *base, *kept_blocks(run, L), *saved_all, _act("logits gradient", acts.logits), gather_input(run, L),
             ag_output(run, L, "backward prefetch"))))  # fmt: skip
@@ -194,6 +224,9 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
     """The embeddings' backward (a tied head's two gradients summed), then the root's reduce-scatter."""
     L, p, n_d = len(run.units) - 1, run.p, run.acts.embed_out
     blocks_done = grads(run, range(1, L + 1))
+    incoming = (_act("incoming activation gradient", n_d),)
+    if run.transformers:  # hf_tree.root_backward_released: what transformers' tree has let go of by then
+        base, incoming = root_backward_released(run, base), (() if run.tied_head else incoming)
     others = (run.units[0].numel - run.head_numel) * p
     if run.tied_head:  # torch/csrc/autograd/input_buffer.cpp: the two gradients are summed out of place
         emb = (Term("head weight gradient (input buffer)", run.head_numel * p, "autograd InputBuffer"),
@@ -202,14 +235,14 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
     else:
         emb = (Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"),)
     out = [Moment("backward", "embedding backward", (
-        *base, _act("incoming activation gradient", n_d), *emb,
+        *base, *incoming, *emb,
         Term("other root gradients", others, "autograd (embedding, final norm)"),
         rs_input(run, 1, "held until the root's post_backward"), blocks_done))]  # fmt: skip
     root_base = base[:-1]  # the root is resharded before its reduce-scatter
     out.append(Moment("backward", "root reduce-scatter copy-in", (
         *root_base, Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes)),
         rs_input(run, 0, "this unit"), blocks_done)))  # fmt: skip
-    out.extend(reduce_scatter_moments("root", (*root_base, blocks_done), rs_input(run, 0, "this unit"),
+    out.extend(reduce_scatter_moments("root", (*root_base, blocks_done, *head_grad_held(run)), rs_input(run, 0, "this unit"),
                                       rs_output(run, 0), grad_cast(run, 0), gloo_copy(run, 0)))  # fmt: skip
     return tuple(out)
 
@@ -227,7 +260,7 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         worst = max(2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local))
         temps = Term("Adam temporaries (sqrt(v), its quotient, the previous tensor's denom)", worst * run.m,
                      f"{ADAM}:_single_tensor_adam", 3)  # fmt: skip
-    return (Moment("optimizer_step", "Adam update", (*mesh_ranks(run), params(run), adam(run), grads(run, range(len(run.units))), temps)),)
+    return (Moment("optimizer_step", "Adam update", (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), grads(run, range(len(run.units))), temps)),)
 
 
 def moments(run: Fsdp2Run) -> tuple[Moment, ...]:

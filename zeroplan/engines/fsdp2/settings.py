@@ -46,6 +46,11 @@ class Settings(BaseModel):
         "(FSDP2's pattern for models larger than one GPU; the planner's default); materialized: built whole "
         "on the device, then fully_shard (init holds the whole model)",
     )  # fmt: skip
+    loss_in_forward: StrictBool = Field(
+        True, description="transformers' module tree only (Workload.transformers): the loss computed inside the "
+        "root's forward, model(input_ids, labels=...) as transformers' Trainer calls it; False: from the logits "
+        "the root returns",
+    )  # fmt: skip
     cuda_capability: tuple[StrictInt, StrictInt] = Field(
         (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
         "(formulas.cuda_workspaces); (9, 0) is H100/H200",

@@ -76,6 +76,10 @@ class Fsdp2Run:
     style: str = "gpt"  # the architecture's layout (architectures.spec): gpt (LayerNorm) or llama (RMSNorm)
     biased_linear: bool = True  # a projection has a bias: its GEMM takes cuBLASLt's workspace on CUDA
     param_order: tuple[Shape, ...] = ()  # parameters in model.parameters() order (the optimizer's); () = units'
+    transformers: bool = False  # transformers' module tree (Workload.transformers): see zeroplan.engines.fsdp2.hf_tree
+    loss_in_forward: bool = False  # transformers: the loss inside the root's forward (forward(labels=...))
+    buffer_bytes: int = 0  # module buffers every moment holds (transformers' rotary inv_freq): hf_tree.rotary_buffers
+    position_bytes: int = 0  # transformers llama-style: the int64 position ids in forward (hf_tree.position_ids)
 
     def __post_init__(self) -> None:
         if self.nd == 1:
@@ -321,9 +325,14 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
     acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=act_bytes, stat_bytes=stat_bytes)
     final = sum(math.prod(s) for n, s in workload.shapes if n.rsplit(".", 2)[-2] in ("ln_f", "norm")
                 and not n.startswith(prefix))  # fmt: skip
+    hf = workload.transformers
+    rotary = hf and spec.style == "llama"
+    buffers = 2 * (spec.head_dim // 2) * 4 if rotary else 0  # fp32 inv_freq, original_inv_freq: hf_tree.rotary_buffers
     return Fsdp2Run(units, nd, settings, acts, workload.checkpointing, _foreach(workload, settings),
                     spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
-                    biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes))  # fmt: skip
+                    biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes),
+                    transformers=hf, loss_in_forward=hf and settings.loss_in_forward, buffer_bytes=buffers,
+                    position_bytes=workload.seq_len * 8 if rotary else 0)  # fmt: skip
 
 
 def _foreach(workload: Workload, settings: Settings) -> bool:

@@ -1,0 +1,94 @@
+"""transformers' own module tree under FSDP2 (``Workload.transformers``): what it holds that the validator's
+``CausalLM`` does not, as terms, each with the file and function it was read from and the row it was
+measured on (``tests/test_fsdp2_hf_recorded.py``, ``tests/test_fsdp2_hf.py``; real gloo, MemTracker's categories at each phase's peak).
+
+- ``forward(labels=...)`` computes the loss inside the root's forward (``loss_utils.py:ForCausalLMLoss``,
+  called from ``LlamaForCausalLM.forward`` / ``GPT2LMHeadModel.forward``), so:
+  the last block's all-gather output, freed only by the root's post-forward (``_fsdp_state.py:
+  FSDPState._post_forward``, ``iter_forward_root``: ``comm_ctx.all_gather_state = None``), is alive
+  through the head and the loss; the forward keeps its 16-bit ``logits`` (returned in the output) while
+  ``ForCausalLMLoss`` makes the fp32 copy and the cross-entropy runs; and the root's pre-backward hook,
+  registered on every output tensor (``FSDPState._register_pre_backward_hook``: the loss is one), fires
+  when backward starts, before the cross-entropy backward: the last block's backward all-gather
+  (``_fsdp_param_group.py:FSDPParamGroup._backward_prefetch``) runs beside the saved log-softmax.
+- An untied ``lm_head`` (an ``nn.Linear`` the root calls): its weight gradient outlives the root's
+  ``post_backward`` (``.grad = None``, ``unsharded_grads.clear()``) until the root's reduce-scatter has
+  returned (measured: Gradient = the blocks' shards + V·d at the backward peak of every untied row;
+  at the reduce-scatter the only V·d tensor alive is dense, the head's, with no Python referrer).
+- Rotary embeddings (Llama, Mistral, Qwen2) keep ``inv_freq`` and ``original_inv_freq`` as buffers
+  (``modeling_llama.py:LlamaRotaryEmbedding.__init__``), fp32, head_dim/2 each; the forward keeps the
+  int64 position ids (``cache_position``, s·8 B) beside cos and sin.
+- A tied model built whole (materialized) makes its ``lm_head`` weight before ``post_init`` ties it
+  to the embedding (``modeling_utils.py:PreTrainedModel.post_init`` -> ``tie_weights``): the build holds
+  the model plus V·d.
+"""
+
+from __future__ import annotations
+
+from zeroplan.engines.fsdp2.terms import Fsdp2Run, ag_output
+from zeroplan.formulas.peak import Term
+
+TF = "transformers/"
+
+
+def rotary_buffers(run: Fsdp2Run) -> tuple[Term, ...]:
+    """The rotary embedding's two fp32 buffers of head_dim/2 (``Fsdp2Run.buffer_bytes``), from the build on."""
+    if not run.buffer_bytes:
+        return ()
+    return (Term("rotary inv_freq, original_inv_freq (fp32 buffers)", run.buffer_bytes,
+                 TF + "models/llama/modeling_llama.py:LlamaRotaryEmbedding.__init__", 2),)  # fmt: skip
+
+
+def position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
+    """transformers' llama-style forward: the int64 position ids (``Fsdp2Run.position_bytes``, s·8) beside
+    cos and sin (gpt2's are its ``embed_saved``), until the root's forward returns."""
+    if not run.position_bytes:
+        return ()
+    return (Term("position ids (cache_position, int64)", run.position_bytes,
+                 TF + "models/llama/modeling_llama.py:LlamaModel.forward"),)  # fmt: skip
+
+
+def last_block_in_loss(run: Fsdp2Run) -> tuple[Term, ...]:
+    """With the loss inside the root's forward, the last block's all-gather output is alive through the
+    head and the loss (freed by the root's post-forward)."""
+    if not run.loss_in_forward:
+        return ()
+    return (ag_output(run, len(run.units) - 1, "kept until the root's post-forward, after the loss"),)
+
+
+def logits_in_loss(run: Fsdp2Run) -> tuple[Term, ...]:
+    """With the loss inside the root's forward, the 16-bit logits stay alive while the loss runs (the
+    forward returns them); in fp32 ``logits.float()`` is the logits themselves."""
+    if not run.loss_in_forward or run.p == 4:
+        return ()
+    return (Term("16-bit logits (kept by the forward while its loss runs)", run.acts.logits,
+                 TF + "loss/loss_utils.py:ForCausalLMLoss (logits.float())"),)  # fmt: skip
+
+
+def head_grad_held(run: Fsdp2Run) -> tuple[Term, ...]:
+    """An untied transformers ``lm_head``'s weight gradient, alive through the root's reduce-scatter."""
+    if not run.transformers or run.tied_head:
+        return ()
+    return (Term("lm_head weight gradient (held through the root's reduce-scatter)", run.head_numel * run.p,
+                 "measured (transformers' nn.Linear lm_head under FSDP2): see zeroplan/engines/fsdp2/hf_tree.py"),)  # fmt: skip
+
+
+def tied_head_build(run: Fsdp2Run) -> tuple[Term, ...]:
+    """A tied model built whole: its own lm_head weight exists until ``post_init`` ties it."""
+    if not run.transformers or not run.tied_head or run.settings.init != "materialized":
+        return ()
+    return (Term("lm_head weight before tie_weights", run.head_numel * run.m,
+                 TF + "modeling_utils.py:PreTrainedModel.post_init (tie_weights)"),)  # fmt: skip
+
+
+EMBED_SAVED = "embedding saved (position ids)"
+
+
+def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Term, ...]:
+    """The terms of the backward ``base`` still alive when transformers' root runs backward: the rotary cos
+    and sin (llama-style) or the position ids (gpt2), saved by the blocks' attention or the position
+    embedding, are released by then (measured: every row's embedding and root reduce-scatter moments,
+    rank 0 and 1, exact without them). A tied head's summed gradient is made after the embedding's own
+    backward has released its incoming gradient (``torch/csrc/autograd/input_buffer.cpp``: the sum
+    runs when the second gradient arrives)."""
+    return tuple(t for t in base if t.name != EMBED_SAVED)
