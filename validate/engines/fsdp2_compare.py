@@ -4,7 +4,6 @@ ranks (``validate.engines.fsdp2``) measured, compared through ``validate.compare
 
 from __future__ import annotations
 
-from validate.models import spec_for
 
 FAKE_TENSOR_PHASES = {
     "init": "FakeTensorMode: MemTracker also counts the fake tensors of DTensor's sharding propagation "
@@ -19,23 +18,9 @@ def predicted_run(config, meta: dict, rank: int = 0):
     """The FSDP2 profile's estimate of ``rank`` in this world (rank 0 holds the most between steps: padding is
     at the end; a rank with padding re-pads its shards at a meta-device init)."""
     from validate.engines.fsdp2 import Fsdp2Settings
-    from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-    from zeroplan.engines import fsdp2 as profile
-    from zeroplan.engines.base import Workload
+    from validate.engines.fsdp2_rows import predict
 
-    spec = spec_for(config.model_name, config.params)
-    if not isinstance(spec, TransformerSpec):
-        raise ValueError(f"model {config.model_label}: --engine fsdp2 validates transformers only")
-    settings = Fsdp2Settings.from_validate(config)
-    cuda = str(meta["device"]).startswith("cuda")
-    workload = Workload(transformer_shapes(spec), spec, settings.seq_len or spec.max_seq_len, settings.batch_per_rank,
-                        config.checkpointing, foreach=bool(config.foreach if config.foreach is not None else cuda))  # fmt: skip
-    engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
-                              reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
-                              backend=meta["backend"], rank=rank, init=settings.init,
-                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))))  # fmt: skip
-    (row,) = profile.estimate(workload, meta["world_size"], engine)
-    return row, engine
+    return predict(Fsdp2Settings.from_validate(config), meta, rank)  # one home: fsdp2_rows.predict
 
 
 MESH_TERM = "post-forward mesh ranks"
