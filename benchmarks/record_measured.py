@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_measured_rows import MEASURED, predict, workload_json  # noqa: E402
+from tests.test_measured_rows import MEASURED, dtype_name, predict, workload_json  # noqa: E402
 
 HF = ROOT / "tests" / "data" / "hf_configs"
 LLAMA = str(HF / "tiny-llama.json")
@@ -52,17 +52,11 @@ def _peaks(rank_row: dict) -> dict[str, int]:
 
 
 def _summary(calls: list[list], ops: tuple[str, ...] | None = None) -> dict[str, int]:
-    from zeroplan.formulas.dtypes import canonical_dtype
-
     out: dict[str, int] = {}
     for op, phase, dtype, elements in calls:
         if ops is not None and op not in ops:
             continue
-        try:
-            dtype = canonical_dtype(dtype)
-        except ValueError:
-            pass
-        key = f"{op}|{_phase(phase)}|{dtype}"
+        key = f"{op}|{_phase(phase)}|{dtype_name(dtype)}"
         out[key] = out.get(key, 0) + elements
     return out
 

@@ -92,11 +92,17 @@ def estimate_of(record: dict, rank: int):
     return row
 
 
-def _dtype(name: str) -> str:
+DTYPE_ALIASES = {"float64": "fp64", "int8": "int8", "uint8": "uint8"}
+"""torch's names of the dtypes the planner's ``canonical_dtype`` has no entry for (DeepSpeed's fp64
+norm all-reduce, its int8 overflow flag)."""
+
+
+def dtype_name(name: str) -> str:
+    """The planner's name of a collective's dtype, whether torch's (``float32``) or the planner's (``fp32``)."""
     try:
         return canonical_dtype(name)
     except ValueError:
-        return name
+        return DTYPE_ALIASES.get(name, name)
 
 
 def predicted_collectives(record: dict, row) -> dict[str, int]:
@@ -106,7 +112,7 @@ def predicted_collectives(record: dict, row) -> dict[str, int]:
     g = record["workload"]["grad_accum"]
     for c in row.collectives:
         n = calls_per_optimizer_step(row.stage, c.op, g) if record["engine"] == "reference" else 1
-        key = f"{c.op}|{c.phase.replace(' ', '_')}|{_dtype(c.dtype)}"
+        key = f"{c.op}|{c.phase.replace(' ', '_')}|{dtype_name(c.dtype)}"
         out[key] = out.get(key, 0) + c.elements * n
     return out
 
@@ -201,6 +207,7 @@ def test_every_engine_has_records_and_provenance():
         data = load(e)
         assert data["engine"] == e and data["torch"] and data["recorded"] and data["rows"]
         assert all(row["engine"] == e and row["ranks"] for row in data["rows"])
+        assert all(row["collectives"]["matched_at_recording"] for row in data["rows"])  # every row, today
     assert load("deepspeed")["deepspeed"] == "0.19.8"
 
 
