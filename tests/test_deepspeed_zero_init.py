@@ -19,7 +19,7 @@ from clicheck import assert_one_line_error
 
 from tests.test_measured_rows import live_peak_misses
 from zeroplan.engines import deepspeed as D
-from zeroplan.formulas.peak import PHASES, peak_of
+from zeroplan.formulas.peak import peak_of
 
 ND, STATES_TOL, PEAK_TOL = 2, 0.01, 0.03
 LLAMA = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json")
