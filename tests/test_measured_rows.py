@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -221,5 +220,3 @@ def test_a_dropped_term_fails_the_check():
     predicted[0]["peak_bytes_by_phase"][phase] -= largest.bytes
     assert any(f"{phase}:" in m for m in check_record(record, predicted))
 
-
-Check = Callable[[dict], list[str]]
