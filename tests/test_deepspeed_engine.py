@@ -6,7 +6,9 @@ in bf16 with small buckets, ZeRO-1, 2 and 3 with FusedAdam, ZeRO-1 and 2 with ``
 BF16_Optimizer.
 Rows are built by the validator's own comparison
 (``validate.engines.deepspeed.compare_row``, what ``zeroplan validate --engine deepspeed`` prints):
-model states within 1%, every phase's peak within 3%, steady-state collectives equal in elements.
+model states within 1%, every phase's peak within its recorded error + max(64 B, 0.05%)
+(``tests/data/measured/deepspeed.json``, ``tests/test_measured_rows.py``: issue 16, so that a dropped term
+fails; 3% before), steady-state collectives equal in elements.
 
 ``torch_adam: true`` where the kernel does not matter; three cases per world keep DeepSpeed's default
 FusedAdam, whose step allocates differently: they need the ``fused_adam`` JIT op (~3 min to build once on
@@ -33,7 +35,7 @@ pytest.importorskip(
 )
 
 from zeroplan.engines import deepspeed as D  # noqa: E402
-from zeroplan.formulas.peak import PHASES  # noqa: E402
+from tests.test_measured_rows import live_peak_misses  # noqa: E402
 
 SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
          "stage3_param_persistence_threshold": 100}  # fmt: skip
@@ -46,7 +48,13 @@ CASES += [(s, d, b + "+fused") for s, d, b in FUSED]
 # overlap_comm at ZeRO-1/2 (two buckets; ZeRO-1 then reduces from its hooks), and BF16_Optimizer: what
 # DeepSpeed builds for bf16 at ZeRO-1 with fp32 gradient accumulation (engine.py _do_optimizer_sanity_check)
 CASES += [(1, "fp32", "small+overlap"), (2, "fp32", "small+overlap"), (1, "bf16", "small+fp32acc")]
-STATES_TOL, PEAK_TOL = 0.01, 0.03
+STATES_TOL, PEAK_TOL = 0.01, 0.03  # the validator's verdict (row["ok"]); the test asserts the recorded error
+
+
+def recorded_name(case: tuple[int, str, str]) -> str:
+    """The case's row in tests/data/measured/deepspeed.json (benchmarks/record_measured.py)."""
+    s, dtype, buckets = case
+    return f"z{s}-{dtype}-{buckets.replace('+fused', '-fusedadam').replace('+', '-')}"
 
 
 def _configs() -> list[dict]:
@@ -78,7 +86,7 @@ def world(request):
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[f"z{s}-{d}-{b}" for s, d, b in CASES])
 def test_row_within_tolerance(world, i):
-    _, configs, ranks, rows = world
+    nd, configs, ranks, rows = world
     row = rows[i]
     settings = D.Settings.from_ds_config(configs[i])
     assert ranks[0][i]["optimizer_class"] == D.optimizer_class(settings)
@@ -87,10 +95,9 @@ def test_row_within_tolerance(world, i):
     assert row["checks"]["model_states_steady"]
     assert row["checks"]["collectives_match"], (row["predicted_collectives"], row["measured_collectives"])
     assert all(r[i]["gloo_settle"]["unsettled"] == 0 for r in ranks), [r[i]["gloo_settle"] for r in ranks]
-    for phase in PHASES:
-        measured = row["measured_peak_bytes_by_phase"][phase]
-        predicted = row["predicted_peak_bytes_by_phase"][phase]
-        assert abs(measured - predicted) <= PEAK_TOL * measured, (phase, measured, predicted)
+    # every phase at this row's recorded error + max(64 B, 0.05%) (tests/test_measured_rows.py), not 3%
+    name = f"deepspeed-{recorded_name(CASES[i])}-nd{nd}"
+    assert live_peak_misses(name, row["measured_peak_bytes_by_phase"], row["predicted_peak_bytes_by_phase"]) == []
 
 
 def test_default_bucket_dominates_and_deepspeeds_estimator_misses_it(world):

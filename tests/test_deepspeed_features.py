@@ -4,7 +4,8 @@ BF16_Optimizer at N_d = 2 and 4): gradient accumulation, activation checkpointin
 
 One torchrun world of N_d = 2 trains every case below for two steps (``run_world(..., runs=...)``: a
 model and checkpointing per config, so one world's ~30 s of setup serves them all), each row compared by
-the validator's own ``compare_row``: model states within 1%, every phase's peak within 3%, steady-state
+the validator's own ``compare_row``: model states within 1%, every phase's peak within its recorded error + max(64 B, 0.05%)
+(``tests/data/measured/deepspeed.json``; 3% before issue 16), steady-state
 collectives equal in elements (the second step: ZeRO-3 records its trace in the first). One row trains
 transformers' ``LlamaForCausalLM`` of the same config (``"hf": true``, ``hf_builder``). fp32 and torch's
 AdamW (``torch_adam``): the dtype and kernel do not matter here, except in the fp16 rows: DeepSpeed's fp16
@@ -24,7 +25,7 @@ pytest.importorskip(
 )
 
 from zeroplan.engines import deepspeed as D  # noqa: E402
-from zeroplan.formulas.peak import PHASES  # noqa: E402
+from tests.test_measured_rows import live_peak_misses  # noqa: E402
 
 ND, STATES_TOL, PEAK_TOL = 2, 0.01, 0.03
 LLAMA = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json")
@@ -98,10 +99,10 @@ def test_row_within_tolerance(world, name):
     assert row["checks"]["model_states_steady"]
     assert row["checks"]["collectives_match"], (row["predicted_collectives"], row["measured_collectives"])
     assert all(r["gloo_settle"]["unsettled"] == 0 for r in rank_rows)
-    for phase in PHASES:
-        measured = row["measured_peak_bytes_by_phase"][phase]
-        predicted = row["predicted_peak_bytes_by_phase"][phase]
-        assert abs(measured - predicted) <= PEAK_TOL * measured, (phase, measured, predicted)
+    # every phase at this row's recorded error + max(64 B, 0.05%) (tests/test_measured_rows.py), not 3%
+    misses = live_peak_misses(f"deepspeed-{name}-nd{ND}", row["measured_peak_bytes_by_phase"],
+                              row["predicted_peak_bytes_by_phase"])  # fmt: skip
+    assert misses == []
 
 
 def test_what_accumulation_changes_is_measured(world):

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from clicheck import assert_one_line_error
 
+from tests.test_measured_rows import live_peak_misses
 from zeroplan.engines import deepspeed as D
-from zeroplan.formulas.peak import PHASES, peak_of
+from zeroplan.formulas.peak import peak_of
 
 ND, STATES_TOL, PEAK_TOL = 2, 0.01, 0.03
 LLAMA = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json")
@@ -33,6 +34,10 @@ CASES = {  # name -> (model, dtype, zero_init, extra zero_optimization keys)
     "gpt-fp32-materialized": ("gpt-tiny", "fp32", False, {}),
     "llama-fp32-no-prefetch": (LLAMA, "fp32", True, NO_PREFETCH),
 }
+RECORDED = {  # each case's row in tests/data/measured/deepspeed.json (benchmarks/record_measured.py)
+    "gpt-fp32-zero-init": "z3-gpt-fp32-zero-init", "llama-bf16-zero-init": "z3-llama-bf16-zero-init",
+    "gpt-fp32-materialized": "z3-fp32-small", "llama-fp32-no-prefetch": "z3-llama-fp32-zero-init-no-prefetch",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +65,10 @@ def test_row_within_tolerance(world, name):
     assert all(r["zero_init"] is CASES[name][2] for r in rank_rows)
     assert abs(row["model_states_rel_error"]) <= STATES_TOL, row["model_states_rel_error"]
     assert row["checks"]["collectives_match"], (row["predicted_collectives"], row["measured_collectives"])
-    for phase in PHASES:
-        measured = row["measured_peak_bytes_by_phase"][phase]
-        predicted = row["predicted_peak_bytes_by_phase"][phase]
-        assert abs(measured - predicted) <= PEAK_TOL * measured, (phase, measured, predicted)
+    # every phase at this row's recorded error + max(64 B, 0.05%) (tests/test_measured_rows.py), not 3%
+    misses = live_peak_misses(f"deepspeed-{RECORDED[name]}-nd{ND}", row["measured_peak_bytes_by_phase"],
+                              row["predicted_peak_bytes_by_phase"])  # fmt: skip
+    assert misses == []
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[2] and not c[3]])

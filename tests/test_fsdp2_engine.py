@@ -11,8 +11,9 @@ tensors (gpt-tiny; tiny-llama at 8), and a 7B-class Llama
 reported but not checked (``validate/engines/fsdp2.py:FAKE_TENSOR_PHASES``): the test asserts they are
 over-reads, so the artifact is stated, never hidden.
 
-Bounds: every checked phase's peak within 3% of measured and model states within 1% (issue 10; LLMem
-reports 3.0% on average), both ways; model states and collectives are in fact exact (asserted).
+Bounds: every checked phase's peak within its recorded error + max(64 B, 0.05%) both ways
+(``tests/data/measured/fsdp2.json``, ``tests/test_measured_rows.py``; issue 16: 3% before, so that a dropped
+term fails), model states within 1%; model states and collectives are in fact exact (asserted).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.clicheck import assert_one_line_error
+from tests.test_measured_rows import live_peak_misses
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2 import (
     Settings,
@@ -35,7 +37,7 @@ from zeroplan.engines.fsdp2 import (
 )
 
 DATA = Path(__file__).resolve().parent / "data" / "hf_configs"
-PEAK_BOUND, STATES_BOUND = 0.03, 0.01
+STATES_BOUND = 0.01
 LLAMA_4_LAYERS = "tiny-llama.json with num_hidden_layers = 4"  # written by the fixture (not a file in hf_configs,
 # whose every file tests/test_architectures.py checks)
 
@@ -94,11 +96,10 @@ def test_every_row_within_bounds(report):
     assert len(rep["rows"]) == len(RUNS[name]["world_sizes"])
     for row in rep["rows"]:
         assert row["engine"] == "fsdp2"
-        errors = row["peak_rel_error_by_phase"]
         unchecked = row["peak_unchecked_phases"] or {}
-        for phase, err in errors.items():
-            if phase not in unchecked:
-                assert -PEAK_BOUND <= err <= PEAK_BOUND, (name, row["world_size"], phase, err)
+        # every checked phase at this row's recorded error + max(64 B, 0.05%) (tests/test_measured_rows.py)
+        assert live_peak_misses(f"fsdp2-{name}-nd{row['world_size']}", row["measured_peak_bytes_by_phase"],
+                                row["predicted_peak_bytes_by_phase"], unchecked) == []  # fmt: skip
         assert -STATES_BOUND <= row["model_states_rel_error"] <= STATES_BOUND
         assert row["checks"]["model_states_steady"] and row["checks"]["collectives_match"]
         assert row["ok"], row["checks"]
