@@ -1,6 +1,6 @@
 """The collectives DeepSpeed 0.19.8 issues in one steady-state step, per optimizer wrapper
 (``zero12_collectives``, ``bf16_collectives``, ``zero3_collectives``), each citing the DeepSpeed function
-that issues it; ``collectives`` asks the wrapper of the settings."""
+that issues it; ``wrapper.py collectives`` asks the wrapper of the settings."""
 
 from __future__ import annotations
 
@@ -45,25 +45,6 @@ def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
     if current:
         out.append(current)
     return tuple(out)
-
-
-def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int = 1,
-                trace: Optional[Stage3Trace] = None) -> tuple[DSCollective, ...]:
-    """One steady-state step's collectives (the second step on: ZeRO-3's first step records its trace).
-
-    ``grad_accum`` micro-steps per step (measured at 2): ZeRO-2 reduces every micro-step, ZeRO-3 gathers
-    in every micro-step's forward and reduce-scatters in every backward; ZeRO-1 and BF16_Optimizer reduce at
-    the boundary only (engine.py ``allreduce_gradients``).
-
-    ``numels`` in parameter order. Stage 1 reduces after backward in parameter order
-    (``reduce_gradients`` walks ``bit16_groups``: calls exact); stage 2 and 3 in gradient-ready order
-    (autograd's; the call count is the parameter-order bucket count, a bound, not exact).
-    """
-    if nd == 1:
-        return ()
-    from zeroplan.engines.deepspeed.wrapper import wrapper_for  # wrapper.py's wrappers import this module
-
-    return wrapper_for(s).collectives(s, numels, nd, grad_accum, trace)
 
 
 def zero3_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int,

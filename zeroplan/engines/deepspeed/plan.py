@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
-from zeroplan.engines.deepspeed.config import to_ds_config
 from zeroplan.engines.deepspeed.profile import estimate
-from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.formulas.commtime import calls_per_optimizer_step
 from zeroplan.policy import PrecisionPolicy
 
