@@ -349,3 +349,16 @@ def test_world_size_one_is_refused_not_guessed():
 
     with pytest.raises(ValueError, match="world-size=1"):
         ValidateConfig(engine="fsdp2", world_sizes=(1,))
+
+
+def test_collectives_count_one_optimizer_step_with_accumulation():
+    # set_requires_gradient_sync(False) on all but the last micro-step (the snippet's accumulation): every
+    # unit is gathered again in every micro-step (post_backward reshards whether or not it reduces), the
+    # reduce-scatter runs once (_fsdp_param_group.py:FSDPParamGroup.post_backward)
+    (one,) = estimate(_gpt_tiny_workload(), 2, Settings(device="cpu", backend="gloo"))
+    (three,) = estimate(_gpt_tiny_workload(grad_accum=3), 2, Settings(device="cpu", backend="gloo"))
+    assert [(c.op, c.phase) for c in three.collectives] == [(c.op, c.phase) for c in one.collectives]
+    assert [c.micro_steps for c in three.collectives] == [3] * 5 + [1] * 3  # 3 forward + 2 backward gathers
+    assert [c.elements for c in three.collectives] == [12960, 48060, 48060, 48060, 48060, 16020, 16020, 4320]
+    assert [c.bytes_per_rank for c in three.collectives] == [
+        3 * c.bytes_per_rank if c.op == "all-gather" else c.bytes_per_rank for c in one.collectives]

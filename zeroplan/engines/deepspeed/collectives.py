@@ -29,6 +29,8 @@ class DSCollective:
     dtype: str
     source: str
     calls_exact: bool = True
+    micro_steps: int = 1
+    """micro-steps of the optimizer step it runs in (1 or ``grad_accum``); ``calls`` and ``elements`` sum them."""
 
 
 def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
@@ -63,12 +65,14 @@ def zero3_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum:
     for phase, calls, elements in (("forward", sched.forward_calls, sched.forward_elements),
                                    ("backward", sched.backward_calls, sched.backward_elements)):
         if calls:
-            out.append(DSCollective("all-gather", phase, grad_accum * calls, grad_accum * elements, p, src))
+            out.append(DSCollective("all-gather", phase, grad_accum * calls, grad_accum * elements, p, src,
+                                    micro_steps=grad_accum))  # fmt: skip
     out += [
         DSCollective("reduce-scatter", "backward", grad_accum * len(greedy_buckets(numels, s.reduce_bucket_size)),
                      grad_accum * sum(numels), g,
                      "runtime/zero/stage3.py __reduce_and_partition_ipg_grads -> "
-                     "partitioned_param_data_shard / reduce_scatter_coalesced, bucket by bucket", calls_exact=False),
+                     "partitioned_param_data_shard / reduce_scatter_coalesced, bucket by bucket", calls_exact=False,
+                     micro_steps=grad_accum),
         DSCollective("all-reduce", "optimizer_step", 1, 1, "fp64",
                      "runtime/zero/stage3.py _get_norm_groups / get_grad_norm (fp64 global norm)"),
     ]  # fmt: skip
@@ -112,7 +116,8 @@ def zero12_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum
         DSCollective("all-reduce", "backward", micro * len(buckets), micro * sum(numels), g,
                      "runtime/zero/stage_1_and_2.py average_tensor -> allreduce_and_scatter -> allreduce_bucket "
                      "(use_multi_rank_bucket_allreduce: an all-reduce per bucket, not a reduce-scatter)",
-                     calls_exact=not s.partition_gradients and not s.overlaps),  # overlap_comm: from the hooks
+                     calls_exact=not s.partition_gradients and not s.overlaps,  # overlap_comm: from the hooks
+                     micro_steps=micro),
         DSCollective("all-reduce", "optimizer_step", 1, 1, "fp32",
                      "runtime/zero/stage_1_and_2.py get_grad_norm_direct (the global gradient norm)"),
     ]  # fmt: skip
@@ -124,7 +129,9 @@ def zero12_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum
 
 
 def to_collective(c: DSCollective, nd: int) -> Collective:
-    """A ``DSCollective`` as the engine contract's ``Collective`` (bytes per rank on a ring)."""
+    """A ``DSCollective`` as the engine contract's ``Collective`` (bytes per rank on a ring), per optimizer
+    step as counted (``micro_steps``)."""
     phase = "optimizer step" if c.phase == "optimizer_step" else c.phase
     nbytes = DTYPE_BYTES.get(c.dtype, 1)
-    return Collective(c.op, phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, nd, nbytes))
+    return Collective(c.op, phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, nd, nbytes),
+                      c.micro_steps)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
-from zeroplan.engines.fsdp2.collectives import unit_collectives
+from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.moments import predict_peak
 from zeroplan.engines.fsdp2.settings import Settings
@@ -18,15 +18,16 @@ from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
 
 def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
-    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks."""
+    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks; its
+    collectives count one optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``)."""
     run = fsdp2_run(workload, nd, settings)
     st = model_states(run.units, nd, settings)
     coll = tuple(
-        Collective(
-            c.op, c.phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype))
-        )
+        Collective(c.op, c.phase, m * c.elements, c.dtype,
+                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m)
         for c in unit_collectives(run.units, nd, settings)
-    )
+        for m in (micro_steps(c, workload.grad_accum),)
+    )  # fmt: skip
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     peak = predict_peak(run) if run.acts is not None else None
     return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll),)
