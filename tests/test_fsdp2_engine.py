@@ -362,3 +362,18 @@ def test_collectives_count_one_optimizer_step_with_accumulation():
     assert [c.elements for c in three.collectives] == [12960, 48060, 48060, 48060, 48060, 16020, 16020, 4320]
     assert [c.bytes_per_rank for c in three.collectives] == [
         3 * c.bytes_per_rank if c.op == "all-gather" else c.bytes_per_rank for c in one.collectives]
+
+
+def test_beside_states_is_the_rows_own_field():
+    # the post-forward mesh's int32 rank tensor (reshard_after_forward=k, 1 < k < N_d) lives beside the model
+    # states between steps: the row says so itself, and the validator reads that field, not a term's name
+    from validate.engines.fsdp2_compare import beside_states
+
+    w = _gpt_tiny_workload()
+    (k2,) = estimate(w, 4, Settings(reshard_after_forward=2, device="cpu", backend="gloo"))
+    assert [(t.name, t.bytes, t.source) for t in k2.beside_states] == [
+        ("post-forward mesh ranks (int32)", 16, "torch/distributed/fsdp/_fully_shard/_fsdp_init.py:_get_post_forward_mesh_info")]
+    assert beside_states(k2) == k2.beside_states
+    for rsf in (True, False, 4):  # k = N_d and the bools: no post-forward mesh
+        assert estimate(w, 4, Settings(reshard_after_forward=rsf, device="cpu"))[0].beside_states == ()
+    assert estimate(Workload(w.shapes), 4, Settings(reshard_after_forward=2))[0].beside_states == k2.beside_states

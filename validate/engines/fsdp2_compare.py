@@ -38,16 +38,10 @@ def predicted_run(config, meta: dict, rank: int = 0):
     return row, engine
 
 
-MESH_TERM = "post-forward mesh ranks"
-"""The profile's name of FSDP2's one persistent term beside the model states (``zeroplan.engines.fsdp2``
-``mesh_ranks``: the post-forward mesh's int32 rank tensor of an int ``reshard_after_forward``)."""
-
-
 def beside_states(predicted) -> tuple:
-    """The terms the profile holds beside the model states after backward, read from its row: those of the
-    optimizer step's moment (live from init on) named ``MESH_TERM``."""
-    (phase,) = (p for p in predicted.peak.phases if p.phase == "optimizer_step")
-    return tuple(t for t in phase.terms if t.name.startswith(MESH_TERM))
+    """The terms the profile holds beside the model states between steps: its row's own list
+    (``EngineEstimate.beside_states``: the post-forward mesh ranks of an int ``reshard_after_forward``)."""
+    return predicted.beside_states
 
 
 def runner_changes(meta: dict) -> list[str]:

@@ -10,7 +10,7 @@ from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.moments import predict_peak
 from zeroplan.engines.fsdp2.settings import Settings
-from zeroplan.engines.fsdp2.terms import fsdp2_run, model_states, resharded
+from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
@@ -30,7 +30,8 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     )  # fmt: skip
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     peak = predict_peak(run) if run.acts is not None else None
-    return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll),)
+    return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
+                           beside_states=mesh_ranks(run)),)  # fmt: skip
 
 
 # ---- planning: the cheapest configuration whose predicted peak fits ----
