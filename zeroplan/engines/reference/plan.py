@@ -41,7 +41,7 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
             run = reference_run(
                 workload.spec, nd, row.stage.number, workload.micro_batch, workload.seq_len,
                 workload.checkpointing, workload.foreach, stat_bytes=settings.stat_bytes,
-                grad_accum=workload.grad_accum,
+                grad_accum=workload.grad_accum, shapes=workload.shapes,
             )  # fmt: skip
             cap = settings.cuda_capability
             resident = () if cap is None else (library_workspaces(cap, workload.spec.biased_linear),)
