@@ -375,3 +375,19 @@ def test_plan_python_api_routes_engine_keywords_and_refuses_a_policy_the_engine_
 def test_plan_python_api_refuses_what_the_engine_chooses():
     with pytest.raises(ValueError, match="checkpointing does not apply to plan --engine fsdp2"):
         zeroplan.plan(TINY, gpu="h100-80gb", engine="fsdp2", checkpointing="none")
+
+
+def test_plan_sizes_the_cublas_workspaces_for_the_gpu_preset():
+    # an A100 (compute capability 8.0) keeps two 8.125 MiB cuBLAS workspaces, an H100 (9.0) two 32 MiB ones
+    # (formulas/cuda_workspaces.py): the --gpu preset's capability reaches the engines' Settings
+    from zeroplan.formulas.cuda_workspaces import CUBLAS_WORKSPACE_OTHER_BYTES, CUBLAS_WORKSPACE_SM90_BYTES
+
+    less = 2 * (CUBLAS_WORKSPACE_SM90_BYTES - CUBLAS_WORKSPACE_OTHER_BYTES)  # 50,069,504 B
+    for engine, key in (("reference", "stage"), ("fsdp2", "label")):
+        peaks = {}
+        for gpu in ("a100-80gb", "h100-80gb"):
+            d = run_json("plan", "--engine", engine, "--model", TINY, "--gpus", "2", "--gpu", gpu)
+            peaks[gpu] = {o[key]: o["peak_bytes"] for o in d["stages"]}
+        assert {k: peaks["h100-80gb"][k] - v for k, v in peaks["a100-80gb"].items()} == dict.fromkeys(peaks["a100-80gb"], less)
+    assert fsdp2.planner_settings(PlannerOptions(gpu_capability=(8, 0))).cuda_capability == (8, 0)
+    assert fsdp2.planner_settings(PlannerOptions()).cuda_capability == (9, 0)  # no preset: the default

@@ -118,6 +118,10 @@ class PlannerOptions:
     """fsdp2: ``MixedPrecisionPolicy.param_dtype``."""
     reduce_dtype: Optional[str] = None
     """fsdp2: ``MixedPrecisionPolicy.reduce_dtype``."""
+    gpu_capability: Optional[tuple[int, int]] = None
+    """the compute capability of the ``--gpu`` preset (``formulas.cuda_workspaces.capability_of``), which sizes
+    the cuBLAS workspaces of a peak (reference, fsdp2: ``Settings.cuda_capability``); None: no preset given,
+    or one whose library workspaces are not modelled (ROCm): the engine's default, an H100's (9, 0)."""
 
 
 @dataclass(frozen=True)

@@ -86,14 +86,16 @@ PLAN_ORDER = ("keep blocks gathered (no backward all-gather), then reshard (one 
 
 def planner_settings(options: PlannerOptions) -> Settings:
     """FSDP2's ``Settings`` from the planner's options, as ``fully_shard`` runs on CUDA with NCCL and a
-    model built in fp32; an option not given keeps FSDP2's default (reshard after forward, no mixed
-    precision)."""
+    model built in fp32, on the ``--gpu`` preset's compute capability where given; an option not given keeps
+    FSDP2's default (reshard after forward, no mixed precision)."""
     given: dict = {}
     if options.reshard_after_forward is not None:
         given["reshard_after_forward"] = options.reshard_after_forward
     for key in ("param_dtype", "reduce_dtype"):
         if getattr(options, key) is not None:
             given[key] = canonical_dtype(getattr(options, key))
+    if options.gpu_capability is not None:  # the --gpu preset's: sizes the cuBLAS workspaces
+        given["cuda_capability"] = options.gpu_capability
     return Settings(**given)
 
 
