@@ -1,4 +1,4 @@
-"""FSDP2 as an engine: ``zeroplan validate --engine fsdp2`` rows, prediction (``zeroplan/engines/fsdp2.py``)
+"""FSDP2 as an engine: ``zeroplan validate --engine fsdp2`` rows, prediction (``zeroplan/engines/fsdp2/``)
 against real ``fully_shard`` under the shared probes, on every axis of issue 10.
 
 Real gloo ranks (torchrun) at N_d = 2 and 4 cover reshard on/off, fp32 and bf16 mixed precision (reduce
