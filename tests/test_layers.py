@@ -42,8 +42,6 @@ CIRCLES_ALLOWED: dict[tuple[str, ...], str] = {
     "imports the reader it extends",
     ("zeroplan.allocator.caching", "zeroplan.allocator.expandable"): "alloc: expandable segments and the caching "
     "allocator call each other",
-    ("validate.engines.deepspeed", "validate.engines.deepspeed_compare"): "valid: the runner and its comparison",
-    ("validate.engines.fsdp2", "validate.engines.fsdp2_compare"): "valid: the runner and its comparison",
 }
 ARROWS_UP_ALLOWED: dict[str, str] = {
     # importer -> why it may still import a higher layer (to be emptied)

@@ -4,7 +4,60 @@ ranks (``validate.engines.fsdp2``) measured, compared through ``validate.compare
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, fields
+
 from validate.models import spec_for
+
+RUN_DTYPES = ("fp32", "bf16")
+"""The dtypes a run may ask for (``validate.engines.fsdp2.DTYPES`` maps them to torch's)."""
+
+
+@dataclass(frozen=True)
+class Fsdp2Settings:
+    """One FSDP2 run, in FSDP2's own vocabulary."""
+
+    model: str = "gpt-tiny"  # a validate.models preset, a zeroplan model preset or a config.json path
+    params: float | None = None  # instead of model: a GPT-style model of about this many parameters
+    param_dtype: str = "fp32"  # MixedPrecisionPolicy.param_dtype (fp32: no mixed precision)
+    reduce_dtype: str | None = None  # MixedPrecisionPolicy.reduce_dtype (None: the param dtype)
+    reshard_after_forward: bool | int = True  # on the blocks; the root keeps FSDP2's default
+    checkpointing: bool = False  # checkpoint_wrapper on every block
+    foreach: bool | None = None  # torch.optim.Adam(foreach=...); None: torch's default for the device
+    steps: int = 2
+    batch_per_rank: int = 2
+    seq_len: int | None = None  # None: the model's maximum
+    lr: float = 1e-3
+    init: str = "materialized"  # or "meta": built on the meta device, sharded, to_empty, then initialised
+
+    def __post_init__(self) -> None:
+        if self.init not in ("materialized", "meta"):
+            raise ValueError(f"init={self.init!r}: expected materialized or meta")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in RUN_DTYPES:
+                raise ValueError(f"{name}={value!r}: expected one of {', '.join(RUN_DTYPES)}")
+        if self.steps < 1 or self.batch_per_rank < 1:
+            raise ValueError(f"steps={self.steps}, batch_per_rank={self.batch_per_rank}: must be >= 1")
+
+    @classmethod
+    def from_validate(cls, config) -> Fsdp2Settings:
+        """The run ``zeroplan validate --engine fsdp2`` asks for (a ``validate.config.ValidateConfig``)."""
+        rsf = config.reshard_after_forward
+        return cls(model=config.model_name, params=config.params, param_dtype=config.param_dtype,
+                   reduce_dtype=config.reduce_dtype, reshard_after_forward=True if rsf is None else rsf,
+                   checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
+                   batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
+                   init=config.fsdp2_init or "materialized")  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> Fsdp2Settings:
+        data = json.loads(text)
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown FSDP2 settings: {', '.join(sorted(unknown))}")
+        return cls(**data)
+
 
 FAKE_TENSOR_PHASES = {
     "init": "FakeTensorMode: MemTracker also counts the fake tensors of DTensor's sharding propagation "
@@ -18,7 +71,6 @@ FAKE_TENSOR_PHASES = {
 def predicted_run(config, meta: dict, rank: int = 0):
     """The FSDP2 profile's estimate of ``rank`` in this world (rank 0 holds the most between steps: padding is
     at the end; a rank with padding re-pads its shards at a meta-device init)."""
-    from validate.engines.fsdp2 import Fsdp2Settings
     from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
     from zeroplan.engines import fsdp2 as profile
     from zeroplan.engines.base import Workload
