@@ -89,9 +89,15 @@ def _settings() -> dict[str, dict]:
     return out
 
 
+ADDED_SINCE_RECORD = {"micro_steps": 1, "beside_states": ()}
+"""Fields added to the records after the hashes were recorded, dumped only where they differ from these values
+(so a case changes only where the new field says something)."""
+
+
 def _plain(x: object) -> object:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)
+                if f.name not in ADDED_SINCE_RECORD or getattr(x, f.name) != ADDED_SINCE_RECORD[f.name]}
     if hasattr(x, "model_dump"):
         return _plain(x.model_dump())
     if isinstance(x, dict):

@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zeroplan.formulas.collectives import step_collectives
-from zeroplan.formulas.commtime import alpha_beta_time_s, exposed_comm_s, latency_steps, ring_link, step_time
+from zeroplan.formulas.commtime import (alpha_beta_time_s, engine_step_time, exposed_comm_s, latency_steps, ring_link,
+                                        step_time)
 from zeroplan.presets import LinkSpec
 
 NVLINK = LinkSpec(name="nv", scope="intra", bandwidth_gbps=100, alpha_s=5e-6)
@@ -87,6 +88,22 @@ def test_optimizer_step_all_gather_is_never_hidden():
     gather = [c for c in t.collectives if c.collective.phase == "optimizer step"][0]
     assert t.exposed_comm_s == pytest.approx(gather.seconds)
 
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engine_rows_per_optimizer_step_time_as_the_papers_rows(stage):
+    # an engine's row counts one optimizer step (micro_steps calls summed): timed without multiplying again,
+    # it gives the paper's per-micro-step rows' time and exposure (each micro-step's share behind its phase)
+    G = 3
+    paper = step_time(stage, collectives(stage), 8, NVLINK, G, bucket_numel=2_000, compute_s=0.01)
+    engine_rows = tuple(
+        type(t.collective)(t.collective.op, t.collective.phase, t.calls_per_step * t.collective.elements,
+                           t.collective.dtype, t.calls_per_step * t.collective.bytes_per_rank, t.calls_per_step)
+        for t in paper.collectives)  # fmt: skip
+    engine = engine_step_time(engine_rows, 8, NVLINK, G, bucket_numel=2_000, compute_s=0.01)
+    assert [t.calls_per_step for t in engine.collectives] == [t.calls_per_step for t in paper.collectives]
+    assert engine.comm_s == pytest.approx(paper.comm_s) and engine.exposed_comm_s == pytest.approx(paper.exposed_comm_s)
+    with pytest.raises(ValueError, match="runs in 2 micro-steps"):
+        engine_step_time((type(engine_rows[0])("all-gather", "forward", 2, "fp32", 8, 2),), 8, NVLINK, G)
 
 def test_exposed_with_accumulation_by_hand():
     # Stage 3, 2 micro-steps, compute 3 s per step: per micro-step forward 0.5 s, backward 1 s.

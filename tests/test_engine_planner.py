@@ -248,6 +248,31 @@ def test_plan_fsdp2_recommends_by_predicted_peak_and_its_snippet_predicts_the_sa
     assert again.peak.peak_bytes <= memory
 
 
+def test_plan_counts_each_engine_collective_once_per_optimizer_step():
+    # the engines' collectives count one optimizer step already (EngineEstimate.collectives): DeepSpeed's
+    # ZeRO-3 gathers and reduce-scatters in both micro-steps of --grad-accum 2, which the plan multiplied by 2
+    # again before (llama2-7b on 8 GPUs: 269 GB sent per rank per step instead of 135 GB)
+    d = run_json("plan", "--engine", "deepspeed", "--model", TINY, "--gpus", "4", "--grad-accum", "2",
+                 "--gpu-memory", "80GiB")  # fmt: skip
+    w = model_workload(resolve_model(TINY), 16, 1, "none", 2, False)
+    tried = {t.label: t for t in deepspeed.ranked(w, 4, deepspeed.Settings.from_ds_config({}, 1))}
+    sent = [o["comm_bytes_per_rank"] for o in d["stages"]]
+    assert sent == [tried[o["label"]].sent_bytes for o in d["stages"]] == sorted(sent)  # the order is the column's
+    for o in d["stages"]:
+        est = tried[o["label"]].estimate
+        assert o["comm_bytes_per_rank"] == sum(c.bytes_per_rank for c in est.collectives)
+        calls = [c["calls_per_step"] for c in o["comm_time"]["collectives"]]
+        assert calls == [c.micro_steps for c in est.collectives] and set(calls) <= {1, 2}
+    # ZeRO-3 with every parameter gathered (none persistent): both micro-steps' gathers and reduce-scatters
+    s3 = deepspeed.Settings.from_ds_config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    (two,) = deepspeed.estimate(w, 4, s3)
+    (one,) = deepspeed.estimate(model_workload(resolve_model(TINY), 16, 1, "none", 1, False), 4, s3)
+    per_micro_step = [c for c in two.collectives if c.phase != "optimizer step"]
+    assert [(c.op, c.phase, c.micro_steps) for c in per_micro_step] == [
+        ("all-gather", "forward", 2), ("reduce-scatter", "backward", 2)]  # fmt: skip
+    assert [c.bytes_per_rank for c in per_micro_step] == [2 * c.bytes_per_rank for c in one.collectives[:2]]
+
+
 def test_plan_deepspeed_recommends_stage_and_buckets_and_its_ds_config_predicts_the_same_peak(tmp_path):
     w = workload(TINY, 16, checkpointing="full")
     base = deepspeed.Settings.from_ds_config({"bf16": {"enabled": True}}, 1)
@@ -350,3 +375,19 @@ def test_plan_python_api_routes_engine_keywords_and_refuses_a_policy_the_engine_
 def test_plan_python_api_refuses_what_the_engine_chooses():
     with pytest.raises(ValueError, match="checkpointing does not apply to plan --engine fsdp2"):
         zeroplan.plan(TINY, gpu="h100-80gb", engine="fsdp2", checkpointing="none")
+
+
+def test_plan_sizes_the_cublas_workspaces_for_the_gpu_preset():
+    # an A100 (compute capability 8.0) keeps two 8.125 MiB cuBLAS workspaces, an H100 (9.0) two 32 MiB ones
+    # (formulas/cuda_workspaces.py): the --gpu preset's capability reaches the engines' Settings
+    from zeroplan.formulas.cuda_workspaces import CUBLAS_WORKSPACE_OTHER_BYTES, CUBLAS_WORKSPACE_SM90_BYTES
+
+    less = 2 * (CUBLAS_WORKSPACE_SM90_BYTES - CUBLAS_WORKSPACE_OTHER_BYTES)  # 50,069,504 B
+    for engine, key in (("reference", "stage"), ("fsdp2", "label")):
+        peaks = {}
+        for gpu in ("a100-80gb", "h100-80gb"):
+            d = run_json("plan", "--engine", engine, "--model", TINY, "--gpus", "2", "--gpu", gpu)
+            peaks[gpu] = {o[key]: o["peak_bytes"] for o in d["stages"]}
+        assert {k: peaks["h100-80gb"][k] - v for k, v in peaks["a100-80gb"].items()} == dict.fromkeys(peaks["a100-80gb"], less)
+    assert fsdp2.planner_settings(PlannerOptions(gpu_capability=(8, 0))).cuda_capability == (8, 0)
+    assert fsdp2.planner_settings(PlannerOptions()).cuda_capability == (9, 0)  # no preset: the default

@@ -1,4 +1,4 @@
-"""FSDP2 as an engine: ``zeroplan validate --engine fsdp2`` rows, prediction (``zeroplan/engines/fsdp2.py``)
+"""FSDP2 as an engine: ``zeroplan validate --engine fsdp2`` rows, prediction (``zeroplan/engines/fsdp2/``)
 against real ``fully_shard`` under the shared probes, on every axis of issue 10.
 
 Real gloo ranks (torchrun) at N_d = 2 and 4 cover reshard on/off, fp32 and bf16 mixed precision (reduce
@@ -350,3 +350,31 @@ def test_world_size_one_is_refused_not_guessed():
 
     with pytest.raises(ValueError, match="world-size=1"):
         ValidateConfig(engine="fsdp2", world_sizes=(1,))
+
+
+def test_collectives_count_one_optimizer_step_with_accumulation():
+    # set_requires_gradient_sync(False) on all but the last micro-step (the snippet's accumulation): every
+    # unit is gathered again in every micro-step (post_backward reshards whether or not it reduces), the
+    # reduce-scatter runs once (_fsdp_param_group.py:FSDPParamGroup.post_backward)
+    (one,) = estimate(_gpt_tiny_workload(), 2, Settings(device="cpu", backend="gloo"))
+    (three,) = estimate(_gpt_tiny_workload(grad_accum=3), 2, Settings(device="cpu", backend="gloo"))
+    assert [(c.op, c.phase) for c in three.collectives] == [(c.op, c.phase) for c in one.collectives]
+    assert [c.micro_steps for c in three.collectives] == [3] * 5 + [1] * 3  # 3 forward + 2 backward gathers
+    assert [c.elements for c in three.collectives] == [12960, 48060, 48060, 48060, 48060, 16020, 16020, 4320]
+    assert [c.bytes_per_rank for c in three.collectives] == [
+        3 * c.bytes_per_rank if c.op == "all-gather" else c.bytes_per_rank for c in one.collectives]
+
+
+def test_beside_states_is_the_rows_own_field():
+    # the post-forward mesh's int32 rank tensor (reshard_after_forward=k, 1 < k < N_d) lives beside the model
+    # states between steps: the row says so itself, and the validator reads that field, not a term's name
+    from validate.engines.fsdp2_compare import beside_states
+
+    w = _gpt_tiny_workload()
+    (k2,) = estimate(w, 4, Settings(reshard_after_forward=2, device="cpu", backend="gloo"))
+    assert [(t.name, t.bytes, t.source) for t in k2.beside_states] == [
+        ("post-forward mesh ranks (int32)", 16, "torch/distributed/fsdp/_fully_shard/_fsdp_init.py:_get_post_forward_mesh_info")]
+    assert beside_states(k2) == k2.beside_states
+    for rsf in (True, False, 4):  # k = N_d and the bools: no post-forward mesh
+        assert estimate(w, 4, Settings(reshard_after_forward=rsf, device="cpu"))[0].beside_states == ()
+    assert estimate(Workload(w.shapes), 4, Settings(reshard_after_forward=2))[0].beside_states == k2.beside_states

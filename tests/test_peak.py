@@ -4,6 +4,7 @@ runtime's peak per phase against the validator's measurement (MemTracker, exact 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -246,3 +247,27 @@ def test_activations_dominate_at_100m_scale_and_the_loss_phase_is_named():
     n = 4 * 1024
     assert est.peak_terms[0].bytes == 12 * (n * 2 * (8 * 768 + 5 * 3072) + 4 * n * 2 + 4 * 12 * 1024 * 4)
     assert est.peak_terms[1].bytes == 4 * 1024 * 50304 * 4 * 2
+
+
+def test_reference_engine_sizes_its_units_from_the_workloads_shapes():
+    # the units are the parameters as built (Workload.shapes: the model's named_parameters()), not the
+    # architecture's own shapes: a vocabulary padded by 13 rows moves every term that holds the root unit
+    from zeroplan.architectures.spec import transformer_shapes
+    from zeroplan.engines.base import Workload
+    from zeroplan.engines.reference import Settings, estimate
+
+    spec = TransformerSpec(style="llama", n_layer=2, d_model=48, n_head=6, n_kv_head=2, ffn_hidden=88, vocab_size=103,
+                           max_seq_len=32)  # fmt: skip
+    shapes = transformer_shapes(spec)
+    padded = tuple((n, (s[0] + 13, *s[1:]) if n == "model.embed_tokens.weight" else s) for n, s in shapes)
+    settings = Settings(stages=(0,), block_bytes=1, cuda_capability=None)
+    (plain,) = estimate(Workload(shapes, spec, 16, 2), 2, settings)
+    (built,) = estimate(Workload(padded, spec, 16, 2), 2, settings)
+
+    def params16(row):
+        (phase,) = (p for p in row.peak.phases if p.phase == "optimizer_step")
+        return next(t.bytes for t in phase.terms if t.name == "16-bit parameters")
+
+    assert params16(plain) == 2 * sum(math.prod(s) for _, s in shapes)
+    assert params16(built) == 2 * sum(math.prod(s) for _, s in padded) == params16(plain) + 2 * 13 * 48
+    assert built.memory.params_bytes == params16(built)  # states and peak from the same tensors

@@ -31,10 +31,11 @@ TINY_LLAMA = str(DATA / "hf_configs" / "tiny-llama.json")
 GPT2 = str(DATA / "golden" / "inputs" / "gpt2-no-dropout.json")
 
 
-def engine_rows(model: str, nd: int, seq_len: int, micro_batch=1, checkpointing="none", foreach=True, **policy):
+def engine_rows(model: str, nd: int, seq_len: int, micro_batch=1, checkpointing="none", foreach=True,
+                cuda_capability=(9, 0), **policy):
     spec = resolve_model(model)
     workload = Workload(transformer_shapes(spec), spec, seq_len, micro_batch, checkpointing, 1, foreach)
-    settings = reference.Settings(policy=zeroplan.PrecisionPolicy(**policy))
+    settings = reference.Settings(policy=zeroplan.PrecisionPolicy(**policy), cuda_capability=cuda_capability)
     return reference.estimate(workload, nd, settings)
 
 
@@ -141,7 +142,8 @@ def test_api_accepts_a_preset_a_config_path_and_a_module():
 
 def test_plan_fits_on_the_peak_and_names_a_term_to_cut():
     p = zeroplan.plan(GPT2, gpu="a100-40gb", gpus=4, checkpointing="none", micro_batch=8)
-    rows = {r.stage: r for r in engine_rows(GPT2, 4, 1024, micro_batch=8, param_dtype="bf16")}
+    # an A100 (compute capability 8.0): its cuBLAS workspaces (formulas/cuda_workspaces.py capability_of)
+    rows = {r.stage: r for r in engine_rows(GPT2, 4, 1024, micro_batch=8, cuda_capability=(8, 0), param_dtype="bf16")}
     assert "fits on the peak" in p.fit_basis
     for o in p.stages:
         assert o.peak == rows[o.stage].peak

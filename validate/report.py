@@ -45,12 +45,13 @@ GLOO_NOTE = (
 def reference_estimate(config: ValidateConfig, meta: dict, stage: int, shapes, foreach: bool) -> EngineEstimate:
     """``zeroplan.engines.reference``'s row for this run, from the parameters the ranks built (``shapes``: the
     model's ``named_parameters()``, ``zeroplan.architectures.module_shapes``). The peak profile sizes its units
-    from the planner's shapes of the architecture (``reference_run``), so it speaks only for a model built
-    with exactly those shapes, and for none that runs dropout (it counts no masks): otherwise no peak."""
+    from those shapes (``reference_run`` reads ``Workload.shapes``), so it speaks for any model whose tensors
+    are the architecture's (the same names, in ``named_parameters()`` order), and for none that runs dropout
+    (it counts no masks): otherwise no peak."""
     spec = spec_for(config.model_name, config.params)  # model_name: the default preset when none is given
     shapes = tuple((name, tuple(shape)) for name, shape in shapes)
     peak_spec = (
-        spec if isinstance(spec, TransformerSpec) and transformer_shapes(spec) == shapes
+        spec if isinstance(spec, TransformerSpec) and [n for n, _ in transformer_shapes(spec)] == [n for n, _ in shapes]
         and not (spec.embd_pdrop or spec.attn_pdrop or spec.resid_pdrop) else None
     )  # fmt: skip
     cuda = str(meta["device"]).startswith("cuda")

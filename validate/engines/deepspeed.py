@@ -37,32 +37,6 @@ from validate.engines.deepspeed_changes import GlooSettled, fp16_on_cpu, runner_
 PHASES = ("init", "forward", "backward", "optimizer_step")
 
 
-def ds_config(
-    stage: int,
-    dtype: str = "fp32",
-    micro_batch: int = 2,
-    lr: float = 1e-3,
-    zero: dict | None = None,
-    optimizer_params: dict | None = None,
-    grad_accum_dtype: str | None = None,
-) -> dict:
-    """A ds_config dict: ZeRO ``stage``, ``dtype`` in fp32/bf16/fp16, Adam at ``lr``, extra ZeRO keys."""
-    if dtype not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"dtype={dtype!r}: expected fp32, bf16 or fp16")
-    config: dict = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": lr, **(optimizer_params or {})}},
-        "zero_optimization": {"stage": stage, **(zero or {})},
-        "steps_per_print": 10**9,
-    }
-    if dtype != "fp32":
-        config[dtype] = {"enabled": True}
-    if grad_accum_dtype is not None:
-        config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
-    return config
-
-
 def _summarise(calls) -> dict:
     """{"op|phase|dtype": {"calls", "elements"}} per step, from the counter's records (all steps)."""
     out: dict = defaultdict(lambda: {"calls": 0, "elements": 0, "sizes": []})
@@ -353,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
 from validate.engines.deepspeed_compare import (  # noqa: E402, F401
     builtin_configs,
     compare_row,
+    ds_config,
     run_configs,
     run_validation,
     run_world,

@@ -19,11 +19,35 @@ PHASE_OF = {"optimizer step": "optimizer_step"}
 """The profile's phase names (``zeroplan.formulas.collectives``) -> this runner's (``CommCounter.phase``)."""
 
 
+def ds_config(
+    stage: int,
+    dtype: str = "fp32",
+    micro_batch: int = 2,
+    lr: float = 1e-3,
+    zero: dict | None = None,
+    optimizer_params: dict | None = None,
+    grad_accum_dtype: str | None = None,
+) -> dict:
+    """A ds_config dict: ZeRO ``stage``, ``dtype`` in fp32/bf16/fp16, Adam at ``lr``, extra ZeRO keys."""
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"dtype={dtype!r}: expected fp32, bf16 or fp16")
+    config: dict = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": lr, **(optimizer_params or {})}},
+        "zero_optimization": {"stage": stage, **(zero or {})},
+        "steps_per_print": 10**9,
+    }
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+    if grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    return config
+
+
 def builtin_configs(stages: tuple[int, ...], dtype: str, micro_batch: int, lr: float) -> list[dict]:
     """One ds_config per stage at DeepSpeed's defaults, except ``torch_adam: true`` (torch's AdamW: no
     ``fused_adam`` JIT build, ~3 min on a fresh machine; the profile models both)."""
-    from validate.engines.deepspeed import ds_config
-
     return [ds_config(s, dtype, micro_batch, lr, optimizer_params={"torch_adam": True}) for s in stages]
 
 

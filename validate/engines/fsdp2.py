@@ -42,6 +42,7 @@ from validate import cuda_snapshot
 from validate.probes import CommCounter, MemoryProbe
 from validate.simulate import fake_tensors, init_fake_world
 from validate.worker import calls_by_step, inject_fault, pick_device
+from validate.engines.fsdp2_compare import Fsdp2Settings
 from zeroplan.files import write_text_atomic
 
 # MemTracker's gradient hook meets DTensor gradients it cannot flatten (FSDP2 sets them after the hook).
@@ -51,58 +52,6 @@ warnings.filterwarnings(
 
 PHASES = ("init", "forward", "backward", "optimizer_step")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class Fsdp2Settings:
-    """One FSDP2 run, in FSDP2's own vocabulary."""
-
-    model: str = "gpt-tiny"  # a validate.models preset, a zeroplan model preset or a config.json path
-    params: float | None = None  # instead of model: a GPT-style model of about this many parameters
-    param_dtype: str = "fp32"  # MixedPrecisionPolicy.param_dtype (fp32: no mixed precision)
-    reduce_dtype: str | None = None  # MixedPrecisionPolicy.reduce_dtype (None: the param dtype)
-    reshard_after_forward: bool | int = True  # on the blocks; the root keeps FSDP2's default
-    checkpointing: bool = False  # checkpoint_wrapper on every block
-    foreach: bool | None = None  # torch.optim.Adam(foreach=...); None: torch's default for the device
-    steps: int = 2
-    batch_per_rank: int = 2
-    seq_len: int | None = None  # None: the model's maximum
-    lr: float = 1e-3
-    init: str = "materialized"  # or "meta": built on the meta device, sharded, to_empty, then initialised
-    hf: bool = False  # train transformers' own class of the model's config.json (deepspeed.py hf_builder)
-    labels: bool = True  # hf: loss from forward(labels=...) inside the root's forward; False: outside it
-
-    def __post_init__(self) -> None:
-        if self.init not in ("materialized", "meta"):
-            raise ValueError(f"init={self.init!r}: expected materialized or meta")
-        if self.hf and (self.init != "materialized" or self.checkpointing or self.params is not None):
-            raise ValueError("hf=True: a config.json model, materialized, without checkpointing (hf_builder)")
-        if not self.labels and not self.hf:
-            raise ValueError("labels=False: hf runs only (the validator's CausalLM computes its loss outside)")
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value is not None and value not in DTYPES:
-                raise ValueError(f"{name}={value!r}: expected one of {', '.join(DTYPES)}")
-        if self.steps < 1 or self.batch_per_rank < 1:
-            raise ValueError(f"steps={self.steps}, batch_per_rank={self.batch_per_rank}: must be >= 1")
-
-    @classmethod
-    def from_validate(cls, config) -> Fsdp2Settings:
-        """The run ``zeroplan validate --engine fsdp2`` asks for (a ``validate.config.ValidateConfig``)."""
-        rsf = config.reshard_after_forward
-        return cls(model=config.model_name, params=config.params, param_dtype=config.param_dtype,
-                   reduce_dtype=config.reduce_dtype, reshard_after_forward=True if rsf is None else rsf,
-                   checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
-                   batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
-                   init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)))  # fmt: skip
-
-    @classmethod
-    def from_json(cls, text: str) -> Fsdp2Settings:
-        data = json.loads(text)
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown FSDP2 settings: {', '.join(sorted(unknown))}")
-        return cls(**data)
 
 
 def build_sharded(spec, mesh, settings: Fsdp2Settings, device: torch.device) -> nn.Module:

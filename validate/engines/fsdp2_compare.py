@@ -4,6 +4,66 @@ ranks (``validate.engines.fsdp2``) measured, compared through ``validate.compare
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, fields
+
+from validate.models import spec_for
+
+RUN_DTYPES = ("fp32", "bf16")
+"""The dtypes a run may ask for (``validate.engines.fsdp2.DTYPES`` maps them to torch's)."""
+
+
+@dataclass(frozen=True)
+class Fsdp2Settings:
+    """One FSDP2 run, in FSDP2's own vocabulary."""
+
+    model: str = "gpt-tiny"  # a validate.models preset, a zeroplan model preset or a config.json path
+    params: float | None = None  # instead of model: a GPT-style model of about this many parameters
+    param_dtype: str = "fp32"  # MixedPrecisionPolicy.param_dtype (fp32: no mixed precision)
+    reduce_dtype: str | None = None  # MixedPrecisionPolicy.reduce_dtype (None: the param dtype)
+    reshard_after_forward: bool | int = True  # on the blocks; the root keeps FSDP2's default
+    checkpointing: bool = False  # checkpoint_wrapper on every block
+    foreach: bool | None = None  # torch.optim.Adam(foreach=...); None: torch's default for the device
+    steps: int = 2
+    batch_per_rank: int = 2
+    seq_len: int | None = None  # None: the model's maximum
+    lr: float = 1e-3
+    init: str = "materialized"  # or "meta": built on the meta device, sharded, to_empty, then initialised
+    hf: bool = False  # train transformers' own class of the model's config.json (deepspeed.py hf_builder)
+    labels: bool = True  # hf: loss from forward(labels=...) inside the root's forward; False: outside it
+
+    def __post_init__(self) -> None:
+        if self.init not in ("materialized", "meta"):
+            raise ValueError(f"init={self.init!r}: expected materialized or meta")
+        if self.hf and (self.init != "materialized" or self.checkpointing or self.params is not None):
+            raise ValueError("hf=True: a config.json model, materialized, without checkpointing (hf_builder)")
+        if not self.labels and not self.hf:
+            raise ValueError("labels=False: hf runs only (the validator's CausalLM computes its loss outside)")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in RUN_DTYPES:
+                raise ValueError(f"{name}={value!r}: expected one of {', '.join(RUN_DTYPES)}")
+        if self.steps < 1 or self.batch_per_rank < 1:
+            raise ValueError(f"steps={self.steps}, batch_per_rank={self.batch_per_rank}: must be >= 1")
+
+    @classmethod
+    def from_validate(cls, config) -> Fsdp2Settings:
+        """The run ``zeroplan validate --engine fsdp2`` asks for (a ``validate.config.ValidateConfig``)."""
+        rsf = config.reshard_after_forward
+        return cls(model=config.model_name, params=config.params, param_dtype=config.param_dtype,
+                   reduce_dtype=config.reduce_dtype, reshard_after_forward=True if rsf is None else rsf,
+                   checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
+                   batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
+                   init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)))  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> Fsdp2Settings:
+        data = json.loads(text)
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown FSDP2 settings: {', '.join(sorted(unknown))}")
+        return cls(**data)
+
 
 FAKE_TENSOR_PHASES = {
     "init": "FakeTensorMode: MemTracker also counts the fake tensors of DTensor's sharding propagation "
@@ -17,22 +77,37 @@ FAKE_TENSOR_PHASES = {
 def predicted_run(config, meta: dict, rank: int = 0):
     """The FSDP2 profile's estimate of ``rank`` in this world (rank 0 holds the most between steps: padding is
     at the end; a rank with padding re-pads its shards at a meta-device init)."""
-    from validate.engines.fsdp2 import Fsdp2Settings
-    from validate.engines.fsdp2_rows import predict
-
-    return predict(Fsdp2Settings.from_validate(config), meta, rank)  # one home: fsdp2_rows.predict
+    return predict(Fsdp2Settings.from_validate(config), meta, rank)
 
 
-MESH_TERM = "post-forward mesh ranks"
-"""The profile's name of FSDP2's one persistent term beside the model states (``zeroplan.engines.fsdp2``
-``mesh_ranks``: the post-forward mesh's int32 rank tensor of an int ``reshard_after_forward``)."""
+def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
+    """(the estimate row, the profile's Settings) of the run ``settings`` on ``rank`` of ``meta``'s world;
+    ``hf``: the transformers module tree (``Workload.transformers``)."""
+    from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
+    from zeroplan.engines import fsdp2 as profile
+    from zeroplan.engines.base import Workload
+
+    spec = spec_for(settings.model, settings.params)
+    if not isinstance(spec, TransformerSpec):
+        raise ValueError(f"model {settings.model}: --engine fsdp2 validates transformers only")
+    cuda = str(meta["device"]).startswith("cuda")
+    foreach = settings.foreach if settings.foreach is not None else cuda
+    workload = Workload(transformer_shapes(spec), spec, settings.seq_len or spec.max_seq_len, settings.batch_per_rank,
+                        "full" if settings.checkpointing else "none", foreach=bool(foreach),
+                        transformers=settings.hf)  # fmt: skip
+    engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
+                              reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
+                              backend=meta["backend"], rank=rank, init=settings.init,
+                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))),
+                              **({"loss_in_forward": settings.labels} if settings.hf else {}))  # fmt: skip
+    (row,) = profile.estimate(workload, meta["world_size"], engine)
+    return row, engine
 
 
 def beside_states(predicted) -> tuple:
-    """The terms the profile holds beside the model states after backward, read from its row: those of the
-    optimizer step's moment (live from init on) named ``MESH_TERM``."""
-    (phase,) = (p for p in predicted.peak.phases if p.phase == "optimizer_step")
-    return tuple(t for t in phase.terms if t.name.startswith(MESH_TERM))
+    """The terms the profile holds beside the model states between steps: its row's own list
+    (``EngineEstimate.beside_states``: the post-forward mesh ranks of an int ``reshard_after_forward``)."""
+    return predicted.beside_states
 
 
 def runner_changes(meta: dict) -> list[str]:

@@ -9,32 +9,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from validate.engines.fsdp2 import Fsdp2Settings
-from validate.models import spec_for
-
-
-def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
-    """(the estimate row, the profile's Settings) of the run ``settings`` on ``rank`` of ``meta``'s world;
-    ``hf``: the transformers module tree (``Workload.transformers``)."""
-    from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-    from zeroplan.engines import fsdp2 as profile
-    from zeroplan.engines.base import Workload
-
-    spec = spec_for(settings.model, settings.params)
-    if not isinstance(spec, TransformerSpec):
-        raise ValueError(f"model {settings.model}: --engine fsdp2 validates transformers only")
-    cuda = str(meta["device"]).startswith("cuda")
-    foreach = settings.foreach if settings.foreach is not None else cuda
-    workload = Workload(transformer_shapes(spec), spec, settings.seq_len or spec.max_seq_len, settings.batch_per_rank,
-                        "full" if settings.checkpointing else "none", foreach=bool(foreach),
-                        transformers=settings.hf)  # fmt: skip
-    engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
-                              reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
-                              backend=meta["backend"], rank=rank, init=settings.init,
-                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))),
-                              **({"loss_in_forward": settings.labels} if settings.hf else {}))  # fmt: skip
-    (row,) = profile.estimate(workload, meta["world_size"], engine)
-    return row, engine
+from validate.engines.fsdp2_compare import Fsdp2Settings, predict  # noqa: F401 (predict: the one home, re-exported)
 
 
 def run_world(settings: Fsdp2Settings, nd: int, timeout_s: float = 600.0) -> dict:

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 from zeroplan.architectures.spec import Shape, TransformerSpec
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.memory import MemoryBreakdown
-from zeroplan.formulas.peak import PeakEstimate
+from zeroplan.formulas.peak import PeakEstimate, Term
 from zeroplan.policy import PrecisionPolicy
 
 Checkpointing = Literal["none", "full"]
@@ -78,7 +78,12 @@ class EngineEstimate:
     peak: Optional[PeakEstimate]
     """the peak per phase; None without an architecture (``Workload.spec`` is None)."""
     collectives: tuple[Collective, ...]
-    """what one rank issues in one optimizer step, with the engine's sizes, dtypes and phases."""
+    """what one rank issues in one optimizer step (every micro-step's calls: ``Collective.micro_steps``), with
+    the engine's sizes, dtypes and phases."""
+    beside_states: tuple[Term, ...] = ()
+    """the engine's persistent terms that live beside the model states between steps, not part of them
+    (FSDP2's post-forward mesh ranks, ``engines/fsdp2/terms.py mesh_ranks``): what a reading of the memory
+    between steps holds besides ``memory`` (the validator compares the two)."""
 
     @property
     def model_states_bytes(self) -> int:
@@ -113,6 +118,10 @@ class PlannerOptions:
     """fsdp2: ``MixedPrecisionPolicy.param_dtype``."""
     reduce_dtype: Optional[str] = None
     """fsdp2: ``MixedPrecisionPolicy.reduce_dtype``."""
+    gpu_capability: Optional[tuple[int, int]] = None
+    """the compute capability of the ``--gpu`` preset (``formulas.cuda_workspaces.capability_of``), which sizes
+    the cuBLAS workspaces of a peak (reference, fsdp2: ``Settings.cuda_capability``); None: no preset given,
+    or one whose library workspaces are not modelled (ROCm): the engine's default, an H100's (9, 0)."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,10 @@ class Collective:
     elements: int  # full (unsharded) size of the collective, in elements
     dtype: str
     bytes_per_rank: int  # bytes one rank sends on a ring algorithm
+    micro_steps: int = 1
+    """micro-steps of one optimizer step it runs in: 1 (once) or G (every micro-step of ``grad_accum`` = G);
+    ``elements`` and ``bytes_per_rank`` are summed over them (an engine's rows, ``EngineEstimate.collectives``,
+    count one optimizer step; the paper's rows, ``step_collectives``, one micro-step: 1)."""
 
     @property
     def volume_elements(self) -> int:
@@ -38,7 +42,11 @@ class Collective:
         return self.elements * PASSES[self.op]
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The JSON output's collective (``render/schemas.py CollectiveOut``): its size per optimizer step;
+        ``micro_steps`` is for the time model (``plan --json`` prints it as each row's ``calls_per_step``)."""
+        out = asdict(self)
+        del out["micro_steps"]
+        return out
 
 
 def ring_bytes_per_rank(op: str, elements: int, nd: int, element_bytes: int) -> int:

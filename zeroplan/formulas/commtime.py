@@ -202,3 +202,36 @@ def step_time(
     timed_t = tuple(timed)
     exposed = None if compute_s is None else exposed_comm_s(timed_t, compute_s, grad_accum)
     return StepTime(link.name, algorithm, timed_t, compute_s, exposed)
+
+
+def engine_step_time(
+    collectives: tuple[Collective, ...],
+    nd: int,
+    link: Link,
+    grad_accum: int = 1,
+    algorithm: str = "ring",
+    bucket_numel: int | None = None,
+    compute_s: float | None = None,
+) -> StepTime:
+    """Time of an engine's collectives (``EngineEstimate.collectives``), which already count one optimizer
+    step: each row runs in ``Collective.micro_steps`` micro-steps (1 or ``grad_accum``), one call per
+    micro-step of 1/micro_steps of its bytes, so nothing is multiplied again (``step_time`` multiplies the
+    paper's per-micro-step rows by ``calls_per_optimizer_step``). Exposure (``exposed_comm_s``): a row that
+    runs every micro-step hides behind each micro-step's phase, one that runs once behind the last one's.
+    """
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum}: must be >= 1")
+    if bucket_numel is not None and bucket_numel < 1:
+        raise ValueError(f"bucket_numel={bucket_numel}: must be >= 1")
+    timed = []
+    for c in collectives:
+        if c.micro_steps not in (1, grad_accum):
+            raise ValueError(f"a {c.op} runs in {c.micro_steps} micro-steps: expected 1 or grad_accum={grad_accum}")
+        per_call = ceil_div(c.elements, c.micro_steps)
+        buckets = 1 if bucket_numel is None else max(1, ceil_div(per_call, bucket_numel))
+        seconds = c.bytes_per_rank / c.micro_steps / link.bandwidth_bytes_per_s
+        seconds += buckets * latency_steps(c.op, nd, algorithm) * link.alpha_s
+        timed.append(TimedCollective(c, c.micro_steps > 1, c.micro_steps, seconds))
+    timed_t = tuple(timed)
+    exposed = None if compute_s is None else exposed_comm_s(timed_t, compute_s, grad_accum)
+    return StepTime(link.name, algorithm, timed_t, compute_s, exposed)

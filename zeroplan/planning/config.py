@@ -6,6 +6,7 @@ here (``zeroplan.presets``), overrides win over presets.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cached_property
 from typing import Annotated, Literal, Optional
 
@@ -18,6 +19,7 @@ from zeroplan.estimation.workload import check_seq_len
 from zeroplan.engines.deepspeed import DEFAULT_BUCKET_NUMEL
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.commtime import ALGORITHMS
+from zeroplan.formulas.cuda_workspaces import capability_of
 from zeroplan.formulas.offload import DEVICES
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.presets import (
@@ -155,7 +157,14 @@ class PlanConfig(BaseModel):
         """What the engine's ``planner_settings`` reads (the reference engine: the policy)."""
         engine = get_engine(self.engine)
         reads_policy = "policy" in engine.options or self.policy != BF16_MIXED  # else refused, not ignored
-        return planner_options(engine, self.engine_options, policy=self.policy if reads_policy else None)
+        options = planner_options(engine, self.engine_options, policy=self.policy if reads_policy else None)
+        return replace(options, gpu_capability=self.gpu_capability)
+
+    @property
+    def gpu_capability(self) -> Optional[tuple[int, int]]:
+        """The ``gpu`` preset's compute capability (``capability_of``: sizes the cuBLAS workspaces); None
+        without a preset or for one whose workspaces are not modelled."""
+        return None if self.gpu is None else capability_of(self.gpu)
 
     @property
     def nd(self) -> int:

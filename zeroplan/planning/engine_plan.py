@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zeroplan.engines import get_engine
 from zeroplan.estimation.workload import model_workload
-from zeroplan.formulas.commtime import compute_time_s, ring_link, step_time
+from zeroplan.formulas.commtime import compute_time_s, engine_step_time, ring_link
 from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.cut_first import cut_first
@@ -29,14 +29,15 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     rows = []
     for c in answer.candidates:
         e = c.estimate
-        time = step_time(e.stage, e.collectives, nd, ring, config.grad_accum, config.algorithm, c.bucket_numel,
-                         compute_s)  # fmt: skip
+        # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
+        time = engine_step_time(e.collectives, nd, ring, config.grad_accum, config.algorithm, c.bucket_numel,
+                                compute_s)  # fmt: skip
         rows.append(PlanOption(
             e.stage, e.label, NO_OFFLOAD, None, None,
             states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0),
             fits=c.fits,
-            comm_volume_elements=sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives),
-            comm_bytes_per_rank=sum(t.calls_per_step * t.collective.bytes_per_rank for t in time.collectives),
+            comm_volume_elements=sum(c.volume_elements for c in e.collectives),
+            comm_bytes_per_rank=sum(c.bytes_per_rank for c in e.collectives),
             time=time,
             pcie_s=0.0,
             peak=e.peak,

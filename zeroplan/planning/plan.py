@@ -18,6 +18,7 @@ on what to cut is ``zeroplan.planning.cut_first``; an engine with its own search
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Callable, Optional
 
 from pydantic import ConfigDict, Field, validate_call
@@ -206,6 +207,7 @@ def option_peaks(
         try:
             options = planner_options(engine, config.engine_options, policy=config.policy,
                                       stage=stages[0] if len(stages) == 1 else None)  # fmt: skip
+            options = replace(options, gpu_capability=config.gpu_capability)  # the --gpu preset's workspaces
             settings = engine.planner_settings(options)
             rows = engine.estimate(workload, nd or config.nd, settings)
         except ValueError as exc:  # a policy the engine's peak does not model

@@ -4,10 +4,12 @@
 Split the way DeepSpeed splits its runtime:
 
 - ``config.py``: the ``ds_config.json`` schema, its one reader (``parse_ds_config``, ``from_deepspeed``,
-  ``load_deepspeed``, ``merge_deepspeed``) and the writers (``to_ds_config``, ``deepspeed_config``);
+  ``load_deepspeed``, ``merge_deepspeed``) and the paper planner's writer (``deepspeed_config``);
   ``batch.py``: the batch DeepSpeed derives from it (``ds_batch``, ``run_batch``, ``sweep_micro_batches``).
-- ``settings.py``: ``Settings`` (the keys that change memory or traffic, DeepSpeed's defaults), ``DTYPE_BYTES``,
-  the optimizer classes DeepSpeed builds; ``wrapper.py``: the wrapper chosen once (``wrapper_for``).
+- ``settings.py``: ``Settings`` (the keys that change memory or traffic, DeepSpeed's defaults; ``to_ds_config``
+  writes them back), ``DTYPE_BYTES``, the optimizer classes DeepSpeed builds; ``wrapper.py``: the wrapper chosen
+  once (``wrapper_for``), the only module that imports the wrappers, and what asks it (``ds_run``, ``terms``,
+  ``collectives``).
 - ``terms.py``: every buffer of model states (``DSTerm``); ``collectives.py``: what is sent; ``estimator.py``:
   DeepSpeed's own estimators.
 - ``trace.py`` (ZeRO-3's module hooks) and ``coordinator.py`` (``PartitionedParameterCoordinator`` replayed).
@@ -26,11 +28,10 @@ largest moment.
 """
 
 from zeroplan.engines.deepspeed.batch import DsBatch, ds_batch, run_batch, sweep_micro_batches
-from zeroplan.engines.deepspeed.collectives import DSCollective, collectives, greedy_buckets
+from zeroplan.engines.deepspeed.collectives import DSCollective, greedy_buckets
 from zeroplan.engines.deepspeed.config import (DEEPSPEED_OPTIMIZERS, DEFAULT_BUCKET_NUMEL, NVME_PATH,
                                                STAGE3_PREFETCH_NUMEL, DeepSpeedConfig, deepspeed_config,
-                                               from_deepspeed, load_deepspeed, merge_deepspeed, parse_ds_config,
-                                               to_ds_config)
+                                               from_deepspeed, load_deepspeed, merge_deepspeed, parse_ds_config)
 from zeroplan.engines.deepspeed.coordinator import Coordinator, Stage3Gather, Stage3Schedule, stage3_schedule
 from zeroplan.engines.deepspeed.estimator import ds_estimate_bytes, ds_estimate_zero2_bytes, ds_estimate_zero3_bytes
 from zeroplan.engines.deepspeed.phases import (backward_moments, forward_moments, init_moments, moments,
@@ -39,13 +40,14 @@ from zeroplan.engines.deepspeed.plan import (BUCKET_CHOICES, PLAN_ORDER, PLANNER
                                              build_snippet, candidates, planner_block_bytes, planner_plan,
                                              planner_policy, planner_settings, ranked, recommend, sent_bytes_per_step)
 from zeroplan.engines.deepspeed.profile import estimate
-from zeroplan.engines.deepspeed.run import DSRun, _trace, ds_run
+from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _trace
 from zeroplan.engines.deepspeed.settings import (DEEPSPEED_VERSION, DTYPE_BYTES, NCCL_START_ALIGNMENT_FACTOR,
-                                                 DsDtype, Settings, inner_optimizer_class, optimizer_class)
-from zeroplan.engines.deepspeed.terms import (DSTerm, flat_padded_numel, memory_breakdown, model_state_bytes,
-                                              persistent_numel, stage3_partition_numel, terms)
+                                                 DsDtype, Settings, inner_optimizer_class, optimizer_class,
+                                                 to_ds_config)
+from zeroplan.engines.deepspeed.terms import (DSTerm, flat_padded_numel, model_state_bytes, persistent_numel,
+                                              stage3_partition_numel)
 from zeroplan.engines.deepspeed.trace import FETCH, RELEASE, Stage3Trace, TraceEvent, stage3_trace
-from zeroplan.engines.deepspeed.wrapper import Wrapper, wrapper_for
+from zeroplan.engines.deepspeed.wrapper import collectives, ds_run, memory_breakdown, terms, wrapper_for
 from zeroplan.engines.deepspeed.zero3 import zero_init_moments
 from zeroplan.engines.deepspeed.zero12 import _partition_allocations, _stage1_kept_gradients
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from zeroplan.engines.deepspeed.collectives import bf16_collectives
 from zeroplan.engines.deepspeed.phases import cast_moments, flatten_moment, later_blocks_held
-from zeroplan.engines.deepspeed.run import DSRun, _act, _pbytes, _states
+from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _pbytes, _states
 from zeroplan.engines.deepspeed.terms import bf16_terms, flat_padded_numel
-from zeroplan.engines.deepspeed.wrapper import Wrapper
 from zeroplan.formulas.peak import Moment, Term
 
 SRC = "runtime/bf16_optimizer.py BF16_Optimizer"

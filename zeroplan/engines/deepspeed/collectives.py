@@ -1,6 +1,6 @@
 """The collectives DeepSpeed 0.19.8 issues in one steady-state step, per optimizer wrapper
 (``zero12_collectives``, ``bf16_collectives``, ``zero3_collectives``), each citing the DeepSpeed function
-that issues it; ``collectives`` asks the wrapper of the settings."""
+that issues it; ``wrapper.py collectives`` asks the wrapper of the settings."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ class DSCollective:
     dtype: str
     source: str
     calls_exact: bool = True
+    micro_steps: int = 1
+    """micro-steps of the optimizer step it runs in (1 or ``grad_accum``); ``calls`` and ``elements`` sum them."""
 
 
 def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
@@ -47,25 +49,6 @@ def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int = 1,
-                trace: Optional[Stage3Trace] = None) -> tuple[DSCollective, ...]:
-    """One steady-state step's collectives (the second step on: ZeRO-3's first step records its trace).
-
-    ``grad_accum`` micro-steps per step (measured at 2): ZeRO-2 reduces every micro-step, ZeRO-3 gathers
-    in every micro-step's forward and reduce-scatters in every backward; ZeRO-1 and BF16_Optimizer reduce at
-    the boundary only (engine.py ``allreduce_gradients``).
-
-    ``numels`` in parameter order. Stage 1 reduces after backward in parameter order
-    (``reduce_gradients`` walks ``bit16_groups``: calls exact); stage 2 and 3 in gradient-ready order
-    (autograd's; the call count is the parameter-order bucket count, a bound, not exact).
-    """
-    if nd == 1:
-        return ()
-    from zeroplan.engines.deepspeed.wrapper import wrapper_for  # wrapper.py's wrappers import this module
-
-    return wrapper_for(s).collectives(s, numels, nd, grad_accum, trace)
-
-
 def zero3_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int,
                       trace: Optional[Stage3Trace]) -> tuple[DSCollective, ...]:
     """``DeepSpeedZeroOptimizer_Stage3``: the coordinator's all-gathers (``stage3_schedule``) in every
@@ -82,12 +65,14 @@ def zero3_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum:
     for phase, calls, elements in (("forward", sched.forward_calls, sched.forward_elements),
                                    ("backward", sched.backward_calls, sched.backward_elements)):
         if calls:
-            out.append(DSCollective("all-gather", phase, grad_accum * calls, grad_accum * elements, p, src))
+            out.append(DSCollective("all-gather", phase, grad_accum * calls, grad_accum * elements, p, src,
+                                    micro_steps=grad_accum))  # fmt: skip
     out += [
         DSCollective("reduce-scatter", "backward", grad_accum * len(greedy_buckets(numels, s.reduce_bucket_size)),
                      grad_accum * sum(numels), g,
                      "runtime/zero/stage3.py __reduce_and_partition_ipg_grads -> "
-                     "partitioned_param_data_shard / reduce_scatter_coalesced, bucket by bucket", calls_exact=False),
+                     "partitioned_param_data_shard / reduce_scatter_coalesced, bucket by bucket", calls_exact=False,
+                     micro_steps=grad_accum),
         DSCollective("all-reduce", "optimizer_step", 1, 1, "fp64",
                      "runtime/zero/stage3.py _get_norm_groups / get_grad_norm (fp64 global norm)"),
     ]  # fmt: skip
@@ -131,7 +116,8 @@ def zero12_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum
         DSCollective("all-reduce", "backward", micro * len(buckets), micro * sum(numels), g,
                      "runtime/zero/stage_1_and_2.py average_tensor -> allreduce_and_scatter -> allreduce_bucket "
                      "(use_multi_rank_bucket_allreduce: an all-reduce per bucket, not a reduce-scatter)",
-                     calls_exact=not s.partition_gradients and not s.overlaps),  # overlap_comm: from the hooks
+                     calls_exact=not s.partition_gradients and not s.overlaps,  # overlap_comm: from the hooks
+                     micro_steps=micro),
         DSCollective("all-reduce", "optimizer_step", 1, 1, "fp32",
                      "runtime/zero/stage_1_and_2.py get_grad_norm_direct (the global gradient norm)"),
     ]  # fmt: skip
@@ -143,7 +129,9 @@ def zero12_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum
 
 
 def to_collective(c: DSCollective, nd: int) -> Collective:
-    """A ``DSCollective`` as the engine contract's ``Collective`` (bytes per rank on a ring)."""
+    """A ``DSCollective`` as the engine contract's ``Collective`` (bytes per rank on a ring), per optimizer
+    step as counted (``micro_steps``)."""
     phase = "optimizer step" if c.phase == "optimizer_step" else c.phase
     nbytes = DTYPE_BYTES.get(c.dtype, 1)
-    return Collective(c.op, phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, nd, nbytes))
+    return Collective(c.op, phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, nd, nbytes),
+                      c.micro_steps)

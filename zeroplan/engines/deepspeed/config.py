@@ -6,8 +6,8 @@ estimate``): the keys that decide model-state memory (``zero_optimization.stage`
 DeepSpeed's defaults; offload is refused with a pointer to ``zeroplan plan``. The engine profile reads the
 same parsed sections (``Settings.from_ds_config``).
 
-Writing: ``to_ds_config`` (the profile's: every key ``Settings.from_ds_config`` reads, so the run is the
-configuration predicted) and ``deepspeed_config`` (the paper planner's launcher: stage, offload, precision,
+Writing: ``to_ds_config`` (the profile's, beside ``Settings`` in ``settings.py``, which reads this schema:
+every key ``Settings.from_ds_config`` reads, so the run is the configuration predicted) and ``deepspeed_config`` (the paper planner's launcher: stage, offload, precision,
 buckets). Both spell the batch and precision keys through the same two helpers (``_batch_keys``,
 ``_precision_keys``), keys exactly as the DeepSpeed configuration docs spell them. No dependency on
 DeepSpeed: these functions read and build dicts.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import Annotated, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, validate_call
 
@@ -26,9 +26,6 @@ from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.types import MAX_BATCH, MAX_GPUS, BatchCount, Numel, StageNumber
-
-if TYPE_CHECKING:  # settings.py reads this module's schema: the writer only reads a Settings' fields
-    from zeroplan.engines.deepspeed.settings import Settings
 
 DEFAULT_BUCKET_NUMEL = 500_000_000
 """Elements per gradient bucket / all-gather call: DeepSpeed's default ``reduce_bucket_size`` and
@@ -310,30 +307,3 @@ def deepspeed_config(
     if offload.params != "none":
         zero["offload_param"] = _offload_block(offload.params)
     return {**_batch_keys(micro_batch, grad_accum), **_precision_keys(policy.param_dtype), "zero_optimization": zero}
-
-
-def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict:
-    """The ds_config.json that ``Settings.from_ds_config`` reads back as ``s``: every key the profile
-    reads is written, so the run is the configuration that was predicted."""
-    zero: dict = {"stage": s.stage, "reduce_bucket_size": s.reduce_bucket_size,
-                  "allgather_bucket_size": s.allgather_bucket_size, "contiguous_gradients": s.contiguous_gradients,
-                  "reduce_scatter": s.reduce_scatter, "use_multi_rank_bucket_allreduce": s.use_multi_rank_bucket_allreduce}
-    if s.overlap_comm is not None:  # absent: DeepSpeed resolves it by stage (config.py overlap_comm_valid)
-        zero["overlap_comm"] = s.overlap_comm  # fmt: skip
-    if s.stage == 3:
-        zero.update(stage3_prefetch_bucket_size=s.prefetch_bucket_size,
-                    stage3_param_persistence_threshold=s.param_persistence_threshold,
-                    stage3_max_live_parameters=s.max_live_parameters,
-                    stage3_max_reuse_distance=s.max_reuse_distance)  # fmt: skip
-    params: dict = {"torch_adam": s.torch_adam, "adam_w_mode": s.adam_w_mode}
-    if s.foreach is not None:
-        params["foreach"] = s.foreach
-    config: dict = {
-        **_batch_keys(micro_batch, grad_accum),
-        "optimizer": {"type": "AdamW" if s.optimizer == "adamw" else "Adam", "params": params},
-        "zero_optimization": zero,
-        **_precision_keys(s.dtype),
-    }
-    if s.grad_accum_dtype is not None:
-        config["data_types"] = {"grad_accum_dtype": s.grad_accum_dtype}
-    return config

@@ -8,10 +8,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
-from zeroplan.engines.deepspeed.config import to_ds_config
 from zeroplan.engines.deepspeed.profile import estimate
-from zeroplan.engines.deepspeed.settings import Settings
-from zeroplan.formulas.commtime import calls_per_optimizer_step
+from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.policy import PrecisionPolicy
 
 
@@ -64,11 +62,11 @@ def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
     return tuple(out)
 
 
-def sent_bytes_per_step(est: EngineEstimate, grad_accum: int) -> int:
+def sent_bytes_per_step(est: EngineEstimate) -> int:
     """Bytes one rank sends per optimizer step as ``zeroplan plan`` prints them (its sent/rank/step column,
-    planning/plan.py ``engine_plan_config``): each collective's ring bytes times its calls per step
-    (formulas/commtime.py ``calls_per_optimizer_step``)."""
-    return sum(calls_per_optimizer_step(est.stage, c.op, grad_accum) * c.bytes_per_rank for c in est.collectives)
+    planning/engine_plan.py ``engine_plan_config``): the ring bytes of the estimate's collectives, which count
+    one optimizer step already (``EngineEstimate.collectives``; every micro-step's calls included)."""
+    return sum(c.bytes_per_rank for c in est.collectives)
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,7 @@ def ranked(workload: Workload, nd: int, base: Settings, stat_bytes: Optional[int
     for label, s in candidates(base):
         (est,) = estimate(workload, nd, s, stat_bytes)
         peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
-        out.append(Tried(label, s, est, peak, sent_bytes_per_step(est, workload.grad_accum)))
+        out.append(Tried(label, s, est, peak, sent_bytes_per_step(est)))
     return tuple(sorted(out, key=lambda t: (t.sent_bytes, -t.settings.reduce_bucket_size)))
 
 

@@ -7,11 +7,11 @@ import math
 from typing import Optional
 
 from zeroplan.engines.base import EngineEstimate, Workload
-from zeroplan.engines.deepspeed.collectives import collectives, to_collective
+from zeroplan.engines.deepspeed.collectives import to_collective
 from zeroplan.engines.deepspeed.phases import moments
-from zeroplan.engines.deepspeed.run import _trace, ds_run
+from zeroplan.engines.deepspeed.run import _trace
 from zeroplan.engines.deepspeed.settings import Settings, inner_optimizer_class, optimizer_class
-from zeroplan.engines.deepspeed.terms import memory_breakdown
+from zeroplan.engines.deepspeed.wrapper import collectives, ds_run, memory_breakdown
 from zeroplan.formulas.peak import PeakEstimate, peak_of
 
 

@@ -1,26 +1,67 @@
-"""One rank of DeepSpeed training a transformer (``DSRun``, built by ``ds_run``) and the terms every
+"""One rank of DeepSpeed training a transformer (``DSRun``, built by ``wrapper.py ds_run``), what an optimizer
+wrapper answers (``Wrapper``, the base of ``zero12.py``, ``bf16.py``, ``zero3.py``) and the terms every
 phase's moments share: the model states alive, the reduce bucket, saved activations, and ZeRO-3's gathered
 parameters read off the replayed coordinator."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
 
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup
+from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, flat_padded_numel
 from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, Stage3Trace, stage3_trace
-from zeroplan.formulas.activation_terms import ModelActivations, model_activations
-from zeroplan.formulas.peak import Term
-
-if TYPE_CHECKING:
-    from zeroplan.engines.deepspeed.wrapper import Wrapper
+from zeroplan.formulas.activation_terms import ModelActivations
+from zeroplan.formulas.peak import Moment, Term
 
 ACT_SRC = "zeroplan/formulas/activation_terms.py"
+
+
+class Wrapper:
+    """One DeepSpeed optimizer wrapper: the defaults are those of the flat-group wrappers (ZeRO-1/2 and
+    BF16_Optimizer), which gather nothing and partition one padded flat group."""
+
+    name: str
+    """DeepSpeed's class name."""
+    terms: Callable
+    """``(settings, numels, nd) -> tuple[DSTerm, ...]``: its model states and buckets (terms.py)."""
+    collectives: Callable
+    """``(settings, numels, nd, grad_accum, trace) -> tuple[DSCollective, ...]`` (collectives.py)."""
+
+    def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
+        """Elements of one rank's fp32 master partition."""
+        return flat_padded_numel(numels, nd) // nd
+
+    def schedule(self, run: DSRun) -> Optional[Stage3Schedule]:
+        """The replayed parameter coordinator; None: every parameter is always there."""
+        return None
+
+    def init_moments(self, run: DSRun) -> tuple[Moment, ...]:
+        raise NotImplementedError
+
+    def held_between_micro_steps(self, run: DSRun) -> tuple[Term, ...]:
+        """With ``gradient_accumulation_steps`` > 1, what an earlier micro-step leaves for the next one."""
+        return ()
+
+    def keeps_gradients(self, run: DSRun) -> bool:
+        """Whether autograd's gradients stay in ``param.grad`` to the end of backward (reduced after it)."""
+        return False
+
+    def last_block_bucket(self, run: DSRun) -> tuple[Term, ...]:
+        """The reduce bucket(s) alive at the last block's backward."""
+        return ()
+
+    def backward_after_last_block(self, run: DSRun, last: tuple[Term, ...],
+                                  inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
+        """The last block's backward moment (``last``: its terms) and the wrapper's moments after it."""
+        raise NotImplementedError
+
+    def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -35,6 +76,8 @@ class DSRun:
     head_numel: int
     final_norm_numel: int
     tied_head: bool
+    wrapper: Wrapper = field(compare=False, repr=False)
+    """the optimizer wrapper DeepSpeed builds for ``settings`` (``wrapper.py wrapper_for``), chosen once per run."""
     checkpointing: str = "none"
     foreach: bool = False
     grad_accum: int = 1
@@ -57,13 +100,6 @@ class DSRun:
     def model_terms(self) -> tuple[DSTerm, ...]:
         """Every buffer of model states and buckets (``terms``), computed once per run."""
         return self.wrapper.terms(self.settings, self.numels, self.nd)
-
-    @cached_property
-    def wrapper(self) -> Wrapper:
-        """The optimizer wrapper DeepSpeed builds for ``settings`` (``wrapper_for``), chosen once per run."""
-        from zeroplan.engines.deepspeed.wrapper import wrapper_for  # the wrappers' modules import this one
-
-        return wrapper_for(self.settings)
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -120,22 +156,6 @@ def _blocks_saved(run: DSRun, n: int) -> Term:
 
 
 ZINIT = "runtime/zero/partition_parameters.py"
-
-
-def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional[int] = None) -> DSRun:
-    """The run of ``workload`` under ``settings``; activations in the model dtype, LayerNorm statistics in
-    ``stat_bytes`` (None: 4, as CUDA keeps them; on CPU they take the input dtype)."""
-    spec = workload.spec
-    if spec is None:
-        raise ValueError("the DeepSpeed peak needs an architecture (a model), not bare tensor sizes")
-    a = DTYPE_BYTES[settings.dtype]
-    acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=a,
-                             stat_bytes=4 if stat_bytes is None else stat_bytes)  # fmt: skip
-    numels, final, modules, blocks, outputs = _layout(workload)
-    foreach = settings.foreach if settings.foreach is not None else workload.foreach
-    return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
-                 spec.style == "gpt" and spec.tie_word_embeddings, workload.checkpointing, bool(foreach),
-                 workload.grad_accum, modules, *_trace(workload), blocks, outputs)  # fmt: skip
 
 
 @lru_cache(maxsize=32)  # the same for every candidate of a plan

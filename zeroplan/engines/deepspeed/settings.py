@@ -1,5 +1,6 @@
 """The engine profile's settings: the ds_config keys that change memory or traffic, with DeepSpeed 0.19.8's
-defaults (``Settings``), the dtype table, and which optimizer classes DeepSpeed builds for them."""
+defaults (``Settings``; read from a ds_config by ``Settings.from_ds_config``, written back by ``to_ds_config``),
+the dtype table, and which optimizer classes DeepSpeed builds for them."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from zeroplan.engines.deepspeed.config import (DEFAULT_BUCKET_NUMEL, STAGE3_PREFETCH_NUMEL, _ds_dtype, _OptimizerParams,
-                                               from_deepspeed, parse_ds_config)
+from zeroplan.engines.deepspeed.config import (DEFAULT_BUCKET_NUMEL, STAGE3_PREFETCH_NUMEL, _batch_keys, _ds_dtype,
+                                               _OptimizerParams, _precision_keys, from_deepspeed, parse_ds_config)
 
 DEEPSPEED_VERSION = "0.19.8"
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "int32": 4, "bool": 1}
@@ -144,3 +145,29 @@ def inner_optimizer_class(s: Settings) -> str:
     if s.torch_adam:  # type "Adam" runs AdamW unless adam_w_mode is false
         return "AdamW" if s.optimizer == "adamw" or s.adam_w_mode else "Adam"
     return "FusedAdam"
+
+def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict:
+    """The ds_config.json that ``Settings.from_ds_config`` reads back as ``s``: every key the profile
+    reads is written, so the run is the configuration that was predicted."""
+    zero: dict = {"stage": s.stage, "reduce_bucket_size": s.reduce_bucket_size,
+                  "allgather_bucket_size": s.allgather_bucket_size, "contiguous_gradients": s.contiguous_gradients,
+                  "reduce_scatter": s.reduce_scatter, "use_multi_rank_bucket_allreduce": s.use_multi_rank_bucket_allreduce}
+    if s.overlap_comm is not None:  # absent: DeepSpeed resolves it by stage (config.py overlap_comm_valid)
+        zero["overlap_comm"] = s.overlap_comm  # fmt: skip
+    if s.stage == 3:
+        zero.update(stage3_prefetch_bucket_size=s.prefetch_bucket_size,
+                    stage3_param_persistence_threshold=s.param_persistence_threshold,
+                    stage3_max_live_parameters=s.max_live_parameters,
+                    stage3_max_reuse_distance=s.max_reuse_distance)  # fmt: skip
+    params: dict = {"torch_adam": s.torch_adam, "adam_w_mode": s.adam_w_mode}
+    if s.foreach is not None:
+        params["foreach"] = s.foreach
+    config: dict = {
+        **_batch_keys(micro_batch, grad_accum),
+        "optimizer": {"type": "AdamW" if s.optimizer == "adamw" else "Adam", "params": params},
+        "zero_optimization": zero,
+        **_precision_keys(s.dtype),
+    }
+    if s.grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": s.grad_accum_dtype}
+    return config

@@ -10,7 +10,6 @@ import itertools
 from dataclasses import dataclass
 
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, NCCL_START_ALIGNMENT_FACTOR, Settings, inner_optimizer_class
-from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.peak import Term
 
 @dataclass(frozen=True)
@@ -177,31 +176,7 @@ def bf16_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, .
     )  # fmt: skip
 
 
-def terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
-    """Every buffer of model states and buckets on one rank, for parameters of ``numels`` elements
-    (``model.named_parameters()`` order) at N_d = ``nd``: the list of the wrapper DeepSpeed builds."""
-    from zeroplan.engines.deepspeed.wrapper import wrapper_for  # wrapper.py imports this module
-
-    return wrapper_for(s).terms(s, numels, nd)
-
-
 def model_state_bytes(all_terms: tuple[DSTerm, ...], after_step: bool) -> int:
     """Bytes alive at a step boundary: persistent terms, plus lazy ones once a step has run."""
     lives = ("persistent", "lazy") if after_step else ("persistent",)
     return sum(t.bytes for t in all_terms if t.live in lives)
-
-
-def memory_breakdown(s: Settings, numels: tuple[int, ...], nd: int) -> MemoryBreakdown:
-    """Model states after a step, as params (16-bit and persistent gathered), grads, optimizer (master, m, v,
-    scalars) and the ZeRO-3 bucket counted with the gradients (it holds them)."""
-    params = grads = opt = 0
-    for t in terms(s, numels, nd):
-        if t.live == "backward":
-            continue
-        if "parameter" in t.name:
-            params += t.bytes
-        elif "gradient" in t.name or "bucket" in t.name:
-            grads += t.bytes
-        else:
-            opt += t.bytes
-    return MemoryBreakdown(params, grads, opt)

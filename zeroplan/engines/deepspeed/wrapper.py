@@ -1,8 +1,11 @@
-"""The optimizer wrapper DeepSpeed builds, chosen once from the settings: ``wrapper_for``.
+"""The optimizer wrapper DeepSpeed builds, chosen once from the settings (``wrapper_for``), and what asks it:
+the run (``ds_run``), its buffers (``terms``, ``memory_breakdown``) and its collectives (``collectives``).
 
 DeepSpeed's engine picks one class per run (runtime/engine.py ``_configure_optimizer``), and so does the
-profile: ``Wrapper`` is what each one allocates (``terms``), sends (``collectives``), gathers (``schedule``)
-and the moments only it has; ``phases.py`` walks the phases and asks the run's wrapper, never the stage.
+profile: ``run.Wrapper`` is what each one allocates, sends, gathers and the moments only it has;
+``phases.py`` walks the phases and asks the run's wrapper, never the stage. This module is the only one that
+imports the wrappers, above them; the pieces they share (``run``, ``phases``, ``terms``, ``collectives``)
+import none of them.
 
 - ``DeepSpeedZeroOptimizer`` (runtime/zero/stage_1_and_2.py; ZeRO-1 and 2): ``zero12.py``
 - ``BF16_Optimizer`` (runtime/bf16_optimizer.py; ZeRO-1, bf16 with fp32 gradients): ``bf16.py``
@@ -11,66 +14,79 @@ and the moments only it has; ``phases.py`` walks the phases and asks the run's w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Optional
 
-from zeroplan.engines.deepspeed.settings import Settings, optimizer_class
-from zeroplan.engines.deepspeed.terms import flat_padded_numel
+from zeroplan.engines.base import Workload
+from zeroplan.engines.deepspeed.bf16 import BF16_OPTIMIZER
+from zeroplan.engines.deepspeed.collectives import DSCollective
+from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _layout, _trace
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings, optimizer_class
+from zeroplan.engines.deepspeed.terms import DSTerm
+from zeroplan.engines.deepspeed.trace import Stage3Trace
+from zeroplan.engines.deepspeed.zero3 import ZERO3_OPTIMIZER
+from zeroplan.engines.deepspeed.zero12 import ZERO12_OPTIMIZER
+from zeroplan.formulas.activation_terms import model_activations
+from zeroplan.formulas.memory import MemoryBreakdown
 
-if TYPE_CHECKING:
-    from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
-    from zeroplan.engines.deepspeed.run import DSRun
-    from zeroplan.formulas.peak import Moment, Term
-
-
-class Wrapper:
-    """One DeepSpeed optimizer wrapper: the defaults are those of the flat-group wrappers (ZeRO-1/2 and
-    BF16_Optimizer), which gather nothing and partition one padded flat group."""
-
-    name: str
-    """DeepSpeed's class name."""
-    terms: Callable
-    """``(settings, numels, nd) -> tuple[DSTerm, ...]``: its model states and buckets (terms.py)."""
-    collectives: Callable
-    """``(settings, numels, nd, grad_accum, trace) -> tuple[DSCollective, ...]`` (collectives.py)."""
-
-    def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
-        """Elements of one rank's fp32 master partition."""
-        return flat_padded_numel(numels, nd) // nd
-
-    def schedule(self, run: DSRun) -> Optional[Stage3Schedule]:
-        """The replayed parameter coordinator; None: every parameter is always there."""
-        return None
-
-    def init_moments(self, run: DSRun) -> tuple[Moment, ...]:
-        raise NotImplementedError
-
-    def held_between_micro_steps(self, run: DSRun) -> tuple[Term, ...]:
-        """With ``gradient_accumulation_steps`` > 1, what an earlier micro-step leaves for the next one."""
-        return ()
-
-    def keeps_gradients(self, run: DSRun) -> bool:
-        """Whether autograd's gradients stay in ``param.grad`` to the end of backward (reduced after it)."""
-        return False
-
-    def last_block_bucket(self, run: DSRun) -> tuple[Term, ...]:
-        """The reduce bucket(s) alive at the last block's backward."""
-        return ()
-
-    def backward_after_last_block(self, run: DSRun, last: tuple[Term, ...],
-                                  inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
-        """The last block's backward moment (``last``: its terms) and the wrapper's moments after it."""
-        raise NotImplementedError
-
-    def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:
-        raise NotImplementedError
+WRAPPERS: dict[str, Wrapper] = {w.name: w for w in (ZERO12_OPTIMIZER, BF16_OPTIMIZER, ZERO3_OPTIMIZER)}
+"""DeepSpeed's class name -> the wrapper's profile."""
 
 
 def wrapper_for(s: Settings) -> Wrapper:
     """The wrapper DeepSpeed builds for ``s`` (``optimizer_class``)."""
-    # imported here: the wrappers' modules import the shared pieces (run.py, phases.py), which ask for this
-    from zeroplan.engines.deepspeed.bf16 import BF16_OPTIMIZER
-    from zeroplan.engines.deepspeed.zero3 import ZERO3_OPTIMIZER
-    from zeroplan.engines.deepspeed.zero12 import ZERO12_OPTIMIZER
+    return WRAPPERS[optimizer_class(s)]
 
-    wrappers = {w.name: w for w in (ZERO12_OPTIMIZER, BF16_OPTIMIZER, ZERO3_OPTIMIZER)}
-    return wrappers[optimizer_class(s)]
+
+def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional[int] = None) -> DSRun:
+    """The run of ``workload`` under ``settings``; activations in the model dtype, LayerNorm statistics in
+    ``stat_bytes`` (None: 4, as CUDA keeps them; on CPU they take the input dtype)."""
+    spec = workload.spec
+    if spec is None:
+        raise ValueError("the DeepSpeed peak needs an architecture (a model), not bare tensor sizes")
+    a = DTYPE_BYTES[settings.dtype]
+    acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=a,
+                             stat_bytes=4 if stat_bytes is None else stat_bytes)  # fmt: skip
+    numels, final, modules, blocks, outputs = _layout(workload)
+    foreach = settings.foreach if settings.foreach is not None else workload.foreach
+    return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
+                 spec.style == "gpt" and spec.tie_word_embeddings, wrapper_for(settings), workload.checkpointing,
+                 bool(foreach), workload.grad_accum, modules, *_trace(workload), blocks, outputs)  # fmt: skip
+
+
+def terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
+    """Every buffer of model states and buckets on one rank, for parameters of ``numels`` elements
+    (``model.named_parameters()`` order) at N_d = ``nd``: the list of the wrapper DeepSpeed builds."""
+    return wrapper_for(s).terms(s, numels, nd)
+
+
+def memory_breakdown(s: Settings, numels: tuple[int, ...], nd: int) -> MemoryBreakdown:
+    """Model states after a step, as params (16-bit and persistent gathered), grads, optimizer (master, m, v,
+    scalars) and the ZeRO-3 bucket counted with the gradients (it holds them)."""
+    params = grads = opt = 0
+    for t in terms(s, numels, nd):
+        if t.live == "backward":
+            continue
+        if "parameter" in t.name:
+            params += t.bytes
+        elif "gradient" in t.name or "bucket" in t.name:
+            grads += t.bytes
+        else:
+            opt += t.bytes
+    return MemoryBreakdown(params, grads, opt)
+
+
+def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int = 1,
+                trace: Optional[Stage3Trace] = None) -> tuple[DSCollective, ...]:
+    """One steady-state step's collectives (the second step on: ZeRO-3's first step records its trace).
+
+    ``grad_accum`` micro-steps per step (measured at 2): ZeRO-2 reduces every micro-step, ZeRO-3 gathers
+    in every micro-step's forward and reduce-scatters in every backward; ZeRO-1 and BF16_Optimizer reduce at
+    the boundary only (engine.py ``allreduce_gradients``).
+
+    ``numels`` in parameter order. Stage 1 reduces after backward in parameter order
+    (``reduce_gradients`` walks ``bit16_groups``: calls exact); stage 2 and 3 in gradient-ready order
+    (autograd's; the call count is the parameter-order bucket count, a bound, not exact).
+    """
+    if nd == 1:
+        return ()
+    return wrapper_for(s).collectives(s, numels, nd, grad_accum, trace)

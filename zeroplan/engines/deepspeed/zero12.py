@@ -14,10 +14,9 @@ import itertools
 
 from zeroplan.engines.deepspeed.collectives import greedy_buckets, zero12_collectives
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments, flatten_moment, later_blocks_held
-from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states
+from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import flat_padded_numel, zero12_terms
-from zeroplan.engines.deepspeed.wrapper import Wrapper
 from zeroplan.formulas.peak import Moment, Term
 
 GIP_SRC = "runtime/zero/stage_1_and_2.py copy_grads_in_partition"

@@ -14,10 +14,9 @@ from typing import Optional
 from zeroplan.engines.deepspeed.collectives import zero3_collectives
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
-from zeroplan.engines.deepspeed.run import ZINIT, DSRun, _pbytes, _states
+from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import stage3_partition_numel, zero3_terms
-from zeroplan.engines.deepspeed.wrapper import Wrapper
 from zeroplan.formulas.peak import Moment, Term
 
 

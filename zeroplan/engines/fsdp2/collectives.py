@@ -25,7 +25,8 @@ def unit_collectives(units: tuple[Unit, ...], nd: int, settings: Settings) -> tu
     Forward: one all-gather per unit (_fsdp_collectives.py:foreach_all_gather). Backward: the blocks are
     gathered again in reverse order when resharded after forward (over the post-forward group of k ranks
     for an int k; never the root: _fsdp_state.py:FSDPState._lazy_init), one reduce-scatter per unit in
-    reverse order (_fsdp_collectives.py:foreach_reduce). Sizes are nd·S_u (dim-0 padded).
+    reverse order (_fsdp_collectives.py:foreach_reduce). Sizes are nd·S_u (dim-0 padded). One micro-step;
+    with accumulation ``micro_steps`` says how many of them each runs in.
     """
     full = {u.name: nd * unit_shard_numel(u, nd) for u in units}
     out = [UnitCollective("all-gather", "forward", u.name, full[u.name], settings.param, nd) for u in units]
@@ -36,3 +37,14 @@ def unit_collectives(units: tuple[Unit, ...], nd: int, settings: Settings) -> tu
     for u in reversed(units):
         out.append(UnitCollective("reduce-scatter", "backward", u.name, full[u.name], settings.reduce, nd))
     return tuple(out)
+
+
+def micro_steps(c: UnitCollective, grad_accum: int) -> int:
+    """Micro-steps of one optimizer step ``c`` runs in, with accumulation as the snippet writes it
+    (``set_requires_gradient_sync(False)`` on all but the last micro-step; launcher.py): every all-gather
+    runs in every micro-step, since ``post_backward`` reshards whether or not it reduces
+    (_fsdp_param_group.py:FSDPParamGroup.post_backward: ``if not self.reduce_grads: if
+    self.reshard_after_backward: self.reshard()``, default True, the root too), so each forward gathers again;
+    the reduce-scatter runs once, in the last micro-step's backward (``reduce_grads`` False skips
+    ``foreach_reduce``; the gradients accumulate unsharded until then)."""
+    return grad_accum if c.op == "all-gather" else 1

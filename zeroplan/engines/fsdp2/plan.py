@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
-from zeroplan.engines.fsdp2.collectives import unit_collectives
+from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.moments import predict_peak
 from zeroplan.engines.fsdp2.settings import Settings
-from zeroplan.engines.fsdp2.terms import fsdp2_run, model_states, resharded
+from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
@@ -18,18 +18,20 @@ from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
 
 def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
-    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks."""
+    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks; its
+    collectives count one optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``)."""
     run = fsdp2_run(workload, nd, settings)
     st = model_states(run.units, nd, settings)
     coll = tuple(
-        Collective(
-            c.op, c.phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype))
-        )
+        Collective(c.op, c.phase, m * c.elements, c.dtype,
+                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m)
         for c in unit_collectives(run.units, nd, settings)
-    )
+        for m in (micro_steps(c, workload.grad_accum),)
+    )  # fmt: skip
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     peak = predict_peak(run) if run.acts is not None else None
-    return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll),)
+    return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
+                           beside_states=mesh_ranks(run)),)  # fmt: skip
 
 
 # ---- planning: the cheapest configuration whose predicted peak fits ----
@@ -84,14 +86,16 @@ PLAN_ORDER = ("keep blocks gathered (no backward all-gather), then reshard (one 
 
 def planner_settings(options: PlannerOptions) -> Settings:
     """FSDP2's ``Settings`` from the planner's options, as ``fully_shard`` runs on CUDA with NCCL and a
-    model built in fp32; an option not given keeps FSDP2's default (reshard after forward, no mixed
-    precision)."""
+    model built in fp32, on the ``--gpu`` preset's compute capability where given; an option not given keeps
+    FSDP2's default (reshard after forward, no mixed precision)."""
     given: dict = {}
     if options.reshard_after_forward is not None:
         given["reshard_after_forward"] = options.reshard_after_forward
     for key in ("param_dtype", "reduce_dtype"):
         if getattr(options, key) is not None:
             given[key] = canonical_dtype(getattr(options, key))
+    if options.gpu_capability is not None:  # the --gpu preset's: sizes the cuBLAS workspaces
+        given["cuda_capability"] = options.gpu_capability
     return Settings(**given)
 
 

@@ -41,7 +41,7 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
             run = reference_run(
                 workload.spec, nd, row.stage.number, workload.micro_batch, workload.seq_len,
                 workload.checkpointing, workload.foreach, stat_bytes=settings.stat_bytes,
-                grad_accum=workload.grad_accum,
+                grad_accum=workload.grad_accum, shapes=workload.shapes,
             )  # fmt: skip
             cap = settings.cuda_capability
             resident = () if cap is None else (library_workspaces(cap, workload.spec.biased_linear),)
@@ -59,8 +59,10 @@ PLANNER_OPTIONS: tuple[str, ...] = ("stages", "policy")
 
 
 def planner_settings(options: PlannerOptions) -> Settings:
-    """The reference runtime's ``Settings``: the requested stages and policy, the planner's CUDA target."""
-    return Settings(stages=options.stages, policy=options.policy, flat_layout=options.flat_layout)
+    """The reference runtime's ``Settings``: the requested stages and policy, the planner's CUDA target (the
+    ``--gpu`` preset's compute capability where given, else the default's)."""
+    cap = {} if options.gpu_capability is None else {"cuda_capability": options.gpu_capability}
+    return Settings(stages=options.stages, policy=options.policy, flat_layout=options.flat_layout, **cap)
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
-from zeroplan.architectures.spec import TransformerSpec, block_prefix, transformer_shapes
+from zeroplan.architectures.spec import Shape, TransformerSpec, block_prefix, transformer_shapes
 from zeroplan.engines.reference.settings import ADAM_STEP_BYTES, MASTER_BYTES
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.peak import Term
@@ -147,10 +148,12 @@ def reference_run(
     foreach: bool = False,
     stat_bytes: int = 2,
     grad_accum: int = 1,
+    shapes: Optional[tuple[tuple[str, Shape], ...]] = None,
 ) -> ReferenceRun:
     """The run of ``spec`` as ``validate/transformer.py:CausalLM`` builds it: units (root, then each decoder
-    layer by ``block_prefix``) and sizes from ``transformer_shapes``."""
-    shapes, prefix = transformer_shapes(spec), block_prefix(spec)
+    layer by ``block_prefix``) sized from ``shapes``, the parameters as built (``Workload.shapes``: the
+    model's ``named_parameters()``); None: the architecture's own (``transformer_shapes``)."""
+    shapes, prefix = (transformer_shapes(spec) if shapes is None else shapes), block_prefix(spec)
     root = tuple(math.prod(s) for n, s in shapes if not n.startswith(prefix))
     blocks = tuple(
         tuple(math.prod(s) for n, s in shapes if n.startswith(f"{prefix}{i}.")) for i in range(spec.n_layer)
