@@ -57,6 +57,28 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
+def _hook_buckets(run: DSRun) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
+    """(gradient-ready order, taken as the reverse of parameter order; the buckets' element counts in that
+    order, ``greedy_buckets``; the position in the order of each bucket's first gradient; parameter -> its
+    bucket) of ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
+    numels = run.numels
+    order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
+    buckets = greedy_buckets(tuple(numels[i] for i in order), run.settings.reduce_bucket_size)
+    first_of_bucket, at = [], 0
+    for size in buckets:
+        first_of_bucket.append(at)
+        at_numel = 0
+        while at_numel < size:
+            at_numel += numels[order[at]]
+            at += 1
+    bucket_of = {}
+    for b, start in enumerate(first_of_bucket):
+        end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
+        for i in order[start:end]:
+            bucket_of[i] = b
+    return order, buckets, first_of_bucket, bucket_of
+
+
 def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
     """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``) where j is the
     last block whose backward starts with that partition alive, or -1 when it comes after every block's.
@@ -74,20 +96,7 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
     numels, p, nd = run.numels, _pbytes(run), run.nd
     if not run.param_blocks:
         return ()
-    order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
-    buckets = greedy_buckets(tuple(numels[i] for i in order), run.settings.reduce_bucket_size)
-    first_of_bucket, at = [], 0
-    for size in buckets:
-        first_of_bucket.append(at)
-        at_numel = 0
-        while at_numel < size:
-            at_numel += numels[order[at]]
-            at += 1
-    bucket_of = {}
-    for b, start in enumerate(first_of_bucket):
-        end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
-        for i in order[start:end]:
-            bucket_of[i] = b
+    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
     last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
     outputs = set(run.output_projections)
     out = []
@@ -108,6 +117,39 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
             out.append((rank, j, Term("grads_in_partition", run.flat.params_numel(rank) * p,
                                       "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
     return tuple(out)
+
+
+def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
+    """ZeRO-2 reducing from its hooks, a head tied to the token embedding: the embedding's backward, the last
+    op of backward. The tied weight's gradient hook (``reduce_independent_p_g_buckets_and_remove_grads``) fires
+    only once both uses are summed: the head's gradient has waited in autograd's input buffer since the LM
+    head's backward, the embedding's backward makes its own dense gradient, and their sum is a third tensor of
+    the same size, all three alive together (torch autograd InputBuffer::accumulate -> AccumulateGrad). The
+    blocks' activations are gone by then, but every rank with a parameter in a bucket reduced before the
+    embeddings' has its ``grads_in_partition`` (``copy_grads_in_partition``, kept until the step) and both
+    reduce buckets are alive; the position ids went with the position embedding's backward, which runs first.
+    Under checkpointing this is the phase's peak once the vocabulary is large. Measured: the 5.4M GPT (vocab
+    8,192 x 256, fp32), 1e5-element buckets, overlap_comm, N_d = 2: each rank peaks there at its own
+    grads_in_partition + 3 x 8,388,608 B over what the last block's backward holds less its activations
+    (MemTracker, per hook: 90,444,056 B on rank 1, 89,487,640 B on rank 0; the head's gradient alone was in
+    the prediction before, 9,424,904 B short)."""
+    if not (run.tied_head and run.param_blocks and run.settings.partition_gradients):
+        return ()
+    first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
+    embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
+    if not embeddings:
+        return ()
+    _, _, _, bucket_of = _hook_buckets(run)
+    before = bucket_of[max(embeddings)]  # the bucket the embeddings' gradients join, reduced after this op
+    held = [run.flat.params_numel(r) for r in range(run.nd)
+            if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < before]  # fmt: skip
+    p, acts = _pbytes(run), run.acts
+    return (Moment("backward", "tied embedding backward", (
+        *_states(run), *_bucket(run), _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
+        *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()),
+        Term("tied embedding gradients (the head's, the embedding's, their sum)", 3 * run.head_numel * p,
+             "torch autograd InputBuffer::accumulate -> AccumulateGrad; runtime/zero/stage_1_and_2.py "
+             "reduce_independent_p_g_buckets_and_remove_grads (the hook fires on the sum)", 3))),)  # fmt: skip
 
 
 def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
@@ -256,6 +298,7 @@ class ZeroOptimizer(Wrapper):
             out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
                        for r, gip in _stage2_early_partitions(run))  # fmt: skip
             out.extend(self._blocks_from_hooks(run, last, inflight))
+            out.extend(_tied_embedding_backward(run))
         if not hooks:
             out.extend(_stage1_reduce(run))
         return tuple(out)
