@@ -5,6 +5,7 @@ ladder of stages and offload (``zeroplan.planning.plan``) plans it; it has no se
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from zeroplan.engines.base import EngineEstimate, PlannerOptions, Workload
 from zeroplan.engines.reference.collectives import stage_rows
@@ -43,6 +44,7 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
                 workload.checkpointing, workload.foreach, stat_bytes=settings.stat_bytes,
                 grad_accum=workload.grad_accum, shapes=workload.shapes,
             )  # fmt: skip
+            run = replace(run, gloo=settings.backend == "gloo")
             cap = settings.cuda_capability
             resident = () if cap is None else (library_workspaces(cap, workload.spec.biased_linear),)
             peak = predict_peak(run, block_bytes=settings.block_bytes,
