@@ -115,7 +115,7 @@ def record_reference() -> list[dict]:
                 workload = Workload(transformer_shapes(spec), spec, config.seq_len or spec.max_seq_len,
                                     config.batch_per_rank, config.checkpointing, config.grad_accum, foreach)  # fmt: skip
                 settings = Settings(stages=(stage,), policy=PrecisionPolicy(param_dtype=config.param_dtype),
-                                    block_bytes=1, stat_bytes=2, cuda_capability=None)  # fmt: skip
+                                    block_bytes=1, stat_bytes=2, cuda_capability=None, backend="gloo")  # fmt: skip
                 record = {
                     "name": f"reference-{name}-z{stage}-nd{nd}", "engine": "reference", "nd": nd,
                     "run": config.model_dump(mode="json"), "workload": workload_json(workload),

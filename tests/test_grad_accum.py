@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -95,7 +96,31 @@ def test_accumulated_reduce_scatter_is_a_moment_at_stages_2_3_only():
         new = [m for m in moments(acc) if m not in moments(one)]
         assert [m.phase for m in new] == (["backward"] * 2 if stage >= 2 else []), stage
         # the temporary replaces the unit's freed autograd gradients, so no phase's peak grows at N_d = 2
+        # (nccl; gloo's copy of the input grows it: test_gloo_copies_each_reduce_scatter_input)
         assert predict_peak(acc).by_phase() == predict_peak(one).by_phase()
+
+
+def test_gloo_copies_each_reduce_scatter_input():
+    """gloo's reduce-scatter holds a copy of its whole input (terms.gloo_copy): at stages 2-3, where every
+    micro-step reduce-scatters a unit's pack buffer, the accumulated moment then outgrows the packing one
+    by the unit's shard (tests/data/measured/reference.json: gpt-tiny accum2, 16,020 B at ZeRO-3)."""
+    spec = read_hf_config(HF_CONFIGS / "tiny-gpt2.json")
+    for stage in range(4):
+        run = reference_run(spec, 2, stage, 2, 16, grad_accum=G)
+        gloo = replace(run, gloo=True)
+        copies = {m.name: [t.bytes for t in m.terms if t.name.startswith("gloo")] for m in moments(gloo)}
+        assert not any("gloo" in t.name for m in moments(run) for t in m.terms)  # nccl, fake group
+        if stage < 2:  # stages 0-1 keep a gradient buffer: no moment is taken inside a reduce-scatter
+            assert not any(copies.values()), stage
+            continue
+        block = 2 * sum(-(-n // 2) * 2 for n in run.units[-1])  # padded to N_d, 16-bit
+        for name in ("last block's reduce-scatter", "last block's accumulated reduce-scatter"):
+            assert copies[name] == [block], (stage, name)
+        by = {m.name: m.total() for m in moments(gloo)}
+        shard = block // 2
+        grads = 2 * sum(run.units[-1])
+        assert by["last block's accumulated reduce-scatter"] - by["last block's gradients packed"] == block + shard - grads
+        assert not any("gloo" in t.name for m in moments(replace(gloo, nd=1)) for t in m.terms)
 
 
 @pytest.mark.parametrize("value", ["0", "65", "x"])

@@ -59,7 +59,8 @@ def reference_estimate(config: ValidateConfig, meta: dict, stage: int, shapes, f
     workload = Workload(shapes, peak_spec, seq, config.batch_per_rank, config.checkpointing, config.grad_accum, foreach)
     settings = Settings(stages=(stage,), policy=PrecisionPolicy(param_dtype=config.param_dtype),
                         block_bytes=CUDA_BLOCK_BYTES if cuda else 1, stat_bytes=4 if cuda else 2,
-                        cuda_capability=tuple(meta.get("cuda_capability", (9, 0))) if cuda else None)  # fmt: skip
+                        cuda_capability=tuple(meta.get("cuda_capability", (9, 0))) if cuda else None,
+                        backend="fake" if config.simulated else "nccl" if cuda else "gloo")  # fmt: skip
     (row,) = estimate(workload, meta["world_size"], settings)
     return row
 

@@ -16,6 +16,7 @@ from zeroplan.engines.reference.terms import (
     _shard,
     _states,
     batch,
+    gloo_copy,
     grads16,
     master,
     params16,
@@ -148,9 +149,7 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
             *_gathered(run, 0))))  # fmt: skip
     if kept:
         out.append(Moment("backward", "last block's gradients packed", (
-            *base, _blocks_saved(run, L - 1), dy, kept_root,
-            _act("first op's saved tensors still pending", blk.pending_at_last_grad
-                 + (blk.held_input_pending if run.checkpointing == "full" else 0)),
+            *base, _blocks_saved(run, L - 1), dy, kept_root, _pending(run),
             Term("block gradients (autograd)", block * a, "validate/stage2.py:Stage2.unit_grads_ready"),
             Term("block pack buffer", _full(run, run.units[-1]) * a, "validate/stage2.py:Stage2.unit_grads_ready"),
             *_gathered(run, 0, L))))  # fmt: skip
@@ -158,9 +157,37 @@ def backward_moments(run: ReferenceRun) -> tuple[Moment, ...]:
             *base, Term("root gradients (autograd)", root * a, "validate/stage2.py:Stage2.unit_grads_ready"),
             Term("root pack buffer", _full(run, run.units[0]) * a, "validate/stage2.py:Stage2.unit_grads_ready"),
             *_gathered(run, 0))))  # fmt: skip
+    if kept and run.gloo:
+        out.extend(_reduce_scatter_moments(run, base, dy, kept_root))
     if kept and run.grad_accum > 1:
         out.extend(_accumulation_moments(run, base, dy, kept_root))
     return tuple(out)
+
+
+def _pending(run: ReferenceRun) -> Term:
+    """The last block's first op's saved tensors, alive while its unit's gradients are reduced."""
+    blk = run.acts.block
+    return _act("first op's saved tensors still pending",
+                blk.pending_at_last_grad + (blk.held_input_pending if run.checkpointing == "full" else 0))
+
+
+def _reduce_scatter_moments(
+    run: ReferenceRun, base: tuple[Term, ...], dy: Term, kept_root: Term
+) -> tuple[Moment, ...]:
+    """Stages 2-3 on gloo, first micro-step: the unit's gradients are freed after packing, and the pack
+    buffer is reduce-scattered into the shard while gloo holds a copy of it
+    (validate/stage2.py:Stage2.unit_grads_ready; ``terms.gloo_copy``). Ties the packing moment unless the
+    unit is padded."""
+    L, a, src = run.acts.n_layer, run.param_bytes, "validate/stage2.py:Stage2.unit_grads_ready"
+    return (
+        Moment("backward", "last block's reduce-scatter", (
+            *base, _blocks_saved(run, L - 1), dy, kept_root, _pending(run),
+            Term("block pack buffer", _full(run, run.units[-1]) * a, src), *gloo_copy(run, len(run.units) - 1),
+            *_gathered(run, 0, L))),  # fmt: skip
+        Moment("backward", "root's reduce-scatter", (
+            *base, Term("root pack buffer", _full(run, run.units[0]) * a, src), *gloo_copy(run, 0),
+            *_gathered(run, 0))),  # fmt: skip
+    )
 
 
 def _accumulation_moments(
@@ -168,22 +195,21 @@ def _accumulation_moments(
 ) -> tuple[Moment, ...]:
     """Stages 2-3, micro-steps after the first: the unit's gradients, packed and freed, are reduce-scattered
     into a temporary of the unit's shard, which is added into the accumulated shard
-    (validate/stage2.py:Stage2.unit_grads_ready). The pack buffer and the temporary are alive together."""
-    blk, L, a = run.acts.block, run.acts.n_layer, run.param_bytes
+    (validate/stage2.py:Stage2.unit_grads_ready). The pack buffer and the temporary are alive together,
+    with gloo's copy of the pack buffer (``terms.gloo_copy``) while the reduce-scatter runs."""
+    L, a = run.acts.n_layer, run.param_bytes
     src = "validate/stage2.py:Stage2.unit_grads_ready"
     temp = "reduce-scatter output to accumulate ({} shard)"
     return (
         Moment("backward", "last block's accumulated reduce-scatter", (
-            *base, _blocks_saved(run, L - 1), dy, kept_root,
-            _act("first op's saved tensors still pending", blk.pending_at_last_grad
-                 + (blk.held_input_pending if run.checkpointing == "full" else 0)),
+            *base, _blocks_saved(run, L - 1), dy, kept_root, _pending(run),
             Term("block pack buffer", _full(run, run.units[-1]) * a, src),
             Term(temp.format("block"), flat_shard_numel(run.units[-1], run.nd) * a, src),
-            *_gathered(run, 0, L))),  # fmt: skip
+            *gloo_copy(run, len(run.units) - 1), *_gathered(run, 0, L))),  # fmt: skip
         Moment("backward", "root's accumulated reduce-scatter", (
             *base, Term("root pack buffer", _full(run, run.units[0]) * a, src),
             Term(temp.format("root"), flat_shard_numel(run.units[0], run.nd) * a, src),
-            *_gathered(run, 0))),  # fmt: skip
+            *gloo_copy(run, 0), *_gathered(run, 0))),  # fmt: skip
     )
 
 

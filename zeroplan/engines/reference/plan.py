@@ -5,6 +5,7 @@ ladder of stages and offload (``zeroplan.planning.plan``) plans it; it has no se
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from zeroplan.engines.base import EngineEstimate, PlannerOptions, Workload
 from zeroplan.engines.reference.collectives import stage_rows
@@ -24,7 +25,9 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     see nothing new alive, and stages 0-1 reduce once at the last micro-step exactly as at G = 1; what
     G adds is, at stages 2-3, the in-flight reduction of later micro-steps: a reduce-scatter into a
     temporary of the unit's shard next to its pack buffer (``_accumulation_moments``), which is a phase's
-    peak only where it outgrows the unit's autograd gradients it replaces (N_d = 1 at most ties).
+    peak only where it outgrows the unit's autograd gradients it replaces (N_d = 1 at most ties); on gloo
+    (``settings.backend``) the reduce-scatter's copy of its input (``terms.gloo_copy``) makes it outgrow
+    them by the unit's shard.
     Collectives per optimizer step: ``zeroplan.formulas.commtime.calls_per_optimizer_step``.
     """
     if nd < 1:
@@ -43,6 +46,7 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
                 workload.checkpointing, workload.foreach, stat_bytes=settings.stat_bytes,
                 grad_accum=workload.grad_accum, shapes=workload.shapes,
             )  # fmt: skip
+            run = replace(run, gloo=settings.backend == "gloo")
             cap = settings.cuda_capability
             resident = () if cap is None else (library_workspaces(cap, workload.spec.biased_linear),)
             peak = predict_peak(run, block_bytes=settings.block_bytes,

@@ -46,6 +46,9 @@ class Settings(BaseModel):
     cuda_capability: Optional[tuple[StrictInt, StrictInt]] = (9, 0)
     """the GPU's compute capability, which sizes the cuBLAS workspaces every phase after init holds
     (``formulas.cuda_workspaces``); (9, 0) is H100/H200; None: no GPU (CPU runs)."""
+    backend: Literal["nccl", "gloo", "fake"] = "nccl"
+    """the process group's backend: gloo's reduce-scatter copies its whole input (a term,
+    ``terms.gloo_copy``); nccl (the planner's target) and the simulator's fake group allocate nothing."""
 
     @field_validator("stages")
     @classmethod

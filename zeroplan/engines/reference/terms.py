@@ -39,6 +39,7 @@ class ReferenceRun:
     tied_head: bool = True  # the head is the token embedding (GPT): its two gradients meet in backward
     late_grads_numel: int = 0  # a block's parameters whose gradients come before its post-attention norm's input's
     grad_accum: int = 1  # micro-steps per optimizer step (validate/runtime.py:Runtime.grad_accum)
+    gloo: bool = False  # the process group is gloo, whose reduce-scatter copies its input (``gloo_copy``)
 
     def __post_init__(self) -> None:
         get_stage(self.stage)
@@ -125,6 +126,16 @@ def _kept_grads(run: ReferenceRun) -> bool:
     """Stages 2-3 let autograd allocate each gradient and keep it until its unit is reduced
     (validate/stage2.py:Stage2.unit_grads_ready); stages 0-1 accumulate into the persistent buffer."""
     return get_stage(run.stage).shards_gradients
+
+
+def gloo_copy(run: ReferenceRun, u: int) -> tuple[Term, ...]:
+    """gloo's copy of unit ``u``'s whole reduce-scatter input, alive while the collective runs
+    (validate/collectives.py:reduce_scatter_mean); nccl and the fake group: nothing."""
+    if not run.gloo or run.nd == 1:  # N_d = 1: reduce_scatter_mean copies into the output, no collective
+        return ()
+    return (Term(f"gloo reduce-scatter copy of the whole input ({'root' if u == 0 else 'block'} unit)",
+                 _full(run, run.units[u]) * run.param_bytes,
+                 "measured: ProcessGroupGloo runs reduce-scatter as an allreduce of a copy of the input"),)
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
