@@ -626,9 +626,6 @@ def validate_cmd(
             old = read_baseline(str(baseline))
         except ValueError as exc:
             raise UserError(str(exc)) from None
-        if not old["rows"]:  # "no figure moved" would be said having compared nothing
-            raise UserError(f"--baseline {str(baseline)!r}: has no rows, so nothing could be compared; give the "
-                            "--json report of a run that measured at least one configuration")
     from validate.api import run_validation, write_json_atomic
     from validate.config import ValidateConfig
     from validate.harness import Interrupted, NotNodeZero, RunFailed

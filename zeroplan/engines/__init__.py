@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel
 from zeroplan.engines import deepspeed, fsdp2, reference
 from zeroplan.engines.base import EngineEstimate, EngineOptions, EnginePlan, PlannerOptions, Workload
 from zeroplan.policy import PrecisionPolicy
+from zeroplan.types import show
 
 EstimateFn = Callable[[Workload, int, BaseModel], "tuple[EngineEstimate, ...]"]
 PlanFn = Callable[[Workload, int, int, PlannerOptions], EnginePlan]
@@ -111,9 +112,11 @@ def split_keywords(name: str, keywords: dict) -> tuple[Optional[dict], EngineOpt
 
 
 def get_engine(name: str) -> Engine:
-    """The engine called ``name``; ValueError (one line) for an unknown one."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown engine {name!r}: known engines are {', '.join(REGISTRY)}")
+    """The engine called ``name``; ValueError (one line) for an unknown one or a non-string (a dict or a list
+    from the Python API would be a TypeError in the lookup: unhashable)."""
+    if not isinstance(name, str) or name not in REGISTRY:
+        shown = repr(name) if isinstance(name, str) else show(name)
+        raise ValueError(f"unknown engine {shown}: known engines are {', '.join(REGISTRY)}")
     return REGISTRY[name]
 
 

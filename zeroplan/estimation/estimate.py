@@ -16,7 +16,7 @@ from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stage_table import stage_memory, stage_table
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import PrecisionPolicy
-from zeroplan.types import engine_name, show
+from zeroplan.types import show
 
 
 def model_numels(config: EstimateConfig) -> tuple[int, ...]:
@@ -145,7 +145,7 @@ def estimate(
     for ``deepspeed``, ``ds_config`` (a parsed ds_config.json; ``stage`` fills in its stage). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
-    policy, engine_options = split_keywords(engine_name(engine), options)
+    policy, engine_options = split_keywords(engine, options)
     micro_batch, grad_accum = api_batch(engine_options.ds_config if model is not None else None, gpus, model_parallel,
                                      micro_batch, grad_accum)  # fmt: skip
     architecture = None

@@ -34,7 +34,6 @@ from zeroplan.planning.plan import rank_states
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.sweeping.config import SweepConfig
 from zeroplan.sweeping.records import SweepRow
-from zeroplan.types import engine_name
 
 COLUMNS: tuple[str, ...] = tuple(SweepRow.model_fields)
 """Columns of a sweep, in order: the fields of ``zeroplan.sweeping.records.SweepRow``."""
@@ -388,7 +387,7 @@ def sweep(
     (``zeroplan.engines.deepspeed.sweep_micro_batches``), else as given (None: 1). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
-    policy, engine_options = split_keywords(engine_name(engine), options)
+    policy, engine_options = split_keywords(engine, options)
     if model is not None and engine_options.ds_config is not None and _whole_lists(gpus, model_parallel, micro_batch):
         micro_batch = sweep_micro_batches(engine_options.ds_config, tuple(gpus), tuple(model_parallel),
                                           None if micro_batch is None else tuple(micro_batch)) or micro_batch

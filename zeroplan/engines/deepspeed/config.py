@@ -219,7 +219,8 @@ def from_deepspeed(config: object) -> dict:
         if device not in ("none", None):
             raise ValueError(
                 f"deepspeed config: zero_optimization.{key}.device={device!r}: `zeroplan estimate` models "
-                "GPU-resident states; use `zeroplan plan --offload cpu|nvme` for offload"
+                "GPU-resident states; for offload use `zeroplan plan --engine reference --offload cpu|nvme` (without "
+                "--deepspeed-config)"
             )
     stage = get_stage(zero.stage, "deepspeed config: zero_optimization.stage").number
 
