@@ -15,8 +15,8 @@ from zeroplan.architectures.spec import TransformerSpec, gpt_for_params, numels,
 from zeroplan.engines import EngineName, get_engine, planner_options
 from zeroplan.engines.base import EngineOptions, PlannerOptions
 from zeroplan.estimation.workload import check_seq_len
-from zeroplan.engines.deepspeed import DEFAULT_BUCKET_NUMEL
 from zeroplan.formulas.activations import activation_bytes
+from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL
 from zeroplan.formulas.commtime import ALGORITHMS
 from zeroplan.formulas.offload import DEVICES
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
@@ -85,7 +85,7 @@ class PlanConfig(BaseModel):
     foreach: Flag = True
     """the optimizer's multi-tensor path, for the peak; True is torch's default on CUDA."""
     engine: EngineName = "reference"
-    """the training engine whose peak decides the fit (``zeroplan.engines.ENGINES``)."""
+    """the training engine whose peak decides the fit (``zeroplan.engines.get_engine``)."""
     engine_options: EngineOptions = EngineOptions()
     """options in the engine's own vocabulary (``--deepspeed-config``, ``--param-dtype``/``--reduce-dtype``
     of FSDP2's ``MixedPrecisionPolicy``); an engine's own plan chooses the rest."""
