@@ -203,7 +203,10 @@ def test_estimate_imports_only_the_engine_it_asks_for():
 
     code = ("import sys; from zeroplan.cli import main; sys.argv = ['zeroplan', 'estimate', '--params', '7.5e9', "
             "'--gpus', '64']\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
-            "print(sorted({m.split('.')[2] for m in sys.modules if m.startswith('zeroplan.engines.')}))")  # fmt: skip
+            "print(sorted({m.split('.')[2] for m in sys.modules if m.startswith('zeroplan.engines.')}))\n"
+            "print(sorted(m for m in ('zeroplan.planning.config', 'zeroplan.sweeping.config', 'pandas') "
+            "if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout  # fmt: skip
-    assert out.splitlines()[-1] == "['base', 'reference']"  # no DeepSpeed or FSDP2 profile loaded
+    assert out.splitlines()[-2] == "['base', 'reference']"  # no DeepSpeed or FSDP2 profile loaded
+    assert out.splitlines()[-1] == "[]"  # nor the plan's and the sweep's models (zeroplan's names are lazy)
