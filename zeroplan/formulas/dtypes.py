@@ -8,6 +8,8 @@ bool inf/nan tracker among them); a precision policy may name only ``POLICY_DTYP
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 BYTES_PER_ELEMENT: dict[str, int] = {
     "fp64": 8,
     "fp32": 4,
@@ -19,6 +21,7 @@ BYTES_PER_ELEMENT: dict[str, int] = {
     "bool": 1,
 }
 
+_ALL: tuple[str, ...] = tuple(BYTES_PER_ELEMENT)
 POLICY_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8", "int8")
 """The dtypes a precision policy (parameters, gradients, optimizer states, FSDP2's mixed precision) may name."""
 
@@ -36,25 +39,28 @@ _ALIASES: dict[str, str] = {
 }
 
 
+def _key(name: object) -> str:
+    key = str(name).strip().lower().removeprefix("torch.")
+    return _ALIASES.get(key, key)
+
+
+@lru_cache(maxsize=256)  # a plan asks for the same few names tens of thousands of times
+def _lookup(name: object, allowed: tuple[str, ...]) -> str:
+    key = _key(name)
+    if key not in allowed:
+        raise ValueError(f"unknown dtype {name!r}: expected one of {', '.join(sorted(allowed))}")
+    return key
+
+
 def dtype_name(name: str) -> str:
     """Any accepted spelling of a dtype of the table as its key (``torch.float64`` -> ``fp64``); ValueError
     otherwise."""
-    key = str(name).strip().lower().removeprefix("torch.")
-    key = _ALIASES.get(key, key)
-    if key not in BYTES_PER_ELEMENT:
-        known = ", ".join(sorted(BYTES_PER_ELEMENT))
-        raise ValueError(f"unknown dtype {name!r}: expected one of {known}")
-    return key
+    return _lookup(name, _ALL) if isinstance(name, str) else _lookup.__wrapped__(name, _ALL)
 
 
 def canonical_dtype(name: str) -> str:
     """Map any accepted spelling of a policy dtype to its key (``POLICY_DTYPES``); raise ValueError otherwise."""
-    key = str(name).strip().lower().removeprefix("torch.")
-    key = _ALIASES.get(key, key)
-    if key not in POLICY_DTYPES:
-        known = ", ".join(sorted(POLICY_DTYPES))
-        raise ValueError(f"unknown dtype {name!r}: expected one of {known}")
-    return key
+    return _lookup(name, POLICY_DTYPES) if isinstance(name, str) else _lookup.__wrapped__(name, POLICY_DTYPES)
 
 
 def dtype_bytes(name: str) -> int:
