@@ -363,7 +363,8 @@ def plan(model: Optional[str] = None, params: Optional[float] = None, **options:
 
         fields = PlanConfig.model_fields
         options["micro_batch"], options["grad_accum"] = api_batch(
-            options.get("engine", fields["engine"].default), mine["ds_config"], options.get("gpus", fields["gpus"].default),
+            options.get("engine", fields["engine"].default), mine["ds_config"],
+            options.get("gpus", fields["gpus"].default),
             options.get("model_parallel", fields["model_parallel"].default),
             options.get("micro_batch"), options.get("grad_accum"))  # fmt: skip
     return plan_config(PlanConfig(model=model, params=params, **options))
