@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zeroplan.architectures.spec import transformer_shapes
-from zeroplan.engines import ENGINES
+from zeroplan.engines import get_engine
 from zeroplan.engines import deepspeed as D
 from zeroplan.engines.base import Workload
 
@@ -109,7 +109,7 @@ def test_registry_and_no_torch():
     import ast
     import inspect
 
-    assert ENGINES["deepspeed"] is D.estimate
+    assert get_engine("deepspeed").estimate is D.estimate
     tree = ast.parse(inspect.getsource(D))
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

@@ -49,7 +49,7 @@ def test_deepspeed_keys(config, expected):
         ({"bf16": {"enabled": "auto"}}, "'auto'"),
         ({"optimizer": {"type": "Adagrad"}}, "optimizer.type='Adagrad'"),
         ({"communication_data_type": "int4"}, "'int4'"),
-        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "zeroplan plan --offload"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "zeroplan plan --engine reference --offload"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "offload_param.device='nvme'"),
         ({"zero_optimization": 3}, "'zero_optimization' must be an object"),
     ],

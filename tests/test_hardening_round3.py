@@ -337,8 +337,6 @@ def test_plan_help_does_not_offer_a_ds_config_to_the_reference_engine(tmp_path):
     assert run("plan", "--model", "gpt2-xl", "--gpu", "h100-80gb", "--deepspeed-config", str(ds)).exit_code == 2
 
 
-@pytest.mark.xfail(strict=True, reason="the message is zeroplan/engines/deepspeed.py from_deepspeed's (not harden's "
-                   "file): it should name `zeroplan plan --engine reference --offload cpu|nvme`, see the report")
 def test_offload_in_a_ds_config_names_a_command_that_plans_offload(tmp_path):
     ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
     cfg = str(write(tmp_path / "cfg.json", TINY_GPT2))

@@ -24,10 +24,14 @@ def read_baseline(path: str) -> dict:
     """The earlier report (schema ``zeroplan.validate/2``); ValueError naming the file if it is not one."""
     data = read_json(path, "--baseline")
     try:
-        return ValidationReport.model_validate(data).model_dump(by_alias=True)
+        report = ValidationReport.model_validate(data).model_dump(by_alias=True)
     except ValueError as exc:
         first = str(exc).splitlines()[1:2]
         raise ValueError(f"--baseline {path!r}: not a zeroplan validate --json report ({' '.join(first).strip()})") from None
+    if not report["rows"]:  # "no figure moved" would be said having compared nothing
+        raise ValueError(f"--baseline {path!r}: has no rows, so nothing could be compared; give the --json report "
+                         "of a run that measured at least one configuration")
+    return report
 
 
 def row_key(row: dict) -> tuple:

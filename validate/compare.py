@@ -26,7 +26,7 @@ from typing import Optional
 
 from zeroplan.engines.base import EngineEstimate
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
-from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT, canonical_dtype, dtype_bytes
+from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT, dtype_bytes, dtype_name
 from zeroplan.formulas.peak import PHASES as PEAK_PHASES
 from zeroplan.formulas.peak import Term
 
@@ -40,17 +40,13 @@ def rel_error(measured: float, predicted: float, base: float) -> float:
     return float(measured != predicted)
 
 
-TORCH_NAMES = {"fp64": "float64"}
-"""dtypes a profile names that the byte table (``zeroplan.formulas.dtypes``) does not know, by torch's name
-(the DeepSpeed profile's fp64 gradient norm), so that the prediction's key is the observed one."""
-
-
 def _dtype(name: str) -> str:
-    """The planner's name of a dtype (``bfloat16`` -> ``bf16``), or torch's name if it has none."""
+    """The planner's name of a dtype (``bfloat16`` -> ``bf16``, ``float64`` -> ``fp64``; one table,
+    ``zeroplan.formulas.dtypes``), or the name as observed if the table has none."""
     try:
-        return canonical_dtype(name)
+        return dtype_name(name)
     except ValueError:
-        return TORCH_NAMES.get(name, name)
+        return name
 
 
 def key(op: str, phase: str, dtype: str) -> str:

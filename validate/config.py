@@ -151,15 +151,14 @@ class ValidateConfig(BaseModel):
         if 0 in self.stages:
             raise ValueError("--engine deepspeed: stages 1-3 (DeepSpeed's stage 0 is plain data parallelism)")
         if self.deepspeed_config is not None:
-            from zeroplan.engines.deepspeed import Settings
+            from zeroplan.engines import get_engine
 
-            settings = Settings.from_ds_config(self.deepspeed_config)  # one line naming a bad key
+            engine = get_engine(self.engine)
+            settings = engine.read_settings_file(self.deepspeed_config)  # one line naming a bad key
             if self.stages != (settings.stage,):
                 raise ValueError(f"--stage {list(self.stages)} contradicts zero_optimization.stage={settings.stage}")
-            from zeroplan.engines.deepspeed import ds_batch
-
             for nd in self.world_sizes:  # DeepSpeed's batch rule, refused here rather than in a rank
-                ds_batch(self.deepspeed_config, nd)
+                engine.batch(self.deepspeed_config, nd, None, None, ("micro_batch", "grad_accum"))
         return self
 
     @model_validator(mode="before")

@@ -19,7 +19,7 @@ from validate.models import expected_shapes, spec_for
 from validate.schema import SCHEMA, ValidationReport
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.engines.base import EngineEstimate, Workload
-from zeroplan.engines.reference import Settings, estimate
+from zeroplan.engines import get_engine
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.commtime import calls_per_optimizer_step
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
@@ -57,11 +57,12 @@ def reference_estimate(config: ValidateConfig, meta: dict, stage: int, shapes, f
     cuda = str(meta["device"]).startswith("cuda")
     seq = (config.seq_len or spec.max_seq_len) if peak_spec is not None else 1
     workload = Workload(shapes, peak_spec, seq, config.batch_per_rank, config.checkpointing, config.grad_accum, foreach)
-    settings = Settings(stages=(stage,), policy=PrecisionPolicy(param_dtype=config.param_dtype),
+    reference = get_engine("reference")
+    settings = reference.settings(stages=(stage,), policy=PrecisionPolicy(param_dtype=config.param_dtype),
                         block_bytes=CUDA_BLOCK_BYTES if cuda else 1, stat_bytes=4 if cuda else 2,
                         cuda_capability=tuple(meta.get("cuda_capability", (9, 0))) if cuda else None,
                         backend="fake" if config.simulated else "nccl" if cuda else "gloo")  # fmt: skip
-    (row,) = estimate(workload, meta["world_size"], settings)
+    (row,) = reference.estimate(workload, meta["world_size"], settings)
     return row
 
 

@@ -22,16 +22,23 @@ Stages: 0 = plain DP, 1 = P_os (optimizer states sharded), 2 = P_os+g (+ gradien
 3 = P_os+g+p (+ parameters).
 """
 
-from zeroplan.estimation.config import EstimateConfig
-from zeroplan.estimation.estimate import estimate
-from zeroplan.estimation.records import Estimate, StageEstimate
-from zeroplan.formulas.collectives import Collective
-from zeroplan.formulas.memory import MemoryBreakdown
-from zeroplan.planning.config import PlanConfig
-from zeroplan.planning.plan import plan
-from zeroplan.planning.records import Plan, PlanOption
-from zeroplan.policy import PrecisionPolicy
-from zeroplan.sweeping.config import SweepConfig
+_HOMES: dict[str, str] = {
+    "Collective": "zeroplan.formulas.collectives",
+    "Estimate": "zeroplan.estimation.records",
+    "EstimateConfig": "zeroplan.estimation.config",
+    "MemoryBreakdown": "zeroplan.formulas.memory",
+    "Plan": "zeroplan.planning.records",
+    "PlanConfig": "zeroplan.planning.config",
+    "PlanOption": "zeroplan.planning.records",
+    "PrecisionPolicy": "zeroplan.policy",
+    "StageEstimate": "zeroplan.estimation.records",
+    "SweepConfig": "zeroplan.sweeping.config",
+    "estimate": "zeroplan.estimation.estimate",
+    "plan": "zeroplan.planning.plan",
+    "sweep": "zeroplan.sweeping.grid",
+}
+"""Each public name and the module it lives in, imported on first use: ``zeroplan estimate`` never builds
+the plan's or the sweep's pydantic models, and never loads pandas (``sweep``)."""
 
 __all__ = [
     "Collective",
@@ -52,9 +59,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``zeroplan.sweep`` is imported on first use: it needs pandas, which ``estimate`` never loads."""
-    if name == "sweep":
-        from zeroplan.sweeping.grid import sweep
+    """A public name (``_HOMES``), imported from its module the first time it is asked for."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'zeroplan' has no attribute {name!r}")
+    import importlib
 
-        return sweep
-    raise AttributeError(f"module 'zeroplan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -225,17 +225,24 @@ def refuse_foreign(ctx, engine_name: str) -> None:
     refuse_unused(ctx, foreign, f"to --engine {engine.name} (its options: {', '.join(engine.options)})")
 
 
-def engine_options_from(engine_name: str, deepspeed_config, reshard_after_forward, param_dtype, reduce_dtype):
+def read_settings_file(path) -> Optional[dict]:
+    """``--deepspeed-config`` read once, at the edge (None: not given); every later use takes the dict."""
+    from zeroplan.files import read_json
+
+    return read_json(path, "deepspeed config") if path is not None else None
+
+
+def engine_options_from(engine_name: str, ds_config: Optional[dict], reshard_after_forward, param_dtype, reduce_dtype):
     """The ``EngineOptions`` of the command line for an engine that reads them (``refuse_foreign`` has
-    refused the others): the ds_config parsed, ``--reshard-after-forward`` parsed, the dtypes as given."""
+    refused the others): the ds_config as read (``read_settings_file``), ``--reshard-after-forward`` parsed,
+    the dtypes as given."""
     from zeroplan.engines import get_engine
     from zeroplan.engines.base import EngineOptions
-    from zeroplan.files import read_json
     from zeroplan.parsing import parse_reshard
 
     mine = get_engine(engine_name).options
     found = {
-        "ds_config": read_json(deepspeed_config, "deepspeed config") if deepspeed_config is not None else None,
+        "ds_config": ds_config,
         "reshard_after_forward": parse_reshard(reshard_after_forward) if reshard_after_forward is not None else None,
         "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype,
@@ -243,17 +250,17 @@ def engine_options_from(engine_name: str, deepspeed_config, reshard_after_forwar
     return EngineOptions(**{k: v for k, v in found.items() if k in mine and v is not None})
 
 
-def ds_config_batch(ctx, ds_config: Optional[dict], nd: Optional[int], given: dict[str, int]):
-    """(micro-batch, accumulation) of the run (``zeroplan.engines.deepspeed.run_batch``): the ds_config's
-    batch where it sets one, a value of ``given`` (parameter name -> value) counting as given only when
+def ds_config_batch(ctx, engine_name: str, ds_config: Optional[dict], nd: Optional[int], given: dict[str, int]):
+    """(micro-batch, accumulation) of the run by the engine's batch rule (``Engine.batch``: the ds_config's
+    batch where it sets one), a value of ``given`` (parameter name -> value) counting as given only when
     the user typed it."""
-    from zeroplan.engines.deepspeed import run_batch
+    from zeroplan.engines import get_engine
 
     typed = set(given_on_command_line(ctx, *given))
     flags = {p.name: p.opts[0] for p in ctx.command.params}
-    batch = run_batch(ds_config, nd, *(given[n] if n in typed else None for n in ("micro_batch", "grad_accum")),
-                      names=(flags.get("micro_batch", ""), flags.get("grad_accum", "")))  # fmt: skip
-    return batch.micro_batch, batch.grad_accum
+    return get_engine(engine_name).batch(
+        ds_config, nd, *(given[n] if n in typed else None for n in ("micro_batch", "grad_accum")),
+        (flags.get("micro_batch", ""), flags.get("grad_accum", "")))  # fmt: skip
 
 
 STEP_OPTIONS: tuple[str, ...] = ("seq_len", "micro_batch", "checkpointing", "grad_accum", "foreach")

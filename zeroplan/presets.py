@@ -154,7 +154,12 @@ def gpu_capacity(gpu: Optional[str], gpu_memory_bytes: Optional[int]) -> tuple[O
 
 def is_config_path(name_or_path: str) -> bool:
     """``--model`` names a config file (not a preset) when it ends in ``.json`` or exists as a path."""
-    return name_or_path.endswith(".json") or Path(name_or_path).exists()
+    if name_or_path.endswith(".json"):
+        return True
+    try:
+        return Path(name_or_path).exists()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte: no file, so not a path
+        return False
 
 
 def _model_ref(v: str) -> str:

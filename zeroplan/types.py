@@ -178,14 +178,6 @@ def check_wholes(values: tuple, what: str, maximum: int) -> tuple:
     return values
 
 
-def engine_name(v: object) -> str:
-    """``engine=`` of the Python API as text, before ``zeroplan.engines.get_engine`` looks it up (a dict or a
-    list would be a TypeError there: unhashable); ValueError otherwise."""
-    if not isinstance(v, str):
-        raise ValueError(f"engine={show(v)}: expected an engine name (reference, fsdp2, deepspeed)")
-    return v
-
-
 def whole_up_to(maximum: int) -> object:
     """A whole number in [1, ``maximum``] as an annotated type, for a field with its own documented cap."""
     return Annotated[int, BeforeValidator(_whole(maximum))]

@@ -4,7 +4,7 @@ An engine (the bundled reference runtime, PyTorch FSDP2, DeepSpeed ZeRO) is one 
 ``zeroplan/engines/`` that turns a ``Workload`` (what is trained) and its own settings (in the engine's
 vocabulary: a ZeRO stage, ``reshard_after_forward``, a ``ds_config.json``) into ``EngineEstimate`` rows:
 model states, the peak per phase (``zeroplan.formulas.peak``: moments of named terms, each citing the
-engine file and function it comes from) and the collectives of one optimizer step. ``ENGINES`` in
+engine file and function it comes from) and the collectives of one optimizer step. ``get_engine`` in
 ``zeroplan.engines`` maps the ``--engine`` name to that module's ``estimate`` function.
 
 Contract of an engine module ``zeroplan/engines/<name>.py``:
@@ -22,7 +22,7 @@ shared probes); it compares its measurements with this module's ``estimate`` row
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -122,6 +122,8 @@ class PlannerOptions:
     """the compute capability of the ``--gpu`` preset (``formulas.cuda_workspaces.capability_of``), which sizes
     the cuBLAS workspaces of a peak (reference, fsdp2: ``Settings.cuda_capability``); None: no preset given,
     or one whose library workspaces are not modelled (ROCm): the engine's default, an H100's (9, 0)."""
+    own: Mapping[str, Any] = field(default_factory=dict)
+    """an engine's own options beyond the fields above (``Engine.own_options``), checked by it, by name."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,9 @@ class EngineOptions(BaseModel):
     ``SweepConfig``); None: not given. ``zeroplan.engines.planner_options`` checks them against the
     engine's vocabulary and makes the ``PlannerOptions`` its ``planner_settings`` reads."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True)
+    """extra keys are an engine's own options (``Engine.own_options``); ``zeroplan.engines.planner_options``
+    refuses those the engine does not declare, so nothing unknown is accepted."""
 
     ds_config: Optional[dict[str, Any]] = None
     """deepspeed: the parsed ``ds_config.json``."""
@@ -178,4 +182,83 @@ class EngineOptions(BaseModel):
     @property
     def given(self) -> tuple[str, ...]:
         """The fields that were given, in field order."""
-        return tuple(k for k in type(self).model_fields if getattr(self, k) is not None)
+        return (*(k for k in type(self).model_fields if getattr(self, k) is not None),
+                *(k for k, v in (self.model_extra or {}).items() if v is not None))
+
+
+# ---- the registry's record: what an engine package declares, once (``zeroplan.engines`` registers it) ----
+
+EstimateFn = Callable[[Workload, int, BaseModel], "tuple[EngineEstimate, ...]"]
+PlanFn = Callable[[Workload, int, int, PlannerOptions], EnginePlan]
+BatchRule = Callable[[Optional[Mapping[str, Any]], Optional[int], Optional[int], Optional[int], tuple[str, str]],
+                     "tuple[int, int]"]  # fmt: skip
+SweepBatchRule = Callable[[Optional[Mapping[str, Any]], tuple[int, ...], tuple[int, ...], Optional[tuple[int, ...]],
+                           str], Optional[tuple[int, ...]]]  # fmt: skip
+
+
+def command_line_batch(settings_file: Optional[Mapping[str, Any]], nd: Optional[int], micro_batch: Optional[int],
+                       grad_accum: Optional[int], names: tuple[str, str] = ("micro_batch", "grad_accum")):
+    """The batch rule of an engine whose settings set no batch: the command line's (1 where not given)."""
+    return (micro_batch or 1, grad_accum or 1)
+
+
+def command_line_sweep_batches(settings_file, gpus, model_parallel, micro_batches, name="micro_batch"):
+    """``sweep``'s micro-batches of an engine whose settings set no batch: None (the command line's stand)."""
+    return None
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """An option an engine declares beyond the shared vocabulary (``PlannerOptions``' fields): its keyword
+    (the Python API's; ``PlannerOptions.own[name]``), its check (value -> value, ValueError in one line),
+    its default and what it means."""
+
+    name: str
+    check: Callable[[object], object]
+    default: object = None
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine as its package declares it (``ENGINE`` in ``zeroplan/engines/<name>/__init__.py``): its
+    ``--engine`` name, its functions, its vocabulary, its batch rule and its launcher. Everything outside
+    ``zeroplan/engines/`` asks this record (``zeroplan.engines.get_engine``), never the package."""
+
+    name: str
+    estimate: EstimateFn
+    settings: type[BaseModel]
+    planner_settings: Callable[[PlannerOptions], BaseModel]
+    """its ``Settings`` from the planner's options (``PlannerOptions``)."""
+    policy: Callable[[BaseModel], PrecisionPolicy]
+    """the byte convention its model states follow, for the convention line and the "vs DP" ratio."""
+    options: tuple[str, ...]
+    """the ``PlannerOptions`` fields in its vocabulary; the commands refuse the others."""
+    plan: Optional[PlanFn] = None
+    """``zeroplan plan``'s search by predicted peak over the engine's own options; None: the planner's
+    ladder of ZeRO stages and offload (``zeroplan.planning.plan.LADDER``)."""
+    own_estimator: Optional[Callable[[BaseModel, tuple[int, ...], int], int]] = None
+    """the engine's own memory estimator for the same run, shown beside the prediction; None if it has none."""
+    own_estimator_name: str = ""
+    block_bytes: Callable[[BaseModel], int] = lambda settings: 1
+    """the allocator block its peak terms are rounded to, for the settings given."""
+    plan_chooses: tuple[str, ...] = ()
+    """``plan`` options its own search decides (refused when given: fsdp2 tries both checkpointing modes)."""
+    batch: BatchRule = command_line_batch
+    """(micro-batch, accumulation) of the run from its settings file (parsed; None: none given) at N_d (None:
+    the command varies it) and the command line's values (None: not given); ValueError on a contradiction."""
+    sweep_batches: SweepBatchRule = command_line_sweep_batches
+    """``sweep``'s micro-batches over the grid from its settings file; None: the command line's stand."""
+    file_policy: Optional[Callable[[Mapping[str, Any], dict], dict]] = None
+    """the precision-policy fields (and ``stage``) given on the command line completed from its settings file
+    (the reference engine reads a ds_config's precision); None: the engine reads no policy from a file."""
+    read_settings_file: Optional[Callable[[Mapping[str, Any]], BaseModel]] = None
+    """its ``Settings`` from its settings file alone (the validator's ``--deepspeed-config``); None: it has none."""
+    own_options: tuple[EngineOption, ...] = ()
+    """options only this engine reads, declared here once: the commands route them to it by name and refuse
+    them for every other engine."""
+
+    @property
+    def one_row(self) -> bool:
+        """Whether it answers one row (the sharding its settings select) rather than one per ZeRO stage."""
+        return "stages" not in self.options

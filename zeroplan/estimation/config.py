@@ -46,7 +46,7 @@ class EstimateConfig(BaseModel):
     foreach: Flag = True
     """the optimizer's multi-tensor path; True is torch's default on CUDA, the planner's target."""
     engine: str = "reference"
-    """the training engine whose allocations and collectives are estimated (``zeroplan.engines.ENGINES``)."""
+    """the training engine whose allocations and collectives are estimated (``zeroplan.engines.get_engine``)."""
     gpus: GpuCount = 1
     """total GPUs = N_d x N_m."""
     model_parallel: GpuCount = 1

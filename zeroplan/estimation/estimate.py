@@ -6,9 +6,8 @@ import math
 import os
 import sys
 
-from zeroplan.engines import get_engine, reference, split_keywords
+from zeroplan.engines import get_engine, split_keywords
 from zeroplan.engines.base import Workload
-from zeroplan.engines.deepspeed import run_batch
 from zeroplan.estimation.config import EstimateConfig
 from zeroplan.estimation.records import Estimate, StageEstimate
 from zeroplan.estimation.workload import layered_zero3
@@ -16,7 +15,7 @@ from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stage_table import stage_memory, stage_table
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import PrecisionPolicy
-from zeroplan.types import engine_name, show
+from zeroplan.types import show
 
 
 def model_numels(config: EstimateConfig) -> tuple[int, ...]:
@@ -69,7 +68,8 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     policy = engine.policy(settings)  # the byte convention of this engine's model states
     # "vs DP": plain data parallelism's model states (the reference engine's stage 0, the same byte
     # convention) over this row's
-    (dp,) = reference.estimate(Workload(workload.shapes), config.nd, reference.Settings(
+    reference = get_engine("reference")
+    (dp,) = reference.estimate(Workload(workload.shapes), config.nd, reference.settings(
         stages=(0,), policy=policy, flat_layout=options.flat_layout))  # fmt: skip
     own = engine.own_estimator(settings, numels, config.nd) if engine.own_estimator is not None else None
     rows = []
@@ -100,17 +100,17 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     )
 
 
-def api_batch(ds_config: dict | None, gpus: object, model_parallel: object, micro_batch: object,
-           grad_accum: object) -> tuple[object, object]:
-    """The Python API's micro-batch and accumulation: a ds_config's where it sets them (``run_batch`` at N_d =
-    gpus / model_parallel), else as given (1 for None); values of the wrong type pass through to the
-    config, which refuses them by name."""
+def api_batch(engine: str, settings_file: dict | None, gpus: object, model_parallel: object, micro_batch: object,
+              grad_accum: object) -> tuple[object, object]:
+    """The Python API's micro-batch and accumulation: the engine's batch rule (``Engine.batch``: a ds_config's
+    where it sets them, at N_d = gpus / model_parallel), else as given (1 for None); values of the wrong type
+    pass through to the config, which refuses them by name."""
     whole = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (gpus, model_parallel))
     typed = all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (micro_batch, grad_accum))
-    if ds_config is None or not (whole and typed):
+    if settings_file is None or not (whole and typed):
         return (1 if micro_batch is None else micro_batch), (1 if grad_accum is None else grad_accum)
-    batch = run_batch(ds_config, gpus // model_parallel if gpus % model_parallel == 0 else None, micro_batch, grad_accum)
-    return batch.micro_batch, batch.grad_accum
+    nd = gpus // model_parallel if gpus % model_parallel == 0 else None
+    return get_engine(engine).batch(settings_file, nd, micro_batch, grad_accum, ("micro_batch", "grad_accum"))
 
 
 def estimate(
@@ -137,7 +137,7 @@ def estimate(
     meta device fine; a ``transformers`` model whose config zeroplan reads also gets the peak, any
     other module shapes only). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
     ``grad_accum`` and ``foreach`` describe the training step of an architecture (micro-batch and
-    accumulation: a ``ds_config``'s batch where it sets one, ``zeroplan.engines.deepspeed.run_batch``;
+    accumulation: a ``ds_config``'s batch where it sets one, the engine's ``Engine.batch``;
     else 1). ``gpus`` = N_d x
     ``model_parallel``. Remaining keywords are the engine's options: for ``reference``,
     ``PrecisionPolicy`` fields (``param_dtype``, ``grad_dtype``, ``master_weights``, ``optimizer``,
@@ -145,9 +145,9 @@ def estimate(
     for ``deepspeed``, ``ds_config`` (a parsed ds_config.json; ``stage`` fills in its stage). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
-    policy, engine_options = split_keywords(engine_name(engine), options)
-    micro_batch, grad_accum = api_batch(engine_options.ds_config if model is not None else None, gpus, model_parallel,
-                                     micro_batch, grad_accum)  # fmt: skip
+    policy, engine_options = split_keywords(engine, options)
+    micro_batch, grad_accum = api_batch(engine, engine_options.ds_config if model is not None else None, gpus,
+                                        model_parallel, micro_batch, grad_accum)  # fmt: skip
     architecture = None
     if isinstance(model, os.PathLike):  # model=Path("config.json"), as the docs say
         model = os.fspath(model)

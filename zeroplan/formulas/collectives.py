@@ -16,6 +16,11 @@ from zeroplan.formulas.memory import buffer_numels
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
 
+DEFAULT_BUCKET_NUMEL = 500_000_000
+"""Elements per gradient bucket / all-gather call: DeepSpeed 0.19.8's default ``reduce_bucket_size`` and
+``allgather_bucket_size`` (5e8, ``runtime/zero/config.py``); the plan's latency estimate uses it for the
+ladder's collectives, and the DeepSpeed profile as its default (``zeroplan.engines.deepspeed.config``)."""
+
 PASSES: dict[str, int] = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}
 """Passes of a collective over its data. An all-reduce is a reduce-scatter followed by an all-gather
 (ZeRO paper, section 7.1), so it moves twice its size; the nccl-tests bus-bandwidth factors 2(n-1)/n

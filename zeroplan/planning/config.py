@@ -16,8 +16,8 @@ from zeroplan.architectures.spec import TransformerSpec, gpt_for_params, numels,
 from zeroplan.engines import EngineName, get_engine, planner_options
 from zeroplan.engines.base import EngineOptions, PlannerOptions
 from zeroplan.estimation.workload import check_seq_len
-from zeroplan.engines.deepspeed import DEFAULT_BUCKET_NUMEL
 from zeroplan.formulas.activations import activation_bytes
+from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL
 from zeroplan.formulas.commtime import ALGORITHMS
 from zeroplan.formulas.cuda_workspaces import capability_of
 from zeroplan.formulas.offload import DEVICES
@@ -87,7 +87,7 @@ class PlanConfig(BaseModel):
     foreach: Flag = True
     """the optimizer's multi-tensor path, for the peak; True is torch's default on CUDA."""
     engine: EngineName = "reference"
-    """the training engine whose peak decides the fit (``zeroplan.engines.ENGINES``)."""
+    """the training engine whose peak decides the fit (``zeroplan.engines.get_engine``)."""
     engine_options: EngineOptions = EngineOptions()
     """options in the engine's own vocabulary (``--deepspeed-config``, ``--param-dtype``/``--reduce-dtype``
     of FSDP2's ``MixedPrecisionPolicy``); an engine's own plan chooses the rest."""
@@ -141,7 +141,6 @@ class PlanConfig(BaseModel):
                     "(an architecture), model_parallel=1, checkpointing none or full and no offload; got "
                     f"{bad}={getattr(self, bad)!r}"
                 )
-            _check_file_settings(self)
         if self.model is not None:
             check_seq_len(self.transformer, self.sequence_length)
         if self.transformer is not None:  # keep every printed size a sane byte count
@@ -236,14 +235,3 @@ class PlanConfig(BaseModel):
     @property
     def host_link(self) -> LinkSpec:
         return get_interconnect(self.gpu_spec.host_link if self.gpu_spec else "pcie4")
-
-
-def _check_file_settings(config: "PlanConfig") -> None:
-    """The engine's settings file read by the same check ``estimate`` uses (``Engine.planner_settings``),
-    so a file ``estimate`` refuses is refused by ``plan`` too: a ``zero_optimization.stage`` of 4, 0 or "3"
-    (the engine's own search drops the file's stage before reading it, ``planner_plan``). A file without
-    a stage is left to the search, which chooses one."""
-    ds = config.engine_options.ds_config
-    zero = ds.get("zero_optimization") if isinstance(ds, dict) else None
-    if isinstance(zero, dict) and "stage" in zero:
-        get_engine(config.engine).planner_settings(config.planner_options)

@@ -66,7 +66,7 @@ class SweepConfig(BaseModel):
     foreach: Flag = True
     """the optimizer's multi-tensor path, for the peak; True is torch's default on CUDA."""
     engine: EngineName = "reference"
-    """the training engine of the peak columns (``zeroplan.engines.ENGINES``)."""
+    """the training engine of the peak columns (``zeroplan.engines.get_engine``)."""
     gpus: tuple[GpuCount, ...] = (1,)
     """total GPU counts = N_d x N_m."""
     model_parallel: tuple[GpuCount, ...] = (1,)

@@ -14,27 +14,24 @@ Byte counts stay exact integers: int64 holds 9.2e18, and the largest count here 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from functools import lru_cache
 
 import numpy as np
 import pandas as pd
 
 from zeroplan.engines import get_engine, split_keywords
-from zeroplan.engines.deepspeed import sweep_micro_batches
 from zeroplan.estimation.estimate import stage_estimates
-from zeroplan.estimation.workload import model_workload
 from zeroplan.estimation.records import StageEstimate
-from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload
-from zeroplan.formulas.peak import PHASES, PeakEstimate
+from zeroplan.formulas.peak import PHASES
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import STAGES
 from zeroplan.planning.plan import rank_states
 from zeroplan.policy import PrecisionPolicy
+from zeroplan.sweeping.axes import (CHUNK_ROWS, activation_column, engine_row, grid_slice, n_configurations,
+                                    peak_possible, stage_peaks, whole_lists)
 from zeroplan.sweeping.config import SweepConfig
 from zeroplan.sweeping.records import SweepRow
-from zeroplan.types import engine_name
 
 COLUMNS: tuple[str, ...] = tuple(SweepRow.model_fields)
 """Columns of a sweep, in order: the fields of ``zeroplan.sweeping.records.SweepRow``."""
@@ -60,77 +57,6 @@ def _collectives_column(sweep_rows: list, nd: np.ndarray) -> pd.Categorical:
     return pd.Categorical.from_codes(np.stack(codes, axis=1).ravel(), categories=categories)
 
 
-CHUNK_ROWS = 2**17
-"""Rows per frame of ``sweep_frames`` (about 50 MB of DataFrame): what the command holds at a time."""
-
-
-def _axes(config: SweepConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """params, then the (gpus, model_parallel) pairs where N_m divides gpus (gpus-major), then
-    micro-batches."""
-    values = [int(p) for p in config.params] if config.params else [sum(config.numels)]
-    params = np.array(values, dtype=np.int64)
-    g, m = np.array(config.gpus, dtype=np.int64), np.array(config.model_parallel, dtype=np.int64)
-    gi, mi = np.nonzero(g[:, None] % m[None, :] == 0)
-    return params, g[gi], m[mi], np.array(config.micro_batch, dtype=np.int64)
-
-
-def n_configurations(config: SweepConfig) -> int:
-    """Configurations of the grid (rows = this x the (stage, offload) pairs)."""
-    params, g, _, b = _axes(config)
-    return params.size * g.size * b.size
-
-
-def _grid(config: SweepConfig, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
-    """Configurations ``start`` to ``stop`` of the grid in order (params slowest, then gpus, model_parallel,
-    micro_batch), as int64 arrays; combinations where N_m does not divide gpus are not in the grid."""
-    params, g, m, b = _axes(config)
-    n = params.size * g.size * b.size
-    index = np.arange(start, n if stop is None else min(stop, n), dtype=np.int64)
-    i_params, rest = np.divmod(index, g.size * b.size)
-    i_pair, i_batch = np.divmod(rest, b.size)
-    return {
-        "params": params[i_params], "gpus": g[i_pair], "model_parallel": m[i_pair], "micro_batch": b[i_batch]
-    }
-
-
-def _activations(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes, known) per configuration: ``formulas.activations`` once per distinct (N_m, micro-batch),
-    with N_m taken as tensor parallelism as ``zeroplan.plan`` does; unknown without a model."""
-    out, known = np.zeros(m.shape, dtype=np.int64), np.zeros(m.shape, dtype=bool)
-    if config.model is None:
-        return out, known
-    for nm in config.model_parallel:
-        for mb in config.micro_batch:
-            value = activation_bytes(config.spec, config.sequence_length, mb, config.checkpointing, nm)
-            if value is not None:
-                where = (m == nm) & (b == mb)
-                out[where], known[where] = value, True
-    return out, known
-
-
-@lru_cache(maxsize=4096)
-def _stage_peaks(config: SweepConfig, nd: int, micro_batch: int) -> dict[int, PeakEstimate]:
-    """{stage: peak} of the engine for one (N_d, micro-batch) of the grid (``zeroplan.engines``)."""
-    engine = get_engine(config.engine)
-    workload = model_workload(config.spec, config.sequence_length, micro_batch, config.checkpointing, 1,
-                              config.foreach)  # fmt: skip
-    rows = engine.estimate(workload, nd, engine.planner_settings(config.planner_options()))
-    return {r.stage: r.peak for r in rows if r.peak is not None}
-
-
-@lru_cache(maxsize=64)
-def peak_possible(config: SweepConfig) -> bool:
-    """Whether the grid gets peak columns: an architecture, a checkpointing mode the peak knows, and a
-    policy the engine's peak models (the engine raises ValueError for one it does not)."""
-    if config.model is None or config.checkpointing not in ("none", "full"):
-        return False
-    try:
-        _stage_peaks(config, 1, config.micro_batch[0])
-    except ValueError:
-        return False
-    return True
-
-
 def _peaks(config: SweepConfig, nd, m, b, stage, offload_none) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(bytes, phase code, known) per row: the peak of rows without offload and with N_m = 1."""
     out = np.zeros(nd.shape, dtype=np.int64)
@@ -140,7 +66,7 @@ def _peaks(config: SweepConfig, nd, m, b, stage, offload_none) -> tuple[np.ndarr
         return out, phase, known
     rows = np.flatnonzero((m == 1) & offload_none)
     for i in rows:
-        peak = _stage_peaks(config, int(nd[i]), int(b[i])).get(int(stage[i]))
+        peak = stage_peaks(config, int(nd[i]), int(b[i])).get(int(stage[i]))
         if peak is not None:
             out[i], phase[i], known[i] = peak.peak_bytes, 1 + PHASES.index(peak.peak_phase), True
     return out, phase, known
@@ -149,7 +75,7 @@ def _peaks(config: SweepConfig, nd, m, b, stage, offload_none) -> tuple[np.ndarr
 def sweep_config(config: SweepConfig) -> pd.DataFrame:
     """One row per configuration, stage and offload, in grid order: params, gpus, model_parallel,
     micro_batch, stage, offload (the last fastest)."""
-    return _frame(config, _grid(config))
+    return _frame(config, grid_slice(config))
 
 
 def sweep_frames(config: SweepConfig, rows: int = CHUNK_ROWS) -> Iterator[pd.DataFrame]:
@@ -158,23 +84,7 @@ def sweep_frames(config: SweepConfig, rows: int = CHUNK_ROWS) -> Iterator[pd.Dat
     per = len(config.engine_stages) if get_engine(config.engine).one_row else len(config.pairs)
     step = max(1, rows // per)
     for start in range(0, n_configurations(config), step):
-        yield _frame(config, _grid(config, start, start + step))
-
-
-@lru_cache(maxsize=4096)
-def _engine_row(config: SweepConfig, nd: int, micro_batch: int, stage: int | None) -> StageEstimate:
-    """One configuration of a one-row engine (``Engine.one_row``) as a ``StageEstimate``: model states,
-    collectives and peak from ``Engine.estimate``, "vs DP" against the reference stage 0 in the engine's
-    byte convention, as ``zeroplan.estimate`` computes them."""
-    engine = get_engine(config.engine)
-    workload = model_workload(config.spec, config.sequence_length, micro_batch, config.checkpointing, 1,
-                              config.foreach)  # fmt: skip
-    settings = engine.planner_settings(config.planner_options(stage))
-    (row,) = engine.estimate(workload, nd, settings)
-    (dp,) = stage_estimates(config.numels, nd, engine.policy(settings), (0,), None, True)
-    fits = None if config.gpu_memory_bytes is None else row.model_states_bytes <= config.gpu_memory_bytes
-    reduction = dp.memory.model_states_bytes / row.model_states_bytes
-    return StageEstimate(row.stage, row.label, row.memory, reduction, row.collectives, fits, row.peak)
+        yield _frame(config, grid_slice(config, start, start + step))
 
 
 def _engine_frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
@@ -183,7 +93,7 @@ def _engine_frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFr
     m = grid["model_parallel"]
     nd, b = grid["gpus"] // m, grid["micro_batch"]
     stages = config.engine_stages
-    rows = [_engine_row(config, int(n), int(mb), st) for n, mb in zip(nd, b, strict=True) for st in stages]
+    rows = [engine_row(config, int(n), int(mb), st) for n, mb in zip(nd, b, strict=True) for st in stages]
     k = len(stages)
 
     def repeat(a: np.ndarray) -> np.ndarray:
@@ -200,7 +110,7 @@ def _engine_frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFr
     peak = ints(r.peak.peak_bytes if r.peak is not None else 0 for r in rows)
     phase = ints(1 + PHASES.index(r.peak.peak_phase) if r.peak is not None else 0 for r in rows)
     states = ints(r.memory.model_states_bytes for r in rows)
-    act, known = (repeat(a) for a in _activations(config, m, b))
+    act, known = (repeat(a) for a in activation_column(config, m, b))
     memory = config.gpu_memory_bytes
     no_memory = np.full(n_rows, memory is None)
     zeros = np.zeros(n_rows, dtype=np.int64)
@@ -274,7 +184,7 @@ def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
         fits = pd.arrays.BooleanArray(np.zeros(n_rows, dtype=bool), mask=np.ones(n_rows, dtype=bool))
     else:
         fits = pd.arrays.BooleanArray(per_row("fits"), mask=np.zeros(n_rows, dtype=bool))
-    act, known = (repeat(a) for a in _activations(config, m, grid["micro_batch"]))
+    act, known = (repeat(a) for a in activation_column(config, m, grid["micro_batch"]))
     stage_rows = np.tile(np.array([s for s, _ in pairs], dtype=np.int64), nd.size)
     offload_none = np.tile(np.array([o == NO_OFFLOAD for _, o in pairs]), nd.size)
     peak, phase, peak_known = _peaks(config, repeat(nd), repeat(m), repeat(grid["micro_batch"]), stage_rows,
@@ -356,12 +266,6 @@ def _dp_bytes(numels: tuple, nd: np.ndarray, config: SweepConfig, flat_layout: b
     return np.asarray(dp.memory.model_states_bytes, dtype=np.int64)
 
 
-def _whole_lists(*lists: object) -> bool:
-    """Each of ``lists`` is None or a list/tuple of whole numbers >= 1 (else the config refuses it by name)."""
-    return all(v is None or (isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
-               and x >= 1 for x in v)) for v in lists)  # fmt: skip
-
-
 def sweep(
     params: Sequence[float] | None = None,
     gpus: Sequence[int] = (1,),
@@ -385,13 +289,14 @@ def sweep(
     int64. ``offload`` items are ``zeroplan.parsing.parse_offload`` strings ('none', 'cpu', 'cpu/cpu', ...).
     Remaining keywords are the engine's options, as for ``estimate`` (``PrecisionPolicy`` fields for the
     reference engine). ``micro_batch``: a ds_config's where it sets the batch
-    (``zeroplan.engines.deepspeed.sweep_micro_batches``), else as given (None: 1). Raises
+    (the engine's ``Engine.sweep_batches``), else as given (None: 1). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
-    policy, engine_options = split_keywords(engine_name(engine), options)
-    if model is not None and engine_options.ds_config is not None and _whole_lists(gpus, model_parallel, micro_batch):
-        micro_batch = sweep_micro_batches(engine_options.ds_config, tuple(gpus), tuple(model_parallel),
-                                          None if micro_batch is None else tuple(micro_batch)) or micro_batch
+    policy, engine_options = split_keywords(engine, options)
+    if model is not None and engine_options.ds_config is not None and whole_lists(gpus, model_parallel, micro_batch):
+        micro_batch = get_engine(engine).sweep_batches(engine_options.ds_config, tuple(gpus), tuple(model_parallel),
+                                                       None if micro_batch is None else tuple(micro_batch),
+                                                       "micro_batch") or micro_batch  # fmt: skip
     micro_batch = (1,) if micro_batch is None else micro_batch
     config = SweepConfig(  # the config checks and converts the sequences (a str or a number is refused)
         params=params,

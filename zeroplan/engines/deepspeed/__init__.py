@@ -27,11 +27,13 @@ phase (init, forward, backward, optimizer step) with the terms alive there, and 
 largest moment.
 """
 
-from zeroplan.engines.deepspeed.batch import DsBatch, ds_batch, run_batch, sweep_micro_batches
+from zeroplan.engines.base import Engine
+from zeroplan.engines.deepspeed.batch import DsBatch, ds_batch, planner_batch, run_batch, sweep_micro_batches
 from zeroplan.engines.deepspeed.collectives import DSCollective, greedy_buckets
 from zeroplan.engines.deepspeed.config import (DEEPSPEED_OPTIMIZERS, DEFAULT_BUCKET_NUMEL, NVME_PATH,
                                                STAGE3_PREFETCH_NUMEL, DeepSpeedConfig, deepspeed_config,
-                                               from_deepspeed, load_deepspeed, merge_deepspeed, parse_ds_config)
+                                               from_deepspeed, load_deepspeed, merge_deepspeed, merge_ds_config,
+                                               parse_ds_config)
 from zeroplan.engines.deepspeed.coordinator import Coordinator, Stage3Gather, Stage3Schedule, stage3_schedule
 from zeroplan.engines.deepspeed.estimator import ds_estimate_bytes, ds_estimate_zero2_bytes, ds_estimate_zero3_bytes
 from zeroplan.engines.deepspeed.phases import (backward_moments, forward_moments, init_moments, moments,
@@ -60,9 +62,15 @@ __all__ = [
     "backward_moments", "build_snippet", "candidates", "collectives", "deepspeed_config", "ds_batch",
     "ds_estimate_bytes", "ds_estimate_zero2_bytes", "ds_estimate_zero3_bytes", "ds_run", "estimate",
     "flat_padded_numel", "forward_moments", "from_deepspeed", "greedy_buckets", "init_moments",
-    "inner_optimizer_class", "load_deepspeed", "memory_breakdown", "merge_deepspeed", "model_state_bytes", "moments",
+    "inner_optimizer_class", "load_deepspeed", "memory_breakdown", "merge_deepspeed", "merge_ds_config", "planner_batch",
+    "model_state_bytes", "moments",
     "optimizer_class", "optimizer_moments", "parse_ds_config", "persistent_numel", "planner_block_bytes",
     "planner_plan", "planner_policy", "planner_settings", "recommend", "run_batch", "stage3_partition_numel",
     "stage3_schedule", "stage3_trace", "sweep_micro_batches", "terms", "to_ds_config", "wrapper_for",
-    "zero_init_moments",
+    "zero_init_moments", "ENGINE",
 ]  # fmt: skip
+
+ENGINE = Engine("deepspeed", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
+                ds_estimate_bytes, "DeepSpeed's estimator", planner_block_bytes, batch=planner_batch,
+                sweep_batches=sweep_micro_batches, read_settings_file=Settings.from_ds_config)  # fmt: skip
+"""DeepSpeed as the registry knows it (``zeroplan.engines``): its batch is the ds_config's."""

@@ -65,6 +65,13 @@ def run_batch(config: Optional[dict], nd: Optional[int], micro_batch: Optional[i
     return batch
 
 
+def planner_batch(config: Optional[dict], nd: Optional[int], micro_batch: Optional[int], grad_accum: Optional[int],
+                  names: tuple[str, str] = ("micro_batch", "grad_accum")) -> tuple[int, int]:
+    """``Engine.batch``: ``run_batch`` as (micro-batch, accumulation)."""
+    batch = run_batch(config, nd, micro_batch, grad_accum, names)
+    return batch.micro_batch, batch.grad_accum
+
+
 def sweep_micro_batches(config: Optional[dict], gpus: tuple[int, ...], model_parallel: tuple[int, ...],
                         micro_batches: Optional[tuple[int, ...]], name: str = "micro_batch") -> Optional[tuple[int, ...]]:
     """``sweep``'s micro-batches over the grid's N_d = gpus / model_parallel (pairs that divide): (the file's,)

@@ -22,14 +22,12 @@ from typing import Annotated, Optional
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, validate_call
 
 from zeroplan.files import read_json
+from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL  # its home: DeepSpeed's default, 5e8
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.formulas.stages import get_stage
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.types import MAX_BATCH, MAX_GPUS, BatchCount, Numel, StageNumber
 
-DEFAULT_BUCKET_NUMEL = 500_000_000
-"""Elements per gradient bucket / all-gather call: DeepSpeed's default ``reduce_bucket_size`` and
-``allgather_bucket_size`` (5e8); the plan's latency estimate uses it too."""
 STAGE3_PREFETCH_NUMEL = 50_000_000
 """DeepSpeed's default ``stage3_prefetch_bucket_size`` (5e7 elements)."""
 NVME_PATH = "/local_nvme"
@@ -197,13 +195,28 @@ def _ds_dtype(value: str, key: str) -> str:
 
 def parse_ds_config(config: object) -> "DeepSpeedConfig":
     """The sections of a parsed ds_config.json that zeroplan reads, strictly typed; ValueError (one line
-    naming the key) for anything else than a JSON object of the documented types."""
+    naming the key) for anything else than a JSON object of the documented types.
+
+    The file is read once at the edge (the CLI, ``zeroplan.cli_options.read_settings_file``) and its dict
+    handed down; the batch rule, ``Settings`` and the policy reader each ask for it, so a validated config
+    is kept per content (``repr``: a tuple is not a list, 1 is not True) and validated once per process."""
     if not isinstance(config, dict):
         raise ValueError("deepspeed config: expected a JSON object")
+    key = repr(config)
+    if key in _PARSED:
+        return _PARSED[key]
     try:
-        return DeepSpeedConfig.model_validate(config)
+        parsed = DeepSpeedConfig.model_validate(config)
     except ValidationError as exc:
         raise _ds_error(exc) from None
+    if len(_PARSED) >= 64:  # a sweep of many files: keep the newest
+        _PARSED.pop(next(iter(_PARSED)))
+    _PARSED[key] = parsed  # frozen sections: safe to share
+    return parsed
+
+
+_PARSED: dict[str, "DeepSpeedConfig"] = {}
+"""``parse_ds_config``'s validated configs by ``repr`` of the dict (at most 64)."""
 
 
 def from_deepspeed(config: object) -> dict:
@@ -216,7 +229,8 @@ def from_deepspeed(config: object) -> dict:
         if device not in ("none", None):
             raise ValueError(
                 f"deepspeed config: zero_optimization.{key}.device={device!r}: `zeroplan estimate` models "
-                "GPU-resident states; use `zeroplan plan --offload cpu|nvme` for offload"
+                "GPU-resident states; for offload use `zeroplan plan --engine reference --offload cpu|nvme` (without "
+                "--deepspeed-config)"
             )
     stage = get_stage(zero.stage, "deepspeed config: zero_optimization.stage").number
 
@@ -254,7 +268,12 @@ def merge_deepspeed(path: str | Path, given: dict) -> dict:
     ValueError when an option contradicts the file: the user meant one of them, and guessing which
     would print a number for a run that does not exist.
     """
-    from_file = load_deepspeed(path)
+    return merge_ds_config(read_json(path, "deepspeed config"), given)
+
+
+def merge_ds_config(config: object, given: dict) -> dict:
+    """``merge_deepspeed`` of a parsed ds_config (the CLI reads the file once, at the edge)."""
+    from_file = from_deepspeed(config)
     clash = sorted(k for k in from_file if k in given and given[k] != from_file[k])
     if clash:
         raise ValueError(f"--{clash[0].replace('_', '-')} contradicts the DeepSpeed config; drop one of them")

@@ -142,6 +142,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     the stage: the file's is one of the candidates)."""
     config = dict(options.ds_config) if options.ds_config is not None else {}
     zero = dict(config.get("zero_optimization") or {})
+    if "stage" in zero:  # the file as `estimate` reads it (a stage of 4, 0 or "3" refused), then searched
+        Settings.from_ds_config(config, None)
     zero.pop("stage", None)
     base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
     order = ranked(workload, nd, base)

@@ -10,9 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zeroplan.engines.deepspeed.config import (DEFAULT_BUCKET_NUMEL, STAGE3_PREFETCH_NUMEL, _batch_keys, _ds_dtype,
                                                _OptimizerParams, _precision_keys, from_deepspeed, parse_ds_config)
+from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 
 DEEPSPEED_VERSION = "0.19.8"
-DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "int32": 4, "bool": 1}
+DTYPE_BYTES = BYTES_PER_ELEMENT  # the one byte table (zeroplan.formulas.dtypes), under DeepSpeed's old name
 DsDtype = Literal["fp32", "bf16", "fp16"]
 # stage_1_and_2.py / bf16_optimizer.py __init__: "4-byte alignment/sizeof(fp16) = 2"; the flat group is
 # padded to a multiple of this times N_d (``flatten_dense_tensors_aligned``).

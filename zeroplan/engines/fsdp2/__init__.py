@@ -36,6 +36,7 @@ planner's side). This module re-exports the names other modules use.
 
 from __future__ import annotations
 
+from zeroplan.engines.base import Engine
 from zeroplan.engines.fsdp2.collectives import UnitCollective, unit_collectives
 from zeroplan.engines.fsdp2.launcher import fsdp2_snippet, settings_snippet
 from zeroplan.engines.fsdp2.moments import (
@@ -77,5 +78,9 @@ __all__ = [
     "forward_moments", "fsdp2_run", "fsdp2_snippet", "init_moments", "local_shard_numel", "mesh_ranks_bytes",
     "model_states", "moments", "optimizer_moments", "padded_shard_numel", "plan_options", "planner_block_bytes",
     "planner_plan", "planner_policy", "planner_settings", "post_forward_group", "predict_peak", "recommend",
-    "settings_snippet", "shard_rows", "unit_collectives", "unit_shard_numel", "units_of",
+    "settings_snippet", "shard_rows", "unit_collectives", "unit_shard_numel", "units_of", "ENGINE",
 ]  # fmt: skip
+
+ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
+                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",))
+"""FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""

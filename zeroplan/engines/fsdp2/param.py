@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 Shape = tuple[int, ...]
 
@@ -47,6 +48,7 @@ class Unit:
         return sum(math.prod(s) for s in self.shapes)
 
 
+@lru_cache(maxsize=4096)  # asked for every unit at every moment of every candidate of a plan
 def unit_shard_numel(unit: Unit, nd: int) -> int:
     """S_u: the unit's padded shard, the all-gather input and reduce-scatter output per rank."""
     return sum(padded_shard_numel(s, nd) for s in unit.shapes)

@@ -113,7 +113,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     if settings.foreach is None:  # the snippet names the foreach path the prediction used
         settings = settings.model_copy(update={"foreach": workload.foreach})
     options_ = plan_options(workload, nd, capacity_bytes, settings)
-    chosen = recommend(workload, nd, capacity_bytes, settings)
+    chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}",
                   o.estimate, o.fits, o.snippet)

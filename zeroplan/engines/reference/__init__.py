@@ -21,6 +21,7 @@ launcher config. This module re-exports the names other modules use.
 
 from __future__ import annotations
 
+from zeroplan.engines.base import Engine
 from zeroplan.engines.reference.collectives import stage_rows
 from zeroplan.engines.reference.moments import (
     backward_moments,
@@ -33,6 +34,9 @@ from zeroplan.engines.reference.moments import (
 from zeroplan.engines.reference.plan import (
     PLANNER_OPTIONS,
     estimate,
+    ds_config_batch,
+    ds_config_policy,
+    ds_config_sweep_batches,
     planner_block_bytes,
     planner_policy,
     planner_settings,
@@ -52,5 +56,11 @@ __all__ = [
     "ADAM_STEP_BYTES", "CUDA_STAT_BYTES", "FINAL_NORM_PREFIX", "MASTER_BYTES", "PEAK_OPTIMIZERS", "PLANNER_OPTIONS",
     "ReferenceRun", "Settings", "backward_moments", "check_peak_policy", "check_peak_spec", "estimate",
     "forward_moments", "init_moments", "moments", "optimizer_moments", "planner_block_bytes", "planner_policy",
-    "planner_settings", "predict_peak", "reference_run", "stage_rows",
+    "planner_settings", "predict_peak", "reference_run", "stage_rows", "ENGINE",
 ]  # fmt: skip
+
+ENGINE = Engine("reference", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS,
+                block_bytes=planner_block_bytes, batch=ds_config_batch, sweep_batches=ds_config_sweep_batches,
+                file_policy=ds_config_policy)  # fmt: skip
+"""The reference runtime as the registry knows it (``zeroplan.engines``): the ZeRO ladder (no own search); a
+ds_config, where given, completes its policy and sets its batch as DeepSpeed would."""

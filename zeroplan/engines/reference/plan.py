@@ -77,3 +77,34 @@ def planner_policy(settings: Settings) -> PrecisionPolicy:
 def planner_block_bytes(settings: Settings) -> int:
     """The allocator block every peak term is rounded to."""
     return settings.block_bytes
+
+
+# A ds_config given to the reference engine (``--deepspeed-config``) is read as DeepSpeed reads it: its
+# precision completes the paper's policy and its batch keys set the run's batch. DeepSpeed's reader is
+# imported when a file is given, so `estimate` without one never loads it.
+
+
+def ds_config_policy(config, given: dict) -> dict:
+    """``Engine.file_policy``: the policy fields given, completed from a parsed ds_config
+    (``zeroplan.engines.deepspeed.merge_ds_config``; a contradiction is refused)."""
+    from zeroplan.engines.deepspeed.config import merge_ds_config
+
+    return merge_ds_config(config, given)
+
+
+def ds_config_batch(config, nd, micro_batch, grad_accum, names=("micro_batch", "grad_accum")) -> tuple[int, int]:
+    """``Engine.batch``: the ds_config's batch where one is given (DeepSpeed's rule), else the command line's."""
+    if config is None:
+        return (micro_batch or 1, grad_accum or 1)
+    from zeroplan.engines.deepspeed.batch import planner_batch
+
+    return planner_batch(config, nd, micro_batch, grad_accum, names)
+
+
+def ds_config_sweep_batches(config, gpus, model_parallel, micro_batches, name="micro_batch"):
+    """``Engine.sweep_batches``: DeepSpeed's for a given ds_config, else None (the command line's stand)."""
+    if config is None:
+        return None
+    from zeroplan.engines.deepspeed.batch import sweep_micro_batches
+
+    return sweep_micro_batches(config, gpus, model_parallel, micro_batches, name)

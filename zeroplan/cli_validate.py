@@ -1,0 +1,184 @@
+"""``zeroplan validate``: run the engines on real ranks and compare with the prediction (the command;
+``zeroplan.cli`` registers it). torch is imported inside, by ``validate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from zeroplan.cli_options import ReshardOption, UserError, given, read_settings_file, refuse_unused
+
+
+def validate_cmd(
+    ctx: typer.Context,
+    world_size: Optional[list[int]] = typer.Option(
+        None, "--world-size",
+        help="N_d; repeat for several. Default: 2 and 4 (64 with --simulated). Real: at most 4 ranks per usable "
+        "core and what memory holds; simulated: at most 65536.",
+    ),
+    stage: Optional[list[int]] = typer.Option(None, "--stage", help="ZeRO stage 0-3; repeat. Default: all."),
+    model: Optional[str] = typer.Option(
+        None, help="gpt-tiny (default), mlp-tiny, gpt-1b-wide, a model preset or a config.json path."
+    ),
+    params: Optional[str] = typer.Option(
+        None, help="Instead of --model: a GPT-style model of about Ψ params (the table says what was built)."
+    ),
+    simulated: bool = typer.Option(False, "--simulated", help="One process plays rank 0 on a fake group."),
+    device: str = typer.Option("auto", help="auto (cuda if present), cpu or cuda."),
+    steps: int = typer.Option(3, help="Training steps per stage, 2-1000."),
+    batch_per_rank: int = typer.Option(
+        2, "--micro-batch", "--batch-per-rank", help="Micro-batch: samples per rank per step, 1-4096."
+    ),
+    grad_accum: int = typer.Option(
+        1, "--grad-accum",
+        help="Micro-steps per optimizer step, 1-64 (reference engine): G forward+backward, one update.",
+    ),
+    checkpointing: str = typer.Option("none", help="Activation checkpointing: none, or full (each block recomputed)."),
+    foreach: Optional[bool] = typer.Option(
+        None, "--foreach/--no-foreach", help="Adam's foreach path (default: torch's choice for the device)."
+    ),
+    peak_tolerance: Optional[float] = typer.Option(
+        None, help="Largest relative error of any phase's peak still ok (default 0.02; 0.03 with --engine deepspeed)."
+    ),
+    seq_len: Optional[int] = typer.Option(
+        None, "--seq-len", help="Tokens per sample (GPT only; at most the model's positions; default: all)."
+    ),
+    param_dtype: str = typer.Option(
+        "bf16", "--param-dtype", help="16-bit dtype of the runtime's params/grads: bf16 or fp16 (master, Adam: fp32); "
+        "fsdp2: MixedPrecisionPolicy.param_dtype, bf16 or fp32 (no mixed precision).",
+    ),
+    engine: str = typer.Option(
+        "reference", "--engine", help="What trains: reference (the bundled ZeRO runtime), fsdp2 or deepspeed (the real ones)."
+    ),
+    reduce_dtype: Optional[str] = typer.Option(
+        None, "--reduce-dtype", help="fsdp2: MixedPrecisionPolicy.reduce_dtype, bf16 or fp32 (default: param dtype)."
+    ),
+    reshard_after_forward: ReshardOption = None,
+    fsdp2_init: Optional[str] = typer.Option(
+        None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
+        "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
+    ),
+    fake_tensors: Optional[bool] = typer.Option(
+        None, "--fake-tensors/--real-tensors", help="--simulated: FakeTensorMode (default on CPU) or real tensors."
+    ),
+    tolerance: float = typer.Option(0.01, help="Largest relative error of model states still ok."),
+    timeout: float = typer.Option(600.0, help="Seconds one world size may run, counted from its launch."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full result here (atomically)."),
+    baseline: Optional[Path] = typer.Option(
+        None, "--baseline", help="An earlier --json result: fail (exit 1) if a figure moved beyond --baseline-tolerance."
+    ),
+    baseline_tolerance: float = typer.Option(
+        0.005, "--baseline-tolerance", help="Largest relative move of a predicted or measured figure vs --baseline."
+    ),
+    wire: bool = typer.Option(False, "--wire", help="Also count bytes on loopback in a private netns (gloo)."),
+    nnodes: int = typer.Option(1, "--nnodes", help="Nodes of a real run (torchrun); run this command on each."),
+    node_rank: int = typer.Option(0, "--node-rank", help="This node's rank, 0 to nnodes-1 (torchrun)."),
+    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Address of node 0 (torchrun)."),
+    master_port: Optional[int] = typer.Option(
+        None, "--master-port", help="TCP port on node 0 (torchrun); default: a free port (one node only)."
+    ),
+    deepspeed_config: Optional[Path] = typer.Option(
+        None, "--deepspeed-config", help="--engine deepspeed: a ds_config.json to run (default: built-in configs)."
+    ),
+    zero_init: bool = typer.Option(
+        False, "--zero-init", help="--engine deepspeed, ZeRO-3: build the model under deepspeed.zero.Init("
+        "config_dict_or_path=<the ds_config>), partitioned as built (default: built whole, then partitioned).",
+    ),
+) -> None:
+    """Train the reference ZeRO runtime (or real FSDP2 / DeepSpeed with --engine), measure memory and traffic,
+    compare with zeroplan;
+    exit 1 if off."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise UserError('validate needs torch (2.4 to 2.13): install the extra, e.g. pip install ".[validate]"')
+    if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise UserError('--engine deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install ".[deepspeed]"')
+    from zeroplan.files import check_writable
+
+    if json_path is not None:  # first: a run must never be lost to a path that cannot be written
+        check_writable(json_path, inputs=[model, baseline, deepspeed_config])
+    if not 0 < baseline_tolerance < 1:
+        raise UserError(f"--baseline-tolerance {baseline_tolerance:g}: must be between 0 and 1")
+    if reshard_after_forward is not None:  # the planner's vocabulary: true, false or K (zeroplan.parsing)
+        from zeroplan.parsing import parse_reshard
+
+        try:
+            reshard_after_forward = parse_reshard(reshard_after_forward)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    old = None
+    if baseline is not None:
+        from validate.baseline import read_baseline
+
+        try:
+            old = read_baseline(str(baseline))
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    from validate.api import run_validation, write_json_atomic
+    from validate.config import ValidateConfig
+    from validate.harness import Interrupted, NotNodeZero, RunFailed
+    from validate.report import to_table
+    from zeroplan.parsing import parse_count
+
+    ds = read_settings_file(deepspeed_config)
+    batch_keys = sorted(k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+                        if isinstance(ds, dict) and k in ds)  # fmt: skip
+    if batch_keys:
+        refuse_unused(ctx, ("batch_per_rank",), f"with a DeepSpeed config that sets the batch ({', '.join(batch_keys)})")
+    config = ValidateConfig(
+        **given(stages=tuple(stage) if stage else None, world_sizes=tuple(world_size) if world_size else None),
+        model=model,
+        params=parse_count(params) if params is not None else None,
+        simulated=simulated,
+        device=device,
+        steps=steps,
+        batch_per_rank=batch_per_rank,
+        grad_accum=grad_accum,
+        seq_len=seq_len,
+        param_dtype=param_dtype,
+        **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
+                reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init),
+        tolerance=tolerance,
+        checkpointing=checkpointing,
+        foreach=foreach,
+        **given(peak_tolerance=peak_tolerance),
+        timeout_s=timeout,
+        wire=wire,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        deepspeed_config=ds,
+        zero_init=zero_init,
+    )
+    try:
+        report = run_validation(config)
+    except KeyboardInterrupt:
+        typer.echo("zeroplan: error: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except Interrupted as exc:  # SIGTERM, SIGHUP: ranks and temporary files are gone already
+        typer.echo(f"zeroplan: error: {exc}", err=True)
+        raise typer.Exit(128 + exc.signum) from None
+    except NotNodeZero as exc:
+        typer.echo(str(exc))
+        return
+    except RunFailed as exc:
+        typer.echo(f"zeroplan: error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if old is not None:
+        from validate.baseline import with_drift
+
+        report = with_drift(report, old, baseline_tolerance)
+    if json_path is not None:
+        check_writable(json_path, inputs=[model, baseline, deepspeed_config])  # nothing put in the way since
+        write_json_atomic(report, json_path)
+    typer.echo(to_table(report))
+    if old is not None:
+        lines = report["baseline_drift"]["lines"]
+        typer.echo(f"baseline {baseline}: " + ("no figure moved beyond " f"{100 * baseline_tolerance:g}%" if not lines
+                   else "DRIFT: " + "; ".join(lines)))  # fmt: skip
+    if not report["ok"]:
+        raise typer.Exit(1)
