@@ -188,20 +188,13 @@ def step_time(
     One call of a collective costs bytes_per_rank / B plus α for every step of every bucket
     (``bucket_numel`` elements per bucket; None = one bucket per collective).
     """
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum={grad_accum}: must be >= 1")
-    if bucket_numel is not None and bucket_numel < 1:
-        raise ValueError(f"bucket_numel={bucket_numel}: must be >= 1")
-    timed = []
-    for c in collectives:
-        buckets = 1 if bucket_numel is None else max(1, ceil_div(c.elements, bucket_numel))
-        seconds = c.bytes_per_rank / link.bandwidth_bytes_per_s
-        seconds += buckets * latency_steps(c.op, nd, algorithm) * link.alpha_s
-        every = runs_every_micro_step(stage, c.op)
-        timed.append(TimedCollective(c, every, calls_per_optimizer_step(stage, c.op, grad_accum), seconds))
-    timed_t = tuple(timed)
-    exposed = None if compute_s is None else exposed_comm_s(timed_t, compute_s, grad_accum)
-    return StepTime(link.name, algorithm, timed_t, compute_s, exposed)
+    _check_step(grad_accum, bucket_numel)
+    timed = tuple(
+        TimedCollective(c, runs_every_micro_step(stage, c.op), calls_per_optimizer_step(stage, c.op, grad_accum),
+                        _call_seconds(c.op, c.elements, c.bytes_per_rank, nd, link, algorithm, bucket_numel))
+        for c in collectives
+    )  # fmt: skip
+    return _step_time(link, algorithm, timed, compute_s, grad_accum)
 
 
 def engine_step_time(
@@ -219,19 +212,32 @@ def engine_step_time(
     paper's per-micro-step rows by ``calls_per_optimizer_step``). Exposure (``exposed_comm_s``): a row that
     runs every micro-step hides behind each micro-step's phase, one that runs once behind the last one's.
     """
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum={grad_accum}: must be >= 1")
-    if bucket_numel is not None and bucket_numel < 1:
-        raise ValueError(f"bucket_numel={bucket_numel}: must be >= 1")
+    _check_step(grad_accum, bucket_numel)
     timed = []
     for c in collectives:
         if c.micro_steps not in (1, grad_accum):
             raise ValueError(f"a {c.op} runs in {c.micro_steps} micro-steps: expected 1 or grad_accum={grad_accum}")
-        per_call = ceil_div(c.elements, c.micro_steps)
-        buckets = 1 if bucket_numel is None else max(1, ceil_div(per_call, bucket_numel))
-        seconds = c.bytes_per_rank / c.micro_steps / link.bandwidth_bytes_per_s
-        seconds += buckets * latency_steps(c.op, nd, algorithm) * link.alpha_s
+        seconds = _call_seconds(c.op, ceil_div(c.elements, c.micro_steps), c.bytes_per_rank / c.micro_steps, nd,
+                                link, algorithm, bucket_numel)  # fmt: skip
         timed.append(TimedCollective(c, c.micro_steps > 1, c.micro_steps, seconds))
-    timed_t = tuple(timed)
-    exposed = None if compute_s is None else exposed_comm_s(timed_t, compute_s, grad_accum)
-    return StepTime(link.name, algorithm, timed_t, compute_s, exposed)
+    return _step_time(link, algorithm, tuple(timed), compute_s, grad_accum)
+
+
+def _check_step(grad_accum: int, bucket_numel: int | None) -> None:
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum}: must be >= 1")
+    if bucket_numel is not None and bucket_numel < 1:
+        raise ValueError(f"bucket_numel={bucket_numel}: must be >= 1")
+
+
+def _call_seconds(op: str, elements: int, nbytes: float, nd: int, link: Link, algorithm: str,
+                  bucket_numel: int | None) -> float:
+    """One call: its bytes over the link's bandwidth plus α for every latency step of every bucket."""
+    buckets = 1 if bucket_numel is None else max(1, ceil_div(elements, bucket_numel))
+    return nbytes / link.bandwidth_bytes_per_s + buckets * latency_steps(op, nd, algorithm) * link.alpha_s
+
+
+def _step_time(link: Link, algorithm: str, timed: tuple[TimedCollective, ...], compute_s: float | None,
+               grad_accum: int) -> StepTime:
+    exposed = None if compute_s is None else exposed_comm_s(timed, compute_s, grad_accum)
+    return StepTime(link.name, algorithm, timed, compute_s, exposed)
