@@ -65,6 +65,8 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     options = config.planner_options
     engine = get_engine(config.engine)
     settings = engine.planner_settings(options)
+    if config.spec is not None and (limit := engine.peak_limits(options, config.spec, config.checkpointing)):
+        raise ValueError(limit.reason)  # an architecture: the peak is part of the answer
     policy = engine.policy(settings)  # the byte convention of this engine's model states
     # "vs DP": plain data parallelism's model states (the reference engine's stage 0, the same byte
     # convention) over this row's

@@ -40,7 +40,7 @@ its locals and call arguments, and were checked byte for byte with MemTracker (d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec
 
@@ -272,6 +272,16 @@ def unmodelled_features(spec: TransformerSpec) -> tuple[str, ...]:
     return tuple(name for name, present in features.items() if present) or (f"the {spec.model_type} family",)
 
 
+def activation_limit(spec: TransformerSpec) -> Optional[str]:
+    """None when the activation terms derive ``spec``'s family; else the one-line reason (every engine's peak
+    needs them: ``zeroplan.engines.base.Engine.peak_limits``)."""
+    missing = unmodelled_features(spec)
+    if not missing:
+        return None
+    return (f"model_type {spec.model_type!r}: its activation peak is not modelled yet ({', '.join(missing)}; "
+            "docs/models.md); for model states alone give its parameter shapes (--shapes)")
+
+
 def model_activations(
     spec: TransformerSpec,
     micro_batch: int,
@@ -284,12 +294,9 @@ def model_activations(
         raise ValueError(f"micro_batch={micro_batch}, seq_len={seq_len}: each must be >= 1")
     if seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len={seq_len}: the model has only {spec.max_seq_len} positions")
-    missing = unmodelled_features(spec)
-    if missing:
-        raise ValueError(
-            f"model_type {spec.model_type!r}: its activation peak is not modelled yet ({', '.join(missing)}; "
-            f"docs/models.md); for model states alone give its parameter shapes (--shapes)"
-        )
+    why = activation_limit(spec)
+    if why is not None:
+        raise ValueError(why)
     b, s, a = micro_batch, seq_len, act_bytes
     n, d, v = b * s, spec.d_model, spec.vocab_size
     if spec.style == "gpt":

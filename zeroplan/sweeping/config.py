@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.architectures.spec import numels as numels_of
 from zeroplan.engines import EngineName, get_engine, planner_options
-from zeroplan.engines.base import EngineOptions, PlannerOptions
+from zeroplan.engines.base import PLANNER_INPUTS, EngineOptions, PlannerOptions
 from zeroplan.estimation.workload import check_seq_len
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
@@ -128,9 +128,12 @@ class SweepConfig(BaseModel):
         engine = get_engine(self.engine)
         _ = self.planner_options(self.engine_stages[0] if engine.one_row else None)  # the engine's vocabulary
         if engine.one_row:
-            why = {"model": self.model is None, "model_parallel": self.model_parallel != (1,),
-                   "offload": self.offload != (NO_OFFLOAD,), "checkpointing": self.checkpointing not in ("none", "full")}
-            bad = next((k for k, v in why.items() if v), None)
+            options = self.planner_options(self.engine_stages[0])
+            nm = next((m for m in self.model_parallel if m != 1), 1)
+            limit = engine.peak_limits(options, self.spec, self.checkpointing, nm)
+            bad = limit.option if limit is not None else ("offload" if self.offload != (NO_OFFLOAD,) else None)
+            if bad is not None and bad not in (*PLANNER_INPUTS, "offload"):
+                raise ValueError(limit.reason)  # the architecture or the engine's own options
             if bad is not None:
                 raise ValueError(
                     f"sweep --engine {self.engine} evaluates the engine's own configuration, which needs a model "
