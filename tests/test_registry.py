@@ -276,3 +276,29 @@ def test_the_reference_engine_counts_collectives_per_optimizer_step():
         assert paper == one[stage].collectives  # G = 1: the paper's rows themselves
         want = step_time(stage, paper, nd, link, g).comm_s
         assert engine_step_time(acc[stage].collectives, nd, link, g).comm_s == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["reference", "fsdp2"])
+def test_the_gpu_presets_capability_sizes_the_peak_in_estimate_sweep_and_plan(tmp_path, engine):
+    """``--gpu`` sizes the cuBLAS workspaces of the peak (``PlannerOptions.gpu_capability``) in estimate and sweep
+    as in plan: an A100 (8, 0) keeps smaller workspaces than the H100 (9, 0) every command assumes without one."""
+    from zeroplan.formulas.cuda_workspaces import library_workspaces
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    step = dict(model=str(cfg), seq_len=16, checkpointing="none", engine=engine)
+    stage = {"stage": 3} if engine == "reference" else {}
+
+    def peak(**kw) -> int:
+        (row,) = zeroplan.estimate(gpus=2, **stage, **step, **kw).stages
+        return row.peak.peak_bytes
+
+    h100, a100 = peak(), peak(gpu="a100-80gb")
+    cap = {"gpu": "a100-80gb"}
+    assert h100 - a100 == library_workspaces((9, 0), False).bytes - library_workspaces((8, 0), False).bytes > 0
+    assert zeroplan.estimate(gpus=2, **stage, **step, **cap).gpu_memory_bytes == 80 * 2**30  # the preset's memory
+    frame = zeroplan.sweep(gpus=[2], **({"stages": [3]} if engine == "reference" else {}), **step, **cap)
+    assert frame["peak_bytes"].tolist() == [a100]
+    if engine == "reference":  # the ladder's stage-3 row (fsdp2's plan searches its own candidates)
+        planned = zeroplan.plan(gpus=2, **step, **cap)
+        assert next(o for o in planned.options if o.stage == 3 and not o.offload.any).peak.peak_bytes == a100

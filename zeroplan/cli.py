@@ -74,6 +74,9 @@ def estimate(
     master_weights: MasterWeights = None,
     optimizer: OptimizerName = None,
     optimizer_dtype: OptimizerDtype = None,
+    gpu: Optional[str] = typer.Option(
+        None, help="GPU preset, e.g. h100-80gb: its memory to check fit against, its cuBLAS workspaces in the peak."
+    ),
     gpu_memory: Optional[str] = typer.Option(
         None,
         help="GPU memory to check fit against: 80GiB, 32GB (whole bytes, up to 1 EiB).",
@@ -90,6 +93,7 @@ def estimate(
     from zeroplan.estimation.estimate import estimate_config
     from zeroplan.parsing import parse_bytes, parse_count
     from zeroplan.policy import PrecisionPolicy
+    from zeroplan.presets import gpu_capacity
     from zeroplan.render.estimate import to_csv, to_json, to_table
 
     if as_json and as_csv:
@@ -133,7 +137,8 @@ def estimate(
         gpus=gpus,
         model_parallel=model_parallel,
         stage=stage,
-        gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
+        gpu=gpu,
+        gpu_memory_bytes=gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)[0],
         **policy,
         engine_options=options,
     )

@@ -137,6 +137,7 @@ def sweep(
         model_parallel=parse_wholes(model_parallel, "model-parallel"),
         **({"stages": parse_wholes(stage, "stage")} if given_on_command_line(ctx, "stage") or reads_policy else {}),
         offload=parse_list(offload, "offload", parse_offload),
+        gpu=gpu,  # its compute capability sizes the peak's cuBLAS workspaces, as in plan
         gpu_memory_bytes=capacity,
         policy=policy_from(param_dtype if reads_policy else None, grad_dtype, master_weights, optimizer,
                            optimizer_dtype),  # fmt: skip
