@@ -3,6 +3,7 @@ key by key with transformers' own ``HfTrainerDeepSpeedConfig`` and accelerate's 
 the same file and the same arguments (skipped without transformers, accelerate and DeepSpeed)."""
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -179,3 +180,28 @@ def test_estimate_reads_a_trainer_config_and_says_what_auto_became(tmp_path):
     assert "train_batch_size                                            = 16  " in table
     assert_one_line_error(run("estimate", "--params", "7B", "--engine", "deepspeed", "--deepspeed-config", auto),
                           "reduce_bucket_size='auto': the HF Trainer fills it from the model's hidden_size")
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [  # DeepSpeed 0.19.8 runtime/precision_config.py get_bfloat16_config: "bf16" whenever present and not null
+        {"bf16": {"enabled": False}, "bfloat16": {"enabled": True}},
+        {"bf16": {"enabled": True}, "bfloat16": {"enabled": False}},
+        {"bf16": {}, "bfloat16": {"enabled": True}},
+        {"bfloat16": {"enabled": True}},
+        {},
+    ],
+)
+def test_bf16_and_bfloat16_sections_as_deepspeed_reads_them(sections):
+    from zeroplan.engines.deepspeed.config import from_deepspeed
+
+    config = {"zero_optimization": {"stage": 1}, **sections}
+    if importlib.util.find_spec("deepspeed") is not None:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.runtime.precision_config import get_bfloat16_config
+
+        expected = "bf16" if get_bfloat16_config(config).enabled else "fp32"
+    else:  # the same table, recorded from DeepSpeed 0.19.8
+        expected = "fp32" if sections in ({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}},
+                                          {"bf16": {}, "bfloat16": {"enabled": True}}, {}) else "bf16"
+    assert from_deepspeed(config)["param_dtype"] == expected
