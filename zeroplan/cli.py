@@ -19,7 +19,7 @@ from zeroplan.cli_options import (
 )  # fmt: skip
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
-    AccelerateConfigOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
+    AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
 )  # fmt: skip
 from zeroplan.cli_plot import PlotView, plot  # noqa: F401 - PlotView: the plot views, by their old address
 from zeroplan.cli_sweep import sweep
@@ -67,6 +67,7 @@ def estimate(
     deepspeed_config: DeepSpeedConfigOption = None,
     accelerate_config: AccelerateConfigOption = None,
     torchtitan_config: TorchtitanConfigOption = None,
+    mixed_precision: MixedPrecisionOption = None,
     reshard_after_forward: ReshardOption = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtypeOption = None,
@@ -112,7 +113,8 @@ def estimate(
     ds = read_settings_file(deepspeed_config)  # read once, here
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
-    options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len, nd, micro_batch, grad_accum)
+    options, ds, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,
+                                              mixed_precision)  # fmt: skip
     auto_lines = (*file_lines, *auto_lines)
     if options.ds_config is not None:  # "auto" resolved, or an accelerate config's: the run's ds_config
         ds = options.ds_config
@@ -210,6 +212,7 @@ def plan(
         "a ds_config instead.")] = None,
     accelerate_config: AccelerateConfigOption = None,
     torchtitan_config: TorchtitanConfigOption = None,
+    mixed_precision: MixedPrecisionOption = None,
     reduce_dtype: ReduceDtypeOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
@@ -253,11 +256,11 @@ def plan(
     refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
-    options = file_options or engine_options_from(engine, read_settings_file(deepspeed_config), None, param_dtype,
-                                                  reduce_dtype)  # fmt: skip
-    options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len,
-                                          gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0
-                                          else None, micro_batch, grad_accum)  # fmt: skip
+    ds = read_settings_file(deepspeed_config)
+    options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype)
+    options, _, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len,
+                                             gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel
+                                             == 0 else None, micro_batch, grad_accum, mixed_precision)  # fmt: skip
     auto_lines = (*file_lines, *auto_lines)
     if model is not None and model_parallel >= 1 and gpus % model_parallel == 0:  # the file's batch at the planned N_d
         # (PlanConfig checks the split and refuses model_parallel < 1 in one line)

@@ -13,20 +13,39 @@ import typer
 from zeroplan.cli_options import UserError, given_on_command_line
 
 
-def resolve_hf_auto(ctx, options, model: Optional[str], seq_len: Optional[int], nd: Optional[int], micro_batch: int,
-                    grad_accum: int):
-    """``--deepspeed-config`` with ``"auto"``: the ds_config as the HF Trainer resolves it
-    (``zeroplan.integrations.hf_trainer``) for this command's run, and the lines saying what each key became.
+#: ``--mixed-precision`` -> the run's dtype (``TrainerRun.dtype``): accelerate's ``mixed_precision`` values, the
+#: HF Trainer's ``--fp16`` / ``--bf16`` (``TrainingArguments.mixed_precision``)
+MIXED_PRECISION: dict[str, str] = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+
+MixedPrecisionOption = Annotated[
+    Optional[str],
+    typer.Option("--mixed-precision", help="The run's precision where a --deepspeed-config says \"auto\" for "
+                 "fp16/bf16: no, fp16 or bf16, as the HF Trainer's --fp16/--bf16 and accelerate's mixed_precision "
+                 "(default: no, the Trainer's default)."),
+]  # fmt: skip
+
+
+def resolve_hf_auto(ctx, options, ds: Optional[dict], model: Optional[str], seq_len: Optional[int], nd: Optional[int],
+                    micro_batch: int, grad_accum: int, mixed_precision: Optional[str] = None):
+    """A ``--deepspeed-config`` with ``"auto"`` (any engine that reads the file): the ds_config as the HF Trainer
+    resolves it (``zeroplan.integrations.hf_trainer``) for this command's run, and the lines saying what each key
+    became.
 
     The run: N_d; the micro-batch and accumulation as typed, or the command line's default where the file
     says ``"auto"`` or nothing (a plain value in the file stands: ``run_batch`` then checks it); the hidden
-    size of ``--model``; the precision is the Trainer's default (neither ``--fp16`` nor ``--bf16``): fp32.
-    Returns ``(options, lines)``; ``options`` unchanged and no lines when nothing is ``"auto"``."""
+    size of ``--model``; the precision from ``--mixed-precision`` (the Trainer's ``--fp16``/``--bf16``), else the
+    Trainer's default (neither): fp32. Returns ``(options, ds, lines)``: the resolved file in ``ds`` and, where
+    the engine holds it, in ``options.ds_config``; unchanged and no lines when nothing is ``"auto"``
+    (``--mixed-precision`` is then refused: it would change nothing)."""
     from zeroplan.integrations.ds_auto import auto_keys
 
-    ds = options.ds_config
+    if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
+        raise UserError(f"--mixed-precision {mixed_precision}: expected one of {', '.join(MIXED_PRECISION)}")
     if ds is None or not auto_keys(ds):
-        return options, ()
+        if mixed_precision is not None:
+            raise UserError("--mixed-precision fills the \"auto\" of a --deepspeed-config; this run has none "
+                            "(the precision is the file's or the engine's own option)")  # fmt: skip
+        return options, ds, ()
     from zeroplan.estimation.workload import resolve
     from zeroplan.integrations.hf_trainer import TRANSFORMERS_VERSION, TrainerRun, resolve_trainer_auto
 
@@ -37,6 +56,7 @@ def resolve_hf_auto(ctx, options, model: Optional[str], seq_len: Optional[int], 
 
     run = TrainerRun(nd=nd or 1, micro_batch=stated("micro_batch", "train_micro_batch_size_per_gpu", micro_batch),
                      grad_accum=stated("grad_accum", "gradient_accumulation_steps", grad_accum),
+                     dtype=MIXED_PRECISION[mixed_precision] if mixed_precision is not None else None,
                      hidden_size=resolve(model, seq_len)[0].d_model if model is not None else None)  # fmt: skip
     res = resolve_trainer_auto(ds, run)
     width = max(len(f.key) for f in res.filled) if res.filled else 0
@@ -44,9 +64,9 @@ def resolve_hf_auto(ctx, options, model: Optional[str], seq_len: Optional[int], 
              "docs/integrations.md):",
              *(f"  {f.key:<{width}} = {f.value!r}  ({f.source.split(' ', 2)[-1]})" for f in res.filled),
              *(f"  {key:<{width}} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
-    return options.model_copy(update={"ds_config": res.config}), lines
-
-
+    if options.ds_config is not None:
+        options = options.model_copy(update={"ds_config": res.config})
+    return options, res.config, lines
 
 
 AccelerateConfigOption = Annotated[
