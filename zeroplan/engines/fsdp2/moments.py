@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 from zeroplan.engines.fsdp2.hf_tree import (
     head_grad_held,
     last_block_in_loss,
@@ -39,6 +41,7 @@ from zeroplan.engines.fsdp2.terms import (
     resharded,
     rs_input,
     rs_output,
+    side_regathers,
     unit_grads,
     unsharded,
 )
@@ -66,17 +69,20 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
             Moment("init", "to_empty: re-padding a short shard", (*mesh_ranks(run), *rotary_buffers(run), params(run),
                    _fp("the unpadded shard being re-padded", max(repad, default=0) * run.m, src))),
         )  # fmt: skip
-    order = [*range(1, len(run.units)), 0]
+    # the fully_shard calls in the order the wrapping makes them (wrap.resolve; blocks, then the root)
+    calls = [(u.name, [s for _, s in u.params]) for u in run.shard_units if u.params] or \
+        [(run.units[u].name, list(run.units[u].shapes)) for u in [*range(1, len(run.units)), 0]]
+    numel = [sum(math.prod(s) for s in shapes) for _, shapes in calls]
+    shard = [sum(padded_shard_numel(s, run.nd) for s in shapes) for _, shapes in calls]
     out = [Moment("init", "build: lm_head before tie_weights", (*rotary_buffers(run), Term(
-        "unsharded units as built", sum(u.numel for u in run.units) * run.m, "validate/models.py:build"),
+        "unsharded units as built", sum(numel) * run.m, "validate/models.py:build"),
         *tied_head_build(run)))] if tied_head_build(run) else []  # fmt: skip
-    for i, u in enumerate(order):
-        whole = sum(run.units[v].numel for v in order[i:]) * run.m
-        done = sum(run.shard(v) for v in order[:i]) * run.m
-        out.append(Moment("init", f"fully_shard({run.units[u].name})", (
+    for i, (name, _) in enumerate(calls):
+        whole, done = sum(numel[i:]) * run.m, sum(shard[:i]) * run.m
+        out.append(Moment("init", f"fully_shard({name})", (
             *mesh_ranks(run), *rotary_buffers(run), Term("unsharded units as built", whole, "validate/models.py:build"),
             _fp("shards of the units sharded before", done, "_fsdp_param.py:FSDPParam._init_sharded_param"),
-            _fp("this unit's new shard", run.shard(u) * run.m, "_fsdp_param.py:FSDPParam._init_sharded_param"))))  # fmt: skip
+            _fp("this unit's new shard", shard[i] * run.m, "_fsdp_param.py:FSDPParam._init_sharded_param"))))  # fmt: skip
     return tuple(out)
 
 
@@ -176,10 +182,14 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
                       *prefetched(run, L))))  # fmt: skip
     out.append(Moment("backward", "final norm backward", (*base, *kept_blocks(run, L), _blocks_saved(run, L),
                       root_held, final_norm_backward(run), *prefetched(run, L))))  # fmt: skip
+    start = side_regathers(run, "start")  # the root-side units gathered again (a wrapping's own: wrap.py)
+    out = [Moment(m.phase, m.name, (*m.terms, *start)) for m in out]
     for i in range(L, 0, -1):
         out.extend(block_backward_moments(run, i, base, root_held))
     out.extend(root_backward_moments(run, base))
-    return tuple(out)
+    end = side_regathers(run, "end")
+    return tuple(Moment(m.phase, m.name, (*m.terms, *end)) if m.name.startswith(("block 1 ", "embedding backward"))
+                 else m for m in out)  # fmt: skip
 
 
 def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_held: Term) -> tuple[Moment, ...]:
