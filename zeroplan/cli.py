@@ -15,6 +15,7 @@ from zeroplan.cli_options import (
     STEP_OPTIONS, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption, GradAccumOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
+    DeviceOption, FsdpWrapOption, InitOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
@@ -69,6 +70,9 @@ def estimate(
     torchtitan_config: TorchtitanConfigOption = None,
     mixed_precision: MixedPrecisionOption = None,
     reshard_after_forward: ReshardOption = None,
+    fsdp_wrap: FsdpWrapOption = None,
+    init: InitOption = None,
+    device: DeviceOption = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtypeOption = None,
     grad_dtype: GradDtype = None,
@@ -107,11 +111,14 @@ def estimate(
         refuse_unused(ctx, STEP_OPTIONS, "without --model: the training step's peak needs an architecture")
     else:
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
-    engine, gpus, file_options, file_lines = from_config_files(
+    engine, gpus, file_options, file_lines, step = from_config_files(
         ctx, accelerate_config, torchtitan_config, deepspeed_config, engine, gpus, model, seq_len, micro_batch, grad_accum)
+    micro_batch, grad_accum, seq_len, checkpointing = (step.get(k, v) for k, v in (
+        ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len), ("checkpointing", checkpointing)))
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
-    options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype)
+    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device)
+    options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
     options, ds, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,
                                               mixed_precision)  # fmt: skip
@@ -214,6 +221,9 @@ def plan(
     torchtitan_config: TorchtitanConfigOption = None,
     mixed_precision: MixedPrecisionOption = None,
     reduce_dtype: ReduceDtypeOption = None,
+    fsdp_wrap: FsdpWrapOption = None,
+    init: InitOption = None,
+    device: DeviceOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -250,14 +260,17 @@ def plan(
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
-    engine, gpus, file_options, file_lines = from_config_files(
+    engine, gpus, file_options, file_lines, step = from_config_files(
         ctx, accelerate_config, torchtitan_config, deepspeed_config, engine, gpus, model, seq_len, micro_batch, grad_accum)
+    micro_batch, grad_accum, seq_len = (step.get(k, v) for k, v in (
+        ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len)))
     refuse_foreign(ctx, engine)
     refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     ds = read_settings_file(deepspeed_config)
-    options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype)
+    options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
+                                                  fsdp_wrap=fsdp_wrap, init=init, device=device)  # fmt: skip
     options, _, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len,
                                              gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel
                                              == 0 else None, micro_batch, grad_accum, mixed_precision)  # fmt: skip

@@ -72,20 +72,14 @@ def resolve_hf_auto(ctx, options, ds: Optional[dict], model: Optional[str], seq_
 AccelerateConfigOption = Annotated[
     Optional[Path],
     typer.Option("--accelerate-config", help="accelerate launch --config_file YAML: DEEPSPEED sets the deepspeed "
-                 "engine, its ds_config and --gpus (num_processes); FSDP (version 2) is read and refused until the "
-                 "fsdp2 profile models accelerate's wrapping (docs/integrations.md)."),
+                 "engine, its ds_config and --gpus (num_processes); FSDP (version 2) sets the fsdp2 engine, its "
+                 "wrapping, policy and --gpus (docs/integrations.md)."),
 ]  # fmt: skip
 TorchtitanConfigOption = Annotated[
     Optional[Path],
-    typer.Option("--torchtitan-config", help="torchtitan TOML job config (torchtitan <= 0.2.2): read and refused "
-                 "until the fsdp2 profile models torchtitan's wrapping (docs/integrations.md)."),
+    typer.Option("--torchtitan-config", help="torchtitan TOML job config (torchtitan <= 0.2.2): the fsdp2 engine "
+                 "with torchtitan's wrapping, policy, batch and --gpus (docs/integrations.md)."),
 ]  # fmt: skip
-
-
-def _wrapping_refusal(flag: str, who: str, units) -> UserError:
-    said = "; ".join(f"{u.modules} (reshard_after_forward={u.reshard_after_forward})" for u in units)
-    return UserError(f"{flag}: {who} wraps {said}; the fsdp2 profile models one unit per block and the rest in the "
-                     "root, so it would predict another run: refused until it takes wrapping as data")  # fmt: skip
 
 
 def _implied(ctx, name: str, given: object, value: object, flag: str, why: str) -> object:
@@ -98,26 +92,34 @@ def _implied(ctx, name: str, given: object, value: object, flag: str, why: str) 
 def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config: Optional[Path],
                       deepspeed_config: Optional[Path], engine: str, gpus: int, model: Optional[str],
                       seq_len: Optional[int], micro_batch: int, grad_accum: int):
-    """``(engine, gpus, EngineOptions or None, lines)`` from ``--accelerate-config`` / ``--torchtitan-config``
-    (None and no lines without them). One line (UserError or ValueError) for two configuration files, an
+    """``(engine, gpus, EngineOptions or None, lines, step)`` from ``--accelerate-config`` / ``--torchtitan-config``
+    (None, no lines and no step without them); ``step``: the micro-batch, accumulation, sequence length and
+    checkpointing an FSDP2 launcher file sets. One line (UserError or ValueError) for two configuration files, an
     option that contradicts the file, and what the engines cannot express."""
     if accelerate_config is None and torchtitan_config is None:
-        return engine, gpus, None, ()
+        return engine, gpus, None, (), {}
     if sum(x is not None for x in (accelerate_config, torchtitan_config, deepspeed_config)) > 1:
         raise UserError("give one of --accelerate-config, --torchtitan-config and --deepspeed-config")
+    from zeroplan.engines.base import EngineOptions
+
     if torchtitan_config is not None:
+        from zeroplan.integrations.fsdp2_run import from_torchtitan
         from zeroplan.integrations.torchtitan_config import TORCHTITAN_VERSION, read_torchtitan_config
 
         typed = "gpus" in given_on_command_line(ctx, "gpus")
         run = read_torchtitan_config(torchtitan_config, world_size=gpus if typed else None)
-        raise _wrapping_refusal("--torchtitan-config", f"torchtitan {TORCHTITAN_VERSION}'s apply_fsdp", run.wrapping)
-    from zeroplan.engines.base import EngineOptions
+        return _fsdp2(ctx, from_torchtitan(run, _spec(model, seq_len)), engine, gpus, "--torchtitan-config",
+                      f"torchtitan {TORCHTITAN_VERSION}'s apply_fsdp")  # fmt: skip
     from zeroplan.integrations.accelerate_config import (AccelerateFsdp, prepare_deepspeed,
                                                          read_accelerate_config)
 
     run = read_accelerate_config(accelerate_config)
     if isinstance(run, AccelerateFsdp):
-        raise _wrapping_refusal("--accelerate-config", "accelerate's fsdp2_prepare_model", run.wrapping)
+        from zeroplan.integrations.accelerate_config import ACCELERATE_VERSION
+        from zeroplan.integrations.fsdp2_run import from_accelerate
+
+        return _fsdp2(ctx, from_accelerate(run, _spec(model, seq_len)), engine, gpus, "--accelerate-config",
+                      f"accelerate {ACCELERATE_VERSION}'s fsdp2_prepare_model")  # fmt: skip
     engine = _implied(ctx, "engine", engine, "deepspeed", "--engine", "the accelerate config (DEEPSPEED)")
     gpus = _implied(ctx, "gpus", gpus, run.num_processes, "--gpus", "the accelerate config's num_processes")
     stage = run.ds_config.get("zero_optimization", {}).get("stage")
@@ -134,4 +136,38 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
              f"({'from ' + run.config_file if run.config_file else 'built from deepspeed_config'}):",
              *(f"  {f.key} = {f.value!r}  ({f.source.split(' ', 2)[-1]})" for f in res.filled),
              *(f"  {key} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
-    return engine, gpus, EngineOptions(ds_config=res.config), lines
+    return engine, gpus, EngineOptions(ds_config=res.config), lines, {}
+
+
+def _spec(model: Optional[str], seq_len: Optional[int]):
+    if model is None:
+        return None
+    from zeroplan.estimation.workload import resolve
+
+    return resolve(model, seq_len)[0]
+
+
+STEP_FLAGS = {"micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "seq_len": "--seq-len",
+              "checkpointing": "--checkpointing"}  # fmt: skip
+
+
+def _fsdp2(ctx, run, engine: str, gpus: int, flag: str, who: str):
+    """``from_config_files``' answer for an FSDP2 launcher file (``zeroplan.integrations.fsdp2_run``): the
+    engine fsdp2 with the file's wrapping and policy, N_d, and the step values the file sets (``step``: a
+    typed option that contradicts one is refused)."""
+    from zeroplan.engines.base import EngineOptions
+
+    engine = _implied(ctx, "engine", engine, "fsdp2", "--engine", f"the {flag[2:]} (FSDP2)")
+    gpus = _implied(ctx, "gpus", gpus, run.gpus, "--gpus", f"the {flag[2:]}'s FSDP ranks")
+    step = {}
+    for name, value in (("micro_batch", run.micro_batch), ("grad_accum", run.grad_accum), ("seq_len", run.seq_len),
+                        ("checkpointing", run.checkpointing)):  # fmt: skip
+        if value is not None:
+            if name in given_on_command_line(ctx, name) and ctx.params.get(name) != value:
+                raise UserError(f"{STEP_FLAGS[name]} {ctx.params.get(name)} contradicts the {flag[2:]} ({value}); "
+                                "drop one of them")  # fmt: skip
+            step[name] = value
+    wrap = run.wrapping
+    lines = (f"{flag[2:]}: fsdp2 as {who} runs it: fully_shard calls {wrap.label()}; init {run.options['init']}"
+             + "".join(f"; {k.replace('_', '-')} {v}" for k, v in step.items()),)  # fmt: skip
+    return engine, gpus, EngineOptions(**run.options), lines, step

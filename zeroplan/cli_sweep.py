@@ -11,6 +11,7 @@ import typer
 from zeroplan.cli_options import (
     ForeachOption, GradDtype, MasterWeights, ModelOption, OptimizerDtype, OptimizerName, ParamDtype,
     ReduceDtypeOption, ReshardOption, UserError, engine_options_from, read_settings_file,
+    DeviceOption, FsdpWrapOption, InitOption,
     given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
@@ -64,6 +65,9 @@ def sweep(
         "precision, optimizer; --stage gives the rows' stages). With --engine reference give the policy "
         "options (--param-dtype, --optimizer, ...) instead.")] = None,
     reshard_after_forward: ReshardOption = None,
+    fsdp_wrap: FsdpWrapOption = None,
+    init: InitOption = None,
+    device: DeviceOption = None,
     reduce_dtype: ReduceDtypeOption = None,
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
@@ -115,7 +119,7 @@ def sweep(
                         "--model NAME with it, or give the reference policy options (--param-dtype, --optimizer, ...)")
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
-                                  reduce_dtype)  # fmt: skip
+                                  reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device)  # fmt: skip
     micro_batches = parse_wholes(micro_batch, "micro-batch")
     if model is not None:  # a ds_config's batch is the rows' (the engine's sweep_batches)
         typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None

@@ -31,6 +31,7 @@ class Fsdp2Settings:
     init: str = "materialized"  # or "meta": built on the meta device, sharded, to_empty, then initialised
     hf: bool = False  # train transformers' own class of the model's config.json (deepspeed.py hf_builder)
     labels: bool = True  # hf: loss from forward(labels=...) inside the root's forward; False: outside it
+    wrap: str | dict = "blocks"  # the fully_shard calls: a preset (blocks, torchtitan) or a wrapping file's JSON
 
     def __post_init__(self) -> None:
         if self.init not in ("materialized", "meta"):
@@ -43,8 +44,19 @@ class Fsdp2Settings:
             value = getattr(self, name)
             if value is not None and value not in RUN_DTYPES:
                 raise ValueError(f"{name}={value!r}: expected one of {', '.join(RUN_DTYPES)}")
+        self.wrapping()  # a bad wrapping: one line, before any rank starts
         if self.steps < 1 or self.batch_per_rank < 1:
             raise ValueError(f"steps={self.steps}, batch_per_rank={self.batch_per_rank}: must be >= 1")
+
+    def wrapping(self):
+        """``wrap`` as the profile's ``Settings.wrap`` takes it: a preset name or a ``Wrapping``."""
+        from zeroplan.engines.fsdp2.wrap import PRESETS, parse_wrapping
+
+        if isinstance(self.wrap, str):
+            if self.wrap not in PRESETS:
+                raise ValueError(f"wrap={self.wrap!r}: expected one of {', '.join(PRESETS)} or a wrapping's JSON")
+            return self.wrap
+        return parse_wrapping(self.wrap)
 
     @classmethod
     def from_validate(cls, config) -> Fsdp2Settings:
@@ -54,7 +66,9 @@ class Fsdp2Settings:
                    reduce_dtype=config.reduce_dtype, reshard_after_forward=True if rsf is None else rsf,
                    checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
                    batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
-                   init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)))  # fmt: skip
+                   init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)),
+                   labels=getattr(config, "labels", None) is not False,
+                   wrap=getattr(config, "fsdp_wrap", None) or "blocks")  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> Fsdp2Settings:
@@ -98,7 +112,7 @@ def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
     engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
                               reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
                               backend=meta["backend"], rank=rank, init=settings.init,
-                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))),
+                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))), wrap=settings.wrapping(),
                               **({"loss_in_forward": settings.labels} if settings.hf else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], engine)
     return row, engine

@@ -4,13 +4,15 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
+from zeroplan.engines.base import Candidate, EngineEstimate, EngineOption, EnginePlan, PlannerOptions, Workload
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.moments import predict_peak
 from zeroplan.engines.fsdp2.settings import Settings
-from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded
+from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded, wrapping_of
+from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
@@ -25,12 +27,12 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     coll = tuple(
         Collective(c.op, c.phase, m * c.elements, c.dtype,
                    m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m)
-        for c in unit_collectives(run.units, nd, settings)
+        for c in unit_collectives(run.shard_units, nd, run.settings)
         for m in (micro_steps(c, workload.grad_accum),)
     )  # fmt: skip
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     peak = predict_peak(run) if run.acts is not None else None
-    return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
+    return (EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
                            beside_states=mesh_ranks(run)),)  # fmt: skip
 
 
@@ -51,23 +53,27 @@ class Fsdp2Option:
     checkpointing: str
     estimate: EngineEstimate
     fits: bool
+    wrapping: Optional[Wrapping] = None  # settings.wrap in the model's names (terms.wrapping_of)
 
     @property
     def snippet(self) -> str:
-        return settings_snippet(self.settings, self.checkpointing)
+        return settings_snippet(self.settings, self.checkpointing, self.wrapping)
 
 
 def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings) -> tuple[Fsdp2Option, ...]:
-    """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak."""
+    """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
+    wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
+    own = isinstance(settings.wrap, Wrapping)
     out = []
-    for reshard, ckpt in CANDIDATES:
-        s = settings.model_copy(update={"reshard_after_forward": reshard})
+    for reshard, ckpt in ((None, "none"), (None, "full")) if own else CANDIDATES:
+        s = settings if own else settings.model_copy(update={"reshard_after_forward": reshard})
         w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
-                     workload.grad_accum, workload.foreach)  # fmt: skip
+                     workload.grad_accum, workload.foreach, workload.transformers)  # fmt: skip
         (row,) = estimate(w, nd, s)
-        out.append(Fsdp2Option(s, ckpt, row, row.peak.peak_bytes <= capacity_bytes))
+        out.append(Fsdp2Option(fsdp2_run(w, nd, s).settings, ckpt, row, row.peak.peak_bytes <= capacity_bytes,
+                               wrapping_of(w, s)))  # fmt: skip
     return tuple(out)
 
 
@@ -96,7 +102,43 @@ def planner_settings(options: PlannerOptions) -> Settings:
             given[key] = canonical_dtype(getattr(options, key))
     if options.gpu_capability is not None:  # the --gpu preset's: sizes the cuBLAS workspaces
         given["cuda_capability"] = options.gpu_capability
+    given.update({k: v for k, v in options.own.items() if v is not None})  # OWN_OPTIONS, checked by name
+    if given.get("device") == "cpu":  # a CPU run is on gloo (users' CPU CI runners), as the validator's
+        given["backend"] = "gloo"
     return Settings(**given)
+
+
+def _wrap(value: object) -> object:
+    """``--fsdp-wrap``: a preset name, the path of a wrapping file (``wrap.read_wrapping``) or a Wrapping."""
+    from zeroplan.engines.fsdp2.wrap import PRESETS, Wrapping, parse_wrapping, read_wrapping
+
+    if isinstance(value, Wrapping):
+        return value
+    if isinstance(value, dict):
+        return parse_wrapping(value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"fsdp_wrap={value!r}: expected {', '.join(PRESETS)} or a wrapping JSON file")
+    return value if value in PRESETS else read_wrapping(value)
+
+
+def _choice(name: str, allowed: tuple[str, ...]):
+    def check(value: object) -> str:
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: expected {' or '.join(allowed)}")
+        return value  # type: ignore[return-value]
+
+    return check
+
+
+OWN_OPTIONS = (
+    EngineOption("wrap", _wrap, None, "the fully_shard calls: blocks (default), torchtitan or a wrapping JSON file"),
+    EngineOption("init", _choice("init", ("meta", "materialized")), None,
+                 "meta (default: built on the meta device, sharded, to_empty) or materialized (built whole first)"),
+    EngineOption("device", _choice("device", ("cuda", "cpu")), None,
+                 "cuda (default, NCCL) or cpu (gloo: no CUDA block rounding or library workspaces)"),
+)  # fmt: skip
+"""FSDP2's own options (``Engine.own_options``): ``Settings.wrap``, ``init`` and ``device``; None: the
+default a GPU user runs."""
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:
