@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # Plots are rendered without a display, in tests and in executed notebooks.
 os.environ.setdefault("MPLBACKEND", "agg")
 
@@ -66,3 +68,13 @@ def _hide_packages() -> None:
 
 
 _hide_packages()
+
+
+@pytest.fixture(scope="session")
+def deepspeed_world(request):
+    """The session's shared DeepSpeed worlds, one per N_d, over the collected modules' cases
+    (tests/deepspeed_world.py)."""
+    from deepspeed_world import SharedWorlds
+
+    modules = dict.fromkeys(m for m in (getattr(item, "module", None) for item in request.session.items) if m)
+    return SharedWorlds(list(modules))
