@@ -18,6 +18,9 @@ adds to but does not change). A failed world fails every module that reads it, o
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 STEPS = 3
 RUN_DEFAULTS = {"model": "gpt-tiny", "checkpointing": "none", "zero_init": False, "hf": False, "settle": True}
@@ -59,3 +62,37 @@ class SharedWorlds:
             return index, run_world(configs, nd, steps=STEPS, runs=runs, timeout_s=3600)
         except Exception as e:  # every module reading this world fails with it; none starts it again
             return e
+
+
+# DeepSpeed JIT-builds a C++ op the first time a config needs it, into ~/.cache/torch_extensions: the default
+# Adam on the CPU accelerator is FusedAdam (runtime/engine.py get_optimizer_configuration: no torch_adam, no
+# CPU offload), whose ``fused_adam`` op (csrc/cpu/adam/fused_adam.cpp + cpu_adam_impl.cpp, -O3 -g) took
+# 181 CPU-s to build on a clean cache (2026-12-01, 2 shared cores). A module whose cases need one names its
+# builder in ``DEEPSPEED_JIT_OPS``; the session starts building those at collection, at the lowest CPU
+# priority, so that the build runs on the core the single-process tests leave idle before the first world
+# asks for it (a rank that needs the op waits on torch's build lock, then loads it). Cached: ~3 s, no build.
+_BUILD = """
+import os, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from deepspeed.accelerator import get_accelerator
+for name in sys.argv[1:]:
+    get_accelerator().create_op_builder(name).load()
+"""
+
+
+def start_jit_builds(modules) -> subprocess.Popen | None:
+    """Start building the ops the ``modules`` declare (``DEEPSPEED_JIT_OPS``), niced, in one child; None if none."""
+    ops = sorted({op for m in modules for op in getattr(m, "DEEPSPEED_JIT_OPS", ())})
+    if not ops:
+        return None
+    return subprocess.Popen([sys.executable, "-c", _BUILD, *ops], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))  # fmt: skip
+
+
+def finish_jit_builds(build: subprocess.Popen | None, timeout_s: float = 900.0) -> None:
+    """Wait for the build: killed halfway, it would leave torch's lock file and the next load would wait on it."""
+    if build is not None:
+        try:
+            build.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass  # left to finish on its own; the lock it holds is released when it does

@@ -83,7 +83,9 @@ def _configs() -> list[dict]:
 ND4_KEPT = [(2, "fp32", "default"), (1, "fp32", "small"), (3, "fp32", "small"), (2, "bf16", "small"),
             (3, "bf16", "small+fused"), (1, "fp32", "small+overlap"), (1, "bf16", "small+fp32acc")]  # fmt: skip
 WORLD_CASES = {2: CASES, 4: ci_slice(CASES, ND4_KEPT)}
-# the session's shared worlds (tests/deepspeed_world.py): at N_d = 2 with the other DeepSpeed modules' cases
+# the session's shared worlds (tests/deepspeed_world.py): at N_d = 2 with the other DeepSpeed modules' cases;
+# the "+fused" rows need DeepSpeed's fused_adam JIT op, built in the background from collection on
+DEEPSPEED_JIT_OPS = ("FusedAdamBuilder",)
 DEEPSPEED_WORLD = {nd: (lambda nd=nd: [(_configs()[CASES.index(c)], {}) for c in WORLD_CASES[nd]])
                    for nd in WORLD_CASES}  # fmt: skip
 ROWS = [(nd, c) for nd, cases in WORLD_CASES.items() for c in cases]

@@ -37,7 +37,9 @@ def _configs() -> list[dict]:
     ]
 
 
-# the session's shared world of N_d = 2 (tests/deepspeed_world.py), 3 steps
+# the session's shared world of N_d = 2 (tests/deepspeed_world.py), 3 steps; six configs keep DeepSpeed's
+# default Adam (FusedAdam): its fused_adam JIT op is built in the background from collection on
+DEEPSPEED_JIT_OPS = ("FusedAdamBuilder",)
 DEEPSPEED_WORLD = {ND: lambda: [(c, {}) for c in _configs()]}
 
 
