@@ -179,8 +179,10 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     log_softmax = _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax)
     # the loss inside the root's forward (transformers' labels=): the root's pre-backward hook fires on the
-    # loss, before the cross-entropy backward, and prefetches the last block (hf_tree)
-    early = run.loss_in_forward and resharded(run)
+    # loss, before the cross-entropy backward, and prefetches the last block (hf_tree); with units after the
+    # layers the root's prefetch is theirs (kept gathered: nothing to do) and the last block waits for their
+    # pre-backward, after the loss backward (measured: accelerate's wrapping of qwen2, bf16, exact)
+    early = run.loss_in_forward and resharded(run) and not head_units(run)
     out = [Moment("backward", f"block {L} backward all-gather (root's prefetch, before the loss backward)", (
         *base, *kept_blocks(run, L), *saved_all, log_softmax, gather_input(run, L),
         ag_output(run, L, "backward prefetch"))), ] if early else []  # fmt: skip
