@@ -17,6 +17,7 @@ from zeroplan.cli_options import (
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
+from zeroplan.cli_options import DpReplicateOption, DpShardOption, with_own_options  # fsdp2's mesh (HSDP)
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
     AccelerateConfigOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
@@ -68,6 +69,8 @@ def estimate(
     accelerate_config: AccelerateConfigOption = None,
     torchtitan_config: TorchtitanConfigOption = None,
     reshard_after_forward: ReshardOption = None,
+    dp_replicate: DpReplicateOption = None,
+    dp_shard: DpShardOption = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtypeOption = None,
     grad_dtype: GradDtype = None,
@@ -107,6 +110,7 @@ def estimate(
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype)
+    options = with_own_options(options, dp_replicate=dp_replicate, dp_shard=dp_shard)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
     options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len, nd, micro_batch, grad_accum)
     auto_lines = (*file_lines, *auto_lines)
@@ -206,6 +210,8 @@ def plan(
     accelerate_config: AccelerateConfigOption = None,
     torchtitan_config: TorchtitanConfigOption = None,
     reduce_dtype: ReduceDtypeOption = None,
+    dp_replicate: DpReplicateOption = None,
+    dp_shard: DpShardOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -250,6 +256,7 @@ def plan(
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     options = file_options or engine_options_from(engine, read_settings_file(deepspeed_config), None, param_dtype,
                                                   reduce_dtype)  # fmt: skip
+    options = with_own_options(options, dp_replicate=dp_replicate, dp_shard=dp_shard)
     options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len,
                                           gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0
                                           else None, micro_batch, grad_accum)  # fmt: skip

@@ -193,6 +193,27 @@ ReduceDtypeOption = Annotated[
     typer.Option("--reduce-dtype", help="fsdp2: MixedPrecisionPolicy.reduce_dtype, fp32, bf16 or fp16 (default: "
                  "the param dtype)."),
 ]  # fmt: skip
+DpReplicateOption = Annotated[
+    Optional[int],
+    typer.Option("--dp-replicate", help="fsdp2: HSDP, replicas R of fully_shard's 2-D mesh (R, S) with R x S = N_d; "
+                 "gradients all-reduced across them (default: N_d / --dp-shard, else 1)."),
+]  # fmt: skip
+DpShardOption = Annotated[
+    Optional[int],
+    typer.Option("--dp-shard", help="fsdp2: HSDP, ranks S each parameter is sharded over (default: N_d / "
+                 "--dp-replicate, else N_d)."),
+]  # fmt: skip
+
+
+def with_own_options(options, **own):
+    """``options`` (``EngineOptions``) with an engine's own options given on the command line (None: not
+    given); ``zeroplan.engines.planner_options`` refuses them in one line for an engine that does not declare them."""
+    from zeroplan.engines.base import EngineOptions
+
+    given = {k: v for k, v in own.items() if v is not None}
+    return EngineOptions(**{**options.model_dump(exclude_none=True), **given}) if given else options
+
+
 DeepSpeedConfigOption = Annotated[
     Optional[Path],
     typer.Option("--deepspeed-config", help="ds_config.json: with --engine deepspeed the engine's settings (buckets, "

@@ -14,6 +14,7 @@ from zeroplan.cli_options import (
     given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
+from zeroplan.cli_options import DpReplicateOption, DpShardOption, with_own_options  # fsdp2's mesh (HSDP)
 from zeroplan.hub import with_revision
 
 
@@ -64,6 +65,8 @@ def sweep(
         "precision, optimizer; --stage gives the rows' stages). With --engine reference give the policy "
         "options (--param-dtype, --optimizer, ...) instead.")] = None,
     reshard_after_forward: ReshardOption = None,
+    dp_replicate: DpReplicateOption = None,
+    dp_shard: DpShardOption = None,
     reduce_dtype: ReduceDtypeOption = None,
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
@@ -116,6 +119,7 @@ def sweep(
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
                                   reduce_dtype)  # fmt: skip
+    options = with_own_options(options, dp_replicate=dp_replicate, dp_shard=dp_shard)
     micro_batches = parse_wholes(micro_batch, "micro-batch")
     if model is not None:  # a ds_config's batch is the rows' (the engine's sweep_batches)
         typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None

@@ -36,9 +36,10 @@ planner's side). This module re-exports the names other modules use.
 
 from __future__ import annotations
 
-from zeroplan.engines.base import Engine
+from zeroplan.engines.base import Engine, EngineOption
 from zeroplan.engines.fsdp2.collectives import UnitCollective, unit_collectives
 from zeroplan.engines.fsdp2.launcher import fsdp2_snippet, settings_snippet
+from zeroplan.engines.fsdp2.mesh import MESH_HELP, MESH_OPTIONS, check_group
 from zeroplan.engines.fsdp2.moments import (
     backward_moments,
     forward_moments,
@@ -82,5 +83,6 @@ __all__ = [
 ]  # fmt: skip
 
 ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
-                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",))
+                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",),
+                own_options=tuple(EngineOption(n, check_group(n), None, MESH_HELP[n]) for n in MESH_OPTIONS))
 """FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""

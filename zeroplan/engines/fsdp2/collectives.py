@@ -17,9 +17,11 @@ class UnitCollective:
     elements: int
     dtype: str
     group_size: int
+    mesh_dim: str = "dp_shard"  # HSDP's gradient all-reduce: dp_replicate (engines/fsdp2/mesh.py)
 
 
-def unit_collectives(units: tuple[Unit, ...], nd: int, settings: Settings) -> tuple[UnitCollective, ...]:
+def unit_collectives(units: tuple[Unit, ...], nd: int, settings: Settings,
+                     replicate: int = 1) -> tuple[UnitCollective, ...]:
     """The collectives of one training step, in issue order (units in forward order, root first).
 
     Forward: one all-gather per unit (_fsdp_collectives.py:foreach_all_gather). Backward: the blocks are
@@ -36,6 +38,9 @@ def unit_collectives(units: tuple[Unit, ...], nd: int, settings: Settings) -> tu
             out.append(UnitCollective("all-gather", "backward", u.name, full[u.name], settings.param, group))
     for u in reversed(units):
         out.append(UnitCollective("reduce-scatter", "backward", u.name, full[u.name], settings.reduce, nd))
+        if replicate > 1:
+            out.append(UnitCollective("all-reduce", "backward", u.name, full[u.name] // nd, settings.reduce,
+                                      replicate, "dp_replicate"))  # fmt: skip
     return tuple(out)
 
 
@@ -46,5 +51,5 @@ def micro_steps(c: UnitCollective, grad_accum: int) -> int:
     (_fsdp_param_group.py:FSDPParamGroup.post_backward: ``if not self.reduce_grads: if
     self.reshard_after_backward: self.reshard()``, default True, the root too), so each forward gathers again;
     the reduce-scatter runs once, in the last micro-step's backward (``reduce_grads`` False skips
-    ``foreach_reduce``; the gradients accumulate unsharded until then)."""
+    ``foreach_reduce``; the gradients accumulate unsharded until then), and so does HSDP's all-reduce."""
     return grad_accum if c.op == "all-gather" else 1

@@ -3,6 +3,7 @@ FSDP2's equivalent of a ZeRO stage and offload (``fsdp2_snippet``)."""
 
 from __future__ import annotations
 
+from zeroplan.engines.fsdp2.mesh import mesh_snippet
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
@@ -31,16 +32,21 @@ def settings_snippet(settings: Settings, checkpointing: str = "none") -> str:
         "model.init_weights()  # your in-place initialisation, run on the shards (DTensor)\n"
         if meta else ""
     )  # fmt: skip
+    hsdp = (settings.dp_replicate or 1) > 1  # a 2-D mesh (engines/fsdp2/mesh.py); flat: fully_shard's default
+    mesh = ("from torch.distributed.device_mesh import init_device_mesh\n"
+            + mesh_snippet(settings.dp_replicate, settings.dp_shard, settings.device)) if hsdp else ""  # fmt: skip
+    on = "mesh=mesh, " if hsdp else ""
     return (
         "import torch\n"
-        "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n\n"
+        "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n"
+        f"{mesh}\n"
         f"# {settings.label()}, checkpointing {checkpointing}; shards stay {settings.module} (no master copy)\n"
         f"{init_note}"
         f"{ckpt}"
         f"policy = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce})\n"
         "for block in model.layers:  # one unit per decoder layer: one all-gather and reduce-scatter each\n"
-        f"    fully_shard(block, mp_policy=policy, reshard_after_forward={settings.reshard_after_forward!r})\n"
-        "fully_shard(model, mp_policy=policy)  # the root: FSDP2 does not reshard it after forward\n"
+        f"    fully_shard(block, {on}mp_policy=policy, reshard_after_forward={settings.reshard_after_forward!r})\n"
+        f"fully_shard(model, {on}mp_policy=policy)  # the root: FSDP2 does not reshard it after forward\n"
         f"{materialize}"
         f"optimizer = torch.optim.Adam(model.parameters(), foreach={settings.foreach!r})\n"
     )

@@ -3,11 +3,12 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
+from zeroplan.engines.fsdp2.mesh import MESH_OPTIONS, resolve_mesh, shard_groups, shard_rank
 from zeroplan.engines.fsdp2.moments import predict_peak
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded
@@ -18,14 +19,19 @@ from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
 
 def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
-    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks; its
-    collectives count one optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``)."""
-    run = fsdp2_run(workload, nd, settings)
+    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (a 2-D HSDP
+    mesh when ``dp_replicate``/``dp_shard`` say so: engines/fsdp2/mesh.py); its collectives count one
+    optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``)."""
+    settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
+    settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})  # rank r is shard r mod S
+    replicate, nd = shard_groups(settings, nd)
+    run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
     st = model_states(run.units, nd, settings)
     coll = tuple(
         Collective(c.op, c.phase, m * c.elements, c.dtype,
-                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m)
-        for c in unit_collectives(run.units, nd, settings)
+                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
+                   mesh_dim=c.mesh_dim, group_size=c.group_size)
+        for c in unit_collectives(run.units, nd, settings, replicate)
         for m in (micro_steps(c, workload.grad_accum),)
     )  # fmt: skip
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
@@ -96,6 +102,7 @@ def planner_settings(options: PlannerOptions) -> Settings:
             given[key] = canonical_dtype(getattr(options, key))
     if options.gpu_capability is not None:  # the --gpu preset's: sizes the cuBLAS workspaces
         given["cuda_capability"] = options.gpu_capability
+    given.update({k: v for k, v in options.own.items() if k in MESH_OPTIONS and v is not None})  # HSDP (mesh.py)
     return Settings(**given)
 
 
@@ -109,7 +116,7 @@ def planner_policy(settings: Settings) -> PrecisionPolicy:
 def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
     """``zeroplan plan --engine fsdp2``: every candidate of ``plan_options`` (cheapest first) with the
     snippet of exactly the configuration predicted; the recommendation is ``recommend``'s."""
-    settings = planner_settings(options)
+    settings = resolve_mesh(planner_settings(options), nd)  # the snippet names the mesh predicted
     if settings.foreach is None:  # the snippet names the foreach path the prediction used
         settings = settings.model_copy(update={"foreach": workload.foreach})
     options_ = plan_options(workload, nd, capacity_bytes, settings)
