@@ -57,7 +57,8 @@ class Fsdp2Settings:
                    reduce_dtype=config.reduce_dtype, reshard_after_forward=True if rsf is None else rsf,
                    checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
                    batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
-                   init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)))  # fmt: skip
+                   init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)),
+                   dp_replicate=getattr(config, "dp_replicate", None) or 1)  # fmt: skip
 
     def mesh_dims(self, nd: int) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
         """``init_device_mesh``'s shape and names for N_d ranks: (N_d,) unnamed (flat, as before meshes were
