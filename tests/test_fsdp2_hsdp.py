@@ -73,6 +73,8 @@ def test_held_all_reduce_buffers_only_when_the_reduce_dtype_is_not_the_module_dt
         (["--engine", "fsdp2", "--dp-replicate", "0"], "dp_replicate=0: expected a whole number"),
         (["--dp-shard", "8"], "dp_shard does not apply to engine 'reference'"),
         (["--engine", "fsdp2", "--dp-shard", "8", "--reshard-after-forward", "2"], "not modelled"),
+        (["--engine", "fsdp2", "--dp-shard", "auto"], "dp_shard=auto: only plan searches the mesh"),
+        (["--engine", "fsdp2", "--dp-shard", "eight"], "dp_shard='eight': expected a whole number"),
     ],
 )  # fmt: skip
 def test_bad_meshes_are_refused_in_one_line(args, message):
@@ -110,6 +112,38 @@ def test_plan_prints_exactly_the_mesh_predicted_and_times_it_per_link():
     hsdp_s = [o["comm_time"]["comm_s"] for o in doc["stages"]]
     flat_s = [o["comm_time"]["comm_s"] for o in json.loads(flat.stdout)["stages"]]
     assert all(h < f for h, f in zip(hsdp_s, flat_s, strict=True))  # same candidates, less time on the network
+
+
+def test_shard_sizes_are_whole_nodes_and_the_bisection_finds_the_smallest_that_fits():
+    from zeroplan.engines.fsdp2.mesh import shard_sizes, smallest_fitting
+
+    assert shard_sizes(2048, 8) == (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert shard_sizes(192, 8) == (8, 16, 24, 32, 48, 64, 96, 192)
+    assert shard_sizes(6, 8) == (6,) and shard_sizes(12, 8) == (12,)  # 12 ranks: no whole node divides them
+    tried = []
+
+    def at(s):
+        tried.append(s)
+        return s, s >= 96
+
+    assert smallest_fitting(shard_sizes(192, 8), at) == 96 and len(tried) <= 4  # log2(8) + 1, not 8
+    assert smallest_fitting((8, 16), lambda s: (s, False)) == 16  # none fits: the largest, flat
+
+
+def test_plan_dp_shard_auto_picks_the_smallest_whole_node_shard_group_that_fits():
+    """llama3-8b on 64 H100s: each candidate on the smallest S of 8, 16, 32, 64 whose predicted peak fits; the
+    next smaller S of the same candidate does not fit, and the snippet is that mesh."""
+    from zeroplan.engines.base import PlannerOptions
+
+    w = model_workload(resolve_model("llama3-8b"), 8192, 1, "none", 1, True)
+    budget = int(80 * 2**30 * 0.9)
+    plan = fsdp2.planner_plan(w, 64, budget, PlannerOptions(param_dtype="bf16", own={"dp_shard": "auto"}))
+    chosen = plan.candidates[plan.recommended]
+    assert chosen.fits and "mesh 4 x 16" in chosen.label and "init_device_mesh('cuda', (4, 16)" in chosen.launcher
+    settings = fsdp2.Settings(param_dtype="bf16", reshard_after_forward=True, dp_shard=8, foreach=True)
+    (smaller,) = fsdp2.estimate(w, 64, settings)
+    assert smaller.peak.peak_bytes > budget >= chosen.estimate.peak.peak_bytes
+    assert [c.label.rsplit(", ", 1)[-1] for c in plan.candidates[2:]] == ["mesh 8 x 8"] * 2  # checkpointed: one node
 
 
 # ---------------------------------------------------------------- measured: real fully_shard on 2-D meshes

@@ -199,9 +199,9 @@ DpReplicateOption = Annotated[
                  "gradients all-reduced across them (default: N_d / --dp-shard, else 1)."),
 ]  # fmt: skip
 DpShardOption = Annotated[
-    Optional[int],
+    Optional[str],
     typer.Option("--dp-shard", help="fsdp2: HSDP, ranks S each parameter is sharded over (default: N_d / "
-                 "--dp-replicate, else N_d)."),
+                 "--dp-replicate, else N_d); plan: auto searches it (whole nodes, the smallest that fits)."),
 ]  # fmt: skip
 
 

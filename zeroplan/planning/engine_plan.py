@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from zeroplan.engines import get_engine
 from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.commtime import Links, compute_time_s, engine_step_time, ring_link
@@ -21,6 +23,8 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
                               config.grad_accum, config.foreach)  # fmt: skip
     options = config.planner_options
+    if engine.own_options:  # the node size, for an engine that searches a mesh (fsdp2 --dp-shard auto)
+        options = replace(options, own={**options.own, "gpus_per_node": config.gpus_per_node})
     answer = engine.plan(workload, nd, budget, options)
     ring = ring_link(nd, 1, config.gpus_per_node, config.intra_link, config.inter_link)
     links = Links(config.intra_link, config.inter_link, config.gpus_per_node)  # time per link (commtime)

@@ -39,7 +39,7 @@ from __future__ import annotations
 from zeroplan.engines.base import Engine, EngineOption
 from zeroplan.engines.fsdp2.collectives import UnitCollective, unit_collectives
 from zeroplan.engines.fsdp2.launcher import fsdp2_snippet, settings_snippet
-from zeroplan.engines.fsdp2.mesh import MESH_HELP, MESH_OPTIONS, check_group
+from zeroplan.engines.fsdp2.mesh import MESH_HELP, MESH_OPTIONS, check_group, check_shard
 from zeroplan.engines.fsdp2.moments import (
     backward_moments,
     forward_moments,
@@ -84,5 +84,6 @@ __all__ = [
 
 ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
                 block_bytes=planner_block_bytes, plan_chooses=("checkpointing",),
-                own_options=tuple(EngineOption(n, check_group(n), None, MESH_HELP[n]) for n in MESH_OPTIONS))
+                own_options=(EngineOption("dp_replicate", check_group("dp_replicate"), None, MESH_HELP["dp_replicate"]),
+                             EngineOption("dp_shard", check_shard, None, MESH_HELP["dp_shard"])))
 """FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""

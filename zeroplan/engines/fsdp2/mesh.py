@@ -45,11 +45,24 @@ def check_group(name: str):
     return check
 
 
+AUTO = "auto"
+"""``--dp-shard auto`` (``plan`` only): search the shard group (``shard_sizes``, ``smallest_fitting``)."""
+
+
+def check_shard(v: object) -> int | str:
+    """``dp_shard``'s check: a whole number >= 1 (or its digits, from the command line), or ``auto``."""
+    if v == AUTO:
+        return AUTO
+    if isinstance(v, str) and v.isdigit():
+        v = int(v)
+    return check_group("dp_shard")(v)
+
+
 MESH_OPTIONS = ("dp_replicate", "dp_shard")
 """FSDP2's own options for its 2-D mesh (``Engine.own_options``; ``--dp-replicate``, ``--dp-shard``)."""
 MESH_HELP = {
     "dp_replicate": "HSDP: replicas R of fully_shard's 2-D mesh (R, S), gradients all-reduced across them",
-    "dp_shard": "HSDP: ranks S each parameter is sharded over (R x S = N_d)",
+    "dp_shard": "HSDP: ranks S each parameter is sharded over (R x S = N_d); plan: auto searches it",
 }
 
 
@@ -85,6 +98,30 @@ def shard_rank(settings: Settings, nd: int) -> int:
     """``settings.rank``'s place in its shard group, which decides its real (unpadded) rows: the mesh is
     row-major with ``dp_shard`` innermost (``init_device_mesh``), so rank r is shard r mod S."""
     return settings.rank % shard_groups(settings, nd)[1]
+
+
+def shard_sizes(nd: int, gpus_per_node: int) -> tuple[int, ...]:
+    """The shard groups ``plan --dp-shard auto`` tries, smallest first: whole nodes that divide N_d (one node,
+    two, ...), ending with N_d itself (flat); N_d alone when it fits in one node. A group smaller than a node
+    is never better than one node: the all-reduce across replicas carries S_u = Ψ/S, so it only grows."""
+    if nd <= gpus_per_node:
+        return (nd,)
+    return tuple(dict.fromkeys((*(s for s in range(gpus_per_node, nd, gpus_per_node) if nd % s == 0), nd)))
+
+
+def smallest_fitting(sizes: tuple[int, ...], try_at):
+    """``try_at(S) -> (result, fits)`` bisected over ``sizes`` (ascending): the result at the smallest S that
+    fits, else at the largest. Assumes a larger shard group never holds more (every sharded term scales as
+    1/S; activations and gathered units do not depend on S): log2 of the sizes' count estimates, not all."""
+    lo, hi, best, tried = 0, len(sizes) - 1, None, {}
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        tried[mid] = try_at(sizes[mid])
+        if tried[mid][1]:
+            best, hi = mid, mid - 1
+        else:
+            lo = mid + 1
+    return tried[best if best is not None else len(sizes) - 1][0]
 
 
 def mesh_names(r: int) -> tuple[str, ...]:

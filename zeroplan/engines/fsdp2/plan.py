@@ -8,7 +8,9 @@ from dataclasses import dataclass, replace
 from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
-from zeroplan.engines.fsdp2.mesh import MESH_OPTIONS, resolve_mesh, shard_groups, shard_rank
+from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_OPTIONS, resolve_mesh, shard_groups, shard_rank, shard_sizes,
+                                         smallest_fitting)
+from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.moments import predict_peak
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded
@@ -63,17 +65,26 @@ class Fsdp2Option:
         return settings_snippet(self.settings, self.checkpointing)
 
 
-def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings) -> tuple[Fsdp2Option, ...]:
-    """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak."""
+def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
+                 shards: tuple[int, ...] = ()) -> tuple[Fsdp2Option, ...]:
+    """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; with
+    ``shards`` (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard
+    group of them whose peak fits (HSDP across the rest), else on the largest."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
     out = []
     for reshard, ckpt in CANDIDATES:
-        s = settings.model_copy(update={"reshard_after_forward": reshard})
         w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
                      workload.grad_accum, workload.foreach)  # fmt: skip
-        (row,) = estimate(w, nd, s)
-        out.append(Fsdp2Option(s, ckpt, row, row.peak.peak_bytes <= capacity_bytes))
+
+        def option(shard: int | None, reshard=reshard, ckpt=ckpt, w=w) -> tuple[Fsdp2Option, bool]:
+            mesh = {} if shard is None else {"dp_shard": shard, "dp_replicate": None}
+            s = resolve_mesh(settings.model_copy(update={"reshard_after_forward": reshard, **mesh}), nd)
+            (row,) = estimate(w, nd, s)
+            fits = row.peak.peak_bytes <= capacity_bytes
+            return Fsdp2Option(s, ckpt, row, fits), fits
+
+        out.append(smallest_fitting(shards, option) if shards else option(None)[0])
     return tuple(out)
 
 
@@ -102,6 +113,8 @@ def planner_settings(options: PlannerOptions) -> Settings:
             given[key] = canonical_dtype(getattr(options, key))
     if options.gpu_capability is not None:  # the --gpu preset's: sizes the cuBLAS workspaces
         given["cuda_capability"] = options.gpu_capability
+    if options.own.get("dp_shard") == AUTO:
+        raise ValueError("dp_shard=auto: only plan searches the mesh; give a number (R x S = N_d)")
     given.update({k: v for k, v in options.own.items() if k in MESH_OPTIONS and v is not None})  # HSDP (mesh.py)
     return Settings(**given)
 
@@ -116,13 +129,20 @@ def planner_policy(settings: Settings) -> PrecisionPolicy:
 def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
     """``zeroplan plan --engine fsdp2``: every candidate of ``plan_options`` (cheapest first) with the
     snippet of exactly the configuration predicted; the recommendation is ``recommend``'s."""
+    search = options.own.get("dp_shard") == AUTO
+    if search and options.own.get("dp_replicate") is not None:
+        raise ValueError("dp_shard=auto searches the mesh: give no dp_replicate with it")
+    if search:  # ``--dp-shard auto``: shard groups of whole nodes (mesh.py shard_sizes)
+        options = replace(options, own={**options.own, "dp_shard": None})
     settings = resolve_mesh(planner_settings(options), nd)  # the snippet names the mesh predicted
     if settings.foreach is None:  # the snippet names the foreach path the prediction used
         settings = settings.model_copy(update={"foreach": workload.foreach})
-    options_ = plan_options(workload, nd, capacity_bytes, settings)
+    node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
+    options_ = plan_options(workload, nd, capacity_bytes, settings, shard_sizes(nd, node) if search else ())
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
-        Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}",
+        Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"
+                  + (f", mesh {o.settings.dp_replicate} x {o.settings.dp_shard}" if o.settings.dp_replicate else ""),
                   o.estimate, o.fits, o.snippet)
         for o in options_
     )  # fmt: skip
