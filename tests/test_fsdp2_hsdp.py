@@ -71,7 +71,7 @@ def test_held_all_reduce_buffers_only_when_the_reduce_dtype_is_not_the_module_dt
         (["--engine", "fsdp2", "--dp-replicate", "3"], "dp_replicate=3: dp_replicate x dp_shard must equal N_d=16"),
         (["--engine", "fsdp2", "--dp-replicate", "2", "--dp-shard", "4"], "must equal N_d=16"),
         (["--engine", "fsdp2", "--dp-replicate", "0"], "dp_replicate=0: expected a whole number"),
-        (["--dp-shard", "8"], "dp_shard does not apply to engine 'reference'"),
+        (["--dp-shard", "8"], "--dp-shard does not apply to --engine reference"),
         (["--engine", "fsdp2", "--dp-shard", "8", "--reshard-after-forward", "2"], "not modelled"),
         (["--engine", "fsdp2", "--dp-shard", "auto"], "dp_shard=auto: only plan searches the mesh"),
         (["--engine", "fsdp2", "--dp-shard", "eight"], "dp_shard='eight': expected a whole number"),

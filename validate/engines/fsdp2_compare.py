@@ -32,6 +32,7 @@ class Fsdp2Settings:
     hf: bool = False  # train transformers' own class of the model's config.json (deepspeed.py hf_builder)
     labels: bool = True  # hf: loss from forward(labels=...) inside the root's forward; False: outside it
     dp_replicate: int = 1  # HSDP: replicas R of the 2-D mesh (R, N_d / R) given to fully_shard (mesh_dims)
+    wrap: str | dict = "blocks"  # the fully_shard calls: a preset (blocks, torchtitan) or a wrapping file's JSON
 
     def __post_init__(self) -> None:
         if self.init not in ("materialized", "meta"):
@@ -46,8 +47,19 @@ class Fsdp2Settings:
                 raise ValueError(f"{name}={value!r}: expected one of {', '.join(RUN_DTYPES)}")
         if not isinstance(self.dp_replicate, int) or self.dp_replicate < 1:
             raise ValueError(f"dp_replicate={self.dp_replicate!r}: must be a whole number >= 1")
+        self.wrapping()  # a bad wrapping: one line, before any rank starts
         if self.steps < 1 or self.batch_per_rank < 1:
             raise ValueError(f"steps={self.steps}, batch_per_rank={self.batch_per_rank}: must be >= 1")
+
+    def wrapping(self):
+        """``wrap`` as the profile's ``Settings.wrap`` takes it: a preset name or a ``Wrapping``."""
+        from zeroplan.engines.fsdp2.wrap import PRESETS, parse_wrapping
+
+        if isinstance(self.wrap, str):
+            if self.wrap not in PRESETS:
+                raise ValueError(f"wrap={self.wrap!r}: expected one of {', '.join(PRESETS)} or a wrapping's JSON")
+            return self.wrap
+        return parse_wrapping(self.wrap)
 
     @classmethod
     def from_validate(cls, config) -> Fsdp2Settings:
@@ -58,6 +70,8 @@ class Fsdp2Settings:
                    checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
                    batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
                    init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)),
+                   labels=getattr(config, "labels", None) is not False,
+                   wrap=getattr(config, "fsdp_wrap", None) or "blocks",
                    dp_replicate=getattr(config, "dp_replicate", None) or 1)  # fmt: skip
 
     def mesh_dims(self, nd: int) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
@@ -111,7 +125,7 @@ def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
     engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
                               reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
                               backend=meta["backend"], rank=rank, init=settings.init,
-                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))),
+                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))), wrap=settings.wrapping(),
                               **({"loss_in_forward": settings.labels} if settings.hf else {}),
                               **({"dp_replicate": settings.dp_replicate} if settings.dp_replicate > 1 else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], engine)

@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from zeroplan.architectures.spec import Shape, TransformerSpec
+from zeroplan.formulas.activation_terms import activation_limit
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.peak import PeakEstimate, Term
@@ -219,6 +220,30 @@ class EngineOption:
     help: str = ""
 
 
+PEAK_CHECKPOINTING: tuple[str, ...] = ("none", "full")
+"""The checkpointing modes every engine's peak models (``Workload.checkpointing``); selective has no peak."""
+
+
+PLANNER_INPUTS: tuple[str, ...] = ("model", "model_parallel", "checkpointing")
+"""The ``PeakLimit.option`` values that name an input of the planner's configs (the others: the architecture
+read from the model, an engine's own option)."""
+
+
+@dataclass(frozen=True)
+class PeakLimit:
+    """Why an engine's peak model does not cover a run: the input that takes it outside, as the planner's
+    configs name it (``model``: no architecture, ``model_parallel``, ``checkpointing``; ``architecture``: a
+    family or feature the activations do not derive; ``policy``), and the one-line reason."""
+
+    option: str
+    reason: str
+
+
+def no_own_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optional[PeakLimit]:
+    """``Engine.own_peak_limits`` of an engine whose peak covers every run the shared limits allow."""
+    return None
+
+
 @dataclass(frozen=True)
 class Engine:
     """One engine as its package declares it (``ENGINE`` in ``zeroplan/engines/<name>/__init__.py``): its
@@ -257,6 +282,26 @@ class Engine:
     own_options: tuple[EngineOption, ...] = ()
     """options only this engine reads, declared here once: the commands route them to it by name and refuse
     them for every other engine."""
+    own_peak_limits: Callable[[PlannerOptions, TransformerSpec], Optional[PeakLimit]] = no_own_peak_limits
+    """what of an architecture and the planner's options the engine's own peak does not model (the reference
+    runtime: its one policy, no dropout); ``peak_limits`` adds the limits every engine shares."""
+
+    def peak_limits(self, options: PlannerOptions, spec: Optional[TransformerSpec], checkpointing: str = "none",
+                    model_parallel: int = 1) -> Optional[PeakLimit]:
+        """None when this engine's peak model covers the run; else the first input outside it and why. The
+        one check estimate, plan and sweep ask (and ``estimate`` raises the reason of)."""
+        if spec is None:
+            return PeakLimit("model", "the peak needs an architecture (--model)")
+        if model_parallel != 1:
+            return PeakLimit("model_parallel",
+                             f"the peak is modelled without tensor parallelism (N_m = {model_parallel})")
+        if checkpointing not in PEAK_CHECKPOINTING:
+            return PeakLimit("checkpointing", f"the peak knows checkpointing none and full, not {checkpointing}")
+        own = self.own_peak_limits(options, spec)
+        if own is not None:
+            return own
+        why = activation_limit(spec)
+        return None if why is None else PeakLimit("architecture", why)
 
     @property
     def one_row(self) -> bool:

@@ -65,6 +65,8 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     options = config.planner_options
     engine = get_engine(config.engine)
     settings = engine.planner_settings(options)
+    if config.spec is not None and (limit := engine.peak_limits(options, config.spec, config.checkpointing)):
+        raise ValueError(limit.reason)  # an architecture: the peak is part of the answer
     policy = engine.policy(settings)  # the byte convention of this engine's model states
     # "vs DP": plain data parallelism's model states (the reference engine's stage 0, the same byte
     # convention) over this row's
@@ -128,6 +130,7 @@ def estimate(
     grad_accum: int | None = None,
     foreach: bool = True,
     engine: str = "reference",
+    gpu: str | None = None,
     **options: object,
 ) -> Estimate:
     """Estimate per-GPU model states, per-step communication and, with an architecture, the peak.
@@ -138,7 +141,8 @@ def estimate(
     other module shapes only). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
     ``grad_accum`` and ``foreach`` describe the training step of an architecture (micro-batch and
     accumulation: a ``ds_config``'s batch where it sets one, the engine's ``Engine.batch``;
-    else 1). ``gpus`` = N_d x
+    else 1). ``gpu``: a GPU preset (its memory for ``fits`` unless ``gpu_memory_bytes`` is given, its compute
+    capability for the peak's cuBLAS workspaces, as ``plan``). ``gpus`` = N_d x
     ``model_parallel``. Remaining keywords are the engine's options: for ``reference``,
     ``PrecisionPolicy`` fields (``param_dtype``, ``grad_dtype``, ``master_weights``, ``optimizer``,
     ``optimizer_dtype``); for ``fsdp2``, ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``;
@@ -180,6 +184,7 @@ def estimate(
         gpus=gpus,
         model_parallel=model_parallel,
         stage=stage,
+        gpu=gpu,
         gpu_memory_bytes=gpu_memory_bytes,
         **({} if policy is None else {"policy": PrecisionPolicy(**policy)}),
         engine_options=engine_options,

@@ -192,40 +192,30 @@ def option_peaks(
     (default N_d) of each stage, for an offload option with the offloaded model states on the host
     (``offload_peak``), when the architecture and the step are ones it models; else {} and why fits are
     on model states. Each stage is estimated once, and only the stages of ``keys``."""
-    if config.model is None:
-        return {}, "fits on model states within the headroom: the peak needs an architecture (--model)"
-    why = None
-    if config.model_parallel != 1:
-        why = f"the peak is modelled without tensor parallelism (N_m = {config.model_parallel})"
-    elif config.checkpointing not in ("none", "full"):
-        why = f"the peak knows checkpointing none and full, not {config.checkpointing}"
-    if why is None:
-        engine = get_engine(config.engine)
-        stages = sorted({s for s, _ in keys})
-        workload = model_workload(config.model_architecture, config.sequence_length, config.micro_batch,
-                                  config.checkpointing, config.grad_accum, config.foreach)  # fmt: skip
-        try:
-            options = planner_options(engine, config.engine_options, policy=config.policy,
-                                      stage=stages[0] if len(stages) == 1 else None)  # fmt: skip
-            options = replace(options, gpu_capability=config.gpu_capability)  # the --gpu preset's workspaces
-            settings = engine.planner_settings(options)
-            rows = engine.estimate(workload, nd or config.nd, settings)
-        except ValueError as exc:  # a policy the engine's peak does not model
-            why = str(exc)
-        else:
-            block = engine.block_bytes(settings)
-            by_stage = {r.stage: r.peak for r in rows if r.peak is not None}
-            peaks = {
-                (s, off): by_stage[s] if not off.any else offload_peak(by_stage[s], s, off, block)
-                for s, off in keys
-                if s in by_stage
-            }
-            return peaks, (
-                f"fits on the peak per GPU ({config.engine} engine, docs/peak.md) within the headroom; "
-                "an offload option on its stage's peak with the offloaded model states on the host "
-                "(docs/plan.md#offload-options)"
-            )
-    return {}, f"fits on model states within the headroom: {why}"
+    engine = get_engine(config.engine)
+    stages = sorted({s for s, _ in keys})
+    options = planner_options(engine, config.engine_options, policy=config.policy,
+                              stage=stages[0] if len(stages) == 1 else None)  # fmt: skip
+    options = replace(options, gpu_capability=config.gpu_capability)  # the --gpu preset's workspaces
+    limit = engine.peak_limits(options, config.model_architecture, config.checkpointing, config.model_parallel)
+    if limit is not None:
+        return {}, f"fits on model states within the headroom: {limit.reason}"
+    workload = model_workload(config.model_architecture, config.sequence_length, config.micro_batch,
+                              config.checkpointing, config.grad_accum, config.foreach)  # fmt: skip
+    settings = engine.planner_settings(options)
+    rows = engine.estimate(workload, nd or config.nd, settings)
+    block = engine.block_bytes(settings)
+    by_stage = {r.stage: r.peak for r in rows if r.peak is not None}
+    peaks = {
+        (s, off): by_stage[s] if not off.any else offload_peak(by_stage[s], s, off, block)
+        for s, off in keys
+        if s in by_stage
+    }
+    return peaks, (
+        f"fits on the peak per GPU ({config.engine} engine, docs/peak.md) within the headroom; "
+        "an offload option on its stage's peak with the offloaded model states on the host "
+        "(docs/plan.md#offload-options)"
+    )
 
 
 def _option(

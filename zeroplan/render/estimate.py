@@ -160,8 +160,14 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
                      "buckets, activations or temporaries), shown beside the prediction to compare; never used for it.")  # fmt: skip
     counted = ("as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, 3Ψ P_os+g+p)" if e.engine == "reference" else
                f"by the calls the {e.engine} engine itself issues (its own collectives, not the paper's count)")
+    accum = 1 if e.workload is None else e.workload.grad_accum
+    moved = f"elements moved per rank per step {counted}"
+    if accum > 1:  # the rows count one optimizer step (EngineEstimate.collectives)
+        moved = (f"elements moved per rank per optimizer step of {accum} micro-steps, " + (
+            "the paper's count per micro-step (sec. 7: 2Ψ DP/P_os/P_os+g, 3Ψ P_os+g+p) with what runs every "
+            f"micro-step (ZeRO-2/3 gradient reductions, ZeRO-3 all-gathers) counted {accum} times"
+            if e.engine == "reference" else f"every micro-step's calls the {e.engine} engine itself issues"))
     lines += [
-        f"comm/step: elements moved per rank per step {counted}; sent/rank: bytes each rank sends with ring "
-        "collectives, (N_d-1)/N_d of that.",
+        f"comm/step: {moved}; sent/rank: bytes each rank sends with ring collectives, (N_d-1)/N_d of that.",
     ]  # fmt: skip
     return "\n".join(lines)

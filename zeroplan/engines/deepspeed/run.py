@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, flat_padded_numel
+from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel
 from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, Stage3Trace, stage3_trace
 from zeroplan.formulas.activation_terms import ModelActivations
 from zeroplan.formulas.peak import Moment, Term
@@ -34,7 +34,7 @@ class Wrapper:
 
     def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
         """Elements of one rank's fp32 master partition."""
-        return flat_padded_numel(numels, nd) // nd
+        return aligned_flat_numel(numels, nd) // nd
 
     def schedule(self, run: DSRun) -> Optional[Stage3Schedule]:
         """The replayed parameter coordinator; None: every parameter is always there."""

@@ -16,7 +16,7 @@ from zeroplan.engines.deepspeed.collectives import greedy_buckets, zero12_collec
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments, flatten_moment, later_blocks_held
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import flat_padded_numel, zero12_terms
+from zeroplan.engines.deepspeed.terms import aligned_flat_numel, zero12_terms
 from zeroplan.formulas.peak import Moment, Term
 
 GIP_SRC = "runtime/zero/stage_1_and_2.py copy_grads_in_partition"
@@ -251,7 +251,7 @@ class ZeroOptimizer(Wrapper):
     def init_moments(self, run: DSRun) -> tuple[Moment, ...]:
         """The cast, the flat copy, then ``initialize_optimizer_states`` (an fp32 gradient partition of zeros,
         dropped at once)."""
-        part = flat_padded_numel(run.numels, run.nd) // run.nd
+        part = aligned_flat_numel(run.numels, run.nd) // run.nd
         return (*cast_moments(run), flatten_moment(run),
                 Moment("init", "initialize_optimizer_states", (*_states(run, after_step=False), Term(
                     "fp32 gradient partition (zeros, dropped at once)", part * 4,

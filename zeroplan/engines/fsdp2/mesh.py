@@ -25,9 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from zeroplan.engines.fsdp2.param import unit_shard_numel
 from zeroplan.engines.fsdp2.settings import SRC, Settings
-from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.peak import Moment, Term
 
 REDUCED = " cast to the module dtype"
@@ -58,8 +56,6 @@ def check_shard(v: object) -> int | str:
     return check_group("dp_shard")(v)
 
 
-MESH_OPTIONS = ("dp_replicate", "dp_shard")
-"""FSDP2's own options for its 2-D mesh (``Engine.own_options``; ``--dp-replicate``, ``--dp-shard``)."""
 MESH_HELP = {
     "dp_replicate": "HSDP: replicas R of fully_shard's 2-D mesh (R, S), gradients all-reduced across them",
     "dp_shard": "HSDP: ranks S each parameter is sharded over (R x S = N_d); plan: auto searches it",
@@ -129,33 +125,33 @@ def mesh_names(r: int) -> tuple[str, ...]:
     return ("dp_replicate", "dp_shard") if r > 1 else ("dp_shard",)
 
 
-def allreduce_held(settings: Settings, shard_numels: tuple[int, ...], replicate: int) -> tuple[Term, ...]:
-    """HSDP: the reduce-dtype all-reduce buffers of the units reduced so far (``shard_numels``: their S_u),
-    held in ``_all_reduce_state`` until ``finalize_backward``; none when the reduce dtype is the module
-    dtype (the buffer is the sharded gradient) or without replicas."""
-    if replicate == 1 or settings.reduce == settings.module or not shard_numels:
+def allreduce_held(settings: Settings, rs_outputs: tuple[Term, ...], replicate: int) -> tuple[Term, ...]:
+    """HSDP: the reduce-dtype all-reduce buffers of the units reduced so far (``rs_outputs``: their
+    reduce-scatter outputs, S_u elements in the reduce dtype, which the all-reduce runs on in place), held in
+    ``_all_reduce_state`` until ``finalize_backward``; none when the reduce dtype is the module dtype (the
+    buffer is the sharded gradient) or without replicas."""
+    if replicate == 1 or settings.reduce == settings.module or not rs_outputs:
         return ()
-    return (Term(f"HSDP all-reduce buffers held ({len(shard_numels)} unit(s), reduce dtype)",
-                 sum(shard_numels) * dtype_bytes(settings.reduce),
+    return (Term(f"HSDP all-reduce buffers held ({len(rs_outputs)} unit(s), reduce dtype)",
+                 sum(t.bytes for t in rs_outputs),
                  SRC + "_fsdp_param_group.py:FSDPParamGroup._all_reduce_state (foreach_reduce's all_reduce_input)",
-                 len(shard_numels)),)  # fmt: skip
+                 len(rs_outputs)),)  # fmt: skip
 
 
 def with_allreduce_held(run, backward: tuple[Moment, ...]) -> tuple[Moment, ...]:
     """The backward moments of ``run`` with the all-reduce buffers of the units reduced before each
-    (``allreduce_held``): a unit counts from the moment after its cast (during the cast its buffer is the
-    reduce-scatter output, already a term). A flat run's moments come back unchanged."""
+    (``allreduce_held``): a unit counts from the moment after its cast (``moments.reduce_scatter_moments``;
+    during the cast its buffer is the reduce-scatter output, already a term), whatever the wrapping. A flat
+    run's moments come back unchanged."""
     if run.replicate == 1:
         return backward
-    names = {("root" if u == 0 else f"block {u}") + REDUCED: u for u in range(len(run.units))}
-    reduced: list[int] = []
+    reduced: list[Term] = []
     out = []
     for m in backward:
-        held = allreduce_held(run.settings, tuple(unit_shard_numel(run.units[u], run.nd) for u in reduced),
-                              run.replicate)  # fmt: skip
+        held = allreduce_held(run.settings, tuple(reduced), run.replicate)
         out.append(replace(m, terms=(*m.terms, *held)) if held else m)
-        if m.name in names:
-            reduced.append(names[m.name])
+        if m.name.endswith(REDUCED):
+            reduced.extend(t for t in m.terms if t.name.startswith("reduce-scatter output"))
     return tuple(out)
 
 

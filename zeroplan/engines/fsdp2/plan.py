@@ -4,16 +4,18 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
-from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
+from zeroplan.engines.base import Candidate, EngineEstimate, EngineOption, EnginePlan, PlannerOptions, Workload
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
-from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_OPTIONS, resolve_mesh, shard_groups, shard_rank, shard_sizes,
-                                         smallest_fitting)
+from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, resolve_mesh, shard_groups,
+                                         shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.moments import predict_peak
 from zeroplan.engines.fsdp2.settings import Settings
-from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded
+from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded, wrapping_of
+from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
@@ -33,12 +35,12 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
         Collective(c.op, c.phase, m * c.elements, c.dtype,
                    m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
                    mesh_dim=c.mesh_dim, group_size=c.group_size)
-        for c in unit_collectives(run.units, nd, settings, replicate)
+        for c in unit_collectives(run.shard_units, nd, run.settings, replicate)
         for m in (micro_steps(c, workload.grad_accum),)
     )  # fmt: skip
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     peak = predict_peak(run) if run.acts is not None else None
-    return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
+    return (EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
                            beside_states=mesh_ranks(run)),)  # fmt: skip
 
 
@@ -59,30 +61,35 @@ class Fsdp2Option:
     checkpointing: str
     estimate: EngineEstimate
     fits: bool
+    wrapping: Optional[Wrapping] = None  # settings.wrap in the model's names (terms.wrapping_of)
 
     @property
     def snippet(self) -> str:
-        return settings_snippet(self.settings, self.checkpointing)
+        return settings_snippet(self.settings, self.checkpointing, self.wrapping)
 
 
 def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
                  shards: tuple[int, ...] = ()) -> tuple[Fsdp2Option, ...]:
-    """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; with
-    ``shards`` (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard
-    group of them whose peak fits (HSDP across the rest), else on the largest."""
+    """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
+    wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
+    (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of
+    them whose peak fits (HSDP across the rest), else on the largest."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
+    own = isinstance(settings.wrap, Wrapping)
     out = []
-    for reshard, ckpt in CANDIDATES:
+    for reshard, ckpt in ((None, "none"), (None, "full")) if own else CANDIDATES:
         w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
-                     workload.grad_accum, workload.foreach)  # fmt: skip
+                     workload.grad_accum, workload.foreach, workload.transformers)  # fmt: skip
 
         def option(shard: int | None, reshard=reshard, ckpt=ckpt, w=w) -> tuple[Fsdp2Option, bool]:
-            mesh = {} if shard is None else {"dp_shard": shard, "dp_replicate": None}
-            s = resolve_mesh(settings.model_copy(update={"reshard_after_forward": reshard, **mesh}), nd)
+            update = ({} if own else {"reshard_after_forward": reshard}) | (
+                {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
+            s = resolve_mesh(settings.model_copy(update=update), nd)
             (row,) = estimate(w, nd, s)
             fits = row.peak.peak_bytes <= capacity_bytes
-            return Fsdp2Option(s, ckpt, row, fits), fits
+            run_settings = fsdp2_run(w, shard_groups(s, nd)[1], s).settings
+            return Fsdp2Option(run_settings, ckpt, row, fits, wrapping_of(w, s)), fits
 
         out.append(smallest_fitting(shards, option) if shards else option(None)[0])
     return tuple(out)
@@ -115,8 +122,45 @@ def planner_settings(options: PlannerOptions) -> Settings:
         given["cuda_capability"] = options.gpu_capability
     if options.own.get("dp_shard") == AUTO:
         raise ValueError("dp_shard=auto: only plan searches the mesh; give a number (R x S = N_d)")
-    given.update({k: v for k, v in options.own.items() if k in MESH_OPTIONS and v is not None})  # HSDP (mesh.py)
+    given.update({k: v for k, v in options.own.items() if v is not None and k != "gpus_per_node"})  # OWN_OPTIONS
+    if given.get("device") == "cpu":  # a CPU run is on gloo (users' CPU CI runners), as the validator's
+        given["backend"] = "gloo"
     return Settings(**given)
+
+
+def _wrap(value: object) -> object:
+    """``--fsdp-wrap``: a preset name, the path of a wrapping file (``wrap.read_wrapping``) or a Wrapping."""
+    from zeroplan.engines.fsdp2.wrap import PRESETS, Wrapping, parse_wrapping, read_wrapping
+
+    if isinstance(value, Wrapping):
+        return value
+    if isinstance(value, dict):
+        return parse_wrapping(value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"fsdp_wrap={value!r}: expected {', '.join(PRESETS)} or a wrapping JSON file")
+    return value if value in PRESETS else read_wrapping(value)
+
+
+def _choice(name: str, allowed: tuple[str, ...]):
+    def check(value: object) -> str:
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: expected {' or '.join(allowed)}")
+        return value  # type: ignore[return-value]
+
+    return check
+
+
+OWN_OPTIONS = (
+    EngineOption("wrap", _wrap, None, "the fully_shard calls: blocks (default), torchtitan or a wrapping JSON file"),
+    EngineOption("init", _choice("init", ("meta", "materialized")), None,
+                 "meta (default: built on the meta device, sharded, to_empty) or materialized (built whole first)"),
+    EngineOption("device", _choice("device", ("cuda", "cpu")), None,
+                 "cuda (default, NCCL) or cpu (gloo: no CUDA block rounding or library workspaces)"),
+    EngineOption("dp_replicate", check_group("dp_replicate"), None, MESH_HELP["dp_replicate"]),
+    EngineOption("dp_shard", check_shard, None, MESH_HELP["dp_shard"]),
+)  # fmt: skip
+"""FSDP2's own options (``Engine.own_options``): ``Settings.wrap``, ``init``, ``device``, and the HSDP mesh's
+``dp_replicate`` and ``dp_shard`` (engines/fsdp2/mesh.py); None: the default a GPU user runs."""
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:

@@ -4,10 +4,11 @@ terms were read from. FSDP2 keeps the same split: ``_fsdp_api.py`` (the policies
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.dtypes import canonical_dtype
 
 TORCH_VERSION = "2.13.0"  # the source the terms were read from
@@ -59,6 +60,11 @@ class Settings(BaseModel):
         None, ge=1, description="HSDP: ranks S each parameter is sharded over; None: N_d / dp_replicate "
         "(engines/fsdp2/mesh.py shard_groups)",
     )  # fmt: skip
+    wrap: Union[Literal["blocks", "torchtitan"], Wrapping] = Field(
+        "blocks", description="the fully_shard calls (engines/fsdp2/wrap.py): blocks (each decoder layer, then the "
+        "root), torchtitan (embeddings, each block, [norm, output] kept gathered, the root) or a Wrapping; "
+        "reshard_after_forward is the blocks' value (a Wrapping's own blocks' values decide there)",
+    )  # fmt: skip
     cuda_capability: tuple[StrictInt, StrictInt] = Field(
         (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
         "(formulas.cuda_workspaces); (9, 0) is H100/H200",
@@ -87,8 +93,9 @@ class Settings(BaseModel):
 
     def label(self) -> str:
         mp = f", param {self.param}, reduce {self.reduce}" if self.param != self.module else ""
+        wrap = "" if self.wrap == "blocks" else f", wrap {self.wrap if isinstance(self.wrap, str) else 'file'}"
         hsdp = f", HSDP mesh {self.dp_replicate} x {self.dp_shard}" if (self.dp_replicate or 1) > 1 else ""
-        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{hsdp}"
+        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}"
 
 
 def post_forward_group(settings: Settings, nd: int) -> int:
