@@ -111,6 +111,10 @@ class ValidateConfig(BaseModel):
         None, description="fsdp2 only: on every block (default True; False keeps them gathered until "
         "backward; an int k reshards over k ranks)",
     )  # fmt: skip
+    dp_replicate: Optional[StrictInt] = Field(
+        None, ge=1, description="fsdp2 only: HSDP, replicas R of the 2-D mesh (R, N_d / R) fully_shard runs on "
+        "(zeroplan/engines/fsdp2/mesh.py); must divide every world size",
+    )  # fmt: skip
     lr: PositiveFinite = Field(1e-3, description="Adam learning rate")
     tolerance: PositiveFinite = Field(0.01, description="largest relative error of model states still ok")
     timeout_s: PositiveFinite = Field(600.0, description="wall-clock limit of one world size, from its launch")
@@ -200,7 +204,8 @@ class ValidateConfig(BaseModel):
     @model_validator(mode="after")
     def _engine_options(self) -> ValidateConfig:
         """Each engine's own options, and only those (an ignored option is an error)."""
-        fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward", "fsdp2_init", "fsdp_wrap", "hf", "labels")
+        fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward", "fsdp2_init", "fsdp_wrap", "hf", "labels",
+                                  "dp_replicate")
                       if getattr(self, n) is not None]  # fmt: skip
         if self.engine != "reference" and self.grad_accum != 1:
             raise ValueError(f"grad-accum={self.grad_accum}: --engine reference only")
@@ -232,6 +237,10 @@ class ValidateConfig(BaseModel):
             bad = [n for n in self.world_sizes if not isinstance(rsf, bool) and rsf is not None and n % rsf]
             if bad:
                 raise ValueError(f"reshard-after-forward={rsf}: must divide every world size (got {bad})")
+            r = self.dp_replicate or 1
+            if any(n % r or n // r < 2 for n in self.world_sizes):
+                raise ValueError(f"dp-replicate={r}: must divide every world size and leave dp_shard >= 2 "
+                                 f"(got {list(self.world_sizes)})")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ from zeroplan.cli_options import (
     DeviceOption, FsdpWrapOption, InitOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
+from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
@@ -73,6 +74,8 @@ def estimate(
     fsdp_wrap: FsdpWrapOption = None,
     init: InitOption = None,
     device: DeviceOption = None,
+    dp_replicate: DpReplicateOption = None,
+    dp_shard: DpShardOption = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtypeOption = None,
     grad_dtype: GradDtype = None,
@@ -117,7 +120,7 @@ def estimate(
         ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len), ("checkpointing", checkpointing)))
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
-    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device)
+    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
     options, ds, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,
@@ -224,6 +227,8 @@ def plan(
     fsdp_wrap: FsdpWrapOption = None,
     init: InitOption = None,
     device: DeviceOption = None,
+    dp_replicate: DpReplicateOption = None,
+    dp_shard: DpShardOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -270,7 +275,8 @@ def plan(
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     ds = read_settings_file(deepspeed_config)
     options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
-                                                  fsdp_wrap=fsdp_wrap, init=init, device=device)  # fmt: skip
+                                                  fsdp_wrap=fsdp_wrap, init=init, device=device,
+                                                  dp_replicate=dp_replicate, dp_shard=dp_shard)  # fmt: skip
     options, _, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len,
                                              gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel
                                              == 0 else None, micro_batch, grad_accum, mixed_precision)  # fmt: skip

@@ -193,6 +193,16 @@ ReduceDtypeOption = Annotated[
     typer.Option("--reduce-dtype", help="fsdp2: MixedPrecisionPolicy.reduce_dtype, fp32, bf16 or fp16 (default: "
                  "the param dtype)."),
 ]  # fmt: skip
+DpReplicateOption = Annotated[
+    Optional[int],
+    typer.Option("--dp-replicate", help="fsdp2: HSDP, replicas R of fully_shard's 2-D mesh (R, S) with R x S = N_d; "
+                 "gradients all-reduced across them (default: N_d / --dp-shard, else 1)."),
+]  # fmt: skip
+DpShardOption = Annotated[
+    Optional[str],
+    typer.Option("--dp-shard", help="fsdp2: HSDP, ranks S each parameter is sharded over (default: N_d / "
+                 "--dp-replicate, else N_d); plan: auto searches it (whole nodes, the smallest that fits)."),
+]  # fmt: skip
 FsdpWrapOption = Annotated[
     Optional[str],
     typer.Option("--fsdp-wrap", help="fsdp2: the fully_shard calls: blocks (each decoder layer, then the root; "
@@ -209,7 +219,8 @@ DeviceOption = Annotated[
     typer.Option("--device", help="fsdp2: cuda (default: NCCL, CUDA blocks and workspaces) or cpu (a CPU run on "
                  "gloo, as CPU CI runners train)."),
 ]  # fmt: skip
-OWN_OPTION_PARAMS: dict[str, str] = {"fsdp_wrap": "wrap", "init": "init", "device": "device"}
+OWN_OPTION_PARAMS: dict[str, str] = {"fsdp_wrap": "wrap", "init": "init", "device": "device",
+                                     "dp_replicate": "dp_replicate", "dp_shard": "dp_shard"}
 """Command parameter -> the engine's own option it sets (``Engine.own_options``, by name)."""
 DeepSpeedConfigOption = Annotated[
     Optional[Path],

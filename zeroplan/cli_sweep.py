@@ -15,6 +15,7 @@ from zeroplan.cli_options import (
     given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
+from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
 from zeroplan.hub import with_revision
 
 
@@ -68,6 +69,8 @@ def sweep(
     fsdp_wrap: FsdpWrapOption = None,
     init: InitOption = None,
     device: DeviceOption = None,
+    dp_replicate: DpReplicateOption = None,
+    dp_shard: DpShardOption = None,
     reduce_dtype: ReduceDtypeOption = None,
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
@@ -119,7 +122,8 @@ def sweep(
                         "--model NAME with it, or give the reference policy options (--param-dtype, --optimizer, ...)")
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
-                                  reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device)  # fmt: skip
+                                  reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device,
+                                  dp_replicate=dp_replicate, dp_shard=dp_shard)  # fmt: skip
     micro_batches = parse_wholes(micro_batch, "micro-batch")
     if model is not None:  # a ds_config's batch is the rows' (the engine's sweep_batches)
         typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None

@@ -56,6 +56,9 @@ def validate_cmd(
         None, "--reduce-dtype", help="fsdp2: MixedPrecisionPolicy.reduce_dtype, bf16 or fp32 (default: param dtype)."
     ),
     reshard_after_forward: ReshardOption = None,
+    dp_replicate: Optional[int] = typer.Option(
+        None, "--dp-replicate", help="fsdp2: HSDP, fully_shard on the 2-D mesh (R, N_d / R) of R replicas."
+    ),
     fsdp2_init: Optional[str] = typer.Option(
         None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
         "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
@@ -157,7 +160,7 @@ def validate_cmd(
         param_dtype=param_dtype,
         **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
                 reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init,
-                fsdp_wrap=fsdp_wrap, hf=hf, labels=labels),
+                fsdp_wrap=fsdp_wrap, hf=hf, labels=labels, dp_replicate=dp_replicate),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,

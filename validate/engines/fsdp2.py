@@ -213,7 +213,8 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
     global_batches = [make_batch(spec, nd * b, gen, settings.seq_len) for _ in range(settings.steps)]
     # Slices are cloned before the probes start (a view made under MemTracker would count the whole batch).
     local_batches = [tuple(t[rank * b : (rank + 1) * b].clone() for t in gb) for gb in global_batches]
-    mesh = init_device_mesh(device.type, (nd,))  # before FakeTensorMode: see the module docstring
+    shape, names = settings.mesh_dims(nd)  # (N_d,), or HSDP's (R, S) (engines/fsdp2/mesh.py)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # before FakeTensorMode: module docstring
     readings: dict[str, list[int]] = defaultdict(list)
     mode = fake_tensors(fake)  # entered again for the unprobed steps: one fake mode for all tensors
     with mode:

@@ -31,6 +31,7 @@ class Fsdp2Settings:
     init: str = "materialized"  # or "meta": built on the meta device, sharded, to_empty, then initialised
     hf: bool = False  # train transformers' own class of the model's config.json (deepspeed.py hf_builder)
     labels: bool = True  # hf: loss from forward(labels=...) inside the root's forward; False: outside it
+    dp_replicate: int = 1  # HSDP: replicas R of the 2-D mesh (R, N_d / R) given to fully_shard (mesh_dims)
     wrap: str | dict = "blocks"  # the fully_shard calls: a preset (blocks, torchtitan) or a wrapping file's JSON
 
     def __post_init__(self) -> None:
@@ -44,6 +45,8 @@ class Fsdp2Settings:
             value = getattr(self, name)
             if value is not None and value not in RUN_DTYPES:
                 raise ValueError(f"{name}={value!r}: expected one of {', '.join(RUN_DTYPES)}")
+        if not isinstance(self.dp_replicate, int) or self.dp_replicate < 1:
+            raise ValueError(f"dp_replicate={self.dp_replicate!r}: must be a whole number >= 1")
         self.wrapping()  # a bad wrapping: one line, before any rank starts
         if self.steps < 1 or self.batch_per_rank < 1:
             raise ValueError(f"steps={self.steps}, batch_per_rank={self.batch_per_rank}: must be >= 1")
@@ -68,7 +71,17 @@ class Fsdp2Settings:
                    batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
                    init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)),
                    labels=getattr(config, "labels", None) is not False,
-                   wrap=getattr(config, "fsdp_wrap", None) or "blocks")  # fmt: skip
+                   wrap=getattr(config, "fsdp_wrap", None) or "blocks",
+                   dp_replicate=getattr(config, "dp_replicate", None) or 1)  # fmt: skip
+
+    def mesh_dims(self, nd: int) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+        """``init_device_mesh``'s shape and names for N_d ranks: (N_d,) unnamed (flat, as before meshes were
+        named), (R, N_d / R) named for HSDP."""
+        if self.dp_replicate == 1:
+            return (nd,), None
+        if nd % self.dp_replicate:
+            raise ValueError(f"dp_replicate={self.dp_replicate}: must divide N_d={nd}")
+        return (self.dp_replicate, nd // self.dp_replicate), ("dp_replicate", "dp_shard")
 
     @classmethod
     def from_json(cls, text: str) -> Fsdp2Settings:
@@ -113,7 +126,8 @@ def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
                               reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
                               backend=meta["backend"], rank=rank, init=settings.init,
                               cuda_capability=tuple(meta.get("cuda_capability", (9, 0))), wrap=settings.wrapping(),
-                              **({"loss_in_forward": settings.labels} if settings.hf else {}))  # fmt: skip
+                              **({"loss_in_forward": settings.labels} if settings.hf else {}),
+                              **({"dp_replicate": settings.dp_replicate} if settings.dp_replicate > 1 else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], engine)
     return row, engine
 

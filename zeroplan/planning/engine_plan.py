@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from zeroplan.engines import get_engine
 from zeroplan.estimation.workload import model_workload
-from zeroplan.formulas.commtime import compute_time_s, engine_step_time, ring_link
+from zeroplan.formulas.commtime import Links, compute_time_s, engine_step_time, ring_link
 from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.cut_first import cut_first
@@ -21,8 +23,11 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
                               config.grad_accum, config.foreach)  # fmt: skip
     options = config.planner_options
+    if engine.own_options:  # the node size, for an engine that searches a mesh (fsdp2 --dp-shard auto)
+        options = replace(options, own={**options.own, "gpus_per_node": config.gpus_per_node})
     answer = engine.plan(workload, nd, budget, options)
     ring = ring_link(nd, 1, config.gpus_per_node, config.intra_link, config.inter_link)
+    links = Links(config.intra_link, config.inter_link, config.gpus_per_node)  # time per link (commtime)
     whole = config.tensor_numels
     tokens = config.tokens_per_micro_step * config.grad_accum
     compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, 1, config.flops, config.mfu)
@@ -30,7 +35,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     for c in answer.candidates:
         e = c.estimate
         # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
-        time = engine_step_time(e.collectives, nd, ring, config.grad_accum, config.algorithm, c.bucket_numel,
+        time = engine_step_time(e.collectives, nd, links, config.grad_accum, config.algorithm, c.bucket_numel,
                                 compute_s)  # fmt: skip
         rows.append(PlanOption(
             e.stage, e.label, NO_OFFLOAD, None, None,

@@ -28,7 +28,7 @@ from zeroplan.engines.base import EngineOptions
 from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import step_collectives
-from zeroplan.formulas.commtime import compute_time_s, ring_link, step_time
+from zeroplan.formulas.commtime import Links, compute_time_s, ring_link, step_time
 from zeroplan.formulas.peak import PeakEstimate
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
 from zeroplan.formulas.sharding import shard_numel
@@ -219,7 +219,7 @@ def option_peaks(
 
 
 def _option(
-    config: PlanConfig, stage: int, offload: Offload, numels, ring, compute_s, budget, host, peak=None
+    config: PlanConfig, stage: int, offload: Offload, numels, links, compute_s, budget, host, peak=None
 ) -> PlanOption:
     row = get_stage(stage)
     nm, nd, policy = config.model_parallel, config.nd, config.policy
@@ -233,7 +233,7 @@ def _option(
     states = rank_states(numels, nd, stage, offload, policy, config.grad_accum, layout)
     collectives = step_collectives(stage, numels, nd, policy.param_dtype, policy.resolved_grad_dtype, layout)
     time = step_time(
-        stage, collectives, nd, ring, config.grad_accum, config.algorithm, config.bucket_numel, compute_s
+        stage, collectives, nd, links, config.grad_accum, config.algorithm, config.bucket_numel, compute_s
     )
     volume = sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives)
     return PlanOption(
@@ -288,6 +288,7 @@ def plan_config(config: PlanConfig) -> Plan:
     whole = config.tensor_numels
     numels = None if whole is None else tuple(shard_numel(n, nm) for n in whole)
     ring = ring_link(nd, nm, config.gpus_per_node, config.intra_link, config.inter_link)
+    links = Links(config.intra_link, config.inter_link, config.gpus_per_node, nm)  # time per link (commtime)
     tokens = config.tokens_per_micro_step * config.grad_accum
     compute_s = None
     if whole is not None and config.flops is not None:
@@ -295,7 +296,7 @@ def plan_config(config: PlanConfig) -> Plan:
     keys = tuple((s, NO_OFFLOAD) for s in range(4)) + tuple(k for k in LADDER if k[1].any)
     peaks, fit_basis = option_peaks(config, keys)
     options = tuple(
-        _option(config, s, off, numels, ring, compute_s, budget, host, peaks.get((s, off))) for s, off in keys
+        _option(config, s, off, numels, links, compute_s, budget, host, peaks.get((s, off))) for s, off in keys
     )
     recommendation, reason = _recommend(config, options)
     advice = None

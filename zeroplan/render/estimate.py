@@ -6,6 +6,8 @@ import csv
 import io
 
 from zeroplan.estimation.records import Estimate, StageEstimate
+from zeroplan.formulas.collectives import on_mesh
+from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.render.schemas import (
     CollectiveOut, EstimateDoc, EstimateInputs, PeakTermOut, PhasesOut, PolicyOut, StageOut, StepOut, json_text,
 )  # fmt: skip
@@ -17,8 +19,10 @@ CSV_COLUMNS = (
 )  # fmt: skip
 
 
-def stage_out(s: StageEstimate) -> StageOut:
-    """One stage as ``stages[]`` of ``estimate --json`` (``zeroplan.render.schemas.StageOut``)."""
+def stage_out(s: StageEstimate, e: Estimate | None = None) -> StageOut:
+    """One stage as ``stages[]`` of ``estimate --json`` (``zeroplan.render.schemas.StageOut``); its collectives
+    placed on the mesh of ``e`` (``zeroplan.formulas.collectives.on_mesh``: group size and link class)."""
+    collectives = s.collectives if e is None else on_mesh(s.collectives, e.nd, e.nm, gpus_per_node(e))
     return StageOut(
         stage=s.stage,
         name=s.name,
@@ -30,7 +34,7 @@ def stage_out(s: StageEstimate) -> StageOut:
         fits=s.fits,
         comm_volume_elements=s.comm_volume_elements,
         comm_bytes_per_rank=s.comm_bytes_per_rank,
-        collectives=[CollectiveOut(**c.as_dict()) for c in s.collectives],
+        collectives=[CollectiveOut(**c.as_dict()) for c in collectives],
         peak_bytes=None if s.peak is None else s.peak.peak_bytes,
         peak_phase=None if s.peak is None else s.peak.peak_phase,
         phases=None if s.peak is None else PhasesOut(**s.peak.by_phase()),
@@ -51,8 +55,13 @@ def step_out(e: Estimate) -> StepOut | None:
     )  # fmt: skip
 
 
-def stage_dict(s: StageEstimate) -> dict:
-    return stage_out(s).dump()
+def stage_dict(s: StageEstimate, e: Estimate | None = None) -> dict:
+    return stage_out(s, e).dump()
+
+
+def gpus_per_node(e: Estimate) -> int:
+    """The node size the links are read for: the estimate's, else 8 (``zeroplan.formulas.mesh``)."""
+    return getattr(e, "gpus_per_node", None) or DEFAULT_GPUS_PER_NODE
 
 
 def estimate_doc(e: Estimate) -> EstimateDoc:
@@ -71,7 +80,7 @@ def estimate_doc(e: Estimate) -> EstimateDoc:
         ),
         bytes_per_param=dict(e.bytes_per_param),
         k=e.k,
-        stages=[stage_out(s) for s in e.stages],
+        stages=[stage_out(s, e) for s in e.stages],
     )
 
 
@@ -84,7 +93,7 @@ def to_csv(e: Estimate) -> str:
     writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for s in e.stages:
-        writer.writerow(stage_dict(s))
+        writer.writerow(stage_dict(s, e))
     return out.getvalue()
 
 

@@ -53,6 +53,15 @@ class CollectiveOut(_Out):
     elements: int = Field(description="full (unsharded) size of the collective, in elements")
     dtype: str
     bytes_per_rank: int = Field(description="bytes one rank sends on a ring algorithm")
+    mesh_dim: Literal["dp_replicate", "dp_shard", "tp"] = Field(
+        description="the mesh dimension it runs over (zeroplan/formulas/mesh.py): dp_shard for a flat run's "
+        "whole data-parallel group, dp_replicate for HSDP's gradient all-reduce across replicas",
+    )  # fmt: skip
+    group_size: int = Field(description="ranks in its process group")
+    link: Literal["intra", "inter"] = Field(
+        description="intra: every group inside one node (NVLink); inter: a group crosses nodes (the network), "
+        "for the node size given (--gpus-per-node, default 8)",
+    )  # fmt: skip
 
 
 class PhasesOut(_Out):

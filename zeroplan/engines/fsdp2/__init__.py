@@ -36,7 +36,7 @@ planner's side). This module re-exports the names other modules use.
 
 from __future__ import annotations
 
-from zeroplan.engines.base import Engine
+from zeroplan.engines.base import Engine, EngineOption
 from zeroplan.engines.fsdp2.collectives import UnitCollective, unit_collectives
 from zeroplan.engines.fsdp2.launcher import fsdp2_snippet, settings_snippet
 from zeroplan.engines.fsdp2.moments import (

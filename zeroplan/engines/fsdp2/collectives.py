@@ -18,9 +18,10 @@ class UnitCollective:
     elements: int
     dtype: str
     group_size: int
+    mesh_dim: str = "dp_shard"  # HSDP's gradient all-reduce: dp_replicate (engines/fsdp2/mesh.py)
 
 
-def unit_collectives(units, nd: int, settings: Settings) -> tuple[UnitCollective, ...]:
+def unit_collectives(units, nd: int, settings: Settings, replicate: int = 1) -> tuple[UnitCollective, ...]:
     """The collectives of one training step, in issue order. ``units``: the resolved ``fully_shard`` calls
     (``wrap.ShardUnit``, call order), or the profile's ``Unit``s (root first, then the blocks, which take
     ``settings.reshard_after_forward``).
@@ -32,7 +33,9 @@ def unit_collectives(units, nd: int, settings: Settings) -> tuple[UnitCollective
     gathered again: _fsdp_param_group.py:FSDPParamGroup.pre_backward), then one reduce-scatter per unit in
     reverse forward order, the root's last (_fsdp_state.py:FSDPState._root_post_backward_final_callback;
     _fsdp_collectives.py:foreach_reduce). Sizes are nd·S_u (dim-0 padded). One micro-step; with accumulation
-    ``micro_steps`` says how many of them each runs in.
+    ``micro_steps`` says how many of them each runs in. HSDP (``replicate`` R > 1, ``nd`` the shard group S):
+    each reduce-scatter's output, S_u elements in the reduce dtype, is all-reduced over the R replicas right
+    after it (foreach_reduce: ``dist.all_reduce(reduce_output, group=all_reduce_group)``; engines/fsdp2/mesh.py).
     """
     if units and isinstance(units[0], Unit):
         units = (*(ShardUnit((u.name,), tuple(("", s) for s in u.shapes), settings.reshard_after_forward)
@@ -47,6 +50,9 @@ def unit_collectives(units, nd: int, settings: Settings) -> tuple[UnitCollective
             out.append(UnitCollective("all-gather", "backward", u.name, full[u], settings.param, group))
     for u in (*reversed([u for u in order if not u.root]), *(u for u in order if u.root)):
         out.append(UnitCollective("reduce-scatter", "backward", u.name, full[u], settings.reduce, nd))
+        if replicate > 1:
+            out.append(UnitCollective("all-reduce", "backward", u.name, full[u] // nd, settings.reduce,
+                                      replicate, "dp_replicate"))  # fmt: skip
     return tuple(out)
 
 
@@ -57,5 +63,5 @@ def micro_steps(c: UnitCollective, grad_accum: int) -> int:
     (_fsdp_param_group.py:FSDPParamGroup.post_backward: ``if not self.reduce_grads: if
     self.reshard_after_backward: self.reshard()``, default True, the root too), so each forward gathers again;
     the reduce-scatter runs once, in the last micro-step's backward (``reduce_grads`` False skips
-    ``foreach_reduce``; the gradients accumulate unsharded until then)."""
+    ``foreach_reduce``; the gradients accumulate unsharded until then), and so does HSDP's all-reduce."""
     return grad_accum if c.op == "all-gather" else 1

@@ -3,6 +3,7 @@ FSDP2's equivalent of a ZeRO stage and offload (``fsdp2_snippet``)."""
 
 from __future__ import annotations
 
+from zeroplan.engines.fsdp2.mesh import mesh_snippet
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
@@ -61,9 +62,14 @@ def settings_snippet(settings: Settings, checkpointing: str = "none", wrapping: 
         "model.init_weights()  # your in-place initialisation, run on the shards (DTensor)\n"
         if meta else ""
     )  # fmt: skip
+    hsdp = (settings.dp_replicate or 1) > 1  # a 2-D mesh (engines/fsdp2/mesh.py); flat: fully_shard's default
+    mesh = ("from torch.distributed.device_mesh import init_device_mesh\n"
+            + mesh_snippet(settings.dp_replicate, settings.dp_shard, settings.device)) if hsdp else ""  # fmt: skip
+    calls = calls.replace("mp_policy=policy", "mesh=mesh, mp_policy=policy") if hsdp else calls  # every call
     return (
         "import torch\n"
-        "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n\n"
+        "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n"
+        f"{mesh}\n"
         f"# {settings.label()}, checkpointing {checkpointing}; shards stay {settings.module} (no master copy)\n"
         f"{init_note}"
         f"{ckpt}"

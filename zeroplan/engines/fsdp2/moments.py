@@ -15,6 +15,7 @@ from zeroplan.engines.fsdp2.hf_tree import (
     rotary_buffers,
     tied_head_build,
 )
+from zeroplan.engines.fsdp2.mesh import with_allreduce_held
 from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel
 from zeroplan.engines.fsdp2.settings import ADAM
 from zeroplan.engines.fsdp2.terms import (
@@ -325,7 +326,8 @@ def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """Every moment of a training step of FSDP2 (needs activations: an architecture)."""
     if run.acts is None:
         raise ValueError("the peak needs an architecture (activations); this run has only tensor shapes")
-    return (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run))
+    backward = with_allreduce_held(run, backward_moments(run))  # HSDP's held all-reduce buffers (mesh.py)
+    return (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))
 
 
 def predict_peak(run: Fsdp2Run) -> PeakEstimate:

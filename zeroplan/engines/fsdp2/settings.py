@@ -52,6 +52,14 @@ class Settings(BaseModel):
         "root's forward, model(input_ids, labels=...) as transformers' Trainer calls it; False: from the logits "
         "the root returns",
     )  # fmt: skip
+    dp_replicate: StrictInt | None = Field(
+        None, ge=1, description="HSDP: replicas R of the 2-D mesh init_device_mesh(device, (R, S), mesh_dim_names="
+        "('dp_replicate', 'dp_shard')) given to fully_shard(mesh=...); None: N_d / dp_shard, else 1 (a flat mesh)",
+    )  # fmt: skip
+    dp_shard: StrictInt | None = Field(
+        None, ge=1, description="HSDP: ranks S each parameter is sharded over; None: N_d / dp_replicate "
+        "(engines/fsdp2/mesh.py shard_groups)",
+    )  # fmt: skip
     wrap: Union[Literal["blocks", "torchtitan"], Wrapping] = Field(
         "blocks", description="the fully_shard calls (engines/fsdp2/wrap.py): blocks (each decoder layer, then the "
         "root), torchtitan (embeddings, each block, [norm, output] kept gathered, the root) or a Wrapping; "
@@ -86,7 +94,8 @@ class Settings(BaseModel):
     def label(self) -> str:
         mp = f", param {self.param}, reduce {self.reduce}" if self.param != self.module else ""
         wrap = "" if self.wrap == "blocks" else f", wrap {self.wrap if isinstance(self.wrap, str) else 'file'}"
-        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}"
+        hsdp = f", HSDP mesh {self.dp_replicate} x {self.dp_shard}" if (self.dp_replicate or 1) > 1 else ""
+        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}"
 
 
 def post_forward_group(settings: Settings, nd: int) -> int:

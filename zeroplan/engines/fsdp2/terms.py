@@ -83,6 +83,7 @@ class Fsdp2Run:
     buffer_bytes: int = 0  # module buffers every moment holds (transformers' rotary inv_freq): hf_tree.rotary_buffers
     position_bytes: int = 0  # transformers llama-style: the int64 position ids in forward (hf_tree.position_ids)
     shard_units: tuple[ShardUnit, ...] = ()  # the fully_shard calls as made (wrap.resolve): collectives, edge_regathers
+    replicate: int = 1  # HSDP: replicas R of the 2-D mesh; ``nd`` is then the shard group S (engines/fsdp2/mesh.py)
 
     def __post_init__(self) -> None:
         if self.nd == 1:
