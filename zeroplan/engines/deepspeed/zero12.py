@@ -30,8 +30,9 @@ def reduces_from_hooks(s: Settings) -> bool:
 
 
 def _largest_partition_numel(run: DSRun) -> int:
-    """The most parameter elements overlapping one rank's slice of the flat group (the largest rank's)."""
-    return max(run.flat.params_numel(r) for r in range(run.nd))
+    """The most parameter elements overlapping one rank's slice of the flat group, of the ranks described
+    (``DSRun.ranks``: the rank asked, or the largest of all)."""
+    return max(run.flat.params_numel(r) for r in run.ranks)
 
 
 def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
@@ -43,7 +44,7 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, run.settings.reduce_bucket_size)))
     offsets, states, psi = run.flat.offsets, (*_states(run), *_bucket(run)), sum(numels)
     out = []
-    for rank in range(run.nd):
+    for rank in run.ranks:
         mine = run.flat.params(rank)
         if not mine:
             continue
@@ -100,7 +101,7 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
     last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
     outputs = set(run.output_projections)
     out = []
-    for rank in range(nd):
+    for rank in run.ranks:
         mine = run.flat.params(rank)
         if not mine:
             continue
@@ -141,7 +142,7 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
         return ()
     _, _, _, bucket_of = _hook_buckets(run)
     before = bucket_of[max(embeddings)]  # the bucket the embeddings' gradients join, reduced after this op
-    held = [run.flat.params_numel(r) for r in range(run.nd)
+    held = [run.flat.params_numel(r) for r in run.ranks
             if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < before]  # fmt: skip
     p, acts = _pbytes(run), run.acts
     return (Moment("backward", "tied embedding backward", (
@@ -176,7 +177,7 @@ def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
     for j in range(L - 1, -1, -1):
         after[j] += after[j + 1]
     after = after[1:] + [0]  # blocks > j
-    for rank in range(nd):
+    for rank in run.ranks:
         mine_after = [0] * (L + 1)  # the same, of the rank's own parameters (few: a slice of the flat group)
         first, end = run.flat.range(rank)
         for i, b in large:
@@ -203,7 +204,7 @@ def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
         return ()
     psi, first, offsets = sum(numels), buckets[0], run.flat.offsets
     out = []
-    for rank in range(run.nd):
+    for rank in run.ranks:
         start, end = run.flat.range(rank)
         # parameter i occupies [offsets[i], offsets[i + 1]); the first bucket holds the last ``first`` elements
         if end > start and offsets[end] > psi - first:
@@ -315,7 +316,7 @@ class ZeroOptimizer(Wrapper):
         last = tuple(t for t in last if t.name != held_name)
         early = {r for r, _ in _stage2_early_partitions(run)}
         out = []
-        for r in range(run.nd):
+        for r in run.ranks:
             gip = run.flat.params_numel(r) * p
             out.append(Moment("backward", f"last block backward, rank {r} (accumulating)", (
                 *last, Term(held_name, gip, f"{GIP_SRC} (kept until the step)"),

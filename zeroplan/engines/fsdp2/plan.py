@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
+from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload, worst_rank
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.moments import predict_peak
+from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
@@ -18,8 +19,17 @@ from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
 
 def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
-    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks; its
+    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (None: the
+    rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``); its
     collectives count one optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``)."""
+    if settings.rank is None:
+        ranks = distinct_ranks(tuple(s for _, s in workload.shapes), nd)
+        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}))
+                            for r in ranks}),)  # fmt: skip
+    return (_estimate(workload, nd, settings),)
+
+
+def _estimate(workload: Workload, nd: int, settings: Settings) -> EngineEstimate:
     run = fsdp2_run(workload, nd, settings)
     st = model_states(run.units, nd, settings)
     coll = tuple(
@@ -30,8 +40,8 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     )  # fmt: skip
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     peak = predict_peak(run) if run.acts is not None else None
-    return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
-                           beside_states=mesh_ranks(run)),)  # fmt: skip
+    return EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
+                          beside_states=mesh_ranks(run), peak_rank=settings.rank)  # fmt: skip
 
 
 # ---- planning: the cheapest configuration whose predicted peak fits ----
