@@ -19,7 +19,7 @@ from zeroplan.architectures.hf_config import spec_from_hf_config
 from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines import deepspeed as D
 from zeroplan.engines import fsdp2 as F
-from zeroplan.engines.base import Workload
+from zeroplan.engines.base import EngineEstimate, Workload
 from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.engines.fsdp2.param import distinct_ranks, local_shard_numel
 
@@ -107,3 +107,28 @@ def test_recorded_deepspeed_ranks_are_predicted_each(name, rank, phase, before, 
     predicted = estimate_of(record, rank).peak.by_phase()[phase]
     assert 100 * (recorded - measured) / measured == pytest.approx(before, abs=0.01)
     assert 100 * (predicted - measured) / measured == pytest.approx(now, abs=0.01)
+
+
+# ---- the validator: every rank against its own prediction ----
+
+
+def test_validator_compares_each_rank_with_its_own_prediction():
+    """Rank 1 holds 5% more than its own prediction; rank 0's larger prediction covers it in the max over
+    ranks (0% there), so only the comparison rank by rank fails it (validate/compare.py ``_errors_by_rank``)."""
+    from validate.compare import Prediction, Readings, compare
+    from zeroplan.formulas.memory import MemoryBreakdown
+    from zeroplan.formulas.peak import Moment, Term, peak_of
+
+    phases = ("init", "forward", "backward", "optimizer_step")
+    peak = peak_of([Moment(p, p, (Term("x", 1000, "toy.py"),)) for p in phases])
+    est = EngineEstimate("toy", "toy", 3, MemoryBreakdown(100, 50, 200), peak, ())
+    predicted = {0: dict.fromkeys(phases, 1000), 1: {**dict.fromkeys(phases, 1000), "backward": 900}}
+    measured = {0: dict.fromkeys(phases, 1000), 1: {**dict.fromkeys(phases, 1000), "backward": 945}}
+    top = {p: max(m[p] for m in measured.values()) for p in phases}
+    got = Readings(350, True, top, [[]], [], [], nd=2, peak_by_rank=measured)
+    pooled = compare(Prediction(est, peak_by_phase=dict.fromkeys(phases, 1000)), got, 0.01, 0.02)
+    assert pooled["peak_rel_error_by_phase"]["backward"] == 0 and pooled["checks"]["peak_within_tolerance"]
+    row = compare(Prediction(est, peak_by_phase=dict.fromkeys(phases, 1000), peak_by_rank=predicted), got, 0.01, 0.02)
+    assert row["peak_rel_error_by_phase"]["backward"] == pytest.approx(45 / 945)
+    assert row["peak_rel_error_rank_by_phase"]["backward"] == 1
+    assert row["checks"]["peak_within_tolerance"] is False
