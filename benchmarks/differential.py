@@ -24,6 +24,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from validate.differential import DrawResult, draw, run_draw, summary  # noqa: E402
 
 
+def _provenance(argv: list[str] | None) -> dict:
+    """When, on what and by which command the draws were measured (tests/data/measured/differential.json)."""
+    import datetime
+    import platform
+
+    import deepspeed
+    import torch
+    import transformers
+
+    return {"recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs", "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__, "transformers": transformers.__version__, "backend": "gloo",
+            "command": "DS_ACCELERATOR=cpu python benchmarks/differential.py " + " ".join(argv or sys.argv[1:])}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
@@ -33,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     indices = args.only if args.only else range(args.draws)
+    provenance = _provenance(argv)
     results: list[DrawResult] = []
     failed: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="zeroplan-differential-") as tmp:
@@ -51,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'ok  ' if res.ok() else 'MISS'} {d.name}: under {under:+.3%} over {over:+.3%} "
                   f"({time.process_time() - start:.1f} s CPU here) {worst}", flush=True)  # fmt: skip
             if args.out:
-                args.out.write_text(json.dumps({"seed": args.seed, "results": [r.as_json() for r in results],
+                args.out.write_text(json.dumps({**provenance, "seed": args.seed, "results": [r.as_json() for r in results],
                                                 "failed": failed, "summary": summary(results)}, indent=1))  # fmt: skip
     s = summary(results)
     print(f"{s['within_target']} of {s['draws']} draws within 1% (no under-prediction beyond 0.5%); worst under "

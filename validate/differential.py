@@ -141,9 +141,11 @@ def _fsdp2(rng: random.Random, nd: int) -> dict:
 
 def draw(seed: int, index: int, engine: Optional[str] = None) -> Draw:
     """The ``index``-th configuration of the matrix of ``seed`` (the same on every machine: ``random.Random``
-    of a string seed); ``engine``: only that engine's draws (None: either)."""
+    of a string seed); ``engine``: that engine for this draw (None: the drawn one; the model, the step and
+    the world are the same either way)."""
     rng = random.Random(f"zeroplan-differential-{seed}-{index}")
-    engine = engine or rng.choice(("fsdp2", "deepspeed"))
+    drawn = rng.choice(("fsdp2", "deepspeed"))  # drawn whatever ``engine`` says: the rest of the draw is the same
+    engine = engine or drawn
     family = rng.choice(FAMILIES)
     while True:
         config = _model(rng, family)
