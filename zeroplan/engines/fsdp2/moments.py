@@ -68,7 +68,7 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     FSDPParam.reset_sharded_param), and the in-place initialisation adds nothing (measured: the init
     peak is the padded shards, gpt-tiny N_d = 2 and tiny-llama N_d = 8, MemTracker less the meta device)."""
     if run.settings.init == "meta":
-        rank, src = run.settings.rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
+        rank, src = run.settings.described_rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
         shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
         repad = [local_shard_numel(s, run.nd, rank) for s in shapes
                  if local_shard_numel(s, run.nd, rank) != padded_shard_numel(s, run.nd)]  # fmt: skip
@@ -311,7 +311,7 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     tensor at once (one local shard's worth); ``_single_tensor_adam`` computes ``v.sqrt() /
     bias_correction2_sqrt`` per tensor, two temporaries of the largest local shard alive at once."""
     shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
-    local = [local_shard_numel(s, run.nd, run.settings.rank) for s in shapes]
+    local = [local_shard_numel(s, run.nd, run.settings.described_rank) for s in shapes]
     if run.foreach:
         temps = Term("Adam temporaries (foreach sqrt(v))", sum(local) * run.m, f"{ADAM}:_multi_tensor_adam", len(local))
     else:
