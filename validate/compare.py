@@ -32,6 +32,15 @@ from zeroplan.formulas.peak import Term
 
 RING_OPS = ("all-reduce", "reduce-scatter", "all-gather")
 
+GLOO_NOTE = (
+    "gloo runs a reduce-scatter as a full all-reduce followed by a local copy, so on the wire it sends "
+    "twice the ring volume counted here (seen with --wire: gpt-tiny at N_d = 2 sends 1.06x the logical "
+    "bytes at stage 0, 1.59x at stages 1-2 and 1.42x at stage 3, i.e. 1.5x and 1.34x of stage 0's "
+    "ratio, as (2+1)/2 and (1+1+2)/3 predict); derived comm bytes are the logical ring bytes per rank "
+    "((N_d-1)*ceil(n/N_d)*b per observed call, x2 for all-reduce), which is what NCCL's ring sends."
+)
+"""The note every report with a gloo row carries (the reference runner's and the engines')."""
+
 
 def rel_error(measured: float, predicted: float, base: float) -> float:
     """(measured - predicted) / base; with base 0: 0 when measured equals predicted, else 1."""

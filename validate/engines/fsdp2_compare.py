@@ -205,7 +205,7 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
 
 def build_report(config, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
     """The whole ``zeroplan validate --engine fsdp2`` result (``validate.schema.ValidationReport``)."""
-    from validate.report import GLOO_NOTE
+    from validate.compare import GLOO_NOTE
     from validate.schema import SCHEMA, ValidationReport
 
     rows = [compare(config, meta, [rank_rows[0] for rank_rows in ranks]) for meta, ranks in worlds]
