@@ -251,7 +251,7 @@ def plan(
         ctx, accelerate_config, torchtitan_config, deepspeed_config, engine, gpus, model, seq_len, micro_batch, grad_accum)
     refuse_foreign(ctx, engine)
     refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
-    if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     options = file_options or engine_options_from(engine, read_settings_file(deepspeed_config), None, param_dtype,
                                                   reduce_dtype)  # fmt: skip
