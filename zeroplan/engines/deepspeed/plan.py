@@ -118,7 +118,7 @@ def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
 # --- the planner's side (estimate, plan, sweep): options -> Settings, the byte convention, the plan ----------
 
 PLANNER_OPTIONS: tuple[str, ...] = ("stage",)
-"""The shared ``PlannerOptions`` fields DeepSpeed reads: ``--stage`` (its file: ``OWN_OPTIONS``)."""
+"""The shared ``PlannerOptions`` fields DeepSpeed reads: ``--stage`` (its file: ``VOCABULARY``)."""
 
 
 def check_ds_config(v: object) -> dict:
@@ -128,7 +128,7 @@ def check_ds_config(v: object) -> dict:
     return dict(v)
 
 
-OWN_OPTIONS: tuple[EngineOption, ...] = (
+VOCABULARY: tuple[EngineOption, ...] = (
     EngineOption("ds_config", check_ds_config, None, "the parsed ds_config.json (None: DeepSpeed's defaults)"),
 )
 """DeepSpeed's own vocabulary, declared once (``Engine.own_options``): its ``ds_config.json``."""

@@ -81,7 +81,7 @@ def recommend(workload: Workload, nd: int, capacity_bytes: int, settings: Settin
 # ---- the planner's side (estimate, plan, sweep): options -> Settings, the byte convention, the plan ----
 
 PLANNER_OPTIONS: tuple[str, ...] = ()
-"""The shared ``PlannerOptions`` fields FSDP2 reads: none (its vocabulary is its own, ``OWN_OPTIONS``)."""
+"""The shared ``PlannerOptions`` fields FSDP2 reads: none (its vocabulary is its own, ``VOCABULARY``)."""
 
 
 def check_reshard(v: object) -> bool | int:
@@ -104,7 +104,7 @@ def check_dtype(name: str) -> Callable[[object], str]:
     return check
 
 
-OWN_OPTIONS: tuple[EngineOption, ...] = (
+VOCABULARY: tuple[EngineOption, ...] = (
     EngineOption("reshard_after_forward", check_reshard, None,
                  "fully_shard(reshard_after_forward=...): True (default), False or the post-forward group size"),
     EngineOption("param_dtype", check_dtype("param_dtype"), None, "MixedPrecisionPolicy.param_dtype (default: none)"),
