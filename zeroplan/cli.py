@@ -271,7 +271,7 @@ def plan(
         ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len)))
     refuse_foreign(ctx, engine)
     refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
-    if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     ds = read_settings_file(deepspeed_config)
     options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,

@@ -117,7 +117,7 @@ def sweep(
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
     refuse_foreign(ctx, engine)
-    if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
         raise UserError("--deepspeed-config does not apply to sweep --engine reference: use --engine deepspeed "
                         "--model NAME with it, or give the reference policy options (--param-dtype, --optimizer, ...)")
     reads_policy = "policy" in get_engine(engine).options

@@ -4,13 +4,15 @@ contract (``planner_settings``, ``planner_policy``, ``planner_plan``, ``planner_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
+from zeroplan.engines.base import Candidate, EngineEstimate, EngineOption, EnginePlan, PlannerOptions, Workload
 from zeroplan.engines.deepspeed.profile import estimate
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.policy import PrecisionPolicy
+from zeroplan.types import show
 
 
 BUCKET_CHOICES: tuple[int, ...] = (500_000_000, 200_000_000, 50_000_000, 5_000_000)
@@ -115,12 +117,25 @@ def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
 
 # --- the planner's side (estimate, plan, sweep): options -> Settings, the byte convention, the plan ----------
 
-PLANNER_OPTIONS: tuple[str, ...] = ("ds_config", "stage")
-"""The ``PlannerOptions`` fields in DeepSpeed's vocabulary: a ``ds_config.json`` and ``--stage``."""
+PLANNER_OPTIONS: tuple[str, ...] = ("stage",)
+"""The shared ``PlannerOptions`` fields DeepSpeed reads: ``--stage`` (its file: ``VOCABULARY``)."""
+
+
+def check_ds_config(v: object) -> dict:
+    """``ds_config``: a parsed ``ds_config.json`` (a JSON object); its keys are read by ``Settings.from_ds_config``."""
+    if not isinstance(v, Mapping):
+        raise ValueError(f"ds_config={show(v)}: expected a parsed ds_config.json (a dict)")
+    return dict(v)
+
+
+VOCABULARY: tuple[EngineOption, ...] = (
+    EngineOption("ds_config", check_ds_config, None, "the parsed ds_config.json (None: DeepSpeed's defaults)"),
+)
+"""DeepSpeed's own vocabulary, declared once (``Engine.own_options``): its ``ds_config.json``."""
 def planner_settings(options: PlannerOptions) -> Settings:
     """DeepSpeed's ``Settings`` from ``--deepspeed-config`` (absent keys: DeepSpeed 0.19.8's defaults) and
     ``--stage`` (fills in a config without a stage; a contradiction is refused)."""
-    config = dict(options.ds_config) if options.ds_config is not None else {}
+    config = dict(options.own.get("ds_config") or {})
     zero = config.get("zero_optimization")
     if options.stage is None and not (isinstance(zero, dict) and "stage" in zero):
         raise ValueError("--engine deepspeed needs the ZeRO stage: give --stage or zero_optimization.stage in "
@@ -140,7 +155,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     the plan's order (``ranked``), each with the ds_config of exactly that prediction; the recommendation is
     the first that fits (``recommend``'s). The other keys come from ``--deepspeed-config`` (the plan chooses
     the stage: the file's is one of the candidates)."""
-    config = dict(options.ds_config) if options.ds_config is not None else {}
+    config = dict(options.own.get("ds_config") or {})
     zero = dict(config.get("zero_optimization") or {})
     if "stage" in zero:  # the file as `estimate` reads it (a stage of 4, 0 or "3" refused), then searched
         Settings.from_ds_config(config, None)

@@ -58,9 +58,9 @@ from zeroplan.engines.fsdp2.param import (
 )
 from zeroplan.engines.fsdp2.plan import (
     CANDIDATES,
-    OWN_OPTIONS,
     PLAN_ORDER,
     PLANNER_OPTIONS,
+    VOCABULARY,
     Fsdp2Option,
     estimate,
     plan_options,
@@ -74,7 +74,7 @@ from zeroplan.engines.fsdp2.settings import SRC, TORCH_VERSION, Settings, post_f
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, ModelStates, fsdp2_run, mesh_ranks_bytes, model_states
 
 __all__ = [
-    "CANDIDATES", "OWN_OPTIONS", "PLAN_ORDER", "PLANNER_OPTIONS", "SRC", "TORCH_VERSION", "Fsdp2Option", "Fsdp2Run",
+    "CANDIDATES", "VOCABULARY", "PLAN_ORDER", "PLANNER_OPTIONS", "SRC", "TORCH_VERSION", "Fsdp2Option", "Fsdp2Run",
     "ModelStates", "Settings", "Shape", "Unit", "UnitCollective", "backward_moments", "estimate",
     "forward_moments", "fsdp2_run", "fsdp2_snippet", "init_moments", "local_shard_numel", "mesh_ranks_bytes",
     "model_states", "moments", "optimizer_moments", "padded_shard_numel", "plan_options", "planner_block_bytes",
@@ -83,5 +83,5 @@ __all__ = [
 ]  # fmt: skip
 
 ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
-                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=OWN_OPTIONS)
+                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=VOCABULARY)
 """FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""
