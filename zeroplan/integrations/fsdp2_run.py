@@ -75,8 +75,8 @@ def accelerate_wrapping(run: AccelerateFsdp, spec: TransformerSpec) -> Wrapping:
     if not spec.tied:
         units.append(WrapEntry(modules=(embed,), reshard_after_forward=run.reshard_after_forward))
         units.append(WrapEntry(modules=(norm, "lm_head"), group=True, reshard_after_forward=False))
-    else:  # lm_head shares the embedding's weight: named_parameters lists it once, as the embedding
-        units.append(WrapEntry(modules=(embed, norm), group=True, reshard_after_forward=False))
+    else:  # lm_head shares the embedding's weight: one unit (torch 2.13 refuses a parameter in two)
+        units.append(WrapEntry(modules=(norm, embed, "lm_head"), group=True, reshard_after_forward=False))
     return Wrapping(units=(*units, WrapEntry(modules=("",))))
 
 

@@ -457,7 +457,9 @@ def shard_units_of(workload: Workload, settings: Settings) -> tuple[ShardUnit, .
     wrapping = wrapping_of(workload, settings)
     if wrapping is None:
         return (ShardUnit(("",), tuple((n, tuple(s)) for n, s in workload.shapes), None, True),)
-    return resolve(wrapping, workload.shapes)
+    spec = workload.spec
+    tied = (("lm_head", workload.shapes[0][0]),) if spec is not None and spec.tied and workload.transformers else ()
+    return resolve(wrapping, workload.shapes, tied)  # transformers' tied lm_head: the embedding's weight
 
 
 def profile_units(shard_units: tuple[ShardUnit, ...], prefix: str, settings: Settings, peak: bool,
