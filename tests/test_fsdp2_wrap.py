@@ -214,3 +214,33 @@ def test_each_split_root_term_is_in_the_peak_it_explains(name, tmp_path):
     (at,) = (p for p in peak.phases if p.phase == phase)
     (held,) = (t for t in at.terms if t.name == term)
     assert at.moment == moment and held.bytes > 2 * MARGIN * peaks[0][PHASES.index(phase)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--engine", "reference", "--init", "meta"), "--init does not apply to --engine reference"),
+    (("--engine", "reference", "--device", "cpu"), "--device does not apply to --engine reference"),
+    (("--engine", "deepspeed", "--stage", "3", "--fsdp-wrap", "torchtitan"), "--fsdp-wrap does not apply to --engine deepspeed"),
+    (("--engine", "fsdp2", "--zero-init"), "--zero-init does not apply to --engine fsdp2"),
+    (("--engine", "deepspeed", "--stage", "2", "--zero-init"), "zero_init: deepspeed.zero.Init partitions parameters for ZeRO-3 only"),
+    (("--engine", "fsdp2", "--device", "tpu"), "device='tpu': expected cuda or cpu"),
+    (("--engine", "fsdp2", "--fsdp-wrap", "megatron"), "fsdp wrapping 'megatron'"),
+])  # fmt: skip
+def test_own_options_are_refused_in_one_line(args, message):
+    from clicheck import assert_one_line_error, run
+
+    assert_one_line_error(run("estimate", "--model", "llama2-7b", "--gpus", "8", *args), message)
+
+
+def test_own_options_change_the_prediction():
+    # --device cpu: gloo, no CUDA blocks or workspaces; --init materialized holds the whole model at init;
+    # --no-zero-init (DeepSpeed ZeRO-3) builds the model whole before deepspeed.initialize partitions it
+    from zeroplan import estimate as plan_estimate
+
+    def phases(**kw):
+        return plan_estimate(model="llama2-7b", gpus=8, **kw).stages[0].peak.by_phase()
+
+    cuda, cpu = phases(engine="fsdp2"), phases(engine="fsdp2", device="cpu")
+    assert cpu["backward"] < cuda["backward"]
+    meta, whole = phases(engine="fsdp2", init="meta"), phases(engine="fsdp2", init="materialized")
+    assert meta["init"] < 4e9 < 27e9 < whole["init"]  # 6.74B fp32 parameters: 27 GB built whole
+    assert phases(engine="deepspeed", stage=3, zero_init=False)["init"] > 2 * phases(engine="deepspeed", stage=3)["init"]

@@ -15,7 +15,7 @@ from zeroplan.cli_options import (
     STEP_OPTIONS, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption, GradAccumOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
-    DeviceOption, FsdpWrapOption, InitOption,
+    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
@@ -72,6 +72,7 @@ def estimate(
     fsdp_wrap: FsdpWrapOption = None,
     init: InitOption = None,
     device: DeviceOption = None,
+    zero_init: ZeroInitOption = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtypeOption = None,
     grad_dtype: GradDtype = None,
@@ -112,7 +113,7 @@ def estimate(
         ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len), ("checkpointing", checkpointing)))
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
-    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device)
+    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, zero_init=zero_init)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
     options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len, nd, micro_batch, grad_accum)
@@ -216,6 +217,7 @@ def plan(
     fsdp_wrap: FsdpWrapOption = None,
     init: InitOption = None,
     device: DeviceOption = None,
+    zero_init: ZeroInitOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -261,7 +263,8 @@ def plan(
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     options = file_options or engine_options_from(engine, read_settings_file(deepspeed_config), None, param_dtype,
-                                                  reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device)  # fmt: skip
+                                                  reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device,
+                                                  zero_init=zero_init)  # fmt: skip
     options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len,
                                           gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0
                                           else None, micro_batch, grad_accum)  # fmt: skip

@@ -209,7 +209,12 @@ DeviceOption = Annotated[
     typer.Option("--device", help="fsdp2: cuda (default: NCCL, CUDA blocks and workspaces) or cpu (a CPU run on "
                  "gloo, as CPU CI runners train)."),
 ]  # fmt: skip
-OWN_OPTION_PARAMS: dict[str, str] = {"fsdp_wrap": "wrap", "init": "init", "device": "device"}
+ZeroInitOption = Annotated[
+    Optional[bool],
+    typer.Option("--zero-init/--no-zero-init", help="deepspeed ZeRO-3: the model built under deepspeed.zero.Init "
+                 "(default at stage 3) or built whole, then partitioned by deepspeed.initialize."),
+]  # fmt: skip
+OWN_OPTION_PARAMS: dict[str, str] = {"fsdp_wrap": "wrap", "init": "init", "device": "device", "zero_init": "zero_init"}
 """Command parameter -> the engine's own option it sets (``Engine.own_options``, by name)."""
 DeepSpeedConfigOption = Annotated[
     Optional[Path],

@@ -38,7 +38,7 @@ from zeroplan.engines.deepspeed.coordinator import Coordinator, Stage3Gather, St
 from zeroplan.engines.deepspeed.estimator import ds_estimate_bytes, ds_estimate_zero2_bytes, ds_estimate_zero3_bytes
 from zeroplan.engines.deepspeed.phases import (backward_moments, forward_moments, init_moments, moments,
                                                optimizer_moments)
-from zeroplan.engines.deepspeed.plan import (BUCKET_CHOICES, PLAN_ORDER, PLANNER_OPTIONS, Recommendation, Tried,
+from zeroplan.engines.deepspeed.plan import (BUCKET_CHOICES, OWN_OPTIONS, PLAN_ORDER, PLANNER_OPTIONS, Recommendation, Tried,
                                              build_snippet, candidates, planner_block_bytes, planner_plan,
                                              planner_policy, planner_settings, ranked, recommend, sent_bytes_per_step)
 from zeroplan.engines.deepspeed.profile import estimate
@@ -72,5 +72,6 @@ __all__ = [
 
 ENGINE = Engine("deepspeed", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
                 ds_estimate_bytes, "DeepSpeed's estimator", planner_block_bytes, batch=planner_batch,
-                sweep_batches=sweep_micro_batches, read_settings_file=Settings.from_ds_config)  # fmt: skip
+                sweep_batches=sweep_micro_batches, read_settings_file=Settings.from_ds_config,
+                own_options=OWN_OPTIONS)  # fmt: skip
 """DeepSpeed as the registry knows it (``zeroplan.engines``): its batch is the ds_config's."""

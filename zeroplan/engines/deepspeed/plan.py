@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
+from zeroplan.engines.base import Candidate, EngineEstimate, EngineOption, EnginePlan, PlannerOptions, Workload
 from zeroplan.engines.deepspeed.profile import estimate
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.policy import PrecisionPolicy
@@ -125,7 +125,20 @@ def planner_settings(options: PlannerOptions) -> Settings:
     if options.stage is None and not (isinstance(zero, dict) and "stage" in zero):
         raise ValueError("--engine deepspeed needs the ZeRO stage: give --stage or zero_optimization.stage in "
                          "--deepspeed-config")  # fmt: skip
-    return Settings.from_ds_config(config, options.stage)
+    return Settings.from_ds_config(config, options.stage, options.own.get("zero_init"))
+
+
+def _zero_init(value: object) -> bool:
+    """``--zero-init/--no-zero-init`` (``Settings.zero_init``): whether ZeRO-3 builds the model under
+    ``deepspeed.zero.Init``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"zero_init={value!r}: expected true or false")
+    return value
+
+
+OWN_OPTIONS = (EngineOption("zero_init", _zero_init, None, "ZeRO-3: the model built under deepspeed.zero.Init "
+                            "(default at stage 3) or whole, then partitioned by deepspeed.initialize"),)  # fmt: skip
+"""DeepSpeed's own options (``Engine.own_options``): ``Settings.zero_init``; None: DeepSpeed's way at stage 3."""
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:
@@ -146,6 +159,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
         Settings.from_ds_config(config, None)
     zero.pop("stage", None)
     base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
+    if options.own.get("zero_init") is not None:  # read by the stage-3 candidates only (Settings.built_under_zero_init)
+        base = base.model_copy(update={"zero_init": options.own["zero_init"]})
     order = ranked(workload, nd, base)
     index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
