@@ -156,6 +156,7 @@ RECORDED = {
     'llama-causallm-file': ('llama', 2, {'wrap': EMBED_APART, 'hf': False}, [[2736000, 6608020, 8168028, 5473812], [2736000, 6606484, 8166492, 5471508]]),
     'qwen2-accelerate-bf16': ('qwen2', 2, {'wrap': ACCELERATE, 'param_dtype': 'bf16'}, [[4412016, 10247204, 10015764, 9654972], [4412016, 10245284, 10013844, 9652092]]),
     'qwen2-file': ('qwen2', 2, {'wrap': FILE}, [[4412016, 12543484, 14486932, 9654972], [4412016, 12541564, 14485012, 9652092]]),
+    'qwen2-file-3': ('qwen2', 3, {'wrap': FILE}, [[4310624, 10496332, 12201620, 6443436], [4310624, 10496332, 12201620, 6443436], [4310624, 10484812, 12190100, 6429996]]),
     'qwen2-torchtitan-4': ('qwen2', 4, {'wrap': 'torchtitan'}, [[4466400, 8794060, 9609124, 4829988], [4466400, 8794060, 9609124, 4829988], [4466400, 8794060, 9609124, 4829988], [4466400, 8788300, 9603364, 4821348]]),
     'qwen2-torchtitan-nolabels-bf16': ('qwen2', 2, {'wrap': 'torchtitan', 'labels': False, 'param_dtype': 'bf16'}, [[4826400, 9142356, 10015764, 9654972], [4826400, 9140436, 10013844, 9652092]]),
     'qwen2-torchtitan': ('qwen2', 2, {'wrap': 'torchtitan'}, [[4826400, 11870788, 13045972, 9654972], [4826400, 11868868, 13044052, 9652092]]),
@@ -167,6 +168,7 @@ RECORDED = {
 # docs/engines/fsdp2.md, "Wrapping as data")
 BOUND = {
     "qwen2-file": {"forward": -0.05136, "backward": -0.11364},
+    "qwen2-file-3": {"forward": -0.06182, "backward": -0.15470},
     "qwen2-wide-vocab-file-bf16": {"forward": -0.09053, "backward": -0.13593},
     "llama-causallm-file": {"forward": -0.12761, "backward": -0.05302},
 }
