@@ -15,7 +15,7 @@ from zeroplan.cli_options import (
     STEP_OPTIONS, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption, GradAccumOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
-    DeviceOption, FsdpWrapOption, InitOption,
+    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
@@ -76,6 +76,7 @@ def estimate(
     device: DeviceOption = None,
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
+    zero_init: ZeroInitOption = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtypeOption = None,
     grad_dtype: GradDtype = None,
@@ -120,7 +121,8 @@ def estimate(
         ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len), ("checkpointing", checkpointing)))
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
-    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard)
+    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard,
+               zero_init=zero_init)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
     options, ds, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,
@@ -229,6 +231,7 @@ def plan(
     device: DeviceOption = None,
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
+    zero_init: ZeroInitOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -276,7 +279,8 @@ def plan(
     ds = read_settings_file(deepspeed_config)
     options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
                                                   fsdp_wrap=fsdp_wrap, init=init, device=device,
-                                                  dp_replicate=dp_replicate, dp_shard=dp_shard)  # fmt: skip
+                                                  dp_replicate=dp_replicate, dp_shard=dp_shard,
+                                                  zero_init=zero_init)  # fmt: skip
     options, _, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len,
                                              gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel
                                              == 0 else None, micro_batch, grad_accum, mixed_precision)  # fmt: skip

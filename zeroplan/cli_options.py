@@ -221,6 +221,11 @@ DeviceOption = Annotated[
     typer.Option("--device", help="fsdp2: cuda (default: NCCL, CUDA blocks and workspaces) or cpu (a CPU run on "
                  "gloo, as CPU CI runners train)."),
 ]  # fmt: skip
+ZeroInitOption = Annotated[
+    Optional[bool],
+    typer.Option("--zero-init/--no-zero-init", help="deepspeed ZeRO-3: the model built under deepspeed.zero.Init "
+                 "(default at stage 3) or built whole, then partitioned by deepspeed.initialize."),
+]  # fmt: skip
 DeepSpeedConfigOption = Annotated[
     Optional[Path],
     typer.Option("--deepspeed-config", help="ds_config.json: with --engine deepspeed the engine's settings (buckets, "
@@ -236,6 +241,7 @@ OWN_OPTION_PARAMS: dict[str, str] = {
     "device": "device",
     "dp_replicate": "dp_replicate",
     "dp_shard": "dp_shard",
+    "zero_init": "zero_init",
 }
 """Command parameter -> the engine's own option it sets (``Engine.own_options``, by name): the CLI's half of
 adding an option (the engine declares it; its flag is typed here and listed here)."""

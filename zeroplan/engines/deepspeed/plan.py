@@ -128,10 +128,6 @@ def check_ds_config(v: object) -> dict:
     return dict(v)
 
 
-VOCABULARY: tuple[EngineOption, ...] = (
-    EngineOption("ds_config", check_ds_config, None, "the parsed ds_config.json (None: DeepSpeed's defaults)"),
-)
-"""DeepSpeed's own vocabulary, declared once (``Engine.own_options``): its ``ds_config.json``."""
 def planner_settings(options: PlannerOptions) -> Settings:
     """DeepSpeed's ``Settings`` from ``--deepspeed-config`` (absent keys: DeepSpeed 0.19.8's defaults) and
     ``--stage`` (fills in a config without a stage; a contradiction is refused)."""
@@ -140,7 +136,24 @@ def planner_settings(options: PlannerOptions) -> Settings:
     if options.stage is None and not (isinstance(zero, dict) and "stage" in zero):
         raise ValueError("--engine deepspeed needs the ZeRO stage: give --stage or zero_optimization.stage in "
                          "--deepspeed-config")  # fmt: skip
-    return Settings.from_ds_config(config, options.stage)
+    return Settings.from_ds_config(config, options.stage, options.own.get("zero_init"))
+
+
+def _zero_init(value: object) -> bool:
+    """``--zero-init/--no-zero-init`` (``Settings.zero_init``): whether ZeRO-3 builds the model under
+    ``deepspeed.zero.Init``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"zero_init={value!r}: expected true or false")
+    return value
+
+
+VOCABULARY: tuple[EngineOption, ...] = (
+    EngineOption("ds_config", check_ds_config, None, "the parsed ds_config.json (None: DeepSpeed's defaults)"),
+    EngineOption("zero_init", _zero_init, None, "ZeRO-3: the model built under deepspeed.zero.Init (default at "
+                 "stage 3) or whole, then partitioned by deepspeed.initialize"),
+)  # fmt: skip
+"""DeepSpeed's own vocabulary, declared once (``Engine.own_options``): its ``ds_config.json`` and
+``Settings.zero_init`` (None: DeepSpeed's way at stage 3)."""
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:
@@ -161,6 +174,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
         Settings.from_ds_config(config, None)
     zero.pop("stage", None)
     base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
+    if options.own.get("zero_init") is not None:  # read by the stage-3 candidates only (Settings.built_under_zero_init)
+        base = base.model_copy(update={"zero_init": options.own["zero_init"]})
     order = ranked(workload, nd, base)
     index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
