@@ -14,6 +14,7 @@ from validate.compare import Prediction, Readings, finish
 from validate.compare import compare as compare_rows
 from validate.compare import key as _key  # noqa: F401 - the runners' and tests' name for it
 from validate.compare import observed_collectives  # noqa: F401 - re-exported: its home is validate.compare
+from validate.compare import GLOO_NOTE
 from validate.config import ValidateConfig
 from validate.models import expected_shapes, spec_for
 from validate.schema import SCHEMA, ValidationReport
@@ -31,13 +32,6 @@ RUNNER_CHANGES = (
 )
 """What the runner does to the runtime it measures, beyond the probes (the reference runtime is the
 validator's own: its collectives are synchronous as written, validate/collectives.py)."""
-GLOO_NOTE = (
-    "gloo runs a reduce-scatter as a full all-reduce followed by a local copy, so on the wire it sends "
-    "twice the ring volume counted here (seen with --wire: gpt-tiny at N_d = 2 sends 1.06x the logical "
-    "bytes at stage 0, 1.59x at stages 1-2 and 1.42x at stage 3, i.e. 1.5x and 1.34x of stage 0's "
-    "ratio, as (2+1)/2 and (1+1+2)/3 predict); derived comm bytes are the logical ring bytes per rank "
-    "((N_d-1)*ceil(n/N_d)*b per observed call, x2 for all-reduce), which is what NCCL's ring sends."
-)
 
 
 def reference_estimate(config: ValidateConfig, meta: dict, stage: int, shapes, foreach: bool) -> EngineEstimate:

@@ -113,6 +113,10 @@ class ReportRow(ValidationRow):
     peak_rel_error_by_phase: Optional[dict[str, float]] = Field(
         None, description="(measured - predicted) / measured per phase"
     )
+    peak_rel_error_rank_by_phase: Optional[dict[str, int]] = Field(
+        None, description="the rank each phase's error is of: every rank is compared with its own prediction "
+        "and the furthest reported; None: the largest of the ranks' readings against the largest prediction",
+    )  # fmt: skip
     peak_rel_error: Optional[float] = Field(description="the largest of peak_rel_error_by_phase, by magnitude")
     predicted_peak_phase: Optional[str] = Field(None, description="the phase of the predicted peak")
     predicted_peak_terms: Optional[list[dict[str, Union[str, int]]]] = Field(

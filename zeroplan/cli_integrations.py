@@ -103,7 +103,7 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
     from zeroplan.engines.base import EngineOptions
 
     if torchtitan_config is not None:
-        from zeroplan.integrations.fsdp2_run import from_torchtitan
+        from zeroplan.engines.fsdp2.from_files import from_torchtitan
         from zeroplan.integrations.torchtitan_config import TORCHTITAN_VERSION, read_torchtitan_config
 
         typed = "gpus" in given_on_command_line(ctx, "gpus")
@@ -116,7 +116,7 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
     run = read_accelerate_config(accelerate_config)
     if isinstance(run, AccelerateFsdp):
         from zeroplan.integrations.accelerate_config import ACCELERATE_VERSION
-        from zeroplan.integrations.fsdp2_run import from_accelerate
+        from zeroplan.engines.fsdp2.from_files import from_accelerate
 
         return _fsdp2(ctx, from_accelerate(run, _spec(model, seq_len)), engine, gpus, "--accelerate-config",
                       f"accelerate {ACCELERATE_VERSION}'s fsdp2_prepare_model")  # fmt: skip
@@ -152,7 +152,7 @@ STEP_FLAGS = {"micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "seq
 
 
 def _fsdp2(ctx, run, engine: str, gpus: int, flag: str, who: str):
-    """``from_config_files``' answer for an FSDP2 launcher file (``zeroplan.integrations.fsdp2_run``): the
+    """``from_config_files``' answer for an FSDP2 launcher file (``zeroplan.engines.fsdp2.from_files``): the
     engine fsdp2 with the file's wrapping and policy, N_d, and the step values the file sets (``step``: a
     typed option that contradicts one is refused)."""
     from zeroplan.engines.base import EngineOptions

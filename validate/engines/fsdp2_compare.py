@@ -161,8 +161,8 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
     nd = meta["world_size"]
     predicted, _ = predicted_run(config, meta)
     # the largest of the measured ranks' predictions, phase by phase (what the measured peak takes over them)
-    by_rank = [predicted.peak.by_phase()] + [predicted_run(config, meta, r)[0].peak.by_phase()
-                                             for r in sorted({row["rank"] for row in rank_rows} - {0})]  # fmt: skip
+    by_rank = {0: predicted.peak.by_phase(), **{r: predicted_run(config, meta, r)[0].peak.by_phase()
+                                                for r in sorted({row["rank"] for row in rank_rows} - {0})}}  # fmt: skip
     # model states = parameters + gradients + Adam: all live after backward from the second step on, beside
     # FSDP2's own persistent bookkeeping, a named term of the profile (beside_states)
     readings = Readings(
@@ -175,9 +175,11 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
         nd=nd,
         group_sizes=rank_rows[0].get("group_sizes_by_step", [[]])[-1],
         unchecked_phases={p: why for p, why in FAKE_TENSOR_PHASES.items() if meta.get("fake_tensors")},
+        peak_by_rank={r["rank"]: r["peak_bytes_by_phase"] for r in rank_rows},
     )
-    prediction = Prediction(predicted, peak_by_phase={p: max(b[p] for b in by_rank) for p in PEAK_PHASES},
-                            beside_states=beside_states(predicted), per_call=True)  # fmt: skip
+    # every rank against its own prediction (validate.compare._errors_by_rank); the largest of each shown
+    prediction = Prediction(predicted, peak_by_phase={p: max(b[p] for b in by_rank.values()) for p in PEAK_PHASES},
+                            beside_states=beside_states(predicted), per_call=True, peak_by_rank=by_rank)  # fmt: skip
     row = compare_rows(prediction, readings, config.tolerance, config.peak_tolerance)
     parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
     parity = None
@@ -203,7 +205,7 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
 
 def build_report(config, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
     """The whole ``zeroplan validate --engine fsdp2`` result (``validate.schema.ValidationReport``)."""
-    from validate.report import GLOO_NOTE
+    from validate.compare import GLOO_NOTE
     from validate.schema import SCHEMA, ValidationReport
 
     rows = [compare(config, meta, [rank_rows[0] for rank_rows in ranks]) for meta, ranks in worlds]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
@@ -85,10 +85,24 @@ class EngineEstimate:
     """the engine's persistent terms that live beside the model states between steps, not part of them
     (FSDP2's post-forward mesh ranks, ``engines/fsdp2/terms.py mesh_ranks``): what a reading of the memory
     between steps holds besides ``memory`` (the validator compares the two)."""
+    peak_rank: Optional[int] = None
+    """the rank this row describes: the one whose peak is the largest over ranks (``worst_rank``), where the
+    engine's ranks differ; None: every rank holds the same (the reference runtime)."""
 
     @property
     def model_states_bytes(self) -> int:
         return self.memory.model_states_bytes
+
+
+def worst_rank(rows: Mapping[int, EngineEstimate]) -> EngineEstimate:
+    """The row of the rank that peaks highest (then holds the most model states; the lowest rank of a tie),
+    named in its ``peak_rank``: a job dies on its worst GPU. ``rows``: rank -> that rank's row."""
+    def need(item: tuple[int, EngineEstimate]) -> tuple[int, int, int]:
+        rank, row = item
+        return (row.peak.peak_bytes if row.peak is not None else 0, row.model_states_bytes, -rank)
+
+    rank, row = max(rows.items(), key=need)
+    return replace(row, peak_rank=rank)
 
 
 # ---- the planner's side: what `estimate`, `plan` and `sweep` were asked, and what `plan` may answer ----

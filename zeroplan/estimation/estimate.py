@@ -81,7 +81,7 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         name = r.label if engine.one_row else get_stage(r.stage).name
         reduction = dp.model_states_bytes / r.model_states_bytes
         collectives = layered_zero3(engine, workload, r, config.nd)
-        rows.append(StageEstimate(r.stage, name, r.memory, reduction, collectives, fits, r.peak, own))
+        rows.append(StageEstimate(r.stage, name, r.memory, reduction, collectives, fits, r.peak, own, r.peak_rank))
     return Estimate(
         psi=sum(numels),
         total_params=int(config.params) if config.params else sum(config.tensor_numels or numels),

@@ -47,6 +47,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
             pcie_s=0.0,
             peak=e.peak,
             candidate=c.label,
+            peak_rank=e.peak_rank,
         ))  # fmt: skip
     headroom = f"{config.headroom:.0%} of GPU memory kept free"
     recommendation = launchers = advice = None

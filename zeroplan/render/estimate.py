@@ -11,7 +11,7 @@ from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.render.schemas import (
     CollectiveOut, EstimateDoc, EstimateInputs, PeakTermOut, PhasesOut, PolicyOut, StageOut, StepOut, json_text,
 )  # fmt: skip
-from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
+from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
 CSV_COLUMNS = (
     "stage", "name", "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes",
@@ -41,6 +41,7 @@ def stage_out(s: StageEstimate, e: Estimate | None = None) -> StageOut:
         peak_terms=None if s.peak is None else [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source)
                                                  for t in s.peak.peak_terms],  # fmt: skip
         own_estimator_bytes=s.own_estimate_bytes,
+        peak_rank=s.peak_rank,
     )
 
 
@@ -129,7 +130,7 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
             format_bytes(s.comm_bytes_per_rank, unit),
         ]  # fmt: skip
         if e.workload is not None:
-            row += [format_bytes(s.peak.peak_bytes, unit), s.peak.peak_phase.replace("_", " ")]
+            row += [format_bytes(s.peak.peak_bytes, unit), peak_phase_cell(s.peak.peak_phase, s.peak_rank)]
         if e.own_estimator is not None:
             row.append(format_bytes(s.own_estimate_bytes, unit))
         if s.fits is not None:

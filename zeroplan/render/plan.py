@@ -7,7 +7,7 @@ from typing import Optional
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.presets import LinkSpec
 from zeroplan.render.schemas import PlanDoc, json_text
-from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
+from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
 SCHEMA = "zeroplan.plan/1"
 ESTIMATE_NOTE = (
@@ -75,6 +75,7 @@ def option_dict(o: PlanOption, per_node: int) -> dict:
         comm_volume_elements=o.comm_volume_elements,
         comm_bytes_per_rank=o.comm_bytes_per_rank,
         **peak_keys(o.peak),
+        peak_rank=o.peak_rank,
         comm_time={
             "link": o.time.link,
             "algorithm": o.time.algorithm,
@@ -278,7 +279,7 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
     for o in p.options:
         rows.append([
             o.label, str(o.stage), _size(o.states.gpu.model_states_bytes, unit), _size(o.peak and o.peak.peak_bytes, unit),
-            o.peak.peak_phase.replace("_", " ") if o.peak else "-", "yes" if o.fits else "no",
+            peak_phase_cell(o.peak.peak_phase, o.peak_rank) if o.peak else "-", "yes" if o.fits else "no",
             _size(o.comm_bytes_per_rank, unit), _seconds(o.time.comm_s), _seconds(o.time.exposed_comm_s),
         ])  # fmt: skip
     lines = [*format_table(rows, left=1), "", f"Recommendation: {_recommendation(p, unit)}", f"Fit: {p.fit_basis}."]

@@ -122,12 +122,17 @@ class StageOut(_Out):
         None, description="the engine's own estimator for the same run (deepspeed: DeepSpeed's "
         "estimate_zero2/3_model_states_mem_needs), beside the prediction; the key is absent for engines without one",
     )  # fmt: skip
+    peak_rank: Optional[int] = Field(
+        None, description="the rank whose peak this row is, the largest over ranks (fsdp2: the ranks whose shards "
+        "differ; deepspeed ZeRO-1/2: whose flat-group slices differ); the key is absent where every rank holds the same",
+    )  # fmt: skip
 
     @model_serializer(mode="wrap")
     def _without_own(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
         out = handler(self)
-        if self.own_estimator_bytes is None:
-            out.pop("own_estimator_bytes")
+        for key in ("own_estimator_bytes", "peak_rank"):
+            if getattr(self, key) is None:
+                out.pop(key)
         return out
 
 
@@ -263,6 +268,10 @@ class PlanOptionOut(_Out):
     peak_phase: Optional[str] = None
     phases: Optional[PhasesOut] = None
     peak_terms: Optional[list[PeakTermOut]] = None
+    peak_rank: Optional[int] = Field(
+        None, description="an engine's own candidate: the rank whose peak this is, the largest over ranks; the key "
+        "is absent where every rank holds the same",
+    )  # fmt: skip
 
     @model_serializer(mode="wrap")
     def _without_model(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -270,6 +279,8 @@ class PlanOptionOut(_Out):
         if self.gpu_bytes is None:
             for key in _MODEL_KEYS:
                 out.pop(key)
+        if self.peak_rank is None:
+            out.pop("peak_rank")
         return out
 
 

@@ -91,6 +91,13 @@ class DSRun:
     output_projections: tuple[int, ...] = ()
     """the parameters of the blocks' MLP output projections (GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``)."""
 
+    @property
+    def ranks(self) -> tuple[int, ...] | range:
+        """The ranks whose own terms (a flat group's ``grads_in_partition``, the gradients kept outside a
+        partition) the moments describe: ``settings.rank``, or every rank (each moment of one rank: the
+        phase's peak is then the largest over ranks)."""
+        return range(self.nd) if self.settings.rank is None else (self.settings.rank,)
+
     @cached_property
     def flat(self) -> FlatGroup:
         """The flat group's layout (ZeRO-1/2, BF16_Optimizer): which parameters each rank's partition holds."""

@@ -76,6 +76,14 @@ class FlatGroup:
         parameter is in a partition when any of its elements is)."""
         return tuple(range(*self.range(rank)))
 
+    def distinct_ranks(self) -> tuple[int, ...]:
+        """The first rank of each run of ranks whose slices overlap the same parameters (``range``): the
+        profile reads a rank only through them, so these ranks' predictions are every rank's."""
+        firsts: dict[tuple[int, int], int] = {}
+        for rank in range(self.nd):
+            firsts.setdefault(self.range(rank), rank)
+        return tuple(firsts.values())
+
     def params_numel(self, rank: int) -> int:
         """Elements of the parameters overlapping ``rank``'s slice, whole (``copy_grads_in_partition``)."""
         first, end = self.range(rank)

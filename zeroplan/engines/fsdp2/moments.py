@@ -68,7 +68,7 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     FSDPParam.reset_sharded_param), and the in-place initialisation adds nothing (measured: the init
     peak is the padded shards, gpt-tiny N_d = 2 and tiny-llama N_d = 8, MemTracker less the meta device)."""
     if run.settings.init == "meta":
-        rank, src = run.settings.rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
+        rank, src = run.settings.described_rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
         shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
         repad = [local_shard_numel(s, run.nd, rank) for s in shapes
                  if local_shard_numel(s, run.nd, rank) != padded_shard_numel(s, run.nd)]  # fmt: skip
@@ -180,8 +180,10 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     log_softmax = _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax)
     # the loss inside the root's forward (transformers' labels=): the root's pre-backward hook fires on the
-    # loss, before the cross-entropy backward, and prefetches the last block (hf_tree)
-    early = run.loss_in_forward and resharded(run)
+    # loss, before the cross-entropy backward, and prefetches the last block (hf_tree); with units after the
+    # layers the root's prefetch is theirs (kept gathered: nothing to do) and the last block waits for their
+    # pre-backward, after the loss backward (measured: accelerate's wrapping of qwen2, bf16, exact)
+    early = run.loss_in_forward and resharded(run) and not head_units(run)
     out = [Moment("backward", f"block {L} backward all-gather (root's prefetch, before the loss backward)", (
         *base, *kept_blocks(run, L), *saved_all, log_softmax, gather_input(run, L),
         ag_output(run, L, "backward prefetch"))), ] if early else []  # fmt: skip
@@ -309,7 +311,7 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     tensor at once (one local shard's worth); ``_single_tensor_adam`` computes ``v.sqrt() /
     bias_correction2_sqrt`` per tensor, two temporaries of the largest local shard alive at once."""
     shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
-    local = [local_shard_numel(s, run.nd, run.settings.rank) for s in shapes]
+    local = [local_shard_numel(s, run.nd, run.settings.described_rank) for s in shapes]
     if run.foreach:
         temps = Term("Adam temporaries (foreach sqrt(v))", sum(local) * run.m, f"{ADAM}:_multi_tensor_adam", len(local))
     else:

@@ -6,13 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from zeroplan.engines.base import Candidate, EngineEstimate, EngineOption, EnginePlan, PlannerOptions, Workload
+from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PlannerOptions, Workload,
+                                  worst_rank)
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, resolve_mesh, shard_groups,
                                          shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.moments import predict_peak
+from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded, wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
@@ -23,10 +25,20 @@ from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
 
 def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
-    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (a 2-D HSDP
-    mesh when ``dp_replicate``/``dp_shard`` say so: engines/fsdp2/mesh.py); its collectives count one
+    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (None: the
+    rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``), on a 2-D
+    HSDP mesh when ``dp_replicate``/``dp_shard`` say so (engines/fsdp2/mesh.py); its collectives count one
     optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``)."""
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
+    if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
+        ranks = distinct_ranks(tuple(s for _, s in workload.shapes), shard_groups(settings, nd)[1])
+        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}))
+                            for r in ranks}),)  # fmt: skip
+    return (_estimate(workload, nd, settings),)
+
+
+def _estimate(workload: Workload, nd: int, settings: Settings) -> EngineEstimate:
+    rank = settings.rank
     settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})  # rank r is shard r mod S
     replicate, nd = shard_groups(settings, nd)
     run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
@@ -40,8 +52,8 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     )  # fmt: skip
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     peak = predict_peak(run) if run.acts is not None else None
-    return (EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
-                           beside_states=mesh_ranks(run)),)  # fmt: skip
+    return EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
+                          beside_states=mesh_ranks(run), peak_rank=rank)  # fmt: skip
 
 
 # ---- planning: the cheapest configuration whose predicted peak fits ----

@@ -4,7 +4,7 @@ terms were read from. FSDP2 keeps the same split: ``_fsdp_api.py`` (the policies
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
@@ -41,7 +41,10 @@ class Settings(BaseModel):
         "nccl", description="process group backend: gloo's reduce-scatter copies its whole input (a term); "
         "nccl and the fake group (simulation) add nothing",
     )  # fmt: skip
-    rank: StrictInt = Field(0, ge=0, description="the rank described (rank 0 holds the most: padding is at the end)")
+    rank: Optional[StrictInt] = Field(
+        None, ge=0, description="the rank described; None: the worst rank, every rank whose shards differ "
+        "predicted (param.py distinct_ranks) and the one peaking highest named (EngineEstimate.peak_rank)",
+    )  # fmt: skip
     init: Literal["meta", "materialized"] = Field(
         "meta", description="meta: built on the meta device, fully_shard, to_empty, initialised shard by shard "
         "(FSDP2's pattern for models larger than one GPU; the planner's default); materialized: built whole "
@@ -76,6 +79,12 @@ class Settings(BaseModel):
         if not isinstance(v, bool) and v < 1:
             raise ValueError(f"reshard_after_forward={v}: an int must be >= 1")
         return v
+
+    @property
+    def described_rank(self) -> int:
+        """The rank the terms describe: ``rank``, or 0 where the caller asked no rank of ``fsdp2_run``
+        directly (``estimate`` resolves None to each rank of ``distinct_ranks``)."""
+        return 0 if self.rank is None else self.rank
 
     @property
     def module(self) -> str:

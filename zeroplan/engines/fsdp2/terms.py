@@ -51,7 +51,7 @@ def model_states(units: tuple[Unit, ...], nd: int, settings: Settings) -> ModelS
     return ModelStates(
         params_bytes=sum(padded_shard_numel(s, nd) for s in shapes) * module,
         grads_bytes=sum(unit_shard_numel(u, nd) for u in units) * module,
-        adam_moments_bytes=2 * sum(local_shard_numel(s, nd, settings.rank) for s in shapes) * module,
+        adam_moments_bytes=2 * sum(local_shard_numel(s, nd, settings.described_rank) for s in shapes) * module,
         adam_step_bytes=len(shapes) * STEP_BYTES,
     )
 
