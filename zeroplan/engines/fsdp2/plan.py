@@ -158,7 +158,8 @@ def planner_settings(options: PlannerOptions) -> Settings:
         given["cuda_capability"] = options.gpu_capability
     if options.own.get("dp_shard") == AUTO:
         raise ValueError("dp_shard=auto: only plan searches the mesh; give a number (R x S = N_d)")
-    given.update({k: v for k, v in options.own.items() if v is not None and k != "gpus_per_node"})  # VOCABULARY
+    given.update({k: v for k, v in options.own.items()  # the rest of VOCABULARY as checked
+                  if v is not None and k != "gpus_per_node" and k not in given})  # fmt: skip
     if given.get("device") == "cpu":  # a CPU run is on gloo (users' CPU CI runners), as the validator's
         given["backend"] = "gloo"
     return Settings(**given)
