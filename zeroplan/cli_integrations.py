@@ -88,7 +88,7 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
 
         typed = "gpus" in given_on_command_line(ctx, "gpus")
         run = read_torchtitan_config(torchtitan_config, world_size=gpus if typed else None)
-        return _fsdp2(ctx, from_torchtitan(run, _spec(model, seq_len)), engine, gpus, "--torchtitan-config",
+        return _fsdp2(ctx, from_torchtitan(run, _names(model, seq_len)), engine, gpus, "--torchtitan-config",
                       f"torchtitan {TORCHTITAN_VERSION}'s apply_fsdp")  # fmt: skip
     from zeroplan.integrations.accelerate_config import (AccelerateFsdp, prepare_deepspeed,
                                                          read_accelerate_config)
@@ -98,7 +98,7 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
         from zeroplan.integrations.accelerate_config import ACCELERATE_VERSION
         from zeroplan.integrations.fsdp2_run import from_accelerate
 
-        return _fsdp2(ctx, from_accelerate(run, _spec(model, seq_len)), engine, gpus, "--accelerate-config",
+        return _fsdp2(ctx, from_accelerate(run, _names(model, seq_len)), engine, gpus, "--accelerate-config",
                       f"accelerate {ACCELERATE_VERSION}'s fsdp2_prepare_model")  # fmt: skip
     engine = _implied(ctx, "engine", engine, "deepspeed", "--engine", "the accelerate config (DEEPSPEED)")
     gpus = _implied(ctx, "gpus", gpus, run.num_processes, "--gpus", "the accelerate config's num_processes")
@@ -119,12 +119,21 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
     return engine, gpus, EngineOptions(ds_config=res.config), lines, {}
 
 
-def _spec(model: Optional[str], seq_len: Optional[int]):
+def _names(model: Optional[str], seq_len: Optional[int]):
+    """The modules of ``--model`` a launcher wraps (``integrations.fsdp2_run.Names``), read from its parameter
+    names in transformers' order (``transformer_shapes``): the first is the token embedding's, the last outside
+    the decoder layers and ``lm_head`` the final norm's. None without ``--model``."""
     if model is None:
         return None
+    from zeroplan.architectures.spec import block_prefix, transformer_shapes
     from zeroplan.estimation.workload import resolve
+    from zeroplan.integrations.fsdp2_run import Names
 
-    return resolve(model, seq_len)[0]
+    spec = resolve(model, seq_len)[0]
+    prefix = block_prefix(spec)
+    modules = [n.rsplit(".", 1)[0] for n, _ in transformer_shapes(spec)]
+    norm = [m for m in modules if not m.startswith(prefix) and m != "lm_head"][-1]
+    return Names(modules[0], prefix + "*", norm, spec.tied)
 
 
 STEP_FLAGS = {"micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "seq_len": "--seq-len",
@@ -147,7 +156,8 @@ def _fsdp2(ctx, run, engine: str, gpus: int, flag: str, who: str):
                 raise UserError(f"{STEP_FLAGS[name]} {ctx.params.get(name)} contradicts the {flag[2:]} ({value}); "
                                 "drop one of them")  # fmt: skip
             step[name] = value
-    wrap = run.wrapping
-    lines = (f"{flag[2:]}: fsdp2 as {who} runs it: fully_shard calls {wrap.label()}; init {run.options['init']}"
+    from zeroplan.integrations.fsdp2_run import label
+
+    lines = (f"{flag[2:]}: fsdp2 as {who} runs it: fully_shard calls {label(run.wrapping)}; init {run.options['init']}"
              + "".join(f"; {k.replace('_', '-')} {v}" for k, v in step.items()),)  # fmt: skip
     return engine, gpus, EngineOptions(**run.options), lines, step
