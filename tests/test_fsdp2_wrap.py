@@ -246,3 +246,32 @@ def test_own_options_change_the_prediction():
     meta, whole = phases(engine="fsdp2", init="meta"), phases(engine="fsdp2", init="materialized")
     assert meta["init"] < 4e9 < 27e9 < whole["init"]  # 6.74B fp32 parameters: 27 GB built whole
     assert phases(engine="deepspeed", stage=3, zero_init=False)["init"] > 2 * phases(engine="deepspeed", stage=3)["init"]
+
+
+def test_the_runner_makes_the_calls_the_profile_resolves(tmp_path):
+    # validate/engines/fsdp2.py:runner_calls on real modules (built on the meta device: no memory, no ranks)
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from validate.engines.deepspeed import hf_builder
+    from validate.engines.fsdp2 import Fsdp2Settings, runner_calls
+    from validate.models import build, spec_for
+
+    path = tmp_path / "gpt2-tied.json"
+    path.write_text(json.dumps(CONFIGS["gpt2-tied"]))
+    spec = spec_for(str(path), None)
+    with torch.device("meta"):
+        hf = hf_builder(str(path))()
+    tied = runner_calls(hf, Fsdp2Settings(model=str(path), hf=True, wrap=ACCELERATE_TIED), spec)
+    assert tied[-2:] == [(("transformer.ln_f", "transformer.wte", "lm_head"), False), (("",), None)]
+    apart = {"units": [{"modules": ["transformer.h.*"]}, {"modules": ["transformer.wte"]}, {"modules": [""]}]}
+    with pytest.raises(ValueError, match="'lm_head' uses 'transformer.wte.weight' .tied. from another unit"):
+        runner_calls(hf, Fsdp2Settings(model=str(path), hf=True, wrap=apart), spec)
+    # the validator's CausalLM applies its head with F.linear, outside any hook: it must stay in the root
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps(LLAMA))
+    causal = build(spec_for(str(llama), None), torch.float32, "meta")
+    calls = runner_calls(causal, Fsdp2Settings(model=str(llama), wrap=EMBED_APART), spec_for(str(llama), None))
+    assert calls == [(("model.embed_tokens",), None), (("model.layers.0",), None), (("model.layers.1",), None),
+                     (("",), True)]  # fmt: skip
+    with pytest.raises(ValueError, match="CausalLM applies its head with F.linear"):
+        runner_calls(causal, Fsdp2Settings(model=str(llama), wrap="torchtitan"), spec_for(str(llama), None))

@@ -230,9 +230,13 @@ class ValidateConfig(BaseModel):
                                  "zeroplan does not model; use 2 or more")  # fmt: skip
             if self.labels is not None and not self.hf:
                 raise ValueError("--labels/--no-labels: with --hf only (the validator's CausalLM takes its loss outside)")
-            from validate.engines.fsdp2_compare import Fsdp2Settings
+            if self.hf and (self.fsdp2_init == "meta" or self.checkpointing == "full" or self.params is not None):
+                raise ValueError("--hf: a config.json --model, materialized, without checkpointing (hf_builder)")
+            if self.fsdp_wrap is not None:  # one line for a bad wrapping, by the engine's own check
+                from zeroplan.engines import get_engine
 
-            Fsdp2Settings.from_validate(self)  # one line for a bad wrapping or an --hf combination it refuses
+                (check,) = (o.check for o in get_engine("fsdp2").own_options if o.name == "wrap")
+                check(self.fsdp_wrap)
             rsf = self.reshard_after_forward
             bad = [n for n in self.world_sizes if not isinstance(rsf, bool) and rsf is not None and n % rsf]
             if bad:

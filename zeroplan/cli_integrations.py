@@ -103,13 +103,12 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
     from zeroplan.engines.base import EngineOptions
 
     if torchtitan_config is not None:
-        from zeroplan.engines import engine_for_file
+        from zeroplan.integrations.fsdp2_run import from_torchtitan
         from zeroplan.integrations.torchtitan_config import TORCHTITAN_VERSION, read_torchtitan_config
 
         typed = "gpus" in given_on_command_line(ctx, "gpus")
         run = read_torchtitan_config(torchtitan_config, world_size=gpus if typed else None)
-        owner, read = engine_for_file("torchtitan")
-        return _launcher_file_run(ctx, read(run, _spec(model, seq_len)), owner.name, engine, gpus, "--torchtitan-config",
+        return _fsdp2(ctx, from_torchtitan(run, _names(model, seq_len)), engine, gpus, "--torchtitan-config",
                       f"torchtitan {TORCHTITAN_VERSION}'s apply_fsdp")  # fmt: skip
     from zeroplan.integrations.accelerate_config import (AccelerateFsdp, prepare_deepspeed,
                                                          read_accelerate_config)
@@ -117,10 +116,9 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
     run = read_accelerate_config(accelerate_config)
     if isinstance(run, AccelerateFsdp):
         from zeroplan.integrations.accelerate_config import ACCELERATE_VERSION
-        from zeroplan.engines import engine_for_file
+        from zeroplan.integrations.fsdp2_run import from_accelerate
 
-        owner, read = engine_for_file("accelerate-fsdp")
-        return _launcher_file_run(ctx, read(run, _spec(model, seq_len)), owner.name, engine, gpus, "--accelerate-config",
+        return _fsdp2(ctx, from_accelerate(run, _names(model, seq_len)), engine, gpus, "--accelerate-config",
                       f"accelerate {ACCELERATE_VERSION}'s fsdp2_prepare_model")  # fmt: skip
     engine = _implied(ctx, "engine", engine, "deepspeed", "--engine", "the accelerate config (DEEPSPEED)")
     gpus = _implied(ctx, "gpus", gpus, run.num_processes, "--gpus", "the accelerate config's num_processes")
@@ -141,25 +139,34 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
     return engine, gpus, EngineOptions(ds_config=res.config), lines, {}
 
 
-def _spec(model: Optional[str], seq_len: Optional[int]):
+def _names(model: Optional[str], seq_len: Optional[int]):
+    """The modules of ``--model`` a launcher wraps (``integrations.fsdp2_run.Names``), read from its parameter
+    names in transformers' order (``transformer_shapes``): the first is the token embedding's, the last outside
+    the decoder layers and ``lm_head`` the final norm's. None without ``--model``."""
     if model is None:
         return None
+    from zeroplan.architectures.spec import block_prefix, transformer_shapes
     from zeroplan.estimation.workload import resolve
+    from zeroplan.integrations.fsdp2_run import Names
 
-    return resolve(model, seq_len)[0]
+    spec = resolve(model, seq_len)[0]
+    prefix = block_prefix(spec)
+    modules = [n.rsplit(".", 1)[0] for n, _ in transformer_shapes(spec)]
+    norm = [m for m in modules if not m.startswith(prefix) and m != "lm_head"][-1]
+    return Names(modules[0], prefix + "*", norm, spec.tied)
 
 
 STEP_FLAGS = {"micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "seq_len": "--seq-len",
               "checkpointing": "--checkpointing"}  # fmt: skip
 
 
-def _launcher_file_run(ctx, run, owner: str, engine: str, gpus: int, flag: str, who: str):
-    """``from_config_files``' answer for an FSDP2 launcher file (read by the engine that expresses it, ``owner``:
-    ``zeroplan.engines.engine_for_file``): that engine with the file's wrapping and policy, N_d, and the step values the file sets (``step``: a
+def _fsdp2(ctx, run, engine: str, gpus: int, flag: str, who: str):
+    """``from_config_files``' answer for an FSDP2 launcher file (``zeroplan.integrations.fsdp2_run``): the
+    engine fsdp2 with the file's wrapping and policy, N_d, and the step values the file sets (``step``: a
     typed option that contradicts one is refused)."""
     from zeroplan.engines.base import EngineOptions
 
-    engine = _implied(ctx, "engine", engine, owner, "--engine", f"the {flag[2:]} (FSDP2)")
+    engine = _implied(ctx, "engine", engine, "fsdp2", "--engine", f"the {flag[2:]} (FSDP2)")
     gpus = _implied(ctx, "gpus", gpus, run.gpus, "--gpus", f"the {flag[2:]}'s FSDP ranks")
     step = {}
     for name, value in (("micro_batch", run.micro_batch), ("grad_accum", run.grad_accum), ("seq_len", run.seq_len),
@@ -169,7 +176,8 @@ def _launcher_file_run(ctx, run, owner: str, engine: str, gpus: int, flag: str, 
                 raise UserError(f"{STEP_FLAGS[name]} {ctx.params.get(name)} contradicts the {flag[2:]} ({value}); "
                                 "drop one of them")  # fmt: skip
             step[name] = value
-    wrap = run.wrapping
-    lines = (f"{flag[2:]}: {owner} as {who} runs it: fully_shard calls {wrap.label()}; init {run.options['init']}"
+    from zeroplan.integrations.fsdp2_run import label
+
+    lines = (f"{flag[2:]}: fsdp2 as {who} runs it: fully_shard calls {label(run.wrapping)}; init {run.options['init']}"
              + "".join(f"; {k.replace('_', '-')} {v}" for k, v in step.items()),)  # fmt: skip
     return engine, gpus, EngineOptions(**run.options), lines, step

@@ -1,6 +1,7 @@
 """An accelerate FSDP2 config or a torchtitan job config as the FSDP2 engine's options: the wrapping each
-launcher makes (``WrapUnit``, in its own words) as data (``zeroplan.engines.fsdp2.wrap.Wrapping``, in
-transformers' module names, which ``--model`` uses), the policy, the init and the batch the file sets.
+launcher makes (``WrapUnit``, in its own words) as data (the JSON form ``--fsdp-wrap FILE`` reads,
+docs/engines/fsdp2.md, in the module names of ``--model``, which the caller gives as ``Names``), the policy,
+the init and the batch the file sets. Plain data: the fsdp2 engine checks the wrapping (its own option).
 
 What the engine cannot express is refused in one line naming the setting: selective activation
 checkpointing, ``torch.compile``, model converters (float8), CPU offload, a module dtype other than fp32,
@@ -11,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from zeroplan.architectures.spec import BLOCK_PREFIX, TransformerSpec
-from zeroplan.engines.fsdp2.wrap import WrapEntry, Wrapping, preset
 from zeroplan.integrations.accelerate_config import AccelerateFsdp
 from zeroplan.integrations.torchtitan_config import TorchtitanRun
 
@@ -27,7 +26,7 @@ class Fsdp2Run:
     full, N_d, and the step's batch and checkpointing (None: the file leaves it to the command line)."""
 
     options: dict
-    wrapping: Wrapping
+    wrapping: dict
     gpus: Optional[int]
     micro_batch: Optional[int]
     grad_accum: Optional[int]
@@ -35,49 +34,62 @@ class Fsdp2Run:
     checkpointing: Optional[str]
 
 
-def _names(spec: TransformerSpec) -> tuple[str, str, str]:
-    """(token embedding, decoder layers pattern, final norm) in transformers' names."""
-    if spec.style == "gpt":
-        return "transformer.wte", BLOCK_PREFIX["gpt"] + "*", "transformer.ln_f"
-    return "model.embed_tokens", BLOCK_PREFIX["llama"] + "*", "model.norm"
+@dataclass(frozen=True)
+class Names:
+    """The model's modules a launcher wraps, by their names in ``named_modules()``."""
+
+    embed: str
+    """the token embedding (``model.embed_tokens``, ``transformer.wte``)."""
+    layers: str
+    """the decoder layers as a pattern (``model.layers.*``)."""
+    norm: str
+    """the final norm (``model.norm``, ``transformer.ln_f``)."""
+    tied: bool
+    """``lm_head`` is the token embedding's weight."""
 
 
-def torchtitan_wrapping(run: TorchtitanRun, spec: TransformerSpec) -> Wrapping:
+def _unit(modules: tuple[str, ...], reshard: Optional[bool], group: bool = False) -> dict:
+    return {"modules": list(modules), "group": group, "reshard_after_forward": reshard}
+
+
+def label(wrapping: dict) -> str:
+    """The calls in one line: ``model.layers.* reshard=False; [model.norm, lm_head] reshard=False; ""``."""
+    return "; ".join(("[" + ", ".join(u["modules"]) + "]" if u["group"] else ", ".join(u["modules"]) or '""')
+                     + ("" if u["reshard_after_forward"] is None else f" reshard={u['reshard_after_forward']}")
+                     for u in wrapping["units"])  # fmt: skip
+
+
+def torchtitan_wrapping(run: TorchtitanRun, names: Names) -> dict:
     """``apply_fsdp``'s calls (``run.wrapping``): embeddings and blocks at the run's reshard value, ``[norm,
     output]`` at its own (True only under the policy "always"), the root at FSDP2's default."""
-    if spec.tied:
+    if names.tied:
         raise ValueError("--torchtitan-config: torchtitan wraps the token embeddings and the output apart; a tied "
                          "model would read a resharded weight (torchtitan's models are untied)")  # fmt: skip
-    embed, blocks, norm = _names(spec)
     values = [u.reshard_after_forward for u in run.wrapping]
-    return Wrapping(units=(WrapEntry(modules=(embed,), reshard_after_forward=values[0]),
-                           WrapEntry(modules=(blocks,), reshard_after_forward=values[1]),
-                           WrapEntry(modules=(norm, "lm_head"), group=True, reshard_after_forward=values[2]),
-                           WrapEntry(modules=("",))))  # fmt: skip
+    return {"units": [_unit((names.embed,), values[0]), _unit((names.layers,), values[1]),
+                      _unit((names.norm, "lm_head"), values[2], group=True), _unit(("",), None)]}  # fmt: skip
 
 
-def accelerate_wrapping(run: AccelerateFsdp, spec: TransformerSpec) -> Wrapping:
+def accelerate_wrapping(run: AccelerateFsdp, names: Names) -> dict:
     """``fsdp2_prepare_model``'s calls (accelerate 1.15.0, ``run.wrapping``): each decoder layer (transformer-based
-    wrap), the input embeddings unless tied, ``[final norm, output embeddings]`` (the input embeddings first when
-    tied) kept gathered, then the root at FSDP2's default."""
-    embed, blocks, norm = _names(spec)
+    wrap), the input embeddings unless tied, ``[final norm, output embeddings]`` (with the input embeddings when
+    tied: torch 2.13 refuses a weight in two units) kept gathered, then the root at FSDP2's default."""
     units = []
     if run.auto_wrap_policy == "size_based_wrap" and run.min_num_params > 0:
         raise ValueError("--accelerate-config: fsdp_auto_wrap_policy SIZE_BASED_WRAP: its units are not mapped to "
                          "module names yet; use TRANSFORMER_BASED_WRAP")  # fmt: skip
     if run.auto_wrap_policy == "transformer_based_wrap":
-        classes = run.transformer_layer_cls_to_wrap
-        odd = [c for c in classes or () if not c.strip().endswith(DECODER_LAYER_SUFFIXES)]
+        odd = [c for c in run.transformer_layer_cls_to_wrap or () if not c.strip().endswith(DECODER_LAYER_SUFFIXES)]
         if odd:
             raise ValueError(f"--accelerate-config: fsdp_transformer_layer_cls_to_wrap={odd[0]}: zeroplan models one "
                              "unit per decoder layer (a *DecoderLayer or GPT2Block class)")  # fmt: skip
-        units.append(WrapEntry(modules=(blocks,), reshard_after_forward=run.reshard_after_forward))
-    if not spec.tied:
-        units.append(WrapEntry(modules=(embed,), reshard_after_forward=run.reshard_after_forward))
-        units.append(WrapEntry(modules=(norm, "lm_head"), group=True, reshard_after_forward=False))
-    else:  # lm_head shares the embedding's weight: one unit (torch 2.13 refuses a parameter in two)
-        units.append(WrapEntry(modules=(norm, embed, "lm_head"), group=True, reshard_after_forward=False))
-    return Wrapping(units=(*units, WrapEntry(modules=("",))))
+        units.append(_unit((names.layers,), run.reshard_after_forward))
+    if not names.tied:
+        units += [_unit((names.embed,), run.reshard_after_forward),
+                  _unit((names.norm, "lm_head"), False, group=True)]  # fmt: skip
+    else:
+        units.append(_unit((names.norm, names.embed, "lm_head"), False, group=True))
+    return {"units": [*units, _unit(("",), None)]}
 
 
 def _refuse(flag: str, what: dict) -> None:
@@ -86,7 +98,7 @@ def _refuse(flag: str, what: dict) -> None:
         raise ValueError(f"{flag}: {said[0]}: not expressible in the FSDP2 engine (docs/integrations.md)")
 
 
-def from_torchtitan(run: TorchtitanRun, spec: Optional[TransformerSpec]) -> Fsdp2Run:
+def from_torchtitan(run: TorchtitanRun, names: Optional[Names]) -> Fsdp2Run:
     """The FSDP2 engine's run of a torchtitan job config (``read_torchtitan_config``)."""
     _refuse("--torchtitan-config", {
         f"activation_checkpoint.mode=selective (option {run.selective_ac_option})": run.checkpointing == "selective",
@@ -94,16 +106,16 @@ def from_torchtitan(run: TorchtitanRun, spec: Optional[TransformerSpec]) -> Fsdp
         "training.enable_cpu_offload=true": run.cpu_offload,
         f"training.dtype={run.module_dtype} (the shards' dtype)": run.module_dtype != "fp32",
     })  # fmt: skip
-    if spec is None:
+    if names is None:
         raise ValueError("--torchtitan-config: give --model (the wrapping is in its module names)")
-    wrap = torchtitan_wrapping(run, spec)
-    named = wrap == preset("torchtitan", spec.style, run.reshard_after_forward)  # the preset, by its name
+    wrap = torchtitan_wrapping(run, names)
+    named = run.wrapping[2].reshard_after_forward is False  # --fsdp-wrap torchtitan, by its name
     options = {"reshard_after_forward": run.reshard_after_forward, "param_dtype": run.param_dtype,
                "reduce_dtype": run.reduce_dtype, "wrap": "torchtitan" if named else wrap, "init": run.init}  # fmt: skip
     return Fsdp2Run(options, wrap, run.nd, run.local_batch_size, run.grad_accum, run.seq_len, run.checkpointing)
 
 
-def from_accelerate(run: AccelerateFsdp, spec: Optional[TransformerSpec]) -> Fsdp2Run:
+def from_accelerate(run: AccelerateFsdp, names: Optional[Names]) -> Fsdp2Run:
     """The FSDP2 engine's run of an accelerate FSDP2 config (``read_fsdp``): RAM-efficient loading is the meta
     init (the model moved to meta, ``fully_shard``, rank 0's state dict broadcast into the shards)."""
     _refuse("--accelerate-config", {
@@ -113,9 +125,9 @@ def from_accelerate(run: AccelerateFsdp, spec: Optional[TransformerSpec]) -> Fsd
         "fsdp_cpu_ram_efficient_loading=false (each rank loads the whole model on CPU, fully_shard moves each "
         "unit to the GPU before sharding it)": run.init == "cpu",
     })  # fmt: skip
-    if spec is None:
+    if names is None:
         raise ValueError("--accelerate-config: give --model (the wrapping is in its module names)")
-    wrap = accelerate_wrapping(run, spec)
+    wrap = accelerate_wrapping(run, names)
     options = {"wrap": wrap, "init": "meta",
                **({"param_dtype": run.param_dtype, "reduce_dtype": run.reduce_dtype} if run.param_dtype else {})}
     return Fsdp2Run(options, wrap, run.num_processes, None, None, None, "full" if run.activation_checkpointing else None)
