@@ -243,8 +243,23 @@ def _llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
     sdpa = n * a * (d + 2 * q + 2 * kv + (2 * q if repeated else 0)) + lse + (s * s * a if masked else 0)
     o_proj = n * a * (2 * d + 2 * q + 2 * kv)  # norm out, rotated q, k, v, SDPA out, o_proj out
     act = ACT_NOGRAD_PEAK[spec.hidden_act] * f
-    mlp = n * a * (2 * d + max(act, 3 * f, f + d))
-    return max(norm, rope_q, rope_k, sdpa, o_proj, n * a * 3 * d, n * a * d + norm, mlp)
+    if spec.fused_projections:  # Phi3MLP: the gate_up output (2f) lives to the end (``gate`` is a view of it):
+        # the activation beside it, then it, act out and the product, then it, the product and down's output
+        mlp = n * a * (2 * d + max(2 * f + act - f, 4 * f, 3 * f + d))
+    else:
+        mlp = n * a * (2 * d + max(act, 3 * f, f + d))
+    qk = 0
+    if spec.qk_norm:  # Qwen3's q_norm then k_norm: the norm's working set beside its input (the projection's
+        # output), with the norm output held as the attention's argument, and the normed q during k's norm
+        fp32 = 8 if a < 4 else 4  # the fp32 copy and the squares or the product (fp32: the input itself)
+        # (+ the fp32 mean and its rsqrt per head, both alive at the product)
+        qk = max(n * a * (d + q) + fp32 * n * q + 8 * n * spec.n_head,
+                 n * a * (d + q + kv) + fp32 * n * kv + 8 * n * spec.n_kv_head)
+    fused = 0
+    if spec.fused_projections:  # Phi3Attention's ``qkv`` local (q + 2kv) lives to its end; at sdpa_attention_forward's
+        # ``transpose(1, 2).contiguous()`` copy: norm out, qkv, rotated q and k, SDPA out and its copy
+        fused = n * a * (d + 4 * q + 3 * kv + (2 * q if repeated else 0)) + (s * s * a if masked else 0)
+    return max(norm, rope_q, rope_k, sdpa, o_proj, n * a * 3 * d, n * a * d + norm, mlp, qk, fused)
 
 
 def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> BlockActivations:
