@@ -64,7 +64,14 @@ def _cases() -> list[dict]:
     return json.loads(RECORDED.read_text()).get("cases", []) if RECORDED.exists() else []
 
 
-@pytest.mark.parametrize("record", _records(), ids=[r["name"] for r in _records()])
+def _params(records: list[dict]) -> list:
+    """Each record as a case; one the matrix found and the profile does not explain yet (``open``: why) is a
+    strict xfail, which fails the day the profile gets it right (then drop its ``open``)."""
+    return [pytest.param(r, id=r["name"], marks=[pytest.mark.xfail(strict=True, reason=r["open"])] if "open" in r else [])
+            for r in records]  # fmt: skip
+
+
+@pytest.mark.parametrize("record", _params(_records()))
 def test_recorded_draw_within_targets(record, tmp_path):
     got = replay(record, tmp_path)
     d = got.draw
