@@ -59,11 +59,46 @@ def _records() -> list[dict]:
     return json.loads(RECORDED.read_text())["results"] if RECORDED.exists() else []
 
 
-@pytest.mark.parametrize("record", _records(), ids=[r["name"] for r in _records()])
+def _cases() -> list[dict]:
+    """Configurations built by hand (each says why), measured by the same ``run_draw``."""
+    return json.loads(RECORDED.read_text()).get("cases", []) if RECORDED.exists() else []
+
+
+def _params(records: list[dict]) -> list:
+    """Each record as a case; one the matrix found and the profile does not explain yet (``open``: why) is a
+    strict xfail, which fails the day the profile gets it right (then drop its ``open``)."""
+    return [pytest.param(r, id=r["name"], marks=[pytest.mark.xfail(strict=True, reason=r["open"])] if "open" in r else [])
+            for r in records]  # fmt: skip
+
+
+@pytest.mark.parametrize("record", _params(_records()))
 def test_recorded_draw_within_targets(record, tmp_path):
     got = replay(record, tmp_path)
     d = got.draw
     assert d in (draw(d.seed, d.index), draw(d.seed, d.index, d.engine))  # the generator still draws what was measured
+    for rank, errors in got.errors().items():
+        for phase, e in errors.items():
+            assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")
+
+
+@pytest.mark.parametrize("record", _cases(), ids=[r["name"] for r in _cases()])
+def test_recorded_case_within_targets(record, tmp_path):
+    """Issue 17's ZeRO-1 row at N_d = 3 (its rank 2 held 5% more than rank 0; here rank 1 holds 17% more): every rank held a 5.1M-element gradient more than predicted (the
+    embedding's, reduced in place and kept: ``zero12.py _stage1_reduce``), rank 2 (the head's partition) two;
+    ranks 0 and 2, whose slices lie within one parameter, held that parameter's whole gradient at the update
+    (``_within_one_parameter``). Before: backward -11.1%, -9.5%, -16.2%; optimizer step -1.97% on ranks 0 and 2."""
+    from validate.differential import Draw, predict_draw
+
+    got = replay(record, tmp_path)
+    measured = {r: max(m.values()) for r, m in got.measured.items()}
+    # the worst GPU is rank 1 (its slice overlaps every parameter: its grads_in_partition is the whole model),
+    # 17% over rank 0: the planner's row is rank 1's and names it
+    assert max(measured, key=measured.get) == 1 and measured[1] > 1.17 * measured[0]
+    d = Draw(**record["draw"])
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps(d.config))
+    worst = predict_draw(d, str(path), None)
+    assert worst == got.predicted[1]
     for rank, errors in got.errors().items():
         for phase, e in errors.items():
             assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")

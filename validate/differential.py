@@ -205,21 +205,24 @@ def _fsdp2_settings(d: Draw, path: str, steps: int = 2):
     return Fsdp2Settings(model=path, hf=True, seq_len=d.seq_len, batch_per_rank=d.micro_batch, steps=steps, **d.fsdp2)
 
 
-def predict_draw(d: Draw, path: str, rank: int) -> dict[str, int]:
-    """The profile's peak per phase of ``rank`` of the draw (its config.json at ``path``), as the runners
-    predict it: a CPU run on gloo (LayerNorm statistics in the activations' dtype, no CUDA rounding)."""
+def predict_draw(d: Draw, path: str, rank: Optional[int]) -> dict[str, int]:
+    """The profile's peak per phase of ``rank`` of the draw (its config.json at ``path``; None: the worst
+    rank's, the planner's row), as the runners predict it: a CPU run on gloo (LayerNorm statistics in the
+    activations' dtype, no CUDA rounding)."""
     if d.engine == "fsdp2":
         from validate.engines.fsdp2_rows import predict
 
         meta = {"device": "cpu", "backend": "gloo", "world_size": d.nd}
-        return predict(_fsdp2_settings(d, path), meta, rank)[0].peak.by_phase()
+        return predict(_fsdp2_settings(d, path), meta, rank)[0].peak.by_phase()  # fmt: skip
     from validate.engines.deepspeed_compare import workload_for
-    from zeroplan.engines import deepspeed as D
+    from zeroplan.engines import get_engine
+    from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 
-    ds = d.ds_config
+    ds, engine = d.ds_config, get_engine("deepspeed")
     workload = workload_for(path, d.micro_batch, d.seq_len, ds["gradient_accumulation_steps"], hf=True)
-    settings = D.Settings.from_ds_config(ds, zero_init=d.zero_init).model_copy(update={"rank": rank})
-    (est,) = D.estimate(workload, d.nd, settings, stat_bytes=D.DTYPE_BYTES[settings.dtype])
+    settings = engine.settings.from_ds_config(ds, zero_init=d.zero_init).model_copy(update={"rank": rank})
+    # MemTracker on CPU: LayerNorm's statistics in the activations' dtype (deepspeed_compare.compare_row)
+    (est,) = engine.estimate(workload, d.nd, settings, stat_bytes=BYTES_PER_ELEMENT[settings.dtype])
     return est.peak.by_phase()
 
 

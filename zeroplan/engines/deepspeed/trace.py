@@ -115,6 +115,8 @@ class _TraceBuilder:
         self.no_grad_input = {"", *self.bodies} | set(top[:first_block] if style is not None else ())
         self.last_block = next((c for c in reversed(top) if c.rpartition(".")[2].isdigit()), None)
         self.projections = _MLP_PROJECTIONS.get(style or "", ())
+        token = next((n for n in names if n.endswith(("wte.weight", "embed_tokens.weight"))), None)
+        self.token_embedding = token.rpartition(".")[0] if token is not None else None
 
     def is_list(self, path: str) -> bool:  # nn.ModuleList: children named 0, 1, ...
         return bool(self.children[path]) and all(c.rpartition(".")[2].isdigit() for c in self.children[path])
@@ -179,6 +181,8 @@ class _TraceBuilder:
         events.append(TraceEvent(FETCH, self.module(path), False))
         if path == ("lm_head" if self.head_module else ""):
             spans["LM head backward"] = [start, start]
+        if path == self.token_embedding:  # its fetch: the last module of backward (a tied head's sum made there)
+            spans["embedding backward"] = [start, start]
         for c in reversed(self.called(path)):
             self.backward(c)
         if path not in self.no_grad_input:

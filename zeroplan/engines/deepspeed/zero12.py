@@ -9,17 +9,15 @@ partition and all-gathers the 16-bit flat group. ZeRO-1 and 2 differ in DeepSpee
 
 from __future__ import annotations
 
-import bisect
-import itertools
-
 from zeroplan.engines.deepspeed.collectives import greedy_buckets, zero12_collectives
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments, flatten_moment, later_blocks_held
+from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _hook_buckets, _stage1_reduce,
+                                               _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel, zero12_terms
 from zeroplan.formulas.peak import Moment, Term
 
-GIP_SRC = "runtime/zero/stage_1_and_2.py copy_grads_in_partition"
 
 
 def reduces_from_hooks(s: Settings) -> bool:
@@ -33,51 +31,6 @@ def _largest_partition_numel(run: DSRun) -> int:
     """The most parameter elements overlapping one rank's slice of the flat group, of the ranks described
     (``DSRun.ranks``: the rank asked, or the largest of all)."""
     return max(run.flat.params_numel(r) for r in run.ranks)
-
-
-def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
-    """ZeRO-1 reduces after backward, in parameter order (``reduce_gradients``): each gradient is copied into
-    the bucket (its autograd tensor freed); the first bucket holding one of this rank's parameters
-    allocates ``grads_in_partition`` (``copy_grads_in_partition``: every parameter overlapping the
-    partition, whole, in the model dtype). The largest over ranks (the validator reports the max)."""
-    numels, p = run.numels, _pbytes(run)
-    bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, run.settings.reduce_bucket_size)))
-    offsets, states, psi = run.flat.offsets, (*_states(run), *_bucket(run)), sum(numels)
-    out = []
-    for rank in run.ranks:
-        mine = run.flat.params(rank)
-        if not mine:
-            continue
-        sent = bucket_ends[bisect.bisect_right(bucket_ends, offsets[mine[0]])]  # the bucket holding its first
-        out.append(Moment("backward", f"reduce_gradients: rank {rank}'s grads_in_partition", (
-            *states,
-            Term("autograd gradients not yet bucketed", (psi - sent) * p, "torch autograd (param.grad)"),
-            Term("grads_in_partition", run.flat.params_numel(rank) * p,
-                 "runtime/zero/stage_1_and_2.py copy_grads_in_partition (torch.empty of the partition's parameters)"),
-            _act("batch (token ids, targets)", run.acts.batch, 2))))  # fmt: skip
-    return tuple(out)
-
-
-def _hook_buckets(run: DSRun) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
-    """(gradient-ready order, taken as the reverse of parameter order; the buckets' element counts in that
-    order, ``greedy_buckets``; the position in the order of each bucket's first gradient; parameter -> its
-    bucket) of ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
-    numels = run.numels
-    order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
-    buckets = greedy_buckets(tuple(numels[i] for i in order), run.settings.reduce_bucket_size)
-    first_of_bucket, at = [], 0
-    for size in buckets:
-        first_of_bucket.append(at)
-        at_numel = 0
-        while at_numel < size:
-            at_numel += numels[order[at]]
-            at += 1
-    bucket_of = {}
-    for b, start in enumerate(first_of_bucket):
-        end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
-        for i in order[start:end]:
-            bucket_of[i] = b
-    return order, buckets, first_of_bucket, bucket_of
 
 
 def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
@@ -151,33 +104,6 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
         Term("tied embedding gradients (the head's, the embedding's, their sum)", 3 * run.head_numel * p,
              "torch autograd InputBuffer::accumulate -> AccumulateGrad; runtime/zero/stage_1_and_2.py "
              "reduce_independent_p_g_buckets_and_remove_grads (the hook fires on the sum)", 3))),)  # fmt: skip
-
-
-def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
-    """Reducing from the hooks, the last bucket is reduced after backward (stage_1_and_2.py
-    ``independent_gradient_partition_epilogue`` -> ``reduce_ipg_grads`` -> ``average_tensor`` ->
-    ``allreduce_and_scatter`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a copy of every gradient slice
-    of the bucket, all-reduced, then copied back), the activations gone; a rank whose ``grads_in_partition``
-    an earlier bucket allocated holds it (``copy_grads_in_partition`` runs after the flattened copy is freed).
-    Found by the differential matrix (validate/differential.py, seed 1 draw 3: GPT-2 6.4M untied, ZeRO-2, one
-    bucket larger than the model, N_d = 2): both ranks held the states, the bucket and one Ψ-sized fp32 copy,
-    14.1% over the last block's backward predicted before."""
-    if not run.param_blocks:
-        return ()
-    _, buckets, _, bucket_of = _hook_buckets(run)
-    last, g = len(buckets) - 1, DTYPE_BYTES[run.settings.grad_dtype]
-    acts = run.acts
-    base = (*_states(run), *run.wrapper.held_between_micro_steps(run), *_bucket(run),
-            _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
-            Term("flattened copy of the last bucket's gradients", buckets[-1] * g,
-                 "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))  # fmt: skip
-    out = []
-    for rank in run.ranks:
-        mine = run.flat.params(rank)
-        early = bool(mine) and min(bucket_of[i] for i in mine) < last and run.grad_accum == 1
-        out.append(Moment("backward", f"reduction after backward, rank {rank}", (*base, *(
-            (Term("grads_in_partition", run.flat.params_numel(rank) * _pbytes(run), GIP_SRC),) if early else ()))))
-    return tuple(out)
 
 
 def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
@@ -370,14 +296,26 @@ class ZeroOptimizer(Wrapper):
 
     def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:
         """``step`` flattens the partition's gradients (views of grads_in_partition, still alive) in the
-        gradient dtype, then converts the flat copy to fp32 (a no-op in fp32); then the update."""
+        gradient dtype, then converts the flat copy to fp32 (a no-op in fp32); then the update. A partition
+        within one parameter (``_within_one_parameter``) flattens to a view of grads_in_partition, copying nothing."""
         s, p = run.settings, _pbytes(run)
         src = "runtime/zero/stage_1_and_2.py step -> get_flat_partition (_flatten_dense_tensors), .to(fp32)"
-        return (Moment("optimizer_step", "flatten the partition's gradients", (*_states(run),
-                Term("grads_in_partition", _largest_partition_numel(run) * p, GIP_SRC),
-                Term("flat partition gradient (gradient dtype)", part * DTYPE_BYTES[s.grad_dtype] * (s.grad_dtype != "fp32"), src),
-                Term("fp32 gradient of the master partition", part * 4, src))),
-                adam_update(run, part, inner, temps))  # fmt: skip
+        out = []
+        for rank in run.ranks:
+            gip = run.flat.params_numel(rank) * p
+            view = _within_one_parameter(run, rank)
+            flat = 0 if view or s.grad_dtype == "fp32" else part * DTYPE_BYTES[s.grad_dtype]
+            fp32 = part * 4 if not (view and s.grad_dtype == "fp32") else 0
+            out.append(Moment("optimizer_step", f"flatten the partition's gradients, rank {rank}", (*_states(run),
+                       Term("grads_in_partition", gip, GIP_SRC), Term("flat partition gradient (gradient dtype)", flat, src),
+                       Term("fp32 gradient of the master partition", fp32, src))))  # fmt: skip
+            update = adam_update(run, part, inner, temps)
+            if view and s.grad_dtype == "fp32":  # the fp32 gradient is grads_in_partition itself: all of it alive
+                update = Moment("optimizer_step", f"{update.name}, rank {rank}", tuple(
+                    Term("fp32 gradient of the master partition (a view of grads_in_partition, whole)", gip, src)
+                    if t.name == "fp32 gradient of the master partition" else t for t in update.terms))  # fmt: skip
+            out.append(update)
+        return tuple(out)
 
 
 ZERO12_OPTIMIZER = ZeroOptimizer()
