@@ -1,0 +1,31 @@
+"""DeepSpeed's step as an ordered allocation trace (``zeroplan.allocator.step_trace``): its moments walked in
+order. Streams (DeepSpeed 0.19.8): ZeRO-1/2 with ``overlap_comm`` allocate the gradient partition
+(``grads_in_partition``) inside ``reduce_ipg_grads``'s ``with get_accelerator().stream(self.reduction_stream)``
+(``runtime/zero/stage_1_and_2.py``); everything else the profile names (buckets and partitions made in
+``__init__``, ZeRO-3's gathered parameters, activations) comes from the default stream. Like the profile's
+peak, the trace is not rounded to the allocator's blocks (the allocator model rounds each request itself)
+and holds no library workspaces (``formulas.cuda_workspaces``; issue 21)."""
+
+from __future__ import annotations
+
+from zeroplan.allocator.step_trace import AllocTrace, default_stream, step_trace
+from zeroplan.engines.base import Workload
+from zeroplan.engines.deepspeed.phases import moments
+from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.engines.deepspeed.wrapper import ds_run
+from zeroplan.formulas.peak import Term
+
+DEFAULT, REDUCTION = 0, 1
+STREAMS = {DEFAULT: "default", REDUCTION: "reduction_stream"}
+
+
+def _reduction_stream(term: Term) -> int:
+    return REDUCTION if term.name == "grads_in_partition" else DEFAULT
+
+
+def alloc_traces(workload: Workload, nd: int, settings: Settings, stat_bytes: int | None = None) -> tuple[AllocTrace, ...]:
+    """The trace of ``estimate``'s one row (needs an architecture)."""
+    if workload.spec is None:
+        raise ValueError("an allocation trace needs an architecture (activations): give a model")
+    stream_of = _reduction_stream if settings.overlaps and settings.stage in (1, 2) else default_stream
+    return (step_trace(moments(ds_run(settings, workload, nd, stat_bytes)), stream_of=stream_of),)
