@@ -70,17 +70,17 @@ class AllocTrace:
         return tuple(seen)
 
 
-def tensor_sizes(term: Term, block_bytes: int) -> list[int]:
-    """The sizes of a term's tensors: ``tensors`` equal ones of ``ceil(bytes / tensors)`` (rounded to
+def tensor_sizes(term: Term, block_bytes: int) -> list[tuple[int, int]]:
+    """A term's tensors as (size, count): ``tensors`` equal ones of ``ceil(bytes / tensors)`` (rounded to
     ``block_bytes`` they sum to ``Term.rounded``); unrounded (``block_bytes`` 1) the remainder is spread so
     that they sum to ``bytes`` exactly."""
     if term.bytes <= 0:
         return []
     n = max(term.tensors, 1)
     if block_bytes > 1:
-        return [-(-term.bytes // n)] * n
+        return [(-(-term.bytes // n), n)]
     q, r = divmod(term.bytes, n)
-    return [q + 1] * r + [q] * (n - r) if q else [1] * r
+    return [(size, count) for size, count in ((q + 1, r), (q, n - r)) if size and count]
 
 
 class _Builder:
@@ -102,49 +102,43 @@ class _Builder:
         if self.phase is not None:
             self.phase_max[self.phase] = max(self.phase_max.get(self.phase, 0), self.live_bytes)
 
-    def wanted(self, moment: Moment, resident: Sequence[Term]) -> dict[Key, list[tuple[int, int]]]:
-        """{key: [(size, stream), ...]} of the tensors ``moment`` holds, in term order."""
-        out: dict[Key, list[tuple[int, int]]] = {}
+    def wanted(self, moment: Moment, resident: Sequence[Term]) -> dict[Key, list[int]]:
+        """{key: [count, stream]} of the tensors ``moment`` holds, in term order."""
+        out: dict[Key, list[int]] = {}
         for term in (*moment.terms, *resident):
-            stream = self.stream_of(term)
-            for size in tensor_sizes(term, self.block):
-                out.setdefault((_identity(term.name), term.source, size), []).append((size, stream))
+            for size, count in tensor_sizes(term, self.block):
+                entry = out.setdefault((_identity(term.name), term.source, size), [0, self.stream_of(term)])
+                entry[0] += count
         return out
 
     def move_to(self, moment: Moment, resident: Sequence[Term]) -> None:
         want = self.wanted(moment, resident)
-        freed: list[tuple[Key, tuple[int, int, int]]] = []
+        freed: list[tuple[int, int, int]] = []
         for key, stack in self.live.items():
-            keep = len(want.get(key, ()))
+            keep = want[key][0] if key in want else 0
             while len(stack) > keep:
-                freed.append((key, stack.pop()))
-        adds: list[tuple[Key, int, int]] = []
-        for key, tensors in want.items():
-            have = len(self.live.get(key, ()))
-            adds.extend((key, size, stream) for size, stream in tensors[have:])
+                freed.append(stack.pop())
         # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
-        spare: dict[tuple[int, int], list[tuple[Key, tuple[int, int, int]]]] = {}
-        for key, buf in freed:
-            spare.setdefault((buf[1], buf[2]), []).append((key, buf))
-        fresh = []
-        for key, size, stream in adds:
-            pool = spare.get((size, stream))
-            if pool:
-                _, buf = pool.pop()
-                self.live.setdefault(key, []).append(buf)
-            else:
-                fresh.append((key, size, stream))
-        for pool in spare.values():
-            for _, (ident, size, _stream) in pool:
-                self.events.append(Event("free", ident))
-                self.live_bytes -= self._rounded(size)
+        spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for buf in freed:
+            spare.setdefault((buf[1], buf[2]), []).append(buf)
+        fresh: list[tuple[Key, int, int]] = []
+        for key, (count, stream) in want.items():
+            stack = self.live.setdefault(key, [])
+            pool = spare.get((key[2], stream))
+            while len(stack) < count and pool:
+                stack.append(pool.pop())
+            fresh.extend((key, key[2], stream) for _ in range(count - len(stack)))
+        for ident, size, _stream in sorted((b for pool in spare.values() for b in pool), reverse=True):
+            self.events.append(Event("free", ident))
+            self.live_bytes -= self._rounded(size)
         if moment.phase != self.phase:
             self.phase = moment.phase
             self.events.append(Event("phase", moment.phase))
             self._note()
         for key, size, stream in fresh:
             self.events.append(Event("alloc", self.next_id, size, stream))
-            self.live.setdefault(key, []).append((self.next_id, size, stream))
+            self.live[key].append((self.next_id, size, stream))
             self.next_id += 1
             self.live_bytes += self._rounded(size)
         self._note()
