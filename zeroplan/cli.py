@@ -12,7 +12,8 @@ from typing import Annotated, Optional
 import typer
 
 from zeroplan.cli_options import (
-    STEP_OPTIONS, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption, GradAccumOption,
+    STEP_OPTIONS, AllocConfOption, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption,
+    GradAccumOption, HeadroomOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
@@ -78,6 +79,7 @@ def estimate(
         None,
         help="GPU memory to check fit against: 80GiB, 32GB (whole bytes, up to 1 EiB).",
     ),
+    alloc_conf: AllocConfOption = "",
     units: Unit = typer.Option(Unit.GB, help="GB = 1e9 bytes (the paper's), GiB = 2**30."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
     as_csv: bool = typer.Option(False, "--csv", help="Print CSV, one row per stage."),
@@ -99,7 +101,7 @@ def estimate(
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
     if model is None:
-        refuse_unused(ctx, STEP_OPTIONS, "without --model: the training step's peak needs an architecture")
+        refuse_unused(ctx, (*STEP_OPTIONS, "alloc_conf"), "without --model: the training step's peak needs an architecture")
     else:
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
     engine, gpus, file_options, file_lines = from_config_files(
@@ -136,6 +138,7 @@ def estimate(
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
         **policy,
         engine_options=options,
+        alloc_conf=alloc_conf,
     )
     result = estimate_config(config)
     if as_json:
@@ -169,10 +172,8 @@ def plan(
         1, "--model-parallel",
         help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
     ),
-    headroom: float = typer.Option(
-        0.1,
-        help="Fraction of GPU memory kept free for activations etc., [0, 1).",
-    ),
+    headroom: HeadroomOption = 0.0,
+    alloc_conf: AllocConfOption = "",
     interconnect: Optional[str] = typer.Option(None, help="Intra-node link preset (default: the GPU's)."),
     bw: Optional[float] = typer.Option(
         None,
@@ -270,6 +271,7 @@ def plan(
         gpus_per_node=gpus_per_node,
         model_parallel=model_parallel,
         headroom=headroom,
+        alloc_conf=alloc_conf,
         interconnect=interconnect,
         bw_gbps=bw,
         inter_interconnect=inter_interconnect,

@@ -5,7 +5,10 @@ An engine profile lists, phase by phase, the moments at which memory can peak an
 (``Moment``). The trace walks those moments in order and, between two of them, frees what the first holds
 and the second does not, then allocates what the second adds: each term is ``tensors`` tensors of equal size
 (``Term.rounded``'s convention), a term is the same buffer in two moments when its name, source and tensor
-size agree (a collection "of N" grows or shrinks by its last tensors), and a buffer freed and one of the same size allocated on the same stream in the same transition
+size agree (a collection "of N" grows or shrinks by its last tensors; a one-tensor term whose bytes change is
+one buffer that grows by a piece of the difference, as gradients accumulating or parts packed so far, or
+shrinks by its last pieces; with ``block_bytes`` > 1 each piece is a multiple of the block, so that the
+rounded total is ``Term.rounded``'s), and a buffer freed and one of the same size allocated on the same stream in the same transition
 are one buffer renamed (the profile names one all-gather output "this unit" in one moment and "kept until
 the root's post-forward" in the next). Frees come before the next phase starts and allocations after, as
 ``reset_peak_memory_stats`` between phases sees the state between them.
@@ -34,6 +37,8 @@ from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
 _COUNT = re.compile(r" of \d+ ")
+GROWN = -1
+"""The size slot of a one-tensor term's key: a buffer that grows by pieces (``_Builder.wanted``)."""
 
 
 def _identity(name: str) -> str:
@@ -103,32 +108,71 @@ class _Builder:
             self.phase_max[self.phase] = max(self.phase_max.get(self.phase, 0), self.live_bytes)
 
     def wanted(self, moment: Moment, resident: Sequence[Term]) -> dict[Key, list[int]]:
-        """{key: [count, stream]} of the tensors ``moment`` holds, in term order."""
+        """{key: [count, stream]} of the tensors ``moment`` holds, in term order; a one-tensor term is keyed
+        ``GROWN`` with its (rounded) bytes in place of the count."""
         out: dict[Key, list[int]] = {}
         for term in (*moment.terms, *resident):
+            name, stream = _identity(term.name), self.stream_of(term)
+            if term.tensors <= 1:
+                if term.bytes > 0:
+                    entry = out.setdefault((name, term.source, GROWN), [0, stream])
+                    entry[0] += self._rounded(term.bytes)
+                continue
             for size, count in tensor_sizes(term, self.block):
-                entry = out.setdefault((_identity(term.name), term.source, size), [0, self.stream_of(term)])
+                entry = out.setdefault((name, term.source, size), [0, stream])
                 entry[0] += count
         return out
 
-    def move_to(self, moment: Moment, resident: Sequence[Term]) -> None:
-        want = self.wanted(moment, resident)
-        freed: list[tuple[int, int, int]] = []
+    def _release(self, want: dict[Key, list[int]]) -> list[tuple[int, int, int]]:
+        """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
+        bytes (last allocated first)."""
+        freed = []
         for key, stack in self.live.items():
             keep = want[key][0] if key in want else 0
-            while len(stack) > keep:
-                freed.append(stack.pop())
+            if key[2] == GROWN:
+                total = sum(b[1] for b in stack)
+                while stack and total > keep:
+                    total -= stack[-1][1]
+                    freed.append(stack.pop())
+            else:
+                while len(stack) > keep:
+                    freed.append(stack.pop())
+        return freed
+
+    def _continue_grown(self, want: dict[Key, list[int]]) -> None:
+        """A grown buffer that is gone and a new one on the same stream in the same transition: the same
+        buffer under another name (the gradients held, then "not yet bucketed"), paired largest to largest."""
+        gone = sorted(((sum(b[1] for b in st), k) for k, st in self.live.items() if k[2] == GROWN and k not in want
+                       and st), reverse=True)  # fmt: skip
+        new = sorted(((v[0], k) for k, v in want.items() if k[2] == GROWN and not self.live.get(k)), reverse=True)
+        for _, old_key in gone:
+            stream = self.live[old_key][0][2]
+            match = next((k for _, k in new if want[k][1] == stream), None)
+            if match is not None:
+                new = [(b, k) for b, k in new if k != match]
+                self.live[match] = self.live.pop(old_key)
+
+    def move_to(self, moment: Moment, resident: Sequence[Term]) -> None:
+        want = self.wanted(moment, resident)
+        self._continue_grown(want)
         # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
         spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        for buf in freed:
+        for buf in self._release(want):
             spare.setdefault((buf[1], buf[2]), []).append(buf)
         fresh: list[tuple[Key, int, int]] = []
-        for key, (count, stream) in want.items():
+        for key, (amount, stream) in want.items():
             stack = self.live.setdefault(key, [])
-            pool = spare.get((key[2], stream))
-            while len(stack) < count and pool:
-                stack.append(pool.pop())
-            fresh.extend((key, key[2], stream) for _ in range(count - len(stack)))
+            if key[2] == GROWN:  # one more piece, of what is missing
+                missing = amount - sum(b[1] for b in stack)
+                sizes = [missing] if missing > 0 else []
+            else:
+                sizes = [key[2]] * (amount - len(stack))
+            for size in sizes:
+                pool = spare.get((size, stream))
+                if pool:
+                    stack.append(pool.pop())
+                else:
+                    fresh.append((key, size, stream))
         for ident, size, _stream in sorted((b for pool in spare.values() for b in pool), reverse=True):
             self.events.append(Event("free", ident))
             self.live_bytes -= self._rounded(size)

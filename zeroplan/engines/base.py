@@ -141,6 +141,9 @@ class Candidate:
     build: Optional[str] = None
     """how the model must be built for the prediction to hold (DeepSpeed ZeRO-3: under
     ``deepspeed.zero.Init``); None: as usual."""
+    alloc_trace: Optional[Callable[[], Any]] = field(default=None, compare=False, repr=False)
+    """``() -> AllocTrace``: the configuration's step as an allocation trace (``Engine.alloc_trace``), made
+    when the planner replays it for reserved bytes; None: the engine has none."""
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,10 @@ class Engine:
     own_options: tuple[EngineOption, ...] = ()
     """options only this engine reads, declared here once: the commands route them to it by name and refuse
     them for every other engine."""
+    alloc_trace: Optional[Callable[[Workload, int, BaseModel], tuple[Any, ...]]] = None
+    """``(workload, nd, settings) -> tuple[AllocTrace, ...]``: each ``estimate`` row's step as an ordered
+    allocation trace (``zeroplan.allocator.step_trace``; needs an architecture), which the allocator model
+    replays for reserved bytes; None: the engine has none."""
 
     @property
     def one_row(self) -> bool:

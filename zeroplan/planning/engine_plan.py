@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from zeroplan.allocator.reserved import fit_bytes, reserved_of
 from zeroplan.engines import get_engine
 from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.commtime import compute_time_s, engine_step_time, ring_link
@@ -9,11 +10,12 @@ from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.cut_first import cut_first
 from zeroplan.planning.records import Plan, PlanOption
+from zeroplan.planning.reserved_fit import first_fragmentation, fit_quantity
 
 def engine_plan_config(config: PlanConfig) -> Plan:
     """``plan`` for an engine with its own search (``Engine.plan``: fsdp2, deepspeed): every candidate the
     engine tries, cheapest first, each with its predicted peak and exactly the configuration to run; the
-    recommendation is the engine's (the cheapest whose peak fits within the headroom)."""
+    recommendation is the cheapest that fits within the headroom (``reserved_fit``: on reserved bytes)."""
     engine = get_engine(config.engine)
     nd = config.nd
     budget = int(config.memory_bytes * (1 - config.headroom))
@@ -22,12 +24,17 @@ def engine_plan_config(config: PlanConfig) -> Plan:
                               config.grad_accum, config.foreach)  # fmt: skip
     options = config.planner_options
     answer = engine.plan(workload, nd, budget, options)
+    traces = tuple(None if c.alloc_trace is None else c.alloc_trace() for c in answer.candidates)
+    held = tuple(None if t is None else reserved_of(t, config.alloc_conf) for t in traces)
+    fit = tuple(fit_bytes(c.estimate.model_states_bytes, c.estimate.peak, r) <= budget
+                for c, r in zip(answer.candidates, held))  # fmt: skip
+    recommended = next((i for i, f in enumerate(fit) if f), None)
     ring = ring_link(nd, 1, config.gpus_per_node, config.intra_link, config.inter_link)
     whole = config.tensor_numels
     tokens = config.tokens_per_micro_step * config.grad_accum
     compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, 1, config.flops, config.mfu)
     rows = []
-    for c in answer.candidates:
+    for c, fits_c, reserved in zip(answer.candidates, fit, held):
         e = c.estimate
         # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
         time = engine_step_time(e.collectives, nd, ring, config.grad_accum, config.algorithm, c.bucket_numel,
@@ -35,26 +42,27 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         rows.append(PlanOption(
             e.stage, e.label, NO_OFFLOAD, None, None,
             states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0),
-            fits=c.fits,
+            fits=fits_c,
             comm_volume_elements=sum(c.volume_elements for c in e.collectives),
             comm_bytes_per_rank=sum(c.bytes_per_rank for c in e.collectives),
             time=time,
             pcie_s=0.0,
             peak=e.peak,
             candidate=c.label,
+            reserved=reserved,
         ))  # fmt: skip
     headroom = f"{config.headroom:.0%} of GPU memory kept free"
     recommendation = launchers = advice = None
-    if answer.recommended is not None:
-        recommendation = rows[answer.recommended]
-        chosen = answer.candidates[answer.recommended]
+    if recommended is not None:
+        recommendation = rows[recommended]
+        chosen = answer.candidates[recommended]
         launchers = {"deepspeed": None, "fsdp2": None, answer.launcher_key: chosen.launcher}
         if chosen.build is not None:  # the model's construction the prediction assumed (deepspeed.zero.Init)
             launchers[f"{answer.launcher_key}_build"] = chosen.build
-        reason = (f"the cheapest of {len(rows)} {engine.name} configurations whose predicted peak fits on "
+        reason = (f"the cheapest of {len(rows)} {engine.name} configurations that fits on "
                   f"{config.gpus} GPUs with {headroom} (tried in order: {answer.order})")  # fmt: skip
     else:
-        reason = f"no {engine.name} configuration's predicted peak fits on {config.gpus} GPUs with {headroom}"
+        reason = f"no {engine.name} configuration fits on {config.gpus} GPUs with {headroom}"
         least = min((o for o in rows if o.peak is not None), key=lambda o: o.peak.peak_bytes, default=None)
         if least is not None:
             advice = cut_first(least.peak, least.stage, config)
@@ -78,7 +86,8 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         recommendation=recommendation,
         reason=reason,
         launchers=launchers,
-        fit_basis=f"fits on the predicted peak per GPU ({engine.name} engine, docs/engines/{engine.name}.md) "
-                  "within the headroom",
+        fit_basis=f"fits on {fit_quantity(config.alloc_conf if any(held) else None)} ({engine.name} engine, "
+                  f"docs/engines/{engine.name}.md) within the headroom",
         cut_first=advice,
+        fragmentation=first_fragmentation(rows, traces, budget, config.micro_batch),
     )  # fmt: skip

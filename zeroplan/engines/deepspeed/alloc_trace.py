@@ -8,15 +8,40 @@ and holds no library workspaces (``formulas.cuda_workspaces``; issue 21)."""
 
 from __future__ import annotations
 
+import re
+
 from zeroplan.allocator.step_trace import AllocTrace, default_stream, step_trace
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.phases import moments
 from zeroplan.engines.deepspeed.settings import Settings
 from zeroplan.engines.deepspeed.wrapper import ds_run
-from zeroplan.formulas.peak import Term
+from zeroplan.formulas.peak import Moment, Term
 
 DEFAULT, REDUCTION = 0, 1
 STREAMS = {DEFAULT: "default", REDUCTION: "reduction_stream"}
+
+
+_BLOCK = re.compile(r"^block (\d+) backward")
+
+
+def chronological(moments: tuple[Moment, ...]) -> list[Moment]:
+    """The moments in the order a step meets them: the profile lists the earlier blocks' backward moments
+    from block 0 up (``phases.later_blocks_held``, ``zero12._blocks_from_hooks``), and backward reaches block
+    L-1 first, so those run of moments is put in descending block order (each block's own order kept). Some
+    moments are the largest over ranks (``rank r's grads_in_partition``): the trace walks them in turn, a
+    mixture of ranks rather than one rank's timeline (docs/allocator.md)."""
+    out: list[Moment] = []
+    run: list[tuple[int, int, Moment]] = []
+    for m in (*moments, None):
+        hit = _BLOCK.match(m.name) if m is not None and m.phase == "backward" else None
+        if hit:
+            run.append((-int(hit.group(1)), len(run), m))
+            continue
+        out.extend(moment for *_, moment in sorted(run, key=lambda r: (r[0], r[1])))
+        run = []
+        if m is not None:
+            out.append(m)
+    return out
 
 
 def _reduction_stream(term: Term) -> int:
@@ -28,4 +53,4 @@ def alloc_traces(workload: Workload, nd: int, settings: Settings, stat_bytes: in
     if workload.spec is None:
         raise ValueError("an allocation trace needs an architecture (activations): give a model")
     stream_of = _reduction_stream if settings.overlaps and settings.stage in (1, 2) else default_stream
-    return (step_trace(moments(ds_run(settings, workload, nd, stat_bytes)), stream_of=stream_of),)
+    return (step_trace(chronological(moments(ds_run(settings, workload, nd, stat_bytes))), stream_of=stream_of),)

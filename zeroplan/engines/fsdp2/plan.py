@@ -116,11 +116,20 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}",
-                  o.estimate, o.fits, o.snippet)
+                  o.estimate, o.fits, o.snippet, alloc_trace=_trace_of(workload, nd, o))
         for o in options_
     )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)
     return EnginePlan(candidates, index, "fsdp2", PLAN_ORDER, settings)
+
+
+def _trace_of(workload: Workload, nd: int, option: Fsdp2Option):
+    """The candidate's allocation trace, made on demand (``Candidate.alloc_trace``)."""
+    from dataclasses import replace
+
+    from zeroplan.engines.fsdp2.alloc_trace import alloc_traces
+
+    return lambda: alloc_traces(replace(workload, checkpointing=option.checkpointing), nd, option.settings)[0]
 
 
 def planner_block_bytes(settings: Settings) -> int:
