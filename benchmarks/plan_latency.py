@@ -37,7 +37,7 @@ def main() -> None:
     medians = compare(COMMANDS, repeats)
     torch_s = medians['python -c "import torch"']
     for name, m in medians.items():
-        print(f"{name:30s} {m / torch_s:5.2f}x the torch import")
+        print(f"{name:30s} {m / torch_s:5.2f}x the torch import (CPU time)")
     calls = []
     for _ in range(repeats):
         start = time.perf_counter()

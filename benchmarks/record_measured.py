@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.test_fsdp2_engine import LLAMA_4_LAYERS  # noqa: E402
+from tests.test_fsdp2_engine import RUNS as FSDP2_TEST_RUNS  # noqa: E402
 from tests.test_measured_rows import MEASURED, dtype_name, predict, workload_json  # noqa: E402
 
 HF = ROOT / "tests" / "data" / "hf_configs"
@@ -134,27 +136,9 @@ def record_reference() -> list[dict]:
 # ---- FSDP2 ----
 
 FSDP2_RUNS = {
-    # name: ValidateConfig fields (tests/test_fsdp2_engine.py RUNS; 2 steps, gpt-tiny unless said)
-    "real-2-fp32-reshard": dict(world_sizes=(2,), param_dtype="fp32"),
-    "real-2-bf16-keep-ckpt": dict(world_sizes=(2,), param_dtype="bf16", reduce_dtype="fp32",
-                                  reshard_after_forward=False, checkpointing="full", foreach=True),
-    "real-4-bf16-reshard-ckpt": dict(world_sizes=(4,), param_dtype="bf16", reduce_dtype="fp32", checkpointing="full"),
-    "real-4-fp32-keep-meta": dict(world_sizes=(4,), param_dtype="fp32", reshard_after_forward=False, fsdp2_init="meta"),
-    "real-2-bf16-default": dict(world_sizes=(2,), param_dtype="bf16"),
-    "real-4-bf16-k2": dict(world_sizes=(4,), param_dtype="bf16", reshard_after_forward=2),
-    "sim-8-64-bf16-k2": dict(simulated=True, fake_tensors=False, world_sizes=(8, 64), param_dtype="bf16",
-                             reduce_dtype="fp32", reshard_after_forward=2),
-    "real-2-tiny-llama-fp32-meta": dict(world_sizes=(2,), model=LLAMA, param_dtype="fp32", fsdp2_init="meta"),
-    "real-2-tiny-llama-bf16-ckpt": dict(world_sizes=(2,), model=LLAMA, param_dtype="bf16", checkpointing="full"),
-    "sim-8-64-512-bf16": dict(simulated=True, fake_tensors=False, world_sizes=(8, 64, 512), param_dtype="bf16",
-                              reduce_dtype="fp32"),
-    "sim-8-tiny-llama-bf16": dict(simulated=True, fake_tensors=False, world_sizes=(8,), model=LLAMA,
-                                  param_dtype="bf16", reduce_dtype="fp32"),
-    "sim-8-tiny-llama-4-layers-k2": dict(simulated=True, fake_tensors=False, world_sizes=(8,), model="LLAMA4",
-                                         param_dtype="bf16", reshard_after_forward=2),
-    "sim-64-llama-7b-fake": dict(simulated=True, world_sizes=(64,), model=str(HF / "llama-2-7b.json"),
-                                 param_dtype="bf16", reduce_dtype="fp32", batch_per_rank=1, seq_len=256),
-    # a 5.4M-parameter GPT: terms in proportion
+    # name: ValidateConfig fields (2 steps, gpt-tiny unless said): the live test's runs, from their one home
+    **FSDP2_TEST_RUNS,
+    # a 5.4M-parameter GPT: terms in proportion (recorded only: too slow for the suite)
     "real-2-gpt-5m-bf16-reshard": dict(world_sizes=(2,), model="GPT5M", param_dtype="bf16", reduce_dtype="fp32",
                                        batch_per_rank=2, seq_len=64),
     "real-4-gpt-5m-fp32-k2-ckpt": dict(world_sizes=(4,), model="GPT5M", param_dtype="fp32", reshard_after_forward=2,
@@ -166,7 +150,7 @@ def _model_files(tmp: Path) -> dict[str, str]:
     llama4 = {**json.loads(Path(LLAMA).read_text()), "num_hidden_layers": 4}
     (tmp / "tiny-llama-4-layers.json").write_text(json.dumps(llama4))
     (tmp / "gpt-5m.json").write_text(json.dumps(GPT_5M))
-    return {"LLAMA4": str(tmp / "tiny-llama-4-layers.json"), "GPT5M": str(tmp / "gpt-5m.json")}
+    return {LLAMA_4_LAYERS: str(tmp / "tiny-llama-4-layers.json"), "GPT5M": str(tmp / "gpt-5m.json")}
 
 
 def record_fsdp2(models: dict[str, str]) -> list[dict]:

@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # Plots are rendered without a display, in tests and in executed notebooks.
 os.environ.setdefault("MPLBACKEND", "agg")
 
@@ -66,3 +68,32 @@ def _hide_packages() -> None:
 
 
 _hide_packages()
+
+
+_JIT_BUILD = None
+
+
+def pytest_collection_finish(session):
+    """DeepSpeed's JIT ops, built in the background from here on (tests/deepspeed_world.py)."""
+    global _JIT_BUILD
+    from deepspeed_world import start_jit_builds
+
+    if session.config.option.collectonly:
+        return
+    _JIT_BUILD = start_jit_builds(dict.fromkeys(getattr(item, "module", None) for item in session.items))
+
+
+def pytest_sessionfinish(session):
+    from deepspeed_world import finish_jit_builds
+
+    finish_jit_builds(_JIT_BUILD)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_world(request):
+    """The session's shared DeepSpeed worlds, one per N_d, over the collected modules' cases
+    (tests/deepspeed_world.py)."""
+    from deepspeed_world import SharedWorlds
+
+    modules = dict.fromkeys(m for m in (getattr(item, "module", None) for item in request.session.items) if m)
+    return SharedWorlds(list(modules))

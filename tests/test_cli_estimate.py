@@ -52,7 +52,10 @@ def test_json_schema_and_values():
     assert s3["params_bytes"] + s3["grads_bytes"] + s3["optimizer_bytes"] == s3["model_states_bytes"]
     assert s3["comm_volume_elements"] == 3 * 7_500_000_000
     assert s3["comm_bytes_per_rank"] == sum(c["bytes_per_rank"] for c in s3["collectives"])
-    assert set(s3["collectives"][0]) == {"op", "phase", "elements", "dtype", "bytes_per_rank"}
+    assert set(s3["collectives"][0]) == {"op", "phase", "elements", "dtype", "bytes_per_rank", "mesh_dim",
+                                         "group_size", "link"}  # fmt: skip
+    # 64 ranks on 8-GPU nodes: one flat group over dp_shard crossing nodes (zeroplan/formulas/mesh.py)
+    assert {(c["mesh_dim"], c["group_size"], c["link"]) for c in s3["collectives"]} == {("dp_shard", 64, "inter")}
     assert [s["fits"] for s in doc["stages"]] == [False, True, True, True]
 
 

@@ -1,9 +1,10 @@
 """Real DeepSpeed ZeRO 1-3 (gloo, CPU) against ``zeroplan.engines.deepspeed.estimate``: the issue-11 matrix.
 
-Two torchrun worlds (N_d = 2 and 4) each train gpt-tiny for three steps under fifteen ds_configs: ZeRO-1,
-2 and 3 at DeepSpeed's default buckets (5e8 elements) and at small ones (5e3), fp32, plus ZeRO-1, 2 and 3
-in bf16 with small buckets, ZeRO-1, 2 and 3 with FusedAdam, ZeRO-1 and 2 with ``overlap_comm`` and
-BF16_Optimizer.
+Two torchrun worlds (N_d = 2 and 4, the session's shared ones: tests/deepspeed_world.py) train gpt-tiny for
+three steps under fifteen ds_configs: ZeRO-1, 2 and 3 at DeepSpeed's default buckets (5e8 elements) and at
+small ones (5e3), fp32, plus ZeRO-1, 2 and 3 in bf16 with small buckets, ZeRO-1, 2 and 3 with FusedAdam,
+ZeRO-1 and 2 with ``overlap_comm`` and BF16_Optimizer; all fifteen at N_d = 2, a covering slice of seven
+at N_d = 4 in CI (``ND4_KEPT``; all with ZEROPLAN_FULL_MATRICES=1, tests/suite_slices.py).
 Rows are built by the validator's own comparison
 (``validate.engines.deepspeed.compare_row``, what ``zeroplan validate --engine deepspeed`` prints):
 model states within 1%, every phase's peak within its recorded error + max(64 B, 0.05%)
@@ -35,6 +36,7 @@ pytest.importorskip(
 )
 
 from zeroplan.engines import deepspeed as D  # noqa: E402
+from tests.suite_slices import ci_slice  # noqa: E402
 from tests.test_measured_rows import live_peak_misses  # noqa: E402
 
 SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
@@ -72,21 +74,46 @@ def _configs() -> list[dict]:
             for s, dtype, buckets in CASES]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda nd: f"nd{nd}")
-def world(request):
-    from validate.engines.deepspeed import compare_row, run_world, workload_for
+# The cases each world runs. N_d = 2: all of them. N_d = 4 in CI: a covering slice (tests/suite_slices.py;
+# the whole matrix at 4 with ZEROPLAN_FULL_MATRICES=1), every stage, dtype, bucket kind and Adam once: ZeRO-2
+# at the default bucket (ZeRO-1's, a 5e8-element fp32 bucket on each of 4 ranks, cost the world ~40 s of
+# its ~190 s of configs), ZeRO-1 plain and with overlap_comm (the hook-order pair below), ZeRO-2 bf16,
+# ZeRO-3 fp32, ZeRO-3 bf16 with FusedAdam, BF16_Optimizer. The other 8 rows at 4 stay checked against their
+# recorded measurements (tests/test_measured_rows.py).
+ND4_KEPT = [(2, "fp32", "default"), (1, "fp32", "small"), (3, "fp32", "small"), (2, "bf16", "small"),
+            (3, "bf16", "small+fused"), (1, "fp32", "small+overlap"), (1, "bf16", "small+fp32acc")]  # fmt: skip
+WORLD_CASES = {2: CASES, 4: ci_slice(CASES, ND4_KEPT)}
+# the session's shared worlds (tests/deepspeed_world.py): at N_d = 2 with the other DeepSpeed modules' cases;
+# the "+fused" rows need DeepSpeed's fused_adam JIT op, built in the background from collection on
+DEEPSPEED_JIT_OPS = ("FusedAdamBuilder",)
+DEEPSPEED_WORLD = {nd: (lambda nd=nd: [(_configs()[CASES.index(c)], {}) for c in WORLD_CASES[nd]])
+                   for nd in WORLD_CASES}  # fmt: skip
+ROWS = [(nd, c) for nd, cases in WORLD_CASES.items() for c in cases]
 
-    nd, configs = request.param, _configs()
-    ranks = run_world(configs, nd, steps=3)
+
+@pytest.fixture(scope="module")
+def world(request, deepspeed_world):
+    """``(nd, cases, configs, ranks, rows)`` of one world: ``ranks[rank][j]`` and ``rows[j]`` for ``cases[j]``."""
+    from validate.engines.deepspeed import compare_row, workload_for
+
+    nd = request.param
+    cases, configs = WORLD_CASES[nd], [_configs()[CASES.index(c)] for c in WORLD_CASES[nd]]
+    ranks = deepspeed_world.ranks(request.module, nd)  # 3 steps
     workload = workload_for("gpt-tiny", 2, None)
     rows = [compare_row(c, nd, [r[i] for r in ranks], workload, "gpt-tiny", STATES_TOL, PEAK_TOL)
             for i, c in enumerate(configs)]  # fmt: skip
-    return nd, configs, ranks, rows
+    return nd, cases, configs, ranks, rows
 
 
-@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"z{s}-{d}-{b}" for s, d, b in CASES])
-def test_row_within_tolerance(world, i):
-    nd, configs, ranks, rows = world
+def _worlds(need=lambda cases: True) -> list:
+    return [pytest.param(nd, id=f"nd{nd}") for nd, cases in WORLD_CASES.items() if need(cases)]
+
+
+@pytest.mark.parametrize(("world", "case"), [pytest.param(nd, c, id=f"nd{nd}-z{c[0]}-{c[1]}-{c[2]}") for nd, c in ROWS],
+                         indirect=["world"])  # fmt: skip
+def test_row_within_tolerance(world, case):
+    nd, cases, configs, ranks, rows = world
+    i = cases.index(case)
     row = rows[i]
     settings = D.Settings.from_ds_config(configs[i])
     assert ranks[0][i]["optimizer_class"] == D.optimizer_class(settings)
@@ -96,17 +123,18 @@ def test_row_within_tolerance(world, i):
     assert row["checks"]["collectives_match"], (row["predicted_collectives"], row["measured_collectives"])
     assert all(r[i]["gloo_settle"]["unsettled"] == 0 for r in ranks), [r[i]["gloo_settle"] for r in ranks]
     # every phase at this row's recorded error + max(64 B, 0.05%) (tests/test_measured_rows.py), not 3%
-    name = f"deepspeed-{recorded_name(CASES[i])}-nd{nd}"
+    name = f"deepspeed-{recorded_name(case)}-nd{nd}"
     assert live_peak_misses(name, row["measured_peak_bytes_by_phase"], row["predicted_peak_bytes_by_phase"]) == []
 
 
+@pytest.mark.parametrize("world", _worlds(), indirect=True)
 def test_default_bucket_dominates_and_deepspeeds_estimator_misses_it(world):
     """At DeepSpeed's defaults the 5e8-element bucket is the peak; DeepSpeed's own estimator, which has no
     bucket, is off by orders of magnitude while zeroplan's prediction is within 3%."""
-    nd, configs, ranks, rows = world
-    for i, (stage, _, buckets) in enumerate(CASES):
-        if buckets != "default":
-            continue
+    nd, cases, configs, ranks, rows = world
+    defaults = [i for i, (_, _, buckets) in enumerate(cases) if buckets == "default"]
+    assert defaults  # every world runs at least one row at DeepSpeed's default buckets
+    for i in defaults:
         row = rows[i]
         bucket = D.DEFAULT_BUCKET_NUMEL * 4
         assert row["measured_peak_bytes"] >= bucket
@@ -115,14 +143,15 @@ def test_default_bucket_dominates_and_deepspeeds_estimator_misses_it(world):
         assert row["deepspeed_estimator_rel_error"] > 0.99  # the estimator is under 1% of the measured peak
 
 
+@pytest.mark.parametrize("world", _worlds(), indirect=True)
 def test_stage3_broadcasts_are_the_trace_checks(world):
     """ZeRO-3's only broadcasts after init are its trace checks: ``partitioned_param_coordinator.py
     reset_step`` runs ``zero/utils.py assert_ints_same_as_other_ranks`` (rank 0 broadcasts a list's length,
     then the list, int64) while the trace is incomplete: in step 0's forward on the empty module trace, in
     step 1's on the recorded module trace and twice on the parameter trace (ids, last-used step); none from
     step 2, the trace complete. ZeRO-1/2 broadcast nothing after init."""
-    _, _, ranks, _ = world
-    for i, (stage, _, _) in enumerate(CASES):
+    _, cases, _, ranks, _ = world
+    for i, (stage, _, _) in enumerate(cases):
         for r in ranks:
             _, *steps = r[i]["calls_by_step"]
             sizes = [[c[3] for c in calls if c[0] == "broadcast_"] for calls in steps]
@@ -137,6 +166,10 @@ def test_stage3_broadcasts_are_the_trace_checks(world):
             assert modules > 0 and params >= 28  # every parameter of gpt-tiny (28 tensors) is in the trace
 
 
+OVERLAP_PAIR = ((1, "fp32", "small+overlap"), (1, "fp32", "small"))
+
+
+@pytest.mark.parametrize("world", _worlds(lambda cases: set(OVERLAP_PAIR) <= set(cases)), indirect=True)
 def test_zero1_with_overlap_comm_reduces_from_its_hooks(world):
     """overlap_comm at ZeRO-1: the hooks create_gradient_handling_hooks installs reduce at the boundary, in
     gradient-ready order (stage_1_and_2.py reduce_ready_partitions_and_remove_grads), not reduce_gradients'
@@ -145,12 +178,9 @@ def test_zero1_with_overlap_comm_reduces_from_its_hooks(world):
 
     from validate.engines.deepspeed import workload_for
 
-    _, _, ranks, _ = world
+    _, cases, _, ranks, _ = world
     numels = tuple(math.prod(sh) for _, sh in workload_for("gpt-tiny", 2, None).shapes)
-    for case, order in (
-        ((1, "fp32", "small+overlap"), tuple(reversed(numels))),
-        ((1, "fp32", "small"), numels),
-    ):
-        i = CASES.index(case)
+    for case, order in zip(OVERLAP_PAIR, (tuple(reversed(numels)), numels)):
+        i = cases.index(case)
         sizes = [c[3] for c in ranks[0][i]["calls_by_step"][-1] if c[:2] == ["all-reduce", "backward"]]
         assert tuple(sizes) == D.greedy_buckets(order, SMALL["reduce_bucket_size"]), (case, sizes)

@@ -2,8 +2,9 @@
 BF16_Optimizer at N_d = 2 and 4): gradient accumulation, activation checkpointing (ZeRO-2 and 3) and a Llama, against
 ``zeroplan.engines.deepspeed``.
 
-One torchrun world of N_d = 2 trains every case below for two steps (``run_world(..., runs=...)``: a
-model and checkpointing per config, so one world's ~30 s of setup serves them all), each row compared by
+The session's one torchrun world of N_d = 2 (``tests/deepspeed_world.py``: a model and checkpointing per
+config, so one world's ~30 s of setup serves these and the other DeepSpeed modules) trains every case below
+for three steps, each row compared by
 the validator's own ``compare_row``: model states within 1%, every phase's peak within its recorded error + max(64 B, 0.05%)
 (``tests/data/measured/deepspeed.json``; 3% before issue 16), steady-state
 collectives equal in elements (the second step: ZeRO-3 records its trace in the first). One row trains
@@ -72,14 +73,16 @@ def _cases() -> dict[str, tuple[dict, dict]]:
 NAMES = list(_cases())
 
 
+# the session's shared world of N_d = 2 (tests/deepspeed_world.py), 3 steps
+DEEPSPEED_WORLD = {ND: lambda: list(_cases().values())}
+
+
 @pytest.fixture(scope="module")
-def world():
-    from validate.engines.deepspeed import compare_row, run_world, workload_for
+def world(request, deepspeed_world):
+    from validate.engines.deepspeed import compare_row, workload_for
 
     cases = _cases()
-    configs = [c for c, _ in cases.values()]
-    runs = [r for _, r in cases.values()]
-    ranks = run_world(configs, ND, steps=2, runs=runs)
+    ranks = deepspeed_world.ranks(request.module, ND)
     rows = {}
     for i, (name, (config, run)) in enumerate(cases.items()):
         workload = workload_for(run.get("model", "gpt-tiny"), config["train_micro_batch_size_per_gpu"], None,

@@ -1,6 +1,7 @@
 """Real DeepSpeed ZeRO 1-3 (gloo, CPU) against the closed-form DeepSpeed profile: model states exact.
 
-One torchrun world of N_d = 2 trains gpt-tiny (Ψ = 36,324) for two steps under every config below
+The session's one torchrun world of N_d = 2 (``tests/deepspeed_world.py``) trains gpt-tiny (Ψ = 36,324) for
+three steps under every config below
 (about 40 s on two shared cores once DeepSpeed's ``fused_adam`` op is built; its first JIT build
 takes about 3 minutes and is cached in ~/.cache/torch_extensions). Small buckets keep runs cheap;
 one config keeps DeepSpeed's 5e8-element default to show the bucket is allocated at its configured
@@ -36,12 +37,15 @@ def _configs() -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module")
-def runs():
-    from validate.engines.deepspeed import run_world
+# the session's shared world of N_d = 2 (tests/deepspeed_world.py), 3 steps; six configs keep DeepSpeed's
+# default Adam (FusedAdam): its fused_adam JIT op is built in the background from collection on
+DEEPSPEED_JIT_OPS = ("FusedAdamBuilder",)
+DEEPSPEED_WORLD = {ND: lambda: [(c, {}) for c in _configs()]}
 
-    configs = _configs()
-    return configs, run_world(configs, ND, steps=2)
+
+@pytest.fixture(scope="module")
+def runs(request, deepspeed_world):
+    return _configs(), deepspeed_world.ranks(request.module, ND)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """ZeRO-3 with the model built under ``deepspeed.zero.Init`` (real DeepSpeed, gloo, CPU) against
 ``zeroplan.engines.deepspeed`` (``Settings.zero_init``, ``zero_init_moments``), and the planner's side.
 
-One torchrun world of N_d = 2 (``run_world(..., runs=...)``): gpt-tiny fp32 and tiny-llama bf16 built under
+The session's one torchrun world of N_d = 2 (``tests/deepspeed_world.py``): gpt-tiny fp32 and tiny-llama bf16 built under
 ``zero.Init``, and gpt-tiny fp32 built whole (the materialized path, for the before/after). Each row goes
 through the validator's ``compare_row`` (which passes how the ranks built the model); the build's own peak
 (``build_peak_bytes``, within init's) is compared with ``zero_init_moments``.
@@ -40,15 +40,25 @@ RECORDED = {  # each case's row in tests/data/measured/deepspeed.json (benchmark
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def world():
-    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: DS_BUILD_OPS=0 pip install '.[deepspeed]'")
-    from validate.engines.deepspeed import compare_row, ds_config, run_world, workload_for
+def _world_cases() -> list[tuple[dict, dict]]:
+    from validate.engines.deepspeed import ds_config
 
-    configs = [ds_config(3, dtype, zero={**SMALL, **extra}, optimizer_params={"torch_adam": True})
-               for _, dtype, _, extra in CASES.values()]  # fmt: skip
-    runs = [{"model": model, "zero_init": zi} for model, _, zi, _ in CASES.values()]
-    ranks = run_world(configs, ND, steps=3, runs=runs)  # steady-state collectives: the third step
+    return [(ds_config(3, dtype, zero={**SMALL, **extra}, optimizer_params={"torch_adam": True}),
+             {"model": model, "zero_init": zi}) for model, dtype, zi, extra in CASES.values()]  # fmt: skip
+
+
+# the session's shared world of N_d = 2 (tests/deepspeed_world.py), 3 steps: "gpt-fp32-materialized" is
+# tests/test_deepspeed_engine.py's z3-fp32-small, run once for both
+DEEPSPEED_WORLD = {ND: _world_cases}
+
+
+@pytest.fixture(scope="module")
+def world(request, deepspeed_world):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: DS_BUILD_OPS=0 pip install '.[deepspeed]'")
+    from validate.engines.deepspeed import compare_row, workload_for
+
+    configs = [c for c, _ in _world_cases()]
+    ranks = deepspeed_world.ranks(request.module, ND)  # steady-state collectives: the third step
     out = {}
     for i, (name, (model, _, zi, _)) in enumerate(CASES.items()):
         workload = workload_for(model, configs[i]["train_micro_batch_size_per_gpu"], None)

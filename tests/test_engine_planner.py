@@ -34,13 +34,17 @@ def workload(model: str, seq_len: int, micro_batch: int = 1, checkpointing: str 
     return model_workload(resolve_model(model), seq_len, micro_batch, checkpointing, 1, foreach)
 
 
-def assert_row_is(out: dict, row) -> None:
-    """One `stages[]` entry of `estimate --json` is exactly the engine's row."""
+def assert_row_is(out: dict, row, nd: int = 8) -> None:
+    """One `stages[]` entry of `estimate --json` is exactly the engine's row, its collectives placed on the
+    mesh of N_d ranks, 8 GPUs per node (``on_mesh``: group size and link class)."""
+    from zeroplan.formulas.collectives import on_mesh
+
     assert out["stage"] == row.stage and out["name"] == row.label
     assert (out["params_bytes"], out["grads_bytes"], out["optimizer_bytes"]) == (
         row.memory.params_bytes, row.memory.grads_bytes, row.memory.optimizer_bytes)  # fmt: skip
     assert out["model_states_bytes"] == row.model_states_bytes
-    assert out["collectives"] == [c.as_dict() for c in row.collectives]
+    assert out["collectives"] == [c.as_dict() for c in on_mesh(row.collectives, nd)]
+    assert {(c["mesh_dim"], c["link"]) for c in out["collectives"]} <= {("dp_shard", "intra")}  # 8 GPUs: one node
     if row.peak is None:
         assert (out["peak_bytes"], out["phases"]) == (None, None)
     else:

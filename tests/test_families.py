@@ -165,10 +165,8 @@ def test_bad_configs_are_one_line(cfg, message):
 @pytest.mark.parametrize(
     ("name", "missing"),
     [
-        ("tiny-qwen3", "q/k norms"),
         ("tiny-gemma2", "four norms per layer, soft-capping, sliding-window layers"),
         ("tiny-gemma3", "q/k norms, four norms per layer, sliding-window layers"),
-        ("tiny-phi3", "fused qkv and gate-up projections"),
         ("tiny-mixtral", "routed experts"),
         ("tiny-qwen3-moe", "q/k norms, routed experts"),
         ("tiny-deepseek-v3", "routed experts, latent attention"),
@@ -199,15 +197,154 @@ def test_fsdp2_dim0_rule_on_expert_tensors(name, nd, per_rank):
 
 
 def test_live_module_of_an_unmodelled_family_gets_model_states_without_a_peak():
-    """``zeroplan.estimate(model=<Qwen3 module>)``: exact model states from the module's own tensors, no
-    peak (the family's activations are not modelled yet), not the refusal line."""
+    """``zeroplan.estimate(model=<Mixtral module>)``: exact model states from the module's own tensors, no
+    architecture (the routed experts' peak is not modelled: docs/models.md), not the refusal line; a Qwen3
+    module (modelled) keeps its architecture."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     import zeroplan
+    from zeroplan.estimation.workload import module_architecture
 
-    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=100, head_dim=16)  # fmt: skip
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=100)  # fmt: skip
     with torch.device("meta"):
-        model = transformers.Qwen3ForCausalLM(cfg)
-    result = zeroplan.estimate(model=model, gpus=4)
-    assert result.psi == sum(p.numel() for p in model.parameters()) == 86_912
+        mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(**dims, num_local_experts=4))
+        qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**dims, head_dim=16))
+    result = zeroplan.estimate(model=mixtral, gpus=4)
+    assert result.psi == sum(p.numel() for p in mixtral.parameters()) == 234_816
+    shapes = lambda m: tuple((n, tuple(p.shape)) for n, p in m.named_parameters())  # noqa: E731
+    assert module_architecture(mixtral, shapes(mixtral)) is None
+    assert module_architecture(qwen3, shapes(qwen3)).model_type == "qwen3"
+
+
+# --- the peak of the dense families: what autograd saves, and FSDP2 on transformers' own classes ------------
+
+DENSE = {  # tiny, every feature on: q/k norms with biases and a tied head (qwen3); fused qkv and gate_up (phi3)
+    "qwen3": {"model_type": "qwen3", "hidden_size": 96, "intermediate_size": 200, "num_attention_heads": 4,
+              "num_key_value_heads": 1, "head_dim": 20, "num_hidden_layers": 2, "vocab_size": 301,
+              "max_position_embeddings": 64, "tie_word_embeddings": True, "attention_bias": True},
+    "phi3": {"model_type": "phi3", "hidden_size": 96, "intermediate_size": 200, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 301, "max_position_embeddings": 64,
+             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", sorted(DENSE))
+def test_saved_activations_match_transformers_classes(family, dtype):
+    """Every storage autograd saves in one forward of transformers' class (saved-tensor hooks, parameters
+    excluded) equals ``saved_total`` plus the int64 targets cross-entropy saves (N·8): no slack."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg, b, s = DENSE[family], 2, 24
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation="sdpa", dtype=getattr(torch, dtype))  # fmt: skip
+    owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, cfg["vocab_size"], (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False).loss
+    measured = sum(n for ptr, n in seen.items() if ptr not in owned)
+    a = 4 if dtype == "float32" else 2
+    acts = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=a, stat_bytes=a)
+    assert measured == acts.saved_total("none") + b * s * 8
+
+
+#: FSDP2 on transformers' class of each config (validate.engines.fsdp2_rows.run_world, Fsdp2Settings(hf=True,
+#: seq_len, steps=2), micro-batch 2, gloo, N_d = 2), recorded 2026-12-01 on this project's CPU machine, torch
+#: 2.13.0, transformers 5.24: measured peak bytes [init, forward, backward, optimizer_step] per rank. Before the
+#: terms of ``_qk_norm_saved`` / ``_fused_attention_extra`` (a Llama block of the same widths): t-qwen3 forward
+#: -2.53%, backward -2.33%; t-phi3 forward -2.28%, backward -2.10%.
+T_DIMS = {"hidden_size": 120, "intermediate_size": 328, "num_attention_heads": 5, "num_key_value_heads": 1,
+          "num_hidden_layers": 3, "vocab_size": 3001, "max_position_embeddings": 64, "tie_word_embeddings": False}
+WIDE = {"hidden_size": 256, "intermediate_size": 700, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "num_hidden_layers": 3, "vocab_size": 503, "max_position_embeddings": 128}
+PHI3_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+RECORDED = {
+    "t-qwen3": ({**T_DIMS, "model_type": "qwen3", "head_dim": 24}, 64, "fp32",
+                [[5240304, 17868712, 19405224, 10876512], [5240304, 17866792, 19403304, 10873632]]),
+    "t-phi3": ({**T_DIMS, "model_type": "phi3", **PHI3_IDS}, 64, "fp32",
+               [[5240016, 17821516, 19358028, 10875300], [5240016, 17819596, 19356108, 10872420]]),
+    "qwen3-wide-tied": ({**WIDE, "model_type": "qwen3", "head_dim": 40, "tie_word_embeddings": True,
+                         "attention_bias": True}, 128, "fp32",
+                        [[10928448, 39497276, 41900612, 19959260], [10928448, 39495228, 41898564, 19957212]]),
+    "qwen3-wide-tied-bf16": ({**WIDE, "model_type": "qwen3", "head_dim": 40, "tie_word_embeddings": True,
+                              "attention_bias": True}, 128, "bf16",
+                             [[10928448, 28657532, 29465476, 19959260], [10928448, 28655484, 29463428, 19957212]]),
+    "phi3-wide-bf16": ({**WIDE, "model_type": "phi3", "tie_word_embeddings": False, **PHI3_IDS}, 128, "bf16",
+                       [[10858624, 27531476, 28339420, 20543700], [10858624, 27527380, 28335324, 20539604]]),
+}  # fmt: skip
+#: (row, phase): measured error where it is not 0. bf16, the last block's forward: transformers' body keeps
+#: ``inputs_embeds`` (N·d, 16-bit) as a local through its layer loop, which no FSDP2 moment lists (the
+#: transformers tree's, not a family's: qwen2 of the same widths misses the same 131,072 B)
+RESIDUAL = {("qwen3-wide-tied-bf16", "forward"): 0.00457, ("phi3-wide-bf16", "forward"): 0.00476}
+MARGIN = 0.0005  # as tests/test_fsdp2_hf_recorded.py
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+def test_fsdp2_peaks_of_transformers_classes_every_phase_every_rank(name, tmp_path):
+    pytest.importorskip("torch")
+    from validate.engines.fsdp2 import Fsdp2Settings
+    from validate.engines.fsdp2_rows import predict
+    from zeroplan.formulas.peak import PHASES
+
+    cfg, seq, dtype, measured = RECORDED[name]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=seq, steps=2, param_dtype=dtype)
+    meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
+    for rank, row in enumerate(measured):
+        predicted = predict(settings, meta, rank)[0].peak.by_phase()
+        for phase, value in zip(PHASES, row):
+            err = (value - predicted[phase]) / value
+            assert abs(err - RESIDUAL.get((name, phase), 0.0)) <= MARGIN, (name, rank, phase, err)
+
+
+#: DeepSpeed 0.19.8 on transformers' class of each config (validate.engines.deepspeed.run_world, runs=[{"model":
+#: CONFIG_JSON, "hf": True}], ds_config(stage, zero=SMALL, optimizer_params={"torch_adam": True}), fp32, micro-batch
+#: 1, seq 64, 2 steps, gloo, N_d = 2), recorded 2026-12-01 on this project's CPU machine: the largest rank's peak
+#: bytes [init, forward, backward, optimizer_step] (validate.engines.deepspeed.compare_row's measurement). A Qwen2 of
+#: the same widths, same world: every phase within 0.011% too (the profile's own residuals, not the families').
+DS_SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
+            "stage3_param_persistence_threshold": 100}  # fmt: skip
+DS_RECORDED = {
+    ("t-qwen3", 2): [9433248, 19088576, 20625096, 18867440],
+    ("t-qwen3", 3): [8535441, 23826181, 25362701, 18888485],
+    ("t-phi3", 2): [9432096, 19041056, 20577576, 18865136],
+    ("t-phi3", 3): [8534577, 23778085, 25314605, 18886181],
+}
+
+
+@pytest.mark.parametrize(("name", "stage"), sorted(DS_RECORDED))
+def test_deepspeed_peaks_of_transformers_classes_every_phase(name, stage, tmp_path):
+    pytest.importorskip("torch")
+    from validate.engines.deepspeed import ds_config, workload_for
+    from zeroplan.engines import deepspeed as D
+    from zeroplan.formulas.peak import PHASES
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(RECORDED[name][0]))
+    config = ds_config(stage, zero=DS_SMALL, optimizer_params={"torch_adam": True})
+    workload = workload_for(str(path), config["train_micro_batch_size_per_gpu"], None, 1, "none", hf=True)
+    (est,) = D.estimate(workload, 2, D.Settings.from_ds_config(config, zero_init=False), stat_bytes=4)
+    predicted = est.peak.by_phase()
+    for phase, value in zip(PHASES, DS_RECORDED[(name, stage)]):
+        assert abs(value - predicted[phase]) / value <= MARGIN, (name, stage, phase, value, predicted[phase])
+
+
+def test_gemma2_has_no_sdpa_in_transformers():
+    """Why Gemma 2's peak is refused (docs/models.md): transformers builds it with eager attention only, whose
+    s x s scores no activation term here models; when transformers gains SDPA for it, this fails: revisit."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    with torch.device("meta"), pytest.raises(ValueError, match="does not support an attention implementation"):
+        transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config("tiny-gemma2")),
+                                                      attn_implementation="sdpa")  # fmt: skip

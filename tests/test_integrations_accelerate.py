@@ -195,10 +195,10 @@ def test_estimate_and_plan_run_an_accelerate_deepspeed_config(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--accelerate-config", str(DATA / "fsdp2_llama.yaml")),
-     "--accelerate-config: accelerate's fsdp2_prepare_model wraps each LlamaDecoderLayer module"),
+    (("--accelerate-config", str(DATA / "fsdp2_llama.yaml"), "--gpus", "4"),
+     "--gpus 4 contradicts the accelerate-config's FSDP ranks (8)"),
     (("--torchtitan-config", str(DATA.parent / "torchtitan" / "llama3_8b.toml"), "--gpus", "8"),
-     "--torchtitan-config: torchtitan 0.2.2's apply_fsdp wraps tok_embeddings"),
+     "--torchtitan-config: activation_checkpoint.mode=selective (option op): not expressible"),
     (("--accelerate-config", str(DATA / "deepspeed_stage2.yaml"), "--gpus", "4"),
      "--gpus 4 contradicts the accelerate config's num_processes (2)"),
     (("--accelerate-config", str(DATA / "deepspeed_stage2.yaml"), "--engine", "fsdp2"),
@@ -211,3 +211,27 @@ def test_estimate_refuses_in_one_line(args, message):
     from clicheck import assert_one_line_error, run
 
     assert_one_line_error(run("estimate", "--model", "llama2-7b", *args), message)
+
+
+def test_fsdp2_config_is_the_fsdp2_engine_with_accelerates_wrapping(tmp_path):
+    # fsdp2_llama.yaml: 8 processes, bf16, reshard false, LlamaDecoderLayer, checkpointing, RAM-efficient loading:
+    # fsdp2_prepare_model (accelerate 1.15.0) shards each layer, the embeddings, [norm, lm_head] kept, the root
+    import json
+
+    from clicheck import run, run_json
+
+    wrap = tmp_path / "wrap.json"
+    wrap.write_text(json.dumps({"units": [
+        {"modules": ["model.layers.*"], "reshard_after_forward": False},
+        {"modules": ["model.embed_tokens"], "reshard_after_forward": False},
+        {"modules": ["model.norm", "lm_head"], "group": True, "reshard_after_forward": False},
+        {"modules": [""]}]}))  # fmt: skip
+    model = ("--model", "llama2-7b", "--seq-len", "1024")
+    got = run_json("estimate", *model, "--accelerate-config", str(DATA / "fsdp2_llama.yaml"))
+    assert got == run_json("estimate", *model, "--engine", "fsdp2", "--gpus", "8", "--fsdp-wrap", str(wrap),
+                           "--param-dtype", "bf16", "--reduce-dtype", "bf16", "--init", "meta",
+                           "--checkpointing", "full")  # fmt: skip
+    (row,) = got["stages"]
+    assert row["peak_bytes"] > 0 and row["name"].startswith("fully_shard reshard_after_forward=False, param bf16")
+    table = run("estimate", *model, "--accelerate-config", str(DATA / "fsdp2_llama.yaml")).stdout
+    assert "fully_shard calls model.layers.* reshard=False; model.embed_tokens reshard=False; [model.norm, lm_head]" in table

@@ -3,6 +3,7 @@ key by key with transformers' own ``HfTrainerDeepSpeedConfig`` and accelerate's 
 the same file and the same arguments (skipped without transformers, accelerate and DeepSpeed)."""
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -179,3 +180,51 @@ def test_estimate_reads_a_trainer_config_and_says_what_auto_became(tmp_path):
     assert "train_batch_size                                            = 16  " in table
     assert_one_line_error(run("estimate", "--params", "7B", "--engine", "deepspeed", "--deepspeed-config", auto),
                           "reduce_bucket_size='auto': the HF Trainer fills it from the model's hidden_size")
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [  # DeepSpeed 0.19.8 runtime/precision_config.py get_bfloat16_config: "bf16" whenever present and not null
+        {"bf16": {"enabled": False}, "bfloat16": {"enabled": True}},
+        {"bf16": {"enabled": True}, "bfloat16": {"enabled": False}},
+        {"bf16": {}, "bfloat16": {"enabled": True}},
+        {"bfloat16": {"enabled": True}},
+        {},
+    ],
+)
+def test_bf16_and_bfloat16_sections_as_deepspeed_reads_them(sections):
+    from zeroplan.engines.deepspeed.config import from_deepspeed
+
+    config = {"zero_optimization": {"stage": 1}, **sections}
+    if importlib.util.find_spec("deepspeed") is not None:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.runtime.precision_config import get_bfloat16_config
+
+        expected = "bf16" if get_bfloat16_config(config).enabled else "fp32"
+    else:  # the same table, recorded from DeepSpeed 0.19.8
+        expected = "fp32" if sections in ({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}},
+                                          {"bf16": {}, "bfloat16": {"enabled": True}}, {}) else "bf16"
+    assert from_deepspeed(config)["param_dtype"] == expected
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "reference"])
+def test_mixed_precision_fills_auto_precision_on_either_engine(engine, tmp_path):
+    """``--mixed-precision bf16`` is the Trainer's ``--bf16``: the file's ``bf16.enabled: "auto"`` becomes true, and
+    the numbers are those of the resolved file given plain; ``--engine reference`` reads "auto" the same way."""
+    from clicheck import assert_one_line_error, run, run_json
+
+    auto = load("transformers_zero2.json")  # fp16 and bf16 "auto", optimizer and scheduler "auto"
+    del auto["zero_optimization"]["offload_optimizer"]  # estimate models GPU-resident states
+    auto_path = tmp_path / "auto.json"
+    auto_path.write_text(json.dumps(auto))
+    resolved = resolve_trainer_auto(auto, TrainerRun(nd=8, micro_batch=1, grad_accum=1, hidden_size=4096, dtype="bf16"))
+    assert resolved.config["bf16"]["enabled"] is True and resolved.config["fp16"]["enabled"] is False
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(resolved.config))
+    common = ("--model", "llama2-7b", "--engine", engine, "--gpus", "8", "--stage", "2")[: 6 if engine == "deepspeed" else 8]
+    got = run_json("estimate", *common, "--deepspeed-config", str(auto_path), "--mixed-precision", "bf16")
+    assert got == run_json("estimate", *common, "--deepspeed-config", str(plain))
+    assert got["inputs"]["policy"]["param_dtype"] == "bf16"  # without --mixed-precision: fp32 (the Trainer's default)
+    table = run("estimate", *common, "--deepspeed-config", str(auto_path), "--mixed-precision", "bf16").stdout
+    assert "bf16.enabled" in table and "= True  (HfTrainerDeepSpeedConfig.trainer_config_process)" in table
+    assert_one_line_error(run("estimate", *common, "--mixed-precision", "bf16"), "--mixed-precision fills the \"auto\"")

@@ -96,3 +96,21 @@ def test_refused_in_one_line(tmp_path, text, gpus, message):
 def test_tensor_parallel_presets_are_refused():
     with pytest.raises(ValueError, match="tensor_parallel_degree=8: zeroplan models one data-parallel dimension"):
         read_torchtitan_config(DATA / "llama3_70b.toml", world_size=256)
+
+
+def test_a_job_config_is_the_fsdp2_engine_with_torchtitans_wrapping(tmp_path):
+    # apply_fsdp: tok_embeddings and each block resharded, [norm, output] kept (policy "default"), the root; the
+    # batch, sequence, accumulation and checkpointing are the file's; init meta (train.py)
+    from clicheck import assert_one_line_error, run, run_json
+
+    job = tmp_path / "job.toml"
+    job.write_text('[training]\nlocal_batch_size = 2\nseq_len = 512\nglobal_batch_size = 32\n'
+                   '[parallelism]\ndata_parallel_shard_degree = 8\n[activation_checkpoint]\nmode = "full"\n')
+    model = ("--model", "llama2-7b")
+    got = run_json("estimate", *model, "--torchtitan-config", str(job))
+    assert got == run_json("estimate", *model, "--engine", "fsdp2", "--gpus", "8", "--fsdp-wrap", "torchtitan",
+                           "--param-dtype", "bf16", "--reduce-dtype", "fp32", "--init", "meta", "--micro-batch", "2",
+                           "--seq-len", "512", "--grad-accum", "2", "--checkpointing", "full")  # fmt: skip
+    assert got["stages"][0]["name"] == "fully_shard reshard_after_forward=True, param bf16, reduce fp32, wrap torchtitan"
+    assert_one_line_error(run("estimate", *model, "--torchtitan-config", str(job), "--micro-batch", "4"),
+                          "--micro-batch 4 contradicts the torchtitan-config (2)")

@@ -39,11 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 CIRCLES_ALLOWED: dict[tuple[str, ...], str] = {
-    # a pair of modules that import each other (lazily, inside functions), merged after this test was written
-    ("zeroplan.architectures.hf_config", "zeroplan.architectures.hf_families"): "families: the family table "
-    "imports the reader it extends",
-    ("zeroplan.allocator.caching", "zeroplan.allocator.expandable"): "alloc: expandable segments and the caching "
-    "allocator call each other",
+    # a pair of modules that import each other (lazily, inside functions): none left (issue 16)
 }
 ARROWS_UP_ALLOWED: dict[str, str] = {
     # importer -> why it may still import a higher layer (to be emptied)

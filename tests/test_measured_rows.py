@@ -81,11 +81,11 @@ def settings_of(record: dict):
 
 
 def estimate_of(record: dict, rank: int):
-    """The engine's ``EngineEstimate`` for ``rank`` of the record (FSDP2's profile is per rank; the others
-    predict every rank alike)."""
+    """The engine's ``EngineEstimate`` for ``rank`` of the record (FSDP2's and DeepSpeed's profiles are per
+    rank; the reference runtime's ranks are alike)."""
     engine = get_engine(record["engine"])
     settings = settings_of(record)
-    if record["engine"] == "fsdp2":
+    if record["engine"] in ("fsdp2", "deepspeed"):
         settings = settings.model_copy(update={"rank": rank})
     (row,) = engine.estimate(workload_from(record["workload"]), record["nd"], settings, **record.get("estimate_kwargs", {}))
     return row

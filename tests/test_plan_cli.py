@@ -197,14 +197,15 @@ def test_zero3_traffic_without_a_module_tree_is_modelled_as_layers_by_every_comm
     (gathered for forward and again for backward, in the engine's dtypes: 3Ψ); plan and sweep refuse an
     engine without --model; a sharding without ZeRO-3 keeps the engine's own collectives."""
     import zeroplan
-    from zeroplan.formulas.collectives import step_collectives
+    from zeroplan.formulas.collectives import on_mesh, step_collectives
 
     psi, nd = 7 * 10**9, 8
     est = runner.invoke(app, ["estimate", "--params", "7e9", "--gpus", "8", *engine, "--json"])
     (row,) = json.loads(est.stdout)["stages"]
     assert row["stage"] == 3 and row["comm_volume_elements"] == 3 * psi
     dtypes = [c["dtype"] for c in row["collectives"]]
-    assert row["collectives"] == [c.as_dict() for c in step_collectives(3, (psi,), nd, dtypes[0], dtypes[2])]
+    assert row["collectives"] == [c.as_dict() for c in on_mesh(step_collectives(3, (psi,), nd, dtypes[0], dtypes[2]),
+                                                               nd)]  # fmt: skip
     assert row["model_states_bytes"] > 0  # the engine's own model states are kept
     for command in (["plan", "--gpu", "h100-80gb"], ["sweep"]):
         r = runner.invoke(app, [*command, "--params", "7e9", "--gpus", "8", *engine[:2]])

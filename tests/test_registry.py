@@ -149,6 +149,42 @@ def test_a_toy_engine_answers_plan_and_sweep(toy, tmp_path):
     assert frame["name"].astype(str).tolist() == ["toy copies=1"] * 2
 
 
+def test_an_engines_peak_limit_is_the_one_check_of_estimate_plan_and_sweep(toy, tmp_path):
+    from dataclasses import replace
+
+    from zeroplan.engines import REGISTRY
+    from zeroplan.engines.base import PeakLimit
+    from zeroplan.policy import PrecisionPolicy
+
+    def limits(options, spec):  # the toy's own limit: its peak is not modelled beyond three copies
+        return PeakLimit("copies", "the toy's peak models up to 3 copies") if options.own["copies"] > 3 else None
+
+    REGISTRY["toy"] = replace(toy, own_peak_limits=limits)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    zeroplan.estimate(model=str(cfg), gpus=2, engine="toy", seq_len=16, copies=3)
+    zeroplan.estimate(1000, gpus=2, engine="toy", copies=4)  # no architecture: model states only, no peak asked
+    for answer in (lambda: zeroplan.estimate(model=str(cfg), gpus=2, engine="toy", seq_len=16, copies=4),
+                   lambda: zeroplan.plan(str(cfg), gpu_memory_bytes=10**9, gpus=2, engine="toy", copies=4),
+                   lambda: zeroplan.sweep(model=str(cfg), gpus=[2], engine="toy", seq_len=16, copies=4)):  # fmt: skip
+        with pytest.raises(ValueError, match="the toy.s peak models up to 3 copies"):
+            answer()
+    with pytest.raises(ValueError, match="got model_parallel=2"):  # a planner input: named as the config names it
+        zeroplan.plan(str(cfg), gpu_memory_bytes=10**9, gpus=4, model_parallel=2, engine="toy")
+    # the ladder (reference): outside its peak, fits fall back to model states with the same reason
+    ref = get_engine("reference")
+    fp32 = zeroplan.plan(str(cfg), gpu_memory_bytes=10**9, gpus=2, seq_len=16,
+                         policy=PrecisionPolicy(param_dtype="fp32"))
+    limit = ref.peak_limits(fp32.config.planner_options, fp32.config.model_architecture)
+    assert limit.option == "policy" and fp32.fit_basis == f"fits on model states within the headroom: {limit.reason}"
+    assert {o.peak for o in fp32.options} == {None}
+    frame = zeroplan.sweep(model=str(cfg), gpus=[2], seq_len=16, checkpointing="none", param_dtype="fp32")
+    assert frame["peak_bytes"].isna().all() and len(frame) == 4
+    frame = zeroplan.sweep(model=str(cfg), gpus=[2], seq_len=16, checkpointing="none")  # the default policy: peaks
+    assert frame["peak_bytes"].notna().all()
+    assert ref.peak_limits(fp32.config.planner_options, None).reason == "the peak needs an architecture (--model)"
+
+
 # ---------------------------------------------------------------- one byte table
 
 
@@ -210,3 +246,59 @@ def test_estimate_imports_only_the_engine_it_asks_for():
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout  # fmt: skip
     assert out.splitlines()[-2] == "['base', 'reference']"  # no DeepSpeed or FSDP2 profile loaded
     assert out.splitlines()[-1] == "[]"  # nor the plan's and the sweep's models (zeroplan's names are lazy)
+
+
+# ---------------------------------------------------------------- the engine contract: one optimizer step
+
+
+def test_the_reference_engine_counts_collectives_per_optimizer_step():
+    """``EngineEstimate.collectives`` is one optimizer step for every engine: the reference rows at G = 4 are
+    the paper's per-micro-step rows with every-micro-step collectives (ZeRO-2/3 reductions, ZeRO-3 all-gathers)
+    summed over the 4 micro-steps, and the engine time model on them equals the paper's time model."""
+    from zeroplan.engines.base import Workload
+    from zeroplan.formulas.collectives import step_collectives
+    from zeroplan.formulas.commtime import engine_step_time, step_time
+    from zeroplan.presets import get_interconnect
+
+    ref, numels, nd, g = get_engine("reference"), (1000, 24, 4096), 4, 4
+    shapes = tuple((f"t{i}", (n,)) for i, n in enumerate(numels))
+    settings = ref.settings()
+    one = {r.stage: r for r in ref.estimate(Workload(shapes), nd, settings)}
+    acc = {r.stage: r for r in ref.estimate(Workload(shapes, grad_accum=g), nd, settings)}
+    calls = {0: (1,), 1: (1, 1), 2: (g, 1), 3: (g, g, g)}  # all-reduce; rs, ag; rs every micro-step; ag, ag, rs
+    link = get_interconnect("nvlink4")
+    for stage, n in calls.items():
+        assert [c.micro_steps for c in acc[stage].collectives] == list(n)
+        assert [c.elements for c in acc[stage].collectives] == [k * c.elements for k, c in zip(n, one[stage].collectives)]
+        assert [c.bytes_per_rank for c in acc[stage].collectives] == [
+            k * c.bytes_per_rank for k, c in zip(n, one[stage].collectives)]  # fmt: skip
+        paper = step_collectives(stage, numels, nd, "fp16", "fp16", True)  # the default policy: fp16
+        assert paper == one[stage].collectives  # G = 1: the paper's rows themselves
+        want = step_time(stage, paper, nd, link, g).comm_s
+        assert engine_step_time(acc[stage].collectives, nd, link, g).comm_s == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["reference", "fsdp2"])
+def test_the_gpu_presets_capability_sizes_the_peak_in_estimate_sweep_and_plan(tmp_path, engine):
+    """``--gpu`` sizes the cuBLAS workspaces of the peak (``PlannerOptions.gpu_capability``) in estimate and sweep
+    as in plan: an A100 (8, 0) keeps smaller workspaces than the H100 (9, 0) every command assumes without one."""
+    from zeroplan.formulas.cuda_workspaces import library_workspaces
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    step = dict(model=str(cfg), seq_len=16, checkpointing="none", engine=engine)
+    stage = {"stage": 3} if engine == "reference" else {}
+
+    def peak(**kw) -> int:
+        (row,) = zeroplan.estimate(gpus=2, **stage, **step, **kw).stages
+        return row.peak.peak_bytes
+
+    h100, a100 = peak(), peak(gpu="a100-80gb")
+    cap = {"gpu": "a100-80gb"}
+    assert h100 - a100 == library_workspaces((9, 0), False).bytes - library_workspaces((8, 0), False).bytes > 0
+    assert zeroplan.estimate(gpus=2, **stage, **step, **cap).gpu_memory_bytes == 80 * 2**30  # the preset's memory
+    frame = zeroplan.sweep(gpus=[2], **({"stages": [3]} if engine == "reference" else {}), **step, **cap)
+    assert frame["peak_bytes"].tolist() == [a100]
+    if engine == "reference":  # the ladder's stage-3 row (fsdp2's plan searches its own candidates)
+        planned = zeroplan.plan(gpus=2, **step, **cap)
+        assert next(o for o in planned.options if o.stage == 3 and not o.offload.any).peak.peak_bytes == a100

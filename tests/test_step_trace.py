@@ -41,13 +41,17 @@ def _draws(engine: str, n: int):
         elif engine == "fsdp2":
             nd = max(nd, 2)
             rsf = rng.choice((True, False, *(k for k in (2, 4) if nd % k == 0 and k < nd)))
+            # HSDP (2 replicas) where N_d allows it and no post-forward group is asked; rank None: the worst rank
+            mesh = {"dp_replicate": 2} if nd >= 4 and rsf in (True, False) and rng.random() < 0.4 else {}
             yield w, nd, fsdp2.Settings(reshard_after_forward=rsf, param_dtype=rng.choice((None, "bf16")),
                                         device=rng.choice(("cuda", "cpu")), init=rng.choice(("meta", "materialized")),
-                                        backend=rng.choice(("nccl", "gloo")), rank=rng.randrange(nd))  # fmt: skip
+                                        backend=rng.choice(("nccl", "gloo")),
+                                        rank=rng.choice((None, rng.randrange(nd))), **mesh)  # fmt: skip
         else:
             stage = rng.choice((1, 2, 3))
             yield w, nd, deepspeed.Settings(stage=stage, overlap_comm=rng.choice((None, True, False)),
-                                            reduce_bucket_size=rng.choice((500, 20_000, 500_000_000)))  # fmt: skip
+                                            reduce_bucket_size=rng.choice((500, 20_000, 500_000_000)),
+                                            rank=rng.choice((None, rng.randrange(nd))))  # fmt: skip
 
 
 ENGINES = {"reference": (reference.estimate, reference_traces), "fsdp2": (fsdp2.estimate, fsdp2_traces),

@@ -41,7 +41,7 @@ def scalar_rows(psi=None, gpus=1, mp=1, numels=None, gpu_memory_bytes=None, **po
     )
     rows = []
     for s in e.stages:
-        d = stage_dict(s)
+        d = stage_dict(s, e)
         d["collectives"] = collectives_summary(s.collectives)
         del d["phases"], d["peak_terms"]  # estimate's peak detail; a sweep row keeps bytes, phase and fit
         rows.append(

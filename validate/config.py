@@ -95,9 +95,25 @@ class ValidateConfig(BaseModel):
         "fully_shard; the default here) or meta (on the meta device, fully_shard, to_empty, then initialised "
         "shard by shard: FSDP2's pattern for large models)",
     )
+    fsdp_wrap: Optional[Union[str, dict]] = Field(
+        None, description="fsdp2 only: the fully_shard calls: blocks (default), torchtitan, or a wrapping's parsed "
+        "JSON (zeroplan/engines/fsdp2/wrap.py)",
+    )  # fmt: skip
+    hf: Optional[bool] = Field(
+        None, description="fsdp2 only: train transformers' own class of the config.json (default: "
+        "validate/transformer.py's CausalLM)",
+    )  # fmt: skip
+    labels: Optional[bool] = Field(
+        None, description="fsdp2 --hf only: the loss from forward(labels=...) inside the root's forward (default "
+        "True, as the HF Trainer calls it); False: from the logits, outside it",
+    )  # fmt: skip
     reshard_after_forward: Optional[Union[StrictBool, StrictInt]] = Field(
         None, description="fsdp2 only: on every block (default True; False keeps them gathered until "
         "backward; an int k reshards over k ranks)",
+    )  # fmt: skip
+    dp_replicate: Optional[StrictInt] = Field(
+        None, ge=1, description="fsdp2 only: HSDP, replicas R of the 2-D mesh (R, N_d / R) fully_shard runs on "
+        "(zeroplan/engines/fsdp2/mesh.py); must divide every world size",
     )  # fmt: skip
     lr: PositiveFinite = Field(1e-3, description="Adam learning rate")
     tolerance: PositiveFinite = Field(0.01, description="largest relative error of model states still ok")
@@ -188,7 +204,9 @@ class ValidateConfig(BaseModel):
     @model_validator(mode="after")
     def _engine_options(self) -> ValidateConfig:
         """Each engine's own options, and only those (an ignored option is an error)."""
-        fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward", "fsdp2_init") if getattr(self, n) is not None]
+        fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward", "fsdp2_init", "fsdp_wrap", "hf", "labels",
+                                  "dp_replicate")
+                      if getattr(self, n) is not None]  # fmt: skip
         if self.engine != "reference" and self.grad_accum != 1:
             raise ValueError(f"grad-accum={self.grad_accum}: --engine reference only")
         if self.engine != "fsdp2" and fsdp2_only:
@@ -210,10 +228,19 @@ class ValidateConfig(BaseModel):
             if 1 in self.world_sizes:
                 raise ValueError("world-size=1: FSDP2 takes its world-size-1 path there (no collectives), which "
                                  "zeroplan does not model; use 2 or more")  # fmt: skip
+            if self.labels is not None and not self.hf:
+                raise ValueError("--labels/--no-labels: with --hf only (the validator's CausalLM takes its loss outside)")
+            from validate.engines.fsdp2_compare import Fsdp2Settings
+
+            Fsdp2Settings.from_validate(self)  # one line for a bad wrapping or an --hf combination it refuses
             rsf = self.reshard_after_forward
             bad = [n for n in self.world_sizes if not isinstance(rsf, bool) and rsf is not None and n % rsf]
             if bad:
                 raise ValueError(f"reshard-after-forward={rsf}: must divide every world size (got {bad})")
+            r = self.dp_replicate or 1
+            if any(n % r or n // r < 2 for n in self.world_sizes):
+                raise ValueError(f"dp-replicate={r}: must divide every world size and leave dp_shard >= 2 "
+                                 f"(got {list(self.world_sizes)})")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -14,14 +14,13 @@ from validate.compare import Prediction, Readings, finish
 from validate.compare import compare as compare_rows
 from validate.compare import key as _key  # noqa: F401 - the runners' and tests' name for it
 from validate.compare import observed_collectives  # noqa: F401 - re-exported: its home is validate.compare
+from validate.compare import GLOO_NOTE
 from validate.config import ValidateConfig
 from validate.models import expected_shapes, spec_for
 from validate.schema import SCHEMA, ValidationReport
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-from zeroplan.engines.base import EngineEstimate, Workload
+from zeroplan.engines.base import EngineEstimate, PlannerOptions, Workload
 from zeroplan.engines import get_engine
-from zeroplan.formulas.collectives import Collective
-from zeroplan.formulas.commtime import calls_per_optimizer_step
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.render.table import format_table
@@ -33,32 +32,25 @@ RUNNER_CHANGES = (
 )
 """What the runner does to the runtime it measures, beyond the probes (the reference runtime is the
 validator's own: its collectives are synchronous as written, validate/collectives.py)."""
-GLOO_NOTE = (
-    "gloo runs a reduce-scatter as a full all-reduce followed by a local copy, so on the wire it sends "
-    "twice the ring volume counted here (seen with --wire: gpt-tiny at N_d = 2 sends 1.06x the logical "
-    "bytes at stage 0, 1.59x at stages 1-2 and 1.42x at stage 3, i.e. 1.5x and 1.34x of stage 0's "
-    "ratio, as (2+1)/2 and (1+1+2)/3 predict); derived comm bytes are the logical ring bytes per rank "
-    "((N_d-1)*ceil(n/N_d)*b per observed call, x2 for all-reduce), which is what NCCL's ring sends."
-)
 
 
 def reference_estimate(config: ValidateConfig, meta: dict, stage: int, shapes, foreach: bool) -> EngineEstimate:
     """``zeroplan.engines.reference``'s row for this run, from the parameters the ranks built (``shapes``: the
     model's ``named_parameters()``, ``zeroplan.architectures.module_shapes``). The peak profile sizes its units
     from those shapes (``reference_run`` reads ``Workload.shapes``), so it speaks for any model whose tensors
-    are the architecture's (the same names, in ``named_parameters()`` order), and for none that runs dropout
-    (it counts no masks): otherwise no peak."""
+    are the architecture's (the same names, in ``named_parameters()`` order) and whose run its peak model covers
+    (``Engine.peak_limits``: no dropout, the runtime's policy): otherwise no peak."""
     spec = spec_for(config.model_name, config.params)  # model_name: the default preset when none is given
     shapes = tuple((name, tuple(shape)) for name, shape in shapes)
+    reference, policy = get_engine("reference"), PrecisionPolicy(param_dtype=config.param_dtype)
     peak_spec = (
         spec if isinstance(spec, TransformerSpec) and [n for n, _ in transformer_shapes(spec)] == [n for n, _ in shapes]
-        and not (spec.embd_pdrop or spec.attn_pdrop or spec.resid_pdrop) else None
+        and reference.peak_limits(PlannerOptions(policy=policy), spec, config.checkpointing) is None else None
     )  # fmt: skip
     cuda = str(meta["device"]).startswith("cuda")
     seq = (config.seq_len or spec.max_seq_len) if peak_spec is not None else 1
     workload = Workload(shapes, peak_spec, seq, config.batch_per_rank, config.checkpointing, config.grad_accum, foreach)
-    reference = get_engine("reference")
-    settings = reference.settings(stages=(stage,), policy=PrecisionPolicy(param_dtype=config.param_dtype),
+    settings = reference.settings(stages=(stage,), policy=policy,
                         block_bytes=CUDA_BLOCK_BYTES if cuda else 1, stat_bytes=4 if cuda else 2,
                         cuda_capability=tuple(meta.get("cuda_capability", (9, 0))) if cuda else None,
                         backend="fake" if config.simulated else "nccl" if cuda else "gloo")  # fmt: skip
@@ -77,11 +69,6 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
     nd = meta["world_size"]
     foreach = rank_rows[0].get("foreach", config.foreach)  # rows of older workers lack it
     predicted = reference_estimate(config, meta, stage, rank_rows[0]["param_shapes"], bool(foreach))
-    # per optimizer step: a collective that runs every micro-step counts G times (commtime's one rule)
-    per_step = []
-    for c in predicted.collectives:
-        n = calls_per_optimizer_step(stage, c.op, config.grad_accum)
-        per_step.append(Collective(c.op, c.phase, c.elements * n, c.dtype, c.bytes_per_rank * n))
     boundary = [r["boundary_bytes"] for r in rank_rows]
     phases = rank_rows[0]["peak_bytes_by_phase"]
     readings = Readings(
@@ -94,7 +81,7 @@ def compare(config: ValidateConfig, meta: dict, stage: int, rank_rows: list[dict
         setup_calls=rank_rows[0]["calls_by_step"][0],
         nd=nd,
     )
-    row = compare_rows(Prediction(predicted, tuple(per_step)), readings, config.tolerance, config.peak_tolerance)
+    row = compare_rows(Prediction(predicted), readings, config.tolerance, config.peak_tolerance)
     parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
     return finish({
         **row,

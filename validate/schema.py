@@ -113,6 +113,10 @@ class ReportRow(ValidationRow):
     peak_rel_error_by_phase: Optional[dict[str, float]] = Field(
         None, description="(measured - predicted) / measured per phase"
     )
+    peak_rel_error_rank_by_phase: Optional[dict[str, int]] = Field(
+        None, description="the rank each phase's error is of: every rank is compared with its own prediction "
+        "and the furthest reported; None: the largest of the ranks' readings against the largest prediction",
+    )  # fmt: skip
     measured_reserved_bytes_by_phase: Optional[dict[str, int]] = Field(
         None, description="CUDA: torch.cuda.max_memory_reserved per phase (peaks reset per phase, cached segments "
         "returned at the row's start: validate/probes.py); null on CPU"

@@ -16,11 +16,13 @@ from zeroplan.cli_options import (
     GradAccumOption, HeadroomOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
+    DeviceOption, FsdpWrapOption, InitOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
+from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
-    AccelerateConfigOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
+    AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
 )  # fmt: skip
 from zeroplan.cli_plot import PlotView, plot  # noqa: F401 - PlotView: the plot views, by their old address
 from zeroplan.cli_sweep import sweep
@@ -68,13 +70,22 @@ def estimate(
     deepspeed_config: DeepSpeedConfigOption = None,
     accelerate_config: AccelerateConfigOption = None,
     torchtitan_config: TorchtitanConfigOption = None,
+    mixed_precision: MixedPrecisionOption = None,
     reshard_after_forward: ReshardOption = None,
+    fsdp_wrap: FsdpWrapOption = None,
+    init: InitOption = None,
+    device: DeviceOption = None,
+    dp_replicate: DpReplicateOption = None,
+    dp_shard: DpShardOption = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtypeOption = None,
     grad_dtype: GradDtype = None,
     master_weights: MasterWeights = None,
     optimizer: OptimizerName = None,
     optimizer_dtype: OptimizerDtype = None,
+    gpu: Optional[str] = typer.Option(
+        None, help="GPU preset, e.g. h100-80gb: its memory to check fit against, its cuBLAS workspaces in the peak."
+    ),
     gpu_memory: Optional[str] = typer.Option(
         None,
         help="GPU memory to check fit against: 80GiB, 32GB (whole bytes, up to 1 EiB).",
@@ -92,6 +103,7 @@ def estimate(
     from zeroplan.estimation.estimate import estimate_config
     from zeroplan.parsing import parse_bytes, parse_count
     from zeroplan.policy import PrecisionPolicy
+    from zeroplan.presets import gpu_capacity
     from zeroplan.render.estimate import to_csv, to_json, to_table
 
     if as_json and as_csv:
@@ -104,13 +116,17 @@ def estimate(
         refuse_unused(ctx, (*STEP_OPTIONS, "alloc_conf"), "without --model: the training step's peak needs an architecture")
     else:
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
-    engine, gpus, file_options, file_lines = from_config_files(
+    engine, gpus, file_options, file_lines, step = from_config_files(
         ctx, accelerate_config, torchtitan_config, deepspeed_config, engine, gpus, model, seq_len, micro_batch, grad_accum)
+    micro_batch, grad_accum, seq_len, checkpointing = (step.get(k, v) for k, v in (
+        ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len), ("checkpointing", checkpointing)))
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
-    options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype)
+    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard)
+    options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
-    options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len, nd, micro_batch, grad_accum)
+    options, ds, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,
+                                              mixed_precision)  # fmt: skip
     auto_lines = (*file_lines, *auto_lines)
     if options.ds_config is not None:  # "auto" resolved, or an accelerate config's: the run's ds_config
         ds = options.ds_config
@@ -135,7 +151,8 @@ def estimate(
         gpus=gpus,
         model_parallel=model_parallel,
         stage=stage,
-        gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
+        gpu=gpu,
+        gpu_memory_bytes=gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)[0],
         **policy,
         engine_options=options,
         alloc_conf=alloc_conf,
@@ -206,7 +223,13 @@ def plan(
         "a ds_config instead.")] = None,
     accelerate_config: AccelerateConfigOption = None,
     torchtitan_config: TorchtitanConfigOption = None,
+    mixed_precision: MixedPrecisionOption = None,
     reduce_dtype: ReduceDtypeOption = None,
+    fsdp_wrap: FsdpWrapOption = None,
+    init: InitOption = None,
+    device: DeviceOption = None,
+    dp_replicate: DpReplicateOption = None,
+    dp_shard: DpShardOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -243,17 +266,21 @@ def plan(
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
-    engine, gpus, file_options, file_lines = from_config_files(
+    engine, gpus, file_options, file_lines, step = from_config_files(
         ctx, accelerate_config, torchtitan_config, deepspeed_config, engine, gpus, model, seq_len, micro_batch, grad_accum)
+    micro_batch, grad_accum, seq_len = (step.get(k, v) for k, v in (
+        ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len)))
     refuse_foreign(ctx, engine)
     refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
-    options = file_options or engine_options_from(engine, read_settings_file(deepspeed_config), None, param_dtype,
-                                                  reduce_dtype)  # fmt: skip
-    options, auto_lines = resolve_hf_auto(ctx, options, model, seq_len,
-                                          gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0
-                                          else None, micro_batch, grad_accum)  # fmt: skip
+    ds = read_settings_file(deepspeed_config)
+    options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
+                                                  fsdp_wrap=fsdp_wrap, init=init, device=device,
+                                                  dp_replicate=dp_replicate, dp_shard=dp_shard)  # fmt: skip
+    options, _, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len,
+                                             gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel
+                                             == 0 else None, micro_batch, grad_accum, mixed_precision)  # fmt: skip
     auto_lines = (*file_lines, *auto_lines)
     if model is not None and model_parallel >= 1 and gpus % model_parallel == 0:  # the file's batch at the planned N_d
         # (PlanConfig checks the split and refuses model_parallel < 1 in one line)

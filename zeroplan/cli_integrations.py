@@ -13,20 +13,39 @@ import typer
 from zeroplan.cli_options import UserError, given_on_command_line
 
 
-def resolve_hf_auto(ctx, options, model: Optional[str], seq_len: Optional[int], nd: Optional[int], micro_batch: int,
-                    grad_accum: int):
-    """``--deepspeed-config`` with ``"auto"``: the ds_config as the HF Trainer resolves it
-    (``zeroplan.integrations.hf_trainer``) for this command's run, and the lines saying what each key became.
+#: ``--mixed-precision`` -> the run's dtype (``TrainerRun.dtype``): accelerate's ``mixed_precision`` values, the
+#: HF Trainer's ``--fp16`` / ``--bf16`` (``TrainingArguments.mixed_precision``)
+MIXED_PRECISION: dict[str, str] = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+
+MixedPrecisionOption = Annotated[
+    Optional[str],
+    typer.Option("--mixed-precision", help="The run's precision where a --deepspeed-config says \"auto\" for "
+                 "fp16/bf16: no, fp16 or bf16, as the HF Trainer's --fp16/--bf16 and accelerate's mixed_precision "
+                 "(default: no, the Trainer's default)."),
+]  # fmt: skip
+
+
+def resolve_hf_auto(ctx, options, ds: Optional[dict], model: Optional[str], seq_len: Optional[int], nd: Optional[int],
+                    micro_batch: int, grad_accum: int, mixed_precision: Optional[str] = None):
+    """A ``--deepspeed-config`` with ``"auto"`` (any engine that reads the file): the ds_config as the HF Trainer
+    resolves it (``zeroplan.integrations.hf_trainer``) for this command's run, and the lines saying what each key
+    became.
 
     The run: N_d; the micro-batch and accumulation as typed, or the command line's default where the file
     says ``"auto"`` or nothing (a plain value in the file stands: ``run_batch`` then checks it); the hidden
-    size of ``--model``; the precision is the Trainer's default (neither ``--fp16`` nor ``--bf16``): fp32.
-    Returns ``(options, lines)``; ``options`` unchanged and no lines when nothing is ``"auto"``."""
+    size of ``--model``; the precision from ``--mixed-precision`` (the Trainer's ``--fp16``/``--bf16``), else the
+    Trainer's default (neither): fp32. Returns ``(options, ds, lines)``: the resolved file in ``ds`` and, where
+    the engine holds it, in ``options.ds_config``; unchanged and no lines when nothing is ``"auto"``
+    (``--mixed-precision`` is then refused: it would change nothing)."""
     from zeroplan.integrations.ds_auto import auto_keys
 
-    ds = options.ds_config
+    if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
+        raise UserError(f"--mixed-precision {mixed_precision}: expected one of {', '.join(MIXED_PRECISION)}")
     if ds is None or not auto_keys(ds):
-        return options, ()
+        if mixed_precision is not None:
+            raise UserError("--mixed-precision fills the \"auto\" of a --deepspeed-config; this run has none "
+                            "(the precision is the file's or the engine's own option)")  # fmt: skip
+        return options, ds, ()
     from zeroplan.estimation.workload import resolve
     from zeroplan.integrations.hf_trainer import TRANSFORMERS_VERSION, TrainerRun, resolve_trainer_auto
 
@@ -37,6 +56,7 @@ def resolve_hf_auto(ctx, options, model: Optional[str], seq_len: Optional[int], 
 
     run = TrainerRun(nd=nd or 1, micro_batch=stated("micro_batch", "train_micro_batch_size_per_gpu", micro_batch),
                      grad_accum=stated("grad_accum", "gradient_accumulation_steps", grad_accum),
+                     dtype=MIXED_PRECISION[mixed_precision] if mixed_precision is not None else None,
                      hidden_size=resolve(model, seq_len)[0].d_model if model is not None else None)  # fmt: skip
     res = resolve_trainer_auto(ds, run)
     width = max(len(f.key) for f in res.filled) if res.filled else 0
@@ -44,28 +64,22 @@ def resolve_hf_auto(ctx, options, model: Optional[str], seq_len: Optional[int], 
              "docs/integrations.md):",
              *(f"  {f.key:<{width}} = {f.value!r}  ({f.source.split(' ', 2)[-1]})" for f in res.filled),
              *(f"  {key:<{width}} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
-    return options.model_copy(update={"ds_config": res.config}), lines
-
-
+    if options.ds_config is not None:
+        options = options.model_copy(update={"ds_config": res.config})
+    return options, res.config, lines
 
 
 AccelerateConfigOption = Annotated[
     Optional[Path],
     typer.Option("--accelerate-config", help="accelerate launch --config_file YAML: DEEPSPEED sets the deepspeed "
-                 "engine, its ds_config and --gpus (num_processes); FSDP (version 2) is read and refused until the "
-                 "fsdp2 profile models accelerate's wrapping (docs/integrations.md)."),
+                 "engine, its ds_config and --gpus (num_processes); FSDP (version 2) sets the fsdp2 engine, its "
+                 "wrapping, policy and --gpus (docs/integrations.md)."),
 ]  # fmt: skip
 TorchtitanConfigOption = Annotated[
     Optional[Path],
-    typer.Option("--torchtitan-config", help="torchtitan TOML job config (torchtitan <= 0.2.2): read and refused "
-                 "until the fsdp2 profile models torchtitan's wrapping (docs/integrations.md)."),
+    typer.Option("--torchtitan-config", help="torchtitan TOML job config (torchtitan <= 0.2.2): the fsdp2 engine "
+                 "with torchtitan's wrapping, policy, batch and --gpus (docs/integrations.md)."),
 ]  # fmt: skip
-
-
-def _wrapping_refusal(flag: str, who: str, units) -> UserError:
-    said = "; ".join(f"{u.modules} (reshard_after_forward={u.reshard_after_forward})" for u in units)
-    return UserError(f"{flag}: {who} wraps {said}; the fsdp2 profile models one unit per block and the rest in the "
-                     "root, so it would predict another run: refused until it takes wrapping as data")  # fmt: skip
 
 
 def _implied(ctx, name: str, given: object, value: object, flag: str, why: str) -> object:
@@ -78,26 +92,34 @@ def _implied(ctx, name: str, given: object, value: object, flag: str, why: str) 
 def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config: Optional[Path],
                       deepspeed_config: Optional[Path], engine: str, gpus: int, model: Optional[str],
                       seq_len: Optional[int], micro_batch: int, grad_accum: int):
-    """``(engine, gpus, EngineOptions or None, lines)`` from ``--accelerate-config`` / ``--torchtitan-config``
-    (None and no lines without them). One line (UserError or ValueError) for two configuration files, an
+    """``(engine, gpus, EngineOptions or None, lines, step)`` from ``--accelerate-config`` / ``--torchtitan-config``
+    (None, no lines and no step without them); ``step``: the micro-batch, accumulation, sequence length and
+    checkpointing an FSDP2 launcher file sets. One line (UserError or ValueError) for two configuration files, an
     option that contradicts the file, and what the engines cannot express."""
     if accelerate_config is None and torchtitan_config is None:
-        return engine, gpus, None, ()
+        return engine, gpus, None, (), {}
     if sum(x is not None for x in (accelerate_config, torchtitan_config, deepspeed_config)) > 1:
         raise UserError("give one of --accelerate-config, --torchtitan-config and --deepspeed-config")
+    from zeroplan.engines.base import EngineOptions
+
     if torchtitan_config is not None:
+        from zeroplan.engines.fsdp2.from_files import from_torchtitan
         from zeroplan.integrations.torchtitan_config import TORCHTITAN_VERSION, read_torchtitan_config
 
         typed = "gpus" in given_on_command_line(ctx, "gpus")
         run = read_torchtitan_config(torchtitan_config, world_size=gpus if typed else None)
-        raise _wrapping_refusal("--torchtitan-config", f"torchtitan {TORCHTITAN_VERSION}'s apply_fsdp", run.wrapping)
-    from zeroplan.engines.base import EngineOptions
+        return _fsdp2(ctx, from_torchtitan(run, _spec(model, seq_len)), engine, gpus, "--torchtitan-config",
+                      f"torchtitan {TORCHTITAN_VERSION}'s apply_fsdp")  # fmt: skip
     from zeroplan.integrations.accelerate_config import (AccelerateFsdp, prepare_deepspeed,
                                                          read_accelerate_config)
 
     run = read_accelerate_config(accelerate_config)
     if isinstance(run, AccelerateFsdp):
-        raise _wrapping_refusal("--accelerate-config", "accelerate's fsdp2_prepare_model", run.wrapping)
+        from zeroplan.integrations.accelerate_config import ACCELERATE_VERSION
+        from zeroplan.engines.fsdp2.from_files import from_accelerate
+
+        return _fsdp2(ctx, from_accelerate(run, _spec(model, seq_len)), engine, gpus, "--accelerate-config",
+                      f"accelerate {ACCELERATE_VERSION}'s fsdp2_prepare_model")  # fmt: skip
     engine = _implied(ctx, "engine", engine, "deepspeed", "--engine", "the accelerate config (DEEPSPEED)")
     gpus = _implied(ctx, "gpus", gpus, run.num_processes, "--gpus", "the accelerate config's num_processes")
     stage = run.ds_config.get("zero_optimization", {}).get("stage")
@@ -114,4 +136,38 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
              f"({'from ' + run.config_file if run.config_file else 'built from deepspeed_config'}):",
              *(f"  {f.key} = {f.value!r}  ({f.source.split(' ', 2)[-1]})" for f in res.filled),
              *(f"  {key} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
-    return engine, gpus, EngineOptions(ds_config=res.config), lines
+    return engine, gpus, EngineOptions(ds_config=res.config), lines, {}
+
+
+def _spec(model: Optional[str], seq_len: Optional[int]):
+    if model is None:
+        return None
+    from zeroplan.estimation.workload import resolve
+
+    return resolve(model, seq_len)[0]
+
+
+STEP_FLAGS = {"micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "seq_len": "--seq-len",
+              "checkpointing": "--checkpointing"}  # fmt: skip
+
+
+def _fsdp2(ctx, run, engine: str, gpus: int, flag: str, who: str):
+    """``from_config_files``' answer for an FSDP2 launcher file (``zeroplan.engines.fsdp2.from_files``): the
+    engine fsdp2 with the file's wrapping and policy, N_d, and the step values the file sets (``step``: a
+    typed option that contradicts one is refused)."""
+    from zeroplan.engines.base import EngineOptions
+
+    engine = _implied(ctx, "engine", engine, "fsdp2", "--engine", f"the {flag[2:]} (FSDP2)")
+    gpus = _implied(ctx, "gpus", gpus, run.gpus, "--gpus", f"the {flag[2:]}'s FSDP ranks")
+    step = {}
+    for name, value in (("micro_batch", run.micro_batch), ("grad_accum", run.grad_accum), ("seq_len", run.seq_len),
+                        ("checkpointing", run.checkpointing)):  # fmt: skip
+        if value is not None:
+            if name in given_on_command_line(ctx, name) and ctx.params.get(name) != value:
+                raise UserError(f"{STEP_FLAGS[name]} {ctx.params.get(name)} contradicts the {flag[2:]} ({value}); "
+                                "drop one of them")  # fmt: skip
+            step[name] = value
+    wrap = run.wrapping
+    lines = (f"{flag[2:]}: fsdp2 as {who} runs it: fully_shard calls {wrap.label()}; init {run.options['init']}"
+             + "".join(f"; {k.replace('_', '-')} {v}" for k, v in step.items()),)  # fmt: skip
+    return engine, gpus, EngineOptions(**run.options), lines, step

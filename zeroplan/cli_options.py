@@ -193,6 +193,35 @@ ReduceDtypeOption = Annotated[
     typer.Option("--reduce-dtype", help="fsdp2: MixedPrecisionPolicy.reduce_dtype, fp32, bf16 or fp16 (default: "
                  "the param dtype)."),
 ]  # fmt: skip
+DpReplicateOption = Annotated[
+    Optional[int],
+    typer.Option("--dp-replicate", help="fsdp2: HSDP, replicas R of fully_shard's 2-D mesh (R, S) with R x S = N_d; "
+                 "gradients all-reduced across them (default: N_d / --dp-shard, else 1)."),
+]  # fmt: skip
+DpShardOption = Annotated[
+    Optional[str],
+    typer.Option("--dp-shard", help="fsdp2: HSDP, ranks S each parameter is sharded over (default: N_d / "
+                 "--dp-replicate, else N_d); plan: auto searches it (whole nodes, the smallest that fits)."),
+]  # fmt: skip
+FsdpWrapOption = Annotated[
+    Optional[str],
+    typer.Option("--fsdp-wrap", help="fsdp2: the fully_shard calls: blocks (each decoder layer, then the root; "
+                 "default), torchtitan (embeddings, each block, [norm, output] kept gathered, the root) or a JSON "
+                 "file of units in call order (docs/engines/fsdp2.md)."),
+]  # fmt: skip
+InitOption = Annotated[
+    Optional[str],
+    typer.Option("--init", help="fsdp2: meta (built on the meta device, sharded, to_empty; default) or "
+                 "materialized (built whole on the device, then sharded)."),
+]  # fmt: skip
+DeviceOption = Annotated[
+    Optional[str],
+    typer.Option("--device", help="fsdp2: cuda (default: NCCL, CUDA blocks and workspaces) or cpu (a CPU run on "
+                 "gloo, as CPU CI runners train)."),
+]  # fmt: skip
+OWN_OPTION_PARAMS: dict[str, str] = {"fsdp_wrap": "wrap", "init": "init", "device": "device",
+                                     "dp_replicate": "dp_replicate", "dp_shard": "dp_shard"}
+"""Command parameter -> the engine's own option it sets (``Engine.own_options``, by name)."""
 DeepSpeedConfigOption = Annotated[
     Optional[Path],
     typer.Option("--deepspeed-config", help="ds_config.json: with --engine deepspeed the engine's settings (buckets, "
@@ -208,6 +237,7 @@ ENGINE_VOCABULARY: dict[str, tuple[str, ...]] = {
     "optimizer_dtype": ("policy",),
     "reshard_after_forward": ("reshard_after_forward",),
     "reduce_dtype": ("reduce_dtype",),
+    **{param: (own,) for param, own in OWN_OPTION_PARAMS.items()},
 }
 """Command parameter -> the ``PlannerOptions`` fields it sets; an engine takes it when its vocabulary
 (``zeroplan.engines.Engine.options``) holds any of them."""
@@ -220,9 +250,9 @@ def refuse_foreign(ctx, engine_name: str) -> None:
 
     engine = get_engine(engine_name)
     names = {p.name for p in ctx.command.params}
-    foreign = tuple(n for n, fields in ENGINE_VOCABULARY.items()
-                    if n in names and not set(fields) & set(engine.options))  # fmt: skip
-    refuse_unused(ctx, foreign, f"to --engine {engine.name} (its options: {', '.join(engine.options)})")
+    reads = (*engine.options, *(o.name for o in engine.own_options))
+    foreign = tuple(n for n, fields in ENGINE_VOCABULARY.items() if n in names and not set(fields) & set(reads))
+    refuse_unused(ctx, foreign, f"to --engine {engine.name} (its options: {', '.join(reads)})")
 
 
 def read_settings_file(path) -> Optional[dict]:
@@ -232,10 +262,12 @@ def read_settings_file(path) -> Optional[dict]:
     return read_json(path, "deepspeed config") if path is not None else None
 
 
-def engine_options_from(engine_name: str, ds_config: Optional[dict], reshard_after_forward, param_dtype, reduce_dtype):
+def engine_options_from(engine_name: str, ds_config: Optional[dict], reshard_after_forward, param_dtype, reduce_dtype,
+                        **own):
     """The ``EngineOptions`` of the command line for an engine that reads them (``refuse_foreign`` has
     refused the others): the ds_config as read (``read_settings_file``), ``--reshard-after-forward`` parsed,
-    the dtypes as given."""
+    the dtypes as given, and ``own`` (command parameter -> value, ``OWN_OPTION_PARAMS``) under the engine's
+    own option names."""
     from zeroplan.engines import get_engine
     from zeroplan.engines.base import EngineOptions
     from zeroplan.parsing import parse_reshard
@@ -247,7 +279,9 @@ def engine_options_from(engine_name: str, ds_config: Optional[dict], reshard_aft
         "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype,
     }
-    return EngineOptions(**{k: v for k, v in found.items() if k in mine and v is not None})
+    theirs = {o.name for o in get_engine(engine_name).own_options}
+    extra = {OWN_OPTION_PARAMS[k]: v for k, v in own.items() if v is not None and OWN_OPTION_PARAMS[k] in theirs}
+    return EngineOptions(**{k: v for k, v in found.items() if k in mine and v is not None}, **extra)
 
 
 def ds_config_batch(ctx, engine_name: str, ds_config: Optional[dict], nd: Optional[int], given: dict[str, int]):

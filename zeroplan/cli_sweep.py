@@ -11,9 +11,11 @@ import typer
 from zeroplan.cli_options import (
     ForeachOption, GradDtype, MasterWeights, ModelOption, OptimizerDtype, OptimizerName, ParamDtype,
     ReduceDtypeOption, ReshardOption, UserError, engine_options_from, read_settings_file,
+    DeviceOption, FsdpWrapOption, InitOption,
     given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
+from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
 from zeroplan.hub import with_revision
 
 
@@ -64,6 +66,11 @@ def sweep(
         "precision, optimizer; --stage gives the rows' stages). With --engine reference give the policy "
         "options (--param-dtype, --optimizer, ...) instead.")] = None,
     reshard_after_forward: ReshardOption = None,
+    fsdp_wrap: FsdpWrapOption = None,
+    init: InitOption = None,
+    device: DeviceOption = None,
+    dp_replicate: DpReplicateOption = None,
+    dp_shard: DpShardOption = None,
     reduce_dtype: ReduceDtypeOption = None,
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
@@ -115,7 +122,8 @@ def sweep(
                         "--model NAME with it, or give the reference policy options (--param-dtype, --optimizer, ...)")
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
-                                  reduce_dtype)  # fmt: skip
+                                  reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device,
+                                  dp_replicate=dp_replicate, dp_shard=dp_shard)  # fmt: skip
     micro_batches = parse_wholes(micro_batch, "micro-batch")
     if model is not None:  # a ds_config's batch is the rows' (the engine's sweep_batches)
         typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None
@@ -137,6 +145,7 @@ def sweep(
         model_parallel=parse_wholes(model_parallel, "model-parallel"),
         **({"stages": parse_wholes(stage, "stage")} if given_on_command_line(ctx, "stage") or reads_policy else {}),
         offload=parse_list(offload, "offload", parse_offload),
+        gpu=gpu,  # its compute capability sizes the peak's cuBLAS workspaces, as in plan
         gpu_memory_bytes=capacity,
         policy=policy_from(param_dtype if reads_policy else None, grad_dtype, master_weights, optimizer,
                            optimizer_dtype),  # fmt: skip

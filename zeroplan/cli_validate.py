@@ -56,9 +56,24 @@ def validate_cmd(
         None, "--reduce-dtype", help="fsdp2: MixedPrecisionPolicy.reduce_dtype, bf16 or fp32 (default: param dtype)."
     ),
     reshard_after_forward: ReshardOption = None,
+    dp_replicate: Optional[int] = typer.Option(
+        None, "--dp-replicate", help="fsdp2: HSDP, fully_shard on the 2-D mesh (R, N_d / R) of R replicas."
+    ),
     fsdp2_init: Optional[str] = typer.Option(
         None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
         "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
+    ),
+    fsdp_wrap: Optional[str] = typer.Option(
+        None, "--fsdp-wrap", help="fsdp2: the fully_shard calls: blocks (default), torchtitan or a wrapping JSON file "
+        "(docs/engines/fsdp2.md); the run makes exactly these calls.",
+    ),
+    hf: Optional[bool] = typer.Option(
+        None, "--hf", help="fsdp2: train transformers' own class of the --model config.json (default: the "
+        "validator's CausalLM).",
+    ),
+    labels: Optional[bool] = typer.Option(
+        None, "--labels/--no-labels", help="fsdp2 --hf: the loss from forward(labels=...) inside the root's forward "
+        "(default, as the HF Trainer) or from the logits outside it.",
     ),
     fake_tensors: Optional[bool] = typer.Option(
         None, "--fake-tensors/--real-tensors", help="--simulated: FakeTensorMode (default on CPU) or real tensors."
@@ -123,6 +138,10 @@ def validate_cmd(
     from validate.report import to_table
     from zeroplan.parsing import parse_count
 
+    if fsdp_wrap is not None and fsdp_wrap not in ("blocks", "torchtitan"):  # a file: read once, here
+        from zeroplan.files import read_json
+
+        fsdp_wrap = read_json(fsdp_wrap, "fsdp wrapping")
     ds = read_settings_file(deepspeed_config)
     batch_keys = sorted(k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
                         if isinstance(ds, dict) and k in ds)  # fmt: skip
@@ -140,7 +159,8 @@ def validate_cmd(
         seq_len=seq_len,
         param_dtype=param_dtype,
         **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
-                reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init),
+                reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init,
+                fsdp_wrap=fsdp_wrap, hf=hf, labels=labels, dp_replicate=dp_replicate),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,

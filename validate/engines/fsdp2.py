@@ -67,23 +67,46 @@ def build_sharded(spec, mesh, settings: Fsdp2Settings, device: torch.device) -> 
 
 
 def shard(model: nn.Module, mesh, settings: Fsdp2Settings, spec=None) -> nn.Module:
-    """``fully_shard`` per block, then the root: FSDP2's documented pattern (torchtitan does the same)."""
+    """``fully_shard`` as ``settings.wrap`` says, call by call (``runner_calls``); activation checkpointing
+    wraps each decoder layer first (torchtitan's order; the layers keep their names)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[settings.param_dtype],
         reduce_dtype=DTYPES[settings.reduce_dtype] if settings.reduce_dtype else None,
     )
-    blocks = decoder_layers(model, spec)
+    calls = runner_calls(model, settings, spec)
     if settings.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+        blocks = decoder_layers(model, spec)
         for i, block in enumerate(blocks):
             blocks[i] = checkpoint_wrapper(block)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for modules, rsf in calls:
+        found = [model.get_submodule(m) if m else model for m in modules]
+        given = {} if rsf is None else {"reshard_after_forward": rsf}  # None: FSDP2's own default
+        fully_shard(found if len(found) > 1 else found[0], mesh=mesh, mp_policy=policy, **given)
     return model
+
+
+def runner_calls(model: nn.Module, settings: Fsdp2Settings, spec) -> list[tuple[tuple[str, ...], object]]:
+    """The ``fully_shard`` calls of ``settings.wrap`` on this model, resolved by the profile's own rule
+    (``zeroplan.engines.fsdp2.wrap.resolve`` on the model's ``named_parameters``), so the run is exactly the
+    wrapping predicted. The validator's ``CausalLM`` applies its head with ``F.linear`` outside any module
+    hook, so its head (``lm_head``, or a tied token embedding) must stay in the root."""
+    from zeroplan.engines.fsdp2.wrap import Wrapping, preset, resolve
+
+    named = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    wrap = settings.wrapping()
+    if not isinstance(wrap, Wrapping):
+        wrap = preset(wrap, spec.style, settings.reshard_after_forward, spec.tied)
+    units = resolve(wrap, named)
+    if not settings.hf:
+        head = "lm_head.weight" if not spec.tied else named[0][0]  # the token embedding comes first
+        if any(not u.root and any(n == head for n, _ in u.params) for u in units):
+            raise ValueError("wrapping: validate/transformer.py's CausalLM applies its head with F.linear, outside "
+                             "any fully_shard hook; keep the head in the root or validate with --hf")  # fmt: skip
+    return [(u.modules, u.reshard_after_forward) for u in units]
 
 
 def summarise_calls(calls, steps: int) -> list[dict]:
@@ -190,7 +213,8 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
     global_batches = [make_batch(spec, nd * b, gen, settings.seq_len) for _ in range(settings.steps)]
     # Slices are cloned before the probes start (a view made under MemTracker would count the whole batch).
     local_batches = [tuple(t[rank * b : (rank + 1) * b].clone() for t in gb) for gb in global_batches]
-    mesh = init_device_mesh(device.type, (nd,))  # before FakeTensorMode: see the module docstring
+    shape, names = settings.mesh_dims(nd)  # (N_d,), or HSDP's (R, S) (engines/fsdp2/mesh.py)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # before FakeTensorMode: module docstring
     readings: dict[str, list[int]] = defaultdict(list)
     mode = fake_tensors(fake)  # entered again for the unprobed steps: one fake mode for all tensors
     with mode:

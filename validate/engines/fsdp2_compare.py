@@ -32,6 +32,8 @@ class Fsdp2Settings:
     init: str = "materialized"  # or "meta": built on the meta device, sharded, to_empty, then initialised
     hf: bool = False  # train transformers' own class of the model's config.json (deepspeed.py hf_builder)
     labels: bool = True  # hf: loss from forward(labels=...) inside the root's forward; False: outside it
+    dp_replicate: int = 1  # HSDP: replicas R of the 2-D mesh (R, N_d / R) given to fully_shard (mesh_dims)
+    wrap: str | dict = "blocks"  # the fully_shard calls: a preset (blocks, torchtitan) or a wrapping file's JSON
 
     def __post_init__(self) -> None:
         if self.init not in ("materialized", "meta"):
@@ -44,8 +46,21 @@ class Fsdp2Settings:
             value = getattr(self, name)
             if value is not None and value not in RUN_DTYPES:
                 raise ValueError(f"{name}={value!r}: expected one of {', '.join(RUN_DTYPES)}")
+        if not isinstance(self.dp_replicate, int) or self.dp_replicate < 1:
+            raise ValueError(f"dp_replicate={self.dp_replicate!r}: must be a whole number >= 1")
+        self.wrapping()  # a bad wrapping: one line, before any rank starts
         if self.steps < 1 or self.batch_per_rank < 1:
             raise ValueError(f"steps={self.steps}, batch_per_rank={self.batch_per_rank}: must be >= 1")
+
+    def wrapping(self):
+        """``wrap`` as the profile's ``Settings.wrap`` takes it: a preset name or a ``Wrapping``."""
+        from zeroplan.engines.fsdp2.wrap import PRESETS, parse_wrapping
+
+        if isinstance(self.wrap, str):
+            if self.wrap not in PRESETS:
+                raise ValueError(f"wrap={self.wrap!r}: expected one of {', '.join(PRESETS)} or a wrapping's JSON")
+            return self.wrap
+        return parse_wrapping(self.wrap)
 
     @classmethod
     def from_validate(cls, config) -> Fsdp2Settings:
@@ -55,7 +70,19 @@ class Fsdp2Settings:
                    reduce_dtype=config.reduce_dtype, reshard_after_forward=True if rsf is None else rsf,
                    checkpointing=config.checkpointing == "full", foreach=config.foreach, steps=config.steps,
                    batch_per_rank=config.batch_per_rank, seq_len=config.seq_len, lr=config.lr,
-                   init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)))  # fmt: skip
+                   init=config.fsdp2_init or "materialized", hf=bool(getattr(config, "hf", False)),
+                   labels=getattr(config, "labels", None) is not False,
+                   wrap=getattr(config, "fsdp_wrap", None) or "blocks",
+                   dp_replicate=getattr(config, "dp_replicate", None) or 1)  # fmt: skip
+
+    def mesh_dims(self, nd: int) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+        """``init_device_mesh``'s shape and names for N_d ranks: (N_d,) unnamed (flat, as before meshes were
+        named), (R, N_d / R) named for HSDP."""
+        if self.dp_replicate == 1:
+            return (nd,), None
+        if nd % self.dp_replicate:
+            raise ValueError(f"dp_replicate={self.dp_replicate}: must divide N_d={nd}")
+        return (self.dp_replicate, nd // self.dp_replicate), ("dp_replicate", "dp_shard")
 
     @classmethod
     def from_json(cls, text: str) -> Fsdp2Settings:
@@ -106,8 +133,9 @@ def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
     engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
                               reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
                               backend=meta["backend"], rank=rank, init=settings.init,
-                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))),
-                              **({"loss_in_forward": settings.labels} if settings.hf else {}))  # fmt: skip
+                              cuda_capability=tuple(meta.get("cuda_capability", (9, 0))), wrap=settings.wrapping(),
+                              **({"loss_in_forward": settings.labels} if settings.hf else {}),
+                              **({"dp_replicate": settings.dp_replicate} if settings.dp_replicate > 1 else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], engine)
     return row, engine
 
@@ -158,8 +186,8 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
     nd = meta["world_size"]
     predicted, _ = predicted_run(config, meta)
     # the largest of the measured ranks' predictions, phase by phase (what the measured peak takes over them)
-    by_rank = [predicted.peak.by_phase()] + [predicted_run(config, meta, r)[0].peak.by_phase()
-                                             for r in sorted({row["rank"] for row in rank_rows} - {0})]  # fmt: skip
+    by_rank = {0: predicted.peak.by_phase(), **{r: predicted_run(config, meta, r)[0].peak.by_phase()
+                                                for r in sorted({row["rank"] for row in rank_rows} - {0})}}  # fmt: skip
     # model states = parameters + gradients + Adam: all live after backward from the second step on, beside
     # FSDP2's own persistent bookkeeping, a named term of the profile (beside_states)
     readings = Readings(
@@ -172,9 +200,11 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
         nd=nd,
         group_sizes=rank_rows[0].get("group_sizes_by_step", [[]])[-1],
         unchecked_phases={p: why for p, why in FAKE_TENSOR_PHASES.items() if meta.get("fake_tensors")},
+        peak_by_rank={r["rank"]: r["peak_bytes_by_phase"] for r in rank_rows},
     )
-    prediction = Prediction(predicted, peak_by_phase={p: max(b[p] for b in by_rank) for p in PEAK_PHASES},
-                            beside_states=beside_states(predicted), per_call=True,
+    # every rank against its own prediction (validate.compare._errors_by_rank); the largest of each shown
+    prediction = Prediction(predicted, peak_by_phase={p: max(b[p] for b in by_rank.values()) for p in PEAK_PHASES},
+                            beside_states=beside_states(predicted), per_call=True, peak_by_rank=by_rank,
                             reserved_by_phase=predicted_reserved(config, meta))  # fmt: skip
     row = compare_rows(prediction, readings, config.tolerance, config.peak_tolerance)
     parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
@@ -201,7 +231,7 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
 
 def build_report(config, worlds: list[tuple[dict, list[list[dict]]]]) -> dict:
     """The whole ``zeroplan validate --engine fsdp2`` result (``validate.schema.ValidationReport``)."""
-    from validate.report import GLOO_NOTE
+    from validate.compare import GLOO_NOTE
     from validate.schema import SCHEMA, ValidationReport
 
     rows = [compare(config, meta, [rank_rows[0] for rank_rows in ranks]) for meta, ranks in worlds]

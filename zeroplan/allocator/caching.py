@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 from zeroplan.allocator.blocks import Block, Pool, Segment, SegmentInfo, segment_infos
 from zeroplan.allocator.config import (
-    K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig, allocation_size,
-    is_small, round_size,
+    K_MIN_BLOCK_SIZE, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig, allocation_size, is_small, round_size,
 )  # fmt: skip
+from zeroplan.allocator.expandable import allocate_expandable, unmap_free
 
 SEGMENT_ALIGN = 2 << 20
 """Model addresses of new segments are 2 MiB aligned and increasing (only ties between equal sizes use them)."""
@@ -227,8 +227,6 @@ class CachingAllocator:
         if retry:
             self.stats.num_alloc_retries += 1
         if self.config.expandable_segments:
-            from zeroplan.allocator.expandable import allocate_expandable
-
             return allocate_expandable(self, pool, size, stream, address)
         alloc = allocation_size(size)
         if not self._fits(alloc):
@@ -275,8 +273,6 @@ class CachingAllocator:
         """``release_cached_blocks``: pending frees complete (synchronize), then every unsplit free segment goes."""
         for block in [b for s in list(self.segments.values()) for b in s.blocks() if b.pending]:
             self.free_completed(block)
-        from zeroplan.allocator.expandable import unmap_free
-
         for pool in list(self.pools.values()):
             for block in pool:
                 if block.segment.expandable:
@@ -343,5 +339,3 @@ def _growable(block: Block) -> int:
     return block.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
 
 
-PAGE_BYTES = {True: K_SMALL_BUFFER, False: K_LARGE_BUFFER}
-"""Expandable segments map pages of ``kSmallBuffer`` (small pool) or ``kLargeBuffer`` (large pool)."""

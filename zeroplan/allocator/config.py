@@ -21,6 +21,8 @@ K_SMALL_BUFFER = 2 * MIB
 K_LARGE_BUFFER = 20 * MIB
 """``kLargeBuffer``: requests between 1 and 10 MiB get a 20 MiB segment; also the expandable-segment page of
 the large pool and the default ``max_non_split_rounding_mb``."""
+PAGE_BYTES = {True: K_SMALL_BUFFER, False: K_LARGE_BUFFER}
+"""Expandable segments map pages of ``kSmallBuffer`` (small pool) or ``kLargeBuffer`` (large pool)."""
 K_MIN_LARGE_ALLOC = 10 * MIB
 """``kMinLargeAlloc``: from 10 MiB on, a segment is the request rounded up to ``kRoundLarge``."""
 K_ROUND_LARGE = 2 * MIB

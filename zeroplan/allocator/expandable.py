@@ -9,12 +9,26 @@ room, merging with the free block right before it, so a segment grows instead of
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from zeroplan.allocator.blocks import Block, Pool, Segment
+from zeroplan.allocator.config import PAGE_BYTES
 
-if TYPE_CHECKING:
-    from zeroplan.allocator.caching import CachingAllocator
+
+class CachingAllocator(Protocol):
+    """What these functions use of the allocator that calls them (``zeroplan.allocator.caching.CachingAllocator``),
+    named here so the two modules do not import each other."""
+
+    capacity: int | None
+    stats: Any  # caching.Stats: ``reserved`` is what mapping pages changes
+    unmapped: dict[tuple[int, bool], list[Block]]
+    segments: dict[int, Segment]
+    log: list[tuple[str, int, int, int]]
+    _next_address: int
+
+    def _fits(self, size: int) -> bool: ...
+
+    def _try_merge(self, pool: Pool, dst: Block, src: Block | None) -> int: ...
 
 VIRTUAL_BYTES = 1 << 40
 """Address space of one expandable segment when no capacity is given (torch: 9/8 of the card's memory)."""
@@ -42,8 +56,6 @@ def _find(alloc: CachingAllocator, small: bool, stream: int, size: int, address:
             candidate = candidate.prev
         if _room(candidate, size):
             return candidate
-    from zeroplan.allocator.caching import PAGE_BYTES
-
     page = PAGE_BYTES[small]
     virtual = VIRTUAL_BYTES if alloc.capacity is None else -(-(alloc.capacity * 9 // 8) // page) * page
     if address is None or address in alloc.segments:  # a replayed trace says where the segment's first page went

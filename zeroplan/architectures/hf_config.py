@@ -270,6 +270,9 @@ def _qwen2(r: _Reader) -> dict:
 
 FAMILIES: dict[str, Callable[[_Reader], dict]] = {"gpt2": _gpt2, "llama": _llama, "mistral": _mistral,
                                                    "qwen2": _qwen2}  # fmt: skip
+"""``model_type`` -> its reader. The newer families (Qwen3, Gemma 2/3, Phi-3, mixture-of-experts) live in
+``hf_families``, which builds on the readers here and adds itself to this table and ``_ALIASES`` when the
+package is imported (``zeroplan/architectures/__init__.py``), so the two modules do not import each other."""
 
 
 def spec_from_hf_config(config: Mapping[str, object], source: str = "config") -> TransformerSpec:
@@ -296,11 +299,3 @@ def read_hf_config(path: str | Path) -> TransformerSpec:
     not a supported, complete config."""
     source = f"config {str(path)!r}"
     return spec_from_hf_config(read_json(path, "config"), source)  # type: ignore[arg-type]
-
-
-# The newer families (Qwen3, Gemma 2/3, Phi-3, mixture-of-experts) live in their own module; imported
-# last because their readers use ``_Reader`` and ``_llama_common`` above.
-from zeroplan.architectures.hf_families import NEW_ALIASES, NEW_FAMILIES  # noqa: E402
-
-FAMILIES.update(NEW_FAMILIES)
-_ALIASES.update(NEW_ALIASES)

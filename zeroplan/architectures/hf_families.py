@@ -1,7 +1,7 @@
 """The newer Hugging Face families, read the way transformers 5.24 reads their ``config.json``.
 
-``hf_config`` registers these readers (``FAMILIES``); they use its ``_Reader`` and the Llama-family keys
-its ``_llama_common`` reads, and add each family's own. Config classes the defaults come from (all in
+These readers add themselves to ``hf_config.FAMILIES`` (imported with the package); they use its ``_Reader``
+and the Llama-family keys its ``_llama_common`` reads, and add each family's own. Config classes the defaults come from (all in
 transformers/models/): ``qwen3/configuration_qwen3.py: Qwen3Config``, ``gemma2/...: Gemma2Config``,
 ``gemma3/...: Gemma3TextConfig`` and ``Gemma3Config``, ``phi3/...: Phi3Config``, ``mixtral/...:
 MixtralConfig``, ``qwen2_moe/...: Qwen2MoeConfig``, ``qwen3_moe/...: Qwen3MoeConfig``,
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import zeroplan.architectures.hf_config as hf
 from zeroplan.architectures.moe import MlaSpec, MoeSpec
 
 def _record(r, cls, *args):
@@ -210,5 +211,5 @@ NEW_ALIASES: dict[str, dict[str, str]] = {
     "deepseek_v3": {"n_routed_experts": "num_local_experts"},
 }
 
-# Imported last: hf_config imports this module at its end, so either may be imported first.
-from zeroplan.architectures import hf_config as hf  # noqa: E402
+hf.FAMILIES.update(NEW_FAMILIES)  # registered where spec_from_hf_config looks (the package imports this module)
+hf._ALIASES.update(NEW_ALIASES)

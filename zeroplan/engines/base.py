@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from zeroplan.architectures.spec import Shape, TransformerSpec
+from zeroplan.formulas.activation_terms import activation_limit
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.peak import PeakEstimate, Term
@@ -84,10 +85,24 @@ class EngineEstimate:
     """the engine's persistent terms that live beside the model states between steps, not part of them
     (FSDP2's post-forward mesh ranks, ``engines/fsdp2/terms.py mesh_ranks``): what a reading of the memory
     between steps holds besides ``memory`` (the validator compares the two)."""
+    peak_rank: Optional[int] = None
+    """the rank this row describes: the one whose peak is the largest over ranks (``worst_rank``), where the
+    engine's ranks differ; None: every rank holds the same (the reference runtime)."""
 
     @property
     def model_states_bytes(self) -> int:
         return self.memory.model_states_bytes
+
+
+def worst_rank(rows: Mapping[int, EngineEstimate]) -> EngineEstimate:
+    """The row of the rank that peaks highest (then holds the most model states; the lowest rank of a tie),
+    named in its ``peak_rank``: a job dies on its worst GPU. ``rows``: rank -> that rank's row."""
+    def need(item: tuple[int, EngineEstimate]) -> tuple[int, int, int]:
+        rank, row = item
+        return (row.peak.peak_bytes if row.peak is not None else 0, row.model_states_bytes, -rank)
+
+    rank, row = max(rows.items(), key=need)
+    return replace(row, peak_rank=rank)
 
 
 # ---- the planner's side: what `estimate`, `plan` and `sweep` were asked, and what `plan` may answer ----
@@ -141,9 +156,9 @@ class Candidate:
     build: Optional[str] = None
     """how the model must be built for the prediction to hold (DeepSpeed ZeRO-3: under
     ``deepspeed.zero.Init``); None: as usual."""
-    alloc_trace: Optional[Callable[[], Any]] = field(default=None, compare=False, repr=False)
-    """``() -> AllocTrace``: the configuration's step as an allocation trace (``Engine.alloc_trace``), made
-    when the planner replays it for reserved bytes; None: the engine has none."""
+    trace_inputs: Optional[tuple[Workload, int, BaseModel]] = field(default=None, compare=False, repr=False)
+    """(workload, N_d, settings) of exactly this configuration, for ``Engine.alloc_trace`` (the planner replays
+    its allocation trace for reserved bytes); None: not given."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +237,30 @@ class EngineOption:
     help: str = ""
 
 
+PEAK_CHECKPOINTING: tuple[str, ...] = ("none", "full")
+"""The checkpointing modes every engine's peak models (``Workload.checkpointing``); selective has no peak."""
+
+
+PLANNER_INPUTS: tuple[str, ...] = ("model", "model_parallel", "checkpointing")
+"""The ``PeakLimit.option`` values that name an input of the planner's configs (the others: the architecture
+read from the model, an engine's own option)."""
+
+
+@dataclass(frozen=True)
+class PeakLimit:
+    """Why an engine's peak model does not cover a run: the input that takes it outside, as the planner's
+    configs name it (``model``: no architecture, ``model_parallel``, ``checkpointing``; ``architecture``: a
+    family or feature the activations do not derive; ``policy``), and the one-line reason."""
+
+    option: str
+    reason: str
+
+
+def no_own_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optional[PeakLimit]:
+    """``Engine.own_peak_limits`` of an engine whose peak covers every run the shared limits allow."""
+    return None
+
+
 @dataclass(frozen=True)
 class Engine:
     """One engine as its package declares it (``ENGINE`` in ``zeroplan/engines/<name>/__init__.py``): its
@@ -264,6 +303,26 @@ class Engine:
     """``(workload, nd, settings) -> tuple[AllocTrace, ...]``: each ``estimate`` row's step as an ordered
     allocation trace (``zeroplan.allocator.step_trace``; needs an architecture), which the allocator model
     replays for reserved bytes; None: the engine has none."""
+    own_peak_limits: Callable[[PlannerOptions, TransformerSpec], Optional[PeakLimit]] = no_own_peak_limits
+    """what of an architecture and the planner's options the engine's own peak does not model (the reference
+    runtime: its one policy, no dropout); ``peak_limits`` adds the limits every engine shares."""
+
+    def peak_limits(self, options: PlannerOptions, spec: Optional[TransformerSpec], checkpointing: str = "none",
+                    model_parallel: int = 1) -> Optional[PeakLimit]:
+        """None when this engine's peak model covers the run; else the first input outside it and why. The
+        one check estimate, plan and sweep ask (and ``estimate`` raises the reason of)."""
+        if spec is None:
+            return PeakLimit("model", "the peak needs an architecture (--model)")
+        if model_parallel != 1:
+            return PeakLimit("model_parallel",
+                             f"the peak is modelled without tensor parallelism (N_m = {model_parallel})")
+        if checkpointing not in PEAK_CHECKPOINTING:
+            return PeakLimit("checkpointing", f"the peak knows checkpointing none and full, not {checkpointing}")
+        own = self.own_peak_limits(options, spec)
+        if own is not None:
+            return own
+        why = activation_limit(spec)
+        return None if why is None else PeakLimit("architecture", why)
 
     @property
     def one_row(self) -> bool:

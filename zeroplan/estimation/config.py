@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cached_property
 from typing import Literal, Optional
 
@@ -13,10 +14,19 @@ from zeroplan.engines import get_engine, planner_options
 from zeroplan.engines.base import EngineOptions, PlannerOptions, Workload
 from zeroplan.estimation.workload import model_workload, resolve
 from zeroplan.policy import PrecisionPolicy
-from zeroplan.presets import DEFAULT_SEQ_LEN
+from zeroplan.formulas.cuda_workspaces import capability_of
+from zeroplan.presets import DEFAULT_SEQ_LEN, GpuName, get_gpu
 from zeroplan.types import (
     BatchCount, ByteSize, Flag, GpuCount, ModelName, Numel, Params, SeqLen, StageNumber, check_split, check_total,
 )  # fmt: skip
+
+
+def preset_memory(data: object) -> object:
+    """A config's input with ``gpu_memory_bytes`` from its ``gpu`` preset where only the preset is given (the
+    planner configs' one rule: an explicit memory overrides the preset's, as ``PlanConfig.memory_bytes``)."""
+    if isinstance(data, dict) and isinstance(data.get("gpu"), str) and data.get("gpu_memory_bytes") is None:
+        return {**data, "gpu_memory_bytes": get_gpu(data["gpu"]).memory_bytes}
+    return data
 
 
 class EstimateConfig(BaseModel):
@@ -54,8 +64,12 @@ class EstimateConfig(BaseModel):
     """N_m, the tensor/pipeline model-parallel degree; the paper divides model states by it."""
     stage: Optional[StageNumber] = None
     """show only this ZeRO stage (0-3); None shows all four."""
+    gpu: Optional[GpuName] = None
+    """GPU preset (``zeroplan.presets.gpu_presets``): its memory to mark which stages fit (unless
+    ``gpu_memory_bytes`` is given) and its compute capability for the peak's cuBLAS workspaces, as ``plan``."""
     gpu_memory_bytes: Optional[ByteSize] = None
-    """memory of one GPU in bytes, to mark which stages fit (on the peak when known); None to skip."""
+    """memory of one GPU in bytes, to mark which stages fit (on the peak when known); overrides the preset's;
+    None (and no preset) to skip."""
     policy: PrecisionPolicy = PrecisionPolicy()
     """the reference engine's precision policy (the paper's vocabulary); refused for the other engines."""
     engine_options: EngineOptions = EngineOptions()
@@ -69,6 +83,11 @@ class EstimateConfig(BaseModel):
     def _alloc_conf(cls, v: str) -> str:
         parse_alloc_conf(v)  # one line naming the bad part
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_memory(cls, data: object) -> object:
+        return preset_memory(data)
 
     @model_validator(mode="after")
     def _consistent(self) -> "EstimateConfig":
@@ -125,8 +144,9 @@ class EstimateConfig(BaseModel):
     def planner_options(self) -> PlannerOptions:
         """What the engine's ``planner_settings`` reads (``zeroplan.engines.planner_options``)."""
         policy = self.policy if "policy" in self.model_fields_set else None
-        return planner_options(get_engine(self.engine), self.engine_options, stage=self.stage, policy=policy,
-                               flat_layout=self.params is None)  # fmt: skip
+        options = planner_options(get_engine(self.engine), self.engine_options, stage=self.stage, policy=policy,
+                                  flat_layout=self.params is None)  # fmt: skip
+        return replace(options, gpu_capability=None if self.gpu is None else capability_of(self.gpu))
 
     @property
     def nd(self) -> int:

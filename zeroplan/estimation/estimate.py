@@ -66,6 +66,8 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     options = config.planner_options
     engine = get_engine(config.engine)
     settings = engine.planner_settings(options)
+    if config.spec is not None and (limit := engine.peak_limits(options, config.spec, config.checkpointing)):
+        raise ValueError(limit.reason)  # an architecture: the peak is part of the answer
     policy = engine.policy(settings)  # the byte convention of this engine's model states
     # "vs DP": plain data parallelism's model states (the reference engine's stage 0, the same byte
     # convention) over this row's
@@ -82,7 +84,8 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         name = r.label if engine.one_row else get_stage(r.stage).name
         reduction = dp.model_states_bytes / r.model_states_bytes
         collectives = layered_zero3(engine, workload, r, config.nd)
-        rows.append(StageEstimate(r.stage, name, r.memory, reduction, collectives, fits, r.peak, own, held))
+        rows.append(StageEstimate(r.stage, name, r.memory, reduction, collectives, fits, r.peak, own, r.peak_rank,
+                                  held))
     return Estimate(
         psi=sum(numels),
         total_params=int(config.params) if config.params else sum(config.tensor_numels or numels),
@@ -132,6 +135,7 @@ def estimate(
     grad_accum: int | None = None,
     foreach: bool = True,
     engine: str = "reference",
+    gpu: str | None = None,
     alloc_conf: str = "",
     **options: object,
 ) -> Estimate:
@@ -144,7 +148,8 @@ def estimate(
     ``grad_accum`` and ``foreach`` describe the training step of an architecture, ``alloc_conf`` the
     ``PYTORCH_CUDA_ALLOC_CONF`` its reserved bytes are replayed under (micro-batch and
     accumulation: a ``ds_config``'s batch where it sets one, the engine's ``Engine.batch``;
-    else 1). ``gpus`` = N_d x
+    else 1). ``gpu``: a GPU preset (its memory for ``fits`` unless ``gpu_memory_bytes`` is given, its compute
+    capability for the peak's cuBLAS workspaces, as ``plan``). ``gpus`` = N_d x
     ``model_parallel``. Remaining keywords are the engine's options: for ``reference``,
     ``PrecisionPolicy`` fields (``param_dtype``, ``grad_dtype``, ``master_weights``, ``optimizer``,
     ``optimizer_dtype``); for ``fsdp2``, ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``;
@@ -186,6 +191,7 @@ def estimate(
         gpus=gpus,
         model_parallel=model_parallel,
         stage=stage,
+        gpu=gpu,
         gpu_memory_bytes=gpu_memory_bytes,
         **({} if policy is None else {"policy": PrecisionPolicy(**policy)}),
         engine_options=engine_options,

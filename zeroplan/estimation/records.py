@@ -25,6 +25,7 @@ class StageEstimate:
     fits: bool | None = None  # None when no GPU memory was given; on the peak when it is known
     peak: Optional[PeakEstimate] = None  # the engine's peak per phase; None without an architecture
     own_estimate_bytes: Optional[int] = None  # the engine's own estimator for this run (DeepSpeed's), if any
+    peak_rank: Optional[int] = None  # the rank whose peak this is, the largest (EngineEstimate.peak_rank); None: all alike
     reserved: Optional[ReservedEstimate] = None  # the allocator model's reserved bytes; None without a trace
 
     @property

@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-from zeroplan.engines.base import EngineEstimate, Workload
+from zeroplan.engines.base import PEAK_CHECKPOINTING, EngineEstimate, Workload
 from zeroplan.formulas.collectives import Collective, step_collectives
 from zeroplan.formulas.stages import get_stage
 from zeroplan.presets import model_seq_len, resolve_model
@@ -34,7 +34,7 @@ def model_workload(
     ZeRO-3's hook order; measured, docs/engines/deepspeed.md "Hugging Face models"). The validator's own
     ``CausalLM`` runs are predicted with ``validate.engines.deepspeed.workload_for`` instead."""
     check_seq_len(spec, seq_len)
-    if checkpointing not in ("none", "full"):
+    if checkpointing not in PEAK_CHECKPOINTING:
         raise ValueError(f"checkpointing={checkpointing!r}: the peak model knows none and full")
     shapes = transformer_shapes(spec)
     return Workload(shapes, spec, seq_len, micro_batch, checkpointing, grad_accum, foreach,  # type: ignore[arg-type]
@@ -50,9 +50,10 @@ def resolve(name_or_path: str, seq_len: Optional[int]) -> tuple[TransformerSpec,
 def module_architecture(module: object, shapes: tuple) -> Optional[TransformerSpec]:
     """The architecture of a ``transformers`` model (its ``config``), when its parameters are exactly
     ``transformer_shapes`` of it; None for any other module, and for a family whose activation peak is not
-    modelled yet (``unmodelled_features``): shapes only, no peak, as for any module."""
+    modelled yet (``activation_limit``, the family part of ``Engine.peak_limits``): shapes only, no peak, as for
+    any module."""
     from zeroplan.architectures.hf_config import spec_from_hf_config
-    from zeroplan.formulas.activation_terms import unmodelled_features
+    from zeroplan.formulas.activation_terms import activation_limit
 
     config = getattr(module, "config", None)
     to_dict = getattr(config, "to_dict", None)
@@ -62,7 +63,7 @@ def module_architecture(module: object, shapes: tuple) -> Optional[TransformerSp
         spec = spec_from_hf_config(to_dict(), f"{type(module).__name__}.config")
     except ValueError:
         return None
-    if unmodelled_features(spec) or transformer_shapes(spec) != tuple(shapes):
+    if activation_limit(spec) is not None or transformer_shapes(spec) != tuple(shapes):
         return None
     return spec
 

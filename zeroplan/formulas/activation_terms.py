@@ -28,6 +28,10 @@ every config in tests/data/hf_configs (tests/test_peak.py):
   k, v stay kv wide; with Mistral's sliding-window mask they are repeated to q wide and the mask is
   saved in the activation dtype), SwiGLU MLP (gate, up, activation, product). Per block
   2·(4Nd + 4N + 2Nd·a) + N·a·(2q + 2kv') + 4·b·h·s [+ s²·a] + (k+3)·N·f·a.
+The newer llama-layout families add to that block what their own modeling file computes (measured on
+transformers' classes, tests/test_families.py): Qwen3's q/k norms (``_qk_norm_saved``) and Phi-3's fused
+qkv and gate-up projections (``_fused_attention_extra``, the MLP's one gate_up storage); the others are
+refused (``unmodelled_features``).
 The loss upcasts the logits to fp32 (the 16-bit logits are freed at once) and cross-entropy saves the
 fp32 log-softmax output (N·V·4). Under full checkpointing each block keeps its input (N·d·a), and
 the checkpoints hold RoPE's tables and the bool mask as inputs too.
@@ -40,7 +44,7 @@ its locals and call arguments, and were checked byte for byte with MemTracker (d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec
 
@@ -192,6 +196,32 @@ def _llama_attention_saved(spec: TransformerSpec, n: int, b: int, s: int, a: int
     return n * a * (2 * q + 2 * k_v) + b * h * s * 4 + (s * s * a if masked else 0)
 
 
+def _qk_norm_saved(spec: TransformerSpec, n: int, a: int) -> int:
+    """Qwen3's and Gemma 3's ``q_norm`` and ``k_norm`` (``Qwen3RMSNorm`` over head_dim, applied to the
+    projection's output before RoPE: ``modeling_qwen3.py:Qwen3Attention.forward``): each saves the fp32 copy of
+    its input (pow's and the product's; in fp32 the projection's output itself), the fp32 rsqrt per head and
+    the normalised 16-bit copy (the weight product's); its output is not saved (RoPE's products save cos and
+    sin). Measured: FSDP2 on Qwen3ForCausalLM, fp32, exact (tests/test_families.py)."""
+    if not spec.qk_norm:
+        return 0
+    return sum(n * width * (4 + a) + n * heads * 4 for width, heads in ((spec.q_dim, spec.n_head),
+                                                                        (spec.kv_dim, spec.n_kv_head)))
+
+
+def _fused_attention_extra(spec: TransformerSpec, n: int, s: int, a: int) -> int:
+    """Phi-3's fused ``qkv_proj`` (``modeling_phi3.py:Phi3Attention.forward``) beside the q/k/v layout: v is a
+    view of the qkv output, so SDPA's saved value keeps that whole storage (N·(q + 2kv), where k and v are
+    not repeated); and ``apply_rotary_pos_emb`` concatenates the rotated and pass-through halves
+    (``torch.cat``, partial rotary), so q is contiguous (b, h, s, hd), SDPA's output is too, and
+    ``transpose(1, 2).contiguous()`` in ``sdpa_attention_forward`` copies it: o_proj saves that copy (N·q)
+    beside SDPA's own output. Seen on the autograd graph's saved tensors (tests/test_families.py)."""
+    if not spec.fused_projections:
+        return 0
+    masked = spec.sliding_window is not None and s > spec.sliding_window
+    repeated = spec.n_kv_head < spec.n_head and (masked or spec.head_dim > 256)
+    return n * a * (spec.q_dim + (0 if repeated else spec.q_dim + spec.kv_dim))
+
+
 def _llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
     """Bytes a LlamaDecoderLayer holds beside its input at its peak without grad (checkpointed forward).
 
@@ -226,9 +256,12 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     # the norm's input itself (``x.to(torch.float32)`` returns x): the block input and x1 are saved.
     rms = n * d * 4 + n * 4 + 2 * n * d * a
     own_input = a == 4  # the two norms save the block input and x1 themselves
-    attn = _llama_attention_saved(spec, n, b, s, a)
-    # gate out's kept tensors (SiLU: its input), act out and up out (the product's factors), the product
-    mlp = (ACT_KEPT[spec.hidden_act] + 3) * n * f * a
+    attn = _llama_attention_saved(spec, n, b, s, a) + _qk_norm_saved(spec, n, a) + _fused_attention_extra(spec, n, s, a)
+    # gate out's kept tensors (SiLU: its input), act out and up out (the product's factors), the product;
+    # Phi-3's gate_up_proj output (N·2f) is one storage, kept by the product (its up half) whatever the
+    # activation keeps: 4·N·f for an activation that keeps nothing more (relu), as many as Llama's otherwise
+    kept = ACT_KEPT[spec.hidden_act]
+    mlp = (kept + 3 + (spec.fused_projections and kept == 0)) * n * f * a
     saved = 2 * rms + attn + mlp
     return BlockActivations(
         saved=saved,
@@ -253,9 +286,10 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     )
 
 
-#: the families whose activations are derived above op by op and measured (tests/test_peak.py); the
-#: others (docs/models.md, "What the peak models") are refused rather than given a Llama number.
-MODELLED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "mistral", "qwen2")
+#: the families whose activations are derived above op by op and measured (tests/test_peak.py; Qwen3 and
+#: Phi-3: tests/test_families.py, FSDP2 on transformers' classes); the others (docs/models.md, "What the peak
+#: models") are refused rather than given a Llama number.
+MODELLED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def unmodelled_features(spec: TransformerSpec) -> tuple[str, ...]:
@@ -272,6 +306,16 @@ def unmodelled_features(spec: TransformerSpec) -> tuple[str, ...]:
     return tuple(name for name, present in features.items() if present) or (f"the {spec.model_type} family",)
 
 
+def activation_limit(spec: TransformerSpec) -> Optional[str]:
+    """None when the activation terms derive ``spec``'s family; else the one-line reason (every engine's peak
+    needs them: ``zeroplan.engines.base.Engine.peak_limits``)."""
+    missing = unmodelled_features(spec)
+    if not missing:
+        return None
+    return (f"model_type {spec.model_type!r}: its activation peak is not modelled yet ({', '.join(missing)}; "
+            "docs/models.md); for model states alone give its parameter shapes (--shapes)")
+
+
 def model_activations(
     spec: TransformerSpec,
     micro_batch: int,
@@ -284,12 +328,9 @@ def model_activations(
         raise ValueError(f"micro_batch={micro_batch}, seq_len={seq_len}: each must be >= 1")
     if seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len={seq_len}: the model has only {spec.max_seq_len} positions")
-    missing = unmodelled_features(spec)
-    if missing:
-        raise ValueError(
-            f"model_type {spec.model_type!r}: its activation peak is not modelled yet ({', '.join(missing)}; "
-            f"docs/models.md); for model states alone give its parameter shapes (--shapes)"
-        )
+    why = activation_limit(spec)
+    if why is not None:
+        raise ValueError(why)
     b, s, a = micro_batch, seq_len, act_bytes
     n, d, v = b * s, spec.d_model, spec.vocab_size
     if spec.style == "gpt":

@@ -9,10 +9,11 @@ elements per reduce-scatter or all-gather, twice that per all-reduce.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.memory import buffer_numels
+from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE, data_parallel_mesh, link_class
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
 
@@ -40,6 +41,14 @@ class Collective:
     """micro-steps of one optimizer step it runs in: 1 (once) or G (every micro-step of ``grad_accum`` = G);
     ``elements`` and ``bytes_per_rank`` are summed over them (an engine's rows, ``EngineEstimate.collectives``,
     count one optimizer step; the paper's rows, ``step_collectives``, one micro-step: 1)."""
+    mesh_dim: str = "dp_shard"
+    """the mesh dimension it runs over (``zeroplan.formulas.mesh.MESH_DIMS``): a flat run's all run over
+    ``dp_shard``, the whole data-parallel group; HSDP's gradient all-reduce over ``dp_replicate``."""
+    group_size: int = 0
+    """ranks in its process group; 0: the whole dimension (``on_mesh`` fills it in)."""
+    link: str = ""
+    """the link class its group spans, ``intra`` or ``inter`` (``zeroplan.formulas.mesh``); "": not placed
+    yet (``on_mesh`` places it for a node size)."""
 
     @property
     def volume_elements(self) -> int:
@@ -52,6 +61,22 @@ class Collective:
         out = asdict(self)
         del out["micro_steps"]
         return out
+
+
+def on_mesh(collectives: tuple[Collective, ...], nd: int, nm: int = 1,
+            gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> tuple[Collective, ...]:
+    """``collectives`` with their group size and link class filled in, on the mesh they name: N_d
+    data-parallel ranks (``dp_replicate`` R of them when a collective runs over that dimension, the rest
+    ``dp_shard``), N_m model-parallel GPUs each, ``gpus_per_node`` per node (``zeroplan.formulas.mesh``).
+    A group smaller than its dimension (FSDP2's post-forward group of k ranks) is k consecutive ranks of it."""
+    replicate = max((c.group_size for c in collectives if c.mesh_dim == "dp_replicate"), default=1)
+    mesh = data_parallel_mesh(nd, replicate, nm, gpus_per_node)
+    return tuple(
+        replace(c, group_size=size,
+                link=link_class(size, mesh.stride(c.mesh_dim), mesh.world, gpus_per_node))
+        for c in collectives
+        for size in (c.group_size or mesh.size(c.mesh_dim),)
+    )  # fmt: skip
 
 
 def ring_bytes_per_rank(op: str, elements: int, nd: int, element_bytes: int) -> int:

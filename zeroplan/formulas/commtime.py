@@ -11,6 +11,13 @@ of one step. f is the nccl-tests "bus bandwidth" factor (nccl-tests doc/PERFORMA
 (Patarasuk & Yuan 2009). Tree (NCCL's double binary tree, all-reduce only): 2·ceil(log2 n) steps,
 same bandwidth term. Each bucket of ``bucket_numel`` elements is a separate call, so pays α again.
 
+Time per link: with ``Links`` (the intra-node link, the network, the node size, N_m) each collective is
+placed on the mesh it names (``zeroplan.formulas.collectives.on_mesh``) and charged to its own link class
+and group size: a group inside one node runs on the intra-node link, one that crosses nodes at the slowest
+link it crosses (``crossing_link``), with the larger α. HSDP's dp_shard traffic can stay on NVLink while
+only the dp_replicate all-reduce crosses the network. A bare ``Link`` charges every collective to it (the
+flat model's one ring).
+
 Ignored: protocol choice (LL/LL128/Simple) and achieved vs nominal bandwidth (nccl-tests typically
 reaches 70-90% of nominal), NVLink SHARP / in-network reduction, contention with tensor/pipeline
 parallel traffic and with other jobs, hierarchical (2-level) algorithms, kernel launch and
@@ -23,7 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from zeroplan.formulas.collectives import PASSES, Collective
+from zeroplan.formulas.collectives import PASSES, Collective, on_mesh
+from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.formulas.sharding import ceil_div
 from zeroplan.formulas.stages import get_stage
 
@@ -75,10 +83,16 @@ def ring_link(nd: int, nm: int, gpus_per_node: int, intra: L, inter: Link) -> L:
 
     Model-parallel ranks are placed inside a node first (as Megatron-LM places tensor parallelism), so a
     node holds max(1, gpus_per_node // nm) ranks of one data-parallel group. A ring that leaves the node
-    runs at the slowest link it crosses (one NIC per GPU, as in DGX/HGX nodes) and pays the larger α.
+    runs at the slowest link it crosses (``crossing_link``).
     """
     if nd <= max(1, gpus_per_node // nm):
         return intra
+    return crossing_link(intra, inter)
+
+
+def crossing_link(intra: L, inter: Link) -> L:
+    """A ring that leaves the node: the slowest link it crosses (one NIC per GPU, as in DGX/HGX nodes) and
+    the larger α."""
     # every field is replaced, from fields the links' model already checked (``LinkSpec``)
     return intra.model_copy(update=dict(
         name=f"{intra.name} + {inter.name}",
@@ -87,6 +101,28 @@ def ring_link(nd: int, nm: int, gpus_per_node: int, intra: L, inter: Link) -> L:
         alpha_s=max(intra.alpha_s, inter.alpha_s),
         source="slowest link of a ring that crosses nodes",
     ))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Links:
+    """The links of a cluster, for time per link: each collective is charged to the link class its group
+    spans (``zeroplan.formulas.mesh``) on N_d data-parallel ranks of N_m GPUs each."""
+
+    intra: Link
+    inter: Link
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    nm: int = 1
+
+    def of(self, link_class: str) -> Link:
+        """The link a group of ``link_class`` runs at: intra-node, or the slowest it crosses."""
+        return self.intra if link_class == "intra" else crossing_link(self.intra, self.inter)
+
+
+def _placed(collectives: tuple[Collective, ...], nd: int, link: Link | Links) -> tuple[tuple[Collective, Link], ...]:
+    """Each collective with the link it is charged to: its own class's (``Links``), or the one ``Link``."""
+    if not isinstance(link, Links):
+        return tuple((c, link) for c in collectives)
+    return tuple((c, link.of(c.link)) for c in on_mesh(collectives, nd, link.nm, link.gpus_per_node))
 
 
 def runs_every_micro_step(stage: int, op: str) -> bool:
@@ -127,7 +163,7 @@ class TimedCollective:
 class StepTime:
     """Estimated communication (and optionally compute) time of one optimizer step on one rank."""
 
-    link: str  # the limiting link, e.g. "nvlink4" or "nvlink4 + ib-ndr"
+    link: str  # the limiting link, e.g. "nvlink4" or "nvlink4 + ib-ndr" (the slowest any collective runs at)
     algorithm: str
     collectives: tuple[TimedCollective, ...]
     compute_s: float | None  # None when no FLOP/s estimate was given
@@ -177,7 +213,7 @@ def step_time(
     stage: int,
     collectives: tuple[Collective, ...],
     nd: int,
-    link: Link,
+    link: Link | Links,
     grad_accum: int = 1,
     algorithm: str = "ring",
     bucket_numel: int | None = None,
@@ -189,18 +225,20 @@ def step_time(
     (``bucket_numel`` elements per bucket; None = one bucket per collective).
     """
     _check_step(grad_accum, bucket_numel)
+    placed = _placed(collectives, nd, link)
     timed = tuple(
         TimedCollective(c, runs_every_micro_step(stage, c.op), calls_per_optimizer_step(stage, c.op, grad_accum),
-                        _call_seconds(c.op, c.elements, c.bytes_per_rank, nd, link, algorithm, bucket_numel))
-        for c in collectives
+                        _call_seconds(c.op, c.elements, c.bytes_per_rank, c.group_size or nd, on, algorithm,
+                                      bucket_numel))
+        for c, on in placed
     )  # fmt: skip
-    return _step_time(link, algorithm, timed, compute_s, grad_accum)
+    return _step_time(_slowest(placed, link), algorithm, timed, compute_s, grad_accum)
 
 
 def engine_step_time(
     collectives: tuple[Collective, ...],
     nd: int,
-    link: Link,
+    link: Link | Links,
     grad_accum: int = 1,
     algorithm: str = "ring",
     bucket_numel: int | None = None,
@@ -214,13 +252,20 @@ def engine_step_time(
     """
     _check_step(grad_accum, bucket_numel)
     timed = []
-    for c in collectives:
+    placed = _placed(collectives, nd, link)
+    for c, on in placed:
         if c.micro_steps not in (1, grad_accum):
             raise ValueError(f"a {c.op} runs in {c.micro_steps} micro-steps: expected 1 or grad_accum={grad_accum}")
-        seconds = _call_seconds(c.op, ceil_div(c.elements, c.micro_steps), c.bytes_per_rank / c.micro_steps, nd,
-                                link, algorithm, bucket_numel)  # fmt: skip
+        seconds = _call_seconds(c.op, ceil_div(c.elements, c.micro_steps), c.bytes_per_rank / c.micro_steps,
+                                c.group_size or nd, on, algorithm, bucket_numel)  # fmt: skip
         timed.append(TimedCollective(c, c.micro_steps > 1, c.micro_steps, seconds))
-    return _step_time(link, algorithm, tuple(timed), compute_s, grad_accum)
+    return _step_time(_slowest(placed, link), algorithm, tuple(timed), compute_s, grad_accum)
+
+
+def _slowest(placed: tuple[tuple[Collective, Link], ...], link: Link | Links) -> Link:
+    """The limiting link of a step: the slowest any of its collectives runs at (the intra-node one if none)."""
+    default = link.intra if isinstance(link, Links) else link
+    return min((on for _, on in placed), key=lambda on: on.bandwidth_gbps, default=default)
 
 
 def _check_step(grad_accum: int, bucket_numel: int | None) -> None:
@@ -232,7 +277,8 @@ def _check_step(grad_accum: int, bucket_numel: int | None) -> None:
 
 def _call_seconds(op: str, elements: int, nbytes: float, nd: int, link: Link, algorithm: str,
                   bucket_numel: int | None) -> float:
-    """One call: its bytes over the link's bandwidth plus α for every latency step of every bucket."""
+    """One call over ``nd`` ranks (its group): its bytes over the link's bandwidth plus α for every latency
+    step of every bucket."""
     buckets = 1 if bucket_numel is None else max(1, ceil_div(elements, bucket_numel))
     return nbytes / link.bandwidth_bytes_per_s + buckets * latency_steps(op, nd, algorithm) * link.alpha_s
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationInfo, fie
 from zeroplan.allocator.config import parse_alloc_conf
 from zeroplan.architectures.spec import TransformerSpec, gpt_for_params, numels, transformer_shapes
 from zeroplan.engines import EngineName, get_engine, planner_options
-from zeroplan.engines.base import EngineOptions, PlannerOptions
+from zeroplan.engines.base import PLANNER_INPUTS, EngineOptions, PlannerOptions
 from zeroplan.estimation.workload import check_seq_len
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL
@@ -136,15 +136,18 @@ class PlanConfig(BaseModel):
             )
         check_split(self.gpus, self.model_parallel)
         _ = self.planner_options  # options outside the engine's vocabulary: one line
-        if get_engine(self.engine).plan is not None:  # the engine's own search by predicted peak
-            why = {"model": self.model is None, "model_parallel": self.model_parallel != 1,
-                   "offload": self.offload != "none", "host_memory_bytes": self.host_memory_bytes is not None,
-                   "checkpointing": self.checkpointing not in ("none", "full")}  # fmt: skip
-            chosen = [k for k in get_engine(self.engine).plan_chooses if k in self.model_fields_set]
+        engine = get_engine(self.engine)
+        if engine.plan is not None:  # the engine's own search by predicted peak
+            chosen = [k for k in engine.plan_chooses if k in self.model_fields_set]
             if chosen:
                 raise ValueError(f"{chosen[0]} does not apply to plan --engine {self.engine}, which chooses it by "
                                  "predicted peak")  # fmt: skip
-            bad = next((k for k, v in why.items() if v), None)
+            limit = engine.peak_limits(self.planner_options, self.model_architecture, self.checkpointing,
+                                       self.model_parallel)  # fmt: skip
+            why = {"offload": self.offload != "none", "host_memory_bytes": self.host_memory_bytes is not None}
+            bad = limit.option if limit is not None else next((k for k, v in why.items() if v), None)
+            if bad is not None and bad not in (*PLANNER_INPUTS, *why):
+                raise ValueError(limit.reason)  # the architecture or the engine's own options
             if bad is not None:
                 raise ValueError(
                     f"plan --engine {self.engine} searches its own options by predicted peak, which needs a model "

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from zeroplan.allocator.reserved import fit_bytes, reserved_of
 from zeroplan.engines import get_engine
 from zeroplan.estimation.workload import model_workload
-from zeroplan.formulas.commtime import compute_time_s, engine_step_time, ring_link
+from zeroplan.formulas.commtime import Links, compute_time_s, engine_step_time, ring_link
 from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.cut_first import cut_first
@@ -23,13 +25,17 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     workload = model_workload(spec, config.sequence_length, config.micro_batch, config.checkpointing,
                               config.grad_accum, config.foreach)  # fmt: skip
     options = config.planner_options
+    if engine.own_options:  # the node size, for an engine that searches a mesh (fsdp2 --dp-shard auto)
+        options = replace(options, own={**options.own, "gpus_per_node": config.gpus_per_node})
     answer = engine.plan(workload, nd, budget, options)
-    traces = tuple(None if c.alloc_trace is None else c.alloc_trace() for c in answer.candidates)
+    traces = tuple(engine.alloc_trace(*c.trace_inputs)[0] if engine.alloc_trace and c.trace_inputs else None
+                   for c in answer.candidates)  # fmt: skip
     held = tuple(None if t is None else reserved_of(t, config.alloc_conf) for t in traces)
     fit = tuple(fit_bytes(c.estimate.model_states_bytes, c.estimate.peak, r) <= budget
                 for c, r in zip(answer.candidates, held))  # fmt: skip
     recommended = next((i for i, f in enumerate(fit) if f), None)
     ring = ring_link(nd, 1, config.gpus_per_node, config.intra_link, config.inter_link)
+    links = Links(config.intra_link, config.inter_link, config.gpus_per_node)  # time per link (commtime)
     whole = config.tensor_numels
     tokens = config.tokens_per_micro_step * config.grad_accum
     compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, 1, config.flops, config.mfu)
@@ -37,7 +43,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     for c, fits_c, reserved in zip(answer.candidates, fit, held):
         e = c.estimate
         # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
-        time = engine_step_time(e.collectives, nd, ring, config.grad_accum, config.algorithm, c.bucket_numel,
+        time = engine_step_time(e.collectives, nd, links, config.grad_accum, config.algorithm, c.bucket_numel,
                                 compute_s)  # fmt: skip
         rows.append(PlanOption(
             e.stage, e.label, NO_OFFLOAD, None, None,
@@ -49,6 +55,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
             pcie_s=0.0,
             peak=e.peak,
             candidate=c.label,
+            peak_rank=e.peak_rank,
             reserved=reserved,
         ))  # fmt: skip
     headroom = f"{config.headroom:.0%} of GPU memory kept free"

@@ -30,7 +30,7 @@ from zeroplan.engines.base import EngineOptions
 from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import step_collectives
-from zeroplan.formulas.commtime import compute_time_s, ring_link, step_time
+from zeroplan.formulas.commtime import Links, compute_time_s, ring_link, step_time
 from zeroplan.formulas.peak import PeakEstimate
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
 from zeroplan.formulas.sharding import shard_numel
@@ -195,48 +195,38 @@ def option_peaks(
     the engine's peak on ``nd`` ranks (default N_d) of each stage, for an offload option with the offloaded
     model states on the host (``offload_peak``), when the architecture and the step are ones it models; else
     {} and why fits are on model states. Each stage is estimated once, and only the stages of ``keys``."""
-    if config.model is None:
-        return {}, "fits on model states within the headroom: the peak needs an architecture (--model)", {}
-    why = None
-    if config.model_parallel != 1:
-        why = f"the peak is modelled without tensor parallelism (N_m = {config.model_parallel})"
-    elif config.checkpointing not in ("none", "full"):
-        why = f"the peak knows checkpointing none and full, not {config.checkpointing}"
-    if why is None:
-        engine = get_engine(config.engine)
-        stages = sorted({s for s, _ in keys})
-        workload = model_workload(config.model_architecture, config.sequence_length, config.micro_batch,
-                                  config.checkpointing, config.grad_accum, config.foreach)  # fmt: skip
-        try:
-            options = planner_options(engine, config.engine_options, policy=config.policy,
-                                      stage=stages[0] if len(stages) == 1 else None)  # fmt: skip
-            options = replace(options, gpu_capability=config.gpu_capability)  # the --gpu preset's workspaces
-            settings = engine.planner_settings(options)
-            rows = engine.estimate(workload, nd or config.nd, settings)
-        except ValueError as exc:  # a policy the engine's peak does not model
-            why = str(exc)
-        else:
-            block = engine.block_bytes(settings)
-            by_stage = {r.stage: r.peak for r in rows if r.peak is not None}
-            peaks = {
-                (s, off): by_stage[s] if not off.any else offload_peak(by_stage[s], s, off, block)
-                for s, off in keys
-                if s in by_stage
-            }
-            traced = engine.alloc_trace(workload, nd or config.nd, settings) if engine.alloc_trace else ()
-            by_trace = {r.stage: t for r, t in zip(rows, traced)}
-            traces = {(s, off): by_trace[s] for s, off in keys if s in by_trace and not off.any}
-            quantity = fit_quantity(config.alloc_conf if traces else None)
-            return peaks, (
-                f"fits on {quantity} ({config.engine} engine, docs/peak.md) within the headroom; an offload option "
-                "on its stage's peak of live bytes with the offloaded model states on the host "
-                "(docs/plan.md#offload-options)"
-            ), traces
-    return {}, f"fits on model states within the headroom: {why}", {}
+    engine = get_engine(config.engine)
+    stages = sorted({s for s, _ in keys})
+    options = planner_options(engine, config.engine_options, policy=config.policy,
+                              stage=stages[0] if len(stages) == 1 else None)  # fmt: skip
+    options = replace(options, gpu_capability=config.gpu_capability)  # the --gpu preset's workspaces
+    limit = engine.peak_limits(options, config.model_architecture, config.checkpointing, config.model_parallel)
+    if limit is not None:
+        return {}, f"fits on model states within the headroom: {limit.reason}", {}
+    workload = model_workload(config.model_architecture, config.sequence_length, config.micro_batch,
+                              config.checkpointing, config.grad_accum, config.foreach)  # fmt: skip
+    settings = engine.planner_settings(options)
+    rows = engine.estimate(workload, nd or config.nd, settings)
+    block = engine.block_bytes(settings)
+    by_stage = {r.stage: r.peak for r in rows if r.peak is not None}
+    peaks = {
+        (s, off): by_stage[s] if not off.any else offload_peak(by_stage[s], s, off, block)
+        for s, off in keys
+        if s in by_stage
+    }
+    traced = engine.alloc_trace(workload, nd or config.nd, settings) if engine.alloc_trace else ()
+    by_trace = {r.stage: t for r, t in zip(rows, traced)}
+    traces = {(s, off): by_trace[s] for s, off in keys if s in by_trace and not off.any}
+    quantity = fit_quantity(config.alloc_conf if traces else None)
+    return peaks, (
+        f"fits on {quantity} ({config.engine} engine, docs/peak.md) within the headroom; an offload option "
+        "on its stage's peak of live bytes with the offloaded model states on the host "
+        "(docs/plan.md#offload-options)"
+    ), traces
 
 
 def _option(
-    config: PlanConfig, stage: int, offload: Offload, numels, ring, compute_s, budget, host, peak=None, trace=None
+    config: PlanConfig, stage: int, offload: Offload, numels, links, compute_s, budget, host, peak=None, trace=None
 ) -> PlanOption:
     row = get_stage(stage)
     nm, nd, policy = config.model_parallel, config.nd, config.policy
@@ -250,7 +240,7 @@ def _option(
     states = rank_states(numels, nd, stage, offload, policy, config.grad_accum, layout)
     collectives = step_collectives(stage, numels, nd, policy.param_dtype, policy.resolved_grad_dtype, layout)
     time = step_time(
-        stage, collectives, nd, ring, config.grad_accum, config.algorithm, config.bucket_numel, compute_s
+        stage, collectives, nd, links, config.grad_accum, config.algorithm, config.bucket_numel, compute_s
     )
     volume = sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives)
     held = None if trace is None else reserved_of(trace, config.alloc_conf)
@@ -308,6 +298,7 @@ def plan_config(config: PlanConfig) -> Plan:
     whole = config.tensor_numels
     numels = None if whole is None else tuple(shard_numel(n, nm) for n in whole)
     ring = ring_link(nd, nm, config.gpus_per_node, config.intra_link, config.inter_link)
+    links = Links(config.intra_link, config.inter_link, config.gpus_per_node, nm)  # time per link (commtime)
     tokens = config.tokens_per_micro_step * config.grad_accum
     compute_s = None
     if whole is not None and config.flops is not None:
@@ -315,7 +306,7 @@ def plan_config(config: PlanConfig) -> Plan:
     keys = tuple((s, NO_OFFLOAD) for s in range(4)) + tuple(k for k in LADDER if k[1].any)
     peaks, fit_basis, traces = option_peaks(config, keys)
     options = tuple(
-        _option(config, s, off, numels, ring, compute_s, budget, host, peaks.get((s, off)), traces.get((s, off)))
+        _option(config, s, off, numels, links, compute_s, budget, host, peaks.get((s, off)), traces.get((s, off)))
         for s, off in keys
     )  # fmt: skip
     recommendation, reason = _recommend(config, options)

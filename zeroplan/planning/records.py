@@ -33,6 +33,7 @@ class PlanOption:
     pcie_s: Optional[float] = None  # offload traffic time per step on the host link, full duplex
     peak: Optional[PeakEstimate] = None  # the engine's peak per GPU (no offload, an architecture given)
     candidate: Optional[str] = None  # an engine's own configuration (plan --engine fsdp2|deepspeed), its words
+    peak_rank: Optional[int] = None  # the rank whose peak ``peak`` is, the largest (EngineEstimate.peak_rank); None: all alike
     reserved: Optional[ReservedEstimate] = None  # the allocator model's reserved bytes (no offload, a trace)
 
     @property

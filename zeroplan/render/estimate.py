@@ -6,10 +6,12 @@ import csv
 import io
 
 from zeroplan.estimation.records import Estimate, StageEstimate
+from zeroplan.formulas.collectives import on_mesh
+from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.render.schemas import (
     CollectiveOut, EstimateDoc, EstimateInputs, PeakTermOut, PhasesOut, PolicyOut, StageOut, StepOut, json_text,
 )  # fmt: skip
-from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
+from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
 CSV_COLUMNS = (
     "stage", "name", "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes",
@@ -17,8 +19,10 @@ CSV_COLUMNS = (
 )  # fmt: skip
 
 
-def stage_out(s: StageEstimate) -> StageOut:
-    """One stage as ``stages[]`` of ``estimate --json`` (``zeroplan.render.schemas.StageOut``)."""
+def stage_out(s: StageEstimate, e: Estimate | None = None) -> StageOut:
+    """One stage as ``stages[]`` of ``estimate --json`` (``zeroplan.render.schemas.StageOut``); its collectives
+    placed on the mesh of ``e`` (``zeroplan.formulas.collectives.on_mesh``: group size and link class)."""
+    collectives = s.collectives if e is None else on_mesh(s.collectives, e.nd, e.nm, gpus_per_node(e))
     return StageOut(
         stage=s.stage,
         name=s.name,
@@ -30,7 +34,7 @@ def stage_out(s: StageEstimate) -> StageOut:
         fits=s.fits,
         comm_volume_elements=s.comm_volume_elements,
         comm_bytes_per_rank=s.comm_bytes_per_rank,
-        collectives=[CollectiveOut(**c.as_dict()) for c in s.collectives],
+        collectives=[CollectiveOut(**c.as_dict()) for c in collectives],
         peak_bytes=None if s.peak is None else s.peak.peak_bytes,
         peak_phase=None if s.peak is None else s.peak.peak_phase,
         phases=None if s.peak is None else PhasesOut(**s.peak.by_phase()),
@@ -39,6 +43,7 @@ def stage_out(s: StageEstimate) -> StageOut:
         reserved_bytes=None if s.reserved is None else s.reserved.reserved_bytes,
         reserved_phases=None if s.reserved is None else PhasesOut(**s.reserved.reserved_phases),
         own_estimator_bytes=s.own_estimate_bytes,
+        peak_rank=s.peak_rank,
     )
 
 
@@ -53,8 +58,13 @@ def step_out(e: Estimate) -> StepOut | None:
     )  # fmt: skip
 
 
-def stage_dict(s: StageEstimate) -> dict:
-    return stage_out(s).dump()
+def stage_dict(s: StageEstimate, e: Estimate | None = None) -> dict:
+    return stage_out(s, e).dump()
+
+
+def gpus_per_node(e: Estimate) -> int:
+    """The node size the links are read for: the estimate's, else 8 (``zeroplan.formulas.mesh``)."""
+    return getattr(e, "gpus_per_node", None) or DEFAULT_GPUS_PER_NODE
 
 
 def estimate_doc(e: Estimate) -> EstimateDoc:
@@ -73,7 +83,7 @@ def estimate_doc(e: Estimate) -> EstimateDoc:
         ),
         bytes_per_param=dict(e.bytes_per_param),
         k=e.k,
-        stages=[stage_out(s) for s in e.stages],
+        stages=[stage_out(s, e) for s in e.stages],
     )
 
 
@@ -86,7 +96,7 @@ def to_csv(e: Estimate) -> str:
     writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for s in e.stages:
-        writer.writerow(stage_dict(s))
+        writer.writerow(stage_dict(s, e))
     return out.getvalue()
 
 
@@ -122,7 +132,7 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
             format_bytes(s.comm_bytes_per_rank, unit),
         ]  # fmt: skip
         if e.workload is not None:
-            row += [format_bytes(s.peak.peak_bytes, unit), s.peak.peak_phase.replace("_", " "),
+            row += [format_bytes(s.peak.peak_bytes, unit), peak_phase_cell(s.peak.peak_phase, s.peak_rank),
                     "-" if s.reserved is None else format_bytes(s.reserved.reserved_bytes, unit)]
         if e.own_estimator is not None:
             row.append(format_bytes(s.own_estimate_bytes, unit))
@@ -156,8 +166,14 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
                      "buckets, activations or temporaries), shown beside the prediction to compare; never used for it.")  # fmt: skip
     counted = ("as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, 3Ψ P_os+g+p)" if e.engine == "reference" else
                f"by the calls the {e.engine} engine itself issues (its own collectives, not the paper's count)")
+    accum = 1 if e.workload is None else e.workload.grad_accum
+    moved = f"elements moved per rank per step {counted}"
+    if accum > 1:  # the rows count one optimizer step (EngineEstimate.collectives)
+        moved = (f"elements moved per rank per optimizer step of {accum} micro-steps, " + (
+            "the paper's count per micro-step (sec. 7: 2Ψ DP/P_os/P_os+g, 3Ψ P_os+g+p) with what runs every "
+            f"micro-step (ZeRO-2/3 gradient reductions, ZeRO-3 all-gathers) counted {accum} times"
+            if e.engine == "reference" else f"every micro-step's calls the {e.engine} engine itself issues"))
     lines += [
-        f"comm/step: elements moved per rank per step {counted}; sent/rank: bytes each rank sends with ring "
-        "collectives, (N_d-1)/N_d of that.",
+        f"comm/step: {moved}; sent/rank: bytes each rank sends with ring collectives, (N_d-1)/N_d of that.",
     ]  # fmt: skip
     return "\n".join(lines)

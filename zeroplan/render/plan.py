@@ -7,7 +7,7 @@ from typing import Optional
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.presets import LinkSpec
 from zeroplan.render.schemas import PlanDoc, json_text
-from zeroplan.render.table import convention_line, format_bytes, format_count, format_table
+from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
 SCHEMA = "zeroplan.plan/1"
 ESTIMATE_NOTE = (
@@ -78,6 +78,7 @@ def option_dict(o: PlanOption, per_node: int) -> dict:
         **peak_keys(o.peak),
         reserved_bytes=None if o.reserved is None else o.reserved.reserved_bytes,
         reserved_phases=None if o.reserved is None else o.reserved.reserved_phases,
+        peak_rank=o.peak_rank,
         comm_time={
             "link": o.time.link,
             "algorithm": o.time.algorithm,
@@ -289,8 +290,8 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
     for o in p.options:
         rows.append([
             o.label, str(o.stage), _size(o.states.gpu.model_states_bytes, unit), _size(o.peak and o.peak.peak_bytes, unit),
-            o.peak.peak_phase.replace("_", " ") if o.peak else "-", _size(o.reserved and o.reserved.reserved_bytes, unit),
-            "yes" if o.fits else "no",
+            peak_phase_cell(o.peak.peak_phase, o.peak_rank) if o.peak else "-",
+            _size(o.reserved and o.reserved.reserved_bytes, unit), "yes" if o.fits else "no",
             _size(o.comm_bytes_per_rank, unit), _seconds(o.time.comm_s), _seconds(o.time.exposed_comm_s),
         ])  # fmt: skip
     lines = [*format_table(rows, left=1), "", f"Recommendation: {_recommendation(p, unit)}", f"Fit: {p.fit_basis}."]

@@ -53,6 +53,15 @@ class CollectiveOut(_Out):
     elements: int = Field(description="full (unsharded) size of the collective, in elements")
     dtype: str
     bytes_per_rank: int = Field(description="bytes one rank sends on a ring algorithm")
+    mesh_dim: Literal["dp_replicate", "dp_shard", "tp"] = Field(
+        description="the mesh dimension it runs over (zeroplan/formulas/mesh.py): dp_shard for a flat run's "
+        "whole data-parallel group, dp_replicate for HSDP's gradient all-reduce across replicas",
+    )  # fmt: skip
+    group_size: int = Field(description="ranks in its process group")
+    link: Literal["intra", "inter"] = Field(
+        description="intra: every group inside one node (NVLink); inter: a group crosses nodes (the network), "
+        "for the node size given (--gpus-per-node, default 8)",
+    )  # fmt: skip
 
 
 class PhasesOut(_Out):
@@ -122,12 +131,17 @@ class StageOut(_Out):
         None, description="the engine's own estimator for the same run (deepspeed: DeepSpeed's "
         "estimate_zero2/3_model_states_mem_needs), beside the prediction; the key is absent for engines without one",
     )  # fmt: skip
+    peak_rank: Optional[int] = Field(
+        None, description="the rank whose peak this row is, the largest over ranks (fsdp2: the ranks whose shards "
+        "differ; deepspeed ZeRO-1/2: whose flat-group slices differ); the key is absent where every rank holds the same",
+    )  # fmt: skip
 
     @model_serializer(mode="wrap")
     def _without_own(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
         out = handler(self)
-        if self.own_estimator_bytes is None:
-            out.pop("own_estimator_bytes")
+        for key in ("own_estimator_bytes", "peak_rank"):
+            if getattr(self, key) is None:
+                out.pop(key)
         if self.reserved_bytes is None:  # no trace (no architecture): the keys are absent, as before them
             out.pop("reserved_bytes")
             out.pop("reserved_phases")
@@ -268,6 +282,10 @@ class PlanOptionOut(_Out):
     peak_phase: Optional[str] = None
     phases: Optional[PhasesOut] = None
     peak_terms: Optional[list[PeakTermOut]] = None
+    peak_rank: Optional[int] = Field(
+        None, description="an engine's own candidate: the rank whose peak this is, the largest over ranks; the key "
+        "is absent where every rank holds the same",
+    )  # fmt: skip
     reserved_bytes: Optional[int] = Field(None, description="max_memory_reserved the allocator model predicts "
                                           "(docs/allocator.md); null with offload or without an architecture")
     reserved_phases: Optional[PhasesOut] = Field(None, description="reserved bytes per phase; null as reserved_bytes")
@@ -278,6 +296,8 @@ class PlanOptionOut(_Out):
         if self.gpu_bytes is None:
             for key in _MODEL_KEYS:
                 out.pop(key)
+        if self.peak_rank is None:
+            out.pop("peak_rank")
         return out
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from zeroplan.number_formats import format_bytes, format_count  # noqa: F401 (re-exported)
 from zeroplan.policy import ByteRows
 
@@ -23,3 +25,8 @@ def convention_line(bytes_per_param: ByteRows, k: float) -> str:
     parts = " + ".join(f"{name} {b:g}" for name, b in bytes_per_param)
     total = sum(b for _, b in bytes_per_param)
     return f"bytes per parameter: {parts} = {total:g} (K = {k:g})"
+
+
+def peak_phase_cell(phase: str, rank: Optional[int]) -> str:
+    """The peak's phase as the tables print it, with the worst rank where ranks differ (``peak_rank``)."""
+    return phase.replace("_", " ") + ("" if rank is None else f", rank {rank}")

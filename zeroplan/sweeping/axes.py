@@ -77,15 +77,10 @@ def stage_peaks(config: SweepConfig, nd: int, micro_batch: int) -> dict[int, Pea
 
 @lru_cache(maxsize=64)
 def peak_possible(config: SweepConfig) -> bool:
-    """Whether the grid gets peak columns: an architecture, a checkpointing mode the peak knows, and a
-    policy the engine's peak models (the engine raises ValueError for one it does not)."""
-    if config.model is None or config.checkpointing not in ("none", "full"):
-        return False
-    try:
-        stage_peaks(config, 1, config.micro_batch[0])
-    except ValueError:
-        return False
-    return True
+    """Whether the grid gets peak columns: the engine's peak model covers its runs (``Engine.peak_limits``;
+    rows with N_m > 1 get none, ``grid._peaks``)."""
+    engine = get_engine(config.engine)
+    return engine.peak_limits(config.planner_options(), config.spec, config.checkpointing) is None
 
 
 @lru_cache(maxsize=4096)

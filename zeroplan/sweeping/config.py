@@ -16,13 +16,15 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.architectures.spec import numels as numels_of
 from zeroplan.engines import EngineName, get_engine, planner_options
-from zeroplan.engines.base import EngineOptions, PlannerOptions
+from zeroplan.engines.base import PLANNER_INPUTS, EngineOptions, PlannerOptions
+from zeroplan.estimation.config import preset_memory
 from zeroplan.estimation.workload import check_seq_len
 from zeroplan.formulas.activations import activation_bytes
+from zeroplan.formulas.cuda_workspaces import capability_of
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.parsing import parse_offload
 from zeroplan.policy import PrecisionPolicy
-from zeroplan.presets import ModelRef, model_seq_len, resolve_model
+from zeroplan.presets import GpuName, ModelRef, model_seq_len, resolve_model
 from zeroplan.types import model_name
 from zeroplan.types import (
     BatchCount, ByteSize, Checkpointing, Flag, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes,
@@ -76,12 +78,21 @@ class SweepConfig(BaseModel):
     offload: tuple[Offload, ...] = (NO_OFFLOAD,)
     """where states live (``zeroplan.parsing.parse_offload``); (stage, offload) pairs DeepSpeed lacks are
     left out."""
+    gpu: Optional[GpuName] = None
+    """GPU preset (``zeroplan.presets.gpu_presets``): its memory for the ``fits`` column (unless
+    ``gpu_memory_bytes`` is given) and its compute capability for the peak's cuBLAS workspaces, as ``plan``."""
     gpu_memory_bytes: Optional[ByteSize] = None
-    """memory of one GPU in bytes, for the ``fits`` column; None leaves it empty."""
+    """memory of one GPU in bytes, for the ``fits`` column; overrides the preset's; None (and no preset) leaves it
+    empty."""
     policy: PrecisionPolicy = PrecisionPolicy()
     """the reference engine's precision policy; refused (when not the default) for the other engines."""
     engine_options: EngineOptions = EngineOptions()
     """options in the engine's own vocabulary (``--reshard-after-forward``, ``--deepspeed-config``, ...)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_memory(cls, data: object) -> object:
+        return preset_memory(data)
 
     @field_validator("offload", mode="before")
     @classmethod
@@ -128,9 +139,12 @@ class SweepConfig(BaseModel):
         engine = get_engine(self.engine)
         _ = self.planner_options(self.engine_stages[0] if engine.one_row else None)  # the engine's vocabulary
         if engine.one_row:
-            why = {"model": self.model is None, "model_parallel": self.model_parallel != (1,),
-                   "offload": self.offload != (NO_OFFLOAD,), "checkpointing": self.checkpointing not in ("none", "full")}
-            bad = next((k for k, v in why.items() if v), None)
+            options = self.planner_options(self.engine_stages[0])
+            nm = next((m for m in self.model_parallel if m != 1), 1)
+            limit = engine.peak_limits(options, self.spec, self.checkpointing, nm)
+            bad = limit.option if limit is not None else ("offload" if self.offload != (NO_OFFLOAD,) else None)
+            if bad is not None and bad not in (*PLANNER_INPUTS, "offload"):
+                raise ValueError(limit.reason)  # the architecture or the engine's own options
             if bad is not None:
                 raise ValueError(
                     f"sweep --engine {self.engine} evaluates the engine's own configuration, which needs a model "
@@ -177,6 +191,7 @@ class SweepConfig(BaseModel):
         reads_policy = "policy" in engine.options or self.policy != PrecisionPolicy()
         planner = planner_options(engine, self.engine_options, stage=stage,
                                   policy=self.policy if reads_policy else None)  # fmt: skip
+        planner = replace(planner, gpu_capability=None if self.gpu is None else capability_of(self.gpu))
         return replace(planner, stages=self.stages) if stage is None else planner
 
     @property

@@ -281,6 +281,7 @@ def sweep(
     foreach: bool = True,
     engine: str = "reference",
     gpu_memory_bytes: int | None = None,
+    gpu: str | None = None,
     **options: object,
 ) -> pd.DataFrame:
     """``zeroplan.estimate`` for every combination of ``params`` x ``gpus`` x ``model_parallel``.
@@ -288,7 +289,7 @@ def sweep(
     Returns one row per configuration, stage and ``offload`` (columns ``COLUMNS``); byte columns are exact
     int64. ``offload`` items are ``zeroplan.parsing.parse_offload`` strings ('none', 'cpu', 'cpu/cpu', ...).
     Remaining keywords are the engine's options, as for ``estimate`` (``PrecisionPolicy`` fields for the
-    reference engine). ``micro_batch``: a ds_config's where it sets the batch
+    reference engine). ``gpu``: a GPU preset, as for ``estimate``. ``micro_batch``: a ds_config's where it sets the batch
     (the engine's ``Engine.sweep_batches``), else as given (None: 1). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
@@ -312,6 +313,7 @@ def sweep(
         checkpointing=checkpointing,
         foreach=foreach,
         engine=engine,
+        gpu=gpu,
         gpu_memory_bytes=gpu_memory_bytes,
         policy=PrecisionPolicy(**(policy or {})),
         engine_options=engine_options,

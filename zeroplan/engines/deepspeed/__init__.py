@@ -47,12 +47,15 @@ from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _trace
 from zeroplan.engines.deepspeed.settings import (DEEPSPEED_VERSION, DTYPE_BYTES, NCCL_START_ALIGNMENT_FACTOR,
                                                  DsDtype, Settings, inner_optimizer_class, optimizer_class,
                                                  to_ds_config)
-from zeroplan.engines.deepspeed.terms import (DSTerm, flat_padded_numel, model_state_bytes, persistent_numel,
-                                              stage3_partition_numel)
+from zeroplan.engines.deepspeed.terms import DSTerm, aligned_flat_numel, model_state_bytes, persistent_numel
 from zeroplan.engines.deepspeed.trace import FETCH, RELEASE, Stage3Trace, TraceEvent, stage3_trace
 from zeroplan.engines.deepspeed.wrapper import collectives, ds_run, memory_breakdown, terms, wrapper_for
 from zeroplan.engines.deepspeed.zero3 import zero_init_moments
 from zeroplan.engines.deepspeed.zero12 import _partition_allocations, _stage1_kept_gradients
+from zeroplan.formulas.sharding import flat_shard_numel as stage3_partition_numel  # noqa: F401
+
+# ZeRO-3's partition is the one sharding rule (``formulas.sharding.flat_shard_numel``); the name stays importable
+# here for tests/test_deepspeed_zero_init.py until it imports the rule itself.
 
 __all__ = [
     "BUCKET_CHOICES", "DEEPSPEED_OPTIMIZERS", "DEEPSPEED_VERSION", "DEFAULT_BUCKET_NUMEL", "DTYPE_BYTES", "FETCH",
@@ -62,11 +65,11 @@ __all__ = [
     "_partition_allocations", "_stage1_kept_gradients", "_trace",
     "backward_moments", "build_snippet", "candidates", "collectives", "deepspeed_config", "ds_batch",
     "ds_estimate_bytes", "ds_estimate_zero2_bytes", "ds_estimate_zero3_bytes", "ds_run", "estimate",
-    "flat_padded_numel", "forward_moments", "from_deepspeed", "greedy_buckets", "init_moments",
+    "aligned_flat_numel", "forward_moments", "from_deepspeed", "greedy_buckets", "init_moments",
     "inner_optimizer_class", "load_deepspeed", "memory_breakdown", "merge_deepspeed", "merge_ds_config", "planner_batch",
     "model_state_bytes", "moments",
     "optimizer_class", "optimizer_moments", "parse_ds_config", "persistent_numel", "planner_block_bytes",
-    "planner_plan", "planner_policy", "planner_settings", "recommend", "run_batch", "stage3_partition_numel",
+    "planner_plan", "planner_policy", "planner_settings", "recommend", "run_batch",
     "stage3_schedule", "stage3_trace", "sweep_micro_batches", "terms", "to_ds_config", "wrapper_for",
     "zero_init_moments", "ENGINE",
 ]  # fmt: skip

@@ -49,8 +49,14 @@ def _reduction_stream(term: Term) -> int:
 
 
 def alloc_traces(workload: Workload, nd: int, settings: Settings, stat_bytes: int | None = None) -> tuple[AllocTrace, ...]:
-    """The trace of ``estimate``'s one row (needs an architecture)."""
+    """The trace of ``estimate``'s one row (needs an architecture): of the rank it describes (``settings.rank``,
+    else the one it names as peaking highest, ``EngineEstimate.peak_rank``; None: every rank alike)."""
     if workload.spec is None:
         raise ValueError("an allocation trace needs an architecture (activations): give a model")
+    if settings.rank is None:
+        from zeroplan.engines.deepspeed.profile import estimate
+
+        (row,) = estimate(workload, nd, settings, stat_bytes)
+        settings = settings.model_copy(update={"rank": row.peak_rank})
     stream_of = _reduction_stream if settings.overlaps and settings.stage in (1, 2) else default_stream
     return (step_trace(chronological(moments(ds_run(settings, workload, nd, stat_bytes))), stream_of=stream_of),)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from zeroplan.engines.deepspeed.collectives import bf16_collectives
 from zeroplan.engines.deepspeed.phases import cast_moments, flatten_moment, later_blocks_held
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _pbytes, _states
-from zeroplan.engines.deepspeed.terms import bf16_terms, flat_padded_numel
+from zeroplan.engines.deepspeed.terms import bf16_terms, aligned_flat_numel
 from zeroplan.formulas.peak import Moment, Term
 
 SRC = "runtime/bf16_optimizer.py BF16_Optimizer"
@@ -24,7 +24,7 @@ class BF16Optimizer(Wrapper):
         """The cast, the flat copy, then (no ``initialize_optimizer_states``) the fp32 partition cloned from
         the 16-bit one (``.clone().float()``: the clone dies at once) and the full fp32 gradient buffer
         (``zeros_like``) completing the states."""
-        p, flat = _pbytes(run), flat_padded_numel(run.numels, run.nd)
+        p, flat = _pbytes(run), aligned_flat_numel(run.numels, run.nd)
         part = flat // run.nd
         bsrc = f"{SRC}._setup_for_real_optimizer"
         return (*cast_moments(run), flatten_moment(run),
@@ -56,7 +56,7 @@ class BF16Optimizer(Wrapper):
         """Every 16-bit gradient (param.grad) is added into the fp32 buffer one tensor at a time through an
         fp32 copy, then the engine all-reduces the flat fp32 buffer converted to the communication dtype;
         the 16-bit gradients live on until zero_grad after the step."""
-        numels, p, flat = run.numels, _pbytes(run), flat_padded_numel(run.numels, run.nd)
+        numels, p, flat = run.numels, _pbytes(run), aligned_flat_numel(run.numels, run.nd)
         base = (*_states(run), _act("batch (token ids, targets)", run.acts.batch, 2), _act("loss", run.acts.loss),
                 Term("16-bit gradients (param.grad)", sum(numels) * p,
                      "torch autograd; runtime/bf16_optimizer.py update_hp_grads (clear_lp_grads=False)"))  # fmt: skip

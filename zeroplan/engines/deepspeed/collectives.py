@@ -9,7 +9,7 @@ from typing import Optional
 
 from zeroplan.engines.deepspeed.coordinator import stage3_schedule
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import flat_padded_numel, persistent_numel
+from zeroplan.engines.deepspeed.terms import aligned_flat_numel, persistent_numel
 from zeroplan.engines.deepspeed.trace import Stage3Trace, stage3_trace
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 
@@ -89,7 +89,7 @@ def zero3_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum:
 
 def _flat_all_gather(s: Settings, numels: tuple[int, ...], nd: int) -> DSCollective:
     """ZeRO-1/2 and BF16_Optimizer after the step: the updated partitions gathered into the flat group."""
-    return DSCollective("all-gather", "optimizer_step", 1, flat_padded_numel(numels, nd), s.dtype,
+    return DSCollective("all-gather", "optimizer_step", 1, aligned_flat_numel(numels, nd), s.dtype,
                         "runtime/utils.py all_gather_dp_groups -> all_gather_into_tensor_dp_groups (one "
                         "all_gather_into_tensor of the padded flat group, whatever allgather_bucket_size: its shards "
                         "are cut only without all_gather_into_tensor; measured: one call at 5,000 elements)")  # fmt: skip
@@ -99,7 +99,7 @@ def bf16_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: 
                      trace: Optional[Stage3Trace]) -> tuple[DSCollective, ...]:
     """``BF16_Optimizer``: the engine all-reduces the flat gradients at the boundary, then the all-gather."""
     return (
-        DSCollective("all-reduce", "backward", 1, flat_padded_numel(numels, nd), s.dtype,
+        DSCollective("all-reduce", "backward", 1, aligned_flat_numel(numels, nd), s.dtype,
                      "runtime/bf16_optimizer.py BF16_Optimizer (engine.allreduce_gradients of the flat bf16 grads)"),
         _flat_all_gather(s, numels, nd),
     )  # fmt: skip

@@ -234,7 +234,10 @@ def from_deepspeed(config: object) -> dict:
             )
     stage = get_stage(zero.stage, "deepspeed config: zero_optimization.stage").number
 
-    fp16, bf16 = ds.fp16.enabled, ds.bf16.enabled or ds.bfloat16.enabled
+    # DeepSpeed 0.19.8 runtime/precision_config.py get_bfloat16_config: the "bf16" section whenever the key is
+    # there and not null (enabled or not); the older "bfloat16" only without it
+    fp16 = ds.fp16.enabled
+    bf16 = ds.bf16.enabled if config.get("bf16") is not None else ds.bfloat16.enabled
     if fp16 and bf16:
         raise ValueError("deepspeed config: fp16.enabled and bf16.enabled are both true")
     param_dtype = "fp16" if fp16 else "bf16" if bf16 else "fp32"

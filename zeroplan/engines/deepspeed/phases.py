@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import inner_optimizer_class
-from zeroplan.engines.deepspeed.terms import flat_padded_numel
+from zeroplan.engines.deepspeed.terms import aligned_flat_numel
 from zeroplan.formulas.peak import Moment, Term
 
 
@@ -33,7 +33,7 @@ def cast_moments(run: DSRun) -> tuple[Moment, ...]:
 def flatten_moment(run: DSRun) -> Moment:
     """ZeRO-1/2 and BF16_Optimizer: the 16-bit group copied into one padded flat buffer (the model's tensors
     are repointed into it afterwards)."""
-    p, psi, flat = _pbytes(run), sum(run.numels), flat_padded_numel(run.numels, run.nd)
+    p, psi, flat = _pbytes(run), sum(run.numels), aligned_flat_numel(run.numels, run.nd)
     src = "runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__"
     return Moment("init", "flatten the 16-bit group", (
         Term("model parameters (before repointing into the flat buffer)", psi * p, "runtime/engine.py _configure_distributed_model"),

@@ -151,15 +151,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
                           to_ds_config(t.settings, workload.micro_batch, workload.grad_accum),
                           t.settings.reduce_bucket_size, build_snippet(t.settings),
-                          _trace_of(workload, nd, t.settings)) for t in order)  # fmt: skip
+                          trace_inputs=(workload, nd, t.settings)) for t in order)  # fmt: skip
     return EnginePlan(out, index, "deepspeed", PLAN_ORDER, base)
-
-
-def _trace_of(workload: Workload, nd: int, settings: Settings):
-    """The candidate's allocation trace, made on demand (``Candidate.alloc_trace``)."""
-    from zeroplan.engines.deepspeed.alloc_trace import alloc_traces
-
-    return lambda: alloc_traces(workload, nd, settings)[0]
 
 
 def planner_block_bytes(settings: Settings) -> int:

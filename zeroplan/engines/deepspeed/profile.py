@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from zeroplan.engines.base import EngineEstimate, Workload
+from zeroplan.engines.base import EngineEstimate, Workload, worst_rank
 from zeroplan.engines.deepspeed.collectives import to_collective
 from zeroplan.engines.deepspeed.phases import moments
 from zeroplan.engines.deepspeed.run import _trace
@@ -16,12 +16,34 @@ from zeroplan.formulas.peak import PeakEstimate, peak_of
 
 
 def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int] = None) -> tuple[EngineEstimate, ...]:
-    """DeepSpeed under ``settings`` on N_d = ``nd`` ranks: model states, peak per phase, one step's collectives."""
+    """DeepSpeed under ``settings`` on N_d = ``nd`` ranks: model states, peak per phase, one step's collectives.
+
+    ``settings.rank`` None: the worst rank (``worst_rank``). Only ``DeepSpeedZeroOptimizer`` (ZeRO-1/2) has ranks
+    that differ, by the parameters their slice of the flat group overlaps (``FlatGroup.distinct_ranks``); the
+    others partition every tensor, or the flat group, alike on every rank (``peak_rank`` None). The moments of
+    every rank at once (``DSRun.ranks``) bound each rank's peak; the ranks are tried from the largest overlap
+    down (rank 0 first, so that it is named when all are alike) until one reaches that bound (the first or the
+    second, as a rule), all of them otherwise."""
+    if settings.rank is not None and settings.rank >= nd:
+        raise ValueError(f"rank={settings.rank}: must be < N_d={nd}")
+    if settings.rank is not None or workload.spec is None or optimizer_class(settings) != "DeepSpeedZeroOptimizer":
+        return (_estimate(workload, nd, settings, stat_bytes),)
+    bound = _estimate(workload, nd, settings, stat_bytes).peak.peak_bytes
+    flat = ds_run(settings, workload, nd, stat_bytes).flat
+    rows = {}
+    for r in sorted(flat.distinct_ranks(), key=lambda r: (r != 0, -flat.params_numel(r), r)):  # 0 names a tie
+        rows[r] = _estimate(workload, nd, settings.model_copy(update={"rank": r}), stat_bytes)
+        if rows[r].peak.peak_bytes >= bound:
+            break
+    return (worst_rank(rows),)
+
+
+def _estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> EngineEstimate:
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
     peak: Optional[PeakEstimate] = None
     if workload.spec is not None:
         peak = peak_of(moments(ds_run(settings, workload, nd, stat_bytes)))
-    return (EngineEstimate(
+    return EngineEstimate(
         engine="deepspeed",
         label=f"ZeRO-{settings.stage} {optimizer_class(settings)} + {inner_optimizer_class(settings)}",
         stage=settings.stage,
@@ -29,4 +51,5 @@ def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Option
         peak=peak,
         collectives=tuple(to_collective(c, nd) for c in collectives(settings, numels, nd, workload.grad_accum,
                                                                     *_trace(workload))),
-    ),)  # fmt: skip
+        peak_rank=settings.rank,
+    )  # fmt: skip

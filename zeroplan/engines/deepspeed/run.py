@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, flat_padded_numel
+from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel
 from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, Stage3Trace, stage3_trace
 from zeroplan.formulas.activation_terms import ModelActivations
 from zeroplan.formulas.peak import Moment, Term
@@ -34,7 +34,7 @@ class Wrapper:
 
     def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
         """Elements of one rank's fp32 master partition."""
-        return flat_padded_numel(numels, nd) // nd
+        return aligned_flat_numel(numels, nd) // nd
 
     def schedule(self, run: DSRun) -> Optional[Stage3Schedule]:
         """The replayed parameter coordinator; None: every parameter is always there."""
@@ -90,6 +90,13 @@ class DSRun:
     """per parameter (``named_parameters`` order), the index of its decoder block; -1 outside the blocks."""
     output_projections: tuple[int, ...] = ()
     """the parameters of the blocks' MLP output projections (GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``)."""
+
+    @property
+    def ranks(self) -> tuple[int, ...] | range:
+        """The ranks whose own terms (a flat group's ``grads_in_partition``, the gradients kept outside a
+        partition) the moments describe: ``settings.rank``, or every rank (each moment of one rank: the
+        phase's peak is then the largest over ranks)."""
+        return range(self.nd) if self.settings.rank is None else (self.settings.rank,)
 
     @cached_property
     def flat(self) -> FlatGroup:

@@ -69,6 +69,11 @@ class Settings(BaseModel):
     Hugging Face ``from_pretrained`` does when the config is ZeRO-3: ``is_deepspeed_zero3_enabled``);
     stages 1-2 never (``Init`` partitions parameters, which only ZeRO-3 does)."""
 
+    rank: Optional[int] = Field(None, ge=0)
+    """The rank described: ZeRO-1/2 ranks differ by the parameters their slice of the flat group overlaps
+    (``grads_in_partition``). None: the worst rank (``profile.estimate`` predicts every rank whose slice
+    differs and names the one peaking highest in ``peak_rank``). Not a ds_config key."""
+
     @model_validator(mode="after")
     def _zero_init_stage(self) -> Settings:
         if self.zero_init and self.stage != 3:

@@ -1,7 +1,7 @@
 """What DeepSpeed allocates on each rank for model states and buckets: ``DSTerm`` records, one list per
 optimizer wrapper (``zero12_terms``: stage_1_and_2.py ``DeepSpeedZeroOptimizer``; ``bf16_terms``:
 bf16_optimizer.py ``BF16_Optimizer``; ``zero3_terms``: stage3.py ``DeepSpeedZeroOptimizer_Stage3``), each
-term naming the DeepSpeed file and function it was read from; and the padding rules they share."""
+term naming the DeepSpeed file and function it was read from; and the flat group's padding (ZeRO-1/2, BF16)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, NCCL_START_ALIGNMENT_FACTOR, Settings, inner_optimizer_class
 from zeroplan.formulas.peak import Term
+from zeroplan.formulas.sharding import ceil_div, flat_shard_numel
 
 @dataclass(frozen=True)
 class DSTerm:
@@ -36,20 +37,14 @@ class DSTerm:
         return Term(self.name, self.bytes, self.source, max(self.tensors, 1))
 
 
-def _ceil_to(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def flat_padded_numel(numels: tuple[int, ...], nd: int) -> int:
-    """ZeRO-1/2 and BF16_Optimizer: one flat group padded to 2·N_d (stage_1_and_2.py ``__init__``,
-    ``flatten_dense_tensors_aligned(..., alignment=nccl_start_alignment_factor * world_size)``)."""
-    return _ceil_to(sum(numels), NCCL_START_ALIGNMENT_FACTOR * nd)
-
-
-def stage3_partition_numel(numels: tuple[int, ...], nd: int) -> int:
-    """ZeRO-3: each tensor padded to N_d and split (partition_parameters.py ``_padding_size``,
-    ``_partition_param``); a rank holds the sum of ceil(n / N_d)."""
-    return sum(-(-n // nd) for n in numels)
+def aligned_flat_numel(numels: tuple[int, ...], nd: int) -> int:
+    """Length of DeepSpeed's flat group (ZeRO-1/2 ``DeepSpeedZeroOptimizer`` and ``BF16_Optimizer``): the group's
+    tensors concatenated, then padded once at the end to a multiple of 2·N_d (runtime/utils.py
+    ``align_dense_tensors``, called by stage_1_and_2.py ``DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned``
+    with ``alignment = nccl_start_alignment_factor * world_size``). Not the per-tensor rule of ZeRO-3 and the
+    reference runtime (``formulas.sharding.flat_shard_numel``: ZeRO-3 pads each tensor to N_d,
+    partition_parameters.py ``Init._padding_size``)."""
+    return ceil_div(sum(numels), NCCL_START_ALIGNMENT_FACTOR * nd) * NCCL_START_ALIGNMENT_FACTOR * nd
 
 
 def persistent_numel(s: Settings, numels: tuple[int, ...]) -> int:
@@ -60,13 +55,13 @@ def persistent_numel(s: Settings, numels: tuple[int, ...]) -> int:
 
 class FlatGroup:
     """ZeRO-1/2 and BF16_Optimizer: the parameters laid out in one flat group (``numels`` in
-    ``named_parameters`` order) cut into N_d partitions of ``part`` elements (``flat_padded_numel``)."""
+    ``named_parameters`` order) cut into N_d partitions of ``part`` elements (``aligned_flat_numel``)."""
 
     def __init__(self, numels: tuple[int, ...], nd: int) -> None:
         self.numels, self.nd = numels, nd
         self.offsets = (0, *itertools.accumulate(numels))
         """where each parameter starts, and where the last ends (prefix sums)."""
-        self.part = flat_padded_numel(numels, nd) // nd
+        self.part = aligned_flat_numel(numels, nd) // nd
 
     def range(self, rank: int) -> tuple[int, int]:
         """(first, end) indices of the parameters overlapping ``rank``'s slice [rank·part, (rank + 1)·part):
@@ -80,6 +75,14 @@ class FlatGroup:
         """Indices of the parameters overlapping ``rank``'s slice (stage_1_and_2.py ``get_partition_info``: a
         parameter is in a partition when any of its elements is)."""
         return tuple(range(*self.range(rank)))
+
+    def distinct_ranks(self) -> tuple[int, ...]:
+        """The first rank of each run of ranks whose slices overlap the same parameters (``range``): the
+        profile reads a rank only through them, so these ranks' predictions are every rank's."""
+        firsts: dict[tuple[int, int], int] = {}
+        for rank in range(self.nd):
+            firsts.setdefault(self.range(rank), rank)
+        return tuple(firsts.values())
 
     def params_numel(self, rank: int) -> int:
         """Elements of the parameters overlapping ``rank``'s slice, whole (``copy_grads_in_partition``)."""
@@ -119,8 +122,9 @@ def _flat_scalars(s: Settings) -> tuple[DSTerm, ...]:
 
 
 def zero3_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
-    """``DeepSpeedZeroOptimizer_Stage3``: every tensor partitioned (ceil(n / N_d) each)."""
-    p, g, part, fused = s.dtype, s.grad_dtype, stage3_partition_numel(numels, nd), _fused(s)
+    """``DeepSpeedZeroOptimizer_Stage3``: every tensor partitioned (ceil(n / N_d) each: the one sharding rule,
+    ``flat_shard_numel``, as partition_parameters.py ``Init._padding_size``/``_partition_param`` pad it)."""
+    p, g, part, fused = s.dtype, s.grad_dtype, flat_shard_numel(numels, nd), _fused(s)
     return (
         DSTerm("16-bit parameter partition", "persistent", part, p,
                "runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3._create_fp16_partitions_with_defragmentation (lp_param_buffer)"),
@@ -144,7 +148,7 @@ def zero3_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, 
 def zero12_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
     """``DeepSpeedZeroOptimizer`` (ZeRO-1 and 2): the full flat 16-bit group, an fp32 partition, the reduce
     bucket(s) of each backward."""
-    flat, g = flat_padded_numel(numels, nd), s.grad_dtype
+    flat, g = aligned_flat_numel(numels, nd), s.grad_dtype
     buffers = (2 if s.overlaps else 1) if s.contiguous_gradients else 0
     return (
         DSTerm("16-bit flat parameters (full, padded)", "persistent", flat, s.dtype,
@@ -163,7 +167,7 @@ def zero12_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm,
 def bf16_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
     """``BF16_Optimizer`` (ZeRO-1, bf16 model, fp32 gradient accumulation): the full flat 16-bit group, an
     fp32 partition and a full fp32 gradient buffer."""
-    flat = flat_padded_numel(numels, nd)
+    flat = aligned_flat_numel(numels, nd)
     return (
         DSTerm("16-bit flat parameters (full, padded)", "persistent", flat, s.dtype,
                "runtime/bf16_optimizer.py BF16_Optimizer._setup_for_real_optimizer (bf16_groups_flat)"),

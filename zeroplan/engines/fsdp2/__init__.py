@@ -36,7 +36,7 @@ planner's side). This module re-exports the names other modules use.
 
 from __future__ import annotations
 
-from zeroplan.engines.base import Engine
+from zeroplan.engines.base import Engine, EngineOption
 from zeroplan.engines.fsdp2.alloc_trace import alloc_traces
 from zeroplan.engines.fsdp2.collectives import UnitCollective, unit_collectives
 from zeroplan.engines.fsdp2.launcher import fsdp2_snippet, settings_snippet
@@ -59,6 +59,7 @@ from zeroplan.engines.fsdp2.param import (
 )
 from zeroplan.engines.fsdp2.plan import (
     CANDIDATES,
+    OWN_OPTIONS,
     PLAN_ORDER,
     PLANNER_OPTIONS,
     Fsdp2Option,
@@ -74,7 +75,7 @@ from zeroplan.engines.fsdp2.settings import SRC, TORCH_VERSION, Settings, post_f
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, ModelStates, fsdp2_run, mesh_ranks_bytes, model_states
 
 __all__ = [
-    "CANDIDATES", "PLAN_ORDER", "PLANNER_OPTIONS", "SRC", "TORCH_VERSION", "Fsdp2Option", "Fsdp2Run",
+    "CANDIDATES", "OWN_OPTIONS", "PLAN_ORDER", "PLANNER_OPTIONS", "SRC", "TORCH_VERSION", "Fsdp2Option", "Fsdp2Run",
     "ModelStates", "Settings", "Shape", "Unit", "UnitCollective", "backward_moments", "estimate",
     "forward_moments", "fsdp2_run", "fsdp2_snippet", "init_moments", "local_shard_numel", "mesh_ranks_bytes",
     "model_states", "moments", "optimizer_moments", "padded_shard_numel", "plan_options", "planner_block_bytes",
@@ -83,5 +84,6 @@ __all__ = [
 ]  # fmt: skip
 
 ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
-                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), alloc_trace=alloc_traces)
+                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=OWN_OPTIONS,
+                alloc_trace=alloc_traces)
 """FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""

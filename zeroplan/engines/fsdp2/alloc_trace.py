@@ -18,7 +18,6 @@ from zeroplan.allocator.step_trace import AllocTrace, step_trace
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2.moments import moments
 from zeroplan.engines.fsdp2.settings import Settings
-from zeroplan.engines.fsdp2.terms import fsdp2_run
 from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Term
 
@@ -35,8 +34,16 @@ def stream_of(term: Term) -> int:
 
 
 def alloc_traces(workload: Workload, nd: int, settings: Settings) -> tuple[AllocTrace, ...]:
-    """The trace of ``estimate``'s one row (needs an architecture)."""
-    run = fsdp2_run(workload, nd, settings)
+    """The trace of ``estimate``'s one row (needs an architecture): of the rank it describes (``settings.rank``,
+    else the one it names as peaking highest, ``EngineEstimate.peak_rank``), on its HSDP shard group."""
+    from zeroplan.engines.fsdp2.mesh import resolve_mesh
+    from zeroplan.engines.fsdp2.plan import estimate, rank_run
+
+    settings = resolve_mesh(settings, nd)
+    if settings.rank is None:
+        (row,) = estimate(workload, nd, settings)
+        settings = settings.model_copy(update={"rank": row.peak_rank or 0})
+    run, _ = rank_run(workload, nd, settings)
     if run.acts is None:
         raise ValueError("an allocation trace needs an architecture (activations): give a model")
     if settings.device != "cuda":

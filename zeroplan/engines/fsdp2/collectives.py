@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroplan.engines.fsdp2.param import Unit, unit_shard_numel
-from zeroplan.engines.fsdp2.settings import Settings, post_forward_group
+from zeroplan.engines.fsdp2.settings import Settings
+from zeroplan.engines.fsdp2.wrap import ShardUnit, forward_order
 
 @dataclass(frozen=True)
 class UnitCollective:
@@ -17,25 +18,41 @@ class UnitCollective:
     elements: int
     dtype: str
     group_size: int
+    mesh_dim: str = "dp_shard"  # HSDP's gradient all-reduce: dp_replicate (engines/fsdp2/mesh.py)
 
 
-def unit_collectives(units: tuple[Unit, ...], nd: int, settings: Settings) -> tuple[UnitCollective, ...]:
-    """The collectives of one training step, in issue order (units in forward order, root first).
+def unit_collectives(units, nd: int, settings: Settings, replicate: int = 1) -> tuple[UnitCollective, ...]:
+    """The collectives of one training step, in issue order. ``units``: the resolved ``fully_shard`` calls
+    (``wrap.ShardUnit``, call order), or the profile's ``Unit``s (root first, then the blocks, which take
+    ``settings.reshard_after_forward``).
 
-    Forward: one all-gather per unit (_fsdp_collectives.py:foreach_all_gather). Backward: the blocks are
-    gathered again in reverse order when resharded after forward (over the post-forward group of k ranks
-    for an int k; never the root: _fsdp_state.py:FSDPState._lazy_init), one reduce-scatter per unit in
-    reverse order (_fsdp_collectives.py:foreach_reduce). Sizes are nd·S_u (dim-0 padded). One micro-step;
-    with accumulation ``micro_steps`` says how many of them each runs in.
+    Forward: one all-gather per unit with parameters, in forward order (``wrap.forward_order``: the root's
+    pre-forward first; _fsdp_collectives.py:foreach_all_gather). Backward: the root again first when it was
+    resharded after forward (its pre-backward), then every other unit resharded after forward in reverse
+    forward order (over its post-forward group of k ranks for an int k; a unit kept gathered, False, is not
+    gathered again: _fsdp_param_group.py:FSDPParamGroup.pre_backward), then one reduce-scatter per unit in
+    reverse forward order, the root's last (_fsdp_state.py:FSDPState._root_post_backward_final_callback;
+    _fsdp_collectives.py:foreach_reduce). Sizes are nd·S_u (dim-0 padded). One micro-step; with accumulation
+    ``micro_steps`` says how many of them each runs in. HSDP (``replicate`` R > 1, ``nd`` the shard group S):
+    each reduce-scatter's output, S_u elements in the reduce dtype, is all-reduced over the R replicas right
+    after it (foreach_reduce: ``dist.all_reduce(reduce_output, group=all_reduce_group)``; engines/fsdp2/mesh.py).
     """
-    full = {u.name: nd * unit_shard_numel(u, nd) for u in units}
-    out = [UnitCollective("all-gather", "forward", u.name, full[u.name], settings.param, nd) for u in units]
-    group = post_forward_group(settings, nd)
-    for u in reversed(units[1:]):  # blocks, last first
+    if units and isinstance(units[0], Unit):
+        units = (*(ShardUnit((u.name,), tuple(("", s) for s in u.shapes), settings.reshard_after_forward)
+                   for u in units[1:]), ShardUnit(("",), tuple(("", s) for s in units[0].shapes), None, True))  # fmt: skip
+    order = forward_order(units)
+    full = {u: nd * unit_shard_numel(Unit(u.name, tuple(s for _, s in u.params)), nd) for u in order}
+    out = [UnitCollective("all-gather", "forward", u.name, full[u], settings.param, nd) for u in order]
+    root = [u for u in order if u.root and u.post_forward_group(nd) > 1]
+    for u in (*root, *reversed([u for u in order if not u.root])):
+        group = u.post_forward_group(nd)
         if group > 1:
-            out.append(UnitCollective("all-gather", "backward", u.name, full[u.name], settings.param, group))
-    for u in reversed(units):
-        out.append(UnitCollective("reduce-scatter", "backward", u.name, full[u.name], settings.reduce, nd))
+            out.append(UnitCollective("all-gather", "backward", u.name, full[u], settings.param, group))
+    for u in (*reversed([u for u in order if not u.root]), *(u for u in order if u.root)):
+        out.append(UnitCollective("reduce-scatter", "backward", u.name, full[u], settings.reduce, nd))
+        if replicate > 1:
+            out.append(UnitCollective("all-reduce", "backward", u.name, full[u] // nd, settings.reduce,
+                                      replicate, "dp_replicate"))  # fmt: skip
     return tuple(out)
 
 
@@ -46,5 +63,5 @@ def micro_steps(c: UnitCollective, grad_accum: int) -> int:
     (_fsdp_param_group.py:FSDPParamGroup.post_backward: ``if not self.reduce_grads: if
     self.reshard_after_backward: self.reshard()``, default True, the root too), so each forward gathers again;
     the reduce-scatter runs once, in the last micro-step's backward (``reduce_grads`` False skips
-    ``foreach_reduce``; the gradients accumulate unsharded until then)."""
+    ``foreach_reduce``; the gradients accumulate unsharded until then), and so does HSDP's all-reduce."""
     return grad_accum if c.op == "all-gather" else 1

@@ -3,16 +3,41 @@ FSDP2's equivalent of a ZeRO stage and offload (``fsdp2_snippet``)."""
 
 from __future__ import annotations
 
+from zeroplan.engines.fsdp2.mesh import mesh_snippet
 from zeroplan.engines.fsdp2.settings import Settings
+from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 
 _TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
 
 
-def settings_snippet(settings: Settings, checkpointing: str = "none") -> str:
+def wrap_calls(wrapping: Wrapping) -> str:
+    """The ``fully_shard`` calls of ``wrapping``, in its order, as ``validate/engines/fsdp2.py:shard`` makes
+    them: one call per matched module, or one over all of them (``group``); no ``reshard_after_forward``
+    where the wrapping says null (FSDP2's default)."""
+    lines = ["def matching(model, pattern):  # `*` stands for one name segment (zeroplan --fsdp-wrap)",
+             "    want = pattern.split(\".\")",
+             "    return [m for name, m in model.named_modules() if len(name.split(\".\")) == len(want) and",
+             "            all(w in (\"*\", h) for w, h in zip(want, name.split(\".\")))]\n"]  # fmt: skip
+    for entry in wrapping.units:
+        kw = "mp_policy=policy" + ("" if entry.reshard_after_forward is None
+                                   else f", reshard_after_forward={entry.reshard_after_forward!r}")  # fmt: skip
+        if entry.modules == ("",):
+            lines.append(f"fully_shard(model, {kw})  # the root: every parameter not in a unit above")
+        elif entry.group:
+            found = ", ".join(f"*matching(model, {p!r})" for p in entry.modules)
+            lines.append(f"fully_shard([{found}], {kw})  # one unit: one all-gather for all of them")
+        else:
+            for p in entry.modules:
+                lines += [f"for module in matching(model, {p!r}):", f"    fully_shard(module, {kw})"]
+    return "\n".join(lines) + "\n"
+
+
+def settings_snippet(settings: Settings, checkpointing: str = "none", wrapping: Wrapping | None = None) -> str:
     """``fully_shard`` code for exactly ``settings`` and ``checkpointing`` (what ``estimate`` predicted),
-    as ``validate/engines/fsdp2.py:shard`` runs it; ``model.layers`` stands for the decoder layers."""
+    as ``validate/engines/fsdp2.py:shard`` runs it; ``model.layers`` stands for the decoder layers under the
+    ``blocks`` wrapping, any other ``wrapping`` (``terms.wrapping_of``) is written call by call."""
     dtype = _TORCH_DTYPE[settings.param]
     reduce = _TORCH_DTYPE[settings.reduce]
     ckpt = (
@@ -20,6 +45,12 @@ def settings_snippet(settings: Settings, checkpointing: str = "none") -> str:
         "for i, block in enumerate(model.layers):  # activation checkpointing: recompute each block in backward\n"
         "    model.layers[i] = checkpoint_wrapper(block)\n"
         if checkpointing == "full" else ""
+    )  # fmt: skip
+    calls = (
+        "for block in model.layers:  # one unit per decoder layer: one all-gather and reduce-scatter each\n"
+        f"    fully_shard(block, mp_policy=policy, reshard_after_forward={settings.reshard_after_forward!r})\n"
+        "fully_shard(model, mp_policy=policy)  # the root: FSDP2 does not reshard it after forward\n"
+        if wrapping is None or settings.wrap == "blocks" else wrap_calls(wrapping)
     )  # fmt: skip
     meta = settings.init == "meta"
     init_note = (
@@ -31,16 +62,19 @@ def settings_snippet(settings: Settings, checkpointing: str = "none") -> str:
         "model.init_weights()  # your in-place initialisation, run on the shards (DTensor)\n"
         if meta else ""
     )  # fmt: skip
+    hsdp = (settings.dp_replicate or 1) > 1  # a 2-D mesh (engines/fsdp2/mesh.py); flat: fully_shard's default
+    mesh = ("from torch.distributed.device_mesh import init_device_mesh\n"
+            + mesh_snippet(settings.dp_replicate, settings.dp_shard, settings.device)) if hsdp else ""  # fmt: skip
+    calls = calls.replace("mp_policy=policy", "mesh=mesh, mp_policy=policy") if hsdp else calls  # every call
     return (
         "import torch\n"
-        "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n\n"
+        "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n"
+        f"{mesh}\n"
         f"# {settings.label()}, checkpointing {checkpointing}; shards stay {settings.module} (no master copy)\n"
         f"{init_note}"
         f"{ckpt}"
         f"policy = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce})\n"
-        "for block in model.layers:  # one unit per decoder layer: one all-gather and reduce-scatter each\n"
-        f"    fully_shard(block, mp_policy=policy, reshard_after_forward={settings.reshard_after_forward!r})\n"
-        "fully_shard(model, mp_policy=policy)  # the root: FSDP2 does not reshard it after forward\n"
+        f"{calls}"
         f"{materialize}"
         f"optimizer = torch.optim.Adam(model.parameters(), foreach={settings.foreach!r})\n"
     )

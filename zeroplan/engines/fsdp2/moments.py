@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 from zeroplan.engines.fsdp2.hf_tree import (
     head_grad_held,
     last_block_in_loss,
@@ -13,6 +15,7 @@ from zeroplan.engines.fsdp2.hf_tree import (
     rotary_buffers,
     tied_head_build,
 )
+from zeroplan.engines.fsdp2.mesh import with_allreduce_held
 from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel
 from zeroplan.engines.fsdp2.settings import ADAM
 from zeroplan.engines.fsdp2.terms import (
@@ -39,6 +42,16 @@ from zeroplan.engines.fsdp2.terms import (
     resharded,
     rs_input,
     rs_output,
+    embedding_regather,
+    head_output,
+    head_units,
+    root_side,
+    last_side_unit,
+    side_prev,
+    side_reduce,
+    _gathered as _gathered_numel,
+    side_regathers,
+    split_root,
     unit_grads,
     unsharded,
 )
@@ -55,7 +68,7 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     FSDPParam.reset_sharded_param), and the in-place initialisation adds nothing (measured: the init
     peak is the padded shards, gpt-tiny N_d = 2 and tiny-llama N_d = 8, MemTracker less the meta device)."""
     if run.settings.init == "meta":
-        rank, src = run.settings.rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
+        rank, src = run.settings.described_rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
         shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
         repad = [local_shard_numel(s, run.nd, rank) for s in shapes
                  if local_shard_numel(s, run.nd, rank) != padded_shard_numel(s, run.nd)]  # fmt: skip
@@ -66,17 +79,20 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
             Moment("init", "to_empty: re-padding a short shard", (*mesh_ranks(run), *rotary_buffers(run), params(run),
                    _fp("the unpadded shard being re-padded", max(repad, default=0) * run.m, src))),
         )  # fmt: skip
-    order = [*range(1, len(run.units)), 0]
+    # the fully_shard calls in the order the wrapping makes them (wrap.resolve; blocks, then the root)
+    calls = [(u.name, [s for _, s in u.params]) for u in run.shard_units if u.params] or \
+        [(run.units[u].name, list(run.units[u].shapes)) for u in [*range(1, len(run.units)), 0]]
+    numel = [sum(math.prod(s) for s in shapes) for _, shapes in calls]
+    shard = [sum(padded_shard_numel(s, run.nd) for s in shapes) for _, shapes in calls]
     out = [Moment("init", "build: lm_head before tie_weights", (*rotary_buffers(run), Term(
-        "unsharded units as built", sum(u.numel for u in run.units) * run.m, "validate/models.py:build"),
+        "unsharded units as built", sum(numel) * run.m, "validate/models.py:build"),
         *tied_head_build(run)))] if tied_head_build(run) else []  # fmt: skip
-    for i, u in enumerate(order):
-        whole = sum(run.units[v].numel for v in order[i:]) * run.m
-        done = sum(run.shard(v) for v in order[:i]) * run.m
-        out.append(Moment("init", f"fully_shard({run.units[u].name})", (
+    for i, (name, _) in enumerate(calls):
+        whole, done = sum(numel[i:]) * run.m, sum(shard[:i]) * run.m
+        out.append(Moment("init", f"fully_shard({name})", (
             *mesh_ranks(run), *rotary_buffers(run), Term("unsharded units as built", whole, "validate/models.py:build"),
             _fp("shards of the units sharded before", done, "_fsdp_param.py:FSDPParam._init_sharded_param"),
-            _fp("this unit's new shard", run.shard(u) * run.m, "_fsdp_param.py:FSDPParam._init_sharded_param"))))  # fmt: skip
+            _fp("this unit's new shard", shard[i] * run.m, "_fsdp_param.py:FSDPParam._init_sharded_param"))))  # fmt: skip
     return tuple(out)
 
 
@@ -86,24 +102,26 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     all-gather output is freed when the root's forward returns, after the loss in transformers' tree)."""
     acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
     base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
-            _act("embedding saved (position ids)", acts.embed_saved), unsharded(run, 0))  # fmt: skip
+            _act("embedding saved (position ids)", acts.embed_saved), root_side(run, "blocks"))  # fmt: skip
     head_base, base = base, (*base, *position_ids(run))  # transformers' body frees its position ids on return
-    prev = ag_output(run, L - 1 if L > 1 else 0, "previous unit, freed when this copy-out returns")
+    head_base = (*head_base[:-1], root_side(run, "head"))  # a split root's units after the layers are gathered
+    prev = ag_output(run, L - 1, "previous unit, freed when this copy-out returns") if L > 1 else None
     # the first block's all-gather: the root's all-gather output is the previous one (freed when this
     # block's wait_for_unshard returns, as above: _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard)
-    root_prev = ag_output(run, 0, "the root's, freed when this copy-out returns")
-    first = (Moment("forward", "block 1 all-gather", (*base, _act("block input", acts.embed_out), root_prev,
+    root_prev = side_prev(run)
+    first = (Moment("forward", "block 1 all-gather", (*base, _act("block input", acts.embed_out), *root_prev,
                     copy_in(run, 1), ag_output(run, 1, "this unit"))),
-             Moment("forward", "block 1 copy-out", (*base, _act("block input", acts.embed_out), root_prev,
+             Moment("forward", "block 1 copy-out", (*base, _act("block input", acts.embed_out), *root_prev,
                     ag_output(run, 1, "this unit"), unsharded(run, 1)))) if L > 1 else ()  # fmt: skip
+    prev = (prev,) if prev is not None else root_prev
     gather = Moment("forward", f"block {L} all-gather", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
-        prev, copy_in(run, L), ag_output(run, L, "this unit")))  # fmt: skip
+        *prev, copy_in(run, L), ag_output(run, L, "this unit")))  # fmt: skip
     # wait_for_unshard binds the previous all-gather state to a local (``if prev_all_gather_state := ...``),
     # so the previous output is freed only when it returns, after this block's copy-out (measured)
     copy_out = Moment("forward", f"block {L} copy-out", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
-        prev, ag_output(run, L, "this unit"), unsharded(run, L)))  # fmt: skip
+        *prev, ag_output(run, L, "this unit"), unsharded(run, L)))  # fmt: skip
     if run.checkpointing == "none":
         work = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
     else:
@@ -120,9 +138,16 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     head_acts = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved),
                  _act("logits", acts.logits))  # fmt: skip
     base = head_base
-    head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts,
-                                         ag_output(run, L, "kept until the root's post-forward")))  # fmt: skip
+    kept_out = ag_output(run, L, "kept until the root's post-forward")
+    tail = ()
+    if head_units(run):  # a split root: [norm, output] gathered after the layers frees the last block's output
+        kept_out = head_output(run, "kept until the root's post-forward")
+        tail = (Moment("forward", f"{head_units(run)[-1].name} copy-out", (
+            *base, *kept_blocks(run, L), _blocks_saved(run, L), _act("block output", acts.embed_out),
+            ag_output(run, L, "previous unit, freed when this copy-out returns"), kept_out)),)  # fmt: skip
+    head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts, kept_out))
     in_loss = last_block_in_loss(run)  # transformers' forward(labels=...): the loss before the post-forward
+    in_loss = (kept_out,) if in_loss and head_units(run) else in_loss
     # ``logits.float()`` (validate/transformer.py:CausalLM.loss): a copy beside the 16-bit logits, which
     # nothing keeps once it exists (the head saves its input); in fp32 it is the logits themselves
     fp32_logits = _act("fp32 logits (loss upcast)", acts.logits_fp32 if run.p != 4 else acts.logits)
@@ -130,7 +155,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], *logits_in_loss(run),
                   fp32_logits, _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
                   _act("loss", acts.loss), *in_loss))  # fmt: skip
-    return (*first, gather, copy_out, last, *reshard, head, *((upcast,) if run.p != 4 else ()), loss)
+    return (*first, gather, copy_out, last, *reshard, *tail, head, *((upcast,) if run.p != 4 else ()), loss)
 
 
 def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:
@@ -150,12 +175,15 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     acts, L, p = run.acts, len(run.units) - 1, run.p
     n_d = acts.embed_out  # one N·d activation (or its gradient)
     base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
-            _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss), unsharded(run, 0))  # fmt: skip
+            _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss),
+            root_side(run, "backward"))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     log_softmax = _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax)
     # the loss inside the root's forward (transformers' labels=): the root's pre-backward hook fires on the
-    # loss, before the cross-entropy backward, and prefetches the last block (hf_tree)
-    early = run.loss_in_forward and resharded(run)
+    # loss, before the cross-entropy backward, and prefetches the last block (hf_tree); with units after the
+    # layers the root's prefetch is theirs (kept gathered: nothing to do) and the last block waits for their
+    # pre-backward, after the loss backward (measured: accelerate's wrapping of qwen2, bf16, exact)
+    early = run.loss_in_forward and resharded(run) and not head_units(run)
     out = [Moment("backward", f"block {L} backward all-gather (root's prefetch, before the loss backward)", (
         *base, *kept_blocks(run, L), *saved_all, log_softmax, gather_input(run, L),
         ag_output(run, L, "backward prefetch"))), ] if early else []  # fmt: skip
@@ -176,10 +204,28 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
                       *prefetched(run, L))))  # fmt: skip
     out.append(Moment("backward", "final norm backward", (*base, *kept_blocks(run, L), _blocks_saved(run, L),
                       root_held, final_norm_backward(run), *prefetched(run, L))))  # fmt: skip
+    for u in reversed(head_units(run)):  # a split root's [norm, output]: reduced at its own post_backward, with
+        # the untied head's gradient held through it (hf_tree.head_grad_held), before the layers' backward
+        ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, u)
+        common = (*base[:-1], root_side(run, "blocks"), *kept_blocks(run, L), _blocks_saved(run, L),
+                  _act("final norm input gradient", n_d), *prefetched(run, L))  # resharded before it reduces
+        out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, ugrads, rs_in)))
+        out.extend(reduce_scatter_moments(u.name, (*common, *head_grad_held(run)), rs_in, rs_out, cast, gloo))
+    start = side_regathers(run, "start")  # the root-side units gathered again (a wrapping's own: wrap.py)
+    out = [Moment(m.phase, m.name, (*m.terms, *start)) for m in out]
+    if head_units(run):  # reduced and resharded after their backward (FSDPParamGroup.post_backward): from here
+        # on the units after the layers hold their sharded gradients, not their parameters or unsharded ones
+        base = (*base[:-1], root_side(run, "blocks"))
+        root_held = _fp(f"sharded gradients of {', '.join(u.name for u in head_units(run))}",
+                        sum(_gathered_numel(run, u) // run.nd for u in head_units(run)) * run.m,
+                        "_fsdp_collectives.py:foreach_reduce", len(head_units(run)))  # fmt: skip
     for i in range(L, 0, -1):
         out.extend(block_backward_moments(run, i, base, root_held))
     out.extend(root_backward_moments(run, base))
-    return tuple(out)
+    end = side_regathers(run, "end")  # the embeddings' all-gather output from block 1's prefetch, then their
+    again = embedding_regather(run)  # unsharded parameters from their copy-out (kept with the output: a bound)
+    return tuple(Moment(m.phase, m.name, (*m.terms, *end, *(again if m.name == "embedding backward" else ())))
+                 if m.name.startswith(("block 1 ", "embedding backward")) else m for m in out)  # fmt: skip
 
 
 def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_held: Term) -> tuple[Moment, ...]:
@@ -224,6 +270,10 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
     """The embeddings' backward (a tied head's two gradients summed), then the root's reduce-scatter."""
     L, p, n_d = len(run.units) - 1, run.p, run.acts.embed_out
     blocks_done = grads(run, range(1, L + 1))
+    if head_units(run):  # the units after the layers were reduced first: their sharded gradients too
+        blocks_done = _fp(f"sharded gradients of {L} blocks and {', '.join(u.name for u in head_units(run))}",
+                          blocks_done.bytes + sum(_gathered_numel(run, u) // run.nd for u in head_units(run)) * run.m,
+                          "_fsdp_collectives.py:foreach_reduce", L + len(head_units(run)))  # fmt: skip
     incoming = (_act("incoming activation gradient", n_d),)
     if run.transformers:  # hf_tree.root_backward_released: what transformers' tree has let go of by then
         base, incoming = root_backward_released(run, base), (() if run.tied_head else incoming)
@@ -232,6 +282,8 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
         emb = (Term("head weight gradient (input buffer)", run.head_numel * p, "autograd InputBuffer"),
                Term("embedding weight gradient", run.head_numel * p, "aten embedding_dense_backward"),
                Term("their sum", run.head_numel * p, "autograd InputBuffer::add"))  # fmt: skip
+    elif head_units(run):  # the head's gradient was reduced with its unit, early in backward
+        emb = ()
     else:
         emb = (Term("head weight gradient", run.head_numel * p, "autograd (mm backward)"),)
     out = [Moment("backward", "embedding backward", (
@@ -239,11 +291,18 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
         Term("other root gradients", others, "autograd (embedding, final norm)"),
         rs_input(run, 1, "held until the root's post_backward"), blocks_done))]  # fmt: skip
     root_base = base[:-1]  # the root is resharded before its reduce-scatter
-    out.append(Moment("backward", "root reduce-scatter copy-in", (
-        *root_base, Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes)),
-        rs_input(run, 0, "this unit"), blocks_done)))  # fmt: skip
-    out.extend(reduce_scatter_moments("root", (*root_base, blocks_done, *head_grad_held(run)), rs_input(run, 0, "this unit"),
-                                      rs_output(run, 0), grad_cast(run, 0), gloo_copy(run, 0)))  # fmt: skip
+    if split_root(run):  # the unit reduced last (the root, or the embeddings): its own buffers
+        # its unsharded gradients stay alive through its reduce-scatter: a unit whose post_backward runs in the
+        # root's final callback (the embeddings' inputs need no gradient, so no hook of theirs fires) reduces
+        # gradients autograd still holds (measured: wide-vocabulary qwen2 under torchtitan's wrapping, exact)
+        ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, last_side_unit(run))
+        held = (ugrads,) if head_units(run) else head_grad_held(run)
+    else:
+        ugrads = Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes))
+        rs_in, rs_out, cast, gloo = rs_input(run, 0, "this unit"), rs_output(run, 0), grad_cast(run, 0), gloo_copy(run, 0)
+        held = head_grad_held(run)
+    out.append(Moment("backward", "root reduce-scatter copy-in", (*root_base, ugrads, rs_in, blocks_done)))
+    out.extend(reduce_scatter_moments("root", (*root_base, blocks_done, *held), rs_in, rs_out, cast, gloo))
     return tuple(out)
 
 
@@ -252,7 +311,7 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     tensor at once (one local shard's worth); ``_single_tensor_adam`` computes ``v.sqrt() /
     bias_correction2_sqrt`` per tensor, two temporaries of the largest local shard alive at once."""
     shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
-    local = [local_shard_numel(s, run.nd, run.settings.rank) for s in shapes]
+    local = [local_shard_numel(s, run.nd, run.settings.described_rank) for s in shapes]
     if run.foreach:
         temps = Term("Adam temporaries (foreach sqrt(v))", sum(local) * run.m, f"{ADAM}:_multi_tensor_adam", len(local))
     else:
@@ -267,7 +326,8 @@ def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """Every moment of a training step of FSDP2 (needs activations: an architecture)."""
     if run.acts is None:
         raise ValueError("the peak needs an architecture (activations); this run has only tensor shapes")
-    return (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run))
+    backward = with_allreduce_held(run, backward_moments(run))  # HSDP's held all-reduce buffers (mesh.py)
+    return (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))
 
 
 def predict_peak(run: Fsdp2Run) -> PeakEstimate:

@@ -36,6 +36,28 @@ def local_shard_numel(shape: Shape, nd: int, rank: int) -> int:
     return min(c, max(0, shape[0] - rank * c)) * math.prod(shape[1:])
 
 
+def distinct_ranks(shapes: tuple[Shape, ...], nd: int) -> tuple[int, ...]:
+    """The first rank of each run of ranks whose shards are alike, parameter by parameter: the profile reads
+    a rank only through ``local_shard_numel``, so these ranks' predictions are every rank's.
+
+    Of a parameter of d0 rows, ``c = ceil(d0 / nd)`` rows per rank, ranks below ``t = d0 // c`` hold c real
+    rows, rank t the rest (``d0 - t·c``, possibly none) and every rank above it none; a 0-d tensor lives on
+    rank 0 (``_chunk_with_empty``). So the shards change only at t (and t + 1 when rank t holds a tail) of some
+    parameter: rank 0, the owners of the tails and the first ranks past them (at most 2 per distinct dim 0,
+    whatever N_d)."""
+    out = {0}
+    for shape in set(shapes):
+        if not shape:
+            out.add(1)
+            continue
+        if shape[0] == 0:
+            continue
+        c = shard_rows(shape[0], nd)
+        t = shape[0] // c
+        out.update((t, t + 1) if shape[0] % c else (t,))  # rank t holds a tail, or is the first with none
+    return tuple(sorted(r for r in out if r < nd))
+
+
 @dataclass(frozen=True)
 class Unit:
     """One ``fully_shard`` unit: its name and the shapes of the parameters it manages, in order."""

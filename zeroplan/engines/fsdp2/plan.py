@@ -3,14 +3,21 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
-from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
+from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PlannerOptions, Workload,
+                                  worst_rank)
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
+from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, resolve_mesh, shard_groups,
+                                         shard_rank, shard_sizes, smallest_fitting)
+from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.moments import predict_peak
+from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
-from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded
+from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded, wrapping_of
+from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
@@ -18,20 +25,43 @@ from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
 
 def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
-    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks; its
-    collectives count one optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``)."""
-    run = fsdp2_run(workload, nd, settings)
+    """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (None: the
+    rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``), on a 2-D
+    HSDP mesh when ``dp_replicate``/``dp_shard`` say so (engines/fsdp2/mesh.py); its collectives count one
+    optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``)."""
+    settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
+    if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
+        ranks = distinct_ranks(tuple(s for _, s in workload.shapes), shard_groups(settings, nd)[1])
+        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}))
+                            for r in ranks}),)  # fmt: skip
+    return (_estimate(workload, nd, settings),)
+
+
+def rank_run(workload: Workload, nd: int, settings: Settings):
+    """(the run of ``settings.rank`` on its shard group, the shard group's size): rank r is shard r mod S of an
+    HSDP mesh (``settings`` resolved by ``resolve_mesh``, a rank given); ``estimate`` and the allocation trace
+    (``alloc_trace.py``) describe the same run."""
+    settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})  # rank r is shard r mod S
+    replicate, nd = shard_groups(settings, nd)
+    return replace(fsdp2_run(workload, nd, settings), replicate=replicate), nd
+
+
+def _estimate(workload: Workload, nd: int, settings: Settings) -> EngineEstimate:
+    rank = settings.rank
+    run, nd = rank_run(workload, nd, settings)
+    settings = run.settings
     st = model_states(run.units, nd, settings)
     coll = tuple(
         Collective(c.op, c.phase, m * c.elements, c.dtype,
-                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m)
-        for c in unit_collectives(run.units, nd, settings)
+                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
+                   mesh_dim=c.mesh_dim, group_size=c.group_size)
+        for c in unit_collectives(run.shard_units, nd, run.settings, run.replicate)
         for m in (micro_steps(c, workload.grad_accum),)
     )  # fmt: skip
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     peak = predict_peak(run) if run.acts is not None else None
-    return (EngineEstimate("fsdp2", settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
-                           beside_states=mesh_ranks(run)),)  # fmt: skip
+    return EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
+                          beside_states=mesh_ranks(run), peak_rank=rank)  # fmt: skip
 
 
 # ---- planning: the cheapest configuration whose predicted peak fits ----
@@ -51,23 +81,37 @@ class Fsdp2Option:
     checkpointing: str
     estimate: EngineEstimate
     fits: bool
+    wrapping: Optional[Wrapping] = None  # settings.wrap in the model's names (terms.wrapping_of)
 
     @property
     def snippet(self) -> str:
-        return settings_snippet(self.settings, self.checkpointing)
+        return settings_snippet(self.settings, self.checkpointing, self.wrapping)
 
 
-def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings) -> tuple[Fsdp2Option, ...]:
-    """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak."""
+def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
+                 shards: tuple[int, ...] = ()) -> tuple[Fsdp2Option, ...]:
+    """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
+    wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
+    (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of
+    them whose peak fits (HSDP across the rest), else on the largest."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
+    own = isinstance(settings.wrap, Wrapping)
     out = []
-    for reshard, ckpt in CANDIDATES:
-        s = settings.model_copy(update={"reshard_after_forward": reshard})
+    for reshard, ckpt in ((None, "none"), (None, "full")) if own else CANDIDATES:
         w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
-                     workload.grad_accum, workload.foreach)  # fmt: skip
-        (row,) = estimate(w, nd, s)
-        out.append(Fsdp2Option(s, ckpt, row, row.peak.peak_bytes <= capacity_bytes))
+                     workload.grad_accum, workload.foreach, workload.transformers)  # fmt: skip
+
+        def option(shard: int | None, reshard=reshard, ckpt=ckpt, w=w) -> tuple[Fsdp2Option, bool]:
+            update = ({} if own else {"reshard_after_forward": reshard}) | (
+                {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
+            s = resolve_mesh(settings.model_copy(update=update), nd)
+            (row,) = estimate(w, nd, s)
+            fits = row.peak.peak_bytes <= capacity_bytes
+            run_settings = fsdp2_run(w, shard_groups(s, nd)[1], s).settings
+            return Fsdp2Option(run_settings, ckpt, row, fits, wrapping_of(w, s)), fits
+
+        out.append(smallest_fitting(shards, option) if shards else option(None)[0])
     return tuple(out)
 
 
@@ -96,7 +140,47 @@ def planner_settings(options: PlannerOptions) -> Settings:
             given[key] = canonical_dtype(getattr(options, key))
     if options.gpu_capability is not None:  # the --gpu preset's: sizes the cuBLAS workspaces
         given["cuda_capability"] = options.gpu_capability
+    if options.own.get("dp_shard") == AUTO:
+        raise ValueError("dp_shard=auto: only plan searches the mesh; give a number (R x S = N_d)")
+    given.update({k: v for k, v in options.own.items() if v is not None and k != "gpus_per_node"})  # OWN_OPTIONS
+    if given.get("device") == "cpu":  # a CPU run is on gloo (users' CPU CI runners), as the validator's
+        given["backend"] = "gloo"
     return Settings(**given)
+
+
+def _wrap(value: object) -> object:
+    """``--fsdp-wrap``: a preset name, the path of a wrapping file (``wrap.read_wrapping``) or a Wrapping."""
+    from zeroplan.engines.fsdp2.wrap import PRESETS, Wrapping, parse_wrapping, read_wrapping
+
+    if isinstance(value, Wrapping):
+        return value
+    if isinstance(value, dict):
+        return parse_wrapping(value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"fsdp_wrap={value!r}: expected {', '.join(PRESETS)} or a wrapping JSON file")
+    return value if value in PRESETS else read_wrapping(value)
+
+
+def _choice(name: str, allowed: tuple[str, ...]):
+    def check(value: object) -> str:
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: expected {' or '.join(allowed)}")
+        return value  # type: ignore[return-value]
+
+    return check
+
+
+OWN_OPTIONS = (
+    EngineOption("wrap", _wrap, None, "the fully_shard calls: blocks (default), torchtitan or a wrapping JSON file"),
+    EngineOption("init", _choice("init", ("meta", "materialized")), None,
+                 "meta (default: built on the meta device, sharded, to_empty) or materialized (built whole first)"),
+    EngineOption("device", _choice("device", ("cuda", "cpu")), None,
+                 "cuda (default, NCCL) or cpu (gloo: no CUDA block rounding or library workspaces)"),
+    EngineOption("dp_replicate", check_group("dp_replicate"), None, MESH_HELP["dp_replicate"]),
+    EngineOption("dp_shard", check_shard, None, MESH_HELP["dp_shard"]),
+)  # fmt: skip
+"""FSDP2's own options (``Engine.own_options``): ``Settings.wrap``, ``init``, ``device``, and the HSDP mesh's
+``dp_replicate`` and ``dp_shard`` (engines/fsdp2/mesh.py); None: the default a GPU user runs."""
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:
@@ -109,27 +193,26 @@ def planner_policy(settings: Settings) -> PrecisionPolicy:
 def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
     """``zeroplan plan --engine fsdp2``: every candidate of ``plan_options`` (cheapest first) with the
     snippet of exactly the configuration predicted; the recommendation is ``recommend``'s."""
-    settings = planner_settings(options)
+    search = options.own.get("dp_shard") == AUTO
+    if search and options.own.get("dp_replicate") is not None:
+        raise ValueError("dp_shard=auto searches the mesh: give no dp_replicate with it")
+    if search:  # ``--dp-shard auto``: shard groups of whole nodes (mesh.py shard_sizes)
+        options = replace(options, own={**options.own, "dp_shard": None})
+    settings = resolve_mesh(planner_settings(options), nd)  # the snippet names the mesh predicted
     if settings.foreach is None:  # the snippet names the foreach path the prediction used
         settings = settings.model_copy(update={"foreach": workload.foreach})
-    options_ = plan_options(workload, nd, capacity_bytes, settings)
+    node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
+    options_ = plan_options(workload, nd, capacity_bytes, settings, shard_sizes(nd, node) if search else ())
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
-        Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}",
-                  o.estimate, o.fits, o.snippet, alloc_trace=_trace_of(workload, nd, o))
+        Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"
+                  + (f", mesh {o.settings.dp_replicate} x {o.settings.dp_shard}" if o.settings.dp_replicate else ""),
+                  o.estimate, o.fits, o.snippet,
+                  trace_inputs=(replace(workload, checkpointing=o.checkpointing), nd, o.settings))
         for o in options_
     )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)
     return EnginePlan(candidates, index, "fsdp2", PLAN_ORDER, settings)
-
-
-def _trace_of(workload: Workload, nd: int, option: Fsdp2Option):
-    """The candidate's allocation trace, made on demand (``Candidate.alloc_trace``)."""
-    from dataclasses import replace
-
-    from zeroplan.engines.fsdp2.alloc_trace import alloc_traces
-
-    return lambda: alloc_traces(replace(workload, checkpointing=option.checkpointing), nd, option.settings)[0]
 
 
 def planner_block_bytes(settings: Settings) -> int:

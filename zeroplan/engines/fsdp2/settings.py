@@ -4,10 +4,11 @@ terms were read from. FSDP2 keeps the same split: ``_fsdp_api.py`` (the policies
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.dtypes import canonical_dtype
 
 TORCH_VERSION = "2.13.0"  # the source the terms were read from
@@ -40,7 +41,10 @@ class Settings(BaseModel):
         "nccl", description="process group backend: gloo's reduce-scatter copies its whole input (a term); "
         "nccl and the fake group (simulation) add nothing",
     )  # fmt: skip
-    rank: StrictInt = Field(0, ge=0, description="the rank described (rank 0 holds the most: padding is at the end)")
+    rank: Optional[StrictInt] = Field(
+        None, ge=0, description="the rank described; None: the worst rank, every rank whose shards differ "
+        "predicted (param.py distinct_ranks) and the one peaking highest named (EngineEstimate.peak_rank)",
+    )  # fmt: skip
     init: Literal["meta", "materialized"] = Field(
         "meta", description="meta: built on the meta device, fully_shard, to_empty, initialised shard by shard "
         "(FSDP2's pattern for models larger than one GPU; the planner's default); materialized: built whole "
@@ -50,6 +54,19 @@ class Settings(BaseModel):
         True, description="transformers' module tree only (Workload.transformers): the loss computed inside the "
         "root's forward, model(input_ids, labels=...) as transformers' Trainer calls it; False: from the logits "
         "the root returns",
+    )  # fmt: skip
+    dp_replicate: StrictInt | None = Field(
+        None, ge=1, description="HSDP: replicas R of the 2-D mesh init_device_mesh(device, (R, S), mesh_dim_names="
+        "('dp_replicate', 'dp_shard')) given to fully_shard(mesh=...); None: N_d / dp_shard, else 1 (a flat mesh)",
+    )  # fmt: skip
+    dp_shard: StrictInt | None = Field(
+        None, ge=1, description="HSDP: ranks S each parameter is sharded over; None: N_d / dp_replicate "
+        "(engines/fsdp2/mesh.py shard_groups)",
+    )  # fmt: skip
+    wrap: Union[Literal["blocks", "torchtitan"], Wrapping] = Field(
+        "blocks", description="the fully_shard calls (engines/fsdp2/wrap.py): blocks (each decoder layer, then the "
+        "root), torchtitan (embeddings, each block, [norm, output] kept gathered, the root) or a Wrapping; "
+        "reshard_after_forward is the blocks' value (a Wrapping's own blocks' values decide there)",
     )  # fmt: skip
     cuda_capability: tuple[StrictInt, StrictInt] = Field(
         (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
@@ -62,6 +79,12 @@ class Settings(BaseModel):
         if not isinstance(v, bool) and v < 1:
             raise ValueError(f"reshard_after_forward={v}: an int must be >= 1")
         return v
+
+    @property
+    def described_rank(self) -> int:
+        """The rank the terms describe: ``rank``, or 0 where the caller asked no rank of ``fsdp2_run``
+        directly (``estimate`` resolves None to each rank of ``distinct_ranks``)."""
+        return 0 if self.rank is None else self.rank
 
     @property
     def module(self) -> str:
@@ -79,7 +102,9 @@ class Settings(BaseModel):
 
     def label(self) -> str:
         mp = f", param {self.param}, reduce {self.reduce}" if self.param != self.module else ""
-        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}"
+        wrap = "" if self.wrap == "blocks" else f", wrap {self.wrap if isinstance(self.wrap, str) else 'file'}"
+        hsdp = f", HSDP mesh {self.dp_replicate} x {self.dp_shard}" if (self.dp_replicate or 1) > 1 else ""
+        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}"
 
 
 def post_forward_group(settings: Settings, nd: int) -> int:

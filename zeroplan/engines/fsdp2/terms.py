@@ -4,11 +4,13 @@ function per term, each citing the FSDP2 file and function that allocates it (``
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
-from zeroplan.architectures.spec import block_prefix
+from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
-from zeroplan.engines.fsdp2.param import Shape, Unit, local_shard_numel, padded_shard_numel, unit_shard_numel, units_of
+from zeroplan.engines.fsdp2.param import Shape, Unit, local_shard_numel, padded_shard_numel, unit_shard_numel
+from zeroplan.engines.fsdp2.wrap import ShardUnit, Wrapping, preset, resolve
 from zeroplan.engines.fsdp2.settings import ADAM, SRC, STEP_BYTES, Settings, post_forward_group
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.dtypes import dtype_bytes
@@ -49,7 +51,7 @@ def model_states(units: tuple[Unit, ...], nd: int, settings: Settings) -> ModelS
     return ModelStates(
         params_bytes=sum(padded_shard_numel(s, nd) for s in shapes) * module,
         grads_bytes=sum(unit_shard_numel(u, nd) for u in units) * module,
-        adam_moments_bytes=2 * sum(local_shard_numel(s, nd, settings.rank) for s in shapes) * module,
+        adam_moments_bytes=2 * sum(local_shard_numel(s, nd, settings.described_rank) for s in shapes) * module,
         adam_step_bytes=len(shapes) * STEP_BYTES,
     )
 
@@ -80,6 +82,8 @@ class Fsdp2Run:
     loss_in_forward: bool = False  # transformers: the loss inside the root's forward (forward(labels=...))
     buffer_bytes: int = 0  # module buffers every moment holds (transformers' rotary inv_freq): hf_tree.rotary_buffers
     position_bytes: int = 0  # transformers llama-style: the int64 position ids in forward (hf_tree.position_ids)
+    shard_units: tuple[ShardUnit, ...] = ()  # the fully_shard calls as made (wrap.resolve): collectives, edge_regathers
+    replicate: int = 1  # HSDP: replicas R of the 2-D mesh; ``nd`` is then the shard group S (engines/fsdp2/mesh.py)
 
     def __post_init__(self) -> None:
         if self.nd == 1:
@@ -217,6 +221,129 @@ def resharded(run: Fsdp2Run) -> bool:
     return post_forward_group(run.settings, run.nd) > 1
 
 
+# ---- the units beside the decoder layers (a wrapping's own: wrap.py), counted in unit 0 (profile_units) ----
+
+
+def _side_units(run: Fsdp2Run) -> list[ShardUnit]:
+    blocks = {u.name for u in run.units[1:]}
+    return [u for u in run.shard_units if u.params and u.name not in blocks]
+
+
+def _before_blocks(run: Fsdp2Run, u: ShardUnit) -> bool:
+    """A unit that runs before the decoder layers (the embeddings), by its first parameter's place."""
+    blocks = {v.name for v in run.units[1:]}
+    return not u.root and u.first < min((v.first for v in run.shard_units if v.name in blocks), default=0)
+
+
+def _gathered(run: Fsdp2Run, u: ShardUnit) -> int:
+    return run.nd * sum(padded_shard_numel(s, run.nd) for _, s in u.params)
+
+
+def split_root(run: Fsdp2Run) -> bool:
+    """Whether units beside the root hold parameters outside the decoder layers (torchtitan's embeddings and
+    ``[norm, output]``): then unit 0 is several ``fully_shard`` units with their own lifetimes. Not when the
+    root itself is resharded after forward (True passed explicitly): measured on validate/transformer.py's
+    CausalLM (loss outside the root's forward), two logits-sized tensors more than the terms say are live at
+    the loss, a mechanism not found yet, so those runs keep the merged root (an upper bound there)."""
+    sides = _side_units(run)
+    return any(not u.root for u in sides) and all(u.post_forward_group(run.nd) == 1 for u in sides if u.root)
+
+
+def root_side(run: Fsdp2Run, stage: str) -> Term:
+    """The unsharded parameters of unit 0 at ``stage``: the root alone (``unsharded(run, 0)``), or with a split
+    root the units gathered then: ``"blocks"`` (the decoder layers' forward): the root and the units before the
+    layers kept gathered (False; resharded ones were freed by their post-forward); ``"head"`` and
+    ``"backward"``: and every unit after the layers (gathered at their forward; kept through backward here,
+    an upper bound: _fsdp_param_group.py:FSDPParamGroup.post_backward reshards them after theirs)."""
+    if not split_root(run):
+        return unsharded(run, 0)
+    units = [u for u in _side_units(run) if u.root or (_before_blocks(run, u) and u.post_forward_group(run.nd) == 1)
+             or (stage != "blocks" and not _before_blocks(run, u))]  # fmt: skip
+    return _fp(f"unsharded parameters ({', '.join(u.name for u in units) or 'none'})",
+               sum(_gathered(run, u) for u in units) * run.p, "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs",
+               sum(len(u.params) for u in units))  # fmt: skip
+
+
+def side_prev(run: Fsdp2Run) -> tuple[Term, ...]:
+    """The all-gather output still bound when the first block is copied out: the root's, or with a split root
+    the last unit gathered before the layers (the embeddings' after the root's), none if none has parameters."""
+    if not split_root(run):
+        return (ag_output(run, 0, "the root's, freed when this copy-out returns"),)
+    before = sorted((u for u in _side_units(run) if u.root or _before_blocks(run, u)), key=lambda u: (not u.root, u.first))
+    if not before:
+        return ()
+    u = before[-1]
+    return (_fp(f"all-gather output ({u.name}, freed when this copy-out returns)", _gathered(run, u) * run.p,
+                "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard"),)  # fmt: skip
+
+
+def head_units(run: Fsdp2Run) -> list[ShardUnit]:
+    """Units after the decoder layers (``[norm, output]``), in forward order."""
+    if not split_root(run):
+        return []
+    return sorted((u for u in _side_units(run) if not u.root and not _before_blocks(run, u)), key=lambda u: u.first)
+
+
+def head_output(run: Fsdp2Run, why: str) -> Term:
+    """The all-gather output of the last unit after the layers, kept until the root's post-forward (it frees
+    the last block's at its own copy-out)."""
+    u = head_units(run)[-1]
+    return _fp(f"all-gather output ({u.name}, {why})", _gathered(run, u) * run.p,
+               "_fsdp_collectives.py:foreach_all_gather; _fsdp_state.py:FSDPState._post_forward")  # fmt: skip
+
+
+def embedding_regather(run: Fsdp2Run) -> tuple[Term, ...]:
+    """Units before the layers resharded after forward, gathered again from the first block's backward on:
+    their unsharded parameters (``root_side`` leaves them out then)."""
+    if not split_root(run):
+        return ()
+    units = [u for u in _side_units(run) if _before_blocks(run, u) and u.post_forward_group(run.nd) > 1]
+    return tuple(_fp(f"unsharded parameters ({u.name}, gathered again for backward)", _gathered(run, u) * run.p,
+                     "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(u.params)) for u in units)  # fmt: skip
+
+
+def side_reduce(run: Fsdp2Run, u: ShardUnit) -> tuple[Term, Term, Term, Term, tuple[Term, ...]]:
+    """A side unit's own reduce-scatter: (its unsharded gradients, input, output, cast to the module dtype,
+    gloo's copy), as ``unit_grads``, ``rs_input``, ``rs_output``, ``grad_cast`` and ``gloo_copy`` for a block."""
+    full = _gathered(run, u)
+    numel = sum(math.prod(s) for _, s in u.params)
+    src = "_fsdp_collectives.py:foreach_reduce"
+    gloo = (Term(f"gloo reduce-scatter copy of the whole input ({u.name})", full * run.r,
+                 "measured: ProcessGroupGloo (see gloo_copy)"),) if run.settings.backend == "gloo" else ()  # fmt: skip
+    return (Term(f"unsharded gradients ({u.name})", numel * run.p, "autograd", len(u.params)),
+            _fp(f"reduce-scatter input ({u.name})", full * run.r, src),
+            _fp(f"reduce-scatter output ({u.name})", full // run.nd * run.r, src),
+            _fp(f"gradient cast to the module dtype ({u.name})", full // run.nd * run.m if run.r != run.m else 0,
+                src + " (_to_dtype_if_needed)"), gloo)  # fmt: skip
+
+
+def last_side_unit(run: Fsdp2Run) -> ShardUnit:
+    """With a split root, the unit whose reduce-scatter ends backward (the root's, or the embeddings' when the
+    root holds nothing): the largest of the units not after the layers, a bound when several remain."""
+    rest = [u for u in _side_units(run) if u not in head_units(run)]
+    return max(rest, key=lambda u: _gathered(run, u))
+
+
+def side_regathers(run: Fsdp2Run, when: str) -> tuple[Term, ...]:
+    """Units beside the decoder layers (the root, embeddings, ``[norm, output]``) resharded after forward
+    are gathered again for backward, each all-gather output beside the unsharded parameters while it is
+    copied out (``ag_output``; the profile keeps every such unit gathered, ``profile_units``). ``"start"``:
+    the root and the units after the decoder layers, gathered as backward reaches them, first
+    (_fsdp_state.py:FSDPState._pre_backward); ``"end"``: the units before them (the embeddings), prefetched
+    by the first block's backward (_fsdp_param_group.py:FSDPParamGroup._backward_prefetch)."""
+    blocks = {u.name for u in run.units[1:]}
+    first = min((u.first for u in run.shard_units if u.name in blocks), default=0)
+    out = []
+    for u in run.shard_units:
+        if u.name in blocks or not u.params or u.post_forward_group(run.nd) == 1:
+            continue
+        if (when == "start") == (u.root or u.first > first):
+            numel = run.nd * sum(padded_shard_numel(s, run.nd) for _, s in u.params)
+            out.append(_fp(f"all-gather output ({u.name}, gathered again for backward)", numel * run.p,
+                           "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.pre_backward"))  # fmt: skip
+    return tuple(out)
+
+
 def batch(run: Fsdp2Run) -> Term:
     return Term("batch (token ids, targets)", run.acts.batch, "validate/engines/fsdp2.py:measure", 2)
 
@@ -309,17 +436,73 @@ def final_norm_backward(run: Fsdp2Run) -> Term:
                 "derived from LlamaRMSNorm / nn.LayerNorm backward (see final_norm_backward)")
 
 
-def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
-    """The run of ``workload`` as FSDP2 wraps it (units per decoder layer + root)."""
+def wrapping_of(workload: Workload, settings: Settings) -> Wrapping | None:
+    """``settings.wrap`` as a ``Wrapping`` in ``workload``'s module names (a preset resolved for its layout);
+    None for bare shapes without decoder-layer names under ``blocks`` (everything in the root)."""
     spec = workload.spec
+    known = [s for s, p in BLOCK_PREFIX.items() if any(n.startswith(p) for n, _ in workload.shapes)]
+    style = spec.style if spec is not None else (known[0] if known else None)
+    if isinstance(settings.wrap, Wrapping):
+        return settings.wrap
+    if style is None and settings.wrap == "blocks":
+        return None
+    if style is None:
+        raise ValueError(f"--fsdp-wrap {settings.wrap}: the parameters have no decoder-layer names "
+                         f"({', '.join(BLOCK_PREFIX.values())})")  # fmt: skip
+    tied = spec.tied if spec is not None else not any(n.startswith("lm_head.") for n, _ in workload.shapes)
+    return preset(settings.wrap, style, settings.reshard_after_forward, tied)
+
+
+def shard_units_of(workload: Workload, settings: Settings) -> tuple[ShardUnit, ...]:
+    """The ``fully_shard`` calls of ``settings.wrap`` on ``workload``'s parameters (``wrap.resolve``)."""
+    wrapping = wrapping_of(workload, settings)
+    if wrapping is None:
+        return (ShardUnit(("",), tuple((n, tuple(s)) for n, s in workload.shapes), None, True),)
+    return resolve(wrapping, workload.shapes)
+
+
+def profile_units(shard_units: tuple[ShardUnit, ...], prefix: str, settings: Settings, peak: bool,
+                  order: dict[str, int]):
+    """(the profile's units: root first, then one per decoder layer; the settings with the blocks' value).
+    Every unit that is not a decoder layer (the root and the units beside it: embeddings, ``[norm, output]``)
+    is counted in one root-side unit kept gathered all step, which bounds them from above (its shards are
+    exact: padding is per parameter); ``edge_regathers`` adds what gathering one of them again for backward
+    holds. ``peak``: the moments need each decoder layer as its own unit, all with one reshard value;
+    ``order``: each parameter's place in ``named_parameters()``."""
+    pattern = re.compile(re.escape(prefix) + r"[0-9]+")
+    blocks = [u for u in shard_units if len(u.modules) == 1 and pattern.fullmatch(u.modules[0])]
+    side = [u for u in shard_units if u not in blocks]
+    inner = [m for u in side for m in u.modules if m.startswith(prefix)]
+    values = {True if u.reshard_after_forward is None else u.reshard_after_forward for u in blocks}
+    if peak and (inner or len(values) > 1):
+        why = f"{inner[0]!r} is a unit inside a decoder layer" if inner else "the decoder layers differ in reshard_after_forward"
+        raise ValueError(f"wrapping: {why}; the FSDP2 peak models one unit per decoder layer with one "
+                         "reshard_after_forward value")  # fmt: skip
+    if len(values) == 1 and isinstance(settings.wrap, Wrapping):
+        (value,) = values
+        if "reshard_after_forward" in settings.model_fields_set and settings.reshard_after_forward != value:
+            raise ValueError(f"reshard_after_forward={settings.reshard_after_forward} contradicts the wrapping's "
+                             f"decoder layers ({value}): give one of them")  # fmt: skip
+        settings = settings.model_copy(update={"reshard_after_forward": value})
+    root = sorted((p for u in side for p in u.params), key=lambda p: order[p[0]])
+    units = (Unit("root", tuple(s for _, s in root)),
+             *(Unit(u.modules[0], tuple(s for _, s in u.params)) for u in sorted(blocks, key=lambda u: u.first)))
+    return units, settings
+
+
+def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
+    """The run of ``workload`` as ``settings.wrap`` wraps it (``shard_units_of``; ``profile_units``)."""
+    spec = workload.spec
+    shard_units = shard_units_of(workload, settings)
     if spec is not None:
         prefix = block_prefix(spec)
     else:  # bare shapes: decoder layers where the names say so (GPT-2 or Llama names), else one unit
-        known = [p for p in ("transformer.h.", "model.layers.") if any(n.startswith(p) for n, _ in workload.shapes)]
+        known = [p for p in BLOCK_PREFIX.values() if any(n.startswith(p) for n, _ in workload.shapes)]
         prefix = known[0] if known else "\0"
-    units = units_of(workload.shapes, prefix)
+    order = {n: i for i, (n, _) in enumerate(workload.shapes)}
+    units, settings = profile_units(shard_units, prefix, settings, spec is not None, order)
     if spec is None:
-        return Fsdp2Run(units, nd, settings, foreach=_foreach(workload, settings))
+        return Fsdp2Run(units, nd, settings, foreach=_foreach(workload, settings), shard_units=shard_units)
     act_bytes = dtype_bytes(settings.param)
     stat_bytes = 4 if settings.device == "cuda" else act_bytes  # CPU native_layer_norm: stats in the input dtype
     acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=act_bytes, stat_bytes=stat_bytes)
@@ -332,7 +515,7 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                     spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
                     biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes),
                     transformers=hf, loss_in_forward=hf and settings.loss_in_forward, buffer_bytes=buffers,
-                    position_bytes=workload.seq_len * 8 if rotary else 0)  # fmt: skip
+                    position_bytes=workload.seq_len * 8 if rotary else 0, shard_units=shard_units)  # fmt: skip
 
 
 def _foreach(workload: Workload, settings: Settings) -> bool:

@@ -39,6 +39,7 @@ from zeroplan.engines.reference.plan import (
     ds_config_policy,
     ds_config_sweep_batches,
     planner_block_bytes,
+    planner_peak_limits,
     planner_policy,
     planner_settings,
 )
@@ -48,20 +49,19 @@ from zeroplan.engines.reference.settings import (
     MASTER_BYTES,
     PEAK_OPTIMIZERS,
     Settings,
-    check_peak_policy,
-    check_peak_spec,
+    peak_limit,
 )
 from zeroplan.engines.reference.terms import FINAL_NORM_PREFIX, ReferenceRun, reference_run
 
 __all__ = [
     "ADAM_STEP_BYTES", "CUDA_STAT_BYTES", "FINAL_NORM_PREFIX", "MASTER_BYTES", "PEAK_OPTIMIZERS", "PLANNER_OPTIONS",
-    "ReferenceRun", "Settings", "backward_moments", "check_peak_policy", "check_peak_spec", "estimate",
+    "ReferenceRun", "Settings", "backward_moments", "estimate", "peak_limit", "planner_peak_limits",
     "forward_moments", "init_moments", "moments", "optimizer_moments", "planner_block_bytes", "planner_policy",
     "planner_settings", "predict_peak", "reference_run", "stage_rows", "ENGINE",
 ]  # fmt: skip
 
 ENGINE = Engine("reference", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS,
                 block_bytes=planner_block_bytes, batch=ds_config_batch, sweep_batches=ds_config_sweep_batches,
-                file_policy=ds_config_policy, alloc_trace=alloc_traces)  # fmt: skip
+                file_policy=ds_config_policy, own_peak_limits=planner_peak_limits, alloc_trace=alloc_traces)  # fmt: skip
 """The reference runtime as the registry knows it (``zeroplan.engines``): the ZeRO ladder (no own search); a
 ds_config, where given, completes its policy and sets its batch as DeepSpeed would."""

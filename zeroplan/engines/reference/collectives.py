@@ -5,16 +5,33 @@ Collectives per step (``formulas.collectives.step_collectives``): stage 0 all-re
 (validate/stage0.py:Stage0.unit_grads_ready); stages 1-2 reduce-scatter gradients
 (validate/stage1.py:Stage1.unit_grads_ready, validate/stage2.py:Stage2.unit_grads_ready) and all-gather the
 updated 16-bit parameters (validate/stage1.py:Stage1.publish); stage 3 all-gathers each unit before forward
-and again before backward (validate/stage3.py:Stage3._gather) and reduce-scatters gradients. Per optimizer
-step with accumulation: ``zeroplan.formulas.commtime.calls_per_optimizer_step``.
+and again before backward (validate/stage3.py:Stage3._gather) and reduce-scatters gradients. The stage table
+counts one micro-step; ``optimizer_step`` turns it into the engine contract's one optimizer step
+(``EngineEstimate.collectives``): with accumulation a collective runs every micro-step or once
+(``zeroplan.formulas.commtime.calls_per_optimizer_step``, which the runtime follows).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from zeroplan.engines.reference.settings import Settings
+from zeroplan.formulas.collectives import Collective
+from zeroplan.formulas.commtime import calls_per_optimizer_step
 from zeroplan.formulas.stage_table import StageRow, stage_table
 
 
 def stage_rows(numels: tuple[int, ...], nd: int, settings: Settings) -> tuple[StageRow, ...]:
     """Model states and collectives of each of ``settings.stages`` for tensors of ``numels`` elements."""
     return stage_table(numels, nd, settings.policy, settings.stages, settings.flat_layout)
+
+
+def optimizer_step(collectives: tuple[Collective, ...], stage: int, grad_accum: int) -> tuple[Collective, ...]:
+    """One optimizer step of ``grad_accum`` micro-steps from the stage table's one micro-step: a collective
+    that runs every micro-step (stage >= 2 reductions, stage 3 all-gathers: ``calls_per_optimizer_step``) is
+    summed over the G micro-steps it runs in (``Collective.micro_steps`` = G), the others run once."""
+    out = []
+    for c in collectives:
+        n = calls_per_optimizer_step(stage, c.op, grad_accum)
+        out.append(replace(c, elements=c.elements * n, bytes_per_rank=c.bytes_per_rank * n, micro_steps=n))
+    return tuple(out)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Optional
 
-from zeroplan.engines.base import EngineEstimate, PlannerOptions, Workload
-from zeroplan.engines.reference.collectives import stage_rows
+from zeroplan.engines.base import EngineEstimate, PeakLimit, PlannerOptions, Workload
+from zeroplan.engines.reference.collectives import optimizer_step, stage_rows
 from zeroplan.engines.reference.moments import predict_peak
-from zeroplan.engines.reference.settings import Settings, check_peak_policy, check_peak_spec
+from zeroplan.engines.reference.settings import Settings, peak_limit
 from zeroplan.engines.reference.terms import reference_run
 from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.policy import PrecisionPolicy
@@ -28,14 +29,15 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     peak only where it outgrows the unit's autograd gradients it replaces (N_d = 1 at most ties); on gloo
     (``settings.backend``) the reduce-scatter's copy of its input (``terms.gloo_copy``) makes it outgrow
     them by the unit's shard.
-    Collectives per optimizer step: ``zeroplan.formulas.commtime.calls_per_optimizer_step``.
+    Collectives of one optimizer step (the engine contract), every micro-step's calls summed
+    (``collectives.optimizer_step``).
     """
     if nd < 1:
         raise ValueError(f"nd={nd}: must be >= 1")
     numels = tuple(math.prod(s) for _, s in workload.shapes)
-    if workload.spec is not None:
-        check_peak_policy(settings.policy)
-        check_peak_spec(workload.spec)
+    limit = None if workload.spec is None else peak_limit(settings.policy, workload.spec)
+    if limit is not None:
+        raise ValueError(limit.reason)
     rows = stage_rows(numels, nd, settings)
     out = []
     for row in rows:
@@ -52,7 +54,8 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
             peak = predict_peak(run, block_bytes=settings.block_bytes,
                                 allocator_overhead_bytes=settings.allocator_overhead_bytes, resident=resident)  # fmt: skip
         number = row.stage.number
-        out.append(EngineEstimate("reference", f"ZeRO-{number}", number, row.memory, peak, row.collectives))
+        collectives = optimizer_step(row.collectives, number, workload.grad_accum)
+        out.append(EngineEstimate("reference", f"ZeRO-{number}", number, row.memory, peak, collectives))
     return tuple(out)
 
 
@@ -67,6 +70,11 @@ def planner_settings(options: PlannerOptions) -> Settings:
     ``--gpu`` preset's compute capability where given, else the default's)."""
     cap = {} if options.gpu_capability is None else {"cuda_capability": options.gpu_capability}
     return Settings(stages=options.stages, policy=options.policy, flat_layout=options.flat_layout, **cap)
+
+
+def planner_peak_limits(options: PlannerOptions, spec) -> Optional[PeakLimit]:
+    """``Engine.own_peak_limits``: the run the profile describes (``settings.peak_limit``) in the policy asked."""
+    return peak_limit(options.policy, spec)
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:

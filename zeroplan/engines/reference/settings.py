@@ -8,6 +8,7 @@ from typing import Annotated, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.engines.base import PeakLimit
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.types import StageNumber
@@ -58,28 +59,26 @@ class Settings(BaseModel):
         return v
 
 
-def check_peak_policy(policy: PrecisionPolicy) -> None:
-    """ValueError (one line) unless ``policy`` is the run the reference profile describes."""
+def peak_limit(policy: PrecisionPolicy, spec: TransformerSpec) -> Optional[PeakLimit]:
+    """None when the profile describes this run; else why not (``Engine.own_peak_limits``, and ``estimate``
+    raises it): the runtime as built (16-bit params and grads, an fp32 master, fp32 Adam), and no dropout,
+    which keeps a mask per dropout op (``activation_terms`` counts none; validate/transformer.py runs no
+    dropout op at p = 0)."""
     ok = (
         policy.param_bytes == 2 and policy.grad_bytes == 2 and policy.master_dtype == "fp32"
         and policy.optimizer in PEAK_OPTIMIZERS and policy.optimizer_dtype == "fp32"
     )  # fmt: skip
     if not ok:
         p = policy.resolved()
-        raise ValueError(
+        return PeakLimit("policy", (
             "the reference engine's peak models 16-bit params and grads, an fp32 master and fp32 Adam "
             f"(validate/runtime.py); got params {p['param_dtype']}, grads {p['grad_dtype']}, master "
             f"{p['master_dtype']}, optimizer {p['optimizer']} ({p['optimizer_dtype']})"
-        )
-
-
-def check_peak_spec(spec: TransformerSpec) -> None:
-    """ValueError (one line) for an architecture whose activations the profile does not count: dropout
-    keeps a mask per dropout op (``activation_terms`` counts none; validate/transformer.py runs no dropout
-    op at p = 0)."""
+        ))
     drops = [f"{k}={getattr(spec, k):g}" for k in ("embd_pdrop", "attn_pdrop", "resid_pdrop") if getattr(spec, k)]
     if drops:
-        raise ValueError(
+        return PeakLimit("architecture", (
             f"the reference engine's peak counts no dropout masks; the config has {', '.join(drops)} "
             "(set them to 0 in the config.json to plan a run without dropout)"
-        )
+        ))
+    return None

@@ -1,0 +1,85 @@
+"""The randomized differential matrix's fixed-seed slice (validate/differential.py; the sweep is
+benchmarks/differential.py, its result in docs/benchmarks.md).
+
+- the generator: seeded, the same draws everywhere, 5-60M parameters, every family, and every DeepSpeed
+  threshold drawn on both sides of its boundary within the first draws (pure Python, no torch);
+- every recorded draw (tests/data/measured/differential.json: what the real engines measured, rank by rank,
+  with the draw that produced it) predicted again by today's profiles, every phase of every rank within the
+  issue's targets (1%, and at most 0.5% under): each miss the sweep found stays a test case here;
+- one live draw (``distributed``): the smallest FSDP2 draw of seed 1 trained again on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from validate.differential import FAMILIES, PSI_RANGE, TARGET_UNDER, TARGET_WITHIN, draw, replay, run_draw
+
+RECORDED = Path(__file__).resolve().parent / "data" / "measured" / "differential.json"
+SLICE = range(40)
+
+
+def test_draws_are_seeded_and_sized():
+    a, b = draw(1, 7), draw(1, 7)
+    assert a == b and a != draw(2, 7)
+    draws = [draw(1, i) for i in SLICE]
+    assert {d.config["model_type"] for d in draws} == set(FAMILIES)
+    assert {d.nd for d in draws} == {2, 3, 4} and {d.engine for d in draws} == {"fsdp2", "deepspeed"}
+    assert all(PSI_RANGE[0] <= d.psi <= PSI_RANGE[1] for d in draws)
+    assert {d.config["tie_word_embeddings"] for d in draws} == {True, False}
+
+
+def test_deepspeed_thresholds_are_drawn_on_both_sides():
+    draws = [draw(1, i, "deepspeed") for i in SLICE]
+    zero = [(d, d.ds_config["zero_optimization"]) for d in draws]
+    assert {z["stage"] for _, z in zero} == {1, 2, 3}
+    assert any(z["reduce_bucket_size"] >= d.psi for d, z in zero)  # one bucket
+    numels = {d.index: max(_numels(d.config)) for d, _ in zero}
+    assert any(z["reduce_bucket_size"] < numels[d.index] for d, z in zero)  # smaller than a tensor
+    z3 = [(d, z) for d, z in zero if z["stage"] == 3]
+    assert {z["stage3_param_persistence_threshold"] == 0 for _, z in z3} == {True, False}
+    assert {z["stage3_prefetch_bucket_size"] for _, z in z3} >= {0, 50_000_000}
+    assert {d.zero_init for d, _ in z3} == {True, False}
+    assert {z["overlap_comm"] for _, z in zero} == {True, False}
+    assert {d.ds_config["gradient_accumulation_steps"] for d in draws} == {1, 2}
+
+
+def _numels(config: dict) -> tuple[int, ...]:
+    from zeroplan.architectures.hf_config import spec_from_hf_config
+    from zeroplan.architectures.spec import transformer_shapes
+
+    return tuple(math.prod(s) for _, s in transformer_shapes(spec_from_hf_config(config)))
+
+
+def _records() -> list[dict]:
+    return json.loads(RECORDED.read_text())["results"] if RECORDED.exists() else []
+
+
+@pytest.mark.parametrize("record", _records(), ids=[r["name"] for r in _records()])
+def test_recorded_draw_within_targets(record, tmp_path):
+    got = replay(record, tmp_path)
+    d = got.draw
+    assert d in (draw(d.seed, d.index), draw(d.seed, d.index, d.engine))  # the generator still draws what was measured
+    for rank, errors in got.errors().items():
+        for phase, e in errors.items():
+            assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")
+
+
+def test_recorded_draws_exist_with_provenance():
+    data = json.loads(RECORDED.read_text())
+    assert data["results"] and {"recorded", "torch", "deepspeed", "transformers", "command"} <= set(data)
+
+
+@pytest.mark.distributed
+def test_live_draw_every_phase_every_rank(tmp_path):
+    pytest.importorskip("transformers")
+    d = draw(1, 81, "fsdp2")  # mistral 6.6M untied, labels=, N_d = 2, micro-batch 2, seq 128, resharded
+    got = run_draw(d, tmp_path)
+    assert sorted(got.measured) == [0, 1]
+    for rank, errors in got.errors().items():
+        for phase, e in errors.items():
+            assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")

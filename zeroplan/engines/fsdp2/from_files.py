@@ -1,0 +1,119 @@
+"""An accelerate FSDP2 config or a torchtitan job config as the FSDP2 engine's options: the wrapping each
+launcher makes (``WrapUnit``, in its own words) as data (``zeroplan.engines.fsdp2.wrap.Wrapping``, in
+transformers' module names, which ``--model`` uses), the policy, the init and the batch the file sets.
+
+What the engine cannot express is refused in one line naming the setting: selective activation
+checkpointing, ``torch.compile``, model converters (float8), CPU offload, a module dtype other than fp32,
+accelerate's size-based wrapping and a layer class that is not the model's decoder layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from zeroplan.architectures.spec import BLOCK_PREFIX, TransformerSpec
+from zeroplan.engines.fsdp2.wrap import WrapEntry, Wrapping, preset
+from zeroplan.integrations.accelerate_config import AccelerateFsdp
+from zeroplan.integrations.torchtitan_config import TorchtitanRun
+
+DECODER_LAYER_SUFFIXES = ("DecoderLayer", "Block")
+"""transformers' decoder layer classes (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``GPT2Block``: each model's
+``_no_split_modules``): a class named otherwise is not one unit per decoder layer."""
+
+
+@dataclass(frozen=True)
+class Fsdp2Run:
+    """What the file sets for the FSDP2 engine: its own options (``EngineOptions`` keywords), the wrapping in
+    full, N_d, and the step's batch and checkpointing (None: the file leaves it to the command line)."""
+
+    options: dict
+    wrapping: Wrapping
+    gpus: Optional[int]
+    micro_batch: Optional[int]
+    grad_accum: Optional[int]
+    seq_len: Optional[int]
+    checkpointing: Optional[str]
+
+
+def _names(spec: TransformerSpec) -> tuple[str, str, str]:
+    """(token embedding, decoder layers pattern, final norm) in transformers' names."""
+    if spec.style == "gpt":
+        return "transformer.wte", BLOCK_PREFIX["gpt"] + "*", "transformer.ln_f"
+    return "model.embed_tokens", BLOCK_PREFIX["llama"] + "*", "model.norm"
+
+
+def torchtitan_wrapping(run: TorchtitanRun, spec: TransformerSpec) -> Wrapping:
+    """``apply_fsdp``'s calls (``run.wrapping``): embeddings and blocks at the run's reshard value, ``[norm,
+    output]`` at its own (True only under the policy "always"), the root at FSDP2's default."""
+    if spec.tied:
+        raise ValueError("--torchtitan-config: torchtitan wraps the token embeddings and the output apart; a tied "
+                         "model would read a resharded weight (torchtitan's models are untied)")  # fmt: skip
+    embed, blocks, norm = _names(spec)
+    values = [u.reshard_after_forward for u in run.wrapping]
+    return Wrapping(units=(WrapEntry(modules=(embed,), reshard_after_forward=values[0]),
+                           WrapEntry(modules=(blocks,), reshard_after_forward=values[1]),
+                           WrapEntry(modules=(norm, "lm_head"), group=True, reshard_after_forward=values[2]),
+                           WrapEntry(modules=("",))))  # fmt: skip
+
+
+def accelerate_wrapping(run: AccelerateFsdp, spec: TransformerSpec) -> Wrapping:
+    """``fsdp2_prepare_model``'s calls (accelerate 1.15.0, ``run.wrapping``): each decoder layer (transformer-based
+    wrap), the input embeddings unless tied, ``[final norm, output embeddings]`` (the input embeddings first when
+    tied) kept gathered, then the root at FSDP2's default."""
+    embed, blocks, norm = _names(spec)
+    units = []
+    if run.auto_wrap_policy == "size_based_wrap" and run.min_num_params > 0:
+        raise ValueError("--accelerate-config: fsdp_auto_wrap_policy SIZE_BASED_WRAP: its units are not mapped to "
+                         "module names yet; use TRANSFORMER_BASED_WRAP")  # fmt: skip
+    if run.auto_wrap_policy == "transformer_based_wrap":
+        classes = run.transformer_layer_cls_to_wrap
+        odd = [c for c in classes or () if not c.strip().endswith(DECODER_LAYER_SUFFIXES)]
+        if odd:
+            raise ValueError(f"--accelerate-config: fsdp_transformer_layer_cls_to_wrap={odd[0]}: zeroplan models one "
+                             "unit per decoder layer (a *DecoderLayer or GPT2Block class)")  # fmt: skip
+        units.append(WrapEntry(modules=(blocks,), reshard_after_forward=run.reshard_after_forward))
+    if not spec.tied:
+        units.append(WrapEntry(modules=(embed,), reshard_after_forward=run.reshard_after_forward))
+        units.append(WrapEntry(modules=(norm, "lm_head"), group=True, reshard_after_forward=False))
+    else:  # lm_head shares the embedding's weight: named_parameters lists it once, as the embedding
+        units.append(WrapEntry(modules=(embed, norm), group=True, reshard_after_forward=False))
+    return Wrapping(units=(*units, WrapEntry(modules=("",))))
+
+
+def _refuse(flag: str, what: dict) -> None:
+    said = [k for k, v in what.items() if v]
+    if said:
+        raise ValueError(f"{flag}: {said[0]}: not expressible in the FSDP2 engine (docs/integrations.md)")
+
+
+def from_torchtitan(run: TorchtitanRun, spec: Optional[TransformerSpec]) -> Fsdp2Run:
+    """The FSDP2 engine's run of a torchtitan job config (``read_torchtitan_config``)."""
+    _refuse("--torchtitan-config", {
+        f"activation_checkpoint.mode=selective (option {run.selective_ac_option})": run.checkpointing == "selective",
+        "compile.enable=true": run.compile, f"model.converters={list(run.converters)}": bool(run.converters),
+        "training.enable_cpu_offload=true": run.cpu_offload,
+        f"training.dtype={run.module_dtype} (the shards' dtype)": run.module_dtype != "fp32",
+    })  # fmt: skip
+    if spec is None:
+        raise ValueError("--torchtitan-config: give --model (the wrapping is in its module names)")
+    wrap = torchtitan_wrapping(run, spec)
+    named = wrap == preset("torchtitan", spec.style, run.reshard_after_forward)  # the preset, by its name
+    options = {"reshard_after_forward": run.reshard_after_forward, "param_dtype": run.param_dtype,
+               "reduce_dtype": run.reduce_dtype, "wrap": "torchtitan" if named else wrap, "init": run.init}  # fmt: skip
+    return Fsdp2Run(options, wrap, run.nd, run.local_batch_size, run.grad_accum, run.seq_len, run.checkpointing)
+
+
+def from_accelerate(run: AccelerateFsdp, spec: Optional[TransformerSpec]) -> Fsdp2Run:
+    """The FSDP2 engine's run of an accelerate FSDP2 config (``read_fsdp``); ``init`` cpu (every rank loads the
+    model on CPU, ``fully_shard`` moves each unit's shards to the GPU) holds on the GPU what meta does."""
+    _refuse("--accelerate-config", {
+        "fsdp_offload_params=true": run.offload_params,
+        "fsdp_activation_checkpointing_offload=true": run.activation_checkpointing_offload,
+        f"mixed_precision={run.mixed_precision}": run.param_dtype == "fp16",
+    })  # fmt: skip
+    if spec is None:
+        raise ValueError("--accelerate-config: give --model (the wrapping is in its module names)")
+    wrap = accelerate_wrapping(run, spec)
+    options = {"wrap": wrap, "init": "meta",
+               **({"param_dtype": run.param_dtype, "reduce_dtype": run.reduce_dtype} if run.param_dtype else {})}
+    return Fsdp2Run(options, wrap, run.num_processes, None, None, None, "full" if run.activation_checkpointing else None)

@@ -1,0 +1,209 @@
+"""FSDP2 wrapping as data: which ``fully_shard`` calls a run makes, in call order, and which parameters each
+unit manages (issue 17: the user's own wrapping).
+
+A wrapping is a list of entries in the order ``fully_shard`` is called, the root (``""``) last::
+
+    {"units": [{"modules": ["model.embed_tokens"], "reshard_after_forward": true},
+               {"modules": ["model.layers.*"]},
+               {"modules": ["model.norm", "lm_head"], "group": true, "reshard_after_forward": false},
+               {"modules": [""]}]}
+
+A pattern is a qualified module name as in the model's ``named_modules()``, where ``*`` stands for exactly one
+name segment (``model.layers.*`` matches ``model.layers.0``, not ``model.layers.0.mlp``). An entry makes one
+``fully_shard`` call per module it matches (torchtitan's loop over the blocks), or with ``"group": true`` one
+call over all of them (``fully_shard([model.norm, lm_head])``: one unit, one all-gather). ``null`` is
+FSDP2's default: True for a non-root unit, False for the root (``_fsdp_state.py:FSDPState._lazy_init``; torch
+2.13 reshards the root when True is passed explicitly, ``_auto_reshard_after_forward``). A parameter belongs
+to the unit of its nearest wrapped ancestor module, the root at the latest
+(``_fully_shard/_fsdp_init.py:_get_managed_states``, which stops at modules already sharded).
+
+Presets: ``blocks`` (each decoder layer, then the root: FSDP2's documented pattern and zeroplan's default)
+and ``torchtitan`` (torchtitan 0.2.2 ``models/llama3/infra/parallelize.py:apply_fsdp``: the token
+embeddings, each block, ``[norm, output]`` kept gathered, then the root). Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
+
+from zeroplan.architectures.spec import BLOCK_PREFIX, Shape
+
+PRESETS = ("blocks", "torchtitan")
+Reshard = Optional[Union[StrictBool, StrictInt]]
+
+
+class WrapEntry(BaseModel):
+    """One entry of a wrapping: the modules it matches, one ``fully_shard`` call each or one for all."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    modules: tuple[str, ...] = Field(min_length=1, description="module name patterns (`*`: one name segment)")
+    group: StrictBool = Field(False, description="one fully_shard call over every module matched (one unit)")
+    reshard_after_forward: Reshard = Field(
+        None, description="true, false, an int k (kept sharded over k ranks) or null (FSDP2's default: True, "
+        "False for the root)")  # fmt: skip
+
+    @field_validator("reshard_after_forward")
+    @classmethod
+    def _k(cls, v):
+        if v is not None and not isinstance(v, bool) and v < 1:
+            raise ValueError(f"reshard_after_forward={v}: an int must be >= 1")
+        return v
+
+
+class Wrapping(BaseModel):
+    """The ``fully_shard`` calls of a run, in call order; the root (``""``) last and only last."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    units: tuple[WrapEntry, ...] = Field(min_length=1, description="entries in fully_shard call order")
+
+    @model_validator(mode="after")
+    def _root_last(self) -> Wrapping:
+        *rest, last = self.units
+        if last.modules != ("",):
+            raise ValueError('the last entry must be the root alone, {"modules": [""]}: fully_shard(model) comes last')
+        if any("" in e.modules for e in rest):
+            raise ValueError('the root "" may only be the last entry')
+        return self
+
+    def label(self) -> str:
+        return "; ".join(("[" + ", ".join(e.modules) + "]" if e.group else ", ".join(e.modules) or '""')
+                         + ("" if e.reshard_after_forward is None else f" reshard={e.reshard_after_forward}")
+                         for e in self.units)  # fmt: skip
+
+
+def preset(name: str, style: str, blocks: bool | int, tied: bool = False) -> Wrapping:
+    """The preset ``name`` in transformers' module names for the layout ``style`` (``architectures.spec``),
+    ``blocks`` the decoder layers' (and torchtitan's embeddings') ``reshard_after_forward``."""
+    layers = WrapEntry(modules=(BLOCK_PREFIX[style] + "*",), reshard_after_forward=blocks)
+    root = WrapEntry(modules=("",))
+    if name == "blocks":
+        return Wrapping(units=(layers, root))
+    if name != "torchtitan":
+        raise ValueError(f"wrapping {name!r}: expected one of {', '.join(PRESETS)} or a JSON file")
+    if tied:
+        raise ValueError("--fsdp-wrap torchtitan: torchtitan wraps the token embeddings and the output apart, so a "
+                         "tied head would read a resharded weight; torchtitan's models are untied (give a FILE)")  # fmt: skip
+    embed, norm = ("transformer.wte", "transformer.ln_f") if style == "gpt" else ("model.embed_tokens", "model.norm")
+    return Wrapping(units=(WrapEntry(modules=(embed,), reshard_after_forward=blocks), layers,
+                           WrapEntry(modules=(norm, "lm_head"), group=True, reshard_after_forward=False), root))  # fmt: skip
+
+
+def parse_wrapping(data: object, where: str = "wrapping") -> Wrapping:
+    """A wrapping from parsed JSON; ValueError in one line naming the first problem."""
+    from zeroplan.types import error_line
+
+    try:
+        return Wrapping.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"{where}: {error_line(exc)}") from None
+
+
+def read_wrapping(path: str) -> Wrapping:
+    """``--fsdp-wrap FILE.json`` (``zeroplan.files.read_json``: size and depth capped)."""
+    from zeroplan.files import read_json
+
+    return parse_wrapping(read_json(path, "fsdp wrapping"), f"fsdp wrapping {path!r}")
+
+
+# ---- resolving a wrapping against a model's parameters ----
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One ``fully_shard`` call resolved: its modules, the parameters it manages (name, shape, in
+    ``named_parameters`` order) and its ``reshard_after_forward`` as given (None: FSDP2's default)."""
+
+    modules: tuple[str, ...]
+    params: tuple[tuple[str, Shape], ...]
+    reshard_after_forward: Reshard
+    root: bool = False
+    first: int = 0  # where its first parameter is in named_parameters() order (forward_order)
+
+    @property
+    def name(self) -> str:
+        return "root" if self.root else ("[" + ", ".join(self.modules) + "]" if len(self.modules) > 1 else self.modules[0])
+
+    def post_forward_group(self, nd: int) -> int:
+        """Ranks it stays sharded over between forward and backward: nd (resharded), 1 (kept) or k
+        (``_fsdp_init.py:_get_post_forward_mesh_info``); None is True, or False for the root."""
+        rsf = self.reshard_after_forward
+        if rsf is None:
+            rsf = not self.root
+        if rsf is True:
+            return nd
+        if rsf is False:
+            return 1
+        if nd % rsf:
+            raise ValueError(f"{self.name}: reshard_after_forward={rsf}: must divide N_d={nd}")
+        return rsf
+
+
+def matches(pattern: str, module: str) -> bool:
+    """``pattern`` names ``module``: the same segments, ``*`` standing for exactly one."""
+    if pattern == "" or module == "":
+        return pattern == module
+    want, have = pattern.split("."), module.split(".")
+    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have))
+
+
+def module_names(named_shapes: tuple[tuple[str, Shape], ...]) -> tuple[str, ...]:
+    """Every module that holds a parameter or a module that does, root first, in first-seen order."""
+    out: dict[str, None] = {"": None}
+    for name, _ in named_shapes:
+        parts = name.split(".")[:-1]
+        for i in range(1, len(parts) + 1):
+            out.setdefault(".".join(parts[:i]), None)
+    return tuple(out)
+
+
+def _inside(module: str, ancestor: str) -> bool:
+    return ancestor == "" or module == ancestor or module.startswith(ancestor + ".")
+
+
+def resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...]) -> tuple[ShardUnit, ...]:
+    """The units of ``wrapping`` on a model with parameters ``named_shapes``, in ``fully_shard`` call order;
+    ValueError (one line) for a pattern that matches nothing, a module wrapped twice, or a unit inside an
+    earlier one (FSDP2 shards children first)."""
+    known = module_names(named_shapes)
+    calls: list[tuple[tuple[str, ...], Reshard]] = []
+    for entry in wrapping.units:
+        found = []
+        for pattern in entry.modules:
+            hit = [m for m in known if matches(pattern, m)]
+            if not hit:
+                raise ValueError(f"wrapping: {pattern!r} matches no module of the model (modules holding "
+                                 f"parameters: {', '.join(m for m in known[1:6])}, ...)")  # fmt: skip
+            found += [m for m in hit if m not in found]
+        calls += [(tuple(found), entry.reshard_after_forward)] if entry.group else [((m,), entry.reshard_after_forward) for m in found]
+    seen: dict[str, int] = {}
+    for i, (mods, _) in enumerate(calls):
+        for m in mods:
+            if m in seen:
+                raise ValueError(f"wrapping: module {m!r} is wrapped twice (fully_shard refuses a module already sharded)")
+            outer = [o for o in seen if o != "" and _inside(m, o)] if m else []
+            if outer:
+                raise ValueError(f"wrapping: {m!r} comes after {outer[0]!r}, which holds it: call fully_shard on the "
+                                 "inner module first (FSDP2 assigns each parameter to the first unit that holds it)")  # fmt: skip
+            seen[m] = i
+    owner: list[list[tuple[str, Shape]]] = [[] for _ in calls]
+    first = [len(named_shapes)] * len(calls)
+    for i, (name, shape) in enumerate(named_shapes):
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        best = max((m for m in seen if _inside(module, m)), key=lambda m: (m != "", m.count(".")))
+        owner[seen[best]].append((name, tuple(shape)))
+        first[seen[best]] = min(first[seen[best]], i)
+    return tuple(ShardUnit(mods, tuple(ps), rsf, mods == ("",), f) for (mods, rsf), ps, f in zip(calls, owner, first))
+
+
+def forward_order(units: tuple[ShardUnit, ...]) -> tuple[ShardUnit, ...]:
+    """The units in the order their forward runs: the root first (its pre-forward gathers it before any
+    child runs), then the others by where their first parameter is in ``named_parameters()`` order (the
+    module order transformers' forward follows); units without parameters are left out."""
+    rest = sorted((u for u in units if u.params and not u.root), key=lambda u: u.first)
+    root = [u for u in units if u.root and u.params]
+    return (*root, *rest)
