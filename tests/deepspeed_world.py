@@ -81,7 +81,7 @@ for name in sys.argv[1:]:
 
 
 def start_jit_builds(modules) -> subprocess.Popen | None:
-    """Start building the ops the ``modules`` declare (``DEEPSPEED_JIT_OPS``), niced, in one child; None if none."""
+    """Start building the ops the ``modules`` declare (``DEEPSPEED_JIT_OPS``), niced, in one child, or None."""
     ops = sorted({op for m in modules for op in getattr(m, "DEEPSPEED_JIT_OPS", ())})
     if not ops:
         return None
@@ -90,7 +90,7 @@ def start_jit_builds(modules) -> subprocess.Popen | None:
 
 
 def finish_jit_builds(build: subprocess.Popen | None, timeout_s: float = 900.0) -> None:
-    """Wait for the build: killed halfway, it would leave torch's lock file and the next load would wait on it."""
+    """Wait for the build: killed halfway, it would leave torch's lock file for the next load to wait on."""
     if build is not None:
         try:
             build.wait(timeout=timeout_s)

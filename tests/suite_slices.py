@@ -17,7 +17,7 @@ FULL = os.environ.get(FULL_ENV, "") == "1"
 
 
 def ci_slice(everything: list, kept: list) -> list:
-    """``everything`` with ``ZEROPLAN_FULL_MATRICES=1``, else the items of ``kept``, in ``everything``'s order."""
+    """``everything`` with ``ZEROPLAN_FULL_MATRICES=1``, else the items of ``kept`` in ``everything``'s order."""
     missing = [k for k in kept if k not in everything]
     if missing:
         raise ValueError(f"slice names rows the matrix does not have: {missing}")

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.clicheck import assert_one_line_error
+from tests.suite_slices import ci_slice
 from tests.test_measured_rows import live_peak_misses
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2 import (
@@ -74,7 +75,14 @@ RUNS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.distributed) for n in RUNS])
+# CI runs a covering slice (tests/suite_slices.py; all runs with ZEROPLAN_FULL_MATRICES=1): every setting
+# above still runs live. Left out: the default policy at N_d = 2 (bf16 reduce runs live in real-4-bf16-k2)
+# and the int reshard at simulated N_d = 8 and 64 (real at 4 in real-4-bf16-k2, simulated at 8 in
+# sim-8-tiny-llama-4-layers-k2); both stay checked against their recorded rows (tests/test_measured_rows.py).
+CI_RUNS = ci_slice(list(RUNS), [n for n in RUNS if n not in ("real-2-bf16-default", "sim-8-64-bf16-k2")])
+
+
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.distributed) for n in CI_RUNS])
 def report(request):
     pytest.importorskip("torch")
     from validate.api import run_validation

@@ -37,7 +37,6 @@ import pytest
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.engines import get_engine
 from zeroplan.engines.base import Workload
-from zeroplan.formulas.commtime import calls_per_optimizer_step
 from zeroplan.formulas.dtypes import canonical_dtype
 from zeroplan.formulas.peak import PHASES
 
@@ -105,14 +104,12 @@ def dtype_name(name: str) -> str:
 
 
 def predicted_collectives(record: dict, row) -> dict[str, int]:
-    """Elements per ``op|phase|dtype`` of one optimizer step (reference: a collective that runs every
-    micro-step counts G times, ``calls_per_optimizer_step``)."""
+    """Elements per ``op|phase|dtype`` of one optimizer step: every engine's rows count one optimizer step
+    (``EngineEstimate.collectives``; a collective that runs every micro-step is summed over them)."""
     out: dict[str, int] = {}
-    g = record["workload"]["grad_accum"]
     for c in row.collectives:
-        n = calls_per_optimizer_step(row.stage, c.op, g) if record["engine"] == "reference" else 1
         key = f"{c.op}|{c.phase.replace(' ', '_')}|{dtype_name(c.dtype)}"
-        out[key] = out.get(key, 0) + c.elements * n
+        out[key] = out.get(key, 0) + c.elements
     return out
 
 

@@ -131,8 +131,10 @@ def test_a_toy_engine_answers_estimate_with_its_own_option(toy, tmp_path):
         zeroplan.estimate(1000, gpus=4, engine="toy", copies=9)
     with pytest.raises(ValueError, match="copies does not apply to engine 'fsdp2'"):
         zeroplan.estimate(1000, gpus=4, engine="fsdp2", copies=2)
-    with pytest.raises(ValueError, match="param_dtype does not apply to engine 'toy'"):
-        zeroplan.estimate(1000, gpus=4, engine="toy", param_dtype="fp32")
+    with pytest.raises(ValueError, match=r"param_dtype, .*\) does not apply to engine 'toy' \(it reads: copies\)"):
+        zeroplan.estimate(1000, gpus=4, engine="toy", param_dtype="fp32")  # a policy field: not the toy's
+    with pytest.raises(ValueError, match=r"reduce_dtype does not apply to engine 'toy' \(it reads: copies\)"):
+        zeroplan.estimate(1000, gpus=4, engine="toy", reduce_dtype="fp32")  # FSDP2's own option: not the toy's
 
 
 def test_a_toy_engine_answers_plan_and_sweep(toy, tmp_path):
@@ -302,3 +304,37 @@ def test_the_gpu_presets_capability_sizes_the_peak_in_estimate_sweep_and_plan(tm
     if engine == "reference":  # the ladder's stage-3 row (fsdp2's plan searches its own candidates)
         planned = zeroplan.plan(gpus=2, **step, **cap)
         assert next(o for o in planned.options if o.stage == 3 and not o.offload.any).peak.peak_bytes == a100
+
+
+# ---------------------------------------------------------------- the vocabulary once
+
+
+def test_each_engines_vocabulary_is_declared_once_in_its_record(tmp_path):
+    """Engine-specific options live in the engine's ``own_options`` only (issue 16): ``PlannerOptions`` and
+    ``EngineOptions`` hold none by name, every CLI flag of ``OWN_OPTION_PARAMS`` is some engine's declaration,
+    and a bad value is refused by that declaration's check, in one line."""
+    from dataclasses import fields
+
+    from zeroplan.cli_options import OWN_OPTION_PARAMS
+    from zeroplan.engines import PLANNER_ENGINES
+    from zeroplan.engines.base import EngineOptions, PlannerOptions
+    from zeroplan.types import error_line
+
+    assert [f.name for f in fields(PlannerOptions)] == ["stages", "policy", "flat_layout", "stage", "gpu_capability",
+                                                        "own"]  # fmt: skip
+    assert EngineOptions.model_fields == {}
+    fsdp2, deepspeed = get_engine("fsdp2"), get_engine("deepspeed")
+    assert fsdp2.options == () and fsdp2.reads[:3] == ("reshard_after_forward", "param_dtype", "reduce_dtype")
+    assert deepspeed.options == ("stage",) and "ds_config" in deepspeed.reads
+    declared = {o.name for name in PLANNER_ENGINES for o in get_engine(name).own_options}
+    assert set(OWN_OPTION_PARAMS.values()) <= declared
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    for bad, message in ((dict(reshard_after_forward="yes"), "reshard_after_forward=yes: expected true, false"),
+                         (dict(reduce_dtype="fp33"), "reduce_dtype: unknown dtype 'fp33'")):  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            zeroplan.estimate(model=str(cfg), gpus=2, engine="fsdp2", seq_len=16, **bad)
+        assert error_line(info.value).startswith(message)
+    with pytest.raises(ValueError) as info:
+        zeroplan.estimate(1e9, gpus=2, engine="deepspeed", stage=3, ds_config=[1])
+    assert error_line(info.value).startswith("ds_config=[1]: expected a parsed ds_config.json (a dict)")

@@ -16,7 +16,7 @@ from zeroplan.cli_options import (
     GradAccumOption, HeadroomOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
-    DeviceOption, FsdpWrapOption, InitOption,
+    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
@@ -77,6 +77,7 @@ def estimate(
     device: DeviceOption = None,
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
+    zero_init: ZeroInitOption = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtypeOption = None,
     grad_dtype: GradDtype = None,
@@ -122,7 +123,8 @@ def estimate(
         ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len), ("checkpointing", checkpointing)))
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
-    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard)
+    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard,
+               zero_init=zero_init)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
     options, ds, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,
@@ -230,6 +232,7 @@ def plan(
     device: DeviceOption = None,
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
+    zero_init: ZeroInitOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -272,12 +275,13 @@ def plan(
         ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len)))
     refuse_foreign(ctx, engine)
     refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
-    if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     ds = read_settings_file(deepspeed_config)
     options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
                                                   fsdp_wrap=fsdp_wrap, init=init, device=device,
-                                                  dp_replicate=dp_replicate, dp_shard=dp_shard)  # fmt: skip
+                                                  dp_replicate=dp_replicate, dp_shard=dp_shard,
+                                                  zero_init=zero_init)  # fmt: skip
     options, _, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len,
                                              gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel
                                              == 0 else None, micro_batch, grad_accum, mixed_precision)  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
+from collections.abc import Callable
 from typing import Annotated, Optional
 
 import typer
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 from typer.core import TyperGroup
 
 from zeroplan.files import Terminated
+from zeroplan.parsing import parse_reshard
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.types import error_line
 
@@ -219,28 +221,44 @@ DeviceOption = Annotated[
     typer.Option("--device", help="fsdp2: cuda (default: NCCL, CUDA blocks and workspaces) or cpu (a CPU run on "
                  "gloo, as CPU CI runners train)."),
 ]  # fmt: skip
-OWN_OPTION_PARAMS: dict[str, str] = {"fsdp_wrap": "wrap", "init": "init", "device": "device",
-                                     "dp_replicate": "dp_replicate", "dp_shard": "dp_shard"}
-"""Command parameter -> the engine's own option it sets (``Engine.own_options``, by name)."""
+ZeroInitOption = Annotated[
+    Optional[bool],
+    typer.Option("--zero-init/--no-zero-init", help="deepspeed ZeRO-3: the model built under deepspeed.zero.Init "
+                 "(default at stage 3) or built whole, then partitioned by deepspeed.initialize."),
+]  # fmt: skip
 DeepSpeedConfigOption = Annotated[
     Optional[Path],
     typer.Option("--deepspeed-config", help="ds_config.json: with --engine deepspeed the engine's settings (buckets, "
                  "precision, optimizer, stage); with reference, its stage, dtypes and optimizer."),
 ]  # fmt: skip
+OWN_OPTION_PARAMS: dict[str, str] = {
+    "deepspeed_config": "ds_config",
+    "reshard_after_forward": "reshard_after_forward",
+    "param_dtype": "param_dtype",
+    "reduce_dtype": "reduce_dtype",
+    "fsdp_wrap": "wrap",
+    "init": "init",
+    "device": "device",
+    "dp_replicate": "dp_replicate",
+    "dp_shard": "dp_shard",
+    "zero_init": "zero_init",
+}
+"""Command parameter -> the engine's own option it sets (``Engine.own_options``, by name): the CLI's half of
+adding an option (the engine declares it; its flag is typed here and listed here)."""
 ENGINE_VOCABULARY: dict[str, tuple[str, ...]] = {
     "stage": ("stages", "stage"),
-    "deepspeed_config": ("policy", "ds_config"),
-    "param_dtype": ("policy", "param_dtype"),
     "grad_dtype": ("policy",),
     "master_weights": ("policy",),
     "optimizer": ("policy",),
     "optimizer_dtype": ("policy",),
-    "reshard_after_forward": ("reshard_after_forward",),
-    "reduce_dtype": ("reduce_dtype",),
     **{param: (own,) for param, own in OWN_OPTION_PARAMS.items()},
+    "deepspeed_config": ("policy", "ds_config"),  # the reference engine reads a ds_config's precision (file_policy)
+    "param_dtype": ("policy", "param_dtype"),  # the reference engine's policy dtype, FSDP2's MixedPrecisionPolicy
 }
-"""Command parameter -> the ``PlannerOptions`` fields it sets; an engine takes it when its vocabulary
-(``zeroplan.engines.Engine.options``) holds any of them."""
+"""Command parameter -> the shared ``PlannerOptions`` fields or own options it sets; an engine takes it when it
+reads any of them (``Engine.reads``)."""
+PARSERS: dict[str, Callable[[str], object]] = {"reshard_after_forward": parse_reshard}
+"""Command parameter -> how its text becomes the option's value (the others are taken as typed)."""
 
 
 def refuse_foreign(ctx, engine_name: str) -> None:
@@ -249,8 +267,8 @@ def refuse_foreign(ctx, engine_name: str) -> None:
     from zeroplan.engines import get_engine
 
     engine = get_engine(engine_name)
+    reads = engine.reads
     names = {p.name for p in ctx.command.params}
-    reads = (*engine.options, *(o.name for o in engine.own_options))
     foreign = tuple(n for n, fields in ENGINE_VOCABULARY.items() if n in names and not set(fields) & set(reads))
     refuse_unused(ctx, foreign, f"to --engine {engine.name} (its options: {', '.join(reads)})")
 
@@ -262,26 +280,19 @@ def read_settings_file(path) -> Optional[dict]:
     return read_json(path, "deepspeed config") if path is not None else None
 
 
-def engine_options_from(engine_name: str, ds_config: Optional[dict], reshard_after_forward, param_dtype, reduce_dtype,
-                        **own):
+def engine_options_from(engine_name: str, ds_config: Optional[dict] = None, reshard_after_forward=None,
+                        param_dtype=None, reduce_dtype=None, **own):
     """The ``EngineOptions`` of the command line for an engine that reads them (``refuse_foreign`` has
-    refused the others): the ds_config as read (``read_settings_file``), ``--reshard-after-forward`` parsed,
-    the dtypes as given, and ``own`` (command parameter -> value, ``OWN_OPTION_PARAMS``) under the engine's
-    own option names."""
+    refused the others): every given command parameter of ``OWN_OPTION_PARAMS`` the engine declares, under its
+    option's name (the ds_config as read, ``read_settings_file``; ``--reshard-after-forward`` parsed); ``own``:
+    further command parameters by name."""
     from zeroplan.engines import get_engine
     from zeroplan.engines.base import EngineOptions
-    from zeroplan.parsing import parse_reshard
-
-    mine = get_engine(engine_name).options
-    found = {
-        "ds_config": ds_config,
-        "reshard_after_forward": parse_reshard(reshard_after_forward) if reshard_after_forward is not None else None,
-        "param_dtype": param_dtype,
-        "reduce_dtype": reduce_dtype,
-    }
+    given = dict(deepspeed_config=ds_config, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                 reduce_dtype=reduce_dtype, **own)  # fmt: skip
     theirs = {o.name for o in get_engine(engine_name).own_options}
-    extra = {OWN_OPTION_PARAMS[k]: v for k, v in own.items() if v is not None and OWN_OPTION_PARAMS[k] in theirs}
-    return EngineOptions(**{k: v for k, v in found.items() if k in mine and v is not None}, **extra)
+    return EngineOptions(**{OWN_OPTION_PARAMS[k]: PARSERS.get(k, lambda v: v)(v) for k, v in given.items()
+                            if v is not None and OWN_OPTION_PARAMS[k] in theirs})  # fmt: skip
 
 
 def ds_config_batch(ctx, engine_name: str, ds_config: Optional[dict], nd: Optional[int], given: dict[str, int]):

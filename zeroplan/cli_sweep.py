@@ -11,7 +11,7 @@ import typer
 from zeroplan.cli_options import (
     ForeachOption, GradDtype, MasterWeights, ModelOption, OptimizerDtype, OptimizerName, ParamDtype,
     ReduceDtypeOption, ReshardOption, UserError, engine_options_from, read_settings_file,
-    DeviceOption, FsdpWrapOption, InitOption,
+    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption,
     given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
@@ -71,6 +71,7 @@ def sweep(
     device: DeviceOption = None,
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
+    zero_init: ZeroInitOption = None,
     reduce_dtype: ReduceDtypeOption = None,
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
@@ -117,13 +118,13 @@ def sweep(
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
     refuse_foreign(ctx, engine)
-    if deepspeed_config is not None and "ds_config" not in get_engine(engine).options:
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
         raise UserError("--deepspeed-config does not apply to sweep --engine reference: use --engine deepspeed "
                         "--model NAME with it, or give the reference policy options (--param-dtype, --optimizer, ...)")
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
                                   reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device,
-                                  dp_replicate=dp_replicate, dp_shard=dp_shard)  # fmt: skip
+                                  dp_replicate=dp_replicate, dp_shard=dp_shard, zero_init=zero_init)  # fmt: skip
     micro_batches = parse_wholes(micro_batch, "micro-batch")
     if model is not None:  # a ds_config's batch is the rows' (the engine's sweep_batches)
         typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None

@@ -97,10 +97,15 @@ def runner_calls(model: nn.Module, settings: Fsdp2Settings, spec) -> list[tuple[
     from zeroplan.engines.fsdp2.wrap import Wrapping, preset, resolve
 
     named = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    first = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), n)
+    tied = tuple((n.rsplit(".", 1)[0], first[id(p)]) for n, p in model.named_parameters(remove_duplicate=False)
+                 if first[id(p)] != n)  # a tied lm_head: its module, and the parameter it shares  # fmt: skip
     wrap = settings.wrapping()
     if not isinstance(wrap, Wrapping):
         wrap = preset(wrap, spec.style, settings.reshard_after_forward, spec.tied)
-    units = resolve(wrap, named)
+    units = resolve(wrap, named, tied)
     if not settings.hf:
         head = "lm_head.weight" if not spec.tied else named[0][0]  # the token embedding comes first
         if any(not u.root and any(n == head for n, _ in u.params) for u in units):

@@ -46,24 +46,22 @@ def planner_options(
     flat_layout: bool = True,
 ) -> PlannerOptions:
     """The ``PlannerOptions`` ``engine.planner_settings`` reads; ValueError (one line) for an option outside
-    the engine's vocabulary (``Engine.options``): ``stage`` is the reference engine's stage to show or
+    the engine's vocabulary (``Engine.options`` and ``Engine.own_options``, each own option checked by its
+    declaration): ``stage`` is the reference engine's stage to show or
     DeepSpeed's ``--stage``, ``policy`` the reference engine's precision policy (None: not given)."""
     asked = [*options.given, *(["stage"] if stage is not None else []), *(["policy"] if policy is not None else [])]
     own = {o.name: o for o in engine.own_options}
     for name in asked:
         fields = {"stage": ("stage", "stages")}.get(name, (name,))
-        if not set(fields) & {*engine.options, *own}:
+        if not set(fields) & set(engine.reads):
             what = "a precision policy (param_dtype, grad_dtype, ...)" if name == "policy" else name
-            raise ValueError(f"{what} does not apply to engine {engine.name!r} (it reads: "
-                             f"{', '.join((*engine.options, *own))})")  # fmt: skip
-    extra = options.model_extra or {}
+            raise ValueError(f"{what} does not apply to engine {engine.name!r} (it reads: {', '.join(engine.reads)})")
     return PlannerOptions(
         stages=(0, 1, 2, 3) if stage is None else (stage,),
         policy=policy if policy is not None else PrecisionPolicy(),
         flat_layout=flat_layout,
         stage=stage,
-        **{k: getattr(options, k) for k in options.given if k in EngineOptions.model_fields},
-        own={name: o.check(extra[name]) if extra.get(name) is not None else o.default for name, o in own.items()},
+        own={name: o.default if (v := options.value(name)) is None else o.check(v) for name, o in own.items()},
     )
 
 
@@ -75,8 +73,9 @@ def split_keywords(name: str, keywords: dict) -> tuple[Optional[dict], EngineOpt
     dtype and FSDP2's ``MixedPrecisionPolicy.param_dtype``)."""
     engine = get_engine(name)
     reads_policy = "policy" in engine.options
+    own = {o.name for o in engine.own_options}
     mine = {k: v for k, v in keywords.items()  # not a policy field: an engine's option (refused by name if not its)
-            if k not in PrecisionPolicy.model_fields or (k in EngineOptions.model_fields and not reads_policy)}
+            if k not in PrecisionPolicy.model_fields or (k in own and not reads_policy)}
     policy = {k: v for k, v in keywords.items() if k not in mine}
     return (policy or None), EngineOptions(**mine)
 

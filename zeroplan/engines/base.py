@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict
 
 from zeroplan.architectures.spec import Shape, TransformerSpec
 from zeroplan.formulas.activation_terms import activation_limit
@@ -108,13 +108,14 @@ def worst_rank(rows: Mapping[int, EngineEstimate]) -> EngineEstimate:
 # ---- the planner's side: what `estimate`, `plan` and `sweep` were asked, and what `plan` may answer ----
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PlannerOptions:
     """What the planner commands were asked, for an engine's ``planner_settings(options) -> Settings``.
 
-    The shared fields first, then each engine's own vocabulary; None means "not given: the engine's
-    default". Which of the vocabulary fields an engine reads is data (``zeroplan.engines.Engine.options``),
-    so the commands refuse the others in one line instead of ignoring them.
+    The fields every engine's vocabulary draws on (the paper's stages and policy, ``--stage``, the ``--gpu``
+    preset), then ``own``: each engine's own options by name, declared once in its ``Engine.own_options``
+    (FSDP2's ``reshard_after_forward``, DeepSpeed's ``ds_config``, ...). Which of the fields an engine reads is
+    data (``Engine.options``), so the commands refuse the others in one line instead of ignoring them.
     """
 
     stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -125,20 +126,23 @@ class PlannerOptions:
     """the shapes are the model's real tensors (per-tensor padding); False for a bare Ψ."""
     stage: Optional[int] = None
     """deepspeed: ``--stage``, the ZeRO stage when the ds_config gives none (a contradiction is refused)."""
-    ds_config: Optional[Mapping[str, Any]] = None
-    """deepspeed: the parsed ``ds_config.json`` (None: DeepSpeed's defaults for every key)."""
-    reshard_after_forward: Optional[bool | int] = None
-    """fsdp2: ``fully_shard(reshard_after_forward=...)``: True, False or the post-forward group size."""
-    param_dtype: Optional[str] = None
-    """fsdp2: ``MixedPrecisionPolicy.param_dtype``."""
-    reduce_dtype: Optional[str] = None
-    """fsdp2: ``MixedPrecisionPolicy.reduce_dtype``."""
     gpu_capability: Optional[tuple[int, int]] = None
     """the compute capability of the ``--gpu`` preset (``formulas.cuda_workspaces.capability_of``), which sizes
     the cuBLAS workspaces of a peak (reference, fsdp2: ``Settings.cuda_capability``); None: no preset given,
     or one whose library workspaces are not modelled (ROCm): the engine's default, an H100's (9, 0)."""
     own: Mapping[str, Any] = field(default_factory=dict)
-    """an engine's own options beyond the fields above (``Engine.own_options``), checked by it, by name."""
+    """the engine's own options (``Engine.own_options``) by name, checked by their declaration; every one it
+    declares is present (its default where not given) when ``zeroplan.engines.planner_options`` made them."""
+
+    def __init__(self, stages: tuple[int, ...] = (0, 1, 2, 3), policy: Optional[PrecisionPolicy] = None,
+                 flat_layout: bool = True, stage: Optional[int] = None,
+                 gpu_capability: Optional[tuple[int, int]] = None, own: Optional[Mapping[str, Any]] = None,
+                 **named: Any) -> None:  # fmt: skip
+        """``named``: own options by keyword, as ``own`` (``PlannerOptions(reshard_after_forward=4)``)."""
+        values = dict(stages=stages, policy=PrecisionPolicy() if policy is None else policy, flat_layout=flat_layout,
+                      stage=stage, gpu_capability=gpu_capability, own={**(own or {}), **named})  # fmt: skip
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True)
@@ -178,30 +182,30 @@ class EnginePlan:
 
 class EngineOptions(BaseModel):
     """The engine-vocabulary options of a planner question (``EstimateConfig``, ``PlanConfig``,
-    ``SweepConfig``); None: not given. ``zeroplan.engines.planner_options`` checks them against the
-    engine's vocabulary and makes the ``PlannerOptions`` its ``planner_settings`` reads."""
+    ``SweepConfig``), by name, as given: each is an option some engine declares (``Engine.own_options``:
+    FSDP2's ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``, DeepSpeed's ``ds_config``, ...);
+    ``zeroplan.engines.planner_options`` checks them against the engine asked (refusing those it does not
+    declare, by name) and makes the ``PlannerOptions`` its ``planner_settings`` reads. None: not given."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
-    """extra keys are an engine's own options (``Engine.own_options``); ``zeroplan.engines.planner_options``
-    refuses those the engine does not declare, so nothing unknown is accepted."""
 
-    ds_config: Optional[dict[str, Any]] = None
-    """deepspeed: the parsed ``ds_config.json``."""
-    reshard_after_forward: Optional[StrictBool | StrictInt] = None
-    """fsdp2: True, False, or the post-forward group size (a divisor of N_d, torch's rule)."""
-    param_dtype: Optional[str] = None
-    """fsdp2: ``MixedPrecisionPolicy.param_dtype``."""
-    reduce_dtype: Optional[str] = None
-    """fsdp2: ``MixedPrecisionPolicy.reduce_dtype``."""
+    def __hash__(self) -> int:  # a dict value: hash its canonical JSON (configs are lru_cache keys)
+        return hash(json.dumps(self.model_dump(), sort_keys=True, default=repr))
 
-    def __hash__(self) -> int:  # a dict field: hash its canonical JSON (configs are lru_cache keys)
-        return hash(json.dumps(self.model_dump(), sort_keys=True))
+    def value(self, name: str) -> Any:
+        """The option ``name`` as given; None when it was not."""
+        return (self.model_extra or {}).get(name)
+
+    @property
+    def ds_config(self) -> Optional[dict[str, Any]]:
+        """The parsed ``ds_config.json``, where given: the commands read its batch (``Engine.batch``) and the
+        reference engine its precision (``Engine.file_policy``) at the edge, whichever engine runs."""
+        return self.value("ds_config")
 
     @property
     def given(self) -> tuple[str, ...]:
-        """The fields that were given, in field order."""
-        return (*(k for k in type(self).model_fields if getattr(self, k) is not None),
-                *(k for k, v in (self.model_extra or {}).items() if v is not None))
+        """The options that were given, in the order given."""
+        return tuple(k for k, v in (self.model_extra or {}).items() if v is not None)
 
 
 # ---- the registry's record: what an engine package declares, once (``zeroplan.engines`` registers it) ----
@@ -227,7 +231,7 @@ def command_line_sweep_batches(settings_file, gpus, model_parallel, micro_batche
 
 @dataclass(frozen=True)
 class EngineOption:
-    """An option an engine declares beyond the shared vocabulary (``PlannerOptions``' fields): its keyword
+    """An option an engine declares beyond the shared fields of ``PlannerOptions``: its keyword
     (the Python API's; ``PlannerOptions.own[name]``), its check (value -> value, ValueError in one line),
     its default and what it means."""
 
@@ -275,7 +279,8 @@ class Engine:
     policy: Callable[[BaseModel], PrecisionPolicy]
     """the byte convention its model states follow, for the convention line and the "vs DP" ratio."""
     options: tuple[str, ...]
-    """the ``PlannerOptions`` fields in its vocabulary; the commands refuse the others."""
+    """the shared ``PlannerOptions`` fields in its vocabulary (``stages``, ``policy``, ``stage``); with
+    ``own_options`` all it reads; the commands refuse the others."""
     plan: Optional[PlanFn] = None
     """``zeroplan plan``'s search by predicted peak over the engine's own options; None: the planner's
     ladder of ZeRO stages and offload (``zeroplan.planning.plan.LADDER``)."""
@@ -297,8 +302,9 @@ class Engine:
     read_settings_file: Optional[Callable[[Mapping[str, Any]], BaseModel]] = None
     """its ``Settings`` from its settings file alone (the validator's ``--deepspeed-config``); None: it has none."""
     own_options: tuple[EngineOption, ...] = ()
-    """options only this engine reads, declared here once: the commands route them to it by name and refuse
-    them for every other engine."""
+    """its own vocabulary, declared here once (an option several engines read is declared by each): the
+    commands route them to it by name (``PlannerOptions.own``) and refuse them for every other engine; adding
+    an option is one declaration plus its CLI flag (``zeroplan.cli_options.OWN_OPTION_PARAMS``)."""
     alloc_trace: Optional[Callable[[Workload, int, BaseModel], tuple[Any, ...]]] = None
     """``(workload, nd, settings) -> tuple[AllocTrace, ...]``: each ``estimate`` row's step as an ordered
     allocation trace (``zeroplan.allocator.step_trace``; needs an architecture), which the allocator model
@@ -323,6 +329,11 @@ class Engine:
             return own
         why = activation_limit(spec)
         return None if why is None else PeakLimit("architecture", why)
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Its whole vocabulary: the shared ``PlannerOptions`` fields it reads, then its own options' names."""
+        return (*self.options, *(o.name for o in self.own_options))
 
     @property
     def one_row(self) -> bool:

@@ -23,7 +23,7 @@ from typing import Annotated, Callable, Optional
 
 from pydantic import ConfigDict, Field, validate_call
 
-from zeroplan.engines import REGISTRY, get_engine, planner_options
+from zeroplan.engines import get_engine, planner_options
 from zeroplan.allocator.reserved import fit_bytes, reserved_of
 from zeroplan.allocator.step_trace import AllocTrace
 from zeroplan.engines.base import EngineOptions
@@ -362,9 +362,7 @@ def plan(model: Optional[str] = None, params: Optional[float] = None, **options:
     (``zeroplan.plan("llama2-7b", gpu="h100-80gb", engine="fsdp2", param_dtype="bf16")``; ``ds_config=``
     for deepspeed): they go to ``PlanConfig.engine_options``.
     """
-    name = options.get("engine", "reference")
-    own = {o.name for o in get_engine(name).own_options} if isinstance(name, str) and name in REGISTRY else set()
-    mine = {k: options.pop(k) for k in list(options) if k in EngineOptions.model_fields or k in own}
+    mine = {k: options.pop(k) for k in list(options) if k not in PlanConfig.model_fields}  # the engine's, by name
     if mine:
         options["engine_options"] = EngineOptions(**mine)
     if model is not None and mine.get("ds_config") is not None:  # the file's batch (run_batch), at the planned N_d

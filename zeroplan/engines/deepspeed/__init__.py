@@ -39,8 +39,8 @@ from zeroplan.engines.deepspeed.coordinator import Coordinator, Stage3Gather, St
 from zeroplan.engines.deepspeed.estimator import ds_estimate_bytes, ds_estimate_zero2_bytes, ds_estimate_zero3_bytes
 from zeroplan.engines.deepspeed.phases import (backward_moments, forward_moments, init_moments, moments,
                                                optimizer_moments)
-from zeroplan.engines.deepspeed.plan import (BUCKET_CHOICES, PLAN_ORDER, PLANNER_OPTIONS, Recommendation, Tried,
-                                             build_snippet, candidates, planner_block_bytes, planner_plan,
+from zeroplan.engines.deepspeed.plan import (BUCKET_CHOICES, PLAN_ORDER, PLANNER_OPTIONS, VOCABULARY,
+                                             Recommendation, Tried, build_snippet, candidates, planner_block_bytes, planner_plan,
                                              planner_policy, planner_settings, ranked, recommend, sent_bytes_per_step)
 from zeroplan.engines.deepspeed.profile import estimate
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _trace
@@ -59,7 +59,7 @@ from zeroplan.formulas.sharding import flat_shard_numel as stage3_partition_nume
 
 __all__ = [
     "BUCKET_CHOICES", "DEEPSPEED_OPTIMIZERS", "DEEPSPEED_VERSION", "DEFAULT_BUCKET_NUMEL", "DTYPE_BYTES", "FETCH",
-    "NCCL_START_ALIGNMENT_FACTOR", "NVME_PATH", "PLANNER_OPTIONS", "PLAN_ORDER", "Tried", "ranked", "sent_bytes_per_step", "RELEASE", "STAGE3_PREFETCH_NUMEL",
+    "NCCL_START_ALIGNMENT_FACTOR", "NVME_PATH", "VOCABULARY", "PLANNER_OPTIONS", "PLAN_ORDER", "Tried", "ranked", "sent_bytes_per_step", "RELEASE", "STAGE3_PREFETCH_NUMEL",
     "Coordinator", "DSCollective", "DSRun", "DSTerm", "DeepSpeedConfig", "DsBatch", "DsDtype", "Recommendation",
     "Settings", "Stage3Gather", "Stage3Schedule", "Stage3Trace", "TraceEvent", "Wrapper",
     "_partition_allocations", "_stage1_kept_gradients", "_trace",
@@ -76,5 +76,6 @@ __all__ = [
 
 ENGINE = Engine("deepspeed", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
                 ds_estimate_bytes, "DeepSpeed's estimator", planner_block_bytes, batch=planner_batch,
-                sweep_batches=sweep_micro_batches, read_settings_file=Settings.from_ds_config, alloc_trace=alloc_traces)  # fmt: skip
+                sweep_batches=sweep_micro_batches, read_settings_file=Settings.from_ds_config,
+                own_options=VOCABULARY, alloc_trace=alloc_traces)  # fmt: skip
 """DeepSpeed as the registry knows it (``zeroplan.engines``): its batch is the ds_config's."""

@@ -4,13 +4,15 @@ contract (``planner_settings``, ``planner_policy``, ``planner_plan``, ``planner_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-from zeroplan.engines.base import Candidate, EngineEstimate, EnginePlan, PlannerOptions, Workload
+from zeroplan.engines.base import Candidate, EngineEstimate, EngineOption, EnginePlan, PlannerOptions, Workload
 from zeroplan.engines.deepspeed.profile import estimate
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.policy import PrecisionPolicy
+from zeroplan.types import show
 
 
 BUCKET_CHOICES: tuple[int, ...] = (500_000_000, 200_000_000, 50_000_000, 5_000_000)
@@ -115,17 +117,43 @@ def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
 
 # --- the planner's side (estimate, plan, sweep): options -> Settings, the byte convention, the plan ----------
 
-PLANNER_OPTIONS: tuple[str, ...] = ("ds_config", "stage")
-"""The ``PlannerOptions`` fields in DeepSpeed's vocabulary: a ``ds_config.json`` and ``--stage``."""
+PLANNER_OPTIONS: tuple[str, ...] = ("stage",)
+"""The shared ``PlannerOptions`` fields DeepSpeed reads: ``--stage`` (its file: ``VOCABULARY``)."""
+
+
+def check_ds_config(v: object) -> dict:
+    """``ds_config``: a parsed ``ds_config.json`` (a JSON object); its keys are read by ``Settings.from_ds_config``."""
+    if not isinstance(v, Mapping):
+        raise ValueError(f"ds_config={show(v)}: expected a parsed ds_config.json (a dict)")
+    return dict(v)
+
+
 def planner_settings(options: PlannerOptions) -> Settings:
     """DeepSpeed's ``Settings`` from ``--deepspeed-config`` (absent keys: DeepSpeed 0.19.8's defaults) and
     ``--stage`` (fills in a config without a stage; a contradiction is refused)."""
-    config = dict(options.ds_config) if options.ds_config is not None else {}
+    config = dict(options.own.get("ds_config") or {})
     zero = config.get("zero_optimization")
     if options.stage is None and not (isinstance(zero, dict) and "stage" in zero):
         raise ValueError("--engine deepspeed needs the ZeRO stage: give --stage or zero_optimization.stage in "
                          "--deepspeed-config")  # fmt: skip
-    return Settings.from_ds_config(config, options.stage)
+    return Settings.from_ds_config(config, options.stage, options.own.get("zero_init"))
+
+
+def _zero_init(value: object) -> bool:
+    """``--zero-init/--no-zero-init`` (``Settings.zero_init``): whether ZeRO-3 builds the model under
+    ``deepspeed.zero.Init``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"zero_init={value!r}: expected true or false")
+    return value
+
+
+VOCABULARY: tuple[EngineOption, ...] = (
+    EngineOption("ds_config", check_ds_config, None, "the parsed ds_config.json (None: DeepSpeed's defaults)"),
+    EngineOption("zero_init", _zero_init, None, "ZeRO-3: the model built under deepspeed.zero.Init (default at "
+                 "stage 3) or whole, then partitioned by deepspeed.initialize"),
+)  # fmt: skip
+"""DeepSpeed's own vocabulary, declared once (``Engine.own_options``): its ``ds_config.json`` and
+``Settings.zero_init`` (None: DeepSpeed's way at stage 3)."""
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:
@@ -140,12 +168,14 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     the plan's order (``ranked``), each with the ds_config of exactly that prediction; the recommendation is
     the first that fits (``recommend``'s). The other keys come from ``--deepspeed-config`` (the plan chooses
     the stage: the file's is one of the candidates)."""
-    config = dict(options.ds_config) if options.ds_config is not None else {}
+    config = dict(options.own.get("ds_config") or {})
     zero = dict(config.get("zero_optimization") or {})
     if "stage" in zero:  # the file as `estimate` reads it (a stage of 4, 0 or "3" refused), then searched
         Settings.from_ds_config(config, None)
     zero.pop("stage", None)
     base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
+    if options.own.get("zero_init") is not None:  # read by the stage-3 candidates only (Settings.built_under_zero_init)
+        base = base.model_copy(update={"zero_init": options.own["zero_init"]})
     order = ranked(workload, nd, base)
     index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,

@@ -4,10 +4,13 @@ Read from torch 2.13.0's ``torch/distributed/fsdp/_fully_shard/`` (``SRC``; ever
 ``<file>.py:<Class.function>``) and measured against the real thing by ``validate/engines/fsdp2.py``
 (``tests/test_fsdp2_engine.py``). Pure: no torch; counts elements, converts to bytes once.
 
-Wrapping is FSDP2's documented pattern: one unit per decoder layer (``architectures.spec.block_prefix``),
-then the root (embeddings, final norm, an untied head); units are listed in forward order, root first.
-The root keeps FSDP2's default ``reshard_after_forward=None``, which does not reshard it after forward
-(``_fsdp_state.py:FSDPState._lazy_init``: ``post_forward_mesh_info = None``).
+Wrapping is data (``wrap.py``, ``Settings.wrap``): the ``fully_shard`` calls in call order, ``blocks`` by
+default (FSDP2's documented pattern: one unit per decoder layer, ``architectures.spec.block_prefix``, then the
+root: embeddings, final norm, an untied head), ``torchtitan`` or a file. The profile's units are listed in
+forward order, root first: every unit beside the decoder layers is counted in unit 0, the root side, with its
+own lifetime (``side.py``). The root keeps FSDP2's default ``reshard_after_forward=None``, which does not
+reshard it after forward (``_fsdp_state.py:FSDPState._lazy_init``: ``post_forward_mesh_info = None``), unless a
+wrapping passes True.
 
 Symbols: ``nd`` ranks; a parameter of shape ``(d0, *rest)`` is split on dim 0 into ``c = ceil(d0/nd)``
 rows per rank, every rank storing ``c·prod(rest)`` elements (rank r's real rows are
@@ -28,8 +31,9 @@ torch 2.11: the all-gather and reduce-scatter schedule is the same; 2.11 has no
 ``post_backward`` waits on it (one retained, as here with the default of 1); re-read before claiming a
 2.11 row exact (docs/engines/fsdp2.md).
 
-Files, as FSDP2's own ``_fully_shard/`` splits them: ``settings`` (``Settings``, the sources), ``param``
-(the dim-0 padding rule, units), ``collectives``, ``terms`` (the run and one function per term),
+Files, as FSDP2's own ``_fully_shard/`` splits them: ``settings`` (``Settings``, the sources), ``wrap`` (the
+wrapping as data, resolved into units), ``param`` (the dim-0 padding rule, units), ``collectives``, ``side``
+(the root side's units), ``terms`` (the run and one function per term),
 ``moments`` (the phases), ``launcher`` (the ``fully_shard`` snippet), ``plan`` (``estimate`` and the
 planner's side). This module re-exports the names other modules use.
 """
@@ -59,9 +63,9 @@ from zeroplan.engines.fsdp2.param import (
 )
 from zeroplan.engines.fsdp2.plan import (
     CANDIDATES,
-    OWN_OPTIONS,
     PLAN_ORDER,
     PLANNER_OPTIONS,
+    VOCABULARY,
     Fsdp2Option,
     estimate,
     plan_options,
@@ -75,7 +79,7 @@ from zeroplan.engines.fsdp2.settings import SRC, TORCH_VERSION, Settings, post_f
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, ModelStates, fsdp2_run, mesh_ranks_bytes, model_states
 
 __all__ = [
-    "CANDIDATES", "OWN_OPTIONS", "PLAN_ORDER", "PLANNER_OPTIONS", "SRC", "TORCH_VERSION", "Fsdp2Option", "Fsdp2Run",
+    "CANDIDATES", "VOCABULARY", "PLAN_ORDER", "PLANNER_OPTIONS", "SRC", "TORCH_VERSION", "Fsdp2Option", "Fsdp2Run",
     "ModelStates", "Settings", "Shape", "Unit", "UnitCollective", "backward_moments", "estimate",
     "forward_moments", "fsdp2_run", "fsdp2_snippet", "init_moments", "local_shard_numel", "mesh_ranks_bytes",
     "model_states", "moments", "optimizer_moments", "padded_shard_numel", "plan_options", "planner_block_bytes",
@@ -84,6 +88,6 @@ __all__ = [
 ]  # fmt: skip
 
 ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
-                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=OWN_OPTIONS,
+                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=VOCABULARY,
                 alloc_trace=alloc_traces)
 """FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""

@@ -75,8 +75,8 @@ def accelerate_wrapping(run: AccelerateFsdp, spec: TransformerSpec) -> Wrapping:
     if not spec.tied:
         units.append(WrapEntry(modules=(embed,), reshard_after_forward=run.reshard_after_forward))
         units.append(WrapEntry(modules=(norm, "lm_head"), group=True, reshard_after_forward=False))
-    else:  # lm_head shares the embedding's weight: named_parameters lists it once, as the embedding
-        units.append(WrapEntry(modules=(embed, norm), group=True, reshard_after_forward=False))
+    else:  # lm_head shares the embedding's weight: one unit (torch 2.13 refuses a parameter in two)
+        units.append(WrapEntry(modules=(norm, embed, "lm_head"), group=True, reshard_after_forward=False))
     return Wrapping(units=(*units, WrapEntry(modules=("",))))
 
 
@@ -104,12 +104,14 @@ def from_torchtitan(run: TorchtitanRun, spec: Optional[TransformerSpec]) -> Fsdp
 
 
 def from_accelerate(run: AccelerateFsdp, spec: Optional[TransformerSpec]) -> Fsdp2Run:
-    """The FSDP2 engine's run of an accelerate FSDP2 config (``read_fsdp``); ``init`` cpu (every rank loads the
-    model on CPU, ``fully_shard`` moves each unit's shards to the GPU) holds on the GPU what meta does."""
+    """The FSDP2 engine's run of an accelerate FSDP2 config (``read_fsdp``): RAM-efficient loading is the meta
+    init (the model moved to meta, ``fully_shard``, rank 0's state dict broadcast into the shards)."""
     _refuse("--accelerate-config", {
         "fsdp_offload_params=true": run.offload_params,
         "fsdp_activation_checkpointing_offload=true": run.activation_checkpointing_offload,
         f"mixed_precision={run.mixed_precision}": run.param_dtype == "fp16",
+        "fsdp_cpu_ram_efficient_loading=false (each rank loads the whole model on CPU, fully_shard moves each "
+        "unit to the GPU before sharding it)": run.init == "cpu",
     })  # fmt: skip
     if spec is None:
         raise ValueError("--accelerate-config: give --model (the wrapping is in its module names)")

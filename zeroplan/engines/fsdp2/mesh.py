@@ -145,13 +145,13 @@ def with_allreduce_held(run, backward: tuple[Moment, ...]) -> tuple[Moment, ...]
     run's moments come back unchanged."""
     if run.replicate == 1:
         return backward
-    reduced: list[Term] = []
+    reduced: dict[str, Term] = {}  # by name: a unit's output may be listed again in a later unit's moments
     out = []
     for m in backward:
-        held = allreduce_held(run.settings, tuple(reduced), run.replicate)
+        held = allreduce_held(run.settings, tuple(reduced.values()), run.replicate)
         out.append(replace(m, terms=(*m.terms, *held)) if held else m)
         if m.name.endswith(REDUCED):
-            reduced.extend(t for t in m.terms if t.name.startswith("reduce-scatter output"))
+            reduced.update((t.name, t) for t in m.terms if t.name.startswith("reduce-scatter output"))
     return tuple(out)
 
 

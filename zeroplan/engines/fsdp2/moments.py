@@ -18,6 +18,18 @@ from zeroplan.engines.fsdp2.hf_tree import (
 from zeroplan.engines.fsdp2.mesh import with_allreduce_held
 from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel
 from zeroplan.engines.fsdp2.settings import ADAM
+from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
+from zeroplan.engines.fsdp2.side import (
+    embedding_regather,
+    head_output,
+    head_units,
+    last_side_unit,
+    root_side,
+    side_prev,
+    side_reduce,
+    side_regathers,
+    split_root,
+)
 from zeroplan.engines.fsdp2.terms import (
     Fsdp2Run,
     _act,
@@ -42,16 +54,6 @@ from zeroplan.engines.fsdp2.terms import (
     resharded,
     rs_input,
     rs_output,
-    embedding_regather,
-    head_output,
-    head_units,
-    root_side,
-    last_side_unit,
-    side_prev,
-    side_reduce,
-    _gathered as _gathered_numel,
-    side_regathers,
-    split_root,
     unit_grads,
     unsharded,
 )

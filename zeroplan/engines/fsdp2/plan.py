@@ -3,6 +3,7 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -23,6 +24,7 @@ from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
+from zeroplan.types import show
 
 def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
     """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (None: the
@@ -122,8 +124,30 @@ def recommend(workload: Workload, nd: int, capacity_bytes: int, settings: Settin
 
 # ---- the planner's side (estimate, plan, sweep): options -> Settings, the byte convention, the plan ----
 
-PLANNER_OPTIONS: tuple[str, ...] = ("reshard_after_forward", "param_dtype", "reduce_dtype")
-"""The ``PlannerOptions`` fields in FSDP2's vocabulary (``fully_shard`` and ``MixedPrecisionPolicy``)."""
+PLANNER_OPTIONS: tuple[str, ...] = ()
+"""The shared ``PlannerOptions`` fields FSDP2 reads: none (its vocabulary is its own, ``VOCABULARY``)."""
+
+
+def check_reshard(v: object) -> bool | int:
+    """``reshard_after_forward`` as ``fully_shard`` takes it: True, False or the post-forward group size (an int
+    >= 1; that it divides N_d is checked with N_d, ``settings.post_forward_group``)."""
+    if isinstance(v, bool) or (isinstance(v, int) and v >= 1):
+        return v
+    raise ValueError(f"reshard_after_forward={show(v)}: expected true, false or a whole number of ranks >= 1")
+
+
+def check_dtype(name: str) -> Callable[[object], str]:
+    """The check of a ``MixedPrecisionPolicy`` dtype option: any spelling ``canonical_dtype`` knows."""
+
+    def check(v: object) -> str:
+        try:
+            return canonical_dtype(v)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+    return check
+
+
 PLAN_ORDER = ("keep blocks gathered (no backward all-gather), then reshard (one more all-gather per block), "
               "then checkpointing (one more forward per block), then both")  # fmt: skip
 
@@ -133,16 +157,16 @@ def planner_settings(options: PlannerOptions) -> Settings:
     model built in fp32, on the ``--gpu`` preset's compute capability where given; an option not given keeps
     FSDP2's default (reshard after forward, no mixed precision)."""
     given: dict = {}
-    if options.reshard_after_forward is not None:
-        given["reshard_after_forward"] = options.reshard_after_forward
+    if options.own.get("reshard_after_forward") is not None:
+        given["reshard_after_forward"] = options.own["reshard_after_forward"]
     for key in ("param_dtype", "reduce_dtype"):
-        if getattr(options, key) is not None:
-            given[key] = canonical_dtype(getattr(options, key))
+        if options.own.get(key) is not None:
+            given[key] = canonical_dtype(options.own[key])
     if options.gpu_capability is not None:  # the --gpu preset's: sizes the cuBLAS workspaces
         given["cuda_capability"] = options.gpu_capability
     if options.own.get("dp_shard") == AUTO:
         raise ValueError("dp_shard=auto: only plan searches the mesh; give a number (R x S = N_d)")
-    given.update({k: v for k, v in options.own.items() if v is not None and k != "gpus_per_node"})  # OWN_OPTIONS
+    given.update({k: v for k, v in options.own.items() if v is not None and k != "gpus_per_node"})  # VOCABULARY
     if given.get("device") == "cpu":  # a CPU run is on gloo (users' CPU CI runners), as the validator's
         given["backend"] = "gloo"
     return Settings(**given)
@@ -170,7 +194,12 @@ def _choice(name: str, allowed: tuple[str, ...]):
     return check
 
 
-OWN_OPTIONS = (
+VOCABULARY: tuple[EngineOption, ...] = (
+    EngineOption("reshard_after_forward", check_reshard, None,
+                 "fully_shard(reshard_after_forward=...): True (default), False or the post-forward group size"),
+    EngineOption("param_dtype", check_dtype("param_dtype"), None, "MixedPrecisionPolicy.param_dtype (default: none)"),
+    EngineOption("reduce_dtype", check_dtype("reduce_dtype"), None,
+                 "MixedPrecisionPolicy.reduce_dtype (default: the param dtype)"),
     EngineOption("wrap", _wrap, None, "the fully_shard calls: blocks (default), torchtitan or a wrapping JSON file"),
     EngineOption("init", _choice("init", ("meta", "materialized")), None,
                  "meta (default: built on the meta device, sharded, to_empty) or materialized (built whole first)"),
@@ -179,8 +208,9 @@ OWN_OPTIONS = (
     EngineOption("dp_replicate", check_group("dp_replicate"), None, MESH_HELP["dp_replicate"]),
     EngineOption("dp_shard", check_shard, None, MESH_HELP["dp_shard"]),
 )  # fmt: skip
-"""FSDP2's own options (``Engine.own_options``): ``Settings.wrap``, ``init``, ``device``, and the HSDP mesh's
-``dp_replicate`` and ``dp_shard`` (engines/fsdp2/mesh.py); None: the default a GPU user runs."""
+"""FSDP2's vocabulary, declared once (``Engine.own_options``): ``fully_shard``'s ``reshard_after_forward``,
+``MixedPrecisionPolicy``'s dtypes, ``Settings.wrap``, ``init``, ``device``, and the HSDP mesh's ``dp_replicate``
+and ``dp_shard`` (engines/fsdp2/mesh.py); None: the default a GPU user runs."""
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:

@@ -221,129 +221,6 @@ def resharded(run: Fsdp2Run) -> bool:
     return post_forward_group(run.settings, run.nd) > 1
 
 
-# ---- the units beside the decoder layers (a wrapping's own: wrap.py), counted in unit 0 (profile_units) ----
-
-
-def _side_units(run: Fsdp2Run) -> list[ShardUnit]:
-    blocks = {u.name for u in run.units[1:]}
-    return [u for u in run.shard_units if u.params and u.name not in blocks]
-
-
-def _before_blocks(run: Fsdp2Run, u: ShardUnit) -> bool:
-    """A unit that runs before the decoder layers (the embeddings), by its first parameter's place."""
-    blocks = {v.name for v in run.units[1:]}
-    return not u.root and u.first < min((v.first for v in run.shard_units if v.name in blocks), default=0)
-
-
-def _gathered(run: Fsdp2Run, u: ShardUnit) -> int:
-    return run.nd * sum(padded_shard_numel(s, run.nd) for _, s in u.params)
-
-
-def split_root(run: Fsdp2Run) -> bool:
-    """Whether units beside the root hold parameters outside the decoder layers (torchtitan's embeddings and
-    ``[norm, output]``): then unit 0 is several ``fully_shard`` units with their own lifetimes. Not when the
-    root itself is resharded after forward (True passed explicitly): measured on validate/transformer.py's
-    CausalLM (loss outside the root's forward), two logits-sized tensors more than the terms say are live at
-    the loss, a mechanism not found yet, so those runs keep the merged root (an upper bound there)."""
-    sides = _side_units(run)
-    return any(not u.root for u in sides) and all(u.post_forward_group(run.nd) == 1 for u in sides if u.root)
-
-
-def root_side(run: Fsdp2Run, stage: str) -> Term:
-    """The unsharded parameters of unit 0 at ``stage``: the root alone (``unsharded(run, 0)``), or with a split
-    root the units gathered then: ``"blocks"`` (the decoder layers' forward): the root and the units before the
-    layers kept gathered (False; resharded ones were freed by their post-forward); ``"head"`` and
-    ``"backward"``: and every unit after the layers (gathered at their forward; kept through backward here,
-    an upper bound: _fsdp_param_group.py:FSDPParamGroup.post_backward reshards them after theirs)."""
-    if not split_root(run):
-        return unsharded(run, 0)
-    units = [u for u in _side_units(run) if u.root or (_before_blocks(run, u) and u.post_forward_group(run.nd) == 1)
-             or (stage != "blocks" and not _before_blocks(run, u))]  # fmt: skip
-    return _fp(f"unsharded parameters ({', '.join(u.name for u in units) or 'none'})",
-               sum(_gathered(run, u) for u in units) * run.p, "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs",
-               sum(len(u.params) for u in units))  # fmt: skip
-
-
-def side_prev(run: Fsdp2Run) -> tuple[Term, ...]:
-    """The all-gather output still bound when the first block is copied out: the root's, or with a split root
-    the last unit gathered before the layers (the embeddings' after the root's), none if none has parameters."""
-    if not split_root(run):
-        return (ag_output(run, 0, "the root's, freed when this copy-out returns"),)
-    before = sorted((u for u in _side_units(run) if u.root or _before_blocks(run, u)), key=lambda u: (not u.root, u.first))
-    if not before:
-        return ()
-    u = before[-1]
-    return (_fp(f"all-gather output ({u.name}, freed when this copy-out returns)", _gathered(run, u) * run.p,
-                "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard"),)  # fmt: skip
-
-
-def head_units(run: Fsdp2Run) -> list[ShardUnit]:
-    """Units after the decoder layers (``[norm, output]``), in forward order."""
-    if not split_root(run):
-        return []
-    return sorted((u for u in _side_units(run) if not u.root and not _before_blocks(run, u)), key=lambda u: u.first)
-
-
-def head_output(run: Fsdp2Run, why: str) -> Term:
-    """The all-gather output of the last unit after the layers, kept until the root's post-forward (it frees
-    the last block's at its own copy-out)."""
-    u = head_units(run)[-1]
-    return _fp(f"all-gather output ({u.name}, {why})", _gathered(run, u) * run.p,
-               "_fsdp_collectives.py:foreach_all_gather; _fsdp_state.py:FSDPState._post_forward")  # fmt: skip
-
-
-def embedding_regather(run: Fsdp2Run) -> tuple[Term, ...]:
-    """Units before the layers resharded after forward, gathered again from the first block's backward on:
-    their unsharded parameters (``root_side`` leaves them out then)."""
-    if not split_root(run):
-        return ()
-    units = [u for u in _side_units(run) if _before_blocks(run, u) and u.post_forward_group(run.nd) > 1]
-    return tuple(_fp(f"unsharded parameters ({u.name}, gathered again for backward)", _gathered(run, u) * run.p,
-                     "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(u.params)) for u in units)  # fmt: skip
-
-
-def side_reduce(run: Fsdp2Run, u: ShardUnit) -> tuple[Term, Term, Term, Term, tuple[Term, ...]]:
-    """A side unit's own reduce-scatter: (its unsharded gradients, input, output, cast to the module dtype,
-    gloo's copy), as ``unit_grads``, ``rs_input``, ``rs_output``, ``grad_cast`` and ``gloo_copy`` for a block."""
-    full = _gathered(run, u)
-    numel = sum(math.prod(s) for _, s in u.params)
-    src = "_fsdp_collectives.py:foreach_reduce"
-    gloo = (Term(f"gloo reduce-scatter copy of the whole input ({u.name})", full * run.r,
-                 "measured: ProcessGroupGloo (see gloo_copy)"),) if run.settings.backend == "gloo" else ()  # fmt: skip
-    return (Term(f"unsharded gradients ({u.name})", numel * run.p, "autograd", len(u.params)),
-            _fp(f"reduce-scatter input ({u.name})", full * run.r, src),
-            _fp(f"reduce-scatter output ({u.name})", full // run.nd * run.r, src),
-            _fp(f"gradient cast to the module dtype ({u.name})", full // run.nd * run.m if run.r != run.m else 0,
-                src + " (_to_dtype_if_needed)"), gloo)  # fmt: skip
-
-
-def last_side_unit(run: Fsdp2Run) -> ShardUnit:
-    """With a split root, the unit whose reduce-scatter ends backward (the root's, or the embeddings' when the
-    root holds nothing): the largest of the units not after the layers, a bound when several remain."""
-    rest = [u for u in _side_units(run) if u not in head_units(run)]
-    return max(rest, key=lambda u: _gathered(run, u))
-
-
-def side_regathers(run: Fsdp2Run, when: str) -> tuple[Term, ...]:
-    """Units beside the decoder layers (the root, embeddings, ``[norm, output]``) resharded after forward
-    are gathered again for backward, each all-gather output beside the unsharded parameters while it is
-    copied out (``ag_output``; the profile keeps every such unit gathered, ``profile_units``). ``"start"``:
-    the root and the units after the decoder layers, gathered as backward reaches them, first
-    (_fsdp_state.py:FSDPState._pre_backward); ``"end"``: the units before them (the embeddings), prefetched
-    by the first block's backward (_fsdp_param_group.py:FSDPParamGroup._backward_prefetch)."""
-    blocks = {u.name for u in run.units[1:]}
-    first = min((u.first for u in run.shard_units if u.name in blocks), default=0)
-    out = []
-    for u in run.shard_units:
-        if u.name in blocks or not u.params or u.post_forward_group(run.nd) == 1:
-            continue
-        if (when == "start") == (u.root or u.first > first):
-            numel = run.nd * sum(padded_shard_numel(s, run.nd) for _, s in u.params)
-            out.append(_fp(f"all-gather output ({u.name}, gathered again for backward)", numel * run.p,
-                           "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.pre_backward"))  # fmt: skip
-    return tuple(out)
-
-
 def batch(run: Fsdp2Run) -> Term:
     return Term("batch (token ids, targets)", run.acts.batch, "validate/engines/fsdp2.py:measure", 2)
 
@@ -458,7 +335,9 @@ def shard_units_of(workload: Workload, settings: Settings) -> tuple[ShardUnit, .
     wrapping = wrapping_of(workload, settings)
     if wrapping is None:
         return (ShardUnit(("",), tuple((n, tuple(s)) for n, s in workload.shapes), None, True),)
-    return resolve(wrapping, workload.shapes)
+    spec = workload.spec
+    tied = (("lm_head", workload.shapes[0][0]),) if spec is not None and spec.tied and workload.transformers else ()
+    return resolve(wrapping, workload.shapes, tied)  # transformers' tied lm_head: the embedding's weight
 
 
 def profile_units(shard_units: tuple[ShardUnit, ...], prefix: str, settings: Settings, peak: bool,

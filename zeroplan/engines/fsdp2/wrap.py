@@ -165,11 +165,15 @@ def _inside(module: str, ancestor: str) -> bool:
     return ancestor == "" or module == ancestor or module.startswith(ancestor + ".")
 
 
-def resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...]) -> tuple[ShardUnit, ...]:
+def resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
+            tied: tuple[tuple[str, str], ...] = ()) -> tuple[ShardUnit, ...]:
     """The units of ``wrapping`` on a model with parameters ``named_shapes``, in ``fully_shard`` call order;
-    ValueError (one line) for a pattern that matches nothing, a module wrapped twice, or a unit inside an
-    earlier one (FSDP2 shards children first)."""
-    known = module_names(named_shapes)
+    ``tied``: (module, parameter) pairs of a module that uses another's parameter as its own (transformers'
+    tied ``lm_head`` and the token embedding's weight), which ``named_parameters()`` lists once. ValueError
+    (one line) for a pattern that matches nothing, a module wrapped twice, a unit inside an earlier one (FSDP2
+    shards children first), or a tied parameter seen by two units (torch 2.13 refuses it:
+    ``_fsdp_state.py:FSDPState._validate_no_duplicate_params``)."""
+    known = (*module_names(named_shapes), *(m for m, _ in tied))
     calls: list[tuple[tuple[str, ...], Reshard]] = []
     for entry in wrapping.units:
         found = []
@@ -190,6 +194,12 @@ def resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...]) -> 
                 raise ValueError(f"wrapping: {m!r} comes after {outer[0]!r}, which holds it: call fully_shard on the "
                                  "inner module first (FSDP2 assigns each parameter to the first unit that holds it)")  # fmt: skip
             seen[m] = i
+    for module, param in tied:  # the unit that owns the module and the one that owns the parameter
+        uses = max((m for m in seen if _inside(module, m)), key=lambda m: (m != "", m.count(".")))
+        holds = max((m for m in seen if _inside(param.rsplit(".", 1)[0], m)), key=lambda m: (m != "", m.count(".")))
+        if seen[uses] != seen[holds]:
+            raise ValueError(f"wrapping: {module!r} uses {param!r} (tied) from another unit; torch 2.13 refuses a "
+                             f"parameter seen by two units: group them, fully_shard([..., {module}])")  # fmt: skip
     owner: list[list[tuple[str, Shape]]] = [[] for _ in calls]
     first = [len(named_shapes)] * len(calls)
     for i, (name, shape) in enumerate(named_shapes):
