@@ -20,6 +20,7 @@ from clicheck import assert_one_line_error
 from tests.test_measured_rows import live_peak_misses
 from zeroplan.engines import deepspeed as D
 from zeroplan.formulas.peak import peak_of
+from zeroplan.formulas.sharding import flat_shard_numel
 
 ND, STATES_TOL, PEAK_TOL = 2, 0.01, 0.03
 LLAMA = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json")
@@ -152,7 +153,7 @@ def test_init_peak_at_70b_on_64_gpus():
         (est,) = D.estimate(w, 64, D.Settings.from_ds_config(config, zero_init=zi))
         init[zi] = est.peak.by_phase()["init"]
     assert init[False] >= psi * 4
-    part = D.stage3_partition_numel(tuple(math.prod(sh) for _, sh in w.shapes), 64)
+    part = flat_shard_numel(tuple(math.prod(sh) for _, sh in w.shapes), 64)
     assert init[True] < psi * 4 / 20 and init[True] >= part * (2 + 4 + 4)  # 16-bit partition, converted, clone
 
 

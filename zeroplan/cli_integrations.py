@@ -103,12 +103,13 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
     from zeroplan.engines.base import EngineOptions
 
     if torchtitan_config is not None:
-        from zeroplan.engines.fsdp2.from_files import from_torchtitan
+        from zeroplan.engines import engine_for_file
         from zeroplan.integrations.torchtitan_config import TORCHTITAN_VERSION, read_torchtitan_config
 
         typed = "gpus" in given_on_command_line(ctx, "gpus")
         run = read_torchtitan_config(torchtitan_config, world_size=gpus if typed else None)
-        return _fsdp2(ctx, from_torchtitan(run, _spec(model, seq_len)), engine, gpus, "--torchtitan-config",
+        owner, read = engine_for_file("torchtitan")
+        return _launcher_file_run(ctx, read(run, _spec(model, seq_len)), owner.name, engine, gpus, "--torchtitan-config",
                       f"torchtitan {TORCHTITAN_VERSION}'s apply_fsdp")  # fmt: skip
     from zeroplan.integrations.accelerate_config import (AccelerateFsdp, prepare_deepspeed,
                                                          read_accelerate_config)
@@ -116,9 +117,10 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
     run = read_accelerate_config(accelerate_config)
     if isinstance(run, AccelerateFsdp):
         from zeroplan.integrations.accelerate_config import ACCELERATE_VERSION
-        from zeroplan.engines.fsdp2.from_files import from_accelerate
+        from zeroplan.engines import engine_for_file
 
-        return _fsdp2(ctx, from_accelerate(run, _spec(model, seq_len)), engine, gpus, "--accelerate-config",
+        owner, read = engine_for_file("accelerate-fsdp")
+        return _launcher_file_run(ctx, read(run, _spec(model, seq_len)), owner.name, engine, gpus, "--accelerate-config",
                       f"accelerate {ACCELERATE_VERSION}'s fsdp2_prepare_model")  # fmt: skip
     engine = _implied(ctx, "engine", engine, "deepspeed", "--engine", "the accelerate config (DEEPSPEED)")
     gpus = _implied(ctx, "gpus", gpus, run.num_processes, "--gpus", "the accelerate config's num_processes")
@@ -151,13 +153,13 @@ STEP_FLAGS = {"micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "seq
               "checkpointing": "--checkpointing"}  # fmt: skip
 
 
-def _fsdp2(ctx, run, engine: str, gpus: int, flag: str, who: str):
-    """``from_config_files``' answer for an FSDP2 launcher file (``zeroplan.engines.fsdp2.from_files``): the
-    engine fsdp2 with the file's wrapping and policy, N_d, and the step values the file sets (``step``: a
+def _launcher_file_run(ctx, run, owner: str, engine: str, gpus: int, flag: str, who: str):
+    """``from_config_files``' answer for an FSDP2 launcher file (read by the engine that expresses it, ``owner``:
+    ``zeroplan.engines.engine_for_file``): that engine with the file's wrapping and policy, N_d, and the step values the file sets (``step``: a
     typed option that contradicts one is refused)."""
     from zeroplan.engines.base import EngineOptions
 
-    engine = _implied(ctx, "engine", engine, "fsdp2", "--engine", f"the {flag[2:]} (FSDP2)")
+    engine = _implied(ctx, "engine", engine, owner, "--engine", f"the {flag[2:]} (FSDP2)")
     gpus = _implied(ctx, "gpus", gpus, run.gpus, "--gpus", f"the {flag[2:]}'s FSDP ranks")
     step = {}
     for name, value in (("micro_batch", run.micro_batch), ("grad_accum", run.grad_accum), ("seq_len", run.seq_len),
@@ -168,6 +170,6 @@ def _fsdp2(ctx, run, engine: str, gpus: int, flag: str, who: str):
                                 "drop one of them")  # fmt: skip
             step[name] = value
     wrap = run.wrapping
-    lines = (f"{flag[2:]}: fsdp2 as {who} runs it: fully_shard calls {wrap.label()}; init {run.options['init']}"
+    lines = (f"{flag[2:]}: {owner} as {who} runs it: fully_shard calls {wrap.label()}; init {run.options['init']}"
              + "".join(f"; {k.replace('_', '-')} {v}" for k, v in step.items()),)  # fmt: skip
     return engine, gpus, EngineOptions(**run.options), lines, step

@@ -10,6 +10,7 @@ Everything outside ``zeroplan/engines/`` asks ``get_engine(name)``; ``register``
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Annotated, Optional, Union
 
 from pydantic import AfterValidator
@@ -90,6 +91,18 @@ def get_engine(name: str) -> Engine:
     if isinstance(entry, str):  # first use: the package declares it
         entry = REGISTRY[name] = importlib.import_module(entry).ENGINE
     return entry
+
+
+def engine_for_file(kind: str) -> tuple[Engine, Callable]:
+    """The engine that expresses a launcher file's run (``Engine.launcher_files``: ``torchtitan``,
+    ``accelerate-fsdp``) and its reader; ValueError (one line) when none does. Loads every engine (a file
+    path only, never ``estimate --params``)."""
+    for name in REGISTRY:
+        engine = get_engine(name)
+        for known, reader in engine.launcher_files:
+            if known == kind:
+                return engine, reader
+    raise ValueError(f"no engine expresses a {kind} file")
 
 
 EngineName = Annotated[str, AfterValidator(lambda v: get_engine(v).name)]

@@ -301,6 +301,10 @@ class Engine:
     (the reference engine reads a ds_config's precision); None: the engine reads no policy from a file."""
     read_settings_file: Optional[Callable[[Mapping[str, Any]], BaseModel]] = None
     """its ``Settings`` from its settings file alone (the validator's ``--deepspeed-config``); None: it has none."""
+    launcher_files: tuple[tuple[str, Callable], ...] = ()
+    """the launcher files whose run it expresses: (kind, reader) with kind ``torchtitan`` or ``accelerate-fsdp``
+    and reader(run as ``zeroplan.integrations`` parsed it, spec or None) -> that run in its own options
+    (``zeroplan.engines.engine_for_file`` finds it; the CLI never names the engine)."""
     own_options: tuple[EngineOption, ...] = ()
     """its own vocabulary, declared here once (an option several engines read is declared by each): the
     commands route them to it by name (``PlannerOptions.own``) and refuse them for every other engine; adding

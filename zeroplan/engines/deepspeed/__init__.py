@@ -52,7 +52,6 @@ from zeroplan.engines.deepspeed.trace import FETCH, RELEASE, Stage3Trace, TraceE
 from zeroplan.engines.deepspeed.wrapper import collectives, ds_run, memory_breakdown, terms, wrapper_for
 from zeroplan.engines.deepspeed.zero3 import zero_init_moments
 from zeroplan.engines.deepspeed.zero12 import _partition_allocations, _stage1_kept_gradients
-from zeroplan.formulas.sharding import flat_shard_numel as stage3_partition_numel  # noqa: F401
 
 # ZeRO-3's partition is the one sharding rule (``formulas.sharding.flat_shard_numel``); the name stays importable
 # here for tests/test_deepspeed_zero_init.py until it imports the rule itself.

@@ -87,7 +87,20 @@ __all__ = [
     "settings_snippet", "shard_rows", "unit_collectives", "unit_shard_numel", "units_of", "ENGINE",
 ]  # fmt: skip
 
+def _from_torchtitan(run, spec):  # loaded on first use: estimate --params never reads a launcher file
+    from zeroplan.engines.fsdp2.from_files import from_torchtitan
+
+    return from_torchtitan(run, spec)
+
+
+def _from_accelerate(run, spec):
+    from zeroplan.engines.fsdp2.from_files import from_accelerate
+
+    return from_accelerate(run, spec)
+
+
 ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
                 block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=VOCABULARY,
+                launcher_files=(("torchtitan", _from_torchtitan), ("accelerate-fsdp", _from_accelerate)),
                 alloc_trace=alloc_traces)
 """FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""

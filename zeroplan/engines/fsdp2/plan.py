@@ -104,16 +104,17 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
         w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
                      workload.grad_accum, workload.foreach, workload.transformers)  # fmt: skip
 
-        def option(shard: int | None, reshard=reshard, ckpt=ckpt, w=w) -> tuple[Fsdp2Option, bool]:
+        def option(shard: int | None, reshard=reshard, w=w) -> tuple[tuple[Settings, EngineEstimate, bool], bool]:
             update = ({} if own else {"reshard_after_forward": reshard}) | (
                 {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
             s = resolve_mesh(settings.model_copy(update=update), nd)
             (row,) = estimate(w, nd, s)
             fits = row.peak.peak_bytes <= capacity_bytes
-            run_settings = fsdp2_run(w, shard_groups(s, nd)[1], s).settings
-            return Fsdp2Option(run_settings, ckpt, row, fits, wrapping_of(w, s)), fits
+            return (s, row, fits), fits
 
-        out.append(smallest_fitting(shards, option) if shards else option(None)[0])
+        s, row, fits = smallest_fitting(shards, option) if shards else option(None)[0]
+        run_settings = fsdp2_run(w, shard_groups(s, nd)[1], s).settings  # the chosen one's only
+        out.append(Fsdp2Option(run_settings, ckpt, row, fits, wrapping_of(w, s)))
     return tuple(out)
 
 
@@ -166,7 +167,8 @@ def planner_settings(options: PlannerOptions) -> Settings:
         given["cuda_capability"] = options.gpu_capability
     if options.own.get("dp_shard") == AUTO:
         raise ValueError("dp_shard=auto: only plan searches the mesh; give a number (R x S = N_d)")
-    given.update({k: v for k, v in options.own.items() if v is not None and k != "gpus_per_node"})  # VOCABULARY
+    given.update({k: v for k, v in options.own.items()  # the rest of VOCABULARY as checked
+                  if v is not None and k != "gpus_per_node" and k not in given})  # fmt: skip
     if given.get("device") == "cpu":  # a CPU run is on gloo (users' CPU CI runners), as the validator's
         given["backend"] = "gloo"
     return Settings(**given)

@@ -9,54 +9,13 @@ from dataclasses import dataclass
 
 from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
-from zeroplan.engines.fsdp2.param import Shape, Unit, local_shard_numel, padded_shard_numel, unit_shard_numel
+from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, unit_shard_numel
 from zeroplan.engines.fsdp2.wrap import ShardUnit, Wrapping, preset, resolve
-from zeroplan.engines.fsdp2.settings import ADAM, SRC, STEP_BYTES, Settings, post_forward_group
+from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_group
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.peak import Term
-
-@dataclass(frozen=True)
-class ModelStates:
-    """Persistent bytes of one rank, per term, and what the step boundaries hold."""
-
-    params_bytes: int
-    grads_bytes: int
-    adam_moments_bytes: int  # exp_avg + exp_avg_sq
-    adam_step_bytes: int
-
-    @property
-    def after_init_bytes(self) -> int:
-        """After fully_shard and the optimizer's construction: the sharded parameters alone."""
-        return self.params_bytes
-
-    def after_backward_bytes(self, step: int) -> int:
-        """After backward of step ``step`` (0-based): parameters, gradients, and Adam's states from step 1."""
-        return self.params_bytes + self.grads_bytes + (self.optimizer_bytes if step >= 1 else 0)
-
-    @property
-    def optimizer_bytes(self) -> int:
-        return self.adam_moments_bytes + self.adam_step_bytes
-
-    @property
-    def boundary_bytes(self) -> int:
-        """After optimizer.step() and zero_grad(set_to_none=True): parameters and Adam's states."""
-        return self.params_bytes + self.optimizer_bytes
-
-
-def model_states(units: tuple[Unit, ...], nd: int, settings: Settings) -> ModelStates:
-    """Model states of ``settings.rank`` under FSDP2 with Adam (terms: ``params``, ``grads``, ``adam``)."""
-    shapes = [s for u in units for s in u.shapes]
-    module = dtype_bytes(settings.module)
-    return ModelStates(
-        params_bytes=sum(padded_shard_numel(s, nd) for s in shapes) * module,
-        grads_bytes=sum(unit_shard_numel(u, nd) for u in units) * module,
-        adam_moments_bytes=2 * sum(local_shard_numel(s, nd, settings.described_rank) for s in shapes) * module,
-        adam_step_bytes=len(shapes) * STEP_BYTES,
-    )
-
-
-# ---- the run: what one rank trains ----
+from zeroplan.engines.fsdp2.states import ModelStates, model_states  # noqa: F401 - re-exported (their home: states.py)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ embeddings, each block, ``[norm, output]`` kept gathered, then the root). Pure: 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
@@ -165,8 +166,15 @@ def _inside(module: str, ancestor: str) -> bool:
     return ancestor == "" or module == ancestor or module.startswith(ancestor + ".")
 
 
-def resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
-            tied: tuple[tuple[str, str], ...] = ()) -> tuple[ShardUnit, ...]:
+def resolve(wrapping: Wrapping, named_shapes, tied: tuple[tuple[str, str], ...] = ()) -> tuple[ShardUnit, ...]:
+    """``_resolve`` on hashable shapes: rank- and mesh-independent, so cached (a plan asks again for every
+    rank and shard group it tries; 126-layer models take ~1 s each)."""
+    return _resolve(wrapping, tuple((n, tuple(s)) for n, s in named_shapes), tuple(tied))
+
+
+@lru_cache(maxsize=64)
+def _resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
+             tied: tuple[tuple[str, str], ...] = ()) -> tuple[ShardUnit, ...]:
     """The units of ``wrapping`` on a model with parameters ``named_shapes``, in ``fully_shard`` call order;
     ``tied``: (module, parameter) pairs of a module that uses another's parameter as its own (transformers'
     tied ``lm_head`` and the token embedding's weight), which ``named_parameters()`` lists once. ValueError
