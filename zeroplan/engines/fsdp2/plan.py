@@ -240,7 +240,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"
                   + (f", mesh {o.settings.dp_replicate} x {o.settings.dp_shard}" if o.settings.dp_replicate else ""),
                   o.estimate, o.fits, o.snippet,
-                  trace_inputs=(replace(workload, checkpointing=o.checkpointing), nd, o.settings))
+                  trace_inputs=(replace(workload, checkpointing=o.checkpointing), nd,  # the rank it peaks on
+                                o.settings.model_copy(update={"rank": o.estimate.peak_rank or 0})))
         for o in options_
     )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)
