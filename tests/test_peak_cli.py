@@ -39,6 +39,18 @@ def engine_rows(model: str, nd: int, seq_len: int, micro_batch=1, checkpointing=
     return reference.estimate(workload, nd, settings)
 
 
+def engine_reserved(model: str, nd: int, seq_len: int, micro_batch=1, checkpointing="none", foreach=True,
+                    cuda_capability=(9, 0), **policy) -> dict[int, int]:
+    """{stage: reserved bytes} of the reference engine's allocation traces (zeroplan.allocator.reserved)."""
+    from zeroplan.allocator.reserved import reserved_of
+    from zeroplan.engines.reference.alloc_trace import alloc_traces
+
+    spec = resolve_model(model)
+    workload = Workload(transformer_shapes(spec), spec, seq_len, micro_batch, checkpointing, 1, foreach)
+    settings = reference.Settings(policy=zeroplan.PrecisionPolicy(**policy), cuda_capability=cuda_capability)
+    return {s: reserved_of(t).reserved_bytes for s, t in zip(settings.stages, alloc_traces(workload, nd, settings))}
+
+
 def test_registry_maps_every_engine_to_its_module_and_refuses_unknown_ones_in_one_line():
     from zeroplan.engines import REGISTRY, deepspeed, fsdp2
 
@@ -95,9 +107,12 @@ def test_estimate_json_equals_the_engine(model, args, expect):
     assert d["inputs"]["engine"] == "reference" and d["inputs"]["model"] == model
     step = d["inputs"]["step"]
     assert step["seq_len"] == expect["seq_len"] and step["block_bytes"] == 512
-    assert step["allocator_overhead_bytes"] == 0
+    assert step["alloc_conf"] == ""
     assert len(d["stages"]) == len(rows)
+    reserved = engine_reserved(model, 4, **expect)
     for out, r in zip(d["stages"], rows):
+        assert out["reserved_bytes"] == reserved[r.stage] >= out["peak_bytes"]
+        assert out["reserved_phases"]["backward"] <= out["reserved_bytes"]
         assert out["model_states_bytes"] == r.model_states_bytes
         assert out["peak_bytes"] == r.peak.peak_bytes and out["peak_phase"] == r.peak.peak_phase
         assert out["phases"] == r.peak.by_phase()
@@ -112,13 +127,15 @@ def test_estimate_without_a_model_has_null_peaks_and_says_what_is_needed():
     assert "peak/GPU: needs --model" in text and "peak phase" not in text
 
 
-def test_estimate_table_prints_peak_and_phase_and_fits_on_the_peak():
+def test_estimate_table_prints_peak_and_phase_and_fits_on_reserved():
     (row,) = [r for r in engine_rows("llama2-7b", 8, 4096) if r.stage == 3]
+    reserved = engine_reserved("llama2-7b", 8, 4096)[3]
     out = run("estimate", "--model", "llama2-7b", "--gpus", "8", "--stage", "3", "--gpu-memory", "80GiB").stdout
     line = out.splitlines()[6]
     assert line.split()[0] == "3" and f"{row.peak.peak_bytes / 1e9:.3g} GB" in line
-    assert row.peak.peak_phase in line and line.split()[-1] == ("yes" if row.peak.peak_bytes <= 80 * 2**30 else "no")
-    assert "512-byte CUDA blocks" in out and "0 until measured on a GPU" in out
+    assert f"{reserved / 1e9:.3g} GB" in line
+    assert row.peak.peak_phase in line and line.split()[-1] == ("yes" if reserved <= 80 * 2**30 else "no")
+    assert "512-byte CUDA blocks" in out and "fits: reserved/GPU <= GPU memory" in out
 
 
 def test_api_accepts_a_preset_a_config_path_and_a_module():
@@ -144,12 +161,14 @@ def test_plan_fits_on_the_peak_and_names_a_term_to_cut():
     p = zeroplan.plan(GPT2, gpu="a100-40gb", gpus=4, checkpointing="none", micro_batch=8)
     # an A100 (compute capability 8.0): its cuBLAS workspaces (formulas/cuda_workspaces.py capability_of)
     rows = {r.stage: r for r in engine_rows(GPT2, 4, 1024, micro_batch=8, cuda_capability=(8, 0), param_dtype="bf16")}
-    assert "fits on the peak" in p.fit_basis
+    reserved = engine_reserved(GPT2, 4, 1024, micro_batch=8, cuda_capability=(8, 0), param_dtype="bf16")
+    assert "fits on the allocator's reserved bytes" in p.fit_basis
     for o in p.stages:
         assert o.peak == rows[o.stage].peak
-        assert o.fits == (o.peak.peak_bytes <= p.budget_bytes)
+        assert o.fits == (o.reserved.reserved_bytes <= p.budget_bytes) and o.reserved.reserved_bytes == reserved[o.stage]
     for o in p.offload_options:  # the stage's peak with the offloaded terms on the host (planning/offload_peak.py)
-        assert o.peak == offload_peak(rows[o.stage].peak, o.stage, o.offload, 512)
+        assert o.peak == offload_peak(rows[o.stage].peak, o.stage, o.offload, 512) and o.reserved is None
+        assert o.fits == (o.peak.peak_bytes <= p.budget_bytes)
     # GPT-2 at 8 x 1024 tokens: activations (saved by blocks, or the fp32 loss's) are the largest terms
     target = p.recommendation if p.recommendation is not None else min(p.stages, key=lambda o: o.peak.peak_bytes)
     assert p.cut_first.split(" ")[0] in ("checkpointing", "micro-batch")

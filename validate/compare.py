@@ -86,6 +86,17 @@ def observed_collectives(calls: list[list], nd: int, group_sizes: list | None = 
     return out
 
 
+RESERVED_PREFIX = "reserved_bytes.peak."
+"""``validate.probes.MemoryProbe.breakdown`` key prefix of ``max_memory_reserved`` per phase (CUDA only)."""
+
+
+def reserved_by_phase(breakdown: dict) -> Optional[dict[str, int]]:
+    """``max_memory_reserved`` per phase out of a probe's breakdown; None where none was read (CPU)."""
+    out = {k[len(RESERVED_PREFIX):].replace(" ", "_"): int(v) for k, v in breakdown.items()
+           if k.startswith(RESERVED_PREFIX)}  # fmt: skip
+    return out or None
+
+
 @dataclass(frozen=True)
 class Prediction:
     """An engine profile's row, as the runner's ranks are measured against it."""
@@ -105,6 +116,9 @@ class Prediction:
     peak_by_rank: Optional[dict[int, dict[str, int]]] = None
     """each measured rank's own predicted peak per phase (the engine's ``Settings.rank``); with
     ``Readings.peak_by_rank``, each rank's measured peak is compared with its own prediction."""
+    reserved_by_phase: Optional[dict[str, int]] = None
+    """CUDA: the allocator model's ``max_memory_reserved`` per phase for the engine's allocation trace
+    (``zeroplan.allocator.reserved``); None: not predicted (CPU, or an engine not wired yet)."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +211,8 @@ def _collectives(pred: Prediction, got: Readings) -> dict:
 
 def _peaks(pred: Prediction, got: Readings, tolerance: float) -> dict:
     measured = got.peak_bytes_by_phase
-    out = {"measured_peak_bytes": max(measured.values()), "measured_peak_bytes_by_phase": measured}
+    out = {"measured_peak_bytes": max(measured.values()), "measured_peak_bytes_by_phase": measured,
+           "predicted_reserved_bytes_by_phase": pred.reserved_by_phase}  # fmt: skip
     peak = pred.estimate.peak
     predicted = pred.peak_by_phase or (peak.by_phase() if peak is not None else None)
     if predicted is None:
@@ -254,5 +269,7 @@ def finish(row: dict, parity_ok: Optional[bool]) -> dict:
     from validate.schema import ReportRow
 
     checks = {**row["checks"], "parity": parity_ok}
+    # CUDA: the probe's max_memory_reserved per phase (validate/probes.py); CPU rows have none (null)
+    row = {**row, "measured_reserved_bytes_by_phase": reserved_by_phase(row.get("probe_breakdown") or {})}
     return ReportRow.model_validate({**row, "checks": checks,
                                      "ok": all(v is not False for v in checks.values())}).model_dump()  # fmt: skip

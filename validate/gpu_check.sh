@@ -22,6 +22,8 @@
 # record_process_history, through OUT_DIR/hook/sitecustomize.py) into OUT_DIR/history/<step>/*.json;
 # 7. `python -m validate.cuda_snapshot replay OUT_DIR/history` replays each one through zeroplan.allocator
 #    (segment by segment, reserved and allocated peaks vs the allocator's counters) into history_replay.txt.
+# 8. reserved_vs_model.txt: every row's measured_reserved_bytes_by_phase (the probe's max_memory_reserved per
+#    phase) beside predicted_reserved_bytes_by_phase (the engine's allocation trace through the model).
 # Writes OUT_DIR/<step>.{json,txt}, OUT_DIR/summary.txt; ONLY=REGEX runs the steps whose name matches;
 # exits non-zero when any row is out of tolerance or a step fails. Works on torch 2.11-2.13.
 set -uo pipefail
@@ -154,5 +156,22 @@ if [[ $device == cuda ]]; then  # every recorded history through the allocator m
   [[ -d $out/snapshots ]] && python -m validate.cuda_snapshot replay "$out/snapshots" >> "$out/history_replay.txt"
   cat "$out/history_replay.txt"
 fi
+# reserved bytes per phase, measured (max_memory_reserved, reset per phase and row) beside the allocator model's
+# prediction for the engine's allocation trace (docs/allocator.md), every row of every step: reserved_vs_model.txt
+python - "$out" > "$out/reserved_vs_model.txt" <<'PY' || status=1
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    try:
+        rows = json.load(open(path)).get("rows", [])
+    except (ValueError, AttributeError):
+        continue
+    for r in rows:
+        got, want = r.get("measured_reserved_bytes_by_phase"), r.get("predicted_reserved_bytes_by_phase")
+        if got:
+            cells = [f"{p} {got[p]:,}" + (f" vs {want[p]:,} ({(want[p] - got[p]) / got[p]:+.1%})" if want else "")
+                     for p in got]
+            print(f"{os.path.basename(path)} stage {r.get('stage')} N_d {r.get('world_size')}: " + "; ".join(cells))
+PY
+cat "$out/reserved_vs_model.txt"
 echo "total $SECONDS s" | tee -a "$out/summary.txt"
 exit $status

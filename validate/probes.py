@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from validate.compare import RESERVED_PREFIX  # the breakdown key of max_memory_reserved per phase
+
 PHASES = ("init", "forward", "backward", "optimizer step")
 
 # c10d op -> (collective, index of the argument holding the full-size tensor(s))
@@ -119,6 +121,7 @@ class MemoryProbe:
         self.cuda = torch.device(device).type == "cuda"
         self.tracker = None
         self.peaks: dict[str, int] = {}
+        self.reserved_peaks: dict[str, int] = {}  # CUDA: max_memory_reserved per phase (largest over steps)
         self._phase: str | None = None
         self.baseline = 0  # CUDA: bytes allocated before the probe started
         self._settled: int | None = None  # the last settled step-boundary reading
@@ -131,6 +134,9 @@ class MemoryProbe:
             self.recording = start_recording()  # ZEROPLAN_CUDA_SNAPSHOT set: the allocator's history, by site
             _clear_cublas_workspaces()  # left by earlier work (the parity reference); not ours
             torch.cuda.synchronize()
+            # segments cached by earlier rows of this process are returned, so that this row's reserved bytes
+            # start from what is live, as the allocator model's replay does (zeroplan.allocator.reserved)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             self.baseline = torch.cuda.memory_allocated()
         else:
@@ -198,7 +204,9 @@ class MemoryProbe:
             # rounding and the blocks it handed out whole (validate.cuda_snapshot.slack_bytes)
             keys = ("allocated_bytes.all.current", "requested_bytes.all.current", "reserved_bytes.all.peak",
                     "num_alloc_retries", "num_ooms")
-            return {k: stats[k] for k in keys if k in stats}
+            # max_memory_reserved per phase (reset per phase and per row): measured_reserved_bytes_by_phase
+            by_phase = {f"{RESERVED_PREFIX}{p}": b for p, b in self.reserved_peaks.items()}
+            return {**{k: stats[k] for k in keys if k in stats}, **by_phase}
         out: dict[str, int] = {}
         for snap in _on_devices(self.tracker.get_tracker_snapshot("current")):
             for key, value in snap.items():
@@ -216,6 +224,9 @@ class MemoryProbe:
         """Close the open phase (keeping its largest peak over steps) and open ``name``."""
         if self._phase is not None:
             self.peaks[self._phase] = max(self.peaks.get(self._phase, 0), self._peak_bytes())
+            if self.cuda:  # reserved bytes are the allocator's own (no baseline: segments, not tensors)
+                reserved = torch.cuda.max_memory_reserved()
+                self.reserved_peaks[self._phase] = max(self.reserved_peaks.get(self._phase, 0), reserved)
         self._phase = name
         if name is not None:
             if self.cuda:

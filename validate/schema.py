@@ -117,6 +117,14 @@ class ReportRow(ValidationRow):
         None, description="the rank each phase's error is of: every rank is compared with its own prediction "
         "and the furthest reported; None: the largest of the ranks' readings against the largest prediction",
     )  # fmt: skip
+    measured_reserved_bytes_by_phase: Optional[dict[str, int]] = Field(
+        None, description="CUDA: torch.cuda.max_memory_reserved per phase (peaks reset per phase, cached segments "
+        "returned at the row's start: validate/probes.py); null on CPU"
+    )
+    predicted_reserved_bytes_by_phase: Optional[dict[str, int]] = Field(
+        None, description="CUDA: the allocator model's reserved bytes per phase for the engine's allocation trace "
+        "(zeroplan.allocator.reserved, docs/allocator.md); null on CPU or where not predicted"
+    )
     peak_rel_error: Optional[float] = Field(description="the largest of peak_rel_error_by_phase, by magnitude")
     predicted_peak_phase: Optional[str] = Field(None, description="the phase of the predicted peak")
     predicted_peak_terms: Optional[list[dict[str, Union[str, int]]]] = Field(

@@ -12,7 +12,8 @@ from typing import Annotated, Optional
 import typer
 
 from zeroplan.cli_options import (
-    STEP_OPTIONS, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption, GradAccumOption,
+    STEP_OPTIONS, AllocConfOption, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption,
+    GradAccumOption, HeadroomOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
     DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption,
@@ -90,6 +91,7 @@ def estimate(
         None,
         help="GPU memory to check fit against: 80GiB, 32GB (whole bytes, up to 1 EiB).",
     ),
+    alloc_conf: AllocConfOption = "",
     units: Unit = typer.Option(Unit.GB, help="GB = 1e9 bytes (the paper's), GiB = 2**30."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
     as_csv: bool = typer.Option(False, "--csv", help="Print CSV, one row per stage."),
@@ -112,7 +114,7 @@ def estimate(
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
     if model is None:
-        refuse_unused(ctx, STEP_OPTIONS, "without --model: the training step's peak needs an architecture")
+        refuse_unused(ctx, (*STEP_OPTIONS, "alloc_conf"), "without --model: the training step's peak needs an architecture")
     else:
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
     engine, gpus, file_options, file_lines, step = from_config_files(
@@ -155,6 +157,7 @@ def estimate(
         gpu_memory_bytes=gpu_capacity(gpu, parse_bytes(gpu_memory) if gpu_memory is not None else None)[0],
         **policy,
         engine_options=options,
+        alloc_conf=alloc_conf,
     )
     result = estimate_config(config)
     if as_json:
@@ -188,10 +191,8 @@ def plan(
         1, "--model-parallel",
         help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
     ),
-    headroom: float = typer.Option(
-        0.1,
-        help="Fraction of GPU memory kept free for activations etc., [0, 1).",
-    ),
+    headroom: HeadroomOption = 0.0,
+    alloc_conf: AllocConfOption = "",
     interconnect: Optional[str] = typer.Option(None, help="Intra-node link preset (default: the GPU's)."),
     bw: Optional[float] = typer.Option(
         None,
@@ -301,6 +302,7 @@ def plan(
         gpus_per_node=gpus_per_node,
         model_parallel=model_parallel,
         headroom=headroom,
+        alloc_conf=alloc_conf,
         interconnect=interconnect,
         bw_gbps=bw,
         inter_interconnect=inter_interconnect,

@@ -308,5 +308,16 @@ def ds_config_batch(ctx, engine_name: str, ds_config: Optional[dict], nd: Option
         (flags.get("micro_batch", ""), flags.get("grad_accum", "")))  # fmt: skip
 
 
+AllocConfOption = Annotated[
+    str,
+    typer.Option("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF of the run, for its reserved bytes "
+                 "(e.g. expandable_segments:True,max_split_size_mb:512; default: torch's); docs/allocator.md."),
+]  # fmt: skip
+HeadroomOption = Annotated[
+    float,
+    typer.Option(help="Fraction of GPU memory kept free beyond what is predicted, [0, 1): 0 by default (reserved "
+                 "bytes are modelled; the CUDA context and NCCL buffers are not: docs/allocator.md)."),
+]  # fmt: skip
+
 STEP_OPTIONS: tuple[str, ...] = ("seq_len", "micro_batch", "checkpointing", "grad_accum", "foreach")
 """Parameter names of the training-step options: refused without an architecture."""

@@ -5,6 +5,7 @@ ranks (``validate.engines.fsdp2``) measured, compared through ``validate.compare
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, fields
 
 from validate.models import spec_for
@@ -107,11 +108,9 @@ def predicted_run(config, meta: dict, rank: int = 0):
     return predict(Fsdp2Settings.from_validate(config), meta, rank)
 
 
-def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
-    """(the estimate row, the profile's Settings) of the run ``settings`` on ``rank`` of ``meta``'s world;
-    ``hf``: the transformers module tree (``Workload.transformers``)."""
+def _workload(settings: Fsdp2Settings, meta: dict):
+    """The ``Workload`` of the run ``settings`` describes (the transformers module tree when ``hf``)."""
     from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-    from zeroplan.engines import fsdp2 as profile
     from zeroplan.engines.base import Workload
 
     spec = spec_for(settings.model, settings.params)
@@ -119,9 +118,18 @@ def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
         raise ValueError(f"model {settings.model}: --engine fsdp2 validates transformers only")
     cuda = str(meta["device"]).startswith("cuda")
     foreach = settings.foreach if settings.foreach is not None else cuda
-    workload = Workload(transformer_shapes(spec), spec, settings.seq_len or spec.max_seq_len, settings.batch_per_rank,
-                        "full" if settings.checkpointing else "none", foreach=bool(foreach),
-                        transformers=settings.hf)  # fmt: skip
+    return Workload(transformer_shapes(spec), spec, settings.seq_len or spec.max_seq_len, settings.batch_per_rank,
+                    "full" if settings.checkpointing else "none", foreach=bool(foreach),
+                    transformers=settings.hf)  # fmt: skip
+
+
+def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
+    """(the estimate row, the profile's Settings) of the run ``settings`` on ``rank`` of ``meta``'s world;
+    ``hf``: the transformers module tree (``Workload.transformers``)."""
+    from zeroplan.engines import fsdp2 as profile
+
+    workload = _workload(settings, meta)
+    cuda = str(meta["device"]).startswith("cuda")
     engine = profile.Settings(reshard_after_forward=settings.reshard_after_forward, param_dtype=settings.param_dtype,
                               reduce_dtype=settings.reduce_dtype, device="cuda" if cuda else "cpu",
                               backend=meta["backend"], rank=rank, init=settings.init,
@@ -130,6 +138,23 @@ def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
                               **({"dp_replicate": settings.dp_replicate} if settings.dp_replicate > 1 else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], engine)
     return row, engine
+
+
+def predicted_reserved(config, meta: dict) -> dict | None:
+    """CUDA: the allocator model's reserved bytes per phase for rank 0's allocation trace (the run ``predict``
+    describes, ``zeroplan.engines.fsdp2.alloc_trace``); None on CPU."""
+    if not str(meta["device"]).startswith("cuda"):
+        return None
+    from zeroplan.allocator.reserved import reserved_of
+    from zeroplan.engines.fsdp2.alloc_trace import alloc_traces
+
+    settings = Fsdp2Settings.from_validate(config)
+    _, engine = predict(settings, meta)
+    (trace,) = alloc_traces(_workload(settings, meta), meta["world_size"], engine)
+    try:  # the ranks inherit this process's PYTORCH_CUDA_ALLOC_CONF (validate/gpu_check.sh sets it per step)
+        return reserved_of(trace, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")).reserved_phases
+    except ValueError:  # an option the model refuses (backend:cudaMallocAsync): not predicted
+        return None
 
 
 def beside_states(predicted) -> tuple:
@@ -179,7 +204,8 @@ def compare(config, meta: dict, rank_rows: list[dict]) -> dict:
     )
     # every rank against its own prediction (validate.compare._errors_by_rank); the largest of each shown
     prediction = Prediction(predicted, peak_by_phase={p: max(b[p] for b in by_rank.values()) for p in PEAK_PHASES},
-                            beside_states=beside_states(predicted), per_call=True, peak_by_rank=by_rank)  # fmt: skip
+                            beside_states=beside_states(predicted), per_call=True, peak_by_rank=by_rank,
+                            reserved_by_phase=predicted_reserved(config, meta))  # fmt: skip
     row = compare_rows(prediction, readings, config.tolerance, config.peak_tolerance)
     parities = [r["parity"] for r in rank_rows if r["parity"] is not None]
     parity = None

@@ -160,6 +160,9 @@ class Candidate:
     build: Optional[str] = None
     """how the model must be built for the prediction to hold (DeepSpeed ZeRO-3: under
     ``deepspeed.zero.Init``); None: as usual."""
+    trace_inputs: Optional[tuple[Workload, int, BaseModel]] = field(default=None, compare=False, repr=False)
+    """(workload, N_d, settings) of exactly this configuration, for ``Engine.alloc_trace`` (the planner replays
+    its allocation trace for reserved bytes); None: not given."""
 
 
 @dataclass(frozen=True)
@@ -302,6 +305,10 @@ class Engine:
     """its own vocabulary, declared here once (an option several engines read is declared by each): the
     commands route them to it by name (``PlannerOptions.own``) and refuse them for every other engine; adding
     an option is one declaration plus its CLI flag (``zeroplan.cli_options.OWN_OPTION_PARAMS``)."""
+    alloc_trace: Optional[Callable[[Workload, int, BaseModel], tuple[Any, ...]]] = None
+    """``(workload, nd, settings) -> tuple[AllocTrace, ...]``: each ``estimate`` row's step as an ordered
+    allocation trace (``zeroplan.allocator.step_trace``; needs an architecture), which the allocator model
+    replays for reserved bytes; None: the engine has none."""
     own_peak_limits: Callable[[PlannerOptions, TransformerSpec], Optional[PeakLimit]] = no_own_peak_limits
     """what of an architecture and the planner's options the engine's own peak does not model (the reference
     runtime: its one policy, no dropout); ``peak_limits`` adds the limits every engine shares."""

@@ -6,8 +6,9 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zeroplan.allocator.config import parse_alloc_conf
 from zeroplan.architectures.spec import TransformerSpec, numels
 from zeroplan.engines import get_engine, planner_options
 from zeroplan.engines.base import EngineOptions, PlannerOptions, Workload
@@ -73,6 +74,15 @@ class EstimateConfig(BaseModel):
     """the reference engine's precision policy (the paper's vocabulary); refused for the other engines."""
     engine_options: EngineOptions = EngineOptions()
     """options in the engine's own vocabulary (``--reshard-after-forward``, ``--deepspeed-config``, ...)."""
+    alloc_conf: str = ""
+    """``PYTORCH_CUDA_ALLOC_CONF`` the run will use, for the reserved bytes (``zeroplan.allocator``); "": torch's
+    defaults."""
+
+    @field_validator("alloc_conf")
+    @classmethod
+    def _alloc_conf(cls, v: str) -> str:
+        parse_alloc_conf(v)  # one line naming the bad part
+        return v
 
     @model_validator(mode="before")
     @classmethod

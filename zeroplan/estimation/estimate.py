@@ -6,6 +6,7 @@ import math
 import os
 import sys
 
+from zeroplan.allocator.reserved import engine_reserved, fit_bytes
 from zeroplan.engines import get_engine, split_keywords
 from zeroplan.engines.base import Workload
 from zeroplan.estimation.config import EstimateConfig
@@ -75,13 +76,16 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         stages=(0,), policy=policy, flat_layout=options.flat_layout))  # fmt: skip
     own = engine.own_estimator(settings, numels, config.nd) if engine.own_estimator is not None else None
     rows = []
-    for r in engine.estimate(workload, config.nd, settings):
-        need = r.model_states_bytes if r.peak is None else r.peak.peak_bytes
+    estimated = engine.estimate(workload, config.nd, settings)
+    reserved = engine_reserved(engine, workload, config.nd, settings, config.alloc_conf) or (None,) * len(estimated)
+    for r, held in zip(estimated, reserved):
+        need = fit_bytes(r.model_states_bytes, r.peak, held)
         fits = None if config.gpu_memory_bytes is None else need <= config.gpu_memory_bytes
         name = r.label if engine.one_row else get_stage(r.stage).name
         reduction = dp.model_states_bytes / r.model_states_bytes
         collectives = layered_zero3(engine, workload, r, config.nd)
-        rows.append(StageEstimate(r.stage, name, r.memory, reduction, collectives, fits, r.peak, own, r.peak_rank))
+        rows.append(StageEstimate(r.stage, name, r.memory, reduction, collectives, fits, r.peak, own, r.peak_rank,
+                                  held))
     return Estimate(
         psi=sum(numels),
         total_params=int(config.params) if config.params else sum(config.tensor_numels or numels),
@@ -99,6 +103,7 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         block_bytes=engine.block_bytes(settings),
         allocator_overhead_bytes=getattr(settings, "allocator_overhead_bytes", 0),
         own_estimator=engine.own_estimator_name or None,
+        alloc_conf=config.alloc_conf,
     )
 
 
@@ -131,6 +136,7 @@ def estimate(
     foreach: bool = True,
     engine: str = "reference",
     gpu: str | None = None,
+    alloc_conf: str = "",
     **options: object,
 ) -> Estimate:
     """Estimate per-GPU model states, per-step communication and, with an architecture, the peak.
@@ -139,7 +145,8 @@ def estimate(
     a preset name, the path of a Hugging Face ``config.json``, or a ``torch.nn.Module`` (its shapes,
     meta device fine; a ``transformers`` model whose config zeroplan reads also gets the peak, any
     other module shapes only). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
-    ``grad_accum`` and ``foreach`` describe the training step of an architecture (micro-batch and
+    ``grad_accum`` and ``foreach`` describe the training step of an architecture, ``alloc_conf`` the
+    ``PYTORCH_CUDA_ALLOC_CONF`` its reserved bytes are replayed under (micro-batch and
     accumulation: a ``ds_config``'s batch where it sets one, the engine's ``Engine.batch``;
     else 1). ``gpu``: a GPU preset (its memory for ``fits`` unless ``gpu_memory_bytes`` is given, its compute
     capability for the peak's cuBLAS workspaces, as ``plan``). ``gpus`` = N_d x
@@ -188,5 +195,6 @@ def estimate(
         gpu_memory_bytes=gpu_memory_bytes,
         **({} if policy is None else {"policy": PrecisionPolicy(**policy)}),
         engine_options=engine_options,
+        alloc_conf=alloc_conf,
     )
     return estimate_config(config)

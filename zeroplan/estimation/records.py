@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from zeroplan.allocator.reserved import ReservedEstimate
 from zeroplan.engines.base import Workload
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.memory import MemoryBreakdown
@@ -25,6 +26,7 @@ class StageEstimate:
     peak: Optional[PeakEstimate] = None  # the engine's peak per phase; None without an architecture
     own_estimate_bytes: Optional[int] = None  # the engine's own estimator for this run (DeepSpeed's), if any
     peak_rank: Optional[int] = None  # the rank whose peak this is, the largest (EngineEstimate.peak_rank); None: all alike
+    reserved: Optional[ReservedEstimate] = None  # the allocator model's reserved bytes; None without a trace
 
     @property
     def comm_volume_elements(self) -> int:
@@ -54,7 +56,8 @@ class Estimate:
     model: Optional[str] = None  # --model as given (preset, config path) or the module's class
     workload: Optional[Workload] = None  # the training step, with an architecture
     block_bytes: int = 1  # allocator block every peak term is rounded to (512: CUDA)
-    allocator_overhead_bytes: int = 0  # reserved - allocated, 0 until measured on a GPU
+    allocator_overhead_bytes: int = 0  # the reference engine's overhead term (0); reserved bytes come from ``reserved``
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF the reserved bytes were replayed under ("": torch's defaults)
     own_estimator: Optional[str] = None  # name of the engine's own estimator shown beside ours, if any
 
     def stage(self, number: int) -> StageEstimate:

@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationInfo, field_validator, model_validator
 
+from zeroplan.allocator.config import parse_alloc_conf
 from zeroplan.architectures.spec import TransformerSpec, gpt_for_params, numels, transformer_shapes
 from zeroplan.engines import EngineName, get_engine, planner_options
 from zeroplan.engines.base import PLANNER_INPUTS, EngineOptions, PlannerOptions
@@ -32,11 +33,12 @@ from zeroplan.types import (
     Utilisation, check_bytes, check_split,
 )  # fmt: skip
 
-DEFAULT_HEADROOM = 0.1
-"""Share of GPU memory kept free for what the plan does not model as model states: activations,
-communication buckets, gathered stage-3 layers, the CUDA context and allocator fragmentation. 10% is a
-starting point, not a measurement; activations alone can exceed it (pass a larger --headroom for long
-sequences or large micro-batches)."""
+DEFAULT_HEADROOM = 0.0
+"""Share of GPU memory kept free beyond what the plan predicts: 0. With an architecture, "fits" compares the
+allocator's reserved bytes (``zeroplan.allocator``, fragmentation included) with the card; the CUDA context
+and NCCL buffers are not counted (docs/allocator.md), so a run that needs a margin for them, or for a
+configuration the plan fits on model states alone (no --model), passes ``--headroom``. It replaces a 10%
+"allocator overhead" guess that was never measured."""
 DEFAULT_MFU = 0.4
 """Model FLOPs utilisation for the compute-time estimate: Llama 3 reports 38-43% BF16 MFU on H100s
 (Llama Team 2024, The Llama 3 Herd of Models, Table 4)."""
@@ -64,7 +66,9 @@ class PlanConfig(BaseModel):
     model_parallel: GpuCount = 1
     """N_m, tensor/pipeline model-parallel degree."""
     headroom: Fraction = DEFAULT_HEADROOM
-    """fraction of GPU memory not available to model states, in [0, 1)."""
+    """fraction of GPU memory kept free beyond what is predicted, in [0, 1) (``DEFAULT_HEADROOM``)."""
+    alloc_conf: str = ""
+    """``PYTORCH_CUDA_ALLOC_CONF`` of the run, for its reserved bytes ("": torch's defaults)."""
     interconnect: Optional[str] = None
     """intra-node link preset; default the GPU preset's, else nvlink4."""
     bw_gbps: Optional[Bandwidth] = None
@@ -103,6 +107,12 @@ class PlanConfig(BaseModel):
     bucket_numel: Count = DEFAULT_BUCKET_NUMEL
     """elements per collective call (gradient bucket / all-gather bucket)."""
     policy: PrecisionPolicy = BF16_MIXED
+
+    @field_validator("alloc_conf")
+    @classmethod
+    def _alloc_conf(cls, v: str) -> str:
+        parse_alloc_conf(v)  # one line naming the bad part
+        return v
 
     @field_validator("interconnect", "inter_interconnect")
     @classmethod

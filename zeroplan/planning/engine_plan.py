@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from zeroplan.allocator.reserved import fit_bytes, reserved_of
 from zeroplan.engines import get_engine
 from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.commtime import Links, compute_time_s, engine_step_time, ring_link
@@ -11,11 +12,12 @@ from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.cut_first import cut_first
 from zeroplan.planning.records import Plan, PlanOption
+from zeroplan.planning.reserved_fit import first_fragmentation, fit_quantity
 
 def engine_plan_config(config: PlanConfig) -> Plan:
     """``plan`` for an engine with its own search (``Engine.plan``: fsdp2, deepspeed): every candidate the
     engine tries, cheapest first, each with its predicted peak and exactly the configuration to run; the
-    recommendation is the engine's (the cheapest whose peak fits within the headroom)."""
+    recommendation is the cheapest that fits within the headroom (``reserved_fit``: on reserved bytes)."""
     engine = get_engine(config.engine)
     nd = config.nd
     budget = int(config.memory_bytes * (1 - config.headroom))
@@ -26,13 +28,19 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     if engine.own_options:  # the node size, for an engine that searches a mesh (fsdp2 --dp-shard auto)
         options = replace(options, own={**options.own, "gpus_per_node": config.gpus_per_node})
     answer = engine.plan(workload, nd, budget, options)
+    traces = tuple(engine.alloc_trace(*c.trace_inputs)[0] if engine.alloc_trace and c.trace_inputs else None
+                   for c in answer.candidates)  # fmt: skip
+    held = tuple(None if t is None else reserved_of(t, config.alloc_conf) for t in traces)
+    fit = tuple(fit_bytes(c.estimate.model_states_bytes, c.estimate.peak, r) <= budget
+                for c, r in zip(answer.candidates, held))  # fmt: skip
+    recommended = next((i for i, f in enumerate(fit) if f), None)
     ring = ring_link(nd, 1, config.gpus_per_node, config.intra_link, config.inter_link)
     links = Links(config.intra_link, config.inter_link, config.gpus_per_node)  # time per link (commtime)
     whole = config.tensor_numels
     tokens = config.tokens_per_micro_step * config.grad_accum
     compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, 1, config.flops, config.mfu)
     rows = []
-    for c in answer.candidates:
+    for c, fits_c, reserved in zip(answer.candidates, fit, held):
         e = c.estimate
         # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
         time = engine_step_time(e.collectives, nd, links, config.grad_accum, config.algorithm, c.bucket_numel,
@@ -40,7 +48,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         rows.append(PlanOption(
             e.stage, e.label, NO_OFFLOAD, None, None,
             states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0),
-            fits=c.fits,
+            fits=fits_c,
             comm_volume_elements=sum(c.volume_elements for c in e.collectives),
             comm_bytes_per_rank=sum(c.bytes_per_rank for c in e.collectives),
             time=time,
@@ -48,19 +56,20 @@ def engine_plan_config(config: PlanConfig) -> Plan:
             peak=e.peak,
             candidate=c.label,
             peak_rank=e.peak_rank,
+            reserved=reserved,
         ))  # fmt: skip
     headroom = f"{config.headroom:.0%} of GPU memory kept free"
     recommendation = launchers = advice = None
-    if answer.recommended is not None:
-        recommendation = rows[answer.recommended]
-        chosen = answer.candidates[answer.recommended]
+    if recommended is not None:
+        recommendation = rows[recommended]
+        chosen = answer.candidates[recommended]
         launchers = {"deepspeed": None, "fsdp2": None, answer.launcher_key: chosen.launcher}
         if chosen.build is not None:  # the model's construction the prediction assumed (deepspeed.zero.Init)
             launchers[f"{answer.launcher_key}_build"] = chosen.build
-        reason = (f"the cheapest of {len(rows)} {engine.name} configurations whose predicted peak fits on "
+        reason = (f"the cheapest of {len(rows)} {engine.name} configurations that fits on "
                   f"{config.gpus} GPUs with {headroom} (tried in order: {answer.order})")  # fmt: skip
     else:
-        reason = f"no {engine.name} configuration's predicted peak fits on {config.gpus} GPUs with {headroom}"
+        reason = f"no {engine.name} configuration fits on {config.gpus} GPUs with {headroom}"
         least = min((o for o in rows if o.peak is not None), key=lambda o: o.peak.peak_bytes, default=None)
         if least is not None:
             advice = cut_first(least.peak, least.stage, config)
@@ -84,7 +93,8 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         recommendation=recommendation,
         reason=reason,
         launchers=launchers,
-        fit_basis=f"fits on the predicted peak per GPU ({engine.name} engine, docs/engines/{engine.name}.md) "
-                  "within the headroom",
+        fit_basis=f"fits on {fit_quantity(config.alloc_conf if any(held) else None)} ({engine.name} engine, "
+                  f"docs/engines/{engine.name}.md) within the headroom",
         cut_first=advice,
+        fragmentation=first_fragmentation(rows, traces, budget, config.micro_batch),
     )  # fmt: skip

@@ -24,6 +24,8 @@ from typing import Annotated, Callable, Optional
 from pydantic import ConfigDict, Field, validate_call
 
 from zeroplan.engines import get_engine, planner_options
+from zeroplan.allocator.reserved import fit_bytes, reserved_of
+from zeroplan.allocator.step_trace import AllocTrace
 from zeroplan.engines.base import EngineOptions
 from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.activations import activation_bytes
@@ -39,6 +41,7 @@ from zeroplan.planning.cut_first import cut_first
 from zeroplan.planning.engine_plan import engine_plan_config
 from zeroplan.planning.offload_peak import offload_peak
 from zeroplan.planning.records import Plan, PlanOption
+from zeroplan.planning.reserved_fit import first_fragmentation, fit_quantity
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber
 
@@ -187,11 +190,11 @@ OptionKey = tuple[int, Offload]
 
 def option_peaks(
     config: PlanConfig, keys: tuple[OptionKey, ...], nd: Optional[int] = None
-) -> tuple[dict[OptionKey, PeakEstimate], str]:
-    """({(stage, offload): peak} of ``keys``, how fits are decided): the engine's peak on ``nd`` ranks
-    (default N_d) of each stage, for an offload option with the offloaded model states on the host
-    (``offload_peak``), when the architecture and the step are ones it models; else {} and why fits are
-    on model states. Each stage is estimated once, and only the stages of ``keys``."""
+) -> tuple[dict[OptionKey, PeakEstimate], str, dict[OptionKey, AllocTrace]]:
+    """({(stage, offload): peak} of ``keys``, how fits are decided, {(stage, no offload): allocation trace}):
+    the engine's peak on ``nd`` ranks (default N_d) of each stage, for an offload option with the offloaded
+    model states on the host (``offload_peak``), when the architecture and the step are ones it models; else
+    {} and why fits are on model states. Each stage is estimated once, and only the stages of ``keys``."""
     engine = get_engine(config.engine)
     stages = sorted({s for s, _ in keys})
     options = planner_options(engine, config.engine_options, policy=config.policy,
@@ -199,7 +202,7 @@ def option_peaks(
     options = replace(options, gpu_capability=config.gpu_capability)  # the --gpu preset's workspaces
     limit = engine.peak_limits(options, config.model_architecture, config.checkpointing, config.model_parallel)
     if limit is not None:
-        return {}, f"fits on model states within the headroom: {limit.reason}"
+        return {}, f"fits on model states within the headroom: {limit.reason}", {}
     workload = model_workload(config.model_architecture, config.sequence_length, config.micro_batch,
                               config.checkpointing, config.grad_accum, config.foreach)  # fmt: skip
     settings = engine.planner_settings(options)
@@ -211,15 +214,19 @@ def option_peaks(
         for s, off in keys
         if s in by_stage
     }
+    traced = engine.alloc_trace(workload, nd or config.nd, settings) if engine.alloc_trace else ()
+    by_trace = {r.stage: t for r, t in zip(rows, traced)}
+    traces = {(s, off): by_trace[s] for s, off in keys if s in by_trace and not off.any}
+    quantity = fit_quantity(config.alloc_conf if traces else None)
     return peaks, (
-        f"fits on the peak per GPU ({config.engine} engine, docs/peak.md) within the headroom; "
-        "an offload option on its stage's peak with the offloaded model states on the host "
+        f"fits on {quantity} ({config.engine} engine, docs/peak.md) within the headroom; an offload option "
+        "on its stage's peak of live bytes with the offloaded model states on the host "
         "(docs/plan.md#offload-options)"
-    )
+    ), traces
 
 
 def _option(
-    config: PlanConfig, stage: int, offload: Offload, numels, links, compute_s, budget, host, peak=None
+    config: PlanConfig, stage: int, offload: Offload, numels, links, compute_s, budget, host, peak=None, trace=None
 ) -> PlanOption:
     row = get_stage(stage)
     nm, nd, policy = config.model_parallel, config.nd, config.policy
@@ -236,11 +243,14 @@ def _option(
         stage, collectives, nd, links, config.grad_accum, config.algorithm, config.bucket_numel, compute_s
     )
     volume = sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives)
+    held = None if trace is None else reserved_of(trace, config.alloc_conf)
+    need = fit_bytes(states.gpu.model_states_bytes, peak, held)
     return PlanOption(
         stage, row.name, offload, **sizes,
         states=states,
-        fits=fits(states, budget, host) if peak is None else peak.peak_bytes <= budget and fits(states, budget, host),
+        fits=fits(states, budget, host) if peak is None else need <= budget and fits(states, budget, host),
         peak=peak,
+        reserved=held,
         min_gpus=min_gpus(config.tensor_numels, budget, stage, nm, offload, policy, host, layout),
         comm_volume_elements=volume,
         comm_bytes_per_rank=sum(t.calls_per_step * t.collective.bytes_per_rank for t in time.collectives),
@@ -294,11 +304,16 @@ def plan_config(config: PlanConfig) -> Plan:
     if whole is not None and config.flops is not None:
         compute_s = compute_time_s(sum(whole), tokens, nm, config.flops, config.mfu)
     keys = tuple((s, NO_OFFLOAD) for s in range(4)) + tuple(k for k in LADDER if k[1].any)
-    peaks, fit_basis = option_peaks(config, keys)
+    peaks, fit_basis, traces = option_peaks(config, keys)
     options = tuple(
-        _option(config, s, off, numels, links, compute_s, budget, host, peaks.get((s, off))) for s, off in keys
-    )
+        _option(config, s, off, numels, links, compute_s, budget, host, peaks.get((s, off)), traces.get((s, off)))
+        for s, off in keys
+    )  # fmt: skip
     recommendation, reason = _recommend(config, options)
+    allowed = [k for k in LADDER if tier(k[1]) in TIERS[: TIERS.index(config.offload) + 1]]
+    by_key = {(o.stage, o.offload): o for o in options}
+    fragmentation = first_fragmentation([by_key[k] for k in allowed], [traces.get(k) for k in allowed], budget,
+                                        config.micro_batch)  # fmt: skip
     advice = None
     with_peak = [o for o in options if o.peak is not None]
     if with_peak:
@@ -334,6 +349,7 @@ def plan_config(config: PlanConfig) -> Plan:
         launchers=None,  # the rows are the reference runtime's: no other engine's configuration is printed
         fit_basis=fit_basis,
         cut_first=advice,
+        fragmentation=fragmentation,
     )
 
 

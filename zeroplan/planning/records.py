@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from zeroplan.allocator.reserved import ReservedEstimate
 from zeroplan.formulas.commtime import StepTime
 from zeroplan.formulas.peak import PeakEstimate
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown
@@ -33,6 +34,7 @@ class PlanOption:
     peak: Optional[PeakEstimate] = None  # the engine's peak per GPU (no offload, an architecture given)
     candidate: Optional[str] = None  # an engine's own configuration (plan --engine fsdp2|deepspeed), its words
     peak_rank: Optional[int] = None  # the rank whose peak ``peak`` is, the largest (EngineEstimate.peak_rank); None: all alike
+    reserved: Optional[ReservedEstimate] = None  # the allocator model's reserved bytes (no offload, a trace)
 
     @property
     def label(self) -> str:
@@ -67,6 +69,7 @@ class Plan:
     # "deepspeed_build" too at ZeRO-3: the model built under deepspeed.zero.Init, as predicted
     fit_basis: str = ""  # how fits was decided: on the peak, or on model states and why
     cut_first: Optional[str] = None  # which term to cut first, from the peak's largest terms
+    fragmentation: Optional[str] = None  # what to change when reserved, not live, bytes are what does not fit
 
     @property
     def headroom_bytes(self) -> int:

@@ -40,6 +40,8 @@ def stage_out(s: StageEstimate, e: Estimate | None = None) -> StageOut:
         phases=None if s.peak is None else PhasesOut(**s.peak.by_phase()),
         peak_terms=None if s.peak is None else [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source)
                                                  for t in s.peak.peak_terms],  # fmt: skip
+        reserved_bytes=None if s.reserved is None else s.reserved.reserved_bytes,
+        reserved_phases=None if s.reserved is None else PhasesOut(**s.reserved.reserved_phases),
         own_estimator_bytes=s.own_estimate_bytes,
         peak_rank=s.peak_rank,
     )
@@ -52,7 +54,7 @@ def step_out(e: Estimate) -> StepOut | None:
         return None
     return StepOut(
         seq_len=w.seq_len, micro_batch=w.micro_batch, checkpointing=w.checkpointing, grad_accum=w.grad_accum,
-        foreach=w.foreach, block_bytes=e.block_bytes, allocator_overhead_bytes=e.allocator_overhead_bytes,
+        foreach=w.foreach, block_bytes=e.block_bytes, alloc_conf=e.alloc_conf,
     )  # fmt: skip
 
 
@@ -114,7 +116,7 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
     )
     columns = ["stage", "ZeRO", "params", "grads", "optimizer", "total/GPU", "vs DP", "comm/step", "sent/rank"]
     if e.workload is not None:
-        columns += ["peak/GPU", "peak phase"]
+        columns += ["peak/GPU", "peak phase", "reserved/GPU"]
     if e.own_estimator is not None:
         columns.append(e.own_estimator)
     if e.gpu_memory_bytes is not None:
@@ -130,7 +132,8 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
             format_bytes(s.comm_bytes_per_rank, unit),
         ]  # fmt: skip
         if e.workload is not None:
-            row += [format_bytes(s.peak.peak_bytes, unit), peak_phase_cell(s.peak.peak_phase, s.peak_rank)]
+            row += [format_bytes(s.peak.peak_bytes, unit), peak_phase_cell(s.peak.peak_phase, s.peak_rank),
+                    "-" if s.reserved is None else format_bytes(s.reserved.reserved_bytes, unit)]
         if e.own_estimator is not None:
             row.append(format_bytes(s.own_estimate_bytes, unit))
         if s.fits is not None:
@@ -147,14 +150,16 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
             "peak/GPU: needs --model (a preset or a config.json): the peak of a training step needs an architecture.",
         ]
     else:
-        fits = " fits: the peak <= GPU memory." if e.gpu_memory_bytes is not None else ""
+        fits = " fits: reserved/GPU <= GPU memory." if e.gpu_memory_bytes is not None else ""
+        conf = f"PYTORCH_CUDA_ALLOC_CONF={e.alloc_conf}" if e.alloc_conf else "torch's default PYTORCH_CUDA_ALLOC_CONF"
         lines += [
             f"{unit} = {'1e9' if unit == 'GB' else '2**30'} bytes. total/GPU: model states (ZeRO paper sec. 3.1, 5); "
             f"peak/GPU: the largest phase of a training step on the {e.engine} engine (docs/peak.md).{fits}",
             (f"Peak terms rounded up to {e.block_bytes}-byte CUDA blocks, plus cuBLAS/cuBLASLt workspaces after "
-             "init (docs/peak.md); " if e.block_bytes > 1 else "Peak terms as allocated (no allocator block rounding); ")
-            + f"allocator overhead (reserved - allocated) is a separate term, {e.allocator_overhead_bytes} until "
-            "measured on a GPU.",
+             "init (docs/peak.md). " if e.block_bytes > 1 else "Peak terms as allocated (no allocator block rounding). ")
+            + "reserved/GPU: max_memory_reserved of the engine's allocation trace replayed through the caching "
+            f"allocator model under {conf} (docs/allocator.md: an estimate, errors measured there); the CUDA "
+            "context and NCCL buffers come on top.",
         ]  # fmt: skip
     if e.own_estimator is not None:
         lines.append(f"{e.own_estimator}: the engine's own formula for the same run (model states only: no "

@@ -21,11 +21,12 @@ MEMORY_NOTE = (
 )
 
 PEAK_NOTE = (
-    "fits: the peak per GPU of a training step (model states, activations, buffers and temporaries per "
-    "phase; docs/peak.md) within the headroom, which keeps room for the CUDA context; terms rounded to "
-    "512-byte CUDA blocks, allocator overhead (reserved - allocated) 0 until measured on a GPU. An offload "
-    "option's peak is its stage's with the offloaded model states on the host after init (docs/plan.md); "
-    "min GPUs counts model states, a lower bound."
+    "fits: reserved, the caching allocator's max_memory_reserved for the engine's allocation trace of a training "
+    "step (docs/allocator.md), within the GPU's memory less the headroom (0 by default); the CUDA context and "
+    "NCCL buffers are not counted. peak: the live bytes of the largest phase (model states, activations, buffers "
+    "and temporaries; docs/peak.md), terms rounded to 512-byte CUDA blocks. An offload option fits on its "
+    "stage's peak with the offloaded model states on the host after init (docs/plan.md); min GPUs counts model "
+    "states, a lower bound."
 )
 LAUNCHER_NOTE = (
     "Launchers: none printed. These rows are the ZeRO paper's model states and the reference runtime's peak "
@@ -75,6 +76,8 @@ def option_dict(o: PlanOption, per_node: int) -> dict:
         comm_volume_elements=o.comm_volume_elements,
         comm_bytes_per_rank=o.comm_bytes_per_rank,
         **peak_keys(o.peak),
+        reserved_bytes=None if o.reserved is None else o.reserved.reserved_bytes,
+        reserved_phases=None if o.reserved is None else o.reserved.reserved_phases,
         peak_rank=o.peak_rank,
         comm_time={
             "link": o.time.link,
@@ -107,9 +110,10 @@ def peak_keys(peak) -> dict:
 
 
 ENGINE_NOTE = (
-    "fits: the engine's predicted peak per GPU of a training step (model states, activations, buffers and "
-    "temporaries per phase; docs/engines/) within the headroom, which keeps room for the CUDA context. GPU: "
-    "model states as the engine holds them. The configuration printed is exactly the one predicted."
+    "fits: reserved, the caching allocator's max_memory_reserved for the engine's allocation trace of a training "
+    "step (docs/allocator.md), within the GPU's memory less the headroom (0 by default); the CUDA context and "
+    "NCCL buffers are not counted. peak: the engine's predicted live bytes of the largest phase (docs/engines/). "
+    "GPU: model states as the engine holds them. The configuration printed is exactly the one predicted."
 )
 
 
@@ -146,6 +150,7 @@ def plan_dict(p: Plan) -> dict:
             "gpu": c.gpu,
             "gpu_memory_bytes": p.gpu_memory_bytes,
             "headroom": c.headroom,
+            "alloc_conf": c.alloc_conf,
             "budget_bytes": p.budget_bytes,
             "host_memory_bytes": c.host_memory_bytes,
             "gpus": c.gpus,
@@ -185,6 +190,7 @@ def plan_dict(p: Plan) -> dict:
         "reason": p.reason,
         "fit_basis": p.fit_basis,
         "cut_first": p.cut_first,
+        "fragmentation": p.fragmentation,
         "notes": [ENGINE_NOTE if _engine_plan(p) else PEAK_NOTE if _with_peak(p) else MEMORY_NOTE, ESTIMATE_NOTE],
     }
 
@@ -219,7 +225,8 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
     lines = [
         f"{what}; {where} ({format_bytes(p.gpu_memory_bytes, unit)} each; N_d = {c.nd} x N_m = "
         f"{c.model_parallel}; {c.gpus_per_node} GPUs per node)",
-        f"model states may use {format_bytes(p.budget_bytes, unit)} per GPU ({c.headroom:.0%} headroom); "
+        f"{'a run' if _with_peak(p) else 'model states'} may use {format_bytes(p.budget_bytes, unit)} per GPU "
+        f"({c.headroom:.0%} headroom); "
         f"data-parallel ring on {p.ring.name} ({p.ring.bandwidth_gbps:g} GB/s, "
         f"α {p.ring.alpha_s * 1e6:g} µs); "
         f"host link {p.host_link.name} ({p.host_link.bandwidth_gbps:g} GB/s)",
@@ -233,7 +240,7 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
     header = ["stage + offload", "max Ψ", f"max Ψ ({c.headroom:.0%} free)"]
     peak = _with_peak(p)
     if p.params is not None:
-        header[1:1] = ["GPU", *(["peak"] if peak else []), "host/node", "NVMe/node", "fits", "min GPUs"]
+        header[1:1] = ["GPU", *(["peak", "reserved"] if peak else []), "host/node", "NVMe/node", "fits", "min GPUs"]
         header += ["sent/rank/step", "comm", "exposed", "PCIe"]
     rows = [header]
     per_node = _per_node(p)
@@ -243,7 +250,8 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
             s = o.states
             row[1:1] = [
                 _size(s.gpu.model_states_bytes, unit),
-                *([_size(o.peak and o.peak.peak_bytes, unit)] if peak else []),
+                *([_size(o.peak and o.peak.peak_bytes, unit), _size(o.reserved and o.reserved.reserved_bytes, unit)]
+                  if peak else []),
                 _size(s.host_bytes * per_node, unit),
                 _size(s.nvme_bytes * per_node, unit),
                 "yes" if o.fits else "no",
@@ -262,6 +270,8 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
         lines.append(f"Fit: {p.fit_basis}.")
     if p.cut_first is not None:
         lines.append(f"Cut first: {p.cut_first}.")
+    if p.fragmentation is not None:
+        lines.append(f"Fragmentation: {p.fragmentation}.")
     if p.recommendation is not None:
         lines += ["", LAUNCHER_NOTE]
     lines += [
@@ -275,16 +285,20 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
 
 def _engine_table(p: Plan, unit: str) -> list[str]:
     """The candidates of an engine's own plan, its recommendation and exactly the configuration to run."""
-    rows = [["configuration", "ZeRO", "GPU", "peak", "peak phase", "fits", "sent/rank/step", "comm", "exposed"]]
+    rows = [["configuration", "ZeRO", "GPU", "peak", "peak phase", "reserved", "fits", "sent/rank/step", "comm",
+             "exposed"]]  # fmt: skip
     for o in p.options:
         rows.append([
             o.label, str(o.stage), _size(o.states.gpu.model_states_bytes, unit), _size(o.peak and o.peak.peak_bytes, unit),
-            peak_phase_cell(o.peak.peak_phase, o.peak_rank) if o.peak else "-", "yes" if o.fits else "no",
+            peak_phase_cell(o.peak.peak_phase, o.peak_rank) if o.peak else "-",
+            _size(o.reserved and o.reserved.reserved_bytes, unit), "yes" if o.fits else "no",
             _size(o.comm_bytes_per_rank, unit), _seconds(o.time.comm_s), _seconds(o.time.exposed_comm_s),
         ])  # fmt: skip
     lines = [*format_table(rows, left=1), "", f"Recommendation: {_recommendation(p, unit)}", f"Fit: {p.fit_basis}."]
     if p.cut_first is not None:
         lines.append(f"Cut first: {p.cut_first}.")
+    if p.fragmentation is not None:
+        lines.append(f"Fragmentation: {p.fragmentation}.")
     if p.recommendation is not None:
         for key, title in (("deepspeed", "DeepSpeed config (exactly the one predicted):"),
                            ("deepspeed_build", "Build the model as predicted (with that file as ds_config.json):"),
@@ -324,8 +338,10 @@ def activation_line(p: Plan, unit: str) -> str:
             f"activations ({shape}): not estimated; Korthikanti et al. 2022 publish constants for "
             "GPT-style layers only, use --checkpointing full for this model"
         )
-    verdict = "within" if p.activation_bytes <= p.headroom_bytes else "MORE than"
     size, headroom = format_bytes(p.activation_bytes, unit), format_bytes(p.headroom_bytes, unit)
+    if _with_peak(p):  # the fit counts them: the engine's activations are terms of its peak and its trace
+        return f"activations ≈ {size} per GPU (Korthikanti et al. 2022, {shape}); the fit counts the engine's own"
+    verdict = "within" if p.activation_bytes <= p.headroom_bytes else "MORE than"
     return (
         f"activations ≈ {size} per GPU (Korthikanti et al. 2022, {shape}): {verdict} the {headroom} headroom"
     )

@@ -90,7 +90,8 @@ class StepOut(_Out):
     grad_accum: int
     foreach: bool
     block_bytes: int = Field(description="every tensor rounded up to this (512: CUDA's caching allocator)")
-    allocator_overhead_bytes: int = Field(description="reserved - allocated: a separate term, 0 until measured")
+    alloc_conf: str = Field(description="PYTORCH_CUDA_ALLOC_CONF the reserved bytes were replayed under (--alloc-conf; "
+                            "empty: torch's defaults)")
 
 
 class StageOut(_Out):
@@ -104,8 +105,8 @@ class StageOut(_Out):
     model_states_bytes: int
     reduction_vs_dp: float = Field(description="DP model states / this stage's model states")
     fits: Optional[bool] = Field(
-        description="peak (when an architecture is given, else model states) <= GPU memory; null when no "
-        "memory was given"
+        description="reserved bytes (when the engine has an allocation trace), else the peak (an architecture), else "
+        "model states <= GPU memory; null when no memory was given"
     )
     comm_volume_elements: int = Field(description="elements moved per step as the ZeRO paper counts (sec. 7)")
     comm_bytes_per_rank: int = Field(description="bytes each rank sends per step with ring collectives")
@@ -118,6 +119,14 @@ class StageOut(_Out):
     peak_terms: Optional[list[PeakTermOut]] = Field(
         description="the largest live terms at the peak, largest first; null without an architecture"
     )
+    reserved_bytes: Optional[int] = Field(
+        None, description="max_memory_reserved the allocator model predicts for the step (zeroplan.allocator: the "
+        "engine's allocation trace replayed under --alloc-conf; docs/allocator.md); absent without an architecture",
+    )  # fmt: skip
+    reserved_phases: Optional[PhasesOut] = Field(
+        None, description="reserved bytes per phase (peaks reset at each phase, as torch.cuda.reset_peak_memory_stats); "
+        "absent without an architecture",
+    )  # fmt: skip
     own_estimator_bytes: Optional[int] = Field(
         None, description="the engine's own estimator for the same run (deepspeed: DeepSpeed's "
         "estimate_zero2/3_model_states_mem_needs), beside the prediction; the key is absent for engines without one",
@@ -133,6 +142,9 @@ class StageOut(_Out):
         for key in ("own_estimator_bytes", "peak_rank"):
             if getattr(self, key) is None:
                 out.pop(key)
+        if self.reserved_bytes is None:  # no trace (no architecture): the keys are absent, as before them
+            out.pop("reserved_bytes")
+            out.pop("reserved_phases")
         return out
 
 
@@ -179,7 +191,9 @@ class PlanInputs(_Out):
     gpu: Optional[str]
     gpu_memory_bytes: int
     headroom: Number
-    budget_bytes: int = Field(description="(1 - headroom) x GPU memory: what model states may use")
+    alloc_conf: str = Field("", description="PYTORCH_CUDA_ALLOC_CONF the reserved bytes were replayed under "
+                            "(--alloc-conf; empty: torch's defaults)")
+    budget_bytes: int = Field(description="(1 - headroom) x GPU memory: what the fit quantity (fit_basis) may use")
     host_memory_bytes: Optional[int]
     gpus: int
     gpus_per_node: int
@@ -237,7 +251,7 @@ class CommTimeOut(_Out):
 _MODEL_KEYS = (
     "gpu_bytes", "host_bytes_per_gpu", "host_bytes_per_node", "nvme_bytes_per_gpu", "nvme_bytes_per_node",
     "pcie", "comm_volume_elements", "comm_bytes_per_rank", "comm_time", "peak_bytes", "peak_phase", "phases",
-    "peak_terms",
+    "peak_terms", "reserved_bytes", "reserved_phases",
 )  # fmt: skip
 
 
@@ -272,6 +286,9 @@ class PlanOptionOut(_Out):
         None, description="an engine's own candidate: the rank whose peak this is, the largest over ranks; the key "
         "is absent where every rank holds the same",
     )  # fmt: skip
+    reserved_bytes: Optional[int] = Field(None, description="max_memory_reserved the allocator model predicts "
+                                          "(docs/allocator.md); null with offload or without an architecture")
+    reserved_phases: Optional[PhasesOut] = Field(None, description="reserved bytes per phase; null as reserved_bytes")
 
     @model_serializer(mode="wrap")
     def _without_model(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -333,6 +350,9 @@ class PlanDoc(_Out):
     fit_basis: str = Field(description="how fits was decided: on the peak per GPU, or on model states and why")
     cut_first: Optional[str] = Field(description="which term to cut first, from the peak's largest terms; "
                                      "null without a peak")  # fmt: skip
+    fragmentation: Optional[str] = Field(None, description="what to change when the cheapest configuration's live "
+                                         "bytes fit and its reserved bytes do not (expandable_segments:True, a "
+                                         "smaller micro-batch or buckets); null otherwise")  # fmt: skip
     notes: list[str]
 
 

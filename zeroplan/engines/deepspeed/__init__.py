@@ -28,6 +28,7 @@ largest moment.
 """
 
 from zeroplan.engines.base import Engine
+from zeroplan.engines.deepspeed.alloc_trace import alloc_traces
 from zeroplan.engines.deepspeed.batch import DsBatch, ds_batch, planner_batch, run_batch, sweep_micro_batches
 from zeroplan.engines.deepspeed.collectives import DSCollective, greedy_buckets
 from zeroplan.engines.deepspeed.config import (DEEPSPEED_OPTIMIZERS, DEFAULT_BUCKET_NUMEL, NVME_PATH,
@@ -75,5 +76,5 @@ __all__ = [
 ENGINE = Engine("deepspeed", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
                 ds_estimate_bytes, "DeepSpeed's estimator", planner_block_bytes, batch=planner_batch,
                 sweep_batches=sweep_micro_batches, read_settings_file=Settings.from_ds_config,
-                own_options=VOCABULARY)  # fmt: skip
+                own_options=VOCABULARY, alloc_trace=alloc_traces)  # fmt: skip
 """DeepSpeed as the registry knows it (``zeroplan.engines``): its batch is the ds_config's."""

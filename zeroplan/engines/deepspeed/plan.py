@@ -180,7 +180,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
                           to_ds_config(t.settings, workload.micro_batch, workload.grad_accum),
-                          t.settings.reduce_bucket_size, build_snippet(t.settings)) for t in order)  # fmt: skip
+                          t.settings.reduce_bucket_size, build_snippet(t.settings),
+                          trace_inputs=(workload, nd, t.settings)) for t in order)  # fmt: skip
     return EnginePlan(out, index, "deepspeed", PLAN_ORDER, base)
 
 

@@ -41,6 +41,7 @@ planner's side). This module re-exports the names other modules use.
 from __future__ import annotations
 
 from zeroplan.engines.base import Engine, EngineOption
+from zeroplan.engines.fsdp2.alloc_trace import alloc_traces
 from zeroplan.engines.fsdp2.collectives import UnitCollective, unit_collectives
 from zeroplan.engines.fsdp2.launcher import fsdp2_snippet, settings_snippet
 from zeroplan.engines.fsdp2.moments import (
@@ -87,5 +88,6 @@ __all__ = [
 ]  # fmt: skip
 
 ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
-                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=VOCABULARY)
+                block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=VOCABULARY,
+                alloc_trace=alloc_traces)
 """FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""

@@ -39,17 +39,25 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     return (_estimate(workload, nd, settings),)
 
 
-def _estimate(workload: Workload, nd: int, settings: Settings) -> EngineEstimate:
-    rank = settings.rank
+def rank_run(workload: Workload, nd: int, settings: Settings):
+    """(the run of ``settings.rank`` on its shard group, the shard group's size): rank r is shard r mod S of an
+    HSDP mesh (``settings`` resolved by ``resolve_mesh``, a rank given); ``estimate`` and the allocation trace
+    (``alloc_trace.py``) describe the same run."""
     settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})  # rank r is shard r mod S
     replicate, nd = shard_groups(settings, nd)
-    run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
+    return replace(fsdp2_run(workload, nd, settings), replicate=replicate), nd
+
+
+def _estimate(workload: Workload, nd: int, settings: Settings) -> EngineEstimate:
+    rank = settings.rank
+    run, nd = rank_run(workload, nd, settings)
+    settings = run.settings
     st = model_states(run.units, nd, settings)
     coll = tuple(
         Collective(c.op, c.phase, m * c.elements, c.dtype,
                    m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
                    mesh_dim=c.mesh_dim, group_size=c.group_size)
-        for c in unit_collectives(run.shard_units, nd, run.settings, replicate)
+        for c in unit_collectives(run.shard_units, nd, run.settings, run.replicate)
         for m in (micro_steps(c, workload.grad_accum),)
     )  # fmt: skip
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
@@ -231,7 +239,9 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"
                   + (f", mesh {o.settings.dp_replicate} x {o.settings.dp_shard}" if o.settings.dp_replicate else ""),
-                  o.estimate, o.fits, o.snippet)
+                  o.estimate, o.fits, o.snippet,
+                  trace_inputs=(replace(workload, checkpointing=o.checkpointing), nd,  # the rank it peaks on
+                                o.settings.model_copy(update={"rank": o.estimate.peak_rank or 0})))
         for o in options_
     )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)

@@ -22,6 +22,7 @@ launcher config. This module re-exports the names other modules use.
 from __future__ import annotations
 
 from zeroplan.engines.base import Engine
+from zeroplan.engines.reference.alloc_trace import alloc_traces
 from zeroplan.engines.reference.collectives import stage_rows
 from zeroplan.engines.reference.moments import (
     backward_moments,
@@ -61,6 +62,6 @@ __all__ = [
 
 ENGINE = Engine("reference", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS,
                 block_bytes=planner_block_bytes, batch=ds_config_batch, sweep_batches=ds_config_sweep_batches,
-                file_policy=ds_config_policy, own_peak_limits=planner_peak_limits)  # fmt: skip
+                file_policy=ds_config_policy, own_peak_limits=planner_peak_limits, alloc_trace=alloc_traces)  # fmt: skip
 """The reference runtime as the registry knows it (``zeroplan.engines``): the ZeRO ladder (no own search); a
 ds_config, where given, completes its policy and sets its batch as DeepSpeed would."""

@@ -1,0 +1,109 @@
+"""One description of a step feeds both peaks: each engine's ordered allocation trace
+(``zeroplan/engines/*/alloc_trace.py``, built by ``zeroplan.allocator.step_trace``) reaches, phase by phase,
+exactly the live bytes the engine's moments predict (``EngineEstimate.peak``), on configurations drawn with a
+fixed seed across engines, world sizes, batches, checkpointing, dtypes, resharding, init and device; and the
+trace carries FSDP2's and DeepSpeed's side streams, which the allocator model keeps apart. Pure math."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from zeroplan.allocator import replay
+from zeroplan.allocator.step_trace import step_trace, tensor_sizes
+from zeroplan.engines import deepspeed, fsdp2, reference
+from zeroplan.engines.deepspeed.alloc_trace import alloc_traces as deepspeed_traces
+from zeroplan.engines.fsdp2.alloc_trace import alloc_traces as fsdp2_traces
+from zeroplan.engines.reference.alloc_trace import alloc_traces as reference_traces
+from zeroplan.estimation.workload import model_workload
+from zeroplan.formulas.peak import Moment, Term, peak_of
+from zeroplan.presets import resolve_model
+
+CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+MODELS = ("tiny-gpt2.json", "tiny-llama.json", "tiny-gpt2-untied.json", "tiny-llama-tied-bias.json")
+
+
+def _workload(rng: random.Random):
+    model = resolve_model(str(CONFIGS / rng.choice(MODELS)))
+    return model_workload(model, rng.choice((8, 16)), rng.choice((1, 2, 3)), rng.choice(("none", "full")),
+                          rng.choice((1, 2)), rng.choice((True, False)))  # fmt: skip
+
+
+def _draws(engine: str, n: int):
+    rng = random.Random(f"step-trace-{engine}")
+    for _ in range(n):
+        w, nd = _workload(rng), rng.choice((1, 2, 3, 4, 8))
+        if engine == "reference":
+            yield w, nd, reference.Settings(backend=rng.choice(("nccl", "gloo")),
+                                            block_bytes=rng.choice((1, 512)))  # fmt: skip
+        elif engine == "fsdp2":
+            nd = max(nd, 2)
+            rsf = rng.choice((True, False, *(k for k in (2, 4) if nd % k == 0 and k < nd)))
+            # HSDP (2 replicas) where N_d allows it and no post-forward group is asked; rank None: the worst rank
+            mesh = {"dp_replicate": 2} if nd >= 4 and rsf in (True, False) and rng.random() < 0.4 else {}
+            yield w, nd, fsdp2.Settings(reshard_after_forward=rsf, param_dtype=rng.choice((None, "bf16")),
+                                        device=rng.choice(("cuda", "cpu")), init=rng.choice(("meta", "materialized")),
+                                        backend=rng.choice(("nccl", "gloo")),
+                                        rank=rng.choice((None, rng.randrange(nd))), **mesh)  # fmt: skip
+        else:
+            stage = rng.choice((1, 2, 3))
+            yield w, nd, deepspeed.Settings(stage=stage, overlap_comm=rng.choice((None, True, False)),
+                                            reduce_bucket_size=rng.choice((500, 20_000, 500_000_000)),
+                                            rank=rng.choice((None, rng.randrange(nd))))  # fmt: skip
+
+
+ENGINES = {"reference": (reference.estimate, reference_traces), "fsdp2": (fsdp2.estimate, fsdp2_traces),
+           "deepspeed": (deepspeed.estimate, deepspeed_traces)}  # fmt: skip
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_the_trace_reaches_exactly_the_moments_peak_in_every_phase(engine):
+    estimate, traces = ENGINES[engine]
+    checked = 0
+    for w, nd, settings in _draws(engine, 12):
+        rows, trs = estimate(w, nd, settings), traces(w, nd, settings)
+        assert len(rows) == len(trs)
+        for row, tr in zip(rows, trs):
+            assert tr.phase_live_bytes == row.peak.by_phase(), (engine, nd, settings)
+            assert tr.live_peak_bytes == row.peak.peak_bytes
+            # the allocator hands out at least what is live: whole blocks, rounded to 512 B
+            assert replay(tr.events).allocated_peak_bytes >= row.peak.peak_bytes
+            checked += 1
+    assert checked >= 12
+
+
+def test_fsdp2_gathers_and_reduces_on_their_own_streams_and_deepspeed_reduces_on_its_own():
+    w = model_workload(resolve_model(str(CONFIGS / "tiny-llama.json")), 16, 2, "none", 1, True)
+    (tr,) = fsdp2_traces(w, 4, fsdp2.Settings(param_dtype="bf16"))
+    assert tr.streams() == (0, 1, 2)  # default, all-gather copy-in, reduce-scatter
+    (zero2,) = deepspeed_traces(w, 4, deepspeed.Settings(stage=2, overlap_comm=True))
+    (plain,) = deepspeed_traces(w, 4, deepspeed.Settings(stage=2, overlap_comm=False))
+    assert (zero2.streams(), plain.streams()) == ((0, 1), (0,))
+    # one pool per stream: the side streams' cached blocks are reserved beside the default stream's
+    one = replay([e._replace(stream=0) for e in tr.events])
+    assert replay(tr.events).reserved_peak_bytes > one.reserved_peak_bytes
+
+
+def test_moments_become_frees_then_allocations_and_a_renamed_buffer_stays_put():
+    a, b = Term("all-gather output (block 1, this unit)", 4096, "x"), Term("activations", 1000, "y")
+    kept = Term("all-gather output (block 1, kept)", 4096, "x")
+    moments = (Moment("init", "i", (a,)), Moment("forward", "f1", (a, b)), Moment("forward", "f2", (kept,)),
+               Moment("backward", "b", (b,)), Moment("optimizer_step", "o", ()))  # fmt: skip
+    tr = step_trace(moments, steps=1)
+    assert [e[:3] for e in tr.events] == [
+        ("phase", "init", 0), ("alloc", 0, 4096), ("phase", "forward", 0), ("alloc", 1, 1000),
+        ("free", 1, 0),  # f2: the activations go; the gathered buffer is the same one under another name
+        ("free", 0, 0), ("phase", "backward", 0), ("alloc", 2, 1000), ("free", 2, 0), ("phase", "optimizer_step", 0)]
+    assert tr.phase_live_bytes == peak_of(moments).by_phase()
+
+
+def test_a_collection_of_n_grows_by_its_last_tensors():
+    saved = [Term(f"saved activations of {n} blocks", 300 * n, "x", n) for n in (1, 2, 3)]
+    moments = [Moment("init", "i", ()), *(Moment("forward", str(i), (t,)) for i, t in enumerate(saved)),
+               Moment("backward", "b", (saved[0],)), Moment("optimizer_step", "o", ())]
+    events = step_trace(moments, steps=1).events
+    assert [e.action for e in events if e.action in ("alloc", "free")] == ["alloc"] * 3 + ["free"] * 3
+    assert tensor_sizes(Term("t", 10, "x", 4), 1) == [(3, 2), (2, 2)]
+    assert tensor_sizes(Term("t", 10, "x", 4), 512) == [(3, 4)]

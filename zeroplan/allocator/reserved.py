@@ -1,0 +1,58 @@
+"""What a step's trace makes the CUDA caching allocator reserve: ``torch.cuda.max_memory_reserved`` per phase
+(and ``max_memory_allocated``, whole blocks), from an engine's allocation trace
+(``zeroplan.allocator.step_trace``) replayed under the user's ``PYTORCH_CUDA_ALLOC_CONF``
+(``config.parse_alloc_conf``; "" is torch's defaults). Reserved bytes are what runs out: a job fails when
+``cudaMalloc`` cannot get a new segment, not when live tensors reach the card's size (docs/allocator.md).
+
+Measured against the H200 (``notebooks/data/h200/``, docs/allocator.md): the order inside a transition is the
+profile's, not the recorded one, so the reserved prediction is an estimate with the errors listed there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeroplan.allocator.config import parse_alloc_conf
+from zeroplan.allocator.replay import replay
+from zeroplan.allocator.step_trace import AllocTrace
+
+
+@dataclass(frozen=True)
+class ReservedEstimate:
+    """The allocator model's answer for one step (bytes; phases in ``formulas.peak.PHASES`` order)."""
+
+    reserved_bytes: int
+    """``max_memory_reserved`` over init and the steps: the segments ``cudaMalloc`` gave the allocator."""
+    reserved_phases: dict[str, int]
+    """the same per phase (peaks reset at each phase start, as ``reset_peak_memory_stats``)."""
+    allocated_bytes: int
+    """``max_memory_allocated``: live blocks, each request rounded and some handed out whole."""
+    alloc_conf: str = ""
+    """``PYTORCH_CUDA_ALLOC_CONF`` as given ("": torch's defaults)."""
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        """Reserved beyond allocated at their peaks: cached free blocks, split tails, other streams' pools."""
+        return self.reserved_bytes - self.allocated_bytes
+
+
+def reserved_of(trace: AllocTrace, alloc_conf: str = "") -> ReservedEstimate:
+    """Replay ``trace`` through the allocator model under ``alloc_conf`` (ValueError in one line if bad)."""
+    result = replay(trace.events, parse_alloc_conf(alloc_conf))
+    phases = {name: p.reserved_bytes for name, p in result.phases.items()}
+    return ReservedEstimate(result.reserved_peak_bytes, phases, result.allocated_peak_bytes, alloc_conf)
+
+
+def engine_reserved(engine, workload, nd: int, settings, alloc_conf: str = "") -> tuple[ReservedEstimate | None, ...] | None:
+    """Each row of ``engine.estimate(workload, nd, settings)`` replayed (``Engine.alloc_trace``); None when the
+    engine has no trace or the workload no architecture."""
+    if engine.alloc_trace is None or workload.spec is None:
+        return None
+    return tuple(reserved_of(t, alloc_conf) for t in engine.alloc_trace(workload, nd, settings))
+
+
+def fit_bytes(model_states_bytes: int, peak, reserved: ReservedEstimate | None) -> int:
+    """What "fits" compares with the GPU's memory, the best-informed quantity known: the allocator's reserved
+    bytes (with a trace), else the peak of live bytes (with an architecture), else the model states."""
+    if reserved is not None:
+        return reserved.reserved_bytes
+    return model_states_bytes if peak is None else peak.peak_bytes

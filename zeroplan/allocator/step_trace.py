@@ -1,0 +1,210 @@
+"""A training step as an ordered allocation trace, built from an engine profile's moments, so that one
+description feeds both the allocated peak (``zeroplan.formulas.peak``) and the allocator model (``replay``).
+
+An engine profile lists, phase by phase, the moments at which memory can peak and the terms live there
+(``Moment``). The trace walks those moments in order and, between two of them, frees what the first holds
+and the second does not, then allocates what the second adds: each term is ``tensors`` tensors of equal size
+(``Term.rounded``'s convention), a term is the same buffer in two moments when its name, source and tensor
+size agree (a collection "of N" grows or shrinks by its last tensors; a one-tensor term whose bytes change is
+one buffer that grows by a piece of the difference, as gradients accumulating or parts packed so far, or
+shrinks by its last pieces; with ``block_bytes`` > 1 each piece is a multiple of the block, so that the
+rounded total is ``Term.rounded``'s), and a buffer freed and one of the same size allocated on the same stream in the same transition
+are one buffer renamed (the profile names one all-gather output "this unit" in one moment and "kept until
+the root's post-forward" in the next). Frees come before the next phase starts and allocations after, as
+``reset_peak_memory_stats`` between phases sees the state between them.
+
+By construction the live bytes at each moment are the moment's total, and between moments they are never
+above the larger of the two, so the trace's live-bytes maximum over each phase equals ``peak_of``'s peak of
+that phase (``AllocTrace.phase_live_bytes``; tests/test_step_trace.py checks the equality on every engine).
+What the trace adds is order and streams: which blocks the caching allocator sees freed before which are
+requested, and on which stream's pool (``stream_of``: FSDP2's all-gather and reduce-scatter streams,
+DeepSpeed's reduction stream; 0, the default stream, otherwise). Within a transition, frees go last-allocated
+first and allocations follow the moment's term order: an approximation of the real order, which the
+recorded histories (docs/allocator.md, "Recording on a GPU") can check.
+
+``steps``: the training steps walked after init (default 2): the moments describe a steady step (Adam's
+states already exist), and the second step meets the blocks the first one cached, as a real run does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from zeroplan.allocator.replay import Event
+from zeroplan.formulas.peak import PHASES, Moment, Term
+
+Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
+_COUNT = re.compile(r" of \d+ ")
+GROWN = -1
+"""The size slot of a one-tensor term's key: a buffer that grows by pieces (``_Builder.wanted``)."""
+
+
+def _identity(name: str) -> str:
+    """A term named "... of N ..." (``saved activations of 3 blocks``, ``sharded gradients of 2 unit(s)``) is a
+    collection of N tensors: the same collection in the next moment, grown or shrunk by the difference."""
+    return _COUNT.sub(" of # ", name)
+
+
+def default_stream(term: Term) -> int:
+    """Every term on the default stream (0)."""
+    return 0
+
+
+@dataclass(frozen=True)
+class AllocTrace:
+    """One step's allocations and frees in order (``Event``s: alloc / free / phase), and the live bytes the
+    trace reaches per phase (each tensor rounded up to ``block_bytes``, as ``Term.rounded``)."""
+
+    events: tuple[Event, ...]
+    block_bytes: int
+    phase_live_bytes: dict[str, int]
+    """the largest live bytes in each phase: equal to ``peak_of(moments, block_bytes).by_phase()``."""
+
+    @property
+    def live_peak_bytes(self) -> int:
+        return max(self.phase_live_bytes.values(), default=0)
+
+    def streams(self) -> tuple[int, ...]:
+        """The streams the trace allocates on, in first-use order."""
+        seen: dict[int, None] = {}
+        for e in self.events:
+            if e.action == "alloc":
+                seen.setdefault(e.stream, None)
+        return tuple(seen)
+
+
+def tensor_sizes(term: Term, block_bytes: int) -> list[tuple[int, int]]:
+    """A term's tensors as (size, count): ``tensors`` equal ones of ``ceil(bytes / tensors)`` (rounded to
+    ``block_bytes`` they sum to ``Term.rounded``); unrounded (``block_bytes`` 1) the remainder is spread so
+    that they sum to ``bytes`` exactly."""
+    if term.bytes <= 0:
+        return []
+    n = max(term.tensors, 1)
+    if block_bytes > 1:
+        return [(-(-term.bytes // n), n)]
+    q, r = divmod(term.bytes, n)
+    return [(size, count) for size, count in ((q + 1, r), (q, n - r)) if size and count]
+
+
+class _Builder:
+    """The live buffers (per key, a stack of (id, size, stream)) and the events so far."""
+
+    def __init__(self, block_bytes: int, stream_of: Callable[[Term], int]) -> None:
+        self.block, self.stream_of = block_bytes, stream_of
+        self.live: dict[Key, list[tuple[int, int, int]]] = {}
+        self.events: list[Event] = []
+        self.next_id = 0
+        self.live_bytes = 0
+        self.phase: str | None = None
+        self.phase_max: dict[str, int] = {}
+
+    def _rounded(self, size: int) -> int:
+        return size if self.block <= 1 else -(-size // self.block) * self.block
+
+    def _note(self) -> None:
+        if self.phase is not None:
+            self.phase_max[self.phase] = max(self.phase_max.get(self.phase, 0), self.live_bytes)
+
+    def wanted(self, moment: Moment, resident: Sequence[Term]) -> dict[Key, list[int]]:
+        """{key: [count, stream]} of the tensors ``moment`` holds, in term order; a one-tensor term is keyed
+        ``GROWN`` with its (rounded) bytes in place of the count."""
+        out: dict[Key, list[int]] = {}
+        for term in (*moment.terms, *resident):
+            name, stream = _identity(term.name), self.stream_of(term)
+            if term.tensors <= 1:
+                if term.bytes > 0:
+                    entry = out.setdefault((name, term.source, GROWN), [0, stream])
+                    entry[0] += self._rounded(term.bytes)
+                continue
+            for size, count in tensor_sizes(term, self.block):
+                entry = out.setdefault((name, term.source, size), [0, stream])
+                entry[0] += count
+        return out
+
+    def _release(self, want: dict[Key, list[int]]) -> list[tuple[int, int, int]]:
+        """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
+        bytes (last allocated first)."""
+        freed = []
+        for key, stack in self.live.items():
+            keep = want[key][0] if key in want else 0
+            if key[2] == GROWN:
+                total = sum(b[1] for b in stack)
+                while stack and total > keep:
+                    total -= stack[-1][1]
+                    freed.append(stack.pop())
+            else:
+                while len(stack) > keep:
+                    freed.append(stack.pop())
+        return freed
+
+    def _continue_grown(self, want: dict[Key, list[int]]) -> None:
+        """A grown buffer that is gone and a new one on the same stream in the same transition: the same
+        buffer under another name (the gradients held, then "not yet bucketed"), paired largest to largest."""
+        gone = sorted(((sum(b[1] for b in st), k) for k, st in self.live.items() if k[2] == GROWN and k not in want
+                       and st), reverse=True)  # fmt: skip
+        new = sorted(((v[0], k) for k, v in want.items() if k[2] == GROWN and not self.live.get(k)), reverse=True)
+        for _, old_key in gone:
+            stream = self.live[old_key][0][2]
+            match = next((k for _, k in new if want[k][1] == stream), None)
+            if match is not None:
+                new = [(b, k) for b, k in new if k != match]
+                self.live[match] = self.live.pop(old_key)
+
+    def move_to(self, moment: Moment, resident: Sequence[Term]) -> None:
+        want = self.wanted(moment, resident)
+        self._continue_grown(want)
+        # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
+        spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for buf in self._release(want):
+            spare.setdefault((buf[1], buf[2]), []).append(buf)
+        fresh: list[tuple[Key, int, int]] = []
+        for key, (amount, stream) in want.items():
+            stack = self.live.setdefault(key, [])
+            if key[2] == GROWN:  # one more piece, of what is missing
+                missing = amount - sum(b[1] for b in stack)
+                sizes = [missing] if missing > 0 else []
+            else:
+                sizes = [key[2]] * (amount - len(stack))
+            for size in sizes:
+                pool = spare.get((size, stream))
+                if pool:
+                    stack.append(pool.pop())
+                else:
+                    fresh.append((key, size, stream))
+        for ident, size, _stream in sorted((b for pool in spare.values() for b in pool), reverse=True):
+            self.events.append(Event("free", ident))
+            self.live_bytes -= self._rounded(size)
+        if moment.phase != self.phase:
+            self.phase = moment.phase
+            self.events.append(Event("phase", moment.phase))
+            self._note()
+        for key, size, stream in fresh:
+            self.events.append(Event("alloc", self.next_id, size, stream))
+            self.live[key].append((self.next_id, size, stream))
+            self.next_id += 1
+            self.live_bytes += self._rounded(size)
+        self._note()
+        self.live = {k: v for k, v in self.live.items() if v}
+
+
+def step_trace(
+    moments: Iterable[Moment], block_bytes: int = 1, resident: tuple[Term, ...] = (),
+    stream_of: Callable[[Term], int] = default_stream, steps: int = 2,
+) -> AllocTrace:  # fmt: skip
+    """The ordered trace of ``moments`` (``init`` once, then ``steps`` times forward, backward and the
+    optimizer step); ``resident``: terms live from the first moment after init on (the library workspaces,
+    as ``peak_of``); ``stream_of``: the stream each term's tensors are allocated on."""
+    if steps < 1 or block_bytes < 1:
+        raise ValueError(f"steps={steps}, block_bytes={block_bytes}: must be >= 1")
+    by_phase: dict[str, list[Moment]] = {p: [] for p in PHASES}
+    for m in moments:
+        if m.phase not in by_phase:
+            raise ValueError(f"phase={m.phase!r}: expected one of {', '.join(PHASES)}")
+        by_phase[m.phase].append(m)
+    builder = _Builder(block_bytes, stream_of)
+    order = [*by_phase["init"], *[m for _ in range(steps) for p in PHASES[1:] for m in by_phase[p]]]
+    for m in order:
+        builder.move_to(m, () if m.phase == "init" else resident)
+    return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))

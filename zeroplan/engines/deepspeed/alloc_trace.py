@@ -1,0 +1,62 @@
+"""DeepSpeed's step as an ordered allocation trace (``zeroplan.allocator.step_trace``): its moments walked in
+order. Streams (DeepSpeed 0.19.8): ZeRO-1/2 with ``overlap_comm`` allocate the gradient partition
+(``grads_in_partition``) inside ``reduce_ipg_grads``'s ``with get_accelerator().stream(self.reduction_stream)``
+(``runtime/zero/stage_1_and_2.py``); everything else the profile names (buckets and partitions made in
+``__init__``, ZeRO-3's gathered parameters, activations) comes from the default stream. Like the profile's
+peak, the trace is not rounded to the allocator's blocks (the allocator model rounds each request itself)
+and holds no library workspaces (``formulas.cuda_workspaces``; issue 21)."""
+
+from __future__ import annotations
+
+import re
+
+from zeroplan.allocator.step_trace import AllocTrace, default_stream, step_trace
+from zeroplan.engines.base import Workload
+from zeroplan.engines.deepspeed.phases import moments
+from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.engines.deepspeed.wrapper import ds_run
+from zeroplan.formulas.peak import Moment, Term
+
+DEFAULT, REDUCTION = 0, 1
+STREAMS = {DEFAULT: "default", REDUCTION: "reduction_stream"}
+
+
+_BLOCK = re.compile(r"^block (\d+) backward")
+
+
+def chronological(moments: tuple[Moment, ...]) -> list[Moment]:
+    """The moments in the order a step meets them: the profile lists the earlier blocks' backward moments
+    from block 0 up (``phases.later_blocks_held``, ``zero12._blocks_from_hooks``), and backward reaches block
+    L-1 first, so those run of moments is put in descending block order (each block's own order kept). Some
+    moments are the largest over ranks (``rank r's grads_in_partition``): the trace walks them in turn, a
+    mixture of ranks rather than one rank's timeline (docs/allocator.md)."""
+    out: list[Moment] = []
+    run: list[tuple[int, int, Moment]] = []
+    for m in (*moments, None):
+        hit = _BLOCK.match(m.name) if m is not None and m.phase == "backward" else None
+        if hit:
+            run.append((-int(hit.group(1)), len(run), m))
+            continue
+        out.extend(moment for *_, moment in sorted(run, key=lambda r: (r[0], r[1])))
+        run = []
+        if m is not None:
+            out.append(m)
+    return out
+
+
+def _reduction_stream(term: Term) -> int:
+    return REDUCTION if term.name == "grads_in_partition" else DEFAULT
+
+
+def alloc_traces(workload: Workload, nd: int, settings: Settings, stat_bytes: int | None = None) -> tuple[AllocTrace, ...]:
+    """The trace of ``estimate``'s one row (needs an architecture): of the rank it describes (``settings.rank``,
+    else the one it names as peaking highest, ``EngineEstimate.peak_rank``; None: every rank alike)."""
+    if workload.spec is None:
+        raise ValueError("an allocation trace needs an architecture (activations): give a model")
+    if settings.rank is None:
+        from zeroplan.engines.deepspeed.profile import estimate
+
+        (row,) = estimate(workload, nd, settings, stat_bytes)
+        settings = settings.model_copy(update={"rank": row.peak_rank})
+    stream_of = _reduction_stream if settings.overlaps and settings.stage in (1, 2) else default_stream
+    return (step_trace(chronological(moments(ds_run(settings, workload, nd, stat_bytes))), stream_of=stream_of),)

@@ -1,0 +1,52 @@
+"""FSDP2's step as an ordered allocation trace (``zeroplan.allocator.step_trace``): its moments walked in order,
+each tensor on the stream FSDP2 allocates it on (torch 2.13, ``_fully_shard/``):
+
+- all-gather copy-in and output: ``all_gather_copy_in_stream`` (``_fsdp_collectives.py:foreach_all_gather``,
+  ``with device_handle.stream(all_gather_copy_in_stream)``; ``_fsdp_param_group.py:get_all_gather_streams``:
+  the separate streams in forward and pre-backward);
+- reduce-scatter output, its cast to the module dtype and so the sharded gradients (views into it):
+  ``reduce_scatter_stream`` (``foreach_reduce``, ``with device_handle.stream(reduce_scatter_stream)``); the
+  reduce-scatter input is allocated before that block, on the default stream;
+- everything else (shards, unsharded parameters of the copy-out, activations, Adam): the default stream.
+
+The caching allocator keeps one pool per stream: a block cached by the all-gather stream is never handed to a
+default-stream tensor, which is what makes FSDP2's reserved bytes grow beyond its allocated ones."""
+
+from __future__ import annotations
+
+from zeroplan.allocator.step_trace import AllocTrace, step_trace
+from zeroplan.engines.base import Workload
+from zeroplan.engines.fsdp2.moments import moments
+from zeroplan.engines.fsdp2.settings import Settings
+from zeroplan.formulas.cuda_workspaces import library_workspaces
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Term
+
+DEFAULT, ALL_GATHER, REDUCE_SCATTER = 0, 1, 2
+STREAMS = {DEFAULT: "default", ALL_GATHER: "all_gather_copy_in_stream", REDUCE_SCATTER: "reduce_scatter_stream"}
+_BY_PREFIX = (("all-gather copy-in", ALL_GATHER), ("all-gather output", ALL_GATHER),
+              ("reduce-scatter output", REDUCE_SCATTER), ("gradient cast to the module dtype", REDUCE_SCATTER),
+              ("gloo reduce-scatter copy", REDUCE_SCATTER), ("sharded gradients of", REDUCE_SCATTER))  # fmt: skip
+
+
+def stream_of(term: Term) -> int:
+    """The stream a term's tensors are allocated on (the module docstring)."""
+    return next((s for prefix, s in _BY_PREFIX if term.name.startswith(prefix)), DEFAULT)
+
+
+def alloc_traces(workload: Workload, nd: int, settings: Settings) -> tuple[AllocTrace, ...]:
+    """The trace of ``estimate``'s one row (needs an architecture): of the rank it describes (``settings.rank``,
+    else the one it names as peaking highest, ``EngineEstimate.peak_rank``), on its HSDP shard group."""
+    from zeroplan.engines.fsdp2.mesh import resolve_mesh
+    from zeroplan.engines.fsdp2.plan import estimate, rank_run
+
+    settings = resolve_mesh(settings, nd)
+    if settings.rank is None:
+        (row,) = estimate(workload, nd, settings)
+        settings = settings.model_copy(update={"rank": row.peak_rank or 0})
+    run, _ = rank_run(workload, nd, settings)
+    if run.acts is None:
+        raise ValueError("an allocation trace needs an architecture (activations): give a model")
+    if settings.device != "cuda":
+        return (step_trace(moments(run), stream_of=stream_of),)
+    resident = (library_workspaces(settings.cuda_capability, run.biased_linear),)
+    return (step_trace(moments(run), CUDA_BLOCK_BYTES, resident, stream_of),)
