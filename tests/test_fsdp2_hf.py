@@ -1,5 +1,5 @@
 """FSDP2 on transformers' own classes (issue 17): one live row on real gloo ranks, and the switches that decide
-which tree the profile predicts. The recorded rows (18, N_d 2 and 4, gpt2 / llama / mistral / qwen2, tied and
+which tree the profile predicts. The recorded rows (20, N_d 2 and 4, gpt2 / llama / mistral / qwen2, tied and
 untied, labels or not, reshard or not, fp32 and bf16) are in tests/test_fsdp2_hf_recorded.py.
 
 Live row: a ~0.95M-parameter Qwen2 (2 layers, odd sizes, 5 query heads on 1 key/value head, untied head)

@@ -41,6 +41,7 @@ CONFIGS = {
     'qwen2-tied': {"model_type": "qwen2", "hidden_size": 392, "intermediate_size": 1064, "num_attention_heads": 7, "num_key_value_heads": 1, "num_hidden_layers": 6, "vocab_size": 7919, "max_position_embeddings": 64, "tie_word_embeddings": True, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0},
     'qwen2-untied': {"model_type": "qwen2", "hidden_size": 392, "intermediate_size": 1064, "num_attention_heads": 7, "num_key_value_heads": 1, "num_hidden_layers": 6, "vocab_size": 7919, "max_position_embeddings": 64, "tie_word_embeddings": False, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0},
     't-mistral-untied': {"model_type": "mistral", "hidden_size": 112, "intermediate_size": 296, "num_attention_heads": 7, "num_key_value_heads": 1, "num_hidden_layers": 3, "vocab_size": 2503, "max_position_embeddings": 64, "tie_word_embeddings": False, "sliding_window": None},
+    'qwen2-wide-untied': {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 700, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 503, "max_position_embeddings": 128, "tie_word_embeddings": False},
     't-qwen2-untied': {"model_type": "qwen2", "hidden_size": 120, "intermediate_size": 328, "num_attention_heads": 5, "num_key_value_heads": 1, "num_hidden_layers": 3, "vocab_size": 3001, "max_position_embeddings": 64, "tie_word_embeddings": False},
 }
 
@@ -64,6 +65,9 @@ RECORDED = {
     'qwen2-untied': ('qwen2-untied', 2, {}, [[66534160, 158544092, 188755956, 139078876], [66534160, 158537820, 188749684, 139069468]]),
     'qwen2-untied-4': ('qwen2-untied', 4, {}, [[64930376, 111046964, 128840964, 69539700], [64930376, 111046964, 128840964, 69539700], [64930376, 111046964, 128840964, 69539700], [64930376, 111040692, 128834692, 69530292]]),
     't-mistral-untied-4': ('t-mistral-untied', 4, {'reshard_after_forward': False, 'labels': False}, [[3911776, 12626352, 13907888, 4345448], [3911776, 12626352, 13907888, 4345448], [3911776, 12626352, 13907888, 4345448], [3911776, 12624560, 13906096, 4342760]]),
+    # recorded 2026-12-01 (autojson): seq 128; bf16 forward +0.49% (131,072 B) before hf_tree.inputs_embeds_held
+    'qwen2-wide-untied-bf16': ('qwen2-wide-untied', 2, {'param_dtype': 'bf16', 'seq_len': 128}, [[10864000, 26655260, 27463204, 19997980], [10864000, 26651164, 27459108, 19993884]]),
+    'qwen2-wide-untied': ('qwen2-wide-untied', 2, {'seq_len': 128}, [[10864000, 36723228, 39126564, 19997980], [10864000, 36719132, 39122468, 19993884]]),
     't-qwen2-untied': ('t-qwen2-untied', 2, {}, [[5241024, 17419780, 18956292, 10879404], [5241024, 17417860, 18954372, 10876524]]),
 }
 
@@ -87,6 +91,7 @@ BITES = {
     "gpt2-tied": [("forward", "cross-entropy", "all-gather output (block 5, kept until the root's post-forward, after the loss)"),
                   ("init", "build: lm_head before tie_weights", "lm_head weight before tie_weights")],
     "qwen2-small-untied-bf16": [("forward", "cross-entropy", "16-bit logits (kept by the forward while its loss runs)")],
+    "qwen2-wide-untied-bf16": [("forward", "block 3 forward", "inputs_embeds (the body's local, 16-bit; fp32 saves it in block 1's norm)")],
     "llama-longseq-tied": [("backward", "cross-entropy backward", "all-gather output (block 2, backward prefetch)")],
 }  # fmt: skip
 

@@ -173,7 +173,10 @@ def test_estimate_reads_a_trainer_config_and_says_what_auto_became(tmp_path):
     plain.write_text(json.dumps(resolved.config))
     common = ("--model", "llama2-7b", "--engine", "deepspeed", "--gpus", "8", "--micro-batch", "2")
     got, expected = run_json("estimate", *common, "--deepspeed-config", auto), run_json("estimate", *common, "--deepspeed-config", str(plain))
+    records, still_auto = got["inputs"].pop("ds_config_auto"), expected["inputs"].pop("ds_config_auto")
     assert got == expected
+    assert still_auto == records[-2:] and [r["value"] for r in still_auto] == ["auto", "auto"]  # the step counts
+    assert [r["key"] for r in records] == [f.key for f in resolved.filled] + [k for k, _ in resolved.unresolved]
     table = run("estimate", *common, "--deepspeed-config", auto).stdout
     assert "zero_optimization.stage3_prefetch_bucket_size               = 15099494  (HfTrainerDeepSpeedConfig." \
            "trainer_config_finalize (hidden_size 4096, ZeRO-3))" in table
@@ -223,8 +226,44 @@ def test_mixed_precision_fills_auto_precision_on_either_engine(engine, tmp_path)
     plain.write_text(json.dumps(resolved.config))
     common = ("--model", "llama2-7b", "--engine", engine, "--gpus", "8", "--stage", "2")[: 6 if engine == "deepspeed" else 8]
     got = run_json("estimate", *common, "--deepspeed-config", str(auto_path), "--mixed-precision", "bf16")
-    assert got == run_json("estimate", *common, "--deepspeed-config", str(plain))
+    expected = run_json("estimate", *common, "--deepspeed-config", str(plain))
+    filled = {r["key"]: r["value"] for r in got["inputs"].pop("ds_config_auto") if r["reason"] is None}
+    assert (filled["bf16.enabled"], filled["fp16.enabled"]) == (True, False)
+    expected["inputs"].pop("ds_config_auto")  # the scheduler's step count stays "auto" in the plain file
+    assert got == expected
     assert got["inputs"]["policy"]["param_dtype"] == "bf16"  # without --mixed-precision: fp32 (the Trainer's default)
     table = run("estimate", *common, "--deepspeed-config", str(auto_path), "--mixed-precision", "bf16").stdout
     assert "bf16.enabled" in table and "= True  (HfTrainerDeepSpeedConfig.trainer_config_process)" in table
     assert_one_line_error(run("estimate", *common, "--mixed-precision", "bf16"), "--mixed-precision fills the \"auto\"")
+
+
+def test_json_documents_say_what_each_auto_key_became(tmp_path):
+    """``inputs.ds_config_auto`` of ``estimate --json`` and ``plan --json``: each "auto" of transformers' own
+    ZeRO-2 example (tests/data/integrations/ds_configs/SOURCES.json) with the value the Trainer gives it for this
+    run (hidden_size 4096 of llama2-7b; N_d 8; micro-batch 2; --mixed-precision fp16) and the function that
+    decided it; the step count stays "auto" with its reason."""
+    from clicheck import run_json
+
+    config = load("transformers_zero2.json")
+    del config["zero_optimization"]["offload_optimizer"]  # estimate models GPU-resident states
+    config["zero_optimization"]["reduce_bucket_size"] = "auto"  # 2e8 in the file; "auto" as in its ZeRO-3 example
+    path = tmp_path / "zero2.json"
+    path.write_text(json.dumps(config))
+    common = ("--model", "llama2-7b", "--engine", "deepspeed", "--gpus", "8", "--micro-batch", "2",
+              "--deepspeed-config", str(path), "--mixed-precision", "fp16")
+    estimate = run_json("estimate", *common)["inputs"]["ds_config_auto"]
+    plan = run_json("plan", *common, "--gpu", "h100-80gb")["inputs"]["ds_config_auto"]
+    assert plan == estimate
+    by_key = {r["key"]: r for r in estimate}
+    trainer = "transformers integrations/deepspeed.py HfTrainerDeepSpeedConfig."
+    assert by_key["zero_optimization.reduce_bucket_size"] == {
+        "key": "zero_optimization.reduce_bucket_size", "value": 4096**2, "reason": None,
+        "source": trainer + "trainer_config_finalize (hidden_size 4096)"}
+    assert (by_key["train_micro_batch_size_per_gpu"]["value"], by_key["train_batch_size"]["value"]) == (2, 16)
+    assert (by_key["fp16.enabled"]["value"], by_key["bf16.enabled"]["value"]) == (True, False)
+    assert by_key["optimizer.params.lr"]["value"] == 5e-5 and by_key["optimizer.params.betas"]["value"] == [0.9, 0.999]
+    assert by_key["fp16.enabled"]["source"] == trainer + "trainer_config_process"
+    left = [r for r in estimate if r["reason"] is not None]
+    assert [(r["key"], r["value"], r["source"]) for r in left] == [("scheduler.params.warmup_num_steps", "auto", None)]
+    assert "training steps" in left[0]["reason"]
+    assert "auto" not in json.dumps([r["value"] for r in estimate if r["reason"] is None])

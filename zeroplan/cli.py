@@ -127,8 +127,8 @@ def estimate(
                zero_init=zero_init)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
-    options, ds, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,
-                                              mixed_precision)  # fmt: skip
+    options, ds, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,
+                                                    mixed_precision)  # fmt: skip
     auto_lines = (*file_lines, *auto_lines)
     if options.ds_config is not None:  # "auto" resolved, or an accelerate config's: the run's ds_config
         ds = options.ds_config
@@ -161,7 +161,7 @@ def estimate(
     )
     result = estimate_config(config)
     if as_json:
-        out = to_json(result)
+        out = to_json(result, auto)
     elif as_csv:
         out = to_csv(result)
     else:
@@ -282,9 +282,9 @@ def plan(
                                                   fsdp_wrap=fsdp_wrap, init=init, device=device,
                                                   dp_replicate=dp_replicate, dp_shard=dp_shard,
                                                   zero_init=zero_init)  # fmt: skip
-    options, _, auto_lines = resolve_hf_auto(ctx, options, ds, model, seq_len,
-                                             gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel
-                                             == 0 else None, micro_batch, grad_accum, mixed_precision)  # fmt: skip
+    options, _, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len,
+                                                   gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel
+                                                   == 0 else None, micro_batch, grad_accum, mixed_precision)  # fmt: skip
     auto_lines = (*file_lines, *auto_lines)
     if model is not None and model_parallel >= 1 and gpus % model_parallel == 0:  # the file's batch at the planned N_d
         # (PlanConfig checks the split and refuses model_parallel < 1 in one line)
@@ -320,7 +320,7 @@ def plan(
            if "policy" in get_engine(engine).options else {}),  # fmt: skip
     )
     result = plan_config(config)
-    typer.echo(to_json(result) if as_json else "\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines)))
+    typer.echo(to_json(result, auto) if as_json else "\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines)))
 
 
 # The other commands live in their own modules, registered here in the order `zeroplan --help` lists them.

@@ -34,9 +34,10 @@ def resolve_hf_auto(ctx, options, ds: Optional[dict], model: Optional[str], seq_
     The run: N_d; the micro-batch and accumulation as typed, or the command line's default where the file
     says ``"auto"`` or nothing (a plain value in the file stands: ``run_batch`` then checks it); the hidden
     size of ``--model``; the precision from ``--mixed-precision`` (the Trainer's ``--fp16``/``--bf16``), else the
-    Trainer's default (neither): fp32. Returns ``(options, ds, lines)``: the resolved file in ``ds`` and, where
-    the engine holds it, in ``options.ds_config``; unchanged and no lines when nothing is ``"auto"``
-    (``--mixed-precision`` is then refused: it would change nothing)."""
+    Trainer's default (neither): fp32. Returns ``(options, ds, lines, resolution)``: the resolved file in ``ds``
+    and, where the engine holds it, in ``options.ds_config``; the ``AutoResolution`` whose records the JSON
+    documents write as ``inputs.ds_config_auto`` (``zeroplan.render.schemas.auto_out``); unchanged, no lines and
+    None when nothing is ``"auto"`` (``--mixed-precision`` is then refused: it would change nothing)."""
     from zeroplan.integrations.ds_auto import auto_keys
 
     if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
@@ -45,7 +46,7 @@ def resolve_hf_auto(ctx, options, ds: Optional[dict], model: Optional[str], seq_
         if mixed_precision is not None:
             raise UserError("--mixed-precision fills the \"auto\" of a --deepspeed-config; this run has none "
                             "(the precision is the file's or the engine's own option)")  # fmt: skip
-        return options, ds, ()
+        return options, ds, (), None
     from zeroplan.estimation.workload import resolve
     from zeroplan.integrations.hf_trainer import TRANSFORMERS_VERSION, TrainerRun, resolve_trainer_auto
 
@@ -66,7 +67,7 @@ def resolve_hf_auto(ctx, options, ds: Optional[dict], model: Optional[str], seq_
              *(f"  {key:<{width}} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
     if options.ds_config is not None:
         options = options.model_copy(update={"ds_config": res.config})
-    return options, res.config, lines
+    return options, res.config, lines, res
 
 
 AccelerateConfigOption = Annotated[

@@ -9,7 +9,8 @@ from zeroplan.estimation.records import Estimate, StageEstimate
 from zeroplan.formulas.collectives import on_mesh
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.render.schemas import (
-    CollectiveOut, EstimateDoc, EstimateInputs, PeakTermOut, PhasesOut, PolicyOut, StageOut, StepOut, json_text,
+    CollectiveOut, EstimateDoc, EstimateInputs, PeakTermOut, PhasesOut, PolicyOut, StageOut, StepOut, auto_out,
+    json_text,
 )  # fmt: skip
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
@@ -67,7 +68,9 @@ def gpus_per_node(e: Estimate) -> int:
     return getattr(e, "gpus_per_node", None) or DEFAULT_GPUS_PER_NODE
 
 
-def estimate_doc(e: Estimate) -> EstimateDoc:
+def estimate_doc(e: Estimate, auto=None) -> EstimateDoc:
+    """``estimate --json``; ``auto``: the ``AutoResolution`` of a ``--deepspeed-config`` with ``"auto"``
+    (``zeroplan.cli_integrations.resolve_hf_auto``), written as ``inputs.ds_config_auto``."""
     return EstimateDoc(
         inputs=EstimateInputs(
             params=e.total_params,
@@ -80,6 +83,7 @@ def estimate_doc(e: Estimate) -> EstimateDoc:
             engine=e.engine,
             model=e.model,
             step=step_out(e),
+            ds_config_auto=auto_out(auto),
         ),
         bytes_per_param=dict(e.bytes_per_param),
         k=e.k,
@@ -87,8 +91,8 @@ def estimate_doc(e: Estimate) -> EstimateDoc:
     )
 
 
-def to_json(e: Estimate) -> str:
-    return json_text(estimate_doc(e).dump(), indent=2)
+def to_json(e: Estimate, auto=None) -> str:
+    return json_text(estimate_doc(e, auto).dump(), indent=2)
 
 
 def to_csv(e: Estimate) -> str:

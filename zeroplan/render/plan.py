@@ -6,7 +6,7 @@ from typing import Optional
 
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.presets import LinkSpec
-from zeroplan.render.schemas import PlanDoc, json_text
+from zeroplan.render.schemas import PlanDoc, auto_out, json_text
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
 SCHEMA = "zeroplan.plan/1"
@@ -130,7 +130,7 @@ def _per_node(p: Plan) -> int:
     return min(p.config.gpus_per_node, p.config.gpus)
 
 
-def plan_dict(p: Plan) -> dict:
+def plan_dict(p: Plan, auto=None) -> dict:
     c = p.config
     rec = p.recommendation
     recommendation = None
@@ -174,6 +174,7 @@ def plan_dict(p: Plan) -> dict:
             "policy": c.policy.resolved(),
             "engine": c.engine,
             "foreach": c.foreach,
+            "ds_config_auto": auto_out(auto),
         },
         "stages": [option_dict(o, _per_node(p)) for o in p.stages],
         "offload": [option_dict(o, _per_node(p)) for o in p.offload_options],
@@ -195,9 +196,11 @@ def plan_dict(p: Plan) -> dict:
     }
 
 
-def to_json(p: Plan) -> str:
-    """``plan_dict`` checked and ordered by ``zeroplan.render.schemas.PlanDoc``."""
-    return json_text(PlanDoc.model_validate(plan_dict(p)).dump(), indent=2)
+def to_json(p: Plan, auto=None) -> str:
+    """``plan_dict`` checked and ordered by ``zeroplan.render.schemas.PlanDoc``; ``auto``: the ``AutoResolution``
+    of a ``--deepspeed-config`` with ``"auto"`` (``zeroplan.cli_integrations.resolve_hf_auto``), written as
+    ``inputs.ds_config_auto``."""
+    return json_text(PlanDoc.model_validate(plan_dict(p, auto)).dump(), indent=2)
 
 
 def _seconds(s: Optional[float]) -> str:

@@ -148,7 +148,43 @@ class StageOut(_Out):
         return out
 
 
-class EstimateInputs(_Out):
+class AutoKeyOut(_Out):
+    """One key of a ``--deepspeed-config`` that said ``"auto"``, as the HF Trainer resolves it
+    (``zeroplan.integrations.hf_trainer.resolve_trainer_auto``; docs/integrations.md)."""
+
+    key: str = Field(description="dotted key in the ds_config, e.g. zero_optimization.reduce_bucket_size")
+    value: Any = Field(description="the value it became; 'auto' when left unresolved")
+    source: Optional[str] = Field(description="the transformers or accelerate file and function that decides it, "
+                                  "with the run's inputs it used; null when unresolved")  # fmt: skip
+    reason: Optional[str] = Field(description="why it stays 'auto'; null when filled")
+
+
+def auto_out(resolution: Any) -> Optional[list[AutoKeyOut]]:
+    """``ds_config_auto`` of a JSON document from an ``AutoResolution`` (``zeroplan.integrations.ds_auto``):
+    the filled keys in the order they were filled, then the unresolved ones; None without one."""
+    if resolution is None:
+        return None
+    return [*(AutoKeyOut(key=f.key, value=f.value, source=f.source, reason=None) for f in resolution.filled),
+            *(AutoKeyOut(key=k, value="auto", source=None, reason=why) for k, why in resolution.unresolved)]
+
+
+AUTO_DESCRIPTION = ("each key of --deepspeed-config that said \"auto\", what it became and who decided it; "
+                    "absent when the file has no \"auto\" or none was given")  # fmt: skip
+
+
+class _WithAuto(_Out):
+    """Inputs that may carry ``ds_config_auto``: written only where a file had ``"auto"`` (earlier outputs keep
+    their keys)."""
+
+    @model_serializer(mode="wrap")
+    def _absent_auto(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
+        out = handler(self)
+        if out.get("ds_config_auto") is None:
+            out.pop("ds_config_auto", None)
+        return out
+
+
+class EstimateInputs(_WithAuto):
     params: int = Field(description="Ψ of the whole model")
     psi: int = Field(description="Ψ per model-parallel rank")
     gpus: int
@@ -159,6 +195,7 @@ class EstimateInputs(_Out):
     engine: str = Field(description="the engine estimated (--engine)")
     model: Optional[str] = Field(description="--model as given; null for --params or --shapes")
     step: Optional[StepOut] = Field(description="the training step of the peak; null without an architecture")
+    ds_config_auto: Optional[list[AutoKeyOut]] = Field(None, description=AUTO_DESCRIPTION)
 
 
 class EstimateDoc(_Out):
@@ -184,7 +221,7 @@ class LinksOut(_Out):
     host: LinkOut
 
 
-class PlanInputs(_Out):
+class PlanInputs(_WithAuto):
     model: Optional[str]
     params: Optional[int]
     psi: Optional[int]
@@ -211,6 +248,7 @@ class PlanInputs(_Out):
     policy: PolicyOut
     engine: str = Field(description="the engine whose peak decides the fit (--engine)")
     foreach: bool = Field(description="Adam's foreach path, for the peak")
+    ds_config_auto: Optional[list[AutoKeyOut]] = Field(None, description=AUTO_DESCRIPTION)
 
 
 class OffloadOut(_Out):

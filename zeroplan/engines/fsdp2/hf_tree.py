@@ -18,6 +18,12 @@ measured on (``tests/test_fsdp2_hf_recorded.py``, ``tests/test_fsdp2_hf.py``; re
 - Rotary embeddings (Llama, Mistral, Qwen2) keep ``inv_freq`` and ``original_inv_freq`` as buffers
   (``modeling_llama.py:LlamaRotaryEmbedding.__init__``), fp32, head_dim/2 each; the forward keeps the
   int64 position ids (``cache_position``, s·8 B) beside cos and sin.
+- The llama-style body (``modeling_qwen2.py:Qwen2Model.forward``; Llama, Mistral, Qwen3, Phi-3 alike) binds
+  ``inputs_embeds`` as a local and runs its layer loop on ``hidden_states = inputs_embeds``: the embedding's
+  output stays alive until the body returns. In fp32 that costs nothing more: the first block's input norm
+  (``Qwen2RMSNorm.forward``: ``hidden_states.to(torch.float32)`` returns the tensor itself, ``pow`` saves it)
+  keeps that very storage among the saved activations. In 16-bit the norm saves its fp32 copy, and the body's
+  local is the only reference left: N·d·a from block 2's all-gather to the body's return.
 - A tied model built whole (materialized) makes its ``lm_head`` weight before ``post_init`` ties it
   to the embedding (``modeling_utils.py:PreTrainedModel.post_init`` -> ``tie_weights``): the build holds
   the model plus V·d.
@@ -46,6 +52,15 @@ def position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
         return ()
     return (Term("position ids (cache_position, int64)", run.position_bytes,
                  TF + "models/llama/modeling_llama.py:LlamaModel.forward"),)  # fmt: skip
+
+
+def inputs_embeds_held(run: Fsdp2Run) -> tuple[Term, ...]:
+    """The llama-style body's ``inputs_embeds`` (N·d·a, 16-bit), alive past block 1 until the body returns;
+    in fp32 it is block 1's saved norm input, already counted (module docstring)."""
+    if not run.transformers or not run.position_bytes or run.p == 4:
+        return ()
+    return (Term("inputs_embeds (the body's local, 16-bit; fp32 saves it in block 1's norm)", run.acts.embed_out,
+                 TF + "models/qwen2/modeling_qwen2.py:Qwen2Model.forward (hidden_states = inputs_embeds)"),)  # fmt: skip
 
 
 def last_block_in_loss(run: Fsdp2Run) -> tuple[Term, ...]:

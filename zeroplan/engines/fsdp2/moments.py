@@ -8,6 +8,7 @@ import math
 
 from zeroplan.engines.fsdp2.hf_tree import (
     head_grad_held,
+    inputs_embeds_held,
     last_block_in_loss,
     logits_in_loss,
     position_ids,
@@ -116,6 +117,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
              Moment("forward", "block 1 copy-out", (*base, _act("block input", acts.embed_out), *root_prev,
                     ag_output(run, 1, "this unit"), unsharded(run, 1)))) if L > 1 else ()  # fmt: skip
     prev = (prev,) if prev is not None else root_prev
+    base = (*base, *inputs_embeds_held(run)) if L > 1 else base  # transformers' body, from block 2 on (hf_tree)
     gather = Moment("forward", f"block {L} all-gather", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
         *prev, copy_in(run, L), ag_output(run, L, "this unit")))  # fmt: skip
