@@ -1,4 +1,4 @@
-"""The randomized differential matrix (validate/differential.py): N seeded draws, each trained by the real
+"""The randomized differential matrix (validate/engines/differential.py): N seeded draws, each trained by the real
 engine (FSDP2 or DeepSpeed 0.19.8 on gloo, CPU) with transformers' own classes and loss, every phase of every
 rank against that rank's prediction. docs/benchmarks.md quotes its result (N of N within the targets, the
 worst under- and over-prediction).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from validate.differential import DrawResult, draw, run_draw, summary  # noqa: E402
+from validate.engines.differential import DrawResult, draw, run_draw, summary  # noqa: E402
 
 
 def _provenance(argv: list[str] | None) -> dict:

@@ -1,4 +1,4 @@
-"""The randomized differential matrix's fixed-seed slice (validate/differential.py; the sweep is
+"""The randomized differential matrix's fixed-seed slice (validate/engines/differential.py; the sweep is
 benchmarks/differential.py, its result in docs/benchmarks.md).
 
 - the generator: seeded, the same draws everywhere, 5-60M parameters, every family, and every DeepSpeed
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from validate.differential import FAMILIES, PSI_RANGE, TARGET_UNDER, TARGET_WITHIN, draw, replay, run_draw
+from validate.engines.differential import FAMILIES, PSI_RANGE, TARGET_UNDER, TARGET_WITHIN, draw, replay, run_draw
 
 RECORDED = Path(__file__).resolve().parent / "data" / "measured" / "differential.json"
 SLICE = range(40)
@@ -87,7 +87,7 @@ def test_recorded_case_within_targets(record, tmp_path):
     embedding's, reduced in place and kept: ``zero12.py _stage1_reduce``), rank 2 (the head's partition) two;
     ranks 0 and 2, whose slices lie within one parameter, held that parameter's whole gradient at the update
     (``_within_one_parameter``). Before: backward -11.1%, -9.5%, -16.2%; optimizer step -1.97% on ranks 0 and 2."""
-    from validate.differential import Draw, predict_draw
+    from validate.engines.differential import Draw, predict_draw
 
     got = replay(record, tmp_path)
     measured = {r: max(m.values()) for r, m in got.measured.items()}

@@ -87,7 +87,7 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     ``allreduce_and_scatter`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a copy of every gradient slice
     of the bucket, all-reduced, then copied back), the activations gone; a rank whose ``grads_in_partition``
     an earlier bucket allocated holds it (``copy_grads_in_partition`` runs after the flattened copy is freed).
-    Found by the differential matrix (validate/differential.py, seed 1 draw 3: GPT-2 6.4M untied, ZeRO-2, one
+    Found by the differential matrix (validate/engines/differential.py, seed 1 draw 3: GPT-2 6.4M untied, ZeRO-2, one
     bucket larger than the model, N_d = 2): both ranks held the states, the bucket and one Ψ-sized fp32 copy,
     14.1% over the last block's backward predicted before."""
     if not run.param_blocks:
