@@ -340,12 +340,11 @@ def phase_leaders(moments: tuple[Moment, ...], block_bytes: int) -> tuple[Moment
     rounded: dict[int, int] = {}
     best: dict[str, tuple[int, Moment]] = {}
     for m in moments:
-        total = 0
-        for t in m.terms:
-            r = rounded.get(id(t))
-            if r is None:
-                r = rounded[id(t)] = t.rounded(block_bytes)
-            total += r
+        try:
+            total = sum(map(rounded.__getitem__, map(id, m.terms)))
+        except KeyError:  # a term not seen yet: round it once
+            rounded.update((id(t), t.rounded(block_bytes)) for t in m.terms if id(t) not in rounded)
+            total = sum(map(rounded.__getitem__, map(id, m.terms)))
         if m.phase not in best or total > best[m.phase][0]:
             best[m.phase] = (total, m)
     keep = {id(m) for _, m in best.values()}

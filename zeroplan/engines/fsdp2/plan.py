@@ -34,16 +34,22 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
     if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
         ranks = distinct_ranks(tuple(s for _, s in workload.shapes), shard_groups(settings, nd)[1])
-        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}))
+        runs: list = []  # the first rank's run, which the others reuse (Fsdp2Run.for_rank: a speed-up)
+        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs)
                             for r in ranks}),)  # fmt: skip
     return (_estimate(workload, nd, settings),)
 
 
-def _estimate(workload: Workload, nd: int, settings: Settings) -> EngineEstimate:
+def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None = None) -> EngineEstimate:
     rank = settings.rank
     settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})  # rank r is shard r mod S
     replicate, nd = shard_groups(settings, nd)
-    run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
+    if runs:
+        run = runs[0].for_rank(settings.rank)
+    else:
+        run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
+        if runs is not None:
+            runs.append(run)
     st = model_states(run.units, nd, settings)
     coll = tuple(
         Collective(c.op, c.phase, m * c.elements, c.dtype,

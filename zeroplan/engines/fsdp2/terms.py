@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
@@ -82,9 +82,23 @@ class Fsdp2Run:
     def shard(self, u: int) -> int:
         return self.shards[u]
 
+    def for_rank(self, rank: int) -> Fsdp2Run:
+        """This run as ``rank`` of the same shard group sees it (what ``fsdp2_run`` would build with that
+        ``settings.rank``). The rank enters only through ``local_shard_numel`` (``RANKED`` terms, the Adam
+        temporaries, init's re-padding), so the other terms built so far are kept: ``estimate``'s worst rank
+        builds them once."""
+        out = replace(self, settings=self.settings.model_copy(update={"rank": rank}))
+        out.memo.update((k, v) for k, v in self.memo.items() if k[0] not in RANKED)
+        return out
+
+
+RANKED = ("adam",)
+"""The ``memo_term`` terms that depend on ``settings.rank`` (``Fsdp2Run.for_rank`` rebuilds them)."""
+
 
 def memo_term(fn):
-    """``fn(run, *args)`` built once per run and arguments (terms are frozen: sharing them changes nothing)."""
+    """``fn(run, *args)`` built once per run and arguments (terms are frozen: sharing them changes nothing);
+    a term that reads ``settings.rank`` is named in ``RANKED``."""
 
     def cached(run: Fsdp2Run, *args, **kwargs):
         key = (fn.__name__, *args, *sorted(kwargs.items()))
