@@ -72,8 +72,7 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     if run.settings.init == "meta":
         rank, src = run.settings.described_rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
         shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
-        repad = [local_shard_numel(s, run.nd, rank) for s in shapes
-                 if local_shard_numel(s, run.nd, rank) != padded_shard_numel(s, run.nd)]  # fmt: skip
+        repad = [n for s in shapes if (n := local_shard_numel(s, run.nd, rank)) != padded_shard_numel(s, run.nd)]
         return (
             Moment("init", "to_empty: the shards get device memory", (*mesh_ranks(run), *rotary_buffers(run), params(run))),
             # a shard shorter than its padded size (ranks at the end) is copied into a new padded tensor
@@ -337,14 +336,13 @@ def phase_leaders(moments: tuple[Moment, ...], block_bytes: int) -> tuple[Moment
     choice; terms it adds to every moment of a phase change no order). A speed-up only: the moments of one
     run share their term objects (``terms.memo_term``), so each term is rounded once here (``Term.rounded``),
     where ``peak_of`` would round every term of every moment twice (llama3-405b: ~80,000 terms)."""
-    rounded: dict[int, int] = {}
+    unique: dict[int, Term] = {}
+    for m in moments:  # every distinct term once (dict.update and map run in C: no Python loop per term)
+        unique.update(zip(map(id, m.terms), m.terms))
+    rounded = {k: t.rounded(block_bytes) for k, t in unique.items()}
     best: dict[str, tuple[int, Moment]] = {}
     for m in moments:
-        try:
-            total = sum(map(rounded.__getitem__, map(id, m.terms)))
-        except KeyError:  # a term not seen yet: round it once
-            rounded.update((id(t), t.rounded(block_bytes)) for t in m.terms if id(t) not in rounded)
-            total = sum(map(rounded.__getitem__, map(id, m.terms)))
+        total = sum(map(rounded.__getitem__, map(id, m.terms)))
         if m.phase not in best or total > best[m.phase][0]:
             best[m.phase] = (total, m)
     keep = {id(m) for _, m in best.values()}

@@ -17,7 +17,7 @@ from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.moments import predict_peak
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
-from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, model_states, resharded, wrapping_of
+from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
@@ -50,7 +50,7 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
         run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
         if runs is not None:
             runs.append(run)
-    st = model_states(run.units, nd, settings)
+    st = run_states(run)  # model_states(run.units, nd, settings), once per run
     coll = tuple(
         Collective(c.op, c.phase, m * c.elements, c.dtype,
                    m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
@@ -92,7 +92,7 @@ class Fsdp2Run:
         return out
 
 
-RANKED = ("adam",)
+RANKED = ("adam", "run_states")
 """The ``memo_term`` terms that depend on ``settings.rank`` (``Fsdp2Run.for_rank`` rebuilds them)."""
 
 
@@ -102,7 +102,10 @@ def memo_term(fn):
 
     def cached(run: Fsdp2Run, *args, **kwargs):
         key = (fn.__name__, *args, *sorted(kwargs.items()))
-        out = run.memo.get(key)
+        try:
+            out = run.memo.get(key)
+        except TypeError:  # an unhashable argument (a list of units): built each time
+            return fn(run, *args, **kwargs)
         if out is None:
             out = run.memo[key] = fn(run, *args, **kwargs)
         return out
@@ -111,10 +114,12 @@ def memo_term(fn):
     return cached
 
 
+@lru_cache(maxsize=8192)  # the same term asked at many moments: one object (phase_leaders)
 def _fp(name: str, nbytes: int, where: str, tensors: int = 1) -> Term:
     return Term(name, nbytes, SRC + where, tensors)
 
 
+@lru_cache(maxsize=8192)  # the same term asked at many moments: one object (phase_leaders)
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
     return Term(name, nbytes, "zeroplan/formulas/activation_terms.py:model_activations", tensors)
 
@@ -126,6 +131,7 @@ def params(run: Fsdp2Run) -> Term:
                "_fsdp_param.py:FSDPParam._init_sharded_param", sum(len(u.shapes) for u in run.units))  # fmt: skip
 
 
+@memo_term
 def grads(run: Fsdp2Run, units) -> Term:
     """Sharded gradients of ``units`` (views into each unit's reduce-scatter output, cast to the module dtype)."""
     units = tuple(units)
@@ -134,9 +140,15 @@ def grads(run: Fsdp2Run, units) -> Term:
 
 
 @memo_term
+def run_states(run: Fsdp2Run) -> ModelStates:
+    """``model_states`` of the run's units, ranks and settings (asked by ``adam`` and the estimate)."""
+    return model_states(run.units, run.nd, run.settings)
+
+
+@memo_term
 def adam(run: Fsdp2Run) -> Term:
     """Adam's exp_avg, exp_avg_sq (zeros_like of the DTensor: the local shard, unpadded) and step."""
-    st = model_states(run.units, run.nd, run.settings)
+    st = run_states(run)
     n = sum(len(u.shapes) for u in run.units)
     return Term("Adam exp_avg, exp_avg_sq, step", st.optimizer_bytes, f"{ADAM}:Adam._init_group (first step)", 3 * n)
 
@@ -239,6 +251,7 @@ def batch(run: Fsdp2Run) -> Term:
     return Term("batch (token ids, targets)", run.acts.batch, "validate/engines/fsdp2.py:measure", 2)
 
 
+@memo_term
 def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
     per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
     what = "saved activations" if run.checkpointing == "none" else "checkpointed block inputs"
