@@ -100,8 +100,10 @@ def memo_term(fn):
     """``fn(run, *args)`` built once per run and arguments (terms are frozen: sharing them changes nothing);
     a term that reads ``settings.rank`` is named in ``RANKED``."""
 
+    name = fn.__name__
+
     def cached(run: Fsdp2Run, *args, **kwargs):
-        key = (fn.__name__, *args, *sorted(kwargs.items()))
+        key = (name, *args, *sorted(kwargs.items())) if kwargs else (name, *args)
         try:
             out = run.memo.get(key)
         except TypeError:  # an unhashable argument (a list of units): built each time
