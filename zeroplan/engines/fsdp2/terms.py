@@ -11,6 +11,8 @@ from functools import cached_property, lru_cache
 from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, unit_shard_numel
+from zeroplan.engines.fsdp2.memo import RANKED, memo_term
+from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward  # noqa: F401 - re-exported
 from zeroplan.engines.fsdp2.wrap import ShardUnit, Wrapping, preset, resolve
 from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_group
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
@@ -90,30 +92,6 @@ class Fsdp2Run:
         out = replace(self, settings=self.settings.model_copy(update={"rank": rank}))
         out.memo.update((k, v) for k, v in self.memo.items() if k[0] not in RANKED)
         return out
-
-
-RANKED = ("adam", "run_states")
-"""The ``memo_term`` terms that depend on ``settings.rank`` (``Fsdp2Run.for_rank`` rebuilds them)."""
-
-
-def memo_term(fn):
-    """``fn(run, *args)`` built once per run and arguments (terms are frozen: sharing them changes nothing);
-    a term that reads ``settings.rank`` is named in ``RANKED``."""
-
-    name = fn.__name__
-
-    def cached(run: Fsdp2Run, *args, **kwargs):
-        key = (name, *args, *sorted(kwargs.items())) if kwargs else (name, *args)
-        try:
-            out = run.memo.get(key)
-        except TypeError:  # an unhashable argument (a list of units): built each time
-            return fn(run, *args, **kwargs)
-        if out is None:
-            out = run.memo[key] = fn(run, *args, **kwargs)
-        return out
-
-    cached.__doc__, cached.__name__, cached.__wrapped__ = fn.__doc__, fn.__name__, fn
-    return cached
 
 
 @lru_cache(maxsize=8192)  # the same term asked at many moments: one object (phase_leaders)
@@ -306,47 +284,6 @@ def gloo_copy(run: Fsdp2Run, u: int) -> tuple[Term, ...]:
     return (Term(f"gloo reduce-scatter copy of the whole input (unit {u})", run.nd * run.shard(u) * run.r,
                  "measured: ProcessGroupGloo runs reduce-scatter as an allreduce of a copy of the input, "
                  "then copies its chunk out (aten.split, aten.copy_ seen at dispatch)"),)  # fmt: skip
-
-
-@memo_term
-def input_norm_backward(run: Fsdp2Run) -> Term:
-    """A block's input norm when it runs backward (the block's last backward op): what it saved plus its
-    working set. Derived from the ops (to move into ``activation_terms``, which does not split them out):
-    - llama (transformers LlamaRMSNorm): saved h32 = x.to(fp32) (N·d·4), rsqrt (N·4), the normalised
-      16-bit h (N·d·a) and its output (N·d·a, saved by q/k/v); the backward of ``h32.pow(2)`` and of
-      ``h32 * rsqrt`` holds three fp32 N·d temporaries beside the accumulating fp32 input gradient (4·N·d·4),
-      as traced at dispatch (llama-2-7b at N_d = 64: 6·N·d·4 above the rest, 2 KiB under);
-    - gpt (nn.LayerNorm): saved input (N·d·a), mean and rstd (2·N·st), its output (N·d·a); the fused
-      ``native_layer_norm_backward`` allocates the input gradient (N·d·a).
-    """
-    acts, a = run.acts, run.p
-    nd_elems = acts.embed_out // a  # N·d
-    n = acts.batch // 16  # tokens: ids and targets are int64
-    if run.style == "llama":
-        nbytes = nd_elems * 4 + n * 4 + 2 * nd_elems * a + 4 * nd_elems * 4
-    else:
-        st = (acts.final_saved - 2 * nd_elems * a) // (2 * n)
-        nbytes = 3 * nd_elems * a + 2 * n * st
-    return Term("input norm saved and backward working set", nbytes,
-                "derived from LlamaRMSNorm / nn.LayerNorm backward (see input_norm_backward)")
-
-
-@memo_term
-def final_norm_backward(run: Fsdp2Run) -> Term:
-    """The final norm running backward, after the LM head (its output, saved by the head, and the logits
-    gradient are gone): what it saved plus its working set.
-    - llama: the fp32 copy h32 and five fp32 N·d temporaries at ``pow``'s backward (the gradient through
-      h·rsqrt, through the mean, pow's h^1, its scaled copy, their product), 6·N·d·4; rsqrt, the 16-bit
-      normalised copy and the output gradient are released by then (traced at dispatch: tiny-llama with 4
-      layers, N_d = 8, bf16 and fp32, reshard_after_forward=2: the backward peak, exact);
-    - gpt: the saved input, mean and rstd, the output gradient and ``native_layer_norm_backward``'s input
-      gradient: ``final_saved`` (input, stats, output) + N·d·a.
-    """
-    acts, a = run.acts, run.p
-    nd_elems = acts.embed_out // a  # N·d
-    nbytes = 6 * nd_elems * 4 if run.style == "llama" else acts.final_saved + nd_elems * a
-    return Term("final norm saved and backward working set", nbytes,
-                "derived from LlamaRMSNorm / nn.LayerNorm backward (see final_norm_backward)")
 
 
 def wrapping_of(workload: Workload, settings: Settings) -> Wrapping | None:
