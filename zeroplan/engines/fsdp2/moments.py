@@ -334,7 +334,7 @@ def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
 def phase_leaders(moments: tuple[Moment, ...], block_bytes: int) -> tuple[Moment, ...]:
     """The moments ``peak_of`` can choose, in order: of each phase the first with the largest total (its
     choice; terms it adds to every moment of a phase change no order). A speed-up only: the moments of one
-    run share their term objects (``terms.memo_term``), so each term is rounded once here (``Term.rounded``),
+    run share their term objects (``memo.memo_term``), so each term is rounded once here (``Term.rounded``),
     where ``peak_of`` would round every term of every moment twice (llama3-405b: ~80,000 terms)."""
     unique: dict[int, Term] = {}
     for m in moments:  # every distinct term once (dict.update and map run in C: no Python loop per term)
