@@ -23,8 +23,6 @@ Gradient accumulation (``set_requires_gradient_sync(False)`` on all but the last
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from zeroplan.engines.fsdp2.settings import SRC, Settings
 from zeroplan.formulas.peak import Moment, Term
 
@@ -143,15 +141,15 @@ def with_allreduce_held(run, backward: tuple[Moment, ...]) -> tuple[Moment, ...]
     (``allreduce_held``): a unit counts from the moment after its cast (``moments.reduce_scatter_moments``;
     during the cast its buffer is the reduce-scatter output, already a term), whatever the wrapping. A flat
     run's moments come back unchanged."""
-    if run.replicate == 1:
+    if run.replicate == 1 or run.settings.reduce == run.settings.module:  # allreduce_held: none
         return backward
     reduced: dict[str, Term] = {}  # by name: a unit's output may be listed again in a later unit's moments
-    out = []
+    out, held = [], ()
     for m in backward:
-        held = allreduce_held(run.settings, tuple(reduced.values()), run.replicate)
-        out.append(replace(m, terms=(*m.terms, *held)) if held else m)
-        if m.name.endswith(REDUCED):
+        out.append(Moment(m.phase, m.name, (*m.terms, *held)) if held else m)
+        if m.name.endswith(REDUCED):  # ``held`` changes only here (built once per change: a speed-up)
             reduced.update((t.name, t) for t in m.terms if t.name.startswith("reduce-scatter output"))
+            held = allreduce_held(run.settings, tuple(reduced.values()), run.replicate)
     return tuple(out)
 
 

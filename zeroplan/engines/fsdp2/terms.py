@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property, lru_cache
 
 from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, unit_shard_numel
+from zeroplan.engines.fsdp2.memo import RANKED, memo_term
+from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward  # noqa: F401 - re-exported
 from zeroplan.engines.fsdp2.wrap import ShardUnit, Wrapping, preset, resolve
 from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_group
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
@@ -55,36 +58,60 @@ class Fsdp2Run:
             raise ValueError(f"checkpointing={self.checkpointing!r}: expected none or full")
         post_forward_group(self.settings, self.nd)
 
-    @property
+    # cached per run (a frozen run's fields never change): every moment of every block asks them again
+    @cached_property
     def m(self) -> int:
         return dtype_bytes(self.settings.module)
 
-    @property
+    @cached_property
     def p(self) -> int:
         return dtype_bytes(self.settings.param)
 
-    @property
+    @cached_property
     def r(self) -> int:
         return dtype_bytes(self.settings.reduce)
 
+    @cached_property
+    def shards(self) -> tuple[int, ...]:
+        """S_u of every unit (``unit_shard_numel``), root first."""
+        return tuple(unit_shard_numel(u, self.nd) for u in self.units)
+
+    @cached_property
+    def memo(self) -> dict:
+        """Terms this run asks for again and again (``memo_term``): the same values, built once."""
+        return {}
+
     def shard(self, u: int) -> int:
-        return unit_shard_numel(self.units[u], self.nd)
+        return self.shards[u]
+
+    def for_rank(self, rank: int) -> Fsdp2Run:
+        """This run as ``rank`` of the same shard group sees it (what ``fsdp2_run`` would build with that
+        ``settings.rank``). The rank enters only through ``local_shard_numel`` (``RANKED`` terms, the Adam
+        temporaries, init's re-padding), so the other terms built so far are kept: ``estimate``'s worst rank
+        builds them once."""
+        out = replace(self, settings=self.settings.model_copy(update={"rank": rank}))
+        out.memo.update((k, v) for k, v in self.memo.items() if k[0] not in RANKED)
+        return out
 
 
+@lru_cache(maxsize=8192)  # the same term asked at many moments: one object (phase_leaders)
 def _fp(name: str, nbytes: int, where: str, tensors: int = 1) -> Term:
     return Term(name, nbytes, SRC + where, tensors)
 
 
+@lru_cache(maxsize=8192)  # the same term asked at many moments: one object (phase_leaders)
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
     return Term(name, nbytes, "zeroplan/formulas/activation_terms.py:model_activations", tensors)
 
 
+@memo_term
 def params(run: Fsdp2Run) -> Term:
     """Sharded parameters, padded, in the module dtype (no separate master copy)."""
     return _fp("sharded parameters (module dtype, padded)", sum(run.shard(u) for u in range(len(run.units))) * run.m,
                "_fsdp_param.py:FSDPParam._init_sharded_param", sum(len(u.shapes) for u in run.units))  # fmt: skip
 
 
+@memo_term
 def grads(run: Fsdp2Run, units) -> Term:
     """Sharded gradients of ``units`` (views into each unit's reduce-scatter output, cast to the module dtype)."""
     units = tuple(units)
@@ -92,13 +119,21 @@ def grads(run: Fsdp2Run, units) -> Term:
                "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed(reduce_output, orig_dtype))", len(units))  # fmt: skip
 
 
+@memo_term
+def run_states(run: Fsdp2Run) -> ModelStates:
+    """``model_states`` of the run's units, ranks and settings (asked by ``adam`` and the estimate)."""
+    return model_states(run.units, run.nd, run.settings)
+
+
+@memo_term
 def adam(run: Fsdp2Run) -> Term:
     """Adam's exp_avg, exp_avg_sq (zeros_like of the DTensor: the local shard, unpadded) and step."""
-    st = model_states(run.units, run.nd, run.settings)
+    st = run_states(run)
     n = sum(len(u.shapes) for u in run.units)
     return Term("Adam exp_avg, exp_avg_sq, step", st.optimizer_bytes, f"{ADAM}:Adam._init_group (first step)", 3 * n)
 
 
+@memo_term
 def unsharded(run: Fsdp2Run, u: int) -> Term:
     """A unit's unsharded parameters: one padded buffer per tensor in the param dtype."""
     what = "root" if u == 0 else f"block {u}"
@@ -106,6 +141,7 @@ def unsharded(run: Fsdp2Run, u: int) -> Term:
                "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(run.units[u].shapes))  # fmt: skip
 
 
+@memo_term
 def ag_output(run: Fsdp2Run, u: int, why: str) -> Term:
     """A unit's flat all-gather output (kept in forward until the next unit's copy-out)."""
     what = "root" if u == 0 else f"block {u}"
@@ -113,6 +149,7 @@ def ag_output(run: Fsdp2Run, u: int, why: str) -> Term:
                "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard")  # fmt: skip
 
 
+@memo_term
 def copy_in(run: Fsdp2Run, u: int, post_forward: bool = False) -> Term:
     """The all-gather input copied into one flat buffer in the param dtype (none when the dtypes agree:
     ``use_foreach_copy`` needs a ``param_dtype``); from the post-forward state of an int k it is the
@@ -123,6 +160,7 @@ def copy_in(run: Fsdp2Run, u: int, post_forward: bool = False) -> Term:
                numel * run.p if cast else 0, "_fsdp_collectives.py:_get_param_all_gather_inputs")  # fmt: skip
 
 
+@memo_term
 def post_forward_shard(run: Fsdp2Run, u: int) -> Term:
     """reshard_after_forward=k: the block kept sharded over k ranks until backward."""
     k = post_forward_group(run.settings, run.nd)
@@ -143,6 +181,7 @@ def mesh_ranks_bytes(settings: Settings, nd: int) -> int:
     return 4 * nd if 1 < post_forward_group(settings, nd) < nd else 0
 
 
+@memo_term
 def mesh_ranks(run: Fsdp2Run) -> tuple[Term, ...]:
     """``mesh_ranks_bytes`` as a term of every moment from the first ``fully_shard`` on."""
     if not partial_reshard(run):
@@ -151,6 +190,7 @@ def mesh_ranks(run: Fsdp2Run) -> tuple[Term, ...]:
                 "_fsdp_init.py:_get_post_forward_mesh_info"),)  # fmt: skip
 
 
+@memo_term
 def post_forward_reshard(run: Fsdp2Run, u: int) -> Term:
     """The k-sharded copy made at a block's post-forward, parameter by parameter: each clones its slice
     (nd·c·rest/k) and then frees its unsharded tensor (nd·c·rest), so the most held beyond the unsharded
@@ -167,7 +207,13 @@ def post_forward_reshard(run: Fsdp2Run, u: int) -> Term:
 
 def kept_blocks(run: Fsdp2Run, upto: int) -> tuple[Term, ...]:
     """Blocks 1..upto between their forward and their backward: whole (False), k-sharded (int) or freed (True)."""
-    k = post_forward_group(run.settings, run.nd)
+    return _all_kept_blocks(run)[: max(upto, 0)]
+
+
+@memo_term
+def _all_kept_blocks(run: Fsdp2Run) -> tuple[Term, ...]:
+    """``kept_blocks`` of every block, built once per run (each moment takes a prefix)."""
+    k, upto = post_forward_group(run.settings, run.nd), len(run.units) - 1
     if k == run.nd:
         return ()
     if k == 1:
@@ -180,10 +226,12 @@ def resharded(run: Fsdp2Run) -> bool:
     return post_forward_group(run.settings, run.nd) > 1
 
 
+@memo_term
 def batch(run: Fsdp2Run) -> Term:
     return Term("batch (token ids, targets)", run.acts.batch, "validate/engines/fsdp2.py:measure", 2)
 
 
+@memo_term
 def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
     per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
     what = "saved activations" if run.checkpointing == "none" else "checkpointed block inputs"
@@ -200,6 +248,7 @@ def gather_input(run: Fsdp2Run, u: int) -> Term:
     return copy_in(run, u, post_forward=partial_reshard(run))
 
 
+@memo_term
 def unit_grads(run: Fsdp2Run, u: int) -> Term:
     """Block ``u``'s unsharded gradients as autograd made them, until its reduce-scatter copies them in."""
     return Term(f"unsharded gradients (block {u})", run.units[u].numel * run.p,
@@ -207,23 +256,27 @@ def unit_grads(run: Fsdp2Run, u: int) -> Term:
                 len(run.units[u].shapes))  # fmt: skip
 
 
+@memo_term
 def rs_input(run: Fsdp2Run, u: int, why: str) -> Term:
     """Unit ``u``'s flat reduce-scatter input (nd·S_u in the reduce dtype)."""
     return _fp(f"reduce-scatter input (unit {u}, {why})", run.nd * run.shard(u) * run.r,
                "_fsdp_collectives.py:foreach_reduce; _fsdp_param_group.py:FSDPParamGroup.post_backward")  # fmt: skip
 
 
+@memo_term
 def rs_output(run: Fsdp2Run, u: int) -> Term:
     """Unit ``u``'s reduce-scatter output (S_u in the reduce dtype)."""
     return _fp(f"reduce-scatter output (unit {u})", run.shard(u) * run.r, "_fsdp_collectives.py:foreach_reduce")
 
 
+@memo_term
 def grad_cast(run: Fsdp2Run, u: int) -> Term:
     """The reduce-scatter output cast to the module dtype (nothing when the dtypes agree)."""
     return _fp(f"gradient cast to the module dtype (unit {u})", run.shard(u) * run.m if run.r != run.m else 0,
                "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed)")  # fmt: skip
 
 
+@memo_term
 def gloo_copy(run: Fsdp2Run, u: int) -> tuple[Term, ...]:
     """gloo's copy of unit ``u``'s whole reduce-scatter input (nccl and the fake group: nothing)."""
     if run.settings.backend != "gloo":
@@ -231,45 +284,6 @@ def gloo_copy(run: Fsdp2Run, u: int) -> tuple[Term, ...]:
     return (Term(f"gloo reduce-scatter copy of the whole input (unit {u})", run.nd * run.shard(u) * run.r,
                  "measured: ProcessGroupGloo runs reduce-scatter as an allreduce of a copy of the input, "
                  "then copies its chunk out (aten.split, aten.copy_ seen at dispatch)"),)  # fmt: skip
-
-
-def input_norm_backward(run: Fsdp2Run) -> Term:
-    """A block's input norm when it runs backward (the block's last backward op): what it saved plus its
-    working set. Derived from the ops (to move into ``activation_terms``, which does not split them out):
-    - llama (transformers LlamaRMSNorm): saved h32 = x.to(fp32) (N·d·4), rsqrt (N·4), the normalised
-      16-bit h (N·d·a) and its output (N·d·a, saved by q/k/v); the backward of ``h32.pow(2)`` and of
-      ``h32 * rsqrt`` holds three fp32 N·d temporaries beside the accumulating fp32 input gradient (4·N·d·4),
-      as traced at dispatch (llama-2-7b at N_d = 64: 6·N·d·4 above the rest, 2 KiB under);
-    - gpt (nn.LayerNorm): saved input (N·d·a), mean and rstd (2·N·st), its output (N·d·a); the fused
-      ``native_layer_norm_backward`` allocates the input gradient (N·d·a).
-    """
-    acts, a = run.acts, run.p
-    nd_elems = acts.embed_out // a  # N·d
-    n = acts.batch // 16  # tokens: ids and targets are int64
-    if run.style == "llama":
-        nbytes = nd_elems * 4 + n * 4 + 2 * nd_elems * a + 4 * nd_elems * 4
-    else:
-        st = (acts.final_saved - 2 * nd_elems * a) // (2 * n)
-        nbytes = 3 * nd_elems * a + 2 * n * st
-    return Term("input norm saved and backward working set", nbytes,
-                "derived from LlamaRMSNorm / nn.LayerNorm backward (see input_norm_backward)")
-
-
-def final_norm_backward(run: Fsdp2Run) -> Term:
-    """The final norm running backward, after the LM head (its output, saved by the head, and the logits
-    gradient are gone): what it saved plus its working set.
-    - llama: the fp32 copy h32 and five fp32 N·d temporaries at ``pow``'s backward (the gradient through
-      h·rsqrt, through the mean, pow's h^1, its scaled copy, their product), 6·N·d·4; rsqrt, the 16-bit
-      normalised copy and the output gradient are released by then (traced at dispatch: tiny-llama with 4
-      layers, N_d = 8, bf16 and fp32, reshard_after_forward=2: the backward peak, exact);
-    - gpt: the saved input, mean and rstd, the output gradient and ``native_layer_norm_backward``'s input
-      gradient: ``final_saved`` (input, stats, output) + N·d·a.
-    """
-    acts, a = run.acts, run.p
-    nd_elems = acts.embed_out // a  # N·d
-    nbytes = 6 * nd_elems * 4 if run.style == "llama" else acts.final_saved + nd_elems * a
-    return Term("final norm saved and backward working set", nbytes,
-                "derived from LlamaRMSNorm / nn.LayerNorm backward (see final_norm_backward)")
 
 
 def wrapping_of(workload: Workload, settings: Settings) -> Wrapping | None:

@@ -166,6 +166,17 @@ def _inside(module: str, ancestor: str) -> bool:
     return ancestor == "" or module == ancestor or module.startswith(ancestor + ".")
 
 
+def _innermost(module: str, seen: dict[str, int]) -> str:
+    """The innermost module of ``seen`` that holds ``module`` (itself, an ancestor, or the root ""):
+    ``max(m for m in seen if _inside(module, m))`` by depth, found by walking up ``module``'s ancestors."""
+    m = module
+    while m not in seen and m:
+        m = m.rsplit(".", 1)[0] if "." in m else ""
+    if m in seen:
+        return m
+    return max((m for m in seen if _inside(module, m)), key=lambda m: (m != "", m.count(".")))  # none: as before
+
+
 def resolve(wrapping: Wrapping, named_shapes, tied: tuple[tuple[str, str], ...] = ()) -> tuple[ShardUnit, ...]:
     """``_resolve`` on hashable shapes: rank- and mesh-independent, so cached (a plan asks again for every
     rank and shard group it tries; 126-layer models take ~1 s each)."""
@@ -203,8 +214,7 @@ def _resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
                                  "inner module first (FSDP2 assigns each parameter to the first unit that holds it)")  # fmt: skip
             seen[m] = i
     for module, param in tied:  # the unit that owns the module and the one that owns the parameter
-        uses = max((m for m in seen if _inside(module, m)), key=lambda m: (m != "", m.count(".")))
-        holds = max((m for m in seen if _inside(param.rsplit(".", 1)[0], m)), key=lambda m: (m != "", m.count(".")))
+        uses, holds = _innermost(module, seen), _innermost(param.rsplit(".", 1)[0], seen)
         if seen[uses] != seen[holds]:
             raise ValueError(f"wrapping: {module!r} uses {param!r} (tied) from another unit; torch 2.13 refuses a "
                              f"parameter seen by two units: group them, fully_shard([..., {module}])")  # fmt: skip
@@ -212,7 +222,7 @@ def _resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
     first = [len(named_shapes)] * len(calls)
     for i, (name, shape) in enumerate(named_shapes):
         module = name.rsplit(".", 1)[0] if "." in name else ""
-        best = max((m for m in seen if _inside(module, m)), key=lambda m: (m != "", m.count(".")))
+        best = _innermost(module, seen)
         owner[seen[best]].append((name, tuple(shape)))
         first[seen[best]] = min(first[seen[best]], i)
     return tuple(ShardUnit(mods, tuple(ps), rsf, mods == ("",), f) for (mods, rsf), ps, f in zip(calls, owner, first))

@@ -1,0 +1,77 @@
+"""Issue 20's target: `zeroplan plan --engine fsdp2 --model llama3-405b --gpus 2048 --gpu h100-80gb` (and with
+`--dp-shard auto`) in under a second of CPU; and the speed-up changes no printed number.
+
+Runs each command of ``COMMANDS`` as a fresh process, records its child CPU time (user + sys, from
+``resource.getrusage``: wall time means nothing on a shared machine) and its ``--json`` output. With
+``--save DIR`` the outputs are written there; with ``--compare DIR`` each output is compared byte for byte
+with the one saved (a baseline from another checkout: run it with that checkout first on PYTHONPATH).
+
+Each runs as ``python -P -m zeroplan.cli`` (-P: not the current directory first), so PYTHONPATH picks the
+checkout. Run: python benchmarks/plan_speed.py [--save DIR | --compare DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import resource
+import subprocess
+import sys
+
+BIG = ["--model", "llama3-405b", "--gpus", "2048", "--gpu", "h100-80gb", "--json"]
+COMMANDS: dict[str, list[str]] = {
+    "plan-fsdp2-405b": ["plan", "--engine", "fsdp2", *BIG],
+    "plan-fsdp2-405b-auto": ["plan", "--engine", "fsdp2", *BIG, "--dp-shard", "auto"],
+    "plan-deepspeed-405b": ["plan", "--engine", "deepspeed", *BIG],
+    "plan-reference-405b": ["plan", "--engine", "reference", *BIG],
+    "estimate-fsdp2-405b": ["estimate", "--engine", "fsdp2", *BIG],
+    "estimate-fsdp2-405b-k8": ["estimate", "--engine", "fsdp2", *BIG, "--reshard-after-forward", "8",
+                               "--param-dtype", "bf16", "--reduce-dtype", "fp32"],
+    "estimate-fsdp2-405b-keep": ["estimate", "--engine", "fsdp2", *BIG, "--reshard-after-forward", "false",
+                                 "--checkpointing", "full"],
+    "estimate-fsdp2-405b-hsdp": ["estimate", "--engine", "fsdp2", *BIG, "--dp-shard", "64"],
+    "estimate-fsdp2-7b-titan": ["estimate", "--engine", "fsdp2", "--model", "llama2-7b", "--gpus", "24",
+                                "--fsdp-wrap", "torchtitan", "--param-dtype", "bf16", "--json"],
+    "estimate-fsdp2-gpt2xl-cpu": ["estimate", "--engine", "fsdp2", "--model", "gpt2-xl", "--gpus", "6",
+                                  "--device", "cpu", "--init", "materialized", "--json"],
+    "plan-fsdp2-gpt2xl": ["plan", "--engine", "fsdp2", "--model", "gpt2-xl", "--gpus", "12", "--gpu", "a100-40gb",
+                          "--json"],
+    "estimate-deepspeed-7b": ["estimate", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "64", "--stage", "3",
+                              "--json"],
+    "estimate-reference-405b": ["estimate", "--model", "llama3-405b", "--gpus", "2048", "--json"],
+}  # fmt: skip
+
+
+def run(args: list[str]) -> tuple[float, bytes]:
+    """(CPU seconds of the child, its stdout); a failing command stops the benchmark."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, "-P", "-m", "zeroplan.cli", *args], capture_output=True, check=False)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode:
+        sys.exit(f"zeroplan {' '.join(args)}: exit {done.returncode}: {done.stderr.decode()[-300:]}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), done.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--save", type=pathlib.Path, help="write each command's output here")
+    parser.add_argument("--compare", type=pathlib.Path, help="compare each output with the one saved here")
+    opts = parser.parse_args()
+    differ = []
+    for name, args in COMMANDS.items():
+        cpu, out = run(args)
+        same = ""
+        if opts.save:
+            opts.save.mkdir(parents=True, exist_ok=True)
+            (opts.save / f"{name}.json").write_bytes(out)
+        if opts.compare:
+            same = "same output" if (opts.compare / f"{name}.json").read_bytes() == out else "OUTPUT DIFFERS"
+            if same != "same output":
+                differ.append(name)
+        print(f"{name:28s} {cpu:6.2f} s CPU  {same}", flush=True)
+    if differ:
+        sys.exit(f"outputs differ: {', '.join(differ)}")
+
+
+if __name__ == "__main__":
+    main()

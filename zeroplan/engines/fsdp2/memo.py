@@ -1,0 +1,26 @@
+"""Terms built once per FSDP2 run (a speed-up, no rule): the moments of a 126-block model ask the same
+terms thousands of times, and ``moments.phase_leaders`` rounds each distinct term object once."""
+
+from __future__ import annotations
+
+RANKED = ("adam", "run_states")
+"""The ``memo_term`` terms that depend on ``settings.rank`` (``Fsdp2Run.for_rank`` rebuilds them)."""
+
+
+def memo_term(fn):
+    """``fn(run, *args)`` built once per run and arguments (terms are frozen: sharing them changes nothing);
+    a term that reads ``settings.rank`` is named in ``RANKED``."""
+    name = fn.__name__
+
+    def cached(run, *args, **kwargs):
+        key = (name, *args, *sorted(kwargs.items())) if kwargs else (name, *args)
+        try:
+            out = run.memo.get(key)
+        except TypeError:  # an unhashable argument (a list of units): built each time
+            return fn(run, *args, **kwargs)
+        if out is None:
+            out = run.memo[key] = fn(run, *args, **kwargs)
+        return out
+
+    cached.__doc__, cached.__name__, cached.__wrapped__ = fn.__doc__, fn.__name__, fn
+    return cached
