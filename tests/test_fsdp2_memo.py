@@ -1,0 +1,90 @@
+"""The FSDP2 speed-ups change no number: ``Fsdp2Run.for_rank`` (terms kept across ranks, ``memo.RANKED``
+rebuilt) against a run built for that rank, and ``moments.phase_leaders`` against ``peak_of`` on every moment.
+Planner only (no torch): tiny models with an odd hidden size, so the last ranks hold short or empty rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroplan.architectures.hf_config import spec_from_hf_config
+from zeroplan.architectures.spec import transformer_shapes
+from zeroplan.engines.base import Workload
+from zeroplan.engines.fsdp2 import Settings, fsdp2_run, local_shard_numel, moments, padded_shard_numel
+from zeroplan.engines.fsdp2.moments import phase_leaders, predict_peak
+from zeroplan.engines.fsdp2.terms import run_states
+from zeroplan.formulas.peak import Moment, Term, peak_of
+
+GPT_ODD = {"model_type": "gpt2", "activation_function": "gelu", "n_layer": 2, "n_embd": 35, "n_head": 5,
+           "vocab_size": 101, "n_positions": 16}  # fmt: skip
+LLAMA_ODD = {"model_type": "llama", "hidden_size": 35, "intermediate_size": 67, "max_position_embeddings": 16,
+             "num_attention_heads": 5, "num_hidden_layers": 2, "num_key_value_heads": 1, "vocab_size": 103}  # fmt: skip
+
+
+def _workload(config: dict, transformers: bool) -> Workload:
+    spec = spec_from_hf_config(config, "test")
+    return Workload(transformer_shapes(spec), spec, 16, 2, transformers=transformers)
+
+
+CASES = [  # (config, transformers tree, N_d, reshard_after_forward)
+    *((GPT_ODD, False, nd, rsf) for nd in (3, 5, 7) for rsf in (True, False)),
+    *((LLAMA_ODD, True, nd, rsf) for nd in (3, 5, 7) for rsf in (True, False)),
+    (GPT_ODD, False, 6, 2), (LLAMA_ODD, True, 6, 3), (GPT_ODD, True, 9, 3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config,hf,nd,rsf", CASES)
+def test_for_rank_equals_a_run_built_for_that_rank(config, hf, nd, rsf):
+    w = _workload(config, hf)
+    s = Settings(reshard_after_forward=rsf, param_dtype="bf16", reduce_dtype="fp32")
+    shapes = [sh for _, sh in w.shapes]
+    short = [r for r in range(nd) if any(local_shard_numel(sh, nd, r) != padded_shard_numel(sh, nd) for sh in shapes)]
+    assert short and short[-1] == nd - 1  # the case has short (padded) shards: the ranks differ
+    base = fsdp2_run(w, nd, s)
+    predict_peak(base), run_states(base)  # rank 0's terms built first, as estimate's worst-rank search does
+    states = set()
+    for r in (0, *short):
+        built, derived = fsdp2_run(w, nd, s.model_copy(update={"rank": r})), base.for_rank(r)
+        assert derived.settings == built.settings
+        assert run_states(derived) == run_states(built)
+        assert predict_peak(derived) == predict_peak(built)  # every phase's bytes, moment and terms, peak terms
+        states.add(run_states(built).optimizer_bytes)
+    assert len(states) > 1  # the ranks' Adam states differ: a for_rank that kept rank 0's would fail
+
+
+def test_for_rank_on_cpu_and_gloo():
+    w = _workload(GPT_ODD, False)
+    s = Settings(device="cpu", backend="gloo", init="materialized")
+    base = fsdp2_run(w, 5, s)
+    predict_peak(base)
+    built = fsdp2_run(w, 5, s.model_copy(update={"rank": 4}))
+    assert predict_peak(base.for_rank(4)) == predict_peak(built) != predict_peak(base)
+
+
+def _t(name: str, nbytes: int, tensors: int = 1) -> Term:
+    return Term(name, nbytes, "test", tensors)
+
+
+def test_phase_leaders_keeps_peak_of_with_ties():
+    shared = _t("shared", 1000, 2)  # one object in many moments, as memo_term makes them
+    a, b = _t("a", 600), _t("b", 700)  # 600 and 700 B both round to 1,024 B: a tie at 512-byte blocks
+    ms = (
+        Moment("init", "i1", (shared,)), Moment("init", "i2", (shared, _t("c", 1))),
+        Moment("forward", "f1", (shared, a)), Moment("forward", "f2", (shared, b)),  # tie: peak_of keeps f1
+        Moment("forward", "f0", (shared, _t("small", 10))),
+        Moment("backward", "b1", (shared, b, a)), Moment("backward", "b2", (a, shared, b)),  # same terms reordered
+        Moment("optimizer_step", "o1", (shared,)),
+    )  # fmt: skip
+    for block in (512, 1):
+        leaders = phase_leaders(ms, block)
+        assert peak_of(leaders, block) == peak_of(ms, block)
+    assert [m.name for m in phase_leaders(ms, 512)] == ["i2", "f1", "b1", "o1"]
+    assert [m.name for m in phase_leaders(ms, 1)] == ["i2", "f2", "b1", "o1"]  # unrounded: no tie left
+    assert peak_of(ms, 512).phases[1].moment == "f1"
+
+
+@pytest.mark.parametrize("config,hf,nd,rsf", [(GPT_ODD, False, 5, True), (LLAMA_ODD, True, 6, 3)])
+def test_phase_leaders_keeps_peak_of_on_a_run(config, hf, nd, rsf):
+    ms = moments(fsdp2_run(_workload(config, hf), nd, Settings(reshard_after_forward=rsf, param_dtype="bf16")))
+    leaders = phase_leaders(ms, 512)
+    assert len(leaders) == 4 < len(ms)
+    assert peak_of(leaders, 512) == peak_of(ms, 512)
