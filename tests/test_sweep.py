@@ -62,7 +62,8 @@ def scalar_rows(psi=None, gpus=1, mp=1, numels=None, gpu_memory_bytes=None, **po
 
 
 NOTHING_OFFLOADED = {"host_bytes": 0, "nvme_bytes": 0, "h2d_bytes": 0, "d2h_bytes": 0}
-NO_ACTIVATIONS = {"activation_bytes": None, "total_bytes": None, "total_fits": None, "peak_fits": None}  # no model
+NO_ACTIVATIONS = {"activation_bytes": None, "total_bytes": None, "total_fits": None, "peak_fits": None,
+                  "peak_rank": None, "reserved_bytes": None, "reserved_fits": None}  # no model
 
 
 def assert_same_rows(frame, expected):
