@@ -123,13 +123,6 @@ class SweepConfig(BaseModel):
             seen.add(x)
         return v
 
-    @field_validator("headroom")
-    @classmethod
-    def _headroom(cls, v: float) -> float:
-        if not v < 1:
-            raise ValueError(f"headroom must be below 1 (the fraction of GPU memory kept free), got {v:g}")
-        return v
-
     @field_validator("alloc_conf")
     @classmethod
     def _alloc_conf(cls, v: str) -> str:
