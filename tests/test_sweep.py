@@ -471,3 +471,12 @@ def test_reserved_columns_are_null_without_a_peak_and_alloc_conf_needs_a_model()
         zeroplan.sweep(params=[1e9], headroom=1.0)
     r = CliRunner().invoke(app, ["sweep", "--params", "1e9", "--alloc-conf", "expandable_segments:True"])
     assert r.exit_code == 2 and "--alloc-conf does not apply without --model" in r.output
+
+
+def test_estimate_csv_reserved_bytes_is_the_json_one():
+    args = ["estimate", "--model", TINY_LLAMA, "--gpus", "2", "--seq-len", "8", "--checkpointing", "none",
+            "--stage", "3"]  # fmt: skip
+    as_json = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)["stages"]
+    rows = list(csv.DictReader(io.StringIO(CliRunner().invoke(app, [*args, "--csv"]).output)))
+    assert [int(r["reserved_bytes"]) for r in rows] == [s["reserved_bytes"] for s in as_json]
+    assert all(s["reserved_bytes"] > s["peak_bytes"] for s in as_json)
