@@ -62,7 +62,8 @@ def scalar_rows(psi=None, gpus=1, mp=1, numels=None, gpu_memory_bytes=None, **po
 
 
 NOTHING_OFFLOADED = {"host_bytes": 0, "nvme_bytes": 0, "h2d_bytes": 0, "d2h_bytes": 0}
-NO_ACTIVATIONS = {"activation_bytes": None, "total_bytes": None, "total_fits": None, "peak_fits": None}  # no model
+NO_ACTIVATIONS = {"activation_bytes": None, "total_bytes": None, "total_fits": None, "peak_fits": None,
+                  "peak_rank": None, "reserved_bytes": None, "reserved_fits": None}  # no model
 
 
 def assert_same_rows(frame, expected):
@@ -423,3 +424,59 @@ def test_cli_unwritable_output_is_one_line(tmp_path, out, message):
     r = runner.invoke(app, ["sweep", "--params", "7e9", "--out", out.format(d=tmp_path)])
     assert_one_line_error(r, message)
     assert list(tmp_path.iterdir()) == []
+
+
+TINY_LLAMA = "tests/data/hf_configs/tiny-llama.json"
+TINY_STEP = dict(seq_len=8, checkpointing="none")
+
+
+@pytest.mark.parametrize("engine, stages", [("reference", {"stages": [1, 3]}), ("fsdp2", {}),
+                                            ("deepspeed", {"stages": [2, 3]})])  # fmt: skip
+def test_peak_rank_and_reserved_bytes_equal_estimate(engine, stages):
+    frame = zeroplan.sweep(model=TINY_LLAMA, gpus=[2, 3], engine=engine, alloc_conf="expandable_segments:True",
+                           **stages, **TINY_STEP)  # fmt: skip
+    checked = 0
+    for row in to_records(frame):
+        one = {"stage": row["stage"]} if engine == "deepspeed" else {}
+        e = zeroplan.estimate(model=TINY_LLAMA, gpus=row["gpus"], engine=engine, alloc_conf="expandable_segments:True",
+                              **one, **TINY_STEP)  # fmt: skip
+        (s,) = [s for s in e.stages if s.stage == row["stage"]]
+        assert (row["peak_rank"], row["reserved_bytes"]) == (s.peak_rank, s.reserved.reserved_bytes)
+        assert row["reserved_fits"] is None  # no GPU memory given
+        checked += 1
+    assert checked == len(frame) >= 2
+    assert engine != "deepspeed" or [r["peak_rank"] for r in to_records(frame)] == [0, None, 0, None]  # stage 2: rank 0
+
+
+def test_reserved_fits_keeps_the_headroom_and_alloc_conf_changes_the_reserved_bytes():
+    plain = zeroplan.sweep(model=TINY_LLAMA, gpus=[2], stages=[3], **TINY_STEP)
+    reserved = int(plain["reserved_bytes"][0])
+    assert reserved > plain["peak_bytes"][0] > 0  # whole segments above the live bytes
+    memory = reserved + 1  # fits with no headroom; 10% kept free does not
+    for headroom, fits in ((0.0, True), (0.1, False)):
+        frame = zeroplan.sweep(model=TINY_LLAMA, gpus=[2], stages=[3], gpu_memory_bytes=memory, headroom=headroom,
+                               **TINY_STEP)  # fmt: skip
+        assert (bool(frame["reserved_fits"][0]), int(frame["reserved_bytes"][0])) == (fits, reserved)
+        assert bool(frame["fits"][0]) == (frame["model_states_bytes"][0] <= int(memory * (1 - headroom)))
+    grown = zeroplan.sweep(model=TINY_LLAMA, gpus=[2], stages=[3], alloc_conf="expandable_segments:True", **TINY_STEP)
+    assert int(grown["reserved_bytes"][0]) != reserved
+
+
+def test_reserved_columns_are_null_without_a_peak_and_alloc_conf_needs_a_model():
+    frame = zeroplan.sweep(model=TINY_LLAMA, gpus=[2], stages=[3], offload=["cpu"], **TINY_STEP)
+    assert frame[["peak_rank", "reserved_bytes", "reserved_fits"]].isna().all().all()
+    with pytest.raises(ValidationError, match="alloc_conf changes only reserved_bytes"):
+        zeroplan.sweep(params=[1e9], alloc_conf="expandable_segments:True")
+    with pytest.raises(ValidationError, match=r"headroom=1.0: must be a fraction in \[0, 1\)"):
+        zeroplan.sweep(params=[1e9], headroom=1.0)
+    r = CliRunner().invoke(app, ["sweep", "--params", "1e9", "--alloc-conf", "expandable_segments:True"])
+    assert r.exit_code == 2 and "--alloc-conf does not apply without --model" in r.output
+
+
+def test_estimate_csv_reserved_bytes_is_the_json_one():
+    args = ["estimate", "--model", TINY_LLAMA, "--gpus", "2", "--seq-len", "8", "--checkpointing", "none",
+            "--stage", "3"]  # fmt: skip
+    as_json = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)["stages"]
+    rows = list(csv.DictReader(io.StringIO(CliRunner().invoke(app, [*args, "--csv"]).output)))
+    assert [int(r["reserved_bytes"]) for r in rows] == [s["reserved_bytes"] for s in as_json]
+    assert all(s["reserved_bytes"] > s["peak_bytes"] for s in as_json)

@@ -14,6 +14,7 @@ from zeroplan.cli_options import (
     DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption,
     given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
+from zeroplan.cli_options import AllocConfOption, HeadroomOption  # reserved bytes, as estimate/plan
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
 from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
 from zeroplan.hub import with_revision
@@ -83,6 +84,8 @@ def sweep(
         None,
         help="GPU memory for the fits column: 80GiB, 141GB (whole bytes, up to 1 EiB).",
     ),
+    headroom: HeadroomOption = 0.0,
+    alloc_conf: AllocConfOption = "",
     as_json: bool = typer.Option(False, "--json", help="One JSON object with rows[] instead of CSV."),
     out: Optional[Path] = typer.Option(
         None,
@@ -116,7 +119,7 @@ def sweep(
     if model is None and given_on_command_line(ctx, "checkpointing"):
         raise UserError("--checkpointing changes only activations, which need --model")
     if model is None:
-        refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
+        refuse_unused(ctx, ("foreach", "engine", "alloc_conf"), "without --model: the peak needs an architecture")
     refuse_foreign(ctx, engine)
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
         raise UserError("--deepspeed-config does not apply to sweep --engine reference: use --engine deepspeed "
@@ -148,6 +151,8 @@ def sweep(
         offload=parse_list(offload, "offload", parse_offload),
         gpu=gpu,  # its compute capability sizes the peak's cuBLAS workspaces, as in plan
         gpu_memory_bytes=capacity,
+        headroom=headroom,
+        alloc_conf=alloc_conf,
         policy=policy_from(param_dtype if reads_policy else None, grad_dtype, master_weights, optimizer,
                            optimizer_dtype),  # fmt: skip
         engine_options=options,

@@ -17,6 +17,7 @@ from zeroplan.render.table import convention_line, format_bytes, format_count, f
 CSV_COLUMNS = (
     "stage", "name", "params_bytes", "grads_bytes", "optimizer_bytes", "model_states_bytes",
     "reduction_vs_dp", "fits", "comm_volume_elements", "comm_bytes_per_rank", "peak_bytes", "peak_phase",
+    "reserved_bytes",
 )  # fmt: skip
 
 

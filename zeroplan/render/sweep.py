@@ -20,7 +20,7 @@ _NEEDS_QUOTES = set(',"\r\n')
 def to_records(frame) -> list[dict]:
     """Rows as plain Python values (``fits`` None when unknown), for JSON."""
     nullable = ("fits", "reduction_vs_dp", "activation_bytes", "total_bytes", "total_fits", "peak_bytes",
-                "peak_fits")  # fmt: skip
+                "peak_fits", "peak_rank", "reserved_bytes", "reserved_fits")  # fmt: skip
     out = frame.astype({**dict.fromkeys(nullable, object), "name": str, "offload": str, "collectives": str,
                         "peak_phase": str})  # fmt: skip
     for column in nullable:  # unknown fit or activations, no ratio when nothing stays on the GPU

@@ -6,9 +6,11 @@ pandas) turns them into frames."""
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple, Optional
 
 import numpy as np
 
+from zeroplan.allocator.reserved import ReservedEstimate, engine_reserved
 from zeroplan.engines import get_engine
 from zeroplan.estimation.estimate import stage_estimates
 from zeroplan.estimation.records import StageEstimate
@@ -65,14 +67,27 @@ def activation_column(config: SweepConfig, m: np.ndarray, b: np.ndarray) -> tupl
     return out, known
 
 
+class StagePeak(NamedTuple):
+    """One stage's peak columns: the engine's peak, the rank it is on (``EngineEstimate.peak_rank``; None: every
+    rank alike) and the allocator model's reserved bytes (None: the engine has no trace)."""
+
+    peak: PeakEstimate
+    peak_rank: Optional[int]
+    reserved: Optional[ReservedEstimate]
+
+
 @lru_cache(maxsize=4096)
-def stage_peaks(config: SweepConfig, nd: int, micro_batch: int) -> dict[int, PeakEstimate]:
-    """{stage: peak} of the engine for one (N_d, micro-batch) of the grid (``zeroplan.engines``)."""
+def stage_peaks(config: SweepConfig, nd: int, micro_batch: int) -> dict[int, StagePeak]:
+    """{stage: its peak, peak rank and reserved bytes} of the engine for one (N_d, micro-batch) of the grid
+    (``zeroplan.engines``; reserved: the allocation trace replayed under ``config.alloc_conf``, as ``estimate``)."""
     engine = get_engine(config.engine)
     workload = model_workload(config.spec, config.sequence_length, micro_batch, config.checkpointing, 1,
                               config.foreach)  # fmt: skip
-    rows = engine.estimate(workload, nd, engine.planner_settings(config.planner_options()))
-    return {r.stage: r.peak for r in rows if r.peak is not None}
+    settings = engine.planner_settings(config.planner_options())
+    rows = engine.estimate(workload, nd, settings)
+    reserved = engine_reserved(engine, workload, nd, settings, config.alloc_conf) or (None,) * len(rows)
+    return {r.stage: StagePeak(r.peak, r.peak_rank, held) for r, held in zip(rows, reserved, strict=True)
+            if r.peak is not None}
 
 
 @lru_cache(maxsize=64)
@@ -93,10 +108,13 @@ def engine_row(config: SweepConfig, nd: int, micro_batch: int, stage: int | None
                               config.foreach)  # fmt: skip
     settings = engine.planner_settings(config.planner_options(stage))
     (row,) = engine.estimate(workload, nd, settings)
+    (reserved,) = engine_reserved(engine, workload, nd, settings, config.alloc_conf) or (None,)
     (dp,) = stage_estimates(config.numels, nd, engine.policy(settings), (0,), None, True)
-    fits = None if config.gpu_memory_bytes is None else row.model_states_bytes <= config.gpu_memory_bytes
+    budget = config.budget_bytes
+    fits = None if budget is None else row.model_states_bytes <= budget
     reduction = dp.memory.model_states_bytes / row.model_states_bytes
-    return StageEstimate(row.stage, row.label, row.memory, reduction, row.collectives, fits, row.peak)
+    return StageEstimate(row.stage, row.label, row.memory, reduction, row.collectives, fits, row.peak, None,
+                         row.peak_rank, reserved)
 
 
 def whole_lists(*lists: object) -> bool:

@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from zeroplan.allocator.config import parse_alloc_conf
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.architectures.spec import numels as numels_of
 from zeroplan.engines import EngineName, get_engine, planner_options
@@ -27,7 +28,7 @@ from zeroplan.policy import PrecisionPolicy
 from zeroplan.presets import GpuName, ModelRef, model_seq_len, resolve_model
 from zeroplan.types import model_name
 from zeroplan.types import (
-    BatchCount, ByteSize, Checkpointing, Flag, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes,
+    BatchCount, ByteSize, Checkpointing, Flag, Fraction, GpuCount, Numel, Params, SeqLen, StageNumber, check_bytes,
     check_total,
 )  # fmt: skip
 
@@ -84,6 +85,12 @@ class SweepConfig(BaseModel):
     gpu_memory_bytes: Optional[ByteSize] = None
     """memory of one GPU in bytes, for the ``fits`` column; overrides the preset's; None (and no preset) leaves it
     empty."""
+    headroom: Fraction = 0.0
+    """fraction of GPU memory kept free beyond what is predicted, in [0, 1): every ``*fits`` column compares
+    with (1 - headroom) x GPU memory (as ``plan --headroom``; 0 by default)."""
+    alloc_conf: str = ""
+    """``PYTORCH_CUDA_ALLOC_CONF`` of the runs, for ``reserved_bytes`` (``zeroplan.allocator``); "": torch's
+    defaults."""
     policy: PrecisionPolicy = PrecisionPolicy()
     """the reference engine's precision policy; refused (when not the default) for the other engines."""
     engine_options: EngineOptions = EngineOptions()
@@ -116,12 +123,20 @@ class SweepConfig(BaseModel):
             seen.add(x)
         return v
 
+    @field_validator("alloc_conf")
+    @classmethod
+    def _alloc_conf(cls, v: str) -> str:
+        parse_alloc_conf(v)  # one line naming the bad part
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> "SweepConfig":
         if sum(x is not None for x in (self.params, self.tensor_numels, self.model)) != 1:
             raise ValueError("give exactly one of params, tensor_numels and model")
         if self.model is None and (self.micro_batch != (1,) or self.seq_len is not None):
             raise ValueError("micro_batch and seq_len change only activations, which need a reference model")
+        if self.model is None and self.alloc_conf:
+            raise ValueError("alloc_conf changes only reserved_bytes, which need a model (an allocation trace)")
         check_total(self.tensor_numels or ())
         lists = (self.params or (1,), self.gpus, self.model_parallel, self.micro_batch, self.pairs)
         rows = math.prod(len(x) for x in lists)
@@ -164,6 +179,12 @@ class SweepConfig(BaseModel):
                 f"offload ({offloads}) is possible at none of stages {list(self.stages)}: {_why(self)}"
             )
         return self
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        """What the ``*fits`` columns compare with: (1 - headroom) x GPU memory, as ``plan``; None without
+        a GPU memory."""
+        return None if self.gpu_memory_bytes is None else int(self.gpu_memory_bytes * (1 - self.headroom))
 
     @cached_property
     def spec(self) -> Optional[TransformerSpec]:

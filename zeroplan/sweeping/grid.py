@@ -57,19 +57,39 @@ def _collectives_column(sweep_rows: list, nd: np.ndarray) -> pd.Categorical:
     return pd.Categorical.from_codes(np.stack(codes, axis=1).ravel(), categories=categories)
 
 
-def _peaks(config: SweepConfig, nd, m, b, stage, offload_none) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(bytes, phase code, known) per row: the peak of rows without offload and with N_m = 1."""
-    out = np.zeros(nd.shape, dtype=np.int64)
-    phase = np.zeros(nd.shape, dtype=np.int64)  # 0: "" (unknown), then PHASES
-    known = np.zeros(nd.shape, dtype=bool)
+def _peaks(config: SweepConfig, nd, m, b, stage, offload_none) -> dict[str, np.ndarray]:
+    """The peak columns' arrays per row (bytes, phase code, rank, reserved bytes, each with a known mask):
+    rows without offload and with N_m = 1 (``axes.stage_peaks``, cached per N_d and micro-batch)."""
+    out = {key: np.zeros(nd.shape, dtype=np.int64) for key in ("peak", "phase", "rank", "reserved")}
+    known = {key: np.zeros(nd.shape, dtype=bool) for key in ("peak", "rank", "reserved")}
     if not peak_possible(config):
-        return out, phase, known
+        return out | {f"{k}_known": v for k, v in known.items()}
     rows = np.flatnonzero((m == 1) & offload_none)
     for i in rows:
-        peak = stage_peaks(config, int(nd[i]), int(b[i])).get(int(stage[i]))
-        if peak is not None:
-            out[i], phase[i], known[i] = peak.peak_bytes, 1 + PHASES.index(peak.peak_phase), True
-    return out, phase, known
+        row = stage_peaks(config, int(nd[i]), int(b[i])).get(int(stage[i]))
+        if row is not None:
+            out["peak"][i], out["phase"][i], known["peak"][i] = (row.peak.peak_bytes,
+                                                                 1 + PHASES.index(row.peak.peak_phase), True)
+            if row.peak_rank is not None:
+                out["rank"][i], known["rank"][i] = row.peak_rank, True
+            if row.reserved is not None:
+                out["reserved"][i], known["reserved"][i] = row.reserved.reserved_bytes, True
+    return out | {f"{k}_known": v for k, v in known.items()}
+
+
+def _peak_columns(peaks: dict[str, np.ndarray], budget: int | None) -> dict:
+    """The columns peak_bytes to reserved_fits from ``_peaks``'s arrays; the fits against ``budget``
+    ((1 - headroom) x GPU memory; None: unknown)."""
+    unknown = budget is None
+    return {
+        "peak_bytes": pd.arrays.IntegerArray(peaks["peak"], mask=~peaks["peak_known"]),
+        "peak_phase": pd.Categorical.from_codes(peaks["phase"], categories=["", *PHASES]),
+        "peak_fits": pd.arrays.BooleanArray(peaks["peak"] <= (budget or 0), mask=~peaks["peak_known"] | unknown),
+        "peak_rank": pd.arrays.IntegerArray(peaks["rank"], mask=~peaks["rank_known"]),
+        "reserved_bytes": pd.arrays.IntegerArray(peaks["reserved"], mask=~peaks["reserved_known"]),
+        "reserved_fits": pd.arrays.BooleanArray(peaks["reserved"] <= (budget or 0),
+                                                mask=~peaks["reserved_known"] | unknown),
+    }  # fmt: skip
 
 
 def sweep_config(config: SweepConfig) -> pd.DataFrame:
@@ -106,12 +126,18 @@ def _engine_frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFr
         return pd.Categorical(labels, categories=list(dict.fromkeys(labels)))
 
     n_rows = len(rows)
-    known_peak = np.array([r.peak is not None for r in rows], dtype=bool)
-    peak = ints(r.peak.peak_bytes if r.peak is not None else 0 for r in rows)
-    phase = ints(1 + PHASES.index(r.peak.peak_phase) if r.peak is not None else 0 for r in rows)
+    peaks = {
+        "peak": ints(r.peak.peak_bytes if r.peak is not None else 0 for r in rows),
+        "phase": ints(1 + PHASES.index(r.peak.peak_phase) if r.peak is not None else 0 for r in rows),
+        "rank": ints(r.peak_rank or 0 for r in rows),
+        "reserved": ints(r.reserved.reserved_bytes if r.reserved is not None else 0 for r in rows),
+        "peak_known": np.array([r.peak is not None for r in rows], dtype=bool),
+        "rank_known": np.array([r.peak is not None and r.peak_rank is not None for r in rows], dtype=bool),
+        "reserved_known": np.array([r.peak is not None and r.reserved is not None for r in rows], dtype=bool),
+    }
     states = ints(r.memory.model_states_bytes for r in rows)
     act, known = (repeat(a) for a in activation_column(config, m, b))
-    memory = config.gpu_memory_bytes
+    memory = config.budget_bytes
     no_memory = np.full(n_rows, memory is None)
     zeros = np.zeros(n_rows, dtype=np.int64)
     columns = {
@@ -137,9 +163,7 @@ def _engine_frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFr
         "activation_bytes": pd.arrays.IntegerArray(act, mask=~known),
         "total_bytes": pd.arrays.IntegerArray(states + act, mask=~known),
         "total_fits": pd.arrays.BooleanArray(states + act <= (memory or 0), mask=~known | no_memory),
-        "peak_bytes": pd.arrays.IntegerArray(peak, mask=~known_peak),
-        "peak_phase": pd.Categorical.from_codes(phase, categories=["", *PHASES]),
-        "peak_fits": pd.arrays.BooleanArray(peak <= (memory or 0), mask=~known_peak | no_memory),
+        **_peak_columns(peaks, memory),
     }  # fmt: skip
     return pd.DataFrame(columns, columns=list(COLUMNS))
 
@@ -160,7 +184,7 @@ def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
     by_stage = {
         r.stage: r
         for r in stage_estimates(
-            numels, nd, config.policy, config.stages, config.gpu_memory_bytes, flat_layout
+            numels, nd, config.policy, config.stages, config.budget_bytes, flat_layout
         )
     }
     pairs = config.pairs
@@ -187,11 +211,9 @@ def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
     act, known = (repeat(a) for a in activation_column(config, m, grid["micro_batch"]))
     stage_rows = np.tile(np.array([s for s, _ in pairs], dtype=np.int64), nd.size)
     offload_none = np.tile(np.array([o == NO_OFFLOAD for _, o in pairs]), nd.size)
-    peak, phase, peak_known = _peaks(config, repeat(nd), repeat(m), repeat(grid["micro_batch"]), stage_rows,
-                                     offload_none)  # fmt: skip
-    peak_fits = peak <= (config.gpu_memory_bytes or 0)
+    peaks = _peaks(config, repeat(nd), repeat(m), repeat(grid["micro_batch"]), stage_rows, offload_none)
     total = per_row("model_states_bytes") + act
-    total_fits = total <= (config.gpu_memory_bytes or 0)
+    total_fits = total <= (config.budget_bytes or 0)
     columns = {
         "params": repeat(grid["params"]),
         "gpus": repeat(grid["gpus"]),
@@ -208,9 +230,7 @@ def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
         "activation_bytes": pd.arrays.IntegerArray(act, mask=~known),
         "total_bytes": pd.arrays.IntegerArray(total, mask=~known),
         "total_fits": pd.arrays.BooleanArray(total_fits, mask=~known | (config.gpu_memory_bytes is None)),
-        "peak_bytes": pd.arrays.IntegerArray(peak, mask=~peak_known),
-        "peak_phase": pd.Categorical.from_codes(phase, categories=["", *PHASES]),
-        "peak_fits": pd.arrays.BooleanArray(peak_fits, mask=~peak_known | (config.gpu_memory_bytes is None)),
+        **_peak_columns(peaks, config.budget_bytes),
     }
     return pd.DataFrame(columns, columns=list(COLUMNS))
 
@@ -239,7 +259,7 @@ def _block(
         dp_bytes = _dp_bytes(numels, nd, config, flat_layout)
         reduction = np.where(total > 0, dp_bytes / np.maximum(total, 1), np.nan)  # NaN: nothing on the GPU
         fits = (
-            None if config.gpu_memory_bytes is None else memory.model_states_bytes <= config.gpu_memory_bytes
+            None if config.budget_bytes is None else memory.model_states_bytes <= config.budget_bytes
         )
         host, nvme, h2d, d2h = placed.host_bytes, placed.nvme_bytes, placed.h2d_bytes, placed.d2h_bytes
     out.update(
@@ -282,6 +302,8 @@ def sweep(
     engine: str = "reference",
     gpu_memory_bytes: int | None = None,
     gpu: str | None = None,
+    headroom: float = 0.0,
+    alloc_conf: str = "",
     **options: object,
 ) -> pd.DataFrame:
     """``zeroplan.estimate`` for every combination of ``params`` x ``gpus`` x ``model_parallel``.
@@ -290,7 +312,9 @@ def sweep(
     int64. ``offload`` items are ``zeroplan.parsing.parse_offload`` strings ('none', 'cpu', 'cpu/cpu', ...).
     Remaining keywords are the engine's options, as for ``estimate`` (``PrecisionPolicy`` fields for the
     reference engine). ``gpu``: a GPU preset, as for ``estimate``. ``micro_batch``: a ds_config's where it sets the batch
-    (the engine's ``Engine.sweep_batches``), else as given (None: 1). Raises
+    (the engine's ``Engine.sweep_batches``), else as given (None: 1). ``headroom``: the fraction of GPU memory
+    every ``*fits`` column keeps free; ``alloc_conf``: the ``PYTORCH_CUDA_ALLOC_CONF`` ``reserved_bytes`` are
+    replayed under (needs ``model``). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
     policy, engine_options = split_keywords(engine, options)
@@ -315,6 +339,8 @@ def sweep(
         engine=engine,
         gpu=gpu,
         gpu_memory_bytes=gpu_memory_bytes,
+        headroom=headroom,
+        alloc_conf=alloc_conf,
         policy=PrecisionPolicy(**(policy or {})),
         engine_options=engine_options,
     )

@@ -16,7 +16,9 @@ class SweepRow(BaseModel):
     are what stays in GPU memory. With a reference ``model``, activations per GPU for each micro-batch
     (``zeroplan.formulas.activations``), ``total_bytes`` = GPU model states + activations and
     ``total_fits``; these are empty without a model or where no estimate exists. With ``model``, also the
-    peak per GPU of a training step on the engine (``zeroplan.engines``), its phase and ``peak_fits``.
+    peak per GPU of a training step on the engine (``zeroplan.engines``), its phase, ``peak_fits``, the
+    rank it is on, and the allocator's reserved bytes (``zeroplan.allocator.reserved``, replayed only where a
+    peak is) with ``reserved_fits``: what runs out. Every ``*fits`` compares with (1 - headroom) x GPU memory.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -49,4 +51,12 @@ class SweepRow(BaseModel):
     peak_bytes: Optional[int] = Field(description="the engine's peak per GPU (docs/peak.md); null without "
                                       "--model, with offload, N_m > 1 or selective checkpointing")  # fmt: skip
     peak_phase: Optional[str] = Field(description="the phase the peak falls in; null where peak_bytes is")
-    peak_fits: Optional[bool] = Field(description="peak_bytes <= GPU memory; null without either")
+    peak_fits: Optional[bool] = Field(description="peak_bytes <= (1 - headroom) x GPU memory; null without either")
+    peak_rank: Optional[int] = Field(description="the rank whose peak peak_bytes is, the largest of ranks whose "
+                                     "shards differ (EngineEstimate.peak_rank); null where every rank is alike or "
+                                     "there is no peak")  # fmt: skip
+    reserved_bytes: Optional[int] = Field(description="the caching allocator's reserved bytes per GPU: the engine's "
+                                          "allocation trace replayed under alloc_conf (docs/allocator.md); null "
+                                          "where peak_bytes is")  # fmt: skip
+    reserved_fits: Optional[bool] = Field(description="reserved_bytes <= (1 - headroom) x GPU memory: fits on what "
+                                          "runs out; null without either")  # fmt: skip
