@@ -40,13 +40,15 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     numels, p = run.numels, _pbytes(run)
     bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, run.settings.reduce_bucket_size)))
     offsets, states, psi = run.flat.offsets, (*_states(run), *_bucket(run)), sum(numels)
+    limit = run.settings.reduce_bucket_size  # the large gradients before parameter i, once (not per rank)
+    large_before = (0, *itertools.accumulate(n if n > limit else 0 for n in numels))
     out = []
     for rank in run.ranks:
         mine = run.flat.params(rank)
         if not mine:
             continue
         sent = bucket_ends[bisect.bisect_right(bucket_ends, offsets[mine[0]])]  # the bucket holding its first
-        large = sum(n for i, n in enumerate(numels) if n > run.settings.reduce_bucket_size and offsets[i + 1] <= sent)
+        large = large_before[bisect.bisect_right(offsets, sent) - 1]  # parameters i with offsets[i + 1] <= sent
         out.append(Moment("backward", f"reduce_gradients: rank {rank}'s grads_in_partition", (
             *states,
             Term("autograd gradients not yet bucketed", (psi - sent) * p, "torch autograd (param.grad)"),
