@@ -78,8 +78,8 @@ def test_cli_refuses_an_fsdp2_peak_with_dropout():
 
 def test_dropout_saves_what_the_terms_do_not_count():
     # Why the refusal (transformers 5.24 modeling_gpt2.py, GPT2Block in train mode, bf16 on CPU):
-    # dropout_p > 0 sends SDPA to its math path, which saves the fp32 attention probabilities, b·h·s² x 4 bytes at least
-    # twice (before and after dropout), beside the dropout masks; at p = 0 SDPA saves q, k, v, out, logsumexp.
+    # dropout_p > 0 sends SDPA to its math path, which saves three fp32 b·h·s² tensors (asserted: two at least,
+    # 4 bytes each) and fp32 q, k, v beside the dropout masks; at p = 0 SDPA saves q, k, v, out, logsumexp.
     torch = pytest.importorskip("torch")
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
