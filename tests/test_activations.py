@@ -40,3 +40,68 @@ def test_plan_reports_activations_against_the_headroom():
     assert p.activation_bytes == 34 * 2048 * 12288 * 96 // 8
     assert p.headroom_bytes == 80 * 2**30 - int(0.9 * 80 * 2**30)
     assert p.activation_bytes > p.headroom_bytes
+
+
+# Dropout: the activation terms count none (activation_terms.dropout_limit), so every engine's peak refuses a
+# config with dropout > 0 rather than under-predict it (a tiny bf16 gpt2 with dropout 0.1 under FSDP2 held
+# 9-10% more than predicted: docs/engines/fsdp2.md).
+DROPOUT_SPEC = get_model("gpt2-xl").spec  # openai-community/gpt2-xl's config.json: 0.1 each
+
+
+@pytest.mark.parametrize("engine", ["reference", "fsdp2", "deepspeed"])
+def test_every_engine_refuses_a_peak_with_dropout(engine):
+    from dataclasses import replace
+
+    from zeroplan.engines import get_engine
+    from zeroplan.engines.base import PlannerOptions
+
+    eng, options = get_engine(engine), PlannerOptions()
+    limit = eng.peak_limits(options, DROPOUT_SPEC)
+    assert limit is not None and limit.option == "architecture"
+    assert limit.reason.startswith(f"the {engine} engine's peak counts no dropout masks; the config has "
+                                   "embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1 (set attn_pdrop")
+    quiet = replace(DROPOUT_SPEC, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+    assert eng.peak_limits(options, quiet) is None
+    one = replace(DROPOUT_SPEC, embd_pdrop=0.0, resid_pdrop=0.0)  # Llama's attention_dropout
+    assert "the config has attn_pdrop=0.1 (" in eng.peak_limits(options, one).reason
+
+
+def test_cli_refuses_an_fsdp2_peak_with_dropout():
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    r = CliRunner().invoke(app, ["estimate", "--model", "gpt2-xl", "--engine", "fsdp2", "--gpus", "8"])
+    assert r.exit_code == 2
+    assert "the fsdp2 engine's peak counts no dropout masks" in r.output
+
+
+def test_dropout_saves_what_the_terms_do_not_count():
+    # Why the refusal (transformers 5.24 modeling_gpt2.py, GPT2Block in train mode, bf16 on CPU):
+    # dropout_p > 0 sends SDPA to its math path, which saves three fp32 b·h·s² tensors (asserted: two at least,
+    # 4 bytes each) and fp32 q, k, v beside the dropout masks; at p = 0 SDPA saves q, k, v, out, logsumexp.
+    torch = pytest.importorskip("torch")
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    def saved_bytes(p: float) -> int:
+        torch.manual_seed(0)
+        cfg = GPT2Config(n_embd=32, n_head=2, n_layer=1, n_positions=32,
+                         attn_pdrop=p, resid_pdrop=p, embd_pdrop=p)
+        cfg._attn_implementation = "sdpa"
+        block = GPT2Block(cfg, layer_idx=0).to(torch.bfloat16).train()
+        weights = {w.untyped_storage().data_ptr() for w in block.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+
+        x = torch.randn(2, 32, 32, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x)
+        inputs = weights | {x.untyped_storage().data_ptr()}
+        return sum(n for ptr, n in seen.items() if ptr not in inputs)
+
+    b, h, s = 2, 2, 32
+    assert saved_bytes(0.1) - saved_bytes(0.0) >= 2 * b * h * s * s * 4

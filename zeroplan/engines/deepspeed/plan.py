@@ -8,9 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-from zeroplan.engines.base import Candidate, EngineEstimate, EngineOption, EnginePlan, PlannerOptions, Workload
+from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PeakLimit,
+                                   PlannerOptions, Workload)
 from zeroplan.engines.deepspeed.profile import estimate
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
+from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.formulas.activation_terms import dropout_limit
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.types import show
 
@@ -154,6 +157,12 @@ VOCABULARY: tuple[EngineOption, ...] = (
 )  # fmt: skip
 """DeepSpeed's own vocabulary, declared once (``Engine.own_options``): its ``ds_config.json`` and
 ``Settings.zero_init`` (None: DeepSpeed's way at stage 3)."""
+
+
+def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optional[PeakLimit]:
+    """``Engine.own_peak_limits``: a run with dropout is refused (``activation_terms.dropout_limit``)."""
+    why = dropout_limit(spec, "deepspeed")
+    return None if why is None else PeakLimit("architecture", why)
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:

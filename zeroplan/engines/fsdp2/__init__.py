@@ -70,6 +70,7 @@ from zeroplan.engines.fsdp2.plan import (
     estimate,
     plan_options,
     planner_block_bytes,
+    planner_peak_limits,
     planner_plan,
     planner_policy,
     planner_settings,
@@ -89,5 +90,5 @@ __all__ = [
 
 ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
                 block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=VOCABULARY,
-                alloc_trace=alloc_traces)
+                alloc_trace=alloc_traces, own_peak_limits=planner_peak_limits)
 """FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""

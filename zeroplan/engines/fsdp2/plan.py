@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PlannerOptions, Workload,
-                                  worst_rank)
+from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PeakLimit,
+                                  PlannerOptions, Workload, worst_rank)
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, resolve_mesh, shard_groups,
@@ -23,6 +23,8 @@ from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
+from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.formulas.activation_terms import dropout_limit
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.types import show
 
@@ -221,6 +223,12 @@ VOCABULARY: tuple[EngineOption, ...] = (
 """FSDP2's vocabulary, declared once (``Engine.own_options``): ``fully_shard``'s ``reshard_after_forward``,
 ``MixedPrecisionPolicy``'s dtypes, ``Settings.wrap``, ``init``, ``device``, and the HSDP mesh's ``dp_replicate``
 and ``dp_shard`` (engines/fsdp2/mesh.py); None: the default a GPU user runs."""
+
+
+def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optional[PeakLimit]:
+    """``Engine.own_peak_limits``: a run with dropout is refused (``activation_terms.dropout_limit``)."""
+    why = dropout_limit(spec, "fsdp2")
+    return None if why is None else PeakLimit("architecture", why)
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:

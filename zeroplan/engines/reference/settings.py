@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.engines.base import PeakLimit
+from zeroplan.formulas.activation_terms import dropout_limit
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.types import StageNumber
@@ -61,9 +62,9 @@ class Settings(BaseModel):
 
 def peak_limit(policy: PrecisionPolicy, spec: TransformerSpec) -> Optional[PeakLimit]:
     """None when the profile describes this run; else why not (``Engine.own_peak_limits``, and ``estimate``
-    raises it): the runtime as built (16-bit params and grads, an fp32 master, fp32 Adam), and no dropout,
-    which keeps a mask per dropout op (``activation_terms`` counts none; validate/transformer.py runs no
-    dropout op at p = 0)."""
+    raises it): the runtime as built (16-bit params and grads, an fp32 master, fp32 Adam), and no dropout
+    (``activation_terms.dropout_limit``, every engine's; validate/transformer.py runs no dropout op at
+    p = 0)."""
     ok = (
         policy.param_bytes == 2 and policy.grad_bytes == 2 and policy.master_dtype == "fp32"
         and policy.optimizer in PEAK_OPTIMIZERS and policy.optimizer_dtype == "fp32"
@@ -75,10 +76,5 @@ def peak_limit(policy: PrecisionPolicy, spec: TransformerSpec) -> Optional[PeakL
             f"(validate/runtime.py); got params {p['param_dtype']}, grads {p['grad_dtype']}, master "
             f"{p['master_dtype']}, optimizer {p['optimizer']} ({p['optimizer_dtype']})"
         ))
-    drops = [f"{k}={getattr(spec, k):g}" for k in ("embd_pdrop", "attn_pdrop", "resid_pdrop") if getattr(spec, k)]
-    if drops:
-        return PeakLimit("architecture", (
-            f"the reference engine's peak counts no dropout masks; the config has {', '.join(drops)} "
-            "(set them to 0 in the config.json to plan a run without dropout)"
-        ))
-    return None
+    why = dropout_limit(spec, "reference")
+    return None if why is None else PeakLimit("architecture", why)
