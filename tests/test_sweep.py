@@ -462,6 +462,17 @@ def test_reserved_fits_keeps_the_headroom_and_alloc_conf_changes_the_reserved_by
     assert int(grown["reserved_bytes"][0]) != reserved
 
 
+def test_the_json_inputs_say_what_the_fits_and_reserved_columns_assumed():
+    args = ["sweep", "--model", "llama2-7b", "--gpus", "8", "--stage", "3", "--json"]
+    plain = json.loads(runner.invoke(app, args).output)["inputs"]
+    assert (plain["headroom"], plain["alloc_conf"]) == (0.0, "")
+    given = json.loads(runner.invoke(app, [*args, "--headroom", "0.1", "--alloc-conf",
+                                          "expandable_segments:True"]).output)["inputs"]  # fmt: skip
+    assert (given["headroom"], given["alloc_conf"]) == (0.1, "expandable_segments:True")
+    bare = json.loads(runner.invoke(app, ["sweep", "--params", "1e9", "--gpus", "8", "--json"]).output)["inputs"]
+    assert (bare["headroom"], bare["alloc_conf"]) == (0.0, None)  # no reserved column without a model
+
+
 def test_reserved_columns_are_null_without_a_peak_and_alloc_conf_needs_a_model():
     frame = zeroplan.sweep(model=TINY_LLAMA, gpus=[2], stages=[3], offload=["cpu"], **TINY_STEP)
     assert frame[["peak_rank", "reserved_bytes", "reserved_fits"]].isna().all().all()

@@ -240,6 +240,9 @@ class SweepInputs(_Out):
     checkpointing: Optional[str] = Field(description="recomputation of the activation and peak columns")
     foreach: Optional[bool] = Field(description="Adam's foreach path of the peak columns")
     engine: Optional[str] = Field(description="the engine of the peak columns")
+    headroom: float = Field(description="the fraction of GPU memory every *fits column keeps free (--headroom)")
+    alloc_conf: Optional[str] = Field(description="the PYTORCH_CUDA_ALLOC_CONF the reserved_bytes column assumes "
+                                      "(--alloc-conf; \"\": torch's defaults); null without --model")
 
 
 class SweepDoc(_Out):

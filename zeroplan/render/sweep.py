@@ -35,8 +35,10 @@ def _json_head(columns: list[str], config: SweepConfig) -> str:
         inputs=SweepInputs(
             gpu_memory_bytes=config.gpu_memory_bytes, policy=PolicyOut(**config.byte_policy.resolved()),
             **(dict(model=config.model, seq_len=config.sequence_length, checkpointing=config.checkpointing,
-                    foreach=config.foreach, engine=config.engine) if config.model is not None else
-               dict(model=None, seq_len=None, checkpointing=None, foreach=None, engine=None)),
+                    foreach=config.foreach, engine=config.engine, alloc_conf=config.alloc_conf)
+               if config.model is not None else
+               dict(model=None, seq_len=None, checkpointing=None, foreach=None, engine=None, alloc_conf=None)),
+            headroom=config.headroom,
         ),
         columns=columns,
         rows=[],
