@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from zeroplan.cli_options import ReshardOption, UserError, given, read_settings_file, refuse_unused
+from zeroplan.cli_options import FsdpWrapOption, ReshardOption, UserError, given, read_settings_file, refuse_unused
 
 
 def validate_cmd(
@@ -63,10 +63,7 @@ def validate_cmd(
         None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
         "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
     ),
-    fsdp_wrap: Optional[str] = typer.Option(
-        None, "--fsdp-wrap", help="fsdp2: the fully_shard calls: blocks (default), torchtitan or a wrapping JSON file "
-        "(docs/engines/fsdp2.md); the run makes exactly these calls.",
-    ),
+    fsdp_wrap: FsdpWrapOption = None,  # the run makes exactly these calls
     hf: Optional[bool] = typer.Option(
         None, "--hf", help="fsdp2: train transformers' own class of the --model config.json (default: the "
         "validator's CausalLM).",
