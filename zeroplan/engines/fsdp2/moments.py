@@ -58,8 +58,7 @@ from zeroplan.engines.fsdp2.terms import (
     unit_grads,
     unsharded,
 )
-from zeroplan.formulas.cuda_workspaces import library_workspaces
-from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
+from zeroplan.formulas.peak import Moment, Term
 
 def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """``fully_shard`` of each block, then the root: the units not yet sharded are whole, and the shard
@@ -170,7 +169,7 @@ def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: T
             Moment("backward", f"{what} cast to the module dtype", (*common, rs_in, rs_out, cast)))  # fmt: skip
 
 
-def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tuple[Moment, ...]:
     """Loss and head backward (the root's pre-backward prefetches the last block), each block's backward
     and reduce-scatter (_fsdp_param_group.py:FSDPParamGroup.pre_backward, _backward_prefetch, post_backward;
     _fsdp_collectives.py:foreach_reduce), the embeddings, the root's reduce-scatter (_fsdp_state.py:
@@ -222,7 +221,7 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         root_held = _fp(f"sharded gradients of {', '.join(u.name for u in head_units(run))}",
                         sum(_gathered_numel(run, u) // run.nd for u in head_units(run)) * run.m,
                         "_fsdp_collectives.py:foreach_reduce", len(head_units(run)))  # fmt: skip
-    for i in range(L, 0, -1):
+    for i in range(L, 0, -1) if blocks is None else blocks:
         out.extend(block_backward_moments(run, i, base, root_held))
     out.extend(root_backward_moments(run, base))
     end = side_regathers(run, "end")  # the embeddings' all-gather output from block 1's prefetch, then their
@@ -325,36 +324,10 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     return (Moment("optimizer_step", "Adam update", (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), grads(run, range(len(run.units))), temps)),)
 
 
-def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
-    """Every moment of a training step of FSDP2 (needs activations: an architecture)."""
+def moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tuple[Moment, ...]:
+    """Every moment of a training step of FSDP2 (needs activations: an architecture); ``blocks``: only these
+    blocks' backward moments, last first (``leaders.sampled_blocks``; None: every block)."""
     if run.acts is None:
         raise ValueError("the peak needs an architecture (activations); this run has only tensor shapes")
-    backward = with_allreduce_held(run, backward_moments(run))  # HSDP's held all-reduce buffers (mesh.py)
+    backward = with_allreduce_held(run, backward_moments(run, blocks))  # HSDP's held all-reduce buffers (mesh.py)
     return (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))
-
-
-def phase_leaders(moments: tuple[Moment, ...], block_bytes: int) -> tuple[Moment, ...]:
-    """The moments ``peak_of`` can choose, in order: of each phase the first with the largest total (its
-    choice; terms it adds to every moment of a phase change no order). A speed-up only: the moments of one
-    run share their term objects (``memo.memo_term``), so each term is rounded once here (``Term.rounded``),
-    where ``peak_of`` would round every term of every moment twice (llama3-405b: ~80,000 terms)."""
-    unique: dict[int, Term] = {}
-    for m in moments:  # every distinct term once (dict.update and map run in C: no Python loop per term)
-        unique.update(zip(map(id, m.terms), m.terms))
-    rounded = {k: t.rounded(block_bytes) for k, t in unique.items()}
-    best: dict[str, tuple[int, Moment]] = {}
-    for m in moments:
-        total = sum(map(rounded.__getitem__, map(id, m.terms)))
-        if m.phase not in best or total > best[m.phase][0]:
-            best[m.phase] = (total, m)
-    keep = {id(m) for _, m in best.values()}
-    return tuple(m for m in moments if id(m) in keep)
-
-
-def predict_peak(run: Fsdp2Run) -> PeakEstimate:
-    """The peak of ``run`` per phase; CUDA rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``) and
-    keeps the cuBLAS / cuBLASLt workspaces from the first backward on (``formulas.cuda_workspaces``)."""
-    if run.settings.device != "cuda":
-        return peak_of(phase_leaders(moments(run), 1))
-    resident = (library_workspaces(run.settings.cuda_capability, run.biased_linear),)
-    return peak_of(phase_leaders(moments(run), CUDA_BLOCK_BYTES), CUDA_BLOCK_BYTES, resident=resident)

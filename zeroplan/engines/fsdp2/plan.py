@@ -14,7 +14,7 @@ from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, resolve_mesh, shard_groups,
                                          shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
-from zeroplan.engines.fsdp2.moments import predict_peak
+from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
