@@ -18,6 +18,7 @@ from itertools import repeat
 
 from zeroplan.engines.fsdp2.mesh import holds_allreduce
 from zeroplan.engines.fsdp2.moments import init_moments, moments, optimizer_moments
+from zeroplan.engines.fsdp2.side import head_units
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, adam
 from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
@@ -34,11 +35,12 @@ previous reduce-scatter input. The interior, EDGE..L-1, changes by the same byte
 def sampled_blocks(run: Fsdp2Run) -> tuple[int, ...] | None:
     """The blocks whose backward moments hold each phase's first largest total, last first (the order of
     ``backward_moments``): the edges and the interior's two ends. None (every block) unless the decoder layers
-    are identical, and with HSDP's held all-reduce buffers (``mesh.with_allreduce_held``: a moment's buffers
-    depend on every unit reduced before it)."""
+    are identical. HSDP's held all-reduce buffers (``mesh.with_allreduce_held``) are one term of every unit
+    reduced so far (``moments`` walks the blocks not built for them), its tensors rounded alike only when they
+    are all blocks': None with units reduced before the blocks (``side.head_units``)."""
     L = len(run.units) - 1
     shapes = run.units[1].shapes if L >= 1 else ()
-    if L <= EDGE + 1 or holds_allreduce(run) or any(u.shapes != shapes for u in run.units[2:]):
+    if L <= EDGE + 1 or (holds_allreduce(run) and head_units(run)) or any(u.shapes != shapes for u in run.units[2:]):
         return None
     return tuple(sorted({L, L - 1, *range(EDGE, 0, -1)}, reverse=True))
 

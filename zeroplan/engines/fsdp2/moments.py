@@ -16,7 +16,7 @@ from zeroplan.engines.fsdp2.hf_tree import (
     rotary_buffers,
     tied_head_build,
 )
-from zeroplan.engines.fsdp2.mesh import with_allreduce_held
+from zeroplan.engines.fsdp2.mesh import REDUCED, with_allreduce_held
 from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel
 from zeroplan.engines.fsdp2.settings import ADAM
 from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
@@ -221,8 +221,13 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
         root_held = _fp(f"sharded gradients of {', '.join(u.name for u in head_units(run))}",
                         sum(_gathered_numel(run, u) // run.nd for u in head_units(run)) * run.m,
                         "_fsdp_collectives.py:foreach_reduce", len(head_units(run)))  # fmt: skip
+    after = L + 1
     for i in range(L, 0, -1) if blocks is None else blocks:
+        # blocks not built (``blocks``): only their reduce-scatter outputs, for HSDP's held buffers (``moments``)
+        out.extend(Moment("backward", f"block {j}{NOT_BUILT}{REDUCED}", (rs_output(run, j),))
+                   for j in range(after - 1, i, -1))  # fmt: skip
         out.extend(block_backward_moments(run, i, base, root_held))
+        after = i
     out.extend(root_backward_moments(run, base))
     end = side_regathers(run, "end")  # the embeddings' all-gather output from block 1's prefetch, then their
     again = embedding_regather(run)  # unsharded parameters from their copy-out (kept with the output: a bound)
@@ -324,10 +329,15 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     return (Moment("optimizer_step", "Adam update", (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), grads(run, range(len(run.units))), temps)),)
 
 
+NOT_BUILT = " (not built)"
+
+
 def moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tuple[Moment, ...]:
     """Every moment of a training step of FSDP2 (needs activations: an architecture); ``blocks``: only these
     blocks' backward moments, last first (``leaders.sampled_blocks``; None: every block)."""
     if run.acts is None:
         raise ValueError("the peak needs an architecture (activations); this run has only tensor shapes")
     backward = with_allreduce_held(run, backward_moments(run, blocks))  # HSDP's held all-reduce buffers (mesh.py)
+    if blocks is not None:  # the blocks not built were there only for the held buffers
+        backward = tuple(m for m in backward if NOT_BUILT not in m.name)
     return (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))

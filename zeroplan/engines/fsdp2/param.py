@@ -23,11 +23,13 @@ def shard_rows(d0: int, nd: int) -> int:
     return -(-d0 // nd)
 
 
+@lru_cache(maxsize=1 << 16)  # a speed-up: every rank of every estimate asks each of ~900 parameters (few distinct)
 def padded_shard_numel(shape: Shape, nd: int) -> int:
     """Elements a rank stores of one parameter: ceil(d0 / nd)·prod(rest) (FSDPParam._init_sharded_param)."""
     return shard_rows(shape[0], nd) * math.prod(shape[1:]) if shape else 1
 
 
+@lru_cache(maxsize=1 << 16)  # a speed-up, as padded_shard_numel
 def local_shard_numel(shape: Shape, nd: int, rank: int) -> int:
     """Real (unpadded) elements of rank ``rank``'s shard: what ``zeros_like`` of the DTensor allocates."""
     if not shape:
