@@ -17,7 +17,7 @@ from zeroplan.engines.fsdp2.hf_tree import (
     tied_head_build,
 )
 from zeroplan.engines.fsdp2.mesh import REDUCED, with_allreduce_held
-from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel
+from zeroplan.engines.fsdp2.param import local_numel_sum, local_shard_numel, padded_shard_numel, shape_counts
 from zeroplan.engines.fsdp2.settings import ADAM
 from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
 from zeroplan.engines.fsdp2.side import (
@@ -72,7 +72,8 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     if run.settings.init == "meta":
         rank, src = run.settings.described_rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
         shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
-        repad = [n for s in shapes if (n := local_shard_numel(s, run.nd, rank)) != padded_shard_numel(s, run.nd)]
+        repad = [n for s, _ in shape_counts(shapes)
+                 if (n := local_shard_numel(s, run.nd, rank)) != padded_shard_numel(s, run.nd)]  # fmt: skip
         return (
             Moment("init", "to_empty: the shards get device memory", (*mesh_ranks(run), *rotary_buffers(run), params(run))),
             # a shard shorter than its padded size (ranks at the end) is copied into a new padded tensor
@@ -318,10 +319,11 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     tensor at once (one local shard's worth); ``_single_tensor_adam`` computes ``v.sqrt() /
     bias_correction2_sqrt`` per tensor, two temporaries of the largest local shard alive at once."""
     shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
-    local = [local_shard_numel(s, run.nd, run.settings.described_rank) for s in shapes]
     if run.foreach:
-        temps = Term("Adam temporaries (foreach sqrt(v))", sum(local) * run.m, f"{ADAM}:_multi_tensor_adam", len(local))
+        temps = Term("Adam temporaries (foreach sqrt(v))", local_numel_sum(shapes, run.nd, run.settings.described_rank)
+                     * run.m, f"{ADAM}:_multi_tensor_adam", len(shapes))  # fmt: skip
     else:
+        local = [local_shard_numel(s, run.nd, run.settings.described_rank) for s in shapes]
         # ``denom`` stays bound to the previous tensor's quotient until this tensor's is assigned (measured)
         worst = max(2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local))
         temps = Term("Adam temporaries (sqrt(v), its quotient, the previous tensor's denom)", worst * run.m,

@@ -7,6 +7,7 @@ buffer instead (``zeroplan.formulas.sharding``): two engines, two rules, each na
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -36,6 +37,18 @@ def local_shard_numel(shape: Shape, nd: int, rank: int) -> int:
         return 1 if rank == 0 else 0
     c = shard_rows(shape[0], nd)
     return min(c, max(0, shape[0] - rank * c)) * math.prod(shape[1:])
+
+
+@lru_cache(maxsize=256)
+def shape_counts(shapes: tuple[Shape, ...]) -> tuple[tuple[Shape, int], ...]:
+    """Each distinct shape of ``shapes`` once, with how many parameters have it (a speed-up: identical layers
+    give ~10 distinct shapes in ~900 parameters, and a rank's sums over them need each once)."""
+    return tuple(Counter(shapes).items())
+
+
+def local_numel_sum(shapes: tuple[Shape, ...], nd: int, rank: int) -> int:
+    """Σ ``local_shard_numel`` over ``shapes`` (``shape_counts``)."""
+    return sum(n * local_shard_numel(s, nd, rank) for s, n in shape_counts(shapes))
 
 
 def distinct_ranks(shapes: tuple[Shape, ...], nd: int) -> tuple[int, ...]:
