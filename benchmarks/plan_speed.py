@@ -2,7 +2,8 @@
 `--dp-shard auto`) in under a second of CPU; and the speed-up changes no printed number.
 
 Runs each command of ``COMMANDS`` as a fresh process, records its child CPU time (user + sys, from
-``resource.getrusage``: wall time means nothing on a shared machine) and its ``--json`` output. With
+``resource.getrusage``: wall time means nothing on a shared machine) and its output (``--json``; the
+``-text`` cases the table as printed). With
 ``--save DIR`` the outputs are written there; with ``--compare DIR`` each output is compared byte for byte
 with the one saved (a baseline from another checkout: run it with that checkout first on PYTHONPATH).
 
