@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from zeroplan.allocator.replay import Event
 from zeroplan.formulas.peak import PHASES, Moment, Term
@@ -41,6 +42,7 @@ GROWN = -1
 """The size slot of a one-tensor term's key: a buffer that grows by pieces (``_Builder.wanted``)."""
 
 
+@lru_cache(maxsize=4096)  # a step names the same terms at every moment: each name is read once
 def _identity(name: str) -> str:
     """A term named "... of N ..." (``saved activations of 3 blocks``, ``sharded gradients of 2 unit(s)``) is a
     collection of N tensors: the same collection in the next moment, grown or shrunk by the difference."""
@@ -152,8 +154,9 @@ class _Builder:
                 new = [(b, k) for b, k in new if k != match]
                 self.live[match] = self.live.pop(old_key)
 
-    def move_to(self, moment: Moment, resident: Sequence[Term]) -> None:
-        want = self.wanted(moment, resident)
+    def move_to(self, moment: Moment, want: dict[Key, list[int]]) -> None:
+        """Free what ``moment`` no longer holds, then allocate what it adds; ``want``: ``wanted(moment, ...)``
+        (read, never changed)."""
         self._continue_grown(want)
         # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
         spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
@@ -205,6 +208,9 @@ def step_trace(
         by_phase[m.phase].append(m)
     builder = _Builder(block_bytes, stream_of)
     order = [*by_phase["init"], *[m for _ in range(steps) for p in PHASES[1:] for m in by_phase[p]]]
+    wants: dict[int, dict[Key, list[int]]] = {}  # each moment's tensors, found once for every step that meets it
     for m in order:
-        builder.move_to(m, () if m.phase == "init" else resident)
+        if id(m) not in wants:
+            wants[id(m)] = builder.wanted(m, () if m.phase == "init" else resident)
+        builder.move_to(m, wants[id(m)])
     return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))

@@ -20,6 +20,7 @@ from zeroplan.engines.reference.terms import (
     grads16,
     master,
     params16,
+    unit_shards,
 )
 from zeroplan.formulas.peak import Moment, PeakEstimate, Term, peak_of
 from zeroplan.formulas.sharding import flat_shard_numel
@@ -60,9 +61,9 @@ def init_moments(run: ReferenceRun) -> tuple[Moment, ...]:
 def _packing(run: ReferenceRun, model: Term, nbytes: int, what: str, held: tuple[Term, ...]) -> tuple[Moment, ...]:
     """``local_flat`` packing unit u: the previous unit's full buffer is still bound to ``full``."""
     src = "validate/runtime.py:Runtime.local_flat"
-    out = []
+    out, shards, done = [], unit_shards(run.units, run.nd), 0
     for u in range(1, len(run.units)):
-        done = sum(flat_shard_numel(x, run.nd) for x in run.units[:u])
+        done += shards[u - 1]  # the parts of units 0..u-1
         out.append(Moment("init", f"{what} local_flat: packing unit {u}", (
             model, *held, Term(f"{what} parts of the units before", done * nbytes, src),
             Term(f"previous unit's full {what} buffer", _full(run, run.units[u - 1]) * nbytes, src),
