@@ -125,14 +125,19 @@ class _Builder:
                 entry[0] += count
         return out
 
+    def _grown(self, stack: list[tuple[int, int, int]]) -> int:
+        """Bytes of a grown buffer's pieces (one piece, as a rule)."""
+        return stack[0][1] if len(stack) == 1 else sum(b[1] for b in stack)
+
     def _release(self, want: dict[Key, list[int]]) -> list[tuple[int, int, int]]:
         """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
         bytes (last allocated first)."""
         freed = []
         for key, stack in self.live.items():
-            keep = want[key][0] if key in want else 0
+            entry = want.get(key)
+            keep = 0 if entry is None else entry[0]
             if key[2] == GROWN:
-                total = sum(b[1] for b in stack)
+                total = self._grown(stack)
                 while stack and total > keep:
                     total -= stack[-1][1]
                     freed.append(stack.pop())
@@ -144,8 +149,10 @@ class _Builder:
     def _continue_grown(self, want: dict[Key, list[int]]) -> None:
         """A grown buffer that is gone and a new one on the same stream in the same transition: the same
         buffer under another name (the gradients held, then "not yet bucketed"), paired largest to largest."""
-        gone = sorted(((sum(b[1] for b in st), k) for k, st in self.live.items() if k[2] == GROWN and k not in want
-                       and st), reverse=True)  # fmt: skip
+        gone = [(self._grown(st), k) for k, st in self.live.items() if k[2] == GROWN and k not in want and st]
+        if not gone:  # the usual transition: nothing to pair
+            return
+        gone.sort(reverse=True)
         new = sorted(((v[0], k) for k, v in want.items() if k[2] == GROWN and not self.live.get(k)), reverse=True)
         for _, old_key in gone:
             stream = self.live[old_key][0][2]
@@ -163,15 +170,22 @@ class _Builder:
         for buf in self._release(want):
             spare.setdefault((buf[1], buf[2]), []).append(buf)
         fresh: list[tuple[Key, int, int]] = []
+        live = self.live
         for key, (amount, stream) in want.items():
-            stack = self.live.setdefault(key, [])
+            stack = live.get(key)
+            if stack is None:
+                stack = live[key] = []
             if key[2] == GROWN:  # one more piece, of what is missing
-                missing = amount - sum(b[1] for b in stack)
-                sizes = [missing] if missing > 0 else []
+                missing = amount - (self._grown(stack) if stack else 0)
+                if missing <= 0:
+                    continue
+                sizes = (missing,)
             else:
-                sizes = [key[2]] * (amount - len(stack))
+                if len(stack) >= amount:
+                    continue
+                sizes = (key[2],) * (amount - len(stack))
             for size in sizes:
-                pool = spare.get((size, stream))
+                pool = spare.get((size, stream)) if spare else None
                 if pool:
                     stack.append(pool.pop())
                 else:
@@ -185,11 +199,12 @@ class _Builder:
             self._note()
         for key, size, stream in fresh:
             self.events.append(Event("alloc", self.next_id, size, stream))
-            self.live[key].append((self.next_id, size, stream))
+            live[key].append((self.next_id, size, stream))
             self.next_id += 1
             self.live_bytes += self._rounded(size)
         self._note()
-        self.live = {k: v for k, v in self.live.items() if v}
+        if not all(live.values()):
+            self.live = {k: v for k, v in live.items() if v}
 
 
 def step_trace(

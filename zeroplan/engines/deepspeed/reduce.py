@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from functools import lru_cache
 
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
@@ -71,9 +72,14 @@ def _hook_buckets(run: DSRun) -> tuple[tuple[int, ...], tuple[int, ...], list[in
     """(gradient-ready order, taken as the reverse of parameter order; the buckets' element counts in that
     order, ``greedy_buckets``; the position in the order of each bucket's first gradient; parameter -> its
     bucket) of ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
-    numels = run.numels
+    return _hook_layout(run.numels, run.settings.reduce_bucket_size)
+
+
+@lru_cache(maxsize=16)  # read-only: every moment function of a run, and every rank's run, ask for the same
+def _hook_layout(numels: tuple[int, ...], bucket: int) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
+    """``_hook_buckets`` of parameters of ``numels`` elements and buckets of ``bucket`` elements."""
     order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
-    buckets = greedy_buckets(tuple(numels[i] for i in order), run.settings.reduce_bucket_size)
+    buckets = greedy_buckets(tuple(numels[i] for i in order), bucket)
     first_of_bucket, at = [], 0
     for size in buckets:
         first_of_bucket.append(at)

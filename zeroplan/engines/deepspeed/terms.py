@@ -140,10 +140,16 @@ def _flat_scalars(s: Settings) -> tuple[DSTerm, ...]:
                    "fp32 step tensor (torch/optim/adam.py _init_group)"))  # fmt: skip
 
 
+@lru_cache(maxsize=16)  # every ZeRO-3 candidate of a plan, its terms and moments, partition the same tensors
+def zero3_partition_numel(numels: tuple[int, ...], nd: int) -> int:
+    """Elements of one rank's ZeRO-3 partition: each tensor padded to N_d (``flat_shard_numel``)."""
+    return flat_shard_numel(numels, nd)
+
+
 def zero3_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
     """``DeepSpeedZeroOptimizer_Stage3``: every tensor partitioned (ceil(n / N_d) each: the one sharding rule,
     ``flat_shard_numel``, as partition_parameters.py ``Init._padding_size``/``_partition_param`` pad it)."""
-    p, g, part, fused = s.dtype, s.grad_dtype, flat_shard_numel(numels, nd), _fused(s)
+    p, g, part, fused = s.dtype, s.grad_dtype, zero3_partition_numel(numels, nd), _fused(s)
     return (
         DSTerm("16-bit parameter partition", "persistent", part, p,
                "runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3._create_fp16_partitions_with_defragmentation (lp_param_buffer)"),

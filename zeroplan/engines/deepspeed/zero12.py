@@ -286,12 +286,12 @@ class ZeroOptimizer(Wrapper):
         allocated by then, and at ZeRO-1 its kept gradients larger than the bucket; the lowest rank of a tie)."""
         allocated = {r: (j, gip) for r, j, gip in _partition_allocations(run)}
         kept = _stage1_kept_gradients(run) if not run.settings.partition_gradients else {}
-        out = []
+        out, common = [], tuple(t for t in last if t not in inflight)
         for j, who in _most_held_by_block(run.nd, run.acts.n_layer, allocated, kept).items():
             best = (*((allocated[who][1],) if who in allocated and j <= allocated[who][0] else ()),
                     *((kept[who][j],) if who in kept and kept[who][j].bytes else ()))
             out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
-                              (*(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+                              (*common, _blocks_saved(run, j + 1), *inflight[1:],
                                *best)))  # fmt: skip
         return tuple(out)
 
