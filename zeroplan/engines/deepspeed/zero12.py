@@ -309,12 +309,13 @@ class ZeroOptimizer(Wrapper):
             return run.flat.params_numel(rank) * p, flat, part * 4 if not (view and fp32_grads) else 0, view
 
         # one rank's flatten and one's update where every rank is described (``DSRun.first_largest``)
-        flattens = run.first_largest(lambda r: sum(sizes(r)[:3]))
-        updates = run.first_largest(lambda r: sizes(r)[0] if sizes(r)[3] and fp32_grads else part * 4)
+        table = {r: sizes(r) for r in run.ranks}
+        flattens = run.first_largest(lambda r: sum(table[r][:3]))
+        updates = run.first_largest(lambda r: table[r][0] if table[r][3] and fp32_grads else part * 4)
         common = adam_update(run, part, inner, temps)
         out = []
         for rank in sorted({*flattens, *updates}):
-            gip, flat, fp32, view = sizes(rank)
+            gip, flat, fp32, view = table[rank]
             if rank in flattens:
                 out.append(Moment("optimizer_step", f"flatten the partition's gradients, rank {rank}", (*_states(run),
                            Term("grads_in_partition", gip, GIP_SRC), Term("flat partition gradient (gradient dtype)", flat, src),
