@@ -32,7 +32,7 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     """ZeRO-1 reduces after backward, in parameter order (``reduce_gradients``): each gradient is copied into
     the bucket (its autograd tensor freed); the first bucket holding one of this rank's parameters
     allocates ``grads_in_partition`` (``copy_grads_in_partition``: every parameter overlapping the
-    partition, whole, in the model dtype), one moment per rank (``DSRun.ranks``). A gradient larger than the
+    partition, whole, in the model dtype), one moment per rank (``DSRun.first_largest``). A gradient larger than the
     bucket is reduced in place, not copied into it (``reduce_independent_p_g_buckets_and_remove_grads``:
     ``extra_large_param_to_reduce``), and stage 1 clears no gradient after reducing it, so those of the buckets
     reduced so far are still there. Found by the differential matrix (a Qwen2 13M untied, N_d = 3, 2e6-element

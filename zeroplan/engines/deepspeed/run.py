@@ -95,7 +95,8 @@ class DSRun:
     def ranks(self) -> tuple[int, ...] | range:
         """The ranks whose own terms (a flat group's ``grads_in_partition``, the gradients kept outside a
         partition) the moments describe: ``settings.rank``, or every rank (each moment of one rank: the
-        phase's peak is then the largest over ranks)."""
+        phase's peak is then the largest over ranks; a family of per-rank moments lists only the rank whose
+        moment is largest, ``first_largest``)."""
         return range(self.nd) if self.settings.rank is None else (self.settings.rank,)
 
     def first_largest(self, extra_bytes: Callable[[int], int], ranks: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
