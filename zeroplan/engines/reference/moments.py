@@ -4,6 +4,8 @@ to run (the last in backward), where the most activations are alive; blocks are 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from zeroplan.engines.reference.settings import MASTER_BYTES
 from zeroplan.engines.reference.terms import (
     ReferenceRun,
@@ -230,6 +232,7 @@ def optimizer_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     )  # fmt: skip
 
 
+@lru_cache(maxsize=16)  # a plan's peak of each stage and its trace ask for the same run's
 def moments(run: ReferenceRun) -> tuple[Moment, ...]:
     """Every moment of a training step of the reference runtime."""
     return (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run))
