@@ -55,6 +55,31 @@ COMMANDS: dict[str, list[str]] = {
     "estimate-reference-405b": ["estimate", "--model", "llama3-405b", "--gpus", "2048", "--json"],
 }  # fmt: skip
 
+DS_INPUTS = "tests/data/golden/inputs/ds_config.json"  # ZeRO-2, overlap_comm, bf16, fp32 gradient accumulation
+BIG_1024 = ["--model", "llama3-405b", "--gpus", "1024", "--gpu", "h100-80gb"]
+DEEPSPEED_REFERENCE: dict[str, list[str]] = {
+    "plan-deepspeed-405b-1024": ["plan", "--engine", "deepspeed", *BIG_1024, "--json"],
+    "plan-deepspeed-405b-1024-text": ["plan", "--engine", "deepspeed", *BIG_1024],
+    "plan-reference-405b-1024": ["plan", *BIG_1024, "--json"],
+    "plan-reference-405b-1024-text": ["plan", *BIG_1024],
+    "plan-reference-8b-ckpt-ga4": ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-40gb",
+                                   "--checkpointing", "full", "--grad-accum", "4", "--json"],
+    "plan-deepspeed-13b-ga4": ["plan", "--engine", "deepspeed", "--model", "llama2-13b", "--gpus", "12", "--gpu",
+                               "a100-40gb", "--grad-accum", "4", "--json"],
+    "plan-deepspeed-7b-overlap-ckpt": ["plan", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "16", "--gpu",
+                                       "a100-80gb", "--deepspeed-config", DS_INPUTS, "--checkpointing", "full", "--json"],
+    "estimate-deepspeed-405b-1024-s1": ["estimate", "--engine", "deepspeed", *BIG_1024, "--stage", "1", "--json"],
+    "estimate-deepspeed-405b-1024-s2": ["estimate", "--engine", "deepspeed", *BIG_1024, "--stage", "2", "--json"],
+    "estimate-deepspeed-7b-overlap": ["estimate", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "16",
+                                      "--deepspeed-config", DS_INPUTS, "--json"],
+    "estimate-deepspeed-7b-s1-ga2": ["estimate", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "24",
+                                     "--stage", "1", "--grad-accum", "2", "--json"],
+    "estimate-deepspeed-7b-s2-ga2": ["estimate", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "24",
+                                     "--stage", "2", "--grad-accum", "2", "--json"],
+}  # fmt: skip
+"""Issue 16's DeepSpeed and reference `plan` speed (docs/benchmarks.md): the cases those engines' speed-up touches."""
+COMMANDS.update(DEEPSPEED_REFERENCE)
+
 
 def run(args: list[str]) -> tuple[float, bytes]:
     """(CPU seconds of the child, its stdout); a failing command stops the benchmark."""
