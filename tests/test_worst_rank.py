@@ -111,16 +111,18 @@ def test_recorded_deepspeed_ranks_are_predicted_each(name, rank, phase, before, 
 
 # ---- a rank's grads_in_partition allocated inside a block (zero12.py _in_block_partitions) ----
 
-# (row, rank, backward's error (predicted - measured, % of measured) without the moment, with it): rank 0's
-# first bucket is block 0's c_proj weight (larger than the 5,000-element bucket), reduced at c_fc's hook
+# (row, rank, the moment, backward's error (predicted - measured, % of measured) without it, with it): at N_d = 2
+# rank 0's first bucket is block 0's c_proj weight (larger than the 5,000-element bucket), reduced at c_fc's
+# hook; at N_d = 4 rank 2's is block 1's c_fc weight, reduced at LN2's
 IN_BLOCK = [
-    ("deepspeed-z2-checkpointing-nd2", 0, -7.42, 0.04),
-    ("deepspeed-z1-fp32-small-overlap-nd2", 0, -2.12, 0.04),
+    ("deepspeed-z2-checkpointing-nd2", 0, "block 0 MLP input projection", -7.42, 0.04),
+    ("deepspeed-z1-fp32-small-overlap-nd2", 0, "block 0 MLP input projection", -2.12, 0.04),
+    ("deepspeed-z1-fp32-small-overlap-nd4", 2, "block 1 LN2", -1.87, 0.10),
 ]
 
 
-@pytest.mark.parametrize("name, rank, before, now", IN_BLOCK, ids=[f"{r[0]}-r{r[1]}" for r in IN_BLOCK])
-def test_partition_allocated_inside_a_block(name, rank, before, now):
+@pytest.mark.parametrize("name, rank, where, before, now", IN_BLOCK, ids=[f"{r[0]}-r{r[1]}" for r in IN_BLOCK])
+def test_partition_allocated_inside_a_block(name, rank, where, before, now):
     from tests.test_measured_rows import settings_of, workload_from
     from zeroplan.engines.deepspeed.phases import moments
     from zeroplan.engines.deepspeed.wrapper import ds_run
@@ -129,7 +131,7 @@ def test_partition_allocated_inside_a_block(name, rank, before, now):
     (got,) = [r for r in record["ranks"] if r["rank"] == rank]
     measured = got["measured_peak_bytes_by_phase"]["backward"]
     peak = next(p for p in estimate_of(record, rank).peak.phases if p.phase == "backward")
-    assert peak.moment == f"block 0 MLP input projection backward, rank {rank}'s grads_in_partition allocated"
+    assert peak.moment == f"{where} backward, rank {rank}'s grads_in_partition allocated"
     assert 100 * (peak.bytes - measured) / measured == pytest.approx(now, abs=0.005)
     run = ds_run(settings_of(record).model_copy(update={"rank": rank}), workload_from(record["workload"]),
                  record["nd"], record["estimate_kwargs"]["stat_bytes"])  # fmt: skip

@@ -81,63 +81,79 @@ def _reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
-def _input_projection(run: DSRun, j: int) -> tuple[int, ...]:
-    """Block j's MLP input projection: the parameters just before its output projection's, back to the first
-    as large as the output projection's weight (GPT-2 ``mlp.c_fc`` weight and bias; Llama ``mlp.up_proj``)."""
+def _mlp_modules(run: DSRun, j: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(block j's MLP input projection, the module before it), as parameter indices: the modules before the one
+    holding the output projection's weight (``run.modules``: sizes module by module, ``named_parameters``
+    order). GPT-2: ``mlp.c_fc`` and ``ln_2``; Llama: ``mlp.up_proj`` and ``mlp.gate_proj``. Empty without one."""
     outs = [i for i in run.output_projections if run.param_blocks[i] == j]
     if not outs:
-        return ()
-    weight, k, out = run.numels[min(outs)], min(outs) - 1, []
-    while k >= 0 and run.param_blocks[k] == j:
-        out.append(k)
-        if run.numels[k] == weight:
-            return tuple(out)
-        k -= 1
-    return ()
+        return (), ()
+    spans, at = [], 0  # each module's parameter indices
+    for sizes in run.modules:
+        spans.append(tuple(range(at, at + len(sizes))))
+        at += len(sizes)
+    k = next((m for m, span in enumerate(spans) if min(outs) in span), None)
+    if k is None or k < 2 or any(run.param_blocks[i] != j for i in (*spans[k - 1], *spans[k - 2])):
+        return (), ()
+    return spans[k - 1], spans[k - 2]
 
 
 def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
     """Reducing from the hooks, a rank whose first bucket is reduced at a hook inside block j after the block's
     first op (the reduction at the first op is ``_partition_allocations``'): its ``grads_in_partition`` is
-    allocated there (``copy_grads_in_partition``), with the block's activations partly released. At the hook of
-    a GPT block's MLP input projection (c_fc: the output projection's and the activation's backward have run):
-    the blocks before j saved, block j's saved tensors less the MLP's (LN2's output, the activation's kept
-    tensors and its output: ``_mlp_saved``), the incoming gradient and the MLP input's, the input projection's
-    weight gradients (one autograd node makes them together), the gradients larger than the bucket in the
-    bucket being reduced (reduced in place, ``extra_large_param_to_reduce``) and, at stage 1, those kept from
-    the later blocks (``_stage1_kept_gradients``). Not modelled (no moment, as before): a hook later in the
-    block (LN2, the attention) or a block other than GPT's (Llama's RMSNorm). Measured (MemTracker at the peak, in copy_grads_in_partition):
-    gpt-tiny, 5,000-element buckets, N_d = 2, rank 0 allocated at block 0's c_fc bias hook: ZeRO-2
-    checkpointed 563,392 B, ZeRO-1 with overlap_comm 624,864 B; -7.42% and -2.12% before (only the moments
-    after the blocks had it)."""
-    if not run.param_blocks:
+    allocated there (``copy_grads_in_partition``), with the block's activations partly released. In a GPT
+    block (``_mlp_saved``), at the hook of the MLP input projection (c_fc: the output projection's and the
+    activation's backward have run) or of LN2 (c_fc's too): the blocks before j saved, block j's saved tensors
+    less the MLP's (and, at LN2, its input x1; its statistics are counted, 4 B per token at most over), the
+    gradients in flight (at c_fc the incoming one and the MLP input's, at LN2 the residual's sum), the hooked
+    module's weight gradients (one autograd node makes them together), the gradients larger than the bucket
+    in the bucket being reduced (reduced in place, ``extra_large_param_to_reduce``) and, at stage 1 (which
+    clears none), those reduced before outside the partition (``_stage1_kept_gradients``, and block j's own).
+    Not modelled (no moment, as before): a hook in the attention or LN1, or a block other than GPT's
+    (Llama's RMSNorm). Measured (MemTracker at the peak, in copy_grads_in_partition), gpt-tiny, 5,000-element
+    buckets: rank 0 at N_d = 2 allocated at block 0's c_fc hook, ZeRO-2 checkpointed 563,392 B, ZeRO-1 with
+    overlap_comm 624,864 B (-7.42% and -2.12% before); rank 2 at N_d = 4, ZeRO-1 with overlap_comm, at block
+    1's LN2 hook, 522,032 B (-1.87% before)."""
+    mlp = _mlp_saved(run)
+    if not run.param_blocks or mlp is None:
         return ()
-    p, s, outputs = _pbytes(run), run.settings, set(run.output_projections)
-    _, buckets, _, bucket_of = _hook_buckets(run)
+    p, s, outputs, blk, nda = _pbytes(run), run.settings, set(run.output_projections), run.acts.block, run.acts.embed_out
+    _, _, _, bucket_of = _hook_buckets(run)
     kept = _stage1_kept_gradients(run) if not s.partition_gradients else {}
-    base = tuple(t for t in last if t not in inflight and t.name != "block backward working set")
+    base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
+                                                                         "incoming activation gradient"))  # fmt: skip
     best: dict[int, tuple[int, Moment]] = {}  # block -> (bytes, moment) of the rank holding the most
     for rank, first, hook in _reducing_hooks(run):
         j = run.param_blocks[hook]
         if j < 0 or hook in outputs:
             continue
-        proj, mlp = _input_projection(run, j), _mlp_saved(run)
-        if hook not in proj or mlp is None:
+        proj, norm = _mlp_modules(run, j)
+        if hook not in (*proj, *norm):
             continue
-        large = sum(n for i, n in enumerate(run.numels) if bucket_of[i] == first and n > s.reduce_bucket_size)
-        nda, blk = run.acts.embed_out, run.acts.block
-        terms = (*base, _blocks_saved(run, j), _act("block's saved activations before its MLP", blk.saved - mlp),
-                 _act("MLP input's gradient", nda),
-                 Term("input projection's weight gradients", sum(run.numels[i] for i in proj) * p,
-                      "autograd (addmm backward: one node, every input's gradient)", len(proj)),
-                 Term("gradients larger than the bucket, in the bucket reduced", large * p,
+        at_norm = hook in norm
+        lo, hi = run.flat.range(rank)
+        large = lambda i: run.numels[i] > s.reduce_bucket_size  # noqa: E731
+        in_bucket = sum(run.numels[i] for i, b in bucket_of.items() if b == first and large(i))
+        own = sum(run.numels[i] for i, b in bucket_of.items()
+                  if b < first and run.param_blocks[i] == j and large(i) and not lo <= i < hi) if kept else 0  # fmt: skip
+        module = norm if at_norm else proj
+        terms = (*base, _blocks_saved(run, j),
+                 _act("block's saved activations before its MLP" + (", less LN2's input" if at_norm else ""),
+                      blk.saved - mlp - (nda if at_norm else 0)),
+                 _act("residual gradient" if at_norm else "incoming and MLP input's gradients", nda * (1 if at_norm else 2),
+                      1 if at_norm else 2),
+                 Term(f"{'LN2' if at_norm else 'input projection'}'s weight gradients", sum(run.numels[i] for i in module) * p,
+                      "autograd (one node makes every input's gradient)", len(module)),
+                 Term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
                       "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"),
-                 *((kept[rank][j],) if rank in kept and kept[rank][j].bytes else ()),
+                 *((Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
+                         (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
                  Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
         total = sum(t.bytes for t in terms)
         if j not in best or total > best[j][0]:
-            best[j] = (total, Moment("backward", f"block {j} MLP input projection backward, rank {rank}'s "
-                                     "grads_in_partition allocated", terms))  # fmt: skip
+            where = "LN2" if at_norm else "MLP input projection"
+            best[j] = (total, Moment("backward", f"block {j} {where} backward, rank {rank}'s grads_in_partition "
+                                     "allocated", terms))  # fmt: skip
     return tuple(m for _, m in best.values())
 
 
