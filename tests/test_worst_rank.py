@@ -119,24 +119,41 @@ IN_BLOCK = [
     ("deepspeed-z1-fp32-small-overlap-nd2", 0, "block 0 MLP input projection", -2.12, 0.04),
     ("deepspeed-z1-fp32-small-overlap-nd4", 2, "block 1 LN2", -1.87, 0.10),
 ]
+# the step's global norm (zero12.py _norm_moment): the fp64 copy of a rank's largest gradient slice
+NORM = [
+    ("deepspeed-z1-fp32-small-fusedadam-nd4", 1, -1.58, -0.09),
+    ("deepspeed-z2-fp32-small-fusedadam-nd4", 3, -1.61, -0.09),
+]
 
 
-@pytest.mark.parametrize("name, rank, where, before, now", IN_BLOCK, ids=[f"{r[0]}-r{r[1]}" for r in IN_BLOCK])
-def test_partition_allocated_inside_a_block(name, rank, where, before, now):
+def _with_and_without(name: str, rank: int, phase: str) -> tuple[str, float, float]:
+    """(the phase's peak moment, its error and the error of the largest other moment, % of measured)."""
     from tests.test_measured_rows import settings_of, workload_from
     from zeroplan.engines.deepspeed.phases import moments
     from zeroplan.engines.deepspeed.wrapper import ds_run
 
     (record,) = [r for r in RECORDS if r["name"] == name]
     (got,) = [r for r in record["ranks"] if r["rank"] == rank]
-    measured = got["measured_peak_bytes_by_phase"]["backward"]
-    peak = next(p for p in estimate_of(record, rank).peak.phases if p.phase == "backward")
-    assert peak.moment == f"{where} backward, rank {rank}'s grads_in_partition allocated"
-    assert 100 * (peak.bytes - measured) / measured == pytest.approx(now, abs=0.005)
+    measured = got["measured_peak_bytes_by_phase"][phase]
+    peak = next(p for p in estimate_of(record, rank).peak.phases if p.phase == phase)
     run = ds_run(settings_of(record).model_copy(update={"rank": rank}), workload_from(record["workload"]),
                  record["nd"], record["estimate_kwargs"]["stat_bytes"])  # fmt: skip
-    others = max(m.total() for m in moments(run) if m.phase == "backward" and m.name != peak.moment)
-    assert 100 * (others - measured) / measured == pytest.approx(before, abs=0.005)
+    others = max(m.total() for m in moments(run) if m.phase == phase and m.name != peak.moment)
+    return peak.moment, 100 * (peak.bytes - measured) / measured, 100 * (others - measured) / measured
+
+
+@pytest.mark.parametrize("name, rank, before, now", NORM, ids=[f"{r[0]}-r{r[1]}" for r in NORM])
+def test_step_global_norm_copy(name, rank, before, now):
+    moment, error, without = _with_and_without(name, rank, "optimizer_step")
+    assert moment == f"global norm, rank {rank}"
+    assert error == pytest.approx(now, abs=0.005) and without == pytest.approx(before, abs=0.005)
+
+
+@pytest.mark.parametrize("name, rank, where, before, now", IN_BLOCK, ids=[f"{r[0]}-r{r[1]}" for r in IN_BLOCK])
+def test_partition_allocated_inside_a_block(name, rank, where, before, now):
+    moment, error, without = _with_and_without(name, rank, "backward")
+    assert moment == f"{where} backward, rank {rank}'s grads_in_partition allocated"
+    assert error == pytest.approx(now, abs=0.005) and without == pytest.approx(before, abs=0.005)
 
 
 # ---- the validator: every rank against its own prediction ----
