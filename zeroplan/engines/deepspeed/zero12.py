@@ -122,6 +122,10 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     kept = _stage1_kept_gradients(run) if not s.partition_gradients else {}
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient"))  # fmt: skip
+    large = [i for i, n in enumerate(run.numels) if n > s.reduce_bucket_size]  # reduced in place, not copied
+    large_in_bucket: dict[int, int] = {}
+    for i in large:
+        large_in_bucket[bucket_of[i]] = large_in_bucket.get(bucket_of[i], 0) + run.numels[i]
     best: dict[int, tuple[int, Moment]] = {}  # block -> (bytes, moment) of the rank holding the most
     for rank, first, hook in _reducing_hooks(run):
         j = run.param_blocks[hook]
@@ -132,10 +136,9 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             continue
         at_norm = hook in norm
         lo, hi = run.flat.range(rank)
-        large = lambda i: run.numels[i] > s.reduce_bucket_size  # noqa: E731
-        in_bucket = sum(run.numels[i] for i, b in bucket_of.items() if b == first and large(i))
-        own = sum(run.numels[i] for i, b in bucket_of.items()
-                  if b < first and run.param_blocks[i] == j and large(i) and not lo <= i < hi) if kept else 0  # fmt: skip
+        in_bucket = large_in_bucket.get(first, 0)
+        own = sum(run.numels[i] for i in large
+                  if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0  # fmt: skip
         module = norm if at_norm else proj
         terms = (*base, _blocks_saved(run, j),
                  _act("block's saved activations before its MLP" + (", less LN2's input" if at_norm else ""),
