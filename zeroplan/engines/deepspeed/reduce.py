@@ -97,7 +97,8 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     _, buckets, _, bucket_of = _hook_buckets(run)
     last, g = len(buckets) - 1, DTYPE_BYTES[run.settings.grad_dtype]
     acts = run.acts
-    base = (*_states(run), *run.wrapper.held_between_micro_steps(run), *_bucket(run),
+    held = run.wrapper.held_between_micro_steps(run)
+    base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
             _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
             Term("flattened copy of the last bucket's gradients", buckets[-1] * g,
                  "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))  # fmt: skip
