@@ -1,8 +1,10 @@
 """Where ``DeepSpeedZeroOptimizer`` (runtime/zero/stage_1_and_2.py, DeepSpeed 0.19.8) reduces gradients and what
 a rank holds then: the buckets of the hooks in gradient-ready order (``_hook_buckets``), ZeRO-1's reduction
 after backward in parameter order (``_stage1_reduce``), the last bucket's reduction after a backward that
-reduced from the hooks (``_epilogue_reduce``), and the partitions whose flat gradient is a view
-(``_within_one_parameter``). Split from ``zero12.py``, which asks these."""
+reduced from the hooks (``_epilogue_reduce``), the partitions whose flat gradient is a view
+(``_within_one_parameter``), the hook that allocates each rank's ``grads_in_partition`` (``_reducing_hooks``),
+inside a GPT block (``_in_block_partitions``), and the first bucket's reduction at the final norm's hook
+(``_first_bucket_reduced``). Split from ``zero12.py``, which asks these."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import itertools
 from functools import lru_cache
 
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
-from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas.peak import Moment, Term
 
@@ -109,7 +111,8 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     _, buckets, _, bucket_of = _hook_buckets(run)
     last, g = len(buckets) - 1, DTYPE_BYTES[run.settings.grad_dtype]
     acts = run.acts
-    base = (*_states(run), *run.wrapper.held_between_micro_steps(run), *_bucket(run),
+    held = run.wrapper.held_between_micro_steps(run)
+    base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
             _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
             Term("flattened copy of the last bucket's gradients", buckets[-1] * g,
                  "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))  # fmt: skip
@@ -123,3 +126,149 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
         out.append(Moment("backward", f"reduction after backward, rank {rank}", (*base, *(
             (Term("grads_in_partition", run.flat.params_numel(rank) * _pbytes(run), GIP_SRC),) if early(rank) else ()))))
     return tuple(out)
+
+
+def _reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
+    """Reducing from the hooks, per rank (``run.ranks``) whose ``grads_in_partition`` a bucket before the last
+    allocates: (rank, that bucket, the parameter whose gradient hook reduces it: the first that does not fit,
+    stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
+    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
+    out = []
+    for rank in run.ranks:
+        mine = run.flat.params(rank)
+        if not mine:
+            continue
+        first = min(bucket_of[i] for i in mine)
+        if first + 1 < len(buckets):  # else the last bucket: reduced after backward
+            out.append((rank, first, order[first_of_bucket[first + 1]]))
+    return tuple(out)
+
+
+def _mlp_modules(run: DSRun, j: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(block j's MLP input projection, the module before it), as parameter indices: the modules before the one
+    holding the output projection's weight (``run.modules``: sizes module by module, ``named_parameters``
+    order). GPT-2: ``mlp.c_fc`` and ``ln_2``; Llama: ``mlp.up_proj`` and ``mlp.gate_proj``. Empty without one."""
+    outs = [i for i in run.output_projections if run.param_blocks[i] == j]
+    if not outs:
+        return (), ()
+    spans, at = [], 0  # each module's parameter indices
+    for sizes in run.modules:
+        spans.append(tuple(range(at, at + len(sizes))))
+        at += len(sizes)
+    k = next((m for m, span in enumerate(spans) if min(outs) in span), None)
+    if k is None or k < 2 or any(run.param_blocks[i] != j for i in (*spans[k - 1], *spans[k - 2])):
+        return (), ()
+    return spans[k - 1], spans[k - 2]
+
+
+def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
+                         kept: dict[int, tuple[Term, ...]]) -> tuple[Moment, ...]:
+    """Reducing from the hooks, a rank whose first bucket is reduced at a hook inside block j after the block's
+    first op (the reduction at the first op is ``_partition_allocations``'): its ``grads_in_partition`` is
+    allocated there (``copy_grads_in_partition``), with the block's activations partly released. In a GPT
+    block (``_mlp_saved``), at the hook of the MLP input projection (c_fc: the output projection's and the
+    activation's backward have run) or of LN2 (c_fc's too): the blocks before j saved, block j's saved tensors
+    less the MLP's (and, at LN2, its input x1; its statistics are counted, 4 B per token at most over), the
+    gradients in flight (at c_fc the incoming one and the MLP input's, at LN2 the residual's sum), the hooked
+    module's weight gradients (one autograd node makes them together), the gradients larger than the bucket
+    in the bucket being reduced (reduced in place, ``extra_large_param_to_reduce``) and, at stage 1 (which
+    clears none), those reduced before outside the partition (``kept``: zero12.py ``_stage1_kept_gradients``, empty
+    at stage 2; and block j's own).
+    Not modelled (no moment, as before): a hook in the attention or LN1, or a block other than GPT's
+    (Llama's RMSNorm). Measured (MemTracker at the peak, in copy_grads_in_partition), gpt-tiny, 5,000-element
+    buckets: rank 0 at N_d = 2 allocated at block 0's c_fc hook, ZeRO-2 checkpointed 563,392 B, ZeRO-1 with
+    overlap_comm 624,864 B (-7.42% and -2.12% before); rank 2 at N_d = 4, ZeRO-1 with overlap_comm, at block
+    1's LN2 hook, 522,032 B (-1.87% before)."""
+    mlp = _mlp_saved(run)
+    if not run.param_blocks or mlp is None:
+        return ()
+    p, s, outputs, blk, nda = _pbytes(run), run.settings, set(run.output_projections), run.acts.block, run.acts.embed_out
+    _, _, _, bucket_of = _hook_buckets(run)
+    base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
+                                                                         "incoming activation gradient"))  # fmt: skip
+    large = [i for i, n in enumerate(run.numels) if n > s.reduce_bucket_size]  # reduced in place, not copied
+    large_in_bucket: dict[int, int] = {}
+    for i in large:
+        large_in_bucket[bucket_of[i]] = large_in_bucket.get(bucket_of[i], 0) + run.numels[i]
+    best: dict[int, tuple[int, Moment]] = {}  # block -> (bytes, moment) of the rank holding the most
+    for rank, first, hook in _reducing_hooks(run):
+        j = run.param_blocks[hook]
+        if j < 0 or hook in outputs:
+            continue
+        proj, norm = _mlp_modules(run, j)
+        if hook not in (*proj, *norm):
+            continue
+        at_norm = hook in norm
+        lo, hi = run.flat.range(rank)
+        in_bucket = large_in_bucket.get(first, 0)
+        own = sum(run.numels[i] for i in large
+                  if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0  # fmt: skip
+        module = norm if at_norm else proj
+        terms = (*base, _blocks_saved(run, j),
+                 _act("block's saved activations before its MLP" + (", less LN2's input" if at_norm else ""),
+                      blk.saved - mlp - (nda if at_norm else 0)),
+                 _act("residual gradient" if at_norm else "incoming and MLP input's gradients", nda * (1 if at_norm else 2),
+                      1 if at_norm else 2),
+                 Term(f"{'LN2' if at_norm else 'input projection'}'s weight gradients", sum(run.numels[i] for i in module) * p,
+                      "autograd (one node makes every input's gradient)", len(module)),
+                 Term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
+                      "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"),
+                 *((Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
+                         (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
+                 Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
+        total = sum(t.bytes for t in terms)
+        if j not in best or total > best[j][0]:
+            where = "LN2" if at_norm else "MLP input projection"
+            best[j] = (total, Moment("backward", f"block {j} {where} backward, rank {rank}'s grads_in_partition "
+                                     "allocated", terms))  # fmt: skip
+    return tuple(m for _, m in best.values())
+
+
+def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
+    """Reducing from the hooks, the first bucket in gradient-ready order (the head's and the final norm's
+    gradients) reduced at a hook before the last block's (the final norm's): every block's activations are
+    saved, the final norm's too. ``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_and_scatter`` ->
+    ``allreduce_bucket`` flattens the bucket's gradients into a new tensor (``self.flatten(bucket)``) while a
+    gradient larger than the bucket, reduced in place (``extra_large_param_to_reduce``), is still alive; then,
+    the copy freed, a rank whose first bucket it is allocates its ``grads_in_partition`` (``copy_grads_in_
+    partition``). Found by the differential matrix (seed 2 draw 5: Llama 15.1M untied, ZeRO-2, 2.7M-element
+    buckets, N_d = 4: the head's 5.4M-element gradient and its flattened copy; MemTracker at the peak, in
+    ``allreduce_bucket`` on ranks 0, 1, 3 and in ``copy_grads_in_partition`` on rank 2: backward -12.2%,
+    -3.3%, -8.3%, -8.7% before)."""
+    if not run.param_blocks:
+        return ()
+    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
+    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    if len(buckets) < 2 or not order[first_of_bucket[1]] > last_in_blocks:
+        return ()  # one bucket (``_epilogue_reduce``), or the first reduced inside the last block
+    p, g, acts = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], run.acts
+    large = sum(n for i, n in enumerate(run.numels) if bucket_of[i] == 0 and n > run.settings.reduce_bucket_size)
+    base = (*(t for t in last if t not in inflight and t.name not in ("block backward working set",
+                                                                      "incoming activation gradient")),
+            _blocks_saved(run, acts.n_layer), _act("final norm saved and output", acts.final_saved),
+            _act("final norm output gradient", acts.embed_out),
+            Term("gradients larger than the bucket, in the bucket reduced", large * p,
+                 "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"))  # fmt: skip
+    out = [Moment("backward", "final norm backward, the first bucket reduced", (*base, Term(
+        "flattened copy of the first bucket's gradients", buckets[0] * g,
+        "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")))]  # fmt: skip
+    held = [run.flat.params_numel(r) for r, first, _ in _reducing_hooks(run) if first == 0]
+    if held:
+        out.append(Moment("backward", "final norm backward, the first bucket's grads_in_partition", (
+            *base, Term("grads_in_partition", max(held) * p, GIP_SRC))))
+    return tuple(out)
+
+
+def _mlp_saved(run: DSRun) -> int | None:
+    """A GPT block's saved tensors its MLP releases before the input projection's backward ends: LN2's output
+    (the projection's input, released by the checkpoint's unpack once used, or saved) and the activation's
+    kept tensors and output, (1 + (k + 1)·f/d)·N·d·a; None for other blocks (Llama's RMSNorm:
+    ``BlockActivations.norm_backward_saved`` is set). k + 1 = (saved - 8·N·d·a) // (N·f·a): the block's saved
+    tensors are N·a·(8d + (k + 1)·f) plus LayerNorm statistics and SDPA's logsumexp, smaller than N·f·a
+    (activation_terms.py ``_gpt_block``); N·f·a is c_proj's first-op gradient (``backward_first_op`` less
+    ``first_weight_grads``)."""
+    blk, nda = run.acts.block, run.acts.embed_out
+    nfa = blk.backward_first_op - blk.first_weight_grads
+    if blk.norm_backward_saved or nfa <= 0:
+        return None
+    return nda + (blk.saved - 8 * nda) // nfa * nfa

@@ -48,6 +48,10 @@ def aligned_flat_numel(numels: tuple[int, ...], nd: int) -> int:
     return ceil_div(sum(numels), NCCL_START_ALIGNMENT_FACTOR * nd) * NCCL_START_ALIGNMENT_FACTOR * nd
 
 
+PERSISTENT_PARAMS = "persistent parameters (gathered)"
+"""ZeRO-3's term of the parameters kept gathered (``persistent_numel``); zero3.py drops it from the step's moments."""
+
+
 def persistent_numel(s: Settings, numels: tuple[int, ...]) -> int:
     """ZeRO-3 parameters kept gathered (parameter_offload.py ``mark_persistent_parameters``: ds_numel <=
     stage3_param_persistence_threshold)."""
@@ -159,7 +163,7 @@ def zero3_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, 
                "runtime/zero/stage3.py _setup_for_real_optimizer (grad_partitions_flat_buffer, grad_accum_dtype)"),
         DSTerm("reduce bucket (IPG)", "persistent", s.reduce_bucket_size if s.contiguous_gradients else 0, g,
                "runtime/zero/stage3.py _setup_for_real_optimizer (ipg bucket, torch.empty(reduce_bucket_size))"),
-        DSTerm("persistent parameters (gathered)", "lazy", persistent_numel(s, numels), p,
+        DSTerm(PERSISTENT_PARAMS, "lazy", persistent_numel(s, numels), p,
                "runtime/zero/parameter_offload.py mark_persistent_parameters; gathered in forward and kept"),
         DSTerm("inf/nan tracker", "persistent", 1, "bool", "runtime/zero/stage3.py __init__ (inf_or_nan_tracker)"),
         DSTerm("overflow buffer", "persistent", fused, "int32",

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from zeroplan.engines.deepspeed.collectives import greedy_buckets, zero12_collectives
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments, flatten_moment, later_blocks_held
-from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _hook_buckets, _stage1_reduce,
+from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _hook_buckets,
+                                               _in_block_partitions, _reducing_hooks, _stage1_reduce,
                                                _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
@@ -47,21 +48,13 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
     every block's backward holds its recomputed activations, so the partition allocated in one block is live
     at the next block's peak nearly as large (measured: gpt-tiny, N_d = 4, rank 2's partition, allocated at the
     last block's c_fc weight gradient, peaks at block 0's c_proj backward)."""
-    numels, p, nd = run.numels, _pbytes(run), run.nd
+    p = _pbytes(run)
     if not run.param_blocks:
         return ()
-    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
     last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
     outputs = set(run.output_projections)
     out = []
-    for rank in run.ranks:
-        mine = run.flat.params(rank)
-        if not mine:
-            continue
-        first = min(bucket_of[i] for i in mine)
-        if first + 1 >= len(buckets):
-            continue  # the last bucket: reduced after backward
-        hook = order[first_of_bucket[first + 1]]  # the gradient whose hook reduces it
+    for rank, _, hook in _reducing_hooks(run):
         j = run.param_blocks[hook]
         if j < 0:
             j = run.acts.n_layer - 1 if 0 <= last_in_blocks < hook else -1  # final norm / head, or embeddings
@@ -87,7 +80,7 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     grads_in_partition + 3 x 8,388,608 B over what the last block's backward holds less its activations
     (MemTracker, per hook: 90,444,056 B on rank 1, 89,487,640 B on rank 0; the head's gradient alone was in
     the prediction before, 9,424,904 B short)."""
-    if not (run.tied_head and run.param_blocks and run.settings.partition_gradients):
+    if not (_head_tied(run) and run.param_blocks and reduces_from_hooks(run.settings)):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
     embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
@@ -104,6 +97,14 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
         Term("tied embedding gradients (the head's, the embedding's, their sum)", 3 * run.head_numel * p,
              "torch autograd InputBuffer::accumulate -> AccumulateGrad; runtime/zero/stage_1_and_2.py "
              "reduce_independent_p_g_buckets_and_remove_grads (the hook fires on the sum)", 3))),)  # fmt: skip
+
+
+def _head_tied(run: DSRun) -> bool:
+    """Whether the head is the token embedding's weight: ``DSRun.tied_head`` (GPT style), or a transformers
+    model of any family tied (no parameter after the blocks is vocabulary x hidden, the first is: the
+    validator's own Llama-style model keeps its head, transformers' tied Qwen2 / Llama do not)."""
+    n = run.numels
+    return run.tied_head or (bool(n) and n[-1] != run.head_numel and run.head_numel in n[:2])
 
 
 def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
@@ -220,6 +221,11 @@ class ZeroOptimizer(Wrapper):
         if run.grad_accum == 1:
             return ()
         p = _pbytes(run)
+        if not run.settings.partition_gradients and run.settings.overlaps and sum(run.numels) <= run.settings.reduce_bucket_size:
+            # measured (differential matrix, seed 2 draw 8: Qwen2 5.4M tied, ZeRO-1, overlap_comm, a 1.07e7-element
+            # bucket, G = 2): at the next micro-step's forward and backward no gradient is held beside the two
+            # buckets (MemTracker's live tensors: the buffers, no param.grad); +14.0% forward, +50.9% backward before
+            return _bucket(run)
         if not run.settings.partition_gradients:
             grads = Term("gradients of earlier micro-steps (param.grad)", sum(run.numels) * p,
                          "torch autograd AccumulateGrad; runtime/engine.py allreduce_gradients (stage 1: at the boundary only)")  # fmt: skip
@@ -253,6 +259,11 @@ class ZeroOptimizer(Wrapper):
             out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, early[r]))
                        for r in run.first_largest(lambda r: early[r].bytes, tuple(early)))  # fmt: skip
             out.extend(self._blocks_from_hooks(run, last, inflight))
+            out.extend(_in_block_partitions(run, last, inflight,
+                                            _stage1_kept_gradients(run) if not s.partition_gradients else {}))
+            out.extend(_first_bucket_reduced(run, last, inflight))
+            out.extend(_tied_embedding_backward(run))
+        if hooks and accumulating and not s.partition_gradients:  # ZeRO-1 with overlap_comm (seed 2 draw 8)
             out.extend(_tied_embedding_backward(run))
         if hooks:
             out.extend(_epilogue_reduce(run))
@@ -310,12 +321,15 @@ class ZeroOptimizer(Wrapper):
 
         # one rank's flatten and one's update where every rank is described (``DSRun.first_largest``)
         table = {r: sizes(r) for r in run.ranks}
+        norms = run.first_largest(lambda r: table[r][0] + _largest_slice(run, r) * DTYPE_BYTES["fp64"])
         flattens = run.first_largest(lambda r: sum(table[r][:3]))
         updates = run.first_largest(lambda r: table[r][0] if table[r][3] and fp32_grads else part * 4)
         common = adam_update(run, part, inner, temps)
         out = []
-        for rank in sorted({*flattens, *updates}):
+        for rank in sorted({*norms, *flattens, *updates}):
             gip, flat, fp32, view = table[rank]
+            if rank in norms:
+                out.append(_norm_moment(run, rank, gip))
             if rank in flattens:
                 out.append(Moment("optimizer_step", f"flatten the partition's gradients, rank {rank}", (*_states(run),
                            Term("grads_in_partition", gip, GIP_SRC), Term("flat partition gradient (gradient dtype)", flat, src),
@@ -329,6 +343,24 @@ class ZeroOptimizer(Wrapper):
                     if t.name == "fp32 gradient of the master partition" else t for t in update.terms))  # fmt: skip
             out.append(update)
         return tuple(out)
+
+
+def _norm_moment(run: DSRun, rank: int, gip: int) -> Moment:
+    """``step`` first takes the global norm (``scaled_global_norm`` -> ``get_grad_norm_direct``): each slice of
+    the partition's gradients copied to fp64 in turn (``g.data.to(get_norm_dtype())``, fp64 wherever the device
+    has it), with ``grads_in_partition`` alive and nothing flattened yet. The largest slice can outweigh the
+    flat fp32 copy that follows (measured: gpt-tiny at N_d = 4, ranks 1 and 3, whose slices hold a whole
+    5,184-element c_fc / c_proj weight: 41,472 B of fp64 at the step's peak, -1.58% and -1.61% before)."""
+    largest = _largest_slice(run, rank)
+    return Moment("optimizer_step", f"global norm, rank {rank}", (*_states(run), Term("grads_in_partition", gip, GIP_SRC),
+                  Term("fp64 copy of the partition's largest gradient slice", largest * DTYPE_BYTES["fp64"],
+                       "runtime/zero/stage_1_and_2.py get_grad_norm_direct (g.data.to(get_norm_dtype()))")))  # fmt: skip
+
+
+def _largest_slice(run: DSRun, rank: int) -> int:
+    """Elements of the largest single parameter's slice in ``rank``'s partition of the flat group."""
+    lo, hi, offsets = rank * run.flat.part, (rank + 1) * run.flat.part, run.flat.offsets
+    return max((min(offsets[i + 1], hi) - max(offsets[i], lo) for i in run.flat.params(rank)), default=0)
 
 
 ZERO12_OPTIMIZER = ZeroOptimizer()
