@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from zeroplan.formulas.memory import MemoryBreakdown, buffer_numels, model_states
 from zeroplan.formulas.optimizers import StateTensor
+from zeroplan.formulas.peak import Term
 from zeroplan.formulas.stages import get_stage
 
 DEVICES: tuple[str, ...] = ("none", "cpu", "nvme")
@@ -61,6 +62,29 @@ class Offload:
 
 
 NO_OFFLOAD = Offload()
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """An engine's offload on one rank (``EngineEstimate.host``): what it keeps in host memory, term by term
+    with its source (pinned buffers named so), and one optimizer step's PCIe traffic. A node holds one of
+    these per GPU on it."""
+
+    offload: Offload
+    terms: tuple[Term, ...]
+    h2d_bytes: int
+    """host -> GPU per optimizer step."""
+    d2h_bytes: int
+    """GPU -> host per optimizer step."""
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """The page-locked part (terms named "(pinned)"): memory the OS cannot page out."""
+        return sum(t.bytes for t in self.terms if "(pinned)" in t.name)
 
 
 def check_offload(stage: int, offload: Offload) -> None:

@@ -181,5 +181,8 @@ def adam_update(run: DSRun, part: int, inner: str, temps: int) -> Moment:
 
 
 def moments(run: DSRun) -> tuple[Moment, ...]:
-    """Every moment of a DeepSpeed training step."""
-    return (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run))
+    """Every moment of a DeepSpeed training step, on the GPU (offload: ``offload.offload_moments``)."""
+    from zeroplan.engines.deepspeed.offload import offload_moments  # offload.py builds on run.py, as this does
+
+    return offload_moments(run, (*init_moments(run), *forward_moments(run), *backward_moments(run),
+                                 *optimizer_moments(run)))

@@ -8,6 +8,7 @@ from typing import Optional
 
 from zeroplan.engines.base import EngineEstimate, Workload, worst_rank
 from zeroplan.engines.deepspeed.collectives import to_collective
+from zeroplan.engines.deepspeed.offload import host_memory, label_suffix, offloads
 from zeroplan.engines.deepspeed.phases import moments
 from zeroplan.engines.deepspeed.run import _trace
 from zeroplan.engines.deepspeed.settings import Settings, inner_optimizer_class, optimizer_class
@@ -41,15 +42,20 @@ def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Option
 def _estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> EngineEstimate:
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
     peak: Optional[PeakEstimate] = None
+    host = None
     if workload.spec is not None:
-        peak = peak_of(moments(ds_run(settings, workload, nd, stat_bytes)))
+        run = ds_run(settings, workload, nd, stat_bytes)
+        peak = peak_of(moments(run))
+        host = host_memory(run) if offloads(settings) else None
     return EngineEstimate(
         engine="deepspeed",
-        label=f"ZeRO-{settings.stage} {optimizer_class(settings)} + {inner_optimizer_class(settings)}",
+        label=f"ZeRO-{settings.stage} {optimizer_class(settings)} + {inner_optimizer_class(settings)}"
+              f"{label_suffix(settings)}",
         stage=settings.stage,
         memory=memory_breakdown(settings, numels, nd),
         peak=peak,
         collectives=tuple(to_collective(c, nd) for c in collectives(settings, numels, nd, workload.grad_accum,
                                                                     *_trace(workload))),
         peak_rank=settings.rank,
+        host=host,
     )  # fmt: skip

@@ -106,7 +106,9 @@ class DSRun:
     @cached_property
     def model_terms(self) -> tuple[DSTerm, ...]:
         """Every buffer of model states and buckets (``terms``), computed once per run."""
-        return self.wrapper.terms(self.settings, self.numels, self.nd)
+        from zeroplan.engines.deepspeed.offload import on_gpu  # offload.py builds on this module
+
+        return on_gpu(self.settings, self.numels, self.nd, self.wrapper.terms(self.settings, self.numels, self.nd))
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:

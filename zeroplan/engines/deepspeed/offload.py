@@ -1,0 +1,178 @@
+"""DeepSpeed's CPU offload on the engine profile (DeepSpeed 0.19.8): what stays on the GPU, what one rank
+keeps in host memory, and the PCIe traffic of a step, read from the optimizer wrappers' code.
+
+``offload_optimizer`` (ZeRO-1/2: stage_1_and_2.py ``DeepSpeedZeroOptimizer`` with ``cpu_offload``; ZeRO-3:
+stage3.py ``DeepSpeedZeroOptimizer_Stage3`` with ``offload_optimizer``): the fp32 master partition, its fp32
+gradient, Adam's m and v and the step live on the host, where ``DeepSpeedCPUAdam`` updates them
+(engine.py ``zero_use_cpu_optimizer``). ZeRO-1/2 keep the full 16-bit flat group on the GPU and copy each
+reduced gradient slice of the rank's partition straight into the pinned fp32 gradient
+(``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: no ``grads_in_partition`` on the GPU), through a GPU
+buffer of the largest parameter (``temp_grad_buffer_for_gpu_offload``); after the step the updated 16-bit
+partition comes back through a pinned 16-bit buffer (``param_buffer_of_bit16_for_cpu_offload_groups``) into the
+flat group, which is all-gathered in place. ZeRO-3 keeps its gradient partition on the host
+(``grad_partitions_flat_buffer`` on ``self.device``, the CPU) and copies the 16-bit partition back after the
+step (``_reassign_or_swap_out_partitioned_parameters``; a CPU-to-GPU ``copy_`` converts the dtype on the host).
+
+``offload_param`` (ZeRO-3): the 16-bit partitions live in one pinned host buffer per group
+(``_create_param_groups_fp16_flat_cpu_memory``); each all-gather first copies its parameters' partitions to
+the GPU (partition_parameters.py ``all_gather_coalesced``: ``ds_tensor.to(device)``), then gathers them.
+
+Not counted: the fp32 copy of a gradient slice made on the GPU before its copy to the host (at most the
+largest parameter's slice in fp32, freed at once); NVMe (refused: offload_settings.py). On a CPU-only run
+("device" and "host" are one memory) a measurement sees the sum of the GPU and host predictions.
+"""
+
+from __future__ import annotations
+
+from zeroplan.engines.deepspeed.run import DSRun
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
+from zeroplan.engines.deepspeed.terms import DSTerm, aligned_flat_numel
+from zeroplan.formulas.offload import HostMemory, Offload
+from zeroplan.formulas.peak import Moment, Term
+from zeroplan.formulas.sharding import flat_shard_numel
+
+S12 = "runtime/zero/stage_1_and_2.py"
+S3 = "runtime/zero/stage3.py"
+CPU_ADAM = "ops/adam/cpu_adam.py DeepSpeedCPUAdam.step (exp_avg, exp_avg_sq: torch.zeros_like on the host partition)"
+
+MOVED_WITH_OPTIMIZER = ("fp32 master partition", "Adam m and v", "Adam step tensor", "overflow buffer",
+                        "step scalars", "gradient partition")  # fmt: skip
+"""Model-state terms (``terms.py``) that ``offload_optimizer`` puts on the host (the step scalars become one
+norm on the GPU: ``_gpu_extras``)."""
+HOST_TEMPORARIES = ("fp32 gradient partition (zeros", "grads_in_partition", "flat partition gradient",
+                    "fp32 gradient of the master partition", "accumulated gradients of the partition",
+                    "gradient partition copy", "16-bit partition converted to fp32", "fp32 master partition (the clone)")  # fmt: skip
+"""Moment terms (``zero12.py``, ``zero3.py``, ``phases.py``) that ``offload_optimizer`` makes on the host or
+not at all (ZeRO-1/2 copy gradients to the host, no ``grads_in_partition``), and Adam's temporaries."""
+
+
+def offloads(s: Settings) -> bool:
+    return s.offload_optimizer.on or s.offload_param.on
+
+
+def _moved(s: Settings, name: str) -> bool:
+    if s.offload_param.on and name == "16-bit parameter partition":
+        return True
+    return s.offload_optimizer.on and name.startswith(MOVED_WITH_OPTIMIZER)
+
+
+def _gpu_extras(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
+    """What offload adds on the GPU: ZeRO-1/2's staging buffer of the largest parameter and the global norm."""
+    if not s.offload_optimizer.on:
+        return ()
+    norm = DSTerm("gradient norm scalar", "lazy", 1, "fp32", f"{S12} complete_grad_norm_calculation_for_cpu_offload")
+    if s.stage == 3:
+        return ()
+    return (DSTerm("gradient staging buffer (largest tensor)", "persistent", max(numels), s.dtype,
+                   f"{S12} DeepSpeedZeroOptimizer.__init__ (temp_grad_buffer_for_gpu_offload)"), norm)  # fmt: skip
+
+
+def on_gpu(s: Settings, numels: tuple[int, ...], nd: int, terms: tuple[DSTerm, ...]) -> tuple[DSTerm, ...]:
+    """The wrapper's model-state terms (``terms.py``) less what offload puts on the host, plus its GPU buffers."""
+    if not offloads(s):
+        return terms
+    return (*(t for t in terms if not _moved(s, t.name)), *_gpu_extras(s, numels, nd))
+
+
+def _pin(t, name: str) -> str:
+    return f"{name} (pinned)" if t.pin_memory else name
+
+
+def host_terms(run: DSRun) -> tuple[Term, ...]:
+    """One rank's host memory under offload, each term naming the DeepSpeed function that allocates it."""
+    s, numels, nd = run.settings, run.numels, run.nd
+    p, g = DTYPE_BYTES[s.dtype], DTYPE_BYTES[s.grad_dtype]
+    o = s.offload_optimizer
+    out: list[Term] = []
+    if s.stage == 3:
+        part = flat_shard_numel(numels, nd)
+        if o.on:
+            out += [Term("fp32 master partition", part * 4, f"{S3} _create_fp32_partitions (.to(cpu), clone)"),
+                    Term(_pin(o, "gradient partition"), part * g,
+                         f"{S3} _setup_for_real_optimizer (grad_partitions_flat_buffer on the CPU)"),
+                    Term(_pin(o, "fp32 gradient of the master partition"), part * 4,
+                         f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
+                    Term("Adam m and v (DeepSpeedCPUAdam)", 2 * part * 4, CPU_ADAM, 2)]  # fmt: skip
+        if s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
+            out.append(Term("16-bit parameter partition (pinned)", part * p,
+                            f"{S3} _create_param_groups_fp16_flat_cpu_memory (param_groups_fp16_flat_cpu_memory)"))
+        return tuple(out)
+    if not o.on:
+        return ()
+    part = aligned_flat_numel(numels, nd) // nd
+    out += [Term(_pin(o, "fp32 master partition"), part * 4, f"{S12} __init__ (single_partition_of_fp32_groups)"),
+            Term(_pin(o, "fp32 gradient partition"), part * 4,
+                 f"{S12} initialize_optimizer_states (single_grad_partition, kept as the master's .grad)"),
+            Term(_pin(o, "16-bit partition buffer"), part * p,
+                 f"{S12} __init__ (param_buffer_of_bit16_for_cpu_offload_groups)"),
+            Term(_pin(o, "gradient buffer (largest parameter)"), max(numels) * p,
+                 f"{S12} __init__ (temp_grad_buffer_for_cpu_offload)"),
+            Term("Adam m and v (DeepSpeedCPUAdam)", 2 * part * 4, CPU_ADAM, 2)]  # fmt: skip
+    if run.grad_accum > 1:  # each partition parameter's gradient, whole, accumulated between micro-steps
+        held = max(run.flat.params_numel(r) for r in run.ranks)
+        out.append(Term(_pin(o, "accumulated gradients of the partition's parameters"), held * p,
+                        f"{S12} async_accumulate_grad_in_cpu_via_gpu (accumulated_grads_in_cpu)"))
+    return tuple(out)
+
+
+def _fetch_term(run: DSRun) -> Term:
+    """``offload_param``: the largest module's partitions copied to the GPU before its all-gather."""
+    largest = max((sum(-(-n // run.nd) for n in m) for m in run.modules), default=0)
+    return Term("offloaded partitions copied to the GPU for the all-gather (largest module)",
+                largest * DTYPE_BYTES[run.settings.dtype],
+                "runtime/zero/partition_parameters.py all_gather_coalesced (ds_tensor.to(device))")  # fmt: skip
+
+
+def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ...]:
+    """``moments`` (the wrapper's, GPU model states already ``on_gpu``) without what offload makes on the host
+    (``HOST_TEMPORARIES``) and, with ``offload_param``, with the fetched partitions beside gathered parameters."""
+    s = run.settings
+    if not offloads(s):
+        return moments
+    fetch = _fetch_term(run) if s.offload_param.on else None
+    out = []
+    for m in moments:
+        terms = m.terms
+        if s.offload_optimizer.on:
+            terms = tuple(t for t in terms if not (t.name.startswith(HOST_TEMPORARIES) or t.name.endswith(" temporaries")))
+        if fetch is not None and m.phase in ("forward", "backward") and any(t.name.startswith("gathered") for t in terms):
+            terms = (*terms, fetch)
+        out.append(m if terms == m.terms else Moment(m.phase, m.name, terms))
+    return tuple(out)
+
+
+def host_memory(run: DSRun) -> HostMemory:
+    """One rank's offload record: its host terms and one optimizer step's PCIe traffic.
+
+    ZeRO-1/2: each reduced gradient slice of the partition goes to the host in fp32 at the boundary
+    (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), the 16-bit partition comes back after the step.
+    ZeRO-3: the gradient partition goes down every micro-step in the gradient dtype, the 16-bit partition comes
+    back after the step; ``offload_param``: every micro-step's forward and backward fetch every partition
+    (``ds_tensor.to(device)``), and without ``offload_optimizer`` the updated partition goes back down."""
+    s, numels, nd = run.settings, run.numels, run.nd
+    p, g = DTYPE_BYTES[s.dtype], DTYPE_BYTES[s.grad_dtype]
+    o, prm = s.offload_optimizer.on, s.offload_param.on
+    h2d = d2h = 0
+    if s.stage == 3:
+        part = flat_shard_numel(numels, nd)
+        if o:
+            d2h += part * g * run.grad_accum
+            h2d += part * p if not prm else 0
+        if prm:
+            h2d += part * p * 2 * run.grad_accum
+            d2h += part * p if not o else 0
+    elif o:
+        part = aligned_flat_numel(numels, nd) // nd
+        d2h, h2d = part * 4, part * p
+    offload = Offload("cpu" if o else "none", "cpu" if prm else "none")
+    return HostMemory(offload, host_terms(run), h2d, d2h)
+
+
+def offload_label(s: Settings) -> str:
+    """``offload optimizer->cpu``, ``offload optimizer->cpu, params->cpu`` ("offload none" without offload)."""
+    return "offload " + Offload("cpu" if s.offload_optimizer.on else "none", "cpu" if s.offload_param.on else "none").label
+
+
+def label_suffix(s: Settings) -> str:
+    """``, offload optimizer->cpu`` for the row's label ("" without offload)."""
+    return f", {offload_label(s)}" if offloads(s) else ""
