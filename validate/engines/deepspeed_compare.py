@@ -108,6 +108,13 @@ def workload_for(
                     checkpointing=checkpointing, grad_accum=grad_accum, transformers=hf)  # fmt: skip
 
 
+def with_host(peak_by_phase: dict[str, int], host) -> dict[str, int]:
+    """A rank's predicted GPU peak per phase plus its offload's host bytes (``EngineEstimate.host``): what a
+    CPU-only run measures, its "device" and host being one memory. The host buffers are there from init on
+    (Adam's m and v from the first step: ``HostMemory.init_bytes``), so each phase's peak grows by them."""
+    return {p: b + (host.init_bytes if p == "init" else host.host_bytes) for p, b in peak_by_phase.items()}
+
+
 def readings(rank_rows: list[dict], nd: int) -> Readings:
     """What DeepSpeed's ranks measured: model states at the step boundaries after init; collectives from the
     third step list (the second step: ZeRO-3 records its trace in the first)."""
@@ -150,11 +157,15 @@ def compare_row(
     by_rank = {r["rank"]: D.estimate(workload, nd, settings.model_copy(update={"rank": r["rank"]}),
                                      stat_bytes=D.DTYPE_BYTES[settings.dtype])[0].peak.by_phase()
                for r in rank_rows}  # fmt: skip
+    host = est.host
+    if host is not None:  # offload on CPU: "GPU" and host are one memory, measured together (docs/engines/deepspeed.md)
+        by_rank = {r: with_host(p, host) for r, p in by_rank.items()}
     numels = tuple(math.prod(sh) for _, sh in workload.shapes)
     collectives = tuple(replace(c, phase=PHASE_OF.get(c.phase, c.phase)) for c in est.collectives)
     # the profile predicts the ring collectives (DeepSpeed's scalar all-reduces are reported, not checked)
     top = {p: max(b[p] for b in by_rank.values()) for p in next(iter(by_rank.values()))}
-    prediction = Prediction(est, collectives, peak_by_phase=top, ops=RING_OPS, peak_by_rank=by_rank)
+    prediction = Prediction(est, collectives, peak_by_phase=top, ops=RING_OPS, peak_by_rank=by_rank,
+                            beside_states=() if host is None else host.terms)  # fmt: skip
     row = compare_rows(prediction, readings(rank_rows, nd), tolerance, peak_tolerance)
     ds_est = D.ds_estimate_bytes(settings, numels, nd)
     peak = row["measured_peak_bytes"]

@@ -76,6 +76,13 @@ class HostMemory:
     """host -> GPU per optimizer step."""
     d2h_bytes: int
     """GPU -> host per optimizer step."""
+    lazy: tuple[str, ...] = ()
+    """names of the terms created by the first optimizer step (Adam's m and v), not yet there after init."""
+
+    @property
+    def init_bytes(self) -> int:
+        """Host bytes alive after init, before the first step."""
+        return sum(t.bytes for t in self.terms if t.name not in self.lazy)
 
     @property
     def host_bytes(self) -> int:

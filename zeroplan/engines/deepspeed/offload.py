@@ -33,6 +33,8 @@ from zeroplan.formulas.sharding import flat_shard_numel
 
 S12 = "runtime/zero/stage_1_and_2.py"
 S3 = "runtime/zero/stage3.py"
+ADAM_HOST = "Adam m and v (DeepSpeedCPUAdam)"
+"""created by the first step (lazy), as on the GPU."""
 CPU_ADAM = "ops/adam/cpu_adam.py DeepSpeedCPUAdam.step (exp_avg, exp_avg_sq: torch.zeros_like on the host partition)"
 
 MOVED_WITH_OPTIMIZER = ("fp32 master partition", "Adam m and v", "Adam step tensor", "overflow buffer",
@@ -92,7 +94,7 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
                          f"{S3} _setup_for_real_optimizer (grad_partitions_flat_buffer on the CPU)"),
                     Term(_pin(o, "fp32 gradient of the master partition"), part * 4,
                          f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
-                    Term("Adam m and v (DeepSpeedCPUAdam)", 2 * part * 4, CPU_ADAM, 2)]  # fmt: skip
+                    Term(ADAM_HOST, 2 * part * 4, CPU_ADAM, 2)]  # fmt: skip
         if s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
             out.append(Term("16-bit parameter partition (pinned)", part * p,
                             f"{S3} _create_param_groups_fp16_flat_cpu_memory (param_groups_fp16_flat_cpu_memory)"))
@@ -105,9 +107,9 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
                  f"{S12} initialize_optimizer_states (single_grad_partition, kept as the master's .grad)"),
             Term(_pin(o, "16-bit partition buffer"), part * p,
                  f"{S12} __init__ (param_buffer_of_bit16_for_cpu_offload_groups)"),
-            Term(_pin(o, "gradient buffer (largest parameter)"), max(numels) * p,
+            Term(_pin(o, "gradient buffer of the largest tensor"), max(numels) * p,
                  f"{S12} __init__ (temp_grad_buffer_for_cpu_offload)"),
-            Term("Adam m and v (DeepSpeedCPUAdam)", 2 * part * 4, CPU_ADAM, 2)]  # fmt: skip
+            Term(ADAM_HOST, 2 * part * 4, CPU_ADAM, 2)]  # fmt: skip
     if run.grad_accum > 1:  # each partition parameter's gradient, whole, accumulated between micro-steps
         held = max(run.flat.params_numel(r) for r in run.ranks)
         out.append(Term(_pin(o, "accumulated gradients of the partition's parameters"), held * p,
@@ -165,7 +167,7 @@ def host_memory(run: DSRun) -> HostMemory:
         part = aligned_flat_numel(numels, nd) // nd
         d2h, h2d = part * 4, part * p
     offload = Offload("cpu" if o else "none", "cpu" if prm else "none")
-    return HostMemory(offload, host_terms(run), h2d, d2h)
+    return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST,))
 
 
 def offload_label(s: Settings) -> str:

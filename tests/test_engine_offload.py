@@ -1,0 +1,143 @@
+"""DeepSpeed's offload on the engine profile (issue 21, "Offload on the engines"): the ds_config keys with
+DeepSpeed 0.19.8's defaults, the refusals, what stays on the GPU and what one rank keeps on the host
+(term by term, by hand, for gpt-tiny), the plan's offload rows and their ds_config.
+
+gpt-tiny (validate/models.py): Ψ = 36,324 in 28 tensors, the largest 5,184 (wte 101 x 36 is 3,636; the MLP
+weights 36 x 144). DeepSpeed's flat group (ZeRO-1/2) pads Ψ to a multiple of 2·N_d (36,324 at N_d = 1 and 2,
+36,328 at 4); ZeRO-3 pads each tensor to N_d (36,324 at 1 and 2).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.clicheck import run_json
+from zeroplan.engines import deepspeed as D
+from zeroplan.engines.deepspeed.offload import host_memory
+from zeroplan.engines.deepspeed.wrapper import ds_run
+
+PSI, LARGEST = 36_324, 5_184
+ZERO2_CPU = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
+ZERO3_CPU = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+             "bf16": {"enabled": True}}  # fmt: skip
+
+
+def _workload():
+    from validate.engines.deepspeed_compare import workload_for
+
+    return workload_for("gpt-tiny", 2, None)
+
+
+def _plain(s: D.Settings) -> D.Settings:
+    off = D.Settings(stage=1).offload_optimizer
+    return s.model_copy(update={"offload_optimizer": off, "offload_param": off})
+
+
+def test_sections_read_with_deepspeeds_defaults_and_written_back():
+    s = D.Settings.from_ds_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                         "offload_param": {"device": "cpu", "pin_memory": False}}})  # fmt: skip
+    # runtime/zero/offload_config.py: pin_memory true, ratio 1.0 unless given
+    assert (s.offload_optimizer.device, s.offload_optimizer.pin_memory, s.offload_optimizer.ratio) == ("cpu", True, 1.0)
+    assert (s.offload_param.device, s.offload_param.pin_memory) == ("cpu", False)
+    assert D.inner_optimizer_class(s) == "DeepSpeedCPUAdam"  # engine.py zero_use_cpu_optimizer
+    assert D.Settings.from_ds_config(D.to_ds_config(s)) == s  # the config written is the one predicted
+    assert D.Settings.from_ds_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}) == \
+        D.Settings(stage=2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("zero", "extra", "message"),
+    [
+        ({"stage": 2, "offload_param": {"device": "cpu"}}, {}, "offload_param needs ZeRO stage 3, not 2"),
+        ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, {}, "offload_optimizer.nvme_path"),
+        ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, {}, "models cpu offload only"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {}, "ratio=0.5: read at ZeRO-3 only"),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {}, "partial offload is not modelled"),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 2}}, {}, "ratio=2: must be a number from 0 to 1"),
+        ({"stage": 2, "offload_optimizer": {"device": "gpu"}}, {}, "device='gpu': expected none, cpu or nvme"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": "yes"}}, {}, "pin_memory='yes'"),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}, {}, "super_offload=true"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}},
+         {"bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"torch_adam": True}}}, "DeepSpeedCPUAdam"),
+        ({"stage": 1, "offload_optimizer": {"device": "cpu"}},
+         {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
+    ],
+)  # fmt: skip
+def test_refusals_are_one_line_naming_the_key(zero, extra, message):
+    with pytest.raises(ValueError, match="deepspeed config") as err:
+        D.Settings.from_ds_config({"zero_optimization": zero, **extra})
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("nd", [1, 2])
+def test_zero2_cpu_offload_terms_by_hand(nd):
+    """stage_1_and_2.py with cpu_offload: the 16-bit flat group, the bucket and a staging buffer of the largest
+    tensor stay on the GPU; the fp32 master, its fp32 gradient, a 16-bit partition buffer, a gradient buffer of
+    the largest tensor (all pinned) and DeepSpeedCPUAdam's m and v live on the host."""
+    w, s = _workload(), D.Settings.from_ds_config(ZERO2_CPU)
+    part = PSI // nd  # 36,324 is a multiple of 2·N_d for N_d = 1, 2
+    gpu = {t.name: t.bytes for t in ds_run(s, w, nd).model_terms}
+    assert gpu == {"16-bit flat parameters (full, padded)": PSI * 2, "reduce bucket (IPG)": 500_000_000 * 2,
+                   "gradient staging buffer (largest tensor)": LARGEST * 2, "gradient norm scalar": 4}  # fmt: skip
+    host = host_memory(ds_run(s, w, nd))
+    assert {t.name: t.bytes for t in host.terms} == {
+        "fp32 master partition (pinned)": part * 4, "fp32 gradient partition (pinned)": part * 4,
+        "16-bit partition buffer (pinned)": part * 2, "gradient buffer of the largest tensor (pinned)": LARGEST * 2,
+        "Adam m and v (DeepSpeedCPUAdam)": part * 8}  # fmt: skip
+    assert (host.host_bytes, host.pinned_bytes, host.init_bytes) == (part * 18 + LARGEST * 2, part * 10 + LARGEST * 2,
+                                                                      part * 10 + LARGEST * 2)  # fmt: skip
+    assert (host.d2h_bytes, host.h2d_bytes) == (part * 4, part * 2)  # fp32 gradient slices down, 16-bit partition up
+    # forward holds model states and activations only: offload takes off the master, Adam's m and v, FusedAdam's
+    # overflow buffer and the norm/step scalars (4 + 4 B), and adds the staging buffer and the norm
+    (off,), (on,) = D.estimate(w, nd, s), D.estimate(w, nd, _plain(s))
+    moved = part * 4 + part * 8 + 4 + 4 - LARGEST * 2 - 4
+    assert on.peak.by_phase()["forward"] - off.peak.by_phase()["forward"] == moved
+    # the step runs on the host: the GPU holds its model states only (no fp32 gradient, no grads_in_partition)
+    assert off.peak.by_phase()["optimizer_step"] == PSI * 2 + LARGEST * 2 + 4
+    assert off.host == host and off.label.endswith("DeepSpeedCPUAdam, offload optimizer->cpu")
+
+
+def test_zero3_optimizer_and_param_offload_terms_by_hand():
+    """stage3.py with offload_optimizer and offload_param: the fp32 master (pageable), the gradient partition and
+    the master's fp32 gradient (pinned), Adam's m and v and the 16-bit partition (pinned, always) on the host;
+    the GPU keeps the bucket, the gathered persistent parameters (gpt-tiny's are all under 1e5) and scalars."""
+    w, s = _workload(), D.Settings.from_ds_config(ZERO3_CPU)
+    part = PSI // 2
+    gpu = {t.name: t.bytes for t in ds_run(s, w, 2).model_terms}
+    assert gpu == {"reduce bucket (IPG)": 10**9, "persistent parameters (gathered)": PSI * 2, "inf/nan tracker": 1,
+                   "grad-norm scalar": 8}  # fmt: skip
+    host = host_memory(ds_run(s, w, 2))
+    assert {t.name: t.bytes for t in host.terms} == {
+        "fp32 master partition": part * 4, "gradient partition (pinned)": part * 2,
+        "fp32 gradient of the master partition (pinned)": part * 4, "Adam m and v (DeepSpeedCPUAdam)": part * 8,
+        "16-bit parameter partition (pinned)": part * 2}  # fmt: skip
+    # down: the gradient partition (bf16); up: every partition for the forward and the backward gathers
+    assert (host.d2h_bytes, host.h2d_bytes) == (part * 2, part * 2 * 2)
+    (est,) = D.estimate(w, 2, s)
+    assert est.host.host_bytes == part * 20 and est.memory.model_states_bytes == 10**9 + PSI * 2 + 9
+
+
+def test_plan_offers_offload_rows_with_host_per_node_and_their_ds_config(tmp_path):
+    """``plan --engine deepspeed``: the offload rows come from the engine (host per GPU and per node, PCIe), after
+    every row without offload; each row's ds_config reads back to the settings whose peak was predicted."""
+    from validate.models import spec_for
+
+    cfg = tmp_path / "gpt-tiny.json"
+    spec = spec_for("gpt-tiny", None)
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": spec.n_layer, "n_embd": spec.d_model, "n_head": spec.n_head,
+                               "vocab_size": spec.vocab_size, "n_positions": spec.max_seq_len, "embd_pdrop": 0,
+                               "attn_pdrop": 0, "resid_pdrop": 0}))  # fmt: skip
+    d = run_json("plan", "--engine", "deepspeed", "--model", str(cfg), "--gpus", "2", "--gpu", "h100-80gb",
+                 "--seq-len", "16", "--micro-batch", "2")  # fmt: skip (2 GPUs: one node of 2)
+    rows = {o["label"]: o for o in d["offload"]}
+    assert list(rows) == ["ZeRO-3, offload optimizer->cpu", "ZeRO-3, offload optimizer->cpu, params->cpu",
+                          "ZeRO-1, offload optimizer->cpu", "ZeRO-2, offload optimizer->cpu"]  # fmt: skip
+    z2 = rows["ZeRO-2, offload optimizer->cpu"]
+    part = PSI // 2  # fp32 model (no precision key): 4 + 4 + 4 (16-bit buffer in the model dtype) + 8 per element
+    assert z2["host_bytes_per_gpu"] == part * 20 + LARGEST * 4 and z2["host_bytes_per_node"] == 2 * z2["host_bytes_per_gpu"]
+    assert (z2["pcie"]["d2h_bytes"], z2["pcie"]["h2d_bytes"]) == (part * 4, part * 4)
+    assert all(o["offload"] == {"optimizer": "none", "params": "none"} for o in d["stages"])
+    for label, s in D.candidates(D.Settings(stage=1)):
+        assert D.Settings.from_ds_config(D.to_ds_config(s)) == s, label
