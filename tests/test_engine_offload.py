@@ -141,3 +141,42 @@ def test_plan_offers_offload_rows_with_host_per_node_and_their_ds_config(tmp_pat
     assert all(o["offload"] == {"optimizer": "none", "params": "none"} for o in d["stages"])
     for label, s in D.candidates(D.Settings(stage=1)):
         assert D.Settings.from_ds_config(D.to_ds_config(s)) == s, label
+
+
+def test_fsdp2_cpu_offload_policy_terms_by_hand():
+    """FSDP2 ``CPUOffloadPolicy`` (gpt-tiny, N_d = 2, fp32, CPU/gloo): the shards, the gradient shards and Adam live
+    on the host (sharded parameters and gradients pinned), the GPU keeps the gathered units, activations and
+    the all-gather input copied up (the largest unit's shards: a block, 16,020 elements, 8,010 per rank)."""
+    from zeroplan.engines.fsdp2.plan import estimate
+    from zeroplan.engines.fsdp2.settings import Settings as FSettings
+
+    w, cpu = _workload(), {"device": "cpu", "backend": "gloo"}
+    (on,), (off,) = estimate(w, 2, FSettings(**cpu)), estimate(w, 2, FSettings(**cpu, offload_policy="cpu"))
+    params, adam_bytes = on.memory.params_bytes, on.memory.optimizer_bytes
+    assert off.memory.model_states_bytes == 0 and off.label.endswith("CPUOffloadPolicy(pin_memory=True)")
+    host = {t.name: t.bytes for t in off.host.terms}
+    assert host["sharded parameters (pinned)"] == host["sharded gradients (pinned)"] == params == on.memory.grads_bytes
+    assert host["Adam exp_avg, exp_avg_sq, step"] == adam_bytes
+    assert (off.host.h2d_bytes, off.host.d2h_bytes, off.host.init_bytes) == (2 * params, params, params)
+    assert on.peak.by_phase()["forward"] - off.peak.by_phase()["forward"] == params + adam_bytes - 8_010 * 4
+    assert off.peak.by_phase()["init"] == 0  # built on the CPU (_validate_cpu_offload_params)
+    (unpinned,) = estimate(w, 2, FSettings(**cpu, offload_policy="cpu", pin_memory=False))
+    assert unpinned.host.pinned_bytes == 0 and unpinned.host.host_bytes == off.host.host_bytes
+
+
+def test_fsdp2_offload_is_its_own_option_and_its_snippet_is_the_prediction():
+    """``offload_policy`` and ``pin_memory`` are FSDP2's own options (``VOCABULARY``): its plan's rows carry them
+    and the snippet passes ``CPUOffloadPolicy`` to every ``fully_shard`` call, the shards materialized on the CPU."""
+    from zeroplan.engines import get_engine
+    from zeroplan.engines.base import PlannerOptions
+
+    plan = get_engine("fsdp2").plan(_workload(), 2, 10**10, PlannerOptions(own={"offload_policy": "cpu", "pin_memory": False}))
+    assert all(c.estimate.host is not None and "CPUOffloadPolicy(pin_memory=False)" in c.label for c in plan.candidates)
+    snippet = plan.candidates[plan.recommended].launcher
+    assert "offload = CPUOffloadPolicy(pin_memory=False)" in snippet and "model.to_empty(device='cpu')" in snippet
+    assert snippet.count("offload_policy=offload") == 2  # the blocks' call and the root's
+    checks = {o.name: o.check for o in get_engine("fsdp2").own_options}
+    with pytest.raises(ValueError, match="offload_policy='nvme': expected none or cpu"):
+        checks["offload_policy"]("nvme")
+    with pytest.raises(ValueError, match="pin_memory='yes': expected true or false"):
+        checks["pin_memory"]("yes")

@@ -58,6 +58,7 @@ from zeroplan.engines.fsdp2.terms import (
     unit_grads,
     unsharded,
 )
+from zeroplan.engines.fsdp2.offload import offload_moments
 from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
 
@@ -330,7 +331,8 @@ def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     if run.acts is None:
         raise ValueError("the peak needs an architecture (activations); this run has only tensor shapes")
     backward = with_allreduce_held(run, backward_moments(run))  # HSDP's held all-reduce buffers (mesh.py)
-    return (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))
+    every = (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))
+    return offload_moments(run, every) if run.settings.offload_policy != "none" else every  # CPUOffloadPolicy
 
 
 def phase_leaders(moments: tuple[Moment, ...], block_bytes: int) -> tuple[Moment, ...]:
