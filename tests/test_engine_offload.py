@@ -141,6 +141,18 @@ def test_plan_offers_offload_rows_with_host_per_node_and_their_ds_config(tmp_pat
     assert all(o["offload"] == {"optimizer": "none", "params": "none"} for o in d["stages"])
     for label, s in D.candidates(D.Settings(stage=1)):
         assert D.Settings.from_ds_config(D.to_ds_config(s)) == s, label
+    # estimate: the same row's host memory as its own keys (absent without offload), term by term
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(ZERO2_CPU))
+    (row,) = run_json("estimate", "--engine", "deepspeed", "--model", str(cfg), "--gpus", "2", "--seq-len", "16",
+                      "--micro-batch", "2", "--deepspeed-config", str(ds))["stages"]  # fmt: skip
+    host = part * 18 + LARGEST * 2  # bf16: 4 + 4 + 2 + 8 per element, a bf16 buffer of the largest tensor
+    assert (row["host_bytes_per_gpu"], row["host_bytes_per_node"]) == (host, 2 * host)
+    assert row["host_pinned_bytes_per_node"] == 2 * (part * 10 + LARGEST * 2)
+    assert sum(t["bytes"] for t in row["host_terms"]) == host and row["model_states_bytes"] == PSI * 2 + LARGEST * 2 + 4
+    (plain,) = run_json("estimate", "--engine", "deepspeed", "--model", str(cfg), "--gpus", "2", "--stage", "2",
+                        "--seq-len", "16")["stages"]  # fmt: skip
+    assert not [k for k in plain if k.startswith("host")]
 
 
 def test_fsdp2_cpu_offload_policy_terms_by_hand():
