@@ -24,6 +24,9 @@ Assumptions, stated once here and in the README:
   them there); at stage 1 the full gradients accumulate on the GPU and one partition is copied per step.
 - Offloaded parameters are fetched to the GPU before each of the two all-gathers of every micro-step
   (forward and backward).
+
+The engines' own offload (DeepSpeed's buffers as 0.19.8 allocates them, fp32 host gradients included; FSDP2's
+``CPUOffloadPolicy``) is ``HostMemory``, built by ``zeroplan/engines/*/offload.py``.
 """
 
 from __future__ import annotations
