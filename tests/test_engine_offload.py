@@ -63,6 +63,7 @@ def test_sections_read_with_deepspeeds_defaults_and_written_back():
          {"bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"torch_adam": True}}}, "DeepSpeedCPUAdam"),
         ({"stage": 1, "offload_optimizer": {"device": "cpu"}},
          {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
+        ({"stage": 2, "contiguous_gradients": False, "offload_optimizer": {"device": "cpu"}}, {}, "DeepSpeed turns it on"),
     ],
 )  # fmt: skip
 def test_refusals_are_one_line_naming_the_key(zero, extra, message):
