@@ -114,7 +114,7 @@ step ds_ws1 120 --engine deepspeed --world-size 1 --model "$tiny" --steps 2
 # predictions are one memory: each row checks their sum per phase (docs/engines/deepspeed.md "Offload").
 for z in 1 2 3 3p; do
   param=""; [[ $z == 3p ]] && param=', "offload_param": {"device": "cpu"}'
-  echo "{\"bf16\": {\"enabled\": true}, \"zero_optimization\": {\"stage\": ${z%p}, \"reduce_bucket_size\": 5000, \"allgather_bucket_size\": 5000, \"offload_optimizer\": {\"device\": \"cpu\"}$param}}" \
+  echo "{\"bf16\": {\"enabled\": true}, \"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.001}}, \"zero_optimization\": {\"stage\": ${z%p}, \"reduce_bucket_size\": 5000, \"allgather_bucket_size\": 5000, \"offload_optimizer\": {\"device\": \"cpu\"}$param}}" \
     > "$out/ds_offload_z$z.json"
   step "ds_ws1_offload_z$z" "$([[ $z == 1 ]] && echo 300 || echo 90)" --engine deepspeed --world-size 1 --model "$tiny" \
     --steps 2 --deepspeed-config "$out/ds_offload_z$z.json"

@@ -108,11 +108,14 @@ def workload_for(
                     checkpointing=checkpointing, grad_accum=grad_accum, transformers=hf)  # fmt: skip
 
 
-def with_host(peak_by_phase: dict[str, int], host) -> dict[str, int]:
-    """A rank's predicted GPU peak per phase plus its offload's host bytes (``EngineEstimate.host``): what a
-    CPU-only run measures, its "device" and host being one memory. The host buffers are there from init on
-    (Adam's m and v from the first step: ``HostMemory.init_bytes``), so each phase's peak grows by them."""
-    return {p: b + (host.init_bytes if p == "init" else host.host_bytes) for p, b in peak_by_phase.items()}
+def one_memory(workload, nd: int, settings, stat_bytes: int) -> dict[str, int]:
+    """A rank's predicted peak per phase with its offload's host bytes at each moment (``EngineEstimate.host``;
+    ``zeroplan.engines.deepspeed.offload.one_memory_by_phase``): what a CPU-only run measures, its "device" and
+    host being one memory."""
+    from zeroplan.engines.deepspeed.offload import one_memory_by_phase
+    from zeroplan.engines.deepspeed.wrapper import ds_run
+
+    return one_memory_by_phase(ds_run(settings, workload, nd, stat_bytes))
 
 
 def readings(rank_rows: list[dict], nd: int) -> Readings:
@@ -159,7 +162,8 @@ def compare_row(
                for r in rank_rows}  # fmt: skip
     host = est.host
     if host is not None:  # offload on CPU: "GPU" and host are one memory, measured together (docs/engines/deepspeed.md)
-        by_rank = {r: with_host(p, host) for r, p in by_rank.items()}
+        by_rank = {r: one_memory(workload, nd, settings.model_copy(update={"rank": r}), D.DTYPE_BYTES[settings.dtype])
+                   for r in by_rank}  # fmt: skip
     numels = tuple(math.prod(sh) for _, sh in workload.shapes)
     collectives = tuple(replace(c, phase=PHASE_OF.get(c.phase, c.phase)) for c in est.collectives)
     # the profile predicts the ring collectives (DeepSpeed's scalar all-reduces are reported, not checked)

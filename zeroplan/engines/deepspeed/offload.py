@@ -132,6 +132,7 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
     if not offloads(s):
         return moments
     fetch = _fetch_term(run) if s.offload_param.on else None
+    upcast = _hook_upcast(run)
     out = []
     for m in moments:
         terms = m.terms
@@ -139,8 +140,42 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
             terms = tuple(t for t in terms if not (t.name.startswith(HOST_TEMPORARIES) or t.name.endswith(" temporaries")))
         if fetch is not None and m.phase in ("forward", "backward") and any(t.name.startswith("gathered") for t in terms):
             terms = (*terms, fetch)
+        if upcast is not None and m.phase == "backward":
+            terms = (*terms, upcast)
         out.append(m if terms == m.terms else Moment(m.phase, m.name, terms))
     return tuple(out)
+
+
+def _hook_upcast(run: DSRun) -> Term | None:
+    """ZeRO-1/2 with ``offload_optimizer`` and 16-bit gradients: each hook copies the partition's slice of a
+    gradient to fp32 on the GPU, three times in turn (``set_norm_for_param_grad_in_gpu``: ``.to(norm dtype)``;
+    ``_has_inf_or_nan``: ``.float()``; ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: ``.to(fp32)``), one
+    alive at a time: the largest parameter's, a bound (measured: gpt-tiny bf16, N_d = 1, 19,904 B of it)."""
+    s = run.settings
+    if not s.offload_optimizer.on or s.stage == 3 or s.grad_dtype == "fp32":
+        return None
+    return Term("fp32 copy of a gradient slice (norm, overflow check, copy to the host; the largest parameter)",
+                max(run.numels) * 4, f"{S12} set_norm_for_param_grad_in_gpu, async_inplace_copy_grad_to_fp32_buffer_from_gpu")
+
+
+HOST_FROM = ("initialize_optimizer_states", "fp32 master: converted and cloned", "partitioned parameters gathered once")
+"""The init moments from which the optimizer's host buffers exist (its construction: ``stage_1_and_2.py
+__init__``, ``stage3.py _create_fp32_partitions``); the moments before them (the cast, the flat copy, ZeRO-3's
+build) hold none."""
+
+
+def one_memory_by_phase(run: DSRun) -> dict[str, int]:
+    """Each phase's peak where the GPU and the host are one memory (a CPU-only run, ``DS_ACCELERATOR=cpu``): every
+    GPU moment plus the host bytes alive there (none before the optimizer's construction, ``HOST_FROM``; Adam's
+    m and v from the first step, as on the GPU), the largest per phase. What the validator measures on CPU."""
+    from zeroplan.engines.deepspeed.phases import moments  # phases.py imports this module
+
+    host = host_memory(run)
+    out: dict[str, int] = {}
+    for m in moments(run):
+        extra = host.host_bytes if m.phase != "init" else host.init_bytes if m.name in HOST_FROM else 0
+        out[m.phase] = max(out.get(m.phase, 0), m.total() + extra)
+    return out
 
 
 def host_memory(run: DSRun) -> HostMemory:
