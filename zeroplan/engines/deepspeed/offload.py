@@ -132,7 +132,7 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
     if not offloads(s):
         return moments
     fetch = _fetch_term(run) if s.offload_param.on else None
-    upcast = _hook_upcast(run)
+    by_block = _upcast_by_block(run) if s.offload_optimizer.on and s.stage < 3 else {}
     out = []
     for m in moments:
         terms = m.terms
@@ -140,22 +140,54 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
             terms = tuple(t for t in terms if not (t.name.startswith(HOST_TEMPORARIES) or t.name.endswith(" temporaries")))
         if fetch is not None and m.phase in ("forward", "backward") and any(t.name.startswith("gathered") for t in terms):
             terms = (*terms, fetch)
-        if upcast is not None and m.phase == "backward":
+        upcast = _hook_upcast(run, m, by_block) if by_block else None
+        if upcast is not None:
             terms = (*terms, upcast)
         out.append(m if terms == m.terms else Moment(m.phase, m.name, terms))
     return tuple(out)
 
 
-def _hook_upcast(run: DSRun) -> Term | None:
-    """ZeRO-1/2 with ``offload_optimizer`` and 16-bit gradients: each hook copies the partition's slice of a
-    gradient to fp32 on the GPU, three times in turn (``set_norm_for_param_grad_in_gpu``: ``.to(norm dtype)``;
+def _slice_numel(run: DSRun, i: int) -> int:
+    """Elements of parameter ``i`` in the described ranks' slices of the flat group (the largest over ranks)."""
+    lo, hi = run.flat.offsets[i], run.flat.offsets[i + 1]
+    part = run.flat.part
+    return max(max(0, min(hi, (r + 1) * part) - max(lo, r * part)) for r in run.ranks)
+
+
+def _upcast_by_block(run: DSRun) -> dict[int | None, int]:
+    """Block -> the largest fp32 upcast (bytes) a hook of that block's parameters makes on the ranks described;
+    None: any parameter (the moments after the blocks, and those not tied to one block)."""
+    out: dict[int | None, int] = {}
+    blocks = run.param_blocks or (-1,) * len(run.numels)
+    for i, b in enumerate(blocks):
+        n = _slice_numel(run, i) * 4
+        out[b] = max(out.get(b, 0), n)
+        out[None] = max(out.get(None, 0), n)
+    return out
+
+
+def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) -> Term | None:
+    """ZeRO-1/2 with ``offload_optimizer`` and 16-bit gradients: each hook copies the rank's slice of a gradient
+    to fp32 on the GPU, three times in turn (``set_norm_for_param_grad_in_gpu``: ``.to(norm dtype)``;
     ``_has_inf_or_nan``: ``.float()``; ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: ``.to(fp32)``), one
-    alive at a time: the largest parameter's, a bound (measured: gpt-tiny bf16, N_d = 1, 19,904 B of it)."""
+    alive at a time: the largest slice of the parameters whose hooks fire in that moment's block (the last
+    block's at the last block; none before the first hook, at the loss and the LM head; any elsewhere). Measured:
+    gpt-tiny bf16 at N_d = 2, rank 1 (the last block's parameters) holds it at its backward peak, rank 0 (the
+    first half of the flat group) does not."""
     s = run.settings
-    if not s.offload_optimizer.on or s.stage == 3 or s.grad_dtype == "fp32":
+    if not s.offload_optimizer.on or s.stage == 3 or s.grad_dtype == "fp32" or moment.phase != "backward":
         return None
-    return Term("fp32 copy of a gradient slice (norm, overflow check, copy to the host; the largest parameter)",
-                max(run.numels) * 4, f"{S12} set_norm_for_param_grad_in_gpu, async_inplace_copy_grad_to_fp32_buffer_from_gpu")
+    L = run.acts.n_layer
+    if moment.name.startswith(("cross-entropy backward", "LM head backward")):
+        return None
+    if moment.name.startswith("last block backward"):
+        numel = by_block.get(L - 1, 0)
+    elif moment.name.startswith("block ") and moment.name.split()[1].isdigit():
+        numel = by_block.get(int(moment.name.split()[1]), 0)
+    else:
+        numel = by_block.get(None, 0)
+    return Term("fp32 copy of a gradient slice (norm, overflow check, copy to the host)", numel,
+                f"{S12} set_norm_for_param_grad_in_gpu, async_inplace_copy_grad_to_fp32_buffer_from_gpu") if numel else None
 
 
 HOST_FROM = ("initialize_optimizer_states", "fp32 master: converted and cloned", "partitioned parameters gathered once")
