@@ -107,8 +107,9 @@ def test_zero3_optimizer_and_param_offload_terms_by_hand():
     w, s = _workload(), D.Settings.from_ds_config(ZERO3_CPU)
     part = PSI // 2
     gpu = {t.name: t.bytes for t in ds_run(s, w, 2).model_terms}
+    # the global norm in fp32 with offload (measured: the model states 4 B below fp64's, an fp32 all-reduce)
     assert gpu == {"reduce bucket (IPG)": 10**9, "persistent parameters (gathered)": PSI * 2, "inf/nan tracker": 1,
-                   "grad-norm scalar": 8}  # fmt: skip
+                   "grad-norm scalar": 4}  # fmt: skip
     host = host_memory(ds_run(s, w, 2))
     assert {t.name: t.bytes for t in host.terms} == {
         "fp32 master partition": part * 4, "gradient partition (pinned)": part * 2,
@@ -117,7 +118,8 @@ def test_zero3_optimizer_and_param_offload_terms_by_hand():
     # down: the gradient partition (bf16); up: every partition for the forward and the backward gathers
     assert (host.d2h_bytes, host.h2d_bytes) == (part * 2, part * 2 * 2)
     (est,) = D.estimate(w, 2, s)
-    assert est.host.host_bytes == part * 20 and est.memory.model_states_bytes == 10**9 + PSI * 2 + 9
+    assert est.host.host_bytes == part * 20 and est.memory.model_states_bytes == 10**9 + PSI * 2 + 5
+    assert ("all-reduce", "optimizer step", "fp32") in {(c.op, c.phase, c.dtype) for c in est.collectives}
 
 
 def test_plan_offers_offload_rows_with_host_per_node_and_their_ds_config(tmp_path):
