@@ -231,7 +231,7 @@ def test_one_memory_prediction_matches_the_cpu_measurement(case, nd, rank):
     """On CPU the validator compares GPU + host at every moment (``one_memory_by_phase``: host buffers from the
     optimizer's construction on; the partitions ``offload_param`` copies up are the tensors themselves) with
     MemTracker: every phase within 0.1% (ZeRO-3's step 0.2%), or short by exactly its unnamed bytes."""
-    from zeroplan.engines.deepspeed.offload import one_memory_by_phase
+    from zeroplan.engines.deepspeed.offload_one_memory import one_memory_by_phase
 
     s = D.Settings.from_ds_config(_offload_config(case), zero_init=False).model_copy(update={"rank": rank})
     got = one_memory_by_phase(ds_run(s, _workload(), nd, stat_bytes=2))  # MemTracker on CPU: LayerNorm stats in bf16

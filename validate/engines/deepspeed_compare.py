@@ -110,9 +110,9 @@ def workload_for(
 
 def one_memory(workload, nd: int, settings, stat_bytes: int) -> dict[str, int]:
     """A rank's predicted peak per phase with its offload's host bytes at each moment (``EngineEstimate.host``;
-    ``zeroplan.engines.deepspeed.offload.one_memory_by_phase``): what a CPU-only run measures, its "device" and
+    ``zeroplan.engines.deepspeed.offload_one_memory.one_memory_by_phase``): what a CPU-only run measures, its "device" and
     host being one memory."""
-    from zeroplan.engines.deepspeed.offload import one_memory_by_phase
+    from zeroplan.engines.deepspeed.offload_one_memory import one_memory_by_phase
     from zeroplan.engines.deepspeed.wrapper import ds_run
 
     return one_memory_by_phase(ds_run(settings, workload, nd, stat_bytes))

@@ -24,75 +24,24 @@ largest parameter's slice in fp32, freed at once); NVMe (refused: offload_settin
 
 from __future__ import annotations
 
-from dataclasses import replace
-
+from zeroplan.engines.deepspeed.offload_terms import S12, offloads
 from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import DSTerm, aligned_flat_numel
+from zeroplan.engines.deepspeed.terms import aligned_flat_numel
 from zeroplan.formulas.offload import HostMemory, Offload
 from zeroplan.formulas.peak import Moment, Term
 from zeroplan.formulas.sharding import flat_shard_numel
 
-S12 = "runtime/zero/stage_1_and_2.py"
 S3 = "runtime/zero/stage3.py"
 ADAM_HOST = "Adam m and v (DeepSpeedCPUAdam)"
 """created by the first step (lazy), as on the GPU."""
 CPU_ADAM = "ops/adam/cpu_adam.py DeepSpeedCPUAdam.step (exp_avg, exp_avg_sq: torch.zeros_like on the host partition)"
 
-MOVED_WITH_OPTIMIZER = ("fp32 master partition", "Adam m and v", "Adam step tensor", "overflow buffer",
-                        "step scalars", "gradient partition")  # fmt: skip
-"""Model-state terms (``terms.py``) that ``offload_optimizer`` puts on the host (the step scalars become one
-norm on the GPU: ``_gpu_extras``)."""
 HOST_TEMPORARIES = ("fp32 gradient partition (zeros", "grads_in_partition", "flat partition gradient",
                     "fp32 gradient of the master partition", "accumulated gradients of the partition",
                     "gradient partition copy", "16-bit partition converted to fp32", "fp32 master partition (the clone)")  # fmt: skip
 """Moment terms (``zero12.py``, ``zero3.py``, ``phases.py``) that ``offload_optimizer`` makes on the host or
 not at all (ZeRO-1/2 copy gradients to the host, no ``grads_in_partition``), and Adam's temporaries."""
-
-
-def offloads(s: Settings) -> bool:
-    return s.offload_optimizer.on or s.offload_param.on
-
-
-def _moved(s: Settings, name: str) -> bool:
-    if s.offload_param.on and name == "16-bit parameter partition":
-        return True
-    return s.offload_optimizer.on and name.startswith(MOVED_WITH_OPTIMIZER)
-
-
-def _gpu_extras(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
-    """What offload adds on the GPU: ZeRO-1/2's staging buffer of the largest parameter and the global norm."""
-    if not s.offload_optimizer.on:
-        return ()
-    norm = DSTerm("gradient norm scalar", "lazy", 1, "fp32", f"{S12} complete_grad_norm_calculation_for_cpu_offload")
-    if s.stage == 3:
-        return ()
-    return (DSTerm("gradient staging buffer (largest tensor)", "persistent", max(numels), s.dtype,
-                   f"{S12} DeepSpeedZeroOptimizer.__init__ (temp_grad_buffer_for_gpu_offload)"), norm)  # fmt: skip
-
-
-def on_gpu(s: Settings, numels: tuple[int, ...], nd: int, terms: tuple[DSTerm, ...]) -> tuple[DSTerm, ...]:
-    """The wrapper's model-state terms (``terms.py``) less what offload puts on the host, plus its GPU buffers;
-    ZeRO-3's global norm in fp32 (``_fp32_norm``)."""
-    if not offloads(s):
-        return terms
-    kept = (replace(t, dtype="fp32", source=f"{t.source}; fp32 with offload_optimizer (measured 4 B)")
-            if _fp32_norm(s) and t.name == "grad-norm scalar" else t for t in terms if not _moved(s, t.name))
-    return (*kept, *_gpu_extras(s, numels, nd))
-
-
-def _fp32_norm(s: Settings) -> bool:
-    """ZeRO-3 with ``offload_optimizer`` keeps and all-reduces its global norm in fp32, not fp64 (measured:
-    gpt-tiny bf16 at N_d = 2, the step's all-reduce of one fp32 element, the model states 4 B below fp64's)."""
-    return s.stage == 3 and s.offload_optimizer.on
-
-
-def offload_collectives(s: Settings, collectives: tuple) -> tuple:
-    """The wrapper's collectives (``collectives.py``) as offload issues them: ZeRO-3's norm all-reduce in fp32."""
-    if not _fp32_norm(s):
-        return collectives
-    return tuple(replace(c, dtype="fp32") if (c.op, c.phase, c.dtype) == ("all-reduce", "optimizer_step", "fp64")
-                 else c for c in collectives)
 
 
 def _pin(t, name: str) -> str:
@@ -214,29 +163,6 @@ def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) ->
         numel = by_block.get(None, 0)
     return Term("fp32 copy of a gradient slice (norm, overflow check, copy to the host)", numel,
                 f"{S12} set_norm_for_param_grad_in_gpu, async_inplace_copy_grad_to_fp32_buffer_from_gpu") if numel else None
-
-
-HOST_FROM = ("initialize_optimizer_states", "fp32 master: converted and cloned", "partitioned parameters gathered once")
-"""The init moments from which the optimizer's host buffers exist (its construction: ``stage_1_and_2.py
-__init__``, ``stage3.py _create_fp32_partitions``); the moments before them (the cast, the flat copy, ZeRO-3's
-build) hold none."""
-
-
-def one_memory_by_phase(run: DSRun) -> dict[str, int]:
-    """Each phase's peak where the GPU and the host are one memory (a CPU-only run, ``DS_ACCELERATOR=cpu``): every
-    GPU moment plus the host bytes alive there (none before the optimizer's construction, ``HOST_FROM``; Adam's
-    m and v from the first step, as on the GPU), the largest per phase. What the validator measures on CPU."""
-    from zeroplan.engines.deepspeed.phases import moments  # phases.py imports this module
-
-    host = host_memory(run)
-    out: dict[str, int] = {}
-    for m in moments(run):
-        extra = host.host_bytes if m.phase != "init" else host.init_bytes if m.name in HOST_FROM else 0
-        # the partitions copied up for an all-gather: on one memory ``ds_tensor.to(device)`` is the tensor itself
-        # (measured: ZeRO-3 with offload_param peaks as without it on CPU)
-        same = sum(t.bytes for t in m.terms if t.name.startswith(FETCHED))
-        out[m.phase] = max(out.get(m.phase, 0), m.total() - same + extra)
-    return out
 
 
 def host_memory(run: DSRun) -> HostMemory:

@@ -11,7 +11,8 @@ from typing import Optional
 from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PeakLimit,
                                    PlannerOptions, Workload)
 from zeroplan.engines.deepspeed.profile import estimate
-from zeroplan.engines.deepspeed.offload import offload_label, offloads
+from zeroplan.engines.deepspeed.offload import offload_label
+from zeroplan.engines.deepspeed.offload_terms import offloads
 from zeroplan.engines.deepspeed.config import parse_ds_config
 from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, read_target
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config

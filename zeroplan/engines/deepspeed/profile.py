@@ -8,7 +8,8 @@ from typing import Optional
 
 from zeroplan.engines.base import EngineEstimate, Workload, worst_rank
 from zeroplan.engines.deepspeed.collectives import to_collective
-from zeroplan.engines.deepspeed.offload import host_memory, label_suffix, offloads
+from zeroplan.engines.deepspeed.offload import host_memory, label_suffix
+from zeroplan.engines.deepspeed.offload_terms import offloads
 from zeroplan.engines.deepspeed.phases import moments
 from zeroplan.engines.deepspeed.run import _trace
 from zeroplan.engines.deepspeed.settings import Settings, inner_optimizer_class, optimizer_class

@@ -19,7 +19,7 @@ from typing import Optional
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.bf16 import BF16_OPTIMIZER
 from zeroplan.engines.deepspeed.collectives import DSCollective
-from zeroplan.engines.deepspeed.offload import offload_collectives, on_gpu
+from zeroplan.engines.deepspeed.offload_terms import offload_collectives, on_gpu
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _layout, _trace
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings, optimizer_class
 from zeroplan.engines.deepspeed.terms import DSTerm

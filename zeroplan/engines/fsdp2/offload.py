@@ -56,15 +56,13 @@ def offload_moments(run: Fsdp2Run, moments: tuple[Moment, ...]) -> tuple[Moment,
     return tuple(out)
 
 
-def host_memory(run: Fsdp2Run, grad_accum: int = 1) -> HostMemory:
-    """One rank's host memory under ``CPUOffloadPolicy`` (Adam's temporaries as ``moments.optimizer_moments``
-    counts them, on the host tensors), and one step's PCIe traffic: each unit's shards
+def host_memory(run: Fsdp2Run, step: tuple[Moment, ...], grad_accum: int = 1) -> HostMemory:
+    """One rank's host memory under ``CPUOffloadPolicy`` (Adam's temporaries as the optimizer step's moments
+    ``step``, ``moments.optimizer_moments``, count them, on the host tensors), and one step's PCIe traffic: each unit's shards
     up for its forward all-gather and, resharded, again for backward; the gradient shards down, every
     micro-step (``grad_accum``)."""
-    from zeroplan.engines.fsdp2.moments import optimizer_moments  # moments.py imports this module
-
     pinned = " (pinned)" if run.settings.pin_memory else ""
-    by_name = {t.name: t for m in optimizer_moments(run) for t in m.terms}
+    by_name = {t.name: t for m in step for t in m.terms}
     shard_bytes = sum(run.shard(u) for u in range(len(run.units))) * run.m
     temps = max((t for t in by_name.values() if t.name.startswith("Adam temporaries")), key=lambda t: t.bytes,
                 default=None)  # fmt: skip
