@@ -124,7 +124,8 @@ def test_zero3_optimizer_and_param_offload_terms_by_hand():
 
 def test_plan_offers_offload_rows_with_host_per_node_and_their_ds_config(tmp_path):
     """``plan --engine deepspeed``: the offload rows come from the engine (host per GPU and per node, PCIe), after
-    every row without offload; each row's ds_config reads back to the settings whose peak was predicted."""
+    every row without offload, where the file asks for offload (or nothing fits without it); each row's ds_config
+    reads back to the settings whose peak was predicted."""
     from validate.models import spec_for
 
     cfg = tmp_path / "gpt-tiny.json"
@@ -132,8 +133,13 @@ def test_plan_offers_offload_rows_with_host_per_node_and_their_ds_config(tmp_pat
     cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": spec.n_layer, "n_embd": spec.d_model, "n_head": spec.n_head,
                                "vocab_size": spec.vocab_size, "n_positions": spec.max_seq_len, "embd_pdrop": 0,
                                "attn_pdrop": 0, "resid_pdrop": 0}))  # fmt: skip
+    asks = tmp_path / "offload.json"
+    asks.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
     d = run_json("plan", "--engine", "deepspeed", "--model", str(cfg), "--gpus", "2", "--gpu", "h100-80gb",
-                 "--seq-len", "16", "--micro-batch", "2")  # fmt: skip (2 GPUs: one node of 2)
+                 "--seq-len", "16", "--micro-batch", "2", "--deepspeed-config", str(asks))  # fmt: skip (one node of 2)
+    plain = run_json("plan", "--engine", "deepspeed", "--model", str(cfg), "--gpus", "2", "--gpu", "h100-80gb",
+                     "--seq-len", "16", "--micro-batch", "2")  # fmt: skip
+    assert plain["offload"] == [] and plain["recommendation"]["label"] == d["recommendation"]["label"]  # fits without
     rows = {o["label"]: o for o in d["offload"]}
     assert list(rows) == ["ZeRO-3, offload optimizer->cpu", "ZeRO-3, offload optimizer->cpu, params->cpu",
                           "ZeRO-1, offload optimizer->cpu", "ZeRO-2, offload optimizer->cpu"]  # fmt: skip

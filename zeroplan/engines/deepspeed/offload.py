@@ -119,10 +119,13 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
 
 
 def _slice_numel(run: DSRun, i: int) -> int:
-    """Elements of parameter ``i`` in the described ranks' slices of the flat group (the largest over ranks)."""
+    """Elements of parameter ``i`` in the described rank's slice of the flat group; every rank described
+    (``settings.rank`` None): the parameter or a whole slice, whichever is smaller (a bound on any rank's piece)."""
     lo, hi = run.flat.offsets[i], run.flat.offsets[i + 1]
-    part = run.flat.part
-    return max(max(0, min(hi, (r + 1) * part) - max(lo, r * part)) for r in run.ranks)
+    part, rank = run.flat.part, run.settings.rank
+    if rank is None:
+        return min(hi - lo, part)
+    return max(0, min(hi, (rank + 1) * part) - max(lo, rank * part))
 
 
 def _upcast_by_block(run: DSRun) -> dict[int | None, int]:

@@ -4,7 +4,7 @@ contract (``planner_settings``, ``planner_policy``, ``planner_plan``, ``planner_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,9 +57,14 @@ class Recommendation:
 
 
 def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
-    """What ``recommend`` tries: ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3 without prefetch
-    (``stage3_prefetch_bucket_size`` 0: a module's parameters are released after use unless reused within
-    ``stage3_max_reuse_distance``, ``stage3_schedule``; more all-gathers, no overlap). ``ranked`` orders them."""
+    """What ``recommend`` tries: ``plain_candidates``, then ``offload_candidates``. ``ranked`` orders them."""
+    return (*plain_candidates(base), *offload_candidates(base))
+
+
+def plain_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
+    """ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3 without prefetch (``stage3_prefetch_bucket_size``
+    0: a module's parameters are released after use unless reused within ``stage3_max_reuse_distance``,
+    ``stage3_schedule``; more all-gathers, no overlap); no offload."""
     out = []
     plain = {"offload_optimizer": NO_TARGET, "offload_param": NO_TARGET}
     for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
@@ -69,7 +74,7 @@ def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
                 update["prefetch_bucket_size"] = prefetch
             label = f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e") + (", no prefetch" if prefetch == 0 else "")
             out.append((label, base.model_copy(update=update)))
-    return (*out, *offload_candidates(base))
+    return tuple(out)
 
 
 def offload_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
@@ -118,11 +123,12 @@ parameters kept gathered (``stage3_param_persistence_threshold``), more: "lowest
 the order before, is not true of DeepSpeed."""
 
 
-def ranked(workload: Workload, nd: int, base: Settings, stat_bytes: Optional[int] = None) -> tuple[Tried, ...]:
-    """Every one of ``candidates`` estimated once, in the plan's order (``PLAN_ORDER``; ties keep the order
-    of ``candidates``: the lower stage, prefetch before none)."""
+def ranked(workload: Workload, nd: int, base: Settings, stat_bytes: Optional[int] = None,
+           which: Optional[Callable[[Settings], tuple[tuple[str, Settings], ...]]] = None) -> tuple[Tried, ...]:
+    """Every one of ``candidates`` (or ``which(base)``) estimated once, in the plan's order (``PLAN_ORDER``;
+    ties keep the order of ``candidates``: the lower stage, prefetch before none)."""
     out = []
-    for label, s in candidates(base):
+    for label, s in (which or candidates)(base):
         (est,) = estimate(workload, nd, s, stat_bytes)
         peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
         out.append(Tried(label, s, est, peak, sent_bytes_per_step(est)))
@@ -214,7 +220,11 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     base = base.model_copy(update=dict(zip(("offload_optimizer", "offload_param"), targets)))
     if options.own.get("zero_init") is not None:  # read by the stage-3 candidates only (Settings.built_under_zero_init)
         base = base.model_copy(update={"zero_init": options.own["zero_init"]})
-    order = ranked(workload, nd, base)
+    order = ranked(workload, nd, base, which=plain_candidates)
+    # the offload rows where they can be the answer: nothing fits without, or the file asks for offload (they
+    # come after every other row, PLAN_ORDER; estimating them when they cannot be chosen tripled the plan's time)
+    if offloads(base) or all(t.peak_bytes > capacity_bytes for t in order):
+        order = (*order, *ranked(workload, nd, base, which=offload_candidates))
     index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
                           to_ds_config(t.settings, workload.micro_batch, workload.grad_accum),
