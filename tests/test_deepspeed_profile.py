@@ -62,7 +62,7 @@ def test_keys_change_the_settings():
             {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"torch_adam": 1}}},
             "torch_adam=1",
         ),
-        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param needs ZeRO stage 3"),
     ],
 )
 def test_bad_keys_are_one_line_naming_the_key(config, message):
@@ -119,7 +119,7 @@ def test_registry_and_no_torch():
 def test_recommend_fewest_bytes_sent_then_largest_bucket_that_fits():
     w = _workload()
     order = D.ranked(w, 4, D.Settings(stage=1))
-    keys = [(t.sent_bytes, -t.settings.reduce_bucket_size) for t in order]
+    keys = [(t.settings.offload_optimizer.on, t.sent_bytes, -t.settings.reduce_bucket_size) for t in order]
     assert keys == sorted(keys) and len(order) == len(D.candidates(D.Settings(stage=1)))
     # N_d = 4, Ψ = 36,324 (9,081 per rank): ZeRO-3 keeps every tensor gathered (all under the persistence
     # threshold) and sends a reduce-scatter and the persistent re-gather, 3·9,081·4 B each, plus the fp64 norm

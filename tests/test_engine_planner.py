@@ -338,7 +338,10 @@ def test_plan_deepspeed_recommends_stage_and_buckets_and_its_ds_config_predicts_
     assert chosen is not None
     rec = d["recommendation"]
     assert rec["fsdp2"] is None and rec["deepspeed"] == chosen.ds_config
-    assert len(d["stages"]) == len(deepspeed.candidates(base)) == 4 * len(deepspeed.BUCKET_CHOICES)  # + ZeRO-3 no prefetch
+    # ZeRO-1/2/3 and ZeRO-3 without prefetch at each bucket; the offload rows (offload_optimizer at ZeRO-1/2/3,
+    # + offload_param at 3) only where nothing fits without them or the file asks for offload
+    assert len(d["stages"]) == 4 * len(deepspeed.BUCKET_CHOICES) and d["offload"] == []
+    assert len(d["stages"]) + 4 == len(deepspeed.candidates(base))
     # the emitted ds_config, read back, is the configuration whose peak was predicted
     settings = deepspeed.Settings.from_ds_config(rec["deepspeed"])
     assert settings == chosen.settings

@@ -341,9 +341,10 @@ def test_plan_help_does_not_offer_a_ds_config_to_the_reference_engine(tmp_path):
 def test_offload_in_a_ds_config_names_a_command_that_plans_offload(tmp_path):
     ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
     cfg = str(write(tmp_path / "cfg.json", TINY_GPT2))
-    r = run("plan", "--model", cfg, "--engine", "deepspeed", "--deepspeed-config", str(ds), "--gpu", "h100-80gb")
+    r = run("estimate", "--model", cfg, "--gpus", "2", "--deepspeed-config", str(ds))  # the paper's model states
     assert r.exit_code == 2
-    assert "--engine reference --offload" in r.stderr  # plan --offload alone is what --engine deepspeed refuses
+    assert "--engine deepspeed" in r.stderr and "--engine reference --offload" in r.stderr
+    assert run("plan", "--model", cfg, "--engine", "deepspeed", "--deepspeed-config", str(ds), "--gpu", "h100-80gb").exit_code == 0
     assert run("plan", "--model", cfg, "--gpu", "h100-80gb", "--engine", "reference", "--offload", "cpu").exit_code == 0
 
 

@@ -13,7 +13,7 @@
 # 3. FSDP2 (real fully_shard) simulated with real CUDA tensors on a fake group: the 305M GPT at N_d 8 and 64
 #    (bf16), reshard off + checkpointing, fp32, meta init; Llama-2-7B's config at 64 (meta and materialized,
 #    reshard off); bf16 and Llama meta again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
-# 4. DeepSpeed ZeRO-1/2/3 at world size 1 (real NCCL) on gpt-tiny (offload: not until validate models it).
+# 4. DeepSpeed ZeRO-1/2/3 at world size 1 on gpt-tiny, then with offload_optimizer (and ZeRO-3 offload_param).
 # 5. the largest micro-batch that runs (Llama-2-7B's config, FSDP2 at N_d 64, meta init, seq 4096; reshard
 #    on and off): doubling, then bisection, until an out-of-memory bracket or 100 s; compare it on any
 #    machine with the largest `zeroplan plan --micro-batch B` that fits.
@@ -108,8 +108,17 @@ step fsdp2_sim_fp32 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "
 step fsdp2_sim_meta 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --init meta
 
 step ds_ws1 120 --engine deepspeed --world-size 1 --model "$tiny" --steps 2
-# Not yet: DeepSpeed with offload_optimizer / offload_param, which `zeroplan validate` refuses until the engine
-# profiles model offload (issue 21, "Offload on the engines").
+# DeepSpeed offload (issue 21): offload_optimizer cpu at ZeRO-1/2/3, and ZeRO-3 with offload_param too, bf16,
+# DeepSpeedCPUAdam (its cpu_adam op JIT-built by the first row: the longer limit). The DeepSpeed runner measures
+# on the CPU accelerator (validate/engines/deepspeed.py: DS_ACCELERATOR=cpu, MemTracker), where the GPU and host
+# predictions are one memory: each row checks their sum per phase (docs/engines/deepspeed.md "Offload").
+for z in 1 2 3 3p; do
+  param=""; [[ $z == 3p ]] && param=', "offload_param": {"device": "cpu"}'
+  echo "{\"bf16\": {\"enabled\": true}, \"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.001}}, \"zero_optimization\": {\"stage\": ${z%p}, \"reduce_bucket_size\": 5000, \"allgather_bucket_size\": 5000, \"offload_optimizer\": {\"device\": \"cpu\"}$param}}" \
+    > "$out/ds_offload_z$z.json"
+  step "ds_ws1_offload_z$z" "$([[ $z == 1 ]] && echo 300 || echo 90)" --engine deepspeed --world-size 1 --model "$tiny" \
+    --steps 2 --deepspeed-config "$out/ds_offload_z$z.json"
+done
 
 runs() {  # runs NAME B ARGS...: 0 when micro-batch B trains (whatever its tolerance), 1 out of memory, 2 other error
   local name=$1 b=$2; shift 2

@@ -108,6 +108,16 @@ def workload_for(
                     checkpointing=checkpointing, grad_accum=grad_accum, transformers=hf)  # fmt: skip
 
 
+def one_memory(workload, nd: int, settings, stat_bytes: int) -> dict[str, int]:
+    """A rank's predicted peak per phase with its offload's host bytes at each moment (``EngineEstimate.host``;
+    ``zeroplan.engines.deepspeed.offload_one_memory.one_memory_by_phase``): what a CPU-only run measures, its "device" and
+    host being one memory."""
+    from zeroplan.engines.deepspeed.offload_one_memory import one_memory_by_phase
+    from zeroplan.engines.deepspeed.wrapper import ds_run
+
+    return one_memory_by_phase(ds_run(settings, workload, nd, stat_bytes))
+
+
 def readings(rank_rows: list[dict], nd: int) -> Readings:
     """What DeepSpeed's ranks measured: model states at the step boundaries after init; collectives from the
     third step list (the second step: ZeRO-3 records its trace in the first)."""
@@ -150,11 +160,16 @@ def compare_row(
     by_rank = {r["rank"]: D.estimate(workload, nd, settings.model_copy(update={"rank": r["rank"]}),
                                      stat_bytes=D.DTYPE_BYTES[settings.dtype])[0].peak.by_phase()
                for r in rank_rows}  # fmt: skip
+    host = est.host
+    if host is not None:  # offload on CPU: "GPU" and host are one memory, measured together (docs/engines/deepspeed.md)
+        by_rank = {r: one_memory(workload, nd, settings.model_copy(update={"rank": r}), D.DTYPE_BYTES[settings.dtype])
+                   for r in by_rank}  # fmt: skip
     numels = tuple(math.prod(sh) for _, sh in workload.shapes)
     collectives = tuple(replace(c, phase=PHASE_OF.get(c.phase, c.phase)) for c in est.collectives)
     # the profile predicts the ring collectives (DeepSpeed's scalar all-reduces are reported, not checked)
     top = {p: max(b[p] for b in by_rank.values()) for p in next(iter(by_rank.values()))}
-    prediction = Prediction(est, collectives, peak_by_phase=top, ops=RING_OPS, peak_by_rank=by_rank)
+    prediction = Prediction(est, collectives, peak_by_phase=top, ops=RING_OPS, peak_by_rank=by_rank,
+                            beside_states=() if host is None else host.terms)  # fmt: skip
     row = compare_rows(prediction, readings(rank_rows, nd), tolerance, peak_tolerance)
     ds_est = D.ds_estimate_bytes(settings, numels, nd)
     peak = row["measured_peak_bytes"]

@@ -32,6 +32,7 @@ from zeroplan.architectures.spec import Shape, TransformerSpec
 from zeroplan.formulas.activation_terms import activation_limit
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.memory import MemoryBreakdown
+from zeroplan.formulas.offload import HostMemory
 from zeroplan.formulas.peak import PeakEstimate, Term
 from zeroplan.policy import PrecisionPolicy
 
@@ -88,6 +89,10 @@ class EngineEstimate:
     peak_rank: Optional[int] = None
     """the rank this row describes: the one whose peak is the largest over ranks (``worst_rank``), where the
     engine's ranks differ; None: every rank holds the same (the reference runtime)."""
+    host: Optional[HostMemory] = None
+    """the engine's offload on this rank (DeepSpeed ``offload_optimizer``/``offload_param``, FSDP2
+    ``CPUOffloadPolicy``): host memory term by term and the PCIe traffic of a step; None: nothing offloaded
+    (``memory`` and ``peak`` are GPU memory either way)."""
 
     @property
     def model_states_bytes(self) -> int:

@@ -82,10 +82,11 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         need = fit_bytes(r.model_states_bytes, r.peak, held)
         fits = None if config.gpu_memory_bytes is None else need <= config.gpu_memory_bytes
         name = r.label if engine.one_row else get_stage(r.stage).name
-        reduction = dp.model_states_bytes / r.model_states_bytes
+        # none: every model state on the host (FSDP2's CPUOffloadPolicy)
+        reduction = dp.model_states_bytes / r.model_states_bytes if r.model_states_bytes else None
         collectives = layered_zero3(engine, workload, r, config.nd)
         rows.append(StageEstimate(r.stage, name, r.memory, reduction, collectives, fits, r.peak, own, r.peak_rank,
-                                  held))
+                                  held, r.host))
     return Estimate(
         psi=sum(numels),
         total_params=int(config.params) if config.params else sum(config.tensor_numels or numels),

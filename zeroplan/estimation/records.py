@@ -9,6 +9,7 @@ from zeroplan.allocator.reserved import ReservedEstimate
 from zeroplan.engines.base import Workload
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.memory import MemoryBreakdown
+from zeroplan.formulas.offload import HostMemory
 from zeroplan.formulas.peak import PeakEstimate
 from zeroplan.policy import ByteRows, PrecisionPolicy
 
@@ -20,13 +21,14 @@ class StageEstimate:
     stage: int
     name: str
     memory: MemoryBreakdown
-    reduction_vs_dp: float  # DP model states / this stage's model states
+    reduction_vs_dp: Optional[float]  # DP model states / this stage's model states; None: none on the GPU (offload)
     collectives: tuple[Collective, ...]
     fits: bool | None = None  # None when no GPU memory was given; on the peak when it is known
     peak: Optional[PeakEstimate] = None  # the engine's peak per phase; None without an architecture
     own_estimate_bytes: Optional[int] = None  # the engine's own estimator for this run (DeepSpeed's), if any
     peak_rank: Optional[int] = None  # the rank whose peak this is, the largest (EngineEstimate.peak_rank); None: all alike
     reserved: Optional[ReservedEstimate] = None  # the allocator model's reserved bytes; None without a trace
+    host: Optional[HostMemory] = None  # the engine's offload: host memory per rank (EngineEstimate.host); None: none
 
     @property
     def comm_volume_elements(self) -> int:

@@ -24,6 +24,9 @@ Assumptions, stated once here and in the README:
   them there); at stage 1 the full gradients accumulate on the GPU and one partition is copied per step.
 - Offloaded parameters are fetched to the GPU before each of the two all-gathers of every micro-step
   (forward and backward).
+
+The engines' own offload (DeepSpeed's buffers as 0.19.8 allocates them, fp32 host gradients included; FSDP2's
+``CPUOffloadPolicy``) is ``HostMemory``, built by ``zeroplan/engines/*/offload.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 
 from zeroplan.formulas.memory import MemoryBreakdown, buffer_numels, model_states
 from zeroplan.formulas.optimizers import StateTensor
+from zeroplan.formulas.peak import Term
 from zeroplan.formulas.stages import get_stage
 
 DEVICES: tuple[str, ...] = ("none", "cpu", "nvme")
@@ -61,6 +65,36 @@ class Offload:
 
 
 NO_OFFLOAD = Offload()
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """An engine's offload on one rank (``EngineEstimate.host``): what it keeps in host memory, term by term
+    with its source (pinned buffers named so), and one optimizer step's PCIe traffic. A node holds one of
+    these per GPU on it."""
+
+    offload: Offload
+    terms: tuple[Term, ...]
+    h2d_bytes: int
+    """host -> GPU per optimizer step."""
+    d2h_bytes: int
+    """GPU -> host per optimizer step."""
+    lazy: tuple[str, ...] = ()
+    """names of the terms created by the first optimizer step (Adam's m and v), not yet there after init."""
+
+    @property
+    def init_bytes(self) -> int:
+        """Host bytes alive after init, before the first step."""
+        return sum(t.bytes for t in self.terms if t.name not in self.lazy)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """The page-locked part (terms named "(pinned)"): memory the OS cannot page out."""
+        return sum(t.bytes for t in self.terms if "(pinned)" in t.name)
 
 
 def check_offload(stage: int, offload: Offload) -> None:

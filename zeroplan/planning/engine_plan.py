@@ -45,14 +45,16 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
         time = engine_step_time(e.collectives, nd, links, config.grad_accum, config.algorithm, c.bucket_numel,
                                 compute_s)  # fmt: skip
+        host = e.host  # the engine's own offload (DeepSpeed offload_optimizer/offload_param): host bytes per rank
         rows.append(PlanOption(
-            e.stage, e.label, NO_OFFLOAD, None, None,
-            states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0),
+            e.stage, e.label, NO_OFFLOAD if host is None else host.offload, None, None,
+            states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0) if host is None else
+            OffloadBreakdown(e.memory, host.host_bytes, 0, host.h2d_bytes, host.d2h_bytes, 0, 0),
             fits=fits_c,
             comm_volume_elements=sum(c.volume_elements for c in e.collectives),
             comm_bytes_per_rank=sum(c.bytes_per_rank for c in e.collectives),
             time=time,
-            pcie_s=0.0,
+            pcie_s=0.0 if host is None else max(host.h2d_bytes, host.d2h_bytes) / config.host_link.bandwidth_bytes_per_s,
             peak=e.peak,
             candidate=c.label,
             peak_rank=e.peak_rank,

@@ -21,6 +21,11 @@ fp32 master on the GPU, ``validate/runtime.py:Runtime.__init__``): a runtime tha
 peaks there too, and one that builds them on the host peaks lower, so the init phase is an upper bound.
 Not counted: the GPU staging of offload traffic (one unit's shard fetched before its all-gather, under
 a gathered unit / N_d; DeepSpeed's pinned bounce buffers live on the host).
+
+This is the reference (paper) plan's judgement. The engines model their own offload, GPU staging and host
+buffers included: ``zeroplan/engines/deepspeed/offload.py`` (``offload_optimizer``/``offload_param``) and
+``zeroplan/engines/fsdp2/offload.py`` (``CPUOffloadPolicy``); ``plan --engine deepspeed`` takes its offload
+rows from there (``EngineEstimate.host``).
 """
 
 from __future__ import annotations

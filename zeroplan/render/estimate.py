@@ -46,7 +46,20 @@ def stage_out(s: StageEstimate, e: Estimate | None = None) -> StageOut:
         reserved_phases=None if s.reserved is None else PhasesOut(**s.reserved.reserved_phases),
         own_estimator_bytes=s.own_estimate_bytes,
         peak_rank=s.peak_rank,
+        **({} if s.host is None or e is None else host_keys(s.host, ranks_per_node(e))),
     )
+
+
+def ranks_per_node(e: Estimate) -> int:
+    """The GPUs of one node the run uses: the node size, or fewer when the run has fewer GPUs."""
+    return min(e.gpus, gpus_per_node(e))
+
+
+def host_keys(host, per_node: int) -> dict:
+    """``StageOut``'s offload keys: one rank's host memory, per node (``per_node`` GPUs), its pinned part, its terms."""
+    return {"host_bytes_per_gpu": host.host_bytes, "host_bytes_per_node": host.host_bytes * per_node,
+            "host_pinned_bytes_per_node": host.pinned_bytes * per_node,
+            "host_terms": [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source) for t in host.terms]}
 
 
 def step_out(e: Estimate) -> StepOut | None:
@@ -124,6 +137,9 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
         columns += ["peak/GPU", "peak phase", "reserved/GPU"]
     if e.own_estimator is not None:
         columns.append(e.own_estimator)
+    offload = any(s.host is not None for s in e.stages)  # the engine's offload: host memory per node
+    if offload:
+        columns.append("host/node")
     if e.gpu_memory_bytes is not None:
         columns.append(f"fits {format_bytes(e.gpu_memory_bytes, unit)}")
     rows = []
@@ -133,7 +149,7 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
             str(s.stage), s.name,
             format_bytes(m.params_bytes, unit), format_bytes(m.grads_bytes, unit),
             format_bytes(m.optimizer_bytes, unit), format_bytes(m.model_states_bytes, unit),
-            f"{s.reduction_vs_dp:.2f}x", f"{s.comm_volume_elements / e.psi:.2f}Ψ",
+            "-" if s.reduction_vs_dp is None else f"{s.reduction_vs_dp:.2f}x", f"{s.comm_volume_elements / e.psi:.2f}Ψ",
             format_bytes(s.comm_bytes_per_rank, unit),
         ]  # fmt: skip
         if e.workload is not None:
@@ -141,6 +157,8 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
                     "-" if s.reserved is None else format_bytes(s.reserved.reserved_bytes, unit)]
         if e.own_estimator is not None:
             row.append(format_bytes(s.own_estimate_bytes, unit))
+        if offload:
+            row.append("-" if s.host is None else format_bytes(s.host.host_bytes * ranks_per_node(e), unit))
         if s.fits is not None:
             row.append("yes" if s.fits else "no")
         rows.append(row)
@@ -166,6 +184,9 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
             f"allocator model under {conf} (docs/allocator.md: an estimate, errors measured there); the CUDA "
             "context and NCCL buffers come on top.",
         ]  # fmt: skip
+    if offload:
+        lines.append(f"host/node: what the engine's offload keeps in host memory, pinned buffers included, for "
+                     f"{ranks_per_node(e)} GPUs per node (docs/engines/{e.engine}.md); total/GPU and peak/GPU are GPU memory.")
     if e.own_estimator is not None:
         lines.append(f"{e.own_estimator}: the engine's own formula for the same run (model states only: no "
                      "buckets, activations or temporaries), shown beside the prediction to compare; never used for it.")  # fmt: skip

@@ -290,13 +290,22 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
     """The candidates of an engine's own plan, its recommendation and exactly the configuration to run."""
     rows = [["configuration", "ZeRO", "GPU", "peak", "peak phase", "reserved", "fits", "sent/rank/step", "comm",
              "exposed"]]  # fmt: skip
+    offload = any(o.offload.any for o in p.options)  # the engine's own offload rows (DeepSpeed offload_optimizer)
+    if offload:
+        rows[0][3:3] = ["host/node"]
+        rows[0].append("PCIe")
+    per_node = _per_node(p)
     for o in p.options:
-        rows.append([
+        row = [
             o.label, str(o.stage), _size(o.states.gpu.model_states_bytes, unit), _size(o.peak and o.peak.peak_bytes, unit),
             peak_phase_cell(o.peak.peak_phase, o.peak_rank) if o.peak else "-",
             _size(o.reserved and o.reserved.reserved_bytes, unit), "yes" if o.fits else "no",
             _size(o.comm_bytes_per_rank, unit), _seconds(o.time.comm_s), _seconds(o.time.exposed_comm_s),
-        ])  # fmt: skip
+        ]  # fmt: skip
+        if offload:
+            row[3:3] = [_size(o.states.host_bytes * per_node, unit)]
+            row.append(_seconds(o.pcie_s) if o.offload.any else "-")
+        rows.append(row)
     lines = [*format_table(rows, left=1), "", f"Recommendation: {_recommendation(p, unit)}", f"Fit: {p.fit_basis}."]
     if p.cut_first is not None:
         lines.append(f"Cut first: {p.cut_first}.")

@@ -86,6 +86,10 @@ class StepOut(_Out):
                             "empty: torch's defaults)")
 
 
+HOST_KEYS = ("host_bytes_per_gpu", "host_bytes_per_node", "host_pinned_bytes_per_node", "host_terms")
+"""``StageOut``'s offload keys, written only where the engine offloads."""
+
+
 class StageOut(_Out):
     """One ZeRO stage of ``estimate``: per-GPU model states in bytes and per-step communication."""
 
@@ -95,7 +99,8 @@ class StageOut(_Out):
     grads_bytes: int
     optimizer_bytes: int
     model_states_bytes: int
-    reduction_vs_dp: float = Field(description="DP model states / this stage's model states")
+    reduction_vs_dp: Optional[float] = Field(
+        description="DP model states / this stage's model states; null when none stay on the GPU (offload)")
     fits: Optional[bool] = Field(
         description="reserved bytes (when the engine has an allocation trace), else the peak (an architecture), else "
         "model states <= GPU memory; null when no memory was given"
@@ -123,6 +128,17 @@ class StageOut(_Out):
         None, description="the engine's own estimator for the same run (deepspeed: DeepSpeed's "
         "estimate_zero2/3_model_states_mem_needs), beside the prediction; the key is absent for engines without one",
     )  # fmt: skip
+    host_bytes_per_gpu: Optional[int] = Field(
+        None, description="the engine's offload (DeepSpeed offload_optimizer/offload_param, FSDP2 CPUOffloadPolicy): "
+        "host memory one rank keeps, pinned buffers included; the key is absent without offload",
+    )  # fmt: skip
+    host_bytes_per_node: Optional[int] = Field(
+        None, description="host_bytes_per_gpu times the GPUs per node; absent without offload")
+    host_pinned_bytes_per_node: Optional[int] = Field(
+        None, description="the page-locked part of host_bytes_per_node; absent without offload")
+    host_terms: Optional[list[PeakTermOut]] = Field(
+        None, description="host memory of one rank, term by term with its source; absent without offload")
+
     peak_rank: Optional[int] = Field(
         None, description="the rank whose peak this row is, the largest over ranks (fsdp2: the ranks whose shards "
         "differ; deepspeed ZeRO-1/2: whose flat-group slices differ); the key is absent where every rank holds the same",
@@ -131,7 +147,7 @@ class StageOut(_Out):
     @model_serializer(mode="wrap")
     def _without_own(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
         out = handler(self)
-        for key in ("own_estimator_bytes", "peak_rank"):
+        for key in ("own_estimator_bytes", "peak_rank", *HOST_KEYS):  # the host keys: only where the engine offloads
             if getattr(self, key) is None:
                 out.pop(key)
         if self.reserved_bytes is None:  # no trace (no architecture): the keys are absent, as before them

@@ -112,7 +112,7 @@ def engine_row(config: SweepConfig, nd: int, micro_batch: int, stage: int | None
     (dp,) = stage_estimates(config.numels, nd, engine.policy(settings), (0,), None, True)
     budget = config.budget_bytes
     fits = None if budget is None else row.model_states_bytes <= budget
-    reduction = dp.memory.model_states_bytes / row.model_states_bytes
+    reduction = dp.memory.model_states_bytes / row.model_states_bytes if row.model_states_bytes else None
     return StageEstimate(row.stage, row.label, row.memory, reduction, row.collectives, fits, row.peak, None,
                          row.peak_rank, reserved)
 

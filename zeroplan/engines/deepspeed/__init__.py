@@ -15,6 +15,9 @@ Split the way DeepSpeed splits its runtime:
 - ``trace.py`` (ZeRO-3's module hooks) and ``coordinator.py`` (``PartitionedParameterCoordinator`` replayed).
 - The moments of a step: ``run.py`` and ``phases.py`` (shared), ``zero12.py`` (``DeepSpeedZeroOptimizer``,
   stage_1_and_2.py), ``bf16.py`` (``BF16_Optimizer``), ``zero3.py`` (``DeepSpeedZeroOptimizer_Stage3``).
+- Offload (``offload_optimizer``, ``offload_param``, issue 21): ``offload_settings.py`` (the sections, their
+  refusals), ``offload_terms.py`` (what stays on the GPU), ``offload.py`` (the host, the moments, PCIe),
+  ``offload_one_memory.py`` (a CPU-only run: GPU and host one memory).
 - ``profile.py`` (``estimate``, the engine contract) and ``plan.py`` (candidates, ``recommend``, ``planner_*``).
 
 Checked against real DeepSpeed on gloo CPU by ``validate/engines/deepspeed.py`` (``tests/test_deepspeed_*.py``).

@@ -119,8 +119,30 @@ class _Switch(_Section):
     """``fp16.enabled`` / ``bf16.enabled``; DeepSpeed's default is false."""
 
 
+def _fraction(v: object, info: ValidationInfo) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+        raise ValueError("must be a number from 0 to 1")
+    return float(v)
+
+
+Fraction = Annotated[float, BeforeValidator(_fraction)]
+
+
 class _OffloadSection(_Section):
+    """``zero_optimization.offload_optimizer`` / ``offload_param``: DeepSpeed 0.19.8's keys and defaults
+    (runtime/zero/offload_config.py ``DeepSpeedZeroOffloadOptimizerConfig``, ``DeepSpeedZeroOffloadParamConfig``;
+    ``buffer_count`` 4 for the optimizer, 5 for parameters: None here, the engine profile fills it in)."""
+
     device: Optional[Text] = "none"
+    nvme_path: Optional[Text] = None
+    pin_memory: Flag = True
+    buffer_count: Optional[Elements] = None
+    buffer_size: Elements = 100_000_000
+    """parameters on NVMe: elements per swap buffer (``pp_int(1e8)``)."""
+    max_in_cpu: Elements = 1_000_000_000
+    ratio: Fraction = 1.0
+    """optimizer: the fraction of the optimizer states on the host (ZeRO-3's partial offload)."""
+    super_offload: Flag = False
 
 
 class _Zero(_Section):
@@ -219,18 +241,20 @@ _PARSED: dict[str, "DeepSpeedConfig"] = {}
 """``parse_ds_config``'s validated configs by ``repr`` of the dict (at most 64)."""
 
 
-def from_deepspeed(config: object) -> dict:
-    """Planner settings (``stage`` and ``PrecisionPolicy`` fields) from a parsed DeepSpeed config."""
+def from_deepspeed(config: object, offload: bool = False) -> dict:
+    """Planner settings (``stage`` and ``PrecisionPolicy`` fields) from a parsed DeepSpeed config.
+    ``offload``: whether the caller reads the offload sections (the DeepSpeed engine profile,
+    ``Settings.from_ds_config``); the paper planner refuses them with a pointer to the commands that plan offload."""
     ds = parse_ds_config(config)
     zero = ds.zero_optimization
-    for key in ("offload_optimizer", "offload_param"):
+    for key in () if offload else ("offload_optimizer", "offload_param"):
         section = getattr(zero, key)
         device = section.device if section is not None else None
         if device not in ("none", None):
             raise ValueError(
-                f"deepspeed config: zero_optimization.{key}.device={device!r}: `zeroplan estimate` models "
-                "GPU-resident states; for offload use `zeroplan plan --engine reference --offload cpu|nvme` (without "
-                "--deepspeed-config)"
+                f"deepspeed config: zero_optimization.{key}.device={device!r}: the paper's model states are "
+                "GPU-resident here; for DeepSpeed's offload use --engine deepspeed (with --model), or `zeroplan plan "
+                "--engine reference --offload cpu|nvme` (without --deepspeed-config)"
             )
     stage = get_stage(zero.stage, "deepspeed config: zero_optimization.stage").number
 

@@ -5,6 +5,7 @@ update; each wrapper (``zero12.py``, ``bf16.py``, ``zero3.py``) adds its own mom
 
 from __future__ import annotations
 
+from zeroplan.engines.deepspeed.offload import offload_moments
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import inner_optimizer_class
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel
@@ -182,5 +183,6 @@ def adam_update(run: DSRun, part: int, inner: str, temps: int) -> Moment:
 
 
 def moments(run: DSRun) -> tuple[Moment, ...]:
-    """Every moment of a DeepSpeed training step."""
-    return (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run))
+    """Every moment of a DeepSpeed training step, on the GPU (offload: ``offload.offload_moments``)."""
+    return offload_moments(run, (*init_moments(run), *forward_moments(run), *backward_moments(run),
+                                 *optimizer_moments(run)))

@@ -4,13 +4,17 @@ contract (``planner_settings``, ``planner_policy``, ``planner_plan``, ``planner_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
 from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PeakLimit,
                                    PlannerOptions, Workload)
 from zeroplan.engines.deepspeed.profile import estimate
+from zeroplan.engines.deepspeed.offload import offload_label
+from zeroplan.engines.deepspeed.offload_terms import offloads
+from zeroplan.engines.deepspeed.config import parse_ds_config
+from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, read_target
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.formulas.activation_terms import dropout_limit
@@ -53,17 +57,41 @@ class Recommendation:
 
 
 def candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
-    """What ``recommend`` tries: ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3 without prefetch
-    (``stage3_prefetch_bucket_size`` 0: a module's parameters are released after use unless reused within
-    ``stage3_max_reuse_distance``, ``stage3_schedule``; more all-gathers, no overlap). ``ranked`` orders them."""
+    """What ``recommend`` tries: ``plain_candidates``, then ``offload_candidates``. ``ranked`` orders them."""
+    return (*plain_candidates(base), *offload_candidates(base))
+
+
+def plain_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
+    """ZeRO-1, 2, 3 with each of ``BUCKET_CHOICES``, then ZeRO-3 without prefetch (``stage3_prefetch_bucket_size``
+    0: a module's parameters are released after use unless reused within ``stage3_max_reuse_distance``,
+    ``stage3_schedule``; more all-gathers, no overlap); no offload."""
     out = []
+    plain = {"offload_optimizer": NO_TARGET, "offload_param": NO_TARGET}
     for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
         for bucket in BUCKET_CHOICES:
-            update = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+            update = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket, **plain}
             if prefetch is not None:
                 update["prefetch_bucket_size"] = prefetch
             label = f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e") + (", no prefetch" if prefetch == 0 else "")
             out.append((label, base.model_copy(update=update)))
+    return tuple(out)
+
+
+def offload_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
+    """``candidates``' offload rows, DeepSpeed's default buckets: ``offload_optimizer`` cpu at ZeRO-1, 2 and 3,
+    then ZeRO-3 with ``offload_param`` too (ZeRO-Offload and ZeRO-Infinity's CPU half); the file's own offload
+    sections (``pin_memory``) where it has them. None where the base cannot offload (``torch_adam`` with a
+    16-bit model, BF16_Optimizer: ``Settings``' checks)."""
+    opt = base.offload_optimizer if base.offload_optimizer.on else OffloadTarget(device="cpu")
+    prm = base.offload_param if base.offload_param.on else OffloadTarget(device="cpu")
+    out = []
+    for stage, param in ((1, NO_TARGET), (2, NO_TARGET), (3, NO_TARGET), (3, prm)):
+        update = {"stage": stage, "reduce_bucket_size": BUCKET_CHOICES[0], "allgather_bucket_size": BUCKET_CHOICES[0]}
+        try:
+            s = Settings.model_validate({**base.model_dump(), **update, "offload_optimizer": opt, "offload_param": param})
+        except ValueError:
+            continue
+        out.append((f"ZeRO-{stage}, {offload_label(s)}", s))
     return tuple(out)
 
 
@@ -85,8 +113,9 @@ class Tried:
     sent_bytes: int
 
 
-PLAN_ORDER = ("the fewest bytes sent per rank per step (the sent/rank/step column), then the largest bucket "
-              "(fewest calls, each paying the link latency), then the lowest ZeRO stage")
+PLAN_ORDER = ("no offload before offload (PCIe traffic and a CPU optimizer step), then the fewest bytes sent per "
+              "rank per step (the sent/rank/step column), then the largest bucket (fewest calls, each paying the link "
+              "latency), then the lowest ZeRO stage")
 """What ``ranked`` orders by, as the plan states it. DeepSpeed's ZeRO-1/2 all-reduce their gradients
 (``use_multi_rank_bucket_allreduce``: 2 passes, not a reduce-scatter's 1) and all-gather the flat group, so
 they send about as much as ZeRO-3 (gathers in forward and backward, a reduce-scatter) and, with small
@@ -94,15 +123,16 @@ parameters kept gathered (``stage3_param_persistence_threshold``), more: "lowest
 the order before, is not true of DeepSpeed."""
 
 
-def ranked(workload: Workload, nd: int, base: Settings, stat_bytes: Optional[int] = None) -> tuple[Tried, ...]:
-    """Every one of ``candidates`` estimated once, in the plan's order (``PLAN_ORDER``; ties keep the order
-    of ``candidates``: the lower stage, prefetch before none)."""
+def ranked(workload: Workload, nd: int, base: Settings, stat_bytes: Optional[int] = None,
+           which: Optional[Callable[[Settings], tuple[tuple[str, Settings], ...]]] = None) -> tuple[Tried, ...]:
+    """Every one of ``candidates`` (or ``which(base)``) estimated once, in the plan's order (``PLAN_ORDER``;
+    ties keep the order of ``candidates``: the lower stage, prefetch before none)."""
     out = []
-    for label, s in candidates(base):
+    for label, s in (which or candidates)(base):
         (est,) = estimate(workload, nd, s, stat_bytes)
         peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
         out.append(Tried(label, s, est, peak, sent_bytes_per_step(est)))
-    return tuple(sorted(out, key=lambda t: (t.sent_bytes, -t.settings.reduce_bucket_size)))
+    return tuple(sorted(out, key=lambda t: (offloads(t.settings), t.sent_bytes, -t.settings.reduce_bucket_size)))
 
 
 def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
@@ -182,10 +212,19 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     if "stage" in zero:  # the file as `estimate` reads it (a stage of 4, 0 or "3" refused), then searched
         Settings.from_ds_config(config, None)
     zero.pop("stage", None)
+    # the file's offload sections set the offload rows' keys (pin_memory); the plan chooses where to offload
+    sections = parse_ds_config(config).zero_optimization if zero else None
+    targets = tuple(read_target(getattr(sections, k, None), k) for k in ("offload_optimizer", "offload_param"))
+    zero = {k: v for k, v in zero.items() if k not in ("offload_optimizer", "offload_param")}
     base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
+    base = base.model_copy(update=dict(zip(("offload_optimizer", "offload_param"), targets)))
     if options.own.get("zero_init") is not None:  # read by the stage-3 candidates only (Settings.built_under_zero_init)
         base = base.model_copy(update={"zero_init": options.own["zero_init"]})
-    order = ranked(workload, nd, base)
+    order = ranked(workload, nd, base, which=plain_candidates)
+    # the offload rows where they can be the answer: nothing fits without, or the file asks for offload (they
+    # come after every other row, PLAN_ORDER; estimating them when they cannot be chosen tripled the plan's time)
+    if offloads(base) or all(t.peak_bytes > capacity_bytes for t in order):
+        order = (*order, *ranked(workload, nd, base, which=offload_candidates))
     index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
                           to_ds_config(t.settings, workload.micro_batch, workload.grad_accum),

@@ -9,6 +9,8 @@ from typing import Optional
 
 from zeroplan.engines.base import EngineEstimate, Workload, worst_rank
 from zeroplan.engines.deepspeed.collectives import to_collective
+from zeroplan.engines.deepspeed.offload import host_memory, label_suffix
+from zeroplan.engines.deepspeed.offload_terms import offloads
 from zeroplan.engines.deepspeed.phases import moments
 from zeroplan.engines.deepspeed.run import _trace
 from zeroplan.engines.deepspeed.settings import Settings, inner_optimizer_class, optimizer_class
@@ -50,13 +52,16 @@ def _peak(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[
 def _estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> EngineEstimate:
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
     peak = _peak(workload, nd, settings, stat_bytes)
+    host = host_memory(ds_run(settings, workload, nd, stat_bytes)) if offloads(settings) and workload.spec else None
     return EngineEstimate(
         engine="deepspeed",
-        label=f"ZeRO-{settings.stage} {optimizer_class(settings)} + {inner_optimizer_class(settings)}",
+        label=f"ZeRO-{settings.stage} {optimizer_class(settings)} + {inner_optimizer_class(settings)}"
+              f"{label_suffix(settings)}",
         stage=settings.stage,
         memory=memory_breakdown(settings, numels, nd),
         peak=peak,
         collectives=tuple(to_collective(c, nd) for c in collectives(settings, numels, nd, workload.grad_accum,
                                                                     *_trace(workload))),
         peak_rank=settings.rank,
+        host=host,
     )  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
+from zeroplan.engines.deepspeed.offload_terms import on_gpu
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel, flat_group
 from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, Stage3Trace, stage3_trace
@@ -118,7 +119,7 @@ class DSRun:
     @cached_property
     def model_terms(self) -> tuple[DSTerm, ...]:
         """Every buffer of model states and buckets (``terms``), computed once per run."""
-        return self.wrapper.terms(self.settings, self.numels, self.nd)
+        return on_gpu(self.settings, self.numels, self.nd, self.wrapper.terms(self.settings, self.numels, self.nd))
 
     @cached_property
     def live_terms(self) -> dict[tuple[str, ...], tuple[Term, ...]]:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zeroplan.engines.deepspeed.config import (DEFAULT_BUCKET_NUMEL, STAGE3_PREFETCH_NUMEL, _batch_keys, _ds_dtype,
                                                _OptimizerParams, _precision_keys, from_deepspeed, parse_ds_config)
+from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, check_offload, read_target, target_block
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -69,6 +70,12 @@ class Settings(BaseModel):
     Hugging Face ``from_pretrained`` does when the config is ZeRO-3: ``is_deepspeed_zero3_enabled``);
     stages 1-2 never (``Init`` partitions parameters, which only ZeRO-3 does)."""
 
+    offload_optimizer: OffloadTarget = NO_TARGET
+    """``zero_optimization.offload_optimizer`` (offload_settings.py): the fp32 master, Adam's states and the
+    step on the host (``DeepSpeedCPUAdam``)."""
+    offload_param: OffloadTarget = NO_TARGET
+    """``zero_optimization.offload_param`` (ZeRO-3): the 16-bit parameter partitions on the host."""
+
     rank: Optional[int] = Field(None, ge=0)
     """The rank described: ZeRO-1/2 ranks differ by the parameters their slice of the flat group overlaps
     (``grads_in_partition``). None: the worst rank (``profile.estimate`` predicts every rank whose slice
@@ -78,6 +85,8 @@ class Settings(BaseModel):
     def _zero_init_stage(self) -> Settings:
         if self.zero_init and self.stage != 3:
             raise ValueError(f"zero_init: deepspeed.zero.Init partitions parameters for ZeRO-3 only, not stage {self.stage}")
+        _check_offload(self.stage, self.dtype, self.grad_dtype, self.torch_adam, self.contiguous_gradients,
+                       self.offload_optimizer, self.offload_param)
         return self
 
     @property
@@ -110,7 +119,7 @@ class Settings(BaseModel):
         field's doc). ValueError with one line naming the key.
         """
         ds = parse_ds_config(config)
-        base = from_deepspeed(config)  # offload refused, dtypes and optimizer checked, one line each
+        base = from_deepspeed(config, offload=True)  # dtypes and optimizer checked, one line each
         zero = ds.zero_optimization
         given = "stage" in (config.get("zero_optimization") or {})
         if stage is not None and given and stage != base["stage"]:
@@ -124,6 +133,11 @@ class Settings(BaseModel):
         grad = ds.data_types.grad_accum_dtype
         found = {field: getattr(zero, key) for key, field in _ZERO_KEYS.items() if getattr(zero, key) is not None}
         kind = (ds.optimizer.type.lower() if ds.optimizer is not None and ds.optimizer.type else "adam")
+        targets = {k: read_target(getattr(zero, k), k) for k in ("offload_optimizer", "offload_param")}
+        dtype = base["param_dtype"]
+        _check_offload(number, dtype, _ds_dtype(grad, "data_types.grad_accum_dtype") if grad else dtype,
+                       bool(params.torch_adam), zero.contiguous_gradients is not False,
+                       *targets.values())  # one line before pydantic wraps it
         return cls(
             stage=number,
             dtype=base["param_dtype"],
@@ -133,7 +147,21 @@ class Settings(BaseModel):
                                  ("foreach", params.foreach)) if v is not None},
             **found,
             **({} if zero_init is None else {"zero_init": zero_init}),
+            **targets,
         )  # fmt: skip
+
+
+def _check_offload(stage: int, dtype: str, grad_dtype: str, torch_adam: bool, contiguous: bool,
+                   optimizer: OffloadTarget, param: OffloadTarget) -> None:
+    """``offload_settings.check_offload``; with offload, BF16_Optimizer (ZeRO-1, bf16, fp32 gradients) is refused, and
+    ``contiguous_gradients: false`` at ZeRO-1/2 (DeepSpeed turns it on: the profile would predict no bucket)."""
+    check_offload(stage, optimizer, param, torch_adam and dtype != "fp32")
+    if optimizer.on and stage < 3 and not contiguous:
+        raise ValueError("deepspeed config: zero_optimization.contiguous_gradients=false with offload_optimizer: "
+                         "DeepSpeed turns it on (stage_1_and_2.py: contiguous_gradients or cpu_offload); drop the key")
+    if optimizer.on and stage == 1 and dtype == "bf16" and grad_dtype == "fp32":
+        raise ValueError("deepspeed config: offload_optimizer with BF16_Optimizer (ZeRO-1, bf16, fp32 gradient "
+                         "accumulation): not modelled by the profile")  # fmt: skip
 
 
 def optimizer_class(s: Settings) -> str:
@@ -147,10 +175,11 @@ def optimizer_class(s: Settings) -> str:
 
 def inner_optimizer_class(s: Settings) -> str:
     """The Adam inside (engine.py ``_configure_basic_optimizer``): torch's with ``torch_adam``, else
-    DeepSpeed's ``FusedAdam`` (ops/adam/fused_adam.py; on CPU a JIT-built C++ op, ``fused_adam``)."""
+    ``DeepSpeedCPUAdam`` with ``offload_optimizer`` (``zero_use_cpu_optimizer``; ops/adam/cpu_adam.py, a JIT-built
+    C++ op, ``cpu_adam``) or DeepSpeed's ``FusedAdam`` (ops/adam/fused_adam.py; on CPU a JIT-built op, ``fused_adam``)."""
     if s.torch_adam:  # type "Adam" runs AdamW unless adam_w_mode is false
         return "AdamW" if s.optimizer == "adamw" or s.adam_w_mode else "Adam"
-    return "FusedAdam"
+    return "DeepSpeedCPUAdam" if s.offload_optimizer.on else "FusedAdam"
 
 def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict:
     """The ds_config.json that ``Settings.from_ds_config`` reads back as ``s``: every key the profile
@@ -165,6 +194,9 @@ def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict
                     stage3_param_persistence_threshold=s.param_persistence_threshold,
                     stage3_max_live_parameters=s.max_live_parameters,
                     stage3_max_reuse_distance=s.max_reuse_distance)  # fmt: skip
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(s, key).on:
+            zero[key] = target_block(getattr(s, key))
     params: dict = {"torch_adam": s.torch_adam, "adam_w_mode": s.adam_w_mode}
     if s.foreach is not None:
         params["foreach"] = s.foreach

@@ -19,6 +19,7 @@ from typing import Optional
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.bf16 import BF16_OPTIMIZER
 from zeroplan.engines.deepspeed.collectives import DSCollective
+from zeroplan.engines.deepspeed.offload_terms import offload_collectives, on_gpu
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _layout, _trace
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings, optimizer_class
 from zeroplan.engines.deepspeed.terms import DSTerm
@@ -55,8 +56,9 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
 
 def terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
     """Every buffer of model states and buckets on one rank, for parameters of ``numels`` elements
-    (``model.named_parameters()`` order) at N_d = ``nd``: the list of the wrapper DeepSpeed builds."""
-    return wrapper_for(s).terms(s, numels, nd)
+    (``model.named_parameters()`` order) at N_d = ``nd``: the list of the wrapper DeepSpeed builds, on the GPU
+    (offload's host terms: ``offload.host_terms``)."""
+    return on_gpu(s, numels, nd, wrapper_for(s).terms(s, numels, nd))
 
 
 def memory_breakdown(s: Settings, numels: tuple[int, ...], nd: int) -> MemoryBreakdown:
@@ -89,4 +91,4 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int =
     """
     if nd == 1:
         return ()
-    return wrapper_for(s).collectives(s, numels, nd, grad_accum, trace)
+    return offload_collectives(s, wrapper_for(s).collectives(s, numels, nd, grad_accum, trace))

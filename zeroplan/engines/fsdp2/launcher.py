@@ -66,15 +66,22 @@ def settings_snippet(settings: Settings, checkpointing: str = "none", wrapping: 
     mesh = ("from torch.distributed.device_mesh import init_device_mesh\n"
             + mesh_snippet(settings.dp_replicate, settings.dp_shard, settings.device)) if hsdp else ""  # fmt: skip
     calls = calls.replace("mp_policy=policy", "mesh=mesh, mp_policy=policy") if hsdp else calls  # every call
+    offload = settings.offload_policy == "cpu"  # CPUOffloadPolicy: every call, the shards materialized on the CPU
+    if offload:
+        calls = calls.replace("mp_policy=policy", "mp_policy=policy, offload_policy=offload")
+        materialize = materialize.replace(f"device={settings.device!r}", "device='cpu'").replace(
+            "each rank allocates its shards only", "the shards on the host (CPUOffloadPolicy)")
+        init_note += "# CPUOffloadPolicy: FSDP2 wants the parameters on the CPU (_validate_cpu_offload_params)\n"
     return (
         "import torch\n"
-        "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n"
+        f"from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy{', CPUOffloadPolicy' if offload else ''}\n"
         f"{mesh}\n"
         f"# {settings.label()}, checkpointing {checkpointing}; shards stay {settings.module} (no master copy)\n"
         f"{init_note}"
         f"{ckpt}"
         f"policy = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={reduce})\n"
-        f"{calls}"
+        + (f"offload = CPUOffloadPolicy(pin_memory={settings.pin_memory!r})\n" if offload else "")
+        + f"{calls}"
         f"{materialize}"
         f"optimizer = torch.optim.Adam(model.parameters(), foreach={settings.foreach!r})\n"
     )

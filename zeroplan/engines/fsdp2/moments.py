@@ -58,6 +58,7 @@ from zeroplan.engines.fsdp2.terms import (
     unit_grads,
     unsharded,
 )
+from zeroplan.engines.fsdp2.offload import offload_moments
 from zeroplan.formulas.peak import Moment, Term
 
 def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
@@ -342,4 +343,5 @@ def moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tuple[Momen
     backward = with_allreduce_held(run, backward_moments(run, blocks))  # HSDP's held all-reduce buffers (mesh.py)
     if blocks is not None:  # the blocks not built were there only for the held buffers
         backward = tuple(m for m in backward if NOT_BUILT not in m.name)
-    return (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))
+    every = (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))
+    return offload_moments(run, every) if run.settings.offload_policy != "none" else every  # CPUOffloadPolicy

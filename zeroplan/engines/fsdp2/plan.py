@@ -16,6 +16,8 @@ from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_sha
                                          shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.leaders import predict_peak
+from zeroplan.engines.fsdp2.moments import optimizer_moments
+from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
@@ -66,9 +68,12 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
     st = run_states(run)  # model_states(run.units, nd, settings), once per run
     coll = run_collectives(run, workload.grad_accum)
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
+    host = None
+    if settings.offload_policy == "cpu":  # CPUOffloadPolicy: the model states live on the host (offload.py)
+        memory, host = MemoryBreakdown(0, 0, 0), host_memory(run, optimizer_moments(run), workload.grad_accum)
     peak = predict_peak(run) if run.acts is not None else None
     return EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
-                          beside_states=mesh_ranks(run), peak_rank=rank)  # fmt: skip
+                          beside_states=mesh_ranks(run), peak_rank=rank, host=host)  # fmt: skip
 
 
 @memo_term  # the same for every rank of a run (no rank in unit_collectives): built once (a speed-up)
@@ -213,6 +218,15 @@ def _choice(name: str, allowed: tuple[str, ...]):
     return check
 
 
+def _flag(name: str):
+    def check(value: object) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: expected true or false")
+        return value
+
+    return check
+
+
 VOCABULARY: tuple[EngineOption, ...] = (
     EngineOption("reshard_after_forward", check_reshard, None,
                  "fully_shard(reshard_after_forward=...): True (default), False or the post-forward group size"),
@@ -226,10 +240,15 @@ VOCABULARY: tuple[EngineOption, ...] = (
                  "cuda (default, NCCL) or cpu (gloo: no CUDA block rounding or library workspaces)"),
     EngineOption("dp_replicate", check_group("dp_replicate"), None, MESH_HELP["dp_replicate"]),
     EngineOption("dp_shard", check_shard, None, MESH_HELP["dp_shard"]),
+    EngineOption("offload_policy", _choice("offload_policy", ("none", "cpu")), None,
+                 "fully_shard(offload_policy=...): none (default) or cpu (CPUOffloadPolicy: shards, gradients and "
+                 "the optimizer step on the host)"),
+    EngineOption("pin_memory", _flag("pin_memory"), None, "CPUOffloadPolicy.pin_memory (default true)"),
 )  # fmt: skip
 """FSDP2's vocabulary, declared once (``Engine.own_options``): ``fully_shard``'s ``reshard_after_forward``,
-``MixedPrecisionPolicy``'s dtypes, ``Settings.wrap``, ``init``, ``device``, and the HSDP mesh's ``dp_replicate``
-and ``dp_shard`` (engines/fsdp2/mesh.py); None: the default a GPU user runs."""
+``MixedPrecisionPolicy``'s dtypes, ``Settings.wrap``, ``init``, ``device``, the HSDP mesh's ``dp_replicate``
+and ``dp_shard`` (engines/fsdp2/mesh.py), and ``CPUOffloadPolicy`` (``offload_policy``, ``pin_memory``); None:
+the default a GPU user runs."""
 
 
 def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optional[PeakLimit]:
@@ -261,7 +280,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"
-                  + (f", mesh {o.settings.dp_replicate} x {o.settings.dp_shard}" if o.settings.dp_replicate else ""),
+                  + (f", mesh {o.settings.dp_replicate} x {o.settings.dp_shard}" if o.settings.dp_replicate else "")
+                  + (f", CPUOffloadPolicy(pin_memory={o.settings.pin_memory})" if o.settings.offload_policy == "cpu" else ""),
                   o.estimate, o.fits, o.snippet,
                   trace_inputs=(replace(workload, checkpointing=o.checkpointing), nd,  # the rank it peaks on
                                 o.settings.model_copy(update={"rank": o.estimate.peak_rank or 0})))

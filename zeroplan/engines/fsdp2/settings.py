@@ -68,6 +68,13 @@ class Settings(BaseModel):
         "root), torchtitan (embeddings, each block, [norm, output] kept gathered, the root) or a Wrapping; "
         "reshard_after_forward is the blocks' value (a Wrapping's own blocks' values decide there)",
     )  # fmt: skip
+    offload_policy: Literal["none", "cpu"] = Field(
+        "none", description="fully_shard(offload_policy=...): none (OffloadPolicy(), FSDP2's default) or cpu "
+        "(CPUOffloadPolicy: sharded parameters, gradients and the optimizer step on the host; engines/fsdp2/offload.py)",
+    )  # fmt: skip
+    pin_memory: StrictBool = Field(
+        True, description="CPUOffloadPolicy.pin_memory (torch's default True): page-locked host shards and gradients",
+    )  # fmt: skip
     cuda_capability: tuple[StrictInt, StrictInt] = Field(
         (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
         "(formulas.cuda_workspaces); (9, 0) is H100/H200",
@@ -104,7 +111,8 @@ class Settings(BaseModel):
         mp = f", param {self.param}, reduce {self.reduce}" if self.param != self.module else ""
         wrap = "" if self.wrap == "blocks" else f", wrap {self.wrap if isinstance(self.wrap, str) else 'file'}"
         hsdp = f", HSDP mesh {self.dp_replicate} x {self.dp_shard}" if (self.dp_replicate or 1) > 1 else ""
-        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}"
+        off = f", CPUOffloadPolicy(pin_memory={self.pin_memory})" if self.offload_policy == "cpu" else ""
+        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}{off}"
 
 
 def post_forward_group(settings: Settings, nd: int) -> int:

@@ -1,0 +1,205 @@
+"""DeepSpeed's CPU offload on the engine profile (DeepSpeed 0.19.8): what stays on the GPU, what one rank
+keeps in host memory, and the PCIe traffic of a step, read from the optimizer wrappers' code.
+
+``offload_optimizer`` (ZeRO-1/2: stage_1_and_2.py ``DeepSpeedZeroOptimizer`` with ``cpu_offload``; ZeRO-3:
+stage3.py ``DeepSpeedZeroOptimizer_Stage3`` with ``offload_optimizer``): the fp32 master partition, its fp32
+gradient, Adam's m and v and the step live on the host, where ``DeepSpeedCPUAdam`` updates them
+(engine.py ``zero_use_cpu_optimizer``). ZeRO-1/2 keep the full 16-bit flat group on the GPU and copy each
+reduced gradient slice of the rank's partition straight into the pinned fp32 gradient
+(``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: no ``grads_in_partition`` on the GPU), through a GPU
+buffer of the largest parameter (``temp_grad_buffer_for_gpu_offload``); after the step the updated 16-bit
+partition comes back through a pinned 16-bit buffer (``param_buffer_of_bit16_for_cpu_offload_groups``) into the
+flat group, which is all-gathered in place. ZeRO-3 keeps its gradient partition on the host
+(``grad_partitions_flat_buffer`` on ``self.device``, the CPU) and copies the 16-bit partition back after the
+step (``_reassign_or_swap_out_partitioned_parameters``; a CPU-to-GPU ``copy_`` converts the dtype on the host).
+
+``offload_param`` (ZeRO-3): the 16-bit partitions live in one pinned host buffer per group
+(``_create_param_groups_fp16_flat_cpu_memory``); each all-gather first copies its parameters' partitions to
+the GPU (partition_parameters.py ``all_gather_coalesced``: ``ds_tensor.to(device)``), then gathers them.
+
+Not counted: the fp32 copy of a gradient slice made on the GPU before its copy to the host (at most the
+largest parameter's slice in fp32, freed at once); NVMe (refused: offload_settings.py). On a CPU-only run
+("device" and "host" are one memory) a measurement sees the sum of the GPU and host predictions.
+"""
+
+from __future__ import annotations
+
+from zeroplan.engines.deepspeed.offload_terms import S12, offloads
+from zeroplan.engines.deepspeed.run import DSRun
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
+from zeroplan.engines.deepspeed.terms import aligned_flat_numel
+from zeroplan.formulas.offload import HostMemory, Offload
+from zeroplan.formulas.peak import Moment, Term
+from zeroplan.formulas.sharding import flat_shard_numel
+
+S3 = "runtime/zero/stage3.py"
+ADAM_HOST = "Adam m and v (DeepSpeedCPUAdam)"
+"""created by the first step (lazy), as on the GPU."""
+CPU_ADAM = "ops/adam/cpu_adam.py DeepSpeedCPUAdam.step (exp_avg, exp_avg_sq: torch.zeros_like on the host partition)"
+
+HOST_TEMPORARIES = ("fp32 gradient partition (zeros", "grads_in_partition", "flat partition gradient",
+                    "fp32 gradient of the master partition", "accumulated gradients of the partition",
+                    "gradient partition copy", "16-bit partition converted to fp32", "fp32 master partition (the clone)")  # fmt: skip
+"""Moment terms (``zero12.py``, ``zero3.py``, ``phases.py``) that ``offload_optimizer`` makes on the host or
+not at all (ZeRO-1/2 copy gradients to the host, no ``grads_in_partition``), and Adam's temporaries."""
+
+
+def _pin(t, name: str) -> str:
+    return f"{name} (pinned)" if t.pin_memory else name
+
+
+def host_terms(run: DSRun) -> tuple[Term, ...]:
+    """One rank's host memory under offload, each term naming the DeepSpeed function that allocates it."""
+    s, numels, nd = run.settings, run.numels, run.nd
+    p, g = DTYPE_BYTES[s.dtype], DTYPE_BYTES[s.grad_dtype]
+    o = s.offload_optimizer
+    out: list[Term] = []
+    if s.stage == 3:
+        part = flat_shard_numel(numels, nd)
+        if o.on:
+            out += [Term("fp32 master partition", part * 4, f"{S3} _create_fp32_partitions (.to(cpu), clone)"),
+                    Term(_pin(o, "gradient partition"), part * g,
+                         f"{S3} _setup_for_real_optimizer (grad_partitions_flat_buffer on the CPU)"),
+                    Term(_pin(o, "fp32 gradient of the master partition"), part * 4,
+                         f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
+                    Term(ADAM_HOST, 2 * part * 4, CPU_ADAM, 2)]  # fmt: skip
+        if s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
+            out.append(Term("16-bit parameter partition (pinned)", part * p,
+                            f"{S3} _create_param_groups_fp16_flat_cpu_memory (param_groups_fp16_flat_cpu_memory)"))
+        return tuple(out)
+    if not o.on:
+        return ()
+    part = aligned_flat_numel(numels, nd) // nd
+    out += [Term(_pin(o, "fp32 master partition"), part * 4, f"{S12} __init__ (single_partition_of_fp32_groups)"),
+            Term(_pin(o, "fp32 gradient partition"), part * 4,
+                 f"{S12} initialize_optimizer_states (single_grad_partition, kept as the master's .grad)"),
+            Term(_pin(o, "16-bit partition buffer"), part * p,
+                 f"{S12} __init__ (param_buffer_of_bit16_for_cpu_offload_groups)"),
+            Term(_pin(o, "gradient buffer of the largest tensor"), max(numels) * p,
+                 f"{S12} __init__ (temp_grad_buffer_for_cpu_offload)"),
+            Term(ADAM_HOST, 2 * part * 4, CPU_ADAM, 2)]  # fmt: skip
+    if run.grad_accum > 1:  # each partition parameter's gradient, whole, accumulated between micro-steps
+        held = max(run.flat.params_numel(r) for r in run.ranks)
+        out.append(Term(_pin(o, "accumulated gradients of the partition's parameters"), held * p,
+                        f"{S12} async_accumulate_grad_in_cpu_via_gpu (accumulated_grads_in_cpu)"))
+    return tuple(out)
+
+
+FETCHED = "offloaded partitions copied to the GPU"
+
+
+def _fetch_term(run: DSRun) -> Term:
+    """``offload_param``: the largest module's partitions copied to the GPU before its all-gather."""
+    largest = max((sum(-(-n // run.nd) for n in m) for m in run.modules), default=0)
+    return Term(f"{FETCHED} for the all-gather (largest module)",
+                largest * DTYPE_BYTES[run.settings.dtype],
+                "runtime/zero/partition_parameters.py all_gather_coalesced (ds_tensor.to(device))")  # fmt: skip
+
+
+def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ...]:
+    """``moments`` (the wrapper's, GPU model states already ``on_gpu``) without what offload makes on the host
+    (``HOST_TEMPORARIES``) and, with ``offload_param``, with the fetched partitions beside gathered parameters."""
+    s = run.settings
+    if not offloads(s):
+        return moments
+    fetch = _fetch_term(run) if s.offload_param.on else None
+    by_block = _upcast_by_block(run) if s.offload_optimizer.on and s.stage < 3 else {}
+    out = []
+    for m in moments:
+        terms = m.terms
+        if s.offload_optimizer.on:
+            terms = tuple(t for t in terms if not (t.name.startswith(HOST_TEMPORARIES) or t.name.endswith(" temporaries")))
+        if fetch is not None and m.phase in ("forward", "backward") and any(t.name.startswith("gathered") for t in terms):
+            terms = (*terms, fetch)
+        upcast = _hook_upcast(run, m, by_block) if by_block else None
+        if upcast is not None:
+            terms = (*terms, upcast)
+        out.append(m if terms == m.terms else Moment(m.phase, m.name, terms))
+    return tuple(out)
+
+
+def _slice_numel(run: DSRun, i: int) -> int:
+    """Elements of parameter ``i`` in the described rank's slice of the flat group; every rank described
+    (``settings.rank`` None): the parameter or a whole slice, whichever is smaller (a bound on any rank's piece)."""
+    lo, hi = run.flat.offsets[i], run.flat.offsets[i + 1]
+    part, rank = run.flat.part, run.settings.rank
+    if rank is None:
+        return min(hi - lo, part)
+    return max(0, min(hi, (rank + 1) * part) - max(lo, rank * part))
+
+
+def _upcast_by_block(run: DSRun) -> dict[int | None, int]:
+    """Block -> the largest fp32 upcast (bytes) a hook of that block's parameters makes on the ranks described;
+    None: any parameter (the moments after the blocks, and those not tied to one block)."""
+    out: dict[int | None, int] = {}
+    blocks = run.param_blocks or (-1,) * len(run.numels)
+    for i, b in enumerate(blocks):
+        n = _slice_numel(run, i) * 4
+        out[b] = max(out.get(b, 0), n)
+        out[None] = max(out.get(None, 0), n)
+    return out
+
+
+def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) -> Term | None:
+    """ZeRO-1/2 with ``offload_optimizer`` and 16-bit gradients: each hook copies the rank's slice of a gradient
+    to fp32 on the GPU, three times in turn (``set_norm_for_param_grad_in_gpu``: ``.to(norm dtype)``;
+    ``_has_inf_or_nan``: ``.float()``; ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: ``.to(fp32)``), one
+    alive at a time: the largest slice of the parameters whose hooks fire in that moment's block (the last
+    block's at the last block; none before the first hook, at the loss and the LM head; any elsewhere). Measured:
+    gpt-tiny bf16 at N_d = 2, rank 1 (the last block's parameters) holds it at its backward peak, rank 0 (the
+    first half of the flat group) does not."""
+    s = run.settings
+    if not s.offload_optimizer.on or s.stage == 3 or s.grad_dtype == "fp32" or moment.phase != "backward":
+        return None
+    L = run.acts.n_layer
+    if moment.name.startswith(("cross-entropy backward", "LM head backward")):
+        return None
+    in_block = moment.name.startswith("last block backward") or (moment.name.startswith("block ")
+                                                                  and moment.name.split()[1].isdigit())
+    if in_block and not s.partition_gradients:  # ZeRO-1 copies to the host after backward, not in the blocks
+        return None  # (measured: gpt-tiny bf16 at N_d = 2, both ranks' backward peak without it, at the loss)
+    if moment.name.startswith("last block backward"):
+        numel = by_block.get(L - 1, 0)
+    elif moment.name.startswith("block ") and moment.name.split()[1].isdigit():
+        numel = by_block.get(int(moment.name.split()[1]), 0)
+    else:
+        numel = by_block.get(None, 0)
+    return Term("fp32 copy of a gradient slice (norm, overflow check, copy to the host)", numel,
+                f"{S12} set_norm_for_param_grad_in_gpu, async_inplace_copy_grad_to_fp32_buffer_from_gpu") if numel else None
+
+
+def host_memory(run: DSRun) -> HostMemory:
+    """One rank's offload record: its host terms and one optimizer step's PCIe traffic.
+
+    ZeRO-1/2: each reduced gradient slice of the partition goes to the host in fp32 at the boundary
+    (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), the 16-bit partition comes back after the step.
+    ZeRO-3: the gradient partition goes down every micro-step in the gradient dtype, the 16-bit partition comes
+    back after the step; ``offload_param``: every micro-step's forward and backward fetch every partition
+    (``ds_tensor.to(device)``), and without ``offload_optimizer`` the updated partition goes back down."""
+    s, numels, nd = run.settings, run.numels, run.nd
+    p, g = DTYPE_BYTES[s.dtype], DTYPE_BYTES[s.grad_dtype]
+    o, prm = s.offload_optimizer.on, s.offload_param.on
+    h2d = d2h = 0
+    if s.stage == 3:
+        part = flat_shard_numel(numels, nd)
+        if o:
+            d2h += part * g * run.grad_accum
+            h2d += part * p if not prm else 0
+        if prm:
+            h2d += part * p * 2 * run.grad_accum
+            d2h += part * p if not o else 0
+    elif o:
+        part = aligned_flat_numel(numels, nd) // nd
+        d2h, h2d = part * 4, part * p
+    offload = Offload("cpu" if o else "none", "cpu" if prm else "none")
+    return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST,))
+
+
+def offload_label(s: Settings) -> str:
+    """``offload optimizer->cpu``, ``offload optimizer->cpu, params->cpu`` ("offload none" without offload)."""
+    return "offload " + Offload("cpu" if s.offload_optimizer.on else "none", "cpu" if s.offload_param.on else "none").label
+
+
+def label_suffix(s: Settings) -> str:
+    """``, offload optimizer->cpu`` for the row's label ("" without offload)."""
+    return f", {offload_label(s)}" if offloads(s) else ""

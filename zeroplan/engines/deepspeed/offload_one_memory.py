@@ -1,0 +1,29 @@
+"""A CPU-only run's view of DeepSpeed's offload: the GPU and the host are one memory (``DS_ACCELERATOR=cpu``), so
+what MemTracker measures is the GPU moments plus the host bytes alive at each (``one_memory_by_phase``); the
+validator compares with it (``validate/engines/deepspeed_compare.py``)."""
+
+from __future__ import annotations
+
+from zeroplan.engines.deepspeed.offload import FETCHED, host_memory
+from zeroplan.engines.deepspeed.phases import moments
+from zeroplan.engines.deepspeed.run import DSRun
+
+HOST_FROM = ("initialize_optimizer_states", "fp32 master: converted and cloned", "partitioned parameters gathered once")
+"""The init moments from which the optimizer's host buffers exist (its construction: ``stage_1_and_2.py
+__init__``, ``stage3.py _create_fp32_partitions``); the moments before them (the cast, the flat copy, ZeRO-3's
+build) hold none."""
+
+
+def one_memory_by_phase(run: DSRun) -> dict[str, int]:
+    """Each phase's peak where the GPU and the host are one memory (a CPU-only run, ``DS_ACCELERATOR=cpu``): every
+    GPU moment plus the host bytes alive there (none before the optimizer's construction, ``HOST_FROM``; Adam's
+    m and v from the first step, as on the GPU), the largest per phase. What the validator measures on CPU."""
+    host = host_memory(run)
+    out: dict[str, int] = {}
+    for m in moments(run):
+        extra = host.host_bytes if m.phase != "init" else host.init_bytes if m.name in HOST_FROM else 0
+        # the partitions copied up for an all-gather: on one memory ``ds_tensor.to(device)`` is the tensor itself
+        # (measured: ZeRO-3 with offload_param peaks as without it on CPU)
+        same = sum(t.bytes for t in m.terms if t.name.startswith(FETCHED))
+        out[m.phase] = max(out.get(m.phase, 0), m.total() - same + extra)
+    return out

@@ -1,0 +1,89 @@
+"""DeepSpeed's offload sections as the engine profile reads them: ``zero_optimization.offload_optimizer`` and
+``offload_param``, with DeepSpeed 0.19.8's keys and defaults (runtime/zero/offload_config.py
+``DeepSpeedZeroOffloadOptimizerConfig``, ``DeepSpeedZeroOffloadParamConfig``), the combinations the profile
+predicts, and their ds_config spelling. What offload allocates where: ``offload.py``."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+OPTIMIZER_BUFFER_COUNT = 4
+"""offload_config.py ``DeepSpeedZeroOffloadOptimizerConfig.buffer_count``'s default."""
+PARAM_BUFFER_COUNT = 5
+"""offload_config.py ``DeepSpeedZeroOffloadParamConfig.buffer_count``'s default."""
+
+
+class OffloadTarget(BaseModel):
+    """One offload section (``offload_optimizer`` or ``offload_param``), DeepSpeed 0.19.8's defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    """where the states go (``OffloadDeviceEnum``); "none": on the GPU."""
+    pin_memory: bool = True
+    """page-locked host buffers (``pin_memory``, default true)."""
+    nvme_path: Optional[str] = None
+    """the NVMe mount point; required with ``device: nvme``."""
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
+    """optimizer: the fraction of the optimizer states on the host (ZeRO-3 partial offload)."""
+
+    @property
+    def on(self) -> bool:
+        return self.device != "none"
+
+
+NO_TARGET = OffloadTarget()
+
+
+def read_target(section: object, key: str) -> OffloadTarget:
+    """An ``OffloadTarget`` from a parsed section (``config._OffloadSection``, or None: absent)."""
+    if section is None:
+        return NO_TARGET
+    device = section.device or "none"
+    if device not in ("none", "cpu", "nvme"):
+        raise ValueError(f"deepspeed config: zero_optimization.{key}.device={device!r}: expected none, cpu or nvme")
+    if getattr(section, "super_offload", False):
+        raise ValueError(f"deepspeed config: zero_optimization.{key}.super_offload=true: not modelled by the profile "
+                         "(superchip offload, stage3.py SuperOffloadOptimizer)")  # fmt: skip
+    return OffloadTarget(device=device, pin_memory=section.pin_memory, nvme_path=section.nvme_path,
+                         ratio=getattr(section, "ratio", 1.0))  # fmt: skip
+
+
+def check_offload(stage: int, optimizer: OffloadTarget, param: OffloadTarget, cpu_adam_required: bool) -> None:
+    """ValueError (one line naming the key) for a combination DeepSpeed refuses or the profile does not predict.
+
+    DeepSpeed: ``offload_param`` is ZeRO-3's only (stage3.py; offload_config.py "Valid only with stage 3");
+    ``ratio`` is read at ZeRO-3 only; with a 16-bit model the offloaded step must be ``DeepSpeedCPUAdam``
+    (stage_1_and_2.py / stage3.py ``_enforce_cpu_offload``: ``torch_adam`` refused); NVMe needs ``nvme_path``.
+    Not predicted (refused with the reason): NVMe (the swappers' pinned buffers, runtime/swap_tensor/, are not
+    modelled; ZeRO-1/2 have no NVMe path: stage_1_and_2.py treats any device as the CPU), a ``ratio`` below 1
+    (ZeRO-3's partial offload keeps some sub-groups on the GPU)."""
+    for key, t in (("offload_optimizer", optimizer), ("offload_param", param)):
+        where = f"deepspeed config: zero_optimization.{key}"
+        if t.device == "nvme" and not t.nvme_path:
+            raise ValueError(f"{where}.device='nvme' needs {key}.nvme_path (runtime/zero/offload_config.py)")
+        if t.device == "nvme":
+            raise ValueError(f"{where}.device='nvme': the profile models cpu offload only (NVMe swap buffers, "
+                             "runtime/swap_tensor/, are not modelled); `zeroplan plan --engine reference --offload "
+                             "nvme` judges model states")  # fmt: skip
+    if param.on and stage != 3:
+        raise ValueError(f"deepspeed config: zero_optimization.offload_param needs ZeRO stage 3, not {stage} "
+                         "(runtime/zero/offload_config.py: valid only with stage 3)")  # fmt: skip
+    if optimizer.ratio != 1.0 and (stage != 3 or optimizer.on):
+        why = "read at ZeRO-3 only" if stage != 3 else "partial offload is not modelled by the profile"
+        raise ValueError(f"deepspeed config: zero_optimization.offload_optimizer.ratio={optimizer.ratio:g}: {why}")
+    if optimizer.on and cpu_adam_required:
+        raise ValueError("deepspeed config: optimizer.params.torch_adam=true with offload_optimizer and a 16-bit "
+                         "model: DeepSpeed asserts DeepSpeedCPUAdam (stage_1_and_2.py _enforce_cpu_offload)")  # fmt: skip
+
+
+def target_block(t: OffloadTarget) -> dict:
+    """The ds_config section that ``read_target`` reads back as ``t`` (``ratio`` only when below 1)."""
+    block: dict = {"device": t.device, "pin_memory": t.pin_memory}
+    if t.nvme_path is not None:
+        block["nvme_path"] = t.nvme_path
+    if t.ratio != 1.0:
+        block["ratio"] = t.ratio
+    return block

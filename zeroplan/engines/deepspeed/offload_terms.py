@@ -1,0 +1,60 @@
+"""What DeepSpeed's offload leaves of the wrappers' model-state terms on the GPU (``on_gpu``) and how it changes
+their collectives (``offload_collectives``), DeepSpeed 0.19.8; the host side and the moments: ``offload.py``.
+Imported by ``run.py`` and ``wrapper.py``, so it imports neither."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.engines.deepspeed.terms import DSTerm
+
+S12 = "runtime/zero/stage_1_and_2.py"
+
+MOVED_WITH_OPTIMIZER = ("fp32 master partition", "Adam m and v", "Adam step tensor", "overflow buffer",
+                        "step scalars", "gradient partition")  # fmt: skip
+"""Model-state terms (``terms.py``) that ``offload_optimizer`` puts on the host (the step scalars become one
+norm on the GPU: ``_gpu_extras``)."""
+def offloads(s: Settings) -> bool:
+    return s.offload_optimizer.on or s.offload_param.on
+
+
+def _moved(s: Settings, name: str) -> bool:
+    if s.offload_param.on and name == "16-bit parameter partition":
+        return True
+    return s.offload_optimizer.on and name.startswith(MOVED_WITH_OPTIMIZER)
+
+
+def _gpu_extras(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
+    """What offload adds on the GPU: ZeRO-1/2's staging buffer of the largest parameter and the global norm."""
+    if not s.offload_optimizer.on:
+        return ()
+    norm = DSTerm("gradient norm scalar", "lazy", 1, "fp32", f"{S12} complete_grad_norm_calculation_for_cpu_offload")
+    if s.stage == 3:
+        return ()
+    return (DSTerm("gradient staging buffer (largest tensor)", "persistent", max(numels), s.dtype,
+                   f"{S12} DeepSpeedZeroOptimizer.__init__ (temp_grad_buffer_for_gpu_offload)"), norm)  # fmt: skip
+
+
+def on_gpu(s: Settings, numels: tuple[int, ...], nd: int, terms: tuple[DSTerm, ...]) -> tuple[DSTerm, ...]:
+    """The wrapper's model-state terms (``terms.py``) less what offload puts on the host, plus its GPU buffers;
+    ZeRO-3's global norm in fp32 (``_fp32_norm``)."""
+    if not offloads(s):
+        return terms
+    kept = (replace(t, dtype="fp32", source=f"{t.source}; fp32 with offload_optimizer (measured 4 B)")
+            if _fp32_norm(s) and t.name == "grad-norm scalar" else t for t in terms if not _moved(s, t.name))
+    return (*kept, *_gpu_extras(s, numels, nd))
+
+
+def _fp32_norm(s: Settings) -> bool:
+    """ZeRO-3 with ``offload_optimizer`` keeps and all-reduces its global norm in fp32, not fp64 (measured:
+    gpt-tiny bf16 at N_d = 2, the step's all-reduce of one fp32 element, the model states 4 B below fp64's)."""
+    return s.stage == 3 and s.offload_optimizer.on
+
+
+def offload_collectives(s: Settings, collectives: tuple) -> tuple:
+    """The wrapper's collectives (``collectives.py``) as offload issues them: ZeRO-3's norm all-reduce in fp32."""
+    if not _fp32_norm(s):
+        return collectives
+    return tuple(replace(c, dtype="fp32") if (c.op, c.phase, c.dtype) == ("all-reduce", "optimizer_step", "fp64")
+                 else c for c in collectives)
