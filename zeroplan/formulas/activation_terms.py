@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block_limits, sparse_mlp_saved
 
 TOKEN_BYTES = 8  # int64 token ids and targets, as the embedding and nll_loss take them
 LOSS_BYTES = 8  # nll_loss returns the fp32 loss and its total_weight (saved for backward), both live
@@ -277,6 +278,8 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     # activation keeps: 4·N·f for an activation that keeps nothing more (relu), as many as Llama's otherwise
     kept = ACT_KEPT[spec.hidden_act]
     mlp = (kept + 3 + (spec.fused_projections and kept == 0)) * n * f * a
+    if spec.moe is not None:  # router, routed and shared experts (moe_block.py; all layers sparse)
+        mlp = sparse_mlp_saved(spec.moe, spec.model_type, n, d, a)
     saved = 2 * rms + attn + mlp
     return BlockActivations(
         saved=saved,
@@ -311,6 +314,8 @@ def unmodelled_features(spec: TransformerSpec) -> tuple[str, ...]:
     """What in ``spec`` the activation terms do not derive yet (empty: the peak is modelled)."""
     if spec.model_type in MODELLED_FAMILIES:
         return ()
+    if spec.model_type in SPARSE_BLOCK_FAMILIES:  # Mixtral, Qwen2-MoE, Qwen3-MoE: moe_block.py
+        return sparse_block_limits(spec)
     features = {
         "q/k norms": spec.qk_norm, "four norms per layer": spec.sandwich_norms,
         "fused qkv and gate-up projections": spec.fused_projections,
