@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec
-from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block_limits, sparse_mlp_saved
+from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block, sparse_block_limits, sparse_mlp_saved
 
 TOKEN_BYTES = 8  # int64 token ids and targets, as the embedding and nll_loss take them
 LOSS_BYTES = 8  # nll_loss returns the fp32 loss and its total_weight (saved for backward), both live
@@ -281,7 +281,7 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     if spec.moe is not None:  # router, routed and shared experts (moe_block.py; all layers sparse)
         mlp = sparse_mlp_saved(spec.moe, spec.model_type, n, d, a)
     saved = 2 * rms + attn + mlp
-    return BlockActivations(
+    block = BlockActivations(
         saved=saved,
         # 16-bit: nothing saves the block input or x1: both live beside the last product, down's out and
         # the sum; fp32: they are in ``saved`` (measured: tiny-llama fp32 at N_d = 2, forward exact)
@@ -302,6 +302,7 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
         first_weight_grads=d * f * a,
         backward_act_grads=2 * n * f * a,  # product backward: dSiLU-out, dup-out beside d(product)
     )
+    return block if spec.moe is None else sparse_block(block, spec, n, a, own_input)
 
 
 #: the families whose activations are derived above op by op and measured (tests/test_peak.py; Qwen3 and

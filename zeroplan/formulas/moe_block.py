@@ -29,7 +29,7 @@ Qwen2MoeConfig, Qwen3MoeConfig), and the model adds ``aux_loss`` only when it is
 from __future__ import annotations
 
 from zeroplan.architectures.moe import MoeSpec
-from zeroplan.formulas.moe_activations import INDEX_BYTES, expert_activations
+from zeroplan.formulas.moe_activations import INDEX_BYTES, ROUTING_WEIGHT_BYTES, expert_activations
 
 FP32 = 4  # the router's softmax output and the renormalised top-k weights (``dtype=torch.float``)
 #: the families whose sparse block's terms are derived here and measured (tests/test_moe_peaks.py)
@@ -76,3 +76,67 @@ def sparse_block_limits(spec) -> tuple[str, ...]:
     if spec.hidden_act not in ("silu", "swish"):
         out.append(f"experts with hidden_act {spec.hidden_act!r}")
     return tuple(out)
+
+
+def weighted_bytes(model_type: str, act_bytes: int) -> int:
+    """Bytes of an element of ``proj_out * sample_weights_g`` (``grouped_mm_experts_forward``): type promotion
+    of the activation dtype with the routing weights' (Mixtral's fp32 weights make the weighted rows and their
+    gradients fp32 in a 16-bit run)."""
+    w = ROUTING_WEIGHT_BYTES[model_type] or act_bytes
+    return max(act_bytes, w)
+
+
+def sparse_forward_extra(moe: MoeSpec, model_type: str, n_tokens: int, d_model: int, act_bytes: int,
+                         own_input: bool) -> int:  # fmt: skip
+    """Bytes alive beyond the block's saved tensors at the sparse block's forward peak: the reordering
+    ``weighted_out[inv_perm]`` in ``grouped_mm_experts_forward`` (the weighted rows and their reordered copy,
+    2·S·d·wo), with the function's locals (``expert_ids_g`` S·8, ``histc_input`` S·4 fp32,
+    ``tokens_per_expert`` E·4), the sparse block's (the router logits it binds to ``_``, N·E·a; the top-k
+    weights, N·k·w) and, in a 16-bit run, the block input and the attention residual, which no op saves
+    (``own_input``: the fp32 norms save them). After the experts return, the residual sum holds only N·d
+    tensors (the dense layer's moment, which the caller keeps as the other candidate)."""
+    n, e, k, d, a = n_tokens, moe.n_experts, moe.top_k, d_model, act_bytes
+    s, w, wo = n * k, ROUTING_WEIGHT_BYTES[model_type] or a, weighted_bytes(model_type, a)
+    inputs = 0 if own_input else 2 * n * d * a
+    later = n * a if model_type == "qwen2_moe" else 0  # saved after it: the shared gate's sigmoid output
+    return inputs + n * e * a + n * k * w + s * (INDEX_BYTES + FP32) + e * FP32 + 2 * s * d * wo - later
+
+
+def sparse_backward_ws(moe: MoeSpec, model_type: str, n_tokens: int, d_model: int, act_bytes: int) -> int:
+    """The largest moment of the routed experts' backward beyond the block's saved tensors and the incoming
+    gradient (``grouped_mm_experts_forward`` read backward; each saved tensor freed once its node has run):
+
+    - the reordering's backward (``IndexBackward0``): the expanded gradient's contiguous copy, zeros and
+      ``index_put`` (3·S·d·wo);
+    - the routing product's (``MulBackward0``): the reordered gradient, d(rows) and d(rows)·rows (3·S·d·wo),
+      d(rows) cast to the activation dtype where the weights promoted it, ``inv_perm`` freed (S·8);
+    - the down grouped matmul's (``GroupedMmBackward0``): its weight gradient E·d·f and d(product) S·f, the
+      routing product's saved tensors freed;
+    - SiLU-times-up's: the down weight gradient, d(product), d(SiLU out) and d(up) (3·S·f), the down
+      output and the product freed;
+    - the gate-up grouped matmul's: both weight gradients (3·E·d·f), d(gathered rows) and d(gate-up out),
+      the gate-up output, SiLU's output and the product freed.
+    """
+    e, d, f, a = moe.n_experts, d_model, moe.expert_ffn, act_bytes
+    s, wo = n_tokens * moe.top_k, weighted_bytes(model_type, act_bytes)
+    cast = s * d * a if wo != a else 0
+    return max(3 * s * d * wo,
+               3 * s * d * wo + cast - s * INDEX_BYTES,
+               e * d * f * a + s * f * a - s * INDEX_BYTES,
+               e * d * f * a + 2 * s * f * a - s * INDEX_BYTES - s * d * a,
+               3 * e * d * f * a - 2 * s * f * a - s * INDEX_BYTES)  # fmt: skip
+
+
+def sparse_block(block, spec, n_tokens: int, act_bytes: int, own_input: bool):
+    """``block`` (the dense layer's ``activation_terms.BlockActivations``, its ``saved`` already the sparse
+    MLP's) with the sparse block's forward and backward moments: the forward peak the larger of the experts'
+    reordering and the residual sum's; the backward working set the experts' (``sparse_backward_ws``), whose
+    first weight gradient is the down projection's (E·d·f)."""
+    from dataclasses import replace
+
+    moe, d, a = spec.moe, spec.d_model, act_bytes
+    ws = sparse_backward_ws(moe, spec.model_type, n_tokens, d, a)
+    return replace(block, forward_extra=max(block.forward_extra,
+                                            sparse_forward_extra(moe, spec.model_type, n_tokens, d, a, own_input)),
+                   backward_first_op=ws, first_weight_grads=moe.n_experts * d * moe.expert_ffn * a,
+                   backward_act_grads=0)  # fmt: skip
