@@ -120,11 +120,31 @@ def sparse_backward_ws(moe: MoeSpec, model_type: str, n_tokens: int, d_model: in
     e, d, f, a = moe.n_experts, d_model, moe.expert_ffn, act_bytes
     s, wo = n_tokens * moe.top_k, weighted_bytes(model_type, act_bytes)
     cast = s * d * a if wo != a else 0
-    return max(3 * s * d * wo,
+    experts = max(3 * s * d * wo,
                3 * s * d * wo + cast - s * INDEX_BYTES,
                e * d * f * a + s * f * a - s * INDEX_BYTES,
                e * d * f * a + 2 * s * f * a - s * INDEX_BYTES - s * d * a,
                3 * e * d * f * a - 2 * s * f * a - s * INDEX_BYTES)  # fmt: skip
+    if not shared_expert_saved(moe, model_type, n_tokens, d, a):
+        return experts
+    return shared_expert_ws(moe, model_type, n_tokens, d, a, experts)
+
+
+def shared_expert_ws(moe: MoeSpec, model_type: str, n_tokens: int, d_model: int, act_bytes: int,
+                     experts_ws: int) -> int:  # fmt: skip
+    """Qwen2-MoE's sparse block backward (``Qwen2MoeSparseMoeBlock.forward`` read backward; autograd runs the
+    nodes made last first): the shared gate's product, sigmoid and linear run before the routed experts, so
+    the experts' moments also hold d(shared output) (N·d), the input gradient the gate's linear made (N·d)
+    and its weight gradient (d), less the sigmoid output and the shared output they saved (N + N·d); the
+    shared SwiGLU runs last, beside every weight gradient of the experts (3·E·d·f) and the router's (E·d),
+    with the router's and experts' saved tensors freed: its down projection's backward (d(product) N·f_s, its
+    weight gradient d·f_s, with d(shared output) N·d) or its product's (2·N·f_s + d·f_s, as a dense MLP's)."""
+    n, e, d, f, fs, a = n_tokens, moe.n_experts, d_model, moe.expert_ffn, moe.shared_ffn, act_bytes
+    routed = router_saved(moe, model_type, n) + expert_activations(moe, model_type, d, n, a).saved_bytes
+    held = 3 * e * d * f * a + e * d * a + d * a - routed - n * a
+    return max(experts_ws + n * d * a + d * a - n * a,
+               held + n * fs * a + d * fs * a + n * d * a,  # d(shared output) still in the node's input
+               held + 2 * n * fs * a + d * fs * a)  # fmt: skip
 
 
 def sparse_block(block, spec, n_tokens: int, act_bytes: int, own_input: bool):
