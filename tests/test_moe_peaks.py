@@ -53,3 +53,55 @@ def test_saved_activations_match_transformers_classes(family, dtype):
     a = 4 if dtype == "float32" else 2
     acts = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=a, stat_bytes=a)
     assert measured == acts.saved_total("none") + b * s * 8
+
+
+#: FSDP2 on transformers' class of each config (validate.engines.fsdp2_rows.run_world, Fsdp2Settings(model=CONFIG_JSON,
+#: hf=True, seq_len=64, steps=2, param_dtype), micro-batch 2, gloo, N_d = 2), recorded 2026-12-01 on this project's
+#: CPU machine, torch 2.13.0, transformers 5.24 (grouped_mm experts): measured peak bytes [init, forward, backward,
+#: optimizer_step] per rank. Small vocabularies, so that the sparse block's moments are the phases' peaks: with the
+#: dense block's forward and backward moments instead (``moe_block.sparse_block`` left out) mixtral-wide misses
+#: forward +0.740%, backward +3.208%.
+WIDE = {"hidden_size": 128, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 3, "vocab_size": 503, "max_position_embeddings": 64, "tie_word_embeddings": False}
+MIXTRAL = {**WIDE, "model_type": "mixtral", "intermediate_size": 256, "num_key_value_heads": 1,
+           "num_local_experts": 4, "num_experts_per_tok": 2}
+QWEN3_MOE = {**WIDE, "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 3,
+             "moe_intermediate_size": 128, "head_dim": 32}
+RECORDED = {
+    "mixtral-wide": (MIXTRAL, "fp32", [[6604928, 18538552, 20365856, 12521720], [6604928, 18536504, 20363808, 12519672]]),
+    "mixtral-wide-bf16": (MIXTRAL, "bf16",
+                          [[6604928, 14024504, 15066912, 12521720], [6604928, 14022456, 15064864, 12519672]]),
+    "qwen3-moe-wide": (QWEN3_MOE, "fp32",
+                       [[5347840, 16654576, 17440328, 10103632], [5347840, 16652528, 17438280, 10101584]]),
+    "qwen3-moe-wide-tied-norm-bf16": ({**QWEN3_MOE, "tie_word_embeddings": True, "norm_topk_prob": True}, "bf16",
+                                      [[5090304, 11789548, 12297668, 9587532], [5090304, 11788524, 12296644, 9586508]]),
+    "qwen2-moe-wide": ({**WIDE, "model_type": "qwen2_moe", "num_key_value_heads": 1, "num_experts": 4,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 512},
+                       "fp32", [[6609664, 20320268, 21289572, 12008268], [6609664, 20315148, 21284452, 12003148]]),
+}  # fmt: skip
+#: (row, phase): measured error where it is not 0. qwen2-moe-wide: forward 4,096 B and backward 1,024 B over the
+#: prediction on both ranks, outside the sparse block (one Qwen2MoeDecoderLayer's forward and backward are exact
+#: against a live-storage trace at these widths); not found yet
+RESIDUAL = {("qwen2-moe-wide", "forward"): 4096 / 20320268, ("qwen2-moe-wide", "backward"): 1024 / 21289572}
+MARGIN = 0.0005  # as tests/test_fsdp2_hf_recorded.py
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+def test_fsdp2_peaks_of_transformers_classes_every_phase_every_rank(name, tmp_path):
+    pytest.importorskip("torch")
+    import json
+
+    from validate.engines.fsdp2 import Fsdp2Settings
+    from validate.engines.fsdp2_rows import predict
+    from zeroplan.formulas.peak import PHASES
+
+    cfg, dtype, measured = RECORDED[name]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=64, steps=2, param_dtype=dtype)
+    meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
+    for rank, row in enumerate(measured):
+        predicted = predict(settings, meta, rank)[0].peak.by_phase()
+        for phase, value in zip(PHASES, row):
+            err = (value - predicted[phase]) / value
+            assert abs(err - RESIDUAL.get((name, phase), 0.0)) <= MARGIN, (name, rank, phase, value, predicted[phase])
