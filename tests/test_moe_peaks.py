@@ -105,3 +105,56 @@ def test_fsdp2_peaks_of_transformers_classes_every_phase_every_rank(name, tmp_pa
         for phase, value in zip(PHASES, row):
             err = (value - predicted[phase]) / value
             assert abs(err - RESIDUAL.get((name, phase), 0.0)) <= MARGIN, (name, rank, phase, value, predicted[phase])
+
+
+#: DeepSpeed 0.19.8 on transformers' class (validate.engines.deepspeed_compare.run_world(configs, 2, model=CONFIG_JSON,
+#: steps=2, seq_len=64, runs=[{"model": CONFIG_JSON, "hf": True}] per config), ds_config(stage, zero=ZERO,
+#: optimizer_params={"torch_adam": True}) with micro-batch 1, fp32, gloo, N_d = 2; DS_ACCELERATOR=cpu), recorded
+#: 2026-12-01 on this project's CPU machine: the largest rank's peak bytes [init, forward, backward, optimizer_step].
+#: ZERO "default": DeepSpeed's own bucket sizes (5e8 elements: every expert tensor fits the reduce bucket);
+#: "small": 5,000-element buckets (tests/test_families.py DS_SMALL), below the expert tensors' 131,072 and 262,144.
+DS_SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
+            "stage3_param_persistence_threshold": 100}  # fmt: skip
+DS_RECORDED = {
+    ("mixtral-wide", 2, "default"): [11469952, 17535936, 2020072852, 22940304],
+    ("mixtral-wide", 2, "small"): [11469952, 17535936, 22114024, 22940304],
+    ("mixtral-wide", 3, "small"): [9671073, 23324877, 24669661, 22960837],
+    ("qwen3-moe-wide", 2, "small"): [9314944, 15000408, 18500992, 18630288],
+    ("qwen3-moe-wide", 3, "small"): [7792673, 19784589, 20467821, 18650821],
+}
+#: measured errors (measured - predicted) / measured that are not the sparse block's and not modelled yet (the
+#: profile's, docs/models.md): ZeRO-2 with expert tensors larger than the reduce bucket (DeepSpeed reduces such a
+#: gradient on its own, ``extra_large_param_to_reduce`` in stage_1_and_2.py) misses the backward by 2.2 MB;
+#: ZeRO-3 over-predicts the forward (the experts module fetches both 3D tensors at once) and misses the backward.
+#: Asserted, so that a fix of the profile shows here.
+DS_RESIDUAL = {
+    ("mixtral-wide", 2, "small", "backward"): 2243240 / 22114024,
+    ("mixtral-wide", 3, "small", "forward"): -795552 / 23324877,
+    ("mixtral-wide", 3, "small", "backward"): 650104 / 24669661,
+    ("qwen3-moe-wide", 2, "small", "backward"): 2189752 / 18500992,
+    ("qwen3-moe-wide", 3, "small", "forward"): -525696 / 19784589,
+    ("qwen3-moe-wide", 3, "small", "backward"): 389488 / 20467821,
+}
+DS_CONFIGS = {"mixtral-wide": MIXTRAL, "qwen3-moe-wide": QWEN3_MOE}
+
+
+@pytest.mark.parametrize(("name", "stage", "buckets"), sorted(DS_RECORDED))
+def test_deepspeed_peaks_of_transformers_classes_every_phase(name, stage, buckets, tmp_path):
+    pytest.importorskip("torch")
+    import json
+
+    from validate.engines.deepspeed_compare import ds_config, workload_for
+    from zeroplan.engines import deepspeed as D
+    from zeroplan.formulas.peak import PHASES
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(DS_CONFIGS[name]))
+    config = ds_config(stage, micro_batch=1, zero=DS_SMALL if buckets == "small" else {},
+                       optimizer_params={"torch_adam": True})  # fmt: skip
+    workload = workload_for(str(path), 1, 64, 1, "none", hf=True)
+    (est,) = D.estimate(workload, 2, D.Settings.from_ds_config(config, zero_init=False), stat_bytes=4)
+    predicted = est.peak.by_phase()
+    for phase, value in zip(PHASES, DS_RECORDED[(name, stage, buckets)]):
+        err = (value - predicted[phase]) / value
+        residual = DS_RESIDUAL.get((name, stage, buckets, phase), 0.0)
+        assert abs(err - residual) <= MARGIN, (name, stage, buckets, phase, value, predicted[phase])
