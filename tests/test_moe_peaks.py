@@ -158,3 +158,99 @@ def test_deepspeed_peaks_of_transformers_classes_every_phase(name, stage, bucket
         err = (value - predicted[phase]) / value
         residual = DS_RESIDUAL.get((name, stage, buckets, phase), 0.0)
         assert abs(err - residual) <= MARGIN, (name, stage, buckets, phase, value, predicted[phase])
+
+
+class LiveStorages:
+    """A dispatch mode that counts the bytes of the storages ops create and are still alive (freed when their last
+    reference goes), and their peak; the storages of ``ignore`` (parameters, inputs) are not counted."""
+
+    def __init__(self, ignore):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer.record(out)
+                return out
+
+        self.mode, self.ignore, self.sizes, self.live, self.peak = Mode(), ignore, {}, 0, 0
+
+    def record(self, out) -> None:
+        import weakref
+
+        import torch
+
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key in self.sizes or key in self.ignore or st.nbytes() == 0:
+                    continue
+                self.sizes[key] = st.nbytes()
+                self.live += st.nbytes()
+                weakref.finalize(st, self.free, key)
+        self.peak = max(self.peak, self.live)
+
+    def free(self, key) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+
+MOMENTS = {  # one decoder layer, b = 2, s = 64: each row's peak in a different moment of moe_block
+    "mixtral": {**BASE, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    "mixtral-many-experts": {**BASE, "model_type": "mixtral", "hidden_size": 64, "num_local_experts": 8,
+                             "num_experts_per_tok": 2, "intermediate_size": 512},
+    "qwen3_moe-top1": {**BASE, "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 1,
+                       "moe_intermediate_size": 64, "head_dim": 16, "norm_topk_prob": True},
+    "qwen2_moe": SPARSE["qwen2_moe"],
+    "qwen2_moe-wide-shared": {**SPARSE["qwen2_moe"], "shared_expert_intermediate_size": 800},
+}  # fmt: skip
+
+
+#: layers whose backward peaks after the experts' backward, at the post-attention RMSNorm's backward (pow's, as
+#: ``BlockActivations.norm_backward_ws``), with every expert weight gradient alive and the attention's saved
+#: tensors not yet freed: a moment the FSDP2 and DeepSpeed walks do not take (they take the block's backward
+#: with every saved tensor, then its gradients complete); bytes above ``ws``. Not modelled yet (docs/models.md).
+LATER_BACKWARD_PEAK = {("qwen3_moe-top1", "bfloat16"): 33672}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(MOMENTS))
+def test_sparse_block_moments_match_a_live_storage_trace(name, dtype):
+    """One sparse decoder layer of transformers' class: the forward's peak beyond what it saves
+    (``forward_extra``), the backward's beyond it and the incoming gradient (the engines' working set), and the
+    forward without grad (``ckpt_forward_peak``), counted storage by storage as the ops make and free them.
+    Exact; the dense block's terms miss each (by 2·S·d·wo and more)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg, b, s = {**MOMENTS[name], "num_hidden_layers": 1}, 2, 64
+    torch_dtype, a = getattr(torch, dtype), 4 if dtype == "float32" else 2
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**cfg), attn_implementation="sdpa", dtype=torch_dtype).train()
+    layer, d = model.model.layers[0], cfg["hidden_size"]
+    x = torch.randn(b, s, d, dtype=torch_dtype, requires_grad=True)
+    pos = torch.arange(s).unsqueeze(0)
+    cos_sin, g = model.model.rotary_emb(x, pos), torch.randn(b, s, d, dtype=torch_dtype)
+    ignore = {t.untyped_storage().data_ptr() for t in (*model.parameters(), x, *cos_sin, g, pos)}
+    blk = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=a, stat_bytes=a).block
+    held_x = b * s * d * a if a == 4 else 0  # fp32: the input norm saves the block input itself (in ``saved``)
+
+    fwd = LiveStorages(ignore)
+    with fwd.mode:
+        out = layer(x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
+    assert fwd.live - out.untyped_storage().nbytes() + held_x == blk.saved
+    assert fwd.peak + b * s * d * a - blk.saved == blk.forward_extra
+    start = fwd.live
+    fwd.peak = 0
+    with fwd.mode:
+        out.backward(g)
+    ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
+    assert fwd.peak - start == ws + LATER_BACKWARD_PEAK.get((name, dtype), 0)
+
+    nograd = LiveStorages(ignore)
+    with torch.no_grad(), nograd.mode:
+        layer(x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
+    assert nograd.peak + b * s * d * a == blk.ckpt_forward_peak

@@ -156,7 +156,38 @@ def sparse_block(block, spec, n_tokens: int, act_bytes: int, own_input: bool):
 
     moe, d, a = spec.moe, spec.d_model, act_bytes
     ws = sparse_backward_ws(moe, spec.model_type, n_tokens, d, a)
-    return replace(block, forward_extra=max(block.forward_extra,
+    dense = block.ckpt_forward_peak  # the attention's moments (and a dense MLP's, a lower bound of the sparse one's)
+    ckpt = max(dense, sparse_nograd_peak(moe, spec.model_type, n_tokens, d, a))
+    return replace(block, ckpt_forward_peak=ckpt, forward_extra=max(block.forward_extra,
                                             sparse_forward_extra(moe, spec.model_type, n_tokens, d, a, own_input)),
                    backward_first_op=ws, first_weight_grads=moe.n_experts * d * moe.expert_ffn * a,
                    backward_act_grads=0)  # fmt: skip
+
+
+def sparse_nograd_peak(moe: MoeSpec, model_type: str, n_tokens: int, d_model: int, act_bytes: int) -> int:
+    """The sparse MLP's largest moment without grad (a checkpointed block's forward), its input, the block
+    input and the attention residual included (3·N·d·a): what ``grouped_mm_experts_forward`` binds to locals
+    lives to its return. Beside them the router's outputs (logits N·E·a, weights N·k·w, indices N·k·8), the
+    sort's ``expert_ids_g`` and ``perm`` (2·S·8), the gathered rows (S·d·a), the sorted weights (S·w),
+    ``histc_input`` (S·4), the counts and offsets (2·E·4), then the largest of: the gate-up output (S·2f·a);
+    it with SiLU's output and the product (4·S·f·a); the product and the down output (S·(f + d)·a); the down
+    output with the weighted rows, ``inv_perm`` and their reordered copy (S·d·(a + 2·wo) + S·8); the down
+    output, the reordered rows, ``inv_perm``, their per-token sum (N·d·wo) and its cast (N·d·a, where wo is
+    not a). Qwen2-MoE's shared expert runs first (its SwiGLU: SiLU's output, up's and their product, then
+    the product and its output), and its output (N·d·a)
+    lives through the routed experts. Each exact against a live-storage trace (tests/test_moe_peaks.py)."""
+    n, e, k, d, f, a = n_tokens, moe.n_experts, moe.top_k, d_model, moe.expert_ffn, act_bytes
+    s, w, wo = n * k, ROUTING_WEIGHT_BYTES[model_type] or a, weighted_bytes(model_type, a)
+    base = 3 * n * d * a
+    shared = 0
+    if shared_expert_saved(moe, model_type, n, d, a):
+        fs = moe.shared_ffn
+        shared = base + n * a * max(3 * fs, fs + d)  # SiLU out, up out and their product; then it and down out
+        base += n * d * a
+    held = (base + n * e * a + n * k * (w + INDEX_BYTES) + s * (2 * INDEX_BYTES + d * a + w + FP32)
+            + 2 * e * FP32)  # fmt: skip
+    cast = n * d * a if wo != a else 0
+    return max(shared, held + max(
+        2 * s * f * a, 4 * s * f * a, s * (f + d) * a,
+        s * d * (a + 2 * wo) + s * INDEX_BYTES,
+        s * d * (a + wo) + s * INDEX_BYTES + n * d * wo + cast))  # fmt: skip
