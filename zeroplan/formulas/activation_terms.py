@@ -30,8 +30,9 @@ every config in tests/data/hf_configs (tests/test_peak.py):
   2·(4Nd + 4N + 2Nd·a) + N·a·(2q + 2kv') + 4·b·h·s [+ s²·a] + (k+3)·N·f·a.
 The newer llama-layout families add to that block what their own modeling file computes (measured on
 transformers' classes, tests/test_families.py): Qwen3's q/k norms (``_qk_norm_saved``) and Phi-3's fused
-qkv and gate-up projections (``_fused_attention_extra``, the MLP's one gate_up storage); the others are
-refused (``unmodelled_features``).
+qkv and gate-up projections (``_fused_attention_extra``, the MLP's one gate_up storage); Mixtral, Qwen2-MoE
+and Qwen3-MoE replace the MLP's terms with the sparse block's (``moe_block.sparse_block``: router, routed and
+shared experts, measured in tests/test_moe_peaks.py); the others are refused (``unmodelled_features``).
 The loss upcasts the logits to fp32 (the 16-bit logits are freed at once) and cross-entropy saves the
 fp32 log-softmax output (N·V·4). Under full checkpointing each block keeps its input (N·d·a), and
 the checkpoints hold RoPE's tables and the bool mask as inputs too.
