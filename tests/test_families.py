@@ -167,8 +167,7 @@ def test_bad_configs_are_one_line(cfg, message):
     [
         ("tiny-gemma2", "four norms per layer, soft-capping, sliding-window layers"),
         ("tiny-gemma3", "q/k norms, four norms per layer, sliding-window layers"),
-        ("tiny-mixtral", "routed experts"),
-        ("tiny-qwen3-moe", "q/k norms, routed experts"),
+        ("tiny-qwen3-moe", "dense and sparse layers mixed: 2 of 3 sparse"),  # mlp_only_layers [0]: tests/test_moe_peaks.py
         ("tiny-deepseek-v3", "routed experts, latent attention"),
     ],
 )
@@ -198,7 +197,7 @@ def test_fsdp2_dim0_rule_on_expert_tensors(name, nd, per_rank):
 
 def test_live_module_of_an_unmodelled_family_gets_model_states_without_a_peak():
     """``zeroplan.estimate(model=<Mixtral module>)``: exact model states from the module's own tensors, no
-    architecture (the routed experts' peak is not modelled: docs/models.md), not the refusal line; a Qwen3
+    architecture (GELU experts' peak is not modelled: docs/models.md), not the refusal line; a Qwen3
     module (modelled) keeps its architecture."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -208,7 +207,8 @@ def test_live_module_of_an_unmodelled_family_gets_model_states_without_a_peak():
     dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=100)  # fmt: skip
     with torch.device("meta"):
-        mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(**dims, num_local_experts=4))
+        mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(**dims, num_local_experts=4,
+                                                                             hidden_act="gelu"))  # GELU experts
         qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**dims, head_dim=16))
     result = zeroplan.estimate(model=mixtral, gpus=4)
     assert result.psi == sum(p.numel() for p in mixtral.parameters()) == 234_816

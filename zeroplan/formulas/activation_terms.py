@@ -30,8 +30,9 @@ every config in tests/data/hf_configs (tests/test_peak.py):
   2·(4Nd + 4N + 2Nd·a) + N·a·(2q + 2kv') + 4·b·h·s [+ s²·a] + (k+3)·N·f·a.
 The newer llama-layout families add to that block what their own modeling file computes (measured on
 transformers' classes, tests/test_families.py): Qwen3's q/k norms (``_qk_norm_saved``) and Phi-3's fused
-qkv and gate-up projections (``_fused_attention_extra``, the MLP's one gate_up storage); the others are
-refused (``unmodelled_features``).
+qkv and gate-up projections (``_fused_attention_extra``, the MLP's one gate_up storage); Mixtral, Qwen2-MoE
+and Qwen3-MoE replace the MLP's terms with the sparse block's (``moe_block.sparse_block``: router, routed and
+shared experts, measured in tests/test_moe_peaks.py); the others are refused (``unmodelled_features``).
 The loss upcasts the logits to fp32 (the 16-bit logits are freed at once) and cross-entropy saves the
 fp32 log-softmax output (N·V·4). Under full checkpointing each block keeps its input (N·d·a), and
 the checkpoints hold RoPE's tables and the bool mask as inputs too.
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block, sparse_block_limits, sparse_mlp_saved
 
 TOKEN_BYTES = 8  # int64 token ids and targets, as the embedding and nll_loss take them
 LOSS_BYTES = 8  # nll_loss returns the fp32 loss and its total_weight (saved for backward), both live
@@ -277,8 +279,10 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     # activation keeps: 4·N·f for an activation that keeps nothing more (relu), as many as Llama's otherwise
     kept = ACT_KEPT[spec.hidden_act]
     mlp = (kept + 3 + (spec.fused_projections and kept == 0)) * n * f * a
+    if spec.moe is not None:  # router, routed and shared experts (moe_block.py; all layers sparse)
+        mlp = sparse_mlp_saved(spec.moe, spec.model_type, n, d, a)
     saved = 2 * rms + attn + mlp
-    return BlockActivations(
+    block = BlockActivations(
         saved=saved,
         # 16-bit: nothing saves the block input or x1: both live beside the last product, down's out and
         # the sum; fp32: they are in ``saved`` (measured: tiny-llama fp32 at N_d = 2, forward exact)
@@ -299,6 +303,7 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
         first_weight_grads=d * f * a,
         backward_act_grads=2 * n * f * a,  # product backward: dSiLU-out, dup-out beside d(product)
     )
+    return block if spec.moe is None else sparse_block(block, spec, n, a, own_input)
 
 
 #: the families whose activations are derived above op by op and measured (tests/test_peak.py; Qwen3 and
@@ -311,6 +316,8 @@ def unmodelled_features(spec: TransformerSpec) -> tuple[str, ...]:
     """What in ``spec`` the activation terms do not derive yet (empty: the peak is modelled)."""
     if spec.model_type in MODELLED_FAMILIES:
         return ()
+    if spec.model_type in SPARSE_BLOCK_FAMILIES:  # Mixtral, Qwen2-MoE, Qwen3-MoE: moe_block.py
+        return sparse_block_limits(spec)
     features = {
         "q/k norms": spec.qk_norm, "four norms per layer": spec.sandwich_norms,
         "fused qkv and gate-up projections": spec.fused_projections,

@@ -23,8 +23,7 @@ activation bytes, ``w`` the routing weights' bytes, d the width and f the expert
 The routing weights are fp32 for Mixtral (``softmax(router_logits.float())``) and DeepSeek-V3 (an fp32
 router), the activation dtype for Qwen2-MoE and Qwen3-MoE (``.to(router_logits.dtype)``). Measured
 exactly with saved-tensor hooks on transformers' own experts modules (tests/test_moe_activations.py).
-Not here: the router's own saved tensors and the shared experts (family-specific), the working sets,
-hence no peak yet (docs/models.md).
+The router's own saved tensors, the shared experts and the working sets: ``moe_block.py``.
 """
 
 from __future__ import annotations
