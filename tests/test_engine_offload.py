@@ -216,9 +216,12 @@ MEASURED = {
     ("z3", 2, 0): {"init": 254_269, "forward": 552_141, "backward": 565_077, "optimizer_step": 374_989},
     ("z3p", 2, 0): {"init": 254_269, "forward": 552_141, "backward": 565_077, "optimizer_step": 374_989},
 }
-UNNAMED = {("z2", "backward"): 3_456, ("z3", "init"): 15_956, ("z3p", "init"): 15_956}
+UNNAMED = {("z2", "backward"): 3_456, ("z3", "init"): 15_956, ("z3p", "init"): 15_956,
+           ("z3", "optimizer_step"): 1_208, ("z3p", "optimizer_step"): 1_208}
 """Bytes measured above the prediction, not yet named: ZeRO-2's last block (its hook's fp32 upcast included), on
-both rows; ZeRO-3's init on the host (the master's conversion and the optimizer's gradient buffer)."""
+both rows; ZeRO-3's init on the host (the master's conversion and the optimizer's gradient buffer); ZeRO-3's step
+(0.32 %): without offload the step partitions the persistent parameters (stage3.py step -> _partition_all_parameters,
+the profile's rule since the differential draw 1-18: exact there), the prediction here 736 B above before that rule."""
 
 
 def _offload_config(case: str) -> dict:
@@ -236,7 +239,7 @@ def _offload_config(case: str) -> dict:
 def test_one_memory_prediction_matches_the_cpu_measurement(case, nd, rank):
     """On CPU the validator compares GPU + host at every moment (``one_memory_by_phase``: host buffers from the
     optimizer's construction on; the partitions ``offload_param`` copies up are the tensors themselves) with
-    MemTracker: every phase within 0.1% (ZeRO-3's step 0.2%), or short by exactly its unnamed bytes."""
+    MemTracker: every phase within 0.1%, or short by exactly its unnamed bytes."""
     from zeroplan.engines.deepspeed.offload_one_memory import one_memory_by_phase
 
     s = D.Settings.from_ds_config(_offload_config(case), zero_init=False).model_copy(update={"rank": rank})
@@ -245,6 +248,5 @@ def test_one_memory_prediction_matches_the_cpu_measurement(case, nd, rank):
         gap = UNNAMED.get((case[:2] if case == "z2" else case, phase), 0)
         if gap:
             assert measured - got[phase] == gap, (phase, measured, got[phase])
-        else:  # ZeRO-3's step: 736 B (0.2%) above, the host step's temporaries on the GPU side not named
-            tol = 0.002 if case.startswith("z3") and phase == "optimizer_step" else 0.001
-            assert abs(measured - got[phase]) <= tol * measured, (phase, measured, got[phase])
+        else:
+            assert abs(measured - got[phase]) <= 0.001 * measured, (phase, measured, got[phase])

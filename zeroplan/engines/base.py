@@ -329,11 +329,10 @@ class Engine:
                              f"the peak is modelled without tensor parallelism (N_m = {model_parallel})")
         if checkpointing not in PEAK_CHECKPOINTING:
             return PeakLimit("checkpointing", f"the peak knows checkpointing none and full, not {checkpointing}")
-        own = self.own_peak_limits(options, spec)
-        if own is not None:
-            return own
-        why = activation_limit(spec)
-        return None if why is None else PeakLimit("architecture", why)
+        why = activation_limit(spec)  # the family first: what no engine models
+        if why is not None:
+            return PeakLimit("architecture", why)
+        return self.own_peak_limits(options, spec)
 
     @property
     def reads(self) -> tuple[str, ...]:

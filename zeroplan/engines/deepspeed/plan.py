@@ -16,6 +16,7 @@ from zeroplan.engines.deepspeed.offload_terms import offloads
 from zeroplan.engines.deepspeed.config import parse_ds_config
 from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, read_target
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
+from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.formulas.activation_terms import dropout_limit
 from zeroplan.policy import PrecisionPolicy
@@ -190,9 +191,32 @@ VOCABULARY: tuple[EngineOption, ...] = (
 
 
 def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optional[PeakLimit]:
-    """``Engine.own_peak_limits``: a run with dropout is refused (``activation_terms.dropout_limit``)."""
-    why = dropout_limit(spec, "deepspeed")
+    """``Engine.own_peak_limits``: a run with dropout is refused (``activation_terms.dropout_limit``), and a
+    mixture-of-experts model outside what was measured (``moe_limit``)."""
+    why = dropout_limit(spec, "deepspeed") or moe_limit(options, spec)
     return None if why is None else PeakLimit("architecture", why)
+
+
+def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
+    """Why DeepSpeed's peak of a sparse model is not given, or None. Measured exact (tests/test_moe_peaks.py,
+    transformers' Mixtral and Qwen3-MoE on DeepSpeed 0.19.8): ZeRO-2 with a reduce bucket at least as large as an
+    expert tensor. Refused: ZeRO-3 (the ``experts`` module fetches both 3-D tensors in one module fetch, which
+    the dense block's schedule does not have: forward -3.4 %, an under-prediction), a smaller bucket (a gradient
+    larger than it is reduced on its own, ``stage_1_and_2.py extra_large_param_to_reduce``: backward +10 %), and
+    ZeRO-1 (not measured). A plan without a stage searches ZeRO-3 too, so it is refused as well."""
+    if spec.moe is None:
+        return None
+    zero = (options.own.get("ds_config") or {}).get("zero_optimization") or {}
+    stage = zero.get("stage", options.stage) if isinstance(zero, dict) else options.stage
+    bucket = zero.get("reduce_bucket_size", DEFAULT_BUCKET_NUMEL) if isinstance(zero, dict) else DEFAULT_BUCKET_NUMEL
+    expert = spec.moe.n_experts * 2 * spec.moe.expert_ffn * spec.d_model  # experts.gate_up_proj (E, 2f, d)
+    if stage == 2 and isinstance(bucket, (int, float)) and bucket >= expert:
+        return None
+    return (f"model_type {spec.model_type!r}: DeepSpeed's peak of routed experts is modelled at ZeRO-2 with "
+            f"reduce_bucket_size >= one expert tensor ({expert:,} elements) only (ZeRO-1 not measured; ZeRO-3 and "
+            "smaller buckets miss: docs/models.md); got "
+            + (f"stage {stage}" if stage is not None else "no stage (plan searches ZeRO-1 to 3)")
+            + (f", reduce_bucket_size {bucket}" if stage == 2 else ""))
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:

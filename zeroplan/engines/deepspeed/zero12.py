@@ -321,7 +321,10 @@ class ZeroOptimizer(Wrapper):
 
         # one rank's flatten and one's update where every rank is described (``DSRun.first_largest``)
         table = {r: sizes(r) for r in run.ranks}
-        norms = run.first_largest(lambda r: table[r][0] + _largest_slice(run, r) * DTYPE_BYTES["fp64"])
+        # with offload_optimizer the norm is summed from per-parameter norms taken in backward
+        # (stage_1_and_2.py complete_grad_norm_calculation_for_cpu_offload): no fp64 copy on the GPU
+        norms = () if s.offload_optimizer.on else run.first_largest(
+            lambda r: table[r][0] + _largest_slice(run, r) * DTYPE_BYTES["fp64"])
         flattens = run.first_largest(lambda r: sum(table[r][:3]))
         updates = run.first_largest(lambda r: table[r][0] if table[r][3] and fp32_grads else part * 4)
         common = adam_update(run, part, inner, temps)

@@ -77,4 +77,8 @@ def peak_limit(policy: PrecisionPolicy, spec: TransformerSpec) -> Optional[PeakL
             f"{p['master_dtype']}, optimizer {p['optimizer']} ({p['optimizer_dtype']})"
         ))
     why = dropout_limit(spec, "reference")
+    if why is None and spec.moe is not None:  # validate/transformer.py builds no sparse block: nothing measured
+        why = (f"model_type {spec.model_type!r}: the reference runtime builds no routed experts "
+               "(validate/transformer.py), so its peak of a sparse model is not measured; use --engine fsdp2 "
+               "(measured exact: docs/models.md)")
     return None if why is None else PeakLimit("architecture", why)
