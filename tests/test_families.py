@@ -165,8 +165,6 @@ def test_bad_configs_are_one_line(cfg, message):
 @pytest.mark.parametrize(
     ("name", "missing"),
     [
-        ("tiny-gemma2", "four norms per layer, soft-capping, sliding-window layers"),
-        ("tiny-gemma3", "q/k norms, four norms per layer, sliding-window layers"),
         ("tiny-mixtral", "routed experts"),
         ("tiny-qwen3-moe", "q/k norms, routed experts"),
         ("tiny-deepseek-v3", "routed experts, latent attention"),
@@ -340,8 +338,8 @@ def test_deepspeed_peaks_of_transformers_classes_every_phase(name, stage, tmp_pa
 
 
 def test_gemma2_has_no_sdpa_in_transformers():
-    """Why Gemma 2's peak is refused (docs/models.md): transformers builds it with eager attention only, whose
-    s x s scores no activation term here models; when transformers gains SDPA for it, this fails: revisit."""
+    """Why Gemma 2's attention is modelled eager (``gemma_activations.eager_attention``: the s x s scores, tanh,
+    fp32 softmax): transformers builds it with eager attention only; when it gains SDPA for it, this fails: revisit."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
@@ -393,3 +391,65 @@ def test_checkpointed_forward_working_set_of_transformers_layers(name, dtype):
     assert 0 <= miss <= b * s * spec.head_dim * a
     if name == "llama":
         assert miss == b * s * spec.head_dim * a
+
+
+# --- Gemma 2 and Gemma 3: eager soft-capped attention, four fp32 norms per layer, q/k norms, two rotary tables ------
+
+GEMMA = {  # tiny, every feature on: grouped-query heads, decoupled head_dim, tied head, both soft-caps (gemma2);
+    # q/k norms and layers of both types (gemma3_text, window longer than the sequence: no mask, docs/models.md)
+    "gemma2": {"model_type": "gemma2", "hidden_size": 40, "intermediate_size": 72, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 12, "num_hidden_layers": 2, "vocab_size": 107,
+               "max_position_embeddings": 64, "query_pre_attn_scalar": 12, "sliding_window": 5, "pad_token_id": 0},
+    "gemma2-uncapped-mha": {"model_type": "gemma2", "hidden_size": 40, "intermediate_size": 72,
+                            "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 12, "num_hidden_layers": 2,
+                            "vocab_size": 107, "max_position_embeddings": 64, "attn_logit_softcapping": None,
+                            "final_logit_softcapping": None, "tie_word_embeddings": False, "pad_token_id": 0},
+    "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 40, "intermediate_size": 72, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 12, "num_hidden_layers": 2, "vocab_size": 107,
+                    "max_position_embeddings": 64, "query_pre_attn_scalar": 12, "sliding_window": 32,
+                    "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(GEMMA))
+def test_gemma_saved_activations_match_transformers_classes(name, dtype):
+    """As ``test_saved_activations_match_transformers_classes``, on transformers' Gemma classes as they train
+    (Gemma 2 eager: the only implementation it has; Gemma 3 SDPA): every storage autograd saves equals
+    ``saved_total`` plus the int64 targets, byte for byte. Without the soft-cap's tanh (b·h·s²·a per layer and
+    N·V·a at the head), the fp32 normalised tensors or the second rotary table, each row fails."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg, b, s = GEMMA[name], 2, 24
+    torch.manual_seed(0)
+    impl = "eager" if cfg["model_type"] == "gemma2" else "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=impl, dtype=getattr(torch, dtype))  # fmt: skip
+    owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, cfg["vocab_size"], (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False).loss
+    measured = sum(n for ptr, n in seen.items() if ptr not in owned)
+    a = 4 if dtype == "float32" else 2
+    acts = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=a, stat_bytes=a)
+    assert measured == acts.saved_total("none") + b * s * 8
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gemma3-text", "gemma-3-1b"])
+def test_gemma3_peak_refused_from_the_sliding_window_on(name):
+    """Gemma 3's sliding layers get a mask (and repeated k, v) once s >= sliding_window
+    (``masking_utils._ignore_causal_mask_sdpa``), the full ones do not: refused in one line from there on, modelled
+    below it (the wrapped ``gemma3`` config through its text_config too)."""
+    spec = read_hf_config(CONFIGS / f"{name}.json")
+    w = spec.sliding_window
+    assert model_activations(spec, 1, w - 1).block.saved > 0
+    with pytest.raises(ValueError, match=f"seq_len={w} >= sliding_window={w}: the sliding layers") as info:
+        model_activations(spec, 1, w)
+    assert "\n" not in str(info.value)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.formulas import gemma_activations as G
 
 TOKEN_BYTES = 8  # int64 token ids and targets, as the embedding and nll_loss take them
 LOSS_BYTES = 8  # nll_loss returns the fp32 loss and its total_weight (saved for backward), both live
@@ -304,7 +305,7 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
 #: the families whose activations are derived above op by op and measured (tests/test_peak.py; Qwen3 and
 #: Phi-3: tests/test_families.py, FSDP2 on transformers' classes); the others (docs/models.md, "What the peak
 #: models") are refused rather than given a Llama number.
-MODELLED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3")
+MODELLED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
 def unmodelled_features(spec: TransformerSpec) -> tuple[str, ...]:
@@ -366,12 +367,17 @@ def model_activations(
     why = activation_limit(spec)
     if why is not None:
         raise ValueError(why)
+    if spec.model_type in G.GEMMA_FAMILIES and (why := G.gemma_limit(spec, seq_len)) is not None:
+        raise ValueError(why)
     b, s, a = micro_batch, seq_len, act_bytes
     n, d, v = b * s, spec.d_model, spec.vocab_size
     if spec.style == "gpt":
         block = _gpt_block(spec, n, b, s, a, stat_bytes)
         embed_saved = s * TOKEN_BYTES  # the position ids (arange), saved by the position embedding
         final_saved = n * d * a + 2 * n * stat_bytes + n * d * a  # ln_f input, mean, rstd; ln_f out
+    elif spec.model_type in G.GEMMA_FAMILIES:  # Gemma's norms, attention, scaled embedding, soft-capped logits
+        block = G.gemma_block(spec, n, b, s, a)
+        embed_saved, final_saved = G.embed_saved(spec, s, a), G.final_saved(spec, n, a)
     else:
         block = _llama_block(spec, n, b, s, a)
         # RoPE's cos and sin, (1, s, head_dim) in the activation dtype, saved once for every block's
