@@ -453,3 +453,38 @@ def test_gemma3_peak_refused_from_the_sliding_window_on(name):
     with pytest.raises(ValueError, match=f"seq_len={w} >= sliding_window={w}: the sliding layers") as info:
         model_activations(spec, 1, w)
     assert "\n" not in str(info.value)
+
+
+#: FSDP2 and DeepSpeed on transformers' Gemma classes, recorded 2026-12-01 on this project's CPU machine (torch
+#: 2.13.0, transformers 5.24, DeepSpeed 0.19.8), as the rows above: FSDP2 through ``fsdp2_rows.run_world
+#: (Fsdp2Settings(model=CONFIG_JSON, hf=True, seq_len=64, steps=2, param_dtype=DTYPE), 2)``, DeepSpeed through
+#: ``deepspeed.run_world([ds_config(stage, zero=DS_SMALL, optimizer_params={"torch_adam": True})], 2, model=CONFIG_JSON,
+#: seq_len=64, runs=[{"model": CONFIG_JSON, "hf": True}])`` (micro-batch 2). Gemma 2 has no SDPA in transformers:
+#: its runs built the model with ``attn_implementation="eager"`` (``hf_builder`` asks for "sdpa", which
+#: Gemma2ForCausalLM refuses; a sitecustomize swapped it for the recording). Measured error, fp32: FSDP2 within
+#: 0.0019% (the second rotary table's fp32 inv_freq pair, 96 B, and the 4 B embed_scale buffer: see
+#: ``hf_tree.rotary_buffer_bytes``), DeepSpeed within 0.0115% (as the Qwen3 and Phi-3 rows of the same world).
+GEMMA_DIMS = {**T_DIMS, "head_dim": 24, "query_pre_attn_scalar": 24}
+GEMMA_RECORDED = {
+    "t-gemma2": ({**GEMMA_DIMS, "model_type": "gemma2", "sliding_window": 32}, 64, "fp32",
+                 [[5241460, 20974732, 22511244, 10881124], [5241460, 20972812, 22509324, 10878244]]),
+    "t-gemma3": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 128,
+                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "fp32",
+                 [[5241844, 18633572, 20170084, 10882396], [5241844, 18631652, 20168164, 10879516]]),
+}  # fmt: skip
+GEMMA_DS_RECORDED = {
+    ("t-gemma2", 2): [9437860, 22196132, 23732652, 18876660],
+    ("t-gemma2", 3): [8538901, 26936041, 28472561, 18897705],
+}
+RECORDED.update(GEMMA_RECORDED)  # the tests above read their rows from these tables by name
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA_RECORDED))
+def test_fsdp2_peaks_of_gemma_every_phase_every_rank(name, tmp_path):
+    test_fsdp2_peaks_of_transformers_classes_every_phase_every_rank(name, tmp_path)
+
+
+@pytest.mark.parametrize(("name", "stage"), sorted(GEMMA_DS_RECORDED))
+def test_deepspeed_peaks_of_gemma_every_phase(name, stage, tmp_path, monkeypatch):
+    monkeypatch.setitem(DS_RECORDED, (name, stage), GEMMA_DS_RECORDED[(name, stage)])
+    test_deepspeed_peaks_of_transformers_classes_every_phase(name, stage, tmp_path)

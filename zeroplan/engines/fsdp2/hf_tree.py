@@ -107,3 +107,16 @@ def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Term,
     backward has released its incoming gradient (``torch/csrc/autograd/input_buffer.cpp``: the sum
     runs when the second gradient arrives)."""
     return tuple(t for t in base if t.name != EMBED_SAVED)
+
+
+def rotary_buffer_bytes(spec) -> int:
+    """transformers' module buffers of a llama-style ``spec`` (``Fsdp2Run.buffer_bytes``): the fp32 ``inv_freq`` and
+    ``original_inv_freq`` (head_dim/2 each) of every rotary table, one per layer type at Gemma 3
+    (``modeling_gemma3.py:Gemma3RotaryEmbedding.__init__``: local and global), and Gemma's 0-dim fp32
+    ``embed_scale`` (``Gemma2TextScaledWordEmbedding.__init__``). Measured with one table and no scale (terms.py
+    today): t-gemma3 (two tables) misses 96 B in forward and backward, 100 B at init and the optimizer step; t-gemma2
+    4 B at init and the optimizer step (in forward and backward the scale is counted in ``embed_saved``: in fp32 the
+    product keeps the buffer itself) (tests/test_families.py)."""
+    tables = len(set(spec.layer_types)) if spec.model_type == "gemma3_text" and spec.layer_types else 1
+    scale = 4 if spec.model_type in ("gemma2", "gemma3_text") else 0
+    return tables * 2 * (spec.head_dim // 2) * 4 + scale
