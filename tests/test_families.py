@@ -461,9 +461,11 @@ def test_gemma3_peak_refused_from_the_sliding_window_on(name):
 #: ``deepspeed.run_world([ds_config(stage, zero=DS_SMALL, optimizer_params={"torch_adam": True})], 2, model=CONFIG_JSON,
 #: seq_len=64, runs=[{"model": CONFIG_JSON, "hf": True}])`` (micro-batch 2). Gemma 2 has no SDPA in transformers:
 #: its runs built the model with ``attn_implementation="eager"`` (``hf_builder`` asks for "sdpa", which
-#: Gemma2ForCausalLM refuses; a sitecustomize swapped it for the recording). Measured error, fp32: FSDP2 within
-#: 0.0019% (the second rotary table's fp32 inv_freq pair, 96 B, and the 4 B embed_scale buffer: see
-#: ``hf_tree.rotary_buffer_bytes``), DeepSpeed within 0.0115% (as the Qwen3 and Phi-3 rows of the same world).
+#: Gemma2ForCausalLM refuses; a sitecustomize swapped it for the recording). Measured error: FSDP2 within 0.0019%
+#: (fp32 and bf16; the second rotary table's fp32 inv_freq pair, 96 B, and the 4 B embed_scale buffer, both absent
+#: from ``Fsdp2Run.buffer_bytes``: see ``hf_tree.rotary_buffer_bytes``), DeepSpeed (fp32) within 0.0115% (as the
+#: Qwen3 and Phi-3 rows of the same world). Before the Gemma terms, a Llama block of the same widths (gelu_pytorch_tanh,
+#: same world): t-gemma2 forward +16.97%, backward +15.81% (bf16 +16.21%, +15.53%); t-gemma3 forward +6.53%, backward +6.04%.
 GEMMA_DIMS = {**T_DIMS, "head_dim": 24, "query_pre_attn_scalar": 24}
 GEMMA_RECORDED = {
     "t-gemma2": ({**GEMMA_DIMS, "model_type": "gemma2", "sliding_window": 32}, 64, "fp32",
@@ -471,10 +473,17 @@ GEMMA_RECORDED = {
     "t-gemma3": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 128,
                   "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "fp32",
                  [[5241844, 18633572, 20170084, 10882396], [5241844, 18631652, 20168164, 10879516]]),
+    "t-gemma2-bf16": ({**GEMMA_DIMS, "model_type": "gemma2", "sliding_window": 32}, 64, "bf16",
+                      [[5241460, 17629854, 18398110, 10881124], [5241460, 17627934, 18396190, 10878244]]),
+    "t-gemma3-bf16": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 128,
+                       "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "bf16",
+                      [[5241844, 16198166, 16966422, 10882396], [5241844, 16196246, 16964502, 10879516]]),
 }  # fmt: skip
 GEMMA_DS_RECORDED = {
     ("t-gemma2", 2): [9437860, 22196132, 23732652, 18876660],
     ("t-gemma2", 3): [8538901, 26936041, 28472561, 18897705],
+    ("t-gemma3", 2): [9439108, 19855332, 21391852, 18879060],
+    ("t-gemma3", 3): [8539861, 24595817, 26132337, 18900105],
 }
 RECORDED.update(GEMMA_RECORDED)  # the tests above read their rows from these tables by name
 
