@@ -96,25 +96,28 @@ def gemma_limit(spec: TransformerSpec, seq_len: int) -> Optional[str]:
 
 def _nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
     """Bytes a Gemma decoder layer holds beside its input at its peak without grad (checkpointed forward), derived
-    from the same Python (not measured): a Gemma norm holds two fp32 N·d tensors at once (the copy or the input
-    and the squares, then the normalised tensor and its (1 + weight) product); Gemma 2's eager attention holds
-    the norm output, q, k, v (rotated), the repeated k and v and, at the softmax, the masked scores, the fp32
-    probabilities and their 16-bit copy (``.to`` is evaluated before ``attn_weights`` is rebound); Gemma 3's
-    q/k norms hold two fp32 copies of the projection beside it; the MLP is Llama's."""
+    from the same Python and compared with MemTracker (tests/test_families.py: it misses at most one (b, s,
+    head_dim) tensor, as Llama's layer, plus, for Gemma 2 in fp32 with the attention as the peak, 2 bytes per score
+    not accounted for): a Gemma norm holds two fp32 N·d tensors (the normalised tensor and its (1 + weight)
+    product) beside its input and the residual; Gemma 2's eager attention as commented below; Gemma 3's q/k norms
+    hold two fp32 copies of the projection beside it; the MLP is Llama's."""
     from zeroplan.formulas.activation_terms import ACT_NOGRAD_PEAK, _llama_nograd_peak
 
     d, f, q, kv, h = spec.d_model, spec.ffn, spec.q_dim, spec.kv_dim, spec.n_head
     norm = 8 * n * d + 4 * n
-    repeated = 2 * n * q * a if spec.n_kv_head < h else 0
-    base = n * a * (d + q + 2 * kv) + repeated  # norm out, rotated q and k, v, repeated k and v
     if spec.model_type == "gemma2":
-        scores = spec.n_head * s * s * (n // s)
-        attn = base + scores * ((2 * a + 4) if a < 4 else 2 * a)
-        out = n * a * (d + 2 * q + 2 * kv) + repeated  # attention output and its contiguous copy
+        # beside the norm output and the rotated q, k and v: ``repeat_kv`` copies k and v (with one kv head its
+        # reshape is a view), then either the first matmul (its copies of q and k, the scores) or the softmax (the
+        # masked scores, CPU ``softmax(dtype=float32)``'s fp32 conversion of a 16-bit input and its fp32 result: 10
+        # bytes per score in bf16, 8 in fp32); the probabilities (``attn_weights``, returned and bound to ``_`` by
+        # the layer) stay alive to the layer's end, beside the norms and the MLP
+        held = n * a * (d + q + 2 * kv) + (2 * n * q * a if 1 < spec.n_kv_head < h else 0)
+        scores = h * s * s * (n // s)
+        attn = held + max(2 * n * q * a + scores * a, scores * (a + 8 if a < 4 else 8))
         mlp = n * a * (2 * d + max(ACT_NOGRAD_PEAK[spec.hidden_act] * f, 3 * f, f + d))
-        return max(norm, n * a * d + norm, attn, out, mlp)
+        return max(2 * n * a * d + norm, attn, mlp) + (0 if attn >= mlp else scores * a)
     qk = max(n * a * (d + q) + 8 * n * q + 8 * n * h, n * a * (d + q + kv) + 8 * n * kv + 8 * n * spec.n_kv_head)
-    return max(_llama_nograd_peak(replace(spec, qk_norm=False), n, s, a), norm, n * a * d + norm, qk)
+    return max(_llama_nograd_peak(replace(spec, qk_norm=False), n, s, a), 2 * n * a * d + norm, qk)
 
 
 def gemma_block(spec: TransformerSpec, n: int, b: int, s: int, a: int):
