@@ -30,8 +30,8 @@ every config in tests/data/hf_configs (tests/test_peak.py):
   2·(4Nd + 4N + 2Nd·a) + N·a·(2q + 2kv') + 4·b·h·s [+ s²·a] + (k+3)·N·f·a.
 The newer llama-layout families add to that block what their own modeling file computes (measured on
 transformers' classes, tests/test_families.py): Qwen3's q/k norms (``_qk_norm_saved``) and Phi-3's fused
-qkv and gate-up projections (``_fused_attention_extra``, the MLP's one gate_up storage); the others are
-refused (``unmodelled_features``).
+qkv and gate-up projections (``_fused_attention_extra``, the MLP's one gate_up storage); Gemma 2 and 3 have their
+own layer (``gemma_activations``); the others are refused (``unmodelled_features``).
 The loss upcasts the logits to fp32 (the 16-bit logits are freed at once) and cross-entropy saves the
 fp32 log-softmax output (N·V·4). Under full checkpointing each block keeps its input (N·d·a), and
 the checkpoints hold RoPE's tables and the bool mask as inputs too.
@@ -111,8 +111,8 @@ class ModelActivations:
     n_layer: int
     embed_saved: int  # saved by the embeddings (position ids; the token ids are the batch's)
     embed_out: int  # the embedding sum: block 0's input
-    mask: int  # the bool sliding-window mask (Mistral, s > window): live through forward, and under full
-    # checkpointing through backward too (every checkpointed block holds it as an input)
+    mask: int  # the bool sliding-window mask (Mistral, s > window; Gemma 2: its two additive masks): live through
+    # forward, and under full checkpointing through backward too (every checkpointed block holds it as an input)
     final_saved: int  # final norm's saved tensors and its output (the head's input)
     logits: int  # the head's output, activation dtype, N·V·a
     logits_fp32: int  # the loss's fp32 upcast, N·V·4 (freed after cross-entropy)
@@ -389,7 +389,8 @@ def model_activations(
         n_layer=spec.n_layer,
         embed_saved=embed_saved,
         embed_out=n * d * a,
-        mask=s * s if spec.style == "llama" and spec.sliding_window is not None and s > spec.sliding_window else 0,
+        mask=G.eager_masks(spec, b, s, a) if spec.model_type in G.GEMMA_FAMILIES else (
+            s * s if spec.style == "llama" and spec.sliding_window is not None and s > spec.sliding_window else 0),
         final_saved=final_saved,
         logits=n * v * a,
         logits_fp32=n * v * 4,

@@ -83,6 +83,13 @@ def final_saved(spec: TransformerSpec, n: int, a: int) -> int:
     return _norm(n, spec.d_model) + n * spec.d_model * a + capped
 
 
+def eager_masks(spec: TransformerSpec, b: int, s: int, a: int) -> int:
+    """Gemma 2's two additive masks (full and sliding, (b, 1, s, s) in the activation dtype, seen on the layers'
+    inputs), made by ``Gemma2Model.forward`` and alive through its forward (and held by checkpoints under full
+    checkpointing), kept by no autograd node; Gemma 3 below its window gets none (SDPA's ``is_causal``)."""
+    return 2 * b * s * s * a if spec.model_type == "gemma2" else 0
+
+
 def gemma_limit(spec: TransformerSpec, seq_len: int) -> Optional[str]:
     """None when the terms here give ``spec`` at ``seq_len``; else the one-line reason (module docstring)."""
     if spec.model_type != "gemma3_text" or not spec.layer_types or spec.sliding_window is None:
