@@ -119,6 +119,8 @@ class ModelActivations:
     log_softmax: int  # saved by cross-entropy: fp32 log-probabilities, N·V·4
     batch: int  # token ids and targets, int64
     loss: int
+    body_masks: int = 0  # transformers' body's own masks, alive through its forward and kept by no node (Gemma 2's
+    # two additive (b, 1, s, s) masks: gemma_activations.eager_masks); the FSDP2 transformers tree counts them
 
     @property
     def blocks_saved(self) -> int:
@@ -397,4 +399,5 @@ def model_activations(
         log_softmax=n * v * 4,
         batch=2 * n * TOKEN_BYTES,
         loss=LOSS_BYTES,
+        body_masks=G.eager_masks(spec, b, s, a) if spec.model_type in G.GEMMA_FAMILIES else 0,
     )

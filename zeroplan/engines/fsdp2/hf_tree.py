@@ -56,10 +56,16 @@ def position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
 
 def inputs_embeds_held(run: Fsdp2Run) -> tuple[Term, ...]:
     """The llama-style body's ``inputs_embeds`` (N·d·a, 16-bit), alive past block 1 until the body returns;
-    in fp32 it is block 1's saved norm input, already counted (module docstring)."""
-    if not run.transformers or not run.position_bytes or run.p == 4:
+    in fp32 it is block 1's saved norm input, already counted (module docstring). With them, the body's own masks
+    where it makes some that no node keeps (``body_masks``: Gemma 2's two additive masks, ``causal_mask_mapping``
+    in ``modeling_gemma2.py:Gemma2Model.forward``; measured: t-gemma2-scores, forward 65,536 B short without)."""
+    if not run.transformers or not run.position_bytes:
         return ()
-    return (Term("inputs_embeds (the body's local, 16-bit; fp32 saves it in block 1's norm)", run.acts.embed_out,
+    masks = (Term("the body's attention masks (causal_mask_mapping, activation dtype)", run.acts.body_masks,
+                  TF + "models/gemma2/modeling_gemma2.py:Gemma2Model.forward"),) if run.acts.body_masks else ()  # fmt: skip
+    if run.p == 4:
+        return masks
+    return masks + (Term("inputs_embeds (the body's local, 16-bit; fp32 saves it in block 1's norm)", run.acts.embed_out,
                  TF + "models/qwen2/modeling_qwen2.py:Qwen2Model.forward (hidden_states = inputs_embeds)"),)  # fmt: skip
 
 
