@@ -43,7 +43,7 @@ its locals and call arguments, and were checked byte for byte with MemTracker (d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec
@@ -119,8 +119,7 @@ class ModelActivations:
     log_softmax: int  # saved by cross-entropy: fp32 log-probabilities, N·V·4
     batch: int  # token ids and targets, int64
     loss: int
-    body_masks: int = 0  # transformers' body's own masks, alive through its forward and kept by no node (Gemma 2's
-    # two additive (b, 1, s, s) masks: gemma_activations.eager_masks); the FSDP2 transformers tree counts them
+    body_masks: int = 0  # transformers' body's masks kept by no node (Gemma 2's: gemma_activations.eager_masks)
 
     @property
     def blocks_saved(self) -> int:
@@ -366,10 +365,7 @@ def model_activations(
         raise ValueError(f"micro_batch={micro_batch}, seq_len={seq_len}: each must be >= 1")
     if seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len={seq_len}: the model has only {spec.max_seq_len} positions")
-    why = activation_limit(spec)
-    if why is not None:
-        raise ValueError(why)
-    if spec.model_type in G.GEMMA_FAMILIES and (why := G.gemma_limit(spec, seq_len)) is not None:
+    if (why := activation_limit(spec) or G.gemma_limit(spec, seq_len)) is not None:
         raise ValueError(why)
     b, s, a = micro_batch, seq_len, act_bytes
     n, d, v = b * s, spec.d_model, spec.vocab_size
@@ -378,7 +374,8 @@ def model_activations(
         embed_saved = s * TOKEN_BYTES  # the position ids (arange), saved by the position embedding
         final_saved = n * d * a + 2 * n * stat_bytes + n * d * a  # ln_f input, mean, rstd; ln_f out
     elif spec.model_type in G.GEMMA_FAMILIES:  # Gemma's norms, attention, scaled embedding, soft-capped logits
-        block = G.gemma_block(spec, n, b, s, a)
+        llama = _llama_attention_saved(spec, n, b, s, a), _llama_nograd_peak(replace(spec, qk_norm=False), n, s, a)
+        block = BlockActivations(**G.gemma_block(spec, n, b, s, a, llama[0], ACT_KEPT, llama[1], ACT_NOGRAD_PEAK))
         embed_saved, final_saved = G.embed_saved(spec, s, a), G.final_saved(spec, n, a)
     else:
         block = _llama_block(spec, n, b, s, a)
@@ -391,13 +388,13 @@ def model_activations(
         n_layer=spec.n_layer,
         embed_saved=embed_saved,
         embed_out=n * d * a,
-        mask=G.eager_masks(spec, b, s, a) if spec.model_type in G.GEMMA_FAMILIES else (
-            s * s if spec.style == "llama" and spec.sliding_window is not None and s > spec.sliding_window else 0),
+        mask=G.eager_masks(spec, b, s, a) or (s * s if spec.style == "llama" and spec.sliding_window is not None
+                                              and s > spec.sliding_window else 0),  # fmt: skip
         final_saved=final_saved,
         logits=n * v * a,
         logits_fp32=n * v * 4,
         log_softmax=n * v * 4,
         batch=2 * n * TOKEN_BYTES,
         loss=LOSS_BYTES,
-        body_masks=G.eager_masks(spec, b, s, a) if spec.model_type in G.GEMMA_FAMILIES else 0,
+        body_masks=G.eager_masks(spec, b, s, a),
     )

@@ -35,7 +35,6 @@ The MLP is Llama's (gate, up, ``gelu_pytorch_tanh`` keeps its input: ``ACT_KEPT`
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 from zeroplan.architectures.spec import TransformerSpec
@@ -83,7 +82,7 @@ def final_saved(spec: TransformerSpec, n: int, a: int) -> int:
     return _norm(n, spec.d_model) + n * spec.d_model * a + capped
 
 
-def eager_masks(spec: TransformerSpec, b: int, s: int, a: int) -> int:
+def eager_masks(spec: TransformerSpec, b: int, s: int, a: int) -> int:  # 0 for any other family
     """Gemma 2's two additive masks (full and sliding, (b, 1, s, s) in the activation dtype, seen on the layers'
     inputs), made by ``Gemma2Model.forward`` and alive through its forward (and held by checkpoints under full
     checkpointing), kept by no autograd node; Gemma 3 below its window gets none (SDPA's ``is_causal``)."""
@@ -101,14 +100,14 @@ def gemma_limit(spec: TransformerSpec, seq_len: int) -> Optional[str]:
     return None
 
 
-def _nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
+def _nograd_peak(spec: TransformerSpec, n: int, s: int, a: int, llama_nograd: int, act_nograd: dict[str, int]) -> int:
     """Bytes a Gemma decoder layer holds beside its input at its peak without grad (checkpointed forward), derived
     from the same Python and compared with MemTracker (tests/test_families.py: it misses at most one (b, s,
     head_dim) tensor, as Llama's layer, plus, for Gemma 2 in fp32 with the attention as the peak, 2 bytes per score
     not accounted for): a Gemma norm holds two fp32 N·d tensors (the normalised tensor and its (1 + weight)
     product) beside its input and the residual; Gemma 2's eager attention as commented below; Gemma 3's q/k norms
-    hold two fp32 copies of the projection beside it; the MLP is Llama's."""
-    from zeroplan.formulas.activation_terms import ACT_NOGRAD_PEAK, _llama_nograd_peak
+    hold two fp32 copies of the projection beside it; the MLP is Llama's. ``llama_nograd``: Llama's layer of the same
+    widths without q/k norms (``activation_terms._llama_nograd_peak``); ``act_nograd``: ``ACT_NOGRAD_PEAK``."""
 
     d, f, q, kv, h = spec.d_model, spec.ffn, spec.q_dim, spec.kv_dim, spec.n_head
     norm = 8 * n * d + 4 * n
@@ -121,29 +120,31 @@ def _nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
         held = n * a * (d + q + 2 * kv) + (2 * n * q * a if 1 < spec.n_kv_head < h else 0)
         scores = h * s * s * (n // s)
         attn = held + max(2 * n * q * a + scores * a, scores * (a + 8 if a < 4 else 8))
-        mlp = n * a * (2 * d + max(ACT_NOGRAD_PEAK[spec.hidden_act] * f, 3 * f, f + d))
+        mlp = n * a * (2 * d + max(act_nograd[spec.hidden_act] * f, 3 * f, f + d))
         return max(2 * n * a * d + norm, attn, mlp) + (0 if attn >= mlp else scores * a)
     qk = max(n * a * (d + q) + 8 * n * q + 8 * n * h, n * a * (d + q + kv) + 8 * n * kv + 8 * n * spec.n_kv_head)
-    return max(_llama_nograd_peak(replace(spec, qk_norm=False), n, s, a), 2 * n * a * d + norm, qk)
+    return max(llama_nograd, 2 * n * a * d + norm, qk)
 
 
-def gemma_block(spec: TransformerSpec, n: int, b: int, s: int, a: int):
-    """A Gemma 2 / Gemma 3 decoder layer (``Gemma2DecoderLayer`` / ``Gemma3DecoderLayer``): the saved set of the
-    module docstring, measured exactly; the working sets beside it, derived as for Llama (``_llama_block``) with
-    what Gemma's norms change: in 16-bit the post-feedforward norm's fp32 product (N·d·4) is alive with its 16-bit
-    output, the block input, x1 and the MLP output at the block's end."""
-    from zeroplan.formulas.activation_terms import ACT_KEPT, BlockActivations, _llama_attention_saved
+def gemma_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, llama_attention: int, act_kept: dict[str, int],
+                llama_nograd: int, act_nograd: dict[str, int]) -> dict[str, int]:
+    """A Gemma 2 / Gemma 3 decoder layer (``Gemma2DecoderLayer`` / ``Gemma3DecoderLayer``) as the fields of
+    ``activation_terms.BlockActivations``: the saved set of the module docstring, measured exactly; the working
+    sets beside it, derived as for Llama (``_llama_block``) with what Gemma's norms change: in 16-bit the
+    post-feedforward norm's fp32 product (N·d·4) is alive with its 16-bit output, the block input, x1 and the MLP
+    output at the block's end. ``llama_attention``: Llama's attention of the same widths (Gemma 3's, below the
+    window); ``act_kept``: ``ACT_KEPT``; ``llama_nograd``, ``act_nograd``: as ``_nograd_peak``'s."""
 
     d, f = spec.d_model, spec.ffn
     own_input = a == 4  # fp32: the input and post-feedforward norms keep the block input and x1 themselves
-    attn = eager_attention(spec, n, b, s, a) if spec.model_type == "gemma2" else _llama_attention_saved(spec, n, b, s, a)
-    mlp = (ACT_KEPT[spec.hidden_act] + 3) * n * f * a
+    attn = eager_attention(spec, n, b, s, a) if spec.model_type == "gemma2" else llama_attention
+    mlp = (act_kept[spec.hidden_act] + 3) * n * f * a
     saved = norms_saved(spec, n, a) + attn + qk_norms(spec, n) + mlp
-    return BlockActivations(
+    return dict(
         saved=saved,
         forward_extra=2 * n * d * a if own_input else 4 * n * d * a + n * d * 4,
         forward_before_output=(0 if own_input else 2) * n * d * a,
-        ckpt_forward_peak=n * d * a + _nograd_peak(spec, n, s, a),
+        ckpt_forward_peak=n * d * a + _nograd_peak(spec, n, s, a, llama_nograd, act_nograd),
         ckpt_saved=n * d * a,
         recomputed=saved - (n * d * a if own_input else 0),
         pending_at_last_grad=2 * n * d * 4 + n * 4 + d * 4,
