@@ -496,6 +496,7 @@ GEMMA_DS_RECORDED = {
     ("t-gemma3", 2): [9439108, 19855332, 21391852, 18879060],
     ("t-gemma3", 3): [8539861, 24595817, 26132337, 18900105],
     ("t-gemma2-tied", 3): [6378181, 21894361, 23430881, 13135785],
+    ("t-gemma2-scores", 2): [4345988, 12318980, 13211820, 8692948],
 }
 RECORDED.update(GEMMA_RECORDED)  # the tests above read their rows from these tables by name
 
