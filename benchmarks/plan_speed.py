@@ -2,7 +2,8 @@
 `--dp-shard auto`) in under a second of CPU; and the speed-up changes no printed number.
 
 Runs each command of ``COMMANDS`` as a fresh process, records its child CPU time (user + sys, from
-``resource.getrusage``: wall time means nothing on a shared machine) and its ``--json`` output. With
+``resource.getrusage``: wall time means nothing on a shared machine) and its output (``--json``; the
+``-text`` cases the table as printed). With
 ``--save DIR`` the outputs are written there; with ``--compare DIR`` each output is compared byte for byte
 with the one saved (a baseline from another checkout: run it with that checkout first on PYTHONPATH).
 
@@ -22,6 +23,19 @@ BIG = ["--model", "llama3-405b", "--gpus", "2048", "--gpu", "h100-80gb", "--json
 COMMANDS: dict[str, list[str]] = {
     "plan-fsdp2-405b": ["plan", "--engine", "fsdp2", *BIG],
     "plan-fsdp2-405b-auto": ["plan", "--engine", "fsdp2", *BIG, "--dp-shard", "auto"],
+    "plan-fsdp2-405b-1024": ["plan", "--engine", "fsdp2", "--model", "llama3-405b", "--gpus", "1024", "--gpu",
+                             "h100-80gb", "--json"],
+    "plan-fsdp2-405b-bf16": ["plan", "--engine", "fsdp2", *BIG, "--param-dtype", "bf16", "--reduce-dtype", "fp32"],
+    "plan-fsdp2-13b-cpu": ["plan", "--engine", "fsdp2", "--model", "llama2-13b", "--gpus", "6", "--gpu", "a100-40gb",
+                           "--device", "cpu", "--init", "materialized", "--json"],
+    "plan-fsdp2-405b-hsdp": ["plan", "--engine", "fsdp2", *BIG, "--dp-shard", "64"],
+    "plan-fsdp2-7b-titan": ["plan", "--engine", "fsdp2", "--model", "llama2-7b", "--gpus", "24", "--gpu", "a100-40gb",
+                            "--fsdp-wrap", "torchtitan", "--param-dtype", "bf16", "--json"],
+    "plan-fsdp2-13b-auto": ["plan", "--engine", "fsdp2", "--model", "llama2-13b", "--gpus", "32", "--gpu",
+                                "a100-40gb", "--dp-shard", "auto", "--param-dtype", "bf16", "--json"],
+    "plan-fsdp2-405b-1024-text": ["plan", "--engine", "fsdp2", "--model", "llama3-405b", "--gpus", "1024", "--gpu",
+                                  "h100-80gb"],
+    "plan-fsdp2-13b-text": ["plan", "--engine", "fsdp2", "--model", "llama2-13b", "--gpus", "12", "--gpu", "a100-40gb"],
     "plan-deepspeed-405b": ["plan", "--engine", "deepspeed", *BIG],
     "plan-reference-405b": ["plan", "--engine", "reference", *BIG],
     "estimate-fsdp2-405b": ["estimate", "--engine", "fsdp2", *BIG],
@@ -40,6 +54,31 @@ COMMANDS: dict[str, list[str]] = {
                               "--json"],
     "estimate-reference-405b": ["estimate", "--model", "llama3-405b", "--gpus", "2048", "--json"],
 }  # fmt: skip
+
+DS_INPUTS = "tests/data/golden/inputs/ds_config.json"  # ZeRO-2, overlap_comm, bf16, fp32 gradient accumulation
+BIG_1024 = ["--model", "llama3-405b", "--gpus", "1024", "--gpu", "h100-80gb"]
+DEEPSPEED_REFERENCE: dict[str, list[str]] = {
+    "plan-deepspeed-405b-1024": ["plan", "--engine", "deepspeed", *BIG_1024, "--json"],
+    "plan-deepspeed-405b-1024-text": ["plan", "--engine", "deepspeed", *BIG_1024],
+    "plan-reference-405b-1024": ["plan", *BIG_1024, "--json"],
+    "plan-reference-405b-1024-text": ["plan", *BIG_1024],
+    "plan-reference-8b-ckpt-ga4": ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-40gb",
+                                   "--checkpointing", "full", "--grad-accum", "4", "--json"],
+    "plan-deepspeed-13b-ga4": ["plan", "--engine", "deepspeed", "--model", "llama2-13b", "--gpus", "12", "--gpu",
+                               "a100-40gb", "--grad-accum", "4", "--json"],
+    "plan-deepspeed-7b-overlap-ckpt": ["plan", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "16", "--gpu",
+                                       "a100-80gb", "--deepspeed-config", DS_INPUTS, "--checkpointing", "full", "--json"],
+    "estimate-deepspeed-405b-1024-s1": ["estimate", "--engine", "deepspeed", *BIG_1024, "--stage", "1", "--json"],
+    "estimate-deepspeed-405b-1024-s2": ["estimate", "--engine", "deepspeed", *BIG_1024, "--stage", "2", "--json"],
+    "estimate-deepspeed-7b-overlap": ["estimate", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "16",
+                                      "--deepspeed-config", DS_INPUTS, "--json"],
+    "estimate-deepspeed-7b-s1-ga2": ["estimate", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "24",
+                                     "--stage", "1", "--grad-accum", "2", "--json"],
+    "estimate-deepspeed-7b-s2-ga2": ["estimate", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "24",
+                                     "--stage", "2", "--grad-accum", "2", "--json"],
+}  # fmt: skip
+"""Issue 16's DeepSpeed and reference `plan` speed (docs/benchmarks.md): the cases those engines' speed-up touches."""
+COMMANDS.update(DEEPSPEED_REFERENCE)
 
 
 def run(args: list[str]) -> tuple[float, bytes]:

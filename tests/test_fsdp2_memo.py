@@ -1,16 +1,20 @@
 """The FSDP2 speed-ups change no number: ``Fsdp2Run.for_rank`` (terms kept across ranks, ``memo.RANKED``
-rebuilt) against a run built for that rank, and ``moments.phase_leaders`` against ``peak_of`` on every moment.
+rebuilt) against a run built for that rank, and ``leaders.phase_leaders`` (and ``sampled_blocks``, ``rank_leaders``) against ``peak_of`` on every moment.
 Planner only (no torch): tiny models with an odd hidden size, so the last ranks hold short or empty rows."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from zeroplan.architectures.hf_config import spec_from_hf_config
 from zeroplan.architectures.spec import transformer_shapes
-from zeroplan.engines.base import Workload
+from zeroplan.engines.base import Workload, worst_rank
 from zeroplan.engines.fsdp2 import Settings, fsdp2_run, local_shard_numel, moments, padded_shard_numel
-from zeroplan.engines.fsdp2.moments import phase_leaders, predict_peak
+from zeroplan.engines.fsdp2.leaders import STEP_LEADERS, phase_leaders, predict_peak, sampled_blocks
+from zeroplan.engines.fsdp2.mesh import resolve_mesh
+from zeroplan.engines.fsdp2.plan import _estimate, estimate
 from zeroplan.engines.fsdp2.terms import run_states
 from zeroplan.formulas.peak import Moment, Term, peak_of
 
@@ -41,6 +45,7 @@ def test_for_rank_equals_a_run_built_for_that_rank(config, hf, nd, rsf):
     assert short and short[-1] == nd - 1  # the case has short (padded) shards: the ranks differ
     base = fsdp2_run(w, nd, s)
     predict_peak(base), run_states(base)  # rank 0's terms built first, as estimate's worst-rank search does
+    assert (STEP_LEADERS, 512) in base.memo  # the other ranks take its forward and backward leaders
     states = set()
     for r in (0, *short):
         built, derived = fsdp2_run(w, nd, s.model_copy(update={"rank": r})), base.for_rank(r)
@@ -57,6 +62,7 @@ def test_for_rank_on_cpu_and_gloo():
     base = fsdp2_run(w, 5, s)
     predict_peak(base)
     built = fsdp2_run(w, 5, s.model_copy(update={"rank": 4}))
+    assert (STEP_LEADERS, 1) in base.memo
     assert predict_peak(base.for_rank(4)) == predict_peak(built) != predict_peak(base)
 
 
@@ -88,3 +94,57 @@ def test_phase_leaders_keeps_peak_of_on_a_run(config, hf, nd, rsf):
     leaders = phase_leaders(ms, 512)
     assert len(leaders) == 4 < len(ms)
     assert peak_of(leaders, 512) == peak_of(ms, 512)
+
+
+@pytest.mark.parametrize("config,hf,nd,update", [
+    (LLAMA_ODD, True, 10, {"dp_replicate": 2, "param_dtype": "bf16", "reduce_dtype": "fp32", "device": "cpu"}),  # HSDP
+    (GPT_ODD, False, 7, {"reshard_after_forward": False, "init": "materialized"}),
+])  # fmt: skip
+def test_estimate_worst_rank_equals_each_rank_built_alone(config, hf, nd, update):
+    """``estimate`` shares rank 0's forward and backward leaders (``moments.rank_leaders``); each rank's row
+    built from scratch (``plan._estimate`` without the shared run) gives the same worst rank, byte for byte."""
+    w = _workload(config, hf)
+    s = resolve_mesh(Settings(**update), nd)
+    (shared,) = estimate(w, nd, s)
+    alone = {r: _estimate(w, nd, s.model_copy(update={"rank": r})) for r in range(nd)}
+    assert shared == worst_rank(alone)
+    assert len({row.peak.phases for row in alone.values()}) > 1  # the ranks differ: a kept Adam term would show
+
+
+DEEP = {"gpt": {**GPT_ODD, "n_layer": 8}, "llama": {**LLAMA_ODD, "num_hidden_layers": 8}}
+SAMPLED = [  # (architecture, transformers tree, N_d, checkpointing, Settings, HSDP replicas)
+    ("gpt", False, 5, "none", {}, 1), ("gpt", False, 5, "none", {"reshard_after_forward": False}, 1),
+    ("gpt", True, 6, "full", {"reshard_after_forward": 3, "param_dtype": "bf16"}, 1),
+    ("llama", True, 7, "none", {"param_dtype": "bf16", "reduce_dtype": "fp32"}, 1),
+    ("llama", True, 4, "full", {"reshard_after_forward": False, "device": "cpu", "backend": "gloo"}, 1),
+    ("llama", True, 6, "none", {"wrap": "torchtitan", "param_dtype": "bf16"}, 1),
+    ("llama", False, 5, "none", {"param_dtype": "bf16", "reduce_dtype": "fp32"}, 2),  # HSDP, fp32 reduce: none held
+    ("llama", True, 6, "none", {"param_dtype": "bf16"}, 2),  # HSDP, bf16 reduce: buffers held, growing
+    ("gpt-short", True, 2, "none", {"param_dtype": "bf16"}, 3),  # the same, peaking towards block 1
+    ("gpt-short", True, 2, "none", {}, 1),  # 4 tokens: each block's gradients outweigh its activations, the
+    ("llama-short", False, 3, "none", {}, 1),  # peak falls towards block 1 (block 2 gradients complete)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch,hf,nd,ckpt,update,replicas", SAMPLED)
+def test_sampled_blocks_keep_every_phase_leader(arch, hf, nd, ckpt, update, replicas):
+    """The backward moments of the edges and of the interior's two ends hold each phase's first largest
+    moment: the peak of the sampled moments equals ``peak_of`` on every moment, at 512-byte blocks and exact."""
+    w = _workload(DEEP[arch.removesuffix("-short")], hf)
+    w = replace(w, seq_len=4, micro_batch=1) if arch.endswith("-short") else w
+    run = replace(fsdp2_run(replace(w, checkpointing=ckpt), nd, Settings(**update)), replicate=replicas)
+    blocks = sampled_blocks(run)
+    assert blocks == (8, 7, 3, 2, 1)
+    for block in (512, 1):
+        assert peak_of(phase_leaders(moments(run, blocks), block), block) == peak_of(moments(run), block)
+
+
+def test_sampled_blocks_none_where_blocks_differ():
+    """HSDP's held all-reduce buffers with a unit reduced before the blocks (torchtitan's [norm, output]): one
+    term of unequal tensors, rounded unlike from block to block, so every block is built."""
+    w = _workload(DEEP["llama"], True)
+    run = fsdp2_run(w, 4, Settings(param_dtype="bf16", wrap="torchtitan"))  # bf16 reduce
+    assert sampled_blocks(run) == sampled_blocks(replace(run, replicate=2, settings=run.settings.model_copy(
+        update={"reduce_dtype": "fp32"}))) == (8, 7, 3, 2, 1)  # fmt: skip
+    assert sampled_blocks(replace(run, replicate=2)) is None
+    assert sampled_blocks(fsdp2_run(_workload(LLAMA_ODD, True), 4, Settings())) is None  # 2 blocks: all edges

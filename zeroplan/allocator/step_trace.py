@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from zeroplan.allocator.replay import Event
 from zeroplan.formulas.peak import PHASES, Moment, Term
@@ -41,6 +42,7 @@ GROWN = -1
 """The size slot of a one-tensor term's key: a buffer that grows by pieces (``_Builder.wanted``)."""
 
 
+@lru_cache(maxsize=4096)  # a step names the same terms at every moment: each name is read once
 def _identity(name: str) -> str:
     """A term named "... of N ..." (``saved activations of 3 blocks``, ``sharded gradients of 2 unit(s)``) is a
     collection of N tensors: the same collection in the next moment, grown or shrunk by the difference."""
@@ -99,6 +101,7 @@ class _Builder:
         self.live_bytes = 0
         self.phase: str | None = None
         self.phase_max: dict[str, int] = {}
+        self._seen: dict[int, tuple[Term, tuple[tuple[Key, int, int], ...]]] = {}
 
     def _rounded(self, size: int) -> int:
         return size if self.block <= 1 else -(-size // self.block) * self.block
@@ -112,25 +115,46 @@ class _Builder:
         ``GROWN`` with its (rounded) bytes in place of the count."""
         out: dict[Key, list[int]] = {}
         for term in (*moment.terms, *resident):
-            name, stream = _identity(term.name), self.stream_of(term)
-            if term.tensors <= 1:
-                if term.bytes > 0:
-                    entry = out.setdefault((name, term.source, GROWN), [0, stream])
-                    entry[0] += self._rounded(term.bytes)
-                continue
-            for size, count in tensor_sizes(term, self.block):
-                entry = out.setdefault((name, term.source, size), [0, stream])
-                entry[0] += count
+            for key, amount, stream in self._tensors(term):
+                entry = out.setdefault(key, [0, stream])
+                entry[0] += amount
         return out
 
-    def _release(self, want: dict[Key, list[int]]) -> list[tuple[int, int, int]]:
+    def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
+        """(key, count or grown bytes, stream) of ``term``'s tensors; found once per term object (a run's terms
+        are shared by its moments: the model states are in every one)."""
+        got = self._seen.get(id(term))
+        if got is None:
+            name, stream = _identity(term.name), self.stream_of(term)
+            if term.tensors <= 1:
+                keys = (((name, term.source, GROWN), self._rounded(term.bytes), stream),) if term.bytes > 0 else ()
+            else:
+                keys = tuple(((name, term.source, size), count, stream) for size, count in tensor_sizes(term, self.block))
+            got = self._seen[id(term)] = (term, keys)  # the term kept: its id stays its own
+        return got[1]
+
+    @staticmethod
+    def changed(want: dict[Key, list[int]], before: dict[Key, list[int]]) -> set[Key]:
+        """The keys whose tensors differ between two moments' ``wanted``: after ``move_to`` the live buffers are
+        exactly what its moment wanted, so the next transition touches only these (the others are neither freed,
+        grown nor paired)."""
+        return {k for k, v in want.items() if before.get(k) != v} | {k for k in before if k not in want}
+
+    def _grown(self, stack: list[tuple[int, int, int]]) -> int:
+        """Bytes of a grown buffer's pieces (one piece, as a rule)."""
+        return stack[0][1] if len(stack) == 1 else sum(b[1] for b in stack)
+
+    def _release(self, want: dict[Key, list[int]], changed: set[Key]) -> list[tuple[int, int, int]]:
         """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
         bytes (last allocated first)."""
         freed = []
         for key, stack in self.live.items():
-            keep = want[key][0] if key in want else 0
+            if key not in changed:
+                continue
+            entry = want.get(key)
+            keep = 0 if entry is None else entry[0]
             if key[2] == GROWN:
-                total = sum(b[1] for b in stack)
+                total = self._grown(stack)
                 while stack and total > keep:
                     total -= stack[-1][1]
                     freed.append(stack.pop())
@@ -139,12 +163,15 @@ class _Builder:
                     freed.append(stack.pop())
         return freed
 
-    def _continue_grown(self, want: dict[Key, list[int]]) -> None:
+    def _continue_grown(self, want: dict[Key, list[int]], changed: set[Key]) -> None:
         """A grown buffer that is gone and a new one on the same stream in the same transition: the same
         buffer under another name (the gradients held, then "not yet bucketed"), paired largest to largest."""
-        gone = sorted(((sum(b[1] for b in st), k) for k, st in self.live.items() if k[2] == GROWN and k not in want
-                       and st), reverse=True)  # fmt: skip
-        new = sorted(((v[0], k) for k, v in want.items() if k[2] == GROWN and not self.live.get(k)), reverse=True)
+        live = self.live
+        gone = [(self._grown(live[k]), k) for k in changed if k[2] == GROWN and k not in want and live.get(k)]
+        if not gone:  # the usual transition: nothing to pair
+            return
+        gone.sort(reverse=True)
+        new = sorted(((want[k][0], k) for k in changed if k[2] == GROWN and k in want and not live.get(k)), reverse=True)
         for _, old_key in gone:
             stream = self.live[old_key][0][2]
             match = next((k for _, k in new if want[k][1] == stream), None)
@@ -152,23 +179,33 @@ class _Builder:
                 new = [(b, k) for b, k in new if k != match]
                 self.live[match] = self.live.pop(old_key)
 
-    def move_to(self, moment: Moment, resident: Sequence[Term]) -> None:
-        want = self.wanted(moment, resident)
-        self._continue_grown(want)
+    def move_to(self, moment: Moment, want: dict[Key, list[int]], changed: set[Key]) -> None:
+        """Free what ``moment`` no longer holds, then allocate what it adds; ``want``: ``wanted(moment, ...)``
+        (read, never changed); ``changed``: the keys ``changed`` from the moment before."""
+        self._continue_grown(want, changed)
         # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
         spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        for buf in self._release(want):
+        for buf in self._release(want, changed):
             spare.setdefault((buf[1], buf[2]), []).append(buf)
         fresh: list[tuple[Key, int, int]] = []
+        live = self.live
         for key, (amount, stream) in want.items():
-            stack = self.live.setdefault(key, [])
+            if key not in changed:
+                continue
+            stack = live.get(key)
+            if stack is None:
+                stack = live[key] = []
             if key[2] == GROWN:  # one more piece, of what is missing
-                missing = amount - sum(b[1] for b in stack)
-                sizes = [missing] if missing > 0 else []
+                missing = amount - (self._grown(stack) if stack else 0)
+                if missing <= 0:
+                    continue
+                sizes = (missing,)
             else:
-                sizes = [key[2]] * (amount - len(stack))
+                if len(stack) >= amount:
+                    continue
+                sizes = (key[2],) * (amount - len(stack))
             for size in sizes:
-                pool = spare.get((size, stream))
+                pool = spare.get((size, stream)) if spare else None
                 if pool:
                     stack.append(pool.pop())
                 else:
@@ -182,11 +219,12 @@ class _Builder:
             self._note()
         for key, size, stream in fresh:
             self.events.append(Event("alloc", self.next_id, size, stream))
-            self.live[key].append((self.next_id, size, stream))
+            live[key].append((self.next_id, size, stream))
             self.next_id += 1
             self.live_bytes += self._rounded(size)
         self._note()
-        self.live = {k: v for k, v in self.live.items() if v}
+        if not all(live.values()):
+            self.live = {k: v for k, v in live.items() if v}
 
 
 def step_trace(
@@ -205,6 +243,15 @@ def step_trace(
         by_phase[m.phase].append(m)
     builder = _Builder(block_bytes, stream_of)
     order = [*by_phase["init"], *[m for _ in range(steps) for p in PHASES[1:] for m in by_phase[p]]]
+    wants: dict[int, dict[Key, list[int]]] = {}  # each moment's tensors, found once for every step that meets it
+    changes: dict[tuple[int, int], set[Key]] = {}  # each transition's keys, found once for every step
+    before: Moment | None = None
     for m in order:
-        builder.move_to(m, () if m.phase == "init" else resident)
+        if id(m) not in wants:
+            wants[id(m)] = builder.wanted(m, () if m.phase == "init" else resident)
+        pair = (id(before), id(m))
+        if pair not in changes:
+            changes[pair] = builder.changed(wants[id(m)], wants[id(before)] if before is not None else {})
+        builder.move_to(m, wants[id(m)], changes[pair])
+        before = m
     return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))

@@ -87,18 +87,18 @@ def peak_of(
                     "measured on the GPU; 0 until measured")  # fmt: skip
     if resident:
         moments = [m if m.phase == "init" else Moment(m.phase, m.name, (*m.terms, *resident)) for m in moments]
-    best: dict[str, Moment] = {}
+    best: dict[str, tuple[int, Moment]] = {}  # phase -> (total, its first largest moment): each total summed once
     for m in moments:
         if m.phase not in PHASES:
             raise ValueError(f"phase={m.phase!r}: expected one of {', '.join(PHASES)}")
-        if m.phase not in best or m.total(block_bytes) > best[m.phase].total(block_bytes):
-            best[m.phase] = m
+        total = m.total(block_bytes)
+        if m.phase not in best or total > best[m.phase][0]:
+            best[m.phase] = (total, m)
     missing = [p for p in PHASES if p not in best]
     if missing:
         raise ValueError(f"the profile lists no moment for phase(s) {', '.join(missing)}")
     phases = tuple(
-        PhasePeak(p, best[p].total(block_bytes) + overhead.bytes, best[p].name, (*best[p].terms, overhead))
-        for p in PHASES
+        PhasePeak(p, best[p][0] + overhead.bytes, best[p][1].name, (*best[p][1].terms, overhead)) for p in PHASES
     )
     top_phase = max(phases, key=lambda p: p.bytes)
     largest = tuple(sorted((t for t in top_phase.terms if t.bytes), key=lambda t: -t.bytes)[:top])

@@ -13,7 +13,7 @@ import re
 from zeroplan.allocator.step_trace import AllocTrace, default_stream, step_trace
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.phases import moments
-from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.engines.deepspeed.settings import Settings, optimizer_class
 from zeroplan.engines.deepspeed.wrapper import ds_run
 from zeroplan.formulas.peak import Moment, Term
 
@@ -53,7 +53,7 @@ def alloc_traces(workload: Workload, nd: int, settings: Settings, stat_bytes: in
     else the one it names as peaking highest, ``EngineEstimate.peak_rank``; None: every rank alike)."""
     if workload.spec is None:
         raise ValueError("an allocation trace needs an architecture (activations): give a model")
-    if settings.rank is None:
+    if settings.rank is None and optimizer_class(settings) == "DeepSpeedZeroOptimizer":  # the others: every rank alike
         from zeroplan.engines.deepspeed.profile import estimate
 
         (row,) = estimate(workload, nd, settings, stat_bytes)

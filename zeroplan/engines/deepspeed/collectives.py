@@ -5,6 +5,7 @@ that issues it; ``wrapper.py collectives`` asks the wrapper of the settings."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 from zeroplan.engines.deepspeed.coordinator import stage3_schedule
@@ -33,6 +34,7 @@ class DSCollective:
     """micro-steps of the optimizer step it runs in (1 or ``grad_accum``); ``calls`` and ``elements`` sum them."""
 
 
+@lru_cache(maxsize=64)  # each candidate's collectives and moments, and each rank's run, ask the same
 def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
     """Element counts of the buckets DeepSpeed reduces, tensors taken in order: a bucket is sent before a
     tensor that would overflow it (a tensor larger than the bucket goes alone)

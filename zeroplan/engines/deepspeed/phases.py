@@ -150,9 +150,10 @@ def later_blocks_held(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, 
             later[L] += n
     for j in range(L - 1, -1, -1):
         later[j] += later[j + 1]
+    common = tuple(t for t in last if t not in inflight)
     for j in range(L - 1):
         out.append(Moment("backward", f"block {j} backward, the later blocks' gradients held", (
-            *(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+            *common, _blocks_saved(run, j + 1), *inflight[1:],
             Term("gradients of the later blocks (param.grad)", later[j] * _pbytes(run),
                  "torch autograd AccumulateGrad; runtime/zero/stage_1_and_2.py process_gradients (stage 1 "
                  "without overlap_comm reduces in reduce_gradients, after backward)"))))  # fmt: skip

@@ -190,8 +190,14 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
                           to_ds_config(t.settings, workload.micro_batch, workload.grad_accum),
                           t.settings.reduce_bucket_size, build_snippet(t.settings),
-                          trace_inputs=(workload, nd, t.settings)) for t in order)  # fmt: skip
+                          trace_inputs=(workload, nd, _traced(t))) for t in order)  # fmt: skip
     return EnginePlan(out, index, "deepspeed", PLAN_ORDER, base)
+
+
+def _traced(t: Tried) -> Settings:
+    """The settings of ``t``'s allocation trace: of the rank its estimate names (``alloc_traces`` would find
+    it by estimating ``t`` again)."""
+    return t.settings.model_copy(update={"rank": t.estimate.peak_rank})
 
 
 def planner_block_bytes(settings: Settings) -> int:

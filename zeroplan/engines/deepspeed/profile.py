@@ -4,6 +4,7 @@ states, the peak per phase and one step's collectives of one configuration."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Optional
 
 from zeroplan.engines.base import EngineEstimate, Workload, worst_rank
@@ -28,21 +29,27 @@ def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Option
         raise ValueError(f"rank={settings.rank}: must be < N_d={nd}")
     if settings.rank is not None or workload.spec is None or optimizer_class(settings) != "DeepSpeedZeroOptimizer":
         return (_estimate(workload, nd, settings, stat_bytes),)
-    bound = _estimate(workload, nd, settings, stat_bytes).peak.peak_bytes
+    every = _estimate(workload, nd, settings, stat_bytes)
+    bound = every.peak.peak_bytes
     flat = ds_run(settings, workload, nd, stat_bytes).flat
     rows = {}
     for r in sorted(flat.distinct_ranks(), key=lambda r: (r != 0, -flat.params_numel(r), r)):  # 0 names a tie
-        rows[r] = _estimate(workload, nd, settings.model_copy(update={"rank": r}), stat_bytes)
+        # model states and collectives are every rank's alike: only the peak is the rank's own
+        rows[r] = replace(every, peak=_peak(workload, nd, settings.model_copy(update={"rank": r}), stat_bytes),
+                          peak_rank=r)  # fmt: skip
         if rows[r].peak.peak_bytes >= bound:
             break
     return (worst_rank(rows),)
 
 
+def _peak(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> Optional[PeakEstimate]:
+    """The peak per phase of the rank ``settings`` describes (every rank's largest where none is named)."""
+    return None if workload.spec is None else peak_of(moments(ds_run(settings, workload, nd, stat_bytes)))
+
+
 def _estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> EngineEstimate:
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
-    peak: Optional[PeakEstimate] = None
-    if workload.spec is not None:
-        peak = peak_of(moments(ds_run(settings, workload, nd, stat_bytes)))
+    peak = _peak(workload, nd, settings, stat_bytes)
     return EngineEstimate(
         engine="deepspeed",
         label=f"ZeRO-{settings.stage} {optimizer_class(settings)} + {inner_optimizer_class(settings)}",

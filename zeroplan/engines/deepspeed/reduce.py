@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from functools import lru_cache
 
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
@@ -24,14 +25,14 @@ def _within_one_parameter(run: DSRun, rank: int) -> bool:
     a Qwen2 13M untied at N_d = 3, ranks 0 and 2, slices of the embedding and of the head, +783,360 elements, the
     parameter's elements outside the slice, at the update: -1.97% before)."""
     first, end = run.flat.range(rank)
-    return end - first == 1 and (rank + 1) * run.flat.part <= sum(run.numels)
+    return end - first == 1 and (rank + 1) * run.flat.part <= run.flat.offsets[-1]  # Ψ: where the padding starts
 
 
 def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     """ZeRO-1 reduces after backward, in parameter order (``reduce_gradients``): each gradient is copied into
     the bucket (its autograd tensor freed); the first bucket holding one of this rank's parameters
     allocates ``grads_in_partition`` (``copy_grads_in_partition``: every parameter overlapping the
-    partition, whole, in the model dtype), one moment per rank (``DSRun.ranks``). A gradient larger than the
+    partition, whole, in the model dtype), one moment per rank (``DSRun.first_largest``). A gradient larger than the
     bucket is reduced in place, not copied into it (``reduce_independent_p_g_buckets_and_remove_grads``:
     ``extra_large_param_to_reduce``), and stage 1 clears no gradient after reducing it, so those of the buckets
     reduced so far are still there. Found by the differential matrix (a Qwen2 13M untied, N_d = 3, 2e6-element
@@ -42,13 +43,19 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     offsets, states, psi = run.flat.offsets, (*_states(run), *_bucket(run)), sum(numels)
     limit = run.settings.reduce_bucket_size  # the large gradients before parameter i, once (not per rank)
     large_before = (0, *itertools.accumulate(n if n > limit else 0 for n in numels))
+
+    def held(rank: int) -> tuple[int, int]:  # (elements sent when its partition is allocated, large ones kept)
+        sent = bucket_ends[bisect.bisect_right(bucket_ends, offsets[run.flat.range(rank)[0]])]  # the bucket of its first
+        return sent, large_before[bisect.bisect_right(offsets, sent) - 1]  # parameters i with offsets[i + 1] <= sent
+
+    def extra(rank: int) -> int:
+        sent, large = held(rank)
+        return (psi - sent + large + run.flat.params_numel(rank)) * p
+
+    owners = tuple(r for r in run.ranks if run.flat.params(r))
     out = []
-    for rank in run.ranks:
-        mine = run.flat.params(rank)
-        if not mine:
-            continue
-        sent = bucket_ends[bisect.bisect_right(bucket_ends, offsets[mine[0]])]  # the bucket holding its first
-        large = large_before[bisect.bisect_right(offsets, sent) - 1]  # parameters i with offsets[i + 1] <= sent
+    for rank in run.first_largest(extra, owners):  # one rank where every rank is described
+        sent, large = held(rank)
         out.append(Moment("backward", f"reduce_gradients: rank {rank}'s grads_in_partition", (
             *states,
             Term("autograd gradients not yet bucketed", (psi - sent) * p, "torch autograd (param.grad)"),
@@ -65,9 +72,14 @@ def _hook_buckets(run: DSRun) -> tuple[tuple[int, ...], tuple[int, ...], list[in
     """(gradient-ready order, taken as the reverse of parameter order; the buckets' element counts in that
     order, ``greedy_buckets``; the position in the order of each bucket's first gradient; parameter -> its
     bucket) of ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
-    numels = run.numels
+    return _hook_layout(run.numels, run.settings.reduce_bucket_size)
+
+
+@lru_cache(maxsize=16)  # read-only: every moment function of a run, and every rank's run, ask for the same
+def _hook_layout(numels: tuple[int, ...], bucket: int) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
+    """``_hook_buckets`` of parameters of ``numels`` elements and buckets of ``bucket`` elements."""
     order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
-    buckets = greedy_buckets(tuple(numels[i] for i in order), run.settings.reduce_bucket_size)
+    buckets = greedy_buckets(tuple(numels[i] for i in order), bucket)
     first_of_bucket, at = [], 0
     for size in buckets:
         first_of_bucket.append(at)
@@ -101,10 +113,13 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
             _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
             Term("flattened copy of the last bucket's gradients", buckets[-1] * g,
                  "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))  # fmt: skip
-    out = []
-    for rank in run.ranks:
+
+    def early(rank: int) -> bool:  # its grads_in_partition allocated by an earlier bucket
         mine = run.flat.params(rank)
-        early = bool(mine) and min(bucket_of[i] for i in mine) < last and run.grad_accum == 1
+        return bool(mine) and min(bucket_of[i] for i in mine) < last and run.grad_accum == 1
+
+    out = []
+    for rank in run.first_largest(lambda r: run.flat.params_numel(r) if early(r) else 0):  # one where all are described
         out.append(Moment("backward", f"reduction after backward, rank {rank}", (*base, *(
-            (Term("grads_in_partition", run.flat.params_numel(rank) * _pbytes(run), GIP_SRC),) if early else ()))))
+            (Term("grads_in_partition", run.flat.params_numel(rank) * _pbytes(run), GIP_SRC),) if early(rank) else ()))))
     return tuple(out)

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel
+from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel, flat_group
 from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, Stage3Trace, stage3_trace
 from zeroplan.formulas.activation_terms import ModelActivations
 from zeroplan.formulas.peak import Moment, Term
@@ -95,18 +95,39 @@ class DSRun:
     def ranks(self) -> tuple[int, ...] | range:
         """The ranks whose own terms (a flat group's ``grads_in_partition``, the gradients kept outside a
         partition) the moments describe: ``settings.rank``, or every rank (each moment of one rank: the
-        phase's peak is then the largest over ranks)."""
+        phase's peak is then the largest over ranks; a family of per-rank moments lists only the rank whose
+        moment is largest, ``first_largest``)."""
         return range(self.nd) if self.settings.rank is None else (self.settings.rank,)
+
+    def first_largest(self, extra_bytes: Callable[[int], int], ranks: Optional[tuple[int, ...]] = None) -> tuple[int, ...]:
+        """The ranks (of ``ranks``, default ``self.ranks``) whose moment of one per-rank family to list: the rank
+        described, or where every rank is (the bound ``profile.estimate`` tries the ranks against), only the first
+        whose moment holds the most, ``extra_bytes(rank)`` being its bytes beyond what every rank's holds alike.
+        ``peak_of`` takes a phase's first largest moment, so no other rank's moment of the family can be it: the
+        phase's peak (and its moment) is the same as with every rank's listed, for a fraction of the terms."""
+        ranks = tuple(self.ranks) if ranks is None else ranks
+        if self.settings.rank is not None or len(ranks) <= 1:
+            return ranks
+        return (max(ranks, key=extra_bytes),)  # max keeps the first of equals
 
     @cached_property
     def flat(self) -> FlatGroup:
         """The flat group's layout (ZeRO-1/2, BF16_Optimizer): which parameters each rank's partition holds."""
-        return FlatGroup(self.numels, self.nd)
+        return flat_group(self.numels, self.nd)
 
     @cached_property
     def model_terms(self) -> tuple[DSTerm, ...]:
         """Every buffer of model states and buckets (``terms``), computed once per run."""
         return self.wrapper.terms(self.settings, self.numels, self.nd)
+
+    @cached_property
+    def live_terms(self) -> dict[tuple[str, ...], tuple[Term, ...]]:
+        """``model_terms`` as ``Term``s by the lives asked (``_states``, ``_bucket``), each built once per run:
+        every moment holds them, and a rank's moments are many (one per block, per rank)."""
+        out: dict[tuple[str, ...], tuple[Term, ...]] = {}
+        for lives in (("persistent", "lazy"), ("persistent",), ("backward",)):
+            out[lives] = tuple(t.term() for t in self.model_terms if t.live in lives and t.bytes)
+        return out
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -115,13 +136,12 @@ def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
 
 def _states(run: DSRun, after_step: bool = True) -> tuple[Term, ...]:
     """The model states alive (``run.model_terms``): persistent ones, and lazy ones after the first step."""
-    lives = ("persistent", "lazy") if after_step else ("persistent",)
-    return tuple(t.term() for t in run.model_terms if t.live in lives and t.bytes)
+    return run.live_terms[("persistent", "lazy") if after_step else ("persistent",)]
 
 
 def _bucket(run: DSRun) -> tuple[Term, ...]:
     """ZeRO-1/2: the reduce bucket(s), allocated at the first gradient hook of each backward."""
-    return tuple(t.term() for t in run.model_terms if t.live == "backward" and t.bytes)
+    return run.live_terms[("backward",)]
 
 
 def _pbytes(run: DSRun) -> int:

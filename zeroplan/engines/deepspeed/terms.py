@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, NCCL_START_ALIGNMENT_FACTOR, Settings, inner_optimizer_class
 from zeroplan.formulas.peak import Term
@@ -66,10 +67,23 @@ class FlatGroup:
     def range(self, rank: int) -> tuple[int, int]:
         """(first, end) indices of the parameters overlapping ``rank``'s slice [rank·part, (rank + 1)·part):
         those that start before its end and end after its start (offsets ascend, so a range)."""
-        offsets, n = self.offsets, len(self.numels)
-        first = bisect.bisect_right(offsets, rank * self.part, 1, n + 1) - 1  # the first i with offsets[i + 1] > lo
-        end = bisect.bisect_left(offsets, (rank + 1) * self.part, 0, n)  # the first i with offsets[i] >= hi
-        return first, max(first, end)
+        return self._ranges[rank]
+
+    @cached_property
+    def _ranges(self) -> tuple[tuple[int, int], ...]:
+        """``range`` of every rank, found once per layout (the profile asks each rank's many times)."""
+        offsets, n, part, out = self.offsets, len(self.numels), self.part, []
+        for rank in range(self.nd):
+            first = bisect.bisect_right(offsets, rank * part, 1, n + 1) - 1  # the first i with offsets[i + 1] > lo
+            end = bisect.bisect_left(offsets, (rank + 1) * part, 0, n)  # the first i with offsets[i] >= hi
+            out.append((first, max(first, end)))
+        return tuple(out)
+
+    @cached_property
+    def _params_numels(self) -> tuple[int, ...]:
+        """``params_numel`` of every rank, once per layout."""
+        offsets = self.offsets
+        return tuple(offsets[end] - offsets[first] for first, end in self._ranges)
 
     def params(self, rank: int) -> tuple[int, ...]:
         """Indices of the parameters overlapping ``rank``'s slice (stage_1_and_2.py ``get_partition_info``: a
@@ -86,8 +100,13 @@ class FlatGroup:
 
     def params_numel(self, rank: int) -> int:
         """Elements of the parameters overlapping ``rank``'s slice, whole (``copy_grads_in_partition``)."""
-        first, end = self.range(rank)
-        return self.offsets[end] - self.offsets[first]
+        return self._params_numels[rank]
+
+
+@lru_cache(maxsize=8)  # every candidate of a plan (stages 1-2, each bucket size) and each rank's run share it
+def flat_group(numels: tuple[int, ...], nd: int) -> FlatGroup:
+    """The ``FlatGroup`` of ``numels`` on ``nd`` ranks, laid out once."""
+    return FlatGroup(numels, nd)
 
 
 def _partition_params(numels: tuple[int, ...], part: int, rank: int) -> tuple[int, ...]:
@@ -121,10 +140,16 @@ def _flat_scalars(s: Settings) -> tuple[DSTerm, ...]:
                    "fp32 step tensor (torch/optim/adam.py _init_group)"))  # fmt: skip
 
 
+@lru_cache(maxsize=16)  # every ZeRO-3 candidate of a plan, its terms and moments, partition the same tensors
+def zero3_partition_numel(numels: tuple[int, ...], nd: int) -> int:
+    """Elements of one rank's ZeRO-3 partition: each tensor padded to N_d (``flat_shard_numel``)."""
+    return flat_shard_numel(numels, nd)
+
+
 def zero3_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
     """``DeepSpeedZeroOptimizer_Stage3``: every tensor partitioned (ceil(n / N_d) each: the one sharding rule,
     ``flat_shard_numel``, as partition_parameters.py ``Init._padding_size``/``_partition_param`` pad it)."""
-    p, g, part, fused = s.dtype, s.grad_dtype, flat_shard_numel(numels, nd), _fused(s)
+    p, g, part, fused = s.dtype, s.grad_dtype, zero3_partition_numel(numels, nd), _fused(s)
     return (
         DSTerm("16-bit parameter partition", "persistent", part, p,
                "runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3._create_fp16_partitions_with_defragmentation (lp_param_buffer)"),

@@ -249,8 +249,9 @@ class ZeroOptimizer(Wrapper):
         if self.keeps_gradients(run):
             out.extend(later_blocks_held(run, last, inflight))
         if hooks and not accumulating:
-            out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, gip))
-                       for r, gip in _stage2_early_partitions(run))  # fmt: skip
+            early = dict(_stage2_early_partitions(run))
+            out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, early[r]))
+                       for r in run.first_largest(lambda r: early[r].bytes, tuple(early)))  # fmt: skip
             out.extend(self._blocks_from_hooks(run, last, inflight))
             out.extend(_tied_embedding_backward(run))
         if hooks:
@@ -271,7 +272,7 @@ class ZeroOptimizer(Wrapper):
         last = tuple(t for t in last if t.name != held_name)
         early = {r for r, _ in _stage2_early_partitions(run)}
         out = []
-        for r in run.ranks:
+        for r in run.first_largest(lambda r: run.flat.params_numel(r) * p * (2 if r in early else 1)):
             gip = run.flat.params_numel(r) * p
             out.append(Moment("backward", f"last block backward, rank {r} (accumulating)", (
                 *last, Term(held_name, gip, f"{GIP_SRC} (kept until the step)"),
@@ -285,12 +286,12 @@ class ZeroOptimizer(Wrapper):
         allocated by then, and at ZeRO-1 its kept gradients larger than the bucket; the lowest rank of a tie)."""
         allocated = {r: (j, gip) for r, j, gip in _partition_allocations(run)}
         kept = _stage1_kept_gradients(run) if not run.settings.partition_gradients else {}
-        out = []
+        out, common = [], tuple(t for t in last if t not in inflight)
         for j, who in _most_held_by_block(run.nd, run.acts.n_layer, allocated, kept).items():
             best = (*((allocated[who][1],) if who in allocated and j <= allocated[who][0] else ()),
                     *((kept[who][j],) if who in kept and kept[who][j].bytes else ()))
             out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
-                              (*(t for t in last if t not in inflight), _blocks_saved(run, j + 1), *inflight[1:],
+                              (*common, _blocks_saved(run, j + 1), *inflight[1:],
                                *best)))  # fmt: skip
         return tuple(out)
 
@@ -300,17 +301,29 @@ class ZeroOptimizer(Wrapper):
         within one parameter (``_within_one_parameter``) flattens to a view of grads_in_partition, copying nothing."""
         s, p = run.settings, _pbytes(run)
         src = "runtime/zero/stage_1_and_2.py step -> get_flat_partition (_flatten_dense_tensors), .to(fp32)"
-        out = []
-        for rank in run.ranks:
-            gip = run.flat.params_numel(rank) * p
+        fp32_grads = s.grad_dtype == "fp32"
+
+        def sizes(rank: int) -> tuple[int, int, int, bool]:  # (grads_in_partition, flat copy, fp32 copy, a view)
             view = _within_one_parameter(run, rank)
-            flat = 0 if view or s.grad_dtype == "fp32" else part * DTYPE_BYTES[s.grad_dtype]
-            fp32 = part * 4 if not (view and s.grad_dtype == "fp32") else 0
-            out.append(Moment("optimizer_step", f"flatten the partition's gradients, rank {rank}", (*_states(run),
-                       Term("grads_in_partition", gip, GIP_SRC), Term("flat partition gradient (gradient dtype)", flat, src),
-                       Term("fp32 gradient of the master partition", fp32, src))))  # fmt: skip
-            update = adam_update(run, part, inner, temps)
-            if view and s.grad_dtype == "fp32":  # the fp32 gradient is grads_in_partition itself: all of it alive
+            flat = 0 if view or fp32_grads else part * DTYPE_BYTES[s.grad_dtype]
+            return run.flat.params_numel(rank) * p, flat, part * 4 if not (view and fp32_grads) else 0, view
+
+        # one rank's flatten and one's update where every rank is described (``DSRun.first_largest``)
+        table = {r: sizes(r) for r in run.ranks}
+        flattens = run.first_largest(lambda r: sum(table[r][:3]))
+        updates = run.first_largest(lambda r: table[r][0] if table[r][3] and fp32_grads else part * 4)
+        common = adam_update(run, part, inner, temps)
+        out = []
+        for rank in sorted({*flattens, *updates}):
+            gip, flat, fp32, view = table[rank]
+            if rank in flattens:
+                out.append(Moment("optimizer_step", f"flatten the partition's gradients, rank {rank}", (*_states(run),
+                           Term("grads_in_partition", gip, GIP_SRC), Term("flat partition gradient (gradient dtype)", flat, src),
+                           Term("fp32 gradient of the master partition", fp32, src))))  # fmt: skip
+            if rank not in updates:
+                continue
+            update = common
+            if view and fp32_grads:  # the fp32 gradient is grads_in_partition itself: all of it alive
                 update = Moment("optimizer_step", f"{update.name}, rank {rank}", tuple(
                     Term("fp32 gradient of the master partition (a view of grads_in_partition, whole)", gip, src)
                     if t.name == "fp32 gradient of the master partition" else t for t in update.terms))  # fmt: skip

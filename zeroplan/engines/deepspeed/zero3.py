@@ -16,9 +16,8 @@ from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedu
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _act, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import zero3_terms
+from zeroplan.engines.deepspeed.terms import zero3_partition_numel, zero3_terms
 from zeroplan.formulas.peak import Moment, Term
-from zeroplan.formulas.sharding import flat_shard_numel
 
 
 def zero_init_moments(run: DSRun) -> tuple[Moment, ...]:
@@ -103,7 +102,7 @@ class ZeroOptimizerStage3(Wrapper):
     collectives = staticmethod(zero3_collectives)
 
     def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
-        return flat_shard_numel(numels, nd)
+        return zero3_partition_numel(numels, nd)
 
     def schedule(self, run: DSRun) -> Optional[Stage3Schedule]:
         """The coordinator replayed over the run's module trace (``stage3_schedule``; None without one)."""
@@ -121,7 +120,7 @@ class ZeroOptimizerStage3(Wrapper):
         out = [*(zero_init_moments(run) if s.builds_partitioned else ()), *cast_moments(run)]
         st = _states(run, after_step=False)
         if s.dtype != "fp32":  # the 16-bit partition converted to fp32, then cloned: both alive for a moment
-            part = flat_shard_numel(numels, run.nd)
+            part = zero3_partition_numel(numels, run.nd)
             src = "runtime/zero/stage3.py _create_fp32_partitions (converted = lp.to(fp32); converted.clone())"
             out.append(Moment("init", "fp32 master: converted and cloned", (
                 *(t for t in st if t.name in ("16-bit parameter partition", "inf/nan tracker")),

@@ -44,13 +44,13 @@ from zeroplan.engines.base import Engine, EngineOption
 from zeroplan.engines.fsdp2.alloc_trace import alloc_traces
 from zeroplan.engines.fsdp2.collectives import UnitCollective, unit_collectives
 from zeroplan.engines.fsdp2.launcher import fsdp2_snippet, settings_snippet
+from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.moments import (
     backward_moments,
     forward_moments,
     init_moments,
     moments,
     optimizer_moments,
-    predict_peak,
 )
 from zeroplan.engines.fsdp2.param import (
     Shape,

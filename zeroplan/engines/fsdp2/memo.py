@@ -1,5 +1,5 @@
 """Terms built once per FSDP2 run (a speed-up, no rule): the moments of a 126-block model ask the same
-terms thousands of times, and ``moments.phase_leaders`` rounds each distinct term object once."""
+terms thousands of times, and ``leaders.phase_leaders`` rounds each distinct term object once."""
 
 from __future__ import annotations
 

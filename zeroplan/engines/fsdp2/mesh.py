@@ -136,12 +136,18 @@ def allreduce_held(settings: Settings, rs_outputs: tuple[Term, ...], replicate: 
                  len(rs_outputs)),)  # fmt: skip
 
 
+def holds_allreduce(run) -> bool:
+    """Whether ``run``'s backward holds all-reduce buffers (``allreduce_held``: replicas, and a reduce dtype
+    other than the module dtype), which grow with every unit reduced."""
+    return run.replicate > 1 and run.settings.reduce != run.settings.module
+
+
 def with_allreduce_held(run, backward: tuple[Moment, ...]) -> tuple[Moment, ...]:
     """The backward moments of ``run`` with the all-reduce buffers of the units reduced before each
     (``allreduce_held``): a unit counts from the moment after its cast (``moments.reduce_scatter_moments``;
     during the cast its buffer is the reduce-scatter output, already a term), whatever the wrapping. A flat
     run's moments come back unchanged."""
-    if run.replicate == 1 or run.settings.reduce == run.settings.module:  # allreduce_held: none
+    if not holds_allreduce(run):
         return backward
     reduced: dict[str, Term] = {}  # by name: a unit's output may be listed again in a later unit's moments
     out, held = [], ()

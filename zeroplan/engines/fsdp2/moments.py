@@ -16,8 +16,8 @@ from zeroplan.engines.fsdp2.hf_tree import (
     rotary_buffers,
     tied_head_build,
 )
-from zeroplan.engines.fsdp2.mesh import with_allreduce_held
-from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel
+from zeroplan.engines.fsdp2.mesh import REDUCED, with_allreduce_held
+from zeroplan.engines.fsdp2.param import local_numel_sum, local_shard_numel, padded_shard_numel, shape_counts
 from zeroplan.engines.fsdp2.settings import ADAM
 from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
 from zeroplan.engines.fsdp2.side import (
@@ -58,8 +58,7 @@ from zeroplan.engines.fsdp2.terms import (
     unit_grads,
     unsharded,
 )
-from zeroplan.formulas.cuda_workspaces import library_workspaces
-from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
+from zeroplan.formulas.peak import Moment, Term
 
 def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """``fully_shard`` of each block, then the root: the units not yet sharded are whole, and the shard
@@ -73,7 +72,8 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     if run.settings.init == "meta":
         rank, src = run.settings.described_rank, "_fsdp_param.py:FSDPParam.reset_sharded_param"
         shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
-        repad = [n for s in shapes if (n := local_shard_numel(s, run.nd, rank)) != padded_shard_numel(s, run.nd)]
+        repad = [n for s, _ in shape_counts(shapes)
+                 if (n := local_shard_numel(s, run.nd, rank)) != padded_shard_numel(s, run.nd)]  # fmt: skip
         return (
             Moment("init", "to_empty: the shards get device memory", (*mesh_ranks(run), *rotary_buffers(run), params(run))),
             # a shard shorter than its padded size (ranks at the end) is copied into a new padded tensor
@@ -170,7 +170,7 @@ def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: T
             Moment("backward", f"{what} cast to the module dtype", (*common, rs_in, rs_out, cast)))  # fmt: skip
 
 
-def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
+def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tuple[Moment, ...]:
     """Loss and head backward (the root's pre-backward prefetches the last block), each block's backward
     and reduce-scatter (_fsdp_param_group.py:FSDPParamGroup.pre_backward, _backward_prefetch, post_backward;
     _fsdp_collectives.py:foreach_reduce), the embeddings, the root's reduce-scatter (_fsdp_state.py:
@@ -222,8 +222,13 @@ def backward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         root_held = _fp(f"sharded gradients of {', '.join(u.name for u in head_units(run))}",
                         sum(_gathered_numel(run, u) // run.nd for u in head_units(run)) * run.m,
                         "_fsdp_collectives.py:foreach_reduce", len(head_units(run)))  # fmt: skip
-    for i in range(L, 0, -1):
+    after = L + 1
+    for i in range(L, 0, -1) if blocks is None else blocks:
+        # blocks not built (``blocks``): only their reduce-scatter outputs, for HSDP's held buffers (``moments``)
+        out.extend(Moment("backward", f"block {j}{NOT_BUILT}{REDUCED}", (rs_output(run, j),))
+                   for j in range(after - 1, i, -1))  # fmt: skip
         out.extend(block_backward_moments(run, i, base, root_held))
+        after = i
     out.extend(root_backward_moments(run, base))
     end = side_regathers(run, "end")  # the embeddings' all-gather output from block 1's prefetch, then their
     again = embedding_regather(run)  # unsharded parameters from their copy-out (kept with the output: a bound)
@@ -314,10 +319,11 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     tensor at once (one local shard's worth); ``_single_tensor_adam`` computes ``v.sqrt() /
     bias_correction2_sqrt`` per tensor, two temporaries of the largest local shard alive at once."""
     shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
-    local = [local_shard_numel(s, run.nd, run.settings.described_rank) for s in shapes]
     if run.foreach:
-        temps = Term("Adam temporaries (foreach sqrt(v))", sum(local) * run.m, f"{ADAM}:_multi_tensor_adam", len(local))
+        temps = Term("Adam temporaries (foreach sqrt(v))", local_numel_sum(shapes, run.nd, run.settings.described_rank)
+                     * run.m, f"{ADAM}:_multi_tensor_adam", len(shapes))  # fmt: skip
     else:
+        local = [local_shard_numel(s, run.nd, run.settings.described_rank) for s in shapes]
         # ``denom`` stays bound to the previous tensor's quotient until this tensor's is assigned (measured)
         worst = max(2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local))
         temps = Term("Adam temporaries (sqrt(v), its quotient, the previous tensor's denom)", worst * run.m,
@@ -325,36 +331,15 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     return (Moment("optimizer_step", "Adam update", (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), grads(run, range(len(run.units))), temps)),)
 
 
-def moments(run: Fsdp2Run) -> tuple[Moment, ...]:
-    """Every moment of a training step of FSDP2 (needs activations: an architecture)."""
+NOT_BUILT = " (not built)"
+
+
+def moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tuple[Moment, ...]:
+    """Every moment of a training step of FSDP2 (needs activations: an architecture); ``blocks``: only these
+    blocks' backward moments, last first (``leaders.sampled_blocks``; None: every block)."""
     if run.acts is None:
         raise ValueError("the peak needs an architecture (activations); this run has only tensor shapes")
-    backward = with_allreduce_held(run, backward_moments(run))  # HSDP's held all-reduce buffers (mesh.py)
+    backward = with_allreduce_held(run, backward_moments(run, blocks))  # HSDP's held all-reduce buffers (mesh.py)
+    if blocks is not None:  # the blocks not built were there only for the held buffers
+        backward = tuple(m for m in backward if NOT_BUILT not in m.name)
     return (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))
-
-
-def phase_leaders(moments: tuple[Moment, ...], block_bytes: int) -> tuple[Moment, ...]:
-    """The moments ``peak_of`` can choose, in order: of each phase the first with the largest total (its
-    choice; terms it adds to every moment of a phase change no order). A speed-up only: the moments of one
-    run share their term objects (``memo.memo_term``), so each term is rounded once here (``Term.rounded``),
-    where ``peak_of`` would round every term of every moment twice (llama3-405b: ~80,000 terms)."""
-    unique: dict[int, Term] = {}
-    for m in moments:  # every distinct term once (dict.update and map run in C: no Python loop per term)
-        unique.update(zip(map(id, m.terms), m.terms))
-    rounded = {k: t.rounded(block_bytes) for k, t in unique.items()}
-    best: dict[str, tuple[int, Moment]] = {}
-    for m in moments:
-        total = sum(map(rounded.__getitem__, map(id, m.terms)))
-        if m.phase not in best or total > best[m.phase][0]:
-            best[m.phase] = (total, m)
-    keep = {id(m) for _, m in best.values()}
-    return tuple(m for m in moments if id(m) in keep)
-
-
-def predict_peak(run: Fsdp2Run) -> PeakEstimate:
-    """The peak of ``run`` per phase; CUDA rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``) and
-    keeps the cuBLAS / cuBLASLt workspaces from the first backward on (``formulas.cuda_workspaces``)."""
-    if run.settings.device != "cuda":
-        return peak_of(phase_leaders(moments(run), 1))
-    resident = (library_workspaces(run.settings.cuda_capability, run.biased_linear),)
-    return peak_of(phase_leaders(moments(run), CUDA_BLOCK_BYTES), CUDA_BLOCK_BYTES, resident=resident)

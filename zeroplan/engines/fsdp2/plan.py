@@ -11,10 +11,11 @@ from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, Engi
                                   PlannerOptions, Workload, worst_rank)
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
+from zeroplan.engines.fsdp2.memo import memo_term
 from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, resolve_mesh, shard_groups,
                                          shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
-from zeroplan.engines.fsdp2.moments import predict_peak
+from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
@@ -63,17 +64,23 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
             runs.append(run)
     settings = run.settings
     st = run_states(run)  # model_states(run.units, nd, settings), once per run
-    coll = tuple(
-        Collective(c.op, c.phase, m * c.elements, c.dtype,
-                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
-                   mesh_dim=c.mesh_dim, group_size=c.group_size)
-        for c in unit_collectives(run.shard_units, nd, run.settings, run.replicate)
-        for m in (micro_steps(c, workload.grad_accum),)
-    )  # fmt: skip
+    coll = run_collectives(run, workload.grad_accum)
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     peak = predict_peak(run) if run.acts is not None else None
     return EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
                           beside_states=mesh_ranks(run), peak_rank=rank)  # fmt: skip
+
+
+@memo_term  # the same for every rank of a run (no rank in unit_collectives): built once (a speed-up)
+def run_collectives(run, grad_accum: int) -> tuple[Collective, ...]:
+    """The collectives of one optimizer step of ``grad_accum`` micro-steps (``micro_steps``), per rank."""
+    return tuple(
+        Collective(c.op, c.phase, m * c.elements, c.dtype,
+                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
+                   mesh_dim=c.mesh_dim, group_size=c.group_size)
+        for c in unit_collectives(run.shard_units, run.nd, run.settings, run.replicate)
+        for m in (micro_steps(c, grad_accum),)
+    )  # fmt: skip
 
 
 # ---- planning: the cheapest configuration whose predicted peak fits ----

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.engines.fsdp2.param import Unit, local_shard_numel, padded_shard_numel, unit_shard_numel
+from zeroplan.engines.fsdp2.param import Unit, local_numel_sum, padded_shard_numel, unit_shard_numel
 from zeroplan.engines.fsdp2.settings import STEP_BYTES, Settings
 from zeroplan.formulas.dtypes import dtype_bytes
 
@@ -46,7 +46,7 @@ def model_states(units: tuple[Unit, ...], nd: int, settings: Settings) -> ModelS
     return ModelStates(
         params_bytes=sum(padded_shard_numel(s, nd) for s in shapes) * module,
         grads_bytes=sum(unit_shard_numel(u, nd) for u in units) * module,
-        adam_moments_bytes=2 * sum(local_shard_numel(s, nd, settings.described_rank) for s in shapes) * module,
+        adam_moments_bytes=2 * local_numel_sum(tuple(shapes), nd, settings.described_rank) * module,
         adam_step_bytes=len(shapes) * STEP_BYTES,
     )
 

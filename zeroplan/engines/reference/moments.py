@@ -4,6 +4,8 @@ to run (the last in backward), where the most activations are alive; blocks are 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from zeroplan.engines.reference.settings import MASTER_BYTES
 from zeroplan.engines.reference.terms import (
     ReferenceRun,
@@ -20,6 +22,7 @@ from zeroplan.engines.reference.terms import (
     grads16,
     master,
     params16,
+    unit_shards,
 )
 from zeroplan.formulas.peak import Moment, PeakEstimate, Term, peak_of
 from zeroplan.formulas.sharding import flat_shard_numel
@@ -60,9 +63,9 @@ def init_moments(run: ReferenceRun) -> tuple[Moment, ...]:
 def _packing(run: ReferenceRun, model: Term, nbytes: int, what: str, held: tuple[Term, ...]) -> tuple[Moment, ...]:
     """``local_flat`` packing unit u: the previous unit's full buffer is still bound to ``full``."""
     src = "validate/runtime.py:Runtime.local_flat"
-    out = []
+    out, shards, done = [], unit_shards(run.units, run.nd), 0
     for u in range(1, len(run.units)):
-        done = sum(flat_shard_numel(x, run.nd) for x in run.units[:u])
+        done += shards[u - 1]  # the parts of units 0..u-1
         out.append(Moment("init", f"{what} local_flat: packing unit {u}", (
             model, *held, Term(f"{what} parts of the units before", done * nbytes, src),
             Term(f"previous unit's full {what} buffer", _full(run, run.units[u - 1]) * nbytes, src),
@@ -229,6 +232,7 @@ def optimizer_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     )  # fmt: skip
 
 
+@lru_cache(maxsize=16)  # a plan's peak of each stage and its trace ask for the same run's
 def moments(run: ReferenceRun) -> tuple[Moment, ...]:
     """Every moment of a training step of the reference runtime."""
     return (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 from zeroplan.architectures.spec import Shape, TransformerSpec, block_prefix, transformer_shapes
@@ -60,16 +61,27 @@ def _align(run: ReferenceRun) -> int:
     return run.nd if get_stage(run.stage).shards_optimizer else 1
 
 
+@lru_cache(maxsize=64)  # every moment asks, for every stage of a plan: the layout is the same
+def unit_shards(units: tuple[tuple[int, ...], ...], nd: int) -> tuple[int, ...]:
+    """Elements of each unit's shard on one of ``nd`` ranks (``flat_shard_numel``), in unit order."""
+    return tuple(flat_shard_numel(u, nd) for u in units)
+
+
+@lru_cache(maxsize=4096)  # the blocks' units are alike: one entry serves them all
+def _padded(unit: tuple[int, ...], align: int) -> int:
+    return flat_padded_numel(unit, align)
+
+
 def _shard(run: ReferenceRun) -> int:
     """Elements of this rank's master shard (validate/runtime.py:Runtime.__init__, local_slices)."""
     if not get_stage(run.stage).shards_optimizer:
         return _psi(run)
-    return sum(flat_shard_numel(u, run.nd) for u in run.units)
+    return sum(unit_shards(run.units, run.nd))
 
 
 def _full(run: ReferenceRun, unit: tuple[int, ...]) -> int:
     """Elements of a unit's full flat buffer (validate/flat.py:FlatLayout.full_numel)."""
-    return flat_padded_numel(unit, _align(run))
+    return _padded(unit, _align(run))
 
 
 def params16(run: ReferenceRun) -> Term:
@@ -164,16 +176,30 @@ def reference_run(
     """The run of ``spec`` as ``validate/transformer.py:CausalLM`` builds it: units (root, then each decoder
     layer by ``block_prefix``) sized from ``shapes``, the parameters as built (``Workload.shapes``: the
     model's ``named_parameters()``); None: the architecture's own (``transformer_shapes``)."""
+    units, final_norm, late = _layout(spec, shapes)
+    acts = model_activations(spec, micro_batch, seq_len, stat_bytes=stat_bytes)
+    return ReferenceRun(units, spec.vocab_size * spec.d_model, final_norm, nd, stage, acts,
+                        checkpointing, foreach, tied_head=spec.tied, late_grads_numel=late,
+                        grad_accum=grad_accum)  # fmt: skip
+
+
+@lru_cache(maxsize=16)  # every stage of a plan, and its trace, build the same units
+def _layout(spec: TransformerSpec, shapes: Optional[tuple[tuple[str, Shape], ...]]
+            ) -> tuple[tuple[tuple[int, ...], ...], int, int]:
+    """(units, final norm elements, the last block's late gradients) of ``reference_run``, in one pass over
+    the parameter names: a parameter named ``{prefix}{i}.`` with i < L is block i's (``block_prefix``)."""
     shapes, prefix = (transformer_shapes(spec) if shapes is None else shapes), block_prefix(spec)
-    root = tuple(math.prod(s) for n, s in shapes if not n.startswith(prefix))
-    blocks = tuple(
-        tuple(math.prod(s) for n, s in shapes if n.startswith(f"{prefix}{i}.")) for i in range(spec.n_layer)
-    )
+    root: list[int] = []
+    blocks: list[list[int]] = [[] for _ in range(spec.n_layer)]
+    for n, s in shapes:
+        if not n.startswith(prefix):
+            root.append(math.prod(s))
+            continue
+        index, dot, _ = n[len(prefix):].partition(".")
+        if dot and index.isascii() and index.isdigit() and str(int(index)) == index and int(index) < spec.n_layer:
+            blocks[int(index)].append(math.prod(s))
     final_norm = sum(math.prod(s) for n, s in shapes if n.startswith(FINAL_NORM_PREFIX[spec.style]))
     last = f"{prefix}{spec.n_layer - 1}."
     late = sum(math.prod(s) for n, s in shapes
                if n.startswith(last) and (".mlp." in n or "post_attention_layernorm" in n))  # fmt: skip
-    acts = model_activations(spec, micro_batch, seq_len, stat_bytes=stat_bytes)
-    return ReferenceRun((root, *blocks), spec.vocab_size * spec.d_model, final_norm, nd, stage, acts,
-                        checkpointing, foreach, tied_head=spec.tied, late_grads_numel=late,
-                        grad_accum=grad_accum)  # fmt: skip
+    return (tuple(root), *(tuple(b) for b in blocks)), final_norm, late
