@@ -152,8 +152,8 @@ def gemma_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, llama_att
         norm_backward_saved=saved - mlp - 2 * _norm(n, d) - n * d * a - n * d * 4,
         norm_backward_ws=4 * n * d * 4 + 2 * n * d * a - n * 4,
         # down_proj backward: d(product), dW, as Llama's; the post-feedforward norm has run backward before it,
-        # its saved set released and its weight gradient made (measured: t-gemma2-scores, FSDP2, fp32: the backward
-        # peak of both ranks 1.06% under the Llama terms, which keep that norm's saved set)
+        # its saved set released and its weight gradient made (measured: t-gemma2-scores, FSDP2, fp32: with the
+        # Llama terms, which keep that norm's saved set, both ranks' backward peak predicted 1.06% too high)
         backward_first_op=n * f * a + (d * f + d * spec.mlp_bias) * a + d * a - _norm(n, d),
         backward_first_op_recomputed=n * f * a + d * f * a + d * a - _norm(n, d),
         first_weight_grads=d * f * a,
