@@ -489,6 +489,9 @@ GEMMA_RECORDED = {
     "t-gemma2-scores": ({**T_DIMS, "model_type": "gemma2", "num_attention_heads": 8, "num_key_value_heads": 2,
                          "head_dim": 16, "query_pre_attn_scalar": 16, "vocab_size": 301, "sliding_window": 32}, 64,
                         "fp32", [[2486948, 11235972, 11623372, 4584212], [2486948, 11234052, 11621452, 4582292]]),
+    "t-gemma2-scores-bf16": ({**T_DIMS, "model_type": "gemma2", "num_attention_heads": 8, "num_key_value_heads": 2,
+                              "head_dim": 16, "query_pre_attn_scalar": 16, "vocab_size": 301, "sliding_window": 32},
+                             64, "bf16", [[2486948, 8987774, 9064830, 4584212], [2486948, 8985854, 9062910, 4582292]]),
 }  # fmt: skip
 GEMMA_DS_RECORDED = {
     ("t-gemma2", 2): [9437860, 22196132, 23732652, 18876660],
