@@ -42,7 +42,7 @@ def test_plan_reports_activations_against_the_headroom():
     assert p.activation_bytes > p.headroom_bytes
 
 
-# Dropout: the activation terms count none (activation_terms.dropout_limit), so every engine's peak refuses a
+# Dropout: the activation terms count none (dropout.dropout_limit), so every engine's peak refuses a
 # config with dropout > 0 rather than under-predict it (a tiny bf16 gpt2 with dropout 0.1 under FSDP2 held
 # 9-10% more than predicted: docs/engines/fsdp2.md).
 DROPOUT_SPEC = get_model("gpt2-xl").spec  # openai-community/gpt2-xl's config.json: 0.1 each

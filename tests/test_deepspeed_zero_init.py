@@ -212,7 +212,7 @@ def test_plan_emits_the_zero_init_build(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
-    # gpt2-xl without dropout (the preset's 0.1 has no peak: activation_terms.dropout_limit)
+    # gpt2-xl without dropout (the preset's 0.1 has no peak: dropout.dropout_limit)
     from zeroplan.presets import get_model
 
     model = tmp_path / "gpt2-xl.json"

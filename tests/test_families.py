@@ -165,8 +165,6 @@ def test_bad_configs_are_one_line(cfg, message):
 @pytest.mark.parametrize(
     ("name", "missing"),
     [
-        ("tiny-gemma2", "four norms per layer, soft-capping, sliding-window layers"),
-        ("tiny-gemma3", "q/k norms, four norms per layer, sliding-window layers"),
         ("tiny-qwen3-moe", "dense and sparse layers mixed: 2 of 3 sparse"),  # mlp_only_layers [0]: tests/test_moe_peaks.py
         ("tiny-deepseek-v3", "routed experts, latent attention"),
     ],
@@ -340,8 +338,8 @@ def test_deepspeed_peaks_of_transformers_classes_every_phase(name, stage, tmp_pa
 
 
 def test_gemma2_has_no_sdpa_in_transformers():
-    """Why Gemma 2's peak is refused (docs/models.md): transformers builds it with eager attention only, whose
-    s x s scores no activation term here models; when transformers gains SDPA for it, this fails: revisit."""
+    """Why Gemma 2's attention is modelled eager (``gemma_activations.eager_attention``: the s x s scores, tanh,
+    fp32 softmax): transformers builds it with eager attention only; when it gains SDPA for it, this fails: revisit."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
@@ -393,3 +391,174 @@ def test_checkpointed_forward_working_set_of_transformers_layers(name, dtype):
     assert 0 <= miss <= b * s * spec.head_dim * a
     if name == "llama":
         assert miss == b * s * spec.head_dim * a
+
+
+# --- Gemma 2 and Gemma 3: eager soft-capped attention, four fp32 norms per layer, q/k norms, two rotary tables ------
+
+GEMMA = {  # tiny, every feature on: grouped-query heads, decoupled head_dim, tied head, both soft-caps (gemma2);
+    # q/k norms and layers of both types (gemma3_text, window longer than the sequence: no mask, docs/models.md)
+    "gemma2": {"model_type": "gemma2", "hidden_size": 40, "intermediate_size": 72, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 12, "num_hidden_layers": 2, "vocab_size": 107,
+               "max_position_embeddings": 64, "query_pre_attn_scalar": 12, "sliding_window": 5, "pad_token_id": 0},
+    "gemma2-uncapped-mha": {"model_type": "gemma2", "hidden_size": 40, "intermediate_size": 72,
+                            "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 12, "num_hidden_layers": 2,
+                            "vocab_size": 107, "max_position_embeddings": 64, "attn_logit_softcapping": None,
+                            "final_logit_softcapping": None, "tie_word_embeddings": False, "pad_token_id": 0},
+    "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 40, "intermediate_size": 72, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 12, "num_hidden_layers": 2, "vocab_size": 107,
+                    "max_position_embeddings": 64, "query_pre_attn_scalar": 12, "sliding_window": 32,
+                    "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(GEMMA))
+def test_gemma_saved_activations_match_transformers_classes(name, dtype):
+    """As ``test_saved_activations_match_transformers_classes``, on transformers' Gemma classes as they train
+    (Gemma 2 eager: the only implementation it has; Gemma 3 SDPA): every storage autograd saves equals
+    ``saved_total`` plus the int64 targets, byte for byte. Without the soft-cap's tanh (b·h·s²·a per layer and
+    N·V·a at the head), the fp32 normalised tensors or the second rotary table, each row fails."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg, b, s = GEMMA[name], 2, 24
+    torch.manual_seed(0)
+    impl = "eager" if cfg["model_type"] == "gemma2" else "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=impl, dtype=getattr(torch, dtype))  # fmt: skip
+    owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, cfg["vocab_size"], (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False).loss
+    measured = sum(n for ptr, n in seen.items() if ptr not in owned)
+    a = 4 if dtype == "float32" else 2
+    acts = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=a, stat_bytes=a)
+    assert measured == acts.saved_total("none") + b * s * 8
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gemma3-text", "gemma-3-1b"])
+def test_gemma3_peak_refused_from_the_sliding_window_on(name):
+    """Gemma 3's sliding layers get a mask (and repeated k, v) once s >= sliding_window
+    (``masking_utils._ignore_causal_mask_sdpa``), the full ones do not: refused in one line from there on, modelled
+    below it (the wrapped ``gemma3`` config through its text_config too)."""
+    spec = read_hf_config(CONFIGS / f"{name}.json")
+    w = spec.sliding_window
+    assert model_activations(spec, 1, w - 1).block.saved > 0
+    with pytest.raises(ValueError, match=f"seq_len={w} >= sliding_window={w}: the sliding layers") as info:
+        model_activations(spec, 1, w)
+    assert "\n" not in str(info.value)
+
+
+#: FSDP2 and DeepSpeed on transformers' Gemma classes, recorded 2026-12-01 on this project's CPU machine (torch
+#: 2.13.0, transformers 5.24, DeepSpeed 0.19.8), as the rows above: FSDP2 through ``fsdp2_rows.run_world
+#: (Fsdp2Settings(model=CONFIG_JSON, hf=True, seq_len=64, steps=2, param_dtype=DTYPE), 2)``, DeepSpeed through
+#: ``deepspeed.run_world([ds_config(stage, zero=DS_SMALL, optimizer_params={"torch_adam": True})], 2, model=CONFIG_JSON,
+#: seq_len=64, runs=[{"model": CONFIG_JSON, "hf": True}])`` (micro-batch 2). Gemma 2 has no SDPA in transformers:
+#: its runs built the model with ``attn_implementation="eager"`` (``hf_builder`` asks for "sdpa", which
+#: Gemma2ForCausalLM refuses; a sitecustomize swapped it for the recording). Measured error: FSDP2 within 0.0019%
+#: (fp32 and bf16; the second rotary table's fp32 inv_freq pair, 96 B, and the 4 B embed_scale buffer, both absent
+#: from ``Fsdp2Run.buffer_bytes``: see ``hf_tree.rotary_buffer_bytes``), DeepSpeed (fp32) within 0.0115% (as the
+#: Qwen3 and Phi-3 rows of the same world). Before the Gemma terms, a Llama block of the same widths (gelu_pytorch_tanh,
+#: same world): t-gemma2 forward +16.97%, backward +15.81% (bf16 +16.21%, +15.53%); t-gemma3 forward +6.53%, backward +6.04%.
+#: t-gemma2-scores, with the Gemma terms but before ``body_masks`` (hf_tree.inputs_embeds_held) and the post-feedforward
+#: norm's release in ``gemma_block``'s backward working sets: forward +0.58% (the two masks), backward -1.06%.
+GEMMA_DIMS = {**T_DIMS, "head_dim": 24, "query_pre_attn_scalar": 24}
+GEMMA_RECORDED = {
+    "t-gemma2": ({**GEMMA_DIMS, "model_type": "gemma2", "sliding_window": 32}, 64, "fp32",
+                 [[5241460, 20974732, 22511244, 10881124], [5241460, 20972812, 22509324, 10878244]]),
+    "t-gemma3": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 128,
+                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "fp32",
+                 [[5241844, 18633572, 20170084, 10882396], [5241844, 18631652, 20168164, 10879516]]),
+    "t-gemma2-bf16": ({**GEMMA_DIMS, "model_type": "gemma2", "sliding_window": 32}, 64, "bf16",
+                      [[5241460, 17629854, 18398110, 10881124], [5241460, 17627934, 18396190, 10878244]]),
+    "t-gemma3-bf16": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 128,
+                       "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "bf16",
+                      [[5241844, 16198166, 16966422, 10882396], [5241844, 16196246, 16964502, 10879516]]),
+    "t-gemma2-tied": ({**GEMMA_DIMS, "model_type": "gemma2", "sliding_window": 32, "tie_word_embeddings": True}, 64,
+                      "fp32", [[4718980, 17372328, 18908840, 7998960], [4718980, 17371368, 18907880, 7997040]]),
+    "t-gemma3-tied-bf16": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 128, "tie_word_embeddings": True,
+                            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "bf16",
+                           [[4719652, 13316242, 14084498, 8000232], [4719652, 13315282, 14083538, 7998312]]),
+    # the s x s regime: many heads, a small vocabulary: the blocks' forward and backward are the peaks, not the loss
+    "t-gemma2-scores": ({**T_DIMS, "model_type": "gemma2", "num_attention_heads": 8, "num_key_value_heads": 2,
+                         "head_dim": 16, "query_pre_attn_scalar": 16, "vocab_size": 301, "sliding_window": 32}, 64,
+                        "fp32", [[2486948, 11235972, 11623372, 4584212], [2486948, 11234052, 11621452, 4582292]]),
+    "t-gemma2-scores-bf16": ({**T_DIMS, "model_type": "gemma2", "num_attention_heads": 8, "num_key_value_heads": 2,
+                              "head_dim": 16, "query_pre_attn_scalar": 16, "vocab_size": 301, "sliding_window": 32},
+                             64, "bf16", [[2486948, 8987774, 9064830, 4584212], [2486948, 8985854, 9062910, 4582292]]),
+}  # fmt: skip
+GEMMA_DS_RECORDED = {
+    ("t-gemma2", 2): [9437860, 22196132, 23732652, 18876660],
+    ("t-gemma2", 3): [8538901, 26936041, 28472561, 18897705],
+    ("t-gemma3", 2): [9439108, 19855332, 21391852, 18879060],
+    ("t-gemma3", 3): [8539861, 24595817, 26132337, 18900105],
+    ("t-gemma2-tied", 3): [6378181, 21894361, 23430881, 13135785],
+    ("t-gemma2-scores", 2): [4345988, 12318980, 13211820, 8692948],
+}
+RECORDED.update(GEMMA_RECORDED)  # the tests above read their rows from these tables by name
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA_RECORDED))
+def test_fsdp2_peaks_of_gemma_every_phase_every_rank(name, tmp_path):
+    test_fsdp2_peaks_of_transformers_classes_every_phase_every_rank(name, tmp_path)
+
+
+@pytest.mark.parametrize(("name", "stage"), sorted(GEMMA_DS_RECORDED))
+def test_deepspeed_peaks_of_gemma_every_phase(name, stage, tmp_path, monkeypatch):
+    monkeypatch.setitem(DS_RECORDED, (name, stage), GEMMA_DS_RECORDED[(name, stage)])
+    test_deepspeed_peaks_of_transformers_classes_every_phase(name, stage, tmp_path)
+
+
+GEMMA_NOGRAD = {  # one decoder layer; small f: the attention is the peak; large f: the MLP is (with the probabilities)
+    "gemma2": {"model_type": "gemma2", "hidden_size": 96, "intermediate_size": 64, "num_attention_heads": 8,
+               "num_key_value_heads": 1, "head_dim": 24, "query_pre_attn_scalar": 24},
+    "gemma2-mlp": {"model_type": "gemma2", "hidden_size": 96, "intermediate_size": 400, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 24},
+    "gemma3": {"model_type": "gemma3_text", "hidden_size": 96, "intermediate_size": 64, "num_attention_heads": 8,
+               "num_key_value_heads": 1, "head_dim": 24, "sliding_window": 128},
+    "gemma3-mlp": {"model_type": "gemma3_text", "hidden_size": 96, "intermediate_size": 400, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 24, "sliding_window": 128},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(GEMMA_NOGRAD))
+def test_checkpointed_forward_working_set_of_gemma_layers(name, dtype):
+    """As ``test_checkpointed_forward_working_set_of_transformers_layers`` for Gemma's layers (``ckpt_forward_peak``
+    less the held input: ``gemma_activations._nograd_peak``):
+    the miss is one (b, s, head_dim) tensor as at Llama's layer (bf16 Gemma 3: 512 B more), and for Gemma 2 in fp32
+    with the attention as the peak 2 bytes per score more (8,192 B here, not accounted for). Without the
+    probabilities held to the layer's end the gemma2-mlp rows miss b·h·s²·a more; without the 16-bit softmax's fp32
+    conversion the gemma2 bf16 row misses 8,192 B more: each fails here."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    transformers.logging.set_verbosity_error()
+    cfg = {**GEMMA_NOGRAD[name], "num_hidden_layers": 1, "vocab_size": 301, "max_position_embeddings": 64}
+    torch_dtype, b, s = getattr(torch, dtype), 2, 16
+    gemma2 = cfg["model_type"] == "gemma2"
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg), dtype=torch_dtype,
+                                                          attn_implementation="eager" if gemma2 else "sdpa")  # fmt: skip
+    x, pos = torch.randn(b, s, cfg["hidden_size"], dtype=torch_dtype), torch.arange(s).unsqueeze(0)
+    if gemma2:
+        cos_sin = model.model.rotary_emb(x, pos)
+        mask = torch.full((s, s), torch.finfo(torch_dtype).min, dtype=torch_dtype).triu(1).expand(b, 1, s, s)
+    else:
+        cos_sin, mask = model.model.rotary_emb(x, pos, model.config.layer_types[0]), None
+    tracker = MemTracker()
+    with torch.no_grad(), tracker:
+        model.model.layers[0](x, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
+    (snap,) = [v for dev, v in tracker.get_tracker_snapshot("peak").items() if str(dev) != "meta"]
+    measured = sum(v for k, v in snap.items() if any(c in str(k) for c in ("ACT", "TEMP", "OTH")))
+    spec, a = spec_from_hf_config(cfg), 4 if dtype == "float32" else 2
+    held = model_activations(spec, b, s, act_bytes=a, stat_bytes=a).block.ckpt_forward_peak - b * s * spec.d_model * a
+    miss = measured - held  # the layer's no-grad working set beside its input (gemma_activations._nograd_peak)
+    extra = {("gemma2", "float32"): 2 * b * spec.n_head * s * s, ("gemma3", "bfloat16"): 512}.get((name, dtype), 0)
+    assert miss == b * s * spec.head_dim * a + extra

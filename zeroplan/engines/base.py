@@ -316,7 +316,7 @@ class Engine:
     replays for reserved bytes; None: the engine has none."""
     own_peak_limits: Callable[[PlannerOptions, TransformerSpec], Optional[PeakLimit]] = no_own_peak_limits
     """what of an architecture and the planner's options the engine's own peak does not model (the reference
-    runtime: its one policy; every engine: no dropout, ``activation_terms.dropout_limit``); ``peak_limits`` adds the limits every engine shares."""
+    runtime: its one policy; every engine: no dropout, ``dropout.dropout_limit``); ``peak_limits`` adds the limits every engine shares."""
 
     def peak_limits(self, options: PlannerOptions, spec: Optional[TransformerSpec], checkpointing: str = "none",
                     model_parallel: int = 1) -> Optional[PeakLimit]:

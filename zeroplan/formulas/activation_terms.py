@@ -32,7 +32,8 @@ The newer llama-layout families add to that block what their own modeling file c
 transformers' classes, tests/test_families.py): Qwen3's q/k norms (``_qk_norm_saved``) and Phi-3's fused
 qkv and gate-up projections (``_fused_attention_extra``, the MLP's one gate_up storage); Mixtral, Qwen2-MoE
 and Qwen3-MoE replace the MLP's terms with the sparse block's (``moe_block.sparse_block``: router, routed and
-shared experts, measured in tests/test_moe_peaks.py); the others are refused (``unmodelled_features``).
+shared experts, measured in tests/test_moe_peaks.py); Gemma 2 and 3 have their own layer
+(``gemma_activations``); the others are refused (``unmodelled_features``).
 The loss upcasts the logits to fp32 (the 16-bit logits are freed at once) and cross-entropy saves the
 fp32 log-softmax output (N·V·4). Under full checkpointing each block keeps its input (N·d·a), and
 the checkpoints hold RoPE's tables and the bool mask as inputs too.
@@ -44,10 +45,11 @@ its locals and call arguments, and were checked byte for byte with MemTracker (d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.formulas import gemma_activations as G
 from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block, sparse_block_limits, sparse_mlp_saved
 
 TOKEN_BYTES = 8  # int64 token ids and targets, as the embedding and nll_loss take them
@@ -112,14 +114,15 @@ class ModelActivations:
     n_layer: int
     embed_saved: int  # saved by the embeddings (position ids; the token ids are the batch's)
     embed_out: int  # the embedding sum: block 0's input
-    mask: int  # the bool sliding-window mask (Mistral, s > window): live through forward, and under full
-    # checkpointing through backward too (every checkpointed block holds it as an input)
+    mask: int  # the bool sliding-window mask (Mistral, s > window; Gemma 2: its two additive masks): live through
+    # forward, and under full checkpointing through backward too (every checkpointed block holds it as an input)
     final_saved: int  # final norm's saved tensors and its output (the head's input)
     logits: int  # the head's output, activation dtype, N·V·a
     logits_fp32: int  # the loss's fp32 upcast, N·V·4 (freed after cross-entropy)
     log_softmax: int  # saved by cross-entropy: fp32 log-probabilities, N·V·4
     batch: int  # token ids and targets, int64
     loss: int
+    body_masks: int = 0  # transformers' body's masks kept by no node (Gemma 2's: gemma_activations.eager_masks)
 
     @property
     def blocks_saved(self) -> int:
@@ -309,7 +312,7 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
 #: the families whose activations are derived above op by op and measured (tests/test_peak.py; Qwen3 and
 #: Phi-3: tests/test_families.py, FSDP2 on transformers' classes); the others (docs/models.md, "What the peak
 #: models") are refused rather than given a Llama number.
-MODELLED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3")
+MODELLED_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
 def unmodelled_features(spec: TransformerSpec) -> tuple[str, ...]:
@@ -338,26 +341,6 @@ def activation_limit(spec: TransformerSpec) -> Optional[str]:
             "docs/models.md); for model states alone give its parameter shapes (--shapes)")
 
 
-DROPOUT_KEYS: tuple[str, ...] = ("embd_pdrop", "attn_pdrop", "resid_pdrop")
-"""The ``TransformerSpec`` dropout probabilities (GPT-2's config keys; Llama's ``attention_dropout`` is read
-into ``attn_pdrop``)."""
-
-
-def dropout_limit(spec: TransformerSpec, engine: str) -> Optional[str]:
-    """None when ``spec`` trains without dropout; else the one-line reason ``engine``'s peak refuses it
-    (``Engine.own_peak_limits``). The terms above count no dropout: each ``nn.Dropout`` keeps a mask and its
-    output, and in transformers 5.24 ``GPT2Attention`` passes ``dropout_p`` to SDPA, whose CPU math path then
-    saves three fp32 b·h·s² tensors (the attention weights) and fp32 q, k, v; a CUDA kernel may save only its
-    RNG state. Measured (saved-tensor hooks, one GPT2Block, b=2, s=128, d=64, 4 heads, bf16, CPU; beside its
-    input and weights): p = 0.1 saves 2,623,488 bytes against 890,880 at p = 0 (docs/peak.md, "Dropout"): no
-    one formula covers both devices, so the peak is refused rather than under-predicted."""
-    drops = [f"{k}={getattr(spec, k):g}" for k in DROPOUT_KEYS if getattr(spec, k)]
-    if not drops:
-        return None
-    return (f"the {engine} engine's peak counts no dropout masks; the config has {', '.join(drops)} "
-            "(set attn_pdrop, embd_pdrop, resid_pdrop (Llama: attention_dropout) to 0 in the config.json)")
-
-
 def model_activations(
     spec: TransformerSpec,
     micro_batch: int,
@@ -370,8 +353,7 @@ def model_activations(
         raise ValueError(f"micro_batch={micro_batch}, seq_len={seq_len}: each must be >= 1")
     if seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len={seq_len}: the model has only {spec.max_seq_len} positions")
-    why = activation_limit(spec)
-    if why is not None:
+    if (why := activation_limit(spec) or G.gemma_limit(spec, seq_len)) is not None:
         raise ValueError(why)
     b, s, a = micro_batch, seq_len, act_bytes
     n, d, v = b * s, spec.d_model, spec.vocab_size
@@ -379,6 +361,10 @@ def model_activations(
         block = _gpt_block(spec, n, b, s, a, stat_bytes)
         embed_saved = s * TOKEN_BYTES  # the position ids (arange), saved by the position embedding
         final_saved = n * d * a + 2 * n * stat_bytes + n * d * a  # ln_f input, mean, rstd; ln_f out
+    elif spec.model_type in G.GEMMA_FAMILIES:  # Gemma's norms, attention, scaled embedding, soft-capped logits
+        llama = _llama_attention_saved(spec, n, b, s, a), _llama_nograd_peak(replace(spec, qk_norm=False), n, s, a)
+        block = BlockActivations(**G.gemma_block(spec, n, b, s, a, llama[0], ACT_KEPT, llama[1], ACT_NOGRAD_PEAK))
+        embed_saved, final_saved = G.embed_saved(spec, s, a), G.final_saved(spec, n, a)
     else:
         block = _llama_block(spec, n, b, s, a)
         # RoPE's cos and sin, (1, s, head_dim) in the activation dtype, saved once for every block's
@@ -390,11 +376,13 @@ def model_activations(
         n_layer=spec.n_layer,
         embed_saved=embed_saved,
         embed_out=n * d * a,
-        mask=s * s if spec.style == "llama" and spec.sliding_window is not None and s > spec.sliding_window else 0,
+        mask=G.eager_masks(spec, b, s, a) or (s * s if spec.style == "llama" and spec.sliding_window is not None
+                                              and s > spec.sliding_window else 0),  # fmt: skip
         final_saved=final_saved,
         logits=n * v * a,
         logits_fp32=n * v * 4,
         log_softmax=n * v * 4,
         batch=2 * n * TOKEN_BYTES,
         loss=LOSS_BYTES,
+        body_masks=G.eager_masks(spec, b, s, a),
     )

@@ -18,7 +18,7 @@ from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL
 from zeroplan.architectures.spec import TransformerSpec
-from zeroplan.formulas.activation_terms import dropout_limit
+from zeroplan.formulas.dropout import dropout_limit
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.types import show
 
@@ -191,7 +191,7 @@ VOCABULARY: tuple[EngineOption, ...] = (
 
 
 def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optional[PeakLimit]:
-    """``Engine.own_peak_limits``: a run with dropout is refused (``activation_terms.dropout_limit``), and a
+    """``Engine.own_peak_limits``: a run with dropout is refused (``dropout.dropout_limit``), and a
     mixture-of-experts model outside what was measured (``moe_limit``)."""
     why = dropout_limit(spec, "deepspeed") or moe_limit(options, spec)
     return None if why is None else PeakLimit("architecture", why)

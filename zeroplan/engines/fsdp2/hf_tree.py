@@ -56,10 +56,16 @@ def position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
 
 def inputs_embeds_held(run: Fsdp2Run) -> tuple[Term, ...]:
     """The llama-style body's ``inputs_embeds`` (N·d·a, 16-bit), alive past block 1 until the body returns;
-    in fp32 it is block 1's saved norm input, already counted (module docstring)."""
-    if not run.transformers or not run.position_bytes or run.p == 4:
+    in fp32 it is block 1's saved norm input, already counted (module docstring). With them, the body's own masks
+    where it makes some that no node keeps (``body_masks``: Gemma 2's two additive masks, ``causal_mask_mapping``
+    in ``modeling_gemma2.py:Gemma2Model.forward``; measured: t-gemma2-scores, forward 65,536 B short without)."""
+    if not run.transformers or not run.position_bytes:
         return ()
-    return (Term("inputs_embeds (the body's local, 16-bit; fp32 saves it in block 1's norm)", run.acts.embed_out,
+    masks = (Term("the body's attention masks (causal_mask_mapping, activation dtype)", run.acts.body_masks,
+                  TF + "models/gemma2/modeling_gemma2.py:Gemma2Model.forward"),) if run.acts.body_masks else ()  # fmt: skip
+    if run.p == 4:
+        return masks
+    return masks + (Term("inputs_embeds (the body's local, 16-bit; fp32 saves it in block 1's norm)", run.acts.embed_out,
                  TF + "models/qwen2/modeling_qwen2.py:Qwen2Model.forward (hidden_states = inputs_embeds)"),)  # fmt: skip
 
 
@@ -107,3 +113,16 @@ def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Term,
     backward has released its incoming gradient (``torch/csrc/autograd/input_buffer.cpp``: the sum
     runs when the second gradient arrives)."""
     return tuple(t for t in base if t.name != EMBED_SAVED)
+
+
+def rotary_buffer_bytes(spec) -> int:
+    """transformers' module buffers of a llama-style ``spec`` (``Fsdp2Run.buffer_bytes``): the fp32 ``inv_freq`` and
+    ``original_inv_freq`` (head_dim/2 each) of every rotary table, one per layer type at Gemma 3
+    (``modeling_gemma3.py:Gemma3RotaryEmbedding.__init__``: local and global), and Gemma's 0-dim fp32
+    ``embed_scale`` (``Gemma2TextScaledWordEmbedding.__init__``). Measured with one table and no scale (terms.py
+    today): t-gemma3 (two tables) misses 96 B in forward and backward, 100 B at init and the optimizer step; t-gemma2
+    4 B at init and the optimizer step (in forward and backward the scale is counted in ``embed_saved``: in fp32 the
+    product keeps the buffer itself) (tests/test_families.py)."""
+    tables = len(set(spec.layer_types)) if spec.model_type == "gemma3_text" and spec.layer_types else 1
+    scale = 4 if spec.model_type in ("gemma2", "gemma3_text") else 0
+    return tables * 2 * (spec.head_dim // 2) * 4 + scale

@@ -27,7 +27,7 @@ from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.architectures.spec import TransformerSpec
-from zeroplan.formulas.activation_terms import dropout_limit
+from zeroplan.formulas.dropout import dropout_limit
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.types import show
 
@@ -252,7 +252,7 @@ the default a GPU user runs."""
 
 
 def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optional[PeakLimit]:
-    """``Engine.own_peak_limits``: a run with dropout is refused (``activation_terms.dropout_limit``)."""
+    """``Engine.own_peak_limits``: a run with dropout is refused (``dropout.dropout_limit``)."""
     why = dropout_limit(spec, "fsdp2")
     return None if why is None else PeakLimit("architecture", why)
 

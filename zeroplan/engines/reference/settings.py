@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.engines.base import PeakLimit
-from zeroplan.formulas.activation_terms import dropout_limit
+from zeroplan.formulas.dropout import dropout_limit
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.types import StageNumber
@@ -63,7 +63,7 @@ class Settings(BaseModel):
 def peak_limit(policy: PrecisionPolicy, spec: TransformerSpec) -> Optional[PeakLimit]:
     """None when the profile describes this run; else why not (``Engine.own_peak_limits``, and ``estimate``
     raises it): the runtime as built (16-bit params and grads, an fp32 master, fp32 Adam), and no dropout
-    (``activation_terms.dropout_limit``, every engine's; validate/transformer.py runs no dropout op at
+    (``dropout.dropout_limit``, every engine's; validate/transformer.py runs no dropout op at
     p = 0)."""
     ok = (
         policy.param_bytes == 2 and policy.grad_bytes == 2 and policy.master_dtype == "fp32"
