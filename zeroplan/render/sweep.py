@@ -236,11 +236,10 @@ def _csv_text(columns) -> Any:
     pieces = _merged(pieces)
     if isinstance(pieces[-1], tuple):  # the line ends inside the last labels
         pieces[-1] = (pieces[-1][0], [f"{x}\n" for x in pieces[-1][1]])
-    else:
-        newline, = _strings(["\n"])
-        pieces.append((None, [""]))
-        pieces[-2] = pc.binary_join_element_wise(pieces[-2], _strings([""])[0], newline)
-        pieces.pop()
+    else:  # text + "\n" + "" (a null as empty text)
+        empty, newline = _strings(["", "\n"])
+        pieces[-1] = pc.binary_join_element_wise(pieces[-1], empty, newline, null_handling="replace",
+                                                 null_replacement="")  # fmt: skip
     arrays = []
     for piece in pieces:
         if isinstance(piece, tuple):
