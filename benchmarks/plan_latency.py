@@ -15,7 +15,7 @@ import sys
 import time
 
 import zeroplan
-from cli_latency import compare  # benchmarks/ is on sys.path when run as a script
+from cli_latency import byte_compile, compare  # benchmarks/ is on sys.path when run as a script
 
 REPEATS = 5
 ARGS = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024", "--model-parallel", "8",
@@ -34,6 +34,7 @@ COMMANDS = {
 
 def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else REPEATS
+    byte_compile()
     medians = compare(COMMANDS, repeats)
     torch_s = medians['python -c "import torch"']
     for name, m in medians.items():

@@ -103,7 +103,7 @@ def sweep(
     from zeroplan.presets import gpu_capacity
     from zeroplan.render.sweep import write_csv, write_json, write_parquet
     from zeroplan.sweeping.config import SweepConfig
-    from zeroplan.sweeping.grid import sweep_frames
+    from zeroplan.sweeping.grid import sweep_columns, sweep_frames
     from zeroplan.types import MAX_BATCH, MAX_GPUS, check_wholes
 
     if sum(x is not None for x in (params, shapes, model)) != 1:
@@ -159,8 +159,10 @@ def sweep(
     )
 
     def write(sink) -> None:
-        frames = sweep_frames(config)
-        write_json(frames, config, sink) if as_json else write_csv(frames, sink)
+        if as_json:
+            write_json(sweep_frames(config), config, sink)
+        else:  # numpy columns straight to pyarrow: pandas is never imported
+            write_csv(sweep_columns(config), sink)
 
     if out is None:
         write(typer.get_binary_stream("stdout"))

@@ -226,13 +226,18 @@ def option_peaks(
 
 
 def _option(
-    config: PlanConfig, stage: int, offload: Offload, numels, links, compute_s, budget, host, peak=None, trace=None
+    config: PlanConfig, stage: int, offload: Offload, tensors, links, compute_s, budget, host, peak=None, trace=None
 ) -> PlanOption:
+    """One option of the ladder; ``tensors``: (the model's tensor sizes, ``config.tensor_numels`` built once;
+    those of one MP rank), or (None, None)."""
+    whole, numels = tensors
     row = get_stage(stage)
     nm, nd, policy = config.model_parallel, config.nd, config.policy
+    # The searches' bodies (``raw_function``): the config has checked every argument once already, and
+    # re-validating the 1,137 tensor sizes of llama3-405b per option cost a tenth of the plan's time.
     sizes = dict(
-        max_params=max_params(config.memory_bytes, stage, nd, nm, offload, policy, host),
-        max_params_with_headroom=max_params(budget, stage, nd, nm, offload, policy, host),
+        max_params=max_params.raw_function(config.memory_bytes, stage, nd, nm, offload, policy, host),
+        max_params_with_headroom=max_params.raw_function(budget, stage, nd, nm, offload, policy, host),
     )
     if numels is None:
         return PlanOption(stage, row.name, offload, **sizes)
@@ -251,7 +256,7 @@ def _option(
         fits=fits(states, budget, host) if peak is None else need <= budget and fits(states, budget, host),
         peak=peak,
         reserved=held,
-        min_gpus=min_gpus(config.tensor_numels, budget, stage, nm, offload, policy, host, layout),
+        min_gpus=min_gpus.raw_function(whole, budget, stage, nm, offload, policy, host, layout),
         comm_volume_elements=volume,
         comm_bytes_per_rank=sum(t.calls_per_step * t.collective.bytes_per_rank for t in time.collectives),
         time=time,
@@ -306,7 +311,8 @@ def plan_config(config: PlanConfig) -> Plan:
     keys = tuple((s, NO_OFFLOAD) for s in range(4)) + tuple(k for k in LADDER if k[1].any)
     peaks, fit_basis, traces = option_peaks(config, keys)
     options = tuple(
-        _option(config, s, off, numels, links, compute_s, budget, host, peaks.get((s, off)), traces.get((s, off)))
+        _option(config, s, off, (whole, numels), links, compute_s, budget, host, peaks.get((s, off)),
+                traces.get((s, off)))
         for s, off in keys
     )  # fmt: skip
     recommendation, reason = _recommend(config, options)

@@ -1,4 +1,7 @@
-"""Text, JSON and CSV views of an ``Estimate``. No computation happens here."""
+"""Text, JSON and CSV views of an ``Estimate``. No computation happens here.
+
+The JSON documents' pydantic models (``zeroplan.render.schemas``) are imported by the JSON views only: a
+table never builds them (start-up time, issue 16)."""
 
 from __future__ import annotations
 
@@ -8,10 +11,6 @@ import io
 from zeroplan.estimation.records import Estimate, StageEstimate
 from zeroplan.formulas.collectives import on_mesh
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
-from zeroplan.render.schemas import (
-    CollectiveOut, EstimateDoc, EstimateInputs, PeakTermOut, PhasesOut, PolicyOut, StageOut, StepOut, auto_out,
-    json_text,
-)  # fmt: skip
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
 CSV_COLUMNS = (
@@ -24,6 +23,8 @@ CSV_COLUMNS = (
 def stage_out(s: StageEstimate, e: Estimate | None = None) -> StageOut:
     """One stage as ``stages[]`` of ``estimate --json`` (``zeroplan.render.schemas.StageOut``); its collectives
     placed on the mesh of ``e`` (``zeroplan.formulas.collectives.on_mesh``: group size and link class)."""
+    from zeroplan.render.schemas import CollectiveOut, PeakTermOut, PhasesOut, StageOut
+
     collectives = s.collectives if e is None else on_mesh(s.collectives, e.nd, e.nm, gpus_per_node(e))
     return StageOut(
         stage=s.stage,
@@ -64,6 +65,8 @@ def host_keys(host, per_node: int) -> dict:
 
 def step_out(e: Estimate) -> StepOut | None:
     """The training step of the peak, or None without an architecture."""
+    from zeroplan.render.schemas import StepOut
+
     w = e.workload
     if w is None:
         return None
@@ -85,6 +88,8 @@ def gpus_per_node(e: Estimate) -> int:
 def estimate_doc(e: Estimate, auto=None) -> EstimateDoc:
     """``estimate --json``; ``auto``: the ``AutoResolution`` of a ``--deepspeed-config`` with ``"auto"``
     (``zeroplan.cli_integrations.resolve_hf_auto``), written as ``inputs.ds_config_auto``."""
+    from zeroplan.render.schemas import EstimateDoc, EstimateInputs, PolicyOut, auto_out
+
     return EstimateDoc(
         inputs=EstimateInputs(
             params=e.total_params,
@@ -106,6 +111,8 @@ def estimate_doc(e: Estimate, auto=None) -> EstimateDoc:
 
 
 def to_json(e: Estimate, auto=None) -> str:
+    from zeroplan.render.schemas import json_text
+
     return json_text(estimate_doc(e, auto).dump(), indent=2)
 
 

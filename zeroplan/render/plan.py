@@ -6,7 +6,6 @@ from typing import Optional
 
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.presets import LinkSpec
-from zeroplan.render.schemas import PlanDoc, auto_out, json_text
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
 SCHEMA = "zeroplan.plan/1"
@@ -131,6 +130,8 @@ def _per_node(p: Plan) -> int:
 
 
 def plan_dict(p: Plan, auto=None) -> dict:
+    from zeroplan.render.schemas import auto_out
+
     c = p.config
     rec = p.recommendation
     recommendation = None
@@ -200,6 +201,8 @@ def to_json(p: Plan, auto=None) -> str:
     """``plan_dict`` checked and ordered by ``zeroplan.render.schemas.PlanDoc``; ``auto``: the ``AutoResolution``
     of a ``--deepspeed-config`` with ``"auto"`` (``zeroplan.cli_integrations.resolve_hf_auto``), written as
     ``inputs.ds_config_auto``."""
+    from zeroplan.render.schemas import PlanDoc, json_text
+
     return json_text(PlanDoc.model_validate(plan_dict(p, auto)).dump(), indent=2)
 
 
@@ -317,6 +320,8 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
                            ("fsdp2", "FSDP2 (exactly the configuration predicted):")):  # fmt: skip
             text = p.launchers.get(key)
             if text is not None:
+                from zeroplan.render.schemas import json_text  # the JSON documents' module: loaded when needed
+
                 lines += ["", title, json_text(text, indent=2) if isinstance(text, dict) else text.rstrip("\n")]
     return [*lines, "", ENGINE_NOTE, ESTIMATE_NOTE]
 

@@ -1,9 +1,11 @@
 """JSON, CSV and Parquet views of a sweep (frames of ``zeroplan.sweep``). Nothing is computed here.
 
-The writers take the sweep as consecutive frames (``zeroplan.sweeping.grid.sweep_frames``) and stream
-them to a binary file, so a million-row sweep never becomes one 200 MB string. CSV is formatted
-column by column with pyarrow when it is installed (the text is the same as pandas' ``to_csv``:
-``tests/test_hardening.py`` compares them), else with pandas, one frame at a time. Parquet needs pyarrow.
+The writers take the sweep as consecutive frames (``zeroplan.sweeping.grid.sweep_frames``; CSV also takes
+the numpy ``Columns`` of ``sweep_columns``, without pandas) and stream them to a binary file, so a
+million-row sweep never becomes one 200 MB string. CSV is formatted with pyarrow when it is installed (the
+text is the same as pandas' ``to_csv``: ``tests/test_hardening.py`` compares them), else with pandas, one
+frame at a time: each column's text once per distinct value where it has few (GPU counts, stages, labels,
+constants; adjacent ones merged), else cast per row, and the columns joined into lines. Parquet needs pyarrow.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import IO, Any
 
-from zeroplan.render.schemas import PolicyOut, SweepDoc, SweepInputs, json_text
+from zeroplan.sweeping.columns import Labels, Masked, n_rows, row_slice
 from zeroplan.sweeping.config import SweepConfig
 
 _NEEDS_QUOTES = set(',"\r\n')
@@ -31,6 +33,8 @@ def to_records(frame) -> list[dict]:
 
 
 def _json_head(columns: list[str], config: SweepConfig) -> str:
+    from zeroplan.render.schemas import PolicyOut, SweepDoc, SweepInputs, json_text
+
     doc = SweepDoc(
         inputs=SweepInputs(
             gpu_memory_bytes=config.gpu_memory_bytes, policy=PolicyOut(**config.byte_policy.resolved()),
@@ -53,6 +57,8 @@ def write_json(frames: Iterable[Any], config: SweepConfig, out: IO[bytes]) -> No
     the frame's columns, which are ``SweepRow``'s fields by construction (``COLUMNS``); they are not
     validated one by one here (that would double the time of a million-row sweep): the tests do.
     """
+    from zeroplan.render.schemas import json_text  # the JSON documents' models: not loaded for CSV
+
     first = True
     for frame in frames:
         if first:
@@ -72,31 +78,36 @@ def to_json(frame, config: SweepConfig) -> str:
     return buffer.getvalue().decode()
 
 
-def _arrow_strings(column) -> Any:
-    """One column as a pyarrow array that the CSV writer prints as pandas' ``to_csv`` does: strings
-    formatted here, integers left to the writer."""
+CSV_SLICE_ROWS = 2**15
+"""Rows formatted at a time (about 7 MB of text, one pyarrow string array): small, so the text of a slice
+adds little to the peak RSS (2**17 rows added 45 MiB) and costs no more CPU time."""
+MERGE_LABELS = 4096
+"""Most labels a run of adjacent coded columns is merged into (their text joined once per label, not per row)."""
+
+
+def _array(values, missing=None) -> Any:
+    """An int64, float64, int8 or bool numpy array as a pyarrow array, ``missing`` (bool) as nulls. Built from
+    the buffers: ``pa.array`` would import pandas to ask whether ``values`` is a pandas object."""
     import numpy as np
     import pyarrow as pa
 
-    dtype = column.dtype.name  # by name: pandas is imported by the sweep module only
-    if dtype == "category":
-        labels = [str(c) for c in column.cat.categories]
-        if any(_NEEDS_QUOTES & set(x) for x in labels):
-            return None
-        codes = pa.array(column.cat.codes.to_numpy())
-        return pa.DictionaryArray.from_arrays(codes, pa.array(labels, pa.string()))
-    if dtype == "float64":
-        return _float_strings(column.to_numpy())
-    if dtype == "boolean":
-        data, mask = column.array._data, column.array._mask
-        codes = data.astype(np.int8) + 2 * mask.astype(np.int8)
-        labels = pa.array(["False", "True", "", ""], pa.string())
-        return pa.DictionaryArray.from_arrays(pa.array(codes), labels)
-    if dtype == "Int64":  # pyarrow's CSV writer prints integers as str() does, and a null as nothing
-        return pa.array(column.array._data, mask=column.array._mask)
-    if dtype == "int64":
-        return pa.array(column.to_numpy())
-    return None
+    n = len(values)
+    validity = None if missing is None else pa.py_buffer(np.packbits(~missing, bitorder="little"))
+    if values.dtype == bool:
+        return pa.Array.from_buffers(pa.bool_(), n, [validity, pa.py_buffer(np.packbits(values, bitorder="little"))])
+    kind = {"int64": pa.int64(), "float64": pa.float64(), "int8": pa.int8()}[values.dtype.name]
+    return pa.Array.from_buffers(kind, n, [validity, pa.py_buffer(np.ascontiguousarray(values))])
+
+
+def _strings(texts: list[str]) -> Any:
+    """``texts`` as a pyarrow string array, from its buffers (see ``_array``)."""
+    import numpy as np
+    import pyarrow as pa
+
+    data = [t.encode() for t in texts]
+    offsets = np.zeros(len(data) + 1, dtype=np.int32)
+    np.cumsum([len(d) for d in data], out=offsets[1:])
+    return pa.Array.from_buffers(pa.string(), len(data), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
 
 
 def _float_strings(values) -> Any:
@@ -104,60 +115,180 @@ def _float_strings(values) -> Any:
     is the same digits for |x| in [1e-4, 1e10) (``tests/test_hardening.py`` checks), except that it
     drops the ``.0`` of whole numbers; other values (rare here: ratios) are formatted by ``repr``."""
     import numpy as np
-    import pyarrow as pa
     import pyarrow.compute as pc
 
     size = np.abs(values)
     plain = (size >= 1e-4) & (size < 1e10)
     whole = plain & (values == np.floor(values))
-    texts = pc.cast(pa.array(values), pa.string())
-    whole_texts = pc.binary_join_element_wise(
-        pc.cast(pa.array(np.where(whole, values, 0).astype(np.int64)), pa.string()), ".0", ""
-    )
-    texts = pc.if_else(pa.array(whole), whole_texts, texts)
+    texts = pc.cast(_array(values), "string")
+    if whole.any():  # "1" -> "1.0", only where a value is whole (stage 0's ratio is 1.0)
+        dot_zero, empty = _strings([".0", ""])
+        fixed = pc.binary_join_element_wise(pc.cast(_array(values[whole].astype(np.int64)), "string"), empty,
+                                            dot_zero)  # fmt: skip
+        texts = pc.replace_with_mask(texts, _array(whole), fixed)
     if plain.all():
         return texts
     out = texts.to_numpy(zero_copy_only=False).astype(object)
     for i in np.flatnonzero(~plain):
         out[i] = "" if np.isnan(values[i]) else repr(float(values[i]))
-    return pa.array(out, pa.string())
+    return _strings(list(out))
 
 
-def _arrow_table(frame) -> Any:
-    """``frame`` as a pyarrow table of what the CSV writer should print; None when a column is not one
-    of the sweep's dtypes or a value would need quotes (the caller then lets pandas write the frame)."""
-    import pyarrow as pa
-
+def _columns_of(frame) -> Any:
+    """A sweep DataFrame as ``Columns`` (by dtype name: pandas is imported by the sweep module only); None when
+    a column is not one of the sweep's dtypes."""
     columns = {}
     for name in frame.columns:
-        values = _arrow_strings(frame[name])
-        if values is None:
+        column = frame[name]
+        dtype = column.dtype.name
+        if dtype == "category":
+            codes = column.cat.codes.to_numpy()
+            if codes.size and codes.min() < 0:
+                return None
+            columns[name] = Labels(codes, tuple(str(c) for c in column.cat.categories))
+        elif dtype in ("Int64", "boolean"):
+            columns[name] = Masked(column.array._data, column.array._mask)
+        elif dtype in ("int64", "float64"):
+            columns[name] = column.to_numpy()
+        else:
             return None
-        columns[name] = values
-    return pa.table(columns)
+    return columns
 
 
-def _write_rows(frame, table, out: IO[bytes]) -> None:
-    if table is None:
-        out.write(frame.to_csv(index=False, header=False, lineterminator="\n").encode())
-        return
-    import pyarrow.csv as pa_csv
+def _pieces(columns) -> Any:
+    """Each column as (codes, labels) where its text has few values (codes None: the same on every row), else
+    as a pyarrow string array (nulls for empty); None when a label would need CSV quotes."""
+    import numpy as np
+    import pyarrow.compute as pc
 
-    pa_csv.write_csv(table, out, pa_csv.WriteOptions(include_header=False, quoting_style="none"))
+    pieces = []
+    for column in columns.values():
+        if isinstance(column, Labels):
+            if any(_NEEDS_QUOTES & set(x) for x in column.categories):
+                return None
+            pieces.append(_coded(column.codes, list(column.categories)))
+        elif isinstance(column, Masked) and column.missing.all():
+            pieces.append((None, [""]))
+        elif isinstance(column, Masked) and column.values.dtype == bool:
+            codes = column.values.astype(np.int64) + 2 * column.missing
+            pieces.append(_coded(codes, ["False", "True", "", ""]))
+        elif isinstance(column, Masked):
+            pieces.append(pc.cast(_array(column.values, column.missing), "string"))
+        elif column.dtype == np.float64:
+            pieces.append(_float_strings(column))
+        else:
+            pieces.append(_int_piece(column))
+    return pieces
+
+
+def _coded(codes, texts: list[str]) -> tuple:
+    """(codes, labels), or (None, [the one label]) when every row has the same code."""
+    if codes.size and codes.min() == codes.max():
+        return None, [texts[int(codes[0])]]
+    return codes, texts
+
+
+def _int_piece(column) -> Any:
+    """An int64 column's text: indexed labels for small counts (GPU counts, stages) and for runs of one value
+    (Ψ over a block of rows), else formatted per row by pyarrow."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    low, high = (int(column.min()), int(column.max())) if column.size else (0, 0)
+    if low == high:
+        return None, [str(low)]
+    if low >= 0 and high < MERGE_LABELS:
+        return column, [str(i) for i in range(high + 1)]
+    starts = np.empty(column.size, dtype=bool)
+    starts[0] = True
+    np.not_equal(column[1:], column[:-1], out=starts[1:])
+    if np.count_nonzero(starts) <= column.size // 8:
+        return np.cumsum(starts) - 1, [str(v) for v in column[starts].tolist()]
+    return pc.cast(_array(column), "string")
+
+
+def _merged(pieces: list) -> list:
+    """Adjacent coded pieces merged into one while their labels multiply to at most ``MERGE_LABELS``: the
+    columns that repeat (constants, stage and name, empty peak columns) cost one lookup per row, not one each."""
+    import numpy as np
+
+    out: list = []
+    for piece in pieces:
+        last = out[-1] if out else None
+        if isinstance(piece, tuple) and isinstance(last, tuple) and len(last[1]) * len(piece[1]) <= MERGE_LABELS:
+            (a, a_labels), (b, b_labels) = last, piece
+            a, b = (None if c is None else c.astype(np.int64, copy=False) for c in (a, b))  # int8 codes overflow
+            codes = None if a is None and b is None else (0 if a is None else a * len(b_labels)) + (0 if b is None else b)
+            out[-1] = (codes, [f"{x},{y}" for x in a_labels for y in b_labels])
+        else:
+            out.append(piece)
+    return out
+
+
+def _csv_text(columns) -> Any:
+    """The CSV lines of ``columns`` (no header) as bytes, formatted by pyarrow as pandas' ``to_csv`` writes
+    them; None when a label would need quotes (the caller lets pandas write those rows)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    pieces = _pieces(columns)
+    if pieces is None:
+        return None
+    pieces = _merged(pieces)
+    if isinstance(pieces[-1], tuple):  # the line ends inside the last labels
+        pieces[-1] = (pieces[-1][0], [f"{x}\n" for x in pieces[-1][1]])
+    else:  # text + "\n" + "" (a null as empty text)
+        empty, newline = _strings(["", "\n"])
+        pieces[-1] = pc.binary_join_element_wise(pieces[-1], empty, newline, null_handling="replace",
+                                                 null_replacement="")  # fmt: skip
+    arrays = []
+    for piece in pieces:
+        if isinstance(piece, tuple):
+            codes, texts = piece
+            labels = _strings(texts)
+            arrays.append(labels[0] if codes is None else labels.take(_array(np.asarray(codes, dtype=np.int64))))
+        else:
+            arrays.append(piece)
+    comma, = _strings([","])
+    if len(arrays) == 1 and isinstance(pieces[0], tuple) and pieces[0][0] is None:  # every column constant
+        return (pieces[0][1][0] * n_rows(columns)).encode()
+    lines = arrays[0] if len(arrays) == 1 else pc.binary_join_element_wise(
+        *arrays, comma, null_handling="replace", null_replacement="")
+    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32, count=len(lines) + 1, offset=4 * lines.offset)
+    return memoryview(lines.buffers()[2])[offsets[0]:offsets[-1]]
 
 
 def write_csv(frames: Iterable[Any], out: IO[bytes]) -> None:
-    """The sweep as CSV with a header row, frame by frame; ``fits`` is empty when no GPU memory was given."""
+    """The sweep as CSV with a header row, part by part (``Columns`` from ``sweep_columns``, or DataFrames);
+    ``fits`` is empty when no GPU memory was given. Formatted with pyarrow when it is installed (the text is
+    pandas' ``to_csv``: ``tests/test_hardening.py`` compares them), else by pandas."""
     try:
         import pyarrow  # noqa: F401
 
         fast = True
     except ImportError:
         fast = False
-    for i, frame in enumerate(frames):
+    for i, part in enumerate(frames):
         if i == 0:
-            out.write((",".join(frame.columns) + "\n").encode())
-        _write_rows(frame, _arrow_table(frame) if fast else None, out)
+            out.write((",".join(part if isinstance(part, dict) else part.columns) + "\n").encode())
+        columns = part if isinstance(part, dict) else _columns_of(part) if fast else None
+        if columns is None:
+            _write_with_pandas(part, out)
+            continue
+        for start in range(0, n_rows(columns), CSV_SLICE_ROWS):
+            text = _csv_text(row_slice(columns, start, start + CSV_SLICE_ROWS))
+            if text is None:  # a label needs quotes: the same in every slice, so nothing of this part is written
+                _write_with_pandas(part, out)
+                break
+            out.write(text)
+
+
+def _write_with_pandas(part, out: IO[bytes]) -> None:
+    if isinstance(part, dict):
+        from zeroplan.sweeping.grid import to_frame
+
+        part = to_frame(part)
+    out.write(part.to_csv(index=False, header=False, lineterminator="\n").encode())
 
 
 def to_csv(frame) -> str:

@@ -4,8 +4,9 @@ The grid is evaluated in one pass of numpy int64 arrays through the very functio
 (``zeroplan.estimation.estimate.stage_estimates``, hence ``sharding``, ``memory`` and ``collectives``):
 no formula is written twice, so a sweep row and ``estimate(...)`` cannot drift (``tests/test_sweep.py``
 checks it row by row).
-A million rows take about a second (``benchmarks/sweep_speed.py``). This is the one planner module
-that imports pandas.
+A million rows take about a second (``benchmarks/sweep_speed.py``). The rows are built as numpy
+``Columns`` (``zeroplan.sweeping.columns``); this is the one planner module that imports pandas, in
+``to_frame``, so the CSV writer never loads it.
 
 Byte counts stay exact integers: int64 holds 9.2e18, and the largest count here is bounded by
 64 bytes per parameter (``zeroplan.types.MAX_PARAMS`` keeps that below 2**63).
@@ -14,9 +15,9 @@ Byte counts stay exact integers: int64 holds 9.2e18, and the largest count here 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from zeroplan.engines import get_engine, split_keywords
 from zeroplan.estimation.estimate import stage_estimates
@@ -30,8 +31,12 @@ from zeroplan.planning.plan import rank_states
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.sweeping.axes import (CHUNK_ROWS, activation_column, engine_row, grid_slice, n_configurations,
                                     peak_possible, stage_peaks, whole_lists)
+from zeroplan.sweeping.columns import Columns, Labels, Masked, labels
 from zeroplan.sweeping.config import SweepConfig
 from zeroplan.sweeping.records import SweepRow
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 COLUMNS: tuple[str, ...] = tuple(SweepRow.model_fields)
 """Columns of a sweep, in order: the fields of ``zeroplan.sweeping.records.SweepRow``."""
@@ -47,14 +52,14 @@ def collectives_summary(collectives: Sequence[Collective]) -> str:
     return " + ".join(key if n == 1 else f"{n} x {key}" for key, n in counts.items())
 
 
-def _collectives_column(sweep_rows: list, nd: np.ndarray) -> pd.Categorical:
+def _collectives_column(sweep_rows: list, nd: np.ndarray) -> Labels:
     """The summary per row: a stage's list, or '' where N_d = 1 (nothing is sent, as in ``estimate``)."""
     categories = [""]
     for row in sweep_rows:
         if (label := collectives_summary(row.collectives)) not in categories:
             categories.append(label)
     codes = [np.where(nd > 1, categories.index(collectives_summary(r.collectives)), 0) for r in sweep_rows]
-    return pd.Categorical.from_codes(np.stack(codes, axis=1).ravel(), categories=categories)
+    return Labels(np.stack(codes, axis=1).ravel(), tuple(categories))
 
 
 def _peaks(config: SweepConfig, nd, m, b, stage, offload_none) -> dict[str, np.ndarray]:
@@ -77,37 +82,57 @@ def _peaks(config: SweepConfig, nd, m, b, stage, offload_none) -> dict[str, np.n
     return out | {f"{k}_known": v for k, v in known.items()}
 
 
-def _peak_columns(peaks: dict[str, np.ndarray], budget: int | None) -> dict:
+def _peak_columns(peaks: dict[str, np.ndarray], budget: int | None) -> Columns:
     """The columns peak_bytes to reserved_fits from ``_peaks``'s arrays; the fits against ``budget``
     ((1 - headroom) x GPU memory; None: unknown)."""
     unknown = budget is None
     return {
-        "peak_bytes": pd.arrays.IntegerArray(peaks["peak"], mask=~peaks["peak_known"]),
-        "peak_phase": pd.Categorical.from_codes(peaks["phase"], categories=["", *PHASES]),
-        "peak_fits": pd.arrays.BooleanArray(peaks["peak"] <= (budget or 0), mask=~peaks["peak_known"] | unknown),
-        "peak_rank": pd.arrays.IntegerArray(peaks["rank"], mask=~peaks["rank_known"]),
-        "reserved_bytes": pd.arrays.IntegerArray(peaks["reserved"], mask=~peaks["reserved_known"]),
-        "reserved_fits": pd.arrays.BooleanArray(peaks["reserved"] <= (budget or 0),
-                                                mask=~peaks["reserved_known"] | unknown),
+        "peak_bytes": Masked(peaks["peak"], ~peaks["peak_known"]),
+        "peak_phase": Labels(peaks["phase"], ("", *PHASES)),
+        "peak_fits": Masked(peaks["peak"] <= (budget or 0), ~peaks["peak_known"] | unknown),
+        "peak_rank": Masked(peaks["rank"], ~peaks["rank_known"]),
+        "reserved_bytes": Masked(peaks["reserved"], ~peaks["reserved_known"]),
+        "reserved_fits": Masked(peaks["reserved"] <= (budget or 0), ~peaks["reserved_known"] | unknown),
     }  # fmt: skip
 
 
-def sweep_config(config: SweepConfig) -> pd.DataFrame:
+def to_frame(columns: Columns):
+    """``columns`` as the sweep's DataFrame: ``Masked`` as pandas' nullable ``Int64``/``boolean``, ``Labels``
+    as ``category``, arrays as they are. pandas is imported here, when a frame is asked for."""
+    import pandas as pd
+
+    def column(c):
+        if isinstance(c, Labels):
+            return pd.Categorical.from_codes(c.codes, categories=list(c.categories))
+        if isinstance(c, Masked):
+            kind = pd.arrays.BooleanArray if c.values.dtype == bool else pd.arrays.IntegerArray
+            return kind(c.values, mask=c.missing)
+        return c
+
+    return pd.DataFrame({name: column(c) for name, c in columns.items()}, columns=list(COLUMNS))
+
+
+def sweep_config(config: SweepConfig):
     """One row per configuration, stage and offload, in grid order: params, gpus, model_parallel,
-    micro_batch, stage, offload (the last fastest)."""
-    return _frame(config, grid_slice(config))
+    micro_batch, stage, offload (the last fastest); a pandas DataFrame."""
+    return to_frame(_columns(config, grid_slice(config)))
 
 
-def sweep_frames(config: SweepConfig, rows: int = CHUNK_ROWS) -> Iterator[pd.DataFrame]:
-    """``sweep_config(config)`` in consecutive frames of about ``rows`` rows: the same rows in the same
-    order, for writing a large sweep with bounded memory."""
+def sweep_columns(config: SweepConfig, rows: int = CHUNK_ROWS) -> Iterator[Columns]:
+    """The rows of ``sweep_config(config)`` in consecutive ``Columns`` of about ``rows`` rows, in the same
+    order, without pandas: for writing a large sweep with bounded memory."""
     per = len(config.engine_stages) if get_engine(config.engine).one_row else len(config.pairs)
     step = max(1, rows // per)
     for start in range(0, n_configurations(config), step):
-        yield _frame(config, grid_slice(config, start, start + step))
+        yield _columns(config, grid_slice(config, start, start + step))
 
 
-def _engine_frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
+def sweep_frames(config: SweepConfig, rows: int = CHUNK_ROWS) -> Iterator:
+    """``sweep_columns`` as DataFrames (``to_frame``)."""
+    return map(to_frame, sweep_columns(config, rows))
+
+
+def _engine_columns(config: SweepConfig, grid: dict[str, np.ndarray]) -> Columns:
     """The rows of ``grid`` for a one-row engine: every configuration through ``Engine.estimate`` (cached
     per N_d, micro-batch and stage), in the columns and dtypes of the vectorised frame."""
     m = grid["model_parallel"]
@@ -121,9 +146,6 @@ def _engine_frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFr
 
     def ints(values) -> np.ndarray:
         return np.array(list(values), dtype=np.int64)
-
-    def categorical(labels: list[str]) -> pd.Categorical:
-        return pd.Categorical(labels, categories=list(dict.fromkeys(labels)))
 
     n_rows = len(rows)
     peaks = {
@@ -148,30 +170,30 @@ def _engine_frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFr
         "psi": repeat(np.broadcast_to(sum(config.numels), nd.shape)),
         "micro_batch": repeat(b),
         "stage": ints(r.stage for r in rows),
-        "name": categorical([r.name for r in rows]),
-        "offload": categorical([NO_OFFLOAD.label] * n_rows),
+        "name": labels([r.name for r in rows]),
+        "offload": labels([NO_OFFLOAD.label] * n_rows),
         "params_bytes": ints(r.memory.params_bytes for r in rows),
         "grads_bytes": ints(r.memory.grads_bytes for r in rows),
         "optimizer_bytes": ints(r.memory.optimizer_bytes for r in rows),
         "model_states_bytes": states,
         "reduction_vs_dp": np.array([r.reduction_vs_dp for r in rows], dtype=np.float64),
-        "fits": pd.arrays.BooleanArray(states <= (memory or 0), mask=no_memory),
+        "fits": Masked(states <= (memory or 0), no_memory),
         "comm_volume_elements": ints(r.comm_volume_elements for r in rows),
         "comm_bytes_per_rank": ints(r.comm_bytes_per_rank for r in rows),
-        "collectives": categorical([collectives_summary(r.collectives) for r in rows]),
+        "collectives": labels([collectives_summary(r.collectives) for r in rows]),
         "host_bytes": zeros, "nvme_bytes": zeros, "h2d_bytes": zeros, "d2h_bytes": zeros,
-        "activation_bytes": pd.arrays.IntegerArray(act, mask=~known),
-        "total_bytes": pd.arrays.IntegerArray(states + act, mask=~known),
-        "total_fits": pd.arrays.BooleanArray(states + act <= (memory or 0), mask=~known | no_memory),
+        "activation_bytes": Masked(act, ~known),
+        "total_bytes": Masked(states + act, ~known),
+        "total_fits": Masked(states + act <= (memory or 0), ~known | no_memory),
         **_peak_columns(peaks, memory),
     }  # fmt: skip
-    return pd.DataFrame(columns, columns=list(COLUMNS))
+    return {name: columns[name] for name in COLUMNS}
 
 
-def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
+def _columns(config: SweepConfig, grid: dict[str, np.ndarray]) -> Columns:
     """The rows of the configurations in ``grid`` (see ``sweep_config``)."""
     if get_engine(config.engine).one_row:
-        return _engine_frame(config, grid)
+        return _engine_columns(config, grid)
     m = grid["model_parallel"]
     nd = grid["gpus"] // m
     if config.numels:
@@ -199,15 +221,14 @@ def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
     def repeat(a: np.ndarray) -> np.ndarray:
         return np.repeat(a, n_pairs)
 
-    def categorical(labels: list[str]) -> pd.Categorical:
-        categories = list(dict.fromkeys(labels))
-        codes = np.array([categories.index(x) for x in labels])
-        return pd.Categorical.from_codes(np.tile(codes, nd.size), categories=categories)
+    def categorical(names: list[str]) -> Labels:
+        per_pair = labels(names)
+        return Labels(np.tile(per_pair.codes, nd.size), per_pair.categories)
 
     if config.gpu_memory_bytes is None:  # unknown: all missing, as ``fits: null`` in ``estimate --json``
-        fits = pd.arrays.BooleanArray(np.zeros(n_rows, dtype=bool), mask=np.ones(n_rows, dtype=bool))
+        fits = Masked(np.zeros(n_rows, dtype=bool), np.ones(n_rows, dtype=bool))
     else:
-        fits = pd.arrays.BooleanArray(per_row("fits"), mask=np.zeros(n_rows, dtype=bool))
+        fits = Masked(per_row("fits"), np.zeros(n_rows, dtype=bool))
     act, known = (repeat(a) for a in activation_column(config, m, grid["micro_batch"]))
     stage_rows = np.tile(np.array([s for s, _ in pairs], dtype=np.int64), nd.size)
     offload_none = np.tile(np.array([o == NO_OFFLOAD for _, o in pairs]), nd.size)
@@ -227,12 +248,12 @@ def _frame(config: SweepConfig, grid: dict[str, np.ndarray]) -> pd.DataFrame:
         **{key: per_row(key) for key in COLUMNS if key in blocks[0] and key != "fits"},
         "fits": fits,
         "collectives": _collectives_column([by_stage[s] for s, _ in pairs], nd),
-        "activation_bytes": pd.arrays.IntegerArray(act, mask=~known),
-        "total_bytes": pd.arrays.IntegerArray(total, mask=~known),
-        "total_fits": pd.arrays.BooleanArray(total_fits, mask=~known | (config.gpu_memory_bytes is None)),
+        "activation_bytes": Masked(act, ~known),
+        "total_bytes": Masked(total, ~known),
+        "total_fits": Masked(total_fits, ~known | (config.gpu_memory_bytes is None)),
         **_peak_columns(peaks, config.budget_bytes),
     }
-    return pd.DataFrame(columns, columns=list(COLUMNS))
+    return {name: columns[name] for name in COLUMNS}
 
 
 def _block(
