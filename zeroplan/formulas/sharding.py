@@ -8,7 +8,10 @@ N_d elements per tensor and never drops one.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
+from functools import lru_cache
+from typing import Optional
 
 
 def ceil_div(n: int, d: int) -> int:
@@ -33,8 +36,24 @@ def padded_numel(numel: int, nd: int) -> int:
 
 
 def flat_shard_numel(numels: Iterable[int], nd: int) -> int:
-    """Elements a rank owns of a flat buffer whose tensors are each padded to a multiple of ``nd``."""
+    """Elements a rank owns of a flat buffer whose tensors are each padded to a multiple of ``nd``.
+
+    A long tuple of scalars (a real model's tensor sizes, asked at many N_d by the planner's searches) is
+    summed over its distinct sizes, each counted once (``_size_counts``): the same sum, ~100x fewer calls."""
+    if isinstance(numels, tuple) and len(numels) > 16 and isinstance(nd, int) and nd >= 1:
+        counts = _size_counts(numels)
+        if counts is not None:
+            return sum(count * ceil_div(n, nd) for n, count in counts)
     return sum(shard_numel(n, nd) for n in numels)
+
+
+@lru_cache(maxsize=64)
+def _size_counts(numels: tuple) -> Optional[tuple[tuple[int, int], ...]]:
+    """(size, how many tensors have it) of ``numels``; None where a size is not a non-negative int (the
+    general path then checks and refuses it)."""
+    if not all(type(n) is int and n >= 0 for n in numels):
+        return None
+    return tuple(Counter(numels).items())
 
 
 def flat_padded_numel(numels: Iterable[int], nd: int) -> int:

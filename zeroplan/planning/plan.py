@@ -26,6 +26,7 @@ from pydantic import ConfigDict, Field, validate_call
 from zeroplan.engines import get_engine, planner_options
 from zeroplan.allocator.reserved import fit_bytes, reserved_of
 from zeroplan.allocator.step_trace import AllocTrace
+from zeroplan.architectures.limits import check_total
 from zeroplan.engines.base import EngineOptions
 from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.activations import activation_bytes
@@ -150,6 +151,7 @@ def min_gpus(
     is bisected first; the exact (padded) memory is at least that bound and exceeds it by fewer than N_d
     elements per tensor, so a short upward scan from there finds the exact answer.
     """
+    check_total(tensor_numels)  # each size is checked by its type, their sum here
     numels = tuple(shard_numel(n, nm) for n in tensor_numels)
 
     def ok(nd: int, layout: bool) -> bool:
