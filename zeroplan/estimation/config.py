@@ -74,6 +74,9 @@ class EstimateConfig(BaseModel):
     """the reference engine's precision policy (the paper's vocabulary); refused for the other engines."""
     engine_options: EngineOptions = EngineOptions()
     """options in the engine's own vocabulary (``--reshard-after-forward``, ``--deepspeed-config``, ...)."""
+    live_settings: tuple[tuple[str, str], ...] = ()
+    """(field, value) of the engine's ``Settings`` read from a live module and optimizer (``zeroplan.estimation.live``:
+    fsdp2's ``module_dtype``, deepspeed's ``optimizer``); set by ``estimate(model=<nn.Module>)``, not by users."""
     alloc_conf: str = ""
     """``PYTORCH_CUDA_ALLOC_CONF`` the run will use, for the reserved bytes (``zeroplan.allocator``); "": torch's
     defaults."""
