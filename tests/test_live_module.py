@@ -77,6 +77,12 @@ def test_transformers_module_on_meta_equals_its_config_file_under_every_engine()
     steps = 4 * sum(1 for _ in model.parameters())  # Adam's fp32 ``step`` per tensor (fsdp2 settings.STEP_BYTES)
     assert 2 * (m16.optimizer_bytes - steps) == m32.optimizer_bytes - steps  # m and v in bf16
     assert fsdp2_16.policy.param_dtype == "bf16" and fsdp2_16.stages[0].peak.peak_bytes < fsdp2_32.stages[0].peak.peak_bytes
+    loop = zeroplan.estimate(model=fp32, optimizer=torch.optim.Adam(fp32.parameters(), foreach=False), gpus=2,
+                             seq_len=8, engine="fsdp2")  # the per-tensor loop: no foreach temporaries
+    assert rows(loop) == rows(zeroplan.estimate(model=str(TINY_LLAMA), gpus=2, seq_len=8, engine="fsdp2",
+                                                foreach=False))  # fmt: skip
+    step = lambda e: e.stages[0].peak.by_phase()["optimizer_step"]  # noqa: E731
+    assert step(loop) < step(fsdp2_32)
 
 
 def test_a_stepped_optimizer_states_are_read():

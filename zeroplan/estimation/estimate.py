@@ -148,7 +148,8 @@ def estimate(
     Give the model as ``params`` (Ψ of the whole model), ``tensor_numels`` (exact padding) or ``model``:
     a preset name, the path of a Hugging Face ``config.json``, or a ``torch.nn.Module`` (its shapes,
     meta device fine; a ``transformers`` model whose config zeroplan reads also gets the peak, any
-    other module shapes only). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
+    other module shapes only; its dtype, and with ``optimizer=<torch.optim.Optimizer>`` the optimizer's
+    class, ``foreach`` and state dtypes, are read from the objects: ``live_model``, docs/python-api.md). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
     ``grad_accum`` and ``foreach`` describe the training step of an architecture, ``alloc_conf`` the
     ``PYTORCH_CUDA_ALLOC_CONF`` its reserved bytes are replayed under (micro-batch and
     accumulation: a ``ds_config``'s batch where it sets one, the engine's ``Engine.batch``;
