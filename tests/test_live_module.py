@@ -85,6 +85,17 @@ def test_transformers_module_on_meta_equals_its_config_file_under_every_engine()
     assert step(loop) < step(fsdp2_32)
 
 
+def test_a_module_alone_gives_its_16_bit_dtype_and_keeps_the_policy_in_fp32():
+    """Without an optimizer: a bf16 module trains in bf16 (the paper's mixed precision around it); an fp32
+    module keeps the policy given (autocast may cast it), as ``model=<config path>``."""
+    bf16 = zeroplan.estimate(model=mlp(torch.bfloat16), gpus=2)
+    assert rows(bf16) == rows(zeroplan.estimate(tensor_numels=NUMELS, gpus=2, param_dtype="bf16"))
+    assert bf16.policy.resolved()["master_dtype"] == "fp32"
+    assert rows(zeroplan.estimate(model=mlp(), gpus=2)) == rows(zeroplan.estimate(tensor_numels=NUMELS, gpus=2))
+    fsdp2 = zeroplan.estimate(model=mlp(torch.bfloat16), gpus=2, engine="fsdp2")
+    assert fsdp2.stages[0].memory.params_bytes == 2 * (100 + 10 + 30 + 2)  # bf16 x ceil(n / 2) of each tensor
+
+
 def test_a_stepped_optimizer_states_are_read():
     module = mlp()
     opt = torch.optim.Adam(module.parameters(), foreach=False)
@@ -150,18 +161,30 @@ def _refusal(case: str):
         return lambda: zeroplan.estimate(model=m, optimizer=sgd, engine="fsdp2"), r"^engine=fsdp2: the optimizer is sgd"
     if case == "deepspeed fp32 config, bf16 module":
         return lambda: zeroplan.estimate(model=m.bfloat16(), optimizer=opt, engine="deepspeed", stage=2), \
-            r"^the module is bf16 but the ds_config enables neither fp16 nor bf16"
+            r"^the module is bf16 but engine deepspeed would train fp32 parameters \(its options or ds_config\)"
+    if case == "deepspeed bf16 config, fp16 module":
+        cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+        return lambda: zeroplan.estimate(model=m.half(), optimizer=opt, engine="deepspeed", ds_config=cfg), \
+            r"^the module is fp16 but engine deepspeed would train bf16 parameters"
+    if case == "a bf16 module alone, param_dtype fp16":
+        return lambda: zeroplan.estimate(model=m.bfloat16(), param_dtype="fp16"), \
+            r"^the module is bf16 but engine reference would train fp16 parameters"
     if case == "deepspeed optimizer.type":
         cfg = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 1}}
         return lambda: zeroplan.estimate(model=m, optimizer=opt, engine="deepspeed", ds_config=cfg), \
             r"^ds_config optimizer.type='AdamW' contradicts the optimizer object \(adam\)"
+    if case == "reference peak of a plain fp32 run":
+        model = llama()
+        return lambda: zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters()), seq_len=8), \
+            r"^the reference engine's peak models 16-bit params and grads, an fp32 master"
     raise AssertionError(case)
 
 
 REFUSALS = ("mixed dtypes", "float64", "frozen", "not in the optimizer", "a stranger", "amsgrad", "fused",
             "another class", "groups differ", "optimizer keyword", "param_dtype keyword", "foreach keyword",
             "an object without a model", "sgd under fsdp2", "deepspeed fp32 config, bf16 module",
-            "deepspeed optimizer.type")  # fmt: skip
+            "deepspeed optimizer.type", "reference peak of a plain fp32 run", "deepspeed bf16 config, fp16 module",
+            "a bf16 module alone, param_dtype fp16")  # fmt: skip
 
 
 @pytest.mark.parametrize("case", REFUSALS)

@@ -17,7 +17,8 @@ from zeroplan.policy import PrecisionPolicy
 from zeroplan.formulas.cuda_workspaces import capability_of
 from zeroplan.presets import DEFAULT_SEQ_LEN, GpuName, get_gpu
 from zeroplan.types import (
-    BatchCount, ByteSize, Flag, GpuCount, ModelName, Numel, Params, SeqLen, StageNumber, check_split, check_total,
+    BatchCount, ByteSize, DType, Flag, GpuCount, ModelName, Numel, Params, SeqLen, StageNumber, check_split,
+    check_total,
 )  # fmt: skip
 
 
@@ -77,6 +78,9 @@ class EstimateConfig(BaseModel):
     live_settings: tuple[tuple[str, str], ...] = ()
     """(field, value) of the engine's ``Settings`` read from a live module and optimizer (``zeroplan.estimation.live``:
     fsdp2's ``module_dtype``, deepspeed's ``optimizer``); set by ``estimate(model=<nn.Module>)``, not by users."""
+    module_dtype: Optional[DType] = None
+    """the dtype of a live module's parameters (``estimate(model=<nn.Module>)``): a 16-bit module must be the
+    dtype the engine trains in (``zeroplan.estimation.live.check_module_dtype``); None: no module."""
     alloc_conf: str = ""
     """``PYTORCH_CUDA_ALLOC_CONF`` the run will use, for the reserved bytes (``zeroplan.allocator``); "": torch's
     defaults."""

@@ -10,7 +10,7 @@ from zeroplan.allocator.reserved import engine_reserved, fit_bytes
 from zeroplan.engines import get_engine, split_keywords
 from zeroplan.engines.base import Workload
 from zeroplan.estimation.config import EstimateConfig
-from zeroplan.estimation.live import is_optimizer
+from zeroplan.estimation.live import check_module_dtype, is_optimizer
 from zeroplan.estimation.records import Estimate, StageEstimate
 from zeroplan.estimation.workload import layered_zero3
 from zeroplan.formulas.sharding import shard_numel
@@ -72,6 +72,8 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     if config.spec is not None and (limit := engine.peak_limits(options, config.spec, config.checkpointing)):
         raise ValueError(limit.reason)  # an architecture: the peak is part of the answer
     policy = engine.policy(settings)  # the byte convention of this engine's model states
+    if config.module_dtype is not None:  # a live module (estimation/live.py)
+        check_module_dtype(config.module_dtype, config.engine, policy.param_dtype)
     # "vs DP": plain data parallelism's model states (the reference engine's stage 0, the same byte
     # convention) over this row's
     reference = get_engine("reference")
@@ -161,13 +163,13 @@ def estimate(
     for ``deepspeed``, ``ds_config`` (a parsed ds_config.json; ``stage`` fills in its stage). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
-    architecture, live, modelled = None, (), model is not None
+    architecture, live, module_dtype, modelled = None, (), None, model is not None
     if isinstance(model, os.PathLike):  # model=Path("config.json"), as the docs say
         model = os.fspath(model)
     if model is not None and not isinstance(model, str):
         if params is not None or tensor_numels is not None:
             raise ValueError("give exactly one of params, tensor_numels and model")
-        architecture, tensor_numels, foreach, live = live_model(model, engine, options, foreach)
+        architecture, tensor_numels, foreach, live, module_dtype = live_model(model, engine, options, foreach)
         model = None
     elif is_optimizer(options.get("optimizer")):
         raise ValueError(f"optimizer={type(options['optimizer']).__name__}: an optimizer object needs model=<the "
@@ -195,12 +197,13 @@ def estimate(
         engine_options=engine_options,
         alloc_conf=alloc_conf,
         live_settings=live,
+        module_dtype=module_dtype,
     )
     return estimate_config(config)
 
 
 def live_model(model: object, engine: str, options: dict, foreach: bool | None) -> tuple:
-    """(architecture, tensor numels, foreach, engine settings) of a ``torch.nn.Module`` and, as
+    """(architecture, tensor numels, foreach, engine settings, dtype) of a ``torch.nn.Module`` and, as
     ``options["optimizer"]``, its ``torch.optim`` optimizer: shapes from the module, the architecture from a
     ``transformers`` config, dtypes and the optimizer from the objects (``estimation/live.py``). ``options``
     gains the policy keywords the objects give; a keyword or ``foreach`` that contradicts them is refused."""
@@ -222,4 +225,4 @@ def live_model(model: object, engine: str, options: dict, foreach: bool | None) 
     architecture = module_architecture(model, shapes)
     numels = None if architecture is not None else tuple(math.prod(s) for _, s in shapes)  # shapes only: no peak
     foreach = run.foreach if run.foreach is not None else foreach
-    return architecture, numels, foreach, tuple(sorted(settings.items()))
+    return architecture, numels, foreach, tuple(sorted(settings.items())), run.dtype

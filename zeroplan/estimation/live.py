@@ -152,25 +152,26 @@ def read_live(module: Any, optimizer: Any = None) -> LiveRun:
 def live_settings(engine: str, run: LiveRun, options: dict) -> tuple[dict, dict]:
     """(keywords for ``estimate``'s policy and engine options, fields of the engine's ``Settings``) the run
     gives ``engine``; a keyword given in ``options`` that contradicts the objects is refused in one line.
+    Every engine's parameters must then be in a 16-bit module's dtype (``check_module_dtype``).
 
-    - reference (the paper's mixed precision, as its runtime runs it), where an optimizer is given: the
-      module's dtype is ``param_dtype`` and the class ``optimizer``; the optimizer steps the fp32 master copy
-      (on for a 16-bit module), so its states are fp32 whatever the object's; without a master copy (an fp32
-      module, or ``master_weights=False``: a plain torch run) they are the states' dtype read. With the
-      module alone the policy stays the one given (a module does not say how it is trained).
+    - reference (the paper's mixed precision, as its runtime runs it): a 16-bit module's dtype is
+      ``param_dtype``; with an optimizer, an fp32 module's too (a plain fp32 run), and the class is
+      ``optimizer``. The optimizer steps the fp32 master copy (on for a 16-bit module), so its states are fp32
+      whatever the object's; without a master copy (an fp32 module, or ``master_weights=False``: a plain torch
+      run) they are the states' dtype read. An fp32 module alone keeps the policy given (a module does not
+      say how it is trained: autocast or a mixed-precision wrapper may cast it).
     - fsdp2: ``Settings.module_dtype`` is the module's (the shards keep it); Adam/AdamW only (its states).
-    - deepspeed: the ds_config's dtype wins: DeepSpeed 0.19.8 casts a module to its fp16/bf16
-      (``engine.py:_configure_distributed_model``), so a module of another dtype is refused only under an
-      fp32 config (it would train in the module's dtype, which the config does not say); Adam/AdamW only,
-      and the class must agree with the config's ``optimizer.type`` where it names one."""
+    - deepspeed: the ds_config's dtype wins (DeepSpeed 0.19.8 casts an fp32 module to its fp16/bf16,
+      ``engine.py:_configure_distributed_model``); Adam/AdamW only, the class agreeing with the config's
+      ``optimizer.type`` where it names one."""
     given = {k: v for k, v in options.items() if v is not None}
-    read = {"optimizer": run.optimizer, "optimizer_dtype": run.state_dtype}
     if engine == "reference":
         if run.optimizer is None:
-            return {}, {}
+            return ({"param_dtype": run.dtype} if run.dtype != "fp32" and "param_dtype" not in given else {}), {}
         master = given.get("master_weights")
         plain = master is False or (master is None and run.dtype == "fp32")  # PrecisionPolicy.master_dtype
-        read.update(param_dtype=run.dtype, optimizer_dtype=run.state_dtype if plain else "fp32")
+        read = {"param_dtype": run.dtype, "optimizer": run.optimizer,
+                "optimizer_dtype": run.state_dtype if plain else "fp32"}  # fmt: skip
         _agree(given, read)
         return read, {}
     if run.optimizer is not None and run.optimizer not in ("adam", "adamw"):
@@ -181,38 +182,40 @@ def live_settings(engine: str, run: LiveRun, options: dict) -> tuple[dict, dict]
             raise ValueError(f"optimizer states in {run.state_dtype}, parameters in {run.dtype}: FSDP2's Adam "
                              "states are modelled in the module's dtype")  # fmt: skip
         return {}, {"module_dtype": run.dtype}
-    if engine == "deepspeed":
-        return {}, _deepspeed(run, given.get("ds_config") or {})
+    if engine == "deepspeed" and run.optimizer is not None:
+        return {}, _deepspeed_optimizer(run.optimizer, given.get("ds_config") or {})
     return {}, {}
 
 
+def check_module_dtype(module_dtype: str, engine: str, param_dtype: str) -> None:
+    """A 16-bit module trains in its dtype: the engine's parameters (its policy's ``param_dtype``, from its
+    settings) must be in it; an fp32 module may be cast down (DeepSpeed's fp16/bf16, autocast)."""
+    if module_dtype != "fp32" and param_dtype != module_dtype:
+        raise ValueError(f"the module is {module_dtype} but engine {engine} would train {param_dtype} parameters "
+                         f"(its options or ds_config): give {module_dtype} there, or an fp32 module")  # fmt: skip
+
+
 def _agree(given: dict, read: dict) -> None:
+    """Each keyword given that the objects also say must say the same (any spelling of a dtype)."""
     from zeroplan.formulas.dtypes import canonical_dtype
 
     for key, value in read.items():
         if key not in given:
             continue
-        mine = given[key]
-        if key != "optimizer":
-            try:
-                mine = canonical_dtype(mine)
-            except (TypeError, ValueError):
-                pass  # the policy refuses it by name
+        try:
+            mine = canonical_dtype(given[key])
+        except (TypeError, ValueError):
+            mine = given[key]  # not a dtype (or a bad one: the policy refuses it by name)
         if isinstance(mine, str) and mine.strip().lower() != value:
             raise ValueError(f"{key}={show(given[key])} contradicts the objects, which say {value}: leave it out")
 
 
-def _deepspeed(run: LiveRun, config: dict) -> dict:
-    """``Settings`` fields of DeepSpeed a live run sets (its optimizer class); contradictions refused."""
-    sixteen = any(isinstance(config.get(k), dict) and config[k].get("enabled") is True for k in ("fp16", "bf16"))
-    if not sixteen and run.dtype != "fp32":
-        raise ValueError(f"the module is {run.dtype} but the ds_config enables neither fp16 nor bf16: DeepSpeed "
-                         f"would train {run.dtype} parameters as fp32; enable {run.dtype} in the ds_config")  # fmt: skip
-    if run.optimizer is None:
-        return {}
+def _deepspeed_optimizer(optimizer: str, config: dict) -> dict:
+    """DeepSpeed's ``Settings.optimizer`` from the optimizer object (``deepspeed.initialize(optimizer=...)``
+    uses the client's, engine.py ``_configure_optimizer``); a config naming the other class is refused."""
     section = config.get("optimizer")
     named = section.get("type") if isinstance(section, dict) else None
-    if isinstance(named, str) and named.lower() != run.optimizer:
+    if isinstance(named, str) and named.lower() != optimizer:
         raise ValueError(f"ds_config optimizer.type={named!r} contradicts the optimizer object "
-                         f"({run.optimizer}): give one")  # fmt: skip
-    return {"optimizer": run.optimizer}
+                         f"({optimizer}): give one")  # fmt: skip
+    return {"optimizer": optimizer}
