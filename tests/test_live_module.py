@@ -93,7 +93,9 @@ def test_a_module_alone_gives_its_16_bit_dtype_and_keeps_the_policy_in_fp32():
     assert bf16.policy.resolved()["master_dtype"] == "fp32"
     assert rows(zeroplan.estimate(model=mlp(), gpus=2)) == rows(zeroplan.estimate(tensor_numels=NUMELS, gpus=2))
     fsdp2 = zeroplan.estimate(model=mlp(torch.bfloat16), gpus=2, engine="fsdp2")
-    assert fsdp2.stages[0].memory.params_bytes == 2 * (100 + 10 + 30 + 2)  # bf16 x ceil(n / 2) of each tensor
+    # bf16 x each tensor's shard, FSDP2 padding dim 0 of the module's own shapes: (20, 10) -> 10 x 10, (20,) ->
+    # 10, (3, 20) -> 2 x 20, (3,) -> 2 (the flat sizes would give 30, not 40, for the (3, 20) weight)
+    assert fsdp2.stages[0].memory.params_bytes == 2 * (100 + 10 + 40 + 2)
 
 
 def test_a_stepped_optimizer_states_are_read():

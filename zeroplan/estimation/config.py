@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import cached_property
 from typing import Literal, Optional
@@ -43,6 +44,9 @@ class EstimateConfig(BaseModel):
     """Ψ for the whole model, in parameters (elements); give this, ``tensor_numels`` or ``model``."""
     tensor_numels: Optional[tuple[Numel, ...]] = Field(None, min_length=1)
     """elements of every parameter tensor of the whole model; enables exact per-tensor padding."""
+    tensor_shapes: Optional[tuple[tuple[str, tuple[int, ...]], ...]] = None
+    """with ``tensor_numels``: each tensor's name and shape (a live module's, ``estimate(model=<nn.Module>)``), so
+    an engine that pads a dimension (FSDP2's dim 0) pads the real one; None: 1-D tensors of those sizes."""
     model: Optional[ModelName] = None
     """a model preset name or the path of a Hugging Face ``config.json`` (``zeroplan.presets.resolve_model``)."""
     architecture: Optional[TransformerSpec] = None
@@ -103,6 +107,8 @@ class EstimateConfig(BaseModel):
             raise ValueError("give exactly one of params, tensor_numels and model")
         check_split(self.gpus, self.model_parallel)
         check_total(self.tensor_numels or ())
+        if self.tensor_shapes is not None and tuple(math.prod(s) for _, s in self.tensor_shapes) != self.tensor_numels:
+            raise ValueError("tensor_shapes: their sizes must be tensor_numels")
         _ = self.planner_options  # options outside the engine's vocabulary: one line
         if self.spec is None:
             step = dict(seq_len=self.seq_len, micro_batch=self.micro_batch, checkpointing=self.checkpointing,

@@ -55,6 +55,8 @@ def workload_of(config: EstimateConfig) -> Workload:
     """What the engine is asked about: the architecture's step, or the tensors of one MP rank."""
     if config.workload is not None:
         return config.workload
+    if config.tensor_shapes is not None and config.model_parallel == 1:  # a live module's own shapes
+        return Workload(config.tensor_shapes)
     return Workload(tuple((f"tensor {i}", (n,)) for i, n in enumerate(model_numels(config))))
 
 
@@ -163,13 +165,14 @@ def estimate(
     for ``deepspeed``, ``ds_config`` (a parsed ds_config.json; ``stage`` fills in its stage). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
-    architecture, live, module_dtype, modelled = None, (), None, model is not None
+    architecture, live, module_dtype, modelled, shapes = None, (), None, model is not None, None
     if isinstance(model, os.PathLike):  # model=Path("config.json"), as the docs say
         model = os.fspath(model)
     if model is not None and not isinstance(model, str):
         if params is not None or tensor_numels is not None:
             raise ValueError("give exactly one of params, tensor_numels and model")
-        architecture, tensor_numels, foreach, live, module_dtype = live_model(model, engine, options, foreach)
+        architecture, shapes, foreach, live, module_dtype = live_model(model, engine, options, foreach)
+        tensor_numels = None if shapes is None else tuple(math.prod(s) for _, s in shapes)
         model = None
     elif is_optimizer(options.get("optimizer")):
         raise ValueError(f"optimizer={type(options['optimizer']).__name__}: an optimizer object needs model=<the "
@@ -180,6 +183,7 @@ def estimate(
     config = EstimateConfig(
         params=params,
         tensor_numels=tensor_numels,  # the config checks and converts lists (never a str)
+        tensor_shapes=shapes,
         model=model,
         architecture=architecture,
         seq_len=seq_len,
@@ -203,7 +207,7 @@ def estimate(
 
 
 def live_model(model: object, engine: str, options: dict, foreach: bool | None) -> tuple:
-    """(architecture, tensor numels, foreach, engine settings, dtype) of a ``torch.nn.Module`` and, as
+    """(architecture, else its tensors' shapes, foreach, engine settings, dtype) of a ``torch.nn.Module`` and, as
     ``options["optimizer"]``, its ``torch.optim`` optimizer: shapes from the module, the architecture from a
     ``transformers`` config, dtypes and the optimizer from the objects (``estimation/live.py``). ``options``
     gains the policy keywords the objects give; a keyword or ``foreach`` that contradicts them is refused."""
@@ -223,6 +227,7 @@ def live_model(model: object, engine: str, options: dict, foreach: bool | None) 
     options.update(keywords)
     shapes = module_shapes(model)
     architecture = module_architecture(model, shapes)
-    numels = None if architecture is not None else tuple(math.prod(s) for _, s in shapes)  # shapes only: no peak
+    shapes = tuple((name, shape or (1,)) for name, shape in shapes)  # a 0-d parameter: one element
     foreach = run.foreach if run.foreach is not None else foreach
-    return architecture, numels, foreach, tuple(sorted(settings.items())), run.dtype
+    live = tuple(sorted(settings.items()))
+    return architecture, None if architecture is not None else shapes, foreach, live, run.dtype
