@@ -168,6 +168,10 @@ def _refusal(case: str):
         cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
         return lambda: zeroplan.estimate(model=m.half(), optimizer=opt, engine="deepspeed", ds_config=cfg), \
             r"^the module is fp16 but engine deepspeed would train bf16 parameters"
+    if case == "deepspeed offload with a torch optimizer":
+        cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+        return lambda: zeroplan.estimate(model=m, optimizer=opt, engine="deepspeed", ds_config=cfg), \
+            r"^ds_config offload_optimizer device cpu with a torch optimizer object: DeepSpeed 0.19.8 refuses"
     if case == "a bf16 module alone, param_dtype fp16":
         return lambda: zeroplan.estimate(model=m.bfloat16(), param_dtype="fp16"), \
             r"^the module is bf16 but engine reference would train fp16 parameters"
@@ -186,7 +190,16 @@ REFUSALS = ("mixed dtypes", "float64", "frozen", "not in the optimizer", "a stra
             "another class", "groups differ", "optimizer keyword", "param_dtype keyword", "foreach keyword",
             "an object without a model", "sgd under fsdp2", "deepspeed fp32 config, bf16 module",
             "deepspeed optimizer.type", "reference peak of a plain fp32 run", "deepspeed bf16 config, fp16 module",
-            "a bf16 module alone, param_dtype fp16")  # fmt: skip
+            "a bf16 module alone, param_dtype fp16", "deepspeed offload with a torch optimizer")  # fmt: skip
+
+
+def test_the_settings_fields_a_live_run_sets_exist():
+    """``live_settings`` sets fields by name (``model_copy`` would not check them): each is declared."""
+    from zeroplan.engines.deepspeed.settings import Settings as DeepSpeedSettings
+    from zeroplan.engines.fsdp2.settings import Settings as Fsdp2Settings
+
+    assert "module_dtype" in Fsdp2Settings.model_fields and "optimizer" in DeepSpeedSettings.model_fields
+    assert DeepSpeedSettings.model_fields["optimizer"].annotation.__args__ == ("adam", "adamw")
 
 
 @pytest.mark.parametrize("case", REFUSALS)

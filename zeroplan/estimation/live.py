@@ -212,7 +212,15 @@ def _agree(given: dict, read: dict) -> None:
 
 def _deepspeed_optimizer(optimizer: str, config: dict) -> dict:
     """DeepSpeed's ``Settings.optimizer`` from the optimizer object (``deepspeed.initialize(optimizer=...)``
-    uses the client's, engine.py ``_configure_optimizer``); a config naming the other class is refused."""
+    uses the client's, engine.py ``_configure_optimizer``); a config naming the other class is refused, and so
+    is ZeRO-Offload of the optimizer, which DeepSpeed refuses for a client optimizer unless told not to."""
+    zero = config.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    if isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme") and \
+            config.get("zero_force_ds_cpu_optimizer", True) is not False:
+        raise ValueError(f"ds_config offload_optimizer device {offload['device']} with a torch optimizer object: "
+                         "DeepSpeed 0.19.8 refuses a client optimizer under ZeRO-Offload (engine.py "
+                         "_configure_optimizer, zero_force_ds_cpu_optimizer); name it in the ds_config instead")
     section = config.get("optimizer")
     named = section.get("type") if isinstance(section, dict) else None
     if isinstance(named, str) and named.lower() != optimizer:
