@@ -32,7 +32,7 @@ with ``momentum`` > 0 is ``sgd-momentum`` (one ``momentum_buffer``, ``sgd.py:_in
 
 STATE_FOR: dict[str, tuple[str, ...]] = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
                                          "sgd": (), "sgd-momentum": ("momentum_buffer",)}  # fmt: skip
-"""The per-parameter state tensors torch keeps (``step`` is a scalar, not counted per parameter)."""
+"""The state tensors of parameter size torch keeps (``step``, one scalar per tensor, is not one of them)."""
 
 
 @dataclass(frozen=True)
