@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import cached_property
 from typing import Literal, Optional
@@ -17,7 +18,8 @@ from zeroplan.policy import PrecisionPolicy
 from zeroplan.formulas.cuda_workspaces import capability_of
 from zeroplan.presets import DEFAULT_SEQ_LEN, GpuName, get_gpu
 from zeroplan.types import (
-    BatchCount, ByteSize, Flag, GpuCount, ModelName, Numel, Params, SeqLen, StageNumber, check_split, check_total,
+    BatchCount, ByteSize, DType, Flag, GpuCount, ModelName, Numel, Params, SeqLen, StageNumber, check_split,
+    check_total,
 )  # fmt: skip
 
 
@@ -42,6 +44,9 @@ class EstimateConfig(BaseModel):
     """Ψ for the whole model, in parameters (elements); give this, ``tensor_numels`` or ``model``."""
     tensor_numels: Optional[tuple[Numel, ...]] = Field(None, min_length=1)
     """elements of every parameter tensor of the whole model; enables exact per-tensor padding."""
+    tensor_shapes: Optional[tuple[tuple[str, tuple[int, ...]], ...]] = None
+    """with ``tensor_numels``: each tensor's name and shape (a live module's, ``estimate(model=<nn.Module>)``), so
+    an engine that pads a dimension (FSDP2's dim 0) pads the real one; None: 1-D tensors of those sizes."""
     model: Optional[ModelName] = None
     """a model preset name or the path of a Hugging Face ``config.json`` (``zeroplan.presets.resolve_model``)."""
     architecture: Optional[TransformerSpec] = None
@@ -74,6 +79,12 @@ class EstimateConfig(BaseModel):
     """the reference engine's precision policy (the paper's vocabulary); refused for the other engines."""
     engine_options: EngineOptions = EngineOptions()
     """options in the engine's own vocabulary (``--reshard-after-forward``, ``--deepspeed-config``, ...)."""
+    live_settings: tuple[tuple[str, str], ...] = ()
+    """(field, value) of the engine's ``Settings`` read from a live module and optimizer (``zeroplan.estimation.live``:
+    fsdp2's ``module_dtype``, deepspeed's ``optimizer``); set by ``estimate(model=<nn.Module>)``, not by users."""
+    module_dtype: Optional[DType] = None
+    """the dtype of a live module's parameters (``estimate(model=<nn.Module>)``): a 16-bit module must be the
+    dtype the engine trains in (``zeroplan.estimation.live.check_module_dtype``); None: no module."""
     alloc_conf: str = ""
     """``PYTORCH_CUDA_ALLOC_CONF`` the run will use, for the reserved bytes (``zeroplan.allocator``); "": torch's
     defaults."""
@@ -96,6 +107,8 @@ class EstimateConfig(BaseModel):
             raise ValueError("give exactly one of params, tensor_numels and model")
         check_split(self.gpus, self.model_parallel)
         check_total(self.tensor_numels or ())
+        if self.tensor_shapes is not None and tuple(math.prod(s) for _, s in self.tensor_shapes) != self.tensor_numels:
+            raise ValueError("tensor_shapes: their sizes must be tensor_numels")
         _ = self.planner_options  # options outside the engine's vocabulary: one line
         if self.spec is None:
             step = dict(seq_len=self.seq_len, micro_batch=self.micro_batch, checkpointing=self.checkpointing,

@@ -10,6 +10,7 @@ from zeroplan.allocator.reserved import engine_reserved, fit_bytes
 from zeroplan.engines import get_engine, split_keywords
 from zeroplan.engines.base import Workload
 from zeroplan.estimation.config import EstimateConfig
+from zeroplan.estimation.live import check_module_dtype, is_optimizer
 from zeroplan.estimation.records import Estimate, StageEstimate
 from zeroplan.estimation.workload import layered_zero3
 from zeroplan.formulas.sharding import shard_numel
@@ -54,6 +55,8 @@ def workload_of(config: EstimateConfig) -> Workload:
     """What the engine is asked about: the architecture's step, or the tensors of one MP rank."""
     if config.workload is not None:
         return config.workload
+    if config.tensor_shapes is not None and config.model_parallel == 1:  # a live module's own shapes
+        return Workload(config.tensor_shapes)
     return Workload(tuple((f"tensor {i}", (n,)) for i, n in enumerate(model_numels(config))))
 
 
@@ -66,9 +69,13 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     options = config.planner_options
     engine = get_engine(config.engine)
     settings = engine.planner_settings(options)
+    if config.live_settings:  # read from a live module and optimizer (estimation/live.py)
+        settings = settings.model_copy(update=dict(config.live_settings))
     if config.spec is not None and (limit := engine.peak_limits(options, config.spec, config.checkpointing)):
         raise ValueError(limit.reason)  # an architecture: the peak is part of the answer
     policy = engine.policy(settings)  # the byte convention of this engine's model states
+    if config.module_dtype is not None:  # a live module (estimation/live.py)
+        check_module_dtype(config.module_dtype, config.engine, policy.param_dtype)
     # "vs DP": plain data parallelism's model states (the reference engine's stage 0, the same byte
     # convention) over this row's
     reference = get_engine("reference")
@@ -134,7 +141,7 @@ def estimate(
     micro_batch: int | None = None,
     checkpointing: str = "none",
     grad_accum: int | None = None,
-    foreach: bool = True,
+    foreach: bool | None = None,
     engine: str = "reference",
     gpu: str | None = None,
     alloc_conf: str = "",
@@ -145,7 +152,8 @@ def estimate(
     Give the model as ``params`` (Ψ of the whole model), ``tensor_numels`` (exact padding) or ``model``:
     a preset name, the path of a Hugging Face ``config.json``, or a ``torch.nn.Module`` (its shapes,
     meta device fine; a ``transformers`` model whose config zeroplan reads also gets the peak, any
-    other module shapes only). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
+    other module shapes only; its dtype, and with ``optimizer=<torch.optim.Optimizer>`` the optimizer's
+    class, ``foreach`` and state dtypes, are read from the objects: ``live_model``, docs/python-api.md). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
     ``grad_accum`` and ``foreach`` describe the training step of an architecture, ``alloc_conf`` the
     ``PYTORCH_CUDA_ALLOC_CONF`` its reserved bytes are replayed under (micro-batch and
     accumulation: a ``ds_config``'s batch where it sets one, the engine's ``Engine.batch``;
@@ -157,37 +165,32 @@ def estimate(
     for ``deepspeed``, ``ds_config`` (a parsed ds_config.json; ``stage`` fills in its stage). Raises
     ``pydantic.ValidationError`` or ValueError on bad input.
     """
-    policy, engine_options = split_keywords(engine, options)
-    micro_batch, grad_accum = api_batch(engine, engine_options.ds_config if model is not None else None, gpus,
-                                        model_parallel, micro_batch, grad_accum)  # fmt: skip
-    architecture = None
+    architecture, live, module_dtype, modelled, shapes = None, (), None, model is not None, None
     if isinstance(model, os.PathLike):  # model=Path("config.json"), as the docs say
         model = os.fspath(model)
     if model is not None and not isinstance(model, str):
-        from zeroplan.architectures.module_shapes import module_shapes
-        from zeroplan.estimation.workload import module_architecture
-
-        torch = sys.modules.get("torch")  # a module object means torch is imported; never import it here
-        if torch is None or not isinstance(model, torch.nn.Module):
-            raise ValueError(f"model={show(model)}: expected a preset name, the path of a config.json or a "
-                             "torch.nn.Module")  # fmt: skip
         if params is not None or tensor_numels is not None:
             raise ValueError("give exactly one of params, tensor_numels and model")
-        shapes = module_shapes(model)
-        architecture = module_architecture(model, shapes)
-        if architecture is None:  # shapes only: exact padding, no peak
-            tensor_numels = tuple(math.prod(s) for _, s in shapes)
+        architecture, shapes, foreach, live, module_dtype = live_model(model, engine, options, foreach)
+        tensor_numels = None if shapes is None else tuple(math.prod(s) for _, s in shapes)
         model = None
+    elif is_optimizer(options.get("optimizer")):
+        raise ValueError(f"optimizer={type(options['optimizer']).__name__}: an optimizer object needs model=<the "
+                         "torch.nn.Module it trains>; else name it (optimizer='adamw')")  # fmt: skip
+    policy, engine_options = split_keywords(engine, options)
+    micro_batch, grad_accum = api_batch(engine, engine_options.ds_config if modelled else None,
+                                        gpus, model_parallel, micro_batch, grad_accum)  # fmt: skip
     config = EstimateConfig(
         params=params,
         tensor_numels=tensor_numels,  # the config checks and converts lists (never a str)
+        tensor_shapes=shapes,
         model=model,
         architecture=architecture,
         seq_len=seq_len,
         micro_batch=micro_batch,
         checkpointing=checkpointing,
         grad_accum=grad_accum,
-        foreach=foreach,
+        foreach=True if foreach is None else foreach,
         engine=engine,
         gpus=gpus,
         model_parallel=model_parallel,
@@ -197,5 +200,34 @@ def estimate(
         **({} if policy is None else {"policy": PrecisionPolicy(**policy)}),
         engine_options=engine_options,
         alloc_conf=alloc_conf,
+        live_settings=live,
+        module_dtype=module_dtype,
     )
     return estimate_config(config)
+
+
+def live_model(model: object, engine: str, options: dict, foreach: bool | None) -> tuple:
+    """(architecture, else its tensors' shapes, foreach, engine settings, dtype) of a ``torch.nn.Module`` and, as
+    ``options["optimizer"]``, its ``torch.optim`` optimizer: shapes from the module, the architecture from a
+    ``transformers`` config, dtypes and the optimizer from the objects (``estimation/live.py``). ``options``
+    gains the policy keywords the objects give; a keyword or ``foreach`` that contradicts them is refused."""
+    from zeroplan.architectures.module_shapes import module_shapes
+    from zeroplan.estimation.live import live_settings, read_live
+    from zeroplan.estimation.workload import module_architecture
+
+    torch = sys.modules.get("torch")  # a module object means torch is imported; never import it here
+    if torch is None or not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model={show(model)}: expected a preset name, the path of a config.json or a "
+                         "torch.nn.Module")  # fmt: skip
+    optimizer = options.pop("optimizer") if is_optimizer(options.get("optimizer")) else None
+    run = read_live(model, optimizer)
+    if run.foreach is not None and foreach is not None and foreach != run.foreach:
+        raise ValueError(f"foreach={foreach} contradicts the optimizer, whose foreach is {run.foreach}: leave it out")
+    keywords, settings = live_settings(engine, run, options)
+    options.update(keywords)
+    shapes = module_shapes(model)
+    architecture = module_architecture(model, shapes)
+    shapes = tuple((name, shape or (1,)) for name, shape in shapes)  # a 0-d parameter: one element
+    foreach = run.foreach if run.foreach is not None else foreach
+    live = tuple(sorted(settings.items()))
+    return architecture, None if architecture is not None else shapes, foreach, live, run.dtype
