@@ -255,3 +255,30 @@ def test_sparse_block_moments_match_a_live_storage_trace(name, dtype):
     with torch.no_grad(), nograd.mode:
         layer(x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
     assert nograd.peak + b * s * d * a == blk.ckpt_forward_peak
+
+
+@pytest.mark.parametrize(("key", "value", "missing"), [
+    ("output_router_logits", True, "the load-balancing loss (output_router_logits true)"),
+    ("router_jitter_noise", 0.01, "router jitter (router_jitter_noise 0.01)"),
+])  # fmt: skip
+def test_router_loss_and_jitter_refuse_the_peak_not_the_model(key, value, missing):
+    """transformers adds the load-balancing loss in training when ``output_router_logits`` is true
+    (``MixtralForCausalLM.forward``: ``load_balancing_loss_func`` over every layer's router logits) and Mixtral's
+    router multiplies its input by noise (``router_jitter_noise``): neither is in the terms, so the peak is
+    refused in one line; the model states (shapes) stay."""
+    import json
+
+    from zeroplan.architectures.hf_config import read_hf_config
+    from zeroplan.architectures.spec import transformer_shapes
+    from zeroplan.formulas.activation_terms import activation_limit
+
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "hf_configs" / "tiny-mixtral.json"
+    base = read_hf_config(path)
+    assert activation_limit(base) is None
+    cfg = {**json.loads(path.read_text()), key: value}
+    spec = spec_from_hf_config(cfg, "tiny-mixtral")
+    assert transformer_shapes(spec) == transformer_shapes(base)
+    why = activation_limit(spec)
+    assert why is not None and missing in why and "\n" not in why

@@ -272,7 +272,7 @@ class CausalLM(nn.Module):
 
     def _positions(self, x: torch.Tensor) -> tuple:
         """(rope, mask) for the llama layout: LlamaRotaryEmbedding's cos and sin (fp32, then the
-        activations' dtype) and the sliding-window mask when the sequence is longer than the window."""
+        activations' dtype) and the sliding-window mask from a sequence as long as the window on."""
         s, t = self.spec, x.shape[1]
         pos = torch.arange(t, device=x.device)
         inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float, device=x.device)
@@ -281,9 +281,9 @@ class CausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
         mask = None
-        if s.sliding_window is not None and t > s.sliding_window:
+        if s.sliding_window is not None and t >= s.sliding_window:  # masking_utils: kv_length < window skips it
             diff = pos[:, None] - pos[None, :]
-            mask = (diff >= 0) & (diff < s.sliding_window)
+            mask = ((diff >= 0) & (diff < s.sliding_window)).expand(x.shape[0], 1, t, t)  # (b, 1, t, t), as sdpa_mask
         return rope, mask
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -138,9 +138,10 @@ def _dense_ffn(r, fields: dict, moe: MoeSpec, default: int) -> dict:
 
 def _moe(r, experts: str, top_k: int, width: int, sparse: tuple, shared: int = 0, norm: bool = False) -> MoeSpec:
     """The sparse MLP: ``experts`` names the expert count (required); ``num_experts_per_tok`` defaults to
-    ``top_k``, ``norm_topk_prob`` to ``norm``."""
+    ``top_k``, ``norm_topk_prob`` to ``norm``; ``output_router_logits`` (false) and Mixtral's
+    ``router_jitter_noise`` (0.0) read for the peak's limits."""
     return _record(r, MoeSpec, r.count(experts), r.count("num_experts_per_tok", top_k), width, sparse,
-                   shared, r.flag("norm_topk_prob", norm))  # fmt: skip
+                   shared, r.flag("norm_topk_prob", norm), r.flag("output_router_logits", False), r.number("router_jitter_noise", 0.0))  # fmt: skip
 
 
 def _mixtral(r) -> dict:

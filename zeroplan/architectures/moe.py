@@ -56,6 +56,11 @@ class MoeSpec:
     shared_ffn: int = 0
     norm_topk_prob: bool = False
     """whether the k routing weights are renormalised to sum to 1 (no memory effect)."""
+    router_logits_loss: bool = False
+    """``output_router_logits``: the training forward adds the load-balancing loss (every layer's router logits
+    kept to the end of the forward); the peak does not model it (``formulas.moe_block.sparse_block_limits``)."""
+    router_jitter: float = 0.0
+    """Mixtral's ``router_jitter_noise``: the router's input multiplied by uniform noise in training (not modelled)."""
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "expert_ffn"):

@@ -186,19 +186,27 @@ def _gpt_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, st: int) -
     )
 
 
+def sdpa_masked(spec: TransformerSpec, s: int) -> bool:
+    """Whether transformers gives SDPA a mask: a sliding window no longer than the sequence (masking_utils.py
+    ``_ignore_causal_mask_sdpa`` skips it only while kv_length < the window; measured: Mistral, window 24, at
+    s = 24 the mask and the repeated k, v are saved)."""
+    return spec.sliding_window is not None and s >= spec.sliding_window
+
+
 def _llama_attention_saved(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> int:
     """q and k after RoPE, v, SDPA's output (o_proj's input) and logsumexp; the mask where one is used.
 
     ``validate/transformer.py:_attend`` (transformers' sdpa_attention_forward): with grouped-query heads
     and no mask SDPA gets ``enable_gqa`` (k, v stay kv wide); with a mask (Mistral's sliding window,
     sequences longer than the window) or head_dim > 256, k and v are ``repeat_interleave``d to the
-    query heads, and SDPA saves the repeated copies and the mask converted to the activation dtype.
+    query heads, and SDPA saves the repeated copies and the (b, 1, s, s) mask converted to the activation dtype
+    (b·s²·a per layer; measured against MistralForCausalLM, tests/test_activations.py).
     """
     q, kv, h = spec.q_dim, spec.kv_dim, spec.n_head
-    masked = spec.sliding_window is not None and s > spec.sliding_window
+    masked = sdpa_masked(spec, s)
     repeated = spec.n_kv_head < h and (masked or spec.head_dim > 256)
     k_v = q if repeated else kv
-    return n * a * (2 * q + 2 * k_v) + b * h * s * 4 + (s * s * a if masked else 0)
+    return n * a * (2 * q + 2 * k_v) + b * h * s * 4 + (b * s * s * a if masked else 0)
 
 
 def _qk_norm_saved(spec: TransformerSpec, n: int, a: int) -> int:
@@ -222,7 +230,7 @@ def _fused_attention_extra(spec: TransformerSpec, n: int, s: int, a: int) -> int
     beside SDPA's own output. Seen on the autograd graph's saved tensors (tests/test_families.py)."""
     if not spec.fused_projections:
         return 0
-    masked = spec.sliding_window is not None and s > spec.sliding_window
+    masked = sdpa_masked(spec, s)
     repeated = spec.n_kv_head < spec.n_head and (masked or spec.head_dim > 256)
     return n * a * (spec.q_dim + (0 if repeated else spec.q_dim + spec.kv_dim))
 
@@ -239,13 +247,13 @@ def _llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
     product and down's output.
     """
     d, f, q, kv = spec.d_model, spec.ffn, spec.q_dim, spec.kv_dim
-    masked = spec.sliding_window is not None and s > spec.sliding_window
+    masked = sdpa_masked(spec, s)
     repeated = spec.n_kv_head < spec.n_head and (masked or spec.head_dim > 256)
     lse = n * spec.n_head * 4
     norm = (8 if a < 4 else 4) * n * d + 4 * n  # fp32 copy (fp32: the input itself) and squares (or product), rsqrt
     rope_q = n * a * (d + 4 * q + 2 * kv)  # norm out, q, k, v, q·cos, rotate_half(q), ·sin
     rope_k = n * a * (d + 2 * q + 5 * kv)  # norm out, q, k, v, rotated q, k·cos, rotate_half(k), ·sin
-    sdpa = n * a * (d + 2 * q + 2 * kv + (2 * q if repeated else 0)) + lse + (s * s * a if masked else 0)
+    sdpa = n * a * (d + 2 * q + 2 * kv + (2 * q if repeated else 0)) + lse + (n * s * a if masked else 0)  # b·s²·a = N·s·a
     o_proj = n * a * (2 * d + 2 * q + 2 * kv)  # norm out, rotated q, k, v, SDPA out, o_proj out
     act = ACT_NOGRAD_PEAK[spec.hidden_act] * f
     if spec.fused_projections:  # Phi3MLP: the gate_up output (2f) lives to the end (``gate`` is a view of it):
@@ -263,7 +271,7 @@ def _llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
     fused = 0
     if spec.fused_projections:  # Phi3Attention's ``qkv`` local (q + 2kv) lives to its end; at sdpa_attention_forward's
         # ``transpose(1, 2).contiguous()`` copy: norm out, qkv, rotated q and k, SDPA out and its copy
-        fused = n * a * (d + 4 * q + 3 * kv + (2 * q if repeated else 0)) + (s * s * a if masked else 0)
+        fused = n * a * (d + 4 * q + 3 * kv + (2 * q if repeated else 0)) + (n * s * a if masked else 0)
     return max(norm, rope_q, rope_k, sdpa, o_proj, n * a * 3 * d, n * a * d + norm, mlp, qk, fused)
 
 
@@ -376,8 +384,7 @@ def model_activations(
         n_layer=spec.n_layer,
         embed_saved=embed_saved,
         embed_out=n * d * a,
-        mask=G.eager_masks(spec, b, s, a) or (s * s if spec.style == "llama" and spec.sliding_window is not None
-                                              and s > spec.sliding_window else 0),  # fmt: skip
+        mask=G.eager_masks(spec, b, s, a) or (s * s if spec.style == "llama" and sdpa_masked(spec, s) else 0),
         final_saved=final_saved,
         logits=n * v * a,
         logits_fp32=n * v * 4,

@@ -75,6 +75,10 @@ def sparse_block_limits(spec) -> tuple[str, ...]:
         out.append(f"dense and sparse layers mixed: {len(spec.moe.sparse_layers)} of {spec.n_layer} sparse")
     if spec.hidden_act not in ("silu", "swish"):
         out.append(f"experts with hidden_act {spec.hidden_act!r}")
+    if spec.moe is not None and spec.moe.router_logits_loss:
+        out.append("the load-balancing loss (output_router_logits true)")
+    if spec.moe is not None and spec.moe.router_jitter:
+        out.append(f"router jitter (router_jitter_noise {spec.moe.router_jitter:g})")
     return tuple(out)
 
 
