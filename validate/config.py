@@ -283,10 +283,14 @@ class ValidateConfig(BaseModel):
     @model_validator(mode="after")
     def _known_model(self) -> ValidateConfig:
         from validate.models import spec_for
+        from validate.transformer import check_runtime_features
+        from zeroplan.architectures.spec import TransformerSpec
 
         if self.model is not None and self.params is not None:
             raise ValueError("give --model or --params, not both (--params builds its own GPT-style model)")
         spec = spec_for(self.model_name, self.params)
+        if isinstance(spec, TransformerSpec) and not self.hf:
+            check_runtime_features(spec)  # the validator's own CausalLM would train another model
         positions = getattr(spec, "max_seq_len", None)
         if self.seq_len is not None and positions is None:
             raise ValueError(f"seq-len={self.seq_len}: model {self.model_name} is an MLP, it has no sequence")

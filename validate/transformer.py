@@ -209,6 +209,19 @@ def check_buildable(spec: TransformerSpec) -> None:
         raise ValueError(f"rope_type={spec.rope_type!r}: the reference runtime builds only 'default' RoPE")
 
 
+def check_runtime_features(spec: TransformerSpec) -> None:
+    """ValueError (one line) for a family feature ``CausalLM`` does not build (transformers' own class, ``--hf``,
+    trains those): without it the runtime would train another model than the config's."""
+    features = {"q/k norms": spec.qk_norm, "four norms per layer": spec.sandwich_norms,
+                "fused projections": spec.fused_projections, "routed experts": spec.moe is not None,
+                "latent attention": spec.mla is not None,
+                "soft-capping": spec.attn_logit_softcap is not None or spec.final_logit_softcap is not None,
+                }  # fmt: skip
+    if missing := [name for name, present in features.items() if present]:
+        raise ValueError(f"model_type {spec.model_type!r}: the reference runtime builds no {', '.join(missing)} "
+                         "(transformers' own class trains under --engine fsdp2 --hf)")
+
+
 class _Body(nn.Module):
     """A named container (``transformer`` / ``model``) so parameter names match transformers'."""
 
@@ -228,6 +241,7 @@ class CausalLM(nn.Module):
     def __init__(self, spec: TransformerSpec, checkpointing: bool = False, **kw) -> None:
         super().__init__()
         check_buildable(spec)
+        check_runtime_features(spec)
         self.spec, self.checkpointing = spec, checkpointing
         d, v = spec.d_model, spec.vocab_size
         body = _Body()

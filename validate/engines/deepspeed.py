@@ -204,12 +204,19 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
     return row
 
 
+def hf_attention(keys: dict) -> str:
+    """The attention transformers builds the family with: "sdpa", except Gemma 2, which has no SDPA path
+    (tests/test_families.py::test_gemma2_has_no_sdpa_in_transformers) and is modelled eager
+    (``formulas.gemma_activations``)."""
+    return "eager" if keys.get("model_type") == "gemma2" else "sdpa"
+
+
 def hf_builder(config_path: str, checkpointing: str = "none"):
     """A builder of the Hugging Face ``transformers`` causal LM of a ``config.json`` (never downloaded: the
     file's keys through ``AutoConfig.for_model``), random init, fp32, with ``loss(batch)`` as the runner calls it.
 
-    ``attn_implementation="sdpa"``: the attention ``validate/transformer.py`` mirrors and
-    ``zeroplan.formulas.activation_terms`` models (eager would keep the t x t probabilities). The loss is
+    ``attn_implementation="sdpa"`` (Gemma 2: eager, ``hf_attention``): the attention ``validate/transformer.py``
+    mirrors and ``zeroplan.formulas.activation_terms`` models (eager keeps the t x t probabilities). The loss is
     the model's own (``forward(labels=..., shift_labels=...)`` -> ``loss/loss_utils.py ForCausalLMLoss``:
     logits upcast, mean cross-entropy) on the validator's targets (``shift_labels``: already shifted, so
     the same targets as ``CausalLM.loss``); ``use_cache=False``: a training step keeps no KV cache."""
@@ -223,7 +230,7 @@ def hf_builder(config_path: str, checkpointing: str = "none"):
     def build():
         torch.manual_seed(0)
         config = transformers.AutoConfig.for_model(**keys)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=hf_attention(keys),
                                                               dtype=torch.float32)  # fmt: skip
         model.train()
 
