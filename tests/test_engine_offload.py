@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.clicheck import run_json
+from tests.clicheck import assert_one_line_error, run, run_json
 from zeroplan.engines import deepspeed as D
 from zeroplan.engines.deepspeed.offload import host_memory
 from zeroplan.engines.deepspeed.wrapper import ds_run
@@ -250,3 +250,26 @@ def test_one_memory_prediction_matches_the_cpu_measurement(case, nd, rank):
             assert measured - got[phase] == gap, (phase, measured, got[phase])
         else:
             assert abs(measured - got[phase]) <= 0.001 * measured, (phase, measured, got[phase])
+
+
+def test_fsdp2_offload_flags_on_estimate_and_plan():
+    """``--fsdp-offload cpu`` / ``--no-fsdp-pin-memory`` set FSDP2's own options (cli_options.OWN_OPTION_PARAMS):
+    the estimate is the engine's own with them (the same bytes as the Python call), its row names the policy;
+    another engine refuses the flag, a bad value is the option's own one-line refusal; sweep has no such flag
+    (its rows have no engine host column yet)."""
+    args = ("--engine", "fsdp2", "--model", "llama2-7b", "--gpus", "8")
+    on = run_json("estimate", *args, "--fsdp-offload", "cpu", "--no-fsdp-pin-memory")
+    off = run_json("estimate", *args)
+    (row,), (plain,) = on["stages"], off["stages"]
+    assert "CPUOffloadPolicy(pin_memory=False)" in row["name"]
+    assert row["model_states_bytes"] == 0 < plain["model_states_bytes"]
+    assert row["host_bytes_per_node"] == 8 * row["host_bytes_per_gpu"] > 0 == row["host_pinned_bytes_per_node"]
+    assert "host_bytes_per_node" not in plain and row["peak_bytes"] < plain["peak_bytes"]
+    import zeroplan
+
+    api = zeroplan.estimate(model="llama2-7b", gpus=8, engine="fsdp2", offload_policy="cpu", pin_memory=False)
+    assert api.stages[0].peak.peak_bytes == row["peak_bytes"]
+    assert_one_line_error(run("estimate", *args, "--fsdp-offload", "nvme"), "offload_policy='nvme': expected none or cpu")
+    assert_one_line_error(run("estimate", "--model", "llama2-7b", "--gpus", "8", "--fsdp-offload", "cpu"),
+                          "--fsdp-offload does not apply to --engine reference")  # fmt: skip
+    assert_one_line_error(run("sweep", *args, "--fsdp-offload", "cpu"), "No such option: --fsdp-offload")

@@ -17,7 +17,7 @@ from zeroplan.cli_options import (
     GradAccumOption, HeadroomOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
-    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption,
+    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, FsdpOffloadOption, FsdpPinMemoryOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
@@ -85,6 +85,8 @@ def estimate(
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
     zero_init: ZeroInitOption = None,
+    fsdp_offload: FsdpOffloadOption = None,
+    fsdp_pin_memory: FsdpPinMemoryOption = None,
     param_dtype: ParamDtype = None,
     reduce_dtype: ReduceDtypeOption = None,
     grad_dtype: GradDtype = None,
@@ -131,7 +133,8 @@ def estimate(
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
     own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard,
-               zero_init=zero_init)
+               zero_init=zero_init, fsdp_offload=fsdp_offload,
+               fsdp_pin_memory=fsdp_pin_memory)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
     options, ds, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,
@@ -240,6 +243,8 @@ def plan(
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
     zero_init: ZeroInitOption = None,
+    fsdp_offload: FsdpOffloadOption = None,
+    fsdp_pin_memory: FsdpPinMemoryOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
         None,
@@ -288,7 +293,8 @@ def plan(
     options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
                                                   fsdp_wrap=fsdp_wrap, init=init, device=device,
                                                   dp_replicate=dp_replicate, dp_shard=dp_shard,
-                                                  zero_init=zero_init)  # fmt: skip
+                                                  zero_init=zero_init, fsdp_offload=fsdp_offload,
+                                                  fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
     options, _, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len,
                                                    gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel
                                                    == 0 else None, micro_batch, grad_accum, mixed_precision)  # fmt: skip

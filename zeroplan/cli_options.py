@@ -221,6 +221,16 @@ DeviceOption = Annotated[
     typer.Option("--device", help="fsdp2: cuda (default: NCCL, CUDA blocks and workspaces) or cpu (a CPU run on "
                  "gloo, as CPU CI runners train)."),
 ]  # fmt: skip
+FsdpOffloadOption = Annotated[
+    Optional[str],
+    typer.Option("--fsdp-offload", help="fsdp2: none (default) or cpu (fully_shard(offload_policy="
+                 "CPUOffloadPolicy()): shards, gradients and Adam on the host; docs/engines/fsdp2.md)."),
+]  # fmt: skip
+FsdpPinMemoryOption = Annotated[
+    Optional[bool],
+    typer.Option("--fsdp-pin-memory/--no-fsdp-pin-memory", help="fsdp2 with --fsdp-offload cpu: "
+                 "CPUOffloadPolicy(pin_memory=...) (default true)."),
+]  # fmt: skip
 ZeroInitOption = Annotated[
     Optional[bool],
     typer.Option("--zero-init/--no-zero-init", help="deepspeed ZeRO-3: the model built under deepspeed.zero.Init "
@@ -242,6 +252,8 @@ OWN_OPTION_PARAMS: dict[str, str] = {
     "dp_replicate": "dp_replicate",
     "dp_shard": "dp_shard",
     "zero_init": "zero_init",
+    "fsdp_offload": "offload_policy",
+    "fsdp_pin_memory": "pin_memory",
 }
 """Command parameter -> the engine's own option it sets (``Engine.own_options``, by name): the CLI's half of
 adding an option (the engine declares it; its flag is typed here and listed here)."""

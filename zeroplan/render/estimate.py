@@ -58,6 +58,8 @@ def ranks_per_node(e: Estimate) -> int:
 
 def host_keys(host, per_node: int) -> dict:
     """``StageOut``'s offload keys: one rank's host memory, per node (``per_node`` GPUs), its pinned part, its terms."""
+    from zeroplan.render.schemas import PeakTermOut
+
     return {"host_bytes_per_gpu": host.host_bytes, "host_bytes_per_node": host.host_bytes * per_node,
             "host_pinned_bytes_per_node": host.pinned_bytes * per_node,
             "host_terms": [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source) for t in host.terms]}
