@@ -246,7 +246,7 @@ def test_estimate_imports_only_the_engine_it_asks_for():
             "if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout  # fmt: skip
-    assert out.splitlines()[-2] == "['base', 'reference']"  # no DeepSpeed or FSDP2 profile loaded
+    assert out.splitlines()[-2] == "['base', 'live', 'reference']"  # shared records; no DeepSpeed or FSDP2 profile
     assert out.splitlines()[-1] == "[]"  # nor the plan's and the sweep's models (zeroplan's names are lazy)
 
 

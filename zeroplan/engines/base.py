@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 from zeroplan.architectures.spec import Shape, TransformerSpec
+from zeroplan.engines.live import LiveRun, no_live_settings
 from zeroplan.formulas.activation_terms import activation_limit
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.memory import MemoryBreakdown
@@ -314,6 +315,10 @@ class Engine:
     """``(workload, nd, settings) -> tuple[AllocTrace, ...]``: each ``estimate`` row's step as an ordered
     allocation trace (``zeroplan.allocator.step_trace``; needs an architecture), which the allocator model
     replays for reserved bytes; None: the engine has none."""
+    live_settings: Callable[[LiveRun, dict], tuple[dict, dict]] = no_live_settings
+    """``(run read from a live module and optimizer, keywords given) -> (policy keywords, Settings fields)``: how
+    ``zeroplan.estimate(model=module, optimizer=opt)`` reaches this engine (its package's ``live.py``); a
+    keyword contradicting the objects is refused there. Default: nothing read but the shapes."""
     own_peak_limits: Callable[[PlannerOptions, TransformerSpec], Optional[PeakLimit]] = no_own_peak_limits
     """what of an architecture and the planner's options the engine's own peak does not model (the reference
     runtime: its one policy; every engine: no dropout, ``dropout.dropout_limit``); ``peak_limits`` adds the limits every engine shares."""

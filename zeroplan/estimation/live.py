@@ -18,10 +18,9 @@ imported here.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from zeroplan.types import show
+from zeroplan.engines.live import LiveRun
 
 TORCH_DTYPES: dict[str, str] = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 """The parameter dtypes zeroplan's engines train in (``Dtype`` of fsdp2/deepspeed settings), by torch's name."""
@@ -33,17 +32,6 @@ with ``momentum`` > 0 is ``sgd-momentum`` (one ``momentum_buffer``, ``sgd.py:_in
 STATE_FOR: dict[str, tuple[str, ...]] = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
                                          "sgd": (), "sgd-momentum": ("momentum_buffer",)}  # fmt: skip
 """The state tensors of parameter size torch keeps (``step``, one scalar per tensor, is not one of them)."""
-
-
-@dataclass(frozen=True)
-class LiveRun:
-    """What the objects say: the parameters' dtype and, with an optimizer, its zeroplan name, the dtype of its
-    states and its multi-tensor path (``foreach``)."""
-
-    dtype: str
-    optimizer: Optional[str] = None
-    state_dtype: Optional[str] = None
-    foreach: Optional[bool] = None
 
 
 def is_optimizer(obj: object) -> bool:
@@ -151,40 +139,12 @@ def read_live(module: Any, optimizer: Any = None) -> LiveRun:
 
 def live_settings(engine: str, run: LiveRun, options: dict) -> tuple[dict, dict]:
     """(keywords for ``estimate``'s policy and engine options, fields of the engine's ``Settings``) the run
-    gives ``engine``; a keyword given in ``options`` that contradicts the objects is refused in one line.
-    Every engine's parameters must then be in a 16-bit module's dtype (``check_module_dtype``).
+    gives ``engine``: the engine's own reading (``Engine.live_settings``, in its package's ``live.py``); a
+    keyword given in ``options`` that contradicts the objects is refused there in one line. Every engine's
+    parameters must then be in a 16-bit module's dtype (``check_module_dtype``)."""
+    from zeroplan.engines import get_engine
 
-    - reference (the paper's mixed precision, as its runtime runs it): a 16-bit module's dtype is
-      ``param_dtype``; with an optimizer, an fp32 module's too (a plain fp32 run), and the class is
-      ``optimizer``. The optimizer steps the fp32 master copy (on for a 16-bit module), so its states are fp32
-      whatever the object's; without a master copy (an fp32 module, or ``master_weights=False``: a plain torch
-      run) they are the states' dtype read. An fp32 module alone keeps the policy given (a module does not
-      say how it is trained: autocast or a mixed-precision wrapper may cast it).
-    - fsdp2: ``Settings.module_dtype`` is the module's (the shards keep it); Adam/AdamW only (its states).
-    - deepspeed: the ds_config's dtype wins (DeepSpeed 0.19.8 casts an fp32 module to its fp16/bf16,
-      ``engine.py:_configure_distributed_model``); Adam/AdamW only, the class agreeing with the config's
-      ``optimizer.type`` where it names one."""
-    given = {k: v for k, v in options.items() if v is not None}
-    if engine == "reference":
-        if run.optimizer is None:
-            return ({"param_dtype": run.dtype} if run.dtype != "fp32" and "param_dtype" not in given else {}), {}
-        master = given.get("master_weights")
-        plain = master is False or (master is None and run.dtype == "fp32")  # PrecisionPolicy.master_dtype
-        read = {"param_dtype": run.dtype, "optimizer": run.optimizer,
-                "optimizer_dtype": run.state_dtype if plain else "fp32"}  # fmt: skip
-        _agree(given, read)
-        return read, {}
-    if run.optimizer is not None and run.optimizer not in ("adam", "adamw"):
-        raise ValueError(f"engine={engine}: the optimizer is {run.optimizer}; the {engine} profile models Adam "
-                         "and AdamW states")  # fmt: skip
-    if engine == "fsdp2":
-        if run.state_dtype not in (None, run.dtype):
-            raise ValueError(f"optimizer states in {run.state_dtype}, parameters in {run.dtype}: FSDP2's Adam "
-                             "states are modelled in the module's dtype")  # fmt: skip
-        return {}, {"module_dtype": run.dtype}
-    if engine == "deepspeed" and run.optimizer is not None:
-        return {}, _deepspeed_optimizer(run.optimizer, given.get("ds_config") or {})
-    return {}, {}
+    return get_engine(engine).live_settings(run, {k: v for k, v in options.items() if v is not None})
 
 
 def check_module_dtype(module_dtype: str, engine: str, param_dtype: str) -> None:
@@ -193,37 +153,3 @@ def check_module_dtype(module_dtype: str, engine: str, param_dtype: str) -> None
     if module_dtype != "fp32" and param_dtype != module_dtype:
         raise ValueError(f"the module is {module_dtype} but engine {engine} would train {param_dtype} parameters "
                          f"(its options or ds_config): give {module_dtype} there, or an fp32 module")  # fmt: skip
-
-
-def _agree(given: dict, read: dict) -> None:
-    """Each keyword given that the objects also say must say the same (any spelling of a dtype)."""
-    from zeroplan.formulas.dtypes import canonical_dtype
-
-    for key, value in read.items():
-        if key not in given:
-            continue
-        try:
-            mine = canonical_dtype(given[key])
-        except (TypeError, ValueError):
-            mine = given[key]  # not a dtype (or a bad one: the policy refuses it by name)
-        if isinstance(mine, str) and mine.strip().lower() != value:
-            raise ValueError(f"{key}={show(given[key])} contradicts the objects, which say {value}: leave it out")
-
-
-def _deepspeed_optimizer(optimizer: str, config: dict) -> dict:
-    """DeepSpeed's ``Settings.optimizer`` from the optimizer object (``deepspeed.initialize(optimizer=...)``
-    uses the client's, engine.py ``_configure_optimizer``); a config naming the other class is refused, and so
-    is ZeRO-Offload of the optimizer, which DeepSpeed refuses for a client optimizer unless told not to."""
-    zero = config.get("zero_optimization")
-    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
-    if isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme") and \
-            config.get("zero_force_ds_cpu_optimizer", True) is not False:
-        raise ValueError(f"ds_config offload_optimizer device {offload['device']} with a torch optimizer object: "
-                         "DeepSpeed 0.19.8 refuses a client optimizer under ZeRO-Offload (engine.py "
-                         "_configure_optimizer, zero_force_ds_cpu_optimizer); name it in the ds_config instead")
-    section = config.get("optimizer")
-    named = section.get("type") if isinstance(section, dict) else None
-    if isinstance(named, str) and named.lower() != optimizer:
-        raise ValueError(f"ds_config optimizer.type={named!r} contradicts the optimizer object "
-                         f"({optimizer}): give one")  # fmt: skip
-    return {"optimizer": optimizer}

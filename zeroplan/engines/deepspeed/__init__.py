@@ -34,6 +34,7 @@ from zeroplan.engines.base import Engine
 from zeroplan.engines.deepspeed.alloc_trace import alloc_traces
 from zeroplan.engines.deepspeed.batch import DsBatch, ds_batch, planner_batch, run_batch, sweep_micro_batches
 from zeroplan.engines.deepspeed.collectives import DSCollective, greedy_buckets
+from zeroplan.engines.deepspeed.live import live_settings
 from zeroplan.engines.deepspeed.config import (DEEPSPEED_OPTIMIZERS, DEFAULT_BUCKET_NUMEL, NVME_PATH,
                                                STAGE3_PREFETCH_NUMEL, DeepSpeedConfig, deepspeed_config,
                                                from_deepspeed, load_deepspeed, merge_deepspeed, merge_ds_config,
@@ -81,5 +82,5 @@ ENGINE = Engine("deepspeed", estimate, Settings, planner_settings, planner_polic
                 ds_estimate_bytes, "DeepSpeed's estimator", planner_block_bytes, batch=planner_batch,
                 sweep_batches=sweep_micro_batches, read_settings_file=Settings.from_ds_config,
                 own_options=VOCABULARY, alloc_trace=alloc_traces,
-                own_peak_limits=planner_peak_limits)  # fmt: skip
+                own_peak_limits=planner_peak_limits, live_settings=live_settings)  # fmt: skip
 """DeepSpeed as the registry knows it (``zeroplan.engines``): its batch is the ds_config's."""

@@ -76,6 +76,7 @@ from zeroplan.engines.fsdp2.plan import (
     planner_settings,
     recommend,
 )
+from zeroplan.engines.fsdp2.live import live_settings
 from zeroplan.engines.fsdp2.settings import SRC, TORCH_VERSION, Settings, post_forward_group
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, ModelStates, fsdp2_run, mesh_ranks_bytes, model_states
 
@@ -90,5 +91,5 @@ __all__ = [
 
 ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
                 block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=VOCABULARY,
-                alloc_trace=alloc_traces, own_peak_limits=planner_peak_limits)
+                alloc_trace=alloc_traces, own_peak_limits=planner_peak_limits, live_settings=live_settings)
 """FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""
