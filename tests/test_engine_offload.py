@@ -59,8 +59,6 @@ def test_sections_read_with_deepspeeds_defaults_and_written_back():
         ({"stage": 2, "offload_optimizer": {"device": "gpu"}}, {}, "device='gpu': expected none, cpu or nvme"),
         ({"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": "yes"}}, {}, "pin_memory='yes'"),
         ({"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}, {}, "super_offload=true"),
-        ({"stage": 2, "offload_optimizer": {"device": "cpu"}},
-         {"bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"torch_adam": True}}}, "DeepSpeedCPUAdam"),
         ({"stage": 1, "offload_optimizer": {"device": "cpu"}},
          {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
         ({"stage": 2, "contiguous_gradients": False, "offload_optimizer": {"device": "cpu"}}, {}, "DeepSpeed turns it on"),
@@ -273,3 +271,39 @@ def test_fsdp2_offload_flags_on_estimate_and_plan():
     assert_one_line_error(run("estimate", "--model", "llama2-7b", "--gpus", "8", "--fsdp-offload", "cpu"),
                           "--fsdp-offload does not apply to --engine reference")  # fmt: skip
     assert_one_line_error(run("sweep", *args, "--fsdp-offload", "cpu"), "No such option: --fsdp-offload")
+
+
+def test_torch_adam_with_offload_is_torchs_adam_on_the_host():
+    """accelerate's own offload templates (examples/deepspeed_config_templates/zero_stage{2,3}_offload_config.json)
+    set ``torch_adam: true``: DeepSpeed 0.19.8 then steps the host partitions with torch's AdamW
+    (engine.py ``get_optimizer_configuration``), asserting DeepSpeedCPUAdam only for 16-bit master weights
+    (base_optimizer.py ``_configure_master_weights``). The host holds the same states, named for torch's Adam."""
+    config = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
+    s = D.Settings.from_ds_config(config)
+    assert D.inner_optimizer_class(s) == "AdamW"
+    cpu = D.Settings.from_ds_config({**config, "optimizer": {"type": "AdamW"}})
+    torch_host, cpu_host = (host_memory(ds_run(x, _workload(), 2, stat_bytes=2)) for x in (s, cpu))
+    names = {t.name: t.bytes for t in torch_host.terms}
+    assert names.pop("Adam m and v (torch's Adam, torch_adam)") == {t.name: t.bytes for t in cpu_host.terms}.pop(
+        "Adam m and v (DeepSpeedCPUAdam)") > 0
+    assert torch_host.host_bytes == cpu_host.host_bytes
+
+
+def test_deprecated_cpu_offload_flags_read_as_deepspeed_reads_them():
+    """DeepSpeed 0.19.8 turns ``cpu_offload: true`` into ``offload_optimizer: {device: cpu}`` and
+    ``cpu_offload_param: true`` into ``offload_param`` (runtime/zero/config.py ``new_param_fn``); DeepSpeed's own
+    Megatron-GPT2 test configs still use them (tests/model/Megatron_GPT2/ds_config_func_bs4_zero2_offload.json).
+    Both spellings together, or a non-boolean, are one-line refusals."""
+    legacy = D.Settings.from_ds_config({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True}})
+    new = D.Settings.from_ds_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                           "offload_param": {"device": "cpu"}}})  # fmt: skip
+    assert legacy == new and legacy.offload_optimizer.on and legacy.offload_param.on
+    off = D.Settings.from_ds_config({"zero_optimization": {"stage": 2, "cpu_offload": False}})
+    assert not off.offload_optimizer.on
+    with pytest.raises(ValueError, match="cpu_offload \\(deprecated\\) and offload_optimizer together") as err:
+        D.Settings.from_ds_config({"zero_optimization": {"stage": 2, "cpu_offload": True,
+                                                         "offload_optimizer": {"device": "cpu"}}})  # fmt: skip
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="cpu_offload='yes': must be true or false"):
+        D.Settings.from_ds_config({"zero_optimization": {"stage": 2, "cpu_offload": "yes"}})

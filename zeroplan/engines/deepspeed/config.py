@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, validate_call
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, model_validator, validate_call
 
 from zeroplan.files import read_json
 from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL  # its home: DeepSpeed's default, 5e8
@@ -145,9 +145,33 @@ class _OffloadSection(_Section):
     super_offload: Flag = False
 
 
+DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+"""DeepSpeed 0.19.8's deprecated offload flags and the sections they become (runtime/zero/config.py ``new_param_fn``:
+true is ``{"device": "cpu"}``; config_utils.py ``_process_deprecated_field`` refuses both given together)."""
+
+
 class _Zero(_Section):
     stage: object = 0
     """checked by the stage table (``get_stage``), whose message names the key."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_offload(cls, data: object) -> object:
+        """``cpu_offload`` / ``cpu_offload_param`` read as DeepSpeed reads them (``DEPRECATED_OFFLOAD``)."""
+        if not isinstance(data, dict) or not any(k in data for k in DEPRECATED_OFFLOAD):
+            return data
+        data = dict(data)
+        for old, new in DEPRECATED_OFFLOAD.items():
+            if old not in data or data[old] is None:
+                continue
+            if not isinstance(data[old], bool):
+                raise ValueError(f"{old}={data[old]!r}: must be true or false")
+            if new in data:
+                raise ValueError(f"{old} (deprecated) and {new} together: DeepSpeed 0.19.8 refuses both "
+                                 "(config_utils.py _process_deprecated_field)")  # fmt: skip
+            if data[old]:
+                data[new] = {"device": "cpu"}
+        return data
     offload_optimizer: Optional[_OffloadSection] = None
     offload_param: Optional[_OffloadSection] = None
     # read by the engine profile (``Settings.from_ds_config``); None: DeepSpeed's default

@@ -36,6 +36,17 @@ S3 = "runtime/zero/stage3.py"
 ADAM_HOST = "Adam m and v (DeepSpeedCPUAdam)"
 """created by the first step (lazy), as on the GPU."""
 CPU_ADAM = "ops/adam/cpu_adam.py DeepSpeedCPUAdam.step (exp_avg, exp_avg_sq: torch.zeros_like on the host partition)"
+ADAM_HOST_TORCH = "Adam m and v (torch's Adam, torch_adam)"
+"""with ``optimizer.params.torch_adam``: torch's Adam/AdamW steps the host partitions (engine.py
+``get_optimizer_configuration``); its states as DeepSpeedCPUAdam's, its step temporaries on the host not counted."""
+TORCH_ADAM = "torch/optim/adam.py _init_group (exp_avg, exp_avg_sq: torch.zeros_like on the host partition)"
+
+
+def _adam_host(run: DSRun, part: int) -> Term:
+    """Adam's m and v of the host partition: DeepSpeedCPUAdam's, or torch's with ``torch_adam``."""
+    if run.settings.torch_adam:
+        return Term(ADAM_HOST_TORCH, 2 * part * 4, TORCH_ADAM, 2)
+    return Term(ADAM_HOST, 2 * part * 4, CPU_ADAM, 2)
 
 HOST_TEMPORARIES = ("fp32 gradient partition (zeros", "grads_in_partition", "flat partition gradient",
                     "fp32 gradient of the master partition", "accumulated gradients of the partition",
@@ -62,7 +73,7 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
                          f"{S3} _setup_for_real_optimizer (grad_partitions_flat_buffer on the CPU)"),
                     Term(_pin(o, "fp32 gradient of the master partition"), part * 4,
                          f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
-                    Term(ADAM_HOST, 2 * part * 4, CPU_ADAM, 2)]  # fmt: skip
+                    _adam_host(run, part)]  # fmt: skip
         if s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
             out.append(Term("16-bit parameter partition (pinned)", part * p,
                             f"{S3} _create_param_groups_fp16_flat_cpu_memory (param_groups_fp16_flat_cpu_memory)"))
@@ -77,7 +88,7 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
                  f"{S12} __init__ (param_buffer_of_bit16_for_cpu_offload_groups)"),
             Term(_pin(o, "gradient buffer of the largest tensor"), max(numels) * p,
                  f"{S12} __init__ (temp_grad_buffer_for_cpu_offload)"),
-            Term(ADAM_HOST, 2 * part * 4, CPU_ADAM, 2)]  # fmt: skip
+            _adam_host(run, part)]  # fmt: skip
     if run.grad_accum > 1:  # each partition parameter's gradient, whole, accumulated between micro-steps
         held = max(run.flat.params_numel(r) for r in run.ranks)
         out.append(Term(_pin(o, "accumulated gradients of the partition's parameters"), held * p,
@@ -192,7 +203,7 @@ def host_memory(run: DSRun) -> HostMemory:
         part = aligned_flat_numel(numels, nd) // nd
         d2h, h2d = part * 4, part * p
     offload = Offload("cpu" if o else "none", "cpu" if prm else "none")
-    return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST,))
+    return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH))
 
 
 def offload_label(s: Settings) -> str:

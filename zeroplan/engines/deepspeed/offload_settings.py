@@ -51,12 +51,15 @@ def read_target(section: object, key: str) -> OffloadTarget:
                          ratio=getattr(section, "ratio", 1.0))  # fmt: skip
 
 
-def check_offload(stage: int, optimizer: OffloadTarget, param: OffloadTarget, cpu_adam_required: bool) -> None:
+def check_offload(stage: int, optimizer: OffloadTarget, param: OffloadTarget) -> None:
     """ValueError (one line naming the key) for a combination DeepSpeed refuses or the profile does not predict.
 
     DeepSpeed: ``offload_param`` is ZeRO-3's only (stage3.py; offload_config.py "Valid only with stage 3");
-    ``ratio`` is read at ZeRO-3 only; with a 16-bit model the offloaded step must be ``DeepSpeedCPUAdam``
-    (stage_1_and_2.py / stage3.py ``_enforce_cpu_offload``: ``torch_adam`` refused); NVMe needs ``nvme_path``.
+    ``ratio`` is read at ZeRO-3 only; NVMe needs ``nvme_path``. ``torch_adam`` with offload is DeepSpeed's too:
+    torch's Adam steps the host partitions (engine.py ``get_optimizer_configuration``); DeepSpeedCPUAdam is asserted
+    only for 16-bit master weights (``_enforce_cpu_offload``, called by base_optimizer.py
+    ``_configure_master_weights`` for ``fp16_master_weights_and_gradients`` / ``bf16_master_weights_and_grads``,
+    keys the profile does not read).
     Not predicted (refused with the reason): NVMe (the swappers' pinned buffers, runtime/swap_tensor/, are not
     modelled; ZeRO-1/2 have no NVMe path: stage_1_and_2.py treats any device as the CPU), a ``ratio`` below 1
     (ZeRO-3's partial offload keeps some sub-groups on the GPU)."""
@@ -74,9 +77,6 @@ def check_offload(stage: int, optimizer: OffloadTarget, param: OffloadTarget, cp
     if optimizer.ratio != 1.0 and (stage != 3 or optimizer.on):
         why = "read at ZeRO-3 only" if stage != 3 else "partial offload is not modelled by the profile"
         raise ValueError(f"deepspeed config: zero_optimization.offload_optimizer.ratio={optimizer.ratio:g}: {why}")
-    if optimizer.on and cpu_adam_required:
-        raise ValueError("deepspeed config: optimizer.params.torch_adam=true with offload_optimizer and a 16-bit "
-                         "model: DeepSpeed asserts DeepSpeedCPUAdam (stage_1_and_2.py _enforce_cpu_offload)")  # fmt: skip
 
 
 def target_block(t: OffloadTarget) -> dict:

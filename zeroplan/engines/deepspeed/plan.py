@@ -81,8 +81,8 @@ def plain_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
 def offload_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
     """``candidates``' offload rows, DeepSpeed's default buckets: ``offload_optimizer`` cpu at ZeRO-1, 2 and 3,
     then ZeRO-3 with ``offload_param`` too (ZeRO-Offload and ZeRO-Infinity's CPU half); the file's own offload
-    sections (``pin_memory``) where it has them. None where the base cannot offload (``torch_adam`` with a
-    16-bit model, BF16_Optimizer: ``Settings``' checks)."""
+    sections (``pin_memory``) where it has them. None where the base cannot offload (BF16_Optimizer:
+    ``Settings``' checks)."""
     opt = base.offload_optimizer if base.offload_optimizer.on else OffloadTarget(device="cpu")
     prm = base.offload_param if base.offload_param.on else OffloadTarget(device="cpu")
     out = []

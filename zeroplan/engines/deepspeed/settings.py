@@ -85,8 +85,8 @@ class Settings(BaseModel):
     def _zero_init_stage(self) -> Settings:
         if self.zero_init and self.stage != 3:
             raise ValueError(f"zero_init: deepspeed.zero.Init partitions parameters for ZeRO-3 only, not stage {self.stage}")
-        _check_offload(self.stage, self.dtype, self.grad_dtype, self.torch_adam, self.contiguous_gradients,
-                       self.offload_optimizer, self.offload_param)
+        _check_offload(self.stage, self.dtype, self.grad_dtype, self.contiguous_gradients, self.offload_optimizer,
+                       self.offload_param)
         return self
 
     @property
@@ -136,8 +136,7 @@ class Settings(BaseModel):
         targets = {k: read_target(getattr(zero, k), k) for k in ("offload_optimizer", "offload_param")}
         dtype = base["param_dtype"]
         _check_offload(number, dtype, _ds_dtype(grad, "data_types.grad_accum_dtype") if grad else dtype,
-                       bool(params.torch_adam), zero.contiguous_gradients is not False,
-                       *targets.values())  # one line before pydantic wraps it
+                       zero.contiguous_gradients is not False, *targets.values())  # one line before pydantic wraps it
         return cls(
             stage=number,
             dtype=base["param_dtype"],
@@ -151,11 +150,11 @@ class Settings(BaseModel):
         )  # fmt: skip
 
 
-def _check_offload(stage: int, dtype: str, grad_dtype: str, torch_adam: bool, contiguous: bool,
+def _check_offload(stage: int, dtype: str, grad_dtype: str, contiguous: bool,
                    optimizer: OffloadTarget, param: OffloadTarget) -> None:
     """``offload_settings.check_offload``; with offload, BF16_Optimizer (ZeRO-1, bf16, fp32 gradients) is refused, and
     ``contiguous_gradients: false`` at ZeRO-1/2 (DeepSpeed turns it on: the profile would predict no bucket)."""
-    check_offload(stage, optimizer, param, torch_adam and dtype != "fp32")
+    check_offload(stage, optimizer, param)
     if optimizer.on and stage < 3 and not contiguous:
         raise ValueError("deepspeed config: zero_optimization.contiguous_gradients=false with offload_optimizer: "
                          "DeepSpeed turns it on (stage_1_and_2.py: contiguous_gradients or cpu_offload); drop the key")
