@@ -295,7 +295,8 @@ def test_deprecated_cpu_offload_flags_read_as_deepspeed_reads_them():
     ``cpu_offload_param: true`` into ``offload_param`` (runtime/zero/config.py ``new_param_fn``); DeepSpeed's own
     Megatron-GPT2 test configs still use them (tests/model/Megatron_GPT2/ds_config_func_bs4_zero2_offload.json).
     Both spellings together, or a non-boolean, are one-line refusals."""
-    legacy = D.Settings.from_ds_config({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True}})
+    legacy = D.Settings.from_ds_config({"zero_optimization": {"stage": 3, "cpu_offload": True,
+                                                              "cpu_offload_param": True}})  # fmt: skip
     new = D.Settings.from_ds_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                                            "offload_param": {"device": "cpu"}}})  # fmt: skip
     assert legacy == new and legacy.offload_optimizer.on and legacy.offload_param.on

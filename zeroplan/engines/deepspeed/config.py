@@ -19,7 +19,8 @@ import math
 from pathlib import Path
 from typing import Annotated, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, model_validator, validate_call
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo, model_validator,
+                      validate_call)
 
 from zeroplan.files import read_json
 from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL  # its home: DeepSpeed's default, 5e8
