@@ -2,6 +2,8 @@
 
 import pytest
 
+from tests.hf_saved import hf_saved_bytes, predicted_saved_bytes
+
 import zeroplan
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.presets import get_model
@@ -113,28 +115,8 @@ def test_sliding_window_mask_as_transformers_saves_it(s, b):
     hooks, parameters excluded) equals ``saved_total`` plus the int64 targets. transformers gives SDPA a mask from
     s = window on (``activation_terms.sdpa_masked``; before: s > window, 33,792 B short at s = 24) and the mask
     is (b, 1, s, s) (before: s², 14,400 B short at s = 30, b = 3)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from zeroplan.architectures.hf_config import spec_from_hf_config
-    from zeroplan.formulas.activation_terms import model_activations
-
-    transformers.logging.set_verbosity_error()
     cfg = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 101, "max_position_embeddings": 128,
            "sliding_window": 24}  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
-                                                          attn_implementation="sdpa", dtype=torch.float32)  # fmt: skip
-    owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    ids = torch.randint(0, cfg["vocab_size"], (b, s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False).loss
-    measured = sum(n for ptr, n in seen.items() if ptr not in owned)
-    acts = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=4, stat_bytes=4)
-    assert measured == acts.saved_total("none") + b * s * 8
+    measured, _, _ = hf_saved_bytes(cfg, b, s)
+    assert measured == predicted_saved_bytes(cfg, b, s)

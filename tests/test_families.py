@@ -14,6 +14,7 @@ import pytest
 
 from zeroplan.architectures.hf_config import read_hf_config, spec_from_hf_config
 from zeroplan.architectures.spec import param_count, transformer_shapes
+from tests.hf_saved import hf_saved_bytes, predicted_saved_bytes
 from zeroplan.formulas.activation_terms import model_activations
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
@@ -232,27 +233,9 @@ DENSE = {  # tiny, every feature on: q/k norms with biases and a tied head (qwen
 def test_saved_activations_match_transformers_classes(family, dtype):
     """Every storage autograd saves in one forward of transformers' class (saved-tensor hooks, parameters
     excluded) equals ``saved_total`` plus the int64 targets cross-entropy saves (N·8): no slack."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
     cfg, b, s = DENSE[family], 2, 24
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
-                                                          attn_implementation="sdpa", dtype=getattr(torch, dtype))  # fmt: skip
-    owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    ids = torch.randint(0, cfg["vocab_size"], (b, s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False).loss
-    measured = sum(n for ptr, n in seen.items() if ptr not in owned)
-    a = 4 if dtype == "float32" else 2
-    acts = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=a, stat_bytes=a)
-    assert measured == acts.saved_total("none") + b * s * 8
+    measured, _, _ = hf_saved_bytes(cfg, b, s, dtype)
+    assert measured == predicted_saved_bytes(cfg, b, s, dtype)
 
 
 #: FSDP2 on transformers' class of each config (validate.engines.fsdp2_rows.run_world, Fsdp2Settings(hf=True,
@@ -427,28 +410,10 @@ def test_gemma_saved_activations_match_transformers_classes(name, dtype):
     (Gemma 2 eager: the only implementation it has; Gemma 3 SDPA): every storage autograd saves equals
     ``saved_total`` plus the int64 targets, byte for byte. Without the soft-cap's tanh (b·h·s²·a per layer and
     N·V·a at the head), the fp32 normalised tensors or the second rotary table, each row fails."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
     cfg, b, s = GEMMA[name], 2, 24
-    torch.manual_seed(0)
     impl = "eager" if cfg["model_type"] == "gemma2" else "sdpa"
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
-                                                          attn_implementation=impl, dtype=getattr(torch, dtype))  # fmt: skip
-    owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    ids = torch.randint(0, cfg["vocab_size"], (b, s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False).loss
-    measured = sum(n for ptr, n in seen.items() if ptr not in owned)
-    a = 4 if dtype == "float32" else 2
-    acts = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=a, stat_bytes=a)
-    assert measured == acts.saved_total("none") + b * s * 8
+    measured, _, _ = hf_saved_bytes(cfg, b, s, dtype, impl)
+    assert measured == predicted_saved_bytes(cfg, b, s, dtype)
 
 
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gemma3-text", "gemma-3-1b"])

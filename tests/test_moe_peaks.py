@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from zeroplan.architectures.hf_config import spec_from_hf_config
+from tests.hf_saved import hf_saved_bytes, predicted_saved_bytes
 from zeroplan.formulas.activation_terms import model_activations
 
 # grouped_mm needs rows of 16-byte multiples (bf16: every width divisible by 8); every layer sparse
@@ -30,29 +31,11 @@ def test_saved_activations_match_transformers_classes(family, dtype):
     parameters excluded) equals ``saved_total`` plus the int64 targets cross-entropy saves (N·8): no slack.
     Without the router's terms (``moe_block.router_saved``) the miss is N·E·4 + N·k·8 (+ N·4 + N·k·4
     renormalised) per layer; without the shared expert's, 4·N·f_s·a + N·a + N·d·a: each fails here."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
     cfg, b, s = SPARSE[family], 2, 24
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**cfg), attn_implementation="sdpa", dtype=getattr(torch, dtype))
+    measured, model, out = hf_saved_bytes(cfg, b, s, dtype)
     assert model.config._experts_implementation == "grouped_mm"  # get_correct_experts_implementation's default
-    owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    ids = torch.randint(0, cfg["vocab_size"], (b, s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False)
     assert getattr(out, "aux_loss", None) is None  # output_router_logits false: no load-balancing loss
-    measured = sum(n for ptr, n in seen.items() if ptr not in owned)
-    a = 4 if dtype == "float32" else 2
-    acts = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=a, stat_bytes=a)
-    assert measured == acts.saved_total("none") + b * s * 8
+    assert measured == predicted_saved_bytes(cfg, b, s, dtype)
 
 
 #: FSDP2 on transformers' class of each config (validate.engines.fsdp2_rows.run_world, Fsdp2Settings(model=CONFIG_JSON,

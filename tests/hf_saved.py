@@ -1,0 +1,42 @@
+"""What autograd saves in one training forward of transformers' own class (saved-tensor hooks, the module's
+parameters excluded), and what the activation terms predict for it: the one measurement the families' saved-tensor
+tests share (tests/test_activations.py, test_families.py, test_moe_peaks.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroplan.architectures.hf_config import spec_from_hf_config
+from zeroplan.formulas.activation_terms import TOKEN_BYTES, model_activations
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def hf_saved_bytes(cfg: dict, b: int, s: int, dtype: str = "float32", attn: str = "sdpa"):
+    """(bytes of every distinct storage autograd saves in one forward with ``labels=`` of transformers' class of
+    ``cfg`` at micro-batch ``b``, sequence ``s``, parameters excluded; the model; its output). Seeded: the same
+    model and tokens every call."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=attn, dtype=getattr(torch, dtype))  # fmt: skip
+    owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, cfg["vocab_size"], (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False)
+    return sum(n for ptr, n in seen.items() if ptr not in owned), model, out
+
+
+def predicted_saved_bytes(cfg: dict, b: int, s: int, dtype: str = "float32") -> int:
+    """``saved_total`` of the activation terms (no checkpointing) plus the int64 targets cross-entropy saves."""
+    a = DTYPE_BYTES[dtype]
+    acts = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=a, stat_bytes=a)
+    return acts.saved_total("none") + b * s * TOKEN_BYTES
