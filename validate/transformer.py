@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.architectures.spec import TransformerSpec, layout_features
 
 #: transformers' initializer_range default (GPT2Config, LlamaConfig, MistralConfig, Qwen2Config): 0.02,
 #: the std of every weight matrix and embedding at initialisation (PreTrainedModel._init_weights).
@@ -212,12 +212,7 @@ def check_buildable(spec: TransformerSpec) -> None:
 def check_runtime_features(spec: TransformerSpec) -> None:
     """ValueError (one line) for a family feature ``CausalLM`` does not build (transformers' own class, ``--hf``,
     trains those): without it the runtime would train another model than the config's."""
-    features = {"q/k norms": spec.qk_norm, "four norms per layer": spec.sandwich_norms,
-                "fused projections": spec.fused_projections, "routed experts": spec.moe is not None,
-                "latent attention": spec.mla is not None,
-                "soft-capping": spec.attn_logit_softcap is not None or spec.final_logit_softcap is not None,
-                }  # fmt: skip
-    if missing := [name for name, present in features.items() if present]:
+    if missing := layout_features(spec):
         raise ValueError(f"model_type {spec.model_type!r}: the reference runtime builds no {', '.join(missing)} "
                          "(transformers' own class trains under --engine fsdp2 --hf)")
 

@@ -184,6 +184,20 @@ BLOCK_PREFIX: dict[str, str] = {"gpt": "transformer.h.", "llama": "model.layers.
 """Name prefix of the decoder layers (the sharding units) per style, as transformers registers them."""
 
 
+def layout_features(spec: TransformerSpec) -> tuple[str, ...]:
+    """The newer families' features of ``spec`` beyond the Llama/Mistral/Qwen2 block, by name: what the activation
+    terms (``formulas.activation_terms.unmodelled_features``) and the validator's own runtime
+    (``validate/transformer.py``) each say they do or do not derive."""
+    features = {
+        "q/k norms": spec.qk_norm, "four norms per layer": spec.sandwich_norms,
+        "fused qkv and gate-up projections": spec.fused_projections,
+        "soft-capping": spec.attn_logit_softcap is not None or spec.final_logit_softcap is not None,
+        "sliding-window layers": spec.layer_types is not None, "routed experts": spec.moe is not None,
+        "latent attention": spec.mla is not None,
+    }  # fmt: skip
+    return tuple(name for name, present in features.items() if present)
+
+
 def block_prefix(spec: TransformerSpec) -> str:
     """``transformer.h.`` (GPT-2) or ``model.layers.`` (Llama, Mistral, Qwen2): the decoder layers' names."""
     return BLOCK_PREFIX[spec.style]

@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
-from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.architectures.spec import TransformerSpec, layout_features
 from zeroplan.formulas import gemma_activations as G
 from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block, sparse_block_limits, sparse_mlp_saved
 
@@ -329,14 +329,7 @@ def unmodelled_features(spec: TransformerSpec) -> tuple[str, ...]:
         return ()
     if spec.model_type in SPARSE_BLOCK_FAMILIES:  # Mixtral, Qwen2-MoE, Qwen3-MoE: moe_block.py
         return sparse_block_limits(spec)
-    features = {
-        "q/k norms": spec.qk_norm, "four norms per layer": spec.sandwich_norms,
-        "fused qkv and gate-up projections": spec.fused_projections,
-        "soft-capping": spec.attn_logit_softcap is not None or spec.final_logit_softcap is not None,
-        "sliding-window layers": spec.layer_types is not None, "routed experts": spec.moe is not None,
-        "latent attention": spec.mla is not None,
-    }  # fmt: skip
-    return tuple(name for name, present in features.items() if present) or (f"the {spec.model_type} family",)
+    return layout_features(spec) or (f"the {spec.model_type} family",)
 
 
 def activation_limit(spec: TransformerSpec) -> Optional[str]:
