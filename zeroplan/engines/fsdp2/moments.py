@@ -17,6 +17,7 @@ from zeroplan.engines.fsdp2.hf_tree import (
     tied_head_build,
 )
 from zeroplan.engines.fsdp2.mesh import REDUCED, with_allreduce_held
+from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward
 from zeroplan.engines.fsdp2.param import local_numel_sum, local_shard_numel, padded_shard_numel, shape_counts
 from zeroplan.engines.fsdp2.settings import ADAM
 from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
@@ -40,12 +41,10 @@ from zeroplan.engines.fsdp2.terms import (
     ag_output,
     batch,
     copy_in,
-    final_norm_backward,
     gather_input,
     gloo_copy,
     grad_cast,
     grads,
-    input_norm_backward,
     kept_blocks,
     mesh_ranks,
     params,

@@ -12,7 +12,6 @@ from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, unit_shard_numel
 from zeroplan.engines.fsdp2.memo import RANKED, memo_term
-from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward  # noqa: F401 - re-exported
 from zeroplan.engines.fsdp2.wrap import ShardUnit, Wrapping, preset, resolve
 from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_group
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
