@@ -193,6 +193,9 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
             [[c.op, c.phase, c.dtype, c.elements] for c in counter.calls if c.step == k]
             for k in range(-1, len(step_s))
         ],
+        # the process-group size of each of those calls (CommCall.group_size): ZeRO++ hpZ gathers in its
+        # secondary group (zeroplan/engines/deepspeed/zeropp.py), the rest over all N_d ranks
+        "call_groups_by_step": [[c.group_size for c in counter.calls if c.step == k] for k in range(-1, len(step_s))],
         "gloo_settle": settled.stats if settle else None,  # None: asynchronous, as DeepSpeed issues them
         "init_s": round(init_s, 3),
         "step_s": step_s,
