@@ -171,6 +171,11 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
             by_device = probe.by_device()
     finally:
         F.linear = linear  # zero.Init's zero3_linear_wrap, if any, ends with its run
+        # hpZ's secondary group lives in a module global that stage3.py hands to every later ZeRO-3 engine of the
+        # process (secondary partitions at any zero_hpz_partition_size): each run makes its own (deepspeed_changes)
+        import deepspeed.utils.groups as ds_groups
+
+        ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
         gc.unfreeze()
         if was_enabled:
             gc.enable()

@@ -71,6 +71,8 @@ def plain_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
     for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
         for bucket in BUCKET_CHOICES:
             update = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket, **plain}
+            if stage < 3:  # ZeRO++ is ZeRO-3's (zeropp_settings.py): the file's hpZ/qwZ keys do not carry down
+                update.update(hpz_partition_size=1, quantized_weights=False)
             if prefetch is not None:
                 update["prefetch_bucket_size"] = prefetch
             label = f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e") + (", no prefetch" if prefetch == 0 else "")

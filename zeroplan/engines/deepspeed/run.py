@@ -16,7 +16,7 @@ from zeroplan.engines.deepspeed.offload_terms import on_gpu
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel, flat_group
 from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, Stage3Trace, stage3_trace
-from zeroplan.engines.deepspeed.zeropp import secondary_terms
+from zeroplan.engines.deepspeed.zeropp import qwz_buffer_terms, secondary_terms
 from zeroplan.formulas.activation_terms import ModelActivations
 from zeroplan.formulas.peak import Moment, Term
 
@@ -174,11 +174,14 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
         return (Term(f"gathered parameters and open all-gather buffers (during {mark})", sched.high[i] * p, GATHER_SRC),
                 *sec)
     buffers = sched.buffers[i] if sched.buffers else 0
+    open_buffers = (Term("coalesced all-gather buffers awaiting their last module", buffers * p,
+                         "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor) held by "
+                         "AllGatherCoalescedHandle until partitioned_param_coordinator.py fetch_sub_module pops the "
+                         "call's last parameter"),)  # fmt: skip
+    if run.settings.quantized_weights:  # ZeRO++ qwZ: the buffer is int8 and its fp16 dequantization (zeropp.py)
+        open_buffers = qwz_buffer_terms(buffers)
     return (Term(f"gathered parameters ({mark})", (sched.gathered[i] - buffers) * p, GATHER_SRC),
-            *((Term("coalesced all-gather buffers awaiting their last module", buffers * p,
-                    "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor) held by "
-                    "AllGatherCoalescedHandle until partitioned_param_coordinator.py fetch_sub_module pops the "
-                    "call's last parameter"),) if buffers else ()), *sec)  # fmt: skip
+            *(open_buffers if buffers else ()), *sec)  # fmt: skip
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:

@@ -192,3 +192,12 @@ def zeropp_gathers(s, trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz:
                 row[1] += times * elements
     return tuple((phase, group, dtype, calls, elements, src)
                  for (phase, group, dtype), (calls, elements, src) in rows.items())
+
+
+def qwz_buffer_terms(buffer_numel: int) -> tuple[Term, ...]:
+    """qwZ: an open coalesced all-gather holds its int8 flat buffer (``quant_info.quantized_param``) and the
+    fp16 tensor it was dequantized to (``AllGatherCoalescedHandle.wait``: ``dequantize`` returns fp16,
+    ``self.partitions`` are views of it) until the coordinator pops the call's last parameter; the fp32 scales
+    (1 per ``qwz_groups`` group: under 0.05% of it) are not counted. Not measured (module docstring)."""
+    return (Term("qwZ all-gather buffers awaiting their last module (int8 and its fp16 dequantization)",
+                 buffer_numel * (BYTES_PER_ELEMENT["int8"] + BYTES_PER_ELEMENT["fp16"]), QWZ_SRC),)  # fmt: skip
