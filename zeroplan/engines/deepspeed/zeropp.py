@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import ceil
 
-from zeroplan.engines.deepspeed.coordinator import AVAILABLE, NOT_AVAILABLE, Coordinator, Stage3Schedule, stage3_schedule
+from zeroplan.engines.deepspeed.coordinator import (AVAILABLE, NOT_AVAILABLE, Coordinator, Stage3Schedule,
+                                                    stage3_schedule)
 from zeroplan.engines.deepspeed.trace import Stage3Trace
 from zeroplan.engines.deepspeed.zeropp_settings import hpz_group
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
@@ -90,7 +91,8 @@ class HpzCoordinator(Coordinator):
     def all_gather(self, params, forward: bool) -> None:
         """``__all_gather_params_``: the parameters with a secondary first, in the secondary group."""
         todo = [p for p in params if self.status[p] == NOT_AVAILABLE]
-        for part, group in (([p for p in todo if p in self.sec], self.hpz), ([p for p in todo if p not in self.sec], self.nd)):
+        with_secondary = [p for p in todo if p in self.sec]
+        for part, group in ((with_secondary, self.hpz), ([p for p in todo if p not in self.sec], self.nd)):
             calls = len(self.issued)
             super().all_gather(part, forward)
             self.group_of += [group] * (len(self.issued) - calls)
@@ -174,8 +176,8 @@ def zeropp_gathers(s, trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz:
     call of its fp32 scales (``qwz_groups`` of the rank's partition of the call, times the group)."""
     args = (s.param_persistence_threshold, s.prefetch_bucket_size, s.max_live_parameters, s.max_reuse_distance)
     if hpz > 1:
-        scheds = ((hpz_schedule(trace, numels, nd, hpz, *args), 1),
-                  *(((hpz_schedule(trace, numels, nd, hpz, *args, warm=True), grad_accum - 1),) if grad_accum > 1 else ()))
+        later = (hpz_schedule(trace, numels, nd, hpz, *args, warm=True), grad_accum - 1)
+        scheds = ((hpz_schedule(trace, numels, nd, hpz, *args), 1), *((later,) if grad_accum > 1 else ()))
     else:
         scheds = ((stage3_schedule(trace, numels, nd, *args), grad_accum),)
     rows: dict[tuple[str, int, str], list] = {}

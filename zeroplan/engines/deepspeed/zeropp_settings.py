@@ -8,6 +8,8 @@ from __future__ import annotations
 HPZ_KEY = "zero_optimization.zero_hpz_partition_size"
 QWZ_KEY = "zero_optimization.zero_quantized_weights"
 QGZ_KEY = "zero_optimization.zero_quantized_gradients"
+ZEROPP_KEYS = frozenset({"zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients"})
+"""ZeRO++'s ``zero_optimization`` keys."""
 
 
 def _refuse(stage: int, hpz: int, qwz: bool, qgz: bool, offload: bool) -> None:
