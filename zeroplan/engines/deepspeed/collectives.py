@@ -69,7 +69,7 @@ def zero3_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum:
     if trace is None:
         trace = stage3_trace(tuple((f"t{i}.weight", (n,)) for i, n in enumerate(numels)))
     hpz = hpz_group(s.hpz_partition_size, nd)
-    if hpz > 1 or s.quantized_weights:  # ZeRO++ (zeropp.py): the coordinator's calls by group, quantized
+    if hpz or s.quantized_weights:  # ZeRO++ (zeropp.py): the coordinator's calls by group, quantized
         out += [DSCollective("all-gather", phase, calls, elements, dtype, src, calls_exact=True, micro_steps=grad_accum,
                              group_size=0 if group == nd else group)
                 for phase, group, dtype, calls, elements, src in zeropp_gathers(s, trace, numels, nd, hpz, grad_accum)]

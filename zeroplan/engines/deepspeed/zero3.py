@@ -112,7 +112,7 @@ class ZeroOptimizerStage3(Wrapper):
         if run.trace is None:
             return None
         hpz = hpz_group(s.hpz_partition_size, run.nd)
-        if hpz > 1:  # zeropp.py: the secondary partitions; a later micro-step starts with them (G > 1)
+        if hpz:  # zeropp.py: the secondary partitions; a later micro-step starts with them (G > 1)
             return hpz_schedule(run.trace, run.numels, run.nd, hpz, s.param_persistence_threshold,
                                 s.prefetch_bucket_size, s.max_live_parameters, s.max_reuse_distance,
                                 warm=run.grad_accum > 1)  # fmt: skip

@@ -155,7 +155,7 @@ def all_secondaries(run) -> tuple[Term, ...]:
     """Every parameter's secondary partition (``all_secondaries_numel``) in ``run``'s dtype; () without hpZ."""
     s = run.settings
     hpz = hpz_group(s.hpz_partition_size, run.nd)
-    if hpz <= 1:
+    if not hpz:
         return ()
     return (Term("hpZ secondary partitions (every parameter)", all_secondaries_numel(run.numels, run.nd, hpz)
                  * BYTES_PER_ELEMENT[s.dtype], SECONDARY_SRC),)  # fmt: skip
@@ -175,7 +175,7 @@ def zeropp_gathers(s, trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz:
     the first micro-step cold, the G - 1 others warm (module docstring); qwZ: each call in int8 and a second
     call of its fp32 scales (``qwz_groups`` of the rank's partition of the call, times the group)."""
     args = (s.param_persistence_threshold, s.prefetch_bucket_size, s.max_live_parameters, s.max_reuse_distance)
-    if hpz > 1:
+    if hpz:
         later = (hpz_schedule(trace, numels, nd, hpz, *args, warm=True), grad_accum - 1)
         scheds = ((hpz_schedule(trace, numels, nd, hpz, *args), 1), *((later,) if grad_accum > 1 else ()))
     else:

@@ -52,10 +52,12 @@ def zeropp_keys(s) -> dict:
 
 
 def hpz_group(hpz: int, nd: int) -> int:
-    """Ranks in one hpZ secondary group at N_d = ``nd``; 1: off. DeepSpeed takes ``min(size, world)`` and asserts it
-    divides the world (utils/groups.py ``_create_zero_param_parallel_group``: ``_ensure_divisibility``)."""
+    """Ranks in one hpZ secondary group at N_d = ``nd``; 0: off (a size of 0 or 1). DeepSpeed takes
+    ``min(size, world)`` and asserts it divides the world (utils/groups.py ``_create_zero_param_parallel_group``:
+    ``_ensure_divisibility``); at N_d = 1 the group is the rank itself, and every parameter still gets a secondary
+    partition, whole (partition_parameters.py ``_partition_param_sec``: ``tensor_size // 1``)."""
     if hpz <= 1:
-        return 1
+        return 0
     size = min(hpz, nd)
     if nd % size:
         raise ValueError(f"{HPZ_KEY}={hpz}: must divide N_d={nd} (DeepSpeed asserts it: utils/groups.py "
