@@ -196,6 +196,16 @@ def test_hpz_must_divide_the_world():
     assert {c.group_size for c in est.collectives} == {0}
 
 
+def test_hpz_on_one_rank_keeps_whole_secondaries():
+    """At N_d = 1 DeepSpeed's secondary group is the rank itself (min(size, world)), yet every parameter gets a
+    secondary partition, the whole padded tensor (from the source: not measured)."""
+    record = next(r for r in RECORDS if r["name"] == "z3-hpz2-r0")
+    w = workload_from(record["workload"])
+    numels = tuple(math.prod(sh) for _, sh in w.shapes)
+    peaks = [D.estimate(w, 1, D.Settings(stage=3, hpz_partition_size=h))[0].peak.by_phase() for h in (1, 2)]
+    assert peaks[1]["init"] - peaks[0]["init"] == sum(numels) * 4 == all_secondaries_numel(numels, 1, 1) * 4
+
+
 def test_keys_read_back_as_predicted():
     s = D.Settings.from_ds_config({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8,
                                                          "zero_quantized_weights": True}})  # fmt: skip
