@@ -58,12 +58,10 @@ def secondary_numel(n: int, nd: int, hpz: int) -> int:
 @dataclass(frozen=True)
 class HpzSchedule(Stage3Schedule):
     """``Stage3Schedule`` with hpZ: ``secondary[i]``: secondary-partition elements alive after event ``i``;
-    ``groups[k]``: the group size of all-gather call ``k`` (``gathers[k]``): H in the secondary group, N_d outside;
-    ``initial``: secondary elements alive when the micro-step starts (0 at the first micro-step of a step)."""
+    ``groups[k]``: the group size of all-gather call ``k`` (``gathers[k]``): H in the secondary group, N_d outside."""
 
     secondary: tuple[int, ...] = ()
     groups: tuple[int, ...] = ()
-    initial: int = 0
 
 
 class HpzCoordinator(Coordinator):
@@ -117,10 +115,9 @@ def hpz_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz: int,
         first.replay(trace)
         start = frozenset(first.sec)
     c = HpzCoordinator(trace, numels, nd, hpz, *args, secondary=start)
-    initial = c.sec_mem
     base = c.replay(trace)
     return HpzSchedule(**{f: getattr(base, f) for f in Stage3Schedule.__dataclass_fields__},
-                       secondary=tuple(c.secondary), groups=tuple(c.group_of), initial=initial)  # fmt: skip
+                       secondary=tuple(c.secondary), groups=tuple(c.group_of))  # fmt: skip
 
 
 def all_secondaries_numel(numels: tuple[int, ...], nd: int, hpz: int) -> int:
