@@ -15,8 +15,9 @@
 #    reshard off); bf16 and Llama meta again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
 # 4. DeepSpeed ZeRO-1/2/3 at world size 1 on gpt-tiny, then with offload_optimizer (and ZeRO-3 offload_param).
 # 5. the largest micro-batch that runs (Llama-2-7B's config, FSDP2 at N_d 64, meta init, seq 4096; reshard
-#    on and off): doubling, then bisection, until an out-of-memory bracket or 100 s; compare it on any
-#    machine with the largest `zeroplan plan --micro-batch B` that fits.
+#    on and off): doubling, then bisection, until an out-of-memory bracket or 100 s; beside it (plan_largest.txt)
+#    `zeroplan plan --max-micro-batch MAX_BATCH` on the device's memory, the same search on the predictions
+#    (zeroplan/planning/largest_batch.py); the plan's answer must be the real one or one below, never above.
 # 6. reference runtime: real NCCL at world size 1 (gpt-tiny, mlp-tiny), simulated N_d 8 and 64.
 # Each step's Python processes record the allocator's whole history (validate/cuda_snapshot.py:
 # record_process_history, through OUT_DIR/hook/sitecustomize.py) into OUT_DIR/history/<step>/*.json;
@@ -152,6 +153,13 @@ big=(--engine fsdp2 --simulated --real-tensors --steps 2 --world-size 64 --model
   --reduce-dtype fp32 --init meta)
 search batch_llama_meta "${big[@]}"
 search batch_llama_meta_noreshard "${big[@]}" --reshard-after-forward false
+if [[ batch_llama_meta =~ $only ]]; then  # the same search on the plan's predictions (reshard on and off: its rows)
+  card=$(python -c 'import sys, torch; print(torch.cuda.get_device_properties(0).total_memory if sys.argv[1] == "cuda" else 141 * 2**30)' "$device")
+  python -c 'from zeroplan.cli import main; main()' plan --engine fsdp2 --model "$llama" --gpus 64 --gpu-memory "$card" \
+    --seq-len "$big_seq" --reduce-dtype fp32 --init meta --max-micro-batch "$max_batch" > "$out/plan_largest.txt" 2>&1 \
+    || status=1
+  grep -A5 '^Largest micro-batch' "$out/plan_largest.txt" | tee -a "$out/summary.txt"
+fi
 
 # The caching allocator rounds every block up to 512 bytes: 5 model-state tensors on gpt-tiny's 568 KiB
 # add under 0.1 %, on mlp-tiny's 125 KiB up to 1.4 %, hence its 2 % tolerance.
