@@ -278,13 +278,14 @@ def plan(
     from zeroplan.planning.config import PlanConfig
     from zeroplan.planning.plan import plan_config
     from zeroplan.render.plan import to_json, to_table
+    from zeroplan.types import MAX_BATCH
 
     if model is not None and params is not None:
         raise UserError("--model and --params are exclusive: choose one")
     if as_json:
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
-    if max_micro_batch is not None and (as_json or not 1 <= max_micro_batch <= 65536):
-        raise UserError(f"--max-micro-batch {max_micro_batch}: must be from 1 to 65536" if not as_json else
+    if max_micro_batch is not None and (as_json or not 1 <= max_micro_batch <= MAX_BATCH):
+        raise UserError(f"--max-micro-batch {max_micro_batch}: must be from 1 to {MAX_BATCH}" if not as_json else
                         "--max-micro-batch: table output only (zeroplan.planning.largest_batch in Python)")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")

@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-MICRO_BATCH_LIMIT = 65536
-"""``--micro-batch``'s own upper limit (planning/config.py ``BatchCount``)."""
+from zeroplan.types import MAX_BATCH
+
+MICRO_BATCH_LIMIT = MAX_BATCH
+"""``--micro-batch``'s own upper limit (zeroplan/types.py ``BatchCount``)."""
 
 
 @dataclass(frozen=True)
