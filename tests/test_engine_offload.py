@@ -226,8 +226,9 @@ UNNAMED = {("z2", 1, "backward"): 3_456, ("z2", 2, "backward"): 3_456,
 both rows; ZeRO-3's step, 212 B (0.06%) at N_d = 2, 240 B at 1, beside the terms a storage tracer found at its
 peak (offload.py ``_zero3_offload_moments``: 1,008 B of persistent parameters gathered again, the norm's scalars
 in fp32; its init is exact since ``host_at_states_init``, 15,956 B short before); ZeRO-3 at N_d = 1, backward
-(1.2%): the peak moves to the boundary, where ``_offload_grad_partition_at_boundary`` takes each gradient's
-norm on an fp32 copy (``_constant_buffered_norm2``), not modelled."""
+(1.2%): the peak is inside a bucket's reduction, where ``_offload_grad_partition_at_boundary`` takes each gradient
+partition's norm on an fp64 copy (``_constant_buffered_norm2``: 41,472 B for a 5,184-element weight), not
+modelled (docs/engines/deepspeed.md)."""
 
 
 def _offload_config(case: str) -> dict:
