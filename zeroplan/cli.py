@@ -266,6 +266,10 @@ def plan(
     optimizer_dtype: OptimizerDtype = None,
     units: Unit = typer.Option(Unit.GiB, help="GB = 1e9 bytes, GiB = 2**30 bytes."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
+    max_micro_batch: Optional[int] = typer.Option(
+        None, "--max-micro-batch", metavar="UP_TO",
+        help="Also search, for every configuration, the largest micro-batch that fits, 1 to UP_TO (doubling, then "
+        "bisection, as validate/gpu_check.sh does on a GPU; docs/allocator.md). Table output only."),
 ) -> None:
     """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
     model = with_revision(model, revision)  # ORG/NAME@REV: zeroplan.hub
@@ -274,11 +278,15 @@ def plan(
     from zeroplan.planning.config import PlanConfig
     from zeroplan.planning.plan import plan_config
     from zeroplan.render.plan import to_json, to_table
+    from zeroplan.types import MAX_BATCH
 
     if model is not None and params is not None:
         raise UserError("--model and --params are exclusive: choose one")
     if as_json:
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
+    if max_micro_batch is not None and (as_json or not 1 <= max_micro_batch <= MAX_BATCH):
+        raise UserError(f"--max-micro-batch {max_micro_batch}: must be from 1 to {MAX_BATCH}" if not as_json else
+                        "--max-micro-batch: table output only (zeroplan.planning.largest_batch in Python)")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
     engine, gpus, file_options, file_lines, step = from_config_files(
@@ -333,7 +341,16 @@ def plan(
            if "policy" in get_engine(engine).options else {}),  # fmt: skip
     )
     result = plan_config(config)
-    typer.echo(to_json(result, auto) if as_json else "\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines)))
+    found = () if max_micro_batch is None else largest_lines(max_micro_batch, config)
+    typer.echo(to_json(result, auto) if as_json else "\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines,
+                                                                *found)))  # fmt: skip
+
+
+def largest_lines(up_to: int, config) -> list[str]:
+    """``plan --max-micro-batch``'s lines (zeroplan/planning/largest_batch.py), after the plan's table."""
+    from zeroplan.planning.largest_batch import bracket_lines, largest_micro_batches
+
+    return ["", *bracket_lines(largest_micro_batches(config, up_to), up_to)]
 
 
 # The other commands live in their own modules, registered here in the order `zeroplan --help` lists them.
