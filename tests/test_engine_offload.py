@@ -354,13 +354,13 @@ FSDP2_ONE_MEMORY = {0: {"init": 177_336, "forward": 522_816, "backward": 572_360
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_fsdp2_cpu_offload_one_memory_matches_the_cpu_measurement(rank):
-    """``CPUOffloadPolicy`` on CPU (engines/fsdp2/offload.py ``one_memory_by_phase``): every phase to the byte; and
+    """``CPUOffloadPolicy`` on CPU (engines/fsdp2/offload_one_memory.py ``one_memory_by_phase``): every phase to the byte; and
     the GPU/host split adds up to the same measurement: at forward and backward the GPU moment less the shards
     copied up (one block, 8,010 elements: the same tensors on one memory) plus the host's shards and Adam's states
     (the gradient shards are freed by ``zero_grad(set_to_none=True)`` and made again after the peak); at the step
     the host alone (the GPU holds nothing)."""
     from validate.engines.fsdp2_compare import Fsdp2Settings, _workload as fsdp2_workload
-    from zeroplan.engines.fsdp2.offload import one_memory_by_phase
+    from zeroplan.engines.fsdp2.offload_one_memory import one_memory_by_phase
     from zeroplan.engines.fsdp2.plan import estimate, rank_run
     from zeroplan.engines.fsdp2.settings import Settings as FSettings
 
