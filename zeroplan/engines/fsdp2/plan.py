@@ -20,6 +20,8 @@ from zeroplan.engines.fsdp2.moments import optimizer_moments
 from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
+from zeroplan.engines.fsdp2.tp import check_tp, sequence_parallel_acts
+from zeroplan.engines.fsdp2.tp_estimate import tp_estimate
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
@@ -35,7 +37,15 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (None: the
     rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``), on a 2-D
     HSDP mesh when ``dp_replicate``/``dp_shard`` say so (engines/fsdp2/mesh.py); its collectives count one
-    optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``)."""
+    optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``). With ``tp`` T > 1: the TP-local
+    model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``)."""
+    if (settings.tp or 1) > 1:
+        return tp_estimate(workload, nd, settings, dp_estimate)
+    return dp_estimate(workload, nd, settings)
+
+
+def dp_estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
+    """``estimate`` on ``nd`` data-parallel ranks (with ``tp``: ``workload`` is the TP-local one)."""
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
     if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
         ranks = distinct_ranks(tuple(s for _, s in workload.shapes), shard_groups(settings, nd)[1])
@@ -51,7 +61,12 @@ def rank_run(workload: Workload, nd: int, settings: Settings):
     (``alloc_trace.py``) describe the same run."""
     settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})  # rank r is shard r mod S
     replicate, nd = shard_groups(settings, nd)
-    return replace(fsdp2_run(workload, nd, settings), replicate=replicate), nd
+    run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
+    if (settings.tp or 1) > 1 and settings.sequence_parallel and run.acts is not None:  # engines/fsdp2/tp.py
+        run = replace(run, acts=sequence_parallel_acts(run.acts, settings.tp, workload.micro_batch * workload.seq_len,
+                                                       workload.spec.d_model, dtype_bytes(settings.param),
+                                                       settings.backend == "gloo"))
+    return run, nd
 
 
 def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None = None) -> EngineEstimate:
@@ -244,6 +259,9 @@ VOCABULARY: tuple[EngineOption, ...] = (
                  "fully_shard(offload_policy=...): none (default) or cpu (CPUOffloadPolicy: shards, gradients and "
                  "the optimizer step on the host)"),
     EngineOption("pin_memory", _flag("pin_memory"), None, "CPUOffloadPolicy.pin_memory (default true)"),
+    EngineOption("tp", check_tp, None, "tensor parallelism: ranks T of the mesh's 'tp' dimension (torchtitan's llama plan)"),
+    EngineOption("sequence_parallel", _flag("sequence_parallel"), None,
+                 "with tp: SequenceParallel norms and Shard(1) activations (default true)"),
 )  # fmt: skip
 """FSDP2's vocabulary, declared once (``Engine.own_options``): ``fully_shard``'s ``reshard_after_forward``,
 ``MixedPrecisionPolicy``'s dtypes, ``Settings.wrap``, ``init``, ``device``, the HSDP mesh's ``dp_replicate``

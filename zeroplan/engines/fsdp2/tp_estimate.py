@@ -1,0 +1,44 @@
+"""``estimate`` of FSDP2 with tensor parallelism (``Settings.tp`` = T > 1): the flat or HSDP profile of the
+TP-local model (engines/fsdp2/tp.py) on N_d / T data-parallel ranks, plus the TP collectives of every
+micro-step over the ``tp`` group."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, local_spec, norm_grad_collectives, tp_collectives
+from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
+from zeroplan.formulas.dtypes import dtype_bytes
+
+
+def tp_workload(workload, t: int):
+    """The workload one TP rank trains: TP-local parameter shapes and the TP-local architecture."""
+    return replace(workload, shapes=local_shapes(workload.shapes, t), spec=local_spec(workload.spec, t))
+
+
+def tp_rows(workload, settings) -> tuple[Collective, ...]:
+    """The TP collectives of one optimizer step: ``tp_collectives`` in every micro-step (``grad_accum`` of
+    them), the norms' gradient all-reduces once (``norm_grad_collectives``: FSDP2's reduction)."""
+    t, spec = settings.tp, workload.spec
+    dtype = settings.param  # activations and autograd's gradients (FSDPParam.init_dtype_attrs)
+    calls = tp_collectives(spec.n_layer, workload.micro_batch * workload.seq_len, spec.d_model, dtype, t,
+                           settings.sequence_parallel, workload.checkpointing != "none")  # fmt: skip
+    grads = norm_grad_collectives(spec.n_layer, spec.d_model, dtype, t, settings.sequence_parallel)
+    return tuple(Collective(c.op, c.phase, m * c.elements, c.dtype,
+                            m * ring_bytes_per_rank(c.op, c.elements, t, dtype_bytes(c.dtype)), m,
+                            mesh_dim="tp", group_size=t)
+                 for group, m in ((calls, workload.grad_accum), (grads, 1)) for c in group)  # fmt: skip
+
+
+def tp_estimate(workload, nd: int, settings, estimate):
+    """The rows of ``estimate`` (FSDP2's, passed in: no import cycle) for T = ``settings.tp`` on ``nd`` GPUs:
+    global rank r is TP rank r mod T of data-parallel rank r // T (``tp`` innermost), and every TP rank of a
+    data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T."""
+    t = settings.tp
+    check_plan(workload.spec, t, nd, workload.seq_len, settings.sequence_parallel)
+    inner = settings.model_copy(update={"rank": None if settings.rank is None else settings.rank // t})
+    rows = estimate(tp_workload(workload, t), nd // t, inner)  # the data-parallel profile (plan.dp_estimate)
+    extra = tp_rows(workload, settings)
+    return tuple(replace(r, collectives=(*r.collectives, *extra),
+                         peak_rank=None if r.peak_rank is None else r.peak_rank * t)
+                 for r in rows)  # fmt: skip
