@@ -30,14 +30,22 @@ def tp_rows(workload, settings) -> tuple[Collective, ...]:
                  for group, m in ((calls, workload.grad_accum), (grads, 1)) for c in group)  # fmt: skip
 
 
+def tp_local(workload, nd: int, settings):
+    """(the TP-local workload, the data-parallel ranks N_d / T, the settings of the data-parallel rank of
+    ``settings.rank``): what one TP rank runs, ``check_plan`` passed. ``settings`` keeps ``tp`` (the
+    SP activations, the label)."""
+    t = settings.tp
+    check_plan(workload.spec, t, nd, workload.seq_len, settings.sequence_parallel)
+    rank = None if settings.rank is None else settings.rank // t
+    return tp_workload(workload, t), nd // t, settings.model_copy(update={"rank": rank})
+
+
 def tp_estimate(workload, nd: int, settings, estimate):
     """The rows of ``estimate`` (FSDP2's, passed in: no import cycle) for T = ``settings.tp`` on ``nd`` GPUs:
     global rank r is TP rank r mod T of data-parallel rank r // T (``tp`` innermost), and every TP rank of a
     data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T."""
     t = settings.tp
-    check_plan(workload.spec, t, nd, workload.seq_len, settings.sequence_parallel)
-    inner = settings.model_copy(update={"rank": None if settings.rank is None else settings.rank // t})
-    rows = estimate(tp_workload(workload, t), nd // t, inner)  # the data-parallel profile (plan.dp_estimate)
+    rows = estimate(*tp_local(workload, nd, settings))  # the data-parallel profile (plan.dp_estimate)
     extra = tp_rows(workload, settings)
     return tuple(replace(r, collectives=(*r.collectives, *extra),
                          peak_rank=None if r.peak_rank is None else r.peak_rank * t)
