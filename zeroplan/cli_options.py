@@ -206,9 +206,10 @@ DpShardOption = Annotated[
                  "--dp-replicate, else N_d); plan: auto searches it (whole nodes, the smallest that fits)."),
 ]  # fmt: skip
 TpOption = Annotated[
-    Optional[int],
+    Optional[str],
     typer.Option("--tp", help="fsdp2: tensor parallelism over T GPUs (torchtitan's llama plan: colwise q/k/v, gate/up, "
-                 "rowwise o/down, sequence-parallel norms, loss parallel); FSDP2 shards over GPUs / T."),
+                 "rowwise o/down, sequence-parallel norms, loss parallel); FSDP2 shards over GPUs / T; plan: auto searches "
+                 "1, 2, 4, 8 within a node."),
 ]  # fmt: skip
 FsdpWrapOption = Annotated[
     Optional[str],

@@ -21,7 +21,7 @@ from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import check_tp, sequence_parallel_acts
-from zeroplan.engines.fsdp2.tp_estimate import tp_estimate
+from zeroplan.engines.fsdp2.tp_estimate import tp_estimate, tp_mesh, tp_search
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
@@ -144,13 +144,14 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
         def option(shard: int | None, reshard=reshard, w=w) -> tuple[tuple[Settings, EngineEstimate, bool], bool]:
             update = ({} if own else {"reshard_after_forward": reshard}) | (
                 {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
-            s = resolve_mesh(settings.model_copy(update=update), nd)
+            s = tp_mesh(settings.model_copy(update=update), nd)  # resolve_mesh on N_d / T (engines/fsdp2/tp_estimate.py)
             (row,) = estimate(w, nd, s)
             fits = row.peak.peak_bytes <= capacity_bytes
             return (s, row, fits), fits
 
         s, row, fits = smallest_fitting(shards, option) if shards else option(None)[0]
-        run_settings = fsdp2_run(w, shard_groups(s, nd)[1], s).settings  # the chosen one's only
+        dp = nd // (s.tp or 1)
+        run_settings = fsdp2_run(w, shard_groups(s, dp)[1], s).settings  # the chosen one's only
         out.append(Fsdp2Option(run_settings, ckpt, row, fits, wrapping_of(w, s)))
     return tuple(out)
 
@@ -204,6 +205,8 @@ def planner_settings(options: PlannerOptions) -> Settings:
         given["cuda_capability"] = options.gpu_capability
     if options.own.get("dp_shard") == AUTO:
         raise ValueError("dp_shard=auto: only plan searches the mesh; give a number (R x S = N_d)")
+    if options.own.get("tp") == AUTO:
+        raise ValueError("tp=auto: only plan searches the TP degree; give a number (1, 2, 4, 8)")
     given.update({k: v for k, v in options.own.items()  # the rest of VOCABULARY as checked
                   if v is not None and k != "gpus_per_node" and k not in given})  # fmt: skip
     if given.get("device") == "cpu":  # a CPU run is on gloo (users' CPU CI runners), as the validator's
@@ -285,12 +288,16 @@ def planner_policy(settings: Settings) -> PrecisionPolicy:
 def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
     """``zeroplan plan --engine fsdp2``: every candidate of ``plan_options`` (cheapest first) with the
     snippet of exactly the configuration predicted; the recommendation is ``recommend``'s."""
+    if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
+        return tp_search(workload, nd, capacity_bytes, options, planner_plan)
     search = options.own.get("dp_shard") == AUTO
+    if search and (options.own.get("tp") or 1) > 1:
+        raise ValueError("dp_shard=auto with tp: give the data-parallel mesh (dp_replicate, dp_shard) or neither")
     if search and options.own.get("dp_replicate") is not None:
         raise ValueError("dp_shard=auto searches the mesh: give no dp_replicate with it")
     if search:  # ``--dp-shard auto``: shard groups of whole nodes (mesh.py shard_sizes)
         options = replace(options, own={**options.own, "dp_shard": None})
-    settings = resolve_mesh(planner_settings(options), nd)  # the snippet names the mesh predicted
+    settings = tp_mesh(planner_settings(options), nd)  # the snippet names the mesh predicted
     if settings.foreach is None:  # the snippet names the foreach path the prediction used
         settings = settings.model_copy(update={"foreach": workload.foreach})
     node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
@@ -299,6 +306,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"
                   + (f", mesh {o.settings.dp_replicate} x {o.settings.dp_shard}" if o.settings.dp_replicate else "")
+                  + (f", tp {o.settings.tp}" if (o.settings.tp or 1) > 1 else "")
                   + (f", CPUOffloadPolicy(pin_memory={o.settings.pin_memory})" if o.settings.offload_policy == "cpu" else ""),
                   o.estimate, o.fits, o.snippet,
                   trace_inputs=(replace(workload, checkpointing=o.checkpointing), nd,  # the rank it peaks on

@@ -40,12 +40,14 @@ ROWWISE = ("o_proj", "down_proj")
 NORMS = ("input_layernorm", "post_attention_layernorm", "norm")
 
 
-def check_tp(t: object) -> int:
-    """``tp``'s check (``EngineOption.check``): a whole number from 1 to 2**16."""
+def check_tp(t: object) -> int | str:
+    """``tp``'s check (``EngineOption.check``): a whole number from 1 to 2**16, or ``auto`` (``plan`` only)."""
+    if t == "auto":
+        return t
     if isinstance(t, str) and t.isdigit():
         t = int(t)
     if not isinstance(t, int) or isinstance(t, bool) or not 1 <= t <= 2**16:
-        raise ValueError(f"tp={t!r}: expected a whole number from 1 to 65536")
+        raise ValueError(f"tp={t!r}: expected a whole number from 1 to 65536, or auto (plan)")
     return t
 
 
@@ -182,3 +184,56 @@ def sequence_parallel_acts(acts, t: int, tokens: int, d_model: int, a: int, gloo
                     norm_backward_saved=b.norm_backward_saved - 2 * cut + n * d * a - shard(n * d * a),
                     norm_backward_ws=shard(b.norm_backward_ws))  # fmt: skip
     return replace(acts, block=block, embed_out=shard(acts.embed_out), final_saved=acts.final_saved - cut)
+
+
+TP_SIZES = (1, 2, 4, 8)
+"""The TP degrees ``plan --tp auto`` tries, smallest first, those within a node that divide the GPUs and that
+the plan holds (``check_plan``): TP's collectives run on every micro-step's activations, so it stays on
+NVLink (torchtitan: TP inside a node, FSDP across)."""
+
+
+def tp_sizes(spec, nd: int, gpus_per_node: int, seq_len: int, sequence_parallel: bool = True) -> tuple[int, ...]:
+    """``TP_SIZES`` that fit in a node, divide ``nd`` and pass ``check_plan`` (1 always), leaving at least two
+    data-parallel ranks (FSDP2's world-size-1 path is not modelled: ``Fsdp2Run``)."""
+    out = []
+    for t in TP_SIZES:
+        try:
+            if t == 1 or (t <= gpus_per_node and t < nd and check_plan(spec, t, nd, seq_len, sequence_parallel) is None):
+                out.append(t)
+        except ValueError:
+            continue
+    return tuple(out)
+
+
+def tp_snippet(t: int, dp_mesh: str, sequence_parallel: bool) -> str:
+    """``parallelize_module`` with torchtitan's llama plan in transformers' llama names (``LlamaForCausalLM``:
+    ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``), then what ``fully_shard`` takes:
+    ``dp_mesh``, the data-parallel sub-mesh. The loss is computed under ``loss_parallel()``."""
+    act = "Shard(1)" if sequence_parallel else "Replicate()"
+    norms = ('        "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),\n'
+             if sequence_parallel else "")  # fmt: skip
+    final = '    "model.norm": SequenceParallel(),\n' if sequence_parallel else ""
+    return (
+        "from torch.distributed.tensor import Replicate, Shard\n"
+        "from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,\n"
+        "                                               SequenceParallel, loss_parallel, parallelize_module)\n"
+        f"# tensor parallelism over the {t} GPUs of mesh[\"tp\"] (torchtitan's llama plan), before fully_shard;\n"
+        "# module names as transformers' LlamaForCausalLM (model.model.layers: `model.layers` below)\n"
+        "parallelize_module(model, mesh[\"tp\"], {\n"
+        f"    \"model.embed_tokens\": RowwiseParallel(input_layouts=Replicate(), output_layouts={act}),\n{final}"
+        f"    \"lm_head\": ColwiseParallel(input_layouts={act}, output_layouts=Shard(-1), use_local_output=False),\n"
+        "})  # the loss: `with loss_parallel(): loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())`\n"
+        "for block in model.model.layers:\n"
+        "    parallelize_module(block, mesh[\"tp\"], {\n"
+        f"{norms}"
+        f"        \"self_attn\": PrepareModuleInput(input_kwarg_layouts={{\"hidden_states\": {act}}},\n"
+        "                                        desired_input_kwarg_layouts={\"hidden_states\": Replicate()}),\n"
+        "        \"self_attn.q_proj\": ColwiseParallel(), \"self_attn.k_proj\": ColwiseParallel(),\n"
+        "        \"self_attn.v_proj\": ColwiseParallel(),\n"
+        f"        \"self_attn.o_proj\": RowwiseParallel(output_layouts={act}),\n"
+        f"        \"mlp\": PrepareModuleInput(input_layouts=({act},), desired_input_layouts=(Replicate(),)),\n"
+        "        \"mlp.gate_proj\": ColwiseParallel(), \"mlp.up_proj\": ColwiseParallel(),\n"
+        f"        \"mlp.down_proj\": RowwiseParallel(output_layouts={act}),\n"
+        "    })\n"
+        f"dp_mesh = {dp_mesh}  # fully_shard shards the TP-local tensors over it\n"
+    )

@@ -50,3 +50,34 @@ def tp_estimate(workload, nd: int, settings, estimate):
     return tuple(replace(r, collectives=(*r.collectives, *extra),
                          peak_rank=None if r.peak_rank is None else r.peak_rank * t)
                  for r in rows)  # fmt: skip
+
+
+def tp_mesh(settings, nd: int):
+    """``mesh.resolve_mesh`` on the data-parallel ranks N_d / T; with TP the shard group S is always named
+    (the snippet's ``init_device_mesh`` needs it)."""
+    from zeroplan.engines.fsdp2.mesh import resolve_mesh, shard_groups
+
+    t = settings.tp or 1
+    if t == 1:
+        return resolve_mesh(settings, nd)
+    if nd % t:
+        raise ValueError(f"tp={t}: must divide the GPUs ({nd})")
+    resolved = resolve_mesh(settings, nd // t)
+    return resolved if resolved.dp_replicate else resolved.model_copy(update={"dp_shard": shard_groups(resolved, nd // t)[1]})
+
+
+def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
+    """``plan --tp auto``: ``plan`` (FSDP2's ``planner_plan``) at each TP degree of ``tp.tp_sizes`` (within a
+    node, dividing the GPUs, held by the plan), smallest first; the first that recommends a candidate, else the
+    largest degree's plan. Smaller first: TP's collectives carry every micro-step's activations."""
+    from zeroplan.engines.fsdp2.tp import tp_sizes
+    from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
+
+    node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
+    own = {k: v for k, v in options.own.items() if k != "tp"}
+    result = None
+    for t in tp_sizes(workload.spec, nd, node, workload.seq_len, options.own.get("sequence_parallel", True) is not False):
+        result = plan(workload, nd, capacity_bytes, replace(options, own={**own, "tp": t if t > 1 else None}))
+        if result.recommended is not None:
+            return result
+    return result
