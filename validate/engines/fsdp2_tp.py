@@ -75,9 +75,9 @@ def tp_forward(self, tokens: torch.Tensor) -> torch.Tensor:
     return self.lm_head(self.model.norm(x))
 
 
-def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool):
+def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool, param_dtype: str = "fp32"):
     """Meta build, ``parallelize_module`` on the ``tp`` mesh, ``fully_shard`` on ``dp_shard``, then memory."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     model = build(spec, torch.float32, "meta")
@@ -86,20 +86,22 @@ def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool):
     parallelize_module(model, tp_mesh, root)
     for block in model.model.layers:
         parallelize_module(block, tp_mesh, layer)
+    policy = MixedPrecisionPolicy(param_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype])
     for block in model.model.layers:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     model.to_empty(device="cpu")
     model._init_weights()
     return model
 
 
 def loss_of(model, batch) -> torch.Tensor:
+    """``CausalLM.loss`` under loss parallel: fp32 logits (``.float()``, a no-op in fp32), mean cross-entropy."""
     from torch.distributed.tensor.parallel import loss_parallel
 
     tokens, targets = batch
     with loss_parallel():
-        return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        return F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
 
 
 FUNCTIONAL = {"all_reduce": ("all-reduce", 2), "all_gather_single": ("all-gather", 2),
@@ -160,7 +162,8 @@ class GroupCounter(CommCounter):
         return super().__torch_dispatch__(func, types_, args, kwargs)
 
 
-def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, sequence_parallel: bool) -> dict:
+def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, sequence_parallel: bool,
+            param_dtype: str = "fp32") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     spec = spec_from_hf_config(TINY, "validate/engines/fsdp2_tp.py TINY")
@@ -181,7 +184,7 @@ def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, s
 
     with probe, counter, counter.functional(), gloo_reduce_scatter_settled(probe, True):
         enter("init")
-        model = build_tp(spec, tp_mesh, dp_mesh, sequence_parallel)
+        model = build_tp(spec, tp_mesh, dp_mesh, sequence_parallel, param_dtype)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
         enter(None)
         readings["after_init"].append(probe.settled_bytes())
@@ -222,16 +225,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank")
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--no-sp", action="store_true", help="without sequence parallelism")
+    parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="MixedPrecisionPolicy.param_dtype (the reduce dtype follows it)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     nd, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dist.init_process_group("gloo")
-    row = measure(args.tp, nd, rank, args.steps, args.batch, args.seq_len, not args.no_sp)
+    row = measure(args.tp, nd, rank, args.steps, args.batch, args.seq_len, not args.no_sp, args.param_dtype)
     rows = [None] * nd if rank == 0 else None
     dist.gather_object(row, rows, dst=0)
     if rank == 0:
         meta = {"world_size": nd, "tp": args.tp, "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
-                "sequence_parallel": not args.no_sp, "hf_config": TINY, "torch": torch.__version__,
+                "sequence_parallel": not args.no_sp, "param_dtype": args.param_dtype, "hf_config": TINY, "torch": torch.__version__,
                 "backend": "gloo", "model": "validate/transformer.py CausalLM (llama layout)"}  # fmt: skip
         write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}))
     dist.barrier()

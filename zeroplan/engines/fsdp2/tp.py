@@ -124,7 +124,8 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
     for i in range(1, n_layer + 1):
         out += [coll(op, "forward", f"block {i}") for op in block_fwd]
     out += [coll(op, "forward", "root") for op in head]
-    out += [coll("all-reduce", "forward", "root (loss parallel)", tokens) for _ in range(3)]
+    # the loss runs on fp32 logits (``logits.float()``, as transformers' ForCausalLMLoss and CausalLM.loss)
+    out += [UnitCollective("all-reduce", "forward", "root (loss parallel)", tokens, "fp32", t, "tp") for _ in range(3)]
     if sequence_parallel:
         out += [coll(back[op], "backward", "root") for op in reversed(head)]
     else:
@@ -165,10 +166,11 @@ def sequence_parallel_acts(acts, t: int, tokens: int, d_model: int, a: int, gloo
     norm (n·d·4 + n·4 + n·d·a)·(1 - 1/T) less is saved, and the block's input, x1 and output, the embedding's
     output and the norms' pending and backward working sets are divided by T. At a block's forward peak
     (``forward_extra``) down_proj's Partial output is whole (n·d·a) while it is reduce-scattered into n/T rows,
-    and two n/T-row tensors are alive beside it (the reduce-scatter's output and the block's output); gloo
-    copies the whole input of a reduce-scatter (as FSDP2's ``gloo_copy`` term). That moment was fitted to one
-    measurement (gloo, fp32, T = 2: the 2·n·d·a/T read from it); the rest is derived from the ops of
-    validate/transformer.py; both are measured against FSDP2 + SP on gloo (tests/test_fsdp2_tp.py)."""
+    and n/T-row tensors are alive beside it: the reduce-scatter's output and the block's output, and in 16 bit
+    the block's input and x1 too (in fp32 the norms save those: ``_llama_block``'s ``own_input``); gloo
+    copies the whole input of a reduce-scatter (as FSDP2's ``gloo_copy`` term). That moment was read from the
+    measurement (gloo, T = 2, fp32 and bf16); the rest is derived from the ops of validate/transformer.py; both
+    are measured against FSDP2 + SP on gloo (tests/test_fsdp2_tp.py)."""
     n, d = tokens, d_model
 
     def shard(x: int) -> int:
@@ -177,7 +179,7 @@ def sequence_parallel_acts(acts, t: int, tokens: int, d_model: int, a: int, gloo
     per_norm = n * d * 4 + n * 4 + n * d * a
     cut = per_norm - shard(per_norm)
     b = acts.block
-    extra = n * d * a * (1 + gloo) + 2 * shard(n * d * a)
+    extra = n * d * a * (1 + gloo) + (2 if a == 4 else 4) * shard(n * d * a)
     block = replace(b, saved=b.saved - 2 * cut, forward_extra=extra,
                     forward_before_output=shard(b.forward_before_output), ckpt_saved=shard(b.ckpt_saved),
                     held_input_pending=shard(b.held_input_pending), pending_at_last_grad=shard(b.pending_at_last_grad),
