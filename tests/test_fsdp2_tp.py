@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,42 @@ def test_cli(capsys):
         bad = runner.invoke(app, ["estimate", "--model", "llama3-8b", "--gpus", "12", "--seq-len", "2048", *args])
         assert bad.exit_code == 2, bad.output
         assert "Traceback" not in bad.output
+
+
+def test_plan_snippet_names_the_mesh():
+    """``plan --tp 2`` on 8 GPUs: the 2-D mesh (4, 2), parallelize_module before fully_shard on dp_mesh."""
+    from typer.testing import CliRunner
+    from zeroplan.cli import app
+
+    out = CliRunner().invoke(app, ["plan", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "8", "--tp", "2",
+                                   "--gpu-memory", "80GB", "--param-dtype", "bf16", "--seq-len", "4096"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "init_device_mesh('cuda', (4, 2), mesh_dim_names=('dp_shard', 'tp'))" in out.output
+    assert 'parallelize_module(model, mesh["tp"]' in out.output
+    assert "fully_shard(model, mesh=dp_mesh, mp_policy=policy)" in out.output
+
+
+def test_tp_auto_takes_the_smallest_degree_that_fits():
+    """``plan --tp auto``: 1, 2, 4 within the node (8 GPUs: 8 would leave one data-parallel rank), smallest
+    first, stopping at the first plan that recommends a candidate."""
+    from types import SimpleNamespace
+
+    from zeroplan.engines.fsdp2.tp_estimate import tp_search
+
+    spec = resolve_model("llama3-8b")
+    w = Workload(transformer_shapes(spec), spec, 4096, 1)
+    tried = []
+
+    def plan(workload, nd, capacity, options):
+        tried.append(options.own.get("tp"))
+        return SimpleNamespace(recommended=0 if options.own.get("tp") == 4 else None)
+
+    @dataclass(frozen=True)
+    class Options:  # PlannerOptions' one field tp_search reads (and replaces)
+        own: dict
+
+    tp_search(w, 8, 0, Options({"tp": "auto"}), plan)
+    assert tried == [None, 2, 4]
+    tried.clear()
+    tp_search(w, 16, 0, Options({"tp": "auto", "gpus_per_node": 4}), plan)
+    assert tried == [None, 2, 4]  # 8 is past a node of 4

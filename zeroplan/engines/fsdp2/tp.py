@@ -225,7 +225,9 @@ def tp_snippet(t: int, dp_mesh: str, sequence_parallel: bool) -> str:
         f"    \"model.embed_tokens\": RowwiseParallel(input_layouts=Replicate(), output_layouts={act}),\n{final}"
         f"    \"lm_head\": ColwiseParallel(input_layouts={act}, output_layouts=Shard(-1), use_local_output=False),\n"
         "})  # the loss: `with loss_parallel(): loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())`\n"
-        "for block in model.model.layers:\n"
+        + ("# transformers with SP: pass position_ids and cache_position = arange(seq_len) to the model (its\n"
+           "# embedding output has seq_len / T rows, from which it would derive them)\n" if sequence_parallel else "")
+        + "for block in model.model.layers:\n"
         "    parallelize_module(block, mesh[\"tp\"], {\n"
         f"{norms}"
         f"        \"self_attn\": PrepareModuleInput(input_kwarg_layouts={{\"hidden_states\": {act}}},\n"
