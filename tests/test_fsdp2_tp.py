@@ -46,8 +46,11 @@ def _predict(run: dict, rank: int):
     return row
 
 
-RUNS = [pytest.param(r, id=f"{r['meta'].get('param_dtype', 'fp32')}-{'sp' if r['meta']['sequence_parallel'] else 'no-sp'}")
-        for r in RECORDED["runs"]]  # fmt: skip
+def _run_id(run: dict) -> str:
+    return f"{run['meta'].get('param_dtype', 'fp32')}-{'sp' if run['meta']['sequence_parallel'] else 'no-sp'}"
+
+
+RUNS = [pytest.param(r, id=_run_id(r)) for r in RECORDED["runs"]]
 
 
 def test_llama3_8b_local_shapes():

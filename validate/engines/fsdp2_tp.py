@@ -57,7 +57,8 @@ def tp_plan(sequence_parallel: bool = True) -> dict:
     return plan, {
         **({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
            if sequence_parallel else {}),
-        "self_attn": PrepareModuleInput(input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None)),
+        "self_attn": PrepareModuleInput(input_layouts=(act, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
         **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
         "self_attn.o_proj": RowwiseParallel(output_layouts=act),
         "mlp": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.gather_object(row, rows, dst=0)
     if rank == 0:
         meta = {"world_size": nd, "tp": args.tp, "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
-                "sequence_parallel": not args.no_sp, "param_dtype": args.param_dtype, "hf_config": TINY, "torch": torch.__version__,
+                "sequence_parallel": not args.no_sp, "param_dtype": args.param_dtype, "hf_config": TINY,
+                "torch": torch.__version__,
                 "backend": "gloo", "model": "validate/transformer.py CausalLM (llama layout)"}  # fmt: skip
         write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}))
     dist.barrier()

@@ -262,7 +262,8 @@ VOCABULARY: tuple[EngineOption, ...] = (
                  "fully_shard(offload_policy=...): none (default) or cpu (CPUOffloadPolicy: shards, gradients and "
                  "the optimizer step on the host)"),
     EngineOption("pin_memory", _flag("pin_memory"), None, "CPUOffloadPolicy.pin_memory (default true)"),
-    EngineOption("tp", check_tp, None, "tensor parallelism: ranks T of the mesh's 'tp' dimension (torchtitan's llama plan)"),
+    EngineOption("tp", check_tp, None,
+                 "tensor parallelism: ranks T of the mesh's 'tp' dimension (torchtitan's llama plan); plan: auto"),
     EngineOption("sequence_parallel", _flag("sequence_parallel"), None,
                  "with tp: SequenceParallel norms and Shard(1) activations (default true)"),
 )  # fmt: skip

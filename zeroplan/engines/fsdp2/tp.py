@@ -61,7 +61,8 @@ def check_plan(spec, t: int, nd: int, seq_len: int, sequence_parallel: bool) -> 
         raise ValueError(f"tp={t}: model_type {spec.model_type!r}: torchtitan's llama plan holds only "
                          f"{', '.join(TP_FAMILIES)} (q/k/v/o, gate/up/down, RMSNorm)")  # fmt: skip
     if spec.tied:
-        raise ValueError(f"tp={t}: tied embeddings are not in torchtitan's llama plan (embedding Rowwise, head Colwise)")
+        raise ValueError(f"tp={t}: tied embeddings are not in torchtitan's llama plan "
+                         "(embedding Rowwise, head Colwise)")
     for what, n in (("n_head", spec.n_head), ("n_kv_head", spec.n_kv_head), ("ffn_hidden", spec.ffn),
                     ("vocab_size", spec.vocab_size), *((("seq_len", seq_len),) if sequence_parallel else ())):
         if n % t:
@@ -125,7 +126,8 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
         out += [coll(op, "forward", f"block {i}") for op in block_fwd]
     out += [coll(op, "forward", "root") for op in head]
     # the loss runs on fp32 logits (``logits.float()``, as transformers' ForCausalLMLoss and CausalLM.loss)
-    out += [UnitCollective("all-reduce", "forward", "root (loss parallel)", tokens, "fp32", t, "tp") for _ in range(3)]
+    out += [UnitCollective("all-reduce", "forward", "root (loss parallel)", tokens, "fp32", t, "tp")
+            for _ in range(3)]
     if sequence_parallel:
         out += [coll(back[op], "backward", "root") for op in reversed(head)]
     else:
@@ -200,7 +202,9 @@ def tp_sizes(spec, nd: int, gpus_per_node: int, seq_len: int, sequence_parallel:
     out = []
     for t in TP_SIZES:
         try:
-            if t == 1 or (t <= gpus_per_node and t < nd and check_plan(spec, t, nd, seq_len, sequence_parallel) is None):
+            if t > 1 and (t > gpus_per_node or t >= nd):
+                continue
+            if t == 1 or check_plan(spec, t, nd, seq_len, sequence_parallel) is None:
                 out.append(t)
         except ValueError:
             continue

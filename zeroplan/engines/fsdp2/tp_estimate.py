@@ -63,7 +63,9 @@ def tp_mesh(settings, nd: int):
     if nd % t:
         raise ValueError(f"tp={t}: must divide the GPUs ({nd})")
     resolved = resolve_mesh(settings, nd // t)
-    return resolved if resolved.dp_replicate else resolved.model_copy(update={"dp_shard": shard_groups(resolved, nd // t)[1]})
+    if resolved.dp_replicate:
+        return resolved
+    return resolved.model_copy(update={"dp_shard": shard_groups(resolved, nd // t)[1]})
 
 
 def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
@@ -76,7 +78,8 @@ def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
     node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
     own = {k: v for k, v in options.own.items() if k != "tp"}
     result = None
-    for t in tp_sizes(workload.spec, nd, node, workload.seq_len, options.own.get("sequence_parallel", True) is not False):
+    sp = options.own.get("sequence_parallel", True) is not False
+    for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp):
         result = plan(workload, nd, capacity_bytes, replace(options, own={**own, "tp": t if t > 1 else None}))
         if result.recommended is not None:
             return result
