@@ -35,7 +35,8 @@ have yet (fp32: none). Asserted exactly, so a change that closes or widens them 
 
 def _workload(meta) -> Workload:
     spec = spec_from_hf_config(meta["hf_config"], "tests/data/measured/fsdp2_tp.json")
-    return Workload(transformer_shapes(spec), spec, meta["seq_len"], meta["batch"], "none", 1, False)
+    return Workload(transformer_shapes(spec), spec, meta["seq_len"], meta["batch"], meta.get("checkpointing", "none"),
+                    1, False)  # fmt: skip
 
 
 def _predict(run: dict, rank: int):
@@ -47,7 +48,9 @@ def _predict(run: dict, rank: int):
 
 
 def _run_id(run: dict) -> str:
-    return f"{run['meta'].get('param_dtype', 'fp32')}-{'sp' if run['meta']['sequence_parallel'] else 'no-sp'}"
+    meta = run["meta"]
+    ckpt = "-ckpt" if meta.get("checkpointing", "none") != "none" else ""
+    return f"{meta.get('param_dtype', 'fp32')}-{'sp' if meta['sequence_parallel'] else 'no-sp'}{ckpt}"
 
 
 RUNS = [pytest.param(r, id=_run_id(r)) for r in RECORDED["runs"]]
@@ -77,7 +80,7 @@ def test_shards_per_rank(run):
     for row in run["rows"]:
         d = row["rank"] // t
         for name, shape in row["local_shapes"]:
-            full = local[name]
+            full = local[name.replace("_checkpoint_wrapped_module.", "")]
             c = shard_rows(full[0], s)
             assert tuple(shape) == (min(c, max(0, full[0] - d * c)), *full[1:]), (row["rank"], name)
 

@@ -76,7 +76,7 @@ def tp_forward(self, tokens: torch.Tensor) -> torch.Tensor:
     return self.lm_head(self.model.norm(x))
 
 
-def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool, param_dtype: str = "fp32"):
+def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool, param_dtype: str = "fp32", checkpointing: bool = False):
     """Meta build, ``parallelize_module`` on the ``tp`` mesh, ``fully_shard`` on ``dp_shard``, then memory."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -87,6 +87,11 @@ def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool, param_dtype: str =
     parallelize_module(model, tp_mesh, root)
     for block in model.model.layers:
         parallelize_module(block, tp_mesh, layer)
+    if checkpointing:  # after TP, before fully_shard (torchtitan's order): recompute each block in backward
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.model.layers):
+            model.model.layers[i] = checkpoint_wrapper(block)
     policy = MixedPrecisionPolicy(param_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype])
     for block in model.model.layers:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
@@ -164,7 +169,7 @@ class GroupCounter(CommCounter):
 
 
 def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, sequence_parallel: bool,
-            param_dtype: str = "fp32") -> dict:
+            param_dtype: str = "fp32", checkpointing: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     spec = spec_from_hf_config(TINY, "validate/engines/fsdp2_tp.py TINY")
@@ -185,7 +190,7 @@ def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, s
 
     with probe, counter, counter.functional(), gloo_reduce_scatter_settled(probe, True):
         enter("init")
-        model = build_tp(spec, tp_mesh, dp_mesh, sequence_parallel, param_dtype)
+        model = build_tp(spec, tp_mesh, dp_mesh, sequence_parallel, param_dtype, checkpointing)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
         enter(None)
         readings["after_init"].append(probe.settled_bytes())
@@ -228,17 +233,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-sp", action="store_true", help="without sequence parallelism")
     parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
                         help="MixedPrecisionPolicy.param_dtype (the reduce dtype follows it)")
+    parser.add_argument("--checkpointing", action="store_true", help="checkpoint_wrapper on every decoder layer")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     nd, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dist.init_process_group("gloo")
-    row = measure(args.tp, nd, rank, args.steps, args.batch, args.seq_len, not args.no_sp, args.param_dtype)
+    row = measure(args.tp, nd, rank, args.steps, args.batch, args.seq_len, not args.no_sp, args.param_dtype,
+                  args.checkpointing)
     rows = [None] * nd if rank == 0 else None
     dist.gather_object(row, rows, dst=0)
     if rank == 0:
         meta = {"world_size": nd, "tp": args.tp, "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
                 "sequence_parallel": not args.no_sp, "param_dtype": args.param_dtype, "hf_config": TINY,
-                "torch": torch.__version__,
+                "checkpointing": "full" if args.checkpointing else "none", "torch": torch.__version__,
                 "backend": "gloo", "model": "validate/transformer.py CausalLM (llama layout)"}  # fmt: skip
         write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}))
     dist.barrier()

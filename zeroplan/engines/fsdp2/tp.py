@@ -110,7 +110,9 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
     backward (all-reduce). Either way loss parallel all-reduces three (b·s) tensors in forward: the row
     max, the sum of exponentials (``tensor/parallel/loss.py:_log_softmax``) and the target's logit
     (``_nll_loss_forward``: ``_MaskPartial._reduce_value``); its backward sends nothing. Checkpointing
-    repeats each block's forward collectives in backward (derived: not measured)."""
+    recomputes each block's forward collectives in backward but its last (down_proj's reduce-scatter, or
+    all-reduce without SP): ``torch.utils.checkpoint``'s non-reentrant recompute stops once the saved tensors
+    are back (early stop), and nothing saves that output (measured with SP)."""
     n = tokens * d_model
     if sequence_parallel:
         embed, block_fwd, head = ("reduce-scatter",), ("all-gather", "reduce-scatter") * 2, ("all-gather",)
@@ -134,7 +136,7 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
         out += [coll("all-reduce", "backward", "root")]  # the head's input gradient (Partial -> Replicate)
     for i in range(n_layer, 0, -1):
         if checkpointing:
-            out += [coll(op, "backward", f"block {i}") for op in block_fwd]
+            out += [coll(op, "backward", f"block {i}") for op in block_fwd[:-1]]
         if sequence_parallel:
             out += [coll(back[op], "backward", f"block {i}") for op in reversed(block_fwd)]
         else:  # the gradients at the MLP's and attention's inputs (colwise: Partial -> Replicate)
@@ -166,7 +168,9 @@ def sequence_parallel_acts(acts, t: int, tokens: int, d_model: int, a: int, gloo
     divided by T, while its output is all-gathered to Replicate (n·d·a) and that gathered tensor is what the
     next colwise linears save (the sharded output is the all-gather's input, which nothing saves). So per
     norm (n·d·4 + n·4 + n·d·a)·(1 - 1/T) less is saved, and the block's input, x1 and output, the embedding's
-    output and the norms' pending and backward working sets are divided by T. At a block's forward peak
+    output and the norms' pending and backward working sets are divided by T; under full checkpointing what
+    the recompute adds (``recomputed``) loses the same cut, and in fp32 the held input it excludes is n/T
+    rows. At a block's forward peak
     (``forward_extra``) down_proj's Partial output is whole (n·d·a) while it is reduce-scattered into n/T rows,
     and n/T-row tensors are alive beside it: the reduce-scatter's output and the block's output, and in 16 bit
     the block's input and x1 too (in fp32 the norms save those: ``_llama_block``'s ``own_input``); gloo
@@ -182,7 +186,8 @@ def sequence_parallel_acts(acts, t: int, tokens: int, d_model: int, a: int, gloo
     cut = per_norm - shard(per_norm)
     b = acts.block
     extra = n * d * a * (1 + gloo) + (2 if a == 4 else 4) * shard(n * d * a)
-    block = replace(b, saved=b.saved - 2 * cut, forward_extra=extra,
+    own_input = n * d * a - shard(n * d * a) if a == 4 else 0  # fp32: the held input is the norm's copy (/T)
+    block = replace(b, saved=b.saved - 2 * cut, forward_extra=extra, recomputed=b.recomputed - 2 * cut + own_input,
                     forward_before_output=shard(b.forward_before_output), ckpt_saved=shard(b.ckpt_saved),
                     held_input_pending=shard(b.held_input_pending), pending_at_last_grad=shard(b.pending_at_last_grad),
                     norm_backward_saved=b.norm_backward_saved - 2 * cut + n * d * a - shard(n * d * a),
