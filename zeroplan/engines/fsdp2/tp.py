@@ -112,7 +112,7 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
     (``_nll_loss_forward``: ``_MaskPartial._reduce_value``); its backward sends nothing. Checkpointing
     recomputes each block's forward collectives in backward but its last (down_proj's reduce-scatter, or
     all-reduce without SP): ``torch.utils.checkpoint``'s non-reentrant recompute stops once the saved tensors
-    are back (early stop), and nothing saves that output (measured with SP)."""
+    are back (early stop), and nothing saves that output (measured with and without SP)."""
     n = tokens * d_model
     if sequence_parallel:
         embed, block_fwd, head = ("reduce-scatter",), ("all-gather", "reduce-scatter") * 2, ("all-gather",)
