@@ -20,7 +20,7 @@ from zeroplan.cli_options import (
     DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, FsdpOffloadOption, FsdpPinMemoryOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
-from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
+from zeroplan.cli_options import DpReplicateOption, DpShardOption, TpOption  # fsdp2's mesh (HSDP, TP)
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
@@ -84,6 +84,7 @@ def estimate(
     device: DeviceOption = None,
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
+    tp: TpOption = None,
     zero_init: ZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
@@ -132,7 +133,7 @@ def estimate(
         ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len), ("checkpointing", checkpointing)))
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
-    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard,
+    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
                zero_init=zero_init, fsdp_offload=fsdp_offload,
                fsdp_pin_memory=fsdp_pin_memory)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
@@ -242,6 +243,7 @@ def plan(
     device: DeviceOption = None,
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
+    tp: TpOption = None,
     zero_init: ZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
@@ -300,7 +302,7 @@ def plan(
     ds = read_settings_file(deepspeed_config)
     options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
                                                   fsdp_wrap=fsdp_wrap, init=init, device=device,
-                                                  dp_replicate=dp_replicate, dp_shard=dp_shard,
+                                                  dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
                                                   zero_init=zero_init, fsdp_offload=fsdp_offload,
                                                   fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
     options, _, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len,
