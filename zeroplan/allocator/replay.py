@@ -24,6 +24,7 @@ from typing import NamedTuple
 from zeroplan.allocator.blocks import Block, SegmentInfo
 from zeroplan.allocator.caching import CachingAllocator, OutOfMemory
 from zeroplan.allocator.config import AllocatorConfig
+from zeroplan.allocator.runs import alloc_runs, fast_forward
 
 ACTIONS = ("alloc", "free", "free_requested", "free_completed", "phase", "empty_cache", "segment_free")
 
@@ -141,13 +142,21 @@ class _Run:
 def replay(events: Iterable, config: AllocatorConfig = AllocatorConfig(), capacity_bytes: int | None = None) -> Replay:
     """Run ``events`` through a fresh allocator (``config``; ``capacity_bytes``: what ``cudaMalloc`` can get)."""
     run, oom = _Run(config, capacity_bytes), None
-    for index, raw in enumerate(events):
-        event = _event(raw)
+    events = events if isinstance(events, (list, tuple)) else list(events)
+    # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)
+    runs = alloc_runs(events) if capacity_bytes is None and not config.expandable_segments else {}
+    index, count = 0, len(events)
+    while index < count:
+        length = runs.get(index)
+        if length and fast_forward(run, [_event(raw) for raw in events[index:index + length]]):
+            index += length
+            continue
         try:
-            run.step(event)
+            run.step(_event(events[index]))
         except OutOfMemory as exc:
             oom = (index, exc.size)
             break
+        index += 1
     run.close_phase()
     run._fold_overall()
     s, (allocated, reserved, requested) = run.alloc.stats, run.overall
