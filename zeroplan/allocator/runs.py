@@ -40,14 +40,14 @@ def alloc_runs(events: Sequence) -> dict[int, int]:
     """{index of its first event: length} of every run of at least ``MIN_RUN`` consecutive ``alloc`` events with
     the same size and stream and no recorded segment address (``events``: ``Event``s or their tuples)."""
     runs, start, key = {}, 0, None
-    for i, e in enumerate((*events, ("end",))):
-        k = None
-        if e[0] == "alloc" and (len(e) < 5 or e[4] is None):
-            k = (e[2] if len(e) > 2 else 0, e[3] if len(e) > 3 else 0)
-        if k is None or k != key:
+    for i, e in enumerate(events):
+        k = e[2:4] if e[0] == "alloc" and (len(e) < 5 or e[4] is None) else None
+        if k != key or k is None:
             if key is not None and i - start >= MIN_RUN:
                 runs[start] = i - start
             start, key = i, k
+    if key is not None and len(events) - start >= MIN_RUN:
+        runs[start] = len(events) - start
     return runs
 
 

@@ -114,10 +114,15 @@ class _Builder:
         """{key: [count, stream]} of the tensors ``moment`` holds, in term order; a one-tensor term is keyed
         ``GROWN`` with its (rounded) bytes in place of the count."""
         out: dict[Key, list[int]] = {}
+        seen, get = self._seen, out.get
         for term in (*moment.terms, *resident):
-            for key, amount, stream in self._tensors(term):
-                entry = out.setdefault(key, [0, stream])
-                entry[0] += amount
+            got = seen.get(id(term))
+            for key, amount, stream in self._tensors(term) if got is None else got[1]:
+                entry = get(key)
+                if entry is None:
+                    out[key] = [amount, stream]
+                else:
+                    entry[0] += amount
         return out
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
@@ -134,11 +139,13 @@ class _Builder:
         return got[1]
 
     @staticmethod
-    def changed(want: dict[Key, list[int]], before: dict[Key, list[int]]) -> set[Key]:
+    def changed(want: dict[Key, list[int]], before: dict[Key, list[int]]) -> tuple[set[Key], list[Key]]:
         """The keys whose tensors differ between two moments' ``wanted``: after ``move_to`` the live buffers are
         exactly what its moment wanted, so the next transition touches only these (the others are neither freed,
-        grown nor paired)."""
-        return {k for k, v in want.items() if before.get(k) != v} | {k for k in before if k not in want}
+        grown nor paired); and those of them ``want`` holds, in its order (the order of the allocations)."""
+        get = before.get
+        wanted = [k for k, v in want.items() if get(k) != v]
+        return {*wanted, *(k for k in before if k not in want)}, wanted
 
     def _grown(self, stack: list[tuple[int, int, int]]) -> int:
         """Bytes of a grown buffer's pieces (one piece, as a rule)."""
@@ -179,9 +186,10 @@ class _Builder:
                 new = [(b, k) for b, k in new if k != match]
                 self.live[match] = self.live.pop(old_key)
 
-    def move_to(self, moment: Moment, want: dict[Key, list[int]], changed: set[Key]) -> None:
+    def move_to(self, moment: Moment, want: dict[Key, list[int]], changes: tuple[set[Key], list[Key]]) -> None:
         """Free what ``moment`` no longer holds, then allocate what it adds; ``want``: ``wanted(moment, ...)``
-        (read, never changed); ``changed``: the keys ``changed`` from the moment before."""
+        (read, never changed); ``changes``: ``changed`` from the moment before."""
+        changed, wanted_changed = changes
         self._continue_grown(want, changed)
         # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
         spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
@@ -189,9 +197,8 @@ class _Builder:
             spare.setdefault((buf[1], buf[2]), []).append(buf)
         fresh: list[tuple[Key, int, int]] = []
         live = self.live
-        for key, (amount, stream) in want.items():
-            if key not in changed:
-                continue
+        for key in wanted_changed:
+            amount, stream = want[key]
             stack = live.get(key)
             if stack is None:
                 stack = live[key] = []
@@ -217,11 +224,14 @@ class _Builder:
             self.phase = moment.phase
             self.events.append(Event("phase", moment.phase))
             self._note()
+        events, ident, block, added = self.events, self.next_id, self.block, 0
         for key, size, stream in fresh:
-            self.events.append(Event("alloc", self.next_id, size, stream))
-            live[key].append((self.next_id, size, stream))
-            self.next_id += 1
-            self.live_bytes += self._rounded(size)
+            events.append(Event("alloc", ident, size, stream))
+            live[key].append((ident, size, stream))
+            ident += 1
+            added += size if block <= 1 else -(-size // block) * block  # ``_rounded``, inline: one call per tensor
+        self.next_id = ident
+        self.live_bytes += added
         self._note()
         if not all(live.values()):
             self.live = {k: v for k, v in live.items() if v}
@@ -244,7 +254,7 @@ def step_trace(
     builder = _Builder(block_bytes, stream_of)
     order = [*by_phase["init"], *[m for _ in range(steps) for p in PHASES[1:] for m in by_phase[p]]]
     wants: dict[int, dict[Key, list[int]]] = {}  # each moment's tensors, found once for every step that meets it
-    changes: dict[tuple[int, int], set[Key]] = {}  # each transition's keys, found once for every step
+    changes: dict[tuple[int, int], tuple[set[Key], list[Key]]] = {}  # each transition's keys, once for every step
     before: Moment | None = None
     for m in order:
         if id(m) not in wants:
