@@ -102,6 +102,15 @@ class _Builder:
         self.phase: str | None = None
         self.phase_max: dict[str, int] = {}
         self._seen: dict[int, tuple[Term, tuple[tuple[Key, int, int], ...]]] = {}
+        # when each live key was added: ``live``'s own order, so that a transition walks its few changed keys in
+        # that order rather than every live key (hundreds: FSDP2 names each block's buffers apart)
+        self.since: dict[Key, int] = {}
+        self._added = 0
+
+    def _add(self, key: Key, stack: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        self.live[key], self.since[key] = stack, self._added
+        self._added += 1
+        return stack
 
     def _rounded(self, size: int) -> int:
         return size if self.block <= 1 else -(-size // self.block) * self.block
@@ -151,13 +160,12 @@ class _Builder:
         """Bytes of a grown buffer's pieces (one piece, as a rule)."""
         return stack[0][1] if len(stack) == 1 else sum(b[1] for b in stack)
 
-    def _release(self, want: dict[Key, list[int]], changed: set[Key]) -> list[tuple[int, int, int]]:
+    def _release(self, want: dict[Key, list[int]], changed: set[Key]) -> tuple[list[tuple[int, int, int]], list[Key]]:
         """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
-        bytes (last allocated first)."""
-        freed = []
-        for key, stack in self.live.items():
-            if key not in changed:
-                continue
+        bytes (last allocated first), the keys in ``live``'s order; (the buffers popped, the keys left empty)."""
+        freed, live = [], self.live
+        for key in sorted((k for k in changed if k in live), key=self.since.__getitem__):
+            stack = live[key]
             entry = want.get(key)
             keep = 0 if entry is None else entry[0]
             if key[2] == GROWN:
@@ -168,7 +176,7 @@ class _Builder:
             else:
                 while len(stack) > keep:
                     freed.append(stack.pop())
-        return freed
+        return freed, [k for k in changed if not live.get(k, True)]
 
     def _continue_grown(self, want: dict[Key, list[int]], changed: set[Key]) -> None:
         """A grown buffer that is gone and a new one on the same stream in the same transition: the same
@@ -184,7 +192,7 @@ class _Builder:
             match = next((k for _, k in new if want[k][1] == stream), None)
             if match is not None:
                 new = [(b, k) for b, k in new if k != match]
-                self.live[match] = self.live.pop(old_key)
+                self._add(match, self.live.pop(old_key))
 
     def move_to(self, moment: Moment, want: dict[Key, list[int]], changes: tuple[set[Key], list[Key]]) -> None:
         """Free what ``moment`` no longer holds, then allocate what it adds; ``want``: ``wanted(moment, ...)``
@@ -193,7 +201,8 @@ class _Builder:
         self._continue_grown(want, changed)
         # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
         spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        for buf in self._release(want, changed):
+        freed, emptied = self._release(want, changed)
+        for buf in freed:
             spare.setdefault((buf[1], buf[2]), []).append(buf)
         fresh: list[tuple[Key, int, int]] = []
         live = self.live
@@ -201,7 +210,7 @@ class _Builder:
             amount, stream = want[key]
             stack = live.get(key)
             if stack is None:
-                stack = live[key] = []
+                stack = self._add(key, [])
             if key[2] == GROWN:  # one more piece, of what is missing
                 missing = amount - (self._grown(stack) if stack else 0)
                 if missing <= 0:
@@ -233,8 +242,9 @@ class _Builder:
         self.next_id = ident
         self.live_bytes += added
         self._note()
-        if not all(live.values()):
-            self.live = {k: v for k, v in live.items() if v}
+        for key in emptied:  # a key left empty leaves ``live`` (the others keep their order)
+            if not live[key]:
+                del live[key]
 
 
 def step_trace(
