@@ -18,7 +18,7 @@ repeats the first one ``D`` bytes up, as do all after it.
 
 ``fast_forward`` replays the run request by request up to a settled point, then through one period, checks
 that it was one (settled at both ends, exactly one new segment, made by the period's first request, every
-request served from it, the pool changed only inside it) and stamps out as many copies as the run still has
+request served from it, in address order) and stamps out as many copies as the run still has
 whole periods for; the rest is replayed request by request. Anything else (a memory limit, which can run out
 or trigger garbage collection; expandable segments; recorded segment addresses; an id already live or
 repeated) replays every request. tests/test_allocator_replay.py checks the result against the request-by-
@@ -55,14 +55,15 @@ def _settled(pool: Pool, rounded: int) -> bool:
     return pool.lower_bound(rounded) == len(pool.keys)
 
 
-def _copy_period(alloc, pool: Pool, template: Segment, shift: int, ids: Sequence, run) -> None:
-    """One more period: ``template``'s segment ``shift`` bytes up, its allocated blocks given to ``ids`` in
-    address order (the order the period handed them out), its free blocks cached in ``pool``."""
+def _copy_period(alloc, pool: Pool, template: Segment, blocks: list[Block], shift: int, ids: Sequence, run) -> None:
+    """One more period: ``template``'s segment (``blocks``: its blocks) ``shift`` bytes up, its allocated blocks
+    given to ``ids`` in address order (the order the period handed them out), its free blocks cached in ``pool``."""
     base = template.address + shift
     segment = Segment(base, template.stream, template.small)
-    prev, taken = None, iter(ids)
-    for b in template.blocks():
+    prev, taken, total = None, iter(ids), 0
+    for b in blocks:
         block = Block(b.address + shift, b.size, b.stream, b.small, segment)
+        total += b.size
         block.prev = prev
         if prev is None:
             segment.head = block
@@ -77,13 +78,13 @@ def _copy_period(alloc, pool: Pool, template: Segment, shift: int, ids: Sequence
         else:
             pool.insert(block)
     alloc.segments[base] = segment
-    alloc.log.append(("segment_alloc", base, sum(b.size for b in template.blocks()), template.stream))
+    alloc.log.append(("segment_alloc", base, total, template.stream))
 
 
 def _period_template(alloc, pool: Pool, run, events: Sequence, rounded: int) -> tuple[int, Segment | None]:
     """Replay ``events`` (a settled point first) one by one until settled again: (how many were replayed, the
     segment the period made, or None if they were not one period)."""
-    log_before, keys_before = len(alloc.log), set(pool.keys)
+    log_before = len(alloc.log)
     done = 0
     for e in events:
         run.step(e)
@@ -99,10 +100,8 @@ def _period_template(alloc, pool: Pool, run, events: Sequence, rounded: int) -> 
         return done, None
     if [b.address for b in blocks] != sorted(b.address for b in blocks):
         return done, None  # not handed out in address order: ``_copy_period`` gives ids in address order
-    end = address + sum(b.size for b in segment.blocks())
-    changed = keys_before.symmetric_difference(pool.keys)
-    if any(not address <= a < end for _, a in changed):  # the pool changed outside the new segment
-        return done, None
+    # the pool changed inside the new segment only: a request takes a cached block (its own) or splits one
+    # (the rest goes back), and only a memory limit frees cached blocks of other segments (not here)
     return done, segment
 
 
@@ -130,8 +129,9 @@ def fast_forward(run, events: Sequence) -> bool:
     if copies:
         deltas = [s.current - b for s, b in zip(counted, before)]
         shift = alloc._next_address - address_before
+        blocks = template.blocks()
         for c in range(1, copies + 1):
-            _copy_period(alloc, pool, template, c * shift, ids[i + (c - 1) * done:i + c * done], run)
+            _copy_period(alloc, pool, template, blocks, c * shift, ids[i + (c - 1) * done:i + c * done], run)
         alloc._next_address += copies * shift
         for stat, delta in zip(counted, deltas):
             stat.add(copies * delta)  # a run only allocates: every stat grows, its peak is where the run ends
