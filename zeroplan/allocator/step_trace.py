@@ -204,7 +204,7 @@ class _Builder:
         freed, emptied = self._release(want, changed)
         for buf in freed:
             spare.setdefault((buf[1], buf[2]), []).append(buf)
-        fresh: list[tuple[Key, int, int]] = []
+        fresh: list[tuple[Key, int, int, int]] = []  # (key, size, stream, how many) of the tensors made anew
         live = self.live
         for key in wanted_changed:
             amount, stream = want[key]
@@ -212,20 +212,18 @@ class _Builder:
             if stack is None:
                 stack = self._add(key, [])
             if key[2] == GROWN:  # one more piece, of what is missing
-                missing = amount - (self._grown(stack) if stack else 0)
-                if missing <= 0:
-                    continue
-                sizes = (missing,)
+                size = amount - (self._grown(stack) if stack else 0)
+                need = 1 if size > 0 else 0
             else:
-                if len(stack) >= amount:
-                    continue
-                sizes = (key[2],) * (amount - len(stack))
-            for size in sizes:
-                pool = spare.get((size, stream)) if spare else None
-                if pool:
-                    stack.append(pool.pop())
-                else:
-                    fresh.append((key, size, stream))
+                size, need = key[2], amount - len(stack)
+            if need <= 0:
+                continue
+            pool = spare.get((size, stream)) if spare else None
+            while pool and need:  # equal tensors: the spare ones first, last freed first
+                stack.append(pool.pop())
+                need -= 1
+            if need:
+                fresh.append((key, size, stream, need))
         for ident, size, _stream in sorted((b for pool in spare.values() for b in pool), reverse=True):
             self.events.append(Event("free", ident))
             self.live_bytes -= self._rounded(size)
@@ -234,11 +232,12 @@ class _Builder:
             self.events.append(Event("phase", moment.phase))
             self._note()
         events, ident, block, added = self.events, self.next_id, self.block, 0
-        for key, size, stream in fresh:
-            events.append(Event("alloc", ident, size, stream))
-            live[key].append((ident, size, stream))
-            ident += 1
-            added += size if block <= 1 else -(-size // block) * block  # ``_rounded``, inline: one call per tensor
+        for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
+            ids = range(ident, ident + count)
+            events.extend([Event("alloc", i, size, stream) for i in ids])
+            live[key].extend([(i, size, stream) for i in ids])
+            ident += count
+            added += count * (size if block <= 1 else -(-size // block) * block)  # ``_rounded``
         self.next_id = ident
         self.live_bytes += added
         self._note()
