@@ -150,7 +150,7 @@ def replay(events: Iterable, config: AllocatorConfig = AllocatorConfig(), capaci
     run, oom = _Run(config, capacity_bytes), None
     events = events if isinstance(events, (list, tuple)) else list(events)
     # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)
-    runs = alloc_runs(events) if capacity_bytes is None and not config.expandable_segments else {}
+    runs = alloc_runs(events) if capacity_bytes is None else {}
     index, count = 0, len(events)
     while index < count:
         length = runs.get(index)

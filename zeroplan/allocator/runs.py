@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zeroplan.allocator.blocks import Block, Pool, Segment
-from zeroplan.allocator.config import is_small, round_size
+from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, is_small, round_size
 
 MIN_RUN = 8
 """Runs shorter than this are replayed request by request (a period needs a settled point and a full copy)."""
@@ -111,12 +111,16 @@ def fast_forward(run, events: Sequence) -> bool:
     alloc = run.alloc
     size, stream = events[0].size, events[0].stream
     ids = [e.id for e in events]
-    if (alloc.capacity is not None or alloc.config.expandable_segments or len(set(ids)) != len(ids)
-            or any(i in run.live for i in ids)):  # fmt: skip
+    if alloc.capacity is not None or len(set(ids)) != len(ids) or any(i in run.live for i in ids):
         return False
     rounded = round_size(size, alloc.config)
     pool = alloc._pool(stream, is_small(rounded))
     i, n = 0, len(events)
+    if alloc.config.expandable_segments:  # one growing segment: carved in closed form once settled
+        while i < n and not expandable_run(run, events[i:], rounded, pool, stream):
+            run.step(events[i])
+            i += 1
+        return True
     while i < n and not _settled(pool, rounded):  # up to a settled point
         run.step(events[i])
         i += 1
@@ -138,3 +142,67 @@ def fast_forward(run, events: Sequence) -> bool:
     for e in events[i + copies * done:]:
         run.step(e)
     return True
+
+
+def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int) -> bool:
+    """The run ``events`` on expandable segments in closed form; False (nothing done) unless the stream's
+    segment has one unmapped range, its pages whole, room for the run, and no cached block of at least ``r``
+    but its free tail (the cached block right before the unmapped range).
+
+    Then every request is carved at the frontier ``F`` of that tail (or of the unmapped range, without one):
+    the tail is the only cached block that is or can grow to ``r`` (``get_free_block`` or
+    ``find_expandable_block`` takes it, with the unmapped range after it), so when ``F + r`` passes the
+    mapped end ``M`` the pages up to it are mapped (``map_block``: ``ceil((F + r - M) / page)`` pages from
+    ``M``, one ``segment_map``), the tail and the new pages merge, and the request splits off its front (the
+    rest, a multiple of 512 B, stays cached; none left: the block handed out whole is still ``r`` bytes).
+    Blocks of ``r`` bytes at ``F, F + r, ...``, the tail ``[F_n, M_n)`` cached, the range from ``M_n`` unmapped."""
+    alloc = run.alloc
+    ranges = alloc.unmapped.get((stream, pool.small), [])
+    if len(ranges) != 1:
+        return False
+    rest = ranges[0]
+    segment, page = rest.segment, rest.segment.page
+    before = rest.prev
+    tail = before if before is not None and before.free_for_merge() and before.mapped else None
+    frontier = rest.address if tail is None else tail.address
+    end = rest.address + rest.size
+    first = pool.lower_bound(rounded)
+    if (rounded % K_MIN_BLOCK_SIZE or page % K_MIN_BLOCK_SIZE or (rest.address - segment.address) % page
+            or frontier + len(events) * rounded + page > end or len(pool.keys) - first > 1
+            or (first < len(pool.keys) and pool.at(first) is not tail)):  # fmt: skip
+        return False
+    if tail is not None:
+        pool.remove(tail)
+        before = tail.prev
+    stats, mapped_to = alloc.stats, rest.address
+    for e in events:
+        if frontier + rounded > mapped_to:
+            grown = -(-(frontier + rounded - mapped_to) // page) * page
+            alloc.log.append(("segment_map", mapped_to, grown, stream))
+            stats.reserved.add(grown)
+            mapped_to += grown
+        block = Block(frontier, rounded, stream, pool.small, segment)
+        block.allocated, block.requested = True, e.size
+        before = _link(segment, before, block)
+        run.live[e.id] = block
+        run.addresses.append((e.id, frontier))
+        stats.allocated.add(rounded)
+        stats.requested.add(e.size)
+        frontier += rounded
+    if frontier < mapped_to:
+        cached = Block(frontier, mapped_to - frontier, stream, pool.small, segment)
+        before = _link(segment, before, cached)
+        pool.insert(cached)
+    rest.address, rest.size = mapped_to, end - mapped_to
+    _link(segment, before, rest)
+    return True
+
+
+def _link(segment: Segment, before: Block | None, block: Block) -> Block:
+    """Put ``block`` right after ``before`` (None: first in ``segment``); returns ``block``."""
+    block.prev = before
+    if before is None:
+        segment.head = block
+    else:
+        before.next = block
+    return block
