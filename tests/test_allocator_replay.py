@@ -274,7 +274,8 @@ def test_runs_between_cached_blocks_and_frees_replay_exactly(monkeypatch):
             next_id += 1
         if rng.random() < 0.1:
             events.append(("phase", f"p{rng.randrange(3)}"))
-    for conf in ("", "max_split_size_mb:40", "expandable_segments:True", "expandable_segments:True,max_split_size_mb:40"):
+    expandable = "expandable_segments:True"
+    for conf in ("", "max_split_size_mb:40", expandable, f"{expandable},max_split_size_mb:40"):
         full, fast, copies = _full_and_fast(events, conf, monkeypatch)
         assert fast == full and copies > (10 if "expandable" in conf else 50), (conf, copies)
     clash = [("alloc", 0, 1000)] * 10
