@@ -22,10 +22,12 @@ from zeroplan.engines.fsdp2.param import local_numel_sum, local_shard_numel, pad
 from zeroplan.engines.fsdp2.settings import ADAM
 from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
 from zeroplan.engines.fsdp2.side import (
+    embedding_copy_outs,
     embedding_regather,
     head_output,
     head_units,
     last_side_unit,
+    resharded_after_head,
     root_side,
     side_prev,
     side_reduce,
@@ -154,11 +156,14 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     # ``logits.float()`` (validate/transformer.py:CausalLM.loss): a copy beside the 16-bit logits, which
     # nothing keeps once it exists (the head saves its input); in fp32 it is the logits themselves
     fp32_logits = _act("fp32 logits (loss upcast)", acts.logits_fp32 if run.p != 4 else acts.logits)
+    base = (*base[:-1], root_side(run, "loss"))  # a split root's units after the layers resharded by now
     upcast = Moment("forward", "logits upcast", (*base, *kept_blocks(run, L), *head_acts, fp32_logits, *in_loss))
     loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], *logits_in_loss(run),
                   fp32_logits, _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
                   _act("loss", acts.loss), *in_loss))  # fmt: skip
-    return (*first, gather, copy_out, last, *reshard, *tail, head, *((upcast,) if run.p != 4 else ()), loss)
+    states = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run))
+    return (*embedding_copy_outs(run, states), *first, gather, copy_out, last, *reshard, *tail, head,
+            *((upcast,) if run.p != 4 else ()), loss)  # fmt: skip
 
 
 def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:
@@ -190,9 +195,14 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     out = [Moment("backward", f"block {L} backward all-gather (root's prefetch, before the loss backward)", (
         *base, *kept_blocks(run, L), *saved_all, log_softmax, gather_input(run, L),
         ag_output(run, L, "backward prefetch"))), ] if early else []  # fmt: skip
-    out.append(Moment("backward", "cross-entropy backward", (*base, *kept_blocks(run, L), *saved_all, log_softmax,
+    out.extend(split_root_regathers(run, base, (*kept_blocks(run, L), *saved_all), log_softmax))
+    ce_base = (*base[:-1], root_side(run, "loss"), *head_prefetched(run)) if split_root(run) else base
+    out.append(Moment("backward", "cross-entropy backward", (*ce_base, *kept_blocks(run, L), *saved_all, log_softmax,
                       _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2),
                       *(prefetched(run, L) if early else ()))))  # fmt: skip
+    if resharded_after_head(run):  # their pre-backward, on the logits' gradient: the root's prefetch copied out
+        out.append(Moment("backward", f"{head_units(run)[-1].name} backward copy-out", (
+            *base, *kept_blocks(run, L), *saved_all, _act("logits gradient", acts.logits), *head_prefetched(run))))
     # a backward all-gather copies its input (the shard, or the k-sharded data) into a flat param-dtype
     # buffer first, freed once the collective returns: the root's pre_backward prefetches the last block
     if resharded(run) and not early:
@@ -214,8 +224,9 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
                   _act("final norm input gradient", n_d), *prefetched(run, L))  # resharded before it reduces
         out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, ugrads, rs_in)))
         out.extend(reduce_scatter_moments(u.name, (*common, *head_grad_held(run)), rs_in, rs_out, cast, gloo))
-    start = side_regathers(run, "start")  # the root-side units gathered again (a wrapping's own: wrap.py)
-    out = [Moment(m.phase, m.name, (*m.terms, *start)) for m in out]
+    if not split_root(run):  # a merged root resharded: its all-gather output held to its reduce-scatter (a bound)
+        start = side_regathers(run, "start")
+        out = [Moment(m.phase, m.name, (*m.terms, *start)) for m in out]
     if head_units(run):  # reduced and resharded after their backward (FSDPParamGroup.post_backward): from here
         # on the units after the layers hold their sharded gradients, not their parameters or unsharded ones
         base = (*base[:-1], root_side(run, "blocks"))
@@ -234,6 +245,31 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     again = embedding_regather(run)  # unsharded parameters from their copy-out (kept with the output: a bound)
     return tuple(Moment(m.phase, m.name, (*m.terms, *end, *(again if m.name == "embedding backward" else ())))
                  if m.name.startswith(("block 1 ", "embedding backward")) else m for m in out)  # fmt: skip
+
+
+def split_root_regathers(run: Fsdp2Run, base: tuple[Term, ...], held: tuple[Term, ...], log_softmax: Term
+                         ) -> tuple[Moment, ...]:
+    """A split root resharded after forward (True passed explicitly), gathered again by its pre-backward
+    (on the loss with ``labels=``, before the cross-entropy backward): its all-gather output beside its
+    unsharded parameters while it is copied out, freed when ``wait_for_unshard`` returns in backward
+    (_fsdp_param_group.py:FSDPParamGroup.wait_for_unshard keeps it only in forward); measured: qwen2 under a
+    FILE wrapping with the root True, none of it left at the reduce-scatters."""
+    if not split_root(run) or not run.loss_in_forward:
+        return ()
+    roots = [u for u in run.shard_units if u.root and u.params and u.post_forward_group(run.nd) > 1]
+    if not roots:
+        return ()
+    loss_base = (*base[:-1], root_side(run, "loss"))
+    return (Moment("backward", "root backward copy-out", (*loss_base, *held, log_softmax, _fp(
+        "all-gather output (root, gathered again for backward, freed after copy-out)", _gathered_numel(run, roots[0])
+        * run.p, "_fsdp_collectives.py:foreach_all_gather; _fsdp_state.py:FSDPState._pre_backward"))),)  # fmt: skip
+
+
+def head_prefetched(run: Fsdp2Run) -> tuple[Term, ...]:
+    """The all-gather outputs of the units after the layers resharded by their post-forward, prefetched by the
+    root's pre-backward and alive until their own copies them out (``side.resharded_after_head``)."""
+    return tuple(_fp(f"all-gather output ({u.name}, the root's backward prefetch)", _gathered_numel(run, u) * run.p,
+                     "_fsdp_param_group.py:FSDPParamGroup._backward_prefetch") for u in resharded_after_head(run))  # fmt: skip
 
 
 def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_held: Term) -> tuple[Moment, ...]:

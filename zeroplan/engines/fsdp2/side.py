@@ -10,7 +10,7 @@ import math
 from zeroplan.engines.fsdp2.param import padded_shard_numel
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, _fp, ag_output, unsharded
 from zeroplan.engines.fsdp2.wrap import ShardUnit
-from zeroplan.formulas.peak import Term
+from zeroplan.formulas.peak import Moment, Term
 
 
 def _side_units(run: Fsdp2Run) -> list[ShardUnit]:
@@ -31,12 +31,19 @@ def gathered_numel(run: Fsdp2Run, u: ShardUnit) -> int:
 
 def split_root(run: Fsdp2Run) -> bool:
     """Whether units beside the root hold parameters outside the decoder layers (torchtitan's embeddings and
-    ``[norm, output]``): then unit 0 is several ``fully_shard`` units with their own lifetimes. Not when the
-    root itself is resharded after forward (True passed explicitly): measured on validate/transformer.py's
-    CausalLM (loss outside the root's forward), two logits-sized tensors more than the terms say are live at
-    the loss, a mechanism not found yet, so those runs keep the merged root (an upper bound there)."""
-    sides = _side_units(run)
-    return any(not u.root for u in sides) and all(u.post_forward_group(run.nd) == 1 for u in sides if u.root)
+    ``[norm, output]``): then unit 0 is several ``fully_shard`` units with their own lifetimes, the root
+    resharded after forward (True passed explicitly) or not (``resharded_after_head``,
+    ``embedding_copy_outs``; moments.split_root_regathers)."""
+    return any(not u.root for u in _side_units(run))
+
+
+def resharded_after_head(run: Fsdp2Run) -> list[ShardUnit]:
+    """The units after the decoder layers resharded by their own post-forward (``[norm, output]`` left at
+    FSDP2's default True): freed once the head's forward returns, so not held at the loss; the root's
+    pre-backward (on the loss) prefetches them again, their own pre-backward (on the logits' gradient) copies
+    them out (_fsdp_state.py:FSDPState._pre_backward; _fsdp_param_group.py:FSDPParamGroup._backward_prefetch,
+    which follows the post-forward order). Measured: qwen2 under a FILE wrapping with the root True, exact."""
+    return [u for u in head_units(run) if u.post_forward_group(run.nd) > 1]
 
 
 def root_side(run: Fsdp2Run, stage: str) -> Term:
@@ -44,11 +51,16 @@ def root_side(run: Fsdp2Run, stage: str) -> Term:
     root the units gathered then: ``"blocks"`` (the decoder layers' forward): the root and the units before the
     layers kept gathered (False; resharded ones were freed by their post-forward); ``"head"`` and
     ``"backward"``: and every unit after the layers (gathered at their forward; kept through backward here,
-    an upper bound: _fsdp_param_group.py:FSDPParamGroup.post_backward reshards them after theirs)."""
+    an upper bound: _fsdp_param_group.py:FSDPParamGroup.post_backward reshards them after theirs); ``"loss"``
+    (the loss, and backward until the head's pre-backward copies it out): as ``"head"`` less the units after
+    the layers resharded by their post-forward (``resharded_after_head``)."""
     if not split_root(run):
         return unsharded(run, 0)
-    units = [u for u in _side_units(run) if u.root or (_before_blocks(run, u) and u.post_forward_group(run.nd) == 1)
-             or (stage != "blocks" and not _before_blocks(run, u))]  # fmt: skip
+    freed = resharded_after_head(run) if stage == "loss" else []
+    if stage == "loss" and not run.loss_in_forward:  # the root's post-forward ran before the loss: a root True is freed
+        freed += [u for u in _side_units(run) if u.root and u.post_forward_group(run.nd) > 1]
+    units = [u for u in _side_units(run) if (u.root or (_before_blocks(run, u) and u.post_forward_group(run.nd) == 1)
+             or (stage != "blocks" and not _before_blocks(run, u))) and u not in freed]  # fmt: skip
     return _fp(f"unsharded parameters ({', '.join(u.name for u in units) or 'none'})",
                sum(gathered_numel(run, u) for u in units) * run.p, "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs",
                sum(len(u.params) for u in units))  # fmt: skip
@@ -65,6 +77,26 @@ def side_prev(run: Fsdp2Run) -> tuple[Term, ...]:
     u = before[-1]
     return (_fp(f"all-gather output ({u.name}, freed when this copy-out returns)", gathered_numel(run, u) * run.p,
                 "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard"),)  # fmt: skip
+
+
+def embedding_copy_outs(run: Fsdp2Run, states: tuple[Term, ...]) -> tuple[Moment, ...]:
+    """Forward, before the layers: each unit gathered after the root (the embeddings) copied out while the
+    previous all-gather output (the root's) is still bound (``wait_for_unshard`` frees it on return) and
+    before any activation exists; ``states``: the terms every moment holds (shards, Adam, batch). Measured:
+    the forward peak of validate/transformer.py's CausalLM with its embeddings apart and a root (head, norm)
+    True, exact (the root's output, its parameters, the embeddings' output and parameters)."""
+    if not split_root(run):
+        return ()
+    before = sorted((u for u in _side_units(run) if u.root or _before_blocks(run, u)), key=lambda u: (not u.root, u.first))
+    out = []
+    for prev, u in zip(before, before[1:]):
+        own = () if u.post_forward_group(run.nd) == 1 else (_fp(f"unsharded parameters ({u.name})", gathered_numel(
+            run, u) * run.p, "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(u.params)),)  # fmt: skip
+        out.append(Moment("forward", f"{u.name} copy-out", (*states, root_side(run, "blocks"), *own, *(_fp(
+            f"all-gather output ({v.name}, {why})", gathered_numel(run, v) * run.p,
+            "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard")
+            for v, why in ((prev, "previous unit, freed when this copy-out returns"), (u, "this unit"))))))  # fmt: skip
+    return tuple(out)
 
 
 def head_units(run: Fsdp2Run) -> list[ShardUnit]:
