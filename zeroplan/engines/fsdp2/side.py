@@ -114,6 +114,13 @@ def head_output(run: Fsdp2Run, why: str) -> Term:
                "_fsdp_collectives.py:foreach_all_gather; _fsdp_state.py:FSDPState._post_forward")  # fmt: skip
 
 
+def embedding_units(run: Fsdp2Run) -> list[ShardUnit]:
+    """Units before the layers resharded after forward (gathered again for backward by block 1's prefetch)."""
+    if not split_root(run):
+        return []
+    return [u for u in _side_units(run) if _before_blocks(run, u) and u.post_forward_group(run.nd) > 1]
+
+
 def embedding_regather(run: Fsdp2Run) -> tuple[Term, ...]:
     """Units before the layers resharded after forward, gathered again from the first block's backward on:
     their unsharded parameters (``root_side`` leaves them out then)."""
@@ -144,6 +151,16 @@ def last_side_unit(run: Fsdp2Run) -> ShardUnit:
     root holds nothing): the largest of the units not after the layers, a bound when several remain."""
     rest = [u for u in _side_units(run) if u not in head_units(run)]
     return max(rest, key=lambda u: gathered_numel(run, u))
+
+
+def final_callback_units(run: Fsdp2Run) -> list[ShardUnit]:
+    """The units reduced in the root's final callback (their inputs, token ids, need no gradient, so no
+    post-backward hook of theirs fires): the root with parameters and the units before the layers, in
+    ``all_states`` order, the root first (_fsdp_state.py:FSDPState._lazy_init walks ``named_modules()``;
+    ``_root_post_backward_final_callback``). Measured: validate/transformer.py's CausalLM with its embeddings
+    apart, the root (head, norm) reduced with the embeddings' unsharded gradient and parameters alive."""
+    rest = [u for u in _side_units(run) if u not in head_units(run)]
+    return sorted(rest, key=lambda u: (not u.root, u.first))
 
 
 def side_regathers(run: Fsdp2Run, when: str) -> tuple[Term, ...]:
