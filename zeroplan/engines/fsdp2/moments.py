@@ -25,9 +25,10 @@ from zeroplan.engines.fsdp2.side import (
     embedding_copy_outs,
     embedding_regather,
     embedding_units,
-    head_output,
-    head_units,
     final_callback_units,
+    head_output,
+    head_prefetched,
+    head_units,
     last_side_unit,
     resharded_after_head,
     root_side,
@@ -35,6 +36,7 @@ from zeroplan.engines.fsdp2.side import (
     side_reduce,
     side_regathers,
     split_root,
+    split_root_regathers,
 )
 from zeroplan.engines.fsdp2.terms import (
     Fsdp2Run,
@@ -263,31 +265,6 @@ EMBEDDING_GRADS = ("other root gradients", "head weight gradient", "head weight 
                    "embedding weight gradient", "their sum")
 
 
-def split_root_regathers(run: Fsdp2Run, base: tuple[Term, ...], held: tuple[Term, ...], log_softmax: Term
-                         ) -> tuple[Moment, ...]:
-    """A split root resharded after forward (True passed explicitly), gathered again by its pre-backward
-    (on the loss with ``labels=``, before the cross-entropy backward): its all-gather output beside its
-    unsharded parameters while it is copied out, freed when ``wait_for_unshard`` returns in backward
-    (_fsdp_param_group.py:FSDPParamGroup.wait_for_unshard keeps it only in forward); measured: qwen2 under a
-    FILE wrapping with the root True, none of it left at the reduce-scatters."""
-    if not split_root(run) or not run.loss_in_forward:
-        return ()
-    roots = [u for u in run.shard_units if u.root and u.params and u.post_forward_group(run.nd) > 1]
-    if not roots:
-        return ()
-    loss_base = (*base[:-1], root_side(run, "loss"))
-    return (Moment("backward", "root backward copy-out", (*loss_base, *held, log_softmax, _fp(
-        "all-gather output (root, gathered again for backward, freed after copy-out)", _gathered_numel(run, roots[0])
-        * run.p, "_fsdp_collectives.py:foreach_all_gather; _fsdp_state.py:FSDPState._pre_backward"))),)  # fmt: skip
-
-
-def head_prefetched(run: Fsdp2Run) -> tuple[Term, ...]:
-    """The all-gather outputs of the units after the layers resharded by their post-forward, prefetched by the
-    root's pre-backward and alive until their own copies them out (``side.resharded_after_head``)."""
-    return tuple(_fp(f"all-gather output ({u.name}, the root's backward prefetch)", _gathered_numel(run, u) * run.p,
-                     "_fsdp_param_group.py:FSDPParamGroup._backward_prefetch") for u in resharded_after_head(run))  # fmt: skip
-
-
 def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_held: Term) -> tuple[Moment, ...]:
     """Block ``i`` in backward: its copy-out and the next block's prefetch (resharded), its backward, its
     gradients complete, its reduce-scatter; the blocks after it are reduced (``done``), the previous
@@ -361,9 +338,11 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
             pending = tuple(t for v in order[j + 1:] for t in (side_reduce(run, v)[0], _fp(
                 f"unsharded parameters ({v.name}, resharded at its own post_backward, after)",
                 _gathered_numel(run, v) * run.p, "_fsdp_param_group.py:FSDPParamGroup.post_backward")))  # fmt: skip
-            out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*root_base, ugrads, rs_in, blocks_done, *pending)))
-            out.extend(reduce_scatter_moments(u.name, (*root_base, blocks_done, ugrads, *pending), rs_in, rs_out, cast, gloo))
-            blocks_done = _fp(f"{blocks_done.name}, {u.name}", blocks_done.bytes + _gathered_numel(run, u) // run.nd * run.m,
+            common = (*root_base, blocks_done, ugrads, *pending)
+            out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, rs_in)))
+            out.extend(reduce_scatter_moments(u.name, common, rs_in, rs_out, cast, gloo))
+            shard_bytes = _gathered_numel(run, u) // run.nd * run.m  # reduced: its sharded gradients from here
+            blocks_done = _fp(f"{blocks_done.name}, {u.name}", blocks_done.bytes + shard_bytes,
                               "_fsdp_collectives.py:foreach_reduce", blocks_done.tensors + 1)  # fmt: skip
         ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, order[-1] if len(order) > 1 else last_side_unit(run))
         held = (ugrads,) if head_units(run) or len(order) > 1 else head_grad_held(run)
