@@ -116,8 +116,9 @@ def embedding_copy_outs(run: Fsdp2Run, states: tuple[Term, ...]) -> tuple[Moment
     before = sorted((u for u in _side_units(run) if u.root or _before_blocks(run, u)), key=lambda u: (not u.root, u.first))
     out = []
     for prev, u in zip(before, before[1:]):
-        own = () if u.post_forward_group(run.nd) == 1 else (_fp(f"unsharded parameters ({u.name})", gathered_numel(
-            run, u) * run.p, "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(u.params)),)  # fmt: skip
+        in_root_side = u.post_forward_group(run.nd) == 1 or spans_layers(run, u)  # root_side counts it
+        own = () if in_root_side else (_fp(f"unsharded parameters ({u.name})", gathered_numel(run, u) * run.p,
+                                           "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(u.params)),)  # fmt: skip
         out.append(Moment("forward", f"{u.name} copy-out", (*states, root_side(run, "blocks"), *own, *(_fp(
             f"all-gather output ({v.name}, {why})", gathered_numel(run, v) * run.p,
             "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard")
