@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from zeroplan.engines.fsdp2.hf_tree import (
+    gpt2_body_embeds,
     head_grad_held,
     inputs_embeds_held,
     last_block_in_loss,
@@ -152,7 +153,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     if head_units(run):  # a split root: [norm, output] gathered after the layers frees the last block's output
         kept_out = head_output(run, "kept until the root's post-forward")
         tail = (Moment("forward", f"{head_units(run)[-1].name} copy-out", (
-            *base, *kept_blocks(run, L), _blocks_saved(run, L), _act("block output", acts.embed_out),
+            *base, *gpt2_body_embeds(run), *kept_blocks(run, L), _blocks_saved(run, L), _act("block output", acts.embed_out),
             ag_output(run, L, "previous unit, freed when this copy-out returns"), kept_out)),)  # fmt: skip
     head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts, kept_out))
     in_loss = last_block_in_loss(run)  # transformers' forward(labels=...): the loss before the post-forward
