@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draws", type=int, default=12)
     parser.add_argument("--only", type=int, nargs="*", default=None, help="draw indices to run (default: all)")
     parser.add_argument("--engine", choices=("fsdp2", "deepspeed"), default=None)
+    parser.add_argument("--generator", type=int, default=1, help="the generator's version (2: FSDP2 wrappings)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     indices = args.only if args.only else range(args.draws)
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="zeroplan-differential-") as tmp:
         for i in indices:
-            d = draw(args.seed, i, args.engine)
+            d = draw(args.seed, i, args.engine, args.generator)
             start = time.process_time()
             try:
                 res = run_draw(d, Path(tmp))

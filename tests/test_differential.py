@@ -48,6 +48,24 @@ def test_deepspeed_thresholds_are_drawn_on_both_sides():
     assert {d.ds_config["gradient_accumulation_steps"] for d in draws} == {1, 2}
 
 
+def test_generator_2_adds_fsdp2_wrappings_and_keeps_the_rest():
+    from zeroplan.engines.fsdp2.wrap import parse_wrapping
+
+    draws = [(draw(1, i, "fsdp2"), draw(1, i, "fsdp2", generator=2)) for i in SLICE]
+    for one, two in draws:  # the model, the step, the world and the dtypes are generator 1's
+        assert (one.config, one.nd, one.seq_len, one.micro_batch) == (two.config, two.nd, two.seq_len, two.micro_batch)
+        rest = {k: v for k, v in one.fsdp2.items() if k != "reshard_after_forward"}
+        assert {k: v for k, v in two.fsdp2.items() if k not in ("wrap", "reshard_after_forward")} == rest
+    wraps = [two.fsdp2["wrap"] for _, two in draws]
+    assert {"blocks", "torchtitan"} <= {w for w in wraps if isinstance(w, str)}
+    files = [parse_wrapping(w) for w in wraps if isinstance(w, dict)]
+    assert {f.units[-1].reshard_after_forward for f in files} == {None, True}  # the root: FSDP2's default, True
+    assert {e.reshard_after_forward for f in files for e in f.units if e.modules[0].endswith(".*")} == {True, False, 2}
+    assert any(len(f.units) == 4 for f in files) and any(e.group for f in files for e in f.units)
+    assert {two.fsdp2["reshard_after_forward"] for _, two in draws} == {True, False, 2}
+    assert draw(1, 5, "deepspeed", generator=2).ds_config == draw(1, 5, "deepspeed").ds_config
+
+
 def _numels(config: dict) -> tuple[int, ...]:
     from zeroplan.architectures.hf_config import spec_from_hf_config
     from zeroplan.architectures.spec import transformer_shapes
@@ -75,7 +93,8 @@ def _params(records: list[dict]) -> list:
 def test_recorded_draw_within_targets(record, tmp_path):
     got = replay(record, tmp_path)
     d = got.draw
-    assert d in (draw(d.seed, d.index), draw(d.seed, d.index, d.engine))  # the generator still draws what was measured
+    # the generator (its version) still draws what was measured
+    assert d in (draw(d.seed, d.index, generator=d.generator), draw(d.seed, d.index, d.engine, d.generator))
     for rank, errors in got.errors().items():
         for phase, e in errors.items():
             assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")

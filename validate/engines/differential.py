@@ -15,9 +15,15 @@ loss on N_d gloo ranks (``validate.engines.fsdp2_rows.run_world``, ``validate.en
 and predicts every rank (``Settings.rank``). The benchmark ``benchmarks/differential.py`` runs a sweep; the
 test ``tests/test_differential.py`` runs a fixed-seed slice.
 
-Not drawn: activation checkpointing (the runners build transformers' models without it: ``hf_builder``),
-dropout (the configs set every ``*pdrop`` to 0: no profile counts dropout masks), FSDP2 wrapping and meta
-init (``hf_builder`` materializes; wrapping presets are another issue's).
+Generator 2 (``draw(..., generator=2)``) draws the same model, step, world and settings as generator 1 (so a
+recorded draw stays reproducible), then for FSDP2 a wrapping from a second stream of the same seed: the presets
+``blocks`` and ``torchtitan``, or a FILE (``_WRAPPINGS``: the root True, the embeddings apart, accelerate's
+order), with the decoder layers' ``reshard_after_forward`` True, False or an int and the root's and the head
+group's own values.
+
+Not drawn: activation checkpointing and meta init (the runners build transformers' models whole and without
+checkpointing: ``hf_builder``; ``Fsdp2Settings`` refuses either with ``hf``), dropout (the configs set every
+``*pdrop`` to 0: no profile counts dropout masks).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -58,6 +64,8 @@ class Draw:
     ds_config: Optional[dict] = None
     zero_init: bool = False
     psi: int = 0
+    generator: int = 1
+    """the generator's version: 2 adds FSDP2's wrapping (module docstring); 1's draws are unchanged."""
 
     @property
     def name(self) -> str:
@@ -66,6 +74,8 @@ class Draw:
         if self.engine == "fsdp2":
             s = self.fsdp2
             what = f"rsf={s['reshard_after_forward']} {s['param_dtype']}{'' if s['labels'] else ' no-labels'}"
+            wrap = s.get("wrap", "blocks")
+            what += "" if wrap == "blocks" else f" wrap={wrap if isinstance(wrap, str) else _wrap_label(wrap)}"
         else:
             z = self.ds_config["zero_optimization"]
             dtype = "bf16" if "bf16" in self.ds_config else "fp32"
@@ -139,10 +149,59 @@ def _fsdp2(rng: random.Random, nd: int) -> dict:
             "reduce_dtype": "fp32" if bf16 and rng.random() < 0.5 else None, "labels": rng.random() < 0.7}  # fmt: skip
 
 
-def draw(seed: int, index: int, engine: Optional[str] = None) -> Draw:
+def _names(family: str) -> tuple[str, str, str]:
+    """transformers' (decoder layers, token embedding, final norm) module names of ``family``."""
+    if family == "gpt2":
+        return "transformer.h.*", "transformer.wte", "transformer.ln_f"
+    return "model.layers.*", "model.embed_tokens", "model.norm"
+
+
+def _wrap_label(wrap: dict) -> str:
+    return "[" + "; ".join(("+".join(e["modules"]) or "root") + ("" if e.get("reshard_after_forward") is None
+                           else f"={e['reshard_after_forward']}") for e in wrap["units"]) + "]"  # fmt: skip
+
+
+def _wrapping(rng: random.Random, d: Draw) -> dict:
+    """Generator 2's FSDP2 wrapping of ``d``: a preset or a FILE, every unit's reshard_after_forward drawn
+    (the layers' True, False or an int dividing N_d; the root's None or True; the head group's None,
+    False or True). A tied head shares the embedding's weight: the FILEs that keep it apart are not drawn."""
+    layers, embed, norm = _names(d.config["model_type"])
+    tied = d.config["tie_word_embeddings"]
+    rsf = rng.choice([True, False, *([2] if d.nd == 4 else [])])
+    kinds = ["blocks", "root-true", "head-group"] + ([] if tied else ["torchtitan", "embed-apart", "accelerate"])
+    kind = rng.choice(kinds)
+    if kind in ("blocks", "torchtitan"):
+        return {"wrap": kind, "reshard_after_forward": rsf}
+    head = [norm, embed, "lm_head"] if tied else [norm, "lm_head"]
+    units = {"root-true": [{"modules": [layers]}, {"modules": head, "group": True}],
+             "head-group": [{"modules": [layers]}, {"modules": head, "group": True,
+                                                     "reshard_after_forward": rng.choice((None, False, True))}],
+             "embed-apart": [{"modules": [embed]}, {"modules": [layers]}],
+             "accelerate": [{"modules": [layers]}, {"modules": [embed]},
+                            {"modules": head, "group": True, "reshard_after_forward": False}]}[kind]  # fmt: skip
+    units[[u["modules"] for u in units].index([layers])]["reshard_after_forward"] = rsf
+    root = {"modules": [""]} if kind in ("head-group", "accelerate") else {"modules": [""], "reshard_after_forward": True}
+    if kind not in ("root-true", "embed-apart") and rng.random() < 0.5:
+        root["reshard_after_forward"] = True
+    return {"wrap": {"units": [*units, root]}, "reshard_after_forward": rsf}
+
+
+def draw(seed: int, index: int, engine: Optional[str] = None, generator: int = 1) -> Draw:
     """The ``index``-th configuration of the matrix of ``seed`` (the same on every machine: ``random.Random``
     of a string seed); ``engine``: that engine for this draw (None: the drawn one; the model, the step and
-    the world are the same either way)."""
+    the world are the same either way); ``generator`` 2: and FSDP2's wrapping, from a second stream, so that
+    everything generator 1 draws is drawn the same."""
+    d = _draw(seed, index, engine)
+    if generator == 1 or d.engine != "fsdp2":
+        return d if generator == 1 else replace(d, generator=generator)
+    if generator != 2:
+        raise ValueError(f"generator={generator}: expected 1 or 2")
+    rng = random.Random(f"zeroplan-differential-{seed}-{index}-generator-2")
+    return replace(d, fsdp2={**d.fsdp2, **_wrapping(rng, d)}, generator=2)
+
+
+def _draw(seed: int, index: int, engine: Optional[str] = None) -> Draw:
+    """Generator 1's draw (``draw``)."""
     rng = random.Random(f"zeroplan-differential-{seed}-{index}")
     drawn = rng.choice(("fsdp2", "deepspeed"))  # drawn whatever ``engine`` says: the rest of the draw is the same
     engine = engine or drawn

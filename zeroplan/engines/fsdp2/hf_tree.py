@@ -69,6 +69,19 @@ def inputs_embeds_held(run: Fsdp2Run) -> tuple[Term, ...]:
                  TF + "models/qwen2/modeling_qwen2.py:Qwen2Model.forward (hidden_states = inputs_embeds)"),)  # fmt: skip
 
 
+def gpt2_body_embeds(run: Fsdp2Run) -> tuple[Term, ...]:
+    """GPT-2's body (``modeling_gpt2.py:GPT2Model.forward``) binds ``inputs_embeds`` (N·d) and
+    ``position_embeds`` (s·d) as locals and adds them: neither is saved by an op, both live until the body
+    returns. Counted where measured: a unit after the layers copied out inside the body (``[ln_f, lm_head]``;
+    differential draw 1-5 of generator 2, forward 147,456 B short without). N = the batch's token ids and
+    targets over 16 B, s = the position ids (``embed_saved``, int64) over 8 B."""
+    if not run.transformers or run.style != "gpt" or not run.acts.batch:
+        return ()
+    tokens, seq = run.acts.batch // 16, run.acts.embed_saved // 8
+    return (Term("inputs_embeds and position_embeds (the body's locals)", run.acts.embed_out + run.acts.embed_out
+                 * seq // tokens, TF + "models/gpt2/modeling_gpt2.py:GPT2Model.forward", 2),)  # fmt: skip
+
+
 def last_block_in_loss(run: Fsdp2Run) -> tuple[Term, ...]:
     """With the loss inside the root's forward, the last block's all-gather output is alive through the
     head and the loss (freed by the root's post-forward)."""

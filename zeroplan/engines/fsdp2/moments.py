@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from zeroplan.engines.fsdp2.hf_tree import (
+    gpt2_body_embeds,
     head_grad_held,
     inputs_embeds_held,
     last_block_in_loss,
@@ -22,15 +23,21 @@ from zeroplan.engines.fsdp2.param import local_numel_sum, local_shard_numel, pad
 from zeroplan.engines.fsdp2.settings import ADAM
 from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
 from zeroplan.engines.fsdp2.side import (
+    embedding_copy_outs,
     embedding_regather,
+    embedding_units,
+    final_callback_units,
     head_output,
+    head_prefetched,
     head_units,
     last_side_unit,
+    resharded_after_head,
     root_side,
     side_prev,
     side_reduce,
     side_regathers,
     split_root,
+    split_root_regathers,
 )
 from zeroplan.engines.fsdp2.terms import (
     Fsdp2Run,
@@ -146,7 +153,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     if head_units(run):  # a split root: [norm, output] gathered after the layers frees the last block's output
         kept_out = head_output(run, "kept until the root's post-forward")
         tail = (Moment("forward", f"{head_units(run)[-1].name} copy-out", (
-            *base, *kept_blocks(run, L), _blocks_saved(run, L), _act("block output", acts.embed_out),
+            *base, *gpt2_body_embeds(run), *kept_blocks(run, L), _blocks_saved(run, L), _act("block output", acts.embed_out),
             ag_output(run, L, "previous unit, freed when this copy-out returns"), kept_out)),)  # fmt: skip
     head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts, kept_out))
     in_loss = last_block_in_loss(run)  # transformers' forward(labels=...): the loss before the post-forward
@@ -154,11 +161,14 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     # ``logits.float()`` (validate/transformer.py:CausalLM.loss): a copy beside the 16-bit logits, which
     # nothing keeps once it exists (the head saves its input); in fp32 it is the logits themselves
     fp32_logits = _act("fp32 logits (loss upcast)", acts.logits_fp32 if run.p != 4 else acts.logits)
+    base = (*base[:-1], root_side(run, "loss"))  # a split root's units after the layers resharded by now
     upcast = Moment("forward", "logits upcast", (*base, *kept_blocks(run, L), *head_acts, fp32_logits, *in_loss))
     loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], *logits_in_loss(run),
                   fp32_logits, _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
                   _act("loss", acts.loss), *in_loss))  # fmt: skip
-    return (*first, gather, copy_out, last, *reshard, *tail, head, *((upcast,) if run.p != 4 else ()), loss)
+    states = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run))
+    return (*embedding_copy_outs(run, states), *first, gather, copy_out, last, *reshard, *tail, head,
+            *((upcast,) if run.p != 4 else ()), loss)  # fmt: skip
 
 
 def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:
@@ -190,9 +200,14 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     out = [Moment("backward", f"block {L} backward all-gather (root's prefetch, before the loss backward)", (
         *base, *kept_blocks(run, L), *saved_all, log_softmax, gather_input(run, L),
         ag_output(run, L, "backward prefetch"))), ] if early else []  # fmt: skip
-    out.append(Moment("backward", "cross-entropy backward", (*base, *kept_blocks(run, L), *saved_all, log_softmax,
+    out.extend(split_root_regathers(run, base, (*kept_blocks(run, L), *saved_all), log_softmax))
+    ce_base = (*base[:-1], root_side(run, "loss"), *head_prefetched(run)) if split_root(run) else base
+    out.append(Moment("backward", "cross-entropy backward", (*ce_base, *kept_blocks(run, L), *saved_all, log_softmax,
                       _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2),
                       *(prefetched(run, L) if early else ()))))  # fmt: skip
+    if resharded_after_head(run):  # their pre-backward, on the logits' gradient: the root's prefetch copied out
+        out.append(Moment("backward", f"{head_units(run)[-1].name} backward copy-out", (
+            *base, *kept_blocks(run, L), *saved_all, _act("logits gradient", acts.logits), *head_prefetched(run))))
     # a backward all-gather copies its input (the shard, or the k-sharded data) into a flat param-dtype
     # buffer first, freed once the collective returns: the root's pre_backward prefetches the last block
     if resharded(run) and not early:
@@ -214,8 +229,9 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
                   _act("final norm input gradient", n_d), *prefetched(run, L))  # resharded before it reduces
         out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, ugrads, rs_in)))
         out.extend(reduce_scatter_moments(u.name, (*common, *head_grad_held(run)), rs_in, rs_out, cast, gloo))
-    start = side_regathers(run, "start")  # the root-side units gathered again (a wrapping's own: wrap.py)
-    out = [Moment(m.phase, m.name, (*m.terms, *start)) for m in out]
+    if not split_root(run):  # a merged root resharded: its all-gather output held to its reduce-scatter (a bound)
+        start = side_regathers(run, "start")
+        out = [Moment(m.phase, m.name, (*m.terms, *start)) for m in out]
     if head_units(run):  # reduced and resharded after their backward (FSDPParamGroup.post_backward): from here
         # on the units after the layers hold their sharded gradients, not their parameters or unsharded ones
         base = (*base[:-1], root_side(run, "blocks"))
@@ -230,10 +246,24 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
         out.extend(block_backward_moments(run, i, base, root_held))
         after = i
     out.extend(root_backward_moments(run, base))
-    end = side_regathers(run, "end")  # the embeddings' all-gather output from block 1's prefetch, then their
-    again = embedding_regather(run)  # unsharded parameters from their copy-out (kept with the output: a bound)
-    return tuple(Moment(m.phase, m.name, (*m.terms, *end, *(again if m.name == "embedding backward" else ())))
-                 if m.name.startswith(("block 1 ", "embedding backward")) else m for m in out)  # fmt: skip
+    end = side_regathers(run, "end")  # the embeddings' all-gather output from block 1's prefetch, until their
+    again = embedding_regather(run)  # copy-out (their pre-backward); then their unsharded parameters alone
+    out = [Moment(m.phase, m.name, (*m.terms, *end)) if m.name.startswith("block 1 ") else m for m in out]
+    if not again:
+        return tuple(out)
+    # wait_for_unshard frees a backward all-gather output when the copy-out returns (it keeps one only in
+    # forward): measured on the fake group (no gloo copy to hide it), qwen2 V 12007 under torchtitan at N_d = 8
+    at = next(i for i, m in enumerate(out) if m.name == "embedding backward")
+    emb = out[at]
+    copy_out = Moment("backward", f"{', '.join(u.name for u in embedding_units(run))} backward copy-out", (
+        *(t for t in emb.terms if t.name not in EMBEDDING_GRADS), *end, *again))  # fmt: skip
+    out[at:at + 1] = [copy_out, Moment(emb.phase, emb.name, (*emb.terms, *again))]
+    return tuple(out)
+
+
+# the embedding backward's weight gradients, made after the embeddings' copy-out (root_backward_moments)
+EMBEDDING_GRADS = ("other root gradients", "head weight gradient", "head weight gradient (input buffer)",
+                   "embedding weight gradient", "their sum")
 
 
 def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_held: Term) -> tuple[Moment, ...]:
@@ -303,8 +333,20 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
         # its unsharded gradients stay alive through its reduce-scatter: a unit whose post_backward runs in the
         # root's final callback (the embeddings' inputs need no gradient, so no hook of theirs fires) reduces
         # gradients autograd still holds (measured: wide-vocabulary qwen2 under torchtitan's wrapping, exact)
-        ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, last_side_unit(run))
-        held = (ugrads,) if head_units(run) else head_grad_held(run)
+        order = final_callback_units(run)
+        for j, u in enumerate(order[:-1]):  # the root first (all_states order), the later units still whole
+            ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, u)
+            pending = tuple(t for v in order[j + 1:] for t in (side_reduce(run, v)[0], _fp(
+                f"unsharded parameters ({v.name}, resharded at its own post_backward, after)",
+                _gathered_numel(run, v) * run.p, "_fsdp_param_group.py:FSDPParamGroup.post_backward")))  # fmt: skip
+            common = (*root_base, blocks_done, ugrads, *pending)
+            out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, rs_in)))
+            out.extend(reduce_scatter_moments(u.name, common, rs_in, rs_out, cast, gloo))
+            shard_bytes = _gathered_numel(run, u) // run.nd * run.m  # reduced: its sharded gradients from here
+            blocks_done = _fp(f"{blocks_done.name}, {u.name}", blocks_done.bytes + shard_bytes,
+                              "_fsdp_collectives.py:foreach_reduce", blocks_done.tensors + 1)  # fmt: skip
+        ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, order[-1] if len(order) > 1 else last_side_unit(run))
+        held = (ugrads,) if head_units(run) or len(order) > 1 else head_grad_held(run)
     else:
         ugrads = Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes))
         rs_in, rs_out, cast, gloo = rs_input(run, 0, "this unit"), rs_output(run, 0), grad_cast(run, 0), gloo_copy(run, 0)

@@ -10,7 +10,7 @@ import math
 from zeroplan.engines.fsdp2.param import padded_shard_numel
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, _fp, ag_output, unsharded
 from zeroplan.engines.fsdp2.wrap import ShardUnit
-from zeroplan.formulas.peak import Term
+from zeroplan.formulas.peak import Moment, Term
 
 
 def _side_units(run: Fsdp2Run) -> list[ShardUnit]:
@@ -24,6 +24,15 @@ def _before_blocks(run: Fsdp2Run, u: ShardUnit) -> bool:
     return not u.root and u.first < min((v.first for v in run.shard_units if v.name in blocks), default=0)
 
 
+def spans_layers(run: Fsdp2Run, u: ShardUnit) -> bool:
+    """A group with modules before and after the decoder layers (a tied ``[norm, embeddings, head]``): FSDP2's
+    group post-forward runs once every module of the group has run (``_fsdp_state.py``, ``_modules_to_run_forward``),
+    after the head, so the group stays gathered through the layers' forward whatever its reshard_after_forward
+    (measured: differential draw 1-9 of generator 2, llama tied, the group True, forward -33% without)."""
+    blocks = [v for v in run.shard_units if v.name in {b.name for b in run.units[1:]}]
+    return bool(blocks) and not u.root and u.first < min(v.first for v in blocks) and u.last > max(v.last for v in blocks)
+
+
 def gathered_numel(run: Fsdp2Run, u: ShardUnit) -> int:
     """N_d·S_u of a resolved unit: its all-gather output and reduce-scatter input, in elements."""
     return run.nd * sum(padded_shard_numel(s, run.nd) for _, s in u.params)
@@ -31,12 +40,19 @@ def gathered_numel(run: Fsdp2Run, u: ShardUnit) -> int:
 
 def split_root(run: Fsdp2Run) -> bool:
     """Whether units beside the root hold parameters outside the decoder layers (torchtitan's embeddings and
-    ``[norm, output]``): then unit 0 is several ``fully_shard`` units with their own lifetimes. Not when the
-    root itself is resharded after forward (True passed explicitly): measured on validate/transformer.py's
-    CausalLM (loss outside the root's forward), two logits-sized tensors more than the terms say are live at
-    the loss, a mechanism not found yet, so those runs keep the merged root (an upper bound there)."""
-    sides = _side_units(run)
-    return any(not u.root for u in sides) and all(u.post_forward_group(run.nd) == 1 for u in sides if u.root)
+    ``[norm, output]``): then unit 0 is several ``fully_shard`` units with their own lifetimes, the root
+    resharded after forward (True passed explicitly) or not (``resharded_after_head``,
+    ``embedding_copy_outs``; moments.split_root_regathers)."""
+    return any(not u.root for u in _side_units(run))
+
+
+def resharded_after_head(run: Fsdp2Run) -> list[ShardUnit]:
+    """The units after the decoder layers resharded by their own post-forward (``[norm, output]`` left at
+    FSDP2's default True): freed once the head's forward returns, so not held at the loss; the root's
+    pre-backward (on the loss) prefetches them again, their own pre-backward (on the logits' gradient) copies
+    them out (_fsdp_state.py:FSDPState._pre_backward; _fsdp_param_group.py:FSDPParamGroup._backward_prefetch,
+    which follows the post-forward order). Measured: qwen2 under a FILE wrapping with the root True, exact."""
+    return [u for u in head_units(run) if u.post_forward_group(run.nd) > 1]
 
 
 def root_side(run: Fsdp2Run, stage: str) -> Term:
@@ -44,14 +60,36 @@ def root_side(run: Fsdp2Run, stage: str) -> Term:
     root the units gathered then: ``"blocks"`` (the decoder layers' forward): the root and the units before the
     layers kept gathered (False; resharded ones were freed by their post-forward); ``"head"`` and
     ``"backward"``: and every unit after the layers (gathered at their forward; kept through backward here,
-    an upper bound: _fsdp_param_group.py:FSDPParamGroup.post_backward reshards them after theirs)."""
+    an upper bound: _fsdp_param_group.py:FSDPParamGroup.post_backward reshards them after theirs); ``"loss"``
+    (the loss, and backward until the head's pre-backward copies it out): as ``"head"`` less the units after
+    the layers resharded by their post-forward (``resharded_after_head``)."""
     if not split_root(run):
         return unsharded(run, 0)
-    units = [u for u in _side_units(run) if u.root or (_before_blocks(run, u) and u.post_forward_group(run.nd) == 1)
-             or (stage != "blocks" and not _before_blocks(run, u))]  # fmt: skip
-    return _fp(f"unsharded parameters ({', '.join(u.name for u in units) or 'none'})",
-               sum(gathered_numel(run, u) for u in units) * run.p, "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs",
-               sum(len(u.params) for u in units))  # fmt: skip
+    freed = resharded_after_head(run) if stage == "loss" else []
+    if stage == "loss" and not run.loss_in_forward:  # the root's post-forward ran before the loss: a root True is freed
+        freed += [u for u in _side_units(run) if u.root and u.post_forward_group(run.nd) > 1]
+    if stage == "loss":  # a group spanning the layers is resharded after the head, as the units after them
+        freed += [u for u in _side_units(run) if spans_layers(run, u) and u.post_forward_group(run.nd) > 1]
+    units = [u for u in _side_units(run) if (u.root or (_before_blocks(run, u) and u.post_forward_group(run.nd) == 1)
+             or (stage != "blocks" and not _before_blocks(run, u)) or (stage in ("blocks", "head", "loss")
+             and spans_layers(run, u))) and u not in freed]  # fmt: skip
+    kept = k_sharded(run, stage)
+    return _fp(f"unsharded parameters ({', '.join(u.name for u in units) or 'none'})"
+               + "".join(f", {u.name} k-sharded after forward" for u in kept),
+               (sum(gathered_numel(run, u) for u in units) + sum(gathered_numel(run, u) // u.post_forward_group(run.nd)
+                for u in kept)) * run.p, "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs; "
+               "FSDPParam.to_sharded_post_forward", sum(len(u.params) for u in (*units, *kept)))  # fmt: skip
+
+
+def k_sharded(run: Fsdp2Run, stage: str) -> list[ShardUnit]:
+    """Units beside the layers resharded after forward to an int k < N_d (torchtitan's embeddings under
+    ``reshard_after_forward=k``): from their post-forward to their backward copy-out each rank keeps N_d·S/k
+    of them (_fsdp_param.py:FSDPParam.to_sharded_post_forward; freed by to_unsharded). Kept here until the
+    backward's end (the embeddings' copy-out is backward's last: a bound after it). Measured: differential
+    draw 1-16 of generator 2 (mistral, torchtitan, k = 2 at N_d = 4), forward and backward -8.4% without."""
+    partial = [u for u in _side_units(run) if not u.root and 1 < u.post_forward_group(run.nd) < run.nd
+               and not spans_layers(run, u)]  # fmt: skip
+    return [u for u in partial if _before_blocks(run, u) or stage == "loss"]
 
 
 def side_prev(run: Fsdp2Run) -> tuple[Term, ...]:
@@ -67,6 +105,27 @@ def side_prev(run: Fsdp2Run) -> tuple[Term, ...]:
                 "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard"),)  # fmt: skip
 
 
+def embedding_copy_outs(run: Fsdp2Run, states: tuple[Term, ...]) -> tuple[Moment, ...]:
+    """Forward, before the layers: each unit gathered after the root (the embeddings) copied out while the
+    previous all-gather output (the root's) is still bound (``wait_for_unshard`` frees it on return) and
+    before any activation exists; ``states``: the terms every moment holds (shards, Adam, batch). Measured:
+    the forward peak of validate/transformer.py's CausalLM with its embeddings apart and a root (head, norm)
+    True, exact (the root's output, its parameters, the embeddings' output and parameters)."""
+    if not split_root(run):
+        return ()
+    before = sorted((u for u in _side_units(run) if u.root or _before_blocks(run, u)), key=lambda u: (not u.root, u.first))
+    out = []
+    for prev, u in zip(before, before[1:]):
+        in_root_side = u.post_forward_group(run.nd) == 1 or spans_layers(run, u)  # root_side counts it
+        own = () if in_root_side else (_fp(f"unsharded parameters ({u.name})", gathered_numel(run, u) * run.p,
+                                           "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(u.params)),)  # fmt: skip
+        out.append(Moment("forward", f"{u.name} copy-out", (*states, root_side(run, "blocks"), *own, *(_fp(
+            f"all-gather output ({v.name}, {why})", gathered_numel(run, v) * run.p,
+            "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard")
+            for v, why in ((prev, "previous unit, freed when this copy-out returns"), (u, "this unit"))))))  # fmt: skip
+    return tuple(out)
+
+
 def head_units(run: Fsdp2Run) -> list[ShardUnit]:
     """Units after the decoder layers (``[norm, output]``), in forward order."""
     if not split_root(run):
@@ -80,6 +139,13 @@ def head_output(run: Fsdp2Run, why: str) -> Term:
     u = head_units(run)[-1]
     return _fp(f"all-gather output ({u.name}, {why})", gathered_numel(run, u) * run.p,
                "_fsdp_collectives.py:foreach_all_gather; _fsdp_state.py:FSDPState._post_forward")  # fmt: skip
+
+
+def embedding_units(run: Fsdp2Run) -> list[ShardUnit]:
+    """Units before the layers resharded after forward (gathered again for backward by block 1's prefetch)."""
+    if not split_root(run):
+        return []
+    return [u for u in _side_units(run) if _before_blocks(run, u) and u.post_forward_group(run.nd) > 1]
 
 
 def embedding_regather(run: Fsdp2Run) -> tuple[Term, ...]:
@@ -114,6 +180,16 @@ def last_side_unit(run: Fsdp2Run) -> ShardUnit:
     return max(rest, key=lambda u: gathered_numel(run, u))
 
 
+def final_callback_units(run: Fsdp2Run) -> list[ShardUnit]:
+    """The units reduced in the root's final callback (their inputs, token ids, need no gradient, so no
+    post-backward hook of theirs fires): the root with parameters and the units before the layers, in
+    ``all_states`` order, the root first (_fsdp_state.py:FSDPState._lazy_init walks ``named_modules()``;
+    ``_root_post_backward_final_callback``). Measured: validate/transformer.py's CausalLM with its embeddings
+    apart, the root (head, norm) reduced with the embeddings' unsharded gradient and parameters alive."""
+    rest = [u for u in _side_units(run) if u not in head_units(run)]
+    return sorted(rest, key=lambda u: (not u.root, u.first))
+
+
 def side_regathers(run: Fsdp2Run, when: str) -> tuple[Term, ...]:
     """Units beside the decoder layers (the root, embeddings, ``[norm, output]``) resharded after forward
     are gathered again for backward, each all-gather output beside the unsharded parameters while it is
@@ -132,3 +208,28 @@ def side_regathers(run: Fsdp2Run, when: str) -> tuple[Term, ...]:
             out.append(_fp(f"all-gather output ({u.name}, gathered again for backward)", numel * run.p,
                            "_fsdp_collectives.py:foreach_all_gather; _fsdp_param_group.py:FSDPParamGroup.pre_backward"))  # fmt: skip
     return tuple(out)
+
+
+def split_root_regathers(run: Fsdp2Run, base: tuple[Term, ...], held: tuple[Term, ...], log_softmax: Term
+                         ) -> tuple[Moment, ...]:
+    """A split root resharded after forward (True passed explicitly), gathered again by its pre-backward
+    (on the loss with ``labels=``, before the cross-entropy backward): its all-gather output beside its
+    unsharded parameters while it is copied out, freed when ``wait_for_unshard`` returns in backward
+    (_fsdp_param_group.py:FSDPParamGroup.wait_for_unshard keeps it only in forward); measured: qwen2 under a
+    FILE wrapping with the root True, none of it left at the reduce-scatters."""
+    if not split_root(run) or not run.loss_in_forward:
+        return ()
+    roots = [u for u in run.shard_units if u.root and u.params and u.post_forward_group(run.nd) > 1]
+    if not roots:
+        return ()
+    loss_base = (*base[:-1], root_side(run, "loss"))
+    return (Moment("backward", "root backward copy-out", (*loss_base, *held, log_softmax, _fp(
+        "all-gather output (root, gathered again for backward, freed after copy-out)", gathered_numel(run, roots[0])
+        * run.p, "_fsdp_collectives.py:foreach_all_gather; _fsdp_state.py:FSDPState._pre_backward"))),)  # fmt: skip
+
+
+def head_prefetched(run: Fsdp2Run) -> tuple[Term, ...]:
+    """The all-gather outputs of the units after the layers resharded by their post-forward, prefetched by the
+    root's pre-backward and alive until their own copies them out (``side.resharded_after_head``)."""
+    return tuple(_fp(f"all-gather output ({u.name}, the root's backward prefetch)", gathered_numel(run, u) * run.p,
+                     "_fsdp_param_group.py:FSDPParamGroup._backward_prefetch") for u in resharded_after_head(run))  # fmt: skip

@@ -124,6 +124,7 @@ class ShardUnit:
     reshard_after_forward: Reshard
     root: bool = False
     first: int = 0  # where its first parameter is in named_parameters() order (forward_order)
+    last: int = 0  # where its last parameter is (a group spanning the layers: [norm, embeddings, head])
 
     @property
     def name(self) -> str:
@@ -219,13 +220,15 @@ def _resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
             raise ValueError(f"wrapping: {module!r} uses {param!r} (tied) from another unit; torch 2.13 refuses a "
                              f"parameter seen by two units: group them, fully_shard([..., {module}])")  # fmt: skip
     owner: list[list[tuple[str, Shape]]] = [[] for _ in calls]
-    first = [len(named_shapes)] * len(calls)
+    first, last = [len(named_shapes)] * len(calls), [0] * len(calls)
     for i, (name, shape) in enumerate(named_shapes):
         module = name.rsplit(".", 1)[0] if "." in name else ""
         best = _innermost(module, seen)
         owner[seen[best]].append((name, tuple(shape)))
         first[seen[best]] = min(first[seen[best]], i)
-    return tuple(ShardUnit(mods, tuple(ps), rsf, mods == ("",), f) for (mods, rsf), ps, f in zip(calls, owner, first))
+        last[seen[best]] = max(last[seen[best]], i)
+    return tuple(ShardUnit(mods, tuple(ps), rsf, mods == ("",), f, e)
+                 for (mods, rsf), ps, f, e in zip(calls, owner, first, last))  # fmt: skip
 
 
 def forward_order(units: tuple[ShardUnit, ...]) -> tuple[ShardUnit, ...]:
