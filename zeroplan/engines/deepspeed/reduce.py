@@ -71,16 +71,17 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
 
 
 def _hook_buckets(run: DSRun) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
-    """(gradient-ready order, taken as the reverse of parameter order; the buckets' element counts in that
-    order, ``greedy_buckets``; the position in the order of each bucket's first gradient; parameter -> its
-    bucket) of ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
-    return _hook_layout(run.numels, run.settings.reduce_bucket_size)
+    """(gradient-ready order, ``DSRun.grad_ready_order``; the buckets' element counts in that order,
+    ``greedy_buckets``; the position in the order of each bucket's first gradient; parameter -> its bucket) of
+    ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
+    return _hook_layout(run.numels, run.settings.reduce_bucket_size, run.grad_ready_order)
 
 
 @lru_cache(maxsize=16)  # read-only: every moment function of a run, and every rank's run, ask for the same
-def _hook_layout(numels: tuple[int, ...], bucket: int) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
-    """``_hook_buckets`` of parameters of ``numels`` elements and buckets of ``bucket`` elements."""
-    order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
+def _hook_layout(numels: tuple[int, ...], bucket: int,
+                 order: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
+    """``_hook_buckets`` of parameters of ``numels`` elements, buckets of ``bucket`` elements, gradients ready in
+    ``order``."""
     buckets = greedy_buckets(tuple(numels[i] for i in order), bucket)
     first_of_bucket, at = [], 0
     for size in buckets:
