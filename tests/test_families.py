@@ -536,3 +536,21 @@ def test_checkpointed_forward_working_set_of_gemma_layers(name, dtype):
     miss = measured - held  # the layer's no-grad working set beside its input (gemma_activations._nograd_peak)
     extra = {("gemma2", "float32"): 2 * b * spec.n_head * s * s, ("gemma3", "bfloat16"): 512}.get((name, dtype), 0)
     assert miss == b * s * spec.head_dim * a + extra
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-tied-bias", "tiny-gpt2", "tiny-gemma2", "tiny-llama", "tiny-gpt2-untied"])
+@pytest.mark.parametrize("hf", [True, False])
+def test_deepspeed_tied_head_is_read_from_the_architecture(name, hf):
+    """``DSRun.tied_head`` (run.py ``head_tied``): transformers' model of any family ties ``lm_head`` to the token
+    embedding when its config says so; the validator's CausalLM only at GPT. Inferred from parameter sizes before
+    (a vocabulary x hidden parameter among the first two and not the last)."""
+    from zeroplan.engines import deepspeed as D
+    from zeroplan.engines.base import Workload
+    from zeroplan.engines.deepspeed.wrapper import ds_run
+
+    spec = spec_from_hf_config(config(name))
+    if not hf and spec.model_type not in ("gpt2", "llama"):
+        pytest.skip("the validator's CausalLM builds gpt2 and llama layouts only")
+    run = ds_run(D.Settings(stage=2), Workload(transformer_shapes(spec), spec, 16, 1, transformers=hf), 2, 4)
+    assert run.tied_head == (spec.tie_word_embeddings and (hf or spec.style == "gpt"))
+    assert spec.tie_word_embeddings == (name not in ("tiny-llama", "tiny-gpt2-untied"))

@@ -262,14 +262,10 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
 
 def _mlp_saved(run: DSRun) -> int | None:
     """A GPT block's saved tensors its MLP releases before the input projection's backward ends: LN2's output
-    (the projection's input, released by the checkpoint's unpack once used, or saved) and the activation's
-    kept tensors and output, (1 + (k + 1)·f/d)·N·d·a; None for other blocks (Llama's RMSNorm:
-    ``BlockActivations.norm_backward_saved`` is set). k + 1 = (saved - 8·N·d·a) // (N·f·a): the block's saved
-    tensors are N·a·(8d + (k + 1)·f) plus LayerNorm statistics and SDPA's logsumexp, smaller than N·f·a
-    (activation_terms.py ``_gpt_block``); N·f·a is c_proj's first-op gradient (``backward_first_op`` less
-    ``first_weight_grads``)."""
-    blk, nda = run.acts.block, run.acts.embed_out
-    nfa = blk.backward_first_op - blk.first_weight_grads
-    if blk.norm_backward_saved or nfa <= 0:
+    (the projection's input, released by the checkpoint's unpack once used, or saved) and the MLP's own
+    (``BlockActivations.mlp_saved``: the activation's kept tensors and output, (k + 1)·N·f·a); None for other
+    blocks (Llama's RMSNorm: ``BlockActivations.norm_backward_saved`` is set)."""
+    blk = run.acts.block
+    if blk.norm_backward_saved or not blk.mlp_saved:
         return None
-    return nda + (blk.saved - 8 * nda) // nfa * nfa
+    return run.acts.embed_out + blk.mlp_saved

@@ -82,6 +82,8 @@ class DSRun:
     head_numel: int
     final_norm_numel: int
     tied_head: bool
+    """the head's weight is the token embedding's (``head_tied``: any transformers family tied, the validator's
+    GPT); read from the architecture."""
     wrapper: Wrapper = field(compare=False, repr=False)
     """the optimizer wrapper DeepSpeed builds for ``settings`` (``wrapper.py wrapper_for``), chosen once per run."""
     checkpointing: str = "none"
@@ -268,6 +270,12 @@ def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:
     spec = workload.spec
     style = spec.style if spec is not None else None
     hf = workload.transformers and spec is not None
-    # transformers' lm_head is the embedding's weight whenever tied (any style); CausalLM's rule is unchanged
-    tied = spec is not None and (spec.style == "gpt" or hf) and spec.tie_word_embeddings
-    return (stage3_trace(workload.shapes, style, tied, hf),)
+    return (stage3_trace(workload.shapes, style, head_tied(workload), hf),)
+
+
+def head_tied(workload: Workload) -> bool:
+    """Whether the head's weight is the token embedding's (``DSRun.tied_head``): in transformers' model of any
+    family whose config ties them (``tie_word_embeddings``: ``lm_head.weight`` is ``embed_tokens.weight``), in the
+    validator's CausalLM at GPT only (validate/transformer.py ``head_weight``; its Llama layout keeps a head)."""
+    spec = workload.spec
+    return spec is not None and spec.tie_word_embeddings and (spec.style == "gpt" or workload.transformers)

@@ -80,7 +80,7 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     grads_in_partition + 3 x 8,388,608 B over what the last block's backward holds less its activations
     (MemTracker, per hook: 90,444,056 B on rank 1, 89,487,640 B on rank 0; the head's gradient alone was in
     the prediction before, 9,424,904 B short)."""
-    if not (_head_tied(run) and run.param_blocks and reduces_from_hooks(run.settings)):
+    if not (run.tied_head and run.param_blocks and reduces_from_hooks(run.settings)):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
     embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
@@ -97,14 +97,6 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
         Term("tied embedding gradients (the head's, the embedding's, their sum)", 3 * run.head_numel * p,
              "torch autograd InputBuffer::accumulate -> AccumulateGrad; runtime/zero/stage_1_and_2.py "
              "reduce_independent_p_g_buckets_and_remove_grads (the hook fires on the sum)", 3))),)  # fmt: skip
-
-
-def _head_tied(run: DSRun) -> bool:
-    """Whether the head is the token embedding's weight: ``DSRun.tied_head`` (GPT style), or a transformers
-    model of any family tied (no parameter after the blocks is vocabulary x hidden, the first is: the
-    validator's own Llama-style model keeps its head, transformers' tied Qwen2 / Llama do not)."""
-    n = run.numels
-    return run.tied_head or (bool(n) and n[-1] != run.head_numel and run.head_numel in n[:2])
 
 
 def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
