@@ -189,7 +189,7 @@ def test_validator_compares_each_rank_with_its_own_prediction():
 
 
 @pytest.mark.parametrize("name, hf", [("tiny-llama", False), ("tiny-llama", True), ("tiny-gpt2-untied", True),
-                                      ("gpt-tiny", False), ("tiny-qwen2", True)])  # fmt: skip
+                                      ("gpt-tiny", False), ("tiny-qwen2", True), ("tiny-gemma2", True)])  # fmt: skip
 def test_gradient_ready_order_is_torchs_hook_order(name, hf):
     """The order of the parameters' ``AccumulateGrad`` hooks in one backward (where ZeRO-1/2 bucket gradients)
     is the profile's ``grad_ready_order``: Llama's down, up, gate, post-attention norm, o, v, k, q, input norm;
