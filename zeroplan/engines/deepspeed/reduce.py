@@ -227,10 +227,12 @@ def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, .
     gate, post_attention_layernorm): at up the MLP's saved tensors less gate's output (SiLU's input) released,
     in flight SiLU's output gradient, the norm output's (from up) and the incoming; at gate the norm's output
     released too, in flight the norm output's summed gradient and the incoming; at the norm
-    ``norm_backward_saved`` with its normalised tensor's gradient and the incoming (block j held whole: recomputed
-    under checkpointing, beside the input the checkpoint holds). Measured: tiny-llama ZeRO-2 checkpointed,
-    5,000-element buckets, N_d = 3, rank 0 allocated at block 0's gate_proj hook: MemTracker in
-    ``copy_grads_in_partition`` 620,536 B, the moment 504 B over (an int64 batch tensor MemTracker does not see)."""
+    ``norm_backward_saved`` with its normalised tensor's gradient and the incoming; at o_proj the attention's and
+    the input norm's saved tensors, in flight o_proj's input gradient and x1's (block j held whole: recomputed
+    under checkpointing, beside the input the checkpoint holds). Not modelled: q, k, v and the input norm.
+    Measured: tiny-llama ZeRO-2 checkpointed, 5,000-element buckets, N_d = 3, MemTracker in
+    ``copy_grads_in_partition``: rank 0 at block 0's gate_proj hook 620,536 B, rank 1 at block 1's o_proj hook
+    597,816 B; each moment 504 B over (an int64 batch tensor MemTracker does not see)."""
     blk, nda = run.acts.block, run.acts.embed_out
     if not blk.norm_backward_saved:  # GPT's LayerNorm block
         proj, norm = _mlp_modules(run, j)
@@ -243,11 +245,19 @@ def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, .
         return "MLP input projection", (_act("block's saved activations before its MLP", blk.saved - mlp),
                                         _act("incoming and MLP input's gradients", 2 * nda, 2)), proj
     roles = _llama_roles(run, j)
-    if roles is None or not any(hook in m for m in (*roles[0], roles[1])):
+    if roles is None or not any(hook in m for m in (*roles[0], roles[1], roles[2])):
         return None
-    (*earlier, last_proj), norm = roles
+    (*earlier, last_proj), norm, o_proj = roles
     saved = blk.recomputed + blk.ckpt_saved if run.checkpointing != "none" else blk.saved
-    nfa = nda // run.final_norm_numel * (sum(run.numels[i] for i in last_proj) // run.final_norm_numel)
+    d = run.final_norm_numel
+    nfa = nda // d * (sum(run.numels[i] for i in last_proj) // d)
+    if hook in o_proj:  # the MLP's and the post-attention norm's saved tensors gone (an RMSNorm's: N·d·4 + N·4 +
+        # 2·N·d·a), in flight o_proj's input gradient (N·q·a) and x1's (N·d·a)
+        rms = nda // _pbytes(run) * 4 + nda // (_pbytes(run) * d) * 4 + 2 * nda
+        nqa = nda // d * (sum(run.numels[i] for i in o_proj) // d)
+        return "attention output projection", (_act("block's saved activations before its post-attention norm",
+                                                    saved - blk.mlp_saved - rms),
+                                               _act("attention output's and x1's gradients", nqa + nda, 2)), o_proj
     if hook in norm:
         return "post-attention norm", (_act("block's saved activations left at its post-attention norm",
                                             blk.norm_backward_saved + saved - blk.saved),
@@ -262,10 +272,11 @@ def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, .
                                     _act("incoming, MLP input's and the activation output's gradients", 2 * nda + nfa, 3)), module
 
 
-def _llama_roles(run: DSRun, j: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]] | None:
-    """(block j's MLP input projections in hook order, its post-attention norm) as parameter indices: the modules
-    whose hooks follow the output projection's in ``DSRun.grad_ready_order``, projections while their weight is
-    as large as the output projection's, then the norm (a module of vectors); None when the block's first hook
+def _llama_roles(run: DSRun, j: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]] | None:
+    """(block j's MLP input projections in hook order, its post-attention norm, the attention's output projection)
+    as parameter indices: the modules whose hooks follow the output projection's in ``DSRun.grad_ready_order``,
+    projections while their weight is as large as the output projection's, then the norm (a module of vectors),
+    then the next module; None when the block's first hook
     is not its output projection (Gemma's post-feed-forward norm) or the MLP is not this shape."""
     owner, at = {}, 0
     for m, sizes in enumerate(run.modules):
@@ -289,7 +300,8 @@ def _llama_roles(run: DSRun, j: int) -> tuple[tuple[tuple[int, ...], ...], tuple
             projections.append(tuple(g))
             continue
         if projections and len({run.numels[i] for i in g}) == 1 and run.numels[g[0]] == run.final_norm_numel:
-            return tuple(projections), tuple(g)
+            after = groups[groups.index(g) + 1] if groups.index(g) + 1 < len(groups) else []
+            return tuple(projections), tuple(g), tuple(after)
         return None
     return None
 
