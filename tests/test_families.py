@@ -539,7 +539,8 @@ def test_checkpointed_forward_working_set_of_gemma_layers(name, dtype):
     assert miss == b * s * spec.head_dim * a + extra
 
 
-@pytest.mark.parametrize("name", ["tiny-llama-tied-bias", "tiny-gpt2", "tiny-gemma2", "tiny-llama", "tiny-gpt2-untied"])
+@pytest.mark.parametrize("name", ["tiny-llama-tied-bias", "tiny-gpt2", "tiny-gemma2", "tiny-llama",
+                                  "tiny-gpt2-untied"])
 @pytest.mark.parametrize("hf", [True, False])
 def test_deepspeed_tied_head_is_read_from_the_architecture(name, hf):
     """``DSRun.tied_head`` (run.py ``head_tied``): transformers' model of any family ties ``lm_head`` to the token
@@ -561,7 +562,7 @@ def test_gemma_final_norm_hook_moment(tmp_path):
     """t-gemma2-scores, ZeRO-2, rank 1 (its partition holds the head, the first bucket, reduced at the final norm's
     hook): MemTracker's live bytes in ``copy_grads_in_partition`` there, recorded 2026-12-01 (a tracer over the
     validator's runner, DeepSpeed 0.19.8, the row of ``GEMMA_DS_RECORDED``): 13,049,292 B. The moment's prediction is
-    952 B over (a 1,024 B int64 batch tensor MemTracker does not see, less the 68 B of rotary and scale buffers the
+    952 B over (the token ids, 1,024 B, which MemTracker never sees, less the 68 B of rotary and scale buffers the
     profile leaves out); with every final-norm tensor (output, tanh, normalised) it was 277,944 B over."""
     pytest.importorskip("torch")
     from validate.engines.deepspeed import ds_config, workload_for

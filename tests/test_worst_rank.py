@@ -218,7 +218,7 @@ def test_swiglu_output_projection_gradient_is_in_the_bucket_at_the_product_backw
     last block's working set without down_proj's weight gradient, which its hook copied into the bucket
     (``Wrapper.buckets_at_hooks``); MemTracker's live tensors at rank 1's backward peak (the SwiGLU product's
     backward): d(product) and its two outputs, no [48, 88] gradient. +1.66% before (the only recorded DeepSpeed
-    reading beyond 1%), +0.05% now (the 504 B over are in rank 0's row too: one 512 B batch tensor MemTracker does
+    reading beyond 1%), +0.05% now (the 504 B over are in rank 0's row too: the token ids, 512 B, MemTracker does
     not see)."""
     moment, error, _ = _with_and_without("deepspeed-z2-llama-nd2", 1, "backward")
     assert moment in ("last block backward, rank 1's grads_in_partition",
@@ -226,11 +226,11 @@ def test_swiglu_output_projection_gradient_is_in_the_bucket_at_the_product_backw
     assert error == pytest.approx(0.048, abs=0.002)
 
 
-#: tiny-llama (validate's CausalLM), ZeRO-2, full checkpointing, 5,000-element buckets, torch AdamW, fp32, micro-batch 2,
-#: N_d = 3, recorded 2026-12-01 (DeepSpeed 0.19.8, torch 2.13, gloo; ``validate.engines.deepspeed`` under a MemTracker
-#: that also read the live bytes in ``copy_grads_in_partition``): per rank the phases' peaks [init, forward, backward,
-#: step] and the live bytes where its grads_in_partition was allocated (rank 0 at block 0's gate_proj hook, rank 1 at
-#: block 1's o_proj hook, rank 2 at the last block's down_proj hook).
+#: tiny-llama (validate's CausalLM), ZeRO-2, full checkpointing, 5,000-element buckets, torch AdamW, fp32,
+#: micro-batch 2, N_d = 3, recorded 2026-12-01 (DeepSpeed 0.19.8, torch 2.13, gloo; ``validate.engines.deepspeed``
+#: under a MemTracker that also read the live bytes in ``copy_grads_in_partition``): per rank the phases' peaks
+#: [init, forward, backward, step] and the live bytes where its grads_in_partition was allocated (rank 0 at block
+#: 0's gate_proj hook, rank 1 at block 1's o_proj hook, rank 2 at the last block's down_proj hook).
 LLAMA_CKPT_ND3 = {0: ([382080, 500872, 672952, 573648], 620536), 1: ([382080, 500872, 736312, 573648], 597816),
                   2: ([382080, 500872, 743992, 573648], None)}  # fmt: skip
 
@@ -240,8 +240,8 @@ def test_llama_partition_allocated_inside_a_block(rank):
     """A Llama block's in-block hook (reduce.py ``_hook_activations``): rank 0's grads_in_partition is allocated
     at block 0's gate_proj hook, after every other op of the block's MLP has run backward, rank 1's at block 1's
     o_proj hook, after the post-attention norm's; each moment's prediction is
-    504 B over what MemTracker read there (the int64 batch tensor it does not see, as in every row of this
-    runner), and each rank's backward peak within +0.08% (the same 504 B)."""
+    504 B over what MemTracker read there (the token ids, which it never sees: no op makes them; as in every
+    row of this runner), and each rank's backward peak within +0.08% (the same 504 B)."""
     from validate.engines.deepspeed import ds_config, workload_for
     from zeroplan.engines.deepspeed.phases import moments
     from zeroplan.engines.deepspeed.wrapper import ds_run

@@ -232,7 +232,7 @@ def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, .
     under checkpointing, beside the input the checkpoint holds). Not modelled: q, k, v and the input norm.
     Measured: tiny-llama ZeRO-2 checkpointed, 5,000-element buckets, N_d = 3, MemTracker in
     ``copy_grads_in_partition``: rank 0 at block 0's gate_proj hook 620,536 B, rank 1 at block 1's o_proj hook
-    597,816 B; each moment 504 B over (an int64 batch tensor MemTracker does not see)."""
+    597,816 B; each moment 504 B over (the token ids, N·8 B, which MemTracker never sees: no op makes them)."""
     blk, nda = run.acts.block, run.acts.embed_out
     if not blk.norm_backward_saved:  # GPT's LayerNorm block
         proj, norm = _mlp_modules(run, j)
@@ -267,9 +267,9 @@ def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, .
                                              saved - blk.mlp_saved - nda),
                                         _act("incoming and MLP input's gradients", 2 * nda, 2)), last_proj
     module = next(m for m in earlier if hook in m)
-    return "MLP input projection", (_act("block's saved activations less the MLP's but the activation's input",
-                                         saved - 3 * nfa),
-                                    _act("incoming, MLP input's and the activation output's gradients", 2 * nda + nfa, 3)), module
+    return "MLP input projection", (
+        _act("block's saved activations less the MLP's but the activation's input", saved - 3 * nfa),
+        _act("incoming, MLP input's and the activation output's gradients", 2 * nda + nfa, 3)), module
 
 
 def _llama_roles(run: DSRun, j: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]] | None:
@@ -316,9 +316,10 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     partition``). An RMSNorm's weight gradient comes from its last product, whose backward runs first: by its
     hook the head's input (the norm's output), a soft-cap's saved tanh and the product's saved normalised tensor
     are released, and what is left of the norm is ``BlockActivations.pending_at_last_grad`` (its fp32 input and
-    rsqrt, the normalised tensor's gradient; measured: MemTracker at ``copy_grads_in_partition`` on Gemma 2, t-gemma2-scores
-    ZeRO-2 rank 1, 13,049,292 B, 277,944 B under the moment with every final-norm tensor before: -0.87% of the
-    phase's peak). Found by the differential matrix (seed 2 draw 5: Llama 15.1M untied, ZeRO-2, 2.7M-element
+    rsqrt, the normalised tensor's gradient; measured: MemTracker at ``copy_grads_in_partition`` on Gemma 2,
+    t-gemma2-scores ZeRO-2 rank 1, 13,049,292 B, 277,944 B under the moment with every final-norm tensor
+    before: -0.87% of the phase's peak).
+    Found by the differential matrix (seed 2 draw 5: Llama 15.1M untied, ZeRO-2, 2.7M-element
     buckets, N_d = 4: the head's 5.4M-element gradient and its flattened copy; MemTracker at the peak, in
     ``allreduce_bucket`` on ranks 0, 1, 3 and in ``copy_grads_in_partition`` on rank 2: backward -12.2%,
     -3.3%, -8.3%, -8.7% before)."""

@@ -125,19 +125,7 @@ class DSRun:
 
     @cached_property
     def grad_ready_order(self) -> tuple[int, ...]:
-        """Parameter indices in the order their gradients are ready (their ``AccumulateGrad`` hooks fire, where
-    ZeRO-1/2 bucket them: stage_1_and_2.py ``create_gradient_handling_hooks``): the reverse of the order their
-    modules are first called in forward (``trace``'s forward fetches). torch's autograd engine runs the ready
-    node made last first (its ready queue is ordered by sequence number) and an ``AccumulateGrad`` as soon as
-    its gradient is ready, so a block's hooks come in the reverse of its calls: Llama's ``down_proj``,
-    ``up_proj``, ``gate_proj``, ``post_attention_layernorm``, ``o_proj``, ``v_proj``, ``k_proj``, ``q_proj``,
-    ``input_layernorm`` (registered self_attn, mlp, then the norms), GPT-2's its registration order reversed.
-    Within a module the reverse of ``named_parameters`` (a Linear's bias is added by a later node than its
-    weight's; Conv1D's ``addmm`` takes the bias first), but a norm's weight and bias (a module's parameters all
-    of one size) come from one node (``native_layer_norm_backward``) in its inputs' order. The root's external
-    head weight (validate/transformer.py CausalLM applies it with ``F.linear`` after the body) is first; a head
-    tied to the token embedding is ready with the embedding's gradient, last. Checked against torch's hooks
-    (tests/test_worst_rank.py). Without a trace: the reverse of ``named_parameters``."""
+        """The parameters in the order their gradient hooks fire (``grad_ready_order``)."""
         return grad_ready_order(self.trace, self.numels)
 
     @cached_property
@@ -159,16 +147,17 @@ class DSRun:
 def grad_ready_order(trace: Optional[Stage3Trace], numels: tuple[int, ...]) -> tuple[int, ...]:
     """Parameter indices in the order their gradients are ready (their ``AccumulateGrad`` hooks fire, where
     ZeRO-1/2 bucket them: stage_1_and_2.py ``create_gradient_handling_hooks``): the reverse of the order their
-    modules are first called in forward (``trace``'s forward fetches), within a module the reverse of
-    ``named_parameters`` (a Linear's bias is added by a later node than its weight's; Conv1D's ``addmm`` takes
-    the bias first), but a norm's weight and bias (a module's parameters all of one size) come from one node (``native_layer_norm_backward``) in its inputs' order. torch's autograd engine runs the ready node made last first (its ready queue is
-    ordered by sequence number) and an ``AccumulateGrad`` as soon as its gradient is ready, so a block's hooks
-    come in the reverse of its calls: Llama's ``down_proj``, ``up_proj``, ``gate_proj``,
-    ``post_attention_layernorm``, ``o_proj``, ``v_proj``, ``k_proj``, ``q_proj``, ``input_layernorm``
-    (registered self_attn, mlp, then the norms: measured, MemTracker on DeepSpeed ZeRO-2, tiny-llama); GPT-2's
-    are its registration order reversed. The root's external head weight (validate/transformer.py CausalLM
-    applies it with ``F.linear`` after the body) is first; a head tied to the token embedding is ready with
-    the embedding's gradient, last. Without a trace: the reverse of ``named_parameters`` order."""
+    modules are first called in forward (``trace``'s forward fetches). torch's autograd engine runs the ready
+    node made last first (its ready queue is ordered by sequence number) and an ``AccumulateGrad`` as soon as
+    its gradient is ready, so a block's hooks come in the reverse of its calls: Llama's ``down_proj``,
+    ``up_proj``, ``gate_proj``, ``post_attention_layernorm``, ``o_proj``, ``v_proj``, ``k_proj``, ``q_proj``,
+    ``input_layernorm`` (registered self_attn, mlp, then the norms), GPT-2's its registration order reversed.
+    Within a module the reverse of ``named_parameters`` (a Linear's bias is added by a later node than its
+    weight's; Conv1D's ``addmm`` takes the bias first), but a norm's weight and bias (a module's parameters all
+    of one size) come from one node (``native_layer_norm_backward``) in its inputs' order. The root's external
+    head weight (validate/transformer.py CausalLM applies it with ``F.linear`` after the body) is first; a head
+    tied to the token embedding is ready with the embedding's gradient, last. Checked against torch's hooks
+    (tests/test_worst_rank.py). Without a trace: the reverse of ``named_parameters``."""
     n_params = len(numels)
     if trace is None or not trace.events:
         return tuple(reversed(range(n_params)))
