@@ -4,11 +4,16 @@ Target (issue: capacity planning): `zeroplan plan` stays interactive, well under
 `python -c "import torch"` (it never imports torch, pandas or matplotlib). The largest preset
 (llama3-405b, 885 tensors, exact padding) on 1,024 GPUs is the slowest case: 10 options, each with a
 min-GPU search and two max-size searches, and with N_m = 1 the engine's peak of every stage; the FSDP2
-and DeepSpeed plans predict the peak of each of their candidates. Run: python benchmarks/plan_latency.py [REPEATS]
+and DeepSpeed plans predict the peak of each of their candidates. Run: python benchmarks/plan_latency.py
+[REPEATS] [--before DIR]: with ``--before``, each plan also runs with the checkout DIR first on PYTHONPATH
+(``git archive`` of the old commit), interleaved with the current one, so that before and after share the
+machine's load.
 """
 
 from __future__ import annotations
 
+import compileall
+import os
 import shutil
 import statistics
 import sys
@@ -32,10 +37,29 @@ COMMANDS = {
 """Issue 16's target: every plan, any engine, under a quarter of the torch import (the largest preset)."""
 
 
+def with_before(commands: dict[str, list[str]], before: str) -> dict[str, list[str]]:
+    """Each zeroplan command twice: as it is, and with the checkout ``before`` first on PYTHONPATH."""
+    out: dict[str, list[str]] = {}
+    for name, argv in commands.items():
+        out[name] = argv
+        if argv[0] == ZEROPLAN:
+            out[f"before: {name}"[:30]] = ["env", f"PYTHONPATH={before}", *argv]
+    return out
+
+
 def main() -> None:
-    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else REPEATS
+    args = sys.argv[1:]
+    before = None
+    if "--before" in args:
+        at = args.index("--before")
+        before, args = os.path.abspath(args[at + 1]), args[:at] + args[at + 2:]
+    repeats = int(args[0]) if args else REPEATS
     byte_compile()
-    medians = compare(COMMANDS, repeats)
+    commands = COMMANDS
+    if before is not None:
+        compileall.compile_dir(os.path.join(before, "zeroplan"), quiet=1)
+        commands = with_before(COMMANDS, before)
+    medians = compare(commands, repeats)
     torch_s = medians['python -c "import torch"']
     for name, m in medians.items():
         print(f"{name:30s} {m / torch_s:5.2f}x the torch import (CPU time)")

@@ -8,6 +8,7 @@ the replay path is checked on a snapshot written by hand in the exact format of
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 
@@ -192,3 +193,91 @@ def test_fsdp2_model_states_on_the_h200_are_shards_handed_out_whole(nd, init, sl
     assert abs(predicted - measured) < abs(without - measured)  # better than tensors alone
     if nd == 8:
         assert result.allocated_bytes - result.requested_bytes > 10 * MiB  # the whole-block hand-outs
+
+
+# -- runs of equal allocations fast-forwarded (``zeroplan.allocator.runs``) ---------------------------------
+
+
+def _full_and_fast(events, conf: str, monkeypatch) -> tuple:
+    """(replay request by request, replay with runs fast-forwarded, periods copied or expandable runs carved in
+    closed form by the second)."""
+    import sys
+
+    from zeroplan.allocator import runs
+    from zeroplan.allocator.config import parse_alloc_conf
+
+    module = sys.modules["zeroplan.allocator.replay"]  # the package's ``replay`` is the function
+    cfg = parse_alloc_conf(conf)
+    with monkeypatch.context() as m:
+        m.setattr(module, "alloc_runs", lambda events: {})
+        full = replay(events, cfg)
+    copies, copy, carve = [], runs._copy_period, runs.expandable_run
+    with monkeypatch.context() as m:
+        m.setattr(runs, "_copy_period", lambda *a: (copies.append(1), copy(*a)))
+        m.setattr(runs, "expandable_run", lambda *a: carve(*a) and not copies.append(1))
+        fast = replay(events, cfg)
+    return full, fast, len(copies)
+
+
+@functools.cache
+def _engine_traces():
+    from zeroplan.engines import deepspeed, fsdp2
+    from zeroplan.engines.deepspeed.alloc_trace import alloc_traces as deepspeed_traces
+    from zeroplan.engines.fsdp2.alloc_trace import alloc_traces as fsdp2_traces
+    from zeroplan.estimation.workload import model_workload
+    from zeroplan.presets import resolve_model
+
+    w = model_workload(resolve_model("llama2-7b"), 1024, 1, "none", 1, True)
+    full = model_workload(resolve_model("llama2-7b"), 1024, 2, "full", 2, True)
+    return {
+        "fsdp2-reshard": fsdp2_traces(w, 8, fsdp2.Settings())[0],
+        "fsdp2-keep-bf16": fsdp2_traces(w, 8, fsdp2.Settings(reshard_after_forward=False, param_dtype="bf16"))[0],
+        "fsdp2-ckpt-k4": fsdp2_traces(full, 8, fsdp2.Settings(reshard_after_forward=4))[0],
+        "deepspeed-zero3": deepspeed_traces(w, 8, deepspeed.Settings(stage=3))[0],
+        "deepspeed-zero2-overlap": deepspeed_traces(full, 8, deepspeed.Settings(stage=2, overlap_comm=True))[0],
+    }
+
+
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:64", "expandable_segments:True"])
+def test_fast_forwarded_runs_replay_exactly_as_request_by_request(conf, monkeypatch):
+    """Every field of the replay (peaks per phase, segments and their blocks, the segment log, every address)
+    equal with and without the runs fast-forwarded, on FSDP2 (resharding, kept, k-sharded with checkpointing)
+    and DeepSpeed (ZeRO-3, ZeRO-2 on its reduction stream) traces of llama2-7b; the fast path copies periods
+    (expandable segments: carves runs in closed form) of every FSDP2 trace."""
+    copied = 0
+    for name, trace in _engine_traces().items():
+        full, fast, copies = _full_and_fast(trace.events, conf, monkeypatch)
+        assert fast == full, (name, conf)
+        assert full.reserved_peak_bytes > full.allocated_peak_bytes > 0
+        copied += copies
+        if name.startswith("fsdp2"):  # the sharded parameters and saved activations: many periods or runs
+            assert copies > (5 if "expandable" in conf else 100), name
+    assert copied > 0
+
+
+def test_runs_between_cached_blocks_and_frees_replay_exactly(monkeypatch):
+    """Seeded random runs of equal requests (small, large, over 10 MiB; two streams) between random frees, so
+    that runs start on pools holding cached blocks and split tails of every size: the copied periods land
+    exactly where the request-by-request replay puts them; a live id reused refuses the run like the replay."""
+    import random
+
+    rng, events, live, next_id = random.Random(20), [], [], 0
+    for _ in range(120):
+        for _ in range(rng.randrange(6)):
+            if live:
+                events.append(("free", live.pop(rng.randrange(len(live)))))
+        size = rng.choice([rng.randint(1, 600_000), rng.randint(MiB, 9 * MiB), rng.randint(10 * MiB, 90 * MiB)])
+        stream = rng.choice([0, 0, 3])
+        for _ in range(rng.randrange(1, 40)):
+            events.append(("alloc", next_id, size, stream))
+            live.append(next_id)
+            next_id += 1
+        if rng.random() < 0.1:
+            events.append(("phase", f"p{rng.randrange(3)}"))
+    expandable = "expandable_segments:True"
+    for conf in ("", "max_split_size_mb:40", expandable, f"{expandable},max_split_size_mb:40"):
+        full, fast, copies = _full_and_fast(events, conf, monkeypatch)
+        assert fast == full and copies > (10 if "expandable" in conf else 50), (conf, copies)
+    clash = [("alloc", 0, 1000)] * 10
+    with pytest.raises(ValueError, match="still live"):
+        replay(clash)

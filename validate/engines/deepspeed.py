@@ -171,6 +171,11 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
             by_device = probe.by_device()
     finally:
         F.linear = linear  # zero.Init's zero3_linear_wrap, if any, ends with its run
+        # hpZ's secondary group lives in a module global that stage3.py hands to every later ZeRO-3 engine of the
+        # process (secondary partitions at any zero_hpz_partition_size): each run makes its own (deepspeed_changes)
+        import deepspeed.utils.groups as ds_groups
+
+        ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
         gc.unfreeze()
         if was_enabled:
             gc.enable()
@@ -193,6 +198,9 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
             [[c.op, c.phase, c.dtype, c.elements] for c in counter.calls if c.step == k]
             for k in range(-1, len(step_s))
         ],
+        # the process-group size of each of those calls (CommCall.group_size): ZeRO++ hpZ gathers in its
+        # secondary group (zeroplan/engines/deepspeed/zeropp.py), the rest over all N_d ranks
+        "call_groups_by_step": [[c.group_size for c in counter.calls if c.step == k] for k in range(-1, len(step_s))],
         "gloo_settle": settled.stats if settle else None,  # None: asynchronous, as DeepSpeed issues them
         "init_s": round(init_s, 3),
         "step_s": step_s,

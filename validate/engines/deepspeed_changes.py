@@ -5,7 +5,10 @@ Every report row lists the changes made for it (``runner_changes``, ``ReportRow.
   ``"settle": false`` leaves DeepSpeed's own asynchronous handles (measured against it: docs/engines).
 - ``fp16_on_cpu``: DeepSpeed's fp16 capability question answered yes on a CPU without oneDNN fp16.
 - in ``validate.engines.deepspeed``: the cyclic garbage collector off while measuring (``measure``),
-  ``torch.nn.functional.linear`` restored after a ``zero.Init`` run (``build_model``), the inference-only
+  ``torch.nn.functional.linear`` restored after a ``zero.Init`` run (``build_model``), hpZ's process group
+  forgotten after every run (``measure``: DeepSpeed keeps it in a module global, and a later ZeRO-3 config of the
+  same world would take it, secondary partitions and all, whatever its own ``zero_hpz_partition_size``; a later
+  ``zero.Init`` with hpZ asserts), the inference-only
   ``deepspeed_shm_comm`` op never built (``main``); one intra-op thread per rank (``validate.harness``).
 """
 
@@ -151,4 +154,6 @@ def runner_changes(row: dict) -> list[str]:
     if row.get("zero_init"):
         out.append("torch.nn.functional.linear restored after the run (zero.Init's zero3_linear_wrap; build_model)")
     out.append("deepspeed_shm_comm (TorchBackend.inference_all_reduce only) marked incompatible: never built")
+    out.append("ZeRO++ hpZ's process group forgotten after the run (utils/groups.py _ZERO_PARAM_INTRA_PARALLEL_GROUP; "
+               "measure): each config of a world makes its own, as a job does")  # fmt: skip
     return out

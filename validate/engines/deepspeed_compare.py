@@ -132,6 +132,7 @@ def readings(rank_rows: list[dict], nd: int) -> Readings:
         last_step=rank_rows[0]["calls_by_step"][-1],
         setup_calls=rank_rows[0]["calls_by_step"][0],
         nd=nd,
+        group_sizes=rank_rows[0].get("call_groups_by_step", [None])[-1],  # hpZ: its own group (zeropp.py)
         peak_by_rank={r["rank"]: r["peak_bytes_by_phase"] for r in rank_rows},
     )
 

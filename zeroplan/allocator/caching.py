@@ -58,8 +58,9 @@ class Stat:
     peak: int = 0
 
     def add(self, amount: int) -> None:
-        self.current += amount
-        self.peak = max(self.peak, self.current)
+        current = self.current = self.current + amount
+        if current > self.peak:
+            self.peak = current
 
     def reset_peak(self) -> None:
         self.peak = self.current
@@ -94,13 +95,16 @@ class CachingAllocator:
         # (segment_alloc | segment_free | segment_map | segment_unmap, address, bytes, stream), in order
         self.log: list[tuple[str, int, int, int]] = []
         self._next_address = 1 << 32
+        self._rounded: dict[int, int] = {}  # ``round_size`` of each request size met (a trace repeats its sizes)
 
     # -- public operations -------------------------------------------------------------------------
     def malloc(self, size: int, stream: int = 0, segment_address: int | None = None) -> Block:
         """``DeviceCachingAllocator::malloc``; ``segment_address``: where a new segment goes (a replayed trace's)."""
         if size <= 0:
             raise ValueError(f"size={size}: an allocation must be > 0 bytes (torch allocates nothing for 0)")
-        rounded = round_size(size, self.config)
+        rounded = self._rounded.get(size)
+        if rounded is None:
+            rounded = self._rounded[size] = round_size(size, self.config)
         pool = self._pool(stream, is_small(rounded))
         block = self._get_free_block(pool, rounded)
         if block is None:

@@ -37,7 +37,7 @@ class ReservedEstimate:
 
 def reserved_of(trace: AllocTrace, alloc_conf: str = "") -> ReservedEstimate:
     """Replay ``trace`` through the allocator model under ``alloc_conf`` (ValueError in one line if bad)."""
-    result = replay(trace.events, parse_alloc_conf(alloc_conf))
+    result = replay(trace.events, parse_alloc_conf(alloc_conf), details=False)
     phases = {name: p.reserved_bytes for name, p in result.phases.items()}
     return ReservedEstimate(result.reserved_peak_bytes, phases, result.allocated_peak_bytes, alloc_conf)
 

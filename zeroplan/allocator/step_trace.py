@@ -102,6 +102,15 @@ class _Builder:
         self.phase: str | None = None
         self.phase_max: dict[str, int] = {}
         self._seen: dict[int, tuple[Term, tuple[tuple[Key, int, int], ...]]] = {}
+        # when each live key was added: ``live``'s own order, so that a transition walks its few changed keys in
+        # that order rather than every live key (hundreds: FSDP2 names each block's buffers apart)
+        self.since: dict[Key, int] = {}
+        self._added = 0
+
+    def _add(self, key: Key, stack: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        self.live[key], self.since[key] = stack, self._added
+        self._added += 1
+        return stack
 
     def _rounded(self, size: int) -> int:
         return size if self.block <= 1 else -(-size // self.block) * self.block
@@ -114,10 +123,15 @@ class _Builder:
         """{key: [count, stream]} of the tensors ``moment`` holds, in term order; a one-tensor term is keyed
         ``GROWN`` with its (rounded) bytes in place of the count."""
         out: dict[Key, list[int]] = {}
+        seen, get = self._seen, out.get
         for term in (*moment.terms, *resident):
-            for key, amount, stream in self._tensors(term):
-                entry = out.setdefault(key, [0, stream])
-                entry[0] += amount
+            got = seen.get(id(term))
+            for key, amount, stream in self._tensors(term) if got is None else got[1]:
+                entry = get(key)
+                if entry is None:
+                    out[key] = [amount, stream]
+                else:
+                    entry[0] += amount
         return out
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
@@ -134,23 +148,24 @@ class _Builder:
         return got[1]
 
     @staticmethod
-    def changed(want: dict[Key, list[int]], before: dict[Key, list[int]]) -> set[Key]:
+    def changed(want: dict[Key, list[int]], before: dict[Key, list[int]]) -> tuple[set[Key], list[Key]]:
         """The keys whose tensors differ between two moments' ``wanted``: after ``move_to`` the live buffers are
         exactly what its moment wanted, so the next transition touches only these (the others are neither freed,
-        grown nor paired)."""
-        return {k for k, v in want.items() if before.get(k) != v} | {k for k in before if k not in want}
+        grown nor paired); and those of them ``want`` holds, in its order (the order of the allocations)."""
+        get = before.get
+        wanted = [k for k, v in want.items() if get(k) != v]
+        return {*wanted, *(k for k in before if k not in want)}, wanted
 
     def _grown(self, stack: list[tuple[int, int, int]]) -> int:
         """Bytes of a grown buffer's pieces (one piece, as a rule)."""
         return stack[0][1] if len(stack) == 1 else sum(b[1] for b in stack)
 
-    def _release(self, want: dict[Key, list[int]], changed: set[Key]) -> list[tuple[int, int, int]]:
+    def _release(self, want: dict[Key, list[int]], changed: set[Key]) -> tuple[list[tuple[int, int, int]], list[Key]]:
         """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
-        bytes (last allocated first)."""
-        freed = []
-        for key, stack in self.live.items():
-            if key not in changed:
-                continue
+        bytes (last allocated first), the keys in ``live``'s order; (the buffers popped, the keys left empty)."""
+        freed, live = [], self.live
+        for key in sorted((k for k in changed if k in live), key=self.since.__getitem__):
+            stack = live[key]
             entry = want.get(key)
             keep = 0 if entry is None else entry[0]
             if key[2] == GROWN:
@@ -161,7 +176,7 @@ class _Builder:
             else:
                 while len(stack) > keep:
                     freed.append(stack.pop())
-        return freed
+        return freed, [k for k in changed if not live.get(k, True)]
 
     def _continue_grown(self, want: dict[Key, list[int]], changed: set[Key]) -> None:
         """A grown buffer that is gone and a new one on the same stream in the same transition: the same
@@ -177,39 +192,38 @@ class _Builder:
             match = next((k for _, k in new if want[k][1] == stream), None)
             if match is not None:
                 new = [(b, k) for b, k in new if k != match]
-                self.live[match] = self.live.pop(old_key)
+                self._add(match, self.live.pop(old_key))
 
-    def move_to(self, moment: Moment, want: dict[Key, list[int]], changed: set[Key]) -> None:
+    def move_to(self, moment: Moment, want: dict[Key, list[int]], changes: tuple[set[Key], list[Key]]) -> None:
         """Free what ``moment`` no longer holds, then allocate what it adds; ``want``: ``wanted(moment, ...)``
-        (read, never changed); ``changed``: the keys ``changed`` from the moment before."""
+        (read, never changed); ``changes``: ``changed`` from the moment before."""
+        changed, wanted_changed = changes
         self._continue_grown(want, changed)
         # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
         spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        for buf in self._release(want, changed):
+        freed, emptied = self._release(want, changed)
+        for buf in freed:
             spare.setdefault((buf[1], buf[2]), []).append(buf)
-        fresh: list[tuple[Key, int, int]] = []
+        fresh: list[tuple[Key, int, int, int]] = []  # (key, size, stream, how many) of the tensors made anew
         live = self.live
-        for key, (amount, stream) in want.items():
-            if key not in changed:
-                continue
+        for key in wanted_changed:
+            amount, stream = want[key]
             stack = live.get(key)
             if stack is None:
-                stack = live[key] = []
+                stack = self._add(key, [])
             if key[2] == GROWN:  # one more piece, of what is missing
-                missing = amount - (self._grown(stack) if stack else 0)
-                if missing <= 0:
-                    continue
-                sizes = (missing,)
+                size = amount - (self._grown(stack) if stack else 0)
+                need = 1 if size > 0 else 0
             else:
-                if len(stack) >= amount:
-                    continue
-                sizes = (key[2],) * (amount - len(stack))
-            for size in sizes:
-                pool = spare.get((size, stream)) if spare else None
-                if pool:
-                    stack.append(pool.pop())
-                else:
-                    fresh.append((key, size, stream))
+                size, need = key[2], amount - len(stack)
+            if need <= 0:
+                continue
+            pool = spare.get((size, stream)) if spare else None
+            while pool and need:  # equal tensors: the spare ones first, last freed first
+                stack.append(pool.pop())
+                need -= 1
+            if need:
+                fresh.append((key, size, stream, need))
         for ident, size, _stream in sorted((b for pool in spare.values() for b in pool), reverse=True):
             self.events.append(Event("free", ident))
             self.live_bytes -= self._rounded(size)
@@ -217,14 +231,19 @@ class _Builder:
             self.phase = moment.phase
             self.events.append(Event("phase", moment.phase))
             self._note()
-        for key, size, stream in fresh:
-            self.events.append(Event("alloc", self.next_id, size, stream))
-            live[key].append((self.next_id, size, stream))
-            self.next_id += 1
-            self.live_bytes += self._rounded(size)
+        events, ident, block, added = self.events, self.next_id, self.block, 0
+        for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
+            ids = range(ident, ident + count)
+            events.extend([Event("alloc", i, size, stream) for i in ids])
+            live[key].extend([(i, size, stream) for i in ids])
+            ident += count
+            added += count * (size if block <= 1 else -(-size // block) * block)  # ``_rounded``
+        self.next_id = ident
+        self.live_bytes += added
         self._note()
-        if not all(live.values()):
-            self.live = {k: v for k, v in live.items() if v}
+        for key in emptied:  # a key left empty leaves ``live`` (the others keep their order)
+            if not live[key]:
+                del live[key]
 
 
 def step_trace(
@@ -244,7 +263,7 @@ def step_trace(
     builder = _Builder(block_bytes, stream_of)
     order = [*by_phase["init"], *[m for _ in range(steps) for p in PHASES[1:] for m in by_phase[p]]]
     wants: dict[int, dict[Key, list[int]]] = {}  # each moment's tensors, found once for every step that meets it
-    changes: dict[tuple[int, int], set[Key]] = {}  # each transition's keys, found once for every step
+    changes: dict[tuple[int, int], tuple[set[Key], list[Key]]] = {}  # each transition's keys, once for every step
     before: Moment | None = None
     for m in order:
         if id(m) not in wants:

@@ -14,8 +14,9 @@ boundary and its ring runs at the slowest link it crosses (``zeroplan.formulas.c
 Dimensions (torchtitan's names, ``torchtitan/distributed/parallel_dims.py``): ``dp_replicate`` (HSDP's
 replicas, gradients all-reduced across them), ``dp_shard`` (FSDP's sharding group; a flat run's whole
 data-parallel group N_d), ``tp`` (the model-parallel degree N_m, placed innermost: inside a node first, as
-Megatron-LM and torchtitan place tensor parallelism). Tensor parallelism's own collectives, ZeRO++ and
-MiCS are not modelled yet.
+Megatron-LM and torchtitan place tensor parallelism). DeepSpeed's ZeRO++ hpZ groups are placed here by their
+``group_size`` (``engines/deepspeed/zeropp.py``); qgZ is refused (no all-to-all in the traffic model) and MiCS
+is refused as DeepSpeed 0.19.8 itself refuses it (removed keys).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ from zeroplan.engines.deepspeed.coordinator import stage3_schedule
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel, persistent_numel
 from zeroplan.engines.deepspeed.trace import Stage3Trace, stage3_trace
+from zeroplan.engines.deepspeed.zeropp import zeropp_gathers
+from zeroplan.engines.deepspeed.zeropp_settings import hpz_group
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class DSCollective:
     calls_exact: bool = True
     micro_steps: int = 1
     """micro-steps of the optimizer step it runs in (1 or ``grad_accum``); ``calls`` and ``elements`` sum them."""
+    group_size: int = 0
+    """ranks in its process group; 0: all N_d (ZeRO++ hpZ's secondary group: ``zeropp.py``)."""
 
 
 @lru_cache(maxsize=64)  # each candidate's collectives and moments, and each rank's run, ask the same
@@ -51,6 +55,10 @@ def greedy_buckets(numels: tuple[int, ...], bucket: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+GATHERS_SRC = ("runtime/zero/partitioned_param_coordinator.py fetch_sub_module -> __all_gather_params (the module's "
+               "parameters, then the prefetch: one all_gather_coalesced call each; stage3_schedule)")
+
+
 def zero3_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int,
                       trace: Optional[Stage3Trace]) -> tuple[DSCollective, ...]:
     """``DeepSpeedZeroOptimizer_Stage3``: the coordinator's all-gathers (``stage3_schedule``) in every
@@ -60,15 +68,19 @@ def zero3_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum:
     out = []
     if trace is None:
         trace = stage3_trace(tuple((f"t{i}.weight", (n,)) for i, n in enumerate(numels)))
-    sched = stage3_schedule(trace, numels, nd, s.param_persistence_threshold, s.prefetch_bucket_size,
-                            s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
-    src = ("runtime/zero/partitioned_param_coordinator.py fetch_sub_module -> __all_gather_params (the module's "
-           "parameters, then the prefetch: one all_gather_coalesced call each; stage3_schedule)")
-    for phase, calls, elements in (("forward", sched.forward_calls, sched.forward_elements),
-                                   ("backward", sched.backward_calls, sched.backward_elements)):
-        if calls:
-            out.append(DSCollective("all-gather", phase, grad_accum * calls, grad_accum * elements, p, src,
-                                    micro_steps=grad_accum))  # fmt: skip
+    hpz = hpz_group(s.hpz_partition_size, nd)
+    if hpz or s.quantized_weights:  # ZeRO++ (zeropp.py): the coordinator's calls by group, quantized
+        out += [DSCollective("all-gather", phase, calls, elements, dtype, src, calls_exact=True, micro_steps=grad_accum,
+                             group_size=0 if group == nd else group)
+                for phase, group, dtype, calls, elements, src in zeropp_gathers(s, trace, numels, nd, hpz, grad_accum)]
+    else:
+        sched = stage3_schedule(trace, numels, nd, s.param_persistence_threshold, s.prefetch_bucket_size,
+                                s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
+        for phase, calls, elements in (("forward", sched.forward_calls, sched.forward_elements),
+                                       ("backward", sched.backward_calls, sched.backward_elements)):
+            if calls:
+                out.append(DSCollective("all-gather", phase, grad_accum * calls, grad_accum * elements, p, GATHERS_SRC,
+                                        micro_steps=grad_accum))  # fmt: skip
     out += [
         DSCollective("reduce-scatter", "backward", grad_accum * len(greedy_buckets(numels, s.reduce_bucket_size)),
                      grad_accum * sum(numels), g,
@@ -135,5 +147,6 @@ def to_collective(c: DSCollective, nd: int) -> Collective:
     step as counted (``micro_steps``)."""
     phase = "optimizer step" if c.phase == "optimizer_step" else c.phase
     nbytes = DTYPE_BYTES.get(c.dtype, 1)
-    return Collective(c.op, phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, nd, nbytes),
-                      c.micro_steps)
+    group = c.group_size or nd  # a ring over its own group (hpZ: the secondary group)
+    return Collective(c.op, phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, group, nbytes),
+                      c.micro_steps, group_size=c.group_size)

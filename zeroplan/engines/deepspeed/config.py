@@ -149,6 +149,11 @@ class _OffloadSection(_Section):
 DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 """DeepSpeed 0.19.8's deprecated offload flags and the sections they become (runtime/zero/config.py ``new_param_fn``:
 true is ``{"device": "cpu"}``; config_utils.py ``_process_deprecated_field`` refuses both given together)."""
+_REMOVED = "was removed from DeepSpeed 0.19.8, which refuses the key (runtime/config.py _REMOVED_ZERO_CONFIG_KEYS)"
+REMOVED_ZERO_KEYS = {"mics_shard_size": f"MiCS {_REMOVED}; there is no runtime/zero/mics.py",
+                     "mics_hierarchical_params_gather": f"MiCS {_REMOVED}", "zeropp_loco_param": f"LoCo-ZeRO++ {_REMOVED}"}
+"""``zero_optimization`` keys DeepSpeed 0.19.8 refuses (``runtime/config.py _reject_removed_config_keys``), each with
+the reason: a run with them never starts, so no prediction is made for it."""
 
 
 class _Zero(_Section):
@@ -186,6 +191,20 @@ class _Zero(_Section):
     stage3_param_persistence_threshold: Optional[Elements] = None
     stage3_max_live_parameters: Optional[Elements] = None
     stage3_max_reuse_distance: Optional[Elements] = None
+    # ZeRO++ (runtime/zero/config.py defaults 1, false, false); read and checked by the profile (zeropp.py)
+    zero_hpz_partition_size: Optional[Elements] = None
+    zero_quantized_weights: Optional[Flag] = None
+    zero_quantized_gradients: Optional[Flag] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: object) -> object:
+        """MiCS and LoCo are gone from DeepSpeed 0.19.8, which refuses their keys (``REMOVED_ZERO_KEYS``)."""
+        if isinstance(data, dict):
+            for k, why in REMOVED_ZERO_KEYS.items():
+                if k in data:
+                    raise ValueError(f"{k}: {why}")
+        return data
 
 
 class _DataTypes(_Section):

@@ -15,6 +15,7 @@ from zeroplan.engines.deepspeed.offload import offload_label
 from zeroplan.engines.deepspeed.offload_terms import offloads
 from zeroplan.engines.deepspeed.config import parse_ds_config
 from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, read_target
+from zeroplan.engines.deepspeed.zeropp_settings import ZEROPP_KEYS
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL
 from zeroplan.architectures.spec import TransformerSpec
@@ -71,6 +72,8 @@ def plain_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
     for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
         for bucket in BUCKET_CHOICES:
             update = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket, **plain}
+            if stage < 3:  # ZeRO++ is ZeRO-3's (zeropp_settings.py): the file's hpZ/qwZ keys do not carry down
+                update.update(hpz_partition_size=1, quantized_weights=False)
             if prefetch is not None:
                 update["prefetch_bucket_size"] = prefetch
             label = f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e") + (", no prefetch" if prefetch == 0 else "")
@@ -240,7 +243,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     sections = parse_ds_config(config).zero_optimization if zero else None
     targets = tuple(read_target(getattr(sections, k, None), k) for k in ("offload_optimizer", "offload_param"))
     zero = {k: v for k, v in zero.items() if k not in ("offload_optimizer", "offload_param")}
-    base = Settings.from_ds_config({**config, "zero_optimization": zero}, 1)
+    # the base's stage is a placeholder the candidates replace; ZeRO++'s keys are read at ZeRO-3, theirs
+    base = Settings.from_ds_config({**config, "zero_optimization": zero}, 3 if ZEROPP_KEYS & zero.keys() else 1)
     base = base.model_copy(update=dict(zip(("offload_optimizer", "offload_param"), targets)))
     if options.own.get("zero_init") is not None:  # read by the stage-3 candidates only (Settings.built_under_zero_init)
         base = base.model_copy(update={"zero_init": options.own["zero_init"]})

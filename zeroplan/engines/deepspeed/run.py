@@ -16,6 +16,7 @@ from zeroplan.engines.deepspeed.offload_terms import on_gpu
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel, flat_group
 from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, FETCH, Stage3Trace, stage3_trace
+from zeroplan.engines.deepspeed.zeropp import qwz_buffer_terms, secondary_terms
 from zeroplan.formulas.activation_terms import ModelActivations
 from zeroplan.formulas.peak import Moment, Term
 
@@ -209,18 +210,26 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
     coalesced all-gathers still open there (measured: gpt-tiny checkpointed, N_d = 2 and 4, 21,312 B in the last
     block's MLP: its c_fc bias and c_proj weight, prefetched together). ``during``: the most while the mark's
     event runs (its wait frees a buffer only after its own all-gather), one term. ``sched``: ``_schedule(run)``
-    (asked once per phase: hashing a 70B trace for the cache costs milliseconds)."""
-    if sched is None:
+    (asked once per phase: hashing a 70B trace for the cache costs milliseconds). None at N_d = 1: each fetch is
+    partition_parameters.py ``_no_gather_coalesced``, ``param.data`` a view of its partition (``NoGatherHandle``;
+    measured: gpt-tiny ZeRO-3 bf16 at world size 1, no gathered bytes at the forward and backward peaks; with
+    ``offload_param`` on a GPU the view is a copy, counted by offload.py's fetched partitions)."""
+    if sched is None or run.nd == 1:
         return ()
     p, i = _pbytes(run), sched.event(run.trace, mark)
+    sec = secondary_terms(sched, i, p)  # ZeRO++ hpZ (zeropp.py); () without
     if during:
-        return (Term(f"gathered parameters and open all-gather buffers (during {mark})", sched.high[i] * p, GATHER_SRC),)
+        return (Term(f"gathered parameters and open all-gather buffers (during {mark})", sched.high[i] * p, GATHER_SRC),
+                *sec)
     buffers = sched.buffers[i] if sched.buffers else 0
+    open_buffers = (Term("coalesced all-gather buffers awaiting their last module", buffers * p,
+                         "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor) held by "
+                         "AllGatherCoalescedHandle until partitioned_param_coordinator.py fetch_sub_module pops the "
+                         "call's last parameter"),)  # fmt: skip
+    if run.settings.quantized_weights:  # ZeRO++ qwZ: the buffer is int8 and its fp16 dequantization (zeropp.py)
+        open_buffers = qwz_buffer_terms(buffers)
     return (Term(f"gathered parameters ({mark})", (sched.gathered[i] - buffers) * p, GATHER_SRC),
-            *((Term("coalesced all-gather buffers awaiting their last module", buffers * p,
-                    "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor) held by "
-                    "AllGatherCoalescedHandle until partitioned_param_coordinator.py fetch_sub_module pops the "
-                    "call's last parameter"),) if buffers else ()))  # fmt: skip
+            *(open_buffers if buffers else ()), *sec)  # fmt: skip
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:

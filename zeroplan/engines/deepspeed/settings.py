@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from zeroplan.engines.deepspeed.config import (DEFAULT_BUCKET_NUMEL, STAGE3_PREFETCH_NUMEL, _batch_keys, _ds_dtype,
                                                _OptimizerParams, _precision_keys, from_deepspeed, parse_ds_config)
 from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, check_offload, read_target, target_block
+from zeroplan.engines.deepspeed.zeropp_settings import check_zeropp, check_zeropp_keys, zeropp_keys
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -26,6 +27,8 @@ _ZERO_KEYS = {  # ds_config zero_optimization key -> Settings field
     "stage3_prefetch_bucket_size": "prefetch_bucket_size",
     "stage3_param_persistence_threshold": "param_persistence_threshold",
     "stage3_max_live_parameters": "max_live_parameters", "stage3_max_reuse_distance": "max_reuse_distance",
+    "zero_hpz_partition_size": "hpz_partition_size", "zero_quantized_weights": "quantized_weights",
+    "zero_quantized_gradients": "quantized_gradients",
 }  # fmt: skip
 
 
@@ -76,6 +79,14 @@ class Settings(BaseModel):
     offload_param: OffloadTarget = NO_TARGET
     """``zero_optimization.offload_param`` (ZeRO-3): the 16-bit parameter partitions on the host."""
 
+    hpz_partition_size: int = Field(1, ge=0)
+    """``zero_hpz_partition_size`` (ZeRO++ hpZ; 0 and 1: off): ranks of the secondary partition group each
+    parameter is also partitioned over, in which backward gathers (``zeropp.py``)."""
+    quantized_weights: bool = False
+    """``zero_quantized_weights`` (ZeRO++ qwZ): ZeRO-3's parameter all-gathers in int8 with fp32 scales (``zeropp.py``)."""
+    quantized_gradients: bool = False
+    """``zero_quantized_gradients`` (ZeRO++ qgZ): refused, not modelled (``zeropp.py check_zeropp``)."""
+
     rank: Optional[int] = Field(None, ge=0)
     """The rank described: ZeRO-1/2 ranks differ by the parameters their slice of the flat group overlaps
     (``grads_in_partition``). None: the worst rank (``profile.estimate`` predicts every rank whose slice
@@ -87,6 +98,7 @@ class Settings(BaseModel):
             raise ValueError(f"zero_init: deepspeed.zero.Init partitions parameters for ZeRO-3 only, not stage {self.stage}")
         _check_offload(self.stage, self.dtype, self.grad_dtype, self.contiguous_gradients, self.offload_optimizer,
                        self.offload_param)
+        check_zeropp(self)
         return self
 
     @property
@@ -137,6 +149,7 @@ class Settings(BaseModel):
         dtype = base["param_dtype"]
         _check_offload(number, dtype, _ds_dtype(grad, "data_types.grad_accum_dtype") if grad else dtype,
                        zero.contiguous_gradients is not False, *targets.values())  # one line before pydantic wraps it
+        check_zeropp_keys(number, found, targets)  # one line, naming the key, before pydantic wraps it
         return cls(
             stage=number,
             dtype=base["param_dtype"],
@@ -193,6 +206,7 @@ def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict
                     stage3_param_persistence_threshold=s.param_persistence_threshold,
                     stage3_max_live_parameters=s.max_live_parameters,
                     stage3_max_reuse_distance=s.max_reuse_distance)  # fmt: skip
+    zero.update(zeropp_keys(s))
     for key in ("offload_optimizer", "offload_param"):
         if getattr(s, key).on:
             zero[key] = target_block(getattr(s, key))

@@ -17,6 +17,8 @@ from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _act, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
+from zeroplan.engines.deepspeed.zeropp import all_secondaries, hpz_schedule
+from zeroplan.engines.deepspeed.zeropp_settings import hpz_group
 from zeroplan.formulas.peak import Moment, Term
 
 
@@ -109,6 +111,11 @@ class ZeroOptimizerStage3(Wrapper):
         s = run.settings
         if run.trace is None:
             return None
+        hpz = hpz_group(s.hpz_partition_size, run.nd)
+        if hpz:  # zeropp.py: the secondary partitions; a later micro-step starts with them (G > 1)
+            return hpz_schedule(run.trace, run.numels, run.nd, hpz, s.param_persistence_threshold,
+                                s.prefetch_bucket_size, s.max_live_parameters, s.max_reuse_distance,
+                                warm=run.grad_accum > 1)  # fmt: skip
         return stage3_schedule(run.trace, run.numels, run.nd, s.param_persistence_threshold, s.prefetch_bucket_size,
                                s.max_live_parameters, s.max_reuse_distance)  # fmt: skip
 
@@ -123,7 +130,7 @@ class ZeroOptimizerStage3(Wrapper):
             part = zero3_partition_numel(numels, run.nd)
             src = "runtime/zero/stage3.py _create_fp32_partitions (converted = lp.to(fp32); converted.clone())"
             out.append(Moment("init", "fp32 master: converted and cloned", (
-                *(t for t in st if t.name in ("16-bit parameter partition", "inf/nan tracker")),
+                *(t for t in st if t.name in ("16-bit parameter partition", "inf/nan tracker")), *all_secondaries(run),
                 Term("16-bit partition converted to fp32", part * 4, src),
                 Term("fp32 master partition (the clone)", part * 4, src))))  # fmt: skip
         # the built model is partitioned tensor by tensor: the first one's partition is allocated while the
@@ -135,7 +142,7 @@ class ZeroOptimizerStage3(Wrapper):
                 Term("model parameters as built (model dtype)", psi * p, "runtime/engine.py _configure_distributed_model"),
                 Term("first parameter's partition", -(-numels[0] // run.nd) * p,
                      f"{psrc} (ds_tensor allocated before param.data is freed)"))))  # fmt: skip
-        out.append(Moment("init", "partitioned parameters gathered once", (*st, Term(
+        out.append(Moment("init", "partitioned parameters gathered once", (*st, *all_secondaries(run), Term(
             "largest parameter gathered", max(numels) * p,
             "runtime/zero/partition_parameters.py _allgather_params_sequential")) ))  # fmt: skip
         return tuple(out)
@@ -182,7 +189,7 @@ def _step_terms(run: DSRun, terms: tuple[Term, ...]) -> tuple[Term, ...]:
     at the step's peak, gpt-tiny ZeRO-3 fp32 at N_d = 2: two 256-B and four 8-B tensors beside the partitions):
     every recorded gpt-tiny ZeRO-3 row's step was over by the persistent parameters less 536 B = 512 + 24;
     the differential matrix's seed 1 draw 18 (Qwen2 8.9M, persistence threshold 1e5) by 4.57%."""
-    return (*(t for t in terms if t.name != PERSISTENT_PARAMS),
+    return (*(t for t in terms if t.name != PERSISTENT_PARAMS), *all_secondaries(run),
             _act("batch (token ids, targets)", run.acts.batch, 2),
             Term("global-norm temporaries (fp64)", 3 * DTYPE_BYTES["fp64"],
                  "runtime/zero/stage3.py step (_get_norm_groups, combine_grad_norm_groups, _global_grad_norm)", 3))

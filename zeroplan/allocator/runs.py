@@ -1,0 +1,208 @@
+"""Runs of identical allocations fast-forwarded: the steady state of the caching allocator model, exact.
+
+A trace allocates many equal tensors in a row (a collection term's tensors: FSDP2's sharded parameters, 1,136
+of 704,476 B for llama3-405b; its forward's 3,410 of 469,652 B), and ``replay`` spent ~40% of its events on
+them. Such a run settles into a fixed pattern, which this module proves and then repeats instead of
+simulating it request by request.
+
+The pattern (``CachingAllocator.malloc``, no memory limit, no expandable segments). Call a point of the run
+*settled* when the request's pool (stream and size class) holds no cached block of at least the rounded
+request ``r``. From a settled point the next request finds no block (``get_free_block`` looks only at blocks
+>= ``r``), so it gets a new segment of ``allocation_size(r)`` bytes at ``_next_address``; until the run is
+settled again, every request of the period is served from that segment, since nothing else in the pool is
+>= ``r`` and a run frees nothing. What the period does is then a function of ``r``, the request, the config
+and the new segment's address alone, and a translation of that address (the next segment lies ``D`` bytes
+higher, ``D`` the aligned segment size) translates every block it makes: best fit compares sizes, then
+addresses inside the new segment, whose order a translation keeps. So the next period, starting settled,
+repeats the first one ``D`` bytes up, as do all after it.
+
+``fast_forward`` replays the run request by request up to a settled point, then through one period, checks
+that it was one (settled at both ends, exactly one new segment, made by the period's first request, every
+request served from it, in address order) and stamps out as many copies as the run still has
+whole periods for; the rest is replayed request by request. Anything else (a memory limit, which can run out
+or trigger garbage collection; expandable segments; recorded segment addresses; an id already live or
+repeated) replays every request. tests/test_allocator_replay.py checks the result against the request-by-
+request replay on FSDP2, DeepSpeed and reference traces under several configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zeroplan.allocator.blocks import Block, Pool, Segment
+from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, is_small, round_size
+
+MIN_RUN = 8
+"""Runs shorter than this are replayed request by request (a period needs a settled point and a full copy)."""
+
+
+def alloc_runs(events: Sequence) -> dict[int, int]:
+    """{index of its first event: length} of every run of at least ``MIN_RUN`` consecutive ``alloc`` events with
+    the same size and stream and no recorded segment address (``events``: ``Event``s or their tuples)."""
+    runs, start, key = {}, 0, None
+    for i, e in enumerate(events):
+        k = e[2:4] if e[0] == "alloc" and (len(e) < 5 or e[4] is None) else None
+        if k != key or k is None:
+            if key is not None and i - start >= MIN_RUN:
+                runs[start] = i - start
+            start, key = i, k
+    if key is not None and len(events) - start >= MIN_RUN:
+        runs[start] = len(events) - start
+    return runs
+
+
+def _settled(pool: Pool, rounded: int) -> bool:
+    return pool.lower_bound(rounded) == len(pool.keys)
+
+
+def _copy_period(alloc, pool: Pool, template: Segment, blocks: list[Block], shift: int, ids: Sequence, run) -> None:
+    """One more period: ``template``'s segment (``blocks``: its blocks) ``shift`` bytes up, its allocated blocks
+    given to ``ids`` in address order (the order the period handed them out), its free blocks cached in ``pool``."""
+    base = template.address + shift
+    segment = Segment(base, template.stream, template.small)
+    prev, taken, total = None, iter(ids), 0
+    for b in blocks:
+        block = Block(b.address + shift, b.size, b.stream, b.small, segment)
+        total += b.size
+        block.prev = prev
+        if prev is None:
+            segment.head = block
+        else:
+            prev.next = block
+        prev = block
+        if b.allocated:
+            block.allocated, block.requested, block.gc_base = True, b.requested, b.gc_base
+            ident = next(taken)
+            run.live[ident] = block
+            run.addresses.append((ident, block.address))
+        else:
+            pool.insert(block)
+    alloc.segments[base] = segment
+    alloc.log.append(("segment_alloc", base, total, template.stream))
+
+
+def _period_template(alloc, pool: Pool, run, events: Sequence, rounded: int) -> tuple[int, Segment | None]:
+    """Replay ``events`` (a settled point first) one by one until settled again: (how many were replayed, the
+    segment the period made, or None if they were not one period)."""
+    log_before = len(alloc.log)
+    done = 0
+    for e in events:
+        run.step(e)
+        done += 1
+        if _settled(pool, rounded):
+            break
+    if not _settled(pool, rounded) or len(alloc.log) != log_before + 1:
+        return done, None
+    action, address, _, _ = alloc.log[-1]
+    segment = alloc.segments.get(address)
+    blocks = [run.live[e.id] for e in events[:done]]
+    if action != "segment_alloc" or segment is None or any(b.segment is not segment for b in blocks):
+        return done, None
+    if [b.address for b in blocks] != sorted(b.address for b in blocks):
+        return done, None  # not handed out in address order: ``_copy_period`` gives ids in address order
+    # the pool changed inside the new segment only: a request takes a cached block (its own) or splits one
+    # (the rest goes back), and only a memory limit frees cached blocks of other segments (not here)
+    return done, segment
+
+
+def fast_forward(run, events: Sequence) -> bool:
+    """Replay the run ``events`` (``alloc_runs``; ``Event``s) on ``run`` (``replay._Run``), its whole periods
+    copied; False (nothing replayed) when the run does not qualify."""
+    alloc = run.alloc
+    size, stream = events[0].size, events[0].stream
+    ids = [e.id for e in events]
+    if alloc.capacity is not None or len(set(ids)) != len(ids) or any(i in run.live for i in ids):
+        return False
+    rounded = round_size(size, alloc.config)
+    pool = alloc._pool(stream, is_small(rounded))
+    i, n = 0, len(events)
+    if alloc.config.expandable_segments:  # one growing segment: carved in closed form once settled
+        while i < n and not expandable_run(run, events[i:], rounded, pool, stream):
+            run.step(events[i])
+            i += 1
+        return True
+    while i < n and not _settled(pool, rounded):  # up to a settled point
+        run.step(events[i])
+        i += 1
+    stats = alloc.stats
+    counted = (stats.allocated, stats.requested, stats.reserved, stats.segments)
+    before, address_before = [s.current for s in counted], alloc._next_address
+    done, template = _period_template(alloc, pool, run, events[i:], rounded) if i < n else (0, None)
+    i += done
+    copies = 0 if template is None else (n - i) // done
+    if copies:
+        deltas = [s.current - b for s, b in zip(counted, before)]
+        shift = alloc._next_address - address_before
+        blocks = template.blocks()
+        for c in range(1, copies + 1):
+            _copy_period(alloc, pool, template, blocks, c * shift, ids[i + (c - 1) * done:i + c * done], run)
+        alloc._next_address += copies * shift
+        for stat, delta in zip(counted, deltas):
+            stat.add(copies * delta)  # a run only allocates: every stat grows, its peak is where the run ends
+    for e in events[i + copies * done:]:
+        run.step(e)
+    return True
+
+
+def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int) -> bool:
+    """The run ``events`` on expandable segments in closed form; False (nothing done) unless the stream's
+    segment has one unmapped range, its pages whole, room for the run, and no cached block of at least ``r``
+    but its free tail (the cached block right before the unmapped range).
+
+    Then every request is carved at the frontier ``F`` of that tail (or of the unmapped range, without one):
+    the tail is the only cached block that is or can grow to ``r`` (``get_free_block`` or
+    ``find_expandable_block`` takes it, with the unmapped range after it), so when ``F + r`` passes the
+    mapped end ``M`` the pages up to it are mapped (``map_block``: ``ceil((F + r - M) / page)`` pages from
+    ``M``, one ``segment_map``), the tail and the new pages merge, and the request splits off its front (the
+    rest, a multiple of 512 B, stays cached; none left: the block handed out whole is still ``r`` bytes).
+    Blocks of ``r`` bytes at ``F, F + r, ...``, the tail ``[F_n, M_n)`` cached, the range from ``M_n`` unmapped."""
+    alloc = run.alloc
+    ranges = alloc.unmapped.get((stream, pool.small), [])
+    if len(ranges) != 1:
+        return False
+    rest = ranges[0]
+    segment, page = rest.segment, rest.segment.page
+    before = rest.prev
+    tail = before if before is not None and before.free_for_merge() and before.mapped else None
+    frontier = rest.address if tail is None else tail.address
+    end = rest.address + rest.size
+    first = pool.lower_bound(rounded)
+    if (rounded % K_MIN_BLOCK_SIZE or page % K_MIN_BLOCK_SIZE or (rest.address - segment.address) % page
+            or frontier + len(events) * rounded + page > end or len(pool.keys) - first > 1
+            or (first < len(pool.keys) and pool.at(first) is not tail)):  # fmt: skip
+        return False
+    if tail is not None:
+        pool.remove(tail)
+        before = tail.prev
+    stats, mapped_to = alloc.stats, rest.address
+    for e in events:
+        if frontier + rounded > mapped_to:
+            grown = -(-(frontier + rounded - mapped_to) // page) * page
+            alloc.log.append(("segment_map", mapped_to, grown, stream))
+            stats.reserved.add(grown)
+            mapped_to += grown
+        block = Block(frontier, rounded, stream, pool.small, segment)
+        block.allocated, block.requested = True, e.size
+        before = _link(segment, before, block)
+        run.live[e.id] = block
+        run.addresses.append((e.id, frontier))
+        stats.allocated.add(rounded)
+        stats.requested.add(e.size)
+        frontier += rounded
+    if frontier < mapped_to:
+        cached = Block(frontier, mapped_to - frontier, stream, pool.small, segment)
+        before = _link(segment, before, cached)
+        pool.insert(cached)
+    rest.address, rest.size = mapped_to, end - mapped_to
+    _link(segment, before, rest)
+    return True
+
+
+def _link(segment: Segment, before: Block | None, block: Block) -> Block:
+    """Put ``block`` right after ``before`` (None: first in ``segment``); returns ``block``."""
+    block.prev = before
+    if before is None:
+        segment.head = block
+    else:
+        before.next = block
+    return block
