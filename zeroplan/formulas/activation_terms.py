@@ -104,6 +104,10 @@ class BlockActivations:
     held_input_pending: int = 0
     """under full checkpointing, the block input the checkpoint still holds at that moment (its frame
     lives while a recomputed tensor is unpacked: Llama's pending RMSNorm nodes; GPT's LN1 has run)."""
+    mlp_saved: int = 0
+    """the MLP's own part of ``saved``: what its projections and activation keep beyond its input (the
+    norm's output, counted with the norm): GPT (k + 1)·N·f·a, Llama (k + 3)·N·f·a, the sparse block's
+    router and experts (``moe_block.sparse_mlp_saved``)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,7 @@ def _gpt_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, st: int) -
     ckpt_peak = n * a * (d + ng)
     return BlockActivations(
         saved=saved,
+        mlp_saved=n * a * (act + 1) * f,
         forward_extra=2 * n * d * a,  # the MLP's projection and the block output x + mlp(x)
         forward_before_output=0,  # the block input and x1 are saved (LN1, LN2)
         ckpt_forward_peak=ckpt_peak,
@@ -295,6 +300,7 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     saved = 2 * rms + attn + mlp
     block = BlockActivations(
         saved=saved,
+        mlp_saved=mlp,
         # 16-bit: nothing saves the block input or x1: both live beside the last product, down's out and
         # the sum; fp32: they are in ``saved`` (measured: tiny-llama fp32 at N_d = 2, forward exact)
         forward_extra=(2 if own_input else 4) * n * d * a,

@@ -142,6 +142,7 @@ def gemma_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, llama_att
     saved = norms_saved(spec, n, a) + attn + qk_norms(spec, n) + mlp
     return dict(
         saved=saved,
+        mlp_saved=mlp,
         forward_extra=2 * n * d * a if own_input else 4 * n * d * a + n * d * 4,
         forward_before_output=(0 if own_input else 2) * n * d * a,
         ckpt_forward_peak=n * d * a + _nograd_peak(spec, n, s, a, llama_nograd, act_nograd),

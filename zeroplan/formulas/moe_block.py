@@ -28,7 +28,9 @@ Qwen2MoeConfig, Qwen3MoeConfig), and the model adds ``aux_loss`` only when it is
 
 from __future__ import annotations
 
-from zeroplan.architectures.moe import MoeSpec
+import math
+
+from zeroplan.architectures.moe import MoeSpec, moe_shapes
 from zeroplan.formulas.moe_activations import INDEX_BYTES, ROUTING_WEIGHT_BYTES, expert_activations
 
 FP32 = 4  # the router's softmax output and the renormalised top-k weights (``dtype=torch.float``)
@@ -155,17 +157,23 @@ def sparse_block(block, spec, n_tokens: int, act_bytes: int, own_input: bool):
     """``block`` (the dense layer's ``activation_terms.BlockActivations``, its ``saved`` already the sparse
     MLP's) with the sparse block's forward and backward moments: the forward peak the larger of the experts'
     reordering and the residual sum's; the backward working set the experts' (``sparse_backward_ws``), whose
-    first weight gradient is the down projection's (E·d·f)."""
+    first weight gradient is the down projection's (E·d·f); and its activation-gradient term the later moment
+    at the post-attention norm's backward, net of what is released by then, where that is larger."""
     from dataclasses import replace
 
     moe, d, a = spec.moe, spec.d_model, act_bytes
     ws = sparse_backward_ws(moe, spec.model_type, n_tokens, d, a)
+    # later, at the post-attention RMSNorm's backward (pow's: ``norm_backward_ws``): the MLP's saved tensors and
+    # the norm's output and normalised copy released, every MLP weight gradient and the norm's own alive (measured:
+    # a top-1 bf16 Qwen3-MoE layer, 33,672 B over ``ws``, tests/test_moe_peaks.py); beside ``saved``, net
+    mlp_grads = sum(math.prod(shape) for _, shape in moe_shapes(moe, spec.model_type, d, "")) * a + d * a
+    later = block.norm_backward_ws + mlp_grads - (block.saved - block.norm_backward_saved)
     dense = block.ckpt_forward_peak  # the attention's moments (and a dense MLP's, a lower bound of the sparse one's)
     ckpt = max(dense, sparse_nograd_peak(moe, spec.model_type, n_tokens, d, a))
     return replace(block, ckpt_forward_peak=ckpt, forward_extra=max(block.forward_extra,
                                             sparse_forward_extra(moe, spec.model_type, n_tokens, d, a, own_input)),
                    backward_first_op=ws, first_weight_grads=moe.n_experts * d * moe.expert_ffn * a,
-                   backward_act_grads=0)  # fmt: skip
+                   backward_act_grads=max(0, later - moe.n_experts * d * moe.expert_ffn * a))  # fmt: skip
 
 
 def sparse_nograd_peak(moe: MoeSpec, model_type: str, n_tokens: int, d_model: int, act_bytes: int) -> int:

@@ -71,16 +71,17 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
 
 
 def _hook_buckets(run: DSRun) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
-    """(gradient-ready order, taken as the reverse of parameter order; the buckets' element counts in that
-    order, ``greedy_buckets``; the position in the order of each bucket's first gradient; parameter -> its
-    bucket) of ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
-    return _hook_layout(run.numels, run.settings.reduce_bucket_size)
+    """(gradient-ready order, ``DSRun.grad_ready_order``; the buckets' element counts in that order,
+    ``greedy_buckets``; the position in the order of each bucket's first gradient; parameter -> its bucket) of
+    ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
+    return _hook_layout(run.numels, run.settings.reduce_bucket_size, run.grad_ready_order)
 
 
 @lru_cache(maxsize=16)  # read-only: every moment function of a run, and every rank's run, ask for the same
-def _hook_layout(numels: tuple[int, ...], bucket: int) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
-    """``_hook_buckets`` of parameters of ``numels`` elements and buckets of ``bucket`` elements."""
-    order = tuple(reversed(range(len(numels))))  # gradient-ready order, approximated
+def _hook_layout(numels: tuple[int, ...], bucket: int,
+                 order: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
+    """``_hook_buckets`` of parameters of ``numels`` elements, buckets of ``bucket`` elements, gradients ready in
+    ``order``."""
     buckets = greedy_buckets(tuple(numels[i] for i in order), bucket)
     first_of_bucket, at = [], 0
     for size in buckets:
@@ -179,10 +180,9 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     buckets: rank 0 at N_d = 2 allocated at block 0's c_fc hook, ZeRO-2 checkpointed 563,392 B, ZeRO-1 with
     overlap_comm 624,864 B (-7.42% and -2.12% before); rank 2 at N_d = 4, ZeRO-1 with overlap_comm, at block
     1's LN2 hook, 522,032 B (-1.87% before)."""
-    mlp = _mlp_saved(run)
-    if not run.param_blocks or mlp is None:
+    if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
-    p, s, outputs, blk, nda = _pbytes(run), run.settings, set(run.output_projections), run.acts.block, run.acts.embed_out
+    p, s, outputs = _pbytes(run), run.settings, set(run.output_projections)
     _, _, _, bucket_of = _hook_buckets(run)
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient"))  # fmt: skip
@@ -195,21 +195,16 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
         j = run.param_blocks[hook]
         if j < 0 or hook in outputs:
             continue
-        proj, norm = _mlp_modules(run, j)
-        if hook not in (*proj, *norm):
+        at_hook = _hook_activations(run, j, hook)
+        if at_hook is None:
             continue
-        at_norm = hook in norm
+        where, acts, module = at_hook
         lo, hi = run.flat.range(rank)
         in_bucket = large_in_bucket.get(first, 0)
         own = sum(run.numels[i] for i in large
                   if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0  # fmt: skip
-        module = norm if at_norm else proj
-        terms = (*base, _blocks_saved(run, j),
-                 _act("block's saved activations before its MLP" + (", less LN2's input" if at_norm else ""),
-                      blk.saved - mlp - (nda if at_norm else 0)),
-                 _act("residual gradient" if at_norm else "incoming and MLP input's gradients", nda * (1 if at_norm else 2),
-                      1 if at_norm else 2),
-                 Term(f"{'LN2' if at_norm else 'input projection'}'s weight gradients", sum(run.numels[i] for i in module) * p,
+        terms = (*base, _blocks_saved(run, j), *acts,
+                 Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                       "autograd (one node makes every input's gradient)", len(module)),
                  Term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
                       "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"),
@@ -218,10 +213,97 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
                  Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
         total = sum(t.bytes for t in terms)
         if j not in best or total > best[j][0]:
-            where = "LN2" if at_norm else "MLP input projection"
             best[j] = (total, Moment("backward", f"block {j} {where} backward, rank {rank}'s grads_in_partition "
                                      "allocated", terms))  # fmt: skip
     return tuple(m for _, m in best.values())
+
+
+def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
+    """(where, block j's activations at ``hook``'s gradient hook: its saved tensors not yet released and the
+    gradients in flight, the hooked module's parameters) for a hook of an MLP input projection or of the norm
+    before the MLP; None elsewhere (the attention, the input norm: not modelled). GPT (``_mlp_saved``): at c_fc
+    the saved tensors less the MLP's, the incoming and the MLP input's gradients; at LN2 also less its input x1,
+    the residual's summed gradient. Llama (RMSNorm, SwiGLU; its hooks in ``DSRun.grad_ready_order``: down, up,
+    gate, post_attention_layernorm): at up the MLP's saved tensors less gate's output (SiLU's input) released,
+    in flight SiLU's output gradient, the norm output's (from up) and the incoming; at gate the norm's output
+    released too, in flight the norm output's summed gradient and the incoming; at the norm
+    ``norm_backward_saved`` with its normalised tensor's gradient and the incoming; at o_proj the attention's and
+    the input norm's saved tensors, in flight o_proj's input gradient and x1's (block j held whole: recomputed
+    under checkpointing, beside the input the checkpoint holds). Not modelled: q, k, v and the input norm.
+    Measured: tiny-llama ZeRO-2 checkpointed, 5,000-element buckets, N_d = 3, MemTracker in
+    ``copy_grads_in_partition``: rank 0 at block 0's gate_proj hook 620,536 B, rank 1 at block 1's o_proj hook
+    597,816 B; each moment 504 B over (the token ids, N·8 B, which MemTracker never sees: no op makes them)."""
+    blk, nda = run.acts.block, run.acts.embed_out
+    if not blk.norm_backward_saved:  # GPT's LayerNorm block
+        proj, norm = _mlp_modules(run, j)
+        mlp = _mlp_saved(run)
+        if mlp is None or hook not in (*proj, *norm):
+            return None
+        if hook in norm:
+            return "LN2", (_act("block's saved activations before its MLP, less LN2's input", blk.saved - mlp - nda),
+                           _act("residual gradient", nda)), norm
+        return "MLP input projection", (_act("block's saved activations before its MLP", blk.saved - mlp),
+                                        _act("incoming and MLP input's gradients", 2 * nda, 2)), proj
+    roles = _llama_roles(run, j)
+    if roles is None or not any(hook in m for m in (*roles[0], roles[1], roles[2])):
+        return None
+    (*earlier, last_proj), norm, o_proj = roles
+    saved = blk.recomputed + blk.ckpt_saved if run.checkpointing != "none" else blk.saved
+    d = run.final_norm_numel
+    nfa = nda // d * (sum(run.numels[i] for i in last_proj) // d)
+    if hook in o_proj:  # the MLP's and the post-attention norm's saved tensors gone (an RMSNorm's: N·d·4 + N·4 +
+        # 2·N·d·a), in flight o_proj's input gradient (N·q·a) and x1's (N·d·a)
+        rms = nda // _pbytes(run) * 4 + nda // (_pbytes(run) * d) * 4 + 2 * nda
+        nqa = nda // d * (sum(run.numels[i] for i in o_proj) // d)
+        return "attention output projection", (_act("block's saved activations before its post-attention norm",
+                                                    saved - blk.mlp_saved - rms),
+                                               _act("attention output's and x1's gradients", nqa + nda, 2)), o_proj
+    if hook in norm:
+        return "post-attention norm", (_act("block's saved activations left at its post-attention norm",
+                                            blk.norm_backward_saved + saved - blk.saved),
+                                       _act("normalised tensor's and incoming gradients", 2 * nda, 2)), norm
+    if hook in last_proj:
+        return "MLP input projection", (_act("block's saved activations less the MLP's and the norm's output",
+                                             saved - blk.mlp_saved - nda),
+                                        _act("incoming and MLP input's gradients", 2 * nda, 2)), last_proj
+    module = next(m for m in earlier if hook in m)
+    return "MLP input projection", (
+        _act("block's saved activations less the MLP's but the activation's input", saved - 3 * nfa),
+        _act("incoming, MLP input's and the activation output's gradients", 2 * nda + nfa, 3)), module
+
+
+def _llama_roles(run: DSRun, j: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]] | None:
+    """(block j's MLP input projections in hook order, its post-attention norm, the attention's output projection)
+    as parameter indices: the modules whose hooks follow the output projection's in ``DSRun.grad_ready_order``,
+    projections while their weight is as large as the output projection's, then the norm (a module of vectors),
+    then the next module; None when the block's first hook
+    is not its output projection (Gemma's post-feed-forward norm) or the MLP is not this shape."""
+    owner, at = {}, 0
+    for m, sizes in enumerate(run.modules):
+        for i in range(at, at + len(sizes)):
+            owner[i] = m
+        at += len(sizes)
+    mine = [i for i in run.grad_ready_order if run.param_blocks[i] == j]
+    groups: list[list[int]] = []
+    for i in mine:
+        if groups and owner[groups[-1][0]] == owner[i]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    outputs = set(run.output_projections)
+    if not groups or not outputs.intersection(groups[0]):
+        return None
+    width = max(run.numels[i] for i in groups[0])
+    projections = []
+    for g in groups[1:]:
+        if max(run.numels[i] for i in g) == width:
+            projections.append(tuple(g))
+            continue
+        if projections and len({run.numels[i] for i in g}) == 1 and run.numels[g[0]] == run.final_norm_numel:
+            after = groups[groups.index(g) + 1] if groups.index(g) + 1 < len(groups) else []
+            return tuple(projections), tuple(g), tuple(after)
+        return None
+    return None
 
 
 def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
@@ -231,7 +313,13 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     ``allreduce_bucket`` flattens the bucket's gradients into a new tensor (``self.flatten(bucket)``) while a
     gradient larger than the bucket, reduced in place (``extra_large_param_to_reduce``), is still alive; then,
     the copy freed, a rank whose first bucket it is allocates its ``grads_in_partition`` (``copy_grads_in_
-    partition``). Found by the differential matrix (seed 2 draw 5: Llama 15.1M untied, ZeRO-2, 2.7M-element
+    partition``). An RMSNorm's weight gradient comes from its last product, whose backward runs first: by its
+    hook the head's input (the norm's output), a soft-cap's saved tanh and the product's saved normalised tensor
+    are released, and what is left of the norm is ``BlockActivations.pending_at_last_grad`` (its fp32 input and
+    rsqrt, the normalised tensor's gradient; measured: MemTracker at ``copy_grads_in_partition`` on Gemma 2,
+    t-gemma2-scores ZeRO-2 rank 1, 13,049,292 B, 277,944 B under the moment with every final-norm tensor
+    before: -0.87% of the phase's peak).
+    Found by the differential matrix (seed 2 draw 5: Llama 15.1M untied, ZeRO-2, 2.7M-element
     buckets, N_d = 4: the head's 5.4M-element gradient and its flattened copy; MemTracker at the peak, in
     ``allreduce_bucket`` on ranks 0, 1, 3 and in ``copy_grads_in_partition`` on rank 2: backward -12.2%,
     -3.3%, -8.3%, -8.7% before)."""
@@ -243,10 +331,13 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
         return ()  # one bucket (``_epilogue_reduce``), or the first reduced inside the last block
     p, g, acts = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], run.acts
     large = sum(n for i, n in enumerate(run.numels) if bucket_of[i] == 0 and n > run.settings.reduce_bucket_size)
+    pending = acts.block.pending_at_last_grad  # an RMSNorm's, the final norm being one of the blocks' norms
+    norm = ((_act("final norm's saved tensors not yet used, its input gradient in flight (RMSNorm)", pending),)
+            if pending else (_act("final norm saved and output", acts.final_saved),
+                             _act("final norm output gradient", acts.embed_out)))  # fmt: skip
     base = (*(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                       "incoming activation gradient")),
-            _blocks_saved(run, acts.n_layer), _act("final norm saved and output", acts.final_saved),
-            _act("final norm output gradient", acts.embed_out),
+            _blocks_saved(run, acts.n_layer), *norm,
             Term("gradients larger than the bucket, in the bucket reduced", large * p,
                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"))  # fmt: skip
     out = [Moment("backward", "final norm backward, the first bucket reduced", (*base, Term(
@@ -261,14 +352,10 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
 
 def _mlp_saved(run: DSRun) -> int | None:
     """A GPT block's saved tensors its MLP releases before the input projection's backward ends: LN2's output
-    (the projection's input, released by the checkpoint's unpack once used, or saved) and the activation's
-    kept tensors and output, (1 + (k + 1)·f/d)·N·d·a; None for other blocks (Llama's RMSNorm:
-    ``BlockActivations.norm_backward_saved`` is set). k + 1 = (saved - 8·N·d·a) // (N·f·a): the block's saved
-    tensors are N·a·(8d + (k + 1)·f) plus LayerNorm statistics and SDPA's logsumexp, smaller than N·f·a
-    (activation_terms.py ``_gpt_block``); N·f·a is c_proj's first-op gradient (``backward_first_op`` less
-    ``first_weight_grads``)."""
-    blk, nda = run.acts.block, run.acts.embed_out
-    nfa = blk.backward_first_op - blk.first_weight_grads
-    if blk.norm_backward_saved or nfa <= 0:
+    (the projection's input, released by the checkpoint's unpack once used, or saved) and the MLP's own
+    (``BlockActivations.mlp_saved``: the activation's kept tensors and output, (k + 1)·N·f·a); None for other
+    blocks (Llama's RMSNorm: ``BlockActivations.norm_backward_saved`` is set)."""
+    blk = run.acts.block
+    if blk.norm_backward_saved or not blk.mlp_saved:
         return None
-    return nda + (blk.saved - 8 * nda) // nfa * nfa
+    return run.acts.embed_out + blk.mlp_saved

@@ -15,7 +15,7 @@ from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
 from zeroplan.engines.deepspeed.offload_terms import on_gpu
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel, flat_group
-from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, Stage3Trace, stage3_trace
+from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, FETCH, Stage3Trace, stage3_trace
 from zeroplan.engines.deepspeed.zeropp import qwz_buffer_terms, secondary_terms
 from zeroplan.formulas.activation_terms import ModelActivations
 from zeroplan.formulas.peak import Moment, Term
@@ -53,6 +53,11 @@ class Wrapper:
         """Whether autograd's gradients stay in ``param.grad`` to the end of backward (reduced after it)."""
         return False
 
+    def buckets_at_hooks(self, run: DSRun) -> bool:
+        """Whether a gradient's hook copies it into the reduce bucket and frees autograd's tensor in this
+        backward, so that a block's first weight gradient is gone by its next op."""
+        return False
+
     def last_block_bucket(self, run: DSRun) -> tuple[Term, ...]:
         """The reduce bucket(s) alive at the last block's backward."""
         return ()
@@ -78,6 +83,8 @@ class DSRun:
     head_numel: int
     final_norm_numel: int
     tied_head: bool
+    """the head's weight is the token embedding's (``head_tied``: any transformers family tied, the validator's
+    GPT); read from the architecture."""
     wrapper: Wrapper = field(compare=False, repr=False)
     """the optimizer wrapper DeepSpeed builds for ``settings`` (``wrapper.py wrapper_for``), chosen once per run."""
     checkpointing: str = "none"
@@ -118,6 +125,11 @@ class DSRun:
         return flat_group(self.numels, self.nd)
 
     @cached_property
+    def grad_ready_order(self) -> tuple[int, ...]:
+        """The parameters in the order their gradient hooks fire (``grad_ready_order``)."""
+        return grad_ready_order(self.trace, self.numels)
+
+    @cached_property
     def model_terms(self) -> tuple[DSTerm, ...]:
         """Every buffer of model states and buckets (``terms``), computed once per run."""
         return on_gpu(self.settings, self.numels, self.nd, self.wrapper.terms(self.settings, self.numels, self.nd))
@@ -130,6 +142,39 @@ class DSRun:
         for lives in (("persistent", "lazy"), ("persistent",), ("backward",)):
             out[lives] = tuple(t.term() for t in self.model_terms if t.live in lives and t.bytes)
         return out
+
+
+@lru_cache(maxsize=32)  # every rank's run and every candidate of a plan ask for the same trace's
+def grad_ready_order(trace: Optional[Stage3Trace], numels: tuple[int, ...]) -> tuple[int, ...]:
+    """Parameter indices in the order their gradients are ready (their ``AccumulateGrad`` hooks fire, where
+    ZeRO-1/2 bucket them: stage_1_and_2.py ``create_gradient_handling_hooks``): the reverse of the order their
+    modules are first called in forward (``trace``'s forward fetches). torch's autograd engine runs the ready
+    node made last first (its ready queue is ordered by sequence number) and an ``AccumulateGrad`` as soon as
+    its gradient is ready, so a block's hooks come in the reverse of its calls: Llama's ``down_proj``,
+    ``up_proj``, ``gate_proj``, ``post_attention_layernorm``, ``o_proj``, ``v_proj``, ``k_proj``, ``q_proj``,
+    ``input_layernorm`` (registered self_attn, mlp, then the norms), GPT-2's its registration order reversed.
+    Within a module the reverse of ``named_parameters`` (a Linear's bias is added by a later node than its
+    weight's; Conv1D's ``addmm`` takes the bias first), but a norm's weight and bias (a module's parameters all
+    of one size) come from one node (``native_layer_norm_backward``) in its inputs' order. The root's external
+    head weight (validate/transformer.py CausalLM applies it with ``F.linear`` after the body) is first; a head
+    tied to the token embedding is ready with the embedding's gradient, last. Checked against torch's hooks
+    (tests/test_worst_rank.py). Without a trace: the reverse of ``named_parameters``."""
+    n_params = len(numels)
+    if trace is None or not trace.events:
+        return tuple(reversed(range(n_params)))
+    root = trace.events[0].module  # fetched first: the root, whose only parameter is the external head
+    first: dict[int, int] = {}
+    one_node: set[int] = set()  # a norm's weight and bias: ready in their order
+    for pos, e in enumerate(trace.events):
+        if e.op == FETCH and e.forward and e.module != root:
+            own = [i for i in trace.modules[e.module] if i not in first]
+            for i in own:
+                first[i] = pos
+            if len(own) > 1 and len({numels[i] for i in own}) == 1:
+                one_node.update(own)
+    end = len(trace.events)
+    return tuple(sorted(range(n_params), reverse=True,
+                        key=lambda i: (first.get(i, end), -i if i in one_node else i)))  # fmt: skip
 
 
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
@@ -223,6 +268,12 @@ def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:
     spec = workload.spec
     style = spec.style if spec is not None else None
     hf = workload.transformers and spec is not None
-    # transformers' lm_head is the embedding's weight whenever tied (any style); CausalLM's rule is unchanged
-    tied = spec is not None and (spec.style == "gpt" or hf) and spec.tie_word_embeddings
-    return (stage3_trace(workload.shapes, style, tied, hf),)
+    return (stage3_trace(workload.shapes, style, head_tied(workload), hf),)
+
+
+def head_tied(workload: Workload) -> bool:
+    """Whether the head's weight is the token embedding's (``DSRun.tied_head``): in transformers' model of any
+    family whose config ties them (``tie_word_embeddings``: ``lm_head.weight`` is ``embed_tokens.weight``), in the
+    validator's CausalLM at GPT only (validate/transformer.py ``head_weight``; its Llama layout keeps a head)."""
+    spec = workload.spec
+    return spec is not None and spec.tie_word_embeddings and (spec.style == "gpt" or workload.transformers)

@@ -63,9 +63,11 @@ class Stage3Trace:
         return h
 
 
-_LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp",
+                  "post_feedforward_layernorm")
 """modeling_llama.py LlamaDecoderLayer.forward runs these in this order (registered self_attn, mlp, then the
-norms); GPT-2 blocks run in registration order."""
+norms), Gemma 2/3's decoder layers with their two feed-forward norms around the MLP (modeling_gemma2.py
+Gemma2DecoderLayer.forward); GPT-2 blocks run in registration order."""
 
 
 _MLP_PROJECTIONS = {"gpt": ("c_fc", "c_proj"), "llama": ("up_proj", "down_proj")}

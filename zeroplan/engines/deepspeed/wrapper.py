@@ -20,7 +20,7 @@ from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.bf16 import BF16_OPTIMIZER
 from zeroplan.engines.deepspeed.collectives import DSCollective
 from zeroplan.engines.deepspeed.offload_terms import offload_collectives, on_gpu
-from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _layout, _trace
+from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _layout, _trace, head_tied
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings, optimizer_class
 from zeroplan.engines.deepspeed.terms import DSTerm
 from zeroplan.engines.deepspeed.trace import Stage3Trace
@@ -50,7 +50,7 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     numels, final, modules, blocks, outputs = _layout(workload)
     foreach = settings.foreach if settings.foreach is not None else workload.foreach
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
-                 spec.style == "gpt" and spec.tie_word_embeddings, wrapper_for(settings), workload.checkpointing,
+                 head_tied(workload), wrapper_for(settings), workload.checkpointing,
                  bool(foreach), workload.grad_accum, modules, *_trace(workload), blocks, outputs)  # fmt: skip
 
 

@@ -9,7 +9,7 @@ partition and all-gathers the 16-bit flat group. ZeRO-1 and 2 differ in DeepSpee
 
 from __future__ import annotations
 
-from zeroplan.engines.deepspeed.collectives import greedy_buckets, zero12_collectives
+from zeroplan.engines.deepspeed.collectives import zero12_collectives
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments, flatten_moment, later_blocks_held
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _hook_buckets,
                                                _in_block_partitions, _reducing_hooks, _stage1_reduce,
@@ -80,7 +80,7 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     grads_in_partition + 3 x 8,388,608 B over what the last block's backward holds less its activations
     (MemTracker, per hook: 90,444,056 B on rank 1, 89,487,640 B on rank 0; the head's gradient alone was in
     the prediction before, 9,424,904 B short)."""
-    if not (_head_tied(run) and run.param_blocks and reduces_from_hooks(run.settings)):
+    if not (run.tied_head and run.param_blocks and reduces_from_hooks(run.settings)):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
     embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
@@ -97,14 +97,6 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
         Term("tied embedding gradients (the head's, the embedding's, their sum)", 3 * run.head_numel * p,
              "torch autograd InputBuffer::accumulate -> AccumulateGrad; runtime/zero/stage_1_and_2.py "
              "reduce_independent_p_g_buckets_and_remove_grads (the hook fires on the sum)", 3))),)  # fmt: skip
-
-
-def _head_tied(run: DSRun) -> bool:
-    """Whether the head is the token embedding's weight: ``DSRun.tied_head`` (GPT style), or a transformers
-    model of any family tied (no parameter after the blocks is vocabulary x hidden, the first is: the
-    validator's own Llama-style model keeps its head, transformers' tied Qwen2 / Llama do not)."""
-    n = run.numels
-    return run.tied_head or (bool(n) and n[-1] != run.head_numel and run.head_numel in n[:2])
 
 
 def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
@@ -147,24 +139,18 @@ def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
 
 
 def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
-    """ZeRO-2 reduces bucket by bucket in gradient-ready order (the final norm, then the last block's
-    parameters from the last); the first bucket fills during the last block's backward when the model
-    needs more than one. A rank owning a parameter of that bucket allocates its ``grads_in_partition``
-    there, with the activations alive (stage_1_and_2.py ``reduce_ipg_grads`` -> ``copy_grads_in_partition``)."""
-    numels, p = run.numels, _pbytes(run)
-    rev = tuple(reversed(numels))
-    buckets = greedy_buckets(rev, run.settings.reduce_bucket_size)
+    """ZeRO-2 reduces bucket by bucket in gradient-ready order (``DSRun.grad_ready_order``: the head, the final
+    norm, then the last block's parameters from its last call); the first bucket fills during the last block's
+    backward when the model needs more than one. A rank owning a parameter of that bucket allocates its
+    ``grads_in_partition`` there, with the activations alive (stage_1_and_2.py ``reduce_ipg_grads`` ->
+    ``copy_grads_in_partition``)."""
+    _, buckets, _, bucket_of = _hook_buckets(run)
     if len(buckets) < 2:  # everything fits one bucket: reduced after backward, activations gone
         return ()
-    psi, first, offsets = sum(numels), buckets[0], run.flat.offsets
-    out = []
-    for rank in run.ranks:
-        start, end = run.flat.range(rank)
-        # parameter i occupies [offsets[i], offsets[i + 1]); the first bucket holds the last ``first`` elements
-        if end > start and offsets[end] > psi - first:
-            out.append((rank, Term("grads_in_partition", run.flat.params_numel(rank) * p,
-                                   "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
-    return tuple(out)
+    p = _pbytes(run)
+    return tuple((rank, Term("grads_in_partition", run.flat.params_numel(rank) * p,
+                             "runtime/zero/stage_1_and_2.py copy_grads_in_partition"))
+                 for rank in run.ranks if any(bucket_of[i] == 0 for i in run.flat.params(rank)))  # fmt: skip
 
 
 def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, Term]],
@@ -238,6 +224,14 @@ class ZeroOptimizer(Wrapper):
         from the hooks each moves into the bucket (``reduce_ready_partitions_and_remove_grads``).
         Accumulating, all of them are in ``held_between_micro_steps``."""
         return not reduces_from_hooks(run.settings) and run.grad_accum == 1
+
+    def buckets_at_hooks(self, run: DSRun) -> bool:
+        """From the hooks (``reduces_from_hooks``), each gradient no larger than the bucket is copied into it and
+        autograd's tensor repointed there (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``:
+        ``grad_reduc.data = new_grad_tensor...``); ZeRO-1 accumulating does so only at the boundary
+        (``reduce_ready_partitions_and_remove_grads``)."""
+        s = run.settings
+        return reduces_from_hooks(s) and (s.partition_gradients or run.grad_accum == 1)
 
     def last_block_bucket(self, run: DSRun) -> tuple[Term, ...]:
         """The bucket(s) from the first hook on; ZeRO-1 accumulating holds its bucket between micro-steps."""
