@@ -66,8 +66,9 @@ def _write_failures(path: str, rank: int, local_rank: int, exitcode: int, others
 def _forkable(args) -> bool:
     """One node, a Python module, no restarts, no tee: what ``_fork_world`` does exactly as torchrun."""
     return (
-        args.standalone and args.module and not args.no_python and not args.run_path and args.max_restarts == 0
-        and args.tee == "0" and str(args.nproc_per_node).isdigit() and os.environ.get(TORCHRUN_ENV) != "1"
+        args.standalone and args.module and not args.no_python and not args.run_path
+        and args.max_restarts == 0 and args.tee == "0" and str(args.nproc_per_node).isdigit()
+        and os.environ.get(TORCHRUN_ENV) != "1"
     )  # fmt: skip
 
 
@@ -78,7 +79,7 @@ def _fork_world(args, failures_path: str) -> int:
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun
     if module in PRELOAD:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what the DeepSpeed worker's main sets before its import
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the DeepSpeed worker's main, before its import
     importlib.import_module(module)
     for name in PRELOAD.get(module, ()):
         importlib.import_module(name)
@@ -111,12 +112,12 @@ def _fork_world(args, failures_path: str) -> int:
     local_rank, code = failed
     others = _stop(ranks)
     _write_failures(failures_path, local_rank, local_rank, code, others)
-    print(f"validate.launch: rank {local_rank} exited with code {code}; ranks stopped: {others}", file=sys.stderr)
+    print(f"validate.launch: rank {local_rank} exited with code {code}; then {others}", file=sys.stderr)
     return 1
 
 
 def _wait(ranks: dict[int, int]) -> tuple[int, int] | None:
-    """Reap ranks as they exit (``ranks``: pid -> local rank, emptied as they go); the first failure, or None."""
+    """Reap ranks as they exit (``ranks``: pid -> local rank, emptied as they go); the first failure."""
     while ranks:
         pid, status = os.wait()
         if pid in ranks:
@@ -127,7 +128,7 @@ def _wait(ranks: dict[int, int]) -> tuple[int, int] | None:
 
 
 def _stop(ranks: dict[int, int]) -> dict[int, int]:
-    """SIGTERM every rank left, SIGKILL after ``STOP_GRACE_S``; {local rank: exit code} of those that failed."""
+    """SIGTERM every rank left, SIGKILL after ``STOP_GRACE_S``; {local rank: exit code} of those failed."""
     for pid in ranks:
         os.kill(pid, signal.SIGTERM)
     deadline, codes = time.monotonic() + STOP_GRACE_S, {}
@@ -143,7 +144,7 @@ def _stop(ranks: dict[int, int]) -> dict[int, int]:
 
 
 def _rank(local_rank: int, nproc: int, module: str, argv: list[str], port_fd: int, logs: str | None) -> None:
-    """The forked rank: torchrun's environment, its log files, then ``python -u -m module argv``; never returns."""
+    """The forked rank: torchrun's environment and log files, then ``python -u -m module argv``; no return."""
     die_with_parent()  # the kernel's parent-death signal is not inherited across fork
     _show_command_line([sys.executable, "-u", "-m", module, *argv])
     code = 1
@@ -162,9 +163,10 @@ def _rank(local_rank: int, nproc: int, module: str, argv: list[str], port_fd: in
                 os.close(out)
         # unbuffered, as torchrun's ``python -u``: a rank that ends with os._exit loses nothing it printed
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      errors="backslashreplace")  # fmt: skip
         sys.argv = [module, *argv]
-        sys.modules.pop(module, None)  # run as ``-m`` runs it: a fresh ``__main__``, its imports already loaded
+        sys.modules.pop(module, None)  # as ``-m`` runs it: a fresh ``__main__``, its imports already loaded
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
@@ -183,7 +185,7 @@ def _rank(local_rank: int, nproc: int, module: str, argv: list[str], port_fd: in
 
 def _show_command_line(words: list[str]) -> None:
     """Show ``words`` as this process's command line (``/proc/self/cmdline``, ``ps``): the forked rank's
-    is the launcher's until then; now it reads as torchrun's rank would (``python -u -m validate.worker ...``),
+    is the launcher's until then; now it reads as torchrun's rank's would (``python -u -m validate.worker``),
     which is how a rank is found and counted. Written over the argument area in place, as setproctitle does
     (``/proc/self/stat`` fields 48-49: its start and end), padded with NULs, cut if longer."""
     import ctypes
@@ -204,7 +206,8 @@ def _rank_env(local_rank: int, nproc: int, port: str) -> dict[str, str]:
         "RANK": rank, "LOCAL_RANK": rank, "GROUP_RANK": "0", "ROLE_RANK": rank, "ROLE_NAME": "default",
         "LOCAL_WORLD_SIZE": n, "WORLD_SIZE": n, "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": n,
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }  # fmt: skip
 
