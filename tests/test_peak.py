@@ -3,17 +3,14 @@ runtime's peak per phase against the validator's measurement (MemTracker, exact 
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.suite_slices import ci_slice
+from tests.test_validate_runs import run_json
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.engines.reference import predict_peak, reference_run
 from zeroplan.formulas.activation_terms import model_activations
@@ -147,11 +144,8 @@ def test_llama_family_saved_activations_match_transformers(family):
 
 
 def validate_json(tmp_path_factory, *args: str) -> dict:
-    out = tmp_path_factory.mktemp("peak") / "result.json"
-    cmd = [sys.executable, "-c", "from zeroplan.cli import main; main()", "validate", *args, "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())
+    """``zeroplan validate ARGS --json FILE``, run in this process (tests/test_validate_runs.py), read back."""
+    return run_json(tmp_path_factory, *args)[1]
 
 
 # The CI matrix of issue 8, as a covering set of four validator runs (one invocation runs many stages

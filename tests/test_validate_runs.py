@@ -8,12 +8,11 @@ planner is exact: model states at the step boundary = prediction + Adam's one fp
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,14 +26,21 @@ ADAM_STEP_BYTES = 4  # one fp32 step counter: the runtime's master shard is one 
 K = 12  # mixed-precision Adam, ZeRO paper section 3.1
 
 
-def zeroplan(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", "from zeroplan.cli import main; main()", *args]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False
-    )
+def zeroplan(*args: str, env: dict | None = None) -> SimpleNamespace:
+    """``zeroplan ARGS`` in this process (typer's CliRunner): exit code, stdout and stderr as a console shows
+    them. The parent's side of a run is the same code either way (the ranks are the launcher's children); a
+    subprocess would import torch and the validator again, 4-5 CPU-s a run (issue 16: the suite's time budget)."""
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app_for
+
+    result = CliRunner().invoke(app_for(list(args)), list(args), env=env)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception  # a bug, not an exit: its traceback, as the subprocess would print it
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
-def run_json(tmp_path_factory, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+def run_json(tmp_path_factory, *args: str) -> tuple[SimpleNamespace, dict]:
     out = tmp_path_factory.mktemp("validate") / "result.json"
     proc = zeroplan("validate", *args, "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
