@@ -78,8 +78,11 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
             return (Moment("forward", name, (*base, *_gathered(run, sched, "last block forward"), *done)),)
         mark = f"block {j} output projection"
         before = (_blocks_saved(run, j + 1), _act("block input and residual (not saved)", blk.forward_before_output))
+        # its post-forward hook releases the projection's weight before the block adds its residual (z3fwd)
+        ran = (*before, _act("output projection's output", acts.embed_out))
         return (Moment("forward", f"{name}, output projection fetched", (*base, *_gathered(run, sched, mark, during=True), *before)),
-                Moment("forward", name, (*base, *_gathered(run, sched, mark), *done)))  # fmt: skip
+                Moment("forward", f"{name}, output projection run", (*base, *_gathered(run, sched, mark), *ran)),
+                Moment("forward", name, (*base, *_gathered(run, sched, f"{mark} released"), *done)))  # fmt: skip
 
     head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
     # CausalLM.loss: ``logits = self(tokens).float()``: nothing saves the model-dtype logits, so the fp32 copy
