@@ -206,20 +206,29 @@ def test_fsdp2_offload_is_its_own_option_and_its_snippet_is_the_prediction():
 # bf16, Adam, buckets 5,000 (ZeRO-3: prefetch 5,000, persistence threshold 100), offload_optimizer cpu (3p: and
 # offload_param cpu); MemTracker's peak per phase of the rank named, where the GPU and host terms are one memory.
 # Every row's model states at the step boundary and its collectives per step matched exactly (N_d = 2: 420,304 B
-# and 72,650 elements at ZeRO-1/2; 374,253 B and 72,649 at ZeRO-3).
+# and 72,650 elements at ZeRO-1/2; 374,253 B and 72,649 at ZeRO-3; N_d = 1: the same calls less the all-gathers,
+# wrapper.py collectives). The N_d = 1 rows of ZeRO-1/3 are gpu_check.sh's offload rows (one world, ~35 CPU-s).
 MEASURED = {
     ("z2", 1, 0): {"init": 456_624, "forward": 853_212, "backward": 886_300, "optimizer_step": 747_724},
     ("z2", 2, 1): {"init": 275_004, "forward": 526_296, "backward": 559_384, "optimizer_step": 420_712},
     ("z1", 2, 1): {"init": 275_004, "forward": 526_296, "backward": 539_232, "optimizer_step": 420_712},
     ("z3", 2, 0): {"init": 254_269, "forward": 552_141, "backward": 565_077, "optimizer_step": 374_989},
     ("z3p", 2, 0): {"init": 254_269, "forward": 552_141, "backward": 565_077, "optimizer_step": 374_989},
+    ("z1", 1, 0): {"init": 456_624, "forward": 853_212, "backward": 866_148, "optimizer_step": 747_724},
+    ("z3", 1, 0): {"init": 508_537, "forward": 842_733, "backward": 865_821, "optimizer_step": 737_249},
+    ("z3p", 1, 0): {"init": 508_537, "forward": 842_733, "backward": 865_821, "optimizer_step": 737_249},
 }
-UNNAMED = {("z2", "backward"): 3_456, ("z3", "init"): 15_956, ("z3p", "init"): 15_956,
-           ("z3", "optimizer_step"): 1_208, ("z3p", "optimizer_step"): 1_208}
+UNNAMED = {("z2", 1, "backward"): 3_456, ("z2", 2, "backward"): 3_456,
+           **{(z, 2, "optimizer_step"): 212 for z in ("z3", "z3p")},
+           **{(z, 1, "optimizer_step"): 240 for z in ("z3", "z3p")},
+           **{(z, 1, "backward"): 10_160 for z in ("z3", "z3p")}}  # fmt: skip
 """Bytes measured above the prediction, not yet named: ZeRO-2's last block (its hook's fp32 upcast included), on
-both rows; ZeRO-3's init on the host (the master's conversion and the optimizer's gradient buffer); ZeRO-3's step
-(0.32 %): without offload the step partitions the persistent parameters (stage3.py step -> _partition_all_parameters,
-the profile's rule since the differential draw 1-18: exact there), the prediction here 736 B above before that rule."""
+both rows; ZeRO-3's step, 212 B (0.06%) at N_d = 2, 240 B at 1, beside the terms a storage tracer found at its
+peak (offload.py ``_zero3_offload_moments``: 1,008 B of persistent parameters gathered again, the norm's scalars
+in fp32; its init is exact since ``host_at_states_init``, 15,956 B short before); ZeRO-3 at N_d = 1, backward
+(1.2%): the peak is inside a bucket's reduction, where ``_offload_grad_partition_at_boundary`` takes each gradient
+partition's norm on an fp64 copy (``_constant_buffered_norm2``: 41,472 B for a 5,184-element weight), not
+modelled (docs/engines/deepspeed.md)."""
 
 
 def _offload_config(case: str) -> dict:
@@ -243,7 +252,7 @@ def test_one_memory_prediction_matches_the_cpu_measurement(case, nd, rank):
     s = D.Settings.from_ds_config(_offload_config(case), zero_init=False).model_copy(update={"rank": rank})
     got = one_memory_by_phase(ds_run(s, _workload(), nd, stat_bytes=2))  # MemTracker on CPU: LayerNorm stats in bf16
     for phase, measured in MEASURED[(case, nd, rank)].items():
-        gap = UNNAMED.get((case[:2] if case == "z2" else case, phase), 0)
+        gap = UNNAMED.get((case, nd, phase), 0)
         if gap:
             assert measured - got[phase] == gap, (phase, measured, got[phase])
         else:
@@ -308,3 +317,60 @@ def test_deprecated_cpu_offload_flags_read_as_deepspeed_reads_them():
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="cpu_offload='yes': must be true or false"):
         D.Settings.from_ds_config({"zero_optimization": {"stage": 2, "cpu_offload": "yes"}})
+
+
+def test_world_size_one_reduces_but_gathers_nothing():
+    """DeepSpeed 0.19.8 at N_d = 1 (wrapper.py ``collectives``): every bucket's all-reduce (ZeRO-1/2) or reduce-scatter
+    (ZeRO-3), the norm and the overflow check as at N_d = 2, no all-gather (utils.py ``all_gather_dp_groups`` skips a
+    group of one; partition_parameters.py ``_no_gather_coalesced``). Measured (gpt-tiny bf16, world size 1, offload
+    rows above, the steady step): ZeRO-1/2 all-reduce 36,324 bf16 elements in backward, one fp32 norm and one uint8
+    overflow flag; ZeRO-3 reduce-scatters 36,324 and all-reduces one fp32 norm. ZeRO-3 gathers nothing either: no
+    gathered or persistent parameters in its moments (measured: the forward peak exact, 842,733 B)."""
+    w = _workload()
+    for case, want in (("z1", {("all-reduce", "backward", "bf16"): 36_324, ("all-reduce", "optimizer step", "fp32"): 1,
+                               ("all-reduce", "optimizer step", "uint8"): 1}),
+                       ("z2", {("all-reduce", "backward", "bf16"): 36_324, ("all-reduce", "optimizer step", "fp32"): 1,
+                               ("all-reduce", "optimizer step", "uint8"): 1}),
+                       ("z3", {("reduce-scatter", "backward", "bf16"): 36_324, ("all-reduce", "optimizer step", "fp32"): 1})):  # fmt: skip
+        s = D.Settings.from_ds_config(_offload_config(case), zero_init=False)
+        (one,), (two,) = D.estimate(w, 1, s), D.estimate(w, 2, s)
+        assert {(c.op, c.phase, c.dtype): c.elements for c in one.collectives} == want, case
+        assert {(c.op, c.phase, c.dtype) for c in two.collectives} - set(want) == {
+            (c.op, c.phase, c.dtype) for c in two.collectives if c.op == "all-gather"}, case  # fmt: skip
+        assert all(c.bytes_per_rank == 0 for c in one.collectives)  # a ring of one sends nothing
+    from zeroplan.engines.deepspeed.phases import moments
+
+    s = D.Settings.from_ds_config(_offload_config("z3"), zero_init=False)
+    terms = {t.name for m in moments(ds_run(s, w, 1, stat_bytes=2)) for t in m.terms if t.bytes}
+    assert not [t for t in terms if t.startswith(("gathered", "persistent parameters"))]
+
+
+# Measured (2026-12-01, this machine, torch 2.13, gloo, N_d = 2): validate/engines/fsdp2.py's gpt-tiny fp32 run
+# (materialized, 2 steps of micro-batch 2) with every fully_shard call given CPUOffloadPolicy(pin_memory=False);
+# MemTracker's peak per phase, the GPU and the host one memory (~20 CPU-s).
+FSDP2_ONE_MEMORY = {0: {"init": 177_336, "forward": 522_816, "backward": 572_360, "optimizer_step": 312_016},
+                    1: {"init": 177_336, "forward": 522_528, "backward": 572_072, "optimizer_step": 311_728}}  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fsdp2_cpu_offload_one_memory_matches_the_cpu_measurement(rank):
+    """``CPUOffloadPolicy`` on CPU (engines/fsdp2/offload_one_memory.py ``one_memory_by_phase``): every phase to the byte; and
+    the GPU/host split adds up to the same measurement: at forward and backward the GPU moment less the shards
+    copied up (one block, 8,010 elements: the same tensors on one memory) plus the host's shards and Adam's states
+    (the gradient shards are freed by ``zero_grad(set_to_none=True)`` and made again after the peak); at the step
+    the host alone (the GPU holds nothing)."""
+    from validate.engines.fsdp2_compare import Fsdp2Settings, _workload as fsdp2_workload
+    from zeroplan.engines.fsdp2.offload_one_memory import one_memory_by_phase
+    from zeroplan.engines.fsdp2.plan import estimate, rank_run
+    from zeroplan.engines.fsdp2.settings import Settings as FSettings
+
+    w = fsdp2_workload(Fsdp2Settings(), {"device": "cpu"})
+    s = FSettings(device="cpu", backend="gloo", rank=rank, init="materialized", offload_policy="cpu", pin_memory=False)
+    measured = FSDP2_ONE_MEMORY[rank]
+    assert one_memory_by_phase(rank_run(w, 2, s)[0]) == measured
+    (off,) = estimate(w, 2, s)
+    gpu, host = off.peak.by_phase(), {t.name: t.bytes for t in off.host.terms}
+    resident = host["sharded parameters"] + host["Adam exp_avg, exp_avg_sq, step"]
+    for phase in ("forward", "backward"):
+        assert gpu[phase] - 8_010 * 4 + resident == measured[phase], phase
+    assert (gpu["optimizer_step"], off.host.host_bytes) == (0, measured["optimizer_step"])

@@ -13,11 +13,13 @@
 # 3. FSDP2 (real fully_shard) simulated with real CUDA tensors on a fake group: the 305M GPT at N_d 8 and 64
 #    (bf16), reshard off + checkpointing, fp32, meta init; Llama-2-7B's config at 64 (meta and materialized,
 #    reshard off); bf16 and Llama meta again with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
-# 4. DeepSpeed ZeRO-1/2/3 at world size 1 on gpt-tiny, then with offload_optimizer (and ZeRO-3 offload_param).
-# 5. the largest micro-batch that runs (Llama-2-7B's config, FSDP2 at N_d 64, meta init, seq 4096; reshard
-#    on and off): doubling, then bisection, until an out-of-memory bracket or 100 s; compare it on any
-#    machine with the largest `zeroplan plan --micro-batch B` that fits.
-# 6. reference runtime: real NCCL at world size 1 (gpt-tiny, mlp-tiny), simulated N_d 8 and 64.
+# 4. the largest micro-batch that runs (Llama-2-7B's config, FSDP2 at N_d 64, meta init, seq 4096; reshard
+#    on and off): doubling, then bisection, until an out-of-memory bracket or 100 s; beside it (plan_largest.txt)
+#    `zeroplan plan --max-micro-batch MAX_BATCH` on the device's memory, the same search on the predictions
+#    (zeroplan/planning/largest_batch.py); the plan's answer must be the real one or one below, never above.
+# 5. reference runtime: real NCCL at world size 1 (gpt-tiny, mlp-tiny), simulated N_d 8 and 64.
+# 6. DeepSpeed ZeRO-1/2/3 at world size 1 on gpt-tiny, then with offload_optimizer (and ZeRO-3 offload_param):
+#    last, its runner being on the CPU accelerator here too (what the budget leaves; --cpu runs them anywhere).
 # Each step's Python processes record the allocator's whole history (validate/cuda_snapshot.py:
 # record_process_history, through OUT_DIR/hook/sitecustomize.py) into OUT_DIR/history/<step>/*.json;
 # 7. `python -m validate.cuda_snapshot replay OUT_DIR/history` replays each one through zeroplan.allocator
@@ -107,19 +109,6 @@ step fsdp2_sim_noreshard_ckpt 60 "${sim[@]}" --world-size 8 --params "$params" -
 step fsdp2_sim_fp32 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --param-dtype fp32
 step fsdp2_sim_meta 60 "${sim[@]}" --world-size 8 --params "$params" --seq-len "$seq" --init meta
 
-step ds_ws1 120 --engine deepspeed --world-size 1 --model "$tiny" --steps 2
-# DeepSpeed offload (issue 21): offload_optimizer cpu at ZeRO-1/2/3, and ZeRO-3 with offload_param too, bf16,
-# DeepSpeedCPUAdam (its cpu_adam op JIT-built by the first row: the longer limit). The DeepSpeed runner measures
-# on the CPU accelerator (validate/engines/deepspeed.py: DS_ACCELERATOR=cpu, MemTracker), where the GPU and host
-# predictions are one memory: each row checks their sum per phase (docs/engines/deepspeed.md "Offload").
-for z in 1 2 3 3p; do
-  param=""; [[ $z == 3p ]] && param=', "offload_param": {"device": "cpu"}'
-  echo "{\"bf16\": {\"enabled\": true}, \"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.001}}, \"zero_optimization\": {\"stage\": ${z%p}, \"reduce_bucket_size\": 5000, \"allgather_bucket_size\": 5000, \"offload_optimizer\": {\"device\": \"cpu\"}$param}}" \
-    > "$out/ds_offload_z$z.json"
-  step "ds_ws1_offload_z$z" "$([[ $z == 1 ]] && echo 300 || echo 90)" --engine deepspeed --world-size 1 --model "$tiny" \
-    --steps 2 --deepspeed-config "$out/ds_offload_z$z.json"
-done
-
 runs() {  # runs NAME B ARGS...: 0 when micro-batch B trains (whatever its tolerance), 1 out of memory, 2 other error
   local name=$1 b=$2; shift 2
   local log="$out/${name}_b$b.txt" json="$out/${name}_b$b.json"
@@ -152,6 +141,13 @@ big=(--engine fsdp2 --simulated --real-tensors --steps 2 --world-size 64 --model
   --reduce-dtype fp32 --init meta)
 search batch_llama_meta "${big[@]}"
 search batch_llama_meta_noreshard "${big[@]}" --reshard-after-forward false
+if [[ batch_llama_meta =~ $only ]]; then  # the same search on the plan's predictions (reshard on and off: its rows)
+  card=$(python -c 'import sys, torch; print(torch.cuda.get_device_properties(0).total_memory if sys.argv[1] == "cuda" else 141 * 2**30)' "$device")
+  python -c 'from zeroplan.cli import main; main()' plan --engine fsdp2 --model "$llama" --gpus 64 --gpu-memory "$card" \
+    --seq-len "$big_seq" --reduce-dtype fp32 --init meta --max-micro-batch "$max_batch" > "$out/plan_largest.txt" 2>&1 \
+    || status=1
+  grep -A5 '^Largest micro-batch' "$out/plan_largest.txt" | tee -a "$out/summary.txt"
+fi
 
 # The caching allocator rounds every block up to 512 bytes: 5 model-state tensors on gpt-tiny's 568 KiB
 # add under 0.1 %, on mlp-tiny's 125 KiB up to 1.4 %, hence its 2 % tolerance.
@@ -159,6 +155,21 @@ step ref_ws1_gpt 90 --world-size 1 --model gpt-tiny --tolerance 0.01
 step ref_ws1_mlp 60 --world-size 1 --model mlp-tiny --tolerance 0.02
 step ref_sim 120 --simulated --world-size 8 --world-size 64 --params "$params" --steps 2 --batch-per-rank 1 \
   --seq-len "$seq"
+
+# DeepSpeed last: its runner measures on the CPU accelerator (validate/engines/deepspeed.py), on this machine as on any
+# other (`gpu_check.sh --cpu` runs the same rows), so the GPU's steps above come first within the budget.
+step ds_ws1 120 --engine deepspeed --world-size 1 --model "$tiny" --steps 2
+# DeepSpeed offload (issue 21): offload_optimizer cpu at ZeRO-1/2/3, and ZeRO-3 with offload_param too, bf16,
+# DeepSpeedCPUAdam (its cpu_adam op JIT-built by the first row: the longer limit). The DeepSpeed runner measures
+# on the CPU accelerator (validate/engines/deepspeed.py: DS_ACCELERATOR=cpu, MemTracker), where the GPU and host
+# predictions are one memory: each row checks their sum per phase (docs/engines/deepspeed.md "Offload").
+for z in 1 2 3 3p; do
+  param=""; [[ $z == 3p ]] && param=', "offload_param": {"device": "cpu"}'
+  echo "{\"bf16\": {\"enabled\": true}, \"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.001}}, \"zero_optimization\": {\"stage\": ${z%p}, \"reduce_bucket_size\": 5000, \"allgather_bucket_size\": 5000, \"offload_optimizer\": {\"device\": \"cpu\"}$param}}" \
+    > "$out/ds_offload_z$z.json"
+  step "ds_ws1_offload_z$z" "$([[ $z == 1 ]] && echo 300 || echo 90)" --engine deepspeed --world-size 1 --model "$tiny" \
+    --steps 2 --deepspeed-config "$out/ds_offload_z$z.json"
+done
 
 if [[ $device == cuda ]]; then  # every recorded history through the allocator model (no torch needed)
   python -m validate.cuda_snapshot replay "$out/history" > "$out/history_replay.txt" || status=1

@@ -20,7 +20,7 @@ from zeroplan.cli_options import (
     DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, FsdpOffloadOption, FsdpPinMemoryOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
-from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
+from zeroplan.cli_options import DpReplicateOption, DpShardOption, TpOption  # fsdp2's mesh (HSDP, TP)
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
@@ -84,6 +84,7 @@ def estimate(
     device: DeviceOption = None,
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
+    tp: TpOption = None,
     zero_init: ZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
@@ -132,7 +133,7 @@ def estimate(
         ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len), ("checkpointing", checkpointing)))
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
-    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard,
+    own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
                zero_init=zero_init, fsdp_offload=fsdp_offload,
                fsdp_pin_memory=fsdp_pin_memory)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
@@ -242,6 +243,7 @@ def plan(
     device: DeviceOption = None,
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
+    tp: TpOption = None,
     zero_init: ZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
@@ -266,6 +268,10 @@ def plan(
     optimizer_dtype: OptimizerDtype = None,
     units: Unit = typer.Option(Unit.GiB, help="GB = 1e9 bytes, GiB = 2**30 bytes."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
+    max_micro_batch: Optional[int] = typer.Option(
+        None, "--max-micro-batch", metavar="UP_TO",
+        help="Also search, for every configuration, the largest micro-batch that fits, 1 to UP_TO (doubling, then "
+        "bisection, as validate/gpu_check.sh does on a GPU; docs/allocator.md). Table output only."),
 ) -> None:
     """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
     model = with_revision(model, revision)  # ORG/NAME@REV: zeroplan.hub
@@ -274,11 +280,15 @@ def plan(
     from zeroplan.planning.config import PlanConfig
     from zeroplan.planning.plan import plan_config
     from zeroplan.render.plan import to_json, to_table
+    from zeroplan.types import MAX_BATCH
 
     if model is not None and params is not None:
         raise UserError("--model and --params are exclusive: choose one")
     if as_json:
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
+    if max_micro_batch is not None and (as_json or not 1 <= max_micro_batch <= MAX_BATCH):
+        raise UserError(f"--max-micro-batch {max_micro_batch}: must be from 1 to {MAX_BATCH}" if not as_json else
+                        "--max-micro-batch: table output only (zeroplan.planning.largest_batch in Python)")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
     engine, gpus, file_options, file_lines, step = from_config_files(
@@ -292,7 +302,7 @@ def plan(
     ds = read_settings_file(deepspeed_config)
     options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
                                                   fsdp_wrap=fsdp_wrap, init=init, device=device,
-                                                  dp_replicate=dp_replicate, dp_shard=dp_shard,
+                                                  dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
                                                   zero_init=zero_init, fsdp_offload=fsdp_offload,
                                                   fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
     options, _, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len,
@@ -333,7 +343,16 @@ def plan(
            if "policy" in get_engine(engine).options else {}),  # fmt: skip
     )
     result = plan_config(config)
-    typer.echo(to_json(result, auto) if as_json else "\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines)))
+    found = () if max_micro_batch is None else largest_lines(max_micro_batch, config)
+    typer.echo(to_json(result, auto) if as_json else "\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines,
+                                                                *found)))  # fmt: skip
+
+
+def largest_lines(up_to: int, config) -> list[str]:
+    """``plan --max-micro-batch``'s lines (zeroplan/planning/largest_batch.py), after the plan's table."""
+    from zeroplan.planning.largest_batch import bracket_lines, largest_micro_batches
+
+    return ["", *bracket_lines(largest_micro_batches(config, up_to), up_to)]
 
 
 # The other commands live in their own modules, registered here in the order `zeroplan --help` lists them.

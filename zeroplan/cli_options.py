@@ -205,6 +205,12 @@ DpShardOption = Annotated[
     typer.Option("--dp-shard", help="fsdp2: HSDP, ranks S each parameter is sharded over (default: N_d / "
                  "--dp-replicate, else N_d); plan: auto searches it (whole nodes, the smallest that fits)."),
 ]  # fmt: skip
+TpOption = Annotated[
+    Optional[str],
+    typer.Option("--tp", help="fsdp2: tensor parallelism over T GPUs (torchtitan's llama plan: colwise q/k/v, gate/up, "
+                 "rowwise o/down, sequence-parallel norms, loss parallel); FSDP2 shards over GPUs / T; plan: auto searches "
+                 "1, 2, 4, 8 within a node."),
+]  # fmt: skip
 FsdpWrapOption = Annotated[
     Optional[str],
     typer.Option("--fsdp-wrap", help="fsdp2: the fully_shard calls: blocks (each decoder layer, then the root; "
@@ -254,6 +260,7 @@ OWN_OPTION_PARAMS: dict[str, str] = {
     "zero_init": "zero_init",
     "fsdp_offload": "offload_policy",
     "fsdp_pin_memory": "pin_memory",
+    "tp": "tp",
 }
 """Command parameter -> the engine's own option it sets (``Engine.own_options``, by name): the CLI's half of
 adding an option (the engine declares it; its flag is typed here and listed here)."""

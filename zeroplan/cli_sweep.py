@@ -16,7 +16,7 @@ from zeroplan.cli_options import (
 )  # fmt: skip
 from zeroplan.cli_options import AllocConfOption, HeadroomOption  # reserved bytes, as estimate/plan
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
-from zeroplan.cli_options import DpReplicateOption, DpShardOption  # fsdp2's mesh (HSDP)
+from zeroplan.cli_options import DpReplicateOption, DpShardOption, TpOption  # fsdp2's mesh (HSDP, TP)
 from zeroplan.hub import with_revision
 
 
@@ -72,6 +72,7 @@ def sweep(
     device: DeviceOption = None,
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
+    tp: TpOption = None,
     zero_init: ZeroInitOption = None,
     reduce_dtype: ReduceDtypeOption = None,
     param_dtype: ParamDtype = None,
@@ -127,7 +128,7 @@ def sweep(
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
                                   reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device,
-                                  dp_replicate=dp_replicate, dp_shard=dp_shard, zero_init=zero_init)  # fmt: skip
+                                  dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, zero_init=zero_init)  # fmt: skip
     micro_batches = parse_wholes(micro_batch, "micro-batch")
     if model is not None:  # a ds_config's batch is the rows' (the engine's sweep_batches)
         typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None

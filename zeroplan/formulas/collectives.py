@@ -70,6 +70,9 @@ def on_mesh(collectives: tuple[Collective, ...], nd: int, nm: int = 1,
     ``dp_shard``), N_m model-parallel GPUs each, ``gpus_per_node`` per node (``zeroplan.formulas.mesh``).
     A group smaller than its dimension (FSDP2's post-forward group of k ranks) is k consecutive ranks of it."""
     replicate = max((c.group_size for c in collectives if c.mesh_dim == "dp_replicate"), default=1)
+    tp = max((c.group_size for c in collectives if c.mesh_dim == "tp"), default=1)
+    if tp > 1 and nm == 1:  # FSDP2's --tp: N_d counts every GPU, T of them per data-parallel rank (engines/fsdp2/tp.py)
+        nd, nm = nd // tp, tp
     mesh = data_parallel_mesh(nd, replicate, nm, gpus_per_node)
     return tuple(
         replace(c, group_size=size,

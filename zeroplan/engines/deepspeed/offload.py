@@ -27,7 +27,7 @@ from __future__ import annotations
 from zeroplan.engines.deepspeed.offload_terms import S12, offloads
 from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import aligned_flat_numel
+from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, aligned_flat_numel
 from zeroplan.formulas.offload import HostMemory, Offload
 from zeroplan.formulas.peak import Moment, Term
 from zeroplan.formulas.sharding import flat_shard_numel
@@ -126,7 +126,64 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
         if upcast is not None:
             terms = (*terms, upcast)
         out.append(m if terms == m.terms else Moment(m.phase, m.name, terms))
+    if s.stage == 3 and s.offload_optimizer.on:
+        out = _zero3_offload_moments(out)
     return tuple(out)
+
+
+ZERO3_STATES_INIT = "initialize_optimizer_states (offload_optimizer)"
+"""ZeRO-3's init moment whose host buffers ``host_at_states_init`` lists (``offload_one_memory.py``)."""
+POST_STEP = "_post_step: persistent parameters gathered again"
+FP64_NORM = "global-norm temporaries (fp64)"
+
+
+def _zero3_offload_moments(moments: list[Moment]) -> list[Moment]:
+    """ZeRO-3 with ``offload_optimizer`` (stage3.py): the norm's temporaries in fp32
+    (``complete_grad_norm_calculation_for_cpu_offload``: ``_fp32_norm``, offload_terms.py); a moment at
+    ``initialize_optimizer_states`` (the GPU holds the 16-bit partition, the host ``host_at_states_init``); and
+    one at the end of ``step``: ``_post_step`` gathers the persistent parameters again (``_partition_all_parameters``
+    freed them at the step's start) while the norm scalars and the micro-batch are still alive. Without offload
+    the update's fp32 temporaries on the GPU are larger; with it they are on the host, and this moment is the
+    step's GPU peak. Measured (gpt-tiny bf16, N_d = 2, persistence threshold 100, a storage tracer beside
+    MemTracker at the step's peak): the 14 persistent tensors' 1,008 B and four 4-B fp32 norm scalars alive there."""
+    persistent = next((t for m in moments for t in m.terms if t.name == PERSISTENT_PARAMS), None)
+    out: list[Moment] = []
+    for m in moments:
+        if m.phase == "init" and m.name == "partitioned parameters gathered once":
+            kept = tuple(t for t in m.terms if t.name in ("16-bit parameter partition", "inf/nan tracker"))
+            out.append(Moment("init", ZERO3_STATES_INIT, kept))
+        if m.phase == "optimizer_step":
+            m = Moment(m.phase, m.name, tuple(
+                Term("global-norm temporaries (fp32 with offload_optimizer)", 3 * 4, t.source, 3)
+                if t.name == FP64_NORM else t for t in m.terms))  # fmt: skip
+        out.append(m)
+    steps = [m for m in out if m.phase == "optimizer_step"]
+    if steps and persistent is not None:
+        out.insert(out.index(steps[-1]) + 1, Moment("optimizer_step", POST_STEP, (*steps[-1].terms, Term(
+            persistent.name, persistent.bytes, f"{S3} _post_step -> parameter_offload.py persistent parameters "
+            "all-gathered (step -> _partition_all_parameters freed them)", persistent.tensors))))  # fmt: skip
+    return out
+
+
+UNUSED_GRADIENT_BUFFER = "fp32 gradient buffer of the largest sub-group (unused under offload, freed at once)"
+
+
+def host_at_states_init(run: DSRun) -> tuple[Term, ...]:
+    """ZeRO-3 with ``offload_optimizer``: the host at ``initialize_optimizer_states`` (stage3.py), its init peak.
+    The fp32 master, the 16-bit partition (``offload_param``), the master's fp32 gradient
+    (``subgroup_gradient_buffer``) and ``gradient_buffer``: ``torch.zeros(largest_numel, fp32, device=self.device)``,
+    made before the loop for the sub-groups that are not offloaded, unused under offload (``self.device`` is the
+    CPU) and freed on return; the gradient partition (``grad_partitions_flat_buffer``) comes after. One sub-group
+    (DeepSpeed's default ``sub_group_size`` 1e9 elements; the profile does not read it): ``largest_numel`` is the
+    partition. Measured (gpt-tiny bf16, N_d = 2, rank 0, a storage tracer beside MemTracker): 3 x 72,648 B of fp32
+    partitions and the 36,324-B 16-bit partition at the init peak, 254,269 B with the inf/nan tracker."""
+    s = run.settings
+    if s.stage != 3 or not s.offload_optimizer.on:
+        return ()
+    part = flat_shard_numel(run.numels, run.nd)
+    keep = ("fp32 master partition", "fp32 gradient of the master partition", "16-bit parameter partition")
+    return (*(t for t in host_terms(run) if t.name.startswith(keep)),
+            Term(UNUSED_GRADIENT_BUFFER, part * 4, f"{S3} initialize_optimizer_states (gradient_buffer)"))
 
 
 def _slice_numel(run: DSRun, i: int) -> int:

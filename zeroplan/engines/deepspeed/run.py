@@ -165,8 +165,11 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
     coalesced all-gathers still open there (measured: gpt-tiny checkpointed, N_d = 2 and 4, 21,312 B in the last
     block's MLP: its c_fc bias and c_proj weight, prefetched together). ``during``: the most while the mark's
     event runs (its wait frees a buffer only after its own all-gather), one term. ``sched``: ``_schedule(run)``
-    (asked once per phase: hashing a 70B trace for the cache costs milliseconds)."""
-    if sched is None:
+    (asked once per phase: hashing a 70B trace for the cache costs milliseconds). None at N_d = 1: each fetch is
+    partition_parameters.py ``_no_gather_coalesced``, ``param.data`` a view of its partition (``NoGatherHandle``;
+    measured: gpt-tiny ZeRO-3 bf16 at world size 1, no gathered bytes at the forward and backward peaks; with
+    ``offload_param`` on a GPU the view is a copy, counted by offload.py's fetched partitions)."""
+    if sched is None or run.nd == 1:
         return ()
     p, i = _pbytes(run), sched.event(run.trace, mark)
     sec = secondary_terms(sched, i, p)  # ZeRO++ hpZ (zeropp.py); () without

@@ -163,7 +163,9 @@ def zero3_terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, 
                "runtime/zero/stage3.py _setup_for_real_optimizer (grad_partitions_flat_buffer, grad_accum_dtype)"),
         DSTerm("reduce bucket (IPG)", "persistent", s.reduce_bucket_size if s.contiguous_gradients else 0, g,
                "runtime/zero/stage3.py _setup_for_real_optimizer (ipg bucket, torch.empty(reduce_bucket_size))"),
-        DSTerm(PERSISTENT_PARAMS, "lazy", persistent_numel(s, numels), p,
+        # at N_d = 1 nothing is gathered: param.data becomes a view of its partition (partition_parameters.py
+        # all_gather_coalesced -> _no_gather_coalesced -> NoGatherHandle: ds_tensor.data.to(device).view(ds_shape))
+        DSTerm(PERSISTENT_PARAMS, "lazy", persistent_numel(s, numels) if nd > 1 else 0, p,
                "runtime/zero/parameter_offload.py mark_persistent_parameters; gathered in forward and kept"),
         DSTerm("inf/nan tracker", "persistent", 1, "bool", "runtime/zero/stage3.py __init__ (inf_or_nan_tracker)"),
         DSTerm("overflow buffer", "persistent", fused, "int32",

@@ -88,7 +88,12 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int =
     ``numels`` in parameter order. Stage 1 reduces after backward in parameter order
     (``reduce_gradients`` walks ``bit16_groups``: calls exact); stage 2 and 3 in gradient-ready order
     (autograd's; the call count is the parameter-order bucket count, a bound, not exact).
+
+    At N_d = 1 DeepSpeed still reduces (every bucket's all-reduce or reduce-scatter, the norm, the overflow
+    check) but gathers nothing: runtime/utils.py ``all_gather_dp_groups`` skips a group of one
+    (``dp_world_size == 1: continue``), partition_parameters.py ``all_gather_coalesced`` returns
+    ``_no_gather_coalesced`` when every ``_partition_world_size`` is 1. Measured (gpt-tiny bf16, world size 1,
+    ZeRO-1/2/3, with and without offload_optimizer): exactly the calls at N_d = 2 less the all-gathers.
     """
-    if nd == 1:
-        return ()
-    return offload_collectives(s, wrapper_for(s).collectives(s, numels, nd, grad_accum, trace))
+    out = offload_collectives(s, wrapper_for(s).collectives(s, numels, nd, grad_accum, trace))
+    return out if nd > 1 else tuple(c for c in out if c.op != "all-gather")

@@ -46,7 +46,11 @@ def alloc_traces(workload: Workload, nd: int, settings: Settings) -> tuple[Alloc
     else the one it names as peaking highest, ``EngineEstimate.peak_rank``), on its HSDP shard group."""
     from zeroplan.engines.fsdp2.mesh import resolve_mesh
     from zeroplan.engines.fsdp2.plan import estimate, rank_run
+    from zeroplan.engines.fsdp2.tp_estimate import tp_local
 
+    if (settings.tp or 1) > 1:  # FSDP2 + TP: the TP-local run of the rank described (engines/fsdp2/tp_estimate.py)
+        rank = settings.rank if settings.rank is not None else estimate(workload, nd, settings)[0].peak_rank or 0
+        workload, nd, settings = tp_local(workload, nd, settings.model_copy(update={"rank": rank}))
     settings = resolve_mesh(settings, nd)
     if settings.rank is None:
         (row,) = estimate(workload, nd, settings)

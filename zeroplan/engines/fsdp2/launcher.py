@@ -4,6 +4,7 @@ FSDP2's equivalent of a ZeRO stage and offload (``fsdp2_snippet``)."""
 from __future__ import annotations
 
 from zeroplan.engines.fsdp2.mesh import mesh_snippet
+from zeroplan.engines.fsdp2.tp import tp_snippet
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
@@ -66,6 +67,9 @@ def settings_snippet(settings: Settings, checkpointing: str = "none", wrapping: 
     mesh = ("from torch.distributed.device_mesh import init_device_mesh\n"
             + mesh_snippet(settings.dp_replicate, settings.dp_shard, settings.device)) if hsdp else ""  # fmt: skip
     calls = calls.replace("mp_policy=policy", "mesh=mesh, mp_policy=policy") if hsdp else calls  # every call
+    if (settings.tp or 1) > 1:  # the mesh with tp innermost, parallelize_module first (engines/fsdp2/tp.py)
+        mesh, calls = tp_mesh_snippet(settings), calls.replace("mesh=mesh, ", "").replace(
+            "mp_policy=policy", "mesh=dp_mesh, mp_policy=policy")
     offload = settings.offload_policy == "cpu"  # CPUOffloadPolicy: every call, the shards materialized on the CPU
     if offload:
         calls = calls.replace("mp_policy=policy", "mp_policy=policy, offload_policy=offload")
@@ -87,6 +91,16 @@ def settings_snippet(settings: Settings, checkpointing: str = "none", wrapping: 
     )
 
 
+
+
+def tp_mesh_snippet(settings: Settings) -> str:
+    """``init_device_mesh`` with ``tp`` innermost ((R,) S, T) and the ``parallelize_module`` code (``tp_snippet``)."""
+    r, s, t = settings.dp_replicate or 1, settings.dp_shard, settings.tp
+    names, shape = (("dp_replicate", "dp_shard", "tp"), (r, s, t)) if r > 1 else (("dp_shard", "tp"), (s, t))
+    dp = 'mesh["dp_replicate", "dp_shard"]' if r > 1 else 'mesh["dp_shard"]'
+    return ("from torch.distributed.device_mesh import init_device_mesh\n"
+            f"mesh = init_device_mesh({settings.device!r}, {shape}, mesh_dim_names={names})\n"
+            + tp_snippet(t, dp, settings.sequence_parallel))  # fmt: skip
 
 
 def fsdp2_snippet(stage: int, offload: Offload = NO_OFFLOAD, policy: PrecisionPolicy = BF16_MIXED) -> str:

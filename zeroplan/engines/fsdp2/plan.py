@@ -20,6 +20,8 @@ from zeroplan.engines.fsdp2.moments import optimizer_moments
 from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
+from zeroplan.engines.fsdp2.tp import check_tp, sequence_parallel_acts
+from zeroplan.engines.fsdp2.tp_estimate import tp_estimate, tp_mesh, tp_search
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
@@ -35,7 +37,15 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
     """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (None: the
     rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``), on a 2-D
     HSDP mesh when ``dp_replicate``/``dp_shard`` say so (engines/fsdp2/mesh.py); its collectives count one
-    optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``)."""
+    optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``). With ``tp`` T > 1: the TP-local
+    model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``)."""
+    if (settings.tp or 1) > 1:
+        return tp_estimate(workload, nd, settings, dp_estimate)
+    return dp_estimate(workload, nd, settings)
+
+
+def dp_estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
+    """``estimate`` on ``nd`` data-parallel ranks (with ``tp``: ``workload`` is the TP-local one)."""
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
     if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
         ranks = distinct_ranks(tuple(s for _, s in workload.shapes), shard_groups(settings, nd)[1])
@@ -51,7 +61,12 @@ def rank_run(workload: Workload, nd: int, settings: Settings):
     (``alloc_trace.py``) describe the same run."""
     settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})  # rank r is shard r mod S
     replicate, nd = shard_groups(settings, nd)
-    return replace(fsdp2_run(workload, nd, settings), replicate=replicate), nd
+    run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
+    if (settings.tp or 1) > 1 and settings.sequence_parallel and run.acts is not None:  # engines/fsdp2/tp.py
+        run = replace(run, acts=sequence_parallel_acts(run.acts, settings.tp, workload.micro_batch * workload.seq_len,
+                                                       workload.spec.d_model, dtype_bytes(settings.param),
+                                                       settings.backend == "gloo"))
+    return run, nd
 
 
 def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None = None) -> EngineEstimate:
@@ -129,13 +144,14 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
         def option(shard: int | None, reshard=reshard, w=w) -> tuple[tuple[Settings, EngineEstimate, bool], bool]:
             update = ({} if own else {"reshard_after_forward": reshard}) | (
                 {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
-            s = resolve_mesh(settings.model_copy(update=update), nd)
+            s = tp_mesh(settings.model_copy(update=update), nd)  # resolve_mesh on N_d / T (engines/fsdp2/tp_estimate.py)
             (row,) = estimate(w, nd, s)
             fits = row.peak.peak_bytes <= capacity_bytes
             return (s, row, fits), fits
 
         s, row, fits = smallest_fitting(shards, option) if shards else option(None)[0]
-        run_settings = fsdp2_run(w, shard_groups(s, nd)[1], s).settings  # the chosen one's only
+        dp = nd // (s.tp or 1)
+        run_settings = fsdp2_run(w, shard_groups(s, dp)[1], s).settings  # the chosen one's only
         out.append(Fsdp2Option(run_settings, ckpt, row, fits, wrapping_of(w, s)))
     return tuple(out)
 
@@ -189,6 +205,8 @@ def planner_settings(options: PlannerOptions) -> Settings:
         given["cuda_capability"] = options.gpu_capability
     if options.own.get("dp_shard") == AUTO:
         raise ValueError("dp_shard=auto: only plan searches the mesh; give a number (R x S = N_d)")
+    if options.own.get("tp") == AUTO:
+        raise ValueError("tp=auto: only plan searches the TP degree; give a number (1, 2, 4, 8)")
     given.update({k: v for k, v in options.own.items()  # the rest of VOCABULARY as checked
                   if v is not None and k != "gpus_per_node" and k not in given})  # fmt: skip
     if given.get("device") == "cpu":  # a CPU run is on gloo (users' CPU CI runners), as the validator's
@@ -244,6 +262,10 @@ VOCABULARY: tuple[EngineOption, ...] = (
                  "fully_shard(offload_policy=...): none (default) or cpu (CPUOffloadPolicy: shards, gradients and "
                  "the optimizer step on the host)"),
     EngineOption("pin_memory", _flag("pin_memory"), None, "CPUOffloadPolicy.pin_memory (default true)"),
+    EngineOption("tp", check_tp, None,
+                 "tensor parallelism: ranks T of the mesh's 'tp' dimension (torchtitan's llama plan); plan: auto"),
+    EngineOption("sequence_parallel", _flag("sequence_parallel"), None,
+                 "with tp: SequenceParallel norms and Shard(1) activations (default true)"),
 )  # fmt: skip
 """FSDP2's vocabulary, declared once (``Engine.own_options``): ``fully_shard``'s ``reshard_after_forward``,
 ``MixedPrecisionPolicy``'s dtypes, ``Settings.wrap``, ``init``, ``device``, the HSDP mesh's ``dp_replicate``
@@ -267,12 +289,16 @@ def planner_policy(settings: Settings) -> PrecisionPolicy:
 def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
     """``zeroplan plan --engine fsdp2``: every candidate of ``plan_options`` (cheapest first) with the
     snippet of exactly the configuration predicted; the recommendation is ``recommend``'s."""
+    if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
+        return tp_search(workload, nd, capacity_bytes, options, planner_plan)
     search = options.own.get("dp_shard") == AUTO
+    if search and (options.own.get("tp") or 1) > 1:
+        raise ValueError("dp_shard=auto with tp: give the data-parallel mesh (dp_replicate, dp_shard) or neither")
     if search and options.own.get("dp_replicate") is not None:
         raise ValueError("dp_shard=auto searches the mesh: give no dp_replicate with it")
     if search:  # ``--dp-shard auto``: shard groups of whole nodes (mesh.py shard_sizes)
         options = replace(options, own={**options.own, "dp_shard": None})
-    settings = resolve_mesh(planner_settings(options), nd)  # the snippet names the mesh predicted
+    settings = tp_mesh(planner_settings(options), nd)  # the snippet names the mesh predicted
     if settings.foreach is None:  # the snippet names the foreach path the prediction used
         settings = settings.model_copy(update={"foreach": workload.foreach})
     node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
@@ -281,6 +307,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"
                   + (f", mesh {o.settings.dp_replicate} x {o.settings.dp_shard}" if o.settings.dp_replicate else "")
+                  + (f", tp {o.settings.tp}" if (o.settings.tp or 1) > 1 else "")
                   + (f", CPUOffloadPolicy(pin_memory={o.settings.pin_memory})" if o.settings.offload_policy == "cpu" else ""),
                   o.estimate, o.fits, o.snippet,
                   trace_inputs=(replace(workload, checkpointing=o.checkpointing), nd,  # the rank it peaks on

@@ -75,6 +75,13 @@ class Settings(BaseModel):
     pin_memory: StrictBool = Field(
         True, description="CPUOffloadPolicy.pin_memory (torch's default True): page-locked host shards and gradients",
     )  # fmt: skip
+    tp: StrictInt | None = Field(
+        None, ge=1, description="tensor parallelism: ranks T of the innermost mesh dimension 'tp', torchtitan's llama "
+        "plan (engines/fsdp2/tp.py); FSDP2 shards the TP-local tensors over the N_d / T data-parallel ranks",
+    )  # fmt: skip
+    sequence_parallel: StrictBool = Field(
+        True, description="with tp: SequenceParallel norms, activations Shard(1) between blocks (torchtitan's default)",
+    )  # fmt: skip
     cuda_capability: tuple[StrictInt, StrictInt] = Field(
         (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
         "(formulas.cuda_workspaces); (9, 0) is H100/H200",
@@ -112,7 +119,8 @@ class Settings(BaseModel):
         wrap = "" if self.wrap == "blocks" else f", wrap {self.wrap if isinstance(self.wrap, str) else 'file'}"
         hsdp = f", HSDP mesh {self.dp_replicate} x {self.dp_shard}" if (self.dp_replicate or 1) > 1 else ""
         off = f", CPUOffloadPolicy(pin_memory={self.pin_memory})" if self.offload_policy == "cpu" else ""
-        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}{off}"
+        tp = f", tp {self.tp}{'' if self.sequence_parallel else ' (no SP)'}" if (self.tp or 1) > 1 else ""
+        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}{tp}{off}"
 
 
 def post_forward_group(settings: Settings, nd: int) -> int:

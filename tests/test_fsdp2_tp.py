@@ -1,0 +1,215 @@
+"""FSDP2 with tensor parallelism (engines/fsdp2/tp.py): TP-local shapes, the TP collectives, the refusals, and
+the prediction of every phase of every rank against real gloo runs at world size 4 as dp_shard 2 x tp 2
+(validate/engines/fsdp2_tp.py, recorded in tests/data/measured/fsdp2_tp.json: with and without sequence
+parallelism). Cheap: no process is started here; the recorded rows are re-made with
+``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 [--no-sp] --out F`` (~30 s CPU each)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from zeroplan.architectures.hf_config import spec_from_hf_config
+from zeroplan.architectures.spec import transformer_shapes
+from zeroplan.engines.base import Workload
+from zeroplan.engines.fsdp2 import Settings, estimate
+from zeroplan.engines.fsdp2.param import shard_rows
+from zeroplan.engines.fsdp2.tp import check_plan, local_shapes
+from zeroplan.presets import resolve_model
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "measured" / "fsdp2_tp.json").read_text())
+RNG_STATE_BYTES = 16
+"""Measured in every phase from init on, not predicted: DTensor's RNG tracker, made by the first random init of a
+DTensor (``_init_weights`` on the TP-sharded parameters), keeps its philox (seed, offset) as a 16-byte uint8
+tensor (torch 2.13 ``distributed/tensor/_random.py:_PhiloxState``)."""
+MISSED = {("bf16", False, "backward"): 10_144, ("bf16", True, "backward"): 992}
+"""The measured misses beyond ``RNG_STATE_BYTES`` (bytes the prediction is under), by (param dtype, sequence
+parallelism, phase): in bf16 the backward peak (2.9% without SP, 0.31% with) holds a term the profile does not
+have yet (fp32: none). Asserted exactly, so a change that closes or widens them shows here."""
+
+
+def _workload(meta) -> Workload:
+    spec = spec_from_hf_config(meta["hf_config"], "tests/data/measured/fsdp2_tp.json")
+    return Workload(transformer_shapes(spec), spec, meta["seq_len"], meta["batch"], meta.get("checkpointing", "none"),
+                    1, False)  # fmt: skip
+
+
+def _predict(run: dict, rank: int):
+    meta = run["meta"]
+    settings = Settings(tp=meta["tp"], sequence_parallel=meta["sequence_parallel"], device="cpu", backend="gloo",
+                        rank=rank, foreach=False, param_dtype=meta.get("param_dtype", "fp32"))  # fmt: skip
+    (row,) = estimate(_workload(meta), meta["world_size"], settings)
+    return row
+
+
+def _run_id(run: dict) -> str:
+    meta = run["meta"]
+    ckpt = "-ckpt" if meta.get("checkpointing", "none") != "none" else ""
+    return f"{meta.get('param_dtype', 'fp32')}-{'sp' if meta['sequence_parallel'] else 'no-sp'}{ckpt}"
+
+
+RUNS = [pytest.param(r, id=_run_id(r)) for r in RECORDED["runs"]]
+
+
+def test_llama3_8b_local_shapes():
+    """torchtitan's plan at T = 8: colwise q/k/v, gate/up and the head split dim 0, rowwise o/down dim 1."""
+    spec = resolve_model("llama3-8b")
+    local = dict(local_shapes(transformer_shapes(spec), 8))
+    assert local["model.layers.0.self_attn.q_proj.weight"] == (512, 4096)
+    assert local["model.layers.0.self_attn.k_proj.weight"] == (128, 4096)  # 8 KV heads: one per TP rank
+    assert local["model.layers.0.self_attn.o_proj.weight"] == (4096, 512)
+    assert local["model.layers.0.mlp.gate_proj.weight"] == (1792, 4096)
+    assert local["model.layers.0.mlp.down_proj.weight"] == (4096, 1792)
+    assert local["model.embed_tokens.weight"] == (16032, 4096)
+    assert local["lm_head.weight"] == (16032, 4096)
+    assert local["model.norm.weight"] == (4096,)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_shards_per_rank(run):
+    """Each rank's local piece of each parameter: the TP-local shape, its dim 0 split by FSDP2 over dp_shard
+    (ceil rows per rank, the last rank the rest), as measured (``DTensor.to_local()``)."""
+    meta = run["meta"]
+    t, s = meta["tp"], meta["world_size"] // meta["tp"]
+    local = dict(local_shapes(_workload(meta).shapes, t))
+    for row in run["rows"]:
+        d = row["rank"] // t
+        for name, shape in row["local_shapes"]:
+            full = local[name.replace("_checkpoint_wrapped_module.", "")]
+            c = shard_rows(full[0], s)
+            assert tuple(shape) == (min(c, max(0, full[0] - d * c)), *full[1:]), (row["rank"], name)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_every_phase_of_every_rank(run):
+    """Peak per phase, model states and Adam's states: every rank against its own prediction."""
+    key = (run["meta"].get("param_dtype", "fp32"), run["meta"]["sequence_parallel"])
+    for row in run["rows"]:
+        predicted = _predict(run, row["rank"])
+        by_phase = predicted.peak.by_phase()
+        for phase, measured in row["peak_bytes_by_phase"].items():
+            assert measured - by_phase[phase] == RNG_STATE_BYTES + MISSED.get((*key, phase), 0), (row["rank"], phase)
+        assert predicted.memory.optimizer_bytes == sum(row["optimizer_state_bytes"].values())
+        assert row["readings_bytes"]["after_init"][0] - predicted.memory.params_bytes == RNG_STATE_BYTES
+
+
+TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _calls(run, row, dim_group):
+    return Counter((c["op"], c["phase"], c["elements"], c["dtype"]) for c in row["calls"] if c["step"] == 1
+                   and c["group"] == dim_group)  # fmt: skip
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_collectives_call_by_call(run):
+    """One step's collectives per process group: the TP ones (mesh_dim tp) over the rank's tp group, FSDP2's
+    over its dp_shard group, each (op, phase, elements, dtype) as many times as predicted."""
+    t = run["meta"]["tp"]
+    nd = run["meta"]["world_size"]
+    for row in run["rows"]:
+        r = row["rank"]
+        tp_group = list(range(r - r % t, r - r % t + t))
+        dp_group = list(range(r % t, nd, t))
+        predicted = _predict(run, r).collectives
+        assert all(c.group_size == t for c in predicted if c.mesh_dim == "tp")
+        for dim, group in (("tp", tp_group), ("dp_shard", dp_group)):
+            want = Counter((c.op, c.phase, c.elements, TORCH_DTYPE[c.dtype]) for c in predicted if c.mesh_dim == dim)
+            assert _calls(run, row, group) == want, (r, dim)
+
+
+def test_tp_traffic_llama3_8b():
+    """The TP rows of llama3-8b at T = 4 with SP, 1 x 2048 tokens, bf16: per block 2 all-gathers and 2
+    reduce-scatters of b·s·d in each of forward and backward, the embedding's and the head's, loss parallel's
+    three all-reduces of b·s, and SP's norm-gradient all-reduces (2 per block and the final norm, d each)."""
+    spec = resolve_model("llama3-8b")
+    w = Workload(transformer_shapes(spec), spec, 2048, 1, "none", 1, True)
+    (row,) = estimate(w, 16, Settings(tp=4, param_dtype="bf16", rank=0))
+    tp = [c for c in row.collectives if c.mesh_dim == "tp"]
+    n, d, layers = 2048 * 4096, 4096, 32
+    counts = Counter((c.op, c.phase, c.elements) for c in tp)
+    assert counts[("all-gather", "forward", n)] == 2 * layers + 1
+    assert counts[("reduce-scatter", "forward", n)] == 2 * layers + 1
+    assert counts[("all-gather", "backward", n)] == 2 * layers + 1
+    assert counts[("reduce-scatter", "backward", n)] == 2 * layers + 1
+    assert counts[("all-reduce", "forward", 2048)] == 3
+    assert counts[("all-reduce", "backward", d)] == 2 * layers + 1
+    ag = next(c for c in tp if c.op == "all-gather")
+    assert ag.bytes_per_rank == 3 * math.ceil(n / 4) * 2  # ring: (T-1)·ceil(n/T)·2 bytes
+    # FSDP2 shards the TP-local model over N_d / T = 4 ranks: the padded shard of Ψ/T
+    assert row.memory.params_bytes == pytest.approx(spec_params(spec) / 4 / 4 * 4, rel=1e-3)
+
+
+def spec_params(spec) -> int:
+    return sum(math.prod(s) for _, s in transformer_shapes(spec))
+
+
+@pytest.mark.parametrize("model, t, nd, why", [
+    ("llama3-8b", 3, 12, "n_head=32 is not divisible by 3"),
+    ("llama3-8b", 16, 16, "n_kv_head=8 is not divisible by 16"),
+    ("llama3-8b", 4, 6, "must divide the GPUs (6)"),
+    ("gpt2-xl", 2, 4, "torchtitan's llama plan holds only"),
+])  # fmt: skip
+def test_refusals(model, t, nd, why):
+    with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        check_plan(resolve_model(model), t, nd, 2048, True)
+
+
+def test_cli(capsys):
+    """``--tp`` on estimate; refused in one line with the reference engine and where the plan cannot hold."""
+    from zeroplan.cli import app
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["estimate", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "16", "--tp", "4",
+                             "--seq-len", "2048", "--micro-batch", "1"])  # fmt: skip
+    assert ok.exit_code == 0, ok.output
+    assert "tp 4" in ok.output
+    for args in (["--engine", "reference", "--tp", "2"], ["--engine", "fsdp2", "--tp", "3"]):
+        bad = runner.invoke(app, ["estimate", "--model", "llama3-8b", "--gpus", "12", "--seq-len", "2048", *args])
+        assert bad.exit_code == 2, bad.output
+        assert "Traceback" not in bad.output
+
+
+def test_plan_snippet_names_the_mesh():
+    """``plan --tp 2`` on 8 GPUs: the 2-D mesh (4, 2), parallelize_module before fully_shard on dp_mesh."""
+    from typer.testing import CliRunner
+    from zeroplan.cli import app
+
+    out = CliRunner().invoke(app, ["plan", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "8", "--tp", "2",
+                                   "--gpu-memory", "80GB", "--param-dtype", "bf16", "--seq-len", "4096"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "init_device_mesh('cuda', (4, 2), mesh_dim_names=('dp_shard', 'tp'))" in out.output
+    assert 'parallelize_module(model, mesh["tp"]' in out.output
+    assert "fully_shard(model, mesh=dp_mesh, mp_policy=policy)" in out.output
+
+
+def test_tp_auto_takes_the_smallest_degree_that_fits():
+    """``plan --tp auto``: 1, 2, 4 within the node (8 GPUs: 8 would leave one data-parallel rank), smallest
+    first, stopping at the first plan that recommends a candidate."""
+    from types import SimpleNamespace
+
+    from zeroplan.engines.fsdp2.tp_estimate import tp_search
+
+    spec = resolve_model("llama3-8b")
+    w = Workload(transformer_shapes(spec), spec, 4096, 1)
+    tried = []
+
+    def plan(workload, nd, capacity, options):
+        tried.append(options.own.get("tp"))
+        return SimpleNamespace(recommended=0 if options.own.get("tp") == 4 else None)
+
+    @dataclass(frozen=True)
+    class Options:  # PlannerOptions' one field tp_search reads (and replaces)
+        own: dict
+
+    tp_search(w, 8, 0, Options({"tp": "auto"}), plan)
+    assert tried == [None, 2, 4]
+    tried.clear()
+    tp_search(w, 16, 0, Options({"tp": "auto", "gpus_per_node": 4}), plan)
+    assert tried == [None, 2, 4]  # 8 is past a node of 4

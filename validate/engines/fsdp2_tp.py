@@ -1,0 +1,258 @@
+"""Real FSDP2 + tensor parallelism (torchtitan's llama plan) trained under the validator's probes.
+
+The model is the validator's own llama ``CausalLM`` (validate/transformer.py; transformers' parameter names)
+of a tiny llama config (``TINY``), fp32 on CPU with gloo, on the mesh ``init_device_mesh("cpu", (S, T),
+("dp_shard", "tp"))``. Order as torchtitan's: ``parallelize_module`` with the plan of
+``zeroplan.engines.fsdp2.tp`` (colwise q/k/v, gate/up; rowwise o, down; ``SequenceParallel`` norms;
+embedding rowwise to Shard(1); head colwise to vocabulary-sharded logits) on the meta device, then
+``fully_shard`` of each decoder layer and the root over ``mesh["dp_shard"]``, ``to_empty`` and init; Adam.
+``CausalLM`` applies its head with ``F.linear`` on the head's weight, outside any module hook, so the run
+replaces the root's ``forward`` by ``tp_forward`` (the same ops, the head called as the module ``lm_head``,
+so its ``ColwiseParallel`` hooks run) and computes the loss in ``loss_parallel()``.
+
+Phases, probes and the c10d counter are FSDP2's runner's (``validate.engines.fsdp2``); each call's process
+group is recorded as its ranks. ``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 --out F``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from validate.engines.fsdp2 import gloo_reduce_scatter_settled, optimizer_state_bytes
+from validate.models import build, make_batch
+from validate.probes import CommCounter, MemoryProbe
+from zeroplan.architectures.hf_config import spec_from_hf_config
+from zeroplan.files import write_text_atomic
+
+TINY = {"model_type": "llama", "hidden_size": 48, "intermediate_size": 102, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "max_position_embeddings": 32, "vocab_size": 130,
+        "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False}  # fmt: skip
+"""Odd TP-local widths on purpose: ffn 102 / 2 = 51 and vocab 130 / 2 = 65 rows, padded by FSDP2 over 2."""
+PHASES = ("init", "forward", "backward", "optimizer_step")
+
+
+def tp_plan(sequence_parallel: bool = True) -> dict:
+    """``parallelize_module``'s plan for the validator's llama layer names (``zeroplan.engines.fsdp2.tp``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)  # fmt: skip
+
+    act = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        "lm_head": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        plan["model.norm"] = SequenceParallel()
+    return plan, {
+        **({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
+           if sequence_parallel else {}),
+        "self_attn": PrepareModuleInput(input_layouts=(act, None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+        "self_attn.o_proj": RowwiseParallel(output_layouts=act),
+        "mlp": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=act),
+    }  # fmt: skip
+
+
+def tp_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    """``CausalLM.forward`` with the head called as a module: vocabulary-sharded logits (a DTensor)."""
+    x = self.model.embed_tokens(tokens)
+    rope, mask = self._positions(tokens.unsqueeze(-1).to(x.dtype))  # the whole sequence's positions
+    for block in self.model.layers:
+        x = block(x, rope, mask)
+    return self.lm_head(self.model.norm(x))
+
+
+def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool, param_dtype: str = "fp32", checkpointing: bool = False):
+    """Meta build, ``parallelize_module`` on the ``tp`` mesh, ``fully_shard`` on ``dp_shard``, then memory."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = build(spec, torch.float32, "meta")
+    model.forward = types.MethodType(tp_forward, model)
+    root, layer = tp_plan(sequence_parallel)
+    parallelize_module(model, tp_mesh, root)
+    for block in model.model.layers:
+        parallelize_module(block, tp_mesh, layer)
+    if checkpointing:  # after TP, before fully_shard (torchtitan's order): recompute each block in backward
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.model.layers):
+            model.model.layers[i] = checkpoint_wrapper(block)
+    policy = MixedPrecisionPolicy(param_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype])
+    for block in model.model.layers:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    model.to_empty(device="cpu")
+    model._init_weights()
+    return model
+
+
+def loss_of(model, batch) -> torch.Tensor:
+    """``CausalLM.loss`` under loss parallel: fp32 logits (``.float()``, a no-op in fp32), mean cross-entropy."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    tokens, targets = batch
+    with loss_parallel():
+        return F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+
+
+FUNCTIONAL = {"all_reduce": ("all-reduce", 2), "all_gather_single": ("all-gather", 2),
+              "reduce_scatter_single": ("reduce-scatter", 3)}  # fmt: skip
+"""DTensor's collectives, torch ``distributed/_functional_collectives.py`` (``funcol``): function -> (name, the
+position of its ``group`` (``all_gather_tensor`` and ``reduce_scatter_tensor`` call the ``_single`` ones).
+Counted where they are called: DTensor's redistributions and loss parallel's
+all-reduces (``tensor/parallel/loss.py``) run inside DTensor's dispatch, below a ``TorchDispatchMode``."""
+
+
+class GroupCounter(CommCounter):
+    """``CommCounter`` that also keeps each call's process group as its ranks (``groups``) and, while
+    ``functional()`` is entered, counts DTensor's functional collectives (``FUNCTIONAL``; sizes as FSDP2's: an
+    all-gather's output, a reduce-scatter's input, an all-reduce's tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: list[list[int]] = []
+
+    @contextmanager
+    def functional(self):
+        import torch.distributed._functional_collectives as funcol
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        from validate.probes import CommCall
+
+        originals = {name: getattr(funcol, name) for name in FUNCTIONAL}
+
+        def counted(name):
+            op, at = FUNCTIONAL[name]
+
+            def call(*args, **kwargs):
+                group = kwargs.get("group", args[at] if len(args) > at else None)
+                ranks = dist.get_process_group_ranks(_resolve_process_group(funcol._resolve_group_name(group)))
+                t = args[0]
+                n = t.numel() * (len(ranks) if op == "all-gather" else 1)
+                self.calls.append(CommCall(op, self.phase, self.step, n, str(t.dtype).removeprefix("torch."),
+                                           len(ranks)))  # fmt: skip
+                self.groups.append(ranks)
+                return originals[name](*args, **kwargs)
+
+            return call
+
+        for name in FUNCTIONAL:
+            setattr(funcol, name, counted(name))
+        try:
+            yield
+        finally:
+            for name, f in originals.items():
+                setattr(funcol, name, f)
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            pg = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+            try:
+                self.groups.append(dist.get_process_group_ranks(dist.ProcessGroup.unbox(pg)))
+            except (AttributeError, RuntimeError, ValueError):
+                self.groups.append([])
+        return super().__torch_dispatch__(func, types_, args, kwargs)
+
+
+def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, sequence_parallel: bool,
+            param_dtype: str = "fp32", checkpointing: bool = False) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    spec = spec_from_hf_config(TINY, "validate/engines/fsdp2_tp.py TINY")
+    dp = nd // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    # sliced before the probes: each 1-D sub-mesh keeps its own int32 rank tensor (4·S + 4·T bytes, 16 here)
+    tp_mesh, dp_mesh = mesh["tp"], mesh["dp_shard"]
+    gen = torch.Generator().manual_seed(1234)
+    globals_ = [make_batch(spec, dp * batch, gen, seq_len) for _ in range(steps)]
+    d = rank // tp  # the data-parallel rank: every TP rank of it trains the same sequences
+    local = [tuple(t[d * batch : (d + 1) * batch].clone() for t in g) for g in globals_]
+    readings: dict[str, list[int]] = defaultdict(list)
+    counter, probe = GroupCounter(), MemoryProbe(torch.device("cpu"))
+
+    def enter(phase):
+        probe.phase(phase)
+        counter.phase = phase or "between steps"
+
+    with probe, counter, counter.functional(), gloo_reduce_scatter_settled(probe, True):
+        enter("init")
+        model = build_tp(spec, tp_mesh, dp_mesh, sequence_parallel, param_dtype, checkpointing)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+        enter(None)
+        readings["after_init"].append(probe.settled_bytes())
+        for step in range(steps):
+            counter.step = step
+            enter("forward")
+            b = tuple(t.clone() for t in local[step])
+            loss = loss_of(model, b)
+            readings["after_forward"].append(probe.settled_bytes())
+            enter("backward")
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():
+                loss.backward()
+            del loss, b
+            readings["after_backward"].append(probe.settled_bytes())
+            enter("optimizer_step")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            enter(None)
+            readings["boundary"].append(probe.settled_bytes())
+    calls = [dict(op=c.op, phase=c.phase, step=c.step, elements=c.elements, dtype=c.dtype, group=g)
+             for c, g in zip(counter.calls, counter.groups)]  # fmt: skip
+    return {
+        "rank": rank,
+        "readings_bytes": dict(readings),
+        "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
+        "calls": calls,
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+        "local_shapes": [(n, list(p.to_local().shape)) for n, p in model.named_parameters()],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank")
+    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--no-sp", action="store_true", help="without sequence parallelism")
+    parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="MixedPrecisionPolicy.param_dtype (the reduce dtype follows it)")
+    parser.add_argument("--checkpointing", action="store_true", help="checkpoint_wrapper on every decoder layer")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    nd, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    row = measure(args.tp, nd, rank, args.steps, args.batch, args.seq_len, not args.no_sp, args.param_dtype,
+                  args.checkpointing)
+    rows = [None] * nd if rank == 0 else None
+    dist.gather_object(row, rows, dst=0)
+    if rank == 0:
+        meta = {"world_size": nd, "tp": args.tp, "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
+                "sequence_parallel": not args.no_sp, "param_dtype": args.param_dtype, "hf_config": TINY,
+                "checkpointing": "full" if args.checkpointing else "none", "torch": torch.__version__,
+                "backend": "gloo", "model": "validate/transformer.py CausalLM (llama layout)"}  # fmt: skip
+        write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}))
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""``estimate`` of FSDP2 with tensor parallelism (``Settings.tp`` = T > 1): the flat or HSDP profile of the
+TP-local model (engines/fsdp2/tp.py) on N_d / T data-parallel ranks, plus the TP collectives of every
+micro-step over the ``tp`` group."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, local_spec, norm_grad_collectives, tp_collectives
+from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
+from zeroplan.formulas.dtypes import dtype_bytes
+
+
+def tp_workload(workload, t: int):
+    """The workload one TP rank trains: TP-local parameter shapes and the TP-local architecture."""
+    return replace(workload, shapes=local_shapes(workload.shapes, t), spec=local_spec(workload.spec, t))
+
+
+def tp_rows(workload, settings) -> tuple[Collective, ...]:
+    """The TP collectives of one optimizer step: ``tp_collectives`` in every micro-step (``grad_accum`` of
+    them), the norms' gradient all-reduces once (``norm_grad_collectives``: FSDP2's reduction)."""
+    t, spec = settings.tp, workload.spec
+    dtype = settings.param  # activations and autograd's gradients (FSDPParam.init_dtype_attrs)
+    calls = tp_collectives(spec.n_layer, workload.micro_batch * workload.seq_len, spec.d_model, dtype, t,
+                           settings.sequence_parallel, workload.checkpointing != "none")  # fmt: skip
+    grads = norm_grad_collectives(spec.n_layer, spec.d_model, dtype, t, settings.sequence_parallel)
+    return tuple(Collective(c.op, c.phase, m * c.elements, c.dtype,
+                            m * ring_bytes_per_rank(c.op, c.elements, t, dtype_bytes(c.dtype)), m,
+                            mesh_dim="tp", group_size=t)
+                 for group, m in ((calls, workload.grad_accum), (grads, 1)) for c in group)  # fmt: skip
+
+
+def tp_local(workload, nd: int, settings):
+    """(the TP-local workload, the data-parallel ranks N_d / T, the settings of the data-parallel rank of
+    ``settings.rank``): what one TP rank runs, ``check_plan`` passed. ``settings`` keeps ``tp`` (the
+    SP activations, the label)."""
+    t = settings.tp
+    check_plan(workload.spec, t, nd, workload.seq_len, settings.sequence_parallel)
+    rank = None if settings.rank is None else settings.rank // t
+    return tp_workload(workload, t), nd // t, settings.model_copy(update={"rank": rank})
+
+
+def tp_estimate(workload, nd: int, settings, estimate):
+    """The rows of ``estimate`` (FSDP2's, passed in: no import cycle) for T = ``settings.tp`` on ``nd`` GPUs:
+    global rank r is TP rank r mod T of data-parallel rank r // T (``tp`` innermost), and every TP rank of a
+    data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T."""
+    t = settings.tp
+    rows = estimate(*tp_local(workload, nd, settings))  # the data-parallel profile (plan.dp_estimate)
+    extra = tp_rows(workload, settings)
+    return tuple(replace(r, collectives=(*r.collectives, *extra),
+                         peak_rank=None if r.peak_rank is None else r.peak_rank * t)
+                 for r in rows)  # fmt: skip
+
+
+def tp_mesh(settings, nd: int):
+    """``mesh.resolve_mesh`` on the data-parallel ranks N_d / T; with TP the shard group S is always named
+    (the snippet's ``init_device_mesh`` needs it)."""
+    from zeroplan.engines.fsdp2.mesh import resolve_mesh, shard_groups
+
+    t = settings.tp or 1
+    if t == 1:
+        return resolve_mesh(settings, nd)
+    if nd % t:
+        raise ValueError(f"tp={t}: must divide the GPUs ({nd})")
+    resolved = resolve_mesh(settings, nd // t)
+    if resolved.dp_replicate:
+        return resolved
+    return resolved.model_copy(update={"dp_shard": shard_groups(resolved, nd // t)[1]})
+
+
+def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
+    """``plan --tp auto``: ``plan`` (FSDP2's ``planner_plan``) at each TP degree of ``tp.tp_sizes`` (within a
+    node, dividing the GPUs, held by the plan), smallest first; the first that recommends a candidate, else the
+    largest degree's plan. Smaller first: TP's collectives carry every micro-step's activations."""
+    from zeroplan.engines.fsdp2.tp import tp_sizes
+    from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
+
+    node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
+    own = {k: v for k, v in options.own.items() if k != "tp"}
+    result = None
+    sp = options.own.get("sequence_parallel", True) is not False
+    for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp):
+        result = plan(workload, nd, capacity_bytes, replace(options, own={**own, "tp": t if t > 1 else None}))
+        if result.recommended is not None:
+            return result
+    return result
