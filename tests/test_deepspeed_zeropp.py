@@ -112,11 +112,13 @@ def targets_unseen_bytes(record: dict) -> int:
     return w.micro_batch * w.seq_len * 8
 
 
-AT_THE_LAST_BLOCK = {("z3-base-r0", "forward"), ("z3-hpz2-r0-accum2", "forward")}
-"""Rows whose forward peaks at the last block, while its MLP output projection runs (its weight still gathered;
-released by its post-forward hook before the block's residual add): over by the unseen targets alone
-(``targets_unseen_bytes``), +-64 B. Before z3fwd both were over by 4,864 B (the block output counted beside the
-projection's weight): allowed 1.25%."""
+R0_FORWARD = {"z3-base-r0", "z3-hpz2-r0", "z3-hpz2-r0-accum2", "z3-hpz2-r0-zinit", "z3-hpz4-r0"}
+"""The gpt-tiny rows without prefetch and at reuse distance 0 (tiny-llama's peaks at the cross-entropy, exact):
+each forward over by the unseen targets alone (``targets_unseen_bytes``), +-64 B. The control row and G = 2 peak
+while the last block's MLP output projection runs (its weight still gathered; released by its post-forward hook
+before the block's residual add), hpZ's G = 1 rows at the root's release (the tied head's secondary partition made
+before its full tensor is freed). Before z3fwd: the first two over by 4,864 B (allowed 1.25%), the others under by
+1,012-1,352 B."""
 
 
 @pytest.mark.parametrize("record", RECORDS, ids=[r["name"] for r in RECORDS])
@@ -125,7 +127,7 @@ def test_recorded_row_within_its_error_and_one_percent(record):
     for r in record["ranks"]:
         predicted = estimate_of(record, r["rank"]).peak.by_phase()
         for phase, measured in r["measured_peak_bytes_by_phase"].items():
-            if (record["name"], phase) in AT_THE_LAST_BLOCK:
+            if record["name"] in R0_FORWARD and phase == "forward":
                 over = predicted[phase] - measured
                 assert abs(over - targets_unseen_bytes(record)) <= 64, (record["name"], r["rank"], phase, over)
             assert abs(measured - predicted[phase]) <= 0.01 * measured, (record["name"], r["rank"], phase, measured, predicted)
