@@ -78,7 +78,8 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
             return (Moment("forward", name, (*base, *_gathered(run, sched, "last block forward"), *done)),)
         mark = f"block {j} output projection"
         before = (_blocks_saved(run, j + 1), _act("block input and residual (not saved)", blk.forward_before_output))
-        # its post-forward hook releases the projection's weight before the block adds its residual (z3fwd)
+        # the projection's post-forward hook (parameter_offload.py -> release_sub_module) runs as it returns, before
+        # the block adds its residual: the block output is made after its weight's release (measured: gpt-tiny r0)
         ran = (*before, _act("output projection's output", acts.embed_out))
         return (Moment("forward", f"{name}, output projection fetched", (*base, *_gathered(run, sched, mark, during=True), *before)),
                 Moment("forward", f"{name}, output projection run", (*base, *_gathered(run, sched, mark), *ran)),
@@ -97,7 +98,7 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
         Moment("forward", "LM head, its weight fetched", (*base, *_gathered(run, sched, "LM head fetch", during=True),
                _blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))),)  # fmt: skip
     # the root's release, the logits made: under hpZ each weight it frees gets its secondary partition first
-    # (measured, z3fwd: gpt-tiny r0 at H = 2 and 4, the tied head's: +7,272 / +3,636 B over the LM head's moment)
+    # (zeropp.py HpzCoordinator.free; measured: gpt-tiny r0 at H = 2 and 4, the tied head's +7,272 / +3,636 B)
     released = () if sched is None else (
         Moment("forward", "LM head, the root's release", (*base, *_gathered(run, sched, "forward end", during=True), *head)),)
     return (
