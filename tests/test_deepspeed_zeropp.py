@@ -103,10 +103,22 @@ def _records() -> list[dict]:
 RECORDS = _records()
 
 
-OVER_ONE_PERCENT = {("z3-base-r0", "forward"): 0.0125, ("z3-hpz2-r0-accum2", "forward"): 0.0125}
-"""Rows over 1%, both over-predicted by the same 4,864 B at the last block's moment without prefetch and reuse
-distance 0: ZeRO-3's forward as before hpZ (the control row, no hpZ, reads it too); with G = 2 the second
-micro-step's forward peaks there (its secondaries are all alive from the start)."""
+def targets_unseen_bytes(record: dict) -> int:
+    """The micro-batch's targets (int64), which MemTracker counts only from the first op that reads them (the
+    cross-entropy; validate/engines/deepspeed.py ``measure``): a forward moment before it measures them less than
+    the profile's ``batch (token ids, targets)`` term holds. Seen on every such recorded moment: gpt-tiny +256 B
+    (2 x 16 x 8), tiny-llama +512 B (tests/test_deepspeed_profile.py MEASURED_MOMENTS), the cross-entropy's exact."""
+    w = workload_from(record["workload"])
+    return w.micro_batch * w.seq_len * 8
+
+
+R0_FORWARD = {"z3-base-r0", "z3-hpz2-r0", "z3-hpz2-r0-accum2", "z3-hpz2-r0-zinit", "z3-hpz4-r0"}
+"""The gpt-tiny rows without prefetch and at reuse distance 0 (tiny-llama's peaks at the cross-entropy, exact):
+each forward over by the unseen targets alone (``targets_unseen_bytes``), +-64 B. The control row and G = 2 peak
+while the last block's MLP output projection runs (its weight still gathered; released by its post-forward hook
+before the block's residual add), hpZ's G = 1 rows at the root's release (the tied head's secondary partition made
+before its full tensor is freed). Before z3fwd: the first two over by 4,864 B (allowed 1.25%), the others under by
+1,012-1,352 B."""
 
 
 @pytest.mark.parametrize("record", RECORDS, ids=[r["name"] for r in RECORDS])
@@ -115,8 +127,10 @@ def test_recorded_row_within_its_error_and_one_percent(record):
     for r in record["ranks"]:
         predicted = estimate_of(record, r["rank"]).peak.by_phase()
         for phase, measured in r["measured_peak_bytes_by_phase"].items():
-            allowed = OVER_ONE_PERCENT.get((record["name"], phase), 0.01) * measured
-            assert abs(measured - predicted[phase]) <= allowed, (record["name"], r["rank"], phase, measured, predicted)
+            if record["name"] in R0_FORWARD and phase == "forward":
+                over = predicted[phase] - measured
+                assert abs(over - targets_unseen_bytes(record)) <= 64, (record["name"], r["rank"], phase, over)
+            assert abs(measured - predicted[phase]) <= 0.01 * measured, (record["name"], r["rank"], phase, measured, predicted)
 
 
 @pytest.mark.parametrize("record", RECORDS, ids=[r["name"] for r in RECORDS])

@@ -78,8 +78,12 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
             return (Moment("forward", name, (*base, *_gathered(run, sched, "last block forward"), *done)),)
         mark = f"block {j} output projection"
         before = (_blocks_saved(run, j + 1), _act("block input and residual (not saved)", blk.forward_before_output))
+        # the projection's post-forward hook (parameter_offload.py -> release_sub_module) runs as it returns, before
+        # the block adds its residual: the block output is made after its weight's release (measured: gpt-tiny r0)
+        ran = (*before, _act("output projection's output", acts.embed_out))
         return (Moment("forward", f"{name}, output projection fetched", (*base, *_gathered(run, sched, mark, during=True), *before)),
-                Moment("forward", name, (*base, *_gathered(run, sched, mark), *done)))  # fmt: skip
+                Moment("forward", f"{name}, output projection run", (*base, *_gathered(run, sched, mark), *ran)),
+                Moment("forward", name, (*base, *_gathered(run, sched, f"{mark} released"), *done)))  # fmt: skip
 
     head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
     # CausalLM.loss: ``logits = self(tokens).float()``: nothing saves the model-dtype logits, so the fp32 copy
@@ -93,10 +97,15 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     fetched = () if sched is None or "LM head fetch" not in dict((m, f) for m, f, _ in run.trace.marks) else (
         Moment("forward", "LM head, its weight fetched", (*base, *_gathered(run, sched, "LM head fetch", during=True),
                _blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))),)  # fmt: skip
+    # the root's release, the logits made: under hpZ each weight it frees gets its secondary partition first
+    # (zeropp.py HpzCoordinator.free; measured: gpt-tiny r0 at H = 2 and 4, the tied head's +7,272 / +3,636 B)
+    released = () if sched is None else (
+        Moment("forward", "LM head, the root's release", (*base, *_gathered(run, sched, "forward end", during=True), *head)),)
     return (
         *(m for j in (range(L) if staged else (L - 1,)) for m in block(j)),
         *fetched,
         Moment("forward", "LM head", (*base, *_gathered(run, sched, "LM head forward"), *head)),
+        *released,
         Moment("forward", "cross-entropy", (*base, *_gathered(run, sched, "forward end"), *loss)),
     )
 

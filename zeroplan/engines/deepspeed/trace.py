@@ -174,6 +174,8 @@ class _TraceBuilder:
         if path == "" and not self.head_module:
             spans["LM head forward"] = [len(events) - 1, len(events) - 1]
         events.append(TraceEvent(RELEASE, self.module(path), True))
+        if self.projections[1:] == (leaf,) and block.rpartition(".")[2].isdigit():
+            spans[f"block {block.rpartition('.')[2]} output projection released"] = [len(events) - 1] * 2
         if path == self.last_block:
             spans["last block forward"] = [start, len(events) - 1]
 
@@ -223,6 +225,8 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
     this trace's call for call. Modules without parameters (LlamaRotaryEmbedding, the MLP's activation) have
     hooks too; left out: they gather nothing and the replay's reuse distance walks elements.
 
-    Marks: per decoder block j, ``block j MLP input`` (the fetch of its MLP input projection) and ``block j output
-    projection`` (the fetch of its MLP output projection, the block's last module), for the forward moments."""
+    Marks: per decoder block j, ``block j MLP input`` (the fetch of its MLP input projection), ``block j output
+    projection`` (the fetch of its MLP output projection, the block's last module) and ``block j output projection
+    released`` (that projection's post-forward release: it runs before the block adds its residual), for the
+    forward moments."""
     return _TraceBuilder(shapes, style, tied, head_module).trace()
