@@ -164,20 +164,6 @@ def test_bad_configs_are_one_line(cfg, message):
 
 
 @pytest.mark.parametrize(
-    ("name", "missing"),
-    [
-        ("tiny-qwen3-moe", "dense and sparse layers mixed: 2 of 3 sparse"),  # mlp_only_layers [0]: tests/test_moe_peaks.py
-        ("tiny-deepseek-v3", "routed experts, latent attention"),
-    ],
-)
-def test_the_peak_is_refused_where_it_is_not_modelled(name, missing):
-    spec = read_hf_config(CONFIGS / f"{name}.json")
-    with pytest.raises(ValueError, match=f"its activation peak is not modelled yet \\({missing};") as info:
-        model_activations(spec, 1, 8)
-    assert str(info.value).startswith(f"model_type {spec.model_type!r}: ") and "\n" not in str(info.value)
-
-
-@pytest.mark.parametrize(
     ("name", "nd", "per_rank"),
     [  # docs/models.md: FSDP2 splits the (E, 2f, d) expert tensors on E, ceil(E / N_d) rows per rank
         ("mixtral-8x7b-v0.1", 8, 5_837_849_088),  # = Ψ / 8 exactly

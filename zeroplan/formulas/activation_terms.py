@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec, layout_features
+from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas import gemma_activations as G
 from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block, sparse_block_limits, sparse_mlp_saved
 
@@ -123,19 +124,28 @@ class ModelActivations:
     batch: int  # token ids and targets, int64
     loss: int
     body_masks: int = 0  # transformers' body's masks kept by no node (Gemma 2's: gemma_activations.eager_masks)
+    layer_blocks: tuple[BlockActivations, ...] = ()
+    """each layer's block where the layers differ (dense and sparse MLPs: Qwen-MoE's ``mlp_only_layers`` /
+    ``decoder_sparse_step``, DeepSeek-V3's ``first_k_dense_replace``); empty: every layer is ``block``, which is
+    always the last layer's (the block the engines' forward-end and backward-start moments take)."""
 
     @property
     def blocks_saved(self) -> int:
         """Every block's saved activations (checkpointing none)."""
-        return self.n_layer * self.block.saved
+        return self.saved_through(self.n_layer, "none")
+
+    def saved_through(self, n_blocks: int, checkpointing: str) -> int:
+        """What the first ``n_blocks`` blocks keep to their backward: their saved activations, or their inputs under
+        full checkpointing; each layer its own block's (``layer_blocks``)."""
+        blocks = self.layer_blocks[:n_blocks] if self.layer_blocks else (self.block,) * n_blocks
+        return sum(b.saved if checkpointing == "none" else b.ckpt_saved for b in blocks)
 
     def saved_total(self, checkpointing: str) -> int:
         """What autograd holds when forward ends, before the loss is reduced (derivation above)."""
-        per_block = self.block.saved if checkpointing == "none" else self.block.ckpt_saved
         held = self.mask if checkpointing == "full" else 0
         return (
-            self.embed_saved + held + self.n_layer * per_block + self.final_saved + self.log_softmax
-            + SAVED_LOSS_BYTES
+            self.embed_saved + held + self.saved_through(self.n_layer, checkpointing) + self.final_saved
+            + self.log_softmax + SAVED_LOSS_BYTES
         )  # fmt: skip
 
 
@@ -285,12 +295,14 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     rms = n * d * 4 + n * 4 + 2 * n * d * a
     own_input = a == 4  # the two norms save the block input and x1 themselves
     attn = _llama_attention_saved(spec, n, b, s, a) + _qk_norm_saved(spec, n, a) + _fused_attention_extra(spec, n, s, a)
+    if spec.mla is not None:  # DeepSeek-V3's latent attention (deepseek_activations.py)
+        attn = DS.mla_saved(spec, n, b, s, a)
     # gate out's kept tensors (SiLU: its input), act out and up out (the product's factors), the product;
     # Phi-3's gate_up_proj output (N·2f) is one storage, kept by the product (its up half) whatever the
     # activation keeps: 4·N·f for an activation that keeps nothing more (relu), as many as Llama's otherwise
     kept = ACT_KEPT[spec.hidden_act]
     mlp = (kept + 3 + (spec.fused_projections and kept == 0)) * n * f * a
-    if spec.moe is not None:  # router, routed and shared experts (moe_block.py; all layers sparse)
+    if spec.moe is not None:  # router, routed and shared experts (moe_block.py; a dense layer: spec.moe None)
         mlp = sparse_mlp_saved(spec.moe, spec.model_type, n, d, a)
     saved = 2 * rms + attn + mlp
     block = BlockActivations(
@@ -314,7 +326,8 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
         first_weight_grads=d * f * a,
         backward_act_grads=2 * n * f * a,  # product backward: dSiLU-out, dup-out beside d(product)
     )
-    return block if spec.moe is None else sparse_block(block, spec, n, a, own_input)
+    block = block if spec.moe is None else sparse_block(block, spec, n, a, own_input)
+    return block if spec.mla is None else DS.mla_block(block, spec, n, b, s, a)  # the latent attention's moments
 
 
 #: the families whose activations are derived above op by op and measured (tests/test_peak.py; Qwen3 and
@@ -358,6 +371,7 @@ def model_activations(
         raise ValueError(why)
     b, s, a = micro_batch, seq_len, act_bytes
     n, d, v = b * s, spec.d_model, spec.vocab_size
+    layers: tuple[BlockActivations, ...] = ()  # one block for every layer, but where they differ
     if spec.style == "gpt":
         block = _gpt_block(spec, n, b, s, a, stat_bytes)
         embed_saved = s * TOKEN_BYTES  # the position ids (arange), saved by the position embedding
@@ -368,6 +382,10 @@ def model_activations(
         embed_saved, final_saved = G.embed_saved(spec, s, a), G.final_saved(spec, n, a)
     else:
         block = _llama_block(spec, n, b, s, a)
+        if spec.moe is not None and len(spec.moe.sparse_layers) != spec.n_layer:  # dense and sparse layers
+            dense = _llama_block(replace(spec, moe=None), n, b, s, a)
+            layers = tuple(block if i in spec.moe.sparse_layers else dense for i in range(spec.n_layer))
+            block = layers[-1]
         # RoPE's cos and sin, (1, s, head_dim) in the activation dtype, saved once for every block's
         # q·cos and rotate_half(q)·sin (positions are (1, s) as transformers' cache_position makes them)
         embed_saved = 2 * s * spec.head_dim * a
@@ -385,4 +403,5 @@ def model_activations(
         batch=2 * n * TOKEN_BYTES,
         loss=LOSS_BYTES,
         body_masks=G.eager_masks(spec, b, s, a),
+        layer_blocks=layers,
     )

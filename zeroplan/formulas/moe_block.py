@@ -29,11 +29,12 @@ Qwen2MoeConfig, Qwen3MoeConfig), and the model adds ``aux_loss`` only when it is
 from __future__ import annotations
 
 from zeroplan.architectures.moe import MoeSpec
+from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas.moe_activations import INDEX_BYTES, ROUTING_WEIGHT_BYTES, expert_activations
 
 FP32 = 4  # the router's softmax output and the renormalised top-k weights (``dtype=torch.float``)
 #: the families whose sparse block's terms are derived here and measured (tests/test_moe_peaks.py)
-SPARSE_BLOCK_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
+SPARSE_BLOCK_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def renormalised(moe: MoeSpec, model_type: str) -> bool:
@@ -58,21 +59,22 @@ def shared_expert_saved(moe: MoeSpec, model_type: str, n_tokens: int, d_model: i
 
 
 def sparse_mlp_saved(moe: MoeSpec, model_type: str, n_tokens: int, d_model: int, act_bytes: int) -> int:
-    """Everything one sparse MLP saves beside its input: router, routed experts, shared expert."""
+    """Everything one sparse MLP saves beside its input: router, routed experts, shared expert (DeepSeek-V3's
+    router and shared experts: ``deepseek_activations``)."""
     experts = expert_activations(moe, model_type, d_model, n_tokens, act_bytes).saved_bytes
+    if model_type == "deepseek_v3":
+        return (DS.router_saved(moe, n_tokens, d_model, act_bytes) + experts
+                + DS.shared_experts_saved(moe, n_tokens, act_bytes))  # fmt: skip
     return (router_saved(moe, model_type, n_tokens) + experts
             + shared_expert_saved(moe, model_type, n_tokens, d_model, act_bytes))  # fmt: skip
 
 
 def sparse_block_limits(spec) -> tuple[str, ...]:
     """What in a sparse-block family's ``spec`` (a ``TransformerSpec``) the terms do not derive (empty: the peak
-    is modelled). The engines' walks take one block record for every layer, so a model whose layers are not
-    all sparse (Qwen-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``, DeepSeek-V3's dense first layers)
-    is refused rather than given the sparse block's number for its dense layers; the experts' SiLU is the one
-    measured."""
-    out = []
-    if spec.moe is not None and len(spec.moe.sparse_layers) != spec.n_layer:
-        out.append(f"dense and sparse layers mixed: {len(spec.moe.sparse_layers)} of {spec.n_layer} sparse")
+    is modelled); the experts' SiLU is the one measured. Layers of both kinds (Qwen-MoE's ``decoder_sparse_step`` /
+    ``mlp_only_layers``, DeepSeek-V3's dense first layers) each get their own block
+    (``activation_terms.ModelActivations.layer_blocks``)."""
+    out = list(DS.deepseek_limits(spec))
     if spec.hidden_act not in ("silu", "swish"):
         out.append(f"experts with hidden_act {spec.hidden_act!r}")
     if spec.moe is not None and spec.moe.router_logits_loss:
@@ -158,6 +160,8 @@ def sparse_block(block, spec, n_tokens: int, act_bytes: int, own_input: bool):
     first weight gradient is the down projection's (E·d·f)."""
     from dataclasses import replace
 
+    if spec.model_type == "deepseek_v3":  # sigmoid router, shared experts after the routed ones
+        return DS.sparse_block(block, spec, n_tokens, act_bytes, own_input)
     moe, d, a = spec.moe, spec.d_model, act_bytes
     ws = sparse_backward_ws(moe, spec.model_type, n_tokens, d, a)
     dense = block.ckpt_forward_peak  # the attention's moments (and a dense MLP's, a lower bound of the sparse one's)

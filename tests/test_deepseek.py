@@ -1,0 +1,152 @@
+"""DeepSeek-V3 (multi-head latent attention, the sigmoid group-limited router, shared experts, dense first layers)
+and mixed dense/sparse layers in general: what autograd keeps in transformers' own classes (saved-tensor hooks, what
+is still alive at the loss), one decoder layer's moments against a live-storage trace, both exact, in fp32 and
+bf16 (``zeroplan.formulas.deepseek_activations``, ``activation_terms.ModelActivations.layer_blocks``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.hf_saved import predicted_saved_bytes
+from zeroplan.architectures.hf_config import read_hf_config, spec_from_hf_config
+from zeroplan.architectures.spec import transformer_shapes
+from zeroplan.formulas.activation_terms import activation_limit, model_activations
+
+CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+TINY = json.loads((CONFIGS / "tiny-deepseek-v3.json").read_text())
+# bf16 grouped_mm needs rows of 16-byte multiples: expert widths divisible by 8
+VARIANTS = {
+    "lora-q": {"moe_intermediate_size": 16},
+    "plain-q-groups": {"q_lora_rank": None, "n_group": 3, "topk_group": 2, "num_experts_per_tok": 3,
+                       "moe_intermediate_size": 16},
+    "all-sparse-unnormalised": {"first_k_dense_replace": 0, "moe_intermediate_size": 8, "norm_topk_prob": False,
+                                "hidden_size": 64, "n_shared_experts": 1},
+}  # fmt: skip
+
+
+def alive_saved_bytes(cfg: dict, b: int, s: int, dtype: str) -> int:
+    """Bytes of the distinct storages autograd saved in one forward with ``labels=`` and still holds at its end
+    (parameters excluded). DeepSeek's router saves tensors for nodes no loss reaches (its group ``topk``s and
+    ``masked_fill`` feed only integer indices): they are freed when the router returns, so a hook that sums every
+    packed storage (tests/hf_saved.py) counts them, and a freed storage's address may be reused."""
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation="sdpa", dtype=getattr(torch, dtype))  # fmt: skip
+    owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
+    packed = []
+
+    def pack(t):
+        packed.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return t
+
+    ids = torch.randint(0, cfg["vocab_size"], (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False)
+    alive = {ptr: n for ref, ptr, n in packed if ref() is not None and ptr not in owned}
+    assert out.loss is not None
+    return sum(alive.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_saved_activations_match_transformers_class(variant, dtype):
+    """DeepseekV3ForCausalLM: every storage still saved at the loss equals ``saved_total`` plus the int64 targets,
+    no slack. Without the router's dead-branch rule (its group indices and mask counted) the prediction is
+    N·(2G + g)·8 + N·E too high per sparse layer; with Llama's attention instead of ``mla_saved`` it misses the
+    fp32 math-SDPA copies (scaled q and kᵀ, the s² probabilities, v)."""
+    cfg = {**TINY, **VARIANTS[variant]}
+    assert alive_saved_bytes(cfg, 2, 8, dtype) == predicted_saved_bytes(cfg, 2, 8, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["tiny-qwen2-moe", "tiny-qwen3-moe"])
+def test_mixed_dense_and_sparse_layers_sum_each_layers_block(name, dtype):
+    """Qwen2-MoE's ``decoder_sparse_step`` 2 / ``mlp_only_layers`` [3] and Qwen3-MoE's ``mlp_only_layers`` [0]:
+    each layer its own block (refused before); one block for every layer misses by the dense/sparse difference."""
+    cfg = json.loads((CONFIGS / f"{name}.json").read_text())
+    if dtype == "bfloat16":
+        cfg["moe_intermediate_size"] = 24  # 16-byte grouped_mm rows
+    spec = spec_from_hf_config(cfg)
+    acts = model_activations(spec, 2, 8, act_bytes=4 if dtype == "float32" else 2)
+    kinds = {i in spec.moe.sparse_layers for i in range(spec.n_layer)}
+    assert kinds == {True, False} and len(acts.layer_blocks) == spec.n_layer and acts.block == acts.layer_blocks[-1]
+    assert len({b.saved for b in acts.layer_blocks}) == 2
+    assert alive_saved_bytes(cfg, 2, 8, dtype) == predicted_saved_bytes(cfg, 2, 8, dtype)
+
+
+MOMENT_ROWS = [("lora-q", 2, 64), ("lora-q", 16, 8), ("plain-q-groups", 4, 16)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("variant", "b", "s"), MOMENT_ROWS)
+def test_layer_moments_match_a_live_storage_trace(variant, b, s, dtype):
+    """One dense and one sparse ``DeepseekV3DecoderLayer``: saved, the forward's peak beyond it (``forward_extra``),
+    the backward's beyond it and the incoming gradient (the engines' working sets, and the post-attention norm's
+    moment), the forward without grad (``ckpt_forward_peak``), storage by storage. Exact; at s = 64 the math SDPA's
+    two score tensors are each phase's peak, at b·s = 128 with s = 8 the rest of the layer."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tests.test_moe_peaks import LiveStorages
+    from zeroplan.formulas.deepseek_activations import _mlp_weight_grads
+
+    transformers.logging.set_verbosity_error()
+    cfg = {**TINY, "num_hidden_layers": 2, "first_k_dense_replace": 1, "moe_intermediate_size": 16,
+           **VARIANTS[variant]}  # fmt: skip
+    torch_dtype, a = getattr(torch, dtype), 4 if dtype == "float32" else 2
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**cfg), attn_implementation="sdpa", dtype=torch_dtype).train()
+    spec, d = spec_from_hf_config(cfg), cfg["hidden_size"]
+    acts = model_activations(spec, b, s, act_bytes=a, stat_bytes=a)
+    for i, layer in enumerate(model.model.layers):
+        x = torch.randn(b, s, d, dtype=torch_dtype, requires_grad=True)
+        pos = torch.arange(s).unsqueeze(0)
+        cos_sin, g = model.model.rotary_emb(x, pos), torch.randn(b, s, d, dtype=torch_dtype)
+        ignore = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), x, *cos_sin, g, pos)}
+        blk, nda = acts.layer_blocks[i], b * s * d * a
+        fwd = LiveStorages(ignore)
+        with fwd.mode:
+            out = layer(x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
+        assert fwd.live - out.untyped_storage().nbytes() + (nda if a == 4 else 0) == blk.saved, i
+        assert fwd.peak + nda - blk.saved == blk.forward_extra, i
+        start, fwd.peak = fwd.live, 0
+        with fwd.mode:
+            out.backward(g)
+        layer_spec = spec if i in spec.moe.sparse_layers else dataclasses.replace(spec, moe=None)
+        norm = blk.norm_backward_saved + blk.norm_backward_ws + _mlp_weight_grads(layer_spec, a) + d * a - blk.saved
+        assert fwd.peak - start == max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads, norm), i
+        nograd = LiveStorages(ignore)
+        with torch.no_grad(), nograd.mode:
+            layer(x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
+        assert nograd.peak + nda == blk.ckpt_forward_peak, i
+
+
+def test_groups_and_head_widths_outside_the_terms_refuse_the_peak_not_the_shapes():
+    """Groups transformers' router cannot form (here 6 experts in 4 groups) and equal q/k and v head widths (CPU
+    SDPA's flash kernel, not measured) refuse the peak in one line; the parameter shapes are still given."""
+    base = read_hf_config(CONFIGS / "tiny-deepseek-v3.json")
+    assert activation_limit(base) is None
+    for extra, missing in [({"n_group": 4}, "routing groups n_group=4, topk_group=1 for 6 experts"),
+                           ({"v_head_dim": 12}, "latent attention with q/k and v heads of one width (12")]:  # fmt: skip
+        spec = spec_from_hf_config({**TINY, **extra}, "tiny")
+        why = activation_limit(spec)
+        assert why is not None and missing in why and "\n" not in why
+        assert len(transformer_shapes(spec)) == len(transformer_shapes(base))
+
+
+def test_published_deepseek_v3_reads_its_router_and_layer_kinds():
+    """DeepSeek-V3's config.json: 8 groups, 4 per token, 3 dense layers then 58 sparse; the peak is given
+    (no refusal) with a dense block for layers 0-2 and a sparse one after."""
+    spec = read_hf_config(CONFIGS / "deepseek-v3.json")
+    assert (spec.moe.n_group, spec.moe.topk_group, spec.moe.sparse_layers[0], spec.n_layer) == (8, 4, 3, 61)
+    acts = model_activations(spec, 1, 8)
+    assert acts.layer_blocks[0] == acts.layer_blocks[2] != acts.layer_blocks[3] == acts.block
