@@ -150,3 +150,17 @@ def test_published_deepseek_v3_reads_its_router_and_layer_kinds():
     assert (spec.moe.n_group, spec.moe.topk_group, spec.moe.sparse_layers[0], spec.n_layer) == (8, 4, 3, 61)
     acts = model_activations(spec, 1, 8)
     assert acts.layer_blocks[0] == acts.layer_blocks[2] != acts.layer_blocks[3] == acts.block
+
+
+def test_cli_gives_deepseek_peaks_where_the_engines_were_measured():
+    """FSDP2 and DeepSpeed ZeRO-2 (bucket >= one expert tensor) give DeepSeek-V3's peak; DeepSpeed ZeRO-3 is refused
+    by the same ``moe_limit`` rule as every MoE family (engines/deepspeed/plan.py), the reference runtime because it
+    builds no routed experts: one line each."""
+    from tests.clicheck import assert_one_line_error, run, run_json
+
+    model = str(CONFIGS / "tiny-deepseek-v3.json")
+    for engine in (["--engine", "fsdp2"], ["--engine", "deepspeed", "--stage", "2"]):
+        (row,) = run_json("estimate", "--model", model, "--gpus", "2", "--seq-len", "8", *engine)["stages"]
+        assert row["peak_bytes"] > 0
+    assert_one_line_error(run("estimate", "--model", model, "--gpus", "2", "--engine", "deepspeed", "--stage", "3"),
+                          "DeepSpeed's peak of routed experts is modelled at ZeRO-2")  # fmt: skip
