@@ -164,3 +164,47 @@ def test_cli_gives_deepseek_peaks_where_the_engines_were_measured():
         assert row["peak_bytes"] > 0
     assert_one_line_error(run("estimate", "--model", model, "--gpus", "2", "--engine", "deepspeed", "--stage", "3"),
                           "DeepSpeed's peak of routed experts is modelled at ZeRO-2")  # fmt: skip
+
+
+#: FSDP2 on transformers' DeepseekV3ForCausalLM (validate.engines.fsdp2_rows.run_world, Fsdp2Settings(model=CONFIG_JSON,
+#: hf=True, seq_len=64, steps=2, param_dtype), micro-batch 2, gloo, N_d = 2), recorded 2026-12-01 on this project's CPU
+#: machine, torch 2.13.0, transformers 5.24: measured peak bytes [init, forward, backward, optimizer_step] per rank.
+#: One dense layer, then two sparse; small vocabulary, so that the layers' moments are the phases' peaks.
+DEEPSEEK_WIDE = {"model_type": "deepseek_v3", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+                 "num_key_value_heads": 4, "num_hidden_layers": 3, "first_k_dense_replace": 1, "vocab_size": 503,
+                 "max_position_embeddings": 64, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                 "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 64, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+                 "tie_word_embeddings": False}  # fmt: skip
+FSDP2_RECORDED = {
+    "deepseek-wide": (DEEPSEEK_WIDE, "fp32",
+                      [[2441152, 9441428, 9990812, 4670196], [2441152, 9439380, 9988764, 4668148]]),
+    "deepseek-wide-bf16": (DEEPSEEK_WIDE, "bf16",
+                           [[2441152, 7531292, 7660060, 4670196], [2441152, 7529244, 7658012, 4668148]]),
+}  # fmt: skip
+#: (row, phase): measured - predicted where it is more than MARGIN: bf16 forward and backward 4,128 B (0.055 %) under
+#: on both ranks, outside the layer's moments (each exact in the trace test above); not found yet
+FSDP2_RESIDUAL = {("deepseek-wide-bf16", "forward"): 4128 / 7531292, ("deepseek-wide-bf16", "backward"): 4128 / 7660060}
+MARGIN = 0.0005  # as tests/test_fsdp2_hf_recorded.py
+
+
+@pytest.mark.parametrize("name", sorted(FSDP2_RECORDED))
+def test_fsdp2_peaks_of_deepseek_every_phase_every_rank(name, tmp_path):
+    """Every phase of every rank within MARGIN of the recorded run (0.0013 % at most in fp32). With one block for
+    every layer (the sparse one, ``layer_blocks`` left out) the saved activations of the dense layer are counted
+    as a sparse layer's; with Llama's attention terms the s² math-SDPA tensors are missing: each fails here."""
+    pytest.importorskip("torch")
+    from validate.engines.fsdp2 import Fsdp2Settings
+    from validate.engines.fsdp2_rows import predict
+    from zeroplan.formulas.peak import PHASES
+
+    cfg, dtype, measured = FSDP2_RECORDED[name]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=64, steps=2, param_dtype=dtype)
+    meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
+    for rank, row in enumerate(measured):
+        predicted = predict(settings, meta, rank)[0].peak.by_phase()
+        for phase, value in zip(PHASES, row):
+            err = (value - predicted[phase]) / value
+            assert abs(err - FSDP2_RESIDUAL.get((name, phase), 0.0)) <= MARGIN, (name, rank, phase, value, predicted[phase])
