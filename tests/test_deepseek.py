@@ -169,14 +169,21 @@ def test_cli_gives_deepseek_peaks_where_the_engines_were_measured():
 #: FSDP2 on transformers' DeepseekV3ForCausalLM (validate.engines.fsdp2_rows.run_world, Fsdp2Settings(model=CONFIG_JSON,
 #: hf=True, seq_len=64, steps=2, param_dtype), micro-batch 2, gloo, N_d = 2), recorded 2026-12-01 on this project's CPU
 #: machine, torch 2.13.0, transformers 5.24: measured peak bytes [init, forward, backward, optimizer_step] per rank.
-#: One dense layer, then two sparse; small vocabulary, so that the layers' moments are the phases' peaks.
+#: One dense layer, then two sparse (Qwen3-MoE: ``mlp_only_layers`` [0]); small vocabularies, so that the layers'
+#: moments are the phases' peaks.
 DEEPSEEK_WIDE = {"model_type": "deepseek_v3", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
                  "num_key_value_heads": 4, "num_hidden_layers": 3, "first_k_dense_replace": 1, "vocab_size": 503,
                  "max_position_embeddings": 64, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
                  "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 64, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
                  "tie_word_embeddings": False}  # fmt: skip
+QWEN3_MOE_MIXED = {"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 96, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 503, "max_position_embeddings": 64,
+                   "tie_word_embeddings": False, "num_experts": 6, "num_experts_per_tok": 3,
+                   "moe_intermediate_size": 128, "head_dim": 32, "mlp_only_layers": [0]}  # fmt: skip
 FSDP2_RECORDED = {
+    "qwen3-moe-mixed": (QWEN3_MOE_MIXED, "fp32",
+                        [[4139904, 14101720, 14805704, 8033104], [4139904, 14099672, 14803656, 8031056]]),
     "deepseek-wide": (DEEPSEEK_WIDE, "fp32",
                       [[2441152, 9441428, 9990812, 4670196], [2441152, 9439380, 9988764, 4668148]]),
     "deepseek-wide-bf16": (DEEPSEEK_WIDE, "bf16",
