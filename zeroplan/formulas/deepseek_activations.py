@@ -55,8 +55,16 @@ def mla_saved(spec, n: int, b: int, s: int, a: int) -> int:
     q = _rms(n, m.q_lora_rank, a) if m.q_lora_rank is not None else 0
     kv_in = n * (m.kv_lora_rank + m.qk_rope_head_dim) * FP32 if a == FP32 else n * m.kv_lora_rank * FP32
     kv = kv_in + n * FP32 + 2 * n * m.kv_lora_rank * a
-    sdpa = FP32 * (n * h * (2 * m.qk_head_dim + m.v_head_dim) + b * h * s * s)
+    v = n * h * (m.qk_nope_head_dim + m.v_head_dim) * a if _v_view(b, s) and a == FP32 else n * h * m.v_head_dim * FP32
+    sdpa = FP32 * (2 * n * h * m.qk_head_dim + b * h * s * s) + v
     return q + kv + sdpa + n * h * m.v_head_dim * a
+
+
+def _v_view(b: int, s: int) -> bool:
+    """Whether math SDPA's ``bmm`` takes v, a (b, h, s, v) view of kv_b_proj's output (or its fp32 copy), as a
+    (b·h, s, v) view: only when b or s is 1 do the batch and head strides merge. Then it saves that storage itself
+    (fp32: the whole N·h·(n + v) output, 16-bit: the fp32 copy), else a contiguous copy (N·h·v·4)."""
+    return b == 1 or s == 1
 
 
 def router_saved(moe: MoeSpec, n: int, d: int, a: int) -> int:
@@ -121,20 +129,28 @@ def mla_moments(spec, n: int, b: int, s: int, a: int, saved: int) -> dict[str, i
     compressed = n * (r_kv + r) * a
     upcast = FP32 * n * h * (2 * qk + v) if sixteen else 0
     v_copy, out32, out = n * h * v * FP32, n * h * v * FP32, n * h * v * a  # v's contiguous fp32 copy, SDPA's output
+    if _v_view(b, s):  # no copy: the saved v is kv_b_proj's output (fp32) or its fp32 copy, made before the scores
+        v_copy = 0
+        locals_grad, upcast_grad = (locals_ - n * h * (m.qk_nope_head_dim + v) * a, upcast) if not sixteen else \
+            (locals_, upcast - n * h * v * FP32)
+    else:
+        locals_grad, upcast_grad = locals_, upcast
     probs_a = b * h * s * s * a if sixteen else 0  # 16-bit: the probabilities' copy SDPA returns (as attn_weights)
     out_a = out if sixteen else 0
     # grad: what the layer holds beside the saved tensors made so far (all but the post-attention half's, and
     # before the softmax neither the probabilities, v's copy nor o_proj's input)
     base = (n * d * a if sixteen else 0) - after - scores - v_copy - out  # 16-bit: the block input (no op saves it)
-    pre = locals_ + (compressed if sixteen else 0) + upcast + mask
+    pre = locals_grad + (compressed if sixteen else 0) + upcast_grad + mask
     forward = max(base + pre + 2 * scores,  # the mask added: the scores and the masked scores
                   base + scores + v_copy + pre + probs_a + out32 + out_a,  # SDPA's output (and its 16-bit copy)
-                  base + scores + v_copy + out + pre - mask - upcast + out)  # o_proj's input copied from it
+                  base + scores + v_copy + out + pre - mask - upcast_grad + out)  # o_proj's input copied from it
     held = 2 * n * d * a + locals_ + compressed + n * r_kv * a + upcast + n * h * qk * FP32 + mask
     nograd = held + max(n * h * qk * FP32 + scores, 2 * scores, scores + probs_a + v_copy + out32)
     bias = d * a if spec.o_bias else 0
     weights = _mlp_weight_grads(spec, a) + d * a + d * h * v * a + bias
     backward = 2 * scores + n * d * a + weights - after - n * h * v * a
+    if _v_view(b, s) and not sixteen:  # the product's node frees kv_b_proj's output, not a copy as wide as dv
+        backward -= n * h * m.qk_nope_head_dim * a
     return {"forward_extra": forward, "ckpt_forward_peak": nograd, "backward": backward}
 
 
