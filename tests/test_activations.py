@@ -113,7 +113,7 @@ def test_dropout_saves_what_the_terms_do_not_count():
 def test_sliding_window_mask_as_transformers_saves_it(s, b):
     """MistralForCausalLM (sdpa, fp32, window 24): every storage autograd saves in one forward (saved-tensor
     hooks, parameters excluded) equals ``saved_total`` plus the int64 targets. transformers gives SDPA a mask from
-    s = window on (``activation_terms.sdpa_masked``; before: s > window, 33,792 B short at s = 24) and the mask
+    s = window on (``llama_nograd.sdpa_masked``; before: s > window, 33,792 B short at s = 24) and the mask
     is (b, 1, s, s) (before: s², 14,400 B short at s = 30, b = 3)."""
     cfg = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 101, "max_position_embeddings": 128,

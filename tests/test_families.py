@@ -164,20 +164,6 @@ def test_bad_configs_are_one_line(cfg, message):
 
 
 @pytest.mark.parametrize(
-    ("name", "missing"),
-    [
-        ("tiny-qwen3-moe", "dense and sparse layers mixed: 2 of 3 sparse"),  # mlp_only_layers [0]: tests/test_moe_peaks.py
-        ("tiny-deepseek-v3", "routed experts, latent attention"),
-    ],
-)
-def test_the_peak_is_refused_where_it_is_not_modelled(name, missing):
-    spec = read_hf_config(CONFIGS / f"{name}.json")
-    with pytest.raises(ValueError, match=f"its activation peak is not modelled yet \\({missing};") as info:
-        model_activations(spec, 1, 8)
-    assert str(info.value).startswith(f"model_type {spec.model_type!r}: ") and "\n" not in str(info.value)
-
-
-@pytest.mark.parametrize(
     ("name", "nd", "per_rank"),
     [  # docs/models.md: FSDP2 splits the (E, 2f, d) expert tensors on E, ceil(E / N_d) rows per rank
         ("mixtral-8x7b-v0.1", 8, 5_837_849_088),  # = Ψ / 8 exactly
@@ -357,7 +343,7 @@ NOGRAD = {  # one decoder layer; small f so that the attention's and the q/k nor
 @pytest.mark.parametrize("name", sorted(NOGRAD))
 def test_checkpointed_forward_working_set_of_transformers_layers(name, dtype):
     """A decoder layer's forward without grad (what a checkpointed block runs), MemTracker's peak of what it
-    allocates beside its input: the derivation (``_llama_nograd_peak``: Phi-3's qkv and gate_up storages, the
+    allocates beside its input: the derivation (``llama_nograd_peak``: Phi-3's qkv and gate_up storages, the
     q/k norms' fp32 working set) misses at most one (b, s, head_dim) tensor, the residual transformers' own
     Llama layer has too (exactly that, asserted on the llama row). Without the Phi-3 candidates the misses are
     N·kv·a (phi3) and N·f·a (phi3-mlp) more, without the q/k norms' 11,264 B (qwen3, bf16): each fails here."""
@@ -365,7 +351,7 @@ def test_checkpointed_forward_working_set_of_transformers_layers(name, dtype):
     transformers = pytest.importorskip("transformers")
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from zeroplan.formulas.activation_terms import _llama_nograd_peak
+    from zeroplan.formulas.llama_nograd import llama_nograd_peak
 
     transformers.logging.set_verbosity_error()
     cfg = {**NOGRAD[name], "num_hidden_layers": 1, "vocab_size": 301, "max_position_embeddings": 64}
@@ -380,7 +366,7 @@ def test_checkpointed_forward_working_set_of_transformers_layers(name, dtype):
     (snap,) = [v for dev, v in tracker.get_tracker_snapshot("peak").items() if str(dev) != "meta"]
     measured = sum(v for k, v in snap.items() if any(c in str(k) for c in ("ACT", "TEMP", "OTH")))
     spec, a = spec_from_hf_config(cfg), 4 if dtype == "float32" else 2
-    miss = measured - _llama_nograd_peak(spec, b * s, s, a)
+    miss = measured - llama_nograd_peak(spec, b * s, s, a)
     assert 0 <= miss <= b * s * spec.head_dim * a
     if name == "llama":
         assert miss == b * s * spec.head_dim * a

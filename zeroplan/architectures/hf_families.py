@@ -18,14 +18,15 @@ published Gemma 3 configs leave heads and vocabulary to them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import zeroplan.architectures.hf_config as hf
 from zeroplan.architectures.moe import MlaSpec, MoeSpec
 
-def _record(r, cls, *args):
-    """``cls(*args)`` (MoeSpec, MlaSpec), its ValueError naming the file like the reader's own."""
+def _record(r, cls, *args, **kwargs):
+    """``cls(*args, **kwargs)`` (MoeSpec, MlaSpec), its ValueError naming the file like the reader's own."""
     try:
-        return cls(*args)
+        return cls(*args, **kwargs)
     except ValueError as exc:
         raise ValueError(f"{r.source}: {exc}") from None
 
@@ -194,6 +195,9 @@ def _deepseek_v3(r) -> dict:
     sparse = _sparse(r, n_layer, None, None, r.count("first_k_dense_replace", 3, minimum=0))
     expert_ffn = r.count("moe_intermediate_size")
     moe = _moe(r, "n_routed_experts", 8, expert_ffn, sparse, expert_ffn * r.count("n_shared_experts", 1), True)
+    # DeepseekV3TopkRouter: sigmoid scores, groups (n_group 8, topk_group 4); routed_scaling_factor scales the
+    # weights in place of a copy (no memory effect), e_score_correction_bias is an fp32 buffer (E,)
+    moe = _record(r, replace, moe, n_group=r.count("n_group", 8), topk_group=r.count("topk_group", 4))
     bias = r.flag("attention_bias", False)
     # DeepseekV3Config.__post_init__: head_dim = qk_rope_head_dim (the rotary part of each head)
     return _dense_ffn(r, dict(fields, model_type="deepseek_v3", mla=mla, moe=moe, head_dim=mla.qk_rope_head_dim,

@@ -61,6 +61,13 @@ class MoeSpec:
     kept to the end of the forward); the peak does not model it (``formulas.moe_block.sparse_block_limits``)."""
     router_jitter: float = 0.0
     """Mixtral's ``router_jitter_noise``: the router's input multiplied by uniform noise in training (not modelled)."""
+    n_group: int = 1
+    """DeepSeek-V3's group-limited routing (``n_group``): the E experts in groups of E / n_group, each group scored
+    by its two best experts; 1 for the families without groups."""
+    topk_group: int = 1
+    """DeepSeek-V3's ``topk_group``: the groups a token's k experts are chosen from. Neither sets a shape: a config
+    transformers builds but cannot route (groups not dividing E, ...) keeps its shapes; its peak is refused
+    (``formulas.deepseek_activations.routing_limit``)."""
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "expert_ffn"):

@@ -49,7 +49,9 @@ from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec, layout_features
+from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas import gemma_activations as G
+from zeroplan.formulas.llama_nograd import ACT_NOGRAD_PEAK, llama_nograd_peak, sdpa_masked
 from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block, sparse_block_limits, sparse_mlp_saved
 
 TOKEN_BYTES = 8  # int64 token ids and targets, as the embedding and nll_loss take them
@@ -127,19 +129,28 @@ class ModelActivations:
     batch: int  # token ids and targets, int64
     loss: int
     body_masks: int = 0  # transformers' body's masks kept by no node (Gemma 2's: gemma_activations.eager_masks)
+    layer_blocks: tuple[BlockActivations, ...] = ()
+    """each layer's block where the layers differ (dense and sparse MLPs: Qwen-MoE's ``mlp_only_layers`` /
+    ``decoder_sparse_step``, DeepSeek-V3's ``first_k_dense_replace``); empty: every layer is ``block``, which is
+    always the last layer's (the block the engines' forward-end and backward-start moments take)."""
 
     @property
     def blocks_saved(self) -> int:
         """Every block's saved activations (checkpointing none)."""
-        return self.n_layer * self.block.saved
+        return self.saved_through(self.n_layer, "none")
+
+    def saved_through(self, n_blocks: int, checkpointing: str) -> int:
+        """What the first ``n_blocks`` blocks keep to their backward: their saved activations, or their inputs under
+        full checkpointing; each layer its own block's (``layer_blocks``)."""
+        blocks = self.layer_blocks[:n_blocks] if self.layer_blocks else (self.block,) * n_blocks
+        return sum(b.saved if checkpointing == "none" else b.ckpt_saved for b in blocks)
 
     def saved_total(self, checkpointing: str) -> int:
         """What autograd holds when forward ends, before the loss is reduced (derivation above)."""
-        per_block = self.block.saved if checkpointing == "none" else self.block.ckpt_saved
         held = self.mask if checkpointing == "full" else 0
         return (
-            self.embed_saved + held + self.n_layer * per_block + self.final_saved + self.log_softmax
-            + SAVED_LOSS_BYTES
+            self.embed_saved + held + self.saved_through(self.n_layer, checkpointing) + self.final_saved
+            + self.log_softmax + SAVED_LOSS_BYTES
         )  # fmt: skip
 
 
@@ -150,15 +161,11 @@ class ModelActivations:
 #: ``gelu_new`` (transformers' NewGELUActivation, 0.5·x·(1 + tanh(c·(x + 0.044715·x³)))): pow saves x,
 #: tanh its result, the last product both factors 0.5·x and 1 + tanh: four.
 ACT_KEPT: dict[str, int] = {"gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "swish": 1, "relu": 0, "gelu_new": 4}
-#: N·f tensors alive at once while the activation runs without grad (its input included): a fused op
-#: holds its input and output; gelu_new's ``0.5 * x * (1.0 + tanh(...))`` holds x, 0.5·x, 1 + tanh and
-#: the product at its last op (each intermediate is freed as soon as the next op has consumed it).
 #: N·f bytes the activation's backward adds to the saved set at its peak (its output, saved by the next
 #: op, is freed once that op has run backward): a fused op computes d(input) beside d(output) (+1); relu
 #: keeps its output until its own backward runs (+2); gelu_new's last product returns the gradients of
 #: both factors beside d(output) (+2, measured with saved_tensors and MemTracker).
 ACT_BACKWARD_NET: dict[str, int] = {"gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "swish": 1, "relu": 2, "gelu_new": 2}
-ACT_NOGRAD_PEAK: dict[str, int] = {"gelu": 2, "gelu_pytorch_tanh": 2, "silu": 2, "swish": 2, "relu": 2, "gelu_new": 4}
 
 
 def _gpt_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, st: int) -> BlockActivations:
@@ -189,13 +196,6 @@ def _gpt_block(spec: TransformerSpec, n: int, b: int, s: int, a: int, st: int) -
         backward_act_grads=ACT_BACKWARD_NET[spec.hidden_act] * n * f * a,
         recomputed=saved - n * d * a,  # LN1 saves the block input itself: the held input is one of them
     )
-
-
-def sdpa_masked(spec: TransformerSpec, s: int) -> bool:
-    """Whether transformers gives SDPA a mask: a sliding window no longer than the sequence (masking_utils.py
-    ``_ignore_causal_mask_sdpa`` skips it only while kv_length < the window; measured: Mistral, window 24, at
-    s = 24 the mask and the repeated k, v are saved)."""
-    return spec.sliding_window is not None and s >= spec.sliding_window
 
 
 def _llama_attention_saved(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> int:
@@ -240,46 +240,6 @@ def _fused_attention_extra(spec: TransformerSpec, n: int, s: int, a: int) -> int
     return n * a * (spec.q_dim + (0 if repeated else spec.q_dim + spec.kv_dim))
 
 
-def _llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
-    """Bytes a LlamaDecoderLayer holds beside its input at its peak without grad (checkpointed forward).
-
-    Op by op in validate/transformer.py (transformers' order): RMSNorm holds its fp32 copy, the squares or
-    the product and the fp32 rsqrt (8·N·d + 4·N); the attention holds the norm output (its argument),
-    q, k, v and RoPE's three temporaries of the projection being rotated (t·cos, rotate_half, ·sin),
-    then SDPA's output (and the repeated k, v and the 16-bit mask where used) beside the rotated q, k and
-    v, then o_proj's output; the residual sum holds x1, the attention output and the sum; the MLP holds
-    x1 and the norm output with the activation's peak or its output, up's and their product, then the
-    product and down's output.
-    """
-    d, f, q, kv = spec.d_model, spec.ffn, spec.q_dim, spec.kv_dim
-    masked = sdpa_masked(spec, s)
-    repeated = spec.n_kv_head < spec.n_head and (masked or spec.head_dim > 256)
-    lse = n * spec.n_head * 4
-    norm = (8 if a < 4 else 4) * n * d + 4 * n  # fp32 copy (fp32: the input itself) and squares (or product), rsqrt
-    rope_q = n * a * (d + 4 * q + 2 * kv)  # norm out, q, k, v, q·cos, rotate_half(q), ·sin
-    rope_k = n * a * (d + 2 * q + 5 * kv)  # norm out, q, k, v, rotated q, k·cos, rotate_half(k), ·sin
-    sdpa = n * a * (d + 2 * q + 2 * kv + (2 * q if repeated else 0)) + lse + (n * s * a if masked else 0)  # b·s²·a = N·s·a
-    o_proj = n * a * (2 * d + 2 * q + 2 * kv)  # norm out, rotated q, k, v, SDPA out, o_proj out
-    act = ACT_NOGRAD_PEAK[spec.hidden_act] * f
-    if spec.fused_projections:  # Phi3MLP: the gate_up output (2f) lives to the end (``gate`` is a view of it):
-        # the activation beside it, then it, act out and the product, then it, the product and down's output
-        mlp = n * a * (2 * d + max(2 * f + act - f, 4 * f, 3 * f + d))
-    else:
-        mlp = n * a * (2 * d + max(act, 3 * f, f + d))
-    qk = 0
-    if spec.qk_norm:  # Qwen3's q_norm then k_norm: the norm's working set beside its input (the projection's
-        # output), with the norm output held as the attention's argument, and the normed q during k's norm
-        fp32 = 8 if a < 4 else 4  # the fp32 copy and the squares or the product (fp32: the input itself)
-        # (+ the fp32 mean and its rsqrt per head, both alive at the product)
-        qk = max(n * a * (d + q) + fp32 * n * q + 8 * n * spec.n_head,
-                 n * a * (d + q + kv) + fp32 * n * kv + 8 * n * spec.n_kv_head)
-    fused = 0
-    if spec.fused_projections:  # Phi3Attention's ``qkv`` local (q + 2kv) lives to its end; at sdpa_attention_forward's
-        # ``transpose(1, 2).contiguous()`` copy: norm out, qkv, rotated q and k, SDPA out and its copy
-        fused = n * a * (d + 4 * q + 3 * kv + (2 * q if repeated else 0)) + (n * s * a if masked else 0)
-    return max(norm, rope_q, rope_k, sdpa, o_proj, n * a * 3 * d, n * a * d + norm, mlp, qk, fused)
-
-
 def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> BlockActivations:
     """LlamaDecoderLayer as validate/transformer.py (and transformers) computes it: RMSNorm, RoPE, SDPA
     (GQA), SwiGLU; Mistral and Qwen2 alike (biases change no activation)."""
@@ -290,12 +250,14 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     rms = n * d * 4 + n * 4 + 2 * n * d * a
     own_input = a == 4  # the two norms save the block input and x1 themselves
     attn = _llama_attention_saved(spec, n, b, s, a) + _qk_norm_saved(spec, n, a) + _fused_attention_extra(spec, n, s, a)
+    if spec.mla is not None:  # DeepSeek-V3's latent attention (deepseek_activations.py)
+        attn = DS.mla_saved(spec, n, b, s, a)
     # gate out's kept tensors (SiLU: its input), act out and up out (the product's factors), the product;
     # Phi-3's gate_up_proj output (N·2f) is one storage, kept by the product (its up half) whatever the
     # activation keeps: 4·N·f for an activation that keeps nothing more (relu), as many as Llama's otherwise
     kept = ACT_KEPT[spec.hidden_act]
     mlp = (kept + 3 + (spec.fused_projections and kept == 0)) * n * f * a
-    if spec.moe is not None:  # router, routed and shared experts (moe_block.py; all layers sparse)
+    if spec.moe is not None:  # router, routed and shared experts (moe_block.py; a dense layer: spec.moe None)
         mlp = sparse_mlp_saved(spec.moe, spec.model_type, n, d, a)
     saved = 2 * rms + attn + mlp
     block = BlockActivations(
@@ -305,7 +267,7 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
         # the sum; fp32: they are in ``saved`` (measured: tiny-llama fp32 at N_d = 2, forward exact)
         forward_extra=(2 if own_input else 4) * n * d * a,
         forward_before_output=(0 if own_input else 2) * n * d * a,  # the block input and x1, 16-bit
-        ckpt_forward_peak=n * d * a + _llama_nograd_peak(spec, n, s, a),
+        ckpt_forward_peak=n * d * a + llama_nograd_peak(spec, n, s, a),
         ckpt_saved=n * d * a,
         # 16-bit: nothing in the block saves its input, the held input comes on top; fp32: the input
         # norm saves the held input itself (one storage)
@@ -320,7 +282,8 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
         first_weight_grads=d * f * a,
         backward_act_grads=2 * n * f * a,  # product backward: dSiLU-out, dup-out beside d(product)
     )
-    return block if spec.moe is None else sparse_block(block, spec, n, a, own_input)
+    block = block if spec.moe is None else sparse_block(block, spec, n, a, own_input)
+    return block if spec.mla is None else DS.mla_block(block, spec, n, b, s, a)  # the latent attention's moments
 
 
 #: the families whose activations are derived above op by op and measured (tests/test_peak.py; Qwen3 and
@@ -364,16 +327,21 @@ def model_activations(
         raise ValueError(why)
     b, s, a = micro_batch, seq_len, act_bytes
     n, d, v = b * s, spec.d_model, spec.vocab_size
+    layers: tuple[BlockActivations, ...] = ()  # one block for every layer, but where they differ
     if spec.style == "gpt":
         block = _gpt_block(spec, n, b, s, a, stat_bytes)
         embed_saved = s * TOKEN_BYTES  # the position ids (arange), saved by the position embedding
         final_saved = n * d * a + 2 * n * stat_bytes + n * d * a  # ln_f input, mean, rstd; ln_f out
     elif spec.model_type in G.GEMMA_FAMILIES:  # Gemma's norms, attention, scaled embedding, soft-capped logits
-        llama = _llama_attention_saved(spec, n, b, s, a), _llama_nograd_peak(replace(spec, qk_norm=False), n, s, a)
+        llama = _llama_attention_saved(spec, n, b, s, a), llama_nograd_peak(replace(spec, qk_norm=False), n, s, a)
         block = BlockActivations(**G.gemma_block(spec, n, b, s, a, llama[0], ACT_KEPT, llama[1], ACT_NOGRAD_PEAK))
         embed_saved, final_saved = G.embed_saved(spec, s, a), G.final_saved(spec, n, a)
     else:
         block = _llama_block(spec, n, b, s, a)
+        if spec.moe is not None and len(spec.moe.sparse_layers) != spec.n_layer:  # dense and sparse layers
+            dense = _llama_block(replace(spec, moe=None), n, b, s, a)
+            layers = tuple(block if i in spec.moe.sparse_layers else dense for i in range(spec.n_layer))
+            block = layers[-1]
         # RoPE's cos and sin, (1, s, head_dim) in the activation dtype, saved once for every block's
         # q·cos and rotate_half(q)·sin (positions are (1, s) as transformers' cache_position makes them)
         embed_saved = 2 * s * spec.head_dim * a
@@ -391,4 +359,5 @@ def model_activations(
         batch=2 * n * TOKEN_BYTES,
         loss=LOSS_BYTES,
         body_masks=G.eager_masks(spec, b, s, a),
+        layer_blocks=layers,
     )

@@ -107,7 +107,7 @@ def _nograd_peak(spec: TransformerSpec, n: int, s: int, a: int, llama_nograd: in
     not accounted for): a Gemma norm holds two fp32 N·d tensors (the normalised tensor and its (1 + weight)
     product) beside its input and the residual; Gemma 2's eager attention as commented below; Gemma 3's q/k norms
     hold two fp32 copies of the projection beside it; the MLP is Llama's. ``llama_nograd``: Llama's layer of the same
-    widths without q/k norms (``activation_terms._llama_nograd_peak``); ``act_nograd``: ``ACT_NOGRAD_PEAK``."""
+    widths without q/k norms (``llama_nograd.llama_nograd_peak``); ``act_nograd``: ``ACT_NOGRAD_PEAK``."""
 
     d, f, q, kv, h = spec.d_model, spec.ffn, spec.q_dim, spec.kv_dim, spec.n_head
     norm = 8 * n * d + 4 * n

@@ -31,11 +31,12 @@ from __future__ import annotations
 import math
 
 from zeroplan.architectures.moe import MoeSpec, moe_shapes
+from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas.moe_activations import INDEX_BYTES, ROUTING_WEIGHT_BYTES, expert_activations
 
 FP32 = 4  # the router's softmax output and the renormalised top-k weights (``dtype=torch.float``)
 #: the families whose sparse block's terms are derived here and measured (tests/test_moe_peaks.py)
-SPARSE_BLOCK_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
+SPARSE_BLOCK_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def renormalised(moe: MoeSpec, model_type: str) -> bool:
@@ -60,21 +61,22 @@ def shared_expert_saved(moe: MoeSpec, model_type: str, n_tokens: int, d_model: i
 
 
 def sparse_mlp_saved(moe: MoeSpec, model_type: str, n_tokens: int, d_model: int, act_bytes: int) -> int:
-    """Everything one sparse MLP saves beside its input: router, routed experts, shared expert."""
+    """Everything one sparse MLP saves beside its input: router, routed experts, shared expert (DeepSeek-V3's
+    router and shared experts: ``deepseek_activations``)."""
     experts = expert_activations(moe, model_type, d_model, n_tokens, act_bytes).saved_bytes
+    if model_type == "deepseek_v3":
+        return (DS.router_saved(moe, n_tokens, d_model, act_bytes) + experts
+                + DS.shared_experts_saved(moe, n_tokens, act_bytes))  # fmt: skip
     return (router_saved(moe, model_type, n_tokens) + experts
             + shared_expert_saved(moe, model_type, n_tokens, d_model, act_bytes))  # fmt: skip
 
 
 def sparse_block_limits(spec) -> tuple[str, ...]:
     """What in a sparse-block family's ``spec`` (a ``TransformerSpec``) the terms do not derive (empty: the peak
-    is modelled). The engines' walks take one block record for every layer, so a model whose layers are not
-    all sparse (Qwen-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``, DeepSeek-V3's dense first layers)
-    is refused rather than given the sparse block's number for its dense layers; the experts' SiLU is the one
-    measured."""
-    out = []
-    if spec.moe is not None and len(spec.moe.sparse_layers) != spec.n_layer:
-        out.append(f"dense and sparse layers mixed: {len(spec.moe.sparse_layers)} of {spec.n_layer} sparse")
+    is modelled); the experts' SiLU is the one measured. Layers of both kinds (Qwen-MoE's ``decoder_sparse_step`` /
+    ``mlp_only_layers``, DeepSeek-V3's dense first layers) each get their own block
+    (``activation_terms.ModelActivations.layer_blocks``)."""
+    out = list(DS.deepseek_limits(spec))
     if spec.hidden_act not in ("silu", "swish"):
         out.append(f"experts with hidden_act {spec.hidden_act!r}")
     if spec.moe is not None and spec.moe.router_logits_loss:
@@ -161,6 +163,8 @@ def sparse_block(block, spec, n_tokens: int, act_bytes: int, own_input: bool):
     at the post-attention norm's backward, net of what is released by then, where that is larger."""
     from dataclasses import replace
 
+    if spec.model_type == "deepseek_v3":  # sigmoid router, shared experts after the routed ones
+        return deepseek_sparse_block(block, spec, n_tokens, act_bytes, own_input)
     moe, d, a = spec.moe, spec.d_model, act_bytes
     ws = sparse_backward_ws(moe, spec.model_type, n_tokens, d, a)
     # later, at the post-attention RMSNorm's backward (pow's: ``norm_backward_ws``): the MLP's saved tensors and
@@ -203,3 +207,37 @@ def sparse_nograd_peak(moe: MoeSpec, model_type: str, n_tokens: int, d_model: in
         2 * s * f * a, 4 * s * f * a, s * (f + d) * a,
         s * d * (a + 2 * wo) + s * INDEX_BYTES,
         s * d * (a + wo) + s * INDEX_BYTES + n * d * wo + cast))  # fmt: skip
+
+
+def deepseek_sparse_block(block, spec, n: int, a: int, own_input: bool):
+    """``DeepseekV3MoE``'s moments on ``block`` (its ``saved`` already the sparse layer's), from the Mixtral-like
+    routed experts' (``moe_block``: the same ``grouped_mm_experts_forward``, fp32 routing weights) with what
+    DeepSeek's block changes, each exact against a live-storage trace (tests/test_deepseek.py):
+
+    - the router's logits are fp32 (N·E·4, not N·E·a), bound to ``_`` and alive to the block's end;
+    - the shared experts run after the routed ones: at the experts' reordering their saved tensors (4·N·f_s·a) are
+      not made yet; at the block's end the routed output, the shared output and their sum (3·N·d·a) are alive with
+      the logits and the scaled weights (N·k·4), and in 16-bit the block input and x1;
+    - backward: the shared experts first (as a dense MLP: d(product) and the down weight gradient, then the
+      activation's gradients), then the routed experts' moments with the shared weight gradients (3·d·f_s·a) and
+      their input gradient (N·d·a) alive and their saved tensors freed;
+    - no grad: the routed experts' moments (logits fp32), then the shared SwiGLU beside the routed output, the
+      logits, weights and indices."""
+    from dataclasses import replace
+
+    moe, d, mt = spec.moe, spec.d_model, spec.model_type
+    e, k, fs = moe.n_experts, moe.top_k, moe.shared_ffn
+    shared = DS.shared_experts_saved(moe, n, a)
+    logits = n * e * (FP32 - a)  # moe_block counts the router logits in the activation dtype
+    forward = max(sparse_forward_extra(moe, mt, n, d, a, own_input) + logits - shared,
+                  (0 if own_input else 2 * n * d * a) + 3 * n * d * a + n * e * FP32 + n * k * FP32)  # fmt: skip
+    # the shared experts' weight gradients and, in fp32, their input gradient; in 16-bit the trace shows no N·d·a
+    # beside the experts' moments (measured on three widths, tests/test_deepseek.py; the mechanism not traced)
+    after_shared = 3 * d * fs * a + (n * d * a if own_input else 0) - shared
+    backward = max(n * fs * a + d * fs * a, 2 * n * fs * a + d * fs * a,
+                   sparse_backward_ws(moe, mt, n, d, a) + after_shared)  # fmt: skip
+    routed_out = 4 * n * d * a + n * e * FP32 + n * k * (FP32 + INDEX_BYTES)
+    nograd = max(sparse_nograd_peak(moe, mt, n, d, a) + logits, routed_out + n * a * max(3 * fs, fs + d, 2 * d))
+    return replace(block, ckpt_forward_peak=max(block.ckpt_forward_peak, nograd),
+                   forward_extra=max(block.forward_extra, forward), backward_first_op=backward,
+                   first_weight_grads=e * d * moe.expert_ffn * a, backward_act_grads=0)  # fmt: skip

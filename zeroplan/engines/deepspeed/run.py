@@ -233,8 +233,7 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:
-    per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
-    return _act(f"saved activations of {n} blocks", n * per, max(n, 1))
+    return _act(f"saved activations of {n} blocks", run.acts.saved_through(n, run.checkpointing), max(n, 1))
 
 
 ZINIT = "runtime/zero/partition_parameters.py"

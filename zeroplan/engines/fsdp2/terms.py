@@ -232,9 +232,8 @@ def batch(run: Fsdp2Run) -> Term:
 
 @memo_term
 def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
-    per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
     what = "saved activations" if run.checkpointing == "none" else "checkpointed block inputs"
-    return _act(f"{what} of {n} blocks", n * per, n)
+    return _act(f"{what} of {n} blocks", run.acts.saved_through(n, run.checkpointing), n)
 
 
 def prefetched(run: Fsdp2Run, u: int) -> tuple[Term, ...]:

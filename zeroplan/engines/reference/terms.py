@@ -156,9 +156,8 @@ def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
 
 def _blocks_saved(run: ReferenceRun, n: int) -> Term:
     """Saved activations of ``n`` blocks (their inputs only under full checkpointing)."""
-    per = run.acts.block.saved if run.checkpointing == "none" else run.acts.block.ckpt_saved
     what = "saved activations" if run.checkpointing == "none" else "checkpointed block inputs"
-    return _act(f"{what} of {n} blocks", n * per, n)
+    return _act(f"{what} of {n} blocks", run.acts.saved_through(n, run.checkpointing), n)
 
 
 def reference_run(
