@@ -1,6 +1,7 @@
 """What autograd saves in one training forward of transformers' own class (saved-tensor hooks, the module's
 parameters excluded), and what the activation terms predict for it: the one measurement the families' saved-tensor
-tests share (tests/test_activations.py, test_families.py, test_moe_peaks.py)."""
+tests share (tests/test_activations.py, test_families.py, test_moe_peaks.py, test_deepseek.py), and the check of
+their recorded real-FSDP2 rows."""
 
 from __future__ import annotations
 
@@ -40,3 +41,26 @@ def predicted_saved_bytes(cfg: dict, b: int, s: int, dtype: str = "float32") -> 
     a = DTYPE_BYTES[dtype]
     acts = model_activations(spec_from_hf_config(cfg), b, s, act_bytes=a, stat_bytes=a)
     return acts.saved_total("none") + b * s * TOKEN_BYTES
+
+
+def check_fsdp2_recorded(name: str, cfg: dict, dtype: str, measured: list, residual: dict, margin: float,
+                         tmp_path) -> None:
+    """Every phase of every rank of a recorded real-FSDP2 run of transformers' class of ``cfg`` (gloo, N_d 2,
+    ``hf=True``, seq 64, 2 steps; ``measured``: one row of phase peaks per rank) within ``margin`` of its
+    prediction, after the recorded ``residual`` of (name, phase): the check the MoE and DeepSeek rows share."""
+    pytest.importorskip("torch")
+    import json
+
+    from validate.engines.fsdp2 import Fsdp2Settings
+    from validate.engines.fsdp2_rows import predict
+    from zeroplan.formulas.peak import PHASES
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=64, steps=2, param_dtype=dtype)
+    meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
+    for rank, row in enumerate(measured):
+        predicted = predict(settings, meta, rank)[0].peak.by_phase()
+        for phase, value in zip(PHASES, row):
+            err = (value - predicted[phase]) / value
+            assert abs(err - residual.get((name, phase), 0.0)) <= margin, (name, rank, phase, value, predicted[phase])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_saved import predicted_saved_bytes
+from tests.hf_saved import check_fsdp2_recorded, predicted_saved_bytes
 from zeroplan.architectures.hf_config import read_hf_config, spec_from_hf_config
 from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.formulas.activation_terms import activation_limit, model_activations
@@ -202,21 +202,8 @@ def test_fsdp2_peaks_of_deepseek_every_phase_every_rank(name, tmp_path):
     """Every phase of every rank within MARGIN of the recorded run (0.0013 % at most in fp32). With one block for
     every layer (the sparse one, ``layer_blocks`` left out) the saved activations of the dense layer are counted
     as a sparse layer's; with Llama's attention terms the s² math-SDPA tensors are missing: each fails here."""
-    pytest.importorskip("torch")
-    from validate.engines.fsdp2 import Fsdp2Settings
-    from validate.engines.fsdp2_rows import predict
-    from zeroplan.formulas.peak import PHASES
-
     cfg, dtype, measured = FSDP2_RECORDED[name]
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=64, steps=2, param_dtype=dtype)
-    meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
-    for rank, row in enumerate(measured):
-        predicted = predict(settings, meta, rank)[0].peak.by_phase()
-        for phase, value in zip(PHASES, row):
-            err = (value - predicted[phase]) / value
-            assert abs(err - FSDP2_RESIDUAL.get((name, phase), 0.0)) <= MARGIN, (name, rank, phase, value, predicted[phase])
+    check_fsdp2_recorded(name, cfg, dtype, measured, FSDP2_RESIDUAL, MARGIN, tmp_path)
 
 
 #: DeepSpeed 0.19.8 on transformers' DeepseekV3ForCausalLM (validate.engines.deepspeed_compare.run_world(configs, 2,

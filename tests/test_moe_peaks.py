@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from zeroplan.architectures.hf_config import spec_from_hf_config
-from tests.hf_saved import hf_saved_bytes, predicted_saved_bytes
+from tests.hf_saved import check_fsdp2_recorded, hf_saved_bytes, predicted_saved_bytes
 from zeroplan.formulas.activation_terms import model_activations
 
 # grouped_mm needs rows of 16-byte multiples (bf16: every width divisible by 8); every layer sparse
@@ -71,23 +71,8 @@ MARGIN = 0.0005  # as tests/test_fsdp2_hf_recorded.py
 
 @pytest.mark.parametrize("name", sorted(RECORDED))
 def test_fsdp2_peaks_of_transformers_classes_every_phase_every_rank(name, tmp_path):
-    pytest.importorskip("torch")
-    import json
-
-    from validate.engines.fsdp2 import Fsdp2Settings
-    from validate.engines.fsdp2_rows import predict
-    from zeroplan.formulas.peak import PHASES
-
     cfg, dtype, measured = RECORDED[name]
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=64, steps=2, param_dtype=dtype)
-    meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
-    for rank, row in enumerate(measured):
-        predicted = predict(settings, meta, rank)[0].peak.by_phase()
-        for phase, value in zip(PHASES, row):
-            err = (value - predicted[phase]) / value
-            assert abs(err - RESIDUAL.get((name, phase), 0.0)) <= MARGIN, (name, rank, phase, value, predicted[phase])
+    check_fsdp2_recorded(name, cfg, dtype, measured, RESIDUAL, MARGIN, tmp_path)
 
 
 #: DeepSpeed 0.19.8 on transformers' class (validate.engines.deepspeed_compare.run_world(configs, 2, model=CONFIG_JSON,
