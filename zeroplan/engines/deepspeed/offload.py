@@ -18,12 +18,15 @@ step (``_reassign_or_swap_out_partitioned_parameters``; a CPU-to-GPU ``copy_`` c
 the GPU (partition_parameters.py ``all_gather_coalesced``: ``ds_tensor.to(device)``), then gathers them.
 
 Not counted: the fp32 copy of a gradient slice made on the GPU before its copy to the host (at most the
-largest parameter's slice in fp32, freed at once); NVMe (refused: offload_settings.py). On a CPU-only run
+largest parameter's slice in fp32, freed at once). NVMe optimizer offload at ZeRO-3: ``nvme.py`` (from source,
+unmeasured; its NVMe traffic ``nvme.nvme_traffic``). On a CPU-only run
 ("device" and "host" are one memory) a measurement sees the sum of the GPU and host predictions.
 """
 
 from __future__ import annotations
 
+from zeroplan.engines.deepspeed import nvme
+from zeroplan.engines.deepspeed.offload_settings import OPTIMIZER_BUFFER_COUNT
 from zeroplan.engines.deepspeed.offload_terms import S12, offloads
 from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
@@ -67,7 +70,9 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
     out: list[Term] = []
     if s.stage == 3:
         part = flat_shard_numel(numels, nd)
-        if o.on:
+        if o.device == "nvme":
+            out += nvme_host_terms(run, part)
+        elif o.on:
             out += [Term("fp32 master partition", part * 4, f"{S3} _create_fp32_partitions (.to(cpu), clone)"),
                     Term(_pin(o, "gradient partition"), part * g,
                          f"{S3} _setup_for_real_optimizer (grad_partitions_flat_buffer on the CPU)"),
@@ -94,6 +99,24 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
         out.append(Term(_pin(o, "accumulated gradients of the partition's parameters"), held * p,
                         f"{S12} async_accumulate_grad_in_cpu_via_gpu (accumulated_grads_in_cpu)"))
     return tuple(out)
+
+
+def nvme_host_terms(run: DSRun, part: int) -> list[Term]:
+    """ZeRO-3 ``offload_optimizer.device: nvme`` (nvme.py): the pinned swap pool, the gradient partition; a
+    sub-group too small to swap keeps the cpu terms beside the pool (``nvme.swappable``)."""
+    s = run.settings
+    o, g = s.offload_optimizer, DTYPE_BYTES[s.grad_dtype]
+    count = OPTIMIZER_BUFFER_COUNT if o.buffer_count is None else o.buffer_count
+    out = [Term(f"{nvme.POOL} (from source, unmeasured) (pinned)", nvme.pool_bytes(part, count),
+                nvme.pool_source(), count),
+           Term(_pin(o, "gradient partition"), part * g,
+                f"{S3} _setup_for_real_optimizer (grad_partitions_flat_buffer on the CPU)")]  # fmt: skip
+    if not nvme.swappable(part):
+        out += [Term("fp32 master partition", part * 4, f"{S3} _create_fp32_partitions (.to(cpu), clone)"),
+                Term(_pin(o, "fp32 gradient of the master partition"), part * 4,
+                     f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
+                _adam_host(run, part)]  # fmt: skip
+    return out
 
 
 FETCHED = "offloaded partitions copied to the GPU"
@@ -181,7 +204,8 @@ def host_at_states_init(run: DSRun) -> tuple[Term, ...]:
     if s.stage != 3 or not s.offload_optimizer.on:
         return ()
     part = flat_shard_numel(run.numels, run.nd)
-    keep = ("fp32 master partition", "fp32 gradient of the master partition", "16-bit parameter partition")
+    keep = ("fp32 master partition", "fp32 gradient of the master partition", "16-bit parameter partition",
+            nvme.POOL)
     return (*(t for t in host_terms(run) if t.name.startswith(keep)),
             Term(UNUSED_GRADIENT_BUFFER, part * 4, f"{S3} initialize_optimizer_states (gradient_buffer)"))
 
@@ -259,13 +283,13 @@ def host_memory(run: DSRun) -> HostMemory:
     elif o:
         part = aligned_flat_numel(numels, nd) // nd
         d2h, h2d = part * 4, part * p
-    offload = Offload("cpu" if o else "none", "cpu" if prm else "none")
+    offload = Offload(s.offload_optimizer.device if o else "none", "cpu" if prm else "none")
     return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH))
 
 
 def offload_label(s: Settings) -> str:
     """``offload optimizer->cpu``, ``offload optimizer->cpu, params->cpu`` ("offload none" without offload)."""
-    return "offload " + Offload("cpu" if s.offload_optimizer.on else "none", "cpu" if s.offload_param.on else "none").label
+    return "offload " + Offload(s.offload_optimizer.device, "cpu" if s.offload_param.on else "none").label
 
 
 def label_suffix(s: Settings) -> str:

@@ -9,6 +9,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from zeroplan.engines.deepspeed.nvme import check_nvme
+
 OPTIMIZER_BUFFER_COUNT = 4
 """offload_config.py ``DeepSpeedZeroOffloadOptimizerConfig.buffer_count``'s default."""
 PARAM_BUFFER_COUNT = 5
@@ -28,6 +30,8 @@ class OffloadTarget(BaseModel):
     """the NVMe mount point; required with ``device: nvme``."""
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """optimizer: the fraction of the optimizer states on the host (ZeRO-3 partial offload)."""
+    buffer_count: Optional[int] = Field(None, ge=0)
+    """``device: nvme``: the swap pool's buffers (None: DeepSpeed's default, ``OPTIMIZER_BUFFER_COUNT``; nvme.py)."""
 
     @property
     def on(self) -> bool:
@@ -48,7 +52,7 @@ def read_target(section: object, key: str) -> OffloadTarget:
         raise ValueError(f"deepspeed config: zero_optimization.{key}.super_offload=true: not modelled by the profile "
                          "(superchip offload, stage3.py SuperOffloadOptimizer)")  # fmt: skip
     return OffloadTarget(device=device, pin_memory=section.pin_memory, nvme_path=section.nvme_path,
-                         ratio=getattr(section, "ratio", 1.0))  # fmt: skip
+                         ratio=getattr(section, "ratio", 1.0), buffer_count=getattr(section, "buffer_count", None))  # fmt: skip
 
 
 def check_offload(stage: int, optimizer: OffloadTarget, param: OffloadTarget) -> None:
@@ -60,17 +64,15 @@ def check_offload(stage: int, optimizer: OffloadTarget, param: OffloadTarget) ->
     only for 16-bit master weights (``_enforce_cpu_offload``, called by base_optimizer.py
     ``_configure_master_weights`` for ``fp16_master_weights_and_gradients`` / ``bf16_master_weights_and_grads``,
     keys the profile does not read).
-    Not predicted (refused with the reason): NVMe (the swappers' pinned buffers, runtime/swap_tensor/, are not
-    modelled; ZeRO-1/2 have no NVMe path: stage_1_and_2.py treats any device as the CPU), a ``ratio`` below 1
-    (ZeRO-3's partial offload keeps some sub-groups on the GPU)."""
+    NVMe: ``offload_optimizer`` at ZeRO-3 is predicted (nvme.py); refused with the reason (``nvme.check_nvme``):
+    ``offload_param`` nvme, nvme at ZeRO-1/2 (stage_1_and_2.py has no swapper), a pool below Adam's 4 buffers.
+    Not predicted either: a ``ratio`` below 1 (ZeRO-3's partial offload keeps some sub-groups on the GPU)."""
     for key, t in (("offload_optimizer", optimizer), ("offload_param", param)):
         where = f"deepspeed config: zero_optimization.{key}"
         if t.device == "nvme" and not t.nvme_path:
             raise ValueError(f"{where}.device='nvme' needs {key}.nvme_path (runtime/zero/offload_config.py)")
         if t.device == "nvme":
-            raise ValueError(f"{where}.device='nvme': the profile models cpu offload only (NVMe swap buffers, "
-                             "runtime/swap_tensor/, are not modelled); `zeroplan plan --engine reference --offload "
-                             "nvme` judges model states")  # fmt: skip
+            check_nvme(stage, key, t.buffer_count)
     if param.on and stage != 3:
         raise ValueError(f"deepspeed config: zero_optimization.offload_param needs ZeRO stage 3, not {stage} "
                          "(runtime/zero/offload_config.py: valid only with stage 3)")  # fmt: skip
@@ -86,4 +88,6 @@ def target_block(t: OffloadTarget) -> dict:
         block["nvme_path"] = t.nvme_path
     if t.ratio != 1.0:
         block["ratio"] = t.ratio
+    if t.buffer_count is not None:
+        block["buffer_count"] = t.buffer_count
     return block

@@ -1,0 +1,91 @@
+"""DeepSpeed's NVMe optimizer offload (ZeRO-Infinity, ``offload_optimizer.device: nvme``) at ZeRO-3, DeepSpeed
+0.19.8, read from its source; unmeasured: ``async_io`` cannot be built here (no libaio headers,
+``AsyncIOBuilder().is_compatible()`` is false), so every number below is the source's formula.
+
+stage3.py ``_configure_tensor_swapping`` builds a ``PartitionedOptimizerSwapper`` (``PipelinedOptimizerSwapper``
+with ``pipeline_read``/``pipeline_write``; with one sub-group there is no next sub-group to overlap, the same
+buffers) whose ``OptimizerSwapper.__init__`` (swap_tensor/optimizer_utils.py) allocates the pool:
+``SwapBufferManager(num_elems=_io_aligned_numel(largest sub-group), count=buffer_count, fp32)``
+(swap_tensor/utils.py: ``new_cpu_locked_tensor``, pinned whatever ``pin_memory`` says), alive for the run.
+A sub-group is swapped only if its fp32 bytes reach ``max(MIN_AIO_BYTES, aio.block_size)`` (1 MiB:
+``is_swappable_tensor``); a smaller one stays as with ``device: cpu`` and the pool is allocated all the same.
+A swapped sub-group's fp32 master is an empty tensor (``_create_fp32_partitions``: ``torch.empty(0)``), its
+master, fp32 gradient and Adam's m, v live on the NVMe and, during the step, in four pool buffers
+(``swap_in_optimizer_state``: ``num_tensors() + 1`` buffers); no ``subgroup_gradient_buffer``
+(``initialize_optimizer_states``: only for sub-groups not swapped). The profile assumes one sub-group
+(DeepSpeed's ``sub_group_size`` 1e9 elements), as for cpu offload (``offload.py host_at_states_init``).
+"""
+
+from __future__ import annotations
+
+S3 = "runtime/zero/stage3.py"
+UTILS = "runtime/swap_tensor/utils.py"
+OPT_UTILS = "runtime/swap_tensor/optimizer_utils.py"
+SWAPPER = "runtime/swap_tensor/partitioned_optimizer_swapper.py"
+
+AIO_BLOCK_SIZE = 1_048_576
+"""swap_tensor/constants.py ``AIO_BLOCK_SIZE_DEFAULT``; the profile does not read the ``aio`` section."""
+AIO_INTRA_OP_PARALLELISM = 1
+"""swap_tensor/constants.py ``AIO_INTRA_OP_PARALLELISM_DEFAULT``."""
+MIN_AIO_BYTES = 1024**2
+"""swap_tensor/utils.py ``MIN_AIO_BYTES``."""
+AIO_ALIGNED_BYTES = 1024
+"""swap_tensor/utils.py ``AIO_ALIGNED_BYTES``."""
+SWAP_BUFFERS_NEEDED = 4
+"""Adam's swap-in: the fp32 master, m, v and the gradient (``swap_in_optimizer_state``:
+``swap_info.num_tensors() + 1``); fewer pool buffers and ``allocate`` returns None (an assert in DeepSpeed)."""
+POOL = "optimizer NVMe swap buffers"
+FP32 = 4
+
+
+def io_aligned_numel(numel: int, element_size: int = FP32) -> int:
+    """optimizer_utils.py ``_io_aligned_numel``: ``numel`` rounded up to ``numel_alignment`` =
+    ``AIO_ALIGNED_BYTES · intra_op_parallelism // element_size`` (256 fp32 elements by default)."""
+    align = AIO_ALIGNED_BYTES * AIO_INTRA_OP_PARALLELISM // element_size
+    return -(-numel // align) * align
+
+
+def swappable(part: int) -> bool:
+    """stage3.py ``_swappable_optimizer_subgroup`` -> optimizer_utils.py ``is_swappable_tensor``: the sub-group's
+    fp32 bytes reach ``max(MIN_AIO_BYTES, block_size)``."""
+    return part * FP32 >= max(MIN_AIO_BYTES, AIO_BLOCK_SIZE)
+
+
+def pool_bytes(part: int, buffer_count: int) -> int:
+    """The pinned pool: ``buffer_count`` x ``_io_aligned_numel(largest sub-group)`` fp32 elements."""
+    return buffer_count * io_aligned_numel(part) * FP32
+
+
+def pool_source() -> str:
+    return (f"{S3} _configure_tensor_swapping -> {OPT_UTILS} OptimizerSwapper.__init__ "
+            f"(SwapBufferManager: buffer_count x _io_aligned_numel(largest_numel) x fp32, {UTILS} new_cpu_locked_tensor)")
+
+
+def nvme_traffic(part: int) -> tuple[int, int]:
+    """(read, write) NVMe bytes of one optimizer step for a swapped sub-group of ``part`` elements.
+
+    At the boundary the fp32 gradient is written (stage3.py ``_swap_out_offload_fp32_gradients`` ->
+    ``swap_out_gradients``: 4·part; alignment padding of the slices not counted). The step reads the master, m
+    and v at the aligned length (``_swap_in_parameter``: ``swap_lengths = _io_aligned_numel``) and the gradient
+    (``_swap_in_gradients``: 4·part), then writes the master, m and v back (``swap_out_optimizer_state``: the
+    aligned length of each compute tensor). Read 3·4·A + 4·part, write the same (A the aligned numel);
+    zero when the sub-group is not swapped."""
+    if not swappable(part):
+        return 0, 0
+    states = 3 * io_aligned_numel(part) * FP32
+    return states + part * FP32, states + part * FP32
+
+
+def check_nvme(stage: int, key: str, buffer_count: int | None) -> None:
+    """ValueError (one line naming the key) for the NVMe offload the profile does not model."""
+    where = f"deepspeed config: zero_optimization.{key}"
+    if key == "offload_param":
+        raise ValueError(f"{where}.device='nvme': parameter swapping is not modelled (its buffers depend on "
+                         "zero.Init's remote_device and max_in_cpu: runtime/swap_tensor/partitioned_param_swapper.py); "
+                         "offload_optimizer nvme at ZeRO-3 is")  # fmt: skip
+    if stage != 3:
+        raise ValueError(f"{where}.device='nvme' at ZeRO-{stage}: not modelled (stage_1_and_2.py has no NVMe "
+                         "swapper: it treats the device as the CPU); nvme is modelled at ZeRO-3")  # fmt: skip
+    if buffer_count is not None and buffer_count < SWAP_BUFFERS_NEEDED:
+        raise ValueError(f"{where}.buffer_count={buffer_count}: Adam's swap-in needs {SWAP_BUFFERS_NEEDED} pool "
+                         "buffers (partitioned_optimizer_swapper.py swap_in_optimizer_state asserts)")  # fmt: skip
