@@ -3,10 +3,19 @@ DeepSpeed 0.19.8's source (nvme.py; unmeasured: ``async_io`` cannot be built her
 
 gpt-tiny (validate/models.py): Ψ = 36,324; ZeRO-3 at N_d = 2 holds a partition of 18,162 elements, 72,648 fp32
 bytes, below the 1 MiB swap threshold: DeepSpeed keeps it as with cpu offload and allocates the pool anyway.
+
+The swapped case was also run (``_standin``, ZEROPLAN_FULL_MATRICES=1): DeepSpeed 0.19.8 itself, ZeRO-3 on the CPU at
+world size 1, with a Python stand-in for the ``async_io`` op (synchronous file reads and writes, its "locked"
+tensors plain host tensors): the pool, the fp32 master's storage and the bytes each step moves are DeepSpeed's
+own; the stand-in only replaces libaio. Recorded in ``STANDIN``.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -42,7 +51,7 @@ def test_small_partition_keeps_cpu_terms_beside_the_pool(count):
         "optimizer NVMe swap buffers (from source, unmeasured) (pinned)": n * ALIGNED * 4,
         "gradient partition (pinned)": PART * 2, "fp32 master partition": PART * 4,
         "fp32 gradient of the master partition (pinned)": PART * 4, "Adam m and v (DeepSpeedCPUAdam)": PART * 8}  # fmt: skip
-    assert h.offload.label == "optimizer->nvme" and nvme.nvme_traffic(PART) == (0, 0)
+    assert h.offload.label == "optimizer->nvme" and nvme.nvme_traffic(PART, (PART,)) == (0, 0)
 
 
 def test_swapped_partition_lives_in_the_pool():
@@ -53,8 +62,12 @@ def test_swapped_partition_lives_in_the_pool():
     assert [(t.name, t.bytes) for t in terms] == [
         ("optimizer NVMe swap buffers (from source, unmeasured) (pinned)", 4 * aligned * 4),
         ("gradient partition (pinned)", 10_000_000 * 2)]  # fmt: skip
-    # read: master, m, v at the aligned length + the fp32 gradient; write the same
-    assert nvme.nvme_traffic(10_000_000) == (3 * aligned * 4 + 40_000_000,) * 2
+    # read: master, m, v at the aligned length + the swapped fp32 gradient slices; write the same
+    slices = (9_000_100, 999_900)  # each cut down to a multiple of 256 (the remainder stays on the host)
+    grads = (9_000_100 // 256 * 256 + 999_900 // 256 * 256) * 4
+    assert nvme.nvme_traffic(10_000_000, slices) == (3 * aligned * 4 + grads,) * 2
+    assert nvme.nvme_traffic(10_000_000, slices, first_step=True) == (aligned * 4 + grads, 3 * aligned * 4 + grads)
+    assert nvme.gradient_swap_bytes((262_143, 1_000)) == 0  # below 1 MiB: kept on the host (unswapped_gradients)
 
 
 def test_swap_threshold_and_alignment():
@@ -75,3 +88,99 @@ def test_refusals_one_line(cfg, message):
     with pytest.raises(ValueError, match="deepspeed config") as err:
         D.Settings.from_ds_config(cfg)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+STANDIN_WIDTH = 1024
+STANDIN = {"pool": 33_587_200, "fp32_master_numel": 0, "grad_partition": 4_198_400,
+           "step1": [16_785_408, 33_579_008], "step2": [33_579_008, 33_579_008]}  # fmt: skip
+"""Measured by ``_standin`` (two bf16 Linear(1024, 1024), N_d = 1, DeepSpeed's defaults, AdamW)."""
+
+
+def test_prediction_matches_the_standin_run():
+    """The swapped partition: 2 x (1,048,576 + 1,024) = 2,099,200 elements (a multiple of 256); the biases' 4-KiB
+    gradients stay on the host, the weights' go to the NVMe; step 1 reads no m, v (made by that step)."""
+    part, slices = 2 * (STANDIN_WIDTH**2 + STANDIN_WIDTH), (STANDIN_WIDTH**2, STANDIN_WIDTH) * 2
+    s = D.Settings.from_ds_config(_nvme())
+    terms = {t.name: t.bytes for t in nvme_host_terms(SimpleNamespace(settings=s), part)}
+    assert terms == {"optimizer NVMe swap buffers (from source, unmeasured) (pinned)": STANDIN["pool"],
+                     "gradient partition (pinned)": STANDIN["grad_partition"]}  # fmt: skip
+    assert list(nvme.nvme_traffic(part, slices, first_step=True)) == STANDIN["step1"]
+    assert list(nvme.nvme_traffic(part, slices)) == STANDIN["step2"]
+
+
+@pytest.mark.skipif(os.environ.get("ZEROPLAN_FULL_MATRICES") != "1", reason="full matrices only (ZEROPLAN_FULL_MATRICES=1)")
+def test_standin_run_is_recorded(tmp_path):
+    out = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True).stdout  # fmt: skip
+    assert json.loads(out.strip().splitlines()[-1]) == STANDIN
+
+
+def _standin(folder: str) -> dict:
+    """DeepSpeed 0.19.8 ZeRO-3 + ``offload_optimizer: nvme`` on the CPU, its ``async_io`` op replaced by files."""
+    import types
+
+    import torch
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    import deepspeed
+    from deepspeed.ops import op_builder
+
+    stats, pinned = {"locked": 0, "read": 0, "write": 0}, set()
+
+    class Handle:
+        def __init__(self, *a, **k):
+            self.n = 0
+
+        def new_cpu_locked_tensor(self, n, example):
+            t = torch.zeros(int(n), dtype=example.dtype)
+            stats["locked"] += t.numel() * t.element_size()
+            pinned.add(t.untyped_storage().data_ptr())
+            return t
+
+        def free_cpu_locked_tensor(self, t):
+            pinned.discard(t.untyped_storage().data_ptr())
+
+        def is_pinned(self, t):
+            return t.untyped_storage().data_ptr() in pinned
+
+        def async_pwrite(self, t, path, offset):
+            data = t.contiguous().view(torch.uint8).numpy().tobytes()
+            stats["write"] += len(data)
+            with open(path, "wb") as f:
+                f.write(data)
+            self.n += 1
+            return 0
+
+        def async_pread(self, t, path, offset):
+            nbytes = t.numel() * t.element_size()
+            with open(path, "rb") as f:
+                data = f.read(nbytes).ljust(nbytes, b"\0")
+            t.view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            stats["read"] += nbytes
+            self.n += 1
+            return 0
+
+        def wait(self):
+            n, self.n = self.n, 0
+            return n
+
+    op_builder.AsyncIOBuilder.load = lambda self, verbose=True: types.SimpleNamespace(aio_handle=Handle)
+    torch.manual_seed(0)
+    w = STANDIN_WIDTH
+    model = torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.Linear(w, w))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": folder}}}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    opt, x, steps = engine.optimizer, torch.randn(2, w, dtype=torch.bfloat16), []
+    for _ in range(2):
+        before = dict(stats)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+        steps.append([stats["read"] - before["read"], stats["write"] - before["write"]])
+    g = opt.grad_partitions_flat_buffer
+    return {"pool": stats["locked"], "fp32_master_numel": sum(t.numel() for t in opt.fp32_partitioned_groups_flat),
+            "grad_partition": g.numel() * g.element_size(), "step1": steps[0], "step2": steps[1]}  # fmt: skip
+
+
+if __name__ == "__main__":
+    print(json.dumps(_standin(sys.argv[1])))

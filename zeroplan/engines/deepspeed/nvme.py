@@ -61,19 +61,29 @@ def pool_source() -> str:
             f"(SwapBufferManager: buffer_count x _io_aligned_numel(largest_numel) x fp32, {UTILS} new_cpu_locked_tensor)")
 
 
-def nvme_traffic(part: int) -> tuple[int, int]:
-    """(read, write) NVMe bytes of one optimizer step for a swapped sub-group of ``part`` elements.
+def gradient_swap_bytes(slices: tuple[int, ...]) -> int:
+    """The fp32 gradient bytes that go to the NVMe at the boundary and come back for the step: each parameter's
+    partition slice whose fp32 bytes reach the swap threshold, cut down to the alignment (optimizer_utils.py
+    ``_swap_out_gradients``: ``_adjust_for_misaligned_lengths`` splits off the remainder; a slice or remainder
+    below 1 MiB stays on the host, ``unswapped_gradients``)."""
+    align = AIO_ALIGNED_BYTES * AIO_INTRA_OP_PARALLELISM // FP32
+    return sum(n // align * align * FP32 for n in slices if swappable(n))
 
-    At the boundary the fp32 gradient is written (stage3.py ``_swap_out_offload_fp32_gradients`` ->
-    ``swap_out_gradients``: 4·part; alignment padding of the slices not counted). The step reads the master, m
-    and v at the aligned length (``_swap_in_parameter``: ``swap_lengths = _io_aligned_numel``) and the gradient
-    (``_swap_in_gradients``: 4·part), then writes the master, m and v back (``swap_out_optimizer_state``: the
-    aligned length of each compute tensor). Read 3·4·A + 4·part, write the same (A the aligned numel);
-    zero when the sub-group is not swapped."""
+
+def nvme_traffic(part: int, slices: tuple[int, ...], first_step: bool = False) -> tuple[int, int]:
+    """(read, write) NVMe bytes of one optimizer step for a swapped sub-group of ``part`` elements whose
+    parameters' partition slices are ``slices``; (0, 0) when the sub-group is not swapped.
+
+    The gradient goes out at the boundary (stage3.py ``_swap_out_offload_fp32_gradients``) and comes back in
+    ``_swap_in_gradients`` (``gradient_swap_bytes``). The step reads the master, m and v at the aligned length
+    (``_swap_in_parameter``: ``swap_lengths = _io_aligned_numel``) and writes them back (``swap_out_optimizer_state``).
+    The first step reads the master only: Adam's m and v are made by that step. Read 3·4·A + G, write the same
+    (A the aligned numel, G ``gradient_swap_bytes``); measured with a Python stand-in for the async_io op."""
     if not swappable(part):
         return 0, 0
-    states = 3 * io_aligned_numel(part) * FP32
-    return states + part * FP32, states + part * FP32
+    states, grads = 3 * io_aligned_numel(part) * FP32, gradient_swap_bytes(slices)
+    read = (io_aligned_numel(part) * FP32 if first_step else states) + grads
+    return read, states + grads
 
 
 def check_nvme(stage: int, key: str, buffer_count: int | None) -> None:
