@@ -30,7 +30,8 @@ ALIGNED = 18_176  # 18,162 rounded up to 256 fp32 elements (AIO_ALIGNED_BYTES 10
 
 
 def _nvme(stage: int = 3, **extra) -> dict:
-    return {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", **extra}},
+    target = {"device": "nvme", "nvme_path": "/nvme", **extra}
+    return {"zero_optimization": {"stage": stage, "offload_optimizer": target},
             "bf16": {"enabled": True}}  # fmt: skip
 
 
@@ -50,7 +51,8 @@ def test_small_partition_keeps_cpu_terms_beside_the_pool(count):
     assert {t.name: t.bytes for t in h.terms} == {
         "optimizer NVMe swap buffers (from source, unmeasured) (pinned)": n * ALIGNED * 4,
         "gradient partition (pinned)": PART * 2, "fp32 master partition": PART * 4,
-        "fp32 gradient of the master partition (pinned)": PART * 4, "Adam m and v (DeepSpeedCPUAdam)": PART * 8}  # fmt: skip
+        "fp32 gradient of the master partition (pinned)": PART * 4,
+        "Adam m and v (DeepSpeedCPUAdam)": PART * 8}  # fmt: skip
     assert h.offload.label == "optimizer->nvme" and nvme.nvme_traffic(PART, (PART,)) == (0, 0)
 
 
@@ -108,7 +110,10 @@ def test_prediction_matches_the_standin_run():
     assert list(nvme.nvme_traffic(part, slices)) == STANDIN["step2"]
 
 
-@pytest.mark.skipif(os.environ.get("ZEROPLAN_FULL_MATRICES") != "1", reason="full matrices only (ZEROPLAN_FULL_MATRICES=1)")
+FULL = os.environ.get("ZEROPLAN_FULL_MATRICES") == "1"
+
+
+@pytest.mark.skipif(not FULL, reason="full matrices only (ZEROPLAN_FULL_MATRICES=1)")
 def test_standin_run_is_recorded(tmp_path):
     out = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True).stdout  # fmt: skip
@@ -168,7 +173,8 @@ def _standin(folder: str) -> dict:
     torch.manual_seed(0)
     w = STANDIN_WIDTH
     model = torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.Linear(w, w))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": folder}}}  # fmt: skip
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     opt, x, steps = engine.optimizer, torch.randn(2, w, dtype=torch.bfloat16), []

@@ -58,7 +58,8 @@ def pool_bytes(part: int, buffer_count: int) -> int:
 
 def pool_source() -> str:
     return (f"{S3} _configure_tensor_swapping -> {OPT_UTILS} OptimizerSwapper.__init__ "
-            f"(SwapBufferManager: buffer_count x _io_aligned_numel(largest_numel) x fp32, {UTILS} new_cpu_locked_tensor)")
+            "(SwapBufferManager: buffer_count x _io_aligned_numel(largest_numel) x fp32, "
+            f"{UTILS} new_cpu_locked_tensor)")
 
 
 def gradient_swap_bytes(slices: tuple[int, ...]) -> int:

@@ -52,7 +52,8 @@ def read_target(section: object, key: str) -> OffloadTarget:
         raise ValueError(f"deepspeed config: zero_optimization.{key}.super_offload=true: not modelled by the profile "
                          "(superchip offload, stage3.py SuperOffloadOptimizer)")  # fmt: skip
     return OffloadTarget(device=device, pin_memory=section.pin_memory, nvme_path=section.nvme_path,
-                         ratio=getattr(section, "ratio", 1.0), buffer_count=getattr(section, "buffer_count", None))  # fmt: skip
+                         ratio=getattr(section, "ratio", 1.0),
+                         buffer_count=getattr(section, "buffer_count", None))  # fmt: skip
 
 
 def check_offload(stage: int, optimizer: OffloadTarget, param: OffloadTarget) -> None:
