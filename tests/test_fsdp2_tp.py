@@ -170,6 +170,7 @@ def test_cli(capsys):
                              "--seq-len", "2048", "--micro-batch", "1"])  # fmt: skip
     assert ok.exit_code == 0, ok.output
     assert "tp 4" in ok.output
+    assert "(N_d = 4 data-parallel x tp 4 x N_m = 1 model-parallel;" in ok.output  # the head: GPUs / T
     for args in (["--engine", "reference", "--tp", "2"], ["--engine", "fsdp2", "--tp", "3"]):
         bad = runner.invoke(app, ["estimate", "--model", "llama3-8b", "--gpus", "12", "--seq-len", "2048", *args])
         assert bad.exit_code == 2, bad.output
