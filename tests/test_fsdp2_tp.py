@@ -31,7 +31,11 @@ RMSNorm's backward moment (``tp.post_norm_backward``). At 4 x 16 tokens in bf16:
 loss parallel's cross-entropy backward (``tensor/parallel/loss.py:_nll_loss_and_log_softmax_backward``: three
 fp32 N·V/T tensors at ``(grad_input + exp(x)) * grad_output`` where the profile holds two, with the int64
 targets, the fp32 mask and gradient columns, the bool mask and the loss's gradient: N·V/T·4 + 3·N·8 + 2·N·4 + N
-+ 4 = 18,756 B over that moment, 12,836 over the predicted peak); without SP the forward peak, not read yet."""
++ 4 = 18,756 B over that moment, 12,836 over the predicted peak); without SP the forward peak is loss parallel's
+``_log_softmax`` (the same file: at ``exp(x - x_max)`` the fp32 logits, the shifted copy and its exp, three fp32
+N·V/T, where the profile's "cross-entropy" holds two, beside x_max and its all-reduce and the sum, before the
+loss: N·V/T·4 + 3·N·4 - 8 = 17,400 B over that moment, 6,976 over the predicted peak). Both belong in
+``moments.py``'s cross-entropy moments under loss parallel (TP > 1)."""
 
 
 def _workload(meta) -> Workload:
