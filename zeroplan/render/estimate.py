@@ -137,9 +137,11 @@ def step_line(e: Estimate) -> str:
 
 
 def to_table(e: Estimate, unit: str = "GB") -> str:
+    tp = "" if e.tp == 1 else f" x tp {e.tp}"  # tensor parallelism: N_d = GPUs / (T·N_m) DP ranks of T TP ranks
     head = (
         f"Ψ = {format_count(e.total_params)} parameters on {e.gpus} GPUs "
-        f"(N_d = {e.nd} data-parallel x N_m = {e.nm} model-parallel; Ψ per MP rank = {format_count(e.psi)})"
+        f"(N_d = {e.nd // e.tp} data-parallel{tp} x N_m = {e.nm} model-parallel; "
+        f"Ψ per MP rank = {format_count(e.psi)})"
     )
     columns = ["stage", "ZeRO", "params", "grads", "optimizer", "total/GPU", "vs DP", "comm/step", "sent/rank"]
     if e.workload is not None:

@@ -20,7 +20,7 @@ from zeroplan.engines.fsdp2.moments import optimizer_moments
 from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
-from zeroplan.engines.fsdp2.tp import check_tp, sequence_parallel_acts
+from zeroplan.engines.fsdp2.tp import check_tp, tp_acts
 from zeroplan.engines.fsdp2.tp_estimate import tp_estimate, tp_mesh, tp_search
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
@@ -62,10 +62,10 @@ def rank_run(workload: Workload, nd: int, settings: Settings):
     settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})  # rank r is shard r mod S
     replicate, nd = shard_groups(settings, nd)
     run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
-    if (settings.tp or 1) > 1 and settings.sequence_parallel and run.acts is not None:  # engines/fsdp2/tp.py
-        run = replace(run, acts=sequence_parallel_acts(run.acts, settings.tp, workload.micro_batch * workload.seq_len,
-                                                       workload.spec.d_model, dtype_bytes(settings.param),
-                                                       settings.backend == "gloo"))
+    if (settings.tp or 1) > 1 and run.acts is not None:  # engines/fsdp2/tp.py
+        run = replace(run, acts=tp_acts(run.acts, workload.spec, settings.tp, workload.micro_batch * workload.seq_len,
+                                        dtype_bytes(settings.param), settings.sequence_parallel,
+                                        settings.backend == "gloo"))
     return run, nd
 
 
