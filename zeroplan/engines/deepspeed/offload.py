@@ -243,7 +243,8 @@ def host_memory(run: DSRun) -> HostMemory:
     (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), the 16-bit partition comes back after the step.
     ZeRO-3: the gradient partition goes down every micro-step in the gradient dtype, the 16-bit partition comes
     back after the step; ``offload_param``: every micro-step's forward and backward fetch every partition
-    (``ds_tensor.to(device)``), and without ``offload_optimizer`` the updated partition goes back down."""
+    (``ds_tensor.to(device)``), and without ``offload_optimizer`` the updated partition goes back down. The host's
+    init peak: ZeRO-3 ``offload_optimizer``'s ``host_at_states_init`` (below the steady bytes: 12P against 16P + gP)."""
     s, numels, nd = run.settings, run.numels, run.nd
     p, g = DTYPE_BYTES[s.dtype], DTYPE_BYTES[s.grad_dtype]
     o, prm = s.offload_optimizer.on, s.offload_param.on
@@ -260,7 +261,7 @@ def host_memory(run: DSRun) -> HostMemory:
         part = aligned_flat_numel(numels, nd) // nd
         d2h, h2d = part * 4, part * p
     offload = Offload("cpu" if o else "none", "cpu" if prm else "none")
-    return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH))
+    return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH), init_peak=host_at_states_init(run))
 
 
 def offload_label(s: Settings) -> str:

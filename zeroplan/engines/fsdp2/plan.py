@@ -16,7 +16,7 @@ from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_sha
                                          shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.leaders import predict_peak
-from zeroplan.engines.fsdp2.moments import optimizer_moments
+from zeroplan.engines.fsdp2.moments import init_moments, optimizer_moments
 from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
@@ -85,7 +85,8 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     host = None
     if settings.offload_policy == "cpu":  # CPUOffloadPolicy: the model states live on the host (offload.py)
-        memory, host = MemoryBreakdown(0, 0, 0), host_memory(run, optimizer_moments(run), workload.grad_accum)
+        memory, host = MemoryBreakdown(0, 0, 0), host_memory(run, optimizer_moments(run), workload.grad_accum,
+                                                             init_moments(run))
     peak = predict_peak(run) if run.acts is not None else None
     return EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
                           beside_states=mesh_ranks(run), peak_rank=rank, host=host)  # fmt: skip
