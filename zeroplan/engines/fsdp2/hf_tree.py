@@ -118,14 +118,23 @@ def tied_head_build(run: Fsdp2Run) -> tuple[Term, ...]:
 EMBED_SAVED = "embedding saved (position ids)"
 
 
-def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Term, ...]:
-    """The terms of the backward ``base`` still alive when transformers' root runs backward: the rotary cos
-    and sin (llama-style) or the position ids (gpt2), saved by the blocks' attention or the position
-    embedding, are released by then (measured: every row's embedding and root reduce-scatter moments,
-    rank 0 and 1, exact without them). A tied head's summed gradient is made after the embedding's own
-    backward has released its incoming gradient (``torch/csrc/autograd/input_buffer.cpp``: the sum
-    runs when the second gradient arrives)."""
-    return tuple(t for t in base if t.name != EMBED_SAVED)
+def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[tuple[Term, ...], bool]:
+    """The terms of the backward ``base`` still alive when the root runs backward, and whether the incoming
+    activation gradient is. Released: transformers' rotary cos and sin (llama-style) or the position ids (gpt2),
+    saved by the blocks' attention or the position embedding (measured: every transformers row's embedding and
+    root reduce-scatter moments, rank 0 and 1, exact without them); this project's GPT's position ids too, saved
+    by ``wpe``'s EmbeddingBackward, which runs before ``wte``'s (made later in forward: a higher sequence number,
+    ``torch/csrc/autograd/engine.cpp``'s ready queue) and releases them. A tied head's summed gradient is made
+    after the embedding's own backward has returned and freed its incoming gradient
+    (``torch/csrc/autograd/input_buffer.cpp``: the sum runs when the second gradient arrives), while ``wpe``'s
+    and the final norm's gradients sit on their unsharded parameters until the root's post_backward (its
+    inputs need no gradient: ``_fsdp_state.py:FSDPState._root_post_backward_final_callback``). Checked on
+    ``validate/transformer.py``'s GPT (tests/test_fsdp2_root_grads.py): at ``wte.weight``'s leaf hook the
+    ``wpe`` and ``ln_f`` gradients exist, the incoming gradient and the position ids do not; recorded row
+    ``fsdp2-real-4-gpt-5m-fp32-k2-ckpt-nd4``'s backward exact on every rank (it was 131,584 B over)."""
+    if run.transformers or run.style == "gpt":
+        base = tuple(t for t in base if t.name != EMBED_SAVED)
+    return base, not run.tied_head
 
 
 def rotary_buffer_bytes(spec) -> int:
