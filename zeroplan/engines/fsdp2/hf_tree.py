@@ -38,11 +38,16 @@ TF = "transformers/"
 
 
 def rotary_buffers(run: Fsdp2Run) -> tuple[Term, ...]:
-    """The rotary embedding's two fp32 buffers of head_dim/2 (``Fsdp2Run.buffer_bytes``), from the build on."""
-    if not run.buffer_bytes:
-        return ()
-    return (Term("rotary inv_freq, original_inv_freq (fp32 buffers)", run.buffer_bytes,
-                 TF + "models/llama/modeling_llama.py:LlamaRotaryEmbedding.__init__", 2),)  # fmt: skip
+    """The rotary embedding's fp32 buffers of head_dim/2 (``Fsdp2Run.buffer_bytes``, two per table) and Gemma's
+    ``embed_scale`` (``Fsdp2Run.scale_bytes``), from the build on."""
+    out = ()
+    if run.buffer_bytes:
+        out += (Term("rotary inv_freq, original_inv_freq (fp32 buffers)", run.buffer_bytes,
+                     TF + "models/llama/modeling_llama.py:LlamaRotaryEmbedding.__init__", 2),)  # fmt: skip
+    if run.scale_bytes:
+        out += (Term("embed_scale (fp32 buffer)", run.scale_bytes,
+                     TF + "models/gemma2/modeling_gemma2.py:Gemma2TextScaledWordEmbedding.__init__"),)  # fmt: skip
+    return out
 
 
 def position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
@@ -138,13 +143,19 @@ def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[tuple
 
 
 def rotary_buffer_bytes(spec) -> int:
-    """transformers' module buffers of a llama-style ``spec`` (``Fsdp2Run.buffer_bytes``): the fp32 ``inv_freq`` and
+    """transformers' rotary buffers of a llama-style ``spec`` (``Fsdp2Run.buffer_bytes``): the fp32 ``inv_freq`` and
     ``original_inv_freq`` (head_dim/2 each) of every rotary table, one per layer type at Gemma 3
-    (``modeling_gemma3.py:Gemma3RotaryEmbedding.__init__``: local and global), and Gemma's 0-dim fp32
-    ``embed_scale`` (``Gemma2TextScaledWordEmbedding.__init__``). Measured with one table and no scale (terms.py
-    today): t-gemma3 (two tables) misses 96 B in forward and backward, 100 B at init and the optimizer step; t-gemma2
-    4 B at init and the optimizer step (in forward and backward the scale is counted in ``embed_saved``: in fp32 the
-    product keeps the buffer itself) (tests/test_families.py)."""
+    (``modeling_gemma3.py:Gemma3RotaryEmbedding.__init__``: local and global). Measured against the modules'
+    buffers (tests/test_fsdp2_hf.py); t-gemma3 (two tables) missed 96 B in every phase with one table
+    (tests/test_families.py)."""
     tables = len(set(spec.layer_types)) if spec.model_type == "gemma3_text" and spec.layer_types else 1
-    scale = 4 if spec.model_type in ("gemma2", "gemma3_text") else 0
-    return tables * 2 * (spec.head_dim // 2) * 4 + scale
+    return tables * 2 * (spec.head_dim // 2) * 4
+
+
+def embed_scale_bytes(spec) -> int:
+    """Gemma's 0-dim fp32 ``embed_scale`` buffer (``Gemma2TextScaledWordEmbedding.__init__``; ``Fsdp2Run.scale_bytes``).
+    In fp32 the embedding's product saves the buffer itself (``embed_scale.to(weight.dtype)`` returns it), which
+    ``gemma_activations.embed_saved`` counts as one activation-dtype scalar: ``fsdp2_run`` takes it out there
+    (counted once, here). Without it t-gemma2 missed 4 B at init and the optimizer step (bf16: in every phase)."""
+    return 4 if spec.model_type in ("gemma2", "gemma3_text") else 0
+
