@@ -133,7 +133,8 @@ def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[tuple
     after the embedding's own backward has returned and freed its incoming gradient
     (``torch/csrc/autograd/input_buffer.cpp``: the sum runs when the second gradient arrives), while ``wpe``'s
     and the final norm's gradients sit on their unsharded parameters until the root's post_backward (its
-    inputs need no gradient: ``_fsdp_state.py:FSDPState._root_post_backward_final_callback``). Checked on
+    inputs need no gradient, so ``_fsdp_param_group.py:FSDPParamGroup._register_post_backward_hook`` adds no
+    hook: ``_fsdp_state.py:FSDPState._root_post_backward_final_callback`` runs it). Checked on
     ``validate/transformer.py``'s GPT (tests/test_fsdp2_root_grads.py): at ``wte.weight``'s leaf hook the
     ``wpe`` and ``ln_f`` gradients exist, the incoming gradient and the position ids do not; recorded row
     ``fsdp2-real-4-gpt-5m-fp32-k2-ckpt-nd4``'s backward exact on every rank (it was 131,584 B over)."""
