@@ -438,8 +438,8 @@ def test_gemma3_peak_refused_from_the_sliding_window_on(name):
 #: its runs built the model with ``attn_implementation="eager"`` (``hf_builder`` asks for "sdpa", which
 #: Gemma2ForCausalLM refuses; a sitecustomize swapped it for the recording). Measured error: FSDP2 within 0.0019%
 #: (fp32 and bf16), exact to the byte since the second rotary table's fp32 inv_freq pair (96 B) and the 4 B
-#: embed_scale buffer are counted (``hf_tree.rotary_buffer_bytes``, ``embed_scale_bytes``), DeepSpeed (fp32) within 0.0115% (as the
-#: Qwen3 and Phi-3 rows of the same world). Before the Gemma terms, a Llama block of the same widths (gelu_pytorch_tanh,
+#: embed_scale buffer are counted (``hf_tree.rotary_buffer_bytes``, ``embed_scale_bytes``), DeepSpeed (fp32)
+#: within 0.0115% (as the Qwen3 and Phi-3 rows of the same world). Before the Gemma terms, a Llama block of the same widths (gelu_pytorch_tanh,
 #: same world): t-gemma2 forward +16.97%, backward +15.81% (bf16 +16.21%, +15.53%); t-gemma3 forward +6.53%, backward +6.04%.
 #: t-gemma2-scores, with the Gemma terms but before ``body_masks`` (hf_tree.inputs_embeds_held) and the post-feedforward
 #: norm's release in ``gemma_block``'s backward working sets: forward +0.58% (the two masks), backward -1.06%.

@@ -372,8 +372,9 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
     return Fsdp2Run(units, nd, settings, acts, workload.checkpointing, _foreach(workload, settings),
                     spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
                     biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes),
-                    transformers=hf, loss_in_forward=hf and settings.loss_in_forward, buffer_bytes=buffers, scale_bytes=scale,
-                    position_bytes=workload.seq_len * 8 if rotary else 0, shard_units=shard_units)  # fmt: skip
+                    transformers=hf, loss_in_forward=hf and settings.loss_in_forward, buffer_bytes=buffers,
+                    scale_bytes=scale, position_bytes=workload.seq_len * 8 if rotary else 0,
+                    shard_units=shard_units)  # fmt: skip
 
 
 def _foreach(workload: Workload, settings: Settings) -> bool:
