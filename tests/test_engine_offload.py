@@ -374,3 +374,52 @@ def test_fsdp2_cpu_offload_one_memory_matches_the_cpu_measurement(rank):
     for phase in ("forward", "backward"):
         assert gpu[phase] - 8_010 * 4 + resident == measured[phase], phase
     assert (gpu["optimizer_step"], off.host.host_bytes) == (0, measured["optimizer_step"])
+
+
+@pytest.mark.parametrize("nd, init, steady, peak", [
+    (2, "materialized", 312_016, 177_336),  # = FSDP2_ONE_MEMORY's measured init: below the steady bytes
+    (4, "materialized", 156_352, PSI * 4 + 4_005 * 4),  # the whole model (4Ψ) and the first block's shard
+    (8, "materialized", 83_492, PSI * 4 + 2_150 * 4),
+    (8, "meta", 83_492, 19_400)])  # fmt: skip
+def test_fsdp2_host_init_peak_beside_the_steady_bytes(nd, init, steady, peak):
+    """``HostMemory.host_bytes`` is the larger of the steady bytes and init's peak (issue 21): FSDP2's materialized
+    init builds the whole model on each rank's CPU (4Ψ fp32) beside the first unit's new shard, above the steady
+    16Ψ/N_d from N_d = 4 on; meta init holds only the padded shards. At N_d = 2 the init peak is offload2's
+    measurement (gpt-tiny fp32, gloo). Without the init term, host_bytes at N_d = 4 and 8 would be the steady bytes."""
+    from validate.engines.fsdp2_compare import Fsdp2Settings, _workload as fsdp2_workload
+    from zeroplan.engines.fsdp2.plan import estimate
+    from zeroplan.engines.fsdp2.settings import Settings as FSettings
+
+    w = fsdp2_workload(Fsdp2Settings(), {"device": "cpu"})
+    s = FSettings(device="cpu", backend="gloo", rank=0, init=init, offload_policy="cpu", pin_memory=False)
+    (off,) = estimate(w, nd, s)
+    h = off.host
+    assert (h.steady_bytes, h.init_peak_bytes, h.host_bytes) == (steady, peak, max(steady, peak))
+    assert h.peak_at == ("init" if peak > steady else "steady")
+    if init == "materialized":
+        assert {t.name: t.bytes for t in h.init_peak}["unsharded units as built"] == PSI * 4
+
+
+def test_deepspeed_zero3_host_init_peak_is_initialize_optimizer_states():
+    """DeepSpeed ZeRO-3 with offload_optimizer and offload_param: the host's init peak is ``host_at_states_init``
+    (3 x 4P fp32 and the 16-bit partition pP, 254,268 B measured with a 1-B tracker beside it), below the steady
+    20P; the estimate JSON names both and which one host_bytes_per_gpu is."""
+    w, s = _workload(), D.Settings.from_ds_config(ZERO3_CPU)
+    part = PSI // 2
+    h = host_memory(ds_run(s, w, 2))
+    assert (h.init_peak_bytes, h.steady_bytes, h.host_bytes, h.peak_at) == (part * 14, part * 20, part * 20, "steady")
+    assert part * 14 == 254_268
+
+
+def test_estimate_json_names_the_host_init_peak():
+    """``estimate --json`` of FSDP2 materialized init with CPUOffloadPolicy (llama2-7b, 8 GPUs, fp32 parameters):
+    host_bytes_per_gpu is init's peak (the whole model, 4Ψ, and the first unit's shard), above the steady sum of
+    host_terms, and host_peak_at says so."""
+    args = ("--engine", "fsdp2", "--model", "llama2-7b", "--gpus", "8", "--fsdp-offload", "cpu")
+    (row,) = run_json("estimate", *args, "--init", "materialized")["stages"]
+    (meta,) = run_json("estimate", *args)["stages"]
+    assert row["host_steady_bytes_per_gpu"] == sum(t["bytes"] for t in row["host_terms"]) == meta["host_bytes_per_gpu"]
+    whole = {t["name"]: t["bytes"] for t in row["host_init_peak_terms"]}["unsharded units as built"]
+    assert whole == 4 * 6_738_415_616 and row["host_init_peak_bytes_per_gpu"] > row["host_steady_bytes_per_gpu"]
+    assert (row["host_bytes_per_gpu"], row["host_peak_at"]) == (row["host_init_peak_bytes_per_gpu"], "init")
+    assert row["host_bytes_per_node"] == 8 * row["host_bytes_per_gpu"] and meta["host_peak_at"] == "steady"

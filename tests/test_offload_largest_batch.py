@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.clicheck import assert_one_line_error, run
+from tests.clicheck import assert_one_line_error, run, run_json
 from zeroplan.planning.largest_batch import bracket
 
 TINY = "tests/data/hf_configs/tiny-llama.json"
@@ -56,17 +56,33 @@ def test_each_configurations_bracket_is_where_the_plan_stops_fitting():
         assert fits(largest)[label] and not fits(largest + 1)[label]
 
 
-def test_plan_max_micro_batch_prints_one_line_per_configuration_and_refuses_json():
-    out = run("plan", "--engine", "fsdp2", "--model", TINY, "--gpus", "2", "--gpu-memory", "100MiB", "--seq-len", "32",
-              "--max-micro-batch", "256")  # fmt: skip
+TINY_PLAN = ("plan", "--engine", "fsdp2", "--model", TINY, "--gpus", "2", "--gpu-memory", "100MiB", "--seq-len", "32",
+             "--max-micro-batch", "256")  # fmt: skip
+
+
+def test_plan_max_micro_batch_prints_one_line_per_configuration_and_the_same_in_json():
+    """The table's last lines, one per configuration, and ``--json``'s ``largest_micro_batch`` (render/schemas.py
+    ``LargestMicroBatchOut``): the same labels, largest and smallest over, and as many tried; absent without the flag."""
+    out = run(*TINY_PLAN)
     assert out.exit_code == 0, out.output
     lines = out.stdout.splitlines()
     at = lines.index(next(x for x in lines if x.startswith("Largest micro-batch that fits")))
     assert lines[at + 1].split() == ["reshard_after_forward=False,", "checkpointing", "none", "141", "(142", "does",
                                      "not;", "16", "tried)"]  # fmt: skip
     assert len(lines) == at + 5
-    assert_one_line_error(run("plan", "--engine", "fsdp2", "--model", TINY, "--gpus", "2", "--seq-len", "32", "--max-micro-batch", "8",
-                              "--json"), "--max-micro-batch: table output only")  # fmt: skip
+    doc = run_json(*TINY_PLAN)
+    got = doc["largest_micro_batch"]
+    assert got["up_to"] == 256 and len(got["configurations"]) == 4
+    assert got["configurations"][0] == {"label": "reshard_after_forward=False, checkpointing none", "largest": 141,
+                                        "smallest_over": 142,
+                                        "tried": [1, 2, 4, 8, 16, 32, 64, 128, 256, 192, 160, 144, 136, 140, 142, 141]}
+    for c, line in zip(got["configurations"], lines[at + 1:]):
+        over = f"({c['smallest_over']} does not;" if c["smallest_over"] is not None else "(all up to 256 fit;"
+        assert line.split() == [*c["label"].split(), str(c["largest"]), *over.split(), str(len(c["tried"])), "tried)"]
+    assert {c["label"] for c in got["configurations"]} <= {o["label"] for o in doc["stages"] + doc["offload"]}
+    assert "largest_micro_batch" not in run_json(*TINY_PLAN[:-2])
+    assert_one_line_error(run("plan", "--engine", "fsdp2", "--model", TINY, "--gpus", "2", "--seq-len", "32",
+                              "--max-micro-batch", "0", "--json"), "--max-micro-batch 0: must be from 1 to 65536")  # fmt: skip
     assert_one_line_error(run("plan", "--engine", "fsdp2", "--model", TINY, "--gpus", "2", "--seq-len", "32",
                               "--max-micro-batch", "0"), "--max-micro-batch 0: must be from 1 to 65536")  # fmt: skip
 

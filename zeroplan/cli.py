@@ -271,13 +271,14 @@ def plan(
     max_micro_batch: Optional[int] = typer.Option(
         None, "--max-micro-batch", metavar="UP_TO",
         help="Also search, for every configuration, the largest micro-batch that fits, 1 to UP_TO (doubling, then "
-        "bisection, as validate/gpu_check.sh does on a GPU; docs/allocator.md). Table output only."),
+        "bisection, as validate/gpu_check.sh does on a GPU; docs/allocator.md); with --json, largest_micro_batch."),
 ) -> None:
     """Fit, fewest GPUs, largest model, recommended stage/offload, comm time and launcher configs."""
     model = with_revision(model, revision)  # ORG/NAME@REV: zeroplan.hub
     from zeroplan.engines import get_engine
     from zeroplan.parsing import parse_bytes, parse_count
     from zeroplan.planning.config import PlanConfig
+    from zeroplan.planning.largest_batch import bracket_lines, largest_json, largest_micro_batches
     from zeroplan.planning.plan import plan_config
     from zeroplan.render.plan import to_json, to_table
     from zeroplan.types import MAX_BATCH
@@ -286,9 +287,8 @@ def plan(
         raise UserError("--model and --params are exclusive: choose one")
     if as_json:
         refuse_unused(ctx, ("units",), "to --json, which gives bytes")
-    if max_micro_batch is not None and (as_json or not 1 <= max_micro_batch <= MAX_BATCH):
-        raise UserError(f"--max-micro-batch {max_micro_batch}: must be from 1 to {MAX_BATCH}" if not as_json else
-                        "--max-micro-batch: table output only (zeroplan.planning.largest_batch in Python)")
+    if max_micro_batch is not None and not 1 <= max_micro_batch <= MAX_BATCH:
+        raise UserError(f"--max-micro-batch {max_micro_batch}: must be from 1 to {MAX_BATCH}")
     if model is None:
         refuse_unused(ctx, ("foreach", "engine"), "without --model: the peak needs an architecture")
     engine, gpus, file_options, file_lines, step = from_config_files(
@@ -343,16 +343,12 @@ def plan(
            if "policy" in get_engine(engine).options else {}),  # fmt: skip
     )
     result = plan_config(config)
-    found = () if max_micro_batch is None else largest_lines(max_micro_batch, config)
-    typer.echo(to_json(result, auto) if as_json else "\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines,
-                                                                *found)))  # fmt: skip
-
-
-def largest_lines(up_to: int, config) -> list[str]:
-    """``plan --max-micro-batch``'s lines (zeroplan/planning/largest_batch.py), after the plan's table."""
-    from zeroplan.planning.largest_batch import bracket_lines, largest_micro_batches
-
-    return ["", *bracket_lines(largest_micro_batches(config, up_to), up_to)]
+    found = None if max_micro_batch is None else largest_micro_batches(config, max_micro_batch)
+    if as_json:
+        typer.echo(to_json(result, auto, None if found is None else largest_json(found, max_micro_batch)))
+        return
+    lines = () if found is None else ("", *bracket_lines(found, max_micro_batch))
+    typer.echo("\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines, *lines)))
 
 
 # The other commands live in their own modules, registered here in the order `zeroplan --help` lists them.

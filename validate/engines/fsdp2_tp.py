@@ -175,7 +175,8 @@ def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, s
     spec = spec_from_hf_config(TINY, "validate/engines/fsdp2_tp.py TINY")
     dp = nd // tp
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-    # sliced before the probes: each 1-D sub-mesh keeps its own int32 rank tensor (4·S + 4·T bytes, 16 here)
+    # sliced before the probes; the slices share the mesh's int32 rank map (4·S·T bytes), which MemTracker counts
+    # from its first use in init (zeroplan/engines/fsdp2/tp_estimate.py mesh_rank_map)
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp_shard"]
     gen = torch.Generator().manual_seed(1234)
     globals_ = [make_batch(spec, dp * batch, gen, seq_len) for _ in range(steps)]

@@ -112,6 +112,7 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         allocator_overhead_bytes=getattr(settings, "allocator_overhead_bytes", 0),
         own_estimator=engine.own_estimator_name or None,
         alloc_conf=config.alloc_conf,
+        tp=getattr(settings, "tp", None) or 1,  # an engine's tensor parallelism (FSDP2 Settings.tp), else 1
     )
 
 

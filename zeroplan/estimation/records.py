@@ -61,6 +61,7 @@ class Estimate:
     allocator_overhead_bytes: int = 0  # the reference engine's overhead term (0); reserved bytes come from ``reserved``
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF the reserved bytes were replayed under ("": torch's defaults)
     own_estimator: Optional[str] = None  # name of the engine's own estimator shown beside ours, if any
+    tp: int = 1  # the engine's tensor-parallel degree (FSDP2 ``--tp``): nd = GPUs / N_m holds nd / tp DP ranks
 
     def stage(self, number: int) -> StageEstimate:
         return next(s for s in self.stages if s.stage == number)

@@ -81,6 +81,9 @@ class HostMemory:
     """GPU -> host per optimizer step."""
     lazy: tuple[str, ...] = ()
     """names of the terms created by the first optimizer step (Adam's m and v), not yet there after init."""
+    init_peak: tuple[Term, ...] = ()
+    """the host's terms at its init peak, transient ones included (FSDP2's materialized build: the whole model on
+    the CPU; DeepSpeed ZeRO-3's ``initialize_optimizer_states``); (): init holds no more than ``init_bytes``."""
 
     @property
     def init_bytes(self) -> int:
@@ -88,8 +91,24 @@ class HostMemory:
         return sum(t.bytes for t in self.terms if t.name not in self.lazy)
 
     @property
-    def host_bytes(self) -> int:
+    def steady_bytes(self) -> int:
+        """Host bytes of the training steps: every term."""
         return sum(t.bytes for t in self.terms)
+
+    @property
+    def init_peak_bytes(self) -> int:
+        """Host bytes at init's peak (``init_peak``; ``init_bytes`` without one)."""
+        return sum(t.bytes for t in self.init_peak) if self.init_peak else self.init_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """The host memory a rank needs: the larger of the steady bytes and init's peak (``peak_at`` names which)."""
+        return max(self.steady_bytes, self.init_peak_bytes)
+
+    @property
+    def peak_at(self) -> str:
+        """"init" where init's peak exceeds the steady bytes, else "steady"."""
+        return "init" if self.init_peak_bytes > self.steady_bytes else "steady"
 
     @property
     def pinned_bytes(self) -> int:

@@ -57,12 +57,16 @@ def ranks_per_node(e: Estimate) -> int:
 
 
 def host_keys(host, per_node: int) -> dict:
-    """``StageOut``'s offload keys: one rank's host memory, per node (``per_node`` GPUs), its pinned part, its terms."""
+    """``StageOut``'s offload keys: one rank's host memory, per node (``per_node`` GPUs), its pinned part, its terms;
+    the steady bytes and init's peak, each with its terms (``HostMemory``; host_bytes is the larger)."""
     from zeroplan.render.schemas import PeakTermOut
 
     return {"host_bytes_per_gpu": host.host_bytes, "host_bytes_per_node": host.host_bytes * per_node,
             "host_pinned_bytes_per_node": host.pinned_bytes * per_node,
-            "host_terms": [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source) for t in host.terms]}
+            "host_terms": [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source) for t in host.terms],
+            "host_steady_bytes_per_gpu": host.steady_bytes, "host_init_peak_bytes_per_gpu": host.init_peak_bytes,
+            "host_peak_at": host.peak_at,
+            "host_init_peak_terms": [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source) for t in host.init_peak]}
 
 
 def step_out(e: Estimate) -> StepOut | None:
@@ -137,9 +141,11 @@ def step_line(e: Estimate) -> str:
 
 
 def to_table(e: Estimate, unit: str = "GB") -> str:
+    tp = "" if e.tp == 1 else f" x tp {e.tp}"  # tensor parallelism: N_d = GPUs / (T·N_m) DP ranks of T TP ranks
     head = (
         f"Ψ = {format_count(e.total_params)} parameters on {e.gpus} GPUs "
-        f"(N_d = {e.nd} data-parallel x N_m = {e.nm} model-parallel; Ψ per MP rank = {format_count(e.psi)})"
+        f"(N_d = {e.nd // e.tp} data-parallel{tp} x N_m = {e.nm} model-parallel; "
+        f"Ψ per MP rank = {format_count(e.psi)})"
     )
     columns = ["stage", "ZeRO", "params", "grads", "optimizer", "total/GPU", "vs DP", "comm/step", "sent/rank"]
     if e.workload is not None:

@@ -129,7 +129,9 @@ def _per_node(p: Plan) -> int:
     return min(p.config.gpus_per_node, p.config.gpus)
 
 
-def plan_dict(p: Plan, auto=None) -> dict:
+def plan_dict(p: Plan, auto=None, largest: Optional[dict] = None) -> dict:
+    """``plan --json``'s document; ``largest``: ``planning/largest_batch.py largest_json`` (``--max-micro-batch``),
+    written as ``largest_micro_batch`` (absent without it)."""
     from zeroplan.render.schemas import auto_out
 
     c = p.config
@@ -194,16 +196,17 @@ def plan_dict(p: Plan, auto=None) -> dict:
         "cut_first": p.cut_first,
         "fragmentation": p.fragmentation,
         "notes": [ENGINE_NOTE if _engine_plan(p) else PEAK_NOTE if _with_peak(p) else MEMORY_NOTE, ESTIMATE_NOTE],
+        **({} if largest is None else {"largest_micro_batch": largest}),
     }
 
 
-def to_json(p: Plan, auto=None) -> str:
+def to_json(p: Plan, auto=None, largest: Optional[dict] = None) -> str:
     """``plan_dict`` checked and ordered by ``zeroplan.render.schemas.PlanDoc``; ``auto``: the ``AutoResolution``
     of a ``--deepspeed-config`` with ``"auto"`` (``zeroplan.cli_integrations.resolve_hf_auto``), written as
-    ``inputs.ds_config_auto``."""
+    ``inputs.ds_config_auto``; ``largest``: ``--max-micro-batch``'s search (``largest_micro_batch``)."""
     from zeroplan.render.schemas import PlanDoc, json_text
 
-    return json_text(PlanDoc.model_validate(plan_dict(p, auto)).dump(), indent=2)
+    return json_text(PlanDoc.model_validate(plan_dict(p, auto, largest)).dump(), indent=2)
 
 
 def _seconds(s: Optional[float]) -> str:

@@ -86,7 +86,8 @@ class StepOut(_Out):
                             "empty: torch's defaults)")
 
 
-HOST_KEYS = ("host_bytes_per_gpu", "host_bytes_per_node", "host_pinned_bytes_per_node", "host_terms")
+HOST_KEYS = ("host_bytes_per_gpu", "host_bytes_per_node", "host_pinned_bytes_per_node", "host_terms",
+             "host_steady_bytes_per_gpu", "host_init_peak_bytes_per_gpu", "host_peak_at", "host_init_peak_terms")
 """``StageOut``'s offload keys, written only where the engine offloads."""
 
 
@@ -130,7 +131,8 @@ class StageOut(_Out):
     )  # fmt: skip
     host_bytes_per_gpu: Optional[int] = Field(
         None, description="the engine's offload (DeepSpeed offload_optimizer/offload_param, FSDP2 CPUOffloadPolicy): "
-        "host memory one rank keeps, pinned buffers included; the key is absent without offload",
+        "host memory one rank needs, pinned buffers included: the larger of host_steady_bytes_per_gpu and "
+        "host_init_peak_bytes_per_gpu (host_peak_at names which); the key is absent without offload",
     )  # fmt: skip
     host_bytes_per_node: Optional[int] = Field(
         None, description="host_bytes_per_gpu times the GPUs per node; absent without offload")
@@ -138,6 +140,16 @@ class StageOut(_Out):
         None, description="the page-locked part of host_bytes_per_node; absent without offload")
     host_terms: Optional[list[PeakTermOut]] = Field(
         None, description="host memory of one rank, term by term with its source; absent without offload")
+    host_steady_bytes_per_gpu: Optional[int] = Field(
+        None, description="the sum of host_terms: one rank's host memory during training steps; absent without offload")
+    host_init_peak_bytes_per_gpu: Optional[int] = Field(
+        None, description="one rank's host memory at init's peak (FSDP2 init=materialized: the whole model built on "
+        "the CPU; DeepSpeed ZeRO-3 offload_optimizer: initialize_optimizer_states); absent without offload")
+    host_peak_at: Optional[Literal["init", "steady"]] = Field(
+        None, description="which of the two host_bytes_per_gpu is; absent without offload")
+    host_init_peak_terms: Optional[list[PeakTermOut]] = Field(
+        None, description="host memory of one rank at init's peak, term by term; empty where init holds no "
+        "more than the steady terms made at init; absent without offload")
 
     peak_rank: Optional[int] = Field(
         None, description="the rank whose peak this row is, the largest over ranks (fsdp2: the ranks whose shards "

@@ -213,6 +213,23 @@ class RecommendationOut(_Out):
         return out
 
 
+class LargestConfigurationOut(_Out):
+    """One configuration of ``plan --max-micro-batch`` (planning/largest_batch.py ``Bracket``)."""
+
+    label: str = Field(description="the configuration: its row's label in stages[] / offload[]")
+    largest: int = Field(description="the largest micro-batch that fits on the plan's own fits; 0: not even 1")
+    smallest_over: Optional[int] = Field(description="the smallest micro-batch found not to fit; null: every one "
+                                         "up to up_to fits")  # fmt: skip
+    tried: list[int] = Field(description="the micro-batches planned for it, in order (doubling, then bisection)")
+
+
+class LargestMicroBatchOut(_Out):
+    """``plan --max-micro-batch UP_TO``: the largest micro-batch that fits, per configuration (docs/allocator.md)."""
+
+    up_to: int = Field(description="the search's limit (--max-micro-batch)")
+    configurations: list[LargestConfigurationOut]
+
+
 class PlanDoc(_Out):
     """``zeroplan plan --json``."""
 
@@ -230,6 +247,17 @@ class PlanDoc(_Out):
                                          "bytes fit and its reserved bytes do not (expandable_segments:True, a "
                                          "smaller micro-batch or buckets); null otherwise")  # fmt: skip
     notes: list[str]
+    largest_micro_batch: Optional[LargestMicroBatchOut] = Field(
+        None, description="with --max-micro-batch only (the key is absent otherwise): the largest micro-batch each "
+        "configuration fits at, the table's last lines")  # fmt: skip
+
+    @model_serializer(mode="wrap")
+    def _absent_largest(self, handler: SerializerFunctionWrapHandler):
+        """``largest_micro_batch`` is written only when searched: earlier outputs keep their keys."""
+        out = handler(self)
+        if out.get("largest_micro_batch") is None:
+            out.pop("largest_micro_batch", None)
+        return out
 
 
 class SweepInputs(_Out):

@@ -199,7 +199,9 @@ def host_at_states_init(run: DSRun) -> tuple[Term, ...]:
     CPU) and freed on return; the gradient partition (``grad_partitions_flat_buffer``) comes after. One sub-group
     (DeepSpeed's default ``sub_group_size`` 1e9 elements; the profile does not read it): ``largest_numel`` is the
     partition. Measured (gpt-tiny bf16, N_d = 2, rank 0, a storage tracer beside MemTracker): 3 x 72,648 B of fp32
-    partitions and the 36,324-B 16-bit partition at the init peak, 254,269 B with the inf/nan tracker."""
+    partitions and the 36,324-B 16-bit partition at the init peak, 254,269 B with the inf/nan tracker. With
+    ``device: nvme`` the swap pool (nvme.py) is there too; a swapped partition has no fp32 master or gradient on the
+    host (from source, not measured at this moment)."""
     s = run.settings
     if s.stage != 3 or not s.offload_optimizer.on:
         return ()
@@ -267,7 +269,8 @@ def host_memory(run: DSRun) -> HostMemory:
     (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), the 16-bit partition comes back after the step.
     ZeRO-3: the gradient partition goes down every micro-step in the gradient dtype, the 16-bit partition comes
     back after the step; ``offload_param``: every micro-step's forward and backward fetch every partition
-    (``ds_tensor.to(device)``), and without ``offload_optimizer`` the updated partition goes back down."""
+    (``ds_tensor.to(device)``), and without ``offload_optimizer`` the updated partition goes back down. The host's
+    init peak: ZeRO-3 ``offload_optimizer``'s ``host_at_states_init`` (below the steady bytes: 12P against 16P + gP)."""
     s, numels, nd = run.settings, run.numels, run.nd
     p, g = DTYPE_BYTES[s.dtype], DTYPE_BYTES[s.grad_dtype]
     o, prm = s.offload_optimizer.on, s.offload_param.on
@@ -284,7 +287,8 @@ def host_memory(run: DSRun) -> HostMemory:
         part = aligned_flat_numel(numels, nd) // nd
         d2h, h2d = part * 4, part * p
     offload = Offload(s.offload_optimizer.device if o else "none", "cpu" if prm else "none")
-    return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH))
+    return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH),
+                      init_peak=host_at_states_init(run))
 
 
 def offload_label(s: Settings) -> str:

@@ -4,7 +4,7 @@ validator compares with it (``validate/engines/deepspeed_compare.py``)."""
 
 from __future__ import annotations
 
-from zeroplan.engines.deepspeed.offload import FETCHED, ZERO3_STATES_INIT, host_at_states_init, host_memory
+from zeroplan.engines.deepspeed.offload import FETCHED, ZERO3_STATES_INIT, host_memory
 from zeroplan.engines.deepspeed.phases import moments
 from zeroplan.engines.deepspeed.run import DSRun
 
@@ -22,9 +22,9 @@ def one_memory_by_phase(run: DSRun) -> dict[str, int]:
     out: dict[str, int] = {}
     for m in moments(run):
         if m.phase != "init":
-            extra = host.host_bytes
+            extra = host.steady_bytes
         elif m.name == ZERO3_STATES_INIT:  # ZeRO-3's own init peak on the host (offload.py host_at_states_init)
-            extra = sum(t.bytes for t in host_at_states_init(run))
+            extra = host.init_peak_bytes
         else:
             extra = host.init_bytes if m.name in HOST_FROM else 0
         # the partitions copied up for an all-gather: on one memory ``ds_tensor.to(device)`` is the tensor itself

@@ -38,11 +38,16 @@ TF = "transformers/"
 
 
 def rotary_buffers(run: Fsdp2Run) -> tuple[Term, ...]:
-    """The rotary embedding's two fp32 buffers of head_dim/2 (``Fsdp2Run.buffer_bytes``), from the build on."""
-    if not run.buffer_bytes:
-        return ()
-    return (Term("rotary inv_freq, original_inv_freq (fp32 buffers)", run.buffer_bytes,
-                 TF + "models/llama/modeling_llama.py:LlamaRotaryEmbedding.__init__", 2),)  # fmt: skip
+    """The rotary embedding's fp32 buffers of head_dim/2 (``Fsdp2Run.buffer_bytes``, two per table) and Gemma's
+    ``embed_scale`` (``Fsdp2Run.scale_bytes``), from the build on."""
+    out = ()
+    if run.buffer_bytes:
+        out += (Term("rotary inv_freq, original_inv_freq (fp32 buffers)", run.buffer_bytes,
+                     TF + "models/llama/modeling_llama.py:LlamaRotaryEmbedding.__init__", 2),)  # fmt: skip
+    if run.scale_bytes:
+        out += (Term("embed_scale (fp32 buffer)", run.scale_bytes,
+                     TF + "models/gemma2/modeling_gemma2.py:Gemma2TextScaledWordEmbedding.__init__"),)  # fmt: skip
+    return out
 
 
 def position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
@@ -118,24 +123,40 @@ def tied_head_build(run: Fsdp2Run) -> tuple[Term, ...]:
 EMBED_SAVED = "embedding saved (position ids)"
 
 
-def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Term, ...]:
-    """The terms of the backward ``base`` still alive when transformers' root runs backward: the rotary cos
-    and sin (llama-style) or the position ids (gpt2), saved by the blocks' attention or the position
-    embedding, are released by then (measured: every row's embedding and root reduce-scatter moments,
-    rank 0 and 1, exact without them). A tied head's summed gradient is made after the embedding's own
-    backward has released its incoming gradient (``torch/csrc/autograd/input_buffer.cpp``: the sum
-    runs when the second gradient arrives)."""
-    return tuple(t for t in base if t.name != EMBED_SAVED)
+def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[tuple[Term, ...], bool]:
+    """The terms of the backward ``base`` still alive when the root runs backward, and whether the incoming
+    activation gradient is. Released: transformers' rotary cos and sin (llama-style) or the position ids (gpt2),
+    saved by the blocks' attention or the position embedding (measured: every transformers row's embedding and
+    root reduce-scatter moments, rank 0 and 1, exact without them); this project's GPT's position ids too, saved
+    by ``wpe``'s EmbeddingBackward, which runs before ``wte``'s (made later in forward: a higher sequence number,
+    ``torch/csrc/autograd/engine.cpp``'s ready queue) and releases them. A tied head's summed gradient is made
+    after the embedding's own backward has returned and freed its incoming gradient
+    (``torch/csrc/autograd/input_buffer.cpp``: the sum runs when the second gradient arrives), while ``wpe``'s
+    and the final norm's gradients sit on their unsharded parameters until the root's post_backward (its
+    inputs need no gradient, so ``_fsdp_param_group.py:FSDPParamGroup._register_post_backward_hook`` adds no
+    hook: ``_fsdp_state.py:FSDPState._root_post_backward_final_callback`` runs it). Checked on
+    ``validate/transformer.py``'s GPT (tests/test_fsdp2_root_grads.py): at ``wte.weight``'s leaf hook the
+    ``wpe`` and ``ln_f`` gradients exist, the incoming gradient and the position ids do not; recorded row
+    ``fsdp2-real-4-gpt-5m-fp32-k2-ckpt-nd4``'s backward exact on every rank (it was 131,584 B over)."""
+    if run.transformers or run.style == "gpt":
+        base = tuple(t for t in base if t.name != EMBED_SAVED)
+    return base, not run.tied_head
 
 
 def rotary_buffer_bytes(spec) -> int:
-    """transformers' module buffers of a llama-style ``spec`` (``Fsdp2Run.buffer_bytes``): the fp32 ``inv_freq`` and
+    """transformers' rotary buffers of a llama-style ``spec`` (``Fsdp2Run.buffer_bytes``): the fp32 ``inv_freq`` and
     ``original_inv_freq`` (head_dim/2 each) of every rotary table, one per layer type at Gemma 3
-    (``modeling_gemma3.py:Gemma3RotaryEmbedding.__init__``: local and global), and Gemma's 0-dim fp32
-    ``embed_scale`` (``Gemma2TextScaledWordEmbedding.__init__``). Measured with one table and no scale (terms.py
-    today): t-gemma3 (two tables) misses 96 B in forward and backward, 100 B at init and the optimizer step; t-gemma2
-    4 B at init and the optimizer step (in forward and backward the scale is counted in ``embed_saved``: in fp32 the
-    product keeps the buffer itself) (tests/test_families.py)."""
+    (``modeling_gemma3.py:Gemma3RotaryEmbedding.__init__``: local and global). Measured against the modules'
+    buffers (tests/test_fsdp2_hf.py); t-gemma3 (two tables) missed 96 B in every phase with one table
+    (tests/test_families.py)."""
     tables = len(set(spec.layer_types)) if spec.model_type == "gemma3_text" and spec.layer_types else 1
-    scale = 4 if spec.model_type in ("gemma2", "gemma3_text") else 0
-    return tables * 2 * (spec.head_dim // 2) * 4 + scale
+    return tables * 2 * (spec.head_dim // 2) * 4
+
+
+def embed_scale_bytes(spec) -> int:
+    """Gemma's 0-dim fp32 ``embed_scale`` buffer (``Gemma2TextScaledWordEmbedding.__init__``; ``Fsdp2Run.scale_bytes``).
+    In fp32 the embedding's product saves the buffer itself (``embed_scale.to(weight.dtype)`` returns it), which
+    ``gemma_activations.embed_saved`` counts as one activation-dtype scalar: ``fsdp2_run`` takes it out there
+    (counted once, here). Without it t-gemma2 missed 4 B at init and the optimizer step (bf16: in every phase)."""
+    return 4 if spec.model_type in ("gemma2", "gemma3_text") else 0
+

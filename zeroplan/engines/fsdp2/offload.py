@@ -56,9 +56,20 @@ def offload_moments(run: Fsdp2Run, moments: tuple[Moment, ...]) -> tuple[Moment,
     return tuple(out)
 
 
-def host_memory(run: Fsdp2Run, step: tuple[Moment, ...], grad_accum: int = 1) -> HostMemory:
+def init_peak(init: tuple[Moment, ...]) -> tuple[Term, ...]:
+    """The host's terms (``ON_HOST``) of the init moment ``init`` (``moments.init_moments``) that holds most of them.
+    Materialized: the units not yet sharded whole on the CPU beside the shards made so far (4Ψ plus shards at the
+    first ``fully_shard``, above the steady 16Ψ/N_d from N_d = 4 on; measured by offload2 on gpt-tiny fp32 gloo,
+    N_d = 2: 177,336 B, docs/engines/fsdp2.md); meta: the padded shards and one re-padding copy, below it."""
+    held = [tuple(t for t in m.terms if t.name.startswith(ON_HOST)) for m in init]
+    return max(held, key=lambda ts: sum(t.bytes for t in ts), default=())
+
+
+def host_memory(run: Fsdp2Run, step: tuple[Moment, ...], grad_accum: int = 1,
+                init: tuple[Moment, ...] = ()) -> HostMemory:
     """One rank's host memory under ``CPUOffloadPolicy`` (Adam's temporaries as the optimizer step's moments
-    ``step``, ``moments.optimizer_moments``, count them, on the host tensors), and one step's PCIe traffic: each unit's shards
+    ``step``, ``moments.optimizer_moments``, count them, on the host tensors), its init peak (``init_peak`` of the
+    init moments ``init``), and one step's PCIe traffic: each unit's shards
     up for its forward all-gather and, resharded, again for backward; the gradient shards down, every
     micro-step (``grad_accum``)."""
     pinned = " (pinned)" if run.settings.pin_memory else ""
@@ -72,4 +83,5 @@ def host_memory(run: Fsdp2Run, step: tuple[Moment, ...], grad_accum: int = 1) ->
                           if temps is not None else ()))  # fmt: skip
     g = max(grad_accum, 1)
     lazy = tuple(t.name for t in terms[1:])  # gradients from the first backward, Adam's from the first step
-    return HostMemory(FULL_OFFLOAD, terms, shard_bytes * (2 if resharded(run) else 1) * g, shard_bytes * g, lazy)
+    return HostMemory(FULL_OFFLOAD, terms, shard_bytes * (2 if resharded(run) else 1) * g, shard_bytes * g, lazy,
+                      init_peak(init))

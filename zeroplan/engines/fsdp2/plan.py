@@ -16,11 +16,11 @@ from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_sha
                                          shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.leaders import predict_peak
-from zeroplan.engines.fsdp2.moments import optimizer_moments
+from zeroplan.engines.fsdp2.moments import init_moments, optimizer_moments
 from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
-from zeroplan.engines.fsdp2.tp import check_tp, sequence_parallel_acts
+from zeroplan.engines.fsdp2.tp import check_tp, tp_acts
 from zeroplan.engines.fsdp2.tp_estimate import tp_estimate, tp_mesh, tp_search
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
@@ -62,10 +62,10 @@ def rank_run(workload: Workload, nd: int, settings: Settings):
     settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})  # rank r is shard r mod S
     replicate, nd = shard_groups(settings, nd)
     run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
-    if (settings.tp or 1) > 1 and settings.sequence_parallel and run.acts is not None:  # engines/fsdp2/tp.py
-        run = replace(run, acts=sequence_parallel_acts(run.acts, settings.tp, workload.micro_batch * workload.seq_len,
-                                                       workload.spec.d_model, dtype_bytes(settings.param),
-                                                       settings.backend == "gloo"))
+    if (settings.tp or 1) > 1 and run.acts is not None:  # engines/fsdp2/tp.py
+        run = replace(run, acts=tp_acts(run.acts, workload.spec, settings.tp, workload.micro_batch * workload.seq_len,
+                                        dtype_bytes(settings.param), settings.sequence_parallel,
+                                        settings.backend == "gloo"))
     return run, nd
 
 
@@ -85,7 +85,8 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     host = None
     if settings.offload_policy == "cpu":  # CPUOffloadPolicy: the model states live on the host (offload.py)
-        memory, host = MemoryBreakdown(0, 0, 0), host_memory(run, optimizer_moments(run), workload.grad_accum)
+        memory, host = MemoryBreakdown(0, 0, 0), host_memory(run, optimizer_moments(run), workload.grad_accum,
+                                                             init_moments(run))
     peak = predict_peak(run) if run.acts is not None else None
     return EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
                           beside_states=mesh_ranks(run), peak_rank=rank, host=host)  # fmt: skip

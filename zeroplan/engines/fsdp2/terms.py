@@ -42,6 +42,7 @@ class Fsdp2Run:
     transformers: bool = False  # transformers' module tree (Workload.transformers): see zeroplan.engines.fsdp2.hf_tree
     loss_in_forward: bool = False  # transformers: the loss inside the root's forward (forward(labels=...))
     buffer_bytes: int = 0  # module buffers every moment holds (transformers' rotary inv_freq): hf_tree.rotary_buffers
+    scale_bytes: int = 0  # Gemma's fp32 embed_scale buffer, every moment (hf_tree.embed_scale_bytes)
     position_bytes: int = 0  # transformers llama-style: the int64 position ids in forward (hf_tree.position_ids)
     shard_units: tuple[ShardUnit, ...] = ()  # the fully_shard calls as made (wrap.resolve): collectives, edge_regathers
     replicate: int = 1  # HSDP: replicas R of the 2-D mesh; ``nd`` is then the shard group S (engines/fsdp2/mesh.py)
@@ -361,12 +362,18 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                 and not n.startswith(prefix))  # fmt: skip
     hf = workload.transformers
     rotary = hf and spec.style == "llama"
-    buffers = 2 * (spec.head_dim // 2) * 4 if rotary else 0  # fp32 inv_freq, original_inv_freq: hf_tree.rotary_buffers
+    from zeroplan.engines.fsdp2.hf_tree import embed_scale_bytes, rotary_buffer_bytes  # hf_tree imports this module
+
+    buffers = rotary_buffer_bytes(spec) if rotary else 0  # fp32 inv_freq, original_inv_freq: hf_tree.rotary_buffers
+    scale = embed_scale_bytes(spec) if hf else 0
+    if scale and act_bytes == scale:  # fp32: the embedding's product saved the buffer itself (embed_scale_bytes)
+        acts = replace(acts, embed_saved=acts.embed_saved - scale)
     return Fsdp2Run(units, nd, settings, acts, workload.checkpointing, _foreach(workload, settings),
                     spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
                     biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes),
                     transformers=hf, loss_in_forward=hf and settings.loss_in_forward, buffer_bytes=buffers,
-                    position_bytes=workload.seq_len * 8 if rotary else 0, shard_units=shard_units)  # fmt: skip
+                    scale_bytes=scale, position_bytes=workload.seq_len * 8 if rotary else 0,
+                    shard_units=shard_units)  # fmt: skip
 
 
 def _foreach(workload: Workload, settings: Settings) -> bool:

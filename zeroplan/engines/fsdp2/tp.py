@@ -195,6 +195,36 @@ def sequence_parallel_acts(acts, t: int, tokens: int, d_model: int, a: int, gloo
     return replace(acts, block=block, embed_out=shard(acts.embed_out), final_saved=acts.final_saved - cut)
 
 
+def post_norm_backward(block, spec, a: int):
+    """``block`` (a TP rank's ``BlockActivations``) with its post-attention RMSNorm's backward folded into the
+    block's backward working set, where that moment is the larger (as ``moe_block.sparse_block`` does).
+
+    At pow's backward in that norm (``norm_backward_ws``: fp32 N·d temporaries) the MLP's saved tensors are
+    released and its weight gradients alive (gate, up, down: 3·d·f/T, and the norm's d, in the activation
+    dtype); the moment is ``norm_backward_saved`` + ``norm_backward_ws`` + those gradients, i.e. beside the
+    block's ``saved`` ``later`` below. TP divides the MLP (f/T) but not the norm without SP (with SP it runs on
+    n/T rows), so there the norm's fp32 working set passes the block's first-op and activation-gradient ones:
+    measured at gloo 2 x 2, bf16, 2 x 16 tokens, MemTracker's backward peak inside ``PowBackward0`` of block 2's
+    post-attention norm with 4 h32 copies saved, 5 fp32 and one 16-bit N·d temporaries, the block's gate/up/down
+    gradients and the norm's (tests/test_fsdp2_tp.py: 10,144 B without SP and 992 B with SP, now 0).
+    16-bit only: in fp32 the norm's casts are no-ops and the working set the formula holds over-counts by at least
+    5,056 B there (the fold would over-predict fp32 without SP by that); the measured fp32 rows are exact without it."""
+    if a == 4 or not block.norm_backward_ws:  # fp32, or GPT's LayerNorm (no such moment)
+        return block
+    mlp_grads = (3 * spec.d_model * spec.ffn + spec.d_model) * a
+    later = block.norm_backward_ws + mlp_grads - (block.saved - block.norm_backward_saved)
+    return replace(block, backward_act_grads=max(block.backward_act_grads, later - block.first_weight_grads))
+
+
+def tp_acts(acts, spec, t: int, tokens: int, a: int, sequence_parallel: bool, gloo: bool):
+    """The activations of one TP rank (``spec`` the TP-local architecture, ``local_spec``): with SP the
+    sequence-parallel regions divided by T (``sequence_parallel_acts``), then the post-attention norm's
+    backward moment (``post_norm_backward``)."""
+    if sequence_parallel:
+        acts = sequence_parallel_acts(acts, t, tokens, spec.d_model, a, gloo)
+    return replace(acts, block=post_norm_backward(acts.block, spec, a))
+
+
 TP_SIZES = (1, 2, 4, 8)
 """The TP degrees ``plan --tp auto`` tries, smallest first, those within a node that divide the GPUs and that
 the plan holds (``check_plan``): TP's collectives run on every micro-step's activations, so it stays on

@@ -9,6 +9,7 @@ from dataclasses import replace
 from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, local_spec, norm_grad_collectives, tp_collectives
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import dtype_bytes
+from zeroplan.formulas.peak import PeakEstimate, PhasePeak, Term
 
 
 def tp_workload(workload, t: int):
@@ -30,6 +31,30 @@ def tp_rows(workload, settings) -> tuple[Collective, ...]:
                  for group, m in ((calls, workload.grad_accum), (grads, 1)) for c in group)  # fmt: skip
 
 
+def mesh_rank_map(settings, nd: int) -> tuple[Term, ...]:
+    """The 2-D mesh's rank map, with ``device`` cpu: ``init_device_mesh`` keeps the world's ranks as one int32
+    tensor on the host (torch 2.13 ``distributed/device_mesh.py``: ``DeviceMesh.__init__``, ``torch.tensor(mesh,
+    device="cpu", dtype=torch.int)`` flattened to ``_rank_map``), which every slice (``mesh["tp"]``,
+    ``mesh["dp_shard"]``) shares (``_create_sub_mesh``: ``_rank_map=root_mesh._rank_map``): 4·N_d bytes on every
+    rank, from init on. Made before the model, but MemTracker counts it from its first use by DTensor in init
+    (``DeviceMesh.mesh`` views it): measured, an int32 (4,) tensor held by the DeviceMesh objects at world 4 (16 B
+    in every phase of every rank), (8,) at world 8 (dp_shard 4 x tp 2; 4·(S + T) would be 24 B). On
+    CUDA it is host memory, outside the GPU's peak (none). Not DTensor's RNG state: on CPU there is none
+    (``_random.py``: ``OffsetBasedRNGTracker`` refuses a cpu mesh, ``is_rng_supported_mesh`` is False)."""
+    if settings.device != "cpu":
+        return ()
+    return (Term("device mesh rank map (int32, host)", 4 * nd, "distributed/device_mesh.py:DeviceMesh._rank_map"),)
+
+
+def with_resident(peak: PeakEstimate | None, terms: tuple[Term, ...]) -> PeakEstimate | None:
+    """``peak`` with ``terms`` live in every phase, init included (held from before the model is built)."""
+    if peak is None or not terms:
+        return peak
+    extra = sum(t.bytes for t in terms)
+    phases = tuple(PhasePeak(p.phase, p.bytes + extra, p.moment, (*p.terms, *terms)) for p in peak.phases)
+    return PeakEstimate(phases, peak.peak_bytes + extra, peak.peak_phase, peak.peak_terms)
+
+
 def tp_local(workload, nd: int, settings):
     """(the TP-local workload, the data-parallel ranks N_d / T, the settings of the data-parallel rank of
     ``settings.rank``): what one TP rank runs, ``check_plan`` passed. ``settings`` keeps ``tp`` (the
@@ -46,8 +71,9 @@ def tp_estimate(workload, nd: int, settings, estimate):
     data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T."""
     t = settings.tp
     rows = estimate(*tp_local(workload, nd, settings))  # the data-parallel profile (plan.dp_estimate)
-    extra = tp_rows(workload, settings)
-    return tuple(replace(r, collectives=(*r.collectives, *extra),
+    extra, ranks = tp_rows(workload, settings), mesh_rank_map(settings, nd)
+    return tuple(replace(r, collectives=(*r.collectives, *extra), peak=with_resident(r.peak, ranks),
+                         beside_states=(*r.beside_states, *ranks),
                          peak_rank=None if r.peak_rank is None else r.peak_rank * t)
                  for r in rows)  # fmt: skip
 
