@@ -36,6 +36,7 @@ def _nvme(stage: int = 3, **extra) -> dict:
 
 
 def test_read_and_written_back():
+    assert D.Settings.from_ds_config({**_nvme(), "aio": {"block_size": 1_048_576, "intra_op_parallelism": 1}})
     s = D.Settings.from_ds_config(_nvme(buffer_count=6))
     assert (s.offload_optimizer.device, s.offload_optimizer.buffer_count) == ("nvme", 6)
     assert D.Settings.from_ds_config(D.to_ds_config(s)) == s
@@ -84,9 +85,14 @@ def test_swap_threshold_and_alignment():
         (_nvme(buffer_count=3), "buffer_count=3: Adam's swap-in needs 4"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/n"}}},
          "parameter swapping is not modelled"),
+        ({**_nvme(), "aio": {"block_size": 262144}}, "aio.block_size=262144: the NVMe terms are modelled at"),
+        ({**_nvme(), "aio": {"intra_op_parallelism": 4}}, "aio.intra_op_parallelism=4"),
+        ({**_nvme(), "aio": [1]}, "aio=[1]: expected an object"),
     ],
 )  # fmt: skip
 def test_refusals_one_line(cfg, message):
+    """Each refusal names its key in one line; an ``aio`` section that moves the defaults the NVMe terms use is refused
+    rather than silently predicted with the defaults (the section's default values are accepted)."""
     with pytest.raises(ValueError, match="deepspeed config") as err:
         D.Settings.from_ds_config(cfg)
     assert message in str(err.value) and "\n" not in str(err.value)

@@ -424,7 +424,7 @@ def test_gemma3_peak_refused_from_the_sliding_window_on(name):
 #: its runs built the model with ``attn_implementation="eager"`` (``hf_builder`` asks for "sdpa", which
 #: Gemma2ForCausalLM refuses; a sitecustomize swapped it for the recording). Measured error: FSDP2 within 0.0019%
 #: (fp32 and bf16), exact to the byte since the second rotary table's fp32 inv_freq pair (96 B) and the 4 B
-#: embed_scale buffer are counted (``hf_tree.rotary_buffer_bytes``, ``embed_scale_bytes``), DeepSpeed (fp32)
+#: embed_scale buffer are counted (``hf_buffers.rotary_buffer_bytes``, ``embed_scale_bytes``), DeepSpeed (fp32)
 #: within 0.0115% (as the Qwen3 and Phi-3 rows of the same world). Before the Gemma terms, a Llama block of the same widths (gelu_pytorch_tanh,
 #: same world): t-gemma2 forward +16.97%, backward +15.81% (bf16 +16.21%, +15.53%); t-gemma3 forward +6.53%, backward +6.04%.
 #: t-gemma2-scores, with the Gemma terms but before ``body_masks`` (hf_tree.inputs_embeds_held) and the post-feedforward
@@ -486,11 +486,11 @@ def test_fsdp2_peaks_of_gemma_every_phase_every_rank(name, tmp_path):
 
 @pytest.mark.parametrize("name", ["t-gemma2", "t-gemma3", "t-qwen3"])
 def test_fsdp2_module_buffers_of_transformers_classes(name):
-    """``hf_tree.rotary_buffer_bytes`` + ``embed_scale_bytes`` (FSDP2's ``rotary_buffers`` terms) against the
+    """``hf_buffers.rotary_buffer_bytes`` + ``embed_scale_bytes`` (FSDP2's ``rotary_buffers`` terms) against the
     buffers of transformers' model of the same config: every rotary table's inv_freq pair, Gemma's embed_scale."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from zeroplan.engines.fsdp2.hf_tree import embed_scale_bytes, rotary_buffer_bytes
+    from zeroplan.engines.fsdp2.hf_buffers import embed_scale_bytes, rotary_buffer_bytes
 
     cfg = GEMMA_RECORDED[name][0] if name in GEMMA_RECORDED else RECORDED[name][0]
     transformers.logging.set_verbosity_error()

@@ -100,3 +100,18 @@ def check_nvme(stage: int, key: str, buffer_count: int | None) -> None:
     if buffer_count is not None and buffer_count < SWAP_BUFFERS_NEEDED:
         raise ValueError(f"{where}.buffer_count={buffer_count}: Adam's swap-in needs {SWAP_BUFFERS_NEEDED} pool "
                          "buffers (partitioned_optimizer_swapper.py swap_in_optimizer_state asserts)")  # fmt: skip
+
+
+def check_aio(config: object) -> None:
+    """ValueError (one line) for an ``aio`` section whose ``block_size`` or ``intra_op_parallelism`` differs from the
+    defaults the NVMe terms use (``AIO_BLOCK_SIZE``, ``AIO_INTRA_OP_PARALLELISM``; runtime/swap_tensor/aio_config.py):
+    the section is not read yet, and predicting with the defaults would silently give another run's numbers."""
+    aio = config.get("aio") if isinstance(config, dict) else None
+    if aio is None:
+        return
+    if not isinstance(aio, dict):
+        raise ValueError(f"deepspeed config: aio={aio!r}: expected an object")
+    for key, default in (("block_size", AIO_BLOCK_SIZE), ("intra_op_parallelism", AIO_INTRA_OP_PARALLELISM)):
+        if key in aio and aio[key] != default:
+            raise ValueError(f"deepspeed config: aio.{key}={aio[key]!r}: the NVMe terms are modelled at DeepSpeed's "
+                             f"default {default} only")  # fmt: skip

@@ -25,7 +25,7 @@ unmeasured; its NVMe traffic ``nvme.nvme_traffic``). On a CPU-only run
 
 from __future__ import annotations
 
-from zeroplan.engines.deepspeed import nvme
+from zeroplan.engines.deepspeed.nvme import POOL, pool_bytes, pool_source, swappable
 from zeroplan.engines.deepspeed.offload_settings import OPTIMIZER_BUFFER_COUNT
 from zeroplan.engines.deepspeed.offload_terms import S12, offloads
 from zeroplan.engines.deepspeed.run import DSRun
@@ -103,15 +103,15 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
 
 def nvme_host_terms(run: DSRun, part: int) -> list[Term]:
     """ZeRO-3 ``offload_optimizer.device: nvme`` (nvme.py): the pinned swap pool, the gradient partition; a
-    sub-group too small to swap keeps the cpu terms beside the pool (``nvme.swappable``)."""
+    sub-group too small to swap keeps the cpu terms beside the pool (``swappable``)."""
     s = run.settings
     o, g = s.offload_optimizer, DTYPE_BYTES[s.grad_dtype]
     count = OPTIMIZER_BUFFER_COUNT if o.buffer_count is None else o.buffer_count
-    out = [Term(f"{nvme.POOL} (from source, unmeasured) (pinned)", nvme.pool_bytes(part, count),
-                nvme.pool_source(), count),
+    out = [Term(f"{POOL} (from source, unmeasured) (pinned)", pool_bytes(part, count),
+                pool_source(), count),
            Term(_pin(o, "gradient partition"), part * g,
                 f"{S3} _setup_for_real_optimizer (grad_partitions_flat_buffer on the CPU)")]  # fmt: skip
-    if not nvme.swappable(part):
+    if not swappable(part):
         out += [Term("fp32 master partition", part * 4, f"{S3} _create_fp32_partitions (.to(cpu), clone)"),
                 Term(_pin(o, "fp32 gradient of the master partition"), part * 4,
                      f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
@@ -207,7 +207,7 @@ def host_at_states_init(run: DSRun) -> tuple[Term, ...]:
         return ()
     part = flat_shard_numel(run.numels, run.nd)
     keep = ("fp32 master partition", "fp32 gradient of the master partition", "16-bit parameter partition",
-            nvme.POOL)
+            POOL)
     return (*(t for t in host_terms(run) if t.name.startswith(keep)),
             Term(UNUSED_GRADIENT_BUFFER, part * 4, f"{S3} initialize_optimizer_states (gradient_buffer)"))
 

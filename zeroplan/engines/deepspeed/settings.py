@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zeroplan.engines.deepspeed.config import (DEFAULT_BUCKET_NUMEL, STAGE3_PREFETCH_NUMEL, _batch_keys, _ds_dtype,
                                                _OptimizerParams, _precision_keys, from_deepspeed, parse_ds_config)
+from zeroplan.engines.deepspeed.nvme import check_aio
 from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, check_offload, read_target, target_block
 from zeroplan.engines.deepspeed.zeropp_settings import check_zeropp, check_zeropp_keys, zeropp_keys
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
@@ -146,6 +147,8 @@ class Settings(BaseModel):
         found = {field: getattr(zero, key) for key, field in _ZERO_KEYS.items() if getattr(zero, key) is not None}
         kind = (ds.optimizer.type.lower() if ds.optimizer is not None and ds.optimizer.type else "adam")
         targets = {k: read_target(getattr(zero, k), k) for k in ("offload_optimizer", "offload_param")}
+        if any(t.device == "nvme" for t in targets.values()):
+            check_aio(config)
         dtype = base["param_dtype"]
         _check_offload(number, dtype, _ds_dtype(grad, "data_types.grad_accum_dtype") if grad else dtype,
                        zero.contiguous_gradients is not False, *targets.values())  # one line before pydantic wraps it

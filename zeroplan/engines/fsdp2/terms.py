@@ -11,6 +11,7 @@ from functools import cached_property, lru_cache
 from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, unit_shard_numel
+from zeroplan.engines.fsdp2.hf_buffers import embed_scale_bytes, rotary_buffer_bytes
 from zeroplan.engines.fsdp2.memo import RANKED, memo_term
 from zeroplan.engines.fsdp2.wrap import ShardUnit, Wrapping, preset, resolve
 from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_group
@@ -42,7 +43,7 @@ class Fsdp2Run:
     transformers: bool = False  # transformers' module tree (Workload.transformers): see zeroplan.engines.fsdp2.hf_tree
     loss_in_forward: bool = False  # transformers: the loss inside the root's forward (forward(labels=...))
     buffer_bytes: int = 0  # module buffers every moment holds (transformers' rotary inv_freq): hf_tree.rotary_buffers
-    scale_bytes: int = 0  # Gemma's fp32 embed_scale buffer, every moment (hf_tree.embed_scale_bytes)
+    scale_bytes: int = 0  # Gemma's fp32 embed_scale buffer, every moment (hf_buffers.embed_scale_bytes)
     position_bytes: int = 0  # transformers llama-style: the int64 position ids in forward (hf_tree.position_ids)
     shard_units: tuple[ShardUnit, ...] = ()  # the fully_shard calls as made (wrap.resolve): collectives, edge_regathers
     replicate: int = 1  # HSDP: replicas R of the 2-D mesh; ``nd`` is then the shard group S (engines/fsdp2/mesh.py)
@@ -362,7 +363,6 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                 and not n.startswith(prefix))  # fmt: skip
     hf = workload.transformers
     rotary = hf and spec.style == "llama"
-    from zeroplan.engines.fsdp2.hf_tree import embed_scale_bytes, rotary_buffer_bytes  # hf_tree imports this module
 
     buffers = rotary_buffer_bytes(spec) if rotary else 0  # fp32 inv_freq, original_inv_freq: hf_tree.rotary_buffers
     scale = embed_scale_bytes(spec) if hf else 0

@@ -1,0 +1,22 @@
+"""The module buffers transformers' models hold beside the parameters under FSDP2 (``Fsdp2Run.buffer_bytes`` and
+``scale_bytes``): read by ``terms.fsdp2_run``; their own module because ``hf_tree`` reads ``terms``."""
+
+from __future__ import annotations
+
+
+def rotary_buffer_bytes(spec) -> int:
+    """transformers' rotary buffers of a llama-style ``spec`` (``Fsdp2Run.buffer_bytes``): the fp32 ``inv_freq`` and
+    ``original_inv_freq`` (head_dim/2 each) of every rotary table, one per layer type at Gemma 3
+    (``modeling_gemma3.py:Gemma3RotaryEmbedding.__init__``: local and global). Measured against the modules'
+    buffers (tests/test_fsdp2_hf.py); t-gemma3 (two tables) missed 96 B in every phase with one table
+    (tests/test_families.py)."""
+    tables = len(set(spec.layer_types)) if spec.model_type == "gemma3_text" and spec.layer_types else 1
+    return tables * 2 * (spec.head_dim // 2) * 4
+
+
+def embed_scale_bytes(spec) -> int:
+    """Gemma's 0-dim fp32 ``embed_scale`` buffer (``Gemma2TextScaledWordEmbedding.__init__``; ``Fsdp2Run.scale_bytes``).
+    In fp32 the embedding's product saves the buffer itself (``embed_scale.to(weight.dtype)`` returns it), which
+    ``gemma_activations.embed_saved`` counts as one activation-dtype scalar: ``fsdp2_run`` takes it out there
+    (counted once, here). Without it t-gemma2 missed 4 B at init and the optimizer step (bf16: in every phase)."""
+    return 4 if spec.model_type in ("gemma2", "gemma3_text") else 0
