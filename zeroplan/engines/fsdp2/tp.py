@@ -236,16 +236,19 @@ def _loss_rows(run) -> tuple[int, int]:
 
 
 def loss_parallel_log_softmax(run) -> tuple[Term, ...]:
-    """Loss parallel's forward (T > 1; else ()): ``_log_softmax`` on the fp32 N·V/T logits, at
-    ``torch.sum(torch.exp(shifted))``: the shifted copy ``x - x_max`` and its exp (two fp32 N·V/T beside the
-    logits), the local row max, its all-reduced copy and the sum (three fp32 N), before the loss exists:
-    N·V/T·4 + 3·N·4 - 8 B over the "cross-entropy" moment (which holds the log-softmax and the 8 B loss).
-    Measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, no SP: the forward peak, exact."""
+    """Loss parallel's forward (T > 1; else ()): ``_log_softmax`` on the fp32 N·V/T logits, at its last op
+    ``result = shifted - shifted_logsumexp``: the shifted copy ``x - x_max`` and the result (two fp32 N·V/T
+    beside the logits; ``exp(shifted)`` is gone by then), the all-reduced row max, the all-reduced sum of exps
+    and its log (three fp32 N; the local max and sum died when their names were rebound), before the loss
+    exists: N·V/T·4 + 3·N·4 - 8 B over the "cross-entropy" moment (which holds the log-softmax and the 8 B
+    loss). Traced op by op (one rank, a 1-rank mesh: the peak at that ``aten.sub``, 2·N·V/T·4 + 3·N·4 beyond the
+    input) and measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, no SP, the forward peak, exact."""
     if (run.settings.tp or 1) == 1:
         return ()
     n, nv = _loss_rows(run)
-    return (Term("loss parallel: shifted logits and their exp (fp32)", 2 * nv, LOSS_SRC + "_log_softmax", 2),
-            Term("loss parallel: row max, its all-reduce, the sum of exps (fp32)", 3 * n * 4,
+    return (Term("loss parallel: shifted logits and the log-softmax being made (fp32)", 2 * nv,
+                 LOSS_SRC + "_log_softmax", 2),
+            Term("loss parallel: the all-reduced row max and sum of exps, its log (fp32)", 3 * n * 4,
                  LOSS_SRC + "_log_softmax", 3))  # fmt: skip
 
 
@@ -253,9 +256,11 @@ def loss_parallel_backward(run) -> tuple[Term, ...]:
     """Loss parallel's backward (T > 1; else ()): ``_nll_loss_and_log_softmax_backward`` at
     ``(grad_input + torch.exp(x)) * grad_output`` holds three fp32 N·V/T (grad_input, exp(x), their sum)
     where the profile's "cross-entropy backward" holds two, plus three int64 N (``safe_target``, the masked
-    target, ``arange_1d``), two fp32 N (``grad_update``, the masked ``grad_output``), the bool N mask
-    (``_MaskPartial.mask_buffer``) and ``grad_output / total_weight`` (4 B): N·V/T·4 + 3·N·8 + 2·N·4 + N + 4.
-    Measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, SP: the backward peak, exact."""
+    target ``_MaskPartial._mask_tensor`` makes, ``arange_1d``), two fp32 N (``grad_update``, the masked
+    ``grad_output``), the bool N mask (``_MaskPartial.mask_buffer``) and the loss's 4 B gradient:
+    N·V/T·4 + 3·N·8 + 2·N·4 + N + 4. Traced op by op (a 1-rank mesh: the peak at ``aten.add``, all but the
+    loss's gradient, an input there) and measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, SP: the
+    backward peak, exact."""
     if (run.settings.tp or 1) == 1:
         return ()
     n, nv = _loss_rows(run)
