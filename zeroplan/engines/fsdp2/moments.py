@@ -65,6 +65,7 @@ from zeroplan.engines.fsdp2.terms import (
     unsharded,
 )
 from zeroplan.engines.fsdp2.offload import offload_moments
+from zeroplan.engines.fsdp2.tp import loss_parallel_backward, loss_parallel_log_softmax
 from zeroplan.formulas.peak import Moment, Term
 
 def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
@@ -166,9 +167,12 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     loss = Moment("forward", "cross-entropy", (*base, *kept_blocks(run, L), *head_acts[:2], *logits_in_loss(run),
                   fp32_logits, _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax),
                   _act("loss", acts.loss), *in_loss))  # fmt: skip
+    lp = loss_parallel_log_softmax(run)  # TP: _log_softmax on vocabulary-sharded logits, before the loss
+    lp = (Moment("forward", "loss-parallel log-softmax", (*base, *kept_blocks(run, L), *head_acts[:2],
+                 *logits_in_loss(run), fp32_logits, *lp, *in_loss)),) if lp else ()  # fmt: skip
     states = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run))
     return (*embedding_copy_outs(run, states), *first, gather, copy_out, last, *reshard, *tail, head,
-            *((upcast,) if run.p != 4 else ()), loss)  # fmt: skip
+            *((upcast,) if run.p != 4 else ()), *lp, loss)  # fmt: skip
 
 
 def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:
@@ -204,7 +208,7 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     ce_base = (*base[:-1], root_side(run, "loss"), *head_prefetched(run)) if split_root(run) else base
     out.append(Moment("backward", "cross-entropy backward", (*ce_base, *kept_blocks(run, L), *saved_all, log_softmax,
                       _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2),
-                      *(prefetched(run, L) if early else ()))))  # fmt: skip
+                      *loss_parallel_backward(run), *(prefetched(run, L) if early else ()))))  # fmt: skip
     if resharded_after_head(run):  # their pre-backward, on the logits' gradient: the root's prefetch copied out
         out.append(Moment("backward", f"{head_units(run)[-1].name} backward copy-out", (
             *base, *kept_blocks(run, L), *saved_all, _act("logits gradient", acts.logits), *head_prefetched(run))))

@@ -29,8 +29,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from zeroplan.engines.fsdp2.collectives import UnitCollective
+from zeroplan.formulas.activation_terms import TOKEN_BYTES
+from zeroplan.formulas.peak import Term
 
 TP_SRC = "torch/distributed/tensor/parallel/style.py"
+LOSS_SRC = "torch/distributed/tensor/parallel/loss.py:"
 TP_FAMILIES = ("llama", "mistral", "qwen2")
 """The llama-like families the plan holds: q/k/v/o, gate/up/down, RMSNorm, untied head (Qwen3's q_norm and
 k_norm and Phi-3's fused projections are other plans)."""
@@ -224,6 +227,47 @@ def tp_acts(acts, spec, t: int, tokens: int, a: int, sequence_parallel: bool, gl
         acts = sequence_parallel_acts(acts, t, tokens, spec.d_model, a, gloo)
     return replace(acts, block=post_norm_backward(acts.block, spec, a))
 
+
+
+def _loss_rows(run) -> tuple[int, int]:
+    """(N, N·V/T·4): the tokens in the loss and one fp32 tensor of vocabulary-sharded logits (``run.acts``
+    is the TP-local architecture's: its ``log_softmax`` is N·V/T·4, its ``batch`` the ids and targets)."""
+    return run.acts.batch // (2 * TOKEN_BYTES), run.acts.log_softmax
+
+
+def loss_parallel_log_softmax(run) -> tuple[Term, ...]:
+    """Loss parallel's forward (T > 1; else ()): ``_log_softmax`` on the fp32 N·V/T logits, at its last op
+    ``result = shifted - shifted_logsumexp``: the shifted copy ``x - x_max`` and the result (two fp32 N·V/T
+    beside the logits; ``exp(shifted)`` is gone by then), the all-reduced row max, the all-reduced sum of exps
+    and its log (three fp32 N; the local max and sum died when their names were rebound), before the loss
+    exists: N·V/T·4 + 3·N·4 - 8 B over the "cross-entropy" moment (which holds the log-softmax and the 8 B
+    loss). Traced op by op (one rank, a 1-rank mesh: the peak at that ``aten.sub``, 2·N·V/T·4 + 3·N·4 beyond the
+    input) and measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, no SP, the forward peak, exact."""
+    if (run.settings.tp or 1) == 1:
+        return ()
+    n, nv = _loss_rows(run)
+    return (Term("loss parallel: shifted logits and the log-softmax being made (fp32)", 2 * nv,
+                 LOSS_SRC + "_log_softmax", 2),
+            Term("loss parallel: the all-reduced row max and sum of exps, its log (fp32)", 3 * n * 4,
+                 LOSS_SRC + "_log_softmax", 3))  # fmt: skip
+
+
+def loss_parallel_backward(run) -> tuple[Term, ...]:
+    """Loss parallel's backward (T > 1; else ()): ``_nll_loss_and_log_softmax_backward`` at
+    ``(grad_input + torch.exp(x)) * grad_output`` holds three fp32 N·V/T (grad_input, exp(x), their sum)
+    where the profile's "cross-entropy backward" holds two, plus three int64 N (``safe_target``, the masked
+    target ``_MaskPartial._mask_tensor`` makes, ``arange_1d``), two fp32 N (``grad_update``, the masked
+    ``grad_output``), the bool N mask (``_MaskPartial.mask_buffer``) and the loss's 4 B gradient:
+    N·V/T·4 + 3·N·8 + 2·N·4 + N + 4. Traced op by op (a 1-rank mesh: the peak at ``aten.add``, all but the
+    loss's gradient, an input there) and measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, SP: the
+    backward peak, exact."""
+    if (run.settings.tp or 1) == 1:
+        return ()
+    n, nv = _loss_rows(run)
+    return (Term("loss parallel: grad_input + exp(x), the third fp32 N·V/T", nv,
+                 LOSS_SRC + "_nll_loss_and_log_softmax_backward"),
+            Term("loss parallel: targets (int64), mask, grad_update and grad_output columns", 3 * n * 8 + 2 * n * 4
+                 + n + 4, LOSS_SRC + "_nll_loss_and_log_softmax_backward", 7))  # fmt: skip
 
 TP_SIZES = (1, 2, 4, 8)
 """The TP degrees ``plan --tp auto`` tries, smallest first, those within a node that divide the GPUs and that
