@@ -66,6 +66,21 @@ def test_generator_2_adds_fsdp2_wrappings_and_keeps_the_rest():
     assert draw(1, 5, "deepspeed", generator=2).ds_config == draw(1, 5, "deepspeed").ds_config
 
 
+def test_generator_3_adds_meta_init_and_checkpointing_and_keeps_generator_2():
+    draws = [(draw(1, i, "fsdp2", generator=2), draw(1, i, "fsdp2", generator=3)) for i in SLICE]
+    for two, three in draws:  # everything generator 2 draws, its wrapping included, is drawn the same
+        step = (three.config, three.nd, three.seq_len, three.micro_batch)
+        assert (two.config, two.nd, two.seq_len, two.micro_batch) == step
+        assert {k: v for k, v in three.fsdp2.items() if k not in ("init", "checkpointing")} == two.fsdp2
+        assert "init" not in two.fsdp2 and "checkpointing" not in two.fsdp2
+    assert {(t.fsdp2["init"], t.fsdp2["checkpointing"]) for _, t in draws} == {
+        (i, c) for i in ("materialized", "meta") for c in (False, True)}
+    assert draw(1, 9, "fsdp2", generator=3).name.endswith("init=meta ckpt")
+    assert draw(1, 5, "deepspeed", generator=3).ds_config == draw(1, 5, "deepspeed").ds_config
+    with pytest.raises(ValueError, match="generator=4"):
+        draw(1, 0, generator=4)
+
+
 def _numels(config: dict) -> tuple[int, ...]:
     from zeroplan.architectures.hf_config import spec_from_hf_config
     from zeroplan.architectures.spec import transformer_shapes

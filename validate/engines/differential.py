@@ -76,6 +76,7 @@ class Draw:
             what = f"rsf={s['reshard_after_forward']} {s['param_dtype']}{'' if s['labels'] else ' no-labels'}"
             wrap = s.get("wrap", "blocks")
             what += "" if wrap == "blocks" else f" wrap={wrap if isinstance(wrap, str) else _wrap_label(wrap)}"
+            what += (" init=meta" if s.get("init") == "meta" else "") + (" ckpt" if s.get("checkpointing") else "")
         else:
             z = self.ds_config["zero_optimization"]
             dtype = "bf16" if "bf16" in self.ds_config else "fp32"
@@ -191,13 +192,17 @@ def draw(seed: int, index: int, engine: Optional[str] = None, generator: int = 1
     of a string seed); ``engine``: that engine for this draw (None: the drawn one; the model, the step and
     the world are the same either way); ``generator`` 2: and FSDP2's wrapping, from a second stream, so that
     everything generator 1 draws is drawn the same."""
+    if generator not in (1, 2, 3):
+        raise ValueError(f"generator={generator}: expected 1, 2 or 3")
     d = _draw(seed, index, engine)
     if generator == 1 or d.engine != "fsdp2":
         return d if generator == 1 else replace(d, generator=generator)
-    if generator != 2:
-        raise ValueError(f"generator={generator}: expected 1 or 2")
     rng = random.Random(f"zeroplan-differential-{seed}-{index}-generator-2")
-    return replace(d, fsdp2={**d.fsdp2, **_wrapping(rng, d)}, generator=2)
+    fsdp2 = {**d.fsdp2, **_wrapping(rng, d)}
+    if generator == 3:  # a third stream: generator 2's draw (its wrapping included) is unchanged
+        rng = random.Random(f"zeroplan-differential-{seed}-{index}-generator-3")
+        fsdp2 |= {"init": rng.choice(("materialized", "meta")), "checkpointing": rng.random() < 0.5}
+    return replace(d, fsdp2=fsdp2, generator=generator)
 
 
 def _draw(seed: int, index: int, engine: Optional[str] = None) -> Draw:

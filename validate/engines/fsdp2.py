@@ -60,10 +60,27 @@ def build_sharded(spec, mesh, settings: Fsdp2Settings, device: torch.device) -> 
     ``FSDPModule._apply`` follows with ``FSDPParam.reset_sharded_param``) and initialised in place (meta)."""
     if settings.init == "materialized":
         return shard(build_model(spec, settings, device), mesh, settings, spec)
-    model = shard(build(spec, torch.float32, "meta"), mesh, settings, spec)
+    if not settings.hf:
+        model = shard(build(spec, torch.float32, "meta"), mesh, settings, spec)
+        model.to_empty(device=device)
+        model._init_weights()
+        return model
+    with torch.device("meta"):  # torchtitan's order: every parameter and buffer on meta, sharded, then device
+        model = shard(build_model(spec, settings, "meta"), mesh, settings, spec)
     model.to_empty(device=device)
-    model._init_weights()
+    init_hf_weights(model)
     return model
+
+
+def init_hf_weights(model: nn.Module) -> None:
+    """transformers' own initialisation of a model given memory by ``to_empty`` (shard by shard, in place):
+    ``from_config`` marked every module initialised (``_is_hf_initialized``) while it was on meta, so the
+    marks are cleared first; ``init_weights`` then fills the parameters' shards and recomputes the rotary
+    tables (``_init_weights``: ``inv_freq``, ``original_inv_freq``), non-persistent buffers that
+    ``to_empty`` leaves uninitialised, and ties the head again (the same DTensor: tied before sharding)."""
+    for module in model.modules():
+        module._is_hf_initialized = False
+    model.init_weights()
 
 
 def shard(model: nn.Module, mesh, settings: Fsdp2Settings, spec=None) -> nn.Module:
