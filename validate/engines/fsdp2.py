@@ -7,6 +7,9 @@ keeps FSDP2's default, which does not reshard it after forward). Activation chec
 each block in ``checkpoint_wrapper`` before it is sharded (torchtitan's order). ``torch.optim.Adam`` runs
 on the sharded DTensor parameters; ``zero_grad(set_to_none=True)`` ends the optimizer phase.
 
+Meta init (``init="meta"``): the model is built on the meta device (transformers' with ``hf``: under
+``torch.device("meta")``), sharded, given memory by ``to_empty`` and initialised in place (``init_hf_weights``).
+
 Phases (``PHASES``): ``init`` builds the model (fp32, on the probed device), shards it and creates the
 optimizer; each step is ``forward`` (batch copied in, loss), ``backward`` and ``optimizer_step``. The
 MemoryProbe keeps the peak of each phase, and live bytes are read after init, after forward, after
