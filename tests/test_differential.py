@@ -152,3 +152,29 @@ def test_live_draw_every_phase_every_rank(tmp_path):
     for rank, errors in got.errors().items():
         for phase, e in errors.items():
             assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")
+
+
+def test_meta_init_of_transformers_model_recomputes_its_rotary_tables():
+    """Generator 3's meta init (``validate.engines.fsdp2.init_hf_weights``, unsharded here): ``to_empty`` leaves
+    every tensor uninitialised; transformers' ``init_weights`` must fill the weights (std 0.02, norms 1) and
+    recompute the non-persistent rotary tables, or the run trains on garbage of the right size."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from validate.engines.deepspeed import hf_builder
+    from validate.engines.fsdp2 import init_hf_weights
+
+    path = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-qwen2.json")
+    materialized = hf_builder(path)()
+    with torch.device("meta"):
+        model = hf_builder(path)()
+    model.to_empty(device="cpu")
+    for t in model.buffers():
+        t.fill_(float("nan"))
+    for p in model.parameters():
+        p.data.fill_(float("nan"))
+    init_hf_weights(model)
+    assert torch.equal(model.model.rotary_emb.inv_freq, materialized.model.rotary_emb.inv_freq)
+    assert all(torch.isfinite(t).all() for t in [*model.parameters(), *model.buffers()])
+    assert abs(float(model.model.embed_tokens.weight.std()) - 0.02) < 0.002
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))

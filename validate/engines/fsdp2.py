@@ -77,12 +77,10 @@ def build_sharded(spec, mesh, settings: Fsdp2Settings, device: torch.device) -> 
 
 def init_hf_weights(model: nn.Module) -> None:
     """transformers' own initialisation of a model given memory by ``to_empty`` (shard by shard, in place):
-    ``from_config`` marked every module initialised (``_is_hf_initialized``) while it was on meta, so the
-    marks are cleared first; ``init_weights`` then fills the parameters' shards and recomputes the rotary
-    tables (``_init_weights``: ``inv_freq``, ``original_inv_freq``), non-persistent buffers that
-    ``to_empty`` leaves uninitialised, and ties the head again (the same DTensor: tied before sharding)."""
-    for module in model.modules():
-        module._is_hf_initialized = False
+    ``from_config`` under the meta device initialised nothing and marked nothing (``init_weights`` skips
+    the meta device), so ``init_weights`` now fills the parameters' shards, recomputes the rotary tables
+    (``_init_weights``: ``inv_freq``, ``original_inv_freq``, non-persistent buffers that ``to_empty`` leaves
+    uninitialised) and ties the head again (the same DTensor: tied before sharding)."""
     model.init_weights()
 
 
