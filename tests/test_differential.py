@@ -66,6 +66,21 @@ def test_generator_2_adds_fsdp2_wrappings_and_keeps_the_rest():
     assert draw(1, 5, "deepspeed", generator=2).ds_config == draw(1, 5, "deepspeed").ds_config
 
 
+def test_generator_3_adds_meta_init_and_checkpointing_and_keeps_generator_2():
+    draws = [(draw(1, i, "fsdp2", generator=2), draw(1, i, "fsdp2", generator=3)) for i in SLICE]
+    for two, three in draws:  # everything generator 2 draws, its wrapping included, is drawn the same
+        step = (three.config, three.nd, three.seq_len, three.micro_batch)
+        assert (two.config, two.nd, two.seq_len, two.micro_batch) == step
+        assert {k: v for k, v in three.fsdp2.items() if k not in ("init", "checkpointing")} == two.fsdp2
+        assert "init" not in two.fsdp2 and "checkpointing" not in two.fsdp2
+    assert {(t.fsdp2["init"], t.fsdp2["checkpointing"]) for _, t in draws} == {
+        (i, c) for i in ("materialized", "meta") for c in (False, True)}
+    assert draw(1, 9, "fsdp2", generator=3).name.endswith("init=meta ckpt")
+    assert draw(1, 5, "deepspeed", generator=3).ds_config == draw(1, 5, "deepspeed").ds_config
+    with pytest.raises(ValueError, match="generator=4"):
+        draw(1, 0, generator=4)
+
+
 def _numels(config: dict) -> tuple[int, ...]:
     from zeroplan.architectures.hf_config import spec_from_hf_config
     from zeroplan.architectures.spec import transformer_shapes
@@ -137,3 +152,29 @@ def test_live_draw_every_phase_every_rank(tmp_path):
     for rank, errors in got.errors().items():
         for phase, e in errors.items():
             assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")
+
+
+def test_meta_init_of_transformers_model_recomputes_its_rotary_tables():
+    """Generator 3's meta init (``validate.engines.fsdp2.init_hf_weights``, unsharded here): ``to_empty`` leaves
+    every tensor uninitialised; transformers' ``init_weights`` must fill the weights (std 0.02, norms 1) and
+    recompute the non-persistent rotary tables, or the run trains on garbage of the right size."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from validate.engines.deepspeed import hf_builder
+    from validate.engines.fsdp2 import init_hf_weights
+
+    path = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-qwen2.json")
+    materialized = hf_builder(path)()
+    with torch.device("meta"):
+        model = hf_builder(path)()
+    model.to_empty(device="cpu")
+    for t in model.buffers():
+        t.fill_(float("nan"))
+    for p in model.parameters():
+        p.data.fill_(float("nan"))
+    init_hf_weights(model)
+    assert torch.equal(model.model.rotary_emb.inv_freq, materialized.model.rotary_emb.inv_freq)
+    assert all(torch.isfinite(t).all() for t in [*model.parameters(), *model.buffers()])
+    assert abs(float(model.model.embed_tokens.weight.std()) - 0.02) < 0.002
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))

@@ -106,7 +106,7 @@ def test_validator_settings_refuse_what_hf_builder_cannot_run():
     from validate.engines.fsdp2 import Fsdp2Settings
 
     with pytest.raises(ValueError, match="hf=True"):
-        Fsdp2Settings(model=str(DATA / "tiny-qwen2.json"), hf=True, init="meta")
+        Fsdp2Settings(model=str(DATA / "tiny-qwen2.json"), hf=True, params=1e6)
     with pytest.raises(ValueError, match="labels=False"):
         Fsdp2Settings(labels=False)
 

@@ -21,9 +21,14 @@ recorded draw stays reproducible), then for FSDP2 a wrapping from a second strea
 order), with the decoder layers' ``reshard_after_forward`` True, False or an int and the root's and the head
 group's own values.
 
-Not drawn: activation checkpointing and meta init (the runners build transformers' models whole and without
-checkpointing: ``hf_builder``; ``Fsdp2Settings`` refuses either with ``hf``), dropout (the configs set every
-``*pdrop`` to 0: no profile counts dropout masks).
+Generator 3 (``generator=3``) draws generator 2's draw, wrapping included, then from a third stream FSDP2's
+``init`` (materialized or meta: built under ``torch.device("meta")``, sharded, ``to_empty``, transformers'
+``init_weights``; ``validate.engines.fsdp2.build_sharded``) and activation checkpointing (``checkpoint_wrapper``
+on every decoder layer before ``fully_shard``, non-reentrant: torchtitan's and accelerate's
+``fsdp_activation_checkpointing`` order; ``validate.engines.fsdp2.shard``).
+
+Not drawn: DeepSpeed's activation checkpointing (its runner builds transformers' models without it:
+``hf_builder``), dropout (the configs set every ``*pdrop`` to 0: no profile counts dropout masks).
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ class Draw:
     zero_init: bool = False
     psi: int = 0
     generator: int = 1
-    """the generator's version: 2 adds FSDP2's wrapping (module docstring); 1's draws are unchanged."""
+    """the generator's version: 2 adds FSDP2's wrapping, 3 its init and checkpointing (module docstring);
+    each earlier version's draws are unchanged."""
 
     @property
     def name(self) -> str:
@@ -76,6 +82,8 @@ class Draw:
             what = f"rsf={s['reshard_after_forward']} {s['param_dtype']}{'' if s['labels'] else ' no-labels'}"
             wrap = s.get("wrap", "blocks")
             what += "" if wrap == "blocks" else f" wrap={wrap if isinstance(wrap, str) else _wrap_label(wrap)}"
+            what += " init=meta" if s.get("init") == "meta" else ""
+            what += " ckpt" if s.get("checkpointing") else ""
         else:
             z = self.ds_config["zero_optimization"]
             dtype = "bf16" if "bf16" in self.ds_config else "fp32"
@@ -191,13 +199,17 @@ def draw(seed: int, index: int, engine: Optional[str] = None, generator: int = 1
     of a string seed); ``engine``: that engine for this draw (None: the drawn one; the model, the step and
     the world are the same either way); ``generator`` 2: and FSDP2's wrapping, from a second stream, so that
     everything generator 1 draws is drawn the same."""
+    if generator not in (1, 2, 3):
+        raise ValueError(f"generator={generator}: expected 1, 2 or 3")
     d = _draw(seed, index, engine)
     if generator == 1 or d.engine != "fsdp2":
         return d if generator == 1 else replace(d, generator=generator)
-    if generator != 2:
-        raise ValueError(f"generator={generator}: expected 1 or 2")
     rng = random.Random(f"zeroplan-differential-{seed}-{index}-generator-2")
-    return replace(d, fsdp2={**d.fsdp2, **_wrapping(rng, d)}, generator=2)
+    fsdp2 = {**d.fsdp2, **_wrapping(rng, d)}
+    if generator == 3:  # a third stream: generator 2's draw (its wrapping included) is unchanged
+        rng = random.Random(f"zeroplan-differential-{seed}-{index}-generator-3")
+        fsdp2 |= {"init": rng.choice(("materialized", "meta")), "checkpointing": rng.random() < 0.5}
+    return replace(d, fsdp2=fsdp2, generator=generator)
 
 
 def _draw(seed: int, index: int, engine: Optional[str] = None) -> Draw:

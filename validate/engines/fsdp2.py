@@ -7,6 +7,9 @@ keeps FSDP2's default, which does not reshard it after forward). Activation chec
 each block in ``checkpoint_wrapper`` before it is sharded (torchtitan's order). ``torch.optim.Adam`` runs
 on the sharded DTensor parameters; ``zero_grad(set_to_none=True)`` ends the optimizer phase.
 
+Meta init (``init="meta"``): the model is built on the meta device (transformers' with ``hf``: under
+``torch.device("meta")``), sharded, given memory by ``to_empty`` and initialised in place (``init_hf_weights``).
+
 Phases (``PHASES``): ``init`` builds the model (fp32, on the probed device), shards it and creates the
 optimizer; each step is ``forward`` (batch copied in, loss), ``backward`` and ``optimizer_step``. The
 MemoryProbe keeps the peak of each phase, and live bytes are read after init, after forward, after
@@ -60,10 +63,25 @@ def build_sharded(spec, mesh, settings: Fsdp2Settings, device: torch.device) -> 
     ``FSDPModule._apply`` follows with ``FSDPParam.reset_sharded_param``) and initialised in place (meta)."""
     if settings.init == "materialized":
         return shard(build_model(spec, settings, device), mesh, settings, spec)
-    model = shard(build(spec, torch.float32, "meta"), mesh, settings, spec)
+    if not settings.hf:
+        model = shard(build(spec, torch.float32, "meta"), mesh, settings, spec)
+        model.to_empty(device=device)
+        model._init_weights()
+        return model
+    with torch.device("meta"):  # torchtitan's order: every parameter and buffer on meta, sharded, then device
+        model = shard(build_model(spec, settings, "meta"), mesh, settings, spec)
     model.to_empty(device=device)
-    model._init_weights()
+    init_hf_weights(model)
     return model
+
+
+def init_hf_weights(model: nn.Module) -> None:
+    """transformers' own initialisation of a model given memory by ``to_empty`` (shard by shard, in place):
+    ``from_config`` under the meta device initialised nothing and marked nothing (``init_weights`` skips
+    the meta device), so ``init_weights`` now fills the parameters' shards, recomputes the rotary tables
+    (``_init_weights``: ``inv_freq``, ``original_inv_freq``, non-persistent buffers that ``to_empty`` leaves
+    uninitialised) and ties the head again (the same DTensor: tied before sharding)."""
+    model.init_weights()
 
 
 def shard(model: nn.Module, mesh, settings: Fsdp2Settings, spec=None) -> nn.Module:

@@ -38,8 +38,8 @@ class Fsdp2Settings:
     def __post_init__(self) -> None:
         if self.init not in ("materialized", "meta"):
             raise ValueError(f"init={self.init!r}: expected materialized or meta")
-        if self.hf and (self.init != "materialized" or self.checkpointing or self.params is not None):
-            raise ValueError("hf=True: a config.json model, materialized, without checkpointing (hf_builder)")
+        if self.hf and self.params is not None:
+            raise ValueError("hf=True: a config.json model (hf_builder), not params=")
         if not self.labels and not self.hf:
             raise ValueError("labels=False: hf runs only (the validator's CausalLM computes its loss outside)")
         for name in ("param_dtype", "reduce_dtype"):
