@@ -111,6 +111,18 @@ def test_validator_settings_refuse_what_hf_builder_cannot_run():
         Fsdp2Settings(labels=False)
 
 
+def test_validate_command_takes_meta_init_and_checkpointing_with_hf():
+    """``zeroplan validate --engine fsdp2 --hf`` runs meta init and checkpointing (the runner builds both:
+    validate/engines/fsdp2.py); only ``--params`` is refused with ``--hf``, in one line."""
+    from validate.config import ValidateConfig
+
+    model = str(DATA / "tiny-qwen2.json")
+    for extra in ({"fsdp2_init": "meta"}, {"checkpointing": "full"}):
+        assert ValidateConfig(engine="fsdp2", hf=True, model=model, world_sizes=[2], **extra).hf
+    with pytest.raises(ValueError, match="--hf: a config.json --model, not --params"):
+        ValidateConfig(engine="fsdp2", hf=True, params=1e6, world_sizes=[2])
+
+
 def test_decoder_layers_are_transformers_own(tmp_path):
     pytest.importorskip("transformers")
     import torch

@@ -230,8 +230,8 @@ class ValidateConfig(BaseModel):
                                  "zeroplan does not model; use 2 or more")  # fmt: skip
             if self.labels is not None and not self.hf:
                 raise ValueError("--labels/--no-labels: with --hf only (the validator's CausalLM takes its loss outside)")
-            if self.hf and (self.fsdp2_init == "meta" or self.checkpointing == "full" or self.params is not None):
-                raise ValueError("--hf: a config.json --model, materialized, without checkpointing (hf_builder)")
+            if self.hf and self.params is not None:  # meta init and checkpointing run (validate/engines/fsdp2.py)
+                raise ValueError("--hf: a config.json --model, not --params (hf_builder)")
             if self.fsdp_wrap is not None:  # one line for a bad wrapping, by the engine's own check
                 from zeroplan.engines import get_engine
 
