@@ -31,6 +31,9 @@ measured on (``tests/test_fsdp2_hf_recorded.py``, ``tests/test_fsdp2_hf.py``; re
 
 from __future__ import annotations
 
+import math
+
+from zeroplan.engines.fsdp2.param import padded_shard_numel
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, ag_output
 from zeroplan.formulas.peak import Term
 
@@ -118,6 +121,24 @@ def tied_head_build(run: Fsdp2Run) -> tuple[Term, ...]:
         return ()
     return (Term("lm_head weight before tie_weights", run.head_numel * run.m,
                  TF + "modeling_utils.py:PreTrainedModel.post_init (tie_weights)"),)  # fmt: skip
+
+
+def tied_head_to_empty(run: Fsdp2Run) -> tuple[Term, ...]:
+    """Meta init of a tied transformers model: ``nn.Module.to_empty`` works through ``Module._apply``
+    (torch/nn/modules/module.py), which visits a parameter once for every module that holds it; the tied ``lm_head``
+    holds the token embedding's weight, so a second padded shard of it is allocated while every other shard is
+    alive (the first is freed when the second replaces it). Measured: differential draws 1-9, 1-17, 1-51 (generator
+    3, tied, meta init) missed exactly one padded embedding shard at init on every rank but the last without it, and
+    are exact there with it; the last rank of 1-9 and 1-17 holds one unpadded shard more (open, recorded). The
+    validator's own model applies its head with ``F.linear`` and registers the weight once: no second allocation."""
+    if not run.transformers or not run.tied_head or run.settings.init != "meta":
+        return ()
+    shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
+    embed = next((s for s in shapes if math.prod(s) == run.head_numel), None)
+    if embed is None:
+        return ()
+    return (Term("the tied weight's second shard (to_empty visits it twice)", padded_shard_numel(embed, run.nd) * run.m,
+                 "torch/nn/modules/module.py:Module._apply"),)  # fmt: skip
 
 
 EMBED_SAVED = "embedding saved (position ids)"

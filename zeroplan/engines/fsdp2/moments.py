@@ -16,6 +16,7 @@ from zeroplan.engines.fsdp2.hf_tree import (
     root_backward_released,
     rotary_buffers,
     tied_head_build,
+    tied_head_to_empty,
 )
 from zeroplan.engines.fsdp2.mesh import REDUCED, with_allreduce_held
 from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward
@@ -88,6 +89,8 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
             # while its unpadded one is alive: the largest such copy on top of all shards bounds the peak
             Moment("init", "to_empty: re-padding a short shard", (*mesh_ranks(run), *rotary_buffers(run), params(run),
                    _fp("the unpadded shard being re-padded", max(repad, default=0) * run.m, src))),
+            *(Moment("init", "to_empty: the tied weight's second allocation", (*mesh_ranks(run), *rotary_buffers(run),
+                     params(run), *tied)) for tied in (tied_head_to_empty(run),) if tied),
         )  # fmt: skip
     # the fully_shard calls in the order the wrapping makes them (wrap.resolve; blocks, then the root)
     calls = [(u.name, [s for _, s in u.params]) for u in run.shard_units if u.params] or \
