@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from zeroplan.engines.fsdp2.param import padded_shard_numel
+from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, ag_output
 from zeroplan.formulas.peak import Term
 
@@ -125,20 +125,41 @@ def tied_head_build(run: Fsdp2Run) -> tuple[Term, ...]:
 
 def tied_head_to_empty(run: Fsdp2Run) -> tuple[Term, ...]:
     """Meta init of a tied transformers model: ``nn.Module.to_empty`` works through ``Module._apply``
-    (torch/nn/modules/module.py), which visits a parameter once for every module that holds it; the tied ``lm_head``
-    holds the token embedding's weight, so a second padded shard of it is allocated while every other shard is
-    alive (the first is freed when the second replaces it). Measured: differential draws 1-9, 1-17, 1-51 (generator
-    3, tied, meta init) missed exactly one padded embedding shard at init on every rank but the last without it, and
-    are exact there with it; the last rank of 1-9 and 1-17 holds one unpadded shard more (open, recorded). The
-    validator's own model applies its head with ``F.linear`` and registers the weight once: no second allocation."""
+    (torch/nn/modules/module.py), which visits a parameter once for every module that holds it (``embed_tokens``
+    first, ``lm_head`` last) and swaps in ``empty_like`` of it: the rank's local (unpadded) shard. FSDP2 re-pads it
+    when an FSDP module's ``_apply`` returns (_fully_shard.py:FSDPModule._apply, _fsdp_param.py:
+    FSDPParam.reset_sharded_param: a short shard is copied into a new padded tensor, then held as
+    ``_sharded_param_data``). If the unit owning the tied weight returns between the two visits (a unit holding
+    ``embed_tokens`` or its parent, not the root), the first shard is padded and held while ``lm_head``'s visit
+    allocates a second local shard and re-pads it: one padded shard more, and on a short rank (V % N_d != 0) its
+    unpadded local shard too. If the root owns it, nothing is re-padded between the visits: the first local shard
+    is freed by the swap, and the peak is the second local shard beside its padding (the last rank holds the
+    unpadded shard, not a padded one, more). Measured: draws 1-9 and 1-17 (generator 3, the group [norm,
+    embed_tokens, lm_head]) exact on every rank, the last (a short shard) 4,703,360 and 9,447,424 B over the
+    padded shard alone; 1-51 (blocks: the root owns it) exact on every rank. The validator's own model applies
+    its head with ``F.linear`` and registers the weight once: no second allocation."""
     if not run.transformers or not run.tied_head or run.settings.init != "meta":
         return ()
     shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
     embed = next((s for s in shapes if math.prod(s) == run.head_numel), None)
     if embed is None:
         return ()
-    return (Term("the tied weight's second shard (to_empty visits it twice)", padded_shard_numel(embed, run.nd) * run.m,
-                 "torch/nn/modules/module.py:Module._apply"),)  # fmt: skip
+    src = "torch/nn/modules/module.py:Module._apply"
+    padded, local = padded_shard_numel(embed, run.nd), local_shard_numel(embed, run.nd, run.settings.described_rank)
+    if not _repadded_between_visits(run):
+        return (Term("the tied weight's second local shard (to_empty visits it twice)", local * run.m, src),)
+    second = Term("the tied weight's second shard (to_empty visits it twice)", padded * run.m, src)
+    if local == padded:
+        return (second,)
+    return (second, Term("its unpadded local shard, being re-padded", local * run.m,
+                         "_fsdp_param.py:FSDPParam.reset_sharded_param"))  # fmt: skip
+
+
+def _repadded_between_visits(run: Fsdp2Run) -> bool:
+    """Whether the unit owning the tied weight is a non-root unit with a module other than ``lm_head`` (its
+    ``_apply`` returns, re-padding the weight, after ``embed_tokens``'s visit and before ``lm_head``'s)."""
+    owner = next((u for u in run.shard_units if any(math.prod(s) == run.head_numel for _, s in u.params)), None)
+    return owner is not None and not owner.root and any(m not in ("", "lm_head") for m in owner.modules)
 
 
 EMBED_SAVED = "embedding saved (position ids)"
