@@ -128,7 +128,8 @@ def test_host_memory_carries_the_standin_step_bytes():
     assert [h.nvme_read_bytes, h.nvme_write_bytes] == STANDIN["step2"]
     tiny = host_memory(ds_run(s, workload_for("gpt-tiny", 2, None), 2))
     assert (tiny.nvme_read_bytes, tiny.nvme_write_bytes) == (0, 0)
-    cpu = D.Settings.from_ds_config({**_nvme(), "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    cpu = D.Settings.from_ds_config({**_nvme(), "zero_optimization": {"stage": 3,
+                                                                      "offload_optimizer": {"device": "cpu"}}})
     h_cpu = host_memory(ds_run(cpu, workload_for("gpt-tiny", 2, None), 2))
     assert (h_cpu.nvme_read_bytes, h_cpu.nvme_write_bytes) == (None, None) and h_cpu.d2h_bytes > 0
 
