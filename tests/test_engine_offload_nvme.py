@@ -116,6 +116,49 @@ def test_prediction_matches_the_standin_run():
     assert list(nvme.nvme_traffic(part, slices)) == STANDIN["step2"]
 
 
+def test_host_memory_carries_the_standin_step_bytes():
+    """``host_memory`` of the stand-in's run (N_d = 1: each parameter's slice is the whole parameter) carries the
+    steady step's NVMe bytes as measured (``STANDIN["step2"]``); the small gpt-tiny partition swaps nothing (0, 0);
+    cpu offload has no NVMe bytes (None)."""
+    from validate.engines.deepspeed_compare import workload_for
+
+    s = D.Settings.from_ds_config(_nvme())
+    run = SimpleNamespace(settings=s, numels=(STANDIN_WIDTH**2, STANDIN_WIDTH) * 2, nd=1, grad_accum=1)
+    h = host_memory(run)
+    assert [h.nvme_read_bytes, h.nvme_write_bytes] == STANDIN["step2"]
+    tiny = host_memory(ds_run(s, workload_for("gpt-tiny", 2, None), 2))
+    assert (tiny.nvme_read_bytes, tiny.nvme_write_bytes) == (0, 0)
+    cpu = D.Settings.from_ds_config({**_nvme(), "zero_optimization": {"stage": 3,
+                                                                      "offload_optimizer": {"device": "cpu"}}})
+    h_cpu = host_memory(ds_run(cpu, workload_for("gpt-tiny", 2, None), 2))
+    assert (h_cpu.nvme_read_bytes, h_cpu.nvme_write_bytes) == (None, None) and h_cpu.d2h_bytes > 0
+
+
+def test_estimate_prints_the_nvme_bytes(tmp_path):
+    """llama2-7b at N_d = 8, ZeRO-3 nvme, by hand: slices (ceil(n/8)) of the embedding and LM head 16,384,000, each
+    attention matrix 2,097,152, each MLP matrix 5,636,096 (all multiples of 256: G = 4 x 842,268,672 B); the 65
+    norms' 512-element slices stay on the host; P = 842,268,672 + 65 x 512 = 842,301,952 = A. Read = write =
+    12A + G = 13,476,698,112 B, in ``estimate --json`` and under the table; null with cpu offload, absent without."""
+    from tests.clicheck import run, run_json
+
+    grads = 4 * (2 * 16_384_000 + 32 * (4 * 2_097_152 + 3 * 5_636_096))
+    step = 12 * (842_268_672 + 65 * 512) + grads
+    assert (grads, step) == (3_369_074_688, 13_476_698_112)
+    args = ("estimate", "--engine", "deepspeed", "--model", "llama2-7b", "--gpus", "8", "--deepspeed-config")
+    rows = {}
+    for device in ("nvme", "cpu", "none"):
+        cfg = tmp_path / f"{device}.json"
+        cfg.write_text(json.dumps({**_nvme(), "zero_optimization": {"stage": 3, "offload_optimizer": {
+            "device": device, **({"nvme_path": "/nvme"} if device == "nvme" else {})}}}))
+        (rows[device],) = run_json(*args, str(cfg))["stages"]
+    keys = ("nvme_read_bytes_per_step", "nvme_write_bytes_per_step")
+    assert [rows["nvme"][k] for k in keys] == [step, step]
+    assert [rows["cpu"][k] for k in keys] == [None, None] and not set(keys) & set(rows["none"])
+    table = run(*args, str(tmp_path / "nvme.json")).stdout
+    assert "NVMe, stage 3: 13.5 GB read, 13.5 GB written per rank per steady optimizer step" in table
+    assert "NVMe, stage" not in run(*args, str(tmp_path / "cpu.json")).stdout
+
+
 FULL = os.environ.get("ZEROPLAN_FULL_MATRICES") == "1"
 
 

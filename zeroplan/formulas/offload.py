@@ -84,6 +84,12 @@ class HostMemory:
     init_peak: tuple[Term, ...] = ()
     """the host's terms at its init peak, transient ones included (FSDP2's materialized build: the whole model on
     the CPU; DeepSpeed ZeRO-3's ``initialize_optimizer_states``); (): init holds no more than ``init_bytes``."""
+    nvme_read_bytes: int | None = None
+    """NVMe -> host per steady optimizer step (DeepSpeed ``offload_optimizer.device: nvme``: the fp32 master, m and v
+    and the swapped gradient slices; ``nvme.nvme_traffic``); the first step reads less: the master only of the three
+    (m and v are made by it). None: no NVMe offload; 0: a partition too small to swap."""
+    nvme_write_bytes: int | None = None
+    """host -> NVMe per optimizer step (the first as the steady ones); None: no NVMe offload."""
 
     @property
     def init_bytes(self) -> int:

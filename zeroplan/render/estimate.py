@@ -58,7 +58,8 @@ def ranks_per_node(e: Estimate) -> int:
 
 def host_keys(host, per_node: int) -> dict:
     """``StageOut``'s offload keys: one rank's host memory, per node (``per_node`` GPUs), its pinned part, its terms;
-    the steady bytes and init's peak, each with its terms (``HostMemory``; host_bytes is the larger)."""
+    the steady bytes and init's peak, each with its terms (``HostMemory``; host_bytes is the larger); the NVMe bytes
+    of a step (None without NVMe)."""
     from zeroplan.render.schemas import PeakTermOut
 
     return {"host_bytes_per_gpu": host.host_bytes, "host_bytes_per_node": host.host_bytes * per_node,
@@ -66,7 +67,8 @@ def host_keys(host, per_node: int) -> dict:
             "host_terms": [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source) for t in host.terms],
             "host_steady_bytes_per_gpu": host.steady_bytes, "host_init_peak_bytes_per_gpu": host.init_peak_bytes,
             "host_peak_at": host.peak_at,
-            "host_init_peak_terms": [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source) for t in host.init_peak]}
+            "host_init_peak_terms": [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source) for t in host.init_peak],
+            "nvme_read_bytes_per_step": host.nvme_read_bytes, "nvme_write_bytes_per_step": host.nvme_write_bytes}
 
 
 def step_out(e: Estimate) -> StepOut | None:
@@ -140,6 +142,15 @@ def step_line(e: Estimate) -> str:
     )
 
 
+def nvme_lines(e: Estimate, unit: str) -> list[str]:
+    """One line per stage whose offload swaps to the NVMe (``HostMemory.nvme_read_bytes``): one rank's bytes per step."""
+    return [f"NVMe, stage {s.stage}: {format_bytes(s.host.nvme_read_bytes, unit)} read, "
+            f"{format_bytes(s.host.nvme_write_bytes, unit)} written per rank per steady optimizer step (fp32 master, "
+            "Adam m and v, the swapped fp32 gradient slices; DeepSpeed's source, nvme.nvme_traffic); the first step "
+            "reads the master only of the three." for s in e.stages
+            if s.host is not None and s.host.nvme_read_bytes is not None]  # fmt: skip
+
+
 def to_table(e: Estimate, unit: str = "GB") -> str:
     tp = "" if e.tp == 1 else f" x tp {e.tp}"  # tensor parallelism: N_d = GPUs / (T·N_m) DP ranks of T TP ranks
     head = (
@@ -202,6 +213,7 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
     if offload:
         lines.append(f"host/node: what the engine's offload keeps in host memory, pinned buffers included, for "
                      f"{ranks_per_node(e)} GPUs per node (docs/engines/{e.engine}.md); total/GPU and peak/GPU are GPU memory.")
+        lines += nvme_lines(e, unit)
     if e.own_estimator is not None:
         lines.append(f"{e.own_estimator}: the engine's own formula for the same run (model states only: no "
                      "buckets, activations or temporaries), shown beside the prediction to compare; never used for it.")  # fmt: skip

@@ -89,6 +89,8 @@ class StepOut(_Out):
 HOST_KEYS = ("host_bytes_per_gpu", "host_bytes_per_node", "host_pinned_bytes_per_node", "host_terms",
              "host_steady_bytes_per_gpu", "host_init_peak_bytes_per_gpu", "host_peak_at", "host_init_peak_terms")
 """``StageOut``'s offload keys, written only where the engine offloads."""
+NVME_KEYS = ("nvme_read_bytes_per_step", "nvme_write_bytes_per_step")
+"""``StageOut``'s NVMe keys, written where the engine offloads: null without NVMe (``HostMemory.nvme_read_bytes``)."""
 
 
 class StageOut(_Out):
@@ -150,6 +152,13 @@ class StageOut(_Out):
     host_init_peak_terms: Optional[list[PeakTermOut]] = Field(
         None, description="host memory of one rank at init's peak, term by term; empty where init holds no "
         "more than the steady terms made at init; absent without offload")
+    nvme_read_bytes_per_step: Optional[int] = Field(
+        None, description="NVMe -> host bytes of one rank's steady optimizer step (DeepSpeed ZeRO-3 offload_optimizer "
+        "nvme: fp32 master, m, v and the swapped fp32 gradient slices; the first step reads the master only of the "
+        "three); 0 when the partition is too small to swap; null without NVMe offload; absent without offload")
+    nvme_write_bytes_per_step: Optional[int] = Field(
+        None, description="host -> NVMe bytes of one rank's optimizer step (the same tensors); 0 when the partition "
+        "is too small to swap; null without NVMe offload; absent without offload")
 
     peak_rank: Optional[int] = Field(
         None, description="the rank whose peak this row is, the largest over ranks (fsdp2: the ranks whose shards "
@@ -161,6 +170,9 @@ class StageOut(_Out):
         out = handler(self)
         for key in ("own_estimator_bytes", "peak_rank", *HOST_KEYS):  # the host keys: only where the engine offloads
             if getattr(self, key) is None:
+                out.pop(key)
+        if self.host_bytes_per_gpu is None:  # the NVMe keys: null without NVMe, absent without offload
+            for key in NVME_KEYS:
                 out.pop(key)
         if self.reserved_bytes is None:  # no trace (no architecture): the keys are absent, as before them
             out.pop("reserved_bytes")

@@ -25,7 +25,7 @@ unmeasured; its NVMe traffic ``nvme.nvme_traffic``). On a CPU-only run
 
 from __future__ import annotations
 
-from zeroplan.engines.deepspeed.nvme import POOL, pool_bytes, pool_source, swappable
+from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
 from zeroplan.engines.deepspeed.offload_settings import OPTIMIZER_BUFFER_COUNT
 from zeroplan.engines.deepspeed.offload_terms import S12, offloads
 from zeroplan.engines.deepspeed.run import DSRun
@@ -270,7 +270,8 @@ def host_memory(run: DSRun) -> HostMemory:
     ZeRO-3: the gradient partition goes down every micro-step in the gradient dtype, the 16-bit partition comes
     back after the step; ``offload_param``: every micro-step's forward and backward fetch every partition
     (``ds_tensor.to(device)``), and without ``offload_optimizer`` the updated partition goes back down. The host's
-    init peak: ZeRO-3 ``offload_optimizer``'s ``host_at_states_init`` (below the steady bytes: 12P against 16P + gP)."""
+    init peak: ZeRO-3 ``offload_optimizer``'s ``host_at_states_init`` (below the steady bytes: 12P against 16P + gP).
+    ``device: nvme``: the NVMe bytes of a steady step (``nvme_step_bytes``; None without NVMe)."""
     s, numels, nd = run.settings, run.numels, run.nd
     p, g = DTYPE_BYTES[s.dtype], DTYPE_BYTES[s.grad_dtype]
     o, prm = s.offload_optimizer.on, s.offload_param.on
@@ -287,8 +288,17 @@ def host_memory(run: DSRun) -> HostMemory:
         part = aligned_flat_numel(numels, nd) // nd
         d2h, h2d = part * 4, part * p
     offload = Offload(s.offload_optimizer.device if o else "none", "cpu" if prm else "none")
+    read, write = nvme_step_bytes(run) if s.stage == 3 and s.offload_optimizer.device == "nvme" else (None, None)
     return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH),
-                      init_peak=host_at_states_init(run))
+                      init_peak=host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write)
+
+
+def nvme_step_bytes(run: DSRun) -> tuple[int, int]:
+    """(read, write) NVMe bytes of one steady optimizer step at ZeRO-3 ``offload_optimizer.device: nvme``
+    (``nvme.nvme_traffic``): the partition and each parameter's partition slice, ``ceil(n / N_d)`` elements
+    (ZeRO-3 pads every parameter to a multiple of N_d); (0, 0) when the partition is too small to swap."""
+    slices = tuple(-(-n // run.nd) for n in run.numels)
+    return nvme_traffic(flat_shard_numel(run.numels, run.nd), slices)
 
 
 def offload_label(s: Settings) -> str:
