@@ -44,10 +44,11 @@ def predicted_saved_bytes(cfg: dict, b: int, s: int, dtype: str = "float32") -> 
 
 
 def check_fsdp2_recorded(name: str, cfg: dict, dtype: str, measured: list, residual: dict, margin: float,
-                         tmp_path) -> None:
+                         tmp_path, seq: int = 64) -> None:
     """Every phase of every rank of a recorded real-FSDP2 run of transformers' class of ``cfg`` (gloo, N_d 2,
-    ``hf=True``, seq 64, 2 steps; ``measured``: one row of phase peaks per rank) within ``margin`` of its
-    prediction, after the recorded ``residual`` of (name, phase): the check the MoE and DeepSeek rows share."""
+    ``hf=True``, ``seq`` tokens, 2 steps; ``measured``: one row of phase peaks per rank) within ``margin`` of its
+    prediction, after the recorded ``residual`` of (name, phase); margin 0 and no residual: exact. The check the
+    families', MoE and DeepSeek rows share."""
     pytest.importorskip("torch")
     import json
 
@@ -57,7 +58,7 @@ def check_fsdp2_recorded(name: str, cfg: dict, dtype: str, measured: list, resid
 
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=64, steps=2, param_dtype=dtype)
+    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=seq, steps=2, param_dtype=dtype)
     meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
     for rank, row in enumerate(measured):
         predicted = predict(settings, meta, rank)[0].peak.by_phase()

@@ -14,7 +14,7 @@ import pytest
 
 from zeroplan.architectures.hf_config import read_hf_config, spec_from_hf_config
 from zeroplan.architectures.spec import param_count, transformer_shapes
-from tests.hf_saved import hf_saved_bytes, predicted_saved_bytes
+from tests.hf_saved import check_fsdp2_recorded, hf_saved_bytes, predicted_saved_bytes
 from zeroplan.formulas.activation_terms import model_activations
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
@@ -257,21 +257,8 @@ MARGIN = 0.0005  # as tests/test_fsdp2_hf_recorded.py
 
 @pytest.mark.parametrize("name", sorted(RECORDED))
 def test_fsdp2_peaks_of_transformers_classes_every_phase_every_rank(name, tmp_path):
-    pytest.importorskip("torch")
-    from validate.engines.fsdp2 import Fsdp2Settings
-    from validate.engines.fsdp2_rows import predict
-    from zeroplan.formulas.peak import PHASES
-
     cfg, seq, dtype, measured = RECORDED[name]
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=seq, steps=2, param_dtype=dtype)
-    meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
-    for rank, row in enumerate(measured):
-        predicted = predict(settings, meta, rank)[0].peak.by_phase()
-        for phase, value in zip(PHASES, row):
-            err = (value - predicted[phase]) / value
-            assert abs(err - RESIDUAL.get((name, phase), 0.0)) <= MARGIN, (name, rank, phase, err)
+    check_fsdp2_recorded(name, cfg, dtype, measured, RESIDUAL, MARGIN, tmp_path, seq)
 
 
 #: DeepSpeed 0.19.8 on transformers' class of each config (validate.engines.deepspeed.run_world, runs=[{"model":
@@ -469,19 +456,8 @@ RECORDED.update(GEMMA_RECORDED)  # the tests above read their rows from these ta
 def test_fsdp2_peaks_of_gemma_every_phase_every_rank(name, tmp_path):
     """Exact, every phase of every rank: before the buffers below, t-gemma2 missed 4 B at init and the optimizer
     step (bf16: every phase), t-gemma3 96-100 B in every phase."""
-    pytest.importorskip("torch")
-    from validate.engines.fsdp2 import Fsdp2Settings
-    from validate.engines.fsdp2_rows import predict
-    from zeroplan.formulas.peak import PHASES
-
     cfg, seq, dtype, measured = GEMMA_RECORDED[name]
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=seq, steps=2, param_dtype=dtype)
-    meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
-    for rank, row in enumerate(measured):
-        predicted = predict(settings, meta, rank)[0].peak.by_phase()
-        assert {p: v - predicted[p] for p, v in zip(PHASES, row)} == dict.fromkeys(PHASES, 0), (name, rank)
+    check_fsdp2_recorded(name, cfg, dtype, measured, {}, 0.0, tmp_path, seq)
 
 
 @pytest.mark.parametrize("name", ["t-gemma2", "t-gemma3", "t-qwen3"])
