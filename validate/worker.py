@@ -7,7 +7,7 @@ success; rank 0 writes the result.
 
 from __future__ import annotations
 
-from validate.lifeline import die_with_parent
+from validate.lifeline import die_with_parent, leave_world
 
 die_with_parent()  # first, before torch's import takes seconds: a rank never outlives its launcher
 # ruff: noqa: E402 - the imports below come after that call on purpose
@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import statistics
-import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -301,15 +300,7 @@ def main(argv: list[str] | None = None) -> None:
 
         config = config.model_copy(update={"world_sizes": (nd,)})
         write_text_atomic(args.out, json.dumps(build_report(config, [(meta, everyone)]), indent=2))
-    # Leave together, then leave without tearing anything down: a rank that closes its gloo pairs while
-    # a peer still sends aborts the peer, and gloo's (and the profiler's) threads are still joinable at
-    # interpreter exit, where a C++ std::thread destructor aborts the process ("terminate called without
-    # an active exception", SIGABRT; seen under torchrun on 2 shared cores even after a barrier). Every
-    # result is written by now; the launcher reads only the exit code.
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_world()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import warnings
 from collections import defaultdict
@@ -323,7 +322,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
 
 
 def main(argv: list[str] | None = None) -> None:
-    from validate.lifeline import die_with_parent
+    from validate.lifeline import die_with_parent, leave_world
 
     die_with_parent()  # a rank never outlives its launcher (validate.harness), even one killed by SIGKILL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -379,12 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         meta["fake_tensors"] = fake
         # "ranks": one list of rows per rank, as validate.worker writes them for validate.harness
         write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows, "ranks": [[r] for r in rows]}))
-    if not args.simulated:
-        dist.barrier()  # seen once without it: a gloo rank aborting in teardown while rank 0 still wrote
-    # as validate.worker: leave without tearing gloo down (its threads abort a process at exit)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_world(barrier=not args.simulated)  # seen once without the barrier: a gloo rank aborting in teardown
 
 
 # the parent's side, importable from here as before (notebooks, docs)

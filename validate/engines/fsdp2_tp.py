@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import types
 from collections import defaultdict
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from validate.engines.fsdp2 import gloo_reduce_scatter_settled, optimizer_state_bytes
+from validate.lifeline import leave_world
 from validate.models import build, make_batch
 from validate.probes import CommCounter, MemoryProbe
 from zeroplan.architectures.hf_config import spec_from_hf_config
@@ -249,10 +249,7 @@ def main(argv: list[str] | None = None) -> None:
                 "checkpointing": "full" if args.checkpointing else "none", "torch": torch.__version__,
                 "backend": "gloo", "model": "validate/transformer.py CausalLM (llama layout)"}  # fmt: skip
         write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}))
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_world()
 
 
 if __name__ == "__main__":
