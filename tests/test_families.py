@@ -326,6 +326,20 @@ NOGRAD = {  # one decoder layer; small f so that the attention's and the q/k nor
 }  # fmt: skip
 
 
+def _first_layer_nograd_bytes(model, x, cos_sin, mask, pos) -> int:
+    """MemTracker's peak of activations, temporaries and other bytes while the model's first decoder layer runs
+    forward without grad on ``x`` (parameters excluded): the working set the no-grad tests compare with the derived
+    one."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with torch.no_grad(), tracker:
+        model.model.layers[0](x, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
+    (snap,) = [v for dev, v in tracker.get_tracker_snapshot("peak").items() if str(dev) != "meta"]
+    return sum(v for k, v in snap.items() if any(c in str(k) for c in ("ACT", "TEMP", "OTH")))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(NOGRAD))
 def test_checkpointed_forward_working_set_of_transformers_layers(name, dtype):
@@ -336,7 +350,6 @@ def test_checkpointed_forward_working_set_of_transformers_layers(name, dtype):
     N·kv·a (phi3) and N·f·a (phi3-mlp) more, without the q/k norms' 11,264 B (qwen3, bf16): each fails here."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from zeroplan.formulas.llama_nograd import llama_nograd_peak
 
@@ -347,11 +360,7 @@ def test_checkpointed_forward_working_set_of_transformers_layers(name, dtype):
                                                           attn_implementation="sdpa", dtype=torch_dtype)  # fmt: skip
     x, pos = torch.randn(b, s, cfg["hidden_size"], dtype=torch_dtype), torch.arange(s).unsqueeze(0)
     cos_sin = model.model.rotary_emb(x, pos)
-    tracker = MemTracker()
-    with torch.no_grad(), tracker:
-        model.model.layers[0](x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
-    (snap,) = [v for dev, v in tracker.get_tracker_snapshot("peak").items() if str(dev) != "meta"]
-    measured = sum(v for k, v in snap.items() if any(c in str(k) for c in ("ACT", "TEMP", "OTH")))
+    measured = _first_layer_nograd_bytes(model, x, cos_sin, None, pos)
     spec, a = spec_from_hf_config(cfg), 4 if dtype == "float32" else 2
     miss = measured - llama_nograd_peak(spec, b * s, s, a)
     assert 0 <= miss <= b * s * spec.head_dim * a
@@ -507,7 +516,6 @@ def test_checkpointed_forward_working_set_of_gemma_layers(name, dtype):
     conversion the gemma2 bf16 row misses 8,192 B more: each fails here."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     transformers.logging.set_verbosity_error()
     cfg = {**GEMMA_NOGRAD[name], "num_hidden_layers": 1, "vocab_size": 301, "max_position_embeddings": 64}
@@ -521,11 +529,7 @@ def test_checkpointed_forward_working_set_of_gemma_layers(name, dtype):
         mask = torch.full((s, s), torch.finfo(torch_dtype).min, dtype=torch_dtype).triu(1).expand(b, 1, s, s)
     else:
         cos_sin, mask = model.model.rotary_emb(x, pos, model.config.layer_types[0]), None
-    tracker = MemTracker()
-    with torch.no_grad(), tracker:
-        model.model.layers[0](x, position_embeddings=cos_sin, attention_mask=mask, position_ids=pos)
-    (snap,) = [v for dev, v in tracker.get_tracker_snapshot("peak").items() if str(dev) != "meta"]
-    measured = sum(v for k, v in snap.items() if any(c in str(k) for c in ("ACT", "TEMP", "OTH")))
+    measured = _first_layer_nograd_bytes(model, x, cos_sin, mask, pos)
     spec, a = spec_from_hf_config(cfg), 4 if dtype == "float32" else 2
     held = model_activations(spec, b, s, act_bytes=a, stat_bytes=a).block.ckpt_forward_peak - b * s * spec.d_model * a
     miss = measured - held  # the layer's no-grad working set beside its input (gemma_activations._nograd_peak)
