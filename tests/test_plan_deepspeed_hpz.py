@@ -88,3 +88,12 @@ def test_hpz_at_a_stage_below_3_is_refused_in_one_line(tmp_path):
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}))
     assert_one_line_error(run("plan", "--engine", "deepspeed", "--model", TINY, "--deepspeed-config", str(cfg), *NODE),
                           "zero_hpz_partition_size at stage 2: ZeRO++ partitions ZeRO-3's parameters")  # fmt: skip
+
+
+def test_hpz_rows_only_where_the_secondary_partitions_alone_fit(tmp_path):
+    # every parameter's secondary partition is alive from deepspeed.initialize on (zeropp.py): tiny GPT-2's
+    # 36,324 fp32 elements, padded to N_d = 4 per tensor, over H = 2: 72,648 B; one byte less and no hpZ row
+    # can fit, so none is estimated (nothing fits either way: the offload rows are listed too)
+    rows = {memory: plan(tmp_path, LOW, *NODE, "--gpu-memory", f"{memory}B")["stages"] for memory in (72_647, 72_648)}
+    assert not any("hpZ" in s["label"] for s in rows[72_647])
+    assert sum("hpZ" in s["label"] for s in rows[72_648]) == 4 and not any(s["fits"] for s in rows[72_648])

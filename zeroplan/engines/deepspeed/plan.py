@@ -4,6 +4,7 @@ contract (``planner_settings``, ``planner_policy``, ``planner_plan``, ``planner_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Optional
@@ -15,7 +16,9 @@ from zeroplan.engines.deepspeed.offload import offload_label
 from zeroplan.engines.deepspeed.offload_terms import offloads
 from zeroplan.engines.deepspeed.config import parse_ds_config
 from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, read_target
+from zeroplan.engines.deepspeed.zeropp import all_secondaries_numel
 from zeroplan.engines.deepspeed.zeropp_settings import ZEROPP_KEYS
+from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL, on_mesh
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
@@ -86,14 +89,21 @@ def _bucket_label(stage: int, bucket: int) -> str:
     return f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e")
 
 
-def hpz_candidates(base: Settings, nd: int, gpus_per_node: int) -> tuple[tuple[str, Settings], ...]:
+def hpz_candidates(base: Settings, nd: int, gpus_per_node: int, numels: tuple[int, ...] = (),
+                   capacity_bytes: Optional[int] = None) -> tuple[tuple[str, Settings], ...]:
     """ZeRO-3 with ZeRO++ hpZ over one node (``zero_hpz_partition_size`` = GPUs per node) at each of
     ``BUCKET_CHOICES``: every rank also keeps a secondary partition of the parameters, 1/H of the model in the
     model dtype, and the backward all-gathers run inside the node (``zeropp.py``), so fewer bytes cross nodes.
     None where hpZ moves nothing off the network or DeepSpeed refuses it: N_d within one node, or not a
     multiple of the node (utils/groups.py ``_create_zero_param_parallel_group`` asserts that H divides the
-    world); the planner asks only where the ds_config does not set the key (``planner_plan``)."""
+    world), and where every parameter's secondary partition (``numels``), alive from ``deepspeed.initialize``
+    to the first step's end (``zeropp.py``), is alone more than ``capacity_bytes``: no hpZ row could fit (as
+    the offload rows, estimated only where they can be the answer). The planner asks only where the ds_config
+    does not set the key (``planner_plan``)."""
     if gpus_per_node <= 1 or nd <= gpus_per_node or nd % gpus_per_node:
+        return ()
+    secondaries = all_secondaries_numel(numels, nd, gpus_per_node) * BYTES_PER_ELEMENT[base.dtype]
+    if capacity_bytes is not None and secondaries > capacity_bytes:
         return ()
     plain = {"offload_optimizer": NO_TARGET, "offload_param": NO_TARGET}
     return tuple((f"{_bucket_label(3, bucket)}, hpZ {gpus_per_node}",
@@ -288,7 +298,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
     # hpZ over one node where the file leaves it unset (a file that sets it, even to 1, fixes it: every ZeRO-3 row
     # has the file's); the ZeRO-3 rows with and without it ranked together, by bytes across nodes first
-    hpz = () if "zero_hpz_partition_size" in zero else hpz_candidates(base, nd, node)
+    numels = tuple(math.prod(shape) for _, shape in workload.shapes)
+    hpz = () if "zero_hpz_partition_size" in zero else hpz_candidates(base, nd, node, numels, capacity_bytes)
     order = ranked(workload, nd, base, which=lambda b: (*plain_candidates(b), *hpz), gpus_per_node=node)
     # the offload rows where they can be the answer: nothing fits without, or the file asks for offload (they
     # come after every other row, PLAN_ORDER; estimating them when they cannot be chosen tripled the plan's time)
