@@ -181,7 +181,8 @@ def ranked(workload: Workload, nd: int, base: Settings, stat_bytes: Optional[int
     for label, s in (which or candidates)(base):
         (est,) = estimate(workload, nd, s, stat_bytes)
         peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
-        out.append(Tried(label, s, est, peak, sent_bytes_per_step(est), inter_node_bytes_per_step(est, nd, gpus_per_node)))
+        out.append(Tried(label, s, est, peak, sent_bytes_per_step(est),
+                         inter_node_bytes_per_step(est, nd, gpus_per_node)))
     return tuple(sorted(out, key=lambda t: (offloads(t.settings), t.inter_node_bytes, t.sent_bytes,
                                             -t.settings.reduce_bucket_size)))  # fmt: skip
 
