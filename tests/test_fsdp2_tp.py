@@ -41,8 +41,10 @@ def _workload(meta) -> Workload:
 
 def _predict(run: dict, rank: int):
     meta = run["meta"]
+    replicate = meta.get("dp_replicate", 1)
     settings = Settings(tp=meta["tp"], sequence_parallel=meta["sequence_parallel"], device="cpu", backend="gloo",
-                        rank=rank, foreach=False, param_dtype=meta.get("param_dtype", "fp32"))  # fmt: skip
+                        rank=rank, foreach=False, param_dtype=meta.get("param_dtype", "fp32"),
+                        **({"dp_replicate": replicate} if replicate > 1 else {}))  # fmt: skip
     (row,) = estimate(_workload(meta), meta["world_size"], settings)
     return row
 
@@ -51,7 +53,22 @@ def _run_id(run: dict) -> str:
     meta = run["meta"]
     ckpt = "-ckpt" if meta.get("checkpointing", "none") != "none" else ""
     batch = f"-b{meta['batch']}" if meta["batch"] != 2 else ""
-    return f"{meta.get('param_dtype', 'fp32')}-{'sp' if meta['sequence_parallel'] else 'no-sp'}{ckpt}{batch}"
+    hsdp = f"-hsdp{meta['dp_replicate']}" if meta.get("dp_replicate", 1) > 1 else ""
+    return f"{meta.get('param_dtype', 'fp32')}-{'sp' if meta['sequence_parallel'] else 'no-sp'}{ckpt}{batch}{hsdp}"
+
+
+def _mesh(meta) -> tuple[int, int, int]:
+    """(R, S, T) of a recorded run: world = R x S x T, tp innermost."""
+    r, t = meta.get("dp_replicate", 1), meta["tp"]
+    return r, meta["world_size"] // (r * t), t
+
+
+def _groups(meta, rank: int) -> dict[str, list[int]]:
+    """The ranks of ``rank``'s group of each mesh dimension: rank = (i·S + j)·T + k, row-major."""
+    r, s, t = _mesh(meta)
+    i, j, k = rank // (s * t), rank // t % s, rank % t
+    return {"tp": [(i * s + j) * t + x for x in range(t)], "dp_shard": [(i * s + x) * t + k for x in range(s)],
+            "dp_replicate": [(x * s + j) * t + k for x in range(r)]}  # fmt: skip
 
 
 RUNS = [pytest.param(r, id=_run_id(r)) for r in RECORDED["runs"]]
@@ -76,10 +93,10 @@ def test_shards_per_rank(run):
     """Each rank's local piece of each parameter: the TP-local shape, its dim 0 split by FSDP2 over dp_shard
     (ceil rows per rank, the last rank the rest), as measured (``DTensor.to_local()``)."""
     meta = run["meta"]
-    t, s = meta["tp"], meta["world_size"] // meta["tp"]
+    _, s, t = _mesh(meta)
     local = dict(local_shapes(_workload(meta).shapes, t))
     for row in run["rows"]:
-        d = row["rank"] // t
+        d = row["rank"] // t % s  # its place in its dp_shard group
         for name, shape in row["local_shapes"]:
             full = local[name.replace("_checkpoint_wrapped_module.", "")]
             c = shard_rows(full[0], s)
@@ -131,18 +148,44 @@ def _calls(run, row, dim_group):
 @pytest.mark.parametrize("run", RUNS)
 def test_collectives_call_by_call(run):
     """One step's collectives per process group: the TP ones (mesh_dim tp) over the rank's tp group, FSDP2's
-    over its dp_shard group, each (op, phase, elements, dtype) as many times as predicted."""
-    t = run["meta"]["tp"]
-    nd = run["meta"]["world_size"]
+    over its dp_shard group and, on the 3-D mesh, HSDP's gradient all-reduces over its dp_replicate group,
+    each (op, phase, elements, dtype) as many times as predicted; every call ran on one of those groups."""
+    meta = run["meta"]
     for row in run["rows"]:
         r = row["rank"]
-        tp_group = list(range(r - r % t, r - r % t + t))
-        dp_group = list(range(r % t, nd, t))
         predicted = _predict(run, r).collectives
-        assert all(c.group_size == t for c in predicted if c.mesh_dim == "tp")
-        for dim, group in (("tp", tp_group), ("dp_shard", dp_group)):
+        groups = _groups(meta, r)
+        assert all(c.group_size == len(groups[c.mesh_dim]) for c in predicted)
+        assert all(c["group"] in groups.values() for c in row["calls"] if c["step"] == 1)
+        for dim, group in groups.items():
             want = Counter((c.op, c.phase, c.elements, TORCH_DTYPE[c.dtype]) for c in predicted if c.mesh_dim == dim)
             assert _calls(run, row, group) == want, (r, dim)
+            if "dim" in row["calls"][0]:  # the runner's own label of the group
+                assert all(c["dim"] == dim for c in row["calls"] if c["group"] == group)
+
+
+def test_hsdp_tp_world_8():
+    """HSDP x TP on torchtitan's 3-D mesh (2, 2, 2) at world 8, fp32 and bf16 (recorded: ~62 CPU-s each, too slow
+    for CI): every phase of every rank exact (test_every_phase_of_every_rank), and per optimizer step 3 gradient
+    all-reduces over dp_replicate (one per unit: 2 blocks and the root, S_u elements in the reduce dtype, after the
+    reduce-scatters over dp_shard), 5 all-gathers and 3 reduce-scatters over dp_shard, 28 TP calls over tp; in bf16 the
+    all-reduce buffers are held until backward ends (a backward term)."""
+    runs = [r for r in RECORDED["runs"] if r["meta"].get("dp_replicate", 1) == 2]
+    assert sorted(r["meta"]["param_dtype"] for r in runs) == ["bf16", "fp32"]
+    for run in runs:
+        assert run["meta"]["world_size"] == 8 and _mesh(run["meta"]) == (2, 2, 2)
+        predicted = _predict(run, 0)
+        dims = Counter((c.mesh_dim, c.op) for c in predicted.collectives)
+        assert dims == {("dp_replicate", "all-reduce"): 3, ("dp_shard", "all-gather"): 5,
+                        ("dp_shard", "reduce-scatter"): 3, ("tp", "all-gather"): 10, ("tp", "reduce-scatter"): 10,
+                        ("tp", "all-reduce"): 3 + 5}  # fmt: skip
+        ar = [c for c in predicted.collectives if c.mesh_dim == "dp_replicate"]
+        rs = [c for c in predicted.collectives if c.mesh_dim == "dp_shard" and c.op == "reduce-scatter"]
+        assert [c.elements for c in ar] == [-(-c.elements // 2) for c in rs]  # S_u = the unit's padded shard
+        held = [t for p in predicted.peak.phases for t in p.terms if t.name.startswith("HSDP all-reduce buffers")]
+        assert bool(held) == (run["meta"]["param_dtype"] == "bf16")
+        for row in run["rows"]:
+            assert row["peak_bytes_by_phase"] == _predict(run, row["rank"]).peak.by_phase()
 
 
 def test_tp_traffic_llama3_8b():
