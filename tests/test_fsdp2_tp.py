@@ -280,3 +280,78 @@ def test_tp_auto_takes_the_smallest_degree_that_fits():
     tried.clear()
     tp_search(w, 16, 0, Options({"tp": "auto", "gpus_per_node": 4}), plan)
     assert tried == [None, 2, 4]  # 8 is past a node of 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "reference", "--tp", "2"], "--engine fsdp2 only"),
+    (["--engine", "fsdp2", "--no-sp"], "--sp/--no-sp: with --tp only"),
+    (["--engine", "fsdp2", "--tp", "2", "--simulated"], "no --simulated"),
+    (["--engine", "fsdp2", "--tp", "2", "--init", "materialized", "--fsdp-wrap", "torchtitan"],
+     "no --fsdp-wrap, --init materialized"),
+    (["--engine", "fsdp2", "--tp", "2", "--param-dtype", "fp32", "--reduce-dtype", "bf16"], "no --reduce-dtype"),
+    (["--engine", "fsdp2", "--tp", "2", "--world-size", "2"], "world size 2 must be R x S x T with dp_shard S >= 2"),
+    (["--engine", "fsdp2", "--tp", "2", "--dp-replicate", "2", "--world-size", "4"], "dp_shard S >= 2"),
+    (["--engine", "fsdp2", "--tp", "3", "--world-size", "6"], "n_head=4 is not divisible by 3"),
+    (["--engine", "fsdp2", "--tp", "2", "--model", "gpt-tiny"], "torchtitan's llama plan holds only"),
+    (["--engine", "fsdp2", "--tp", "1"], "greater than or equal to 2"),
+])  # fmt: skip
+def test_validate_tp_refusals(args, message):
+    """``validate --tp``: what the TP runner cannot run is refused in one line before any rank starts."""
+    pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    from tests.clicheck import assert_one_line_error
+    from zeroplan.cli import app
+
+    assert_one_line_error(CliRunner().invoke(app, ["validate", *args]), message)
+
+
+@pytest.mark.distributed
+def test_validate_tp_world_4(tmp_path):
+    """``zeroplan validate --engine fsdp2 --tp 2`` at world 4 (dp_shard 2 x tp 2, llama-tiny, fp32, SP; ~27 CPU-s):
+    the TP runner through the validator's harness and report, every rank's phases against its own prediction,
+    collectives keyed per mesh dimension and matched call by call at every step."""
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    out = tmp_path / "tp.json"
+    result = CliRunner().invoke(app, ["validate", "--engine", "fsdp2", "--tp", "2", "--world-size", "4",
+                                      "--param-dtype", "fp32", "--steps", "2", "--json", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["ok"] and row["checks"]["collectives_match"] and row["engine_label"].endswith("tp 2")
+    assert row["peak_rel_error_by_phase"] == {p: 0.0 for p in ("init", "forward", "backward", "optimizer_step")}
+    assert row["model_states_rel_error"] == 0.0
+    keys = set(row["measured_collectives"])
+    assert {"all-gather|forward [dp_shard]|fp32", "reduce-scatter|backward [dp_shard]|fp32",
+            "all-gather|forward [tp]|fp32", "all-reduce|backward [tp]|fp32"} <= keys  # fmt: skip
+    assert row["measured_collectives"]["all-reduce|forward [tp]|fp32"]["calls"] == 3  # loss parallel
+
+
+def test_mesh_search_replicate_shard_tp():
+    """``plan --tp auto --dp-shard auto``: llama3-8b on 32 H100s (4 nodes of 8), bf16, 8192 tokens. Every TP
+    degree within a node is planned with the shard search (S in whole nodes of G / T data-parallel ranks); all
+    four fit with the first candidate (blocks kept gathered), so bytes across nodes rank them: flat at T = 1
+    (every all-gather and reduce-scatter crosses nodes) loses to a node-sized shard group at T = 2 (only the
+    gradient all-reduce over dp_replicate crosses), which ties with T = 4 and 8 and is the smaller T."""
+    from zeroplan.engines import fsdp2
+    from zeroplan.engines.base import PlannerOptions
+    from zeroplan.engines.fsdp2.tp_estimate import inter_node_bytes
+    from zeroplan.estimation.workload import model_workload
+
+    w = model_workload(resolve_model("llama3-8b"), 8192, 1, "none", 1, True)
+    options = PlannerOptions(param_dtype="bf16", own={"dp_shard": "auto", "tp": "auto"})
+    plan = fsdp2.planner_plan(w, 32, int(80 * 2**30), options)
+    chosen = plan.candidates[plan.recommended]
+    assert plan.recommended == 0 and len(plan.candidates) == 4  # the winner in full
+    assert "init_device_mesh('cuda', (4, 4, 2), mesh_dim_names=('dp_replicate', 'dp_shard', 'tp'))" in chosen.launcher
+    assert 'dp_mesh = mesh["dp_replicate", "dp_shard"]' in chosen.launcher
+    assert "fully_shard(model, mesh=dp_mesh, mp_policy=policy)" in chosen.launcher
+    rows = chosen.estimate.collectives
+    inter = inter_node_bytes(rows, 32, 8)
+    assert inter == sum(c.bytes_per_rank for c in rows if c.mesh_dim == "dp_replicate") > 0
+    assert "tp 1: candidate 1 on dp 32, 31.1 GB/rank" in plan.order and "tp 8: candidate 1 on dp 2 x 2" in plan.order
+    assert f"tp 2: candidate 1 on dp 4 x 4, {inter / 1e9:.3g} GB/rank" in plan.order and "chose tp 2" in plan.order
+    flat = fsdp2.planner_plan(w, 32, int(80 * 2**30), PlannerOptions(param_dtype="bf16", own={"dp_shard": 32}))
+    assert inter_node_bytes(flat.candidates[0].estimate.collectives, 32, 8) == pytest.approx(31.1e9, rel=2e-3)

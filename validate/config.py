@@ -190,11 +190,13 @@ class ValidateConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _default_world_sizes(cls, data: object) -> object:
-        """No world sizes given: 64 when simulated, else the field's default."""
+        """No world sizes given: 64 when simulated, 2·T·R with ``tp`` (dp_shard 2), else the field's default."""
         if isinstance(data, dict) and data.get("world_sizes") is None:
             data = {k: v for k, v in data.items() if k != "world_sizes"}
             if data.get("simulated"):
                 data["world_sizes"] = DEFAULT_SIMULATED_WORLD_SIZES
+            elif isinstance(data.get("tp"), int) and isinstance(data.get("dp_replicate") or 1, int):
+                data["world_sizes"] = (2 * data["tp"] * (data.get("dp_replicate") or 1),)  # dp_shard 2
         return data
 
     @field_validator("stages", "world_sizes")

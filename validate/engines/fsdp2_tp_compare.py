@@ -71,7 +71,7 @@ def compare(config, meta: dict, rows: list[dict]) -> dict:
         states_bytes=max(r["readings_bytes"]["after_backward"][-1] for r in rows),
         steady=all(len(set(r["readings_bytes"]["boundary"])) == 1 for r in rows),
         peak_bytes_by_phase={p: max(r["peak_bytes_by_phase"][p] for r in rows) for p in PEAK_PHASES},
-        steps=[s for r in rows for s in calls[r["rank"]][2:]],  # steady: from the second step on
+        steps=[s for r in rows for s in calls[r["rank"]][1:]],  # every step (step -1, the setup, apart)
         last_step=calls[0][-1], setup_calls=calls[0][0], nd=nd, group_sizes=sizes,
         peak_by_rank={r["rank"]: r["peak_bytes_by_phase"] for r in rows},
     )  # fmt: skip
