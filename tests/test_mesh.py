@@ -1,5 +1,6 @@
 """Meshes as data (zeroplan/formulas/mesh.py): each dimension's link class by node size, collectives placed on
-the mesh they name (group size, link), and time per link (commtime ``Links``), and an FSDP2 estimate on the 3-D mesh end to end. No torch.
+the mesh they name (group size, link), time per link (commtime ``Links``), and an FSDP2 estimate on the 3-D
+mesh end to end. No torch.
 
 from __future__ import annotations
 
@@ -127,8 +128,9 @@ def test_fsdp2_hsdp_tp_json_places_every_collective_on_the_3d_mesh(dp_shard, lin
 
     from zeroplan.cli import app
 
-    out = CliRunner().invoke(app, ["estimate", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "32", "--tp", "2",
-                                   "--dp-shard", str(dp_shard), "--seq-len", "2048", "--micro-batch", "1", "--json"])
+    out = CliRunner().invoke(app, ["estimate", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "32",
+                                   "--tp", "2", "--dp-shard", str(dp_shard), "--seq-len", "2048",
+                                   "--micro-batch", "1", "--json"])  # fmt: skip
     assert out.exit_code == 0, out.output
     (stage,) = json.loads(out.stdout)["stages"]
     rows = stage["collectives"]

@@ -133,7 +133,8 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
     """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
     wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
     (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of
-    them whose peak fits (HSDP across the rest), else on the largest; ``until_fit``: none after the first that fits."""
+    them whose peak fits (HSDP across the rest), else on the largest; ``until_fit``: none after the first that
+    fits."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
     own = isinstance(settings.wrap, Wrapping)
@@ -296,7 +297,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     candidate after it, for the mesh search's ranking)."""
     search = options.own.get("dp_shard") == AUTO
     if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
-        if search and options.own.get("dp_replicate") is None:  # with ``--dp-shard auto``: R x S x T (tp_estimate.py)
+        if search and options.own.get("dp_replicate") is None:  # and ``--dp-shard auto``: R x S x T (tp_estimate)
             return mesh_search(workload, nd, capacity_bytes, options, planner_plan)
         return tp_search(workload, nd, capacity_bytes, options, planner_plan)
     if search and options.own.get("dp_replicate") is not None:
