@@ -212,7 +212,10 @@ def _groups(mesh) -> dict[tuple[int, ...], str]:
 
 
 def measure(run: TpRun, nd: int, rank: int) -> dict:
+    """Build and train ``run`` on this rank under the probes; returns its row (every phase's peak, readings,
+    each call with its process group and mesh dimension, the local shapes)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
 
     spec = spec_for(run.model, None) if run.model else spec_from_hf_config(TINY, "validate/engines/fsdp2_tp.py TINY")
     shape, names = run.mesh(nd)
@@ -250,8 +253,6 @@ def measure(run: TpRun, nd: int, rank: int) -> dict:
             loss = loss_of(model, b)
             readings["after_forward"].append(probe.settled_bytes())
             enter("backward")
-            from torch.distributed.tensor.parallel import loss_parallel
-
             with loss_parallel():
                 loss.backward()
             del loss, b
