@@ -24,13 +24,14 @@ from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, loss_parallel_ba
 from zeroplan.presets import resolve_model
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "measured" / "fsdp2_tp.json").read_text())
-MISSED: dict = {}
-"""Measured misses (bytes the prediction is under), by (param dtype, sequence parallelism, sequences per
-data-parallel rank, phase); asserted exactly, so a change that closes or widens one shows here. None now. At 2 x 16
-tokens the bf16 backward was under by 10,144 B without SP and 992 B with it until the post-attention RMSNorm's
-backward moment (``tp.post_norm_backward``). At 4 x 16 tokens in bf16 the backward with SP was under by 12,836 B
-and the forward without SP by 6,976 B until loss parallel's two moments (``tp.loss_parallel_backward``,
-``tp.loss_parallel_log_softmax``; ``test_loss_parallel_moments``)."""
+MISSED: dict = {("bf16-sp-ckpt-s32", "forward"): -768}
+"""Measured misses (measured - predicted bytes, every rank), by (run id, phase); asserted exactly, so a change that
+closes or widens one shows here. bf16 with checkpointing and SP at 2 x 32 tokens: the forward peak (the moment
+"block 2 forward") is over-predicted by 768 B (0.28%) on all four ranks, exact at 2 x 16 tokens; not investigated.
+Closed ones: at 2 x 16 tokens the bf16 backward was under by 10,144 B without SP and 992 B with it until the
+post-attention RMSNorm's backward moment (``tp.post_norm_backward``). At 4 x 16 tokens in bf16 the backward with SP
+was under by 12,836 B and the forward without SP by 6,976 B until loss parallel's two moments
+(``tp.loss_parallel_backward``, ``tp.loss_parallel_log_softmax``; ``test_loss_parallel_moments``)."""
 
 
 def _workload(meta) -> Workload:
@@ -54,7 +55,9 @@ def _run_id(run: dict) -> str:
     ckpt = "-ckpt" if meta.get("checkpointing", "none") != "none" else ""
     batch = f"-b{meta['batch']}" if meta["batch"] != 2 else ""
     hsdp = f"-hsdp{meta['dp_replicate']}" if meta.get("dp_replicate", 1) > 1 else ""
-    return f"{meta.get('param_dtype', 'fp32')}-{'sp' if meta['sequence_parallel'] else 'no-sp'}{ckpt}{batch}{hsdp}"
+    seq = f"-s{meta['seq_len']}" if meta["seq_len"] != 16 else ""
+    sp = "sp" if meta["sequence_parallel"] else "no-sp"
+    return f"{meta.get('param_dtype', 'fp32')}-{sp}{ckpt}{batch}{seq}{hsdp}"
 
 
 def _mesh(meta) -> tuple[int, int, int]:
@@ -107,12 +110,11 @@ def test_shards_per_rank(run):
 def test_every_phase_of_every_rank(run):
     """Peak per phase, model states and Adam's states: every rank against its own prediction (with ``device``
     cpu the 2-D mesh's int32 rank map is a term of every phase: ``tp_estimate.mesh_rank_map``)."""
-    key = (run["meta"].get("param_dtype", "fp32"), run["meta"]["sequence_parallel"], run["meta"]["batch"])
     for row in run["rows"]:
         predicted = _predict(run, row["rank"])
         by_phase = predicted.peak.by_phase()
         for phase, measured in row["peak_bytes_by_phase"].items():
-            assert measured - by_phase[phase] == MISSED.get((*key, phase), 0), (row["rank"], phase)
+            assert measured - by_phase[phase] == MISSED.get((_run_id(run), phase), 0), (row["rank"], phase)
         assert predicted.memory.optimizer_bytes == sum(row["optimizer_state_bytes"].values())
         beside = sum(t.bytes for t in predicted.beside_states)  # the mesh's rank map: 4 B per rank of the world
         assert beside == 4 * run["meta"]["world_size"]
