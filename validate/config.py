@@ -279,16 +279,14 @@ class ValidateConfig(BaseModel):
         if given:
             raise ValueError(f"tp={self.tp}: the TP runner is real gloo ranks on CPU, meta init, blocks and root "
                              f"resharded, Adam for-loop, reduce dtype = param dtype: no {', '.join(given)}")
-        from validate.models import spec_for
-        from zeroplan.engines.fsdp2.tp import check_plan
+        from validate.engines.fsdp2_tp_check import check_tp_plan
 
-        spec = spec_for(self.model_name, None)
         r = self.dp_replicate or 1
         for n in self.world_sizes:
             if n % (self.tp * r) or n // (self.tp * r) < 2:
                 raise ValueError(f"tp={self.tp}, dp-replicate={r}: world size {n} must be R x S x T with dp_shard "
                                  f"S >= 2 (got {list(self.world_sizes)})")  # fmt: skip
-            check_plan(spec, self.tp, n, self.seq_len or spec.max_seq_len, self.sequence_parallel is not False)
+        check_tp_plan(self.model_name, self.tp, self.world_sizes, self.seq_len, self.sequence_parallel is not False)
         return self
 
     @model_validator(mode="after")
