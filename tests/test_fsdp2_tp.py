@@ -27,7 +27,8 @@ RECORDED = json.loads((Path(__file__).parent / "data" / "measured" / "fsdp2_tp.j
 MISSED: dict = {("bf16-sp-ckpt-s32", "forward"): -768}
 """Measured misses (measured - predicted bytes, every rank), by (run id, phase); asserted exactly, so a change that
 closes or widens one shows here. bf16 with checkpointing and SP at 2 x 32 tokens: the forward peak (the moment
-"block 2 forward") is over-predicted by 768 B (0.28%) on all four ranks, exact at 2 x 16 tokens; not investigated.
+"block 2 forward") is over-predicted by 768 B (0.28%) on all four ranks, exact at 2 x 16 tokens; not traced (768 B
+is one bf16 s x head_dim rope table, 32 x 12 x 2, or three fp32 N = 64 columns).
 Closed ones: at 2 x 16 tokens the bf16 backward was under by 10,144 B without SP and 992 B with it until the
 post-attention RMSNorm's backward moment (``tp.post_norm_backward``). At 4 x 16 tokens in bf16 the backward with SP
 was under by 12,836 B and the forward without SP by 6,976 B until loss parallel's two moments
