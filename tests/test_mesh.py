@@ -1,6 +1,6 @@
 """Meshes as data (zeroplan/formulas/mesh.py): each dimension's link class by node size, collectives placed on
 the mesh they name (group size, link), time per link (commtime ``Links``), and an FSDP2 estimate on the 3-D
-mesh end to end. No torch.
+mesh end to end. No torch."""
 
 from __future__ import annotations
 
