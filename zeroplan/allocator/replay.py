@@ -152,13 +152,24 @@ def replay(events: Iterable, config: AllocatorConfig = AllocatorConfig(), capaci
     # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)
     runs = alloc_runs(events) if capacity_bytes is None else {}
     index, count = 0, len(events)
+    live, addresses, malloc, release = run.live, run.addresses, run.alloc.malloc, run.alloc.free_requested
     while index < count:
         length = runs.get(index)
         if length and fast_forward(run, [_event(raw) for raw in events[index:index + length]]):
             index += length
             continue
+        event = events[index]
         try:
-            run.step(_event(events[index]))
+            # ``run.step(_event(event))`` inlined for a well-formed ``Event`` alloc or free (most of a trace);
+            # anything else, and every error, goes through ``step``
+            if type(event) is Event and event.action == "alloc" and type(event.size) is int and event.size > 0 \
+                    and event.id not in live:
+                block = live[event.id] = malloc(event.size, event.stream, event.segment_address)
+                addresses.append((event.id, block.address))
+            elif type(event) is Event and event.action == "free" and event.id in live and live[event.id].allocated:
+                release(live.pop(event.id), pending=False)
+            else:
+                run.step(_event(event))
         except OutOfMemory as exc:
             oom = (index, exc.size)
             break

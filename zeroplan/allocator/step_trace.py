@@ -32,6 +32,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
+from operator import itemgetter
 
 from zeroplan.allocator.replay import Event
 from zeroplan.formulas.peak import PHASES, Moment, Term
@@ -122,16 +124,24 @@ class _Builder:
     def wanted(self, moment: Moment, resident: Sequence[Term]) -> dict[Key, list[int]]:
         """{key: [count, stream]} of the tensors ``moment`` holds, in term order; a one-tensor term is keyed
         ``GROWN`` with its (rounded) bytes in place of the count."""
-        out: dict[Key, list[int]] = {}
-        seen, get = self._seen, out.get
-        for term in (*moment.terms, *resident):
-            got = seen.get(id(term))
-            for key, amount, stream in self._tensors(term) if got is None else got[1]:
-                entry = get(key)
-                if entry is None:
-                    out[key] = [amount, stream]
-                else:
-                    entry[0] += amount
+        seen, tensors = self._seen, self._tensors
+        terms = (*moment.terms, *resident)
+        missing = [t for t in terms if id(t) not in seen]
+        for term in missing:
+            tensors(term)
+        # every term's (key, amount, stream), found in C (``chain``, ``map``): a moment holds ~150 terms
+        rows = list(chain.from_iterable(map(itemgetter(1), map(seen.__getitem__, map(id, terms)))))
+        out = {key: [amount, stream] for key, amount, stream in rows}
+        if len(out) == len(rows):  # the usual moment: no key twice
+            return out
+        out = {}
+        get = out.get
+        for key, amount, stream in rows:  # a key held by several terms: their amounts add up
+            entry = get(key)
+            if entry is None:
+                out[key] = [amount, stream]
+            else:
+                entry[0] += amount
         return out
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
@@ -246,6 +256,51 @@ class _Builder:
                 del live[key]
 
 
+    def state(self) -> tuple[tuple, list[int], dict[Key, int], list[Key]]:
+        """What the rest of a step's events depend on, but the ids: the phase, the live bytes and the live buffers
+        ((size, stream) of each, by key); their ids in the same order; when each live key was added (``since``:
+        ``_release`` frees the changed keys in its order); and the key of each id."""
+        keys = sorted(self.live)
+        shape = tuple((k, tuple((size, stream) for _, size, stream in self.live[k])) for k in keys)
+        ids = [i for k in keys for i, _, _ in self.live[k]]
+        owner = [k for k in keys for _ in self.live[k]]
+        return (self.phase, self.live_bytes, shape), ids, {k: self.since[k] for k in keys}, owner
+
+    def repeat_step(self, earlier: tuple, now: tuple, end: int) -> None:
+        """The last step's events from the ``now`` mark on, copied from the step before (its events from its
+        ``earlier`` mark to ``end``, where the last step began): from equal ``state``s the same transitions make
+        the same events, each id renamed (a buffer live at the mark: its counterpart; a newer one: shifted by the
+        ids made in between); the live bytes, so each phase's largest, repeat too. Leaves the builder's buffers
+        as they were at ``now``: the trace ends there."""
+        (_, old_ids, _, _, old_next, start), (_, new_ids, _, _, new_next, _) = earlier, now
+        rename, shift = dict(zip(old_ids, new_ids)), new_next - old_next
+        events = self.events
+        for e in events[start:end]:
+            if e.action == "alloc":
+                events.append(Event("alloc", e.id + shift, e.size, e.stream))
+            elif e.action == "free":
+                events.append(Event("free", rename.get(e.id, e.id + shift)))
+            else:
+                events.append(e)
+
+
+def _repeats(earlier: tuple, now: tuple, step: Sequence[Moment], changes: dict) -> bool:
+    """Whether the last step, from its first moment on, makes the events of the one before (renamed: ``repeat_step``):
+    its ``state`` at both marks equal, and the keys its transitions change (``changes`` of the pairs of ``step``, all
+    met in the step before; the others are neither freed nor grown) added in the same order and their buffers' ids
+    in the same order (a transition frees the spare buffers by id)."""
+    if earlier[0] != now[0]:
+        return False
+    touched = set().union(*(changes[id(a), id(b)][0] for a, b in zip(step, step[1:])))
+    old_since, new_since = earlier[2], now[2]
+    live = touched.intersection(new_since)
+    if sorted(live, key=old_since.__getitem__) != sorted(live, key=new_since.__getitem__):
+        return False
+    at = [i for i, k in enumerate(earlier[3]) if k in live]  # the touched keys' buffers, in ``state``'s order
+    old_ids, new_ids = earlier[1], now[1]
+    return sorted(at, key=old_ids.__getitem__) == sorted(at, key=new_ids.__getitem__)
+
+
 def step_trace(
     moments: Iterable[Moment], block_bytes: int = 1, resident: tuple[Term, ...] = (),
     stream_of: Callable[[Term], int] = default_stream, steps: int = 2,
@@ -264,13 +319,24 @@ def step_trace(
     order = [*by_phase["init"], *[m for _ in range(steps) for p in PHASES[1:] for m in by_phase[p]]]
     wants: dict[int, dict[Key, list[int]]] = {}  # each moment's tensors, found once for every step that meets it
     changes: dict[tuple[int, int], tuple[set[Key], list[Key]]] = {}  # each transition's keys, once for every step
+    per_step = len(order) - len(by_phase["init"])
+    per_step //= steps
+    firsts = range(len(by_phase["init"]), len(order), per_step or 1)  # each step's first moment
+    last = firsts[-1] if per_step and steps > 1 else -1
+    marks: list[tuple] = []  # after each step's first moment: ``state``, the next id, how many events
     before: Moment | None = None
-    for m in order:
+    for at, m in enumerate(order):
         if id(m) not in wants:
             wants[id(m)] = builder.wanted(m, () if m.phase == "init" else resident)
         pair = (id(before), id(m))
         if pair not in changes:
             changes[pair] = builder.changed(wants[id(m)], wants[id(before)] if before is not None else {})
+        step_end = len(builder.events)
         builder.move_to(m, wants[id(m)], changes[pair])
         before = m
+        if at in firsts and last >= 0:
+            marks.append((*builder.state(), builder.next_id, len(builder.events)))
+            if at == last and _repeats(marks[-2], marks[-1], order[at:at + per_step], changes):
+                builder.repeat_step(marks[-2], marks[-1], step_end)
+                break
     return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))
