@@ -24,6 +24,7 @@ from typing import NamedTuple
 from zeroplan.allocator.blocks import Block, SegmentInfo
 from zeroplan.allocator.caching import CachingAllocator, OutOfMemory
 from zeroplan.allocator.config import AllocatorConfig
+from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.runs import alloc_runs, fast_forward
 
 ACTIONS = ("alloc", "free", "free_requested", "free_completed", "phase", "empty_cache", "segment_free")
@@ -147,6 +148,11 @@ def replay(events: Iterable, config: AllocatorConfig = AllocatorConfig(), capaci
     """Run ``events`` through a fresh allocator (``config``; ``capacity_bytes``: what ``cudaMalloc`` can get);
     ``details`` False leaves ``segments``, ``segment_log`` and ``addresses`` empty (the peaks are all a plan
     reads, and listing ~2,000 segments' blocks cost a tenth of its replay)."""
+    with gc_paused():
+        return _replay(events, config, capacity_bytes, details)
+
+
+def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | None, details: bool) -> Replay:
     run, oom = _Run(config, capacity_bytes), None
     events = events if isinstance(events, (list, tuple)) else list(events)
     # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)

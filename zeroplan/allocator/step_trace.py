@@ -35,12 +35,14 @@ from functools import lru_cache
 from itertools import chain
 from operator import itemgetter
 
+from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
 _COUNT = re.compile(r" of \d+ ")
 GROWN = -1
+_new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
 """The size slot of a one-tensor term's key: a buffer that grows by pieces (``_Builder.wanted``)."""
 
 
@@ -126,11 +128,13 @@ class _Builder:
         ``GROWN`` with its (rounded) bytes in place of the count."""
         seen, tensors = self._seen, self._tensors
         terms = (*moment.terms, *resident)
-        missing = [t for t in terms if id(t) not in seen]
-        for term in missing:
-            tensors(term)
         # every term's (key, amount, stream), found in C (``chain``, ``map``): a moment holds ~150 terms
-        rows = list(chain.from_iterable(map(itemgetter(1), map(seen.__getitem__, map(id, terms)))))
+        try:
+            rows = list(chain.from_iterable(map(itemgetter(1), map(seen.__getitem__, map(id, terms)))))
+        except KeyError:  # a term met for the first time
+            for term in [t for t in terms if id(t) not in seen]:
+                tensors(term)
+            rows = list(chain.from_iterable(map(itemgetter(1), map(seen.__getitem__, map(id, terms)))))
         out = {key: [amount, stream] for key, amount, stream in rows}
         if len(out) == len(rows):  # the usual moment: no key twice
             return out
@@ -244,7 +248,7 @@ class _Builder:
         events, ident, block, added = self.events, self.next_id, self.block, 0
         for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
             ids = range(ident, ident + count)
-            events.extend([Event("alloc", i, size, stream) for i in ids])
+            events.extend([_new(Event, ("alloc", i, size, stream, None)) for i in ids])  # ``Event(...)``, in C
             live[key].extend([(i, size, stream) for i in ids])
             ident += count
             added += count * (size if block <= 1 else -(-size // block) * block)  # ``_rounded``
@@ -277,7 +281,7 @@ class _Builder:
         events = self.events
         for e in events[start:end]:
             if e.action == "alloc":
-                events.append(Event("alloc", e.id + shift, e.size, e.stream))
+                events.append(_new(Event, ("alloc", e.id + shift, e.size, e.stream, None)))
             elif e.action == "free":
                 events.append(Event("free", rename.get(e.id, e.id + shift)))
             else:
@@ -310,6 +314,12 @@ def step_trace(
     as ``peak_of``); ``stream_of``: the stream each term's tensors are allocated on."""
     if steps < 1 or block_bytes < 1:
         raise ValueError(f"steps={steps}, block_bytes={block_bytes}: must be >= 1")
+    with gc_paused():
+        return _step_trace(moments, block_bytes, resident, stream_of, steps)
+
+
+def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Term, ...],
+                stream_of: Callable[[Term], int], steps: int) -> AllocTrace:  # fmt: skip
     by_phase: dict[str, list[Moment]] = {p: [] for p in PHASES}
     for m in moments:
         if m.phase not in by_phase:
