@@ -23,7 +23,11 @@ first and allocations follow the moment's term order: an approximation of the re
 recorded histories (docs/allocator.md, "Recording on a GPU") can check.
 
 ``steps``: the training steps walked after init (default 2): the moments describe a steady step (Adam's
-states already exist), and the second step meets the blocks the first one cached, as a real run does.
+states already exist), and the second step meets the blocks the first one cached, as a real run does. The
+last step's events are copied from the step before (ids renamed) when the builder's state after their first
+moments agrees (``_repeats``: the same live buffers, the keys the step changes added in the same order, their
+ids in the same order), since the same transitions from the same state make the same events; otherwise it is
+built moment by moment (a speed-up, no rule: tests/test_step_trace.py compares the two on every engine).
 """
 
 from __future__ import annotations
