@@ -13,6 +13,7 @@ from typing import Optional
 
 from zeroplan.engines.deepspeed.collectives import zero3_collectives
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
+from zeroplan.engines.deepspeed.moe import expert_gradients_held
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _act, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
@@ -157,6 +158,7 @@ class ZeroOptimizerStage3(Wrapper):
         GPT-2 8.6M tied, ZeRO-3, N_d = 3: -10.3% on every rank before)."""
         out = [Moment("backward", "last block backward", last)]
         sched = _schedule(run)
+        out += expert_gradients_held(run, sched)  # moe.py: a routed expert's gradient larger than the bucket
         if run.tied_head and sched is not None and "embedding backward" in dict((m, f) for m, f, _ in run.trace.marks):
             acts = run.acts
             out.append(Moment("backward", "tied embedding backward", (
