@@ -177,10 +177,13 @@ moments are not measured."""
 
 def zero3_moe_limit(model_type: str, zero: dict) -> Optional[str]:
     """Why ZeRO-3's peak of a sparse model under ``zero`` (the ds_config's ``zero_optimization``) is not given,
-    or None: outside ``ZERO3_MOE_FAMILIES``, or with ``offload_param`` or ZeRO++ (their schedules on a sparse
-    layer are not measured)."""
+    or None: outside ``ZERO3_MOE_FAMILIES``, with ZeRO-3 leaves other than DeepSpeed's defaults, or with
+    ``offload_param`` or ZeRO++ (their schedules on a sparse layer are not measured)."""
     if model_type not in ZERO3_MOE_FAMILIES:
         return f"model_type {model_type!r} not measured (measured: {', '.join(ZERO3_MOE_FAMILIES)})"
+    if zero.get("leaf_module") not in (None, {}) or zero.get("stage3_module_granularity_threshold") not in (None, 0):
+        return ("leaf_module / stage3_module_granularity_threshold not modelled (DeepSpeed's default leaf classes "
+                "assumed: trace.py _LEAF_SPARSE)")
     offload = zero.get("offload_param")
     if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None):
         return f"offload_param to {offload.get('device')} not measured"
