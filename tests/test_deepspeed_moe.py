@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 on transformers' mixture-of-experts classes (Mixtral, Qwen3-MoE, DeepSeek-V3): the module trace
+"""DeepSpeed ZeRO-3 on transformers' mixture-of-experts classes (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3): the module trace
 DeepSpeed 0.19.8 runs on them (its default ZeRO-3 leaf sparse MLPs, the routers called before the experts) against
 the all-gathers it issued, call for call, and real runs against ``engines/deepspeed/moe.py``, every phase
 (docs/engines/deepspeed.md "ZeRO-3 and mixture-of-experts")."""
@@ -10,9 +10,10 @@ import json
 import pytest
 
 from tests.test_deepseek import DEEPSEEK_WIDE
-from tests.test_moe_peaks import DS_SMALL, MIXTRAL, QWEN3_MOE
+from tests.test_moe_peaks import DS_SMALL, MIXTRAL, QWEN3_MOE, RECORDED as FSDP2_RECORDED
 
-CONFIGS = {"mixtral-wide": MIXTRAL, "qwen3-moe-wide": QWEN3_MOE, "deepseek-wide": DEEPSEEK_WIDE}
+CONFIGS = {"mixtral-wide": MIXTRAL, "qwen3-moe-wide": QWEN3_MOE, "deepseek-wide": DEEPSEEK_WIDE,
+           "qwen2-moe-wide": FSDP2_RECORDED["qwen2-moe-wide"][0]}
 
 #: DeepSpeed 0.19.8, ZeRO-3, on transformers' classes (validate.engines.deepspeed_compare.run_world(configs, 2,
 #: model=a 64-position tiny-llama config, steps=2, seq_len=64, runs=[{"model": CONFIG_JSON, "hf": True}]),
@@ -25,6 +26,7 @@ RECORDED = {
     ("mixtral-wide", "small"): [9671073, 23324877, 24669661, 22960837],
     ("qwen3-moe-wide", "small"): [7792673, 19784589, 20467821, 18650821],
     ("deepseek-wide", "small"): [3574241, 10231821, 10392605, 8799877],
+    ("qwen2-moe-wide", "small"): [9152545, 24228461, 24748125, 22976197],
     ("mixtral-wide", "default"): [2009651073, 2026972333, 2026824601, 2022940837],
     ("qwen3-moe-wide", "default"): [2007772673, 2021063485, 2023257625, 2018630821],
 }
@@ -32,6 +34,8 @@ RECORDED = {
 #: 2.57 MB (Mixtral) and 2.94 MB (Qwen3-MoE) under, as DeepSeek-V3's 1.70 MB there (tests/test_deepseek.py): not the
 #: sparse block's (with 5,000-element buckets every phase is within 384 B); not found yet.
 RESIDUAL = {
+    # 4,224 B: FSDP2's 4,096 B on this config (tests/test_moe_peaks.py RESIDUAL, outside the sparse block) and 128
+    ("qwen2-moe-wide", "small", "forward"): 4224 / 24228461,
     ("mixtral-wide", "default", "backward"): 2566996 / 2026824601,
     ("qwen3-moe-wide", "default", "backward"): 2941244 / 2023257625,
 }
@@ -49,6 +53,8 @@ FORWARD_GATHERS = {
                        17280, 8192, 8192, 16384, 196736, 98304, 65280],
     "deepseek-wide": [64384, 7296, 5120, 12288, 32896, 32768, 32768, *[7296, 5120, 12288, 66176, 32768, 8192, 8192,
                                                                         8192] * 2, 64512],
+    "qwen2-moe-wide": [64384, 16512, 8320, 16384, 131712, *[65536] * 4,
+                       *[16640, 8320, 16384, 131712, *[65536] * 4] * 2, 64640],
 }  # fmt: skip
 
 
@@ -149,7 +155,7 @@ def test_trace_calls_the_sparse_mlp_as_deepspeed_hooks_it():
     ("tiny-mixtral.json", {"stage": 3}, None),
     ("tiny-qwen3-moe.json", {"stage": 3}, None),
     ("tiny-deepseek-v3.json", {"stage": 3}, None),
-    ("tiny-qwen2-moe.json", {"stage": 3}, "model_type 'qwen2_moe' not measured"),
+    ("tiny-qwen2-moe.json", {"stage": 3}, None),
     ("tiny-mixtral.json", {"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param to cpu not measured"),
     ("tiny-mixtral.json", {"stage": 3, "zero_hpz_partition_size": 2}, "ZeRO++ (zero_hpz_partition_size)"),
     ("tiny-mixtral.json", {"stage": 3, "leaf_module": {"classes": []}}, "leaf_module"),

@@ -169,10 +169,8 @@ def expert_gradients_held(run: DSRun, sched) -> tuple[Moment, ...]:
              "__avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced"))),)  # fmt: skip
 
 
-ZERO3_MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "deepseek_v3")
-"""The sparse families whose ZeRO-3 peak is measured (tests/test_deepspeed_moe.py, tests/test_moe_peaks.py,
-tests/test_deepseek.py); Qwen2-MoE's shared expert runs before the router (trace.py ``_MOE_FORWARD``): its
-moments are not measured."""
+ZERO3_MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+"""The sparse families whose ZeRO-3 peak is measured (tests/test_deepspeed_moe.py)."""
 
 
 def zero3_moe_limit(model_type: str, zero: dict) -> Optional[str]:

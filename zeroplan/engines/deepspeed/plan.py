@@ -204,7 +204,7 @@ def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optio
 def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
     """Why DeepSpeed's peak of a sparse model is not given, or None. Measured (DeepSpeed 0.19.8, transformers'
     classes): ZeRO-2 with a reduce bucket at least as large as an expert tensor (tests/test_moe_peaks.py), and
-    ZeRO-3 on Mixtral, Qwen3-MoE and DeepSeek-V3 (``moe.zero3_moe_limit``: the sparse block's own moments and
+    ZeRO-3 on Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (``moe.zero3_moe_limit``: the sparse block's own moments and
     the expert gradients larger than the bucket, engines/deepspeed/moe.py). Refused: a smaller ZeRO-2 bucket (a
     gradient larger than it is reduced on its own, ``stage_1_and_2.py extra_large_param_to_reduce``: backward
     +10 %), ZeRO-1 (not measured), ZeRO-3 outside ``zero3_moe_limit``. A plan without a stage searches ZeRO-1 too,
