@@ -100,30 +100,44 @@ def test_zero3_peaks_of_transformers_moe_classes_every_phase(name, buckets, tmp_
 
 
 #: transformers' gradient checkpointing (``model.gradient_checkpointing_enable()``: every decoder layer a
-#: ``GradientCheckpointingLayer``, torch.utils.checkpoint non-reentrant) on DeepseekV3ForCausalLM, DeepSpeed 0.19.8
-#: ZeRO-2 at its default buckets, fp32, gloo, N_d = 2, micro-batch 1, seq 64, two steps: each rank ran
-#: validate.engines.deepspeed.measure(build, ds_config(2, micro_batch=1, optimizer_params={"torch_adam": True}),
-#: batches of _model_and_batches(CONFIG_JSON, 2, rank, 1, 2, 64, hf=True)) with ``build`` hf_builder's model with
-#: checkpointing enabled (hf_builder itself refuses checkpointing), recorded 2026-12-02 on this project's CPU
-#: machine: peak bytes [init, forward, backward, optimizer_step], the same on both ranks. Predicted as
-#: ``checkpointing="full"``: within 584 B (0.0067 %, the step) every phase.
-CHECKPOINTED = {("deepseek-wide", 2): [4389440, 5946320, 2007682004, 8779344]}
+#: ``GradientCheckpointingLayer``, torch.utils.checkpoint non-reentrant) on DeepseekV3ForCausalLM, DeepSpeed 0.19.8,
+#: fp32, gloo, N_d = 2, micro-batch 1, seq 64, two steps: each rank ran validate.engines.deepspeed.measure(build,
+#: ds_config(stage, micro_batch=1, zero=ZERO, optimizer_params={"torch_adam": True}), batches of
+#: _model_and_batches(CONFIG_JSON, 2, rank, 1, 2, 64, hf=True)) with ``build`` hf_builder's model with checkpointing
+#: enabled (hf_builder itself refuses checkpointing), recorded 2026-12-02 on this project's CPU machine: peak bytes
+#: [init, forward, backward, optimizer_step], the same on both ranks; predicted as ``checkpointing="full"``.
+CHECKPOINTED = {
+    ("deepseek-wide", 2, "default"): [4389440, 5946320, 2007682004, 8779344],
+    ("deepseek-wide", 3, "small"): [3574241, 8194029, 8489741, 8799877],
+}
+#: measured - predicted beyond 0.01 %: ZeRO-3 checkpointed over-predicts the forward by 215,488 B (2.6 %) and the
+#: backward by 196,024 B (2.3 %): moe.py's sparse moments are not built for a checkpointed layer (the dense
+#: block's are used: the most gathered in the last block, its open all-gather buffers included, beside the
+#: no-grad working set; at the last block's backward the recomputed saved tensors beside the experts' working
+#: set). Not modelled yet; asserted so that a fix shows. ZeRO-2 is within 584 B every phase.
+CHECKPOINTED_RESIDUAL = {
+    ("deepseek-wide", 3, "small", "forward"): -215488 / 8194029,
+    ("deepseek-wide", 3, "small", "backward"): -196024 / 8489741,
+}
 
 
-@pytest.mark.parametrize(("name", "stage"), sorted(CHECKPOINTED))
-def test_hf_gradient_checkpointing_peaks_every_phase(name, stage, tmp_path):
+@pytest.mark.parametrize(("name", "stage", "buckets"), sorted(CHECKPOINTED))
+def test_hf_gradient_checkpointing_peaks_every_phase(name, stage, buckets, tmp_path):
     from validate.engines.deepspeed_compare import ds_config, workload_for
     from zeroplan.engines import deepspeed as D
     from zeroplan.formulas.peak import PHASES
 
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(CONFIGS[name]))
-    config = ds_config(stage, micro_batch=1, optimizer_params={"torch_adam": True})
+    config = ds_config(stage, micro_batch=1, zero=DS_SMALL if buckets == "small" else {},
+                       optimizer_params={"torch_adam": True})  # fmt: skip
     workload = workload_for(str(path), 1, 64, 1, "full", hf=True)
     (est,) = D.estimate(workload, 2, D.Settings.from_ds_config(config, zero_init=False), stat_bytes=4)
     predicted = est.peak.by_phase()
-    for phase, value in zip(PHASES, CHECKPOINTED[(name, stage)]):
-        assert abs(value - predicted[phase]) / value <= 0.0001, (name, stage, phase, value, predicted[phase])
+    for phase, value in zip(PHASES, CHECKPOINTED[(name, stage, buckets)]):
+        err = (value - predicted[phase]) / value
+        residual = CHECKPOINTED_RESIDUAL.get((name, stage, buckets, phase), 0.0)
+        assert abs(err - residual) <= 0.0001, (name, stage, phase, value, predicted[phase])
 
 
 def test_trace_calls_the_sparse_mlp_as_deepspeed_hooks_it():
