@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO-3 on transformers' mixture-of-experts classes (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3): the module trace
-DeepSpeed 0.19.8 runs on them (its default ZeRO-3 leaf sparse MLPs, the routers called before the experts) against
+"""DeepSpeed ZeRO-3 on transformers' mixture-of-experts classes (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3): the
+module trace DeepSpeed 0.19.8 runs on them (its default ZeRO-3 leaf sparse MLPs, the routers called before the experts) against
 the all-gathers it issued, call for call, and real runs against ``engines/deepspeed/moe.py``, every phase
 (docs/engines/deepspeed.md "ZeRO-3 and mixture-of-experts")."""
 

@@ -1,12 +1,14 @@
 """ZeRO-3 on a mixture-of-experts decoder layer (transformers 5.24, DeepSpeed 0.19.8): the sparse block's
-forward moments, read off the coordinator at its own modules' hooks, and the backward moment of routed-expert
-gradients larger than the reduce bucket. The mechanism, with the sources read: docs/engines/deepspeed.md
-"ZeRO-3 and mixture-of-experts".
+forward moments, read off the coordinator at its own hooks, the backward moment of its gradients' reduction, and
+which sparse runs are modelled. The mechanism, with the sources read: docs/engines/deepspeed.md "ZeRO-3 and
+mixture-of-experts".
 
 Every sparse MLP's submodules are called at every step whatever the routing (``experts`` is one module holding
 every expert's 3-D tensors, ``MixtralExperts``/``Qwen3MoeExperts``/``DeepseekV3Experts``), so the module trace
 is the same at every step (partitioned_param_coordinator.py ``trace_prologue`` never invalidates it) and every
-expert is gathered at the ``experts`` fetch, routed or not: the worst case where routing varies is the case.
+expert is gathered, routed or not: the worst case where routing varies is the case. DeepSpeed makes Mixtral's
+and the Qwen MoEs' sparse MLP a ZeRO-3 leaf by default (trace.py ``_LEAF_SPARSE``): one fetch for the router and
+the experts, one backward hook reducing all their gradients; DeepSeek-V3's keeps a hook per module.
 
 Symbols: N tokens of the micro-batch, E routed experts, k experts per token, d width, f one expert's width,
 a activation bytes, p parameter bytes."""
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _states
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas.moe_activations import ROUTING_WEIGHT_BYTES
 from zeroplan.formulas.moe_block import FP32, router_saved, shared_expert_saved
@@ -43,8 +46,6 @@ def _tokens(run: DSRun) -> int:
 
 
 def _abytes(run: DSRun) -> int:
-    from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
-
     return DTYPE_BYTES[run.settings.dtype]
 
 
@@ -100,7 +101,8 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
             r_saved, r_alive = _before_experts(run)
             out.append(Moment("forward", f"{name}, experts fetched", (
                 *base, *_gathered(run, sched, f"block {j} experts fetch", during=True), *held,
-                _act("router's saved tensors", r_saved), _act("router logits and top-k weights (and 16-bit inputs)", r_alive))))  # fmt: skip
+                _act("router's saved tensors", r_saved),
+                _act("router logits and top-k weights (and 16-bit inputs)", r_alive))))  # fmt: skip
         out.append(Moment("forward", f"{name}, experts run", (
             *base, *_gathered(run, sched, f"block {j} after experts"), _blocks_saved(run, j + 1),
             _act("block's forward peak beyond its saved tensors", blk.forward_extra))))  # fmt: skip
@@ -155,11 +157,10 @@ def expert_gradients_held(run: DSRun, sched) -> tuple[Moment, ...]:
     bucket = s.reduce_bucket_size if s.contiguous_gradients else 0
     if all(n <= bucket for n in sizes) and experts is not None:
         return ()
-    from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
-
     g, blk, acts = DTYPE_BYTES[s.grad_dtype], _block(run, j), run.acts
-    base = (*_states(run), *run.wrapper.held_between_micro_steps(run), _act("batch (token ids, targets)", acts.batch, 2),
-            _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss))  # fmt: skip
+    base = (*_states(run), *run.wrapper.held_between_micro_steps(run),
+            _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved),
+            _act("loss", acts.loss))  # fmt: skip
     return (Moment("backward", "last block sparse MLP's gradients reduced", (
         *base, *_gathered(run, sched, "last block backward"), _blocks_saved(run, j),
         _act("block's saved activations before its MLP", blk.saved - blk.mlp_saved),
