@@ -89,10 +89,15 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
       Qwen3-MoE, the reordering ``weighted_out[inv_perm]``)."""
     out = []
     L, marks = run.acts.n_layer, {m for m, _, _ in run.trace.marks}
+    ckpt = run.checkpointing != "none"
     for j in sparse_blocks(run):
         blk, name = _block(run, j), ("last block" if j == L - 1 else f"block {j}")
         held = (_blocks_saved(run, j), _act("block's saved activations before its MLP", blk.saved - blk.mlp_saved))
         inputs = _act("block input and x1 (not saved, 16-bit)", _inputs(run), 2)
+        if ckpt:  # no grad: the checkpoint's input (in the first j + 1 blocks' term), x1 and the norm's output
+            held = (_blocks_saved(run, j + 1), _act("x1 and the post-attention norm's output (no grad)",
+                                                     2 * run.acts.embed_out, 2))  # fmt: skip
+            inputs = _act("", 0)
         for what in ("post_attention_layernorm", "mlp", "gate"):  # the mlp's mark where it is a leaf, else the router's
             if f"block {j} {what} fetch" in marks and (what != "mlp" or f"block {j} gate fetch" not in marks):
                 out.append(Moment("forward", f"{name}, {what} fetched", (
@@ -103,9 +108,15 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
                 *base, *_gathered(run, sched, f"block {j} experts fetch", during=True), *held,
                 _act("router's saved tensors", r_saved),
                 _act("router logits and top-k weights (and 16-bit inputs)", r_alive))))  # fmt: skip
+        if ckpt and f"block {j} attention" in marks:  # its no-grad peak may be the attention's (DeepSeek's SDPA)
+            out.append(Moment("forward", f"{name}, attention (no grad)", (
+                *base, *_gathered(run, sched, f"block {j} attention"), _blocks_saved(run, j),
+                _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))))  # fmt: skip
+        run_terms = ((_blocks_saved(run, j), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+                     if ckpt else (_blocks_saved(run, j + 1),
+                                   _act("block's forward peak beyond its saved tensors", blk.forward_extra)))  # fmt: skip
         out.append(Moment("forward", f"{name}, experts run", (
-            *base, *_gathered(run, sched, f"block {j} after experts"), _blocks_saved(run, j + 1),
-            _act("block's forward peak beyond its saved tensors", blk.forward_extra))))  # fmt: skip
+            *base, *_gathered(run, sched, f"block {j} after experts"), *run_terms)))  # fmt: skip
     return tuple(out)
 
 

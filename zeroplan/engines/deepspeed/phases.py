@@ -68,7 +68,7 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     # the coordinator's moment per block where it replays a trace with per-block marks (ZeRO-3)
     staged = sched is not None and f"block {L - 1} output projection" in dict((m, f) for m, f, _ in run.trace.marks)
     # the sparse layers' own moments (moe.py), and the dense ones' of a mixed model (DeepSeek's first layers)
-    sparse = sparse_blocks(run) if sched is not None and run.checkpointing == "none" else ()
+    sparse = sparse_blocks(run) if sched is not None else ()
     dense = staged or (sparse and any(m.endswith("output projection") for m, _, _ in run.trace.marks))
 
     def block(j: int) -> tuple[Moment, ...]:

@@ -230,6 +230,8 @@ class _TraceBuilder:
             spans[f"{sparse} released"] = [len(events) - 1] * 2
         owner, _, name = path.rpartition(".")
         j = owner.rpartition(".")[2]
+        if name == "self_attn" and j.isdigit():  # its fetch to its release (a checkpointed sparse layer's moment)
+            spans[f"block {j} attention"] = [start, len(events) - 1]
         if name == "mlp" and (f"block {j} experts fetch" in spans or self.is_leaf(path)):
             first = spans.get(f"block {j} experts fetch", spans[f"block {j} mlp fetch"])[0]
             spans[f"block {j} after experts"] = [first, len(events) - 1]  # from the experts' fetch to the MLP's release
