@@ -542,3 +542,14 @@ def test_engine_offload_rows_are_estimates_host_memory(engine, options, gpus, wa
         assert (row["offload"], printed["host_peak_at"], row["host_bytes"], row["nvme_bytes"], row["h2d_bytes"],
                 row["d2h_bytes"]) == w  # fmt: skip
         assert row["peak_bytes"] == s.peak.peak_bytes > 0
+
+
+def test_cli_fsdp_offload_fills_the_host_column():
+    """``sweep --engine fsdp2 --fsdp-offload cpu``: the flag estimate takes, the row test_engine_offload_rows_... checks."""
+    args = ["sweep", "--engine", "fsdp2", "--model", TINY_LLAMA, "--gpus", "2", "--seq-len", "8", "--checkpointing",
+            "none", "--init", "materialized"]  # fmt: skip
+    (row,) = csv.DictReader(io.StringIO(runner.invoke(app, [*args, "--fsdp-offload", "cpu"]).output))
+    (plain,) = csv.DictReader(io.StringIO(runner.invoke(app, args).output))
+    assert (row["offload"], int(row["host_bytes"]), int(row["h2d_bytes"])) == ("optimizer->cpu, params->cpu", 478_644,
+                                                                               8 * 23_928)  # fmt: skip
+    assert (plain["offload"], int(plain["host_bytes"])) == ("none", 0)
