@@ -103,13 +103,12 @@ def host_basis(o: PlanOption) -> dict:
     """Which host bytes ``host_bytes_per_gpu`` is: an engine's offload (``HostMemory``) the larger of the steady
     bytes and init's peak, ``host_peak_at`` naming which (as ``estimate --json``); a reference offload row the steady
     bytes (ZeRO-Offload's states after init; init's host memory not modelled: null); no offload 0 and 0."""
-    if o.host is not None:
-        h = o.host
+    h = o.host
+    if h is not None:
         return dict(host_steady_bytes_per_gpu=h.steady_bytes, host_init_peak_bytes_per_gpu=h.init_peak_bytes,
                     host_peak_at=h.peak_at)  # fmt: skip
-    steady = o.states.host_bytes
-    return dict(host_steady_bytes_per_gpu=steady, host_init_peak_bytes_per_gpu=None if o.offload.any else 0,
-                host_peak_at="steady")  # fmt: skip
+    return dict(host_steady_bytes_per_gpu=o.states.host_bytes, host_peak_at="steady",
+                host_init_peak_bytes_per_gpu=None if o.offload.any else 0)  # fmt: skip
 
 
 def peak_keys(peak) -> dict:
