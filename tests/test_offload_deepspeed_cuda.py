@@ -73,3 +73,15 @@ def test_a_cuda_row_is_the_gpu_peak_with_reserved_bytes_beside():
     assert row["predicted_peak_bytes_by_phase"] == cuda.peak.by_phase() != cpu.peak.by_phase()
     assert row["predicted_beside_states_terms"] is None and cuda.host is not None  # offloaded, not on the GPU
     assert row["predicted_model_states_bytes"] == cuda.model_states_bytes
+
+
+def test_the_rank_readings_keep_init_whole_and_leave_the_workspaces_out():
+    from validate.engines.deepspeed_cuda import _fold_build, without_workspaces
+
+    row = {"probe_breakdown": {"reserved_bytes.peak.build": 5 * 2**21, "reserved_bytes.peak.init": 3 * 2**21,
+                               "reserved_bytes.peak.forward": 7 * 2**21},
+           "boundary_bytes": {"init": 1000, "step0": 1000 + 2**25, "step1": 1000 + 2**25}}  # fmt: skip
+    folded = without_workspaces(_fold_build(row), 2**25)  # Hopper's 32 MiB cuBLAS workspace, say
+    assert folded["probe_breakdown"] == {"reserved_bytes.peak.init": 5 * 2**21, "reserved_bytes.peak.forward": 7 * 2**21}
+    assert folded["boundary_bytes"] == {"init": 1000, "step0": 1000, "step1": 1000}
+    assert folded["library_workspace_bytes"] == 2**25 and row["boundary_bytes"]["step0"] == 1000 + 2**25

@@ -17,7 +17,8 @@ process's ``PYTORCH_CUDA_ALLOC_CONF`` (the ranks inherit it), ``predicted_reserv
 and the host are two memories: the allocator counts the GPU alone, so an offload row is compared with the profile's
 GPU peak (its host terms are not added, unlike the CPU runner's one memory).
 
-Testable without a GPU: ``on_cuda``, ``torch_adam_configs``, ``check_gpus``, ``predicted_reserved`` and the parent's
+Testable without a GPU: ``on_cuda``, ``torch_adam_configs``, ``check_gpus``, ``predicted_reserved``, the readings'
+post-processing (``_fold_build``, ``without_workspaces``) and the parent's
 comparison of a CUDA row (tests/test_offload_deepspeed_cuda.py); the rank side runs in validate/gpu_check.sh.
 """
 
@@ -111,6 +112,26 @@ def _fold_build(row: dict) -> dict:
     return {**row, "probe_breakdown": b}
 
 
+def without_workspaces(row: dict, workspace_bytes: int) -> dict:
+    """The step boundaries less the cuBLAS workspaces (made by the first matmul, kept for the run: not model states),
+    as the FSDP2 and reference runners subtract them (``MemoryProbe.release_workspaces``); init's reading has none.
+    The phases' peaks keep them, as an unprobed run holds them."""
+    boundary = {k: b if k == "init" else b - workspace_bytes for k, b in row["boundary_bytes"].items()}
+    return {**row, "boundary_bytes": boundary, "library_workspace_bytes": workspace_bytes}
+
+
+def _release_workspaces() -> int:
+    """The bytes the cuBLAS workspaces held, freed (after ``measure``: the engine is gone, the workspaces stay)."""
+    import torch
+
+    from validate.probes import _clear_cublas_workspaces
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    _clear_cublas_workspaces()
+    return before - torch.cuda.memory_allocated()
+
+
 def rank_main(args) -> None:
     """One rank on CUDA (``args``: ``validate.engines.deepspeed.main``'s parsed arguments): every ds_config of
     ``--configs`` (default ``run_configs``) with torch's Adam, rank 0 writing every rank's rows to ``--out``."""
@@ -141,7 +162,8 @@ def rank_main(args) -> None:
         )  # fmt: skip
         row = measure(model_fn, ds, [_OnDevice(b) for b in batches], rank, nd,
                       bool(run.get("zero_init", config.zero_init)), settle=False, probe=_cuda_probe())  # fmt: skip
-        row = {**_fold_build(row), "device": "cuda", "backend": "nccl", "fp16_capability_overridden": False}
+        row = without_workspaces(_fold_build(row), _release_workspaces())
+        row = {**row, "device": "cuda", "backend": "nccl", "fp16_capability_overridden": False}
         rows.append({**row, "runner_changes": [*runner_changes(row), "optimizer.params.torch_adam: true (torch's "
                                                "Adam: no DeepSpeed op built on the GPU machine; deepspeed_cuda)"]})
     everyone = [None] * nd if rank == 0 else None
