@@ -11,7 +11,8 @@ import json
 import pytest
 
 from validate.engines.deepspeed_compare import PHASE_OF, compare_row, workload_for
-from validate.engines.deepspeed_cuda import check_gpus, on_cuda, predicted_reserved, torch_adam_configs
+from validate.engines.deepspeed_compare import predicted_reserved
+from validate.engines.deepspeed_cuda import check_gpus, on_cuda, torch_adam_configs
 from zeroplan.engines import deepspeed as D
 
 ZERO2_CPU = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},

@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     from validate.engines.deepspeed_cuda import on_cuda, rank_main
 
     if on_cuda(args.config):  # --device cuda, or auto with a GPU: NCCL and the allocator's counters
-        return rank_main(args)
+        return rank_main(args, _model_and_batches, measure)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # MemTracker's gradient hook meets gradients DeepSpeed has already moved into its buckets.
     warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")

@@ -8,6 +8,7 @@ The ranks (``validate.engines.deepspeed``) run under the same harness as the oth
 from __future__ import annotations
 
 import json
+import os
 import math
 import statistics
 
@@ -173,8 +174,6 @@ def compare_row(
     top = {p: max(b[p] for b in by_rank.values()) for p in next(iter(by_rank.values()))}
     reserved = None
     if cuda:
-        from validate.engines.deepspeed_cuda import predicted_reserved
-
         reserved = predicted_reserved(workload, nd, settings)
     prediction = Prediction(est, collectives, peak_by_phase=top, ops=RING_OPS, peak_by_rank=by_rank,
                             beside_states=() if host is None else host.terms, reserved_by_phase=reserved)  # fmt: skip
@@ -225,3 +224,16 @@ def run_validation(config) -> dict:
     torch_version = worlds[0][1][0][0]["torch"] if worlds else None
     return ValidationReport(schema_id=SCHEMA, config=config.model_dump(), torch=torch_version, rows=rows,
                             notes=notes, ok=all(r["ok"] for r in rows)).model_dump(by_alias=True)  # fmt: skip
+
+
+def predicted_reserved(workload, nd: int, settings) -> dict | None:
+    """The allocator model's ``max_memory_reserved`` per phase for the profile's allocation trace of ``settings``
+    (rank ``settings.rank``), under this process's ``PYTORCH_CUDA_ALLOC_CONF``; None for an option it refuses."""
+    from zeroplan.allocator.reserved import reserved_of
+    from zeroplan.engines.deepspeed.alloc_trace import alloc_traces
+
+    (trace,) = alloc_traces(workload, nd, settings)
+    try:
+        return reserved_of(trace, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")).reserved_phases
+    except ValueError:  # e.g. backend:cudaMallocAsync, which the model does not replay
+        return None

@@ -11,15 +11,14 @@ the GPU as the step takes it (``_OnDevice``: never alive before its step, as on 
 on the GPU machine (``fused_adam`` without offload; with ``offload_optimizer`` torch's Adam steps on the host instead
 of ``DeepSpeedCPUAdam``'s ``cpu_adam``), the optimizer the profile models for ``torch_adam``.
 
-The parent side (``predicted_reserved``, called by ``deepspeed_compare.compare_row`` for a CUDA row): the profile's
+The parent side (``deepspeed_compare.predicted_reserved``, called by its ``compare_row`` for a CUDA row): the profile's
 allocation trace (``zeroplan.engines.deepspeed.alloc_trace``) replayed through the allocator model under this
 process's ``PYTORCH_CUDA_ALLOC_CONF`` (the ranks inherit it), ``predicted_reserved_bytes_by_phase``. On CUDA the GPU
 and the host are two memories: the allocator counts the GPU alone, so an offload row is compared with the profile's
 GPU peak (its host terms are not added, unlike the CPU runner's one memory).
 
-Testable without a GPU: ``on_cuda``, ``torch_adam_configs``, ``check_gpus``, ``predicted_reserved``, the readings'
-post-processing (``_fold_build``, ``without_workspaces``) and the parent's
-comparison of a CUDA row (tests/test_offload_deepspeed_cuda.py); the rank side runs in validate/gpu_check.sh.
+Testable without a GPU: ``on_cuda``, ``torch_adam_configs``, ``check_gpus``, the parent's ``predicted_reserved``,
+the readings' post-processing (``_fold_build``, ``without_workspaces``) and the parent's comparison of a CUDA row (tests/test_offload_deepspeed_cuda.py); the rank side runs in validate/gpu_check.sh.
 """
 
 from __future__ import annotations
@@ -67,19 +66,6 @@ def torch_adam_configs(configs: list[dict]) -> list[dict]:
         opt.setdefault("params", {})["torch_adam"] = True
         out.append(ds)
     return out
-
-
-def predicted_reserved(workload, nd: int, settings) -> dict | None:
-    """The allocator model's ``max_memory_reserved`` per phase for the profile's allocation trace of ``settings``
-    (rank ``settings.rank``), under this process's ``PYTORCH_CUDA_ALLOC_CONF``; None for an option it refuses."""
-    from zeroplan.allocator.reserved import reserved_of
-    from zeroplan.engines.deepspeed.alloc_trace import alloc_traces
-
-    (trace,) = alloc_traces(workload, nd, settings)
-    try:
-        return reserved_of(trace, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")).reserved_phases
-    except ValueError:  # e.g. backend:cudaMallocAsync, which the model does not replay
-        return None
 
 
 class _OnDevice(list):
@@ -132,8 +118,9 @@ def _release_workspaces() -> int:
     return before - torch.cuda.memory_allocated()
 
 
-def rank_main(args) -> None:
-    """One rank on CUDA (``args``: ``validate.engines.deepspeed.main``'s parsed arguments): every ds_config of
+def rank_main(args, model_and_batches, measure) -> None:
+    """One rank on CUDA (``args``: ``validate.engines.deepspeed.main``'s parsed arguments; ``model_and_batches`` and
+    ``measure``: that runner's, passed in so that this module does not import it back): every ds_config of
     ``--configs`` (default ``run_configs``) with torch's Adam, rank 0 writing every rank's rows to ``--out``."""
     os.environ["DS_ACCELERATOR"] = "cuda"
     import deepspeed
@@ -141,7 +128,6 @@ def rank_main(args) -> None:
     import torch.distributed as dist
 
     from validate.config import ValidateConfig
-    from validate.engines.deepspeed import _model_and_batches, measure
     from validate.engines.deepspeed_changes import runner_changes
     from validate.engines.deepspeed_compare import run_configs
     from zeroplan.files import write_text_atomic
@@ -155,7 +141,7 @@ def rank_main(args) -> None:
     runs = json.loads(args.runs) if args.runs else [{}] * len(configs)
     rows = []
     for ds, run in zip(configs, runs):
-        model_fn, batches = _model_and_batches(
+        model_fn, batches = model_and_batches(
             run.get("model", config.model_name), nd, rank, ds["train_micro_batch_size_per_gpu"], config.steps,
             config.seq_len, ds.get("gradient_accumulation_steps", 1), run.get("checkpointing", config.checkpointing),
             bool(run.get("hf", False)),
