@@ -18,7 +18,8 @@ and the host are two memories: the allocator counts the GPU alone, so an offload
 GPU peak (its host terms are not added, unlike the CPU runner's one memory).
 
 Testable without a GPU: ``on_cuda``, ``torch_adam_configs``, ``check_gpus``, the parent's ``predicted_reserved``,
-the readings' post-processing (``_fold_build``, ``without_workspaces``) and the parent's comparison of a CUDA row (tests/test_offload_deepspeed_cuda.py); the rank side runs in validate/gpu_check.sh.
+the readings' post-processing (``_fold_build``, ``without_workspaces``) and the parent's comparison of a CUDA row
+(tests/test_offload_deepspeed_cuda.py); the rank side runs in validate/gpu_check.sh.
 """
 
 from __future__ import annotations
