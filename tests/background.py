@@ -133,6 +133,8 @@ sys.path.insert(0, sys.argv[2])
 from background import call
 out = Path(sys.argv[1])
 for key, job in json.loads((out / "jobs.json").read_text()):
+    if (out / "stop").exists():  # the session is over (a job that turned SIGTERM into its own clean exit)
+        break
     try:
         os.close(os.open(out / f"{key}.claim", os.O_CREAT | os.O_EXCL))
     except FileExistsError:
@@ -195,6 +197,7 @@ class Jobs:
     def stop(self) -> None:
         """Stop the jobs no test read (the validator's lifelines take the launchers and ranks with the child)."""
         if self.proc is not None and self.proc.poll() is None:
+            (self.dir / "stop").touch()
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)

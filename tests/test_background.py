@@ -3,6 +3,8 @@ no child has started run by the test itself and never twice, readers last. Jobs 
 
 from __future__ import annotations
 
+import signal
+import time
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -58,3 +60,14 @@ def test_readers_run_last_whole_modules_in_order():
     b.BACKGROUND_CLI, c.DEEPSPEED_WORLD = {"x": []}, {2: list}
     items = [SimpleNamespace(module=m, name=n) for m, n in [(b, 1), (a, 2), (c, 3), (b, 4), (a, 5)]]
     assert [i.name for i in last_readers(items)] == [2, 5, 1, 3, 4]
+
+
+def test_unread_jobs_are_stopped_at_the_end():
+    jobs = _jobs([("long", {"fn": "time:sleep", "kwargs": {"secs": 600}}),
+                  ("never", {"fn": "json:loads", "kwargs": {"s": "1"}})])  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (jobs.dir / "long.claim").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (jobs.dir / "long.claim").exists()  # the child is in its first job
+    jobs.stop()
+    assert jobs.proc.returncode == -signal.SIGTERM and not jobs.dir.exists()
