@@ -35,15 +35,17 @@ def run_json(tmp_path_factory, *args: str) -> tuple[SimpleNamespace, dict]:
 
 
 # The module's runs, each one of the session's background jobs (tests/background.py: started at collection,
-# niced, while the other tests run; this module runs last): ``zeroplan validate ARGS --json FILE``.
+# niced, while the other tests run; this module runs last): ``zeroplan validate ARGS --json FILE``, in the
+# order the tests read them.
 BACKGROUND_CLI = {
     # the default matrix: stages 0-3 at N_d = 2 and 4 on gpt-tiny, gloo (the CI regression)
     "real": [],
     # the MLP at N_d = 1 (no collectives at all) and N_d = 3 (odd: most tensors padded)
     "real_mlp": ["--model", "mlp-tiny", "--world-size", "1", "--world-size", "3"],
+    # a 13.9M-parameter GPT from --params (test_a_params_model_passes_parity_within_the_derived_allowance)
+    "params": ["--params", "2e6", "--world-size", "2", "--stage", "0", "--seq-len", "16", "--batch-per-rank", "1"],
     # rank 0 of N_d = 64 on a fake group, 1.2B-parameter GPT on fake tensors
     "simulated": ["--simulated", "--world-size", "64", "--model", "gpt-1b-wide", "--steps", "2", "--batch-per-rank", "1"],
-    "params": ["--params", "2e6", "--world-size", "2", "--stage", "0", "--seq-len", "16", "--batch-per-rank", "1"],
 }  # fmt: skip
 
 
