@@ -13,8 +13,8 @@ measured on (``tests/test_fsdp2_hf_recorded.py``, ``tests/test_fsdp2_hf.py``; re
   (``_fsdp_param_group.py:FSDPParamGroup._backward_prefetch``) runs beside the saved log-softmax.
 - An untied ``lm_head`` (an ``nn.Linear`` the root calls): its weight gradient outlives the root's
   ``post_backward`` (``.grad = None``, ``unsharded_grads.clear()``) until the root's reduce-scatter has
-  returned (measured: Gradient = the blocks' shards + V·d at the backward peak of every untied row;
-  at the reduce-scatter the only V·d tensor alive is dense, the head's, with no Python referrer).
+  returned: it is the root's last parameter, and ``foreach_reduce``'s loop variable keeps the last gradient of
+  every unit (``terms.last_grad_held``; found here first, as "no Python referrer", then named on the 5.4M GPT).
 - Rotary embeddings (Llama, Mistral, Qwen2) keep ``inv_freq`` and ``original_inv_freq`` as buffers
   (``modeling_llama.py:LlamaRotaryEmbedding.__init__``), fp32, head_dim/2 each; the forward keeps the
   int64 position ids (``cache_position``, s·8 B) beside cos and sin.
@@ -105,14 +105,6 @@ def logits_in_loss(run: Fsdp2Run) -> tuple[Term, ...]:
         return ()
     return (Term("16-bit logits (kept by the forward while its loss runs)", run.acts.logits,
                  TF + "loss/loss_utils.py:ForCausalLMLoss (logits.float())"),)  # fmt: skip
-
-
-def head_grad_held(run: Fsdp2Run) -> tuple[Term, ...]:
-    """An untied transformers ``lm_head``'s weight gradient, alive through the root's reduce-scatter."""
-    if not run.transformers or run.tied_head:
-        return ()
-    return (Term("lm_head weight gradient (held through the root's reduce-scatter)", run.head_numel * run.p,
-                 "measured (transformers' nn.Linear lm_head under FSDP2): see zeroplan/engines/fsdp2/hf_tree.py"),)  # fmt: skip
 
 
 def tied_head_build(run: Fsdp2Run) -> tuple[Term, ...]:

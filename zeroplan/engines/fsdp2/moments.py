@@ -8,7 +8,6 @@ import math
 
 from zeroplan.engines.fsdp2.hf_tree import (
     gpt2_body_embeds,
-    head_grad_held,
     inputs_embeds_held,
     last_block_in_loss,
     logits_in_loss,
@@ -53,6 +52,7 @@ from zeroplan.engines.fsdp2.terms import (
     gloo_copy,
     grad_cast,
     grads,
+    last_grad_held,
     kept_blocks,
     mesh_ranks,
     params,
@@ -230,12 +230,13 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     out.append(Moment("backward", "final norm backward", (*base, *kept_blocks(run, L), _blocks_saved(run, L),
                       root_held, final_norm_backward(run), *prefetched(run, L))))  # fmt: skip
     for u in reversed(head_units(run)):  # a split root's [norm, output]: reduced at its own post_backward, with
-        # the untied head's gradient held through it (hf_tree.head_grad_held), before the layers' backward
+        # its last parameter's gradient (an untied head's) held through it (terms.last_grad_held), before the layers
         ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, u)
         common = (*base[:-1], root_side(run, "blocks"), *kept_blocks(run, L), _blocks_saved(run, L),
                   _act("final norm input gradient", n_d), *prefetched(run, L))  # resharded before it reduces
         out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, ugrads, rs_in)))
-        out.extend(reduce_scatter_moments(u.name, (*common, *head_grad_held(run)), rs_in, rs_out, cast, gloo))
+        last = last_grad_held(run, u.params[-1][1], u.name)
+        out.extend(reduce_scatter_moments(u.name, (*common, *last), rs_in, rs_out, cast, gloo))
     if not split_root(run):  # a merged root resharded: its all-gather output held to its reduce-scatter (a bound)
         start = side_regathers(run, "start")
         out = [Moment(m.phase, m.name, (*m.terms, *start)) for m in out]
@@ -306,7 +307,8 @@ def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_h
               _act("block input gradient", n_d), root_held, *prefetched(run, i - 1), done)  # fmt: skip
     out.append(Moment("backward", f"block {i} reduce-scatter copy-in",
                       (*common, unit_grads(run, i), rs_input(run, i, "this unit"))))  # fmt: skip
-    out.extend(reduce_scatter_moments(f"block {i}", common, rs_input(run, i, "this unit"), rs_output(run, i),
+    last = last_grad_held(run, run.units[i].shapes[-1], f"block {i}")
+    out.extend(reduce_scatter_moments(f"block {i}", (*common, *last), rs_input(run, i, "this unit"), rs_output(run, i),
                                       grad_cast(run, i), gloo_copy(run, i)))  # fmt: skip
     return tuple(out)
 
@@ -334,10 +336,7 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
         *released, *incoming, *emb,
         Term("other root gradients", others, "autograd (embedding, final norm)"),
         rs_input(run, 1, "held until the root's post_backward"), blocks_done))]  # fmt: skip
-    # the root is resharded before its reduce-scatter (base[-1]). This project's GPT keeps its position-ids
-    # term there: fsdp2-real-2-gpt-5m-bf16-reshard-nd2 measures 512 B more at its root reduce-scatter than
-    # without it, though the ids are released by then (hf_tree.root_backward_released): 512 B not yet named
-    root_base = (released if run.transformers else base)[:-1]
+    root_base = released[:-1]  # the root is resharded before its reduce-scatter (base[-1])
     if split_root(run):  # the unit reduced last (the root, or the embeddings): its own buffers
         # its unsharded gradients stay alive through its reduce-scatter: a unit whose post_backward runs in the
         # root's final callback (the embeddings' inputs need no gradient, so no hook of theirs fires) reduces
@@ -354,12 +353,13 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
             shard_bytes = _gathered_numel(run, u) // run.nd * run.m  # reduced: its sharded gradients from here
             blocks_done = _fp(f"{blocks_done.name}, {u.name}", blocks_done.bytes + shard_bytes,
                               "_fsdp_collectives.py:foreach_reduce", blocks_done.tensors + 1)  # fmt: skip
-        ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, order[-1] if len(order) > 1 else last_side_unit(run))
-        held = (ugrads,) if head_units(run) or len(order) > 1 else head_grad_held(run)
+        final = order[-1] if len(order) > 1 else last_side_unit(run)
+        ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, final)
+        held = (ugrads,) if head_units(run) or len(order) > 1 else last_grad_held(run, final.params[-1][1], final.name)
     else:
         ugrads = Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes))
         rs_in, rs_out, cast, gloo = rs_input(run, 0, "this unit"), rs_output(run, 0), grad_cast(run, 0), gloo_copy(run, 0)
-        held = head_grad_held(run)
+        held = last_grad_held(run, run.units[0].shapes[-1], "root")
     out.append(Moment("backward", "root reduce-scatter copy-in", (*root_base, ugrads, rs_in, blocks_done)))
     out.extend(reduce_scatter_moments("root", (*root_base, blocks_done, *held), rs_in, rs_out, cast, gloo))
     return tuple(out)

@@ -263,6 +263,20 @@ def rs_input(run: Fsdp2Run, u: int, why: str) -> Term:
                "_fsdp_collectives.py:foreach_reduce; _fsdp_param_group.py:FSDPParamGroup.post_backward")  # fmt: skip
 
 
+def last_grad_held(run: Fsdp2Run, shape, what: str) -> tuple[Term, ...]:
+    """The unsharded gradient of a unit's last parameter, alive through its reduce-scatter and cast: before the
+    copy-in, ``_fsdp_collectives.py:foreach_reduce`` checks each gradient's shard dim in ``for i, (fsdp_param,
+    unsharded_grad) in enumerate(zip(fsdp_params, unsharded_grads))`` (only when the group has more than one rank);
+    the loop variable still binds the last gradient after ``unsharded_grads.clear()``, until ``foreach_reduce``
+    returns. Traced (MemTracker's live storages at the peak, each gradient named by its parameter's
+    post-accumulate hook): ``ln_f.bias`` (d·2 B) at the root's reduce-scatter of the 5.4M GPT in bf16, an untied
+    ``lm_head.weight`` (the root's last parameter) on transformers' classes."""
+    if run.nd == 1 or shape is None:
+        return ()
+    return (Term(f"unsharded gradient of the last parameter ({what}, foreach_reduce's loop variable)",
+                 math.prod(shape) * run.p, "_fsdp_collectives.py:foreach_reduce"),)  # fmt: skip
+
+
 @memo_term
 def rs_output(run: Fsdp2Run, u: int) -> Term:
     """Unit ``u``'s reduce-scatter output (S_u in the reduce dtype)."""
