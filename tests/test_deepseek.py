@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_saved import check_fsdp2_recorded, predicted_saved_bytes
+from tests.hf_saved import check_fsdp2_recorded, hf_saved_bytes, predicted_saved_bytes
 from zeroplan.architectures.hf_config import read_hf_config, spec_from_hf_config
 from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.formulas.activation_terms import activation_limit, model_activations
@@ -28,34 +28,6 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def alive_saved_bytes(cfg: dict, b: int, s: int, dtype: str) -> int:
-    """Bytes of the distinct storages autograd saved in one forward with ``labels=`` and still holds at its end
-    (parameters excluded). DeepSeek's router saves tensors for nodes no loss reaches (its group ``topk``s and
-    ``masked_fill`` feed only integer indices): they are freed when the router returns, so a hook that sums every
-    packed storage (tests/hf_saved.py) counts them, and a freed storage's address may be reused."""
-    import weakref
-
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
-                                                          attn_implementation="sdpa", dtype=getattr(torch, dtype))  # fmt: skip
-    owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
-    packed = []
-
-    def pack(t):
-        packed.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
-        return t
-
-    ids = torch.randint(0, cfg["vocab_size"], (b, s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False)
-    alive = {ptr: n for ref, ptr, n in packed if ref() is not None and ptr not in owned}
-    assert out.loss is not None
-    return sum(alive.values())
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_saved_activations_match_transformers_class(variant, dtype):
@@ -64,7 +36,7 @@ def test_saved_activations_match_transformers_class(variant, dtype):
     N·(2G + g)·8 + N·E too high per sparse layer; with Llama's attention instead of ``mla_saved`` it misses the
     fp32 math-SDPA copies (scaled q and kᵀ, the s² probabilities, v)."""
     cfg = {**TINY, **VARIANTS[variant]}
-    assert alive_saved_bytes(cfg, 2, 8, dtype) == predicted_saved_bytes(cfg, 2, 8, dtype)
+    assert hf_saved_bytes(cfg, 2, 8, dtype)[0] == predicted_saved_bytes(cfg, 2, 8, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -80,7 +52,7 @@ def test_mixed_dense_and_sparse_layers_sum_each_layers_block(name, dtype):
     kinds = {i in spec.moe.sparse_layers for i in range(spec.n_layer)}
     assert kinds == {True, False} and len(acts.layer_blocks) == spec.n_layer and acts.block == acts.layer_blocks[-1]
     assert len({b.saved for b in acts.layer_blocks}) == 2
-    assert alive_saved_bytes(cfg, 2, 8, dtype) == predicted_saved_bytes(cfg, 2, 8, dtype)
+    assert hf_saved_bytes(cfg, 2, 8, dtype)[0] == predicted_saved_bytes(cfg, 2, 8, dtype)
 
 
 MOMENT_ROWS = [("lora-q", 2, 64), ("lora-q", 1, 64), ("lora-q", 16, 8), ("plain-q-groups", 4, 16)]

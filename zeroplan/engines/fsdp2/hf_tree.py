@@ -171,7 +171,8 @@ def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[tuple
     hook: ``_fsdp_state.py:FSDPState._root_post_backward_final_callback`` runs it). Checked on
     ``validate/transformer.py``'s GPT (tests/test_fsdp2_root_grads.py): at ``wte.weight``'s leaf hook the
     ``wpe`` and ``ln_f`` gradients exist, the incoming gradient and the position ids do not; recorded row
-    ``fsdp2-real-4-gpt-5m-fp32-k2-ckpt-nd4``'s backward exact on every rank (it was 131,584 B over)."""
-    if run.transformers or run.style == "gpt":
-        base = tuple(t for t in base if t.name != EMBED_SAVED)
-    return base, not run.tied_head
+    ``fsdp2-real-4-gpt-5m-fp32-k2-ckpt-nd4``'s backward exact on every rank (it was 131,584 B over). The
+    validator's Llama-style CausalLM too: its rotary cos and sin, saved by the blocks' attention, are gone at its
+    root's reduce-scatter (live storages at the peak of tests/test_fsdp2_wrap.py's ``llama-causallm-file``: 6,144 B
+    over before)."""
+    return tuple(t for t in base if t.name != EMBED_SAVED), not run.tied_head

@@ -347,15 +347,16 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
             pending = tuple(t for v in order[j + 1:] for t in (side_reduce(run, v)[0], _fp(
                 f"unsharded parameters ({v.name}, resharded at its own post_backward, after)",
                 _gathered_numel(run, v) * run.p, "_fsdp_param_group.py:FSDPParamGroup.post_backward")))  # fmt: skip
-            common = (*root_base, blocks_done, ugrads, *pending)
-            out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, rs_in)))
-            out.extend(reduce_scatter_moments(u.name, common, rs_in, rs_out, cast, gloo))
+            common = (*root_base, blocks_done, *pending)
+            out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, ugrads, rs_in)))
+            last = last_grad_held(run, u.params[-1][1], u.name)  # the others are freed by the copy-in
+            out.extend(reduce_scatter_moments(u.name, (*common, *last), rs_in, rs_out, cast, gloo))
             shard_bytes = _gathered_numel(run, u) // run.nd * run.m  # reduced: its sharded gradients from here
             blocks_done = _fp(f"{blocks_done.name}, {u.name}", blocks_done.bytes + shard_bytes,
                               "_fsdp_collectives.py:foreach_reduce", blocks_done.tensors + 1)  # fmt: skip
         final = order[-1] if len(order) > 1 else last_side_unit(run)
         ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, final)
-        held = (ugrads,) if head_units(run) or len(order) > 1 else last_grad_held(run, final.params[-1][1], final.name)
+        held = last_grad_held(run, final.params[-1][1], final.name)
     else:
         ugrads = Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes))
         rs_in, rs_out, cast, gloo = rs_input(run, 0, "this unit"), rs_output(run, 0), grad_cast(run, 0), gloo_copy(run, 0)
