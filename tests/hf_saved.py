@@ -49,9 +49,9 @@ def predicted_saved_bytes(cfg: dict, b: int, s: int, dtype: str = "float32") -> 
 
 
 def check_fsdp2_recorded(name: str, cfg: dict, dtype: str, measured: list, residual: dict, margin: float,
-                         tmp_path, seq: int = 64) -> None:
+                         tmp_path, seq: int = 64, **extra) -> None:
     """Every phase of every rank of a recorded real-FSDP2 run of transformers' class of ``cfg`` (gloo, N_d 2,
-    ``hf=True``, ``seq`` tokens, 2 steps; ``measured``: one row of phase peaks per rank) within ``margin`` of its
+    ``hf=True``, ``seq`` tokens, 2 steps, ``extra`` Fsdp2Settings; ``measured``: one row of phase peaks per rank) within ``margin`` of its
     prediction, after the recorded ``residual`` of (name, phase); margin 0 and no residual: exact. The check the
     families', MoE and DeepSeek rows share."""
     pytest.importorskip("torch")
@@ -63,7 +63,7 @@ def check_fsdp2_recorded(name: str, cfg: dict, dtype: str, measured: list, resid
 
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=seq, steps=2, param_dtype=dtype)
+    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=seq, steps=2, param_dtype=dtype, **extra)
     meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
     for rank, row in enumerate(measured):
         predicted = predict(settings, meta, rank)[0].peak.by_phase()

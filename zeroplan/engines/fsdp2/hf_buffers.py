@@ -20,3 +20,15 @@ def embed_scale_bytes(spec) -> int:
     ``gemma_activations.embed_saved`` counts as one activation-dtype scalar: ``fsdp2_run`` takes it out there
     (counted once, here). Without it t-gemma2 missed 4 B at init and the optimizer step (bf16: in every phase)."""
     return 4 if spec.model_type in ("gemma2", "gemma3_text") else 0
+
+
+def router_bias_bytes(spec) -> int:
+    """DeepSeek-V3's router buffer ``e_score_correction_bias``, fp32, one per routed expert, in every sparse layer
+    (``modeling_deepseek_v3.py:DeepseekV3TopkRouter.__init__``: ``nn.Buffer(torch.zeros(num_experts, dtype=float32))``);
+    not sharded by FSDP2, alive from the build on. Without it every phase of the recorded DeepSeek rows
+    (tests/test_deepseek.py) read 32 B under (2 sparse layers x 4 experts x 4 B; MemTracker's Buffer: 64 B with the
+    rotary tables' 32)."""
+    moe = getattr(spec, "moe", None)
+    if spec.model_type != "deepseek_v3" or moe is None:
+        return 0
+    return len(moe.sparse_layers) * moe.n_experts * 4

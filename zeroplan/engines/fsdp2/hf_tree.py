@@ -41,8 +41,9 @@ TF = "transformers/"
 
 
 def rotary_buffers(run: Fsdp2Run) -> tuple[Term, ...]:
-    """The rotary embedding's fp32 buffers of head_dim/2 (``Fsdp2Run.buffer_bytes``, two per table) and Gemma's
-    ``embed_scale`` (``Fsdp2Run.scale_bytes``), from the build on."""
+    """The rotary embedding's fp32 buffers of head_dim/2 (``Fsdp2Run.buffer_bytes``, two per table), Gemma's
+    ``embed_scale`` (``Fsdp2Run.scale_bytes``) and DeepSeek-V3's router bias (``Fsdp2Run.router_bytes``), from the
+    build on."""
     out = ()
     if run.buffer_bytes:
         out += (Term("rotary inv_freq, original_inv_freq (fp32 buffers)", run.buffer_bytes,
@@ -50,6 +51,9 @@ def rotary_buffers(run: Fsdp2Run) -> tuple[Term, ...]:
     if run.scale_bytes:
         out += (Term("embed_scale (fp32 buffer)", run.scale_bytes,
                      TF + "models/gemma2/modeling_gemma2.py:Gemma2TextScaledWordEmbedding.__init__"),)  # fmt: skip
+    if run.router_bytes:
+        out += (Term("router e_score_correction_bias (fp32 buffers)", run.router_bytes,
+                     TF + "models/deepseek_v3/modeling_deepseek_v3.py:DeepseekV3TopkRouter.__init__"),)  # fmt: skip
     return out
 
 
@@ -60,6 +64,23 @@ def position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
         return ()
     return (Term("position ids (cache_position, int64)", run.position_bytes,
                  TF + "models/llama/modeling_llama.py:LlamaModel.forward"),)  # fmt: skip
+
+
+CKPT_POSITION_IDS = "position ids (kept by the checkpointed layers' recompute, int64)"
+
+
+def checkpointed_position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
+    """With each decoder layer in ``checkpoint_wrapper`` (non-reentrant), the layer's call arguments are kept for its
+    recompute (``torch/utils/checkpoint.py:_checkpoint_without_reentrant_generator``: ``recompute_fn`` closes over
+    ``*args, **kwargs``, held by the layer's saved-tensor holders until its backward): the llama-style body passes
+    ``position_ids`` to every layer, so the s·8 B outlive the body's return, to the first layer's backward.
+    Measured: DeepSeek-V3 fp32 checkpointed on gloo N_d = 2 (tests/test_deepseek.py ``deepseek-wide-ckpt``), 512 B
+    (s = 64) under at block 2's backward without it; with transformers' own gradient checkpointing too (the same
+    512 B alive after the forward, tests/test_deepseek.py)."""
+    if run.checkpointing == "none" or not run.transformers:
+        return ()
+    return tuple(Term(CKPT_POSITION_IDS, t.bytes, "torch/utils/checkpoint.py:_checkpoint_without_reentrant_generator")
+                 for t in position_ids(run))  # fmt: skip
 
 
 def inputs_embeds_held(run: Fsdp2Run) -> tuple[Term, ...]:
@@ -175,4 +196,4 @@ def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[tuple
     validator's Llama-style CausalLM too: its rotary cos and sin, saved by the blocks' attention, are gone at its
     root's reduce-scatter (live storages at the peak of tests/test_fsdp2_wrap.py's ``llama-causallm-file``: 6,144 B
     over before)."""
-    return tuple(t for t in base if t.name != EMBED_SAVED), not run.tied_head
+    return tuple(t for t in base if t.name not in (EMBED_SAVED, CKPT_POSITION_IDS)), not run.tied_head

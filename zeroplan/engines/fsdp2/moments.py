@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from zeroplan.engines.fsdp2.hf_tree import (
+    checkpointed_position_ids,
     gpt2_body_embeds,
     inputs_embeds_held,
     last_block_in_loss,
@@ -117,7 +118,8 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
             _act("embedding saved (position ids)", acts.embed_saved), root_side(run, "blocks"))  # fmt: skip
     head_base, base = base, (*base, *position_ids(run))  # transformers' body frees its position ids on return
-    head_base = (*head_base[:-1], root_side(run, "head"))  # a split root's units after the layers are gathered
+    head_base = (*head_base[:-1], *checkpointed_position_ids(run), root_side(run, "head"))  # a split root's units
+    # after the layers are gathered; a checkpointed layer keeps its position ids for its recompute (hf_tree)
     prev = ag_output(run, L - 1, "previous unit, freed when this copy-out returns") if L > 1 else None
     # the first block's all-gather: the root's all-gather output is the previous one (freed when this
     # block's wait_for_unshard returns, as above: _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard)
@@ -196,7 +198,7 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     n_d = acts.embed_out  # one N·d activation (or its gradient)
     base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
             _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss),
-            root_side(run, "backward"))  # fmt: skip
+            *checkpointed_position_ids(run), root_side(run, "backward"))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     log_softmax = _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax)
     # the loss inside the root's forward (transformers' labels=): the root's pre-backward hook fires on the
