@@ -169,10 +169,11 @@ FSDP2_RECORDED = {
                            [[2441152, 5868692, 8068620, 4670196], [2441152, 5866644, 8066572, 4668148]]),
 }  # fmt: skip
 FSDP2_SETTINGS = {"deepseek-wide-ckpt": {"checkpointing": True}}
-#: (row, phase): measured - predicted where it is more than MARGIN: bf16 forward and backward 4,096 B (0.054 %) under
-#: on both ranks, outside the layer's moments (each exact in the trace test above). Every row read 32 B under in every
-#: phase before the router's fp32 ``e_score_correction_bias`` buffers (engines/fsdp2/hf_buffers.router_bias_bytes)
-FSDP2_RESIDUAL = {("deepseek-wide-bf16", "forward"): 4096 / 7531292, ("deepseek-wide-bf16", "backward"): 4096 / 7660060}
+#: (row, phase): measured - predicted, where not 0: none. Before (traced from the live storages at the peaks, gloo N_d = 2):
+#: every phase of every row 32 B under (the routers' fp32 ``e_score_correction_bias`` buffers: hf_buffers.
+#: router_bias_bytes); the bf16 row's forward and backward 4,128 B under (those 32 B and the routers' fp32 weight
+#: copies F.linear saves when FSDP2 casts the router to bf16: hf_buffers.router_weight_copy_bytes, 2 x 2,048 B)
+FSDP2_RESIDUAL: dict = {}
 MARGIN = 0.0005  # as tests/test_fsdp2_hf_recorded.py
 EXACT = 1e-6  # the recorded FSDP2 rows: a measurement on disk does not move, so to a few bytes (8 B at 8 MB; the bf16
 # residual is rank 0's fraction, rank 1 reads it 1.5e-7 apart): the router bias (32 B, 1.3e-5 of init) and a

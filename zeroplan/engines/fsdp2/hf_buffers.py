@@ -1,5 +1,6 @@
-"""The module buffers transformers' models hold beside the parameters under FSDP2 (``Fsdp2Run.buffer_bytes`` and
-``scale_bytes``): read by ``terms.fsdp2_run``; their own module because ``hf_tree`` reads ``terms``."""
+"""The module buffers transformers' models hold beside the parameters under FSDP2 (``Fsdp2Run.buffer_bytes``,
+``scale_bytes``, ``router_bytes``), and the one saved tensor FSDP2's mixed precision adds to a model's own
+(``router_weight_copy_bytes``): read by ``terms.fsdp2_run``; their own module because ``hf_tree`` reads ``terms``."""
 
 from __future__ import annotations
 
@@ -32,3 +33,17 @@ def router_bias_bytes(spec) -> int:
     if spec.model_type != "deepseek_v3" or moe is None:
         return 0
     return len(moe.sparse_layers) * moe.n_experts * 4
+
+
+def router_weight_copy_bytes(spec, param_bytes: int) -> int:
+    """Per sparse layer, the fp32 copy of DeepSeek-V3's router weight that ``F.linear`` saves when FSDP2 runs the
+    layer with a 16-bit ``param_dtype``: transformers keeps the router in fp32 (``_keep_in_fp32_modules_strict``,
+    so ``self.weight.type(torch.float32)`` returns the weight itself), but ``MixedPrecisionPolicy`` casts every
+    unsharded parameter, the router's too, so ``DeepseekV3TopkRouter.forward`` makes E·d·4 B and the linear saves it
+    to its backward. Traced (live storages at the forward peak, gloo N_d = 2, bf16: a (4, 128) fp32 tensor from
+    ``modeling_deepseek_v3.py:forward`` line 135 per sparse layer): the 4,096 B the DeepSeek bf16 row read under
+    (tests/test_deepseek.py). 0 in fp32 or for other families."""
+    moe = getattr(spec, "moe", None)
+    if spec.model_type != "deepseek_v3" or moe is None or param_bytes == 4:
+        return 0
+    return moe.n_experts * spec.d_model * 4

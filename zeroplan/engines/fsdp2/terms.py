@@ -11,7 +11,12 @@ from functools import cached_property, lru_cache
 from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, unit_shard_numel
-from zeroplan.engines.fsdp2.hf_buffers import embed_scale_bytes, rotary_buffer_bytes, router_bias_bytes
+from zeroplan.engines.fsdp2.hf_buffers import (
+    embed_scale_bytes,
+    rotary_buffer_bytes,
+    router_bias_bytes,
+    router_weight_copy_bytes,
+)
 from zeroplan.engines.fsdp2.memo import RANKED, memo_term
 from zeroplan.engines.fsdp2.wrap import ShardUnit, Wrapping, preset, resolve
 from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_group
@@ -44,6 +49,7 @@ class Fsdp2Run:
     loss_in_forward: bool = False  # transformers: the loss inside the root's forward (forward(labels=...))
     buffer_bytes: int = 0  # module buffers every moment holds (transformers' rotary inv_freq): hf_tree.rotary_buffers
     router_bytes: int = 0  # DeepSeek-V3's fp32 e_score_correction_bias buffers (hf_buffers.router_bias_bytes)
+    router_copy: tuple[int, ...] = ()  # per layer, bytes its router's fp32 weight copy adds to its saved set (hf_buffers)
     scale_bytes: int = 0  # Gemma's fp32 embed_scale buffer, every moment (hf_buffers.embed_scale_bytes)
     position_bytes: int = 0  # transformers llama-style: the int64 position ids in forward (hf_tree.position_ids)
     shard_units: tuple[ShardUnit, ...] = ()  # the fully_shard calls as made (wrap.resolve): collectives, edge_regathers
@@ -236,7 +242,8 @@ def batch(run: Fsdp2Run) -> Term:
 @memo_term
 def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
     what = "saved activations" if run.checkpointing == "none" else "checkpointed block inputs"
-    return _act(f"{what} of {n} blocks", run.acts.saved_through(n, run.checkpointing), n)
+    copies = sum(run.router_copy[:n]) if run.checkpointing == "none" else 0  # hf_buffers.router_weight_copy_bytes
+    return _act(f"{what} of {n} blocks", run.acts.saved_through(n, run.checkpointing) + copies, n)
 
 
 def prefetched(run: Fsdp2Run, u: int) -> tuple[Term, ...]:
@@ -387,9 +394,15 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                     spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
                     biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes),
                     transformers=hf, loss_in_forward=hf and settings.loss_in_forward, buffer_bytes=buffers,
-                    router_bytes=router_bias_bytes(spec) if hf else 0,
+                    router_bytes=router_bias_bytes(spec) if hf else 0, router_copy=_router_copies(spec, hf, act_bytes),
                     scale_bytes=scale, position_bytes=workload.seq_len * 8 if rotary else 0,
                     shard_units=shard_units)  # fmt: skip
+
+
+def _router_copies(spec, hf: bool, param_bytes: int) -> tuple[int, ...]:
+    """Per layer, its router's fp32 weight copy under a 16-bit param_dtype (hf_buffers.router_weight_copy_bytes)."""
+    copy = router_weight_copy_bytes(spec, param_bytes) if hf else 0
+    return tuple(copy if copy and i in spec.moe.sparse_layers else 0 for i in range(spec.n_layer)) if copy else ()
 
 
 def _foreach(workload: Workload, settings: Settings) -> bool:
