@@ -47,3 +47,12 @@ def router_weight_copy_bytes(spec, param_bytes: int) -> int:
     if spec.model_type != "deepseek_v3" or moe is None or param_bytes == 4:
         return 0
     return moe.n_experts * spec.d_model * 4
+
+
+def rotary_recompute_bytes(spec) -> int:
+    """The temporaries of recomputing one rotary table at a meta init (``init_weights`` after ``to_empty``:
+    ``modeling_rope_utils.py:compute_default_rope_parameters``, ``torch.arange(0, dim, 2, dtype=torch.int64)
+    .to(dtype=torch.float)``: the int64 arange and its float copy alive at once, head_dim/2 x (8 + 4) B; each later
+    step holds two fp32 tensors of head_dim/2). Measured: differential draw 1-198 (qwen2 bf16, meta init, N_d = 2, no
+    short shard to re-pad), init 192 B under on both ranks without it (head_dim 32)."""
+    return (spec.head_dim // 2) * (8 + 4)

@@ -92,6 +92,10 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
                    _fp("the unpadded shard being re-padded", max(repad, default=0) * run.m, src))),
             *(Moment("init", "to_empty: the tied weight's second allocation", (*mesh_ranks(run), *rotary_buffers(run),
                      params(run), *tied)) for tied in (tied_head_to_empty(run),) if tied),
+            *(Moment("init", "init_weights: a rotary table recomputed", (*mesh_ranks(run), *rotary_buffers(run),
+                     params(run), Term("rotary recompute temporaries (int64 arange and its float copy)", temps,
+                     "transformers/modeling_rope_utils.py:compute_default_rope_parameters")))
+              for temps in (run.rotary_init_bytes,) if temps),
         )  # fmt: skip
     # the fully_shard calls in the order the wrapping makes them (wrap.resolve; blocks, then the root)
     calls = [(u.name, [s for _, s in u.params]) for u in run.shard_units if u.params] or \

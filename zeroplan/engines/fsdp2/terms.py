@@ -15,6 +15,7 @@ from zeroplan.engines.fsdp2.hf_buffers import (
     embed_scale_bytes,
     rotary_buffer_bytes,
     router_bias_bytes,
+    rotary_recompute_bytes,
     router_weight_copy_bytes,
 )
 from zeroplan.engines.fsdp2.memo import RANKED, memo_term
@@ -49,6 +50,7 @@ class Fsdp2Run:
     loss_in_forward: bool = False  # transformers: the loss inside the root's forward (forward(labels=...))
     buffer_bytes: int = 0  # module buffers every moment holds (transformers' rotary inv_freq): hf_tree.rotary_buffers
     router_bytes: int = 0  # DeepSeek-V3's fp32 e_score_correction_bias buffers (hf_buffers.router_bias_bytes)
+    rotary_init_bytes: int = 0  # a meta init's rotary-table recompute temporaries (hf_buffers.rotary_recompute_bytes)
     router_copy: tuple[int, ...] = ()  # per layer, bytes its router's fp32 weight copy adds to its saved set (hf_buffers)
     scale_bytes: int = 0  # Gemma's fp32 embed_scale buffer, every moment (hf_buffers.embed_scale_bytes)
     position_bytes: int = 0  # transformers llama-style: the int64 position ids in forward (hf_tree.position_ids)
@@ -395,6 +397,7 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                     biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes),
                     transformers=hf, loss_in_forward=hf and settings.loss_in_forward, buffer_bytes=buffers,
                     router_bytes=router_bias_bytes(spec) if hf else 0, router_copy=_router_copies(spec, hf, act_bytes),
+                    rotary_init_bytes=rotary_recompute_bytes(spec) if rotary else 0,
                     scale_bytes=scale, position_bytes=workload.seq_len * 8 if rotary else 0,
                     shard_units=shard_units)  # fmt: skip
 
