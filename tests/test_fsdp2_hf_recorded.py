@@ -73,10 +73,8 @@ RECORDED = {
 
 # (phase): measured error (measured - predicted) / measured at the worst rank, where it is not 0
 RESIDUAL = {
-    # gpt2 without labels: a moment inside the last block's forward (gelu_new's MLP) that
-    # formulas/activation_terms.py does not list; with labels the loss moment is the peak and is exact
-    "gpt2-tied-nolabels": {"forward": 0.00253},
-    "gpt2-untied-nolabels": {"forward": 0.00200},
+    # gpt2 without labels read 264,192 B (+0.25%, +0.20%) under in forward: the last block's forward moment, inside
+    # GPT-2's body, without its locals inputs_embeds and position_embeds (hf_tree.gpt2_body_embeds); now exact
     # an over-prediction (safe side): transformers' decoder layer frees its incoming gradient before the
     # input norm's backward, which "block i gradients complete" keeps (the peak at N_d = 4 only)
     "qwen2-untied-4": {"backward": -0.00157},

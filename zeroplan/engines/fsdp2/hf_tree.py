@@ -101,9 +101,11 @@ def inputs_embeds_held(run: Fsdp2Run) -> tuple[Term, ...]:
 def gpt2_body_embeds(run: Fsdp2Run) -> tuple[Term, ...]:
     """GPT-2's body (``modeling_gpt2.py:GPT2Model.forward``) binds ``inputs_embeds`` (N·d) and
     ``position_embeds`` (s·d) as locals and adds them: neither is saved by an op, both live until the body
-    returns. Counted where measured: a unit after the layers copied out inside the body (``[ln_f, lm_head]``;
-    differential draw 1-5 of generator 2, forward 147,456 B short without). N = the batch's token ids and
-    targets over 16 B, s = the position ids (``embed_saved``, int64) over 8 B."""
+    returns. Counted in every forward moment inside the body: the blocks' and a unit after the layers copied out
+    there (``[ln_f, lm_head]``; differential draw 1-5 of generator 2, forward 147,456 B short without; the blocks'
+    moments: draws 1-5, 2-4, 2-9 of generator 1 and the recorded gpt2 rows without labels, 147,456 to 393,216 B
+    short at the last block's forward). N = the batch's token ids and targets over 16 B, s = the position ids
+    (``embed_saved``, int64) over 8 B."""
     if not run.transformers or run.style != "gpt" or not run.acts.batch:
         return ()
     tokens, seq = run.acts.batch // 16, run.acts.embed_saved // 8

@@ -121,7 +121,8 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
     base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
             _act("embedding saved (position ids)", acts.embed_saved), root_side(run, "blocks"))  # fmt: skip
-    head_base, base = base, (*base, *position_ids(run))  # transformers' body frees its position ids on return
+    # transformers' body frees its position ids (and GPT-2's its embedding locals) on return
+    head_base, base = base, (*base, *position_ids(run), *gpt2_body_embeds(run))
     head_base = (*head_base[:-1], *checkpointed_position_ids(run), root_side(run, "head"))  # a split root's units
     # after the layers are gathered; a checkpointed layer keeps its position ids for its recompute (hf_tree)
     prev = ag_output(run, L - 1, "previous unit, freed when this copy-out returns") if L > 1 else None
@@ -160,10 +161,12 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     base = head_base
     kept_out = ag_output(run, L, "kept until the root's post-forward")
     tail = ()
-    if head_units(run):  # a split root: [norm, output] gathered after the layers frees the last block's output
+    if head_units(run):  # a split root: [norm, output] gathered after the layers frees the last block's output;
+        # inside the body (its final norm runs first), so the body's position ids are alive (draw 1-38: 256 B)
         kept_out = head_output(run, "kept until the root's post-forward")
         tail = (Moment("forward", f"{head_units(run)[-1].name} copy-out", (
-            *base, *gpt2_body_embeds(run), *kept_blocks(run, L), _blocks_saved(run, L), _act("block output", acts.embed_out),
+            *base, *gpt2_body_embeds(run), *position_ids(run), *kept_blocks(run, L), _blocks_saved(run, L),
+            _act("block output", acts.embed_out),
             ag_output(run, L, "previous unit, freed when this copy-out returns"), kept_out)),)  # fmt: skip
     head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts, kept_out))
     in_loss = last_block_in_loss(run)  # transformers' forward(labels=...): the loss before the post-forward
