@@ -219,16 +219,16 @@ MEASURED = {
     ("z3p", 1, 0): {"init": 508_537, "forward": 842_733, "backward": 865_821, "optimizer_step": 737_249},
 }
 UNNAMED = {("z2", 1, "backward"): 3_456, ("z2", 2, "backward"): 3_456,
-           **{(z, 2, "optimizer_step"): 212 for z in ("z3", "z3p")},
-           **{(z, 1, "optimizer_step"): 240 for z in ("z3", "z3p")},
-           **{(z, 1, "backward"): 10_160 for z in ("z3", "z3p")}}  # fmt: skip
-"""Bytes measured above the prediction, not yet named: ZeRO-2's last block (its hook's fp32 upcast included), on
-both rows; ZeRO-3's step, 212 B (0.06%) at N_d = 2, 240 B at 1, beside the terms a storage tracer found at its
-peak (offload.py ``_zero3_offload_moments``: 1,008 B of persistent parameters gathered again, the norm's scalars
-in fp32; its init is exact since ``host_at_states_init``, 15,956 B short before); ZeRO-3 at N_d = 1, backward
-(1.2%): the peak is inside a bucket's reduction, where ``_offload_grad_partition_at_boundary`` takes each gradient
-partition's norm on an fp64 copy (``_constant_buffered_norm2``: 41,472 B for a 5,184-element weight), not
-modelled (docs/engines/deepspeed.md)."""
+           **{(z, 2, phase): 0 for z in ("z3", "z3p") for phase in ("init", "forward", "optimizer_step")},
+           **{(z, nd, "backward"): 8 for z in ("z3", "z3p") for nd in (1, 2)},
+           **{(z, 1, phase): 0 for z in ("z3", "z3p") for phase in ("init", "forward")},
+           **{(z, 1, "optimizer_step"): 16 for z in ("z3", "z3p")}}  # fmt: skip
+"""Bytes measured above the prediction, not yet named (0: exact, asserted so): ZeRO-2's last block (its hook's
+fp32 upcast included), on both rows; ZeRO-3's step 16 B at N_d = 1 (a scalar of ``unscale_and_clip_grads``; 240 B
+before the parameters' fp64 norms, offload_terms.py ``param_norm_count``; 212 B at N_d = 2, exact since
+offload.py's ``STEP_ENTRY``); ZeRO-3's backward 8 B (a norm scalar), 10,160 B (1.2%) at N_d = 1 before the bucket
+sent at the last block's c_fc hook with its norm's fp64 copy (zero3.py ``_in_block_reductions``: 41,472 B for a
+5,184-element weight). ZeRO-3's init is exact since ``host_at_states_init`` (15,956 B short before)."""
 
 
 def _offload_config(case: str) -> dict:
@@ -246,15 +246,14 @@ def _offload_config(case: str) -> dict:
 def test_one_memory_prediction_matches_the_cpu_measurement(case, nd, rank):
     """On CPU the validator compares GPU + host at every moment (``one_memory_by_phase``: host buffers from the
     optimizer's construction on; the partitions ``offload_param`` copies up are the tensors themselves) with
-    MemTracker: every phase within 0.1%, or short by exactly its unnamed bytes."""
+    MemTracker: every phase within 0.1%, or short by exactly its unnamed bytes (ZeRO-3: every phase so)."""
     from zeroplan.engines.deepspeed.offload_one_memory import one_memory_by_phase
 
     s = D.Settings.from_ds_config(_offload_config(case), zero_init=False).model_copy(update={"rank": rank})
     got = one_memory_by_phase(ds_run(s, _workload(), nd, stat_bytes=2))  # MemTracker on CPU: LayerNorm stats in bf16
     for phase, measured in MEASURED[(case, nd, rank)].items():
-        gap = UNNAMED.get((case, nd, phase), 0)
-        if gap:
-            assert measured - got[phase] == gap, (phase, measured, got[phase])
+        if (case, nd, phase) in UNNAMED:
+            assert measured - got[phase] == UNNAMED[(case, nd, phase)], (phase, measured, got[phase])
         else:
             assert abs(measured - got[phase]) <= 0.001 * measured, (phase, measured, got[phase])
 

@@ -68,7 +68,8 @@ def workload_from(d: dict) -> Workload:
     """The ``Workload`` a record's ``workload`` describes."""
     shapes = tuple((n, tuple(s)) for n, s in d["shapes"])
     rest = {k: v for k, v in d.items() if k not in ("shapes", "spec")}
-    return Workload(shapes, TransformerSpec(**d["spec"]), **rest)
+    spec = {k: tuple(v) if isinstance(v, list) else v for k, v in d["spec"].items()}  # JSON lists: the spec's tuples
+    return Workload(shapes, TransformerSpec(**spec), **rest)
 
 
 def settings_of(record: dict):

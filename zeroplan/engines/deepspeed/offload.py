@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
 from zeroplan.engines.deepspeed.offload_settings import OPTIMIZER_BUFFER_COUNT
-from zeroplan.engines.deepspeed.offload_terms import S12, offloads
+from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS, S12, offloads, param_norm_count
 from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, aligned_flat_numel
@@ -150,17 +150,18 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
             terms = (*terms, upcast)
         out.append(m if terms == m.terms else Moment(m.phase, m.name, terms))
     if s.stage == 3 and s.offload_optimizer.on:
-        out = _zero3_offload_moments(out)
+        out = _zero3_offload_moments(run, out)
     return tuple(out)
 
 
 ZERO3_STATES_INIT = "initialize_optimizer_states (offload_optimizer)"
 """ZeRO-3's init moment whose host buffers ``host_at_states_init`` lists (``offload_one_memory.py``)."""
 POST_STEP = "_post_step: persistent parameters gathered again"
+STEP_ENTRY = "step entry: persistent parameters still gathered, the parameters' norms kept"
 FP64_NORM = "global-norm temporaries (fp64)"
 
 
-def _zero3_offload_moments(moments: list[Moment]) -> list[Moment]:
+def _zero3_offload_moments(run: DSRun, moments: list[Moment]) -> list[Moment]:
     """ZeRO-3 with ``offload_optimizer`` (stage3.py): the norm's temporaries in fp32
     (``complete_grad_norm_calculation_for_cpu_offload``: ``_fp32_norm``, offload_terms.py); a moment at
     ``initialize_optimizer_states`` (the GPU holds the 16-bit partition, the host ``host_at_states_init``); and
@@ -168,21 +169,36 @@ def _zero3_offload_moments(moments: list[Moment]) -> list[Moment]:
     freed them at the step's start) while the norm scalars and the micro-batch are still alive. Without offload
     the update's fp32 temporaries on the GPU are larger; with it they are on the host, and this moment is the
     step's GPU peak. Measured (gpt-tiny bf16, N_d = 2, persistence threshold 100, a storage tracer beside
-    MemTracker at the step's peak): the 14 persistent tensors' 1,008 B and four 4-B fp32 norm scalars alive there."""
+    MemTracker at the step's peak): the 14 persistent tensors' 1,008 B and four 4-B fp32 norm scalars alive there.
+    Each parameter's fp64 gradient norm (``PARAM_NORMS``, offload_terms.py ``param_norm_count``) is kept from its
+    bucket's reduction in backward until ``_post_step -> reset_cpu_buffers``, which runs before the persistent
+    re-gather; and before ``step`` frees the persistent parameters (``_partition_all_parameters``) both are alive
+    (``STEP_ENTRY``). Measured (dsres, 2026-12-02, MemTracker's live bytes at entry and exit of ``step``,
+    ``_get_norm_groups``, ``unscale_and_clip_grads``, ``_post_step``, ``reset_cpu_buffers``; same row): N_d = 2, the
+    step's peak 374,989 B at ``step``'s entry, 1,008 B freed by ``_partition_all_parameters``, 224 B (28 norms) by
+    ``reset_cpu_buffers``: exact (212 B under before); N_d = 1 (nothing persistent gathered), the update with the
+    norms, 16 B under (a scalar of ``unscale_and_clip_grads``; 240 B before)."""
     persistent = next((t for m in moments for t in m.terms if t.name == PERSISTENT_PARAMS), None)
+    norms = Term(PARAM_NORMS, 8 * param_norm_count(run.numels, run.nd, run.settings.rank),
+                 f"{S3} partition_grads -> _offload_grad_partition_at_boundary (norm_for_param_grads); freed by "
+                 "_post_step -> reset_cpu_buffers", param_norm_count(run.numels, run.nd, run.settings.rank))  # fmt: skip
     out: list[Moment] = []
     for m in moments:
         if m.phase == "init" and m.name == "partitioned parameters gathered once":
             kept = tuple(t for t in m.terms if t.name in ("16-bit parameter partition", "inf/nan tracker"))
             out.append(Moment("init", ZERO3_STATES_INIT, kept))
         if m.phase == "optimizer_step":
-            m = Moment(m.phase, m.name, tuple(
+            if not any(o.phase == "optimizer_step" for o in out):  # what backward left, before step() frees anything
+                out.append(Moment("optimizer_step", STEP_ENTRY, (
+                    *(t for t in m.terms if t.name != FP64_NORM), *((persistent,) if persistent else ()), norms)))
+            m = Moment(m.phase, m.name, (*(
                 Term("global-norm temporaries (fp32 with offload_optimizer)", 3 * 4, t.source, 3)
-                if t.name == FP64_NORM else t for t in m.terms))  # fmt: skip
+                if t.name == FP64_NORM else t for t in m.terms), norms))  # fmt: skip
         out.append(m)
-    steps = [m for m in out if m.phase == "optimizer_step"]
+    steps = [m for m in out if m.phase == "optimizer_step" and m.name != STEP_ENTRY]
     if steps and persistent is not None:
-        out.insert(out.index(steps[-1]) + 1, Moment("optimizer_step", POST_STEP, (*steps[-1].terms, Term(
+        out.insert(out.index(steps[-1]) + 1, Moment("optimizer_step", POST_STEP, (*(
+            t for t in steps[-1].terms if t.name != PARAM_NORMS), Term(
             persistent.name, persistent.bytes, f"{S3} _post_step -> parameter_offload.py persistent parameters "
             "all-gathered (step -> _partition_all_parameters freed them)", persistent.tensors))))  # fmt: skip
     return out

@@ -13,8 +13,10 @@ from typing import Optional
 
 from zeroplan.engines.deepspeed.collectives import zero3_collectives
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
+from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
-from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _act, _gathered, _pbytes, _schedule, _states
+from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_layout
+from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
 from zeroplan.engines.deepspeed.zeropp import all_secondaries, hpz_schedule
@@ -147,6 +149,12 @@ class ZeroOptimizerStage3(Wrapper):
             "runtime/zero/partition_parameters.py _allgather_params_sequential")) ))  # fmt: skip
         return tuple(out)
 
+    def buckets_at_hooks(self, run: DSRun) -> bool:
+        """With ``contiguous_gradients`` each gradient that fits is copied into the bucket at its hook and
+        autograd's tensor repointed there (stage3.py ``__add_grad_to_ipg_bucket``: ``param.grad.data =
+        new_grad_tensor``), every micro-step."""
+        return run.settings.contiguous_gradients
+
     def backward_after_last_block(self, run: DSRun, last: tuple[Term, ...],
                                   inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
         """Each gradient moves into the bucket at its hook: nothing piles up after the last block, except a
@@ -155,7 +163,7 @@ class ZeroOptimizerStage3(Wrapper):
         their sum are alive together (torch autograd InputBuffer::accumulate, then the hook on the sum; as
         ZeRO-2's ``zero12.py _tied_embedding_backward``). Found by the differential matrix (seed 1 draw 7:
         GPT-2 8.6M tied, ZeRO-3, N_d = 3: -10.3% on every rank before)."""
-        out = [Moment("backward", "last block backward", last)]
+        out = [Moment("backward", "last block backward", last), *_in_block_reductions(run, last, inflight)]
         sched = _schedule(run)
         if run.tied_head and sched is not None and "embedding backward" in dict((m, f) for m, f, _ in run.trace.marks):
             acts = run.acts
@@ -178,6 +186,60 @@ class ZeroOptimizerStage3(Wrapper):
                        Term("gradient partition copy (gradient dtype)", part * DTYPE_BYTES[s.grad_dtype], src),
                        Term("fp32 gradient of the master partition", part * 4, src))))  # fmt: skip
         return tuple(Moment(m.phase, m.name, _step_terms(run, m.terms)) for m in (*out, adam_update(run, part, inner, temps)))
+
+
+S3 = "runtime/zero/stage3.py"
+
+
+def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
+    """A bucket reduced at a gradient hook inside block j (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``:
+    the first gradient that does not fit sends the bucket, ``__reduce_and_partition_ipg_grads``; the buckets as
+    ZeRO-1/2's, ``reduce.py _hook_layout``, in gradient-ready order), at a hook whose block activations are
+    known (``reduce.py _hook_activations``: GPT's MLP input projection and LN2, Llama's MLP input projections,
+    post-attention norm and o_proj). Alive there: the blocks before j saved, block j's saved tensors not yet
+    released and the gradients in flight, the hooked module's weight gradients, and the bucket's gradients
+    larger than it: ``__add_grad_to_ipg_bucket`` copies a gradient into the bucket only if it fits, so a larger
+    one stays autograd's until ``partition_grads`` sets ``param.grad = None``. With ``offload_optimizer``,
+    ``partition_grads -> _offload_grad_partition_at_boundary`` takes each partition's norm on an fp64 copy
+    (``_constant_buffered_norm2``: ``part.to(get_norm_dtype())``, one parameter at a time; its norm, 8 B, is
+    kept beside the earlier ones, ``offload_terms.param_norm_count``). One moment per block, the largest; the
+    gathered parameters are the last block's (``last``). Measured (dsres, 2026-12-02: gpt-tiny bf16, ZeRO-3,
+    ``offload_optimizer`` cpu, 5,000-element buckets, N_d = 1; MemTracker's live tensors by category at the
+    entry of ``_constant_buffered_norm2``): the backward peak is at the last block's c_fc bias hook, which sends
+    c_proj's 5,184-element weight gradient (not in the bucket) and takes its norm on a 41,472-B fp64 copy; the
+    live tensors there are this moment's terms to 32 B (-1.17% before, 8 B under now)."""
+    if not run.param_blocks or not run.acts.block.mlp_saved:
+        return ()
+    s, p = run.settings, _pbytes(run)
+    order, buckets, first_of_bucket, bucket_of = _hook_layout(run.numels, s.reduce_bucket_size, run.grad_ready_order)
+    offload = s.offload_optimizer.on
+    base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
+                                                                         "incoming activation gradient"))  # fmt: skip
+    best: dict[int, Moment] = {}
+    for b in range(len(buckets) - 1):  # the last bucket is sent after backward (independent_gradient_partition_epilogue)
+        hook = order[first_of_bucket[b + 1]]
+        sent = order[first_of_bucket[b]:first_of_bucket[b + 1]]
+        large = sum(run.numels[i] for i in sent if run.numels[i] > s.reduce_bucket_size)
+        j = run.param_blocks[hook]
+        at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload) else None
+        if at_hook is None:
+            continue
+        where, acts, module = at_hook
+        terms = (*base, _blocks_saved(run, j), *acts,
+                 Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
+                      "autograd (one node makes every input's gradient)", len(module)),
+                 Term("gradients larger than the bucket, in the bucket sent", large * p,
+                      f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"))
+        if offload:
+            parts = [-(-run.numels[i] // run.nd) for i in sent]
+            norms = sum(1 for i in order[:first_of_bucket[b]] if -(-run.numels[i] // run.nd) * (s.rank or 0) < run.numels[i])
+            terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", max(parts) * 8 + 8,
+                           f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2", 2),
+                      Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))  # fmt: skip
+        m = Moment("backward", f"block {j} {where} backward, a bucket sent", terms)
+        if j not in best or m.total() > best[j].total():
+            best[j] = m
+    return tuple(best.values())
 
 
 def _step_terms(run: DSRun, terms: tuple[Term, ...]) -> tuple[Term, ...]:
