@@ -155,13 +155,15 @@ def compare_row(
 
     # how the ranks built the model, passed explicitly (the profile's default is zero.Init at stage 3)
     settings = D.Settings.from_ds_config(ds, zero_init=bool(rank_rows[0].get("zero_init", False)))
-    # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32)
-    (est,) = D.estimate(workload, nd, settings, stat_bytes=D.DTYPE_BYTES[settings.dtype])
+    cuda = rank_rows[0].get("device") == "cuda"  # the CUDA runner's rows (validate/engines/deepspeed_cuda.py)
+    # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32); CUDA: fp32 (None)
+    stat = None if cuda else D.DTYPE_BYTES[settings.dtype]
+    (est,) = D.estimate(workload, nd, settings, stat_bytes=stat)
     # every rank against its own prediction (ZeRO-1/2 ranks differ by their grads_in_partition)
     by_rank = {r["rank"]: D.estimate(workload, nd, settings.model_copy(update={"rank": r["rank"]}),
-                                     stat_bytes=D.DTYPE_BYTES[settings.dtype])[0].peak.by_phase()
+                                     stat_bytes=stat)[0].peak.by_phase()
                for r in rank_rows}  # fmt: skip
-    host = est.host
+    host = None if cuda else est.host  # CUDA: the allocator counts the GPU alone, the profile's GPU peak
     if host is not None:  # offload on CPU: "GPU" and host are one memory, measured together (docs/engines/deepspeed.md)
         by_rank = {r: one_memory(workload, nd, settings.model_copy(update={"rank": r}), D.DTYPE_BYTES[settings.dtype])
                    for r in by_rank}  # fmt: skip
@@ -169,14 +171,19 @@ def compare_row(
     collectives = tuple(replace(c, phase=PHASE_OF.get(c.phase, c.phase)) for c in est.collectives)
     # the profile predicts the ring collectives (DeepSpeed's scalar all-reduces are reported, not checked)
     top = {p: max(b[p] for b in by_rank.values()) for p in next(iter(by_rank.values()))}
+    reserved = None
+    if cuda:
+        from validate.engines.deepspeed_cuda import predicted_reserved
+
+        reserved = predicted_reserved(workload, nd, settings)
     prediction = Prediction(est, collectives, peak_by_phase=top, ops=RING_OPS, peak_by_rank=by_rank,
-                            beside_states=() if host is None else host.terms)  # fmt: skip
+                            beside_states=() if host is None else host.terms, reserved_by_phase=reserved)  # fmt: skip
     row = compare_rows(prediction, readings(rank_rows, nd), tolerance, peak_tolerance)
     ds_est = D.ds_estimate_bytes(settings, numels, nd)
     peak = row["measured_peak_bytes"]
     step_s = [t for r in rank_rows for t in r["step_s"][1:]] or [t for r in rank_rows for t in r["step_s"]]
     return finish({
-        **row, "world_size": nd, "mode": "real", "backend": "gloo", "device": "cpu",
+        **row, "world_size": nd, "mode": "real", "backend": "nccl" if cuda else "gloo", "device": "cuda" if cuda else "cpu",
         "model": model_label, "psi": sum(numels), "engine": "deepspeed",
         "runner_changes": rank_rows[0].get("runner_changes", []),
         "adam_step_bytes": 0,  # a profile term (``step scalars``), not an excess

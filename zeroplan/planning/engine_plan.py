@@ -61,6 +61,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
             candidate=c.label,
             peak_rank=e.peak_rank,
             reserved=reserved,
+            host=host,
         ))  # fmt: skip
     headroom = f"{config.headroom:.0%} of GPU memory kept free"
     recommendation = launchers = advice = None
