@@ -14,9 +14,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def hf_saved_bytes(cfg: dict, b: int, s: int, dtype: str = "float32", attn: str = "sdpa"):
-    """(bytes of every distinct storage autograd saves in one forward with ``labels=`` of transformers' class of
-    ``cfg`` at micro-batch ``b``, sequence ``s``, parameters excluded; the model; its output). Seeded: the same
-    model and tokens every call."""
+    """(bytes of the distinct storages autograd saved in one forward with ``labels=`` of transformers' class of
+    ``cfg`` at micro-batch ``b``, sequence ``s`` and still holds at its end, parameters excluded; the model; its
+    output). Only what is alive counts: a tensor saved for a node no loss reaches (DeepSeek's router saves some for
+    its group ``topk``s, which feed only integer indices) is freed when its module returns, and a freed storage's
+    address may be given to a later one. Seeded: the same model and tokens every call."""
+    import weakref
+
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
@@ -24,16 +28,17 @@ def hf_saved_bytes(cfg: dict, b: int, s: int, dtype: str = "float32", attn: str 
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
                                                           attn_implementation=attn, dtype=getattr(torch, dtype))  # fmt: skip
     owned = {p.untyped_storage().data_ptr() for p in model.train().parameters()}
-    seen: dict[int, int] = {}
+    packed = []
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        packed.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
         return t
 
     ids = torch.randint(0, cfg["vocab_size"], (b, s))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False)
-    return sum(n for ptr, n in seen.items() if ptr not in owned), model, out
+    alive = {ptr: n for ref, ptr, n in packed if ref() is not None and ptr not in owned}
+    return sum(alive.values()), model, out
 
 
 def predicted_saved_bytes(cfg: dict, b: int, s: int, dtype: str = "float32") -> int:
@@ -44,9 +49,9 @@ def predicted_saved_bytes(cfg: dict, b: int, s: int, dtype: str = "float32") -> 
 
 
 def check_fsdp2_recorded(name: str, cfg: dict, dtype: str, measured: list, residual: dict, margin: float,
-                         tmp_path, seq: int = 64) -> None:
+                         tmp_path, seq: int = 64, **extra) -> None:
     """Every phase of every rank of a recorded real-FSDP2 run of transformers' class of ``cfg`` (gloo, N_d 2,
-    ``hf=True``, ``seq`` tokens, 2 steps; ``measured``: one row of phase peaks per rank) within ``margin`` of its
+    ``hf=True``, ``seq`` tokens, 2 steps, ``extra`` Fsdp2Settings; ``measured``: one row of phase peaks per rank) within ``margin`` of its
     prediction, after the recorded ``residual`` of (name, phase); margin 0 and no residual: exact. The check the
     families', MoE and DeepSeek rows share."""
     pytest.importorskip("torch")
@@ -58,7 +63,7 @@ def check_fsdp2_recorded(name: str, cfg: dict, dtype: str, measured: list, resid
 
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=seq, steps=2, param_dtype=dtype)
+    settings = Fsdp2Settings(model=str(path), hf=True, seq_len=seq, steps=2, param_dtype=dtype, **extra)
     meta = {"world_size": 2, "backend": "gloo", "device": "cpu"}
     for rank, row in enumerate(measured):
         predicted = predict(settings, meta, rank)[0].peak.by_phase()

@@ -20,6 +20,8 @@ import pytest
 from validate.engines.differential import FAMILIES, PSI_RANGE, TARGET_UNDER, TARGET_WITHIN, draw, replay, run_draw
 
 RECORDED = Path(__file__).resolve().parent / "data" / "measured" / "differential.json"
+# generator 3's bf16 draws (meta init, checkpointing), recorded apart so that the shared file stays as it was
+RECORDED_BF16 = RECORDED.with_name("fsdp2_differential_bf16.json")
 SLICE = range(40)
 
 
@@ -89,7 +91,7 @@ def _numels(config: dict) -> tuple[int, ...]:
 
 
 def _records() -> list[dict]:
-    return json.loads(RECORDED.read_text())["results"] if RECORDED.exists() else []
+    return [r for f in (RECORDED, RECORDED_BF16) if f.exists() for r in json.loads(f.read_text())["results"]]
 
 
 def _cases() -> list[dict]:
@@ -139,8 +141,13 @@ def test_recorded_case_within_targets(record, tmp_path):
 
 
 def test_recorded_draws_exist_with_provenance():
-    data = json.loads(RECORDED.read_text())
-    assert data["results"] and {"recorded", "torch", "deepspeed", "transformers", "command"} <= set(data)
+    for f in (RECORDED, RECORDED_BF16):
+        data = json.loads(f.read_text())
+        assert data["results"] and {"recorded", "torch", "deepspeed", "transformers", "command"} <= set(data)
+    bf16 = [r["draw"] for r in json.loads(RECORDED_BF16.read_text())["results"]]
+    assert all(d["fsdp2"]["param_dtype"] == "bf16" and d["generator"] == 3 for d in bf16)
+    assert any(d["fsdp2"]["init"] == "meta" for d in bf16)  # the meta init of a 16-bit model, with and without
+    assert {d["fsdp2"]["checkpointing"] for d in bf16} == {True, False}
 
 
 @pytest.mark.distributed

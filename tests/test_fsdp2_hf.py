@@ -49,7 +49,7 @@ def test_live_qwen2_every_phase_every_rank(tmp_path):
             err = (measured - predicted.peak.by_phase()[phase]) / measured
             assert abs(err) <= MARGIN, (row["rank"], phase, err)
         bites = {"forward": ("block 1 copy-out", "all-gather output (root, the root's, freed when this copy-out returns)"),
-                 "backward": ("root reduce-scatter", "lm_head weight gradient (held through the root's reduce-scatter)")}
+                 "backward": ("root reduce-scatter", "unsharded gradient of the last parameter (root, foreach_reduce's loop variable)")}
         for phase, (moment, term) in bites.items():  # each is larger than the bound: dropping it fails above
             (at,) = (p for p in predicted.peak.phases if p.phase == phase)
             (held,) = (t for t in at.terms if t.name == term)
@@ -85,7 +85,7 @@ def test_transformers_tree_terms_follow_labels_and_tying():
     # the head's gradient at the root's reduce-scatter, whatever computes the loss; rotary buffers throughout
     for settings in (s, off):
         found = _terms(untied, settings)
-        assert {"lm_head weight gradient (held through the root's reduce-scatter)",
+        assert {"unsharded gradient of the last parameter (root, foreach_reduce's loop variable)",
                 "rotary inv_freq, original_inv_freq (fp32 buffers)", "position ids (cache_position, int64)"} <= found
     # the loss inside the root's forward: the last block's all-gather output and the bf16 logits through it
     assert {n for n in _terms(untied, s) if "after the loss" in n or n.startswith("16-bit logits")}

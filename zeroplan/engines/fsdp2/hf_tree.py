@@ -13,8 +13,8 @@ measured on (``tests/test_fsdp2_hf_recorded.py``, ``tests/test_fsdp2_hf.py``; re
   (``_fsdp_param_group.py:FSDPParamGroup._backward_prefetch``) runs beside the saved log-softmax.
 - An untied ``lm_head`` (an ``nn.Linear`` the root calls): its weight gradient outlives the root's
   ``post_backward`` (``.grad = None``, ``unsharded_grads.clear()``) until the root's reduce-scatter has
-  returned (measured: Gradient = the blocks' shards + V·d at the backward peak of every untied row;
-  at the reduce-scatter the only V·d tensor alive is dense, the head's, with no Python referrer).
+  returned: it is the root's last parameter, and ``foreach_reduce``'s loop variable keeps the last gradient of
+  every unit (``terms.last_grad_held``; found here first, as "no Python referrer", then named on the 5.4M GPT).
 - Rotary embeddings (Llama, Mistral, Qwen2) keep ``inv_freq`` and ``original_inv_freq`` as buffers
   (``modeling_llama.py:LlamaRotaryEmbedding.__init__``), fp32, head_dim/2 each; the forward keeps the
   int64 position ids (``cache_position``, s·8 B) beside cos and sin.
@@ -41,8 +41,9 @@ TF = "transformers/"
 
 
 def rotary_buffers(run: Fsdp2Run) -> tuple[Term, ...]:
-    """The rotary embedding's fp32 buffers of head_dim/2 (``Fsdp2Run.buffer_bytes``, two per table) and Gemma's
-    ``embed_scale`` (``Fsdp2Run.scale_bytes``), from the build on."""
+    """The rotary embedding's fp32 buffers of head_dim/2 (``Fsdp2Run.buffer_bytes``, two per table), Gemma's
+    ``embed_scale`` (``Fsdp2Run.scale_bytes``) and DeepSeek-V3's router bias (``Fsdp2Run.router_bytes``), from the
+    build on."""
     out = ()
     if run.buffer_bytes:
         out += (Term("rotary inv_freq, original_inv_freq (fp32 buffers)", run.buffer_bytes,
@@ -50,6 +51,9 @@ def rotary_buffers(run: Fsdp2Run) -> tuple[Term, ...]:
     if run.scale_bytes:
         out += (Term("embed_scale (fp32 buffer)", run.scale_bytes,
                      TF + "models/gemma2/modeling_gemma2.py:Gemma2TextScaledWordEmbedding.__init__"),)  # fmt: skip
+    if run.router_bytes:
+        out += (Term("router e_score_correction_bias (fp32 buffers)", run.router_bytes,
+                     TF + "models/deepseek_v3/modeling_deepseek_v3.py:DeepseekV3TopkRouter.__init__"),)  # fmt: skip
     return out
 
 
@@ -60,6 +64,23 @@ def position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
         return ()
     return (Term("position ids (cache_position, int64)", run.position_bytes,
                  TF + "models/llama/modeling_llama.py:LlamaModel.forward"),)  # fmt: skip
+
+
+CKPT_POSITION_IDS = "position ids (kept by the checkpointed layers' recompute, int64)"
+
+
+def checkpointed_position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
+    """With each decoder layer in ``checkpoint_wrapper`` (non-reentrant), the layer's call arguments are kept for its
+    recompute (``torch/utils/checkpoint.py:_checkpoint_without_reentrant_generator``: ``recompute_fn`` closes over
+    ``*args, **kwargs``, held by the layer's saved-tensor holders until its backward): the llama-style body passes
+    ``position_ids`` to every layer, so the s·8 B outlive the body's return, to the first layer's backward.
+    Measured: DeepSeek-V3 fp32 checkpointed on gloo N_d = 2 (tests/test_deepseek.py ``deepseek-wide-ckpt``), 512 B
+    (s = 64) under at block 2's backward without it; with transformers' own gradient checkpointing too (the same
+    512 B alive after the forward, tests/test_deepseek.py)."""
+    if run.checkpointing == "none" or not run.transformers:
+        return ()
+    return tuple(Term(CKPT_POSITION_IDS, t.bytes, "torch/utils/checkpoint.py:_checkpoint_without_reentrant_generator")
+                 for t in position_ids(run))  # fmt: skip
 
 
 def inputs_embeds_held(run: Fsdp2Run) -> tuple[Term, ...]:
@@ -80,9 +101,11 @@ def inputs_embeds_held(run: Fsdp2Run) -> tuple[Term, ...]:
 def gpt2_body_embeds(run: Fsdp2Run) -> tuple[Term, ...]:
     """GPT-2's body (``modeling_gpt2.py:GPT2Model.forward``) binds ``inputs_embeds`` (N·d) and
     ``position_embeds`` (s·d) as locals and adds them: neither is saved by an op, both live until the body
-    returns. Counted where measured: a unit after the layers copied out inside the body (``[ln_f, lm_head]``;
-    differential draw 1-5 of generator 2, forward 147,456 B short without). N = the batch's token ids and
-    targets over 16 B, s = the position ids (``embed_saved``, int64) over 8 B."""
+    returns. Counted in every forward moment inside the body: the blocks' and a unit after the layers copied out
+    there (``[ln_f, lm_head]``; differential draw 1-5 of generator 2, forward 147,456 B short without; the blocks'
+    moments: draws 1-5, 2-4, 2-9 of generator 1 and the recorded gpt2 rows without labels, 147,456 to 393,216 B
+    short at the last block's forward). N = the batch's token ids and targets over 16 B, s = the position ids
+    (``embed_saved``, int64) over 8 B."""
     if not run.transformers or run.style != "gpt" or not run.acts.batch:
         return ()
     tokens, seq = run.acts.batch // 16, run.acts.embed_saved // 8
@@ -105,14 +128,6 @@ def logits_in_loss(run: Fsdp2Run) -> tuple[Term, ...]:
         return ()
     return (Term("16-bit logits (kept by the forward while its loss runs)", run.acts.logits,
                  TF + "loss/loss_utils.py:ForCausalLMLoss (logits.float())"),)  # fmt: skip
-
-
-def head_grad_held(run: Fsdp2Run) -> tuple[Term, ...]:
-    """An untied transformers ``lm_head``'s weight gradient, alive through the root's reduce-scatter."""
-    if not run.transformers or run.tied_head:
-        return ()
-    return (Term("lm_head weight gradient (held through the root's reduce-scatter)", run.head_numel * run.p,
-                 "measured (transformers' nn.Linear lm_head under FSDP2): see zeroplan/engines/fsdp2/hf_tree.py"),)  # fmt: skip
 
 
 def tied_head_build(run: Fsdp2Run) -> tuple[Term, ...]:
@@ -179,7 +194,8 @@ def root_backward_released(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[tuple
     hook: ``_fsdp_state.py:FSDPState._root_post_backward_final_callback`` runs it). Checked on
     ``validate/transformer.py``'s GPT (tests/test_fsdp2_root_grads.py): at ``wte.weight``'s leaf hook the
     ``wpe`` and ``ln_f`` gradients exist, the incoming gradient and the position ids do not; recorded row
-    ``fsdp2-real-4-gpt-5m-fp32-k2-ckpt-nd4``'s backward exact on every rank (it was 131,584 B over)."""
-    if run.transformers or run.style == "gpt":
-        base = tuple(t for t in base if t.name != EMBED_SAVED)
-    return base, not run.tied_head
+    ``fsdp2-real-4-gpt-5m-fp32-k2-ckpt-nd4``'s backward exact on every rank (it was 131,584 B over). The
+    validator's Llama-style CausalLM too: its rotary cos and sin, saved by the blocks' attention, are gone at its
+    root's reduce-scatter (live storages at the peak of tests/test_fsdp2_wrap.py's ``llama-causallm-file``: 6,144 B
+    over before)."""
+    return tuple(t for t in base if t.name not in (EMBED_SAVED, CKPT_POSITION_IDS)), not run.tied_head

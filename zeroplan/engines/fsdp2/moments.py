@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 from zeroplan.engines.fsdp2.hf_tree import (
+    checkpointed_position_ids,
     gpt2_body_embeds,
-    head_grad_held,
     inputs_embeds_held,
     last_block_in_loss,
     logits_in_loss,
@@ -53,6 +53,7 @@ from zeroplan.engines.fsdp2.terms import (
     gloo_copy,
     grad_cast,
     grads,
+    last_grad_held,
     kept_blocks,
     mesh_ranks,
     params,
@@ -91,6 +92,10 @@ def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
                    _fp("the unpadded shard being re-padded", max(repad, default=0) * run.m, src))),
             *(Moment("init", "to_empty: the tied weight's second allocation", (*mesh_ranks(run), *rotary_buffers(run),
                      params(run), *tied)) for tied in (tied_head_to_empty(run),) if tied),
+            *(Moment("init", "init_weights: a rotary table recomputed", (*mesh_ranks(run), *rotary_buffers(run),
+                     params(run), Term("rotary recompute temporaries (int64 arange and its float copy)", temps,
+                     "transformers/modeling_rope_utils.py:compute_default_rope_parameters")))
+              for temps in (run.rotary_init_bytes,) if temps),
         )  # fmt: skip
     # the fully_shard calls in the order the wrapping makes them (wrap.resolve; blocks, then the root)
     calls = [(u.name, [s for _, s in u.params]) for u in run.shard_units if u.params] or \
@@ -116,8 +121,10 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
     base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
             _act("embedding saved (position ids)", acts.embed_saved), root_side(run, "blocks"))  # fmt: skip
-    head_base, base = base, (*base, *position_ids(run))  # transformers' body frees its position ids on return
-    head_base = (*head_base[:-1], root_side(run, "head"))  # a split root's units after the layers are gathered
+    # transformers' body frees its position ids (and GPT-2's its embedding locals) on return
+    head_base, base = base, (*base, *position_ids(run), *gpt2_body_embeds(run))
+    head_base = (*head_base[:-1], *checkpointed_position_ids(run), root_side(run, "head"))  # a split root's units
+    # after the layers are gathered; a checkpointed layer keeps its position ids for its recompute (hf_tree)
     prev = ag_output(run, L - 1, "previous unit, freed when this copy-out returns") if L > 1 else None
     # the first block's all-gather: the root's all-gather output is the previous one (freed when this
     # block's wait_for_unshard returns, as above: _fsdp_param_group.py:FSDPParamGroup.wait_for_unshard)
@@ -154,10 +161,12 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     base = head_base
     kept_out = ag_output(run, L, "kept until the root's post-forward")
     tail = ()
-    if head_units(run):  # a split root: [norm, output] gathered after the layers frees the last block's output
+    if head_units(run):  # a split root: [norm, output] gathered after the layers frees the last block's output;
+        # inside the body (its final norm runs first), so the body's position ids are alive (draw 1-38: 256 B)
         kept_out = head_output(run, "kept until the root's post-forward")
         tail = (Moment("forward", f"{head_units(run)[-1].name} copy-out", (
-            *base, *gpt2_body_embeds(run), *kept_blocks(run, L), _blocks_saved(run, L), _act("block output", acts.embed_out),
+            *base, *gpt2_body_embeds(run), *position_ids(run), *kept_blocks(run, L), _blocks_saved(run, L),
+            _act("block output", acts.embed_out),
             ag_output(run, L, "previous unit, freed when this copy-out returns"), kept_out)),)  # fmt: skip
     head = Moment("forward", "LM head", (*base, *kept_blocks(run, L), *head_acts, kept_out))
     in_loss = last_block_in_loss(run)  # transformers' forward(labels=...): the loss before the post-forward
@@ -196,7 +205,7 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     n_d = acts.embed_out  # one N·d activation (or its gradient)
     base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
             _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss),
-            root_side(run, "backward"))  # fmt: skip
+            *checkpointed_position_ids(run), root_side(run, "backward"))  # fmt: skip
     saved_all = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))
     log_softmax = _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax)
     # the loss inside the root's forward (transformers' labels=): the root's pre-backward hook fires on the
@@ -230,12 +239,13 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     out.append(Moment("backward", "final norm backward", (*base, *kept_blocks(run, L), _blocks_saved(run, L),
                       root_held, final_norm_backward(run), *prefetched(run, L))))  # fmt: skip
     for u in reversed(head_units(run)):  # a split root's [norm, output]: reduced at its own post_backward, with
-        # the untied head's gradient held through it (hf_tree.head_grad_held), before the layers' backward
+        # its last parameter's gradient (an untied head's) held through it (terms.last_grad_held), before the layers
         ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, u)
         common = (*base[:-1], root_side(run, "blocks"), *kept_blocks(run, L), _blocks_saved(run, L),
                   _act("final norm input gradient", n_d), *prefetched(run, L))  # resharded before it reduces
         out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, ugrads, rs_in)))
-        out.extend(reduce_scatter_moments(u.name, (*common, *head_grad_held(run)), rs_in, rs_out, cast, gloo))
+        last = last_grad_held(run, u.params[-1][1], u.name)
+        out.extend(reduce_scatter_moments(u.name, (*common, *last), rs_in, rs_out, cast, gloo))
     if not split_root(run):  # a merged root resharded: its all-gather output held to its reduce-scatter (a bound)
         start = side_regathers(run, "start")
         out = [Moment(m.phase, m.name, (*m.terms, *start)) for m in out]
@@ -306,7 +316,8 @@ def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_h
               _act("block input gradient", n_d), root_held, *prefetched(run, i - 1), done)  # fmt: skip
     out.append(Moment("backward", f"block {i} reduce-scatter copy-in",
                       (*common, unit_grads(run, i), rs_input(run, i, "this unit"))))  # fmt: skip
-    out.extend(reduce_scatter_moments(f"block {i}", common, rs_input(run, i, "this unit"), rs_output(run, i),
+    last = last_grad_held(run, run.units[i].shapes[-1], f"block {i}")
+    out.extend(reduce_scatter_moments(f"block {i}", (*common, *last), rs_input(run, i, "this unit"), rs_output(run, i),
                                       grad_cast(run, i), gloo_copy(run, i)))  # fmt: skip
     return tuple(out)
 
@@ -334,10 +345,7 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
         *released, *incoming, *emb,
         Term("other root gradients", others, "autograd (embedding, final norm)"),
         rs_input(run, 1, "held until the root's post_backward"), blocks_done))]  # fmt: skip
-    # the root is resharded before its reduce-scatter (base[-1]). This project's GPT keeps its position-ids
-    # term there: fsdp2-real-2-gpt-5m-bf16-reshard-nd2 measures 512 B more at its root reduce-scatter than
-    # without it, though the ids are released by then (hf_tree.root_backward_released): 512 B not yet named
-    root_base = (released if run.transformers else base)[:-1]
+    root_base = released[:-1]  # the root is resharded before its reduce-scatter (base[-1])
     if split_root(run):  # the unit reduced last (the root, or the embeddings): its own buffers
         # its unsharded gradients stay alive through its reduce-scatter: a unit whose post_backward runs in the
         # root's final callback (the embeddings' inputs need no gradient, so no hook of theirs fires) reduces
@@ -348,18 +356,20 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
             pending = tuple(t for v in order[j + 1:] for t in (side_reduce(run, v)[0], _fp(
                 f"unsharded parameters ({v.name}, resharded at its own post_backward, after)",
                 _gathered_numel(run, v) * run.p, "_fsdp_param_group.py:FSDPParamGroup.post_backward")))  # fmt: skip
-            common = (*root_base, blocks_done, ugrads, *pending)
-            out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, rs_in)))
-            out.extend(reduce_scatter_moments(u.name, common, rs_in, rs_out, cast, gloo))
+            common = (*root_base, blocks_done, *pending)
+            out.append(Moment("backward", f"{u.name} reduce-scatter copy-in", (*common, ugrads, rs_in)))
+            last = last_grad_held(run, u.params[-1][1], u.name)  # the others are freed by the copy-in
+            out.extend(reduce_scatter_moments(u.name, (*common, *last), rs_in, rs_out, cast, gloo))
             shard_bytes = _gathered_numel(run, u) // run.nd * run.m  # reduced: its sharded gradients from here
             blocks_done = _fp(f"{blocks_done.name}, {u.name}", blocks_done.bytes + shard_bytes,
                               "_fsdp_collectives.py:foreach_reduce", blocks_done.tensors + 1)  # fmt: skip
-        ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, order[-1] if len(order) > 1 else last_side_unit(run))
-        held = (ugrads,) if head_units(run) or len(order) > 1 else head_grad_held(run)
+        final = order[-1] if len(order) > 1 else last_side_unit(run)
+        ugrads, rs_in, rs_out, cast, gloo = side_reduce(run, final)
+        held = last_grad_held(run, final.params[-1][1], final.name)
     else:
         ugrads = Term("unsharded gradients (root)", run.units[0].numel * p, "autograd", len(run.units[0].shapes))
         rs_in, rs_out, cast, gloo = rs_input(run, 0, "this unit"), rs_output(run, 0), grad_cast(run, 0), gloo_copy(run, 0)
-        held = head_grad_held(run)
+        held = last_grad_held(run, run.units[0].shapes[-1], "root")
     out.append(Moment("backward", "root reduce-scatter copy-in", (*root_base, ugrads, rs_in, blocks_done)))
     out.extend(reduce_scatter_moments("root", (*root_base, blocks_done, *held), rs_in, rs_out, cast, gloo))
     return tuple(out)

@@ -11,7 +11,13 @@ from functools import cached_property, lru_cache
 from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, unit_shard_numel
-from zeroplan.engines.fsdp2.hf_buffers import embed_scale_bytes, rotary_buffer_bytes
+from zeroplan.engines.fsdp2.hf_buffers import (
+    embed_scale_bytes,
+    rotary_buffer_bytes,
+    router_bias_bytes,
+    rotary_recompute_bytes,
+    router_weight_copy_bytes,
+)
 from zeroplan.engines.fsdp2.memo import RANKED, memo_term
 from zeroplan.engines.fsdp2.wrap import ShardUnit, Wrapping, preset, resolve
 from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_group
@@ -43,6 +49,9 @@ class Fsdp2Run:
     transformers: bool = False  # transformers' module tree (Workload.transformers): see zeroplan.engines.fsdp2.hf_tree
     loss_in_forward: bool = False  # transformers: the loss inside the root's forward (forward(labels=...))
     buffer_bytes: int = 0  # module buffers every moment holds (transformers' rotary inv_freq): hf_tree.rotary_buffers
+    router_bytes: int = 0  # DeepSeek-V3's fp32 e_score_correction_bias buffers (hf_buffers.router_bias_bytes)
+    rotary_init_bytes: int = 0  # a meta init's rotary-table recompute temporaries (hf_buffers.rotary_recompute_bytes)
+    router_copy: tuple[int, ...] = ()  # per layer, bytes its router's fp32 weight copy adds to its saved set (hf_buffers)
     scale_bytes: int = 0  # Gemma's fp32 embed_scale buffer, every moment (hf_buffers.embed_scale_bytes)
     position_bytes: int = 0  # transformers llama-style: the int64 position ids in forward (hf_tree.position_ids)
     shard_units: tuple[ShardUnit, ...] = ()  # the fully_shard calls as made (wrap.resolve): collectives, edge_regathers
@@ -235,7 +244,8 @@ def batch(run: Fsdp2Run) -> Term:
 @memo_term
 def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
     what = "saved activations" if run.checkpointing == "none" else "checkpointed block inputs"
-    return _act(f"{what} of {n} blocks", run.acts.saved_through(n, run.checkpointing), n)
+    copies = sum(run.router_copy[:n]) if run.checkpointing == "none" else 0  # hf_buffers.router_weight_copy_bytes
+    return _act(f"{what} of {n} blocks", run.acts.saved_through(n, run.checkpointing) + copies, n)
 
 
 def prefetched(run: Fsdp2Run, u: int) -> tuple[Term, ...]:
@@ -261,6 +271,20 @@ def rs_input(run: Fsdp2Run, u: int, why: str) -> Term:
     """Unit ``u``'s flat reduce-scatter input (nd·S_u in the reduce dtype)."""
     return _fp(f"reduce-scatter input (unit {u}, {why})", run.nd * run.shard(u) * run.r,
                "_fsdp_collectives.py:foreach_reduce; _fsdp_param_group.py:FSDPParamGroup.post_backward")  # fmt: skip
+
+
+def last_grad_held(run: Fsdp2Run, shape, what: str) -> tuple[Term, ...]:
+    """The unsharded gradient of a unit's last parameter, alive through its reduce-scatter and cast: before the
+    copy-in, ``_fsdp_collectives.py:foreach_reduce`` checks each gradient's shard dim in ``for i, (fsdp_param,
+    unsharded_grad) in enumerate(zip(fsdp_params, unsharded_grads))`` (only when the group has more than one rank);
+    the loop variable still binds the last gradient after ``unsharded_grads.clear()``, until ``foreach_reduce``
+    returns. Traced (MemTracker's live storages at the peak, each gradient named by its parameter's
+    post-accumulate hook): ``ln_f.bias`` (d·2 B) at the root's reduce-scatter of the 5.4M GPT in bf16, an untied
+    ``lm_head.weight`` (the root's last parameter) on transformers' classes."""
+    if run.nd == 1 or shape is None:
+        return ()
+    return (Term(f"unsharded gradient of the last parameter ({what}, foreach_reduce's loop variable)",
+                 math.prod(shape) * run.p, "_fsdp_collectives.py:foreach_reduce"),)  # fmt: skip
 
 
 @memo_term
@@ -372,8 +396,16 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                     spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
                     biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes),
                     transformers=hf, loss_in_forward=hf and settings.loss_in_forward, buffer_bytes=buffers,
+                    router_bytes=router_bias_bytes(spec) if hf else 0, router_copy=_router_copies(spec, hf, act_bytes),
+                    rotary_init_bytes=rotary_recompute_bytes(spec) if rotary else 0,
                     scale_bytes=scale, position_bytes=workload.seq_len * 8 if rotary else 0,
                     shard_units=shard_units)  # fmt: skip
+
+
+def _router_copies(spec, hf: bool, param_bytes: int) -> tuple[int, ...]:
+    """Per layer, its router's fp32 weight copy under a 16-bit param_dtype (hf_buffers.router_weight_copy_bytes)."""
+    copy = router_weight_copy_bytes(spec, param_bytes) if hf else 0
+    return tuple(copy if copy and i in spec.moe.sparse_layers else 0 for i in range(spec.n_layer)) if copy else ()
 
 
 def _foreach(workload: Workload, settings: Settings) -> bool:
