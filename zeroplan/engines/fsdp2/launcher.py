@@ -38,7 +38,7 @@ def wrap_calls(wrapping: Wrapping) -> str:
 def settings_snippet(settings: Settings, checkpointing: str = "none", wrapping: Wrapping | None = None) -> str:
     """``fully_shard`` code for exactly ``settings`` and ``checkpointing`` (what ``estimate`` predicted),
     as ``validate/engines/fsdp2.py:shard`` runs it; ``model.layers`` stands for the decoder layers under the
-    ``blocks`` wrapping, any other ``wrapping`` (``terms.wrapping_of``) is written call by call."""
+    ``blocks`` wrapping, any other ``wrapping`` (``units.wrapping_of``) is written call by call."""
     dtype = _TORCH_DTYPE[settings.param]
     reduce = _TORCH_DTYPE[settings.reduce]
     ckpt = (

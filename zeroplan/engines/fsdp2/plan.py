@@ -22,7 +22,8 @@ from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import check_tp, tp_acts
 from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search
-from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
+from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states
+from zeroplan.engines.fsdp2.units import wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
@@ -121,7 +122,7 @@ class Fsdp2Option:
     checkpointing: str
     estimate: EngineEstimate
     fits: bool
-    wrapping: Optional[Wrapping] = None  # settings.wrap in the model's names (terms.wrapping_of)
+    wrapping: Optional[Wrapping] = None  # settings.wrap in the model's names (units.wrapping_of)
 
     @property
     def snippet(self) -> str:

@@ -1,6 +1,6 @@
 """A split root: the ``fully_shard`` units beside the decoder layers (the root, torchtitan's embeddings and
 ``[norm, output]``: a wrapping's own, ``wrap.py``) with their own lifetimes, as terms. The profile counts them
-in unit 0 (``terms.profile_units``); these say which of them is gathered, or reduced, when, each citing the
+in unit 0 (``units.profile_units``); these say which of them is gathered, or reduced, when, each citing the
 FSDP2 function (``SRC``) or the measurement it comes from (docs/engines/fsdp2.md, "Wrapping as data")."""
 
 from __future__ import annotations

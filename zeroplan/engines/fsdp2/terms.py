@@ -4,7 +4,6 @@ function per term, each citing the FSDP2 file and function that allocates it (``
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
@@ -19,7 +18,8 @@ from zeroplan.engines.fsdp2.hf_buffers import (
     router_weight_copy_bytes,
 )
 from zeroplan.engines.fsdp2.memo import RANKED, memo_term
-from zeroplan.engines.fsdp2.wrap import ShardUnit, Wrapping, preset, resolve
+from zeroplan.engines.fsdp2.units import profile_units, shard_units_of
+from zeroplan.engines.fsdp2.wrap import ShardUnit
 from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_group
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.dtypes import dtype_bytes
@@ -310,65 +310,8 @@ def gloo_copy(run: Fsdp2Run, u: int) -> tuple[Term, ...]:
                  "then copies its chunk out (aten.split, aten.copy_ seen at dispatch)"),)  # fmt: skip
 
 
-def wrapping_of(workload: Workload, settings: Settings) -> Wrapping | None:
-    """``settings.wrap`` as a ``Wrapping`` in ``workload``'s module names (a preset resolved for its layout);
-    None for bare shapes without decoder-layer names under ``blocks`` (everything in the root)."""
-    spec = workload.spec
-    known = [s for s, p in BLOCK_PREFIX.items() if any(n.startswith(p) for n, _ in workload.shapes)]
-    style = spec.style if spec is not None else (known[0] if known else None)
-    if isinstance(settings.wrap, Wrapping):
-        return settings.wrap
-    if style is None and settings.wrap == "blocks":
-        return None
-    if style is None:
-        raise ValueError(f"--fsdp-wrap {settings.wrap}: the parameters have no decoder-layer names "
-                         f"({', '.join(BLOCK_PREFIX.values())})")  # fmt: skip
-    tied = spec.tied if spec is not None else not any(n.startswith("lm_head.") for n, _ in workload.shapes)
-    return preset(settings.wrap, style, settings.reshard_after_forward, tied)
-
-
-def shard_units_of(workload: Workload, settings: Settings) -> tuple[ShardUnit, ...]:
-    """The ``fully_shard`` calls of ``settings.wrap`` on ``workload``'s parameters (``wrap.resolve``)."""
-    wrapping = wrapping_of(workload, settings)
-    if wrapping is None:
-        return (ShardUnit(("",), tuple((n, tuple(s)) for n, s in workload.shapes), None, True),)
-    spec = workload.spec
-    tied = (("lm_head", workload.shapes[0][0]),) if spec is not None and spec.tied and workload.transformers else ()
-    return resolve(wrapping, workload.shapes, tied)  # transformers' tied lm_head: the embedding's weight
-
-
-def profile_units(shard_units: tuple[ShardUnit, ...], prefix: str, settings: Settings, peak: bool,
-                  order: dict[str, int]):
-    """(the profile's units: root first, then one per decoder layer; the settings with the blocks' value).
-    Every unit that is not a decoder layer (the root and the units beside it: embeddings, ``[norm, output]``)
-    is counted in one root-side unit kept gathered all step, which bounds them from above (its shards are
-    exact: padding is per parameter); ``edge_regathers`` adds what gathering one of them again for backward
-    holds. ``peak``: the moments need each decoder layer as its own unit, all with one reshard value;
-    ``order``: each parameter's place in ``named_parameters()``."""
-    pattern = re.compile(re.escape(prefix) + r"[0-9]+")
-    blocks = [u for u in shard_units if len(u.modules) == 1 and pattern.fullmatch(u.modules[0])]
-    block_ids = {id(u) for u in blocks}  # by identity: comparing units field by field is O(units²) (a speed-up)
-    side = [u for u in shard_units if id(u) not in block_ids]
-    inner = [m for u in side for m in u.modules if m.startswith(prefix)]
-    values = {True if u.reshard_after_forward is None else u.reshard_after_forward for u in blocks}
-    if peak and (inner or len(values) > 1):
-        why = f"{inner[0]!r} is a unit inside a decoder layer" if inner else "the decoder layers differ in reshard_after_forward"
-        raise ValueError(f"wrapping: {why}; the FSDP2 peak models one unit per decoder layer with one "
-                         "reshard_after_forward value")  # fmt: skip
-    if len(values) == 1 and isinstance(settings.wrap, Wrapping):
-        (value,) = values
-        if "reshard_after_forward" in settings.model_fields_set and settings.reshard_after_forward != value:
-            raise ValueError(f"reshard_after_forward={settings.reshard_after_forward} contradicts the wrapping's "
-                             f"decoder layers ({value}): give one of them")  # fmt: skip
-        settings = settings.model_copy(update={"reshard_after_forward": value})
-    root = sorted((p for u in side for p in u.params), key=lambda p: order[p[0]])
-    units = (Unit("root", tuple(s for _, s in root)),
-             *(Unit(u.modules[0], tuple(s for _, s in u.params)) for u in sorted(blocks, key=lambda u: u.first)))
-    return units, settings
-
-
 def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
-    """The run of ``workload`` as ``settings.wrap`` wraps it (``shard_units_of``; ``profile_units``)."""
+    """The run of ``workload`` as ``settings.wrap`` wraps it (``units.shard_units_of``; ``units.profile_units``)."""
     spec = workload.spec
     shard_units = shard_units_of(workload, settings)
     if spec is not None:
