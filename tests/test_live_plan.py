@@ -98,3 +98,13 @@ def test_each_refusal_is_one_line(case):
     with pytest.raises(ValueError) as err:
         call()
     assert re.search(line, str(err.value)) and "\n" not in str(err.value), str(err.value)
+
+
+def test_docs_plan_example_runs():
+    """docs/python-api.md's plan example (its second python block), as written (its asserts are part of it)."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "python-api.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", docs, re.S)[1]
+    assert "zeroplan.plan(model=model, optimizer=optimizer" in code
+    namespace: dict = {}
+    exec(compile(code, "docs/python-api.md", "exec"), namespace)
+    assert namespace["p"].recommendation.peak is not None
