@@ -77,6 +77,11 @@ def _refusal(case: str):
         model = llama(torch.bfloat16)
         return lambda: zeroplan.plan(model=model, optimizer=torch.optim.Adam(model.parameters()), engine="fsdp2",
                                      **GPU), r"^plan\(engine=fsdp2\) plans module_dtype=fp32 .* the objects say bf16"
+    if case == "amsgrad under fsdp2's search":
+        model = llama()
+        ams = torch.optim.Adam(model.parameters(), amsgrad=True)
+        return lambda: zeroplan.plan(model=model, optimizer=ams, engine="fsdp2", **GPU), \
+            r"^plan\(engine=fsdp2\) plans amsgrad=False .* the objects say True"
     if case == "a frozen parameter":
         m[0].bias.requires_grad_(False)
         return lambda: zeroplan.plan(model=m, **GPU), r"^parameter 0.bias is frozen"
@@ -91,6 +96,7 @@ def _refusal(case: str):
 
 
 @pytest.mark.parametrize("case", ["a policy contradicting the objects", "fsdp2's search of a bf16 module",
+                                  "amsgrad under fsdp2's search",
                                   "a frozen parameter", "an object without a model", "params and a module",
                                   "fused"])  # fmt: skip
 def test_each_refusal_is_one_line(case):
