@@ -261,7 +261,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
             enter("init")
             model = build_sharded(spec, mesh, settings, device)
             optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, foreach=settings.foreach,
-                                         amsgrad=settings.amsgrad)
+                                         amsgrad=settings.amsgrad, fused=settings.fused)
 
             def read(name: str, last: bool = True) -> None:
                 readings[name].append(probe.settled_bytes())

@@ -26,6 +26,7 @@ class Fsdp2Settings:
     checkpointing: bool = False  # checkpoint_wrapper on every block
     foreach: bool | None = None  # torch.optim.Adam(foreach=...); None: torch's default for the device
     amsgrad: bool = False  # torch.optim.Adam(amsgrad=...): a third state, max_exp_avg_sq
+    fused: bool | None = None  # torch.optim.Adam(fused=...)
     steps: int = 2
     batch_per_rank: int = 2
     seq_len: int | None = None  # None: the model's maximum

@@ -70,17 +70,17 @@ def module_dtype(params: dict[int, tuple[str, Any]]) -> str:
     return dtype
 
 
-def _group_kind(cls: str, group: dict) -> tuple[str, bool, bool]:
-    """(zeroplan optimizer, foreach, amsgrad) of one param group; fused and differentiable refused."""
-    if group.get("fused"):
-        raise ValueError(f"{cls}(fused=True): the fused kernel's temporaries are not modelled; use foreach")
+def _group_kind(cls: str, group: dict) -> tuple[str, bool, bool, bool]:
+    """(zeroplan optimizer, foreach, amsgrad, fused) of one param group; differentiable refused. A fused group
+    is not on the foreach path (torch refuses both)."""
+    fused = bool(group.get("fused"))
     if group.get("differentiable"):
         raise ValueError(f"{cls}(differentiable=True): not modelled")
     kind = LIVE_OPTIMIZERS[cls]
     if kind == "sgd" and group.get("momentum", 0):
         kind = "sgd-momentum"
     # foreach=None: _default_to_fused_or_foreach picks foreach for CUDA tensors, the device zeroplan plans for
-    return kind, group.get("foreach") is not False, bool(group.get("amsgrad"))
+    return kind, group.get("foreach") is not False and not fused, bool(group.get("amsgrad")), fused
 
 
 def optimizer_params(optimizer: Any, params: dict[int, tuple[str, Any]]) -> None:
@@ -128,11 +128,11 @@ def read_live(module: Any, optimizer: Any = None) -> LiveRun:
                          f"{', torch.optim.'.join(LIVE_OPTIMIZERS)}")  # fmt: skip
     kinds = {_group_kind(cls.__name__, g) for g in optimizer.param_groups}
     if len(kinds) != 1:
-        raise ValueError(f"{cls.__name__}: param groups differ in momentum, foreach or amsgrad ({sorted(kinds)}): "
+        raise ValueError(f"{cls.__name__}: param groups differ in momentum, foreach, amsgrad or fused ({sorted(kinds)}): "
                          "give one kind of step for every group")  # fmt: skip
-    ((kind, foreach, amsgrad),) = kinds
+    ((kind, foreach, amsgrad, fused),) = kinds
     optimizer_params(optimizer, params)
-    return LiveRun(dtype, kind, state_dtype(optimizer, kind, params, dtype, amsgrad), foreach, amsgrad)
+    return LiveRun(dtype, kind, state_dtype(optimizer, kind, params, dtype, amsgrad), foreach, amsgrad, fused)
 
 
 def live_settings(engine: str, run: LiveRun, options: dict) -> tuple[dict, dict]:
@@ -146,6 +146,9 @@ def live_settings(engine: str, run: LiveRun, options: dict) -> tuple[dict, dict]
     if run.amsgrad and not settings.get("amsgrad"):  # an engine that models it says so in its settings
         raise ValueError(f"amsgrad=True under engine={engine}: its third state max_exp_avg_sq is modelled by "
                          "engine=fsdp2 only")  # fmt: skip
+    if run.fused and not settings.get("fused"):
+        raise ValueError(f"fused=True under engine={engine}: the fused kernel's step is modelled by engine=fsdp2 "
+                         "only; use foreach")  # fmt: skip
     return keywords, settings
 
 
