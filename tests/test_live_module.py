@@ -197,7 +197,8 @@ def _refusal(case: str):
             r"^amsgrad=True under engine=deepspeed"
     if case == "fused":
         opt = torch.optim.AdamW(m.parameters(), fused=True)
-        return lambda: zeroplan.estimate(model=m, optimizer=opt), r"^fused=True under engine=reference: the fused kernel"
+        return lambda: zeroplan.estimate(model=m, optimizer=opt), \
+            r"^fused=True under engine=reference: the fused kernel"
     if case == "another class":
         opt = torch.optim.Adagrad(m.parameters())
         return lambda: zeroplan.estimate(model=m, optimizer=opt), r"^optimizer=torch.optim.adagrad.Adagrad: zeroplan reads"

@@ -128,8 +128,8 @@ def read_live(module: Any, optimizer: Any = None) -> LiveRun:
                          f"{', torch.optim.'.join(LIVE_OPTIMIZERS)}")  # fmt: skip
     kinds = {_group_kind(cls.__name__, g) for g in optimizer.param_groups}
     if len(kinds) != 1:
-        raise ValueError(f"{cls.__name__}: param groups differ in momentum, foreach, amsgrad or fused ({sorted(kinds)}): "
-                         "give one kind of step for every group")  # fmt: skip
+        raise ValueError(f"{cls.__name__}: param groups differ in momentum, foreach, amsgrad or fused "
+                         f"({sorted(kinds)}): give one kind of step for every group")  # fmt: skip
     ((kind, foreach, amsgrad, fused),) = kinds
     optimizer_params(optimizer, params)
     return LiveRun(dtype, kind, state_dtype(optimizer, kind, params, dtype, amsgrad), foreach, amsgrad, fused)

@@ -381,7 +381,8 @@ def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
         worst = max(2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local))
         temps = (Term("Adam temporaries (sqrt(v), its quotient, the previous tensor's denom)", worst * run.m,
                       f"{ADAM}:_single_tensor_adam", 3),)  # fmt: skip
-    return (Moment("optimizer_step", "Adam update", (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), grads(run, range(len(run.units))), *temps)),)
+    held = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), grads(run, range(len(run.units))))
+    return (Moment("optimizer_step", "Adam update", (*held, *temps)),)
 
 
 NOT_BUILT = " (not built)"
