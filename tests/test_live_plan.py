@@ -82,6 +82,9 @@ def _refusal(case: str):
         ams = torch.optim.Adam(model.parameters(), amsgrad=True)
         return lambda: zeroplan.plan(model=model, optimizer=ams, engine="fsdp2", **GPU), \
             r"^plan\(engine=fsdp2\) plans amsgrad=False .* the objects say True"
+    if case == "fsdp2's search of a plain module":
+        return lambda: zeroplan.plan(model=m, engine="fsdp2", **GPU), \
+            r"^plan\(engine=fsdp2\) searches by predicted peak, which needs an architecture: Sequential has no"
     if case == "a frozen parameter":
         m[0].bias.requires_grad_(False)
         return lambda: zeroplan.plan(model=m, **GPU), r"^parameter 0.bias is frozen"
@@ -96,7 +99,7 @@ def _refusal(case: str):
 
 
 @pytest.mark.parametrize("case", ["a policy contradicting the objects", "fsdp2's search of a bf16 module",
-                                  "amsgrad under fsdp2's search",
+                                  "amsgrad under fsdp2's search", "fsdp2's search of a plain module",
                                   "a frozen parameter", "an object without a model", "params and a module",
                                   "fused"])  # fmt: skip
 def test_each_refusal_is_one_line(case):

@@ -83,6 +83,10 @@ def live_plan_config(module: object, params: object, options: dict) -> LivePlanC
     architecture, shapes, foreach, live, module_dtype = live_model(module, name, options, fields.pop("foreach", None))
     if named is not None and options.get("optimizer", named) != named:
         raise ValueError(f"optimizer={named} contradicts the objects, which say {options['optimizer']}: leave it out")
+    if architecture is None and engine.plan is not None:
+        raise ValueError(f"plan(engine={name}) searches by predicted peak, which needs an architecture: "
+                         f"{type(module).__name__} has no transformers config zeroplan reads; plan it with "
+                         "engine='reference' (model states) or estimate(model=...)")  # fmt: skip
     policy, engine_options = split_keywords(name, options)
     if engine_options.ds_config is not None:  # the file's batch (run_batch), at the planned N_d
         fields["micro_batch"], fields["grad_accum"] = api_batch(
