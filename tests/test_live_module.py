@@ -116,6 +116,58 @@ def test_a_stepped_optimizer_states_are_read():
         zeroplan.estimate(model=module, optimizer=opt, gpus=2)
 
 
+def test_amsgrad_under_fsdp2_is_its_third_state_as_measured():
+    """Adam(amsgrad=True) keeps ``max_exp_avg_sq`` like ``exp_avg_sq`` (``adam.py:Adam._init_group``) and its
+    step allocates nothing more (``torch._foreach_maximum_`` in place, ``sqrt`` of the maximum instead of
+    ``sqrt(v)``: ``_multi_tensor_adam``; ``torch.maximum(out=)``: ``_single_tensor_adam``). Measured, gloo N_d = 2,
+    gpt-tiny fp32 (``torchrun --nproc-per-node 2 -m validate.engines.fsdp2 --settings '{"amsgrad": true,
+    "foreach": true}' --out ...``), rank 0: peaks 177,336 / 595,536 / 645,080 / 436,432 B (init / forward /
+    backward / optimizer step); foreach false: optimizer step 384,736 B; rank 1 every phase exact too;
+    ``optimizer.state``: max_exp_avg_sq 72,720 B = exp_avg_sq's."""
+    from zeroplan.engines.fsdp2 import Settings, estimate
+    from tests.test_fsdp2_engine import _gpt_tiny_workload
+
+    cpu = dict(device="cpu", backend="gloo", init="materialized")
+    (ams,) = estimate(_gpt_tiny_workload(foreach=True), 2, Settings(amsgrad=True, **cpu))
+    assert ams.peak.by_phase() == {"init": 177_336, "forward": 595_536, "backward": 645_080, "optimizer_step": 436_432}
+    (loop,) = estimate(_gpt_tiny_workload(foreach=False), 2, Settings(amsgrad=True, **cpu))
+    assert loop.peak.by_phase()["optimizer_step"] == 384_736
+    (rank1,) = estimate(_gpt_tiny_workload(foreach=True), 2, Settings(amsgrad=True, rank=1, **cpu))
+    assert rank1.peak.by_phase() == {"init": 177_336, "forward": 595_104, "backward": 644_648,
+                                     "optimizer_step": 435_856}  # fmt: skip
+    (plain,) = estimate(_gpt_tiny_workload(foreach=True), 2, Settings(**cpu))
+    assert ams.memory.optimizer_bytes - plain.memory.optimizer_bytes == 72_720  # one fp32 shard (18,180 elements)
+    (step,) = (p for p in ams.peak.phases if p.phase == "optimizer_step")
+    assert any(t.name == "Adam exp_avg, exp_avg_sq, max_exp_avg_sq, step" for t in step.terms)  # the named term
+    # the live object sets it: an fp32 module with Adam(amsgrad=True) is the estimate with the setting
+    model = llama()
+    live = zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True), gpus=2,
+                             seq_len=8, engine="fsdp2")  # fmt: skip
+    off = zeroplan.estimate(model=str(TINY_LLAMA), gpus=2, seq_len=8, engine="fsdp2")
+    shard = sum(-(-p.numel() // 2) if p.dim() == 1 else -(-p.shape[0] // 2) * p[0].numel() for p in model.parameters())
+    assert live.stages[0].memory.optimizer_bytes - off.stages[0].memory.optimizer_bytes == 4 * shard
+
+
+def test_fused_adam_under_fsdp2_has_no_step_temporaries_as_measured():
+    """Adam(fused=True): ``_fused_adam`` calls ``torch._fused_adam_``, which writes params and states in place.
+    Measured on CPU (torch 2.13's CPU fused kernel), gloo N_d = 2, gpt-tiny fp32 (``--settings '{"fused": true}'``):
+    the optimizer step's peak 290,992 B on rank 0 (290,704 on rank 1) = parameters + gradients + Adam's states,
+    no temporary; with amsgrad 363,712 B; every other phase as without fused."""
+    from zeroplan.engines.fsdp2 import Settings, estimate
+    from tests.test_fsdp2_engine import _gpt_tiny_workload
+
+    cpu = dict(device="cpu", backend="gloo", init="materialized")
+    measured = {(False, 0): (572_360, 290_992), (False, 1): (572_072, 290_704), (True, 0): (645_080, 363_712),
+                (True, 1): (644_648, 363_280)}  # (backward, optimizer step) peaks  # fmt: skip
+    for (amsgrad, rank), (backward, step) in measured.items():
+        (row,) = estimate(_gpt_tiny_workload(foreach=False), 2, Settings(fused=True, amsgrad=amsgrad, rank=rank, **cpu))
+        assert (row.peak.by_phase()["backward"], row.peak.by_phase()["optimizer_step"]) == (backward, step)
+    module = mlp()
+    fused = zeroplan.estimate(model=module, optimizer=torch.optim.Adam(module.parameters(), fused=True), gpus=2,
+                              engine="fsdp2")  # fmt: skip
+    assert fused.stages[0].memory == zeroplan.estimate(model=module, gpus=2, engine="fsdp2").stages[0].memory
+
+
 def _refusal(case: str):
     """(the call, the one line expected) of each refusal."""
     m = mlp()
@@ -136,10 +188,17 @@ def _refusal(case: str):
         return lambda: zeroplan.estimate(model=m, optimizer=opt), r"tensor of shape \(7,\) that is not a parameter"
     if case == "amsgrad":
         opt = torch.optim.Adam(m.parameters(), amsgrad=True)
-        return lambda: zeroplan.estimate(model=m, optimizer=opt), r"^Adam\(amsgrad=True\): the third state"
+        return lambda: zeroplan.estimate(model=m, optimizer=opt), \
+            r"^amsgrad=True under engine=reference: its third state max_exp_avg_sq is modelled by engine=fsdp2 only"
+    if case == "amsgrad under deepspeed":
+        opt = torch.optim.AdamW(m.parameters(), amsgrad=True)
+        cfg = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+        return lambda: zeroplan.estimate(model=m, optimizer=opt, engine="deepspeed", ds_config=cfg), \
+            r"^amsgrad=True under engine=deepspeed"
     if case == "fused":
         opt = torch.optim.AdamW(m.parameters(), fused=True)
-        return lambda: zeroplan.estimate(model=m, optimizer=opt), r"^AdamW\(fused=True\): the fused kernel"
+        return lambda: zeroplan.estimate(model=m, optimizer=opt), \
+            r"^fused=True under engine=reference: the fused kernel"
     if case == "another class":
         opt = torch.optim.Adagrad(m.parameters())
         return lambda: zeroplan.estimate(model=m, optimizer=opt), r"^optimizer=torch.optim.adagrad.Adagrad: zeroplan reads"
@@ -190,7 +249,8 @@ REFUSALS = ("mixed dtypes", "float64", "frozen", "not in the optimizer", "a stra
             "another class", "groups differ", "optimizer keyword", "param_dtype keyword", "foreach keyword",
             "an object without a model", "sgd under fsdp2", "deepspeed fp32 config, bf16 module",
             "deepspeed optimizer.type", "reference peak of a plain fp32 run", "deepspeed bf16 config, fp16 module",
-            "a bf16 module alone, param_dtype fp16", "deepspeed offload with a torch optimizer")  # fmt: skip
+            "a bf16 module alone, param_dtype fp16", "deepspeed offload with a torch optimizer",
+            "amsgrad under deepspeed")  # fmt: skip
 
 
 def test_the_settings_fields_a_live_run_sets_exist():

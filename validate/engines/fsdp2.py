@@ -259,7 +259,8 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
         with probe, counter, gloo_reduce_scatter_settled(probe, gloo):
             enter("init")
             model = build_sharded(spec, mesh, settings, device)
-            optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, foreach=settings.foreach)
+            optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, foreach=settings.foreach,
+                                         amsgrad=settings.amsgrad, fused=settings.fused)
 
             def read(name: str, last: bool = True) -> None:
                 readings[name].append(probe.settled_bytes())

@@ -25,6 +25,8 @@ class Fsdp2Settings:
     reshard_after_forward: bool | int = True  # on the blocks; the root keeps FSDP2's default
     checkpointing: bool = False  # checkpoint_wrapper on every block
     foreach: bool | None = None  # torch.optim.Adam(foreach=...); None: torch's default for the device
+    amsgrad: bool = False  # torch.optim.Adam(amsgrad=...): a third state, max_exp_avg_sq
+    fused: bool | None = None  # torch.optim.Adam(fused=...)
     steps: int = 2
     batch_per_rank: int = 2
     seq_len: int | None = None  # None: the model's maximum

@@ -13,12 +13,16 @@ from zeroplan.types import show
 @dataclass(frozen=True)
 class LiveRun:
     """What the objects say: the parameters' dtype and, with an optimizer, its zeroplan name, the dtype of its
-    states and its multi-tensor path (``foreach``)."""
+    states, its multi-tensor path (``foreach``), Adam's ``amsgrad`` (a third state, ``max_exp_avg_sq``) and
+    ``fused`` kernel: an engine that models those sets them in its settings; ``estimation.live.live_settings``
+    refuses the others."""
 
     dtype: str
     optimizer: Optional[str] = None
     state_dtype: Optional[str] = None
     foreach: Optional[bool] = None
+    amsgrad: bool = False
+    fused: bool = False
 
 
 def no_live_settings(run: LiveRun, given: dict) -> tuple[dict, dict]:

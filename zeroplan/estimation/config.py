@@ -79,9 +79,10 @@ class EstimateConfig(BaseModel):
     """the reference engine's precision policy (the paper's vocabulary); refused for the other engines."""
     engine_options: EngineOptions = EngineOptions()
     """options in the engine's own vocabulary (``--reshard-after-forward``, ``--deepspeed-config``, ...)."""
-    live_settings: tuple[tuple[str, str], ...] = ()
+    live_settings: tuple[tuple[str, str | bool], ...] = ()
     """(field, value) of the engine's ``Settings`` read from a live module and optimizer (``zeroplan.estimation.live``:
-    fsdp2's ``module_dtype``, deepspeed's ``optimizer``); set by ``estimate(model=<nn.Module>)``, not by users."""
+    fsdp2's ``module_dtype`` and ``amsgrad``, deepspeed's ``optimizer``); set by ``estimate(model=<nn.Module>)``,
+    not by users."""
     module_dtype: Optional[DType] = None
     """the dtype of a live module's parameters (``estimate(model=<nn.Module>)``): a 16-bit module must be the
     dtype the engine trains in (``zeroplan.estimation.live.check_module_dtype``); None: no module."""

@@ -70,19 +70,17 @@ def module_dtype(params: dict[int, tuple[str, Any]]) -> str:
     return dtype
 
 
-def _group_kind(cls: str, group: dict) -> tuple[str, bool]:
-    """(zeroplan optimizer, foreach) of one param group; fused, amsgrad and differentiable refused."""
-    if group.get("fused"):
-        raise ValueError(f"{cls}(fused=True): the fused kernel's temporaries are not modelled; use foreach")
-    if group.get("amsgrad"):
-        raise ValueError(f"{cls}(amsgrad=True): the third state max_exp_avg_sq is not modelled")
+def _group_kind(cls: str, group: dict) -> tuple[str, bool, bool, bool]:
+    """(zeroplan optimizer, foreach, amsgrad, fused) of one param group; differentiable refused. A fused group
+    is not on the foreach path (torch refuses both)."""
+    fused = bool(group.get("fused"))
     if group.get("differentiable"):
         raise ValueError(f"{cls}(differentiable=True): not modelled")
     kind = LIVE_OPTIMIZERS[cls]
     if kind == "sgd" and group.get("momentum", 0):
         kind = "sgd-momentum"
     # foreach=None: _default_to_fused_or_foreach picks foreach for CUDA tensors, the device zeroplan plans for
-    return kind, group.get("foreach") is not False
+    return kind, group.get("foreach") is not False and not fused, bool(group.get("amsgrad")), fused
 
 
 def optimizer_params(optimizer: Any, params: dict[int, tuple[str, Any]]) -> None:
@@ -98,12 +96,12 @@ def optimizer_params(optimizer: Any, params: dict[int, tuple[str, Any]]) -> None
                          "optimizer over all of module.parameters()")  # fmt: skip
 
 
-def state_dtype(optimizer: Any, kind: str, params: dict[int, tuple[str, Any]], dtype: str) -> str:
-    """The dtype of the optimizer's per-parameter states: read where the optimizer has stepped, else the
-    parameters' (``zeros_like(p)``); states of two dtypes refused."""
+def state_dtype(optimizer: Any, kind: str, params: dict[int, tuple[str, Any]], dtype: str, amsgrad: bool) -> str:
+    """The dtype of the optimizer's per-parameter states (``max_exp_avg_sq`` too with amsgrad): read where the
+    optimizer has stepped, else the parameters' (``zeros_like(p)``); states of two dtypes refused."""
     seen: Optional[tuple[str, str]] = None
     for p in (p for g in optimizer.param_groups for p in g["params"]):
-        for key in STATE_FOR[kind]:
+        for key in STATE_FOR[kind] + (("max_exp_avg_sq",) if amsgrad else ()):
             tensor = optimizer.state.get(p, {}).get(key)
             if tensor is None:
                 continue
@@ -130,11 +128,11 @@ def read_live(module: Any, optimizer: Any = None) -> LiveRun:
                          f"{', torch.optim.'.join(LIVE_OPTIMIZERS)}")  # fmt: skip
     kinds = {_group_kind(cls.__name__, g) for g in optimizer.param_groups}
     if len(kinds) != 1:
-        raise ValueError(f"{cls.__name__}: param groups differ in momentum or foreach ({sorted(kinds)}): give one "
-                         "kind of step for every group")  # fmt: skip
-    ((kind, foreach),) = kinds
+        raise ValueError(f"{cls.__name__}: param groups differ in momentum, foreach, amsgrad or fused "
+                         f"({sorted(kinds)}): give one kind of step for every group")  # fmt: skip
+    ((kind, foreach, amsgrad, fused),) = kinds
     optimizer_params(optimizer, params)
-    return LiveRun(dtype, kind, state_dtype(optimizer, kind, params, dtype), foreach)
+    return LiveRun(dtype, kind, state_dtype(optimizer, kind, params, dtype, amsgrad), foreach, amsgrad, fused)
 
 
 def live_settings(engine: str, run: LiveRun, options: dict) -> tuple[dict, dict]:
@@ -144,7 +142,14 @@ def live_settings(engine: str, run: LiveRun, options: dict) -> tuple[dict, dict]
     parameters must then be in a 16-bit module's dtype (``check_module_dtype``)."""
     from zeroplan.engines import get_engine
 
-    return get_engine(engine).live_settings(run, {k: v for k, v in options.items() if v is not None})
+    keywords, settings = get_engine(engine).live_settings(run, {k: v for k, v in options.items() if v is not None})
+    if run.amsgrad and not settings.get("amsgrad"):  # an engine that models it says so in its settings
+        raise ValueError(f"amsgrad=True under engine={engine}: its third state max_exp_avg_sq is modelled by "
+                         "engine=fsdp2 only")  # fmt: skip
+    if run.fused and not settings.get("fused"):
+        raise ValueError(f"fused=True under engine={engine}: the fused kernel's step is modelled by engine=fsdp2 "
+                         "only; use foreach")  # fmt: skip
+    return keywords, settings
 
 
 def check_module_dtype(module_dtype: str, engine: str, param_dtype: str) -> None:

@@ -18,6 +18,7 @@ on what to cut is ``zeroplan.planning.cut_first``; an engine with its own search
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Annotated, Callable, Optional
 
@@ -28,6 +29,7 @@ from zeroplan.allocator.reserved import fit_bytes, reserved_of
 from zeroplan.allocator.step_trace import AllocTrace
 from zeroplan.architectures.limits import check_total
 from zeroplan.engines.base import EngineOptions
+from zeroplan.estimation.live import is_optimizer
 from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import step_collectives
@@ -246,7 +248,7 @@ def _option(
     )  # fmt: skip
     if numels is None:
         return PlanOption(stage, row.name, offload, **sizes)
-    layout = config.model is not None
+    layout = config.params is None  # a model's tensors (a preset, a config file, a live module): flat groups
     states = rank_states(numels, nd, stage, offload, policy, config.grad_accum, layout)
     collectives = step_collectives(stage, numels, nd, policy.param_dtype, policy.resolved_grad_dtype, layout)
     time = step_time(
@@ -371,8 +373,16 @@ def plan(model: Optional[str] = None, params: Optional[float] = None, **options:
     or ``zeroplan.plan(gpu_memory_bytes=32 * 10**9, gpus=64)`` (ZeRO Table 2). Raises ValueError or
     ``pydantic.ValidationError`` on bad input. An engine's own options are keywords too
     (``zeroplan.plan("llama2-7b", gpu="h100-80gb", engine="fsdp2", param_dtype="bf16")``; ``ds_config=``
-    for deepspeed): they go to ``PlanConfig.engine_options``.
+    for deepspeed): they go to ``PlanConfig.engine_options``. ``model`` may be a ``torch.nn.Module``, with
+    ``optimizer=<torch.optim.Optimizer>``: read as ``estimate`` reads them (``planning/live.py``).
     """
+    if model is not None and not isinstance(model, (str, os.PathLike)):  # a torch.nn.Module (planning/live.py)
+        from zeroplan.planning.live import live_plan_config
+
+        return plan_config(live_plan_config(model, params, options))
+    if is_optimizer(options.get("optimizer")):
+        raise ValueError(f"optimizer={type(options['optimizer']).__name__}: an optimizer object needs model=<the "
+                         "torch.nn.Module it trains>")  # fmt: skip
     mine = {k: options.pop(k) for k in list(options) if k not in PlanConfig.model_fields}  # the engine's, by name
     if mine:
         options["engine_options"] = EngineOptions(**mine)

@@ -87,7 +87,8 @@ def settings_snippet(settings: Settings, checkpointing: str = "none", wrapping: 
         + (f"offload = CPUOffloadPolicy(pin_memory={settings.pin_memory!r})\n" if offload else "")
         + f"{calls}"
         f"{materialize}"
-        f"optimizer = torch.optim.Adam(model.parameters(), foreach={settings.foreach!r})\n"
+        f"optimizer = torch.optim.Adam(model.parameters(), foreach={settings.foreach!r}"
+        + "".join(f", {k}=True" for k in ("amsgrad", "fused") if getattr(settings, k)) + ")\n"
     )
 
 

@@ -34,6 +34,8 @@ class Settings(BaseModel):
     param_dtype: Dtype | None = Field(None, description="MixedPrecisionPolicy.param_dtype; None: module dtype")
     reduce_dtype: Dtype | None = Field(None, description="MixedPrecisionPolicy.reduce_dtype; None: param dtype")
     foreach: bool | None = Field(None, description="Adam's foreach path; None: Workload.foreach")
+    amsgrad: StrictBool = Field(False, description="Adam(amsgrad=True): a third state max_exp_avg_sq, like exp_avg_sq")
+    fused: StrictBool = Field(False, description="Adam(fused=True): torch._fused_adam_ in place, no step temporaries")
     device: Literal["cuda", "cpu"] = Field(
         "cuda", description="cuda: 512-byte allocator blocks and fp32 LayerNorm statistics; cpu: neither"
     )

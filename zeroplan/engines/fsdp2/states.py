@@ -17,7 +17,7 @@ class ModelStates:
 
     params_bytes: int
     grads_bytes: int
-    adam_moments_bytes: int  # exp_avg + exp_avg_sq
+    adam_moments_bytes: int  # exp_avg + exp_avg_sq (+ max_exp_avg_sq with amsgrad)
     adam_step_bytes: int
 
     @property
@@ -46,9 +46,19 @@ def model_states(units: tuple[Unit, ...], nd: int, settings: Settings) -> ModelS
     return ModelStates(
         params_bytes=sum(padded_shard_numel(s, nd) for s in shapes) * module,
         grads_bytes=sum(unit_shard_numel(u, nd) for u in units) * module,
-        adam_moments_bytes=2 * local_numel_sum(tuple(shapes), nd, settings.described_rank) * module,
+        adam_moments_bytes=adam_moments(settings) * local_numel_sum(tuple(shapes), nd, settings.described_rank)
+        * module,
         adam_step_bytes=len(shapes) * STEP_BYTES,
     )
+
+
+def adam_moments(settings: Settings) -> int:
+    """Adam's states of a parameter's size: exp_avg and exp_avg_sq, and with amsgrad max_exp_avg_sq, each
+    ``torch.zeros_like(p, memory_format=torch.preserve_format)`` (torch/optim/adam.py ``Adam._init_group``).
+    The step allocates nothing more for it: ``torch._foreach_maximum_`` (``_multi_tensor_adam``) and
+    ``torch.maximum(..., out=max_exp_avg_sq)`` (``_single_tensor_adam``) write in place, and ``sqrt`` of the
+    maximum replaces ``sqrt`` of exp_avg_sq (torch 2.11-2.13)."""
+    return 3 if settings.amsgrad else 2
 
 
 # ---- the run: what one rank trains ----

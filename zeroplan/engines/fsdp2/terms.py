@@ -24,6 +24,7 @@ from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_gr
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.peak import Term
+from zeroplan.engines.fsdp2.states import adam_moments
 from zeroplan.engines.fsdp2.states import ModelStates, model_states  # noqa: F401 - re-exported (their home: states.py)
 
 
@@ -137,10 +138,12 @@ def run_states(run: Fsdp2Run) -> ModelStates:
 
 @memo_term
 def adam(run: Fsdp2Run) -> Term:
-    """Adam's exp_avg, exp_avg_sq (zeros_like of the DTensor: the local shard, unpadded) and step."""
+    """Adam's exp_avg, exp_avg_sq, with amsgrad max_exp_avg_sq (zeros_like of the DTensor: the local shard,
+    unpadded: ``states.adam_moments``) and step."""
     st = run_states(run)
     n = sum(len(u.shapes) for u in run.units)
-    return Term("Adam exp_avg, exp_avg_sq, step", st.optimizer_bytes, f"{ADAM}:Adam._init_group (first step)", 3 * n)
+    name = f"Adam exp_avg, exp_avg_sq, {'max_exp_avg_sq, ' if run.settings.amsgrad else ''}step"
+    return Term(name, st.optimizer_bytes, f"{ADAM}:Adam._init_group (first step)", (adam_moments(run.settings) + 1) * n)
 
 
 @memo_term
