@@ -50,8 +50,8 @@ from zeroplan.engines.fsdp2.moments import (
     forward_moments,
     init_moments,
     moments,
-    optimizer_moments,
 )
+from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
 from zeroplan.engines.fsdp2.param import (
     Shape,
     Unit,

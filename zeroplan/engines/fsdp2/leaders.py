@@ -17,7 +17,8 @@ import operator
 from itertools import repeat
 
 from zeroplan.engines.fsdp2.mesh import holds_allreduce
-from zeroplan.engines.fsdp2.moments import init_moments, moments, optimizer_moments
+from zeroplan.engines.fsdp2.moments import init_moments, moments
+from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
 from zeroplan.engines.fsdp2.side import head_units
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, adam
 from zeroplan.formulas.cuda_workspaces import library_workspaces

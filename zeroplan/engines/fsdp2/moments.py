@@ -20,8 +20,7 @@ from zeroplan.engines.fsdp2.hf_tree import (
 )
 from zeroplan.engines.fsdp2.mesh import REDUCED, with_allreduce_held
 from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward
-from zeroplan.engines.fsdp2.param import local_numel_sum, local_shard_numel, padded_shard_numel, shape_counts
-from zeroplan.engines.fsdp2.settings import ADAM
+from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel, shape_counts
 from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
 from zeroplan.engines.fsdp2.side import (
     embedding_copy_outs,
@@ -67,6 +66,7 @@ from zeroplan.engines.fsdp2.terms import (
     unsharded,
 )
 from zeroplan.engines.fsdp2.offload import offload_moments
+from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
 from zeroplan.engines.fsdp2.tp import loss_parallel_backward, loss_parallel_log_softmax
 from zeroplan.formulas.peak import Moment, Term
 
@@ -373,26 +373,6 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
     out.append(Moment("backward", "root reduce-scatter copy-in", (*root_base, ugrads, rs_in, blocks_done)))
     out.extend(reduce_scatter_moments("root", (*root_base, blocks_done, *held), rs_in, rs_out, cast, gloo))
     return tuple(out)
-
-
-def optimizer_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
-    """Adam on the sharded DTensor parameters. ``_multi_tensor_adam`` (foreach) makes ``sqrt(v)`` for every
-    tensor at once (one local shard's worth); ``_single_tensor_adam`` computes ``v.sqrt() /
-    bias_correction2_sqrt`` per tensor, two temporaries of the largest local shard alive at once."""
-    shapes = run.param_order or tuple(s for u in run.units for s in u.shapes)
-    if run.settings.fused:  # _fused_adam: torch._fused_adam_ writes every state in place (measured on CPU: none)
-        temps = ()
-    elif run.foreach:
-        temps = (Term("Adam temporaries (foreach sqrt(v))", local_numel_sum(shapes, run.nd, run.settings.described_rank)
-                      * run.m, f"{ADAM}:_multi_tensor_adam", len(shapes)),)  # fmt: skip
-    else:
-        local = [local_shard_numel(s, run.nd, run.settings.described_rank) for s in shapes]
-        # ``denom`` stays bound to the previous tensor's quotient until this tensor's is assigned (measured)
-        worst = max(2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local))
-        temps = (Term("Adam temporaries (sqrt(v), its quotient, the previous tensor's denom)", worst * run.m,
-                      f"{ADAM}:_single_tensor_adam", 3),)  # fmt: skip
-    held = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), grads(run, range(len(run.units))))
-    return (Moment("optimizer_step", "Adam update", (*held, *temps)),)
 
 
 NOT_BUILT = " (not built)"

@@ -68,7 +68,7 @@ def init_peak(init: tuple[Moment, ...]) -> tuple[Term, ...]:
 def host_memory(run: Fsdp2Run, step: tuple[Moment, ...], grad_accum: int = 1,
                 init: tuple[Moment, ...] = ()) -> HostMemory:
     """One rank's host memory under ``CPUOffloadPolicy`` (Adam's temporaries as the optimizer step's moments
-    ``step``, ``moments.optimizer_moments``, count them, on the host tensors), its init peak (``init_peak`` of the
+    ``step``, ``optimizer_step.optimizer_moments``, count them, on the host tensors), its init peak (``init_peak`` of the
     init moments ``init``), and one step's PCIe traffic: each unit's shards
     up for its forward all-gather and, resharded, again for backward; the gradient shards down, every
     micro-step (``grad_accum``)."""

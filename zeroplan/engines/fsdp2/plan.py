@@ -16,7 +16,8 @@ from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_sha
                                          shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.leaders import predict_peak
-from zeroplan.engines.fsdp2.moments import init_moments, optimizer_moments
+from zeroplan.engines.fsdp2.moments import init_moments
+from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
 from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
