@@ -10,7 +10,8 @@ partition and all-gathers the 16-bit flat group. ZeRO-1 and 2 differ in DeepSpee
 from __future__ import annotations
 
 from zeroplan.engines.deepspeed.collectives import zero12_collectives
-from zeroplan.engines.deepspeed.phases import adam_update, cast_moments, flatten_moment, later_blocks_held
+from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
+                                               later_blocks_held)
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _hook_buckets,
                                                _in_block_partitions, _reducing_hooks, _stage1_reduce,
                                                _within_one_parameter)
@@ -246,6 +247,7 @@ class ZeroOptimizer(Wrapper):
         hooks = reduces_from_hooks(s)
         out = list(self._last_block_accumulating(run, last) if accumulating and s.partition_gradients
                    else (Moment("backward", "last block backward", last),))  # fmt: skip
+        out.extend(final_norm_backward(run, last, inflight))
         if self.keeps_gradients(run):
             out.extend(later_blocks_held(run, last, inflight))
         if hooks and not accumulating:
