@@ -183,7 +183,7 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
     p, s, outputs = _pbytes(run), run.settings, set(run.output_projections)
-    _, _, _, bucket_of = _hook_buckets(run)
+    _, buckets, _, bucket_of = _hook_buckets(run)
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient"))  # fmt: skip
     large = [i for i, n in enumerate(run.numels) if n > s.reduce_bucket_size]  # reduced in place, not copied
@@ -211,10 +211,15 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
                  *((Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
                          (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
                  Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
+        name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
+        copy = buckets[first] * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
+        if copy > terms[-1].bytes:  # partition is allocated: the larger of the two, one after the other
+            name = f"block {j} {where} backward, rank {rank}'s bucket flattened"
+            terms = (*terms[:-1], Term("flattened copy of the bucket's gradients", copy,
+                                       "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))
         total = sum(t.bytes for t in terms)
         if j not in best or total > best[j][0]:
-            best[j] = (total, Moment("backward", f"block {j} {where} backward, rank {rank}'s grads_in_partition "
-                                     "allocated", terms))  # fmt: skip
+            best[j] = (total, Moment("backward", name, terms))
     return tuple(m for _, m in best.values())
 
 
@@ -245,12 +250,24 @@ def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, .
         return "MLP input projection", (_act("block's saved activations before its MLP", blk.saved - mlp),
                                         _act("incoming and MLP input's gradients", 2 * nda, 2)), proj
     roles = _llama_roles(run, j)
-    if roles is None or not any(hook in m for m in (*roles[0], roles[1], roles[2])):
+    if roles is None or not roles[2]:
         return None
     (*earlier, last_proj), norm, o_proj = roles
     saved = blk.recomputed + blk.ckpt_saved if run.checkpointing != "none" else blk.saved
     d = run.final_norm_numel
     nfa = nda // d * (sum(run.numels[i] for i in last_proj) // d)
+    attention = _attention_after(run, j, o_proj)
+    if any(hook in m for m in attention):  # q, k, v, the input norm: bounded by o_proj's (their hooks come
+        # after it, each op releasing more of the attention's saved tensors), in flight every attention input
+        # projection's output gradient, the input norm output's and x1's
+        rms = nda // _pbytes(run) * 4 + nda // (_pbytes(run) * d) * 4 + 2 * nda
+        qkv = nda // d * (sum(run.numels[i] for m in attention for i in m if run.numels[i] > d) // d)
+        module = next(m for m in attention if hook in m)
+        return "attention input (bounded at o_proj's)", (
+            _act("block's saved activations before its post-attention norm", saved - blk.mlp_saved - rms),
+            _act("q, k, v's, the input norm output's and x1's gradients", qkv + 2 * nda, 3)), module
+    if not any(hook in m for m in (*roles[0], roles[1], roles[2])):
+        return None
     if hook in o_proj:  # the MLP's and the post-attention norm's saved tensors gone (an RMSNorm's: N·d·4 + N·4 +
         # 2·N·d·a), in flight o_proj's input gradient (N·q·a) and x1's (N·d·a)
         rms = nda // _pbytes(run) * 4 + nda // (_pbytes(run) * d) * 4 + 2 * nda
@@ -304,6 +321,22 @@ def _llama_roles(run: DSRun, j: int) -> tuple[tuple[tuple[int, ...], ...], tuple
             return tuple(projections), tuple(g), tuple(after)
         return None
     return None
+
+
+def _attention_after(run: DSRun, j: int, o_proj: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Block j's modules whose gradient hooks follow its attention output projection's in
+    ``DSRun.grad_ready_order`` (Llama: v, k, q, the input norm), each as its parameter indices."""
+    owner, at = {}, 0
+    for m, sizes in enumerate(run.modules):
+        for i in range(at, at + len(sizes)):
+            owner[i] = m
+        at += len(sizes)
+    mine = [i for i in run.grad_ready_order if run.param_blocks[i] == j]
+    after = mine[max(mine.index(i) for i in o_proj) + 1:]
+    groups: dict[int, list[int]] = {}
+    for i in after:
+        groups.setdefault(owner[i], []).append(i)
+    return tuple(tuple(g) for g in groups.values())
 
 
 def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
