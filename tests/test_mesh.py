@@ -1,5 +1,6 @@
 """Meshes as data (zeroplan/formulas/mesh.py): each dimension's link class by node size, collectives placed on
-the mesh they name (group size, link), and time per link (commtime ``Links``). Pure: no torch, milliseconds."""
+the mesh they name (group size, link), time per link (commtime ``Links``), and an FSDP2 estimate on the 3-D
+mesh end to end. No torch."""
 
 from __future__ import annotations
 
@@ -112,3 +113,27 @@ def test_links_leave_a_flat_run_as_the_ring_had_it():
         by_ring = step_time(3, colls, nd, ring, grad_accum=2)
         assert [c.seconds for c in by_link.collectives] == pytest.approx([c.seconds for c in by_ring.collectives])
         assert by_link.link == ring.name
+
+
+@pytest.mark.parametrize(("dp_shard", "links"), [
+    (4, {"tp": "intra", "dp_shard": "intra", "dp_replicate": "inter"}),  # tp 2 x dp_shard 4 fill a node of 8
+    (8, {"tp": "intra", "dp_shard": "inter", "dp_replicate": "inter"}),  # dp_shard spans 16 GPUs: two nodes
+])  # fmt: skip
+def test_fsdp2_hsdp_tp_json_places_every_collective_on_the_3d_mesh(dp_shard, links):
+    """``estimate --engine fsdp2 --tp 2 --dp-shard S`` on 32 GPUs (R = 16 / S): torchtitan's 3-D mesh (R, S, 2),
+    tp innermost; every JSON collective names its mesh dimension, its group (T, S or R) and its link."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    out = CliRunner().invoke(app, ["estimate", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "32",
+                                   "--tp", "2", "--dp-shard", str(dp_shard), "--seq-len", "2048",
+                                   "--micro-batch", "1", "--json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (stage,) = json.loads(out.stdout)["stages"]
+    rows = stage["collectives"]
+    groups = {"tp": 2, "dp_shard": dp_shard, "dp_replicate": 16 // dp_shard}
+    assert {c["mesh_dim"] for c in rows} == set(links)
+    assert all((c["group_size"], c["link"]) == (groups[c["mesh_dim"]], links[c["mesh_dim"]]) for c in rows)

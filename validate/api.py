@@ -19,7 +19,10 @@ def _reference(config: ValidateConfig) -> dict:
 
 
 def _fsdp2(config: ValidateConfig) -> dict:
-    from validate.engines.fsdp2_compare import build_report as fsdp2_report
+    if config.tp is not None:  # the TP runner (validate/engines/fsdp2_tp.py), its own comparison
+        from validate.engines.fsdp2_tp_compare import build_report as fsdp2_report
+    else:
+        from validate.engines.fsdp2_compare import build_report as fsdp2_report
 
     return fsdp2_report(config, run_matrix(config))
 

@@ -19,6 +19,8 @@ DEFAULT_SIMULATED_WORLD_SIZES = (64,)
 
 
 DEFAULT_MODEL = "gpt-tiny"
+TP_MODEL = "llama-tiny"
+"""The default model with ``tp``: torchtitan's llama plan holds llama module names only (validate/models.py)."""
 DEEPSPEED_PEAK_TOLERANCE = 0.03
 """--engine deepspeed without --peak-tolerance: issue 11's target for every phase of real DeepSpeed."""
 MAX_STEPS = 1000  # every step's global batch is made up front (the reference trains on the same ones)
@@ -115,6 +117,14 @@ class ValidateConfig(BaseModel):
         None, ge=1, description="fsdp2 only: HSDP, replicas R of the 2-D mesh (R, N_d / R) fully_shard runs on "
         "(zeroplan/engines/fsdp2/mesh.py); must divide every world size",
     )  # fmt: skip
+    tp: Optional[StrictInt] = Field(
+        None, ge=2, description="fsdp2 only: tensor parallelism over the mesh's innermost 'tp' dimension of T ranks "
+        "(torchtitan's llama plan, validate/engines/fsdp2_tp.py; zeroplan/engines/fsdp2/tp.py); must divide every "
+        "world size; the model defaults to llama-tiny",
+    )  # fmt: skip
+    sequence_parallel: Optional[StrictBool] = Field(
+        None, description="with tp: SequenceParallel norms and Shard(1) activations (default True)"
+    )
     lr: PositiveFinite = Field(1e-3, description="Adam learning rate")
     tolerance: PositiveFinite = Field(0.01, description="largest relative error of model states still ok")
     timeout_s: PositiveFinite = Field(600.0, description="wall-clock limit of one world size, from its launch")
@@ -180,11 +190,13 @@ class ValidateConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _default_world_sizes(cls, data: object) -> object:
-        """No world sizes given: 64 when simulated, else the field's default."""
+        """No world sizes given: 64 when simulated, 2·T·R with ``tp`` (dp_shard 2), else the field's default."""
         if isinstance(data, dict) and data.get("world_sizes") is None:
             data = {k: v for k, v in data.items() if k != "world_sizes"}
             if data.get("simulated"):
                 data["world_sizes"] = DEFAULT_SIMULATED_WORLD_SIZES
+            elif isinstance(data.get("tp"), int) and isinstance(data.get("dp_replicate") or 1, int):
+                data["world_sizes"] = (2 * data["tp"] * (data.get("dp_replicate") or 1),)  # dp_shard 2
         return data
 
     @field_validator("stages", "world_sizes")
@@ -205,7 +217,7 @@ class ValidateConfig(BaseModel):
     def _engine_options(self) -> ValidateConfig:
         """Each engine's own options, and only those (an ignored option is an error)."""
         fsdp2_only = [n for n in ("reduce_dtype", "reshard_after_forward", "fsdp2_init", "fsdp_wrap", "hf", "labels",
-                                  "dp_replicate")
+                                  "dp_replicate", "tp")
                       if getattr(self, n) is not None]  # fmt: skip
         if self.engine != "reference" and self.grad_accum != 1:
             raise ValueError(f"grad-accum={self.grad_accum}: --engine reference only")
@@ -242,9 +254,39 @@ class ValidateConfig(BaseModel):
             if bad:
                 raise ValueError(f"reshard-after-forward={rsf}: must divide every world size (got {bad})")
             r = self.dp_replicate or 1
-            if any(n % r or n // r < 2 for n in self.world_sizes):
+            if self.tp is None and any(n % r or n // r < 2 for n in self.world_sizes):
                 raise ValueError(f"dp-replicate={r}: must divide every world size and leave dp_shard >= 2 "
                                  f"(got {list(self.world_sizes)})")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> ValidateConfig:
+        """``tp``: what the TP runner (validate/engines/fsdp2_tp.py) runs, refused here before any rank starts."""
+        if self.tp is None:
+            if self.sequence_parallel is not None:
+                raise ValueError("--sp/--no-sp: with --tp only")
+            return self
+        if self.engine != "fsdp2":
+            raise ValueError("tp: --engine fsdp2 only")
+        given = [flag for flag, on in (("--simulated", self.simulated), ("--params", self.params is not None),
+                                       ("--hf", bool(self.hf)), ("--fsdp-wrap", self.fsdp_wrap is not None),
+                                       ("--init materialized", self.fsdp2_init == "materialized"),
+                                       ("--reshard-after-forward", self.reshard_after_forward not in (None, True)),
+                                       ("--device cuda", self.device == "cuda"), ("--foreach", self.foreach is True),
+                                       ("--nnodes", self.nnodes > 1),
+                                       ("--reduce-dtype", self.reduce_dtype not in (None, self.param_dtype)))
+                 if on]  # fmt: skip
+        if given:
+            raise ValueError(f"tp={self.tp}: the TP runner is real gloo ranks on CPU, meta init, blocks and root "
+                             f"resharded, Adam for-loop, reduce dtype = param dtype: no {', '.join(given)}")
+        from validate.engines.fsdp2_tp_check import check_tp_plan
+
+        r = self.dp_replicate or 1
+        for n in self.world_sizes:
+            if n % (self.tp * r) or n // (self.tp * r) < 2:
+                raise ValueError(f"tp={self.tp}, dp-replicate={r}: world size {n} must be R x S x T with dp_shard "
+                                 f"S >= 2 (got {list(self.world_sizes)})")  # fmt: skip
+        check_tp_plan(self.model_name, self.tp, self.world_sizes, self.seq_len, self.sequence_parallel is not False)
         return self
 
     @model_validator(mode="after")
@@ -302,8 +344,8 @@ class ValidateConfig(BaseModel):
 
     @property
     def model_name(self) -> str:
-        """The preset run when no ``params`` are given."""
-        return self.model or DEFAULT_MODEL
+        """The preset run when no ``params`` are given (with ``tp``: ``TP_MODEL``)."""
+        return self.model or (TP_MODEL if self.tp is not None else DEFAULT_MODEL)
 
     @property
     def psi(self) -> int:

@@ -132,7 +132,8 @@ def launch_command(
 ) -> list[str]:
     """The launcher's command line: torchrun for a real run, one worker for a simulated one; ``worker_args``:
     more arguments of the engine's worker (the DeepSpeed runner's ds_configs)."""
-    worker = ["-m", WORKERS[config.engine], "--config", config.model_dump_json(), "--out", str(tmp / "result.json"),
+    module = "validate.engines.fsdp2_tp" if getattr(config, "tp", None) else WORKERS[config.engine]  # FSDP2 + TP
+    worker = ["-m", module, "--config", config.model_dump_json(), "--out", str(tmp / "result.json"),
               *worker_args]  # fmt: skip
     if simulated:
         return [sys.executable, *worker, "--simulated", "--world-size", str(nd), "--rank", "0", "--raw"]

@@ -30,6 +30,12 @@ def _gpt2(name: str, **dims) -> TransformerSpec:
     return spec_from_hf_config(config, f"validate preset {name!r}")
 
 
+LLAMA_TINY = {"model_type": "llama", "hidden_size": 48, "intermediate_size": 102, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 2, "max_position_embeddings": 32, "vocab_size": 130,
+              "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False}  # fmt: skip
+"""The tensor-parallel runner's llama (validate/engines/fsdp2_tp.py): odd TP-local widths on purpose, ffn
+102 / 2 = 51 and vocab 130 / 2 = 65 rows, padded by FSDP2 over 2."""
+
 PRESETS: dict[str, object] = {
     # Odd widths on purpose: at N_d = 4 most tensors need padding, so the padding rule is exercised.
     "gpt-tiny": _gpt2("gpt-tiny", n_layer=2, n_embd=36, n_head=3, vocab_size=101, n_positions=16),
@@ -37,6 +43,8 @@ PRESETS: dict[str, object] = {
     # 1.21B parameters in two wide blocks: a billion-parameter model for the simulated CI run that costs
     # few dispatched ops (time goes with layer count, not width, on fake tensors).
     "gpt-1b-wide": _gpt2("gpt-1b-wide", n_layer=2, n_embd=6144, n_head=48, vocab_size=50304, n_positions=128),
+    # the default model of ``validate --tp`` (torchtitan's llama plan needs llama module names)
+    "llama-tiny": spec_from_hf_config(LLAMA_TINY, "validate preset 'llama-tiny'"),
 }
 
 

@@ -59,6 +59,13 @@ def validate_cmd(
     dp_replicate: Optional[int] = typer.Option(
         None, "--dp-replicate", help="fsdp2: HSDP, fully_shard on the 2-D mesh (R, N_d / R) of R replicas."
     ),
+    tp: Optional[int] = typer.Option(
+        None, "--tp", help="fsdp2: tensor parallelism over T ranks, torchtitan's llama plan (mesh (S, T), or "
+        "(R, S, T) with --dp-replicate); the model defaults to llama-tiny.",
+    ),
+    sequence_parallel: Optional[bool] = typer.Option(
+        None, "--sp/--no-sp", help="fsdp2 --tp: SequenceParallel norms and Shard(1) activations (default --sp)."
+    ),
     fsdp2_init: Optional[str] = typer.Option(
         None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
         "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
@@ -157,7 +164,8 @@ def validate_cmd(
         param_dtype=param_dtype,
         **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
                 reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init,
-                fsdp_wrap=fsdp_wrap, hf=hf, labels=labels, dp_replicate=dp_replicate),
+                fsdp_wrap=fsdp_wrap, hf=hf, labels=labels, dp_replicate=dp_replicate, tp=tp,
+                sequence_parallel=sequence_parallel),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,

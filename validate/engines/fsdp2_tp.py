@@ -1,17 +1,22 @@
 """Real FSDP2 + tensor parallelism (torchtitan's llama plan) trained under the validator's probes.
 
 The model is the validator's own llama ``CausalLM`` (validate/transformer.py; transformers' parameter names)
-of a tiny llama config (``TINY``), fp32 on CPU with gloo, on the mesh ``init_device_mesh("cpu", (S, T),
-("dp_shard", "tp"))``. Order as torchtitan's: ``parallelize_module`` with the plan of
+of a llama config (default ``TINY``, validate/models.py's ``llama-tiny``), fp32 on CPU with gloo, on the mesh
+``init_device_mesh("cpu", (S, T), ("dp_shard", "tp"))``, or torchtitan's 3-D one ``(R, S, T)``,
+``("dp_replicate", "dp_shard", "tp")`` with ``--dp-replicate R`` (HSDP x TP: ``fully_shard`` on
+``mesh["dp_replicate", "dp_shard"]``). Order as torchtitan's: ``parallelize_module`` with the plan of
 ``zeroplan.engines.fsdp2.tp`` (colwise q/k/v, gate/up; rowwise o, down; ``SequenceParallel`` norms;
 embedding rowwise to Shard(1); head colwise to vocabulary-sharded logits) on the meta device, then
-``fully_shard`` of each decoder layer and the root over ``mesh["dp_shard"]``, ``to_empty`` and init; Adam.
+``fully_shard`` of each decoder layer and the root over the data-parallel mesh, ``to_empty`` and init; Adam.
 ``CausalLM`` applies its head with ``F.linear`` on the head's weight, outside any module hook, so the run
 replaces the root's ``forward`` by ``tp_forward`` (the same ops, the head called as the module ``lm_head``,
 so its ``ColwiseParallel`` hooks run) and computes the loss in ``loss_parallel()``.
 
 Phases, probes and the c10d counter are FSDP2's runner's (``validate.engines.fsdp2``); each call's process
-group is recorded as its ranks. ``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 --out F``.
+group is recorded as its ranks and as the mesh dimension it is (``dim``). Alone:
+``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 --out F``; under ``zeroplan validate
+--engine fsdp2 --tp T`` (validate.harness): ``--config JSON --out F --raw``, compared by
+``validate.engines.fsdp2_tp_compare``.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 import types
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,14 +37,12 @@ import torch.nn.functional as F
 
 from validate.engines.fsdp2 import gloo_reduce_scatter_settled, optimizer_state_bytes
 from validate.lifeline import leave_world
-from validate.models import build, make_batch
+from validate.models import LLAMA_TINY, build, make_batch, spec_for
 from validate.probes import CommCounter, MemoryProbe
 from zeroplan.architectures.hf_config import spec_from_hf_config
 from zeroplan.files import write_text_atomic
 
-TINY = {"model_type": "llama", "hidden_size": 48, "intermediate_size": 102, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "num_hidden_layers": 2, "max_position_embeddings": 32, "vocab_size": 130,
-        "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False}  # fmt: skip
+TINY = LLAMA_TINY
 """Odd TP-local widths on purpose: ffn 102 / 2 = 51 and vocab 130 / 2 = 65 rows, padded by FSDP2 over 2."""
 PHASES = ("init", "forward", "backward", "optimizer_step")
 
@@ -168,20 +174,62 @@ class GroupCounter(CommCounter):
         return super().__torch_dispatch__(func, types_, args, kwargs)
 
 
-def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, sequence_parallel: bool,
-            param_dtype: str = "fp32", checkpointing: bool = False) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+@dataclass(frozen=True)
+class TpRun:
+    """One run of this runner: the mesh (R x S x T over the world), the model and the training step."""
 
-    spec = spec_from_hf_config(TINY, "validate/engines/fsdp2_tp.py TINY")
-    dp = nd // tp
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-    # sliced before the probes; the slices share the mesh's int32 rank map (4·S·T bytes), which MemTracker counts
+    tp: int = 2
+    dp_replicate: int = 1
+    steps: int = 2
+    batch: int = 2  # sequences per data-parallel rank
+    seq_len: int = 16
+    sequence_parallel: bool = True
+    param_dtype: str = "fp32"  # MixedPrecisionPolicy.param_dtype (the reduce dtype follows it)
+    checkpointing: bool = False
+    model: str | None = None  # None: TINY; else a validate.models preset or a llama config.json
+
+    @classmethod
+    def from_validate(cls, config) -> TpRun:
+        """The run ``zeroplan validate --engine fsdp2 --tp T`` asks for (``validate.config.ValidateConfig``)."""
+        spec = spec_for(config.model_name, None)
+        return cls(tp=config.tp, dp_replicate=config.dp_replicate or 1, steps=config.steps,
+                   batch=config.batch_per_rank, seq_len=config.seq_len or spec.max_seq_len,
+                   sequence_parallel=config.sequence_parallel is not False, param_dtype=config.param_dtype,
+                   checkpointing=config.checkpointing == "full",
+                   model=None if config.model_name == "llama-tiny" else config.model_name)  # fmt: skip
+
+    def mesh(self, nd: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """``init_device_mesh``'s shape and names on ``nd`` ranks (``tp`` innermost, torchtitan's order)."""
+        dp = nd // self.tp
+        if self.dp_replicate == 1:
+            return (dp, self.tp), ("dp_shard", "tp")
+        return (self.dp_replicate, dp // self.dp_replicate, self.tp), ("dp_replicate", "dp_shard", "tp")
+
+
+def _groups(mesh) -> dict[tuple[int, ...], str]:
+    """This rank's process group of each mesh dimension, as its sorted ranks -> the dimension's name."""
+    return {tuple(sorted(mesh[name].mesh.flatten().tolist())): name for name in mesh.mesh_dim_names}
+
+
+def measure(run: TpRun, nd: int, rank: int) -> dict:
+    """Build and train ``run`` on this rank under the probes; returns its row (every phase's peak, readings,
+    each call with its process group and mesh dimension, the local shapes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    spec = spec_for(run.model, None) if run.model else spec_from_hf_config(TINY, "validate/engines/fsdp2_tp.py TINY")
+    shape, names = run.mesh(nd)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    # sliced before the probes; the slices share the mesh's int32 rank map (4·R·S·T bytes), which MemTracker counts
     # from its first use in init (zeroplan/engines/fsdp2/tp_estimate.py mesh_rank_map)
-    tp_mesh, dp_mesh = mesh["tp"], mesh["dp_shard"]
+    tp_mesh = mesh["tp"]
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if run.dp_replicate > 1 else mesh["dp_shard"]
+    dims = _groups(mesh)
     gen = torch.Generator().manual_seed(1234)
-    globals_ = [make_batch(spec, dp * batch, gen, seq_len) for _ in range(steps)]
-    d = rank // tp  # the data-parallel rank: every TP rank of it trains the same sequences
-    local = [tuple(t[d * batch : (d + 1) * batch].clone() for t in g) for g in globals_]
+    dp = nd // run.tp
+    globals_ = [make_batch(spec, dp * run.batch, gen, run.seq_len) for _ in range(run.steps)]
+    d = rank // run.tp  # the data-parallel rank: every TP rank of it trains the same sequences
+    local = [tuple(t[d * run.batch : (d + 1) * run.batch].clone() for t in g) for g in globals_]
     readings: dict[str, list[int]] = defaultdict(list)
     counter, probe = GroupCounter(), MemoryProbe(torch.device("cpu"))
 
@@ -189,21 +237,22 @@ def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, s
         probe.phase(phase)
         counter.phase = phase or "between steps"
 
+    step_s = []
     with probe, counter, counter.functional(), gloo_reduce_scatter_settled(probe, True):
         enter("init")
-        model = build_tp(spec, tp_mesh, dp_mesh, sequence_parallel, param_dtype, checkpointing)
+        model = build_tp(spec, tp_mesh, dp_mesh, run.sequence_parallel, run.param_dtype, run.checkpointing)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
         enter(None)
         readings["after_init"].append(probe.settled_bytes())
-        for step in range(steps):
-            counter.step = step
+        t0 = time.perf_counter()
+        for i in range(run.steps):
+            t_step = time.perf_counter()
+            counter.step = i
             enter("forward")
-            b = tuple(t.clone() for t in local[step])
+            b = tuple(t.clone() for t in local[i])
             loss = loss_of(model, b)
             readings["after_forward"].append(probe.settled_bytes())
             enter("backward")
-            from torch.distributed.tensor.parallel import loss_parallel
-
             with loss_parallel():
                 loss.backward()
             del loss, b
@@ -213,7 +262,12 @@ def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, s
             optimizer.zero_grad(set_to_none=True)
             enter(None)
             readings["boundary"].append(probe.settled_bytes())
-    calls = [dict(op=c.op, phase=c.phase, step=c.step, elements=c.elements, dtype=c.dtype, group=g)
+            step_s.append(time.perf_counter() - t_step)
+        seconds = time.perf_counter() - t0
+        breakdown = probe.breakdown()
+    unprobed_s = [_unprobed_step(model, optimizer, local[-1])]
+    calls = [dict(op=c.op, phase=c.phase, step=c.step, elements=c.elements, dtype=c.dtype, group=g,
+                  dim=dims.get(tuple(sorted(g)), "world" if len(g) == nd else "?"))
              for c, g in zip(counter.calls, counter.groups)]  # fmt: skip
     return {
         "rank": rank,
@@ -222,12 +276,42 @@ def measure(tp: int, nd: int, rank: int, steps: int, batch: int, seq_len: int, s
         "calls": calls,
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "local_shapes": [(n, list(p.to_local().shape)) for n, p in model.named_parameters()],
+        "probe_breakdown": breakdown,
+        "seconds": round(seconds, 3),
+        "step_time_s": {"probed": statistics.median(step_s[1:] or step_s), "unprobed": statistics.median(unprobed_s),
+                        "unprobed_steps": len(unprobed_s)},  # fmt: skip
     }
 
 
+def _unprobed_step(model, optimizer, batch) -> float:
+    """Seconds of one training step without any probe (the probes' cost, as FSDP2's runner reports it)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    t = time.perf_counter()
+    loss = loss_of(model, tuple(x.clone() for x in batch))
+    with loss_parallel():
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - t
+
+
+def meta_of(run: TpRun, nd: int, spec_config: dict) -> dict:
+    """The run's description, written beside the rows (tests/data/measured/fsdp2_tp.json keeps it)."""
+    return {"world_size": nd, "tp": run.tp, "steps": run.steps, "batch": run.batch, "seq_len": run.seq_len,
+            "sequence_parallel": run.sequence_parallel, "param_dtype": run.param_dtype, "hf_config": spec_config,
+            "checkpointing": "full" if run.checkpointing else "none", "torch": torch.__version__,
+            **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {}),
+            "backend": "gloo", "device": "cpu", "model": "validate/transformer.py CausalLM (llama layout)"}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
+    from validate.lifeline import die_with_parent
+
+    die_with_parent()  # a rank never outlives its launcher (validate.harness)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--dp-replicate", type=int, default=1, help="HSDP x TP: replicas R of the 3-D mesh")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank")
     parser.add_argument("--seq-len", type=int, default=16)
@@ -235,21 +319,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
                         help="MixedPrecisionPolicy.param_dtype (the reduce dtype follows it)")
     parser.add_argument("--checkpointing", action="store_true", help="checkpoint_wrapper on every decoder layer")
+    parser.add_argument("--config", default=None, help="instead: a ValidateConfig as JSON (zeroplan validate)")
+    parser.add_argument("--raw", action="store_true", help="accepted for validate.harness (rows are always raw)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     nd, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if args.config is not None:
+        from validate.config import ValidateConfig
+        from validate.worker import inject_fault
+
+        run = TpRun.from_validate(ValidateConfig.model_validate_json(args.config))
+        inject_fault(rank)
+    else:
+        run = TpRun(args.tp, args.dp_replicate, args.steps, args.batch, args.seq_len, not args.no_sp,
+                    args.param_dtype, args.checkpointing)  # fmt: skip
     dist.init_process_group("gloo")
-    row = measure(args.tp, nd, rank, args.steps, args.batch, args.seq_len, not args.no_sp, args.param_dtype,
-                  args.checkpointing)
+    row = measure(run, nd, rank)
     rows = [None] * nd if rank == 0 else None
     dist.gather_object(row, rows, dst=0)
     if rank == 0:
-        meta = {"world_size": nd, "tp": args.tp, "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
-                "sequence_parallel": not args.no_sp, "param_dtype": args.param_dtype, "hf_config": TINY,
-                "checkpointing": "full" if args.checkpointing else "none", "torch": torch.__version__,
-                "backend": "gloo", "model": "validate/transformer.py CausalLM (llama layout)"}  # fmt: skip
-        write_text_atomic(args.out, json.dumps({"meta": meta, "rows": rows}))
+        config = TINY if run.model is None else _hf_config(run.model)
+        # "ranks": one list of rows per rank, as validate.worker writes them for validate.harness
+        write_text_atomic(args.out, json.dumps({"meta": meta_of(run, nd, config), "rows": rows,
+                                                "ranks": [[r] for r in rows]}))  # fmt: skip
     leave_world()
+
+
+def _hf_config(model: str) -> dict | str:
+    """The config.json of ``model`` as read (a path), or the preset's name."""
+    from zeroplan.files import read_json
+
+    return read_json(model, "model config") if model.endswith(".json") else model
 
 
 if __name__ == "__main__":

@@ -142,7 +142,9 @@ class ModelActivations:
     def saved_through(self, n_blocks: int, checkpointing: str) -> int:
         """What the first ``n_blocks`` blocks keep to their backward: their saved activations, or their inputs under
         full checkpointing; each layer its own block's (``layer_blocks``)."""
-        blocks = self.layer_blocks[:n_blocks] if self.layer_blocks else (self.block,) * n_blocks
+        if not self.layer_blocks:  # every layer alike: n copies of one block's (asked per rank and hook by a plan)
+            return max(n_blocks, 0) * (self.block.saved if checkpointing == "none" else self.block.ckpt_saved)
+        blocks = self.layer_blocks[:n_blocks]
         return sum(b.saved if checkpointing == "none" else b.ckpt_saved for b in blocks)
 
     def saved_total(self, checkpointing: str) -> int:

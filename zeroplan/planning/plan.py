@@ -191,12 +191,13 @@ OptionKey = tuple[int, Offload]
 
 
 def option_peaks(
-    config: PlanConfig, keys: tuple[OptionKey, ...], nd: Optional[int] = None
+    config: PlanConfig, keys: tuple[OptionKey, ...], nd: Optional[int] = None, traced: bool = True
 ) -> tuple[dict[OptionKey, PeakEstimate], str, dict[OptionKey, AllocTrace]]:
     """({(stage, offload): peak} of ``keys``, how fits are decided, {(stage, no offload): allocation trace}):
     the engine's peak on ``nd`` ranks (default N_d) of each stage, for an offload option with the offloaded
     model states on the host (``offload_peak``), when the architecture and the step are ones it models; else
-    {} and why fits are on model states. Each stage is estimated once, and only the stages of ``keys``."""
+    {} and why fits are on model states. Each stage is estimated once, and only the stages of ``keys``; the
+    traces only when ``traced`` (the cut-first advice at 2 N_d reads the peak alone)."""
     engine = get_engine(config.engine)
     stages = sorted({s for s, _ in keys})
     options = planner_options(engine, config.engine_options, policy=config.policy,
@@ -216,8 +217,8 @@ def option_peaks(
         for s, off in keys
         if s in by_stage
     }
-    traced = engine.alloc_trace(workload, nd or config.nd, settings) if engine.alloc_trace else ()
-    by_trace = {r.stage: t for r, t in zip(rows, traced)}
+    made = engine.alloc_trace(workload, nd or config.nd, settings) if engine.alloc_trace and traced else ()
+    by_trace = {r.stage: t for r, t in zip(rows, made)}
     traces = {(s, off): by_trace[s] for s, off in keys if s in by_trace and not off.any}
     quantity = fit_quantity(config.alloc_conf if traces else None)
     return peaks, (
@@ -237,10 +238,12 @@ def _option(
     nm, nd, policy = config.model_parallel, config.nd, config.policy
     # The searches' bodies (``raw_function``): the config has checked every argument once already, and
     # re-validating the 1,137 tensor sizes of llama3-405b per option cost a tenth of the plan's time.
-    sizes = dict(
-        max_params=max_params.raw_function(config.memory_bytes, stage, nd, nm, offload, policy, host),
-        max_params_with_headroom=max_params.raw_function(budget, stage, nd, nm, offload, policy, host),
-    )
+    whole_gpu = max_params.raw_function(config.memory_bytes, stage, nd, nm, offload, policy, host)
+    sizes = dict(  # with no headroom the budget is the whole GPU: one search
+        max_params=whole_gpu,
+        max_params_with_headroom=whole_gpu if budget == config.memory_bytes else
+        max_params.raw_function(budget, stage, nd, nm, offload, policy, host),
+    )  # fmt: skip
     if numels is None:
         return PlanOption(stage, row.name, offload, **sizes)
     layout = config.model is not None
@@ -329,7 +332,7 @@ def plan_config(config: PlanConfig) -> Plan:
         target = target or min(with_peak, key=lambda o: o.peak.peak_bytes)
         key = (target.stage, target.offload)
         advice = cut_first(target.peak, target.stage, config, peaks.get((target.stage + 1, target.offload)),
-                           lambda: option_peaks(config, (key,), 2 * config.nd)[0].get(key))  # fmt: skip
+                           lambda: option_peaks(config, (key,), 2 * config.nd, traced=False)[0].get(key))  # fmt: skip
     spec = config.transformer
     activations = None
     if spec is not None:  # N_m taken as tensor parallelism with sequence parallelism (formulas.activations)

@@ -12,9 +12,7 @@ import re
 
 from zeroplan.allocator.step_trace import AllocTrace, default_stream, step_trace
 from zeroplan.engines.base import Workload
-from zeroplan.engines.deepspeed.phases import moments
 from zeroplan.engines.deepspeed.settings import Settings, optimizer_class
-from zeroplan.engines.deepspeed.wrapper import ds_run
 from zeroplan.formulas.peak import Moment, Term
 
 DEFAULT, REDUCTION = 0, 1
@@ -58,5 +56,7 @@ def alloc_traces(workload: Workload, nd: int, settings: Settings, stat_bytes: in
 
         (row,) = estimate(workload, nd, settings, stat_bytes)
         settings = settings.model_copy(update={"rank": row.peak_rank})
+    from zeroplan.engines.deepspeed.profile import run_moments  # the estimate's own moments (a plan's candidate)
+
     stream_of = _reduction_stream if settings.overlaps and settings.stage in (1, 2) else default_stream
-    return (step_trace(chronological(moments(ds_run(settings, workload, nd, stat_bytes))), stream_of=stream_of),)
+    return (step_trace(chronological(run_moments(settings, workload, nd, stat_bytes)), stream_of=stream_of),)

@@ -88,20 +88,24 @@ class Coordinator:
 
     def __init__(self, trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: int, bucket: int,
                  max_live: int, max_reuse: int) -> None:
-        self.modules, self.numels, self.bucket = trace.modules, numels, bucket
+        self.numels, self.bucket = numels, bucket
         self.max_live, self.max_reuse = max_live, max_reuse
+        # each module's parameters as a set, made once (the replay asks at every fetch and release)
+        self.modules = [frozenset(ps) for ps in trace.modules]
         self.persist = [n <= threshold for n in numels]  # parameter_offload.py mark_persistent_parameters
         self.padded = [-(-n // nd) * nd for n in numels]  # _all_gather_sequential buffer / _all_gather_dtype share
         order = [e.module for e in trace.events if e.op == FETCH]  # record_module: __submodule_order
         # record_parameters: __param_order, each module's parameters sorted by ds_id, with the step it is used at
-        self.queue = [(p, step) for step, m in enumerate(order) for p in sorted(set(trace.modules[m]))]
+        ordered = [sorted(ps) for ps in self.modules]
+        self.queue = [(p, step) for step, m in enumerate(order) for p in ordered[m]]
         self.uses: dict[int, list[int]] = {}
         for step, m in enumerate(order):
-            for p in set(trace.modules[m]):
+            for p in self.modules[m]:
                 self.uses.setdefault(p, []).append(step)
+        module_numel = [sum(numels[p] for p in ps) for ps in trace.modules]
         self.before = [0]  # elements of the modules before step k (__params_to_release counts every parameter)
         for m in order:
-            self.before.append(self.before[-1] + sum(numels[p] for p in trace.modules[m]))
+            self.before.append(self.before[-1] + module_numel[m])
         self.status = [AVAILABLE if self.persist[p] else NOT_AVAILABLE for p in range(len(numels))]
         self.active: list[set[int]] = [set() for _ in numels]  # ds_active_sub_modules
         self.fetched_for = [-(10**10)] * len(numels)  # __most_recent_step_id_param_fetched_for
@@ -171,7 +175,7 @@ class Coordinator:
     def to_release(self, m: int) -> set[int]:
         """__params_to_release: module ``m``'s parameters not reused within ``max_reuse`` elements."""
         out, step = set(), self.step
-        for p in set(self.modules[m]):
+        for p in self.modules[m]:
             if self.persist[p] or self.fetched_for[p] > step:  # "reuse skipped by prefetch"
                 continue
             uses = self.uses[p]
@@ -212,7 +216,7 @@ class Coordinator:
 
     def fetch(self, m: int, forward: bool) -> None:
         """fetch_sub_module; ``forward``: the phase (calls counted there)."""
-        params = set(self.modules[m])
+        params = self.modules[m]
         self.all_gather(params, forward)
         for p in params:
             self.active[p].add(m)
@@ -225,7 +229,7 @@ class Coordinator:
     def release(self, m: int) -> None:
         """release_sub_module."""
         drop = self.to_release(m)
-        for p in set(self.modules[m]):
+        for p in self.modules[m]:
             self.active[p].discard(m)
             if p in drop:
                 self.free(p)
@@ -236,14 +240,15 @@ class Coordinator:
         forward_peak = backward_peak = 0
         for i, e in enumerate(trace.events):
             self.high, self.event = self.mem, i
+            backward = e.backward_phase
             if e.op == FETCH:
-                self.fetch(e.module, not e.backward_phase)
+                self.fetch(e.module, not backward)
             else:
                 self.release(e.module)
             gathered.append(self.mem)
             high.append(self.high)
             buffers.append(self.flat)
-            if not e.backward_phase:
+            if not backward:
                 forward_peak = max(forward_peak, self.high)
             else:
                 backward_peak = max(backward_peak, self.high)

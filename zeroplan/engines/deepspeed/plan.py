@@ -4,6 +4,7 @@ contract (``planner_settings``, ``planner_policy``, ``planner_plan``, ``planner_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Optional
@@ -15,9 +16,12 @@ from zeroplan.engines.deepspeed.offload import offload_label
 from zeroplan.engines.deepspeed.offload_terms import offloads
 from zeroplan.engines.deepspeed.config import parse_ds_config
 from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, read_target
+from zeroplan.engines.deepspeed.zeropp import all_secondaries_numel
 from zeroplan.engines.deepspeed.zeropp_settings import ZEROPP_KEYS
+from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
-from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL
+from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL, on_mesh
+from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.formulas.dropout import dropout_limit
 from zeroplan.policy import PrecisionPolicy
@@ -76,9 +80,36 @@ def plain_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
                 update.update(hpz_partition_size=1, quantized_weights=False)
             if prefetch is not None:
                 update["prefetch_bucket_size"] = prefetch
-            label = f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e") + (", no prefetch" if prefetch == 0 else "")
+            label = _bucket_label(stage, bucket) + (", no prefetch" if prefetch == 0 else "")
             out.append((label, base.model_copy(update=update)))
     return tuple(out)
+
+
+def _bucket_label(stage: int, bucket: int) -> str:
+    return f"ZeRO-{stage}, buckets {bucket:.0e}".replace("e+0", "e")
+
+
+def hpz_candidates(base: Settings, nd: int, gpus_per_node: int, numels: tuple[int, ...] = (),
+                   capacity_bytes: Optional[int] = None) -> tuple[tuple[str, Settings], ...]:
+    """ZeRO-3 with ZeRO++ hpZ over one node (``zero_hpz_partition_size`` = GPUs per node) at each of
+    ``BUCKET_CHOICES``: every rank also keeps a secondary partition of the parameters, 1/H of the model in the
+    model dtype, and the backward all-gathers run inside the node (``zeropp.py``), so fewer bytes cross nodes.
+    None where hpZ moves nothing off the network or DeepSpeed refuses it: N_d within one node, or not a
+    multiple of the node (utils/groups.py ``_create_zero_param_parallel_group`` asserts that H divides the
+    world), and where every parameter's secondary partition (``numels``), alive from ``deepspeed.initialize``
+    to the first step's end (``zeropp.py``), is alone more than ``capacity_bytes``: no hpZ row could fit (as
+    the offload rows, estimated only where they can be the answer). The planner asks only where the ds_config
+    does not set the key (``planner_plan``)."""
+    if gpus_per_node <= 1 or nd <= gpus_per_node or nd % gpus_per_node:
+        return ()
+    secondaries = all_secondaries_numel(numels, nd, gpus_per_node) * BYTES_PER_ELEMENT[base.dtype]
+    if capacity_bytes is not None and secondaries > capacity_bytes:
+        return ()
+    plain = {"offload_optimizer": NO_TARGET, "offload_param": NO_TARGET}
+    return tuple((f"{_bucket_label(3, bucket)}, hpZ {gpus_per_node}",
+                  base.model_copy(update={"stage": 3, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                                          "hpz_partition_size": gpus_per_node, **plain}))
+                 for bucket in BUCKET_CHOICES)  # fmt: skip
 
 
 def offload_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
@@ -99,6 +130,13 @@ def offload_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
     return tuple(out)
 
 
+def inter_node_bytes_per_step(est: EngineEstimate, nd: int, gpus_per_node: int) -> int:
+    """Bytes one rank sends per optimizer step over the network between nodes: those of its collectives whose
+    group spans nodes (``formulas/collectives.py on_mesh``: a flat group of N_d > GPUs per node does; hpZ's
+    secondary group of one node does not)."""
+    return sum(c.bytes_per_rank for c in on_mesh(est.collectives, nd, 1, gpus_per_node) if c.link == "inter")
+
+
 def sent_bytes_per_step(est: EngineEstimate) -> int:
     """Bytes one rank sends per optimizer step as ``zeroplan plan`` prints them (its sent/rank/step column,
     planning/engine_plan.py ``engine_plan_config``): the ring bytes of the estimate's collectives, which count
@@ -108,13 +146,15 @@ def sent_bytes_per_step(est: EngineEstimate) -> int:
 
 @dataclass(frozen=True)
 class Tried:
-    """One candidate, estimated once: its label, settings, estimate, predicted peak and bytes sent per step."""
+    """One candidate, estimated once: its label, settings, estimate, predicted peak and bytes sent per step (of
+    them across nodes: ``inter_node_bytes_per_step``)."""
 
     label: str
     settings: Settings
     estimate: EngineEstimate
     peak_bytes: int
     sent_bytes: int
+    inter_node_bytes: int = 0
 
 
 PLAN_ORDER = ("no offload before offload (PCIe traffic and a CPU optimizer step), then the fewest bytes sent per "
@@ -125,18 +165,26 @@ PLAN_ORDER = ("no offload before offload (PCIe traffic and a CPU optimizer step)
 they send about as much as ZeRO-3 (gathers in forward and backward, a reduce-scatter) and, with small
 parameters kept gathered (``stage3_param_persistence_threshold``), more: "lowest stage = least traffic",
 the order before, is not true of DeepSpeed."""
+PLAN_ORDER_HPZ = PLAN_ORDER.replace("then the fewest bytes sent per rank per step",
+                                    "then the fewest bytes sent across nodes per rank per step (hpZ all-gathers "
+                                    "inside a node in backward), then the fewest bytes sent per rank per step")
+"""``PLAN_ORDER`` with the hpZ rows (``hpz_candidates``): without them the bytes across nodes are every
+candidate's whole traffic (N_d over more than one node) or none (one node), so the order is the same."""
 
 
 def ranked(workload: Workload, nd: int, base: Settings, stat_bytes: Optional[int] = None,
-           which: Optional[Callable[[Settings], tuple[tuple[str, Settings], ...]]] = None) -> tuple[Tried, ...]:
-    """Every one of ``candidates`` (or ``which(base)``) estimated once, in the plan's order (``PLAN_ORDER``;
-    ties keep the order of ``candidates``: the lower stage, prefetch before none)."""
+           which: Optional[Callable[[Settings], tuple[tuple[str, Settings], ...]]] = None,
+           gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> tuple[Tried, ...]:
+    """Every one of ``candidates`` (or ``which(base)``) estimated once, in the plan's order (``PLAN_ORDER``,
+    ``PLAN_ORDER_HPZ``; ties keep the order of ``candidates``: the lower stage, prefetch before none)."""
     out = []
     for label, s in (which or candidates)(base):
         (est,) = estimate(workload, nd, s, stat_bytes)
         peak = est.peak.peak_bytes if est.peak is not None else est.model_states_bytes
-        out.append(Tried(label, s, est, peak, sent_bytes_per_step(est)))
-    return tuple(sorted(out, key=lambda t: (offloads(t.settings), t.sent_bytes, -t.settings.reduce_bucket_size)))
+        out.append(Tried(label, s, est, peak, sent_bytes_per_step(est),
+                         inter_node_bytes_per_step(est, nd, gpus_per_node)))
+    return tuple(sorted(out, key=lambda t: (offloads(t.settings), t.inter_node_bytes, t.sent_bytes,
+                                            -t.settings.reduce_bucket_size)))  # fmt: skip
 
 
 def recommend(workload: Workload, nd: int, memory_bytes: int, base: Settings,
@@ -248,17 +296,22 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     base = base.model_copy(update=dict(zip(("offload_optimizer", "offload_param"), targets)))
     if options.own.get("zero_init") is not None:  # read by the stage-3 candidates only (Settings.built_under_zero_init)
         base = base.model_copy(update={"zero_init": options.own["zero_init"]})
-    order = ranked(workload, nd, base, which=plain_candidates)
+    node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
+    # hpZ over one node where the file leaves it unset (a file that sets it, even to 1, fixes it: every ZeRO-3 row
+    # has the file's); the ZeRO-3 rows with and without it ranked together, by bytes across nodes first
+    numels = tuple(math.prod(shape) for _, shape in workload.shapes)
+    hpz = () if "zero_hpz_partition_size" in zero else hpz_candidates(base, nd, node, numels, capacity_bytes)
+    order = ranked(workload, nd, base, which=lambda b: (*plain_candidates(b), *hpz), gpus_per_node=node)
     # the offload rows where they can be the answer: nothing fits without, or the file asks for offload (they
     # come after every other row, PLAN_ORDER; estimating them when they cannot be chosen tripled the plan's time)
     if offloads(base) or all(t.peak_bytes > capacity_bytes for t in order):
-        order = (*order, *ranked(workload, nd, base, which=offload_candidates))
+        order = (*order, *ranked(workload, nd, base, which=offload_candidates, gpus_per_node=node))
     index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
                           to_ds_config(t.settings, workload.micro_batch, workload.grad_accum),
                           t.settings.reduce_bucket_size, build_snippet(t.settings),
                           trace_inputs=(workload, nd, _traced(t))) for t in order)  # fmt: skip
-    return EnginePlan(out, index, "deepspeed", PLAN_ORDER, base)
+    return EnginePlan(out, index, "deepspeed", PLAN_ORDER_HPZ if hpz else PLAN_ORDER, base)
 
 
 def _traced(t: Tried) -> Settings:

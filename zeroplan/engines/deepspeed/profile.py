@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import lru_cache
 from typing import Optional
 
 from zeroplan.engines.base import EngineEstimate, Workload, worst_rank
@@ -15,7 +16,7 @@ from zeroplan.engines.deepspeed.phases import moments
 from zeroplan.engines.deepspeed.run import _trace
 from zeroplan.engines.deepspeed.settings import Settings, inner_optimizer_class, optimizer_class
 from zeroplan.engines.deepspeed.wrapper import collectives, ds_run, memory_breakdown
-from zeroplan.formulas.peak import PeakEstimate, peak_of
+from zeroplan.formulas.peak import Moment, PeakEstimate, peak_of
 
 
 def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int] = None) -> tuple[EngineEstimate, ...]:
@@ -46,7 +47,13 @@ def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Option
 
 def _peak(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> Optional[PeakEstimate]:
     """The peak per phase of the rank ``settings`` describes (every rank's largest where none is named)."""
-    return None if workload.spec is None else peak_of(moments(ds_run(settings, workload, nd, stat_bytes)))
+    return None if workload.spec is None else peak_of(run_moments(settings, workload, nd, stat_bytes))
+
+
+@lru_cache(maxsize=64)  # a plan's allocation trace of a candidate walks the moments its estimate listed
+def run_moments(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional[int]) -> tuple[Moment, ...]:
+    """Every moment of the run of ``workload`` under ``settings`` (``phases.moments``)."""
+    return moments(ds_run(settings, workload, nd, stat_bytes))
 
 
 def _estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> EngineEstimate:

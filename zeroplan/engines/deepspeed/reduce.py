@@ -191,11 +191,14 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     for i in large:
         large_in_bucket[bucket_of[i]] = large_in_bucket.get(bucket_of[i], 0) + run.numels[i]
     best: dict[int, tuple[int, Moment]] = {}  # block -> (bytes, moment) of the rank holding the most
+    at_hooks: dict[tuple[int, int], tuple] = {}
     for rank, first, hook in _reducing_hooks(run):
         j = run.param_blocks[hook]
         if j < 0 or hook in outputs:
             continue
-        at_hook = _hook_activations(run, j, hook)
+        if (j, hook) not in at_hooks:  # every rank reducing at one hook sees the same activations
+            at_hooks[j, hook] = _hook_activations(run, j, hook), _blocks_saved(run, j)
+        at_hook, saved = at_hooks[j, hook]
         if at_hook is None:
             continue
         where, acts, module = at_hook
@@ -203,7 +206,7 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
         in_bucket = large_in_bucket.get(first, 0)
         own = sum(run.numels[i] for i in large
                   if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0  # fmt: skip
-        terms = (*base, _blocks_saved(run, j), *acts,
+        terms = (*base, saved, *acts,
                  Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                       "autograd (one node makes every input's gradient)", len(module)),
                  Term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
@@ -295,28 +298,45 @@ def _llama_roles(run: DSRun, j: int) -> tuple[tuple[tuple[int, ...], ...], tuple
     projections while their weight is as large as the output projection's, then the norm (a module of vectors),
     then the next module; None when the block's first hook
     is not its output projection (Gemma's post-feed-forward norm) or the MLP is not this shape."""
+    return _roles_by_block(run.modules, run.grad_ready_order, run.param_blocks, run.numels,
+                           run.output_projections, run.final_norm_numel).get(j)
+
+
+@lru_cache(maxsize=16)  # every rank's hook and every candidate of a plan ask for the same layout's roles
+def _roles_by_block(modules: tuple[tuple[int, ...], ...], order: tuple[int, ...], param_blocks: tuple[int, ...],
+                    numels: tuple[int, ...], output_projections: tuple[int, ...],
+                    final_norm_numel: int) -> dict[int, tuple | None]:
+    """``_llama_roles`` of every block, in one pass over the parameters (was one pass per hook and rank)."""
     owner, at = {}, 0
-    for m, sizes in enumerate(run.modules):
+    for m, sizes in enumerate(modules):
         for i in range(at, at + len(sizes)):
             owner[i] = m
         at += len(sizes)
-    mine = [i for i in run.grad_ready_order if run.param_blocks[i] == j]
+    by_block: dict[int, list[int]] = {}
+    for i in order:
+        by_block.setdefault(param_blocks[i], []).append(i)
+    outputs = set(output_projections)
+    return {j: _block_roles(mine, owner, numels, outputs, final_norm_numel) for j, mine in by_block.items()}
+
+
+def _block_roles(mine: list[int], owner: dict[int, int], numels: tuple[int, ...], outputs: set[int],
+                 final_norm_numel: int) -> tuple | None:
+    """``_llama_roles`` of one block whose parameters, in gradient-ready order, are ``mine``."""
     groups: list[list[int]] = []
     for i in mine:
         if groups and owner[groups[-1][0]] == owner[i]:
             groups[-1].append(i)
         else:
             groups.append([i])
-    outputs = set(run.output_projections)
     if not groups or not outputs.intersection(groups[0]):
         return None
-    width = max(run.numels[i] for i in groups[0])
+    width = max(numels[i] for i in groups[0])
     projections = []
     for g in groups[1:]:
-        if max(run.numels[i] for i in g) == width:
+        if max(numels[i] for i in g) == width:
             projections.append(tuple(g))
             continue
-        if projections and len({run.numels[i] for i in g}) == 1 and run.numels[g[0]] == run.final_norm_numel:
+        if projections and len({numels[i] for i in g}) == 1 and numels[g[0]] == final_norm_numel:
             after = groups[groups.index(g) + 1] if groups.index(g) + 1 < len(groups) else []
             return tuple(projections), tuple(g), tuple(after)
         return None

@@ -103,21 +103,24 @@ class HpzCoordinator(Coordinator):
         super().free(p)
 
 
-@lru_cache(maxsize=64)
 def hpz_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz: int, threshold: int, bucket: int,
                  max_live: int, max_reuse: int, warm: bool = False) -> HpzSchedule:
     """The coordinator replayed with hpZ over one micro-step; ``warm``: a later micro-step of the same optimizer
     step, starting with the secondaries the first one left."""
-    args = (threshold, bucket, max_live, max_reuse)
-    start = frozenset()
-    if warm:
-        first = HpzCoordinator(trace, numels, nd, hpz, *args)
-        first.replay(trace)
-        start = frozenset(first.sec)
-    c = HpzCoordinator(trace, numels, nd, hpz, *args, secondary=start)
+    args = (trace, numels, nd, hpz, threshold, bucket, max_live, max_reuse)
+    cold, left = _hpz_replay(*args, frozenset())
+    return _hpz_replay(*args, left)[0] if warm else cold
+
+
+@lru_cache(maxsize=64)  # one key however it is called (``warm`` by keyword or not); the warm replay starts where
+# the cold one ended (the cold replay once, not again for the warm one)
+def _hpz_replay(trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz: int, threshold: int, bucket: int,
+                max_live: int, max_reuse: int, start: frozenset) -> tuple[HpzSchedule, frozenset]:
+    """(``hpz_schedule`` starting with the secondaries of ``start``, the secondaries it leaves)."""
+    c = HpzCoordinator(trace, numels, nd, hpz, threshold, bucket, max_live, max_reuse, secondary=start)
     base = c.replay(trace)
     return HpzSchedule(**{f: getattr(base, f) for f in Stage3Schedule.__dataclass_fields__},
-                       secondary=tuple(c.secondary), groups=tuple(c.group_of))  # fmt: skip
+                       secondary=tuple(c.secondary), groups=tuple(c.group_of)), frozenset(c.sec)  # fmt: skip
 
 
 def all_secondaries_numel(numels: tuple[int, ...], nd: int, hpz: int) -> int:

@@ -106,8 +106,12 @@ def shard_sizes(nd: int, gpus_per_node: int) -> tuple[int, ...]:
 def smallest_fitting(sizes: tuple[int, ...], try_at):
     """``try_at(S) -> (result, fits)`` bisected over ``sizes`` (ascending): the result at the smallest S that
     fits, else at the largest. Assumes a larger shard group never holds more (every sharded term scales as
-    1/S; activations and gathered units do not depend on S): log2 of the sizes' count estimates, not all."""
-    lo, hi, best, tried = 0, len(sizes) - 1, None, {}
+    1/S; activations and gathered units do not depend on S): the largest is tried first (none fits: one
+    estimate, the plan's mesh search meets that often), then log2 of the rest."""
+    top = try_at(sizes[-1])
+    if not top[1]:
+        return top[0]
+    lo, hi, best, tried = 0, len(sizes) - 2, len(sizes) - 1, {len(sizes) - 1: top}
     while lo <= hi:
         mid = (lo + hi) // 2
         tried[mid] = try_at(sizes[mid])
@@ -115,7 +119,7 @@ def smallest_fitting(sizes: tuple[int, ...], try_at):
             best, hi = mid, mid - 1
         else:
             lo = mid + 1
-    return tried[best if best is not None else len(sizes) - 1][0]
+    return tried[best][0]
 
 
 def mesh_names(r: int) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import check_tp, tp_acts
-from zeroplan.engines.fsdp2.tp_estimate import tp_estimate, tp_mesh, tp_search
+from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search
 from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states, wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
@@ -129,11 +129,12 @@ class Fsdp2Option:
 
 
 def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
-                 shards: tuple[int, ...] = ()) -> tuple[Fsdp2Option, ...]:
+                 shards: tuple[int, ...] = (), until_fit: bool = False) -> tuple[Fsdp2Option, ...]:
     """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
     wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
     (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of
-    them whose peak fits (HSDP across the rest), else on the largest."""
+    them whose peak fits (HSDP across the rest), else on the largest; ``until_fit``: none after the first that
+    fits."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
     own = isinstance(settings.wrap, Wrapping)
@@ -154,6 +155,8 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
         dp = nd // (s.tp or 1)
         run_settings = fsdp2_run(w, shard_groups(s, dp)[1], s).settings  # the chosen one's only
         out.append(Fsdp2Option(run_settings, ckpt, row, fits, wrapping_of(w, s)))
+        if fits and until_fit:  # the mesh search ranks by the first that fits (tp_estimate.mesh_search)
+            break
     return tuple(out)
 
 
@@ -287,14 +290,16 @@ def planner_policy(settings: Settings) -> PrecisionPolicy:
                            optimizer_dtype=settings.module)  # fmt: skip
 
 
-def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
+def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions,
+                 until_fit: bool = False) -> EnginePlan:
     """``zeroplan plan --engine fsdp2``: every candidate of ``plan_options`` (cheapest first) with the
-    snippet of exactly the configuration predicted; the recommendation is ``recommend``'s."""
-    if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
-        return tp_search(workload, nd, capacity_bytes, options, planner_plan)
+    snippet of exactly the configuration predicted; the recommendation is ``recommend``'s (``until_fit``: no
+    candidate after it, for the mesh search's ranking)."""
     search = options.own.get("dp_shard") == AUTO
-    if search and (options.own.get("tp") or 1) > 1:
-        raise ValueError("dp_shard=auto with tp: give the data-parallel mesh (dp_replicate, dp_shard) or neither")
+    if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
+        if search and options.own.get("dp_replicate") is None:  # and ``--dp-shard auto``: R x S x T (tp_estimate)
+            return mesh_search(workload, nd, capacity_bytes, options, planner_plan)
+        return tp_search(workload, nd, capacity_bytes, options, planner_plan)
     if search and options.own.get("dp_replicate") is not None:
         raise ValueError("dp_shard=auto searches the mesh: give no dp_replicate with it")
     if search:  # ``--dp-shard auto``: shard groups of whole nodes (mesh.py shard_sizes)
@@ -302,8 +307,11 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     settings = tp_mesh(planner_settings(options), nd)  # the snippet names the mesh predicted
     if settings.foreach is None:  # the snippet names the foreach path the prediction used
         settings = settings.model_copy(update={"foreach": workload.foreach})
-    node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
-    options_ = plan_options(workload, nd, capacity_bytes, settings, shard_sizes(nd, node) if search else ())
+    node, t = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE, settings.tp or 1
+    # with tp: N_d / T data-parallel ranks, G / T of them per node (tp innermost, inside a node)
+    # (a node of one data-parallel rank, T = G: groups of two nodes and up; FSDP2 at S = 1 is not modelled)
+    shards = tuple(s for s in shard_sizes(nd // t, max(1, node // t)) if s >= 2) if search else ()
+    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit)
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"

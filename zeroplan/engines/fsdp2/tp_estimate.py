@@ -5,6 +5,7 @@ micro-step over the ``tp`` group."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, local_spec, norm_grad_collectives, tp_collectives
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
@@ -20,15 +21,22 @@ def tp_workload(workload, t: int):
 def tp_rows(workload, settings) -> tuple[Collective, ...]:
     """The TP collectives of one optimizer step: ``tp_collectives`` in every micro-step (``grad_accum`` of
     them), the norms' gradient all-reduces once (``norm_grad_collectives``: FSDP2's reduction)."""
-    t, spec = settings.tp, workload.spec
-    dtype = settings.param  # activations and autograd's gradients (FSDPParam.init_dtype_attrs)
-    calls = tp_collectives(spec.n_layer, workload.micro_batch * workload.seq_len, spec.d_model, dtype, t,
-                           settings.sequence_parallel, workload.checkpointing != "none")  # fmt: skip
-    grads = norm_grad_collectives(spec.n_layer, spec.d_model, dtype, t, settings.sequence_parallel)
+    spec = workload.spec
+    # activations and autograd's gradients in the param dtype (FSDPParam.init_dtype_attrs)
+    return _tp_rows(spec.n_layer, workload.micro_batch * workload.seq_len, spec.d_model, settings.param,
+                    settings.tp, settings.sequence_parallel, workload.checkpointing != "none",
+                    workload.grad_accum)  # fmt: skip
+
+
+@lru_cache(maxsize=64)  # the same for every candidate and rank of a plan at one T (a speed-up: plan's mesh search)
+def _tp_rows(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, sequence_parallel: bool,
+             checkpointing: bool, grad_accum: int) -> tuple[Collective, ...]:
+    calls = tp_collectives(n_layer, tokens, d_model, dtype, t, sequence_parallel, checkpointing)
+    grads = norm_grad_collectives(n_layer, d_model, dtype, t, sequence_parallel)
     return tuple(Collective(c.op, c.phase, m * c.elements, c.dtype,
                             m * ring_bytes_per_rank(c.op, c.elements, t, dtype_bytes(c.dtype)), m,
                             mesh_dim="tp", group_size=t)
-                 for group, m in ((calls, workload.grad_accum), (grads, 1)) for c in group)  # fmt: skip
+                 for group, m in ((calls, grad_accum), (grads, 1)) for c in group)  # fmt: skip
 
 
 def mesh_rank_map(settings, nd: int) -> tuple[Term, ...]:
@@ -110,3 +118,53 @@ def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
         if result.recommended is not None:
             return result
     return result
+
+
+def inter_node_bytes(collectives, nd: int, gpus_per_node: int) -> int:
+    """Bytes one rank sends per optimizer step over collectives whose group crosses a node (``link`` inter:
+    ``formulas.collectives.on_mesh`` places each on the mesh its rows name, tp innermost; one of each
+    (dimension, group size) placed, every row of it on the same link)."""
+    from zeroplan.formulas.collectives import on_mesh
+
+    kinds = {(c.mesh_dim, c.group_size): c for c in collectives}
+    links = {k: c.link for k, c in zip(kinds, on_mesh(tuple(kinds.values()), nd, 1, gpus_per_node))}
+    return sum(c.bytes_per_rank for c in collectives if links[(c.mesh_dim, c.group_size)] == "inter")
+
+
+def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
+    """``plan --tp auto --dp-shard auto``: replicate x shard x tp. Each TP degree of ``tp.tp_sizes`` (within a
+    node) is planned with ``--dp-shard auto`` (each candidate on the smallest shard group of whole nodes that
+    fits, HSDP across the rest: ``mesh.shard_sizes`` on the N_d / T data-parallel ranks, G / T per node); of the
+    degrees whose plan recommends a candidate, the winner is the one whose recommendation comes first in the
+    plan's order (the same fit rule: cheapest candidate that fits), then the fewest bytes per rank on links
+    across nodes (``inter_node_bytes``), then the smaller T. None fits: the largest degree's plan. Each degree
+    is planned up to its first fitting candidate (``until_fit``), the winner again in full; the plan's ``order``
+    says what each degree gave."""
+    from zeroplan.engines.fsdp2.mesh import AUTO
+    from zeroplan.engines.fsdp2.tp import tp_sizes
+    from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
+
+    node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
+    sp = options.own.get("sequence_parallel", True) is not False
+    tried = []
+    for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp):
+        own = {**options.own, "tp": t if t > 1 else None, "dp_shard": AUTO}
+        result = plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=True)  # ranked by it
+        chosen = None if result.recommended is None else result.candidates[result.recommended]
+        inter = None if chosen is None else inter_node_bytes(chosen.estimate.collectives, nd, node)
+        tried.append((t, result, inter))
+    fitting = [x for x in tried if x[2] is not None]
+    t, best, _ = min(fitting, key=lambda x: (x[1].recommended, x[2], x[0])) if fitting else tried[-1]
+    best = plan(workload, nd, capacity_bytes, replace(options, own={**options.own, "tp": t if t > 1 else None,
+                                                                     "dp_shard": AUTO}))  # every candidate
+
+    def said(t: int, result, inter) -> str:
+        if inter is None:
+            return f"tp {t}: none fits"
+        s = result.candidates[result.recommended].trace_inputs[2]
+        mesh = f"{s.dp_replicate} x {s.dp_shard}" if s.dp_replicate else f"{nd // t}"
+        return f"tp {t}: candidate {result.recommended + 1} on dp {mesh}, {inter / 1e9:.3g} GB/rank across nodes"
+
+    summary = "; ".join(said(*x) for x in tried)
+    return replace(best, order=f"{best.order}; mesh searched (tp within a node of {node}, shard groups of whole "
+                               f"nodes; ranked by that order, then bytes across nodes): {summary}; chose tp {t}")
