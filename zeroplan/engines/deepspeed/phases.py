@@ -155,7 +155,7 @@ def final_norm_backward(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term
     is left of the norm: its fp32 input and rsqrt (``BlockActivations.pending_at_last_grad`` less d(normalised))
     and RMSNorm's backward working set (``norm_backward_ws``) less one N·d: the norm's output gradient is the
     head's alone, not a sum of two projections' (and no residual gradient waits beside it). Above the last
-    block's first op by 4·N·d·4 + N·d·a - N·d·a - ws; hidden by the cross-entropy until the bucket is large.
+    block's moment by 16,384 B at tiny-llama fp32, and hidden by the cross-entropy until the bucket is large.
     Measured (dsres's probe, MemTracker's categories at the peak, which rises before down_proj's hook):
     tiny-llama hf ZeRO-2, N_d = 2, buckets 20,250 / 20,500 / 39,000: the final norm's input (12,288 B) and
     5 fp32 N·d temporaries (61,440 B) beside both blocks' saved tensors; the last block's moment was 15,912 B
@@ -163,8 +163,8 @@ def final_norm_backward(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term
     blk, n_d = run.acts.block, run.acts.embed_out
     if not (blk.norm_backward_ws and blk.pending_at_last_grad) or not run.param_blocks:
         return ()  # GPT's LayerNorm: one node, its backward is the LM head moment's
-    keep = tuple(t for t in last if t not in inflight and t.name not in ("incoming activation gradient",
-                                                                       "block backward working set"))  # fmt: skip
+    dropped = ("incoming activation gradient", "block backward working set")
+    keep = tuple(t for t in last if t not in inflight and t.name not in dropped)
     return (Moment("backward", "final norm backward (pow's), the bucket alive", (
         *keep, _blocks_saved(run, run.acts.n_layer),
         _act("final norm's fp32 input and rsqrt (pow's and rsqrt's saved)", blk.pending_at_last_grad - n_d),

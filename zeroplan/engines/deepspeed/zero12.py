@@ -168,7 +168,7 @@ def _first_bucket_before_last_block(run: DSRun) -> bool:
     hook = order[first_of_bucket[1]]
     last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
     last_block = run.param_blocks[last_in_blocks] if last_in_blocks >= 0 else -1
-    return hook > last_in_blocks or (run.param_blocks[hook] == last_block and hook in set(run.output_projections))
+    return hook > last_in_blocks or (run.param_blocks[hook] == last_block and hook in run.output_projections)
 
 
 def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, Term]],
