@@ -299,7 +299,9 @@ def test_zero3_output_projection_gradient_is_in_the_bucket(name, without, now, m
 # over (their first bucket's grads_in_partition counted at the last block's first op, but sent at block 1's /
 # block 0's v_proj hook).
 B20250, B20500, B39000 = (f"deepspeed-z2-llama-hf-buckets{b}-nd2" for b in (20250, 20500, 39000))
-FINAL_NORM = [(B20250, 0, -1.54), (B20500, 0, -1.54), (B20250, 1, -1.54), (B39000, 0, -1.44), (B39000, 1, -1.44)]
+OWN = "deepspeed-z2-llama-buckets20250-nd2"  # the validator's own CausalLM (no rotary buffers): 504 B over
+FINAL_NORM = [(B20250, 0, -1.54), (B20500, 0, -1.54), (B20250, 1, -1.54), (B39000, 0, -1.44), (B39000, 1, -1.44),
+              (OWN, 0, -1.54)]
 # MemTracker's live bytes in copy_grads_in_partition when the rank's grads_in_partition is allocated (the
 # probe's entry plus the partition): 20,250 rank 0 at block 0's k_proj hook, rank 1 at block 1's v_proj hook;
 # 39,000 both at block 0's v_proj hook. The attention hooks' moment (reduce.py ``_hook_activations``, bounded at
@@ -315,7 +317,7 @@ def test_final_norm_backward_holds_the_bucket(name, rank, without):
     (got,) = [r for r in record["ranks"] if r["rank"] == rank]
     assert moment == "final norm backward (pow's), the bucket alive"
     predicted = estimate_of(record, rank).peak.by_phase()["backward"]
-    assert predicted - got["measured_peak_bytes_by_phase"]["backward"] == 472
+    assert predicted - got["measured_peak_bytes_by_phase"]["backward"] == (504 if name == OWN else 472)
     assert others == pytest.approx(without, abs=0.005)  # the next moment: the last block's, 16,384 B less
 
 
