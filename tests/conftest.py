@@ -71,29 +71,53 @@ _hide_packages()
 
 
 _JIT_BUILD = None
+_JOBS = None
+_WORLDS = None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that read a background job run last: the jobs run meanwhile (tests/background.py)."""
+    from background import last_readers
+
+    items[:] = last_readers(items)
 
 
 def pytest_collection_finish(session):
-    """DeepSpeed's JIT ops, built in the background from here on (tests/deepspeed_world.py)."""
-    global _JIT_BUILD
-    from deepspeed_world import start_jit_builds
+    """DeepSpeed's JIT ops, then the session's background jobs, run from here on (tests/background.py)."""
+    global _JIT_BUILD, _JOBS, _WORLDS
+    from background import Jobs, session_jobs
+    from deepspeed_world import SharedWorlds, start_jit_builds
 
+    modules = list(dict.fromkeys(m for m in (getattr(item, "module", None) for item in session.items) if m))
+    _JOBS = Jobs()
+    _WORLDS = SharedWorlds(modules, _JOBS)
     if session.config.option.collectonly:
         return
-    _JIT_BUILD = start_jit_builds(dict.fromkeys(getattr(item, "module", None) for item in session.items))
+    _JIT_BUILD = start_jit_builds(modules)
+    _JOBS.start(session_jobs(modules, _WORLDS, _JOBS.dir))
 
 
 def pytest_sessionfinish(session):
     from deepspeed_world import finish_jit_builds
 
+    if _JOBS is not None:
+        _JOBS.stop()
     finish_jit_builds(_JIT_BUILD)
 
 
-@pytest.fixture(scope="session")
-def deepspeed_world(request):
-    """The session's shared DeepSpeed worlds, one per N_d, over the collected modules' cases
-    (tests/deepspeed_world.py)."""
-    from deepspeed_world import SharedWorlds
+def pytest_terminal_summary(terminalreporter):
+    for line in _JOBS.summary() if _JOBS is not None else []:
+        terminalreporter.write_line(line)
 
-    modules = dict.fromkeys(m for m in (getattr(item, "module", None) for item in request.session.items) if m)
-    return SharedWorlds(list(modules))
+
+@pytest.fixture(scope="session")
+def background():
+    """The session's background jobs (tests/background.py ``Jobs``): ``background.result(key, job)``."""
+    return _JOBS
+
+
+@pytest.fixture(scope="session")
+def deepspeed_world():
+    """The session's shared DeepSpeed worlds, one per N_d, over the collected modules' cases, each a background
+    job from collection on (tests/deepspeed_world.py)."""
+    return _WORLDS

@@ -13,6 +13,8 @@ run alone starts only its own), identical cases once (the same ds_config and run
 for ``STEPS`` steps: three, the most any module needs (ZeRO-3's steady-state collectives are the third
 step's; a two-step module reads its second step and the step boundaries it read before, which a third step
 adds to but does not change). A failed world fails every module that reads it, once: the error is kept.
+Each world is one of the session's background jobs (tests/background.py): started at collection, niced,
+while the other tests run; the modules that read it run last.
 """
 
 from __future__ import annotations
@@ -31,11 +33,28 @@ def _key(config: dict, run: dict) -> str:
 
 
 class SharedWorlds:
-    """The session's worlds, run lazily, one per N_d (see the module docstring)."""
+    """The session's worlds, one per N_d, each a background job (tests/background.py) or run when first read."""
 
-    def __init__(self, modules):
+    def __init__(self, modules, jobs=None):
         self._modules = modules  # the collected test modules, in collection order
+        self.jobs = jobs  # the session's background jobs (tests/background.py Jobs), set once they start
         self._worlds: dict[int, tuple[dict[str, int], list[list[dict]]] | BaseException] = {}
+
+    def _cases(self, nd: int) -> tuple[dict[str, int], list[dict], list[dict]]:
+        index: dict[str, int] = {}
+        configs, runs = [], []
+        for module in self._modules:
+            for config, run in getattr(module, "DEEPSPEED_WORLD", {}).get(nd, list)():
+                if index.setdefault(_key(config, run), len(configs)) == len(configs):
+                    configs.append(config)
+                    runs.append({**RUN_DEFAULTS, **run})
+        return index, configs, runs
+
+    def job(self, nd: int) -> tuple[str, dict]:
+        """The world of ``nd`` as a job: its key and ``validate.engines.deepspeed.run_world``'s arguments."""
+        _, configs, runs = self._cases(nd)
+        kwargs = {"configs": configs, "nd": nd, "steps": STEPS, "runs": runs, "timeout_s": 3600}
+        return f"deepspeed-world-nd{nd}", {"fn": "validate.engines.deepspeed:run_world", "kwargs": kwargs}
 
     def ranks(self, module, nd: int) -> list[list[dict]]:
         """``ranks[rank][i]``: what every rank measured for ``module``'s i-th case at ``nd``."""
@@ -49,17 +68,11 @@ class SharedWorlds:
         return [[rank[i] for i in wanted] for rank in ranks]
 
     def _run(self, nd: int):
-        from validate.engines.deepspeed import run_world
+        from background import call
 
-        index: dict[str, int] = {}
-        configs, runs = [], []
-        for module in self._modules:
-            for config, run in getattr(module, "DEEPSPEED_WORLD", {}).get(nd, list)():
-                if index.setdefault(_key(config, run), len(configs)) == len(configs):
-                    configs.append(config)
-                    runs.append({**RUN_DEFAULTS, **run})
+        index = self._cases(nd)[0]
         try:
-            return index, run_world(configs, nd, steps=STEPS, runs=runs, timeout_s=3600)
+            return index, (self.jobs.result(*self.job(nd)) if self.jobs is not None else call(self.job(nd)[1]))
         except Exception as e:  # every module reading this world fails with it; none starts it again
             return e
 

@@ -210,7 +210,7 @@ def _full_and_fast(events, conf: str, monkeypatch) -> tuple:
     cfg = parse_alloc_conf(conf)
     with monkeypatch.context() as m:
         m.setattr(module, "alloc_runs", lambda events: {})
-        full = replay(events, cfg)
+        full = replay([tuple(e) for e in events], cfg)  # plain tuples: every event through ``_Run.step``
     copies, copy, carve = [], runs._copy_period, runs.expandable_run
     with monkeypatch.context() as m:
         m.setattr(runs, "_copy_period", lambda *a: (copies.append(1), copy(*a)))
@@ -233,6 +233,8 @@ def _engine_traces():
         "fsdp2-reshard": fsdp2_traces(w, 8, fsdp2.Settings())[0],
         "fsdp2-keep-bf16": fsdp2_traces(w, 8, fsdp2.Settings(reshard_after_forward=False, param_dtype="bf16"))[0],
         "fsdp2-ckpt-k4": fsdp2_traces(full, 8, fsdp2.Settings(reshard_after_forward=4))[0],
+        "fsdp2-hsdp": fsdp2_traces(w, 8, fsdp2.Settings(dp_shard=4, param_dtype="bf16", reduce_dtype="fp32"))[0],
+        "fsdp2-tp2": fsdp2_traces(full, 8, fsdp2.Settings(tp=2))[0],
         "deepspeed-zero3": deepspeed_traces(w, 8, deepspeed.Settings(stage=3))[0],
         "deepspeed-zero2-overlap": deepspeed_traces(full, 8, deepspeed.Settings(stage=2, overlap_comm=True))[0],
     }
@@ -241,9 +243,11 @@ def _engine_traces():
 @pytest.mark.parametrize("conf", ["", "max_split_size_mb:64", "expandable_segments:True"])
 def test_fast_forwarded_runs_replay_exactly_as_request_by_request(conf, monkeypatch):
     """Every field of the replay (peaks per phase, segments and their blocks, the segment log, every address)
-    equal with and without the runs fast-forwarded, on FSDP2 (resharding, kept, k-sharded with checkpointing)
-    and DeepSpeed (ZeRO-3, ZeRO-2 on its reduction stream) traces of llama2-7b; the fast path copies periods
-    (expandable segments: carves runs in closed form) of every FSDP2 trace."""
+    equal with and without the fast paths (runs fast-forwarded; allocs and frees inlined in ``replay``'s loop:
+    the full replay gets plain tuples, which go through ``_Run.step``), on FSDP2 (resharding, kept, k-sharded
+    with checkpointing, HSDP 2 x 4, tp 2) and DeepSpeed (ZeRO-3, ZeRO-2 on its reduction stream) traces of
+    llama2-7b; the fast path copies periods (expandable segments: carves runs in closed form) of every FSDP2
+    trace."""
     copied = 0
     for name, trace in _engine_traces().items():
         full, fast, copies = _full_and_fast(trace.events, conf, monkeypatch)

@@ -155,16 +155,16 @@ def test_published_deepseek_v3_reads_its_router_and_layer_kinds():
 
 
 def test_cli_gives_deepseek_peaks_where_the_engines_were_measured():
-    """FSDP2 and DeepSpeed ZeRO-2 (bucket >= one expert tensor) give DeepSeek-V3's peak; DeepSpeed ZeRO-3 is refused
-    by the same ``moe_limit`` rule as every MoE family (engines/deepspeed/plan.py), the reference runtime because it
-    builds no routed experts: one line each."""
+    """FSDP2 and DeepSpeed ZeRO-2 (bucket >= one expert tensor) and ZeRO-3 give DeepSeek-V3's peak; DeepSpeed ZeRO-1
+    is refused by the same ``moe_limit`` rule as every MoE family (engines/deepspeed/plan.py): one line."""
     from tests.clicheck import assert_one_line_error, run, run_json
 
     model = str(CONFIGS / "tiny-deepseek-v3.json")
-    for engine in (["--engine", "fsdp2"], ["--engine", "deepspeed", "--stage", "2"]):
+    for engine in (["--engine", "fsdp2"], ["--engine", "deepspeed", "--stage", "2"],
+                   ["--engine", "deepspeed", "--stage", "3"]):  # fmt: skip
         (row,) = run_json("estimate", "--model", model, "--gpus", "2", "--seq-len", "8", *engine)["stages"]
         assert row["peak_bytes"] > 0
-    assert_one_line_error(run("estimate", "--model", model, "--gpus", "2", "--engine", "deepspeed", "--stage", "3"),
+    assert_one_line_error(run("estimate", "--model", model, "--gpus", "2", "--engine", "deepspeed", "--stage", "1"),
                           "DeepSpeed's peak of routed experts is modelled at ZeRO-2")  # fmt: skip
 
 
@@ -210,11 +210,11 @@ def test_fsdp2_peaks_of_deepseek_every_phase_every_rank(name, tmp_path):
 #: model=a 64-position tiny-llama world, steps=2, seq_len=64, runs=[{"model": CONFIG_JSON, "hf": True}] per config),
 #: ds_config(stage, micro_batch=1, optimizer_params={"torch_adam": True}), DeepSpeed's default buckets, fp32, gloo,
 #: N_d = 2, DS_ACCELERATOR=cpu), recorded 2026-12-01 on this project's CPU machine: the largest rank's peak bytes
-#: [init, forward, backward, optimizer_step]. ZeRO-3 is refused by the planner (``moe_limit``, as every MoE family:
-#: measured -3.4 % on Mixtral with small buckets); here, with 5e8-element buckets, its rows are within 0.09 %.
+#: [init, forward, backward, optimizer_step]. ZeRO-3 with 5,000-element buckets: tests/test_deepspeed_moe.py.
 DS_RECORDED = {2: [4389440, 8015856, 2008015864, 8779344], 3: [2003554241, 2010211061, 2012071897, 2008779877]}
-#: measured - predicted beyond MARGIN, asserted so that a fix shows: ZeRO-3's backward 1,699,364 B (0.085 %) under
-#: (the experts module fetches both 3-D tensors at once: moe_limit). ZeRO-2 is within 0.007 % every phase; before
+#: measured - predicted beyond MARGIN, asserted so that a fix shows: ZeRO-3's backward 1,699,364 B (0.085 %) under,
+#: at DeepSpeed's default buckets (2 GB of bucket; not the sparse block's: with 5,000-element buckets every phase
+#: is within 320 B, tests/test_deepspeed_moe.py). ZeRO-2 is within 0.007 % every phase; before
 #: math SDPA's b = 1 rule (``deepseek_activations._v_view``: v saved as a view of kv_b_proj's output) its forward
 #: was 0.61 % under.
 DS_RESIDUAL = {(3, "backward"): 1699364 / 2012071897}

@@ -261,8 +261,8 @@ def test_one_memory_prediction_matches_the_cpu_measurement(case, nd, rank):
 def test_fsdp2_offload_flags_on_estimate_and_plan():
     """``--fsdp-offload cpu`` / ``--no-fsdp-pin-memory`` set FSDP2's own options (cli_options.OWN_OPTION_PARAMS):
     the estimate is the engine's own with them (the same bytes as the Python call), its row names the policy;
-    another engine refuses the flag, a bad value is the option's own one-line refusal; sweep has no such flag
-    (its rows have no engine host column yet)."""
+    another engine refuses the flag, a bad value is the option's own one-line refusal; sweep takes it too, its host
+    column the estimate's host_bytes_per_gpu (tests/test_sweep.py checks the columns)."""
     args = ("--engine", "fsdp2", "--model", "llama2-7b", "--gpus", "8")
     on = run_json("estimate", *args, "--fsdp-offload", "cpu", "--no-fsdp-pin-memory")
     off = run_json("estimate", *args)
@@ -278,7 +278,11 @@ def test_fsdp2_offload_flags_on_estimate_and_plan():
     assert_one_line_error(run("estimate", *args, "--fsdp-offload", "nvme"), "offload_policy='nvme': expected none or cpu")
     assert_one_line_error(run("estimate", "--model", "llama2-7b", "--gpus", "8", "--fsdp-offload", "cpu"),
                           "--fsdp-offload does not apply to --engine reference")  # fmt: skip
-    assert_one_line_error(run("sweep", *args, "--fsdp-offload", "cpu"), "No such option: --fsdp-offload")
+    import csv
+    import io
+
+    (swept,) = csv.DictReader(io.StringIO(run("sweep", *args, "--fsdp-offload", "cpu", "--no-fsdp-pin-memory").output))
+    assert int(swept["host_bytes"]) == row["host_bytes_per_gpu"]
 
 
 def test_torch_adam_with_offload_is_torchs_adam_on_the_host():

@@ -82,21 +82,35 @@ RUNS = {
 CI_RUNS = ci_slice(list(RUNS), [n for n in RUNS if n not in ("real-2-bf16-default", "sim-8-64-bf16-k2")])
 
 
-@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.distributed) for n in CI_RUNS])
-def report(request):
-    pytest.importorskip("torch")
-    from validate.api import run_validation
+def _validate_configs(scratch: Path) -> dict:
+    """``{run: ValidateConfig}`` of the CI runs; the four-layer Llama's config.json is written to ``scratch``."""
+    import json
+
     from validate.config import ValidateConfig
 
-    fields = dict(RUNS[request.param])
-    if fields.get("model") == LLAMA_4_LAYERS:
-        import json
+    configs = {}
+    for name in CI_RUNS:
+        fields = dict(RUNS[name])
+        if fields.get("model") == LLAMA_4_LAYERS:
+            path = scratch / "tiny-llama-4-layers.json"
+            path.write_text(json.dumps({**json.loads((DATA / "tiny-llama.json").read_text()), "num_hidden_layers": 4}))
+            fields["model"] = str(path)
+        configs[name] = ValidateConfig(engine="fsdp2", steps=2, device="cpu", **fields)
+    return configs
 
-        path = request.getfixturevalue("tmp_path_factory").mktemp("hf") / "tiny-llama-4-layers.json"
-        path.write_text(json.dumps({**json.loads((DATA / "tiny-llama.json").read_text()), "num_hidden_layers": 4}))
-        fields["model"] = str(path)
-    config = ValidateConfig(engine="fsdp2", steps=2, device="cpu", **fields)
-    return request.param, run_validation(config)
+
+# every run is one of the session's background jobs (tests/background.py): started at collection, niced, while
+# the other tests run; this module runs last
+BACKGROUND_VALIDATE = _validate_configs
+
+
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.distributed) for n in CI_RUNS])
+def report(request, background):
+    """``zeroplan validate``'s report of the run (``validate.api.run_validation``), from the background job."""
+    from background import key, validate_job
+
+    config = _validate_configs(background.dir)[request.param]
+    return request.param, background.result(key(request.module, request.param), validate_job(config))
 
 
 def test_every_row_within_bounds(report):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.suite_slices import ci_slice
-from tests.test_validate_runs import run_json
+from background import validate_json
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.engines.reference import predict_peak, reference_run
 from zeroplan.formulas.activation_terms import model_activations
@@ -143,11 +143,6 @@ def test_llama_family_saved_activations_match_transformers(family):
 # --- the reference runtime: predicted vs measured peak per phase --------------------------------
 
 
-def validate_json(tmp_path_factory, *args: str) -> dict:
-    """``zeroplan validate ARGS --json FILE``, run in this process (tests/test_validate_runs.py), read back."""
-    return run_json(tmp_path_factory, *args)[1]
-
-
 # The CI matrix of issue 8, as a covering set of four validator runs (one invocation runs many stages
 # and world sizes; each has one model, checkpointing mode and sequence length):
 #
@@ -179,29 +174,18 @@ def world_sizes(run: str) -> list[str]:
     return [a for n in SIZES[run] for a in ("--world-size", str(n))]
 
 
-@pytest.fixture(scope="module")
-def gpt2_real(tmp_path_factory):
-    return validate_json(tmp_path_factory, "--model", str(HF_CONFIGS / "tiny-gpt2.json"), *world_sizes("gpt2_real"),
-                         "--stage", "0", "--stage", "2", "--stage", "3", "--seq-len", "16", "--steps", "2")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def llama_real(tmp_path_factory):
-    return validate_json(tmp_path_factory, "--model", str(HF_CONFIGS / "tiny-llama.json"), "--world-size", "3",
-                         "--stage", "0", "--stage", "2", "--stage", "3", "--checkpointing", "full",
-                         "--seq-len", "8", "--steps", "2")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def llama_sim(tmp_path_factory):
-    return validate_json(tmp_path_factory, "--model", str(HF_CONFIGS / "tiny-llama.json"), "--simulated",
-                         *world_sizes("llama_sim"), "--seq-len", "16", "--steps", "2", "--foreach")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def gpt2_sim(tmp_path_factory):
-    return validate_json(tmp_path_factory, "--model", str(HF_CONFIGS / "tiny-gpt2.json"), "--simulated",
-                         *world_sizes("gpt2_sim"), "--checkpointing", "full", "--seq-len", "8", "--steps", "2")  # fmt: skip
+# each run is one of the session's background jobs (tests/background.py: started at collection, niced, while the
+# other tests run; this module runs last): ``zeroplan validate ARGS --json FILE``
+BACKGROUND_CLI = {
+    "gpt2_real": ["--model", str(HF_CONFIGS / "tiny-gpt2.json"), *world_sizes("gpt2_real"), "--stage", "0",
+                  "--stage", "2", "--stage", "3", "--seq-len", "16", "--steps", "2"],
+    "llama_real": ["--model", str(HF_CONFIGS / "tiny-llama.json"), "--world-size", "3", "--stage", "0", "--stage", "2",
+                   "--stage", "3", "--checkpointing", "full", "--seq-len", "8", "--steps", "2"],
+    "llama_sim": ["--model", str(HF_CONFIGS / "tiny-llama.json"), "--simulated", *world_sizes("llama_sim"),
+                  "--seq-len", "16", "--steps", "2", "--foreach"],
+    "gpt2_sim": ["--model", str(HF_CONFIGS / "tiny-gpt2.json"), "--simulated", *world_sizes("gpt2_sim"),
+                 "--checkpointing", "full", "--seq-len", "8", "--steps", "2"],
+}  # fmt: skip
 
 
 def check_peak_row(row: dict) -> None:
@@ -225,7 +209,7 @@ MATRIX = {  # run -> (N_d, stages, checkpointing, seq)
 @pytest.mark.parametrize("run", [pytest.param(r, marks=pytest.mark.distributed) if r.endswith("real") else r
                                  for r in MATRIX])  # fmt: skip
 def test_reference_peak_per_phase_matrix(run, request):
-    report = request.getfixturevalue(run)
+    report = validate_json(request.getfixturevalue("background"), request.module, run)[1]
     sizes, stages, ckpt, seq = MATRIX[run]
     assert {(r["world_size"], r["stage"]) for r in report["rows"]} == {(n, s) for n in sizes for s in stages}
     for row in report["rows"]:

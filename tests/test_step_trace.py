@@ -107,3 +107,46 @@ def test_a_collection_of_n_grows_by_its_last_tensors():
     assert [e.action for e in events if e.action in ("alloc", "free")] == ["alloc"] * 3 + ["free"] * 3
     assert tensor_sizes(Term("t", 10, "x", 4), 1) == [(3, 2), (2, 2)]
     assert tensor_sizes(Term("t", 10, "x", 4), 512) == [(3, 4)]
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_the_last_step_copied_from_the_one_before_is_the_step_built(engine, monkeypatch):
+    """``step_trace`` copies the last step's events from the step before when the builder's state after their
+    first moments agrees (``_repeats``): every event equal to the trace built moment by moment, on the drawn
+    configurations of each engine (HSDP, k-sharded, CPU, ZeRO 1-3, ...), and the copy made (on most of FSDP2's)."""
+    import zeroplan.allocator.step_trace as module
+
+    _, traces = ENGINES[engine]
+    copied, repeat = [], module._Builder.repeat_step
+    monkeypatch.setattr(module._Builder, "repeat_step", lambda self, *a: (copied.append(1), repeat(self, *a)))
+    checked = 0
+    for w, nd, settings in _draws(engine, 8):
+        fast = traces(w, nd, settings)
+        with monkeypatch.context() as m:
+            m.setattr(module, "_repeats", lambda *a: False)
+            built = traces(w, nd, settings)
+        assert [t.events for t in fast] == [t.events for t in built], (engine, nd, settings)
+        assert [t.phase_live_bytes for t in fast] == [t.phase_live_bytes for t in built]
+        checked += len(fast)
+    assert checked >= 8 and copied, (engine, len(copied), checked)
+    if engine == "fsdp2":  # its moments start each step alike (DeepSpeed's first step often does not)
+        assert len(copied) * 2 >= checked, (len(copied), checked)
+
+
+def test_a_last_step_that_starts_elsewhere_is_built_moment_by_moment(monkeypatch):
+    """A one-tensor buffer grown in pieces: from init (1,500 B) to the first forward (2,000 B) it grows by a
+    500-B piece; the optimizer step (1,000 B) frees both pieces and makes one of 1,000 B, which the second
+    forward grows by another. The states differ, so the second step is built moment by moment, not copied."""
+    import zeroplan.allocator.step_trace as module
+
+    grads = [Term("gradients", n, "g") for n in (1500, 2000, 1000)]
+    x = Term("activations", 1000, "y")
+    moments = (Moment("init", "i", (grads[0],)), Moment("forward", "f", (grads[1], x)),
+               Moment("backward", "b", (grads[1],)), Moment("optimizer_step", "o", (grads[2],)))  # fmt: skip
+    answers, repeats = [], module._repeats
+    monkeypatch.setattr(module, "_repeats", lambda *a: answers.append(repeats(*a)) or answers[-1])
+    tr = step_trace(moments, steps=2)
+    assert answers == [False]
+    allocs = [e.size for e in tr.events if e.action == "alloc"]
+    assert allocs == [1500, 500, 1000, 1000, 1000, 1000]  # the second forward's gradients: two 1,000-B pieces
+    assert tr.phase_live_bytes == peak_of(moments).by_phase()

@@ -491,3 +491,65 @@ def test_estimate_csv_reserved_bytes_is_the_json_one():
     rows = list(csv.DictReader(io.StringIO(CliRunner().invoke(app, [*args, "--csv"]).output)))
     assert [int(r["reserved_bytes"]) for r in rows] == [s["reserved_bytes"] for s in as_json]
     assert all(s["reserved_bytes"] > s["peak_bytes"] for s in as_json)
+
+
+ZERO2_CPU = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+ZERO3_NVME = {"bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}
+# one 8192 x 64 tied embedding (524,288 elements): a ZeRO-3 partition above DeepSpeed's 1 MiB swap threshold at N_d 1, 2
+WIDE_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 88, "max_position_embeddings": 32,
+              "num_attention_heads": 4, "num_hidden_layers": 1, "num_key_value_heads": 2, "vocab_size": 8192,
+              "tie_word_embeddings": True}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("engine", "options", "gpus", "want"),
+    [
+        # tiny-llama Ψ = 47,760, largest tensor 103 x 48 = 4,944; ZeRO-2 cpu at N_d = 2, partition P = 23,880 (bf16):
+        # host 18P + 2·4,944 (test_engine_offload.py's terms), fp32 gradients down 4P, bf16 partition up 2P
+        ("deepspeed", {"ds_config": ZERO2_CPU}, [2], [("optimizer->cpu", "steady", 23_880 * 18 + 4_944 * 2, 0,
+                                                       23_880 * 2, 23_880 * 4)]),
+        # ZeRO-3 nvme: the NVMe holds master, m, v at the 256-aligned partition A and the swapped embedding slice
+        # (nvme.nvme_traffic): N_d = 1: A = 553,728, slice 524,288; N_d = 2: A = 276,992, slice 262,144 (1 MiB).
+        # The host's init peak (initialize_optimizer_states) is above the steady bytes (9,966,976 at N_d = 1)
+        ("deepspeed", {"ds_config": ZERO3_NVME}, [1, 2], [
+            ("optimizer->nvme", "init", 11_074_304, 12 * 553_728 + 4 * 524_288, 553_664 * 2, 553_664 * 2),
+            ("optimizer->nvme", "init", 5_539_200, 12 * 276_992 + 4 * 262_144, 276_832 * 2, 276_832 * 2)]),
+        # FSDP2 CPUOffloadPolicy: the fp32 shard (23,928 elements padded) fetched for forward and backward, gradients
+        # down; materialized init (the whole model, 4Ψ, on the CPU) stays below the steady bytes at N_d = 2
+        ("fsdp2", {"offload_policy": "cpu", "init": "materialized"}, [2], [
+            ("optimizer->cpu, params->cpu", "steady", 478_644, 0, 8 * 23_928, 4 * 23_928)]),
+    ],
+)  # fmt: skip
+def test_engine_offload_rows_are_estimates_host_memory(engine, options, gpus, want, tmp_path):
+    """A one-row engine's offload (issue 21): the sweep's offload, host_bytes, nvme_bytes, h2d_bytes and d2h_bytes are
+    the engine's HostMemory, the numbers ``estimate`` prints (host_bytes_per_gpu: the larger of the steady bytes and
+    init's peak; nvme_write_bytes_per_step), not the zeros and "none" they were."""
+    model = TINY_LLAMA
+    if options.get("ds_config") is ZERO3_NVME:
+        model = str(tmp_path / "wide.json")
+        (tmp_path / "wide.json").write_text(json.dumps(WIDE_LLAMA))
+    rows = to_records(zeroplan.sweep(model=model, gpus=gpus, engine=engine, **options, **TINY_STEP))
+    assert len(rows) == len(gpus) == len(want)
+    for row, w in zip(rows, want):
+        e = zeroplan.estimate(model=model, gpus=row["gpus"], engine=engine, **options, **TINY_STEP)
+        (s,) = e.stages
+        printed = stage_dict(s, e)
+        assert (row["offload"], row["host_bytes"]) == (s.host.offload.label, printed["host_bytes_per_gpu"])
+        assert (row["h2d_bytes"], row["d2h_bytes"]) == (s.host.h2d_bytes, s.host.d2h_bytes)
+        assert row["nvme_bytes"] == (printed["nvme_write_bytes_per_step"] or 0)
+        assert row["host_bytes"] == max(printed["host_steady_bytes_per_gpu"], printed["host_init_peak_bytes_per_gpu"])
+        assert (row["offload"], printed["host_peak_at"], row["host_bytes"], row["nvme_bytes"], row["h2d_bytes"],
+                row["d2h_bytes"]) == w  # fmt: skip
+        assert row["peak_bytes"] == s.peak.peak_bytes > 0
+
+
+def test_cli_fsdp_offload_fills_the_host_column():
+    """``sweep --engine fsdp2 --fsdp-offload cpu``: the flag estimate takes, the row test_engine_offload_rows_... checks."""
+    args = ["sweep", "--engine", "fsdp2", "--model", TINY_LLAMA, "--gpus", "2", "--seq-len", "8", "--checkpointing",
+            "none", "--init", "materialized"]  # fmt: skip
+    (row,) = csv.DictReader(io.StringIO(runner.invoke(app, [*args, "--fsdp-offload", "cpu"]).output))
+    (plain,) = csv.DictReader(io.StringIO(runner.invoke(app, args).output))
+    assert (row["offload"], int(row["host_bytes"]), int(row["h2d_bytes"])) == ("optimizer->cpu, params->cpu", 478_644,
+                                                                               8 * 23_928)  # fmt: skip
+    assert (plain["offload"], int(plain["host_bytes"])) == ("none", 0)

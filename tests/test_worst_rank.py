@@ -273,18 +273,17 @@ def test_zero3_output_projection_gradient_is_in_the_bucket(name, without, now, m
     hook copies down_proj's 16,896-element gradient into the bucket before the SwiGLU product's backward
     (stage3.py ``__add_grad_to_ipg_bucket``), so the working set holds no weight gradient; without it the
     gradient stays autograd's. (measured - predicted) / measured of backward, both ranks alike."""
-    from zeroplan.engines.deepspeed import zero3
-    from zeroplan.engines.deepspeed.profile import run_moments
+    from zeroplan.engines.deepspeed import profile, zero3
 
     (record,) = [r for r in RECORDS if r["name"] == name]
     measured = record["ranks"][0]["measured_peak_bytes_by_phase"]["backward"]
     got = estimate_of(record, 0).peak.by_phase()["backward"]
     monkeypatch.setattr(zero3.ZeroOptimizerStage3, "buckets_at_hooks", lambda self, run: False)
-    run_moments.cache_clear()  # profile.py caches each run's moments: the patched ones must not outlive the test
+    profile.run_moments.cache_clear()  # a run's moments are cached (profile.py): computed again, patched
     try:
         before = estimate_of(record, 0).peak.by_phase()["backward"]
     finally:
-        run_moments.cache_clear()
+        profile.run_moments.cache_clear()  # and not left patched for the next test
     assert 100 * (measured - got) / measured == pytest.approx(now, abs=0.0005)
     assert 100 * (measured - before) / measured == pytest.approx(without, abs=0.005)
 

@@ -48,6 +48,13 @@ warnings.filterwarnings(
 
 RUNTIMES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 UNPROBED_STEPS = 2  # extra steps timed without probes, after the measured ones
+
+
+def unprobed_steps(fake: bool) -> int:
+    """How many steps to time without probes: ``UNPROBED_STEPS``, none under fake tensors, where a step does
+    no arithmetic and its time says nothing about the probes' cost (a 7B-class fake step: seconds of CPU;
+    ``step_time_s`` then reports 0 steps and 0.0 s, as the DeepSpeed runner does)."""
+    return 0 if fake else UNPROBED_STEPS
 FAULT_ENV = "ZEROPLAN_VALIDATE_FAULT"  # test hook: "crash:RANK" or "hang:RANK"
 
 def calls_by_step(calls, steps: int) -> list[list[list]]:
@@ -98,7 +105,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
             for gb in global_batches
         ]
         # replayed after the check, without probes
-        unprobed_batches = [list(mb) for mb in local_batches[-UNPROBED_STEPS:]]
+        unprobed_batches = [list(mb) for mb in local_batches[len(local_batches) - unprobed_steps(fake):]]
         if config.wire:  # every rank reads the same namespace-wide counter; a barrier lines them up
             dist.barrier()
             wire_start = loopback_tx_bytes()
@@ -174,7 +181,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
         unprobed_s = [time_step(runtime, batch, device) for batch in unprobed_batches]
         row["step_time_s"] = {
             "probed": statistics.median(step_s[1:]),
-            "unprobed": statistics.median(unprobed_s),
+            "unprobed": statistics.median(unprobed_s or [0.0]),
             "unprobed_steps": len(unprobed_s),
         }
     del runtime, global_batches

@@ -17,6 +17,7 @@ from zeroplan.cli_options import (
 from zeroplan.cli_options import AllocConfOption, HeadroomOption  # reserved bytes, as estimate/plan
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
 from zeroplan.cli_options import DpReplicateOption, DpShardOption, TpOption  # fsdp2's mesh (HSDP, TP)
+from zeroplan.cli_options import FsdpOffloadOption, FsdpPinMemoryOption  # fsdp2's CPUOffloadPolicy, as estimate
 from zeroplan.hub import with_revision
 
 
@@ -74,6 +75,8 @@ def sweep(
     dp_shard: DpShardOption = None,
     tp: TpOption = None,
     zero_init: ZeroInitOption = None,
+    fsdp_offload: FsdpOffloadOption = None,
+    fsdp_pin_memory: FsdpPinMemoryOption = None,
     reduce_dtype: ReduceDtypeOption = None,
     param_dtype: ParamDtype = None,
     grad_dtype: GradDtype = None,
@@ -128,7 +131,8 @@ def sweep(
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
                                   reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device,
-                                  dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, zero_init=zero_init)  # fmt: skip
+                                  dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, zero_init=zero_init,
+                                  fsdp_offload=fsdp_offload, fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
     micro_batches = parse_wholes(micro_batch, "micro-batch")
     if model is not None:  # a ds_config's batch is the rows' (the engine's sweep_batches)
         typed = micro_batches if given_on_command_line(ctx, "micro_batch") else None

@@ -95,10 +95,11 @@ def build_model(model_fn, config: dict, zero_init: bool):
 
 
 def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init: bool = False,
-            settle: bool = True) -> dict:  # fmt: skip
+            settle: bool = True, probe=None) -> dict:  # fmt: skip
     """One rank: build ``model_fn()`` (under ``deepspeed.zero.Init`` when ``zero_init``) and
     ``deepspeed.initialize`` it under the probes, train on ``batches``; ``settle`` false: DeepSpeed's
-    collectives keep their own asynchronous handles (no ``GlooSettled``)."""
+    collectives keep their own asynchronous handles (no ``GlooSettled``); ``probe``: the memory probe (None: the
+    CPU one; validate/engines/deepspeed_cuda.py passes the CUDA allocator's)."""
     import deepspeed
     import deepspeed.comm.comm as ds_comm
     import torch
@@ -106,7 +107,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
 
     from validate.probes import CommCounter
 
-    counter, probe = CommCounter(), _cpu_probe()
+    counter, probe = CommCounter(), probe or _cpu_probe()
     boundary: dict[str, int] = {}
     linear = F.linear
 
@@ -296,6 +297,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="JSON file: every rank's rows, written by rank 0")
     parser.add_argument("--raw", action="store_true", help="accepted for validate.harness (rows are always raw)")
     args = parser.parse_args(argv)
+    from validate.engines.deepspeed_cuda import on_cuda, rank_main
+
+    if on_cuda(args.config):  # --device cuda, or auto with a GPU: NCCL and the allocator's counters
+        return rank_main(args, _model_and_batches, measure)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # MemTracker's gradient hook meets gradients DeepSpeed has already moved into its buckets.
     warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")

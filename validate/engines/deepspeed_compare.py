@@ -8,6 +8,7 @@ The ranks (``validate.engines.deepspeed``) run under the same harness as the oth
 from __future__ import annotations
 
 import json
+import os
 import math
 import statistics
 
@@ -155,13 +156,15 @@ def compare_row(
 
     # how the ranks built the model, passed explicitly (the profile's default is zero.Init at stage 3)
     settings = D.Settings.from_ds_config(ds, zero_init=bool(rank_rows[0].get("zero_init", False)))
-    # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32)
-    (est,) = D.estimate(workload, nd, settings, stat_bytes=D.DTYPE_BYTES[settings.dtype])
+    cuda = rank_rows[0].get("device") == "cuda"  # the CUDA runner's rows (validate/engines/deepspeed_cuda.py)
+    # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32); CUDA: fp32 (None)
+    stat = None if cuda else D.DTYPE_BYTES[settings.dtype]
+    (est,) = D.estimate(workload, nd, settings, stat_bytes=stat)
     # every rank against its own prediction (ZeRO-1/2 ranks differ by their grads_in_partition)
     by_rank = {r["rank"]: D.estimate(workload, nd, settings.model_copy(update={"rank": r["rank"]}),
-                                     stat_bytes=D.DTYPE_BYTES[settings.dtype])[0].peak.by_phase()
+                                     stat_bytes=stat)[0].peak.by_phase()
                for r in rank_rows}  # fmt: skip
-    host = est.host
+    host = None if cuda else est.host  # CUDA: the allocator counts the GPU alone, the profile's GPU peak
     if host is not None:  # offload on CPU: "GPU" and host are one memory, measured together (docs/engines/deepspeed.md)
         by_rank = {r: one_memory(workload, nd, settings.model_copy(update={"rank": r}), D.DTYPE_BYTES[settings.dtype])
                    for r in by_rank}  # fmt: skip
@@ -169,14 +172,17 @@ def compare_row(
     collectives = tuple(replace(c, phase=PHASE_OF.get(c.phase, c.phase)) for c in est.collectives)
     # the profile predicts the ring collectives (DeepSpeed's scalar all-reduces are reported, not checked)
     top = {p: max(b[p] for b in by_rank.values()) for p in next(iter(by_rank.values()))}
+    reserved = None
+    if cuda:
+        reserved = predicted_reserved(workload, nd, settings)
     prediction = Prediction(est, collectives, peak_by_phase=top, ops=RING_OPS, peak_by_rank=by_rank,
-                            beside_states=() if host is None else host.terms)  # fmt: skip
+                            beside_states=() if host is None else host.terms, reserved_by_phase=reserved)  # fmt: skip
     row = compare_rows(prediction, readings(rank_rows, nd), tolerance, peak_tolerance)
     ds_est = D.ds_estimate_bytes(settings, numels, nd)
     peak = row["measured_peak_bytes"]
     step_s = [t for r in rank_rows for t in r["step_s"][1:]] or [t for r in rank_rows for t in r["step_s"]]
     return finish({
-        **row, "world_size": nd, "mode": "real", "backend": "gloo", "device": "cpu",
+        **row, "world_size": nd, "mode": "real", "backend": "nccl" if cuda else "gloo", "device": "cuda" if cuda else "cpu",
         "model": model_label, "psi": sum(numels), "engine": "deepspeed",
         "runner_changes": rank_rows[0].get("runner_changes", []),
         "adam_step_bytes": 0,  # a profile term (``step scalars``), not an excess
@@ -218,3 +224,16 @@ def run_validation(config) -> dict:
     torch_version = worlds[0][1][0][0]["torch"] if worlds else None
     return ValidationReport(schema_id=SCHEMA, config=config.model_dump(), torch=torch_version, rows=rows,
                             notes=notes, ok=all(r["ok"] for r in rows)).model_dump(by_alias=True)  # fmt: skip
+
+
+def predicted_reserved(workload, nd: int, settings) -> dict | None:
+    """The allocator model's ``max_memory_reserved`` per phase for the profile's allocation trace of ``settings``
+    (rank ``settings.rank``), under this process's ``PYTORCH_CUDA_ALLOC_CONF``; None for an option it refuses."""
+    from zeroplan.allocator.reserved import reserved_of
+    from zeroplan.engines.deepspeed.alloc_trace import alloc_traces
+
+    (trace,) = alloc_traces(workload, nd, settings)
+    try:
+        return reserved_of(trace, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")).reserved_phases
+    except ValueError:  # e.g. backend:cudaMallocAsync, which the model does not replay
+        return None

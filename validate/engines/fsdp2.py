@@ -43,7 +43,7 @@ from validate.models import build, make_batch, spec_for
 from validate import cuda_snapshot
 from validate.probes import CommCounter, MemoryProbe
 from validate.simulate import fake_tensors, init_fake_world
-from validate.worker import calls_by_step, inject_fault, pick_device
+from validate.worker import calls_by_step, inject_fault, pick_device, unprobed_steps
 from validate.engines.fsdp2_compare import Fsdp2Settings
 from zeroplan.files import write_text_atomic
 
@@ -210,7 +210,6 @@ def gloo_reduce_scatter_settled(probe: MemoryProbe, enabled: bool):
             setattr(dist, n, originals[n])
 
 
-UNPROBED_STEPS = 2  # steps timed without probes after the measured ones (as validate.worker)
 
 
 def time_step(model: nn.Module, optimizer, local_batch, device) -> float:
@@ -296,8 +295,8 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
     parity = None
     if not fake and settings.param_dtype == "fp32" and dist.get_backend() != "fake":
         parity = check_parity(settings, spec, mesh, local_batches[0], global_batches[0], device)
-    with mode:  # the same step without any probe, for the probes' cost
-        unprobed_s = [time_step(model, optimizer, local_batches[-1], device) for _ in range(UNPROBED_STEPS)]
+    with mode:  # the same step without any probe, for the probes' cost; none under fake tensors (unprobed_steps)
+        unprobed_s = [time_step(model, optimizer, local_batches[-1], device) for _ in range(unprobed_steps(fake))]
     return {
         "rank": rank,
         "parity": parity,
@@ -314,7 +313,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
         # torch.optim.Adam's default (_default_to_fused_or_foreach): foreach on CUDA tensors, not on CPU
         "foreach": settings.foreach if settings.foreach is not None else device.type == "cuda",
         "seconds": round(seconds, 3),
-        "step_time_s": {"probed": statistics.median(step_s[1:]), "unprobed": statistics.median(unprobed_s),
+        "step_time_s": {"probed": statistics.median(step_s[1:]), "unprobed": statistics.median(unprobed_s or [0.0]),
                         "unprobed_steps": len(unprobed_s)},
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "param_shapes": [(name, list(p.shape)) for name, p in model.named_parameters()],

@@ -10,7 +10,8 @@ segments'. A *pool* holds the cached free blocks of one stream and one size clas
 Modules: ``config`` (constants, ``PYTORCH_CUDA_ALLOC_CONF``, the size rules), ``blocks`` (blocks, segments,
 pools), ``caching`` (the allocator), ``expandable`` (``expandable_segments:True``), ``replay`` (a trace in,
 peaks and segments out), ``runs`` (runs of equal requests fast-forwarded, exactly), ``snapshot`` (a recorded
-``torch.cuda.memory._snapshot()`` as a trace). Pure Python: no torch.
+``torch.cuda.memory._snapshot()`` as a trace), ``step_trace`` (a step's moments as a trace), ``gc_pause`` (the
+cyclic garbage collector paused around the hot loops). Pure Python: no torch.
 """
 
 from zeroplan.allocator.caching import CachingAllocator, OutOfMemory

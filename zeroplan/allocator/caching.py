@@ -29,6 +29,7 @@ can still get (the card less everything outside the allocator, ``zeroplan.formul
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from zeroplan.allocator.blocks import Block, Pool, Segment, SegmentInfo, segment_infos
@@ -95,20 +96,22 @@ class CachingAllocator:
         # (segment_alloc | segment_free | segment_map | segment_unmap, address, bytes, stream), in order
         self.log: list[tuple[str, int, int, int]] = []
         self._next_address = 1 << 32
-        self._rounded: dict[int, int] = {}  # ``round_size`` of each request size met (a trace repeats its sizes)
+        self._requests: dict[tuple[int, int], tuple[int, Pool]] = {}  # (size, stream): (rounded size, pool)
+        self._collects = config.garbage_collection_threshold > 0 and capacity_bytes is not None
 
     # -- public operations -------------------------------------------------------------------------
     def malloc(self, size: int, stream: int = 0, segment_address: int | None = None) -> Block:
         """``DeviceCachingAllocator::malloc``; ``segment_address``: where a new segment goes (a replayed trace's)."""
         if size <= 0:
             raise ValueError(f"size={size}: an allocation must be > 0 bytes (torch allocates nothing for 0)")
-        rounded = self._rounded.get(size)
-        if rounded is None:
-            rounded = self._rounded[size] = round_size(size, self.config)
-        pool = self._pool(stream, is_small(rounded))
+        request = self._requests.get((size, stream))
+        if request is None:  # each (size, stream) met rounded and its pool found once (a trace repeats them)
+            rounded = round_size(size, self.config)
+            request = self._requests[size, stream] = (rounded, self._pool(stream, is_small(rounded)))
+        rounded, pool = request
         block = self._get_free_block(pool, rounded)
         if block is None:
-            if self.config.garbage_collection_threshold > 0 and self.capacity is not None:
+            if self._collects:
                 self._garbage_collect()
             new = self._alloc_block
             block = (new(pool, rounded, stream, segment_address)
@@ -168,12 +171,13 @@ class CachingAllocator:
     def _get_free_block(self, pool: Pool, size: int) -> Block | None:
         """``get_free_block``: best fit by (size, address), with the oversize rules of ``max_split_size``."""
         cfg = self.config
-        if cfg.garbage_collection_threshold > 0 and self.capacity is not None:
+        if self._collects:
             pool.clock[0] += 1
-        index = pool.lower_bound(size)
-        block = pool.at(index)
-        if block is None:
+        keys = pool.keys
+        index = bisect_left(keys, (size, -1))  # ``Pool.lower_bound``, inlined: the hottest line of a replay
+        if index == len(keys):
             return None
+        block = pool.blocks[keys[index]]
         if block.segment.expandable:
             if not cfg.expandable_segments:  # only non-expandable blocks when the option was turned off
                 while block is not None and block.segment.expandable:
@@ -190,7 +194,7 @@ class CachingAllocator:
             return None  # no oversize block for a request that could be split
         if size >= cfg.max_split_size_bytes and block.size >= size + cfg.max_non_split_rounding_bytes:
             return None
-        pool.remove(block)
+        del pool.blocks[keys.pop(index)]  # ``pool.remove(block)``: its key is at ``index``
         return block
 
     def _should_split(self, block: Block, size: int) -> bool:
@@ -311,13 +315,16 @@ class CachingAllocator:
         pool = self._pool(block.stream, block.small)
         self.stats.requested.add(-block.requested)
         block.requested = 0
-        for neighbour in (block.prev, block.next):
-            self._try_merge(pool, block, neighbour)
+        prev, nxt = block.prev, block.next  # a neighbour that is allocated (most are) merges nothing
+        if prev is not None and not prev.allocated:
+            self._try_merge(pool, block, prev)
+        if nxt is not None and not nxt.allocated:
+            self._try_merge(pool, block, nxt)
         pool.insert(block)
 
     def _try_merge(self, pool: Pool, dst: Block, src: Block | None) -> int:
         """``try_merge_blocks``: absorb a free neighbour with the same mapping; returns the bytes absorbed."""
-        if src is None or not src.free_for_merge() or src.mapped != dst.mapped:
+        if src is None or src.allocated or src.pending or src.mapped != dst.mapped:  # ``not free_for_merge()``
             return 0
         if src.mapped:
             pool.remove(src)

@@ -17,13 +17,14 @@ The first ``alloc`` that cannot get memory (``capacity_bytes``) stops the replay
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from zeroplan.allocator.blocks import Block, SegmentInfo
 from zeroplan.allocator.caching import CachingAllocator, OutOfMemory
 from zeroplan.allocator.config import AllocatorConfig
+from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.runs import alloc_runs, fast_forward
 
 ACTIONS = ("alloc", "free", "free_requested", "free_completed", "phase", "empty_cache", "segment_free")
@@ -88,6 +89,14 @@ def _event(raw) -> Event:
     return event
 
 
+def _run_events(raws: Sequence) -> Sequence[Event]:
+    """``[_event(raw) for raw in raws]`` for a run (``alloc_runs``: allocs of one size and stream): a run of
+    ``Event``s is its own answer once its size is checked (a trace's runs hold ~half its events)."""
+    if all(type(e) is Event and type(e.size) is int for e in raws) and raws[0].size > 0:
+        return raws
+    return [_event(raw) for raw in raws]
+
+
 class _Run:
     """The state of one replay: the allocator, live blocks by id, phase bookkeeping."""
 
@@ -147,18 +156,34 @@ def replay(events: Iterable, config: AllocatorConfig = AllocatorConfig(), capaci
     """Run ``events`` through a fresh allocator (``config``; ``capacity_bytes``: what ``cudaMalloc`` can get);
     ``details`` False leaves ``segments``, ``segment_log`` and ``addresses`` empty (the peaks are all a plan
     reads, and listing ~2,000 segments' blocks cost a tenth of its replay)."""
+    with gc_paused():
+        return _replay(events, config, capacity_bytes, details)
+
+
+def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | None, details: bool) -> Replay:
     run, oom = _Run(config, capacity_bytes), None
     events = events if isinstance(events, (list, tuple)) else list(events)
     # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)
     runs = alloc_runs(events) if capacity_bytes is None else {}
     index, count = 0, len(events)
+    live, addresses, malloc, release = run.live, run.addresses, run.alloc.malloc, run.alloc.free_requested
     while index < count:
         length = runs.get(index)
-        if length and fast_forward(run, [_event(raw) for raw in events[index:index + length]]):
+        if length and fast_forward(run, _run_events(events[index:index + length])):
             index += length
             continue
+        event = events[index]
         try:
-            run.step(_event(events[index]))
+            # ``run.step(_event(event))`` inlined for a well-formed ``Event`` alloc or free (most of a trace);
+            # anything else, and every error, goes through ``step``
+            if type(event) is Event and event.action == "alloc" and type(event.size) is int and event.size > 0 \
+                    and event.id not in live:
+                block = live[event.id] = malloc(event.size, event.stream, event.segment_address)
+                addresses.append((event.id, block.address))
+            elif type(event) is Event and event.action == "free" and event.id in live and live[event.id].allocated:
+                release(live.pop(event.id), pending=False)
+            else:
+                run.step(_event(event))
         except OutOfMemory as exc:
             oom = (index, exc.size)
             break

@@ -23,7 +23,11 @@ first and allocations follow the moment's term order: an approximation of the re
 recorded histories (docs/allocator.md, "Recording on a GPU") can check.
 
 ``steps``: the training steps walked after init (default 2): the moments describe a steady step (Adam's
-states already exist), and the second step meets the blocks the first one cached, as a real run does.
+states already exist), and the second step meets the blocks the first one cached, as a real run does. The
+last step's events are copied from the step before (ids renamed) when the builder's state after their first
+moments agrees (``_repeats``: the same live buffers, the keys the step changes added in the same order, their
+ids in the same order), since the same transitions from the same state make the same events; otherwise it is
+built moment by moment (a speed-up, no rule: tests/test_step_trace.py compares the two on every engine).
 """
 
 from __future__ import annotations
@@ -32,13 +36,17 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
+from operator import itemgetter
 
+from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
 _COUNT = re.compile(r" of \d+ ")
 GROWN = -1
+_new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
 """The size slot of a one-tensor term's key: a buffer that grows by pieces (``_Builder.wanted``)."""
 
 
@@ -122,16 +130,26 @@ class _Builder:
     def wanted(self, moment: Moment, resident: Sequence[Term]) -> dict[Key, list[int]]:
         """{key: [count, stream]} of the tensors ``moment`` holds, in term order; a one-tensor term is keyed
         ``GROWN`` with its (rounded) bytes in place of the count."""
-        out: dict[Key, list[int]] = {}
-        seen, get = self._seen, out.get
-        for term in (*moment.terms, *resident):
-            got = seen.get(id(term))
-            for key, amount, stream in self._tensors(term) if got is None else got[1]:
-                entry = get(key)
-                if entry is None:
-                    out[key] = [amount, stream]
-                else:
-                    entry[0] += amount
+        seen, tensors = self._seen, self._tensors
+        terms = (*moment.terms, *resident)
+        # every term's (key, amount, stream), found in C (``chain``, ``map``): a moment holds ~150 terms
+        try:
+            rows = list(chain.from_iterable(map(itemgetter(1), map(seen.__getitem__, map(id, terms)))))
+        except KeyError:  # a term met for the first time
+            for term in [t for t in terms if id(t) not in seen]:
+                tensors(term)
+            rows = list(chain.from_iterable(map(itemgetter(1), map(seen.__getitem__, map(id, terms)))))
+        out = {key: [amount, stream] for key, amount, stream in rows}
+        if len(out) == len(rows):  # the usual moment: no key twice
+            return out
+        out = {}
+        get = out.get
+        for key, amount, stream in rows:  # a key held by several terms: their amounts add up
+            entry = get(key)
+            if entry is None:
+                out[key] = [amount, stream]
+            else:
+                entry[0] += amount
         return out
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
@@ -234,7 +252,7 @@ class _Builder:
         events, ident, block, added = self.events, self.next_id, self.block, 0
         for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
             ids = range(ident, ident + count)
-            events.extend([Event("alloc", i, size, stream) for i in ids])
+            events.extend([_new(Event, ("alloc", i, size, stream, None)) for i in ids])  # ``Event(...)``, in C
             live[key].extend([(i, size, stream) for i in ids])
             ident += count
             added += count * (size if block <= 1 else -(-size // block) * block)  # ``_rounded``
@@ -246,6 +264,51 @@ class _Builder:
                 del live[key]
 
 
+    def state(self) -> tuple[tuple, list[int], dict[Key, int], list[Key]]:
+        """What the rest of a step's events depend on, but the ids: the phase, the live bytes and the live buffers
+        ((size, stream) of each, by key); their ids in the same order; when each live key was added (``since``:
+        ``_release`` frees the changed keys in its order); and the key of each id."""
+        keys = sorted(self.live)
+        shape = tuple((k, tuple((size, stream) for _, size, stream in self.live[k])) for k in keys)
+        ids = [i for k in keys for i, _, _ in self.live[k]]
+        owner = [k for k in keys for _ in self.live[k]]
+        return (self.phase, self.live_bytes, shape), ids, {k: self.since[k] for k in keys}, owner
+
+    def repeat_step(self, earlier: tuple, now: tuple, end: int) -> None:
+        """The last step's events from the ``now`` mark on, copied from the step before (its events from its
+        ``earlier`` mark to ``end``, where the last step began): from equal ``state``s the same transitions make
+        the same events, each id renamed (a buffer live at the mark: its counterpart; a newer one: shifted by the
+        ids made in between); the live bytes, so each phase's largest, repeat too. Leaves the builder's buffers
+        as they were at ``now``: the trace ends there."""
+        (_, old_ids, _, _, old_next, start), (_, new_ids, _, _, new_next, _) = earlier, now
+        rename, shift = dict(zip(old_ids, new_ids)), new_next - old_next
+        events = self.events
+        for e in events[start:end]:
+            if e.action == "alloc":
+                events.append(_new(Event, ("alloc", e.id + shift, e.size, e.stream, None)))
+            elif e.action == "free":
+                events.append(Event("free", rename.get(e.id, e.id + shift)))
+            else:
+                events.append(e)
+
+
+def _repeats(earlier: tuple, now: tuple, step: Sequence[Moment], changes: dict) -> bool:
+    """Whether the last step, from its first moment on, makes the events of the one before (renamed: ``repeat_step``):
+    its ``state`` at both marks equal, and the keys its transitions change (``changes`` of the pairs of ``step``, all
+    met in the step before; the others are neither freed nor grown) added in the same order and their buffers' ids
+    in the same order (a transition frees the spare buffers by id)."""
+    if earlier[0] != now[0]:
+        return False
+    touched = set().union(*(changes[id(a), id(b)][0] for a, b in zip(step, step[1:])))
+    old_since, new_since = earlier[2], now[2]
+    live = touched.intersection(new_since)
+    if sorted(live, key=old_since.__getitem__) != sorted(live, key=new_since.__getitem__):
+        return False
+    at = [i for i, k in enumerate(earlier[3]) if k in live]  # the touched keys' buffers, in ``state``'s order
+    old_ids, new_ids = earlier[1], now[1]
+    return sorted(at, key=old_ids.__getitem__) == sorted(at, key=new_ids.__getitem__)
+
+
 def step_trace(
     moments: Iterable[Moment], block_bytes: int = 1, resident: tuple[Term, ...] = (),
     stream_of: Callable[[Term], int] = default_stream, steps: int = 2,
@@ -255,6 +318,12 @@ def step_trace(
     as ``peak_of``); ``stream_of``: the stream each term's tensors are allocated on."""
     if steps < 1 or block_bytes < 1:
         raise ValueError(f"steps={steps}, block_bytes={block_bytes}: must be >= 1")
+    with gc_paused():
+        return _step_trace(moments, block_bytes, resident, stream_of, steps)
+
+
+def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Term, ...],
+                stream_of: Callable[[Term], int], steps: int) -> AllocTrace:  # fmt: skip
     by_phase: dict[str, list[Moment]] = {p: [] for p in PHASES}
     for m in moments:
         if m.phase not in by_phase:
@@ -264,13 +333,24 @@ def step_trace(
     order = [*by_phase["init"], *[m for _ in range(steps) for p in PHASES[1:] for m in by_phase[p]]]
     wants: dict[int, dict[Key, list[int]]] = {}  # each moment's tensors, found once for every step that meets it
     changes: dict[tuple[int, int], tuple[set[Key], list[Key]]] = {}  # each transition's keys, once for every step
+    per_step = len(order) - len(by_phase["init"])
+    per_step //= steps
+    firsts = range(len(by_phase["init"]), len(order), per_step or 1)  # each step's first moment
+    last = firsts[-1] if per_step and steps > 1 else -1
+    marks: list[tuple] = []  # after each step's first moment: ``state``, the next id, how many events
     before: Moment | None = None
-    for m in order:
+    for at, m in enumerate(order):
         if id(m) not in wants:
             wants[id(m)] = builder.wanted(m, () if m.phase == "init" else resident)
         pair = (id(before), id(m))
         if pair not in changes:
             changes[pair] = builder.changed(wants[id(m)], wants[id(before)] if before is not None else {})
+        step_end = len(builder.events)
         builder.move_to(m, wants[id(m)], changes[pair])
         before = m
+        if at in firsts and last >= 0:
+            marks.append((*builder.state(), builder.next_id, len(builder.events)))
+            if at == last and _repeats(marks[-2], marks[-1], order[at:at + per_step], changes):
+                builder.repeat_step(marks[-2], marks[-1], step_end)
+                break
     return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.reserved import fit_bytes, reserved_of
 from zeroplan.engines import get_engine
 from zeroplan.estimation.workload import model_workload
@@ -14,6 +15,7 @@ from zeroplan.planning.cut_first import cut_first
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.planning.reserved_fit import first_fragmentation, fit_quantity
 
+@gc_paused()  # its candidates' moments, traces and replays make many objects and free few (allocator/gc_pause.py)
 def engine_plan_config(config: PlanConfig) -> Plan:
     """``plan`` for an engine with its own search (``Engine.plan``: fsdp2, deepspeed): every candidate the
     engine tries, cheapest first, each with its predicted peak and exactly the configuration to run; the
@@ -59,6 +61,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
             candidate=c.label,
             peak_rank=e.peak_rank,
             reserved=reserved,
+            host=host,
         ))  # fmt: skip
     headroom = f"{config.headroom:.0%} of GPU memory kept free"
     recommendation = launchers = advice = None

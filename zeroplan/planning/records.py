@@ -8,7 +8,7 @@ from typing import Optional
 from zeroplan.allocator.reserved import ReservedEstimate
 from zeroplan.formulas.commtime import StepTime
 from zeroplan.formulas.peak import PeakEstimate
-from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown
+from zeroplan.formulas.offload import NO_OFFLOAD, HostMemory, Offload, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
 from zeroplan.policy import ByteRows
 from zeroplan.presets import LinkSpec
@@ -35,6 +35,8 @@ class PlanOption:
     candidate: Optional[str] = None  # an engine's own configuration (plan --engine fsdp2|deepspeed), its words
     peak_rank: Optional[int] = None  # the rank whose peak ``peak`` is, the largest (EngineEstimate.peak_rank); None: all alike
     reserved: Optional[ReservedEstimate] = None  # the allocator model's reserved bytes (no offload, a trace)
+    host: Optional[HostMemory] = None  # an engine's own offload record (EngineEstimate.host): steady bytes and init's
+    # peak apart; None: no offload, or a reference row (states.host_bytes: the steady bytes, init not on the host)
 
     @property
     def label(self) -> str:

@@ -63,6 +63,7 @@ def option_dict(o: PlanOption, per_node: int) -> dict:
         },
         host_bytes_per_gpu=s.host_bytes,
         host_bytes_per_node=s.host_bytes * per_node,
+        **host_basis(o),
         nvme_bytes_per_gpu=s.nvme_bytes,
         nvme_bytes_per_node=s.nvme_bytes * per_node,
         pcie={
@@ -98,6 +99,18 @@ def option_dict(o: PlanOption, per_node: int) -> dict:
     return out
 
 
+def host_basis(o: PlanOption) -> dict:
+    """Which host bytes ``host_bytes_per_gpu`` is: an engine's offload (``HostMemory``) the larger of the steady
+    bytes and init's peak, ``host_peak_at`` naming which (as ``estimate --json``); a reference offload row the steady
+    bytes (ZeRO-Offload's states after init; init's host memory not modelled: null); no offload 0 and 0."""
+    h = o.host
+    if h is not None:
+        return dict(host_steady_bytes_per_gpu=h.steady_bytes, host_init_peak_bytes_per_gpu=h.init_peak_bytes,
+                    host_peak_at=h.peak_at)  # fmt: skip
+    return dict(host_steady_bytes_per_gpu=o.states.host_bytes, host_peak_at="steady",
+                host_init_peak_bytes_per_gpu=None if o.offload.any else 0)  # fmt: skip
+
+
 def peak_keys(peak) -> dict:
     """``peak_bytes``, ``peak_phase``, ``phases``, ``peak_terms`` of a peak (all None without one)."""
     if peak is None:
@@ -114,6 +127,21 @@ ENGINE_NOTE = (
     "NCCL buffers are not counted. peak: the engine's predicted live bytes of the largest phase (docs/engines/). "
     "GPU: model states as the engine holds them. The configuration printed is exactly the one predicted."
 )
+
+
+ENGINE_HOST_NOTE = (
+    "host/node is one rank's host memory x {per_node} GPUs per node, the larger of its steady bytes and init's peak "
+    "(HostMemory.host_bytes; \"(init)\": init's peak, host_peak_at in --json); no fit compares it (plan --engine "
+    "takes no --host-memory)"
+)
+
+
+def _host_fit(p: Plan, unit: str) -> str:
+    """What ``--host-memory`` was compared with (``planning.plan.fits``): the steady host bytes of each option."""
+    per_node = _per_node(p)
+    return (f"each option's steady host bytes (the offloaded model states after init, host_peak_at steady; init's "
+            f"host memory is not modelled for these rows) x {per_node} GPUs per node within --host-memory "
+            f"{format_bytes(p.host_budget_bytes * per_node, unit)}")
 
 
 def _engine_plan(p: Plan) -> bool:
@@ -277,6 +305,8 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
     lines += ["", f"Recommendation: {_recommendation(p, unit)}"]
     if p.params is not None:
         lines.append(f"Fit: {p.fit_basis}.")
+    if p.host_budget_bytes is not None and p.params is not None:
+        lines.append(f"Host fit: {_host_fit(p, unit)}.")
     if p.cut_first is not None:
         lines.append(f"Cut first: {p.cut_first}.")
     if p.fragmentation is not None:
@@ -309,10 +339,13 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
             _size(o.comm_bytes_per_rank, unit), _seconds(o.time.comm_s), _seconds(o.time.exposed_comm_s),
         ]  # fmt: skip
         if offload:
-            row[3:3] = [_size(o.states.host_bytes * per_node, unit)]
+            at_init = o.host is not None and o.host.peak_at == "init"
+            row[3:3] = [_size(o.states.host_bytes * per_node, unit) + (" (init)" if at_init else "")]
             row.append(_seconds(o.pcie_s) if o.offload.any else "-")
         rows.append(row)
     lines = [*format_table(rows, left=1), "", f"Recommendation: {_recommendation(p, unit)}", f"Fit: {p.fit_basis}."]
+    if offload:
+        lines.append(f"Host: {ENGINE_HOST_NOTE.format(per_node=per_node)}.")
     if p.cut_first is not None:
         lines.append(f"Cut first: {p.cut_first}.")
     if p.fragmentation is not None:

@@ -125,7 +125,8 @@ class CommTimeOut(_Out):
 
 
 _MODEL_KEYS = (
-    "gpu_bytes", "host_bytes_per_gpu", "host_bytes_per_node", "nvme_bytes_per_gpu", "nvme_bytes_per_node",
+    "gpu_bytes", "host_bytes_per_gpu", "host_bytes_per_node", "host_steady_bytes_per_gpu",
+    "host_init_peak_bytes_per_gpu", "host_peak_at", "nvme_bytes_per_gpu", "nvme_bytes_per_node",
     "pcie", "comm_volume_elements", "comm_bytes_per_rank", "comm_time", "peak_bytes", "peak_phase", "phases",
     "peak_terms", "reserved_bytes", "reserved_phases",
 )  # fmt: skip
@@ -147,6 +148,15 @@ class PlanOptionOut(_Out):
     gpu_bytes: Optional[GpuBytesOut] = None
     host_bytes_per_gpu: Optional[int] = None
     host_bytes_per_node: Optional[int] = None
+    host_steady_bytes_per_gpu: Optional[int] = Field(
+        None, description="one rank's host memory during training steps (an engine's offload: the sum of estimate's "
+        "host_terms; a reference offload row: the offloaded model states, ZeRO-Offload sec. 4); 0 without offload")
+    host_init_peak_bytes_per_gpu: Optional[int] = Field(
+        None, description="one rank's host memory at init's peak (an engine's offload, as estimate's); null for a "
+        "reference offload row (the reference runtime builds the states on the GPU: not modelled); 0 without offload")
+    host_peak_at: Optional[Literal["init", "steady"]] = Field(
+        None, description="which of the two host_bytes_per_gpu (the table's host/node) is: what a reference plan's "
+        "--host-memory is compared with (plan --engine takes no --host-memory)")
     nvme_bytes_per_gpu: Optional[int] = None
     nvme_bytes_per_node: Optional[int] = None
     pcie: Optional[PcieOut] = None
@@ -167,7 +177,7 @@ class PlanOptionOut(_Out):
     reserved_phases: Optional[PhasesOut] = Field(None, description="reserved bytes per phase; null as reserved_bytes")
 
     @model_serializer(mode="wrap")
-    def _without_model(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _without_model(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
         out = handler(self)
         if self.gpu_bytes is None:
             for key in _MODEL_KEYS:

@@ -102,7 +102,8 @@ def peak_possible(config: SweepConfig) -> bool:
 def engine_row(config: SweepConfig, nd: int, micro_batch: int, stage: int | None) -> StageEstimate:
     """One configuration of a one-row engine (``Engine.one_row``) as a ``StageEstimate``: model states,
     collectives and peak from ``Engine.estimate``, "vs DP" against the reference stage 0 in the engine's
-    byte convention, as ``zeroplan.estimate`` computes them."""
+    byte convention, and its offload (``EngineEstimate.host``: DeepSpeed offload_optimizer/offload_param, FSDP2
+    CPUOffloadPolicy), as ``zeroplan.estimate`` computes them."""
     engine = get_engine(config.engine)
     workload = model_workload(config.spec, config.sequence_length, micro_batch, config.checkpointing, 1,
                               config.foreach)  # fmt: skip
@@ -114,7 +115,7 @@ def engine_row(config: SweepConfig, nd: int, micro_batch: int, stage: int | None
     fits = None if budget is None else row.model_states_bytes <= budget
     reduction = dp.memory.model_states_bytes / row.model_states_bytes if row.model_states_bytes else None
     return StageEstimate(row.stage, row.label, row.memory, reduction, row.collectives, fits, row.peak, None,
-                         row.peak_rank, reserved)
+                         row.peak_rank, reserved, row.host)
 
 
 def whole_lists(*lists: object) -> bool:

@@ -33,6 +33,7 @@ from zeroplan.sweeping.axes import (CHUNK_ROWS, activation_column, engine_row, g
                                     peak_possible, stage_peaks, whole_lists)
 from zeroplan.sweeping.columns import Columns, Labels, Masked, labels
 from zeroplan.sweeping.config import SweepConfig
+from zeroplan.sweeping.host import host_columns
 from zeroplan.sweeping.records import SweepRow
 
 if TYPE_CHECKING:
@@ -161,7 +162,6 @@ def _engine_columns(config: SweepConfig, grid: dict[str, np.ndarray]) -> Columns
     act, known = (repeat(a) for a in activation_column(config, m, b))
     memory = config.budget_bytes
     no_memory = np.full(n_rows, memory is None)
-    zeros = np.zeros(n_rows, dtype=np.int64)
     columns = {
         "params": repeat(grid["params"]),
         "gpus": repeat(grid["gpus"]),
@@ -171,7 +171,6 @@ def _engine_columns(config: SweepConfig, grid: dict[str, np.ndarray]) -> Columns
         "micro_batch": repeat(b),
         "stage": ints(r.stage for r in rows),
         "name": labels([r.name for r in rows]),
-        "offload": labels([NO_OFFLOAD.label] * n_rows),
         "params_bytes": ints(r.memory.params_bytes for r in rows),
         "grads_bytes": ints(r.memory.grads_bytes for r in rows),
         "optimizer_bytes": ints(r.memory.optimizer_bytes for r in rows),
@@ -181,7 +180,7 @@ def _engine_columns(config: SweepConfig, grid: dict[str, np.ndarray]) -> Columns
         "comm_volume_elements": ints(r.comm_volume_elements for r in rows),
         "comm_bytes_per_rank": ints(r.comm_bytes_per_rank for r in rows),
         "collectives": labels([collectives_summary(r.collectives) for r in rows]),
-        "host_bytes": zeros, "nvme_bytes": zeros, "h2d_bytes": zeros, "d2h_bytes": zeros,
+        **host_columns([r.host for r in rows]),  # the engine's own offload, as estimate's host keys
         "activation_bytes": Masked(act, ~known),
         "total_bytes": Masked(states + act, ~known),
         "total_fits": Masked(states + act <= (memory or 0), ~known | no_memory),

@@ -12,7 +12,8 @@ class SweepRow(BaseModel):
 
     The configuration, then the keys of ``estimate --json`` ``stages[]`` with the collectives summarised
     (``zeroplan.sweeping.grid.collectives_summary``), then where offloaded states live and the host
-    traffic per step (``zeroplan.formulas.offload``; 0 without offload). With offload, the memory columns
+    traffic per step (``zeroplan.formulas.offload``; a one-row engine's own offload: its ``HostMemory``,
+    ``zeroplan.sweeping.host``; 0 without offload). With offload, the memory columns
     are what stays in GPU memory. With a reference ``model``, activations per GPU for each micro-batch
     (``zeroplan.formulas.activations``), ``total_bytes`` = GPU model states + activations and
     ``total_fits``; these are empty without a model or where no estimate exists. With ``model``, also the

@@ -5,6 +5,7 @@ update; each wrapper (``zero12.py``, ``bf16.py``, ``zero3.py``) adds its own mom
 
 from __future__ import annotations
 
+from zeroplan.engines.deepspeed.moe import sparse_blocks, sparse_forward_moments
 from zeroplan.engines.deepspeed.offload import offload_moments
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import inner_optimizer_class
@@ -66,15 +67,19 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
             _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
     # the coordinator's moment per block where it replays a trace with per-block marks (ZeRO-3)
     staged = sched is not None and f"block {L - 1} output projection" in dict((m, f) for m, f, _ in run.trace.marks)
+    # the sparse layers' own moments (moe.py), and the dense ones' of a mixed model (DeepSeek's first layers)
+    sparse = sparse_blocks(run) if sched is not None else ()
+    dense = staged or (sparse and any(m.endswith("output projection") for m, _, _ in run.trace.marks))
 
     def block(j: int) -> tuple[Moment, ...]:
         name = "last block" if j == L - 1 else f"block {j}"
+        blk = acts.layer_blocks[j] if sparse and acts.layer_blocks else acts.block  # a mixed model's dense layer
         if run.checkpointing != "none":
             held = (_blocks_saved(run, j), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
-            return (Moment("forward", name, (*base, *_gathered(run, sched, f"block {j} MLP input" if staged
+            return (Moment("forward", name, (*base, *_gathered(run, sched, f"block {j} MLP input" if dense
                                                                 else "last block forward"), *held)),)  # fmt: skip
         done = (_blocks_saved(run, j + 1), _act("block output and last op's output", blk.forward_extra, 2))
-        if not staged:
+        if not dense:
             return (Moment("forward", name, (*base, *_gathered(run, sched, "last block forward"), *done)),)
         mark = f"block {j} output projection"
         before = (_blocks_saved(run, j + 1), _act("block input and residual (not saved)", blk.forward_before_output))
@@ -102,7 +107,8 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     released = () if sched is None else (
         Moment("forward", "LM head, the root's release", (*base, *_gathered(run, sched, "forward end", during=True), *head)),)
     return (
-        *(m for j in (range(L) if staged else (L - 1,)) for m in block(j)),
+        *(sparse_forward_moments(run, sched, base) if sparse else ()),
+        *(m for j in (range(L) if staged or sparse else (L - 1,)) if j not in sparse for m in block(j)),
         *fetched,
         Moment("forward", "LM head", (*base, *_gathered(run, sched, "LM head forward"), *head)),
         *released,

@@ -11,6 +11,7 @@ from typing import Optional
 
 from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PeakLimit,
                                    PlannerOptions, Workload)
+from zeroplan.engines.deepspeed.moe import ZERO3_MOE_FAMILIES, zero3_moe_limit
 from zeroplan.engines.deepspeed.profile import estimate
 from zeroplan.engines.deepspeed.offload import offload_label
 from zeroplan.engines.deepspeed.offload_terms import offloads
@@ -249,25 +250,31 @@ def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optio
 
 
 def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
-    """Why DeepSpeed's peak of a sparse model is not given, or None. Measured exact (tests/test_moe_peaks.py,
-    transformers' Mixtral and Qwen3-MoE on DeepSpeed 0.19.8): ZeRO-2 with a reduce bucket at least as large as an
-    expert tensor. Refused: ZeRO-3 (the ``experts`` module fetches both 3-D tensors in one module fetch, which
-    the dense block's schedule does not have: forward -3.4 %, an under-prediction), a smaller bucket (a gradient
-    larger than it is reduced on its own, ``stage_1_and_2.py extra_large_param_to_reduce``: backward +10 %), and
-    ZeRO-1 (not measured). A plan without a stage searches ZeRO-3 too, so it is refused as well."""
+    """Why DeepSpeed's peak of a sparse model is not given, or None. Measured (DeepSpeed 0.19.8, transformers'
+    classes): ZeRO-2 with a reduce bucket at least as large as an expert tensor (tests/test_moe_peaks.py), and
+    ZeRO-3 on Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (``moe.zero3_moe_limit``: the sparse block's own moments and
+    the expert gradients larger than the bucket, engines/deepspeed/moe.py). Refused: a smaller ZeRO-2 bucket (a
+    gradient larger than it is reduced on its own, ``stage_1_and_2.py extra_large_param_to_reduce``: backward
+    +10 %), ZeRO-1 (not measured), ZeRO-3 outside ``zero3_moe_limit``. A plan without a stage searches ZeRO-1 too,
+    so it is refused as well."""
     if spec.moe is None:
         return None
     zero = (options.own.get("ds_config") or {}).get("zero_optimization") or {}
-    stage = zero.get("stage", options.stage) if isinstance(zero, dict) else options.stage
-    bucket = zero.get("reduce_bucket_size", DEFAULT_BUCKET_NUMEL) if isinstance(zero, dict) else DEFAULT_BUCKET_NUMEL
+    zero = zero if isinstance(zero, dict) else {}
+    stage = zero.get("stage", options.stage)
+    bucket = zero.get("reduce_bucket_size", DEFAULT_BUCKET_NUMEL)
     expert = spec.moe.n_experts * 2 * spec.moe.expert_ffn * spec.d_model  # experts.gate_up_proj (E, 2f, d)
     if stage == 2 and isinstance(bucket, (int, float)) and bucket >= expert:
         return None
+    why = zero3_moe_limit(spec.model_type, zero) if stage == 3 else None
+    if stage == 3 and why is None:
+        return None
     return (f"model_type {spec.model_type!r}: DeepSpeed's peak of routed experts is modelled at ZeRO-2 with "
-            f"reduce_bucket_size >= one expert tensor ({expert:,} elements) only (ZeRO-1 not measured; ZeRO-3 and "
-            "smaller buckets miss: docs/models.md); got "
+            f"reduce_bucket_size >= one expert tensor ({expert:,} elements) and at ZeRO-3 "
+            f"({', '.join(ZERO3_MOE_FAMILIES)}; no offload_param or ZeRO++) only (ZeRO-1 not measured; smaller "
+            "ZeRO-2 buckets miss: docs/models.md); got "
             + (f"stage {stage}" if stage is not None else "no stage (plan searches ZeRO-1 to 3)")
-            + (f", reduce_bucket_size {bucket}" if stage == 2 else ""))
+            + (f", reduce_bucket_size {bucket}" if stage == 2 else "") + (f": {why}" if why else ""))
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:

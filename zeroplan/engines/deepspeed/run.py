@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Callable, Optional
 
+from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
 from zeroplan.engines.deepspeed.offload_terms import on_gpu
@@ -99,6 +100,8 @@ class DSRun:
     """per parameter (``named_parameters`` order), the index of its decoder block; -1 outside the blocks."""
     output_projections: tuple[int, ...] = ()
     """the parameters of the blocks' MLP output projections (GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``)."""
+    spec: Optional[TransformerSpec] = field(default=None, compare=False, repr=False)
+    """the architecture (a sparse MLP's sizes: engines/deepspeed/moe.py)."""
 
     @property
     def ranks(self) -> tuple[int, ...] | range:

@@ -70,9 +70,42 @@ norms), Gemma 2/3's decoder layers with their two feed-forward norms around the 
 Gemma2DecoderLayer.forward); GPT-2 blocks run in registration order."""
 
 
+_MOE_FORWARD = ("shared_expert", "gate", "experts", "shared_experts", "shared_expert_gate")
+"""A sparse MLP's submodules in the order its forward calls them (transformers 5.24), not their registration
+order: ``Qwen2MoeSparseMoeBlock.forward`` runs ``shared_expert``, ``gate``, ``experts``, then
+``shared_expert_gate``; ``Qwen3MoeSparseMoeBlock`` and ``DeepseekV3MoE`` register ``experts`` before ``gate`` and
+call the router first (DeepSeek's ``shared_experts`` last); ``MixtralSparseMoeBlock`` registers them in call
+order. Every module is called at every step whatever the routing: ``experts`` is one module holding every
+expert's 3-D tensors (docs/engines/deepspeed.md "ZeRO-3 and mixture-of-experts")."""
+
+
+_LEAF_SPARSE = frozenset({"gate", "experts", "shared_expert", "shared_expert_gate"})
+"""The children of a sparse MLP that DeepSpeed 0.19.8 makes a ZeRO-3 leaf by default
+(runtime/zero/leaf_module_config.py ``DEFAULT_LEAF_MODULE_CLASSES``: ``MixtralSparseMoeBlock``,
+``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``; engine.py ``_configure_distributed_model`` ->
+``apply_zero_leaf_module_config``): a module whose children are all of these (DeepSeek's ``DeepseekV3MoE`` has
+``shared_experts`` and is not listed). A leaf gets hooks, its children none (parameter_offload.py
+``_register_deepspeed_module``); its fetch gathers every parameter under it (``iter_params(recurse=True)``)."""
+
+
 _MLP_PROJECTIONS = {"gpt": ("c_fc", "c_proj"), "llama": ("up_proj", "down_proj")}
 """A block's MLP input projection (the one run last before the activation product) and output projection
 (validate/transformer.py GPT2MLP, LlamaMLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``)."""
+
+
+def _sparse_mark(path: str) -> Optional[str]:
+    """``block j <leaf>`` for a decoder layer's post-attention norm or a submodule of its sparse MLP
+    (``_MOE_FORWARD``; ``...layers.j.mlp.experts``), else None: the marks of the sparse block's forward moments
+    (engines/deepspeed/moe.py)."""
+    head, _, leaf = path.rpartition(".")
+    if leaf in ("post_attention_layernorm", "mlp"):  # the mlp's marks are read where it is a leaf
+        block = head
+    elif leaf in _MOE_FORWARD and head.endswith(".mlp"):
+        block = head[: -len(".mlp")]
+    else:
+        return None
+    index = block.rpartition(".")[2]
+    return f"block {index} {leaf}" if index.isdigit() else None
 
 
 def _module_tree(names: list[str]) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
@@ -120,6 +153,11 @@ class _TraceBuilder:
         token = next((n for n in names if n.endswith(("wte.weight", "embed_tokens.weight"))), None)
         self.token_embedding = token.rpartition(".")[0] if token is not None else None
 
+    def is_leaf(self, path: str) -> bool:
+        """A sparse MLP DeepSpeed makes a ZeRO-3 leaf (``_LEAF_SPARSE``)."""
+        kids = {c.rpartition(".")[2] for c in self.children.get(path, ())}
+        return "experts" in kids and kids <= _LEAF_SPARSE
+
     def is_list(self, path: str) -> bool:  # nn.ModuleList: children named 0, 1, ...
         return bool(self.children[path]) and all(c.rpartition(".")[2].isdigit() for c in self.children[path])
 
@@ -133,6 +171,8 @@ class _TraceBuilder:
     def _calls(self, path: str) -> list[str]:
         style, head_module = self.style, self.head_module
         out = []
+        if self.is_leaf(path):  # no hooks below a ZeRO-3 leaf
+            return out
         for c in self.children.get(path, ()):
             if c == "lm_head" and style is not None and not head_module:
                 continue  # CausalLM.forward: F.linear(x, self.head_weight)
@@ -143,6 +183,9 @@ class _TraceBuilder:
         if style == "llama" and path.rpartition(".")[2].isdigit():  # a decoder layer; sorted() is stable
             rank = {name: i for i, name in enumerate(_LLAMA_FORWARD)}
             out.sort(key=lambda c: rank.get(c.rpartition(".")[2], 0))
+        if any(c.rpartition(".")[2] == "experts" for c in out):  # a sparse MLP (_MOE_FORWARD)
+            moe = {name: i for i, name in enumerate(_MOE_FORWARD)}
+            out.sort(key=lambda c: moe.get(c.rpartition(".")[2], len(moe)))
         if head_module and path == "" and self.head is not None and "lm_head" not in out:
             out.append("lm_head")  # tied: lm_head.weight is not in named_parameters, the module is still called
         return out
@@ -151,6 +194,8 @@ class _TraceBuilder:
         """The index of module ``path``, numbered in the order first fetched, with its parameters."""
         if path not in self.index:
             own = list(self.params.get(path, ()))
+            if self.is_leaf(path):  # every parameter under it, in named_parameters order
+                own = sorted(i for c, ps in self.params.items() if c.startswith(path + ".") for i in ps)
             if path == "" and self.style is not None and not self.head_module:  # the head weight: the root's external parameter
                 own += [self.head] if self.head is not None else []
             if path == "lm_head" and self.head_module:  # a tied head owns the embedding's weight: not in the names
@@ -169,6 +214,9 @@ class _TraceBuilder:
             spans[f"block {block.rpartition('.')[2]} {what}"] = [start, start]
         if path == "lm_head" and self.head_module:  # its fetch: the final norm's output made, the logits not yet
             spans["LM head forward"] = spans["LM head fetch"] = [start, start]
+        sparse = _sparse_mark(path)
+        if sparse is not None:
+            spans[f"{sparse} fetch"] = [start, start]
         for c in self.called(path):
             self.forward(c)
         if path == "" and not self.head_module:
@@ -178,6 +226,15 @@ class _TraceBuilder:
             spans[f"block {block.rpartition('.')[2]} output projection released"] = [len(events) - 1] * 2
         if path == self.last_block:
             spans["last block forward"] = [start, len(events) - 1]
+        if sparse is not None:
+            spans[f"{sparse} released"] = [len(events) - 1] * 2
+        owner, _, name = path.rpartition(".")
+        j = owner.rpartition(".")[2]
+        if name == "self_attn" and j.isdigit():  # its fetch to its release (a checkpointed sparse layer's moment)
+            spans[f"block {j} attention"] = [start, len(events) - 1]
+        if name == "mlp" and (f"block {j} experts fetch" in spans or self.is_leaf(path)):
+            first = spans.get(f"block {j} experts fetch", spans[f"block {j} mlp fetch"])[0]
+            spans[f"block {j} after experts"] = [first, len(events) - 1]  # from the experts' fetch to the MLP's release
 
     def backward(self, path: str) -> None:
         events, spans = self.events, self.spans
@@ -224,6 +281,10 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
     embedding's when tied); the root has no parameter. Measured (tiny-llama, N_d = 2): the all-gathers equal
     this trace's call for call. Modules without parameters (LlamaRotaryEmbedding, the MLP's activation) have
     hooks too; left out: they gather nothing and the replay's reuse distance walks elements.
+
+    Mixture-of-experts layers (``_MOE_FORWARD``): the sparse MLP's submodules in call order, and per block j
+    ``block j <leaf> fetch`` / ``block j <leaf> released`` for its post-attention norm and the sparse MLP's
+    submodules (``_sparse_mark``).
 
     Marks: per decoder block j, ``block j MLP input`` (the fetch of its MLP input projection), ``block j output
     projection`` (the fetch of its MLP output projection, the block's last module) and ``block j output projection

@@ -13,6 +13,7 @@ from typing import Optional
 
 from zeroplan.engines.deepspeed.collectives import zero3_collectives
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
+from zeroplan.engines.deepspeed.moe import expert_gradients_held
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_layout
@@ -165,6 +166,7 @@ class ZeroOptimizerStage3(Wrapper):
         GPT-2 8.6M tied, ZeRO-3, N_d = 3: -10.3% on every rank before)."""
         out = [Moment("backward", "last block backward", last), *_in_block_reductions(run, last, inflight)]
         sched = _schedule(run)
+        out += expert_gradients_held(run, sched)  # moe.py: a routed expert's gradient larger than the bucket
         if run.tied_head and sched is not None and "embedding backward" in dict((m, f) for m, f, _ in run.trace.marks):
             acts = run.acts
             out.append(Moment("backward", "tied embedding backward", (

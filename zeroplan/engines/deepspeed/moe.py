@@ -1,0 +1,202 @@
+"""ZeRO-3 on a mixture-of-experts decoder layer (transformers 5.24, DeepSpeed 0.19.8): the sparse block's
+forward moments, read off the coordinator at its own hooks, the backward moment of its gradients' reduction, and
+which sparse runs are modelled. The mechanism, with the sources read: docs/engines/deepspeed.md "ZeRO-3 and
+mixture-of-experts".
+
+Every sparse MLP's submodules are called at every step whatever the routing (``experts`` is one module holding
+every expert's 3-D tensors, ``MixtralExperts``/``Qwen3MoeExperts``/``DeepseekV3Experts``), so the module trace
+is the same at every step (partitioned_param_coordinator.py ``trace_prologue`` never invalidates it) and every
+expert is gathered, routed or not: the worst case where routing varies is the case. DeepSpeed makes Mixtral's
+and the Qwen MoEs' sparse MLP a ZeRO-3 leaf by default (trace.py ``_LEAF_SPARSE``): one fetch for the router and
+the experts, one backward hook reducing all their gradients; DeepSeek-V3's keeps a hook per module.
+
+Symbols: N tokens of the micro-batch, E routed experts, k experts per token, d width, f one expert's width,
+a activation bytes, p parameter bytes."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _states
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
+from zeroplan.formulas import deepseek_activations as DS
+from zeroplan.formulas.moe_activations import ROUTING_WEIGHT_BYTES
+from zeroplan.formulas.moe_block import FP32, router_saved, shared_expert_saved
+from zeroplan.formulas.peak import Moment, Term
+
+STAGE3 = "runtime/zero/stage3.py"
+
+
+def sparse_blocks(run: DSRun) -> tuple[int, ...]:
+    """The decoder layers whose sparse MLP has marks in the ZeRO-3 trace (trace.py ``_sparse_mark``)."""
+    if run.trace is None:
+        return ()
+    marks = {m for m, _, _ in run.trace.marks}
+    return tuple(j for j in range(run.acts.n_layer) if f"block {j} after experts" in marks)
+
+
+def _block(run: DSRun, j: int):
+    acts = run.acts
+    return acts.layer_blocks[j] if acts.layer_blocks else acts.block
+
+
+def _tokens(run: DSRun) -> int:
+    spec = run.spec
+    return run.acts.embed_out // (spec.d_model * _abytes(run))
+
+
+def _abytes(run: DSRun) -> int:
+    return DTYPE_BYTES[run.settings.dtype]
+
+
+def _before_experts(run: DSRun) -> tuple[int, int]:
+    """(saved, alive unsaved) bytes of the sparse MLP made before its ``experts`` run: the router's saved tensors
+    and, Qwen2-MoE, the shared expert's (it runs first); the router's logits (N·E·a, DeepSeek fp32), its top-k
+    weights (N·k·w) and, where no norm saves them (16-bit), the block input and x1 (2·N·d·a), plus Qwen2-MoE's
+    shared output (N·d·a)."""
+    spec, a, n = run.spec, _abytes(run), _tokens(run)
+    moe, mt, d = spec.moe, spec.model_type, spec.d_model
+    if mt == "deepseek_v3":
+        saved = DS.router_saved(moe, n, d, a)
+        logits = n * moe.n_experts * FP32
+    else:
+        saved = router_saved(moe, mt, n) + shared_expert_saved(moe, mt, n, d, a)
+        logits = n * moe.n_experts * a
+    shared_out = n * d * a if shared_expert_saved(moe, mt, n, d, a) else 0
+    inputs = 0 if a == FP32 else 2 * n * d * a
+    return saved, logits + n * moe.top_k * (ROUTING_WEIGHT_BYTES[mt] or a) + inputs + shared_out
+
+
+def _inputs(run: DSRun) -> int:
+    """The block input and x1 where no norm saves them (16-bit; fp32: the norms save them, in ``saved``)."""
+    a = _abytes(run)
+    return 0 if a == FP32 else 2 * run.acts.embed_out
+
+
+def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[Moment, ...]:
+    """Each sparse layer's forward moments at ZeRO-3, without checkpointing (``sparse_blocks``), each with what the
+    coordinator holds at that hook (``_gathered`` of the trace's marks):
+
+    - the post-attention norm fetched, and the sparse MLP where it is a ZeRO-3 leaf (Mixtral, Qwen-MoE: one
+      fetch gathers the router and both expert tensors) or its router (DeepSeek): a prefetch may have
+      all-gathered expert tensors in one coalesced call whose flat buffer stays open, beside the copies, until the
+      fetch that pops the last of them (partition_parameters.py ``_all_gather_dtype``, coordinator.py
+      ``Coordinator.wait``); alive: the earlier blocks' saved tensors and this block's up to its MLP (measured:
+      Mixtral, the forward peak is the last block's post-attention norm, 384 B over these terms);
+    - DeepSeek's ``experts`` fetched: the router's saved tensors and outputs added (``_before_experts``);
+    - the experts run and after, to the sparse MLP's release (DeepSeek's shared experts run last): the block's
+      saved tensors and its forward peak beyond them (``forward_extra``), with the most gathered there (measured:
+      Qwen3-MoE, the reordering ``weighted_out[inv_perm]``)."""
+    out = []
+    L, marks = run.acts.n_layer, {m for m, _, _ in run.trace.marks}
+    ckpt = run.checkpointing != "none"
+    for j in sparse_blocks(run):
+        blk, name = _block(run, j), ("last block" if j == L - 1 else f"block {j}")
+        held = (_blocks_saved(run, j), _act("block's saved activations before its MLP", blk.saved - blk.mlp_saved))
+        inputs = _act("block input and x1 (not saved, 16-bit)", _inputs(run), 2)
+        if ckpt:  # no grad: the checkpoint's input (in the first j + 1 blocks' term), x1 and the norm's output
+            held = (_blocks_saved(run, j + 1), _act("x1 and the post-attention norm's output (no grad)",
+                                                     2 * run.acts.embed_out, 2))  # fmt: skip
+            inputs = _act("", 0)
+        for what in ("post_attention_layernorm", "mlp", "gate"):  # the mlp's mark where it is a leaf, else the router's
+            if f"block {j} {what} fetch" in marks and (what != "mlp" or f"block {j} gate fetch" not in marks):
+                out.append(Moment("forward", f"{name}, {what} fetched", (
+                    *base, *_gathered(run, sched, f"block {j} {what} fetch", during=True), *held, inputs)))  # fmt: skip
+        if f"block {j} experts fetch" in marks:
+            r_saved, r_alive = _before_experts(run)
+            out.append(Moment("forward", f"{name}, experts fetched", (
+                *base, *_gathered(run, sched, f"block {j} experts fetch", during=True), *held,
+                _act("router's saved tensors", r_saved),
+                _act("router logits and top-k weights (and 16-bit inputs)", r_alive))))  # fmt: skip
+        if ckpt and f"block {j} attention" in marks:  # its no-grad peak may be the attention's (DeepSeek's SDPA)
+            out.append(Moment("forward", f"{name}, attention (no grad)", (
+                *base, *_gathered(run, sched, f"block {j} attention"), _blocks_saved(run, j),
+                _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))))  # fmt: skip
+        run_terms = ((_blocks_saved(run, j), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+                     if ckpt else (_blocks_saved(run, j + 1),
+                                   _act("block's forward peak beyond its saved tensors", blk.forward_extra)))  # fmt: skip
+        out.append(Moment("forward", f"{name}, experts run", (
+            *base, *_gathered(run, sched, f"block {j} after experts"), *run_terms)))  # fmt: skip
+    return tuple(out)
+
+
+def _reduction_peak(sizes: tuple[int, ...], bucket: int) -> int:
+    """The most gradient elements alive while the sparse MLP's gradients, ``sizes`` in hook order, all alive at
+    the first hook, go through stage3.py ``reduce_independent_p_g_buckets_and_remove_grads`` one by one: a gradient
+    that fits the contiguous bucket is copied in and freed (``__add_grad_to_ipg_bucket``); a larger one stays in
+    ``param.grad`` until the next hook reduces the bucket (``__reduce_and_partition_ipg_grads``), whose
+    reduce-scatter makes a full-size copy of it on gloo (measured, below) before ``partition_grads`` frees it."""
+    alive, peak, elements, held = sum(sizes), sum(sizes), 0, 0
+    for n in sizes:
+        if elements + n > bucket and elements > 0:
+            peak = max(peak, alive + held)  # the held gradients' reduce-scatter copy
+            alive, elements, held = alive - held, 0, 0
+        if elements + n <= bucket:
+            alive -= n
+        else:
+            held += n
+        elements += n
+    return max(peak, alive + held)
+
+
+def expert_gradients_held(run: DSRun, sched) -> tuple[Moment, ...]:
+    """The last sparse layer's gradients at ZeRO-3, where its expert tensors' gradients stay in ``param.grad``.
+
+    A ZeRO-3 leaf (Mixtral, Qwen-MoE, trace.py ``_LEAF_SPARSE``) has no per-parameter gradient hooks: its
+    parameters' gradients are reduced together by the module's backward hook, after the router's backward
+    (stage3.py ``create_reduce_and_remove_grad_hooks`` -> ``reduce_leaf_module_grads``), every one alive until
+    then, then one by one (``_reduction_peak``). Measured (live-storage trace, gloo, N_d = 2, 5,000-element
+    buckets): Mixtral's peak there is ``gate_up_proj``'s gradient (2·E·d·f), its reduce-scatter copy and
+    ``down_proj``'s gradient (E·d·f), Qwen3-MoE's the same plus the router weight's (E·d): ``gate_up_proj`` is
+    reduced when ``down_proj`` is added (NCCL reduces in place: the copy is gloo's, not measured on a GPU).
+    Elsewhere (DeepSeek) each gradient has its own hook: a tensor larger than the bucket is held to the next one
+    (``_reduction_peak`` of the experts' tensors, ``down_proj``'s first). Beside them the earlier blocks' saved
+    tensors, the block's up to its MLP and the MLP's input gradient (N·d·a)."""
+    blocks = sparse_blocks(run)
+    if not blocks or blocks[-1] != run.acts.n_layer - 1:
+        return ()
+    j, names = blocks[-1], run.trace.names
+    leaf = next((i for i, n in enumerate(names) if n.endswith(f".{j}.mlp")), None)
+    experts = next((i for i, n in enumerate(names) if n.endswith(f".{j}.mlp.experts")), None)
+    if experts is not None:  # hooked one by one: the experts' down_proj first (backward order), then gate_up_proj
+        sizes = tuple(run.numels[i] for i in sorted(run.trace.modules[experts], reverse=True))
+    elif leaf is not None:  # named_parameters order (the leaf's parameter list)
+        sizes = tuple(run.numels[i] for i in run.trace.modules[leaf])
+    else:
+        return ()
+    s = run.settings
+    bucket = s.reduce_bucket_size if s.contiguous_gradients else 0
+    if all(n <= bucket for n in sizes) and experts is not None:
+        return ()
+    g, blk, acts = DTYPE_BYTES[s.grad_dtype], _block(run, j), run.acts
+    base = (*_states(run), *run.wrapper.held_between_micro_steps(run),
+            _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved),
+            _act("loss", acts.loss))  # fmt: skip
+    return (Moment("backward", "last block sparse MLP's gradients reduced", (
+        *base, *_gathered(run, sched, "last block backward"), _blocks_saved(run, j),
+        _act("block's saved activations before its MLP", blk.saved - blk.mlp_saved),
+        _act("the sparse MLP's input gradient", acts.embed_out),
+        Term("the sparse MLP's gradients and a reduce-scatter copy (gloo)", _reduction_peak(sizes, bucket) * g,
+             f"{STAGE3} reduce_leaf_module_grads / reduce_independent_p_g_buckets_and_remove_grads -> "
+             "__avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced"))),)  # fmt: skip
+
+
+ZERO3_MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+"""The sparse families whose ZeRO-3 peak is measured (tests/test_deepspeed_moe.py)."""
+
+
+def zero3_moe_limit(model_type: str, zero: dict) -> Optional[str]:
+    """Why ZeRO-3's peak of a sparse model under ``zero`` (the ds_config's ``zero_optimization``) is not given,
+    or None: outside ``ZERO3_MOE_FAMILIES``, with ZeRO-3 leaves other than DeepSpeed's defaults, or with
+    ``offload_param`` or ZeRO++ (their schedules on a sparse layer are not measured)."""
+    if model_type not in ZERO3_MOE_FAMILIES:
+        return f"model_type {model_type!r} not measured (measured: {', '.join(ZERO3_MOE_FAMILIES)})"
+    if zero.get("leaf_module") not in (None, {}) or zero.get("stage3_module_granularity_threshold") not in (None, 0):
+        return ("leaf_module / stage3_module_granularity_threshold not modelled (DeepSpeed's default leaf classes "
+                "assumed: trace.py _LEAF_SPARSE)")
+    offload = zero.get("offload_param")
+    if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None):
+        return f"offload_param to {offload.get('device')} not measured"
+    zeropp = [k for k in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
+              if zero.get(k) not in (None, False, 0, 1)]  # fmt: skip
+    return f"ZeRO++ ({', '.join(zeropp)}) not measured" if zeropp else None
