@@ -155,6 +155,28 @@ def backward_moments(run: DSRun) -> tuple[Moment, ...]:
     return (*out, *run.wrapper.backward_after_last_block(run, last, inflight))
 
 
+def final_norm_backward(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
+    """The final RMSNorm's backward after its weight's gradient hook, at pow's backward: every block's
+    activations saved, the bucket the head's hook allocated alive (``last``'s, from the first hook on), and what
+    is left of the norm: its fp32 input and rsqrt (``BlockActivations.pending_at_last_grad`` less d(normalised))
+    and RMSNorm's backward working set (``norm_backward_ws``) less one N·d: the norm's output gradient is the
+    head's alone, not a sum of two projections' (and no residual gradient waits beside it). Above the last
+    block's moment by 16,384 B at tiny-llama fp32, and hidden by the cross-entropy until the bucket is large.
+    Measured (dsres's probe, MemTracker's categories at the peak, which rises before down_proj's hook):
+    tiny-llama hf ZeRO-2, N_d = 2, buckets 20,250 / 20,500 / 39,000: the final norm's input (12,288 B) and
+    5 fp32 N·d temporaries (61,440 B) beside both blocks' saved tensors; the last block's moment was 15,912 B
+    under (+1.54%), this one 472 B over (the 504-B token ids MemTracker never sees, less the rotary buffers)."""
+    blk, n_d = run.acts.block, run.acts.embed_out
+    if not (blk.norm_backward_ws and blk.pending_at_last_grad) or not run.param_blocks:
+        return ()  # GPT's LayerNorm: one node, its backward is the LM head moment's
+    dropped = ("incoming activation gradient", "block backward working set")
+    keep = tuple(t for t in last if t not in inflight and t.name not in dropped)
+    return (Moment("backward", "final norm backward (pow's), the bucket alive", (
+        *keep, _blocks_saved(run, run.acts.n_layer),
+        _act("final norm's fp32 input and rsqrt (pow's and rsqrt's saved)", blk.pending_at_last_grad - n_d),
+        _act("final RMSNorm backward working set (one output gradient)", blk.norm_backward_ws - n_d))),)
+
+
 def later_blocks_held(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
     """A wrapper reducing after backward (ZeRO-1 without ``overlap_comm``, BF16_Optimizer): autograd's
     gradients pile up block by block, so block j's first op also holds every later block's (under

@@ -12,6 +12,7 @@ import bisect
 import itertools
 from functools import lru_cache
 
+from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
@@ -145,23 +146,6 @@ def _reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
-def _mlp_modules(run: DSRun, j: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(block j's MLP input projection, the module before it), as parameter indices: the modules before the one
-    holding the output projection's weight (``run.modules``: sizes module by module, ``named_parameters``
-    order). GPT-2: ``mlp.c_fc`` and ``ln_2``; Llama: ``mlp.up_proj`` and ``mlp.gate_proj``. Empty without one."""
-    outs = [i for i in run.output_projections if run.param_blocks[i] == j]
-    if not outs:
-        return (), ()
-    spans, at = [], 0  # each module's parameter indices
-    for sizes in run.modules:
-        spans.append(tuple(range(at, at + len(sizes))))
-        at += len(sizes)
-    k = next((m for m, span in enumerate(spans) if min(outs) in span), None)
-    if k is None or k < 2 or any(run.param_blocks[i] != j for i in (*spans[k - 1], *spans[k - 2])):
-        return (), ()
-    return spans[k - 1], spans[k - 2]
-
-
 def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
                          kept: dict[int, tuple[Term, ...]]) -> tuple[Moment, ...]:
     """Reducing from the hooks, a rank whose first bucket is reduced at a hook inside block j after the block's
@@ -183,7 +167,7 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
     p, s, outputs = _pbytes(run), run.settings, set(run.output_projections)
-    _, _, _, bucket_of = _hook_buckets(run)
+    _, buckets, _, bucket_of = _hook_buckets(run)
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient"))  # fmt: skip
     large = [i for i, n in enumerate(run.numels) if n > s.reduce_bucket_size]  # reduced in place, not copied
@@ -214,10 +198,15 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
                  *((Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
                          (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
                  Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
+        name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
+        copy = buckets[first] * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
+        if copy > terms[-1].bytes:  # partition is allocated: the larger of the two, one after the other
+            name = f"block {j} {where} backward, rank {rank}'s bucket flattened"
+            terms = (*terms[:-1], Term("flattened copy of the bucket's gradients", copy,
+                                       "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))
         total = sum(t.bytes for t in terms)
         if j not in best or total > best[j][0]:
-            best[j] = (total, Moment("backward", f"block {j} {where} backward, rank {rank}'s grads_in_partition "
-                                     "allocated", terms))  # fmt: skip
+            best[j] = (total, Moment("backward", name, terms))
     return tuple(m for _, m in best.values())
 
 
@@ -248,12 +237,24 @@ def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, .
         return "MLP input projection", (_act("block's saved activations before its MLP", blk.saved - mlp),
                                         _act("incoming and MLP input's gradients", 2 * nda, 2)), proj
     roles = _llama_roles(run, j)
-    if roles is None or not any(hook in m for m in (*roles[0], roles[1], roles[2])):
+    if roles is None or not roles[2]:
         return None
     (*earlier, last_proj), norm, o_proj = roles
     saved = blk.recomputed + blk.ckpt_saved if run.checkpointing != "none" else blk.saved
     d = run.final_norm_numel
     nfa = nda // d * (sum(run.numels[i] for i in last_proj) // d)
+    attention = _attention_after(run, j)
+    if any(hook in m for m in attention):  # q, k, v, the input norm: bounded by o_proj's (their hooks come
+        # after it, each op releasing more of the attention's saved tensors), in flight every attention input
+        # projection's output gradient, the input norm output's and x1's
+        rms = nda // _pbytes(run) * 4 + nda // (_pbytes(run) * d) * 4 + 2 * nda
+        qkv = nda // d * (sum(run.numels[i] for m in attention for i in m if run.numels[i] > d) // d)
+        module = next(m for m in attention if hook in m)
+        return "attention input (bounded at o_proj's)", (
+            _act("block's saved activations before its post-attention norm", saved - blk.mlp_saved - rms),
+            _act("q, k, v's, the input norm output's and x1's gradients", qkv + 2 * nda, 3)), module
+    if not any(hook in m for m in (*roles[0], roles[1], roles[2])):
+        return None
     if hook in o_proj:  # the MLP's and the post-attention norm's saved tensors gone (an RMSNorm's: N·d·4 + N·4 +
         # 2·N·d·a), in flight o_proj's input gradient (N·q·a) and x1's (N·d·a)
         rms = nda // _pbytes(run) * 4 + nda // (_pbytes(run) * d) * 4 + 2 * nda
@@ -273,57 +274,6 @@ def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, .
     return "MLP input projection", (
         _act("block's saved activations less the MLP's but the activation's input", saved - 3 * nfa),
         _act("incoming, MLP input's and the activation output's gradients", 2 * nda + nfa, 3)), module
-
-
-def _llama_roles(run: DSRun, j: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]] | None:
-    """(block j's MLP input projections in hook order, its post-attention norm, the attention's output projection)
-    as parameter indices: the modules whose hooks follow the output projection's in ``DSRun.grad_ready_order``,
-    projections while their weight is as large as the output projection's, then the norm (a module of vectors),
-    then the next module; None when the block's first hook
-    is not its output projection (Gemma's post-feed-forward norm) or the MLP is not this shape."""
-    return _roles_by_block(run.modules, run.grad_ready_order, run.param_blocks, run.numels,
-                           run.output_projections, run.final_norm_numel).get(j)
-
-
-@lru_cache(maxsize=16)  # every rank's hook and every candidate of a plan ask for the same layout's roles
-def _roles_by_block(modules: tuple[tuple[int, ...], ...], order: tuple[int, ...], param_blocks: tuple[int, ...],
-                    numels: tuple[int, ...], output_projections: tuple[int, ...],
-                    final_norm_numel: int) -> dict[int, tuple | None]:
-    """``_llama_roles`` of every block, in one pass over the parameters (was one pass per hook and rank)."""
-    owner, at = {}, 0
-    for m, sizes in enumerate(modules):
-        for i in range(at, at + len(sizes)):
-            owner[i] = m
-        at += len(sizes)
-    by_block: dict[int, list[int]] = {}
-    for i in order:
-        by_block.setdefault(param_blocks[i], []).append(i)
-    outputs = set(output_projections)
-    return {j: _block_roles(mine, owner, numels, outputs, final_norm_numel) for j, mine in by_block.items()}
-
-
-def _block_roles(mine: list[int], owner: dict[int, int], numels: tuple[int, ...], outputs: set[int],
-                 final_norm_numel: int) -> tuple | None:
-    """``_llama_roles`` of one block whose parameters, in gradient-ready order, are ``mine``."""
-    groups: list[list[int]] = []
-    for i in mine:
-        if groups and owner[groups[-1][0]] == owner[i]:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    if not groups or not outputs.intersection(groups[0]):
-        return None
-    width = max(numels[i] for i in groups[0])
-    projections = []
-    for g in groups[1:]:
-        if max(numels[i] for i in g) == width:
-            projections.append(tuple(g))
-            continue
-        if projections and len({numels[i] for i in g}) == 1 and numels[g[0]] == final_norm_numel:
-            after = groups[groups.index(g) + 1] if groups.index(g) + 1 < len(groups) else []
-            return tuple(projections), tuple(g), tuple(after)
-        return None
-    return None
 
 
 def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
