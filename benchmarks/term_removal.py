@@ -129,7 +129,9 @@ def moment_tests(engine: str) -> list[str]:
     cases = [(W.test_partition_allocated_inside_a_block, W.IN_BLOCK), (W.test_step_global_norm_copy, W.NORM),
              (W.test_recorded_deepspeed_ranks_are_predicted_each, W.RANK_RESOLVED),
              (W.test_swiglu_output_projection_gradient_is_in_the_bucket_at_the_product_backward, [()]),
-             (W.test_llama_partition_allocated_inside_a_block, [(r,) for r in sorted(W.LLAMA_CKPT_ND3)])]  # fmt: skip
+             (W.test_llama_partition_allocated_inside_a_block, [(r,) for r in sorted(W.LLAMA_CKPT_ND3)]),
+             (W.test_final_norm_backward_holds_the_bucket, W.FINAL_NORM),
+             (W.test_first_bucket_sent_at_an_attention_hook, W.ALLOCATED)]  # fmt: skip
     failed = []
     for test, params in cases:
         for args in params:
