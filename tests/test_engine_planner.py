@@ -411,7 +411,7 @@ def test_planner_options_are_data_per_engine():
     assert fsdp2.planner_settings(PlannerOptions(reshard_after_forward=4, param_dtype="bfloat16")) == fsdp2.Settings(
         reshard_after_forward=4, param_dtype="bf16")  # fmt: skip
     ds = deepspeed.planner_settings(PlannerOptions(ds_config={"zero_optimization": {"stage": 3}}))
-    assert ds == deepspeed.Settings(stage=3)
+    assert ds == deepspeed.Settings(stage=3, device="cuda")  # a planner predicts the GPU (plan.on_device)
     assert get_engine("fsdp2").one_row and get_engine("deepspeed").one_row and not get_engine("reference").one_row
     assert hash(EngineOptions(ds_config={"a": [1]})) == hash(EngineOptions(ds_config={"a": [1]}))
 
