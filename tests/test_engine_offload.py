@@ -426,3 +426,37 @@ def test_estimate_json_names_the_host_init_peak():
     assert whole == 4 * 6_738_415_616 and row["host_init_peak_bytes_per_gpu"] > row["host_steady_bytes_per_gpu"]
     assert (row["host_bytes_per_gpu"], row["host_peak_at"]) == (row["host_init_peak_bytes_per_gpu"], "init")
     assert row["host_bytes_per_node"] == 8 * row["host_bytes_per_gpu"] and meta["host_peak_at"] == "steady"
+
+
+TORCH_ADAM_MEASURED = {1: (1_204_208, 1_203_844), 2: (1_204_208, 1_203_844), 3: (2_001_162_869, 2_001_162_865)}
+"""ZeRO stage -> the optimizer step's peak (measured, predicted) on one memory: ``zeroplan validate --engine deepspeed
+--world-size 1 --model gpt-tiny --steps 2 --device cpu`` with fp32, ``offload_optimizer`` cpu and ``torch_adam: true``
+(dscuda, 2026-12-02, MemTracker). Without torch's step temporaries the profile predicted 913,252 B at ZeRO-1/2
+(+24.2 %) and 2,000,872,273 B at ZeRO-3; now +364 B (+0.030 %) and +4 B."""
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_torch_adam_step_temporaries_on_the_host(stage):
+    """``torch_adam`` under ``offload_optimizer`` cpu: torch's single-tensor Adam (the default on CPU tensors) keeps the
+    sqrt and the quotient of ``denom``, 8 B per element of the fp32 partition, on the host during the step
+    (offload_terms.py ``torch_adam_step_temporaries``); ``foreach: true`` one ``_foreach_sqrt``, 4 B. On one memory
+    (the CPU validator) the step's peak is within 0.05 % of the measurement, every other phase as before."""
+    from validate.engines.deepspeed_compare import workload_for
+    from zeroplan.engines.deepspeed.offload_one_memory import one_memory_by_phase
+    from zeroplan.engines.deepspeed.offload_terms import torch_adam_step_temporaries
+
+    config = {"optimizer": {"type": "AdamW", "params": {"torch_adam": True}},
+              "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
+    s = D.Settings.from_ds_config(config, zero_init=False).model_copy(update={"rank": 0})
+    term = torch_adam_step_temporaries(s, (PSI,), 1)
+    assert (term.bytes, term.tensors) == (PSI * 8, 2)
+    foreach = s.model_copy(update={"foreach": True})
+    assert torch_adam_step_temporaries(foreach, (PSI,), 2).bytes == PSI // 2 * 4
+    assert torch_adam_step_temporaries(s.model_copy(update={"torch_adam": False}), (PSI,), 1) is None
+    w = workload_for("gpt-tiny", 1, None)
+    got = one_memory_by_phase(ds_run(s, w, 1, stat_bytes=4))
+    without = one_memory_by_phase(ds_run(s.model_copy(update={"torch_adam": False}), w, 1, stat_bytes=4))
+    assert got["optimizer_step"] - without["optimizer_step"] == PSI * 8
+    assert {p: got[p] for p in ("init", "forward", "backward")} == {p: without[p] for p in ("init", "forward", "backward")}
+    measured, predicted = TORCH_ADAM_MEASURED[stage]
+    assert got["optimizer_step"] == predicted and 0 <= measured - predicted <= 0.0005 * measured

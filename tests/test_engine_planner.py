@@ -94,7 +94,7 @@ def test_fsdp2_model_states_by_hand_padded_fp32_shards_and_adam_on_the_local_sha
 def test_estimate_deepspeed_json_is_the_engine_row_with_deepspeeds_own_estimator_beside_it():
     d = run_json("estimate", "--engine", "deepspeed", "--deepspeed-config", DS_CONFIG, "--model", GPT2, "--gpus", "8")
     config = json.loads(Path(DS_CONFIG).read_text())
-    settings = deepspeed.Settings.from_ds_config(config)
+    settings = deepspeed.Settings.from_ds_config(config).model_copy(update={"device": "cuda"})  # the planner's GPU
     assert (settings.stage, settings.dtype, settings.grad_dtype) == (2, "bf16", "fp32")
     # the file's train_micro_batch_size_per_gpu (4) is the run's (engines/deepspeed/batch.py ds_batch)
     (row,) = deepspeed.estimate(workload(GPT2, 1024, micro_batch=config["train_micro_batch_size_per_gpu"]), 8, settings)
@@ -325,7 +325,7 @@ def test_plan_counts_each_engine_collective_once_per_optimizer_step():
 
 def test_plan_deepspeed_recommends_stage_and_buckets_and_its_ds_config_predicts_the_same_peak(tmp_path):
     w = workload(TINY, 16, checkpointing="full")
-    base = deepspeed.Settings.from_ds_config({"bf16": {"enabled": True}}, 1)
+    base = deepspeed.Settings.from_ds_config({"bf16": {"enabled": True}}, 1).model_copy(update={"device": "cuda"})
     top = deepspeed.recommend(w, 4, 10**15, base)
     # everything fits a huge GPU: the first of the plan's order (fewest bytes sent per step: ZeRO-3 here)
     assert top.settings == deepspeed.ranked(w, 4, base)[0].settings and top.settings.stage == 3
@@ -343,7 +343,7 @@ def test_plan_deepspeed_recommends_stage_and_buckets_and_its_ds_config_predicts_
     assert len(d["stages"]) == 4 * len(deepspeed.BUCKET_CHOICES) and d["offload"] == []
     assert len(d["stages"]) + 4 == len(deepspeed.candidates(base))
     # the emitted ds_config, read back, is the configuration whose peak was predicted
-    settings = deepspeed.Settings.from_ds_config(rec["deepspeed"])
+    settings = deepspeed.Settings.from_ds_config(rec["deepspeed"]).model_copy(update={"device": "cuda"})
     assert settings == chosen.settings
     (again,) = deepspeed.estimate(w, 4, settings)
     picked = next(o for o in d["stages"] if o["label"] == rec["label"])
@@ -411,7 +411,7 @@ def test_planner_options_are_data_per_engine():
     assert fsdp2.planner_settings(PlannerOptions(reshard_after_forward=4, param_dtype="bfloat16")) == fsdp2.Settings(
         reshard_after_forward=4, param_dtype="bf16")  # fmt: skip
     ds = deepspeed.planner_settings(PlannerOptions(ds_config={"zero_optimization": {"stage": 3}}))
-    assert ds == deepspeed.Settings(stage=3)
+    assert ds == deepspeed.Settings(stage=3, device="cuda")  # a planner predicts the GPU (plan.on_device)
     assert get_engine("fsdp2").one_row and get_engine("deepspeed").one_row and not get_engine("reference").one_row
     assert hash(EngineOptions(ds_config={"a": [1]})) == hash(EngineOptions(ds_config={"a": [1]}))
 

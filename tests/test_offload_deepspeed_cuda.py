@@ -43,8 +43,8 @@ def test_every_config_trains_with_torchs_adam_and_keeps_its_offload():
 
 
 def _rank_row(ds: dict, workload, reserved: dict, stat_bytes) -> dict:
-    """What a rank of the CUDA runner reports when it measures exactly the profile's prediction."""
-    settings = D.Settings.from_ds_config(ds)
+    """What a rank of the CUDA runner reports when it measures exactly the profile's prediction (on CUDA)."""
+    settings = D.Settings.from_ds_config(ds).model_copy(update={"device": "cuda"})
     (est,) = D.estimate(workload, 1, settings, stat_bytes=stat_bytes)
     calls = [[c.op, PHASE_OF.get(c.phase, c.phase), c.dtype, c.elements] for c in est.collectives]
     states = est.model_states_bytes
@@ -61,7 +61,7 @@ def test_a_cuda_row_is_the_gpu_peak_with_reserved_bytes_beside():
     reserved predicted per phase by the allocator model, measured from the probe's counters."""
     ds = torch_adam_configs([ZERO2_CPU])[0]
     w = workload_for("gpt-tiny", 2, None)
-    settings = D.Settings.from_ds_config(ds)
+    settings = D.Settings.from_ds_config(ds).model_copy(update={"device": "cuda"})  # 512-B blocks, workspaces
     want = predicted_reserved(w, 1, settings)
     assert set(want) == {"init", "forward", "backward", "optimizer_step"}
     measured = {p: b + 2**21 for p, b in want.items()}  # one more 2 MiB segment than predicted, every phase
@@ -70,7 +70,7 @@ def test_a_cuda_row_is_the_gpu_peak_with_reserved_bytes_beside():
     assert row["predicted_reserved_bytes_by_phase"] == want and row["measured_reserved_bytes_by_phase"] == measured
     assert all(want[p] >= row["predicted_peak_bytes_by_phase"][p] > 0 for p in want)
     (cuda,) = D.estimate(w, 1, settings)
-    (cpu,) = D.estimate(w, 1, settings, stat_bytes=2)
+    (cpu,) = D.estimate(w, 1, settings.model_copy(update={"device": "cpu"}), stat_bytes=2)  # the CPU runner's
     assert row["predicted_peak_bytes_by_phase"] == cuda.peak.by_phase() != cpu.peak.by_phase()
     assert row["predicted_beside_states_terms"] is None and cuda.host is not None  # offloaded, not on the GPU
     assert row["predicted_model_states_bytes"] == cuda.model_states_bytes

@@ -224,8 +224,8 @@ InitOption = Annotated[
 ]  # fmt: skip
 DeviceOption = Annotated[
     Optional[str],
-    typer.Option("--device", help="fsdp2: cuda (default: NCCL, CUDA blocks and workspaces) or cpu (a CPU run on "
-                 "gloo, as CPU CI runners train)."),
+    typer.Option("--device", help="fsdp2, deepspeed: cuda (default: NCCL, CUDA blocks and workspaces) or cpu (a "
+                 "CPU run on gloo, as CPU CI runners train)."),
 ]  # fmt: skip
 FsdpOffloadOption = Annotated[
     Optional[str],

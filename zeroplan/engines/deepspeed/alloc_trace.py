@@ -3,8 +3,8 @@ order. Streams (DeepSpeed 0.19.8): ZeRO-1/2 with ``overlap_comm`` allocate the g
 (``grads_in_partition``) inside ``reduce_ipg_grads``'s ``with get_accelerator().stream(self.reduction_stream)``
 (``runtime/zero/stage_1_and_2.py``); everything else the profile names (buckets and partitions made in
 ``__init__``, ZeRO-3's gathered parameters, activations) comes from the default stream. Like the profile's
-peak, the trace is not rounded to the allocator's blocks (the allocator model rounds each request itself)
-and holds no library workspaces (``formulas.cuda_workspaces``; issue 21)."""
+peak, the trace is on ``settings.device``: on CUDA each tensor rounded to 512-byte blocks and the cuBLAS /
+cuBLASLt workspaces held from the first backward on (``profile.device_terms``), on the CPU accelerator neither."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def alloc_traces(workload: Workload, nd: int, settings: Settings, stat_bytes: in
 
         (row,) = estimate(workload, nd, settings, stat_bytes)
         settings = settings.model_copy(update={"rank": row.peak_rank})
-    from zeroplan.engines.deepspeed.profile import run_moments  # the estimate's own moments (a plan's candidate)
+    from zeroplan.engines.deepspeed.profile import device_terms, run_moments  # the estimate's own moments
 
     stream_of = _reduction_stream if settings.overlaps and settings.stage in (1, 2) else default_stream
-    return (step_trace(chronological(run_moments(settings, workload, nd, stat_bytes)), stream_of=stream_of),)
+    block, resident = device_terms(workload, settings)
+    return (step_trace(chronological(run_moments(settings, workload, nd, stat_bytes)), block, resident, stream_of),)

@@ -20,6 +20,7 @@ from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget
 from zeroplan.engines.deepspeed.zeropp import all_secondaries_numel
 from zeroplan.engines.deepspeed.zeropp_settings import ZEROPP_KEYS
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL, on_mesh
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
@@ -222,7 +223,23 @@ def planner_settings(options: PlannerOptions) -> Settings:
     if options.stage is None and not (isinstance(zero, dict) and "stage" in zero):
         raise ValueError("--engine deepspeed needs the ZeRO stage: give --stage or zero_optimization.stage in "
                          "--deepspeed-config")  # fmt: skip
-    return Settings.from_ds_config(config, options.stage, options.own.get("zero_init"))
+    return on_device(Settings.from_ds_config(config, options.stage, options.own.get("zero_init")), options)
+
+
+def on_device(settings: Settings, options: PlannerOptions) -> Settings:
+    """``settings`` on the planner's device: ``device`` (own option; None: cuda, a planner predicts the GPU) and
+    the ``--gpu`` preset's compute capability (``PlannerOptions.gpu_capability``; None: H100/H200's (9, 0))."""
+    update: dict = {"device": options.own.get("device") or "cuda"}
+    if options.gpu_capability is not None:  # the --gpu preset's: sizes the cuBLAS workspaces
+        update["cuda_capability"] = tuple(options.gpu_capability)
+    return settings.model_copy(update=update)
+
+
+def _device(value: object) -> str:
+    """``--device`` (``Settings.device``): cuda or cpu."""
+    if value not in ("cuda", "cpu"):
+        raise ValueError(f"device={value!r}: expected cuda or cpu")
+    return value  # type: ignore[return-value]
 
 
 def _zero_init(value: object) -> bool:
@@ -237,9 +254,11 @@ VOCABULARY: tuple[EngineOption, ...] = (
     EngineOption("ds_config", check_ds_config, None, "the parsed ds_config.json (None: DeepSpeed's defaults)"),
     EngineOption("zero_init", _zero_init, None, "ZeRO-3: the model built under deepspeed.zero.Init (default at "
                  "stage 3) or whole, then partitioned by deepspeed.initialize"),
+    EngineOption("device", _device, None,
+                 "cuda (default) or cpu (the CPU accelerator: no CUDA block rounding or library workspaces)"),
 )  # fmt: skip
 """DeepSpeed's own vocabulary, declared once (``Engine.own_options``): its ``ds_config.json`` and
-``Settings.zero_init`` (None: DeepSpeed's way at stage 3)."""
+``Settings.zero_init`` (None: DeepSpeed's way at stage 3) and ``Settings.device`` (None: cuda)."""
 
 
 def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optional[PeakLimit]:
@@ -300,7 +319,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     zero = {k: v for k, v in zero.items() if k not in ("offload_optimizer", "offload_param")}
     # the base's stage is a placeholder the candidates replace; ZeRO++'s keys are read at ZeRO-3, theirs
     base = Settings.from_ds_config({**config, "zero_optimization": zero}, 3 if ZEROPP_KEYS & zero.keys() else 1)
-    base = base.model_copy(update=dict(zip(("offload_optimizer", "offload_param"), targets)))
+    base = on_device(base.model_copy(update=dict(zip(("offload_optimizer", "offload_param"), targets))), options)
     if options.own.get("zero_init") is not None:  # read by the stage-3 candidates only (Settings.built_under_zero_init)
         base = base.model_copy(update={"zero_init": options.own["zero_init"]})
     node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
@@ -328,5 +347,5 @@ def _traced(t: Tried) -> Settings:
 
 
 def planner_block_bytes(settings: Settings) -> int:
-    """The allocator block the peak is rounded to: none (``estimate`` sums the terms as allocated)."""
-    return 1
+    """The allocator block every peak term is rounded to (``profile.device_terms``): 512 on CUDA, none on CPU."""
+    return CUDA_BLOCK_BYTES if settings.device == "cuda" else 1

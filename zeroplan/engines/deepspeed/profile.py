@@ -16,7 +16,8 @@ from zeroplan.engines.deepspeed.phases import moments
 from zeroplan.engines.deepspeed.run import _trace
 from zeroplan.engines.deepspeed.settings import Settings, inner_optimizer_class, optimizer_class
 from zeroplan.engines.deepspeed.wrapper import collectives, ds_run, memory_breakdown
-from zeroplan.formulas.peak import Moment, PeakEstimate, peak_of
+from zeroplan.formulas.cuda_workspaces import library_workspaces
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
 
 
 def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int] = None) -> tuple[EngineEstimate, ...]:
@@ -45,9 +46,23 @@ def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Option
     return (worst_rank(rows),)
 
 
+def device_terms(workload: Workload, settings: Settings) -> tuple[int, tuple[Term, ...]]:
+    """The allocator block every term is rounded to and the terms held from the first backward on: on CUDA
+    512-byte blocks (``peak.CUDA_BLOCK_BYTES``) and the cuBLAS / cuBLASLt workspaces of ``settings.cuda_capability``
+    (``formulas.cuda_workspaces``, FSDP2's and the reference's rule: cuBLASLt's where a Linear has a bias), on the
+    CPU accelerator none. The peak (``_peak``) and the allocation trace (``alloc_trace``) both take them here."""
+    if settings.device != "cuda" or workload.spec is None:
+        return 1, ()
+    return CUDA_BLOCK_BYTES, (library_workspaces(settings.cuda_capability, workload.spec.biased_linear),)
+
+
 def _peak(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> Optional[PeakEstimate]:
-    """The peak per phase of the rank ``settings`` describes (every rank's largest where none is named)."""
-    return None if workload.spec is None else peak_of(run_moments(settings, workload, nd, stat_bytes))
+    """The peak per phase of the rank ``settings`` describes (every rank's largest where none is named), on
+    ``settings.device`` (``device_terms``)."""
+    if workload.spec is None:
+        return None
+    block, resident = device_terms(workload, settings)
+    return peak_of(run_moments(settings, workload, nd, stat_bytes), block, resident=resident)
 
 
 @lru_cache(maxsize=64)  # a plan's allocation trace of a candidate walks the moments its estimate listed

@@ -88,6 +88,17 @@ class Settings(BaseModel):
     quantized_gradients: bool = False
     """``zero_quantized_gradients`` (ZeRO++ qgZ): refused, not modelled (``zeropp.py check_zeropp``)."""
 
+    device: Literal["cuda", "cpu"] = "cpu"
+    """cuda: every peak term rounded to the caching allocator's 512-byte blocks (``peak.CUDA_BLOCK_BYTES``) and the
+    cuBLAS / cuBLASLt workspaces held from the first backward on (``formulas.cuda_workspaces``); cpu (the CPU
+    accelerator the validator's gloo rows run on): neither, the terms as allocated. Not a ds_config key: where the
+    run trains. Every planner entry (``plan.planner_settings``, ``plan.planner_plan``: estimate, plan, sweep, the
+    Python API) predicts the GPU, cuda unless ``device`` cpu is given (``plan.on_device``), as FSDP2's default; a
+    ``Settings`` built directly keeps the profile's own unit, bytes as allocated (what the CPU rows measured)."""
+    cuda_capability: tuple[int, int] = (9, 0)
+    """device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces (``cuda_workspaces``); (9, 0):
+    H100/H200. Not a ds_config key: the ``--gpu`` preset's."""
+
     rank: Optional[int] = Field(None, ge=0)
     """The rank described: ZeRO-1/2 ranks differ by the parameters their slice of the flat group overlaps
     (``grads_in_partition``). None: the worst rank (``profile.estimate`` predicts every rank whose slice
