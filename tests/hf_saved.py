@@ -70,3 +70,35 @@ def check_fsdp2_recorded(name: str, cfg: dict, dtype: str, measured: list, resid
         for phase, value in zip(PHASES, row):
             err = (value - predicted[phase]) / value
             assert abs(err - residual.get((name, phase), 0.0)) <= margin, (name, rank, phase, value, predicted[phase])
+
+
+#: 5,000-element DeepSpeed buckets (and a persistence threshold of 100), below the families' widest weights and the
+#: MoE expert tensors (131,072 and 262,144): buckets and thresholds that bite on ~1M-parameter models.
+DS_SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
+            "stage3_param_persistence_threshold": 100}  # fmt: skip
+
+
+def check_deepspeed_recorded(name: str, cfg: dict, stage: int, measured: list, residual: dict, margin: float,
+                             tmp_path, small: bool = True, micro_batch: int = 1, seq: int | None = 64,
+                             checkpointing: str = "none") -> None:
+    """Every phase of the largest rank of a recorded real-DeepSpeed run of transformers' class of ``cfg`` (gloo,
+    N_d 2, fp32, ``ds_config(stage, micro_batch, DS_SMALL or DeepSpeed's buckets, torch_adam)``; ``measured``: the
+    phase peaks [init, forward, backward, optimizer_step]) within ``margin`` of its prediction, after the recorded
+    ``residual`` of each phase ({phase: error}). The check the families', MoE and DeepSeek rows share."""
+    pytest.importorskip("torch")
+    import json
+
+    from validate.engines.deepspeed_compare import ds_config, workload_for
+    from zeroplan.engines import deepspeed as D
+    from zeroplan.formulas.peak import PHASES
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    config = ds_config(stage, micro_batch=micro_batch, zero=DS_SMALL if small else {},
+                       optimizer_params={"torch_adam": True})  # fmt: skip
+    workload = workload_for(str(path), micro_batch, seq, 1, checkpointing, hf=True)
+    (est,) = D.estimate(workload, 2, D.Settings.from_ds_config(config, zero_init=False), stat_bytes=4)
+    predicted = est.peak.by_phase()
+    for phase, value in zip(PHASES, measured):
+        err = (value - predicted[phase]) / value
+        assert abs(err - residual.get(phase, 0.0)) <= margin, (name, stage, phase, value, predicted[phase])

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from tests.test_deepseek import DEEPSEEK_WIDE
-from tests.test_moe_peaks import DS_SMALL, MIXTRAL, QWEN3_MOE, RECORDED as FSDP2_RECORDED
+from tests.hf_saved import DS_SMALL, check_deepspeed_recorded
+from tests.test_moe_peaks import MIXTRAL, QWEN3_MOE, RECORDED as FSDP2_RECORDED
 
 CONFIGS = {"mixtral-wide": MIXTRAL, "qwen3-moe-wide": QWEN3_MOE, "deepseek-wide": DEEPSEEK_WIDE,
            "qwen2-moe-wide": FSDP2_RECORDED["qwen2-moe-wide"][0]}
@@ -19,7 +20,7 @@ CONFIGS = {"mixtral-wide": MIXTRAL, "qwen3-moe-wide": QWEN3_MOE, "deepseek-wide"
 #: model=a 64-position tiny-llama config, steps=2, seq_len=64, runs=[{"model": CONFIG_JSON, "hf": True}]),
 #: ds_config(3, micro_batch=1, zero=ZERO, optimizer_params={"torch_adam": True}), fp32, gloo, N_d = 2,
 #: DS_ACCELERATOR=cpu), recorded 2026-12-02 on this project's CPU machine (torch 2.13, transformers 5.24): peak bytes
-#: [init, forward, backward, optimizer_step], the same on both ranks. ZERO "small": tests/test_moe_peaks.py DS_SMALL
+#: [init, forward, backward, optimizer_step], the same on both ranks. ZERO "small": tests/hf_saved.py DS_SMALL
 #: (5,000-element buckets, below every expert tensor); "default": DeepSpeed's own (5e8-element buckets, persistence
 #: threshold 1e5). The Mixtral and Qwen3-MoE "small" rows are tests/test_moe_peaks.py's.
 RECORDED = {
@@ -120,21 +121,9 @@ CHECKPOINTED_RESIDUAL = {("deepseek-wide", 3, "small", "backward"): -196024 / 84
 
 @pytest.mark.parametrize(("name", "stage", "buckets"), sorted(CHECKPOINTED))
 def test_hf_gradient_checkpointing_peaks_every_phase(name, stage, buckets, tmp_path):
-    from validate.engines.deepspeed_compare import ds_config, workload_for
-    from zeroplan.engines import deepspeed as D
-    from zeroplan.formulas.peak import PHASES
-
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(CONFIGS[name]))
-    config = ds_config(stage, micro_batch=1, zero=DS_SMALL if buckets == "small" else {},
-                       optimizer_params={"torch_adam": True})  # fmt: skip
-    workload = workload_for(str(path), 1, 64, 1, "full", hf=True)
-    (est,) = D.estimate(workload, 2, D.Settings.from_ds_config(config, zero_init=False), stat_bytes=4)
-    predicted = est.peak.by_phase()
-    for phase, value in zip(PHASES, CHECKPOINTED[(name, stage, buckets)]):
-        err = (value - predicted[phase]) / value
-        residual = CHECKPOINTED_RESIDUAL.get((name, stage, buckets, phase), 0.0)
-        assert abs(err - residual) <= 0.0001, (name, stage, phase, value, predicted[phase])
+    residual = {p: e for (n, st, bk, p), e in CHECKPOINTED_RESIDUAL.items() if (n, st, bk) == (name, stage, buckets)}
+    check_deepspeed_recorded(name, CONFIGS[name], stage, CHECKPOINTED[(name, stage, buckets)], residual, 0.0001,
+                             tmp_path, small=buckets == "small", checkpointing="full")  # fmt: skip
 
 
 def test_trace_calls_the_sparse_mlp_as_deepspeed_hooks_it():

@@ -14,7 +14,13 @@ import pytest
 
 from zeroplan.architectures.hf_config import read_hf_config, spec_from_hf_config
 from zeroplan.architectures.spec import param_count, transformer_shapes
-from tests.hf_saved import check_fsdp2_recorded, hf_saved_bytes, predicted_saved_bytes
+from tests.hf_saved import (
+    DS_SMALL,
+    check_deepspeed_recorded,
+    check_fsdp2_recorded,
+    hf_saved_bytes,
+    predicted_saved_bytes,
+)
 from zeroplan.formulas.activation_terms import model_activations
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
@@ -266,8 +272,6 @@ def test_fsdp2_peaks_of_transformers_classes_every_phase_every_rank(name, tmp_pa
 #: 1, seq 64, 2 steps, gloo, N_d = 2), recorded 2026-12-01 on this project's CPU machine: the largest rank's peak
 #: bytes [init, forward, backward, optimizer_step] (validate.engines.deepspeed.compare_row's measurement). A Qwen2 of
 #: the same widths, same world: every phase within 0.011% too (the profile's own residuals, not the families').
-DS_SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
-            "stage3_param_persistence_threshold": 100}  # fmt: skip
 DS_RECORDED = {
     ("t-qwen3", 2): [9433248, 19088576, 20625096, 18867440],
     ("t-qwen3", 3): [8535441, 23826181, 25362701, 18888485],
@@ -278,21 +282,9 @@ DS_RECORDED = {
 
 @pytest.mark.parametrize(("name", "stage"), sorted(DS_RECORDED))
 def test_deepspeed_peaks_of_transformers_classes_every_phase(name, stage, tmp_path):
-    pytest.importorskip("torch")
-    from validate.engines.deepspeed import ds_config, workload_for
-    from zeroplan.engines import deepspeed as D
-    from zeroplan.formulas.peak import PHASES
-
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(RECORDED[name][0]))
-    config = ds_config(stage, zero=DS_SMALL, optimizer_params={"torch_adam": True})
-    workload = workload_for(str(path), config["train_micro_batch_size_per_gpu"], None, 1, "none", hf=True)
-    (est,) = D.estimate(workload, 2, D.Settings.from_ds_config(config, zero_init=False), stat_bytes=4)
-    predicted = est.peak.by_phase()
-    for phase, value in zip(PHASES, DS_RECORDED[(name, stage)]):
-        err = (value - predicted[phase]) / value
-        assert abs(err - DS_RESIDUAL.get((name, stage, phase), 0.0)) <= MARGIN, (name, stage, phase, value,
-                                                                                 predicted[phase])  # fmt: skip
+    residual = {p: e for (n, st, p), e in DS_RESIDUAL.items() if (n, st) == (name, stage)}
+    check_deepspeed_recorded(name, RECORDED[name][0], stage, DS_RECORDED[(name, stage)], residual, MARGIN, tmp_path,
+                             micro_batch=2, seq=None)  # fmt: skip
 
 
 #: (row, stage, phase): the measured error where it is not 0: none. t-gemma2-scores ZeRO-2 backward was over by

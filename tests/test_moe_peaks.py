@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from zeroplan.architectures.hf_config import spec_from_hf_config
-from tests.hf_saved import check_fsdp2_recorded, hf_saved_bytes, predicted_saved_bytes
+from tests.hf_saved import check_deepspeed_recorded, check_fsdp2_recorded, hf_saved_bytes, predicted_saved_bytes
 from zeroplan.formulas.activation_terms import model_activations
 
 # grouped_mm needs rows of 16-byte multiples (bf16: every width divisible by 8); every layer sparse
@@ -80,9 +80,7 @@ def test_fsdp2_peaks_of_transformers_classes_every_phase_every_rank(name, tmp_pa
 #: optimizer_params={"torch_adam": True}) with micro-batch 1, fp32, gloo, N_d = 2; DS_ACCELERATOR=cpu), recorded
 #: 2026-12-01 on this project's CPU machine: the largest rank's peak bytes [init, forward, backward, optimizer_step].
 #: ZERO "default": DeepSpeed's own bucket sizes (5e8 elements: every expert tensor fits the reduce bucket);
-#: "small": 5,000-element buckets (tests/test_families.py DS_SMALL), below the expert tensors' 131,072 and 262,144.
-DS_SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
-            "stage3_param_persistence_threshold": 100}  # fmt: skip
+#: "small": 5,000-element buckets (tests/hf_saved.py DS_SMALL), below the expert tensors' 131,072 and 262,144.
 DS_RECORDED = {
     ("mixtral-wide", 2, "default"): [11469952, 17535936, 2020072852, 22940304],
     ("mixtral-wide", 2, "small"): [11469952, 17535936, 22114024, 22940304],
@@ -105,24 +103,9 @@ DS_CONFIGS = {"mixtral-wide": MIXTRAL, "qwen3-moe-wide": QWEN3_MOE}
 
 @pytest.mark.parametrize(("name", "stage", "buckets"), sorted(DS_RECORDED))
 def test_deepspeed_peaks_of_transformers_classes_every_phase(name, stage, buckets, tmp_path):
-    pytest.importorskip("torch")
-    import json
-
-    from validate.engines.deepspeed_compare import ds_config, workload_for
-    from zeroplan.engines import deepspeed as D
-    from zeroplan.formulas.peak import PHASES
-
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(DS_CONFIGS[name]))
-    config = ds_config(stage, micro_batch=1, zero=DS_SMALL if buckets == "small" else {},
-                       optimizer_params={"torch_adam": True})  # fmt: skip
-    workload = workload_for(str(path), 1, 64, 1, "none", hf=True)
-    (est,) = D.estimate(workload, 2, D.Settings.from_ds_config(config, zero_init=False), stat_bytes=4)
-    predicted = est.peak.by_phase()
-    for phase, value in zip(PHASES, DS_RECORDED[(name, stage, buckets)]):
-        err = (value - predicted[phase]) / value
-        residual = DS_RESIDUAL.get((name, stage, buckets, phase), 0.0)
-        assert abs(err - residual) <= MARGIN, (name, stage, buckets, phase, value, predicted[phase])
+    residual = {p: e for (n, st, bk, p), e in DS_RESIDUAL.items() if (n, st, bk) == (name, stage, buckets)}
+    check_deepspeed_recorded(name, DS_CONFIGS[name], stage, DS_RECORDED[(name, stage, buckets)], residual, MARGIN,
+                             tmp_path, small=buckets == "small")  # fmt: skip
 
 
 class LiveStorages:
