@@ -37,17 +37,18 @@ def _llama_roles(run: DSRun, j: int) -> tuple[tuple[tuple[int, ...], ...], tuple
     return _layout_roles(run)[0].get(j)
 
 
-_LAST: list = []  # [(the layout's tuples, its final norm's numel, (roles, attention))]: the last layout asked for
+_LAST: list = []  # the last layout asked for: [(its tuples, its final norm's numel, (roles, attention))]
 
 
 def _layout_roles(run: DSRun) -> tuple[dict[int, tuple | None], dict[int, tuple[tuple[int, ...], ...]]]:
-    """(``_roles_by_block``, ``_attention_by_block``) of ``run``'s layout. The last layout's, when its arguments
-    are the very same objects (an identity check: every hook of a run asks, and hashing the layout's tuples for
-    ``lru_cache`` cost ~50 us a call, 0.8 s of a 405B plan), else through the caches."""
+    """(``_roles_by_block``, ``_attention_by_block``) of ``run``'s layout. The last layout's when its
+    arguments are the very same objects (an identity check: every hook of a run asks, and hashing the
+    layout's tuples for ``lru_cache`` cost ~50 us a call, 0.8 s of a 405B plan), else through the caches."""
     if _LAST:
         (modules, order, blocks, numels, outputs), norm, found = _LAST[0]
         if (modules is run.modules and order is run.grad_ready_order and blocks is run.param_blocks
-                and numels is run.numels and outputs is run.output_projections and norm == run.final_norm_numel):
+                and numels is run.numels and outputs is run.output_projections
+                and norm == run.final_norm_numel):
             return found
     args = (run.modules, run.grad_ready_order, run.param_blocks, run.numels, run.output_projections)
     norm = run.final_norm_numel

@@ -222,7 +222,8 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     # per position in ``order``: the large gradients' elements before it, and the gradients before it whose
     # partition on this rank is not empty (its norm kept): each bucket's sums from two lookups, not a pass
     large_before = (0, *itertools.accumulate(numels[i] if numels[i] > limit else 0 for i in order))
-    normed_before = (0, *itertools.accumulate(int(-(-numels[i] // run.nd) * rank < numels[i]) for i in order)) if offload else ()
+    normed = (int(-(-numels[i] // run.nd) * rank < numels[i]) for i in order)
+    normed_before = (0, *itertools.accumulate(normed)) if offload else ()
     best: dict[int, tuple[int, str, tuple[Term, ...]]] = {}  # block -> (bytes, where, terms) of its largest
     for b in range(len(buckets) - 1):  # the last bucket is sent after backward (independent_gradient_partition_epilogue)
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
