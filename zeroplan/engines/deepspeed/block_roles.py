@@ -34,8 +34,27 @@ def _llama_roles(run: DSRun, j: int) -> tuple[tuple[tuple[int, ...], ...], tuple
     projections while their weight is as large as the output projection's, then the norm (a module of vectors),
     then the next module; None when the block's first hook
     is not its output projection (Gemma's post-feed-forward norm) or the MLP is not this shape."""
-    return _roles_by_block(run.modules, run.grad_ready_order, run.param_blocks, run.numels,
-                           run.output_projections, run.final_norm_numel).get(j)
+    return _layout_roles(run)[0].get(j)
+
+
+_LAST: list = []  # the last layout asked for: [(its tuples, its final norm's numel, (roles, attention))]
+
+
+def _layout_roles(run: DSRun) -> tuple[dict[int, tuple | None], dict[int, tuple[tuple[int, ...], ...]]]:
+    """(``_roles_by_block``, ``_attention_by_block``) of ``run``'s layout. The last layout's when its
+    arguments are the very same objects (an identity check: every hook of a run asks, and hashing the
+    layout's tuples for ``lru_cache`` cost ~50 us a call, 0.8 s of a 405B plan), else through the caches."""
+    if _LAST:
+        (modules, order, blocks, numels, outputs), norm, found = _LAST[0]
+        if (modules is run.modules and order is run.grad_ready_order and blocks is run.param_blocks
+                and numels is run.numels and outputs is run.output_projections
+                and norm == run.final_norm_numel):
+            return found
+    args = (run.modules, run.grad_ready_order, run.param_blocks, run.numels, run.output_projections)
+    norm = run.final_norm_numel
+    found = (_roles_by_block(*args, norm), _attention_by_block(*args, norm))
+    _LAST[:] = [(args, norm, found)]
+    return found
 
 
 @lru_cache(maxsize=16)  # every rank's hook and every candidate of a plan ask for the same layout's roles
@@ -82,8 +101,7 @@ def _block_roles(mine: list[int], owner: dict[int, int], numels: tuple[int, ...]
 def _attention_after(run: DSRun, j: int) -> tuple[tuple[int, ...], ...]:
     """Block j's modules whose gradient hooks follow its attention output projection's in
     ``DSRun.grad_ready_order`` (Llama: v, k, q, the input norm), each as its parameter indices."""
-    return _attention_by_block(run.modules, run.grad_ready_order, run.param_blocks, run.numels,
-                               run.output_projections, run.final_norm_numel).get(j, ())
+    return _layout_roles(run)[1].get(j, ())
 
 
 @lru_cache(maxsize=16)  # as ``_roles_by_block``: one pass per layout

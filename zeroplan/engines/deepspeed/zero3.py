@@ -8,6 +8,7 @@ the fp32 master partition, and the persistent parameters are re-gathered."""
 
 from __future__ import annotations
 
+import itertools
 from functools import lru_cache
 from typing import Optional
 
@@ -217,11 +218,17 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     offload = s.offload_optimizer.on
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient"))  # fmt: skip
-    best: dict[int, Moment] = {}
+    numels, limit, rank = run.numels, s.reduce_bucket_size, s.rank or 0
+    # per position in ``order``: the large gradients' elements before it, and the gradients before it whose
+    # partition on this rank is not empty (its norm kept): each bucket's sums from two lookups, not a pass
+    large_before = (0, *itertools.accumulate(numels[i] if numels[i] > limit else 0 for i in order))
+    normed = (int(-(-numels[i] // run.nd) * rank < numels[i]) for i in order)
+    normed_before = (0, *itertools.accumulate(normed)) if offload else ()
+    best: dict[int, tuple[int, str, tuple[Term, ...]]] = {}  # block -> (bytes, where, terms) of its largest
     for b in range(len(buckets) - 1):  # the last bucket is sent after backward (independent_gradient_partition_epilogue)
-        hook = order[first_of_bucket[b + 1]]
-        sent = order[first_of_bucket[b]:first_of_bucket[b + 1]]
-        large = sum(run.numels[i] for i in sent if run.numels[i] > s.reduce_bucket_size)
+        start, end = first_of_bucket[b], first_of_bucket[b + 1]
+        hook = order[end]
+        large = large_before[end] - large_before[start]
         j = run.param_blocks[hook]
         at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload) else None
         if at_hook is None:
@@ -233,15 +240,16 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
                  Term("gradients larger than the bucket, in the bucket sent", large * p,
                       f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"))
         if offload:
-            parts = [-(-run.numels[i] // run.nd) for i in sent]
-            norms = sum(1 for i in order[:first_of_bucket[b]] if -(-run.numels[i] // run.nd) * (s.rank or 0) < run.numels[i])
+            parts = [-(-numels[i] // run.nd) for i in order[start:end]]
+            norms = normed_before[start]
             terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", max(parts) * 8 + 8,
                            f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2", 2),
                       Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))  # fmt: skip
-        m = Moment("backward", f"block {j} {where} backward, a bucket sent", terms)
-        if j not in best or m.total() > best[j].total():
-            best[j] = m
-    return tuple(best.values())
+        total = sum(t.bytes for t in terms)  # Moment.total(), each moment's once
+        if j not in best or total > best[j][0]:
+            best[j] = (total, where, terms)
+    return tuple(Moment("backward", f"block {j} {where} backward, a bucket sent", terms)
+                 for j, (_, where, terms) in best.items())
 
 
 def _step_terms(run: DSRun, terms: tuple[Term, ...]) -> tuple[Term, ...]:
