@@ -57,11 +57,9 @@ def _layout_roles(run: DSRun) -> tuple[dict[int, tuple | None], dict[int, tuple[
     return found
 
 
-@lru_cache(maxsize=16)  # every rank's hook and every candidate of a plan ask for the same layout's roles
-def _roles_by_block(modules: tuple[tuple[int, ...], ...], order: tuple[int, ...], param_blocks: tuple[int, ...],
-                    numels: tuple[int, ...], output_projections: tuple[int, ...],
-                    final_norm_numel: int) -> dict[int, tuple | None]:
-    """``_llama_roles`` of every block, in one pass over the parameters (was one pass per hook and rank)."""
+def _owners_and_blocks(modules: tuple[tuple[int, ...], ...], order: tuple[int, ...],
+                       param_blocks: tuple[int, ...]) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """(each parameter's module index, each block's parameters in ``order``)."""
     owner, at = {}, 0
     for m, sizes in enumerate(modules):
         for i in range(at, at + len(sizes)):
@@ -70,6 +68,15 @@ def _roles_by_block(modules: tuple[tuple[int, ...], ...], order: tuple[int, ...]
     by_block: dict[int, list[int]] = {}
     for i in order:
         by_block.setdefault(param_blocks[i], []).append(i)
+    return owner, by_block
+
+
+@lru_cache(maxsize=16)  # every rank's hook and every candidate of a plan ask for the same layout's roles
+def _roles_by_block(modules: tuple[tuple[int, ...], ...], order: tuple[int, ...], param_blocks: tuple[int, ...],
+                    numels: tuple[int, ...], output_projections: tuple[int, ...],
+                    final_norm_numel: int) -> dict[int, tuple | None]:
+    """``_llama_roles`` of every block, in one pass over the parameters (was one pass per hook and rank)."""
+    owner, by_block = _owners_and_blocks(modules, order, param_blocks)
     outputs = set(output_projections)
     return {j: _block_roles(mine, owner, numels, outputs, final_norm_numel) for j, mine in by_block.items()}
 
@@ -110,14 +117,7 @@ def _attention_by_block(modules: tuple[tuple[int, ...], ...], order: tuple[int, 
                         final_norm_numel: int) -> dict[int, tuple[tuple[int, ...], ...]]:
     """``_attention_after`` of every block whose roles ``_roles_by_block`` finds."""
     roles = _roles_by_block(modules, order, param_blocks, numels, output_projections, final_norm_numel)
-    owner, at = {}, 0
-    for m, sizes in enumerate(modules):
-        for i in range(at, at + len(sizes)):
-            owner[i] = m
-        at += len(sizes)
-    by_block: dict[int, list[int]] = {}
-    for i in order:
-        by_block.setdefault(param_blocks[i], []).append(i)
+    owner, by_block = _owners_and_blocks(modules, order, param_blocks)
     out = {}
     for j, r in roles.items():
         if r is None or not r[2]:
