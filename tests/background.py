@@ -117,6 +117,12 @@ def validate_json(jobs: Jobs, module, name: str) -> tuple[SimpleNamespace, dict]
     return proc, out["report"]
 
 
+def sleep(secs: float) -> None:
+    """A job that only waits (the mechanism's own tests: a job still running; ``time.sleep`` takes no keyword,
+    and a job is called with keywords)."""
+    time.sleep(secs)
+
+
 def call(job: dict):
     """Run one job: ``{"fn": "module:function", "kwargs": {...}}``."""
     import importlib

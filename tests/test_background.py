@@ -35,11 +35,11 @@ def test_rows_come_from_the_child_and_an_error_brings_its_traceback():
 
 def test_a_job_the_child_has_not_started_runs_here_once():
     # the child sleeps through its first job; the second is claimed here first, so the child skips it
-    jobs = _jobs([("sleep", {"fn": "time:sleep", "kwargs": {"secs": 2}}),
+    jobs = _jobs([("sleep", {"fn": "background:sleep", "kwargs": {"secs": 2}}),
                   ("late", {"fn": "json:loads", "kwargs": {"s": "3"}})])  # fmt: skip
     try:
         assert jobs.result("late", {"fn": "json:loads", "kwargs": {"s": "3"}}) == 3
-        assert jobs.proc.wait(timeout=60) == 0
+        assert jobs.proc.wait(timeout=60) == 0 and not (jobs.dir / "sleep.err").exists()  # it slept
         assert not (jobs.dir / "late.json").exists() and "late" not in jobs.waited
         assert jobs.result("other", {"fn": "json:loads", "kwargs": {"s": "4"}}) == 4  # not a job: run here
     finally:
@@ -63,11 +63,13 @@ def test_readers_run_last_whole_modules_in_order():
 
 
 def test_unread_jobs_are_stopped_at_the_end():
-    jobs = _jobs([("long", {"fn": "time:sleep", "kwargs": {"secs": 600}}),
+    jobs = _jobs([("long", {"fn": "background:sleep", "kwargs": {"secs": 600}}),
                   ("never", {"fn": "json:loads", "kwargs": {"s": "1"}})])  # fmt: skip
     deadline = time.monotonic() + 60
     while not (jobs.dir / "long.claim").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert (jobs.dir / "long.claim").exists()  # the child is in its first job
+    time.sleep(0.5)
+    assert jobs.proc.poll() is None and not (jobs.dir / "long.err").exists()  # still in it (it was a TypeError)
     jobs.stop()
     assert jobs.proc.returncode == -signal.SIGTERM and not jobs.dir.exists()
