@@ -105,7 +105,10 @@ def test_zero3_peaks_of_transformers_moe_classes_every_phase(name, buckets, tmp_
 #: fp32, gloo, N_d = 2, micro-batch 1, seq 64, two steps: each rank ran validate.engines.deepspeed.measure(build,
 #: ds_config(stage, micro_batch=1, zero=ZERO, optimizer_params={"torch_adam": True}), batches of
 #: _model_and_batches(CONFIG_JSON, 2, rank, 1, 2, 64, hf=True)) with ``build`` hf_builder's model with checkpointing
-#: enabled (hf_builder itself refuses checkpointing), recorded 2026-12-02 on this project's CPU machine: peak bytes
+#: enabled, recorded 2026-12-02 on this project's CPU machine (ZeRO-2 row reproduced to the byte on both ranks through
+#: the runner itself since: ``deepspeed_compare.run_world([ds_config(2, micro_batch=1, zero={}, optimizer_params=
+#: {"torch_adam": True})], 2, model=<tiny-llama with 64 positions>, steps=2, seq_len=64, runs=[{"model": CONFIG_JSON,
+#: "hf": True, "checkpointing": "full"}])``, hf_builder's ``checkpointing="full"``, 16 s of wall time): peak bytes
 #: [init, forward, backward, optimizer_step], the same on both ranks; predicted as ``checkpointing="full"``.
 CHECKPOINTED = {
     ("deepseek-wide", 2, "default"): [4389440, 5946320, 2007682004, 8779344],
@@ -174,3 +177,18 @@ def test_zero3_moe_refusal_names_what_is_not_measured(cfg, zero, refused):
         assert why is None
     else:
         assert why is not None and refused in why and "\n" not in why
+
+
+def test_hf_builder_turns_on_transformers_gradient_checkpointing(tmp_path):
+    """The DeepSpeed runner's transformers model (``hf_builder``) with ``checkpointing="full"``: transformers' own
+    gradient checkpointing on every decoder layer, as the recorded ``CHECKPOINTED`` rows ran; none: off; any other
+    mode refused in one line."""
+    pytest.importorskip("transformers")
+    from validate.engines.deepspeed import hf_builder
+
+    path = tmp_path / "deepseek-wide.json"
+    path.write_text(json.dumps(DEEPSEEK_WIDE))
+    assert hf_builder(str(path), "full")().is_gradient_checkpointing
+    assert not hf_builder(str(path))().is_gradient_checkpointing
+    with pytest.raises(ValueError, match="checkpointing 'selective': none or full"):
+        hf_builder(str(path), "selective")

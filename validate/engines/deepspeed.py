@@ -228,9 +228,12 @@ def hf_builder(config_path: str, checkpointing: str = "none"):
     mirrors and ``zeroplan.formulas.activation_terms`` models (eager keeps the t x t probabilities). The loss is
     the model's own (``forward(labels=..., shift_labels=...)`` -> ``loss/loss_utils.py ForCausalLMLoss``:
     logits upcast, mean cross-entropy) on the validator's targets (``shift_labels``: already shifted, so
-    the same targets as ``CausalLM.loss``); ``use_cache=False``: a training step keeps no KV cache."""
-    if checkpointing != "none":
-        raise ValueError("hf runs: checkpointing not supported (transformers' gradient_checkpointing_enable)")
+    the same targets as ``CausalLM.loss``); ``use_cache=False``: a training step keeps no KV cache.
+    ``checkpointing="full"``: transformers' own gradient checkpointing, as the HF Trainer turns it on
+    (``gradient_checkpointing_enable()``: every decoder layer a ``GradientCheckpointingLayer``, torch.utils.checkpoint
+    non-reentrant); predicted as the engine's ``checkpointing="full"`` (tests/test_deepspeed_moe.py)."""
+    if checkpointing not in ("none", "full"):
+        raise ValueError(f"hf runs: checkpointing {checkpointing!r}: none or full (transformers' own)")
     import torch
     import transformers
 
@@ -242,6 +245,8 @@ def hf_builder(config_path: str, checkpointing: str = "none"):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=hf_attention(keys),
                                                               dtype=torch.float32)  # fmt: skip
         model.train()
+        if checkpointing == "full":
+            model.gradient_checkpointing_enable()
 
         def loss(batch):
             tokens, targets = batch
