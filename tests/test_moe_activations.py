@@ -18,20 +18,25 @@ WIDTHS = {"hidden_size": 48, "intermediate_size": 40, "moe_intermediate_size": 2
 
 
 def saved_bytes(fn, exclude) -> int:
-    """Bytes of distinct storages autograd saves during ``fn()``, less those of ``exclude``."""
+    """Bytes of the distinct storages autograd saved during ``fn()`` and still holds at its end, less those of
+    ``exclude``. Only what is alive counts: a freed storage's address may be given to a later one (as
+    tests/hf_saved.hf_saved_bytes)."""
+    import weakref
+
     import torch
 
-    seen: dict[int, int] = {}
+    packed = []
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        packed.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     skip = {t.untyped_storage().data_ptr() for t in exclude}
+    alive = {ptr: n for ref, ptr, n in packed if ref() is not None and ptr not in skip}
     del out
-    return sum(n for ptr, n in seen.items() if ptr not in skip)
+    return sum(alive.values())
 
 
 @pytest.mark.parametrize(
