@@ -284,6 +284,16 @@ def _model_and_batches(
     return (lambda: build(spec, torch.float32, "cpu", checkpointing=checkpointing)), batches
 
 
+def case_model_and_batches(config, ds: dict, run: dict, nd: int, rank: int):
+    """``_model_and_batches`` of one case: ``run``'s model, checkpointing and ``hf`` over the world's ``config``
+    (a ``ValidateConfig``), ``ds``'s micro-batch and accumulation; the CPU and the CUDA runner's cases alike."""
+    return _model_and_batches(
+        run.get("model", config.model_name), nd, rank, ds["train_micro_batch_size_per_gpu"], config.steps,
+        config.seq_len, ds.get("gradient_accumulation_steps", 1), run.get("checkpointing", config.checkpointing),
+        bool(run.get("hf", False)),
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     """One rank, started by ``validate.harness`` (torchrun): every ds_config of ``--configs`` (default: the
     ``zeroplan validate`` run's, ``run_configs``), rank 0 writing every rank's rows to ``--out``."""
@@ -305,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     from validate.engines.deepspeed_cuda import on_cuda, rank_main
 
     if on_cuda(args.config):  # --device cuda, or auto with a GPU: NCCL and the allocator's counters
-        return rank_main(args, _model_and_batches, measure)
+        return rank_main(args, case_model_and_batches, measure)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # MemTracker's gradient hook meets gradients DeepSpeed has already moved into its buckets.
     warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
@@ -329,11 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = json.loads(args.configs) if args.configs else run_configs(config, nd)
     runs = json.loads(args.runs) if args.runs else [{}] * len(configs)
     for ds, run in zip(configs, runs):
-        model_fn, batches = _model_and_batches(
-            run.get("model", config.model_name), nd, rank, ds["train_micro_batch_size_per_gpu"], config.steps,
-            config.seq_len, ds.get("gradient_accumulation_steps", 1), run.get("checkpointing", config.checkpointing),
-            bool(run.get("hf", False)),
-        )  # fmt: skip
+        model_fn, batches = case_model_and_batches(config, ds, run, nd, rank)
         with fp16_on_cpu(ds) as overridden:
             row = measure(model_fn, ds, batches, rank, nd, bool(run.get("zero_init", config.zero_init)),
                           settle=bool(run.get("settle", True)))  # fmt: skip

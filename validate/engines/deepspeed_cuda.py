@@ -120,9 +120,10 @@ def _release_workspaces() -> int:
 
 
 def rank_main(args, model_and_batches, measure) -> None:
-    """One rank on CUDA (``args``: ``validate.engines.deepspeed.main``'s parsed arguments; ``model_and_batches`` and
-    ``measure``: that runner's, passed in so that this module does not import it back): every ds_config of
-    ``--configs`` (default ``run_configs``) with torch's Adam, rank 0 writing every rank's rows to ``--out``."""
+    """One rank on CUDA (``args``: ``validate.engines.deepspeed.main``'s parsed arguments; ``model_and_batches``
+    (``case_model_and_batches``) and ``measure``: that runner's, passed in so that this module does not import it
+    back): every ds_config of ``--configs`` (default ``run_configs``) with torch's Adam, rank 0 writing every
+    rank's rows to ``--out``."""
     os.environ["DS_ACCELERATOR"] = "cuda"
     import deepspeed
     import torch
@@ -142,11 +143,7 @@ def rank_main(args, model_and_batches, measure) -> None:
     runs = json.loads(args.runs) if args.runs else [{}] * len(configs)
     rows = []
     for ds, run in zip(configs, runs):
-        model_fn, batches = model_and_batches(
-            run.get("model", config.model_name), nd, rank, ds["train_micro_batch_size_per_gpu"], config.steps,
-            config.seq_len, ds.get("gradient_accumulation_steps", 1), run.get("checkpointing", config.checkpointing),
-            bool(run.get("hf", False)),
-        )  # fmt: skip
+        model_fn, batches = model_and_batches(config, ds, run, nd, rank)
         row = measure(model_fn, ds, [_OnDevice(b) for b in batches], rank, nd,
                       bool(run.get("zero_init", config.zero_init)), settle=False, probe=_cuda_probe())  # fmt: skip
         row = without_workspaces(_fold_build(row), _release_workspaces())
