@@ -187,6 +187,13 @@ class PlanOptionOut(_Out):
         return out
 
 
+def _absent_if_none(out: dict, key: str) -> dict:
+    """``out`` without ``key`` where it is null: a key written only where it applies (earlier outputs keep theirs)."""
+    if out.get(key) is None:
+        out.pop(key, None)
+    return out
+
+
 class ActivationsOut(_Out):
     bytes: Optional[int] = Field(description="per GPU, Korthikanti et al. 2022; null where not estimated")
     checkpointing: str
@@ -217,10 +224,7 @@ class RecommendationOut(_Out):
     @model_serializer(mode="wrap")
     def _absent_build(self, handler: SerializerFunctionWrapHandler):
         """``deepspeed_build`` is written only where it applies: earlier outputs keep their keys."""
-        out = handler(self)
-        if out.get("deepspeed_build") is None:
-            out.pop("deepspeed_build", None)
-        return out
+        return _absent_if_none(handler(self), "deepspeed_build")
 
 
 class LargestConfigurationOut(_Out):
@@ -264,10 +268,7 @@ class PlanDoc(_Out):
     @model_serializer(mode="wrap")
     def _absent_largest(self, handler: SerializerFunctionWrapHandler):
         """``largest_micro_batch`` is written only when searched: earlier outputs keep their keys."""
-        out = handler(self)
-        if out.get("largest_micro_batch") is None:
-            out.pop("largest_micro_batch", None)
-        return out
+        return _absent_if_none(handler(self), "largest_micro_batch")
 
 
 class SweepInputs(_Out):
