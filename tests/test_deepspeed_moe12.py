@@ -191,3 +191,14 @@ def test_estimate_refuses_a_refused_sparse_run_in_one_line(tmp_path):
     result = run("estimate", "--engine", "deepspeed", "--deepspeed-config", str(path), "--model",
                  str(HF_CONFIGS / "tiny-mixtral.json"), "--gpus", "2", "--gpu", "h100-80gb")  # fmt: skip
     assert_one_line_error(result, "ZeRO-2 with reduce_bucket_size 5,000 < Ψ = 57,924")
+
+
+def test_sweep_refuses_a_sparse_run_at_any_stage_it_sweeps(tmp_path):
+    """``sweep`` asks the limit of every stage it sweeps (sweeping/config.py): ZeRO-1 at 5,000-element buckets is
+    modelled, ZeRO-2 there is not, so ``--stage 1,2`` is refused in one line (before: only the first stage asked)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 5000}}))
+    args = ("sweep", "--engine", "deepspeed", "--deepspeed-config", str(path), "--model",
+            str(HF_CONFIGS / "tiny-mixtral.json"), "--gpus", "2", "--gpu", "h100-80gb")  # fmt: skip
+    assert run(*args, "--stage", "1").exit_code == 0
+    assert_one_line_error(run(*args, "--stage", "1,2"), "ZeRO-2 with reduce_bucket_size 5,000 < Ψ = 57,924")
