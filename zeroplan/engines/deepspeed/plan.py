@@ -341,8 +341,9 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     # hpZ over one node where the file leaves it unset (a file that sets it, even to 1, fixes it: every ZeRO-3 row
     # has the file's); the ZeRO-3 rows with and without it ranked together, by bytes across nodes first
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
+    spec = workload.spec  # a sparse model: only the rows whose peak is modelled (moe_candidates; no hpZ rows)
     hpz = () if "zero_hpz_partition_size" in zero else hpz_candidates(base, nd, node, numels, capacity_bytes)
-    spec = workload.spec  # a sparse model: only the rows whose peak is modelled (moe_candidates)
+    hpz = moe_candidates(hpz, spec, zero)
     order = ranked(workload, nd, base, which=lambda b: moe_candidates((*plain_candidates(b), *hpz), spec, zero),
                    gpus_per_node=node)  # fmt: skip
     # the offload rows where they can be the answer: nothing fits without, or the file asks for offload (they
@@ -358,8 +359,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     why = PLAN_ORDER_HPZ if hpz else PLAN_ORDER
     if spec is not None and spec.moe is not None:
         why += ("; routed experts: rows whose peak is not modelled left out (moe_limit: ZeRO-2, or ZeRO-1 with "
-                f"overlap_comm, with reduce_bucket_size below Ψ = {model_numel(spec):,} elements; offload; "
-                "docs/engines/deepspeed.md)")
+                f"overlap_comm, with reduce_bucket_size below Ψ = {model_numel(spec):,} elements; offload_optimizer at "
+                "ZeRO-1/2; offload_param and ZeRO++ at ZeRO-3; docs/engines/deepspeed.md)")
     return EnginePlan(out, index, "deepspeed", why, base)
 
 
