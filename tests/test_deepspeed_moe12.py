@@ -129,6 +129,7 @@ def test_refused_zero2_small_buckets_miss_as_recorded(name, stage, zero, tmp_pat
     ({"stage": 2, "reduce_bucket_size": 14400}, "ZeRO-2 with reduce_bucket_size 14,400 < Ψ"),  # = gate_up_proj
     ({"stage": 1, "reduce_bucket_size": 5000, "overlap_comm": True}, "ZeRO-1 with overlap_comm with reduce_bucket_size"),
     ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer to cpu not measured"),
+    ({"stage": 1, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer"),
     ({"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param to cpu not measured"),
 ])  # fmt: skip
 def test_moe_limit_refuses_only_what_is_not_measured(zero, refused):
@@ -136,7 +137,10 @@ def test_moe_limit_refuses_only_what_is_not_measured(zero, refused):
     from zeroplan.engines.base import PlannerOptions
     from zeroplan.engines.deepspeed.plan import moe_limit
 
-    why = moe_limit(PlannerOptions(ds_config={"zero_optimization": zero}), read_hf_config(HF_CONFIGS / "tiny-mixtral.json"))
+    zero = dict(zero)
+    top = {k: zero.pop(k) for k in ("bf16", "data_types") if k in zero}  # ds_config's own sections
+    why = moe_limit(PlannerOptions(ds_config={"zero_optimization": zero, **top}),
+                    read_hf_config(HF_CONFIGS / "tiny-mixtral.json"))  # fmt: skip
     if refused is None:
         assert why is None
     else:

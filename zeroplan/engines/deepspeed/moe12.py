@@ -34,7 +34,7 @@ import math
 from typing import Optional
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.engines.deepspeed.settings import Settings, optimizer_class
 from zeroplan.engines.deepspeed.zero12 import reduces_from_hooks
 
 SRC = "runtime/zero/stage_1_and_2.py"
@@ -50,12 +50,14 @@ def model_numel(spec: TransformerSpec) -> int:
 
 def zero12_moe_limit(s: Settings, spec: TransformerSpec) -> Optional[str]:
     """Why the ZeRO-1/2 peak of the sparse model ``spec`` under ``s`` is not given, or None (module docstring):
-    outside ``ZERO12_MOE_FAMILIES``, with ``offload_optimizer`` (not measured on a sparse model), or reducing from
-    the hooks in more than one bucket (``reduce_bucket_size`` < Ψ)."""
+    outside ``ZERO12_MOE_FAMILIES``, with ``offload_optimizer`` or DeepSpeed's ``BF16_Optimizer`` (not measured on a
+    sparse model), or reducing from the hooks in more than one bucket (``reduce_bucket_size`` < Ψ)."""
     if spec.model_type not in ZERO12_MOE_FAMILIES:
         return f"model_type {spec.model_type!r} not measured (measured: {', '.join(ZERO12_MOE_FAMILIES)})"
     if s.offload_optimizer.on:
         return f"offload_optimizer to {s.offload_optimizer.device} not measured on routed experts"
+    if optimizer_class(s) != "DeepSpeedZeroOptimizer":  # bf16 with fp32 gradient accumulation at ZeRO-1
+        return f"{optimizer_class(s)} (runtime/bf16_optimizer.py) not measured on routed experts"
     psi = model_numel(spec)
     if reduces_from_hooks(s) and s.reduce_bucket_size < psi:
         how = "ZeRO-2" if s.partition_gradients else "ZeRO-1 with overlap_comm"
