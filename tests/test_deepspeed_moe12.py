@@ -121,6 +121,42 @@ def test_refused_zero2_small_buckets_miss_as_recorded(name, stage, zero, tmp_pat
     assert why is not None and f"reduce_bucket_size {ZERO[zero]['reduce_bucket_size']:,} < Ψ" in why and "\n" not in why
 
 
+#: bf16 (ds_config(stage, "bf16", ...): DeepSpeedZeroOptimizer, gradients in bf16), recorded as RECORDED: both ranks
+#: alike. The forward is under at every stage (the sparse block's forward in 16 bits, not ZeRO-1/2's), so
+#: ``zero12_moe_limit`` refuses 16-bit sparse runs; asserted: {phase: (measured - predicted) / measured} beyond MARGIN.
+BF16 = {
+    ("mixtral-wide", 1, "default"): ([8602496, 13389376, 1014525864, 20072848], {"forward": 64000 / 13389376}),
+    ("mixtral-wide", 1, "small"): ([8602496, 13389376, 16098468, 20072848], {"forward": 64000 / 13389376}),
+    ("mixtral-wide", 2, "default"): ([8602496, 13389376, 1014337940, 20072848], {"forward": 64000 / 13389376}),
+    ("deepseek-wide", 1, "default"): ([3292096, 6233328, 1006235768, 7682000], {"forward": 68032 / 6233328}),
+    ("deepseek-wide", 1, "small"): ([3292096, 6233328, 6297720, 7682000],
+                                    {"forward": 68032 / 6233328, "backward": 3656 / 6297720}),
+    ("deepseek-wide", 2, "default"): ([3292096, 6233328, 1006057592, 7682000], {"forward": 68032 / 6233328}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "stage", "zero"), sorted(BF16))
+def test_bf16_sparse_runs_miss_the_forward_as_recorded_and_are_refused(name, stage, zero, tmp_path):
+    from validate.engines.deepspeed_compare import ds_config, workload_for
+    from zeroplan.architectures.hf_config import spec_from_hf_config
+    from zeroplan.engines import deepspeed as D
+    from zeroplan.engines.base import PlannerOptions
+    from zeroplan.engines.deepspeed.plan import moe_limit
+    from zeroplan.formulas.peak import PHASES
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(CONFIGS[name]))
+    config = ds_config(stage, "bf16", micro_batch=1, zero=ZERO[zero], optimizer_params={"torch_adam": True})
+    measured, residual = BF16[(name, stage, zero)]
+    settings = D.Settings.from_ds_config(config).model_copy(update={"rank": 1})  # the larger rank (small buckets)
+    (est,) = D.estimate(workload_for(str(path), 1, 64, 1, "none", hf=True), 2, settings, stat_bytes=4)
+    predicted = est.peak.by_phase()
+    for phase, value in zip(PHASES, measured):
+        assert abs((value - predicted[phase]) / value - residual.get(phase, 0.0)) <= MARGIN, (phase, predicted[phase])
+    why = moe_limit(PlannerOptions(ds_config=config), spec_from_hf_config(CONFIGS[name]))
+    assert why is not None and "bf16: the forward of a 16-bit sparse model" in why
+
+
 @pytest.mark.parametrize(("zero", "refused"), [
     ({"stage": 1}, None),
     ({"stage": 1, "reduce_bucket_size": 5000}, None),  # reduced after backward: the dense rule, measured

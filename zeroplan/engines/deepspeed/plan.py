@@ -359,8 +359,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     why = PLAN_ORDER_HPZ if hpz else PLAN_ORDER
     if spec is not None and spec.moe is not None:
         why += ("; routed experts: rows whose peak is not modelled left out (moe_limit: ZeRO-2, or ZeRO-1 with "
-                f"overlap_comm, with reduce_bucket_size below Ψ = {model_numel(spec):,} elements; offload_optimizer at "
-                "ZeRO-1/2; offload_param and ZeRO++ at ZeRO-3; docs/engines/deepspeed.md)")
+                f"overlap_comm, with reduce_bucket_size below Ψ = {model_numel(spec):,} elements; 16-bit or "
+                "offload_optimizer at ZeRO-1/2; offload_param and ZeRO++ at ZeRO-3; docs/engines/deepspeed.md)")
     return EnginePlan(out, index, "deepspeed", why, base)
 
 
