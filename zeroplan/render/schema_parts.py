@@ -20,7 +20,9 @@ def json_text(obj: object, indent: Optional[int] = None) -> str:
 
 
 class _Out(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # defer_build: a model's validator is built when it is first used (a document validates its parts within its
+    # own), so ``plan --json`` builds PlanDoc's alone, not the thirty of every document (issue 16: 25 ms)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, defer_build=True)
 
     def dump(self) -> dict:
         """The object as the JSON output writes it (aliases as keys, in field order)."""
