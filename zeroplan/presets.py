@@ -5,8 +5,6 @@ compute, GB/s (1e9 bytes/s, one direction, per GPU) for links, seconds for laten
 case-insensitively; an unknown name raises ValueError listing the known ones.
 """
 
-from __future__ import annotations
-
 import json
 from functools import lru_cache
 from importlib import resources

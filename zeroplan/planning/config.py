@@ -4,8 +4,6 @@ Every field states its unit; every bad value raises with a message that quotes i
 here (``zeroplan.presets``), overrides win over presets.
 """
 
-from __future__ import annotations
-
 from dataclasses import replace
 from functools import cached_property
 from typing import Annotated, Literal, Optional

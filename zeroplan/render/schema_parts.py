@@ -2,8 +2,6 @@
 phases and their terms, one stage row, and the ``"auto"`` keys of a ds_config (``estimate`` and ``plan`` both print
 them). Field order = key order, as in the documents."""
 
-from __future__ import annotations
-
 import json
 from typing import Any, Literal, Optional, Union
 
