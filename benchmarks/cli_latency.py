@@ -24,7 +24,7 @@ REPEATS = 7
 ZEROPLAN = shutil.which("zeroplan") or "zeroplan"
 COMMANDS = {
     "zeroplan estimate": [ZEROPLAN, "estimate", "--params", "7.5e9", "--gpus", "64"],
-    "import zeroplan.cli": [sys.executable, "-c", "import zeroplan.cli"],
+    "import zeroplan.cli": [sys.executable, "-P", "-c", "import zeroplan.cli"],  # -P: PYTHONPATH first, not the cwd
     "zeroplan plan --json (7b)": [ZEROPLAN, "plan", "--model", "llama2-7b", "--gpus", "8", "--gpu", "a100-40gb",
                                   "--json"],
     'python -c "import torch"': [sys.executable, "-c", "import torch"],
