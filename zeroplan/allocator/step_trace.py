@@ -24,10 +24,13 @@ recorded histories (docs/allocator.md, "Recording on a GPU") can check.
 
 ``steps``: the training steps walked after init (default 2): the moments describe a steady step (Adam's
 states already exist), and the second step meets the blocks the first one cached, as a real run does. The
-last step's events are copied from the step before (ids renamed) when the builder's state after their first
-moments agrees (``_repeats``: the same live buffers, the keys the step changes added in the same order, their
-ids in the same order), since the same transitions from the same state make the same events; otherwise it is
-built moment by moment (a speed-up, no rule: tests/test_step_trace.py compares the two on every engine).
+last step's events, from one of its moments on, are copied from the step before's from the same moment (ids
+renamed) when the builder's state after that moment agrees in both (``_repeats``: the same live buffers, the
+keys the rest of the step changes added in the same order, their ids in the same order), since the same
+transitions from the same state make the same events; the moments tried are the step's first, second, third,
+fifth, ninth, ... (FSDP2's first step grows the block input in pieces: its steps agree from the fifth); otherwise
+the step is built moment by moment (a speed-up, no rule: tests/test_step_trace.py compares the two on every
+engine).
 """
 
 from __future__ import annotations
@@ -264,19 +267,28 @@ class _Builder:
                 del live[key]
 
 
-    def state(self) -> tuple[tuple, list[int], dict[Key, int], list[Key]]:
-        """What the rest of a step's events depend on, but the ids: the phase, the live bytes and the live buffers
-        ((size, stream) of each, by key); their ids in the same order; when each live key was added (``since``:
-        ``_release`` frees the changed keys in its order); and the key of each id."""
-        keys = sorted(self.live)
-        shape = tuple((k, tuple((size, stream) for _, size, stream in self.live[k])) for k in keys)
-        ids = [i for k in keys for i, _, _ in self.live[k]]
-        owner = [k for k in keys for _ in self.live[k]]
-        return (self.phase, self.live_bytes, shape), ids, {k: self.since[k] for k in keys}, owner
+    def snapshot(self) -> tuple:
+        """What ``state`` reads, copied (each key's buffers as a tuple, in C): cheap enough to take at several
+        moments of a step, while ``state`` is worked out only for the snapshots whose fingerprints agree."""
+        live = self.live
+        return (self.phase, self.live_bytes, dict(zip(live, map(tuple, live.values()))), dict(self.since))
+
+    @staticmethod
+    def state(snap: tuple) -> tuple[tuple, list[int], dict[Key, int], list[Key]]:
+        """What the rest of a step's events depend on, but the ids (``snap``: a ``snapshot``): the phase, the live
+        bytes and the live buffers ((size, stream) of each, by key); their ids in the same order; when each live
+        key was added (``since``: ``_release`` frees the changed keys in its order); and the key of each id."""
+        phase, live_bytes, live, since = snap
+        keys = sorted(live)
+        shape = tuple((k, tuple((size, stream) for _, size, stream in live[k])) for k in keys)
+        ids = [i for k in keys for i, _, _ in live[k]]
+        owner = [k for k in keys for _ in live[k]]
+        return (phase, live_bytes, shape), ids, {k: since[k] for k in keys}, owner
 
     def repeat_step(self, earlier: tuple, now: tuple, end: int) -> None:
         """The last step's events from the ``now`` mark on, copied from the step before (its events from its
-        ``earlier`` mark to ``end``, where the last step began): from equal ``state``s the same transitions make
+        ``earlier`` mark, taken at the same moment of that step, to ``end``, where the last step began): from
+        equal ``state``s the same transitions make
         the same events, each id renamed (a buffer live at the mark: its counterpart; a newer one: shifted by the
         ids made in between); the live bytes, so each phase's largest, repeat too. Leaves the builder's buffers
         as they were at ``now``: the trace ends there."""
@@ -292,11 +304,18 @@ class _Builder:
                 events.append(e)
 
 
+def _alike(earlier: tuple, now: tuple) -> bool:
+    """Whether two ``snapshot``s can have equal ``state``s: the same phase, live bytes and live keys (most marks
+    that differ, differ here, without working out ``state``)."""
+    return earlier[:2] == now[:2] and earlier[2].keys() == now[2].keys()
+
+
 def _repeats(earlier: tuple, now: tuple, step: Sequence[Moment], changes: dict) -> bool:
-    """Whether the last step, from its first moment on, makes the events of the one before (renamed: ``repeat_step``):
-    its ``state`` at both marks equal, and the keys its transitions change (``changes`` of the pairs of ``step``, all
-    met in the step before; the others are neither freed nor grown) added in the same order and their buffers' ids
-    in the same order (a transition frees the spare buffers by id)."""
+    """Whether the last step, from a moment on (``step``: its moments from there), makes the events of the one
+    before from the same moment (renamed: ``repeat_step``): its ``state`` at both marks equal, and the keys its
+    transitions change (``changes`` of the pairs of ``step``, all met in the step before; the others are neither
+    freed nor grown) added in the same order and their buffers' ids in the same order (a transition frees the
+    spare buffers by id)."""
     if earlier[0] != now[0]:
         return False
     touched = set().union(*(changes[id(a), id(b)][0] for a, b in zip(step, step[1:])))
@@ -337,7 +356,13 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     per_step //= steps
     firsts = range(len(by_phase["init"]), len(order), per_step or 1)  # each step's first moment
     last = firsts[-1] if per_step and steps > 1 else -1
-    marks: list[tuple] = []  # after each step's first moment: ``state``, the next id, how many events
+    # the moments of a step (counted from its first) at which the last step may start copying the one before:
+    # the first (a step alike from its start), then ever further ones (one that differs early, FSDP2's block
+    # input grown in pieces in the first step only, agrees a few moments in)
+    offsets = [j for j in (0, *(1 << n for n in range(per_step.bit_length()))) if j < per_step] if last >= 0 else []
+    marks_at = {**{firsts[-2] + j: j for j in offsets}, **{last + j: j for j in offsets}} if last >= 0 else {}
+    marks: dict[int, tuple] = {}  # in the step before the last, by offset: (``snapshot``, the next id, events so far)
+    last_start = 0  # how many events there were when the last step began
     before: Moment | None = None
     for at, m in enumerate(order):
         if id(m) not in wants:
@@ -345,12 +370,20 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
         pair = (id(before), id(m))
         if pair not in changes:
             changes[pair] = builder.changed(wants[id(m)], wants[id(before)] if before is not None else {})
-        step_end = len(builder.events)
+        if at == last:
+            last_start = len(builder.events)
         builder.move_to(m, wants[id(m)], changes[pair])
         before = m
-        if at in firsts and last >= 0:
-            marks.append((*builder.state(), builder.next_id, len(builder.events)))
-            if at == last and _repeats(marks[-2], marks[-1], order[at:at + per_step], changes):
-                builder.repeat_step(marks[-2], marks[-1], step_end)
+        if at in marks_at:
+            mark = (builder.snapshot(), builder.next_id, len(builder.events))
+            if at < last:
+                marks[marks_at[at]] = mark
+                continue
+            earlier = marks[marks_at[at]]
+            if not _alike(earlier[0], mark[0]):
+                continue
+            earlier, now = (*_Builder.state(earlier[0]), *earlier[1:]), (*_Builder.state(mark[0]), *mark[1:])
+            if _repeats(earlier, now, order[at:], changes):
+                builder.repeat_step(earlier, now, last_start)
                 break
     return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))
