@@ -268,32 +268,23 @@ class _Builder:
 
 
     def snapshot(self) -> tuple:
-        """What ``state`` reads, copied (each key's buffers as a tuple, in C): cheap enough to take at several
-        moments of a step, while ``state`` is worked out only for the snapshots whose fingerprints agree."""
+        """What the rest of a step's events depend on, copied (each key's buffers as a tuple, in C: cheap enough
+        to take at several moments of a step): the phase, the live bytes, the live buffers ((id, size, stream) of
+        each, by key) and when each live key was added (``since``: ``_release`` frees the changed keys in its
+        order); with the next id and how many events there are."""
         live = self.live
-        return (self.phase, self.live_bytes, dict(zip(live, map(tuple, live.values()))), dict(self.since))
-
-    @staticmethod
-    def state(snap: tuple) -> tuple[tuple, list[int], dict[Key, int], list[Key]]:
-        """What the rest of a step's events depend on, but the ids (``snap``: a ``snapshot``): the phase, the live
-        bytes and the live buffers ((size, stream) of each, by key); their ids in the same order; when each live
-        key was added (``since``: ``_release`` frees the changed keys in its order); and the key of each id."""
-        phase, live_bytes, live, since = snap
-        keys = sorted(live)
-        shape = tuple((k, tuple((size, stream) for _, size, stream in live[k])) for k in keys)
-        ids = [i for k in keys for i, _, _ in live[k]]
-        owner = [k for k in keys for _ in live[k]]
-        return (phase, live_bytes, shape), ids, {k: since[k] for k in keys}, owner
+        return (self.phase, self.live_bytes, dict(zip(live, map(tuple, live.values()))), dict(self.since),
+                self.next_id, len(self.events))  # fmt: skip
 
     def repeat_step(self, earlier: tuple, now: tuple, end: int) -> None:
-        """The last step's events from the ``now`` mark on, copied from the step before (its events from its
-        ``earlier`` mark, taken at the same moment of that step, to ``end``, where the last step began): from
-        equal ``state``s the same transitions make
-        the same events, each id renamed (a buffer live at the mark: its counterpart; a newer one: shifted by the
-        ids made in between); the live bytes, so each phase's largest, repeat too. Leaves the builder's buffers
-        as they were at ``now``: the trace ends there."""
-        (_, old_ids, _, _, old_next, start), (_, new_ids, _, _, new_next, _) = earlier, now
-        rename, shift = dict(zip(old_ids, new_ids)), new_next - old_next
+        """The last step's events from the ``now`` mark on (a ``snapshot``), copied from the step before (its
+        events from its ``earlier`` mark, taken at the same moment of that step, to ``end``, where the last step
+        began): from equal states the same transitions make the same events, each id renamed (a buffer live at
+        the mark: its counterpart; a newer one: shifted by the ids made in between); the live bytes, so each
+        phase's largest, repeat too. Leaves the builder's buffers as they were at ``now``: the trace ends there."""
+        old_live, new_live = earlier[2], now[2]
+        rename = {o[0]: n[0] for k, stack in old_live.items() for o, n in zip(stack, new_live[k])}
+        shift, start = now[4] - earlier[4], earlier[5]
         events = self.events
         for e in events[start:end]:
             if e.action == "alloc":
@@ -304,28 +295,29 @@ class _Builder:
                 events.append(e)
 
 
-def _alike(earlier: tuple, now: tuple) -> bool:
-    """Whether two ``snapshot``s can have equal ``state``s: the same phase, live bytes and live keys (most marks
-    that differ, differ here, without working out ``state``)."""
-    return earlier[:2] == now[:2] and earlier[2].keys() == now[2].keys()
+_SIZE_STREAM = itemgetter(1, 2)
 
 
 def _repeats(earlier: tuple, now: tuple, step: Sequence[Moment], changes: dict) -> bool:
     """Whether the last step, from a moment on (``step``: its moments from there), makes the events of the one
-    before from the same moment (renamed: ``repeat_step``): its ``state`` at both marks equal, and the keys its
-    transitions change (``changes`` of the pairs of ``step``, all met in the step before; the others are neither
-    freed nor grown) added in the same order and their buffers' ids in the same order (a transition frees the
-    spare buffers by id)."""
-    if earlier[0] != now[0]:
+    before from the same moment (renamed: ``repeat_step``): at both marks (``snapshot``s) the same phase, live
+    bytes and live buffers ((size, stream) of each, by key), and the keys its transitions change (``changes`` of
+    the pairs of ``step``, all met in the step before; the others are neither freed nor grown) added in the same
+    order and their buffers' ids in the same order (a transition frees the spare buffers by id)."""
+    old_live, new_live = earlier[2], now[2]
+    if earlier[:2] != now[:2] or old_live.keys() != new_live.keys():
         return False
+    for k, stack in old_live.items():
+        other = new_live[k]
+        if len(stack) != len(other) or list(map(_SIZE_STREAM, stack)) != list(map(_SIZE_STREAM, other)):
+            return False
     touched = set().union(*(changes[id(a), id(b)][0] for a, b in zip(step, step[1:])))
-    old_since, new_since = earlier[2], now[2]
-    live = touched.intersection(new_since)
+    old_since, new_since = earlier[3], now[3]
+    live = touched.intersection(new_live)
     if sorted(live, key=old_since.__getitem__) != sorted(live, key=new_since.__getitem__):
         return False
-    at = [i for i, k in enumerate(earlier[3]) if k in live]  # the touched keys' buffers, in ``state``'s order
-    old_ids, new_ids = earlier[1], now[1]
-    return sorted(at, key=old_ids.__getitem__) == sorted(at, key=new_ids.__getitem__)
+    pairs = sorted((o[0], n[0]) for k in live for o, n in zip(old_live[k], new_live[k]))  # by the old id
+    return all(a[1] < b[1] for a, b in zip(pairs, pairs[1:]))  # and the new ids in the same order
 
 
 def step_trace(
@@ -361,7 +353,7 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     # input grown in pieces in the first step only, agrees a few moments in)
     offsets = [j for j in (0, *(1 << n for n in range(per_step.bit_length()))) if j < per_step] if last >= 0 else []
     marks_at = {**{firsts[-2] + j: j for j in offsets}, **{last + j: j for j in offsets}} if last >= 0 else {}
-    marks: dict[int, tuple] = {}  # in the step before the last, by offset: (``snapshot``, the next id, events so far)
+    marks: dict[int, tuple] = {}  # in the step before the last, by offset: its ``snapshot``
     last_start = 0  # how many events there were when the last step began
     before: Moment | None = None
     for at, m in enumerate(order):
@@ -375,15 +367,10 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
         builder.move_to(m, wants[id(m)], changes[pair])
         before = m
         if at in marks_at:
-            mark = (builder.snapshot(), builder.next_id, len(builder.events))
+            mark = builder.snapshot()
             if at < last:
                 marks[marks_at[at]] = mark
-                continue
-            earlier = marks[marks_at[at]]
-            if not _alike(earlier[0], mark[0]):
-                continue
-            earlier, now = (*_Builder.state(earlier[0]), *earlier[1:]), (*_Builder.state(mark[0]), *mark[1:])
-            if _repeats(earlier, now, order[at:], changes):
-                builder.repeat_step(earlier, now, last_start)
+            elif _repeats(marks[marks_at[at]], mark, order[at:], changes):
+                builder.repeat_step(marks[marks_at[at]], mark, last_start)
                 break
     return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))
