@@ -153,3 +153,23 @@ def test_a_last_step_that_starts_elsewhere_is_copied_only_from_where_it_agrees(m
     allocs = [e.size for e in tr.events if e.action == "alloc"]
     assert allocs == [1500, 500, 1000, 1000, 1000, 1000]  # the second forward's gradients: two 1,000-B pieces
     assert tr.phase_live_bytes == peak_of(moments).by_phase()
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_each_moment_built_from_the_one_before_is_the_moment_built_whole(engine, monkeypatch):
+    """``_Builder.wanted_after`` (a moment's tensors from the terms it does not share with the one before) gives
+    the trace ``wanted`` gives from every term, event for event, on the drawn configurations of each engine;
+    and it is the path taken (not its fallback) for most moments."""
+    import zeroplan.allocator.step_trace as module
+
+    _, traces = ENGINES[engine]
+    taken, after = [], module._Builder.wanted_after
+    monkeypatch.setattr(module._Builder, "wanted_after", lambda self, *a: taken.append(after(self, *a)) or taken[-1])
+    for w, nd, settings in _draws(engine, 6):
+        fast = traces(w, nd, settings)
+        with monkeypatch.context() as m:
+            m.setattr(module, "INCREMENTAL", False)
+            whole = traces(w, nd, settings)
+        assert [t.events for t in fast] == [t.events for t in whole], (engine, nd, settings)
+        assert [t.phase_live_bytes for t in fast] == [t.phase_live_bytes for t in whole]
+    assert sum(t is not None for t in taken) * 2 > len(taken) > 0, (engine, len(taken))

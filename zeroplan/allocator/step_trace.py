@@ -49,8 +49,11 @@ from zeroplan.formulas.peak import PHASES, Moment, Term
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
 _COUNT = re.compile(r" of \d+ ")
 GROWN = -1
-_new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
 """The size slot of a one-tensor term's key: a buffer that grows by pieces (``_Builder.wanted``)."""
+INCREMENTAL = True
+"""Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
+test that compares the two sets it)."""
+_new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
 
 
 @lru_cache(maxsize=4096)  # a step names the same terms at every moment: each name is read once
@@ -115,6 +118,7 @@ class _Builder:
         self._seen: dict[int, tuple[Term, tuple[tuple[Key, int, int], ...]]] = {}
         # when each live key was added: ``live``'s own order, so that a transition walks its few changed keys in
         # that order rather than every live key (hundreds: FSDP2 names each block's buffers apart)
+        self._terms_of: dict[int, set[int]] = {}  # ids of a moment's terms, by the moment's id (``wanted_after``)
         self.since: dict[Key, int] = {}
         self._added = 0
 
@@ -144,6 +148,9 @@ class _Builder:
             rows = list(chain.from_iterable(map(itemgetter(1), map(seen.__getitem__, map(id, terms)))))
         out = {key: [amount, stream] for key, amount, stream in rows}
         if len(out) == len(rows):  # the usual moment: no key twice
+            ids = set(map(id, terms))
+            if len(ids) == len(terms):  # and no term twice: ``wanted_after`` may build the next one from it
+                self._terms_of[id(moment)] = ids
             return out
         out = {}
         get = out.get
@@ -154,6 +161,40 @@ class _Builder:
             else:
                 entry[0] += amount
         return out
+
+    def wanted_after(self, before: Moment, want_before: dict[Key, list[int]], moment: Moment,
+                     resident: Sequence[Term]) -> tuple[dict[Key, list[int]], tuple[set[Key], list[Key]]] | None:
+        """``wanted(moment, resident)`` and ``changed`` from ``before`` (whose ``wanted`` is ``want_before``), built
+        from the terms the two moments do not share (a few of ~150: a moment differs from the one before by a
+        block's buffers) rather than from every term; None (build it whole) unless each moment holds no key and
+        no term twice, the condition under which a moment's ``wanted`` is the sum of its terms' keys."""
+        ids_before = self._terms_of.get(id(before))
+        terms = (*moment.terms, *resident)
+        ids = set(map(id, terms))
+        if ids_before is None or len(ids) != len(terms):
+            return None
+        seen, tensors = self._seen, self._tensors
+        want = dict(want_before)
+        gone = []
+        for i in ids_before - ids:
+            for key, _, _ in seen[i][1]:
+                del want[key]
+                gone.append(key)
+        added, new = ids - ids_before, []
+        if added:
+            by_id = dict(zip(map(id, terms), terms))
+            position = dict(zip(map(id, terms), range(len(terms))))
+            for i in sorted(added, key=position.__getitem__):  # in term order: the order of the allocations
+                for key, amount, stream in tensors(by_id[i]):
+                    if key in want:  # a key two terms hold: their amounts add up (``wanted``)
+                        return None
+                    want[key] = [amount, stream]
+                    new.append(key)
+        get_before, get = want_before.get, want.get
+        # the keys of the terms kept hold what they held; those of the terms gone or new may differ
+        wanted = [k for k in new if get_before(k) != want[k]]
+        self._terms_of[id(moment)] = ids
+        return want, ({*wanted, *(k for k in gone if k not in want)}, wanted)
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
         """(key, count or grown bytes, stream) of ``term``'s tensors; found once per term object (a run's terms
@@ -357,9 +398,14 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     last_start = 0  # how many events there were when the last step began
     before: Moment | None = None
     for at, m in enumerate(order):
-        if id(m) not in wants:
-            wants[id(m)] = builder.wanted(m, () if m.phase == "init" else resident)
         pair = (id(before), id(m))
+        if id(m) not in wants:
+            held = () if m.phase == "init" else resident
+            after = None if before is None or not INCREMENTAL else builder.wanted_after(before, wants[id(before)], m, held)
+            if after is None:
+                wants[id(m)] = builder.wanted(m, held)
+            else:
+                wants[id(m)], changes[pair] = after
         if pair not in changes:
             changes[pair] = builder.changed(wants[id(m)], wants[id(before)] if before is not None else {})
         if at == last:
