@@ -25,12 +25,12 @@ recorded histories (docs/allocator.md, "Recording on a GPU") can check.
 ``steps``: the training steps walked after init (default 2): the moments describe a steady step (Adam's
 states already exist), and the second step meets the blocks the first one cached, as a real run does. The
 last step's events, from one of its moments on, are copied from the step before's from the same moment (ids
-renamed) when the builder's state after that moment agrees in both (``_repeats``: the same live buffers, the
-keys the rest of the step changes added in the same order, their ids in the same order), since the same
-transitions from the same state make the same events; the moments tried are the step's first, second, third,
-fifth, ninth, ... (FSDP2's first step grows the block input in pieces: its steps agree from the fifth); otherwise
-the step is built moment by moment (a speed-up, no rule: tests/test_step_trace.py compares the two on every
-engine).
+renamed) when the builder's state after that moment agrees in both (``step_repeat.repeats``: the same live
+buffers, the keys the rest of the step changes added in the same order, their ids in the same order), since
+the same transitions from the same state make the same events; the moments tried are the step's first,
+second, third, fifth, ninth, ... (FSDP2's first step grows the block input in pieces: its steps agree from
+the fifth or the ninth); otherwise the step is built moment by moment (a speed-up, no rule:
+tests/test_step_trace.py compares the two on every engine).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from operator import itemgetter
 
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
+from zeroplan.allocator.step_repeat import repeat_events
+from zeroplan.allocator.step_repeat import repeats as _repeats
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
@@ -318,47 +320,8 @@ class _Builder:
                 self.next_id, len(self.events))  # fmt: skip
 
     def repeat_step(self, earlier: tuple, now: tuple, end: int) -> None:
-        """The last step's events from the ``now`` mark on (a ``snapshot``), copied from the step before (its
-        events from its ``earlier`` mark, taken at the same moment of that step, to ``end``, where the last step
-        began): from equal states the same transitions make the same events, each id renamed (a buffer live at
-        the mark: its counterpart; a newer one: shifted by the ids made in between); the live bytes, so each
-        phase's largest, repeat too. Leaves the builder's buffers as they were at ``now``: the trace ends there."""
-        old_live, new_live = earlier[2], now[2]
-        rename = {o[0]: n[0] for k, stack in old_live.items() for o, n in zip(stack, new_live[k])}
-        shift, start = now[4] - earlier[4], earlier[5]
-        events = self.events
-        for e in events[start:end]:
-            if e.action == "alloc":
-                events.append(_new(Event, ("alloc", e.id + shift, e.size, e.stream, None)))
-            elif e.action == "free":
-                events.append(Event("free", rename.get(e.id, e.id + shift)))
-            else:
-                events.append(e)
-
-
-_SIZE_STREAM = itemgetter(1, 2)
-
-
-def _repeats(earlier: tuple, now: tuple, step: Sequence[Moment], changes: dict) -> bool:
-    """Whether the last step, from a moment on (``step``: its moments from there), makes the events of the one
-    before from the same moment (renamed: ``repeat_step``): at both marks (``snapshot``s) the same phase, live
-    bytes and live buffers ((size, stream) of each, by key), and the keys its transitions change (``changes`` of
-    the pairs of ``step``, all met in the step before; the others are neither freed nor grown) added in the same
-    order and their buffers' ids in the same order (a transition frees the spare buffers by id)."""
-    old_live, new_live = earlier[2], now[2]
-    if earlier[:2] != now[:2] or old_live.keys() != new_live.keys():
-        return False
-    for k, stack in old_live.items():
-        other = new_live[k]
-        if len(stack) != len(other) or list(map(_SIZE_STREAM, stack)) != list(map(_SIZE_STREAM, other)):
-            return False
-    touched = set().union(*(changes[id(a), id(b)][0] for a, b in zip(step, step[1:])))
-    old_since, new_since = earlier[3], now[3]
-    live = touched.intersection(new_live)
-    if sorted(live, key=old_since.__getitem__) != sorted(live, key=new_since.__getitem__):
-        return False
-    pairs = sorted((o[0], n[0]) for k in live for o, n in zip(old_live[k], new_live[k]))  # by the old id
-    return all(a[1] < b[1] for a, b in zip(pairs, pairs[1:]))  # and the new ids in the same order
+        """The rest of the last step copied from the step before (``step_repeat.repeat_events``)."""
+        repeat_events(self.events, earlier, now, end)
 
 
 def step_trace(
