@@ -28,8 +28,8 @@ last step's events, from one of its moments on, are copied from the step before'
 renamed) when the builder's state after that moment agrees in both (``step_repeat.repeats``: the same live
 buffers, the keys the rest of the step changes added in the same order, their ids in the same order), since
 the same transitions from the same state make the same events; the moments tried are the step's first,
-second, third, fifth, ninth, ... (FSDP2's first step grows the block input in pieces: its steps agree from
-the fifth or the ninth); otherwise the step is built moment by moment (a speed-up, no rule:
+second, third, fifth, ninth, ... (FSDP2's first step grows the block input in pieces: llama3-405b's steps
+agree from the ninth); otherwise the step is built moment by moment (a speed-up, no rule:
 tests/test_step_trace.py compares the two on every engine).
 """
 
