@@ -192,7 +192,7 @@ class _Builder:
                         return None
                     want[key] = [amount, stream]
                     new.append(key)
-        get_before, get = want_before.get, want.get
+        get_before = want_before.get
         # the keys of the terms kept hold what they held; those of the terms gone or new may differ
         wanted = [k for k in new if get_before(k) != want[k]]
         self._terms_of[id(moment)] = ids
@@ -364,7 +364,8 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
         pair = (id(before), id(m))
         if id(m) not in wants:
             held = () if m.phase == "init" else resident
-            after = None if before is None or not INCREMENTAL else builder.wanted_after(before, wants[id(before)], m, held)
+            after = None if before is None or not INCREMENTAL else \
+                builder.wanted_after(before, wants[id(before)], m, held)
             if after is None:
                 wants[id(m)] = builder.wanted(m, held)
             else:
