@@ -73,3 +73,66 @@ def test_a_live_amsgrad_optimizer_sets_the_reference_setting():
     plain = zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters()), gpus=2)
     extra = [a.memory.optimizer_bytes - p.memory.optimizer_bytes for a, p in zip(ams.stages, plain.stages)]
     assert extra == [psi * 4, *[psi // 2 * 4] * 3]  # every tensor splits evenly in two
+
+
+# `zeroplan validate --engine deepspeed --param-dtype fp32 --world-size 2 --model gpt-tiny --device cpu` (the built-in
+# ds_configs: torch_adam, DeepSpeed's default 5e8-element buckets; gloo), DeepSpeed 0.19.8, torch 2.13.0+cpu,
+# 2026-12-02, with every torch.optim.Adam built amsgrad=True (DeepSpeed's inner torch AdamW over the fp32
+# partition, as a client Adam(amsgrad=True) is): the largest rank's peak per phase and the states at the boundary.
+DS_MEASURED = {
+    1: ((290_592, 620_864, 2_000_644_296, 654_104), 435_896),
+    2: ((290_592, 620_864, 2_000_644_008, 654_104), 435_896),
+    3: ((2_000_238_681, 2_000_766_421, 2_000_872_313, 2_000_654_381), 2_000_581_197),
+}
+DS_PLAIN = {  # the same command without amsgrad, same day: every phase after init and the states 72,648 B lower
+    1: (290_592, 548_216, 2_000_571_648, 581_456),
+    2: (290_592, 548_216, 2_000_571_360, 581_456),
+    3: (2_000_238_681, 2_000_693_773, 2_000_799_665, 2_000_581_733),
+}
+DS_MARGIN = 0.0005  # measured: 0.041 % (ZeRO-1/2 forward, 256 B under: the targets' micro-batch, read late)
+# and 0.040 % (step, 264 B over), both as without amsgrad (docs/engines/deepspeed.md); ZeRO-3's backward 0.0041 %
+# (82,756 B over, as without amsgrad: DS_PLAIN)
+
+
+def _ds_gpt_tiny_cpu(stage: int, amsgrad: bool):
+    from validate.engines.deepspeed_compare import ds_config, workload_for
+    from zeroplan.engines import deepspeed as D
+
+    ds = ds_config(stage, "fp32", 2, 1e-3, optimizer_params={"torch_adam": True})
+    settings = D.Settings.from_ds_config(ds, zero_init=False).model_copy(update={"device": "cpu", "amsgrad": amsgrad})
+    w = workload_for("gpt-tiny", 2, None)
+    rows = [D.estimate(w, 2, settings.model_copy(update={"rank": r}), stat_bytes=4)[0] for r in (0, 1)]
+    return rows, {p: max(r.peak.by_phase()[p] for r in rows) for p in rows[0].peak.by_phase()}
+
+
+@pytest.mark.parametrize("stage", sorted(DS_MEASURED))
+def test_deepspeed_amsgrad_is_one_more_fp32_partition_as_measured(stage):
+    phases, states = DS_MEASURED[stage]
+    rows, predicted = _ds_gpt_tiny_cpu(stage, amsgrad=True)
+    for p, m in zip(predicted.values(), phases):
+        assert abs(m - p) <= DS_MARGIN * m, (predicted, phases)
+    assert rows[0].memory.model_states_bytes == states  # exact: the step scalars are model states here
+    _, plain = _ds_gpt_tiny_cpu(stage, amsgrad=False)
+    delta = [predicted[p] - plain[p] for p in plain]
+    assert delta == [0, *[72_648] * 3]  # Ψ = 36,324 elements, /2, fp32
+    assert [m - n for m, n in zip(phases, DS_PLAIN[stage])] == delta  # measured: the same, to the byte
+
+
+def test_a_live_amsgrad_optimizer_under_deepspeed():
+    """A client ``Adam(amsgrad=True)`` is torch's Adam with a third state under an fp32 ds_config; refused under
+    a 16-bit one (measured at fp32 only)."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    cfg = {"zero_optimization": {"stage": 2}}
+    ams = zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True), gpus=2,
+                            engine="deepspeed", ds_config=cfg)  # fmt: skip
+    plain = zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters()), gpus=2,
+                              engine="deepspeed", ds_config=cfg)  # fmt: skip
+    extra = ams.stages[0].memory.optimizer_bytes - plain.stages[0].memory.optimizer_bytes
+    flat = 64 * 32 + 32 + 32 * 8 + 8  # 2,344: a multiple of 2·N_d, no padding
+    assert extra == flat // 2 * 4  # the third state (torch's 4-B step tensor replaces FusedAdam's 4-B overflow buffer)
+    assert ams.stages[0].name.endswith("+ Adam") and plain.stages[0].name.endswith("+ FusedAdam")
+    half = {"bf16": {"enabled": True}, **cfg}
+    with pytest.raises(ValueError, match=r"^amsgrad=True under engine=deepspeed with bf16 enabled: measured at fp32"):
+        zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True), gpus=2,
+                          engine="deepspeed", ds_config=half)  # fmt: skip
