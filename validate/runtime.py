@@ -37,7 +37,7 @@ class Runtime:
 
     def __init__(
         self, model: nn.Module, nd: int, rank: int, lr: float = 1e-3, foreach: bool | None = None,
-        grad_accum: int = 1,
+        grad_accum: int = 1, amsgrad: bool = False,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum={grad_accum}: must be >= 1")
@@ -58,7 +58,7 @@ class Runtime:
 
             foreach = _default_to_fused_or_foreach([self.master], differentiable=False, use_fused=False)[1]
         self.foreach = foreach
-        self.optimizer = torch.optim.Adam([self.master], lr=lr, foreach=foreach)
+        self.optimizer = torch.optim.Adam([self.master], lr=lr, foreach=foreach, amsgrad=amsgrad)
         self._pending: list[int] = []
         for u, (_, ps) in enumerate(self.units):
             for p in ps:

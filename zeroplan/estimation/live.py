@@ -145,7 +145,7 @@ def live_settings(engine: str, run: LiveRun, options: dict) -> tuple[dict, dict]
     keywords, settings = get_engine(engine).live_settings(run, {k: v for k, v in options.items() if v is not None})
     if run.amsgrad and not settings.get("amsgrad"):  # an engine that models it says so in its settings
         raise ValueError(f"amsgrad=True under engine={engine}: its third state max_exp_avg_sq is modelled by "
-                         "engine=fsdp2 only")  # fmt: skip
+                         "engine=fsdp2, reference and deepspeed only")  # fmt: skip
     if run.fused and not settings.get("fused"):
         raise ValueError(f"fused=True under engine={engine}: the fused kernel's step is modelled by engine=fsdp2 "
                          "only; use foreach")  # fmt: skip

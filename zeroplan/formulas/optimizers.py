@@ -45,10 +45,24 @@ OPTIMIZERS: dict[str, str] = {
 }
 
 
-def optimizer_states(optimizer: str, state_dtype: str = "fp32") -> tuple[StateTensor, ...]:
-    """The per-parameter states of an optimizer; ``state_dtype`` applies where the user may choose it."""
+AMSGRAD_OPTIMIZERS: tuple[str, ...] = ("adam", "adamw")
+"""Optimizers with torch's ``amsgrad`` option (``torch/optim/adam.py``, ``adamw.py``; Reddi et al., "On the
+Convergence of Adam and Beyond", ICLR 2018)."""
+
+
+def optimizer_states(optimizer: str, state_dtype: str = "fp32", amsgrad: bool = False) -> tuple[StateTensor, ...]:
+    """The per-parameter states of an optimizer; ``state_dtype`` applies where the user may choose it.
+
+    ``amsgrad`` (Adam, AdamW): a third state, the running maximum of v, created like v
+    (``state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)`` in torch 2.13
+    ``torch/optim/adam.py:Adam._init_group``) and updated in place (``torch.maximum(..., out=)`` per tensor,
+    ``torch._foreach_maximum_`` on the foreach path), so it adds a state and no temporary."""
+    if amsgrad and optimizer not in AMSGRAD_OPTIMIZERS:
+        raise ValueError(f"amsgrad=True with optimizer {optimizer!r}: amsgrad is an option of "
+                         f"{', '.join(AMSGRAD_OPTIMIZERS)}")  # fmt: skip
     if optimizer in ("adam", "adamw", "lamb"):
-        return (StateTensor("Adam m", state_dtype), StateTensor("Adam v", state_dtype))
+        moments = (StateTensor("Adam m", state_dtype), StateTensor("Adam v", state_dtype))
+        return (*moments, StateTensor("Adam max v", state_dtype)) if amsgrad else moments
     if optimizer in ("sgd-momentum", "lion"):
         return (StateTensor("momentum", state_dtype),)
     if optimizer in ("sgd", "adafactor"):

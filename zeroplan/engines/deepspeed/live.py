@@ -12,7 +12,19 @@ def live_settings(run: LiveRun, given: dict) -> tuple[dict, dict]:
     adam_only("deepspeed", run)
     if run.optimizer is None:
         return {}, {}
-    return {}, _deepspeed_optimizer(run.optimizer, given.get("ds_config") or {})
+    config = given.get("ds_config") or {}
+    settings = _deepspeed_optimizer(run.optimizer, config)
+    return {}, ({**settings, **_amsgrad(run.optimizer, config)} if run.amsgrad else settings)
+
+
+def _amsgrad(optimizer: str, config: dict) -> dict:
+    """A client ``Adam(amsgrad=True)``: torch's Adam is the inner optimizer (``torch_adam``, the object's class)
+    with a third state (``Settings.amsgrad``); measured at fp32 only, so a 16-bit ds_config is refused here
+    (``model_copy`` skips ``Settings``' own check)."""
+    half = [k for k in ("bf16", "fp16") if isinstance(config.get(k), dict) and config[k].get("enabled")]
+    if half:
+        raise ValueError(f"amsgrad=True under engine=deepspeed with {half[0]} enabled: measured at fp32 only")
+    return {"amsgrad": True, "torch_adam": True, "adam_w_mode": optimizer == "adamw"}
 
 
 def _deepspeed_optimizer(optimizer: str, config: dict) -> dict:

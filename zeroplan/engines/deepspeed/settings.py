@@ -65,6 +65,11 @@ class Settings(BaseModel):
     adam_w_mode: bool = True
     torch_adam: bool = False
     foreach: Optional[bool] = None
+    amsgrad: bool = False
+    """torch's ``Adam(amsgrad=True)`` as the inner optimizer (a client ``torch.optim.Adam``/``AdamW``, which
+    ``deepspeed.initialize(optimizer=...)`` wraps over the fp32 partition): a third fp32 state of the partition,
+    ``max_exp_avg_sq`` (``terms._adam_moments``). Needs ``torch_adam`` (FusedAdam raises on amsgrad,
+    ops/adam/fused_adam.py); measured at fp32 without offload only. Not a ds_config key: read from the object."""
     zero_init: Optional[bool] = None
     """ZeRO-3: the model built under ``deepspeed.zero.Init(config_dict_or_path=ds_config)``
     (runtime/zero/partition_parameters.py ``Init``: each module's parameters are created in the config's
@@ -111,6 +116,10 @@ class Settings(BaseModel):
         _check_offload(self.stage, self.dtype, self.grad_dtype, self.contiguous_gradients, self.offload_optimizer,
                        self.offload_param)
         check_zeropp(self)
+        if self.amsgrad and (not self.torch_adam or self.dtype != "fp32" or self.offload_optimizer.on):
+            raise ValueError("amsgrad: measured with torch's Adam (torch_adam), fp32, no offload_optimizer only "
+                             f"(got torch_adam={self.torch_adam}, dtype {self.dtype}, offload_optimizer "
+                             f"{self.offload_optimizer.device})")  # fmt: skip
         return self
 
     @property

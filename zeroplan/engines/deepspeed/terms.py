@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, NCCL_START_ALIGNMENT_FACTOR, Settings, inner_optimizer_class
+from zeroplan.formulas.optimizers import optimizer_states
 from zeroplan.formulas.peak import Term
 from zeroplan.formulas.sharding import ceil_div, flat_shard_numel
 
@@ -129,9 +130,11 @@ def _fused(s: Settings) -> int:
 
 
 def _adam_moments(s: Settings, part: int) -> DSTerm:
-    return DSTerm(f"Adam m and v ({inner_optimizer_class(s)})", "lazy", 2 * part, "fp32",
-                  "ops/adam/fused_adam.py FusedAdam.step (zeros_like exp_avg, exp_avg_sq) / torch/optim/adam.py "
-                  "_init_group", tensors=2)  # fmt: skip
+    """Adam's states of the fp32 partition: m and v, with ``amsgrad`` max v too (``optimizer_states``)."""
+    n = len(optimizer_states(s.optimizer, "fp32", s.amsgrad))
+    return DSTerm(f"Adam m and v{' + max v' if s.amsgrad else ''} ({inner_optimizer_class(s)})", "lazy", n * part,
+                  "fp32", "ops/adam/fused_adam.py FusedAdam.step (zeros_like exp_avg, exp_avg_sq) / torch/optim/adam.py "
+                  "_init_group", tensors=n)  # fmt: skip
 
 
 def _flat_scalars(s: Settings) -> tuple[DSTerm, ...]:

@@ -13,17 +13,35 @@ counts one micro-step; ``optimizer_step`` turns it into the engine contract's on
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from zeroplan.engines.reference.settings import Settings
 from zeroplan.formulas.collectives import Collective
 from zeroplan.formulas.commtime import calls_per_optimizer_step
+from zeroplan.formulas.optimizers import StateTensor, optimizer_states
 from zeroplan.formulas.stage_table import StageRow, stage_table
+from zeroplan.policy import PrecisionPolicy
+
+
+@dataclass(frozen=True)
+class _AmsgradPolicy:
+    """The policy with Adam's third state (``Settings.amsgrad``): the stage table reads ``states`` of it."""
+
+    policy: PrecisionPolicy
+
+    def __getattr__(self, name: str):
+        return getattr(self.policy, name)
+
+    @property
+    def states(self) -> tuple[StateTensor, ...]:
+        return optimizer_states(self.policy.optimizer, self.policy.optimizer_dtype, amsgrad=True)
 
 
 def stage_rows(numels: tuple[int, ...], nd: int, settings: Settings) -> tuple[StageRow, ...]:
-    """Model states and collectives of each of ``settings.stages`` for tensors of ``numels`` elements."""
-    return stage_table(numels, nd, settings.policy, settings.stages, settings.flat_layout)
+    """Model states and collectives of each of ``settings.stages`` for tensors of ``numels`` elements; with
+    ``amsgrad`` the optimizer's states hold ``max_exp_avg_sq`` too (``formulas.optimizers.optimizer_states``)."""
+    policy = _AmsgradPolicy(settings.policy) if settings.amsgrad else settings.policy
+    return stage_table(numels, nd, policy, settings.stages, settings.flat_layout)
 
 
 def optimizer_step(collectives: tuple[Collective, ...], stage: int, grad_accum: int) -> tuple[Collective, ...]:

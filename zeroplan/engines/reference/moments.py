@@ -220,7 +220,9 @@ def optimizer_moments(run: ReferenceRun) -> tuple[Moment, ...]:
     """Adam on the flat master (validate/runtime.py:Runtime.step): fp32 gradient copy plus temporaries.
 
     ``_multi_tensor_adam`` (foreach) allocates ``sqrt(v)`` once (S·4); ``_single_tensor_adam`` computes
-    ``v.sqrt() / bias_correction2_sqrt``, two S·4 tensors alive at once (torch/optim/adam.py).
+    ``v.sqrt() / bias_correction2_sqrt``, two S·4 tensors alive at once (torch/optim/adam.py). With amsgrad
+    the maximum is taken in place (``torch.maximum(max_v, v, out=max_v)``, ``_foreach_maximum_``) and the
+    square root is of it instead of v: the same temporaries (the third state is in ``adam_states``).
     """
     s = _shard(run)
     temps = (1 if run.foreach else 2) * s * MASTER_BYTES

@@ -48,7 +48,7 @@ def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEst
                 workload.checkpointing, workload.foreach, stat_bytes=settings.stat_bytes,
                 grad_accum=workload.grad_accum, shapes=workload.shapes,
             )  # fmt: skip
-            run = replace(run, gloo=settings.backend == "gloo")
+            run = replace(run, gloo=settings.backend == "gloo", amsgrad=settings.amsgrad)
             cap = settings.cuda_capability
             resident = () if cap is None else (library_workspaces(cap, workload.spec.biased_linear),)
             peak = predict_peak(run, block_bytes=settings.block_bytes,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.engines.base import PeakLimit
@@ -48,6 +48,10 @@ class Settings(BaseModel):
     cuda_capability: Optional[tuple[StrictInt, StrictInt]] = (9, 0)
     """the GPU's compute capability, which sizes the cuBLAS workspaces every phase after init holds
     (``formulas.cuda_workspaces``); (9, 0) is H100/H200; None: no GPU (CPU runs)."""
+    amsgrad: StrictBool = False
+    """``torch.optim.Adam(amsgrad=True)`` (``validate/runtime.py:Runtime``): a third fp32 state of the master
+    shard, ``max_exp_avg_sq`` (``formulas.optimizers.optimizer_states``), in model states and every phase after
+    the first step; set by a live optimizer (``estimate(model=..., optimizer=...)``)."""
     backend: Literal["nccl", "gloo", "fake"] = "nccl"
     """the process group's backend: gloo's reduce-scatter copies its whole input (a term,
     ``terms.gloo_copy``); nccl (the planner's target) and the simulator's fake group allocate nothing."""

@@ -11,6 +11,7 @@ from typing import Optional
 from zeroplan.architectures.spec import Shape, TransformerSpec, block_prefix, transformer_shapes
 from zeroplan.engines.reference.settings import ADAM_STEP_BYTES, MASTER_BYTES
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
+from zeroplan.formulas.optimizers import optimizer_states
 from zeroplan.formulas.peak import Term
 from zeroplan.formulas.sharding import flat_padded_numel, flat_shard_numel
 from zeroplan.formulas.stages import get_stage
@@ -41,6 +42,7 @@ class ReferenceRun:
     late_grads_numel: int = 0  # a block's parameters whose gradients come before its post-attention norm's input's
     grad_accum: int = 1  # micro-steps per optimizer step (validate/runtime.py:Runtime.grad_accum)
     gloo: bool = False  # the process group is gloo, whose reduce-scatter copies its input (``gloo_copy``)
+    amsgrad: bool = False  # Adam(amsgrad=True): a third fp32 state, max_exp_avg_sq (``adam_states``)
 
     def __post_init__(self) -> None:
         get_stage(self.stage)
@@ -108,9 +110,13 @@ def master(run: ReferenceRun) -> Term:
 
 
 def adam_states(run: ReferenceRun) -> Term:
-    """Adam's m and v (fp32, like the master) and its step scalar, created lazily at the first step."""
-    return Term("Adam m, v, step", 2 * _shard(run) * MASTER_BYTES + ADAM_STEP_BYTES,
-                "torch/optim/adam.py:Adam._init_group via validate/runtime.py:Runtime.step", tensors=3)  # fmt: skip
+    """Adam's m and v (with amsgrad max v; fp32, like the master: ``optimizer_states``) and its step scalar,
+    created lazily at the first step."""
+    states = optimizer_states("adam", "fp32", run.amsgrad)
+    name = f"Adam {', '.join(s.name.removeprefix('Adam ') for s in states)}, step"
+    return Term(name, sum(s.bytes(_shard(run)) for s in states) + ADAM_STEP_BYTES,
+                "torch/optim/adam.py:Adam._init_group via validate/runtime.py:Runtime.step",
+                tensors=len(states) + 1)  # fmt: skip
 
 
 def batch(run: ReferenceRun) -> Term:

@@ -1,0 +1,138 @@
+"""Adam(amsgrad=True) under the reference engine: the third state ``max_exp_avg_sq`` (torch 2.13
+``torch/optim/adam.py:Adam._init_group``), one home in ``formulas.optimizers.optimizer_states``."""
+
+from __future__ import annotations
+
+import pytest
+
+import zeroplan
+from zeroplan.engines.base import Workload
+from zeroplan.engines.reference import ENGINE, Settings
+from zeroplan.formulas.optimizers import optimizer_bytes, optimizer_states
+from zeroplan.policy import PrecisionPolicy
+
+
+def test_amsgrad_is_a_third_adam_state_and_nothing_else():
+    """Adam's K with an fp32 master: 4 + 4 + 4 = 12, with amsgrad 16 (max_exp_avg_sq like exp_avg_sq)."""
+    assert optimizer_bytes(optimizer_states("adam"), "fp32", 1000) == 12_000
+    states = optimizer_states("adamw", "bf16", amsgrad=True)
+    assert [(s.name, s.dtype) for s in states] == [("Adam m", "bf16"), ("Adam v", "bf16"), ("Adam max v", "bf16")]
+    assert optimizer_bytes(optimizer_states("adam", amsgrad=True), "fp32", 1000) == 16_000
+    with pytest.raises(ValueError, match=r"^amsgrad=True with optimizer 'sgd-momentum': amsgrad is an option of adam"):
+        optimizer_states("sgd-momentum", amsgrad=True)
+
+
+# `zeroplan validate --world-size 2 --model gpt-tiny --device cpu` (bf16 parameters, fp32 master, gloo, per-tensor
+# Adam: CPU's default), with every torch.optim.Adam built amsgrad=True (the runtime's and the parity reference's),
+# torch 2.13.0+cpu, 2026-12-02: rank 0's peak per phase (init, forward, backward, optimizer step) and its live bytes
+# at the step boundary; parity ok at every stage. Without amsgrad the same run measures S·4 less in every phase but
+# init (S = 145,296 / 4 elements at stage 0, half that at 1-3): the third state, and no temporary.
+MEASURED = {
+    0: ((363_240, 832_732, 845_660, 1_162_884), 726_484),
+    1: ((282_024, 542_140, 555_068, 654_348), 435_892),
+    2: ((282_024, 505_816, 518_744, 618_024), 399_568),
+    3: ((282_024, 484_108, 515_804, 581_700), 363_244),
+}
+MARGIN = 0.0  # measured exact: every phase and the states equal the prediction to the byte
+
+
+def _gpt_tiny_cpu(stage: int, amsgrad: bool):
+    """The reference row of the measured run, as validate/report.py:reference_estimate builds it on CPU."""
+    from validate.models import expected_shapes, spec_for
+
+    spec = spec_for("gpt-tiny", None)
+    workload = Workload(expected_shapes(spec), spec, spec.max_seq_len, 2, "none", 1, False)
+    settings = Settings(stages=(stage,), policy=PrecisionPolicy(param_dtype="bf16"), block_bytes=1, stat_bytes=2,
+                        cuda_capability=None, backend="gloo", amsgrad=amsgrad)  # fmt: skip
+    (row,) = ENGINE.estimate(workload, 2, settings)
+    return row
+
+
+@pytest.mark.parametrize("stage", sorted(MEASURED))
+def test_reference_amsgrad_every_phase_as_measured(stage):
+    (phases, states), adam_step_bytes = MEASURED[stage], 4  # the step scalar: beside the model states
+    row = _gpt_tiny_cpu(stage, amsgrad=True)
+    predicted = tuple(row.peak.by_phase().values())
+    for p, m in zip(predicted, phases):
+        assert abs(m - p) <= MARGIN * m, (predicted, phases)
+    assert row.memory.model_states_bytes + adam_step_bytes == states
+    plain = _gpt_tiny_cpu(stage, amsgrad=False)
+    shard_bytes = plain.memory.optimizer_bytes // 3  # master, m, v: one fp32 shard each
+    assert row.memory.optimizer_bytes - plain.memory.optimizer_bytes == shard_bytes
+    assert [a - b for a, b in zip(predicted, plain.peak.by_phase().values())] == [0, *[shard_bytes] * 3]
+    assert "Adam m, v, max v, step" in {t.name for t in row.peak.peak_terms}
+
+
+def test_a_live_amsgrad_optimizer_sets_the_reference_setting():
+    """``estimate(model=, optimizer=Adam(amsgrad=True))`` under the reference engine is the estimate with
+    ``Settings.amsgrad``: one fp32 state more than without, in the states and in every phase but init."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)).bfloat16()
+    psi = 64 * 32 + 32 + 32 * 8 + 8
+    ams = zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True), gpus=2)
+    plain = zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters()), gpus=2)
+    extra = [a.memory.optimizer_bytes - p.memory.optimizer_bytes for a, p in zip(ams.stages, plain.stages)]
+    assert extra == [psi * 4, *[psi // 2 * 4] * 3]  # every tensor splits evenly in two
+
+
+# `zeroplan validate --engine deepspeed --param-dtype fp32 --world-size 2 --model gpt-tiny --device cpu` (the built-in
+# ds_configs: torch_adam, DeepSpeed's default 5e8-element buckets; gloo), DeepSpeed 0.19.8, torch 2.13.0+cpu,
+# 2026-12-02, with every torch.optim.Adam built amsgrad=True (DeepSpeed's inner torch AdamW over the fp32
+# partition, as a client Adam(amsgrad=True) is): the largest rank's peak per phase and the states at the boundary.
+DS_MEASURED = {
+    1: ((290_592, 620_864, 2_000_644_296, 654_104), 435_896),
+    2: ((290_592, 620_864, 2_000_644_008, 654_104), 435_896),
+    3: ((2_000_238_681, 2_000_766_421, 2_000_872_313, 2_000_654_381), 2_000_581_197),
+}
+DS_PLAIN = {  # the same command without amsgrad, same day: every phase after init and the states 72,648 B lower
+    1: (290_592, 548_216, 2_000_571_648, 581_456),
+    2: (290_592, 548_216, 2_000_571_360, 581_456),
+    3: (2_000_238_681, 2_000_693_773, 2_000_799_665, 2_000_581_733),
+}
+DS_MARGIN = 0.0005  # measured: 0.041 % (ZeRO-1/2 forward, 256 B under: the targets' micro-batch, read late)
+# and 0.040 % (step, 264 B over), both as without amsgrad (docs/engines/deepspeed.md); ZeRO-3's backward 0.0041 %
+# (82,756 B over, as without amsgrad: DS_PLAIN)
+
+
+def _ds_gpt_tiny_cpu(stage: int, amsgrad: bool):
+    from validate.engines.deepspeed_compare import ds_config, workload_for
+    from zeroplan.engines import deepspeed as D
+
+    ds = ds_config(stage, "fp32", 2, 1e-3, optimizer_params={"torch_adam": True})
+    settings = D.Settings.from_ds_config(ds, zero_init=False).model_copy(update={"device": "cpu", "amsgrad": amsgrad})
+    w = workload_for("gpt-tiny", 2, None)
+    rows = [D.estimate(w, 2, settings.model_copy(update={"rank": r}), stat_bytes=4)[0] for r in (0, 1)]
+    return rows, {p: max(r.peak.by_phase()[p] for r in rows) for p in rows[0].peak.by_phase()}
+
+
+@pytest.mark.parametrize("stage", sorted(DS_MEASURED))
+def test_deepspeed_amsgrad_is_one_more_fp32_partition_as_measured(stage):
+    phases, states = DS_MEASURED[stage]
+    rows, predicted = _ds_gpt_tiny_cpu(stage, amsgrad=True)
+    for p, m in zip(predicted.values(), phases):
+        assert abs(m - p) <= DS_MARGIN * m, (predicted, phases)
+    assert rows[0].memory.model_states_bytes == states  # exact: the step scalars are model states here
+    _, plain = _ds_gpt_tiny_cpu(stage, amsgrad=False)
+    delta = [predicted[p] - plain[p] for p in plain]
+    assert delta == [0, *[72_648] * 3]  # Ψ = 36,324 elements, /2, fp32
+    assert [m - n for m, n in zip(phases, DS_PLAIN[stage])] == delta  # measured: the same, to the byte
+
+
+def test_a_live_amsgrad_optimizer_under_deepspeed():
+    """A client ``Adam(amsgrad=True)`` is torch's Adam with a third state under an fp32 ds_config; refused under
+    a 16-bit one (measured at fp32 only)."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    cfg = {"zero_optimization": {"stage": 2}}
+    ams = zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True), gpus=2,
+                            engine="deepspeed", ds_config=cfg)  # fmt: skip
+    plain = zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters()), gpus=2,
+                              engine="deepspeed", ds_config=cfg)  # fmt: skip
+    extra = ams.stages[0].memory.optimizer_bytes - plain.stages[0].memory.optimizer_bytes
+    flat = 64 * 32 + 32 + 32 * 8 + 8  # 2,344: a multiple of 2·N_d, no padding
+    assert extra == flat // 2 * 4  # the third state (torch's 4-B step tensor replaces FusedAdam's 4-B overflow buffer)
+    assert ams.stages[0].name.endswith("+ Adam") and plain.stages[0].name.endswith("+ FusedAdam")
+    half = {"bf16": {"enabled": True}, **cfg}
+    with pytest.raises(ValueError, match=r"^amsgrad=True under engine=deepspeed with bf16 enabled: measured at fp32"):
+        zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True), gpus=2,
+                          engine="deepspeed", ds_config=half)  # fmt: skip
