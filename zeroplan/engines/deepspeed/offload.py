@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
 from zeroplan.engines.deepspeed.offload_settings import OPTIMIZER_BUFFER_COUNT
-from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS, S12, offloads, param_norm_count
+from zeroplan.engines.deepspeed.offload_terms import (PARAM_NORMS, S12, offloads, param_norm_count,
+                                                      torch_adam_step_temporaries)
 from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, aligned_flat_numel
@@ -41,7 +42,8 @@ ADAM_HOST = "Adam m and v (DeepSpeedCPUAdam)"
 CPU_ADAM = "ops/adam/cpu_adam.py DeepSpeedCPUAdam.step (exp_avg, exp_avg_sq: torch.zeros_like on the host partition)"
 ADAM_HOST_TORCH = "Adam m and v (torch's Adam, torch_adam)"
 """with ``optimizer.params.torch_adam``: torch's Adam/AdamW steps the host partitions (engine.py
-``get_optimizer_configuration``); its states as DeepSpeedCPUAdam's, its step temporaries on the host not counted."""
+``get_optimizer_configuration``); its states as DeepSpeedCPUAdam's, its step temporaries ``HostMemory.step_terms``
+(offload_terms.py ``torch_adam_step_temporaries``)."""
 TORCH_ADAM = "torch/optim/adam.py _init_group (exp_avg, exp_avg_sq: torch.zeros_like on the host partition)"
 
 
@@ -305,8 +307,10 @@ def host_memory(run: DSRun) -> HostMemory:
         d2h, h2d = part * 4, part * p
     offload = Offload(s.offload_optimizer.device if o else "none", "cpu" if prm else "none")
     read, write = nvme_step_bytes(run) if s.stage == 3 and s.offload_optimizer.device == "nvme" else (None, None)
+    step = torch_adam_step_temporaries(s, numels, nd)
     return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH),
-                      init_peak=host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write)
+                      init_peak=host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write,
+                      step_terms=() if step is None else (step,))  # fmt: skip
 
 
 def nvme_step_bytes(run: DSRun) -> tuple[int, int]:
