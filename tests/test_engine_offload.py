@@ -52,7 +52,7 @@ def test_sections_read_with_deepspeeds_defaults_and_written_back():
     [
         ({"stage": 2, "offload_param": {"device": "cpu"}}, {}, "offload_param needs ZeRO stage 3, not 2"),
         ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, {}, "offload_optimizer.nvme_path"),
-        ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, {}, "parameter swapping is not modelled"),
+        ({"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, {}, "offload_param.device='nvme' at ZeRO-2"),
         ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {}, "ratio=0.5: read at ZeRO-3 only"),
         ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {}, "partial offload is not modelled"),
         ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 2}}, {}, "ratio=2: must be a number from 0 to 1"),

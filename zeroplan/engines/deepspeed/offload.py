@@ -18,13 +18,15 @@ step (``_reassign_or_swap_out_partitioned_parameters``; a CPU-to-GPU ``copy_`` c
 the GPU (partition_parameters.py ``all_gather_coalesced``: ``ds_tensor.to(device)``), then gathers them.
 
 Not counted: the fp32 copy of a gradient slice made on the GPU before its copy to the host (at most the
-largest parameter's slice in fp32, freed at once). NVMe optimizer offload at ZeRO-3: ``nvme.py`` (from source,
-unmeasured; its NVMe traffic ``nvme.nvme_traffic``). On a CPU-only run
+largest parameter's slice in fp32, freed at once). NVMe at ZeRO-3: the optimizer's ``nvme.py`` (its NVMe traffic
+``nvme.nvme_traffic``), the parameters' ``nvme_param.py`` (the swapper's pool and, with a sub-group beyond
+``max_in_cpu``, the reads of every forward and backward); both run with a stand-in for ``async_io``. On a CPU-only run
 ("device" and "host" are one memory) a measurement sees the sum of the GPU and host predictions.
 """
 
 from __future__ import annotations
 
+from zeroplan.engines.deepspeed import nvme_param
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
 from zeroplan.engines.deepspeed.offload_settings import OPTIMIZER_BUFFER_COUNT
 from zeroplan.engines.deepspeed.offload_terms import (PARAM_NORMS, S12, offloads, param_norm_count,
@@ -81,7 +83,9 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
                     Term(_pin(o, "fp32 gradient of the master partition"), part * 4,
                          f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
                     _adam_host(run, part)]  # fmt: skip
-        if s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
+        if s.offload_param.device == "nvme":  # the swapper's pool and what stays on the host (nvme_param.py)
+            out += nvme_param.host_terms(_param_swap(run), s.offload_param.pin_memory)
+        elif s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
             out.append(Term("16-bit parameter partition (pinned)", part * p,
                             f"{S3} _create_param_groups_fp16_flat_cpu_memory (param_groups_fp16_flat_cpu_memory)"))
         return tuple(out)
@@ -101,6 +105,11 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
         out.append(Term(_pin(o, "accumulated gradients of the partition's parameters"), held * p,
                         f"{S12} async_accumulate_grad_in_cpu_via_gpu (accumulated_grads_in_cpu)"))
     return tuple(out)
+
+
+def _param_swap(run: DSRun) -> nvme_param.ParamSwap:
+    s = run.settings
+    return nvme_param.param_swap(s.offload_param, run.numels, run.nd, DTYPE_BYTES[s.dtype], s.param_persistence_threshold)
 
 
 def nvme_host_terms(run: DSRun, part: int) -> list[Term]:
@@ -225,7 +234,7 @@ def host_at_states_init(run: DSRun) -> tuple[Term, ...]:
         return ()
     part = flat_shard_numel(run.numels, run.nd)
     keep = ("fp32 master partition", "fp32 gradient of the master partition", "16-bit parameter partition",
-            POOL)
+            POOL, nvme_param.PARAM_POOL, nvme_param.SWAP_OUT_BUFFER, "16-bit partitions too small to swap")
     return (*(t for t in host_terms(run) if t.name.startswith(keep)),
             Term(UNUSED_GRADIENT_BUFFER, part * 4, f"{S3} initialize_optimizer_states (gradient_buffer)"))
 
@@ -305,25 +314,34 @@ def host_memory(run: DSRun) -> HostMemory:
     elif o:
         part = aligned_flat_numel(numels, nd) // nd
         d2h, h2d = part * 4, part * p
-    offload = Offload(s.offload_optimizer.device if o else "none", "cpu" if prm else "none")
-    read, write = nvme_step_bytes(run) if s.stage == 3 and s.offload_optimizer.device == "nvme" else (None, None)
+    offload = Offload(s.offload_optimizer.device if o else "none", s.offload_param.device if prm else "none")
+    read, write = nvme_step_bytes(run)
     step = torch_adam_step_temporaries(s, numels, nd)
     return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH),
                       init_peak=host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write,
                       step_terms=() if step is None else (step,))  # fmt: skip
 
 
-def nvme_step_bytes(run: DSRun) -> tuple[int, int]:
-    """(read, write) NVMe bytes of one steady optimizer step at ZeRO-3 ``offload_optimizer.device: nvme``
-    (``nvme.nvme_traffic``): the partition and each parameter's partition slice, ``ceil(n / N_d)`` elements
-    (ZeRO-3 pads every parameter to a multiple of N_d); (0, 0) when the partition is too small to swap."""
+def nvme_step_bytes(run: DSRun) -> tuple[int | None, int | None]:
+    """(read, write) NVMe bytes of one steady optimizer step at ZeRO-3, (None, None) without NVMe: the optimizer's
+    (``offload_optimizer.device: nvme``, ``nvme.nvme_traffic``: the partition and each parameter's partition slice,
+    ``ceil(n / N_d)`` elements, ZeRO-3 pads every parameter to a multiple of N_d; (0, 0) when the partition is too
+    small to swap) and the parameters' (``offload_param.device: nvme``, ``nvme_param.nvme_traffic``)."""
+    s = run.settings
+    opt, prm = s.offload_optimizer.device == "nvme", s.offload_param.device == "nvme"
+    if s.stage != 3 or not (opt or prm):
+        return None, None
     slices = tuple(-(-n // run.nd) for n in run.numels)
-    return nvme_traffic(flat_shard_numel(run.numels, run.nd), slices)
+    read, write = nvme_traffic(flat_shard_numel(run.numels, run.nd), slices) if opt else (0, 0)
+    if prm:
+        r, w = nvme_param.nvme_traffic(_param_swap(run), run.grad_accum, s.max_reuse_distance)
+        read, write = read + r, write + w
+    return read, write
 
 
 def offload_label(s: Settings) -> str:
     """``offload optimizer->cpu``, ``offload optimizer->cpu, params->cpu`` ("offload none" without offload)."""
-    return "offload " + Offload(s.offload_optimizer.device, "cpu" if s.offload_param.on else "none").label
+    return "offload " + Offload(s.offload_optimizer.device, s.offload_param.device).label
 
 
 def label_suffix(s: Settings) -> str:
