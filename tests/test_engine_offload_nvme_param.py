@@ -56,13 +56,17 @@ def _config(row: str, folder: str = "/nvme") -> dict:
             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": param}}  # fmt: skip
 
 
-def _run(tmp_path, row: str):
+def _workload(tmp_path):
     from validate.engines.deepspeed_compare import workload_for
 
     model = tmp_path / "gpt-nvme.json"
     model.write_text(json.dumps(GPT_NVME))
+    return workload_for(str(model), 1, None)
+
+
+def _run(tmp_path, row: str):
     s = D.Settings.from_ds_config(_config(row), zero_init=False).model_copy(update={"rank": 0})
-    return ds_run(s, workload_for(str(model), 1, None), 1, stat_bytes=2)
+    return ds_run(s, _workload(tmp_path), 1, stat_bytes=2)
 
 
 def test_swapper_host_terms_and_nvme_bytes_by_hand(tmp_path):
@@ -126,6 +130,11 @@ def test_refusals_and_estimate_keys(tmp_path):
     ds.write_text(json.dumps(small))
     assert_one_line_error(run("estimate", *args), "offload_param.buffer_size=1000000: a swapped partition of "
                           "1048576 elements does not fit one buffer")  # fmt: skip
+    # an fp32 model on the CPU accelerator: DeepSpeed's swapper is bf16 there (Init._set_dtype's precedence)
+    fp32 = _run(tmp_path, "nvme").settings.model_copy(update={"dtype": "fp32"})
+    with pytest.raises(ValueError, match="swapper is bf16 there") as err:
+        host_memory(ds_run(fp32, _workload(tmp_path), 1))
+    assert "\n" not in str(err.value)
 
 
 FULL = os.environ.get("ZEROPLAN_FULL_MATRICES") == "1"

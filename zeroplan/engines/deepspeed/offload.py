@@ -109,6 +109,10 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
 
 def _param_swap(run: DSRun) -> nvme_param.ParamSwap:
     s = run.settings
+    if s.device == "cpu" and s.dtype == "fp32":  # read in partition_parameters.py; refused rather than predicted
+        raise ValueError("deepspeed config: zero_optimization.offload_param.device='nvme' with an fp32 model on the CPU "
+                         "accelerator: DeepSpeed's swapper is bf16 there (partition_parameters.py Init._set_dtype: "
+                         "'dtype or torch.float16 if is_fp16_supported() else torch.bfloat16'); not modelled")  # fmt: skip
     return nvme_param.param_swap(s.offload_param, run.numels, run.nd, DTYPE_BYTES[s.dtype], s.param_persistence_threshold)
 
 
