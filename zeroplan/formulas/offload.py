@@ -90,6 +90,8 @@ class HostMemory:
     (m and v are made by it). None: no NVMe offload; 0: a partition too small to swap."""
     nvme_write_bytes: int | None = None
     """host -> NVMe per optimizer step (the first as the steady ones); None: no NVMe offload."""
+    nvme_note: str = ""
+    """what the NVMe bytes are, with their source (printed after them under ``estimate``'s table)."""
     step_terms: tuple[Term, ...] = ()
     """host temporaries alive during the optimizer step only, on top of ``terms`` (DeepSpeed ``torch_adam`` with
     ``offload_optimizer`` cpu: torch Adam's update on the host partition); not there after the step, so not in the

@@ -323,6 +323,7 @@ def host_memory(run: DSRun) -> HostMemory:
     step = torch_adam_step_temporaries(s, numels, nd)
     return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH),
                       init_peak=host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write,
+                      nvme_note=_nvme_note(s),
                       step_terms=() if step is None else (step,))  # fmt: skip
 
 
@@ -341,6 +342,16 @@ def nvme_step_bytes(run: DSRun) -> tuple[int | None, int | None]:
         r, w = nvme_param.nvme_traffic(_param_swap(run), run.grad_accum, s.max_reuse_distance)
         read, write = read + r, write + w
     return read, write
+
+
+def _nvme_note(s: Settings) -> str:
+    """What ``nvme_step_bytes`` counts, for the line under ``estimate``'s table ("" without NVMe)."""
+    what = [w for w, on in (("fp32 master, Adam m and v, the swapped fp32 gradient slices; DeepSpeed's source, "
+                             "nvme.nvme_traffic", s.offload_optimizer.device == "nvme"),
+                            ("the swapped 16-bit partitions beyond max_in_cpu, read in forward, written by the step; "
+                             "nvme_param.nvme_traffic", s.offload_param.device == "nvme")) if on]  # fmt: skip
+    first = "; the first step reads the master only of the three." if s.offload_optimizer.device == "nvme" else "."
+    return f"({'; and '.join(what)}){first}" if what else ""
 
 
 def offload_label(s: Settings) -> str:
