@@ -217,8 +217,7 @@ class _OptimizerParams(_Section):
     torch_adam: Optional[Flag] = None
     adam_w_mode: Optional[Flag] = None
     foreach: Optional[Flag] = None
-    weight_decay: Optional[Number] = None
-    """Adam's weight decay (torch's default 0 when absent: engine.py passes the params to the optimizer)."""
+    weight_decay: Optional[Number] = None  # Adam's; absent: torch's default 0 (engine.py passes the params on)
 
 
 class _Optimizer(_Section):

@@ -26,8 +26,10 @@ largest parameter's slice in fp32, freed at once). NVMe at ZeRO-3: the optimizer
 
 from __future__ import annotations
 
-from zeroplan.engines.deepspeed import nvme_param
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
+from zeroplan.engines.deepspeed.nvme_param import PARAM_POOL, SWAP_OUT_BUFFER, ParamSwap, param_swap
+from zeroplan.engines.deepspeed.nvme_param import host_terms as param_host_terms
+from zeroplan.engines.deepspeed.nvme_param import nvme_traffic as param_nvme_traffic
 from zeroplan.engines.deepspeed.offload_settings import OPTIMIZER_BUFFER_COUNT
 from zeroplan.engines.deepspeed.offload_terms import (PARAM_NORMS, S12, offloads, param_norm_count,
                                                       torch_adam_step_temporaries)
@@ -84,7 +86,7 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
                          f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
                     _adam_host(run, part)]  # fmt: skip
         if s.offload_param.device == "nvme":  # the swapper's pool and what stays on the host (nvme_param.py)
-            out += nvme_param.host_terms(_param_swap(run), s.offload_param.pin_memory)
+            out += param_host_terms(_param_swap(run), s.offload_param.pin_memory)
         elif s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
             out.append(Term("16-bit parameter partition (pinned)", part * p,
                             f"{S3} _create_param_groups_fp16_flat_cpu_memory (param_groups_fp16_flat_cpu_memory)"))
@@ -107,13 +109,13 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
     return tuple(out)
 
 
-def _param_swap(run: DSRun) -> nvme_param.ParamSwap:
+def _param_swap(run: DSRun) -> ParamSwap:
     s = run.settings
     if s.device == "cpu" and s.dtype == "fp32":  # read in partition_parameters.py; refused rather than predicted
         raise ValueError("deepspeed config: zero_optimization.offload_param.device='nvme' with an fp32 model on the CPU "
                          "accelerator: DeepSpeed's swapper is bf16 there (partition_parameters.py Init._set_dtype: "
                          "'dtype or torch.float16 if is_fp16_supported() else torch.bfloat16'); not modelled")  # fmt: skip
-    return nvme_param.param_swap(s.offload_param, run.numels, run.nd, DTYPE_BYTES[s.dtype], s.param_persistence_threshold)
+    return param_swap(s.offload_param, run.numels, run.nd, DTYPE_BYTES[s.dtype], s.param_persistence_threshold)
 
 
 def nvme_host_terms(run: DSRun, part: int) -> list[Term]:
@@ -238,7 +240,7 @@ def host_at_states_init(run: DSRun) -> tuple[Term, ...]:
         return ()
     part = flat_shard_numel(run.numels, run.nd)
     keep = ("fp32 master partition", "fp32 gradient of the master partition", "16-bit parameter partition",
-            POOL, nvme_param.PARAM_POOL, nvme_param.SWAP_OUT_BUFFER, "16-bit partitions too small to swap")
+            POOL, PARAM_POOL, SWAP_OUT_BUFFER, "16-bit partitions too small to swap")
     return (*(t for t in host_terms(run) if t.name.startswith(keep)),
             Term(UNUSED_GRADIENT_BUFFER, part * 4, f"{S3} initialize_optimizer_states (gradient_buffer)"))
 
@@ -339,7 +341,7 @@ def nvme_step_bytes(run: DSRun) -> tuple[int | None, int | None]:
     slices = tuple(-(-n // run.nd) for n in run.numels)
     read, write = nvme_traffic(flat_shard_numel(run.numels, run.nd), slices) if opt else (0, 0)
     if prm:
-        r, w = nvme_param.nvme_traffic(_param_swap(run), run.grad_accum, s.max_reuse_distance)
+        r, w = param_nvme_traffic(_param_swap(run), run.grad_accum, s.max_reuse_distance)
         read, write = read + r, write + w
     return read, write
 
