@@ -143,7 +143,8 @@ def test_world_size_two(tmp_path):
 
 def test_refusals_and_estimate_keys(tmp_path):
     """A swapped partition larger than ``buffer_size`` is refused in one line (DeepSpeed asserts in ``get_buffer``);
-    ``estimate --json`` carries the parameters' NVMe bytes and the sweep's ``nvme_bytes`` is its write."""
+    ``estimate --json`` carries the parameters' NVMe bytes, the sweep's ``nvme_bytes`` is its write, and the host
+    column is the same in estimate, sweep and the plan's row of the file's config."""
     import csv
     import io
 
@@ -160,6 +161,8 @@ def test_refusals_and_estimate_keys(tmp_path):
             "16-bit partitions beyond max_in_cpu") in run("estimate", *args).stdout  # fmt: skip
     (swept,) = csv.DictReader(io.StringIO(run("sweep", *args).output))
     assert (int(swept["nvme_bytes"]), int(swept["host_bytes"])) == (S, row["host_bytes_per_gpu"])
+    plan = {o["label"]: o for o in run_json("plan", *args, "--gpu", "h100-80gb")["offload"]}
+    assert plan["ZeRO-3, offload optimizer->cpu, params->nvme"]["host_bytes_per_gpu"] == row["host_bytes_per_gpu"]
     small = _config("nvme_max_in_cpu_0")
     small["zero_optimization"]["offload_param"]["buffer_size"] = 1_000_000
     ds.write_text(json.dumps(small))
