@@ -52,7 +52,7 @@ def test_sections_read_with_deepspeeds_defaults_and_written_back():
     [
         ({"stage": 2, "offload_param": {"device": "cpu"}}, {}, "offload_param needs ZeRO stage 3, not 2"),
         ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, {}, "offload_optimizer.nvme_path"),
-        ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, {}, "parameter swapping is not modelled"),
+        ({"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, {}, "offload_param.device='nvme' at ZeRO-2"),
         ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {}, "ratio=0.5: read at ZeRO-3 only"),
         ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {}, "partial offload is not modelled"),
         ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 2}}, {}, "ratio=2: must be a number from 0 to 1"),
@@ -299,7 +299,37 @@ def test_torch_adam_with_offload_is_torchs_adam_on_the_host():
     names = {t.name: t.bytes for t in torch_host.terms}
     assert names.pop("Adam m and v (torch's Adam, torch_adam)") == {t.name: t.bytes for t in cpu_host.terms}.pop(
         "Adam m and v (DeepSpeedCPUAdam)") > 0
-    assert torch_host.host_bytes == cpu_host.host_bytes
+    # torch's single-tensor update on the host partition (8 B per element), in the step only (step_terms)
+    assert torch_host.steady_bytes == cpu_host.steady_bytes and cpu_host.step_terms == ()
+    assert torch_host.host_bytes == torch_host.step_peak_bytes == cpu_host.host_bytes + PSI // 2 * 8
+
+
+def test_torch_adam_step_temporaries_in_the_host_column_everywhere(tmp_path):
+    """The step-only host bytes (``HostMemory.step_terms``) are in the host column of ``estimate --json``, the plan's
+    offload row and the sweep's row alike: gpt-tiny on 2 GPUs, ZeRO-2 bf16 with ``offload_optimizer`` cpu and
+    ``torch_adam``, Adam with ``adam_w_mode: false`` and a weight decay: 12 B per element of the 18,162-element
+    partition (sqrt, quotient and the L2 gradient, offload_terms.py ``adam_step_fp32_temporaries``) above the steady
+    host bytes."""
+    import csv
+    import io
+
+    from validate.models import spec_for
+
+    spec, model = spec_for("gpt-tiny", None), tmp_path / "gpt-tiny.json"
+    model.write_text(json.dumps({"model_type": "gpt2", "n_layer": spec.n_layer, "n_embd": spec.d_model,
+                                 "n_head": spec.n_head, "vocab_size": spec.vocab_size, "n_positions": spec.max_seq_len,
+                                 "embd_pdrop": 0, "attn_pdrop": 0, "resid_pdrop": 0}))
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {
+        "torch_adam": True, "adam_w_mode": False, "weight_decay": 0.01}}, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}}))  # fmt: skip
+    args = ("--engine", "deepspeed", "--model", str(model), "--gpus", "2", "--seq-len", "16", "--micro-batch", "2",
+            "--deepspeed-config", str(cfg))  # fmt: skip
+    (row,) = run_json("estimate", *args)["stages"]
+    assert row["host_bytes_per_gpu"] - row["host_steady_bytes_per_gpu"] == PSI // 2 * 12 == 217_944
+    (swept,) = csv.DictReader(io.StringIO(run("sweep", *args).output))
+    plan = {o["label"]: o for o in run_json("plan", *args, "--gpu", "h100-80gb")["offload"]}
+    assert int(swept["host_bytes"]) == plan["ZeRO-2, offload optimizer->cpu"]["host_bytes_per_gpu"] == row["host_bytes_per_gpu"]
 
 
 def test_deprecated_cpu_offload_flags_read_as_deepspeed_reads_them():
@@ -459,4 +489,35 @@ def test_torch_adam_step_temporaries_on_the_host(stage):
     assert got["optimizer_step"] - without["optimizer_step"] == PSI * 8
     assert {p: got[p] for p in ("init", "forward", "backward")} == {p: without[p] for p in ("init", "forward", "backward")}
     measured, predicted = TORCH_ADAM_MEASURED[stage]
+    assert got["optimizer_step"] == predicted and 0 <= measured - predicted <= 0.0005 * measured
+
+
+ADAM_L2_MEASURED = {False: (1_349_632, 1_349_140), True: (1_059_040, 1_058_548)}
+"""foreach -> the optimizer step's peak (measured, predicted) on one memory: ``zeroplan validate --engine deepspeed
+--world-size 1 --model gpt-tiny --steps 2 --device cpu`` with fp32, ZeRO-2, ``offload_optimizer`` cpu, ``torch_adam``,
+type Adam with ``adam_w_mode: false`` and ``weight_decay: 0.1`` (nvme21, 2026-12-02, MemTracker; every other phase as
+the row without the decay). Before the decay was read: 1,203,844 B predicted for both (-10.8 %, +13.7 %)."""
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adam_l2_weight_decay_temporary(foreach):
+    """Adam without ``adam_w_mode`` and a weight decay (torch's ``torch.optim.Adam`` under ``torch_adam``): the
+    single-tensor path's ``grad.add(param, alpha=weight_decay)`` is one more fp32 partition alive through the update
+    (12 B per element with the sqrt and the quotient); foreach deletes its ``_foreach_add`` result before the sqrt
+    (4 B as without the decay). AdamW, ``adam_w_mode`` true, a zero decay, or DeepSpeed's kernels: nothing."""
+    from validate.engines.deepspeed_compare import workload_for
+    from zeroplan.engines.deepspeed.offload_one_memory import one_memory_by_phase
+    from zeroplan.engines.deepspeed.offload_terms import adam_step_fp32_temporaries, torch_adam_step_temporaries
+
+    params = {"torch_adam": True, "adam_w_mode": False, "weight_decay": 0.1, "foreach": foreach}
+    config = {"optimizer": {"type": "Adam", "params": params},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
+    s = D.Settings.from_ds_config(config).model_copy(update={"rank": 0})
+    assert D.Settings.from_ds_config(D.to_ds_config(s)) == s.model_copy(update={"rank": None})
+    assert torch_adam_step_temporaries(s, (PSI,), 1).bytes == PSI * (4 if foreach else 12)
+    for other in ({"weight_decay": 0.0}, {"adam_w_mode": True}, {"optimizer": "adamw"}):
+        assert adam_step_fp32_temporaries(s.model_copy(update=other), foreach) == (1 if foreach else 2)
+    assert adam_step_fp32_temporaries(s.model_copy(update={"torch_adam": False}), foreach) == 0
+    got = one_memory_by_phase(ds_run(s, workload_for("gpt-tiny", 1, None), 1, stat_bytes=4))
+    measured, predicted = ADAM_L2_MEASURED[foreach]
     assert got["optimizer_step"] == predicted and 0 <= measured - predicted <= 0.0005 * measured

@@ -83,8 +83,7 @@ def test_swap_threshold_and_alignment():
     [
         (_nvme(stage=2), "nvme' at ZeRO-2: not modelled"),
         (_nvme(buffer_count=3), "buffer_count=3: Adam's swap-in needs 4"),
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/n"}}},
-         "parameter swapping is not modelled"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "offload_param.nvme_path"),
         ({**_nvme(), "aio": {"block_size": 262144}}, "aio.block_size=262144: the NVMe terms are modelled at"),
         ({**_nvme(), "aio": {"intra_op_parallelism": 4}}, "aio.intra_op_parallelism=4"),
         ({**_nvme(), "aio": [1]}, "aio=[1]: expected an object"),
@@ -169,17 +168,15 @@ def test_standin_run_is_recorded(tmp_path):
     assert json.loads(out.strip().splitlines()[-1]) == STANDIN
 
 
-def _standin(folder: str) -> dict:
-    """DeepSpeed 0.19.8 ZeRO-3 + ``offload_optimizer: nvme`` on the CPU, its ``async_io`` op replaced by files."""
+def _install_standin(stats: dict) -> None:
+    """Replace DeepSpeed's ``async_io`` op by synchronous file reads and writes (its "locked" tensors plain host
+    tensors), counting into ``stats``: "locked" (bytes of each locked buffer, a list), "read" and "write" bytes."""
     import types
 
     import torch
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-    import deepspeed
     from deepspeed.ops import op_builder
 
-    stats, pinned = {"locked": 0, "read": 0, "write": 0}, set()
+    pinned = set()
 
     class Handle:
         def __init__(self, *a, **k):
@@ -187,7 +184,7 @@ def _standin(folder: str) -> dict:
 
         def new_cpu_locked_tensor(self, n, example):
             t = torch.zeros(int(n), dtype=example.dtype)
-            stats["locked"] += t.numel() * t.element_size()
+            stats["locked"].append(t.numel() * t.element_size())
             pinned.add(t.untyped_storage().data_ptr())
             return t
 
@@ -219,6 +216,17 @@ def _standin(folder: str) -> dict:
             return n
 
     op_builder.AsyncIOBuilder.load = lambda self, verbose=True: types.SimpleNamespace(aio_handle=Handle)
+
+
+def _standin(folder: str) -> dict:
+    """DeepSpeed 0.19.8 ZeRO-3 + ``offload_optimizer: nvme`` on the CPU, its ``async_io`` op replaced by files."""
+    import torch
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    import deepspeed
+
+    stats = {"locked": [], "read": 0, "write": 0}
+    _install_standin(stats)
     torch.manual_seed(0)
     w = STANDIN_WIDTH
     model = torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.Linear(w, w))
@@ -233,7 +241,7 @@ def _standin(folder: str) -> dict:
         engine.step()
         steps.append([stats["read"] - before["read"], stats["write"] - before["write"]])
     g = opt.grad_partitions_flat_buffer
-    return {"pool": stats["locked"], "fp32_master_numel": sum(t.numel() for t in opt.fp32_partitioned_groups_flat),
+    return {"pool": sum(stats["locked"]), "fp32_master_numel": sum(t.numel() for t in opt.fp32_partitioned_groups_flat),
             "grad_partition": g.numel() * g.element_size(), "step1": steps[0], "step2": steps[1]}  # fmt: skip
 
 

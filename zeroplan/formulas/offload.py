@@ -90,6 +90,12 @@ class HostMemory:
     (m and v are made by it). None: no NVMe offload; 0: a partition too small to swap."""
     nvme_write_bytes: int | None = None
     """host -> NVMe per optimizer step (the first as the steady ones); None: no NVMe offload."""
+    nvme_note: str = ""
+    """what the NVMe bytes are, with their source (printed after them under ``estimate``'s table)."""
+    step_terms: tuple[Term, ...] = ()
+    """host temporaries alive during the optimizer step only, on top of ``terms`` (DeepSpeed ``torch_adam`` with
+    ``offload_optimizer`` cpu: torch Adam's update on the host partition); not there after the step, so not in the
+    steady bytes a measurement of the model states reads beside them."""
 
     @property
     def init_bytes(self) -> int:
@@ -98,8 +104,13 @@ class HostMemory:
 
     @property
     def steady_bytes(self) -> int:
-        """Host bytes of the training steps: every term."""
+        """Host bytes of the training steps between optimizer steps: every term (``step_terms`` not)."""
         return sum(t.bytes for t in self.terms)
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """Host bytes at the optimizer step's peak: the steady bytes and the step's temporaries (``step_terms``)."""
+        return self.steady_bytes + sum(t.bytes for t in self.step_terms)
 
     @property
     def init_peak_bytes(self) -> int:
@@ -108,13 +119,14 @@ class HostMemory:
 
     @property
     def host_bytes(self) -> int:
-        """The host memory a rank needs: the larger of the steady bytes and init's peak (``peak_at`` names which)."""
-        return max(self.steady_bytes, self.init_peak_bytes)
+        """The host memory a rank needs: the larger of the training steps' peak (``step_peak_bytes``: the steady bytes
+        and the step's temporaries) and init's peak (``peak_at`` names which)."""
+        return max(self.step_peak_bytes, self.init_peak_bytes)
 
     @property
     def peak_at(self) -> str:
-        """"init" where init's peak exceeds the steady bytes, else "steady"."""
-        return "init" if self.init_peak_bytes > self.steady_bytes else "steady"
+        """"init" where init's peak exceeds the training steps' peak (``step_peak_bytes``), else "steady"."""
+        return "init" if self.init_peak_bytes > self.step_peak_bytes else "steady"
 
     @property
     def pinned_bytes(self) -> int:

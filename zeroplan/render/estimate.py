@@ -145,9 +145,8 @@ def step_line(e: Estimate) -> str:
 def nvme_lines(e: Estimate, unit: str) -> list[str]:
     """One line per stage whose offload swaps to the NVMe (``HostMemory.nvme_read_bytes``): one rank's bytes per step."""
     return [f"NVMe, stage {s.stage}: {format_bytes(s.host.nvme_read_bytes, unit)} read, "
-            f"{format_bytes(s.host.nvme_write_bytes, unit)} written per rank per steady optimizer step (fp32 master, "
-            "Adam m and v, the swapped fp32 gradient slices; DeepSpeed's source, nvme.nvme_traffic); the first step "
-            "reads the master only of the three." for s in e.stages
+            f"{format_bytes(s.host.nvme_write_bytes, unit)} written per rank per steady optimizer step "
+            f"{s.host.nvme_note}" for s in e.stages
             if s.host is not None and s.host.nvme_read_bytes is not None]  # fmt: skip
 
 

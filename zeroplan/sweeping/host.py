@@ -3,13 +3,15 @@
 ``offload_optimizer``/``offload_param`` cpu or nvme, FSDP2 ``CPUOffloadPolicy``), the record ``estimate --json``
 prints its host keys from (``zeroplan.render.estimate.host_keys``), so a sweep row and ``estimate`` cannot drift:
 
-- ``host_bytes``: ``HostMemory.host_bytes``, estimate's ``host_bytes_per_gpu``: the larger of the steady bytes and
-  init's peak (``host_peak_at`` says which);
+- ``host_bytes``: ``HostMemory.host_bytes``, estimate's ``host_bytes_per_gpu``: the larger of the training steps'
+  peak (the steady bytes and the optimizer step's host temporaries, ``step_terms``: torch Adam's under
+  ``torch_adam``) and init's peak (``host_peak_at`` says which);
 - ``h2d_bytes``/``d2h_bytes``: one optimizer step's PCIe traffic, ``HostMemory.h2d_bytes``/``d2h_bytes``;
-- ``nvme_bytes``: what the NVMe holds, the swap files each step writes back (DeepSpeed ZeRO-3
-  ``offload_optimizer.device: nvme``: fp32 master, m, v and the swapped gradient slices,
-  ``zeroplan.engines.deepspeed.nvme.nvme_traffic``), estimate's ``nvme_write_bytes_per_step``; 0 without NVMe
-  or where the partition is too small to swap (DeepSpeed keeps it on the host then).
+- ``nvme_bytes``: the swap files each step writes back (DeepSpeed ZeRO-3 ``offload_optimizer.device: nvme``: fp32
+  master, m, v and the swapped gradient slices, ``zeroplan.engines.deepspeed.nvme.nvme_traffic``;
+  ``offload_param.device: nvme`` beyond ``max_in_cpu``: the swapped 16-bit partitions, ``nvme_param.nvme_traffic``),
+  estimate's ``nvme_write_bytes_per_step``; 0 without NVMe or where nothing is swapped during training
+  (DeepSpeed keeps it on the host then).
 
 A row without offload (``host`` None) has the label ``none`` and zeros, as the reference rows without offload.
 """

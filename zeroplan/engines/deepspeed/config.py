@@ -217,6 +217,7 @@ class _OptimizerParams(_Section):
     torch_adam: Optional[Flag] = None
     adam_w_mode: Optional[Flag] = None
     foreach: Optional[Flag] = None
+    weight_decay: Optional[Number] = None  # Adam's; absent: torch's default 0 (engine.py passes the params on)
 
 
 class _Optimizer(_Section):

@@ -1,6 +1,7 @@
 """DeepSpeed's NVMe optimizer offload (ZeRO-Infinity, ``offload_optimizer.device: nvme``) at ZeRO-3, DeepSpeed
-0.19.8, read from its source; unmeasured: ``async_io`` cannot be built here (no libaio headers,
-``AsyncIOBuilder().is_compatible()`` is false), so every number below is the source's formula.
+0.19.8, read from its source: ``async_io`` cannot be built here (no libaio headers,
+``AsyncIOBuilder().is_compatible()`` is false); the pool and the bytes a step moves were run with a Python stand-in
+for the op (tests/test_engine_offload_nvme.py ``STANDIN``). Parameters on the NVMe: nvme_param.py.
 
 stage3.py ``_configure_tensor_swapping`` builds a ``PartitionedOptimizerSwapper`` (``PipelinedOptimizerSwapper``
 with ``pipeline_read``/``pipeline_write``; with one sub-group there is no next sub-group to overlap, the same
@@ -88,16 +89,13 @@ def nvme_traffic(part: int, slices: tuple[int, ...], first_step: bool = False) -
 
 
 def check_nvme(stage: int, key: str, buffer_count: int | None) -> None:
-    """ValueError (one line naming the key) for the NVMe offload the profile does not model."""
+    """ValueError (one line naming the key) for the NVMe offload the profile does not model: nvme below ZeRO-3, an
+    optimizer pool below Adam's ``SWAP_BUFFERS_NEEDED`` (``offload_param`` nvme: nvme_param.py ``param_swap``)."""
     where = f"deepspeed config: zero_optimization.{key}"
-    if key == "offload_param":
-        raise ValueError(f"{where}.device='nvme': parameter swapping is not modelled (its buffers depend on "
-                         "zero.Init's remote_device and max_in_cpu: runtime/swap_tensor/partitioned_param_swapper.py); "
-                         "offload_optimizer nvme at ZeRO-3 is")  # fmt: skip
     if stage != 3:
         raise ValueError(f"{where}.device='nvme' at ZeRO-{stage}: not modelled (stage_1_and_2.py has no NVMe "
                          "swapper: it treats the device as the CPU); nvme is modelled at ZeRO-3")  # fmt: skip
-    if buffer_count is not None and buffer_count < SWAP_BUFFERS_NEEDED:
+    if key == "offload_optimizer" and buffer_count is not None and buffer_count < SWAP_BUFFERS_NEEDED:
         raise ValueError(f"{where}.buffer_count={buffer_count}: Adam's swap-in needs {SWAP_BUFFERS_NEEDED} pool "
                          "buffers (partitioned_optimizer_swapper.py swap_in_optimizer_state asserts)")  # fmt: skip
 

@@ -18,16 +18,21 @@ step (``_reassign_or_swap_out_partitioned_parameters``; a CPU-to-GPU ``copy_`` c
 the GPU (partition_parameters.py ``all_gather_coalesced``: ``ds_tensor.to(device)``), then gathers them.
 
 Not counted: the fp32 copy of a gradient slice made on the GPU before its copy to the host (at most the
-largest parameter's slice in fp32, freed at once). NVMe optimizer offload at ZeRO-3: ``nvme.py`` (from source,
-unmeasured; its NVMe traffic ``nvme.nvme_traffic``). On a CPU-only run
+largest parameter's slice in fp32, freed at once). NVMe at ZeRO-3: the optimizer's ``nvme.py`` (its NVMe traffic
+``nvme.nvme_traffic``), the parameters' ``nvme_param.py`` (the swapper's pool and, with a sub-group beyond
+``max_in_cpu``, the reads of every forward and backward); both run with a stand-in for ``async_io``. On a CPU-only run
 ("device" and "host" are one memory) a measurement sees the sum of the GPU and host predictions.
 """
 
 from __future__ import annotations
 
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
+from zeroplan.engines.deepspeed.nvme_param import PARAM_POOL, SWAP_OUT_BUFFER, ParamSwap, param_swap
+from zeroplan.engines.deepspeed.nvme_param import host_terms as param_host_terms
+from zeroplan.engines.deepspeed.nvme_param import nvme_traffic as param_nvme_traffic
 from zeroplan.engines.deepspeed.offload_settings import OPTIMIZER_BUFFER_COUNT
-from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS, S12, offloads, param_norm_count
+from zeroplan.engines.deepspeed.offload_terms import (PARAM_NORMS, S12, offloads, param_norm_count,
+                                                      torch_adam_step_temporaries)
 from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, aligned_flat_numel
@@ -41,7 +46,8 @@ ADAM_HOST = "Adam m and v (DeepSpeedCPUAdam)"
 CPU_ADAM = "ops/adam/cpu_adam.py DeepSpeedCPUAdam.step (exp_avg, exp_avg_sq: torch.zeros_like on the host partition)"
 ADAM_HOST_TORCH = "Adam m and v (torch's Adam, torch_adam)"
 """with ``optimizer.params.torch_adam``: torch's Adam/AdamW steps the host partitions (engine.py
-``get_optimizer_configuration``); its states as DeepSpeedCPUAdam's, its step temporaries on the host not counted."""
+``get_optimizer_configuration``); its states as DeepSpeedCPUAdam's, its step temporaries ``HostMemory.step_terms``
+(offload_terms.py ``torch_adam_step_temporaries``)."""
 TORCH_ADAM = "torch/optim/adam.py _init_group (exp_avg, exp_avg_sq: torch.zeros_like on the host partition)"
 
 
@@ -79,7 +85,9 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
                     Term(_pin(o, "fp32 gradient of the master partition"), part * 4,
                          f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
                     _adam_host(run, part)]  # fmt: skip
-        if s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
+        if s.offload_param.device == "nvme":  # the swapper's pool and what stays on the host (nvme_param.py)
+            out += param_host_terms(_param_swap(run), s.offload_param.pin_memory)
+        elif s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
             out.append(Term("16-bit parameter partition (pinned)", part * p,
                             f"{S3} _create_param_groups_fp16_flat_cpu_memory (param_groups_fp16_flat_cpu_memory)"))
         return tuple(out)
@@ -99,6 +107,15 @@ def host_terms(run: DSRun) -> tuple[Term, ...]:
         out.append(Term(_pin(o, "accumulated gradients of the partition's parameters"), held * p,
                         f"{S12} async_accumulate_grad_in_cpu_via_gpu (accumulated_grads_in_cpu)"))
     return tuple(out)
+
+
+def _param_swap(run: DSRun) -> ParamSwap:
+    s = run.settings
+    if s.device == "cpu" and s.dtype == "fp32":  # read in partition_parameters.py; refused rather than predicted
+        raise ValueError("deepspeed config: zero_optimization.offload_param.device='nvme' with an fp32 model on the CPU "
+                         "accelerator: DeepSpeed's swapper is bf16 there (partition_parameters.py Init._set_dtype: "
+                         "'dtype or torch.float16 if is_fp16_supported() else torch.bfloat16'); not modelled")  # fmt: skip
+    return param_swap(s.offload_param, run.numels, run.nd, DTYPE_BYTES[s.dtype], s.param_persistence_threshold)
 
 
 def nvme_host_terms(run: DSRun, part: int) -> list[Term]:
@@ -223,7 +240,7 @@ def host_at_states_init(run: DSRun) -> tuple[Term, ...]:
         return ()
     part = flat_shard_numel(run.numels, run.nd)
     keep = ("fp32 master partition", "fp32 gradient of the master partition", "16-bit parameter partition",
-            POOL)
+            POOL, PARAM_POOL, SWAP_OUT_BUFFER, "16-bit partitions too small to swap")
     return (*(t for t in host_terms(run) if t.name.startswith(keep)),
             Term(UNUSED_GRADIENT_BUFFER, part * 4, f"{S3} initialize_optimizer_states (gradient_buffer)"))
 
@@ -303,23 +320,45 @@ def host_memory(run: DSRun) -> HostMemory:
     elif o:
         part = aligned_flat_numel(numels, nd) // nd
         d2h, h2d = part * 4, part * p
-    offload = Offload(s.offload_optimizer.device if o else "none", "cpu" if prm else "none")
-    read, write = nvme_step_bytes(run) if s.stage == 3 and s.offload_optimizer.device == "nvme" else (None, None)
+    offload = Offload(s.offload_optimizer.device if o else "none", s.offload_param.device if prm else "none")
+    read, write = nvme_step_bytes(run)
+    step = torch_adam_step_temporaries(s, numels, nd)
     return HostMemory(offload, host_terms(run), h2d, d2h, lazy=(ADAM_HOST, ADAM_HOST_TORCH),
-                      init_peak=host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write)
+                      init_peak=host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write,
+                      nvme_note=_nvme_note(s),
+                      step_terms=() if step is None else (step,))  # fmt: skip
 
 
-def nvme_step_bytes(run: DSRun) -> tuple[int, int]:
-    """(read, write) NVMe bytes of one steady optimizer step at ZeRO-3 ``offload_optimizer.device: nvme``
-    (``nvme.nvme_traffic``): the partition and each parameter's partition slice, ``ceil(n / N_d)`` elements
-    (ZeRO-3 pads every parameter to a multiple of N_d); (0, 0) when the partition is too small to swap."""
+def nvme_step_bytes(run: DSRun) -> tuple[int | None, int | None]:
+    """(read, write) NVMe bytes of one steady optimizer step at ZeRO-3, (None, None) without NVMe: the optimizer's
+    (``offload_optimizer.device: nvme``, ``nvme.nvme_traffic``: the partition and each parameter's partition slice,
+    ``ceil(n / N_d)`` elements, ZeRO-3 pads every parameter to a multiple of N_d; (0, 0) when the partition is too
+    small to swap) and the parameters' (``offload_param.device: nvme``, ``nvme_param.nvme_traffic``)."""
+    s = run.settings
+    opt, prm = s.offload_optimizer.device == "nvme", s.offload_param.device == "nvme"
+    if s.stage != 3 or not (opt or prm):
+        return None, None
     slices = tuple(-(-n // run.nd) for n in run.numels)
-    return nvme_traffic(flat_shard_numel(run.numels, run.nd), slices)
+    read, write = nvme_traffic(flat_shard_numel(run.numels, run.nd), slices) if opt else (0, 0)
+    if prm:
+        r, w = param_nvme_traffic(_param_swap(run), run.grad_accum, s.max_reuse_distance)
+        read, write = read + r, write + w
+    return read, write
+
+
+def _nvme_note(s: Settings) -> str:
+    """What ``nvme_step_bytes`` counts, for the line under ``estimate``'s table ("" without NVMe)."""
+    what = [w for w, on in (("fp32 master, Adam m and v, the swapped fp32 gradient slices; DeepSpeed's source, "
+                             "nvme.nvme_traffic", s.offload_optimizer.device == "nvme"),
+                            ("the swapped 16-bit partitions beyond max_in_cpu, read in forward, written by the step; "
+                             "nvme_param.nvme_traffic", s.offload_param.device == "nvme")) if on]  # fmt: skip
+    first = "; the first step reads the master only of the three." if s.offload_optimizer.device == "nvme" else "."
+    return f"({'; and '.join(what)}){first}" if what else ""
 
 
 def offload_label(s: Settings) -> str:
     """``offload optimizer->cpu``, ``offload optimizer->cpu, params->cpu`` ("offload none" without offload)."""
-    return "offload " + Offload(s.offload_optimizer.device, "cpu" if s.offload_param.on else "none").label
+    return "offload " + Offload(s.offload_optimizer.device, s.offload_param.device).label
 
 
 def label_suffix(s: Settings) -> str:

@@ -5,7 +5,6 @@ validator compares with it (``validate/engines/deepspeed_compare.py``)."""
 from __future__ import annotations
 
 from zeroplan.engines.deepspeed.offload import FETCHED, ZERO3_STATES_INIT, host_memory
-from zeroplan.engines.deepspeed.offload_terms import torch_adam_step_temporaries
 from zeroplan.engines.deepspeed.phases import moments
 from zeroplan.engines.deepspeed.run import DSRun
 
@@ -20,11 +19,10 @@ def one_memory_by_phase(run: DSRun) -> dict[str, int]:
     GPU moment plus the host bytes alive there (none before the optimizer's construction, ``HOST_FROM``; Adam's
     m and v from the first step, as on the GPU), the largest per phase. What the validator measures on CPU."""
     host = host_memory(run)
-    step = torch_adam_step_temporaries(run.settings, run.numels, run.nd)  # host, during the step only
     out: dict[str, int] = {}
     for m in moments(run):
-        if m.phase != "init":
-            extra = host.steady_bytes + (step.bytes if step is not None and m.phase == "optimizer_step" else 0)
+        if m.phase != "init":  # the step's host temporaries (HostMemory.step_terms) in the optimizer step only
+            extra = host.step_peak_bytes if m.phase == "optimizer_step" else host.steady_bytes
         elif m.name == ZERO3_STATES_INIT:  # ZeRO-3's own init peak on the host (offload.py host_at_states_init)
             extra = host.init_peak_bytes
         else:

@@ -15,6 +15,10 @@ OPTIMIZER_BUFFER_COUNT = 4
 """offload_config.py ``DeepSpeedZeroOffloadOptimizerConfig.buffer_count``'s default."""
 PARAM_BUFFER_COUNT = 5
 """offload_config.py ``DeepSpeedZeroOffloadParamConfig.buffer_count``'s default."""
+PARAM_BUFFER_SIZE = 100_000_000
+"""offload_config.py ``DeepSpeedZeroOffloadParamConfig.buffer_size``'s default (``pp_int(1e8)``)."""
+PARAM_MAX_IN_CPU = 1_000_000_000
+"""offload_config.py ``DeepSpeedZeroOffloadParamConfig.max_in_cpu``'s default (``pp_int(1e9)``)."""
 
 
 class OffloadTarget(BaseModel):
@@ -31,7 +35,12 @@ class OffloadTarget(BaseModel):
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """optimizer: the fraction of the optimizer states on the host (ZeRO-3 partial offload)."""
     buffer_count: Optional[int] = Field(None, ge=0)
-    """``device: nvme``: the swap pool's buffers (None: DeepSpeed's default, ``OPTIMIZER_BUFFER_COUNT``; nvme.py)."""
+    """``device: nvme``: the swap pool's buffers (None: DeepSpeed's default, ``OPTIMIZER_BUFFER_COUNT`` for the
+    optimizer, ``PARAM_BUFFER_COUNT`` for parameters; nvme.py, nvme_param.py)."""
+    buffer_size: Optional[int] = Field(None, ge=1)
+    """parameters on NVMe: elements per swap buffer (None: DeepSpeed's default, ``PARAM_BUFFER_SIZE``)."""
+    max_in_cpu: Optional[int] = Field(None, ge=0)
+    """parameters on NVMe: elements of 16-bit partitions kept in host memory (None: DeepSpeed's ``PARAM_MAX_IN_CPU``)."""
 
     @property
     def on(self) -> bool:
@@ -51,9 +60,17 @@ def read_target(section: object, key: str) -> OffloadTarget:
     if getattr(section, "super_offload", False):
         raise ValueError(f"deepspeed config: zero_optimization.{key}.super_offload=true: not modelled by the profile "
                          "(superchip offload, stage3.py SuperOffloadOptimizer)")  # fmt: skip
+    nvme_param = key == "offload_param" and device == "nvme"  # the keys only parameter swapping reads
+    sizes = {"buffer_size": _given(section.buffer_size, PARAM_BUFFER_SIZE),
+             "max_in_cpu": _given(section.max_in_cpu, PARAM_MAX_IN_CPU)} if nvme_param else {}  # fmt: skip
     return OffloadTarget(device=device, pin_memory=section.pin_memory, nvme_path=section.nvme_path,
                          ratio=getattr(section, "ratio", 1.0),
-                         buffer_count=getattr(section, "buffer_count", None))  # fmt: skip
+                         buffer_count=getattr(section, "buffer_count", None), **sizes)  # fmt: skip
+
+
+def _given(value: int, default: int) -> Optional[int]:
+    """None where the parsed key holds DeepSpeed's default (the section writes it back only when set)."""
+    return None if value == default else int(value)
 
 
 def check_offload(stage: int, optimizer: OffloadTarget, param: OffloadTarget) -> None:
@@ -65,8 +82,10 @@ def check_offload(stage: int, optimizer: OffloadTarget, param: OffloadTarget) ->
     only for 16-bit master weights (``_enforce_cpu_offload``, called by base_optimizer.py
     ``_configure_master_weights`` for ``fp16_master_weights_and_gradients`` / ``bf16_master_weights_and_grads``,
     keys the profile does not read).
-    NVMe: ``offload_optimizer`` at ZeRO-3 is predicted (nvme.py); refused with the reason (``nvme.check_nvme``):
-    ``offload_param`` nvme, nvme at ZeRO-1/2 (stage_1_and_2.py has no swapper), a pool below Adam's 4 buffers.
+    NVMe: ``offload_optimizer`` and ``offload_param`` at ZeRO-3 are predicted (nvme.py, nvme_param.py); refused with
+    the reason (``nvme.check_nvme``): nvme at ZeRO-1/2 (stage_1_and_2.py has no swapper), an optimizer pool below
+    Adam's 4 buffers; a parameter pool whose buffers are smaller than a swapped partition, when the model is known
+    (``nvme_param.param_swap``).
     Not predicted either: a ``ratio`` below 1 (ZeRO-3's partial offload keeps some sub-groups on the GPU)."""
     for key, t in (("offload_optimizer", optimizer), ("offload_param", param)):
         where = f"deepspeed config: zero_optimization.{key}"
@@ -89,6 +108,7 @@ def target_block(t: OffloadTarget) -> dict:
         block["nvme_path"] = t.nvme_path
     if t.ratio != 1.0:
         block["ratio"] = t.ratio
-    if t.buffer_count is not None:
-        block["buffer_count"] = t.buffer_count
+    for key in ("buffer_count", "buffer_size", "max_in_cpu"):
+        if getattr(t, key) is not None:
+            block[key] = getattr(t, key)
     return block

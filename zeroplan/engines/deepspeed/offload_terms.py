@@ -82,23 +82,46 @@ TORCH_ADAM_STEP = "torch Adam's step temporaries on the host (torch_adam)"
 TORCH_ADAM_SRC = "torch/optim/adam.py (torch 2.13)"
 
 
+def l2_weight_decay(s: Settings) -> bool:
+    """torch's Adam with an L2 weight decay: ``torch_adam``, type ``Adam`` with ``adam_w_mode: false`` (engine.py
+    ``_configure_basic_optimizer``: ``effective_adam_w_mode``; ``get_optimizer_configuration`` builds
+    ``torch.optim.Adam``) and ``weight_decay`` above 0. DeepSpeed's own kernels (FusedAdam, DeepSpeedCPUAdam) add
+    the decay inside the kernel, and AdamW's decoupled decay is an in-place ``param.mul_``: nothing allocated."""
+    return s.torch_adam and s.optimizer == "adam" and not s.adam_w_mode and s.weight_decay > 0
+
+
+def adam_step_fp32_temporaries(s: Settings, foreach: bool) -> int:
+    """fp32 temporaries of one tensor's size alive together in torch's Adam update (``torch_adam``); 0 for
+    DeepSpeed's fused kernels. ``_single_tensor_adam``: ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt)``: the
+    sqrt and the quotient, 2; ``_multi_tensor_adam`` (foreach): ``torch._foreach_sqrt``, then in place, 1. With an L2
+    weight decay (``l2_weight_decay``) the single-tensor path keeps one more through the update: ``grad =
+    grad.add(param, alpha=weight_decay)``, 3; foreach's ``device_grads = torch._foreach_add(device_grads,
+    device_params, ...)`` is deleted before the sqrt (``del device_grads``: "to save on peak memory"), still 1.
+    Measured (gpt-tiny fp32, ZeRO-2, ``offload_optimizer`` cpu, N_d = 1, weight_decay 0.1, MemTracker): the step's
+    peak 1,349,632 B single-tensor (3 predicted: 1,349,140; 2 before: 1,203,844, -10.8 %), 1,059,040 B foreach
+    (1 predicted: 1,058,548; 2 would be 1,203,844, +13.7 %)."""
+    if not s.torch_adam:
+        return 0
+    return 1 if foreach else 2 + (1 if l2_weight_decay(s) else 0)
+
+
 def torch_adam_step_temporaries(s: Settings, numels: tuple[int, ...], nd: int) -> Term | None:
     """``optimizer.params.torch_adam`` with ``offload_optimizer`` cpu: torch's Adam/AdamW steps the host's fp32 master
     partition, one tensor per group (ZeRO-1/2 ``single_partition_of_fp32_groups``, ZeRO-3 one sub-group's
     ``fp32_partitioned_groups_flat``), and its update allocates on the host while ``step`` runs, on top of the
-    steady host terms (``offload.host_terms``). DeepSpeed passes ``foreach`` from the config (engine.py
-    ``_configure_basic_optimizer``: ``{'foreach': foreach}``, None by default), and torch's default on CPU tensors is
-    the single-tensor path (optimizer.py ``_default_to_fused_or_foreach``: CPU is not in
-    ``_get_foreach_kernels_supported_devices``). ``_single_tensor_adam``: ``denom = (exp_avg_sq.sqrt() /
-    bias_correction2_sqrt).add_(eps)``: the sqrt and the quotient, both fp32 of the tensor, alive together: 8 B per
-    element of the largest tensor (the partition). ``foreach: true``, ``_multi_tensor_adam``: ``exp_avg_sq_sqrt =
-    torch._foreach_sqrt(device_exp_avg_sqs)`` then in-place ``_foreach_div_`` / ``_foreach_add_``: 4 B per element
-    of the group. (Adam without ``adam_w_mode`` and a weight decay adds ``grad.add(param)``: not read, 0.)
+    steady host terms (``offload.host_terms``): ``HostMemory.step_terms``. DeepSpeed passes ``foreach`` from the
+    config (engine.py ``_configure_basic_optimizer``: ``{'foreach': foreach}``, None by default), and torch's default
+    on CPU tensors is the single-tensor path (optimizer.py ``_default_to_fused_or_foreach``: CPU is not in
+    ``_get_foreach_kernels_supported_devices``): ``adam_step_fp32_temporaries`` x 4 B per element of the partition
+    (8 B single-tensor, 4 B foreach; 12 B single-tensor with Adam's L2 weight decay).
     Measured (gpt-tiny fp32, N_d = 1, DS_ACCELERATOR=cpu, MemTracker; partition 36,324 elements): the step's peak
     290,956 B (ZeRO-1 and ZeRO-2) and 290,596 B (ZeRO-3) above the profile without it; this term 290,592 B."""
     if not (s.torch_adam and s.offload_optimizer.on and s.offload_optimizer.device == "cpu"):
         return None
     part = flat_shard_numel(numels, nd) if s.stage == 3 else aligned_flat_numel(numels, nd) // nd
-    per = 4 if s.foreach else 8
-    how = "_multi_tensor_adam: _foreach_sqrt" if s.foreach else "_single_tensor_adam: exp_avg_sq.sqrt() / bias_correction2_sqrt"
-    return Term(TORCH_ADAM_STEP, part * per, f"{TORCH_ADAM_SRC} {how} (fp32 partition)", 1 if s.foreach else 2)
+    foreach = bool(s.foreach)
+    n = adam_step_fp32_temporaries(s, foreach)
+    how = "_multi_tensor_adam: _foreach_sqrt" if foreach else "_single_tensor_adam: exp_avg_sq.sqrt() / bias_correction2_sqrt"
+    if l2_weight_decay(s) and not foreach:
+        how += ", and grad.add(param, alpha=weight_decay) (Adam's L2 decay, adam_w_mode false)"
+    return Term(TORCH_ADAM_STEP, part * n * 4, f"{TORCH_ADAM_SRC} {how} (fp32 partition)", n)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from zeroplan.engines.deepspeed.moe import sparse_blocks, sparse_forward_moments
 from zeroplan.engines.deepspeed.offload import offload_moments
+from zeroplan.engines.deepspeed.offload_terms import adam_step_fp32_temporaries
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import inner_optimizer_class
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel
@@ -206,12 +207,12 @@ def later_blocks_held(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, 
 def optimizer_moments(run: DSRun) -> tuple[Moment, ...]:
     """The inner Adam on the fp32 partition: its fp32 gradient (stage_1_and_2.py ``step``:
     ``single_partition_of_fp32_groups.grad``; stage3.py ``_prepare_fp32_grad_for_sub_group``) and the
-    temporaries of torch's Adam (``_single_tensor_adam``: ``v.sqrt()`` and its quotient; foreach: one),
-    none for FusedAdam (a fused kernel)."""
+    temporaries of torch's Adam (``_single_tensor_adam``: ``v.sqrt()`` and its quotient; foreach: one; one more with
+    Adam's L2 weight decay: offload_terms.py ``adam_step_fp32_temporaries``), none for FusedAdam (a fused kernel)."""
     s = run.settings
     part = run.wrapper.partition_numel(s, run.numels, run.nd)
     inner = inner_optimizer_class(s)
-    temps = 0 if inner == "FusedAdam" else (1 if run.foreach else 2)
+    temps = adam_step_fp32_temporaries(s, run.foreach)
     return run.wrapper.optimizer_moments(run, part, inner, temps)
 
 

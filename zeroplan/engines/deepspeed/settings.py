@@ -70,6 +70,9 @@ class Settings(BaseModel):
     ``deepspeed.initialize(optimizer=...)`` wraps over the fp32 partition): a third fp32 state of the partition,
     ``max_exp_avg_sq`` (``terms._adam_moments``). Needs ``torch_adam`` (FusedAdam raises on amsgrad,
     ops/adam/fused_adam.py); measured at fp32 without offload only. Not a ds_config key: read from the object."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """``optimizer.params.weight_decay`` (0: torch's and DeepSpeed's Adam default); with ``adam_w_mode`` false and
+    ``torch_adam`` it is an L2 term that allocates (offload_terms.py ``adam_step_fp32_temporaries``)."""
     zero_init: Optional[bool] = None
     """ZeRO-3: the model built under ``deepspeed.zero.Init(config_dict_or_path=ds_config)``
     (runtime/zero/partition_parameters.py ``Init``: each module's parameters are created in the config's
@@ -179,7 +182,7 @@ class Settings(BaseModel):
             grad_accum_dtype=None if grad is None else _ds_dtype(grad, "data_types.grad_accum_dtype"),
             optimizer="adamw" if kind == "adamw" else "adam",
             **{k: v for k, v in (("adam_w_mode", params.adam_w_mode), ("torch_adam", params.torch_adam),
-                                 ("foreach", params.foreach)) if v is not None},
+                                 ("foreach", params.foreach), ("weight_decay", params.weight_decay)) if v is not None},
             **found,
             **({} if zero_init is None else {"zero_init": zero_init}),
             **targets,
@@ -236,6 +239,8 @@ def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict
     params: dict = {"torch_adam": s.torch_adam, "adam_w_mode": s.adam_w_mode}
     if s.foreach is not None:
         params["foreach"] = s.foreach
+    if s.weight_decay:
+        params["weight_decay"] = s.weight_decay
     config: dict = {
         **_batch_keys(micro_batch, grad_accum),
         "optimizer": {"type": "AdamW" if s.optimizer == "adamw" else "Adam", "params": params},
