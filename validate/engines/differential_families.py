@@ -61,6 +61,8 @@ def _dense(rng: random.Random, family: str, seq: int) -> dict:
     c["tie_word_embeddings"] = rng.random() < 0.5
     if family == "qwen3":
         c["attention_bias"] = rng.random() < 0.5
+    elif family == "phi3":  # Phi3Config's pad_token_id 32000 is outside a drawn vocabulary (nn.Embedding refuses it)
+        c |= {"pad_token_id": 0, "eos_token_id": 2}
     elif family.startswith("gemma"):
         c["query_pre_attn_scalar"] = c["head_dim"]
         c["pad_token_id"] = 0
