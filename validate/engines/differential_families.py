@@ -169,7 +169,10 @@ def family_draw(seed: int, index: int, engine: Optional[str] = None):
     base = Draw(seed, index, engine, config, nd, seq, micro, psi=sum(numels), generator=GENERATOR)
     if engine == "deepspeed":
         ds, zero_init = _ds_config(rng, config, numels, micro)
-        return replace(base, ds_config=ds, zero_init=zero_init)
+        if zero_init and "pad_token_id" in config:  # transformers' _init_weights zeroes the padding row of the
+            # embedding, which zero.Init has partitioned to 0 elements (IndexError): no padding row (memory alike)
+            config = {**config, "pad_token_id": None}
+        return replace(base, config=config, ds_config=ds, zero_init=zero_init)
     return replace(base, fsdp2=_fsdp2(rng, nd))
 
 
