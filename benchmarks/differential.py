@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=int, nargs="*", default=None, help="draw indices to run (default: all)")
     parser.add_argument("--engine", choices=("fsdp2", "deepspeed"), default=None)
     parser.add_argument("--generator", type=int, default=1,
-                        help="the generator's version (2: FSDP2 wrappings; 3: and meta init, checkpointing)")
+                        help="the generator's version (2: FSDP2 wrappings; 3: and meta init, checkpointing; 5: the newer families)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     indices = args.only if args.only else range(args.draws)

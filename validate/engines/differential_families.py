@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import tempfile
 from collections import Counter
 from dataclasses import replace
@@ -191,12 +192,13 @@ def refusal(d) -> Optional[str]:
 
 
 def refusals(seed: int, indices, engine: Optional[str] = None) -> Counter:
-    """How many of generator 5's draws ``indices`` of ``seed`` the profile refuses, by reason (its one line)."""
+    """How many of generator 5's draws ``indices`` of ``seed`` the profile refuses, by rule: each reason with its
+    ``name=value`` numbers as ``name=N`` (``refusal``'s line names the draw's own sizes)."""
     from validate.engines.differential import draw
 
     out: Counter = Counter()
     for i in indices:
         why = refusal(draw(seed, i, engine, GENERATOR))
         if why is not None:
-            out[why] += 1
+            out[re.sub(r"=\d[\d,.]*", "=N", why)] += 1
     return out

@@ -364,7 +364,8 @@ def _embedding_hook_reduce(run: DSRun) -> tuple[Moment, ...]:
             if run.flat.params(r) and (accumulated or min(bucket_of[i] for i in run.flat.params(r)) < at - 1)]
     p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
     return (Moment("backward", "embedding's hook reduces the blocks' bucket", (
-        *_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2), _act("loss", run.acts.loss),
+        *_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
+        _act("loss", run.acts.loss),
         *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()),
         Term("the embedding's gradient, waiting at its hook", run.numels[hook] * p, "torch autograd AccumulateGrad"),
         Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,

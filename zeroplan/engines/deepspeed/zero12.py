@@ -13,8 +13,8 @@ from zeroplan.engines.deepspeed.collectives import zero12_collectives
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _embedding_hook_reduce, _epilogue_reduce,
-                                               _first_bucket_reduced, _hook_buckets, _in_block_partitions, _reducing_hooks, _stage1_reduce,
-                                               _within_one_parameter)
+                                               _first_bucket_reduced, _hook_buckets, _in_block_partitions,
+                                               _reducing_hooks, _stage1_reduce, _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel, zero12_terms
