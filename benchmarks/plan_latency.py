@@ -4,7 +4,8 @@ Target (issue: capacity planning): `zeroplan plan` stays interactive, well under
 `python -c "import torch"` (it never imports torch, pandas or matplotlib). The largest preset
 (llama3-405b, 885 tensors, exact padding) on 1,024 GPUs is the slowest case: 10 options, each with a
 min-GPU search and two max-size searches, and with N_m = 1 the engine's peak of every stage; the FSDP2
-and DeepSpeed plans predict the peak of each of their candidates. Run: python benchmarks/plan_latency.py
+and DeepSpeed plans predict the peak of each of their candidates (and replay each one's allocation trace);
+the FSDP2 plan on 2,048 GPUs is issue 20's case. Run: python benchmarks/plan_latency.py
 [REPEATS] [--before DIR]: with ``--before``, each plan also runs with the checkout DIR first on PYTHONPATH
 (``git archive`` of the old commit), interleaved with the current one, so that before and after share the
 machine's load.
@@ -26,12 +27,15 @@ REPEATS = 5
 ARGS = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024", "--model-parallel", "8",
         "--grad-accum", "16", "--json"]  # fmt: skip
 PEAK = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024"]  # N_m = 1: every option's peak
+BIG_FSDP2 = ["plan", "--engine", "fsdp2", "--model", "llama3-405b", "--gpus", "2048", "--gpu", "h100-80gb"]
+"""Issue 20's case: answers with a mesh in under a second (wall time, on a quiet machine)."""
 ZEROPLAN = shutil.which("zeroplan") or "zeroplan"
 COMMANDS = {
     "zeroplan plan (llama3-405b)": [ZEROPLAN, *ARGS],
     "plan, peaks (reference)": [ZEROPLAN, *PEAK],
     "plan --engine fsdp2": [ZEROPLAN, *PEAK, "--engine", "fsdp2"],
     "plan --engine deepspeed": [ZEROPLAN, *PEAK, "--engine", "deepspeed"],
+    "plan --engine fsdp2, 2048 GPUs": [ZEROPLAN, *BIG_FSDP2],
     'python -c "import torch"': [sys.executable, "-c", "import torch"],
 }
 """Issue 16's target: every plan, any engine, under a quarter of the torch import (the largest preset)."""

@@ -149,6 +149,15 @@ def test_estimate_never_imports_heavy_modules():
     assert out.stderr.strip().splitlines()[-1] == "[]"
 
 
+def test_cli_module_imports_no_pydantic():
+    # Every command pays for `import zeroplan.cli`: typer and the option blocks only; pydantic, the configs and
+    # the engines are imported by the command that runs (issue 16: 0.43 -> 0.17 CPU-s).
+    code = ("import sys, zeroplan.cli\n"
+            "print(sorted(m for m in ('pydantic', 'zeroplan.policy', 'zeroplan.engines') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_console_script_runs():
     out = subprocess.run(["zeroplan", "estimate", "--params", "7.5e9", "--gpus", "64", "--stage", "3", "--csv"],
                          capture_output=True, text=True)  # fmt: skip

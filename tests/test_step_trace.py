@@ -133,10 +133,11 @@ def test_the_last_step_copied_from_the_one_before_is_the_step_built(engine, monk
         assert len(copied) * 2 >= checked, (len(copied), checked)
 
 
-def test_a_last_step_that_starts_elsewhere_is_built_moment_by_moment(monkeypatch):
+def test_a_last_step_that_starts_elsewhere_is_copied_only_from_where_it_agrees(monkeypatch):
     """A one-tensor buffer grown in pieces: from init (1,500 B) to the first forward (2,000 B) it grows by a
     500-B piece; the optimizer step (1,000 B) frees both pieces and makes one of 1,000 B, which the second
-    forward grows by another. The states differ, so the second step is built moment by moment, not copied."""
+    forward grows by another. The states differ after the forward and the backward, so those are built moment by
+    moment; after the optimizer step they agree, and only it is copied: the trace built with no copy at all."""
     import zeroplan.allocator.step_trace as module
 
     grads = [Term("gradients", n, "g") for n in (1500, 2000, 1000)]
@@ -146,7 +147,29 @@ def test_a_last_step_that_starts_elsewhere_is_built_moment_by_moment(monkeypatch
     answers, repeats = [], module._repeats
     monkeypatch.setattr(module, "_repeats", lambda *a: answers.append(repeats(*a)) or answers[-1])
     tr = step_trace(moments, steps=2)
-    assert answers == [False]
+    assert answers == [False, False, True]
+    monkeypatch.setattr(module, "_repeats", lambda *a: False)
+    assert step_trace(moments, steps=2) == tr
     allocs = [e.size for e in tr.events if e.action == "alloc"]
     assert allocs == [1500, 500, 1000, 1000, 1000, 1000]  # the second forward's gradients: two 1,000-B pieces
     assert tr.phase_live_bytes == peak_of(moments).by_phase()
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_each_moment_built_from_the_one_before_is_the_moment_built_whole(engine, monkeypatch):
+    """``_Builder.wanted_after`` (a moment's tensors from the terms it does not share with the one before) gives
+    the trace ``wanted`` gives from every term, event for event, on the drawn configurations of each engine;
+    and it is the path taken (not its fallback) for most moments."""
+    import zeroplan.allocator.step_trace as module
+
+    _, traces = ENGINES[engine]
+    taken, after = [], module._Builder.wanted_after
+    monkeypatch.setattr(module._Builder, "wanted_after", lambda self, *a: taken.append(after(self, *a)) or taken[-1])
+    for w, nd, settings in _draws(engine, 6):
+        fast = traces(w, nd, settings)
+        with monkeypatch.context() as m:
+            m.setattr(module, "INCREMENTAL", False)
+            whole = traces(w, nd, settings)
+        assert [t.events for t in fast] == [t.events for t in whole], (engine, nd, settings)
+        assert [t.phase_live_bytes for t in fast] == [t.phase_live_bytes for t in whole]
+    assert sum(t is not None for t in taken) * 2 > len(taken) > 0, (engine, len(taken))

@@ -38,10 +38,10 @@ def resolve_hf_auto(ctx, options, ds: Optional[dict], model: Optional[str], seq_
     and, where the engine holds it, in ``options.ds_config``; the ``AutoResolution`` whose records the JSON
     documents write as ``inputs.ds_config_auto`` (``zeroplan.render.schemas.auto_out``); unchanged, no lines and
     None when nothing is ``"auto"`` (``--mixed-precision`` is then refused: it would change nothing)."""
-    from zeroplan.integrations.ds_auto import auto_keys
-
     if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
         raise UserError(f"--mixed-precision {mixed_precision}: expected one of {', '.join(MIXED_PRECISION)}")
+    if ds is not None:  # the resolver's module (its records) is loaded only for a file
+        from zeroplan.integrations.ds_auto import auto_keys
     if ds is None or not auto_keys(ds):
         if mixed_precision is not None:
             raise UserError("--mixed-precision fills the \"auto\" of a --deepspeed-config; this run has none "

@@ -10,16 +10,15 @@ import sys
 from enum import Enum
 from pathlib import Path
 from collections.abc import Callable
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from pydantic import ValidationError
 from typer.core import TyperGroup
 
 from zeroplan.files import Terminated
-from zeroplan.parsing import parse_reshard
-from zeroplan.policy import PrecisionPolicy
-from zeroplan.types import error_line
+
+if TYPE_CHECKING:
+    from zeroplan.policy import PrecisionPolicy
 
 try:  # typer >= 0.20 vendors its own copy of click
     from typer._click import exceptions as click_exceptions
@@ -50,9 +49,8 @@ class OneLineErrors(TyperGroup):
         except click_exceptions.ClickException as exc:
             typer.echo(f"zeroplan: error: {exc.format_message()}", err=True)
             rv = 2
-        except (UserError, ValueError, ValidationError) as exc:
-            msg = error_line(exc) if isinstance(exc, ValidationError) else str(exc)
-            typer.echo(f"zeroplan: error: {msg}", err=True)
+        except (UserError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            typer.echo(f"zeroplan: error: {_one_line(exc)}", err=True)
             rv = 2
         except typer.Abort:
             typer.echo("zeroplan: aborted", err=True)
@@ -71,6 +69,18 @@ class OneLineErrors(TyperGroup):
         if not standalone_mode:
             return rv
         sys.exit(rv or 0)
+
+
+def _one_line(exc: Exception) -> str:
+    """The message of a bad input: a pydantic ValidationError's first error (``zeroplan.types.error_line``),
+    else the exception's own text. pydantic is looked up, not imported: a command that built no model
+    raised no ValidationError (the CLI's start-up imports no pydantic, issue 16)."""
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(exc, pydantic.ValidationError):
+        from zeroplan.types import error_line
+
+        return error_line(exc)
+    return str(exc)
 
 
 def refuse_repeated(command, args: list[str]) -> None:
@@ -142,6 +152,8 @@ def given(**options: object) -> dict:
 
 def policy_from(param_dtype, grad_dtype, master_weights, optimizer, optimizer_dtype) -> PrecisionPolicy:
     """A PrecisionPolicy from the shared options; those left at None take the policy's defaults."""
+    from zeroplan.policy import PrecisionPolicy
+
     return PrecisionPolicy(
         **given(
             param_dtype=param_dtype,
@@ -276,7 +288,14 @@ ENGINE_VOCABULARY: dict[str, tuple[str, ...]] = {
 }
 """Command parameter -> the shared ``PlannerOptions`` fields or own options it sets; an engine takes it when it
 reads any of them (``Engine.reads``)."""
-PARSERS: dict[str, Callable[[str], object]] = {"reshard_after_forward": parse_reshard}
+def _parse_reshard(text: str) -> bool | int:
+    """``zeroplan.parsing.parse_reshard``, imported when a command is given the option."""
+    from zeroplan.parsing import parse_reshard
+
+    return parse_reshard(text)
+
+
+PARSERS: dict[str, Callable[[str], object]] = {"reshard_after_forward": _parse_reshard}
 """Command parameter -> how its text becomes the option's value (the others are taken as typed)."""
 
 

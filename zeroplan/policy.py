@@ -5,8 +5,6 @@ an element of it takes (``zeroplan.formulas.dtypes``). K (ZeRO paper, section 3.
 share: the master copy and the optimizer states, never re-derived by position elsewhere.
 """
 
-from __future__ import annotations
-
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, field_validator

@@ -81,6 +81,24 @@ def _copy_period(alloc, pool: Pool, template: Segment, blocks: list[Block], shif
     alloc.log.append(("segment_alloc", base, total, template.stream))
 
 
+def _copy_whole(alloc, template: Segment, shift: int, ids: Sequence, run) -> None:
+    """``_copy_period`` of a period that is one request given a segment of its own, whole (the large requests
+    that leave under 1 MiB of their segment: FSDP2's gathered parameters), for each of ``ids`` in turn."""
+    b = template.head
+    size, stream, small, requested, gc_base = b.size, template.stream, template.small, b.requested, b.gc_base
+    segments, log, live, addresses = alloc.segments, alloc.log, run.live, run.addresses
+    base = template.address
+    for ident in ids:
+        base += shift
+        segment = Segment(base, stream, small)
+        block = segment.head = Block(base, size, stream, small, segment)
+        block.allocated, block.requested, block.gc_base = True, requested, gc_base
+        live[ident] = block
+        addresses.append((ident, base))
+        segments[base] = segment
+        log.append(("segment_alloc", base, size, stream))
+
+
 def _period_template(alloc, pool: Pool, run, events: Sequence, rounded: int) -> tuple[int, Segment | None]:
     """Replay ``events`` (a settled point first) one by one until settled again: (how many were replayed, the
     segment the period made, or None if they were not one period)."""
@@ -134,8 +152,11 @@ def fast_forward(run, events: Sequence) -> bool:
         deltas = [s.current - b for s, b in zip(counted, before)]
         shift = alloc._next_address - address_before
         blocks = template.blocks()
-        for c in range(1, copies + 1):
-            _copy_period(alloc, pool, template, blocks, c * shift, ids[i + (c - 1) * done:i + c * done], run)
+        if done == 1 and len(blocks) == 1 and blocks[0].allocated:  # one whole segment per request
+            _copy_whole(alloc, template, shift, ids[i:i + copies], run)
+        else:
+            for c in range(1, copies + 1):
+                _copy_period(alloc, pool, template, blocks, c * shift, ids[i + (c - 1) * done:i + c * done], run)
         alloc._next_address += copies * shift
         for stat, delta in zip(counted, deltas):
             stat.add(copies * delta)  # a run only allocates: every stat grows, its peak is where the run ends

@@ -24,10 +24,13 @@ recorded histories (docs/allocator.md, "Recording on a GPU") can check.
 
 ``steps``: the training steps walked after init (default 2): the moments describe a steady step (Adam's
 states already exist), and the second step meets the blocks the first one cached, as a real run does. The
-last step's events are copied from the step before (ids renamed) when the builder's state after their first
-moments agrees (``_repeats``: the same live buffers, the keys the step changes added in the same order, their
-ids in the same order), since the same transitions from the same state make the same events; otherwise it is
-built moment by moment (a speed-up, no rule: tests/test_step_trace.py compares the two on every engine).
+last step's events, from one of its moments on, are copied from the step before's from the same moment (ids
+renamed) when the builder's state after that moment agrees in both (``step_repeat.repeats``: the same live
+buffers, the keys the rest of the step changes added in the same order, their ids in the same order), since
+the same transitions from the same state make the same events; the moments tried are the step's first,
+second, third, fifth, ninth, ... (FSDP2's first step grows the block input in pieces: llama3-405b's steps
+agree from the ninth); otherwise the step is built moment by moment (a speed-up, no rule:
+tests/test_step_trace.py compares the two on every engine).
 """
 
 from __future__ import annotations
@@ -41,13 +44,18 @@ from operator import itemgetter
 
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
+from zeroplan.allocator.step_repeat import repeat_events
+from zeroplan.allocator.step_repeat import repeats as _repeats
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
 _COUNT = re.compile(r" of \d+ ")
 GROWN = -1
-_new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
 """The size slot of a one-tensor term's key: a buffer that grows by pieces (``_Builder.wanted``)."""
+INCREMENTAL = True
+"""Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
+test that compares the two sets it)."""
+_new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
 
 
 @lru_cache(maxsize=4096)  # a step names the same terms at every moment: each name is read once
@@ -112,6 +120,7 @@ class _Builder:
         self._seen: dict[int, tuple[Term, tuple[tuple[Key, int, int], ...]]] = {}
         # when each live key was added: ``live``'s own order, so that a transition walks its few changed keys in
         # that order rather than every live key (hundreds: FSDP2 names each block's buffers apart)
+        self._terms_of: dict[int, set[int]] = {}  # ids of a moment's terms, by the moment's id (``wanted_after``)
         self.since: dict[Key, int] = {}
         self._added = 0
 
@@ -141,6 +150,9 @@ class _Builder:
             rows = list(chain.from_iterable(map(itemgetter(1), map(seen.__getitem__, map(id, terms)))))
         out = {key: [amount, stream] for key, amount, stream in rows}
         if len(out) == len(rows):  # the usual moment: no key twice
+            ids = set(map(id, terms))
+            if len(ids) == len(terms):  # and no term twice: ``wanted_after`` may build the next one from it
+                self._terms_of[id(moment)] = ids
             return out
         out = {}
         get = out.get
@@ -151,6 +163,40 @@ class _Builder:
             else:
                 entry[0] += amount
         return out
+
+    def wanted_after(self, before: Moment, want_before: dict[Key, list[int]], moment: Moment,
+                     resident: Sequence[Term]) -> tuple[dict[Key, list[int]], tuple[set[Key], list[Key]]] | None:
+        """``wanted(moment, resident)`` and ``changed`` from ``before`` (whose ``wanted`` is ``want_before``), built
+        from the terms the two moments do not share (a few of ~150: a moment differs from the one before by a
+        block's buffers) rather than from every term; None (build it whole) unless each moment holds no key and
+        no term twice, the condition under which a moment's ``wanted`` is the sum of its terms' keys."""
+        ids_before = self._terms_of.get(id(before))
+        terms = (*moment.terms, *resident)
+        ids = set(map(id, terms))
+        if ids_before is None or len(ids) != len(terms):
+            return None
+        seen, tensors = self._seen, self._tensors
+        want = dict(want_before)
+        gone = []
+        for i in ids_before - ids:
+            for key, _, _ in seen[i][1]:
+                del want[key]
+                gone.append(key)
+        added, new = ids - ids_before, []
+        if added:
+            by_id = dict(zip(map(id, terms), terms))
+            position = dict(zip(map(id, terms), range(len(terms))))
+            for i in sorted(added, key=position.__getitem__):  # in term order: the order of the allocations
+                for key, amount, stream in tensors(by_id[i]):
+                    if key in want:  # a key two terms hold: their amounts add up (``wanted``)
+                        return None
+                    want[key] = [amount, stream]
+                    new.append(key)
+        get_before = want_before.get
+        # the keys of the terms kept hold what they held; those of the terms gone or new may differ
+        wanted = [k for k in new if get_before(k) != want[k]]
+        self._terms_of[id(moment)] = ids
+        return want, ({*wanted, *(k for k in gone if k not in want)}, wanted)
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
         """(key, count or grown bytes, stream) of ``term``'s tensors; found once per term object (a run's terms
@@ -264,49 +310,18 @@ class _Builder:
                 del live[key]
 
 
-    def state(self) -> tuple[tuple, list[int], dict[Key, int], list[Key]]:
-        """What the rest of a step's events depend on, but the ids: the phase, the live bytes and the live buffers
-        ((size, stream) of each, by key); their ids in the same order; when each live key was added (``since``:
-        ``_release`` frees the changed keys in its order); and the key of each id."""
-        keys = sorted(self.live)
-        shape = tuple((k, tuple((size, stream) for _, size, stream in self.live[k])) for k in keys)
-        ids = [i for k in keys for i, _, _ in self.live[k]]
-        owner = [k for k in keys for _ in self.live[k]]
-        return (self.phase, self.live_bytes, shape), ids, {k: self.since[k] for k in keys}, owner
+    def snapshot(self) -> tuple:
+        """What the rest of a step's events depend on, copied (each key's buffers as a tuple, in C: cheap enough
+        to take at several moments of a step): the phase, the live bytes, the live buffers ((id, size, stream) of
+        each, by key) and when each live key was added (``since``: ``_release`` frees the changed keys in its
+        order); with the next id and how many events there are."""
+        live = self.live
+        return (self.phase, self.live_bytes, dict(zip(live, map(tuple, live.values()))), dict(self.since),
+                self.next_id, len(self.events))  # fmt: skip
 
     def repeat_step(self, earlier: tuple, now: tuple, end: int) -> None:
-        """The last step's events from the ``now`` mark on, copied from the step before (its events from its
-        ``earlier`` mark to ``end``, where the last step began): from equal ``state``s the same transitions make
-        the same events, each id renamed (a buffer live at the mark: its counterpart; a newer one: shifted by the
-        ids made in between); the live bytes, so each phase's largest, repeat too. Leaves the builder's buffers
-        as they were at ``now``: the trace ends there."""
-        (_, old_ids, _, _, old_next, start), (_, new_ids, _, _, new_next, _) = earlier, now
-        rename, shift = dict(zip(old_ids, new_ids)), new_next - old_next
-        events = self.events
-        for e in events[start:end]:
-            if e.action == "alloc":
-                events.append(_new(Event, ("alloc", e.id + shift, e.size, e.stream, None)))
-            elif e.action == "free":
-                events.append(Event("free", rename.get(e.id, e.id + shift)))
-            else:
-                events.append(e)
-
-
-def _repeats(earlier: tuple, now: tuple, step: Sequence[Moment], changes: dict) -> bool:
-    """Whether the last step, from its first moment on, makes the events of the one before (renamed: ``repeat_step``):
-    its ``state`` at both marks equal, and the keys its transitions change (``changes`` of the pairs of ``step``, all
-    met in the step before; the others are neither freed nor grown) added in the same order and their buffers' ids
-    in the same order (a transition frees the spare buffers by id)."""
-    if earlier[0] != now[0]:
-        return False
-    touched = set().union(*(changes[id(a), id(b)][0] for a, b in zip(step, step[1:])))
-    old_since, new_since = earlier[2], now[2]
-    live = touched.intersection(new_since)
-    if sorted(live, key=old_since.__getitem__) != sorted(live, key=new_since.__getitem__):
-        return False
-    at = [i for i, k in enumerate(earlier[3]) if k in live]  # the touched keys' buffers, in ``state``'s order
-    old_ids, new_ids = earlier[1], now[1]
-    return sorted(at, key=old_ids.__getitem__) == sorted(at, key=new_ids.__getitem__)
+        """The rest of the last step copied from the step before (``step_repeat.repeat_events``)."""
+        repeat_events(self.events, earlier, now, end)
 
 
 def step_trace(
@@ -337,20 +352,35 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     per_step //= steps
     firsts = range(len(by_phase["init"]), len(order), per_step or 1)  # each step's first moment
     last = firsts[-1] if per_step and steps > 1 else -1
-    marks: list[tuple] = []  # after each step's first moment: ``state``, the next id, how many events
+    # the moments of a step (counted from its first) at which the last step may start copying the one before:
+    # the first (a step alike from its start), then ever further ones (one that differs early, FSDP2's block
+    # input grown in pieces in the first step only, agrees a few moments in)
+    offsets = [j for j in (0, *(1 << n for n in range(per_step.bit_length()))) if j < per_step] if last >= 0 else []
+    marks_at = {**{firsts[-2] + j: j for j in offsets}, **{last + j: j for j in offsets}} if last >= 0 else {}
+    marks: dict[int, tuple] = {}  # in the step before the last, by offset: its ``snapshot``
+    last_start = 0  # how many events there were when the last step began
     before: Moment | None = None
     for at, m in enumerate(order):
-        if id(m) not in wants:
-            wants[id(m)] = builder.wanted(m, () if m.phase == "init" else resident)
         pair = (id(before), id(m))
+        if id(m) not in wants:
+            held = () if m.phase == "init" else resident
+            after = None if before is None or not INCREMENTAL else \
+                builder.wanted_after(before, wants[id(before)], m, held)
+            if after is None:
+                wants[id(m)] = builder.wanted(m, held)
+            else:
+                wants[id(m)], changes[pair] = after
         if pair not in changes:
             changes[pair] = builder.changed(wants[id(m)], wants[id(before)] if before is not None else {})
-        step_end = len(builder.events)
+        if at == last:
+            last_start = len(builder.events)
         builder.move_to(m, wants[id(m)], changes[pair])
         before = m
-        if at in firsts and last >= 0:
-            marks.append((*builder.state(), builder.next_id, len(builder.events)))
-            if at == last and _repeats(marks[-2], marks[-1], order[at:at + per_step], changes):
-                builder.repeat_step(marks[-2], marks[-1], step_end)
+        if at in marks_at:
+            mark = builder.snapshot()
+            if at < last:
+                marks[marks_at[at]] = mark
+            elif _repeats(marks[marks_at[at]], mark, order[at:], changes):
+                builder.repeat_step(marks[marks_at[at]], mark, last_start)
                 break
     return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))

@@ -1,7 +1,5 @@
 """``EstimateConfig``: one question to ``zeroplan.estimate`` (pydantic). Every field states its unit."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import replace
 from functools import cached_property

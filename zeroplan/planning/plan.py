@@ -22,7 +22,7 @@ import os
 from dataclasses import replace
 from typing import Annotated, Callable, Optional
 
-from pydantic import ConfigDict, Field, validate_call
+from pydantic import ConfigDict, Field
 
 from zeroplan.engines import get_engine, planner_options
 from zeroplan.allocator.reserved import fit_bytes, reserved_of
@@ -46,11 +46,12 @@ from zeroplan.planning.offload_peak import offload_peak
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.planning.reserved_fit import first_fragmentation, fit_quantity
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
-from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber
+from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber, checked_call
 
 _STRICT = ConfigDict(arbitrary_types_allowed=True)
 """Public search functions check their arguments with the types of ``zeroplan.types`` (ValidationError,
 never a TypeError or a wrong answer: ``min_gpus((), ...)`` used to return 1, ``max_params(nan, ...)`` 0)."""
+
 
 MAX_GPUS = 2**20
 """``min_gpus`` searches N_d x N_m up to this many GPUs; a model that needs more is reported as None."""
@@ -105,7 +106,7 @@ def fits(states: OffloadBreakdown, gpu_budget_bytes: int, host_budget_bytes: Opt
     return states.gpu.model_states_bytes <= gpu_budget_bytes and host_ok
 
 
-@validate_call(config=_STRICT)
+@checked_call(_STRICT)
 def max_params(
     gpu_budget_bytes: ByteCount,
     stage: StageNumber,
@@ -136,7 +137,7 @@ def max_params(
     return _bisect_last_true(ok, lo, hi)
 
 
-@validate_call(config=_STRICT)
+@checked_call(_STRICT)
 def min_gpus(
     tensor_numels: Annotated[tuple[Numel, ...], Field(min_length=1)],
     gpu_budget_bytes: ByteCount,

@@ -2,8 +2,6 @@
 phases and their terms, one stage row, and the ``"auto"`` keys of a ds_config (``estimate`` and ``plan`` both print
 them). Field order = key order, as in the documents."""
 
-from __future__ import annotations
-
 import json
 from typing import Any, Literal, Optional, Union
 
@@ -20,7 +18,9 @@ def json_text(obj: object, indent: Optional[int] = None) -> str:
 
 
 class _Out(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # defer_build: a model's validator is built when it is first used (a document validates its parts within its
+    # own), so ``plan --json`` builds PlanDoc's alone, not the thirty of every document (issue 16: 25 ms)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, defer_build=True)
 
     def dump(self) -> dict:
         """The object as the JSON output writes it (aliases as keys, in field order)."""

@@ -6,8 +6,6 @@ Schema of each (``tests/test_schemas.py`` checks the committed files equal the g
 Numbers typed ``Number`` keep whether they were computed as int or float, so the output is unchanged.
 """
 
-from __future__ import annotations
-
 import json
 import sys
 from pathlib import Path

@@ -154,9 +154,10 @@ class SweepConfig(BaseModel):
         engine = get_engine(self.engine)
         _ = self.planner_options(self.engine_stages[0] if engine.one_row else None)  # the engine's vocabulary
         if engine.one_row:
-            options = self.planner_options(self.engine_stages[0])
             nm = next((m for m in self.model_parallel if m != 1), 1)
-            limit = engine.peak_limits(options, self.spec, self.checkpointing, nm)
+            # every stage swept: a limit may refuse one stage and not another (DeepSpeed's moe_limit)
+            limit = next((lim for st in self.engine_stages if (lim := engine.peak_limits(
+                self.planner_options(st), self.spec, self.checkpointing, nm)) is not None), None)  # fmt: skip
             bad = limit.option if limit is not None else ("offload" if self.offload != (NO_OFFLOAD,) else None)
             if bad is not None and bad not in (*PLANNER_INPUTS, "offload"):
                 raise ValueError(limit.reason)  # the architecture or the engine's own options

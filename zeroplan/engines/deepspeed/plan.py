@@ -11,7 +11,8 @@ from typing import Optional
 
 from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PeakLimit,
                                    PlannerOptions, Workload)
-from zeroplan.engines.deepspeed.moe import ZERO3_MOE_FAMILIES, zero3_moe_limit
+from zeroplan.engines.deepspeed.moe import zero3_moe_limit
+from zeroplan.engines.deepspeed.moe12 import model_numel, zero12_moe_limit
 from zeroplan.engines.deepspeed.profile import estimate
 from zeroplan.engines.deepspeed.offload import offload_label
 from zeroplan.engines.deepspeed.offload_terms import offloads
@@ -22,7 +23,7 @@ from zeroplan.engines.deepspeed.zeropp_settings import ZEROPP_KEYS
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
-from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL, on_mesh
+from zeroplan.formulas.collectives import on_mesh
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.formulas.dropout import dropout_limit
@@ -270,30 +271,44 @@ def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optio
 
 def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
     """Why DeepSpeed's peak of a sparse model is not given, or None. Measured (DeepSpeed 0.19.8, transformers'
-    classes): ZeRO-2 with a reduce bucket at least as large as an expert tensor (tests/test_moe_peaks.py), and
-    ZeRO-3 on Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (``moe.zero3_moe_limit``: the sparse block's own moments and
-    the expert gradients larger than the bucket, engines/deepspeed/moe.py). Refused: a smaller ZeRO-2 bucket (a
-    gradient larger than it is reduced on its own, ``stage_1_and_2.py extra_large_param_to_reduce``: backward
-    +10 %), ZeRO-1 (not measured), ZeRO-3 outside ``zero3_moe_limit``. A plan without a stage searches ZeRO-1 too,
-    so it is refused as well."""
+    classes): ZeRO-1 and ZeRO-2 where ``moe12.zero12_moe_limit`` allows (reduced after backward: ZeRO-1 without
+    overlap_comm at any bucket, or every gradient in one bucket: tests/test_deepspeed_moe12.py), ZeRO-3 where
+    ``moe.zero3_moe_limit`` allows (tests/test_deepspeed_moe.py). A plan without a stage answers with the
+    candidates so covered (``moe_candidates``)."""
     if spec.moe is None:
         return None
-    zero = (options.own.get("ds_config") or {}).get("zero_optimization") or {}
+    config = options.own.get("ds_config") or {}
+    zero = config.get("zero_optimization") or {}
     zero = zero if isinstance(zero, dict) else {}
     stage = zero.get("stage", options.stage)
-    bucket = zero.get("reduce_bucket_size", DEFAULT_BUCKET_NUMEL)
-    expert = spec.moe.n_experts * 2 * spec.moe.expert_ffn * spec.d_model  # experts.gate_up_proj (E, 2f, d)
-    if stage == 2 and isinstance(bucket, (int, float)) and bucket >= expert:
+    if stage is None:  # plan: the rows are filtered (moe_candidates); ZeRO-1 is measured on every family it covers
+        why = zero12_moe_limit(Settings(stage=1), spec)
+    elif stage == 3:
+        why = zero3_moe_limit(spec.model_type, zero)
+    else:
+        try:
+            why = zero12_moe_limit(Settings.from_ds_config(config, options.stage), spec)
+        except ValueError:
+            return None  # the file's own error, raised by planner_settings in one line
+    if why is None:
         return None
-    why = zero3_moe_limit(spec.model_type, zero) if stage == 3 else None
-    if stage == 3 and why is None:
-        return None
-    return (f"model_type {spec.model_type!r}: DeepSpeed's peak of routed experts is modelled at ZeRO-2 with "
-            f"reduce_bucket_size >= one expert tensor ({expert:,} elements) and at ZeRO-3 "
-            f"({', '.join(ZERO3_MOE_FAMILIES)}; no offload_param or ZeRO++) only (ZeRO-1 not measured; smaller "
-            "ZeRO-2 buckets miss: docs/models.md); got "
-            + (f"stage {stage}" if stage is not None else "no stage (plan searches ZeRO-1 to 3)")
-            + (f", reduce_bucket_size {bucket}" if stage == 2 else "") + (f": {why}" if why else ""))
+    at = f"ZeRO-{stage}" if stage is not None else "any stage (plan searches ZeRO-1 to 3)"
+    return f"model_type {spec.model_type!r}: DeepSpeed's peak of routed experts at {at} is not modelled: {why}"
+
+
+def moe_candidates(rows: tuple[tuple[str, Settings], ...], spec: Optional[TransformerSpec],
+                   zero: dict) -> tuple[tuple[str, Settings], ...]:
+    """``rows`` less, for a sparse model, those whose peak is not modelled (``zero12_moe_limit``,
+    ``zero3_moe_limit`` of the file's ZeRO keys with the row's own)."""
+    if spec is None or spec.moe is None:
+        return rows
+
+    def modelled(s: Settings) -> bool:
+        if s.stage == 3:
+            return zero3_moe_limit(spec.model_type, {**zero, **to_ds_config(s)["zero_optimization"]}) is None
+        return zero12_moe_limit(s, spec) is None
+
+    return tuple((label, s) for label, s in rows if modelled(s))
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:
@@ -326,18 +341,27 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     # hpZ over one node where the file leaves it unset (a file that sets it, even to 1, fixes it: every ZeRO-3 row
     # has the file's); the ZeRO-3 rows with and without it ranked together, by bytes across nodes first
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
+    spec = workload.spec  # a sparse model: only the rows whose peak is modelled (moe_candidates; no hpZ rows)
     hpz = () if "zero_hpz_partition_size" in zero else hpz_candidates(base, nd, node, numels, capacity_bytes)
-    order = ranked(workload, nd, base, which=lambda b: (*plain_candidates(b), *hpz), gpus_per_node=node)
+    hpz = moe_candidates(hpz, spec, zero)
+    order = ranked(workload, nd, base, which=lambda b: moe_candidates((*plain_candidates(b), *hpz), spec, zero),
+                   gpus_per_node=node)  # fmt: skip
     # the offload rows where they can be the answer: nothing fits without, or the file asks for offload (they
     # come after every other row, PLAN_ORDER; estimating them when they cannot be chosen tripled the plan's time)
     if offloads(base) or all(t.peak_bytes > capacity_bytes for t in order):
-        order = (*order, *ranked(workload, nd, base, which=offload_candidates, gpus_per_node=node))
+        order = (*order, *ranked(workload, nd, base, which=lambda b: moe_candidates(offload_candidates(b), spec, zero),
+                                  gpus_per_node=node))  # fmt: skip
     index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
                           to_ds_config(t.settings, workload.micro_batch, workload.grad_accum),
                           t.settings.reduce_bucket_size, build_snippet(t.settings),
                           trace_inputs=(workload, nd, _traced(t))) for t in order)  # fmt: skip
-    return EnginePlan(out, index, "deepspeed", PLAN_ORDER_HPZ if hpz else PLAN_ORDER, base)
+    why = PLAN_ORDER_HPZ if hpz else PLAN_ORDER
+    if spec is not None and spec.moe is not None:
+        why += ("; routed experts: rows whose peak is not modelled left out (moe_limit: ZeRO-2, or ZeRO-1 with "
+                f"overlap_comm, with reduce_bucket_size below Ψ = {model_numel(spec):,} elements; 16-bit or "
+                "offload_optimizer at ZeRO-1/2; offload_param and ZeRO++ at ZeRO-3; docs/engines/deepspeed.md)")
+    return EnginePlan(out, index, "deepspeed", why, base)
 
 
 def _traced(t: Tried) -> Settings:

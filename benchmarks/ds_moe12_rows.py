@@ -1,0 +1,164 @@
+"""DeepSpeed ZeRO-1/2 on transformers' mixture-of-experts classes: re-measure the rows of
+tests/test_deepspeed_moe12.py (gloo, N_d = 2, fp32, CPU) and print each rank's per-phase error against the
+profile, or list the live storages at one rank's backward peak (the method that found the mechanism in
+engines/deepspeed/moe12.py).
+
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py rows [--families mixtral-wide,...]   # ~1 min a family
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py trace mixtral-wide 2 small            # ~30 s
+
+Real runs: never in CI (tests/test_deepspeed_moe12.py is predicted-only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import traceback
+import weakref
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/test_deepspeed_moe12.py imports clicheck
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+PHASES = ("init", "forward", "backward", "optimizer_step")
+
+
+def _files(tmp: Path) -> Path:
+    """The four families' config.json files and the world's own (a 64-position tiny Llama) under ``tmp``."""
+    from tests.test_deepspeed_moe import CONFIGS
+
+    for name, cfg in CONFIGS.items():
+        (tmp / f"{name}.json").write_text(json.dumps(cfg))
+    llama = json.loads((ROOT / "tests" / "data" / "hf_configs" / "tiny-llama.json").read_text())
+    (tmp / "world.json").write_text(json.dumps({**llama, "max_position_embeddings": 64}))
+    return tmp
+
+
+def rows(families: list[str], tmp: Path) -> None:
+    """Every (stage, ZERO key) of RECORDED and REFUSED for ``families``: measured rows and errors per rank."""
+    from tests.test_deepspeed_moe12 import RECORDED, REFUSED, ZERO
+    from validate.engines.deepspeed_compare import ds_config, run_world, workload_for
+    from zeroplan.engines import deepspeed as D
+
+    for name in families:
+        cases = sorted({(st, z) for n, st, z in (*RECORDED, *REFUSED) if n == name})
+        configs = [ds_config(st, micro_batch=1, zero=ZERO[z], optimizer_params={"torch_adam": True}) for st, z in cases]
+        path = str(tmp / f"{name}.json")
+        ranks = run_world(configs, 2, model=str(tmp / "world.json"), steps=2, seq_len=64,
+                          runs=[{"model": path, "hf": True}] * len(configs))  # fmt: skip
+        workload = workload_for(path, 1, 64, 1, "none", hf=True)
+        for (stage, zero), config, *by_rank in zip(cases, configs, *ranks):
+            measured = [[r["peak_bytes_by_phase"][p] for p in PHASES] for r in by_rank]
+            print(f"({name!r}, {stage}, {zero!r}): {measured},")
+            for rank, row in enumerate(measured):
+                settings = D.Settings.from_ds_config(config).model_copy(update={"rank": rank})
+                (est,) = D.estimate(workload, 2, settings, stat_bytes=4)
+                pred = est.peak.by_phase()
+                print(f"    rank {rank}: " + "  ".join(f"{p} {(v - pred[p]) / v:+.4%} ({v - pred[p]:+,} B)"
+                                                     for p, v in zip(PHASES, row)))  # fmt: skip
+
+
+def _live_storage_mode(ignore: set, hook: dict):
+    """A dispatch mode keeping the storages ops make that are still alive, and the list of them at their peak."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Live(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes, self.info, self.live, self.peak, self.at_peak, self.hook = {}, {}, 0, 0, [], None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key in self.sizes or key in ignore or st.nbytes() == 0:
+                    continue
+                where = [f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in traceback.extract_stack()[-8:-2]]
+                self.sizes[key], self.info[key] = st.nbytes(), (st.nbytes(), str(func), tuple(t.shape), where)
+                self.live += st.nbytes()
+                weakref.finalize(st, self.free, key)
+            if self.live > self.peak:
+                self.peak, self.at_peak, self.hook = self.live, [self.info[k] for k in self.sizes], hook.get("param")
+            return out
+
+        def free(self, key):
+            self.live -= self.sizes.pop(key, 0)
+            self.info.pop(key, None)
+
+    return Live()
+
+
+def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str) -> None:
+    import gc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    import deepspeed
+
+    from tests.test_deepspeed_moe12 import ZERO
+    from validate.engines.deepspeed import _model_and_batches
+    from validate.engines.deepspeed_compare import ds_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    build, batches = _model_and_batches(f"{tmp}/{name}.json", 2, rank, 1, 2, 64, hf=True)
+    config = ds_config(stage, micro_batch=1, zero=ZERO[zero], optimizer_params={"torch_adam": True})
+    engine, opt, _, _ = deepspeed.initialize(model=(model := build()), model_parameters=model.parameters(),
+                                             config=config)  # fmt: skip
+    ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    ignore |= {g.untyped_storage().data_ptr() for g in getattr(opt, "bit16_groups_flat", [])}
+    names, hook = {id(p): n for n, p in engine.module.named_parameters()}, {}
+    reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
+
+    def named(param, i):  # the gradient hook DeepSpeed is in, for the peak's listing
+        hook["param"] = names.get(id(param))
+        return reduce(param, i)
+
+    opt.reduce_independent_p_g_buckets_and_remove_grads = named
+    gc.disable()
+    for step in range(2):  # the second step's backward (the first allocates the buckets)
+        mode = _live_storage_mode(ignore, hook)
+        with mode:
+            loss = engine.module.loss(batches[step].pop(0))
+            mode.peak = 0
+            engine.backward(loss)
+        del loss
+        engine.step()
+    import torch.distributed as dist
+
+    for turn in range(2):  # rank 0's listing, then rank 1's
+        if turn == rank:
+            print(f"rank {rank}: backward peak {mode.peak:,} B of storages made in the step (parameters and flat "
+                  f"groups excluded), in or after the gradient hook of {mode.hook}")
+            for nbytes, func, shape, where in sorted(mode.at_peak, key=lambda x: -x[0])[:30]:
+                print(f"    {nbytes:>10,}  {func:<40} {str(shape):<18} {' <- '.join(reversed(where[-3:]))}", flush=True)
+        dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("rows")
+    r.add_argument("--families", default="mixtral-wide,qwen3-moe-wide,qwen2-moe-wide,deepseek-wide")
+    t = sub.add_parser("trace")
+    t.add_argument("name")
+    t.add_argument("stage", type=int)
+    t.add_argument("zero", help="a key of tests/test_deepspeed_moe12.py ZERO")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        _files(Path(tmp))
+        if args.cmd == "rows":
+            rows(args.families.split(","), Path(tmp))
+        else:
+            import torch.multiprocessing as mp
+
+            mp.spawn(_trace_rank, args=(args.name, args.stage, args.zero, 29500 + os.getpid() % 1000, tmp), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
