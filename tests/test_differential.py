@@ -238,15 +238,15 @@ def test_generator_5_draws_deepspeed_moe_where_modelled_only():
 def test_a_refused_family_draw_is_not_run_and_says_why():
     """Gemma 3's window is drawn on both sides of the sequence: below it the draw is run, above it refused
     (``gemma_activations.gemma_limit``) and counted by reason."""
-    from validate.engines.differential_families import refusal, refusals
+    from validate.engines.differential_families import refusal, refusals, rule
 
     gemma3 = [d for d in _family_draws() if d.config["model_type"] == "gemma3_text"]
     short = next(d for d in gemma3 if d.config["sliding_window"] <= d.seq_len)
     assert refusal(short).startswith(f"model_type 'gemma3_text': seq_len={short.seq_len} >= sliding_window=")
     assert refusal(next(d for d in gemma3 if d.config["sliding_window"] > d.seq_len)) is None
-    counted = refusals(1, [short.index, 0])
-    assert counted == {"model_type 'gemma3_text': seq_len=N >= sliding_window=N" + refusal(short).split(str(
-        short.config["sliding_window"]), 1)[1]: 1}  # one rule, its numbers as N
+    counted = refusals(1, [short.index, 1])
+    assert counted == {rule(refusal(short)): 1}  # one rule, its numbers as N
+    assert rule(refusal(short)).startswith("model_type 'gemma3_text': seq_len=N >= sliding_window=N: the sliding")
 
 
 def _family_records() -> list[dict]:
@@ -258,16 +258,21 @@ def test_recorded_family_draws_cover_every_family_under_both_engines():
 
     data = json.loads(RECORDED_FAMILIES.read_text())
     assert {"recorded", "torch", "deepspeed", "transformers", "command"} <= set(data)
-    got = {(r["draw"]["engine"], r["draw"]["config"]["model_type"]) for r in data["results"]}
+    got = {(r["draw"]["engine"], r["draw"]["config"]["model_type"]) for r in data["results"] if "refused" not in r}
     assert got == {(e, f) for e in ("fsdp2", "deepspeed") for f in NEWER}
 
 
 @pytest.mark.parametrize("record", _params(_family_records()))
 def test_recorded_family_draw_within_targets(record, tmp_path):
     """Every recorded draw of generator 5 (its measurement on disk) predicted again: every phase of every rank."""
+    from validate.engines.differential_families import refusal
+
     got = replay(record, tmp_path)
     d = got.draw
     assert d in (draw(d.seed, d.index, generator=5), draw(d.seed, d.index, d.engine, 5))
+    # measured before a limit refused it (DeepSpeed's multi-bucket ZeRO-2 on experts, engines/deepspeed/moe12.py):
+    # kept, still refused (when the limit moves, look at it again), and the profile's number within the targets
+    assert refusal(d) == record.get("refused")
     for rank, errors in got.errors().items():
         for phase, e in errors.items():
             assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")

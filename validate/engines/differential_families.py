@@ -180,7 +180,16 @@ def family_draw(seed: int, index: int, engine: Optional[str] = None):
 def refusal(d) -> Optional[str]:
     """The profile's one line where it refuses ``d`` (a ``differential.Draw``), else None: such a draw is not run."""
     from validate.engines.differential import predict_draw
+    from zeroplan.architectures.hf_config import spec_from_hf_config
+    from zeroplan.engines import get_engine
+    from zeroplan.engines.base import PlannerOptions
 
+    # the engine's limits first (as estimate asks them: DeepSpeed's moe_limit reads the ds_config), then the profile's
+    own = {"ds_config": d.ds_config} if d.engine == "deepspeed" else {}
+    checkpointing = "full" if (d.fsdp2 or {}).get("checkpointing") else "none"
+    limit = get_engine(d.engine).peak_limits(PlannerOptions(own=own), spec_from_hf_config(d.config), checkpointing)
+    if limit is not None:
+        return limit.reason.splitlines()[0]
     with tempfile.TemporaryDirectory(prefix="zeroplan-families-") as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(json.dumps(d.config))
@@ -191,14 +200,18 @@ def refusal(d) -> Optional[str]:
     return None
 
 
+def rule(why: str) -> str:
+    """A refusal's line with its numbers as N (the draw's own sizes): one key per rule of the profile."""
+    return re.sub(r"(?<![\w.\-])\d(?:[\d,.]*\d)?", "N", why)
+
+
 def refusals(seed: int, indices, engine: Optional[str] = None) -> Counter:
-    """How many of generator 5's draws ``indices`` of ``seed`` the profile refuses, by rule: each reason with its
-    ``name=value`` numbers as ``name=N`` (``refusal``'s line names the draw's own sizes)."""
+    """How many of generator 5's draws ``indices`` of ``seed`` the profile refuses, by ``rule``."""
     from validate.engines.differential import draw
 
     out: Counter = Counter()
     for i in indices:
         why = refusal(draw(seed, i, engine, GENERATOR))
         if why is not None:
-            out[re.sub(r"=\d[\d,.]*", "=N", why)] += 1
+            out[rule(why)] += 1
     return out
