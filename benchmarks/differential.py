@@ -7,7 +7,8 @@ worst under- and over-prediction).
     DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/differential.py --seed 1 --only 3 7   # some draws again
 
 Each draw's result is written to --out as soon as it is measured (a long sweep keeps what it ran); a draw
-whose run fails is listed with its error, not dropped.
+whose run fails is listed with its error, not dropped; a draw the profile refuses (``differential_families.refusal``)
+is not run, listed with the profile's reason.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from validate.engines.differential import DrawResult, draw, run_draw, summary  # noqa: E402
+from validate.engines.differential_families import refusal  # noqa: E402
 
 
 def _provenance(argv: list[str] | None) -> dict:
@@ -46,16 +48,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=int, nargs="*", default=None, help="draw indices to run (default: all)")
     parser.add_argument("--engine", choices=("fsdp2", "deepspeed"), default=None)
     parser.add_argument("--generator", type=int, default=1,
-                        help="the generator's version (2: FSDP2 wrappings; 3: and meta init, checkpointing)")
+                        help="the generator's version (2: FSDP2 wrappings; 3: and meta init, checkpointing; 5: the newer families)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     indices = args.only if args.only else range(args.draws)
     provenance = _provenance(argv)
     results: list[DrawResult] = []
     failed: list[dict] = []
+    refused: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="zeroplan-differential-") as tmp:
         for i in indices:
             d = draw(args.seed, i, args.engine, args.generator)
+            if (why := refusal(d)) is not None:  # outside what the profile models: not run, counted by reason
+                refused.append({"name": d.name, "refused": why})
+                print(f"REFUSED {d.name}: {why}", flush=True)
+                continue
             start = time.process_time()
             try:
                 res = run_draw(d, Path(tmp))
@@ -70,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"({time.process_time() - start:.1f} s CPU here) {worst}", flush=True)  # fmt: skip
             if args.out:
                 args.out.write_text(json.dumps({**provenance, "seed": args.seed, "results": [r.as_json() for r in results],
-                                                "failed": failed, "summary": summary(results)}, indent=1))  # fmt: skip
+                                                "failed": failed, "refused": refused, "summary": summary(results)}, indent=1))  # fmt: skip
     s = summary(results)
     print(f"{s['within_target']} of {s['draws']} draws within 1% (no under-prediction beyond 0.5%); worst under "
-          f"{s['worst_under']:+.3%}, worst over {s['worst_over']:+.3%}; {len(failed)} runs failed")  # fmt: skip
+          f"{s['worst_under']:+.3%}, worst over {s['worst_over']:+.3%}; {len(failed)} runs failed, {len(refused)} draws refused")  # fmt: skip
     return 0
 
 

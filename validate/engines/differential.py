@@ -49,6 +49,9 @@ TARGET_WITHIN = 0.01
 """issue 17's target: every phase of every rank within 1% of its prediction..."""
 TARGET_UNDER = 0.005
 """...and no prediction under the measurement by more than 0.5% of it."""
+WORLD_MODEL = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": 256}  # fmt: skip
+"""The DeepSpeed world's placeholder model (``_run_deepspeed``): positions for every drawn sequence."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,8 @@ def draw(seed: int, index: int, engine: Optional[str] = None, generator: int = 1
     of a string seed); ``engine``: that engine for this draw (None: the drawn one; the model, the step and
     the world are the same either way); ``generator`` 2: and FSDP2's wrapping, from a second stream, so that
     everything generator 1 draws is drawn the same."""
+    if generator == 5:  # the newer families (issue 19): validate/engines/differential_families.py
+        return __import__("validate.engines.differential_families", fromlist=["_"]).family_draw(seed, index, engine)
     if generator not in (1, 2, 3):
         raise ValueError(f"generator={generator}: expected 1, 2 or 3")
     d = _draw(seed, index, engine)
@@ -321,7 +326,11 @@ def _run_fsdp2(d: Draw, path: str, steps: int, timeout_s: float) -> DrawResult:
 def _run_deepspeed(d: Draw, path: str, steps: int, timeout_s: float) -> DrawResult:
     from validate.engines.deepspeed import run_world
 
-    ranks = run_world([d.ds_config], d.nd, model=path, steps=steps, timeout_s=timeout_s, seq_len=d.seq_len,
+    # the world's model is only checked (ValidateConfig: one the reference runtime builds); the run trains
+    # transformers' class of ``path`` (``runs``), so a family that runtime cannot build (experts, q/k norms) trains too
+    world = Path(path).with_name("world-llama.json")
+    world.write_text(json.dumps(WORLD_MODEL))
+    ranks = run_world([d.ds_config], d.nd, model=str(world), steps=steps, timeout_s=timeout_s, seq_len=d.seq_len,
                       runs=[{"model": path, "hf": True, "zero_init": d.zero_init}])  # fmt: skip
     out = DrawResult(d)
     for (row,) in ranks:

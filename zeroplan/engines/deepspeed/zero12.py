@@ -12,9 +12,9 @@ from __future__ import annotations
 from zeroplan.engines.deepspeed.collectives import zero12_collectives
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
-from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _hook_buckets,
-                                               _in_block_partitions, _reducing_hooks, _stage1_reduce,
-                                               _within_one_parameter)
+from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _embedding_hook_reduce, _epilogue_reduce,
+                                               _first_bucket_reduced, _hook_buckets, _in_block_partitions,
+                                               _reducing_hooks, _stage1_reduce, _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel, zero12_terms
@@ -87,10 +87,14 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
     if not embeddings:
         return ()
-    _, _, _, bucket_of = _hook_buckets(run)
+    order, _, first_of_bucket, bucket_of = _hook_buckets(run)
     before = bucket_of[max(embeddings)]  # the bucket the embeddings' gradients join, reduced after this op
+    # bucket b is reduced at the hook of bucket b + 1's first gradient: the previous bucket is sent only after
+    # this op when that first gradient is the tied weight's (index 0: the token embedding), whose hook fires on the sum
+    sent = before - 1 if before and order[first_of_bucket[before]] != 0 else before - 2
+    accumulated = run.settings.partition_gradients and run.grad_accum > 1  # ZeRO-2 from the 2nd micro-step
     held = [run.flat.params_numel(r) for r in run.ranks
-            if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < before]  # fmt: skip
+            if run.flat.params(r) and (accumulated or min(bucket_of[i] for i in run.flat.params(r)) <= sent)]
     p, acts = _pbytes(run), run.acts
     return (Moment("backward", "tied embedding backward", (
         *_states(run), *_bucket(run), _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
@@ -276,10 +280,11 @@ class ZeroOptimizer(Wrapper):
                                             _stage1_kept_gradients(run) if not s.partition_gradients else {}))
             out.extend(_first_bucket_reduced(run, last, inflight))
             out.extend(_tied_embedding_backward(run))
-        if hooks and accumulating and not s.partition_gradients:  # ZeRO-1 with overlap_comm (seed 2 draw 8)
+        if hooks and accumulating:  # ZeRO-1 with overlap_comm (seed 2 draw 8); ZeRO-2 (generator 5, 1-483)
             out.extend(_tied_embedding_backward(run))
         if hooks:
             out.extend(_epilogue_reduce(run))
+            out.extend(_embedding_hook_reduce(run))
         if not hooks:
             out.extend(_stage1_reduce(run))
         return tuple(out)
