@@ -22,6 +22,8 @@ from validate.engines.differential import FAMILIES, PSI_RANGE, TARGET_UNDER, TAR
 RECORDED = Path(__file__).resolve().parent / "data" / "measured" / "differential.json"
 # generator 3's bf16 draws (meta init, checkpointing), recorded apart so that the shared file stays as it was
 RECORDED_BF16 = RECORDED.with_name("fsdp2_differential_bf16.json")
+# generator 4 on seed 3, a seed no profile was tuned on (both engines; DeepSpeed's checkpointing and bf16 drawn)
+RECORDED_SEED3 = RECORDED.with_name("differential_seed3.json")
 SLICE = range(40)
 
 
@@ -116,7 +118,8 @@ def _numels(config: dict) -> tuple[int, ...]:
 
 
 def _records() -> list[dict]:
-    return [r for f in (RECORDED, RECORDED_BF16) if f.exists() for r in json.loads(f.read_text())["results"]]
+    files = (RECORDED, RECORDED_BF16, RECORDED_SEED3)
+    return [r for f in files if f.exists() for r in json.loads(f.read_text())["results"]]
 
 
 def _cases() -> list[dict]:
@@ -178,13 +181,17 @@ def test_recorded_case_within_targets(record, tmp_path):
 
 
 def test_recorded_draws_exist_with_provenance():
-    for f in (RECORDED, RECORDED_BF16):
+    for f in (RECORDED, RECORDED_BF16, RECORDED_SEED3):
         data = json.loads(f.read_text())
         assert data["results"] and {"recorded", "torch", "deepspeed", "transformers", "command"} <= set(data)
     bf16 = [r["draw"] for r in json.loads(RECORDED_BF16.read_text())["results"]]
     assert all(d["fsdp2"]["param_dtype"] == "bf16" and d["generator"] == 3 for d in bf16)
     assert any(d["fsdp2"]["init"] == "meta" for d in bf16)  # the meta init of a 16-bit model, with and without
     assert {d["fsdp2"]["checkpointing"] for d in bf16} == {True, False}
+    seed3 = [r["draw"] for r in json.loads(RECORDED_SEED3.read_text())["results"]]
+    assert {(d["seed"], d["generator"]) for d in seed3} == {(3, 4)} and {d["engine"] for d in seed3} == {"fsdp2", "deepspeed"}
+    ds = [d for d in seed3 if d["engine"] == "deepspeed"]  # generator 4's DeepSpeed settings, each side measured
+    assert {d["checkpointing"] for d in ds} == {"none", "full"} and {"bf16" in d["ds_config"] for d in ds} == {True, False}
 
 
 @pytest.mark.distributed
