@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
+from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas.peak import Moment, Term
@@ -99,6 +100,13 @@ def _hook_layout(numels: tuple[int, ...], bucket: int,
     return order, buckets, first_of_bucket, bucket_of
 
 
+def _hook_bucket_copy(run: DSRun, b: int) -> int:
+    """``flattened_copy_numel`` of hook bucket ``b`` (``_hook_buckets``), its parameters in gradient-ready order."""
+    order, _, first_of_bucket, _ = _hook_buckets(run)
+    end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
+    return flattened_copy_numel(run, order[first_of_bucket[b]:end])
+
+
 def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     """Reducing from the hooks, the last bucket is reduced after backward (stage_1_and_2.py
     ``independent_gradient_partition_epilogue`` -> ``reduce_ipg_grads`` -> ``average_tensor`` ->
@@ -116,7 +124,7 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     held = run.wrapper.held_between_micro_steps(run)
     base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
             _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
-            Term("flattened copy of the last bucket's gradients", buckets[-1] * g,
+            Term("flattened copy of the last bucket's gradients", _hook_bucket_copy(run, last) * g,
                  "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))  # fmt: skip
 
     def early(rank: int) -> bool:  # its grads_in_partition allocated by an earlier bucket
@@ -199,7 +207,7 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
                          (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
                  Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
         name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
-        copy = buckets[first] * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
+        copy = _hook_bucket_copy(run, first) * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
         if copy > terms[-1].bytes:  # partition is allocated: the larger of the two, one after the other
             name = f"block {j} {where} backward, rank {rank}'s bucket flattened"
             terms = (*terms[:-1], Term("flattened copy of the bucket's gradients", copy,
@@ -311,7 +319,7 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
             Term("gradients larger than the bucket, in the bucket reduced", large * p,
                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"))  # fmt: skip
     out = [Moment("backward", "final norm backward, the first bucket reduced", (*base, Term(
-        "flattened copy of the first bucket's gradients", buckets[0] * g,
+        "flattened copy of the first bucket's gradients", _hook_bucket_copy(run, 0) * g,
         "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")))]  # fmt: skip
     held = [run.flat.params_numel(r) for r, first, _ in _reducing_hooks(run) if first == 0]
     if held:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from zeroplan.engines.deepspeed.collectives import zero12_collectives
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
+from zeroplan.engines.deepspeed.late_reductions import embedding_hook_reduced, stage1_flattened
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _embedding_hook_reduce, _epilogue_reduce,
                                                _first_bucket_reduced, _hook_buckets, _in_block_partitions,
                                                _reducing_hooks, _stage1_reduce, _within_one_parameter)
@@ -80,7 +81,10 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     8,192 x 256, fp32), 1e5-element buckets, overlap_comm, N_d = 2: each rank peaks there at its own
     grads_in_partition + 3 x 8,388,608 B over what the last block's backward holds less its activations
     (MemTracker, per hook: 90,444,056 B on rank 1, 89,487,640 B on rank 0; the head's gradient alone was in
-    the prediction before, 9,424,904 B short)."""
+    the prediction before, 9,424,904 B short). A bucket is sent at the hook of the next bucket's first gradient:
+    the one before a tied weight larger than the bucket (its own bucket) is sent at the tied weight's hook, after
+    this op, so its ranks have no grads_in_partition yet (the differential matrix, seed 3 draw 22, generator 4:
+    Llama 9.0M tied, 2e6-element buckets, N_d = 4; rank 2's partition, block 0 and the embedding: +17.7% before)."""
     if not (run.tied_head and run.param_blocks and reduces_from_hooks(run.settings)):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
@@ -88,13 +92,12 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     if not embeddings:
         return ()
     order, _, first_of_bucket, bucket_of = _hook_buckets(run)
-    before = bucket_of[max(embeddings)]  # the bucket the embeddings' gradients join, reduced after this op
-    # bucket b is reduced at the hook of bucket b + 1's first gradient: the previous bucket is sent only after
-    # this op when that first gradient is the tied weight's (index 0: the token embedding), whose hook fires on the sum
-    sent = before - 1 if before and order[first_of_bucket[before]] != 0 else before - 2
+    at = order.index(min(embeddings))  # the tied weight's hook, on the sum: after this op
+    # bucket k is sent at the hook of bucket k + 1's first gradient: before this op only if that comes first
+    sent = sum(1 for k in range(len(first_of_bucket) - 1) if first_of_bucket[k + 1] < at)
     accumulated = run.settings.partition_gradients and run.grad_accum > 1  # ZeRO-2 from the 2nd micro-step
     held = [run.flat.params_numel(r) for r in run.ranks
-            if run.flat.params(r) and (accumulated or min(bucket_of[i] for i in run.flat.params(r)) <= sent)]
+            if run.flat.params(r) and (accumulated or min(bucket_of[i] for i in run.flat.params(r)) < sent)]
     p, acts = _pbytes(run), run.acts
     return (Moment("backward", "tied embedding backward", (
         *_states(run), *_bucket(run), _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
@@ -280,13 +283,14 @@ class ZeroOptimizer(Wrapper):
                                             _stage1_kept_gradients(run) if not s.partition_gradients else {}))
             out.extend(_first_bucket_reduced(run, last, inflight))
             out.extend(_tied_embedding_backward(run))
+            out.extend(embedding_hook_reduced(run))
         if hooks and accumulating:  # ZeRO-1 with overlap_comm (seed 2 draw 8); ZeRO-2 (generator 5, 1-483)
             out.extend(_tied_embedding_backward(run))
         if hooks:
             out.extend(_epilogue_reduce(run))
             out.extend(_embedding_hook_reduce(run))
         if not hooks:
-            out.extend(_stage1_reduce(run))
+            out.extend((*_stage1_reduce(run), *stage1_flattened(run)))
         return tuple(out)
 
     @staticmethod
