@@ -14,7 +14,7 @@ from typing import Optional
 
 from zeroplan.engines.deepspeed.collectives import zero3_collectives
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
-from zeroplan.engines.deepspeed.moe import expert_gradients_held
+from zeroplan.engines.deepspeed.moe import expert_gradients_held, routed_experts_backward
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_layout
@@ -165,8 +165,9 @@ class ZeroOptimizerStage3(Wrapper):
         their sum are alive together (torch autograd InputBuffer::accumulate, then the hook on the sum; as
         ZeRO-2's ``zero12.py _tied_embedding_backward``). Found by the differential matrix (seed 1 draw 7:
         GPT-2 8.6M tied, ZeRO-3, N_d = 3: -10.3% on every rank before)."""
-        out = [Moment("backward", "last block backward", last), *_in_block_reductions(run, last, inflight)]
         sched = _schedule(run)
+        split = routed_experts_backward(run, sched, last)  # moe.py: DeepSeek's shared experts done by then
+        out = [*(split or (Moment("backward", "last block backward", last),)), *_in_block_reductions(run, last, inflight)]
         out += expert_gradients_held(run, sched)  # moe.py: a routed expert's gradient larger than the bucket
         if run.tied_head and sched is not None and "embedding backward" in dict((m, f) for m, f, _ in run.trace.marks):
             acts = run.acts
