@@ -91,6 +91,10 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
     out = []
     L, marks = run.acts.n_layer, {m for m, _, _ in run.trace.marks}
     ckpt = run.checkpointing != "none"
+    masks = Term("the body's unused attention mask (bool)", run.acts.body_masks,
+                 "transformers models/qwen2_moe/modeling_qwen2_moe.py Qwen2MoeModel.forward (causal_mask_mapping): "
+                 "activation_terms.unused_sliding_mask")  # fmt: skip
+    base = (*base, masks) if run.acts.body_masks else base
     for j in sparse_blocks(run):
         blk, name = _block(run, j), ("last block" if j == L - 1 else f"block {j}")
         held = (_blocks_saved(run, j), _act("block's saved activations before its MLP", blk.saved - blk.mlp_saved))
