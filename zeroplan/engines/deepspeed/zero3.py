@@ -166,6 +166,11 @@ class ZeroOptimizerStage3(Wrapper):
         ZeRO-2's ``zero12.py _tied_embedding_backward``). Found by the differential matrix (seed 1 draw 7:
         GPT-2 8.6M tied, ZeRO-3, N_d = 3: -10.3% on every rank before)."""
         sched = _schedule(run)
+        pending = _root_gradients_pending(run)
+        if pending:
+            last = (*last, Term("head and final norm gradients pending in the bucket (param.grad)", pending * _pbytes(run),
+                                f"{S3} reduce_independent_p_g_buckets_and_remove_grads (contiguous_gradients off: "
+                                "params_in_ipg_bucket, param.grad kept until __reduce_and_partition_ipg_grads)"))  # fmt: skip
         split = routed_experts_backward(run, sched, last)  # moe.py: DeepSeek's shared experts done by then
         out = [*(split or (Moment("backward", "last block backward", last),)), *_in_block_reductions(run, last, inflight)]
         out += expert_gradients_held(run, sched)  # moe.py: a routed expert's gradient larger than the bucket
@@ -193,6 +198,30 @@ class ZeroOptimizerStage3(Wrapper):
 
 
 S3 = "runtime/zero/stage3.py"
+
+
+def _root_gradients_pending(run: DSRun) -> int:
+    """Elements of the LM head's and the final norm's gradients still in ``param.grad`` at the last block's
+    backward without ``contiguous_gradients``: stage3.py ``reduce_independent_p_g_buckets_and_remove_grads`` then
+    only lists a gradient in the bucket (``params_in_ipg_bucket``), which keeps autograd's tensor until the bucket
+    is reduced, when the next gradient would overflow it (``elements_in_ipg_bucket + param.ds_numel >
+    reduce_bucket_size``). Walked in hook order: the head (not tied: a tied head's waits in autograd's input buffer,
+    ``kept_root``), the final norm, then the last block's output projection, whose hook may send them (its own
+    gradient is the working set's). Measured (live-storage trace at the backward peak, a Llama of vocabulary 32,
+    ZeRO-3, 20,000-element buckets, ``contiguous_gradients: false``, gloo N_d = 2): the head's 6,144 B and the
+    norm's 192 B beside down_proj's gradient at the SwiGLU product's backward; 6,344 B under before, both ranks."""
+    s, L = run.settings, run.acts.n_layer
+    if s.contiguous_gradients or not run.param_blocks:
+        return 0
+    roots = ([] if run.tied_head else [run.head_numel]) + [run.final_norm_numel]
+    outputs = [run.numels[i] for i in run.output_projections if run.param_blocks[i] == L - 1]
+    elements, pending = 0, []
+    for k, n in enumerate([*roots, *outputs]):
+        if elements + n > s.reduce_bucket_size and elements > 0:
+            elements, pending = 0, []
+        elements += n
+        pending.append((k < len(roots)) * n)
+    return sum(pending)
 
 
 def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
