@@ -217,16 +217,19 @@ def _epilogue_reduce_scatter(run: DSRun) -> tuple[Moment, ...]:
     order, _, first_of_bucket, _ = _hook_layout(run.numels, s.reduce_bucket_size, run.grad_ready_order)
     last = [run.numels[i] for i in order[first_of_bucket[-1]:]]
     flat = 0 if len(last) == 1 and last[0] % run.nd == 0 else sum(-(-n // run.nd) * run.nd for n in last)
+    copy = 0 if s.device == "cuda" else sum(-(-n // run.nd) * run.nd for n in last)
+    if not (flat or copy or not s.contiguous_gradients):
+        return ()  # nothing allocated: a subset of the last block's moment
     src = f"{S3} __avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced"
     acts = run.acts
     return (Moment("backward", "reduction after backward (the last bucket's reduce-scatter)", (
-        *_states(run), *run.wrapper.held_between_micro_steps(run), _act("batch (token ids, targets)", acts.batch, 2),
+        *_states(run), *all_secondaries(run), *run.wrapper.held_between_micro_steps(run),
+        _act("batch (token ids, targets)", acts.batch, 2),
         _act("loss", acts.loss),
         Term("the last bucket's gradients (param.grad, contiguous_gradients off)",
              0 if s.contiguous_gradients else sum(last) * g, f"{S3} params_in_ipg_bucket"),
         Term("flat buffer of the bucket's padded partitions", flat * g, f"{src} (torch.cat)"),
-        Term("its copy in gloo's reduce-scatter (none with NCCL: device cuda)",
-             0 if s.device == "cuda" else sum(-(-n // run.nd) * run.nd for n in last) * g,
+        Term("its copy in gloo's reduce-scatter (none with NCCL: device cuda)", copy * g,
              "deepspeed/comm/torch.py reduce_scatter_tensor -> ProcessGroupGloo"))),)  # fmt: skip
 
 
