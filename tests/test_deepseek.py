@@ -127,15 +127,17 @@ def test_published_deepseek_v3_reads_its_router_and_layer_kinds():
 
 
 def test_cli_gives_deepseek_peaks_where_the_engines_were_measured():
-    """FSDP2 and DeepSpeed ZeRO-1, ZeRO-2 (every gradient in one bucket: the default 5e8 elements) and ZeRO-3 give
-    DeepSeek-V3's peak (the refusals of ``moe_limit``: tests/test_deepspeed_moe12.py)."""
-    from tests.clicheck import run_json
+    """FSDP2 and DeepSpeed ZeRO-2 (bucket >= one expert tensor) and ZeRO-3 give DeepSeek-V3's peak; DeepSpeed ZeRO-1
+    is refused by the same ``moe_limit`` rule as every MoE family (engines/deepspeed/plan.py): one line."""
+    from tests.clicheck import assert_one_line_error, run, run_json
 
     model = str(CONFIGS / "tiny-deepseek-v3.json")
-    for engine in (["--engine", "fsdp2"], ["--engine", "deepspeed", "--stage", "1"],
-                   ["--engine", "deepspeed", "--stage", "2"], ["--engine", "deepspeed", "--stage", "3"]):  # fmt: skip
+    for engine in (["--engine", "fsdp2"], ["--engine", "deepspeed", "--stage", "2"],
+                   ["--engine", "deepspeed", "--stage", "3"]):  # fmt: skip
         (row,) = run_json("estimate", "--model", model, "--gpus", "2", "--seq-len", "8", *engine)["stages"]
         assert row["peak_bytes"] > 0
+    assert_one_line_error(run("estimate", "--model", model, "--gpus", "2", "--engine", "deepspeed", "--stage", "1"),
+                          "DeepSpeed's peak of routed experts is modelled at ZeRO-2")  # fmt: skip
 
 
 #: FSDP2 on transformers' DeepseekV3ForCausalLM (validate.engines.fsdp2_rows.run_world, Fsdp2Settings(model=CONFIG_JSON,
@@ -219,11 +221,11 @@ def test_checkpointed_layers_keep_their_position_ids_to_their_backward():
 #: N_d = 2, DS_ACCELERATOR=cpu), recorded 2026-12-01 on this project's CPU machine: the largest rank's peak bytes
 #: [init, forward, backward, optimizer_step]. ZeRO-3 with 5,000-element buckets: tests/test_deepspeed_moe.py.
 DS_RECORDED = {2: [4389440, 8015856, 2008015864, 8779344], 3: [2003554241, 2010211061, 2012071897, 2008779877]}
-#: measured - predicted beyond MARGIN, asserted so that a fix shows. ZeRO-3's backward was 1,699,364 B (0.085 %)
-#: under at DeepSpeed's default buckets: the last bucket's cat and gloo's reduce-scatter copy after backward
-#: (zero3.py ``_epilogue_reduce_scatter``, found by the differential matrix's seed 3 draw 13); now within 68 B.
-#: ZeRO-2 is within 0.007 % every phase; before math SDPA's b = 1 rule (``deepseek_activations._v_view``: v saved as
-#: a view of kv_b_proj's output) its forward was 0.61 % under.
+#: measured - predicted beyond MARGIN: none. ZeRO-3's backward was 1,699,364 B (0.085 %) under at DeepSpeed's default
+#: buckets before ``zero3._epilogue_reduce_scatter`` (the last bucket, every gradient, reduced after backward: its
+#: padded flat buffer and gloo's copy); now 68 B (the router's and rotary buffers). ZeRO-2 is within 0.007 % every
+#: phase; before math SDPA's b = 1 rule (``deepseek_activations._v_view``: v saved as a view of kv_b_proj's output)
+#: its forward was 0.61 % under.
 DS_RESIDUAL: dict = {}
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 from zeroplan.engines.deepspeed.collectives import zero3_collectives
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
-from zeroplan.engines.deepspeed.moe import expert_gradients_held
+from zeroplan.engines.deepspeed.moe import expert_gradients_held, routed_experts_backward
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_layout
@@ -165,8 +165,14 @@ class ZeroOptimizerStage3(Wrapper):
         their sum are alive together (torch autograd InputBuffer::accumulate, then the hook on the sum; as
         ZeRO-2's ``zero12.py _tied_embedding_backward``). Found by the differential matrix (seed 1 draw 7:
         GPT-2 8.6M tied, ZeRO-3, N_d = 3: -10.3% on every rank before)."""
-        out = [Moment("backward", "last block backward", last), *_in_block_reductions(run, last, inflight)]
         sched = _schedule(run)
+        pending = _root_gradients_pending(run)
+        if pending:
+            last = (*last, Term("head and final norm gradients pending in the bucket (param.grad)", pending * _pbytes(run),
+                                f"{S3} reduce_independent_p_g_buckets_and_remove_grads (contiguous_gradients off: "
+                                "params_in_ipg_bucket, param.grad kept until __reduce_and_partition_ipg_grads)"))  # fmt: skip
+        split = routed_experts_backward(run, sched, last)  # moe.py: DeepSeek's shared experts done by then
+        out = [*(split or (Moment("backward", "last block backward", last),)), *_in_block_reductions(run, last, inflight)]
         out += expert_gradients_held(run, sched)  # moe.py: a routed expert's gradient larger than the bucket
         if run.tied_head and sched is not None and "embedding backward" in dict((m, f) for m, f, _ in run.trace.marks):
             acts = run.acts
@@ -193,6 +199,30 @@ class ZeroOptimizerStage3(Wrapper):
 
 
 S3 = "runtime/zero/stage3.py"
+
+
+def _root_gradients_pending(run: DSRun) -> int:
+    """Elements of the LM head's and the final norm's gradients still in ``param.grad`` at the last block's
+    backward without ``contiguous_gradients``: stage3.py ``reduce_independent_p_g_buckets_and_remove_grads`` then
+    only lists a gradient in the bucket (``params_in_ipg_bucket``), which keeps autograd's tensor until the bucket
+    is reduced, when the next gradient would overflow it (``elements_in_ipg_bucket + param.ds_numel >
+    reduce_bucket_size``). Walked in hook order: the head (not tied: a tied head's waits in autograd's input buffer,
+    ``kept_root``), the final norm, then the last block's output projection, whose hook may send them (its own
+    gradient is the working set's). Measured (live-storage trace at the backward peak, a Llama of vocabulary 32,
+    ZeRO-3, 20,000-element buckets, ``contiguous_gradients: false``, gloo N_d = 2): the head's 6,144 B and the
+    norm's 192 B beside down_proj's gradient at the SwiGLU product's backward; 6,344 B under before, both ranks."""
+    s, L = run.settings, run.acts.n_layer
+    if s.contiguous_gradients or not run.param_blocks:
+        return 0
+    roots = ([] if run.tied_head else [run.head_numel]) + [run.final_norm_numel]
+    outputs = [run.numels[i] for i in run.output_projections if run.param_blocks[i] == L - 1]
+    elements, pending = 0, []
+    for k, n in enumerate([*roots, *outputs]):
+        if elements + n > s.reduce_bucket_size and elements > 0:
+            elements, pending = 0, []
+        elements += n
+        pending.append((k < len(roots)) * n)
+    return sum(pending)
 
 
 def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
@@ -259,27 +289,35 @@ def _epilogue_reduce_scatter(run: DSRun, sched: Optional[Stage3Schedule]) -> tup
     ``reduce_scatter_coalesced``): its gradients, each padded to a multiple of N_d, are interleaved into one
     flat tensor (``torch.cat``; none for a single tensor that divides evenly), and gloo's
     ``reduce_scatter_tensor`` works on a full-size copy of that input (the copy is gloo's: on a GPU, NCCL
-    reduces in place; moe.py ``_reduction_peak`` measured it too). The activations are gone; the token
-    embedding, the last module fetched in backward, is still gathered (no gradient input: its release is
-    not traced, ``trace.py backward``). Found by the differential matrix (seed 3 draw 13, generator 4: Qwen2
-    17.4M tied, ZeRO-3, one bucket larger than the model, N_d = 2; MemTracker's live storages at the backward
-    peak: the states, the bucket, the gathered embedding, the 69,685,248-B ``cat`` and the 69,685,248-B copy
-    made inside gloo's ``reduce_scatter_tensor``): -5.0% on both ranks before, at the tied embedding's backward."""
+    reduces in place, not measured there; moe.py ``_reduction_peak`` measured it too). The activations are gone;
+    the token embedding, the last module fetched in backward, is still gathered (no gradient input: its release
+    is not traced, ``trace.py backward``); without ``contiguous_gradients`` the bucket's gradients are still
+    autograd's (``params_in_ipg_bucket``), with it those larger than the bucket. Found twice this session, by the
+    differential matrix (seed 3 draw 13, generator 4: Qwen2 17.4M tied, ZeRO-3, one bucket larger than the model,
+    N_d = 2; MemTracker's live storages at the backward peak: the states, the bucket, the gathered embedding, the
+    69,685,248-B ``cat`` and the 69,685,248-B copy made inside gloo's ``reduce_scatter_tensor``: -5.0% on both
+    ranks before, at the tied embedding's backward) and on the recorded MoE rows at DeepSpeed's default 5e8
+    bucket, where the last bucket is every gradient (a live-storage trace, Mixtral wide, gloo N_d = 2: two
+    5,734,912-B buffers beside the states; 2.57 MB (0.13 %) under before, Qwen3-MoE 0.15 %, DeepSeek-V3 0.085 %)."""
     s = run.settings
-    if not run.param_blocks or s.offload_optimizer.on:
+    if not run.param_blocks or run.nd == 1 or s.offload_optimizer.on:
         return ()
     order, _, first_of_bucket, _ = _hook_layout(run.numels, s.reduce_bucket_size, run.grad_ready_order)
     last = [run.numels[i] for i in order[first_of_bucket[-1]:]]
     padded = sum(-(-n // run.nd) * run.nd for n in last)
     flat = 0 if len(last) == 1 and last[0] % run.nd == 0 else padded
     copies = flat + (padded if s.device == "cpu" else 0)
-    large = sum(n for n in last if n > s.reduce_bucket_size)
+    held = sum(last) if not s.contiguous_gradients else sum(n for n in last if n > s.reduce_bucket_size)
+    if not (copies or held):
+        return ()  # nothing allocated: a subset of the last block's moment
     p, acts = _pbytes(run), run.acts
     return (Moment("backward", "last bucket reduce-scattered after backward", (
-        *_states(run), *_gathered(run, sched, "embedding backward"), _act("batch (token ids, targets)", acts.batch, 2),
+        *_states(run), *all_secondaries(run), *run.wrapper.held_between_micro_steps(run),
+        *_gathered(run, sched, "embedding backward"), _act("batch (token ids, targets)", acts.batch, 2),
         _act("loss", acts.loss),
-        Term("gradients larger than the bucket, in the last bucket", large * p,
-             f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"),
+        Term("the last bucket's gradients still in param.grad (all without contiguous_gradients; else those "
+             "larger than the bucket)", held * p,
+             f"{S3} params_in_ipg_bucket; __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads"),
         Term("the last bucket's interleaved flat copy and gloo's reduce-scatter copy", copies * p,
              "runtime/comm/coalesced_collectives.py reduce_scatter_coalesced (torch.cat) -> "
              "torch.distributed.reduce_scatter_tensor (ProcessGroupGloo: on a copy of the input)", 2))),)  # fmt: skip
