@@ -22,10 +22,11 @@ def test_amsgrad_is_a_third_adam_state_and_nothing_else():
         optimizer_states("sgd-momentum", amsgrad=True)
 
 
-# `zeroplan validate --world-size 2 --model gpt-tiny --device cpu` (bf16 parameters, fp32 master, gloo, per-tensor
-# Adam: CPU's default), with every torch.optim.Adam built amsgrad=True (the runtime's and the parity reference's),
-# torch 2.13.0+cpu, 2026-12-02: rank 0's peak per phase (init, forward, backward, optimizer step) and its live bytes
-# at the step boundary; parity ok at every stage. Without amsgrad the same run measures S·4 less in every phase but
+# `zeroplan validate --world-size 2 --model gpt-tiny --device cpu --amsgrad` (bf16 parameters, fp32 master, gloo,
+# per-tensor Adam: CPU's default; --amsgrad builds the runtime's and the parity reference's torch.optim.Adam with
+# amsgrad=True), torch 2.13.0+cpu, 2026-12-02: rank 0's peak per phase (init, forward, backward, optimizer step) and
+# its live bytes at the step boundary; parity ok at every stage. First measured with a sitecustomize patch forcing
+# amsgrad on; re-run with the flag (`--stage 2`, same day): stage 2's row again, to the byte. Without amsgrad the same run measures S·4 less in every phase but
 # init (S = 145,296 / 4 elements at stage 0, half that at 1-3): the third state, and no temporary.
 MEASURED = {
     0: ((363_240, 832_732, 845_660, 1_162_884), 726_484),
@@ -50,6 +51,8 @@ def _gpt_tiny_cpu(stage: int, amsgrad: bool):
 
 @pytest.mark.parametrize("stage", sorted(MEASURED))
 def test_reference_amsgrad_every_phase_as_measured(stage):
+    """``zeroplan validate --world-size 2 --model gpt-tiny --device cpu --stage STAGE --amsgrad``: every phase
+    equal to the prediction to the byte (MEASURED), and one fp32 shard above the same run without amsgrad."""
     (phases, states), adam_step_bytes = MEASURED[stage], 4  # the step scalar: beside the model states
     row = _gpt_tiny_cpu(stage, amsgrad=True)
     predicted = tuple(row.peak.by_phase().values())
@@ -62,6 +65,23 @@ def test_reference_amsgrad_every_phase_as_measured(stage):
     assert [a - b for a, b in zip(predicted, plain.peak.by_phase().values())] == [0, *[shard_bytes] * 3]
     assert "Adam m, v, max v, step" in {t.name for t in row.peak.peak_terms}
 
+
+
+def test_validate_amsgrad_predicts_the_measured_row_and_is_refused_elsewhere():
+    """``ValidateConfig.amsgrad`` (``zeroplan validate --amsgrad``) reaches the prediction the run is compared with
+    (``validate/report.py reference_estimate``): stage 2's measured row; other engines refuse it in one line."""
+    from validate.config import ValidateConfig
+    from validate.models import expected_shapes, spec_for
+    from validate.report import reference_estimate
+
+    config = ValidateConfig(model="gpt-tiny", world_sizes=(2,), stages=(2,), device="cpu", amsgrad=True)
+    meta = {"device": "cpu", "world_size": 2}
+    row = reference_estimate(config, meta, 2, expected_shapes(spec_for("gpt-tiny", None)), False)
+    assert tuple(row.peak.by_phase().values()) == MEASURED[2][0]
+    assert row.memory.model_states_bytes + 4 == MEASURED[2][1]  # + Adam's 4-B step scalar
+    for engine in ("fsdp2", "deepspeed"):
+        with pytest.raises(ValueError, match=r"--amsgrad: --engine reference only"):
+            ValidateConfig(engine=engine, amsgrad=True)
 
 def test_a_live_amsgrad_optimizer_sets_the_reference_setting():
     """``estimate(model=, optimizer=Adam(amsgrad=True))`` under the reference engine is the estimate with
