@@ -156,3 +156,31 @@ def test_a_live_amsgrad_optimizer_under_deepspeed():
     with pytest.raises(ValueError, match=r"^amsgrad=True under engine=deepspeed with bf16 enabled: measured at fp32"):
         zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True), gpus=2,
                           engine="deepspeed", ds_config=half)  # fmt: skip
+
+
+def test_a_ds_config_with_amsgrad_is_the_live_client_adam(tmp_path):
+    """``estimate --deepspeed-config`` with ``optimizer.params.amsgrad`` (torch_adam: DeepSpeed hands it on to
+    torch's Adam, engine.py ``_configure_basic_optimizer``) is the estimate of a live client ``Adam(amsgrad=True)``:
+    the same peak, name and states; the key is written back by ``to_ds_config``."""
+    import json
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tests.clicheck import run_json
+    from zeroplan.engines import deepspeed as D
+
+    config = "tests/data/hf_configs/tiny-gpt2.json"
+    params = {"torch_adam": True, "adam_w_mode": False, "amsgrad": True}  # a client torch.optim.Adam
+    ds = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": params}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    cli = run_json("estimate", "--engine", "deepspeed", "--model", config, "--gpus", "2",
+                   "--deepspeed-config", str(tmp_path / "ds.json"))["stages"][0]  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(config))
+    live = zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True), gpus=2,
+                             engine="deepspeed", ds_config={"zero_optimization": {"stage": 2}}).stages[0]  # fmt: skip
+    assert (cli["name"], cli["peak_bytes"], cli["optimizer_bytes"]) == (
+        live.name, live.peak.peak_bytes, live.memory.optimizer_bytes)
+    # Ψ = 36,324 over N_d 2: master, m, v, max v (fp32), and the 2 fp32 step scalars (terms.py: the norm, Adam's step)
+    assert cli["optimizer_bytes"] == 36_324 // 2 * 4 * 4 + 2 * 4
+    settings = D.Settings.from_ds_config(ds)
+    assert settings.amsgrad and D.Settings.from_ds_config(D.to_ds_config(settings)) == settings
