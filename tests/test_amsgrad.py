@@ -184,3 +184,23 @@ def test_a_ds_config_with_amsgrad_is_the_live_client_adam(tmp_path):
     assert cli["optimizer_bytes"] == 36_324 // 2 * 4 * 4 + 2 * 4
     settings = D.Settings.from_ds_config(ds)
     assert settings.amsgrad and D.Settings.from_ds_config(D.to_ds_config(settings)) == settings
+
+
+@pytest.mark.parametrize("engine, dtype, row", [("reference", "bf16", 3), ("fsdp2", "fp32", 0), ("deepspeed", "fp32", 0)])
+def test_k_and_the_byte_rows_count_the_third_state(engine, dtype, row):
+    """A live ``Adam(amsgrad=True)``: ``Estimate.k`` and ``bytes_per_param`` are the engine's states (the policy's rows
+    with ``Settings.amsgrad``), so K grows by max v's 4 B exactly as optimizer_bytes grows by 4 B per sharded
+    element; plain DP ("vs DP") keeps the same third state."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    psi = 64 * 32 + 32 + 32 * 8 + 8  # 2,344: every tensor splits evenly in two
+    kw = {"ds_config": {"zero_optimization": {"stage": 2}}} if engine == "deepspeed" else {}
+    ams, plain = (zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=a), gpus=2,
+                                    engine=engine, **kw) for a in (True, False))  # fmt: skip
+    assert ams.k - plain.k == 4 and ams.bytes_per_param == (*plain.bytes_per_param, ("fp32 Adam max v", 4.0))
+    grown = ams.stages[row].memory.optimizer_bytes - plain.stages[row].memory.optimizer_bytes
+    assert grown == (ams.k - plain.k) * psi // 2
+    if engine == "reference":  # K = 16 (master, m, v, max v), all of stage 0's optimizer bytes; DP is stage 0
+        assert (ams.k, ams.stages[0].memory.optimizer_bytes) == (16, 16 * psi)
+        assert ams.stages[0].reduction_vs_dp == 1.0
