@@ -22,12 +22,13 @@ def test_amsgrad_is_a_third_adam_state_and_nothing_else():
         optimizer_states("sgd-momentum", amsgrad=True)
 
 
-# `zeroplan validate --world-size 2 --model gpt-tiny --device cpu --amsgrad` (bf16 parameters, fp32 master, gloo,
-# per-tensor Adam: CPU's default; --amsgrad builds the runtime's and the parity reference's torch.optim.Adam with
-# amsgrad=True), torch 2.13.0+cpu, 2026-12-02: rank 0's peak per phase (init, forward, backward, optimizer step) and
-# its live bytes at the step boundary; parity ok at every stage. First measured with a sitecustomize patch forcing
-# amsgrad on; re-run with the flag (`--stage 2`, same day): stage 2's row again, to the byte. Without amsgrad the same run measures S·4 less in every phase but
-# init (S = 145,296 / 4 elements at stage 0, half that at 1-3): the third state, and no temporary.
+# `zeroplan validate --world-size 2 --model gpt-tiny --device cpu --amsgrad` (bf16 parameters, fp32 master,
+# gloo, per-tensor Adam: CPU's default; --amsgrad builds the runtime's and the parity reference's
+# torch.optim.Adam with amsgrad=True), torch 2.13.0+cpu, 2026-12-02: rank 0's peak per phase (init, forward,
+# backward, optimizer step) and its live bytes at the step boundary; parity ok at every stage. First measured
+# with a sitecustomize patch forcing amsgrad on; re-run with the flag (`--stage 2`, same day): stage 2's row
+# again, to the byte. Without amsgrad the same run measures S·4 less in every phase but init (S = 145,296 / 4
+# elements at stage 0, half that at 1-3): the third state, and no temporary.
 MEASURED = {
     0: ((363_240, 832_732, 845_660, 1_162_884), 726_484),
     1: ((282_024, 542_140, 555_068, 654_348), 435_892),
@@ -68,8 +69,9 @@ def test_reference_amsgrad_every_phase_as_measured(stage):
 
 
 def test_validate_amsgrad_predicts_the_measured_row_and_is_refused_elsewhere():
-    """``ValidateConfig.amsgrad`` (``zeroplan validate --amsgrad``) reaches the prediction the run is compared with
-    (``validate/report.py reference_estimate``): stage 2's measured row; other engines refuse it in one line."""
+    """``ValidateConfig.amsgrad`` (``zeroplan validate --amsgrad``) reaches the prediction the run is compared
+    with (``validate/report.py reference_estimate``): stage 2's measured row; other engines refuse it in one
+    line."""
     from validate.config import ValidateConfig
     from validate.models import expected_shapes, spec_for
     from validate.report import reference_estimate
@@ -160,8 +162,8 @@ def test_a_live_amsgrad_optimizer_under_deepspeed():
 
 def test_a_ds_config_with_amsgrad_is_the_live_client_adam(tmp_path):
     """``estimate --deepspeed-config`` with ``optimizer.params.amsgrad`` (torch_adam: DeepSpeed hands it on to
-    torch's Adam, engine.py ``_configure_basic_optimizer``) is the estimate of a live client ``Adam(amsgrad=True)``:
-    the same peak, name and states; the key is written back by ``to_ds_config``."""
+    torch's Adam, engine.py ``_configure_basic_optimizer``) is the estimate of a live client
+    ``Adam(amsgrad=True)``: the same peak, name and states; the key is written back by ``to_ds_config``."""
     import json
 
     torch = pytest.importorskip("torch")
@@ -180,17 +182,18 @@ def test_a_ds_config_with_amsgrad_is_the_live_client_adam(tmp_path):
                              engine="deepspeed", ds_config={"zero_optimization": {"stage": 2}}).stages[0]  # fmt: skip
     assert (cli["name"], cli["peak_bytes"], cli["optimizer_bytes"]) == (
         live.name, live.peak.peak_bytes, live.memory.optimizer_bytes)
-    # Ψ = 36,324 over N_d 2: master, m, v, max v (fp32), and the 2 fp32 step scalars (terms.py: the norm, Adam's step)
+    # Ψ = 36,324 over N_d 2: master, m, v, max v (fp32), and 2 fp32 step scalars (terms.py: norm, Adam's step)
     assert cli["optimizer_bytes"] == 36_324 // 2 * 4 * 4 + 2 * 4
     settings = D.Settings.from_ds_config(ds)
     assert settings.amsgrad and D.Settings.from_ds_config(D.to_ds_config(settings)) == settings
 
 
-@pytest.mark.parametrize("engine, dtype, row", [("reference", "bf16", 3), ("fsdp2", "fp32", 0), ("deepspeed", "fp32", 0)])
+@pytest.mark.parametrize("engine, dtype, row", [("reference", "bf16", 3), ("fsdp2", "fp32", 0),
+                                               ("deepspeed", "fp32", 0)])  # fmt: skip
 def test_k_and_the_byte_rows_count_the_third_state(engine, dtype, row):
-    """A live ``Adam(amsgrad=True)``: ``Estimate.k`` and ``bytes_per_param`` are the engine's states (the policy's rows
-    with ``Settings.amsgrad``), so K grows by max v's 4 B exactly as optimizer_bytes grows by 4 B per sharded
-    element; plain DP ("vs DP") keeps the same third state."""
+    """A live ``Adam(amsgrad=True)``: ``Estimate.k`` and ``bytes_per_param`` are the engine's states (the
+    policy's rows with ``Settings.amsgrad``), so K grows by max v's 4 B exactly as optimizer_bytes grows by 4 B
+    per sharded element; plain DP ("vs DP") keeps the same third state."""
     torch = pytest.importorskip("torch")
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
     model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)

@@ -75,8 +75,10 @@ class ValidateConfig(BaseModel):
     )
     checkpointing: Literal["none", "full"] = Field("none", description="full: every block recomputed in backward")
     foreach: bool | None = Field(None, description="Adam's foreach path; default: as torch chooses for the device")
-    amsgrad: bool = Field(False, description="reference engine: Adam(amsgrad=True), a third fp32 state max_exp_avg_sq "
-                          "(the runtime's and the parity reference's Adam)")
+    amsgrad: bool = Field(
+        False, description="reference engine: Adam(amsgrad=True), a third fp32 state max_exp_avg_sq (the runtime's "
+        "and the parity reference's Adam)",
+    )  # fmt: skip
     peak_tolerance: PositiveFinite = Field(0.02, description="largest relative error of any phase's peak still ok")
     seq_len: Count | None = Field(
         None, description="tokens per sequence (transformers only), up to its positions; default: all positions"
