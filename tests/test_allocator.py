@@ -230,8 +230,8 @@ def test_random_traces_keep_the_allocators_invariants(conf):
 
 
 def test_package_names_are_imported_at_first_use():
-    # `import zeroplan.allocator` imports none of its modules (issue 16); each exported name is its home's, and
-    # `replay` stays the function after the submodule of that name is imported (the import system binds it)
+    # `import zeroplan.allocator` imports none of its modules (issue 16); each exported name is its home's,
+    # and `replay` stays the function after its submodule is imported (which the import system binds)
     code = ("import sys, zeroplan.allocator as a\n"
             "print(sorted(m for m in sys.modules if m.startswith('zeroplan.allocator.')))\n"
             "import zeroplan.allocator.replay, zeroplan.allocator.caching\n"
@@ -240,4 +240,5 @@ def test_package_names_are_imported_at_first_use():
             "      CachingAllocator is sys.modules['zeroplan.allocator.caching'].CachingAllocator)\n"
             "try:\n    a.absent\nexcept AttributeError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["[]", "True True True", "module 'zeroplan.allocator' has no attribute 'absent'"]
+    absent = "module 'zeroplan.allocator' has no attribute 'absent'"
+    assert out.splitlines() == ["[]", "True True True", absent]

@@ -19,8 +19,8 @@ import sys
 import types
 
 _HOMES = {"CachingAllocator": "caching", "OutOfMemory": "caching", "AllocatorConfig": "config",
-          "allocation_size": "config", "parse_alloc_conf": "config", "round_size": "config", "Event": "replay",
-          "PhasePeak": "replay", "Replay": "replay"}
+          "allocation_size": "config", "parse_alloc_conf": "config", "round_size": "config",
+          "Event": "replay", "PhasePeak": "replay", "Replay": "replay"}
 """Each name the package exports and its home module, imported at the name's first use: a command that reads
 ``allocator.config`` alone (``estimate`` without a model: no replay) does not import the replay's modules."""
 
@@ -36,7 +36,7 @@ def __getattr__(name: str) -> object:
 
 class _Package(types.ModuleType):
     """``zeroplan.allocator.replay`` is the function, as when the package imported it eagerly: the import
-    system binds the submodule ``replay`` on the package when it is first imported, and that binding is dropped."""
+    system binds the submodule ``replay`` on the package at its first import; that binding is dropped."""
 
     @property
     def replay(self) -> object:

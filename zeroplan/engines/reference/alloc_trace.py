@@ -13,7 +13,7 @@ from zeroplan.engines.reference.settings import Settings
 from zeroplan.engines.reference.terms import reference_run
 from zeroplan.formulas.cuda_workspaces import library_workspaces
 
-if TYPE_CHECKING:  # the allocator's trace modules are imported by the traces' first call, not by every command
+if TYPE_CHECKING:  # the allocator's trace modules: imported by the first trace, not by every command
     from zeroplan.allocator.step_trace import AllocTrace
 
 STREAMS = {0: "default"}
