@@ -14,8 +14,9 @@ from functools import lru_cache
 
 from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
-from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
+from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.formulas.peak import Moment, Term
 
 GIP_SRC = "runtime/zero/stage_1_and_2.py copy_grads_in_partition"
@@ -119,9 +120,10 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
             Term("flattened copy of the last bucket's gradients", buckets[-1] * g,
                  "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))  # fmt: skip
 
+    firsts = _rank_first_buckets(run)
+
     def early(rank: int) -> bool:  # its grads_in_partition allocated by an earlier bucket
-        mine = run.flat.params(rank)
-        return bool(mine) and min(bucket_of[i] for i in mine) < last and run.grad_accum == 1
+        return 0 <= firsts[rank] < last and run.grad_accum == 1
 
     out = []
     for rank in run.first_largest(lambda r: run.flat.params_numel(r) if early(r) else 0):  # one where all are described
@@ -130,20 +132,34 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
+def _rank_first_buckets(run: DSRun) -> tuple[int, ...]:
+    """Per rank (all N_d), the first bucket in gradient-ready order holding one of the parameters its slice of
+    the flat group overlaps (``_hook_buckets``); -1 for a rank overlapping none (the padding's)."""
+    return _first_buckets(run.flat, run.settings.reduce_bucket_size, run.grad_ready_order)
+
+
+@lru_cache(maxsize=16)  # per layout and bucket size: every run of a candidate, and candidates alike, ask
+def _first_buckets(flat: FlatGroup, bucket: int, order: tuple[int, ...]) -> tuple[int, ...]:
+    """``_rank_first_buckets`` of ``flat`` (a ``terms.flat_group``, hashed by identity) for buckets of ``bucket``
+    elements, gradients ready in ``order``: the least bucket over each rank's range of parameters."""
+    bucket_of = _hook_layout(flat.numels, bucket, order)[3]
+    by_param = [bucket_of[i] for i in range(len(flat.numels))]
+    return tuple(min(by_param[first:end]) if end > first else -1 for first, end in map(flat.range, range(flat.nd)))
+
+
 def _reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
     """Reducing from the hooks, per rank (``run.ranks``) whose ``grads_in_partition`` a bucket before the last
     allocates: (rank, that bucket, the parameter whose gradient hook reduces it: the first that does not fit,
-    stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
-    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
-    out = []
-    for rank in run.ranks:
-        mine = run.flat.params(rank)
-        if not mine:
-            continue
-        first = min(bucket_of[i] for i in mine)
-        if first + 1 < len(buckets):  # else the last bucket: reduced after backward
-            out.append((rank, first, order[first_of_bucket[first + 1]]))
-    return tuple(out)
+    stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``). Once per run (``memo_of``)."""
+    return memo_of(run, "reducing_hooks", _find_reducing_hooks)  # type: ignore[return-value]
+
+
+def _find_reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
+    order, buckets, first_of_bucket, _ = _hook_buckets(run)
+    firsts = _rank_first_buckets(run)
+    # a rank overlapping no parameter (-1) has no partition; the last bucket's is reduced after backward
+    return tuple((rank, firsts[rank], order[first_of_bucket[firsts[rank] + 1]]) for rank in run.ranks
+                 if 0 <= firsts[rank] and firsts[rank] + 1 < len(buckets))
 
 
 def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
@@ -174,43 +190,92 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     large_in_bucket: dict[int, int] = {}
     for i in large:
         large_in_bucket[bucket_of[i]] = large_in_bucket.get(bucket_of[i], 0) + run.numels[i]
-    best: dict[int, tuple[int, Moment]] = {}  # block -> (bytes, moment) of the rank holding the most
-    at_hooks: dict[tuple[int, int], tuple] = {}
+    # The bytes of each rank's moment, summed from what every rank reducing at one hook holds alike (``alike``)
+    # and what is its own (its partition or the bucket's flat copy, the larger; at stage 1 its kept gradients):
+    # the same integers as the terms' sum, so the same rank wins; only the winners' terms are built.
+    alike: dict[tuple[int, int], tuple[int, int] | None] = {}  # (first, hook) -> (common bytes, kept elements)
+    base_bytes, g, memo = sum(t.bytes for t in base), DTYPE_BYTES[s.grad_dtype], _hook_memo(run)
+    best: dict[int, tuple[int, int, int, int]] = {}  # block -> (bytes, rank, first, hook) of the rank holding the most
     for rank, first, hook in _reducing_hooks(run):
         j = run.param_blocks[hook]
         if j < 0 or hook in outputs:
             continue
-        if (j, hook) not in at_hooks:  # every rank reducing at one hook sees the same activations
-            at_hooks[j, hook] = _hook_activations(run, j, hook), _blocks_saved(run, j)
-        at_hook, saved = at_hooks[j, hook]
-        if at_hook is None:
+        if (first, hook) not in alike:  # every rank reducing at one hook sees the same activations
+            at_hook = _hook_activations(run, j, hook, memo)
+            alike[first, hook] = None if at_hook is None else (
+                base_bytes + _blocks_saved(run, j).bytes + sum(t.bytes for t in at_hook[1])
+                + sum(run.numels[i] for i in at_hook[2]) * p + large_in_bucket.get(first, 0) * p,
+                sum(run.numels[i] for i in large if bucket_of[i] < first and run.param_blocks[i] == j) if kept else 0)
+        common = alike[first, hook]
+        if common is None:
             continue
-        where, acts, module = at_hook
-        lo, hi = run.flat.range(rank)
-        in_bucket = large_in_bucket.get(first, 0)
-        own = sum(run.numels[i] for i in large
-                  if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0  # fmt: skip
-        terms = (*base, saved, *acts,
-                 Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
-                      "autograd (one node makes every input's gradient)", len(module)),
-                 Term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
-                      "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"),
-                 *((Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
-                         (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
-                 Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
-        name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
-        copy = buckets[first] * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
-        if copy > terms[-1].bytes:  # partition is allocated: the larger of the two, one after the other
-            name = f"block {j} {where} backward, rank {rank}'s bucket flattened"
-            terms = (*terms[:-1], Term("flattened copy of the bucket's gradients", copy,
-                                       "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))
-        total = sum(t.bytes for t in terms)
+        total = common[0] + max(run.flat.params_numel(rank) * p, buckets[first] * g)
+        if kept:
+            lo, hi = run.flat.range(rank)
+            own = common[1] - sum(run.numels[i] for i in range(lo, hi) if run.numels[i] > s.reduce_bucket_size
+                                  and bucket_of[i] < first and run.param_blocks[i] == j)  # fmt: skip
+            total += own * p + kept[rank][j].bytes
         if j not in best or total > best[j][0]:
-            best[j] = (total, Moment("backward", name, terms))
-    return tuple(m for _, m in best.values())
+            best[j] = (total, rank, first, hook)
+    return tuple(_partition_moment(run, base, kept, large, large_in_bucket, rank, first, hook)
+                 for _, rank, first, hook in best.values())
 
 
-def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
+def _partition_moment(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[Term, ...]], large: list[int],
+                      large_in_bucket: dict[int, int], rank: int, first: int, hook: int) -> Moment:
+    """``_in_block_partitions``' moment of ``rank``, whose first bucket ``first`` is reduced at ``hook``."""
+    p, s, j = _pbytes(run), run.settings, run.param_blocks[hook]
+    _, buckets, _, bucket_of = _hook_buckets(run)
+    where, acts, module = _hook_activations(run, j, hook)  # type: ignore[misc]
+    lo, hi = run.flat.range(rank)
+    in_bucket = large_in_bucket.get(first, 0)
+    own = sum(run.numels[i] for i in large
+              if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0  # fmt: skip
+    terms = (*base, _blocks_saved(run, j), *acts,
+             Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
+                  "autograd (one node makes every input's gradient)", len(module)),
+             Term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
+                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"),
+             *((Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
+                     (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
+             Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
+    name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
+    copy = buckets[first] * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
+    if copy > terms[-1].bytes:  # partition is allocated: the larger of the two, one after the other
+        name = f"block {j} {where} backward, rank {rank}'s bucket flattened"
+        terms = (*terms[:-1], Term("flattened copy of the bucket's gradients", copy,
+                                   "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))
+    return Moment("backward", name, terms)
+
+
+_HOOK_MEMO: list = []  # [(layout, facts, {(block, hook): _hook_activations})]: the last layout's
+
+
+def _hook_memo(run: DSRun) -> dict:
+    """The memo of ``_hook_activations`` for ``run``: what it reads is the layout (the very same tuples, as
+    ``block_roles._layout_roles`` checks them), the activations, checkpointing, the dtype and the final norm; every
+    candidate of a plan shares them, and ZeRO-3's per-bucket hooks are thousands (a 405B plan)."""
+    layout = (run.modules, run.grad_ready_order, run.param_blocks, run.numels, run.output_projections)
+    facts = (run.acts, run.checkpointing, run.settings.dtype, run.final_norm_numel)
+    if _HOOK_MEMO:
+        old_layout, old_facts, memo = _HOOK_MEMO[0]
+        if all(a is b for a, b in zip(old_layout, layout)) and old_facts == facts:
+            return memo
+    _HOOK_MEMO[:] = [(layout, facts, {})]
+    return _HOOK_MEMO[0][2]
+
+
+def _hook_activations(run: DSRun, j: int, hook: int,
+                      memo: dict | None = None) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
+    """``_block_hook_activations``, once per layout (``_hook_memo``; ``memo``: the run's, asked once by the
+    caller of many hooks)."""
+    memo = _hook_memo(run) if memo is None else memo
+    if (j, hook) not in memo:
+        memo[j, hook] = _block_hook_activations(run, j, hook)
+    return memo[j, hook]
+
+
+def _block_hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
     """(where, block j's activations at ``hook``'s gradient hook: its saved tensors not yet released and the
     gradients in flight, the hooked module's parameters) for a hook of an MLP input projection or of the norm
     before the MLP; None elsewhere (the attention, the input norm: not modelled). GPT (``_mlp_saved``): at c_fc
