@@ -28,8 +28,14 @@ def _within_one_parameter(run: DSRun, rank: int) -> bool:
     gradient the step hands Adam keeps all of ``grads_in_partition`` alive (measured by the differential matrix:
     a Qwen2 13M untied at N_d = 3, ranks 0 and 2, slices of the embedding and of the head, +783,360 elements, the
     parameter's elements outside the slice, at the update: -1.97% before)."""
-    first, end = run.flat.range(rank)
-    return end - first == 1 and (rank + 1) * run.flat.part <= run.flat.offsets[-1]  # Ψ: where the padding starts
+    return _views(run.flat)[rank]
+
+
+@lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity)
+def _views(flat: FlatGroup) -> tuple[bool, ...]:
+    """``_within_one_parameter`` of every rank of ``flat``."""
+    return tuple(end - first == 1 and (rank + 1) * flat.part <= flat.offsets[-1]  # Ψ: where the padding starts
+                 for rank, (first, end) in enumerate(map(flat.range, range(flat.nd))))
 
 
 def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
@@ -43,14 +49,11 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     buckets: the embedding's and the head's 5.1M-element gradients; ranks 0 and 1 -11.1% and -9.5%, rank 2,
     which owns the head's partition, -16.2% before)."""
     numels, p = run.numels, _pbytes(run)
-    bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, run.settings.reduce_bucket_size)))
-    offsets, states, psi = run.flat.offsets, (*_states(run), *_bucket(run)), sum(numels)
-    limit = run.settings.reduce_bucket_size  # the large gradients before parameter i, once (not per rank)
-    large_before = (0, *itertools.accumulate(n if n > limit else 0 for n in numels))
+    states, psi = (*_states(run), *_bucket(run)), sum(numels)
+    sent_and_kept = _stage1_held(run.flat, run.settings.reduce_bucket_size)
 
     def held(rank: int) -> tuple[int, int]:  # (elements sent when its partition is allocated, large ones kept)
-        sent = bucket_ends[bisect.bisect_right(bucket_ends, offsets[run.flat.range(rank)[0]])]  # the bucket of its first
-        return sent, large_before[bisect.bisect_right(offsets, sent) - 1]  # parameters i with offsets[i + 1] <= sent
+        return sent_and_kept[rank]
 
     def extra(rank: int) -> int:
         sent, large = held(rank)
@@ -69,6 +72,24 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
             Term("grads_in_partition", run.flat.params_numel(rank) * p,
                  "runtime/zero/stage_1_and_2.py copy_grads_in_partition (torch.empty of the partition's parameters)"),
             _act("batch (token ids, targets)", run.acts.batch, 2))))  # fmt: skip
+    return tuple(out)
+
+
+@lru_cache(maxsize=16)  # per layout (``terms.flat_group``, hashed by identity) and bucket size
+def _stage1_held(flat: FlatGroup, limit: int) -> tuple[tuple[int, int], ...]:
+    """``_stage1_reduce``'s per rank of ``flat``, buckets of ``limit`` elements: (elements reduced when its
+    partition is allocated, at the end of the bucket of its first parameter; of them, the gradients larger than a
+    bucket, kept)."""
+    numels, offsets = flat.numels, flat.offsets
+    bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, limit)))
+    large_before = (0, *itertools.accumulate(n if n > limit else 0 for n in numels))  # once, not per rank
+    out = []
+    for first, end in map(flat.range, range(flat.nd)):
+        if end == first:  # no parameter (the padding's): no partition allocated
+            out.append((0, 0))
+            continue
+        sent = bucket_ends[bisect.bisect_right(bucket_ends, offsets[first])]  # the bucket of its first
+        out.append((sent, large_before[bisect.bisect_right(offsets, sent) - 1]))  # parameters i: offsets[i + 1] <= sent
     return tuple(out)
 
 

@@ -9,15 +9,17 @@ partition and all-gathers the 16-bit flat group. ZeRO-1 and 2 differ in DeepSpee
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from zeroplan.engines.deepspeed.collectives import zero12_collectives
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _hook_buckets,
-                                               _in_block_partitions, _reducing_hooks, _stage1_reduce,
+                                               _in_block_partitions, _rank_first_buckets, _reducing_hooks, _stage1_reduce,
                                                _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import aligned_flat_numel, zero12_terms
+from zeroplan.engines.deepspeed.terms import FlatGroup, aligned_flat_numel, zero12_terms
 from zeroplan.formulas.peak import Moment, Term
 
 
@@ -145,13 +147,13 @@ def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
     backward when the model needs more than one. A rank owning a parameter of that bucket allocates its
     ``grads_in_partition`` there, with the activations alive (stage_1_and_2.py ``reduce_ipg_grads`` ->
     ``copy_grads_in_partition``)."""
-    _, buckets, _, bucket_of = _hook_buckets(run)
+    _, buckets, _, _ = _hook_buckets(run)
     if len(buckets) < 2:  # everything fits one bucket: reduced after backward, activations gone
         return ()
-    p = _pbytes(run)
+    p, firsts = _pbytes(run), _rank_first_buckets(run)  # a rank's least bucket is 0 where it owns one of bucket 0's
     return tuple((rank, Term("grads_in_partition", run.flat.params_numel(rank) * p,
                              "runtime/zero/stage_1_and_2.py copy_grads_in_partition"))
-                 for rank in run.ranks if any(bucket_of[i] == 0 for i in run.flat.params(rank)))  # fmt: skip
+                 for rank in run.ranks if firsts[rank] == 0)  # fmt: skip
 
 
 def _first_bucket_before_last_block(run: DSRun) -> bool:
@@ -375,8 +377,15 @@ def _norm_moment(run: DSRun, rank: int, gip: int) -> Moment:
 
 def _largest_slice(run: DSRun, rank: int) -> int:
     """Elements of the largest single parameter's slice in ``rank``'s partition of the flat group."""
-    lo, hi, offsets = rank * run.flat.part, (rank + 1) * run.flat.part, run.flat.offsets
-    return max((min(offsets[i + 1], hi) - max(offsets[i], lo) for i in run.flat.params(rank)), default=0)
+    return _largest_slices(run.flat)[rank]
+
+
+@lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity): every rank of every candidate asks
+def _largest_slices(flat: FlatGroup) -> tuple[int, ...]:
+    """``_largest_slice`` of every rank of ``flat``."""
+    offsets, part = flat.offsets, flat.part
+    return tuple(max((min(offsets[i + 1], (rank + 1) * part) - max(offsets[i], rank * part)
+                      for i in flat.params(rank)), default=0) for rank in range(flat.nd))  # fmt: skip
 
 
 ZERO12_OPTIMIZER = ZeroOptimizer()
