@@ -246,7 +246,12 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:
-    return _act(f"saved activations of {n} blocks", run.acts.saved_through(n, run.checkpointing), max(n, 1))
+    """The saved activations of the first ``n`` blocks, each ``n``'s term made once per run (``DSRun.memo``:
+    every block's moments ask, in each phase)."""
+    saved = run.memo.setdefault("blocks saved", {})
+    if n not in saved:
+        saved[n] = _act(f"saved activations of {n} blocks", run.acts.saved_through(n, run.checkpointing), max(n, 1))
+    return saved[n]
 
 
 ZINIT = "runtime/zero/partition_parameters.py"
