@@ -227,17 +227,20 @@ class Coordinator:
     def fetch(self, m: int, forward: bool) -> None:
         """fetch_sub_module; ``forward``: the phase (calls counted there)."""
         params = self.modules[m]
-        self.all_gather(params, forward)
-        for p in params:
-            self.active[p].add(m)
-            self.wait(p)
-        self.pop_expected(params)
+        if params:  # a module without parameters gathers, waits for and pops nothing: only its prefetch
+            self.all_gather(params, forward)
+            for p in params:
+                self.active[p].add(m)
+                self.wait(p)
+            self.pop_expected(params)
         if self.bucket > 0:
             self.prefetch(forward)
         self.step += 1
 
     def release(self, m: int) -> None:
-        """release_sub_module."""
+        """release_sub_module (a module without parameters releases nothing)."""
+        if not self.modules[m]:
+            return
         drop = self.to_release(m)
         for p in self.modules[m]:
             self.active[p].discard(m)

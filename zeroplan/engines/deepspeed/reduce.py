@@ -96,8 +96,10 @@ def _stage1_held(flat: FlatGroup, limit: int) -> tuple[tuple[int, int], ...]:
 def _hook_buckets(run: DSRun) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
     """(gradient-ready order, ``DSRun.grad_ready_order``; the buckets' element counts in that order,
     ``greedy_buckets``; the position in the order of each bucket's first gradient; parameter -> its bucket) of
-    ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
-    return _hook_layout(run.numels, run.settings.reduce_bucket_size, run.grad_ready_order)
+    ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``).
+    Once per run (``memo_of``: hashing the layout's tuples for ``_hook_layout``'s cache costs ~20 us a call)."""
+    return memo_of(run, "hook buckets", lambda r: _hook_layout(r.numels, r.settings.reduce_bucket_size,
+                                                               r.grad_ready_order))  # type: ignore[return-value]
 
 
 @lru_cache(maxsize=16)  # read-only: every moment function of a run, and every rank's run, ask for the same
@@ -151,6 +153,12 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
         out.append(Moment("backward", f"reduction after backward, rank {rank}", (*base, *(
             (Term("grads_in_partition", run.flat.params_numel(rank) * _pbytes(run), GIP_SRC),) if early(rank) else ()))))
     return tuple(out)
+
+
+def _last_in_blocks(run: DSRun) -> int:
+    """The last parameter (``named_parameters`` order) inside a decoder block; -1 without blocks. Once per run."""
+    return memo_of(run, "last in blocks", lambda r: max((i for i, j in enumerate(r.param_blocks) if j >= 0),
+                                                        default=-1))  # type: ignore[return-value]
 
 
 def _rank_first_buckets(run: DSRun) -> tuple[int, ...]:
@@ -238,16 +246,16 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             total += own * p + kept[rank][j].bytes
         if j not in best or total > best[j][0]:
             best[j] = (total, rank, first, hook)
-    return tuple(_partition_moment(run, base, kept, large, large_in_bucket, rank, first, hook)
+    return tuple(_partition_moment(run, base, kept, large, large_in_bucket, memo, rank, first, hook)
                  for _, rank, first, hook in best.values())
 
 
 def _partition_moment(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[Term, ...]], large: list[int],
-                      large_in_bucket: dict[int, int], rank: int, first: int, hook: int) -> Moment:
+                      large_in_bucket: dict[int, int], memo: dict, rank: int, first: int, hook: int) -> Moment:
     """``_in_block_partitions``' moment of ``rank``, whose first bucket ``first`` is reduced at ``hook``."""
     p, s, j = _pbytes(run), run.settings, run.param_blocks[hook]
     _, buckets, _, bucket_of = _hook_buckets(run)
-    where, acts, module = _hook_activations(run, j, hook)  # type: ignore[misc]
+    where, acts, module = _hook_activations(run, j, hook, memo)  # type: ignore[misc]
     lo, hi = run.flat.range(rank)
     in_bucket = large_in_bucket.get(first, 0)
     own = sum(run.numels[i] for i in large
@@ -382,7 +390,7 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     if not run.param_blocks:
         return ()
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
-    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    last_in_blocks = _last_in_blocks(run)
     if len(buckets) < 2 or not order[first_of_bucket[1]] > last_in_blocks:
         return ()  # one bucket (``_epilogue_reduce``), or the first reduced inside the last block
     p, g, acts = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], run.acts

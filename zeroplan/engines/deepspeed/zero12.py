@@ -15,8 +15,8 @@ from zeroplan.engines.deepspeed.collectives import zero12_collectives
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _hook_buckets,
-                                               _in_block_partitions, _rank_first_buckets, _reducing_hooks, _stage1_reduce,
-                                               _within_one_parameter)
+                                               _in_block_partitions, _last_in_blocks, _rank_first_buckets,
+                                               _reducing_hooks, _stage1_reduce, _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import FlatGroup, aligned_flat_numel, zero12_terms
@@ -54,7 +54,7 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
     p = _pbytes(run)
     if not run.param_blocks:
         return ()
-    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    last_in_blocks = _last_in_blocks(run)
     outputs = set(run.output_projections)
     out = []
     for rank, _, hook in _reducing_hooks(run):
@@ -114,7 +114,7 @@ def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
     numels, p, nd, L = run.numels, _pbytes(run), run.nd, run.acts.n_layer
     if not run.param_blocks:
         return {}
-    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    last_in_blocks = _last_in_blocks(run)
     out = {}
     # (parameter, its block; L for the final norm and head, reduced before every block) of the gradients larger
     # than the bucket; the embeddings' come after the blocks
@@ -168,7 +168,7 @@ def _first_bucket_before_last_block(run: DSRun) -> bool:
     if len(buckets) < 2 or not run.param_blocks:
         return False
     hook = order[first_of_bucket[1]]
-    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    last_in_blocks = _last_in_blocks(run)
     last_block = run.param_blocks[last_in_blocks] if last_in_blocks >= 0 else -1
     return hook > last_in_blocks or (run.param_blocks[hook] == last_block and hook in run.output_projections)
 
