@@ -2,8 +2,9 @@
 winners' terms (``reduce.py _in_block_partitions``, ``zero3.py _in_block_reductions``; issue 16's plan speed).
 Checked here against the per-rank / per-bucket loops they replaced (kept below as the reference: every
 candidate's terms built, summed, the first largest kept), moment for moment, on transformers families with
-small buckets at N_d 3, 4 and 7 (and Llama 3.2 1B at N_d 64: many ranks reducing at one hook), ZeRO-1 with overlap_comm (its kept gradients), ZeRO-2, ZeRO-3 with and
-without offload_optimizer, checkpointed or not, every rank at once and one rank named."""
+small buckets at N_d 3, 4 and 7 (and Llama 3.2 1B at N_d 64: many ranks reducing at one hook), ZeRO-1 with
+overlap_comm (its kept gradients), ZeRO-2, ZeRO-3 with and without offload_optimizer, checkpointed or not,
+every rank at once and one rank named."""
 
 from __future__ import annotations
 

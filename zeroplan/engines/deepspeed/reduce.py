@@ -230,10 +230,9 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
         if j < 0 or hook in outputs:
             continue
         if (first, hook) not in alike:  # every rank reducing at one hook sees the same activations
-            at_hook = _hook_activations(run, j, hook, memo)
+            at_hook = _hook_bytes(run, j, hook, memo)
             alike[first, hook] = None if at_hook is None else (
-                base_bytes + _blocks_saved(run, j).bytes + sum(t.bytes for t in at_hook[1])
-                + sum(run.numels[i] for i in at_hook[2]) * p + large_in_bucket.get(first, 0) * p,
+                base_bytes + _blocks_saved(run, j).bytes + at_hook + large_in_bucket.get(first, 0) * p,
                 sum(run.numels[i] for i in large if bucket_of[i] < first and run.param_blocks[i] == j) if kept else 0)
         common = alike[first, hook]
         if common is None:
@@ -302,6 +301,17 @@ def _hook_activations(run: DSRun, j: int, hook: int,
     if (j, hook) not in memo:
         memo[j, hook] = _block_hook_activations(run, j, hook)
     return memo[j, hook]
+
+
+def _hook_bytes(run: DSRun, j: int, hook: int, memo: dict) -> int | None:
+    """The bytes of ``_hook_activations``' terms and of the hooked module's weight gradients (``sum(numels) * p``),
+    or None where it has none; once per layout (``memo``: ``_hook_memo(run)``, whose facts include the dtype)."""
+    key = ("bytes", j, hook)
+    if key not in memo:
+        at_hook = _hook_activations(run, j, hook, memo)
+        memo[key] = None if at_hook is None else (
+            sum(t.bytes for t in at_hook[1]) + sum(run.numels[i] for i in at_hook[2]) * _pbytes(run))
+    return memo[key]
 
 
 def _block_hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:

@@ -17,7 +17,7 @@ from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedu
 from zeroplan.engines.deepspeed.moe import expert_gradients_held
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
-from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_layout, _hook_memo
+from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_bytes, _hook_layout, _hook_memo
 from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
@@ -227,18 +227,20 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     # each bucket's bytes as integers (the terms' sum: the same bucket wins), the terms built for the winners only
     base_bytes, memo, saved = sum(t.bytes for t in base), _hook_memo(run), {}
     best: dict[int, tuple[int, int]] = {}  # block -> (bytes, bucket) of its largest
+    blocks = run.param_blocks
     for b in range(len(buckets) - 1):  # the last bucket is sent after backward (independent_gradient_partition_epilogue)
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
-        hook = order[end]
         large = large_before[end] - large_before[start]
-        j = run.param_blocks[hook]
-        at_hook = _hook_activations(run, j, hook, memo) if j >= 0 and (large or offload) else None
+        if not (large or offload):
+            continue
+        hook = order[end]
+        j = blocks[hook]
+        at_hook = _hook_bytes(run, j, hook, memo) if j >= 0 else None  # its activations' and weight gradients' bytes
         if at_hook is None:
             continue
         if j not in saved:
             saved[j] = _blocks_saved(run, j)
-        total = (base_bytes + saved[j].bytes + sum(t.bytes for t in at_hook[1])
-                 + sum(numels[i] for i in at_hook[2]) * p + large * p)
+        total = base_bytes + saved[j].bytes + at_hook + large * p
         if offload:
             total += max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 + normed_before[start] * 8
         if j not in best or total > best[j][0]:
