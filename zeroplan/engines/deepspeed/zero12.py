@@ -9,6 +9,7 @@ partition and all-gathers the 16-bit flat group. ZeRO-1 and 2 differ in DeepSpee
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 from zeroplan.engines.deepspeed.collectives import zero12_collectives
@@ -16,7 +17,7 @@ from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_
                                                later_blocks_held)
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _hook_buckets,
                                                _in_block_partitions, _last_in_blocks, _rank_first_buckets,
-                                               _reducing_hooks, _stage1_reduce, _within_one_parameter)
+                                               _reducing_hooks, _stage1_reduce, _views, _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import FlatGroup, aligned_flat_numel, zero12_terms
@@ -334,18 +335,26 @@ class ZeroOptimizer(Wrapper):
             flat = 0 if view or fp32_grads else part * DTYPE_BYTES[s.grad_dtype]
             return run.flat.params_numel(rank) * p, flat, part * 4 if not (view and fp32_grads) else 0, view
 
-        # one rank's flatten and one's update where every rank is described (``DSRun.first_largest``)
-        table = {r: sizes(r) for r in run.ranks}
+        # one rank's flatten and one's update where every rank is described (``DSRun.first_largest``), each
+        # family's bytes per rank from the layout's per-rank tuples (``sizes``' sums, as lists: N_d is large)
+        gips = [n * p for n in _params_numels(run.flat)] if run.settings.rank is None else None
+        views, largest = _views(run.flat), _largest_slices(run.flat)
+        g = 0 if fp32_grads else part * DTYPE_BYTES[s.grad_dtype]
+
+        def family(each: Callable[[int, int], int]) -> tuple[int, ...]:  # each(gip, rank) -> the family's bytes
+            if gips is None:
+                return run.first_largest(lambda r: each(run.flat.params_numel(r) * p, r))  # one rank: not called
+            return run.first_largest([each(gip, r) for r, gip in enumerate(gips)].__getitem__)
+
         # with offload_optimizer the norm is summed from per-parameter norms taken in backward
         # (stage_1_and_2.py complete_grad_norm_calculation_for_cpu_offload): no fp64 copy on the GPU
-        norms = () if s.offload_optimizer.on else run.first_largest(
-            lambda r: table[r][0] + _largest_slice(run, r) * DTYPE_BYTES["fp64"])
-        flattens = run.first_largest(lambda r: sum(table[r][:3]))
-        updates = run.first_largest(lambda r: table[r][0] if table[r][3] and fp32_grads else part * 4)
+        norms = () if s.offload_optimizer.on else family(lambda gip, r: gip + largest[r] * DTYPE_BYTES["fp64"])
+        flattens = family(lambda gip, r: gip + (0 if views[r] else g) + (0 if views[r] and fp32_grads else part * 4))
+        updates = family(lambda gip, r: gip if views[r] and fp32_grads else part * 4)
         common = adam_update(run, part, inner, temps)
         out = []
         for rank in sorted({*norms, *flattens, *updates}):
-            gip, flat, fp32, view = table[rank]
+            gip, flat, fp32, view = sizes(rank)
             if rank in norms:
                 out.append(_norm_moment(run, rank, gip))
             if rank in flattens:
@@ -378,6 +387,12 @@ def _norm_moment(run: DSRun, rank: int, gip: int) -> Moment:
 def _largest_slice(run: DSRun, rank: int) -> int:
     """Elements of the largest single parameter's slice in ``rank``'s partition of the flat group."""
     return _largest_slices(run.flat)[rank]
+
+
+@lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity)
+def _params_numels(flat: FlatGroup) -> tuple[int, ...]:
+    """``FlatGroup.params_numel`` of every rank of ``flat``."""
+    return tuple(map(flat.params_numel, range(flat.nd)))
 
 
 @lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity): every rank of every candidate asks
