@@ -21,8 +21,8 @@ from zeroplan.engines.deepspeed import Settings, ds_run
 from zeroplan.engines.deepspeed.offload_settings import OffloadTarget
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import backward_moments
-from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _hook_activations, _hook_buckets, _hook_layout,
-                                               _in_block_partitions, _reducing_hooks)
+from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _hook_layout
+from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_activations, _in_block_partitions, _reducing_hooks
 from zeroplan.engines.deepspeed.run import _blocks_saved, _pbytes
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.zero3 import S3, _in_block_reductions

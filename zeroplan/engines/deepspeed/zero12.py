@@ -10,17 +10,17 @@ partition and all-gathers the 16-bit flat group. ZeRO-1 and 2 differ in DeepSpee
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
 
 from zeroplan.engines.deepspeed.collectives import zero12_collectives
+from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _largest_slices, _last_in_blocks, _params_numels,
+                                                     _rank_first_buckets, _views)
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
-from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _hook_buckets,
-                                               _in_block_partitions, _last_in_blocks, _rank_first_buckets,
-                                               _reducing_hooks, _stage1_reduce, _views, _within_one_parameter)
+from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _in_block_partitions,
+                                               _reducing_hooks, _stage1_reduce, _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.engines.deepspeed.terms import FlatGroup, aligned_flat_numel, zero12_terms
+from zeroplan.engines.deepspeed.terms import aligned_flat_numel, zero12_terms
 from zeroplan.formulas.peak import Moment, Term
 
 
@@ -387,20 +387,6 @@ def _norm_moment(run: DSRun, rank: int, gip: int) -> Moment:
 def _largest_slice(run: DSRun, rank: int) -> int:
     """Elements of the largest single parameter's slice in ``rank``'s partition of the flat group."""
     return _largest_slices(run.flat)[rank]
-
-
-@lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity)
-def _params_numels(flat: FlatGroup) -> tuple[int, ...]:
-    """``FlatGroup.params_numel`` of every rank of ``flat``."""
-    return tuple(map(flat.params_numel, range(flat.nd)))
-
-
-@lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity): every rank of every candidate asks
-def _largest_slices(flat: FlatGroup) -> tuple[int, ...]:
-    """``_largest_slice`` of every rank of ``flat``."""
-    offsets, part = flat.offsets, flat.part
-    return tuple(max((min(offsets[i + 1], (rank + 1) * part) - max(offsets[i], rank * part)
-                      for i in flat.params(rank)), default=0) for rank in range(flat.nd))  # fmt: skip
 
 
 ZERO12_OPTIMIZER = ZeroOptimizer()

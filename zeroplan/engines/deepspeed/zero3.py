@@ -17,7 +17,8 @@ from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedu
 from zeroplan.engines.deepspeed.moe import expert_gradients_held
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
-from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_bytes, _hook_layout, _hook_memo
+from zeroplan.engines.deepspeed.layout_ranks import _hook_layout
+from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_bytes, _hook_memo
 from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
