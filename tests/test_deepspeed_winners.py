@@ -22,7 +22,8 @@ from zeroplan.engines.deepspeed.offload_settings import OffloadTarget
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import backward_moments
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _hook_layout
-from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_activations, _in_block_partitions, _reducing_hooks
+from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _hook_activations, _hook_bucket_copy, _in_block_partitions,
+                                               _reducing_hooks)
 from zeroplan.engines.deepspeed.run import _blocks_saved, _pbytes
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.zero3 import S3, _in_block_reductions
@@ -65,7 +66,7 @@ def _reference_partitions(run, last, inflight, kept):
                          (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
                  Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))
         name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
-        copy = buckets[first] * DTYPE_BYTES[s.grad_dtype]
+        copy = _hook_bucket_copy(run, first) * DTYPE_BYTES[s.grad_dtype]
         if copy > terms[-1].bytes:
             name = f"block {j} {where} backward, rank {rank}'s bucket flattened"
             terms = (*terms[:-1], Term("flattened copy of the bucket's gradients", copy,

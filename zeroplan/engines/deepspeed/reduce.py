@@ -9,6 +9,7 @@ inside a GPT block (``_in_block_partitions``), and the first bucket's reduction 
 from __future__ import annotations
 
 from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
+from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _last_in_blocks, _rank_first_buckets, _stage1_held,
                                                      _views)
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
@@ -64,6 +65,25 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
+class _BucketCopies(dict):
+    """Hook bucket -> ``_hook_bucket_copy``, each asked once (``_in_block_partitions``: many ranks share a bucket)."""
+
+    def __init__(self, run: DSRun) -> None:
+        super().__init__()
+        self.run = run
+
+    def __missing__(self, b: int) -> int:
+        self[b] = _hook_bucket_copy(self.run, b)
+        return self[b]
+
+
+def _hook_bucket_copy(run: DSRun, b: int) -> int:
+    """``flattened_copy_numel`` of hook bucket ``b`` (``_hook_buckets``), its parameters in gradient-ready order."""
+    order, _, first_of_bucket, _ = _hook_buckets(run)
+    end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
+    return flattened_copy_numel(run, order[first_of_bucket[b]:end])
+
+
 def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     """Reducing from the hooks, the last bucket is reduced after backward (stage_1_and_2.py
     ``independent_gradient_partition_epilogue`` -> ``reduce_ipg_grads`` -> ``average_tensor`` ->
@@ -81,7 +101,7 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     held = run.wrapper.held_between_micro_steps(run)
     base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
             _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
-            Term("flattened copy of the last bucket's gradients", buckets[-1] * g,
+            Term("flattened copy of the last bucket's gradients", _hook_bucket_copy(run, last) * g,
                  "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))  # fmt: skip
 
     firsts = _rank_first_buckets(run)
@@ -144,6 +164,7 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     # the same integers as the terms' sum, so the same rank wins; only the winners' terms are built.
     alike: dict[tuple[int, int], tuple[int, int] | None] = {}  # (first, hook) -> (common bytes, kept elements)
     base_bytes, g, memo = sum(t.bytes for t in base), DTYPE_BYTES[s.grad_dtype], _hook_memo(run)
+    copies = _BucketCopies(run)  # each bucket's allreduce_bucket flat copy (``_hook_bucket_copy``), once
     best: dict[int, tuple[int, int, int, int]] = {}  # block -> (bytes, rank, first, hook) of the rank holding the most
     for rank, first, hook in _reducing_hooks(run):
         j = run.param_blocks[hook]
@@ -157,7 +178,7 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
         common = alike[first, hook]
         if common is None:
             continue
-        total = common[0] + max(run.flat.params_numel(rank) * p, buckets[first] * g)
+        total = common[0] + max(run.flat.params_numel(rank) * p, copies[first] * g)
         if kept:
             lo, hi = run.flat.range(rank)
             own = common[1] - sum(run.numels[i] for i in range(lo, hi) if run.numels[i] > s.reduce_bucket_size
@@ -188,7 +209,7 @@ def _partition_moment(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
                      (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
              Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
     name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
-    copy = buckets[first] * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
+    copy = _hook_bucket_copy(run, first) * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
     if copy > terms[-1].bytes:  # partition is allocated: the larger of the two, one after the other
         name = f"block {j} {where} backward, rank {rank}'s bucket flattened"
         terms = (*terms[:-1], Term("flattened copy of the bucket's gradients", copy,
@@ -335,7 +356,7 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
             Term("gradients larger than the bucket, in the bucket reduced", large * p,
                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"))  # fmt: skip
     out = [Moment("backward", "final norm backward, the first bucket reduced", (*base, Term(
-        "flattened copy of the first bucket's gradients", buckets[0] * g,
+        "flattened copy of the first bucket's gradients", _hook_bucket_copy(run, 0) * g,
         "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")))]  # fmt: skip
     held = [run.flat.params_numel(r) for r, first, _ in _reducing_hooks(run) if first == 0]
     if held:

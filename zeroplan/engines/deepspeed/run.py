@@ -102,6 +102,8 @@ class DSRun:
     """the parameters of the blocks' MLP output projections (GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``)."""
     spec: Optional[TransformerSpec] = field(default=None, compare=False, repr=False)
     """the architecture (a sparse MLP's sizes: engines/deepspeed/moe.py)."""
+    transformers: bool = False
+    """the transformers model of the architecture (``Workload.transformers``), not the validator's causal LM."""
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     """results a run's moment functions ask for more than once, by name (``memo_of``); never copied by
     ``dataclasses.replace`` (not an ``__init__`` field), so a changed run starts empty."""

@@ -16,6 +16,7 @@ from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _largest_sli
                                                      _rank_first_buckets, _views)
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
+from zeroplan.engines.deepspeed.late_reductions import embedding_hook_reduced, stage1_flattened
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _in_block_partitions,
                                                _reducing_hooks, _stage1_reduce, _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
@@ -83,17 +84,22 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     8,192 x 256, fp32), 1e5-element buckets, overlap_comm, N_d = 2: each rank peaks there at its own
     grads_in_partition + 3 x 8,388,608 B over what the last block's backward holds less its activations
     (MemTracker, per hook: 90,444,056 B on rank 1, 89,487,640 B on rank 0; the head's gradient alone was in
-    the prediction before, 9,424,904 B short)."""
+    the prediction before, 9,424,904 B short). A bucket is sent at the hook of the next bucket's first gradient:
+    the one before a tied weight larger than the bucket (its own bucket) is sent at the tied weight's hook, after
+    this op, so its ranks have no grads_in_partition yet (the differential matrix, seed 3 draw 22, generator 4:
+    Llama 9.0M tied, 2e6-element buckets, N_d = 4; rank 2's partition, block 0 and the embedding: +17.7% before)."""
     if not (run.tied_head and run.param_blocks and reduces_from_hooks(run.settings)):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
     embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
     if not embeddings:
         return ()
-    _, _, _, bucket_of = _hook_buckets(run)
-    before = bucket_of[max(embeddings)]  # the bucket the embeddings' gradients join, reduced after this op
+    order, _, first_of_bucket, bucket_of = _hook_buckets(run)
+    at = order.index(min(embeddings))  # the tied weight's hook, on the sum: after this op
+    # bucket k is sent at the hook of bucket k + 1's first gradient: before this op only if that comes first
+    sent = sum(1 for k in range(len(first_of_bucket) - 1) if first_of_bucket[k + 1] < at)
     held = [run.flat.params_numel(r) for r in run.ranks
-            if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < before]  # fmt: skip
+            if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < sent]  # fmt: skip
     p, acts = _pbytes(run), run.acts
     return (Moment("backward", "tied embedding backward", (
         *_states(run), *_bucket(run), _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
@@ -279,12 +285,13 @@ class ZeroOptimizer(Wrapper):
                                             _stage1_kept_gradients(run) if not s.partition_gradients else {}))
             out.extend(_first_bucket_reduced(run, last, inflight))
             out.extend(_tied_embedding_backward(run))
+            out.extend(embedding_hook_reduced(run))
         if hooks and accumulating and not s.partition_gradients:  # ZeRO-1 with overlap_comm (seed 2 draw 8)
             out.extend(_tied_embedding_backward(run))
         if hooks:
             out.extend(_epilogue_reduce(run))
         if not hooks:
-            out.extend(_stage1_reduce(run))
+            out.extend((*_stage1_reduce(run), *stage1_flattened(run)))
         return tuple(out)
 
     @staticmethod

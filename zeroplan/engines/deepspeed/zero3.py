@@ -177,6 +177,7 @@ class ZeroOptimizerStage3(Wrapper):
                 Term("tied embedding gradients (the head's, the embedding's, their sum)", 3 * run.head_numel * _pbytes(run),
                      "torch autograd InputBuffer::accumulate -> AccumulateGrad; runtime/zero/stage3.py "
                      "reduce_partition_and_remove_grads (the hook fires on the sum)", 3))))  # fmt: skip
+        out += _epilogue_reduce_scatter(run, sched)
         return tuple(out)
 
     def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:
@@ -263,6 +264,38 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
                       Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))  # fmt: skip
         out.append(Moment("backward", f"block {j} {where} backward, a bucket sent", terms))
     return tuple(out)
+
+
+def _epilogue_reduce_scatter(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Moment, ...]:
+    """The last bucket, reduced after backward (stage3.py ``independent_gradient_partition_epilogue`` ->
+    ``__reduce_and_partition_ipg_grads`` -> ``__avg_scatter_grads`` -> runtime/comm/coalesced_collectives.py
+    ``reduce_scatter_coalesced``): its gradients, each padded to a multiple of N_d, are interleaved into one
+    flat tensor (``torch.cat``; none for a single tensor that divides evenly), and gloo's
+    ``reduce_scatter_tensor`` works on a full-size copy of that input (the copy is gloo's: on a GPU, NCCL
+    reduces in place; moe.py ``_reduction_peak`` measured it too). The activations are gone; the token
+    embedding, the last module fetched in backward, is still gathered (no gradient input: its release is
+    not traced, ``trace.py backward``). Found by the differential matrix (seed 3 draw 13, generator 4: Qwen2
+    17.4M tied, ZeRO-3, one bucket larger than the model, N_d = 2; MemTracker's live storages at the backward
+    peak: the states, the bucket, the gathered embedding, the 69,685,248-B ``cat`` and the 69,685,248-B copy
+    made inside gloo's ``reduce_scatter_tensor``): -5.0% on both ranks before, at the tied embedding's backward."""
+    s = run.settings
+    if not run.param_blocks or s.offload_optimizer.on:
+        return ()
+    order, _, first_of_bucket, _ = _hook_layout(run.numels, s.reduce_bucket_size, run.grad_ready_order)
+    last = [run.numels[i] for i in order[first_of_bucket[-1]:]]
+    padded = sum(-(-n // run.nd) * run.nd for n in last)
+    flat = 0 if len(last) == 1 and last[0] % run.nd == 0 else padded
+    copies = flat + (padded if s.device == "cpu" else 0)
+    large = sum(n for n in last if n > s.reduce_bucket_size)
+    p, acts = _pbytes(run), run.acts
+    return (Moment("backward", "last bucket reduce-scattered after backward", (
+        *_states(run), *_gathered(run, sched, "embedding backward"), _act("batch (token ids, targets)", acts.batch, 2),
+        _act("loss", acts.loss),
+        Term("gradients larger than the bucket, in the last bucket", large * p,
+             f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"),
+        Term("the last bucket's interleaved flat copy and gloo's reduce-scatter copy", copies * p,
+             "runtime/comm/coalesced_collectives.py reduce_scatter_coalesced (torch.cat) -> "
+             "torch.distributed.reduce_scatter_tensor (ProcessGroupGloo: on a copy of the input)", 2))),)  # fmt: skip
 
 
 def _step_terms(run: DSRun, terms: tuple[Term, ...]) -> tuple[Term, ...]:
