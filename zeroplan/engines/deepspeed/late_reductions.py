@@ -9,7 +9,8 @@ import itertools
 
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
 from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
-from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy, _hook_buckets
+from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas.peak import Moment, Term
@@ -101,3 +102,44 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
         best = max(options, key=lambda terms: sum(t.bytes for t in terms))
         out.append(Moment("backward", f"embedding's hook, bucket {b} sent", best))
     return tuple(out)
+
+
+def _embedding_hook_reduce(run: DSRun) -> tuple[Moment, ...]:
+    """ZeRO-2 from the hooks, the embeddings' gradients starting a bucket of their own: the hook of the first of
+    them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the previous bucket
+    (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a copy of
+    its gradients) while that embedding gradient waits beside it, the blocks' activations gone; a rank whose
+    ``grads_in_partition`` an earlier bucket allocated holds it (from the second micro-step on, every rank does:
+    kept until the step); one allocated by this reduction comes after the copy is freed. Found by the differential
+    matrix (generator 5, 1-241: DeepSeek-V3 6.4M untied, N_d = 2, a 1,298,880-element bucket holding every
+    block's gradients, the embedding's 2,597,760 larger): rank 1 at 97,856,760 B, 3,210,440 B (3.28%) over the
+    reduction after backward predicted before (MemTracker's live storages at rank 1's peak: ``aten.cat`` of the
+    bucket's 1,242,432 elements beside ``embedding_dense_backward``'s output; with 400,000-element buckets the
+    previous bucket, block 0's, lies in rank 0's partition alone: no copy, as measured)."""
+    if not (run.param_blocks and run.settings.partition_gradients):
+        return ()
+    first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
+    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
+    embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
+    if not embeddings or run.tied_head:  # tied: zero12.py _tied_embedding_backward (the sum, larger)
+        return ()
+    at = bucket_of[max(embeddings)]
+    hook = order[first_of_bucket[at]]
+    if at == 0 or hook not in embeddings:
+        return ()
+    # the bucket's slices by destination rank, merged while consecutive (average_tensor); one slice is flattened
+    # as a view (torch flatten_dense_tensors of one tensor), so a copy is made only for a bucket over 2+ partitions
+    previous = set(order[first_of_bucket[at - 1]:first_of_bucket[at]])
+    if sum(1 for r in range(run.nd) if previous.intersection(run.flat.params(r))) < 2:
+        return ()
+    accumulated = run.grad_accum > 1
+    held = [run.flat.params_numel(r) for r in run.ranks
+            if run.flat.params(r) and (accumulated or min(bucket_of[i] for i in run.flat.params(r)) < at - 1)]
+    p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
+    return (Moment("backward", "embedding's hook reduces the blocks' bucket", (
+        *_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
+        _act("loss", run.acts.loss),
+        *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()),
+        Term("the embedding's gradient, waiting at its hook", run.numels[hook] * p, "torch autograd AccumulateGrad"),
+        Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
+             "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))),)  # fmt: skip

@@ -63,7 +63,7 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     projection is fetched: its saved activations are all made (the projection's input is the last), its
     output and the projection's not yet, and a coalesced buffer whose last parameter is that projection's is
     still open until the fetch's wait."""
-    acts, blk, L, sched = run.acts, run.acts.block, run.acts.n_layer, _schedule(run)
+    acts, L, sched = run.acts, run.acts.n_layer, _schedule(run)
     base = (*_states(run), *run.wrapper.held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
     # the coordinator's moment per block where it replays a trace with per-block marks (ZeRO-3)

@@ -17,7 +17,8 @@ from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedu
 from zeroplan.engines.deepspeed.moe import expert_gradients_held, routed_experts_backward
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
-from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_layout
+from zeroplan.engines.deepspeed.layout_ranks import _hook_layout
+from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_bytes, _hook_memo
 from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
@@ -255,20 +256,35 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     large_before = (0, *itertools.accumulate(numels[i] if numels[i] > limit else 0 for i in order))
     normed = (int(-(-numels[i] // run.nd) * rank < numels[i]) for i in order)
     normed_before = (0, *itertools.accumulate(normed)) if offload else ()
-    best: dict[int, tuple[int, str, tuple[Term, ...]]] = {}  # block -> (bytes, where, terms) of its largest
+    # each bucket's bytes as integers (the terms' sum: the same bucket wins), the terms built for the winners only
+    base_bytes, memo, saved = sum(t.bytes for t in base), _hook_memo(run), {}
+    best: dict[int, tuple[int, int]] = {}  # block -> (bytes, bucket) of its largest
+    blocks = run.param_blocks
     for b in range(len(buckets) - 1):  # the last bucket is sent after backward (independent_gradient_partition_epilogue)
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
-        hook = order[end]
         large = large_before[end] - large_before[start]
-        j = run.param_blocks[hook]
-        at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload) else None
+        if not (large or offload):
+            continue
+        hook = order[end]
+        j = blocks[hook]
+        at_hook = _hook_bytes(run, j, hook, memo) if j >= 0 else None  # its activations' and weight gradients' bytes
         if at_hook is None:
             continue
-        where, acts, module = at_hook
-        terms = (*base, _blocks_saved(run, j), *acts,
+        if j not in saved:
+            saved[j] = _blocks_saved(run, j)
+        total = base_bytes + saved[j].bytes + at_hook + large * p
+        if offload:
+            total += max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 + normed_before[start] * 8
+        if j not in best or total > best[j][0]:
+            best[j] = (total, b)
+    out = []
+    for j, (_, b) in best.items():
+        start, end = first_of_bucket[b], first_of_bucket[b + 1]
+        where, acts, module = _hook_activations(run, j, order[end], memo)  # type: ignore[misc]
+        terms = (*base, saved[j], *acts,
                  Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                       "autograd (one node makes every input's gradient)", len(module)),
-                 Term("gradients larger than the bucket, in the bucket sent", large * p,
+                 Term("gradients larger than the bucket, in the bucket sent", (large_before[end] - large_before[start]) * p,
                       f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"))
         if offload:
             parts = [-(-numels[i] // run.nd) for i in order[start:end]]
@@ -276,11 +292,8 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", max(parts) * 8 + 8,
                            f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2", 2),
                       Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))  # fmt: skip
-        total = sum(t.bytes for t in terms)  # Moment.total(), each moment's once
-        if j not in best or total > best[j][0]:
-            best[j] = (total, where, terms)
-    return tuple(Moment("backward", f"block {j} {where} backward, a bucket sent", terms)
-                 for j, (_, where, terms) in best.items())
+        out.append(Moment("backward", f"block {j} {where} backward, a bucket sent", terms))
+    return tuple(out)
 
 
 def _epilogue_reduce_scatter(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Moment, ...]:
