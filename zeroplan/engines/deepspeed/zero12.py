@@ -15,7 +15,7 @@ from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _largest_sli
                                                      _rank_first_buckets, _views)
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
-from zeroplan.engines.deepspeed import late_reductions as LR
+import zeroplan.engines.deepspeed.late_reductions as LR
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _in_block_partitions,
                                                _reducing_hooks, _stage1_reduce, _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
