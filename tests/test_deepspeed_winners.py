@@ -171,3 +171,67 @@ def test_in_block_winners_equal_every_candidate_built(model, stage, overlap, buc
         got, want = _in_block_partitions(run, last, inflight, kept), _reference_partitions(run, last, inflight, kept)
     assert want, "a case without in-block moments checks nothing"
     assert got == want
+
+
+def _reference_stage1_flattened(run):
+    """``late_reductions.stage1_flattened`` as it was (every rank's terms built and summed per bucket)."""
+    import bisect
+
+    from zeroplan.engines.deepspeed.collectives import greedy_buckets
+    from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
+    from zeroplan.engines.deepspeed.run import _act, _bucket, _states
+
+    numels, p, offsets = run.numels, _pbytes(run), run.flat.offsets
+    g, psi, limit = DTYPE_BYTES[run.settings.grad_dtype], sum(numels), run.settings.reduce_bucket_size
+    bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, limit)))
+    large_before = (0, *itertools.accumulate(n if n > limit else 0 for n in numels))
+    base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2))
+    starts = (0, *bucket_ends[:-1])
+    firsts = {r: bisect.bisect_right(bucket_ends, offsets[run.flat.range(r)[0]]) for r in run.ranks if run.flat.params(r)}
+
+    def alive(first, hi, end, r=None):
+        a, b = run.flat.range(r) if r is not None else (0, 0)
+        own = sum(numels[i] for i in range(a, min(b, first)) if numels[i] > limit)
+        return Term("autograd gradients not yet bucketed, and the large ones reduced so far (kept)",
+                    (psi - hi + large_before[end] - own) * p,
+                    "torch autograd (param.grad); stage 1 clears no gradient; copy_grads_in_partition "
+                    "repoints the partition's (grad_reduc.data = new_grad_tensor.data)")
+
+    out = []
+    for k, (lo, hi) in enumerate(zip(starts, bucket_ends)):
+        first, end = bisect.bisect_left(offsets, lo), bisect.bisect_left(offsets, hi)
+        copy = Term("flattened copy of the bucket's gradients", flattened_copy_numel(run, range(first, end)) * g,
+                    "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+        if not copy.bytes:
+            continue
+        options = [(*base, alive(first, hi, end), copy)]
+        for r, f in firsts.items():
+            gip = Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC)
+            if f < k:
+                options.append((*base, alive(first, hi, end, r), gip, copy))
+            elif f == k:
+                options.append((*base, alive(first, hi, end), max(gip, copy, key=lambda t: t.bytes)))
+        out.append(Moment("backward", f"reduce_gradients: bucket {k} flattened",
+                          max(options, key=lambda terms: sum(t.bytes for t in terms))))
+    return tuple(out)
+
+
+FLATTENED = [  # (model, bucket, N_d, rank): ZeRO-1 reducing after backward
+    ("tiny-gpt2", 5_000, 4, None), ("tiny-gpt2-untied", 2_000, 7, None), ("tiny-llama", 20_000, 3, None),
+    ("tiny-llama-tied-bias", 2_000, 4, 1), ("tiny-mistral", 5_000, 7, None), ("tiny-qwen2", 50_000, 2, None),
+    ("tiny-qwen3", 3_000, 5, 3), ("tiny-gpt2", 1_000_000, 3, None), ("llama-3.2-1b", 5_000_000, 64, None),
+    ("llama-3.2-1b", 50_000_000, 256, None), ("llama-3.2-1b", 300_000_000, 96, None), ("llama-3.2-1b", 2_000_000, 7, 5),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model, bucket, nd, rank", FLATTENED)
+def test_stage1_flattened_equals_every_rank_built(model, bucket, nd, rank):
+    """``stage1_flattened``'s O(log N_d) choice (``_RankFacts``) gives the moments of the per-rank loop it replaced."""
+    from zeroplan.engines.deepspeed.late_reductions import stage1_flattened
+
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, transformers=True)
+    run = ds_run(Settings(stage=1, reduce_bucket_size=bucket, allgather_bucket_size=bucket, rank=rank), workload, nd)
+    want = _reference_stage1_flattened(run)
+    assert want, "a case without flattened buckets checks nothing"
+    assert stage1_flattened(run) == want
