@@ -18,7 +18,7 @@ from zeroplan.engines.deepspeed.moe import expert_gradients_held
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_layout
-from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
+from zeroplan.engines.deepspeed.run import GATHER_SRC, ZINIT, DSRun, Wrapper, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
 from zeroplan.engines.deepspeed.zeropp import all_secondaries, hpz_schedule
@@ -206,11 +206,16 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     ``partition_grads -> _offload_grad_partition_at_boundary`` takes each partition's norm on an fp64 copy
     (``_constant_buffered_norm2``: ``part.to(get_norm_dtype())``, one parameter at a time; its norm, 8 B, is
     kept beside the earlier ones, ``offload_terms.param_norm_count``). One moment per block, the largest; the
-    gathered parameters are the last block's (``last``). Measured (dsres, 2026-12-02: gpt-tiny bf16, ZeRO-3,
+    gathered parameters are the last block's (``last``), or, on gloo, where every bucket sent is a moment (its
+    flattened copy and gloo's copy of it: 1-24, below), those at the hook's module (``_gathered_at_hook``). Measured (dsres, 2026-12-02: gpt-tiny bf16, ZeRO-3,
     ``offload_optimizer`` cpu, 5,000-element buckets, N_d = 1; MemTracker's live tensors by category at the
     entry of ``_constant_buffered_norm2``): the backward peak is at the last block's c_fc bias hook, which sends
     c_proj's 5,184-element weight gradient (not in the bucket) and takes its norm on a 41,472-B fp64 copy; the
-    live tensors there are this moment's terms to 32 B (-1.17% before, 8 B under now)."""
+    live tensors there are this moment's terms to 32 B (-1.17% before, 8 B under now). Found by the differential
+    matrix (generator 5, 1-24: Qwen3-MoE 5.9M tied, N_d = 4, 1,467,296-element buckets, persistence 0; rank 0's
+    live storages, benchmarks/ds_moe12_rows.py's listing): the backward peak is block 2's q_proj hook sending a
+    bucket, ``reduce_scatter_coalesced``'s ``torch.cat`` of its 1,461,760 elements and gloo's copy of it
+    (2 x 5,847,040 B) beside the head's gradient waiting for the tied sum; -5.71 % before, +0.65 % now."""
     if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
     s, p = run.settings, _pbytes(run)
@@ -230,15 +235,23 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
         hook = order[end]
         large = large_before[end] - large_before[start]
         j = run.param_blocks[hook]
-        at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload) else None
+        # the bucket flattened (one tensor divisible by N_d: a view) and gloo's copy; measured on gloo only (1-24):
+        # not listed on a GPU (NCCL reduces in place; the flattened copy there not measured)
+        cpu = s.device == "cpu" and end - start > 1
+        flat = sum(-(-numels[i] // run.nd) * run.nd for i in order[start:end]) if cpu else 0
+        at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload or flat) else None
         if at_hook is None:
             continue
         where, acts, module = at_hook
-        terms = (*base, _blocks_saved(run, j), *acts,
+        gathered = _gathered_at_hook(run, base, hook, f"block {j} {where} backward") if flat else base
+        terms = (*gathered, _blocks_saved(run, j), *acts,
                  Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                       "autograd (one node makes every input's gradient)", len(module)),
                  Term("gradients larger than the bucket, in the bucket sent", large * p,
-                      f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"))
+                      f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"),
+                 Term("the bucket's flattened copy and gloo's copy of it", 2 * flat * p,
+                      f"{S3} __avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced "
+                      "(torch.cat); gloo reduce_scatter_single", 2))
         if offload:
             parts = [-(-numels[i] // run.nd) for i in order[start:end]]
             norms = normed_before[start]
@@ -250,6 +263,24 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             best[j] = (total, where, terms)
     return tuple(Moment("backward", f"block {j} {where} backward, a bucket sent", terms)
                  for j, (_, where, terms) in best.items())
+
+
+def _gathered_at_hook(run: DSRun, base: tuple[Term, ...], hook: int, where: str) -> tuple[Term, ...]:
+    """``base`` with the parameters gathered at the backward fetch of ``hook``'s module (its innermost) for the
+    last block's (``stage3_schedule``'s count after that event; the open all-gather buffers apart as
+    ``run._gathered``'s), where the schedule has it. Measured (1-24, live storages at block 2's q_proj hook):
+    17,620,992 B gathered (the tied embedding's 8,699,904 B and blocks 1-3's weights), the schedule 17,629,696."""
+    sched = _schedule(run)
+    fetches = [i for i, e in enumerate(run.trace.events) if sched is not None and run.nd > 1 and not e.forward
+               and e.op == "fetch" and hook in run.trace.modules[e.module]]  # fmt: skip
+    if not fetches:
+        return base
+    i, p = fetches[-1], _pbytes(run)
+    buffers = sched.buffers[i] if sched.buffers else 0
+    kept = tuple(t for t in base if not t.source.startswith(GATHER_SRC[:60]) and "all-gather buffers" not in t.name)
+    return (*kept, Term(f"gathered parameters ({where})", (sched.gathered[i] - buffers) * p, GATHER_SRC),
+            *((Term("coalesced all-gather buffers awaiting their last module", buffers * p,
+                    "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor)"),) if buffers else ()))
 
 
 def _step_terms(run: DSRun, terms: tuple[Term, ...]) -> tuple[Term, ...]:
