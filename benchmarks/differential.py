@@ -5,6 +5,7 @@ worst under- and over-prediction).
 
     DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/differential.py --seed 1 --draws 12 --out diff.json
     DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/differential.py --seed 1 --only 3 7   # some draws again
+    DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/differential.py --seed 3 --generator 4 --draws 12 --out d.json
 
 Each draw's result is written to --out as soon as it is measured (a long sweep keeps what it ran); a draw
 whose run fails is listed with its error, not dropped; a draw the profile refuses (``differential_families.refusal``)
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=int, nargs="*", default=None, help="draw indices to run (default: all)")
     parser.add_argument("--engine", choices=("fsdp2", "deepspeed"), default=None)
     parser.add_argument("--generator", type=int, default=1,
-                        help="the generator's version (2: FSDP2 wrappings; 3: and meta init, checkpointing; 5: the newer families)")
+                        help="the generator's version (2: FSDP2 wrappings; 3: and meta init, checkpointing; "
+                             "4: and DeepSpeed's checkpointing and bf16; 5: the newer families)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     indices = args.only if args.only else range(args.draws)

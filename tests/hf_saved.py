@@ -80,9 +80,9 @@ DS_SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_p
 
 def check_deepspeed_recorded(name: str, cfg: dict, stage: int, measured: list, residual: dict, margin: float,
                              tmp_path, small: bool = True, micro_batch: int = 1, seq: int | None = 64,
-                             checkpointing: str = "none") -> None:
+                             checkpointing: str = "none", dtype: str = "fp32") -> None:
     """Every phase of the largest rank of a recorded real-DeepSpeed run of transformers' class of ``cfg`` (gloo,
-    N_d 2, fp32, ``ds_config(stage, micro_batch, DS_SMALL or DeepSpeed's buckets, torch_adam)``; ``measured``: the
+    N_d 2, ``ds_config(stage, dtype, micro_batch, DS_SMALL or DeepSpeed's buckets, torch_adam)``; ``measured``: the
     phase peaks [init, forward, backward, optimizer_step]) within ``margin`` of its prediction, after the recorded
     ``residual`` of each phase ({phase: error}). The check the families', MoE and DeepSeek rows share."""
     pytest.importorskip("torch")
@@ -94,7 +94,7 @@ def check_deepspeed_recorded(name: str, cfg: dict, stage: int, measured: list, r
 
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    config = ds_config(stage, micro_batch=micro_batch, zero=DS_SMALL if small else {},
+    config = ds_config(stage, dtype, micro_batch=micro_batch, zero=DS_SMALL if small else {},
                        optimizer_params={"torch_adam": True})  # fmt: skip
     workload = workload_for(str(path), micro_batch, seq, 1, checkpointing, hf=True)
     (est,) = D.estimate(workload, 2, D.Settings.from_ds_config(config, zero_init=False), stat_bytes=4)

@@ -3,6 +3,9 @@ each number worked out by hand from the source (the function named in each test)
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from zeroplan.allocator import AllocatorConfig, CachingAllocator, parse_alloc_conf, replay, round_size
@@ -224,3 +227,18 @@ def test_random_traces_keep_the_allocators_invariants(conf):
             assert not any(a.state == b.state == "inactive" for a, b in zip(blocks, blocks[1:]))
         if end:  # after empty_cache no segment is entirely free
             assert all(any(b.state != "inactive" for b in s.blocks) for s in r.segments)
+
+
+def test_package_names_are_imported_at_first_use():
+    # `import zeroplan.allocator` imports none of its modules (issue 16); each exported name is its home's,
+    # and `replay` stays the function after its submodule is imported (which the import system binds)
+    code = ("import sys, zeroplan.allocator as a\n"
+            "print(sorted(m for m in sys.modules if m.startswith('zeroplan.allocator.')))\n"
+            "import zeroplan.allocator.replay, zeroplan.allocator.caching\n"
+            "from zeroplan.allocator import CachingAllocator, replay\n"
+            "print(replay is sys.modules['zeroplan.allocator.replay'].replay, a.replay is replay,\n"
+            "      CachingAllocator is sys.modules['zeroplan.allocator.caching'].CachingAllocator)\n"
+            "try:\n    a.absent\nexcept AttributeError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    absent = "module 'zeroplan.allocator' has no attribute 'absent'"
+    assert out.splitlines() == ["[]", "True True True", absent]

@@ -22,11 +22,13 @@ def test_amsgrad_is_a_third_adam_state_and_nothing_else():
         optimizer_states("sgd-momentum", amsgrad=True)
 
 
-# `zeroplan validate --world-size 2 --model gpt-tiny --device cpu` (bf16 parameters, fp32 master, gloo, per-tensor
-# Adam: CPU's default), with every torch.optim.Adam built amsgrad=True (the runtime's and the parity reference's),
-# torch 2.13.0+cpu, 2026-12-02: rank 0's peak per phase (init, forward, backward, optimizer step) and its live bytes
-# at the step boundary; parity ok at every stage. Without amsgrad the same run measures S·4 less in every phase but
-# init (S = 145,296 / 4 elements at stage 0, half that at 1-3): the third state, and no temporary.
+# `zeroplan validate --world-size 2 --model gpt-tiny --device cpu --amsgrad` (bf16 parameters, fp32 master,
+# gloo, per-tensor Adam: CPU's default; --amsgrad builds the runtime's and the parity reference's
+# torch.optim.Adam with amsgrad=True), torch 2.13.0+cpu, 2026-12-02: rank 0's peak per phase (init, forward,
+# backward, optimizer step) and its live bytes at the step boundary; parity ok at every stage. First measured
+# with a sitecustomize patch forcing amsgrad on; re-run with the flag (`--stage 2`, same day): stage 2's row
+# again, to the byte. Without amsgrad the same run measures S·4 less in every phase but init (S = 145,296 / 4
+# elements at stage 0, half that at 1-3): the third state, and no temporary.
 MEASURED = {
     0: ((363_240, 832_732, 845_660, 1_162_884), 726_484),
     1: ((282_024, 542_140, 555_068, 654_348), 435_892),
@@ -50,6 +52,8 @@ def _gpt_tiny_cpu(stage: int, amsgrad: bool):
 
 @pytest.mark.parametrize("stage", sorted(MEASURED))
 def test_reference_amsgrad_every_phase_as_measured(stage):
+    """``zeroplan validate --world-size 2 --model gpt-tiny --device cpu --stage STAGE --amsgrad``: every phase
+    equal to the prediction to the byte (MEASURED), and one fp32 shard above the same run without amsgrad."""
     (phases, states), adam_step_bytes = MEASURED[stage], 4  # the step scalar: beside the model states
     row = _gpt_tiny_cpu(stage, amsgrad=True)
     predicted = tuple(row.peak.by_phase().values())
@@ -62,6 +66,24 @@ def test_reference_amsgrad_every_phase_as_measured(stage):
     assert [a - b for a, b in zip(predicted, plain.peak.by_phase().values())] == [0, *[shard_bytes] * 3]
     assert "Adam m, v, max v, step" in {t.name for t in row.peak.peak_terms}
 
+
+
+def test_validate_amsgrad_predicts_the_measured_row_and_is_refused_elsewhere():
+    """``ValidateConfig.amsgrad`` (``zeroplan validate --amsgrad``) reaches the prediction the run is compared
+    with (``validate/report.py reference_estimate``): stage 2's measured row; other engines refuse it in one
+    line."""
+    from validate.config import ValidateConfig
+    from validate.models import expected_shapes, spec_for
+    from validate.report import reference_estimate
+
+    config = ValidateConfig(model="gpt-tiny", world_sizes=(2,), stages=(2,), device="cpu", amsgrad=True)
+    meta = {"device": "cpu", "world_size": 2}
+    row = reference_estimate(config, meta, 2, expected_shapes(spec_for("gpt-tiny", None)), False)
+    assert tuple(row.peak.by_phase().values()) == MEASURED[2][0]
+    assert row.memory.model_states_bytes + 4 == MEASURED[2][1]  # + Adam's 4-B step scalar
+    for engine in ("fsdp2", "deepspeed"):
+        with pytest.raises(ValueError, match=r"--amsgrad: --engine reference only"):
+            ValidateConfig(engine=engine, amsgrad=True)
 
 def test_a_live_amsgrad_optimizer_sets_the_reference_setting():
     """``estimate(model=, optimizer=Adam(amsgrad=True))`` under the reference engine is the estimate with
@@ -136,3 +158,52 @@ def test_a_live_amsgrad_optimizer_under_deepspeed():
     with pytest.raises(ValueError, match=r"^amsgrad=True under engine=deepspeed with bf16 enabled: measured at fp32"):
         zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True), gpus=2,
                           engine="deepspeed", ds_config=half)  # fmt: skip
+
+
+def test_a_ds_config_with_amsgrad_is_the_live_client_adam(tmp_path):
+    """``estimate --deepspeed-config`` with ``optimizer.params.amsgrad`` (torch_adam: DeepSpeed hands it on to
+    torch's Adam, engine.py ``_configure_basic_optimizer``) is the estimate of a live client
+    ``Adam(amsgrad=True)``: the same peak, name and states; the key is written back by ``to_ds_config``."""
+    import json
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tests.clicheck import run_json
+    from zeroplan.engines import deepspeed as D
+
+    config = "tests/data/hf_configs/tiny-gpt2.json"
+    params = {"torch_adam": True, "adam_w_mode": False, "amsgrad": True}  # a client torch.optim.Adam
+    ds = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": params}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    cli = run_json("estimate", "--engine", "deepspeed", "--model", config, "--gpus", "2",
+                   "--deepspeed-config", str(tmp_path / "ds.json"))["stages"][0]  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(config))
+    live = zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=True), gpus=2,
+                             engine="deepspeed", ds_config={"zero_optimization": {"stage": 2}}).stages[0]  # fmt: skip
+    assert (cli["name"], cli["peak_bytes"], cli["optimizer_bytes"]) == (
+        live.name, live.peak.peak_bytes, live.memory.optimizer_bytes)
+    # Ψ = 36,324 over N_d 2: master, m, v, max v (fp32), and 2 fp32 step scalars (terms.py: norm, Adam's step)
+    assert cli["optimizer_bytes"] == 36_324 // 2 * 4 * 4 + 2 * 4
+    settings = D.Settings.from_ds_config(ds)
+    assert settings.amsgrad and D.Settings.from_ds_config(D.to_ds_config(settings)) == settings
+
+
+@pytest.mark.parametrize("engine, dtype, row", [("reference", "bf16", 3), ("fsdp2", "fp32", 0),
+                                               ("deepspeed", "fp32", 0)])  # fmt: skip
+def test_k_and_the_byte_rows_count_the_third_state(engine, dtype, row):
+    """A live ``Adam(amsgrad=True)``: ``Estimate.k`` and ``bytes_per_param`` are the engine's states (the
+    policy's rows with ``Settings.amsgrad``), so K grows by max v's 4 B exactly as optimizer_bytes grows by 4 B
+    per sharded element; plain DP ("vs DP") keeps the same third state."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    psi = 64 * 32 + 32 + 32 * 8 + 8  # 2,344: every tensor splits evenly in two
+    kw = {"ds_config": {"zero_optimization": {"stage": 2}}} if engine == "deepspeed" else {}
+    ams, plain = (zeroplan.estimate(model=model, optimizer=torch.optim.Adam(model.parameters(), amsgrad=a), gpus=2,
+                                    engine=engine, **kw) for a in (True, False))  # fmt: skip
+    assert ams.k - plain.k == 4 and ams.bytes_per_param == (*plain.bytes_per_param, ("fp32 Adam max v", 4.0))
+    grown = ams.stages[row].memory.optimizer_bytes - plain.stages[row].memory.optimizer_bytes
+    assert grown == (ams.k - plain.k) * psi // 2
+    if engine == "reference":  # K = 16 (master, m, v, max v), all of stage 0's optimizer bytes; DP is stage 0
+        assert (ams.k, ams.stages[0].memory.optimizer_bytes) == (16, 16 * psi)
+        assert ams.stages[0].reduction_vs_dp == 1.0

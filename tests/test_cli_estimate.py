@@ -143,10 +143,14 @@ def test_estimate_never_imports_heavy_modules():
         "sys.argv = ['zeroplan', 'estimate', '--params', '7.5e9', '--gpus', '64', '--json']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'numpy') if m in sys.modules), file=sys.stderr)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('zeroplan.allocator.')), file=sys.stderr)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["stages"][3]["model_states_bytes"] == 1_875_000_000
-    assert out.stderr.strip().splitlines()[-1] == "[]"
+    heavy, allocator = out.stderr.strip().splitlines()[-2:]
+    assert heavy == "[]"
+    # without a model nothing is replayed: the allocator's config and reserved records only (issue 16)
+    assert allocator == "['zeroplan.allocator.config', 'zeroplan.allocator.reserved']"
 
 
 def test_cli_module_imports_no_pydantic():

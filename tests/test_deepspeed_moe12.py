@@ -58,7 +58,7 @@ REFUSED = {
     ("qwen2-moe-wide", 2, "small"): ([[11477632, 18428736, 20331080, 22955664], [11477632, 18428736, 21861480, 22955664]],
                                      (811928 / 20331080, -227688 / 21861480)),
     ("deepseek-wide", 2, "small"): ([[4389440, 8015856, 8177400, 8779344], [4389440, 8015856, 9352216, 8779344]],
-                                    (-83672 / 8177400, -98744 / 9352216)),
+                                    (-440 / 8177400, -98744 / 9352216)),  # rank 0 was -83,672 B before flat_copy
     ("mixtral-wide", 1, "small-overlap"): ([[11469952, 17535936, 22430440, 22940304],
                                             [11469952, 17535936, 22134024, 22940304]], (53896 / 22430440, -376 / 22134024)),
     ("mixtral-wide", 2, "above"): ([[11469952, 17535936, 20788760, 22940304], [11469952, 17535936, 22442040, 22940304]],
@@ -122,21 +122,22 @@ def test_refused_zero2_small_buckets_miss_as_recorded(name, stage, zero, tmp_pat
 
 
 #: bf16 (ds_config(stage, "bf16", ...): DeepSpeedZeroOptimizer, gradients in bf16), recorded as RECORDED: both ranks
-#: alike. The forward is under at every stage (the sparse block's forward in 16 bits, not ZeRO-1/2's), so
-#: ``zero12_moe_limit`` refuses 16-bit sparse runs; asserted: {phase: (measured - predicted) / measured} beyond MARGIN.
+#: alike. The forward was under at every stage (+0.48 %, +1.09 %) until transformers' bf16 logits beside their fp32
+#: upcast became a term (phases.forward_moments); asserted: {phase: (measured - predicted) / measured} beyond MARGIN,
+#: and the runs are given a peak (``zero12_moe_limit``).
 BF16 = {
-    ("mixtral-wide", 1, "default"): ([8602496, 13389376, 1014525864, 20072848], {"forward": 64000 / 13389376}),
-    ("mixtral-wide", 1, "small"): ([8602496, 13389376, 16098468, 20072848], {"forward": 64000 / 13389376}),
-    ("mixtral-wide", 2, "default"): ([8602496, 13389376, 1014337940, 20072848], {"forward": 64000 / 13389376}),
-    ("deepseek-wide", 1, "default"): ([3292096, 6233328, 1006235768, 7682000], {"forward": 68032 / 6233328}),
+    ("mixtral-wide", 1, "default"): ([8602496, 13389376, 1014525864, 20072848], {}),
+    ("mixtral-wide", 1, "small"): ([8602496, 13389376, 16098468, 20072848], {}),
+    ("mixtral-wide", 2, "default"): ([8602496, 13389376, 1014337940, 20072848], {}),
+    ("deepseek-wide", 1, "default"): ([3292096, 6233328, 1006235768, 7682000], {"forward": 3648 / 6233328}),
     ("deepseek-wide", 1, "small"): ([3292096, 6233328, 6297720, 7682000],
-                                    {"forward": 68032 / 6233328, "backward": 3656 / 6297720}),
-    ("deepseek-wide", 2, "default"): ([3292096, 6233328, 1006057592, 7682000], {"forward": 68032 / 6233328}),
+                                    {"forward": 3648 / 6233328, "backward": 3656 / 6297720}),
+    ("deepseek-wide", 2, "default"): ([3292096, 6233328, 1006057592, 7682000], {"forward": 3648 / 6233328}),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "stage", "zero"), sorted(BF16))
-def test_bf16_sparse_runs_miss_the_forward_as_recorded_and_are_refused(name, stage, zero, tmp_path):
+def test_bf16_sparse_runs_within_the_recorded_residuals_and_given_a_peak(name, stage, zero, tmp_path):
     from validate.engines.deepspeed_compare import ds_config, workload_for
     from zeroplan.architectures.hf_config import spec_from_hf_config
     from zeroplan.engines import deepspeed as D
@@ -154,7 +155,7 @@ def test_bf16_sparse_runs_miss_the_forward_as_recorded_and_are_refused(name, sta
     for phase, value in zip(PHASES, measured):
         assert abs((value - predicted[phase]) / value - residual.get(phase, 0.0)) <= MARGIN, (phase, predicted[phase])
     why = moe_limit(PlannerOptions(ds_config=config), spec_from_hf_config(CONFIGS[name]))
-    assert why is not None and "bf16: the forward of a 16-bit sparse model" in why
+    assert why is None
 
 
 @pytest.mark.parametrize(("zero", "refused"), [

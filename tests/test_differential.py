@@ -22,6 +22,8 @@ from validate.engines.differential import FAMILIES, PSI_RANGE, TARGET_UNDER, TAR
 RECORDED = Path(__file__).resolve().parent / "data" / "measured" / "differential.json"
 # generator 3's bf16 draws (meta init, checkpointing), recorded apart so that the shared file stays as it was
 RECORDED_BF16 = RECORDED.with_name("fsdp2_differential_bf16.json")
+# generator 4 on seed 3, a seed no profile was tuned on (both engines; DeepSpeed's checkpointing and bf16 drawn)
+RECORDED_SEED3 = RECORDED.with_name("differential_seed3.json")
 SLICE = range(40)
 
 
@@ -79,8 +81,33 @@ def test_generator_3_adds_meta_init_and_checkpointing_and_keeps_generator_2():
         (i, c) for i in ("materialized", "meta") for c in (False, True)}
     assert draw(1, 9, "fsdp2", generator=3).name.endswith("init=meta ckpt")
     assert draw(1, 5, "deepspeed", generator=3).ds_config == draw(1, 5, "deepspeed").ds_config
-    with pytest.raises(ValueError, match="generator=4"):
-        draw(1, 0, generator=4)
+    with pytest.raises(ValueError, match="generator=0"):
+        draw(1, 0, generator=0)
+
+
+def test_generator_4_adds_deepspeed_checkpointing_and_bf16_and_keeps_generator_3():
+    from validate.engines.differential_deepspeed import BF16_CHEAP_PSI
+
+    pairs = [(draw(s, i, e, generator=3), draw(s, i, e, generator=4)) for s in (1, 3) for i in SLICE
+             for e in ("fsdp2", "deepspeed")]  # fmt: skip
+    for three, four in pairs:  # the model, the step, the world, FSDP2's settings: generator 3's
+        assert (three.config, three.nd, three.seq_len, three.micro_batch, three.fsdp2, three.zero_init) == (
+            four.config, four.nd, four.seq_len, four.micro_batch, four.fsdp2, four.zero_init)
+        if four.engine == "fsdp2":
+            assert (four.ds_config, four.checkpointing) == (None, "none")
+            continue
+        rest = {k: v for k, v in four.ds_config.items() if k != "bf16"}
+        assert rest == {k: v for k, v in three.ds_config.items() if k != "bf16"}
+        assert "bf16" not in three.ds_config or "bf16" in four.ds_config  # generator 1's bf16 stays
+        if "bf16" in four.ds_config and "bf16" not in three.ds_config:
+            assert four.psi <= BF16_CHEAP_PSI  # more bf16 only where cheap
+    ds = [four for _, four in pairs if four.engine == "deepspeed"]
+    assert 0.4 < sum(d.checkpointing == "full" for d in ds) / len(ds) < 0.6  # 80 draws: 43 checkpointed
+    small = [d for d in ds if d.psi <= BF16_CHEAP_PSI]
+    assert 0.2 < sum("bf16" in d.ds_config for d in small) / len(small) < 0.45  # 0.325 expected
+    assert draw(3, 7, generator=4).name.endswith("z2 fp32 rb=2e+06 ov=0 ga=1 ckpt")
+    assert draw(3, 20, generator=4).ds_config["bf16"] == {"enabled": True}  # 9.2M: fp32 by generator 1
+    assert "bf16" not in draw(3, 20, generator=3).ds_config
 
 
 def _numels(config: dict) -> tuple[int, ...]:
@@ -91,7 +118,8 @@ def _numels(config: dict) -> tuple[int, ...]:
 
 
 def _records() -> list[dict]:
-    return [r for f in (RECORDED, RECORDED_BF16) if f.exists() for r in json.loads(f.read_text())["results"]]
+    files = (RECORDED, RECORDED_BF16, RECORDED_SEED3)
+    return [r for f in files if f.exists() for r in json.loads(f.read_text())["results"]]
 
 
 def _cases() -> list[dict]:
@@ -104,6 +132,18 @@ def _params(records: list[dict]) -> list:
     strict xfail, which fails the day the profile gets it right (then drop its ``open``)."""
     return [pytest.param(r, id=r["name"], marks=[pytest.mark.xfail(strict=True, reason=r["open"])] if "open" in r else [])
             for r in records]  # fmt: skip
+
+
+def test_recorded_draws_are_drawn_again_by_their_generator():
+    """Every recorded draw (generators 1-4, both files) is what its generator draws today: a new generator
+    never changes an earlier one's draws (pure Python, no torch)."""
+    from validate.engines.differential import Draw
+
+    records = [r["draw"] for r in _records()]
+    assert {d.get("generator", 1) for d in records} >= {1, 2, 3}
+    for r in records:
+        d = Draw(**r)
+        assert d in (draw(d.seed, d.index, generator=d.generator), draw(d.seed, d.index, d.engine, d.generator)), d.name
 
 
 @pytest.mark.parametrize("record", _params(_records()))
@@ -141,13 +181,17 @@ def test_recorded_case_within_targets(record, tmp_path):
 
 
 def test_recorded_draws_exist_with_provenance():
-    for f in (RECORDED, RECORDED_BF16):
+    for f in (RECORDED, RECORDED_BF16, RECORDED_SEED3):
         data = json.loads(f.read_text())
         assert data["results"] and {"recorded", "torch", "deepspeed", "transformers", "command"} <= set(data)
     bf16 = [r["draw"] for r in json.loads(RECORDED_BF16.read_text())["results"]]
     assert all(d["fsdp2"]["param_dtype"] == "bf16" and d["generator"] == 3 for d in bf16)
     assert any(d["fsdp2"]["init"] == "meta" for d in bf16)  # the meta init of a 16-bit model, with and without
     assert {d["fsdp2"]["checkpointing"] for d in bf16} == {True, False}
+    seed3 = [r["draw"] for r in json.loads(RECORDED_SEED3.read_text())["results"]]
+    assert {(d["seed"], d["generator"]) for d in seed3} == {(3, 4)} and {d["engine"] for d in seed3} == {"fsdp2", "deepspeed"}
+    ds = [d for d in seed3 if d["engine"] == "deepspeed"]  # generator 4's DeepSpeed settings, each side measured
+    assert {d["checkpointing"] for d in ds} == {"none", "full"} and {"bf16" in d["ds_config"] for d in ds} == {True, False}
 
 
 @pytest.mark.distributed

@@ -265,7 +265,9 @@ def test_llama_partition_allocated_inside_a_block(rank):
 
 @pytest.mark.parametrize("name, without, now", [
     ("deepspeed-z3-llama-wide-buckets2e4-nd2", -2.37, 0.0003),  # contiguous_gradients: down_proj's gradient moved
-    ("deepspeed-z3-llama-wide-buckets2e4-no-contiguous-nd2", 0.223, 0.223),  # not moved: the same prediction
+    # not moved: the same prediction; the head's and norm's gradients pending in the bucket (zero3.py
+    # _root_gradients_pending; 0.223 % under before)
+    ("deepspeed-z3-llama-wide-buckets2e4-no-contiguous-nd2", 0.0003, 0.0003),
 ])  # fmt: skip
 def test_zero3_output_projection_gradient_is_in_the_bucket(name, without, now, monkeypatch):
     """A Llama whose last block's backward is the phase's peak (vocab 32, MLP 352 wide: tests/data/measured/

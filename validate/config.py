@@ -75,6 +75,10 @@ class ValidateConfig(BaseModel):
     )
     checkpointing: Literal["none", "full"] = Field("none", description="full: every block recomputed in backward")
     foreach: bool | None = Field(None, description="Adam's foreach path; default: as torch chooses for the device")
+    amsgrad: bool = Field(
+        False, description="reference engine: Adam(amsgrad=True), a third fp32 state max_exp_avg_sq (the runtime's "
+        "and the parity reference's Adam)",
+    )  # fmt: skip
     peak_tolerance: PositiveFinite = Field(0.02, description="largest relative error of any phase's peak still ok")
     seq_len: Count | None = Field(
         None, description="tokens per sequence (transformers only), up to its positions; default: all positions"
@@ -221,6 +225,8 @@ class ValidateConfig(BaseModel):
                       if getattr(self, n) is not None]  # fmt: skip
         if self.engine != "reference" and self.grad_accum != 1:
             raise ValueError(f"grad-accum={self.grad_accum}: --engine reference only")
+        if self.engine != "reference" and self.amsgrad:
+            raise ValueError("--amsgrad: --engine reference only")
         if self.engine != "fsdp2" and fsdp2_only:
             raise ValueError(f"{', '.join(n.replace('_', '-') for n in fsdp2_only)}: --engine fsdp2 only")
         if self.engine == "reference" and self.param_dtype == "fp32":

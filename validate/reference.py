@@ -13,14 +13,15 @@ from validate.models import build
 
 
 def train_reference(
-    spec, batches: list, lr: float, device, dtype: torch.dtype
+    spec, batches: list, lr: float, device, dtype: torch.dtype, amsgrad: bool = False
 ) -> tuple[torch.nn.Module, dict, dict]:
     """(model, fp32 master after all ``batches``, 16-bit gradients of the last batch), keyed by ``id``
-    of the model's parameters; ``dtype`` is the runtime's 16-bit dtype (``ValidateConfig.param_dtype``)."""
+    of the model's parameters; ``dtype`` is the runtime's 16-bit dtype (``ValidateConfig.param_dtype``),
+    ``amsgrad`` the runtime's Adam option (``ValidateConfig.amsgrad``)."""
     model = build(spec, dtype, device)
     params = list(model.parameters())
     master = [p.detach().float().clone().requires_grad_() for p in params]
-    optimizer = torch.optim.Adam(master, lr=lr, foreach=True)
+    optimizer = torch.optim.Adam(master, lr=lr, foreach=True, amsgrad=amsgrad)
     grads = []
     for batch in batches:
         for p in params:

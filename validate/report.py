@@ -53,7 +53,8 @@ def reference_estimate(config: ValidateConfig, meta: dict, stage: int, shapes, f
     settings = reference.settings(stages=(stage,), policy=policy,
                         block_bytes=CUDA_BLOCK_BYTES if cuda else 1, stat_bytes=4 if cuda else 2,
                         cuda_capability=tuple(meta.get("cuda_capability", (9, 0))) if cuda else None,
-                        backend="fake" if config.simulated else "nccl" if cuda else "gloo")  # fmt: skip
+                        backend="fake" if config.simulated else "nccl" if cuda else "gloo",
+                        amsgrad=config.amsgrad)  # fmt: skip
     (row,) = reference.estimate(workload, meta["world_size"], settings)
     return row
 
@@ -187,7 +188,8 @@ def to_table(report: dict) -> str:
             ]
     first = report["rows"][0] if report["rows"] else {}
     dtype = report["config"]["param_dtype"]
-    what = first.get("engine_label") or f"{dtype} params/grads, fp32 master + Adam m, v"
+    max_v = ", max v (amsgrad)" if report["config"].get("amsgrad") else ""
+    what = first.get("engine_label") or f"{dtype} params/grads, fp32 master + Adam m, v{max_v}"
     out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), {what}",
            *format_table([cols, *lines], left=4), ""]  # fmt: skip
     out.append(

@@ -115,7 +115,8 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
             enter("init", probe, counter)  # building the model, the master and the flat buffers
             model = build(spec, config.torch_dtype, device, checkpointing=config.checkpointing)
             param_shapes = module_shapes(model)  # what the prediction is made for (reads .shape only)
-            runtime = RUNTIMES[stage](model, nd, rank, config.lr, config.foreach, config.grad_accum)
+            runtime = RUNTIMES[stage](model, nd, rank, config.lr, config.foreach, config.grad_accum,
+                                      amsgrad=config.amsgrad)
             del model
             enter(None, probe, counter)
             for step in range(config.steps):
@@ -193,7 +194,8 @@ def check_parity(config: ValidateConfig, spec, runtime, global_batches, device) 
     """Compare this rank's fp32 master shard and reduced gradients with the single-process reference,
     within the allowances ``validate.tolerances`` derives from the dtype, N_d and the step count."""
     batches = [tuple(t.to(device) for t in gb) for gb in global_batches]
-    model, master, grads = train_reference(spec, batches, config.lr, device, config.torch_dtype)
+    model, master, grads = train_reference(spec, batches, config.lr, device, config.torch_dtype,
+                                           config.amsgrad)  # fmt: skip
     units = [ps for _, ps in split_units(model)]
     ref_master = runtime.local_flat([[master[id(p)] for p in ps] for ps in units], torch.float32)
     ref_grad = runtime.local_flat([[grads[id(p)].float() for p in ps] for ps in units], torch.float32)

@@ -39,6 +39,9 @@ def validate_cmd(
     foreach: Optional[bool] = typer.Option(
         None, "--foreach/--no-foreach", help="Adam's foreach path (default: torch's choice for the device)."
     ),
+    amsgrad: bool = typer.Option(
+        False, "--amsgrad", help="Reference engine: Adam(amsgrad=True), a third fp32 state (max_exp_avg_sq)."
+    ),
     peak_tolerance: Optional[float] = typer.Option(
         None, help="Largest relative error of any phase's peak still ok (default 0.02; 0.03 with --engine deepspeed)."
     ),
@@ -169,6 +172,7 @@ def validate_cmd(
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,
+        amsgrad=amsgrad,
         **given(peak_tolerance=peak_tolerance),
         timeout_s=timeout,
         wire=wire,

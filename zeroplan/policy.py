@@ -68,29 +68,40 @@ class PrecisionPolicy(BaseModel):
         """The optimizer's per-parameter states (``zeroplan.formulas.optimizers``)."""
         return optimizer_states(self.optimizer, self.optimizer_dtype)
 
-    @property
-    def optimizer_bytes_per_param(self) -> ByteRows:
-        """The optimizer's rows of the convention: master copy, then each state."""
+    def optimizer_rows(self, amsgrad: bool = False) -> ByteRows:
+        """The optimizer's rows of the convention: master copy, then each state; ``amsgrad``: an engine's
+        ``Settings.amsgrad``, Adam's third state ``max_exp_avg_sq`` (``optimizer_states``)."""
         rows: list[tuple[str, float]] = []
         if self.master_dtype:
             rows.append((f"{self.master_dtype} master", dtype_bytes(self.master_dtype)))
-        for s in self.states:
+        for s in optimizer_states(self.optimizer, self.optimizer_dtype, amsgrad):
             rows.append((f"{s.dtype} {s.name}", dtype_bytes(s.dtype) / s.per_elements))
         return tuple(rows)
 
     @property
-    def bytes_per_param(self) -> ByteRows:
+    def optimizer_bytes_per_param(self) -> ByteRows:
+        return self.optimizer_rows()
+
+    def byte_rows(self, amsgrad: bool = False) -> ByteRows:
         """The byte convention, one (label, bytes per parameter) per model state, for printing."""
         return (
             (f"{self.param_dtype} params", self.param_bytes),
             (f"{self.resolved_grad_dtype} grads", self.grad_bytes),
-            *self.optimizer_bytes_per_param,
+            *self.optimizer_rows(amsgrad),
         )
 
     @property
+    def bytes_per_param(self) -> ByteRows:
+        return self.byte_rows()
+
+    def k_of(self, amsgrad: bool = False) -> float:
+        """The paper's K: optimizer-state bytes per parameter, master copy included (12 for Adam, 16 with
+        amsgrad's third fp32 state)."""
+        return sum(b for _, b in self.optimizer_rows(amsgrad))
+
+    @property
     def k(self) -> float:
-        """The paper's K: optimizer-state bytes per parameter, master copy included (12 for Adam)."""
-        return sum(b for _, b in self.optimizer_bytes_per_param)
+        return self.k_of()
 
     def resolved(self) -> dict:
         """The policy with defaults filled in, as JSON outputs report it."""

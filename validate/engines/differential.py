@@ -27,8 +27,11 @@ Generator 3 (``generator=3``) draws generator 2's draw, wrapping included, then 
 on every decoder layer before ``fully_shard``, non-reentrant: torchtitan's and accelerate's
 ``fsdp_activation_checkpointing`` order; ``validate.engines.fsdp2.shard``).
 
-Not drawn: DeepSpeed's activation checkpointing (its runner builds transformers' models without it:
-``hf_builder``), dropout (the configs set every ``*pdrop`` to 0: no profile counts dropout masks).
+Generator 4 (``generator=4``) draws generator 3's draw, then for DeepSpeed from a fourth stream transformers'
+gradient checkpointing (about half the draws) and bf16 on about a third of the draws of at most 12M parameters
+(``validate.engines.differential_deepspeed``).
+
+Not drawn: dropout (the configs set every ``*pdrop`` to 0: no profile counts dropout masks).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import random
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
+
+from validate.engines.differential_deepspeed import generator_4
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 PSI_RANGE = (5_000_000, 60_000_000)
@@ -73,8 +78,10 @@ class Draw:
     zero_init: bool = False
     psi: int = 0
     generator: int = 1
-    """the generator's version: 2 adds FSDP2's wrapping, 3 its init and checkpointing (module docstring);
-    each earlier version's draws are unchanged."""
+    """the generator's version: 2 adds FSDP2's wrapping, 3 its init and checkpointing, 4 DeepSpeed's
+    checkpointing and more bf16 (module docstring); each earlier version's draws are unchanged."""
+    checkpointing: str = "none"
+    """DeepSpeed: transformers' gradient checkpointing, "none" or "full" (generator 4)."""
 
     @property
     def name(self) -> str:
@@ -93,7 +100,8 @@ class Draw:
             what = (f"z{z['stage']} {dtype} rb={z['reduce_bucket_size']:.0e} ov={int(bool(z.get('overlap_comm')))}"
                     f" ga={self.ds_config['gradient_accumulation_steps']}"
                     + (f" pt={z['stage3_param_persistence_threshold']:.0e} pf={z['stage3_prefetch_bucket_size']:.0e}"
-                       f"{' zinit' if self.zero_init else ''}" if z["stage"] == 3 else ""))  # fmt: skip
+                       f"{' zinit' if self.zero_init else ''}" if z["stage"] == 3 else "")
+                    + (" ckpt" if self.checkpointing != "none" else ""))  # fmt: skip
         return (f"{self.seed}-{self.index} {self.engine} {c['model_type']} {self.psi / 1e6:.1f}M {tied} "
                 f"N_d={self.nd} b={self.micro_batch} s={self.seq_len} {what}")
 
@@ -200,21 +208,32 @@ def _wrapping(rng: random.Random, d: Draw) -> dict:
 def draw(seed: int, index: int, engine: Optional[str] = None, generator: int = 1) -> Draw:
     """The ``index``-th configuration of the matrix of ``seed`` (the same on every machine: ``random.Random``
     of a string seed); ``engine``: that engine for this draw (None: the drawn one; the model, the step and
-    the world are the same either way); ``generator`` 2: and FSDP2's wrapping, from a second stream, so that
-    everything generator 1 draws is drawn the same."""
+    the world are the same either way); ``generator`` n > 1: generator n - 1's draw, then its own stream
+    (``_LATER``), so that everything an earlier generator draws is drawn the same; 5: the newer families."""
     if generator == 5:  # the newer families (issue 19): validate/engines/differential_families.py
         return __import__("validate.engines.differential_families", fromlist=["_"]).family_draw(seed, index, engine)
-    if generator not in (1, 2, 3):
-        raise ValueError(f"generator={generator}: expected 1, 2 or 3")
+    if generator != 1 and generator not in _LATER:
+        raise ValueError(f"generator={generator}: expected 1, 5 or one of {sorted(_LATER)}")
     d = _draw(seed, index, engine)
-    if generator == 1 or d.engine != "fsdp2":
-        return d if generator == 1 else replace(d, generator=generator)
-    rng = random.Random(f"zeroplan-differential-{seed}-{index}-generator-2")
-    fsdp2 = {**d.fsdp2, **_wrapping(rng, d)}
-    if generator == 3:  # a third stream: generator 2's draw (its wrapping included) is unchanged
-        rng = random.Random(f"zeroplan-differential-{seed}-{index}-generator-3")
-        fsdp2 |= {"init": rng.choice(("materialized", "meta")), "checkpointing": rng.random() < 0.5}
-    return replace(d, fsdp2=fsdp2, generator=generator)
+    for g in range(2, generator + 1):
+        d = _LATER[g](d)
+    return replace(d, generator=generator)
+
+
+def _generator_2(d: Draw) -> Draw:
+    """FSDP2's wrapping, from a second stream (module docstring)."""
+    if d.engine != "fsdp2":
+        return d
+    rng = random.Random(f"zeroplan-differential-{d.seed}-{d.index}-generator-2")
+    return replace(d, fsdp2={**d.fsdp2, **_wrapping(rng, d)})
+
+
+def _generator_3(d: Draw) -> Draw:
+    """FSDP2's init and activation checkpointing, from a third stream (module docstring)."""
+    if d.engine != "fsdp2":
+        return d
+    rng = random.Random(f"zeroplan-differential-{d.seed}-{d.index}-generator-3")
+    return replace(d, fsdp2={**d.fsdp2, "init": rng.choice(("materialized", "meta")), "checkpointing": rng.random() < 0.5})
 
 
 def _draw(seed: int, index: int, engine: Optional[str] = None) -> Draw:
@@ -236,6 +255,14 @@ def _draw(seed: int, index: int, engine: Optional[str] = None) -> Draw:
         ds, zero_init = _ds_config(rng, numels, hidden, block, micro)
         return Draw(seed, index, engine, config, nd, seq, micro, ds_config=ds, zero_init=zero_init, psi=sum(numels))
     return Draw(seed, index, engine, config, nd, seq, micro, fsdp2=_fsdp2(rng, nd), psi=sum(numels))
+
+
+# generator n: what it adds to generator n - 1's draw (one line each)
+_LATER = {
+    2: _generator_2,
+    3: _generator_3,
+    4: generator_4,  # DeepSpeed's checkpointing and bf16 (differential_deepspeed.py)
+}
 
 
 # ---- running one draw: the real engine, every rank predicted ----
@@ -295,7 +322,7 @@ def predict_draw(d: Draw, path: str, rank: Optional[int]) -> dict[str, int]:
     from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 
     ds, engine = d.ds_config, get_engine("deepspeed")
-    workload = workload_for(path, d.micro_batch, d.seq_len, ds["gradient_accumulation_steps"], hf=True)
+    workload = workload_for(path, d.micro_batch, d.seq_len, ds["gradient_accumulation_steps"], d.checkpointing, hf=True)
     settings = engine.settings.from_ds_config(ds, zero_init=d.zero_init).model_copy(update={"rank": rank})
     # MemTracker on CPU: LayerNorm's statistics in the activations' dtype (deepspeed_compare.compare_row)
     (est,) = engine.estimate(workload, d.nd, settings, stat_bytes=BYTES_PER_ELEMENT[settings.dtype])
@@ -331,7 +358,7 @@ def _run_deepspeed(d: Draw, path: str, steps: int, timeout_s: float) -> DrawResu
     world = Path(path).with_name("world-llama.json")
     world.write_text(json.dumps(WORLD_MODEL))
     ranks = run_world([d.ds_config], d.nd, model=str(world), steps=steps, timeout_s=timeout_s, seq_len=d.seq_len,
-                      runs=[{"model": path, "hf": True, "zero_init": d.zero_init}])  # fmt: skip
+                      runs=[{"model": path, "hf": True, "zero_init": d.zero_init, "checkpointing": d.checkpointing}])  # fmt: skip
     out = DrawResult(d)
     for (row,) in ranks:
         out.measured[row["rank"]] = dict(row["peak_bytes_by_phase"])

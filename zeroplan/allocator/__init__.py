@@ -14,9 +14,39 @@ peaks and segments out), ``runs`` (runs of equal requests fast-forwarded, exactl
 cyclic garbage collector paused around the hot loops). Pure Python: no torch.
 """
 
-from zeroplan.allocator.caching import CachingAllocator, OutOfMemory
-from zeroplan.allocator.config import AllocatorConfig, allocation_size, parse_alloc_conf, round_size
-from zeroplan.allocator.replay import Event, PhasePeak, Replay, replay
+import importlib
+import sys
+import types
+
+_HOMES = {"CachingAllocator": "caching", "OutOfMemory": "caching", "AllocatorConfig": "config",
+          "allocation_size": "config", "parse_alloc_conf": "config", "round_size": "config",
+          "Event": "replay", "PhasePeak": "replay", "Replay": "replay"}
+"""Each name the package exports and its home module, imported at the name's first use: a command that reads
+``allocator.config`` alone (``estimate`` without a model: no replay) does not import the replay's modules."""
 
 __all__ = ["AllocatorConfig", "CachingAllocator", "Event", "OutOfMemory", "PhasePeak", "Replay", "allocation_size",
            "parse_alloc_conf", "replay", "round_size"]
+
+
+def __getattr__(name: str) -> object:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"zeroplan.allocator.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'zeroplan.allocator' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """``zeroplan.allocator.replay`` is the function, as when the package imported it eagerly: the import
+    system binds the submodule ``replay`` on the package at its first import; that binding is dropped."""
+
+    @property
+    def replay(self) -> object:
+        from zeroplan.allocator.replay import replay
+
+        return replay
+
+    @replay.setter
+    def replay(self, submodule: object) -> None:
+        pass
+
+
+sys.modules[__name__].__class__ = _Package  # a module's class: Python's documented way to give it a property

@@ -10,10 +10,12 @@ profile's, not the recorded one, so the reserved prediction is an estimate with 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from zeroplan.allocator.config import parse_alloc_conf
-from zeroplan.allocator.replay import replay
-from zeroplan.allocator.step_trace import AllocTrace
+
+if TYPE_CHECKING:  # the replay's modules are imported where a trace is replayed, not by every command
+    from zeroplan.allocator.step_trace import AllocTrace
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class ReservedEstimate:
 
 def reserved_of(trace: AllocTrace, alloc_conf: str = "") -> ReservedEstimate:
     """Replay ``trace`` through the allocator model under ``alloc_conf`` (ValueError in one line if bad)."""
+    from zeroplan.allocator.replay import replay
+
     result = replay(trace.events, parse_alloc_conf(alloc_conf), details=False)
     phases = {name: p.reserved_bytes for name, p in result.phases.items()}
     return ReservedEstimate(result.reserved_peak_bytes, phases, result.allocated_peak_bytes, alloc_conf)

@@ -74,13 +74,14 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     if config.spec is not None and (limit := engine.peak_limits(options, config.spec, config.checkpointing)):
         raise ValueError(limit.reason)  # an architecture: the peak is part of the answer
     policy = engine.policy(settings)  # the byte convention of this engine's model states
+    amsgrad = bool(getattr(settings, "amsgrad", False))  # Adam's third state, an engine's Settings.amsgrad
     if config.module_dtype is not None:  # a live module (estimation/live.py)
         check_module_dtype(config.module_dtype, config.engine, policy.param_dtype)
     # "vs DP": plain data parallelism's model states (the reference engine's stage 0, the same byte
     # convention) over this row's
     reference = get_engine("reference")
     (dp,) = reference.estimate(Workload(workload.shapes), config.nd, reference.settings(
-        stages=(0,), policy=policy, flat_layout=options.flat_layout))  # fmt: skip
+        stages=(0,), policy=policy, flat_layout=options.flat_layout, amsgrad=amsgrad))  # fmt: skip
     own = engine.own_estimator(settings, numels, config.nd) if engine.own_estimator is not None else None
     rows = []
     estimated = engine.estimate(workload, config.nd, settings)
@@ -102,8 +103,8 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         nm=config.model_parallel,
         gpu_memory_bytes=config.gpu_memory_bytes,
         policy=policy,
-        bytes_per_param=policy.bytes_per_param,
-        k=policy.k,
+        bytes_per_param=policy.byte_rows(amsgrad),
+        k=policy.k_of(amsgrad),
         stages=tuple(rows),
         engine=config.engine,
         model=config.model if config.model is not None else (config.spec.model_type if config.spec else None),

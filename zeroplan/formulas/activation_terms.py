@@ -313,6 +313,18 @@ def activation_limit(spec: TransformerSpec) -> Optional[str]:
             "docs/models.md); for model states alone give its parameter shapes (--shapes)")
 
 
+def unused_sliding_mask(spec: TransformerSpec, s: int) -> int:
+    """Qwen2-MoE's sliding-window mask, built and never used where the config has no sliding window: transformers
+    5.24 sets ``sliding_window = 0`` without ``use_sliding_window`` (configuration_qwen2_moe.py), and
+    ``Qwen2MoeModel.forward`` builds both masks of ``causal_mask_mapping`` whatever the layer types, so
+    masking_utils.py ``create_sliding_window_causal_mask`` cannot skip it (``_ignore_causal_mask_sdpa``: the window 0
+    is not above the sequence): a bool (1, 1, s, s) tensor expanded over the batch, s² B, alive to the body's end.
+    Traced (live storages at DeepSpeed ZeRO-3's forward peak, Qwen2-MoE wide, gloo N_d = 2: ``and_mask``'s 4,096 B at
+    s = 64); the 4,096 B the FSDP2 and DeepSpeed rows of that config read under (tests/test_moe_peaks.py,
+    tests/test_deepspeed_moe.py)."""
+    return s * s if spec.model_type == "qwen2_moe" and spec.sliding_window is None else 0
+
+
 def model_activations(
     spec: TransformerSpec,
     micro_batch: int,
@@ -360,6 +372,6 @@ def model_activations(
         log_softmax=n * v * 4,
         batch=2 * n * TOKEN_BYTES,
         loss=LOSS_BYTES,
-        body_masks=G.eager_masks(spec, b, s, a),
+        body_masks=G.eager_masks(spec, b, s, a) + unused_sliding_mask(spec, s),
         layer_blocks=layers,
     )

@@ -1,7 +1,5 @@
 """The row of a sweep: one configuration, stage and offload. Its fields are the sweep's columns."""
 
-from __future__ import annotations
-
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,7 +20,9 @@ class SweepRow(BaseModel):
     peak is) with ``reserved_fits``: what runs out. Every ``*fits`` compares with (1 - headroom) x GPU memory.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # defer_build: the validator is built at the first row (``sweep``), not by every command that imports the
+    # schemas (``plan --json``); no ``from __future__ import annotations``: pydantic would re-read each string
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     params: int
     gpus: int

@@ -217,6 +217,8 @@ class _OptimizerParams(_Section):
     torch_adam: Optional[Flag] = None
     adam_w_mode: Optional[Flag] = None
     foreach: Optional[Flag] = None
+    amsgrad: Optional[Flag] = None
+    """torch's ``Adam(amsgrad=...)``: with ``torch_adam`` DeepSpeed hands the params on to torch's Adam."""
     weight_decay: Optional[Number] = None  # Adam's; absent: torch's default 0 (engine.py passes the params on)
 
 
@@ -353,10 +355,7 @@ def merge_ds_config(config: object, given: dict) -> dict:
 
 
 def _offload_block(device: str) -> dict:
-    block: dict = {"device": device, "pin_memory": True}
-    if device == "nvme":
-        block["nvme_path"] = NVME_PATH
-    return block
+    return {"device": device, "pin_memory": True, **({"nvme_path": NVME_PATH} if device == "nvme" else {})}
 
 
 def _batch_keys(micro_batch: int, grad_accum: int) -> dict:

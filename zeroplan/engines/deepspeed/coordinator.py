@@ -120,15 +120,18 @@ class Coordinator:
 
     def grow(self, n: int) -> None:
         self.mem += n
-        self.high = max(self.high, self.mem)
+        if self.mem > self.high:
+            self.high = self.mem
 
     def all_gather(self, params, forward: bool) -> None:
         """__all_gather_params_ -> all_gather_coalesced; ``forward``: the phase the call is counted in."""
-        todo = sorted(p for p in params if self.status[p] == NOT_AVAILABLE)
+        status = self.status
+        todo = sorted([p for p in params if status[p] == NOT_AVAILABLE])
         if not todo:
             return
-        elements = sum(self.padded[p] for p in todo)
-        self.avail += sum(self.numels[p] for p in todo)
+        padded, numels = self.padded, self.numels
+        elements = sum([padded[p] for p in todo])
+        self.avail += sum([numels[p] for p in todo])
         self.calls[forward][0] += 1
         self.calls[forward][1] += elements
         if not forward:
@@ -187,13 +190,16 @@ class Coordinator:
 
     def pop_expected(self, params: set[int]) -> None:
         """fetch_sub_module: the module's own parameters leave the head of the queue."""
-        expected = {p for p in params if self.fetched_for[p] < self.step}
+        fetched_for, step, queue = self.fetched_for, self.step, self.queue
+        expected = {p for p in params if fetched_for[p] < step}
         popped = set()
-        while self.next_in_queue < len(self.queue) and len(popped) < len(expected):
-            p, used_at = self.queue[self.next_in_queue]
-            self.next_in_queue += 1
-            self.fetched_for[p] = used_at
+        at, end = self.next_in_queue, len(queue)
+        while at < end and len(popped) < len(expected):
+            p, used_at = queue[at]
+            at += 1
+            fetched_for[p] = used_at
             popped.add(p)
+        self.next_in_queue = at
         if popped != expected:
             raise ValueError(f"ZeRO-3 trace: step {self.step} expected {sorted(expected)} next in the queue, "
                              f"got {sorted(popped)}")  # fmt: skip
@@ -204,30 +210,37 @@ class Coordinator:
         limit = min(self.max_live - self.avail, self.bucket)
         chosen: set[int] = set()
         numel = 0
-        while self.next_in_queue < len(self.queue) and numel < limit:
-            p, used_at = self.queue[self.next_in_queue]
-            self.next_in_queue += 1
-            if self.status[p] == NOT_AVAILABLE and p not in chosen:
+        queue, status, numels, fetched_for = self.queue, self.status, self.numels, self.fetched_for
+        at, end = self.next_in_queue, len(queue)
+        while at < end and numel < limit:
+            p, used_at = queue[at]
+            at += 1
+            if status[p] == NOT_AVAILABLE and p not in chosen:
                 chosen.add(p)
-                numel += self.numels[p]
-            self.fetched_for[p] = max(self.fetched_for[p], used_at)
+                numel += numels[p]
+            if used_at > fetched_for[p]:
+                fetched_for[p] = used_at
+        self.next_in_queue = at
         if numel:
             self.all_gather(chosen, forward)
 
     def fetch(self, m: int, forward: bool) -> None:
         """fetch_sub_module; ``forward``: the phase (calls counted there)."""
         params = self.modules[m]
-        self.all_gather(params, forward)
-        for p in params:
-            self.active[p].add(m)
-            self.wait(p)
-        self.pop_expected(params)
+        if params:  # a module without parameters gathers, waits for and pops nothing: only its prefetch
+            self.all_gather(params, forward)
+            for p in params:
+                self.active[p].add(m)
+                self.wait(p)
+            self.pop_expected(params)
         if self.bucket > 0:
             self.prefetch(forward)
         self.step += 1
 
     def release(self, m: int) -> None:
-        """release_sub_module."""
+        """release_sub_module (a module without parameters releases nothing)."""
+        if not self.modules[m]:
+            return
         drop = self.to_release(m)
         for p in self.modules[m]:
             self.active[p].discard(m)
@@ -238,20 +251,22 @@ class Coordinator:
         """Every event of ``trace`` in order, and what was gathered after each."""
         gathered, high, buffers = [], [], []
         forward_peak = backward_peak = 0
+        fetch, release = self.fetch, self.release
         for i, e in enumerate(trace.events):
             self.high, self.event = self.mem, i
-            backward = e.backward_phase
+            backward = (not e.forward) if e.in_backward is None else e.in_backward  # TraceEvent.backward_phase
             if e.op == FETCH:
-                self.fetch(e.module, not backward)
+                fetch(e.module, not backward)
             else:
-                self.release(e.module)
+                release(e.module)
             gathered.append(self.mem)
             high.append(self.high)
             buffers.append(self.flat)
             if not backward:
-                forward_peak = max(forward_peak, self.high)
-            else:
-                backward_peak = max(backward_peak, self.high)
+                if self.high > forward_peak:
+                    forward_peak = self.high
+            elif self.high > backward_peak:
+                backward_peak = self.high
         return Stage3Schedule(tuple(gathered), tuple(high), forward_peak, backward_peak, tuple(self.regathered),
                               *self.calls[True], *self.calls[False], tuple(buffers),
                               tuple(Stage3Gather(*g) for g in self.issued))  # fmt: skip

@@ -21,7 +21,8 @@ from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas.moe_activations import ROUTING_WEIGHT_BYTES
-from zeroplan.formulas.moe_block import FP32, router_saved, shared_expert_saved
+from zeroplan.formulas.moe_activations import INDEX_BYTES
+from zeroplan.formulas.moe_block import FP32, router_saved, shared_expert_saved, sparse_backward_ws, weighted_bytes
 from zeroplan.formulas.peak import Moment, Term
 
 STAGE3 = "runtime/zero/stage3.py"
@@ -90,6 +91,10 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
     out = []
     L, marks = run.acts.n_layer, {m for m, _, _ in run.trace.marks}
     ckpt = run.checkpointing != "none"
+    masks = Term("the body's unused attention mask (bool)", run.acts.body_masks,
+                 "transformers models/qwen2_moe/modeling_qwen2_moe.py Qwen2MoeModel.forward (causal_mask_mapping): "
+                 "activation_terms.unused_sliding_mask")  # fmt: skip
+    base = (*base, masks) if run.acts.body_masks else base
     for j in sparse_blocks(run):
         blk, name = _block(run, j), ("last block" if j == L - 1 else f"block {j}")
         held = (_blocks_saved(run, j), _act("block's saved activations before its MLP", blk.saved - blk.mlp_saved))
@@ -120,12 +125,10 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
     return tuple(out)
 
 
-def _reduction_peak(sizes: tuple[int, ...], bucket: int) -> int:
-    """The most gradient elements alive while the sparse MLP's gradients, ``sizes`` in hook order, all alive at
-    the first hook, go through stage3.py ``reduce_independent_p_g_buckets_and_remove_grads`` one by one: a gradient
-    that fits the contiguous bucket is copied in and freed (``__add_grad_to_ipg_bucket``); a larger one stays in
-    ``param.grad`` until the next hook reduces the bucket (``__reduce_and_partition_ipg_grads``), whose
-    reduce-scatter makes a full-size copy of it on gloo (measured, below) before ``partition_grads`` frees it."""
+def _bucket_walk(sizes: tuple[int, ...], bucket: int) -> tuple[int, int]:
+    """(the most elements alive, the elements still held after the last hook) while gradients of ``sizes``, in
+    hook order, all alive at the first hook, go through stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``
+    one by one (``_reduction_peak``)."""
     alive, peak, elements, held = sum(sizes), sum(sizes), 0, 0
     for n in sizes:
         if elements + n > bucket and elements > 0:
@@ -136,7 +139,16 @@ def _reduction_peak(sizes: tuple[int, ...], bucket: int) -> int:
         else:
             held += n
         elements += n
-    return max(peak, alive + held)
+    return max(peak, alive + held), held
+
+
+def _reduction_peak(sizes: tuple[int, ...], bucket: int) -> int:
+    """The most gradient elements alive while the sparse MLP's gradients, ``sizes`` in hook order, all alive at
+    the first hook, go through stage3.py ``reduce_independent_p_g_buckets_and_remove_grads`` one by one: a gradient
+    that fits the contiguous bucket is copied in and freed (``__add_grad_to_ipg_bucket``); a larger one stays in
+    ``param.grad`` until the next hook reduces the bucket (``__reduce_and_partition_ipg_grads``), whose
+    reduce-scatter makes a full-size copy of it on gloo (measured, below) before ``partition_grads`` frees it."""
+    return _bucket_walk(sizes, bucket)[0]
 
 
 def expert_gradients_held(run: DSRun, sched) -> tuple[Moment, ...]:
@@ -179,6 +191,64 @@ def expert_gradients_held(run: DSRun, sched) -> tuple[Moment, ...]:
         Term("the sparse MLP's gradients and a reduce-scatter copy (gloo)", _reduction_peak(sizes, bucket) * g,
              f"{STAGE3} reduce_leaf_module_grads / reduce_independent_p_g_buckets_and_remove_grads -> "
              "__avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced"))),)  # fmt: skip
+
+
+_SHARED_BACKWARD = ("down_proj", "up_proj", "gate_proj")
+"""DeepSeek's shared experts' weight gradients in hook order: ``down_proj(act(gate_proj(x)) * up_proj(x))`` read
+backward (autograd runs the node made last first: up_proj's before the activation's and gate_proj's)."""
+
+
+def routed_experts_backward(run: DSRun, sched, last: tuple[Term, ...]) -> Optional[tuple[Moment, Moment]]:
+    """The last layer's backward where its routed experts are hooked apart from its shared experts (DeepSeek-V3) and
+    each gradient goes to the bucket at its hook (``contiguous_gradients``), as two moments in place of the dense
+    "last block backward" (``last``), or None elsewhere.
+
+    ``DeepseekV3MoE`` runs its shared experts after the routed ones, so backward runs them first: by the routed
+    experts' moments (``moe_block.sparse_backward_ws``) the shared experts' parameters have been released
+    (parameter_offload.py ``post_sub_module_backward_function`` -> partitioned_param_coordinator.py
+    ``release_sub_module``; trace.py's ``block j experts backward`` mark) and their weight gradients have left
+    ``param.grad``: copied into the bucket at their hooks, or, larger than it, kept until the next hook sends the
+    bucket (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``; the last one held: ``_bucket_walk``), at
+    the latest the routed ``down_proj``'s, before its weight gradient is made. The formulas' working set counts them
+    (3·d·f_s, ``deepseek_sparse_block``: FSDP2 keeps a layer's gradients to its reduce-scatter). Measured
+    (live-storage trace at the peak, DeepSeek-V3 wide, transformers' checkpointing, 5,000-element buckets, gloo,
+    N_d = 2): the peak is the recomputed routed experts' gate-up backward, without the shared experts' parameters
+    and gradients (2 x 98,304 B), 196,024 B (2.3 %) over before. The other moment keeps the dense one's terms with
+    the block's other working sets: the shared experts' own (``deepseek_sparse_block``) and the attention's
+    (``backward_first_op_recomputed``, the latent attention's backward where it is the larger, less the MLP's weight
+    gradients it counts: sent by then)."""
+    if not run.settings.contiguous_gradients or run.trace is None or run.spec is None or run.spec.moe is None:
+        return None
+    j = run.acts.n_layer - 1
+    mark = f"block {j} experts backward"
+    if mark not in {m for m, _, _ in run.trace.marks} or "shared_experts" not in " ".join(run.trace.names):
+        return None
+    names, spec, a, n = run.trace.names, run.spec, _abytes(run), _tokens(run)
+    moe, d, mt, blk = spec.moe, spec.d_model, spec.model_type, _block(run, j)
+    shared = [next((m for i, m in enumerate(run.trace.modules) if names[i].endswith(f".{j}.mlp.shared_experts.{x}")),
+                   ()) for x in _SHARED_BACKWARD]  # fmt: skip
+    sizes = tuple(run.numels[i] for m in shared for i in m)
+    held = _bucket_walk(sizes, run.settings.reduce_bucket_size)[1] * DTYPE_BYTES[run.settings.grad_dtype]
+    fs, s_rows, wo = moe.shared_ffn, n * moe.top_k, weighted_bytes(mt, a)
+    shared_saved = DS.shared_experts_saved(moe, n, a)
+    own = n * d * a if a == FP32 else 0  # deepseek_sparse_block's ``after_shared``, less the shared weight gradients
+    # before the routed down_proj's hook (the reordering's backward, sparse_backward_ws's first moments) the last
+    # shared gradient larger than the bucket may still be held
+    reorder = 3 * s_rows * d * wo + max(0, (s_rows * d * a if wo != a else 0) - s_rows * INDEX_BYTES)
+    routed = max(sparse_backward_ws(moe, mt, n, d, a), reorder + held) + own - shared_saved
+    # the shared experts' own moments; the attention's, net of the MLP's weight gradients, sent by then
+    attention = blk.backward_first_op_recomputed - DS._mlp_weight_grads(spec, a)
+    other = max(attention, n * fs * a + d * fs * a, 2 * n * fs * a + d * fs * a)
+    ws = "block backward working set"
+    gathered = set(_gathered(run, sched, "last block backward"))
+    src = f"{STAGE3} reduce_independent_p_g_buckets_and_remove_grads; partitioned_param_coordinator.py release_sub_module"
+    experts = tuple(t for t in last if t not in gathered and t.name != ws)
+    return (Moment("backward", "last block backward", tuple(
+                t if t.name != ws else _act("block backward working set (attention, shared experts)", other)
+                for t in last)),
+            Moment("backward", "last block routed experts backward", (
+                *experts, *_gathered(run, sched, mark),
+                Term("routed experts' backward working set (shared experts' gradients sent)", routed, src))))  # fmt: skip
 
 
 ZERO3_MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")

@@ -63,7 +63,7 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     projection is fetched: its saved activations are all made (the projection's input is the last), its
     output and the projection's not yet, and a coalesced buffer whose last parameter is that projection's is
     still open until the fetch's wait."""
-    acts, blk, L, sched = run.acts, run.acts.block, run.acts.n_layer, _schedule(run)
+    acts, L, sched = run.acts, run.acts.n_layer, _schedule(run)
     base = (*_states(run), *run.wrapper.held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
     # the coordinator's moment per block where it replays a trace with per-block marks (ZeRO-3)
@@ -94,7 +94,13 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     head = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), _act("logits", acts.logits))
     # CausalLM.loss: ``logits = self(tokens).float()``: nothing saves the model-dtype logits, so the fp32 copy
     # replaces them (in fp32 ``.float()`` returns the same tensor)
-    loss = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved),
+    # transformers' forward keeps its model-dtype logits while ForCausalLMLoss upcasts a copy (``logits =
+    # logits.float()`` in loss/loss_utils.py; the caller's ``logits`` is returned in the output): both alive at
+    # 16 bits. Found by the differential matrix (seed 3 draw 4, generator 4: Llama 5.5M bf16, ZeRO-2, N_d = 2:
+    # forward -4.38% on both ranks before, N·V·2 B short)
+    kept = (_act("model-dtype logits (transformers' forward holds them)", acts.logits),) if (
+        run.transformers and acts.logits != acts.logits_fp32) else ()
+    loss = (_blocks_saved(run, L), _act("final norm saved and output", acts.final_saved), *kept,
             _act("fp32 logits (loss upcast)", acts.logits_fp32),
             _act("log-softmax (fp32, saved by cross-entropy)", acts.log_softmax), _act("loss", acts.loss))  # fmt: skip
     # the head a module of its own (transformers' lm_head; stage3_trace ``head_module``): while its fetch runs, a

@@ -13,8 +13,9 @@ from zeroplan.engines.deepspeed.collectives import to_collective
 from zeroplan.engines.deepspeed.offload import host_memory, label_suffix
 from zeroplan.engines.deepspeed.offload_terms import offloads
 from zeroplan.engines.deepspeed.phases import moments
-from zeroplan.engines.deepspeed.run import _trace
+from zeroplan.engines.deepspeed.run import _layout, _trace
 from zeroplan.engines.deepspeed.settings import Settings, inner_optimizer_class, optimizer_class
+from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.engines.deepspeed.wrapper import collectives, ds_run, memory_breakdown
 from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
@@ -37,13 +38,20 @@ def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Option
     bound = every.peak.peak_bytes
     flat = ds_run(settings, workload, nd, stat_bytes).flat
     rows = {}
-    for r in sorted(flat.distinct_ranks(), key=lambda r: (r != 0, -flat.params_numel(r), r)):  # 0 names a tie
+    for r in _rank_order(flat):
         # model states and collectives are every rank's alike: only the peak is the rank's own
         rows[r] = replace(every, peak=_peak(workload, nd, settings.model_copy(update={"rank": r}), stat_bytes),
                           peak_rank=r)  # fmt: skip
         if rows[r].peak.peak_bytes >= bound:
             break
     return (worst_rank(rows),)
+
+
+@lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity): every ZeRO-1/2 candidate asks
+def _rank_order(flat: FlatGroup) -> tuple[int, ...]:
+    """``estimate``'s ranks to try: one of each class (``FlatGroup.distinct_ranks``), the largest overlap first
+    (rank 0 first among equals, so that it is named when all are alike)."""
+    return tuple(sorted(flat.distinct_ranks(), key=lambda r: (r != 0, -flat.params_numel(r), r)))
 
 
 def device_terms(workload: Workload, settings: Settings) -> tuple[int, tuple[Term, ...]]:
@@ -72,7 +80,8 @@ def run_moments(settings: Settings, workload: Workload, nd: int, stat_bytes: Opt
 
 
 def _estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> EngineEstimate:
-    numels = tuple(math.prod(shape) for _, shape in workload.shapes)
+    # the parameter sizes, once per workload where it has an architecture (``run._layout``, cached)
+    numels = _layout(workload)[0] if workload.spec is not None else tuple(math.prod(s) for _, s in workload.shapes)
     peak = _peak(workload, nd, settings, stat_bytes)
     host = host_memory(ds_run(settings, workload, nd, stat_bytes)) if offloads(settings) and workload.spec else None
     return EngineEstimate(

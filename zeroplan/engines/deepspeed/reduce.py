@@ -8,13 +8,11 @@ inside a GPT block (``_in_block_partitions``), and the first bucket's reduction 
 
 from __future__ import annotations
 
-import bisect
-import itertools
-from functools import lru_cache
-
 from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
-from zeroplan.engines.deepspeed.collectives import greedy_buckets
-from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states
+from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
+from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _last_in_blocks, _rank_first_buckets, _stage1_held,
+                                                     _views)
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas.peak import Moment, Term
 
@@ -27,8 +25,7 @@ def _within_one_parameter(run: DSRun, rank: int) -> bool:
     gradient the step hands Adam keeps all of ``grads_in_partition`` alive (measured by the differential matrix:
     a Qwen2 13M untied at N_d = 3, ranks 0 and 2, slices of the embedding and of the head, +783,360 elements, the
     parameter's elements outside the slice, at the update: -1.97% before)."""
-    first, end = run.flat.range(rank)
-    return end - first == 1 and (rank + 1) * run.flat.part <= run.flat.offsets[-1]  # Ψ: where the padding starts
+    return _views(run.flat)[rank]
 
 
 def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
@@ -42,14 +39,11 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     buckets: the embedding's and the head's 5.1M-element gradients; ranks 0 and 1 -11.1% and -9.5%, rank 2,
     which owns the head's partition, -16.2% before)."""
     numels, p = run.numels, _pbytes(run)
-    bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, run.settings.reduce_bucket_size)))
-    offsets, states, psi = run.flat.offsets, (*_states(run), *_bucket(run)), sum(numels)
-    limit = run.settings.reduce_bucket_size  # the large gradients before parameter i, once (not per rank)
-    large_before = (0, *itertools.accumulate(n if n > limit else 0 for n in numels))
+    states, psi = (*_states(run), *_bucket(run)), sum(numels)
+    sent_and_kept = _stage1_held(run.flat, run.settings.reduce_bucket_size)
 
     def held(rank: int) -> tuple[int, int]:  # (elements sent when its partition is allocated, large ones kept)
-        sent = bucket_ends[bisect.bisect_right(bucket_ends, offsets[run.flat.range(rank)[0]])]  # the bucket of its first
-        return sent, large_before[bisect.bisect_right(offsets, sent) - 1]  # parameters i with offsets[i + 1] <= sent
+        return sent_and_kept[rank]
 
     def extra(rank: int) -> int:
         sent, large = held(rank)
@@ -71,32 +65,23 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
-def _hook_buckets(run: DSRun) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
-    """(gradient-ready order, ``DSRun.grad_ready_order``; the buckets' element counts in that order,
-    ``greedy_buckets``; the position in the order of each bucket's first gradient; parameter -> its bucket) of
-    ZeRO-2's reduction from the hooks (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
-    return _hook_layout(run.numels, run.settings.reduce_bucket_size, run.grad_ready_order)
+class _BucketCopies(dict):
+    """Hook bucket -> ``_hook_bucket_copy``, each asked once (``_in_block_partitions``: many ranks share a bucket)."""
+
+    def __init__(self, run: DSRun) -> None:
+        super().__init__()
+        self.run = run
+
+    def __missing__(self, b: int) -> int:
+        self[b] = _hook_bucket_copy(self.run, b)
+        return self[b]
 
 
-@lru_cache(maxsize=16)  # read-only: every moment function of a run, and every rank's run, ask for the same
-def _hook_layout(numels: tuple[int, ...], bucket: int,
-                 order: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], list[int], dict[int, int]]:
-    """``_hook_buckets`` of parameters of ``numels`` elements, buckets of ``bucket`` elements, gradients ready in
-    ``order``."""
-    buckets = greedy_buckets(tuple(numels[i] for i in order), bucket)
-    first_of_bucket, at = [], 0
-    for size in buckets:
-        first_of_bucket.append(at)
-        at_numel = 0
-        while at_numel < size:
-            at_numel += numels[order[at]]
-            at += 1
-    bucket_of = {}
-    for b, start in enumerate(first_of_bucket):
-        end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
-        for i in order[start:end]:
-            bucket_of[i] = b
-    return order, buckets, first_of_bucket, bucket_of
+def _hook_bucket_copy(run: DSRun, b: int) -> int:
+    """``flattened_copy_numel`` of hook bucket ``b`` (``_hook_buckets``), its parameters in gradient-ready order."""
+    order, _, first_of_bucket, _ = _hook_buckets(run)
+    end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
+    return flattened_copy_numel(run, order[first_of_bucket[b]:end])
 
 
 def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
@@ -116,12 +101,13 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     held = run.wrapper.held_between_micro_steps(run)
     base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
             _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
-            Term("flattened copy of the last bucket's gradients", buckets[-1] * g,
+            Term("flattened copy of the last bucket's gradients", _hook_bucket_copy(run, last) * g,
                  "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))  # fmt: skip
 
+    firsts = _rank_first_buckets(run)
+
     def early(rank: int) -> bool:  # its grads_in_partition allocated by an earlier bucket
-        mine = run.flat.params(rank)
-        return bool(mine) and min(bucket_of[i] for i in mine) < last and run.grad_accum == 1
+        return 0 <= firsts[rank] < last and run.grad_accum == 1
 
     out = []
     for rank in run.first_largest(lambda r: run.flat.params_numel(r) if early(r) else 0):  # one where all are described
@@ -133,17 +119,16 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
 def _reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
     """Reducing from the hooks, per rank (``run.ranks``) whose ``grads_in_partition`` a bucket before the last
     allocates: (rank, that bucket, the parameter whose gradient hook reduces it: the first that does not fit,
-    stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``)."""
-    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
-    out = []
-    for rank in run.ranks:
-        mine = run.flat.params(rank)
-        if not mine:
-            continue
-        first = min(bucket_of[i] for i in mine)
-        if first + 1 < len(buckets):  # else the last bucket: reduced after backward
-            out.append((rank, first, order[first_of_bucket[first + 1]]))
-    return tuple(out)
+    stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``). Once per run (``memo_of``)."""
+    return memo_of(run, "reducing_hooks", _find_reducing_hooks)  # type: ignore[return-value]
+
+
+def _find_reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
+    order, buckets, first_of_bucket, _ = _hook_buckets(run)
+    firsts = _rank_first_buckets(run)
+    # a rank overlapping no parameter (-1) has no partition; the last bucket's is reduced after backward
+    return tuple((rank, firsts[rank], order[first_of_bucket[firsts[rank] + 1]]) for rank in run.ranks
+                 if 0 <= firsts[rank] and firsts[rank] + 1 < len(buckets))
 
 
 def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
@@ -174,43 +159,103 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     large_in_bucket: dict[int, int] = {}
     for i in large:
         large_in_bucket[bucket_of[i]] = large_in_bucket.get(bucket_of[i], 0) + run.numels[i]
-    best: dict[int, tuple[int, Moment]] = {}  # block -> (bytes, moment) of the rank holding the most
-    at_hooks: dict[tuple[int, int], tuple] = {}
+    # The bytes of each rank's moment, summed from what every rank reducing at one hook holds alike (``alike``)
+    # and what is its own (its partition or the bucket's flat copy, the larger; at stage 1 its kept gradients):
+    # the same integers as the terms' sum, so the same rank wins; only the winners' terms are built.
+    alike: dict[tuple[int, int], tuple[int, int] | None] = {}  # (first, hook) -> (common bytes, kept elements)
+    base_bytes, g, memo = sum(t.bytes for t in base), DTYPE_BYTES[s.grad_dtype], _hook_memo(run)
+    copies = _BucketCopies(run)  # each bucket's allreduce_bucket flat copy (``_hook_bucket_copy``), once
+    best: dict[int, tuple[int, int, int, int]] = {}  # block -> (bytes, rank, first, hook) of the rank holding the most
     for rank, first, hook in _reducing_hooks(run):
         j = run.param_blocks[hook]
         if j < 0 or hook in outputs:
             continue
-        if (j, hook) not in at_hooks:  # every rank reducing at one hook sees the same activations
-            at_hooks[j, hook] = _hook_activations(run, j, hook), _blocks_saved(run, j)
-        at_hook, saved = at_hooks[j, hook]
-        if at_hook is None:
+        if (first, hook) not in alike:  # every rank reducing at one hook sees the same activations
+            at_hook = _hook_bytes(run, j, hook, memo)
+            alike[first, hook] = None if at_hook is None else (
+                base_bytes + _blocks_saved(run, j).bytes + at_hook + large_in_bucket.get(first, 0) * p,
+                sum(run.numels[i] for i in large if bucket_of[i] < first and run.param_blocks[i] == j) if kept else 0)
+        common = alike[first, hook]
+        if common is None:
             continue
-        where, acts, module = at_hook
-        lo, hi = run.flat.range(rank)
-        in_bucket = large_in_bucket.get(first, 0)
-        own = sum(run.numels[i] for i in large
-                  if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0  # fmt: skip
-        terms = (*base, saved, *acts,
-                 Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
-                      "autograd (one node makes every input's gradient)", len(module)),
-                 Term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
-                      "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"),
-                 *((Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
-                         (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
-                 Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
-        name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
-        copy = buckets[first] * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
-        if copy > terms[-1].bytes:  # partition is allocated: the larger of the two, one after the other
-            name = f"block {j} {where} backward, rank {rank}'s bucket flattened"
-            terms = (*terms[:-1], Term("flattened copy of the bucket's gradients", copy,
-                                       "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))
-        total = sum(t.bytes for t in terms)
+        total = common[0] + max(run.flat.params_numel(rank) * p, copies[first] * g)
+        if kept:
+            lo, hi = run.flat.range(rank)
+            own = common[1] - sum(run.numels[i] for i in range(lo, hi) if run.numels[i] > s.reduce_bucket_size
+                                  and bucket_of[i] < first and run.param_blocks[i] == j)  # fmt: skip
+            total += own * p + kept[rank][j].bytes
         if j not in best or total > best[j][0]:
-            best[j] = (total, Moment("backward", name, terms))
-    return tuple(m for _, m in best.values())
+            best[j] = (total, rank, first, hook)
+    return tuple(_partition_moment(run, base, kept, large, large_in_bucket, memo, rank, first, hook)
+                 for _, rank, first, hook in best.values())
 
 
-def _hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
+def _partition_moment(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[Term, ...]], large: list[int],
+                      large_in_bucket: dict[int, int], memo: dict, rank: int, first: int, hook: int) -> Moment:
+    """``_in_block_partitions``' moment of ``rank``, whose first bucket ``first`` is reduced at ``hook``."""
+    p, s, j = _pbytes(run), run.settings, run.param_blocks[hook]
+    _, buckets, _, bucket_of = _hook_buckets(run)
+    where, acts, module = _hook_activations(run, j, hook, memo)  # type: ignore[misc]
+    lo, hi = run.flat.range(rank)
+    in_bucket = large_in_bucket.get(first, 0)
+    own = sum(run.numels[i] for i in large
+              if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0  # fmt: skip
+    terms = (*base, _blocks_saved(run, j), *acts,
+             Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
+                  "autograd (one node makes every input's gradient)", len(module)),
+             Term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
+                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"),
+             *((Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
+                     (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
+             Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
+    name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
+    copy = _hook_bucket_copy(run, first) * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
+    if copy > terms[-1].bytes:  # partition is allocated: the larger of the two, one after the other
+        name = f"block {j} {where} backward, rank {rank}'s bucket flattened"
+        terms = (*terms[:-1], Term("flattened copy of the bucket's gradients", copy,
+                                   "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))
+    return Moment("backward", name, terms)
+
+
+_HOOK_MEMO: list = []  # [(layout, facts, {(block, hook): _hook_activations})]: the last layout's
+
+
+def _hook_memo(run: DSRun) -> dict:
+    """The memo of ``_hook_activations`` for ``run``: what it reads is the layout (the very same tuples, as
+    ``block_roles._layout_roles`` checks them), the activations, checkpointing, the dtype and the final norm; every
+    candidate of a plan shares them, and ZeRO-3's per-bucket hooks are thousands (a 405B plan)."""
+    layout = (run.modules, run.grad_ready_order, run.param_blocks, run.numels, run.output_projections)
+    facts = (run.acts, run.checkpointing, run.settings.dtype, run.final_norm_numel)
+    if _HOOK_MEMO:
+        old_layout, old_facts, memo = _HOOK_MEMO[0]
+        if all(a is b for a, b in zip(old_layout, layout)) and old_facts == facts:
+            return memo
+    _HOOK_MEMO[:] = [(layout, facts, {})]
+    return _HOOK_MEMO[0][2]
+
+
+def _hook_activations(run: DSRun, j: int, hook: int,
+                      memo: dict | None = None) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
+    """``_block_hook_activations``, once per layout (``_hook_memo``; ``memo``: the run's, asked once by the
+    caller of many hooks)."""
+    memo = _hook_memo(run) if memo is None else memo
+    if (j, hook) not in memo:
+        memo[j, hook] = _block_hook_activations(run, j, hook)
+    return memo[j, hook]
+
+
+def _hook_bytes(run: DSRun, j: int, hook: int, memo: dict) -> int | None:
+    """The bytes of ``_hook_activations``' terms and of the hooked module's weight gradients (``sum(numels) * p``),
+    or None where it has none; once per layout (``memo``: ``_hook_memo(run)``, whose facts include the dtype)."""
+    key = ("bytes", j, hook)
+    if key not in memo:
+        at_hook = _hook_activations(run, j, hook, memo)
+        memo[key] = None if at_hook is None else (
+            sum(t.bytes for t in at_hook[1]) + sum(run.numels[i] for i in at_hook[2]) * _pbytes(run))
+    return memo[key]
+
+
+def _block_hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
     """(where, block j's activations at ``hook``'s gradient hook: its saved tensors not yet released and the
     gradients in flight, the hooked module's parameters) for a hook of an MLP input projection or of the norm
     before the MLP; None elsewhere (the attention, the input norm: not modelled). GPT (``_mlp_saved``): at c_fc
@@ -296,7 +341,7 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     if not run.param_blocks:
         return ()
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
-    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    last_in_blocks = _last_in_blocks(run)
     if len(buckets) < 2 or not order[first_of_bucket[1]] > last_in_blocks:
         return ()  # one bucket (``_epilogue_reduce``), or the first reduced inside the last block
     p, g, acts = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], run.acts
@@ -311,7 +356,7 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
             Term("gradients larger than the bucket, in the bucket reduced", large * p,
                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"))  # fmt: skip
     out = [Moment("backward", "final norm backward, the first bucket reduced", (*base, Term(
-        "flattened copy of the first bucket's gradients", buckets[0] * g,
+        "flattened copy of the first bucket's gradients", _hook_bucket_copy(run, 0) * g,
         "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")))]  # fmt: skip
     held = [run.flat.params_numel(r) for r, first, _ in _reducing_hooks(run) if first == 0]
     if held:
@@ -329,71 +374,3 @@ def _mlp_saved(run: DSRun) -> int | None:
     if blk.norm_backward_saved or not blk.mlp_saved:
         return None
     return run.acts.embed_out + blk.mlp_saved
-
-
-def _embedding_hook_reduce(run: DSRun) -> tuple[Moment, ...]:
-    """ZeRO-2 from the hooks, the embeddings' gradients starting a bucket of their own: the hook of the first of
-    them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the previous bucket
-    (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a copy of
-    its gradients) while that embedding gradient waits beside it, the blocks' activations gone; a rank whose
-    ``grads_in_partition`` an earlier bucket allocated holds it (accumulating: two, ``_embedding_hook_reduce_
-    accumulating``); one allocated by this reduction comes after the copy is freed. Found by the differential
-    matrix (generator 5, 1-241: DeepSeek-V3 6.4M untied, N_d = 2, a 1,298,880-element bucket holding every
-    block's gradients, the embedding's 2,597,760 larger): rank 1 at 97,856,760 B, 3,210,440 B (3.28%) over the
-    reduction after backward predicted before (MemTracker's live storages at rank 1's peak: ``aten.cat`` of the
-    bucket's 1,242,432 elements beside ``embedding_dense_backward``'s output; with 400,000-element buckets the
-    previous bucket, block 0's, lies in rank 0's partition alone: no copy, as measured)."""
-    if not (run.param_blocks and run.settings.partition_gradients):
-        return ()
-    first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
-    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
-    embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
-    if not embeddings or run.tied_head:  # tied: zero12.py _tied_embedding_backward (the sum, larger)
-        return ()
-    at = bucket_of[max(embeddings)]
-    hook = order[first_of_bucket[at]]
-    if at == 0 or hook not in embeddings:
-        return ()
-    # the bucket's slices by destination rank, merged while consecutive (average_tensor); one slice is flattened
-    # as a view (torch flatten_dense_tensors of one tensor), so a copy is made only for a bucket over 2+ partitions
-    previous = set(order[first_of_bucket[at - 1]:first_of_bucket[at]])
-    if sum(1 for r in range(run.nd) if previous.intersection(run.flat.params(r))) < 2:
-        return ()
-    p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
-    common = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
-              _act("loss", run.acts.loss), Term("the embedding's gradient, waiting at its hook", run.numels[hook] * p,
-                                                "torch autograd AccumulateGrad"))  # fmt: skip
-    copy = Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
-                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
-    earlier = [r for r in run.ranks if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < at - 1]  # fmt: skip
-    if run.grad_accum > 1:
-        return _embedding_hook_reduce_accumulating(run, common, copy, earlier)
-    held = [run.flat.params_numel(r) for r in earlier]
-    return (Moment("backward", "embedding's hook reduces the blocks' bucket", (
-        *common, *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()), copy)),)  # fmt: skip
-
-
-def _embedding_hook_reduce_accumulating(run: DSRun, common: tuple[Term, ...], copy: Term,
-                                        earlier: list[int]) -> tuple[Moment, ...]:
-    """``_embedding_hook_reduce`` from the second micro-step on, per rank: two ``grads_in_partition``. Each
-    micro-step's epilogue drops the buffer (``_release_ipg_buffers``) but keeps views of it (``all_grad_tensors``:
-    the partition's ``param.grad``, summed into in place, dropped at the boundary), so the next micro-step's first
-    ``copy_grads_in_partition`` allocates another beside it. A rank whose new one an earlier bucket allocated holds
-    it beside the copy; one allocated by this reduction comes after the copy is freed (the larger of the two).
-    Found by the differential matrix (generator 5, 1-19: Gemma 2 19.9M untied, N_d = 2, G = 2, overlap_comm,
-    4,327,680-element buckets; -8.57 % / -10.44 % with one buffer): the second micro-step's live storages at the
-    embedding's hook (the listing of benchmarks/ds_moe12_rows.py): rank 0 two 40,015,872 B buffers, no copy;
-    rank 1 two 39,722,496 B buffers and the 10,200,576 B copy (now 308 B and 692 B over). At G = 3 the third
-    micro-step's peak is the second's (+512 B in the same listing): still two buffers."""
-    p = _pbytes(run)
-
-    def extra(r: int) -> tuple[Term, ...]:  # a rank with no parameter (gip 0): the copy alone
-        gip = run.flat.params_numel(r) * p
-        new = Term("grads_in_partition (this micro-step's)", gip, GIP_SRC)
-        kept = Term("grads_in_partition of the earlier micro-steps (all_grad_tensors' views, to the boundary)", gip,
-                    "runtime/zero/stage_1_and_2.py independent_gradient_partition_epilogue (all_grad_tensors)")
-        return (kept, *((new, copy) if r in earlier else (max(new, copy, key=lambda t: t.bytes),)))
-
-    return tuple(Moment("backward", f"embedding's hook reduces the blocks' bucket, rank {r} (accumulating)",
-                        (*common, *extra(r)))
-                 for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r))))  # fmt: skip

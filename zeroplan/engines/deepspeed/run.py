@@ -102,6 +102,11 @@ class DSRun:
     """the parameters of the blocks' MLP output projections (GPT-2 ``mlp.c_proj``, Llama ``mlp.down_proj``)."""
     spec: Optional[TransformerSpec] = field(default=None, compare=False, repr=False)
     """the architecture (a sparse MLP's sizes: engines/deepspeed/moe.py)."""
+    transformers: bool = False
+    """the transformers model of the architecture (``Workload.transformers``), not the validator's causal LM."""
+    memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    """results a run's moment functions ask for more than once, by name (``memo_of``); never copied by
+    ``dataclasses.replace`` (not an ``__init__`` field), so a changed run starts empty."""
 
     @property
     def ranks(self) -> tuple[int, ...] | range:
@@ -145,6 +150,13 @@ class DSRun:
         for lives in (("persistent", "lazy"), ("persistent",), ("backward",)):
             out[lives] = tuple(t.term() for t in self.model_terms if t.live in lives and t.bytes)
         return out
+
+
+def memo_of(run: DSRun, name: str, make: Callable[[DSRun], object]) -> object:
+    """``make(run)``, computed once per run under ``name`` (``DSRun.memo``)."""
+    if name not in run.memo:
+        run.memo[name] = make(run)
+    return run.memo[name]
 
 
 @lru_cache(maxsize=32)  # every rank's run and every candidate of a plan ask for the same trace's
@@ -236,7 +248,12 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:
-    return _act(f"saved activations of {n} blocks", run.acts.saved_through(n, run.checkpointing), max(n, 1))
+    """The saved activations of the first ``n`` blocks, each ``n``'s term made once per run (``DSRun.memo``:
+    every block's moments ask, in each phase)."""
+    saved = run.memo.setdefault("blocks saved", {})
+    if n not in saved:
+        saved[n] = _act(f"saved activations of {n} blocks", run.acts.saved_through(n, run.checkpointing), max(n, 1))
+    return saved[n]
 
 
 ZINIT = "runtime/zero/partition_parameters.py"

@@ -182,7 +182,8 @@ class Settings(BaseModel):
             grad_accum_dtype=None if grad is None else _ds_dtype(grad, "data_types.grad_accum_dtype"),
             optimizer="adamw" if kind == "adamw" else "adam",
             **{k: v for k, v in (("adam_w_mode", params.adam_w_mode), ("torch_adam", params.torch_adam),
-                                 ("foreach", params.foreach), ("weight_decay", params.weight_decay)) if v is not None},
+                                 ("foreach", params.foreach), ("weight_decay", params.weight_decay),
+                                 ("amsgrad", params.amsgrad)) if v is not None},
             **found,
             **({} if zero_init is None else {"zero_init": zero_init}),
             **targets,
@@ -241,6 +242,8 @@ def to_ds_config(s: Settings, micro_batch: int = 1, grad_accum: int = 1) -> dict
         params["foreach"] = s.foreach
     if s.weight_decay:
         params["weight_decay"] = s.weight_decay
+    if s.amsgrad:  # torch's Adam(amsgrad=True), handed on by DeepSpeed with torch_adam
+        params["amsgrad"] = True
     config: dict = {
         **_batch_keys(micro_batch, grad_accum),
         "optimizer": {"type": "AdamW" if s.optimizer == "adamw" else "Adam", "params": params},

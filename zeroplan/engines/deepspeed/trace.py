@@ -244,6 +244,9 @@ class _TraceBuilder:
             spans["LM head backward"] = [start, start]
         if path == self.token_embedding:  # its fetch: the last module of backward (a tied head's sum made there)
             spans["embedding backward"] = [start, start]
+        sparse = _sparse_mark(path)
+        if sparse is not None and sparse.endswith(" experts"):  # DeepSeek's: its shared experts released by now
+            spans[f"{sparse} backward"] = [start, start]
         for c in reversed(self.called(path)):
             self.backward(c)
         if path not in self.no_grad_input:
@@ -284,7 +287,8 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
 
     Mixture-of-experts layers (``_MOE_FORWARD``): the sparse MLP's submodules in call order, and per block j
     ``block j <leaf> fetch`` / ``block j <leaf> released`` for its post-attention norm and the sparse MLP's
-    submodules (``_sparse_mark``).
+    submodules (``_sparse_mark``), and ``block j experts backward``: the routed experts' backward fetch where they
+    have hooks of their own (DeepSeek-V3: its shared experts have run backward and been released by then).
 
     Marks: per decoder block j, ``block j MLP input`` (the fetch of its MLP input projection), ``block j output
     projection`` (the fetch of its MLP output projection, the block's last module) and ``block j output projection

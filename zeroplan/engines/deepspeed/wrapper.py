@@ -51,7 +51,8 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     foreach = settings.foreach if settings.foreach is not None else workload.foreach
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  head_tied(workload), wrapper_for(settings), workload.checkpointing,
-                 bool(foreach), workload.grad_accum, modules, *_trace(workload), blocks, outputs, spec)  # fmt: skip
+                 bool(foreach), workload.grad_accum, modules, *_trace(workload), blocks, outputs, spec,
+                 workload.transformers)  # fmt: skip
 
 
 def terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:

@@ -1,19 +1,22 @@
 """``DeepSpeedZeroOptimizer`` (runtime/zero/stage_1_and_2.py, DeepSpeed 0.19.8): ZeRO-1 and ZeRO-2.
 
-Its schedule: forward on the full 16-bit flat group; backward reduces gradients bucket by bucket, from the
-gradient hooks (``partition_gradients``, ZeRO-2, or ``overlap_comm``: ``reduces_from_hooks``) or after
-backward in parameter order (``reduce_gradients``, ZeRO-1), each rank copying what overlaps its partition
-into ``grads_in_partition``; the step flattens the partition's gradients to fp32, updates the fp32 master
-partition and all-gathers the 16-bit flat group. ZeRO-1 and 2 differ in DeepSpeed by ``partition_gradients``
-(``Settings.partition_gradients``), and so here."""
+Its schedule: forward on the full 16-bit flat group; backward reduces gradients bucket by bucket, from the gradient
+hooks (``partition_gradients``, ZeRO-2, or ``overlap_comm``: ``reduces_from_hooks``) or after backward in parameter
+order (``reduce_gradients``, ZeRO-1), each rank copying what overlaps its partition into ``grads_in_partition``; the
+step flattens the partition's gradients to fp32, updates the fp32 master partition and all-gathers the 16-bit flat
+group. ZeRO-1 and 2 differ in DeepSpeed by ``partition_gradients`` (``Settings.partition_gradients``), and so here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from zeroplan.engines.deepspeed.collectives import zero12_collectives
+from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _largest_slices, _last_in_blocks, _params_numels,
+                                                     _rank_first_buckets, _views)
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
-from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _embedding_hook_reduce, _epilogue_reduce,
-                                               _first_bucket_reduced, _hook_buckets, _in_block_partitions,
+import zeroplan.engines.deepspeed.late_reductions as LR
+from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _in_block_partitions,
                                                _reducing_hooks, _stage1_reduce, _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
@@ -52,7 +55,7 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
     p = _pbytes(run)
     if not run.param_blocks:
         return ()
-    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    last_in_blocks = _last_in_blocks(run)
     outputs = set(run.output_projections)
     out = []
     for rank, _, hook in _reducing_hooks(run):
@@ -80,7 +83,10 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     8,192 x 256, fp32), 1e5-element buckets, overlap_comm, N_d = 2: each rank peaks there at its own
     grads_in_partition + 3 x 8,388,608 B over what the last block's backward holds less its activations
     (MemTracker, per hook: 90,444,056 B on rank 1, 89,487,640 B on rank 0; the head's gradient alone was in
-    the prediction before, 9,424,904 B short)."""
+    the prediction before, 9,424,904 B short). A bucket is sent at the hook of the next bucket's first gradient:
+    the one before a tied weight larger than the bucket (its own bucket) is sent at the tied weight's hook, after
+    this op, so its ranks have no grads_in_partition yet (the differential matrix, seed 3 draw 22, generator 4:
+    Llama 9.0M tied, 2e6-element buckets, N_d = 4; rank 2's partition, block 0 and the embedding: +17.7% before)."""
     if not (run.tied_head and run.param_blocks and reduces_from_hooks(run.settings)):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
@@ -88,13 +94,12 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     if not embeddings:
         return ()
     order, _, first_of_bucket, bucket_of = _hook_buckets(run)
-    before = bucket_of[max(embeddings)]  # the bucket the embeddings' gradients join, reduced after this op
-    # bucket b is reduced at the hook of bucket b + 1's first gradient: the previous bucket is sent only after
-    # this op when that first gradient is the tied weight's (index 0: the token embedding), whose hook fires on the sum
-    sent = before - 1 if before and order[first_of_bucket[before]] != 0 else before - 2
+    at = order.index(min(embeddings))  # the tied weight's hook, on the sum: after this op
+    # bucket k is sent at the hook of bucket k + 1's first gradient: before this op only if that comes first
+    sent = sum(1 for k in range(len(first_of_bucket) - 1) if first_of_bucket[k + 1] < at)
     accumulated = run.settings.partition_gradients and run.grad_accum > 1  # ZeRO-2 from the 2nd micro-step
     held = [run.flat.params_numel(r) for r in run.ranks
-            if run.flat.params(r) and (accumulated or min(bucket_of[i] for i in run.flat.params(r)) <= sent)]
+            if run.flat.params(r) and (accumulated or min(bucket_of[i] for i in run.flat.params(r)) < sent)]
     p, acts = _pbytes(run), run.acts
     return (Moment("backward", "tied embedding backward", (
         *_states(run), *_bucket(run), _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
@@ -113,10 +118,10 @@ def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
     ``clear_grad_attribute``), so it lives to the step's ``zero_grad``; smaller ones are views of the reused
     bucket. Measured: gpt-tiny, 5,000-element buckets, N_d = 4, checkpointed: ranks 0, 1, 2 held 41,472,
     41,472 and 20,736 B of c_fc / c_proj weight gradients more than ZeRO-2 in the same world."""
-    numels, p, nd, L = run.numels, _pbytes(run), run.nd, run.acts.n_layer
+    numels, p, L = run.numels, _pbytes(run), run.acts.n_layer
     if not run.param_blocks:
         return {}
-    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    last_in_blocks = _last_in_blocks(run)
     out = {}
     # (parameter, its block; L for the final norm and head, reduced before every block) of the gradients larger
     # than the bucket; the embeddings' come after the blocks
@@ -149,13 +154,13 @@ def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
     backward when the model needs more than one. A rank owning a parameter of that bucket allocates its
     ``grads_in_partition`` there, with the activations alive (stage_1_and_2.py ``reduce_ipg_grads`` ->
     ``copy_grads_in_partition``)."""
-    _, buckets, _, bucket_of = _hook_buckets(run)
+    _, buckets, _, _ = _hook_buckets(run)
     if len(buckets) < 2:  # everything fits one bucket: reduced after backward, activations gone
         return ()
-    p = _pbytes(run)
+    p, firsts = _pbytes(run), _rank_first_buckets(run)  # a rank's least bucket is 0 where it owns one of bucket 0's
     return tuple((rank, Term("grads_in_partition", run.flat.params_numel(rank) * p,
                              "runtime/zero/stage_1_and_2.py copy_grads_in_partition"))
-                 for rank in run.ranks if any(bucket_of[i] == 0 for i in run.flat.params(rank)))  # fmt: skip
+                 for rank in run.ranks if firsts[rank] == 0)  # fmt: skip
 
 
 def _first_bucket_before_last_block(run: DSRun) -> bool:
@@ -170,7 +175,7 @@ def _first_bucket_before_last_block(run: DSRun) -> bool:
     if len(buckets) < 2 or not run.param_blocks:
         return False
     hook = order[first_of_bucket[1]]
-    last_in_blocks = max((i for i, j in enumerate(run.param_blocks) if j >= 0), default=-1)
+    last_in_blocks = _last_in_blocks(run)
     last_block = run.param_blocks[last_in_blocks] if last_in_blocks >= 0 else -1
     return hook > last_in_blocks or (run.param_blocks[hook] == last_block and hook in run.output_projections)
 
@@ -280,13 +285,14 @@ class ZeroOptimizer(Wrapper):
                                             _stage1_kept_gradients(run) if not s.partition_gradients else {}))
             out.extend(_first_bucket_reduced(run, last, inflight))
             out.extend(_tied_embedding_backward(run))
+            out.extend(LR.embedding_hook_reduced(run))
         if hooks and accumulating:  # ZeRO-1 with overlap_comm (seed 2 draw 8); ZeRO-2 (generator 5, 1-483)
             out.extend(_tied_embedding_backward(run))
         if hooks:
             out.extend(_epilogue_reduce(run))
-            out.extend(_embedding_hook_reduce(run))
+            out.extend(LR._embedding_hook_reduce(run))
         if not hooks:
-            out.extend(_stage1_reduce(run))
+            out.extend((*_stage1_reduce(run), *LR.stage1_flattened(run)))
         return tuple(out)
 
     @staticmethod
@@ -337,18 +343,26 @@ class ZeroOptimizer(Wrapper):
             flat = 0 if view or fp32_grads else part * DTYPE_BYTES[s.grad_dtype]
             return run.flat.params_numel(rank) * p, flat, part * 4 if not (view and fp32_grads) else 0, view
 
-        # one rank's flatten and one's update where every rank is described (``DSRun.first_largest``)
-        table = {r: sizes(r) for r in run.ranks}
+        # one rank's flatten and one's update where every rank is described (``DSRun.first_largest``), each
+        # family's bytes per rank from the layout's per-rank tuples (``sizes``' sums, as lists: N_d is large)
+        gips = [n * p for n in _params_numels(run.flat)] if run.settings.rank is None else None
+        views, largest = _views(run.flat), _largest_slices(run.flat)
+        g = 0 if fp32_grads else part * DTYPE_BYTES[s.grad_dtype]
+
+        def family(each: Callable[[int, int], int]) -> tuple[int, ...]:  # each(gip, rank) -> the family's bytes
+            if gips is None:
+                return run.first_largest(lambda r: each(run.flat.params_numel(r) * p, r))  # one rank: not called
+            return run.first_largest([each(gip, r) for r, gip in enumerate(gips)].__getitem__)
+
         # with offload_optimizer the norm is summed from per-parameter norms taken in backward
         # (stage_1_and_2.py complete_grad_norm_calculation_for_cpu_offload): no fp64 copy on the GPU
-        norms = () if s.offload_optimizer.on else run.first_largest(
-            lambda r: table[r][0] + _largest_slice(run, r) * DTYPE_BYTES["fp64"])
-        flattens = run.first_largest(lambda r: sum(table[r][:3]))
-        updates = run.first_largest(lambda r: table[r][0] if table[r][3] and fp32_grads else part * 4)
+        norms = () if s.offload_optimizer.on else family(lambda gip, r: gip + largest[r] * DTYPE_BYTES["fp64"])
+        flattens = family(lambda gip, r: gip + (0 if views[r] else g) + (0 if views[r] and fp32_grads else part * 4))
+        updates = family(lambda gip, r: gip if views[r] and fp32_grads else part * 4)
         common = adam_update(run, part, inner, temps)
         out = []
         for rank in sorted({*norms, *flattens, *updates}):
-            gip, flat, fp32, view = table[rank]
+            gip, flat, fp32, view = sizes(rank)
             if rank in norms:
                 out.append(_norm_moment(run, rank, gip))
             if rank in flattens:
@@ -380,8 +394,7 @@ def _norm_moment(run: DSRun, rank: int, gip: int) -> Moment:
 
 def _largest_slice(run: DSRun, rank: int) -> int:
     """Elements of the largest single parameter's slice in ``rank``'s partition of the flat group."""
-    lo, hi, offsets = rank * run.flat.part, (rank + 1) * run.flat.part, run.flat.offsets
-    return max((min(offsets[i + 1], hi) - max(offsets[i], lo) for i in run.flat.params(rank)), default=0)
+    return _largest_slices(run.flat)[rank]
 
 
 ZERO12_OPTIMIZER = ZeroOptimizer()

@@ -14,10 +14,11 @@ from typing import Optional
 
 from zeroplan.engines.deepspeed.collectives import zero3_collectives
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
-from zeroplan.engines.deepspeed.moe import expert_gradients_held
+from zeroplan.engines.deepspeed.moe import expert_gradients_held, routed_experts_backward
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
-from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_layout
+from zeroplan.engines.deepspeed.layout_ranks import _hook_layout
+from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_bytes, _hook_memo
 from zeroplan.engines.deepspeed.run import GATHER_SRC, ZINIT, DSRun, Wrapper, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
@@ -165,8 +166,14 @@ class ZeroOptimizerStage3(Wrapper):
         their sum are alive together (torch autograd InputBuffer::accumulate, then the hook on the sum; as
         ZeRO-2's ``zero12.py _tied_embedding_backward``). Found by the differential matrix (seed 1 draw 7:
         GPT-2 8.6M tied, ZeRO-3, N_d = 3: -10.3% on every rank before)."""
-        out = [Moment("backward", "last block backward", last), *_in_block_reductions(run, last, inflight)]
         sched = _schedule(run)
+        pending = _root_gradients_pending(run)
+        if pending:
+            last = (*last, Term("head and final norm gradients pending in the bucket (param.grad)", pending * _pbytes(run),
+                                f"{S3} reduce_independent_p_g_buckets_and_remove_grads (contiguous_gradients off: "
+                                "params_in_ipg_bucket, param.grad kept until __reduce_and_partition_ipg_grads)"))  # fmt: skip
+        split = routed_experts_backward(run, sched, last)  # moe.py: DeepSeek's shared experts done by then
+        out = [*(split or (Moment("backward", "last block backward", last),)), *_in_block_reductions(run, last, inflight)]
         out += expert_gradients_held(run, sched)  # moe.py: a routed expert's gradient larger than the bucket
         if run.tied_head and sched is not None and "embedding backward" in dict((m, f) for m, f, _ in run.trace.marks):
             acts = run.acts
@@ -176,6 +183,7 @@ class ZeroOptimizerStage3(Wrapper):
                 Term("tied embedding gradients (the head's, the embedding's, their sum)", 3 * run.head_numel * _pbytes(run),
                      "torch autograd InputBuffer::accumulate -> AccumulateGrad; runtime/zero/stage3.py "
                      "reduce_partition_and_remove_grads (the hook fires on the sum)", 3))))  # fmt: skip
+        out += _epilogue_reduce_scatter(run, sched)
         return tuple(out)
 
     def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:
@@ -194,6 +202,30 @@ class ZeroOptimizerStage3(Wrapper):
 S3 = "runtime/zero/stage3.py"
 
 
+def _root_gradients_pending(run: DSRun) -> int:
+    """Elements of the LM head's and the final norm's gradients still in ``param.grad`` at the last block's
+    backward without ``contiguous_gradients``: stage3.py ``reduce_independent_p_g_buckets_and_remove_grads`` then
+    only lists a gradient in the bucket (``params_in_ipg_bucket``), which keeps autograd's tensor until the bucket
+    is reduced, when the next gradient would overflow it (``elements_in_ipg_bucket + param.ds_numel >
+    reduce_bucket_size``). Walked in hook order: the head (not tied: a tied head's waits in autograd's input buffer,
+    ``kept_root``), the final norm, then the last block's output projection, whose hook may send them (its own
+    gradient is the working set's). Measured (live-storage trace at the backward peak, a Llama of vocabulary 32,
+    ZeRO-3, 20,000-element buckets, ``contiguous_gradients: false``, gloo N_d = 2): the head's 6,144 B and the
+    norm's 192 B beside down_proj's gradient at the SwiGLU product's backward; 6,344 B under before, both ranks."""
+    s, L = run.settings, run.acts.n_layer
+    if s.contiguous_gradients or not run.param_blocks:
+        return 0
+    roots = ([] if run.tied_head else [run.head_numel]) + [run.final_norm_numel]
+    outputs = [run.numels[i] for i in run.output_projections if run.param_blocks[i] == L - 1]
+    elements, pending = 0, []
+    for k, n in enumerate([*roots, *outputs]):
+        if elements + n > s.reduce_bucket_size and elements > 0:
+            elements, pending = 0, []
+        elements += n
+        pending.append((k < len(roots)) * n)
+    return sum(pending)
+
+
 def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
     """A bucket reduced at a gradient hook inside block j (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``:
     the first gradient that does not fit sends the bucket, ``__reduce_and_partition_ipg_grads``; the buckets as
@@ -206,16 +238,15 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     ``partition_grads -> _offload_grad_partition_at_boundary`` takes each partition's norm on an fp64 copy
     (``_constant_buffered_norm2``: ``part.to(get_norm_dtype())``, one parameter at a time; its norm, 8 B, is
     kept beside the earlier ones, ``offload_terms.param_norm_count``). One moment per block, the largest; the
-    gathered parameters are the last block's (``last``), or, on gloo, where every bucket sent is a moment (its
-    flattened copy and gloo's copy of it: 1-24, below), those at the hook's module (``_gathered_at_hook``). Measured (dsres, 2026-12-02: gpt-tiny bf16, ZeRO-3,
+    gathered parameters are the last block's (``last``). Measured (dsres, 2026-12-02: gpt-tiny bf16, ZeRO-3,
     ``offload_optimizer`` cpu, 5,000-element buckets, N_d = 1; MemTracker's live tensors by category at the
     entry of ``_constant_buffered_norm2``): the backward peak is at the last block's c_fc bias hook, which sends
     c_proj's 5,184-element weight gradient (not in the bucket) and takes its norm on a 41,472-B fp64 copy; the
-    live tensors there are this moment's terms to 32 B (-1.17% before, 8 B under now). Found by the differential
-    matrix (generator 5, 1-24: Qwen3-MoE 5.9M tied, N_d = 4, 1,467,296-element buckets, persistence 0; rank 0's
-    live storages, benchmarks/ds_moe12_rows.py's listing): the backward peak is block 2's q_proj hook sending a
-    bucket, ``reduce_scatter_coalesced``'s ``torch.cat`` of its 1,461,760 elements and gloo's copy of it
-    (2 x 5,847,040 B) beside the head's gradient waiting for the tied sum; -5.71 % before, +0.65 % now."""
+    live tensors there are this moment's terms to 32 B (-1.17% before, 8 B under now). On gloo every bucket sent
+    is a moment, with its flattened copy and gloo's copy of it and the parameters gathered at the hook's module
+    (``_gathered_at_hook``): the differential matrix's 1-24 (Qwen3-MoE 5.9M tied, N_d = 4, 1,467,296-element
+    buckets; rank 0's live storages) peaks at block 2's q_proj hook with 2 x 5,847,040 B of copies beside the
+    head's gradient waiting for the tied sum: -5.71 % before, +0.65 % now."""
     if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
     s, p = run.settings, _pbytes(run)
@@ -229,58 +260,118 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     large_before = (0, *itertools.accumulate(numels[i] if numels[i] > limit else 0 for i in order))
     normed = (int(-(-numels[i] // run.nd) * rank < numels[i]) for i in order)
     normed_before = (0, *itertools.accumulate(normed)) if offload else ()
-    best: dict[int, tuple[int, str, tuple[Term, ...]]] = {}  # block -> (bytes, where, terms) of its largest
+    # each bucket's bytes as integers (the terms' sum: the same bucket wins), the terms built for the winners only
+    base_bytes, memo, saved = sum(t.bytes for t in base), _hook_memo(run), {}
+    best: dict[int, tuple[int, int]] = {}  # block -> (bytes, bucket) of its largest
+    blocks, copies, fetched = run.param_blocks, {}, _backward_fetches(run) if s.device == "cpu" else {}
     for b in range(len(buckets) - 1):  # the last bucket is sent after backward (independent_gradient_partition_epilogue)
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
-        hook = order[end]
         large = large_before[end] - large_before[start]
-        j = run.param_blocks[hook]
-        # the bucket flattened (one tensor divisible by N_d: a view) and gloo's copy; measured on gloo only (1-24):
-        # not listed on a GPU (NCCL reduces in place; the flattened copy there not measured)
-        cpu = s.device == "cpu" and end - start > 1
-        flat = sum(-(-numels[i] // run.nd) * run.nd for i in order[start:end]) if cpu else 0
-        at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload or flat) else None
+        # on gloo every bucket sent: flattened (one tensor: a view) and gloo's copy of it (1-24; on a GPU not measured)
+        copies[b] = 2 * sum(-(-numels[i] // run.nd) * run.nd for i in order[start:end]) if fetched and end - start > 1 else 0
+        if not (large or offload or copies[b]):
+            continue
+        hook = order[end]
+        j = blocks[hook]
+        at_hook = _hook_bytes(run, j, hook, memo) if j >= 0 else None  # its activations' and weight gradients' bytes
         if at_hook is None:
             continue
-        where, acts, module = at_hook
-        gathered = _gathered_at_hook(run, base, hook, f"block {j} {where} backward") if flat else base
-        terms = (*gathered, _blocks_saved(run, j), *acts,
+        if j not in saved:
+            saved[j] = _blocks_saved(run, j)
+        total = base_bytes + saved[j].bytes + at_hook + large * p + copies[b] * p
+        if copies[b]:
+            total += sum(t.bytes for t in _gathered_at_hook(base, fetched.get(order[end]), run, "")) - base_bytes
+        if offload:
+            total += max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 + normed_before[start] * 8
+        if j not in best or total > best[j][0]:
+            best[j] = (total, b)
+    out = []
+    for j, (_, b) in best.items():
+        start, end = first_of_bucket[b], first_of_bucket[b + 1]
+        where, acts, module = _hook_activations(run, j, order[end], memo)  # type: ignore[misc]
+        at = f"block {j} {where} backward"
+        terms = (*(_gathered_at_hook(base, fetched.get(order[end]), run, at) if copies[b] else base), saved[j], *acts,
                  Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                       "autograd (one node makes every input's gradient)", len(module)),
-                 Term("gradients larger than the bucket, in the bucket sent", large * p,
+                 Term("gradients larger than the bucket, in the bucket sent", (large_before[end] - large_before[start]) * p,
                       f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"),
-                 Term("the bucket's flattened copy and gloo's copy of it", 2 * flat * p,
+                 Term("the bucket's flattened copy and gloo's copy of it", copies[b] * p,
                       f"{S3} __avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced "
-                      "(torch.cat); gloo reduce_scatter_single", 2))
+                      "(torch.cat); gloo reduce_scatter_tensor", 2))
         if offload:
             parts = [-(-numels[i] // run.nd) for i in order[start:end]]
             norms = normed_before[start]
             terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", max(parts) * 8 + 8,
                            f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2", 2),
                       Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))  # fmt: skip
-        total = sum(t.bytes for t in terms)  # Moment.total(), each moment's once
-        if j not in best or total > best[j][0]:
-            best[j] = (total, where, terms)
-    return tuple(Moment("backward", f"block {j} {where} backward, a bucket sent", terms)
-                 for j, (_, where, terms) in best.items())
+        out.append(Moment("backward", f"block {j} {where} backward, a bucket sent", terms))
+    return tuple(out)
 
 
-def _gathered_at_hook(run: DSRun, base: tuple[Term, ...], hook: int, where: str) -> tuple[Term, ...]:
-    """``base`` with the parameters gathered at the backward fetch of ``hook``'s module (its innermost) for the
-    last block's (``stage3_schedule``'s count after that event; the open all-gather buffers apart as
-    ``run._gathered``'s), where the schedule has it. Measured (1-24, live storages at block 2's q_proj hook):
-    17,620,992 B gathered (the tied embedding's 8,699,904 B and blocks 1-3's weights), the schedule 17,629,696."""
+def _backward_fetches(run: DSRun) -> dict[int, int]:
+    """Parameter -> the backward fetch event of its innermost module (the last in the trace), at N_d > 1 with a
+    schedule; else empty."""
+    out: dict[int, int] = {}
+    if run.nd > 1 and _schedule(run) is not None:
+        for i, e in enumerate(run.trace.events):
+            if not e.forward and e.op == "fetch":
+                out.update(dict.fromkeys(run.trace.modules[e.module], i))
+    return out
+
+
+def _gathered_at_hook(base: tuple[Term, ...], event: Optional[int], run: DSRun, where: str) -> tuple[Term, ...]:
+    """``base`` with the parameters gathered after ``event`` (a hook's module fetched in backward,
+    ``stage3_schedule``'s count, the open all-gather buffers apart) for the last block's. Measured (1-24, live
+    storages at block 2's q_proj hook): 17,620,992 B gathered (the tied embedding and blocks 1-3's weights), the
+    schedule 17,629,696 B."""
     sched = _schedule(run)
-    fetches = [i for i, e in enumerate(run.trace.events) if sched is not None and run.nd > 1 and not e.forward
-               and e.op == "fetch" and hook in run.trace.modules[e.module]]  # fmt: skip
-    if not fetches:
+    if event is None or sched is None:
         return base
-    i, p = fetches[-1], _pbytes(run)
-    buffers = sched.buffers[i] if sched.buffers else 0
+    p, buffers = _pbytes(run), sched.buffers[event] if sched.buffers else 0
     kept = tuple(t for t in base if not t.source.startswith(GATHER_SRC[:60]) and "all-gather buffers" not in t.name)
-    return (*kept, Term(f"gathered parameters ({where})", (sched.gathered[i] - buffers) * p, GATHER_SRC),
+    return (*kept, Term(f"gathered parameters ({where})", (sched.gathered[event] - buffers) * p, GATHER_SRC),
             *((Term("coalesced all-gather buffers awaiting their last module", buffers * p,
                     "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor)"),) if buffers else ()))
+
+
+def _epilogue_reduce_scatter(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Moment, ...]:
+    """The last bucket, reduced after backward (stage3.py ``independent_gradient_partition_epilogue`` ->
+    ``__reduce_and_partition_ipg_grads`` -> ``__avg_scatter_grads`` -> runtime/comm/coalesced_collectives.py
+    ``reduce_scatter_coalesced``): its gradients, each padded to a multiple of N_d, are interleaved into one
+    flat tensor (``torch.cat``; none for a single tensor that divides evenly), and gloo's
+    ``reduce_scatter_tensor`` works on a full-size copy of that input (the copy is gloo's: on a GPU, NCCL
+    reduces in place, not measured there; moe.py ``_reduction_peak`` measured it too). The activations are gone;
+    the token embedding, the last module fetched in backward, is still gathered (no gradient input: its release
+    is not traced, ``trace.py backward``); without ``contiguous_gradients`` the bucket's gradients are still
+    autograd's (``params_in_ipg_bucket``), with it those larger than the bucket. Found twice this session, by the
+    differential matrix (seed 3 draw 13, generator 4: Qwen2 17.4M tied, ZeRO-3, one bucket larger than the model,
+    N_d = 2; MemTracker's live storages at the backward peak: the states, the bucket, the gathered embedding, the
+    69,685,248-B ``cat`` and the 69,685,248-B copy made inside gloo's ``reduce_scatter_tensor``: -5.0% on both
+    ranks before, at the tied embedding's backward) and on the recorded MoE rows at DeepSpeed's default 5e8
+    bucket, where the last bucket is every gradient (a live-storage trace, Mixtral wide, gloo N_d = 2: two
+    5,734,912-B buffers beside the states; 2.57 MB (0.13 %) under before, Qwen3-MoE 0.15 %, DeepSeek-V3 0.085 %)."""
+    s = run.settings
+    if not run.param_blocks or run.nd == 1 or s.offload_optimizer.on:
+        return ()
+    order, _, first_of_bucket, _ = _hook_layout(run.numels, s.reduce_bucket_size, run.grad_ready_order)
+    last = [run.numels[i] for i in order[first_of_bucket[-1]:]]
+    padded = sum(-(-n // run.nd) * run.nd for n in last)
+    flat = 0 if len(last) == 1 and last[0] % run.nd == 0 else padded
+    copies = flat + (padded if s.device == "cpu" else 0)
+    held = sum(last) if not s.contiguous_gradients else sum(n for n in last if n > s.reduce_bucket_size)
+    if not (copies or held):
+        return ()  # nothing allocated: a subset of the last block's moment
+    p, acts = _pbytes(run), run.acts
+    return (Moment("backward", "last bucket reduce-scattered after backward", (
+        *_states(run), *all_secondaries(run), *run.wrapper.held_between_micro_steps(run),
+        *_gathered(run, sched, "embedding backward"), _act("batch (token ids, targets)", acts.batch, 2),
+        _act("loss", acts.loss),
+        Term("the last bucket's gradients still in param.grad (all without contiguous_gradients; else those "
+             "larger than the bucket)", held * p,
+             f"{S3} params_in_ipg_bucket; __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads"),
+        Term("the last bucket's interleaved flat copy and gloo's reduce-scatter copy", copies * p,
+             "runtime/comm/coalesced_collectives.py reduce_scatter_coalesced (torch.cat) -> "
+             "torch.distributed.reduce_scatter_tensor (ProcessGroupGloo: on a copy of the input)", 2))),)  # fmt: skip
 
 
 def _step_terms(run: DSRun, terms: tuple[Term, ...]) -> tuple[Term, ...]:

@@ -5,13 +5,16 @@ default stream and allocates nothing on another)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from zeroplan.allocator.step_trace import AllocTrace, default_stream, step_trace
 from zeroplan.engines.base import Workload
 from zeroplan.engines.reference.moments import moments
 from zeroplan.engines.reference.settings import Settings
 from zeroplan.engines.reference.terms import reference_run
 from zeroplan.formulas.cuda_workspaces import library_workspaces
+
+if TYPE_CHECKING:  # the allocator's trace modules: imported by the first trace, not by every command
+    from zeroplan.allocator.step_trace import AllocTrace
 
 STREAMS = {0: "default"}
 """The streams the trace uses, by number."""
@@ -19,6 +22,8 @@ STREAMS = {0: "default"}
 
 def alloc_traces(workload: Workload, nd: int, settings: Settings) -> tuple[AllocTrace, ...]:
     """One trace per requested ZeRO stage (``estimate``'s rows, in order); needs an architecture."""
+    from zeroplan.allocator.step_trace import default_stream, step_trace
+
     if workload.spec is None:
         raise ValueError("an allocation trace needs an architecture (activations): give a model")
     cap = settings.cuda_capability

@@ -1,0 +1,173 @@
+"""The ZeRO-1/2 and ZeRO-3 in-block moments pick each block's largest from integer sums and build only the
+winners' terms (``reduce.py _in_block_partitions``, ``zero3.py _in_block_reductions``; issue 16's plan speed).
+Checked here against the per-rank / per-bucket loops they replaced (kept below as the reference: every
+candidate's terms built, summed, the first largest kept), moment for moment, on transformers families with
+small buckets at N_d 3, 4 and 7 (and Llama 3.2 1B at N_d 64: many ranks reducing at one hook), ZeRO-1 with
+overlap_comm (its kept gradients), ZeRO-2, ZeRO-3 with and without offload_optimizer, checkpointed or not,
+every rank at once and one rank named."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from zeroplan.architectures.hf_config import spec_from_hf_config
+from zeroplan.architectures.spec import transformer_shapes
+from zeroplan.engines.base import Workload
+from zeroplan.engines.deepspeed import Settings, ds_run
+from zeroplan.engines.deepspeed.offload_settings import OffloadTarget
+from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
+from zeroplan.engines.deepspeed.phases import backward_moments
+from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _hook_layout
+from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _hook_activations, _hook_bucket_copy, _in_block_partitions,
+                                               _reducing_hooks)
+from zeroplan.engines.deepspeed.run import _blocks_saved, _pbytes
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
+from zeroplan.engines.deepspeed.zero3 import S3, _in_block_reductions
+from zeroplan.engines.deepspeed.zero12 import _stage1_kept_gradients
+from zeroplan.formulas.peak import Moment, Term
+
+CONFIGS = Path(__file__).resolve().parent / "data" / "hf_configs"
+
+
+def _reference_partitions(run, last, inflight, kept):
+    """``_in_block_partitions`` as it was (every rank's terms built and summed)."""
+    if not run.param_blocks or not run.acts.block.mlp_saved:
+        return ()
+    p, s, outputs = _pbytes(run), run.settings, set(run.output_projections)
+    _, buckets, _, bucket_of = _hook_buckets(run)
+    base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
+                                                                         "incoming activation gradient"))
+    large = [i for i, n in enumerate(run.numels) if n > s.reduce_bucket_size]
+    large_in_bucket: dict[int, int] = {}
+    for i in large:
+        large_in_bucket[bucket_of[i]] = large_in_bucket.get(bucket_of[i], 0) + run.numels[i]
+    best: dict[int, tuple[int, Moment]] = {}
+    for rank, first, hook in _reducing_hooks(run):
+        j = run.param_blocks[hook]
+        if j < 0 or hook in outputs:
+            continue
+        at_hook = _hook_activations(run, j, hook)
+        if at_hook is None:
+            continue
+        where, acts, module = at_hook
+        lo, hi = run.flat.range(rank)
+        own = sum(run.numels[i] for i in large
+                  if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0
+        terms = (*base, _blocks_saved(run, j), *acts,
+                 Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
+                      "autograd (one node makes every input's gradient)", len(module)),
+                 Term("gradients larger than the bucket, in the bucket reduced", large_in_bucket.get(first, 0) * p,
+                      "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"),
+                 *((Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
+                         (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
+                 Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))
+        name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
+        copy = _hook_bucket_copy(run, first) * DTYPE_BYTES[s.grad_dtype]
+        if copy > terms[-1].bytes:
+            name = f"block {j} {where} backward, rank {rank}'s bucket flattened"
+            terms = (*terms[:-1], Term("flattened copy of the bucket's gradients", copy,
+                                       "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))
+        total = sum(t.bytes for t in terms)
+        if j not in best or total > best[j][0]:
+            best[j] = (total, Moment("backward", name, terms))
+    return tuple(m for _, m in best.values())
+
+
+def _reference_reductions(run, last, inflight):
+    """``_in_block_reductions`` as it was (every bucket's terms built and summed)."""
+    if not run.param_blocks or not run.acts.block.mlp_saved:
+        return ()
+    s, p = run.settings, _pbytes(run)
+    order, buckets, first_of_bucket, _ = _hook_layout(run.numels, s.reduce_bucket_size, run.grad_ready_order)
+    offload = s.offload_optimizer.on
+    base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
+                                                                         "incoming activation gradient"))
+    numels, limit, rank = run.numels, s.reduce_bucket_size, s.rank or 0
+    large_before = (0, *itertools.accumulate(numels[i] if numels[i] > limit else 0 for i in order))
+    normed_before = (0, *itertools.accumulate(int(-(-numels[i] // run.nd) * rank < numels[i]) for i in order))
+    best: dict[int, tuple[int, str, tuple[Term, ...]]] = {}
+    for b in range(len(buckets) - 1):
+        start, end = first_of_bucket[b], first_of_bucket[b + 1]
+        hook = order[end]
+        large = large_before[end] - large_before[start]
+        j = run.param_blocks[hook]
+        at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload) else None
+        if at_hook is None:
+            continue
+        where, acts, module = at_hook
+        terms = (*base, _blocks_saved(run, j), *acts,
+                 Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
+                      "autograd (one node makes every input's gradient)", len(module)),
+                 Term("gradients larger than the bucket, in the bucket sent", large * p,
+                      f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"))
+        if offload:
+            parts = [-(-numels[i] // run.nd) for i in order[start:end]]
+            norms = normed_before[start]
+            terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", max(parts) * 8 + 8,
+                           f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2", 2),
+                      Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))
+        total = sum(t.bytes for t in terms)
+        if j not in best or total > best[j][0]:
+            best[j] = (total, where, terms)
+    return tuple(Moment("backward", f"block {j} {where} backward, a bucket sent", terms)
+                 for j, (_, where, terms) in best.items())
+
+
+def _last_and_inflight(run):
+    """The last block's terms and those in flight, as ``backward_moments`` hands them to the wrapper."""
+    got = {}
+    wrapper = run.wrapper
+    original = type(wrapper).backward_after_last_block
+
+    def spy(self, run_, last, inflight):
+        got["args"] = (last, inflight)
+        return ()
+
+    type(wrapper).backward_after_last_block = spy
+    try:
+        backward_moments(run)
+    finally:
+        type(wrapper).backward_after_last_block = original
+    return got["args"]
+
+
+CASES = [  # (model, stage, overlap_comm, bucket, N_d, checkpointing, offload_optimizer, rank)
+    ("tiny-gpt2", 2, None, 5_000, 4, "none", False, None),
+    ("tiny-gpt2", 1, True, 5_000, 4, "full", False, None),
+    ("tiny-gpt2-untied", 2, None, 2_000, 7, "full", False, None),
+    ("tiny-llama", 2, None, 5_000, 3, "full", False, None),
+    ("tiny-llama", 1, True, 20_000, 7, "none", False, None),
+    ("tiny-llama-tied-bias", 2, None, 2_000, 4, "none", False, 1),
+    ("tiny-mistral", 2, None, 20_000, 7, "none", False, None),
+    ("tiny-qwen2", 1, True, 2_000, 3, "full", False, None),
+    ("tiny-qwen3", 2, None, 5_000, 4, "full", False, None),
+    ("tiny-gpt2-untied", 1, True, 20_000, 3, "none", False, 2),
+    ("llama-3.2-1b", 2, None, 5_000_000, 64, "full", False, None),
+    ("llama-3.2-1b", 1, True, 50_000_000, 64, "none", False, None),
+    ("llama-3.2-1b", 3, None, 5_000_000, 64, "none", True, None),
+    ("tiny-gpt2", 3, None, 5_000, 4, "none", True, None),
+    ("tiny-llama", 3, None, 2_000, 3, "full", False, None),
+    ("tiny-mistral", 3, None, 5_000, 7, "none", True, 2),
+    ("tiny-qwen2", 3, None, 2_000, 4, "full", False, None),
+]
+
+
+@pytest.mark.parametrize("model, stage, overlap, bucket, nd, ckpt, offload, rank", CASES)
+def test_in_block_winners_equal_every_candidate_built(model, stage, overlap, bucket, nd, ckpt, offload, rank):
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, checkpointing=ckpt, transformers=True)
+    settings = Settings(stage=stage, overlap_comm=overlap, reduce_bucket_size=bucket, allgather_bucket_size=bucket,
+                        rank=rank, offload_optimizer=OffloadTarget(device="cpu") if offload else OffloadTarget())
+    run = ds_run(settings, workload, nd)
+    last, inflight = _last_and_inflight(run)
+    if stage == 3:
+        got, want = _in_block_reductions(run, last, inflight), _reference_reductions(run, last, inflight)
+    else:
+        kept = _stage1_kept_gradients(run) if not settings.partition_gradients else {}
+        got, want = _in_block_partitions(run, last, inflight, kept), _reference_partitions(run, last, inflight, kept)
+    assert want, "a case without in-block moments checks nothing"
+    assert got == want

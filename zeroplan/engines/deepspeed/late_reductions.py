@@ -1,0 +1,172 @@
+"""ZeRO-1/2 (runtime/zero/stage_1_and_2.py, DeepSpeed 0.19.8): the reductions after every block's backward whose
+flattened copy (``flat_copy.flattened_copy_numel``) or ``grads_in_partition`` can make the phase's peak, the
+activations gone: ZeRO-1's after backward (``reduce_gradients``) and a bucket sent at an embedding's hook."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+
+from zeroplan.engines.deepspeed.collectives import greedy_buckets
+from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
+from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
+from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
+from zeroplan.formulas.peak import Moment, Term
+
+
+def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
+    """ZeRO-1 reducing after backward, each bucket whose ``allreduce_bucket`` copies (``flattened_copy_numel``):
+    the gradients not yet bucketed, the large ones reduced so far (kept) and the bucket's own (alive until sent)
+    beside the copy, and a rank's ``grads_in_partition`` once an earlier bucket allocated it (its own first
+    bucket's: after the copy is freed, the larger of the two). The rank holding the most, one moment per bucket.
+    Found by the differential matrix (seed 3 draw 8, generator 4: Llama 21.8M untied, ZeRO-1, 5.4e6-element
+    buckets, accumulation 2, N_d = 4; MemTracker at rank 2's backward peak, in ``allreduce_bucket``: the head's
+    8,274,432-element gradient over partitions 2 and 3 copied, the embedding's gradient kept and rank 2's
+    grads_in_partition: -3.13% before)."""
+    numels, p, offsets = run.numels, _pbytes(run), run.flat.offsets
+    g, psi, limit = DTYPE_BYTES[run.settings.grad_dtype], sum(numels), run.settings.reduce_bucket_size
+    bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, limit)))  # parameter order (_stage1_reduce)
+    large_before = (0, *itertools.accumulate(n if n > limit else 0 for n in numels))
+    base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2))
+    starts = (0, *bucket_ends[:-1])
+    firsts = {r: bisect.bisect_right(bucket_ends, offsets[run.flat.range(r)[0]])  # the bucket of its first parameter
+              for r in run.ranks if run.flat.params(r)}
+
+    def alive(first: int, hi: int, end: int, r: int | None = None) -> Term:
+        """Before bucket [lo, hi) (parameters first..end) is sent; a large gradient of ``r``'s partition
+        reduced before is a view of its grads_in_partition, not counted again."""
+        a, b = run.flat.range(r) if r is not None else (0, 0)
+        own = sum(numels[i] for i in range(a, min(b, first)) if numels[i] > limit)
+        return Term("autograd gradients not yet bucketed, and the large ones reduced so far (kept)",
+                    (psi - hi + large_before[end] - own) * p,
+                    "torch autograd (param.grad); stage 1 clears no gradient; copy_grads_in_partition "
+                    "repoints the partition's (grad_reduc.data = new_grad_tensor.data)")
+
+    out = []
+    for k, (lo, hi) in enumerate(zip(starts, bucket_ends)):
+        first, end = bisect.bisect_left(offsets, lo), bisect.bisect_left(offsets, hi)
+        copy = Term("flattened copy of the bucket's gradients", flattened_copy_numel(run, range(first, end)) * g,
+                    "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+        if not copy.bytes:
+            continue
+        options = [(*base, alive(first, hi, end), copy)]
+        for r, f in firsts.items():
+            gip = Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC)
+            if f < k:
+                options.append((*base, alive(first, hi, end, r), gip, copy))
+            elif f == k:
+                options.append((*base, alive(first, hi, end), max(gip, copy, key=lambda t: t.bytes)))
+        out.append(Moment("backward", f"reduce_gradients: bucket {k} flattened",
+                          max(options, key=lambda terms: sum(t.bytes for t in terms))))
+    return tuple(out)
+
+
+def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
+    """Reducing from the hooks, a bucket sent at an embedding's gradient hook (the first gradient that does not
+    fit, ``reduce_independent_p_g_buckets_and_remove_grads``), after every block's backward, the activations
+    gone: the embedding's gradient (tied: the sum, ``zero12.py _tied_embedding_backward``) is alive beside the
+    states and the buckets while ``allreduce_bucket`` flattens the bucket sent (``flattened_copy_numel``); then,
+    the copy freed, a rank whose first bucket it is allocates its ``grads_in_partition``, and a rank whose
+    first bucket went earlier holds its own. The rank holding the most; one moment per such bucket. Found by
+    the differential matrix (seed 3 draw 15, generator 4: Llama 10.5M untied, ZeRO-2, N_d = 2; MemTracker at
+    rank 0's backward peak, in ``copy_grads_in_partition`` at the token embedding's hook: the states, both
+    buckets, the embedding's 19,125,504-B gradient and rank 0's 21,080,832-B ``grads_in_partition``)."""
+    if not run.param_blocks or not any(b >= 0 for b in run.param_blocks):
+        return ()
+    first_block = min(i for i, b in enumerate(run.param_blocks) if b >= 0)
+    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
+    p, g, acts = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], run.acts
+    held = run.wrapper.held_between_micro_steps(run)
+    base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
+            _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss))
+    firsts = {r: min(bucket_of[i] for i in run.flat.params(r)) for r in run.ranks if run.flat.params(r)}
+    out = []
+    for b in range(len(buckets) - 1):
+        hook = order[first_of_bucket[b + 1]]
+        if hook >= first_block or run.param_blocks[hook] >= 0:
+            continue
+        grad = Term("the embedding's gradient at its hook", run.numels[hook] * p,
+                    "autograd (embedding backward) -> runtime/zero/stage_1_and_2.py "
+                    "reduce_independent_p_g_buckets_and_remove_grads")
+        copy = Term("flattened copy of the bucket's gradients", _hook_bucket_copy(run, b) * g,
+                    "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+        options = [(*base, grad, copy)]  # a rank with no grads_in_partition yet
+        for r, first in firsts.items():
+            gip = Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC)
+            if first < b:  # allocated earlier, alive through the copy
+                options.append((*base, grad, gip, copy))
+            elif first == b:  # allocated once the copy is freed: the larger of the two
+                options.append((*base, grad, max(gip, copy, key=lambda t: t.bytes)))
+        best = max(options, key=lambda terms: sum(t.bytes for t in terms))
+        out.append(Moment("backward", f"embedding's hook, bucket {b} sent", best))
+    return tuple(out)
+
+
+def _embedding_hook_reduce(run: DSRun) -> tuple[Moment, ...]:
+    """ZeRO-2 from the hooks, the embeddings' gradients starting a bucket of their own: the hook of the first of
+    them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the previous bucket
+    (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a copy of
+    its gradients) while that embedding gradient waits beside it, the blocks' activations gone; a rank whose
+    ``grads_in_partition`` an earlier bucket allocated holds it (accumulating: two, ``_embedding_hook_reduce_
+    accumulating``); one allocated by this reduction comes after the copy is freed. Found by the differential
+    matrix (generator 5, 1-241: DeepSeek-V3 6.4M untied, N_d = 2, a 1,298,880-element bucket holding every
+    block's gradients, the embedding's 2,597,760 larger): rank 1 at 97,856,760 B, 3,210,440 B (3.28%) over the
+    reduction after backward predicted before (MemTracker's live storages at rank 1's peak: ``aten.cat`` of the
+    bucket's 1,242,432 elements beside ``embedding_dense_backward``'s output; with 400,000-element buckets the
+    previous bucket, block 0's, lies in rank 0's partition alone: no copy, as measured)."""
+    if not (run.param_blocks and run.settings.partition_gradients):
+        return ()
+    first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
+    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
+    embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
+    if not embeddings or run.tied_head:  # tied: zero12.py _tied_embedding_backward (the sum, larger)
+        return ()
+    at = bucket_of[max(embeddings)]
+    hook = order[first_of_bucket[at]]
+    if at == 0 or hook not in embeddings:
+        return ()
+    # the bucket's slices by destination rank, merged while consecutive (average_tensor); one slice is flattened
+    # as a view (torch flatten_dense_tensors of one tensor), so a copy is made only for a bucket over 2+ partitions
+    previous = set(order[first_of_bucket[at - 1]:first_of_bucket[at]])
+    if sum(1 for r in range(run.nd) if previous.intersection(run.flat.params(r))) < 2:
+        return ()
+    p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
+    common = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
+              _act("loss", run.acts.loss), Term("the embedding's gradient, waiting at its hook", run.numels[hook] * p,
+                                                "torch autograd AccumulateGrad"))  # fmt: skip
+    copy = Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
+                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+    earlier = [r for r in run.ranks if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < at - 1]  # fmt: skip
+    if run.grad_accum > 1:
+        return _embedding_hook_reduce_accumulating(run, common, copy, earlier)
+    held = [run.flat.params_numel(r) for r in earlier]
+    return (Moment("backward", "embedding's hook reduces the blocks' bucket", (
+        *common, *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()), copy)),)  # fmt: skip
+
+
+def _embedding_hook_reduce_accumulating(run: DSRun, common: tuple[Term, ...], copy: Term,
+                                        earlier: list[int]) -> tuple[Moment, ...]:
+    """``_embedding_hook_reduce`` from the second micro-step on, per rank: two ``grads_in_partition``. Each
+    micro-step's epilogue drops the buffer (``_release_ipg_buffers``) but keeps views of it (``all_grad_tensors``:
+    the partition's ``param.grad``, summed into in place, dropped at the boundary), so the next micro-step's first
+    ``copy_grads_in_partition`` allocates another beside it. A rank whose new one an earlier bucket allocated holds
+    it beside the copy; one allocated by this reduction comes after the copy is freed (the larger of the two).
+    Found by the differential matrix (generator 5, 1-19: Gemma 2 19.9M untied, N_d = 2, G = 2, overlap_comm,
+    4,327,680-element buckets; -8.57 % / -10.44 % with one buffer): the second micro-step's live storages at the
+    embedding's hook (the listing of benchmarks/ds_moe12_rows.py): rank 0 two 40,015,872 B buffers, no copy;
+    rank 1 two 39,722,496 B buffers and the 10,200,576 B copy (now 308 B and 692 B over). At G = 3 the third
+    micro-step's peak is the second's (+512 B in the same listing): still two buffers."""
+    p = _pbytes(run)
+
+    def extra(r: int) -> tuple[Term, ...]:  # a rank with no parameter (gip 0): the copy alone
+        gip = run.flat.params_numel(r) * p
+        new = Term("grads_in_partition (this micro-step's)", gip, GIP_SRC)
+        kept = Term("grads_in_partition of the earlier micro-steps (all_grad_tensors' views, to the boundary)", gip,
+                    "runtime/zero/stage_1_and_2.py independent_gradient_partition_epilogue (all_grad_tensors)")
+        return (kept, *((new, copy) if r in earlier else (max(new, copy, key=lambda t: t.bytes),)))
+
+    return tuple(Moment("backward", f"embedding's hook reduces the blocks' bucket, rank {r} (accumulating)",
+                        (*common, *extra(r)))
+                 for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r))))  # fmt: skip
