@@ -268,7 +268,8 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
         large = large_before[end] - large_before[start]
         # on gloo every bucket sent: flattened (one tensor: a view) and gloo's copy of it (1-24; on a GPU not measured)
-        copies[b] = 2 * sum(-(-numels[i] // run.nd) * run.nd for i in order[start:end]) if fetched and end - start > 1 else 0
+        padded = sum(-(-numels[i] // run.nd) * run.nd for i in order[start:end]) if fetched and end - start > 1 else 0
+        copies[b] = 2 * padded
         if not (large or offload or copies[b]):
             continue
         hook = order[end]
