@@ -160,8 +160,8 @@ def _embedding_hook_reduce(run: DSRun) -> tuple[Moment, ...]:
     them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the previous bucket
     (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a copy of
     its gradients) while that embedding gradient waits beside it, the blocks' activations gone; a rank whose
-    ``grads_in_partition`` an earlier bucket allocated holds it (from the second micro-step on, every rank does:
-    kept until the step); one allocated by this reduction comes after the copy is freed. Found by the differential
+    ``grads_in_partition`` an earlier bucket allocated holds it (accumulating: two, ``_embedding_hook_reduce_
+    accumulating``); one allocated by this reduction comes after the copy is freed. Found by the differential
     matrix (generator 5, 1-241: DeepSeek-V3 6.4M untied, N_d = 2, a 1,298,880-element bucket holding every
     block's gradients, the embedding's 2,597,760 larger): rank 1 at 97,856,760 B, 3,210,440 B (3.28%) over the
     reduction after backward predicted before (MemTracker's live storages at rank 1's peak: ``aten.cat`` of the
@@ -183,14 +183,41 @@ def _embedding_hook_reduce(run: DSRun) -> tuple[Moment, ...]:
     previous = set(order[first_of_bucket[at - 1]:first_of_bucket[at]])
     if sum(1 for r in range(run.nd) if previous.intersection(run.flat.params(r))) < 2:
         return ()
-    accumulated = run.grad_accum > 1
-    held = [run.flat.params_numel(r) for r in run.ranks
-            if run.flat.params(r) and (accumulated or min(bucket_of[i] for i in run.flat.params(r)) < at - 1)]
     p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
+    common = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
+              _act("loss", run.acts.loss), Term("the embedding's gradient, waiting at its hook", run.numels[hook] * p,
+                                                "torch autograd AccumulateGrad"))  # fmt: skip
+    copy = Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
+                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+    earlier = [r for r in run.ranks if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < at - 1]  # fmt: skip
+    if run.grad_accum > 1:
+        return _embedding_hook_reduce_accumulating(run, common, copy, earlier)
+    held = [run.flat.params_numel(r) for r in earlier]
     return (Moment("backward", "embedding's hook reduces the blocks' bucket", (
-        *_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
-        _act("loss", run.acts.loss),
-        *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()),
-        Term("the embedding's gradient, waiting at its hook", run.numels[hook] * p, "torch autograd AccumulateGrad"),
-        Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
-             "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))),)  # fmt: skip
+        *common, *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()), copy)),)  # fmt: skip
+
+
+def _embedding_hook_reduce_accumulating(run: DSRun, common: tuple[Term, ...], copy: Term,
+                                        earlier: list[int]) -> tuple[Moment, ...]:
+    """``_embedding_hook_reduce`` from the second micro-step on, per rank: two ``grads_in_partition``. Each
+    micro-step's epilogue drops the buffer (``_release_ipg_buffers``) but keeps views of it (``all_grad_tensors``:
+    the partition's ``param.grad``, summed into in place, dropped at the boundary), so the next micro-step's first
+    ``copy_grads_in_partition`` allocates another beside it. A rank whose new one an earlier bucket allocated holds
+    it beside the copy; one allocated by this reduction comes after the copy is freed (the larger of the two).
+    Found by the differential matrix (generator 5, 1-19: Gemma 2 19.9M untied, N_d = 2, G = 2, overlap_comm,
+    4,327,680-element buckets; -8.57 % / -10.44 % with one buffer): the second micro-step's live storages at the
+    embedding's hook (the listing of benchmarks/ds_moe12_rows.py): rank 0 two 40,015,872 B buffers, no copy;
+    rank 1 two 39,722,496 B buffers and the 10,200,576 B copy (now 308 B and 692 B over). At G = 3 the third
+    micro-step's peak is the second's (+512 B in the same listing): still two buffers."""
+    p = _pbytes(run)
+
+    def extra(r: int) -> tuple[Term, ...]:  # a rank with no parameter (gip 0): the copy alone
+        gip = run.flat.params_numel(r) * p
+        new = Term("grads_in_partition (this micro-step's)", gip, GIP_SRC)
+        kept = Term("grads_in_partition of the earlier micro-steps (all_grad_tensors' views, to the boundary)", gip,
+                    "runtime/zero/stage_1_and_2.py independent_gradient_partition_epilogue (all_grad_tensors)")
+        return (kept, *((new, copy) if r in earlier else (max(new, copy, key=lambda t: t.bytes),)))
+
+    return tuple(Moment("backward", f"embedding's hook reduces the blocks' bucket, rank {r} (accumulating)",
+                        (*common, *extra(r)))
+                 for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r))))  # fmt: skip

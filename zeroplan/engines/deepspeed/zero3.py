@@ -19,7 +19,7 @@ from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.layout_ranks import _hook_layout
 from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_bytes, _hook_memo
-from zeroplan.engines.deepspeed.run import ZINIT, DSRun, Wrapper, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
+from zeroplan.engines.deepspeed.run import GATHER_SRC, ZINIT, DSRun, Wrapper, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
 from zeroplan.engines.deepspeed.zeropp import all_secondaries, hpz_schedule
@@ -242,7 +242,11 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     ``offload_optimizer`` cpu, 5,000-element buckets, N_d = 1; MemTracker's live tensors by category at the
     entry of ``_constant_buffered_norm2``): the backward peak is at the last block's c_fc bias hook, which sends
     c_proj's 5,184-element weight gradient (not in the bucket) and takes its norm on a 41,472-B fp64 copy; the
-    live tensors there are this moment's terms to 32 B (-1.17% before, 8 B under now)."""
+    live tensors there are this moment's terms to 32 B (-1.17% before, 8 B under now). On gloo every bucket sent
+    is a moment, with its flattened copy and gloo's copy of it and the parameters gathered at the hook's module
+    (``_gathered_at_hook``): the differential matrix's 1-24 (Qwen3-MoE 5.9M tied, N_d = 4, 1,467,296-element
+    buckets; rank 0's live storages) peaks at block 2's q_proj hook with 2 x 5,847,040 B of copies beside the
+    head's gradient waiting for the tied sum: -5.71 % before, +0.65 % now."""
     if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
     s, p = run.settings, _pbytes(run)
@@ -259,11 +263,14 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     # each bucket's bytes as integers (the terms' sum: the same bucket wins), the terms built for the winners only
     base_bytes, memo, saved = sum(t.bytes for t in base), _hook_memo(run), {}
     best: dict[int, tuple[int, int]] = {}  # block -> (bytes, bucket) of its largest
-    blocks = run.param_blocks
+    blocks, copies, fetched = run.param_blocks, {}, _backward_fetches(run) if s.device == "cpu" else {}
     for b in range(len(buckets) - 1):  # the last bucket is sent after backward (independent_gradient_partition_epilogue)
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
         large = large_before[end] - large_before[start]
-        if not (large or offload):
+        # on gloo every bucket sent: flattened (one tensor: a view) and gloo's copy of it (1-24; on a GPU not measured)
+        padded = sum(-(-numels[i] // run.nd) * run.nd for i in order[start:end]) if fetched and end - start > 1 else 0
+        copies[b] = 2 * padded
+        if not (large or offload or copies[b]):
             continue
         hook = order[end]
         j = blocks[hook]
@@ -272,7 +279,9 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             continue
         if j not in saved:
             saved[j] = _blocks_saved(run, j)
-        total = base_bytes + saved[j].bytes + at_hook + large * p
+        total = base_bytes + saved[j].bytes + at_hook + large * p + copies[b] * p
+        if copies[b]:
+            total += sum(t.bytes for t in _gathered_at_hook(base, fetched.get(order[end]), run, "")) - base_bytes
         if offload:
             total += max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 + normed_before[start] * 8
         if j not in best or total > best[j][0]:
@@ -281,11 +290,15 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     for j, (_, b) in best.items():
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
         where, acts, module = _hook_activations(run, j, order[end], memo)  # type: ignore[misc]
-        terms = (*base, saved[j], *acts,
+        at = f"block {j} {where} backward"
+        terms = (*(_gathered_at_hook(base, fetched.get(order[end]), run, at) if copies[b] else base), saved[j], *acts,
                  Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                       "autograd (one node makes every input's gradient)", len(module)),
                  Term("gradients larger than the bucket, in the bucket sent", (large_before[end] - large_before[start]) * p,
-                      f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"))
+                      f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"),
+                 Term("the bucket's flattened copy and gloo's copy of it", copies[b] * p,
+                      f"{S3} __avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced "
+                      "(torch.cat); gloo reduce_scatter_tensor", 2))
         if offload:
             parts = [-(-numels[i] // run.nd) for i in order[start:end]]
             norms = normed_before[start]
@@ -294,6 +307,32 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
                       Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))  # fmt: skip
         out.append(Moment("backward", f"block {j} {where} backward, a bucket sent", terms))
     return tuple(out)
+
+
+def _backward_fetches(run: DSRun) -> dict[int, int]:
+    """Parameter -> the backward fetch event of its innermost module (the last in the trace), at N_d > 1 with a
+    schedule; else empty."""
+    out: dict[int, int] = {}
+    if run.nd > 1 and _schedule(run) is not None:
+        for i, e in enumerate(run.trace.events):
+            if not e.forward and e.op == "fetch":
+                out.update(dict.fromkeys(run.trace.modules[e.module], i))
+    return out
+
+
+def _gathered_at_hook(base: tuple[Term, ...], event: Optional[int], run: DSRun, where: str) -> tuple[Term, ...]:
+    """``base`` with the parameters gathered after ``event`` (a hook's module fetched in backward,
+    ``stage3_schedule``'s count, the open all-gather buffers apart) for the last block's. Measured (1-24, live
+    storages at block 2's q_proj hook): 17,620,992 B gathered (the tied embedding and blocks 1-3's weights), the
+    schedule 17,629,696 B."""
+    sched = _schedule(run)
+    if event is None or sched is None:
+        return base
+    p, buffers = _pbytes(run), sched.buffers[event] if sched.buffers else 0
+    kept = tuple(t for t in base if not t.source.startswith(GATHER_SRC[:60]) and "all-gather buffers" not in t.name)
+    return (*kept, Term(f"gathered parameters ({where})", (sched.gathered[event] - buffers) * p, GATHER_SRC),
+            *((Term("coalesced all-gather buffers awaiting their last module", buffers * p,
+                    "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor)"),) if buffers else ()))
 
 
 def _epilogue_reduce_scatter(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Moment, ...]:
