@@ -26,7 +26,7 @@ from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _hook_activations, _hook
                                                _reducing_hooks)
 from zeroplan.engines.deepspeed.run import _blocks_saved, _pbytes
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
-from zeroplan.engines.deepspeed.zero3 import S3, _in_block_reductions
+from zeroplan.engines.deepspeed.zero3 import S3, _backward_fetches, _gathered_at_hook, _in_block_reductions
 from zeroplan.engines.deepspeed.zero12 import _stage1_kept_gradients
 from zeroplan.formulas.peak import Moment, Term
 
@@ -78,7 +78,8 @@ def _reference_partitions(run, last, inflight, kept):
 
 
 def _reference_reductions(run, last, inflight):
-    """``_in_block_reductions`` as it was (every bucket's terms built and summed)."""
+    """``_in_block_reductions`` as it was (every bucket's terms built and summed), with the gloo bucket copies and the
+    parameters gathered at the hook that the differential matrix's 1-24 added (on the CPU only)."""
     if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
     s, p = run.settings, _pbytes(run)
@@ -90,20 +91,26 @@ def _reference_reductions(run, last, inflight):
     large_before = (0, *itertools.accumulate(numels[i] if numels[i] > limit else 0 for i in order))
     normed_before = (0, *itertools.accumulate(int(-(-numels[i] // run.nd) * rank < numels[i]) for i in order))
     best: dict[int, tuple[int, str, tuple[Term, ...]]] = {}
+    fetched = _backward_fetches(run) if s.device == "cpu" else {}
     for b in range(len(buckets) - 1):
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
         hook = order[end]
         large = large_before[end] - large_before[start]
+        copies = 2 * sum(-(-numels[i] // run.nd) * run.nd for i in order[start:end]) if fetched and end - start > 1 else 0
         j = run.param_blocks[hook]
-        at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload) else None
+        at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload or copies) else None
         if at_hook is None:
             continue
         where, acts, module = at_hook
-        terms = (*base, _blocks_saved(run, j), *acts,
+        at = f"block {j} {where} backward"
+        terms = (*(_gathered_at_hook(base, fetched.get(hook), run, at) if copies else base), _blocks_saved(run, j), *acts,
                  Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                       "autograd (one node makes every input's gradient)", len(module)),
                  Term("gradients larger than the bucket, in the bucket sent", large * p,
-                      f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"))
+                      f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"),
+                 Term("the bucket's flattened copy and gloo's copy of it", copies * p,
+                      f"{S3} __avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced "
+                      "(torch.cat); gloo reduce_scatter_tensor", 2))
         if offload:
             parts = [-(-numels[i] // run.nd) for i in order[start:end]]
             norms = normed_before[start]
