@@ -150,6 +150,8 @@ class _TraceBuilder:
         self.no_grad_input = {"", *self.bodies} | set(top[:first_block] if style is not None else ())
         self.last_block = next((c for c in reversed(top) if c.rpartition(".")[2].isdigit()), None)
         self.projections = _MLP_PROJECTIONS.get(style or "", ())
+        if style == "llama" and any(n.endswith(".mlp.gate_up_proj.weight") for n in names):
+            self.projections = ("gate_up_proj", "down_proj")  # Phi-3's fused gate and up: the MLP input projection
         token = next((n for n in names if n.endswith(("wte.weight", "embed_tokens.weight"))), None)
         self.token_embedding = token.rpartition(".")[0] if token is not None else None
 
