@@ -76,5 +76,7 @@ def test_device_is_deepspeeds_own_option_on_estimate():
     (gpu,), (cpu,) = run_json(*args)["stages"], run_json(*args, "--device", "cpu")["stages"]
     (a100,) = run_json(*args, "--gpu", "a100-80gb")["stages"]
     assert gpu["peak_bytes"] - a100["peak_bytes"] == H100_WORKSPACES - A100_WORKSPACES
-    assert gpu["peak_bytes"] - cpu["peak_bytes"] >= 2 * 32 * 2**20  # Llama's Linears have no bias: no cuBLASLt
+    # forward: Llama's Linears have no bias (no cuBLASLt); the backward on the CPU holds gloo's reduce-scatter copies
+    # (zero3.py _epilogue_reduce_scatter, _in_block_reductions: none with NCCL), here more than the workspaces
+    assert gpu["phases"]["forward"] - cpu["phases"]["forward"] >= 2 * 32 * 2**20
     assert_one_line_error(run(*args, "--device", "tpu"), "device='tpu': expected cuda or cpu")
