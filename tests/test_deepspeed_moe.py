@@ -139,12 +139,13 @@ BF16 = {
 #: fp32 weight copies F.linear saves (DeepSpeed casts the router to bf16, ``self.weight.type(torch.float32)`` copies
 #: it: 2 x 2,048 B, ``deepseek_activations.router_weight_copy_bytes`` in ``run.router_copies``) and the fp32
 #: ``e_score_correction_bias`` buffers (32 B, ``router_bias_bytes`` in ``run._fp32_buffers``) are terms now: before,
-#: ZeRO-3's forward 4,160 B and backward 4,168 B under, ZeRO-2's forward 3,648 B under. Left: the rotary buffers (32 B,
-#: not modelled) at ZeRO-3 (forward 32 B, backward 40 B under; its init 64 B under: zero3.py's init moments do not
-#: hold the buffers), and at ZeRO-2 the forward 480 B over (ZeRO-1/2's bf16 forward holds 512 B more than measured,
-#: Mixtral's rows too: test_deepspeed_moe12.py ``BF16``) and the backward 49,624 B over (0.0049 %, dsmoe12's ZeRO-1/2
-#: MoE profile). The bf16 logits beside their fp32 upcast at the loss (N·V·2 = 64,384 B), traced here too, are a term
-#: since the differential matrix's seed 3 draws 4 and 20 (``phases.forward_moments``).
+#: ZeRO-3's forward 4,160 B and backward 4,168 B under, ZeRO-2's forward 3,648 B under. Left: the rotary buffers (32
+#: B, not modelled) at ZeRO-3 (forward 32 B, backward 40 B under; its init 64 B under: its peak moment, zero3.py's
+#: "fp32 master: converted and cloned", takes two of ``_states`` by name), and at ZeRO-2 the forward 480 B over
+#: (ZeRO-1/2's bf16 forward holds 512 B more than measured, Mixtral's rows too: test_deepspeed_moe12.py ``BF16``) and
+#: the backward 49,624 B over (0.0049 %, dsmoe12's ZeRO-1/2 MoE profile). The bf16 logits beside their fp32 upcast at
+#: the loss (N·V·2 = 64,384 B), traced here too, are a term since the differential matrix's seed 3 draws 4 and 20
+#: (``phases.forward_moments``).
 BF16_RESIDUAL = {("deepseek-wide", 3, "small", "forward"): 32 / 7341189,
                  ("deepseek-wide", 3, "small", "backward"): 40 / 7405581,
                  ("deepseek-wide", 2, "default", "forward"): -480 / 6233328,

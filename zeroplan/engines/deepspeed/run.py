@@ -212,7 +212,7 @@ def _fp32_buffers(run: DSRun) -> tuple[Term, ...]:
     ``e_score_correction_bias`` (``router_bias_bytes``; DeepSpeed casts the model, the buffer stays fp32: traced,
     tests/test_deepspeed_moe.py ``BF16``, every phase 32 B under without it)."""
     nbytes = router_bias_bytes(run.spec) if _sixteen_bit_hf(run) else 0
-    src = "transformers models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3TopkRouter.__init__ (e_score_correction_bias)"
+    src = "transformers models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3TopkRouter.__init__ (a Buffer)"
     return (Term("routers' fp32 e_score_correction_bias buffers", nbytes, src, len(run.spec.moe.sparse_layers)),) \
         if nbytes else ()
 
