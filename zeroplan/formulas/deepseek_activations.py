@@ -163,3 +163,31 @@ def mla_block(block, spec, n: int, b: int, s: int, a: int):
                    ckpt_forward_peak=max(block.ckpt_forward_peak, m["ckpt_forward_peak"]),
                    backward_first_op=max(block.backward_first_op, m["backward"]),
                    backward_first_op_recomputed=max(block.backward_first_op_recomputed, m["backward"]))  # fmt: skip
+
+
+def router_bias_bytes(spec) -> int:
+    """DeepSeek-V3's router buffer ``e_score_correction_bias``, fp32, one per routed expert, in every sparse layer
+    (``modeling_deepseek_v3.py:DeepseekV3TopkRouter.__init__``: ``nn.Buffer(torch.zeros(num_experts, dtype=float32))``);
+    not sharded (FSDP2, DeepSpeed: a buffer), alive from the build on and fp32 whatever the run's dtype. Without it
+    every phase of the recorded FSDP2 DeepSeek rows (tests/test_deepseek.py) read 32 B under (2 sparse layers x 4
+    experts x 4 B; MemTracker's Buffer: 64 B with the rotary tables' 32), and DeepSpeed's bf16 rows too
+    (tests/test_deepspeed_moe.py ``BF16``). 0 for other families."""
+    moe = getattr(spec, "moe", None)
+    if spec.model_type != "deepseek_v3" or moe is None:
+        return 0
+    return len(moe.sparse_layers) * moe.n_experts * 4
+
+
+def router_weight_copy_bytes(spec, param_bytes: int) -> int:
+    """Per sparse layer, the fp32 copy of DeepSeek-V3's router weight that ``F.linear`` saves when the engine runs
+    the layer with 16-bit parameters: transformers keeps the router in fp32 (``_keep_in_fp32_modules_strict``, so
+    ``self.weight.type(torch.float32)`` returns the weight itself), but FSDP2's ``MixedPrecisionPolicy`` casts every
+    unsharded parameter and DeepSpeed casts the whole model to bf16/fp16, the router's too, so
+    ``DeepseekV3TopkRouter.forward`` makes E·d·4 B and the linear saves it to its backward. Traced (live storages at
+    the forward peak, gloo N_d = 2, bf16: a (4, 128) fp32 tensor from ``modeling_deepseek_v3.py:forward`` line 135 per
+    sparse layer): the 4,096 B the DeepSeek bf16 rows read under, FSDP2 (tests/test_deepseek.py) and DeepSpeed
+    ZeRO-1/2/3 (tests/test_deepspeed_moe.py, test_deepspeed_moe12.py ``BF16``). 0 in fp32 or for other families."""
+    moe = getattr(spec, "moe", None)
+    if spec.model_type != "deepseek_v3" or moe is None or param_bytes == 4:
+        return 0
+    return moe.n_experts * spec.d_model * 4

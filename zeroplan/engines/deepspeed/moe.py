@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _states
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _states, router_copies
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas.moe_activations import ROUTING_WEIGHT_BYTES
@@ -84,7 +84,8 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
       fetch that pops the last of them (partition_parameters.py ``_all_gather_dtype``, coordinator.py
       ``Coordinator.wait``); alive: the earlier blocks' saved tensors and this block's up to its MLP (measured:
       Mixtral, the forward peak is the last block's post-attention norm, 384 B over these terms);
-    - DeepSeek's ``experts`` fetched: the router's saved tensors and outputs added (``_before_experts``);
+    - DeepSeek's ``experts`` fetched: the router's saved tensors (in a 16-bit run with its fp32 weight copy,
+      ``run.router_copies``) and outputs added (``_before_experts``);
     - the experts run and after, to the sparse MLP's release (DeepSeek's shared experts run last): the block's
       saved tensors and its forward peak beyond them (``forward_extra``), with the most gathered there (measured:
       Qwen3-MoE, the reordering ``weighted_out[inv_perm]``)."""
@@ -109,6 +110,7 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
                     *base, *_gathered(run, sched, f"block {j} {what} fetch", during=True), *held, inputs)))  # fmt: skip
         if f"block {j} experts fetch" in marks:
             r_saved, r_alive = _before_experts(run)
+            r_saved += router_copies(run, j + 1) - router_copies(run, j)  # DeepSeek 16-bit: its fp32 weight copy
             out.append(Moment("forward", f"{name}, experts fetched", (
                 *base, *_gathered(run, sched, f"block {j} experts fetch", during=True), *held,
                 _act("router's saved tensors", r_saved),

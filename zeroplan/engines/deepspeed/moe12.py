@@ -28,10 +28,11 @@ place at the next gradient hook (``reduce_independent_p_g_buckets_and_remove_gra
   buckets (every expert tensor within one), Mixtral ZeRO-2 -1.26 % / +0.40 %, ZeRO-1 with ``overlap_comm``
   -1.19 % / +0.38 %. Refused (``zero12_moe_limit``), so that no printed peak is one of them.
 - bf16 (DeepSpeedZeroOptimizer, ``grad_accum_dtype`` bf16): the backward and the step as in fp32 (within 648 B,
-  DeepSeek-V3's backward 3,656 B under); the forward was 64,000 B (Mixtral, +0.48 %) and 68,032 B (DeepSeek-V3,
+  DeepSeek-V3's backward 472 B over); the forward was 64,000 B (Mixtral, +0.48 %) and 68,032 B (DeepSeek-V3,
   +1.09 %) under at ZeRO-1 and ZeRO-2 alike until transformers' bf16 logits kept beside their fp32 upcast became a
   term (``phases.forward_moments``, found by the differential matrix, seed 3 draws 4 and 20): now Mixtral 384 B over,
-  DeepSeek-V3 3,648 B (0.059 %) under (its routers' fp32 weight copies, 2 x 2,048 B, not yet a DeepSpeed term).
+  DeepSeek-V3 480 B over (its routers' fp32 weight copies, 2 x 2,048 B, and bias buffers, 32 B: ``run.router_copies``,
+  ``run._fp32_buffers``; 3,648 B under without them).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_num
 from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, FETCH, Stage3Trace, stage3_trace
 from zeroplan.engines.deepspeed.zeropp import qwz_buffer_terms, secondary_terms
 from zeroplan.formulas.activation_terms import ModelActivations
+from zeroplan.formulas.deepseek_activations import router_bias_bytes, router_weight_copy_bytes
 from zeroplan.formulas.peak import Moment, Term
 
 ACT_SRC = "zeroplan/formulas/activation_terms.py"
@@ -149,6 +150,9 @@ class DSRun:
         out: dict[tuple[str, ...], tuple[Term, ...]] = {}
         for lives in (("persistent", "lazy"), ("persistent",), ("backward",)):
             out[lives] = tuple(t.term() for t in self.model_terms if t.live in lives and t.bytes)
+        buffers = _fp32_buffers(self)
+        for lives in (("persistent", "lazy"), ("persistent",)):
+            out[lives] = (*out[lives], *buffers)
         return out
 
 
@@ -196,8 +200,37 @@ def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
     return Term(name, nbytes, ACT_SRC, tensors)
 
 
+def _sixteen_bit_hf(run: DSRun) -> bool:
+    """A 16-bit run of a transformers model (its fp32 router weight copies and buffers: ``_fp32_buffers``,
+    ``router_copies``); fp32 runs leave them out (their rows: the buffers within the residual, docs/engines/deepspeed.md
+    "ZeRO-3 and mixture-of-experts")."""
+    return run.spec is not None and run.transformers and _pbytes(run) != 4
+
+
+def _fp32_buffers(run: DSRun) -> tuple[Term, ...]:
+    """The fp32 module buffers a 16-bit transformers run keeps beside its states, from the build on: DeepSeek-V3's
+    ``e_score_correction_bias`` (``router_bias_bytes``; DeepSpeed casts the model, the buffer stays fp32: traced,
+    tests/test_deepspeed_moe.py ``BF16``, every phase 32 B under without it)."""
+    nbytes = router_bias_bytes(run.spec) if _sixteen_bit_hf(run) else 0
+    src = "transformers models/deepseek_v3/modeling_deepseek_v3.py DeepseekV3TopkRouter.__init__ (a Buffer)"
+    return (Term("routers' fp32 e_score_correction_bias buffers", nbytes, src, len(run.spec.moe.sparse_layers)),) \
+        if nbytes else ()
+
+
+def router_copies(run: DSRun, n: int) -> int:
+    """Bytes of the fp32 router weight copies the first ``n`` blocks' routers saved to their backward: DeepSeek-V3 in
+    a 16-bit run (``router_weight_copy_bytes`` per sparse layer: DeepSpeed casts the router to bf16 and
+    ``DeepseekV3TopkRouter.forward`` copies it back to fp32 for F.linear); none under checkpointing (the no-grad
+    forward saves nothing)."""
+    if not _sixteen_bit_hf(run) or run.checkpointing != "none":
+        return 0
+    copy = router_weight_copy_bytes(run.spec, _pbytes(run))
+    return copy * sum(1 for i in run.spec.moe.sparse_layers if i < n) if copy else 0
+
+
 def _states(run: DSRun, after_step: bool = True) -> tuple[Term, ...]:
-    """The model states alive (``run.model_terms``): persistent ones, and lazy ones after the first step."""
+    """The model states alive (``run.model_terms``): persistent ones, and lazy ones after the first step; with the
+    fp32 buffers of a 16-bit transformers run (``_fp32_buffers``)."""
     return run.live_terms[("persistent", "lazy") if after_step else ("persistent",)]
 
 
@@ -248,11 +281,13 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
 
 
 def _blocks_saved(run: DSRun, n: int) -> Term:
-    """The saved activations of the first ``n`` blocks, each ``n``'s term made once per run (``DSRun.memo``:
-    every block's moments ask, in each phase)."""
+    """The saved activations of the first ``n`` blocks, with their routers' fp32 weight copies (``router_copies``),
+    each ``n``'s term made once per run (``DSRun.memo``: every block's moments ask, in each phase)."""
     saved = run.memo.setdefault("blocks saved", {})
     if n not in saved:
-        saved[n] = _act(f"saved activations of {n} blocks", run.acts.saved_through(n, run.checkpointing), max(n, 1))
+        copies = router_copies(run, n)
+        what = f"saved activations of {n} blocks" + (" (with the routers' fp32 weight copies)" if copies else "")
+        saved[n] = _act(what, run.acts.saved_through(n, run.checkpointing) + copies, max(n, 1))
     return saved[n]
 
 

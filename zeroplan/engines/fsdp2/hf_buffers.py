@@ -1,8 +1,14 @@
 """The module buffers transformers' models hold beside the parameters under FSDP2 (``Fsdp2Run.buffer_bytes``,
 ``scale_bytes``, ``router_bytes``), and the one saved tensor FSDP2's mixed precision adds to a model's own
-(``router_weight_copy_bytes``): read by ``terms.fsdp2_run``; their own module because ``hf_tree`` reads ``terms``."""
+(``router_weight_copy_bytes``): read by ``terms.fsdp2_run``; their own module because ``hf_tree`` reads ``terms``.
+DeepSeek-V3's two router helpers live in formulas/deepseek_activations.py (DeepSpeed counts them too)."""
 
 from __future__ import annotations
+
+from zeroplan.formulas.deepseek_activations import router_bias_bytes, router_weight_copy_bytes
+
+__all__ = ["embed_scale_bytes", "rotary_buffer_bytes", "rotary_recompute_bytes", "router_bias_bytes",
+           "router_weight_copy_bytes"]
 
 
 def rotary_buffer_bytes(spec) -> int:
@@ -21,32 +27,6 @@ def embed_scale_bytes(spec) -> int:
     ``gemma_activations.embed_saved`` counts as one activation-dtype scalar: ``fsdp2_run`` takes it out there
     (counted once, here). Without it t-gemma2 missed 4 B at init and the optimizer step (bf16: in every phase)."""
     return 4 if spec.model_type in ("gemma2", "gemma3_text") else 0
-
-
-def router_bias_bytes(spec) -> int:
-    """DeepSeek-V3's router buffer ``e_score_correction_bias``, fp32, one per routed expert, in every sparse layer
-    (``modeling_deepseek_v3.py:DeepseekV3TopkRouter.__init__``: ``nn.Buffer(torch.zeros(num_experts, dtype=float32))``);
-    not sharded by FSDP2, alive from the build on. Without it every phase of the recorded DeepSeek rows
-    (tests/test_deepseek.py) read 32 B under (2 sparse layers x 4 experts x 4 B; MemTracker's Buffer: 64 B with the
-    rotary tables' 32)."""
-    moe = getattr(spec, "moe", None)
-    if spec.model_type != "deepseek_v3" or moe is None:
-        return 0
-    return len(moe.sparse_layers) * moe.n_experts * 4
-
-
-def router_weight_copy_bytes(spec, param_bytes: int) -> int:
-    """Per sparse layer, the fp32 copy of DeepSeek-V3's router weight that ``F.linear`` saves when FSDP2 runs the
-    layer with a 16-bit ``param_dtype``: transformers keeps the router in fp32 (``_keep_in_fp32_modules_strict``,
-    so ``self.weight.type(torch.float32)`` returns the weight itself), but ``MixedPrecisionPolicy`` casts every
-    unsharded parameter, the router's too, so ``DeepseekV3TopkRouter.forward`` makes E·d·4 B and the linear saves it
-    to its backward. Traced (live storages at the forward peak, gloo N_d = 2, bf16: a (4, 128) fp32 tensor from
-    ``modeling_deepseek_v3.py:forward`` line 135 per sparse layer): the 4,096 B the DeepSeek bf16 row read under
-    (tests/test_deepseek.py). 0 in fp32 or for other families."""
-    moe = getattr(spec, "moe", None)
-    if spec.model_type != "deepseek_v3" or moe is None or param_bytes == 4:
-        return 0
-    return moe.n_experts * spec.d_model * 4
 
 
 def rotary_recompute_bytes(spec) -> int:
