@@ -19,7 +19,8 @@ from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.layout_ranks import _hook_layout
 from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_bytes, _hook_memo
-from zeroplan.engines.deepspeed.run import GATHER_SRC, ZINIT, DSRun, Wrapper, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
+from zeroplan.engines.deepspeed.run import (GATHER_SRC, ZINIT, DSRun, Wrapper, _act, _blocks_saved, _fp32_buffers, _gathered,
+                                           _pbytes, _schedule, _states)
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
 from zeroplan.engines.deepspeed.zeropp import all_secondaries, hpz_schedule
@@ -135,7 +136,8 @@ class ZeroOptimizerStage3(Wrapper):
             part = zero3_partition_numel(numels, run.nd)
             src = "runtime/zero/stage3.py _create_fp32_partitions (converted = lp.to(fp32); converted.clone())"
             out.append(Moment("init", "fp32 master: converted and cloned", (
-                *(t for t in st if t.name in ("16-bit parameter partition", "inf/nan tracker")), *all_secondaries(run),
+                *(t for t in st if t.name in ("16-bit parameter partition", "inf/nan tracker")), *_fp32_buffers(run),
+                *all_secondaries(run),
                 Term("16-bit partition converted to fp32", part * 4, src),
                 Term("fp32 master partition (the clone)", part * 4, src))))  # fmt: skip
         # the built model is partitioned tensor by tensor: the first one's partition is allocated while the
