@@ -72,11 +72,13 @@ def test_a_group_manages_its_parameters_in_the_order_its_modules_are_given():
     keeps through the reduce-scatter (terms.last_grad_held; traced on draw 3-0 of generator 4: a tied
     ``[norm, embed_tokens, lm_head]`` keeps the embedding's V·h gradient, not the norm's)."""
     shapes = _workload().shapes
-    group = {"units": [{"modules": ["model.layers.*"]}, {"modules": ["model.norm", "model.embed_tokens", "lm_head"],
-                                                          "group": True}, {"modules": [""]}]}  # fmt: skip
+    layers, root = {"modules": ["model.layers.*"]}, {"modules": [""]}
+    tied = {"modules": ["model.norm", "model.embed_tokens", "lm_head"], "group": True}
+    group = {"units": [layers, tied, root]}
     units = resolve(parse_wrapping(group), shapes)
-    assert [n for n, _ in units[-2].params] == ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"]
-    swapped = {"units": [group["units"][0], {"modules": ["lm_head", "model.norm"], "group": True}, {"modules": [""]}]}
+    want = ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"]
+    assert [n for n, _ in units[-2].params] == want
+    swapped = {"units": [layers, {"modules": ["lm_head", "model.norm"], "group": True}, root]}
     units = resolve(parse_wrapping(swapped), shapes)
     assert [n for n, _ in units[-2].params] == ["lm_head.weight", "model.norm.weight"]
     assert [n for n, _ in units[-1].params] == ["model.embed_tokens.weight"]

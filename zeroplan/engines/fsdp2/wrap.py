@@ -117,7 +117,8 @@ def read_wrapping(path: str) -> Wrapping:
 @dataclass(frozen=True)
 class ShardUnit:
     """One ``fully_shard`` call resolved: its modules, the parameters it manages (name, shape, in
-    ``fully_shard``'s order: ``_fully_shard_order``) and its ``reshard_after_forward`` as given (None: FSDP2's default)."""
+    ``fully_shard``'s order: ``_fully_shard_order``) and its ``reshard_after_forward`` as given (None: FSDP2's
+    default)."""
 
     modules: tuple[str, ...]
     params: tuple[tuple[str, Shape], ...]
@@ -235,13 +236,14 @@ def _fully_shard_order(mods: tuple[str, ...], params: list[tuple[str, Shape]], s
                        ) -> tuple[tuple[str, Shape], ...]:
     """A unit's parameters in the order ``fully_shard`` manages them: its modules in the order given, each
     walked depth-first (_fsdp_init.py:_get_managed_modules, _get_managed_states), a tied parameter where it
-    is first met. For one module that is ``named_parameters()`` order; a group ``[norm, embed_tokens, lm_head]``
-    puts the norm's weight first and the tied embedding last (its gradient is the one ``foreach_reduce``'s loop
-    variable keeps: terms.last_grad_held; measured, differential draw 3-0 of generator 4)."""
+    is first met. For one module that is ``named_parameters()`` order; a group ``[norm, embed_tokens,
+    lm_head]`` puts the norm's weight first and the tied embedding last (its gradient is the one
+    ``foreach_reduce``'s loop variable keeps: terms.last_grad_held; traced, differential draw 3-0 of
+    generator 4)."""
     if len(mods) == 1:
         return tuple(params)
     where = {m: i for i, m in enumerate(mods)}
-    return tuple(sorted(params, key=lambda p: where[_innermost(p[0].rsplit(".", 1)[0] if "." in p[0] else "", seen)]))
+    return tuple(sorted(params, key=lambda p: where[_innermost(p[0].rpartition(".")[0], seen)]))
 
 
 def forward_order(units: tuple[ShardUnit, ...]) -> tuple[ShardUnit, ...]:
