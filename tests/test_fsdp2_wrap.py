@@ -66,6 +66,24 @@ def test_units_in_call_order_and_the_nearest_wrapped_ancestor():
     assert only_blocks[-1].post_forward_group(4) == 4  # True passed explicitly: torch 2.13 reshards the root
 
 
+def test_a_group_manages_its_parameters_in_the_order_its_modules_are_given():
+    """fully_shard walks a group's modules as given (_fsdp_init.py:_get_managed_states), not in
+    ``named_parameters()`` order: its last parameter's gradient is the one ``foreach_reduce``'s loop variable
+    keeps through the reduce-scatter (terms.last_grad_held; traced on draw 3-0 of generator 4: a tied
+    ``[norm, embed_tokens, lm_head]`` keeps the embedding's V·h gradient, not the norm's)."""
+    shapes = _workload().shapes
+    layers, root = {"modules": ["model.layers.*"]}, {"modules": [""]}
+    tied = {"modules": ["model.norm", "model.embed_tokens", "lm_head"], "group": True}
+    group = {"units": [layers, tied, root]}
+    units = resolve(parse_wrapping(group), shapes)
+    want = ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"]
+    assert [n for n, _ in units[-2].params] == want
+    swapped = {"units": [layers, {"modules": ["lm_head", "model.norm"], "group": True}, root]}
+    units = resolve(parse_wrapping(swapped), shapes)
+    assert [n for n, _ in units[-2].params] == ["lm_head.weight", "model.norm.weight"]
+    assert [n for n, _ in units[-1].params] == ["model.embed_tokens.weight"]
+
+
 @pytest.mark.parametrize("data, message", [
     ({"units": [{"modules": ["model.layer.*"]}, {"modules": [""]}]}, "'model.layer.*' matches no module"),
     ({"units": [{"modules": ["model.layers.*"]}, {"modules": ["model.layers.0"]}, {"modules": [""]}]},

@@ -283,7 +283,9 @@ def last_grad_held(run: Fsdp2Run, shape, what: str) -> tuple[Term, ...]:
     the loop variable still binds the last gradient after ``unsharded_grads.clear()``, until ``foreach_reduce``
     returns. Traced (MemTracker's live storages at the peak, each gradient named by its parameter's
     post-accumulate hook): ``ln_f.bias`` (d·2 B) at the root's reduce-scatter of the 5.4M GPT in bf16, an untied
-    ``lm_head.weight`` (the root's last parameter) on transformers' classes."""
+    ``lm_head.weight`` (the root's last parameter) on transformers' classes, the tied embedding's (V·h) of a
+    group ``[norm, embed_tokens, lm_head]`` (a group's last in ``fully_shard``'s order:
+    wrap._fully_shard_order)."""
     if run.nd == 1 or shape is None:
         return ()
     return (Term(f"unsharded gradient of the last parameter ({what}, foreach_reduce's loop variable)",

@@ -117,7 +117,8 @@ def read_wrapping(path: str) -> Wrapping:
 @dataclass(frozen=True)
 class ShardUnit:
     """One ``fully_shard`` call resolved: its modules, the parameters it manages (name, shape, in
-    ``named_parameters`` order) and its ``reshard_after_forward`` as given (None: FSDP2's default)."""
+    ``fully_shard``'s order: ``_fully_shard_order``) and its ``reshard_after_forward`` as given (None: FSDP2's
+    default)."""
 
     modules: tuple[str, ...]
     params: tuple[tuple[str, Shape], ...]
@@ -227,8 +228,22 @@ def _resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
         owner[seen[best]].append((name, tuple(shape)))
         first[seen[best]] = min(first[seen[best]], i)
         last[seen[best]] = max(last[seen[best]], i)
-    return tuple(ShardUnit(mods, tuple(ps), rsf, mods == ("",), f, e)
+    return tuple(ShardUnit(mods, _fully_shard_order(mods, ps, seen), rsf, mods == ("",), f, e)
                  for (mods, rsf), ps, f, e in zip(calls, owner, first, last))  # fmt: skip
+
+
+def _fully_shard_order(mods: tuple[str, ...], params: list[tuple[str, Shape]], seen: dict[str, int]
+                       ) -> tuple[tuple[str, Shape], ...]:
+    """A unit's parameters in the order ``fully_shard`` manages them: its modules in the order given, each
+    walked depth-first (_fsdp_init.py:_get_managed_modules, _get_managed_states), a tied parameter where it
+    is first met. For one module that is ``named_parameters()`` order; a group ``[norm, embed_tokens,
+    lm_head]`` puts the norm's weight first and the tied embedding last (its gradient is the one
+    ``foreach_reduce``'s loop variable keeps: terms.last_grad_held; traced, differential draw 3-0 of
+    generator 4)."""
+    if len(mods) == 1:
+        return tuple(params)
+    where = {m: i for i, m in enumerate(mods)}
+    return tuple(sorted(params, key=lambda p: where[_innermost(p[0].rpartition(".")[0], seen)]))
 
 
 def forward_order(units: tuple[ShardUnit, ...]) -> tuple[ShardUnit, ...]:
