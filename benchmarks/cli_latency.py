@@ -76,15 +76,20 @@ def with_before(commands: dict[str, list[str]], before: str) -> dict[str, list[s
     return out
 
 
+def medians_of(commands: dict[str, list[str]], repeats: int, before: str | None = None) -> dict[str, float]:
+    """``compare``'s CPU medians of ``commands``, byte-compiled as installed; with ``before`` (another checkout)
+    each zeroplan command also run from it (``with_before``)."""
+    byte_compile()
+    if before is not None:
+        compileall.compile_dir(os.path.join(before, "zeroplan"), quiet=1)
+        commands = with_before(commands, before)
+    return compare(commands, repeats)
+
+
 def main() -> None:
     """Run: python benchmarks/cli_latency.py [--before DIR] (DIR: another checkout, e.g. ``git worktree add``)."""
-    byte_compile()
-    commands = COMMANDS
-    if "--before" in sys.argv:
-        before = os.path.abspath(sys.argv[sys.argv.index("--before") + 1])
-        compileall.compile_dir(os.path.join(before, "zeroplan"), quiet=1)
-        commands = with_before(COMMANDS, before)
-    medians = compare(commands, REPEATS)
+    before = os.path.abspath(sys.argv[sys.argv.index("--before") + 1]) if "--before" in sys.argv else None
+    medians = medians_of(COMMANDS, REPEATS, before)
     torch_s = medians['python -c "import torch"']
     for name, m in medians.items():
         print(f"{name:30s} {m / torch_s:5.3f}x the torch import (CPU time)")

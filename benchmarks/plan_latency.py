@@ -13,7 +13,6 @@ machine's load.
 
 from __future__ import annotations
 
-import compileall
 import os
 import shutil
 import statistics
@@ -21,7 +20,7 @@ import sys
 import time
 
 import zeroplan
-from cli_latency import byte_compile, compare  # benchmarks/ is on sys.path when run as a script
+from cli_latency import medians_of  # benchmarks/ is on sys.path when run as a script
 
 REPEATS = 5
 ARGS = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024", "--model-parallel", "8",
@@ -41,16 +40,6 @@ COMMANDS = {
 """Issue 16's target: every plan, any engine, under a quarter of the torch import (the largest preset)."""
 
 
-def with_before(commands: dict[str, list[str]], before: str) -> dict[str, list[str]]:
-    """Each zeroplan command twice: as it is, and with the checkout ``before`` first on PYTHONPATH."""
-    out: dict[str, list[str]] = {}
-    for name, argv in commands.items():
-        out[name] = argv
-        if argv[0] == ZEROPLAN:
-            out[f"before: {name}"[:30]] = ["env", f"PYTHONPATH={before}", *argv]
-    return out
-
-
 def main() -> None:
     args = sys.argv[1:]
     before = None
@@ -58,12 +47,7 @@ def main() -> None:
         at = args.index("--before")
         before, args = os.path.abspath(args[at + 1]), args[:at] + args[at + 2:]
     repeats = int(args[0]) if args else REPEATS
-    byte_compile()
-    commands = COMMANDS
-    if before is not None:
-        compileall.compile_dir(os.path.join(before, "zeroplan"), quiet=1)
-        commands = with_before(COMMANDS, before)
-    medians = compare(commands, repeats)
+    medians = medians_of(COMMANDS, repeats, before)
     torch_s = medians['python -c "import torch"']
     for name, m in medians.items():
         print(f"{name:30s} {m / torch_s:5.2f}x the torch import (CPU time)")
