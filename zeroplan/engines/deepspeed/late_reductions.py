@@ -155,18 +155,19 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
-def _embedding_hook_reduce(run: DSRun) -> tuple[Moment, ...]:
+def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
     """ZeRO-2 from the hooks, the embeddings' gradients starting a bucket of their own: the hook of the first of
     them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the previous bucket
     (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a copy of
     its gradients) while that embedding gradient waits beside it, the blocks' activations gone; a rank whose
-    ``grads_in_partition`` an earlier bucket allocated holds it (accumulating: two, ``_embedding_hook_reduce_
-    accumulating``); one allocated by this reduction comes after the copy is freed. Found by the differential
-    matrix (generator 5, 1-241: DeepSeek-V3 6.4M untied, N_d = 2, a 1,298,880-element bucket holding every
-    block's gradients, the embedding's 2,597,760 larger): rank 1 at 97,856,760 B, 3,210,440 B (3.28%) over the
-    reduction after backward predicted before (MemTracker's live storages at rank 1's peak: ``aten.cat`` of the
-    bucket's 1,242,432 elements beside ``embedding_dense_backward``'s output; with 400,000-element buckets the
-    previous bucket, block 0's, lies in rank 0's partition alone: no copy, as measured)."""
+    ``grads_in_partition`` an earlier bucket allocated holds it (accumulating: two,
+    ``_blocks_bucket_at_embedding_hook_accumulating``); one allocated by this reduction comes after the copy
+    is freed. Found by the differential matrix (generator 5, 1-241: DeepSeek-V3 6.4M untied, N_d = 2, a
+    1,298,880-element bucket holding every block's gradients, the embedding's 2,597,760 larger): rank 1 at
+    97,856,760 B, 3,210,440 B (3.28%) over the reduction after backward predicted before (MemTracker's live
+    storages at rank 1's peak: ``aten.cat`` of the bucket's 1,242,432 elements beside
+    ``embedding_dense_backward``'s output; with 400,000-element buckets the previous bucket, block 0's, lies
+    in rank 0's partition alone: no copy, as measured)."""
     if not (run.param_blocks and run.settings.partition_gradients):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
@@ -191,15 +192,15 @@ def _embedding_hook_reduce(run: DSRun) -> tuple[Moment, ...]:
                 "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
     earlier = [r for r in run.ranks if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < at - 1]  # fmt: skip
     if run.grad_accum > 1:
-        return _embedding_hook_reduce_accumulating(run, common, copy, earlier)
+        return _blocks_bucket_at_embedding_hook_accumulating(run, common, copy, earlier)
     held = [run.flat.params_numel(r) for r in earlier]
     return (Moment("backward", "embedding's hook reduces the blocks' bucket", (
         *common, *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()), copy)),)  # fmt: skip
 
 
-def _embedding_hook_reduce_accumulating(run: DSRun, common: tuple[Term, ...], copy: Term,
-                                        earlier: list[int]) -> tuple[Moment, ...]:
-    """``_embedding_hook_reduce`` from the second micro-step on, per rank: two ``grads_in_partition``. Each
+def _blocks_bucket_at_embedding_hook_accumulating(run: DSRun, common: tuple[Term, ...], copy: Term,
+                                                    earlier: list[int]) -> tuple[Moment, ...]:
+    """``blocks_bucket_at_embedding_hook`` from the second micro-step on, per rank: two ``grads_in_partition``. Each
     micro-step's epilogue drops the buffer (``_release_ipg_buffers``) but keeps views of it (``all_grad_tensors``:
     the partition's ``param.grad``, summed into in place, dropped at the boundary), so the next micro-step's first
     ``copy_grads_in_partition`` allocates another beside it. A rank whose new one an earlier bucket allocated holds

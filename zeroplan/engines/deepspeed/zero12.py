@@ -290,7 +290,7 @@ class ZeroOptimizer(Wrapper):
             out.extend(_tied_embedding_backward(run))
         if hooks:
             out.extend(_epilogue_reduce(run))
-            out.extend(LR._embedding_hook_reduce(run))
+            out.extend(LR.blocks_bucket_at_embedding_hook(run))
         if not hooks:
             out.extend((*_stage1_reduce(run), *LR.stage1_flattened(run)))
         return tuple(out)
