@@ -195,7 +195,7 @@ def test_recorded_draws_exist_with_provenance():
     assert {(d["seed"], d["generator"]) for d in seed3} == {(3, 4)} and {d["engine"] for d in seed3} == {"fsdp2", "deepspeed"}
     ds = [d for d in seed3 if d["engine"] == "deepspeed"]  # generator 4's DeepSpeed settings, each side measured
     assert {d["checkpointing"] for d in ds} == {"none", "full"} and {"bf16" in d["ds_config"] for d in ds} == {True, False}
-    for f, generator in ((RECORDED_SEED4, 4),):  # seed 4: unseen, both generators
+    for f, generator in ((RECORDED_SEED4, 4), (RECORDED_FAMILIES_SEED4, 5)):  # seed 4: unseen, both generators
         data = json.loads(f.read_text())
         assert {"recorded", "torch", "deepspeed", "transformers", "command"} <= set(data)
         assert {(r["draw"]["seed"], r["draw"]["generator"]) for r in data["results"]} == {(4, generator)}
