@@ -38,6 +38,7 @@ from zeroplan.engines.fsdp2.side import (
     side_regathers,
     split_root,
     split_root_regathers,
+    with_embedding_prefetch,
 )
 from zeroplan.engines.fsdp2.terms import (
     Fsdp2Run,
@@ -263,9 +264,9 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
         out.extend(block_backward_moments(run, i, base, root_held))
         after = i
     out.extend(root_backward_moments(run, base))
-    end = side_regathers(run, "end")  # the embeddings' all-gather output from block 1's prefetch, until their
-    again = embedding_regather(run)  # copy-out (their pre-backward); then their unsharded parameters alone
-    out = [Moment(m.phase, m.name, (*m.terms, *end)) if m.name.startswith("block 1 ") else m for m in out]
+    out = with_embedding_prefetch(run, out)
+    end = side_regathers(run, "end")
+    again = embedding_regather(run)  # from their copy-out (their pre-backward): their unsharded parameters alone
     if not again:
         return tuple(out)
     # wait_for_unshard frees a backward all-gather output when the copy-out returns (it keeps one only in
