@@ -24,6 +24,8 @@ RECORDED = Path(__file__).resolve().parent / "data" / "measured" / "differential
 RECORDED_BF16 = RECORDED.with_name("fsdp2_differential_bf16.json")
 # generator 4 on seed 3, a seed no profile was tuned on (both engines; DeepSpeed's checkpointing and bf16 drawn)
 RECORDED_SEED3 = RECORDED.with_name("differential_seed3.json")
+# FSDP2 with the token embedding as its own unit, built by hand beside draw 3-5 (benchmarks/fsdp2_embedding_unit_cases.py)
+RECORDED_EMBEDDING_UNIT = RECORDED.with_name("fsdp2_embedding_unit.json")
 SLICE = range(40)
 
 
@@ -320,6 +322,24 @@ def test_recorded_family_draw_within_targets(record, tmp_path):
     for rank, errors in got.errors().items():
         for phase, e in errors.items():
             assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")
+
+
+def _embedding_unit_records() -> list[dict]:
+    return json.loads(RECORDED_EMBEDDING_UNIT.read_text())["results"]
+
+
+@pytest.mark.parametrize("record", _params(_embedding_unit_records()))
+def test_embedding_unit_case_within_its_margin(record, tmp_path):
+    """3-5's shape (the embedding its own unit, resharded after forward; untied and a tied group; the root resharded
+    and not; the blocks resharded and kept; N_d 2 and 4), measured once and predicted again: every phase of every
+    rank within the record's stated margin (its measured error, rounded up) and the issue's targets. Cases 1 and 2
+    were +3.55% and +4.34% over in backward with the embeddings' prefetch counted at block 1's copy-out
+    (``side.with_embedding_prefetch``)."""
+    got = replay(record, tmp_path)
+    margin = record["margin"]
+    for rank, errors in got.errors().items():
+        for phase, e in errors.items():
+            assert -min(margin, TARGET_UNDER) <= e <= min(margin, TARGET_WITHIN), (rank, phase, f"{e:+.3%}")
 
 
 #: generator 5's draw 1-177 (Phi-3 8.0M tied, DeepSpeed ZeRO-3, N_d = 2) with transformers' gradient checkpointing,

@@ -254,7 +254,8 @@ def with_embedding_prefetch(run: Fsdp2Run, out: list[Moment]) -> list[Moment]:
     ``post_forward_order``): their all-gather output is alive from then until their own copy-out, so in
     block 1's moments after its copy-out, and a moment of its own where it is made, block 1's all-gather output
     freed (``wait_for_unshard`` frees it in backward on return). Blocks kept gathered (no copy-out in
-    backward): from block 1's pre_backward, so in each block-1 moment. Traced (differential draw 3-5 of
+    backward): from block 1's pre_backward, so in each block-1 moment but block 2's prefetch of block 1, which
+    comes before. Traced (differential draw 3-5 of
     generator 4, MemTracker's live bytes at FSDPParamGroup's calls): ``layers.0``'s copy-out adds nothing to
     the peak; its ``_backward_prefetch`` -> ``embed_tokens.unshard`` adds 8,916,480 B (N_d·S), 78,579,036 B live,
     this moment exactly; counted at the copy-out instead, the backward peak was 1,762,304 B (+2.11%) over."""
@@ -262,8 +263,9 @@ def with_embedding_prefetch(run: Fsdp2Run, out: list[Moment]) -> list[Moment]:
     if not end:
         return out
     at = next((i for i, m in enumerate(out) if m.name == "block 1 copy-out"), None)
-    out = [Moment(m.phase, m.name, (*m.terms, *end)) if m.name.startswith("block 1 ") and i != at else m
-           for i, m in enumerate(out)]  # fmt: skip
+    before = ("block 1 copy-out", "block 1 backward all-gather (prefetch)")  # block 2's prefetch of block 1: earlier
+    out = [Moment(m.phase, m.name, (*m.terms, *end)) if m.name.startswith("block 1 ") and m.name not in before else m
+           for m in out]  # fmt: skip
     if at is None:
         return out
     freed = ag_output(run, 1, "prefetched, freed after copy-out")
