@@ -37,6 +37,7 @@ from zeroplan.engines.fsdp2.side import (
     side_reduce,
     side_regathers,
     split_root,
+    spanning_resharded,
     split_root_regathers,
     with_embedding_prefetch,
 )
@@ -213,7 +214,7 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     # loss, before the cross-entropy backward, and prefetches the last block (hf_tree); with units after the
     # layers the root's prefetch is theirs (kept gathered: nothing to do) and the last block waits for their
     # pre-backward, after the loss backward (measured: accelerate's wrapping of qwen2, bf16, exact)
-    early = run.loss_in_forward and resharded(run) and not head_units(run)
+    early = run.loss_in_forward and resharded(run) and not head_units(run) and not spanning_resharded(run)
     out = [Moment("backward", f"block {L} backward all-gather (root's prefetch, before the loss backward)", (
         *base, *kept_blocks(run, L), *saved_all, log_softmax, gather_input(run, L),
         ag_output(run, L, "backward prefetch"))), ] if early else []  # fmt: skip
@@ -222,9 +223,10 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     out.append(Moment("backward", "cross-entropy backward", (*ce_base, *kept_blocks(run, L), *saved_all, log_softmax,
                       _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2),
                       *loss_parallel_backward(run), *(prefetched(run, L) if early else ()))))  # fmt: skip
-    if resharded_after_head(run):  # their pre-backward, on the logits' gradient: the root's prefetch copied out
-        out.append(Moment("backward", f"{head_units(run)[-1].name} backward copy-out", (
-            *base, *kept_blocks(run, L), *saved_all, _act("logits gradient", acts.logits), *head_prefetched(run))))
+    if resharded_after_head(run) or spanning_resharded(run):  # their pre-backward, on the logits' gradient
+        name = (head_units(run) or spanning_resharded(run))[-1].name  # copies out the root's prefetch (or its own)
+        out.append(Moment("backward", f"{name} backward copy-out", (*base, *kept_blocks(run, L), *saved_all,
+                          _act("logits gradient", acts.logits), *head_prefetched(run, at_copy_out=True))))  # fmt: skip
     # a backward all-gather copies its input (the shard, or the k-sharded data) into a flat param-dtype
     # buffer first, freed once the collective returns: the root's pre_backward prefetches the last block
     if resharded(run) and not early:
