@@ -57,11 +57,16 @@ CASES = (
      _llama("mistral", 256, 3, 4, 1, 1024, 6000, False), 4, 64, 2,
      _fsdp2([{"modules": [EMBED]}, {"modules": [LAYERS], "reshard_after_forward": False},
              {"modules": [ROOT], "reshard_after_forward": True}], False, True, "materialized")),
+    (5, "tied as case 3, the root True (holding the norm), the loss outside forward (no labels), N_d = 2: the "
+        "group gathered at the logits' gradient, not before the loss backward",
+     _llama("llama", 256, 2, 4, 2, 1024, 6000, True), 2, 64, 2,
+     _fsdp2([{"modules": [EMBED, "lm_head"], "group": True}, {"modules": [LAYERS], "reshard_after_forward": True},
+             {"modules": [ROOT], "reshard_after_forward": True}], True, False, "materialized")),
 )
 
 # each case's stated margin (|predicted - measured| / measured, every phase of every rank): its measured error
 # (2026-12-02) rounded up; tests/test_differential.py asserts it
-MARGINS = {1: 0.001, 2: 0.005, 3: 0.001, 4: 0.001}
+MARGINS = {1: 0.001, 2: 0.005, 3: 0.001, 4: 0.001, 5: 0.001}
 
 
 def cases() -> list[tuple[str, Draw]]:
