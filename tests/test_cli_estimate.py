@@ -3,6 +3,7 @@
 import csv
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -151,6 +152,22 @@ def test_estimate_never_imports_heavy_modules():
     assert heavy == "[]"
     # without a model nothing is replayed: the allocator's config and reserved records only (issue 16)
     assert allocator == "['zeroplan.allocator.config', 'zeroplan.allocator.reserved']"
+
+
+@pytest.mark.parametrize("user_value, searched", [(None, False), ("some_plugin", True)])
+def test_plugin_search_skipped_only_with_plugins_off(user_value, searched):
+    # With pydantic's plugins off (main's default) the loader, which imports importlib.metadata (about 45 CPU-ms),
+    # is never imported; a user who names a plugin to disable gets pydantic's own search (zeroplan.cli, issue 16).
+    code = ("import sys\nfrom zeroplan.cli import main\n"
+            "sys.argv = ['zeroplan', 'estimate', '--params', '7.5e9', '--gpus', '64', '--json']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('importlib.metadata' in sys.modules, file=sys.stderr)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"}
+    if user_value is not None:
+        env["PYDANTIC_DISABLE_PLUGINS"] = user_value
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert json.loads(out.stdout)["stages"][3]["model_states_bytes"] == 1_875_000_000
+    assert out.stderr.strip().splitlines()[-1] == str(searched)
 
 
 def test_cli_module_imports_no_pydantic():
