@@ -170,6 +170,20 @@ def test_plugin_search_skipped_only_with_plugins_off(user_value, searched):
     assert out.stderr.strip().splitlines()[-1] == str(searched)
 
 
+def test_estimate_runs_without_the_cycle_collector():
+    # `estimate` and `plan` answer one configuration: main() turns the cyclic collector off for the command
+    # (its passes cost 5-20% of a plan) and back on when the command returns (zeroplan.cli.ONE_ANSWER).
+    code = ("import gc, sys\nimport zeroplan.render.estimate as r\nfrom zeroplan.cli import main\n"
+            "seen = []\nto_json = r.to_json\n"
+            "r.to_json = lambda *a: (seen.append(gc.isenabled()), to_json(*a))[1]\n"
+            "sys.argv = ['zeroplan', 'estimate', '--params', '7.5e9', '--gpus', '64', '--json']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(seen, gc.isenabled(), file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["stages"][3]["model_states_bytes"] == 1_875_000_000
+    assert out.stderr.strip().splitlines()[-1] == "[False] True"
+
+
 def test_cli_module_imports_no_pydantic():
     # Every command pays for `import zeroplan.cli`: typer and the option blocks only; pydantic, the configs and
     # the engines are imported by the command that runs (issue 16: 0.43 -> 0.17 CPU-s).

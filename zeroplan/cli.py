@@ -6,6 +6,7 @@ pandas, matplotlib) are imported inside the commands that need them, never here.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import types
@@ -36,10 +37,7 @@ from zeroplan.hub import with_revision
 def _typer() -> typer.Typer:
     """The ``zeroplan`` group: one-line errors, no completion, no rich tracebacks."""
     group = typer.Typer(
-        cls=OneLineErrors,
-        no_args_is_help=True,
-        add_completion=False,
-        pretty_exceptions_enable=False,
+        cls=OneLineErrors, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
         help="Plan and check per-GPU memory and communication of ZeRO / FSDP sharded data parallelism.",
     )
     group.callback()(_root)
@@ -369,32 +367,33 @@ def app_for(args: list[str]) -> typer.Typer:
     return group
 
 
-PLUGINS_OFF = ("__all__", "1", "true")
-"""The values of ``PYDANTIC_DISABLE_PLUGINS`` with which pydantic's ``get_plugins`` returns no plugin
-(``pydantic/plugin/_loader.py``, pydantic 2.5 to 2.14)."""
+ONE_ANSWER = ("estimate", "plan")  # run without the cyclic collector (docs/benchmarks.md, third pass)
 
 
 def _no_plugin_search() -> None:
-    """With plugins off, pydantic's loader module still imports ``importlib.metadata`` (email, zipfile, csv:
-    about 45 CPU-ms, 8% of ``estimate``) before it returns no plugin. Its place in ``sys.modules`` gets a module
-    whose ``get_plugins`` returns none, as the loader's own does for these values; only in the command's own
-    process, only before pydantic has imported its loader, and never when the user enables a plugin."""
+    """Plugins off: pydantic's loader (it imports importlib.metadata, 45 CPU-ms) replaced by one returning none."""
     name = "pydantic.plugin._loader"
-    if os.environ.get("PYDANTIC_DISABLE_PLUGINS") in PLUGINS_OFF and name not in sys.modules:
-        loader = types.ModuleType(name, "pydantic's plugin loader with every plugin off (zeroplan.cli.main)")
-        loader.get_plugins = lambda: ()  # type: ignore[attr-defined]
-        sys.modules[name] = loader
+    if os.environ.get("PYDANTIC_DISABLE_PLUGINS") in ("__all__", "1", "true") and name not in sys.modules:
+        sys.modules[name] = types.ModuleType(name, "pydantic's plugin loader, plugins off (zeroplan.cli)")
+        sys.modules[name].get_plugins = lambda: ()  # type: ignore[attr-defined]
 
 
 def main() -> None:
-    """Console-script entry point. pydantic's plugins stay unloaded unless the user names some: their search
-    reads the entry points of every installed distribution (about 10 ms of each command) and none applies to a
-    one-shot command; typer builds its own validators with them off (``PYDANTIC_DISABLE_PLUGINS``, pydantic's
-    documented switch; set only here, in the command's own process), and the loader is not imported
-    (``_no_plugin_search``)."""
+    """Console-script entry point. pydantic's plugins stay off unless the user names some (their search reads
+    every installed distribution's entry points; ``PYDANTIC_DISABLE_PLUGINS``, pydantic's documented switch,
+    set in the command's own process only), its loader unimported. ``ONE_ANSWER`` commands run without the
+    cyclic collector: their objects are mostly long-lived and freed by reference counting, and its passes over
+    100,000+ objects cost 5-15% of a plan (same peak RSS without)."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     _no_plugin_search()
-    app_for(sys.argv[1:])()
+    args, collecting = sys.argv[1:], gc.isenabled()
+    if args and args[0] in ONE_ANSWER:
+        gc.disable()
+    try:
+        app_for(args)()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 if __name__ == "__main__":  # python -m zeroplan.cli
