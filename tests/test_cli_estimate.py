@@ -184,6 +184,19 @@ def test_estimate_runs_without_the_cycle_collector():
     assert out.stderr.strip().splitlines()[-1] == "[False] True"
 
 
+def test_help_runs_without_the_cycle_collector():
+    # help is one answer too (ONE_ANSWER's comment): the collector's passes were ~6% of `zeroplan --help`
+    code = ("import gc, sys\nimport typer.core as core\nfrom zeroplan.cli import main\n"
+            "seen = []\nhelp_of = core.TyperGroup.format_help\n"
+            "core.TyperGroup.format_help = lambda *a: (seen.append(gc.isenabled()), help_of(*a))[1]\n"
+            "sys.argv = ['zeroplan', '--help']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(seen, gc.isenabled(), file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "estimate" in out.stdout
+    assert out.stderr.strip().splitlines()[-1] == "[False] True"
+
+
 def test_cli_module_imports_no_pydantic():
     # Every command pays for `import zeroplan.cli`: typer and the option blocks only; pydantic, the configs and
     # the engines are imported by the command that runs (issue 16: 0.43 -> 0.17 CPU-s).

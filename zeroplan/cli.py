@@ -367,7 +367,7 @@ def app_for(args: list[str]) -> typer.Typer:
     return group
 
 
-ONE_ANSWER = ("estimate", "plan")  # run without the cyclic collector (docs/benchmarks.md, third pass)
+ONE_ANSWER = ("estimate", "plan")  # and help: no cyclic collector (docs/benchmarks.md, third pass)
 
 
 def _no_plugin_search() -> None:
@@ -381,13 +381,13 @@ def _no_plugin_search() -> None:
 def main() -> None:
     """Console-script entry point. pydantic's plugins stay off unless the user names some (their search reads
     every installed distribution's entry points; ``PYDANTIC_DISABLE_PLUGINS``, pydantic's documented switch,
-    set in the command's own process only), its loader unimported. ``ONE_ANSWER`` commands run without the
-    cyclic collector: their objects are mostly long-lived and freed by reference counting, and its passes over
-    100,000+ objects cost 5-15% of a plan (same peak RSS without)."""
+    set in the command's own process only), its loader unimported. ``ONE_ANSWER`` commands and help run without
+    the cyclic collector: their objects are mostly long-lived and freed by reference counting, and its passes
+    over 100,000+ objects cost 5-15% of a plan (same peak RSS without)."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     _no_plugin_search()
     args, collecting = sys.argv[1:], gc.isenabled()
-    if args and args[0] in ONE_ANSWER:
+    if not args or args[0] in ONE_ANSWER or "--help" in args:
         gc.disable()
     try:
         app_for(args)()
