@@ -170,6 +170,18 @@ def test_plugin_search_skipped_only_with_plugins_off(user_value, searched):
     assert out.stderr.strip().splitlines()[-1] == str(searched)
 
 
+def test_plugin_stand_in_hands_over_to_the_real_loader():
+    # A pydantic that asks the stand-in for anything but get_plugins gets pydantic's own loader
+    # (zeroplan.cli_startup), never an AttributeError.
+    code = ("import os, sys\nos.environ['PYDANTIC_DISABLE_PLUGINS'] = '__all__'\n"
+            "from zeroplan.cli_startup import no_plugin_search\nno_plugin_search()\n"
+            "stand_in = sys.modules['pydantic.plugin._loader']\nprint(stand_in.get_plugins())\n"
+            "real = stand_in.__getattr__('get_plugins')\n"
+            "print(sys.modules['pydantic.plugin._loader'] is not stand_in, real.__module__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == ["()", "True pydantic.plugin._loader"]
+
+
 def test_estimate_runs_without_the_cycle_collector():
     # `estimate` and `plan` answer one configuration: main() turns the cyclic collector off for the command
     # (its passes cost 5-20% of a plan) and back on when the command returns (zeroplan.cli.ONE_ANSWER).

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import types
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -29,6 +28,7 @@ from zeroplan.cli_integrations import (  # the files users already have (zeropla
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
 )  # fmt: skip
 from zeroplan.cli_plot import PlotView, plot  # noqa: F401 - PlotView: the plot views, by their old address
+from zeroplan.cli_startup import no_plugin_search
 from zeroplan.cli_sweep import sweep
 from zeroplan.cli_validate import validate_cmd
 from zeroplan.hub import with_revision
@@ -370,14 +370,6 @@ def app_for(args: list[str]) -> typer.Typer:
 ONE_ANSWER = ("estimate", "plan")  # and help: no cyclic collector (docs/benchmarks.md, third pass)
 
 
-def _no_plugin_search() -> None:
-    """Plugins off: pydantic's loader (it imports importlib.metadata, 45 CPU-ms) replaced by one returning none."""
-    name = "pydantic.plugin._loader"
-    if os.environ.get("PYDANTIC_DISABLE_PLUGINS") in ("__all__", "1", "true") and name not in sys.modules:
-        sys.modules[name] = types.ModuleType(name, "pydantic's plugin loader, plugins off (zeroplan.cli)")
-        sys.modules[name].get_plugins = lambda: ()  # type: ignore[attr-defined]
-
-
 def main() -> None:
     """Console-script entry point. pydantic's plugins stay off unless the user names some (their search reads
     every installed distribution's entry points; ``PYDANTIC_DISABLE_PLUGINS``, pydantic's documented switch,
@@ -385,7 +377,7 @@ def main() -> None:
     the cyclic collector: their objects are mostly long-lived and freed by reference counting, and its passes
     over 100,000+ objects cost 5-15% of a plan (same peak RSS without)."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-    _no_plugin_search()
+    no_plugin_search()
     args, collecting = sys.argv[1:], gc.isenabled()
     if not args or args[0] in ONE_ANSWER or "--help" in args:
         gc.disable()
