@@ -11,21 +11,25 @@ expert tensor larger than the bucket is not copied into it but reduced on its ow
 parameters allocates its ``grads_in_partition`` (``copy_grads_in_partition``), before the expert gradient is
 copied into it and released. The block's activations are then partly released: autograd runs the sparse MLP
 backward from its last call (experts' ``down_proj``, ``gate_up_proj``, then the router and the post-attention
-norm; Qwen2-MoE's shared expert and DeepSeek-V3's shared experts before the routed ones: called after them).
+norm; DeepSeek-V3's shared experts before the routed ones, called after them; Qwen2-MoE's shared expert after the
+router, called first).
 
 Per hook of sparse block j (``_at_hook``), beside the states, the buckets and the first j blocks' saved tensors:
 
 - ``experts.gate_up_proj``'s: the block's saved tensors less the routed experts' (the gate-up grouped matmul, the
-  experts' first call, has run backward) and the shared experts' (run backward before), the router's kept;
-  in flight the incoming gradient, d(gathered rows) (S·d·a) and, with shared experts, their input's gradient
-  (N·d·a); alive ``down_proj``'s gradient where it is larger than the bucket (reduced at this hook) and
+  experts' first call, has run backward) and DeepSeek-V3's shared experts' (run backward before), the router's
+  kept; in flight the incoming gradient, d(gathered rows) (S·d·a) and DeepSeek-V3's shared experts' input gradient
+  (N·d·a); Qwen2-MoE's shared SwiGLU tensors and d(shared output) still waiting, with its gate's input gradient; alive ``down_proj``'s gradient where it is larger than the bucket (reduced at this hook) and
   ``gate_up_proj``'s own (waiting for its hook to return);
 - the router's (``mlp.gate.weight``) or the post-attention norm's: the block's saved tensors less the MLP's and the
   norm's output (the router's linear, its last reader, has run); in flight the incoming gradient, the experts'
-  input gradient and the router's (3·N·d·a); alive ``gate_up_proj``'s gradient where larger than the bucket and
-  the router weight's own.
+  input gradient and the router's (3·N·d·a), at the router's Qwen2-MoE's shared expert's as above; alive
+  ``gate_up_proj``'s gradient where larger than the bucket and the router weight's own.
 
-Measured (gloo, N_d = 2, fp32, tests/test_deepspeed_moe12.py): see ``moe12.py``.
+Also the last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the
+head's hook allocating the bucket (``head_hook_bucket``).
+
+Measured (gloo, N_d = 2, fp32 and bf16, tests/test_deepspeed_moe12.py): see ``moe12.py``.
 """
 
 from __future__ import annotations
