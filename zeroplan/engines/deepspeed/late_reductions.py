@@ -156,19 +156,20 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
 
 
 def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
-    """ZeRO-2 from the hooks, the embeddings' gradients starting a bucket of their own: the hook of the first of
-    them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the previous bucket
-    (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a copy of
-    its gradients) while that embedding gradient waits beside it, the blocks' activations gone; a rank whose
-    ``grads_in_partition`` an earlier bucket allocated holds it (accumulating: two,
-    ``_blocks_bucket_at_embedding_hook_accumulating``); one allocated by this reduction comes after the copy
-    is freed. Found by the differential matrix (generator 5, 1-241: DeepSeek-V3 6.4M untied, N_d = 2, a
-    1,298,880-element bucket holding every block's gradients, the embedding's 2,597,760 larger): rank 1 at
-    97,856,760 B, 3,210,440 B (3.28%) over the reduction after backward predicted before (MemTracker's live
-    storages at rank 1's peak: ``aten.cat`` of the bucket's 1,242,432 elements beside
-    ``embedding_dense_backward``'s output; with 400,000-element buckets the previous bucket, block 0's, lies
-    in rank 0's partition alone: no copy, as measured)."""
-    if not (run.param_blocks and run.settings.partition_gradients):
+    """ZeRO-2 from the hooks accumulating gradients, the embeddings' gradients starting a bucket of their own: the
+    hook of the first of them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the
+    previous bucket (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a
+    copy of its gradients) while that embedding gradient waits beside it, the blocks' activations gone; from the
+    second micro-step on each rank holds two ``grads_in_partition`` (``_blocks_bucket_at_embedding_hook_accumulating``).
+    Without accumulation the same reduction is ``embedding_hook_reduced``'s bucket sent at the embedding's hook (its
+    flattened copy, ``flattened_copy_numel``, is the whole bucket where it spans two partitions or more, none within
+    one, as here; and its ranks' options hold this one's), folded there. Found by the differential matrix
+    (generator 5, 1-241: DeepSeek-V3 6.4M untied, N_d = 2, a 1,298,880-element bucket holding every block's
+    gradients, the embedding's 2,597,760 larger): rank 1 at 97,856,760 B, 3,210,440 B (3.28%) over the reduction
+    after backward predicted before (MemTracker's live storages at rank 1's peak: ``aten.cat`` of the bucket's
+    1,242,432 elements beside ``embedding_dense_backward``'s output; with 400,000-element buckets the previous
+    bucket, block 0's, lies in rank 0's partition alone: no copy, as measured)."""
+    if not (run.param_blocks and run.settings.partition_gradients and run.grad_accum > 1):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
@@ -191,11 +192,7 @@ def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
     copy = Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
                 "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
     earlier = [r for r in run.ranks if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < at - 1]  # fmt: skip
-    if run.grad_accum > 1:
-        return _blocks_bucket_at_embedding_hook_accumulating(run, common, copy, earlier)
-    held = [run.flat.params_numel(r) for r in earlier]
-    return (Moment("backward", "embedding's hook reduces the blocks' bucket", (
-        *common, *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()), copy)),)  # fmt: skip
+    return _blocks_bucket_at_embedding_hook_accumulating(run, common, copy, earlier)
 
 
 def _blocks_bucket_at_embedding_hook_accumulating(run: DSRun, common: tuple[Term, ...], copy: Term,

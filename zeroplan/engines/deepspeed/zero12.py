@@ -13,6 +13,7 @@ from collections.abc import Callable
 from zeroplan.engines.deepspeed.collectives import zero12_collectives
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _largest_slices, _last_in_blocks, _params_numels,
                                                      _rank_first_buckets, _views)
+import zeroplan.engines.deepspeed.moe12_hooks as MH
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
 import zeroplan.engines.deepspeed.late_reductions as LR
@@ -22,7 +23,6 @@ from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, 
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel, zero12_terms
 from zeroplan.formulas.peak import Moment, Term
-
 
 
 def reduces_from_hooks(s: Settings) -> bool:
@@ -269,7 +269,7 @@ class ZeroOptimizer(Wrapper):
         """The last block (per rank when ZeRO-2 accumulates), the earlier blocks with what a rank holds from
         the later ones (``later_blocks_held``; from the hooks: ``_partition_allocations``,
         ``_stage1_kept_gradients``), and ZeRO-1's reduction after backward (``_stage1_reduce``)."""
-        s, accumulating = run.settings, run.grad_accum > 1
+        s, accumulating, last = run.settings, run.grad_accum > 1, MH.last_block_from_hooks(run, last)  # sparse: its own
         hooks = reduces_from_hooks(s)
         out = list(self._last_block_accumulating(run, last) if accumulating and s.partition_gradients
                    else (Moment("backward", "last block backward", last),))  # fmt: skip
@@ -281,9 +281,9 @@ class ZeroOptimizer(Wrapper):
             out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, early[r]))
                        for r in run.first_largest(lambda r: early[r].bytes, tuple(early)))  # fmt: skip
             out.extend(self._blocks_from_hooks(run, last, inflight))
-            out.extend(_in_block_partitions(run, last, inflight,
-                                            _stage1_kept_gradients(run) if not s.partition_gradients else {}))
-            out.extend(_first_bucket_reduced(run, last, inflight))
+            kept = _stage1_kept_gradients(run) if not s.partition_gradients else {}
+            out.extend(_in_block_partitions(run, last, inflight, kept))
+            out.extend((*_first_bucket_reduced(run, last, inflight), *MH.sparse_moments(run, last, inflight, kept)))
             out.extend(_tied_embedding_backward(run))
             out.extend(LR.embedding_hook_reduced(run))
         if hooks and accumulating:  # ZeRO-1 with overlap_comm (seed 2 draw 8); ZeRO-2 (generator 5, 1-483)
