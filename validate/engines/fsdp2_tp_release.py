@@ -8,8 +8,10 @@ own copy of a reduce-scatter's input) is then freed on gloo's thread, and MemTra
 thread runs, which on a loaded machine can be after the rank has allocated its next tensors: the phase's peak
 then holds a stale buffer. The world-4 TP row (fp32, SP, 2 x 32 tokens) failed so once in a full-suite run: the
 backward peak 12,288 B (b·s·d fp32: one SP all-gather output) over the prediction, +2.06 %. Diagnostic runs
-(every storage's free, by thread) saw such frees on gloo's thread on most ranks of most runs, only rarely at a
-peak's moment: a timing-dependent reading, never a byte the engine holds on purpose.
+(every storage's free, by thread) saw such frees on gloo's thread on most ranks of most loaded runs; with each
+such free delayed 20 ms before MemTracker counts it, one run in four reproduced the failure exactly (backward
++12,288 B on two ranks, a freed all-gather buffer still in the count at the peak op): a timing-dependent
+reading, never a byte the engine holds on purpose (docs/engines/fsdp2.md, the TP section).
 
 Two waits, both for an event rather than a time:
 
