@@ -27,10 +27,20 @@ def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
     buckets, accumulation 2, N_d = 4; MemTracker at rank 2's backward peak, in ``allreduce_bucket``: the head's
     8,274,432-element gradient over partitions 2 and 3 copied, the embedding's gradient kept and rank 2's
     grads_in_partition: -3.13% before)."""
-    p, g, limit = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], run.settings.reduce_bucket_size
-    layout = _flattened_buckets(run.flat, limit)
-    psi, large_before = layout.psi, layout.large_before
+    layout = _flattened_buckets(run.flat, run.settings.reduce_bucket_size)
+    ranks = None if run.settings.rank is None else (run.settings.rank,)
     base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2))
+    return tuple(Moment("backward", name, (*base, *tail))
+                 for name, tail in _flattened_tails(layout, _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], ranks))
+
+
+@lru_cache(maxsize=64)  # every rank's run and each rank's of a candidate, and the candidates of one bucket size
+def _flattened_tails(layout: _FlattenedBuckets, p: int, g: int,
+                     ranks: tuple[int, ...] | None) -> tuple[tuple[str, tuple[Term, ...]], ...]:
+    """``stage1_flattened``'s moments less what every moment of the run holds (states, buckets, the batch): each
+    copied bucket's name and its own terms, for parameters of ``p`` bytes and gradients of ``g``, of ``ranks``
+    (None: every rank)."""
+    psi, large_before = layout.psi, layout.large_before
 
     def alive(hi: int, end: int, own: int = 0) -> Term:
         """Before bucket [lo, hi) (parameters first..end) is sent; ``own``: the large gradients of a rank's
@@ -40,19 +50,19 @@ def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
                     "torch autograd (param.grad); stage 1 clears no gradient; copy_grads_in_partition "
                     "repoints the partition's (grad_reduc.data = new_grad_tensor.data)")
 
-    ranks = _rank_facts(layout, p, None if run.settings.rank is None else (run.settings.rank,))
+    facts = _rank_facts(layout, p, ranks)
     out = []
     for k, hi, first, end, copy_numel in layout.copied:
         copy = Term("flattened copy of the bucket's gradients", copy_numel * g,
                     "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
-        i, own = ranks.largest(k, first, copy.bytes)
+        i, own = facts.largest(k, first, copy.bytes)
         if i is None:
-            terms = (*base, alive(hi, end), copy)
+            tail = (alive(hi, end), copy)
         elif own is None:  # its first bucket: grads_in_partition allocated once the copy is freed
-            terms = (*base, alive(hi, end), ranks.gip(i))
+            tail = (alive(hi, end), facts.gip(i))
         else:
-            terms = (*base, alive(hi, end, own), ranks.gip(i), copy)
-        out.append(Moment("backward", f"reduce_gradients: bucket {k} flattened", terms))
+            tail = (alive(hi, end, own), facts.gip(i), copy)
+        out.append((f"reduce_gradients: bucket {k} flattened", tail))
     return tuple(out)
 
 
