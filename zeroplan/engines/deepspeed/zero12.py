@@ -38,8 +38,8 @@ def _largest_partition_numel(run: DSRun) -> int:
     return max(run.flat.params_numel(r) for r in run.ranks)
 
 
-def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
-    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``) where j is the
+def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, int], ...]:
+    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``'s bytes) where j is the
     last block whose backward starts with that partition alive, or -1 when it comes after every block's.
 
     Gradients are bucketed in gradient-ready order (taken, as ``_stage2_early_partitions`` does, as the reverse
@@ -55,18 +55,17 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
     p = _pbytes(run)
     if not run.param_blocks:
         return ()
-    last_in_blocks = _last_in_blocks(run)
-    outputs = set(run.output_projections)
+    last_in_blocks, blocks, n_layer = _last_in_blocks(run), run.param_blocks, run.acts.n_layer
+    outputs, numels = set(run.output_projections), _params_numels(run.flat)  # N_d ranks: no Term each
     out = []
     for rank, _, hook in _reducing_hooks(run):
-        j = run.param_blocks[hook]
+        j = blocks[hook]
         if j < 0:
-            j = run.acts.n_layer - 1 if 0 <= last_in_blocks < hook else -1  # final norm / head, or embeddings
+            j = n_layer - 1 if 0 <= last_in_blocks < hook else -1  # final norm / head, or embeddings
         elif hook not in outputs:
             j -= 1
         if j >= 0:
-            out.append((rank, j, Term("grads_in_partition", run.flat.params_numel(rank) * p,
-                                      "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
+            out.append((rank, j, numels[rank] * p))
     return tuple(out)
 
 
@@ -180,17 +179,18 @@ def _first_bucket_before_last_block(run: DSRun) -> bool:
     return hook > last_in_blocks or (run.param_blocks[hook] == last_block and hook in run.output_projections)
 
 
-def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, Term]],
+def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, int]],
                         kept: dict[int, tuple[Term, ...]]) -> dict[int, int]:
     """Block j -> the first rank holding the most bytes at j's first backward op (its ``grads_in_partition``
-    where allocated at a block >= j, plus its kept gradients at j), for the blocks where some rank holds any.
+    where allocated at a block >= j, ``allocated``: (that block, its bytes), plus its kept gradients at j), for
+    the blocks where some rank holds any.
     Without kept gradients the ranks are swept once from the last block down (each joins at its block)."""
     if kept:
         out = {}
         for j in range(n_layer):
             most, who = 0, None
             for r in range(nd):
-                held = (allocated[r][1].bytes if r in allocated and j <= allocated[r][0] else 0) + (
+                held = (allocated[r][1] if r in allocated and j <= allocated[r][0] else 0) + (
                     kept[r][j].bytes if r in kept else 0)
                 if held > most:
                     most, who = held, r
@@ -203,7 +203,7 @@ def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, T
     out, most, who = {}, 0, None
     for j in range(n_layer - 1, -1, -1):
         for r in joins.get(j, ()):
-            held = allocated[r][1].bytes
+            held = allocated[r][1]
             if held > most or (held == most and who is not None and r < who):
                 most, who = held, r
         if who is not None:
@@ -321,9 +321,11 @@ class ZeroOptimizer(Wrapper):
         allocated by then, and at ZeRO-1 its kept gradients larger than the bucket; the lowest rank of a tie)."""
         allocated = {r: (j, gip) for r, j, gip in _partition_allocations(run)}
         kept = _stage1_kept_gradients(run) if not run.settings.partition_gradients else {}
-        out, common = [], tuple(t for t in last if t not in inflight)
+        out, common, gips = [], tuple(t for t in last if t not in inflight), {}  # the winners' partitions, a Term each
         for j, who in _most_held_by_block(run.nd, run.acts.n_layer, allocated, kept).items():
-            best = (*((allocated[who][1],) if who in allocated and j <= allocated[who][0] else ()),
+            if who in allocated and who not in gips:
+                gips[who] = Term("grads_in_partition", allocated[who][1], GIP_SRC)
+            best = (*((gips[who],) if who in allocated and j <= allocated[who][0] else ()),
                     *((kept[who][j],) if who in kept and kept[who][j].bytes else ()))
             out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
                               (*common, _blocks_saved(run, j + 1), *inflight[1:],
