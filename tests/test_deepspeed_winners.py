@@ -242,3 +242,44 @@ def test_stage1_flattened_equals_every_rank_built(model, bucket, nd, rank):
     want = _reference_stage1_flattened(run)
     assert want, "a case without flattened buckets checks nothing"
     assert stage1_flattened(run) == want
+
+
+def test_stage1_flattened_caches_shared_across_runs():
+    """``stage1_flattened``'s per-layout caches (``_flattened_buckets``, ``_flattened_tails``: shared by every rank's run
+    and every candidate of one bucket size) give each run the per-rank loop's moments, the runs of one layout asked
+    in turn (every rank, then single ranks drawn at random, a 16-bit and an fp32 run, two bucket sizes)."""
+    import random
+
+    from zeroplan.engines.deepspeed.late_reductions import stage1_flattened
+
+    spec = spec_from_hf_config(json.loads((CONFIGS / "tiny-llama.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, transformers=True)
+    rng, checked = random.Random(16), 0
+    for bucket, dtype in ((5_000, "bf16"), (5_000, "fp32"), (20_000, "bf16")):
+        for rank in (None, *rng.sample(range(7), 3)):
+            s = Settings(stage=1, dtype=dtype, reduce_bucket_size=bucket, allgather_bucket_size=bucket, rank=rank)
+            run = ds_run(s, workload, 7)
+            want = _reference_stage1_flattened(run)
+            assert stage1_flattened(run) == want
+            checked += len(want)
+    assert checked > 20, "too few flattened buckets to check the caches"
+
+
+@pytest.mark.parametrize("model, stage, bucket, nd", [("tiny-llama", 2, 5_000, 3), ("tiny-gpt2-untied", 2, 2_000, 7),
+                                                      ("tiny-qwen2", 1, 20_000, 4), ("llama-3.2-1b", 2, 5_000_000, 64)])
+def test_hook_bucket_copies_equal_each_bucket_flattened(model, stage, bucket, nd):
+    """``reduce._hook_copies`` (every hook bucket's flattened copy, once per layout) equals ``flattened_copy_numel`` of
+    each bucket's parameters in gradient-ready order, and ``FlatGroup.params`` (per rank, once per layout) each rank's
+    range."""
+    from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
+
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, transformers=True)
+    run = ds_run(Settings(stage=stage, overlap_comm=True, reduce_bucket_size=bucket, allgather_bucket_size=bucket),
+                 workload, nd)
+    order, buckets, first_of_bucket, _ = _hook_buckets(run)
+    ends = (*first_of_bucket[1:], len(order))
+    want = [flattened_copy_numel(run, order[a:b]) for a, b in zip(first_of_bucket, ends)]
+    assert [_hook_bucket_copy(run, b) for b in range(len(buckets))] == want
+    assert any(want), "no bucket copied: the case checks nothing"
+    assert [run.flat.params(r) for r in range(nd)] == [tuple(range(*run.flat.range(r))) for r in range(nd)]
