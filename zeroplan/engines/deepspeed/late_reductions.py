@@ -30,8 +30,8 @@ def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
     layout = _flattened_buckets(run.flat, run.settings.reduce_bucket_size)
     ranks = None if run.settings.rank is None else (run.settings.rank,)
     base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2))
-    return tuple(Moment("backward", name, (*base, *tail))
-                 for name, tail in _flattened_tails(layout, _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], ranks))
+    tails = _flattened_tails(layout, _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], ranks)
+    return tuple(Moment("backward", name, (*base, *tail)) for name, tail in tails)
 
 
 @lru_cache(maxsize=64)  # every rank's run and each rank's of a candidate, and the candidates of one bucket size

@@ -12,8 +12,8 @@ from functools import lru_cache
 
 from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
-from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks, _rank_first_buckets,
-                                                     _stage1_held, _views)
+from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks,
+                                                     _rank_first_buckets, _stage1_held, _views)
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.terms import FlatGroup
@@ -69,7 +69,8 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
 
 
 def _hook_bucket_copy(run: DSRun, b: int) -> int:
-    """``flat_copy.flattened_copy_numel`` of hook bucket ``b`` (``_hook_buckets``), its parameters in gradient-ready order."""
+    """``flat_copy.flattened_copy_numel`` of hook bucket ``b`` (``_hook_buckets``), its parameters in gradient-ready
+    order."""
     return _hook_copies_of(run)[b]
 
 

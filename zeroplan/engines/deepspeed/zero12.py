@@ -39,8 +39,8 @@ def _largest_partition_numel(run: DSRun) -> int:
 
 
 def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, int], ...]:
-    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``'s bytes) where j is the
-    last block whose backward starts with that partition alive, or -1 when it comes after every block's.
+    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``'s bytes) where j is
+    the last block whose backward starts with that partition alive, or -1 when it comes after every block's.
 
     Gradients are bucketed in gradient-ready order (taken, as ``_stage2_early_partitions`` does, as the reverse
     of parameter order); a bucket is reduced at the hook of the first gradient that does not fit
