@@ -39,8 +39,8 @@ def _largest_partition_numel(run: DSRun) -> int:
 
 
 def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, int], ...]:
-    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``'s bytes) where j is
-    the last block whose backward starts with that partition alive, or -1 when it comes after every block's.
+    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``, bytes) where j is the
+    last block whose backward starts with that partition alive, or -1 when it comes after every block's.
 
     Gradients are bucketed in gradient-ready order (taken, as ``_stage2_early_partitions`` does, as the reverse
     of parameter order); a bucket is reduced at the hook of the first gradient that does not fit
@@ -52,11 +52,10 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, int], ...]:
     every block's backward holds its recomputed activations, so the partition allocated in one block is live
     at the next block's peak nearly as large (measured: gpt-tiny, N_d = 4, rank 2's partition, allocated at the
     last block's c_fc weight gradient, peaks at block 0's c_proj backward)."""
-    p = _pbytes(run)
     if not run.param_blocks:
         return ()
     last_in_blocks, blocks, n_layer = _last_in_blocks(run), run.param_blocks, run.acts.n_layer
-    outputs, numels = set(run.output_projections), _params_numels(run.flat)  # N_d ranks: no Term each
+    outputs, numels, p = set(run.output_projections), _params_numels(run.flat), _pbytes(run)  # N_d ranks: no Terms
     out = []
     for rank, _, hook in _reducing_hooks(run):
         j = blocks[hook]
@@ -182,8 +181,7 @@ def _first_bucket_before_last_block(run: DSRun) -> bool:
 def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, int]],
                         kept: dict[int, tuple[Term, ...]]) -> dict[int, int]:
     """Block j -> the first rank holding the most bytes at j's first backward op (its ``grads_in_partition``
-    where allocated at a block >= j, ``allocated``: (that block, its bytes), plus its kept gradients at j), for
-    the blocks where some rank holds any.
+    where allocated at a block >= j, plus its kept gradients at j), for the blocks where some rank holds any.
     Without kept gradients the ranks are swept once from the last block down (each joins at its block)."""
     if kept:
         out = {}
@@ -321,11 +319,10 @@ class ZeroOptimizer(Wrapper):
         allocated by then, and at ZeRO-1 its kept gradients larger than the bucket; the lowest rank of a tie)."""
         allocated = {r: (j, gip) for r, j, gip in _partition_allocations(run)}
         kept = _stage1_kept_gradients(run) if not run.settings.partition_gradients else {}
-        out, common, gips = [], tuple(t for t in last if t not in inflight), {}  # the winners' partitions, a Term each
+        out, common = [], tuple(t for t in last if t not in inflight)
         for j, who in _most_held_by_block(run.nd, run.acts.n_layer, allocated, kept).items():
-            if who in allocated and who not in gips:
-                gips[who] = Term("grads_in_partition", allocated[who][1], GIP_SRC)
-            best = (*((gips[who],) if who in allocated and j <= allocated[who][0] else ()),
+            best = (*((Term("grads_in_partition", allocated[who][1], GIP_SRC),)  # the winner's Term only
+                      if who in allocated and j <= allocated[who][0] else ()),
                     *((kept[who][j],) if who in kept and kept[who][j].bytes else ()))
             out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
                               (*common, _blocks_saved(run, j + 1), *inflight[1:],
