@@ -27,10 +27,12 @@ COMMANDS = {
     "import zeroplan.cli": [sys.executable, "-P", "-c", "import zeroplan.cli"],  # -P: not the cwd's checkout first
     "zeroplan plan --json (7b)": [ZEROPLAN, "plan", "--model", "llama2-7b", "--gpus", "8", "--gpu", "a100-40gb",
                                   "--json"],
+    "zeroplan --help": [ZEROPLAN, "--help"],  # the whole group's help, through rich (typer's help formatter)
     'python -c "import torch"': [sys.executable, "-c", "import torch"],
 }
 """Issue 16: the estimate start-up (target < 0.25 of the torch import), the CLI module's import that every command
-pays (``import zeroplan.cli``: typer and the option blocks, no pydantic), and a small plan's JSON."""
+pays (``import zeroplan.cli``: typer and the option blocks, no pydantic), a small plan's JSON and the group's
+``--help``."""
 
 
 def wall_and_cpu_s(argv: list[str]) -> tuple[float, float]:

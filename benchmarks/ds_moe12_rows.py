@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-1/2 on transformers' mixture-of-experts classes: re-measure the rows of
 tests/test_deepspeed_moe12.py (gloo, N_d = 2, fp32, CPU) and print each rank's per-phase error against the
-profile, or list the live storages at one rank's backward peak (the method that found the mechanism in
-engines/deepspeed/moe12.py).
+profile, or list the live storages at one rank's backward peak (the method that found the mechanisms in
+engines/deepspeed/moe12_hooks.py; storages made in the step only: a peak where one made in an earlier step is
+alive, or none was made yet, lists what was alive at the step's own largest moment).
 
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py rows [--families mixtral-wide,...]   # ~1 min a family
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py trace mixtral-wide 2 small            # ~30 s
@@ -37,13 +38,13 @@ def _files(tmp: Path) -> Path:
 
 
 def rows(families: list[str], tmp: Path) -> None:
-    """Every (stage, ZERO key) of RECORDED and REFUSED for ``families``: measured rows and errors per rank."""
-    from tests.test_deepspeed_moe12 import RECORDED, REFUSED, ZERO
+    """Every (stage, ZERO key) of RECORDED and FROM_HOOKS for ``families``: measured rows and errors per rank."""
+    from tests.test_deepspeed_moe12 import FROM_HOOKS, RECORDED, ZERO
     from validate.engines.deepspeed_compare import ds_config, run_world, workload_for
     from zeroplan.engines import deepspeed as D
 
     for name in families:
-        cases = sorted({(st, z) for n, st, z in (*RECORDED, *REFUSED) if n == name})
+        cases = sorted({(st, z) for n, st, z in (*RECORDED, *FROM_HOOKS) if n == name})
         configs = [ds_config(st, micro_batch=1, zero=ZERO[z], optimizer_params={"torch_adam": True}) for st, z in cases]
         path = str(tmp / f"{name}.json")
         ranks = run_world(configs, 2, model=str(tmp / "world.json"), steps=2, seq_len=64,

@@ -3,6 +3,7 @@
 import csv
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -151,6 +152,61 @@ def test_estimate_never_imports_heavy_modules():
     assert heavy == "[]"
     # without a model nothing is replayed: the allocator's config and reserved records only (issue 16)
     assert allocator == "['zeroplan.allocator.config', 'zeroplan.allocator.reserved']"
+
+
+@pytest.mark.parametrize("user_value, searched", [(None, False), ("some_plugin", True)])
+def test_plugin_search_skipped_only_with_plugins_off(user_value, searched):
+    # With pydantic's plugins off (main's default) the loader, which imports importlib.metadata (about 45 CPU-ms),
+    # is never imported; a user who names a plugin to disable gets pydantic's own search (zeroplan.cli, issue 16).
+    code = ("import sys\nfrom zeroplan.cli import main\n"
+            "sys.argv = ['zeroplan', 'estimate', '--params', '7.5e9', '--gpus', '64', '--json']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('importlib.metadata' in sys.modules, file=sys.stderr)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYDANTIC_DISABLE_PLUGINS"}
+    if user_value is not None:
+        env["PYDANTIC_DISABLE_PLUGINS"] = user_value
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert json.loads(out.stdout)["stages"][3]["model_states_bytes"] == 1_875_000_000
+    assert out.stderr.strip().splitlines()[-1] == str(searched)
+
+
+def test_plugin_stand_in_hands_over_to_the_real_loader():
+    # A pydantic that asks the stand-in for anything but get_plugins gets pydantic's own loader
+    # (zeroplan.cli_startup), never an AttributeError.
+    code = ("import os, sys\nos.environ['PYDANTIC_DISABLE_PLUGINS'] = '__all__'\n"
+            "from zeroplan.cli_startup import no_plugin_search\nno_plugin_search()\n"
+            "stand_in = sys.modules['pydantic.plugin._loader']\nprint(stand_in.get_plugins())\n"
+            "real = stand_in.__getattr__('get_plugins')\n"
+            "print(sys.modules['pydantic.plugin._loader'] is not stand_in, real.__module__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == ["()", "True pydantic.plugin._loader"]
+
+
+def test_estimate_runs_without_the_cycle_collector():
+    # `estimate` and `plan` answer one configuration: main() turns the cyclic collector off for the command
+    # (its passes cost 5-20% of a plan) and back on when the command returns (zeroplan.cli.ONE_ANSWER).
+    code = ("import gc, sys\nimport zeroplan.render.estimate as r\nfrom zeroplan.cli import main\n"
+            "seen = []\nto_json = r.to_json\n"
+            "r.to_json = lambda *a: (seen.append(gc.isenabled()), to_json(*a))[1]\n"
+            "sys.argv = ['zeroplan', 'estimate', '--params', '7.5e9', '--gpus', '64', '--json']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(seen, gc.isenabled(), file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["stages"][3]["model_states_bytes"] == 1_875_000_000
+    assert out.stderr.strip().splitlines()[-1] == "[False] True"
+
+
+def test_help_runs_without_the_cycle_collector():
+    # help is one answer too (ONE_ANSWER's comment): the collector's passes were ~6% of `zeroplan --help`
+    code = ("import gc, sys\nimport typer.core as core\nfrom zeroplan.cli import main\n"
+            "seen = []\nhelp_of = core.TyperGroup.format_help\n"
+            "core.TyperGroup.format_help = lambda *a: (seen.append(gc.isenabled()), help_of(*a))[1]\n"
+            "sys.argv = ['zeroplan', '--help']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(seen, gc.isenabled(), file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "estimate" in out.stdout
+    assert out.stderr.strip().splitlines()[-1] == "[False] True"
 
 
 def test_cli_module_imports_no_pydantic():

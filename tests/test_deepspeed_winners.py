@@ -242,3 +242,67 @@ def test_stage1_flattened_equals_every_rank_built(model, bucket, nd, rank):
     want = _reference_stage1_flattened(run)
     assert want, "a case without flattened buckets checks nothing"
     assert stage1_flattened(run) == want
+
+
+def test_stage1_flattened_caches_shared_across_runs():
+    """``stage1_flattened``'s per-layout caches (``_flattened_buckets``, ``_flattened_tails``: shared by every
+    rank's run and every candidate of one bucket size) give each run the per-rank loop's moments, the runs of one
+    layout asked in turn (every rank, then single ranks drawn at random, a 16-bit and an fp32 run, two bucket sizes)."""
+    import random
+
+    from zeroplan.engines.deepspeed.late_reductions import stage1_flattened
+
+    spec = spec_from_hf_config(json.loads((CONFIGS / "tiny-llama.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, transformers=True)
+    rng, checked = random.Random(16), 0
+    for bucket, dtype in ((5_000, "bf16"), (5_000, "fp32"), (20_000, "bf16")):
+        for rank in (None, *rng.sample(range(7), 3)):
+            s = Settings(stage=1, dtype=dtype, reduce_bucket_size=bucket, allgather_bucket_size=bucket, rank=rank)
+            run = ds_run(s, workload, 7)
+            want = _reference_stage1_flattened(run)
+            assert stage1_flattened(run) == want
+            checked += len(want)
+    assert checked > 20, "too few flattened buckets to check the caches"
+
+
+@pytest.mark.parametrize("model, stage, bucket, nd", [
+    ("tiny-llama", 2, 5_000, 3), ("tiny-gpt2-untied", 2, 2_000, 7), ("tiny-qwen2", 1, 20_000, 4),
+    ("llama-3.2-1b", 2, 5_000_000, 64)])
+def test_hook_bucket_copies_equal_each_bucket_flattened(model, stage, bucket, nd):
+    """``reduce._hook_copies`` (every hook bucket's flattened copy, once per layout) equals ``flattened_copy_numel``
+    of each bucket's parameters in gradient-ready order, and ``FlatGroup.params`` (per rank, once per layout) each
+    rank's range."""
+    from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
+
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, transformers=True)
+    run = ds_run(Settings(stage=stage, overlap_comm=True, reduce_bucket_size=bucket, allgather_bucket_size=bucket),
+                 workload, nd)
+    order, buckets, first_of_bucket, _ = _hook_buckets(run)
+    ends = (*first_of_bucket[1:], len(order))
+    want = [flattened_copy_numel(run, order[a:b]) for a, b in zip(first_of_bucket, ends)]
+    assert [_hook_bucket_copy(run, b) for b in range(len(buckets))] == want
+    assert any(want), "no bucket copied: the case checks nothing"
+    assert [run.flat.params(r) for r in range(nd)] == [tuple(range(*run.flat.range(r))) for r in range(nd)]
+
+
+@pytest.mark.parametrize("model, stage, overlap, nd, ckpt", [("tiny-llama", 3, None, 4, "none"),
+                                                           ("tiny-gpt2-untied", 1, None, 3, "full"),
+                                                           ("tiny-qwen2", 2, None, 7, "none")])
+def test_trace_of_shared_terms_equals_the_moments_own(model, stage, overlap, nd, ckpt):
+    """``alloc_trace.shared_terms`` (equal terms made one object before the trace builder diffs moments by object)
+    changes no event: the step trace of the profile's own moments, each equal term a new object (the most work for
+    the builder), and of the shared ones are equal, on CUDA's 512-byte blocks."""
+    from zeroplan.allocator.step_trace import step_trace
+    from zeroplan.engines.deepspeed.alloc_trace import chronological, shared_terms
+    from zeroplan.engines.deepspeed.phases import moments
+
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, checkpointing=ckpt, transformers=True)
+    s = Settings(stage=stage, overlap_comm=overlap, reduce_bucket_size=5_000, allgather_bucket_size=5_000)
+    ordered = chronological(moments(ds_run(s, workload, nd)))
+    fresh = [Moment(m.phase, m.name, tuple(Term(t.name, t.bytes, t.source, t.tensors) for t in m.terms))
+             for m in ordered]
+    shared = shared_terms(fresh)
+    assert len({id(t) for m in shared for t in m.terms}) < len({id(t) for m in fresh for t in m.terms})
+    assert step_trace(shared, 512) == step_trace(fresh, 512) == step_trace(ordered, 512)

@@ -27,6 +27,8 @@ RECORDED_SEED3 = RECORDED.with_name("differential_seed3.json")
 # generator 4 on seed 4, unseen too (recorded as measured: a miss not fixed yet is a strict xfail, ``open``)
 RECORDED_SEED4 = RECORDED.with_name("differential_seed4.json")
 RECORDED_FAMILIES_SEED4 = RECORDED.with_name("differential_seed4_families.json")  # generator 5 on seed 4
+# FSDP2 with the token embedding as its own unit, built by hand beside draw 3-5 (benchmarks/fsdp2_embedding_unit_cases.py)
+RECORDED_EMBEDDING_UNIT = RECORDED.with_name("fsdp2_embedding_unit.json")
 SLICE = range(40)
 
 
@@ -329,6 +331,26 @@ def test_recorded_family_draw_within_targets(record, tmp_path):
     for rank, errors in got.errors().items():
         for phase, e in errors.items():
             assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")
+
+
+def _embedding_unit_records() -> list[dict]:
+    return json.loads(RECORDED_EMBEDDING_UNIT.read_text())["results"]
+
+
+@pytest.mark.parametrize("record", _params(_embedding_unit_records()))
+def test_embedding_unit_case_within_its_margin(record, tmp_path):
+    """3-5's shape (the embedding its own unit, resharded after forward; untied and a tied group; the root resharded
+    and not; the blocks resharded and kept; N_d 2 and 4), measured once and predicted again: every phase of every
+    rank within the record's stated margin (its measured error, rounded up) and the issue's targets. Cases 1 and 2
+    were +3.55% and +4.73% over in backward with the embeddings' prefetch counted at block 1's copy-out
+    (``side.with_embedding_prefetch``); case 3 (the tied ``[embed_tokens, lm_head]`` group) -11.35% in forward
+    and -4.43% in backward (case 5, no labels: -14.49% in forward) before the group counted as spanning the layers,
+    prefetched by the root and kept to the final callback (``wrap._resolve``, ``side.spanning_resharded``)."""
+    got = replay(record, tmp_path)
+    margin = record["margin"]
+    for rank, errors in got.errors().items():
+        for phase, e in errors.items():
+            assert -min(margin, TARGET_UNDER) <= e <= min(margin, TARGET_WITHIN), (rank, phase, f"{e:+.3%}")
 
 
 #: generator 5's draw 1-177 (Phi-3 8.0M tied, DeepSpeed ZeRO-3, N_d = 2) with transformers' gradient checkpointing,

@@ -6,6 +6,7 @@ pandas, matplotlib) are imported inside the commands that need them, never here.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from zeroplan.cli_integrations import (  # the files users already have (zeropla
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
 )  # fmt: skip
 from zeroplan.cli_plot import PlotView, plot  # noqa: F401 - PlotView: the plot views, by their old address
+from zeroplan.cli_startup import no_plugin_search
 from zeroplan.cli_sweep import sweep
 from zeroplan.cli_validate import validate_cmd
 from zeroplan.hub import with_revision
@@ -35,10 +37,7 @@ from zeroplan.hub import with_revision
 def _typer() -> typer.Typer:
     """The ``zeroplan`` group: one-line errors, no completion, no rich tracebacks."""
     group = typer.Typer(
-        cls=OneLineErrors,
-        no_args_is_help=True,
-        add_completion=False,
-        pretty_exceptions_enable=False,
+        cls=OneLineErrors, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
         help="Plan and check per-GPU memory and communication of ZeRO / FSDP sharded data parallelism.",
     )
     group.callback()(_root)
@@ -368,13 +367,25 @@ def app_for(args: list[str]) -> typer.Typer:
     return group
 
 
+ONE_ANSWER = ("estimate", "plan")  # and help: no cyclic collector (docs/benchmarks.md, third pass)
+
+
 def main() -> None:
-    """Console-script entry point. pydantic's plugins stay unloaded unless the user names some: their search
-    reads the entry points of every installed distribution (about 10 ms of each command) and none applies to a
-    one-shot command; typer builds its own validators with them off (``PYDANTIC_DISABLE_PLUGINS``, pydantic's
-    documented switch; set only here, in the command's own process)."""
+    """Console-script entry point. pydantic's plugins stay off unless the user names some (their search reads
+    every installed distribution's entry points; ``PYDANTIC_DISABLE_PLUGINS``, pydantic's documented switch,
+    set in the command's own process only), its loader unimported. ``ONE_ANSWER`` commands and help run without
+    the cyclic collector: their objects are mostly long-lived and freed by reference counting, and its passes
+    over 100,000+ objects cost 5-15% of a plan (same peak RSS without)."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-    app_for(sys.argv[1:])()
+    no_plugin_search()
+    args, collecting = sys.argv[1:], gc.isenabled()
+    if not args or args[0] in ONE_ANSWER or "--help" in args:
+        gc.disable()
+    try:
+        app_for(args)()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 if __name__ == "__main__":  # python -m zeroplan.cli

@@ -7,7 +7,6 @@ case-insensitively; an unknown name raises ValueError listing the known ones.
 
 import json
 from functools import cached_property, lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
@@ -87,8 +86,14 @@ class ModelPreset(BaseModel):
         return sum(self.tensor_numels)
 
 
+DATA_DIR = Path(__file__).parent / "data"
+"""The preset files, installed beside this module (``[tool.setuptools.package-data]``). Read as plain files:
+``importlib.resources`` (readers for zip archives and namespace packages, which an installed zeroplan is not)
+cost every command about 6 CPU-ms to import."""
+
+
 def _read(filename: str) -> dict:
-    return json.loads(resources.files("zeroplan").joinpath("data", filename).read_text())
+    return json.loads((DATA_DIR / filename).read_text(encoding="utf-8"))
 
 
 @lru_cache(maxsize=None)

@@ -200,9 +200,11 @@ def compare_row(
 def run_validation(config) -> dict:
     """``zeroplan validate --engine deepspeed``: every world size of ``config`` through real DeepSpeed, under
     ``validate.harness.run_matrix`` (the ranks derive their ds_configs with ``run_configs``)."""
+    from validate.engines.deepspeed_jit_lock import check_extension_locks
     from validate.harness import run_matrix
     from validate.schema import SCHEMA, ValidationReport
 
+    check_extension_locks()  # a killed JIT build's lock would hang every rank: refused in one line first
     rows = []
     worlds = run_matrix(config)
     for nd, (_, ranks) in zip(config.world_sizes, worlds):

@@ -59,32 +59,38 @@ class Segment:
         return sum(b.size for b in self.blocks() if b.mapped)
 
 
+ADDRESS_BITS = 64
+"""A pool's key of a block is one int, ``size << ADDRESS_BITS | address``: ordered as (size, address), which
+``get_free_block`` compares, since model and recorded addresses are below 2**64 (a speed-up over tuples:
+no tuple to build, hash or compare per request)."""
+
+
 class Pool:
-    """The cached free blocks of one (stream, small|large) kind, ordered by (size, address)."""
+    """The cached free blocks of one (stream, small|large) kind, ordered by (size, address) (``ADDRESS_BITS``)."""
 
     __slots__ = ("keys", "blocks", "small", "clock")
 
     def __init__(self, small: bool, clock: list[int]) -> None:
-        self.keys: list[tuple[int, int]] = []
-        self.blocks: dict[tuple[int, int], Block] = {}
+        self.keys: list[int] = []
+        self.blocks: dict[int, Block] = {}
         self.small = small
         self.clock = clock  # ``get_free_blocks_call_count``, shared by the streams' pools of one kind
 
     def insert(self, block: Block) -> None:
         """``insert_into_blocks``: also stamps the block's age base for garbage collection."""
-        key = (block.size, block.address)
+        key = block.size << ADDRESS_BITS | block.address
         block.gc_base = self.clock[0]
         insort(self.keys, key)
         self.blocks[key] = block
 
     def remove(self, block: Block) -> None:
-        key = (block.size, block.address)
+        key = block.size << ADDRESS_BITS | block.address
         del self.keys[bisect_left(self.keys, key)]
         del self.blocks[key]
 
     def lower_bound(self, size: int) -> int:
         """Index of the first block of at least ``size`` bytes (smallest address among equal sizes)."""
-        return bisect_left(self.keys, (size, -1))
+        return bisect_left(self.keys, size << ADDRESS_BITS)
 
     def at(self, index: int) -> Block | None:
         return self.blocks[self.keys[index]] if index < len(self.keys) else None

@@ -32,7 +32,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from zeroplan.allocator.blocks import Block, Pool, Segment, SegmentInfo, segment_infos
+from zeroplan.allocator.blocks import ADDRESS_BITS, Block, Pool, Segment, SegmentInfo, segment_infos
 from zeroplan.allocator.config import (
     K_MIN_BLOCK_SIZE, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig, allocation_size, is_small, round_size,
 )  # fmt: skip
@@ -174,7 +174,7 @@ class CachingAllocator:
         if self._collects:
             pool.clock[0] += 1
         keys = pool.keys
-        index = bisect_left(keys, (size, -1))  # ``Pool.lower_bound``, inlined: the hottest line of a replay
+        index = bisect_left(keys, size << ADDRESS_BITS)  # ``Pool.lower_bound``, inlined: the hottest line of a replay
         if index == len(keys):
             return None
         block = pool.blocks[keys[index]]

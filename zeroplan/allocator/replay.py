@@ -21,9 +21,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from zeroplan.allocator.blocks import Block, SegmentInfo
+from bisect import bisect_left, insort
+
+from zeroplan.allocator.blocks import ADDRESS_BITS, Block, SegmentInfo
 from zeroplan.allocator.caching import CachingAllocator, OutOfMemory
-from zeroplan.allocator.config import AllocatorConfig
+from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.runs import alloc_runs, fast_forward
 
@@ -107,6 +109,7 @@ class _Run:
         self.phases: dict[str, PhasePeak] = {}
         self.phase: str | None = None
         self.overall = [0, 0, 0]  # whole-trace peaks of allocated, reserved, requested (phases reset the stats')
+        self.fast_step = self.step  # ``step`` of an ``Event``, through ``_plain_step`` where it applies (``runs``)
 
     def _fold_overall(self) -> None:
         s = self.alloc.stats
@@ -165,6 +168,10 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
     events = events if isinstance(events, (list, tuple)) else list(events)
     # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)
     runs = alloc_runs(events) if capacity_bytes is None else {}
+    plain = capacity_bytes is None and not config.expandable_segments and config.max_split_size_bytes == NO_LIMIT
+    step = _plain_step(run, details) if plain else None
+    if step is not None:
+        run.fast_step = lambda event, plain=step, generic=run.step: plain(event) or generic(event)
     index, count = 0, len(events)
     live, addresses, malloc, release = run.live, run.addresses, run.alloc.malloc, run.alloc.free_requested
     while index < count:
@@ -176,7 +183,9 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
         try:
             # ``run.step(_event(event))`` inlined for a well-formed ``Event`` alloc or free (most of a trace);
             # anything else, and every error, goes through ``step``
-            if type(event) is Event and event.action == "alloc" and type(event.size) is int and event.size > 0 \
+            if step is not None and type(event) is Event and step(event):
+                pass
+            elif type(event) is Event and event.action == "alloc" and type(event.size) is int and event.size > 0 \
                     and event.id not in live:
                 block = live[event.id] = malloc(event.size, event.stream, event.segment_address)
                 addresses.append((event.id, block.address))
@@ -195,3 +204,92 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
         else ((), (), ())
     return Replay(s.allocated.current, allocated, s.reserved.current, reserved, s.requested.current,
                   requested, run.phases, segments, log, addresses, oom, s.num_alloc_retries)  # fmt: skip
+
+
+def _plain_step(run: _Run, details: bool):
+    """``step(event) -> bool``: ``run.step(event)`` inlined for an ``Event`` alloc served by a cached block, or a
+    free, under torch's defaults without a memory limit (no expandable segments, ``max_split_size`` unset: no
+    oversize rule, no garbage collection, no retry), where ``CachingAllocator.malloc`` / ``free`` reduce to
+    best fit, split and merge; False (nothing done) for anything else, which the caller replays as before (a
+    speed-up, no rule: tests/test_allocator_replay.py compares it with the request-by-request replay)."""
+    a, live, addresses = run.alloc, run.live, run.addresses
+    requests, pools, stats = a._requests, a.pools, a.stats
+    allocated, requested = stats.allocated, stats.requested
+
+    def step(event: Event) -> bool:
+        action, ident = event[0], event[1]
+        if action == "free":
+            block = live.get(ident)
+            if block is None or not block.allocated:
+                return False
+            del live[ident]
+            block.allocated = False
+            allocated.current -= block.size
+            requested.current -= block.requested
+            block.requested = 0
+            pool = pools[block.stream, block.small]
+            keys, blocks = pool.keys, pool.blocks
+            prev, nxt = block.prev, block.next
+            if prev is not None and not prev.allocated and not prev.pending:  # ``_try_merge``: mapped alike
+                key = prev.size << ADDRESS_BITS | prev.address
+                del keys[bisect_left(keys, key)], blocks[key]
+                block.address, block.prev = prev.address, prev.prev
+                if prev.prev is not None:
+                    prev.prev.next = block
+                else:
+                    block.segment.head = block
+                block.size += prev.size
+            if nxt is not None and not nxt.allocated and not nxt.pending:
+                key = nxt.size << ADDRESS_BITS | nxt.address
+                del keys[bisect_left(keys, key)], blocks[key]
+                block.next = nxt.next
+                if nxt.next is not None:
+                    nxt.next.prev = block
+                block.size += nxt.size
+            key = block.size << ADDRESS_BITS | block.address  # ``Pool.insert``
+            block.gc_base = pool.clock[0]
+            insort(keys, key)
+            blocks[key] = block
+            return True
+        size, stream = event[2], event[3]
+        if action != "alloc" or event[4] is not None or type(size) is not int or ident in live:
+            return False
+        request = requests.get((size, stream))
+        if request is None:
+            return False
+        rounded, pool = request
+        keys = pool.keys
+        index = bisect_left(keys, rounded << ADDRESS_BITS)
+        if index == len(keys):  # a new segment: ``malloc``
+            return False
+        blocks = pool.blocks
+        block = blocks.pop(keys.pop(index))
+        remaining = block.size - rounded
+        if remaining >= K_MIN_BLOCK_SIZE if block.small else remaining > K_SMALL_SIZE:  # ``_should_split``
+            front = Block(block.address, rounded, block.stream, block.small, block.segment)
+            front.prev, front.next = block.prev, block
+            if block.prev is not None:
+                block.prev.next = front
+            else:
+                block.segment.head = front
+            block.prev = front
+            block.address += rounded
+            block.size -= rounded
+            key = block.size << ADDRESS_BITS | block.address  # ``Pool.insert``
+            block.gc_base = pool.clock[0]
+            insort(keys, key)
+            blocks[key] = block
+            block = front
+        block.allocated, block.requested = True, size
+        current = allocated.current = allocated.current + block.size
+        if current > allocated.peak:
+            allocated.peak = current
+        current = requested.current = requested.current + size
+        if current > requested.peak:
+            requested.peak = current
+        live[ident] = block
+        if details:
+            addresses.append((ident, block.address))
+        return True
+
+    return step

@@ -56,6 +56,7 @@ INCREMENTAL = True
 """Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
 test that compares the two sets it)."""
 _new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
+_SIZE = itemgetter(1)  # a live buffer's size (id, size, stream)
 
 
 @lru_cache(maxsize=4096)  # a step names the same terms at every moment: each name is read once
@@ -184,10 +185,8 @@ class _Builder:
                 gone.append(key)
         added, new = ids - ids_before, []
         if added:
-            by_id = dict(zip(map(id, terms), terms))
-            position = dict(zip(map(id, terms), range(len(terms))))
-            for i in sorted(added, key=position.__getitem__):  # in term order: the order of the allocations
-                for key, amount, stream in tensors(by_id[i]):
+            for term in [t for t in terms if id(t) in added]:  # in term order: the order of the allocations
+                for key, amount, stream in tensors(term):
                     if key in want:  # a key two terms hold: their amounts add up (``wanted``)
                         return None
                     want[key] = [amount, stream]
@@ -222,7 +221,7 @@ class _Builder:
 
     def _grown(self, stack: list[tuple[int, int, int]]) -> int:
         """Bytes of a grown buffer's pieces (one piece, as a rule)."""
-        return stack[0][1] if len(stack) == 1 else sum(b[1] for b in stack)
+        return stack[0][1] if len(stack) == 1 else sum(map(_SIZE, stack))
 
     def _release(self, want: dict[Key, list[int]], changed: set[Key]) -> tuple[list[tuple[int, int, int]], list[Key]]:
         """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
@@ -288,9 +287,12 @@ class _Builder:
                 need -= 1
             if need:
                 fresh.append((key, size, stream, need))
-        for ident, size, _stream in sorted((b for pool in spare.values() for b in pool), reverse=True):
-            self.events.append(Event("free", ident))
-            self.live_bytes -= self._rounded(size)
+        if spare:
+            events, block, freed_bytes = self.events, self.block, 0
+            for ident, size, _stream in sorted((b for pool in spare.values() for b in pool), reverse=True):
+                events.append(_new(Event, ("free", ident, 0, 0, None)))  # ``Event("free", ident)``, in C
+                freed_bytes += size if block <= 1 else -(-size // block) * block  # ``_rounded``
+            self.live_bytes -= freed_bytes
         if moment.phase != self.phase:
             self.phase = moment.phase
             self.events.append(Event("phase", moment.phase))

@@ -19,7 +19,14 @@ def sdpa_masked(spec: TransformerSpec, s: int) -> bool:
 
 
 def llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
-    """Bytes a LlamaDecoderLayer holds beside its input at its peak without grad (checkpointed forward).
+    """Bytes a LlamaDecoderLayer holds beside its input at its peak without grad (checkpointed forward): the
+    largest of ``llama_nograd_moments``."""
+    return max(llama_nograd_moments(spec, n, s, a).values())
+
+
+def llama_nograd_moments(spec: TransformerSpec, n: int, s: int, a: int) -> dict[str, int]:
+    """Bytes a LlamaDecoderLayer holds beside its input at each moment without grad (checkpointed forward),
+    by moment (sequence parallelism re-counts them by where each tensor lives: ``engines/fsdp2/tp.py``).
 
     Op by op in validate/transformer.py (transformers' order): RMSNorm holds its fp32 copy, the squares or
     the product and the fp32 rsqrt (8·N·d + 4·N); the attention holds the norm output (its argument),
@@ -55,4 +62,5 @@ def llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
     if spec.fused_projections:  # Phi3Attention's ``qkv`` local (q + 2kv) lives to its end; at sdpa_attention_forward's
         # ``transpose(1, 2).contiguous()`` copy: norm out, qkv, rotated q and k, SDPA out and its copy
         fused = n * a * (d + 4 * q + 3 * kv + (2 * q if repeated else 0)) + (n * s * a if masked else 0)
-    return max(norm, rope_q, rope_k, sdpa, o_proj, n * a * 3 * d, n * a * d + norm, mlp, qk, fused)
+    return {"norm": norm, "rope_q": rope_q, "rope_k": rope_k, "sdpa": sdpa, "o_proj": o_proj, "residual": n * a * 3 * d,
+            "post_norm": n * a * d + norm, "mlp": mlp, "qk_norm": qk, "fused": fused}  # fmt: skip

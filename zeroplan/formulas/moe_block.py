@@ -110,7 +110,8 @@ def sparse_forward_extra(moe: MoeSpec, model_type: str, n_tokens: int, d_model: 
     return inputs + n * e * a + n * k * w + s * (INDEX_BYTES + FP32) + e * FP32 + 2 * s * d * wo - later
 
 
-def sparse_backward_ws(moe: MoeSpec, model_type: str, n_tokens: int, d_model: int, act_bytes: int) -> int:
+def sparse_backward_ws(moe: MoeSpec, model_type: str, n_tokens: int, d_model: int, act_bytes: int,
+                       down_held: bool = True, grads_held: bool = True) -> int:  # fmt: skip
     """The largest moment of the routed experts' backward beyond the block's saved tensors and the incoming
     gradient (``grouped_mm_experts_forward`` read backward; each saved tensor freed once its node has run):
 
@@ -124,32 +125,38 @@ def sparse_backward_ws(moe: MoeSpec, model_type: str, n_tokens: int, d_model: in
       output and the product freed;
     - the gate-up grouped matmul's: both weight gradients (3·E·d·f), d(gathered rows) and d(gate-up out),
       the gate-up output, SiLU's output and the product freed.
+
+    ``down_held`` False: the down weight gradient has left by SiLU-times-up's backward (DeepSpeed ZeRO-2 copies a
+    gradient no larger than its bucket into the bucket at its hook); ``grads_held`` False: see ``shared_expert_ws``.
     """
     e, d, f, a = moe.n_experts, d_model, moe.expert_ffn, act_bytes
     s, wo = n_tokens * moe.top_k, weighted_bytes(model_type, act_bytes)
     cast = s * d * a if wo != a else 0
+    down = 0 if down_held else e * d * f * a
     experts = max(3 * s * d * wo,
                3 * s * d * wo + cast - s * INDEX_BYTES,
                e * d * f * a + s * f * a - s * INDEX_BYTES,
-               e * d * f * a + 2 * s * f * a - s * INDEX_BYTES - s * d * a,
-               3 * e * d * f * a - 2 * s * f * a - s * INDEX_BYTES)  # fmt: skip
+               e * d * f * a + 2 * s * f * a - s * INDEX_BYTES - s * d * a - down,
+               3 * e * d * f * a - 2 * s * f * a - s * INDEX_BYTES - down)  # fmt: skip
     if not shared_expert_saved(moe, model_type, n_tokens, d, a):
         return experts
-    return shared_expert_ws(moe, model_type, n_tokens, d, a, experts)
+    return shared_expert_ws(moe, model_type, n_tokens, d, a, experts, grads_held)
 
 
 def shared_expert_ws(moe: MoeSpec, model_type: str, n_tokens: int, d_model: int, act_bytes: int,
-                     experts_ws: int) -> int:  # fmt: skip
+                     experts_ws: int, grads_held: bool = True) -> int:  # fmt: skip
     """Qwen2-MoE's sparse block backward (``Qwen2MoeSparseMoeBlock.forward`` read backward; autograd runs the
     nodes made last first): the shared gate's product, sigmoid and linear run before the routed experts, so
     the experts' moments also hold d(shared output) (N·d), the input gradient the gate's linear made (N·d)
     and its weight gradient (d), less the sigmoid output and the shared output they saved (N + N·d); the
     shared SwiGLU runs last, beside every weight gradient of the experts (3·E·d·f) and the router's (E·d),
     with the router's and experts' saved tensors freed: its down projection's backward (d(product) N·f_s, its
-    weight gradient d·f_s, with d(shared output) N·d) or its product's (2·N·f_s + d·f_s, as a dense MLP's)."""
+    weight gradient d·f_s, with d(shared output) N·d) or its product's (2·N·f_s + d·f_s, as a dense MLP's).
+    ``grads_held`` False: the experts', the router's and the shared gate's weight gradients have left by then
+    (DeepSpeed ZeRO-2 reduces them at the hooks: engines/deepspeed/moe12_hooks.py)."""
     n, e, d, f, fs, a = n_tokens, moe.n_experts, d_model, moe.expert_ffn, moe.shared_ffn, act_bytes
     routed = router_saved(moe, model_type, n) + expert_activations(moe, model_type, d, n, a).saved_bytes
-    held = 3 * e * d * f * a + e * d * a + d * a - routed - n * a
+    held = (3 * e * d * f * a + e * d * a + d * a if grads_held else 0) - routed - n * a
     return max(experts_ws + n * d * a + d * a - n * a,
                held + n * fs * a + d * fs * a + n * d * a,  # d(shared output) still in the node's input
                held + 2 * n * fs * a + d * fs * a)  # fmt: skip
@@ -231,13 +238,23 @@ def deepseek_sparse_block(block, spec, n: int, a: int, own_input: bool):
     logits = n * e * (FP32 - a)  # moe_block counts the router logits in the activation dtype
     forward = max(sparse_forward_extra(moe, mt, n, d, a, own_input) + logits - shared,
                   (0 if own_input else 2 * n * d * a) + 3 * n * d * a + n * e * FP32 + n * k * FP32)  # fmt: skip
-    # the shared experts' weight gradients and, in fp32, their input gradient; in 16-bit the trace shows no N·d·a
-    # beside the experts' moments (measured on three widths, tests/test_deepseek.py; the mechanism not traced)
-    after_shared = 3 * d * fs * a + (n * d * a if own_input else 0) - shared
-    backward = max(n * fs * a + d * fs * a, 2 * n * fs * a + d * fs * a,
-                   sparse_backward_ws(moe, mt, n, d, a) + after_shared)  # fmt: skip
+    backward = deepseek_backward_ws(moe, n, d, a, own_input)
     routed_out = 4 * n * d * a + n * e * FP32 + n * k * (FP32 + INDEX_BYTES)
     nograd = max(sparse_nograd_peak(moe, mt, n, d, a) + logits, routed_out + n * a * max(3 * fs, fs + d, 2 * d))
     return replace(block, ckpt_forward_peak=max(block.ckpt_forward_peak, nograd),
                    forward_extra=max(block.forward_extra, forward), backward_first_op=backward,
                    first_weight_grads=e * d * moe.expert_ffn * a, backward_act_grads=0)  # fmt: skip
+
+
+def deepseek_backward_ws(moe: MoeSpec, n: int, d: int, a: int, own_input: bool, down_held: bool = True,
+                         grads_held: bool = True) -> int:  # fmt: skip
+    """``deepseek_sparse_block``'s backward working set: the shared experts first, as a dense MLP's, then the routed
+    experts' moments (``sparse_backward_ws``) with the shared weight gradients (3·d·f_s·a; ``grads_held`` False: left
+    by then, DeepSpeed ZeRO-2 reducing them at the hooks) and, in fp32, their input gradient; in 16-bit the trace
+    shows no N·d·a beside the experts' moments (measured on three widths, tests/test_deepseek.py; the mechanism not
+    traced)."""
+    fs = moe.shared_ffn
+    grads = 3 * d * fs * a if grads_held else 0
+    after_shared = grads + (n * d * a if own_input else 0) - DS.shared_experts_saved(moe, n, a)
+    return max(n * fs * a + d * fs * a, 2 * n * fs * a + d * fs * a,
+               sparse_backward_ws(moe, "deepseek_v3", n, d, a, down_held) + after_shared)  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from zeroplan.engines.deepspeed.run import DSRun
+from zeroplan.engines.deepspeed.terms import FlatGroup
 
 
 def flattened_copy_numel(run: DSRun, params: Iterable[int]) -> int:
@@ -18,7 +19,12 @@ def flattened_copy_numel(run: DSRun, params: Iterable[int]) -> int:
     draw 15, generator 4: Llama 10.5M untied, ZeRO-2, 3e6-element buckets, N_d = 2: the head's 4.8M-element
     gradient, alone in its bucket and within rank 1's partition, is all-reduced in place; +1.46% on rank 0
     before); seed 2 draw 5's head (5.4M elements over two partitions at N_d = 4) is copied."""
-    offsets, part, limit = run.flat.offsets, run.flat.part, run.settings.reduce_bucket_size
+    return copy_numel(run.flat, run.settings.reduce_bucket_size, params)
+
+
+def copy_numel(flat: FlatGroup, limit: int, params: Iterable[int]) -> int:
+    """``flattened_copy_numel`` of the flat group ``flat`` reducing in buckets of ``limit`` elements."""
+    offsets, part = flat.offsets, flat.part
     slices: list[list[int]] = []  # [partition, elements], in the bucket's order
     for i in params:
         lo, hi = offsets[i], offsets[i + 1]

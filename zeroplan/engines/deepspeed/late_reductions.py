@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from functools import lru_cache
 
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
-from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
+from zeroplan.engines.deepspeed.flat_copy import copy_numel, flattened_copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
+from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.formulas.peak import Moment, Term
 
 
@@ -25,16 +27,22 @@ def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
     buckets, accumulation 2, N_d = 4; MemTracker at rank 2's backward peak, in ``allreduce_bucket``: the head's
     8,274,432-element gradient over partitions 2 and 3 copied, the embedding's gradient kept and rank 2's
     grads_in_partition: -3.13% before)."""
-    numels, p, offsets = run.numels, _pbytes(run), run.flat.offsets
-    g, psi, limit = DTYPE_BYTES[run.settings.grad_dtype], sum(numels), run.settings.reduce_bucket_size
-    bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, limit)))  # parameter order (_stage1_reduce)
-    large_before = (0, *itertools.accumulate(n if n > limit else 0 for n in numels))
+    layout = _flattened_buckets(run.flat, run.settings.reduce_bucket_size)
+    ranks = None if run.settings.rank is None else (run.settings.rank,)
     base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2))
-    starts = (0, *bucket_ends[:-1])
-    firsts = {r: bisect.bisect_right(bucket_ends, offsets[run.flat.range(r)[0]])  # the bucket of its first parameter
-              for r in run.ranks if run.flat.params(r)}
+    tails = _flattened_tails(layout, _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], ranks)
+    return tuple(Moment("backward", name, (*base, *tail)) for name, tail in tails)
 
-    def alive(first: int, hi: int, end: int, own: int = 0) -> Term:
+
+@lru_cache(maxsize=64)  # every rank's run and each rank's of a candidate, and the candidates of one bucket size
+def _flattened_tails(layout: _FlattenedBuckets, p: int, g: int,
+                     ranks: tuple[int, ...] | None) -> tuple[tuple[str, tuple[Term, ...]], ...]:
+    """``stage1_flattened``'s moments less what every moment of the run holds (states, buckets, the batch): each
+    copied bucket's name and its own terms, for parameters of ``p`` bytes and gradients of ``g``, of ``ranks``
+    (None: every rank)."""
+    psi, large_before = layout.psi, layout.large_before
+
+    def alive(hi: int, end: int, own: int = 0) -> Term:
         """Before bucket [lo, hi) (parameters first..end) is sent; ``own``: the large gradients of a rank's
         partition reduced before, views of its grads_in_partition, not counted again."""
         return Term("autograd gradients not yet bucketed, and the large ones reduced so far (kept)",
@@ -42,23 +50,54 @@ def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
                     "torch autograd (param.grad); stage 1 clears no gradient; copy_grads_in_partition "
                     "repoints the partition's (grad_reduc.data = new_grad_tensor.data)")
 
-    ranks = _RankFacts(run, firsts, large_before)
+    facts = _rank_facts(layout, p, ranks)
     out = []
-    for k, (lo, hi) in enumerate(zip(starts, bucket_ends)):
-        first, end = bisect.bisect_left(offsets, lo), bisect.bisect_left(offsets, hi)
-        copy = Term("flattened copy of the bucket's gradients", flattened_copy_numel(run, range(first, end)) * g,
+    for k, hi, first, end, copy_numel in layout.copied:
+        copy = Term("flattened copy of the bucket's gradients", copy_numel * g,
                     "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
-        if not copy.bytes:
-            continue
-        i, own = ranks.largest(k, first, copy.bytes)
+        i, own = facts.largest(k, first, copy.bytes)
         if i is None:
-            terms = (*base, alive(first, hi, end), copy)
+            tail = (alive(hi, end), copy)
         elif own is None:  # its first bucket: grads_in_partition allocated once the copy is freed
-            terms = (*base, alive(first, hi, end), ranks.gip(i))
+            tail = (alive(hi, end), facts.gip(i))
         else:
-            terms = (*base, alive(first, hi, end, own), ranks.gip(i), copy)
-        out.append(Moment("backward", f"reduce_gradients: bucket {k} flattened", terms))
+            tail = (alive(hi, end, own), facts.gip(i), copy)
+        out.append((f"reduce_gradients: bucket {k} flattened", tail))
     return tuple(out)
+
+
+class _FlattenedBuckets:
+    """``stage1_flattened``'s view of a flat group reducing after backward in buckets of ``limit`` elements, the
+    same for every rank and every ZeRO-1 candidate of that bucket size (``_flattened_buckets``): Ψ, the large
+    gradients before each parameter (``large_before``), each rank's first bucket (``firsts``, ranks holding a
+    parameter) and the buckets ``allreduce_bucket`` copies (``copied``: (k, end offset, first and end parameter,
+    elements copied), those copying nothing left out)."""
+
+    def __init__(self, flat: FlatGroup, limit: int) -> None:
+        numels, offsets = flat.numels, flat.offsets
+        self.flat, self.psi = flat, offsets[-1]
+        bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, limit)))  # parameter order (_stage1_reduce)
+        self.large_before = (0, *itertools.accumulate(n if n > limit else 0 for n in numels))
+        self.firsts = {r: bisect.bisect_right(bucket_ends, offsets[a])  # the bucket of its first parameter
+                       for r, (a, b) in enumerate(flat._ranges) if b > a}  # fmt: skip
+        copied = []
+        for k, (lo, hi) in enumerate(zip((0, *bucket_ends[:-1]), bucket_ends)):
+            first, end = bisect.bisect_left(offsets, lo), bisect.bisect_left(offsets, hi)
+            n = copy_numel(flat, limit, range(first, end))
+            if n:
+                copied.append((k, hi, first, end, n))
+        self.copied = tuple(copied)
+
+
+@lru_cache(maxsize=16)  # per layout (``terms.flat_group``, hashed by identity) and bucket size
+def _flattened_buckets(flat: FlatGroup, limit: int) -> _FlattenedBuckets:
+    return _FlattenedBuckets(flat, limit)
+
+
+@lru_cache(maxsize=16)  # every rank at once: per layout, bucket size and parameter bytes (one rank: cheap)
+def _rank_facts(layout: _FlattenedBuckets, p: int, ranks: tuple[int, ...] | None) -> _RankFacts:
+    firsts = layout.firsts if ranks is None else {r: layout.firsts[r] for r in ranks if r in layout.firsts}
+    return _RankFacts(layout.flat, firsts, layout.large_before, p)
 
 
 class _RankFacts:
@@ -71,13 +110,13 @@ class _RankFacts:
     hold all their large gradients (a prefix, its first largest kept in ``_prefix``), the few whose range reaches
     past it are summed one by one. tests/test_deepspeed_winners.py checks it against every candidate built."""
 
-    def __init__(self, run: DSRun, firsts: dict[int, int], large_before: tuple[int, ...]):
-        self.run, self.p, self.large_before = run, _pbytes(run), large_before
+    def __init__(self, flat: FlatGroup, firsts: dict[int, int], large_before: tuple[int, ...], p: int):
+        self.p, self.large_before = p, large_before
         self.ranks = list(firsts)
         self.firsts = [firsts[r] for r in self.ranks]
-        self.ranges = [run.flat.range(r) for r in self.ranks]
+        self.ranges = [flat.range(r) for r in self.ranks]
         self.ends = [b for _, b in self.ranges]
-        self.gips = [run.flat.params_numel(r) * self.p for r in self.ranks]
+        self.gips = [flat.params_numel(r) * self.p for r in self.ranks]
         assert self.firsts == sorted(self.firsts) and self.ends == sorted(self.ends), "ranks in partition order"
         self._prefix: list[tuple[int, int]] = []  # (value, index) of the first largest of ranks[:i + 1]
         for i, (a, b) in enumerate(self.ranges):
@@ -156,19 +195,20 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
 
 
 def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
-    """ZeRO-2 from the hooks, the embeddings' gradients starting a bucket of their own: the hook of the first of
-    them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the previous bucket
-    (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a copy of
-    its gradients) while that embedding gradient waits beside it, the blocks' activations gone; a rank whose
-    ``grads_in_partition`` an earlier bucket allocated holds it (accumulating: two,
-    ``_blocks_bucket_at_embedding_hook_accumulating``); one allocated by this reduction comes after the copy
-    is freed. Found by the differential matrix (generator 5, 1-241: DeepSeek-V3 6.4M untied, N_d = 2, a
-    1,298,880-element bucket holding every block's gradients, the embedding's 2,597,760 larger): rank 1 at
-    97,856,760 B, 3,210,440 B (3.28%) over the reduction after backward predicted before (MemTracker's live
-    storages at rank 1's peak: ``aten.cat`` of the bucket's 1,242,432 elements beside
-    ``embedding_dense_backward``'s output; with 400,000-element buckets the previous bucket, block 0's, lies
-    in rank 0's partition alone: no copy, as measured)."""
-    if not (run.param_blocks and run.settings.partition_gradients):
+    """ZeRO-2 from the hooks accumulating gradients, the embeddings' gradients starting a bucket of their own: the
+    hook of the first of them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the
+    previous bucket (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a
+    copy of its gradients) while that embedding gradient waits beside it, the blocks' activations gone; from the
+    second micro-step on each rank holds two ``grads_in_partition`` (``_blocks_bucket_at_embedding_hook_accumulating``).
+    Without accumulation the same reduction is ``embedding_hook_reduced``'s bucket sent at the embedding's hook (its
+    flattened copy, ``flattened_copy_numel``, is the whole bucket where it spans two partitions or more, none within
+    one, as here; and its ranks' options hold this one's), folded there. Found by the differential matrix
+    (generator 5, 1-241: DeepSeek-V3 6.4M untied, N_d = 2, a 1,298,880-element bucket holding every block's
+    gradients, the embedding's 2,597,760 larger): rank 1 at 97,856,760 B, 3,210,440 B (3.28%) over the reduction
+    after backward predicted before (MemTracker's live storages at rank 1's peak: ``aten.cat`` of the bucket's
+    1,242,432 elements beside ``embedding_dense_backward``'s output; with 400,000-element buckets the previous
+    bucket, block 0's, lies in rank 0's partition alone: no copy, as measured)."""
+    if not (run.param_blocks and run.settings.partition_gradients and run.grad_accum > 1):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
@@ -191,11 +231,7 @@ def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
     copy = Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
                 "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
     earlier = [r for r in run.ranks if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < at - 1]  # fmt: skip
-    if run.grad_accum > 1:
-        return _blocks_bucket_at_embedding_hook_accumulating(run, common, copy, earlier)
-    held = [run.flat.params_numel(r) for r in earlier]
-    return (Moment("backward", "embedding's hook reduces the blocks' bucket", (
-        *common, *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()), copy)),)  # fmt: skip
+    return _blocks_bucket_at_embedding_hook_accumulating(run, common, copy, earlier)
 
 
 def _blocks_bucket_at_embedding_hook_accumulating(run: DSRun, common: tuple[Term, ...], copy: Term,

@@ -5,28 +5,27 @@ mixture-of-experts decoder (transformers 5.24: one (E, 2f, d) ``experts.gate_up_
 
 An expert tensor's gradient larger than ``reduce_bucket_size`` is not copied into the bucket but reduced in
 place at the next gradient hook (``reduce_independent_p_g_buckets_and_remove_grads`` ->
-``extra_large_param_to_reduce``; ``reduce_ipg_grads`` -> ``average_tensor``). Where the profile's terms hold:
+``extra_large_param_to_reduce``; ``reduce_ipg_grads`` -> ``average_tensor``). Measured on Mixtral, Qwen2-MoE,
+Qwen3-MoE and DeepSeek-V3, both ranks, every phase (fp32, gloo, N_d = 2; rows in tests/test_deepspeed_moe12.py):
 
 - reduced after backward: ZeRO-1 without ``overlap_comm`` (``reduce_gradients``, in parameter order: reduce.py
   ``_stage1_reduce``; a gradient larger than the bucket reduced in place and, stage 1 clearing none, kept to the
   step), at any bucket; or from the hooks with every gradient in one bucket (Ψ <= ``reduce_bucket_size``: no
-  hook reduces, the bucket goes after backward, reduce.py ``_epilogue_reduce``). Measured on Mixtral,
-  Qwen2-MoE, Qwen3-MoE and DeepSeek-V3, both ranks, every phase: within 0.0074 % (648 B; DeepSeek-V3's
-  one-bucket backward 69,304 B of 2.0 GB, 0.0035 %).
-- reduced from the hooks (ZeRO-2, ZeRO-1 with ``overlap_comm``) in more than one bucket: not modelled. A rank's
-  ``grads_in_partition`` is allocated (``copy_grads_in_partition``) at the hook that reduces its first bucket,
-  which may be one inside a sparse MLP's backward (an expert tensor's, or the router's that reduces the expert
-  gradient before it), with the block's saved tensors partly released and an expert gradient waiting for its
-  reduction beside it; the profile's moments place the allocation at a block's first op
-  (``zero12._partition_allocations``) and know the hooks inside GPT's and Llama's dense blocks only
-  (``reduce._hook_activations``). Live storages at the measured peak (5,000-element buckets, rank 0): Mixtral's
-  and Qwen3-MoE's at layer 1's router hook (its ``gate_up_proj`` gradient, 1 MB / 0.79 MB, beside the new
-  partition), Qwen2-MoE's at layer 1's ``gate_up_proj`` hook (both expert gradients alive); DeepSeek-V3's rank 1
-  after its last layer's routed ``down_proj`` hook. Backward misses (measured - predicted, rank 0 / rank 1):
-  5,000-element buckets, ZeRO-2: Mixtral +0.27 % / 0.00 %, Qwen3-MoE +1.44 % / 0.00 %, Qwen2-MoE +3.99 % /
-  -1.04 %, DeepSeek-V3 -1.02 % / -1.06 %; ZeRO-1 with ``overlap_comm``: Mixtral +0.24 % / 0.00 %; 300,000-element
-  buckets (every expert tensor within one), Mixtral ZeRO-2 -1.26 % / +0.40 %, ZeRO-1 with ``overlap_comm``
-  -1.19 % / +0.38 %. Refused (``zero12_moe_limit``), so that no printed peak is one of them.
+  hook reduces, the bucket goes after backward, reduce.py ``_epilogue_reduce``): within 0.0074 % (648 B;
+  DeepSeek-V3's one-bucket backward 440 B, at its head's hook: moe12_hooks.head_hook_bucket).
+- reduced from the hooks (ZeRO-2, ZeRO-1 with ``overlap_comm``) in more than one bucket: a bucket reduced at a hook
+  inside a sparse MLP's backward (``gate_up_proj``'s, the router's or the post-attention norm's) with the hooked
+  gradient and an expert gradient larger than the bucket waiting beside it, the block's saved tensors partly
+  released, and a rank's ``grads_in_partition`` allocated there or held from an earlier bucket; the last block's
+  working set without the weight gradients gone at the hooks: moe12_hooks.py (found by live-storage traces at each
+  rank's backward peak, benchmarks/ds_moe12_rows.py ``trace``). Buckets below every expert tensor (5,000
+  elements), between the expert tensors (Mixtral 200,000: Mixtral-8x7B's case at DeepSpeed's 5e8; DeepSeek-V3
+  50,000) and above both (300,000): within 2,952 B (0.018 %, Qwen3-MoE) but DeepSeek-V3's rank 0 at 50,000,
+  61,800 B (0.75 %) under at its router hook (not traced); the head's hook allocating the bucket
+  (``head_hook_bucket``). Before (the partition placed at a block's first op): misses up to +3.99 % / -1.26 %.
+  bf16 (Mixtral at 5,000 and 200,000, DeepSeek-V3 at 5,000 and 50,000): within 33,928 B (0.24 %). Refused
+  (``zero12_moe_limit``): fp16 (not measured); Qwen2-MoE and Qwen3-MoE with buckets holding an expert tensor, whose
+  hooks the module trace orders otherwise than autograd (``_hook_order_limit``; measured +1.6 % / -1.3 %).
 - bf16 (DeepSpeedZeroOptimizer, ``grad_accum_dtype`` bf16): the backward and the step as in fp32 (within 648 B,
   DeepSeek-V3's backward 472 B over); the forward was 64,000 B (Mixtral, +0.48 %) and 68,032 B (DeepSeek-V3,
   +1.09 %) under at ZeRO-1 and ZeRO-2 alike until transformers' bf16 logits kept beside their fp32 upcast became a
@@ -58,8 +57,8 @@ def model_numel(spec: TransformerSpec) -> int:
 def zero12_moe_limit(s: Settings, spec: TransformerSpec) -> Optional[str]:
     """Why the ZeRO-1/2 peak of the sparse model ``spec`` under ``s`` is not given, or None (module docstring):
     outside ``ZERO12_MOE_FAMILIES``, with ``offload_optimizer`` or DeepSpeed's ``BF16_Optimizer`` (not measured on a
-    sparse model), or reducing from the hooks in more than one
-    bucket (``reduce_bucket_size`` < Ψ)."""
+    sparse model), or reducing from the hooks in more than one bucket (``reduce_bucket_size`` < Ψ) in fp16 (the
+    hooks' moments, moe12_hooks.py, measured in fp32 and bf16) or in an order not autograd's (``_hook_order_limit``)."""
     if spec.model_type not in ZERO12_MOE_FAMILIES:
         return f"model_type {spec.model_type!r} not measured (measured: {', '.join(ZERO12_MOE_FAMILIES)})"
     if s.offload_optimizer.on:
@@ -67,11 +66,34 @@ def zero12_moe_limit(s: Settings, spec: TransformerSpec) -> Optional[str]:
     if optimizer_class(s) != "DeepSpeedZeroOptimizer":  # bf16 with fp32 gradient accumulation at ZeRO-1
         return f"{optimizer_class(s)} (runtime/bf16_optimizer.py) not measured on routed experts"
     psi = model_numel(spec)
-    if reduces_from_hooks(s) and s.reduce_bucket_size < psi:
+    why = _hook_order_limit(s, spec, psi) if reduces_from_hooks(s) else None
+    if why is not None:
+        return why
+    if reduces_from_hooks(s) and s.reduce_bucket_size < psi and s.dtype == "fp16":
         how = "ZeRO-2" if s.partition_gradients else "ZeRO-1 with overlap_comm"
-        return (f"{how} with reduce_bucket_size {s.reduce_bucket_size:,} < Ψ = {psi:,}: gradients are reduced at "
-                f"hooks inside the sparse MLPs' backward ({SRC} reduce_independent_p_g_buckets_and_remove_grads, "
-                "extra_large_param_to_reduce), where a rank's grads_in_partition is allocated beside an expert "
-                f"gradient: not modelled (measured misses up to 4 %); use reduce_bucket_size >= {psi:,}, ZeRO-1 "
-                "without overlap_comm, or ZeRO-3")
+        return (f"{how} in fp16 with reduce_bucket_size {s.reduce_bucket_size:,} < Ψ = {psi:,}: gradients "
+                f"reduced at hooks inside the sparse MLPs' backward ({SRC} reduce_independent_p_g_buckets_and_remove_"
+                "grads, extra_large_param_to_reduce) are measured in fp32 and bf16 only (engines/deepspeed/"
+                f"moe12_hooks.py); use bf16, reduce_bucket_size >= {psi:,}, ZeRO-1 without overlap_comm, or ZeRO-3")
     return None
+
+
+def _hook_order_limit(s: Settings, spec: TransformerSpec, psi: int) -> Optional[str]:
+    """Reducing from the hooks: where the module trace's hook order (``run.grad_ready_order``: a ZeRO-3 leaf's
+    parameters in ``named_parameters`` order, reversed) is not autograd's and a bucket holds an expert tensor, the
+    buckets are not DeepSpeed's: Qwen3-MoE registers ``experts`` before ``gate`` (its router's hook placed first;
+    measured with the bucket between its expert tensors, rank 1 +1.6 %; below or above both within 0.02 %),
+    Qwen2-MoE runs its ``shared_expert`` first, so autograd reaches it last (placed before the experts; measured
+    between and above, +0.9 % / -1.3 %; below every expert tensor within 0.02 %). None elsewhere."""
+    moe, bucket = spec.moe, s.reduce_bucket_size
+    down = moe.n_experts * spec.d_model * moe.expert_ffn  # (E, d, f); gate_up_proj (E, 2f, d) twice it
+    if spec.model_type == "qwen3_moe" and down <= bucket < min(2 * down, psi):
+        lo, hi = down, 2 * down
+    elif spec.model_type == "qwen2_moe" and min(down, spec.d_model * moe.shared_ffn) <= bucket < psi:
+        lo, hi = min(down, spec.d_model * moe.shared_ffn), psi
+    else:
+        return None
+    return (f"{spec.model_type} reducing from the hooks with reduce_bucket_size {bucket:,} in [{lo:,}, {hi:,}): "
+            "its expert tensors share buckets whose order is not autograd's (run.grad_ready_order: the ZeRO-3 leaf's "
+            f"parameters in named_parameters order; moe12.py _hook_order_limit); use reduce_bucket_size < {lo:,} "
+            f"or >= {psi:,}, ZeRO-1 without overlap_comm, or ZeRO-3")

@@ -271,10 +271,11 @@ def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optio
 
 def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
     """Why DeepSpeed's peak of a sparse model is not given, or None. Measured (DeepSpeed 0.19.8, transformers'
-    classes): ZeRO-1 and ZeRO-2 where ``moe12.zero12_moe_limit`` allows (reduced after backward: ZeRO-1 without
-    overlap_comm at any bucket, or every gradient in one bucket: tests/test_deepspeed_moe12.py), ZeRO-3 where
-    ``moe.zero3_moe_limit`` allows (tests/test_deepspeed_moe.py). A plan without a stage answers with the
-    candidates so covered (``moe_candidates``)."""
+    classes): ZeRO-1 and ZeRO-2 where ``moe12.zero12_moe_limit`` allows (reduced after backward, or from the hooks
+    in fp32: tests/test_deepspeed_moe12.py), ZeRO-3 where ``moe.zero3_moe_limit`` allows
+    (tests/test_deepspeed_moe.py). A plan answers with the candidates so covered and names the others
+    (``moe_candidates``); a ``--deepspeed-config`` whose stage is refused here refuses the plan too (the plan's
+    config check asks this limit with the file's stage: planning/config.py)."""
     if spec.moe is None:
         return None
     config = options.own.get("ds_config") or {}
@@ -296,19 +297,35 @@ def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
     return f"model_type {spec.model_type!r}: DeepSpeed's peak of routed experts at {at} is not modelled: {why}"
 
 
-def moe_candidates(rows: tuple[tuple[str, Settings], ...], spec: Optional[TransformerSpec],
-                   zero: dict) -> tuple[tuple[str, Settings], ...]:
+def moe_candidates(rows: tuple[tuple[str, Settings], ...], spec: Optional[TransformerSpec], zero: dict,
+                   dropped: Optional[dict[str, str]] = None) -> tuple[tuple[str, Settings], ...]:
     """``rows`` less, for a sparse model, those whose peak is not modelled (``zero12_moe_limit``,
-    ``zero3_moe_limit`` of the file's ZeRO keys with the row's own)."""
+    ``zero3_moe_limit`` of the file's ZeRO keys with the row's own); each one left out is added to ``dropped``
+    (label -> why) where given."""
     if spec is None or spec.moe is None:
         return rows
 
-    def modelled(s: Settings) -> bool:
+    def why(s: Settings) -> Optional[str]:
         if s.stage == 3:
-            return zero3_moe_limit(spec.model_type, {**zero, **to_ds_config(s)["zero_optimization"]}) is None
-        return zero12_moe_limit(s, spec) is None
+            return zero3_moe_limit(spec.model_type, {**zero, **to_ds_config(s)["zero_optimization"]})
+        return zero12_moe_limit(s, spec)
 
-    return tuple((label, s) for label, s in rows if modelled(s))
+    out = []
+    for label, s in rows:
+        reason = why(s)
+        if reason is None:
+            out.append((label, s))
+        elif dropped is not None:
+            dropped[label] = reason
+    return tuple(out)
+
+
+def _dropped_reason(dropped: dict[str, str]) -> str:
+    """``plan``'s note of the sparse model's rows left out (``moe_candidates``), grouped by why."""
+    by_why: dict[str, list[str]] = {}
+    for label, why in dropped.items():
+        by_why.setdefault(why, []).append(label)
+    return "; ".join(f"{', '.join(labels)}: {why}" for why, labels in by_why.items())
 
 
 def planner_policy(settings: Settings) -> PrecisionPolicy:
@@ -343,13 +360,16 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
     spec = workload.spec  # a sparse model: only the rows whose peak is modelled (moe_candidates; no hpZ rows)
     hpz = () if "zero_hpz_partition_size" in zero else hpz_candidates(base, nd, node, numels, capacity_bytes)
-    hpz = moe_candidates(hpz, spec, zero)
-    order = ranked(workload, nd, base, which=lambda b: moe_candidates((*plain_candidates(b), *hpz), spec, zero),
+    dropped: dict[str, str] = {}  # the sparse model's rows left out, label -> why (``moe_candidates``)
+    hpz = moe_candidates(hpz, spec, zero, dropped)
+    order = ranked(workload, nd, base,
+                   which=lambda b: moe_candidates((*plain_candidates(b), *hpz), spec, zero, dropped),
                    gpus_per_node=node)  # fmt: skip
     # the offload rows where they can be the answer: nothing fits without, or the file asks for offload (they
     # come after every other row, PLAN_ORDER; estimating them when they cannot be chosen tripled the plan's time)
     if offloads(base) or all(t.peak_bytes > capacity_bytes for t in order):
-        order = (*order, *ranked(workload, nd, base, which=lambda b: moe_candidates(offload_candidates(b), spec, zero),
+        order = (*order, *ranked(workload, nd, base,
+                                  which=lambda b: moe_candidates(offload_candidates(b), spec, zero, dropped),
                                   gpus_per_node=node))  # fmt: skip
     index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
@@ -358,9 +378,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
                           trace_inputs=(workload, nd, _traced(t))) for t in order)  # fmt: skip
     why = PLAN_ORDER_HPZ if hpz else PLAN_ORDER
     if spec is not None and spec.moe is not None:
-        why += ("; routed experts: rows whose peak is not modelled left out (moe_limit: ZeRO-2, or ZeRO-1 with "
-                f"overlap_comm, with reduce_bucket_size below Ψ = {model_numel(spec):,} elements; 16-bit or "
-                "offload_optimizer at ZeRO-1/2; offload_param and ZeRO++ at ZeRO-3; docs/engines/deepspeed.md)")
+        why += (f"; routed experts (Ψ = {model_numel(spec):,} elements): rows whose peak is not modelled left out "
+                f"(moe_limit, docs/engines/deepspeed.md): {_dropped_reason(dropped) if dropped else 'none'}")
     return EnginePlan(out, index, "deepspeed", why, base)
 
 

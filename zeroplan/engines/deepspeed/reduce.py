@@ -8,12 +8,15 @@ inside a GPT block (``_in_block_partitions``), and the first bucket's reduction 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
-from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
-from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _last_in_blocks, _rank_first_buckets, _stage1_held,
-                                                     _views)
+from zeroplan.engines.deepspeed.flat_copy import copy_numel
+from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks,
+                                                     _rank_first_buckets, _stage1_held, _views)
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
+from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.formulas.peak import Moment, Term
 
 GIP_SRC = "runtime/zero/stage_1_and_2.py copy_grads_in_partition"
@@ -65,23 +68,25 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
-class _BucketCopies(dict):
-    """Hook bucket -> ``_hook_bucket_copy``, each asked once (``_in_block_partitions``: many ranks share a bucket)."""
-
-    def __init__(self, run: DSRun) -> None:
-        super().__init__()
-        self.run = run
-
-    def __missing__(self, b: int) -> int:
-        self[b] = _hook_bucket_copy(self.run, b)
-        return self[b]
-
-
 def _hook_bucket_copy(run: DSRun, b: int) -> int:
-    """``flattened_copy_numel`` of hook bucket ``b`` (``_hook_buckets``), its parameters in gradient-ready order."""
-    order, _, first_of_bucket, _ = _hook_buckets(run)
-    end = first_of_bucket[b + 1] if b + 1 < len(first_of_bucket) else len(order)
-    return flattened_copy_numel(run, order[first_of_bucket[b]:end])
+    """``flat_copy.flattened_copy_numel`` of hook bucket ``b`` (``_hook_buckets``), its parameters in gradient-ready
+    order."""
+    return _hook_copies_of(run)[b]
+
+
+def _hook_copies_of(run: DSRun) -> tuple[int, ...]:
+    """``_hook_bucket_copy`` of every hook bucket of ``run``, looked up once per run (``memo_of``)."""
+    return memo_of(run, "hook copies", lambda r: _hook_copies(r.flat, r.settings.reduce_bucket_size,
+                                                              r.grad_ready_order))  # type: ignore[return-value]
+
+
+@lru_cache(maxsize=16)  # per layout (``terms.flat_group``, by identity), bucket size and order: every rank's run asks
+def _hook_copies(flat: FlatGroup, bucket: int, order: tuple[int, ...]) -> tuple[int, ...]:
+    """``flattened_copy_numel`` of each hook bucket (``layout_ranks._hook_layout``) of ``flat`` reducing in buckets
+    of ``bucket`` elements, gradients ready in ``order``."""
+    order, _, first_of_bucket, _ = _hook_layout(flat.numels, bucket, order)
+    ends = (*first_of_bucket[1:], len(order))
+    return tuple(copy_numel(flat, bucket, order[a:b]) for a, b in zip(first_of_bucket, ends))
 
 
 def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
@@ -164,7 +169,7 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     # the same integers as the terms' sum, so the same rank wins; only the winners' terms are built.
     alike: dict[tuple[int, int], tuple[int, int] | None] = {}  # (first, hook) -> (common bytes, kept elements)
     base_bytes, g, memo = sum(t.bytes for t in base), DTYPE_BYTES[s.grad_dtype], _hook_memo(run)
-    copies = _BucketCopies(run)  # each bucket's allreduce_bucket flat copy (``_hook_bucket_copy``), once
+    copies = _hook_copies_of(run)  # each bucket's allreduce_bucket flat copy (``_hook_bucket_copy``)
     best: dict[int, tuple[int, int, int, int]] = {}  # block -> (bytes, rank, first, hook) of the rank holding the most
     for rank, first, hook in _reducing_hooks(run):
         j = run.param_blocks[hook]

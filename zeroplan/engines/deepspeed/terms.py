@@ -93,7 +93,12 @@ class FlatGroup:
     def params(self, rank: int) -> tuple[int, ...]:
         """Indices of the parameters overlapping ``rank``'s slice (stage_1_and_2.py ``get_partition_info``: a
         parameter is in a partition when any of its elements is)."""
-        return tuple(range(*self.range(rank)))
+        return self._params[rank]
+
+    @cached_property
+    def _params(self) -> tuple[tuple[int, ...], ...]:
+        """``params`` of every rank, once per layout (the per-rank moments ask each rank's, N_d of them, per run)."""
+        return tuple(tuple(range(first, end)) for first, end in self._ranges)
 
     def distinct_ranks(self) -> tuple[int, ...]:
         """The first rank of each run of ranks whose slices overlap the same parameters (``range``): the

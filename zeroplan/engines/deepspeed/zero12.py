@@ -13,6 +13,7 @@ from collections.abc import Callable
 from zeroplan.engines.deepspeed.collectives import zero12_collectives
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _largest_slices, _last_in_blocks, _params_numels,
                                                      _rank_first_buckets, _views)
+import zeroplan.engines.deepspeed.moe12_hooks as MH
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
 import zeroplan.engines.deepspeed.late_reductions as LR
@@ -22,7 +23,6 @@ from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, 
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel, zero12_terms
 from zeroplan.formulas.peak import Moment, Term
-
 
 
 def reduces_from_hooks(s: Settings) -> bool:
@@ -38,8 +38,8 @@ def _largest_partition_numel(run: DSRun) -> int:
     return max(run.flat.params_numel(r) for r in run.ranks)
 
 
-def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
-    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``) where j is the
+def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, int], ...]:
+    """ZeRO-2 (and ZeRO-1 with ``overlap_comm``), per rank: (rank, j, its ``grads_in_partition``, bytes) where j is the
     last block whose backward starts with that partition alive, or -1 when it comes after every block's.
 
     Gradients are bucketed in gradient-ready order (taken, as ``_stage2_early_partitions`` does, as the reverse
@@ -52,21 +52,19 @@ def _partition_allocations(run: DSRun) -> tuple[tuple[int, int, Term], ...]:
     every block's backward holds its recomputed activations, so the partition allocated in one block is live
     at the next block's peak nearly as large (measured: gpt-tiny, N_d = 4, rank 2's partition, allocated at the
     last block's c_fc weight gradient, peaks at block 0's c_proj backward)."""
-    p = _pbytes(run)
     if not run.param_blocks:
         return ()
-    last_in_blocks = _last_in_blocks(run)
-    outputs = set(run.output_projections)
+    last_in_blocks, blocks, n_layer = _last_in_blocks(run), run.param_blocks, run.acts.n_layer
+    outputs, numels, p = set(run.output_projections), _params_numels(run.flat), _pbytes(run)  # N_d ranks: no Terms
     out = []
     for rank, _, hook in _reducing_hooks(run):
-        j = run.param_blocks[hook]
+        j = blocks[hook]
         if j < 0:
-            j = run.acts.n_layer - 1 if 0 <= last_in_blocks < hook else -1  # final norm / head, or embeddings
+            j = n_layer - 1 if 0 <= last_in_blocks < hook else -1  # final norm / head, or embeddings
         elif hook not in outputs:
             j -= 1
         if j >= 0:
-            out.append((rank, j, Term("grads_in_partition", run.flat.params_numel(rank) * p,
-                                      "runtime/zero/stage_1_and_2.py copy_grads_in_partition")))  # fmt: skip
+            out.append((rank, j, numels[rank] * p))
     return tuple(out)
 
 
@@ -180,7 +178,7 @@ def _first_bucket_before_last_block(run: DSRun) -> bool:
     return hook > last_in_blocks or (run.param_blocks[hook] == last_block and hook in run.output_projections)
 
 
-def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, Term]],
+def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, int]],
                         kept: dict[int, tuple[Term, ...]]) -> dict[int, int]:
     """Block j -> the first rank holding the most bytes at j's first backward op (its ``grads_in_partition``
     where allocated at a block >= j, plus its kept gradients at j), for the blocks where some rank holds any.
@@ -190,7 +188,7 @@ def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, T
         for j in range(n_layer):
             most, who = 0, None
             for r in range(nd):
-                held = (allocated[r][1].bytes if r in allocated and j <= allocated[r][0] else 0) + (
+                held = (allocated[r][1] if r in allocated and j <= allocated[r][0] else 0) + (
                     kept[r][j].bytes if r in kept else 0)
                 if held > most:
                     most, who = held, r
@@ -203,7 +201,7 @@ def _most_held_by_block(nd: int, n_layer: int, allocated: dict[int, tuple[int, T
     out, most, who = {}, 0, None
     for j in range(n_layer - 1, -1, -1):
         for r in joins.get(j, ()):
-            held = allocated[r][1].bytes
+            held = allocated[r][1]
             if held > most or (held == most and who is not None and r < who):
                 most, who = held, r
         if who is not None:
@@ -269,7 +267,7 @@ class ZeroOptimizer(Wrapper):
         """The last block (per rank when ZeRO-2 accumulates), the earlier blocks with what a rank holds from
         the later ones (``later_blocks_held``; from the hooks: ``_partition_allocations``,
         ``_stage1_kept_gradients``), and ZeRO-1's reduction after backward (``_stage1_reduce``)."""
-        s, accumulating = run.settings, run.grad_accum > 1
+        s, accumulating, last = run.settings, run.grad_accum > 1, MH.last_block_from_hooks(run, last)  # sparse: its own
         hooks = reduces_from_hooks(s)
         out = list(self._last_block_accumulating(run, last) if accumulating and s.partition_gradients
                    else (Moment("backward", "last block backward", last),))  # fmt: skip
@@ -281,9 +279,9 @@ class ZeroOptimizer(Wrapper):
             out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, early[r]))
                        for r in run.first_largest(lambda r: early[r].bytes, tuple(early)))  # fmt: skip
             out.extend(self._blocks_from_hooks(run, last, inflight))
-            out.extend(_in_block_partitions(run, last, inflight,
-                                            _stage1_kept_gradients(run) if not s.partition_gradients else {}))
-            out.extend(_first_bucket_reduced(run, last, inflight))
+            kept = _stage1_kept_gradients(run) if not s.partition_gradients else {}
+            out.extend(_in_block_partitions(run, last, inflight, kept))
+            out.extend((*_first_bucket_reduced(run, last, inflight), *MH.sparse_moments(run, last, inflight, kept)))
             out.extend(_tied_embedding_backward(run))
             out.extend(LR.embedding_hook_reduced(run))
         if hooks and accumulating:  # ZeRO-1 with overlap_comm (seed 2 draw 8); ZeRO-2 (generator 5, 1-483)
@@ -323,7 +321,8 @@ class ZeroOptimizer(Wrapper):
         kept = _stage1_kept_gradients(run) if not run.settings.partition_gradients else {}
         out, common = [], tuple(t for t in last if t not in inflight)
         for j, who in _most_held_by_block(run.nd, run.acts.n_layer, allocated, kept).items():
-            best = (*((allocated[who][1],) if who in allocated and j <= allocated[who][0] else ()),
+            best = (*((Term("grads_in_partition", allocated[who][1], GIP_SRC),)  # the winner's Term only
+                      if who in allocated and j <= allocated[who][0] else ()),
                     *((kept[who][j],) if who in kept and kept[who][j].bytes else ()))
             out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
                               (*common, _blocks_saved(run, j + 1), *inflight[1:],

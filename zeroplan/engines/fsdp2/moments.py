@@ -37,7 +37,9 @@ from zeroplan.engines.fsdp2.side import (
     side_reduce,
     side_regathers,
     split_root,
+    spanning_resharded,
     split_root_regathers,
+    with_embedding_prefetch,
 )
 from zeroplan.engines.fsdp2.terms import (
     Fsdp2Run,
@@ -212,7 +214,7 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     # loss, before the cross-entropy backward, and prefetches the last block (hf_tree); with units after the
     # layers the root's prefetch is theirs (kept gathered: nothing to do) and the last block waits for their
     # pre-backward, after the loss backward (measured: accelerate's wrapping of qwen2, bf16, exact)
-    early = run.loss_in_forward and resharded(run) and not head_units(run)
+    early = run.loss_in_forward and resharded(run) and not head_units(run) and not spanning_resharded(run)
     out = [Moment("backward", f"block {L} backward all-gather (root's prefetch, before the loss backward)", (
         *base, *kept_blocks(run, L), *saved_all, log_softmax, gather_input(run, L),
         ag_output(run, L, "backward prefetch"))), ] if early else []  # fmt: skip
@@ -221,9 +223,10 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
     out.append(Moment("backward", "cross-entropy backward", (*ce_base, *kept_blocks(run, L), *saved_all, log_softmax,
                       _act("nll and log-softmax gradients (fp32)", 2 * acts.log_softmax, 2),
                       *loss_parallel_backward(run), *(prefetched(run, L) if early else ()))))  # fmt: skip
-    if resharded_after_head(run):  # their pre-backward, on the logits' gradient: the root's prefetch copied out
-        out.append(Moment("backward", f"{head_units(run)[-1].name} backward copy-out", (
-            *base, *kept_blocks(run, L), *saved_all, _act("logits gradient", acts.logits), *head_prefetched(run))))
+    if resharded_after_head(run) or spanning_resharded(run):  # their pre-backward, on the logits' gradient
+        name = (head_units(run) or spanning_resharded(run))[-1].name  # copies out the root's prefetch (or its own)
+        out.append(Moment("backward", f"{name} backward copy-out", (*base, *kept_blocks(run, L), *saved_all,
+                          _act("logits gradient", acts.logits), *head_prefetched(run, at_copy_out=True))))  # fmt: skip
     # a backward all-gather copies its input (the shard, or the k-sharded data) into a flat param-dtype
     # buffer first, freed once the collective returns: the root's pre_backward prefetches the last block
     if resharded(run) and not early:
@@ -263,9 +266,9 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
         out.extend(block_backward_moments(run, i, base, root_held))
         after = i
     out.extend(root_backward_moments(run, base))
-    end = side_regathers(run, "end")  # the embeddings' all-gather output from block 1's prefetch, until their
-    again = embedding_regather(run)  # copy-out (their pre-backward); then their unsharded parameters alone
-    out = [Moment(m.phase, m.name, (*m.terms, *end)) if m.name.startswith("block 1 ") else m for m in out]
+    out = with_embedding_prefetch(run, out)
+    end = side_regathers(run, "end")
+    again = embedding_regather(run)  # from their copy-out (their pre-backward): their unsharded parameters alone
     if not again:
         return tuple(out)
     # wait_for_unshard frees a backward all-gather output when the copy-out returns (it keeps one only in

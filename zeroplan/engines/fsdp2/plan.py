@@ -67,7 +67,7 @@ def rank_run(workload: Workload, nd: int, settings: Settings):
     if (settings.tp or 1) > 1 and run.acts is not None:  # engines/fsdp2/tp.py
         run = replace(run, acts=tp_acts(run.acts, workload.spec, settings.tp, workload.micro_batch * workload.seq_len,
                                         dtype_bytes(settings.param), settings.sequence_parallel,
-                                        settings.backend == "gloo"))
+                                        settings.backend == "gloo", workload.seq_len))
     return run, nd
 
 

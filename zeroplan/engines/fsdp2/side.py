@@ -33,6 +33,18 @@ def spans_layers(run: Fsdp2Run, u: ShardUnit) -> bool:
     return bool(blocks) and not u.root and u.first < min(v.first for v in blocks) and u.last > max(v.last for v in blocks)
 
 
+def spanning_resharded(run: Fsdp2Run) -> list[ShardUnit]:
+    """A group spanning the layers resharded after forward (a tied ``[embed_tokens, lm_head]``, or with the
+    norm): its post-forward (after the head) is the last but the root's, so the root's pre-backward prefetches it
+    (``_backward_prefetch`` follows ``post_forward_order``; the last block waits for the group's own pre-backward,
+    on the logits' gradient, which copies it out); its post-backward hook is registered on its first module's
+    inputs (token ids, no gradient), so it stays unsharded until the root's final callback, never gathered again
+    by block 1 (``root_side`` counts it in backward). Traced (MemTracker at FSDPParamGroup's calls, the case 0-3
+    of tests/data/measured/fsdp2_embedding_unit.json): the root's prefetch adds N_d·S (6,144,000 B), the group's
+    copy-out adds nothing, its reshard in the final callback frees 6,144,000 B; backward -5.14% without."""
+    return [u for u in _side_units(run) if spans_layers(run, u) and u.post_forward_group(run.nd) > 1]
+
+
 def gathered_numel(run: Fsdp2Run, u: ShardUnit) -> int:
     """N_d·S_u of a resolved unit: its all-gather output and reduce-scatter input, in elements."""
     return run.nd * sum(padded_shard_numel(s, run.nd) for _, s in u.params)
@@ -71,8 +83,7 @@ def root_side(run: Fsdp2Run, stage: str) -> Term:
     if stage == "loss":  # a group spanning the layers is resharded after the head, as the units after them
         freed += [u for u in _side_units(run) if spans_layers(run, u) and u.post_forward_group(run.nd) > 1]
     units = [u for u in _side_units(run) if (u.root or (_before_blocks(run, u) and u.post_forward_group(run.nd) == 1)
-             or (stage != "blocks" and not _before_blocks(run, u)) or (stage in ("blocks", "head", "loss")
-             and spans_layers(run, u))) and u not in freed]  # fmt: skip
+             or (stage != "blocks" and not _before_blocks(run, u)) or spans_layers(run, u)) and u not in freed]  # fmt: skip
     kept = k_sharded(run, stage)
     return _fp(f"unsharded parameters ({', '.join(u.name for u in units) or 'none'})"
                + "".join(f", {u.name} k-sharded after forward" for u in kept),
@@ -145,7 +156,8 @@ def embedding_units(run: Fsdp2Run) -> list[ShardUnit]:
     """Units before the layers resharded after forward (gathered again for backward by block 1's prefetch)."""
     if not split_root(run):
         return []
-    return [u for u in _side_units(run) if _before_blocks(run, u) and u.post_forward_group(run.nd) > 1]
+    return [u for u in _side_units(run) if _before_blocks(run, u) and u.post_forward_group(run.nd) > 1
+            and not spans_layers(run, u)]  # fmt: skip
 
 
 def embedding_regather(run: Fsdp2Run) -> tuple[Term, ...]:
@@ -153,9 +165,19 @@ def embedding_regather(run: Fsdp2Run) -> tuple[Term, ...]:
     their unsharded parameters (``root_side`` leaves them out then)."""
     if not split_root(run):
         return ()
-    units = [u for u in _side_units(run) if _before_blocks(run, u) and u.post_forward_group(run.nd) > 1]
     return tuple(_fp(f"unsharded parameters ({u.name}, gathered again for backward)", gathered_numel(run, u) * run.p,
-                     "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(u.params)) for u in units)  # fmt: skip
+                     "_fsdp_param.py:FSDPParam.alloc_all_gather_outputs", len(u.params)) for u in embedding_units(run))  # fmt: skip
+
+
+def embedding_prefetch_copy_in(run: Fsdp2Run) -> tuple[Term, ...]:
+    """The copy-in of the embeddings' backward all-gather (block 1's prefetch), as ``terms.copy_in`` for a block:
+    their shard (or their k-sharded data) in the param dtype, none when the dtypes agree
+    (_fsdp_collectives.py:_get_param_all_gather_inputs)."""
+    if run.settings.param == run.settings.module:
+        return ()
+    return tuple(_fp(f"all-gather copy-in ({u.name}, cast)", gathered_numel(run, u) // (
+        k if 1 < (k := u.post_forward_group(run.nd)) < run.nd else run.nd) * run.p,
+        "_fsdp_collectives.py:_get_param_all_gather_inputs") for u in embedding_units(run))  # fmt: skip
 
 
 def side_reduce(run: Fsdp2Run, u: ShardUnit) -> tuple[Term, Term, Term, Term, tuple[Term, ...]]:
@@ -196,13 +218,14 @@ def side_regathers(run: Fsdp2Run, when: str) -> tuple[Term, ...]:
     copied out (``ag_output``; the profile keeps every such unit gathered, ``profile_units``). ``"start"``:
     the root and the units after the decoder layers, gathered as backward reaches them, first
     (_fsdp_state.py:FSDPState._pre_backward); ``"end"``: the units before them (the embeddings), prefetched
-    by the first block's backward (_fsdp_param_group.py:FSDPParamGroup._backward_prefetch)."""
+    by the first block's backward after its copy-out (_fsdp_param_group.py:FSDPParamGroup._backward_prefetch;
+    ``with_embedding_prefetch``)."""
     blocks = {u.name for u in run.units[1:]}
     first = min((u.first for u in run.shard_units if u.name in blocks), default=0)
     out = []
     for u in run.shard_units:
-        if u.name in blocks or not u.params or u.post_forward_group(run.nd) == 1:
-            continue
+        if u.name in blocks or not u.params or u.post_forward_group(run.nd) == 1 or u in spanning_resharded(run):
+            continue  # a group spanning the layers is the root's prefetch, kept to the end (spanning_resharded)
         if (when == "start") == (u.root or u.first > first):
             numel = run.nd * sum(padded_shard_numel(s, run.nd) for _, s in u.params)
             out.append(_fp(f"all-gather output ({u.name}, gathered again for backward)", numel * run.p,
@@ -228,8 +251,42 @@ def split_root_regathers(run: Fsdp2Run, base: tuple[Term, ...], held: tuple[Term
         * run.p, "_fsdp_collectives.py:foreach_all_gather; _fsdp_state.py:FSDPState._pre_backward"))),)  # fmt: skip
 
 
-def head_prefetched(run: Fsdp2Run) -> tuple[Term, ...]:
-    """The all-gather outputs of the units after the layers resharded by their post-forward, prefetched by the
-    root's pre-backward and alive until their own copies them out (``side.resharded_after_head``)."""
+def head_prefetched(run: Fsdp2Run, at_copy_out: bool = False) -> tuple[Term, ...]:
+    """The all-gather outputs of the units after the layers (or spanning them) resharded by their post-forward,
+    prefetched by the root's pre-backward and alive until their own copies them out (``resharded_after_head``,
+    ``spanning_resharded``). A spanning group is the root's prefetch only when the root has parameters (a param
+    group: _fsdp_state.py:FSDPState._pre_backward) and its hook fires on the loss (labels=); else its own
+    pre-backward gathers it (``at_copy_out``: its all-gather output at its copy-out either way). Measured:
+    draw 1-22 (the root without parameters) is +14.4% over in backward with the prefetch counted."""
+    root = any(u.root and u.params for u in run.shard_units) and run.loss_in_forward
+    units = (*resharded_after_head(run), *(spanning_resharded(run) if root or at_copy_out else ()))
     return tuple(_fp(f"all-gather output ({u.name}, the root's backward prefetch)", gathered_numel(run, u) * run.p,
-                     "_fsdp_param_group.py:FSDPParamGroup._backward_prefetch") for u in resharded_after_head(run))  # fmt: skip
+                     "_fsdp_param_group.py:FSDPParamGroup._backward_prefetch") for u in units)  # fmt: skip
+
+
+def with_embedding_prefetch(run: Fsdp2Run, out: list[Moment]) -> list[Moment]:
+    """The units before the layers resharded after forward (the embeddings) are prefetched by block 1's
+    pre_backward *after* block 1's copy-out (_fsdp_param_group.py:FSDPParamGroup.pre_backward: ``unshard``,
+    ``wait_for_unshard``, then ``_backward_prefetch``, whose target is the previous group in
+    ``post_forward_order``): their all-gather output is alive from then until their own copy-out, so in
+    block 1's moments after its copy-out, and a moment of its own where it is made, block 1's all-gather output
+    freed (``wait_for_unshard`` frees it in backward on return). Blocks kept gathered (no copy-out in
+    backward): from block 1's pre_backward, so in each block-1 moment but block 2's prefetch of block 1, which
+    comes before. Traced (differential draw 3-5 of
+    generator 4, MemTracker's live bytes at FSDPParamGroup's calls): ``layers.0``'s copy-out adds nothing to
+    the peak; its ``_backward_prefetch`` -> ``embed_tokens.unshard`` adds 8,916,480 B (N_d·S), 78,579,036 B live,
+    this moment exactly; counted at the copy-out instead, the backward peak was 1,762,304 B (+2.11%) over."""
+    end = side_regathers(run, "end")
+    if not end:
+        return out
+    at = next((i for i, m in enumerate(out) if m.name == "block 1 copy-out"), None)
+    before = ("block 1 copy-out", "block 1 backward all-gather (prefetch)")  # block 2's prefetch of block 1: earlier
+    out = [Moment(m.phase, m.name, (*m.terms, *end)) if m.name.startswith("block 1 ") and m.name not in before else m
+           for m in out]  # fmt: skip
+    if at is None:
+        return out
+    freed = ag_output(run, 1, "prefetched, freed after copy-out")
+    copy = out[at]
+    prefetch = Moment("backward", f"{', '.join(u.name for u in embedding_units(run))} backward all-gather (block 1's "
+                      "prefetch)", (*(t for t in copy.terms if t != freed), *embedding_prefetch_copy_in(run), *end))  # fmt: skip
+    return [*out[:at + 1], prefetch, *out[at + 1:]]

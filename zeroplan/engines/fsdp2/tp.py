@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from zeroplan.engines.fsdp2.collectives import UnitCollective
 from zeroplan.formulas.activation_terms import TOKEN_BYTES
+from zeroplan.formulas.llama_nograd import llama_nograd_moments
 from zeroplan.formulas.peak import Term
 
 TP_SRC = "torch/distributed/tensor/parallel/style.py"
@@ -219,12 +220,40 @@ def post_norm_backward(block, spec, a: int):
     return replace(block, backward_act_grads=max(block.backward_act_grads, later - block.first_weight_grads))
 
 
-def tp_acts(acts, spec, t: int, tokens: int, a: int, sequence_parallel: bool, gloo: bool):
+def sp_nograd_peak(spec, t: int, n: int, s: int, a: int, gloo: bool) -> int:
+    """A llama block's checkpointed forward (no grad) with SP: its input and what it holds beside it at its
+    largest moment, ``llama_nograd_moments`` of ``spec`` (the TP-local architecture) re-counted by where each
+    tensor lives.
+
+    With SP the block's input, x1 (the residual after attention) and each norm's output are n/T rows (``sh``);
+    each ``PrepareModuleInput`` all-gathers the norm's output to n rows for attention or the MLP (the moments'
+    "norm out") while the n/T one stays alive as the module's argument; o_proj's and down_proj's Partial
+    outputs (n rows) are reduce-scattered to n/T rows through a whole copy (funcol's ``cat`` of the chunks of
+    dim 1, the ``gloo`` copy of ``sequence_parallel_acts``). Moments: the first norm on n/T rows; attention's
+    (beside the input and the n/T norm output); o_proj's reduce-scatter; the residual sum; the second norm
+    (beside x1); the MLP's (x1 and the argument n/T); down_proj's reduce-scatter: the input, x1, the n/T norm
+    output and the reduce-scatter's output (4 x n/T), the gathered norm output, down's output and the copy
+    (n each), the product act(gate)·up (n·f/T). Traced with MemTracker (gloo 2 x 2, bf16, 2 x 32 tokens,
+    validate/engines/fsdp2_tp.py): the forward peak is that last moment, 37,248 B; the unsharded count
+    (``ckpt_forward_peak`` without SP: the input whole, beside the MLP's three f-wide tensors) was 768 B over."""
+    m = llama_nograd_moments(spec, n, s, a)
+    whole = n * spec.d_model * a
+    sh, copy = whole // t, whole * gloo
+    attention = max(m[k] for k in ("rope_q", "rope_k", "sdpa", "qk_norm", "fused"))
+    return max(sh + m["norm"] // t, 2 * sh + attention, 3 * sh + m["o_proj"] + copy, 3 * sh, 2 * sh + m["norm"] // t,
+               m["mlp"] - whole + 3 * sh, 4 * sh + 2 * whole + copy + n * spec.ffn * a)  # fmt: skip
+
+
+def tp_acts(acts, spec, t: int, tokens: int, a: int, sequence_parallel: bool, gloo: bool, seq_len: int | None = None):
     """The activations of one TP rank (``spec`` the TP-local architecture, ``local_spec``): with SP the
-    sequence-parallel regions divided by T (``sequence_parallel_acts``), then the post-attention norm's
-    backward moment (``post_norm_backward``)."""
+    sequence-parallel regions divided by T (``sequence_parallel_acts``) and the checkpointed forward's
+    peak re-counted (``sp_nograd_peak``; ``seq_len``: the sequence, for SDPA's mask, else ``tokens``), then the
+    post-attention norm's backward moment (``post_norm_backward``)."""
     if sequence_parallel:
         acts = sequence_parallel_acts(acts, t, tokens, spec.d_model, a, gloo)
+        if spec.style == "llama":
+            nograd = sp_nograd_peak(spec, t, tokens, seq_len or tokens, a, gloo)
+            acts = replace(acts, block=replace(acts.block, ckpt_forward_peak=nograd))
     return replace(acts, block=post_norm_backward(acts.block, spec, a))
 
 

@@ -228,6 +228,8 @@ def _resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
         owner[seen[best]].append((name, tuple(shape)))
         first[seen[best]] = min(first[seen[best]], i)
         last[seen[best]] = max(last[seen[best]], i)
+    for module, _ in tied:  # a tied head lists no parameter of its own, but runs after every other module: a
+        last[seen[_innermost(module, seen)]] = len(named_shapes)  # group holding it spans the layers (side.spans_layers)
     return tuple(ShardUnit(mods, _fully_shard_order(mods, ps, seen), rsf, mods == ("",), f, e)
                  for (mods, rsf), ps, f, e in zip(calls, owner, first, last))  # fmt: skip
 

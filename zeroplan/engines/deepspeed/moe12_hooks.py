@@ -1,0 +1,223 @@
+"""ZeRO-2 (and ZeRO-1 with ``overlap_comm``) reducing from the hooks on a mixture-of-experts decoder (transformers
+5.24: one (E, 2f, d) ``experts.gate_up_proj`` and one (E, d, f) ``experts.down_proj`` per sparse layer): a rank's
+``grads_in_partition`` allocated at a gradient hook inside a sparse MLP's backward (runtime/zero/stage_1_and_2.py,
+DeepSpeed 0.19.8).
+
+The mechanism (live storages at each rank's backward peak, benchmarks/ds_moe12_rows.py ``trace``): a hook first
+reduces the bucket when its own gradient does not fit (``reduce_independent_p_g_buckets_and_remove_grads`` ->
+``reduce_ipg_grads`` -> ``average_tensor``), with that gradient waiting in ``param.grad`` beside the bucket's; an
+expert tensor larger than the bucket is not copied into it but reduced on its own at the next hook
+(``extra_large_param_to_reduce``), so it is alive there too; the first reduction holding one of the rank's own
+parameters allocates its ``grads_in_partition`` (``copy_grads_in_partition``), before the expert gradient is
+copied into it and released. The block's activations are then partly released: autograd runs the sparse MLP
+backward from its last call (experts' ``down_proj``, ``gate_up_proj``, then the router and the post-attention
+norm; DeepSeek-V3's shared experts before the routed ones, called after them; Qwen2-MoE's shared expert after the
+router, called first).
+
+Per hook of sparse block j (``_at_hook``), beside the states, the buckets and the first j blocks' saved tensors:
+
+- ``experts.gate_up_proj``'s: the block's saved tensors less the routed experts' (the gate-up grouped matmul, the
+  experts' first call, has run backward) and DeepSeek-V3's shared experts' (run backward before), the router's
+  kept; in flight the incoming gradient, d(gathered rows) (S·d·a) and DeepSeek-V3's shared experts' input gradient
+  (N·d·a); Qwen2-MoE's shared SwiGLU tensors and d(shared output) still waiting, with its gate's input gradient; alive ``down_proj``'s gradient where it is larger than the bucket (reduced at this hook) and
+  ``gate_up_proj``'s own (waiting for its hook to return);
+- the router's (``mlp.gate.weight``) or the post-attention norm's: the block's saved tensors less the MLP's and the
+  norm's output (the router's linear, its last reader, has run); in flight the incoming gradient, the experts'
+  input gradient and the router's (3·N·d·a), at the router's Qwen2-MoE's shared expert's as above; alive
+  ``gate_up_proj``'s gradient where larger than the bucket and the router weight's own.
+
+Also the last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the
+head's hook allocating the bucket (``head_hook_bucket``).
+
+Measured (gloo, N_d = 2, fp32 and bf16, tests/test_deepspeed_moe12.py): see ``moe12.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from zeroplan.architectures.moe import moe_shapes
+from zeroplan.architectures.spec import transformer_shapes
+from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
+from zeroplan.formulas import deepseek_activations as DS
+from zeroplan.formulas.moe_block import deepseek_backward_ws, router_saved, sparse_backward_ws
+from zeroplan.formulas.peak import Moment, Term
+
+SRC = "runtime/zero/stage_1_and_2.py"
+ROLES = {".mlp.experts.gate_up_proj": "gate_up", ".mlp.experts.down_proj": "down", ".mlp.gate.weight": "router",
+         ".post_attention_layernorm.weight": "norm"}  # fmt: skip
+"""A sparse MLP's parameter (its ``named_parameters`` name's ending) -> its role in the hooks' order."""
+
+
+@lru_cache(maxsize=16)
+def _names(spec) -> tuple[str, ...]:
+    return tuple(n for n, _ in transformer_shapes(spec))
+
+
+def _roles(run: DSRun) -> dict[int, str]:
+    """Parameter index -> its role (``ROLES``) in a sparse MLP, for the sparse layers' parameters; once per run."""
+    def make(r: DSRun) -> dict[int, str]:
+        names, moe = _names(r.spec), r.spec.moe
+        sparse = {f".layers.{j}." for j in moe.sparse_layers}
+        out = {}
+        for i, name in enumerate(names):
+            role = next((v for k, v in ROLES.items() if name.endswith(k)), None)
+            if role is not None and any(s in name for s in sparse):
+                out[i] = role
+        return out
+
+    return memo_of(run, "sparse roles", make)  # type: ignore[return-value]
+
+
+def _tokens(run: DSRun) -> int:
+    return run.acts.embed_out // (run.spec.d_model * DTYPE_BYTES[run.settings.dtype])
+
+
+def _router_saved(run: DSRun) -> int:
+    spec, n, a = run.spec, _tokens(run), DTYPE_BYTES[run.settings.dtype]
+    if spec.model_type == "deepseek_v3":
+        return DS.router_saved(spec.moe, n, spec.d_model, a)
+    return router_saved(spec.moe, spec.model_type, n)
+
+
+def _at_hook(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
+    """Block j's activations at the hook of its sparse MLP's parameter of ``role`` (module docstring)."""
+    spec, n, a, nda = run.spec, _tokens(run), DTYPE_BYTES[run.settings.dtype], run.acts.embed_out
+    blk = run.acts.layer_blocks[j] if run.acts.layer_blocks else run.acts.block
+    # under checkpointing the block's recomputed tensors (not measured here: the rows are without checkpointing)
+    saved = blk.recomputed + blk.ckpt_saved if run.checkpointing != "none" else blk.saved
+    before_mlp = saved - blk.mlp_saved
+    # Qwen2-MoE's shared expert runs first, so its backward runs last: its SwiGLU's saved tensors (4·N·f_s·a) and
+    # d(shared output) wait beside the routed experts', with the input gradient its sigmoid gate's linear made
+    # (its product's and sigmoid's saved tensors, N·d·a + N·a, released: they ran backward first)
+    qwen2 = spec.model_type == "qwen2_moe" and role != "norm"
+    shared = (_act("the shared expert's SwiGLU saved tensors", 4 * n * spec.moe.shared_ffn * a),
+              _act("d(shared output) and the shared gate's input gradient", 2 * nda, 2)) if qwen2 else ()
+    if role == "gate_up":  # DeepSeek-V3's shared experts ran backward first: their input gradient in flight
+        rows, deepseek = n * spec.moe.top_k * spec.d_model * a, spec.model_type == "deepseek_v3"
+        return (_act("block's saved activations less its experts' (the router's kept)",
+                     before_mlp + _router_saved(run)),
+                _act("incoming and d(gathered rows) gradients (DeepSeek-V3: and the shared experts' input's)",
+                     nda + rows + (nda if deepseek else 0), 3 if deepseek else 2), *shared)  # fmt: skip
+    return (_act("block's saved activations less its MLP's and the norm's output", before_mlp - nda),
+            _act("incoming, the experts' and the router's input gradients", 3 * nda, 3), *shared)
+
+
+def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
+                           kept: dict[int, tuple[Term, ...]]) -> tuple[Moment, ...]:
+    """Reducing from the hooks, each bucket reduced at the hook of a sparse MLP's ``gate_up_proj``, router or
+    post-attention norm (module docstring), the rank holding the most: ``allreduce_bucket``'s flattened copy of the
+    bucket (``_hook_bucket_copy``) beside the ``grads_in_partition`` of a rank whose first bucket went earlier; or,
+    the rank's first, its partition allocated once the copy is freed (the larger of the two). At ZeRO-1
+    (``overlap_comm``) also the gradients larger than the bucket outside the rank's partition, reduced before and
+    kept to the step (``kept``: zero12.py ``_stage1_kept_gradients``, the later blocks'; and block j's own)."""
+    if run.spec is None or run.spec.moe is None or not run.param_blocks:
+        return ()
+    roles = _roles(run)
+    p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
+    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
+    limit = run.settings.reduce_bucket_size
+    base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
+                                                                         "incoming activation gradient"))  # fmt: skip
+    firsts = {r: min(bucket_of[i] for i in run.flat.params(r)) for r in run.ranks if run.flat.params(r)}
+    out = []
+    for b in range(len(buckets) - 1):
+        hook = order[first_of_bucket[b + 1]]
+        role, j = roles.get(hook), run.param_blocks[hook]
+        if role not in ("gate_up", "router", "norm"):
+            continue
+        large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
+        common = (*base, _blocks_saved(run, j), *_at_hook(run, j, role),
+                  Term("gradients larger than the bucket, in the bucket reduced", large * p,
+                       f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
+                  Term("the hooked parameter's gradient (waiting)", run.numels[hook] * p,
+                       f"{SRC} reduce_independent_p_g_buckets_and_remove_grads (the bucket first)"))  # fmt: skip
+        copy = Term("flattened copy of the bucket's gradients", _hook_bucket_copy(run, b) * g,
+                    f"{SRC} allreduce_bucket (self.flatten(bucket))")
+        options = [(copy,)]  # a rank with no grads_in_partition yet
+        for r, first in firsts.items():
+            if first > b:
+                continue
+            gip = Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC)
+            own = (gip, copy) if first < b else (max(gip, copy, key=lambda t: t.bytes),)
+            options.append((*_stage1_kept(run, kept, r, j, b, order, first_of_bucket), *own))
+        best = max(options, key=lambda terms: sum(t.bytes for t in terms))
+        out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
+    return tuple(out)
+
+
+def _stage1_kept(run: DSRun, kept: dict[int, tuple[Term, ...]], rank: int, j: int, b: int, order: tuple[int, ...],
+                 first_of_bucket: list[int]) -> tuple[Term, ...]:
+    """ZeRO-1 (``kept`` not empty): ``rank``'s gradients larger than the bucket outside its partition, reduced before
+    bucket b and kept to the step: the later blocks' (``kept[rank][j]``) and block j's own."""
+    if not kept:
+        return ()
+    lo, hi = run.flat.range(rank)
+    mine = sum(run.numels[i] for i in order[:first_of_bucket[b]] if run.param_blocks[i] == j
+               and run.numels[i] > run.settings.reduce_bucket_size and not lo <= i < hi)  # fmt: skip
+    return (Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
+                 mine * _pbytes(run) + kept[rank][j].bytes, kept[rank][j].source),)
+
+
+def _hooks_ws(run: DSRun) -> int:
+    """The last (sparse) block's backward working set where ZeRO-2 reduces at the hooks: the block's moments
+    (``moe_block.sparse_backward_ws``, ``shared_expert_ws``, ``deepseek_backward_ws``) without the weight gradients
+    that have left by then. A gradient no larger than the bucket is copied into it at its own hook; a larger one is
+    reduced at the next hook (``extra_large_param_to_reduce``) and then copied into ``grads_in_partition`` or cleared
+    (``reduce_ipg_grads``: ``clear_grad_attribute``): ``down_proj``'s is alive through the gate-up backward only
+    where it is larger than the bucket; the shared experts' (DeepSeek-V3, run backward first) by the routed experts',
+    the experts' and router's by Qwen2-MoE's shared SwiGLU (run backward last) and every MLP weight gradient by the
+    post-attention norm's backward (``moe_block.sparse_block``'s ``later``)."""
+    spec, blk, a = run.spec, run.acts.block, DTYPE_BYTES[run.settings.dtype]
+    moe, mt, d, n = spec.moe, spec.model_type, spec.d_model, _tokens(run)
+    down_held = moe.n_experts * d * moe.expert_ffn > run.settings.reduce_bucket_size
+    if mt == "deepseek_v3":
+        return deepseek_backward_ws(moe, n, d, a, a == 4, down_held, grads_held=False)
+    mlp_grads = sum(math.prod(shape) for _, shape in moe_shapes(moe, mt, d, "")) * a + d * a
+    later = blk.backward_act_grads + blk.first_weight_grads - mlp_grads if blk.backward_act_grads else 0
+    return max(sparse_backward_ws(moe, mt, n, d, a, down_held, grads_held=False), later)
+
+
+def last_block_from_hooks(run: DSRun, last: tuple[Term, ...]) -> tuple[Term, ...]:
+    """``last`` (the last block's backward terms, ``phases.backward_moments``) with its working set ``_hooks_ws``
+    where the last block is sparse and its weight gradients leave at the hooks, no accumulation: ZeRO-2; ZeRO-1
+    with ``overlap_comm`` for a rank holding every gradient of the block larger than the bucket in its partition
+    (stage 1 clears none outside it: ``reduce_ipg_grads``; they stay in the formulas' working set); else ``last``."""
+    spec, s, L = run.spec, run.settings, run.acts.n_layer
+    if spec is None or spec.moe is None or run.grad_accum > 1 or L - 1 not in spec.moe.sparse_layers:
+        return last
+    if not s.partition_gradients:
+        if s.rank is None or not s.overlaps:
+            return last
+        lo, hi = run.flat.range(s.rank)
+        if any(b == L - 1 and n > s.reduce_bucket_size and not lo <= i < hi
+               for i, (n, b) in enumerate(zip(run.numels, run.param_blocks))):  # fmt: skip
+            return last
+    ws = "block backward working set"
+    return tuple(_act(ws, _hooks_ws(run)) if t.name == ws else t for t in last)  # the name other moments drop
+
+
+def head_hook_bucket(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
+    """Reducing from the hooks, the head weight's hook (the first): ``reduce_independent_p_g_buckets_and_remove_grads``
+    -> ``process_gradients`` -> ``setup_buckets`` allocates the reduce bucket(s) with the head's gradient alive, every
+    activation still saved; the logits' gradient and the final norm output's are gone by then (the head's
+    backward node has run). Measured (live storages at DeepSeek-V3's rank 0 peak, 300,000-element buckets: the
+    1,200,000-B bucket beside the 257,536-B head gradient; 159,048 B under before, now 440 B over)."""
+    if run.spec is None or run.spec.moe is None or run.tied_head or not run.param_blocks:
+        return ()
+    keep = tuple(t for t in last if t not in inflight and t.name not in (
+        "block backward working set", "incoming activation gradient", "root gradients held (head weight, final norm)"))
+    return (Moment("backward", "head's hook, the reduce bucket allocated", (
+        *keep, _blocks_saved(run, run.acts.n_layer), _act("final norm saved and output", run.acts.final_saved),
+        Term("head weight gradient", run.head_numel * _pbytes(run), "autograd (mm backward)"))),)
+
+
+def sparse_moments(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
+                   kept: dict[int, tuple[Term, ...]]) -> tuple[Moment, ...]:
+    """ZeRO-1/2 reducing from the hooks, no accumulation, a sparse model: ``sparse_hook_partitions`` and
+    ``head_hook_bucket`` (zero12.py ``ZeroOptimizer.backward_after_last_block`` asks)."""
+    return (*sparse_hook_partitions(run, last, inflight, kept), *head_hook_bucket(run, last, inflight))
