@@ -6,10 +6,11 @@ default 5e8-element ``reduce_bucket_size`` every gradient waits in one bucket un
 reduce-scatter there (stage3.py ``independent_gradient_partition_epilogue``) makes two copies of every gradient on
 gloo: ``reduce_scatter_coalesced``'s interleaved ``torch.cat`` and gloo's copy inside ``reduce_scatter_tensor``
 (``zero3_epilogue.py bucket_copies``). At N_d = 1 the profile left that moment out, and with ``offload_optimizer``
-too (where the ``cat`` meets the fp64 copy of a partition for its norm instead): 10,907,780 B (bf16) and 21,816,196 B
-(fp32) under on one block, 1.0-4.0 % of the peak on 1-4 blocks. Each row records what was measured, the error then (measured −
-predicted, B) and the error before nvme17's change (``before``). Recorded with ``python tests/test_deepspeed_wide_zero3.py``
-(``_measure``; one process per rank, ``RANK``/``WORLD_SIZE`` in the environment: module docstring of ``_measure``).
+too (where the ``cat`` meets the fp64 copy of a partition for its norm instead): 10,907,780 B (bf16) and
+21,816,196 B (fp32) under on one block, 1.0-4.0 % of the peak on 1-4 blocks. Each row records what was measured,
+the error then (measured − predicted, B) and the error before nvme17's change (``before``). Recorded with
+``python tests/test_deepspeed_wide_zero3.py ROWS FOLDER`` (``_measure``: one process per rank, ``RANK`` and
+``WORLD_SIZE`` in the environment).
 """
 
 from __future__ import annotations

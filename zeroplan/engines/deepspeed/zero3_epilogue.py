@@ -70,8 +70,8 @@ def epilogue_moments(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Momen
               *_gathered(run, sched, "embedding backward"), _act("batch (token ids, targets)", acts.batch, 2),
               _act("loss", acts.loss),
               Term("the last bucket's gradients still in param.grad (all without contiguous_gradients; else those "
-                   "larger than the bucket)", held * p,
-                   f"{S3} params_in_ipg_bucket; __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads"))  # fmt: skip
+                   "larger than the bucket)", held * p, f"{S3} params_in_ipg_bucket; __add_grad_to_ipg_bucket "
+                   "(copied only if it fits) -> partition_grads"))  # fmt: skip
     cat = "runtime/comm/coalesced_collectives.py reduce_scatter_coalesced (torch.cat)"
     out = [Moment("backward", "last bucket reduce-scattered after backward", (*common, Term(
         "the last bucket's interleaved flat copy and gloo's reduce-scatter copy", (flat + gloo) * p,
