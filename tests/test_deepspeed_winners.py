@@ -27,6 +27,7 @@ from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _hook_activations, _hook
 from zeroplan.engines.deepspeed.run import _blocks_saved, _pbytes
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.zero3 import S3, _backward_fetches, _gathered_at_hook, _in_block_reductions
+from zeroplan.engines.deepspeed.zero3_epilogue import bucket_copies
 from zeroplan.engines.deepspeed.zero12 import _stage1_kept_gradients
 from zeroplan.formulas.peak import Moment, Term
 
@@ -96,7 +97,10 @@ def _reference_reductions(run, last, inflight):
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
         hook = order[end]
         large = large_before[end] - large_before[start]
-        copies = 2 * sum(-(-numels[i] // run.nd) * run.nd for i in order[start:end]) if fetched and end - start > 1 else 0
+        gloo_copies = s.device == "cpu" and (fetched or run.nd == 1)
+        flat, gloo = bucket_copies([numels[i] for i in order[start:end]], run.nd, s.device) if gloo_copies else (0, 0)
+        norm = max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 if offload else 0
+        gloo, norm, copies = (gloo, 0, flat + gloo) if gloo * p > norm else (0, norm, flat + gloo)
         j = run.param_blocks[hook]
         at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload or copies) else None
         if at_hook is None:
@@ -108,13 +112,11 @@ def _reference_reductions(run, last, inflight):
                       "autograd (one node makes every input's gradient)", len(module)),
                  Term("gradients larger than the bucket, in the bucket sent", large * p,
                       f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"),
-                 Term("the bucket's flattened copy and gloo's copy of it", copies * p,
-                      f"{S3} __avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced "
-                      "(torch.cat); gloo reduce_scatter_tensor", 2))
+                 Term("the bucket's flattened copy and gloo's copy of it", (flat + gloo) * p,
+                      f"{S3} __avg_scatter_grads -> zero3_epilogue.py bucket_copies", int(flat > 0) + int(gloo > 0)))
         if offload:
-            parts = [-(-numels[i] // run.nd) for i in order[start:end]]
             norms = normed_before[start]
-            terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", max(parts) * 8 + 8,
+            terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", norm,
                            f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2", 2),
                       Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))
         total = sum(t.bytes for t in terms)

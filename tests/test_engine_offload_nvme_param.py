@@ -68,12 +68,14 @@ def _config(row: str, folder: str = "/nvme") -> dict:
             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": param}}  # fmt: skip
 
 
-def _workload(tmp_path, nd: int = 1):
+def _workload(tmp_path):
+    """What every rank trains: GPT_NVME, the config's micro-batch (2 sequences of 16 positions). (Until nvme17 the
+    world-size-1 rows were predicted at a micro-batch of 1: the forward's +426,692 B of the docs' table.)"""
     from validate.engines.deepspeed_compare import workload_for
 
     model = tmp_path / "gpt-nvme.json"
     model.write_text(json.dumps(GPT_NVME))
-    return workload_for(str(model), nd, None)
+    return workload_for(str(model), _config("cpu")["train_micro_batch_size_per_gpu"], None)
 
 
 def _run(tmp_path, row: str):
@@ -105,9 +107,11 @@ def test_swapper_host_terms_and_nvme_bytes_by_hand(tmp_path):
 
 def test_prediction_matches_the_standin_run_in_every_phase(tmp_path):
     """On one memory (``offload_one_memory.one_memory_by_phase``) each NVMe row is the cpu row plus its host
-    difference, within 2 B in every phase; init and the step within 300 B of the measurement. (Forward and backward
-    of the cpu row itself are under by 426,692 B and 12,269,424 B on this model, the same in all three rows: a gap of
-    ZeRO-3's offload_param trace at d = 512, not of the swapper.)"""
+    difference, within 2 B in every phase, and every row is within 0-100 B under its measurement in every phase
+    (measured − predicted: init 0-2, forward 4-6, backward 64-66, step 4-6 B). The backward peak is ZeRO-3's last
+    bucket after backward (zero3.py ``_epilogue_reduce_scatter``: the 7,371,776-B ``cat`` of every gradient and the
+    8,388,608-B fp64 copy of c_fc's partition for its norm); it was 12,269,424 B under before nvme17 (11,924,720 B
+    of it the missing moment at N_d = 1 with offload_optimizer, the rest a micro-batch of 1 in ``_workload``)."""
     from zeroplan.engines.deepspeed.offload_one_memory import one_memory_by_phase
 
     pred = {row: one_memory_by_phase(_run(tmp_path, row)) for row in ROWS}
@@ -116,19 +120,27 @@ def test_prediction_matches_the_standin_run_in_every_phase(tmp_path):
         for phase in meas[row]:
             got, want = pred[row][phase] - pred["cpu"][phase], meas[row][phase] - meas["cpu"][phase]
             assert 0 <= want - got <= 2, (row, phase)
-        for phase in ("init", "optimizer_step"):
-            assert 0 <= meas[row][phase] - pred[row][phase] <= 300, (row, phase)
+    for row in ROWS:
+        for phase in meas[row]:
+            assert 0 <= meas[row][phase] - pred[row][phase] <= 100, (row, phase, meas[row][phase] - pred[row][phase])
+
+
+ND2_ERRORS = {"init": (0, 2), "forward": (-252, -252), "backward": (8, 10), "optimizer_step": (-31_728, -31_726)}
+"""Measured − predicted at N_d = 2 (B, both ranks, the cpu row and the NVMe row's less its swapped partitions in
+forward): the step over by 31,728 B (0.003 %: not traced), backward 8-10 B under (4,616,328 B under before nvme17:
+the last bucket after backward, with offload_optimizer)."""
 
 
 def test_world_size_two(tmp_path):
     """N_d = 2: the NVMe row is the cpu row plus its host terms (the whole-numel swap-out buffer included) within 2 B
     at init, in backward and in the step; at the forward peak the NVMe row holds S2 = 2,097,152 B less than that (the
-    prediction is over by the two swapped partitions, 0.20 %: not explained). The NVMe bytes per step S2 / S2."""
+    prediction is over by the two swapped partitions, 0.20 %: not explained). Each phase of both rows on both ranks
+    within ``ND2_ERRORS`` (+ 8 B) of its measurement. The NVMe bytes per step S2 / S2."""
     from zeroplan.engines.deepspeed.offload_one_memory import one_memory_by_phase
 
-    def run(row):
-        s = D.Settings.from_ds_config(_config(row), zero_init=False).model_copy(update={"rank": 0})
-        return ds_run(s, _workload(tmp_path, 2), 2, stat_bytes=2)
+    def run(row, rank=0):
+        s = D.Settings.from_ds_config(_config(row), zero_init=False).model_copy(update={"rank": rank})
+        return ds_run(s, _workload(tmp_path), 2, stat_bytes=2)
 
     pred = {row: one_memory_by_phase(run(row)) for row in STANDIN_PARAM_ND2}
     meas = STANDIN_PARAM_ND2
@@ -136,6 +148,12 @@ def test_world_size_two(tmp_path):
         got = pred["nvme_max_in_cpu_0"][phase] - pred["cpu"][phase]
         want = meas["nvme_max_in_cpu_0"][phase] - meas["cpu"][phase]
         assert want - got == 2 - (S2 if phase == "forward" else 0), phase
+    for row in meas:
+        for rank in (0, 1):
+            by_phase = one_memory_by_phase(run(row, rank))
+            for phase, (low, high) in ND2_ERRORS.items():
+                error = meas[row][phase] - by_phase[phase] + (S2 if (row, phase) == ("nvme_max_in_cpu_0", "forward") else 0)
+                assert low - 8 <= error <= high + 8, (row, rank, phase, error)
     h = host_memory(run("nvme_max_in_cpu_0"))
     assert (h.nvme_read_bytes, h.nvme_write_bytes) == (S2, S2)
     assert {t.name: t.bytes for t in h.terms}["16-bit swap-out buffer of the swapped sub-group (pinned)"] == 7_371_776

@@ -23,6 +23,7 @@ from zeroplan.engines.deepspeed.run import (GATHER_SRC, ZINIT, DSRun, Wrapper, _
                                            _pbytes, _schedule, _states)
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
+from zeroplan.engines.deepspeed.zero3_epilogue import S3, bucket_copies, epilogue_moments
 from zeroplan.engines.deepspeed.zeropp import all_secondaries, hpz_schedule
 from zeroplan.engines.deepspeed.zeropp_settings import hpz_group
 from zeroplan.formulas.peak import Moment, Term
@@ -185,7 +186,7 @@ class ZeroOptimizerStage3(Wrapper):
                 Term("tied embedding gradients (the head's, the embedding's, their sum)", 3 * run.head_numel * _pbytes(run),
                      "torch autograd InputBuffer::accumulate -> AccumulateGrad; runtime/zero/stage3.py "
                      "reduce_partition_and_remove_grads (the hook fires on the sum)", 3))))  # fmt: skip
-        out += _epilogue_reduce_scatter(run, sched)
+        out += epilogue_moments(run, sched)
         return tuple(out)
 
     def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:
@@ -199,9 +200,6 @@ class ZeroOptimizerStage3(Wrapper):
                        Term("gradient partition copy (gradient dtype)", part * DTYPE_BYTES[s.grad_dtype], src),
                        Term("fp32 gradient of the master partition", part * 4, src))))  # fmt: skip
         return tuple(Moment(m.phase, m.name, _step_terms(run, m.terms)) for m in (*out, adam_update(run, part, inner, temps)))
-
-
-S3 = "runtime/zero/stage3.py"
 
 
 def _root_gradients_pending(run: DSRun) -> int:
@@ -248,7 +246,12 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     is a moment, with its flattened copy and gloo's copy of it and the parameters gathered at the hook's module
     (``_gathered_at_hook``): the differential matrix's 1-24 (Qwen3-MoE 5.9M tied, N_d = 4, 1,467,296-element
     buckets; rank 0's live storages) peaks at block 2's q_proj hook with 2 x 5,847,040 B of copies beside the
-    head's gradient waiting for the tied sum: -5.71 % before, +0.65 % now."""
+    head's gradient waiting for the tied sum: -5.71 % before, +0.65 % now. The copies are ``zero3_epilogue.py
+    bucket_copies``' (gloo's of a single tensor too), at N_d = 1 as well (nvme17: GPT-2 d = 512, 1e6-element
+    buckets, N_d = 1, block 0's c_fc hook sending the MLP c_proj's 1,048,576-element gradient: gloo's 2,097,152-B
+    copy, 2,097,160 B under before, 8 B now); with ``offload_optimizer`` gloo's copy is freed before
+    ``partition_grads`` takes the norms, so the moment holds the larger of it and the fp64 copy (as the last
+    bucket's, traced)."""
     if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
     s, p = run.settings, _pbytes(run)
@@ -266,13 +269,17 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     base_bytes, memo, saved = sum(t.bytes for t in base), _hook_memo(run), {}
     best: dict[int, tuple[int, int]] = {}  # block -> (bytes, bucket) of its largest
     blocks, copies, fetched = run.param_blocks, {}, _backward_fetches(run) if s.device == "cpu" else {}
+    gloo_copies = s.device == "cpu" and (bool(fetched) or run.nd == 1)  # at N_d > 1 with the hooks' gathers known
     for b in range(len(buckets) - 1):  # the last bucket is sent after backward (independent_gradient_partition_epilogue)
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
         large = large_before[end] - large_before[start]
-        # on gloo every bucket sent: flattened (one tensor: a view) and gloo's copy of it (1-24; on a GPU not measured)
-        padded = sum(-(-numels[i] // run.nd) * run.nd for i in order[start:end]) if fetched and end - start > 1 else 0
-        copies[b] = 2 * padded
-        if not (large or offload or copies[b]):
+        # on gloo every bucket sent: flattened (one tensor: a view) and gloo's copy of it (1-24; on a GPU not measured);
+        # with offload gloo's copy is freed before partition_grads takes the norms on their fp64 copies: the larger
+        flat, gloo = bucket_copies([numels[i] for i in order[start:end]], run.nd, s.device) if gloo_copies else (0, 0)
+        norm = max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 if offload else 0
+        keep_gloo = gloo * p > norm
+        copies[b] = (flat, gloo * keep_gloo, norm * (not keep_gloo), bool(flat or gloo))
+        if not (large or offload or flat or gloo):
             continue
         hook = order[end]
         j = blocks[hook]
@@ -281,11 +288,11 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             continue
         if j not in saved:
             saved[j] = _blocks_saved(run, j)
-        total = base_bytes + saved[j].bytes + at_hook + large * p + copies[b] * p
-        if copies[b]:
+        total = base_bytes + saved[j].bytes + at_hook + large * p + (flat + copies[b][1]) * p + copies[b][2]
+        if flat or gloo:
             total += sum(t.bytes for t in _gathered_at_hook(base, fetched.get(order[end]), run, "")) - base_bytes
         if offload:
-            total += max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 + normed_before[start] * 8
+            total += normed_before[start] * 8
         if j not in best or total > best[j][0]:
             best[j] = (total, b)
     out = []
@@ -293,18 +300,17 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
         where, acts, module = _hook_activations(run, j, order[end], memo)  # type: ignore[misc]
         at = f"block {j} {where} backward"
-        terms = (*(_gathered_at_hook(base, fetched.get(order[end]), run, at) if copies[b] else base), saved[j], *acts,
+        flat, gloo, norm, copied = copies[b]
+        terms = (*(_gathered_at_hook(base, fetched.get(order[end]), run, at) if copied else base), saved[j], *acts,
                  Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                       "autograd (one node makes every input's gradient)", len(module)),
                  Term("gradients larger than the bucket, in the bucket sent", (large_before[end] - large_before[start]) * p,
                       f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"),
-                 Term("the bucket's flattened copy and gloo's copy of it", copies[b] * p,
-                      f"{S3} __avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced "
-                      "(torch.cat); gloo reduce_scatter_tensor", 2))
+                 Term("the bucket's flattened copy and gloo's copy of it", (flat + gloo) * p,
+                      f"{S3} __avg_scatter_grads -> zero3_epilogue.py bucket_copies", int(flat > 0) + int(gloo > 0)))
         if offload:
-            parts = [-(-numels[i] // run.nd) for i in order[start:end]]
             norms = normed_before[start]
-            terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", max(parts) * 8 + 8,
+            terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", norm,
                            f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2", 2),
                       Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))  # fmt: skip
         out.append(Moment("backward", f"block {j} {where} backward, a bucket sent", terms))
@@ -335,46 +341,6 @@ def _gathered_at_hook(base: tuple[Term, ...], event: Optional[int], run: DSRun, 
     return (*kept, Term(f"gathered parameters ({where})", (sched.gathered[event] - buffers) * p, GATHER_SRC),
             *((Term("coalesced all-gather buffers awaiting their last module", buffers * p,
                     "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor)"),) if buffers else ()))
-
-
-def _epilogue_reduce_scatter(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Moment, ...]:
-    """The last bucket, reduced after backward (stage3.py ``independent_gradient_partition_epilogue`` ->
-    ``__reduce_and_partition_ipg_grads`` -> ``__avg_scatter_grads`` -> runtime/comm/coalesced_collectives.py
-    ``reduce_scatter_coalesced``): its gradients, each padded to a multiple of N_d, are interleaved into one
-    flat tensor (``torch.cat``; none for a single tensor that divides evenly), and gloo's
-    ``reduce_scatter_tensor`` works on a full-size copy of that input (the copy is gloo's: on a GPU, NCCL
-    reduces in place, not measured there; moe.py ``_reduction_peak`` measured it too). The activations are gone;
-    the token embedding, the last module fetched in backward, is still gathered (no gradient input: its release
-    is not traced, ``trace.py backward``); without ``contiguous_gradients`` the bucket's gradients are still
-    autograd's (``params_in_ipg_bucket``), with it those larger than the bucket. Found twice this session, by the
-    differential matrix (seed 3 draw 13, generator 4: Qwen2 17.4M tied, ZeRO-3, one bucket larger than the model,
-    N_d = 2; MemTracker's live storages at the backward peak: the states, the bucket, the gathered embedding, the
-    69,685,248-B ``cat`` and the 69,685,248-B copy made inside gloo's ``reduce_scatter_tensor``: -5.0% on both
-    ranks before, at the tied embedding's backward) and on the recorded MoE rows at DeepSpeed's default 5e8
-    bucket, where the last bucket is every gradient (a live-storage trace, Mixtral wide, gloo N_d = 2: two
-    5,734,912-B buffers beside the states; 2.57 MB (0.13 %) under before, Qwen3-MoE 0.15 %, DeepSeek-V3 0.085 %)."""
-    s = run.settings
-    if not run.param_blocks or run.nd == 1 or s.offload_optimizer.on:
-        return ()
-    order, _, first_of_bucket, _ = _hook_layout(run.numels, s.reduce_bucket_size, run.grad_ready_order)
-    last = [run.numels[i] for i in order[first_of_bucket[-1]:]]
-    padded = sum(-(-n // run.nd) * run.nd for n in last)
-    flat = 0 if len(last) == 1 and last[0] % run.nd == 0 else padded
-    copies = flat + (padded if s.device == "cpu" else 0)
-    held = sum(last) if not s.contiguous_gradients else sum(n for n in last if n > s.reduce_bucket_size)
-    if not (copies or held):
-        return ()  # nothing allocated: a subset of the last block's moment
-    p, acts = _pbytes(run), run.acts
-    return (Moment("backward", "last bucket reduce-scattered after backward", (
-        *_states(run), *all_secondaries(run), *run.wrapper.held_between_micro_steps(run),
-        *_gathered(run, sched, "embedding backward"), _act("batch (token ids, targets)", acts.batch, 2),
-        _act("loss", acts.loss),
-        Term("the last bucket's gradients still in param.grad (all without contiguous_gradients; else those "
-             "larger than the bucket)", held * p,
-             f"{S3} params_in_ipg_bucket; __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads"),
-        Term("the last bucket's interleaved flat copy and gloo's reduce-scatter copy", copies * p,
-             "runtime/comm/coalesced_collectives.py reduce_scatter_coalesced (torch.cat) -> "
-             "torch.distributed.reduce_scatter_tensor (ProcessGroupGloo: on a copy of the input)", 2))),)  # fmt: skip
 
 
 def _step_terms(run: DSRun, terms: tuple[Term, ...]) -> tuple[Term, ...]:

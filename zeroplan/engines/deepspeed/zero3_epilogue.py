@@ -1,0 +1,107 @@
+"""ZeRO-3's last bucket, reduced after backward (runtime/zero/stage3.py ``independent_gradient_partition_epilogue``),
+and the copies every bucket's reduction makes (``bucket_copies``, shared with ``zero3.py _in_block_reductions``):
+the interleaved flat tensor of ``reduce_scatter_coalesced`` and gloo's copy of it, and with ``offload_optimizer`` the
+fp64 copy of each gradient partition for its norm."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
+from zeroplan.engines.deepspeed.layout_ranks import _hook_layout
+from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
+from zeroplan.engines.deepspeed.run import DSRun, _act, _gathered, _pbytes, _states
+from zeroplan.engines.deepspeed.zeropp import all_secondaries
+from zeroplan.formulas.peak import Moment, Term
+
+S3 = "runtime/zero/stage3.py"
+
+
+def bucket_copies(numels: list[int], nd: int, device: str) -> tuple[int, int]:
+    """Elements of the two copies a bucket of gradients ``numels`` makes when it is reduce-scattered
+    (stage3.py ``__avg_scatter_grads`` -> runtime/comm/coalesced_collectives.py ``reduce_scatter_coalesced``): the
+    interleaved flat tensor of their partitions, each padded to a multiple of N_d (``torch.cat``; none for one
+    tensor that divides evenly: ``tensors[0].view(-1)``), and gloo's copy of that input inside
+    ``reduce_scatter_tensor`` (ProcessGroupGloo; none on NCCL, ``device`` cuda: not measured there). At N_d = 1
+    too: nothing there skips a group of one. Measured (nvme17, live storages, gloo N_d = 1): both for the last
+    bucket of every gradient (GPT-2 d = 512, 2 x 7,371,776 B), gloo's alone for a bucket of one 1,048,576-element
+    gradient (2,097,152 B)."""
+    padded = sum(-(-n // nd) * nd for n in numels)
+    flat = 0 if len(numels) == 1 and numels[0] % nd == 0 else padded
+    return flat, padded if device == "cpu" else 0
+
+
+def epilogue_moments(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Moment, ...]:
+    """The last bucket, reduced after backward (stage3.py ``independent_gradient_partition_epilogue`` ->
+    ``__reduce_and_partition_ipg_grads`` -> ``__avg_scatter_grads`` -> runtime/comm/coalesced_collectives.py
+    ``reduce_scatter_coalesced``): its gradients, each padded to a multiple of N_d, are interleaved into one
+    flat tensor (``torch.cat``; none for a single tensor that divides evenly), and gloo's
+    ``reduce_scatter_tensor`` works on a full-size copy of that input (the copy is gloo's: on a GPU, NCCL
+    reduces in place, not measured there; moe.py ``_reduction_peak`` measured it too). The activations are gone;
+    the token embedding, the last module fetched in backward, is still gathered (no gradient input: its release
+    is not traced, ``trace.py backward``); without ``contiguous_gradients`` the bucket's gradients are still
+    autograd's (``params_in_ipg_bucket``), with it those larger than the bucket. Found twice this session, by the
+    differential matrix (seed 3 draw 13, generator 4: Qwen2 17.4M tied, ZeRO-3, one bucket larger than the model,
+    N_d = 2; MemTracker's live storages at the backward peak: the states, the bucket, the gathered embedding, the
+    69,685,248-B ``cat`` and the 69,685,248-B copy made inside gloo's ``reduce_scatter_tensor``: -5.0% on both
+    ranks before, at the tied embedding's backward) and on the recorded MoE rows at DeepSpeed's default 5e8
+    bucket, where the last bucket is every gradient (a live-storage trace, Mixtral wide, gloo N_d = 2: two
+    5,734,912-B buffers beside the states; 2.57 MB (0.13 %) under before, Qwen3-MoE 0.15 %, DeepSeek-V3 0.085 %).
+
+    At N_d = 1 too: ``reduce_scatter_coalesced`` neither skips a group of one nor avoids the ``cat`` of several
+    tensors, and gloo copies the input all the same. With ``offload_optimizer`` gloo's copy is gone by
+    ``partition_grads``, which takes each partition's norm on an fp64 copy (``_epilogue_norms``) while the ``cat``,
+    whose views the partitions are, is alive. Measured (nvme17, 2026-12-02: GPT-2 one block, d = 512, vocab 1,024,
+    Ψ = 3,685,888, DeepSpeed's default 5e8 bucket, gloo N_d = 1; live storages at the backward peak): the states, the
+    7,371,776-B ``cat`` and gloo's 7,371,776-B copy (bf16; fp32 twice that): 10,907,780 B under before, 4 B now; with
+    ``offload_optimizer`` cpu the ``cat`` and the 8,388,608-B fp64 copy of c_fc's partition."""
+    s = run.settings
+    if not run.param_blocks:
+        return ()
+    order, _, first_of_bucket, _ = _hook_layout(run.numels, s.reduce_bucket_size, run.grad_ready_order)
+    last = [run.numels[i] for i in order[first_of_bucket[-1]:]]
+    flat, gloo = bucket_copies(last, run.nd, s.device)
+    held = sum(last) if not s.contiguous_gradients else sum(n for n in last if n > s.reduce_bucket_size)
+    norms = _epilogue_norms(run, order, first_of_bucket[-1]) if s.offload_optimizer.on else ()
+    if not (flat or gloo or held or norms):
+        return ()  # nothing allocated: a subset of the last block's moment
+    p, acts = _pbytes(run), run.acts
+    common = (*_states(run), *all_secondaries(run), *run.wrapper.held_between_micro_steps(run),
+              *_gathered(run, sched, "embedding backward"), _act("batch (token ids, targets)", acts.batch, 2),
+              _act("loss", acts.loss),
+              Term("the last bucket's gradients still in param.grad (all without contiguous_gradients; else those "
+                   "larger than the bucket)", held * p, f"{S3} params_in_ipg_bucket; __add_grad_to_ipg_bucket "
+                   "(copied only if it fits) -> partition_grads"))  # fmt: skip
+    cat = "runtime/comm/coalesced_collectives.py reduce_scatter_coalesced (torch.cat)"
+    out = [Moment("backward", "last bucket reduce-scattered after backward", (*common, Term(
+        "the last bucket's interleaved flat copy and gloo's reduce-scatter copy", (flat + gloo) * p,
+        f"{cat} -> torch.distributed.reduce_scatter_tensor (ProcessGroupGloo: on a copy of the input)", 2)))]  # fmt: skip
+    if norms:
+        out.append(Moment("backward", "last bucket's partitions normed after backward (offload_optimizer)", (
+            *common, Term("the last bucket's interleaved flat copy (the partitions are its views)", flat * p, cat),
+            *norms)))  # fmt: skip
+    return tuple(out)
+
+
+def _epilogue_norms(run: DSRun, order: tuple[int, ...], start: int) -> tuple[Term, ...]:
+    """``offload_optimizer``: ``partition_grads`` walks the last bucket (``order[start:]``, hook order) and for each
+    gradient partition with real data on this rank (``offload_terms.param_norm_count``'s rule) keeps the fp64 norm
+    of ``_offload_grad_partition_at_boundary -> _constant_buffered_norm2``, made on an fp64 copy of the partition
+    (``part.data.to(get_norm_dtype())``; its square, 8 B, beside it). The largest moment over the bucket: its copy
+    beside the norms kept before it, the earlier buckets' included. On CPU ``grad_buffer.to(device)`` is the buffer
+    itself; on a GPU it is a GPU copy of the host partition (not measured: not counted)."""
+    rank, nd, numels = run.settings.rank or 0, run.nd, run.numels
+    best, kept = (0, 0), 0
+    for k, i in enumerate(order):
+        part = -(-numels[i] // nd)
+        if part * rank >= numels[i]:
+            continue  # partition_grads: contains_real_data false, no norm
+        if k >= start and part * 8 + kept * 8 > best[0] + best[1] * 8:
+            best = (part * 8, kept)
+        kept += 1
+    if not best[0]:
+        return ()
+    src = f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2"
+    return (Term("fp64 copy of a gradient partition for its norm (the largest moment of the last bucket)",
+                 best[0] + 8, src, 2),
+            Term(f"{PARAM_NORMS}, the gradients normed before it", best[1] * 8, f"{S3} norm_for_param_grads", best[1]))
