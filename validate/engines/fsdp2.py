@@ -13,7 +13,10 @@ Meta init (``init="meta"``): the model is built on the meta device (transformers
 Phases (``PHASES``): ``init`` builds the model (fp32, on the probed device), shards it and creates the
 optimizer; each step is ``forward`` (batch copied in, loss), ``backward`` and ``optimizer_step``. The
 MemoryProbe keeps the peak of each phase, and live bytes are read after init, after forward, after
-backward and at each step boundary. The CommCounter records every c10d call with its phase.
+backward and at each step boundary. The CommCounter records every c10d call with its phase. On gloo each
+synchronous collective returns only once gloo's worker thread has let its tensors go and their frees are counted
+(``released_on_gloo``: events, not time; ``validate.engines.fsdp2_gloo_release``), so a tensor gloo frees late
+cannot sit in a later phase's peak on a loaded machine; the ops and their allocations are unchanged.
 
 Real ranks: ``torchrun --nproc-per-node N -m validate.engines.fsdp2 --settings JSON --out FILE`` (gloo on
 CPU, NCCL on CUDA); rank 0 writes every rank's row. Simulated: ``--simulated --world-size N`` plays rank 0
