@@ -13,7 +13,10 @@ Meta init (``init="meta"``): the model is built on the meta device (transformers
 Phases (``PHASES``): ``init`` builds the model (fp32, on the probed device), shards it and creates the
 optimizer; each step is ``forward`` (batch copied in, loss), ``backward`` and ``optimizer_step``. The
 MemoryProbe keeps the peak of each phase, and live bytes are read after init, after forward, after
-backward and at each step boundary. The CommCounter records every c10d call with its phase.
+backward and at each step boundary. The CommCounter records every c10d call with its phase. On gloo each
+synchronous collective returns only once gloo's worker thread has let its tensors go and their frees are counted
+(``released_on_gloo``: events, not time; ``validate.engines.fsdp2_gloo_release``), so a tensor gloo frees late
+cannot sit in a later phase's peak on a loaded machine; the ops and their allocations are unchanged.
 
 Real ranks: ``torchrun --nproc-per-node N -m validate.engines.fsdp2 --settings JSON --out FILE`` (gloo on
 CPU, NCCL on CUDA); rank 0 writes every rank's row. Simulated: ``--simulated --world-size N`` plays rank 0
@@ -31,13 +34,14 @@ import statistics
 import time
 import warnings
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from validate.engines.fsdp2_gloo_release import dist_collectives_released
 from validate.engines.fsdp2_hf import build_model, decoder_layers, peak_breakdown
 from validate.models import build, make_batch, spec_for
 from validate import cuda_snapshot
@@ -175,41 +179,13 @@ def check_parity(settings: Fsdp2Settings, spec, mesh, local_batch, global_batch,
     return {"grad_max_abs_diff": diff, "grad_max_abs": scale, "grad_rel_diff": diff / scale}
 
 
-@contextmanager
-def gloo_reduce_scatter_settled(probe: MemoryProbe, enabled: bool):
-    """gloo runs a reduce-scatter as an allreduce of a copy of its input on its worker thread, and drops
-    that copy a moment after ``wait()`` returns (``validate.probes.MemoryProbe.settled_bytes``). Left
-    alone, the copy is seen by the tracker at a later moment on some ranks and not others; here each
-    reduce-scatter returns only once the live bytes are steady, so the copy is counted where gloo makes
-    it (the ``gloo reduce-scatter copy`` term of ``zeroplan.engines.fsdp2``). Timing only: nothing is
-    allocated or freed by this wrapper."""
-    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
-                         "all_gather_into_tensor") if hasattr(dist, n)]  # fmt: skip
-    originals = {n: getattr(dist, n) for n in names}
-
-    def settled(original):
-        def call(*args, **kwargs):
-            work = original(*args, **kwargs)
-            if work is None:  # synchronous: the copy may still be held by the worker thread
-                last, same, deadline = probe.current_bytes(), 0, time.monotonic() + 0.5
-                while same < 3 and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                    now = probe.current_bytes()
-                    same, last = (same + 1 if now == last else 0), now
-            return work
-
-        return call
-
-    if enabled:
-        for n in names:
-            setattr(dist, n, settled(originals[n]))
-    try:
-        yield
-    finally:
-        for n in names:
-            setattr(dist, n, originals[n])
-
-
+def released_on_gloo(probe: MemoryProbe, gloo: bool):
+    """gloo: each synchronous collective returns once gloo's worker thread has let its tensors go and their frees
+    are counted (``validate.engines.fsdp2_gloo_release.dist_collectives_released``: events, not time), so the copy
+    gloo makes of a reduce-scatter's input is counted where gloo makes it (the ``gloo reduce-scatter copy`` term of
+    ``zeroplan.engines.fsdp2``) and freed before the rank's next op. Called inside the probe (its tracker: ``with
+    probe, ..., released_on_gloo(probe, gloo)``); NCCL and the fake group: nothing."""
+    return dist_collectives_released(probe.tracker) if gloo and probe.tracker is not None else nullcontext()
 
 
 def time_step(model: nn.Module, optimizer, local_batch, device) -> float:
@@ -256,7 +232,7 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
             counter.phase = phase or "between steps"
 
         gloo = dist.get_backend() == "gloo"
-        with probe, counter, gloo_reduce_scatter_settled(probe, gloo):
+        with probe, counter, released_on_gloo(probe, gloo):
             enter("init")
             model = build_sharded(spec, mesh, settings, device)
             optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr, foreach=settings.foreach,

@@ -169,8 +169,8 @@ def runner_changes(meta: dict) -> list[str]:
     """What this runner changes in the FSDP2 it measures, beyond the probes (``ReportRow.runner_changes``)."""
     out = ["one intra-op thread per rank (OMP_NUM_THREADS=1, validate.harness)"]
     if meta["backend"] == "gloo":
-        out.append("gloo's synchronous reduce-scatters and all-gathers return only once the live bytes are steady "
-                   "(gloo_reduce_scatter_settled: timing only; FSDP2's asynchronous calls are left alone)")  # fmt: skip
+        out.append("each synchronous collective returns only once gloo's worker thread has let its tensors go "
+                   "(validate/engines/fsdp2_gloo_release.py): each free counted before the rank's next op")  # fmt: skip
     if meta.get("fake_tensors"):
         out.append("simulated: rank 0 of a fake process group under FakeTensorMode (validate.simulate)")
     elif meta["backend"] == "fake":

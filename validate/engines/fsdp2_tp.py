@@ -14,7 +14,7 @@ so its ``ColwiseParallel`` hooks run) and computes the loss in ``loss_parallel()
 
 Phases, probes and the c10d counter are FSDP2's runner's (``validate.engines.fsdp2``); each call's process
 group is recorded as its ranks and as the mesh dimension it is (``dim``). Every collective returns only once
-gloo's worker thread has let its tensors go (``validate.engines.fsdp2_tp_release``: waited for as events, so a
+gloo's worker thread has let its tensors go (``validate.engines.fsdp2_gloo_release``: waited for as events, so a
 tensor gloo frees late cannot sit in a phase's peak on a loaded machine; the ops are unchanged). Alone:
 ``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 --out F``; under ``zeroplan validate
 --engine fsdp2 --tp T`` (validate.harness): ``--config JSON --out F --raw``, compared by
@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from validate.engines.fsdp2 import optimizer_state_bytes
-from validate.engines.fsdp2_tp_release import dist_collectives_released, functional_collectives_released
+from validate.engines.fsdp2_gloo_release import dist_collectives_released, functional_collectives_released
 from validate.lifeline import leave_world
 from validate.models import LLAMA_TINY, build, make_batch, spec_for
 from validate.probes import CommCounter, MemoryProbe
@@ -241,7 +241,7 @@ def measure(run: TpRun, nd: int, rank: int) -> dict:
         counter.phase = phase or "between steps"
 
     step_s = []
-    # every collective finished and let go by gloo before the rank goes on: validate/engines/fsdp2_tp_release.py
+    # every collective finished and let go by gloo before the rank goes on: validate/engines/fsdp2_gloo_release.py
     with (probe, counter, counter.functional(), dist_collectives_released(probe.tracker),
           functional_collectives_released()):
         enter("init")

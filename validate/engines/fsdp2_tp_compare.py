@@ -15,7 +15,7 @@ from dataclasses import replace
 TP_RUNNER_CHANGES = (
     "one intra-op thread per rank (OMP_NUM_THREADS=1, validate.harness)",
     "each collective returns only once gloo's worker thread has let its tensors go (DTensor's functional ones "
-    "waited where issued; validate/engines/fsdp2_tp_release.py): each free counted before the rank's next op",
+    "waited where issued; validate/engines/fsdp2_gloo_release.py): each free counted before the rank's next op",
     "CausalLM's head called as the module lm_head (tp_forward) so ColwiseParallel's hooks run; the loss under "
     "loss_parallel() (validate/engines/fsdp2_tp.py)",
     "no parity check: the TP runner does not train a single-process reference",

@@ -1,17 +1,20 @@
-"""The TP runner's collectives, each finished and let go by gloo before the rank goes on: one moment per free.
+"""FSDP2's collectives on gloo, each finished and let go by gloo's worker thread before the rank goes on: one
+moment per free. Used by both FSDP2 runners (``validate.engines.fsdp2``: plain, HSDP; ``validate.engines.fsdp2_tp``).
 
 gloo runs every collective on a worker thread of its process group, and its work object holds the collective's
 tensors until that thread drops it, a moment *after* the rank's ``wait`` has returned
 (``ProcessGroupGloo::runLoop`` resets ``workInProgress_`` after ``AsyncWork::execute`` has completed the work).
 A tensor the rank has already let go of (DTensor's all-gathered activation once its chunks are joined, gloo's
-own copy of a reduce-scatter's input) is then freed on gloo's thread, and MemTracker counts it live until that
-thread runs, which on a loaded machine can be after the rank has allocated its next tensors: the phase's peak
-then holds a stale buffer. The world-4 TP row (fp32, SP, 2 x 32 tokens) failed so once in a full-suite run: the
-backward peak 12,288 B (b·s·d fp32: one SP all-gather output) over the prediction, +2.06 %. Diagnostic runs
-(every storage's free, by thread) saw such frees on gloo's thread on most ranks of most loaded runs; with each
-such free delayed 20 ms before MemTracker counts it, one run in four reproduced the failure exactly (backward
-+12,288 B on two ranks, a freed all-gather buffer still in the count at the peak op): a timing-dependent
-reading, never a byte the engine holds on purpose (docs/engines/fsdp2.md, the TP section).
+own copy of a reduce-scatter's input, FSDP2's all-gather input once its call returned) is then freed on gloo's
+thread, and MemTracker counts it live until that thread runs, which on a loaded machine can be after the rank
+has allocated its next tensors: the phase's peak then holds a stale buffer. The world-4 TP row (fp32, SP,
+2 x 32 tokens) failed so once in a full-suite run: the backward peak 12,288 B (b·s·d fp32: one SP all-gather
+output) over the prediction, +2.06 %. Diagnostic runs (every storage's free, by thread) saw such frees on gloo's
+thread on most ranks of most loaded runs; with each such free delayed 20 ms before MemTracker counts it, one run
+in four reproduced the failure exactly (backward +12,288 B on two ranks, a freed all-gather buffer still in the
+count at the peak op): a timing-dependent reading, never a byte the engine holds on purpose (docs/engines/fsdp2.md,
+the TP section). The plain runner's earlier poll ("three equal readings 1 ms apart") had the same weakness: with
+such frees delayed 300 ms it read gloo's late reduce-scatter copy in a later phase (tests/test_fsdp2_gloo_release.py).
 
 Two waits, both for an event rather than a time:
 
@@ -23,7 +26,9 @@ Two waits, both for an event rather than a time:
   from the call), so only the waiting moves.
 - FSDP2's synchronous ``torch.distributed`` all-gathers, reduce-scatters and HSDP all-reduces: their work object is
   Python's until the call returns; after it, the rank waits until every storage first seen during the call
-  (gloo's copy of a reduce-scatter's input, split on the rank's thread at ``wait``) has been freed.
+  (gloo's copy of a reduce-scatter's input, split on the rank's thread at ``wait``) has been freed *in
+  MemTracker's count*, and until gloo has dropped the tensors it was handed (use counts back to theirs before the
+  call: gloo's all-gather still holds its input after ``wait`` in about one call in four, measured on 2 ranks).
 
 After both, every free a collective leaves to gloo has happened before the rank's next op, whatever the load:
 the peaks are those of a rank whose collectives complete and let go where they are issued (the model's
@@ -126,7 +131,8 @@ def dist_collectives_released(tracker):
     """While entered, each synchronous ``DIST_COLLECTIVES`` call returns once every storage MemTracker
     (``tracker``) added during it is freed *in its count*: its delete callback has run (on gloo's thread, a
     moment after the storage's weak reference died). Asynchronous calls are left alone: FSDP2 issues none on
-    CPU. The tracker's own ``_update_snap`` and ``_delete_callback`` are wrapped (on this instance) to see that."""
+    CPU. The tracker's own ``_update_snap`` and ``_delete_callback`` are wrapped (on this instance) to see that.
+    The call also waits until gloo has dropped the tensors it was handed (``_uses`` back to theirs before it)."""
     originals = {n: getattr(dist, n) for n in DIST_COLLECTIVES if hasattr(dist, n)}
     update, delete = tracker._update_snap, tracker._delete_callback  # MemTracker binds the latter at each ADD
     added: list = []
@@ -142,12 +148,16 @@ def dist_collectives_released(tracker):
 
     def released(name, original):
         def call(*args, **kwargs):
+            given = _tensors((args, kwargs))
+            uses = [_uses(t) for t in given]
             added.clear()
             work = original(*args, **kwargs)
             made = list(added)
             added.clear()
             if work is None:
-                _await(lambda: not all(getattr(w, "freed_in_count", False) for w in made), f"torch.distributed.{name}")
+                _await(lambda: not all(getattr(w, "freed_in_count", False) for w in made)
+                       or any(u > b for t, base in zip(given, uses) for u, b in zip(_uses(t), base)),
+                       f"torch.distributed.{name}")  # fmt: skip
             return work
 
         return call
