@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+from validate.engines.gloo_holds import use_counts
+
 SETTLED_OPS = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_base", "all_gather_coalesced",
                "all_to_all_single", "all_to_all", "gather", "scatter")  # fmt: skip
@@ -68,12 +70,7 @@ class GlooSettled:
         return out
 
     def _wrap(self, original):
-        import torch
-
-        def count(t) -> tuple[int, int]:
-            # gloo keeps either the tensor itself (all-reduce: the TensorImpl's count) or views of it (all-gather
-            # chunks: the storage's count); both are back to their value before the call once it is done
-            return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+        count = use_counts  # gloo_holds: the tensor's and its storage's use counts
 
         def call(*args, **kwargs):
             tensors = self._tensors(args, kwargs)

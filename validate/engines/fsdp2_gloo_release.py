@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from validate.engines.gloo_holds import use_counts
+
 RELEASE_DEADLINE_S = 60.0
 """Longest wait for gloo's thread to let a finished collective's tensors go (milliseconds, even under load); past
 it the run stops: a tensor still held then is held by the rank itself (a bug here), never to be let go."""
@@ -73,17 +75,11 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _uses(t: torch.Tensor) -> tuple[int, int]:
-    """(the ``TensorImpl``'s, its storage's) use counts; gloo's work holds the tensor and views of it. The storage
-    count includes the Python storage object made here (so a tensor alone reads (1, 2))."""
-    return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
 def released_functional(op, args: tuple, kwargs: dict):
     """Run the functional collective ``op``, wait for it and for gloo to let its tensors go; returns its output
     (already waited: funcol's later ``wait_tensor`` finds no work and returns)."""
     given = _tensors((args, kwargs))
-    uses = [_uses(t) for t in given]
+    uses = [use_counts(t) for t in given]
     result = op(*args, **kwargs)
     out = [t for t in _tensors(result) if not any(t is g for g in given)]  # new outputs (not in-place ones)
     for t in out:
@@ -91,7 +87,7 @@ def released_functional(op, args: tuple, kwargs: dict):
     tensors, uses = [*given, *out], [*uses, *((1, 2) for _ in out)]
 
     def held() -> bool:
-        return any(u > b for t, base in zip(tensors, uses) for u, b in zip(_uses(t), base))
+        return any(u > b for t, base in zip(tensors, uses) for u, b in zip(use_counts(t), base))
 
     _await(held, f"_c10d_functional.{op._qualified_op_name.split('::')[-1]}")
     return result
@@ -132,7 +128,7 @@ def dist_collectives_released(tracker):
     (``tracker``) added during it is freed *in its count*: its delete callback has run (on gloo's thread, a
     moment after the storage's weak reference died). Asynchronous calls are left alone: FSDP2 issues none on
     CPU. The tracker's own ``_update_snap`` and ``_delete_callback`` are wrapped (on this instance) to see that.
-    The call also waits until gloo has dropped the tensors it was handed (``_uses`` back to theirs before it)."""
+    The call also waits until gloo has dropped the tensors it was handed (``gloo_holds.use_counts`` back to theirs before it)."""
     originals = {n: getattr(dist, n) for n in DIST_COLLECTIVES if hasattr(dist, n)}
     update, delete = tracker._update_snap, tracker._delete_callback  # MemTracker binds the latter at each ADD
     added: list = []
@@ -149,14 +145,14 @@ def dist_collectives_released(tracker):
     def released(name, original):
         def call(*args, **kwargs):
             given = _tensors((args, kwargs))
-            uses = [_uses(t) for t in given]
+            uses = [use_counts(t) for t in given]
             added.clear()
             work = original(*args, **kwargs)
             made = list(added)
             added.clear()
             if work is None:
                 _await(lambda: not all(getattr(w, "freed_in_count", False) for w in made)
-                       or any(u > b for t, base in zip(given, uses) for u, b in zip(_uses(t), base)),
+                       or any(u > b for t, base in zip(given, uses) for u, b in zip(use_counts(t), base)),
                        f"torch.distributed.{name}")  # fmt: skip
             return work
 
