@@ -89,9 +89,10 @@ FROM_HOOKS = {
                                     (-440, 2120)),
     ("qwen3-moe-wide", 2, "above"): ([[9314944, 15000408, 17393304, 18630288], [9314944, 15000408, 18992840, 18630288]],
                                      (648, 3464)),
-    # rank 0 at its router hook, 61,800 B (0.75 %) under: not traced (at 5,000 and 300,000 within 440 B)
+    # rank 0's peak in the final norm's weight-product backward, the head's 64,384-element gradient (over the
+    # bucket) waiting for the next hook (moe12_hooks.head_hook_bucket): 61,800 B (0.75 %) under before
     ("deepseek-wide", 2, "mid50k"): ([[4389440, 8015856, 8281912, 8779344], [4389440, 8015856, 9529400, 8779344]],
-                                     (61800, 72)),
+                                     (-440, 72)),
 }  # fmt: skip
 #: Measured and refused (``zero12_moe_limit``, moe12.py ``_hook_order_limit``): buckets holding an expert tensor where
 #: the module trace's hook order is not autograd's (Qwen3-MoE registers ``experts`` first; Qwen2-MoE's shared expert

@@ -206,14 +206,32 @@ def head_hook_bucket(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, .
     -> ``process_gradients`` -> ``setup_buckets`` allocates the reduce bucket(s) with the head's gradient alive, every
     activation still saved; the logits' gradient and the final norm output's are gone by then (the head's
     backward node has run). Measured (live storages at DeepSeek-V3's rank 0 peak, 300,000-element buckets: the
-    1,200,000-B bucket beside the 257,536-B head gradient; 159,048 B under before, now 440 B over)."""
+    1,200,000-B bucket beside the 257,536-B head gradient; 159,048 B under before, now 440 B over).
+
+    Then the final RMSNorm's weight product (``weight * x̂``) runs backward, its weight's gradient made before its
+    hook: where the head's gradient is larger than the bucket it was not copied into it but left in ``param.grad``
+    for the next hook to reduce (``reduce_independent_p_g_buckets_and_remove_grads``: ``extra_large_param_to_
+    reduce``), so it is alive beside the bucket, the norm's saved tensors less its output (the head's input,
+    released by the head's backward), the norm output's gradient and the product's two (d·w and d·x̂, N·d·a each)
+    and the weight's gradient. Measured (live storages at DeepSeek-V3's rank 0 peak, 50,000-element buckets, the
+    257,536-B head gradient over 200,000 B: the peak at the norm weight gradient's ``sum``; 61,800 B (0.75 %)
+    under before, now 440 B over)."""
     if run.spec is None or run.spec.moe is None or run.tied_head or not run.param_blocks:
         return ()
     keep = tuple(t for t in last if t not in inflight and t.name not in (
         "block backward working set", "incoming activation gradient", "root gradients held (head weight, final norm)"))
-    return (Moment("backward", "head's hook, the reduce bucket allocated", (
-        *keep, _blocks_saved(run, run.acts.n_layer), _act("final norm saved and output", run.acts.final_saved),
-        Term("head weight gradient", run.head_numel * _pbytes(run), "autograd (mm backward)"))),)
+    saved, nd, p = _blocks_saved(run, run.acts.n_layer), run.acts.embed_out, _pbytes(run)
+    head = Term("head weight gradient", run.head_numel * p, "autograd (mm backward)")
+    out = [Moment("backward", "head's hook, the reduce bucket allocated", (
+        *keep, saved, _act("final norm saved and output", run.acts.final_saved), head))]
+    if run.head_numel > run.settings.reduce_bucket_size and run.acts.block.pending_at_last_grad:  # an RMSNorm
+        out.append(Moment("backward", "final norm's weight product backward, the head's gradient waiting", (
+            *keep, saved, _act("final norm saved less its output", run.acts.final_saved - nd),
+            _act("norm output gradient and the product's two (d·w, d·x̂)", 3 * nd, 3),
+            Term("final norm weight gradient", run.spec.d_model * p, "autograd (mul backward, sum)"),
+            Term("head weight gradient (larger than the bucket, waiting)", run.head_numel * p,
+                 f"{SRC} reduce_independent_p_g_buckets_and_remove_grads (extra_large_param_to_reduce)"))))
+    return tuple(out)
 
 
 def sparse_moments(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
