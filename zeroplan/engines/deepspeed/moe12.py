@@ -20,9 +20,9 @@ Qwen3-MoE and DeepSeek-V3, both ranks, every phase (fp32, gloo, N_d = 2; rows in
   working set without the weight gradients gone at the hooks: moe12_hooks.py (found by live-storage traces at each
   rank's backward peak, benchmarks/ds_moe12_rows.py ``trace``). Buckets below every expert tensor (5,000
   elements), between the expert tensors (Mixtral 200,000: Mixtral-8x7B's case at DeepSpeed's 5e8; DeepSeek-V3
-  50,000) and above both (300,000): within 2,952 B (0.018 %, Qwen3-MoE) but DeepSeek-V3's rank 0 at 50,000,
-  61,800 B (0.75 %) under at its router hook (not traced); the head's hook allocating the bucket
-  (``head_hook_bucket``). Before (the partition placed at a block's first op): misses up to +3.99 % / -1.26 %.
+  50,000) and above both (300,000): within 2,952 B (0.018 %, Qwen3-MoE); the head's hook allocating the bucket
+  and, the head's gradient larger than the bucket, the final norm's weight-product backward with it waiting
+  (``head_hook_bucket``: DeepSeek-V3's rank 0 at 50,000, 61,800 B (0.75 %) under before, now 440 B over). Before (the partition placed at a block's first op): misses up to +3.99 % / -1.26 %.
   bf16 (Mixtral at 5,000 and 200,000, DeepSeek-V3 at 5,000 and 50,000): within 33,928 B (0.24 %). Refused
   (``zero12_moe_limit``): fp16 (not measured); Qwen2-MoE and Qwen3-MoE with buckets holding an expert tensor, whose
   hooks the module trace orders otherwise than autograd (``_hook_order_limit``; measured +1.6 % / -1.3 %).
