@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             import torch.multiprocessing as mp
 
-            mp.spawn(_trace_rank, args=(args.name, args.stage, args.zero, 29500 + os.getpid() % 1000, tmp, args.top), nprocs=2)
+            port = 29500 + os.getpid() % 1000
+            mp.spawn(_trace_rank, args=(args.name, args.stage, args.zero, port, tmp, args.top), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ Per hook of sparse block j (``_at_hook``), beside the states, the buckets and th
   input gradient and the router's (3·N·d·a), at the router's Qwen2-MoE's shared expert's as above; alive
   ``gate_up_proj``'s gradient where larger than the bucket and the router weight's own.
 
-Also the last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the
-head's hook allocating the bucket (``head_hook_bucket``).
+Also the gate-up backward before its hook with a partition allocated at ``down_proj``'s (``_gate_up_backward``), the
+last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the head's
+hook allocating the bucket (``head_hook_bucket``).
 
 Measured (gloo, N_d = 2, fp32 and bf16, tests/test_deepspeed_moe12.py): see ``moe12.py``.
 """
@@ -147,6 +148,42 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
             options.append((*_stage1_kept(run, kept, r, j, b, order, first_of_bucket), *own))
         best = max(options, key=lambda terms: sum(t.bytes for t in terms))
         out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
+    return (*out, *_gate_up_backward(run, base, kept, firsts))
+
+
+def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[Term, ...]],
+                      firsts: dict[int, int]) -> tuple[Moment, ...]:
+    """The gate-up grouped matmul's backward making ``gate_up_proj``'s gradient, before its hook, for a rank whose
+    ``grads_in_partition`` a bucket reduced at an earlier hook allocated (``down_proj``'s: its gradient did not fit
+    beside the bucket's): the partition, the bucket, ``down_proj``'s gradient where larger than the bucket, the
+    block's activations at the gate-up hook (``_at_hook``) and, not yet released, the grouped matmul's saved input
+    (the gathered rows, S·d·a) and its output's gradient (S·2f·a). Measured (live storages at Qwen3-MoE's rank 1
+    peak, 150,000-element buckets: its partition allocated at layer 2's ``down_proj`` hook)."""
+    roles, order, (_, _, first_of_bucket, bucket_of) = _roles(run), run.grad_ready_order, _hook_buckets(run)
+    p, a, spec, limit = _pbytes(run), DTYPE_BYTES[run.settings.dtype], run.spec, run.settings.reduce_bucket_size
+    pos = {i: k for k, i in enumerate(order)}
+    s_rows = _tokens(run) * spec.moe.top_k
+    out = []
+    for gu in (i for i, role in roles.items() if role == "gate_up"):
+        j, at = run.param_blocks[gu], pos[gu]
+        b = bucket_of[order[at - 1]]  # the bucket filling when the gate-up backward runs
+        held = [r for r, first in firsts.items()
+                if first + 1 < len(first_of_bucket) and first_of_bucket[first + 1] < at]
+        if not held:
+            continue
+        down = sum(run.numels[i] for i in order[first_of_bucket[b]:at]
+                   if roles.get(i) == "down" and run.numels[i] > limit)
+        r = max(held, key=lambda r: run.flat.params_numel(r) + sum(t.bytes for t in _stage1_kept(
+            run, kept, r, j, b, order, first_of_bucket)))
+        out.append(Moment("backward", f"block {j} gate-up backward, rank {r}'s grads_in_partition held", (
+            *base, _blocks_saved(run, j), *_at_hook(run, j, "gate_up"),
+            _act("the gate-up matmul's saved input and its output's gradient",
+                 s_rows * spec.d_model * a + s_rows * 2 * spec.moe.expert_ffn * a, 2),
+            Term("down_proj's gradient larger than the bucket (waiting)", down * p,
+                 f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
+            Term("gate_up_proj's gradient", run.numels[gu] * p, "autograd (grouped_mm backward)"),
+            *_stage1_kept(run, kept, r, j, b, order, first_of_bucket),
+            Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC))))
     return tuple(out)
 
 
