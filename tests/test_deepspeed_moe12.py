@@ -93,19 +93,22 @@ FROM_HOOKS = {
     # under) and the gate-up backward with the partition a down_proj hook allocated (moe12_hooks._gate_up_backward)
     ("qwen3-moe-wide", 2, "mid150k"): ([[9314944, 15000408, 17128688, 18630288],
                                         [9314944, 15000408, 18687776, 18630288]], (392, 3488)),
+    # refused (BETWEEN) until the hooks came in autograd's order (66,696 / 198,808 B under) and the gathered rows'
+    # backward after a gate-up hook whose gradient waits became a moment (moe12_hooks.sparse_hook_partitions)
+    ("qwen2-moe-wide", 2, "mid100k"): ([[11477632, 18428736, 20513448, 22955664],
+                                        [11477632, 18428736, 21979336, 22955664]], (1160, 2200)),
     # rank 0's peak in the final norm's weight-product backward, the head's 64,384-element gradient (over the
     # bucket) waiting for the next hook (moe12_hooks.head_hook_bucket): 61,800 B (0.75 %) under before
     ("deepseek-wide", 2, "mid50k"): ([[4389440, 8015856, 8281912, 8779344], [4389440, 8015856, 9529400, 8779344]],
                                      (-440, 72)),
 }  # fmt: skip
-#: Measured and refused (``zero12_moe_limit``, moe12.py ``_hook_order_limit``): Qwen2-MoE with buckets holding an
-#: expert tensor: its shared expert runs first, so autograd reaches it last, and the buckets reduced at its hooks are
-#: not modelled: rows as FROM_HOOKS, then the backward's measured - predicted per rank. Before the hooks came in
-#: autograd's order within the sparse MLP's ZeRO-3 leaf (run.grad_ready_order): +66,696 / +198,808 B (100,000),
-#: -281,480 / -174,696 B (300,000); Qwen3-MoE at 150,000 +2,952 / +298,400 B (now in FROM_HOOKS).
+#: Measured and refused (``zero12_moe_limit``, moe12.py ``_hook_order_limit``): Qwen2-MoE with buckets holding every
+#: routed expert tensor: its shared expert runs first, so autograd reaches it last, and a bucket reduced at its
+#: down_proj's hook (rank 1's partition allocated inside the shared SwiGLU's backward, live storages) is not
+#: modelled: rows as FROM_HOOKS, then the backward's measured - predicted per rank. Before the hooks came in
+#: autograd's order within the sparse MLP's ZeRO-3 leaf (run.grad_ready_order): -281,480 / -174,696 B; Qwen3-MoE
+#: at 150,000 and Qwen2-MoE at 100,000 refused then too (now in FROM_HOOKS).
 BETWEEN = {
-    ("qwen2-moe-wide", 2, "mid100k"): ([[11477632, 18428736, 20513448, 22955664],
-                                        [11477632, 18428736, 21979336, 22955664]], (66696, 2200)),
     ("qwen2-moe-wide", 2, "above"): ([[11477632, 18428736, 20965272, 22955664],
                                       [11477632, 18428736, 22218168, 22955664]], (2184, 674184)),
 }  # fmt: skip
@@ -203,7 +206,7 @@ BF16_FROM_HOOKS = {
     ("mixtral-wide", 2, "small"): ([[8602496, 13389376, 14334392, 20072848], [8602496, 13389376, 15468248, 20072848]],
                                    (136, -376)),
     ("mixtral-wide", 2, "mid"): ([[8602496, 13389376, 14724392, 20072848], [8602496, 13389376, 15463992, 20072848]],
-                                 (136, 33928)),
+                                 (136, 1160)),  # rank 1 33,928 B before the gathered rows' backward moment
     ("deepseek-wide", 2, "small"): ([[3292096, 6233328, 6297720, 7682000], [3292096, 6233328, 6756872, 7682000]],
                                     (-472, 15912)),
     ("deepseek-wide", 2, "mid50k"): ([[3292096, 6233328, 6297720, 7682000], [3292096, 6233328, 6830488, 7682000]],

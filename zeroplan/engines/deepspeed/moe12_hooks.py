@@ -26,6 +26,10 @@ Per hook of sparse block j (``_at_hook``), beside the states, the buckets and th
   input gradient and the router's (3·N·d·a), at the router's Qwen2-MoE's shared expert's as above; alive
   ``gate_up_proj``'s gradient where larger than the bucket and the router weight's own.
 
+After a ``gate_up_proj`` hook whose gradient is larger than the bucket (left in ``param.grad`` for the next hook:
+``extra_large_param_to_reduce``), the gathered rows' gradient scattered back to the tokens (``IndexBackward``: a zeros
+tensor and ``index_put``, 2·N·d·a) beside it, the bucket reduced gone and the partition kept (measured: Qwen2-MoE's
+rank 0 at 100,000-element buckets, 66,696 B under before, now 1,160 B).
 Also the gate-up backward before its hook with a partition allocated at ``down_proj``'s (``_gate_up_backward``), the
 last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the head's
 hook allocating the bucket (``head_hook_bucket``).
@@ -125,7 +129,7 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient"))  # fmt: skip
     firsts = {r: min(bucket_of[i] for i in run.flat.params(r)) for r in run.ranks if run.flat.params(r)}
-    out = []
+    out, large_name = [], "gradients larger than the bucket, in the bucket reduced"
     for b in range(len(buckets) - 1):
         hook = order[first_of_bucket[b + 1]]
         role, j = roles.get(hook), run.param_blocks[hook]
@@ -133,7 +137,7 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
             continue
         large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
         common = (*base, _blocks_saved(run, j), *_at_hook(run, j, role),
-                  Term("gradients larger than the bucket, in the bucket reduced", large * p,
+                  Term(large_name, large * p,
                        f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
                   Term("the hooked parameter's gradient (waiting)", run.numels[hook] * p,
                        f"{SRC} reduce_independent_p_g_buckets_and_remove_grads (the bucket first)"))  # fmt: skip
@@ -148,6 +152,12 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
             options.append((*_stage1_kept(run, kept, r, j, b, order, first_of_bucket), *own))
         best = max(options, key=lambda terms: sum(t.bytes for t in terms))
         out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
+        if role == "gate_up" and run.numels[hook] > limit:  # its gradient waits past the hook (module docstring)
+            name = f"block {j} gathered rows' backward after the gate-up hook, bucket {b} gone"
+            out.append(Moment("backward", name, (
+                *(t for t in common if t.name != large_name), *(t for t in best if t is not copy),
+                _act("the gathered rows' gradient scattered back (IndexBackward: zeros, index_put)",
+                     2 * run.acts.embed_out, 2))))
     return (*out, *_gate_up_backward(run, base, kept, firsts))
 
 
