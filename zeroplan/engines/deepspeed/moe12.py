@@ -20,8 +20,9 @@ Qwen3-MoE and DeepSeek-V3, both ranks, every phase (fp32, gloo, N_d = 2; rows in
   working set without the weight gradients gone at the hooks: moe12_hooks.py (found by live-storage traces at each
   rank's backward peak, benchmarks/ds_moe12_rows.py ``trace``). Buckets below every expert tensor (5,000
   elements), between the expert tensors (Mixtral 200,000: Mixtral-8x7B's case at DeepSpeed's 5e8; DeepSeek-V3
-  50,000; Qwen3-MoE 150,000; Qwen2-MoE 100,000) and above both (300,000): within 3,720 B (0.021 %, Qwen3-MoE); the gate-up backward
-  with a partition a ``down_proj`` hook allocated (``_gate_up_backward``); the head's hook allocating the bucket
+  50,000; Qwen3-MoE 150,000; Qwen2-MoE 100,000) and above both (300,000): within 3,720 B (0.021 %, Qwen3-MoE);
+  the gate-up backward with a partition a ``down_proj`` hook allocated (``_gate_up_backward``), the gathered rows'
+  backward after a gate-up hook whose gradient waits; the head's hook allocating the bucket
   and, the head's gradient larger than the bucket, the final norm's weight-product backward with it waiting
   (``head_hook_bucket``: DeepSeek-V3's rank 0 at 50,000, 61,800 B (0.75 %) under before, now 440 B over).
   Before (the partition placed at a block's first op): misses up to +3.99 % / -1.26 %.
