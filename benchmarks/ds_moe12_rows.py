@@ -95,7 +95,7 @@ def _live_storage_mode(ignore: set, hook: dict):
     return Live()
 
 
-def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str) -> None:
+def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str, top: int = 30) -> None:
     import gc
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
@@ -136,7 +136,7 @@ def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str
         if turn == rank:
             print(f"rank {rank}: backward peak {mode.peak:,} B of storages made in the step (parameters and flat "
                   f"groups excluded), in or after the gradient hook of {mode.hook}")
-            for nbytes, func, shape, where in sorted(mode.at_peak, key=lambda x: -x[0])[:30]:
+            for nbytes, func, shape, where in sorted(mode.at_peak, key=lambda x: -x[0])[:top]:
                 print(f"    {nbytes:>10,}  {func:<40} {str(shape):<18} {' <- '.join(reversed(where[-3:]))}", flush=True)
         dist.barrier()
 
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("name")
     t.add_argument("stage", type=int)
     t.add_argument("zero", help="a key of tests/test_deepspeed_moe12.py ZERO")
+    t.add_argument("--top", type=int, default=30, help="list this many of the largest live storages")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         _files(Path(tmp))
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             import torch.multiprocessing as mp
 
-            mp.spawn(_trace_rank, args=(args.name, args.stage, args.zero, 29500 + os.getpid() % 1000, tmp), nprocs=2)
+            port = 29500 + os.getpid() % 1000
+            mp.spawn(_trace_rank, args=(args.name, args.stage, args.zero, port, tmp, args.top), nprocs=2)
 
 
 if __name__ == "__main__":

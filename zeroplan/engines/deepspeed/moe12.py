@@ -20,12 +20,15 @@ Qwen3-MoE and DeepSeek-V3, both ranks, every phase (fp32, gloo, N_d = 2; rows in
   working set without the weight gradients gone at the hooks: moe12_hooks.py (found by live-storage traces at each
   rank's backward peak, benchmarks/ds_moe12_rows.py ``trace``). Buckets below every expert tensor (5,000
   elements), between the expert tensors (Mixtral 200,000: Mixtral-8x7B's case at DeepSpeed's 5e8; DeepSeek-V3
-  50,000) and above both (300,000): within 2,952 B (0.018 %, Qwen3-MoE) but DeepSeek-V3's rank 0 at 50,000,
-  61,800 B (0.75 %) under at its router hook (not traced); the head's hook allocating the bucket
-  (``head_hook_bucket``). Before (the partition placed at a block's first op): misses up to +3.99 % / -1.26 %.
-  bf16 (Mixtral at 5,000 and 200,000, DeepSeek-V3 at 5,000 and 50,000): within 33,928 B (0.24 %). Refused
-  (``zero12_moe_limit``): fp16 (not measured); Qwen2-MoE and Qwen3-MoE with buckets holding an expert tensor, whose
-  hooks the module trace orders otherwise than autograd (``_hook_order_limit``; measured +1.6 % / -1.3 %).
+  50,000; Qwen3-MoE 150,000; Qwen2-MoE 100,000) and above both (300,000): within 3,720 B (0.021 %, Qwen3-MoE);
+  the gate-up backward with a partition a ``down_proj`` hook allocated (``_gate_up_backward``), the gathered rows'
+  backward after a gate-up hook whose gradient waits; the head's hook allocating the bucket
+  and, the head's gradient larger than the bucket, the final norm's weight-product backward with it waiting
+  (``head_hook_bucket``: DeepSeek-V3's rank 0 at 50,000, 61,800 B (0.75 %) under before, now 440 B over).
+  Before (the partition placed at a block's first op): misses up to +3.99 % / -1.26 %.
+  bf16 (Mixtral at 5,000 and 200,000, DeepSeek-V3 at 5,000 and 50,000): within 15,912 B (0.24 %). Refused
+  (``zero12_moe_limit``): fp16 (not measured); Qwen2-MoE with buckets holding every routed expert tensor, one
+  reduced at its shared expert's hooks (run last; ``_hook_order_limit``; measured +3.0 %).
 - bf16 (DeepSpeedZeroOptimizer, ``grad_accum_dtype`` bf16): the backward and the step as in fp32 (within 648 B,
   DeepSeek-V3's backward 472 B over); the forward was 64,000 B (Mixtral, +0.48 %) and 68,032 B (DeepSeek-V3,
   +1.09 %) under at ZeRO-1 and ZeRO-2 alike until transformers' bf16 logits kept beside their fp32 upcast became a
@@ -79,21 +82,16 @@ def zero12_moe_limit(s: Settings, spec: TransformerSpec) -> Optional[str]:
 
 
 def _hook_order_limit(s: Settings, spec: TransformerSpec, psi: int) -> Optional[str]:
-    """Reducing from the hooks: where the module trace's hook order (``run.grad_ready_order``: a ZeRO-3 leaf's
-    parameters in ``named_parameters`` order, reversed) is not autograd's and a bucket holds an expert tensor, the
-    buckets are not DeepSpeed's: Qwen3-MoE registers ``experts`` before ``gate`` (its router's hook placed first;
-    measured with the bucket between its expert tensors, rank 1 +1.6 %; below or above both within 0.02 %),
-    Qwen2-MoE runs its ``shared_expert`` first, so autograd reaches it last (placed before the experts; measured
-    between and above, +0.9 % / -1.3 %; below every expert tensor within 0.02 %). None elsewhere."""
+    """Reducing from the hooks: Qwen2-MoE with a bucket holding every routed expert tensor (``gate_up_proj``, E·2f·d,
+    up to Ψ): its shared expert, called first, runs backward last (``run.grad_ready_order``: within the sparse MLP's
+    ZeRO-3 leaf, the reverse of its modules' calls), and a bucket reduced at its ``down_proj``'s hook allocates a
+    rank's partition inside the shared SwiGLU's backward, not modelled (live storages: rank 1 at 300,000 elements,
+    674,184 B, +3.0 %, under). Below (100,000, between its expert tensors; 5,000) within 0.011 %. None elsewhere
+    (Qwen3-MoE, ``experts`` registered before ``gate``, modelled since its router's hook comes after the experts')."""
     moe, bucket = spec.moe, s.reduce_bucket_size
-    down = moe.n_experts * spec.d_model * moe.expert_ffn  # (E, d, f); gate_up_proj (E, 2f, d) twice it
-    if spec.model_type == "qwen3_moe" and down <= bucket < min(2 * down, psi):
-        lo, hi = down, 2 * down
-    elif spec.model_type == "qwen2_moe" and min(down, spec.d_model * moe.shared_ffn) <= bucket < psi:
-        lo, hi = min(down, spec.d_model * moe.shared_ffn), psi
-    else:
+    lo = 2 * moe.n_experts * spec.d_model * moe.expert_ffn  # gate_up_proj (E, 2f, d)
+    if spec.model_type != "qwen2_moe" or not lo <= bucket < psi:
         return None
-    return (f"{spec.model_type} reducing from the hooks with reduce_bucket_size {bucket:,} in [{lo:,}, {hi:,}): "
-            "its expert tensors share buckets whose order is not autograd's (run.grad_ready_order: the ZeRO-3 leaf's "
-            f"parameters in named_parameters order; moe12.py _hook_order_limit); use reduce_bucket_size < {lo:,} "
-            f"or >= {psi:,}, ZeRO-1 without overlap_comm, or ZeRO-3")
+    return (f"qwen2_moe reducing from the hooks with reduce_bucket_size {bucket:,} in [{lo:,}, {psi:,}): a bucket "
+            "reduced at its shared expert's hooks (run last) is not modelled (moe12.py _hook_order_limit; measured "
+            f"3.0 % under); use reduce_bucket_size < {lo:,} or >= {psi:,}, ZeRO-1 without overlap_comm, or ZeRO-3")

@@ -26,8 +26,13 @@ Per hook of sparse block j (``_at_hook``), beside the states, the buckets and th
   input gradient and the router's (3·N·d·a), at the router's Qwen2-MoE's shared expert's as above; alive
   ``gate_up_proj``'s gradient where larger than the bucket and the router weight's own.
 
-Also the last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the
-head's hook allocating the bucket (``head_hook_bucket``).
+After a ``gate_up_proj`` hook whose gradient is larger than the bucket (left in ``param.grad`` for the next hook:
+``extra_large_param_to_reduce``), the gathered rows' gradient scattered back to the tokens (``IndexBackward``: a zeros
+tensor and ``index_put``, 2·N·d·a) beside it, the bucket reduced gone and the partition kept (measured: Qwen2-MoE's
+rank 0 at 100,000-element buckets, 66,696 B under before, now 1,160 B).
+Also the gate-up backward before its hook with a partition allocated at ``down_proj``'s (``_gate_up_backward``), the
+last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the head's
+hook allocating the bucket (``head_hook_bucket``).
 
 Measured (gloo, N_d = 2, fp32 and bf16, tests/test_deepspeed_moe12.py): see ``moe12.py``.
 """
@@ -124,7 +129,7 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient"))  # fmt: skip
     firsts = {r: min(bucket_of[i] for i in run.flat.params(r)) for r in run.ranks if run.flat.params(r)}
-    out = []
+    out, large_name = [], "gradients larger than the bucket, in the bucket reduced"
     for b in range(len(buckets) - 1):
         hook = order[first_of_bucket[b + 1]]
         role, j = roles.get(hook), run.param_blocks[hook]
@@ -132,7 +137,7 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
             continue
         large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
         common = (*base, _blocks_saved(run, j), *_at_hook(run, j, role),
-                  Term("gradients larger than the bucket, in the bucket reduced", large * p,
+                  Term(large_name, large * p,
                        f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
                   Term("the hooked parameter's gradient (waiting)", run.numels[hook] * p,
                        f"{SRC} reduce_independent_p_g_buckets_and_remove_grads (the bucket first)"))  # fmt: skip
@@ -147,6 +152,48 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
             options.append((*_stage1_kept(run, kept, r, j, b, order, first_of_bucket), *own))
         best = max(options, key=lambda terms: sum(t.bytes for t in terms))
         out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
+        if role == "gate_up" and run.numels[hook] > limit:  # its gradient waits past the hook (module docstring)
+            name = f"block {j} gathered rows' backward after the gate-up hook, bucket {b} gone"
+            out.append(Moment("backward", name, (
+                *(t for t in common if t.name != large_name), *(t for t in best if t is not copy),
+                _act("the gathered rows' gradient scattered back (IndexBackward: zeros, index_put)",
+                     2 * run.acts.embed_out, 2))))
+    return (*out, *_gate_up_backward(run, base, kept, firsts))
+
+
+def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[Term, ...]],
+                      firsts: dict[int, int]) -> tuple[Moment, ...]:
+    """The gate-up grouped matmul's backward making ``gate_up_proj``'s gradient, before its hook, for a rank whose
+    ``grads_in_partition`` a bucket reduced at an earlier hook allocated (``down_proj``'s: its gradient did not fit
+    beside the bucket's): the partition, the bucket, ``down_proj``'s gradient where larger than the bucket, the
+    block's activations at the gate-up hook (``_at_hook``) and, not yet released, the grouped matmul's saved input
+    (the gathered rows, S·d·a) and its output's gradient (S·2f·a). Measured (live storages at Qwen3-MoE's rank 1
+    peak, 150,000-element buckets: its partition allocated at layer 2's ``down_proj`` hook)."""
+    roles, order, (_, _, first_of_bucket, bucket_of) = _roles(run), run.grad_ready_order, _hook_buckets(run)
+    p, a, spec, limit = _pbytes(run), DTYPE_BYTES[run.settings.dtype], run.spec, run.settings.reduce_bucket_size
+    pos = {i: k for k, i in enumerate(order)}
+    s_rows = _tokens(run) * spec.moe.top_k
+    out = []
+    for gu in (i for i, role in roles.items() if role == "gate_up"):
+        j, at = run.param_blocks[gu], pos[gu]
+        b = bucket_of[order[at - 1]]  # the bucket filling when the gate-up backward runs
+        held = [r for r, first in firsts.items()
+                if first + 1 < len(first_of_bucket) and first_of_bucket[first + 1] < at]
+        if not held:
+            continue
+        down = sum(run.numels[i] for i in order[first_of_bucket[b]:at]
+                   if roles.get(i) == "down" and run.numels[i] > limit)
+        r = max(held, key=lambda r: run.flat.params_numel(r) + sum(t.bytes for t in _stage1_kept(
+            run, kept, r, j, b, order, first_of_bucket)))
+        out.append(Moment("backward", f"block {j} gate-up backward, rank {r}'s grads_in_partition held", (
+            *base, _blocks_saved(run, j), *_at_hook(run, j, "gate_up"),
+            _act("the gate-up matmul's saved input and its output's gradient",
+                 s_rows * spec.d_model * a + s_rows * 2 * spec.moe.expert_ffn * a, 2),
+            Term("down_proj's gradient larger than the bucket (waiting)", down * p,
+                 f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
+            Term("gate_up_proj's gradient", run.numels[gu] * p, "autograd (grouped_mm backward)"),
+            *_stage1_kept(run, kept, r, j, b, order, first_of_bucket),
+            Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC))))
     return tuple(out)
 
 
@@ -206,14 +253,32 @@ def head_hook_bucket(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, .
     -> ``process_gradients`` -> ``setup_buckets`` allocates the reduce bucket(s) with the head's gradient alive, every
     activation still saved; the logits' gradient and the final norm output's are gone by then (the head's
     backward node has run). Measured (live storages at DeepSeek-V3's rank 0 peak, 300,000-element buckets: the
-    1,200,000-B bucket beside the 257,536-B head gradient; 159,048 B under before, now 440 B over)."""
+    1,200,000-B bucket beside the 257,536-B head gradient; 159,048 B under before, now 440 B over).
+
+    Then the final RMSNorm's weight product (``weight * x̂``) runs backward, its weight's gradient made before its
+    hook: where the head's gradient is larger than the bucket it was not copied into it but left in ``param.grad``
+    for the next hook to reduce (``reduce_independent_p_g_buckets_and_remove_grads``: ``extra_large_param_to_
+    reduce``), so it is alive beside the bucket, the norm's saved tensors less its output (the head's input,
+    released by the head's backward), the norm output's gradient and the product's two (d·w and d·x̂, N·d·a each)
+    and the weight's gradient. Measured (live storages at DeepSeek-V3's rank 0 peak, 50,000-element buckets, the
+    257,536-B head gradient over 200,000 B: the peak at the norm weight gradient's ``sum``; 61,800 B (0.75 %)
+    under before, now 440 B over)."""
     if run.spec is None or run.spec.moe is None or run.tied_head or not run.param_blocks:
         return ()
     keep = tuple(t for t in last if t not in inflight and t.name not in (
         "block backward working set", "incoming activation gradient", "root gradients held (head weight, final norm)"))
-    return (Moment("backward", "head's hook, the reduce bucket allocated", (
-        *keep, _blocks_saved(run, run.acts.n_layer), _act("final norm saved and output", run.acts.final_saved),
-        Term("head weight gradient", run.head_numel * _pbytes(run), "autograd (mm backward)"))),)
+    saved, nd, p = _blocks_saved(run, run.acts.n_layer), run.acts.embed_out, _pbytes(run)
+    head = Term("head weight gradient", run.head_numel * p, "autograd (mm backward)")
+    out = [Moment("backward", "head's hook, the reduce bucket allocated", (
+        *keep, saved, _act("final norm saved and output", run.acts.final_saved), head))]
+    if run.head_numel > run.settings.reduce_bucket_size and run.acts.block.pending_at_last_grad:  # an RMSNorm
+        out.append(Moment("backward", "final norm's weight product backward, the head's gradient waiting", (
+            *keep, saved, _act("final norm saved less its output", run.acts.final_saved - nd),
+            _act("norm output gradient and the product's two (d·w, d·x̂)", 3 * nd, 3),
+            Term("final norm weight gradient", run.spec.d_model * p, "autograd (mul backward, sum)"),
+            Term("head weight gradient (larger than the bucket, waiting)", run.head_numel * p,
+                 f"{SRC} reduce_independent_p_g_buckets_and_remove_grads (extra_large_param_to_reduce)"))))
+    return tuple(out)
 
 
 def sparse_moments(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
