@@ -119,7 +119,8 @@ def test_the_last_step_copied_from_the_one_before_is_the_step_built(engine, monk
 
     _, traces = ENGINES[engine]
     copied, repeat = [], module._Builder.repeat_step
-    monkeypatch.setattr(module._Builder, "repeat_step", lambda self, *a: (copied.append(a[0][0]), repeat(self, *a))[1])
+    monkeypatch.setattr(module._Builder, "repeat_step",
+                        lambda self, *a: (copied.append(a[0][0]), repeat(self, *a))[1])  # the mark reached
     checked = 0
     for w, nd, settings in _draws(engine, 8):
         fast = traces(w, nd, settings)

@@ -50,7 +50,7 @@ def _key_agreement(k: tuple, old: tuple | None, new: tuple | None) -> tuple | No
     return (tuple(map(_ID, low_old)), low_new), zip(map(_ID, old[len(low_old):]), map(_ID, new[len(low_new):]))
 
 
-def _agreement(earlier: tuple, now: tuple, keys: set, memo: dict) -> tuple[dict[int, tuple], dict[int, int]] | None:
+def _agreement(earlier: tuple, now: tuple, keys: set, memo: dict) -> tuple[dict, dict[int, int]] | None:
     """None unless the two states agree on ``keys`` (``_key_agreement``, found once per key in ``memo``); else
     (the bottoms: by the earlier bottom's first id, (its ids, the later bottom's buffers); the ids renamed)."""
     old_live, new_live = earlier[LIVE], now[LIVE]
@@ -121,8 +121,9 @@ def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment
         low = {i for ids, _ in bottoms.values() for i in ids}
         if low and any(earlier[MOVES] < at <= stop and i in low for at, i in popped):
             continue
-        if _since_kept(earlier, now, reach[n]) and _frees_kept(events, earlier[EVENTS], end_events if end is None
-                                                              else marks[end][EVENTS], rename, now[NEXT_ID] - earlier[NEXT_ID]):
+        last = end_events if end is None else marks[end][EVENTS]
+        shift = now[NEXT_ID] - earlier[NEXT_ID]
+        if _since_kept(earlier, now, reach[n]) and _frees_kept(events, earlier[EVENTS], last, rename, shift):
             return end, earlier, bottoms, rename, reach[n]
     return None
 
@@ -143,7 +144,8 @@ def copy_events(events: list[Event], earlier: tuple, now: tuple, rename: dict[in
 def resumed(later: tuple, earlier: tuple, now: tuple, plan: tuple) -> tuple | None:
     """The last step's state at the step before's ``later`` mark, which the copy (``plan``) reached from
     ``earlier`` (the last step's mark ``now``): the keys it touched as the step before left them, renamed (their
-    bottoms the last step's), the others as at ``now``; (live buffers by key, since, next id, keys added, moves);
+    bottoms the last step's), the others as at ``now``; (phase, live bytes, live buffers by key, since, next id,
+    keys added, moves);
     None when a buffer is neither renamed, newer nor a bottom (the copy's premise broken: build instead)."""
     _, _, bottoms, rename, touched = plan
     shift, first_new = now[NEXT_ID] - earlier[NEXT_ID], earlier[NEXT_ID]
@@ -169,4 +171,5 @@ def resumed(later: tuple, earlier: tuple, now: tuple, plan: tuple) -> tuple | No
     for k, s in later[SINCE].items():  # the keys of the mark first (``live``'s order)
         if k in touched:
             since[k] = new_since[k] if s < added else s + more
-    return live, since, later[NEXT_ID] + shift, later[ADDED] + more, later[MOVES] + now[MOVES] - earlier[MOVES]
+    return (*later[:LIVE], live, since, later[NEXT_ID] + shift, later[ADDED] + more,
+            later[MOVES] + now[MOVES] - earlier[MOVES])  # fmt: skip

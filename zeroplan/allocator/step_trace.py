@@ -42,8 +42,7 @@ from operator import itemgetter
 
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
-from zeroplan.allocator.step_repeat import GROWN, copy_events, resumed
-from zeroplan.allocator.step_repeat import copy_plan as _repeats
+from zeroplan.allocator.step_repeat import GROWN, copy_events, copy_plan as _repeats, resumed
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
@@ -121,7 +120,7 @@ class _Builder:
         self.since: dict[Key, int] = {}
         self._added = 0
         self.moves = 0  # the moments walked
-        self.popped: list[tuple[int, int]] = []  # (moves walked, id) of each grown buffer's piece popped (step_repeat)
+        self.popped: list[tuple[int, int]] = []  # (moves walked, id) of each grown piece popped (step_repeat)
 
     def _add(self, key: Key, stack: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         self.live[key], self.since[key] = stack, self._added
@@ -311,30 +310,24 @@ class _Builder:
             if not live[key]:
                 del live[key]
 
-
     def snapshot(self) -> tuple:
-        """What the rest of a step's events depend on, copied (each key's buffers as a tuple, in C: cheap enough
-        to take at several moments of a step): the phase, the live bytes, the live buffers ((id, size, stream) of
-        each, by key) and when each live key was added (``since``: ``_release`` frees the changed keys in its
-        order); with the next id, how many events there are, how many keys were added and moments walked."""
+        """What the rest of a step's events depend on (``step_repeat``'s fields), copied (in C: cheap enough to
+        take at several moments of a step; each key's buffers as a tuple)."""
         live = self.live
         return (self.phase, self.live_bytes, dict(zip(live, map(tuple, live.values()))), dict(self.since),
                 self.next_id, len(self.events), self._added, self.moves)  # fmt: skip
 
     def repeat_step(self, plan: tuple, now: tuple, marks: dict[int, tuple], end: int) -> int | None:
         """Copy the last step's events from the step before (``step_repeat.copy_plan``'s ``plan``, from the mark
-        ``now``) to the step's end (``end``: where the last step began; None: the trace ends), or to a later mark,
-        whose state, renamed, the builder takes on: that mark's offset (``now``'s when nothing is copied)."""
+        ``now``) to the step's end (``end``: its events; None: the trace ends), or to a later mark, whose state,
+        renamed, the builder takes on: that mark's offset (``now``'s when nothing is copied)."""
         later, earlier, _, rename, _ = plan
-        if later is None:
-            copy_events(self.events, earlier, now, rename, end)
-            return None
-        state = resumed(marks[later], earlier, now, plan)
-        if state is None:
+        state = None if later is None else resumed(marks[later], earlier, now, plan)
+        if later is not None and state is None:
             return next(j for j, mark in marks.items() if mark is earlier)
-        copy_events(self.events, earlier, now, rename, marks[later][5])
-        self.live, self.since, self.next_id, self._added, self.moves = state
-        self.phase, self.live_bytes = marks[later][:2]
+        copy_events(self.events, earlier, now, rename, end if later is None else marks[later][5])
+        if later is not None:
+            self.phase, self.live_bytes, self.live, self.since, self.next_id, self._added, self.moves = state
         return later
 
 
@@ -397,12 +390,11 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
             if at < last:
                 marks[marks_at[at]] = mark
             else:
-                plan = _repeats(marks, marks_at[at], mark, order[at:], changes, builder.popped, last, builder.events,
-                                last_start)
+                plan = _repeats(marks, marks_at[at], mark, order[at:], changes, builder.popped, last,
+                                builder.events, last_start)
                 reached = builder.repeat_step(plan, mark, marks, last_start) if plan else marks_at[at]
                 if reached is None:  # copied to the step's end
                     break
-                at = last + reached  # the builder's state is that after this moment (``repeat_step``)
-                before = order[at]
+                at, before = last + reached, order[last + reached]  # the builder's state: that after this moment
         at += 1
     return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))
