@@ -12,7 +12,10 @@ parameters grown from the optimizer step's buffer in the second step only. Piece
 while the step before never pops those bottom pieces (``_Builder.popped``) the transitions free, grow and pair
 every buffer alike: its events are copied up to such a moment (a later mark, or the step's end), and the
 builder resumes from the step before's state there, renamed, with the last step's own bottom pieces
-(``resumed``). tests/test_step_trace.py compares the copy with the step built moment by moment on every engine.
+(``resumed``). Only the keys the copied transitions change are compared (the others are neither freed, grown
+nor paired: they stay as the last step holds them), and the frees of each transition, in id order, keep their
+order renamed (``_frees_kept``). tests/test_step_trace.py compares the copy with the step built moment by
+moment on every engine.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ _new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__``
 PHASE, LIVE_BYTES, LIVE, SINCE, NEXT_ID, EVENTS, ADDED, MOVES = range(8)
 
 
-def _key_agreement(k: tuple, old: tuple | None, new: tuple | None) -> tuple | None:
+def _key_agreement(k: tuple, old: tuple | None, new: tuple | None) -> tuple | bool | None:
     """False unless a key's buffers agree in two states (the same (size, stream) each, but a grown buffer's
     bottom pieces: the same bytes on one stream); else (the earlier bottom's ids and the later bottom's buffers,
     or None; the other buffers' ids paired)."""
