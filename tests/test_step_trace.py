@@ -111,14 +111,16 @@ def test_a_collection_of_n_grows_by_its_last_tensors():
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_the_last_step_copied_from_the_one_before_is_the_step_built(engine, monkeypatch):
-    """``step_trace`` copies the last step's events from the step before when the builder's state after their
-    first moments agrees (``_repeats``): every event equal to the trace built moment by moment, on the drawn
+    """``step_trace`` copies the last step's events from the step before where the builder's states agree
+    (``_repeats``, to the step's end or to a later mark, whence it resumes): every event equal to the trace built
+    moment by moment, on the drawn
     configurations of each engine (HSDP, k-sharded, CPU, ZeRO 1-3, ...), and the copy made (on most of FSDP2's)."""
     import zeroplan.allocator.step_trace as module
 
     _, traces = ENGINES[engine]
     copied, repeat = [], module._Builder.repeat_step
-    monkeypatch.setattr(module._Builder, "repeat_step", lambda self, *a: (copied.append(1), repeat(self, *a)))
+    monkeypatch.setattr(module._Builder, "repeat_step",
+                        lambda self, *a: (copied.append(a[0][0]), repeat(self, *a))[1])  # the mark reached
     checked = 0
     for w, nd, settings in _draws(engine, 8):
         fast = traces(w, nd, settings)
@@ -129,29 +131,34 @@ def test_the_last_step_copied_from_the_one_before_is_the_step_built(engine, monk
         assert [t.phase_live_bytes for t in fast] == [t.phase_live_bytes for t in built]
         checked += len(fast)
     assert checked >= 8 and copied, (engine, len(copied), checked)
+    assert any(end is not None for end in copied)  # some copies stop at a later mark and the builder resumes
     if engine == "fsdp2":  # its moments start each step alike (DeepSpeed's first step often does not)
         assert len(copied) * 2 >= checked, (len(copied), checked)
 
 
 def test_a_last_step_that_starts_elsewhere_is_copied_only_from_where_it_agrees(monkeypatch):
     """A one-tensor buffer grown in pieces: from init (1,500 B) to the first forward (2,000 B) it grows by a
-    500-B piece; the optimizer step (1,000 B) frees both pieces and makes one of 1,000 B, which the second
-    forward grows by another. The states differ after the forward and the backward, so those are built moment by
-    moment; after the optimizer step they agree, and only it is copied: the trace built with no copy at all."""
+    500-B piece, and by another in the backward (2,500 B); the optimizer step (1,000 B) frees the three pieces
+    and makes one of 1,000 B, which the second forward grows by another. After the second forward the states
+    agree but for the gradients' bottom pieces (1,500 + 500 B then, 1,000 + 1,000 B now), which the backward
+    does not pop: the copy reaches the backward's mark and the builder resumes there with the last step's own
+    pieces; the optimizer step pops them, so it is walked, and after it the states agree outright (nothing left
+    to copy). The trace: the one built with no copy at all."""
     import zeroplan.allocator.step_trace as module
 
-    grads = [Term("gradients", n, "g") for n in (1500, 2000, 1000)]
+    grads = [Term("gradients", n, "g") for n in (1500, 2000, 2500, 1000)]
     x = Term("activations", 1000, "y")
     moments = (Moment("init", "i", (grads[0],)), Moment("forward", "f", (grads[1], x)),
-               Moment("backward", "b", (grads[1],)), Moment("optimizer_step", "o", (grads[2],)))  # fmt: skip
+               Moment("backward", "b", (grads[2],)), Moment("optimizer_step", "o", (grads[3],)))  # fmt: skip
     answers, repeats = [], module._repeats
     monkeypatch.setattr(module, "_repeats", lambda *a: answers.append(repeats(*a)) or answers[-1])
     tr = step_trace(moments, steps=2)
-    assert answers == [False, False, True]
-    monkeypatch.setattr(module, "_repeats", lambda *a: False)
+    assert [(plan[0], [len(ids) for ids, _ in plan[2].values()]) for plan in answers] == [(1, [2]), (None, [])]
+    monkeypatch.setattr(module, "_repeats", lambda *a: None)
     assert step_trace(moments, steps=2) == tr
     allocs = [e.size for e in tr.events if e.action == "alloc"]
-    assert allocs == [1500, 500, 1000, 1000, 1000, 1000]  # the second forward's gradients: two 1,000-B pieces
+    # the second forward's gradients: two 1,000-B pieces, grown by 500 B in its backward
+    assert allocs == [1500, 500, 1000, 500, 1000, 1000, 1000, 500]
     assert tr.phase_live_bytes == peak_of(moments).by_phase()
 
 

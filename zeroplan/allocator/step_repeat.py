@@ -2,10 +2,20 @@
 
 The builder (``step_trace._Builder``) takes a ``snapshot`` at some moments of the step before the last and at
 the same moments of the last: (phase, live bytes, the live buffers as (id, size, stream) by key, when each
-live key was added, the next id, how many events so far). From two snapshots whose states agree
-(``repeats``), the same transitions make the same events, so the rest of the last step is the step before's
-from its mark, with ids renamed (``repeat_events``). tests/test_step_trace.py compares the copy with the
-step built moment by moment on every engine.
+live key was added, the next id, how many events so far, how many keys added, how many moments walked). From
+two snapshots whose states agree, the same transitions make the same events, so the last step's events are the
+step before's from its mark, with ids renamed (``copy_plan``, ``copy_events``).
+
+The states may agree but for a grown buffer's bottom pieces (``GROWN``): the same bytes in other pieces, as the
+first step's block input grown from init's piece where the second step's is one piece, or DeepSpeed's gathered
+parameters grown from the optimizer step's buffer in the second step only. Pieces are popped last first, so
+while the step before never pops those bottom pieces (``_Builder.popped``) the transitions free, grow and pair
+every buffer alike: its events are copied up to such a moment (a later mark, or the step's end), and the
+builder resumes from the step before's state there, renamed, with the last step's own bottom pieces
+(``resumed``). Only the keys the copied transitions change are compared (the others are neither freed, grown
+nor paired: they stay as the last step holds them), and the frees of each transition, in id order, keep their
+order renamed (``_frees_kept``). tests/test_step_trace.py compares the copy with the step built moment by
+moment on every engine.
 """
 
 from __future__ import annotations
@@ -16,20 +26,116 @@ from operator import itemgetter
 from zeroplan.allocator.replay import Event
 from zeroplan.formulas.peak import Moment
 
-_SIZE_STREAM = itemgetter(1, 2)
+GROWN = -1
+"""The size slot of a one-tensor term's key: a buffer that grows by pieces (``step_trace._Builder.wanted``)."""
+_ID, _SIZE, _SIZE_STREAM = itemgetter(0), itemgetter(1), itemgetter(1, 2)
 _new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__``
+# a snapshot's fields
+PHASE, LIVE_BYTES, LIVE, SINCE, NEXT_ID, EVENTS, ADDED, MOVES = range(8)
 
 
-def repeat_events(events: list[Event], earlier: tuple, now: tuple, end: int) -> None:
-    """Append to ``events`` the last step's events from the ``now`` mark on (a ``snapshot``), copied from the
-    step before (its events from its ``earlier`` mark, taken at the same moment of that step, to ``end``, where
-    the last step began): from equal states the same transitions make the same events, each id renamed (a
-    buffer live at the mark: its counterpart; a newer one: shifted by the ids made in between); the live bytes,
-    so each phase's largest, repeat too. The builder's buffers stay as they were at ``now``: the trace ends."""
-    old_live, new_live = earlier[2], now[2]
-    rename = {o[0]: n[0] for k, stack in old_live.items() for o, n in zip(stack, new_live[k])}
-    shift, start = now[4] - earlier[4], earlier[5]
-    for e in events[start:end]:
+def _key_agreement(k: tuple, old: tuple | None, new: tuple | None) -> tuple | bool | None:
+    """False unless a key's buffers agree in two states (the same (size, stream) each, but a grown buffer's
+    bottom pieces: the same bytes on one stream); else (the earlier bottom's ids and the later bottom's buffers,
+    or None; the other buffers' ids paired)."""
+    if old is None or new is None:
+        return None if old is None and new is None else False
+    if len(old) == len(new) and list(map(_SIZE_STREAM, old)) == list(map(_SIZE_STREAM, new)):
+        return None, zip(map(_ID, old), map(_ID, new))
+    if k[2] != GROWN or not old or not new:
+        return False
+    top = 0  # the pieces above the bottoms, alike in both
+    while top < min(len(old), len(new)) - 1 and _SIZE_STREAM(old[-1 - top]) == _SIZE_STREAM(new[-1 - top]):
+        top += 1
+    low_old, low_new = old[: len(old) - top], new[: len(new) - top]
+    if sum(map(_SIZE, low_old)) != sum(map(_SIZE, low_new)) or len({b[2] for b in (*low_old, *low_new)}) != 1:
+        return False
+    return (tuple(map(_ID, low_old)), low_new), zip(map(_ID, old[len(low_old):]), map(_ID, new[len(low_new):]))
+
+
+def _agreement(earlier: tuple, now: tuple, keys: set, memo: dict) -> tuple[dict, dict[int, int]] | None:
+    """None unless the two states agree on ``keys`` (``_key_agreement``, found once per key in ``memo``); else
+    (the bottoms: by the earlier bottom's first id, (its ids, the later bottom's buffers); the ids renamed)."""
+    old_live, new_live = earlier[LIVE], now[LIVE]
+    bottoms, rename = {}, {}
+    for k in keys:
+        got = memo.get(k)
+        if got is None:
+            got = _key_agreement(k, old_live.get(k), new_live.get(k))
+            got = memo[k] = got if got is None or got is False else (got[0], dict(got[1]))
+        if got is False:
+            return None
+        if got is not None:
+            rename.update(got[1])
+            if got[0] is not None:
+                bottoms[got[0][0][0]] = got[0]
+    return bottoms, rename
+
+
+def _since_kept(earlier: tuple, now: tuple, touched: set) -> bool:
+    """The keys the transitions change (``touched``) added in the same order in both states (``_release`` pops
+    the changed keys in that order)."""
+    old_since, new_since = earlier[SINCE], now[SINCE]
+    live = touched.intersection(now[LIVE])
+    return sorted(live, key=old_since.__getitem__) == sorted(live, key=new_since.__getitem__)
+
+
+def _frees_kept(events: list[Event], start: int, stop: int, rename: dict[int, int], shift: int) -> bool:
+    """A transition frees its spare buffers by id, last first: each two frees in a row whose ids fall keep
+    falling renamed (the buffers live at the mark may be in another order in the last step)."""
+    prev = None  # the (old, new) id of the event before, when a free
+    for e in events[start:stop]:
+        if e.action != "free":
+            prev = None
+            continue
+        new = rename.get(e.id, e.id + shift)
+        if prev is not None and prev[0] > e.id and prev[1] <= new:
+            return False
+        prev = (e.id, new)
+    return True
+
+
+def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment], changes: dict,
+              popped: list[tuple[int, int]], moves: int, events: list[Event], end_events: int) -> tuple | None:
+    """Whether the last step, from its mark at offset ``j`` (``now``; ``step``: its moments from there), makes
+    the events of the one before from its mark ``marks[j]``: None, or (the offset of the later mark the copy
+    reaches, None for the step's end; the earlier mark; the bottoms; the renamed ids). ``popped``: (moves walked
+    with the one popping, id) of each grown piece popped; ``moves``, ``end_events``: the moves walked and the
+    events made when the last step began."""
+    earlier = marks[j]
+    if earlier[:LIVE] != now[:LIVE]:  # the phase and the live bytes
+        return None
+    ends = (None, *sorted((o for o in marks if o > j), reverse=True))
+    at_n = {len(step) - 1 if end is None else end - j for end in ends}
+    touched: set = set()
+    reach: dict[int, set] = {0: set()}  # the keys changed from the mark to each end: the others are not met
+    for n, (a, b) in enumerate(zip(step, step[1:]), 1):
+        touched.update(changes[id(a), id(b)][0])
+        if n in at_n:
+            reach[n] = set(touched)
+    memo: dict = {}
+    for end in ends:
+        n = len(step) - 1 if end is None else end - j
+        stop = moves if end is None else marks[end][MOVES]
+        agreed = _agreement(earlier, now, reach[n], memo)
+        if agreed is None:
+            continue
+        bottoms, rename = agreed
+        low = {i for ids, _ in bottoms.values() for i in ids}
+        if low and any(earlier[MOVES] < at <= stop and i in low for at, i in popped):
+            continue
+        last = end_events if end is None else marks[end][EVENTS]
+        shift = now[NEXT_ID] - earlier[NEXT_ID]
+        if _since_kept(earlier, now, reach[n]) and _frees_kept(events, earlier[EVENTS], last, rename, shift):
+            return end, earlier, bottoms, rename, reach[n]
+    return None
+
+
+def copy_events(events: list[Event], earlier: tuple, now: tuple, rename: dict[int, int], stop: int) -> None:
+    """Append the step before's events from the ``earlier`` mark to ``stop`` to ``events``, each id renamed (a
+    buffer live at the mark: its counterpart; a newer one: shifted by the ids made in between)."""
+    shift = now[NEXT_ID] - earlier[NEXT_ID]
+    for e in events[earlier[EVENTS]:stop]:
         if e.action == "alloc":
             events.append(_new(Event, ("alloc", e.id + shift, e.size, e.stream, None)))
         elif e.action == "free":
@@ -38,23 +144,35 @@ def repeat_events(events: list[Event], earlier: tuple, now: tuple, end: int) -> 
             events.append(e)
 
 
-def repeats(earlier: tuple, now: tuple, step: Sequence[Moment], changes: dict) -> bool:
-    """Whether the last step, from a moment on (``step``: its moments from there), makes the events of the one
-    before from the same moment (renamed: ``repeat_events``): at both marks (``snapshot``s) the same phase, live
-    bytes and live buffers ((size, stream) of each, by key), and the keys its transitions change (``changes`` of
-    the pairs of ``step``, all met in the step before; the others are neither freed nor grown) added in the same
-    order and their buffers' ids in the same order (a transition frees the spare buffers by id)."""
-    old_live, new_live = earlier[2], now[2]
-    if earlier[:2] != now[:2] or old_live.keys() != new_live.keys():
-        return False
-    for k, stack in old_live.items():
-        other = new_live[k]
-        if len(stack) != len(other) or list(map(_SIZE_STREAM, stack)) != list(map(_SIZE_STREAM, other)):
-            return False
-    touched = set().union(*(changes[id(a), id(b)][0] for a, b in zip(step, step[1:])))
-    old_since, new_since = earlier[3], now[3]
-    live = touched.intersection(new_live)
-    if sorted(live, key=old_since.__getitem__) != sorted(live, key=new_since.__getitem__):
-        return False
-    pairs = sorted((o[0], n[0]) for k in live for o, n in zip(old_live[k], new_live[k]))  # by the old id
-    return all(a[1] < b[1] for a, b in zip(pairs, pairs[1:]))  # and the new ids in the same order
+def resumed(later: tuple, earlier: tuple, now: tuple, plan: tuple) -> tuple | None:
+    """The last step's state at the step before's ``later`` mark, which the copy (``plan``) reached from
+    ``earlier`` (the last step's mark ``now``): the keys it touched as the step before left them, renamed (their
+    bottoms the last step's), the others as at ``now``; (phase, live bytes, live buffers by key, since, next id,
+    keys added, moves);
+    None when a buffer is neither renamed, newer nor a bottom (the copy's premise broken: build instead)."""
+    _, _, bottoms, rename, touched = plan
+    shift, first_new = now[NEXT_ID] - earlier[NEXT_ID], earlier[NEXT_ID]
+    live = {k: list(stack) for k, stack in now[LIVE].items() if k not in touched}
+    for k, stack in later[LIVE].items():
+        if k not in touched:
+            continue
+        head = bottoms.get(stack[0][0]) if stack else None
+        out = list(head[1]) if head is not None else []
+        if head is not None and tuple(map(_ID, stack[: len(head[0])])) != head[0]:
+            return None
+        for ident, size, stream in stack[len(head[0]):] if head is not None else stack:
+            new = rename.get(ident)
+            if new is None:
+                if ident < first_new:
+                    return None
+                new = ident + shift
+            out.append((new, size, stream))
+        live[k] = out
+    added, new_since = earlier[ADDED], now[SINCE]
+    more = now[ADDED] - added
+    since = {k: s for k, s in new_since.items() if k not in touched}
+    for k, s in later[SINCE].items():  # the keys of the mark first (``live``'s order)
+        if k in touched:
+            since[k] = new_since[k] if s < added else s + more
+    return (*later[:LIVE], live, since, later[NEXT_ID] + shift, later[ADDED] + more,
+            later[MOVES] + now[MOVES] - earlier[MOVES])  # fmt: skip

@@ -25,12 +25,10 @@ recorded histories (docs/allocator.md, "Recording on a GPU") can check.
 ``steps``: the training steps walked after init (default 2): the moments describe a steady step (Adam's
 states already exist), and the second step meets the blocks the first one cached, as a real run does. The
 last step's events, from one of its moments on, are copied from the step before's from the same moment (ids
-renamed) when the builder's state after that moment agrees in both (``step_repeat.repeats``: the same live
-buffers, the keys the rest of the step changes added in the same order, their ids in the same order), since
-the same transitions from the same state make the same events; the moments tried are the step's first,
-second, third, fifth, ninth, ... (FSDP2's first step grows the block input in pieces: llama3-405b's steps
-agree from the ninth); otherwise the step is built moment by moment (a speed-up, no rule:
-tests/test_step_trace.py compares the two on every engine).
+renamed) where the builder's states there agree (``step_repeat``: to the step's end, or to a later moment
+whence the builder resumes, when a grown buffer's bottom pieces differ until the step before pops them); the
+moments tried are the step's first, second, third, fifth, ninth, ...; otherwise the step is built moment by
+moment (a speed-up, no rule: tests/test_step_trace.py compares the two on every engine).
 """
 
 from __future__ import annotations
@@ -44,14 +42,11 @@ from operator import itemgetter
 
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
-from zeroplan.allocator.step_repeat import repeat_events
-from zeroplan.allocator.step_repeat import repeats as _repeats
+from zeroplan.allocator.step_repeat import GROWN, copy_events, copy_plan as _repeats, resumed
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
 _COUNT = re.compile(r" of \d+ ")
-GROWN = -1
-"""The size slot of a one-tensor term's key: a buffer that grows by pieces (``_Builder.wanted``)."""
 INCREMENTAL = True
 """Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
 test that compares the two sets it)."""
@@ -124,6 +119,8 @@ class _Builder:
         self._terms_of: dict[int, set[int]] = {}  # ids of a moment's terms, by the moment's id (``wanted_after``)
         self.since: dict[Key, int] = {}
         self._added = 0
+        self.moves = 0  # the moments walked
+        self.popped: list[tuple[int, int]] = []  # (moves walked, id) of each grown piece popped (step_repeat)
 
     def _add(self, key: Key, stack: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         self.live[key], self.since[key] = stack, self._added
@@ -236,6 +233,7 @@ class _Builder:
                 while stack and total > keep:
                     total -= stack[-1][1]
                     freed.append(stack.pop())
+                    self.popped.append((self.moves, freed[-1][0]))
             else:
                 while len(stack) > keep:
                     freed.append(stack.pop())
@@ -261,6 +259,7 @@ class _Builder:
         """Free what ``moment`` no longer holds, then allocate what it adds; ``want``: ``wanted(moment, ...)``
         (read, never changed); ``changes``: ``changed`` from the moment before."""
         changed, wanted_changed = changes
+        self.moves += 1  # this move's pops are counted as the moves before it (``popped``)
         self._continue_grown(want, changed)
         # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
         spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
@@ -311,19 +310,25 @@ class _Builder:
             if not live[key]:
                 del live[key]
 
-
     def snapshot(self) -> tuple:
-        """What the rest of a step's events depend on, copied (each key's buffers as a tuple, in C: cheap enough
-        to take at several moments of a step): the phase, the live bytes, the live buffers ((id, size, stream) of
-        each, by key) and when each live key was added (``since``: ``_release`` frees the changed keys in its
-        order); with the next id and how many events there are."""
+        """What the rest of a step's events depend on (``step_repeat``'s fields), copied (in C: cheap enough to
+        take at several moments of a step; each key's buffers as a tuple)."""
         live = self.live
         return (self.phase, self.live_bytes, dict(zip(live, map(tuple, live.values()))), dict(self.since),
-                self.next_id, len(self.events))  # fmt: skip
+                self.next_id, len(self.events), self._added, self.moves)  # fmt: skip
 
-    def repeat_step(self, earlier: tuple, now: tuple, end: int) -> None:
-        """The rest of the last step copied from the step before (``step_repeat.repeat_events``)."""
-        repeat_events(self.events, earlier, now, end)
+    def repeat_step(self, plan: tuple, now: tuple, marks: dict[int, tuple], end: int) -> int | None:
+        """Copy the last step's events from the step before (``step_repeat.copy_plan``'s ``plan``, from the mark
+        ``now``) to the step's end (``end``: its events; None: the trace ends), or to a later mark, whose state,
+        renamed, the builder takes on: that mark's offset (``now``'s when nothing is copied)."""
+        later, earlier, _, rename, _ = plan
+        state = None if later is None else resumed(marks[later], earlier, now, plan)
+        if later is not None and state is None:
+            return next(j for j, mark in marks.items() if mark is earlier)
+        copy_events(self.events, earlier, now, rename, end if later is None else marks[later][5])
+        if later is not None:
+            self.phase, self.live_bytes, self.live, self.since, self.next_id, self._added, self.moves = state
+        return later
 
 
 def step_trace(
@@ -362,7 +367,9 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     marks: dict[int, tuple] = {}  # in the step before the last, by offset: its ``snapshot``
     last_start = 0  # how many events there were when the last step began
     before: Moment | None = None
-    for at, m in enumerate(order):
+    at = 0
+    while at < len(order):
+        m = order[at]
         pair = (id(before), id(m))
         if id(m) not in wants:
             held = () if m.phase == "init" else resident
@@ -382,7 +389,12 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
             mark = builder.snapshot()
             if at < last:
                 marks[marks_at[at]] = mark
-            elif _repeats(marks[marks_at[at]], mark, order[at:], changes):
-                builder.repeat_step(marks[marks_at[at]], mark, last_start)
-                break
+            else:
+                plan = _repeats(marks, marks_at[at], mark, order[at:], changes, builder.popped, last,
+                                builder.events, last_start)
+                reached = builder.repeat_step(plan, mark, marks, last_start) if plan else marks_at[at]
+                if reached is None:  # copied to the step's end
+                    break
+                at, before = last + reached, order[last + reached]  # the builder's state: that after this moment
+        at += 1
     return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))
