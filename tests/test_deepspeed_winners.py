@@ -367,5 +367,6 @@ def test_embedding_hook_winner_equals_every_rank_built():
         want = _reference_embedding_hook(run)
         assert embedding_hook_reduced(run) == want, (s, nd)
         kinds.update(tuple(t.name for t in m.terms[-2:]) for m in want)
-    grad, gip, copy = "the embedding's gradient at its hook", "grads_in_partition", "flattened copy of the bucket's gradients"
+    grad, gip = "the embedding's gradient at its hook", "grads_in_partition"
+    copy = "flattened copy of the bucket's gradients"
     assert kinds == {(grad, copy), (gip, copy), (grad, gip)}, kinds
