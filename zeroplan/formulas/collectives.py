@@ -9,7 +9,7 @@ elements per reduce-scatter or all-gather, twice that per all-reduce.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.memory import buffer_numels
@@ -58,9 +58,12 @@ class Collective:
     def as_dict(self) -> dict:
         """The JSON output's collective (``render/schemas.py CollectiveOut``): its size per optimizer step;
         ``micro_steps`` is for the time model (``plan --json`` prints it as each row's ``calls_per_step``)."""
-        out = asdict(self)
-        del out["micro_steps"]
-        return out
+        return {name: getattr(self, name) for name in _OUT_FIELDS}  # shallow: every field is a number or a string
+
+
+_OUT_FIELDS = tuple(f.name for f in fields(Collective) if f.name != "micro_steps")
+"""``Collective.as_dict``'s keys, in field order (``dataclasses.asdict``'s deep copy took ~25 ms of CPU for the
+1,268 rows of a 2,048-GPU FSDP2 ``plan --json``)."""
 
 
 def on_mesh(collectives: tuple[Collective, ...], nd: int, nm: int = 1,

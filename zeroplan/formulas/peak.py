@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 PHASES: tuple[str, ...] = ("init", "forward", "backward", "optimizer_step")
 CUDA_BLOCK_BYTES = 512  # CUDACachingAllocator kMinBlockSize: every allocation rounds up to this
 TOP_TERMS = 5
+_BYTES = attrgetter("bytes")
 
 
 @dataclass(frozen=True)
@@ -32,11 +34,8 @@ class Term:
     tensors: int = 1
 
     def rounded(self, block_bytes: int) -> int:
-        """Bytes once each tensor is rounded up to ``block_bytes`` (1: unchanged)."""
-        if block_bytes <= 1 or self.bytes == 0:
-            return self.bytes
-        each = -(-self.bytes // self.tensors)
-        return self.tensors * (-(-each // block_bytes) * block_bytes)
+        """Bytes once each tensor is rounded up to ``block_bytes`` (1: unchanged): ``rounded_total``."""
+        return rounded_total((self,), block_bytes)
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,17 @@ class Moment:
     terms: tuple[Term, ...]
 
     def total(self, block_bytes: int = 1) -> int:
-        return sum(t.rounded(block_bytes) for t in self.terms)
+        return rounded_total(self.terms, block_bytes)
+
+
+def rounded_total(terms: Iterable[Term], block_bytes: int) -> int:
+    """The terms' bytes, each term's ``tensors`` equal tensors rounded up to ``block_bytes`` B (1: unchanged): a
+    term of b bytes over n tensors holds n·⌈⌈b/n⌉/B⌉·B; with x = b // -n, ⌈b/n⌉ = -x and ⌈-x/B⌉ = -(x // B). One
+    expression per term: ``peak_of`` sums ~160k terms for a 1,024-GPU DeepSpeed plan, and a ``Term.rounded`` call
+    per term took twice the CPU (a memo per term object no less: ~30k objects). A term of no tensors (0 bytes): 0."""
+    if block_bytes <= 1:
+        return sum(map(_BYTES, terms))
+    return block_bytes * sum(t.tensors * -((t.bytes // -(t.tensors or 1)) // block_bytes) for t in terms)
 
 
 @dataclass(frozen=True)
@@ -85,18 +94,21 @@ def peak_of(
         raise ValueError(f"block_bytes={block_bytes}, allocator_overhead_bytes={allocator_overhead_bytes}")
     overhead = Term("allocator overhead (reserved - allocated)", allocator_overhead_bytes,
                     "measured on the GPU; 0 until measured")  # fmt: skip
-    if resident:
-        moments = [m if m.phase == "init" else Moment(m.phase, m.name, (*m.terms, *resident)) for m in moments]
     best: dict[str, tuple[int, Moment]] = {}  # phase -> (total, its first largest moment): each total summed once
     for m in moments:
         if m.phase not in PHASES:
             raise ValueError(f"phase={m.phase!r}: expected one of {', '.join(PHASES)}")
-        total = m.total(block_bytes)
+        total = rounded_total(m.terms, block_bytes)
         if m.phase not in best or total > best[m.phase][0]:
             best[m.phase] = (total, m)
     missing = [p for p in PHASES if p not in best]
     if missing:
         raise ValueError(f"the profile lists no moment for phase(s) {', '.join(missing)}")
+    if resident:  # the same terms in every moment of a phase after init: added to its first largest alone
+        extra = rounded_total(resident, block_bytes)
+        for p in PHASES[1:]:
+            total, m = best[p]
+            best[p] = (total + extra, Moment(m.phase, m.name, (*m.terms, *resident)))
     phases = tuple(
         PhasePeak(p, best[p][0] + overhead.bytes, best[p][1].name, (*best[p][1].terms, overhead)) for p in PHASES
     )
