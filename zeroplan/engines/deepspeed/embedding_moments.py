@@ -2,7 +2,7 @@
 op of backward, that ``zero12.py _tied_embedding_backward`` and ``late_reductions.py embedding_hook_reduced`` leave
 out: ZeRO-1 reducing after backward with a tied head (``tied_embedding_kept``), the tied gradient larger than the
 bucket reduced at its own hook (``tied_gradient_reduced``), and what ZeRO-1 from the hooks keeps beside an
-embedding's hook (``stage1_beside_embedding_hook``). Found by the differential matrix's seed 4."""
+embedding's hook (``stage1_embedding_hook_kept``). Found by the differential matrix's seed 4."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from zeroplan.formulas.peak import Moment, Term
 TIED_SRC = ("torch autograd InputBuffer::accumulate -> AccumulateGrad; runtime/zero/stage_1_and_2.py "
             "reduce_independent_p_g_buckets_and_remove_grads (the hook fires on the sum)")
 TIED_NAME = "tied embedding gradients (the head's, the embedding's, their sum)"
+COPY_NAME = "flattened copy of the bucket's gradients"  # late_reductions.py embedding_hook_reduced's
 
 
 def _tied_weight(run: DSRun) -> int | None:
@@ -81,30 +82,52 @@ def tied_gradient_reduced(run: DSRun, before: tuple[Moment, ...]) -> tuple[Momen
                  for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r))))  # fmt: skip
 
 
-def stage1_beside_embedding_hook(run: DSRun) -> dict[int, tuple[Term, ...]]:
-    """ZeRO-1 reducing from the hooks (``overlap_comm``), per rank: what it holds at an embedding's hook beyond
-    ``late_reductions.py embedding_hook_reduced``'s terms, every block's backward done: the gradients larger than
-    the bucket outside its partition (``zero12.py _stage1_kept_gradients``' rule, now of every block and the head:
-    reduced in place, ``extra_large_param_to_reduce``, and stage 1 clears none, so they live to the step) and the
-    embedding output's gradient (activation dtype, N x h: the residual's gradient into the embedding's backward).
-    Empty at ZeRO-2, which clears each gradient once reduced. Found by the differential matrix (seed 4, 4-1,
-    generator 5: Phi-3 10.6M untied, V x h = 20,080 x 192, 1,927,680-element buckets, N_d = 2; live storages of
-    rank 0's second step at block 0's input_layernorm hook, which autograd runs after the embedding's backward:
-    the head's 15,421,440-B gradient, outside rank 0's partition, and the 49,152-B embedding output's gradient
-    beside rank 0's grads_in_partition and the embedding's gradient: -7.63 % before)."""
+def stage1_embedding_hook_kept(run: DSRun, hooked: tuple[Moment, ...]) -> tuple[Moment, ...]:
+    """ZeRO-1 reducing from the hooks (``overlap_comm``): ``late_reductions.py embedding_hook_reduced``'s moments
+    (``hooked``, one per bucket sent at an embedding's hook, in bucket order) again for the rank holding the most
+    with what stage 1 keeps there, every block's backward done: the gradients larger than the bucket outside its
+    partition (``zero12.py _stage1_kept_gradients``' rule, now of every block and the head: reduced in place,
+    ``extra_large_param_to_reduce``, and stage 1 clears none, so they live to the step) and the embedding output's
+    gradient (activation dtype, N x h: the residual's gradient into the embedding's backward). The rank's own terms
+    as there: its ``grads_in_partition`` beside the bucket's flattened copy once an earlier bucket allocated it,
+    the larger of the two when this one does, else the copy. Empty at ZeRO-2, which clears each gradient once
+    reduced. Found by the differential matrix (seed 4, 4-1, generator 5: Phi-3 10.6M untied, V x h = 20,080 x 192,
+    1,927,680-element buckets, N_d = 2; live storages of rank 0's second step at block 0's input_layernorm hook,
+    which autograd runs after the embedding's backward: the head's 15,421,440-B gradient, outside rank 0's
+    partition, and the 49,152-B embedding output's gradient beside rank 0's grads_in_partition and the embedding's
+    gradient: -7.63 % before)."""
     s = run.settings
-    if s.partition_gradients or not s.overlaps or not run.param_blocks or run.grad_accum > 1:
-        return {}
+    if s.partition_gradients or not s.overlaps or not hooked or run.grad_accum > 1:
+        return ()
     numels, p, blocks = run.numels, _pbytes(run), run.param_blocks
-    first_block = min((i for i, b in enumerate(blocks) if b >= 0), default=len(blocks))
+    first_block = min(i for i, b in enumerate(blocks) if b >= 0)
+    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
+    sent = [b for b in range(len(buckets) - 1)  # embedding_hook_reduced's buckets, one moment each
+            if order[first_of_bucket[b + 1]] < first_block and blocks[order[first_of_bucket[b + 1]]] < 0]
     large = [i for i, n in enumerate(numels) if n > s.reduce_bucket_size and i >= first_block]  # blocks, norm, head
     out_grad = Term("the embedding output's gradient", run.acts.embed_out,
                     "torch autograd (the embedding backward's input)")
-    out = {}
-    for rank in run.ranks:
+    firsts = {r: min(bucket_of[i] for i in run.flat.params(r)) for r in run.ranks if run.flat.params(r)}
+
+    def kept(rank: int) -> Term:
         first, end = run.flat.range(rank)
-        kept = sum(numels[i] for i in large if not first <= i < end)
-        out[rank] = (Term("gradients larger than the bucket, outside the partition (kept to the step)", kept * p,
-                          "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce; stage 1 "
-                          "clears no gradient)"), out_grad)  # fmt: skip
-    return out
+        return Term("gradients larger than the bucket, outside the partition (kept to the step)",
+                    sum(numels[i] for i in large if not first <= i < end) * p,
+                    "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce; stage 1 clears "
+                    "no gradient)")  # fmt: skip
+
+    out = []
+    for b, moment in zip(sent, hooked):
+        common = tuple(t for t in moment.terms if t.name not in ("grads_in_partition", COPY_NAME))
+        copy = next(t for t in moment.terms if t.name == COPY_NAME)
+
+        def own(rank: int) -> tuple[Term, ...]:
+            if rank not in firsts or firsts[rank] > b:
+                return (copy, kept(rank))
+            gip = Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC)
+            return (gip, copy, kept(rank)) if firsts[rank] < b else (max(gip, copy, key=lambda t: t.bytes), kept(rank))
+
+        out.extend(Moment("backward", f"{moment.name}, rank {r} with stage 1's kept gradients",
+                          (*common, *own(r), out_grad))
+                   for r in run.first_largest(lambda r: sum(t.bytes for t in own(r))))  # fmt: skip
+    return tuple(out)

@@ -9,7 +9,6 @@ import itertools
 from functools import lru_cache
 
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
-from zeroplan.engines.deepspeed.embedding_moments import stage1_beside_embedding_hook
 from zeroplan.engines.deepspeed.flat_copy import copy_numel, flattened_copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
@@ -173,7 +172,6 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
     base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
             _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss))
     firsts = {r: min(bucket_of[i] for i in run.flat.params(r)) for r in run.ranks if run.flat.params(r)}
-    kept = stage1_beside_embedding_hook(run)  # ZeRO-1 from the hooks, per rank; {} otherwise
     out = []
     for b in range(len(buckets) - 1):
         hook = order[first_of_bucket[b + 1]]
@@ -188,11 +186,9 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
         for r, first in firsts.items():
             gip = Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC)
             if first < b:  # allocated earlier, alive through the copy
-                options.append((*base, grad, gip, copy, *kept.get(r, ())))
+                options.append((*base, grad, gip, copy))
             elif first == b:  # allocated once the copy is freed: the larger of the two
-                options.append((*base, grad, max(gip, copy, key=lambda t: t.bytes), *kept.get(r, ())))
-            elif r in kept:
-                options.append((*base, grad, copy, *kept[r]))
+                options.append((*base, grad, max(gip, copy, key=lambda t: t.bytes)))
         best = max(options, key=lambda terms: sum(t.bytes for t in terms))
         out.append(Moment("backward", f"embedding's hook, bucket {b} sent", best))
     return tuple(out)
