@@ -283,7 +283,8 @@ class ZeroOptimizer(Wrapper):
             out.extend((*_first_bucket_reduced(run, last, inflight), *MH.sparse_moments(run, last, inflight, kept)))
             tied = _tied_embedding_backward(run)
             hooked = LR.embedding_hook_reduced(run)
-            out.extend((*tied, *EM.tied_gradient_reduced(run, tied), *hooked, *EM.stage1_embedding_hook_kept(run, hooked)))
+            out.extend((*tied, *EM.tied_gradient_reduced(run, tied), *hooked,
+                        *EM.stage1_embedding_hook_kept(run, hooked)))
         if hooks and accumulating:  # ZeRO-1 with overlap_comm (seed 2 draw 8); ZeRO-2 (generator 5, 1-483)
             out.extend(_tied_embedding_backward(run))
         if hooks:
