@@ -55,7 +55,8 @@ def tied_gradient_reduced(run: DSRun, before: tuple[Moment, ...]) -> tuple[Momen
     ``copy_grads_in_partition``), then the tied gradient itself, at once (``extra_large_param_to_reduce``):
     ``allreduce_bucket`` flattens its slices (``flattened_copy_numel`` of that one parameter) beside the sum, the
     head's and the embedding's own gradients freed. ``before``: ``zero12.py _tied_embedding_backward``'s moment,
-    whose terms less two of the three tied gradients this moment holds. One moment, the rank holding the most.
+    whose terms less its ``grads_in_partition`` and the three tied gradients this moment holds beside the sum and
+    the rank's own. One moment, the rank holding the most.
     Found by the differential matrix (seed 4, 4-3, generator 4: Mistral 6.7M tied, V x h = 28,098 x 160, ZeRO-2
     overlap_comm, N_d = 3: rank 2, whose slice overlaps the embedding's tail and every block, allocates its
     26,715,520-B ``grads_in_partition`` at the tied hook, then ``aten.cat`` of ranks 0 and 1's slices, 4,452,588
