@@ -17,6 +17,7 @@ import zeroplan.engines.deepspeed.moe12_hooks as MH
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
 import zeroplan.engines.deepspeed.late_reductions as LR
+import zeroplan.engines.deepspeed.embedding_moments as EM
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _in_block_partitions,
                                                _reducing_hooks, _stage1_reduce, _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
@@ -102,9 +103,7 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     return (Moment("backward", "tied embedding backward", (
         *_states(run), *_bucket(run), _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
         *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()),
-        Term("tied embedding gradients (the head's, the embedding's, their sum)", 3 * run.head_numel * p,
-             "torch autograd InputBuffer::accumulate -> AccumulateGrad; runtime/zero/stage_1_and_2.py "
-             "reduce_independent_p_g_buckets_and_remove_grads (the hook fires on the sum)", 3))),)  # fmt: skip
+        Term(EM.TIED_NAME, 3 * run.head_numel * p, EM.TIED_SRC, 3))),)  # fmt: skip
 
 
 def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
@@ -282,15 +281,17 @@ class ZeroOptimizer(Wrapper):
             kept = _stage1_kept_gradients(run) if not s.partition_gradients else {}
             out.extend(_in_block_partitions(run, last, inflight, kept))
             out.extend((*_first_bucket_reduced(run, last, inflight), *MH.sparse_moments(run, last, inflight, kept)))
-            out.extend(_tied_embedding_backward(run))
-            out.extend(LR.embedding_hook_reduced(run))
+            tied = _tied_embedding_backward(run)
+            hooked = LR.embedding_hook_reduced(run)
+            out.extend((*tied, *EM.tied_gradient_reduced(run, tied), *hooked,
+                        *EM.stage1_embedding_hook_kept(run, hooked)))
         if hooks and accumulating:  # ZeRO-1 with overlap_comm (seed 2 draw 8); ZeRO-2 (generator 5, 1-483)
             out.extend(_tied_embedding_backward(run))
         if hooks:
             out.extend(_epilogue_reduce(run))
             out.extend(LR.blocks_bucket_at_embedding_hook(run))
         if not hooks:
-            out.extend((*_stage1_reduce(run), *LR.stage1_flattened(run)))
+            out.extend((*_stage1_reduce(run), *LR.stage1_flattened(run), *EM.tied_embedding_kept(run)))
         return tuple(out)
 
     @staticmethod

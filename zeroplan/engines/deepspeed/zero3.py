@@ -42,8 +42,17 @@ def zero_init_moments(run: DSRun) -> tuple[Moment, ...]:
     (``apply_with_gather``) gathers one module's parameters at a time, each into a padded
     ceil(n / N_d)·N_d buffer (``_allgather_params_sequential``: ``flat_tensor``), then re-partitions them
     into the partitions they had. Measured: docs/engines/deepspeed.md "ZeRO-3 built under zero.Init".
+
+    A transformers model with a tied head builds its ``lm_head`` as a module of its own, last (LlamaForCausalLM
+    ``__init__``: ``self.lm_head = nn.Linear(...)`` after ``self.model``), which ``post_init`` -> ``init_weights``
+    initialises (``initialize_weights``) and only then ties (``tie_weights``; transformers 5.24 modeling_utils.py):
+    ``named_parameters`` lists it once, so ``run.modules`` (parameter indices, read by ``block_roles.py``) has no
+    such module and the build gets one more of V x h (``head_numel``). Found by the differential matrix (seed 4,
+    4-7, generator 4: Llama 10.1M tied, bf16, N_d = 4: the fp32 lm_head and its bf16 copy beside every partition,
+    40,678,464 B, the measurement to the byte; init -6.52 % before).
     """
-    return _zero_init_moments(run.modules, run.nd, _pbytes(run))
+    tied_head = ((run.head_numel,),) if run.tied_head and run.transformers else ()
+    return _zero_init_moments((*run.modules, *tied_head), run.nd, _pbytes(run))
 
 
 @lru_cache(maxsize=16)
