@@ -271,6 +271,11 @@ def no_own_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Option
     return None
 
 
+def same_options(options: PlannerOptions) -> PlannerOptions:
+    """``Engine.plan_options`` of an engine whose own plan reads the planner's options as given."""
+    return options
+
+
 @dataclass(frozen=True)
 class Engine:
     """One engine as its package declares it (``ENGINE`` in ``zeroplan/engines/<name>/__init__.py``): its
@@ -322,6 +327,10 @@ class Engine:
     own_peak_limits: Callable[[PlannerOptions, TransformerSpec], Optional[PeakLimit]] = no_own_peak_limits
     """what of an architecture and the planner's options the engine's own peak does not model (the reference
     runtime: its one policy; every engine: no dropout, ``dropout.dropout_limit``); ``peak_limits`` adds the limits every engine shares."""
+    plan_options: Callable[[PlannerOptions], PlannerOptions] = same_options
+    """the planner's options as its own ``plan`` uses them, less what that search chooses itself (DeepSpeed: the
+    ds_config's ZeRO stage): ``plan``'s config check asks ``peak_limits`` with these, so a plan answers with the rows
+    it models and names the others instead of being refused for a setting it does not keep."""
 
     def peak_limits(self, options: PlannerOptions, spec: Optional[TransformerSpec], checkpointing: str = "none",
                     model_parallel: int = 1) -> Optional[PeakLimit]:

@@ -140,8 +140,9 @@ class PlanConfig(BaseModel):
             if chosen:
                 raise ValueError(f"{chosen[0]} does not apply to plan --engine {self.engine}, which chooses it by "
                                  "predicted peak")  # fmt: skip
-            limit = engine.peak_limits(self.planner_options, self.model_architecture, self.checkpointing,
-                                       self.model_parallel)  # fmt: skip
+            # asked as the plan uses them (``Engine.plan_options``): what it chooses itself is not the file's
+            limit = engine.peak_limits(engine.plan_options(self.planner_options), self.model_architecture,
+                                       self.checkpointing, self.model_parallel)  # fmt: skip
             why = {"offload": self.offload != "none", "host_memory_bytes": self.host_memory_bytes is not None}
             bad = limit.option if limit is not None else next((k for k, v in why.items() if v), None)
             if bad is not None and bad not in (*PLANNER_INPUTS, *why):

@@ -45,8 +45,8 @@ from zeroplan.engines.deepspeed.phases import (backward_moments, forward_moments
                                                optimizer_moments)
 from zeroplan.engines.deepspeed.plan import (BUCKET_CHOICES, PLAN_ORDER, PLANNER_OPTIONS, VOCABULARY,
                                              Recommendation, Tried, build_snippet, candidates,
-                                             planner_block_bytes, planner_peak_limits, planner_plan, planner_policy,
-                                             planner_settings, ranked, recommend, sent_bytes_per_step)
+                                             planner_block_bytes, planner_peak_limits, planner_plan,
+                                             planner_plan_options, planner_policy, planner_settings, ranked, recommend, sent_bytes_per_step)
 from zeroplan.engines.deepspeed.profile import estimate
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _trace
 from zeroplan.engines.deepspeed.settings import (DEEPSPEED_VERSION, DTYPE_BYTES, NCCL_START_ALIGNMENT_FACTOR,
@@ -82,5 +82,6 @@ ENGINE = Engine("deepspeed", estimate, Settings, planner_settings, planner_polic
                 ds_estimate_bytes, "DeepSpeed's estimator", planner_block_bytes, batch=planner_batch,
                 sweep_batches=sweep_micro_batches, read_settings_file=Settings.from_ds_config,
                 own_options=VOCABULARY, alloc_trace=alloc_traces,
-                own_peak_limits=planner_peak_limits, live_settings=live_settings)  # fmt: skip
+                own_peak_limits=planner_peak_limits, plan_options=planner_plan_options,
+                live_settings=live_settings)  # fmt: skip
 """DeepSpeed as the registry knows it (``zeroplan.engines``): its batch is the ds_config's."""
