@@ -270,22 +270,18 @@ def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optio
 
 
 def planner_plan_options(options: PlannerOptions) -> PlannerOptions:
-    """``Engine.plan_options``: the options less the ZeRO stage (``--stage``, the ds_config's ``zero_optimization.
-    stage``), which ``planner_plan`` chooses per row (it reads the file's stage itself, refusing a bad one)."""
-    config = options.own.get("ds_config") or {}
-    zero = config.get("zero_optimization")
-    if isinstance(zero, dict) and "stage" in zero:
-        config = {**config, "zero_optimization": {k: v for k, v in zero.items() if k != "stage"}}
+    """``Engine.plan_options``: less the ZeRO stage, which ``planner_plan`` chooses (and checks the file's itself)."""
+    config = dict(options.own.get("ds_config") or {})
+    if isinstance(config.get("zero_optimization"), dict):
+        config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "stage"}
     return replace(options, stage=None, own={**options.own, "ds_config": config or None})
 
 
 def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
     """Why DeepSpeed's peak of a sparse model is not given, or None. Measured (DeepSpeed 0.19.8, transformers'
     classes): ZeRO-1 and ZeRO-2 where ``moe12.zero12_moe_limit`` allows (reduced after backward, or from the hooks
-    in fp32: tests/test_deepspeed_moe12.py), ZeRO-3 where ``moe.zero3_moe_limit`` allows
-    (tests/test_deepspeed_moe.py). A plan answers with the candidates so covered and names the others
-    (``moe_candidates``): its config check asks this limit without the file's stage (``planner_plan_options``),
-    which only ``estimate`` and ``sweep`` keep."""
+    in fp32: tests/test_deepspeed_moe12.py), ZeRO-3 where ``moe.zero3_moe_limit`` allows (test_deepspeed_moe.py).
+    A plan (asking without the file's stage: ``planner_plan_options``) answers with those rows (``moe_candidates``)."""
     if spec.moe is None:
         return None
     config = options.own.get("ds_config") or {}
