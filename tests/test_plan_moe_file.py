@@ -58,6 +58,21 @@ def test_plan_on_a_qwen2_moe_file_reducing_at_the_shared_experts_hooks_answers(t
     assert "Ψ = 81,360 elements" in d["reason"] and d["reason"].endswith(": none)")
 
 
+def test_a_file_that_leaves_no_row_modelled_refuses_the_plan_in_one_line(tmp_path):
+    """Ψ = 816,864,256 > every bucket plan tries: fp16 with overlap_comm reduces from the hooks at ZeRO-1 and 2 in
+    every row, and a ``leaf_module`` takes every ZeRO-3 row out (``zero3_moe_limit``): no row left, so the plan
+    refuses with the rows' reasons (not an empty table that reads "no configuration fits")."""
+    big = {**PLAN_MODELS["mixtral"][0], "hidden_size": 1024, "intermediate_size": 8192, "num_attention_heads": 8,
+           "num_hidden_layers": 4}  # fmt: skip
+    args = _files(tmp_path, big, {"zero_optimization": {"stage": 1, "overlap_comm": True, "leaf_module": {
+        "classes": ["MixtralSparseMoeBlock"]}}, "fp16": {"enabled": True}})  # fmt: skip
+    result = run("plan", *args)
+    assert_one_line_error(result, "no configuration plan searches has a modelled peak: ZeRO-1, buckets 5e8: ZeRO-1 "
+                          "with overlap_comm in fp16 with reduce_bucket_size 500,000,000 < Ψ = 816,864,256")
+    assert "ZeRO-3, buckets 5e8, ZeRO-3, buckets 2e8, " in result.stderr
+    assert "leaf_module / stage3_module_granularity_threshold not modelled" in result.stderr
+
+
 def test_a_bad_file_stage_still_refuses_the_plan_in_one_line(tmp_path):
     args = _files(tmp_path, HF_CONFIGS / "tiny-mixtral.json", {"zero_optimization": {"stage": 4}})
     assert_one_line_error(run("plan", *args), "zero_optimization.stage")

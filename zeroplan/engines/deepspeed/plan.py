@@ -285,8 +285,7 @@ def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
     if spec.moe is None:
         return None
     config = options.own.get("ds_config") or {}
-    zero = config.get("zero_optimization") or {}
-    zero = zero if isinstance(zero, dict) else {}
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
     stage = zero.get("stage", options.stage)
     if stage is None:  # plan: the rows are filtered (moe_candidates); ZeRO-1 is measured on every family it covers
         why = zero12_moe_limit(Settings(stage=1), spec)
@@ -377,6 +376,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
         order = (*order, *ranked(workload, nd, base,
                                   which=lambda b: moe_candidates(offload_candidates(b), spec, zero, dropped),
                                   gpus_per_node=node))  # fmt: skip
+    if not order:  # every row left out (moe_candidates): no answer to rank, the reasons instead, in one line
+        raise ValueError(f"no configuration plan searches has a modelled peak: {_dropped_reason(dropped)}")
     index = next((i for i, t in enumerate(order) if t.peak_bytes <= capacity_bytes), None)
     out = tuple(Candidate(t.label, t.estimate, t.peak_bytes <= capacity_bytes,
                           to_ds_config(t.settings, workload.micro_batch, workload.grad_accum),
@@ -390,8 +391,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
 
 
 def _traced(t: Tried) -> Settings:
-    """The settings of ``t``'s allocation trace: of the rank its estimate names (``alloc_traces`` would find
-    it by estimating ``t`` again)."""
+    """The settings of ``t``'s allocation trace: of the rank its estimate names (not found again by estimating)."""
     return t.settings.model_copy(update={"rank": t.estimate.peak_rank})
 
 
