@@ -462,6 +462,37 @@ def test_a_signal_during_a_write_leaves_no_temporary_file(tmp_path, signum):
     assert target.read_text() == "the old file\n"
 
 
+def test_a_signal_inside_mkstemp_leaves_no_temporary_file(tmp_path, monkeypatch):
+    # The race a full run once hit: the signal lands after mkstemp made the file, before its name is known, and
+    # another thread (numpy's, pyarrow's) takes it while the main thread would have masked it. The hold must be
+    # a handler of ours, not a mask (zeroplan/files.py _signals_held): Terminated, and no temporary file.
+    import tempfile
+    import threading
+
+    from zeroplan.files import Terminated, write_text_atomic
+
+    other = threading.Event()
+    threading.Thread(target=other.wait, daemon=True).start()  # a thread that does not block SIGTERM
+    real = tempfile.mkstemp
+
+    def mkstemp_then_signal(*args, **kwargs):
+        made = real(*args, **kwargs)
+        if kwargs["prefix"].endswith("~"):
+            return made  # check_writable's probe, before atomic_write's handlers (a signal there terminates)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler runs here if the signal is not held
+        return made
+
+    target = tmp_path / "out.txt"
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_signal)
+    try:
+        with pytest.raises(Terminated):
+            write_text_atomic(target, "new\n")
+    finally:
+        other.set()
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------- sweeps stream
 
 

@@ -130,16 +130,29 @@ def _signals_raise() -> Iterator[None]:
 
 @contextmanager
 def _signals_held() -> Iterator[None]:
-    """SIGTERM and SIGHUP wait (blocked, not lost) until the block ends."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """SIGTERM and SIGHUP wait until the block ends: a handler of ours records them, and on leaving the handler
+    before it gets the first again (``signal.raise_signal``: ``Terminated`` inside ``atomic_write``, the default
+    action outside it). Not a signal mask: ``pthread_sigmask`` holds a signal for the calling thread only, and the
+    kernel hands a process's signal to any thread that does not block it (numpy's, pyarrow's), after which CPython
+    runs the Python handler in the main thread at once: inside ``mkstemp``, after the file exists and before its
+    name is known (a sweep's temporary file was left behind that way, once in a full test run)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    wanted = {signal.SIGTERM, signal.SIGHUP}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+    arrived: list[int] = []
+
+    def hold(signum: int, _frame: object) -> None:
+        arrived.append(signum)
+
+    wanted = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    previous = {s: signal.signal(s, hold) for s in wanted}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if arrived:
+            signal.raise_signal(arrived[0])
 
 
 def atomic_write(
