@@ -14,12 +14,14 @@ from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_role
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks,
                                                      _rank_first_buckets, _stage1_held, _views)
+from zeroplan.engines.deepspeed.phases import final_norm_per_rank
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.formulas.peak import Moment, Term
 
-GIP_SRC = "runtime/zero/stage_1_and_2.py copy_grads_in_partition"
+SRC = "runtime/zero/stage_1_and_2.py"
+GIP_SRC = f"{SRC} copy_grads_in_partition"
 
 
 def _within_one_parameter(run: DSRun, rank: int) -> bool:
@@ -342,7 +344,7 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     Found by the differential matrix (seed 2 draw 5: Llama 15.1M untied, ZeRO-2, 2.7M-element
     buckets, N_d = 4: the head's 5.4M-element gradient and its flattened copy; MemTracker at the peak, in
     ``allreduce_bucket`` on ranks 0, 1, 3 and in ``copy_grads_in_partition`` on rank 2: backward -12.2%,
-    -3.3%, -8.3%, -8.7% before)."""
+    -3.3%, -8.3%, -8.7% before). Then the final norm's backward per rank (``phases.final_norm_per_rank``)."""
     if not run.param_blocks:
         return ()
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
@@ -350,7 +352,9 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     if len(buckets) < 2 or not order[first_of_bucket[1]] > last_in_blocks:
         return ()  # one bucket (``_epilogue_reduce``), or the first reduced inside the last block
     p, g, acts = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], run.acts
-    large = sum(n for i, n in enumerate(run.numels) if bucket_of[i] == 0 and n > run.settings.reduce_bucket_size)
+    limit = run.settings.reduce_bucket_size
+    large_first = tuple(i for i, n in enumerate(run.numels) if bucket_of[i] == 0 and n > limit)
+    large = sum(run.numels[i] for i in large_first)
     pending = acts.block.pending_at_last_grad  # an RMSNorm's, the final norm being one of the blocks' norms
     norm = ((_act("final norm's saved tensors not yet used, its input gradient in flight (RMSNorm)", pending),)
             if pending else (_act("final norm saved and output", acts.final_saved),
@@ -363,11 +367,20 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     out = [Moment("backward", "final norm backward, the first bucket reduced", (*base, Term(
         "flattened copy of the first bucket's gradients", _hook_bucket_copy(run, 0) * g,
         "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")))]  # fmt: skip
-    held = [run.flat.params_numel(r) for r, first, _ in _reducing_hooks(run) if first == 0]
+    held = {r: run.flat.params_numel(r) for r, first, _ in _reducing_hooks(run) if first == 0}
     if held:
         out.append(Moment("backward", "final norm backward, the first bucket's grads_in_partition", (
-            *base, Term("grads_in_partition", max(held) * p, GIP_SRC))))
-    return tuple(out)
+            *base, Term("grads_in_partition", max(held.values()) * p, GIP_SRC))))
+    stage1 = not run.settings.partition_gradients
+
+    def extra(rank: int) -> tuple[Term, ...]:  # then the final norm's backward, per rank (``final_norm_per_rank``)
+        lo, hi = run.flat.range(rank)
+        outside = sum(run.numels[i] for i in large_first if not lo <= i < hi) if stage1 else 0  # stage 1 keeps
+        return (*((Term("grads_in_partition", held[rank] * p, GIP_SRC),) if rank in held else ()), *((Term(
+            "gradients larger than the bucket, outside the partition (kept to the step)", outside * p,
+            f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce; stage 1)"),) if outside else ()))
+
+    return (*out, *final_norm_per_rank(run, last, inflight, extra))
 
 
 def _mlp_saved(run: DSRun) -> int | None:
