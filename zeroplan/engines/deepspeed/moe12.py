@@ -59,15 +59,15 @@ def model_numel(spec: TransformerSpec) -> int:
 
 def zero12_moe_limit(s: Settings, spec: TransformerSpec) -> Optional[str]:
     """Why the ZeRO-1/2 peak of the sparse model ``spec`` under ``s`` is not given, or None (module docstring):
-    outside ``ZERO12_MOE_FAMILIES``, with ``offload_optimizer`` or DeepSpeed's ``BF16_Optimizer`` (not measured on a
-    sparse model), or reducing from the hooks in more than one bucket (``reduce_bucket_size`` < Ψ) in fp16 (the
+    outside ``ZERO12_MOE_FAMILIES``, with ``offload_optimizer`` (not measured on a sparse model; ``BF16_Optimizer``
+    is: bf16.py, tests/test_deepspeed_moe_opt.py), or reducing from the hooks in more than one bucket (``reduce_bucket_size`` < Ψ) in fp16 (the
     hooks' moments, moe12_hooks.py, measured in fp32 and bf16) or in an order not autograd's (``_hook_order_limit``)."""
     if spec.model_type not in ZERO12_MOE_FAMILIES:
         return f"model_type {spec.model_type!r} not measured (measured: {', '.join(ZERO12_MOE_FAMILIES)})"
     if s.offload_optimizer.on:
         return f"offload_optimizer to {s.offload_optimizer.device} not measured on routed experts"
-    if optimizer_class(s) != "DeepSpeedZeroOptimizer":  # bf16 with fp32 gradient accumulation at ZeRO-1
-        return f"{optimizer_class(s)} (runtime/bf16_optimizer.py) not measured on routed experts"
+    if optimizer_class(s) == "BF16_Optimizer":  # no hook reduces: measured as dense (engines/deepspeed/bf16.py)
+        return None
     psi = model_numel(spec)
     why = _hook_order_limit(s, spec, psi) if reduces_from_hooks(s) else None
     if why is not None:

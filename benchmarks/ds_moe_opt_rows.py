@@ -1,0 +1,97 @@
+"""DeepSpeed's ``BF16_Optimizer`` (bf16, ``data_types.grad_accum_dtype`` fp32, ZeRO-0/1) and optimizer offload
+(``offload_optimizer: cpu``, ZeRO-1/2) on transformers' mixture-of-experts classes (issue 19): real runs (gloo,
+N_d = 2, both ranks, CPU) against the profile, each rank's per-phase error (what a CPU run measures: the GPU moments
+plus the host bytes, ``deepspeed_compare.one_memory``), and the rows as JSON for tests/data/measured/.
+
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py bf16opt [--families mixtral-wide,...] [--out FILE]
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py offload [--families ...] [--out FILE]
+
+Real runs: never in CI (tests/test_deepspeed_moe_opt.py predicts the recorded rows again)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+PHASES = ("init", "forward", "backward", "optimizer_step")
+SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000}
+FAMILIES = "mixtral-wide,qwen3-moe-wide,qwen2-moe-wide,deepseek-wide"
+
+
+def cases(kind: str) -> list[tuple[str, dict]]:
+    """(label, ds_config) of each measured row of ``kind``."""
+    from validate.engines.deepspeed_compare import ds_config
+
+    if kind == "bf16opt":  # engine.py _configure_bf16_optimizer: bf16 with fp32 gradient accumulation at ZeRO-0/1
+        return [(f"z{st}-{b}", ds_config(st, "bf16", micro_batch=1, zero=z, optimizer_params={"torch_adam": True},
+                                         grad_accum_dtype="fp32"))
+                for st in (1,) for b, z in (("default", {}), ("small", SMALL))]  # fmt: skip
+    off = {"offload_optimizer": {"device": "cpu"}}  # DeepSpeedCPUAdam (engine.py zero_use_cpu_optimizer)
+    return [(f"z{st}-{dt}-{b}", ds_config(st, dt, micro_batch=1, zero={**z, **off}))
+            for dt in ("bf16", "fp32") for st in (1, 2) for b, z in (("default", {}), ("small", SMALL))]  # fmt: skip
+
+
+def measure(kind: str, families: list[str], tmp: Path, out: Path | None) -> None:
+    from ds_moe12_rows import _files
+    from validate.engines.deepspeed_compare import one_memory, run_world, workload_for
+    from zeroplan.engines import deepspeed as D
+
+    import deepspeed
+    import torch
+
+    _files(tmp)
+    rows = []
+    for name in families:
+        labelled = cases(kind)
+        path = str(tmp / f"{name}.json")
+        ranks = run_world([c for _, c in labelled], 2, model=str(tmp / "world.json"), steps=2, seq_len=64,
+                          runs=[{"model": path, "hf": True}] * len(labelled))  # fmt: skip
+        workload = workload_for(path, 1, 64, 1, "none", hf=True)
+        for (label, config), *by_rank in zip(labelled, *ranks):
+            measured = [[r["peak_bytes_by_phase"][p] for p in PHASES] for r in by_rank]
+            predicted = []
+            print(f"{name} {label}: {measured}", flush=True)
+            for rank, row in enumerate(measured):
+                settings = D.Settings.from_ds_config(config).model_copy(update={"rank": rank})
+                pred = one_memory(workload, 2, settings, 4)
+                predicted.append([pred[p] for p in PHASES])
+                print(f"    rank {rank}: " + "  ".join(f"{p} {(v - pred[p]) / v:+.4%} ({v - pred[p]:+,} B)"
+                                                     for p, v in zip(PHASES, row)), flush=True)  # fmt: skip
+            rows.append({"family": name, "case": label, "nd": 2, "ds_config": config,
+                         "hf_config": json.loads(Path(path).read_text()),
+                         "shapes": [[n, list(s)] for n, s in workload.shapes],
+                         "measured": measured, "predicted_when_recorded": predicted})
+    if out is not None:
+        out.write_text(json.dumps({
+            "engine": "deepspeed", "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "zeroplan_commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                                              text=True).stdout.strip(),
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__, "device": "cpu", "backend": "gloo",
+            "command": f"DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/ds_moe_opt_rows.py {kind}",
+            "run": "validate.engines.deepspeed_compare.run_world(configs, 2, model=<64-position tiny-llama>, steps=2, "
+                   "seq_len=64, runs=[{'model': hf_config, 'hf': True}]); peak bytes [init, forward, backward, "
+                   "optimizer_step] per rank",
+            "rows": rows}, indent=1) + "\n")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=("bf16opt", "offload"))
+    parser.add_argument("--families", default=FAMILIES)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        measure(args.kind, args.families.split(","), Path(tmp), args.out)
+
+
+if __name__ == "__main__":
+    main()
