@@ -36,6 +36,11 @@ def cases(kind: str) -> list[tuple[str, dict]]:
                                          grad_accum_dtype="fp32"))
                 for st in (1,) for b, z in (("default", {}), ("small", SMALL))]  # fmt: skip
     off = {"offload_optimizer": {"device": "cpu"}}  # DeepSpeedCPUAdam (engine.py zero_use_cpu_optimizer)
+    if kind == "offload3":  # ZeRO-3 as tests/test_deepspeed_moe.py measures it ("small": tests/hf_saved.py DS_SMALL)
+        from hf_saved import DS_SMALL
+
+        return [(f"z3-{dt}-{b}", ds_config(3, dt, micro_batch=1, zero={**z, **off}))
+                for dt in ("bf16", "fp32") for b, z in (("default", {}), ("small", DS_SMALL))]  # fmt: skip
     return [(f"z{st}-{dt}-{b}", ds_config(st, dt, micro_batch=1, zero={**z, **off}))
             for dt in ("bf16", "fp32") for st in (1, 2) for b, z in (("default", {}), ("small", SMALL))]  # fmt: skip
 
@@ -72,7 +77,8 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None) -> None
                          "measured": measured, "predicted_when_recorded": predicted})
     if out is not None:
         out.write_text(json.dumps({
-            "engine": "deepspeed", "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "engine": "deepspeed",
+            "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "zeroplan_commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                                               text=True).stdout.strip(),
             "torch": torch.__version__, "deepspeed": deepspeed.__version__, "device": "cpu", "backend": "gloo",
@@ -83,14 +89,70 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None) -> None
             "rows": rows}, indent=1) + "\n")  # fmt: skip
 
 
+def _trace_rank(rank: int, name: str, kind: str, label: str, port: int, tmp: str, top: int) -> None:
+    """One rank of ``trace``: the live storages made in the second step at its backward peak (parameters and the
+    flat groups excluded; ds_moe12_rows.py ``_live_storage_mode``), with the parameter whose hook ran last."""
+    import gc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    import deepspeed
+    import torch.distributed as dist
+    from ds_moe12_rows import _live_storage_mode
+    from validate.engines.deepspeed import _model_and_batches
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = dict(cases(kind))[label]
+    build, batches = _model_and_batches(f"{tmp}/{name}.json", 2, rank, 1, 2, 64, hf=True)
+    engine, opt, _, _ = deepspeed.initialize(model=(model := build()), model_parameters=model.parameters(),
+                                             config=config)  # fmt: skip
+    ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    ignore |= {g.untyped_storage().data_ptr() for g in getattr(opt, "bit16_groups_flat", [])}
+    names, hook = {id(p): n for n, p in engine.module.named_parameters()}, {}
+    if hasattr(opt, "reduce_independent_p_g_buckets_and_remove_grads"):
+        reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
+
+        def named(param, i):
+            hook["param"] = names.get(id(param))
+            return reduce(param, i)
+
+        opt.reduce_independent_p_g_buckets_and_remove_grads = named
+    gc.disable()
+    for step in range(2):
+        mode = _live_storage_mode(ignore, hook)
+        with mode:
+            loss = engine.module.loss(batches[step].pop(0))
+            mode.peak = 0
+            engine.backward(loss)
+        del loss
+        engine.step()
+    for turn in range(2):
+        if turn == rank:
+            print(f"rank {rank}: backward peak {mode.peak:,} B of storages made in the step, after the hook of "
+                  f"{mode.hook}")
+            for nbytes, func, shape, where in sorted(mode.at_peak, key=lambda x: -x[0])[:top]:
+                print(f"    {nbytes:>10,}  {func:<40} {str(shape):<18} {' <- '.join(reversed(where[-4:]))}", flush=True)
+        dist.barrier()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=("bf16opt", "offload"))
+    parser.add_argument("kind", choices=("bf16opt", "offload", "offload3"))
     parser.add_argument("--families", default=FAMILIES)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--trace", default=None, help="FAMILY:CASE: list the live storages at its backward peak")
+    parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        measure(args.kind, args.families.split(","), Path(tmp), args.out)
+        if args.trace is None:
+            measure(args.kind, args.families.split(","), Path(tmp), args.out)
+            return
+        import torch.multiprocessing as mp
+        from ds_moe12_rows import _files
+
+        _files(Path(tmp))
+        name, label = args.trace.split(":")
+        mp.spawn(_trace_rank, args=(name, args.kind, label, 29500 + os.getpid() % 1000, tmp, args.top), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -64,3 +64,49 @@ def test_bf16_optimizer_on_sparse_models_every_phase_both_ranks_and_given_a_peak
             assert abs(err - (value - then)) <= max(SLACK_BYTES, SLACK * value), (rank, phase, value, got[phase], then)
             assert -TARGET * value <= err <= UNDER * value, (rank, phase, value, got[phase])
     assert _moe_limit(row) is None
+
+
+OFFLOAD = _rows("offload")
+ONE_BUCKET = [r for r in OFFLOAD if r["case"].endswith("-default")]
+SEVERAL = [r for r in OFFLOAD if not r["case"].endswith("-default")]
+
+
+def _errors(row: dict, tmp_path: Path) -> list[list[int]]:
+    """measured - predicted, per rank and phase, each within the recorded error (a changed prediction shows here)."""
+    out = []
+    for rank, measured in enumerate(row["measured"]):
+        got = _predict(row, rank, tmp_path)
+        out.append([value - got[p] for p, value in zip(PHASES, measured)])
+        for phase, value, then in zip(PHASES, measured, row["predicted_when_recorded"][rank]):
+            assert abs(value - got[phase] - (value - then)) <= max(SLACK_BYTES, SLACK * value), (rank, phase, got[phase])
+    return out
+
+
+@pytest.mark.parametrize("row", ONE_BUCKET, ids=[f"{r['family']}-{r['case']}" for r in ONE_BUCKET])
+def test_offload_in_one_bucket_on_sparse_models_every_phase_both_ranks_and_given_a_peak(row, tmp_path):
+    """``offload_optimizer: cpu`` at ZeRO-1/2 with every gradient in one bucket (DeepSpeed's 5e8 > Ψ): the dense
+    offload profile, every (rank, phase) within the targets (fp32 within 440 B; bf16 up to 0.103 % over), and the run
+    given a peak (refused before: ``zero12_moe_limit``, "offload_optimizer to cpu not measured on routed experts")."""
+    for rank, errors in enumerate(_errors(row, tmp_path)):
+        for phase, err, value in zip(PHASES, errors, row["measured"][rank]):
+            assert -TARGET * value <= err <= UNDER * value, (rank, phase, err)
+    assert _moe_limit(row) is None
+
+
+@pytest.mark.parametrize("row", SEVERAL, ids=[f"{r['family']}-{r['case']}" for r in SEVERAL])
+def test_offload_in_several_buckets_misses_as_recorded_and_is_refused(row, tmp_path):
+    """5,000-element buckets (below every expert tensor): the backward misses (up to 4.63 % under: an expert gradient
+    larger than the bucket cloned under offload, stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``
+    ``_offload_gradient_safety_enabled``; each reduced slice's fp64 norm copy, ``set_norm_for_param_grad_in_gpu``),
+    so ``moe_offload.moe_offload_limit`` refuses the run in one line; the other phases within 1,000 B. A model of
+    those moments fails here first: then lift the limit."""
+    worst = 0.0
+    for rank, errors in enumerate(_errors(row, tmp_path)):
+        for phase, err, value in zip(PHASES, errors, row["measured"][rank]):
+            if phase != "backward":
+                assert abs(err) <= 1000, (rank, phase, err)
+            worst = max(worst, err / value, -err / value / 2)  # scaled so that 1 % over weighs as 0.5 % under
+    why = _moe_limit(row)
+    assert why is not None and "offload_optimizer with reduce_bucket_size 5,000 < Ψ" in why and "\n" not in why
+    if row["family"] != "deepseek-wide" or row["case"] != "z1-fp32-small":  # that one row happens to be exact
+        assert worst > UNDER, worst

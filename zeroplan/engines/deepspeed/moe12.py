@@ -43,6 +43,7 @@ import math
 from typing import Optional
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
+from zeroplan.engines.deepspeed.moe_offload import moe_offload_limit
 from zeroplan.engines.deepspeed.settings import Settings, optimizer_class
 from zeroplan.engines.deepspeed.zero12 import reduces_from_hooks
 
@@ -59,13 +60,14 @@ def model_numel(spec: TransformerSpec) -> int:
 
 def zero12_moe_limit(s: Settings, spec: TransformerSpec) -> Optional[str]:
     """Why the ZeRO-1/2 peak of the sparse model ``spec`` under ``s`` is not given, or None (module docstring):
-    outside ``ZERO12_MOE_FAMILIES``, with ``offload_optimizer`` (not measured on a sparse model; ``BF16_Optimizer``
-    is: bf16.py, tests/test_deepspeed_moe_opt.py), or reducing from the hooks in more than one bucket (``reduce_bucket_size`` < Ψ) in fp16 (the
-    hooks' moments, moe12_hooks.py, measured in fp32 and bf16) or in an order not autograd's (``_hook_order_limit``)."""
+    outside ``ZERO12_MOE_FAMILIES``, with ``offload_optimizer`` where ``moe_offload.moe_offload_limit`` refuses
+    (``BF16_Optimizer``: bf16.py, measured), or reducing from the hooks in more than one bucket (``reduce_bucket_size``
+    < Ψ) in fp16 (the hooks' moments, moe12_hooks.py, measured in fp32 and bf16) or in an order not autograd's
+    (``_hook_order_limit``)."""
     if spec.model_type not in ZERO12_MOE_FAMILIES:
         return f"model_type {spec.model_type!r} not measured (measured: {', '.join(ZERO12_MOE_FAMILIES)})"
-    if s.offload_optimizer.on:
-        return f"offload_optimizer to {s.offload_optimizer.device} not measured on routed experts"
+    if s.offload_optimizer.on:  # measured with every gradient in one bucket (moe_offload.py)
+        return moe_offload_limit(s, model_numel(spec))
     if optimizer_class(s) == "BF16_Optimizer":  # no hook reduces: measured as dense (engines/deepspeed/bf16.py)
         return None
     psi = model_numel(spec)
