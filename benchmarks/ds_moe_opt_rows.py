@@ -36,6 +36,11 @@ def cases(kind: str) -> list[tuple[str, dict]]:
                                          grad_accum_dtype="fp32"))
                 for st in (1,) for b, z in (("default", {}), ("small", SMALL))]  # fmt: skip
     off = {"offload_optimizer": {"device": "cpu"}}  # DeepSpeedCPUAdam (engine.py zero_use_cpu_optimizer)
+    if kind == "ga2":  # two micro-steps per step, the given runs' one-bucket cases
+        configs = [("z1-bf16opt-ga2", ds_config(1, "bf16", micro_batch=1, optimizer_params={"torch_adam": True},
+                                                grad_accum_dtype="fp32")),
+                   *((f"z{st}-bf16-default-ga2", ds_config(st, "bf16", micro_batch=1, zero=off)) for st in (1, 2))]
+        return [(label, {**c, "gradient_accumulation_steps": 2}) for label, c in configs]
     if kind == "offload3":  # ZeRO-3 as tests/test_deepspeed_moe.py measures it ("small": tests/hf_saved.py DS_SMALL)
         from hf_saved import DS_SMALL
 
@@ -43,6 +48,14 @@ def cases(kind: str) -> list[tuple[str, dict]]:
                 for dt in ("bf16", "fp32") for b, z in (("default", {}), ("small", DS_SMALL))]  # fmt: skip
     return [(f"z{st}-{dt}-{b}", ds_config(st, dt, micro_batch=1, zero={**z, **off}))
             for dt in ("bf16", "fp32") for st in (1, 2) for b, z in (("default", {}), ("small", SMALL))]  # fmt: skip
+
+
+def _dump(d: dict) -> str:
+    """``d`` as JSON, one line per key of the header and of each row (the files stay small and diffable)."""
+    head = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in d.items() if k != "rows"]
+    rows = ["  {\n" + ",\n".join(f"   {json.dumps(k)}: {json.dumps(v)}" for k, v in r.items()) + "\n  }"
+            for r in d["rows"]]
+    return "\n".join(["{", *head, ' "rows": [']) + "\n" + ",\n".join(rows) + "\n ]\n}\n"
 
 
 def measure(kind: str, families: list[str], tmp: Path, out: Path | None) -> None:
@@ -60,8 +73,8 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None) -> None
         path = str(tmp / f"{name}.json")
         ranks = run_world([c for _, c in labelled], 2, model=str(tmp / "world.json"), steps=2, seq_len=64,
                           runs=[{"model": path, "hf": True}] * len(labelled))  # fmt: skip
-        workload = workload_for(path, 1, 64, 1, "none", hf=True)
         for (label, config), *by_rank in zip(labelled, *ranks):
+            workload = workload_for(path, 1, 64, config["gradient_accumulation_steps"], "none", hf=True)
             measured = [[r["peak_bytes_by_phase"][p] for p in PHASES] for r in by_rank]
             predicted = []
             print(f"{name} {label}: {measured}", flush=True)
@@ -76,7 +89,7 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None) -> None
                          "shapes": [[n, list(s)] for n, s in workload.shapes],
                          "measured": measured, "predicted_when_recorded": predicted})
     if out is not None:
-        out.write_text(json.dumps({
+        out.write_text(_dump({
             "engine": "deepspeed",
             "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "zeroplan_commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
@@ -86,7 +99,7 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None) -> None
             "run": "validate.engines.deepspeed_compare.run_world(configs, 2, model=<64-position tiny-llama>, steps=2, "
                    "seq_len=64, runs=[{'model': hf_config, 'hf': True}]); peak bytes [init, forward, backward, "
                    "optimizer_step] per rank",
-            "rows": rows}, indent=1) + "\n")  # fmt: skip
+            "rows": rows}))  # fmt: skip
 
 
 def _trace_rank(rank: int, name: str, kind: str, label: str, port: int, tmp: str, top: int) -> None:
@@ -137,7 +150,7 @@ def _trace_rank(rank: int, name: str, kind: str, label: str, port: int, tmp: str
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=("bf16opt", "offload", "offload3"))
+    parser.add_argument("kind", choices=("bf16opt", "offload", "offload3", "ga2"))
     parser.add_argument("--families", default=FAMILIES)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--trace", default=None, help="FAMILY:CASE: list the live storages at its backward peak")
