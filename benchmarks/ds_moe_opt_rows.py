@@ -125,9 +125,9 @@ def _trace_rank(rank: int, name: str, kind: str, label: str, port: int, tmp: str
     if hasattr(opt, "reduce_independent_p_g_buckets_and_remove_grads"):
         reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
 
-        def named(param, i):
+        def named(param, *args):  # (param, i) at ZeRO-1/2, (param,) at ZeRO-3
             hook["param"] = names.get(id(param))
-            return reduce(param, i)
+            return reduce(param, *args)
 
         opt.reduce_independent_p_g_buckets_and_remove_grads = named
     gc.disable()
