@@ -67,8 +67,9 @@ def test_bf16_optimizer_on_sparse_models_every_phase_both_ranks_and_given_a_peak
 
 
 OFFLOAD = _rows("offload")
-ONE_BUCKET = [r for r in OFFLOAD if r["case"].endswith("-default")]
-SEVERAL = [r for r in OFFLOAD if not r["case"].endswith("-default")]
+ZERO3 = [r for r in OFFLOAD if r["case"].startswith("z3")]
+ONE_BUCKET = [r for r in OFFLOAD if r["case"].endswith("-default") and r not in ZERO3]
+SEVERAL = [r for r in OFFLOAD if not r["case"].endswith("-default") and r not in ZERO3]
 
 
 def _errors(row: dict, tmp_path: Path) -> list[list[int]]:
@@ -110,3 +111,19 @@ def test_offload_in_several_buckets_misses_as_recorded_and_is_refused(row, tmp_p
     assert why is not None and "offload_optimizer with reduce_bucket_size 5,000 < Ψ" in why and "\n" not in why
     if row["family"] != "deepseek-wide" or row["case"] != "z1-fp32-small":  # that one row happens to be exact
         assert worst > UNDER, worst
+
+
+@pytest.mark.parametrize("row", ZERO3, ids=[f"{r['family']}-{r['case']}" for r in ZERO3])
+def test_zero3_offload_on_sparse_models_every_phase_both_ranks(row, tmp_path):
+    """ZeRO-3 with ``offload_optimizer: cpu`` (given a peak before too, never measured on a sparse model): every
+    (rank, phase) within the targets. The bf16 rows at 5,000-element buckets (tests/hf_saved.py DS_SMALL) were
+    1.32-2.60 % under (``predicted_before``): the expert gradient held past the bucket has its partition's norm taken
+    on an fp64 copy (stage3.py ``_offload_grad_partition_at_boundary -> _constant_buffered_norm2``, 8 B an element of
+    the partition) after gloo's reduce-scatter copy (g B an element of the whole tensor) is freed, the larger of the
+    two (moe.py ``_reduction_peak``'s ``norm_copy``); in fp32 at N_d = 2 both are the same size."""
+    assert row["ds_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    for rank, errors in enumerate(_errors(row, tmp_path)):
+        for phase, err, value in zip(PHASES, errors, row["measured"][rank]):
+            assert -TARGET * value <= err <= UNDER * value, (rank, phase, err)
+            assert abs(err) <= 50_000, (rank, phase, err)  # the bf16 forward at 5e8 buckets: 49,536 B, 0.0049 %
+    assert _moe_limit(row) is None
