@@ -68,8 +68,8 @@ def test_bf16_optimizer_on_sparse_models_every_phase_both_ranks_and_given_a_peak
 
 OFFLOAD = _rows("offload")
 ZERO3 = [r for r in OFFLOAD if r["case"].startswith("z3")]
-ONE_BUCKET = [r for r in OFFLOAD if r["case"].endswith("-default") and r not in ZERO3]
-SEVERAL = [r for r in OFFLOAD if not r["case"].endswith("-default") and r not in ZERO3]
+SEVERAL = [r for r in OFFLOAD if "-small" in r["case"] and r not in ZERO3]
+ONE_BUCKET = [r for r in OFFLOAD if r not in ZERO3 and r not in SEVERAL]  # 5e8 > Ψ; "-ga2": G = 2
 
 
 def _errors(row: dict, tmp_path: Path) -> list[list[int]]:
@@ -87,7 +87,9 @@ def _errors(row: dict, tmp_path: Path) -> list[list[int]]:
 def test_offload_in_one_bucket_on_sparse_models_every_phase_both_ranks_and_given_a_peak(row, tmp_path):
     """``offload_optimizer: cpu`` at ZeRO-1/2 with every gradient in one bucket (DeepSpeed's 5e8 > Ψ): the dense
     offload profile, every (rank, phase) within the targets (fp32 within 440 B; bf16 up to 0.103 % over), and the run
-    given a peak (refused before: ``zero12_moe_limit``, "offload_optimizer to cpu not measured on routed experts")."""
+    given a peak (refused before: ``zero12_moe_limit``, "offload_optimizer to cpu not measured on routed experts").
+    At G = 2 ("-ga2") the init was 14.5-16.1 % over and ZeRO-1's step 9.5-10.6 % (``predicted_before``) until the
+    host's accumulated gradients were made lazy and ZeRO-2's only (offload.py ``ACCUMULATED``)."""
     for rank, errors in enumerate(_errors(row, tmp_path)):
         for phase, err, value in zip(PHASES, errors, row["measured"][rank]):
             assert -TARGET * value <= err <= UNDER * value, (rank, phase, err)
