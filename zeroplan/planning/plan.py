@@ -44,7 +44,7 @@ from zeroplan.planning.cut_first import cut_first
 from zeroplan.planning.engine_plan import engine_plan_config
 from zeroplan.planning.offload_peak import offload_peak
 from zeroplan.planning.records import Plan, PlanOption
-from zeroplan.planning.reserved_fit import first_fragmentation, fit_quantity
+from zeroplan.planning.reserved_fit import NOT_REPLAYED, first_fragmentation, fit_quantity, live_over
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber, checked_call
 
@@ -256,7 +256,8 @@ def _option(
         stage, collectives, nd, links, config.grad_accum, config.algorithm, config.bucket_numel, compute_s
     )
     volume = sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives)
-    held = None if trace is None else reserved_of(trace, config.alloc_conf)
+    skipped = trace is not None and live_over(peak, budget)  # reserved >= live: settled without the replay
+    held = None if trace is None or skipped else reserved_of(trace, config.alloc_conf)
     need = fit_bytes(states.gpu.model_states_bytes, peak, held)
     return PlanOption(
         stage, row.name, offload, **sizes,
@@ -264,6 +265,7 @@ def _option(
         fits=fits(states, budget, host) if peak is None else need <= budget and fits(states, budget, host),
         peak=peak,
         reserved=held,
+        not_replayed=NOT_REPLAYED if skipped else None,
         min_gpus=min_gpus.raw_function(whole, budget, stage, nm, offload, policy, host, layout),
         comm_volume_elements=volume,
         comm_bytes_per_rank=sum(t.calls_per_step * t.collective.bytes_per_rank for t in time.collectives),

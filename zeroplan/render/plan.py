@@ -78,6 +78,7 @@ def option_dict(o: PlanOption, per_node: int) -> dict:
         **peak_keys(o.peak),
         reserved_bytes=None if o.reserved is None else o.reserved.reserved_bytes,
         reserved_phases=None if o.reserved is None else o.reserved.reserved_phases,
+        reserved_not_replayed=o.not_replayed,
         peak_rank=o.peak_rank,
         comm_time={
             "link": o.time.link,
@@ -247,6 +248,20 @@ def _size(n: Optional[int], unit: str) -> str:
     return "-" if n is None else format_bytes(n, unit)
 
 
+def _reserved_cell(o: PlanOption, unit: str) -> str:
+    """The reserved column: ``—`` where the row was not replayed (``PlanOption.not_replayed``), "-" without a trace."""
+    return NOT_REPLAYED_CELL if o.not_replayed else _size(o.reserved and o.reserved.reserved_bytes, unit)
+
+
+NOT_REPLAYED_CELL = "—"
+
+
+def _not_replayed_note(p: Plan) -> list[str]:
+    """The footnote under the table where a row's reserved cell is ``—``: why (``reserved_fit.NOT_REPLAYED``)."""
+    why = next((o.not_replayed for o in p.options if o.not_replayed), None)
+    return [] if why is None else [f"reserved {NOT_REPLAYED_CELL}: {why}."]
+
+
 def _count(n: Optional[int]) -> str:
     return "no limit" if n is None else format_count(n)
 
@@ -287,8 +302,7 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
             s = o.states
             row[1:1] = [
                 _size(s.gpu.model_states_bytes, unit),
-                *([_size(o.peak and o.peak.peak_bytes, unit), _size(o.reserved and o.reserved.reserved_bytes, unit)]
-                  if peak else []),
+                *([_size(o.peak and o.peak.peak_bytes, unit), _reserved_cell(o, unit)] if peak else []),
                 _size(s.host_bytes * per_node, unit),
                 _size(s.nvme_bytes * per_node, unit),
                 "yes" if o.fits else "no",
@@ -301,7 +315,7 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
                 _seconds(o.pcie_s) if o.offload.any else "-",
             ]
         rows.append(row)
-    lines += format_table(rows, left=1)
+    lines += [*format_table(rows, left=1), *_not_replayed_note(p)]
     lines += ["", f"Recommendation: {_recommendation(p, unit)}"]
     if p.params is not None:
         lines.append(f"Fit: {p.fit_basis}.")
@@ -335,7 +349,7 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
         row = [
             o.label, str(o.stage), _size(o.states.gpu.model_states_bytes, unit), _size(o.peak and o.peak.peak_bytes, unit),
             peak_phase_cell(o.peak.peak_phase, o.peak_rank) if o.peak else "-",
-            _size(o.reserved and o.reserved.reserved_bytes, unit), "yes" if o.fits else "no",
+            _reserved_cell(o, unit), "yes" if o.fits else "no",
             _size(o.comm_bytes_per_rank, unit), _seconds(o.time.comm_s), _seconds(o.time.exposed_comm_s),
         ]  # fmt: skip
         if offload:
@@ -343,7 +357,8 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
             row[3:3] = [_size(o.states.host_bytes * per_node, unit) + (" (init)" if at_init else "")]
             row.append(_seconds(o.pcie_s) if o.offload.any else "-")
         rows.append(row)
-    lines = [*format_table(rows, left=1), "", f"Recommendation: {_recommendation(p, unit)}", f"Fit: {p.fit_basis}."]
+    lines = [*format_table(rows, left=1), *_not_replayed_note(p), "", f"Recommendation: {_recommendation(p, unit)}",
+             f"Fit: {p.fit_basis}."]  # fmt: skip
     if offload:
         lines.append(f"Host: {ENGINE_HOST_NOTE.format(per_node=per_node)}.")
     if p.cut_first is not None:
