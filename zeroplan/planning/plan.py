@@ -194,13 +194,15 @@ OptionKey = tuple[int, Offload]
 
 
 def option_peaks(
-    config: PlanConfig, keys: tuple[OptionKey, ...], nd: Optional[int] = None, traced: bool = True
-) -> tuple[dict[OptionKey, PeakEstimate], str, dict[OptionKey, AllocTrace]]:
+    config: PlanConfig, keys: tuple[OptionKey, ...], nd: Optional[int] = None, traced: bool = True,
+    budget_bytes: Optional[int] = None,
+) -> tuple[dict[OptionKey, PeakEstimate], str, dict[OptionKey, Optional[AllocTrace]]]:
     """({(stage, offload): peak} of ``keys``, how fits are decided, {(stage, no offload): allocation trace}):
     the engine's peak on ``nd`` ranks (default N_d) of each stage, for an offload option with the offloaded
     model states on the host (``offload_peak``), when the architecture and the step are ones it models; else
     {} and why fits are on model states. Each stage is estimated once, and only the stages of ``keys``; the
-    traces only when ``traced`` (the cut-first advice at 2 N_d reads the peak alone)."""
+    traces only when ``traced`` (the cut-first advice at 2 N_d reads the peak alone), and a stage whose live
+    peak alone exceeds ``budget_bytes`` gets None (``reserved_fit.live_over``: not built, not replayed)."""
     engine = get_engine(config.engine)
     stages = sorted({s for s, _ in keys})
     options = planner_options(engine, config.engine_options, policy=config.policy,
@@ -220,9 +222,16 @@ def option_peaks(
         for s, off in keys
         if s in by_stage
     }
-    made = engine.alloc_trace(workload, nd or config.nd, settings) if engine.alloc_trace and traced else ()
-    by_trace = {r.stage: t for r, t in zip(rows, made)}
-    traces = {(s, off): by_trace[s] for s, off in keys if s in by_trace and not off.any}
+    traces = {}
+    if engine.alloc_trace and traced:
+        wanted = [r.stage for r in rows if r.peak is not None and not live_over(r.peak, budget_bytes)]
+        if len(wanted) == len(rows):  # every stage's trace, in one call
+            by_trace = dict(zip(wanted, engine.alloc_trace(workload, nd or config.nd, settings)))
+        else:  # only the stages whose live peak fits: each with its own settings, as ``--stage`` asks it
+            by_trace = {s: engine.alloc_trace(workload, nd or config.nd,
+                                              engine.planner_settings(replace(options, stages=(s,), stage=s)))[0]
+                        for s in wanted}  # fmt: skip
+        traces = {(s, off): by_trace.get(s) for s, off in keys if s in by_stage and not off.any}
     quantity = fit_quantity(config.alloc_conf if traces else None)
     return peaks, (
         f"fits on {quantity} ({config.engine} engine, docs/peak.md) within the headroom; an offload option "
@@ -232,10 +241,12 @@ def option_peaks(
 
 
 def _option(
-    config: PlanConfig, stage: int, offload: Offload, tensors, links, compute_s, budget, host, peak=None, trace=None
+    config: PlanConfig, stage: int, offload: Offload, tensors, links, compute_s, budget, host, peak=None, trace=None,
+    traced: bool = False,
 ) -> PlanOption:
     """One option of the ladder; ``tensors``: (the model's tensor sizes, ``config.tensor_numels`` built once;
-    those of one MP rank), or (None, None)."""
+    those of one MP rank), or (None, None); ``traced``: the engine has its trace (``trace`` None: not built,
+    its live peak alone exceeding the budget)."""
     whole, numels = tensors
     row = get_stage(stage)
     nm, nd, policy = config.model_parallel, config.nd, config.policy
@@ -256,7 +267,7 @@ def _option(
         stage, collectives, nd, links, config.grad_accum, config.algorithm, config.bucket_numel, compute_s
     )
     volume = sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives)
-    skipped = trace is not None and live_over(peak, budget)  # reserved >= live: settled without the replay
+    skipped = traced and live_over(peak, budget)  # reserved >= live: settled without the replay
     held = None if trace is None or skipped else reserved_of(trace, config.alloc_conf)
     need = fit_bytes(states.gpu.model_states_bytes, peak, held)
     return PlanOption(
@@ -319,10 +330,10 @@ def plan_config(config: PlanConfig) -> Plan:
     if whole is not None and config.flops is not None:
         compute_s = compute_time_s(sum(whole), tokens, nm, config.flops, config.mfu)
     keys = tuple((s, NO_OFFLOAD) for s in range(4)) + tuple(k for k in LADDER if k[1].any)
-    peaks, fit_basis, traces = option_peaks(config, keys)
+    peaks, fit_basis, traces = option_peaks(config, keys, budget_bytes=budget)
     options = tuple(
         _option(config, s, off, (whole, numels), links, compute_s, budget, host, peaks.get((s, off)),
-                traces.get((s, off)))
+                traces.get((s, off)), (s, off) in traces)
         for s, off in keys
     )  # fmt: skip
     recommendation, reason = _recommend(config, options)

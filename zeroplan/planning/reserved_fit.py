@@ -33,11 +33,12 @@ NOT_REPLAYED = "not replayed: its live peak alone exceeds the GPU less the headr
 """Why a row's reserved bytes are ``—`` (``live_over``): the plan's footnote and JSON ``reserved_not_replayed``."""
 
 
-def live_over(peak, budget_bytes: int) -> bool:
-    """Whether a row's peak of live bytes (``PeakEstimate``; None: no peak) alone exceeds ``budget_bytes``: then its
-    allocation trace is neither built nor replayed (reserved >= allocated >= live, so it cannot fit), the one rule
-    every plan asks (``engine_plan``, ``plan``; ``estimate`` replays the one configuration asked, always)."""
-    return peak is not None and peak.peak_bytes > budget_bytes
+def live_over(peak, budget_bytes: Optional[int]) -> bool:
+    """Whether a row's peak of live bytes (``PeakEstimate``; None: no peak) alone exceeds ``budget_bytes`` (None: no
+    budget): then its allocation trace is neither built nor replayed (reserved >= allocated >= live, so it cannot
+    fit), the one rule every plan asks (``engine_plan``, ``plan``; ``estimate`` replays the one configuration
+    asked, always)."""
+    return peak is not None and budget_bytes is not None and peak.peak_bytes > budget_bytes
 
 
 def fit_quantity(alloc_conf: Optional[str]) -> str:
