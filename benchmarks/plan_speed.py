@@ -112,7 +112,8 @@ def _json_rows(old: dict, new: dict) -> int | None:
     for key in ("stages", "offload"):
         for was, now in zip(old.get(key, []), new.get(key, [])):
             if "reserved_not_replayed" in now and "reserved_not_replayed" not in was:
-                was.update(reserved_bytes=None, reserved_phases=None, reserved_not_replayed=now["reserved_not_replayed"])
+                why = now["reserved_not_replayed"]
+                was.update(reserved_bytes=None, reserved_phases=None, reserved_not_replayed=why)
                 count += 1
     return count if count and old == new else None
 

@@ -19,22 +19,18 @@ on what to cut is ``zeroplan.planning.cut_first``; an engine with its own search
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Annotated, Callable, Optional
 
 from pydantic import ConfigDict, Field
 
-from zeroplan.engines import get_engine, planner_options
+from zeroplan.engines import get_engine
 from zeroplan.allocator.reserved import fit_bytes, reserved_of
-from zeroplan.allocator.step_trace import AllocTrace
 from zeroplan.architectures.limits import check_total
 from zeroplan.engines.base import EngineOptions
 from zeroplan.estimation.live import is_optimizer
-from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import step_collectives
 from zeroplan.formulas.commtime import Links, compute_time_s, ring_link, step_time
-from zeroplan.formulas.peak import PeakEstimate
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
@@ -42,9 +38,9 @@ from zeroplan.number_formats import format_bytes
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.cut_first import cut_first
 from zeroplan.planning.engine_plan import engine_plan_config
-from zeroplan.planning.offload_peak import offload_peak
 from zeroplan.planning.records import Plan, PlanOption
-from zeroplan.planning.reserved_fit import NOT_REPLAYED, first_fragmentation, fit_quantity, live_over
+from zeroplan.planning.ladder_peaks import option_peaks
+from zeroplan.planning.reserved_fit import NOT_REPLAYED, first_fragmentation, live_over
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber, checked_call
 
@@ -187,57 +183,6 @@ def _bisect_first_true(ok: Callable[[int], bool], lo: int, hi: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
     return hi
-
-
-OptionKey = tuple[int, Offload]
-"""(stage, offload): one option of the ladder."""
-
-
-def option_peaks(
-    config: PlanConfig, keys: tuple[OptionKey, ...], nd: Optional[int] = None, traced: bool = True,
-    budget_bytes: Optional[int] = None,
-) -> tuple[dict[OptionKey, PeakEstimate], str, dict[OptionKey, Optional[AllocTrace]]]:
-    """({(stage, offload): peak} of ``keys``, how fits are decided, {(stage, no offload): allocation trace}):
-    the engine's peak on ``nd`` ranks (default N_d) of each stage, for an offload option with the offloaded
-    model states on the host (``offload_peak``), when the architecture and the step are ones it models; else
-    {} and why fits are on model states. Each stage is estimated once, and only the stages of ``keys``; the
-    traces only when ``traced`` (the cut-first advice at 2 N_d reads the peak alone), and a stage whose live
-    peak alone exceeds ``budget_bytes`` gets None (``reserved_fit.live_over``: not built, not replayed)."""
-    engine = get_engine(config.engine)
-    stages = sorted({s for s, _ in keys})
-    options = planner_options(engine, config.engine_options, policy=config.policy,
-                              stage=stages[0] if len(stages) == 1 else None)  # fmt: skip
-    options = replace(options, gpu_capability=config.gpu_capability)  # the --gpu preset's workspaces
-    limit = engine.peak_limits(options, config.model_architecture, config.checkpointing, config.model_parallel)
-    if limit is not None:
-        return {}, f"fits on model states within the headroom: {limit.reason}", {}
-    workload = model_workload(config.model_architecture, config.sequence_length, config.micro_batch,
-                              config.checkpointing, config.grad_accum, config.foreach)  # fmt: skip
-    settings = engine.planner_settings(options)
-    rows = engine.estimate(workload, nd or config.nd, settings)
-    block = engine.block_bytes(settings)
-    by_stage = {r.stage: r.peak for r in rows if r.peak is not None}
-    peaks = {
-        (s, off): by_stage[s] if not off.any else offload_peak(by_stage[s], s, off, block)
-        for s, off in keys
-        if s in by_stage
-    }
-    traces = {}
-    if engine.alloc_trace and traced:
-        wanted = [r.stage for r in rows if r.peak is not None and not live_over(r.peak, budget_bytes)]
-        if len(wanted) == len(rows):  # every stage's trace, in one call
-            by_trace = dict(zip(wanted, engine.alloc_trace(workload, nd or config.nd, settings)))
-        else:  # only the stages whose live peak fits: each with its own settings, as ``--stage`` asks it
-            by_trace = {s: engine.alloc_trace(workload, nd or config.nd,
-                                              engine.planner_settings(replace(options, stages=(s,), stage=s)))[0]
-                        for s in wanted}  # fmt: skip
-        traces = {(s, off): by_trace.get(s) for s, off in keys if s in by_stage and not off.any}
-    quantity = fit_quantity(config.alloc_conf if traces else None)
-    return peaks, (
-        f"fits on {quantity} ({config.engine} engine, docs/peak.md) within the headroom; an offload option "
-        "on its stage's peak of live bytes with the offloaded model states on the host "
-        "(docs/plan.md#offload-options)"
-    ), traces
 
 
 def _option(

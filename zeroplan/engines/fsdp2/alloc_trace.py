@@ -42,7 +42,8 @@ def stream_of(term: Term) -> int:
 _STREAM_OF_NAME: dict[str, int] = {}
 
 
-def alloc_traces(workload: Workload, nd: int, settings: Settings, run: Fsdp2Run | None = None) -> tuple[AllocTrace, ...]:
+def alloc_traces(workload: Workload, nd: int, settings: Settings,
+                 run: Fsdp2Run | None = None) -> tuple[AllocTrace, ...]:
     """The trace of ``estimate``'s one row (needs an architecture): of the rank it describes (``settings.rank``,
     else the one it names as peaking highest, ``EngineEstimate.peak_rank``), on its HSDP shard group; ``run``:
     that rank's run as the estimate made it (the plan's ``Candidate.trace_inputs``), not built again."""

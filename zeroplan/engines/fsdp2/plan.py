@@ -47,7 +47,8 @@ def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None 
     return dp_estimate(workload, nd, settings, made)
 
 
-def dp_estimate(workload: Workload, nd: int, settings: Settings, made: dict | None = None) -> tuple[EngineEstimate, ...]:
+def dp_estimate(workload: Workload, nd: int, settings: Settings,
+                made: dict | None = None) -> tuple[EngineEstimate, ...]:
     """``estimate`` on ``nd`` data-parallel ranks (with ``tp``: ``workload`` is the TP-local one)."""
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
     if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
