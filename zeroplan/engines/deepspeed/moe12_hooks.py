@@ -22,7 +22,8 @@ saved tensors:
   kept; in flight the incoming gradient, d(gathered rows) (S·d·a) and DeepSeek-V3's shared experts' input gradient
   (N·d·a); Qwen2-MoE's shared SwiGLU tensors and d(shared output) still waiting, with its gate's input gradient; alive ``down_proj``'s gradient where it is larger than the bucket (reduced at this hook) and
   ``gate_up_proj``'s own (waiting for its hook to return);
-- the experts' ``down_proj``'s (its grouped matmul's backward has run): the block's saved tensors less the routing
+- the experts' ``down_proj``'s (its grouped matmul's backward has run; transformers integrations/moe.py
+  ``grouped_mm_experts_forward`` read backward): the block's saved tensors less the routing
   product's (the down output, the sorted weights, the inverse permutation) and the down matmul's input (SiLU·up),
   the gathered rows, the gate-up output and SiLU's output kept; in flight the incoming gradient, d(SiLU·up) (S·f·a)
   and the sorted routing weights' gradient; Qwen2-MoE's shared terms as at ``gate_up_proj``'s (measured: Qwen2-MoE
@@ -133,8 +134,11 @@ def _at_hook(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
 
 
 def _at_shared_hook(run: DSRun, role: str, before_mlp: int) -> tuple[Term, ...]:
-    """Qwen2-MoE, block's activations at a hook of its shared SwiGLU (run backward last: g = gate_proj(x), s = SiLU(g),
-    u = up_proj(x), h = s·u, down_proj(h)), the routed experts', the router's and the sigmoid gate's released,
+    """Qwen2-MoE, block's activations at a hook of its shared SwiGLU (transformers 5.24 modeling_qwen2_moe.py
+    ``Qwen2MoeSparseMoeBlock.forward`` calls ``shared_expert`` first, so autograd runs it last; ``Qwen2MoeMLP.forward``:
+    g = gate_proj(x), s = SiLU(g), u = up_proj(x), h = s·u, down_proj(h)) where the hook reduces a bucket
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads`` -> ``reduce_ipg_grads`` -> ``average_tensor``,
+    ``copy_grads_in_partition``): the routed experts', the router's and the sigmoid gate's saved tensors released,
     in flight the incoming gradient and the MLP input's summed gradient (2·N·d·a): at ``down_proj``'s g, s and u kept
     (h, down's saved input, released) and d(h) (N·f_s·a); at ``up_proj``'s g kept (SiLU's saved input; s and u, the
     product's, released) and d(s) (N·f_s·a, waiting for SiLU's backward); at ``gate_proj``'s the norm output x (its
