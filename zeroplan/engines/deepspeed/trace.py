@@ -53,6 +53,17 @@ class Stage3Trace:
             object.__setattr__(self, "_spans", spans)
         return spans[name]
 
+    @property
+    def steps(self) -> tuple[tuple[bool, int, bool], ...]:
+        """Per event (a fetch?, its module, in backward? ``TraceEvent.backward_phase``), computed once: what the
+        coordinator's replay reads of each of a 405B trace's ~12,000 events."""
+        steps = self.__dict__.get("_steps")
+        if steps is None:
+            steps = tuple((e.op == FETCH, e.module, (not e.forward) if e.in_backward is None else e.in_backward)
+                          for e in self.events)  # fmt: skip
+            object.__setattr__(self, "_steps", steps)
+        return steps
+
     def __hash__(self) -> int:
         """The fields' hash, computed once (the coordinator's cache is keyed by the trace: a 405B model's
         has ~12,000 events). Not a field: equality, ``repr`` and ``asdict`` are the dataclass's."""
