@@ -296,7 +296,9 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
 def _blocks_saved(run: DSRun, n: int) -> Term:
     """The saved activations of the first ``n`` blocks, with their routers' fp32 weight copies (``router_copies``),
     each ``n``'s term made once per run (``DSRun.memo``: every block's moments ask, in each phase)."""
-    saved = run.memo.setdefault("blocks saved", {})
+    saved = run.memo.get("blocks saved")
+    if saved is None:  # not setdefault's: a new dict at each of a run's thousands of calls
+        saved = run.memo["blocks saved"] = {}
     if n not in saved:
         copies = router_copies(run, n)
         what = f"saved activations of {n} blocks" + (" (with the routers' fp32 weight copies)" if copies else "")
@@ -344,7 +346,8 @@ def _layout(workload: Workload) -> tuple[tuple[int, ...], int, tuple[tuple[int, 
 
 
 @lru_cache(maxsize=32)  # the same for every candidate of a plan
-def _layout_of(key: WorkloadKey) -> tuple[tuple[int, ...], int, tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]]:
+def _layout_of(key: WorkloadKey) -> tuple[tuple[int, ...], int, tuple[tuple[int, ...], ...], tuple[int, ...],
+                                           tuple[int, ...]]:
     from zeroplan.architectures.spec import block_prefix
 
     workload = key.workload

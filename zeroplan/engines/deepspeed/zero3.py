@@ -287,7 +287,8 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             # on gloo every bucket sent: flattened (one tensor: a view) and gloo's copy of it (1-24; on a GPU not
             # measured); with offload gloo's copy is freed before partition_grads takes the norms on their fp64
             # copies: the larger
-            flat, gloo = bucket_copies([numels[i] for i in order[start:end]], run.nd, s.device) if gloo_copies else (0, 0)
+            flat, gloo = (bucket_copies([numels[i] for i in order[start:end]], run.nd, s.device) if gloo_copies
+                          else (0, 0))
             norm = max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 if offload else 0
             keep_gloo = gloo * p > norm
             copies[b] = (flat, gloo * keep_gloo, norm * (not keep_gloo), bool(flat or gloo))
