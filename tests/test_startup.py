@@ -28,7 +28,7 @@ def test_an_option_left_unset_builds_no_coercion():
               "    seen[self.name] = (value is None, type(self._runtime_param).__name__)\n"
               "    return out\n"
               "core._TyperParameter.process_value = recording\n")  # fmt: skip
-    out = run_main(ESTIMATE, record, "print(json.dumps(seen), file=sys.stderr)".replace("json.", "__import__('json')."))
+    out = run_main(ESTIMATE, record, "import json\nprint(json.dumps(seen), file=sys.stderr)")
     assert json.loads(out.stdout)["stages"][3]["model_states_bytes"] == 1_875_000_000
     seen = json.loads(out.stderr.strip().splitlines()[-1])
     del seen["help"]  # click's --help, made after the command is resolved: typer's own coercion
