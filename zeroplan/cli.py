@@ -1,7 +1,9 @@
 """The ``zeroplan`` command. Thin: parse options into a config model, call one function, render.
 
 Errors are one line and exit code 2 (``zeroplan.cli_options.OneLineErrors``). Heavy modules (torch,
-pandas, matplotlib) are imported inside the commands that need them, never here.
+pandas, matplotlib) are imported inside the commands that need them, never here. The command modules keep real
+annotations (no ``from __future__ import annotations``): typer evaluates every string annotation of the command it
+registers (docs/benchmarks.md, "Start-up, fourth pass").
 """
 
 import gc

@@ -36,10 +36,7 @@ class _CoercedWhenGiven:
     which its ``RuntimeParam.coerce`` returns unchanged without asking the adapter; a command's options are mostly
     left unset (38 adapters built for ``estimate --params 7.5e9 --gpus 64``, 11 coerce a value)."""
 
-    __slots__ = ("param",)
-
-    def __init__(self, param: object) -> None:
-        self.param = param
+    __slots__ = ()
 
     def coerce(self, value: object, param: object, ctx: object) -> object:
         if value is None and not (param.multiple or param.nargs == -1):  # type: ignore[attr-defined]
@@ -51,9 +48,12 @@ class _CoercedWhenGiven:
         return real.coerce(value, param=param, ctx=ctx)
 
 
+_COERCED_WHEN_GIVEN = _CoercedWhenGiven()  # stateless: the option is the call's ``param``
+
+
 def coerce_when_given(command: object) -> None:
     """Each option of ``command`` (a typer command about to parse) coerced through ``_CoercedWhenGiven``; a typer
     whose parameters keep no ``_runtime_param`` (another version) is left as it is."""
     for param in getattr(command, "params", ()):
         if getattr(param, "_runtime_param", False) is None and hasattr(param, "type_descriptor"):
-            param._runtime_param = _CoercedWhenGiven(param)
+            param._runtime_param = _COERCED_WHEN_GIVEN
