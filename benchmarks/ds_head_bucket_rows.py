@@ -37,7 +37,8 @@ def _files(tmp: Path) -> None:
 def _config(stage: int, dtype: str, bucket: int) -> dict:
     from validate.engines.deepspeed_compare import ds_config
 
-    zero = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket} | ({"overlap_comm": True} if stage == 1 else {})
+    zero = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    zero |= {"overlap_comm": True} if stage == 1 else {}
     return ds_config(stage, dtype, micro_batch=1, zero=zero, optimizer_params={"torch_adam": True})
 
 
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
             import torch.multiprocessing as mp
 
             port = 29500 + os.getpid() % 1000
-            mp.spawn(_trace_rank, args=(args.name, args.stage, args.dtype, args.nd, port, tmp, args.top), nprocs=args.nd)
+            mp.spawn(_trace_rank, args=(args.name, args.stage, args.dtype, args.nd, port, tmp, args.top),
+                     nprocs=args.nd)
 
 
 if __name__ == "__main__":
