@@ -57,9 +57,10 @@ def input_projections_backward(run) -> tuple[Term, ...]:
     normalised h and its output, saved by the weight product and by q, k, v, 2·N·d·a) and three N·d·a
     gradients of the norm's output in flight (autograd's buffer summing k's and v's, q's, their sum:
     ``InputBuffer::add``); () for GPT's LayerNorm (not traced). Measured (MemTracker's live storages at the
-    backward peak, differential case 0-2, qwen2 fp32, N_d = 4, fake group with real tensors): three fp32 N·d
-    activations and four fp32 N·d gradients beside every weight gradient of block 1 but its input norm's
-    (61,742,708 B, the phase's peak; the input norm's own backward 195,072 B lower)."""
+    backward peak, ``benchmarks/fsdp2_backward_trace.py 2``: differential case 0-2, qwen2 fp32, N_d = 4, fake
+    group with real tensors): three fp32 N·d activations and four fp32 N·d gradients beside every weight
+    gradient of block 1 but its input norm's (61,742,708 B, the phase's peak; the input norm's own backward
+    195,072 B lower); block 2's, 57,977,076 B, and its input norm's, 57,782,004 B, as predicted."""
     if run.style != "llama":
         return ()
     a, nd_elems = run.p, run.acts.embed_out // run.p
