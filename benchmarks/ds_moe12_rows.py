@@ -6,6 +6,8 @@ alive, or none was made yet, lists what was alive at the step's own largest mome
 
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py rows [--families mixtral-wide,...]   # ~1 min a family
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py trace mixtral-wide 2 small            # ~30 s
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py buckets qwen2-moe-wide 2:300000,1o:300000 [--dtype bf16]
+        [--nd 3] [--out tests/data/measured/deepspeed_moe12_qwen2.json]                          # ~1 min
 
 Real runs: never in CI (tests/test_deepspeed_moe12.py is predicted-only)."""
 
@@ -61,6 +63,53 @@ def rows(families: list[str], tmp: Path) -> None:
                                                      for p, v in zip(PHASES, row)))  # fmt: skip
 
 
+def buckets(name: str, cases: list[str], dtype: str, nd: int, tmp: Path, out: str | None) -> None:
+    """``name`` at each case ``STAGE:BUCKET`` (``STAGE`` 2, or ``1o``: ZeRO-1 with ``overlap_comm``), ``dtype``, on
+    ``nd`` gloo ranks in one world: each rank's measured row and error per phase; ``out``: the rows written as JSON
+    (tests/data/measured/deepspeed_moe12*.json, predicted again by tests/test_deepspeed_moe12.py)."""
+    import subprocess
+
+    import deepspeed
+    import torch
+
+    from tests.test_deepspeed_moe import CONFIGS
+    from validate.engines.deepspeed_compare import ds_config, run_world, workload_for
+    from zeroplan.engines import deepspeed as D
+
+    configs = []
+    for case in cases:
+        stage, bucket = case.split(":")
+        zero = {"reduce_bucket_size": int(bucket), "allgather_bucket_size": int(bucket),
+                **({"overlap_comm": True} if stage == "1o" else {})}  # fmt: skip
+        configs.append(ds_config(int(stage[0]), dtype, micro_batch=1, zero=zero, optimizer_params={"torch_adam": True}))
+    path = str(tmp / f"{name}.json")
+    ranks = run_world(configs, nd, model=str(tmp / "world.json"), steps=2, seq_len=64,
+                      runs=[{"model": path, "hf": True}] * len(configs))  # fmt: skip
+    workload = workload_for(path, 1, 64, 1, "none", hf=True)
+    recorded = []
+    for case, config, *by_rank in zip(cases, configs, *ranks):
+        measured = [[r["peak_bytes_by_phase"][p] for p in PHASES] for r in by_rank]
+        predicted = []
+        print(f"{name} {dtype} N_d {nd} {case}: {measured}")
+        for rank, row in enumerate(measured):
+            settings = D.Settings.from_ds_config(config).model_copy(update={"rank": rank})
+            (est,) = D.estimate(workload, nd, settings, stat_bytes=4)
+            pred = est.peak.by_phase()
+            predicted.append([pred[p] for p in PHASES])
+            print(f"    rank {rank}: " + "  ".join(f"{p} {(v - pred[p]) / v:+.4%} ({v - pred[p]:+,} B)"
+                                                 for p, v in zip(PHASES, row)), flush=True)  # fmt: skip
+        recorded.append({"model": name, "hf_config": CONFIGS[name], "ds_config": config, "n_d": nd, "seq_len": 64,
+                         "micro_batch": 1, "measured": measured, "predicted_when_recorded": predicted})  # fmt: skip
+    if out:
+        old = json.loads(Path(out).read_text())["rows"] if Path(out).exists() else []
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        doc = {"source": f"DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py buckets {name} {','.join(cases)} "
+                         f"--dtype {dtype} --nd {nd} --out {out} (gloo, CPU; appended)",
+               "zeroplan_commit": commit.strip(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+               "phases": list(PHASES), "rows": old + recorded}  # fmt: skip
+        Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def _live_storage_mode(ignore: set, hook: dict):
     """A dispatch mode keeping the storages ops make that are still alive, and the list of them at their peak."""
     import torch
@@ -108,7 +157,8 @@ def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str
 
     deepspeed.init_distributed(dist_backend="gloo")
     build, batches = _model_and_batches(f"{tmp}/{name}.json", 2, rank, 1, 2, 64, hf=True)
-    config = ds_config(stage, micro_batch=1, zero=ZERO[zero], optimizer_params={"torch_adam": True})
+    zero = ZERO[zero] if zero in ZERO else {"reduce_bucket_size": int(zero), "allgather_bucket_size": int(zero)}
+    config = ds_config(stage, micro_batch=1, zero=zero, optimizer_params={"torch_adam": True})
     engine, opt, _, _ = deepspeed.initialize(model=(model := build()), model_parameters=model.parameters(),
                                              config=config)  # fmt: skip
     ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
@@ -146,16 +196,24 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("rows")
     r.add_argument("--families", default="mixtral-wide,qwen3-moe-wide,qwen2-moe-wide,deepseek-wide")
+    b = sub.add_parser("buckets")
+    b.add_argument("name")
+    b.add_argument("cases", help="comma-separated STAGE:BUCKET, STAGE 2 or 1o (ZeRO-1 with overlap_comm)")
+    b.add_argument("--dtype", default="fp32")
+    b.add_argument("--nd", type=int, default=2)
+    b.add_argument("--out", help="append the rows to this JSON file")
     t = sub.add_parser("trace")
     t.add_argument("name")
     t.add_argument("stage", type=int)
-    t.add_argument("zero", help="a key of tests/test_deepspeed_moe12.py ZERO")
+    t.add_argument("zero", help="a key of tests/test_deepspeed_moe12.py ZERO, or a bucket size in elements")
     t.add_argument("--top", type=int, default=30, help="list this many of the largest live storages")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         _files(Path(tmp))
         if args.cmd == "rows":
             rows(args.families.split(","), Path(tmp))
+        elif args.cmd == "buckets":
+            buckets(args.name, args.cases.split(","), args.dtype, args.nd, Path(tmp), args.out)
         else:
             import torch.multiprocessing as mp
 

@@ -4,8 +4,9 @@ Target (issue: capacity planning): `zeroplan plan` stays interactive, well under
 `python -c "import torch"` (it never imports torch, pandas or matplotlib). The largest preset
 (llama3-405b, 885 tensors, exact padding) on 1,024 GPUs is the slowest case: 10 options, each with a
 min-GPU search and two max-size searches, and with N_m = 1 the engine's peak of every stage; the FSDP2
-and DeepSpeed plans predict the peak of each of their candidates (and replay each one's allocation trace);
-the FSDP2 plan on 2,048 GPUs is issue 20's case. Run: python benchmarks/plan_latency.py
+and DeepSpeed plans predict the peak of each of their candidates (and replay the allocation trace of each
+one whose live peak fits: ``planning/reserved_fit.py live_over``); the FSDP2 plan on 2,048 GPUs is issue 20's
+case. Run: python benchmarks/plan_latency.py
 [REPEATS] [--before DIR]: with ``--before``, each plan also runs with the checkout DIR first on PYTHONPATH
 (``git archive`` of the old commit), interleaved with the current one, so that before and after share the
 machine's load.

@@ -57,6 +57,14 @@ def test_plan_fits_on_reserved_and_names_expandable_segments_when_fragmentation_
     q = zeroplan.plan("llama2-7b", gpu_memory_bytes=memory, alloc_conf="expandable_segments:True", **ask)
     assert q.option(1).fits and q.recommendation is q.option(1) and q.fragmentation is None
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in q.fit_basis
-    # a headroom is taken off the card before the reserved bytes are compared
+    # a headroom is taken off the card before the reserved bytes are compared ...
+    r = zeroplan.plan("llama2-7b", gpu_memory_bytes=memory, alloc_conf="expandable_segments:True", headroom=0.01, **ask)
+    o = r.option(1)
+    assert r.budget_bytes == int(memory * 0.99) >= o.peak.peak_bytes
+    assert o.fits == (o.reserved.reserved_bytes <= r.budget_bytes)
+    # ... and where the live peak alone exceeds what is left, the trace is not replayed (reserved >= live: it
+    # cannot fit; planning/reserved_fit.py live_over)
     r = zeroplan.plan("llama2-7b", gpu_memory_bytes=memory, alloc_conf="expandable_segments:True", headroom=0.2, **ask)
-    assert r.budget_bytes == int(memory * 0.8) and r.option(1).fits == (r.option(1).reserved.reserved_bytes <= r.budget_bytes)
+    o = r.option(1)
+    assert r.budget_bytes == int(memory * 0.8) < o.peak.peak_bytes
+    assert not o.fits and o.reserved is None and o.not_replayed

@@ -166,9 +166,10 @@ class Candidate:
     build: Optional[str] = None
     """how the model must be built for the prediction to hold (DeepSpeed ZeRO-3: under
     ``deepspeed.zero.Init``); None: as usual."""
-    trace_inputs: Optional[tuple[Workload, int, BaseModel]] = field(default=None, compare=False, repr=False)
-    """(workload, N_d, settings) of exactly this configuration, for ``Engine.alloc_trace`` (the planner replays
-    its allocation trace for reserved bytes); None: not given."""
+    trace_inputs: Optional[tuple] = field(default=None, compare=False, repr=False)
+    """(workload, N_d, settings, *engine extras) of exactly this configuration, for ``Engine.alloc_trace`` (the
+    planner replays its allocation trace for reserved bytes; an engine may append what its estimate already built,
+    e.g. FSDP2's run of the peak rank); None: not given."""
 
 
 @dataclass(frozen=True)

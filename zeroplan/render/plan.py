@@ -6,6 +6,7 @@ from typing import Optional
 
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.presets import LinkSpec
+from zeroplan.render.plan_cells import count_cell, not_replayed_note, reserved_cell, seconds_cell, size_cell
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
 SCHEMA = "zeroplan.plan/1"
@@ -78,6 +79,7 @@ def option_dict(o: PlanOption, per_node: int) -> dict:
         **peak_keys(o.peak),
         reserved_bytes=None if o.reserved is None else o.reserved.reserved_bytes,
         reserved_phases=None if o.reserved is None else o.reserved.reserved_phases,
+        reserved_not_replayed=o.not_replayed,
         peak_rank=o.peak_rank,
         comm_time={
             "link": o.time.link,
@@ -237,20 +239,6 @@ def to_json(p: Plan, auto=None, largest: Optional[dict] = None) -> str:
     return json_text(PlanDoc.model_validate(plan_dict(p, auto, largest)).dump(), indent=2)
 
 
-def _seconds(s: Optional[float]) -> str:
-    if s is None:
-        return "-"
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-
-def _size(n: Optional[int], unit: str) -> str:
-    return "-" if n is None else format_bytes(n, unit)
-
-
-def _count(n: Optional[int]) -> str:
-    return "no limit" if n is None else format_count(n)
-
-
 def to_table(p: Plan, unit: str = "GiB") -> str:
     c = p.config
     what = (
@@ -282,26 +270,25 @@ def to_table(p: Plan, unit: str = "GiB") -> str:
     rows = [header]
     per_node = _per_node(p)
     for o in p.options:
-        row = [o.label, _count(o.max_params), _count(o.max_params_with_headroom)]
+        row = [o.label, count_cell(o.max_params), count_cell(o.max_params_with_headroom)]
         if o.states is not None:
             s = o.states
             row[1:1] = [
-                _size(s.gpu.model_states_bytes, unit),
-                *([_size(o.peak and o.peak.peak_bytes, unit), _size(o.reserved and o.reserved.reserved_bytes, unit)]
-                  if peak else []),
-                _size(s.host_bytes * per_node, unit),
-                _size(s.nvme_bytes * per_node, unit),
+                size_cell(s.gpu.model_states_bytes, unit),
+                *([size_cell(o.peak and o.peak.peak_bytes, unit), reserved_cell(o, unit)] if peak else []),
+                size_cell(s.host_bytes * per_node, unit),
+                size_cell(s.nvme_bytes * per_node, unit),
                 "yes" if o.fits else "no",
                 "never" if o.min_gpus is None else str(o.min_gpus),
             ]
             row += [
-                _size(o.comm_bytes_per_rank, unit),
-                _seconds(o.time.comm_s),
-                _seconds(o.time.exposed_comm_s),
-                _seconds(o.pcie_s) if o.offload.any else "-",
+                size_cell(o.comm_bytes_per_rank, unit),
+                seconds_cell(o.time.comm_s),
+                seconds_cell(o.time.exposed_comm_s),
+                seconds_cell(o.pcie_s) if o.offload.any else "-",
             ]
         rows.append(row)
-    lines += format_table(rows, left=1)
+    lines += [*format_table(rows, left=1), *not_replayed_note(p)]
     lines += ["", f"Recommendation: {_recommendation(p, unit)}"]
     if p.params is not None:
         lines.append(f"Fit: {p.fit_basis}.")
@@ -333,17 +320,19 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
     per_node = _per_node(p)
     for o in p.options:
         row = [
-            o.label, str(o.stage), _size(o.states.gpu.model_states_bytes, unit), _size(o.peak and o.peak.peak_bytes, unit),
+            o.label, str(o.stage), size_cell(o.states.gpu.model_states_bytes, unit),
+            size_cell(o.peak and o.peak.peak_bytes, unit),
             peak_phase_cell(o.peak.peak_phase, o.peak_rank) if o.peak else "-",
-            _size(o.reserved and o.reserved.reserved_bytes, unit), "yes" if o.fits else "no",
-            _size(o.comm_bytes_per_rank, unit), _seconds(o.time.comm_s), _seconds(o.time.exposed_comm_s),
+            reserved_cell(o, unit), "yes" if o.fits else "no",
+            size_cell(o.comm_bytes_per_rank, unit), seconds_cell(o.time.comm_s), seconds_cell(o.time.exposed_comm_s),
         ]  # fmt: skip
         if offload:
             at_init = o.host is not None and o.host.peak_at == "init"
-            row[3:3] = [_size(o.states.host_bytes * per_node, unit) + (" (init)" if at_init else "")]
-            row.append(_seconds(o.pcie_s) if o.offload.any else "-")
+            row[3:3] = [size_cell(o.states.host_bytes * per_node, unit) + (" (init)" if at_init else "")]
+            row.append(seconds_cell(o.pcie_s) if o.offload.any else "-")
         rows.append(row)
-    lines = [*format_table(rows, left=1), "", f"Recommendation: {_recommendation(p, unit)}", f"Fit: {p.fit_basis}."]
+    lines = [*format_table(rows, left=1), *not_replayed_note(p), "", f"Recommendation: {_recommendation(p, unit)}",
+             f"Fit: {p.fit_basis}."]  # fmt: skip
     if offload:
         lines.append(f"Host: {ENGINE_HOST_NOTE.format(per_node=per_node)}.")
     if p.cut_first is not None:
@@ -371,10 +360,10 @@ def _recommendation(p: Plan, unit: str) -> str:
     volume = f"{rec.comm_volume_elements / p.psi:.2f}Ψ" if p.psi else "0Ψ"
     comm = (
         f"moves {volume} per step (ZeRO sec. 7 count), sends {sent} per GPU, "
-        f"≈ {_seconds(t.comm_s)} of communication"
+        f"≈ {seconds_cell(t.comm_s)} of communication"
     )
     if t.compute_s is not None:
-        comm += f" ({_seconds(t.exposed_comm_s)} exposed behind {_seconds(t.compute_s)} of compute)"
+        comm += f" ({seconds_cell(t.exposed_comm_s)} exposed behind {seconds_cell(t.compute_s)} of compute)"
     what = rec.label if rec.candidate is not None else f"ZeRO stage {rec.label}"
     return f"{what}: {p.reason}; {comm}."
 

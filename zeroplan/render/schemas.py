@@ -173,6 +173,11 @@ class PlanOptionOut(_Out):
     reserved_bytes: Optional[int] = Field(None, description="max_memory_reserved the allocator model predicts "
                                           "(docs/allocator.md); null with offload or without an architecture")
     reserved_phases: Optional[PhasesOut] = Field(None, description="reserved bytes per phase; null as reserved_bytes")
+    reserved_not_replayed: Optional[str] = Field(
+        None, description="why reserved_bytes is null though the engine has an allocation trace: the live peak alone "
+        "exceeds the GPU less the headroom, so reserved (>= live) cannot fit and the trace was not replayed "
+        "(docs/allocator.md); the key is absent on rows replayed or without a trace",
+    )  # fmt: skip
 
     @model_serializer(mode="wrap")
     def _without_model(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
@@ -182,7 +187,7 @@ class PlanOptionOut(_Out):
                 out.pop(key)
         if self.peak_rank is None:
             out.pop("peak_rank")
-        return out
+        return _absent_if_none(out, "reserved_not_replayed")
 
 
 def _absent_if_none(out: dict, key: str) -> dict:

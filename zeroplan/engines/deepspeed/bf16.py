@@ -2,7 +2,14 @@
 gradient accumulation (engine.py ``_configure_bf16_optimizer``). Its schedule: forward on the full bf16 flat
 group; backward leaves every bf16 gradient in ``param.grad``; after backward each is added into the full
 fp32 gradient buffer (``update_hp_grads``) and the engine all-reduces that buffer; the step updates this
-rank's fp32 partition and all-gathers the bf16 flat group."""
+rank's fp32 partition and all-gathers the bf16 flat group.
+
+The same on a mixture-of-experts model (transformers' 3-D expert tensors): no gradient hook reduces
+(``immediate_grad_update`` false by default, runtime/precision_config.py; ``create_grad_acc_hooks`` not called), so
+the buckets and the hooks' order that ZeRO-1/2 meet inside a sparse MLP's backward (moe12_hooks.py) play no part;
+the largest 16-bit gradient ``_update_hp_grad`` upcasts is an expert tensor's. Measured on Mixtral, Qwen3-MoE,
+Qwen2-MoE and DeepSeek-V3 (gloo, N_d = 2, both ranks): every phase within 644 B (0.0055 %), no term of its own
+(tests/test_deepspeed_moe_opt.py; docs/engines/deepspeed.md "BF16_Optimizer and offload on mixture-of-experts")."""
 
 from __future__ import annotations
 

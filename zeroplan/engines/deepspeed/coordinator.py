@@ -22,6 +22,10 @@ class Stage3Gather:
     elements: int
     popped: int
 
+    def __init__(self, params: tuple[int, ...], issued: int, elements: int, popped: int) -> None:
+        d = self.__dict__  # the dataclass's __init__ without frozen setattr (a 405B replay: ~1,300 calls)
+        d["params"], d["issued"], d["elements"], d["popped"] = params, issued, elements, popped
+
 
 @dataclass(frozen=True)
 class Stage3Schedule:
@@ -157,11 +161,14 @@ class Coordinator:
         h = self.handles[hid]
         if not h.done:
             h.done = True
+            status = self.status
             for q in h.params:
-                self.status[q] = AVAILABLE
-                if h.flat:
-                    self.own[q] = self.numels[q]
-                    self.grow(self.numels[q])
+                status[q] = AVAILABLE
+            if h.flat:
+                own, numels = self.own, self.numels
+                for q in h.params:  # each copied out in turn (grow's high after each: the same as the sum's)
+                    own[q] = numels[q]
+                    self.grow(numels[q])
         h.waiting -= 1
         if h.waiting == 0:
             self.issued[hid][3] = self.event
@@ -175,32 +182,31 @@ class Coordinator:
             self.mem -= self.own[p]
             self.avail -= self.numels[p]
 
-    def to_release(self, m: int) -> set[int]:
-        """__params_to_release: module ``m``'s parameters not reused within ``max_reuse`` elements."""
-        out, step = set(), self.step
-        for p in self.modules[m]:
-            if self.persist[p] or self.fetched_for[p] > step:  # "reuse skipped by prefetch"
-                continue
-            uses = self.uses[p]
-            k = bisect.bisect_left(uses, step)  # its next use in __submodule_order[step_id:]
-            if k < len(uses) and self.before[uses[k]] - self.before[step] < self.max_reuse:
-                continue
-            out.add(p)
-        return out
+    def released(self, p: int) -> bool:
+        """__params_to_release: whether parameter ``p`` of the module being released is not reused within
+        ``max_reuse`` elements."""
+        step = self.step
+        if self.persist[p] or self.fetched_for[p] > step:  # "reuse skipped by prefetch"
+            return False
+        uses = self.uses[p]
+        k = bisect.bisect_left(uses, step)  # its next use in __submodule_order[step_id:]
+        return not (k < len(uses) and self.before[uses[k]] - self.before[step] < self.max_reuse)
 
-    def pop_expected(self, params: set[int]) -> None:
+    def pop_expected(self, params: frozenset[int]) -> None:
         """fetch_sub_module: the module's own parameters leave the head of the queue."""
         fetched_for, step, queue = self.fetched_for, self.step, self.queue
-        expected = {p for p in params if fetched_for[p] < step}
+        expected = [p for p in params if fetched_for[p] < step]
+        if not expected:
+            return
+        at, end, want = self.next_in_queue, len(queue), len(expected)
         popped = set()
-        at, end = self.next_in_queue, len(queue)
-        while at < end and len(popped) < len(expected):
+        while at < end and len(popped) < want:
             p, used_at = queue[at]
             at += 1
             fetched_for[p] = used_at
             popped.add(p)
         self.next_in_queue = at
-        if popped != expected:
+        if popped != set(expected):
             raise ValueError(f"ZeRO-3 trace: step {self.step} expected {sorted(expected)} next in the queue, "
                              f"got {sorted(popped)}")  # fmt: skip
 
@@ -228,23 +234,28 @@ class Coordinator:
         """fetch_sub_module; ``forward``: the phase (calls counted there)."""
         params = self.modules[m]
         if params:  # a module without parameters gathers, waits for and pops nothing: only its prefetch
-            self.all_gather(params, forward)
+            status = self.status
             for p in params:
-                self.active[p].add(m)
-                self.wait(p)
+                if status[p] == NOT_AVAILABLE:  # all_gather takes only these: none, no call
+                    self.all_gather(params, forward)
+                    break
+            active, registry = self.active, self.registry
+            for p in params:
+                active[p].add(m)
+                if p in registry:
+                    self.wait(p)
             self.pop_expected(params)
         if self.bucket > 0:
             self.prefetch(forward)
         self.step += 1
 
     def release(self, m: int) -> None:
-        """release_sub_module (a module without parameters releases nothing)."""
-        if not self.modules[m]:
-            return
-        drop = self.to_release(m)
+        """release_sub_module (a module without parameters releases nothing): each parameter's use by ``m``
+        ended, those ``__params_to_release`` names freed (``released`` reads no state ``free`` changes)."""
+        active, released = self.active, self.released
         for p in self.modules[m]:
-            self.active[p].discard(m)
-            if p in drop:
+            active[p].discard(m)
+            if released(p):
                 self.free(p)
 
     def replay(self, trace: Stage3Trace) -> Stage3Schedule:
@@ -252,13 +263,12 @@ class Coordinator:
         gathered, high, buffers = [], [], []
         forward_peak = backward_peak = 0
         fetch, release = self.fetch, self.release
-        for i, e in enumerate(trace.events):
+        for i, (is_fetch, module, backward) in enumerate(trace.steps):
             self.high, self.event = self.mem, i
-            backward = (not e.forward) if e.in_backward is None else e.in_backward  # TraceEvent.backward_phase
-            if e.op == FETCH:
-                fetch(e.module, not backward)
+            if is_fetch:
+                fetch(module, not backward)
             else:
-                release(e.module)
+                release(module)
             gathered.append(self.mem)
             high.append(self.high)
             buffers.append(self.flat)

@@ -34,6 +34,10 @@ def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
     return tuple(Moment("backward", name, (*base, *tail)) for name, tail in tails)
 
 
+ALIVE_SRC = ("torch autograd (param.grad); stage 1 clears no gradient; copy_grads_in_partition repoints the "
+             "partition's (grad_reduc.data = new_grad_tensor.data)")
+
+
 @lru_cache(maxsize=64)  # every rank's run and each rank's of a candidate, and the candidates of one bucket size
 def _flattened_tails(layout: _FlattenedBuckets, p: int, g: int,
                      ranks: tuple[int, ...] | None) -> tuple[tuple[str, tuple[Term, ...]], ...]:
@@ -46,24 +50,33 @@ def _flattened_tails(layout: _FlattenedBuckets, p: int, g: int,
         """Before bucket [lo, hi) (parameters first..end) is sent; ``own``: the large gradients of a rank's
         partition reduced before, views of its grads_in_partition, not counted again."""
         return Term("autograd gradients not yet bucketed, and the large ones reduced so far (kept)",
-                    (psi - hi + large_before[end] - own) * p,
-                    "torch autograd (param.grad); stage 1 clears no gradient; copy_grads_in_partition "
-                    "repoints the partition's (grad_reduc.data = new_grad_tensor.data)")
+                    (psi - hi + large_before[end] - own) * p, ALIVE_SRC)
 
     facts = _rank_facts(layout, p, ranks)
     out = []
-    for k, hi, first, end, copy_numel in layout.copied:
-        copy = Term("flattened copy of the bucket's gradients", copy_numel * g,
-                    "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+    for (k, hi, first, end, _), (name, copy, before) in zip(layout.copied, _bucket_terms(layout, p, g)):
         i, own = facts.largest(k, first, copy.bytes)
         if i is None:
-            tail = (alive(hi, end), copy)
+            tail = (before, copy)
         elif own is None:  # its first bucket: grads_in_partition allocated once the copy is freed
-            tail = (alive(hi, end), facts.gip(i))
+            tail = (before, facts.gip(i))
         else:
-            tail = (alive(hi, end, own), facts.gip(i), copy)
-        out.append((f"reduce_gradients: bucket {k} flattened", tail))
+            tail = (alive(hi, end, own) if own else before, facts.gip(i), copy)
+        out.append((name, tail))
     return tuple(out)
+
+
+@lru_cache(maxsize=16)  # every rank's run of a candidate (``_flattened_tails`` per rank): the same terms
+def _bucket_terms(layout: _FlattenedBuckets, p: int, g: int) -> tuple[tuple[str, Term, Term], ...]:
+    """Per copied bucket of ``layout`` (``_FlattenedBuckets.copied``): its moment's name, its flattened copy and
+    the gradients alive before it is sent (no rank's own large gradients left out), what every rank's tail has."""
+    psi, large_before = layout.psi, layout.large_before
+    return tuple((f"reduce_gradients: bucket {k} flattened",
+                  Term("flattened copy of the bucket's gradients", copy_numel * g,
+                       "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"),
+                  Term("autograd gradients not yet bucketed, and the large ones reduced so far (kept)",
+                       (psi - hi + large_before[end]) * p, ALIVE_SRC))
+                 for k, hi, _, end, copy_numel in layout.copied)  # fmt: skip
 
 
 class _FlattenedBuckets:

@@ -144,13 +144,32 @@ def _bucket_walk(sizes: tuple[int, ...], bucket: int) -> tuple[int, int]:
     return max(peak, alive + held), held
 
 
-def _reduction_peak(sizes: tuple[int, ...], bucket: int) -> int:
-    """The most gradient elements alive while the sparse MLP's gradients, ``sizes`` in hook order, all alive at
-    the first hook, go through stage3.py ``reduce_independent_p_g_buckets_and_remove_grads`` one by one: a gradient
-    that fits the contiguous bucket is copied in and freed (``__add_grad_to_ipg_bucket``); a larger one stays in
-    ``param.grad`` until the next hook reduces the bucket (``__reduce_and_partition_ipg_grads``), whose
-    reduce-scatter makes a full-size copy of it on gloo (measured, below) before ``partition_grads`` frees it."""
-    return _bucket_walk(sizes, bucket)[0]
+def _reduction_peak(sizes: tuple[int, ...], bucket: int, g: int, norm_copy=None) -> int:
+    """The most bytes of gradients (``g`` bytes an element) alive while the sparse MLP's gradients, ``sizes`` in
+    hook order, all alive at the first hook, go through stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``
+    one by one: a gradient that fits the contiguous bucket is copied in and freed (``__add_grad_to_ipg_bucket``); a
+    larger one stays in ``param.grad`` until the next hook reduces the bucket (``__reduce_and_partition_ipg_grads``),
+    whose reduce-scatter makes a full-size copy of it on gloo (measured, below) before ``partition_grads`` frees it.
+    ``norm_copy(n)``: with ``offload_optimizer``, the bytes ``partition_grads -> _offload_grad_partition_at_boundary``
+    makes to take a held gradient's partition norm (``_constant_buffered_norm2``: an fp64 copy, one at a time, after
+    gloo's copy is freed: the larger of the two, as zero3.py ``_in_block_reductions``)."""
+
+    def copy(held: list[int]) -> int:
+        gloo = sum(held) * g
+        return max(gloo, max(norm_copy(n) for n in held)) if held and norm_copy else gloo
+
+    alive, elements, held = sum(sizes), 0, []
+    peak = alive * g
+    for n in sizes:
+        if elements + n > bucket and elements > 0:
+            peak = max(peak, alive * g + copy(held))
+            alive, elements, held = alive - sum(held), 0, []
+        if elements + n <= bucket:
+            alive -= n
+        else:
+            held.append(n)
+        elements += n
+    return max(peak, alive * g + copy(held))
 
 
 def expert_gradients_held(run: DSRun, sched) -> tuple[Moment, ...]:
@@ -165,7 +184,10 @@ def expert_gradients_held(run: DSRun, sched) -> tuple[Moment, ...]:
     reduced when ``down_proj`` is added (NCCL reduces in place: the copy is gloo's, not measured on a GPU).
     Elsewhere (DeepSeek) each gradient has its own hook: a tensor larger than the bucket is held to the next one
     (``_reduction_peak`` of the experts' tensors, ``down_proj``'s first). Beside them the earlier blocks' saved
-    tensors, the block's up to its MLP and the MLP's input gradient (N·d·a)."""
+    tensors, the block's up to its MLP and the MLP's input gradient (N·d·a). With ``offload_optimizer`` the norm's
+    fp64 copy of the held gradient's partition in place of gloo's copy where larger (``_reduction_peak``; live
+    storages, Mixtral bf16 at 5,000-element buckets: Mixtral, Qwen3-MoE, Qwen2-MoE were 1.3-2.6 % under, now within
+    160 B: tests/test_deepspeed_moe_opt.py)."""
     blocks = sparse_blocks(run)
     if not blocks or blocks[-1] != run.acts.n_layer - 1:
         return ()
@@ -183,6 +205,8 @@ def expert_gradients_held(run: DSRun, sched) -> tuple[Moment, ...]:
     if all(n <= bucket for n in sizes) and experts is not None:
         return ()
     g, blk, acts = DTYPE_BYTES[s.grad_dtype], _block(run, j), run.acts
+    nd = run.nd  # the norm's fp64 copy of a rank's partition and its 8-B norm (zero3.py _in_block_reductions)
+    norm_copy = (lambda n: -(-n // nd) * DTYPE_BYTES["fp64"] + 8) if s.offload_optimizer.on else None
     base = (*_states(run), *run.wrapper.held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved),
             _act("loss", acts.loss))  # fmt: skip
@@ -190,9 +214,11 @@ def expert_gradients_held(run: DSRun, sched) -> tuple[Moment, ...]:
         *base, *_gathered(run, sched, "last block backward"), _blocks_saved(run, j),
         _act("block's saved activations before its MLP", blk.saved - blk.mlp_saved),
         _act("the sparse MLP's input gradient", acts.embed_out),
-        Term("the sparse MLP's gradients and a reduce-scatter copy (gloo)", _reduction_peak(sizes, bucket) * g,
+        Term("the sparse MLP's gradients and a reduce-scatter copy (gloo) or, with offload_optimizer, the norm's "
+             "fp64 copy of a partition", _reduction_peak(sizes, bucket, g, norm_copy),
              f"{STAGE3} reduce_leaf_module_grads / reduce_independent_p_g_buckets_and_remove_grads -> "
-             "__avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced"))),)  # fmt: skip
+             "__avg_scatter_grads -> runtime/comm/coalesced_collectives.py reduce_scatter_coalesced; "
+             "partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2"))),)  # fmt: skip
 
 
 _SHARED_BACKWARD = ("down_proj", "up_proj", "gate_proj")

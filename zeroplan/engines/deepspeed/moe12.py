@@ -26,9 +26,20 @@ Qwen3-MoE and DeepSeek-V3, both ranks, every phase (fp32, gloo, N_d = 2; rows in
   and, the head's gradient larger than the bucket, the final norm's weight-product backward with it waiting
   (``head_hook_bucket``: DeepSeek-V3's rank 0 at 50,000, 61,800 B (0.75 %) under before, now 440 B over).
   Before (the partition placed at a block's first op): misses up to +3.99 % / -1.26 %.
-  bf16 (Mixtral at 5,000 and 200,000, DeepSeek-V3 at 5,000 and 50,000): within 15,912 B (0.24 %). Refused
-  (``zero12_moe_limit``): fp16 (not measured); Qwen2-MoE with buckets holding every routed expert tensor, one
-  reduced at its shared expert's hooks (run last; ``_hook_order_limit``; measured +3.0 %).
+  bf16 (Mixtral at 5,000 and 200,000, DeepSeek-V3 at 5,000 and 50,000): within 15,912 B (0.24 %).
+  Qwen2-MoE with buckets from its ``gate_up_proj`` (E·2f·d) up to Ψ: a bucket reduced at a hook of its shared
+  SwiGLU (called first, run backward last: ``moe12_hooks._at_shared_hook``) or of the routed experts' ``down_proj``
+  (``_at_hook``, role "down"), a rank's partition or the bucket's flattened copy allocated there: refused before
+  (up to +5.2 % under: N_d 3 at 1,000,000); now 21 rows, buckets from 131,072 to 1,434,686, fp32 and bf16, N_d 2
+  and 3, ZeRO-2 and ZeRO-1 with overlap_comm, every phase within 2,200 B under and 33,144 B over (0.13 %, ZeRO-1
+  with overlap_comm at 700,000, unchanged) (tests/data/measured/deepspeed_moe12_qwen2.json). Refused
+  (``zero12_moe_limit``): nothing of these.
+- fp16 (DeepSpeedZeroOptimizer with its loss scaler, DeepSpeed's fp16 capability answered yes on CPU:
+  validate/engines/deepspeed_changes.py ``fp16_on_cpu``): reducing from the hooks, refused before as not measured;
+  measured on the four families, ZeRO-2 and ZeRO-1 with overlap_comm, buckets below, between and above the expert
+  tensors and Qwen2-MoE's shared-hook range (16 rows): every phase as bf16's (the same bytes per element), within
+  15,912 B (0.25 %, DeepSeek-V3 at 5,000, as in bf16) under and 480 B over
+  (tests/data/measured/deepspeed_moe12_fp16.json).
 - bf16 (DeepSpeedZeroOptimizer, ``grad_accum_dtype`` bf16): the backward and the step as in fp32 (within 648 B,
   DeepSeek-V3's backward 472 B over); the forward was 64,000 B (Mixtral, +0.48 %) and 68,032 B (DeepSeek-V3,
   +1.09 %) under at ZeRO-1 and ZeRO-2 alike until transformers' bf16 logits kept beside their fp32 upcast became a
@@ -43,10 +54,8 @@ import math
 from typing import Optional
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-from zeroplan.engines.deepspeed.settings import Settings, optimizer_class
-from zeroplan.engines.deepspeed.zero12 import reduces_from_hooks
-
-SRC = "runtime/zero/stage_1_and_2.py"
+from zeroplan.engines.deepspeed.moe_offload import moe_offload_limit
+from zeroplan.engines.deepspeed.settings import Settings
 
 ZERO12_MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 """The sparse families whose ZeRO-1/2 peaks are measured (tests/test_deepspeed_moe12.py)."""
@@ -59,39 +68,12 @@ def model_numel(spec: TransformerSpec) -> int:
 
 def zero12_moe_limit(s: Settings, spec: TransformerSpec) -> Optional[str]:
     """Why the ZeRO-1/2 peak of the sparse model ``spec`` under ``s`` is not given, or None (module docstring):
-    outside ``ZERO12_MOE_FAMILIES``, with ``offload_optimizer`` or DeepSpeed's ``BF16_Optimizer`` (not measured on a
-    sparse model), or reducing from the hooks in more than one bucket (``reduce_bucket_size`` < Ψ) in fp16 (the
-    hooks' moments, moe12_hooks.py, measured in fp32 and bf16) or in an order not autograd's (``_hook_order_limit``)."""
+    outside ``ZERO12_MOE_FAMILIES``, or with ``offload_optimizer`` where ``moe_offload.moe_offload_limit`` refuses.
+    fp32, bf16 and fp16 (``DeepSpeedZeroOptimizer``), reduced after backward or from the hooks at any bucket, and
+    ``BF16_Optimizer`` (no hook reduces: bf16.py; tests/test_deepspeed_moe_opt.py): measured (module docstring)."""
     if spec.model_type not in ZERO12_MOE_FAMILIES:
         return f"model_type {spec.model_type!r} not measured (measured: {', '.join(ZERO12_MOE_FAMILIES)})"
-    if s.offload_optimizer.on:
-        return f"offload_optimizer to {s.offload_optimizer.device} not measured on routed experts"
-    if optimizer_class(s) != "DeepSpeedZeroOptimizer":  # bf16 with fp32 gradient accumulation at ZeRO-1
-        return f"{optimizer_class(s)} (runtime/bf16_optimizer.py) not measured on routed experts"
-    psi = model_numel(spec)
-    why = _hook_order_limit(s, spec, psi) if reduces_from_hooks(s) else None
-    if why is not None:
-        return why
-    if reduces_from_hooks(s) and s.reduce_bucket_size < psi and s.dtype == "fp16":
-        how = "ZeRO-2" if s.partition_gradients else "ZeRO-1 with overlap_comm"
-        return (f"{how} in fp16 with reduce_bucket_size {s.reduce_bucket_size:,} < Ψ = {psi:,}: gradients "
-                f"reduced at hooks inside the sparse MLPs' backward ({SRC} reduce_independent_p_g_buckets_and_remove_"
-                "grads, extra_large_param_to_reduce) are measured in fp32 and bf16 only (engines/deepspeed/"
-                f"moe12_hooks.py); use bf16, reduce_bucket_size >= {psi:,}, ZeRO-1 without overlap_comm, or ZeRO-3")
+    if s.offload_optimizer.on:  # measured with every gradient in one bucket (moe_offload.py)
+        return moe_offload_limit(s, model_numel(spec))
     return None
 
-
-def _hook_order_limit(s: Settings, spec: TransformerSpec, psi: int) -> Optional[str]:
-    """Reducing from the hooks: Qwen2-MoE with a bucket holding every routed expert tensor (``gate_up_proj``, E·2f·d,
-    up to Ψ): its shared expert, called first, runs backward last (``run.grad_ready_order``: within the sparse MLP's
-    ZeRO-3 leaf, the reverse of its modules' calls), and a bucket reduced at its ``down_proj``'s hook allocates a
-    rank's partition inside the shared SwiGLU's backward, not modelled (live storages: rank 1 at 300,000 elements,
-    674,184 B, +3.0 %, under). Below (100,000, between its expert tensors; 5,000) within 0.011 %. None elsewhere
-    (Qwen3-MoE, ``experts`` registered before ``gate``, modelled since its router's hook comes after the experts')."""
-    moe, bucket = spec.moe, s.reduce_bucket_size
-    lo = 2 * moe.n_experts * spec.d_model * moe.expert_ffn  # gate_up_proj (E, 2f, d)
-    if spec.model_type != "qwen2_moe" or not lo <= bucket < psi:
-        return None
-    return (f"qwen2_moe reducing from the hooks with reduce_bucket_size {bucket:,} in [{lo:,}, {psi:,}): a bucket "
-            "reduced at its shared expert's hooks (run last) is not modelled (moe12.py _hook_order_limit; measured "
-            f"3.0 % under); use reduce_bucket_size < {lo:,} or >= {psi:,}, ZeRO-1 without overlap_comm, or ZeRO-3")

@@ -14,13 +14,22 @@ backward from its last call (experts' ``down_proj``, ``gate_up_proj``, then the 
 norm; DeepSeek-V3's shared experts before the routed ones, called after them; Qwen2-MoE's shared expert after the
 router, called first).
 
-Per hook of sparse block j (``_at_hook``), beside the states, the buckets and the first j blocks' saved tensors:
+Per hook of sparse block j reducing a bucket (``_at_hook``), beside the states, the buckets and the first j blocks'
+saved tensors:
 
 - ``experts.gate_up_proj``'s: the block's saved tensors less the routed experts' (the gate-up grouped matmul, the
   experts' first call, has run backward) and DeepSeek-V3's shared experts' (run backward before), the router's
   kept; in flight the incoming gradient, d(gathered rows) (S·d·a) and DeepSeek-V3's shared experts' input gradient
   (N·d·a); Qwen2-MoE's shared SwiGLU tensors and d(shared output) still waiting, with its gate's input gradient; alive ``down_proj``'s gradient where it is larger than the bucket (reduced at this hook) and
   ``gate_up_proj``'s own (waiting for its hook to return);
+- the experts' ``down_proj``'s (its grouped matmul's backward has run; transformers integrations/moe.py
+  ``grouped_mm_experts_forward`` read backward): the block's saved tensors less the routing
+  product's (the down output, the sorted weights, the inverse permutation) and the down matmul's input (SiLU·up),
+  the gathered rows, the gate-up output and SiLU's output kept; in flight the incoming gradient, d(SiLU·up) (S·f·a)
+  and the sorted routing weights' gradient; Qwen2-MoE's shared terms as at ``gate_up_proj``'s (measured: Qwen2-MoE
+  at 1,000,000-element buckets, both ranks' first bucket reduced at layer 0's ``down_proj`` hook, its flattened copy
+  beside the bucket: 594,584 / 497,048 B (2.5 %) under before, now 376 B over; not DeepSeek-V3, not measured);
+- Qwen2-MoE's shared SwiGLU's (``_at_shared_hook``);
 - the router's (``mlp.gate.weight``) or the post-attention norm's: the block's saved tensors less the MLP's and the
   norm's output (the router's linear, its last reader, has run); in flight the incoming gradient, the experts'
   input gradient and the router's (3·N·d·a), at the router's Qwen2-MoE's shared expert's as above; alive
@@ -49,12 +58,15 @@ from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas import deepseek_activations as DS
+from zeroplan.formulas.moe_activations import INDEX_BYTES, OFFSET_BYTES, ROUTING_WEIGHT_BYTES
 from zeroplan.formulas.moe_block import deepseek_backward_ws, router_saved, sparse_backward_ws
 from zeroplan.formulas.peak import Moment, Term
 
 SRC = "runtime/zero/stage_1_and_2.py"
 ROLES = {".mlp.experts.gate_up_proj": "gate_up", ".mlp.experts.down_proj": "down", ".mlp.gate.weight": "router",
-         ".post_attention_layernorm.weight": "norm"}  # fmt: skip
+         ".post_attention_layernorm.weight": "norm", ".mlp.shared_expert.down_proj.weight": "shared_down",
+         ".mlp.shared_expert.up_proj.weight": "shared_up",
+         ".mlp.shared_expert.gate_proj.weight": "shared_gate"}  # fmt: skip
 """A sparse MLP's parameter (its ``named_parameters`` name's ending) -> its role in the hooks' order."""
 
 
@@ -99,9 +111,18 @@ def _at_hook(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
     # Qwen2-MoE's shared expert runs first, so its backward runs last: its SwiGLU's saved tensors (4·N·f_s·a) and
     # d(shared output) wait beside the routed experts', with the input gradient its sigmoid gate's linear made
     # (its product's and sigmoid's saved tensors, N·d·a + N·a, released: they ran backward first)
+    if role.startswith("shared_"):
+        return _at_shared_hook(run, role, before_mlp)
     qwen2 = spec.model_type == "qwen2_moe" and role != "norm"
     shared = (_act("the shared expert's SwiGLU saved tensors", 4 * n * spec.moe.shared_ffn * a),
               _act("d(shared output) and the shared gate's input gradient", 2 * nda, 2)) if qwen2 else ()
+    if role == "down":  # the routing product's and the down matmul's saved tensors released (expert_activations)
+        rows, f, w = n * spec.moe.top_k, spec.moe.expert_ffn, ROUTING_WEIGHT_BYTES[spec.model_type] or a
+        return (_act("block's saved activations less the routing product's and down matmul's (the router's kept)",
+                     before_mlp + _router_saved(run) + rows * (a * (spec.d_model + 3 * f) + 2 * INDEX_BYTES)
+                     + spec.moe.n_experts * OFFSET_BYTES),
+                _act("incoming, d(SiLU·up) and the sorted routing weights' gradients", nda + rows * (f * a + w), 3),
+                *shared)
     if role == "gate_up":  # DeepSeek-V3's shared experts ran backward first: their input gradient in flight
         rows, deepseek = n * spec.moe.top_k * spec.d_model * a, spec.model_type == "deepseek_v3"
         return (_act("block's saved activations less its experts' (the router's kept)",
@@ -112,14 +133,36 @@ def _at_hook(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
             _act("incoming, the experts' and the router's input gradients", 3 * nda, 3), *shared)
 
 
+def _at_shared_hook(run: DSRun, role: str, before_mlp: int) -> tuple[Term, ...]:
+    """Qwen2-MoE, block's activations at a hook of its shared SwiGLU (transformers 5.24 modeling_qwen2_moe.py
+    ``Qwen2MoeSparseMoeBlock.forward`` calls ``shared_expert`` first, so autograd runs it last; ``Qwen2MoeMLP.forward``:
+    g = gate_proj(x), s = SiLU(g), u = up_proj(x), h = s·u, down_proj(h)) where the hook reduces a bucket
+    (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads`` -> ``reduce_ipg_grads`` -> ``average_tensor``,
+    ``copy_grads_in_partition``): the routed experts', the router's and the sigmoid gate's saved tensors released,
+    in flight the incoming gradient and the MLP input's summed gradient (2·N·d·a): at ``down_proj``'s g, s and u kept
+    (h, down's saved input, released) and d(h) (N·f_s·a); at ``up_proj``'s g kept (SiLU's saved input; s and u, the
+    product's, released) and d(s) (N·f_s·a, waiting for SiLU's backward); at ``gate_proj``'s the norm output x (its
+    last reader ran) released too. Measured (live storages at Qwen2-MoE's rank 1 peak, 300,000-element buckets: its
+    partition allocated at layer 2's shared ``down_proj`` hook; 674,184 B (3.0 %) under before)."""
+    nfa = _tokens(run) * run.spec.moe.shared_ffn * DTYPE_BYTES[run.settings.dtype]
+    nda = run.acts.embed_out
+    if role == "shared_gate":
+        return (_act("block's saved activations less its MLP's and the norm's output", before_mlp - nda),
+                _act("incoming and MLP input's gradients", 2 * nda, 2))
+    kept, grad = (("g, SiLU(g), u", 3), "d(h)") if role == "shared_down" else (("g", 1), "d(SiLU(g))")
+    return (_act("block's saved activations less its MLP's", before_mlp),
+            _act(f"the shared SwiGLU's saved tensors left ({kept[0]})", kept[1] * nfa, kept[1]),
+            _act(f"incoming and MLP input's gradients, the shared {grad}", 2 * nda + nfa, 3))
+
+
 def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
                            kept: dict[int, tuple[Term, ...]]) -> tuple[Moment, ...]:
-    """Reducing from the hooks, each bucket reduced at the hook of a sparse MLP's ``gate_up_proj``, router or
-    post-attention norm (module docstring), the rank holding the most: ``allreduce_bucket``'s flattened copy of the
-    bucket (``_hook_bucket_copy``) beside the ``grads_in_partition`` of a rank whose first bucket went earlier; or,
-    the rank's first, its partition allocated once the copy is freed (the larger of the two). At ZeRO-1
-    (``overlap_comm``) also the gradients larger than the bucket outside the rank's partition, reduced before and
-    kept to the step (``kept``: zero12.py ``_stage1_kept_gradients``, the later blocks'; and block j's own)."""
+    """Reducing from the hooks, each bucket reduced at the hook of a sparse MLP's ``gate_up_proj``, ``down_proj``,
+    router, post-attention norm or (Qwen2-MoE) shared SwiGLU weight (module docstring), the rank holding the most:
+    ``allreduce_bucket``'s flattened copy of the bucket (``_hook_bucket_copy``) beside the ``grads_in_partition``
+    of a rank whose first bucket went earlier; or, the rank's first, its partition allocated once the copy is freed
+    (the larger of the two). At ZeRO-1 (``overlap_comm``) also the gradients larger than the bucket outside the
+    rank's partition, reduced before and kept to the step (``kept``: zero12.py ``_stage1_kept_gradients``, the later blocks'; and block j's own)."""
     if run.spec is None or run.spec.moe is None or not run.param_blocks:
         return ()
     roles = _roles(run)
@@ -133,7 +176,8 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
     for b in range(len(buckets) - 1):
         hook = order[first_of_bucket[b + 1]]
         role, j = roles.get(hook), run.param_blocks[hook]
-        if role not in ("gate_up", "router", "norm"):
+        if role not in ("gate_up", "router", "norm", "shared_down", "shared_up", "shared_gate", "down") or (
+                role == "down" and run.spec.model_type == "deepseek_v3"):  # its own experts' path, not measured
             continue
         large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
         common = (*base, _blocks_saved(run, j), *_at_hook(run, j, role),

@@ -280,8 +280,8 @@ def planner_plan_options(options: PlannerOptions) -> PlannerOptions:
 def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
     """Why DeepSpeed's peak of a sparse model is not given, or None. Measured (DeepSpeed 0.19.8, transformers'
     classes): ZeRO-1 and ZeRO-2 where ``moe12.zero12_moe_limit`` allows (reduced after backward, or from the hooks
-    in fp32: tests/test_deepspeed_moe12.py), ZeRO-3 where ``moe.zero3_moe_limit`` allows (test_deepspeed_moe.py).
-    A plan (asking without the file's stage: ``planner_plan_options``) answers with those rows (``moe_candidates``)."""
+    in fp32, bf16 and fp16: tests/test_deepspeed_moe12.py), ZeRO-3 where ``moe.zero3_moe_limit`` allows
+    (test_deepspeed_moe.py). A plan (asking without the file's stage: ``planner_plan_options``) answers with those rows (``moe_candidates``)."""
     if spec.moe is None:
         return None
     config = options.own.get("ds_config") or {}

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
-from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks,
+from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks, _params_numels,
                                                      _rank_first_buckets, _stage1_held, _views)
 from zeroplan.engines.deepspeed.phases import final_norm_at_its_hook, final_norm_per_rank
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
@@ -173,19 +173,20 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     base_bytes, g, memo = sum(t.bytes for t in base), DTYPE_BYTES[s.grad_dtype], _hook_memo(run)
     copies = _hook_copies_of(run)  # each bucket's allreduce_bucket flat copy (``_hook_bucket_copy``)
     best: dict[int, tuple[int, int, int, int]] = {}  # block -> (bytes, rank, first, hook) of the rank holding the most
+    blocks, gips = run.param_blocks, _params_numels(run.flat)  # each rank's ``FlatGroup.params_numel``
     for rank, first, hook in _reducing_hooks(run):
-        j = run.param_blocks[hook]
+        j = blocks[hook]
         if j < 0 or hook in outputs:
             continue
-        if (first, hook) not in alike:  # every rank reducing at one hook sees the same activations
+        common = alike.get((first, hook), alike)  # ``alike`` itself: not seen yet
+        if common is alike:  # every rank reducing at one hook sees the same activations
             at_hook = _hook_bytes(run, j, hook, memo)
-            alike[first, hook] = None if at_hook is None else (
+            common = alike[first, hook] = None if at_hook is None else (
                 base_bytes + _blocks_saved(run, j).bytes + at_hook + large_in_bucket.get(first, 0) * p,
                 sum(run.numels[i] for i in large if bucket_of[i] < first and run.param_blocks[i] == j) if kept else 0)
-        common = alike[first, hook]
         if common is None:
             continue
-        total = common[0] + max(run.flat.params_numel(rank) * p, copies[first] * g)
+        total = common[0] + max(gips[rank] * p, copies[first] * g)
         if kept:
             lo, hi = run.flat.range(rank)
             own = common[1] - sum(run.numels[i] for i in range(lo, hi) if run.numels[i] > s.reduce_bucket_size

@@ -296,7 +296,9 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
 def _blocks_saved(run: DSRun, n: int) -> Term:
     """The saved activations of the first ``n`` blocks, with their routers' fp32 weight copies (``router_copies``),
     each ``n``'s term made once per run (``DSRun.memo``: every block's moments ask, in each phase)."""
-    saved = run.memo.setdefault("blocks saved", {})
+    saved = run.memo.get("blocks saved")
+    if saved is None:  # not setdefault's: a new dict at each of a run's thousands of calls
+        saved = run.memo["blocks saved"] = {}
     if n not in saved:
         copies = router_copies(run, n)
         what = f"saved activations of {n} blocks" + (" (with the routers' fp32 weight copies)" if copies else "")
@@ -307,12 +309,48 @@ def _blocks_saved(run: DSRun, n: int) -> Term:
 ZINIT = "runtime/zero/partition_parameters.py"
 
 
-@lru_cache(maxsize=32)  # the same for every candidate of a plan
+class WorkloadKey:
+    """``workload`` as a cache key whose hash is computed once: a Workload's (a frozen dataclass) hashes its
+    ~1,000 parameter shapes at every call of a cache keyed by it (~0.1 ms; ~200 calls in a 1,024-GPU plan).
+    Equal to another key of an equal workload, so a cache keyed by it hits as one keyed by the workload."""
+
+    __slots__ = ("workload", "_hash")
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload, self._hash = workload, hash(workload)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WorkloadKey) and (self.workload is other.workload or self.workload == other.workload)
+
+
+_KEYS: dict[int, tuple[Workload, WorkloadKey]] = {}  # id -> (the workload, held so its id is not reused; its key)
+
+
+def workload_key(workload: Workload) -> WorkloadKey:
+    """The ``WorkloadKey`` of ``workload``, one per object (every candidate of a plan passes the same one)."""
+    hit = _KEYS.get(id(workload))
+    if hit is None or hit[0] is not workload:
+        if len(_KEYS) >= 32:
+            _KEYS.clear()
+        hit = _KEYS[id(workload)] = (workload, WorkloadKey(workload))
+    return hit[1]
+
+
 def _layout(workload: Workload) -> tuple[tuple[int, ...], int, tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]]:
     """(parameter sizes, final norm elements, sizes module by module, block of each parameter, output
-    projections) of ``workload``, from its parameter names (``DSRun``'s fields)."""
+    projections) of ``workload``, from its parameter names (``DSRun``'s fields); once per workload."""
+    return _layout_of(workload_key(workload))
+
+
+@lru_cache(maxsize=32)  # the same for every candidate of a plan
+def _layout_of(key: WorkloadKey) -> tuple[tuple[int, ...], int, tuple[tuple[int, ...], ...], tuple[int, ...],
+                                           tuple[int, ...]]:
     from zeroplan.architectures.spec import block_prefix
 
+    workload = key.workload
     spec = workload.spec
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
     prefix = block_prefix(spec)
@@ -328,10 +366,15 @@ def _layout(workload: Workload) -> tuple[tuple[int, ...], int, tuple[tuple[int, 
     return numels, final, tuple(tuple(v) for v in owners.values()), blocks, outputs
 
 
-@lru_cache(maxsize=32)  # every candidate of a plan, and ds_run and collectives of one estimate, ask for it
 def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:
     """(ZeRO-3's module trace of ``workload``,) for ``collectives``: ``stage3_trace`` of its parameter names,
     the validator's causal LM where there is an architecture, the transformers one with ``Workload.transformers``."""
+    return _trace_of(workload_key(workload))
+
+
+@lru_cache(maxsize=32)  # every candidate of a plan, and ds_run and collectives of one estimate, ask for it
+def _trace_of(key: WorkloadKey) -> tuple[Optional[Stage3Trace]]:
+    workload = key.workload
     spec = workload.spec
     style = spec.style if spec is not None else None
     hf = workload.transformers and spec is not None

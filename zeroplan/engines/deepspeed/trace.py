@@ -23,6 +23,11 @@ class TraceEvent:
     """the training phase it happens in (all-gathers and peaks are counted there); None: backward iff not
     ``forward``. A forward hook inside backward (activation checkpointing's recomputed forward) sets True."""
 
+    def __init__(self, op: Literal["fetch", "release"], module: int, forward: bool,
+                 in_backward: Optional[bool] = None) -> None:
+        d = self.__dict__  # the dataclass's __init__ without frozen setattr (a 405B trace: ~6,000 events)
+        d["op"], d["module"], d["forward"], d["in_backward"] = op, module, forward, in_backward
+
     @property
     def backward_phase(self) -> bool:
         """Whether the event happens while backward runs."""
@@ -52,6 +57,17 @@ class Stage3Trace:
                 spans.setdefault(mark, (first, last))
             object.__setattr__(self, "_spans", spans)
         return spans[name]
+
+    @property
+    def steps(self) -> tuple[tuple[bool, int, bool], ...]:
+        """Per event (a fetch?, its module, in backward? ``TraceEvent.backward_phase``), computed once: what the
+        coordinator's replay reads of each of a 405B trace's ~12,000 events."""
+        steps = self.__dict__.get("_steps")
+        if steps is None:
+            steps = tuple((e.op == FETCH, e.module, (not e.forward) if e.in_backward is None else e.in_backward)
+                          for e in self.events)  # fmt: skip
+            object.__setattr__(self, "_steps", steps)
+        return steps
 
     def __hash__(self) -> int:
         """The fields' hash, computed once (the coordinator's cache is keyed by the trace: a 405B model's
@@ -114,6 +130,10 @@ def _module_tree(names: list[str]) -> tuple[dict[str, list[str]], dict[str, list
     params: dict[str, list[int]] = {"": []}
     for i, name in enumerate(names):
         owner = name.rpartition(".")[0]
+        own = params.get(owner)
+        if own is not None and owner in children:  # a module seen before: its ancestors are registered too
+            own.append(i)
+            continue
         params.setdefault(owner, []).append(i)
         parts = owner.split(".") if owner else []
         for depth in range(len(parts)):

@@ -279,15 +279,22 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     best: dict[int, tuple[int, int]] = {}  # block -> (bytes, bucket) of its largest
     blocks, copies, fetched = run.param_blocks, {}, _backward_fetches(run) if s.device == "cpu" else {}
     gloo_copies = s.device == "cpu" and (bool(fetched) or run.nd == 1)  # at N_d > 1 with the hooks' gathers known
+    nothing = (0, 0, 0, False)  # no copy and no norm: on a GPU without offload, every bucket's
     for b in range(len(buckets) - 1):  # the last bucket is sent after backward (independent_gradient_partition_epilogue)
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
         large = large_before[end] - large_before[start]
-        # on gloo every bucket sent: flattened (one tensor: a view) and gloo's copy of it (1-24; on a GPU not measured);
-        # with offload gloo's copy is freed before partition_grads takes the norms on their fp64 copies: the larger
-        flat, gloo = bucket_copies([numels[i] for i in order[start:end]], run.nd, s.device) if gloo_copies else (0, 0)
-        norm = max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 if offload else 0
-        keep_gloo = gloo * p > norm
-        copies[b] = (flat, gloo * keep_gloo, norm * (not keep_gloo), bool(flat or gloo))
+        if gloo_copies or offload:
+            # on gloo every bucket sent: flattened (one tensor: a view) and gloo's copy of it (1-24; on a GPU not
+            # measured); with offload gloo's copy is freed before partition_grads takes the norms on their fp64
+            # copies: the larger
+            flat, gloo = (bucket_copies([numels[i] for i in order[start:end]], run.nd, s.device) if gloo_copies
+                          else (0, 0))
+            norm = max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 if offload else 0
+            keep_gloo = gloo * p > norm
+            copies[b] = (flat, gloo * keep_gloo, norm * (not keep_gloo), bool(flat or gloo))
+        else:
+            flat = gloo = 0
+            copies[b] = nothing
         if not (large or offload or flat or gloo):
             continue
         hook = order[end]

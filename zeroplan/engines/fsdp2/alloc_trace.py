@@ -18,6 +18,7 @@ from zeroplan.allocator.step_trace import AllocTrace, step_trace
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2.moments import moments
 from zeroplan.engines.fsdp2.settings import Settings
+from zeroplan.engines.fsdp2.terms import Fsdp2Run
 from zeroplan.formulas.cuda_workspaces import library_workspaces
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Term
 
@@ -41,13 +42,17 @@ def stream_of(term: Term) -> int:
 _STREAM_OF_NAME: dict[str, int] = {}
 
 
-def alloc_traces(workload: Workload, nd: int, settings: Settings) -> tuple[AllocTrace, ...]:
+def alloc_traces(workload: Workload, nd: int, settings: Settings,
+                 run: Fsdp2Run | None = None) -> tuple[AllocTrace, ...]:
     """The trace of ``estimate``'s one row (needs an architecture): of the rank it describes (``settings.rank``,
-    else the one it names as peaking highest, ``EngineEstimate.peak_rank``), on its HSDP shard group."""
+    else the one it names as peaking highest, ``EngineEstimate.peak_rank``), on its HSDP shard group; ``run``:
+    that rank's run as the estimate made it (the plan's ``Candidate.trace_inputs``), not built again."""
     from zeroplan.engines.fsdp2.mesh import resolve_mesh
     from zeroplan.engines.fsdp2.plan import estimate, rank_run
     from zeroplan.engines.fsdp2.tp_estimate import tp_local
 
+    if run is not None:
+        return _trace(run)
     if (settings.tp or 1) > 1:  # FSDP2 + TP: the TP-local run of the rank described (engines/fsdp2/tp_estimate.py)
         rank = settings.rank if settings.rank is not None else estimate(workload, nd, settings)[0].peak_rank or 0
         workload, nd, settings = tp_local(workload, nd, settings.model_copy(update={"rank": rank}))
@@ -55,9 +60,14 @@ def alloc_traces(workload: Workload, nd: int, settings: Settings) -> tuple[Alloc
     if settings.rank is None:
         (row,) = estimate(workload, nd, settings)
         settings = settings.model_copy(update={"rank": row.peak_rank or 0})
-    run, _ = rank_run(workload, nd, settings)
+    return _trace(rank_run(workload, nd, settings)[0])
+
+
+def _trace(run: Fsdp2Run) -> tuple[AllocTrace, ...]:
+    """The allocation trace of one rank's run: its moments walked in order, on their streams."""
     if run.acts is None:
         raise ValueError("an allocation trace needs an architecture (activations): give a model")
+    settings = run.settings
     if settings.device != "cuda":
         return (step_trace(moments(run), stream_of=stream_of),)
     resident = (library_workspaces(settings.cuda_capability, run.biased_linear),)

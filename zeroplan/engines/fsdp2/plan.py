@@ -4,7 +4,7 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PeakLimit,
@@ -23,7 +23,7 @@ from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import check_tp, tp_acts
 from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search
-from zeroplan.engines.fsdp2.terms import fsdp2_run, mesh_ranks, resharded, run_states
+from zeroplan.engines.fsdp2.terms import Fsdp2Run, fsdp2_run, mesh_ranks, resharded, run_states
 from zeroplan.engines.fsdp2.units import wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
@@ -35,26 +35,28 @@ from zeroplan.formulas.dropout import dropout_limit
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.types import show
 
-def estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
+def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None = None) -> tuple[EngineEstimate, ...]:
     """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (None: the
     rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``), on a 2-D
     HSDP mesh when ``dp_replicate``/``dp_shard`` say so (engines/fsdp2/mesh.py); its collectives count one
     optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``). With ``tp`` T > 1: the TP-local
-    model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``)."""
+    model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``). ``made`` (without TP): filled
+    with {rank: its run}, for the plan's allocation trace of the rank that peaks (``alloc_traces``' ``run``)."""
     if (settings.tp or 1) > 1:
         return tp_estimate(workload, nd, settings, dp_estimate)
-    return dp_estimate(workload, nd, settings)
+    return dp_estimate(workload, nd, settings, made)
 
 
-def dp_estimate(workload: Workload, nd: int, settings: Settings) -> tuple[EngineEstimate, ...]:
+def dp_estimate(workload: Workload, nd: int, settings: Settings,
+                made: dict | None = None) -> tuple[EngineEstimate, ...]:
     """``estimate`` on ``nd`` data-parallel ranks (with ``tp``: ``workload`` is the TP-local one)."""
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
     if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
         ranks = distinct_ranks(tuple(s for _, s in workload.shapes), shard_groups(settings, nd)[1])
         runs: list = []  # the first rank's run, which the others reuse (Fsdp2Run.for_rank: a speed-up)
-        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs)
+        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs, made)
                             for r in ranks}),)  # fmt: skip
-    return (_estimate(workload, nd, settings),)
+    return (_estimate(workload, nd, settings, None, made),)
 
 
 def rank_run(workload: Workload, nd: int, settings: Settings):
@@ -71,9 +73,10 @@ def rank_run(workload: Workload, nd: int, settings: Settings):
     return run, nd
 
 
-def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None = None) -> EngineEstimate:
+def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None = None,
+              made: dict | None = None) -> EngineEstimate:
     """One rank's row; ``runs``: the first rank's run, shared by the others of one estimate (only Adam's states
-    depend on the rank: ``Fsdp2Run.for_rank``)."""
+    depend on the rank: ``Fsdp2Run.for_rank``); ``made``: {rank: its run}, filled."""
     rank = settings.rank
     if runs:
         run, nd = runs[0].for_rank(shard_rank(settings, nd)), shard_groups(settings, nd)[1]
@@ -81,6 +84,8 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
         run, nd = rank_run(workload, nd, settings)
         if runs is not None:
             runs.append(run)
+    if made is not None:
+        made[rank] = run
     settings = run.settings
     st = run_states(run)  # model_states(run.units, nd, settings), once per run
     coll = run_collectives(run, workload.grad_accum)
@@ -124,6 +129,8 @@ class Fsdp2Option:
     estimate: EngineEstimate
     fits: bool
     wrapping: Optional[Wrapping] = None  # settings.wrap in the model's names (units.wrapping_of)
+    run: Optional[Fsdp2Run] = field(default=None, compare=False, repr=False)
+    """the run of the rank it peaks on (``estimate``'s ``made``; None with TP): its allocation trace's run."""
 
     @property
     def snippet(self) -> str:
@@ -145,21 +152,29 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
         w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
                      workload.grad_accum, workload.foreach, workload.transformers)  # fmt: skip
 
-        def option(shard: int | None, reshard=reshard, w=w) -> tuple[tuple[Settings, EngineEstimate, bool], bool]:
+        def option(shard: int | None, reshard=reshard, w=w) -> tuple[tuple[Settings, EngineEstimate, bool, dict], bool]:
             update = ({} if own else {"reshard_after_forward": reshard}) | (
                 {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
             s = tp_mesh(settings.model_copy(update=update), nd)  # resolve_mesh on N_d / T (engines/fsdp2/tp_estimate.py)
-            (row,) = estimate(w, nd, s)
+            made: dict = {}
+            (row,) = estimate(w, nd, s, made)
             fits = row.peak.peak_bytes <= capacity_bytes
-            return (s, row, fits), fits
+            return (s, row, fits, made), fits
 
-        s, row, fits = smallest_fitting(shards, option) if shards else option(None)[0]
-        dp = nd // (s.tp or 1)
-        run_settings = fsdp2_run(w, shard_groups(s, dp)[1], s).settings  # the chosen one's only
-        out.append(Fsdp2Option(run_settings, ckpt, row, fits, wrapping_of(w, s)))
+        s, row, fits, made = smallest_fitting(shards, option) if shards else option(None)[0]
+        run = made.get(row.peak_rank or 0)  # the run the trace replays (None with TP: alloc_traces builds it)
+        out.append(Fsdp2Option(_run_settings(w, nd, s, run), ckpt, row, fits, wrapping_of(w, s), run))
         if fits and until_fit:  # the mesh search ranks by the first that fits (tp_estimate.mesh_search)
             break
     return tuple(out)
+
+
+def _run_settings(w: Workload, nd: int, s: Settings, run: Fsdp2Run | None) -> Settings:
+    """The settings the chosen run has (``fsdp2_run``'s: the blocks' ``reshard_after_forward`` of a wrapping
+    file), as ``s`` names the rank: taken from ``run`` when the estimate made it, else built."""
+    if run is not None:
+        return run.settings.model_copy(update={"rank": s.rank})
+    return fsdp2_run(w, shard_groups(s, nd // (s.tp or 1))[1], s).settings
 
 
 def recommend(workload: Workload, nd: int, capacity_bytes: int, settings: Settings) -> Fsdp2Option | None:
@@ -322,7 +337,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
                   + (f", CPUOffloadPolicy(pin_memory={o.settings.pin_memory})" if o.settings.offload_policy == "cpu" else ""),
                   o.estimate, o.fits, o.snippet,
                   trace_inputs=(replace(workload, checkpointing=o.checkpointing), nd,  # the rank it peaks on
-                                o.settings.model_copy(update={"rank": o.estimate.peak_rank or 0})))
+                                o.settings.model_copy(update={"rank": o.estimate.peak_rank or 0}), o.run))
         for o in options_
     )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)

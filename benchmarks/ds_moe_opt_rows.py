@@ -1,0 +1,172 @@
+"""DeepSpeed's ``BF16_Optimizer`` (bf16, ``data_types.grad_accum_dtype`` fp32, ZeRO-0/1) and optimizer offload
+(``offload_optimizer: cpu``, ZeRO-1/2) on transformers' mixture-of-experts classes (issue 19): real runs (gloo,
+N_d = 2, both ranks, CPU) against the profile, each rank's per-phase error (what a CPU run measures: the GPU moments
+plus the host bytes, ``deepspeed_compare.one_memory``), and the rows as JSON for tests/data/measured/.
+
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py bf16opt [--families mixtral-wide,...] [--out FILE]
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py offload [--families ...] [--out FILE]
+
+Real runs: never in CI (tests/test_deepspeed_moe_opt.py predicts the recorded rows again)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+PHASES = ("init", "forward", "backward", "optimizer_step")
+SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000}
+FAMILIES = "mixtral-wide,qwen3-moe-wide,qwen2-moe-wide,deepseek-wide"
+
+
+def cases(kind: str) -> list[tuple[str, dict]]:
+    """(label, ds_config) of each measured row of ``kind``."""
+    from validate.engines.deepspeed_compare import ds_config
+
+    if kind == "bf16opt":  # engine.py _configure_bf16_optimizer: bf16 with fp32 gradient accumulation at ZeRO-0/1
+        return [(f"z{st}-{b}", ds_config(st, "bf16", micro_batch=1, zero=z, optimizer_params={"torch_adam": True},
+                                         grad_accum_dtype="fp32"))
+                for st in (1,) for b, z in (("default", {}), ("small", SMALL))]  # fmt: skip
+    off = {"offload_optimizer": {"device": "cpu"}}  # DeepSpeedCPUAdam (engine.py zero_use_cpu_optimizer)
+    if kind == "ga2":  # two micro-steps per step, the given runs' one-bucket cases
+        configs = [("z1-bf16opt-ga2", ds_config(1, "bf16", micro_batch=1, optimizer_params={"torch_adam": True},
+                                                grad_accum_dtype="fp32")),
+                   *((f"z{st}-bf16-default-ga2", ds_config(st, "bf16", micro_batch=1, zero=off)) for st in (1, 2))]
+        return [(label, {**c, "gradient_accumulation_steps": 2}) for label, c in configs]
+    if kind == "offload3":  # ZeRO-3 as tests/test_deepspeed_moe.py measures it ("small": tests/hf_saved.py DS_SMALL)
+        from hf_saved import DS_SMALL
+
+        return [(f"z3-{dt}-{b}", ds_config(3, dt, micro_batch=1, zero={**z, **off}))
+                for dt in ("bf16", "fp32") for b, z in (("default", {}), ("small", DS_SMALL))]  # fmt: skip
+    return [(f"z{st}-{dt}-{b}", ds_config(st, dt, micro_batch=1, zero={**z, **off}))
+            for dt in ("bf16", "fp32") for st in (1, 2) for b, z in (("default", {}), ("small", SMALL))]  # fmt: skip
+
+
+def _dump(d: dict) -> str:
+    """``d`` as JSON, one line per key of the header and of each row (the files stay small and diffable)."""
+    head = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in d.items() if k != "rows"]
+    rows = ["  {\n" + ",\n".join(f"   {json.dumps(k)}: {json.dumps(v)}" for k, v in r.items()) + "\n  }"
+            for r in d["rows"]]
+    return "\n".join(["{", *head, ' "rows": [']) + "\n" + ",\n".join(rows) + "\n ]\n}\n"
+
+
+def measure(kind: str, families: list[str], tmp: Path, out: Path | None) -> None:
+    from ds_moe12_rows import _files
+    from validate.engines.deepspeed_compare import one_memory, run_world, workload_for
+    from zeroplan.engines import deepspeed as D
+
+    import deepspeed
+    import torch
+
+    _files(tmp)
+    rows = []
+    for name in families:
+        labelled = cases(kind)
+        path = str(tmp / f"{name}.json")
+        ranks = run_world([c for _, c in labelled], 2, model=str(tmp / "world.json"), steps=2, seq_len=64,
+                          runs=[{"model": path, "hf": True}] * len(labelled))  # fmt: skip
+        for (label, config), *by_rank in zip(labelled, *ranks):
+            workload = workload_for(path, 1, 64, config["gradient_accumulation_steps"], "none", hf=True)
+            measured = [[r["peak_bytes_by_phase"][p] for p in PHASES] for r in by_rank]
+            predicted = []
+            print(f"{name} {label}: {measured}", flush=True)
+            for rank, row in enumerate(measured):
+                settings = D.Settings.from_ds_config(config).model_copy(update={"rank": rank})
+                pred = one_memory(workload, 2, settings, 4)
+                predicted.append([pred[p] for p in PHASES])
+                print(f"    rank {rank}: " + "  ".join(f"{p} {(v - pred[p]) / v:+.4%} ({v - pred[p]:+,} B)"
+                                                     for p, v in zip(PHASES, row)), flush=True)  # fmt: skip
+            rows.append({"family": name, "case": label, "nd": 2, "ds_config": config,
+                         "hf_config": json.loads(Path(path).read_text()),
+                         "shapes": [[n, list(s)] for n, s in workload.shapes],
+                         "measured": measured, "predicted_when_recorded": predicted})
+    if out is not None:
+        out.write_text(_dump({
+            "engine": "deepspeed",
+            "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "zeroplan_commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                                              text=True).stdout.strip(),
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__, "device": "cpu", "backend": "gloo",
+            "command": f"DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/ds_moe_opt_rows.py {kind}",
+            "run": "validate.engines.deepspeed_compare.run_world(configs, 2, model=<64-position tiny-llama>, steps=2, "
+                   "seq_len=64, runs=[{'model': hf_config, 'hf': True}]); peak bytes [init, forward, backward, "
+                   "optimizer_step] per rank",
+            "rows": rows}))  # fmt: skip
+
+
+def _trace_rank(rank: int, name: str, kind: str, label: str, port: int, tmp: str, top: int) -> None:
+    """One rank of ``trace``: the live storages made in the second step at its backward peak (parameters and the
+    flat groups excluded; ds_moe12_rows.py ``_live_storage_mode``), with the parameter whose hook ran last."""
+    import gc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    import deepspeed
+    import torch.distributed as dist
+    from ds_moe12_rows import _live_storage_mode
+    from validate.engines.deepspeed import _model_and_batches
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = dict(cases(kind))[label]
+    build, batches = _model_and_batches(f"{tmp}/{name}.json", 2, rank, 1, 2, 64, hf=True)
+    engine, opt, _, _ = deepspeed.initialize(model=(model := build()), model_parameters=model.parameters(),
+                                             config=config)  # fmt: skip
+    ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    ignore |= {g.untyped_storage().data_ptr() for g in getattr(opt, "bit16_groups_flat", [])}
+    names, hook = {id(p): n for n, p in engine.module.named_parameters()}, {}
+    if hasattr(opt, "reduce_independent_p_g_buckets_and_remove_grads"):
+        reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
+
+        def named(param, *args):  # (param, i) at ZeRO-1/2, (param,) at ZeRO-3
+            hook["param"] = names.get(id(param))
+            return reduce(param, *args)
+
+        opt.reduce_independent_p_g_buckets_and_remove_grads = named
+    gc.disable()
+    for step in range(2):
+        mode = _live_storage_mode(ignore, hook)
+        with mode:
+            loss = engine.module.loss(batches[step].pop(0))
+            mode.peak = 0
+            engine.backward(loss)
+        del loss
+        engine.step()
+    for turn in range(2):
+        if turn == rank:
+            print(f"rank {rank}: backward peak {mode.peak:,} B of storages made in the step, after the hook of "
+                  f"{mode.hook}")
+            for nbytes, func, shape, where in sorted(mode.at_peak, key=lambda x: -x[0])[:top]:
+                print(f"    {nbytes:>10,}  {func:<40} {str(shape):<18} {' <- '.join(reversed(where[-4:]))}", flush=True)
+        dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=("bf16opt", "offload", "offload3", "ga2"))
+    parser.add_argument("--families", default=FAMILIES)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--trace", default=None, help="FAMILY:CASE: list the live storages at its backward peak")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.trace is None:
+            measure(args.kind, args.families.split(","), Path(tmp), args.out)
+            return
+        import torch.multiprocessing as mp
+        from ds_moe12_rows import _files
+
+        _files(Path(tmp))
+        name, label = args.trace.split(":")
+        mp.spawn(_trace_rank, args=(name, args.kind, label, 29500 + os.getpid() % 1000, tmp, args.top), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()

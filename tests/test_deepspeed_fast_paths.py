@@ -1,0 +1,70 @@
+"""The DeepSpeed plan's speed-ups that are not closed forms (issue 16) keep what they replaced: a term's CUDA blocks
+computed at construction (``peak.Term``, ``rounded_total``), the frozen records built through ``__dict__`` (``Term``,
+``Moment``, ``TraceEvent``, ``Stage3Gather``), a workload hashed once per object (``run.WorkloadKey``). The moments
+the ZeRO-1/2 and ZeRO-3 fast paths pick are checked against the loops they replaced in test_deepspeed_winners.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import random
+
+import pytest
+
+from zeroplan.architectures.spec import transformer_shapes
+from zeroplan.engines.base import Workload
+from zeroplan.engines.deepspeed.coordinator import Stage3Gather
+from zeroplan.engines.deepspeed.profile import run_moments
+from zeroplan.engines.deepspeed.run import _layout, _trace, workload_key
+from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.engines.deepspeed.trace import TraceEvent
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, Term, rounded_total
+from zeroplan.presets import resolve_model
+
+
+def test_cuda_blocks_of_a_term_equal_each_tensor_rounded():
+    """``rounded_total`` at 512 B reads each term's blocks made at construction: n tensors of ceil(b / n) bytes,
+    each rounded up to 512 B, on random terms (zero bytes and tensors, sizes around the block included)."""
+    rng = random.Random(16)
+    for _ in range(2000):
+        tensors = rng.choice((0, 1, 1, 2, 3, 7, 64))
+        nbytes = 0 if tensors == 0 else rng.choice((0, 1, 511, 512, 513, rng.randrange(10**12)))
+        t = Term("t", nbytes, "test", tensors)
+        each = -(-nbytes // tensors) if tensors else 0
+        assert rounded_total((t,), CUDA_BLOCK_BYTES) == tensors * -(-each // 512) * 512
+        assert t.rounded(CUDA_BLOCK_BYTES) == rounded_total((t,), CUDA_BLOCK_BYTES)
+    terms = [Term("t", rng.randrange(10**9), "test", rng.randrange(1, 9)) for _ in range(300)]
+    assert rounded_total(terms, 512) == sum(rounded_total((t,), 512) for t in terms)
+    assert rounded_total(terms, 1024) == sum(t.tensors * -(-(-(-t.bytes // t.tensors)) // 1024) * 1024 for t in terms)
+
+
+@pytest.mark.parametrize("record", [Term("a", 3, "s", 2), Moment("forward", "m", (Term("a", 3, "s"),)),
+                                    TraceEvent("fetch", 4, False, True), Stage3Gather((1, 2), 3, 40, -1)])
+def test_records_built_through_their_dict_are_the_dataclasses(record):
+    """Equal and hashed by their fields, frozen, ``replace``d, ``asdict``ed and pickled as the dataclass's own
+    ``__init__`` made them (keywords and defaults alike)."""
+    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    again = type(record)(**fields)
+    assert again == record and hash(again) == hash(record) and dataclasses.asdict(again) == dataclasses.asdict(record)
+    assert pickle.loads(pickle.dumps(record)) == record
+    assert repr(record) == f"{type(record).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+    first = dataclasses.fields(record)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(record, first, None)
+    assert dataclasses.replace(record, **{first: fields[first]}) == record
+    assert Term("a", 3, "s") == Term("a", 3, "s", 1) and TraceEvent("fetch", 1, True) == TraceEvent("fetch", 1, True, None)
+
+
+def test_a_workload_is_keyed_by_value_and_hashed_once_per_object():
+    """Two equal workloads (distinct objects) share the caches keyed by ``WorkloadKey``: the same layout, trace and
+    moments objects, as the caches keyed by the workload gave; a different workload does not."""
+    spec = resolve_model("gpt2-xl")
+    w1, w2 = (Workload(transformer_shapes(spec), spec, 256, 1) for _ in range(2))
+    assert w1 is not w2 and w1 == w2
+    assert workload_key(w1) is workload_key(w1) and workload_key(w1) == workload_key(w2)
+    assert hash(workload_key(w1)) == hash(w1)
+    assert _layout(w1) is _layout(w2) and _trace(w1) is _trace(w2)
+    s = Settings(stage=2)
+    assert run_moments(s, w1, 8, None) is run_moments(s, w2, 8, None)
+    other = Workload(transformer_shapes(spec), spec, 512, 1)
+    assert workload_key(other) != workload_key(w1) and run_moments(s, other, 8, None) != run_moments(s, w1, 8, None)

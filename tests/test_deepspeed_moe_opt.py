@@ -1,0 +1,131 @@
+"""DeepSpeed's ``BF16_Optimizer`` (bf16 with ``data_types.grad_accum_dtype`` fp32 at ZeRO-1) and optimizer offload
+(``offload_optimizer: cpu``) on transformers' mixture-of-experts classes (issue 19): the recorded real runs
+(tests/data/measured/deepspeed_moe_{bf16opt,offload}.json, benchmarks/ds_moe_opt_rows.py; gloo, N_d = 2, both
+ranks, every phase) predicted again, and which of them ``moe_limit`` gives a peak (docs/engines/deepspeed.md
+"BF16_Optimizer and offload on mixture-of-experts"). Predicted-only: no run here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+MEASURED = Path(__file__).parent / "data" / "measured"
+PHASES = ("init", "forward", "backward", "optimizer_step")
+#: issue 17's targets: |measured - predicted| <= 1 % of measured, at most 0.5 % under-predicted
+TARGET, UNDER = 0.01, 0.005
+#: beyond the error recorded with each row: 64 B (the rotary buffers' order of size) or 0.005 %
+SLACK_BYTES, SLACK = 64, 0.00005
+
+
+def _rows(kind: str) -> list[dict]:
+    return json.loads((MEASURED / f"deepspeed_moe_{kind}.json").read_text())["rows"]
+
+
+BF16OPT = _rows("bf16opt")
+
+
+def _predict(row: dict, rank: int, tmp_path: Path) -> dict[str, int]:
+    """What a CPU run measures, as the validator predicts it (``deepspeed_compare.one_memory``: GPU moments plus
+    the host bytes alive at each)."""
+    from validate.engines.deepspeed_compare import one_memory, workload_for
+    from zeroplan.engines import deepspeed as D
+
+    path = tmp_path / f"{row['family']}.json"
+    path.write_text(json.dumps(row["hf_config"]))
+    workload = workload_for(str(path), 1, 64, row["ds_config"].get("gradient_accumulation_steps", 1), "none", hf=True)
+    assert [[n, list(s)] for n, s in workload.shapes] == row["shapes"]  # the model recorded is the one predicted
+    settings = D.Settings.from_ds_config(row["ds_config"]).model_copy(update={"rank": rank})
+    return one_memory(workload, row["nd"], settings, 4)
+
+
+def _moe_limit(row: dict):
+    from zeroplan.architectures.hf_config import spec_from_hf_config
+    from zeroplan.engines.base import PlannerOptions
+    from zeroplan.engines.deepspeed.plan import moe_limit
+
+    return moe_limit(PlannerOptions(ds_config=row["ds_config"]), spec_from_hf_config(row["hf_config"]))
+
+
+@pytest.mark.parametrize("row", BF16OPT, ids=[f"{r['family']}-{r['case']}" for r in BF16OPT])
+def test_bf16_optimizer_on_sparse_models_every_phase_both_ranks_and_given_a_peak(row, tmp_path):
+    """``BF16_Optimizer`` reduces nothing at the hooks (bf16_optimizer.py ``immediate_grad_update`` false by default,
+    precision_config.py): the dense schedule (engines/deepspeed/bf16.py) on the sparse layers' 3-D expert tensors,
+    whose largest gradient is the one ``_update_hp_grad`` copies to fp32. Every (rank, phase) within the recorded
+    error and the targets, and the run given a peak (refused before: ``zero12_moe_limit``)."""
+    from zeroplan.engines.deepspeed.settings import Settings, optimizer_class
+
+    assert optimizer_class(Settings.from_ds_config(row["ds_config"])) == "BF16_Optimizer"
+    for rank, measured in enumerate(row["measured"]):
+        got = _predict(row, rank, tmp_path)
+        for phase, value, then in zip(PHASES, measured, row["predicted_when_recorded"][rank]):
+            err = value - got[phase]
+            assert abs(err - (value - then)) <= max(SLACK_BYTES, SLACK * value), (rank, phase, value, got[phase], then)
+            assert -TARGET * value <= err <= UNDER * value, (rank, phase, value, got[phase])
+    assert _moe_limit(row) is None
+
+
+OFFLOAD = _rows("offload")
+ZERO3 = [r for r in OFFLOAD if r["case"].startswith("z3")]
+SEVERAL = [r for r in OFFLOAD if "-small" in r["case"] and r not in ZERO3]
+ONE_BUCKET = [r for r in OFFLOAD if r not in ZERO3 and r not in SEVERAL]  # 5e8 > Ψ; "-ga2": G = 2
+
+
+def _errors(row: dict, tmp_path: Path) -> list[list[int]]:
+    """measured - predicted, per rank and phase, each within the recorded error (a changed prediction shows here)."""
+    out = []
+    for rank, measured in enumerate(row["measured"]):
+        got = _predict(row, rank, tmp_path)
+        out.append([value - got[p] for p, value in zip(PHASES, measured)])
+        for phase, value, then in zip(PHASES, measured, row["predicted_when_recorded"][rank]):
+            assert abs(value - got[phase] - (value - then)) <= max(SLACK_BYTES, SLACK * value), (rank, phase, got[phase])
+    return out
+
+
+@pytest.mark.parametrize("row", ONE_BUCKET, ids=[f"{r['family']}-{r['case']}" for r in ONE_BUCKET])
+def test_offload_in_one_bucket_on_sparse_models_every_phase_both_ranks_and_given_a_peak(row, tmp_path):
+    """``offload_optimizer: cpu`` at ZeRO-1/2 with every gradient in one bucket (DeepSpeed's 5e8 > Ψ): the dense
+    offload profile, every (rank, phase) within the targets (fp32 within 440 B; bf16 up to 0.103 % over), and the run
+    given a peak (refused before: ``zero12_moe_limit``, "offload_optimizer to cpu not measured on routed experts").
+    At G = 2 ("-ga2") the init was 14.5-16.1 % over and ZeRO-1's step 9.5-10.6 % (``predicted_before``) until the
+    host's accumulated gradients were made lazy and ZeRO-2's only (offload.py ``ACCUMULATED``)."""
+    for rank, errors in enumerate(_errors(row, tmp_path)):
+        for phase, err, value in zip(PHASES, errors, row["measured"][rank]):
+            assert -TARGET * value <= err <= UNDER * value, (rank, phase, err)
+    assert _moe_limit(row) is None
+
+
+@pytest.mark.parametrize("row", SEVERAL, ids=[f"{r['family']}-{r['case']}" for r in SEVERAL])
+def test_offload_in_several_buckets_misses_as_recorded_and_is_refused(row, tmp_path):
+    """5,000-element buckets (below every expert tensor): the backward misses (up to 4.63 % under: an expert gradient
+    larger than the bucket cloned under offload, stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``
+    ``_offload_gradient_safety_enabled``; each reduced slice's fp64 norm copy, ``set_norm_for_param_grad_in_gpu``),
+    so ``moe_offload.moe_offload_limit`` refuses the run in one line; the other phases within 1,000 B. A model of
+    those moments fails here first: then lift the limit."""
+    worst = 0.0
+    for rank, errors in enumerate(_errors(row, tmp_path)):
+        for phase, err, value in zip(PHASES, errors, row["measured"][rank]):
+            if phase != "backward":
+                assert abs(err) <= 1000, (rank, phase, err)
+            worst = max(worst, err / value, -err / value / 2)  # scaled so that 1 % over weighs as 0.5 % under
+    why = _moe_limit(row)
+    assert why is not None and "offload_optimizer with reduce_bucket_size 5,000 < Ψ" in why and "\n" not in why
+    if row["family"] != "deepseek-wide" or row["case"] != "z1-fp32-small":  # that one row happens to be exact
+        assert worst > UNDER, worst
+
+
+@pytest.mark.parametrize("row", ZERO3, ids=[f"{r['family']}-{r['case']}" for r in ZERO3])
+def test_zero3_offload_on_sparse_models_every_phase_both_ranks(row, tmp_path):
+    """ZeRO-3 with ``offload_optimizer: cpu`` (given a peak before too, never measured on a sparse model): every
+    (rank, phase) within the targets. The bf16 rows at 5,000-element buckets (tests/hf_saved.py DS_SMALL) were
+    1.32-2.60 % under (``predicted_before``): the expert gradient held past the bucket has its partition's norm taken
+    on an fp64 copy (stage3.py ``_offload_grad_partition_at_boundary -> _constant_buffered_norm2``, 8 B an element of
+    the partition) after gloo's reduce-scatter copy (g B an element of the whole tensor) is freed, the larger of the
+    two (moe.py ``_reduction_peak``'s ``norm_copy``); in fp32 at N_d = 2 both are the same size."""
+    assert row["ds_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    for rank, errors in enumerate(_errors(row, tmp_path)):
+        for phase, err, value in zip(PHASES, errors, row["measured"][rank]):
+            assert -TARGET * value <= err <= UNDER * value, (rank, phase, err)
+            assert abs(err) <= 50_000, (rank, phase, err)  # the bf16 forward at 5e8 buckets: 49,536 B, 0.0049 %
+    assert _moe_limit(row) is None

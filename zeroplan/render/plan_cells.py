@@ -1,0 +1,37 @@
+"""The cells of ``zeroplan plan``'s tables (``render/plan.py``): sizes, seconds and counts as printed, and the
+reserved column with its footnote, ``—`` on a row not replayed (``planning/reserved_fit.py live_over``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from zeroplan.planning.records import Plan, PlanOption
+from zeroplan.render.table import format_bytes, format_count
+
+NOT_REPLAYED_CELL = "—"
+"""The reserved cell of a row whose allocation trace was not replayed (``PlanOption.not_replayed``)."""
+
+
+def seconds_cell(s: Optional[float]) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def size_cell(n: Optional[int], unit: str) -> str:
+    return "-" if n is None else format_bytes(n, unit)
+
+
+def count_cell(n: Optional[int]) -> str:
+    return "no limit" if n is None else format_count(n)
+
+
+def reserved_cell(o: PlanOption, unit: str) -> str:
+    """The reserved column: ``—`` where the row was not replayed, "-" without a trace (offload, no model)."""
+    return NOT_REPLAYED_CELL if o.not_replayed else size_cell(o.reserved and o.reserved.reserved_bytes, unit)
+
+
+def not_replayed_note(p: Plan) -> list[str]:
+    """The footnote under the table where a row's reserved cell is ``—``: why, in one sentence (its reason)."""
+    why = next((o.not_replayed for o in p.options if o.not_replayed), None)
+    return [] if why is None else [f"reserved {NOT_REPLAYED_CELL}: {why}."]
