@@ -19,8 +19,8 @@ from zeroplan.engines.fsdp2.hf_tree import (
     tied_head_to_empty,
 )
 from zeroplan.engines.fsdp2.mesh import REDUCED, with_allreduce_held
-from zeroplan.engines.fsdp2.norms import (final_norm_backward, input_norm_backward, input_projections_backward,
-                                         rope_released)
+from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward, input_projections_backward
+from zeroplan.engines.fsdp2.norms import rope_released
 from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel, shape_counts
 from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
 from zeroplan.engines.fsdp2.side import (
@@ -313,13 +313,10 @@ def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_h
         _act("block backward working set", ws), unsharded(run, i), *prefetched(run, i - 1), *held, done)))  # fmt: skip
     if i == 1 and rope_released(run):  # the first layer's rotary products have run backward: cos and sin go
         base = tuple(t for t in base if t.name != "embedding saved (position ids)")
-    if projections := input_projections_backward(run):  # q's backward: every weight gradient but the norm's
-        but_norm = unit_grads(run, i)
-        but_norm = Term(f"{but_norm.name} but its input norm's", but_norm.bytes - run.final_norm_numel * run.p,
-                        but_norm.source, but_norm.tensors - 1)  # fmt: skip
+    if projections := input_projections_backward(run, unit_grads(run, i)):  # q's: every weight gradient but the norm's
         out.append(Moment("backward", f"block {i} attention input projections' backward", (
             *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),
-            *projections, root_held, unsharded(run, i), but_norm, *prefetched(run, i - 1), *held, done)))  # fmt: skip
+            *projections, root_held, unsharded(run, i), *prefetched(run, i - 1), *held, done)))  # fmt: skip
     # the block's first op (its input norm) runs backward last: every weight gradient of the block exists
     out.append(Moment("backward", f"block {i} gradients complete", (
         *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),

@@ -51,7 +51,7 @@ def final_norm_backward(run) -> Term:
                 "derived from LlamaRMSNorm / nn.LayerNorm backward (see final_norm_backward)")
 
 
-def input_projections_backward(run) -> tuple[Term, ...]:
+def input_projections_backward(run, grads: Term) -> tuple[Term, ...]:
     """A llama-style block at its attention input projections' backward (q's, the last of q, k, v), before its
     input norm runs backward: the norm's saved tensors all alive (h32 = x.to(fp32), N·d·4; rsqrt, N·4; the
     normalised h and its output, saved by the weight product and by q, k, v, 2·N·d·a) and three N·d·a
@@ -60,7 +60,8 @@ def input_projections_backward(run) -> tuple[Term, ...]:
     backward peak, ``benchmarks/fsdp2_backward_trace.py 2``: differential case 0-2, qwen2 fp32, N_d = 4, fake
     group with real tensors): three fp32 N·d activations and four fp32 N·d gradients beside every weight
     gradient of block 1 but its input norm's (61,742,708 B, the phase's peak; the input norm's own backward
-    195,072 B lower); block 2's, 57,977,076 B, and its input norm's, 57,782,004 B, as predicted."""
+    195,072 B lower); block 2's, 57,977,076 B, and its input norm's, 57,782,004 B, as predicted. ``grads``: the
+    block's unsharded gradients (``terms.unit_grads``), here less the input norm's weight gradient, not made yet."""
     if run.style != "llama":
         return ()
     a, nd_elems = run.p, run.acts.embed_out // run.p
@@ -68,7 +69,9 @@ def input_projections_backward(run) -> tuple[Term, ...]:
     return (Term("input norm saved (h32, rsqrt, h, its output)", nd_elems * 4 + n * 4 + 2 * nd_elems * a,
                  "transformers LlamaRMSNorm forward (pow, mul by rsqrt, the weight product), q/k/v's input"),
             Term("norm output gradients in flight (k's and v's sum, q's, their sum)", 3 * nd_elems * a,
-                 "torch autograd InputBuffer::add", 3))
+                 "torch autograd InputBuffer::add", 3),
+            Term(f"{grads.name} but its input norm's", grads.bytes - run.final_norm_numel * a, grads.source,
+                 grads.tensors - 1))
 
 
 def rope_released(run) -> bool:
