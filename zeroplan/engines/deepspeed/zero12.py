@@ -287,6 +287,8 @@ class ZeroOptimizer(Wrapper):
                         *EM.stage1_embedding_hook_kept(run, hooked)))
         if hooks and accumulating:  # ZeRO-1 with overlap_comm (seed 2 draw 8); ZeRO-2 (generator 5, 1-483)
             out.extend(_tied_embedding_backward(run))
+            if s.partition_gradients:  # allreduce_bucket at the final norm's hook as at G = 1 (seed 5, gen. 5, 5-8)
+                out.extend(_first_bucket_reduced(run, last, inflight))
         if hooks:
             out.extend(_epilogue_reduce(run))
             out.extend(LR.blocks_bucket_at_embedding_hook(run))
