@@ -27,9 +27,8 @@ from zeroplan.formulas.peak import Moment, Term
 
 
 def reduces_from_hooks(s: Settings) -> bool:
-    """Whether gradients are reduced from the hooks in backward (stage_1_and_2.py ``__init__``: ``if
-    self.partition_gradients or self.overlap_comm: self.create_gradient_handling_hooks()``), else after
-    backward (``reduce_gradients`` walks ``bit16_groups``)."""
+    """Whether gradients are reduced from the hooks in backward (stage_1_and_2.py ``__init__`` calls
+    ``create_gradient_handling_hooks`` if ``partition_gradients or overlap_comm``), else after backward."""
     return s.partition_gradients or s.overlaps
 
 
@@ -286,9 +285,8 @@ class ZeroOptimizer(Wrapper):
             out.extend((*tied, *EM.tied_gradient_reduced(run, tied), *hooked,
                         *EM.stage1_embedding_hook_kept(run, hooked)))
         if hooks and accumulating:  # ZeRO-1 with overlap_comm (seed 2 draw 8); ZeRO-2 (generator 5, 1-483)
-            out.extend(_tied_embedding_backward(run))
-            if s.partition_gradients:  # allreduce_bucket at the final norm's hook as at G = 1 (seed 5, gen. 5, 5-8)
-                out.extend(_first_bucket_reduced(run, last, inflight))
+            out.extend(_tied_embedding_backward(run))  # ZeRO-2: the final norm's hook as at G = 1 (seed 5 gen. 5, 5-8)
+            out.extend(_first_bucket_reduced(run, last, inflight) if s.partition_gradients else ())
         if hooks:
             out.extend(_epilogue_reduce(run))
             out.extend(LR.blocks_bucket_at_embedding_hook(run))
