@@ -123,6 +123,12 @@ def sleep(secs: float) -> None:
     time.sleep(secs)
 
 
+def cpu_s() -> float:
+    """User + system CPU seconds of this process and the children it has reaped (a job's launcher and ranks)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def call(job: dict):
     """Run one job: ``{"fn": "module:function", "kwargs": {...}}``."""
     import importlib
@@ -136,7 +142,7 @@ _CHILD = """
 import json, os, sys, traceback
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
-from background import call
+from background import call, cpu_s
 out = Path(sys.argv[1])
 for key, job in json.loads((out / "jobs.json").read_text()):
     if (out / "stop").exists():  # the session is over (a job that turned SIGTERM into its own clean exit)
@@ -145,11 +151,14 @@ for key, job in json.loads((out / "jobs.json").read_text()):
         os.close(os.open(out / f"{key}.claim", os.O_CREAT | os.O_EXCL))
     except FileExistsError:
         continue  # a test runs it itself
+    start = cpu_s()
     try:
         rows = call(job)
     except Exception:
         (out / f"{key}.err").write_text(traceback.format_exc())
         continue
+    finally:
+        (out / f"{key}.cpu").write_text(f"{cpu_s() - start:.1f}")
     (out / f"{key}.tmp").write_text(json.dumps(rows))
     (out / f"{key}.tmp").rename(out / f"{key}.json")
 """
@@ -163,6 +172,7 @@ class Jobs:
         self.jobs: dict[str, dict] = {}
         self.ready: dict[str, float] = {}
         self.waited: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self.proc = None
 
     def start(self, jobs: list[tuple[str, dict]]) -> None:
@@ -185,7 +195,12 @@ class Jobs:
         """The job's result: the child's, waited for if need be, or run here if the child has not started it."""
         t0 = time.monotonic()
         if self.proc is None or key not in self.jobs or self._claim(key):
-            return call(job)
+            start = cpu_s()
+            try:
+                return call(job)
+            finally:
+                if key in self.jobs:
+                    self.cpu[key] = cpu_s() - start
         done, failed = self.dir / f"{key}.json", self.dir / f"{key}.err"
         if not (done.exists() or failed.exists()):
             _renice(self.proc.pid, 0)
@@ -196,6 +211,8 @@ class Jobs:
             time.sleep(0.2)
         self.waited[key] = time.monotonic() - t0
         self.ready[key] = (done if done.exists() else failed).stat().st_mtime - self.started
+        if (self.dir / f"{key}.cpu").exists():
+            self.cpu[key] = float((self.dir / f"{key}.cpu").read_text())
         if failed.exists():
             raise RuntimeError(f"{key}, run in the background:\n{failed.read_text()}")
         return json.loads(done.read_text())
@@ -213,9 +230,12 @@ class Jobs:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def summary(self) -> list[str]:
-        """One line per job read from the background: when its rows were ready, how long the tests waited."""
-        return [f"background {key}: ready {self.ready[key]:.0f} s after collection, the tests waited "
-                f"{self.waited[key]:.1f} s" for key in self.waited]  # fmt: skip
+        """One line per job read from the background: when its rows were ready, how long the tests waited, its CPU
+        time (user + sys of the child's call and the processes it reaped); one line per job a test ran itself."""
+        lines = [f"background {key}: ready {self.ready[key]:.0f} s after collection, the tests waited "
+                 f"{self.waited[key]:.1f} s, {self.cpu.get(key, float('nan')):.1f} CPU-s" for key in self.waited]
+        return lines + [f"background {key}: run by the test that read it first, {cpu:.1f} CPU-s"
+                        for key, cpu in self.cpu.items() if key not in self.waited]  # fmt: skip
 
 
 def _renice(root: int, niceness: int) -> None:

@@ -7,8 +7,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,21 +133,21 @@ def console_matches(expected: list[str] | tuple[str, ...], actual: list[str]) ->
 
 
 def run_console(argv: list[str], cwd: Path) -> str:
-    """stdout of ``zeroplan ARGV`` in ``cwd``: in-process, but `validate` (torchrun, signals) in a child.
+    """stdout of ``zeroplan ARGV`` in ``cwd``, in-process; `validate` as tests/background.py ``zeroplan`` runs it
+    (its ranks are the launcher's forked children either way; a child process would import torch and the
+    validator again, ~4-5 CPU-s: issue 16, the suite's time budget).
 
     AssertionError if the command fails (exit status not 0)."""
-    if argv[0] == "validate":
-        proc = subprocess.run([sys.executable, "-c", "from zeroplan.cli import main; main()", *argv], cwd=cwd,
-                              capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
-        assert proc.returncode == 0, f"zeroplan {shlex.join(argv)}: exit {proc.returncode}\n{proc.stderr}"
-        return proc.stdout
+    from background import zeroplan
+
     here = os.getcwd()
     os.chdir(cwd)
     try:
-        result = run(*argv)
+        result = zeroplan(*argv) if argv[0] == "validate" else run(*argv)
     finally:
         os.chdir(here)
-    assert result.exit_code == 0, f"zeroplan {shlex.join(argv)}: exit {result.exit_code}\n{result.output}"
+    code = result.returncode if argv[0] == "validate" else result.exit_code
+    assert code == 0, f"zeroplan {shlex.join(argv)}: exit {code}\n{result.stdout}{result.stderr}"
     return result.stdout
 
 

@@ -10,6 +10,7 @@ Each test that needs DeepSpeed must then skip with a reason (``pytest.importorsk
 reason=...)``), and every other test must still pass.
 """
 
+import hashlib
 import os
 import sys
 import tempfile
@@ -19,6 +20,17 @@ import pytest
 
 # Plots are rendered without a display, in tests and in executed notebooks.
 os.environ.setdefault("MPLBACKEND", "agg")
+
+# DeepSpeed JIT-builds its ops (fused_adam, cpu_adam) into $TORCH_EXTENSIONS_DIR/<op>, by default
+# ~/.cache/torch_extensions/py311_cpu (torch/utils/cpp_extension.py ``_get_build_directory``): one directory
+# per Python version, shared by every environment of that version on the machine. Two environments (a venv
+# and the interpreter CI installs into) write different absolute paths into the op's build.ninja, so ninja
+# rebuilt what the other had built, ~200 CPU-s each time (found 2026-12-02: the build log alternated between
+# two command hashes, one per environment). The test session keeps one directory per environment, named by
+# its ``sys.prefix``; an explicit $TORCH_EXTENSIONS_DIR wins. The validator as users run it keeps torch's.
+_ENVIRONMENT = hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
+_EXTENSIONS = Path.home() / ".cache" / "torch_extensions" / f"zeroplan-tests-{_ENVIRONMENT}"
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_EXTENSIONS))
 
 HIDE_ENV = "ZEROPLAN_TEST_HIDE"
 

@@ -28,6 +28,7 @@ def test_rows_come_from_the_child_and_an_error_brings_its_traceback():
         with pytest.raises(RuntimeError, match=r"bad, run in the background:\n(.|\n)*JSONDecodeError"):
             jobs.result("bad", {"fn": "json:loads", "kwargs": {"s": "{"}})
         assert set(jobs.waited) == {"ok", "bad"} and len(jobs.summary()) == 2
+        assert all(line.endswith(" CPU-s") and "nan" not in line for line in jobs.summary())  # the child's times
     finally:
         jobs.stop()
     assert not jobs.dir.exists()
@@ -42,6 +43,8 @@ def test_a_job_the_child_has_not_started_runs_here_once():
         assert jobs.proc.wait(timeout=60) == 0 and not (jobs.dir / "sleep.err").exists()  # it slept
         assert not (jobs.dir / "late.json").exists() and "late" not in jobs.waited
         assert jobs.result("other", {"fn": "json:loads", "kwargs": {"s": "4"}}) == 4  # not a job: run here
+        (line,) = jobs.summary()  # the job run here, with its CPU time; not the call that was no job
+        assert line.startswith("background late: run by the test that read it first, ") and line.endswith(" CPU-s")
     finally:
         jobs.stop()
 

@@ -75,10 +75,10 @@ RECORDED = {
 RESIDUAL = {
     # gpt2 without labels read 264,192 B (+0.25%, +0.20%) under in forward: the last block's forward moment, inside
     # GPT-2's body, without its locals inputs_embeds and position_embeds (hf_tree.gpt2_body_embeds); now exact
-    # an over-prediction (safe side): transformers' decoder layer frees its incoming gradient before the
-    # input norm's backward, which "block i gradients complete" keeps (the peak at N_d = 4 only)
-    "qwen2-untied-4": {"backward": -0.00157},
 }
+# qwen2-untied-4's backward read 201,760 B over (-0.157%): the peak is a block's q projection backward (every weight
+# gradient but the input norm's: norms.input_projections_backward), where "block i gradients complete" counted the fp32
+# input norm's h and output beside its backward temporaries (2·N·d·4 too many); now 512 B under
 
 # qwen2-untied-keep's backward was 1,568 B under (+0.001%): a decoder layer's last parameter's gradient
 # (post_attention_layernorm.weight, d·4), held by foreach_reduce's loop variable (terms.last_grad_held); now exact.
@@ -92,6 +92,8 @@ BITES = {
     "qwen2-small-untied-bf16": [("forward", "cross-entropy", "16-bit logits (kept by the forward while its loss runs)")],
     "qwen2-wide-untied-bf16": [("forward", "block 3 forward", "inputs_embeds (the body's local, 16-bit; fp32 saves it in block 1's norm)")],
     "llama-longseq-tied": [("backward", "cross-entropy backward", "all-gather output (block 2, backward prefetch)")],
+    "qwen2-untied-4": [("backward", "block 5 attention input projections' backward",
+                        "norm output gradients in flight (k's and v's sum, q's, their sum)")],
 }  # fmt: skip
 
 

@@ -3,15 +3,13 @@ optimizer step) and measured on the reference runtime (issue 8, ``--grad-accum``
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from background import cli_job, key, zeroplan
 from zeroplan.architectures.hf_config import read_hf_config
 from zeroplan.engines.reference import moments, predict_peak, reference_run
 from zeroplan.formulas.commtime import calls_per_optimizer_step
@@ -21,27 +19,34 @@ HF_CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 G = 2
 
 
-def validate(tmp_path_factory, *args: str) -> subprocess.CompletedProcess:
-    out = tmp_path_factory.mktemp("gacc") / "result.json"
-    cmd = [sys.executable, "-c", "from zeroplan.cli import main; main()", "validate", *args, "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), check=False)
-    proc.report = json.loads(out.read_text()) if proc.returncode == 0 else None  # type: ignore[attr-defined]
-    return proc
+# The module's two runs, each one of the session's background jobs (tests/background.py: started at collection,
+# niced, while the other tests run; this module runs last): ``zeroplan validate ARGS --json FILE``, in-process
+# (a child process per run imported torch and the validator again: issue 16, the suite's time budget).
+BACKGROUND_CLI = {
+    # real gloo, N_d = 2, stages 0 and 2 (reduce at the boundary vs every micro-step)
+    "real": ["--model", str(HF_CONFIGS / "tiny-gpt2.json"), "--world-size", "2", "--stage", "0", "--stage", "2",
+             "--seq-len", "16", "--steps", "2", "--grad-accum", str(G)],
+    # simulated N_d = 8, stages 1 and 3 (Llama family, full checkpointing)
+    "simulated": ["--model", str(HF_CONFIGS / "tiny-llama.json"), "--simulated", "--world-size", "8", "--stage", "1",
+                  "--stage", "3", "--seq-len", "16", "--steps", "2", "--checkpointing", "full", "--grad-accum", str(G)],
+}  # fmt: skip
+
+
+def validate(background, module, name: str) -> SimpleNamespace:
+    """The run ``name``: exit code, stdout, stderr and ``report`` (the JSON, or None when it wrote none)."""
+    return SimpleNamespace(**background.result(key(module, name), cli_job(module.BACKGROUND_CLI[name])))
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
+def real(request, background):
     """Real gloo, N_d = 2, stages 0 and 2 (reduce at the boundary vs every micro-step)."""
-    return validate(tmp_path_factory, "--model", str(HF_CONFIGS / "tiny-gpt2.json"), "--world-size", "2",
-                    "--stage", "0", "--stage", "2", "--seq-len", "16", "--steps", "2", "--grad-accum", str(G))  # fmt: skip
+    return validate(background, request.module, "real")
 
 
 @pytest.fixture(scope="module")
-def simulated(tmp_path_factory):
+def simulated(request, background):
     """Simulated N_d = 8, stages 1 and 3 (Llama family, full checkpointing)."""
-    return validate(tmp_path_factory, "--model", str(HF_CONFIGS / "tiny-llama.json"), "--simulated",
-                    "--world-size", "8", "--stage", "1", "--stage", "3", "--seq-len", "16", "--steps", "2",
-                    "--checkpointing", "full", "--grad-accum", str(G))  # fmt: skip
+    return validate(background, request.module, "simulated")
 
 
 def check_row(row: dict) -> None:
@@ -125,8 +130,7 @@ def test_gloo_copies_each_reduce_scatter_input():
 
 @pytest.mark.parametrize("value", ["0", "65", "x"])
 def test_grad_accum_out_of_range_is_one_line(value):
-    cmd = [sys.executable, "-c", "from zeroplan.cli import main; main()", "validate", "--grad-accum", value]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ), check=False)
+    proc = zeroplan("validate", "--grad-accum", value)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("zeroplan: error:") and "grad" in lines[0], proc.stderr

@@ -1,10 +1,10 @@
 """The ``zeroplan`` command. Thin: parse options into a config model, call one function, render.
 
 Errors are one line and exit code 2 (``zeroplan.cli_options.OneLineErrors``). Heavy modules (torch,
-pandas, matplotlib) are imported inside the commands that need them, never here.
+pandas, matplotlib) are imported inside the commands that need them, never here. The command modules keep real
+annotations (no ``from __future__ import annotations``): typer evaluates every string annotation of the command it
+registers (docs/benchmarks.md, "Start-up, fourth pass").
 """
-
-from __future__ import annotations
 
 import gc
 import os
@@ -375,15 +375,21 @@ def main() -> None:
     every installed distribution's entry points; ``PYDANTIC_DISABLE_PLUGINS``, pydantic's documented switch,
     set in the command's own process only), its loader unimported. ``ONE_ANSWER`` commands and help run without
     the cyclic collector: their objects are mostly long-lived and freed by reference counting, and its passes
-    over 100,000+ objects cost 5-15% of a plan (same peak RSS without)."""
+    over 100,000+ objects cost 5-15% of a plan (same peak RSS without). They end frozen (``gc.freeze``): the
+    interpreter's last collection at exit walked them all (about 6% of ``estimate``'s instructions); they write to
+    stdout only, which the interpreter flushes itself, so no file waits on a finalizer. main() ends the process
+    (SystemExit): a caller that goes on keeps them uncollected."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     no_plugin_search()
     args, collecting = sys.argv[1:], gc.isenabled()
-    if not args or args[0] in ONE_ANSWER or "--help" in args:
+    one_answer = not args or args[0] in ONE_ANSWER or "--help" in args
+    if one_answer:
         gc.disable()
     try:
         app_for(args)()
     finally:
+        if one_answer:
+            gc.freeze()  # the process ends here (SystemExit): no collection, not even the last, walks these objects
         if collecting:
             gc.enable()
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
+from zeroplan.cli_startup import coerce_when_given
 from zeroplan.files import Terminated
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class OneLineErrors(TyperGroup):
         name, command, rest = super().resolve_command(ctx, args)
         if command is not None:
             refuse_repeated(command, rest)
+            coerce_when_given(command)  # an option left unset builds no pydantic adapter (zeroplan.cli_startup)
         return name, command, rest
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D102

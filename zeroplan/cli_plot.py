@@ -1,8 +1,6 @@
 """``zeroplan plot``: the figures of a sweep (the command; ``zeroplan.cli`` registers it). matplotlib is
 imported inside, by ``zeroplan.plots``."""
 
-from __future__ import annotations
-
 from enum import Enum
 from pathlib import Path
 from typing import Optional

@@ -1,8 +1,6 @@
 """``zeroplan sweep``: every combination of comma-separated values, one row per configuration (the
 command; ``zeroplan.cli`` registers it). Thin: parse, one config model, one call, write."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Optional
 

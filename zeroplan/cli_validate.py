@@ -1,8 +1,6 @@
 """``zeroplan validate``: run the engines on real ranks and compare with the prediction (the command;
 ``zeroplan.cli`` registers it). torch is imported inside, by ``validate``."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Optional
 

@@ -21,7 +21,7 @@ from zeroplan.types import Bandwidth, ByteSize, Flops, Latency, SeqLen
 class GpuSpec(BaseModel):
     """One accelerator: memory in exact bytes, dense 16-bit peak FLOP/s, its default links."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)  # built when a preset is first read
 
     name: str
     description: str
@@ -40,7 +40,7 @@ class GpuSpec(BaseModel):
 class LinkSpec(BaseModel):
     """A link as the alpha-beta model sees it: per-GPU one-direction bandwidth and per-step latency."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     name: str
     scope: Literal["intra", "inter"]
@@ -60,7 +60,7 @@ class ModelPreset(BaseModel):
     """A reference model: the architecture keys of its Hugging Face ``config.json``, read by
     ``zeroplan.architectures.hf_config`` as a user's file is; Ψ follows from ``architectures.spec.transformer_shapes``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, ignored_types=(cached_property,))
+    model_config = ConfigDict(extra="forbid", frozen=True, ignored_types=(cached_property,), defer_build=True)
 
     name: str
     seq_len: SeqLen

@@ -168,8 +168,14 @@ def final_norm_backward(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term
     """The final RMSNorm's backward after its weight's gradient hook, at pow's backward: every block's
     activations saved, the bucket the head's hook allocated alive (``last``'s, from the first hook on), and what
     is left of the norm: its fp32 input and rsqrt (``BlockActivations.pending_at_last_grad`` less d(normalised))
-    and RMSNorm's backward working set (``norm_backward_ws``) less one N·d: the norm's output gradient is the
-    head's alone, not a sum of two projections' (and no residual gradient waits beside it). Above the last
+    and five fp32 N·d temporaries less the released rsqrt: RMSNorm's backward working set (``norm_backward_ws``)
+    with its two 16-bit N·d (a block norm's summed output gradient and its product with the weight) replaced by
+    one fp32 N·d: the head's output gradient and its product with the weight are released by pow's backward, and
+    below fp32 the cast's backward (``hidden_states.to(input_dtype)``) makes the chain's first fp32 gradient
+    (in fp32 that is the weight product's). Measured (live storages at rank 1's peak, benchmarks/
+    ds_head_bucket_rows.py trace llama 2 bf16: five fp32 (64, 48) backward temporaries, no 16-bit one, beside the
+    five norms' fp32 inputs): tiny-llama bf16, 4,500-element buckets, ZeRO-1 and 2, N_d 2 and 3, the rank owning
+    the head 5,672 B (0.77-0.90 %) under with one 16-bit N·d for the fp32 one; now 472 B over. Above the last
     block's moment by 16,384 B at tiny-llama fp32, and hidden by the cross-entropy until the bucket is large.
     Measured (dsres's probe, MemTracker's categories at the peak, which rises before down_proj's hook):
     tiny-llama hf ZeRO-2, N_d = 2, buckets 20,250 / 20,500 / 39,000: the final norm's input (12,288 B) and
@@ -183,7 +189,29 @@ def final_norm_backward(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term
     return (Moment("backward", "final norm backward (pow's), the bucket alive", (
         *keep, _blocks_saved(run, run.acts.n_layer),
         _act("final norm's fp32 input and rsqrt (pow's and rsqrt's saved)", blk.pending_at_last_grad - n_d),
-        _act("final RMSNorm backward working set (one output gradient)", blk.norm_backward_ws - n_d))),)
+        _act("final RMSNorm backward working set (five fp32 N·d, rsqrt released)",
+             blk.norm_backward_ws - 2 * n_d + n_d // _pbytes(run) * 4))),)
+
+
+def final_norm_at_its_hook(run: DSRun) -> tuple[Term, ...]:
+    """What is left of the final norm when its weight's gradient hook runs (reduce.py ``_first_bucket_reduced``:
+    the first bucket reduced there). An RMSNorm's weight gradient comes from its last product, whose backward
+    runs first: its fp32 input and rsqrt, the normalised tensor's gradient (``BlockActivations.pending_at_last_grad``).
+    A LayerNorm is one node (``native_layer_norm_backward``: input, weight and bias gradients together), so by
+    the first of its two ``AccumulateGrad`` hooks its saved input, mean and rstd are released (autograd releases a
+    node's saved variables once it has run), its output went with the LM head's backward, and what is alive is
+    its input gradient and both parameters' gradients (the second's hook not yet run). Measured (live storages,
+    benchmarks/ds_head_bucket_rows.py, GPT2LMHeadModel untied, 6,000-element buckets, fp32, N_d = 2, rank 1
+    owning the head, at the ``ln_f`` hook's ``grads_in_partition``): 20,664 B (1.84 %) over with the saved
+    tensors and the output gradient counted; now 8 B under, as rank 0's cross-entropy."""
+    acts = run.acts
+    pending = acts.block.pending_at_last_grad  # an RMSNorm's, the final norm being one of the blocks' norms
+    if pending:
+        return (_act("final norm's saved tensors not yet used, its input gradient in flight (RMSNorm)", pending),)
+    return (_act("final norm input gradient (LayerNorm)", acts.embed_out),
+            Term("final norm weight and bias gradients", run.final_norm_numel * _pbytes(run),
+                 "torch native_layer_norm_backward (one node; each AccumulateGrad's hook after it)",
+                 max(1, run.final_norm_numel // run.spec.d_model)))
 
 
 def final_norm_per_rank(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],

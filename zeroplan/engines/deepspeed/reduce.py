@@ -14,7 +14,7 @@ from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_role
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks, _params_numels,
                                                      _rank_first_buckets, _stage1_held, _views)
-from zeroplan.engines.deepspeed.phases import final_norm_per_rank
+from zeroplan.engines.deepspeed.phases import final_norm_at_its_hook, final_norm_per_rank
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.terms import FlatGroup
@@ -356,13 +356,9 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     limit = run.settings.reduce_bucket_size
     large_first = tuple(i for i, n in enumerate(run.numels) if bucket_of[i] == 0 and n > limit)
     large = sum(run.numels[i] for i in large_first)
-    pending = acts.block.pending_at_last_grad  # an RMSNorm's, the final norm being one of the blocks' norms
-    norm = ((_act("final norm's saved tensors not yet used, its input gradient in flight (RMSNorm)", pending),)
-            if pending else (_act("final norm saved and output", acts.final_saved),
-                             _act("final norm output gradient", acts.embed_out)))  # fmt: skip
     base = (*(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                       "incoming activation gradient")),
-            _blocks_saved(run, acts.n_layer), *norm,
+            _blocks_saved(run, acts.n_layer), *final_norm_at_its_hook(run),
             Term("gradients larger than the bucket, in the bucket reduced", large * p,
                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"))  # fmt: skip
     out = [Moment("backward", "final norm backward, the first bucket reduced", (*base, Term(

@@ -19,7 +19,8 @@ from zeroplan.engines.fsdp2.hf_tree import (
     tied_head_to_empty,
 )
 from zeroplan.engines.fsdp2.mesh import REDUCED, with_allreduce_held
-from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward
+from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward, input_projections_backward
+from zeroplan.engines.fsdp2.norms import rope_released
 from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel, shape_counts
 from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
 from zeroplan.engines.fsdp2.side import (
@@ -310,6 +311,12 @@ def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_h
     out.append(Moment("backward", f"block {i} backward", (
         *base, *kept_blocks(run, i - 1), *inflight, _act("incoming activation gradient", n_d), root_held,
         _act("block backward working set", ws), unsharded(run, i), *prefetched(run, i - 1), *held, done)))  # fmt: skip
+    if i == 1 and rope_released(run):  # the first layer's rotary products have run backward: cos and sin go
+        base = tuple(t for t in base if t.name != "embedding saved (position ids)")
+    if projections := input_projections_backward(run, unit_grads(run, i)):  # q's: every weight gradient but the norm's
+        out.append(Moment("backward", f"block {i} attention input projections' backward", (
+            *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),
+            *projections, root_held, unsharded(run, i), *prefetched(run, i - 1), *held, done)))  # fmt: skip
     # the block's first op (its input norm) runs backward last: every weight gradient of the block exists
     out.append(Moment("backward", f"block {i} gradients complete", (
         *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),

@@ -1,0 +1,90 @@
+"""What a fresh ``zeroplan`` process skips at start-up (issue 16; docs/benchmarks.md, "Start-up, fourth pass").
+
+Each check runs a command in a fresh interpreter (what is imported or built depends on the process's history) and
+asserts both that the answer is unchanged and that the skipped work was skipped: reverting the change fails it.
+"""
+
+import json
+import subprocess
+import sys
+
+ESTIMATE = "['zeroplan', 'estimate', '--params', '7.5e9', '--gpus', '64', '--json']"
+
+
+def run_main(argv: str, before: str = "", after: str = "") -> subprocess.CompletedProcess:
+    """``zeroplan.cli.main`` with ``argv`` in a fresh interpreter; ``before`` and ``after`` run around it and
+    print to stderr."""
+    code = (f"import sys\n{before}\nfrom zeroplan.cli import main\nsys.argv = {argv}\n"
+            f"try:\n    main()\nexcept SystemExit:\n    pass\n{after}\n")  # fmt: skip
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+
+
+def test_an_option_left_unset_builds_no_coercion():
+    # typer 0.29 builds a pydantic TypeAdapter per option before coercing, even a value of None it returns
+    # unchanged (38 for this estimate, 11 of them coerce a value): zeroplan.cli_startup.coerce_when_given.
+    record = ("import typer.core as core\nseen = {}\nprocess = core._TyperParameter.process_value\n"
+              "def recording(self, ctx, value):\n"
+              "    out = process(self, ctx, value)\n"
+              "    seen[self.name] = (value is None, type(self._runtime_param).__name__)\n"
+              "    return out\n"
+              "core._TyperParameter.process_value = recording\n")  # fmt: skip
+    out = run_main(ESTIMATE, record, "import json\nprint(json.dumps(seen), file=sys.stderr)")
+    assert json.loads(out.stdout)["stages"][3]["model_states_bytes"] == 1_875_000_000
+    seen = json.loads(out.stderr.strip().splitlines()[-1])
+    del seen["help"]  # click's --help, made after the command is resolved: typer's own coercion
+    unset = {name for name, (none, _) in seen.items() if none}
+    assert {"model", "stage", "gpu", "seq_len", "deepspeed_config"} <= unset
+    assert {seen[name][1] for name in unset} == {"_CoercedWhenGiven"}  # no adapter for any of them
+    assert seen["gpus"][1] == seen["params"][1] == "AdapterRuntimeParam"  # given values: typer's own coercion
+    assert len(unset) > 2 * (len(seen) - len(unset))
+
+
+def test_a_bad_value_for_an_option_unset_by_default_is_typers_own_line():
+    # the deferred coercion is typer's own once a value is given: same message, exit code 2
+    code = ("import sys\nfrom zeroplan.cli import main\n"
+            "sys.argv = ['zeroplan', 'estimate', '--params', '7.5e9', '--gpus', '8', '--stage', 'x']\nmain()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("zeroplan: error: Invalid value for '--stage': Input should be a valid integer, unable to "
+                          "parse string as an integer\n")
+
+
+def test_presets_models_built_when_a_preset_is_read():
+    # GpuSpec, LinkSpec and ModelPreset are built on first use (defer_build): `estimate --params` reads no preset
+    check = ("from zeroplan.presets import GpuSpec, LinkSpec, ModelPreset\n"
+             "print([type(m.__pydantic_validator__).__name__ for m in (GpuSpec, LinkSpec, ModelPreset)], "
+             "file=sys.stderr)")  # fmt: skip
+    out = run_main(ESTIMATE, after=check)
+    assert json.loads(out.stdout)["stages"][3]["model_states_bytes"] == 1_875_000_000
+    assert out.stderr.strip().splitlines()[-1] == "['MockValSer', 'MockValSer', 'MockValSer']"
+    out = run_main(ESTIMATE.replace("'--json'", "'--gpu', 'h100-80gb', '--json'"), after=check)
+    assert json.loads(out.stdout)["inputs"]["gpu_memory_bytes"] == 80 * 2**30
+    assert out.stderr.strip().splitlines()[-1] == "['SchemaValidator', 'MockValSer', 'MockValSer']"
+
+
+def test_a_one_answer_command_ends_with_its_objects_frozen():
+    # estimate/plan/help end with gc.freeze (zeroplan.cli.main): the interpreter's last collection at exit walked
+    # every object they made (about 6% of `estimate`'s instructions); the collector is on again, as it was
+    check = "import gc\nprint(gc.get_freeze_count() > 10_000, gc.isenabled(), file=sys.stderr)"
+    out = run_main(ESTIMATE, after=check)
+    assert json.loads(out.stdout)["stages"][3]["model_states_bytes"] == 1_875_000_000
+    assert out.stderr.strip().splitlines()[-1] == "True True"
+
+
+def test_a_command_that_writes_files_ends_collectable(tmp_path):
+    # sweep writes files (and keeps the collector): nothing is frozen, no finalizer is held back
+    check = "import gc\nprint(gc.get_freeze_count(), gc.isenabled(), file=sys.stderr)"
+    out_csv = tmp_path / "s.csv"
+    out = run_main(f"['zeroplan', 'sweep', '--params', '1e9', '--gpus', '8', '--out', {str(out_csv)!r}]", after=check)
+    assert out.stderr.strip().splitlines()[-1] == "0 True"
+    assert out_csv.read_text().count("\n") > 4
+
+
+def test_command_annotations_are_objects_not_strings():
+    # typer evaluates each string annotation of the command it registers (typing.get_type_hints: 1.6 ms a call for
+    # estimate's 41, twice): the command modules keep real annotations (no `from __future__ import annotations`)
+    import zeroplan.cli as cli
+
+    for name, command in cli.COMMANDS.items():
+        strings = [p for p, a in command.__annotations__.items() if isinstance(a, str)]
+        assert strings == [], (name, strings)
