@@ -4,7 +4,7 @@ N_d = 2, both ranks, CPU) against the profile, each rank's per-phase error (what
 plus the host bytes, ``deepspeed_compare.one_memory``), and the rows as JSON for tests/data/measured/.
 
     DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py bf16opt [--families mixtral-wide,...] [--out FILE]
-    DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py offload [--families ...] [--out FILE]
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py offload [--families ...] [--cases=-small] [--out FILE]
 
 Real runs: never in CI (tests/test_deepspeed_moe_opt.py predicts the recorded rows again)."""
 
@@ -58,7 +58,7 @@ def _dump(d: dict) -> str:
     return "\n".join(["{", *head, ' "rows": [']) + "\n" + ",\n".join(rows) + "\n ]\n}\n"
 
 
-def measure(kind: str, families: list[str], tmp: Path, out: Path | None) -> None:
+def measure(kind: str, families: list[str], tmp: Path, out: Path | None, only: str = "") -> None:
     from ds_moe12_rows import _files
     from validate.engines.deepspeed_compare import one_memory, run_world, workload_for
     from zeroplan.engines import deepspeed as D
@@ -69,7 +69,7 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None) -> None
     _files(tmp)
     rows = []
     for name in families:
-        labelled = cases(kind)
+        labelled = [(label, c) for label, c in cases(kind) if only in label]
         path = str(tmp / f"{name}.json")
         ranks = run_world([c for _, c in labelled], 2, model=str(tmp / "world.json"), steps=2, seq_len=64,
                           runs=[{"model": path, "hf": True}] * len(labelled))  # fmt: skip
@@ -153,12 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("kind", choices=("bf16opt", "offload", "offload3", "ga2"))
     parser.add_argument("--families", default=FAMILIES)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cases", default="", help="only the cases whose label holds this (e.g. -small)")
     parser.add_argument("--trace", default=None, help="FAMILY:CASE: list the live storages at its backward peak")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.trace is None:
-            measure(args.kind, args.families.split(","), Path(tmp), args.out)
+            measure(args.kind, args.families.split(","), Path(tmp), args.out, args.cases)
             return
         import torch.multiprocessing as mp
         from ds_moe12_rows import _files

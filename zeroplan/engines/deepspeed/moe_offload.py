@@ -10,30 +10,40 @@ once (``overlapping_partition_gradients_reduce_epilogue`` -> ``reduce_ipg_grads`
 sends the rank's slices to the host: the dense schedule. Measured on Mixtral, Qwen3-MoE, Qwen2-MoE and
 DeepSeek-V3 at ZeRO-1 and ZeRO-2, fp32 and bf16, both ranks (gloo, N_d = 2): within target (``MEASURED_ONE_BUCKET``).
 
-More than one bucket: refused. An expert tensor larger than the bucket is reduced on its own
+More than one bucket (``reduce_bucket_size`` < Ψ). An expert tensor larger than the bucket is reduced on its own
 (``extra_large_param_to_reduce``), and under ``cpu_offload`` first cloned
 (``reduce_independent_p_g_buckets_and_remove_grads``: ``_offload_gradient_safety_enabled``,
 ``grad_reduc.detach().clone()``); each reduced slice of the rank's partition is copied for its norm
 (``set_norm_for_param_grad_in_gpu``: ``.to(get_norm_dtype())``, fp64 where the device has it, runtime/zero/utils.py:
 8 B an element, in fp32 too), sent to the host (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``) and its
-gradient cleared (``clear_grad_attribute``, offload only). Live storages at Mixtral's ZeRO-1 fp32 peak (5,000-element
-buckets, benchmarks/ds_moe_opt_rows.py offload --trace mixtral-wide:z1-fp32-small): the 2,097,152-B fp64 copy of a
-262,144-element ``gate_up_proj`` slice and a 1,048,576-B clone beside the expert gradients still in ``param.grad``.
-Those moments (ZeRO-1's after-backward walk, reduce.py; ZeRO-2's hooks inside a sparse MLP's backward,
-moe12_hooks.py) are not modelled with offload (``MEASURED_SEVERAL_BUCKETS``; ZeRO-2 bf16 also up to 2.75 % over)."""
+gradient cleared (``clear_grad_attribute``, offload only). Live storages at Mixtral's ZeRO-1 fp32 peak
+(5,000-element buckets, benchmarks/ds_moe_opt_rows.py offload --trace mixtral-wide:z1-fp32-small): rank 0 at layer 0's
+``down_proj`` call, the 2,097,152-B fp64 copy of its 262,144-element ``gate_up_proj`` slice beside that gradient's
+1,048,576-B clone and the later parameters' gradients still in ``param.grad``.
+
+ZeRO-1 without ``overlap_comm`` reduces in that walk after backward (``reduce_gradients``), replayed per rank by
+``stage1_offload_walk`` (a dense rule too: on gpt-tiny bf16 at 5,000-element buckets, 5,184-element weights,
+its moment is 13,664-35,336 B below the measured backward peak, tests/test_engine_offload.py ``MEASURED``:
+unchanged). Measured (every family, fp32 and bf16, both ranks): the backward within 0.006 %; before, up to
+1,370,028 B (4.63 %) under, and DeepSeek-V3 bf16 1.58 % over (the offload profile's fp32 upcast,
+``offload._hook_upcast``, at the final norm's hook: ZeRO-1 without ``overlap_comm`` copies nothing in backward).
+ZeRO-2 (and ZeRO-1 with ``overlap_comm``) reduce from the hooks inside a sparse MLP's backward (moe12_hooks.py),
+where neither term is modelled: refused (``MEASURED_SEVERAL_BUCKETS``)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.engines.deepspeed.run import DSRun
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
+from zeroplan.formulas.peak import Moment, Term
 
 SRC = "runtime/zero/stage_1_and_2.py"
 
 MEASURED_ONE_BUCKET = "fp32 within 440 B, bf16 up to 0.103 % over"
 """Backward, measured - predicted, every family, ZeRO-1 and ZeRO-2 at 5e8-element buckets (every other phase within
 880 B; G = 2 as G = 1); the rows: tests/data/measured/deepspeed_moe_offload.json."""
-MEASURED_SEVERAL_BUCKETS = "up to 4.63 % under, Mixtral ZeRO-1 fp32 at 5,000-element buckets"
+MEASURED_SEVERAL_BUCKETS = "ZeRO-2 up to 4.38 % under, Mixtral fp32 at 5,000-element buckets"
 
 
 def moe_offload_limit(s: Settings, psi: int) -> Optional[str]:
@@ -46,9 +56,108 @@ def moe_offload_limit(s: Settings, psi: int) -> Optional[str]:
     if o.device != "cpu" or s.dtype == "fp16":  # measured: cpu, in fp32 and bf16
         what = f"to {o.device}" if o.device != "cpu" else "in fp16"
         return f"offload_optimizer {what} not measured on routed experts"
-    if s.reduce_bucket_size < psi:
-        return (f"offload_optimizer with reduce_bucket_size {s.reduce_bucket_size:,} < Ψ = {psi:,}: an expert "
-                f"gradient larger than the bucket cloned and each reduced slice's fp64 norm copy ({SRC} "
-                "reduce_independent_p_g_buckets_and_remove_grads, set_norm_for_param_grad_in_gpu) are not modelled "
-                f"on routed experts (measured {MEASURED_SEVERAL_BUCKETS}); use reduce_bucket_size >= {psi:,}")
+    if s.reduce_bucket_size < psi and not offload_walk(s, psi):
+        how = f"ZeRO-{s.stage}" + (" with overlap_comm" if s.overlaps else "")
+        return (f"offload_optimizer with reduce_bucket_size {s.reduce_bucket_size:,} < Ψ = {psi:,} at {how}: "
+                "reduced from the gradient hooks, an expert gradient larger than the bucket cloned and each reduced "
+                f"slice's fp64 norm copy ({SRC} reduce_independent_p_g_buckets_and_remove_grads, "
+                "set_norm_for_param_grad_in_gpu) are not modelled on routed experts (measured "
+                f"{MEASURED_SEVERAL_BUCKETS}); use reduce_bucket_size >= {psi:,}, or ZeRO-1 without overlap_comm")
     return None
+
+
+WALK = "reduce_gradients with offload_optimizer"
+"""The moments of ``stage1_offload_walk`` (their names start with it)."""
+
+
+def _slice(run: DSRun, i: int, rank: int) -> int:
+    """Elements of parameter ``i`` in ``rank``'s slice of the flat group (``grad_position``'s ``num_elements``)."""
+    lo, hi, part = run.flat.offsets[i], run.flat.offsets[i + 1], run.flat.part
+    return max(0, min(hi, (rank + 1) * part) - max(lo, rank * part))
+
+
+def _walk_peak(run: DSRun, rank: int) -> tuple[int, int, int, int]:
+    """ZeRO-1's walk after backward (``reduce_gradients``: every parameter in order ->
+    ``reduce_independent_p_g_buckets_and_remove_grads``) on ``rank`` under ``cpu_offload``, replayed: (gradient
+    elements alive, the fp64 norm copy's elements, the parameter, 1 at a clone else 0) at its largest moment.
+
+    A gradient larger than the bucket is first cloned (``_offload_gradient_safety_enabled``:
+    ``grad_reduc.data = grad_reduc.detach().clone()``: the original and the clone alive together, then the original
+    freed) and reduced alone at the next call (``extra_large_param_to_reduce``); a smaller one is copied into the
+    bucket (its autograd tensor freed). At each reduction (``reduce_ipg_grads`` -> ``copy_grads_in_partition``)
+    every parameter of the bucket overlapping the rank's partition has its slice copied to fp64 for its norm
+    (``set_norm_for_param_grad_in_gpu``: ``.to(get_norm_dtype())``, freed once the norm is taken; the fp32 copy
+    of ``async_inplace_copy_grad_to_fp32_buffer_from_gpu`` comes after it, half its size) and its gradient cleared
+    (``clear_grad_attribute``, offload only); a larger-than-bucket gradient outside the partition is kept (stage 1
+    clears none)."""
+    numels, bucket = run.numels, run.settings.reduce_bucket_size
+    remaining, kept, best = sum(numels), 0, (0, 0, -1, 0)
+    pending: list[int] = []  # the bucket's parameters (one, alone, when larger than the bucket)
+
+    def flush() -> None:
+        nonlocal kept
+        clone = sum(numels[q] for q in pending if numels[q] > bucket)
+        for q in pending:
+            if _slice(run, q, rank):
+                take((remaining + clone + kept, _slice(run, q, rank), q, 0))
+                if numels[q] > bucket:
+                    clone -= numels[q]
+            elif numels[q] > bucket:
+                kept += numels[q]
+                clone -= numels[q]
+        pending.clear()
+
+    def take(moment: tuple[int, int, int, int]) -> None:
+        nonlocal best
+        if moment[0] * DTYPE_BYTES[run.settings.dtype] + 8 * moment[1] > (
+                best[0] * DTYPE_BYTES[run.settings.dtype] + 8 * best[1]):
+            best = moment
+
+    elements = 0
+    for k, n in enumerate(numels):
+        if n == 0:
+            continue
+        if elements + n > bucket:
+            flush()
+            elements = 0
+        remaining -= n
+        if n > bucket:
+            take((remaining + 2 * n + kept, 0, k, 1))
+        pending.append(k)
+        elements += n
+    flush()
+    return best
+
+
+def offload_walk(s: Settings, psi: int) -> bool:
+    """Whether ``stage1_offload_walk`` gives the rank's copies to the host: ZeRO-1, ``offload_optimizer``, no
+    ``overlap_comm`` (the walk after backward reduces), ``contiguous_gradients`` and more than one bucket."""
+    return (s.stage == 1 and s.offload_optimizer.on and not s.overlaps and s.contiguous_gradients
+            and s.reduce_bucket_size < psi)
+
+
+def stage1_offload_walk(run: DSRun) -> tuple[Moment, ...]:
+    """ZeRO-1 with ``offload_optimizer`` and gradients in more than one bucket (``reduce_bucket_size`` < Ψ, no
+    ``overlap_comm``): each described rank's largest moment of the walk after backward (``_walk_peak``) beside the
+    model states, the buckets and the micro-batch. Measured: the module docstring."""
+    from zeroplan.engines.deepspeed.run import _act, _bucket, _states
+
+    s = run.settings
+    if not offload_walk(s, sum(run.numels)):
+        return ()
+    g = DTYPE_BYTES[s.dtype]
+    out = []
+    for rank in run.ranks:
+        held, norm, k, clone = _walk_peak(run, rank)
+        if k < 0:
+            continue
+        what = "cloned (larger than the bucket)" if clone else "its slice's fp64 norm copy"
+        out.append(Moment("backward", f"{WALK}: rank {rank}, parameter {k} {what}", (
+            *_states(run), *_bucket(run),
+            Term("gradients alive in the walk (not yet reduced, the clone, those kept outside the partition)",
+                 held * g, f"torch autograd (param.grad); {SRC} reduce_independent_p_g_buckets_and_remove_grads "
+                 "(clone under _offload_gradient_safety_enabled), clear_grad_attribute"),
+            *((Term("fp64 norm copy of the rank's slice", 8 * norm,
+                    f"{SRC} set_norm_for_param_grad_in_gpu (.to(get_norm_dtype()))"),) if norm else ()),
+            _act("batch (token ids, targets)", run.acts.batch, 2))))  # fmt: skip
+    return tuple(out)

@@ -26,6 +26,7 @@ largest parameter's slice in fp32, freed at once). NVMe at ZeRO-3: the optimizer
 
 from __future__ import annotations
 
+from zeroplan.engines.deepspeed.moe_offload import offload_walk, stage1_offload_walk
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
 from zeroplan.engines.deepspeed.nvme_param import PARAM_POOL, SWAP_OUT_BUFFER, ParamSwap, param_swap
 from zeroplan.engines.deepspeed.nvme_param import host_terms as param_host_terms
@@ -177,7 +178,7 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
         out.append(m if terms == m.terms else Moment(m.phase, m.name, terms))
     if s.stage == 3 and s.offload_optimizer.on:
         out = _zero3_offload_moments(run, out)
-    return tuple(out)
+    return (*out, *stage1_offload_walk(run))
 
 
 ZERO3_STATES_INIT = "initialize_optimizer_states (offload_optimizer)"
@@ -286,6 +287,8 @@ def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) ->
     first half of the flat group) does not."""
     s = run.settings
     if not s.offload_optimizer.on or s.stage == 3 or s.grad_dtype == "fp32" or moment.phase != "backward":
+        return None
+    if offload_walk(s, sum(run.numels)):  # its copies, fp64 for the norm, in the walk's moments (moe_offload.py)
         return None
     L = run.acts.n_layer
     if moment.name.startswith(("cross-entropy backward", "LM head backward")):
