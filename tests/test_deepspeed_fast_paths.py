@@ -1,6 +1,7 @@
 """The DeepSpeed plan's speed-ups that are not closed forms (issue 16) keep what they replaced: a term's CUDA blocks
 computed at construction (``peak.Term``, ``rounded_total``), the frozen records built through ``__dict__`` (``Term``,
-``Moment``, ``TraceEvent``, ``Stage3Gather``), a workload hashed once per object (``run.WorkloadKey``). The moments
+``Moment``, ``TraceEvent``, ``Stage3Gather``), a workload hashed once per object (``Workload.__hash__``), a bucket within one
+partition copying nothing (``flat_copy.copy_numel``). The moments
 the ZeRO-1/2 and ZeRO-3 fast paths pick are checked against the loops they replaced in test_deepspeed_winners.py."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Gather
 from zeroplan.engines.deepspeed.profile import run_moments
-from zeroplan.engines.deepspeed.run import _layout, _trace, workload_key
+from zeroplan.engines.deepspeed.run import _layout, _trace
 from zeroplan.engines.deepspeed.settings import Settings
 from zeroplan.engines.deepspeed.trace import TraceEvent
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, Term, rounded_total
@@ -56,15 +57,21 @@ def test_records_built_through_their_dict_are_the_dataclasses(record):
 
 
 def test_a_workload_is_keyed_by_value_and_hashed_once_per_object():
-    """Two equal workloads (distinct objects) share the caches keyed by ``WorkloadKey``: the same layout, trace and
-    moments objects, as the caches keyed by the workload gave; a different workload does not."""
+    """Two equal workloads (distinct objects) share the caches keyed by the workload: the same layout, trace and
+    moments objects; a different workload does not. Its hash is the dataclass's rule (the fields' tuple), made
+    once per object and left out of a pickle (a string's hash is per process); equality, ``repr`` and
+    ``asdict`` see only the fields."""
     spec = resolve_model("gpt2-xl")
     w1, w2 = (Workload(transformer_shapes(spec), spec, 256, 1) for _ in range(2))
     assert w1 is not w2 and w1 == w2
-    assert workload_key(w1) is workload_key(w1) and workload_key(w1) == workload_key(w2)
-    assert hash(workload_key(w1)) == hash(w1)
+    fields = tuple(getattr(w1, f.name) for f in dataclasses.fields(w1))
+    assert hash(w1) == hash(fields) == hash(w2) and w1.__dict__["_hash"] == hash(fields)
+    again = pickle.loads(pickle.dumps(w1))
+    assert again == w1 and "_hash" not in again.__dict__ and hash(again) == hash(w1)
+    assert "_hash" not in repr(w1) and list(dataclasses.asdict(w1)) == [f.name for f in dataclasses.fields(w1)]
     assert _layout(w1) is _layout(w2) and _trace(w1) is _trace(w2)
     s = Settings(stage=2)
     assert run_moments(s, w1, 8, None) is run_moments(s, w2, 8, None)
-    other = Workload(transformer_shapes(spec), spec, 512, 1)
-    assert workload_key(other) != workload_key(w1) and run_moments(s, other, 8, None) != run_moments(s, w1, 8, None)
+    other = dataclasses.replace(w1, seq_len=512)
+    assert "_hash" not in other.__dict__ and hash(other) != hash(w1) and other != w1
+    assert run_moments(s, other, 8, None) != run_moments(s, w1, 8, None)
