@@ -15,9 +15,11 @@ import pytest
 from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Gather
+from zeroplan.engines.deepspeed.flat_copy import copy_numel, walked_copy_numel
 from zeroplan.engines.deepspeed.profile import run_moments
 from zeroplan.engines.deepspeed.run import _layout, _trace
 from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.engines.deepspeed.trace import TraceEvent
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, Term, rounded_total
 from zeroplan.presets import resolve_model
@@ -75,3 +77,22 @@ def test_a_workload_is_keyed_by_value_and_hashed_once_per_object():
     other = dataclasses.replace(w1, seq_len=512)
     assert "_hash" not in other.__dict__ and hash(other) != hash(w1) and other != w1
     assert run_moments(s, other, 8, None) != run_moments(s, w1, 8, None)
+
+
+def test_a_bucket_within_one_partition_copies_what_the_walk_copies():
+    """``copy_numel`` returns 0 without walking a bucket whose elements lie within one partition; on random flat
+    groups (zero-size parameters, boundaries on and off a parameter's edge) and buckets (ranges, gradient-ready
+    tuples in any order, lists, one parameter) it equals ``walked_copy_numel``, both 0 and not."""
+    rng = random.Random(16)
+    zero = copied = 0
+    for _ in range(1500):
+        numels = [rng.choice((0, 1, 2, 7, 64, 1000, rng.randrange(1, 5000))) for _ in range(rng.randrange(1, 40))]
+        flat = FlatGroup(tuple(numels), rng.choice((1, 2, 3, 4, 8, 64)))
+        first = rng.randrange(len(numels))
+        end = rng.randrange(first + 1, len(numels) + 1)
+        limit = rng.choice((1, 10, 500, 10**4, 10**9))
+        for params in (range(first, end), tuple(rng.sample(range(first, end), end - first)), [first], []):
+            want = walked_copy_numel(flat, limit, params)
+            assert copy_numel(flat, limit, params) == want, (numels, flat.part, limit, params)
+            zero, copied = zero + (want == 0), copied + (want > 0)
+    assert zero > 1500 and copied > 500  # both outcomes drawn often

@@ -3,13 +3,13 @@ ZeRO-1/2 copy when they send them, and how much."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.engines.deepspeed.terms import FlatGroup
 
 
-def flattened_copy_numel(run: DSRun, params: Iterable[int]) -> int:
+def flattened_copy_numel(run: DSRun, params: Sequence[int]) -> int:
     """Elements of the largest copy ``allreduce_bucket`` makes of a bucket of ``params`` (in its order), as
     stage_1_and_2.py ``average_tensor`` sends it: the bucket's gradients cut at the partitions' boundaries, a
     run of consecutive slices bound for one partition merged into one; ``allreduce_and_scatter`` groups the
@@ -22,8 +22,21 @@ def flattened_copy_numel(run: DSRun, params: Iterable[int]) -> int:
     return copy_numel(run.flat, run.settings.reduce_bucket_size, params)
 
 
-def copy_numel(flat: FlatGroup, limit: int, params: Iterable[int]) -> int:
-    """``flattened_copy_numel`` of the flat group ``flat`` reducing in buckets of ``limit`` elements."""
+def copy_numel(flat: FlatGroup, limit: int, params: Sequence[int]) -> int:
+    """``flattened_copy_numel`` of the flat group ``flat`` reducing in buckets of ``limit`` elements. A bucket
+    whose elements all lie within one partition is one slice, copied by no group: 0 without the walk."""
+    offsets, part = flat.offsets, flat.part
+    if not params:
+        return 0
+    ends = (params[0], params[-1]) if isinstance(params, range) else params  # a range's least and most: its ends
+    lo, hi = offsets[min(ends)], offsets[max(ends) + 1]  # from its lowest element to its highest
+    if hi <= lo or lo // part == (hi - 1) // part:
+        return 0
+    return walked_copy_numel(flat, limit, params)
+
+
+def walked_copy_numel(flat: FlatGroup, limit: int, params: Sequence[int]) -> int:
+    """``copy_numel`` by walking the bucket's slices and groups (the fast path's reference: test_deepspeed_fast_paths)."""
     offsets, part = flat.offsets, flat.part
     slices: list[list[int]] = []  # [partition, elements], in the bucket's order
     for i in params:
