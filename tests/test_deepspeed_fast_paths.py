@@ -1,8 +1,8 @@
 """The DeepSpeed plan's speed-ups that are not closed forms (issue 16) keep what they replaced: a term's CUDA blocks
 computed at construction (``peak.Term``, ``rounded_total``), the frozen records built through ``__dict__`` (``Term``,
-``Moment``, ``TraceEvent``, ``Stage3Gather``), a workload hashed once per object (``Workload.__hash__``), a bucket's flattened
-copy found without listing its slices (``flat_copy.copy_numel``). The moments
-the ZeRO-1/2 and ZeRO-3 fast paths pick are checked against the loops they replaced in test_deepspeed_winners.py."""
+``Moment``, ``TraceEvent``, ``Stage3Gather``), a workload hashed once per object (``Workload.__hash__``), a bucket's
+flattened copy found without listing its slices (``flat_copy.copy_numel``). The moments the ZeRO-1/2 and ZeRO-3 fast
+paths pick are checked against the loops they replaced in test_deepspeed_winners.py."""
 
 from __future__ import annotations
 

@@ -76,6 +76,7 @@ class Workload:
         return h
 
     def __getstate__(self) -> dict:
+        """The fields, for ``pickle`` and ``copy``: not the cached hash."""
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
 

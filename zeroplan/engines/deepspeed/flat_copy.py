@@ -3,13 +3,13 @@ ZeRO-1/2 copy when they send them, and how much."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.engines.deepspeed.terms import FlatGroup
 
 
-def flattened_copy_numel(run: DSRun, params: Sequence[int]) -> int:
+def flattened_copy_numel(run: DSRun, params: Iterable[int]) -> int:
     """Elements of the largest copy ``allreduce_bucket`` makes of a bucket of ``params`` (in its order), as
     stage_1_and_2.py ``average_tensor`` sends it: the bucket's gradients cut at the partitions' boundaries, a
     run of consecutive slices bound for one partition merged into one; ``allreduce_and_scatter`` groups the
@@ -22,7 +22,7 @@ def flattened_copy_numel(run: DSRun, params: Sequence[int]) -> int:
     return copy_numel(run.flat, run.settings.reduce_bucket_size, params)
 
 
-def copy_numel(flat: FlatGroup, limit: int, params: Sequence[int]) -> int:
+def copy_numel(flat: FlatGroup, limit: int, params: Iterable[int]) -> int:
     """``flattened_copy_numel`` of the flat group ``flat`` reducing in buckets of ``limit`` elements: the bucket's
     slices (a parameter cut at the partitions' boundaries, the first merged into the slice before it where both
     lie in one partition) fed one at a time into the groups, without a list of them (equal to the walk that
