@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
@@ -64,6 +64,20 @@ class Workload:
     transformers: bool = False
     """the module tree is Hugging Face transformers' (``LlamaForCausalLM``: body and ``lm_head`` called as
     modules), not validate/transformer.py ``CausalLM`` (head applied by the root); ZeRO-3's hook order."""
+
+    def __hash__(self) -> int:
+        """The fields' hash, computed once per object: every engine's caches are keyed by the workload, whose
+        ~1,000 parameter shapes cost ~0.1 ms to hash. Not a field: equality, ``repr``, ``asdict`` and
+        ``replace`` are the dataclass's; a pickle or copy leaves it out (a string's hash is per process)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))  # the dataclass's own rule
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        """The fields, for ``pickle`` and ``copy``: not the cached hash."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
 
 @dataclass(frozen=True)

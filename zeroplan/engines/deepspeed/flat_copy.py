@@ -23,22 +23,34 @@ def flattened_copy_numel(run: DSRun, params: Iterable[int]) -> int:
 
 
 def copy_numel(flat: FlatGroup, limit: int, params: Iterable[int]) -> int:
-    """``flattened_copy_numel`` of the flat group ``flat`` reducing in buckets of ``limit`` elements."""
+    """``flattened_copy_numel`` of the flat group ``flat`` reducing in buckets of ``limit`` elements: the bucket's
+    slices (a parameter cut at the partitions' boundaries, the first merged into the slice before it where both
+    lie in one partition) fed one at a time into the groups, without a list of them (equal to the walk that
+    listed them first on random layouts: tests/test_deepspeed_fast_paths.py)."""
     offsets, part = flat.offsets, flat.part
-    slices: list[list[int]] = []  # [partition, elements], in the bucket's order
+    copy = count = numel = 0  # the largest group copied; the group being filled: its slices, its elements
+    pr, pn = -1, 0  # the slice pending (the next may merge into it): its partition, its elements
     for i in params:
         lo, hi = offsets[i], offsets[i + 1]
-        while lo < hi:
-            r = lo // part
-            cut = min(hi, (r + 1) * part)
-            if slices and slices[-1][0] == r:
-                slices[-1][1] += cut - lo
-            else:
-                slices.append([r, cut - lo])
-            lo = cut
-    copy, count, numel = 0, 0, 0
-    for _, n in slices:
-        count, numel = count + 1, numel + n
+        if lo >= hi:
+            continue
+        r, last = lo // part, (hi - 1) // part
+        n = (hi if r == last else (r + 1) * part) - lo  # the parameter's first slice
+        if r == pr:
+            pn += n
+        else:
+            if pn:  # the pending slice joins the group
+                count, numel = count + 1, numel + pn
+                if numel > limit:
+                    copy, count, numel = max(copy, numel if count > 1 else 0), 0, 0
+            pr, pn = r, n
+        for r in range(r + 1, last + 1):  # its other slices: whole partitions, then the last one's part
+            count, numel = count + 1, numel + pn
+            if numel > limit:
+                copy, count, numel = max(copy, numel if count > 1 else 0), 0, 0
+            pr, pn = r, (part if r < last else hi - r * part)
+    if pn:
+        count, numel = count + 1, numel + pn
         if numel > limit:
             copy, count, numel = max(copy, numel if count > 1 else 0), 0, 0
     return max(copy, numel if count > 1 else 0)

@@ -13,7 +13,7 @@ from zeroplan.engines.deepspeed.collectives import to_collective
 from zeroplan.engines.deepspeed.offload import host_memory, label_suffix
 from zeroplan.engines.deepspeed.offload_terms import offloads
 from zeroplan.engines.deepspeed.phases import moments
-from zeroplan.engines.deepspeed.run import WorkloadKey, _layout, _trace, workload_key
+from zeroplan.engines.deepspeed.run import _layout, _trace
 from zeroplan.engines.deepspeed.settings import Settings, inner_optimizer_class, optimizer_class
 from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.engines.deepspeed.wrapper import collectives, ds_run, memory_breakdown
@@ -73,18 +73,10 @@ def _peak(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[
     return peak_of(run_moments(settings, workload, nd, stat_bytes), block, resident=resident)
 
 
-def run_moments(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional[int]) -> tuple[Moment, ...]:
-    """Every moment of the run of ``workload`` under ``settings`` (``phases.moments``), once per run (the
-    workload's hash once: ``run.workload_key``)."""
-    return _run_moments(settings, workload_key(workload), nd, stat_bytes)
-
-
 @lru_cache(maxsize=64)  # a plan's allocation trace of a candidate walks the moments its estimate listed
-def _run_moments(settings: Settings, key: WorkloadKey, nd: int, stat_bytes: Optional[int]) -> tuple[Moment, ...]:
-    return moments(ds_run(settings, key.workload, nd, stat_bytes))
-
-
-run_moments.cache_clear = _run_moments.cache_clear  # type: ignore[attr-defined]  # the cache, as before
+def run_moments(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional[int]) -> tuple[Moment, ...]:
+    """Every moment of the run of ``workload`` under ``settings`` (``phases.moments``), once per run."""
+    return moments(ds_run(settings, workload, nd, stat_bytes))
 
 
 def _estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> EngineEstimate:

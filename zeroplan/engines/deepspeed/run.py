@@ -309,48 +309,12 @@ def _blocks_saved(run: DSRun, n: int) -> Term:
 ZINIT = "runtime/zero/partition_parameters.py"
 
 
-class WorkloadKey:
-    """``workload`` as a cache key whose hash is computed once: a Workload's (a frozen dataclass) hashes its
-    ~1,000 parameter shapes at every call of a cache keyed by it (~0.1 ms; ~200 calls in a 1,024-GPU plan).
-    Equal to another key of an equal workload, so a cache keyed by it hits as one keyed by the workload."""
-
-    __slots__ = ("workload", "_hash")
-
-    def __init__(self, workload: Workload) -> None:
-        self.workload, self._hash = workload, hash(workload)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, WorkloadKey) and (self.workload is other.workload or self.workload == other.workload)
-
-
-_KEYS: dict[int, tuple[Workload, WorkloadKey]] = {}  # id -> (the workload, held so its id is not reused; its key)
-
-
-def workload_key(workload: Workload) -> WorkloadKey:
-    """The ``WorkloadKey`` of ``workload``, one per object (every candidate of a plan passes the same one)."""
-    hit = _KEYS.get(id(workload))
-    if hit is None or hit[0] is not workload:
-        if len(_KEYS) >= 32:
-            _KEYS.clear()
-        hit = _KEYS[id(workload)] = (workload, WorkloadKey(workload))
-    return hit[1]
-
-
+@lru_cache(maxsize=32)  # the same for every candidate of a plan (a workload hashes once: ``Workload.__hash__``)
 def _layout(workload: Workload) -> tuple[tuple[int, ...], int, tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...]]:
     """(parameter sizes, final norm elements, sizes module by module, block of each parameter, output
     projections) of ``workload``, from its parameter names (``DSRun``'s fields); once per workload."""
-    return _layout_of(workload_key(workload))
-
-
-@lru_cache(maxsize=32)  # the same for every candidate of a plan
-def _layout_of(key: WorkloadKey) -> tuple[tuple[int, ...], int, tuple[tuple[int, ...], ...], tuple[int, ...],
-                                           tuple[int, ...]]:
     from zeroplan.architectures.spec import block_prefix
 
-    workload = key.workload
     spec = workload.spec
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
     prefix = block_prefix(spec)
@@ -366,15 +330,10 @@ def _layout_of(key: WorkloadKey) -> tuple[tuple[int, ...], int, tuple[tuple[int,
     return numels, final, tuple(tuple(v) for v in owners.values()), blocks, outputs
 
 
+@lru_cache(maxsize=32)  # every candidate of a plan, and ds_run and collectives of one estimate, ask for it
 def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:
     """(ZeRO-3's module trace of ``workload``,) for ``collectives``: ``stage3_trace`` of its parameter names,
     the validator's causal LM where there is an architecture, the transformers one with ``Workload.transformers``."""
-    return _trace_of(workload_key(workload))
-
-
-@lru_cache(maxsize=32)  # every candidate of a plan, and ds_run and collectives of one estimate, ask for it
-def _trace_of(key: WorkloadKey) -> tuple[Optional[Stage3Trace]]:
-    workload = key.workload
     spec = workload.spec
     style = spec.style if spec is not None else None
     hf = workload.transformers and spec is not None
