@@ -11,13 +11,19 @@ from zeroplan.formulas.peak import Term
 def input_norm_backward(run) -> Term:
     """A block's input norm when it runs backward (the block's last backward op): what it saved plus its
     working set. Derived from the ops (to move into ``activation_terms``, which does not split them out):
-    - llama (transformers LlamaRMSNorm): at pow's backward h32 = x.to(fp32) (N·d·4) and rsqrt (N·4) are left
+    - llama (transformers LlamaRMSNorm): at pow's backward h32 = x.to(fp32) (N·d·4) is left
       (h and its output went with the weight product's and q/k/v's backward); the backward of ``h32.pow(2)``
       and of ``h32 * rsqrt`` holds three fp32 N·d temporaries beside the accumulating fp32 input gradient
       (4·N·d·4), and below fp32 the cast's backward (``hidden_states.to(input_dtype)``) one fp32 N·d more,
       as traced at dispatch (llama-2-7b bf16 at N_d = 64: 6·N·d·4 above the rest, 2 KiB under). In fp32 the
       cast is no op: 5·N·d·4 (MemTracker at the input norm's backward, differential case 0-2, qwen2 fp32 N_d = 4:
-      2·N·d·4 = 393,216 B below the former 2·N·d·a of h and its output counted there);
+      2·N·d·4 = 393,216 B below the former 2·N·d·a of h and its output counted there). N·4 more
+      only in fp32 without checkpointing: rsqrt's saved result goes when its node has run, before pow's
+      backward (a dispatch trace of LlamaRMSNorm and a projection alone, torch 2.13, fp32, bf16 and checkpointed
+      alike), and bf16 and checkpointed blocks measure without it (llama-untied-4-bf16, gloo, every rank of 4;
+      blocks 2-3 of qwen2-small-untied-bf16, 1-3 of qwen2-untied+ckpt on the fake group,
+      ``benchmarks/fsdp2_backward_trace.py``: 512 B over with it); fp32 unchecked blocks measure it (case 0-2,
+      exact), what it is there is not traced yet;
     - gpt (nn.LayerNorm): saved input (N·d·a), mean and rstd (2·N·st), its output (N·d·a); the fused
       ``native_layer_norm_backward`` allocates the input gradient (N·d·a).
     """
@@ -25,7 +31,8 @@ def input_norm_backward(run) -> Term:
     nd_elems = acts.embed_out // a  # N·d
     n = acts.batch // 16  # tokens: ids and targets are int64
     if run.style == "llama":
-        nbytes = nd_elems * 4 + n * 4 + 4 * nd_elems * 4 + (nd_elems * 4 if a < 4 else 0)
+        fp32_row = n * 4 if a == 4 and run.checkpointing == "none" else 0  # measured, not attributed (above)
+        nbytes = nd_elems * 4 + fp32_row + 4 * nd_elems * 4 + (nd_elems * 4 if a < 4 else 0)
     else:
         st = (acts.final_saved - 2 * nd_elems * a) // (2 * n)
         nbytes = 3 * nd_elems * a + 2 * n * st
