@@ -296,7 +296,8 @@ def _plain_step(run: _Run, details: bool, expandable: bool):
                 index, block = index + 1, nxt
         del blocks[keys.pop(index)]
         remaining = block.size - rounded
-        if remaining >= K_MIN_BLOCK_SIZE if block.small or expandable else remaining > K_SMALL_SIZE:  # ``_should_split``
+        split = remaining >= K_MIN_BLOCK_SIZE if block.small or expandable else remaining > K_SMALL_SIZE
+        if split:  # ``_should_split``
             front = Block(block.address, rounded, block.stream, block.small, block.segment)
             front.prev, front.next = block.prev, block
             if block.prev is not None:
