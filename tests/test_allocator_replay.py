@@ -16,6 +16,8 @@ import pytest
 
 from zeroplan.allocator import replay
 from zeroplan.allocator.snapshot import compact, compare, recorded_segment_sizes, trace_events
+from zeroplan.allocator.config import parse_alloc_conf
+from zeroplan.allocator.replay import Event
 
 MiB = 1 << 20
 S1, S2, S3 = 0x7F3A00000000, 0x7F3A02000000, 0x7F3A04000000
@@ -282,6 +284,14 @@ def test_runs_between_cached_blocks_and_frees_replay_exactly(monkeypatch):
     for conf in ("", "max_split_size_mb:40", expandable, f"{expandable},max_split_size_mb:40"):
         full, fast, copies = _full_and_fast(events, conf, monkeypatch)
         assert fast == full and copies > (10 if "expandable" in conf else 50), (conf, copies)
+        # as ``Event``s, the allocs and frees go through ``_plain_step`` too (tuples do not)
+        assert replay([Event(*e) for e in events], parse_alloc_conf(conf)) == full, conf
+    # whole 20 MiB pages: a freed block that ends at the unmapped range keeps it apart (``_try_merge``)
+    events = [("alloc", 0, 20 * MiB), ("alloc", 1, 20 * MiB), ("free", 1), ("alloc", 2, 40 * MiB), ("free", 0),
+              ("free", 2), ("alloc", 3, 60 * MiB)]  # fmt: skip
+    cfg = parse_alloc_conf(expandable)
+    full = replay(events, cfg)
+    assert replay([Event(*e) for e in events], cfg) == full and full.reserved_peak_bytes == 60 * MiB
     clash = [("alloc", 0, 1000)] * 10
     with pytest.raises(ValueError, match="still live"):
         replay(clash)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from bisect import bisect_left, insort
 
 from zeroplan.allocator.blocks import ADDRESS_BITS, Block, SegmentInfo
-from zeroplan.allocator.caching import CachingAllocator, OutOfMemory
+from zeroplan.allocator.caching import CachingAllocator, OutOfMemory, _growable
 from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.runs import alloc_runs, fast_forward
@@ -168,11 +168,14 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
     events = events if isinstance(events, (list, tuple)) else list(events)
     # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)
     runs = alloc_runs(events) if capacity_bytes is None else {}
-    plain = capacity_bytes is None and not config.expandable_segments and config.max_split_size_bytes == NO_LIMIT
-    step = _plain_step(run, details) if plain else None
+    plain = capacity_bytes is None and config.max_split_size_bytes == NO_LIMIT
+    step = _plain_step(run, details, config.expandable_segments) if plain else None
     if step is not None:
         run.fast_step = lambda event, plain=step, generic=run.step: plain(event) or generic(event)
     index, count = 0, len(events)
+    if step is not None:  # no memory limit: no ``OutOfMemory`` to stop at
+        _plain_loop(run, events, runs, step)
+        index = count
     live, addresses, malloc, release = run.live, run.addresses, run.alloc.malloc, run.alloc.free_requested
     while index < count:
         length = runs.get(index)
@@ -183,9 +186,7 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
         try:
             # ``run.step(_event(event))`` inlined for a well-formed ``Event`` alloc or free (most of a trace);
             # anything else, and every error, goes through ``step``
-            if step is not None and type(event) is Event and step(event):
-                pass
-            elif type(event) is Event and event.action == "alloc" and type(event.size) is int and event.size > 0 \
+            if type(event) is Event and event.action == "alloc" and type(event.size) is int and event.size > 0 \
                     and event.id not in live:
                 block = live[event.id] = malloc(event.size, event.stream, event.segment_address)
                 addresses.append((event.id, block.address))
@@ -206,12 +207,32 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
                   requested, run.phases, segments, log, addresses, oom, s.num_alloc_retries)  # fmt: skip
 
 
-def _plain_step(run: _Run, details: bool):
+def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int], step) -> None:
+    """``_replay``'s loop where ``_plain_step`` applies (no memory limit): the events between two runs
+    (``alloc_runs``) each through ``step``, else through ``_Run.step``; each run fast-forwarded, or, when
+    ``fast_forward`` refuses it, replayed with the events after it (a speed-up, no rule: the same calls in the
+    same order as the loop in ``_replay``, without its per-event run look-up)."""
+    generic, index = run.step, 0
+    for start in (*sorted(runs), len(events)):
+        for event in events[index:start]:
+            if type(event) is not Event or not step(event):
+                generic(_event(event))
+        length = runs.get(start)
+        if length and fast_forward(run, _run_events(events[start:start + length])):
+            index = start + length
+        else:
+            index = start
+
+
+def _plain_step(run: _Run, details: bool, expandable: bool):
     """``step(event) -> bool``: ``run.step(event)`` inlined for an ``Event`` alloc served by a cached block, or a
-    free, under torch's defaults without a memory limit (no expandable segments, ``max_split_size`` unset: no
-    oversize rule, no garbage collection, no retry), where ``CachingAllocator.malloc`` / ``free`` reduce to
-    best fit, split and merge; False (nothing done) for anything else, which the caller replays as before (a
-    speed-up, no rule: tests/test_allocator_replay.py compares it with the request-by-request replay)."""
+    free, without a memory limit and with ``max_split_size`` unset (no oversize rule, no garbage collection, no
+    retry), where ``CachingAllocator.malloc`` / ``free`` reduce to best fit, split and merge; False (nothing done)
+    for anything else, which the caller replays as before (a speed-up, no rule: tests/test_allocator_replay.py
+    compares it with the request-by-request replay). With ``expandable`` segments (the plan's Fragmentation
+    line): a free merges only mapped neighbours (``_try_merge``: the freed block is mapped), a block splits when
+    512 B or more are left (``_should_split``), and best fit walks on the size a block grows to (``_growable``), as
+    ``_get_free_block``."""
     a, live, addresses = run.alloc, run.live, run.addresses
     requests, pools, stats = a._requests, a.pools, a.stats
     allocated, requested = stats.allocated, stats.requested
@@ -230,7 +251,7 @@ def _plain_step(run: _Run, details: bool):
             pool = pools[block.stream, block.small]
             keys, blocks = pool.keys, pool.blocks
             prev, nxt = block.prev, block.next
-            if prev is not None and not prev.allocated and not prev.pending:  # ``_try_merge``: mapped alike
+            if prev is not None and not prev.allocated and not prev.pending and prev.mapped:  # ``_try_merge``
                 key = prev.size << ADDRESS_BITS | prev.address
                 del keys[bisect_left(keys, key)], blocks[key]
                 block.address, block.prev = prev.address, prev.prev
@@ -239,7 +260,7 @@ def _plain_step(run: _Run, details: bool):
                 else:
                     block.segment.head = block
                 block.size += prev.size
-            if nxt is not None and not nxt.allocated and not nxt.pending:
+            if nxt is not None and not nxt.allocated and not nxt.pending and nxt.mapped:
                 key = nxt.size << ADDRESS_BITS | nxt.address
                 del keys[bisect_left(keys, key)], blocks[key]
                 block.next = nxt.next
@@ -263,9 +284,20 @@ def _plain_step(run: _Run, details: bool):
         if index == len(keys):  # a new segment: ``malloc``
             return False
         blocks = pool.blocks
-        block = blocks.pop(keys.pop(index))
+        block = blocks[keys[index]]
+        if block.segment.expandable:  # ``_get_free_block``'s walk: best fit on the size a block can grow to
+            if not expandable:
+                return False
+            last = len(keys) - 1
+            while index < last and block.segment.expandable:
+                nxt = blocks[keys[index + 1]]
+                if _growable(nxt) >= _growable(block):
+                    break
+                index, block = index + 1, nxt
+        del blocks[keys.pop(index)]
         remaining = block.size - rounded
-        if remaining >= K_MIN_BLOCK_SIZE if block.small else remaining > K_SMALL_SIZE:  # ``_should_split``
+        split = remaining >= K_MIN_BLOCK_SIZE if block.small or expandable else remaining > K_SMALL_SIZE
+        if split:  # ``_should_split``
             front = Block(block.address, rounded, block.stream, block.small, block.segment)
             front.prev, front.next = block.prev, block
             if block.prev is not None:
