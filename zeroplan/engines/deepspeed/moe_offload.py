@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from zeroplan.engines.deepspeed.offload_walk import walk_peaks
 from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.formulas.peak import Moment, Term
@@ -70,65 +71,6 @@ WALK = "reduce_gradients with offload_optimizer"
 """The moments of ``stage1_offload_walk`` (their names start with it)."""
 
 
-def _slice(run: DSRun, i: int, rank: int) -> int:
-    """Elements of parameter ``i`` in ``rank``'s slice of the flat group (``grad_position``'s ``num_elements``)."""
-    lo, hi, part = run.flat.offsets[i], run.flat.offsets[i + 1], run.flat.part
-    return max(0, min(hi, (rank + 1) * part) - max(lo, rank * part))
-
-
-def _walk_peak(run: DSRun, rank: int) -> tuple[int, int, int, int]:
-    """ZeRO-1's walk after backward (``reduce_gradients``: every parameter in order ->
-    ``reduce_independent_p_g_buckets_and_remove_grads``) on ``rank`` under ``cpu_offload``, replayed: (gradient
-    elements alive, the fp64 norm copy's elements, the parameter, 1 at a clone else 0) at its largest moment.
-
-    A gradient larger than the bucket is first cloned (``_offload_gradient_safety_enabled``:
-    ``grad_reduc.data = grad_reduc.detach().clone()``: the original and the clone alive together, then the original
-    freed) and reduced alone at the next call (``extra_large_param_to_reduce``); a smaller one is copied into the
-    bucket (its autograd tensor freed). At each reduction (``reduce_ipg_grads`` -> ``copy_grads_in_partition``)
-    every parameter of the bucket overlapping the rank's partition has its slice copied to fp64 for its norm
-    (``set_norm_for_param_grad_in_gpu``: ``.to(get_norm_dtype())``, freed once the norm is taken; the fp32 copy
-    of ``async_inplace_copy_grad_to_fp32_buffer_from_gpu`` comes after it, half its size) and its gradient cleared
-    (``clear_grad_attribute``, offload only); a larger-than-bucket gradient outside the partition is kept (stage 1
-    clears none)."""
-    numels, bucket = run.numels, run.settings.reduce_bucket_size
-    remaining, kept, best = sum(numels), 0, (0, 0, -1, 0)
-    pending: list[int] = []  # the bucket's parameters (one, alone, when larger than the bucket)
-
-    def flush() -> None:
-        nonlocal kept
-        clone = sum(numels[q] for q in pending if numels[q] > bucket)
-        for q in pending:
-            if _slice(run, q, rank):
-                take((remaining + clone + kept, _slice(run, q, rank), q, 0))
-                if numels[q] > bucket:
-                    clone -= numels[q]
-            elif numels[q] > bucket:
-                kept += numels[q]
-                clone -= numels[q]
-        pending.clear()
-
-    def take(moment: tuple[int, int, int, int]) -> None:
-        nonlocal best
-        if moment[0] * DTYPE_BYTES[run.settings.dtype] + 8 * moment[1] > (
-                best[0] * DTYPE_BYTES[run.settings.dtype] + 8 * best[1]):
-            best = moment
-
-    elements = 0
-    for k, n in enumerate(numels):
-        if n == 0:
-            continue
-        if elements + n > bucket:
-            flush()
-            elements = 0
-        remaining -= n
-        if n > bucket:
-            take((remaining + 2 * n + kept, 0, k, 1))
-        pending.append(k)
-        elements += n
-    flush()
-    return best
-
-
 def offload_walk(s: Settings, psi: int) -> bool:
     """Whether ``stage1_offload_walk`` gives the rank's copies to the host: ZeRO-1, ``offload_optimizer``, no
     ``overlap_comm`` (the walk after backward reduces), ``contiguous_gradients`` and more than one bucket."""
@@ -138,8 +80,9 @@ def offload_walk(s: Settings, psi: int) -> bool:
 
 def stage1_offload_walk(run: DSRun) -> tuple[Moment, ...]:
     """ZeRO-1 with ``offload_optimizer`` and gradients in more than one bucket (``reduce_bucket_size`` < Ψ, no
-    ``overlap_comm``): each described rank's largest moment of the walk after backward (``_walk_peak``) beside the
-    model states, the buckets and the micro-batch. Measured: the module docstring."""
+    ``overlap_comm``): each described rank's largest moment of the walk after backward
+    (``offload_walk.walk_peaks``) beside the model states, the buckets and the micro-batch. Measured: the module
+    docstring."""
     from zeroplan.engines.deepspeed.run import _act, _bucket, _states
 
     s = run.settings
@@ -147,8 +90,9 @@ def stage1_offload_walk(run: DSRun) -> tuple[Moment, ...]:
         return ()
     g = DTYPE_BYTES[s.dtype]
     out = []
+    peaks = walk_peaks(run.numels, run.flat.offsets, run.flat.part, s.reduce_bucket_size, g, run.ranks)
     for rank in run.ranks:
-        held, norm, k, clone = _walk_peak(run, rank)
+        held, norm, k, clone = peaks[rank]
         if k < 0:
             continue
         what = "cloned (larger than the bucket)" if clone else "its slice's fp64 norm copy"

@@ -1,0 +1,78 @@
+"""``offload_walk.walk_peaks`` (every rank at once) equals ZeRO-1's walk after backward under ``cpu_offload`` replayed
+rank by rank (the walk as ``moe_offload`` first wrote it, kept here as the reference; stage_1_and_2.py
+``reduce_gradients`` -> ``reduce_independent_p_g_buckets_and_remove_grads``), on random layouts: small and
+larger-than-bucket gradients, zero-size parameters, padding after Ψ, partitions inside one parameter."""
+
+import random
+
+import pytest
+
+from zeroplan.engines.deepspeed.offload_walk import walk_peaks
+
+
+def _plain_walk(numels, offsets, part, bucket, g, rank):
+    """One rank's walk, parameter by parameter: the reference."""
+    def sliced(i):
+        return max(0, min(offsets[i + 1], (rank + 1) * part) - max(offsets[i], rank * part))
+
+    remaining, kept, best = sum(numels), 0, (0, 0, -1, 0)
+    pending = []
+
+    def take(m):
+        nonlocal best
+        if m[0] * g + 8 * m[1] > best[0] * g + 8 * best[1]:
+            best = m
+
+    def flush():
+        nonlocal kept
+        clone = sum(numels[q] for q in pending if numels[q] > bucket)
+        for q in pending:
+            if sliced(q):
+                take((remaining + clone + kept, sliced(q), q, 0))
+                if numels[q] > bucket:
+                    clone -= numels[q]
+            elif numels[q] > bucket:
+                kept += numels[q]
+                clone -= numels[q]
+        pending.clear()
+
+    elements = 0
+    for k, n in enumerate(numels):
+        if n == 0:
+            continue
+        if elements + n > bucket:
+            flush()
+            elements = 0
+        remaining -= n
+        if n > bucket:
+            take((remaining + 2 * n + kept, 0, k, 1))
+        pending.append(k)
+        elements += n
+    flush()
+    return best
+
+
+def _layout(rng):
+    numels = [rng.choice([0, rng.randint(1, 40), rng.randint(1, 400), rng.randint(100, 3000)])
+              for _ in range(rng.randint(1, 40))]
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    nd = rng.randint(1, 12)
+    part = max(1, -(-offsets[-1] // nd) + rng.choice([0, 0, rng.randint(0, 50)]))  # padding after Ψ sometimes
+    return numels, offsets, part, nd, rng.randint(1, 1500), rng.choice([2, 4])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_rank_at_once_equals_the_walk_rank_by_rank(seed):
+    rng = random.Random(seed)
+    compared = clones = 0
+    for _ in range(400):
+        numels, offsets, part, nd, bucket, g = _layout(rng)
+        got = walk_peaks(numels, offsets, part, bucket, g, range(nd))
+        for rank in range(nd):
+            want = _plain_walk(numels, offsets, part, bucket, g, rank)
+            assert got[rank] == want, (numels, part, bucket, g, rank)
+            compared += 1
+            clones += want[3]
+    assert compared > 1500 and clones > 100  # the draws reach both kinds of moment
