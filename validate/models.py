@@ -70,7 +70,7 @@ class MLP(nn.Module):
         """``forward``: what runs the model (None: the module itself; the DeepSpeed runner passes its engine)."""
         x, y = batch
         dtype = self.blocks[0].weight.dtype
-        return F.mse_loss((forward or self)(x.to(dtype)).float(), y)
+        return F.mse_loss((self if forward is None else forward)(x.to(dtype)).float(), y)
 
 
 def spec_for(model: str | None, params: float | None):

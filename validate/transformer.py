@@ -319,5 +319,5 @@ class CausalLM(nn.Module):
         what runs the model (None: the module itself; the DeepSpeed runner passes its engine, whose forward
         returns these logits)."""
         tokens, targets = batch
-        logits = (forward or self)(tokens).float()
+        logits = (self if forward is None else forward)(tokens).float()
         return F.cross_entropy(logits.view(-1, self.spec.vocab_size), targets.reshape(-1), ignore_index=-100)
