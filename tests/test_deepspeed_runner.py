@@ -146,3 +146,34 @@ def test_deepspeed_estimators_restated_exactly(nd):
                                                         cpu_offload_params=False)  # fmt: skip
     assert P.ds_estimate_zero2_bytes(psi, nd) == gpu2
     assert P.ds_estimate_zero3_bytes(psi, largest, nd) == gpu3
+
+
+def test_loss_runs_the_model_through_the_forward_it_is_given():
+    """The runner trains through the engine's forward (``model.loss(batch, forward=engine)``, issue 17): the
+    callable given runs the model, once, on the tokens, and the loss is the one the module computes itself;
+    transformers' model gets ``input_ids``/``labels`` and its own loss comes back."""
+    import torch
+
+    from validate.engines.deepspeed import hf_builder
+    from validate.models import build, make_batch, spec_for
+
+    spec = spec_for("gpt-tiny", None)
+    model = build(spec, torch.float32, "cpu")
+    batch = make_batch(spec, 2, torch.Generator().manual_seed(0), None)
+    seen = []
+
+    def forward(*args, **kwargs):
+        seen.append((args, kwargs))
+        return model(*args, **kwargs)
+
+    assert model.loss(batch, forward=forward).item() == model.loss(batch).item()
+    assert len(seen) == 1 and seen[0][0][0] is batch[0]
+    hf = hf_builder("tests/data/hf_configs/tiny-llama.json")()
+    seen.clear()
+
+    def hf_forward(**kwargs):
+        seen.append(kwargs)
+        return hf(**kwargs)
+
+    assert hf.loss(batch, forward=hf_forward).item() == hf.loss(batch).item()
+    assert [sorted(k) for k in seen] == [["input_ids", "labels", "shift_labels", "use_cache"]]

@@ -314,8 +314,10 @@ class CausalLM(nn.Module):
         x = self.transformer.ln_f(x) if self.spec.style == "gpt" else self.model.norm(x)
         return F.linear(x, self.head_weight)
 
-    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """ForCausalLMLoss on ``targets`` already shifted: fp32 logits, mean over targets != -100."""
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor], forward=None) -> torch.Tensor:
+        """ForCausalLMLoss on ``targets`` already shifted: fp32 logits, mean over targets != -100; ``forward``:
+        what runs the model (None: the module itself; the DeepSpeed runner passes its engine, whose forward
+        returns these logits)."""
         tokens, targets = batch
-        logits = self(tokens).float()
+        logits = (self if forward is None else forward)(tokens).float()
         return F.cross_entropy(logits.view(-1, self.spec.vocab_size), targets.reshape(-1), ignore_index=-100)

@@ -154,7 +154,9 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
                     # an op reads it, so a batch kept in the list would count at every later boundary
                     batch = batches[step].pop(0)
                     enter("forward", step)
-                    loss = engine.module.loss(batch)
+                    # through the engine's forward, as users train (DeepSpeedEngine.forward: the ZeRO optimizer's
+                    # clear_backward_seen_flag, the output's backward hooks); the loss is the model's own
+                    loss = engine.module.loss(batch, forward=engine)
                     enter("backward")
                     engine.backward(loss)
                     del loss
@@ -248,9 +250,9 @@ def hf_builder(config_path: str, checkpointing: str = "none"):
         if checkpointing == "full":
             model.gradient_checkpointing_enable()
 
-        def loss(batch):
+        def loss(batch, forward=model):
             tokens, targets = batch
-            return model(input_ids=tokens, labels=targets, shift_labels=targets, use_cache=False).loss
+            return forward(input_ids=tokens, labels=targets, shift_labels=targets, use_cache=False).loss
 
         model.loss = loss
         return model

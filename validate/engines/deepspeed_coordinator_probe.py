@@ -87,7 +87,7 @@ def main(argv: list[str]) -> None:
     for k in range(len(batches)):
         step[0] = k
         batch = batches[k].pop(0)
-        loss = engine.module.loss(batch)  # as validate/engines/deepspeed.py measure
+        loss = engine.module.loss(batch, forward=engine)  # as validate/engines/deepspeed.py measure
         log.append([k, "phase", "backward", None, gathered()])
         engine.backward(loss)
         engine.step()

@@ -230,11 +230,6 @@ class ZeroOptimizer(Wrapper):
         if run.grad_accum == 1:
             return ()
         p = _pbytes(run)
-        if not run.settings.partition_gradients and run.settings.overlaps and sum(run.numels) <= run.settings.reduce_bucket_size:
-            # measured (differential matrix, seed 2 draw 8: Qwen2 5.4M tied, ZeRO-1, overlap_comm, a 1.07e7-element
-            # bucket, G = 2): at the next micro-step's forward and backward no gradient is held beside the two
-            # buckets (MemTracker's live tensors: the buffers, no param.grad); +14.0% forward, +50.9% backward before
-            return _bucket(run)
         if not run.settings.partition_gradients:
             grads = Term("gradients of earlier micro-steps (param.grad)", sum(run.numels) * p,
                          "torch autograd AccumulateGrad; runtime/engine.py allreduce_gradients (stage 1: at the boundary only)")  # fmt: skip
