@@ -279,7 +279,7 @@ class ZeroOptimizer(Wrapper):
             hooked = LR.embedding_hook_reduced(run)
             out.extend((*tied, *EM.tied_gradient_reduced(run, tied), *hooked,
                         *EM.stage1_embedding_hook_kept(run, hooked)))
-        if hooks and accumulating:  # ZeRO-1 with overlap_comm (seed 2 draw 8); ZeRO-2 (generator 5, 1-483)
+        if hooks and accumulating:  # ZeRO-2 (generator 5, 1-483); ZeRO-1 + overlap_comm's boundary: not modelled
             out.extend(_tied_embedding_backward(run))  # ZeRO-2: the final norm's hook as at G = 1 (seed 5 gen. 5, 5-8)
             out.extend(_first_bucket_reduced(run, last, inflight) if s.partition_gradients else ())
         if hooks:
