@@ -76,3 +76,12 @@ def test_every_rank_at_once_equals_the_walk_rank_by_rank(seed):
             compared += 1
             clones += want[3]
     assert compared > 1500 and clones > 100  # the draws reach both kinds of moment
+
+
+def test_equal_clone_moments_after_a_partition_name_the_first():
+    """Two larger-than-bucket gradients of one size in a row make equal clone moments (the first's alive = the second's:
+    remaining + 2n + kept); the walk keeps the first (strictly larger replaces), and so must the suffix maximum."""
+    numels, offsets = [10, 500, 500], [0, 10, 510, 1010]
+    want = _plain_walk(numels, offsets, 10, 100, 4, 0)
+    assert want == (1500, 0, 1, 1)
+    assert walk_peaks(numels, offsets, 10, 100, 4, [0])[0] == want
