@@ -64,13 +64,10 @@ def rows(cases: list[tuple[str, int, str]], nd: int, tmp: Path) -> None:
 
 
 def _trace_rank(rank: int, name: str, stage: int, dtype: str, nd: int, port: int, tmp: str, top: int) -> None:
-    import gc
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nd),
                       LOCAL_RANK=str(rank))  # fmt: skip
     import deepspeed
-    import torch.distributed as dist
-    from ds_moe12_rows import _live_storage_mode
+    from ds_moe12_rows import second_backward_listing
 
     from tests.test_deepspeed_head_bucket import BUCKETS
     from validate.engines.deepspeed import _model_and_batches
@@ -79,32 +76,7 @@ def _trace_rank(rank: int, name: str, stage: int, dtype: str, nd: int, port: int
     build, batches = _model_and_batches(f"{tmp}/{name}.json", nd, rank, 1, 2, 64, hf=True)
     engine, opt, _, _ = deepspeed.initialize(model=(model := build()), model_parameters=model.parameters(),
                                              config=_config(stage, dtype, BUCKETS[name]))  # fmt: skip
-    ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    ignore |= {g.untyped_storage().data_ptr() for g in getattr(opt, "bit16_groups_flat", [])}
-    names, hook = {id(p): n for n, p in engine.module.named_parameters()}, {}
-    reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
-
-    def named(param, i):  # the gradient hook DeepSpeed is in, for the peak's listing
-        hook["param"] = names.get(id(param))
-        return reduce(param, i)
-
-    opt.reduce_independent_p_g_buckets_and_remove_grads = named
-    gc.disable()
-    for step in range(2):  # the second step's backward (the first allocates the buckets)
-        mode = _live_storage_mode(ignore, hook)
-        with mode:
-            loss = engine.module.loss(batches[step].pop(0))
-            mode.peak = 0
-            engine.backward(loss)
-        del loss
-        engine.step()
-    for turn in range(nd):
-        if turn == rank:
-            print(f"rank {rank}: backward peak {mode.peak:,} B of storages made in the step (parameters and flat "
-                  f"groups excluded), in or after the gradient hook of {mode.hook}")
-            for nbytes, func, shape, where in sorted(mode.at_peak, key=lambda x: -x[0])[:top]:
-                print(f"    {nbytes:>10,}  {func:<40} {str(shape):<18} {' <- '.join(reversed(where[-3:]))}", flush=True)
-        dist.barrier()
+    second_backward_listing(engine, opt, batches, rank, nd, top)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -144,9 +144,47 @@ def _live_storage_mode(ignore: set, hook: dict):
     return Live()
 
 
-def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str, top: int = 30) -> None:
+def second_backward_listing(engine, opt, batches, rank: int, nd: int, top: int, depth: int = 3) -> None:
+    """Train two steps and print, rank by rank, the live storages made in the second step at its backward peak
+    (``_live_storage_mode``: parameters and the flat groups excluded; the first step allocates the buckets), with
+    the parameter whose gradient hook ran last (DeepSpeed's ``reduce_independent_p_g_buckets_and_remove_grads``:
+    (param, i) at ZeRO-1/2, (param,) at ZeRO-3). The one trace routine of ds_moe12_rows.py, ds_moe_opt_rows.py and
+    ds_head_bucket_rows.py."""
     import gc
 
+    import torch.distributed as dist
+
+    ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    ignore |= {g.untyped_storage().data_ptr() for g in getattr(opt, "bit16_groups_flat", [])}
+    names, hook = {id(p): n for n, p in engine.module.named_parameters()}, {}
+    if hasattr(opt, "reduce_independent_p_g_buckets_and_remove_grads"):
+        reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
+
+        def named(param, *args):
+            hook["param"] = names.get(id(param))
+            return reduce(param, *args)
+
+        opt.reduce_independent_p_g_buckets_and_remove_grads = named
+    gc.disable()
+    for step in range(2):
+        mode = _live_storage_mode(ignore, hook)
+        with mode:
+            loss = engine.module.loss(batches[step].pop(0))
+            mode.peak = 0
+            engine.backward(loss)
+        del loss
+        engine.step()
+    for turn in range(nd):  # rank 0's listing, then rank 1's, ...
+        if turn == rank:
+            print(f"rank {rank}: backward peak {mode.peak:,} B of storages made in the step (parameters and flat "
+                  f"groups excluded), in or after the gradient hook of {mode.hook}")
+            for nbytes, func, shape, where in sorted(mode.at_peak, key=lambda x: -x[0])[:top]:
+                print(f"    {nbytes:>10,}  {func:<40} {str(shape):<18} {' <- '.join(reversed(where[-depth:]))}",
+                      flush=True)  # fmt: skip
+        dist.barrier()
+
+
+def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str, top: int = 30) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))  # fmt: skip
     import deepspeed
@@ -161,34 +199,7 @@ def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str
     config = ds_config(stage, micro_batch=1, zero=zero, optimizer_params={"torch_adam": True})
     engine, opt, _, _ = deepspeed.initialize(model=(model := build()), model_parameters=model.parameters(),
                                              config=config)  # fmt: skip
-    ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    ignore |= {g.untyped_storage().data_ptr() for g in getattr(opt, "bit16_groups_flat", [])}
-    names, hook = {id(p): n for n, p in engine.module.named_parameters()}, {}
-    reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
-
-    def named(param, i):  # the gradient hook DeepSpeed is in, for the peak's listing
-        hook["param"] = names.get(id(param))
-        return reduce(param, i)
-
-    opt.reduce_independent_p_g_buckets_and_remove_grads = named
-    gc.disable()
-    for step in range(2):  # the second step's backward (the first allocates the buckets)
-        mode = _live_storage_mode(ignore, hook)
-        with mode:
-            loss = engine.module.loss(batches[step].pop(0))
-            mode.peak = 0
-            engine.backward(loss)
-        del loss
-        engine.step()
-    import torch.distributed as dist
-
-    for turn in range(2):  # rank 0's listing, then rank 1's
-        if turn == rank:
-            print(f"rank {rank}: backward peak {mode.peak:,} B of storages made in the step (parameters and flat "
-                  f"groups excluded), in or after the gradient hook of {mode.hook}")
-            for nbytes, func, shape, where in sorted(mode.at_peak, key=lambda x: -x[0])[:top]:
-                print(f"    {nbytes:>10,}  {func:<40} {str(shape):<18} {' <- '.join(reversed(where[-3:]))}", flush=True)
-        dist.barrier()
+    second_backward_listing(engine, opt, batches, rank, 2, top)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -105,13 +105,10 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None, only: s
 def _trace_rank(rank: int, name: str, kind: str, label: str, port: int, tmp: str, top: int) -> None:
     """One rank of ``trace``: the live storages made in the second step at its backward peak (parameters and the
     flat groups excluded; ds_moe12_rows.py ``_live_storage_mode``), with the parameter whose hook ran last."""
-    import gc
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))  # fmt: skip
     import deepspeed
-    import torch.distributed as dist
-    from ds_moe12_rows import _live_storage_mode
+    from ds_moe12_rows import second_backward_listing
     from validate.engines.deepspeed import _model_and_batches
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -119,33 +116,7 @@ def _trace_rank(rank: int, name: str, kind: str, label: str, port: int, tmp: str
     build, batches = _model_and_batches(f"{tmp}/{name}.json", 2, rank, 1, 2, 64, hf=True)
     engine, opt, _, _ = deepspeed.initialize(model=(model := build()), model_parameters=model.parameters(),
                                              config=config)  # fmt: skip
-    ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    ignore |= {g.untyped_storage().data_ptr() for g in getattr(opt, "bit16_groups_flat", [])}
-    names, hook = {id(p): n for n, p in engine.module.named_parameters()}, {}
-    if hasattr(opt, "reduce_independent_p_g_buckets_and_remove_grads"):
-        reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
-
-        def named(param, *args):  # (param, i) at ZeRO-1/2, (param,) at ZeRO-3
-            hook["param"] = names.get(id(param))
-            return reduce(param, *args)
-
-        opt.reduce_independent_p_g_buckets_and_remove_grads = named
-    gc.disable()
-    for step in range(2):
-        mode = _live_storage_mode(ignore, hook)
-        with mode:
-            loss = engine.module.loss(batches[step].pop(0))
-            mode.peak = 0
-            engine.backward(loss)
-        del loss
-        engine.step()
-    for turn in range(2):
-        if turn == rank:
-            print(f"rank {rank}: backward peak {mode.peak:,} B of storages made in the step, after the hook of "
-                  f"{mode.hook}")
-            for nbytes, func, shape, where in sorted(mode.at_peak, key=lambda x: -x[0])[:top]:
-                print(f"    {nbytes:>10,}  {func:<40} {str(shape):<18} {' <- '.join(reversed(where[-4:]))}", flush=True)
-        dist.barrier()
+    second_backward_listing(engine, opt, batches, rank, 2, top, depth=4)
 
 
 def main(argv: list[str] | None = None) -> None:
