@@ -100,7 +100,7 @@ def test_offload_in_one_bucket_on_sparse_models_every_phase_both_ranks_and_given
 @pytest.mark.parametrize("row", WALK, ids=[f"{r['family']}-{r['case']}" for r in WALK])
 def test_zero1_offload_in_several_buckets_every_phase_both_ranks_and_given_a_peak(row, tmp_path):
     """ZeRO-1 at 5,000-element buckets (below every expert tensor): the walk after backward replayed
-    (moe_offload.py ``stage1_offload_walk``: each gradient larger than the bucket cloned, each reduced slice of the
+    (offload_walk.py ``stage1_offload_walk``: each gradient larger than the bucket cloned, each reduced slice of the
     partition copied to fp64 for its norm, the partition's gradients cleared): the backward within 0.01 % on both
     ranks (the other phases within 1,000 B, as before), and the run given a peak. Before: the backward up to 4.63 %
     under (Mixtral fp32, rank 0: 1,370,028 B, the fp64 copy of a 262,144-element ``gate_up_proj`` slice beside its

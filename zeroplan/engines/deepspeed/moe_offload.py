@@ -22,9 +22,9 @@ gradient cleared (``clear_grad_attribute``, offload only). Live storages at Mixt
 1,048,576-B clone and the later parameters' gradients still in ``param.grad``.
 
 ZeRO-1 without ``overlap_comm`` reduces in that walk after backward (``reduce_gradients``), replayed per rank by
-``stage1_offload_walk`` (a dense rule too: on gpt-tiny bf16 at 5,000-element buckets, 5,184-element weights,
-its moment is 13,664-35,336 B below the measured backward peak, tests/test_engine_offload.py ``MEASURED``:
-unchanged). Measured (every family, fp32 and bf16, both ranks): the backward within 0.006 %; before, up to
+``offload_walk.stage1_offload_walk`` (a dense rule too, so it lives there: on gpt-tiny bf16 at 5,000-element
+buckets, 5,184-element weights, its moment is 13,664-35,336 B below the measured backward peak,
+tests/test_engine_offload.py ``MEASURED``: unchanged). Measured (every family, fp32 and bf16, both ranks): the backward within 0.006 %; before, up to
 1,370,028 B (4.63 %) under, and DeepSeek-V3 bf16 1.58 % over (the offload profile's fp32 upcast,
 ``offload._hook_upcast``, at the final norm's hook: ZeRO-1 without ``overlap_comm`` copies nothing in backward).
 ZeRO-2 (and ZeRO-1 with ``overlap_comm``) reduce from the hooks inside a sparse MLP's backward (moe12_hooks.py),
@@ -34,10 +34,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zeroplan.engines.deepspeed.offload_walk import walk_peaks
-from zeroplan.engines.deepspeed.run import DSRun
-from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
-from zeroplan.formulas.peak import Moment, Term
+from zeroplan.engines.deepspeed.offload_walk import offload_walk_applies
+from zeroplan.engines.deepspeed.settings import Settings
 
 SRC = "runtime/zero/stage_1_and_2.py"
 
@@ -57,7 +55,7 @@ def moe_offload_limit(s: Settings, psi: int) -> Optional[str]:
     if o.device != "cpu" or s.dtype == "fp16":  # measured: cpu, in fp32 and bf16
         what = f"to {o.device}" if o.device != "cpu" else "in fp16"
         return f"offload_optimizer {what} not measured on routed experts"
-    if s.reduce_bucket_size < psi and not offload_walk(s, psi):
+    if s.reduce_bucket_size < psi and not offload_walk_applies(s, psi):
         how = f"ZeRO-{s.stage}" + (" with overlap_comm" if s.overlaps else "")
         return (f"offload_optimizer with reduce_bucket_size {s.reduce_bucket_size:,} < Ψ = {psi:,} at {how}: "
                 "reduced from the gradient hooks, an expert gradient larger than the bucket cloned and each reduced "
@@ -65,43 +63,3 @@ def moe_offload_limit(s: Settings, psi: int) -> Optional[str]:
                 "set_norm_for_param_grad_in_gpu) are not modelled on routed experts (measured "
                 f"{MEASURED_SEVERAL_BUCKETS}); use reduce_bucket_size >= {psi:,}, or ZeRO-1 without overlap_comm")
     return None
-
-
-WALK = "reduce_gradients with offload_optimizer"
-"""The moments of ``stage1_offload_walk`` (their names start with it)."""
-
-
-def offload_walk(s: Settings, psi: int) -> bool:
-    """Whether ``stage1_offload_walk`` gives the rank's copies to the host: ZeRO-1, ``offload_optimizer``, no
-    ``overlap_comm`` (the walk after backward reduces), ``contiguous_gradients`` and more than one bucket."""
-    return (s.stage == 1 and s.offload_optimizer.on and not s.overlaps and s.contiguous_gradients
-            and s.reduce_bucket_size < psi)
-
-
-def stage1_offload_walk(run: DSRun) -> tuple[Moment, ...]:
-    """ZeRO-1 with ``offload_optimizer`` and gradients in more than one bucket (``reduce_bucket_size`` < Ψ, no
-    ``overlap_comm``): each described rank's largest moment of the walk after backward
-    (``offload_walk.walk_peaks``) beside the model states, the buckets and the micro-batch. Measured: the module
-    docstring."""
-    from zeroplan.engines.deepspeed.run import _act, _bucket, _states
-
-    s = run.settings
-    if not offload_walk(s, sum(run.numels)):
-        return ()
-    g = DTYPE_BYTES[s.dtype]
-    out = []
-    peaks = walk_peaks(run.numels, run.flat.offsets, run.flat.part, s.reduce_bucket_size, g, run.ranks)
-    for rank in run.ranks:
-        held, norm, k, clone = peaks[rank]
-        if k < 0:
-            continue
-        what = "cloned (larger than the bucket)" if clone else "its slice's fp64 norm copy"
-        out.append(Moment("backward", f"{WALK}: rank {rank}, parameter {k} {what}", (
-            *_states(run), *_bucket(run),
-            Term("gradients alive in the walk (not yet reduced, the clone, those kept outside the partition)",
-                 held * g, f"torch autograd (param.grad); {SRC} reduce_independent_p_g_buckets_and_remove_grads "
-                 "(clone under _offload_gradient_safety_enabled), clear_grad_attribute"),
-            *((Term("fp64 norm copy of the rank's slice", 8 * norm,
-                    f"{SRC} set_norm_for_param_grad_in_gpu (.to(get_norm_dtype()))"),) if norm else ()),
-            _act("batch (token ids, targets)", run.acts.batch, 2))))  # fmt: skip
-    return tuple(out)

@@ -26,7 +26,7 @@ largest parameter's slice in fp32, freed at once). NVMe at ZeRO-3: the optimizer
 
 from __future__ import annotations
 
-from zeroplan.engines.deepspeed.moe_offload import offload_walk, stage1_offload_walk
+from zeroplan.engines.deepspeed.offload_walk import offload_walk_applies, stage1_offload_walk
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
 from zeroplan.engines.deepspeed.nvme_param import PARAM_POOL, SWAP_OUT_BUFFER, ParamSwap, param_swap
 from zeroplan.engines.deepspeed.nvme_param import host_terms as param_host_terms
@@ -288,7 +288,7 @@ def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) ->
     s = run.settings
     if not s.offload_optimizer.on or s.stage == 3 or s.grad_dtype == "fp32" or moment.phase != "backward":
         return None
-    if offload_walk(s, sum(run.numels)):  # its copies, fp64 for the norm, in the walk's moments (moe_offload.py)
+    if offload_walk_applies(s, sum(run.numels)):  # its copies, fp64 for the norm: the walk's moments
         return None
     L = run.acts.n_layer
     if moment.name.startswith(("cross-entropy backward", "LM head backward")):

@@ -1,4 +1,4 @@
-"""ZeRO-1's walk after backward under ``cpu_offload``, every rank at once (``moe_offload.stage1_offload_walk``).
+"""ZeRO-1's walk after backward under ``cpu_offload``, every rank at once (``stage1_offload_walk``; dense and MoE).
 
 The walk (stage_1_and_2.py ``reduce_gradients``: every parameter in order ->
 ``reduce_independent_p_g_buckets_and_remove_grads``) is the same on every rank except for which parameters overlap
@@ -22,8 +22,14 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 
-Moment = tuple[int, int, int, int]
-NONE: Moment = (0, 0, -1, 0)
+from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _states
+from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
+from zeroplan.formulas.peak import Moment as PeakMoment, Term
+
+SRC = "runtime/zero/stage_1_and_2.py"
+
+WalkMoment = tuple[int, int, int, int]
+NONE: WalkMoment = (0, 0, -1, 0)
 
 
 def _slice(offsets: Sequence[int], part: int, i: int, rank: int) -> int:
@@ -32,7 +38,7 @@ def _slice(offsets: Sequence[int], part: int, i: int, rank: int) -> int:
 
 
 def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket: int, g: int,
-               ranks: Iterable[int]) -> dict[int, Moment]:
+               ranks: Iterable[int]) -> dict[int, WalkMoment]:
     """Each rank's largest moment of the walk (module docstring); ``NONE`` where it has none."""
     # the rank-independent events, in walk order: ("clone", k, alive without kept) and ("flush", group, remaining)
     events: list[tuple] = []
@@ -76,10 +82,10 @@ def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket:
     for j in range(len(values) - 1, -1, -1):
         suffix[j] = j if j == len(values) - 1 or values[j] >= values[suffix[j + 1]] else suffix[j + 1]
 
-    def weigh(m: Moment) -> int:
+    def weigh(m: WalkMoment) -> int:
         return m[0] * g + 8 * m[1]
 
-    out: dict[int, Moment] = {}
+    out: dict[int, WalkMoment] = {}
     for rank in ranks:
         lo_off, hi_off = rank * part, (rank + 1) * part
         first = bisect_right(offsets, lo_off) - 1  # parameters whose range may meet the partition
@@ -130,3 +136,41 @@ def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket:
                 best = (values[j] - cleared, 0, events[clones[j]][1], 1)
         out[rank] = best
     return out
+
+
+WALK = "reduce_gradients with offload_optimizer"
+"""The moments of ``stage1_offload_walk`` (their names start with it)."""
+
+
+def offload_walk_applies(s: Settings, psi: int) -> bool:
+    """Whether ``stage1_offload_walk`` gives the rank's copies to the host: ZeRO-1, ``offload_optimizer``, no
+    ``overlap_comm`` (the walk after backward reduces), ``contiguous_gradients`` and more than one bucket."""
+    return (s.stage == 1 and s.offload_optimizer.on and not s.overlaps and s.contiguous_gradients
+            and s.reduce_bucket_size < psi)
+
+
+def stage1_offload_walk(run: DSRun) -> tuple[PeakMoment, ...]:
+    """ZeRO-1 with ``offload_optimizer`` and gradients in more than one bucket (``reduce_bucket_size`` < Ψ, no
+    ``overlap_comm``): each described rank's largest moment of the walk after backward
+    (``walk_peaks``) beside the model states, the buckets and the micro-batch. Measured: moe_offload.py's
+    docstring."""
+    s = run.settings
+    if not offload_walk_applies(s, sum(run.numels)):
+        return ()
+    g = DTYPE_BYTES[s.dtype]
+    out = []
+    peaks = walk_peaks(run.numels, run.flat.offsets, run.flat.part, s.reduce_bucket_size, g, run.ranks)
+    for rank in run.ranks:
+        held, norm, k, clone = peaks[rank]
+        if k < 0:
+            continue
+        what = "cloned (larger than the bucket)" if clone else "its slice's fp64 norm copy"
+        out.append(PeakMoment("backward", f"{WALK}: rank {rank}, parameter {k} {what}", (
+            *_states(run), *_bucket(run),
+            Term("gradients alive in the walk (not yet reduced, the clone, those kept outside the partition)",
+                 held * g, f"torch autograd (param.grad); {SRC} reduce_independent_p_g_buckets_and_remove_grads "
+                 "(clone under _offload_gradient_safety_enabled), clear_grad_attribute"),
+            *((Term("fp64 norm copy of the rank's slice", 8 * norm,
+                    f"{SRC} set_norm_for_param_grad_in_gpu (.to(get_norm_dtype()))"),) if norm else ()),
+            _act("batch (token ids, targets)", run.acts.batch, 2))))  # fmt: skip
+    return tuple(out)
