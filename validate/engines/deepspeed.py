@@ -106,11 +106,12 @@ def hf_zero3_build(model_fn, config: dict):
     validator changes"). Unset after the build (only the build reads it): a later run builds without ZeRO-3."""
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-    hf_config = HfDeepSpeedConfig(config)  # noqa: F841 (held: transformers keeps only a weak reference)
+    hf_config = HfDeepSpeedConfig(config)  # held through the build: transformers keeps only a weak reference
     try:
         return model_fn()
     finally:
         unset_hf_deepspeed_config()
+        del hf_config
 
 
 def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init: bool = False,
