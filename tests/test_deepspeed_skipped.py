@@ -134,3 +134,20 @@ def test_a_transformers_model_under_zero3_is_initialised_as_users_build_it():
     experts = [f"model.layers.{k}.mlp.experts.{w}" for k in (1, 2) for w in ("gate_up_proj", "down_proj")]
     assert out["raw"]["nonfinite"] == experts and out["raw"]["worst_std_off"] > 0.5, out["raw"]
     assert not out["runner"]["zero3_after"]  # transformers' global unset: a later run builds without ZeRO-3
+
+
+def test_zeroplan_validate_refuses_the_run_in_one_line(monkeypatch):
+    """``zeroplan validate --engine deepspeed``: ``run_validation`` raises ``StepSkipped``, a ``RunFailed``, which the
+    command prints as one line and exits 1 with (zeroplan/cli_validate.py); no row is compared, no report made."""
+    import validate.engines.deepspeed_jit_lock as jit_lock
+    import validate.harness as harness
+    from validate.config import ValidateConfig
+    from validate.engines.deepspeed_compare import StepSkipped, run_validation
+
+    config = ValidateConfig(engine="deepspeed", world_sizes=(2,), stages=(2,), device="cpu")
+    ranks = [[{"rank": k, "steps_applied": [k == 1, True]}] for k in range(2)]
+    monkeypatch.setattr(jit_lock, "check_extension_locks", lambda: None)
+    monkeypatch.setattr(harness, "run_matrix", lambda c: [({}, ranks)])
+    with pytest.raises(StepSkipped, match="^DeepSpeed skipped optimizer step 1 of 2 on rank 0: the gradient norm") as e:
+        run_validation(config)
+    assert isinstance(e.value, harness.RunFailed) and "\n" not in str(e.value)

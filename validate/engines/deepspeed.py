@@ -101,9 +101,9 @@ def hf_zero3_build(model_fn, config: dict):
     of the ds_config alive, ``from_config`` opens ``zero.Init`` itself (modeling_utils.py ``_from_config``) and
     initialises the weights module by module, gathered (integrations/deepspeed.py ``initialize_weights_zero3``).
     Under a ``zero.Init`` of the runner's own, ``_init_weights`` met 0-element partitions (only torch's own
-    ``reset_parameters`` had run):
-    DeepSeek-V3's ``torch.empty`` experts kept whatever memory they got (docs/engines/deepspeed.md "What the
-    validator changes"). Unset after the build (only the build reads it): a later run builds without ZeRO-3."""
+    ``reset_parameters`` had run): DeepSeek-V3's ``torch.empty`` experts kept whatever memory they got
+    (docs/engines/deepspeed.md "What the validator changes"). Unset after the build (only the build reads it):
+    a later run builds without ZeRO-3."""
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
     hf_config = HfDeepSpeedConfig(config)  # held through the build: transformers keeps only a weak reference
