@@ -54,6 +54,7 @@ from functools import lru_cache
 from zeroplan.architectures.moe import moe_shapes
 from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+from zeroplan.engines.deepspeed.moe_offload import norm_copy, norms_at_hooks
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
@@ -187,14 +188,8 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
                        f"{SRC} reduce_independent_p_g_buckets_and_remove_grads (the bucket first)"))  # fmt: skip
         copy = Term("flattened copy of the bucket's gradients", _hook_bucket_copy(run, b) * g,
                     f"{SRC} allreduce_bucket (self.flatten(bucket))")
-        options = [(copy,)]  # a rank with no grads_in_partition yet
-        for r, first in firsts.items():
-            if first > b:
-                continue
-            gip = Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC)
-            own = (gip, copy) if first < b else (max(gip, copy, key=lambda t: t.bytes),)
-            options.append((*_stage1_kept(run, kept, r, j, b, order, first_of_bucket), *own))
-        best = max(options, key=lambda terms: sum(t.bytes for t in terms))
+        best = _rank_holding_most(run, kept, copy, firsts, j, b)
+
         out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
         if role == "gate_up" and run.numels[hook] > limit:  # its gradient waits past the hook (module docstring)
             name = f"block {j} gathered rows' backward after the gate-up hook, bucket {b} gone"
@@ -239,6 +234,28 @@ def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
             *_stage1_kept(run, kept, r, j, b, order, first_of_bucket),
             Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC))))
     return tuple(out)
+
+
+def _rank_holding_most(run: DSRun, kept: dict[int, tuple[Term, ...]], copy: Term, firsts: dict[int, int], j: int,
+                       b: int) -> tuple[Term, ...]:
+    """At bucket b's reduction in block j, the rank-dependent terms of the rank holding the most (with its hook):
+    ``allreduce_bucket``'s flattened copy of the bucket beside the ``grads_in_partition`` of a rank whose first bucket
+    went earlier; or, the rank's first, its partition allocated once the copy is freed (the larger of the two). With
+    ``offload_optimizer`` (moe_offload.py ``norms_at_hooks``) no partition: the copy, or once it is freed the fp64
+    norm copy of the rank's largest slice in the bucket (``norm_copy``), the larger."""
+    order, _, first_of_bucket, _ = _hook_buckets(run)
+    if norms_at_hooks(run):
+        params = order[first_of_bucket[b]:first_of_bucket[b + 1]]
+        options = [(max(copy, norm_copy(run, r, params), key=lambda t: t.bytes),) for r in run.ranks]
+    else:
+        options, p = [(copy,)], _pbytes(run)  # (copy,): a rank with no grads_in_partition yet
+        for r, first in firsts.items():
+            if first > b:
+                continue
+            gip = Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC)
+            own = (gip, copy) if first < b else (max(gip, copy, key=lambda t: t.bytes),)
+            options.append((*_stage1_kept(run, kept, r, j, b, order, first_of_bucket), *own))
+    return max(options, key=lambda terms: sum(t.bytes for t in terms))
 
 
 def _stage1_kept(run: DSRun, kept: dict[int, tuple[Term, ...]], rank: int, j: int, b: int, order: tuple[int, ...],

@@ -34,8 +34,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zeroplan.engines.deepspeed.offload_walk import offload_walk_applies
+from collections.abc import Iterable
+
+from zeroplan.engines.deepspeed.offload_walk import _slice, offload_walk_applies
+from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.engines.deepspeed.settings import Settings
+from zeroplan.formulas.peak import Term
 
 SRC = "runtime/zero/stage_1_and_2.py"
 
@@ -63,3 +67,26 @@ def moe_offload_limit(s: Settings, psi: int) -> Optional[str]:
                 "set_norm_for_param_grad_in_gpu) are not modelled on routed experts (measured "
                 f"{MEASURED_SEVERAL_BUCKETS}); use reduce_bucket_size >= {psi:,}, or ZeRO-1 without overlap_comm")
     return None
+
+
+def norms_at_hooks(run: DSRun) -> bool:
+    """Whether the sparse hook reductions (moe12_hooks.py ``sparse_hook_partitions``) hold the fp64 norm copies of
+    ``norm_copy`` instead of a ``grads_in_partition``, and the offload profile's per-block upcast
+    (offload.py ``_hook_upcast``) is not counted: a sparse model at ZeRO-2 with ``offload_optimizer`` and more than one
+    bucket (``reduce_bucket_size`` < Ψ)."""
+    s, spec = run.settings, run.spec
+    return (spec is not None and spec.moe is not None and s.offload_optimizer.on and s.partition_gradients
+            and s.reduce_bucket_size < sum(run.numels))
+
+
+def norm_copy(run: DSRun, rank: int, params: Iterable[int]) -> Term:
+    """Under ``cpu_offload`` a reduction (``reduce_ipg_grads``) sends each of the bucket's parameters overlapping the
+    rank's partition to the host in turn (``copy_grads_in_partition``, no ``grads_in_partition``): its slice copied
+    for the norm (``set_norm_for_param_grad_in_gpu``: ``.to(get_norm_dtype())``, fp64 where the device has it, 8 B
+    an element in fp32 and bf16 alike; then, 16-bit, ``.to(fp32)`` for the host copy, 4 B, after it is freed), after
+    ``allreduce_bucket``'s flattened copy is freed: the largest slice of ``params`` in ``rank``'s partition, 8 B an
+    element."""
+    flat = run.flat
+    largest = max((_slice(flat.offsets, flat.part, i, rank) for i in params), default=0)
+    return Term("fp64 copy of the rank's largest slice in the bucket (its norm)", 8 * largest,
+                f"{SRC} copy_grads_in_partition -> set_norm_for_param_grad_in_gpu (.to(get_norm_dtype()))")

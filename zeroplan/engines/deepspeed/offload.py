@@ -26,6 +26,7 @@ largest parameter's slice in fp32, freed at once). NVMe at ZeRO-3: the optimizer
 
 from __future__ import annotations
 
+from zeroplan.engines.deepspeed.moe_offload import norms_at_hooks
 from zeroplan.engines.deepspeed.offload_walk import offload_walk_applies, stage1_offload_walk
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
 from zeroplan.engines.deepspeed.nvme_param import PARAM_POOL, SWAP_OUT_BUFFER, ParamSwap, param_swap
@@ -288,8 +289,8 @@ def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) ->
     s = run.settings
     if not s.offload_optimizer.on or s.stage == 3 or s.grad_dtype == "fp32" or moment.phase != "backward":
         return None
-    if offload_walk_applies(s, sum(run.numels)):  # its copies, fp64 for the norm: the walk's moments
-        return None
+    if offload_walk_applies(s, sum(run.numels)) or norms_at_hooks(run):  # fp64 for the norm at the reductions: the
+        return None  # walk's moments, or a sparse model's hooks (moe_offload.py)
     L = run.acts.n_layer
     if moment.name.startswith(("cross-entropy backward", "LM head backward")):
         return None
