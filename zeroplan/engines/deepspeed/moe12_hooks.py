@@ -69,6 +69,8 @@ ROLES = {".mlp.experts.gate_up_proj": "gate_up", ".mlp.experts.down_proj": "down
          ".mlp.shared_expert.up_proj.weight": "shared_up",
          ".mlp.shared_expert.gate_proj.weight": "shared_gate"}  # fmt: skip
 """A sparse MLP's parameter (its ``named_parameters`` name's ending) -> its role in the hooks' order."""
+ATTENTION = (".self_attn.", ".input_layernorm.")
+"""A sparse block's parameters before its MLP (role "attention"): their hooks come after the post-attention norm's."""
 
 
 @lru_cache(maxsize=16)
@@ -84,6 +86,8 @@ def _roles(run: DSRun) -> dict[int, str]:
         out = {}
         for i, name in enumerate(names):
             role = next((v for k, v in ROLES.items() if name.endswith(k)), None)
+            if role is None and any(a in name for a in ATTENTION):
+                role = "attention"
             if role is not None and any(s in name for s in sparse):
                 out[i] = role
         return out
@@ -119,10 +123,12 @@ def _at_hook(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
               _act("d(shared output) and the shared gate's input gradient", 2 * nda, 2)) if qwen2 else ()
     if role == "down":  # the routing product's and the down matmul's saved tensors released (expert_activations)
         rows, f, w = n * spec.moe.top_k, spec.moe.expert_ffn, ROUTING_WEIGHT_BYTES[spec.model_type] or a
+        deepseek = spec.model_type == "deepseek_v3"  # its shared experts ran backward first: their input gradient
         return (_act("block's saved activations less the routing product's and down matmul's (the router's kept)",
                      before_mlp + _router_saved(run) + rows * (a * (spec.d_model + 3 * f) + 2 * INDEX_BYTES)
                      + spec.moe.n_experts * OFFSET_BYTES),
-                _act("incoming, d(SiLU·up) and the sorted routing weights' gradients", nda + rows * (f * a + w), 3),
+                _act("incoming, d(SiLU·up) and the sorted routing weights' gradients (DeepSeek-V3: and the shared "
+                     "experts' input's)", nda + rows * (f * a + w) + (nda if deepseek else 0), 4 if deepseek else 3),
                 *shared)
     if role == "gate_up":  # DeepSeek-V3's shared experts ran backward first: their input gradient in flight
         rows, deepseek = n * spec.moe.top_k * spec.d_model * a, spec.model_type == "deepseek_v3"
@@ -177,11 +183,12 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
     for b in range(len(buckets) - 1):
         hook = order[first_of_bucket[b + 1]]
         role, j = roles.get(hook), run.param_blocks[hook]
-        if role not in ("gate_up", "router", "norm", "shared_down", "shared_up", "shared_gate", "down") or (
-                role == "down" and run.spec.model_type == "deepseek_v3"):  # its own experts' path, not measured
+        if role not in ("gate_up", "router", "norm", "shared_down", "shared_up", "shared_gate", "down", "attention") or (
+                role in ("down", "attention") and not norms_at_hooks(run) and (  # measured with offload's norm copies
+                    role == "attention" or run.spec.model_type == "deepseek_v3")):  # (DeepSeek-V3's down: only there)
             continue
         large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
-        common = (*base, _blocks_saved(run, j), *_at_hook(run, j, role),
+        common = (*base, _blocks_saved(run, j), *_at_hook(run, j, "norm" if role == "attention" else role),
                   Term(large_name, large * p,
                        f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
                   Term("the hooked parameter's gradient (waiting)", run.numels[hook] * p,
