@@ -105,6 +105,9 @@ def buckets(name: str, cases: list[str], dtype: str, nd: int, tmp: Path, out: st
                                                  for p, v in zip(PHASES, row)), flush=True)  # fmt: skip
         recorded.append({"model": name, "hf_config": CONFIGS[name], "ds_config": config, "n_d": nd, "seq_len": 64,
                          "micro_batch": 1, "measured": measured, "predicted_when_recorded": predicted})  # fmt: skip
+        if offload:  # tests/test_deepspeed_moe_opt.py's keys (``_predict``)
+            recorded[-1].update(family=name, case=f"z{case.replace(':', '-')}-{dtype}", nd=nd,
+                                shapes=[[n, list(s)] for n, s in workload.shapes])
     if out:
         old = json.loads(Path(out).read_text())["rows"] if Path(out).exists() else []
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout

@@ -74,6 +74,6 @@ def zero12_moe_limit(s: Settings, spec: TransformerSpec) -> Optional[str]:
     if spec.model_type not in ZERO12_MOE_FAMILIES:
         return f"model_type {spec.model_type!r} not measured (measured: {', '.join(ZERO12_MOE_FAMILIES)})"
     if s.offload_optimizer.on:  # measured with every gradient in one bucket (moe_offload.py)
-        return moe_offload_limit(s, model_numel(spec))
+        return moe_offload_limit(s, model_numel(spec), max(math.prod(shape) for _, shape in transformer_shapes(spec)))
     return None
 

@@ -39,6 +39,12 @@ After a ``gate_up_proj`` hook whose gradient is larger than the bucket (left in 
 ``extra_large_param_to_reduce``), the gathered rows' gradient scattered back to the tokens (``IndexBackward``: a zeros
 tensor and ``index_put``, 2·N·d·a) beside it, the bucket reduced gone and the partition kept (measured: Qwen2-MoE's
 rank 0 at 100,000-element buckets, 66,696 B under before, now 1,160 B).
+With ``offload_optimizer`` (moe_offload.py ``norms_at_hooks``) no rank has a ``grads_in_partition``: the reduction
+holds the flattened copy or the fp64 norm copy of the rank's largest slice (``norm_copy``), the larger
+(``_rank_holding_most``); also at a hook of the block's attention or input norm (role "attention": bounded by the
+post-attention norm's activations, each op after it releasing more; measured: Mixtral bf16 at 300,000, the bucket
+holding a whole ``gate_up_proj`` reduced at ``q_proj``'s hook, 0.68 % over) and at DeepSeek-V3's routed ``down_proj``
+(its shared experts' input gradient in flight; measured at 100,000, fp32 and bf16).
 Also the gate-up backward before its hook with a partition allocated at ``down_proj``'s (``_gate_up_backward``), the
 last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the head's
 hook allocating the bucket (``head_hook_bucket``).
