@@ -69,7 +69,7 @@ def buckets(name: str, cases: list[str], dtype: str, nd: int, tmp: Path, out: st
     ``nd`` gloo ranks in one world: each rank's measured row and error per phase; ``out``: the rows written as JSON
     (tests/data/measured/deepspeed_moe12*.json, predicted again by tests/test_deepspeed_moe12.py). ``offload``:
     ``offload_optimizer: cpu`` (DeepSpeedCPUAdam), predicted as a CPU run measures it (``one_memory``: the GPU
-    moments plus the host bytes; tests/data/measured/deepspeed_moe_offload12.json)."""
+    moments plus the host bytes; tests/data/measured/deepspeed_moe_offload_hooks.json)."""
     import subprocess
 
     import deepspeed

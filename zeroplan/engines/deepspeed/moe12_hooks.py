@@ -43,7 +43,7 @@ With ``offload_optimizer`` (moe_offload.py ``norms_at_hooks``) no rank has a ``g
 holds the flattened copy or the fp64 norm copy of the rank's largest slice (``norm_copy``), the larger
 (``_rank_holding_most``); also at a hook of the block's attention or input norm (role "attention": bounded by the
 post-attention norm's activations, each op after it releasing more; measured: Mixtral bf16 at 300,000, the bucket
-holding a whole ``gate_up_proj`` reduced at ``q_proj``'s hook, 0.68 % over) and at DeepSeek-V3's routed ``down_proj``
+holding a whole ``gate_up_proj`` reduced at ``q_proj``'s hook, up to 0.87 % over) and at DeepSeek-V3's routed ``down_proj``
 (its shared experts' input gradient in flight; measured at 100,000, fp32 and bf16).
 Also the gate-up backward before its hook with a partition allocated at ``down_proj``'s (``_gate_up_backward``), the
 last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the head's
@@ -202,7 +202,6 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
         copy = Term("flattened copy of the bucket's gradients", _hook_bucket_copy(run, b) * g,
                     f"{SRC} allreduce_bucket (self.flatten(bucket))")
         best = _rank_holding_most(run, kept, copy, firsts, j, b)
-
         out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
         if role == "gate_up" and run.numels[hook] > limit:  # its gradient waits past the hook (module docstring)
             name = f"block {j} gathered rows' backward after the gate-up hook, bucket {b} gone"

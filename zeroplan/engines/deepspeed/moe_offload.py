@@ -90,6 +90,7 @@ def moe_offload_limit(s: Settings, psi: int, largest: int) -> Optional[str]:
                 f"{largest:,}, or ZeRO-1 without overlap_comm")
     return None  # ZeRO-2 from the hooks, every gradient within a bucket: ``norms_at_hooks`` (MEASURED_FROM_HOOKS)
 
+
 def norms_at_hooks(run: DSRun) -> bool:
     """Whether the sparse hook reductions (moe12_hooks.py ``sparse_hook_partitions``) hold the fp64 norm copies of
     ``norm_copy`` instead of a ``grads_in_partition``, and the offload profile's per-block upcast

@@ -286,8 +286,8 @@ def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) ->
     block's at the last block; none before the first hook, at the loss and the LM head; any elsewhere). Measured:
     gpt-tiny bf16 at N_d = 2, rank 1 (the last block's parameters) holds it at its backward peak, rank 0 (the
     first half of the flat group) does not. Not on a sparse model reducing from the hooks (moe_offload.py
-    ``norms_at_hooks``): there the fp64 norm copy is counted at each reduction, none elsewhere (bf16, 300,000- and
-    1,000,000-element buckets: up to 1,048,952 B (4.9 %) over with the upcast)."""
+    ``norms_at_hooks``): there the fp64 norm copy is counted at each reduction, none elsewhere (bf16, N_d = 2, 300,000-
+    and 1,000,000-element buckets: up to 1,048,952 B (4.9 %) over with the upcast)."""
     s = run.settings
     if not s.offload_optimizer.on or s.stage == 3 or s.grad_dtype == "fp32" or moment.phase != "backward":
         return None
