@@ -41,9 +41,9 @@ tensor and ``index_put``, 2·N·d·a) beside it, the bucket reduced gone and the
 rank 0 at 100,000-element buckets, 66,696 B under before, now 1,160 B).
 With ``offload_optimizer`` (moe_offload.py ``norms_at_hooks``) no rank has a ``grads_in_partition``: the reduction
 holds the flattened copy or the fp64 norm copy of the rank's largest slice (``norm_copy``), the larger
-(``_rank_holding_most``); also at a hook of the block's attention or input norm (role "attention": bounded by the
-post-attention norm's activations, each op after it releasing more; measured: Mixtral bf16 at 300,000, the bucket
-holding a whole ``gate_up_proj`` reduced at ``q_proj``'s hook, up to 0.87 % over) and at DeepSeek-V3's routed ``down_proj``
+(``_rank_holding_most``); also at a hook of the block's attention or input norm (role "attention": bounded at
+``o_proj``'s, the first, each op after it releasing more; measured: Mixtral bf16 at 300,000, the bucket holding a
+whole ``gate_up_proj`` reduced at ``q_proj``'s hook, up to 0.44 % over) and at DeepSeek-V3's routed ``down_proj``
 (its shared experts' input gradient in flight; measured at 100,000, fp32 and bf16).
 Also the gate-up backward before its hook with a partition allocated at ``down_proj``'s (``_gate_up_backward``), the
 last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the head's
@@ -142,6 +142,14 @@ def _at_hook(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
                      before_mlp + _router_saved(run)),
                 _act("incoming and d(gathered rows) gradients (DeepSeek-V3: and the shared experts' input's)",
                      nda + rows + (nda if deepseek else 0), 3 if deepseek else 2), *shared)  # fmt: skip
+    if role == "attention":  # bounded at the attention output projection's hook, the first (reduce.py's Llama
+        # rule): the MLP's and the post-attention RMSNorm's saved tensors released (its fp32 input, rsqrt and the two
+        # N·d·a), in flight o_proj's input gradient (N·q·a) and x1's
+        rms = nda // a * 4 + n * 4 + 2 * nda
+        o_proj = next(i for i, name in enumerate(_names(spec)) if name.endswith(f".layers.{j}.self_attn.o_proj.weight"))
+        nqa = n * (run.numels[o_proj] // spec.d_model) * a
+        return (_act("block's saved activations before its post-attention norm", before_mlp - rms),
+                _act("attention output's and x1's gradients", nqa + nda, 2))
     return (_act("block's saved activations less its MLP's and the norm's output", before_mlp - nda),
             _act("incoming, the experts' and the router's input gradients", 3 * nda, 3), *shared)
 
@@ -194,7 +202,7 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
                     role == "attention" or run.spec.model_type == "deepseek_v3")):  # (DeepSeek-V3's down: only there)
             continue
         large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
-        common = (*base, _blocks_saved(run, j), *_at_hook(run, j, "norm" if role == "attention" else role),
+        common = (*base, _blocks_saved(run, j), *_at_hook(run, j, role),
                   Term(large_name, large * p,
                        f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
                   Term("the hooked parameter's gradient (waiting)", run.numels[hook] * p,
