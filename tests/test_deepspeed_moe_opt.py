@@ -141,7 +141,8 @@ def test_offload_from_the_hooks_with_overlap_comm_is_refused():
     for stage, bucket in ((1, 5000), (2, 300_000)):
         over = {**zero, "stage": stage, "overlap_comm": True, "reduce_bucket_size": bucket}
         why = _moe_limit({**row, "ds_config": {**row["ds_config"], "zero_optimization": over}})
-        assert why is not None and f"reduce_bucket_size {bucket:,} < Ψ = 1,433,728 at ZeRO-{stage} with overlap_comm: " in why
+        want = f"reduce_bucket_size {bucket:,} < Ψ = 1,433,728 at ZeRO-{stage} with overlap_comm: "
+        assert why is not None and want in why, why
     big = {**zero, "overlap_comm": True, "reduce_bucket_size": 500_000_000}
     assert _moe_limit({**row, "ds_config": {**row["ds_config"], "zero_optimization": big}}) is None
 
@@ -154,7 +155,7 @@ def test_zero2_offload_from_the_hooks_every_phase_every_rank_and_given_a_peak(ro
     """ZeRO-2 with ``offload_optimizer: cpu``, buckets between the largest (expert) tensor and Ψ, N_d 2 and 3, fp32 and
     bf16 (issue 19): no ``grads_in_partition``; each bucket reduced at a hook holds ``allreduce_bucket``'s flat copy,
     then the fp64 copy of the rank's largest slice in the bucket for its norm (moe_offload.py ``norm_copy``), the
-    larger, at the sparse MLP's hooks, its attention's (bounded at the post-attention norm's) and DeepSeek-V3's routed
+    larger, at the sparse MLP's hooks, its attention's (bounded at ``o_proj``'s, the first) and DeepSeek-V3's routed
     ``down_proj`` (moe12_hooks.py); the per-block fp32 upcast not counted (offload.py ``_hook_upcast``). Every (rank,
     phase) within the targets and its recorded error, and the run given a peak (refused before: up to 3.1 % under
     and 6.1 % over, ``predicted_before``)."""
