@@ -38,7 +38,7 @@ Mixtral's ZeRO-2 fp32 rank 1 peak (300,000-element buckets, benchmarks/ds_moe12_
 --offload): layer 2's ``gate_up_proj`` hook, its 1,048,576-B gradient waiting beside the 1,048,576-B fp64 copy of the
 whole ``down_proj`` slice (720,528 B under before); bf16 at layer 2's ``q_proj`` hook with the 2,097,152-B fp64 copy
 of a whole ``gate_up_proj``. Measured: ``MEASURED_FROM_HOOKS``. Still refused: a bucket below the largest tensor
-(the clone, ``MEASURED_SEVERAL_BUCKETS``), and ``overlap_comm`` (two buckets, not measured with offload)."""
+(the clone, ``MEASURED_SEVERAL_BUCKETS``), and ``overlap_comm`` (two buckets; ``MEASURED_OVERLAP``)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,10 @@ MEASURED_ONE_BUCKET = "fp32 within 440 B, bf16 up to 0.103 % over"
 """Backward, measured - predicted, every family, ZeRO-1 and ZeRO-2 at 5e8-element buckets (every other phase within
 880 B; G = 2 as G = 1); the rows: tests/data/measured/deepspeed_moe_offload.json."""
 MEASURED_SEVERAL_BUCKETS = "ZeRO-2 up to 4.38 % under, Mixtral fp32 at 5,000-element buckets"
+MEASURED_OVERLAP = "ZeRO-1 with overlap_comm up to 2.49 % under and 2.79 % over, Mixtral at 300,000-element buckets"
+"""Backward, N_d = 2: rank 1 720,528 B (fp32) and 458,904 B (bf16) under (no norm copy at its hooks), bf16 rank 0
+564,584 B over (the per-block upcast); benchmarks/ds_moe12_rows.py buckets mixtral-wide 1o:300000 --offload
+[--dtype bf16], 2026-12-02; not recorded as rows."""
 MEASURED_FROM_HOOKS = "within 3,488 B under and 66,920 B (0.44 %, Mixtral bf16 at 300,000) over"
 """ZeRO-2 with buckets between the largest tensor and Ψ, measured - predicted, every phase of every rank: 30 rows,
 Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3, fp32 and bf16, N_d 2 and 3, two or three buckets each (before: 3.1 %
@@ -80,8 +84,8 @@ def moe_offload_limit(s: Settings, psi: int, largest: int) -> Optional[str]:
     if s.overlaps or not s.contiguous_gradients:
         what = "with overlap_comm" if s.overlaps else "without contiguous_gradients"
         return (f"offload_optimizer with reduce_bucket_size {bucket:,} < Ψ = {psi:,} at {how}: reduced from the hooks "
-                f"{what}, not measured on routed experts; use reduce_bucket_size >= {psi:,}, ZeRO-2 without "
-                "overlap_comm, or ZeRO-1 without overlap_comm")
+                f"{what}, not modelled on routed experts (measured {MEASURED_OVERLAP}); use reduce_bucket_size >= "
+                f"{psi:,}, ZeRO-2 without overlap_comm, or ZeRO-1 without overlap_comm")
     if bucket < largest:
         return (f"offload_optimizer with reduce_bucket_size {bucket:,} < the largest tensor ({largest:,}) at {how}: "
                 "reduced from the hooks, an expert gradient larger than the bucket cloned and reduced at the next "
