@@ -104,7 +104,7 @@ def _reference_reductions(run, last, inflight):
         flat, gloo = bucket_copies([numels[i] for i in order[start:end]], run.nd, s.device) if gloo_copies else (0, 0)
         norm = max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 if offload else 0
         gloo, norm, copies = (gloo, 0, flat + gloo) if gloo * p > norm else (0, norm, flat + gloo)
-        j = L if hook > roots else run.param_blocks[hook]
+        j = L if hook > roots and gloo_copies else run.param_blocks[hook]
         at_hook = ((final_norm_hook(run, hook) if j == L else _hook_activations(run, j, hook))
                    if j >= 0 and (large or offload or copies) else None)
         if at_hook is None:

@@ -186,7 +186,10 @@ class ZeroOptimizerStage3(Wrapper):
                                 f"{S3} reduce_independent_p_g_buckets_and_remove_grads (contiguous_gradients off: "
                                 "params_in_ipg_bucket, param.grad kept until __reduce_and_partition_ipg_grads)"))  # fmt: skip
         split = routed_experts_backward(run, sched, last)  # moe.py: DeepSeek's shared experts done by then
-        out = [*(split or (Moment("backward", "last block backward", last),)), *_in_block_reductions(run, last, inflight)]
+        sent = _in_block_reductions(run, last, inflight)
+        at_norm = [m for m in sent if m.name.startswith("final norm")]  # its hook runs before the last block (the trace)
+        out = [*at_norm, *(split or (Moment("backward", "last block backward", last),)), *(m for m in sent
+                                                                                          if m not in at_norm)]
         out += expert_gradients_held(run, sched)  # moe.py: a routed expert's gradient larger than the bucket
         if run.tied_head and sched is not None and "embedding backward" in dict((m, f) for m, f, _ in run.trace.marks):
             acts = run.acts
@@ -303,7 +306,8 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
         if not (large or offload or flat or gloo):
             continue
         hook = order[end]
-        j = L if hook > roots else blocks[hook]  # L: the final norm's hook (final_norm_hook), every block saved
+        # L: the final norm's hook (final_norm_hook), every block saved; measured on gloo, with the hook's gathers
+        j = L if hook > roots and gloo_copies else blocks[hook]
         at_hook = _hook_bytes(run, j, hook, memo) if 0 <= j < L else _final_norm_bytes(run, hook) if j == L else None
         if at_hook is None:
             continue

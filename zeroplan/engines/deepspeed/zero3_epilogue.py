@@ -47,7 +47,12 @@ def final_norm_hook(run: DSRun, hook: int) -> tuple[str, tuple[Term, ...], tuple
     (seed 5 draw 6, generator 5: Qwen3 16.3M untied, ZeRO-3, 3,504,592-element buckets (V·h / 2), ``overlap_comm``,
     N_d = 3; live storages at the backward peak, in the final norm weight's hook, at G = 1 as at G = 2: the head's
     28,036,736-B gradient, the 28,036,740-B ``cat`` and gloo's copy, the embedding gathered and every block's weights
-    prefetched, every block's activations): 11,390,044 B (-4.58 %) under at the last bucket's moment before."""
+    prefetched, every block's activations): 11,390,044 B (-4.58 %) under at the last bucket's moment before. Listed
+    where it was measured, on gloo (``zero3.py _in_block_reductions``: with the hooks' gathers known): on a GPU the
+    head's gradient is alive there all the same, but unmeasured; there it would not move a planned peak, while the
+    allocator replay of a no-prefetch 7B candidate read 2.3 GB more reserved (left for a GPU measurement). The moment
+    comes before the last block's in the step (``ZeroOptimizerStage3.backward_after_last_block``: the allocation
+    trace's order)."""
     pending = run.acts.block.pending_at_last_grad  # an RMSNorm's (LayerNorm: 0, one node)
     return "final norm", final_norm_at_its_hook(run), ((hook,) if pending else ())
 
