@@ -186,10 +186,10 @@ class ZeroOptimizerStage3(Wrapper):
                                 f"{S3} reduce_independent_p_g_buckets_and_remove_grads (contiguous_gradients off: "
                                 "params_in_ipg_bucket, param.grad kept until __reduce_and_partition_ipg_grads)"))  # fmt: skip
         split = routed_experts_backward(run, sched, last)  # moe.py: DeepSeek's shared experts done by then
-        sent = _in_block_reductions(run, last, inflight)
-        at_norm = [m for m in sent if m.name.startswith("final norm")]  # its hook runs before the last block (the trace)
-        out = [*at_norm, *(split or (Moment("backward", "last block backward", last),)), *(m for m in sent
-                                                                                          if m not in at_norm)]
+        sent = _in_block_reductions(run, last, inflight)  # the final norm's hook runs before the last block (the trace)
+        out = [*(m for m in sent if m.name.startswith("final norm")),
+               *(split or (Moment("backward", "last block backward", last),)),
+               *(m for m in sent if not m.name.startswith("final norm"))]
         out += expert_gradients_held(run, sched)  # moe.py: a routed expert's gradient larger than the bucket
         if run.tied_head and sched is not None and "embedding backward" in dict((m, f) for m, f, _ in run.trace.marks):
             acts = run.acts
