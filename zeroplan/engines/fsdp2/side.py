@@ -29,7 +29,8 @@ def spans_layers(run: Fsdp2Run, u: ShardUnit) -> bool:
     group post-forward runs once every module of the group has run (``_fsdp_state.py``, ``_modules_to_run_forward``),
     after the head, so the group stays gathered through the layers' forward whatever its reshard_after_forward
     (measured: differential draw 1-9 of generator 2, llama tied, the group True, forward -33% without)."""
-    blocks = [v for v in run.shard_units if v.name in {b.name for b in run.units[1:]}]
+    names = {b.name for b in run.units[1:]}  # once, not once per unit (a speed-up)
+    blocks = [v for v in run.shard_units if v.name in names]
     return bool(blocks) and not u.root and u.first < min(v.first for v in blocks) and u.last > max(v.last for v in blocks)
 
 
