@@ -26,9 +26,6 @@ largest parameter's slice in fp32, freed at once). NVMe at ZeRO-3: the optimizer
 
 from __future__ import annotations
 
-from itertools import chain
-from operator import attrgetter
-
 from zeroplan.engines.deepspeed.offload_walk import offload_walk_applies, stage1_offload_walk
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
 from zeroplan.engines.deepspeed.nvme_param import PARAM_POOL, SWAP_OUT_BUFFER, ParamSwap, param_swap
@@ -168,11 +165,11 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
         return moments
     fetch = _fetch_term(run) if s.offload_param.on else None
     by_block = _upcast_by_block(run) if s.offload_optimizer.on and s.stage < 3 else {}
-    out, host = [], _host_temporaries(moments) if s.offload_optimizer.on else set()
+    out = []
     for m in moments:
         terms = m.terms
-        if host and not host.isdisjoint(map(id, terms)):
-            terms = tuple(t for t in terms if id(t) not in host)
+        if s.offload_optimizer.on:
+            terms = tuple(t for t in terms if not (t.name.startswith(HOST_TEMPORARIES) or t.name.endswith(" temporaries")))
         if fetch is not None and m.phase in ("forward", "backward") and any(t.name.startswith("gathered") for t in terms):
             terms = (*terms, fetch)
         upcast = _hook_upcast(run, m, by_block) if by_block else None
@@ -182,14 +179,6 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
     if s.stage == 3 and s.offload_optimizer.on:
         out = _zero3_offload_moments(run, out)
     return (*out, *stage1_offload_walk(run))
-
-
-def _host_temporaries(moments: tuple[Moment, ...]) -> set[int]:
-    """The ids of the terms of ``moments`` that ``offload_optimizer`` makes on the host (``HOST_TEMPORARIES``, and
-    every "... temporaries"), each distinct term judged once (a speed-up: an offload candidate's ~1,700 moments
-    share most of their terms; a moment holding none of these is kept as it is)."""
-    distinct = {id(t): t for t in chain.from_iterable(map(attrgetter("terms"), moments))}
-    return {i for i, t in distinct.items() if t.name.startswith(HOST_TEMPORARIES) or t.name.endswith(" temporaries")}
 
 
 ZERO3_STATES_INIT = "initialize_optimizer_states (offload_optimizer)"
