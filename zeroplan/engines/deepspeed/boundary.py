@@ -20,9 +20,9 @@ from zeroplan.engines.deepspeed.run import DSRun, _pbytes, memo_of
 from zeroplan.formulas.peak import Term
 
 HELD = "gradients of earlier micro-steps (param.grad)"
-HELD_SRC = ("torch autograd AccumulateGrad; runtime/engine.py allreduce_gradients (stage 1: at the boundary only); "
-            "runtime/zero/stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads (moved into the bucket "
-            "at the boundary's hooks)")  # fmt: skip
+HELD_SRC = "torch autograd AccumulateGrad; runtime/engine.py allreduce_gradients (stage 1: at the boundary only)"
+MOVED_SRC = (f"{HELD_SRC}; runtime/zero/stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads (each moved "
+             "into the bucket at its hook)")  # fmt: skip
 
 
 def at_boundary(run: DSRun) -> bool:
@@ -61,7 +61,7 @@ def held_term(run: DSRun, at: int) -> tuple[Term, ...]:
     if not at_boundary(run):
         return ()
     numel = _unhooked(run)[min(at, len(run.grad_ready_order))]
-    return (Term(HELD, numel * _pbytes(run), HELD_SRC),) if numel else ()
+    return (Term(HELD, numel * _pbytes(run), MOVED_SRC),) if numel else ()
 
 
 def held_at(run: DSRun, terms: tuple[Term, ...], at: int) -> tuple[Term, ...]:

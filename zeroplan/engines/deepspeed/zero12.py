@@ -102,7 +102,7 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     p, acts = _pbytes(run), run.acts
     return (Moment("backward", "tied embedding backward", (
         *_states(run), *_bucket(run), _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
-        *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()), *B.held_term(run, at + 1),
+        *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()), *B.held_term(run, at),
         Term(EM.TIED_NAME, 3 * run.head_numel * p, EM.TIED_SRC, 3))),)  # fmt: skip
 
 
