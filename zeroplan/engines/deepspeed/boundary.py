@@ -16,8 +16,10 @@ buckets, N_d = 2, G = 2): rank 1's ``grads_in_partition`` (85,248 B) allocated a
 from __future__ import annotations
 
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
-from zeroplan.engines.deepspeed.run import DSRun, _pbytes, memo_of
-from zeroplan.formulas.peak import Term
+from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states, memo_of
+from zeroplan.formulas.peak import Moment, Term
+
+SRC = "runtime/zero/stage_1_and_2.py"
 
 HELD = "gradients of earlier micro-steps (param.grad)"
 HELD_SRC = "torch autograd AccumulateGrad; runtime/engine.py allreduce_gradients (stage 1: at the boundary only)"
@@ -89,3 +91,45 @@ def block_position(run: DSRun, j: int, hook: int | None) -> int:
     if hook is not None and run.param_blocks[hook] == j and hook in run.output_projections:
         return max(at, position(run, hook) + 1)
     return at
+
+
+def embedding_backward(run: DSRun) -> tuple[Moment, ...]:
+    """At the boundary, an untied embedding's backward, every block's hooks run: its new gradient
+    (``embedding_dense_backward``) beside its earlier micro-steps' ``param.grad`` (added in place after, torch
+    ``AccumulateGrad``; at G = 1 the new one is ``param.grad``, so only the hook's moment, late_reductions.py
+    ``embedding_hook_reduced``), the embedding output's gradient, the buckets, the ``grads_in_partition`` of a rank
+    whose first bucket was sent at an earlier hook, and at stage 1 the gradients larger than the bucket outside the
+    partition (never moved into the bucket, never cleared: zero12.py ``_stage1_kept_gradients``' rule). The rank
+    holding the most. Found by the differential matrix (seed 5, 5-6, generator 4: Mistral 32.4M untied, the
+    11.8M-element embedding and head, 5.9M-element buckets, checkpointed, N_d = 4): rank 1's 67,549,184-B partition
+    beside the head's kept 47,261,696-B gradient and the embedding's two, 483,584,280 B measured, -5.32 % before."""
+    if not (at_boundary(run) and run.param_blocks) or run.tied_head:  # tied: zero12.py _tied_embedding_backward
+        return ()
+    blocks, numels, p, acts = run.param_blocks, run.numels, _pbytes(run), run.acts
+    first_block = min((i for i, b in enumerate(blocks) if b >= 0), default=0)
+    embeddings = [i for i in range(first_block) if blocks[i] < 0]
+    if not embeddings:
+        return ()
+    e = max(embeddings, key=lambda i: numels[i])
+    at = position(run, e)
+    _, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
+    sent = sum(1 for k in range(len(buckets) - 1) if first_of_bucket[k + 1] < at)  # buckets 0 .. sent - 1 reduced
+    large = [i for i, n in enumerate(numels) if n > run.settings.reduce_bucket_size and position(run, i) < at]
+
+    def own(rank: int) -> tuple[Term, ...]:
+        lo, hi = run.flat.range(rank)
+        params = run.flat.params(rank)
+        gip = run.flat.params_numel(rank) if params and min(bucket_of[i] for i in params) < sent else 0
+        kept = sum(numels[i] for i in large if not lo <= i < hi)
+        return (*((Term("grads_in_partition", gip * p, f"{SRC} copy_grads_in_partition"),) if gip else ()),
+                *((Term("gradients larger than the bucket, outside the partition (kept to the step)", kept * p,
+                        f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce; stage 1 clears no gradient)"),)
+                  if kept else ()))  # fmt: skip
+
+    base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", acts.batch, 2),
+            _act("embedding saved (position ids)", acts.embed_saved), _act("loss", acts.loss),
+            *held_term(run, at), Term("the embedding's new gradient (before AccumulateGrad)", numels[e] * p,
+                                      "torch autograd (embedding_dense_backward)"),
+            _act("the embedding output's gradient", acts.embed_out))  # fmt: skip
+    return tuple(Moment("backward", f"embedding backward at the boundary, rank {r}", (*base, *own(r)))
+                 for r in run.first_largest(lambda r: sum(t.bytes for t in own(r))))

@@ -280,7 +280,7 @@ class ZeroOptimizer(Wrapper):
             tied = _tied_embedding_backward(run)
             hooked = LR.embedding_hook_reduced(run)
             out.extend((*tied, *EM.tied_gradient_reduced(run, tied), *hooked,
-                        *EM.stage1_embedding_hook_kept(run, hooked)))
+                        *EM.stage1_embedding_hook_kept(run, hooked), *B.embedding_backward(run)))
         if hooks and accumulating and not boundary:  # ZeRO-2 (generator 5, 1-483)
             out.extend(_tied_embedding_backward(run))  # ZeRO-2: the final norm's hook as at G = 1 (seed 5 gen. 5, 5-8)
             out.extend(_first_bucket_reduced(run, last, inflight) if s.partition_gradients else ())
