@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from benchmarks.record_measured import SMALL, _finish, _peaks, _summary  # noqa: E402
-from tests.test_measured_rows import MEASURED, workload_json  # noqa: E402
+from benchmarks.record_measured import SMALL, deepspeed_record  # noqa: E402
+from tests.test_measured_rows import MEASURED  # noqa: E402
 
 ACCUM = (2, 3)
 PHASES = ("init", "forward", "backward", "optimizer_step")
@@ -54,26 +54,16 @@ def world(nd: int, save: Path | None, load: Path | None) -> list[list[dict]]:
 def records(nd: int, ranks: list[list[dict]]) -> list[dict]:
     """One record per accumulation (tests/data/measured/README.md), each rank's error printed."""
     from validate.engines.deepspeed_compare import workload_for
-    from zeroplan.engines import deepspeed as D
 
     out = []
     for i, ds in enumerate(configs()):
         rows, g = [r[i] for r in ranks], ds["gradient_accumulation_steps"]
         workload = workload_for("gpt-tiny", ds["train_micro_batch_size_per_gpu"], None, g)
-        record = {
-            "name": f"deepspeed-z1-overlap-accum{g}-nd{nd}", "engine": "deepspeed", "nd": nd,
-            "run": {"model": "gpt-tiny", "steps": 3, "recorded_by": RECORDED_BY},
-            "ds_config": ds, "zero_init": False, "workload": workload_json(workload),
-            "estimate_kwargs": {"stat_bytes": D.DTYPE_BYTES[D.Settings.from_ds_config(ds).dtype]},
-            "ranks": [{"rank": k, "measured_peak_bytes_by_phase": _peaks(r),
-                       "measured_model_states_bytes": [b for p, b in r["boundary_bytes"].items() if p != "init"][-1]}
-                      for k, r in enumerate(rows)],
-            "gloo_unsettled": sum(r["gloo_settle"]["unsettled"] for r in rows),
-        }  # fmt: skip
-        out.append(_finish(record, _summary(rows[0]["calls_by_step"][-1], ("all-reduce", "reduce-scatter", "all-gather"))))
+        out.append(deepspeed_record(f"deepspeed-z1-overlap-accum{g}-nd{nd}", nd,
+                                    {"model": "gpt-tiny", "steps": 3, "recorded_by": RECORDED_BY}, ds, rows, workload))
         for r in out[-1]["ranks"]:
             m, p = r["measured_peak_bytes_by_phase"], r["predicted_peak_bytes_by_phase"]
-            print(f"{record['name']} rank {r['rank']}: " + "  ".join(
+            print(f"{out[-1]['name']} rank {r['rank']}: " + "  ".join(
                 f"{ph} {m[ph]:,} {m[ph] - p[ph]:+,} B ({(m[ph] - p[ph]) / m[ph]:+.3%})" for ph in PHASES), flush=True)
     return out
 
