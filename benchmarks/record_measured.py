@@ -276,10 +276,28 @@ def _worlds(cases: dict) -> list[tuple[int, int, dict]]:
     ]  # fmt: skip
 
 
+def deepspeed_record(name: str, nd: int, run: dict, ds: dict, rows: list[dict], workload) -> dict:
+    """One DeepSpeed row (tests/data/measured/README.md) from every rank's runner row of one config, with the
+    prediction of the day (``_finish``); benchmarks/ds_boundary_rows.py records its rows with it too."""
+    from zeroplan.engines import deepspeed as D
+
+    zero_init = bool(rows[0].get("zero_init", False))
+    settings = D.Settings.from_ds_config(ds, zero_init=zero_init)
+    record = {
+        "name": name, "engine": "deepspeed", "nd": nd, "run": run,
+        "ds_config": ds, "zero_init": zero_init, "workload": workload_json(workload),
+        "estimate_kwargs": {"stat_bytes": D.DTYPE_BYTES[settings.dtype]},
+        "ranks": [{"rank": k, "measured_peak_bytes_by_phase": _peaks(r),
+                   "measured_model_states_bytes": [b for p, b in r["boundary_bytes"].items() if p != "init"][-1]}
+                  for k, r in enumerate(rows)],
+        "gloo_unsettled": sum(r["gloo_settle"]["unsettled"] for r in rows),
+    }  # fmt: skip
+    return _finish(record, _summary(rows[0]["calls_by_step"][-1], ("all-reduce", "reduce-scatter", "all-gather")))
+
+
 def record_deepspeed(models: dict[str, str], only: tuple[str, ...] = ()) -> list[dict]:
     """Every DeepSpeed case's rows; ``only``: those cases alone (names without ``-nd``)."""
     from validate.engines.deepspeed import compare_row, run_world, workload_for
-    from zeroplan.engines import deepspeed as D
 
     out = []
     for nd, steps, cases in _worlds(_deepspeed_cases(models)):
@@ -295,19 +313,8 @@ def record_deepspeed(models: dict[str, str], only: tuple[str, ...] = ()) -> list
             workload = workload_for(run.get("model", "gpt-tiny"), ds["train_micro_batch_size_per_gpu"], None,
                                     ds.get("gradient_accumulation_steps", 1), run.get("checkpointing", "none"),
                                     hf=run.get("hf", False))  # fmt: skip
-            zero_init = bool(rows[0].get("zero_init", False))
-            settings = D.Settings.from_ds_config(ds, zero_init=zero_init)
-            record = {
-                "name": f"deepspeed-{name}-nd{nd}", "engine": "deepspeed", "nd": nd,
-                "run": {**run, "model": Path(run.get("model", "gpt-tiny")).name, "steps": steps},
-                "ds_config": ds, "zero_init": zero_init, "workload": workload_json(workload),
-                "estimate_kwargs": {"stat_bytes": D.DTYPE_BYTES[settings.dtype]},
-                "ranks": [{"rank": k, "measured_peak_bytes_by_phase": _peaks(r),
-                           "measured_model_states_bytes": [b for p, b in r["boundary_bytes"].items() if p != "init"][-1]}
-                          for k, r in enumerate(rows)],
-                "gloo_unsettled": sum(r["gloo_settle"]["unsettled"] for r in rows),
-            }  # fmt: skip
-            out.append(_finish(record, _summary(rows[0]["calls_by_step"][-1], ("all-reduce", "reduce-scatter", "all-gather"))))
+            out.append(deepspeed_record(f"deepspeed-{name}-nd{nd}", nd, {
+                **run, "model": Path(run.get("model", "gpt-tiny")).name, "steps": steps}, ds, rows, workload))
             row = compare_row(ds, nd, rows, workload, name, 0.01, 0.03)  # the validator's own comparison
             mine = {p: max(r["predicted_peak_bytes_by_phase"][p] for r in out[-1]["ranks"]) for p in row["predicted_peak_bytes_by_phase"]}
             assert mine == row["predicted_peak_bytes_by_phase"], (name, mine, row["predicted_peak_bytes_by_phase"])
