@@ -244,23 +244,24 @@ def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
     embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
     if not embeddings or run.tied_head:  # tied: zero12.py _tied_embedding_backward (the sum, larger)
         return ()
-    at = bucket_of[max(embeddings)]
-    hook = order[first_of_bucket[at]]
-    if at == 0 or hook not in embeddings:
-        return ()
-    # the bucket's slices by destination rank, merged while consecutive (average_tensor); one slice is flattened
-    # as a view (torch flatten_dense_tensors of one tensor), so a copy is made only for a bucket over 2+ partitions
-    previous = set(order[first_of_bucket[at - 1]:first_of_bucket[at]])
-    if sum(1 for r in range(run.nd) if previous.intersection(run.flat.params(r))) < 2:
-        return ()
-    p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
-    common = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
-              _act("loss", run.acts.loss), Term("the embedding's gradient, waiting at its hook", run.numels[hook] * p,
-                                                "torch autograd AccumulateGrad"))  # fmt: skip
-    copy = Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
-                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
-    earlier = [r for r in run.ranks if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < at - 1]  # fmt: skip
-    return _blocks_bucket_at_embedding_hook_accumulating(run, common, copy, earlier)
+    # each bucket an embedding's gradient starts (GPT-2: wte alone, wpe's in the blocks' bucket before it; seed 6 4-4)
+    out: list[Moment] = []
+    for at in (k for k in range(1, len(buckets)) if order[first_of_bucket[k]] in embeddings):
+        hook = order[first_of_bucket[at]]
+        # the bucket's slices by destination rank, merged while consecutive (average_tensor); one slice is flattened
+        # as a view (torch flatten_dense_tensors of one tensor), so a copy is made only for a bucket over 2+ partitions
+        previous = set(order[first_of_bucket[at - 1]:first_of_bucket[at]])
+        if sum(1 for r in range(run.nd) if previous.intersection(run.flat.params(r))) < 2:
+            continue
+        p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
+        common = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
+                  _act("loss", run.acts.loss), Term("the embedding's gradient, waiting at its hook",
+                                                    run.numels[hook] * p, "torch autograd AccumulateGrad"))  # fmt: skip
+        copy = Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
+                    "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+        earlier = [r for r in run.ranks if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < at - 1]  # fmt: skip
+        out.extend(_blocks_bucket_at_embedding_hook_accumulating(run, common, copy, earlier))
+    return tuple(out)
 
 
 def _blocks_bucket_at_embedding_hook_accumulating(run: DSRun, common: tuple[Term, ...], copy: Term,
@@ -286,4 +287,35 @@ def _blocks_bucket_at_embedding_hook_accumulating(run: DSRun, common: tuple[Term
 
     return tuple(Moment("backward", f"embedding's hook reduces the blocks' bucket, rank {r} (accumulating)",
                         (*common, *extra(r)))
+                 for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r))))  # fmt: skip
+
+
+def epilogue_accumulating(run: DSRun) -> tuple[Moment, ...]:
+    """ZeRO-2 from the hooks accumulating (G > 1), from the second micro-step: the epilogue
+    (``independent_gradient_partition_epilogue``) reduces the last bucket (``reduce_ipg_grads``: its flattened copy,
+    then ``copy_grads_in_partition`` allocates this micro-step's ``grads_in_partition`` on a rank whose first bucket
+    it is), then adds the new partition's views into ``all_grad_tensors`` (the earlier micro-steps' buffer, kept to
+    the boundary; ``accumulated_grad.add_``) before ``_release_ipg_buffers``: two ``grads_in_partition`` beside the
+    bucket, the activations gone. Found by the differential matrix (seed 6 draw 4, generator 4: GPT-2 8.2M untied,
+    2,046,336-element buckets, G = 2, N_d = 2; the second micro-step's live storages at the epilogue, the listing of
+    benchmarks/differential_trace.py: rank 0 two 16,564,224-B buffers and the 8,185,344-B bucket, rank 1 two
+    18,536,448-B buffers; backward -12.30 % and -5.01 % with one). Not with ``offload_optimizer`` (the epilogue keeps
+    no ``all_grad_tensors`` there)."""
+    s = run.settings
+    if not (run.param_blocks and s.partition_gradients and run.grad_accum > 1 and not s.offload_optimizer.on):
+        return ()
+    _, buckets, _, _ = _hook_buckets(run)
+    last, p = len(buckets) - 1, _pbytes(run)
+    held = run.wrapper.held_between_micro_steps(run)  # the earlier micro-steps' grads_in_partition
+    base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
+            _act("batch (token ids, targets)", run.acts.batch, 2), _act("loss", run.acts.loss))
+    copy = Term("flattened copy of the last bucket's gradients", _hook_bucket_copy(run, last) * DTYPE_BYTES[s.grad_dtype],
+                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+    firsts = _rank_first_buckets(run)
+
+    def extra(r: int) -> tuple[Term, ...]:  # allocated by an earlier bucket: beside the copy; by the last: after it
+        new = Term("grads_in_partition (this micro-step's)", run.flat.params_numel(r) * p, GIP_SRC)
+        return (new, copy) if 0 <= firsts[r] < last else (max(new, copy, key=lambda t: t.bytes),)
+
+    return tuple(Moment("backward", f"epilogue accumulates into all_grad_tensors, rank {r}", (*base, *extra(r)))
                  for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r))))  # fmt: skip
