@@ -224,8 +224,8 @@ def _embedding_hook_winner(ranks: tuple[int, ...] | range, firsts: tuple[int, ..
 
 
 def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
-    """ZeRO-2 from the hooks accumulating gradients, the embeddings' gradients starting a bucket of their own: the
-    hook of the first of them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the
+    """ZeRO-2 from the hooks accumulating gradients, an embedding's gradient starting a bucket: its hook
+    (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the
     previous bucket (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a
     copy of its gradients) while that embedding gradient waits beside it, the blocks' activations gone; from the
     second micro-step on each rank holds two ``grads_in_partition`` (``_blocks_bucket_at_embedding_hook_accumulating``).
@@ -236,7 +236,11 @@ def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
     gradients, the embedding's 2,597,760 larger): rank 1 at 97,856,760 B, 3,210,440 B (3.28%) over the reduction
     after backward predicted before (MemTracker's live storages at rank 1's peak: ``aten.cat`` of the bucket's
     1,242,432 elements beside ``embedding_dense_backward``'s output; with 400,000-element buckets the previous
-    bucket, block 0's, lies in rank 0's partition alone: no copy, as measured)."""
+    bucket, block 0's, lies in rank 0's partition alone: no copy, as measured). GPT-2's ``wpe`` goes into the
+    blocks' bucket and ``wte`` alone starts one (seed 6 draw 4, generator 4: 8.2M untied, G = 2, N_d = 2; backward
+    -12.30 % and -5.01 % when only the first embedding in hook order was looked at; the live storages at both
+    ranks' peak, in wte's hook of the second micro-step: two ``grads_in_partition``, wte's 9,074,688-B gradient, the
+    bucket and, on rank 1, the 7,489,536-B flattened copy; benchmarks/differential_trace.py)."""
     if not (run.param_blocks and run.settings.partition_gradients and run.grad_accum > 1):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
@@ -244,7 +248,6 @@ def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
     embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
     if not embeddings or run.tied_head:  # tied: zero12.py _tied_embedding_backward (the sum, larger)
         return ()
-    # each bucket an embedding's gradient starts (GPT-2: wte alone, wpe's in the blocks' bucket before it; seed 6 4-4)
     out: list[Moment] = []
     for at in (k for k in range(1, len(buckets)) if order[first_of_bucket[k]] in embeddings):
         hook = order[first_of_bucket[at]]
@@ -289,33 +292,3 @@ def _blocks_bucket_at_embedding_hook_accumulating(run: DSRun, common: tuple[Term
                         (*common, *extra(r)))
                  for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r))))  # fmt: skip
 
-
-def epilogue_accumulating(run: DSRun) -> tuple[Moment, ...]:
-    """ZeRO-2 from the hooks accumulating (G > 1), from the second micro-step: the epilogue
-    (``independent_gradient_partition_epilogue``) reduces the last bucket (``reduce_ipg_grads``: its flattened copy,
-    then ``copy_grads_in_partition`` allocates this micro-step's ``grads_in_partition`` on a rank whose first bucket
-    it is), then adds the new partition's views into ``all_grad_tensors`` (the earlier micro-steps' buffer, kept to
-    the boundary; ``accumulated_grad.add_``) before ``_release_ipg_buffers``: two ``grads_in_partition`` beside the
-    bucket, the activations gone. Found by the differential matrix (seed 6 draw 4, generator 4: GPT-2 8.2M untied,
-    2,046,336-element buckets, G = 2, N_d = 2; the second micro-step's live storages at the epilogue, the listing of
-    benchmarks/differential_trace.py: rank 0 two 16,564,224-B buffers and the 8,185,344-B bucket, rank 1 two
-    18,536,448-B buffers; backward -12.30 % and -5.01 % with one). Not with ``offload_optimizer`` (the epilogue keeps
-    no ``all_grad_tensors`` there)."""
-    s = run.settings
-    if not (run.param_blocks and s.partition_gradients and run.grad_accum > 1 and not s.offload_optimizer.on):
-        return ()
-    _, buckets, _, _ = _hook_buckets(run)
-    last, p = len(buckets) - 1, _pbytes(run)
-    held = run.wrapper.held_between_micro_steps(run)  # the earlier micro-steps' grads_in_partition
-    base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
-            _act("batch (token ids, targets)", run.acts.batch, 2), _act("loss", run.acts.loss))
-    copy = Term("flattened copy of the last bucket's gradients", _hook_bucket_copy(run, last) * DTYPE_BYTES[s.grad_dtype],
-                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
-    firsts = _rank_first_buckets(run)
-
-    def extra(r: int) -> tuple[Term, ...]:  # allocated by an earlier bucket: beside the copy; by the last: after it
-        new = Term("grads_in_partition (this micro-step's)", run.flat.params_numel(r) * p, GIP_SRC)
-        return (new, copy) if 0 <= firsts[r] < last else (max(new, copy, key=lambda t: t.bytes),)
-
-    return tuple(Moment("backward", f"epilogue accumulates into all_grad_tensors, rank {r}", (*base, *extra(r)))
-                 for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r))))  # fmt: skip

@@ -284,7 +284,7 @@ class ZeroOptimizer(Wrapper):
             out.extend(_first_bucket_reduced(run, last, inflight) if s.partition_gradients else ())
         if hooks:
             out.extend(_epilogue_reduce(run))
-            out.extend((*LR.blocks_bucket_at_embedding_hook(run), *LR.epilogue_accumulating(run)))
+            out.extend(LR.blocks_bucket_at_embedding_hook(run))
         if not hooks:
             out.extend((*_stage1_reduce(run), *LR.stage1_flattened(run), *EM.tied_embedding_kept(run)))
         return tuple(out)
