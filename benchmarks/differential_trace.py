@@ -24,8 +24,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _listing(rank: int, label: str, peak: int, at_peak: list, hook, top: int, depth: int) -> None:
-    print(f"rank {rank} {label}: backward peak {peak:,} B of storages made since deepspeed.initialize (parameters "
-          f"and flat groups excluded), in or after the gradient hook of {hook}")  # fmt: skip
+    print(f"rank {rank} {label}: peak {peak:,} B of the live storages the mode saw made (backward: parameters and "
+          f"flat groups excluded), in or after the gradient hook of {hook}")  # fmt: skip
     for nbytes, func, shape, where in sorted(at_peak, key=lambda x: -x[0])[:top]:
         print(f"    {nbytes:>10,}  {func:<40} {str(shape):<18} {' <- '.join(reversed(where[-depth:]))}", flush=True)
 
@@ -46,8 +46,11 @@ def _trace_rank(rank: int, d_json: str, port: int, tmp: str, top: int, depth: in
     deepspeed.init_distributed(dist_backend="gloo")
     accum = d.ds_config.get("gradient_accumulation_steps", 1)
     build, batches = _model_and_batches(str(path), d.nd, rank, d.micro_batch, 2, d.seq_len, accum, d.checkpointing, hf=True)
-    model = build_model(build, d.ds_config, d.zero_init)
-    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=d.ds_config)
+    init = _live_storage_mode(set(), {})  # the build and deepspeed.initialize: init's peak, every storage
+    with init:
+        model = build_model(build, d.ds_config, d.zero_init)
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=d.ds_config)
+    del model
     ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
     ignore |= {g.untyped_storage().data_ptr() for g in getattr(opt, "bit16_groups_flat", [])}
     names, hook = {id(p): n for n, p in engine.module.named_parameters()}, {}
@@ -74,6 +77,7 @@ def _trace_rank(rank: int, d_json: str, port: int, tmp: str, top: int, depth: in
             gc.collect()
     for turn in range(d.nd):
         if turn == rank:
+            _listing(rank, "init (build, deepspeed.initialize)", init.peak, init.at_peak, None, top, depth)
             for listing in listings:
                 _listing(rank, *listing, top, depth)
         dist.barrier()
