@@ -45,8 +45,11 @@ def tied_build(run: DSRun) -> tuple[Moment, ...]:
     build of it: ``zero3.py zero_init_moments``). Init's peak where the cast and the optimizer's partitions hold less
     (bf16 ZeRO-3). Found by the differential matrix (seed 6 draw 9, generator 4: Qwen2 6.0M tied, ZeRO-3 bf16, N_d = 3:
     init -16.20 % on every rank; the live storages at init's peak, benchmarks/differential_trace.py: the whole fp32
-    model and two 11,530,752-B (15014, 192) weights, ``Embedding`` and ``Linear``, 35,582,336 B = the measurement)."""
-    if not (run.tied_head and run.transformers and run.spec is not None):
+    model and two 11,530,752-B (15014, 192) weights, ``Embedding`` and ``Linear``, 35,582,336 B = the measurement).
+    On the CPU accelerator only: transformers builds on torch's default device, the host, and on a GPU run
+    ``deepspeed.initialize`` moves the tied model (``module.to(device)``): the build is host memory there (the
+    validator's CUDA runner builds so too)."""
+    if not (run.tied_head and run.transformers and run.spec is not None and run.settings.device == "cpu"):
         return ()
     return (Moment("init", "transformers' build, the tied head before tie_weights", (
         Term("fp32 model as built", sum(run.numels) * 4, "transformers PreTrainedModel._from_config (torch's default dtype)"),
