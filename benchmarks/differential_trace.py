@@ -35,7 +35,7 @@ def _trace_rank(rank: int, d_json: str, port: int, tmp: str, top: int, depth: in
     import deepspeed
     import torch.distributed as dist
 
-    from ds_moe12_rows import _live_storage_mode
+    from ds_moe12_rows import _live_storage_mode, named_hooks
     from validate.engines.deepspeed import _model_and_batches, build_model
     from validate.engines.differential import Draw
 
@@ -51,17 +51,7 @@ def _trace_rank(rank: int, d_json: str, port: int, tmp: str, top: int, depth: in
         model = build_model(build, d.ds_config, d.zero_init)
         engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=d.ds_config)
     del model
-    ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    ignore |= {g.untyped_storage().data_ptr() for g in getattr(opt, "bit16_groups_flat", [])}
-    names, hook = {id(p): n for n, p in engine.module.named_parameters()}, {}
-    if hasattr(opt, "reduce_independent_p_g_buckets_and_remove_grads"):
-        reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
-
-        def named(param, *args):
-            hook["param"] = names.get(id(param))
-            return reduce(param, *args)
-
-        opt.reduce_independent_p_g_buckets_and_remove_grads = named
+    ignore, hook = named_hooks(engine, opt)
     gc.disable()
     listings = []
     mode = _live_storage_mode(ignore, hook)  # one mode over the run: what every step made and still holds

@@ -192,9 +192,6 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
         "inner_optimizer_class": type(inner).__name__ if inner is not None else None,
         "boundary_bytes": boundary,
         "peak_bytes_by_phase": {p: probe.peaks.get(p, 0) for p in PHASES},
-        # steps the engine skipped (a non-finite gradient norm or an overflow: engine.py _take_model_step), whose
-        # optimizer_step peak is then no step's (differential.py lists such a run as failed)
-        "skipped_steps": engine.skipped_steps,
         "build_peak_bytes": probe.peaks["build"],  # the model's construction, within init's peak
         "probe_breakdown": breakdown,
         "live_bytes_by_device": by_device,

@@ -360,11 +360,6 @@ def _run_deepspeed(d: Draw, path: str, steps: int, timeout_s: float) -> DrawResu
     ranks = run_world([d.ds_config], d.nd, model=str(world), steps=steps, timeout_s=timeout_s, seq_len=d.seq_len,
                       runs=[{"model": path, "hf": True, "zero_init": d.zero_init, "checkpointing": d.checkpointing}])  # fmt: skip
     out = DrawResult(d)
-    if skipped := {row["rank"]: row["skipped_steps"] for (row,) in ranks if row.get("skipped_steps")}:
-        # e.g. transformers' torch.empty experts under the runner's zero.Init: _init_weights sees 0-element
-        # partitions, so they stay uninitialised and the gradient norm may be non-finite (stage3.py step)
-        raise RuntimeError(f"optimizer steps skipped (rank: steps) {skipped}: no step was measured; peaks "
-                           f"{ {row['rank']: row['peak_bytes_by_phase'] for (row,) in ranks} }")
     for (row,) in ranks:
         out.measured[row["rank"]] = dict(row["peak_bytes_by_phase"])
         out.predicted[row["rank"]] = predict_draw(d, path, row["rank"])
