@@ -88,10 +88,30 @@ def build_model(model_fn, config: dict, zero_init: bool):
     run (``measure`` puts torch's back), so a later run of the same world trains with torch's."""
     if not zero_init:
         return model_fn()
+    if getattr(model_fn, "transformers", False):
+        return hf_zero3_build(model_fn, config)
     import deepspeed
 
     with deepspeed.zero.Init(config_dict_or_path=config):
         return model_fn()
+
+
+def hf_zero3_build(model_fn, config: dict):
+    """A ``transformers`` model (``hf_builder``) built under ZeRO-3 as its users build it: an ``HfDeepSpeedConfig``
+    of the ds_config alive, ``from_config`` opens ``zero.Init`` itself (modeling_utils.py ``_from_config``) and
+    initialises the weights module by module, gathered (integrations/deepspeed.py ``initialize_weights_zero3``).
+    Under a ``zero.Init`` of the runner's own, ``_init_weights`` met 0-element partitions (only torch's own
+    ``reset_parameters`` had run): DeepSeek-V3's ``torch.empty`` experts kept whatever memory they got
+    (docs/engines/deepspeed.md "What the validator changes"). Unset after the build (only the build reads it):
+    a later run builds without ZeRO-3."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf_config = HfDeepSpeedConfig(config)  # held through the build: transformers keeps only a weak reference
+    try:
+        return model_fn()
+    finally:
+        unset_hf_deepspeed_config()
+        del hf_config
 
 
 def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init: bool = False,
@@ -146,7 +166,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
             probe.peaks["init"] = max(probe.peaks["init"], probe.peaks["build"])
             boundary["init"] = probe.settled_bytes()
             accum = config.get("gradient_accumulation_steps", 1)
-            step_s = []
+            step_s, applied = [], []
             for step in range(len(batches)):
                 t0 = time.perf_counter()
                 for micro in range(accum):
@@ -166,6 +186,9 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
                         del batch
                 enter("optimizer_step")
                 engine.step()
+                # False: DeepSpeed skipped the update (its optimizer's ``overflow``: fp16's loss-scale overflow or a
+                # non-finite gradient norm; runtime/engine.py ``_take_model_step``: ``_step_applied = not overflow``)
+                applied.append(engine.was_step_applied())
                 del batch
                 enter(None)
                 step_s.append(round(time.perf_counter() - t0, 3))
@@ -207,6 +230,10 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
         "gloo_settle": settled.stats if settle else None,  # None: asynchronous, as DeepSpeed issues them
         "init_s": round(init_s, 3),
         "step_s": step_s,
+        # per optimizer step, whether DeepSpeed applied it (engine.was_step_applied()); a skipped step is refused
+        # by the parent (deepspeed_compare.refuse_skipped_steps): its phases are not a measurement of the step
+        "steps_applied": applied,
+        "skipped_steps": engine.skipped_steps,
         "deepspeed": deepspeed.__version__,
         "torch": torch.__version__,
     }
@@ -257,6 +284,7 @@ def hf_builder(config_path: str, checkpointing: str = "none"):
         model.loss = loss
         return model
 
+    build.transformers = True  # built under ZeRO-3 by transformers itself (build_model, hf_zero3_build)
     return build
 
 
