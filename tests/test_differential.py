@@ -381,4 +381,3 @@ def test_phi3_checkpointed_zero3_is_predicted_as_measured(tmp_path):
         predicted = predict_draw(d, str(path), rank)
         for phase, measured in PHI3_CHECKPOINTED.items():
             assert 0 <= measured - predicted[phase] <= 640, (rank, phase, predicted[phase])
-

@@ -293,7 +293,6 @@ def _blocks_bucket_at_embedding_hook_accumulating(run: DSRun, common: tuple[Term
                  for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r))))  # fmt: skip
 
 
-
 def epilogue_large_gradient(run: DSRun) -> tuple[Moment, ...]:
     """Reducing from the hooks (G = 1), the last bucket one gradient larger than the bucket (the token embedding's,
     last in hook order): it is reduced in place after backward (``independent_gradient_partition_epilogue`` ->

@@ -18,7 +18,8 @@ from zeroplan.formulas.peak import Moment, Term
 
 def cast_moments(run: DSRun) -> tuple[Moment, ...]:
     """The model's 16-bit cast in ``deepspeed.initialize``, tensor by tensor (none in fp32, none when
-    ``deepspeed.zero.Init`` built it in the config's dtype)."""
+    ``deepspeed.zero.Init`` built it in the config's dtype), and before it a tied transformers model's build
+    (``tied_build``)."""
     s, numels = run.settings, run.numels
     p, psi = _pbytes(run), sum(numels)
     if s.builds_partitioned:  # zero.Init: its build is zero3.py zero_init_moments, in the config's dtype
