@@ -152,16 +152,9 @@ def _live_storage_mode(ignore: set, hook: dict):
     return Live()
 
 
-def second_backward_listing(engine, opt, batches, rank: int, nd: int, top: int, depth: int = 3) -> None:
-    """Train two steps and print, rank by rank, the live storages made in the second step at its backward peak
-    (``_live_storage_mode``: parameters and the flat groups excluded; the first step allocates the buckets), with
-    the parameter whose gradient hook ran last (DeepSpeed's ``reduce_independent_p_g_buckets_and_remove_grads``:
-    (param, i) at ZeRO-1/2, (param,) at ZeRO-3). The one trace routine of ds_moe12_rows.py, ds_moe_opt_rows.py and
-    ds_head_bucket_rows.py."""
-    import gc
-
-    import torch.distributed as dist
-
+def named_hooks(engine, opt) -> tuple[set, dict]:
+    """The storages a listing leaves out (parameters and flat groups) and a dict whose ``"param"`` names the parameter
+    whose gradient hook ran last (DeepSpeed's ``reduce_independent_p_g_buckets_and_remove_grads``, wrapped)."""
     ignore = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
     ignore |= {g.untyped_storage().data_ptr() for g in getattr(opt, "bit16_groups_flat", [])}
     names, hook = {id(p): n for n, p in engine.module.named_parameters()}, {}
@@ -173,6 +166,20 @@ def second_backward_listing(engine, opt, batches, rank: int, nd: int, top: int, 
             return reduce(param, *args)
 
         opt.reduce_independent_p_g_buckets_and_remove_grads = named
+    return ignore, hook
+
+
+def second_backward_listing(engine, opt, batches, rank: int, nd: int, top: int, depth: int = 3) -> None:
+    """Train two steps and print, rank by rank, the live storages made in the second step at its backward peak
+    (``_live_storage_mode``: parameters and the flat groups excluded; the first step allocates the buckets), with
+    the parameter whose gradient hook ran last (DeepSpeed's ``reduce_independent_p_g_buckets_and_remove_grads``:
+    (param, i) at ZeRO-1/2, (param,) at ZeRO-3). The one trace routine of ds_moe12_rows.py, ds_moe_opt_rows.py and
+    ds_head_bucket_rows.py."""
+    import gc
+
+    import torch.distributed as dist
+
+    ignore, hook = named_hooks(engine, opt)
     gc.disable()
     for step in range(2):
         mode = _live_storage_mode(ignore, hook)

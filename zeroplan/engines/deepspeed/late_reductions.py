@@ -226,8 +226,8 @@ def _embedding_hook_winner(ranks: tuple[int, ...] | range, firsts: tuple[int, ..
 
 
 def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
-    """ZeRO-2 from the hooks accumulating gradients, the embeddings' gradients starting a bucket of their own: the
-    hook of the first of them (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the
+    """ZeRO-2 from the hooks accumulating gradients, an embedding's gradient starting a bucket: its hook
+    (``reduce_independent_p_g_buckets_and_remove_grads``: it does not fit) reduces the
     previous bucket (``reduce_ipg_grads`` -> ``average_tensor`` -> ``allreduce_bucket``: ``self.flatten(bucket)``, a
     copy of its gradients) while that embedding gradient waits beside it, the blocks' activations gone; from the
     second micro-step on each rank holds two ``grads_in_partition`` (``_blocks_bucket_at_embedding_hook_accumulating``).
@@ -238,7 +238,11 @@ def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
     gradients, the embedding's 2,597,760 larger): rank 1 at 97,856,760 B, 3,210,440 B (3.28%) over the reduction
     after backward predicted before (MemTracker's live storages at rank 1's peak: ``aten.cat`` of the bucket's
     1,242,432 elements beside ``embedding_dense_backward``'s output; with 400,000-element buckets the previous
-    bucket, block 0's, lies in rank 0's partition alone: no copy, as measured)."""
+    bucket, block 0's, lies in rank 0's partition alone: no copy, as measured). GPT-2's ``wpe`` goes into the
+    blocks' bucket and ``wte`` alone starts one (seed 6 draw 4, generator 4: 8.2M untied, G = 2, N_d = 2; backward
+    -12.30 % and -5.01 % when only the first embedding in hook order was looked at; the live storages at both
+    ranks' peak, in wte's hook of the second micro-step: two ``grads_in_partition``, wte's 9,074,688-B gradient, the
+    bucket and, on rank 1, the 7,489,536-B flattened copy; benchmarks/differential_trace.py)."""
     if not (run.param_blocks and run.settings.partition_gradients and run.grad_accum > 1):
         return ()
     first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
@@ -246,23 +250,23 @@ def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
     embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
     if not embeddings or run.tied_head:  # tied: zero12.py _tied_embedding_backward (the sum, larger)
         return ()
-    at = bucket_of[max(embeddings)]
-    hook = order[first_of_bucket[at]]
-    if at == 0 or hook not in embeddings:
-        return ()
-    # the bucket's slices by destination rank, merged while consecutive (average_tensor); one slice is flattened
-    # as a view (torch flatten_dense_tensors of one tensor), so a copy is made only for a bucket over 2+ partitions
-    previous = set(order[first_of_bucket[at - 1]:first_of_bucket[at]])
-    if sum(1 for r in range(run.nd) if previous.intersection(run.flat.params(r))) < 2:
-        return ()
-    p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
-    common = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
-              _act("loss", run.acts.loss), Term("the embedding's gradient, waiting at its hook", run.numels[hook] * p,
-                                                "torch autograd AccumulateGrad"))  # fmt: skip
-    copy = Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
-                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
-    earlier = [r for r in run.ranks if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < at - 1]  # fmt: skip
-    return _blocks_bucket_at_embedding_hook_accumulating(run, common, copy, earlier)
+    out: list[Moment] = []
+    for at in (k for k in range(1, len(buckets)) if order[first_of_bucket[k]] in embeddings):
+        hook = order[first_of_bucket[at]]
+        # the bucket's slices by destination rank, merged while consecutive (average_tensor); one slice is flattened
+        # as a view (torch flatten_dense_tensors of one tensor), so a copy is made only for a bucket over 2+ partitions
+        previous = set(order[first_of_bucket[at - 1]:first_of_bucket[at]])
+        if sum(1 for r in range(run.nd) if previous.intersection(run.flat.params(r))) < 2:
+            continue
+        p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
+        common = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
+                  _act("loss", run.acts.loss), Term("the embedding's gradient, waiting at its hook",
+                                                    run.numels[hook] * p, "torch autograd AccumulateGrad"))  # fmt: skip
+        copy = Term("flattened copy of the previous bucket's gradients", buckets[at - 1] * g,
+                    "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+        earlier = [r for r in run.ranks if run.flat.params(r) and min(bucket_of[i] for i in run.flat.params(r)) < at - 1]  # fmt: skip
+        out.extend(_blocks_bucket_at_embedding_hook_accumulating(run, common, copy, earlier))
+    return tuple(out)
 
 
 def _blocks_bucket_at_embedding_hook_accumulating(run: DSRun, common: tuple[Term, ...], copy: Term,
@@ -289,3 +293,47 @@ def _blocks_bucket_at_embedding_hook_accumulating(run: DSRun, common: tuple[Term
     return tuple(Moment("backward", f"embedding's hook reduces the blocks' bucket, rank {r} (accumulating)",
                         (*common, *extra(r)))
                  for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r))))  # fmt: skip
+
+
+def epilogue_large_gradient(run: DSRun) -> tuple[Moment, ...]:
+    """Reducing from the hooks (G = 1), the last bucket one gradient larger than the bucket (the token embedding's,
+    last in hook order): it is reduced in place after backward (``independent_gradient_partition_epilogue`` ->
+    ``reduce_ipg_grads``: ``extra_large_param_to_reduce``) and copied into the partition of the rank owning it
+    (``copy_grads_in_partition``), which allocates that rank's ``grads_in_partition`` there if no earlier bucket did,
+    the gradient alive beside it; stage 1 also keeps every other gradient larger than the bucket outside the rank's
+    partition (reduced in place, never cleared: ``embedding_moments.py stage1_embedding_hook_kept``'s rule).
+    Found by the differential matrix (seed 6 draw 5, generator 4: GPT-2 23.8M untied, ZeRO-1 ``overlap_comm``,
+    4,688,960-element buckets, checkpointed, N_d = 4; rank 0, whose partition is ``wte`` alone: the live storages at
+    its backward peak, benchmarks/differential_trace.py: the head's and wte's 37,511,680-B gradients, its
+    37,511,680-B ``grads_in_partition`` from ``reduce_ipg_grads``, both buckets and the states; -11.59 % before, now
+    within 8 B)."""
+    s = run.settings
+    if not run.param_blocks or run.grad_accum > 1:
+        return ()
+    order, buckets, first_of_bucket, _ = _hook_buckets(run)
+    last = len(buckets) - 1
+    if last < 1 or len(order) - first_of_bucket[last] != 1 or run.numels[order[-1]] <= s.reduce_bucket_size:
+        return ()
+    big, p, numels = order[-1], _pbytes(run), run.numels
+    base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2),
+            _act("loss", run.acts.loss),
+            Term("the last gradient, larger than the bucket, reduced after backward", numels[big] * p,
+                 "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"))  # fmt: skip
+    copy = Term("flattened copy of the last bucket's gradients", _hook_bucket_copy(run, last) * DTYPE_BYTES[s.grad_dtype],
+                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+    large = [i for i, n in enumerate(numels) if n > s.reduce_bucket_size and i != big]
+    firsts = _rank_first_buckets(run)
+
+    def own(r: int) -> tuple[Term, ...]:
+        first, end = run.flat.range(r)
+        kept = () if s.partition_gradients else (Term(
+            "gradients larger than the bucket, outside the partition (kept to the step)",
+            sum(numels[i] for i in large if not first <= i < end) * p,
+            "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce; stage 1 clears none)"),)
+        if firsts[r] < 0:
+            return (copy, *kept)
+        gip = Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC)
+        return (*((gip, copy) if firsts[r] < last else (max(gip, copy, key=lambda t: t.bytes),)), *kept)
+
+    return tuple(Moment("backward", f"the last, large gradient reduced after backward, rank {r}", (*base, *own(r)))
+                 for r in run.first_largest(lambda r: sum(t.bytes for t in own(r))))  # fmt: skip

@@ -18,21 +18,44 @@ from zeroplan.formulas.peak import Moment, Term
 
 def cast_moments(run: DSRun) -> tuple[Moment, ...]:
     """The model's 16-bit cast in ``deepspeed.initialize``, tensor by tensor (none in fp32, none when
-    ``deepspeed.zero.Init`` built it in the config's dtype)."""
+    ``deepspeed.zero.Init`` built it in the config's dtype), and before it a tied transformers model's build
+    (``tied_build``)."""
     s, numels = run.settings, run.numels
     p, psi = _pbytes(run), sum(numels)
+    if s.builds_partitioned:  # zero.Init: its build is zero3.py zero_init_moments, in the config's dtype
+        return ()
+    build = tied_build(run)
     # engine.py _configure_distributed_model -> _cast_module_mixed_precision: zero.Init built the model in the
     # config's dtype already (is_zero_init_model: no cast), else p.data.to(dtype), tensor by tensor
-    if s.dtype == "fp32" or s.builds_partitioned:
-        return ()
+    if s.dtype == "fp32":
+        return build
     # nn.Module._apply converts one parameter at a time: the fp32 ones not yet converted plus the 16-bit ones
     done, worst = 0, 0
     for n in numels:
         worst = max(worst, (psi - done) * 4 + (done + n) * p)
         done += n
-    return (Moment("init", "16-bit cast of the model", (
+    return (*build, Moment("init", "16-bit cast of the model", (
         Term("fp32 model as built and its 16-bit copies so far", worst,
-             "runtime/engine.py _configure_distributed_model (module.to(dtype)) -> torch nn.Module._apply"),)),)  # fmt: skip
+             "runtime/engine.py _configure_distributed_model (module.to(dtype)) -> torch nn.Module._apply"),)))  # fmt: skip
+
+
+def tied_build(run: DSRun) -> tuple[Moment, ...]:
+    """A tied transformers model built whole (not under ``zero.Init``), in fp32: its ``lm_head`` is a module of its
+    own with a V x h weight (``nn.Linear``, made after ``self.model``), beside every other parameter, until
+    ``post_init`` -> ``tie_weights`` points it at the token embedding's (transformers 5.24 modeling_utils.py; zero.Init's
+    build of it: ``zero3.py zero_init_moments``). Init's peak where the cast and the optimizer's partitions hold less
+    (bf16 ZeRO-3). Found by the differential matrix (seed 6 draw 9, generator 4: Qwen2 6.0M tied, ZeRO-3 bf16, N_d = 3:
+    init -16.20 % on every rank; the live storages at init's peak, benchmarks/differential_trace.py: the whole fp32
+    model and two 11,530,752-B (15014, 192) weights, ``Embedding`` and ``Linear``, 35,582,336 B = the measurement).
+    On the CPU accelerator only: transformers builds on torch's default device, the host, and on a GPU run
+    ``deepspeed.initialize`` moves the tied model (``module.to(device)``): the build is host memory there (the
+    validator's CUDA runner builds so too)."""
+    if not (run.tied_head and run.transformers and run.spec is not None and run.settings.device == "cpu"):
+        return ()
+    return (Moment("init", "transformers' build, the tied head before tie_weights", (
+        Term("fp32 model as built", sum(run.numels) * 4, "transformers PreTrainedModel._from_config (torch's default dtype)"),
+        Term("lm_head's own weight, before post_init ties it", run.head_numel * 4,
+             "transformers modeling_utils.py post_init -> tie_weights"))),)  # fmt: skip
 
 
 def flatten_moment(run: DSRun) -> Moment:

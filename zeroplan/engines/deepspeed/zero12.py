@@ -285,7 +285,7 @@ class ZeroOptimizer(Wrapper):
             out.extend(_tied_embedding_backward(run))  # ZeRO-2: the final norm's hook as at G = 1 (seed 5 gen. 5, 5-8)
             out.extend(_first_bucket_reduced(run, last, inflight) if s.partition_gradients else ())
         if hooks:
-            out.extend(_epilogue_reduce(run))
+            out.extend((*_epilogue_reduce(run), *LR.epilogue_large_gradient(run)))
             out.extend(LR.blocks_bucket_at_embedding_hook(run))
         if not hooks:
             out.extend((*_stage1_reduce(run), *LR.stage1_flattened(run), *EM.tied_embedding_kept(run)))
