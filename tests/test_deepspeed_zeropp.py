@@ -26,12 +26,13 @@ from zeroplan.engines.deepspeed.wrapper import collectives as ds_collectives
 from zeroplan.engines.deepspeed.zeropp import all_secondaries_numel, qwz_groups, secondary_numel
 from zeroplan.formulas.collectives import on_mesh
 
-from tests.test_measured_rows import MEASURED, check_record, dtype_name, estimate_of, live_margin, workload_from
+from tests.test_measured_rows import (MEASURED, check_record, dtype_name, estimate_of, live_margin, settings_of,
+                                      workload_from)
 
 RECORD = MEASURED / "deepspeed_zeropp.json"
 ND = 4
 LLAMA = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json")
-RING = ("all-gather", "reduce-scatter", "all-reduce")
+RING = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 # gpt-tiny's parameters all fall under DeepSpeed's default persistence threshold (1e5): the coordinator gathers
 # nothing then; 100 makes it gather the matrices, and reuse distance 0 makes backward gather them again
 _LOW = {"reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 100}
@@ -86,7 +87,7 @@ def observed_by_group(calls: list[list], groups: list) -> dict[str, list[int]]:
 def predicted_by_group(record: dict) -> dict[str, list[int]]:
     """The profile's collectives of the record's step per ``op|phase|dtype|group``: [calls, elements]."""
     w = workload_from(record["workload"])
-    s = D.Settings.from_ds_config(record["ds_config"], zero_init=record["zero_init"])
+    s = settings_of(record)
     numels = tuple(math.prod(sh) for _, sh in w.shapes)
     out: dict[str, list[int]] = {}
     for c in ds_collectives(s, numels, record["nd"], w.grad_accum, *_trace(w)):

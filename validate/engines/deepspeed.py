@@ -32,7 +32,7 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
-from validate.engines.deepspeed_changes import GlooSettled, fp16_on_cpu, runner_changes
+from validate.engines.deepspeed_changes import GlooSettled, fp16_on_cpu, quantizer_on_cpu, runner_changes
 
 PHASES = ("init", "forward", "backward", "optimizer_step")
 
@@ -179,6 +179,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
         import deepspeed.utils.groups as ds_groups
 
         ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+        ds_groups._ALL_TO_ALL_GROUP.clear()  # qgZ's groups, made for this run's device_count (run "local_size")
         gc.unfreeze()
         if was_enabled:
             gc.enable()
@@ -309,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
         "--runs", default=None,
         help="JSON list parallel to --configs: per config, {\"model\": ..., \"checkpointing\": ..., \"zero_init\": "
         "...} overriding the config's; \"hf\": true builds the transformers model of the model's config.json "
-        "(hf_builder); \"settle\": false leaves the collectives asynchronous (no GlooSettled)",
+        "(hf_builder); \"settle\": false leaves the collectives asynchronous (no GlooSettled); \"local_size\": "
+        "the CPU accelerator's device_count (LOCAL_SIZE: qgZ's ranks per node)",
     )  # fmt: skip
     parser.add_argument("--out", required=True, help="JSON file: every rank's rows, written by rank 0")
     parser.add_argument("--raw", action="store_true", help="accepted for validate.harness (rows are always raw)")
@@ -342,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = json.loads(args.runs) if args.runs else [{}] * len(configs)
     for ds, run in zip(configs, runs):
         model_fn, batches = case_model_and_batches(config, ds, run, nd, rank)
-        with fp16_on_cpu(ds) as overridden:
+        with fp16_on_cpu(ds) as overridden, quantizer_on_cpu(ds, run.get("local_size")):
             row = measure(model_fn, ds, batches, rank, nd, bool(run.get("zero_init", config.zero_init)),
                           settle=bool(run.get("settle", True)))  # fmt: skip
         row["fp16_capability_overridden"] = overridden

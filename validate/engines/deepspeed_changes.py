@@ -133,6 +133,29 @@ def fp16_on_cpu(config: dict):
         del accelerator.is_fp16_supported
 
 
+@contextlib.contextmanager
+def quantizer_on_cpu(config: dict, local_size: int | None = None):
+    """ZeRO++ qwZ/qgZ on the CPU accelerator: DeepSpeed's CUDA quantizer op replaced by the Python stand-in
+    (``validate.engines.deepspeed_quantizer``: the binding's output shapes and dtypes, allocated once); with
+    ``local_size``, the CPU accelerator's ``device_count`` (``accelerator/cpu_accelerator.py``: ``LOCAL_SIZE``,
+    else the NUMA nodes with cores: 1 here) for the run, which sets qgZ's ranks per node
+    (``utils/groups.py _get_local_all_to_all_group``, ``all_to_all_quant_reduce``)."""
+    import os
+
+    from validate.engines import deepspeed_quantizer
+
+    if deepspeed_quantizer.uses_quantizer(config):
+        deepspeed_quantizer.install()
+    was = os.environ.get("LOCAL_SIZE")
+    if local_size:
+        os.environ["LOCAL_SIZE"] = str(local_size)
+    try:
+        yield
+    finally:
+        if local_size:
+            os.environ.pop("LOCAL_SIZE") if was is None else os.environ.update(LOCAL_SIZE=was)
+
+
 
 
 def runner_changes(row: dict) -> list[str]:
@@ -151,6 +174,10 @@ def runner_changes(row: dict) -> list[str]:
     if row.get("zero_init"):
         out.append("torch.nn.functional.linear restored after the run (zero.Init's zero3_linear_wrap; build_model)")
     out.append("deepspeed_shm_comm (TorchBackend.inference_all_reduce only) marked incompatible: never built")
+    if any(row["config"].get("zero_optimization", {}).get(k) for k in ("zero_quantized_weights",
+                                                                        "zero_quantized_gradients")):
+        out.append("ZeRO++'s CUDA quantizer op (QuantizerBuilder) replaced by a Python stand-in with its outputs' "
+                   "shapes and dtypes (validate/engines/deepspeed_quantizer.py; quantizer_on_cpu)")  # fmt: skip
     out.append("ZeRO++ hpZ's process group forgotten after the run (utils/groups.py _ZERO_PARAM_INTRA_PARALLEL_GROUP; "
                "measure): each config of a world makes its own, as a job does")  # fmt: skip
     return out
