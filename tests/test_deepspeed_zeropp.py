@@ -32,6 +32,9 @@ from tests.test_measured_rows import (MEASURED, check_record, dtype_name, estima
 RECORD = MEASURED / "deepspeed_zeropp.json"
 ND = 4
 LLAMA = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama.json")
+LLAMA_Q = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama-qwz.json")
+"""tiny-llama with vocabulary 128 and MLP 96: every matrix's quantization groups split evenly over 4 ranks (qgZ's
+scales all-to-all; tiny-llama's 103-row embedding does not: ``zeropp_qgz.qgz_check``)."""
 RING = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 # gpt-tiny's parameters all fall under DeepSpeed's default persistence threshold (1e5): the coordinator gathers
 # nothing then; 100 makes it gather the matrices, and reuse distance 0 makes backward gather them again
@@ -49,7 +52,18 @@ CASES = {  # name: (dtype, zero_optimization keys, model, gradient_accumulation_
     "z3-hpz2-r0-accum2": ("fp32", {**_R0, "zero_hpz_partition_size": 2}, "gpt-tiny", 2, False),
     "z3-hpz2-r0-zinit": ("fp32", {**_R0, "zero_hpz_partition_size": 2}, "gpt-tiny", 1, True),
     "z3-hpz4-r0": ("fp32", {**_R0, "zero_hpz_partition_size": 4}, "gpt-tiny", 1, False),
+    "z3-qgz-r0": ("fp32", {**_R0, "zero_quantized_gradients": True}, "gpt-tiny", 1, False),
+    "z3-qgz-r0-local2": ("fp32", {**_R0, "zero_quantized_gradients": True}, "gpt-tiny", 1, False),
+    "z3-qgz-r0-onenode": ("fp32", {**_R0, "zero_quantized_gradients": True}, "gpt-tiny", 1, False),
+    "z3-qgz-bigbucket": ("fp32", {"stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 0,
+                                  "stage3_max_reuse_distance": 0, "zero_quantized_gradients": True}, "gpt-tiny", 1, False),
+    "z3-qgz-r0-llama": ("fp32", {**_R0, "zero_quantized_gradients": True}, LLAMA_Q, 1, False),
+    "z3-qgz-r0-llama-local2": ("fp32", {**_R0, "zero_quantized_gradients": True}, LLAMA_Q, 1, False),
 }  # fmt: skip
+LOCAL_SIZE = {"z3-qgz-r0": 1, "z3-qgz-r0-local2": 2, "z3-qgz-r0-onenode": 4, "z3-qgz-bigbucket": 1,
+              "z3-qgz-r0-llama": 1, "z3-qgz-r0-llama-local2": 2}
+"""qgZ's rows: the CPU accelerator's ``device_count`` (``LOCAL_SIZE``; the run key ``local_size``), the GPUs per node
+of qgZ's groups: 1 (this machine's NUMA count: 4 nodes of one rank), 2 (2 x 2) and 4 (one node: no all-to-all)."""
 LIVE = "z3-hpz2-r0"
 
 
@@ -63,7 +77,13 @@ def ds_config_of(name: str) -> dict:
 
 
 def run_of(name: str) -> dict:
-    return {"model": CASES[name][2], "zero_init": CASES[name][4]}
+    local = {"local_size": LOCAL_SIZE[name]} if name in LOCAL_SIZE else {}
+    return {"model": CASES[name][2], "zero_init": CASES[name][4], **local}
+
+
+def machine_of(name: str) -> dict:
+    """The record's ``machine`` (``test_measured_rows.settings_of``): qgZ's devices per node."""
+    return {"devices_per_node": LOCAL_SIZE[name]} if name in LOCAL_SIZE else {}
 
 
 DEEPSPEED_WORLD = {ND: lambda: [(ds_config_of(LIVE), run_of(LIVE))]}
@@ -303,8 +323,10 @@ def record(path: Path = RECORD, rows: list[list[dict]] | None = None) -> None:
         assert rk[0]["config"] == config and rk[0]["zero_init"] == CASES[name][4], name
         w = workload_for(CASES[name][2], 2, None, CASES[name][3])
         row = compare_row(config, ND, rk, w, name, 0.01, 0.03)
-        entry = {"name": name, "engine": "deepspeed", "nd": ND, "run": {"model": Path(CASES[name][2]).name, "steps": 3},
-                 "ds_config": config, "zero_init": CASES[name][4], "workload": workload_json(w),
+        entry = {"name": name, "engine": "deepspeed", "nd": ND, "run": {"model": Path(CASES[name][2]).name, "steps": 3,
+                                                                         **({"local_size": LOCAL_SIZE[name]} if name in LOCAL_SIZE else {})},
+                 "ds_config": config, "zero_init": CASES[name][4], **({"machine": machine_of(name)} if machine_of(name) else {}),
+                 "workload": workload_json(w),
                  "estimate_kwargs": {"stat_bytes": D.DTYPE_BYTES[CASES[name][0]]}, "ranks": []}  # fmt: skip
         for r in rk:
             est = estimate_of(entry, r["rank"])
