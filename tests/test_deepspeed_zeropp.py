@@ -5,9 +5,10 @@ hpZ rows: real DeepSpeed on 4 gloo CPU ranks with ``zero_hpz_partition_size`` 2 
 world, ~3 min of wall time on two shared cores) and checked without a run: every rank's peak of every phase at
 its recorded error (``test_measured_rows.check_record``, margin 0 B), each within 1%, and the collectives of one
 steady-state step per (op, phase, dtype, process-group size), calls and elements, as ``CommCounter`` saw them.
-One row also runs live in the shared N_d = 4 world (``DEEPSPEED_WORLD``). qwZ and qgZ need DeepSpeed's CUDA
-quantizer op (``QuantizerBuilder``; the CPU accelerator has none): qwZ is predicted from the source, not
-measured; qgZ and MiCS (removed from 0.19.8) are refused in one line.
+One row also runs live in the shared N_d = 4 world (``DEEPSPEED_WORLD``). qgZ rows: the same world with DeepSpeed's
+CUDA quantizer op (``QuantizerBuilder``; the CPU accelerator has none) replaced by a Python stand-in with its outputs'
+shapes and dtypes (validate/engines/deepspeed_quantizer.py), at 1, 2 and 4 devices per node (``LOCAL_SIZE``). qwZ is
+predicted from the source, not measured; MiCS (removed from 0.19.8) is refused in one line.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from zeroplan.engines import deepspeed as D
 from zeroplan.engines.deepspeed.run import _trace
 from zeroplan.engines.deepspeed.wrapper import collectives as ds_collectives
 from zeroplan.engines.deepspeed.zeropp import all_secondaries_numel, qwz_groups, secondary_numel
+from zeroplan.engines.deepspeed.zeropp_qgz import qgz_calls, qgz_check, qgz_nodes, qgz_reduce_bytes
 from zeroplan.formulas.collectives import on_mesh
 
 from tests.test_measured_rows import (MEASURED, check_record, dtype_name, estimate_of, live_margin, settings_of,
@@ -209,7 +211,9 @@ def test_secondary_partition_is_the_padded_tensor_over_the_group():
 
 @pytest.mark.parametrize("config, message", [
     ({"stage": 2, "zero_hpz_partition_size": 2}, "zero_hpz_partition_size at stage 2"),
-    ({"stage": 3, "zero_quantized_gradients": True}, "qgZ"),
+    ({"stage": 2, "zero_quantized_gradients": True}, "zero_quantized_gradients at stage 2"),
+    ({"stage": 3, "zero_quantized_gradients": True, "offload_optimizer": {"device": "cpu"}}, "with offload"),
+    ({"stage": 3, "zero_quantized_gradients": True, "reduce_scatter": False}, "reduce_scatter=false"),
     ({"stage": 3, "zero_hpz_partition_size": 2, "offload_optimizer": {"device": "cpu"}}, "with offload"),
     ({"stage": 3, "mics_shard_size": 2}, "MiCS was removed from DeepSpeed 0.19.8"),
     ({"stage": 3, "mics_hierarchical_params_gather": True}, "MiCS was removed"),
@@ -297,6 +301,81 @@ def test_qwz_gathers_int8_and_fp32_scales():
         q, f = got[("all-gather", phase, "int8")], base[("all-gather", phase, "fp32")]
         assert (q.calls, q.elements) == (f.calls, f.elements)
         assert got[("all-gather", phase, "fp32")].calls == f.calls  # one scales call per gather
+
+
+def test_qgz_calls_by_hand():
+    """all_to_all_quant_reduce at N_d = 4, 2 devices per node: a [36, 108] gradient (3,888 elements, a multiple of
+    2·4; max(36, 108, 4) = 108 groups) in four all-to-alls; a 1-D one and a [101, 36] one (3,636: not a multiple of
+    8) each in its own reduce-scatter over the world, padded to a multiple of N_d."""
+    assert qgz_calls(((36, 108), (36,), (101, 36)), 4, 2) == [
+        ("all-to-all", "int8", 1944, 2), ("all-to-all", "fp32", 108, 2),  # 4 bits: n / 2 bytes; the scales
+        ("all-to-all", "int8", 972, 2), ("all-to-all", "fp32", 54, 2),  # after quantized_reduction: / L
+        ("reduce-scatter", "grad", 36, 4), ("reduce-scatter", "grad", 3636, 4)]
+    assert qgz_nodes(4, 1) == 4 and qgz_nodes(4, 4) == 1 and qgz_nodes(16, 8) == 2
+
+
+def test_qgz_buffers_by_hand():
+    """``qgz_reduce_bytes`` of one [36, 108] gradient at N_d = 4, one device per node (4 nodes): swizzle_quant's
+    int8 (1,944) and scales (108 x 4), the two empty_like, quantized_reduction's and its two empty_like (the same
+    at L = 1), dequantize's fp16 (3,888 x 2), then two fp16 partials of the partition (972 x 2 each)."""
+    one = 4 * (1944 + 432) + 7776 + 2 * 1944
+    assert qgz_reduce_bytes(((36, 108),), 4, 1, 4, "cpu") == one == 21_168
+    # a second one meets the first's buffers (each local let go only at its reassignment) and its partition (1,944)
+    two = qgz_reduce_bytes(((36, 108), (36, 108)), 4, 1, 4, "cpu")
+    # at the second dequantize: the first's eight buffers and fp16 (17,280), its partition, the new fp16 output
+    assert two == 4 * (1944 + 432) + 7776 + 1944 + 7776 == 27_000
+    # a 1-D fallback: no cat (36 divides by 4), gloo's copy of the input (36 x 4 B), beside the partitions kept
+    assert qgz_reduce_bytes(((36, 108), (36,)), 4, 1, 4, "cpu") == one
+    assert qgz_reduce_bytes(((36,), (37,)), 4, 1, 4, "cpu") == 40 * 4 + 40 * 4  # the cat of 37 padded, gloo's copy
+
+
+def test_qgz_groups_must_split():
+    """tiny-llama's [103, 48] embedding: 103 groups of scales cannot split over 4 nodes (DeepSpeed's all_to_all_single
+    of the scales; run on gloo: no rank ever made Adam's states, every later forward and backward 95,532 B under):
+    refused in one line; with 128 rows (tiny-llama-qwz) it runs."""
+    with pytest.raises(ValueError, match="103 quantization groups do not split"):
+        qgz_check(((103, 48),), 4, 1)
+    qgz_check(((128, 48),), 4, 1)
+    with pytest.raises(ValueError, match="not a multiple of the 3 devices per node"):
+        qgz_check(((128, 48),), 4, 3)
+
+
+def test_qgz_traffic_per_link_at_two_nodes():
+    """16 ranks, 8 per node: the all-to-alls in a node are intra (group 8), those across nodes inter (2 ranks 8 apart,
+    ``dp_replicate``); the all-gathers stay over all 16; a rank sends (g - 1) / g of each all-to-all's bytes
+    (tiny-llama-qwz: gpt-tiny's [16, 36] position embedding has 36 groups of scales, which 8 ranks cannot split)."""
+    record = next(r for r in RECORDS if r["name"] == "z3-qgz-r0-llama")
+    w = workload_from(record["workload"])
+    s = settings_of(record).model_copy(update={"devices_per_node": 8})
+    (est,) = D.estimate(w, 16, s)
+    placed = {(c.op, c.dtype, c.group_size): c for c in on_mesh(est.collectives, 16, 1, 8) if c.phase == "backward"}
+    intra, inter = placed[("all-to-all", "int8", 8)], placed[("all-to-all", "int8", 2)]
+    assert (intra.link, intra.mesh_dim, inter.link, inter.mesh_dim) == ("intra", "dp_shard", "inter", "dp_replicate")
+    assert intra.elements == 8 * inter.elements  # quantized_reduction: / L
+    assert inter.bytes_per_rank == inter.elements // 2 and intra.bytes_per_rank == intra.elements * 7 // 8
+    gathers = [c for c in on_mesh(est.collectives, 16, 1, 8) if c.op == "all-gather"]
+    assert gathers and all((c.group_size, c.link) == (16, "inter") for c in gathers)
+
+
+def test_qgz_takes_the_plain_reduce_copies_away():
+    """One 5e8-element bucket, reduced after backward: with qgZ its flattened copy and gloo's copy are not made (the
+    quantized buffers instead, smaller); predicted as the plain reduce the backward would be 64,312 B over the
+    measurement on every rank, as qgZ exact to the control's -568 B."""
+    record = next(r for r in RECORDS if r["name"] == "z3-qgz-bigbucket")
+    plain = dict(record, machine={"devices_per_node": 4})  # one node: __avg_scatter_grads' reduce_scatter_coalesced
+    for r in record["ranks"]:
+        measured = r["measured_peak_bytes_by_phase"]["backward"]
+        assert estimate_of(record, r["rank"]).peak.by_phase()["backward"] - measured == 568
+        assert estimate_of(plain, r["rank"]).peak.by_phase()["backward"] - measured == 64_312
+
+
+def test_qgz_one_node_is_the_plain_reduce():
+    """qgZ on one node (N_d = devices per node): __avg_scatter_grads takes reduce_scatter_coalesced, as without."""
+    record = next(r for r in RECORDS if r["name"] == "z3-qgz-r0-onenode")
+    plain = dict(record, ds_config={**record["ds_config"], "zero_optimization": {
+        k: v for k, v in record["ds_config"]["zero_optimization"].items() if k != "zero_quantized_gradients"}})
+    assert predicted_by_group(record) == predicted_by_group(plain)
+    assert record["ranks"][0]["collectives_by_group"] == predicted_by_group(plain)
 
 
 def record(path: Path = RECORD, rows: list[list[dict]] | None = None) -> None:

@@ -144,18 +144,40 @@ def quantizer_on_cpu(config: dict, local_size: int | None = None):
 
     from validate.engines import deepspeed_quantizer
 
+    backend, original = None, None
     if deepspeed_quantizer.uses_quantizer(config):
         deepspeed_quantizer.install()
+        if config.get("zero_optimization", {}).get("zero_quantized_weights"):
+            import deepspeed.comm.comm as ds_comm
+
+            backend, original = ds_comm.cdb, ds_comm.cdb.all_gather_into_tensor
+            backend.all_gather_into_tensor = _flat_input(original)
     was = os.environ.get("LOCAL_SIZE")
     if local_size:
         os.environ["LOCAL_SIZE"] = str(local_size)
     try:
         yield
     finally:
+        if backend is not None:
+            backend.all_gather_into_tensor = original
         if local_size:
             os.environ.pop("LOCAL_SIZE") if was is None else os.environ.update(LOCAL_SIZE=was)
 
 
+
+
+def _flat_input(all_gather_into_tensor):
+    """qwZ's scales are [G, 1] (pt_binding.cpp ``quantize_kernel``) and DeepSpeed gathers them into a flat [G·N]
+    buffer (partition_parameters.py ``_all_gather_sequential``: ``quant_scale_buffer``); NCCL takes any input of
+    the chunk's element count, gloo's ``_allgather_base`` asks for the chunk's shape ("invalid tensor size ...
+    expected (1, 1), got (1)"). The input is passed as a flat view of itself: nothing allocated or copied."""
+
+    def call(output_tensor, input_tensor, *args, **kwargs):
+        if input_tensor.dim() != output_tensor.dim() and input_tensor.is_contiguous():
+            input_tensor = input_tensor.view(-1)
+        return all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs)
+
+    return call
 
 
 def runner_changes(row: dict) -> list[str]:
@@ -177,7 +199,8 @@ def runner_changes(row: dict) -> list[str]:
     if any(row["config"].get("zero_optimization", {}).get(k) for k in ("zero_quantized_weights",
                                                                         "zero_quantized_gradients")):
         out.append("ZeRO++'s CUDA quantizer op (QuantizerBuilder) replaced by a Python stand-in with its outputs' "
-                   "shapes and dtypes (validate/engines/deepspeed_quantizer.py; quantizer_on_cpu)")  # fmt: skip
+                   "shapes and dtypes (validate/engines/deepspeed_quantizer.py; quantizer_on_cpu); qwZ: the [G, 1] "
+                   "scales all-gathered as a flat view (gloo asks for the chunk's shape; _flat_input)")  # fmt: skip
     out.append("ZeRO++ hpZ's process group forgotten after the run (utils/groups.py _ZERO_PARAM_INTRA_PARALLEL_GROUP; "
                "measure): each config of a world makes its own, as a job does")  # fmt: skip
     return out

@@ -1,4 +1,5 @@
-"""ZeRO++ at ZeRO-3, DeepSpeed 0.19.8: hpZ's secondary partition and qwZ's quantized all-gathers.
+"""ZeRO++ at ZeRO-3, DeepSpeed 0.19.8: hpZ's secondary partition and qwZ's quantized all-gathers (qgZ's quantized
+gradient reduce: ``zeropp_qgz.py``).
 
 **hpZ** (``zero_hpz_partition_size`` = H > 1; ``zeropp_settings.hpz_group``). Each parameter of n elements is
 also partitioned over a secondary group of H consecutive ranks (utils/groups.py
