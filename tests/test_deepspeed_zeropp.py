@@ -8,7 +8,7 @@ steady-state step per (op, phase, dtype, process-group size), calls and elements
 One row also runs live in the shared N_d = 4 world (``DEEPSPEED_WORLD``). qgZ rows: the same world with DeepSpeed's
 CUDA quantizer op (``QuantizerBuilder``; the CPU accelerator has none) replaced by a Python stand-in with its outputs'
 shapes and dtypes (validate/engines/deepspeed_quantizer.py), at 1, 2 and 4 devices per node (``LOCAL_SIZE``). qwZ is
-predicted from the source, not measured; MiCS (removed from 0.19.8) is refused in one line.
+measured the same way (tiny-llama-q64), with hpZ, and all three together; MiCS (removed from 0.19.8) is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ LLAMA = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llam
 LLAMA_Q = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama-qwz.json")
 """tiny-llama with vocabulary 128 and MLP 96: every matrix's quantization groups split evenly over 4 ranks (qgZ's
 scales all-to-all; tiny-llama's 103-row embedding does not: ``zeropp_qgz.qgz_check``)."""
+LLAMA_W = str(Path(__file__).resolve().parent / "data" / "hf_configs" / "tiny-llama-q64.json")
+"""tiny-llama-qwz at hidden 64: every partition at N_d = 4 a multiple of 8 elements, the norms' 16 too, as qwZ's
+quantizer asks (``zeropp.qwz_groups``; at hidden 48 a norm's 12-element partition makes DeepSpeed assert)."""
 RING = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 # gpt-tiny's parameters all fall under DeepSpeed's default persistence threshold (1e5): the coordinator gathers
 # nothing then; 100 makes it gather the matrices, and reuse distance 0 makes backward gather them again
@@ -61,9 +64,15 @@ CASES = {  # name: (dtype, zero_optimization keys, model, gradient_accumulation_
                                   "stage3_max_reuse_distance": 0, "zero_quantized_gradients": True}, "gpt-tiny", 1, False),
     "z3-qgz-r0-llama": ("fp32", {**_R0, "zero_quantized_gradients": True}, LLAMA_Q, 1, False),
     "z3-qgz-r0-llama-local2": ("fp32", {**_R0, "zero_quantized_gradients": True}, LLAMA_Q, 1, False),
+    "z3-qwz-r0-llama": ("fp32", {**_R0, "zero_quantized_weights": True}, LLAMA_W, 1, False),
+    "z3-qwz-r0-llama-bf16": ("bf16", {**_R0, "zero_quantized_weights": True}, LLAMA_W, 1, False),
+    "z3-qwz-hpz2-r0-llama": ("fp32", {**_R0, "zero_quantized_weights": True, "zero_hpz_partition_size": 2}, LLAMA_W, 1,
+                             False),
+    "z3-zeropp-r0-llama-local2": ("fp32", {**_R0, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+                                           "zero_quantized_gradients": True}, LLAMA_W, 1, False),
 }  # fmt: skip
 LOCAL_SIZE = {"z3-qgz-r0": 1, "z3-qgz-r0-local2": 2, "z3-qgz-r0-onenode": 4, "z3-qgz-bigbucket": 1,
-              "z3-qgz-r0-llama": 1, "z3-qgz-r0-llama-local2": 2}
+              "z3-qgz-r0-llama": 1, "z3-qgz-r0-llama-local2": 2, "z3-zeropp-r0-llama-local2": 2}
 """qgZ's rows: the CPU accelerator's ``device_count`` (``LOCAL_SIZE``; the run key ``local_size``), the GPUs per node
 of qgZ's groups: 1 (this machine's NUMA count: 4 nodes of one rank), 2 (2 x 2) and 4 (one node: no all-to-all)."""
 LIVE = "z3-hpz2-r0"

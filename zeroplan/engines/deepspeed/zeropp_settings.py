@@ -66,3 +66,9 @@ def hpz_group(hpz: int, nd: int) -> int:
         raise ValueError(f"{HPZ_KEY}={hpz}: must divide N_d={nd} (DeepSpeed asserts it: utils/groups.py "
                          "_create_zero_param_parallel_group)")  # fmt: skip
     return size
+
+
+def node_keys(own: dict) -> dict:
+    """``plan``'s ``--gpus-per-node`` (``planning/engine_plan.py``: own ``gpus_per_node``) as the accelerator's device
+    count, ``Settings.devices_per_node`` (qgZ's groups); {} without it (estimate: the default 8)."""
+    return {"devices_per_node": own["gpus_per_node"]} if own.get("gpus_per_node") else {}
