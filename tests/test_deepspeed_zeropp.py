@@ -291,8 +291,8 @@ def test_qwz_quantizer_groups_as_deepspeed_picks_them():
 
 
 def test_qwz_gathers_int8_and_fp32_scales():
-    """qwZ (not measured: a CUDA op): the coordinator's calls in int8, each with its scales' all-gather; the
-    bytes per rank drop to 1/p of the unquantized gathers' plus the scales."""
+    """qwZ (measured with the stand-in quantizer: the recorded qwZ rows): the coordinator's calls in int8, each with
+    its scales' all-gather; the bytes per rank drop to 1/p of the unquantized gathers' plus the scales."""
     record = next(r for r in RECORDS if r["name"] == "z3-hpz2-r0")
     w = workload_from(record["workload"])
     plain = D.Settings.from_ds_config(record["ds_config"], zero_init=False).model_copy(update={"hpz_partition_size": 1})
