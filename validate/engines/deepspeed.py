@@ -104,6 +104,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
     import deepspeed.comm.comm as ds_comm
     import torch
     import torch.nn.functional as F
+    from deepspeed.accelerator import get_accelerator
 
     from validate.probes import CommCounter
 
@@ -206,6 +207,9 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
         # secondary group (zeroplan/engines/deepspeed/zeropp.py), the rest over all N_d ranks
         "call_groups_by_step": [[c.group_size for c in counter.calls if c.step == k] for k in range(-1, len(step_s))],
         "gloo_settle": settled.stats if settle else None,  # None: asynchronous, as DeepSpeed issues them
+        # get_accelerator().device_count(): the GPUs per node of ZeRO++ qgZ's groups (the CPU accelerator: LOCAL_SIZE,
+        # else its NUMA nodes with cores), read by compare_row
+        "device_count": get_accelerator().device_count(),
         "init_s": round(init_s, 3),
         "step_s": step_s,
         "deepspeed": deepspeed.__version__,
