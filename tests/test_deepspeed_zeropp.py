@@ -24,6 +24,7 @@ import pytest
 
 from zeroplan.engines import deepspeed as D
 from zeroplan.engines.deepspeed.run import _trace
+from zeroplan.engines.deepspeed.collectives import to_collective
 from zeroplan.engines.deepspeed.wrapper import collectives as ds_collectives
 from zeroplan.engines.deepspeed.zeropp import all_secondaries_numel, qwz_groups, secondary_numel
 from zeroplan.engines.deepspeed.zeropp_qgz import qgz_calls, qgz_check, qgz_nodes, qgz_reduce_bytes
@@ -320,9 +321,9 @@ def test_qgz_calls_by_hand():
     2·4; max(36, 108, 4) = 108 groups) in four all-to-alls; a 1-D one and a [101, 36] one (3,636: not a multiple of
     8) each in its own reduce-scatter over the world, padded to a multiple of N_d."""
     assert qgz_calls(((36, 108), (36,), (101, 36)), 4, 2) == [
-        ("all-to-all", "int8", 1944, 2), ("all-to-all", "fp32", 108, 2),  # 4 bits: n / 2 bytes; the scales
-        ("all-to-all", "int8", 972, 2), ("all-to-all", "fp32", 54, 2),  # after quantized_reduction: / L
-        ("reduce-scatter", "grad", 36, 4), ("reduce-scatter", "grad", 3636, 4)]
+        ("all-to-all", "int8", 1944, 2, "dp_shard"), ("all-to-all", "fp32", 108, 2, "dp_shard"),  # n / 2 B; the scales
+        ("all-to-all", "int8", 972, 2, "dp_replicate"), ("all-to-all", "fp32", 54, 2, "dp_replicate"),  # / L
+        ("reduce-scatter", "grad", 36, 4, "dp_shard"), ("reduce-scatter", "grad", 3636, 4, "dp_shard")]
     assert qgz_nodes(4, 1) == 4 and qgz_nodes(4, 4) == 1 and qgz_nodes(16, 8) == 2
 
 
@@ -367,6 +368,15 @@ def test_qgz_traffic_per_link_at_two_nodes():
     assert inter.bytes_per_rank == inter.elements // 2 and intra.bytes_per_rank == intra.elements * 7 // 8
     gathers = [c for c in on_mesh(est.collectives, 16, 1, 8) if c.op == "all-gather"]
     assert gathers and all((c.group_size, c.link) == (16, "inter") for c in gathers)
+    # 64 ranks, 8 per node (the model 8 times wider: its scales split over 8 x 8): both groups have 8 ranks, the
+    # one in a node intra, the one across nodes inter
+    wide = tuple((n, tuple(8 * d for d in sh)) for n, sh in w.shapes)
+    trace = _trace(w.__class__(wide, w.spec, w.seq_len, w.micro_batch))[0]
+    calls = ds_collectives(s, tuple(math.prod(sh) for _, sh in wide), 64, 1, trace)
+    links = {(c.dtype, c.mesh_dim): (c.group_size, c.link)
+             for c in on_mesh(tuple(to_collective(c, 64) for c in calls), 64, 1, 8) if c.op == "all-to-all"}
+    assert links == {("int8", "dp_shard"): (8, "intra"), ("fp32", "dp_shard"): (8, "intra"),
+                     ("int8", "dp_replicate"): (8, "inter"), ("fp32", "dp_replicate"): (8, "inter")}
 
 
 def test_qgz_takes_the_plain_reduce_copies_away():

@@ -115,17 +115,15 @@ def qgz_reduce(s: Settings, trace: Stage3Trace, nd: int, grad_accum: int) -> lis
     all-to-alls across nodes (ranks ``devices_per_node`` apart, as HSDP's replicas) and the rest named by size,
     so that ``on_mesh`` places each on its link."""
     qgz_check(trace.shapes, nd, s.devices_per_node)
-    rows: dict[tuple[str, str, int], list[int]] = {}
-    for op, dtype, elements, group in qgz_calls(trace.shapes, nd, s.devices_per_node):
-        row = rows.setdefault((op, s.grad_dtype if dtype == "grad" else dtype, group), [0, 0])
+    rows: dict[tuple[str, str, int, str], list[int]] = {}
+    for op, dtype, elements, group, dim in qgz_calls(trace.shapes, nd, s.devices_per_node):
+        row = rows.setdefault((op, s.grad_dtype if dtype == "grad" else dtype, group, dim), [0, 0])
         row[0] += grad_accum
         row[1] += grad_accum * elements
-    across = nd // s.devices_per_node
     return [DSCollective(op, "backward", calls, elements, dtype, QGZ_FALLBACK_SRC if op == "reduce-scatter" else
-                         f"{QGZ_SRC} (all_to_all_single {'across nodes' if group == across else 'in a node'})",
-                         micro_steps=grad_accum, group_size=group,
-                         mesh_dim="dp_replicate" if op == "all-to-all" and group == across else "dp_shard")
-            for (op, dtype, group), (calls, elements) in rows.items()]  # fmt: skip
+                         f"{QGZ_SRC} (all_to_all_single {'across nodes' if dim == 'dp_replicate' else 'in a node'})",
+                         micro_steps=grad_accum, group_size=group, mesh_dim=dim)
+            for (op, dtype, group, dim), (calls, elements) in rows.items()]  # fmt: skip
 
 
 def _flat_all_gather(s: Settings, numels: tuple[int, ...], nd: int) -> DSCollective:

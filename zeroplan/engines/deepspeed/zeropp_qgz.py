@@ -43,18 +43,21 @@ def qgz_groups(shape: tuple[int, ...], nd: int) -> int:
     return max(shape[0], shape[1], nd)
 
 
-def qgz_calls(shapes: tuple[tuple[int, ...], ...], nd: int, local: int) -> list[tuple[str, str, int, int]]:
-    """One backward's reduce calls with qgZ over more than one node: ``(op, dtype, elements, group size)`` per call,
-    the gradients' dtype written "grad" (the fallbacks' reduce-scatter)."""
+def qgz_calls(shapes: tuple[tuple[int, ...], ...], nd: int,
+              local: int) -> list[tuple[str, str, int, int, str]]:  # fmt: skip
+    """One backward's reduce calls with qgZ over more than one node: ``(op, dtype, elements, group size, mesh
+    dimension)`` per call: ``dp_shard`` for the whole world and the local group (consecutive ranks), ``dp_replicate``
+    for the group across nodes (ranks L apart); the gradients' dtype written "grad" (the fallbacks' reduce-scatter)."""
     nodes, out = qgz_nodes(nd, local), []
     for shape in shapes:
         n = prod(shape)
         if not qgz_all_to_all(shape, nd):
-            out.append(("reduce-scatter", "grad", ceil(n / nd) * nd, nd))
+            out.append(("reduce-scatter", "grad", ceil(n / nd) * nd, nd, "dp_shard"))
             continue
         g = qgz_groups(shape, nd)
-        out += [("all-to-all", "int8", n // 2, local), ("all-to-all", "fp32", g, local),
-                ("all-to-all", "int8", n // (2 * local), nodes), ("all-to-all", "fp32", g // local, nodes)]
+        out += [("all-to-all", "int8", n // 2, local, "dp_shard"), ("all-to-all", "fp32", g, local, "dp_shard"),
+                ("all-to-all", "int8", n // (2 * local), nodes, "dp_replicate"),
+                ("all-to-all", "fp32", g // local, nodes, "dp_replicate")]
     return out
 
 
