@@ -164,8 +164,6 @@ def quantizer_on_cpu(config: dict, local_size: int | None = None):
             os.environ.pop("LOCAL_SIZE") if was is None else os.environ.update(LOCAL_SIZE=was)
 
 
-
-
 def _flat_input(all_gather_into_tensor):
     """qwZ's scales are [G, 1] (pt_binding.cpp ``quantize_kernel``) and DeepSpeed gathers them into a flat [G·N]
     buffer (partition_parameters.py ``_all_gather_sequential``: ``quant_scale_buffer``); NCCL takes any input of

@@ -37,17 +37,22 @@ def reduce_copies(run: DSRun, bucket: tuple[int, ...]) -> tuple[int, int]:
     bucket's order) makes beside them (``bucket_copies`` in the gradients' bytes); with ZeRO++ qgZ over more than
     one node (``zeropp_qgz.py``), (``qgz_reduce_bytes``, 0): its quantized buffers, and its fallbacks' copies."""
     s, nd = run.settings, run.nd
-    if s.quantized_gradients and qgz_nodes(nd, s.devices_per_node) > 1 and run.trace is not None:
-        shapes = tuple(run.trace.shapes[i] for i in bucket)
+    if _qgz(run):
+        shapes = tuple(run.trace.shapes[i] for i in bucket)  # type: ignore[union-attr]
         return qgz_reduce_bytes(shapes, nd, s.devices_per_node, _pbytes(run), s.device), 0
     flat, gloo = bucket_copies([run.numels[i] for i in bucket], nd, s.device)
     return flat * _pbytes(run), gloo * _pbytes(run)
 
 
+def _qgz(run: DSRun) -> bool:
+    """Whether the run's buckets go through qgZ's all-to-alls (more than one node; the shapes traced)."""
+    s = run.settings
+    return s.quantized_gradients and qgz_nodes(run.nd, s.devices_per_node) > 1 and run.trace is not None
+
+
 def copies_term(run: DSRun, copies: tuple[int, int], what: str, src: str) -> Term:
     """``reduce_copies``' bytes as a term: ``what`` and ``src`` name the plain reduce-scatter's copies."""
-    s = run.settings
-    if s.quantized_gradients and qgz_nodes(run.nd, s.devices_per_node) > 1:
+    if _qgz(run):
         return Term(QGZ_BUFFERS, copies[0], f"{S3} __avg_scatter_grads -> {QGZ_SRC} (zeropp_qgz.py qgz_reduce_bytes)")
     return Term(what, copies[0] + copies[1], src, int(copies[0] > 0) + int(copies[1] > 0))
 

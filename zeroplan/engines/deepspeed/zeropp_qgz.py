@@ -89,7 +89,6 @@ def qgz_reduce_bytes(shapes: tuple[tuple[int, ...], ...], nd: int, local: int, g
     ``output_lst``. A fallback gradient's ``reduce_scatter_coalesced`` adds, when n is not a multiple of N_d, its
     padded ``torch.cat`` (its partition is a view of it: kept) and on gloo the reduce-scatter's copy of the input
     (``zero3_epilogue.bucket_copies``). Not counted: gloo's all-to-all works on the buffers given (no copy)."""
-    nodes = qgz_nodes(nd, local)
     held: dict[str, int] = {}  # the loop's locals: name -> bytes of the tensor it holds
     kept = peak = 0
 
@@ -118,5 +117,5 @@ def qgz_reduce_bytes(shapes: tuple[tuple[int, ...], ...], nd: int, local: int, g
         assign(("global_scale_output", g // local * 4))
         assign(("final_output", n // local * 2))
         peak = max(peak, now(2 * part))  # sum(list(chunks)): a partial and the next one; then / num_nodes
-        kept += part if nodes > 1 else 0
+        kept += part
     return peak
