@@ -88,10 +88,30 @@ def build_model(model_fn, config: dict, zero_init: bool):
     run (``measure`` puts torch's back), so a later run of the same world trains with torch's."""
     if not zero_init:
         return model_fn()
+    if getattr(model_fn, "transformers", False):
+        return hf_zero3_build(model_fn, config)
     import deepspeed
 
     with deepspeed.zero.Init(config_dict_or_path=config):
         return model_fn()
+
+
+def hf_zero3_build(model_fn, config: dict):
+    """A ``transformers`` model (``hf_builder``) built under ZeRO-3 as its users build it: an ``HfDeepSpeedConfig``
+    of the ds_config alive, ``from_config`` opens ``zero.Init`` itself (modeling_utils.py ``_from_config``) and
+    initialises the weights module by module, gathered (integrations/deepspeed.py ``initialize_weights_zero3``).
+    Under a ``zero.Init`` of the runner's own, ``_init_weights`` met 0-element partitions (only torch's own
+    ``reset_parameters`` had run): DeepSeek-V3's ``torch.empty`` experts kept whatever memory they got
+    (docs/engines/deepspeed.md "What the validator changes"). Unset after the build (only the build reads it):
+    a later run builds without ZeRO-3."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf_config = HfDeepSpeedConfig(config)  # held through the build: transformers keeps only a weak reference
+    try:
+        return model_fn()
+    finally:
+        unset_hf_deepspeed_config()
+        del hf_config
 
 
 def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init: bool = False,
@@ -104,7 +124,6 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
     import deepspeed.comm.comm as ds_comm
     import torch
     import torch.nn.functional as F
-    from deepspeed.accelerator import get_accelerator
 
     from validate.probes import CommCounter
 
@@ -147,7 +166,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
             probe.peaks["init"] = max(probe.peaks["init"], probe.peaks["build"])
             boundary["init"] = probe.settled_bytes()
             accum = config.get("gradient_accumulation_steps", 1)
-            step_s = []
+            step_s, applied = [], []
             for step in range(len(batches)):
                 t0 = time.perf_counter()
                 for micro in range(accum):
@@ -167,6 +186,9 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
                         del batch
                 enter("optimizer_step")
                 engine.step()
+                # False: DeepSpeed skipped the update (its optimizer's ``overflow``: fp16's loss-scale overflow or a
+                # non-finite gradient norm; runtime/engine.py ``_take_model_step``: ``_step_applied = not overflow``)
+                applied.append(engine.was_step_applied())
                 del batch
                 enter(None)
                 step_s.append(round(time.perf_counter() - t0, 3))
@@ -180,7 +202,6 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
         import deepspeed.utils.groups as ds_groups
 
         ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-        ds_groups._ALL_TO_ALL_GROUP.clear()  # qgZ's groups, made for this run's device_count (run "local_size")
         gc.unfreeze()
         if was_enabled:
             gc.enable()
@@ -207,11 +228,12 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
         # secondary group (zeroplan/engines/deepspeed/zeropp.py), the rest over all N_d ranks
         "call_groups_by_step": [[c.group_size for c in counter.calls if c.step == k] for k in range(-1, len(step_s))],
         "gloo_settle": settled.stats if settle else None,  # None: asynchronous, as DeepSpeed issues them
-        # get_accelerator().device_count(): the GPUs per node of ZeRO++ qgZ's groups (the CPU accelerator: LOCAL_SIZE,
-        # else its NUMA nodes with cores), read by compare_row
-        "device_count": get_accelerator().device_count(),
         "init_s": round(init_s, 3),
         "step_s": step_s,
+        # per optimizer step, whether DeepSpeed applied it (engine.was_step_applied()); a skipped step is refused
+        # by the parent (deepspeed_compare.refuse_skipped_steps): its phases are not a measurement of the step
+        "steps_applied": applied,
+        "skipped_steps": engine.skipped_steps,
         "deepspeed": deepspeed.__version__,
         "torch": torch.__version__,
     }
@@ -262,6 +284,7 @@ def hf_builder(config_path: str, checkpointing: str = "none"):
         model.loss = loss
         return model
 
+    build.transformers = True  # built under ZeRO-3 by transformers itself (build_model, hf_zero3_build)
     return build
 
 
@@ -314,8 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         "--runs", default=None,
         help="JSON list parallel to --configs: per config, {\"model\": ..., \"checkpointing\": ..., \"zero_init\": "
         "...} overriding the config's; \"hf\": true builds the transformers model of the model's config.json "
-        "(hf_builder); \"settle\": false leaves the collectives asynchronous (no GlooSettled); \"local_size\": "
-        "the CPU accelerator's device_count (LOCAL_SIZE: qgZ's ranks per node)",
+        "(hf_builder); \"settle\": false leaves the collectives asynchronous (no GlooSettled); \"local_size\": n: "
+        "LOCAL_SIZE=n, the CPU accelerator's device_count (ZeRO++ qgZ's devices per node)",
     )  # fmt: skip
     parser.add_argument("--out", required=True, help="JSON file: every rank's rows, written by rank 0")
     parser.add_argument("--raw", action="store_true", help="accepted for validate.harness (rows are always raw)")
@@ -348,10 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     runs = json.loads(args.runs) if args.runs else [{}] * len(configs)
     for ds, run in zip(configs, runs):
         model_fn, batches = case_model_and_batches(config, ds, run, nd, rank)
-        with fp16_on_cpu(ds) as overridden, quantizer_on_cpu(ds, run.get("local_size")):
+        with fp16_on_cpu(ds) as overridden, quantizer_on_cpu(ds, run.get("local_size")) as devices:
             row = measure(model_fn, ds, batches, rank, nd, bool(run.get("zero_init", config.zero_init)),
                           settle=bool(run.get("settle", True)))  # fmt: skip
-        row["fp16_capability_overridden"] = overridden
+        row.update(fp16_capability_overridden=overridden, device_count=devices)  # device_count: compare_row's
         rows.append({**row, "runner_changes": runner_changes(row)})
     everyone = [None] * nd if rank == 0 else None
     dist.gather_object(rows, everyone, dst=0)

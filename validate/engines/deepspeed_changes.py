@@ -139,7 +139,8 @@ def quantizer_on_cpu(config: dict, local_size: int | None = None):
     (``validate.engines.deepspeed_quantizer``: the binding's output shapes and dtypes, allocated once); with
     ``local_size``, the CPU accelerator's ``device_count`` (``accelerator/cpu_accelerator.py``: ``LOCAL_SIZE``,
     else the NUMA nodes with cores: 1 here) for the run, which sets qgZ's ranks per node
-    (``utils/groups.py _get_local_all_to_all_group``, ``all_to_all_quant_reduce``)."""
+    (``utils/groups.py _get_local_all_to_all_group``, ``all_to_all_quant_reduce``). Yields that ``device_count``
+    (each row's ``device_count``: ``compare_row`` predicts with it); qgZ's groups are forgotten after the run."""
     import os
 
     from validate.engines import deepspeed_quantizer
@@ -156,8 +157,13 @@ def quantizer_on_cpu(config: dict, local_size: int | None = None):
     if local_size:
         os.environ["LOCAL_SIZE"] = str(local_size)
     try:
-        yield
+        from deepspeed.accelerator import get_accelerator
+
+        yield get_accelerator().device_count()
     finally:
+        import deepspeed.utils.groups as ds_groups
+
+        ds_groups._ALL_TO_ALL_GROUP.clear()  # qgZ's groups, made for this run's device_count
         if backend is not None:
             backend.all_gather_into_tensor = original
         if local_size:

@@ -14,6 +14,7 @@ import statistics
 
 from validate.compare import RING_OPS, Prediction, Readings, finish
 from validate.compare import compare as compare_rows
+from validate.harness import RunFailed
 
 DEFAULT_STEPS = 2
 PHASE_OF = {"optimizer step": "optimizer_step"}
@@ -138,6 +139,42 @@ def readings(rank_rows: list[dict], nd: int) -> Readings:
     )
 
 
+class StepSkipped(RunFailed):
+    """DeepSpeed skipped a measured optimizer step: the run is refused, none of its numbers compared."""
+
+
+def skipped_steps_reason(ds: dict, rank_rows: list[dict]) -> str | None:
+    """Why the run's numbers are not a step's, in one line, or None: every rank applied every measured optimizer step.
+
+    DeepSpeed skips a step whose gradients overflowed: ``engine.step`` -> the ZeRO optimizer's ``step`` sets
+    ``overflow`` on a non-finite gradient norm (stage3.py / stage_1_and_2.py: ``is_invalid_grad_norm``) or, in fp16, on
+    the loss scaler's overflow check (``check_overflow``), clears the gradients and returns before Adam
+    (runtime/engine.py ``_take_model_step``: ``_step_applied = not overflow``, ``skipped_steps += 1``). Such a step
+    allocates no optimizer state and updates nothing: its optimizer_step is not the step's peak, so comparing it
+    with a prediction measures nothing. fp16's dynamic loss scale skips a user's first steps too, until the scale fits
+    (DeepSpeed's ``initial_scale_power`` 16 by default): the validator measures applied steps only, so such a run is
+    refused with the reason as well (docs/validate.md "A skipped step is refused")."""
+    skipped = {r["rank"]: [k for k, a in enumerate(r.get("steps_applied", ()), 1) if not a] for r in rank_rows}
+    skipped = {rank: steps for rank, steps in skipped.items() if steps}
+    if not skipped:
+        return None
+    steps = sorted({k for ks in skipped.values() for k in ks})
+    total = len(rank_rows[0].get("steps_applied", ()))
+    why = ("fp16's loss scaler found an overflow (its dynamic scale skips a user's first steps until it fits; "
+           "a lower fp16.initial_scale_power or a static loss_scale takes them)"
+           if ds.get("fp16", {}).get("enabled") else
+           "the gradient norm was not finite (ZeRO optimizer step: is_invalid_grad_norm)")  # fmt: skip
+    return (f"DeepSpeed skipped optimizer step {', '.join(map(str, steps))} of {total} on rank "
+            f"{', '.join(map(str, sorted(skipped)))}: {why}; a skipped step is not a measurement of the step, "
+            "so the run is refused and nothing compared")  # fmt: skip
+
+
+def refuse_skipped_steps(ds: dict, rank_rows: list[dict]) -> None:
+    """Raise ``StepSkipped`` with ``skipped_steps_reason`` when a rank skipped a measured step."""
+    if (why := skipped_steps_reason(ds, rank_rows)) is not None:
+        raise StepSkipped(why)
+
+
 def compare_row(
     ds: dict,
     nd: int,
@@ -154,6 +191,7 @@ def compare_row(
 
     from zeroplan.engines import deepspeed as D
 
+    refuse_skipped_steps(ds, rank_rows)  # a skipped step's phases are not the step's: no number compared
     # how the ranks built the model, passed explicitly (the profile's default is zero.Init at stage 3)
     settings = D.Settings.from_ds_config(ds, zero_init=bool(rank_rows[0].get("zero_init", False)))
     if rank_rows[0].get("device_count"):  # the accelerator's, as the run saw it: qgZ's devices per node

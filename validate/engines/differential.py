@@ -352,6 +352,7 @@ def _run_fsdp2(d: Draw, path: str, steps: int, timeout_s: float) -> DrawResult:
 
 def _run_deepspeed(d: Draw, path: str, steps: int, timeout_s: float) -> DrawResult:
     from validate.engines.deepspeed import run_world
+    from validate.engines.deepspeed_compare import refuse_skipped_steps
 
     # the world's model is only checked (ValidateConfig: one the reference runtime builds); the run trains
     # transformers' class of ``path`` (``runs``), so a family that runtime cannot build (experts, q/k norms) trains too
@@ -359,6 +360,7 @@ def _run_deepspeed(d: Draw, path: str, steps: int, timeout_s: float) -> DrawResu
     world.write_text(json.dumps(WORLD_MODEL))
     ranks = run_world([d.ds_config], d.nd, model=str(world), steps=steps, timeout_s=timeout_s, seq_len=d.seq_len,
                       runs=[{"model": path, "hf": True, "zero_init": d.zero_init, "checkpointing": d.checkpointing}])  # fmt: skip
+    refuse_skipped_steps(d.ds_config, [row for (row,) in ranks])  # a skipped step: the draw fails with the reason
     out = DrawResult(d)
     for (row,) in ranks:
         out.measured[row["rank"]] = dict(row["peak_bytes_by_phase"])
