@@ -76,7 +76,9 @@ def settings_of(record: dict):
     """The engine's ``Settings`` of a record (DeepSpeed: read from its ds_config as the validator reads it)."""
     engine = get_engine(record["engine"])
     if record["engine"] == "deepspeed":
-        return engine.settings.from_ds_config(record["ds_config"], zero_init=record["zero_init"])
+        # "machine": what the ds_config does not say (qgZ's devices per node: the CPU accelerator's device_count)
+        settings = engine.settings.from_ds_config(record["ds_config"], zero_init=record["zero_init"])
+        return settings.model_copy(update=record.get("machine", {}))
     return engine.settings.model_validate(record["settings"])
 
 

@@ -30,7 +30,8 @@ from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT, dtype_bytes, dtype_name
 from zeroplan.formulas.peak import PHASES as PEAK_PHASES
 from zeroplan.formulas.peak import Term
 
-RING_OPS = ("all-reduce", "reduce-scatter", "all-gather")
+RING_OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
+"""The collectives compared (an all-to-all: DeepSpeed ZeRO++ qgZ's ``all_to_all_single``, one pass, ``PASSES``)."""
 
 GLOO_NOTE = (
     "gloo runs a reduce-scatter as a full all-reduce followed by a local copy, so on the wire it sends "

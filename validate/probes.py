@@ -29,6 +29,7 @@ C10D_OPS = {
     "allreduce_": ("all-reduce", 0),
     "_reduce_scatter_base_": ("reduce-scatter", 1),
     "_allgather_base_": ("all-gather", 0),
+    "alltoall_base_": ("all-to-all", 0),  # all_to_all_single (ZeRO++ qgZ): the output, the size of the input
 }
 
 

@@ -32,7 +32,7 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
-from validate.engines.deepspeed_changes import GlooSettled, fp16_on_cpu, runner_changes
+from validate.engines.deepspeed_changes import GlooSettled, fp16_on_cpu, quantizer_on_cpu, runner_changes
 
 PHASES = ("init", "forward", "backward", "optimizer_step")
 
@@ -337,7 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         "--runs", default=None,
         help="JSON list parallel to --configs: per config, {\"model\": ..., \"checkpointing\": ..., \"zero_init\": "
         "...} overriding the config's; \"hf\": true builds the transformers model of the model's config.json "
-        "(hf_builder); \"settle\": false leaves the collectives asynchronous (no GlooSettled)",
+        "(hf_builder); \"settle\": false leaves the collectives asynchronous (no GlooSettled); \"local_size\": n: "
+        "LOCAL_SIZE=n, the CPU accelerator's device_count (ZeRO++ qgZ's devices per node)",
     )  # fmt: skip
     parser.add_argument("--out", required=True, help="JSON file: every rank's rows, written by rank 0")
     parser.add_argument("--raw", action="store_true", help="accepted for validate.harness (rows are always raw)")
@@ -370,10 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     runs = json.loads(args.runs) if args.runs else [{}] * len(configs)
     for ds, run in zip(configs, runs):
         model_fn, batches = case_model_and_batches(config, ds, run, nd, rank)
-        with fp16_on_cpu(ds) as overridden:
+        with fp16_on_cpu(ds) as overridden, quantizer_on_cpu(ds, run.get("local_size")) as devices:
             row = measure(model_fn, ds, batches, rank, nd, bool(run.get("zero_init", config.zero_init)),
                           settle=bool(run.get("settle", True)))  # fmt: skip
-        row["fp16_capability_overridden"] = overridden
+        row.update(fp16_capability_overridden=overridden, device_count=devices)  # device_count: compare_row's
         rows.append({**row, "runner_changes": runner_changes(row)})
     everyone = [None] * nd if rank == 0 else None
     dist.gather_object(rows, everyone, dst=0)

@@ -133,6 +133,55 @@ def fp16_on_cpu(config: dict):
         del accelerator.is_fp16_supported
 
 
+@contextlib.contextmanager
+def quantizer_on_cpu(config: dict, local_size: int | None = None):
+    """ZeRO++ qwZ/qgZ on the CPU accelerator: DeepSpeed's CUDA quantizer op replaced by the Python stand-in
+    (``validate.engines.deepspeed_quantizer``: the binding's output shapes and dtypes, allocated once); with
+    ``local_size``, the CPU accelerator's ``device_count`` (``accelerator/cpu_accelerator.py``: ``LOCAL_SIZE``,
+    else the NUMA nodes with cores: 1 here) for the run, which sets qgZ's ranks per node
+    (``utils/groups.py _get_local_all_to_all_group``, ``all_to_all_quant_reduce``). Yields that ``device_count``
+    (each row's ``device_count``: ``compare_row`` predicts with it); qgZ's groups are forgotten after the run."""
+    import os
+
+    from validate.engines import deepspeed_quantizer
+
+    backend, original = None, None
+    if deepspeed_quantizer.uses_quantizer(config):
+        deepspeed_quantizer.install()
+        if config.get("zero_optimization", {}).get("zero_quantized_weights"):
+            import deepspeed.comm.comm as ds_comm
+
+            backend, original = ds_comm.cdb, ds_comm.cdb.all_gather_into_tensor
+            backend.all_gather_into_tensor = _flat_input(original)
+    was = os.environ.get("LOCAL_SIZE")
+    if local_size:
+        os.environ["LOCAL_SIZE"] = str(local_size)
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        yield get_accelerator().device_count()
+    finally:
+        import deepspeed.utils.groups as ds_groups
+
+        ds_groups._ALL_TO_ALL_GROUP.clear()  # qgZ's groups, made for this run's device_count
+        if backend is not None:
+            backend.all_gather_into_tensor = original
+        if local_size:
+            os.environ.pop("LOCAL_SIZE") if was is None else os.environ.update(LOCAL_SIZE=was)
+
+
+def _flat_input(all_gather_into_tensor):
+    """qwZ's scales are [G, 1] (pt_binding.cpp ``quantize_kernel``) and DeepSpeed gathers them into a flat [G·N]
+    buffer (partition_parameters.py ``_all_gather_sequential``: ``quant_scale_buffer``); NCCL takes any input of
+    the chunk's element count, gloo's ``_allgather_base`` asks for the chunk's shape ("invalid tensor size ...
+    expected (1, 1), got (1)"). The input is passed as a flat view of itself: nothing allocated or copied."""
+
+    def call(output_tensor, input_tensor, *args, **kwargs):
+        if input_tensor.dim() != output_tensor.dim() and input_tensor.is_contiguous():
+            input_tensor = input_tensor.view(-1)
+        return all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs)
+
+    return call
 
 
 def runner_changes(row: dict) -> list[str]:
@@ -151,6 +200,11 @@ def runner_changes(row: dict) -> list[str]:
     if row.get("zero_init"):
         out.append("torch.nn.functional.linear restored after the run (zero.Init's zero3_linear_wrap; build_model)")
     out.append("deepspeed_shm_comm (TorchBackend.inference_all_reduce only) marked incompatible: never built")
+    if any(row["config"].get("zero_optimization", {}).get(k) for k in ("zero_quantized_weights",
+                                                                        "zero_quantized_gradients")):
+        out.append("ZeRO++'s CUDA quantizer op (QuantizerBuilder) replaced by a Python stand-in with its outputs' "
+                   "shapes and dtypes (validate/engines/deepspeed_quantizer.py; quantizer_on_cpu); qwZ: the [G, 1] "
+                   "scales all-gathered as a flat view (gloo asks for the chunk's shape; _flat_input)")  # fmt: skip
     out.append("ZeRO++ hpZ's process group forgotten after the run (utils/groups.py _ZERO_PARAM_INTRA_PARALLEL_GROUP; "
                "measure): each config of a world makes its own, as a job does")  # fmt: skip
     return out

@@ -194,6 +194,8 @@ def compare_row(
     refuse_skipped_steps(ds, rank_rows)  # a skipped step's phases are not the step's: no number compared
     # how the ranks built the model, passed explicitly (the profile's default is zero.Init at stage 3)
     settings = D.Settings.from_ds_config(ds, zero_init=bool(rank_rows[0].get("zero_init", False)))
+    if rank_rows[0].get("device_count"):  # the accelerator's, as the run saw it: qgZ's devices per node
+        settings = settings.model_copy(update={"devices_per_node": rank_rows[0]["device_count"]})
     cuda = rank_rows[0].get("device") == "cuda"  # the CUDA runner's rows (validate/engines/deepspeed_cuda.py)
     settings = settings.model_copy(update={"device": "cuda" if cuda else "cpu"})  # CUDA: 512-B blocks, workspaces
     # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32); CUDA: fp32 (None)

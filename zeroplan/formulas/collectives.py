@@ -22,17 +22,21 @@ DEFAULT_BUCKET_NUMEL = 500_000_000
 ``allgather_bucket_size`` (5e8, ``runtime/zero/config.py``); the plan's latency estimate uses it for the
 ladder's collectives, and the DeepSpeed profile as its default (``zeroplan.engines.deepspeed.config``)."""
 
-PASSES: dict[str, int] = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1}
+PASSES: dict[str, int] = {"all-reduce": 2, "reduce-scatter": 1, "all-gather": 1, "all-to-all": 1}
 """Passes of a collective over its data. An all-reduce is a reduce-scatter followed by an all-gather
 (ZeRO paper, section 7.1), so it moves twice its size; the nccl-tests bus-bandwidth factors 2(n-1)/n
-and (n-1)/n and the ring's step counts 2(n-1) and n-1 (Patarasuk & Yuan 2009) follow from the same table."""
+and (n-1)/n and the ring's step counts 2(n-1) and n-1 (Patarasuk & Yuan 2009) follow from the same table.
+An all-to-all of a rank's n elements (``all_to_all_single``: ZeRO++ qgZ) sends n/N to each of the N-1 others:
+(N-1)/N·n per rank, one pass; nccl-tests' all-to-all bus bandwidth uses the same (n-1)/n
+(src/alltoall.cu ``AlltoAllGetBw``), and pairwise exchange takes N-1 steps (Thakur, Rabenseifner & Gropp,
+"Optimization of Collective Communication Operations in MPICH", IJHPCA 2005, sec. 4.4: (p-1)α + (p-1)/p·nβ)."""
 
 
 @dataclass(frozen=True)
 class Collective:
     """One collective a rank takes part in per training step."""
 
-    op: str  # a key of PASSES: "all-reduce" | "reduce-scatter" | "all-gather"
+    op: str  # a key of PASSES: "all-reduce" | "reduce-scatter" | "all-gather" | "all-to-all"
     phase: str  # "forward" | "backward" | "optimizer step"
     elements: int  # full (unsharded) size of the collective, in elements
     dtype: str
@@ -92,7 +96,8 @@ def on_mesh(collectives: tuple[Collective, ...], nd: int, nm: int = 1,
 
 
 def ring_bytes_per_rank(op: str, elements: int, nd: int, element_bytes: int) -> int:
-    """Bytes one rank sends for a ring ``op`` over ``nd`` ranks: passes·(nd-1)·ceil(n/nd)·b."""
+    """Bytes one rank sends for a ring ``op`` over ``nd`` ranks: passes·(nd-1)·ceil(n/nd)·b (an all-to-all: its
+    n/nd-element chunks to the nd-1 others, ``PASSES``)."""
     return PASSES[op] * (nd - 1) * shard_numel(elements, nd) * element_bytes
 
 

@@ -8,7 +8,8 @@ with B the per-GPU bus bandwidth of the slowest link the data-parallel ring cros
 of one step. f is the nccl-tests "bus bandwidth" factor (nccl-tests doc/PERFORMANCE.md):
 2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter and all-gather, so f·S is what each rank sends
 (``Collective.bytes_per_rank``, padding included). Ring: 2(n-1) steps for all-reduce, n-1 otherwise
-(Patarasuk & Yuan 2009). Tree (NCCL's double binary tree, all-reduce only): 2·ceil(log2 n) steps,
+(Patarasuk & Yuan 2009); an all-to-all (ZeRO++ qgZ) (n-1)/n and n-1 steps, pairwise exchange
+(``collectives.PASSES``: nccl-tests ``AlltoAllGetBw``; Thakur, Rabenseifner & Gropp 2005). Tree (NCCL's double binary tree, all-reduce only): 2·ceil(log2 n) steps,
 same bandwidth term. Each bucket of ``bucket_numel`` elements is a separate call, so pays α again.
 
 Time per link: with ``Links`` (the intra-node link, the network, the node size, N_m) each collective is

@@ -40,7 +40,7 @@ class PolicyOut(_Out):
 class CollectiveOut(_Out):
     """One collective a rank takes part in per training step."""
 
-    op: Literal["all-reduce", "reduce-scatter", "all-gather"]
+    op: Literal["all-reduce", "reduce-scatter", "all-gather", "all-to-all"]
     phase: str = Field(description="forward, backward or optimizer step")
     elements: int = Field(description="full (unsharded) size of the collective, in elements")
     dtype: str

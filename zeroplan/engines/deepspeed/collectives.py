@@ -4,7 +4,7 @@ that issues it; ``wrapper.py collectives`` asks the wrapper of the settings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -13,6 +13,7 @@ from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel, persistent_numel, zero3_partition_numel
 from zeroplan.engines.deepspeed.trace import Stage3Trace, stage3_trace
 from zeroplan.engines.deepspeed.zeropp import zeropp_gathers
+from zeroplan.engines.deepspeed.zeropp_qgz import QGZ_FALLBACK_SRC, QGZ_SRC, qgz_calls, qgz_check, qgz_nodes
 from zeroplan.engines.deepspeed.zeropp_settings import hpz_group
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 
@@ -36,6 +37,9 @@ class DSCollective:
     """micro-steps of the optimizer step it runs in (1 or ``grad_accum``); ``calls`` and ``elements`` sum them."""
     group_size: int = 0
     """ranks in its process group; 0: all N_d (ZeRO++ hpZ's secondary group: ``zeropp.py``)."""
+    mesh_dim: str = "dp_shard"
+    """the mesh dimension of its group (``Collective.mesh_dim``): ``dp_replicate`` for qgZ's all-to-alls across
+    nodes (``qgz_reduce``), the rest ``dp_shard``."""
 
 
 @lru_cache(maxsize=64)  # each candidate's collectives and moments, and each rank's run, ask the same
@@ -81,14 +85,16 @@ def zero3_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum:
             if calls:
                 out.append(DSCollective("all-gather", phase, grad_accum * calls, grad_accum * elements, p, GATHERS_SRC,
                                         micro_steps=grad_accum))  # fmt: skip
-    out += [
+    qgz = s.quantized_gradients and qgz_nodes(nd, s.devices_per_node) > 1
+    out += qgz_reduce(s, trace, nd, grad_accum) if qgz else [
         DSCollective("reduce-scatter", "backward", grad_accum * len(greedy_buckets(numels, s.reduce_bucket_size)),
                      grad_accum * nd * zero3_partition_numel(numels, nd), g,
                      "runtime/zero/stage3.py __reduce_and_partition_ipg_grads -> __avg_scatter_grads -> "
                      "runtime/comm/coalesced_collectives.py reduce_scatter_coalesced, bucket by bucket (each gradient "
                      "padded to a multiple of N_d: measured at N_d = 3, 557,721 elements of Psi = 557,696)",
                      calls_exact=False,
-                     micro_steps=grad_accum),
+                     micro_steps=grad_accum)]
+    out += [
         DSCollective("all-reduce", "optimizer_step", 1, 1, "fp64",
                      "runtime/zero/stage3.py _get_norm_groups / get_grad_norm (fp64 global norm)"),
     ]  # fmt: skip
@@ -100,7 +106,26 @@ def zero3_collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum:
         out.append(DSCollective("all-gather", "optimizer_step", sum(1 for n in numels if n <= s.param_persistence_threshold),
                                 persist, p, "runtime/zero/stage3.py _post_step -> persistent parameters re-gathered "
                                 "(parameter_offload.py persistent_parameters)"))  # fmt: skip
-    return tuple(out)
+    # qgZ: every group named by its size (one dp_replicate row makes on_mesh's unnamed dp_shard the local group)
+    return tuple(replace(c, group_size=c.group_size or nd) for c in out) if qgz else tuple(out)
+
+
+def qgz_reduce(s: Settings, trace: Stage3Trace, nd: int, grad_accum: int) -> list[DSCollective]:
+    """ZeRO++ qgZ over more than one node (``zeropp_qgz.py``): every backward, each 2-D gradient's four all-to-alls
+    (int8 and fp32 scales in the local group of ``devices_per_node`` ranks, then across the nodes) and each other
+    gradient's own reduce-scatter over N_d, summed per (op, dtype, group); the group ``dp_replicate`` for the
+    all-to-alls across nodes (ranks ``devices_per_node`` apart, as HSDP's replicas) and the rest named by size,
+    so that ``on_mesh`` places each on its link."""
+    qgz_check(trace.shapes, nd, s.devices_per_node)
+    rows: dict[tuple[str, str, int, str], list[int]] = {}
+    for op, dtype, elements, group, dim in qgz_calls(trace.shapes, nd, s.devices_per_node):
+        row = rows.setdefault((op, s.grad_dtype if dtype == "grad" else dtype, group, dim), [0, 0])
+        row[0] += grad_accum
+        row[1] += grad_accum * elements
+    return [DSCollective(op, "backward", calls, elements, dtype, QGZ_FALLBACK_SRC if op == "reduce-scatter" else
+                         f"{QGZ_SRC} (all_to_all_single {'across nodes' if dim == 'dp_replicate' else 'in a node'})",
+                         micro_steps=grad_accum, group_size=group, mesh_dim=dim)
+            for (op, dtype, group, dim), (calls, elements) in rows.items()]  # fmt: skip
 
 
 def _flat_all_gather(s: Settings, numels: tuple[int, ...], nd: int) -> DSCollective:
@@ -151,4 +176,4 @@ def to_collective(c: DSCollective, nd: int) -> Collective:
     nbytes = DTYPE_BYTES.get(c.dtype, 1)
     group = c.group_size or nd  # a ring over its own group (hpZ: the secondary group)
     return Collective(c.op, phase, c.elements, c.dtype, ring_bytes_per_rank(c.op, c.elements, group, nbytes),
-                      c.micro_steps, group_size=c.group_size)
+                      c.micro_steps, mesh_dim=c.mesh_dim, group_size=c.group_size)

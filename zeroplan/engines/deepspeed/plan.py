@@ -19,7 +19,7 @@ from zeroplan.engines.deepspeed.offload_terms import offloads
 from zeroplan.engines.deepspeed.config import parse_ds_config
 from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, read_target
 from zeroplan.engines.deepspeed.zeropp import all_secondaries_numel
-from zeroplan.engines.deepspeed.zeropp_settings import ZEROPP_KEYS
+from zeroplan.engines.deepspeed.zeropp_settings import ZEROPP_KEYS, node_keys
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
@@ -230,7 +230,7 @@ def planner_settings(options: PlannerOptions) -> Settings:
 def on_device(settings: Settings, options: PlannerOptions) -> Settings:
     """``settings`` on the planner's device: ``device`` (own option; None: cuda, a planner predicts the GPU) and
     the ``--gpu`` preset's compute capability (``PlannerOptions.gpu_capability``; None: H100/H200's (9, 0))."""
-    update: dict = {"device": options.own.get("device") or "cuda"}
+    update: dict = {"device": options.own.get("device") or "cuda", **node_keys(options.own)}
     if options.gpu_capability is not None:  # the --gpu preset's: sizes the cuBLAS workspaces
         update["cuda_capability"] = tuple(options.gpu_capability)
     return settings.model_copy(update=update)

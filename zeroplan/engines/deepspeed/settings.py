@@ -14,6 +14,7 @@ from zeroplan.engines.deepspeed.nvme import check_aio
 from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget, check_offload, read_target, target_block
 from zeroplan.engines.deepspeed.zeropp_settings import check_zeropp, check_zeropp_keys, zeropp_keys
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
+from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 
 DEEPSPEED_VERSION = "0.19.8"
 DTYPE_BYTES = BYTES_PER_ELEMENT  # the one byte table (zeroplan.formulas.dtypes), under DeepSpeed's old name
@@ -94,7 +95,12 @@ class Settings(BaseModel):
     quantized_weights: bool = False
     """``zero_quantized_weights`` (ZeRO++ qwZ): ZeRO-3's parameter all-gathers in int8 with fp32 scales (``zeropp.py``)."""
     quantized_gradients: bool = False
-    """``zero_quantized_gradients`` (ZeRO++ qgZ): refused, not modelled (``zeropp.py check_zeropp``)."""
+    """``zero_quantized_gradients`` (ZeRO++ qgZ): ZeRO-3's gradient reduce in 4-bit all-to-alls, in a node then
+    across nodes (``zeropp_qgz.py``)."""
+    devices_per_node: int = Field(DEFAULT_GPUS_PER_NODE, ge=1)
+    """``get_accelerator().device_count()``: the GPUs per node, which sets qgZ's local group and its node count
+    (``zeropp_qgz.qgz_nodes``); the CPU accelerator's is ``LOCAL_SIZE``, else its NUMA nodes with cores (1 on the
+    validator's machine). Not a ds_config key: the machine's."""
 
     device: Literal["cuda", "cpu"] = "cpu"
     """cuda: every peak term rounded to the caching allocator's 512-byte blocks (``peak.CUDA_BLOCK_BYTES``) and the

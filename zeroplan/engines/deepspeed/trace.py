@@ -47,6 +47,9 @@ class Stage3Trace:
     marks: tuple[tuple[str, int, int], ...] = ()
     names: tuple[str, ...] = ()
     """the modules' names (``named_modules``), for reading; not used by the schedule."""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """each parameter's shape (``named_parameters`` order): ZeRO++ qgZ reduces 2-D gradients in all-to-alls
+    (``zeropp_qgz.py``); not used by the schedule."""
 
     def span(self, name: str) -> tuple[int, int]:
         """The (first, last) event of mark ``name`` (the first mark of that name)."""
@@ -156,6 +159,7 @@ class _TraceBuilder:
         if head is None and tied:  # the head weight is the token embedding (CausalLM.head_weight; tied lm_head)
             head = next((i for i, n in enumerate(names) if n.endswith(("wte.weight", "embed_tokens.weight"))), None)
         self.style, self.head_module, self.head = style, head_module, head
+        self.shapes = tuple(tuple(shape) for _, shape in shapes)
         self.children, self.params = _module_tree(names)
         self.index: dict[str, int] = {}
         self.modules: list[tuple[int, ...]] = []
@@ -284,7 +288,8 @@ class _TraceBuilder:
         self.spans.setdefault("last block backward", self.spans["LM head backward"])
         marks = tuple((k, v[0], v[1]) for k, v in self.spans.items())
         by_index = sorted(self.index, key=self.index.get)
-        return Stage3Trace(tuple(self.modules), tuple(self.events), marks, tuple(p or "(root)" for p in by_index))
+        return Stage3Trace(tuple(self.modules), tuple(self.events), marks, tuple(p or "(root)" for p in by_index),
+                           self.shapes)
 
 
 def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optional[str] = None,

@@ -23,8 +23,8 @@ from zeroplan.engines.deepspeed.run import (ZINIT, DSRun, Wrapper, _act, _blocks
                                            _pbytes, _schedule, _states)
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
-from zeroplan.engines.deepspeed.zero3_epilogue import (S3, backward_fetches, bucket_copies, epilogue_moments,
-                                                      final_norm_hook, gathered_at_hook)
+from zeroplan.engines.deepspeed.zero3_epilogue import (S3, backward_fetches, copies_term, epilogue_moments,
+                                                      final_norm_hook, gathered_at_hook, reduce_copies)
 from zeroplan.engines.deepspeed.zeropp import all_secondaries, hpz_schedule
 from zeroplan.engines.deepspeed.zeropp_settings import hpz_group
 from zeroplan.formulas.peak import Moment, Term
@@ -295,10 +295,9 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             # on gloo every bucket sent: flattened (one tensor: a view) and gloo's copy of it (1-24; on a GPU not
             # measured); with offload gloo's copy is freed before partition_grads takes the norms on their fp64
             # copies: the larger
-            flat, gloo = (bucket_copies([numels[i] for i in order[start:end]], run.nd, s.device) if gloo_copies
-                          else (0, 0))
+            flat, gloo = reduce_copies(run, order[start:end]) if gloo_copies else (0, 0)  # bytes
             norm = max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 if offload else 0
-            keep_gloo = gloo * p > norm
+            keep_gloo = gloo > norm
             copies[b] = (flat, gloo * keep_gloo, norm * (not keep_gloo), bool(flat or gloo))
         else:
             flat = gloo = 0
@@ -313,7 +312,7 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             continue
         if j not in saved:
             saved[j] = _blocks_saved(run, j)
-        total = base_bytes + saved[j].bytes + at_hook + large * p + (flat + copies[b][1]) * p + copies[b][2]
+        total = base_bytes + saved[j].bytes + at_hook + large * p + flat + copies[b][1] + copies[b][2]
         if flat or gloo:
             total += sum(t.bytes for t in gathered_at_hook(base, fetched.get(order[end]), run, "")) - base_bytes
         if offload:
@@ -332,8 +331,8 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
                       "autograd (one node makes every input's gradient)", len(module)),
                  Term("gradients larger than the bucket, in the bucket sent", (large_before[end] - large_before[start]) * p,
                       f"{S3} __add_grad_to_ipg_bucket (copied only if it fits) -> partition_grads (param.grad = None)"),
-                 Term("the bucket's flattened copy and gloo's copy of it", (flat + gloo) * p,
-                      f"{S3} __avg_scatter_grads -> zero3_epilogue.py bucket_copies", int(flat > 0) + int(gloo > 0)))
+                 copies_term(run, (flat, gloo), "the bucket's flattened copy and gloo's copy of it",
+                             f"{S3} __avg_scatter_grads -> zero3_epilogue.py bucket_copies"))
         if offload:
             norms = normed_before[start]
             terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", norm,

@@ -15,6 +15,7 @@ from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import final_norm_at_its_hook
 from zeroplan.engines.deepspeed.run import GATHER_SRC, DSRun, _act, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.zeropp import all_secondaries
+from zeroplan.engines.deepspeed.zeropp_qgz import QGZ_BUFFERS, QGZ_SRC, qgz_nodes, qgz_reduce_bytes
 from zeroplan.formulas.peak import Moment, Term
 
 S3 = "runtime/zero/stage3.py"
@@ -32,6 +33,31 @@ def bucket_copies(numels: list[int], nd: int, device: str) -> tuple[int, int]:
     padded = sum(-(-n // nd) * nd for n in numels)
     flat = 0 if len(numels) == 1 and numels[0] % nd == 0 else padded
     return flat, padded if device == "cpu" else 0
+
+
+def reduce_copies(run: DSRun, bucket: tuple[int, ...]) -> tuple[int, int]:
+    """Bytes of (the flat copy, gloo's copy) the reduction of the gradients ``bucket`` (parameter indices, in the
+    bucket's order) makes beside them (``bucket_copies`` in the gradients' bytes); with ZeRO++ qgZ over more than
+    one node (``zeropp_qgz.py``), (``qgz_reduce_bytes``, 0): its quantized buffers, and its fallbacks' copies."""
+    s, nd = run.settings, run.nd
+    if _qgz(run):
+        shapes = tuple(run.trace.shapes[i] for i in bucket)  # type: ignore[union-attr]
+        return qgz_reduce_bytes(shapes, nd, s.devices_per_node, _pbytes(run), s.device), 0
+    flat, gloo = bucket_copies([run.numels[i] for i in bucket], nd, s.device)
+    return flat * _pbytes(run), gloo * _pbytes(run)
+
+
+def _qgz(run: DSRun) -> bool:
+    """Whether the run's buckets go through qgZ's all-to-alls (more than one node; the shapes traced)."""
+    s = run.settings
+    return s.quantized_gradients and qgz_nodes(run.nd, s.devices_per_node) > 1 and run.trace is not None
+
+
+def copies_term(run: DSRun, copies: tuple[int, int], what: str, src: str) -> Term:
+    """``reduce_copies``' bytes as a term: ``what`` and ``src`` name the plain reduce-scatter's copies."""
+    if _qgz(run):
+        return Term(QGZ_BUFFERS, copies[0], f"{S3} __avg_scatter_grads -> {QGZ_SRC} (zeropp_qgz.py qgz_reduce_bytes)")
+    return Term(what, copies[0] + copies[1], src, int(copies[0] > 0) + int(copies[1] > 0))
 
 
 def final_norm_hook(run: DSRun, hook: int) -> tuple[str, tuple[Term, ...], tuple[int, ...]]:
@@ -112,7 +138,7 @@ def epilogue_moments(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Momen
         return ()
     order, _, first_of_bucket, _ = _hook_layout(run.numels, s.reduce_bucket_size, run.grad_ready_order)
     last = [run.numels[i] for i in order[first_of_bucket[-1]:]]
-    flat, gloo = bucket_copies(last, run.nd, s.device)
+    flat, gloo = reduce_copies(run, order[first_of_bucket[-1]:])
     held = sum(last) if not s.contiguous_gradients else sum(n for n in last if n > s.reduce_bucket_size)
     norms = _epilogue_norms(run, order, first_of_bucket[-1]) if s.offload_optimizer.on else ()
     if not (flat or gloo or held or norms):
@@ -125,12 +151,12 @@ def epilogue_moments(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Momen
                    "larger than the bucket)", held * p, f"{S3} params_in_ipg_bucket; __add_grad_to_ipg_bucket "
                    "(copied only if it fits) -> partition_grads"))  # fmt: skip
     cat = "runtime/comm/coalesced_collectives.py reduce_scatter_coalesced (torch.cat)"
-    out = [Moment("backward", "last bucket reduce-scattered after backward", (*common, Term(
-        "the last bucket's interleaved flat copy and gloo's reduce-scatter copy", (flat + gloo) * p,
-        f"{cat} -> torch.distributed.reduce_scatter_tensor (ProcessGroupGloo: on a copy of the input)", 2)))]  # fmt: skip
+    out = [Moment("backward", "last bucket reduce-scattered after backward", (*common, copies_term(
+        run, (flat, gloo), "the last bucket's interleaved flat copy and gloo's reduce-scatter copy",
+        f"{cat} -> torch.distributed.reduce_scatter_tensor (ProcessGroupGloo: on a copy of the input)")))]  # fmt: skip
     if norms:
         out.append(Moment("backward", "last bucket's partitions normed after backward (offload_optimizer)", (
-            *common, Term("the last bucket's interleaved flat copy (the partitions are its views)", flat * p, cat),
+            *common, Term("the last bucket's interleaved flat copy (the partitions are its views)", flat, cat),
             *norms)))  # fmt: skip
     return tuple(out)
 

@@ -1,4 +1,5 @@
-"""ZeRO++ at ZeRO-3, DeepSpeed 0.19.8: hpZ's secondary partition and qwZ's quantized all-gathers.
+"""ZeRO++ at ZeRO-3, DeepSpeed 0.19.8: hpZ's secondary partition and qwZ's quantized all-gathers (qgZ's quantized
+gradient reduce: ``zeropp_qgz.py``).
 
 **hpZ** (``zero_hpz_partition_size`` = H > 1; ``zeropp_settings.hpz_group``). Each parameter of n elements is
 also partitioned over a secondary group of H consecutive ranks (utils/groups.py
@@ -26,8 +27,9 @@ in forward too (``hpz_schedule(..., warm=True)``).
 concatenated partitions of the call) to int8 with one fp32 scale per group (``CUDAQuantizer.quantize``:
 groups from ``target_group_size`` 8000, ``qwz_groups``) and gathers the int8 partitions and the scales
 (``_all_gather_coalesced`` with ``quantize``: two ``all_gather_into_tensor`` calls); ``wait`` dequantizes the
-int8 buffer to fp16 and converts it to the model dtype (``AllGatherCoalescedHandle.wait``). Not measured: the
-quantizer is a CUDA op (``QuantizerBuilder``; DeepSpeed's CPU accelerator has none), so no CPU run reaches it.
+int8 buffer to fp16 and converts it to the model dtype (``AllGatherCoalescedHandle.wait``). The quantizer is a CUDA
+op (``QuantizerBuilder``; DeepSpeed's CPU accelerator has none): measured on gloo with a Python stand-in of its
+outputs' shapes (validate/engines/deepspeed_quantizer.py; tests/test_deepspeed_zeropp.py).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ GATHER_SRC = ("runtime/zero/partitioned_param_coordinator.py __all_gather_params
               "partition, then those without: one all_gather_coalesced call each) -> partition_parameters.py "
               "all_gather_coalesced (use_secondary_tensor: zero_param_process_group)")  # fmt: skip
 QWZ_SRC = ("runtime/zero/partition_parameters.py _all_gather_coalesced / _all_gather_sequential with quantize "
-           "(CUDAQuantizer.quantize: int8 partitions, then their fp32 scales; not measured: a CUDA op)")  # fmt: skip
+           "(CUDAQuantizer.quantize: int8 partitions, then their fp32 scales)")  # fmt: skip
 
 
 def zeropp_gathers(s, trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz: int,
@@ -200,6 +202,6 @@ def qwz_buffer_terms(buffer_numel: int) -> tuple[Term, ...]:
     """qwZ: an open coalesced all-gather holds its int8 flat buffer (``quant_info.quantized_param``) and the
     fp16 tensor it was dequantized to (``AllGatherCoalescedHandle.wait``: ``dequantize`` returns fp16,
     ``self.partitions`` are views of it) until the coordinator pops the call's last parameter; the fp32 scales
-    (1 per ``qwz_groups`` group: under 0.05% of it) are not counted. Not measured (module docstring)."""
+    (1 per ``qwz_groups`` group: under 0.05% of it) are not counted. Not seen at a measured peak (module docstring)."""
     return (Term("qwZ all-gather buffers awaiting their last module (int8 and its fp16 dequantization)",
                  buffer_numel * (BYTES_PER_ELEMENT["int8"] + BYTES_PER_ELEMENT["fp16"]), QWZ_SRC),)  # fmt: skip

@@ -12,13 +12,13 @@ ZEROPP_KEYS = frozenset({"zero_hpz_partition_size", "zero_quantized_weights", "z
 """ZeRO++'s ``zero_optimization`` keys."""
 
 
-def _refuse(stage: int, hpz: int, qwz: bool, qgz: bool, offload: bool) -> None:
+def _refuse(stage: int, hpz: int, qwz: bool, qgz: bool, offload: bool, reduce_scatter: bool = True) -> None:
     """ValueError (one line naming the key) for what the profile does not model."""
-    if qgz:
-        raise ValueError(f"deepspeed config: {QGZ_KEY}=true: qgZ's quantized all-to-all gradient reduce "
-                         "(runtime/comm/coalesced_collectives.py all_to_all_quant_reduce: 4-bit, per node, its "
-                         "buffers from the CUDA quantizer op) is not modelled by the profile")  # fmt: skip
-    used = [k for k, on in ((HPZ_KEY, hpz > 1), (QWZ_KEY, qwz)) if on]
+    if qgz and not reduce_scatter:
+        raise ValueError(f"deepspeed config: {QGZ_KEY} with zero_optimization.reduce_scatter=false: DeepSpeed asserts "
+                         "(runtime/zero/stage3.py: 'when enable all_to_all_reduce, reduce_scatter should also be "
+                         "enabled')")  # fmt: skip
+    used = [k for k, on in ((HPZ_KEY, hpz > 1), (QWZ_KEY, qwz), (QGZ_KEY, qgz)) if on]
     if not used:
         return
     if stage != 3:
@@ -26,19 +26,20 @@ def _refuse(stage: int, hpz: int, qwz: bool, qgz: bool, offload: bool) -> None:
                          "(runtime/engine.py passes it to DeepSpeedZeroOptimizer_Stage3 only); use stage 3")  # fmt: skip
     if offload:
         raise ValueError(f"deepspeed config: {used[0]} with offload_optimizer/offload_param: not modelled by the "
-                         "profile (the secondary partition and the quantized gathers with offload)")  # fmt: skip
+                         "profile (the secondary partition and the quantized gathers and reduce with offload)")  # fmt: skip
 
 
 def check_zeropp(s) -> None:
     """``Settings``' ZeRO++ fields: ``_refuse``."""
     _refuse(s.stage, s.hpz_partition_size, s.quantized_weights, s.quantized_gradients,
-            s.offload_optimizer.on or s.offload_param.on)  # fmt: skip
+            s.offload_optimizer.on or s.offload_param.on, s.reduce_scatter)  # fmt: skip
 
 
 def check_zeropp_keys(stage: int, found: dict, targets: dict) -> None:
     """The same refusals on a ds_config's keys (``Settings.from_ds_config``: ``found`` maps fields to values)."""
     _refuse(stage, found.get("hpz_partition_size", 1), bool(found.get("quantized_weights")),
-            bool(found.get("quantized_gradients")), any(t.on for t in targets.values()))  # fmt: skip
+            bool(found.get("quantized_gradients")), any(t.on for t in targets.values()),
+            found.get("reduce_scatter", True) is not False)  # fmt: skip
 
 
 def zeropp_keys(s) -> dict:
@@ -48,6 +49,8 @@ def zeropp_keys(s) -> dict:
         out["zero_hpz_partition_size"] = s.hpz_partition_size
     if s.quantized_weights:
         out["zero_quantized_weights"] = True
+    if s.quantized_gradients:
+        out["zero_quantized_gradients"] = True
     return out
 
 
@@ -63,3 +66,9 @@ def hpz_group(hpz: int, nd: int) -> int:
         raise ValueError(f"{HPZ_KEY}={hpz}: must divide N_d={nd} (DeepSpeed asserts it: utils/groups.py "
                          "_create_zero_param_parallel_group)")  # fmt: skip
     return size
+
+
+def node_keys(own: dict) -> dict:
+    """``plan``'s ``--gpus-per-node`` (``planning/engine_plan.py``: own ``gpus_per_node``) as the accelerator's device
+    count, ``Settings.devices_per_node`` (qgZ's groups); {} without it (estimate: the default 8)."""
+    return {"devices_per_node": own["gpus_per_node"]} if own.get("gpus_per_node") else {}
