@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
-from zeroplan.engines.deepspeed.flat_copy import copy_numel, flattened_copy_numel
+from zeroplan.engines.deepspeed.flat_copy import copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _params_numels, _rank_first_buckets
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
@@ -181,7 +181,7 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
         return ()
     first_block = min(i for i, b in enumerate(run.param_blocks) if b >= 0)
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
-    p, g, acts = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], run.acts
+    p, acts = _pbytes(run), run.acts
     held = run.wrapper.held_between_micro_steps(run)
     base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
             _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss))
@@ -194,8 +194,7 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
         grad = Term("the embedding's gradient at its hook", run.numels[hook] * p,
                     "autograd (embedding backward) -> runtime/zero/stage_1_and_2.py "
                     "reduce_independent_p_g_buckets_and_remove_grads")
-        copy = Term("flattened copy of the bucket's gradients", _hook_bucket_copy(run, b) * g,
-                    "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+        copy = hook_copy_term(run, b)
         rank = _embedding_hook_winner(run.ranks, firsts, gips, b, p, copy.bytes)
         own: tuple[Term, ...] = (copy,)  # a rank with no grads_in_partition yet
         if rank is not None:
@@ -205,6 +204,15 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
         out.append(Moment("backward", f"embedding's hook, bucket {b} sent",
                           (*B.held_at(run, base, B.position(run, hook) + 1), grad, *own)))  # ZeRO-1's boundary
     return tuple(out)
+
+
+def hook_copy_term(run: DSRun, b: int) -> Term:
+    """``allreduce_bucket``'s flattened copy of hook bucket ``b`` (``reduce._hook_bucket_copy``), in the gradients'
+    dtype: ``embedding_hook_reduced``'s, and ``embedding_moments.stage1_embedding_hook_kept``'s for the same bucket
+    (there whatever that moment kept: a rank whose first bucket it is holds only the larger of it and its
+    ``grads_in_partition``)."""
+    return Term("flattened copy of the bucket's gradients", _hook_bucket_copy(run, b) * DTYPE_BYTES[run.settings.grad_dtype],
+                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
 
 
 def _embedding_hook_winner(ranks: tuple[int, ...] | range, firsts: tuple[int, ...], gips: tuple[int, ...], b: int,
