@@ -52,9 +52,8 @@ def moe_offload_limit(s: Settings, psi: int) -> Optional[str]:
     o = s.offload_optimizer
     if not o.on:
         return None
-    if o.device != "cpu" or s.dtype == "fp16":  # measured: cpu, in fp32 and bf16
-        what = f"to {o.device}" if o.device != "cpu" else "in fp16"
-        return f"offload_optimizer {what} not measured on routed experts"
+    if o.device != "cpu":  # measured: cpu, in fp32, bf16 and fp16 (nvme: ZeRO-3 only, nvme.check_nvme)
+        return f"offload_optimizer to {o.device} not measured on routed experts"
     if s.reduce_bucket_size < psi and not offload_walk_applies(s, psi):
         how = f"ZeRO-{s.stage}" + (" with overlap_comm" if s.overlaps else "")
         return (f"offload_optimizer with reduce_bucket_size {s.reduce_bucket_size:,} < Ψ = {psi:,} at {how}: "
