@@ -27,7 +27,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 PHASES = ("init", "forward", "backward", "optimizer_step")
 SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000}
 FAMILIES = "mixtral-wide,qwen3-moe-wide,qwen2-moe-wide,deepseek-wide"
-NVME_FOLDER = "/tmp/zeroplan-moe-nvme"  # the stand-in's files (nvme3), emptied before each world
+NVME_FOLDER = "/tmp/zeroplan-moe-nvme"  # the stand-in's files (nvme3), emptied before each world: one nvme3 at a time
 
 
 def cases(kind: str) -> list[tuple[str, dict]]:
