@@ -5,9 +5,9 @@ engines/deepspeed/moe12_hooks.py; storages made in the step only: a peak where o
 alive, or none was made yet, lists what was alive at the step's own largest moment).
 
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py rows [--families mixtral-wide,...]   # ~1 min a family
-    DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py trace mixtral-wide 2 small            # ~30 s
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py trace mixtral-wide 2 small [--dtype bf16] [--offload] # ~30 s
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py buckets qwen2-moe-wide 2:300000,1o:300000 [--dtype bf16]
-        [--nd 3] [--out tests/data/measured/deepspeed_moe12_qwen2.json]                          # ~1 min
+        [--nd 3] [--offload] [--out tests/data/measured/deepspeed_moe12_qwen2.json]              # ~1 min
 
 Real runs: never in CI (tests/test_deepspeed_moe12.py is predicted-only)."""
 
@@ -63,25 +63,30 @@ def rows(families: list[str], tmp: Path) -> None:
                                                      for p, v in zip(PHASES, row)))  # fmt: skip
 
 
-def buckets(name: str, cases: list[str], dtype: str, nd: int, tmp: Path, out: str | None) -> None:
+def buckets(name: str, cases: list[str], dtype: str, nd: int, tmp: Path, out: str | None,
+            offload: bool = False) -> None:
     """``name`` at each case ``STAGE:BUCKET`` (``STAGE`` 2, or ``1o``: ZeRO-1 with ``overlap_comm``), ``dtype``, on
     ``nd`` gloo ranks in one world: each rank's measured row and error per phase; ``out``: the rows written as JSON
-    (tests/data/measured/deepspeed_moe12*.json, predicted again by tests/test_deepspeed_moe12.py)."""
+    (tests/data/measured/deepspeed_moe12*.json, predicted again by tests/test_deepspeed_moe12.py). ``offload``:
+    ``offload_optimizer: cpu`` (DeepSpeedCPUAdam), predicted as a CPU run measures it (``one_memory``: the GPU
+    moments plus the host bytes; tests/data/measured/deepspeed_moe_offload_hooks.json)."""
     import subprocess
 
     import deepspeed
     import torch
 
     from tests.test_deepspeed_moe import CONFIGS
-    from validate.engines.deepspeed_compare import ds_config, run_world, workload_for
+    from validate.engines.deepspeed_compare import ds_config, one_memory, run_world, workload_for
     from zeroplan.engines import deepspeed as D
 
     configs = []
     for case in cases:
         stage, bucket = case.split(":")
         zero = {"reduce_bucket_size": int(bucket), "allgather_bucket_size": int(bucket),
-                **({"overlap_comm": True} if stage == "1o" else {})}  # fmt: skip
-        configs.append(ds_config(int(stage[0]), dtype, micro_batch=1, zero=zero, optimizer_params={"torch_adam": True}))
+                **({"overlap_comm": True} if stage == "1o" else {}),
+                **({"offload_optimizer": {"device": "cpu"}} if offload else {})}  # fmt: skip
+        adam = None if offload else {"torch_adam": True}  # offload: DeepSpeedCPUAdam (engine.py zero_use_cpu_optimizer)
+        configs.append(ds_config(int(stage[0]), dtype, micro_batch=1, zero=zero, optimizer_params=adam))
     path = str(tmp / f"{name}.json")
     ranks = run_world(configs, nd, model=str(tmp / "world.json"), steps=2, seq_len=64,
                       runs=[{"model": path, "hf": True}] * len(configs))  # fmt: skip
@@ -93,18 +98,21 @@ def buckets(name: str, cases: list[str], dtype: str, nd: int, tmp: Path, out: st
         print(f"{name} {dtype} N_d {nd} {case}: {measured}")
         for rank, row in enumerate(measured):
             settings = D.Settings.from_ds_config(config).model_copy(update={"rank": rank})
-            (est,) = D.estimate(workload, nd, settings, stat_bytes=4)
-            pred = est.peak.by_phase()
+            pred = one_memory(workload, nd, settings, 4) if offload else D.estimate(workload, nd, settings, stat_bytes=4)[
+                0].peak.by_phase()
             predicted.append([pred[p] for p in PHASES])
             print(f"    rank {rank}: " + "  ".join(f"{p} {(v - pred[p]) / v:+.4%} ({v - pred[p]:+,} B)"
                                                  for p, v in zip(PHASES, row)), flush=True)  # fmt: skip
         recorded.append({"model": name, "hf_config": CONFIGS[name], "ds_config": config, "n_d": nd, "seq_len": 64,
                          "micro_batch": 1, "measured": measured, "predicted_when_recorded": predicted})  # fmt: skip
+        if offload:  # tests/test_deepspeed_moe_opt.py's keys (``_predict``)
+            recorded[-1].update(family=name, case=f"z{case.replace(':', '-')}-{dtype}", nd=nd,
+                                shapes=[[n, list(s)] for n, s in workload.shapes])
     if out:
         old = json.loads(Path(out).read_text())["rows"] if Path(out).exists() else []
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
         doc = {"source": f"DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py buckets {name} {','.join(cases)} "
-                         f"--dtype {dtype} --nd {nd} --out {out} (gloo, CPU; appended)",
+                         f"--dtype {dtype} --nd {nd}{' --offload' * offload} --out {out} (gloo, CPU; appended)",
                "zeroplan_commit": commit.strip(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                "phases": list(PHASES), "rows": old + recorded}  # fmt: skip
         Path(out).write_text(json.dumps(doc, indent=1) + "\n")
@@ -184,7 +192,8 @@ def second_backward_listing(engine, opt, batches, rank: int, nd: int, top: int, 
         dist.barrier()
 
 
-def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str, top: int = 30) -> None:
+def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str, top: int = 30,
+                dtype: str = "fp32", offload: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))  # fmt: skip
     import deepspeed
@@ -196,7 +205,10 @@ def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str
     deepspeed.init_distributed(dist_backend="gloo")
     build, batches = _model_and_batches(f"{tmp}/{name}.json", 2, rank, 1, 2, 64, hf=True)
     zero = ZERO[zero] if zero in ZERO else {"reduce_bucket_size": int(zero), "allgather_bucket_size": int(zero)}
-    config = ds_config(stage, micro_batch=1, zero=zero, optimizer_params={"torch_adam": True})
+    if offload:  # DeepSpeedCPUAdam (engine.py zero_use_cpu_optimizer)
+        config = ds_config(stage, dtype, micro_batch=1, zero={**zero, "offload_optimizer": {"device": "cpu"}})
+    else:
+        config = ds_config(stage, dtype, micro_batch=1, zero=zero, optimizer_params={"torch_adam": True})
     engine, opt, _, _ = deepspeed.initialize(model=(model := build()), model_parameters=model.parameters(),
                                              config=config)  # fmt: skip
     second_backward_listing(engine, opt, batches, rank, 2, top)
@@ -213,23 +225,27 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--dtype", default="fp32")
     b.add_argument("--nd", type=int, default=2)
     b.add_argument("--out", help="append the rows to this JSON file")
+    b.add_argument("--offload", action="store_true", help="offload_optimizer: cpu (DeepSpeedCPUAdam)")
     t = sub.add_parser("trace")
     t.add_argument("name")
     t.add_argument("stage", type=int)
     t.add_argument("zero", help="a key of tests/test_deepspeed_moe12.py ZERO, or a bucket size in elements")
     t.add_argument("--top", type=int, default=30, help="list this many of the largest live storages")
+    t.add_argument("--dtype", default="fp32")
+    t.add_argument("--offload", action="store_true", help="offload_optimizer: cpu (DeepSpeedCPUAdam)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         _files(Path(tmp))
         if args.cmd == "rows":
             rows(args.families.split(","), Path(tmp))
         elif args.cmd == "buckets":
-            buckets(args.name, args.cases.split(","), args.dtype, args.nd, Path(tmp), args.out)
+            buckets(args.name, args.cases.split(","), args.dtype, args.nd, Path(tmp), args.out, args.offload)
         else:
             import torch.multiprocessing as mp
 
             port = 29500 + os.getpid() % 1000
-            mp.spawn(_trace_rank, args=(args.name, args.stage, args.zero, port, tmp, args.top), nprocs=2)
+            mp.spawn(_trace_rank, args=(args.name, args.stage, args.zero, port, tmp, args.top, args.dtype,
+                                        args.offload), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ Every prediction written is cross-checked against the validator's own comparison
 ``validate.engines.deepspeed.compare_row``): the test's reconstruction of the inputs is the validator's.
 
     DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/record_measured.py [reference] [fsdp2] [deepspeed]
+    DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/record_measured.py deepspeed:z3-llama-head-bucket,...
+        (those DeepSpeed cases alone, merged into the file: each row with its own date and command)
 
 2026-12-01 on 2 shared cores at load 13-17: reference 12 min, FSDP2 16 min, DeepSpeed 12 min (three
 torchrun worlds of 22, 14 and 17 configs); an engine that fails is reported and the others still written.
@@ -44,6 +46,12 @@ GPT_5M = {"model_type": "gpt2", "activation_function": "gelu", "n_layer": 4, "n_
           "vocab_size": 8192, "n_positions": 128, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0}  # fmt: skip
 SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
          "stage3_param_persistence_threshold": 100}  # fmt: skip
+# issue 17 (differential seed 5 draw 6, the smallest reproduction): a Llama whose untied LM head (V·h = 131,072) is
+# larger than the bucket, reduced at the final norm's gradient hook (zero3_epilogue.py final_norm_hook); 32 positions
+HEAD_BUCKET_LLAMA = {**json.loads(Path(LLAMA).read_text()), "hidden_size": 128, "intermediate_size": 256,
+                     "vocab_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 32, "max_position_embeddings": 32, "tie_word_embeddings": False}  # fmt: skip
+HEAD_BUCKET = {"reduce_bucket_size": 81_920, "allgather_bucket_size": 81_920, "stage3_param_persistence_threshold": 100}
 BIG_MODEL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000,
                      "stage3_prefetch_bucket_size": 100_000, "stage3_param_persistence_threshold": 1_000}  # fmt: skip
 
@@ -150,7 +158,9 @@ def _model_files(tmp: Path) -> dict[str, str]:
     llama4 = {**json.loads(Path(LLAMA).read_text()), "num_hidden_layers": 4}
     (tmp / "tiny-llama-4-layers.json").write_text(json.dumps(llama4))
     (tmp / "gpt-5m.json").write_text(json.dumps(GPT_5M))
-    return {LLAMA_4_LAYERS: str(tmp / "tiny-llama-4-layers.json"), "GPT5M": str(tmp / "gpt-5m.json")}
+    (tmp / "head-bucket-llama.json").write_text(json.dumps(HEAD_BUCKET_LLAMA))
+    return {LLAMA_4_LAYERS: str(tmp / "tiny-llama-4-layers.json"), "GPT5M": str(tmp / "gpt-5m.json"),
+            "HEADBUCKET": str(tmp / "head-bucket-llama.json")}
 
 
 def record_fsdp2(models: dict[str, str]) -> list[dict]:
@@ -236,6 +246,13 @@ def _deepspeed_cases(models: dict[str, str]) -> dict[str, tuple[dict, dict]]:
     cases["z2-gpt-5m-fp32-buckets1e5-overlap-ckpt"] = (
         ds_config(2, "fp32", zero={**BIG_MODEL_BUCKETS, "overlap_comm": True}, optimizer_params=adam),
         {"model": models["GPT5M"], "checkpointing": "full"})
+    # N_d = 3 (an odd world: the head's gradient padded, so reduce_scatter_coalesced cats it), transformers' class;
+    # the draw's own settings too (overlap_comm, G = 2, zero.Init), which the mechanism does not depend on
+    head = {"model": models["HEADBUCKET"], "hf": True}
+    cases["z3-llama-head-bucket"] = (ds_config(3, "fp32", micro_batch=1, zero=HEAD_BUCKET, optimizer_params=adam), head)
+    cases["z3-llama-head-bucket-overlap-accum2-zero-init"] = (
+        {**ds_config(3, "fp32", micro_batch=1, zero={**HEAD_BUCKET, "overlap_comm": True}, optimizer_params=adam),
+         "gradient_accumulation_steps": 2}, {**head, "zero_init": True})
     return cases  # fmt: skip
 
 
@@ -243,24 +260,50 @@ def _deepspeed_cases(models: dict[str, str]) -> dict[str, tuple[dict, dict]]:
 # test_deepspeed_features.py: N_d = 2, 2 steps; test_deepspeed_zero_init.py: N_d = 2, 3 steps)
 FEATURES = ("accum2", "fp16", "checkpointing", "llama", "default-prefetch")
 AT_4 = ("default", "small", "z3-gpt-5m", "z3-gpt-fp32-zero-init")
+AT_3 = "head-bucket"  # only at N_d = 3
 
 
 def _worlds(cases: dict) -> list[tuple[int, int, dict]]:
     feature = lambda k: any(s in k for s in FEATURES) and "zero-init" not in k and "gpt-5m" not in k
+    at_3 = {k: v for k, v in cases.items() if AT_3 in k}
+    cases = {k: v for k, v in cases.items() if k not in at_3}
     return [
         (2, 3, {k: v for k, v in cases.items() if not feature(k)}),
         (2, 2, {k: v for k, v in cases.items() if feature(k)}),
         (4, 3, {k: v for k, v in cases.items() if any(k.startswith(f"z{s}-{a}") or a in k
                                                        for s in (1, 2, 3) for a in AT_4) and not feature(k)}),
+        (3, 3, at_3),
     ]  # fmt: skip
 
 
-def record_deepspeed(models: dict[str, str]) -> list[dict]:
-    from validate.engines.deepspeed import compare_row, run_world, workload_for
+def deepspeed_record(name: str, nd: int, run: dict, ds: dict, rows: list[dict], workload) -> dict:
+    """One DeepSpeed row (tests/data/measured/README.md) from every rank's runner row of one config, with the
+    prediction of the day (``_finish``); benchmarks/ds_boundary_rows.py records its rows with it too."""
     from zeroplan.engines import deepspeed as D
+
+    zero_init = bool(rows[0].get("zero_init", False))
+    settings = D.Settings.from_ds_config(ds, zero_init=zero_init)
+    record = {
+        "name": name, "engine": "deepspeed", "nd": nd, "run": run,
+        "ds_config": ds, "zero_init": zero_init, "workload": workload_json(workload),
+        "estimate_kwargs": {"stat_bytes": D.DTYPE_BYTES[settings.dtype]},
+        "ranks": [{"rank": k, "measured_peak_bytes_by_phase": _peaks(r),
+                   "measured_model_states_bytes": [b for p, b in r["boundary_bytes"].items() if p != "init"][-1]}
+                  for k, r in enumerate(rows)],
+        "gloo_unsettled": sum(r["gloo_settle"]["unsettled"] for r in rows),
+    }  # fmt: skip
+    return _finish(record, _summary(rows[0]["calls_by_step"][-1], ("all-reduce", "reduce-scatter", "all-gather")))
+
+
+def record_deepspeed(models: dict[str, str], only: tuple[str, ...] = ()) -> list[dict]:
+    """Every DeepSpeed case's rows; ``only``: those cases alone (names without ``-nd``)."""
+    from validate.engines.deepspeed import compare_row, run_world, workload_for
 
     out = []
     for nd, steps, cases in _worlds(_deepspeed_cases(models)):
+        cases = {k: v for k, v in cases.items() if not only or k in only}
+        if not cases:
+            continue
         configs, runs = [c for c, _ in cases.values()], [r for _, r in cases.values()]
         t = time.time()
         ranks = run_world(configs, nd, steps=steps, runs=runs, timeout_s=5400)
@@ -270,26 +313,17 @@ def record_deepspeed(models: dict[str, str]) -> list[dict]:
             workload = workload_for(run.get("model", "gpt-tiny"), ds["train_micro_batch_size_per_gpu"], None,
                                     ds.get("gradient_accumulation_steps", 1), run.get("checkpointing", "none"),
                                     hf=run.get("hf", False))  # fmt: skip
-            zero_init = bool(rows[0].get("zero_init", False))
-            settings = D.Settings.from_ds_config(ds, zero_init=zero_init)
-            record = {
-                "name": f"deepspeed-{name}-nd{nd}", "engine": "deepspeed", "nd": nd,
-                "run": {**run, "model": Path(run.get("model", "gpt-tiny")).name, "steps": steps},
-                "ds_config": ds, "zero_init": zero_init, "workload": workload_json(workload),
-                "estimate_kwargs": {"stat_bytes": D.DTYPE_BYTES[settings.dtype]},
-                "ranks": [{"rank": k, "measured_peak_bytes_by_phase": _peaks(r),
-                           "measured_model_states_bytes": [b for p, b in r["boundary_bytes"].items() if p != "init"][-1]}
-                          for k, r in enumerate(rows)],
-                "gloo_unsettled": sum(r["gloo_settle"]["unsettled"] for r in rows),
-            }  # fmt: skip
-            out.append(_finish(record, _summary(rows[0]["calls_by_step"][-1], ("all-reduce", "reduce-scatter", "all-gather"))))
+            out.append(deepspeed_record(f"deepspeed-{name}-nd{nd}", nd, {
+                **run, "model": Path(run.get("model", "gpt-tiny")).name, "steps": steps}, ds, rows, workload))
             row = compare_row(ds, nd, rows, workload, name, 0.01, 0.03)  # the validator's own comparison
             mine = {p: max(r["predicted_peak_bytes_by_phase"][p] for r in out[-1]["ranks"]) for p in row["predicted_peak_bytes_by_phase"]}
             assert mine == row["predicted_peak_bytes_by_phase"], (name, mine, row["predicted_peak_bytes_by_phase"])
     return out
 
 
-def _write(engine: str, rows: list[dict], command: str) -> None:
+def _write(engine: str, rows: list[dict], command: str, merge: bool = False) -> None:
+    """``rows`` as ``tests/data/measured/<engine>.json``; ``merge``: into the file on disk, each row replacing the one
+    of its name (or appended) with its own date and command, the file's others and its header kept."""
     import torch
 
     versions = {"torch": torch.__version__}
@@ -301,6 +335,10 @@ def _write(engine: str, rows: list[dict], command: str) -> None:
     data = {"engine": engine, "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "zeroplan_commit": commit, **versions, "command": command, "device": "cpu", "backend": "gloo",
             "rows": rows}  # fmt: skip
+    if merge:
+        old = json.loads((MEASURED / f"{engine}.json").read_text())
+        new = {r["name"]: {**r, "recorded": data["recorded"], "zeroplan_commit": commit, "command": command} for r in rows}
+        data = {**old, "rows": [new.pop(r["name"], r) for r in old["rows"]] + list(new.values())}
     MEASURED.mkdir(parents=True, exist_ok=True)
     (MEASURED / f"{engine}.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {MEASURED / f'{engine}.json'}: {len(rows)} rows", flush=True)
@@ -311,17 +349,18 @@ def main(engines: list[str]) -> None:
     command = "DS_ACCELERATOR=cpu python benchmarks/record_measured.py " + " ".join(engines)
     with tempfile.TemporaryDirectory(prefix="zeroplan-measured-") as tmp:
         models = _model_files(Path(tmp))
-        for engine in engines:  # one engine's failure does not cost the others' recording
+        for arg in engines:  # one engine's failure does not cost the others' recording
             t = time.time()
+            engine, _, only = arg.partition(":")  # deepspeed:NAME,...: those cases, merged into the file
             try:
                 rows = {"reference": record_reference, "fsdp2": lambda: record_fsdp2(models),
-                        "deepspeed": lambda: record_deepspeed(models)}[engine]()  # fmt: skip
+                        "deepspeed": lambda: record_deepspeed(models, tuple(filter(None, only.split(","))))}[engine]()  # fmt: skip
             except Exception as e:
                 if type(e).__name__ == "Interrupted":  # validate.harness: SIGTERM / SIGHUP stop everything
                     raise
                 traceback.print_exc()
                 continue
-            _write(engine, rows, command)
+            _write(engine, rows, command, merge=bool(only))
             print(f"{engine}: {time.time() - t:.0f} s", flush=True)
 
 

@@ -47,6 +47,9 @@ def _cases() -> dict[str, tuple[dict, dict]]:
         "z1-accum2": (accum(ds_config(1, zero=SMALL, optimizer_params=adam)), {}),
         "z2-accum2": (accum(ds_config(2, zero=SMALL, optimizer_params=adam)), {}),
         "z3-accum2": (accum(ds_config(3, zero=SMALL, optimizer_params=adam)), {}),
+        # ZeRO-1 reducing from its hooks at the boundary micro-step only (engines/deepspeed/boundary.py): rank 1's
+        # grads_in_partition beside the earlier micro-step's gradients not yet moved into the bucket
+        "z1-overlap-accum2": (accum(ds_config(1, zero={**SMALL, "overlap_comm": True}, optimizer_params=adam)), {}),
         "z2-checkpointing": (ds_config(2, zero=SMALL, optimizer_params=adam), {"checkpointing": "full"}),
         "z3-checkpointing": (ds_config(3, zero=SMALL, optimizer_params=adam), {"checkpointing": "full"}),
         "z2-llama": (ds_config(2, zero=SMALL, optimizer_params=adam), {"model": LLAMA}),

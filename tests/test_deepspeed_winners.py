@@ -26,7 +26,8 @@ from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _hook_activations, _hook
                                                _reducing_hooks)
 from zeroplan.engines.deepspeed.run import _blocks_saved, _pbytes
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
-from zeroplan.engines.deepspeed.zero3 import S3, _backward_fetches, _gathered_at_hook, _in_block_reductions
+from zeroplan.engines.deepspeed.zero3 import S3, _in_block_reductions
+from zeroplan.engines.deepspeed.zero3_epilogue import backward_fetches, final_norm_hook, gathered_at_hook
 from zeroplan.engines.deepspeed.zero3_epilogue import bucket_copies
 from zeroplan.engines.deepspeed.zero12 import _stage1_kept_gradients
 from zeroplan.formulas.peak import Moment, Term
@@ -80,7 +81,8 @@ def _reference_partitions(run, last, inflight, kept):
 
 def _reference_reductions(run, last, inflight):
     """``_in_block_reductions`` as it was (every bucket's terms built and summed), with the gloo bucket copies and the
-    parameters gathered at the hook that the differential matrix's 1-24 added (on the CPU only)."""
+    parameters gathered at the hook that the differential matrix's 1-24 added (on the CPU only), and the final norm's
+    hook (after every block's parameters: every block saved, ``final_norm_hook``) that its seed 5 draw 6 added."""
     if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
     s, p = run.settings, _pbytes(run)
@@ -92,7 +94,8 @@ def _reference_reductions(run, last, inflight):
     large_before = (0, *itertools.accumulate(numels[i] if numels[i] > limit else 0 for i in order))
     normed_before = (0, *itertools.accumulate(int(-(-numels[i] // run.nd) * rank < numels[i]) for i in order))
     best: dict[int, tuple[int, str, tuple[Term, ...]]] = {}
-    fetched = _backward_fetches(run) if s.device == "cpu" else {}
+    fetched = backward_fetches(run) if s.device == "cpu" else {}
+    L, roots = run.acts.n_layer, max(i for i, j in enumerate(run.param_blocks) if j >= 0)
     for b in range(len(buckets) - 1):
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
         hook = order[end]
@@ -101,13 +104,14 @@ def _reference_reductions(run, last, inflight):
         flat, gloo = bucket_copies([numels[i] for i in order[start:end]], run.nd, s.device) if gloo_copies else (0, 0)
         norm = max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 if offload else 0
         gloo, norm, copies = (gloo, 0, flat + gloo) if gloo * p > norm else (0, norm, flat + gloo)
-        j = run.param_blocks[hook]
-        at_hook = _hook_activations(run, j, hook) if j >= 0 and (large or offload or copies) else None
+        j = L if hook > roots and gloo_copies else run.param_blocks[hook]
+        at_hook = ((final_norm_hook(run, hook) if j == L else _hook_activations(run, j, hook))
+                   if j >= 0 and (large or offload or copies) else None)
         if at_hook is None:
             continue
         where, acts, module = at_hook
-        at = f"block {j} {where} backward"
-        terms = (*(_gathered_at_hook(base, fetched.get(hook), run, at) if copies else base), _blocks_saved(run, j), *acts,
+        at = f"{where} backward" if j == L else f"block {j} {where} backward"
+        terms = (*(gathered_at_hook(base, fetched.get(hook), run, at) if copies else base), _blocks_saved(run, j), *acts,
                  Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                       "autograd (one node makes every input's gradient)", len(module)),
                  Term("gradients larger than the bucket, in the bucket sent", large * p,
@@ -121,9 +125,8 @@ def _reference_reductions(run, last, inflight):
                       Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))
         total = sum(t.bytes for t in terms)
         if j not in best or total > best[j][0]:
-            best[j] = (total, where, terms)
-    return tuple(Moment("backward", f"block {j} {where} backward, a bucket sent", terms)
-                 for j, (_, where, terms) in best.items())
+            best[j] = (total, at, terms)
+    return tuple(Moment("backward", f"{at}, a bucket sent", terms) for j, (_, at, terms) in best.items())
 
 
 def _last_and_inflight(run):
@@ -162,6 +165,8 @@ CASES = [  # (model, stage, overlap_comm, bucket, N_d, checkpointing, offload_op
     ("tiny-llama", 3, None, 2_000, 3, "full", False, None),
     ("tiny-mistral", 3, None, 5_000, 7, "none", True, 2),
     ("tiny-qwen2", 3, None, 2_000, 4, "full", False, None),
+    ("tiny-llama", 3, None, 4_500, 3, "none", False, None),  # the head (4,944) sent at the final norm's hook
+    ("tiny-gpt2-untied", 3, None, 3_881, 3, "none", True, 1),  # at a LayerNorm's (the head in the bucket), offload
 ]
 
 

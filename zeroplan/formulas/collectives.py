@@ -9,7 +9,7 @@ elements per reduce-scatter or all-gather, twice that per all-reduce.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.memory import buffer_numels
@@ -77,12 +77,18 @@ def on_mesh(collectives: tuple[Collective, ...], nd: int, nm: int = 1,
     if tp > 1 and nm == 1:  # FSDP2's --tp: N_d counts every GPU, T of them per data-parallel rank (engines/fsdp2/tp.py)
         nd, nm = nd // tp, tp
     mesh = data_parallel_mesh(nd, replicate, nm, gpus_per_node)
-    return tuple(
-        replace(c, group_size=size,
-                link=link_class(size, mesh.stride(c.mesh_dim), mesh.world, gpus_per_node))
-        for c in collectives
-        for size in (c.group_size or mesh.size(c.mesh_dim),)
-    )  # fmt: skip
+    placed: dict[tuple[str, int], tuple[int, str]] = {}  # (dimension, group size) -> (size, link class), once each
+
+    def place(c: Collective) -> Collective:
+        key = (c.mesh_dim, c.group_size)
+        got = placed.get(key)
+        if got is None:
+            size = c.group_size or mesh.size(c.mesh_dim)
+            got = placed[key] = (size, link_class(size, mesh.stride(c.mesh_dim), mesh.world, gpus_per_node))
+        # ``replace(c, group_size=..., link=...)``, its fields named (a FSDP2 plan places ~1,300 rows per candidate)
+        return Collective(c.op, c.phase, c.elements, c.dtype, c.bytes_per_rank, c.micro_steps, c.mesh_dim, *got)
+
+    return tuple(map(place, collectives))
 
 
 def ring_bytes_per_rank(op: str, elements: int, nd: int, element_bytes: int) -> int:

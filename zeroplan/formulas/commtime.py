@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol, TypeVar
 
 from zeroplan.formulas.collectives import PASSES, Collective, on_mesh
@@ -115,7 +116,12 @@ class Links:
 
     def of(self, link_class: str) -> Link:
         """The link a group of ``link_class`` runs at: intra-node, or the slowest it crosses."""
-        return self.intra if link_class == "intra" else crossing_link(self.intra, self.inter)
+        return self.intra if link_class == "intra" else self.crossing
+
+    @cached_property
+    def crossing(self) -> Link:
+        """``crossing_link(intra, inter)``, made once (``of`` is asked for every collective of a plan)."""
+        return crossing_link(self.intra, self.inter)
 
 
 def _placed(collectives: tuple[Collective, ...], nd: int, link: Link | Links) -> tuple[tuple[Collective, Link], ...]:

@@ -252,11 +252,17 @@ class Coordinator:
     def release(self, m: int) -> None:
         """release_sub_module (a module without parameters releases nothing): each parameter's use by ``m``
         ended, those ``__params_to_release`` names freed (``released`` reads no state ``free`` changes)."""
-        active, released = self.active, self.released
+        active, persist, fetched_for, uses_of, before = self.active, self.persist, self.fetched_for, self.uses, self.before
+        step, max_reuse, free = self.step, self.max_reuse, self.free
         for p in self.modules[m]:
             active[p].discard(m)
-            if released(p):
-                self.free(p)
+            # ``released(p)``, inlined (a speed-up: ~4,500 calls per replay)
+            if persist[p] or fetched_for[p] > step:
+                continue
+            uses = uses_of[p]
+            k = bisect.bisect_left(uses, step)
+            if not (k < len(uses) and before[uses[k]] - before[step] < max_reuse):
+                free(p)
 
     def replay(self, trace: Stage3Trace) -> Stage3Schedule:
         """Every event of ``trace`` in order, and what was gathered after each."""

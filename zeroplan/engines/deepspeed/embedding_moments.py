@@ -6,6 +6,7 @@ embedding's hook (``stage1_embedding_hook_kept``). Found by the differential mat
 
 from __future__ import annotations
 
+import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
 from zeroplan.engines.deepspeed.reduce import GIP_SRC
@@ -62,13 +63,14 @@ def tied_gradient_reduced(run: DSRun, before: tuple[Moment, ...]) -> tuple[Momen
     26,715,520-B ``grads_in_partition`` at the tied hook, then ``aten.cat`` of ranks 0 and 1's slices, 4,452,588
     elements, ``allreduce_and_copy_with_multiple_ranks``: -6.39 % before)."""
     tied = _tied_weight(run)
-    if tied is None or not before or run.grad_accum > 1 or run.numels[tied] <= run.settings.reduce_bucket_size:
+    if (tied is None or not before or (run.grad_accum > 1 and not B.at_boundary(run))  # ZeRO-1's boundary: as G = 1
+            or run.numels[tied] <= run.settings.reduce_bucket_size):
         return ()
     _, _, _, bucket_of = _hook_buckets(run)
     at, p = bucket_of[tied], _pbytes(run)
     copy = Term("flattened copy of the tied gradient's slices", flattened_copy_numel(run, [tied]) *
                 DTYPE_BYTES[run.settings.grad_dtype], "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten)")
-    common = tuple(t for t in before[0].terms if t.name not in ("grads_in_partition", TIED_NAME))
+    common = tuple(t for t in before[0].terms if t.name not in ("grads_in_partition", TIED_NAME, B.HELD))
     tied_sum = Term("the tied gradient (the sum) at its hook", run.numels[tied] * p, TIED_SRC)
 
     def extra(rank: int) -> tuple[Term, ...]:
@@ -98,7 +100,7 @@ def stage1_embedding_hook_kept(run: DSRun, hooked: tuple[Moment, ...]) -> tuple[
     partition, and the 49,152-B embedding output's gradient beside rank 0's grads_in_partition and the embedding's
     gradient: -7.63 % before)."""
     s = run.settings
-    if s.partition_gradients or not s.overlaps or not hooked or run.grad_accum > 1:
+    if s.partition_gradients or not s.overlaps or not hooked or (run.grad_accum > 1 and not B.at_boundary(run)):
         return ()
     numels, p, blocks = run.numels, _pbytes(run), run.param_blocks
     first_block = min(i for i, b in enumerate(blocks) if b >= 0)

@@ -8,6 +8,7 @@ import bisect
 import itertools
 from functools import lru_cache
 
+import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
 from zeroplan.engines.deepspeed.flat_copy import copy_numel, flattened_copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _params_numels, _rank_first_buckets
@@ -201,7 +202,8 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
             gip = Term("grads_in_partition", gips[rank] * p, GIP_SRC)
             # allocated earlier, alive through the copy; or allocated once the copy is freed: the larger of the two
             own = (gip, copy) if firsts[rank] < b else (max(gip, copy, key=lambda t: t.bytes),)
-        out.append(Moment("backward", f"embedding's hook, bucket {b} sent", (*base, grad, *own)))
+        out.append(Moment("backward", f"embedding's hook, bucket {b} sent",
+                          (*B.held_at(run, base, B.position(run, hook) + 1), grad, *own)))  # ZeRO-1's boundary
     return tuple(out)
 
 

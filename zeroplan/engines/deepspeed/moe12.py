@@ -73,7 +73,8 @@ def zero12_moe_limit(s: Settings, spec: TransformerSpec) -> Optional[str]:
     ``BF16_Optimizer`` (no hook reduces: bf16.py; tests/test_deepspeed_moe_opt.py): measured (module docstring)."""
     if spec.model_type not in ZERO12_MOE_FAMILIES:
         return f"model_type {spec.model_type!r} not measured (measured: {', '.join(ZERO12_MOE_FAMILIES)})"
-    if s.offload_optimizer.on:  # measured with every gradient in one bucket (moe_offload.py)
-        return moe_offload_limit(s, model_numel(spec))
+    if s.offload_optimizer.on:  # measured: one bucket, ZeRO-1's walk, ZeRO-2 from the largest tensor (moe_offload.py)
+        largest = max(math.prod(shape) for _, shape in transformer_shapes(spec))
+        return moe_offload_limit(s, model_numel(spec), largest)
     return None
 

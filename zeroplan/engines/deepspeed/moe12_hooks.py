@@ -39,6 +39,12 @@ After a ``gate_up_proj`` hook whose gradient is larger than the bucket (left in 
 ``extra_large_param_to_reduce``), the gathered rows' gradient scattered back to the tokens (``IndexBackward``: a zeros
 tensor and ``index_put``, 2·N·d·a) beside it, the bucket reduced gone and the partition kept (measured: Qwen2-MoE's
 rank 0 at 100,000-element buckets, 66,696 B under before, now 1,160 B).
+With ``offload_optimizer`` (moe_offload.py ``norms_at_hooks``) no rank has a ``grads_in_partition``: the reduction
+holds the flattened copy or the fp64 norm copy of the rank's largest slice (``norm_copy``), the larger
+(``_rank_holding_most``); also at a hook of the block's attention or input norm (role "attention": bounded at
+``o_proj``'s, the first, each op after it releasing more; measured: Mixtral bf16 at 300,000, the bucket holding a
+whole ``gate_up_proj`` reduced at ``q_proj``'s hook, up to 0.44 % over) and at DeepSeek-V3's routed ``down_proj``
+(its shared experts' input gradient in flight; measured at 100,000, fp32 and bf16).
 Also the gate-up backward before its hook with a partition allocated at ``down_proj``'s (``_gate_up_backward``), the
 last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the head's
 hook allocating the bucket (``head_hook_bucket``).
@@ -54,6 +60,7 @@ from functools import lru_cache
 from zeroplan.architectures.moe import moe_shapes
 from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+from zeroplan.engines.deepspeed.moe_offload import norm_copy, norms_at_hooks
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
@@ -68,6 +75,8 @@ ROLES = {".mlp.experts.gate_up_proj": "gate_up", ".mlp.experts.down_proj": "down
          ".mlp.shared_expert.up_proj.weight": "shared_up",
          ".mlp.shared_expert.gate_proj.weight": "shared_gate"}  # fmt: skip
 """A sparse MLP's parameter (its ``named_parameters`` name's ending) -> its role in the hooks' order."""
+ATTENTION = (".self_attn.", ".input_layernorm.")
+"""A sparse block's parameters before its MLP (role "attention"): their hooks come after the post-attention norm's."""
 
 
 @lru_cache(maxsize=16)
@@ -83,6 +92,8 @@ def _roles(run: DSRun) -> dict[int, str]:
         out = {}
         for i, name in enumerate(names):
             role = next((v for k, v in ROLES.items() if name.endswith(k)), None)
+            if role is None and any(a in name for a in ATTENTION):
+                role = "attention"
             if role is not None and any(s in name for s in sparse):
                 out[i] = role
         return out
@@ -118,10 +129,12 @@ def _at_hook(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
               _act("d(shared output) and the shared gate's input gradient", 2 * nda, 2)) if qwen2 else ()
     if role == "down":  # the routing product's and the down matmul's saved tensors released (expert_activations)
         rows, f, w = n * spec.moe.top_k, spec.moe.expert_ffn, ROUTING_WEIGHT_BYTES[spec.model_type] or a
+        deepseek = spec.model_type == "deepseek_v3"  # its shared experts ran backward first: their input gradient
         return (_act("block's saved activations less the routing product's and down matmul's (the router's kept)",
                      before_mlp + _router_saved(run) + rows * (a * (spec.d_model + 3 * f) + 2 * INDEX_BYTES)
                      + spec.moe.n_experts * OFFSET_BYTES),
-                _act("incoming, d(SiLU·up) and the sorted routing weights' gradients", nda + rows * (f * a + w), 3),
+                _act("incoming, d(SiLU·up) and the sorted routing weights' gradients (DeepSeek-V3: and the shared "
+                     "experts' input's)", nda + rows * (f * a + w) + (nda if deepseek else 0), 4 if deepseek else 3),
                 *shared)
     if role == "gate_up":  # DeepSeek-V3's shared experts ran backward first: their input gradient in flight
         rows, deepseek = n * spec.moe.top_k * spec.d_model * a, spec.model_type == "deepseek_v3"
@@ -129,6 +142,14 @@ def _at_hook(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
                      before_mlp + _router_saved(run)),
                 _act("incoming and d(gathered rows) gradients (DeepSeek-V3: and the shared experts' input's)",
                      nda + rows + (nda if deepseek else 0), 3 if deepseek else 2), *shared)  # fmt: skip
+    if role == "attention":  # bounded at the attention output projection's hook, the first (reduce.py's Llama
+        # rule): the MLP's and the post-attention RMSNorm's saved tensors released (its fp32 input, rsqrt and the two
+        # N·d·a), in flight o_proj's input gradient (N·q·a) and x1's
+        rms = nda // a * 4 + n * 4 + 2 * nda
+        o_proj = next(i for i, name in enumerate(_names(spec)) if name.endswith(f".layers.{j}.self_attn.o_proj.weight"))
+        nqa = n * (run.numels[o_proj] // spec.d_model) * a
+        return (_act("block's saved activations before its post-attention norm", before_mlp - rms),
+                _act("attention output's and x1's gradients", nqa + nda, 2))
     return (_act("block's saved activations less its MLP's and the norm's output", before_mlp - nda),
             _act("incoming, the experts' and the router's input gradients", 3 * nda, 3), *shared)
 
@@ -176,8 +197,9 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
     for b in range(len(buckets) - 1):
         hook = order[first_of_bucket[b + 1]]
         role, j = roles.get(hook), run.param_blocks[hook]
-        if role not in ("gate_up", "router", "norm", "shared_down", "shared_up", "shared_gate", "down") or (
-                role == "down" and run.spec.model_type == "deepseek_v3"):  # its own experts' path, not measured
+        if role not in ("gate_up", "router", "norm", "shared_down", "shared_up", "shared_gate", "down", "attention") or (
+                role in ("down", "attention") and not norms_at_hooks(run) and (  # measured with offload's norm copies
+                    role == "attention" or run.spec.model_type == "deepseek_v3")):  # (DeepSeek-V3's down: only there)
             continue
         large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
         common = (*base, _blocks_saved(run, j), *_at_hook(run, j, role),
@@ -187,14 +209,7 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
                        f"{SRC} reduce_independent_p_g_buckets_and_remove_grads (the bucket first)"))  # fmt: skip
         copy = Term("flattened copy of the bucket's gradients", _hook_bucket_copy(run, b) * g,
                     f"{SRC} allreduce_bucket (self.flatten(bucket))")
-        options = [(copy,)]  # a rank with no grads_in_partition yet
-        for r, first in firsts.items():
-            if first > b:
-                continue
-            gip = Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC)
-            own = (gip, copy) if first < b else (max(gip, copy, key=lambda t: t.bytes),)
-            options.append((*_stage1_kept(run, kept, r, j, b, order, first_of_bucket), *own))
-        best = max(options, key=lambda terms: sum(t.bytes for t in terms))
+        best = _rank_holding_most(run, kept, copy, firsts, j, b)
         out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
         if role == "gate_up" and run.numels[hook] > limit:  # its gradient waits past the hook (module docstring)
             name = f"block {j} gathered rows' backward after the gate-up hook, bucket {b} gone"
@@ -239,6 +254,28 @@ def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
             *_stage1_kept(run, kept, r, j, b, order, first_of_bucket),
             Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC))))
     return tuple(out)
+
+
+def _rank_holding_most(run: DSRun, kept: dict[int, tuple[Term, ...]], copy: Term, firsts: dict[int, int], j: int,
+                       b: int) -> tuple[Term, ...]:
+    """At bucket b's reduction in block j, the rank-dependent terms of the rank holding the most (with its hook):
+    ``allreduce_bucket``'s flattened copy of the bucket beside the ``grads_in_partition`` of a rank whose first bucket
+    went earlier; or, the rank's first, its partition allocated once the copy is freed (the larger of the two). With
+    ``offload_optimizer`` (moe_offload.py ``norms_at_hooks``) no partition: the copy, or once it is freed the fp64
+    norm copy of the rank's largest slice in the bucket (``norm_copy``), the larger."""
+    order, _, first_of_bucket, _ = _hook_buckets(run)
+    if norms_at_hooks(run):
+        params = order[first_of_bucket[b]:first_of_bucket[b + 1]]
+        options = [(max(copy, norm_copy(run, r, params), key=lambda t: t.bytes),) for r in run.ranks]
+    else:
+        options, p = [(copy,)], _pbytes(run)  # (copy,): a rank with no grads_in_partition yet
+        for r, first in firsts.items():
+            if first > b:
+                continue
+            gip = Term("grads_in_partition", run.flat.params_numel(r) * p, GIP_SRC)
+            own = (gip, copy) if first < b else (max(gip, copy, key=lambda t: t.bytes),)
+            options.append((*_stage1_kept(run, kept, r, j, b, order, first_of_bucket), *own))
+    return max(options, key=lambda terms: sum(t.bytes for t in terms))
 
 
 def _stage1_kept(run: DSRun, kept: dict[int, tuple[Term, ...]], rank: int, j: int, b: int, order: tuple[int, ...],

@@ -26,6 +26,7 @@ largest parameter's slice in fp32, freed at once). NVMe at ZeRO-3: the optimizer
 
 from __future__ import annotations
 
+from zeroplan.engines.deepspeed.moe_offload import norms_at_hooks
 from zeroplan.engines.deepspeed.offload_walk import offload_walk_applies, stage1_offload_walk
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
 from zeroplan.engines.deepspeed.nvme import step_terms as nvme_step_terms
@@ -285,12 +286,14 @@ def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) ->
     alive at a time: the largest slice of the parameters whose hooks fire in that moment's block (the last
     block's at the last block; none before the first hook, at the loss and the LM head; any elsewhere). Measured:
     gpt-tiny bf16 at N_d = 2, rank 1 (the last block's parameters) holds it at its backward peak, rank 0 (the
-    first half of the flat group) does not."""
+    first half of the flat group) does not. Not on a sparse model reducing from the hooks (moe_offload.py
+    ``norms_at_hooks``): there the fp64 norm copy is counted at each reduction, none elsewhere (bf16, N_d = 2, 300,000-
+    and 1,000,000-element buckets: up to 1,048,952 B (4.9 %) over with the upcast)."""
     s = run.settings
     if not s.offload_optimizer.on or s.stage == 3 or s.grad_dtype == "fp32" or moment.phase != "backward":
         return None
-    if offload_walk_applies(s, sum(run.numels)):  # its copies, fp64 for the norm: the walk's moments
-        return None
+    if offload_walk_applies(s, sum(run.numels)) or norms_at_hooks(run):  # fp64 for the norm at the reductions: the
+        return None  # walk's moments, or a sparse model's hooks (moe_offload.py)
     L = run.acts.n_layer
     if moment.name.startswith(("cross-entropy backward", "LM head backward")):
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks, _params_numels,
@@ -105,7 +106,7 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     _, buckets, _, bucket_of = _hook_buckets(run)
     last, g = len(buckets) - 1, DTYPE_BYTES[run.settings.grad_dtype]
     acts = run.acts
-    held = run.wrapper.held_between_micro_steps(run)
+    held = B.held_at(run, run.wrapper.held_between_micro_steps(run), len(run.numels))  # every hook has run
     base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
             _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
             Term("flattened copy of the last bucket's gradients", _hook_bucket_copy(run, last) * g,
@@ -114,7 +115,7 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     firsts = _rank_first_buckets(run)
 
     def early(rank: int) -> bool:  # its grads_in_partition allocated by an earlier bucket
-        return 0 <= firsts[rank] < last and run.grad_accum == 1
+        return 0 <= firsts[rank] < last and (run.grad_accum == 1 or B.at_boundary(run))
 
     out = []
     for rank in run.first_largest(lambda r: run.flat.params_numel(r) if early(r) else 0):  # one where all are described
@@ -161,7 +162,7 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     p, s, outputs = _pbytes(run), run.settings, set(run.output_projections)
     _, buckets, _, bucket_of = _hook_buckets(run)
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
-                                                                         "incoming activation gradient"))  # fmt: skip
+                                                                         "incoming activation gradient", B.HELD))  # fmt: skip
     large = [i for i, n in enumerate(run.numels) if n > s.reduce_bucket_size]  # reduced in place, not copied
     large_in_bucket: dict[int, int] = {}
     for i in large:
@@ -182,7 +183,8 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
         if common is alike:  # every rank reducing at one hook sees the same activations
             at_hook = _hook_bytes(run, j, hook, memo)
             common = alike[first, hook] = None if at_hook is None else (
-                base_bytes + _blocks_saved(run, j).bytes + at_hook + large_in_bucket.get(first, 0) * p,
+                base_bytes + _blocks_saved(run, j).bytes + at_hook + large_in_bucket.get(first, 0) * p
+                + sum(t.bytes for t in B.held_term(run, B.position(run, hook) + 1)),  # ZeRO-1's boundary
                 sum(run.numels[i] for i in large if bucket_of[i] < first and run.param_blocks[i] == j) if kept else 0)
         if common is None:
             continue
@@ -208,7 +210,7 @@ def _partition_moment(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
     in_bucket = large_in_bucket.get(first, 0)
     own = sum(run.numels[i] for i in large
               if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0  # fmt: skip
-    terms = (*base, _blocks_saved(run, j), *acts,
+    terms = (*base, *B.held_term(run, B.position(run, hook) + 1), _blocks_saved(run, j), *acts,
              Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                   "autograd (one node makes every input's gradient)", len(module)),
              Term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
@@ -357,8 +359,8 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     large_first = tuple(i for i, n in enumerate(run.numels) if bucket_of[i] == 0 and n > limit)
     large = sum(run.numels[i] for i in large_first)
     base = (*(t for t in last if t not in inflight and t.name not in ("block backward working set",
-                                                                      "incoming activation gradient")),
-            _blocks_saved(run, acts.n_layer), *final_norm_at_its_hook(run),
+                                                                      "incoming activation gradient", B.HELD)),
+            *B.held_term(run, first_of_bucket[1] + 1), _blocks_saved(run, acts.n_layer), *final_norm_at_its_hook(run),
             Term("gradients larger than the bucket, in the bucket reduced", large * p,
                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"))  # fmt: skip
     out = [Moment("backward", "final norm backward, the first bucket reduced", (*base, Term(

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from zeroplan.engines.deepspeed.collectives import zero12_collectives
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _largest_slices, _last_in_blocks, _params_numels,
                                                      _rank_first_buckets, _views)
+import zeroplan.engines.deepspeed.boundary as B
 import zeroplan.engines.deepspeed.moe12_hooks as MH
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
@@ -101,7 +102,7 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     p, acts = _pbytes(run), run.acts
     return (Moment("backward", "tied embedding backward", (
         *_states(run), *_bucket(run), _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
-        *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()),
+        *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()), *B.held_term(run, at),
         Term(EM.TIED_NAME, 3 * run.head_numel * p, EM.TIED_SRC, 3))),)  # fmt: skip
 
 
@@ -231,9 +232,7 @@ class ZeroOptimizer(Wrapper):
             return ()
         p = _pbytes(run)
         if not run.settings.partition_gradients:
-            grads = Term("gradients of earlier micro-steps (param.grad)", sum(run.numels) * p,
-                         "torch autograd AccumulateGrad; runtime/engine.py allreduce_gradients (stage 1: at the boundary only)")  # fmt: skip
-            return (grads, *_bucket(run))
+            return (Term(B.HELD, sum(run.numels) * p, B.HELD_SRC), *_bucket(run))
         return (Term("grads_in_partition (accumulated over micro-steps)", _largest_partition_numel(run) * p,
                      f"{GIP_SRC} (kept until the step)"),)  # fmt: skip
 
@@ -247,9 +246,8 @@ class ZeroOptimizer(Wrapper):
         """From the hooks (``reduces_from_hooks``), each gradient no larger than the bucket is copied into it and
         autograd's tensor repointed there (stage_1_and_2.py ``reduce_independent_p_g_buckets_and_remove_grads``:
         ``grad_reduc.data = new_grad_tensor...``); ZeRO-1 accumulating does so only at the boundary
-        (``reduce_ready_partitions_and_remove_grads``)."""
-        s = run.settings
-        return reduces_from_hooks(s) and (s.partition_gradients or run.grad_accum == 1)
+        (``reduce_ready_partitions_and_remove_grads``), the backward this profile describes (boundary.py)."""
+        return reduces_from_hooks(run.settings)
 
     def last_block_bucket(self, run: DSRun) -> tuple[Term, ...]:
         """The bucket(s) from the first hook on; ZeRO-1 accumulating holds its bucket between micro-steps."""
@@ -261,15 +259,19 @@ class ZeroOptimizer(Wrapper):
         the later ones (``later_blocks_held``; from the hooks: ``_partition_allocations``,
         ``_stage1_kept_gradients``), and ZeRO-1's reduction after backward (``_stage1_reduce``)."""
         s, accumulating, last = run.settings, run.grad_accum > 1, MH.last_block_from_hooks(run, last)  # sparse: its own
-        hooks = reduces_from_hooks(s)
+        hooks, boundary = reduces_from_hooks(s), B.at_boundary(run)  # ZeRO-1 accumulating: its hooks' backward
+        if boundary and run.param_blocks:  # the head's and the final norm's hooks have run
+            last = B.held_at(run, last, B.block_start(run, run.acts.n_layer - 1))
         out = list(self._last_block_accumulating(run, last) if accumulating and s.partition_gradients
                    else (Moment("backward", "last block backward", last),))  # fmt: skip
         out.extend(final_norm_backward(run, last, inflight))
         if self.keeps_gradients(run):
             out.extend(later_blocks_held(run, last, inflight))
-        if hooks and not accumulating:
+        if hooks and (not accumulating or boundary):
             early = dict(_stage2_early_partitions(run)) if _first_bucket_before_last_block(run) else {}
-            out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition", (*last, early[r]))
+            at = B.early_partition_position(run) if early and boundary else 0
+            out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition",
+                              (*B.held_at(run, last, at), early[r]))
                        for r in run.first_largest(lambda r: early[r].bytes, tuple(early)))  # fmt: skip
             out.extend(self._blocks_from_hooks(run, last, inflight))
             kept = _stage1_kept_gradients(run) if not s.partition_gradients else {}
@@ -278,8 +280,8 @@ class ZeroOptimizer(Wrapper):
             tied = _tied_embedding_backward(run)
             hooked = LR.embedding_hook_reduced(run)
             out.extend((*tied, *EM.tied_gradient_reduced(run, tied), *hooked,
-                        *EM.stage1_embedding_hook_kept(run, hooked)))
-        if hooks and accumulating:  # ZeRO-2 (generator 5, 1-483); ZeRO-1 + overlap_comm's boundary: not modelled
+                        *EM.stage1_embedding_hook_kept(run, hooked), *B.embedding_backward(run)))
+        if hooks and accumulating and not boundary:  # ZeRO-2 (generator 5, 1-483)
             out.extend(_tied_embedding_backward(run))  # ZeRO-2: the final norm's hook as at G = 1 (seed 5 gen. 5, 5-8)
             out.extend(_first_bucket_reduced(run, last, inflight) if s.partition_gradients else ())
         if hooks:
@@ -316,13 +318,14 @@ class ZeroOptimizer(Wrapper):
         allocated = {r: (j, gip) for r, j, gip in _partition_allocations(run)}
         kept = _stage1_kept_gradients(run) if not run.settings.partition_gradients else {}
         out, common = [], tuple(t for t in last if t not in inflight)
+        hooks = {r: hook for r, _, hook in _reducing_hooks(run)} if B.at_boundary(run) else {}
         for j, who in _most_held_by_block(run.nd, run.acts.n_layer, allocated, kept).items():
-            best = (*((Term("grads_in_partition", allocated[who][1], GIP_SRC),)  # the winner's Term only
-                      if who in allocated and j <= allocated[who][0] else ()),
+            has = who in allocated and j <= allocated[who][0]
+            best = (*((Term("grads_in_partition", allocated[who][1], GIP_SRC),) if has else ()),  # the winner's only
                     *((kept[who][j],) if who in kept and kept[who][j].bytes else ()))
+            at = B.block_position(run, j, hooks.get(who) if has else None)  # ZeRO-1's boundary: what is held then
             out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
-                              (*common, _blocks_saved(run, j + 1), *inflight[1:],
-                               *best)))  # fmt: skip
+                              (*B.held_at(run, common, at), _blocks_saved(run, j + 1), *inflight[1:], *best)))
         return tuple(out)
 
     def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:

@@ -17,13 +17,14 @@ from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedu
 from zeroplan.engines.deepspeed.moe import expert_gradients_held, routed_experts_backward
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
-from zeroplan.engines.deepspeed.layout_ranks import _hook_layout
+from zeroplan.engines.deepspeed.layout_ranks import _hook_layout, _last_in_blocks
 from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_bytes, _hook_memo
-from zeroplan.engines.deepspeed.run import (GATHER_SRC, ZINIT, DSRun, Wrapper, _act, _blocks_saved, _fp32_buffers, _gathered,
+from zeroplan.engines.deepspeed.run import (ZINIT, DSRun, Wrapper, _act, _blocks_saved, _fp32_buffers, _gathered,
                                            _pbytes, _schedule, _states)
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, zero3_partition_numel, zero3_terms
-from zeroplan.engines.deepspeed.zero3_epilogue import S3, bucket_copies, epilogue_moments
+from zeroplan.engines.deepspeed.zero3_epilogue import (S3, backward_fetches, bucket_copies, epilogue_moments,
+                                                      final_norm_hook, gathered_at_hook)
 from zeroplan.engines.deepspeed.zeropp import all_secondaries, hpz_schedule
 from zeroplan.engines.deepspeed.zeropp_settings import hpz_group
 from zeroplan.formulas.peak import Moment, Term
@@ -185,7 +186,10 @@ class ZeroOptimizerStage3(Wrapper):
                                 f"{S3} reduce_independent_p_g_buckets_and_remove_grads (contiguous_gradients off: "
                                 "params_in_ipg_bucket, param.grad kept until __reduce_and_partition_ipg_grads)"))  # fmt: skip
         split = routed_experts_backward(run, sched, last)  # moe.py: DeepSeek's shared experts done by then
-        out = [*(split or (Moment("backward", "last block backward", last),)), *_in_block_reductions(run, last, inflight)]
+        sent = _in_block_reductions(run, last, inflight)  # the final norm's hook runs before the last block (the trace)
+        out = [*(m for m in sent if m.name.startswith("final norm")),
+               *(split or (Moment("backward", "last block backward", last),)),
+               *(m for m in sent if not m.name.startswith("final norm"))]
         out += expert_gradients_held(run, sched)  # moe.py: a routed expert's gradient larger than the bucket
         if run.tied_head and sched is not None and "embedding backward" in dict((m, f) for m, f, _ in run.trace.marks):
             acts = run.acts
@@ -260,7 +264,10 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     buckets, N_d = 1, block 0's c_fc hook sending the MLP c_proj's 1,048,576-element gradient: gloo's 2,097,152-B
     copy, 2,097,160 B under before, 8 B now); with ``offload_optimizer`` gloo's copy is freed before
     ``partition_grads`` takes the norms, so the moment holds the larger of it and the fp64 copy (as the last
-    bucket's, traced)."""
+    bucket's, traced). A bucket sent at a final-norm parameter's hook (after every block's parameters) is the same
+    moment with every block's activations saved and what is left of the final norm (``zero3_epilogue.py
+    final_norm_hook``: the untied head's gradient larger than the bucket; differential seed 5 draw 6, -4.58 %
+    before)."""
     if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
     s, p = run.settings, _pbytes(run)
@@ -277,7 +284,8 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     # each bucket's bytes as integers (the terms' sum: the same bucket wins), the terms built for the winners only
     base_bytes, memo, saved = sum(t.bytes for t in base), _hook_memo(run), {}
     best: dict[int, tuple[int, int]] = {}  # block -> (bytes, bucket) of its largest
-    blocks, copies, fetched = run.param_blocks, {}, _backward_fetches(run) if s.device == "cpu" else {}
+    blocks, copies, fetched = run.param_blocks, {}, backward_fetches(run) if s.device == "cpu" else {}
+    L, roots = run.acts.n_layer, _last_in_blocks(run)  # a hook after the blocks' parameters: a final norm's
     gloo_copies = s.device == "cpu" and (bool(fetched) or run.nd == 1)  # at N_d > 1 with the hooks' gathers known
     nothing = (0, 0, 0, False)  # no copy and no norm: on a GPU without offload, every bucket's
     for b in range(len(buckets) - 1):  # the last bucket is sent after backward (independent_gradient_partition_epilogue)
@@ -298,15 +306,16 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
         if not (large or offload or flat or gloo):
             continue
         hook = order[end]
-        j = blocks[hook]
-        at_hook = _hook_bytes(run, j, hook, memo) if j >= 0 else None  # its activations' and weight gradients' bytes
+        # L: the final norm's hook (final_norm_hook), every block saved; measured on gloo, with the hook's gathers
+        j = L if hook > roots and gloo_copies else blocks[hook]
+        at_hook = _hook_bytes(run, j, hook, memo) if 0 <= j < L else _final_norm_bytes(run, hook) if j == L else None
         if at_hook is None:
             continue
         if j not in saved:
             saved[j] = _blocks_saved(run, j)
         total = base_bytes + saved[j].bytes + at_hook + large * p + (flat + copies[b][1]) * p + copies[b][2]
         if flat or gloo:
-            total += sum(t.bytes for t in _gathered_at_hook(base, fetched.get(order[end]), run, "")) - base_bytes
+            total += sum(t.bytes for t in gathered_at_hook(base, fetched.get(order[end]), run, "")) - base_bytes
         if offload:
             total += normed_before[start] * 8
         if j not in best or total > best[j][0]:
@@ -314,10 +323,11 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     out = []
     for j, (_, b) in best.items():
         start, end = first_of_bucket[b], first_of_bucket[b + 1]
-        where, acts, module = _hook_activations(run, j, order[end], memo)  # type: ignore[misc]
-        at = f"block {j} {where} backward"
+        where, acts, module = (final_norm_hook(run, order[end]) if j == L else
+                               _hook_activations(run, j, order[end], memo))  # type: ignore[misc]
+        at = f"{where} backward" if j == L else f"block {j} {where} backward"
         flat, gloo, norm, copied = copies[b]
-        terms = (*(_gathered_at_hook(base, fetched.get(order[end]), run, at) if copied else base), saved[j], *acts,
+        terms = (*(gathered_at_hook(base, fetched.get(order[end]), run, at) if copied else base), saved[j], *acts,
                  Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
                       "autograd (one node makes every input's gradient)", len(module)),
                  Term("gradients larger than the bucket, in the bucket sent", (large_before[end] - large_before[start]) * p,
@@ -329,34 +339,14 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", norm,
                            f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2", 2),
                       Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))  # fmt: skip
-        out.append(Moment("backward", f"block {j} {where} backward, a bucket sent", terms))
+        out.append(Moment("backward", f"{at}, a bucket sent", terms))
     return tuple(out)
 
 
-def _backward_fetches(run: DSRun) -> dict[int, int]:
-    """Parameter -> the backward fetch event of its innermost module (the last in the trace), at N_d > 1 with a
-    schedule; else empty."""
-    out: dict[int, int] = {}
-    if run.nd > 1 and _schedule(run) is not None:
-        for i, e in enumerate(run.trace.events):
-            if not e.forward and e.op == "fetch":
-                out.update(dict.fromkeys(run.trace.modules[e.module], i))
-    return out
-
-
-def _gathered_at_hook(base: tuple[Term, ...], event: Optional[int], run: DSRun, where: str) -> tuple[Term, ...]:
-    """``base`` with the parameters gathered after ``event`` (a hook's module fetched in backward,
-    ``stage3_schedule``'s count, the open all-gather buffers apart) for the last block's. Measured (1-24, live
-    storages at block 2's q_proj hook): 17,620,992 B gathered (the tied embedding and blocks 1-3's weights), the
-    schedule 17,629,696 B."""
-    sched = _schedule(run)
-    if event is None or sched is None:
-        return base
-    p, buffers = _pbytes(run), sched.buffers[event] if sched.buffers else 0
-    kept = tuple(t for t in base if not t.source.startswith(GATHER_SRC[:60]) and "all-gather buffers" not in t.name)
-    return (*kept, Term(f"gathered parameters ({where})", (sched.gathered[event] - buffers) * p, GATHER_SRC),
-            *((Term("coalesced all-gather buffers awaiting their last module", buffers * p,
-                    "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor)"),) if buffers else ()))
+def _final_norm_bytes(run: DSRun, hook: int) -> int:
+    """The bytes of ``final_norm_hook``'s terms and of its parameters' gradients (``_hook_bytes``' for the final norm)."""
+    _, acts, module = final_norm_hook(run, hook)
+    return sum(t.bytes for t in acts) + sum(run.numels[i] for i in module) * _pbytes(run)
 
 
 def _step_terms(run: DSRun, terms: tuple[Term, ...]) -> tuple[Term, ...]:

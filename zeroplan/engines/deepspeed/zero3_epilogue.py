@@ -1,7 +1,9 @@
-"""ZeRO-3's last bucket, reduced after backward (runtime/zero/stage3.py ``independent_gradient_partition_epilogue``),
-and the copies every bucket's reduction makes (``bucket_copies``, shared with ``zero3.py _in_block_reductions``):
-the interleaved flat tensor of ``reduce_scatter_coalesced`` and gloo's copy of it, and with ``offload_optimizer`` the
-fp64 copy of each gradient partition for its norm."""
+"""ZeRO-3's buckets reduced outside the decoder blocks: the last one after backward (runtime/zero/stage3.py
+``independent_gradient_partition_epilogue``) and, at a final-norm parameter's gradient hook, one holding the LM head's
+gradient (``final_norm_hook``); the copies every bucket's reduction makes (``bucket_copies``, shared with ``zero3.py
+_in_block_reductions``): the interleaved flat tensor of ``reduce_scatter_coalesced`` and gloo's copy of it, and with
+``offload_optimizer`` the fp64 copy of each gradient partition for its norm; the parameters gathered at a hook
+(``gathered_at_hook``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from typing import Optional
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
 from zeroplan.engines.deepspeed.layout_ranks import _hook_layout
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
-from zeroplan.engines.deepspeed.run import DSRun, _act, _gathered, _pbytes, _states
+from zeroplan.engines.deepspeed.phases import final_norm_at_its_hook
+from zeroplan.engines.deepspeed.run import GATHER_SRC, DSRun, _act, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.zeropp import all_secondaries
 from zeroplan.formulas.peak import Moment, Term
 
@@ -29,6 +32,55 @@ def bucket_copies(numels: list[int], nd: int, device: str) -> tuple[int, int]:
     padded = sum(-(-n // nd) * nd for n in numels)
     flat = 0 if len(numels) == 1 and numels[0] % nd == 0 else padded
     return flat, padded if device == "cpu" else 0
+
+
+def final_norm_hook(run: DSRun, hook: int) -> tuple[str, tuple[Term, ...], tuple[int, ...]]:
+    """``reduce._hook_activations``' triple at the gradient hook of ``hook``, a final-norm parameter (after the blocks
+    in ``named_parameters`` order): where, what is left of the final norm there (``phases.final_norm_at_its_hook``;
+    every block's activations are saved, the caller's), and the parameters whose gradients are alive beside it: an
+    RMSNorm's weight, whose hook runs (``reduce_independent_p_g_buckets_and_remove_grads`` sends the bucket before
+    ``__add_grad_to_ipg_bucket`` copies that gradient in); a LayerNorm's two are ``final_norm_at_its_hook``'s.
+    The bucket sent there holds the gradients ready before it, the LM head's: one larger than the bucket is not
+    copied into it (``__add_grad_to_ipg_bucket``) and stays ``param.grad`` until ``partition_grads``, beside
+    ``reduce_scatter_coalesced``'s flat copy and gloo's copy of it (``bucket_copies``), with every parameter the
+    backward prefetch has gathered by the norm's fetch (``gathered_at_hook``). Found by the differential matrix
+    (seed 5 draw 6, generator 5: Qwen3 16.3M untied, ZeRO-3, 3,504,592-element buckets (V·h / 2), ``overlap_comm``,
+    N_d = 3; live storages at the backward peak, in the final norm weight's hook, at G = 1 as at G = 2: the head's
+    28,036,736-B gradient, the 28,036,740-B ``cat`` and gloo's copy, the embedding gathered and every block's weights
+    prefetched, every block's activations): 11,390,044 B (-4.58 %) under at the last bucket's moment before. Listed
+    where it was measured, on gloo (``zero3.py _in_block_reductions``: with the hooks' gathers known): on a GPU the
+    head's gradient is alive there all the same, but unmeasured; there it would not move a planned peak, while the
+    allocator replay of a no-prefetch 7B candidate read 2.3 GB more reserved (left for a GPU measurement). The moment
+    comes before the last block's in the step (``ZeroOptimizerStage3.backward_after_last_block``: the allocation
+    trace's order)."""
+    pending = run.acts.block.pending_at_last_grad  # an RMSNorm's (LayerNorm: 0, one node)
+    return "final norm", final_norm_at_its_hook(run), ((hook,) if pending else ())
+
+
+def backward_fetches(run: DSRun) -> dict[int, int]:
+    """Parameter -> the backward fetch event of its innermost module (the last in the trace), at N_d > 1 with a
+    schedule; else empty."""
+    out: dict[int, int] = {}
+    if run.nd > 1 and _schedule(run) is not None:
+        for i, e in enumerate(run.trace.events):
+            if not e.forward and e.op == "fetch":
+                out.update(dict.fromkeys(run.trace.modules[e.module], i))
+    return out
+
+
+def gathered_at_hook(base: tuple[Term, ...], event: Optional[int], run: DSRun, where: str) -> tuple[Term, ...]:
+    """``base`` with the parameters gathered after ``event`` (a hook's module fetched in backward,
+    ``stage3_schedule``'s count, the open all-gather buffers apart) for the last block's. Measured (1-24, live
+    storages at block 2's q_proj hook): 17,620,992 B gathered (the tied embedding and blocks 1-3's weights), the
+    schedule 17,629,696 B."""
+    sched = _schedule(run)
+    if event is None or sched is None:
+        return base
+    p, buffers = _pbytes(run), sched.buffers[event] if sched.buffers else 0
+    kept = tuple(t for t in base if not t.source.startswith(GATHER_SRC[:60]) and "all-gather buffers" not in t.name)
+    return (*kept, Term(f"gathered parameters ({where})", (sched.gathered[event] - buffers) * p, GATHER_SRC),
+            *((Term("coalesced all-gather buffers awaiting their last module", buffers * p,
+                    "runtime/zero/partition_parameters.py _all_gather_dtype (flat_tensor)"),) if buffers else ()))
 
 
 def epilogue_moments(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Moment, ...]:

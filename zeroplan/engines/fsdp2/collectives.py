@@ -41,17 +41,18 @@ def unit_collectives(units, nd: int, settings: Settings, replicate: int = 1) -> 
         units = (*(ShardUnit((u.name,), tuple(("", s) for s in u.shapes), settings.reshard_after_forward)
                    for u in units[1:]), ShardUnit(("",), tuple(("", s) for s in units[0].shapes), None, True))  # fmt: skip
     order = forward_order(units)
-    full = {u: nd * unit_shard_numel(Unit(u.name, tuple(s for _, s in u.params)), nd) for u in order}
-    out = [UnitCollective("all-gather", "forward", u.name, full[u], settings.param, nd) for u in order]
+    # each unit's nd·S_u, by identity (a unit's dataclass hash walks its parameters' names and shapes at each look-up)
+    full = {id(u): nd * unit_shard_numel(Unit(u.name, tuple(s for _, s in u.params)), nd) for u in order}
+    out = [UnitCollective("all-gather", "forward", u.name, full[id(u)], settings.param, nd) for u in order]
     root = [u for u in order if u.root and u.post_forward_group(nd) > 1]
     for u in (*root, *reversed([u for u in order if not u.root])):
         group = u.post_forward_group(nd)
         if group > 1:
-            out.append(UnitCollective("all-gather", "backward", u.name, full[u], settings.param, group))
+            out.append(UnitCollective("all-gather", "backward", u.name, full[id(u)], settings.param, group))
     for u in (*reversed([u for u in order if not u.root]), *(u for u in order if u.root)):
-        out.append(UnitCollective("reduce-scatter", "backward", u.name, full[u], settings.reduce, nd))
+        out.append(UnitCollective("reduce-scatter", "backward", u.name, full[id(u)], settings.reduce, nd))
         if replicate > 1:
-            out.append(UnitCollective("all-reduce", "backward", u.name, full[u] // nd, settings.reduce,
+            out.append(UnitCollective("all-reduce", "backward", u.name, full[id(u)] // nd, settings.reduce,
                                       replicate, "dp_replicate"))  # fmt: skip
     return tuple(out)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.engines.fsdp2.param import Unit, local_numel_sum, padded_shard_numel, unit_shard_numel
+from zeroplan.engines.fsdp2.param import Unit, local_numel_sum, padded_shard_numel, shape_counts, unit_shard_numel
 from zeroplan.engines.fsdp2.settings import STEP_BYTES, Settings
 from zeroplan.formulas.dtypes import dtype_bytes
 
@@ -41,12 +41,12 @@ class ModelStates:
 
 def model_states(units: tuple[Unit, ...], nd: int, settings: Settings) -> ModelStates:
     """Model states of ``settings.rank`` under FSDP2 with Adam (terms: ``params``, ``grads``, ``adam``)."""
-    shapes = [s for u in units for s in u.shapes]
+    shapes = tuple(s for u in units for s in u.shapes)
     module = dtype_bytes(settings.module)
     return ModelStates(
-        params_bytes=sum(padded_shard_numel(s, nd) for s in shapes) * module,
+        params_bytes=sum(n * padded_shard_numel(s, nd) for s, n in shape_counts(shapes)) * module,  # distinct shapes
         grads_bytes=sum(unit_shard_numel(u, nd) for u in units) * module,
-        adam_moments_bytes=adam_moments(settings) * local_numel_sum(tuple(shapes), nd, settings.described_rank)
+        adam_moments_bytes=adam_moments(settings) * local_numel_sum(shapes, nd, settings.described_rank)
         * module,
         adam_step_bytes=len(shapes) * STEP_BYTES,
     )

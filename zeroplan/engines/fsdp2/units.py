@@ -17,8 +17,11 @@ def wrapping_of(workload: Workload, settings: Settings) -> Wrapping | None:
     """``settings.wrap`` as a ``Wrapping`` in ``workload``'s module names (a preset resolved for its layout);
     None for bare shapes without decoder-layer names under ``blocks`` (everything in the root)."""
     spec = workload.spec
-    known = [s for s, p in BLOCK_PREFIX.items() if any(n.startswith(p) for n, _ in workload.shapes)]
-    style = spec.style if spec is not None else (known[0] if known else None)
+    if spec is not None:
+        style = spec.style
+    else:  # bare shapes: the style whose decoder-layer prefix the names use (a scan of every name: only here)
+        known = [s for s, p in BLOCK_PREFIX.items() if any(n.startswith(p) for n, _ in workload.shapes)]
+        style = known[0] if known else None
     if isinstance(settings.wrap, Wrapping):
         return settings.wrap
     if style is None and settings.wrap == "blocks":

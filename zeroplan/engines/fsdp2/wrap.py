@@ -193,18 +193,29 @@ def _resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
     tied ``lm_head`` and the token embedding's weight), which ``named_parameters()`` lists once. ValueError
     (one line) for a pattern that matches nothing, a module wrapped twice, a unit inside an earlier one (FSDP2
     shards children first), or a tied parameter seen by two units (torch 2.13 refuses it:
-    ``_fsdp_state.py:FSDPState._validate_no_duplicate_params``)."""
+    ``_fsdp_state.py:FSDPState._validate_no_duplicate_params``). The units' modules and parameters do not depend
+    on the entries' ``reshard_after_forward`` (``_units``: once for a plan's candidates that differ only there)."""
+    units = _units(tuple((entry.modules, entry.group) for entry in wrapping.units), named_shapes, tied)
+    return tuple(ShardUnit(mods, ps, wrapping.units[k].reshard_after_forward, root, f, e)
+                 for mods, ps, k, root, f, e in units)  # fmt: skip
+
+
+@lru_cache(maxsize=64)
+def _units(entries: tuple[tuple[tuple[str, ...], bool], ...], named_shapes: tuple[tuple[str, Shape], ...],
+           tied: tuple[tuple[str, str], ...]) -> tuple[tuple, ...]:
+    """``_resolve``'s units less their reshard value, from each entry's (module patterns, group): (modules, their
+    parameters in ``fully_shard`` order, the entry's index, the root?, first and last parameter index)."""
     known = (*module_names(named_shapes), *(m for m, _ in tied))
-    calls: list[tuple[tuple[str, ...], Reshard]] = []
-    for entry in wrapping.units:
+    calls: list[tuple[tuple[str, ...], int]] = []
+    for k, (patterns, group) in enumerate(entries):
         found = []
-        for pattern in entry.modules:
+        for pattern in patterns:
             hit = [m for m in known if matches(pattern, m)]
             if not hit:
                 raise ValueError(f"wrapping: {pattern!r} matches no module of the model (modules holding "
                                  f"parameters: {', '.join(m for m in known[1:6])}, ...)")  # fmt: skip
             found += [m for m in hit if m not in found]
-        calls += [(tuple(found), entry.reshard_after_forward)] if entry.group else [((m,), entry.reshard_after_forward) for m in found]
+        calls += [(tuple(found), k)] if group else [((m,), k) for m in found]
     seen: dict[str, int] = {}
     for i, (mods, _) in enumerate(calls):
         for m in mods:
@@ -230,8 +241,8 @@ def _resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
         last[seen[best]] = max(last[seen[best]], i)
     for module, _ in tied:  # a tied head lists no parameter of its own, but runs after every other module: a
         last[seen[_innermost(module, seen)]] = len(named_shapes)  # group holding it spans the layers (side.spans_layers)
-    return tuple(ShardUnit(mods, _fully_shard_order(mods, ps, seen), rsf, mods == ("",), f, e)
-                 for (mods, rsf), ps, f, e in zip(calls, owner, first, last))  # fmt: skip
+    return tuple((mods, _fully_shard_order(mods, ps, seen), k, mods == ("",), f, e)
+                 for (mods, k), ps, f, e in zip(calls, owner, first, last))  # fmt: skip
 
 
 def _fully_shard_order(mods: tuple[str, ...], params: list[tuple[str, Shape]], seen: dict[str, int]
