@@ -46,10 +46,10 @@ def cases(kind: str) -> list[tuple[str, dict]]:
         return [(label, {**c, "gradient_accumulation_steps": 2}) for label, c in configs]
     if kind == "nvme3":  # ZeRO-Infinity at ZeRO-3, bf16, DeepSpeed's buckets; async_io replaced by files (_nvme_world)
         nvme = {"device": "nvme", "nvme_path": NVME_FOLDER}
-        param = {**nvme, "buffer_size": 1_100_000}  # tests/test_engine_offload_nvme_param.py ROWS: the default locks 1 GB
-        return [("z3-bf16-nvme-opt", ds_config(3, "bf16", micro_batch=1, zero={"offload_optimizer": nvme})),
-                ("z3-bf16-param-cpu", ds_config(3, "bf16", micro_batch=1, zero={**off, "offload_param": {"device": "cpu"}})),
-                ("z3-bf16-nvme-param", ds_config(3, "bf16", micro_batch=1, zero={**off, "offload_param": param}))]
+        param = {**nvme, "buffer_size": 1_100_000}  # as test_engine_offload_nvme_param.py ROWS (the default locks 1 GB)
+        zeros = {"nvme-opt": {"offload_optimizer": nvme}, "param-cpu": {**off, "offload_param": {"device": "cpu"}},
+                 "nvme-param": {**off, "offload_param": param}}  # fmt: skip
+        return [(f"z3-bf16-{k}", ds_config(3, "bf16", micro_batch=1, zero=z)) for k, z in zeros.items()]
     if kind == "offload16":  # fp16 (DeepSpeedZeroOptimizer / stage3 with the loss scaler), ZeRO-1/2 and ZeRO-3
         from hf_saved import DS_SMALL
 

@@ -106,7 +106,7 @@ def step_terms(part: int, slices: tuple[int, ...], grad_fp32: bool) -> tuple[Ter
       release_unswapped_gradients``: 4 B an element of the slices less ``gradient_swap_bytes``.
     Measured (moefp16, 2026-12-02, Mixtral bf16, N_d = 2, the stand-in; every slice below the threshold): the
     step's peak 8,094,344 B (0.79 %) under without them, 124 B under with them
-    (tests/data/measured/deepspeed_moe_fp16.json, benchmarks/ds_moe_opt_rows.py nvme3)."""
+    (tests/data/measured/deepspeed_moe_fp16_nvme.json, benchmarks/ds_moe_opt_rows.py nvme3)."""
     if not swappable(part):
         return ()
     src = f"{SWAPPER} swap_in_optimizer_state / {OPT_UTILS} _swap_out_gradients"

@@ -340,7 +340,8 @@ def host_memory(run: DSRun) -> HostMemory:
     read, write = nvme_step_bytes(run)
     step = (torch_adam_step_temporaries(s, numels, nd),)
     if s.stage == 3 and s.offload_optimizer.device == "nvme":  # the swapper's first step (nvme.py step_terms)
-        step += nvme_step_terms(flat_shard_numel(numels, nd), tuple(-(-n // nd) for n in numels), s.grad_dtype == "fp32")
+        slices = tuple(-(-n // nd) for n in numels)
+        step += nvme_step_terms(flat_shard_numel(numels, nd), slices, s.grad_dtype == "fp32")
     lazy = (ADAM_HOST, ADAM_HOST_TORCH, ACCUMULATED, _pin(s.offload_optimizer, ACCUMULATED))
     return HostMemory(offload, host_terms(run), h2d, d2h, lazy=lazy,
                       init_peak=host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write,

@@ -53,7 +53,7 @@ def fp16_overflow_check(run: DSRun, entry) -> int:
     ``entry`` (``STEP_ENTRY``) less the persistent parameters, plus that temporary; 0 in bf16/fp32 (no check). On
     the GPU itself the moment is never a peak (at most ``STEP_ENTRY``'s bytes); on one memory it is the step's peak
     when the partition outweighs the persistent parameters. Measured (moefp16, 2026-12-02, Mixtral fp16, N_d = 2,
-    tests/data/measured/deepspeed_moe_fp16.json): 716,981 B (4.76 %) under at 5,000-element buckets and 208,833 B
+    tests/data/measured/deepspeed_moe_fp16_nvme.json): 716,981 B (4.76 %) under at 5,000-element buckets and 208,833 B
     (716,864 less the 508,160 persistent bytes) at DeepSpeed's before; 129 B under with it."""
     s = run.settings
     if s.stage != 3 or s.dtype != "fp16" or not s.offload_optimizer.on:
