@@ -5,6 +5,8 @@ plus the host bytes, ``deepspeed_compare.one_memory``), and the rows as JSON for
 
     DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py bf16opt [--families mixtral-wide,...] [--out FILE]
     DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py offload [--families ...] [--cases=-small] [--out FILE]
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py offload16 [--families ...] [--out FILE]   (fp16)
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py nvme3 [--families ...] [--out FILE]   (async_io stand-in)
 
 Real runs: never in CI (tests/test_deepspeed_moe_opt.py predicts the recorded rows again)."""
 
@@ -25,6 +27,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 PHASES = ("init", "forward", "backward", "optimizer_step")
 SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000}
 FAMILIES = "mixtral-wide,qwen3-moe-wide,qwen2-moe-wide,deepseek-wide"
+NVME_FOLDER = "/tmp/zeroplan-moe-nvme"  # the stand-in's files (nvme3), emptied before each world: one nvme3 at a time
 
 
 def cases(kind: str) -> list[tuple[str, dict]]:
@@ -41,6 +44,19 @@ def cases(kind: str) -> list[tuple[str, dict]]:
                                                 grad_accum_dtype="fp32")),
                    *((f"z{st}-bf16-default-ga2", ds_config(st, "bf16", micro_batch=1, zero=off)) for st in (1, 2))]
         return [(label, {**c, "gradient_accumulation_steps": 2}) for label, c in configs]
+    if kind == "nvme3":  # ZeRO-Infinity at ZeRO-3, bf16, DeepSpeed's buckets; async_io replaced by files (_nvme_world)
+        nvme = {"device": "nvme", "nvme_path": NVME_FOLDER}
+        param = {**nvme, "buffer_size": 1_100_000}  # as test_engine_offload_nvme_param.py ROWS (the default locks 1 GB)
+        zeros = {"nvme-opt": {"offload_optimizer": nvme}, "param-cpu": {**off, "offload_param": {"device": "cpu"}},
+                 "nvme-param": {**off, "offload_param": param}}  # fmt: skip
+        return [(f"z3-bf16-{k}", ds_config(3, "bf16", micro_batch=1, zero=z)) for k, z in zeros.items()]
+    if kind == "offload16":  # fp16 (DeepSpeedZeroOptimizer / stage3 with the loss scaler), ZeRO-1/2 and ZeRO-3
+        from hf_saved import DS_SMALL
+
+        z12 = [(f"z{st}-fp16-{b}", ds_config(st, "fp16", micro_batch=1, zero={**z, **off}))
+               for st in (1, 2) for b, z in (("default", {}), ("small", SMALL))]  # fmt: skip
+        return z12 + [(f"z3-fp16-{b}", ds_config(3, "fp16", micro_batch=1, zero={**z, **off}))
+                      for b, z in (("default", {}), ("small", DS_SMALL))]  # fmt: skip
     if kind == "offload3":  # ZeRO-3 as tests/test_deepspeed_moe.py measures it ("small": tests/hf_saved.py DS_SMALL)
         from hf_saved import DS_SMALL
 
@@ -60,7 +76,7 @@ def _dump(d: dict) -> str:
 
 def measure(kind: str, families: list[str], tmp: Path, out: Path | None, only: str = "") -> None:
     from ds_moe12_rows import _files
-    from validate.engines.deepspeed_compare import one_memory, run_world, workload_for
+    from validate.engines.deepspeed_compare import one_memory, refuse_skipped_steps, run_world, workload_for
     from zeroplan.engines import deepspeed as D
 
     import deepspeed
@@ -71,10 +87,14 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None, only: s
     for name in families:
         labelled = [(label, c) for label, c in cases(kind) if only in label]
         path = str(tmp / f"{name}.json")
-        ranks = run_world([c for _, c in labelled], 2, model=str(tmp / "world.json"), steps=2, seq_len=64,
-                          runs=[{"model": path, "hf": True}] * len(labelled))  # fmt: skip
+        if kind == "nvme3":
+            ranks = _nvme_world([c for _, c in labelled], path, tmp)
+        else:
+            ranks = run_world([c for _, c in labelled], 2, model=str(tmp / "world.json"), steps=2, seq_len=64,
+                              runs=[{"model": path, "hf": True}] * len(labelled))  # fmt: skip
         for (label, config), *by_rank in zip(labelled, *ranks):
             workload = workload_for(path, 1, 64, config["gradient_accumulation_steps"], "none", hf=True)
+            refuse_skipped_steps(config, list(by_rank))  # fp16: a step the loss scaler skipped is not measured
             measured = [[r["peak_bytes_by_phase"][p] for p in PHASES] for r in by_rank]
             predicted = []
             print(f"{name} {label}: {measured}", flush=True)
@@ -87,7 +107,8 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None, only: s
             rows.append({"family": name, "case": label, "nd": 2, "ds_config": config,
                          "hf_config": json.loads(Path(path).read_text()),
                          "shapes": [[n, list(s)] for n, s in workload.shapes],
-                         "measured": measured, "predicted_when_recorded": predicted})
+                         "measured": measured, "predicted_when_recorded": predicted,
+                         **({"nvme": [r["nvme"] for r in by_rank]} if "nvme" in by_rank[0] else {})})
     if out is not None:
         out.write_text(_dump({
             "engine": "deepspeed",
@@ -100,6 +121,45 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None, only: s
                    "seq_len=64, runs=[{'model': hf_config, 'hf': True}]); peak bytes [init, forward, backward, "
                    "optimizer_step] per rank",
             "rows": rows}))  # fmt: skip
+
+
+def _nvme_rank(rank: int, port: int, configs: list[dict], path: str, out: str) -> None:
+    """One rank of ``_nvme_world``: as the validator's rank (validate/engines/deepspeed.py ``main``: one intra-op
+    thread, deepspeed_shm_comm never built, gloo, ``measure`` each config), DeepSpeed's ``async_io`` op replaced by
+    synchronous file reads and writes (tests/test_engine_offload_nvme.py ``_install_standin``)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")  # fmt: skip
+    import deepspeed
+    import deepspeed.ops
+    import torch
+    from test_engine_offload_nvme import _install_standin
+    from validate.engines.deepspeed import _model_and_batches, measure
+
+    torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    stats = {"locked": [], "read": 0, "write": 0}
+    _install_standin(stats)
+    rows = []
+    for config in configs:
+        stats.update(locked=[], read=0, write=0)
+        model_fn, batches = _model_and_batches(path, 2, rank, 1, 2, 64, hf=True)
+        row = measure(model_fn, config, batches, rank, 2)
+        rows.append({k: row[k] for k in ("rank", "peak_bytes_by_phase", "steps_applied")} | {"nvme": dict(stats)})
+    Path(f"{out}.{rank}").write_text(json.dumps(rows))
+
+
+def _nvme_world(configs: list[dict], path: str, tmp: Path) -> list[list[dict]]:
+    """Per rank, the rows of ``configs`` on the transformers model ``path`` (two processes, N_d = 2, two steps of
+    64 positions), NVMe offload through the stand-in (``_nvme_rank``)."""
+    import shutil
+
+    import torch.multiprocessing as mp
+
+    shutil.rmtree(NVME_FOLDER, ignore_errors=True)
+    out = str(tmp / "nvme_rows")
+    mp.spawn(_nvme_rank, args=(29500 + os.getpid() % 1000, configs, path, out), nprocs=2)
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 
 
 def _trace_rank(rank: int, name: str, kind: str, label: str, port: int, tmp: str, top: int) -> None:
@@ -121,7 +181,7 @@ def _trace_rank(rank: int, name: str, kind: str, label: str, port: int, tmp: str
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=("bf16opt", "offload", "offload3", "ga2"))
+    parser.add_argument("kind", choices=("bf16opt", "offload", "offload3", "offload16", "nvme3", "ga2"))
     parser.add_argument("--families", default=FAMILIES)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--cases", default="", help="only the cases whose label holds this (e.g. -small)")

@@ -189,7 +189,8 @@ def test_trace_calls_the_sparse_mlp_as_deepspeed_hooks_it():
     ("tiny-qwen3-moe.json", {"stage": 3}, None),
     ("tiny-deepseek-v3.json", {"stage": 3}, None),
     ("tiny-qwen2-moe.json", {"stage": 3}, None),
-    ("tiny-mixtral.json", {"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param to cpu not measured"),
+    ("tiny-mixtral.json", {"stage": 3, "offload_param": {"device": "cpu"}}, None),  # test_deepspeed_moe_fp16_nvme
+    ("tiny-qwen3-moe.json", {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, None),
     ("tiny-mixtral.json", {"stage": 3, "zero_hpz_partition_size": 2}, "ZeRO++ (zero_hpz_partition_size)"),
     ("tiny-mixtral.json", {"stage": 3, "leaf_module": {"classes": []}}, "leaf_module"),
     ("tiny-mixtral.json", {"stage": 2, "reduce_bucket_size": 5000}, None),  # fp32: test_deepspeed_moe12.py FROM_HOOKS

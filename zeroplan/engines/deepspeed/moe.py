@@ -285,16 +285,14 @@ ZERO3_MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "dee
 
 def zero3_moe_limit(model_type: str, zero: dict) -> Optional[str]:
     """Why ZeRO-3's peak of a sparse model under ``zero`` (the ds_config's ``zero_optimization``) is not given,
-    or None: outside ``ZERO3_MOE_FAMILIES``, with ZeRO-3 leaves other than DeepSpeed's defaults, or with
-    ``offload_param`` or ZeRO++ (their schedules on a sparse layer are not measured)."""
+    or None: outside ``ZERO3_MOE_FAMILIES``, with ZeRO-3 leaves other than DeepSpeed's defaults, or with ZeRO++
+    (its schedule on a sparse layer is not measured). ``offload_param`` cpu and nvme: measured on the four families,
+    the dense terms (tests/test_deepspeed_moe_fp16_nvme.py; refused before, moefp16 2026-12-02)."""
     if model_type not in ZERO3_MOE_FAMILIES:
         return f"model_type {model_type!r} not measured (measured: {', '.join(ZERO3_MOE_FAMILIES)})"
     if zero.get("leaf_module") not in (None, {}) or zero.get("stage3_module_granularity_threshold") not in (None, 0):
         return ("leaf_module / stage3_module_granularity_threshold not modelled (DeepSpeed's default leaf classes "
                 "assumed: trace.py _LEAF_SPARSE)")
-    offload = zero.get("offload_param")
-    if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None):
-        return f"offload_param to {offload.get('device')} not measured"
     zeropp = [k for k in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
               if zero.get(k) not in (None, False, 0, 1)]  # fmt: skip
     return f"ZeRO++ ({', '.join(zeropp)}) not measured" if zeropp else None

@@ -74,9 +74,8 @@ def moe_offload_limit(s: Settings, psi: int, largest: int) -> Optional[str]:
     o = s.offload_optimizer
     if not o.on:
         return None
-    if o.device != "cpu" or s.dtype == "fp16":  # measured: cpu, in fp32 and bf16
-        what = f"to {o.device}" if o.device != "cpu" else "in fp16"
-        return f"offload_optimizer {what} not measured on routed experts"
+    if o.device != "cpu":  # measured: cpu, in fp32, bf16 and fp16 (nvme: ZeRO-3 only, nvme.check_nvme)
+        return f"offload_optimizer to {o.device} not measured on routed experts"
     bucket = s.reduce_bucket_size
     if bucket >= psi or offload_walk_applies(s, psi):
         return None

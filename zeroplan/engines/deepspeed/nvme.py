@@ -19,6 +19,8 @@ master, fp32 gradient and Adam's m, v live on the NVMe and, during the step, in 
 
 from __future__ import annotations
 
+from zeroplan.formulas.peak import Term
+
 S3 = "runtime/zero/stage3.py"
 UTILS = "runtime/swap_tensor/utils.py"
 OPT_UTILS = "runtime/swap_tensor/optimizer_utils.py"
@@ -86,6 +88,33 @@ def nvme_traffic(part: int, slices: tuple[int, ...], first_step: bool = False) -
     states, grads = 3 * io_aligned_numel(part) * FP32, gradient_swap_bytes(slices)
     read = (io_aligned_numel(part) * FP32 if first_step else states) + grads
     return read, states + grads
+
+
+def step_terms(part: int, slices: tuple[int, ...], grad_fp32: bool) -> tuple[Term, ...]:
+    """The host bytes a swapped sub-group of ``part`` elements (parameters' partition slices ``slices``) holds beside
+    the pool during the first optimizer step (``HostMemory.step_terms``); () when it is not swapped.
+
+    - Adam's m and v made by the first step: the swap-in read the master only (``swap_in_optimizer_state``:
+      ``num_tensors()`` 1 before any state), DeepSpeedCPUAdam makes its state beside it (cpu_adam.py
+      ``torch.zeros_like(p.data)``, 2 x 4 B an element), written out through the pool at the swap-out
+      (``_swap_out_optimizer_state -> _swap_out_unpinned_tensors``); from the second step they are read into pool
+      buffers.
+    - The gradient slices kept on the host: at the boundary each slice is copied to fp32
+      (stage3.py ``_offload_grad_partition_at_boundary``: ``grad_buffer.to(master dtype)``, the buffer itself when
+      the gradients are fp32: ``grad_fp32``), and a slice or remainder below the swap threshold is kept
+      (``_swap_out_gradients``: ``unswapped_gradients``) until ``swap_out_optimizer_state ->
+      release_unswapped_gradients``: 4 B an element of the slices less ``gradient_swap_bytes``.
+    Measured (moefp16, 2026-12-02, Mixtral bf16, N_d = 2, the stand-in; every slice below the threshold): the
+    step's peak 8,094,344 B (0.79 %) under without them, 124 B under with them
+    (tests/data/measured/deepspeed_moe_fp16_nvme.json, benchmarks/ds_moe_opt_rows.py nvme3)."""
+    if not swappable(part):
+        return ()
+    src = f"{SWAPPER} swap_in_optimizer_state / {OPT_UTILS} _swap_out_gradients"
+    kept = 0 if grad_fp32 else sum(slices) * FP32 - gradient_swap_bytes(slices)
+    return (Term("Adam m and v made by the first step (before their swap-out)", 2 * part * FP32,
+                 f"{src}; ops/adam/cpu_adam.py step (state zeros_like)", 2),
+            *((Term("fp32 gradient slices below the swap threshold (unswapped_gradients)", kept,
+                    f"{src}; {S3} _offload_grad_partition_at_boundary"),) if kept else ()))  # fmt: skip
 
 
 def check_nvme(stage: int, key: str, buffer_count: int | None) -> None:

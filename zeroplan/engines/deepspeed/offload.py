@@ -29,6 +29,7 @@ from __future__ import annotations
 from zeroplan.engines.deepspeed.moe_offload import norms_at_hooks
 from zeroplan.engines.deepspeed.offload_walk import offload_walk_applies, stage1_offload_walk
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
+from zeroplan.engines.deepspeed.nvme import step_terms as nvme_step_terms
 from zeroplan.engines.deepspeed.nvme_param import PARAM_POOL, SWAP_OUT_BUFFER, ParamSwap, param_swap
 from zeroplan.engines.deepspeed.nvme_param import host_terms as param_host_terms
 from zeroplan.engines.deepspeed.nvme_param import nvme_traffic as param_nvme_traffic
@@ -337,12 +338,15 @@ def host_memory(run: DSRun) -> HostMemory:
         d2h, h2d = part * 4, part * p
     offload = Offload(s.offload_optimizer.device if o else "none", s.offload_param.device if prm else "none")
     read, write = nvme_step_bytes(run)
-    step = torch_adam_step_temporaries(s, numels, nd)
+    step = (torch_adam_step_temporaries(s, numels, nd),)
+    if s.stage == 3 and s.offload_optimizer.device == "nvme":  # the swapper's first step (nvme.py step_terms)
+        slices = tuple(-(-n // nd) for n in numels)
+        step += nvme_step_terms(flat_shard_numel(numels, nd), slices, s.grad_dtype == "fp32")
     lazy = (ADAM_HOST, ADAM_HOST_TORCH, ACCUMULATED, _pin(s.offload_optimizer, ACCUMULATED))
     return HostMemory(offload, host_terms(run), h2d, d2h, lazy=lazy,
                       init_peak=host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write,
                       nvme_note=_nvme_note(s),
-                      step_terms=() if step is None else (step,))  # fmt: skip
+                      step_terms=tuple(t for t in step if t is not None))  # fmt: skip
 
 
 def nvme_step_bytes(run: DSRun) -> tuple[int | None, int | None]:
