@@ -463,3 +463,21 @@ def test_peak_moments_as_measured(model, stage, zero, checkpointing, nd, phase, 
     top = max(ms, key=lambda m: m.total())
     assert top.name == moment, [(m.name, m.total()) for m in ms]
     assert abs(top.total() - measured) <= 0.001 * measured, (top.total(), measured)
+
+
+def test_zero3_last_bucket_copies_are_one_tensor_on_a_gpu():
+    """ZeRO-3's last bucket reduce-scattered after backward: ``reduce_scatter_coalesced``'s interleaved flat copy,
+    and on gloo also gloo's copy of it (two tensors, ``zero3_epilogue.copies_term``); NCCL reduces in place, so on
+    a GPU the term is the flat copy alone, one tensor (the allocation trace replays one block, not two halves:
+    docs/plan.md's DeepSpeed plan's reserved bytes moved by 2.8 GiB when a 0-byte gloo copy was counted)."""
+    wl = _workload()
+    copies = {}
+    for device in ("cpu", "cuda"):
+        s = D.Settings.from_ds_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 10000,
+                                                             "stage3_param_persistence_threshold": 0}})
+        s = s.model_copy(update={"device": device})
+        (moment,) = [m for m in D.backward_moments(D.ds_run(s, wl, 2))
+                     if m.name == "last bucket reduce-scattered after backward"]
+        (copies[device],) = [t for t in moment.terms if "flat copy" in t.name]
+    assert copies["cpu"].tensors == 2 and copies["cuda"].tensors == 1
+    assert copies["cpu"].bytes == 2 * copies["cuda"].bytes  # gloo's copy is the flat copy's size
