@@ -228,8 +228,8 @@ TpOption = Annotated[
 FsdpWrapOption = Annotated[
     Optional[str],
     typer.Option("--fsdp-wrap", help="fsdp2: the fully_shard calls: blocks (each decoder layer, then the root; "
-                 "default), torchtitan (embeddings, each block, [norm, output] kept gathered, the root) or a JSON "
-                 "file of units in call order (docs/engines/fsdp2.md)."),
+                 "default), torchtitan (embeddings, each block, the final norm and output as one unit kept gathered, "
+                 "the root) or a JSON file of units in call order (docs/engines/fsdp2.md)."),
 ]  # fmt: skip
 InitOption = Annotated[
     Optional[str],
