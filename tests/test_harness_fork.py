@@ -43,6 +43,7 @@ from validate import harness
 tempfile.gettempdir()  # cached here, as a parent that made temporary files has it
 signal.signal(signal.SIGTERM, lambda *a: None)  # as run_matrix's handlers in the parent
 signal.signal(signal.SIGHUP, lambda *a: None)
+signal.signal(signal.SIGINT, lambda *a: None)  # as pytest's or a CLI's own
 for mode in ("exec", "fork"):
     if mode == "fork":
         harness.fork_launchers(workers=())
