@@ -236,7 +236,9 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def fork_launchers(workers: tuple[str, ...] = ("validate.worker", "validate.engines.fsdp2")) -> None:
+def fork_launchers(
+    workers: tuple[str, ...] = ("validate.worker", "validate.engines.fsdp2", "validate.engines.fsdp2_tp"),
+) -> None:
     """From now on, start each run's launcher by forking this process (above); what the launchers import, torch
     and the ``workers``, is imported here at the first launch."""
     _FORK.update(threads=_threads(), workers=workers)
