@@ -187,7 +187,7 @@ def run_world(
     env.setdefault("OMP_NUM_THREADS", "1")
     if config.wire:
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    tmp, proc, me = _run_dir(), None, os.getpid()
+    tmp, proc = _run_dir(), None
     janitor = guard(tmp, marker)  # removes tmp and the run's processes even if this process is SIGKILLed
     env["TMPDIR"] = str(tmp)  # every rank's own scratch lands in the folder the janitor removes
     try:
