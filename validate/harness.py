@@ -229,7 +229,7 @@ def run_world(
 # ``__main__`` (``launch.run_as_main``). One difference: ``/proc/PID/environ`` keeps this process's
 # environment, so ``kill_marked`` does not find a forked launcher or its ranks; ``_stop`` kills their session
 # and the parent-death signal takes them with a killed parent, as before. ``zeroplan validate`` never opts in.
-_FORK: dict[str, int] = {}
+_FORK: dict[str, object] = {}  # threads: at the opt-in; workers: the modules to import
 
 
 def _threads() -> int:
@@ -246,7 +246,7 @@ def fork_launchers(
 
 def _forkable(cmd: list[str], env: dict[str, str]) -> bool:
     """Whether ``_start`` forks ``cmd`` (above); imports what the launchers import, once."""
-    if "threads" not in _FORK or cmd[:2] != [sys.executable, "-m"]:
+    if _FORK.get("threads") != _threads() or cmd[:2] != [sys.executable, "-m"]:
         return False
     if os.environ.get("OMP_NUM_THREADS") != env.get("OMP_NUM_THREADS"):
         return False
