@@ -1,7 +1,7 @@
 """FSDP2 with tensor parallelism (engines/fsdp2/tp.py): TP-local shapes, the TP collectives, the refusals, and
 the prediction of every phase of every rank against real gloo runs at world size 4 as dp_shard 2 x tp 2
 (validate/engines/fsdp2_tp.py, recorded in tests/data/measured/fsdp2_tp.json: with and without sequence
-parallelism). Cheap: no process is started here; the recorded rows are re-made with
+parallelism). One live run (a background job); the recorded rows are re-made with
 ``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 [--no-sp] --out F`` (~30 s CPU each)."""
 
 from __future__ import annotations
@@ -328,20 +328,20 @@ def test_validate_tp_refusals(args, message):
     assert_one_line_error(CliRunner().invoke(app, ["validate", *args]), message)
 
 
+# The module's one run, a background job of the session (tests/background.py: started at collection, niced, while
+# the other tests run; this module runs last), its launcher forked (validate/harness.py fork_launchers).
+BACKGROUND_CLI = {"tp4": ["--engine", "fsdp2", "--tp", "2", "--world-size", "4", "--param-dtype", "fp32", "--steps", "2"]}
+
+
 @pytest.mark.distributed
-def test_validate_tp_world_4(tmp_path):
+def test_validate_tp_world_4(request, background):
     """``zeroplan validate --engine fsdp2 --tp 2`` at world 4 (dp_shard 2 x tp 2, llama-tiny, fp32, SP; ~27 CPU-s):
     the TP runner through the validator's harness and report, every rank's phases against its own prediction,
     collectives keyed per mesh dimension and matched call by call at every step."""
-    from typer.testing import CliRunner
+    from background import validate_json
 
-    from zeroplan.cli import app
-
-    out = tmp_path / "tp.json"
-    result = CliRunner().invoke(app, ["validate", "--engine", "fsdp2", "--tp", "2", "--world-size", "4",
-                                      "--param-dtype", "fp32", "--steps", "2", "--json", str(out)])  # fmt: skip
-    assert result.exit_code == 0, result.output
-    (row,) = json.loads(out.read_text())["rows"]
+    _, report = validate_json(background, request.module, "tp4")
+    (row,) = report["rows"]
     assert row["ok"] and row["checks"]["collectives_match"] and row["engine_label"].endswith("tp 2")
     assert row["peak_rel_error_by_phase"] == {p: 0.0 for p in ("init", "forward", "backward", "optimizer_step")}
     assert row["model_states_rel_error"] == 0.0
