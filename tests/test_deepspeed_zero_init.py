@@ -282,7 +282,8 @@ def _hf_build_run(name: str, dtype: str, nd: int, tmp_path: Path):
     else:
         path, seq_len = Path(__file__).parent / "data" / "hf_configs" / f"{name}.json", 16
     workload = workload_for(str(path), 1, seq_len, 1, "none", hf=True)
-    return D.ds_run(D.Settings.from_ds_config(config, zero_init=True), workload, nd, stat_bytes=4)
+    settings = D.Settings.from_ds_config(config, zero_init=True).model_copy(update={"hf_zero3_build": True})
+    return D.ds_run(settings, workload, nd, stat_bytes=4)
 
 
 @pytest.mark.parametrize("key", list(HF_BUILDS), ids=[f"{n}-{d}-nd{k}" for n, d, k in HF_BUILDS])

@@ -195,7 +195,9 @@ def compare_row(
     # how the ranks built the model, passed explicitly (the profile's default is zero.Init at stage 3)
     settings = D.Settings.from_ds_config(ds, zero_init=bool(rank_rows[0].get("zero_init", False)))
     cuda = rank_rows[0].get("device") == "cuda"  # the CUDA runner's rows (validate/engines/deepspeed_cuda.py)
-    settings = settings.model_copy(update={"device": "cuda" if cuda else "cpu"})  # CUDA: 512-B blocks, workspaces
+    settings = settings.model_copy(update={"device": "cuda" if cuda else "cpu",  # CUDA: 512-B blocks, workspaces
+                                           # a transformers model under zero.Init: built by hf_zero3_build
+                                           "hf_zero3_build": workload.transformers and settings.builds_partitioned})
     # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32); CUDA: fp32 (None)
     stat = None if cuda else D.DTYPE_BYTES[settings.dtype]
     (est,) = D.estimate(workload, nd, settings, stat_bytes=stat)

@@ -38,7 +38,8 @@ Mixtral's ZeRO-2 fp32 rank 1 peak (300,000-element buckets, benchmarks/ds_moe12_
 --offload): layer 2's ``gate_up_proj`` hook, its 1,048,576-B gradient waiting beside the 1,048,576-B fp64 copy of the
 whole ``down_proj`` slice (720,528 B under before); bf16 at layer 2's ``q_proj`` hook with the 2,097,152-B fp64 copy
 of a whole ``gate_up_proj``. Measured: ``MEASURED_FROM_HOOKS``. Still refused: a bucket below the largest tensor
-(the clone, ``MEASURED_SEVERAL_BUCKETS``), and ``overlap_comm`` (two buckets; ``MEASURED_OVERLAP``)."""
+(the clone, ``MEASURED_SEVERAL_BUCKETS``), ``overlap_comm`` (two buckets; ``MEASURED_OVERLAP``), and G > 1 (measured at
+G = 2: ``MEASURED_FROM_HOOKS_G2``)."""
 
 from __future__ import annotations
 

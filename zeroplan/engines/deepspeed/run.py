@@ -107,7 +107,7 @@ class DSRun:
     """the transformers model of the architecture (``Workload.transformers``), not the validator's causal LM."""
     init_gathers: tuple[tuple[int, ...], ...] = ()
     """a transformers model's parameter sizes gathered together by ``initialize_weights_zero3``, module by module
-    (``_init_gathers``); empty for the validator's causal LM."""
+    (``_init_gathers``) where it builds the model (``Settings.hf_zero3_build``); else empty (``Module.apply``)."""
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     """results a run's moment functions ask for more than once, by name (``memo_of``); never copied by
     ``dataclasses.replace`` (not an ``__init__`` field), so a changed run starts empty."""

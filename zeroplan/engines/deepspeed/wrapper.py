@@ -53,7 +53,8 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  head_tied(workload), wrapper_for(settings), workload.checkpointing,
                  bool(foreach), workload.grad_accum, modules, *_trace(workload), blocks, outputs, spec,
-                 workload.transformers, _init_gathers(workload) if workload.transformers else ())  # fmt: skip
+                 workload.transformers, _init_gathers(workload) if workload.transformers and settings.hf_zero3_build
+                 else ())  # fmt: skip
 
 
 @lru_cache(maxsize=16)  # every candidate of a plan and each rank's run: the same (a frozen record)

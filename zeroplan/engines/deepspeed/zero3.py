@@ -52,10 +52,10 @@ def zero_init_moments(run: DSRun) -> tuple[Moment, ...]:
     4-7, generator 4: Llama 10.1M tied, bf16, N_d = 4: the fp32 lm_head and its bf16 copy beside every partition,
     40,678,464 B, the measurement to the byte; init -6.52 % before).
 
-    A transformers model built as its users build it under ZeRO-3 (an ``HfDeepSpeedConfig`` alive: ``from_config``
-    opens ``zero.Init`` with ``no_init_weights`` and then runs ``initialize_weights_zero3``; transformers 5.24
-    modeling_utils.py ``_from_config``, integrations/deepspeed.py) gathers at once each module's own parameters and its
-    direct children's (``run.init_gathers``; ``GatheredParameters`` -> ``_all_gather`` -> ``_allgather_params_
+    A transformers model built by transformers under ZeRO-3 (``Settings.hf_zero3_build``: an ``HfDeepSpeedConfig``
+    alive, ``from_config`` opens ``zero.Init`` with ``no_init_weights``, then runs ``initialize_weights_zero3``;
+    transformers 5.24 modeling_utils.py ``_from_config``, integrations/deepspeed.py) gathers at once each module's own
+    parameters and its direct children's (``run.init_gathers``; ``GatheredParameters`` -> ``_all_gather`` -> ``_allgather_params_
     coalesced``: each into its padded ceil(n / N_d)·N_d ``flat_tensor``), the largest such set rather than one
     module's: the base model's call holds the token embedding with the final norm. Found by the differential matrix
     (seed 5, generator 5, draw 3: DeepSeek-V3 14.4M untied, fp32, N_d = 2: build peak 52,029,336 B measured, 1,016 B
