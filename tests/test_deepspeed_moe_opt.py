@@ -232,3 +232,19 @@ def test_estimate_refuses_zero2_offload_from_the_hooks_at_g2_in_one_line(tmp_pat
     assert_one_line_error(run(*args, "--deepspeed-config", str(ds), "--grad-accum", "2"),
                           "gradient_accumulation_steps 2: reduced from")
     assert run_json(*args, "--deepspeed-config", str(ds))["stages"][0]["peak_bytes"] > 0  # G = 1: answered
+
+
+def test_plan_leaves_out_the_offload_row_from_the_hooks_at_g2():
+    """``plan``'s rows of a sparse model (``moe_candidates``) at the workload's G: the ZeRO-2 offload row whose bucket
+    lies between the largest tensor and Ψ kept at G = 1, left out at G = 2 with the reason."""
+    from zeroplan.architectures.hf_config import read_hf_config
+    from zeroplan.engines.deepspeed import Settings
+    from zeroplan.engines.deepspeed.plan import moe_candidates
+
+    spec = read_hf_config(Path(__file__).parent / "data" / "hf_configs" / "tiny-mixtral.json")  # Ψ 57,924
+    row = ("z2 offload", Settings.from_ds_config({"zero_optimization": {
+        "stage": 2, "reduce_bucket_size": 57923, "offload_optimizer": {"device": "cpu"}}}))  # fmt: skip
+    assert moe_candidates((row,), spec, {}, grad_accum=1) == (row,)
+    dropped: dict[str, str] = {}
+    assert moe_candidates((row,), spec, {}, dropped, grad_accum=2) == ()
+    assert "gradient_accumulation_steps 2: reduced from the hooks" in dropped["z2 offload"]
