@@ -45,7 +45,8 @@ def _moe_limit(row: dict):
     from zeroplan.engines.base import PlannerOptions
     from zeroplan.engines.deepspeed.plan import moe_limit
 
-    options = PlannerOptions(ds_config=row["ds_config"], grad_accum=row["ds_config"].get("gradient_accumulation_steps", 1))
+    g = row["ds_config"].get("gradient_accumulation_steps", 1)  # the run's G, as the CLI resolves it from the file
+    options = PlannerOptions(ds_config=row["ds_config"], grad_accum=g)
     return moe_limit(options, spec_from_hf_config(row["hf_config"]))
 
 

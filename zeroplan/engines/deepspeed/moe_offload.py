@@ -104,7 +104,7 @@ def moe_offload_limit(s: Settings, psi: int, largest: int, grad_accum: int = 1) 
                 f"gradient_accumulation_steps {grad_accum}: reduced from the hooks while accumulating, not modelled on "
                 f"routed experts (measured {MEASURED_FROM_HOOKS_G2}); use gradient_accumulation_steps 1 (a larger "
                 f"micro-batch), or reduce_bucket_size >= {psi:,}")
-    return None  # ZeRO-2 from the hooks, every gradient within a bucket, G = 1: ``norms_at_hooks`` (MEASURED_FROM_HOOKS)
+    return None  # ZeRO-2 from the hooks, every gradient in a bucket, G = 1: ``norms_at_hooks`` (MEASURED_FROM_HOOKS)
 
 
 def norms_at_hooks(run: DSRun) -> bool:

@@ -85,8 +85,8 @@ class Settings(BaseModel):
     """ZeRO-3 under ``zero_init``: a transformers model built by transformers itself, an ``HfDeepSpeedConfig`` of the
     ds_config alive (``from_config`` opens ``zero.Init`` and initialises the weights with ``initialize_weights_zero3``,
     each module gathered with its direct children: zero3.py ``zero_init_moments``), not under the script's own
-    ``zero.Init`` with ``Module.apply``, which the planner's build advises (plan.py ``deepspeed_build``). Not a ds_config
-    key: the validator's ``hf_zero3_build`` (validate/engines/deepspeed.py) sets it."""
+    ``zero.Init`` with ``Module.apply``, which the planner's build advises (plan.py ``deepspeed_build``). Not a
+    ds_config key: the validator's ``hf_zero3_build`` (validate/engines/deepspeed.py) sets it."""
 
     offload_optimizer: OffloadTarget = NO_TARGET
     """``zero_optimization.offload_optimizer`` (offload_settings.py): the fp32 master, Adam's states and the

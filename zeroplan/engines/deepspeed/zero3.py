@@ -55,8 +55,8 @@ def zero_init_moments(run: DSRun) -> tuple[Moment, ...]:
     A transformers model built by transformers under ZeRO-3 (``Settings.hf_zero3_build``: an ``HfDeepSpeedConfig``
     alive, ``from_config`` opens ``zero.Init`` with ``no_init_weights``, then runs ``initialize_weights_zero3``;
     transformers 5.24 modeling_utils.py ``_from_config``, integrations/deepspeed.py) gathers at once each module's own
-    parameters and its direct children's (``run.init_gathers``; ``GatheredParameters`` -> ``_all_gather`` -> ``_allgather_params_
-    coalesced``: each into its padded ceil(n / N_d)·N_d ``flat_tensor``), the largest such set rather than one
+    parameters and its direct children's (``run.init_gathers``; ``GatheredParameters`` -> ``_all_gather`` ->
+    ``_allgather_params_coalesced``: each into its padded ceil(n / N_d)·N_d ``flat_tensor``), the largest such set rather than one
     module's: the base model's call holds the token embedding with the final norm. Found by the differential matrix
     (seed 5, generator 5, draw 3: DeepSeek-V3 14.4M untied, fp32, N_d = 2: build peak 52,029,336 B measured, 1,016 B
     over the embedding alone: the norm's 960 B, and the 56 B of fp32 buffers fp32 rows leave out, ``_sixteen_bit_hf``).
