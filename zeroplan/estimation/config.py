@@ -158,7 +158,8 @@ class EstimateConfig(BaseModel):
         policy = self.policy if "policy" in self.model_fields_set else None
         options = planner_options(get_engine(self.engine), self.engine_options, stage=self.stage, policy=policy,
                                   flat_layout=self.params is None)  # fmt: skip
-        return replace(options, gpu_capability=None if self.gpu is None else capability_of(self.gpu))
+        return replace(options, gpu_capability=None if self.gpu is None else capability_of(self.gpu),
+                       grad_accum=self.grad_accum)  # fmt: skip
 
     @property
     def nd(self) -> int:
