@@ -130,5 +130,6 @@ def from_accelerate(run: AccelerateFsdp, names: Optional[Names]) -> Fsdp2Run:
         raise ValueError("--accelerate-config: give --model (the wrapping is in its module names)")
     wrap = accelerate_wrapping(run, names)
     options = {"wrap": wrap, "init": "meta",
-               **({"param_dtype": run.param_dtype, "reduce_dtype": run.reduce_dtype} if run.param_dtype else {})}
+               **({"param_dtype": run.param_dtype, "reduce_dtype": run.reduce_dtype} if run.param_dtype else {}),
+               **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {})}
     return Fsdp2Run(options, wrap, run.num_processes, None, None, None, "full" if run.activation_checkpointing else None)
