@@ -231,8 +231,9 @@ def _hsdp_replicas(parallel: dict, processes: int) -> int:
     replicate = _int(sizes.get("dp_replicate_size") or 1, "parallelism_config_dp_replicate_size")
     shard = _int(sizes.get("dp_shard_size") or 1, "parallelism_config_dp_shard_size")
     if parallel and (shard == 1 or replicate * shard != processes):  # ParallelismConfig._validate_accelerator
-        raise ValueError(f"accelerate config: parallelism_config dp_replicate_size {replicate} x dp_shard_size {shard}: "
-                         f"accelerate's FSDP2 needs dp_shard_size > 1 and the product = num_processes ({processes})")
+        raise ValueError(f"accelerate config: parallelism_config dp_replicate_size {replicate} x dp_shard_size "
+                         f"{shard}: accelerate's FSDP2 needs dp_shard_size > 1 and the product = num_processes "
+                         f"({processes})")  # fmt: skip
     return replicate
 
 

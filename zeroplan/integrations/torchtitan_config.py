@@ -19,11 +19,11 @@ checks them against the installed dataclasses). Sources, in v0.2.2's tree:
   ``layers``, ``[norm, output]`` with ``reshard_after_forward`` only under the policy "always", then the root;
   ``fsdp_reshard_after_forward`` "default" is ``not pp_enabled`` (True here: no pipeline).
 
-HSDP (replicate degree R above 1 with sharding) is ``apply_fsdp`` on the 2-D mesh ``("dp_replicate", "dp_shard_cp")``,
-the FSDP2 engine's ``dp_replicate`` (engines/fsdp2/mesh.py); the batch degree is R x shard. Refused in one line:
-tensor, pipeline, context and expert parallelism, and replication without sharding (DDP). Returned as data for the caller to accept or
-refuse (the FSDP2 engine may not express them yet): the activation-checkpointing mode, the wrapping,
-``compile.enable``, ``model.converters`` (float8, ...) and CPU offload.
+HSDP (replicate degree R above 1 with sharding) is ``apply_fsdp`` on the 2-D mesh ``("dp_replicate",
+"dp_shard_cp")``, the FSDP2 engine's ``dp_replicate`` (engines/fsdp2/mesh.py); the batch degree is R x shard.
+Refused in one line: tensor, pipeline, context and expert parallelism, and replication without sharding (DDP).
+Returned as data for the caller to accept or refuse (the FSDP2 engine may not express them yet): the
+activation-checkpointing mode, the wrapping, ``compile.enable``, ``model.converters`` (float8, ...) and CPU offload.
 """
 
 from __future__ import annotations
