@@ -1,11 +1,12 @@
 """FSDP2 on a 2-D mesh (HSDP, zeroplan/engines/fsdp2/mesh.py): the profile by hand, the options on the command
-line, and the real ``fully_shard`` measured as a 2 x 2 mesh on 4 gloo ranks and as 8 x 128 on the fake process
-group at 1,024 ranks (fake tensors), phase by phase and collective by collective with the group of each.
+line, and the real ``fully_shard`` measured as a 2 x 2 mesh on 4 gloo ranks and as 8 x 128 and 16 x 256 on the fake
+process group at 1,024 and 4,096 ranks (fake tensors), phase by phase and collective by collective with the group of
+each.
 
 Recorded (torch 2.13.0, CPU): gloo 2 x 2, gpt-tiny, bf16 parameters and bf16 reduce: every rank, every phase
 +16 B over the prediction (the 16 B appear at init with the 2-D mesh; not modelled), collectives equal. Fake
-1,024 = 8 x 128: forward and backward peaks exact; init and optimizer_step are FakeTensorMode phases, reported
-not checked (``validate.engines.fsdp2_compare.FAKE_TENSOR_PHASES``)."""
+1,024 = 8 x 128 and 4,096 = 16 x 256: forward and backward peaks exact; init and optimizer_step are FakeTensorMode
+phases, reported not checked (``validate.engines.fsdp2_compare.FAKE_TENSOR_PHASES``)."""
 
 from __future__ import annotations
 
@@ -185,8 +186,11 @@ def test_gloo_2x2_every_rank_every_phase_within_the_recorded_error(gloo_2x2):
         assert _calls(row) == _predicted_calls(predicted)  # in issue order, each with its group (2 and 2)
 
 
-@pytest.fixture(scope="module")
-def fake_1024():
+FAKE_MESHES = {1024: 8, 4096: 16}  # world -> dp_replicate R: 8 x 128 and 16 x 256 (the issue's 1,024 and 4,096 ranks)
+
+
+@pytest.fixture(scope="module", params=sorted(FAKE_MESHES), ids=lambda n: f"world{n}")
+def fake_mesh(request):
     import subprocess
     import sys
     import tempfile
@@ -194,30 +198,35 @@ def fake_1024():
 
     from validate.engines.fsdp2_compare import Fsdp2Settings
 
-    settings = Fsdp2Settings(model="gpt-tiny", dp_replicate=8, param_dtype="bf16", reduce_dtype="bf16")
+    world = request.param
+    settings = Fsdp2Settings(model="gpt-tiny", dp_replicate=FAKE_MESHES[world], param_dtype="bf16",
+                             reduce_dtype="bf16")
     with tempfile.TemporaryDirectory(prefix="zeroplan-hsdp-") as tmp:
         out = Path(tmp, "rows.json")
         from dataclasses import asdict
 
-        done = subprocess.run([sys.executable, "-m", "validate.engines.fsdp2", "--simulated", "--world-size", "1024",
+        done = subprocess.run([sys.executable, "-m", "validate.engines.fsdp2", "--simulated", "--world-size", str(world),
                                "--settings", json.dumps(asdict(settings)), "--out", str(out)],
                               capture_output=True, text=True, timeout=900)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-        return settings, json.loads(out.read_text())
+        return world, settings, json.loads(out.read_text())
 
 
 @pytest.mark.distributed
-def test_fake_group_1024_ranks_as_8x128_exact_per_phase_and_per_call(fake_1024):
+def test_fake_group_2d_mesh_exact_per_phase_and_per_call(fake_mesh):
+    """Rank 0 of 1,024 ranks as 8 x 128 and of 4,096 as 16 x 256 (about 4 and 7 CPU-s each)."""
     from validate.engines.fsdp2_rows import predict
 
-    settings, result = fake_1024
+    world, settings, result = fake_mesh
+    replicate = FAKE_MESHES[world]
     (row,) = result["rows"]
     predicted = predict(settings, result["meta"], 0)[0]
     for phase in ("forward", "backward"):  # init and optimizer_step: FakeTensorMode phases, not checked
         assert row["peak_bytes_by_phase"][phase] == predicted.peak.by_phase()[phase]
     calls = _calls(row)
     assert calls == _predicted_calls(predicted)
-    assert {c[4] for c in calls if c[0] != "all-reduce"} == {128} and {c[4] for c in calls if c[0] == "all-reduce"} == {8}
+    assert {c[4] for c in calls if c[0] != "all-reduce"} == {world // replicate}
+    assert {c[4] for c in calls if c[0] == "all-reduce"} == {replicate}
 
 
 @pytest.mark.distributed
