@@ -278,6 +278,26 @@ def test_plan_snippet_names_the_mesh():
     assert "fully_shard(model, mesh=dp_mesh, mp_policy=policy)" in out.output
 
 
+def test_plan_compute_time_is_split_over_the_tp_group():
+    """A data-parallel rank's b·s tokens are computed by its T GPUs, 6·Ψ·b·s / T FLOPs each
+    (``commtime.compute_time_s``): a ``--tp 2`` row's compute time is half the flat row's, so its exposed
+    communication is what its own compute does not hide (it was charged the whole rank's 6·Ψ·b·s before)."""
+    from typer.testing import CliRunner
+    from zeroplan.cli import app
+
+    def compute_s(*tp):
+        out = CliRunner().invoke(app, ["plan", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "8", *tp,
+                                       "--gpu", "h100-80gb", "--seq-len", "4096", "--json"])  # fmt: skip
+        assert out.exit_code == 0, out.output
+        got = {s["comm_time"]["compute_s"] for s in json.loads(out.output)["stages"]}
+        assert len(got) == 1  # one step's compute, whatever the candidate
+        return got.pop()
+
+    flat = compute_s()
+    assert flat == pytest.approx(6 * 8_030_261_248 * 4096 / (989.4e12 * 0.4), rel=1e-3)  # llama3-8b's Ψ, H100 bf16
+    assert compute_s("--tp", "2") == pytest.approx(flat / 2, rel=1e-9)
+
+
 def test_tp_auto_takes_the_smallest_degree_that_fits():
     """``plan --tp auto``: 1, 2, 4 within the node (8 GPUs: 8 would leave one data-parallel rank), smallest
     first, stopping at the first plan that recommends a candidate."""
