@@ -94,6 +94,24 @@ def test_estimate_json_names_each_collectives_dimension_group_and_link():
                     ("all-reduce", "dp_replicate", 4, "inter")}  # fmt: skip
 
 
+@pytest.mark.parametrize("mesh", [["--dp-shard", "8"], ["--dp-replicate", "2", "--tp", "2"]], ids=["hsdp", "hsdp-tp"])
+def test_sweep_takes_the_mesh_options_and_each_row_is_estimates(mesh):
+    """``sweep --dp-shard`` / ``--dp-replicate`` / ``--tp``: each row is ``estimate``'s for its GPU count (the
+    mesh in the name, model states, bytes sent, peak), R = N_d / S per row when only S is given."""
+    step = ["--engine", "fsdp2", "--model", "llama3-8b", "--seq-len", "2048", "--checkpointing", "full", *mesh]
+    swept = runner.invoke(app, ["sweep", "--gpus", "16,32", *step, "--json"])
+    assert swept.exit_code == 0, swept.output
+    rows = json.loads(swept.stdout)["rows"]
+    assert [r["gpus"] for r in rows] == [16, 32]
+    for row in rows:
+        one = runner.invoke(app, ["estimate", "--gpus", str(row["gpus"]), *step, "--json"])
+        assert one.exit_code == 0, one.output
+        (stage,) = json.loads(one.stdout)["stages"]
+        assert "HSDP mesh" in row["name"]
+        for key in ("name", "model_states_bytes", "comm_bytes_per_rank", "peak_bytes"):
+            assert row[key] == stage[key], (row["gpus"], key)
+
+
 def test_plan_prints_exactly_the_mesh_predicted_and_times_it_per_link():
     r = runner.invoke(app, ["plan", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "32", "--gpu",
                             "h100-80gb", "--dp-shard", "8", "--json"])  # fmt: skip
