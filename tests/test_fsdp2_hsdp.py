@@ -83,6 +83,50 @@ def test_bad_meshes_are_refused_in_one_line(args, message):
     assert r.exit_code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
 
 
+@pytest.mark.parametrize(
+    ("args", "replicate", "worlds"),
+    [
+        (["--dp-shard", "2", "--world-size", "8"], 4, (8,)),  # R = N_d / S
+        (["--dp-shard", "4", "--dp-replicate", "2"], 2, (8,)),  # the world: R x S
+        (["--dp-shard", "2", "--tp", "2"], None, (4,)),  # S x T, flat data-parallel (the TP runner's 2 x 2)
+        (["--dp-shard", "2", "--tp", "2", "--world-size", "8"], 2, (8,)),  # the 3-D mesh 2 x 2 x 2
+    ],
+)  # fmt: skip
+def test_validate_takes_dp_shard_as_the_mesh_it_runs(monkeypatch, args, replicate, worlds):
+    """``validate --dp-shard S``: the replicas and world size handed to the run (stopped before any rank starts)."""
+    import validate.api
+
+    seen = []
+
+    def run_validation(config):
+        seen.append(config)
+        raise KeyboardInterrupt  # the command's own stop: one line, exit 130
+
+    monkeypatch.setattr(validate.api, "run_validation", run_validation)
+    r = runner.invoke(app, ["validate", "--engine", "fsdp2", *args])
+    assert r.exit_code == 130, r.output
+    (config,) = seen
+    assert (config.dp_replicate, config.world_sizes) == (replicate, worlds)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dp-shard", "2"], "--dp-shard: --engine fsdp2 only"),
+        (["--engine", "fsdp2", "--dp-shard", "1"], "--dp-shard 1: must be >= 2"),
+        (["--engine", "fsdp2", "--dp-shard", "2", "--world-size", "4", "--world-size", "8"], "give one world size"),
+        (["--engine", "fsdp2", "--dp-shard", "2", "--dp-replicate", "2", "--world-size", "8"],
+         "the mesh 2 x 2 must multiply to the world size 8"),
+        (["--engine", "fsdp2", "--dp-shard", "2", "--tp", "2", "--world-size", "6"],
+         "the mesh R x 2 x 2 must multiply to the world size 6"),
+    ],
+)  # fmt: skip
+def test_validate_refuses_a_dp_shard_that_is_not_the_world_in_one_line(args, message):
+    from tests.clicheck import assert_one_line_error
+
+    assert_one_line_error(runner.invoke(app, ["validate", *args]), message)
+
+
 def test_estimate_json_names_each_collectives_dimension_group_and_link():
     r = runner.invoke(app, ["estimate", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "32", "--dp-shard",
                             "8", "--json"])  # fmt: skip
