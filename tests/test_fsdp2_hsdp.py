@@ -156,6 +156,27 @@ def test_sweep_takes_the_mesh_options_and_each_row_is_estimates(mesh):
             assert row[key] == stage[key], (row["gpus"], key)
 
 
+def test_estimate_gpus_per_node_places_each_dimension(tmp_path):
+    """``estimate --gpus-per-node``: 16 GPUs as 2 x 8 keep the shard group in a node of 8 and not in a node of 4 (was
+    read at 8 always); DeepSpeed qgZ's local all-to-all group is the node (``Settings.devices_per_node``)."""
+    def links(*args):
+        r = runner.invoke(app, ["estimate", "--gpus", "16", *args, "--json"])
+        assert r.exit_code == 0, r.output
+        (stage,) = json.loads(r.stdout)["stages"]
+        return {(c["op"], c["mesh_dim"], c["group_size"], c["link"]) for c in stage["collectives"]}
+
+    hsdp = ["--engine", "fsdp2", "--model", "llama3-8b", "--seq-len", "2048", "--dp-shard", "8"]
+    assert ("all-gather", "dp_shard", 8, "intra") in links(*hsdp)
+    assert ("all-gather", "dp_shard", 8, "inter") in links(*hsdp, "--gpus-per-node", "4")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                  "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}))
+    qgz = ["--engine", "deepspeed", "--deepspeed-config", str(config), "--model", "llama2-7b", "--seq-len", "2048"]
+    for node in (8, 4):
+        got = {c for c in links(*qgz, "--gpus-per-node", str(node)) if c[0] == "all-to-all"}
+        assert got == {("all-to-all", "dp_shard", node, "intra"), ("all-to-all", "dp_replicate", 16 // node, "inter")}
+
+
 def test_plan_prints_exactly_the_mesh_predicted_and_times_it_per_link():
     r = runner.invoke(app, ["plan", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "32", "--gpu",
                             "h100-80gb", "--dp-shard", "8", "--json"])  # fmt: skip
