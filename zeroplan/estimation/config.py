@@ -63,6 +63,9 @@ class EstimateConfig(BaseModel):
     """the training engine whose allocations and collectives are estimated (``zeroplan.engines.get_engine``)."""
     gpus: GpuCount = 1
     """total GPUs = N_d x N_m."""
+    gpus_per_node: GpuCount = 8
+    """GPUs per node: which mesh dimension's collectives stay in a node (``link`` in the JSON,
+    ``zeroplan.formulas.mesh``) and DeepSpeed qgZ's local group (``Settings.devices_per_node``)."""
     model_parallel: GpuCount = 1
     """N_m, the tensor/pipeline model-parallel degree; the paper divides model states by it."""
     stage: Optional[StageNumber] = None
