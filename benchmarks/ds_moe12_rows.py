@@ -7,7 +7,7 @@ alive, or none was made yet, lists what was alive at the step's own largest mome
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py rows [--families mixtral-wide,...]   # ~1 min a family
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py trace mixtral-wide 2 small [--dtype bf16] [--offload] # ~30 s
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py buckets qwen2-moe-wide 2:300000,1o:300000 [--dtype bf16]
-        [--nd 3] [--offload] [--out tests/data/measured/deepspeed_moe12_qwen2.json]              # ~1 min
+        [--nd 3] [--offload] [--ga 2] [--out tests/data/measured/deepspeed_moe12_qwen2.json]              # ~1 min
 
 Real runs: never in CI (tests/test_deepspeed_moe12.py is predicted-only)."""
 
@@ -64,12 +64,13 @@ def rows(families: list[str], tmp: Path) -> None:
 
 
 def buckets(name: str, cases: list[str], dtype: str, nd: int, tmp: Path, out: str | None,
-            offload: bool = False) -> None:
+            offload: bool = False, ga: int = 1) -> None:
     """``name`` at each case ``STAGE:BUCKET`` (``STAGE`` 2, or ``1o``: ZeRO-1 with ``overlap_comm``), ``dtype``, on
     ``nd`` gloo ranks in one world: each rank's measured row and error per phase; ``out``: the rows written as JSON
     (tests/data/measured/deepspeed_moe12*.json, predicted again by tests/test_deepspeed_moe12.py). ``offload``:
     ``offload_optimizer: cpu`` (DeepSpeedCPUAdam), predicted as a CPU run measures it (``one_memory``: the GPU
-    moments plus the host bytes; tests/data/measured/deepspeed_moe_offload_hooks.json)."""
+    moments plus the host bytes; tests/data/measured/deepspeed_moe_offload_hooks.json). ``ga``: the
+    ``gradient_accumulation_steps`` G."""
     import subprocess
 
     import deepspeed
@@ -86,16 +87,17 @@ def buckets(name: str, cases: list[str], dtype: str, nd: int, tmp: Path, out: st
                 **({"overlap_comm": True} if stage == "1o" else {}),
                 **({"offload_optimizer": {"device": "cpu"}} if offload else {})}  # fmt: skip
         adam = None if offload else {"torch_adam": True}  # offload: DeepSpeedCPUAdam (engine.py zero_use_cpu_optimizer)
-        configs.append(ds_config(int(stage[0]), dtype, micro_batch=1, zero=zero, optimizer_params=adam))
+        configs.append({**ds_config(int(stage[0]), dtype, micro_batch=1, zero=zero, optimizer_params=adam),
+                        "gradient_accumulation_steps": ga})  # fmt: skip
     path = str(tmp / f"{name}.json")
     ranks = run_world(configs, nd, model=str(tmp / "world.json"), steps=2, seq_len=64,
                       runs=[{"model": path, "hf": True}] * len(configs))  # fmt: skip
-    workload = workload_for(path, 1, 64, 1, "none", hf=True)
+    workload = workload_for(path, 1, 64, ga, "none", hf=True)
     recorded = []
     for case, config, *by_rank in zip(cases, configs, *ranks):
         measured = [[r["peak_bytes_by_phase"][p] for p in PHASES] for r in by_rank]
         predicted = []
-        print(f"{name} {dtype} N_d {nd} {case}: {measured}")
+        print(f"{name} {dtype} N_d {nd} G {ga} {case}: {measured}")
         for rank, row in enumerate(measured):
             settings = D.Settings.from_ds_config(config).model_copy(update={"rank": rank})
             pred = one_memory(workload, nd, settings, 4) if offload else D.estimate(workload, nd, settings, stat_bytes=4)[
@@ -106,13 +108,13 @@ def buckets(name: str, cases: list[str], dtype: str, nd: int, tmp: Path, out: st
         recorded.append({"model": name, "hf_config": CONFIGS[name], "ds_config": config, "n_d": nd, "seq_len": 64,
                          "micro_batch": 1, "measured": measured, "predicted_when_recorded": predicted})  # fmt: skip
         if offload:  # tests/test_deepspeed_moe_opt.py's keys (``_predict``)
-            recorded[-1].update(family=name, case=f"z{case.replace(':', '-')}-{dtype}", nd=nd,
+            recorded[-1].update(family=name, case=f"z{case.replace(':', '-')}-{dtype}{f'-g{ga}' * (ga > 1)}", nd=nd,
                                 shapes=[[n, list(s)] for n, s in workload.shapes])
     if out:
         old = json.loads(Path(out).read_text())["rows"] if Path(out).exists() else []
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
         doc = {"source": f"DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py buckets {name} {','.join(cases)} "
-                         f"--dtype {dtype} --nd {nd}{' --offload' * offload} --out {out} (gloo, CPU; appended)",
+                         f"--dtype {dtype} --nd {nd}{' --offload' * offload}{f' --ga {ga}' * (ga > 1)} --out {out} (gloo, CPU; appended)",
                "zeroplan_commit": commit.strip(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                "phases": list(PHASES), "rows": old + recorded}  # fmt: skip
         Path(out).write_text(json.dumps(doc, indent=1) + "\n")
@@ -233,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--nd", type=int, default=2)
     b.add_argument("--out", help="append the rows to this JSON file")
     b.add_argument("--offload", action="store_true", help="offload_optimizer: cpu (DeepSpeedCPUAdam)")
+    b.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps G")
     t = sub.add_parser("trace")
     t.add_argument("name")
     t.add_argument("stage", type=int)
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.cmd == "rows":
             rows(args.families.split(","), Path(tmp))
         elif args.cmd == "buckets":
-            buckets(args.name, args.cases.split(","), args.dtype, args.nd, Path(tmp), args.out, args.offload)
+            buckets(args.name, args.cases.split(","), args.dtype, args.nd, Path(tmp), args.out, args.offload, args.ga)
         else:
             import torch.multiprocessing as mp
 

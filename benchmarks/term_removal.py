@@ -2,8 +2,10 @@
 
 Over the rows of ``tests/data/measured/`` (real engines, recorded by ``benchmarks/record_measured.py``),
 every name of a ``zeroplan.formulas.peak.Term`` that an engine's moments carry is collected; then for each
-name in turn the prediction is made without it (``Moment.total`` patched here to skip terms of that name:
-test-side, the profiles are untouched) and two checks run on every row of that engine:
+name in turn the prediction is made without it (``zeroplan.formulas.peak.rounded_total``, the one sum that
+``peak_of``, ``Moment.total`` and ``Term.rounded`` make, patched here to skip terms of that name: test-side,
+the profiles are untouched; until 2026-12-02 ``Moment.total`` was patched, which ``peak_of`` stopped calling
+at 049a051, and every engine then listed 0 named terms: ``main`` now refuses an engine with none) and two checks run on every row of that engine:
 
 - after: ``tests/test_measured_rows.check_record``, each (rank, phase) at its recorded error (+ 0 B), or for
   DeepSpeed a test of one rank's moment of a recorded row (``moment_tests``);
@@ -34,7 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tests.test_measured_rows as M  # noqa: E402
-from zeroplan.formulas.peak import PHASES, Moment  # noqa: E402
+import zeroplan.formulas.peak as peak  # noqa: E402
+from zeroplan.formulas.peak import PHASES  # noqa: E402
 
 BEFORE_PEAK_TOL = {"reference": 0.0, "fsdp2": 0.03, "deepspeed": 0.03}
 REFERENCE_NOT_EXACT_TOL = 0.02  # ValidateConfig.peak_tolerance
@@ -73,12 +76,13 @@ def live_check(record: dict, predicted: list[dict] | None = None) -> list[str]:
 
 @contextmanager
 def _patched_total(fn: Callable):
-    original = Moment.total
-    Moment.total = fn
+    """``peak.rounded_total`` replaced by ``fn(terms, block_bytes)`` (its callers look it up at each call)."""
+    original = peak.rounded_total
+    peak.rounded_total = fn
     try:
         yield
     finally:
-        Moment.total = original
+        peak.rounded_total = original
 
 
 def _checked(record: dict, predicted: list[dict]) -> list:
@@ -91,12 +95,13 @@ def _checked(record: dict, predicted: list[dict]) -> list:
 def term_sizes(rows: list[dict]) -> dict[str, int]:
     """Every term name the engine's moments carry over ``rows``, with its largest size seen (bytes)."""
     seen: dict[str, int] = {}
-    original = Moment.total
+    original = peak.rounded_total
 
-    def recording(self, block_bytes: int = 1) -> int:
-        for t in self.terms:
+    def recording(terms, block_bytes: int) -> int:
+        terms = tuple(terms)
+        for t in terms:
             seen[t.name] = max(seen.get(t.name, 0), t.bytes)
-        return original(self, block_bytes)
+        return original(terms, block_bytes)
 
     with _patched_total(recording):
         for row in rows:
@@ -105,9 +110,11 @@ def term_sizes(rows: list[dict]) -> dict[str, int]:
 
 
 def without(name: str):
-    """``Moment.total`` that skips every term called ``name``."""
-    def total(self, block_bytes: int = 1) -> int:
-        return sum(t.rounded(block_bytes) for t in self.terms if t.name != name)
+    """``rounded_total`` that skips every term called ``name``."""
+    original = peak.rounded_total
+
+    def total(terms, block_bytes: int) -> int:
+        return original(tuple(t for t in terms if t.name != name), block_bytes)
 
     return _patched_total(total)
 
@@ -119,7 +126,7 @@ def caught(rows: list[dict], check: Callable[[dict], list[str]]) -> bool:
 def moment_tests(engine: str) -> list[str]:
     """The tests that check one rank's moment of a recorded row against what was measured there
     (tests/test_worst_rank.py: a partition allocated inside a block, the step's global norm, each rank's own
-    prediction, the SwiGLU working set): the failures, under the patched ``Moment.total``. A term whose removal
+    prediction, the SwiGLU working set): the failures, under the patched ``rounded_total``. A term whose removal
     only moves a row's peak to another moment closer to the measurement (the rows' check on |error| passes) is
     caught here when that moment's own error or name is asserted."""
     if engine != "deepspeed":
@@ -170,6 +177,9 @@ def main(argv: list[str]) -> None:
     lines, zero, inert = [], {}, {}
     for e, rows in rows_of.items():
         sizes = term_sizes(rows)
+        if not sizes:  # the patch reaches no sum: every count below would be 0 of 0, a check that cannot fail
+            raise SystemExit(f"{e}: no named term seen through peak.rounded_total; the patch no longer reaches "
+                             "the prediction")  # fmt: skip
         names = sorted(n for n, b in sizes.items() if b > 0)
         zero[e] = sorted(n for n, b in sizes.items() if b == 0)
         before = after = live = 0

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 INLINE_ENV = "ZEROPLAN_TEST_INLINE"
+FORK_ENV = "ZEROPLAN_TEST_FORK_LAUNCHERS"  # "0": the background jobs start every launcher as a new interpreter
 TESTS = Path(__file__).resolve().parent
 
 
@@ -138,13 +139,20 @@ def call(job: dict):
 
 
 # The child: each job in turn, once claimed (KEY.claim, created exclusively), writing KEY.json or KEY.err.
+# Its runs fork their launchers from it (validate/harness.py ``fork_launchers``: torch and the workers imported
+# once, not once per world), with OMP_NUM_THREADS as the harness gives every launcher, so the same at import.
 _CHILD = """
 import json, os, sys, traceback
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
-from background import call, cpu_s
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+from background import FORK_ENV, call, cpu_s
+jobs = json.loads((Path(sys.argv[1]) / "jobs.json").read_text())
+if os.environ.get(FORK_ENV) != "0" and any(job["fn"].startswith(("background:validate", "validate.")) for _, job in jobs):
+    from validate.harness import fork_launchers
+    fork_launchers()
 out = Path(sys.argv[1])
-for key, job in json.loads((out / "jobs.json").read_text()):
+for key, job in jobs:
     if (out / "stop").exists():  # the session is over (a job that turned SIGTERM into its own clean exit)
         break
     try:

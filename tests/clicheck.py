@@ -57,7 +57,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ELIDED = "..."
 PREFIX_MARK = " ..."
 # name a block uses -> the repository file it means (linked into the scratch directory)
-CONSOLE_INPUTS = {"ds_config.json": "tests/data/golden/inputs/ds_config.json", "notebooks": "notebooks"}
+CONSOLE_INPUTS = {"ds_config.json": "tests/data/golden/inputs/ds_config.json", "notebooks": "notebooks",
+                  "ds_config_auto.json": "tests/data/integrations/ds_configs/accelerate_zero_stage3.json",
+                  "accelerate_fsdp2.yaml": "tests/data/integrations/accelerate/fsdp2_llama.yaml",
+                  "torchtitan_qwen3.toml": "tests/data/integrations/torchtitan/qwen3_32b.toml",
+                  "qwen3-8b.json": "tests/data/hf_configs/qwen3-8b.json"}
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,9 @@ def _moe_limit(row: dict):
     from zeroplan.engines.base import PlannerOptions
     from zeroplan.engines.deepspeed.plan import moe_limit
 
-    return moe_limit(PlannerOptions(ds_config=row["ds_config"]), spec_from_hf_config(row["hf_config"]))
+    g = row["ds_config"].get("gradient_accumulation_steps", 1)  # the run's G, as the CLI resolves it from the file
+    options = PlannerOptions(ds_config=row["ds_config"], grad_accum=g)
+    return moe_limit(options, spec_from_hf_config(row["hf_config"]))
 
 
 @pytest.mark.parametrize("row", BF16OPT, ids=[f"{r['family']}-{r['case']}" for r in BF16OPT])
@@ -187,3 +189,63 @@ def test_zero3_offload_on_sparse_models_every_phase_both_ranks(row, tmp_path):
             assert -TARGET * value <= err <= UNDER * value, (rank, phase, err)
             assert abs(err) <= 50_000, (rank, phase, err)  # the bf16 forward at 5e8 buckets: 49,536 B, 0.0049 %
     assert _moe_limit(row) is None
+
+
+HOOKS_G2 = _rows("offload_hooks_g2")
+
+
+@pytest.mark.parametrize("row", HOOKS_G2, ids=[f"{r['family']}-{r['case']}-nd{r['nd']}" for r in HOOKS_G2])
+def test_zero2_offload_from_the_hooks_at_g2_misses_as_recorded_and_is_refused(row, tmp_path):
+    """The rows above' region (ZeRO-2, ``offload_optimizer: cpu``, the largest tensor <= the bucket < Ψ) at G = 2
+    (issue 19): the backward outside the targets on some rank (Mixtral fp32 rank 0 1.73 % over, DeepSeek-V3 bf16
+    rank 1 2.94 % under: ``moe_offload.MEASURED_FROM_HOOKS_G2``), every other phase within 1,000 B; so
+    ``moe_offload_limit`` refuses it in one line naming G, and the same run at G = 1 is given a peak. A model of the
+    accumulation fails here first: then lift the limit."""
+    outside = []
+    for rank, errors in enumerate(_errors(row, tmp_path)):
+        for phase, err, value in zip(PHASES, errors, row["measured"][rank]):
+            if phase != "backward":
+                assert abs(err) <= 1000, (rank, phase, err)
+            elif not -TARGET * value <= err <= UNDER * value:
+                outside.append((rank, err))
+    assert outside, "every rank's backward within the targets at G = 2: lift the refusal"
+    why = _moe_limit(row)
+    assert why is not None and "\n" not in why, why
+    assert " at ZeRO-2 and gradient_accumulation_steps 2: " in why and "use gradient_accumulation_steps 1" in why
+    assert _moe_limit({**row, "ds_config": {**row["ds_config"], "gradient_accumulation_steps": 1}}) is None
+
+
+def test_estimate_refuses_zero2_offload_from_the_hooks_at_g2_in_one_line(tmp_path):
+    """``zeroplan estimate`` with the file's G = 2 (or ``--grad-accum 2``) in that region: one line on stderr, exit 2;
+    at G = 1 the same file is answered."""
+    from tests.clicheck import assert_one_line_error, run, run_json
+
+    row = HOOKS_G2[0]
+    model, ds = tmp_path / "moe.json", tmp_path / "ds.json"
+    model.write_text(json.dumps(row["hf_config"]))
+    ds.write_text(json.dumps(row["ds_config"]))
+    args = ["estimate", "--engine", "deepspeed", "--model", str(model), "--gpus", "2", "--seq-len", "64"]
+    assert_one_line_error(run(*args, "--deepspeed-config", str(ds)), "gradient_accumulation_steps 2: reduced from")
+    ds.write_text(json.dumps({**row["ds_config"], "gradient_accumulation_steps": 1}))
+    assert_one_line_error(run(*args, "--deepspeed-config", str(ds), "--grad-accum", "2"), "contradicts")
+    batch = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")  # a fragment: the command line's batch
+    ds.write_text(json.dumps({k: v for k, v in row["ds_config"].items() if k not in batch}))
+    assert_one_line_error(run(*args, "--deepspeed-config", str(ds), "--grad-accum", "2"),
+                          "gradient_accumulation_steps 2: reduced from")
+    assert run_json(*args, "--deepspeed-config", str(ds))["stages"][0]["peak_bytes"] > 0  # G = 1: answered
+
+
+def test_plan_leaves_out_the_offload_row_from_the_hooks_at_g2():
+    """``plan``'s rows of a sparse model (``moe_candidates``) at the workload's G: the ZeRO-2 offload row whose bucket
+    lies between the largest tensor and Ψ kept at G = 1, left out at G = 2 with the reason."""
+    from zeroplan.architectures.hf_config import read_hf_config
+    from zeroplan.engines.deepspeed import Settings
+    from zeroplan.engines.deepspeed.plan import moe_candidates
+
+    spec = read_hf_config(Path(__file__).parent / "data" / "hf_configs" / "tiny-mixtral.json")  # Ψ 57,924
+    row = ("z2 offload", Settings.from_ds_config({"zero_optimization": {
+        "stage": 2, "reduce_bucket_size": 57923, "offload_optimizer": {"device": "cpu"}}}))  # fmt: skip
+    assert moe_candidates((row,), spec, {}, grad_accum=1) == (row,)
+    dropped: dict[str, str] = {}
+    assert moe_candidates((row,), spec, {}, dropped, grad_accum=2) == ()
+    assert "gradient_accumulation_steps 2: reduced from the hooks" in dropped["z2 offload"]

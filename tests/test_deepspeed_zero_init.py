@@ -250,3 +250,51 @@ def test_validate_refuses_zero_init_off_zero3(args, message):
     from zeroplan.cli import app
 
     assert_one_line_error(CliRunner().invoke(app, ["validate", *args]), message)
+
+
+#: a transformers model built under ZeRO-3 as users build it (``HfDeepSpeedConfig`` alive: ``from_config``'s own
+#: ``zero.Init``, then ``initialize_weights_zero3``; validate/engines/deepspeed.py ``hf_zero3_build``): each rank's
+#: ``build_peak_bytes`` (every rank the same) at micro-batch 1, ``ds_config(3, dtype)``; (hf config or the
+#: differential draw, dtype, N_d) -> (measured, measured - one module at a time, as before). 2026-12-02
+#: (docs/engines/deepspeed.md "zero.Init under transformers"); the draw: docs/benchmarks.md 5-3 (seed 5, gen. 5, draw 3)
+HF_BUILDS = {
+    ("tiny-llama", "fp32", 2): (146_240, 30_944), ("tiny-llama", "fp32", 3): (114_400, 30_944),
+    ("tiny-llama", "bf16", 2): (73_136, 656), ("tiny-gpt2", "fp32", 2): (122_112, 20_880),
+    ("tiny-gpt2", "fp32", 3): (95_472, 20_880), ("tiny-llama-tied-bias", "fp32", 2): (71_696, 10_736),
+    ("tiny-llama-tied-bias", "fp32", 3): (55_248, 10_764), ("tiny-llama-tied-bias", "bf16", 2): (39_072, 48),
+    ("tiny-deepseek-v3", "fp32", 2): (194_024, 1_024), ("draw 5-3", "fp32", 2): (52_029_336, 1_016),
+}  # fmt: skip
+#: the fp32 buffers (rotary ``inv_freq`` and ``original_inv_freq``, DeepSeek-V3's router bias) fp32 rows leave out
+#: (run.py ``_sixteen_bit_hf``): at most 64 B on these models
+HF_BUFFERS = 64
+
+
+def _hf_build_run(name: str, dtype: str, nd: int, tmp_path: Path):
+    from validate.engines.deepspeed import ds_config, workload_for
+
+    config = ds_config(3, dtype, micro_batch=1, optimizer_params={"torch_adam": True})
+    if name == "draw 5-3":
+        from validate.engines.differential import draw
+
+        d = draw(5, 3, generator=5)
+        path, seq_len, config = tmp_path / "draw.json", d.seq_len, d.ds_config
+        path.write_text(json.dumps(d.config))
+    else:
+        path, seq_len = Path(__file__).parent / "data" / "hf_configs" / f"{name}.json", 16
+    workload = workload_for(str(path), 1, seq_len, 1, "none", hf=True)
+    settings = D.Settings.from_ds_config(config, zero_init=True).model_copy(update={"hf_zero3_build": True})
+    return D.ds_run(settings, workload, nd, stat_bytes=4)
+
+
+@pytest.mark.parametrize("key", list(HF_BUILDS), ids=[f"{n}-{d}-nd{k}" for n, d, k in HF_BUILDS])
+def test_transformers_build_gathers_each_module_with_its_children(key, tmp_path):
+    """``initialize_weights_zero3`` gathers a module's parameters with its direct children's (``DSRun.init_gathers``):
+    the build's peak within the fp32 buffers under the measurement (0-64 B, measured 0-48 B); one module at a time
+    (``Module.apply``, the validator's own models) was up to 30,944 B under (tiny-llama: the attention's four
+    projections at once; the draw: 1,016 B, the final norm beside the embedding), as recorded."""
+    run = _hf_build_run(*key, tmp_path)
+    measured, before = HF_BUILDS[key]
+    predicted = max(m.total() for m in D.zero_init_moments(run))
+    assert 0 <= measured - predicted <= HF_BUFFERS, (measured, predicted)
+    one_module = max(m.total() for m in D.zero_init_moments(dataclasses.replace(run, init_gathers=())))
+    assert measured - one_module == before, (measured, one_module)

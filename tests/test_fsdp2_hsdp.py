@@ -1,11 +1,12 @@
 """FSDP2 on a 2-D mesh (HSDP, zeroplan/engines/fsdp2/mesh.py): the profile by hand, the options on the command
-line, and the real ``fully_shard`` measured as a 2 x 2 mesh on 4 gloo ranks and as 8 x 128 on the fake process
-group at 1,024 ranks (fake tensors), phase by phase and collective by collective with the group of each.
+line, and the real ``fully_shard`` measured as a 2 x 2 mesh on 4 gloo ranks and as 8 x 128 and 16 x 256 on the fake
+process group at 1,024 and 4,096 ranks (fake tensors), phase by phase and collective by collective with the group of
+each.
 
 Recorded (torch 2.13.0, CPU): gloo 2 x 2, gpt-tiny, bf16 parameters and bf16 reduce: every rank, every phase
 +16 B over the prediction (the 16 B appear at init with the 2-D mesh; not modelled), collectives equal. Fake
-1,024 = 8 x 128: forward and backward peaks exact; init and optimizer_step are FakeTensorMode phases, reported
-not checked (``validate.engines.fsdp2_compare.FAKE_TENSOR_PHASES``)."""
+1,024 = 8 x 128 and 4,096 = 16 x 256: forward and backward peaks exact; init and optimizer_step are FakeTensorMode
+phases, reported not checked (``validate.engines.fsdp2_compare.FAKE_TENSOR_PHASES``)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,50 @@ def test_bad_meshes_are_refused_in_one_line(args, message):
     assert r.exit_code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
 
 
+@pytest.mark.parametrize(
+    ("args", "replicate", "worlds"),
+    [
+        (["--dp-shard", "2", "--world-size", "8"], 4, (8,)),  # R = N_d / S
+        (["--dp-shard", "4", "--dp-replicate", "2"], 2, (8,)),  # the world: R x S
+        (["--dp-shard", "2", "--tp", "2"], None, (4,)),  # S x T, flat data-parallel (the TP runner's 2 x 2)
+        (["--dp-shard", "2", "--tp", "2", "--world-size", "8"], 2, (8,)),  # the 3-D mesh 2 x 2 x 2
+    ],
+)  # fmt: skip
+def test_validate_takes_dp_shard_as_the_mesh_it_runs(monkeypatch, args, replicate, worlds):
+    """``validate --dp-shard S``: the replicas and world size handed to the run (stopped before any rank starts)."""
+    import validate.api
+
+    seen = []
+
+    def run_validation(config):
+        seen.append(config)
+        raise KeyboardInterrupt  # the command's own stop: one line, exit 130
+
+    monkeypatch.setattr(validate.api, "run_validation", run_validation)
+    r = runner.invoke(app, ["validate", "--engine", "fsdp2", *args])
+    assert r.exit_code == 130, r.output
+    (config,) = seen
+    assert (config.dp_replicate, config.world_sizes) == (replicate, worlds)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dp-shard", "2"], "--dp-shard: --engine fsdp2 only"),
+        (["--engine", "fsdp2", "--dp-shard", "1"], "--dp-shard 1: must be >= 2"),
+        (["--engine", "fsdp2", "--dp-shard", "2", "--world-size", "4", "--world-size", "8"], "give one world size"),
+        (["--engine", "fsdp2", "--dp-shard", "2", "--dp-replicate", "2", "--world-size", "8"],
+         "the mesh 2 x 2 must multiply to the world size 8"),
+        (["--engine", "fsdp2", "--dp-shard", "2", "--tp", "2", "--world-size", "6"],
+         "the mesh R x 2 x 2 must multiply to the world size 6"),
+    ],
+)  # fmt: skip
+def test_validate_refuses_a_dp_shard_that_is_not_the_world_in_one_line(args, message):
+    from tests.clicheck import assert_one_line_error
+
+    assert_one_line_error(runner.invoke(app, ["validate", *args]), message)
+
+
 def test_estimate_json_names_each_collectives_dimension_group_and_link():
     r = runner.invoke(app, ["estimate", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "32", "--dp-shard",
                             "8", "--json"])  # fmt: skip
@@ -91,6 +136,45 @@ def test_estimate_json_names_each_collectives_dimension_group_and_link():
     # 4 x 8 on 8-GPU nodes: the shard group is one node (NVLink), the replicas are on four nodes
     assert seen == {("all-gather", "dp_shard", 8, "intra"), ("reduce-scatter", "dp_shard", 8, "intra"),
                     ("all-reduce", "dp_replicate", 4, "inter")}  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh", [["--dp-shard", "8"], ["--dp-replicate", "2", "--tp", "2"]], ids=["hsdp", "hsdp-tp"])
+def test_sweep_takes_the_mesh_options_and_each_row_is_estimates(mesh):
+    """``sweep --dp-shard`` / ``--dp-replicate`` / ``--tp``: each row is ``estimate``'s for its GPU count (the
+    mesh in the name, model states, bytes sent, peak), R = N_d / S per row when only S is given."""
+    step = ["--engine", "fsdp2", "--model", "llama3-8b", "--seq-len", "2048", "--checkpointing", "full", *mesh]
+    swept = runner.invoke(app, ["sweep", "--gpus", "16,32", *step, "--json"])
+    assert swept.exit_code == 0, swept.output
+    rows = json.loads(swept.stdout)["rows"]
+    assert [r["gpus"] for r in rows] == [16, 32]
+    for row in rows:
+        one = runner.invoke(app, ["estimate", "--gpus", str(row["gpus"]), *step, "--json"])
+        assert one.exit_code == 0, one.output
+        (stage,) = json.loads(one.stdout)["stages"]
+        assert "HSDP mesh" in row["name"]
+        for key in ("name", "model_states_bytes", "comm_bytes_per_rank", "peak_bytes"):
+            assert row[key] == stage[key], (row["gpus"], key)
+
+
+def test_estimate_gpus_per_node_places_each_dimension(tmp_path):
+    """``estimate --gpus-per-node``: 16 GPUs as 2 x 8 keep the shard group in a node of 8 and not in a node of 4 (was
+    read at 8 always); DeepSpeed qgZ's local all-to-all group is the node (``Settings.devices_per_node``)."""
+    def links(*args):
+        r = runner.invoke(app, ["estimate", "--gpus", "16", *args, "--json"])
+        assert r.exit_code == 0, r.output
+        (stage,) = json.loads(r.stdout)["stages"]
+        return {(c["op"], c["mesh_dim"], c["group_size"], c["link"]) for c in stage["collectives"]}
+
+    hsdp = ["--engine", "fsdp2", "--model", "llama3-8b", "--seq-len", "2048", "--dp-shard", "8"]
+    assert ("all-gather", "dp_shard", 8, "intra") in links(*hsdp)
+    assert ("all-gather", "dp_shard", 8, "inter") in links(*hsdp, "--gpus-per-node", "4")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                  "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}))
+    qgz = ["--engine", "deepspeed", "--deepspeed-config", str(config), "--model", "llama2-7b", "--seq-len", "2048"]
+    for node in (8, 4):
+        got = {c for c in links(*qgz, "--gpus-per-node", str(node)) if c[0] == "all-to-all"}
+        assert got == {("all-to-all", "dp_shard", node, "intra"), ("all-to-all", "dp_replicate", 16 // node, "inter")}
 
 
 def test_plan_prints_exactly_the_mesh_predicted_and_times_it_per_link():
@@ -185,8 +269,11 @@ def test_gloo_2x2_every_rank_every_phase_within_the_recorded_error(gloo_2x2):
         assert _calls(row) == _predicted_calls(predicted)  # in issue order, each with its group (2 and 2)
 
 
-@pytest.fixture(scope="module")
-def fake_1024():
+FAKE_MESHES = {1024: 8, 4096: 16}  # world -> dp_replicate R: 8 x 128 and 16 x 256 (the issue's 1,024 and 4,096 ranks)
+
+
+@pytest.fixture(scope="module", params=sorted(FAKE_MESHES), ids=lambda n: f"world{n}")
+def fake_mesh(request):
     import subprocess
     import sys
     import tempfile
@@ -194,30 +281,35 @@ def fake_1024():
 
     from validate.engines.fsdp2_compare import Fsdp2Settings
 
-    settings = Fsdp2Settings(model="gpt-tiny", dp_replicate=8, param_dtype="bf16", reduce_dtype="bf16")
+    world = request.param
+    settings = Fsdp2Settings(model="gpt-tiny", dp_replicate=FAKE_MESHES[world], param_dtype="bf16",
+                             reduce_dtype="bf16")
     with tempfile.TemporaryDirectory(prefix="zeroplan-hsdp-") as tmp:
         out = Path(tmp, "rows.json")
         from dataclasses import asdict
 
-        done = subprocess.run([sys.executable, "-m", "validate.engines.fsdp2", "--simulated", "--world-size", "1024",
+        done = subprocess.run([sys.executable, "-m", "validate.engines.fsdp2", "--simulated", "--world-size", str(world),
                                "--settings", json.dumps(asdict(settings)), "--out", str(out)],
                               capture_output=True, text=True, timeout=900)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-        return settings, json.loads(out.read_text())
+        return world, settings, json.loads(out.read_text())
 
 
 @pytest.mark.distributed
-def test_fake_group_1024_ranks_as_8x128_exact_per_phase_and_per_call(fake_1024):
+def test_fake_group_2d_mesh_exact_per_phase_and_per_call(fake_mesh):
+    """Rank 0 of 1,024 ranks as 8 x 128 and of 4,096 as 16 x 256 (about 4 and 7 CPU-s each)."""
     from validate.engines.fsdp2_rows import predict
 
-    settings, result = fake_1024
+    world, settings, result = fake_mesh
+    replicate = FAKE_MESHES[world]
     (row,) = result["rows"]
     predicted = predict(settings, result["meta"], 0)[0]
     for phase in ("forward", "backward"):  # init and optimizer_step: FakeTensorMode phases, not checked
         assert row["peak_bytes_by_phase"][phase] == predicted.peak.by_phase()[phase]
     calls = _calls(row)
     assert calls == _predicted_calls(predicted)
-    assert {c[4] for c in calls if c[0] != "all-reduce"} == {128} and {c[4] for c in calls if c[0] == "all-reduce"} == {8}
+    assert {c[4] for c in calls if c[0] != "all-reduce"} == {world // replicate}
+    assert {c[4] for c in calls if c[0] == "all-reduce"} == {replicate}
 
 
 @pytest.mark.distributed

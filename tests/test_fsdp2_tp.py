@@ -1,7 +1,7 @@
 """FSDP2 with tensor parallelism (engines/fsdp2/tp.py): TP-local shapes, the TP collectives, the refusals, and
 the prediction of every phase of every rank against real gloo runs at world size 4 as dp_shard 2 x tp 2
 (validate/engines/fsdp2_tp.py, recorded in tests/data/measured/fsdp2_tp.json: with and without sequence
-parallelism). Cheap: no process is started here; the recorded rows are re-made with
+parallelism). One live run (a background job); the recorded rows are re-made with
 ``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 [--no-sp] --out F`` (~30 s CPU each)."""
 
 from __future__ import annotations
@@ -278,6 +278,72 @@ def test_plan_snippet_names_the_mesh():
     assert "fully_shard(model, mesh=dp_mesh, mp_policy=policy)" in out.output
 
 
+@pytest.mark.distributed
+def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path):
+    """The printed ``plan --tp 2`` snippet, run on transformers' ``LlamaForCausalLM`` (tiny, built on meta) as rank 0
+    of a fake group of 8: the 3-D layout it makes is torchtitan's (colwise ``Shard(0)``, rowwise ``Shard(1)``, SP
+    norms replicated over tp), and rank 0's local shards hold ``estimate``'s parameter bytes. ``model.layers`` is
+    aliased to ``model.model.layers`` and ``init_weights`` is a no-op, as the snippet's comments tell the user."""
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+    from zeroplan.cli import app
+
+    config = Path(__file__).parent / "data" / "hf_configs" / "tiny-llama-qwz.json"
+    args = ["--engine", "fsdp2", "--model", str(config), "--gpus", "8", "--tp", "2", "--seq-len", "32", "--json"]
+    plan = CliRunner().invoke(app, ["plan", "--gpu", "h100-80gb", *args])
+    assert plan.exit_code == 0, plan.output
+    snippet = json.loads(plan.stdout)["recommendation"]["fsdp2"]
+    assert "init_device_mesh('cuda', (4, 2)" in snippet
+    (row,) = json.loads(CliRunner().invoke(app, ["estimate", *args]).stdout)["stages"]
+    script = tmp_path / "snippet.py"
+    script.write_text(
+        "import json, torch, torch.distributed as dist\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=8)\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        f"config = LlamaConfig(**json.load(open({str(config)!r})))\n"
+        "with torch.device('meta'):\n"
+        "    model = LlamaForCausalLM(config)\n"
+        "model.layers, model.init_weights = model.model.layers, lambda: None\n"
+        + snippet.replace("'cuda'", "'cpu'") +
+        "print(json.dumps({n: [p.to_local().numel(), repr(p.placements[-1])] for n, p in model.named_parameters()}))\n"
+    )  # fmt: skip
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    local = json.loads(done.stdout.splitlines()[-1])
+    tp_placement = {name: placement for name, (_, placement) in local.items()}
+    want = {"q_proj": "Shard(dim=0)", "k_proj": "Shard(dim=0)", "v_proj": "Shard(dim=0)", "gate_proj": "Shard(dim=0)",
+            "up_proj": "Shard(dim=0)", "o_proj": "Shard(dim=1)", "down_proj": "Shard(dim=1)",
+            "layernorm": "Replicate()", "norm": "Replicate()", "embed_tokens": "Shard(dim=0)", "lm_head": "Shard(dim=0)"}
+    for name, placement in tp_placement.items():
+        key = next(k for k in want if k in name.split(".")[-2])
+        assert placement == want[key], (name, placement)
+    assert sum(numel for numel, _ in local.values()) * 4 == row["params_bytes"]  # fp32 shards of the TP-local shapes
+
+
+def test_plan_compute_time_is_split_over_the_tp_group():
+    """A data-parallel rank's b·s tokens are computed by its T GPUs, 6·Ψ·b·s / T FLOPs each
+    (``commtime.compute_time_s``): a ``--tp 2`` row's compute time is half the flat row's, so its exposed
+    communication is what its own compute does not hide (it was charged the whole rank's 6·Ψ·b·s before)."""
+    from typer.testing import CliRunner
+    from zeroplan.cli import app
+
+    def compute_s(*tp):
+        out = CliRunner().invoke(app, ["plan", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "8", *tp,
+                                       "--gpu", "h100-80gb", "--seq-len", "4096", "--json"])  # fmt: skip
+        assert out.exit_code == 0, out.output
+        got = {s["comm_time"]["compute_s"] for s in json.loads(out.output)["stages"]}
+        assert len(got) == 1  # one step's compute, whatever the candidate
+        return got.pop()
+
+    flat = compute_s()
+    assert flat == pytest.approx(6 * 8_030_261_248 * 4096 / (989.4e12 * 0.4), rel=1e-3)  # llama3-8b's Ψ, H100 bf16
+    assert compute_s("--tp", "2") == pytest.approx(flat / 2, rel=1e-9)
+
+
 def test_tp_auto_takes_the_smallest_degree_that_fits():
     """``plan --tp auto``: 1, 2, 4 within the node (8 GPUs: 8 would leave one data-parallel rank), smallest
     first, stopping at the first plan that recommends a candidate."""
@@ -328,20 +394,20 @@ def test_validate_tp_refusals(args, message):
     assert_one_line_error(CliRunner().invoke(app, ["validate", *args]), message)
 
 
+# The module's one run, a background job of the session (tests/background.py: started at collection, niced, while
+# the other tests run; this module runs last), its launcher forked (validate/harness.py fork_launchers).
+BACKGROUND_CLI = {"tp4": ["--engine", "fsdp2", "--tp", "2", "--world-size", "4", "--param-dtype", "fp32", "--steps", "2"]}
+
+
 @pytest.mark.distributed
-def test_validate_tp_world_4(tmp_path):
+def test_validate_tp_world_4(request, background):
     """``zeroplan validate --engine fsdp2 --tp 2`` at world 4 (dp_shard 2 x tp 2, llama-tiny, fp32, SP; ~27 CPU-s):
     the TP runner through the validator's harness and report, every rank's phases against its own prediction,
     collectives keyed per mesh dimension and matched call by call at every step."""
-    from typer.testing import CliRunner
+    from background import validate_json
 
-    from zeroplan.cli import app
-
-    out = tmp_path / "tp.json"
-    result = CliRunner().invoke(app, ["validate", "--engine", "fsdp2", "--tp", "2", "--world-size", "4",
-                                      "--param-dtype", "fp32", "--steps", "2", "--json", str(out)])  # fmt: skip
-    assert result.exit_code == 0, result.output
-    (row,) = json.loads(out.read_text())["rows"]
+    _, report = validate_json(background, request.module, "tp4")
+    (row,) = report["rows"]
     assert row["ok"] and row["checks"]["collectives_match"] and row["engine_label"].endswith("tp 2")
     assert row["peak_rel_error_by_phase"] == {p: 0.0 for p in ("init", "forward", "backward", "optimizer_step")}
     assert row["model_states_rel_error"] == 0.0

@@ -3,6 +3,7 @@ through ``accelerate launch``'s own steps (``_validate_launch_command``, ``prepa
 ``prepare_deepspeed_cmd_env``) into the environment the plugins read, then ``FullyShardedDataParallelPlugin`` /
 ``DeepSpeedPlugin`` are built from it and compared field by field (skipped without accelerate)."""
 
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ def launched(monkeypatch):
     pytest.importorskip("accelerate")
     monkeypatch.chdir(DATA)
     for key in list(os.environ):
-        if key.startswith(("ACCELERATE_", "FSDP_")):
+        if key.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")):
             monkeypatch.delenv(key)
 
     def launch(name: str):
@@ -39,7 +40,7 @@ def launched(monkeypatch):
         else:
             env = prepare_multi_gpu_env(args)
         for key, value in env.items():
-            if key.startswith(("ACCELERATE_", "FSDP_")):
+            if key.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")):
                 monkeypatch.setenv(key, value)
         mp = env["ACCELERATE_MIXED_PRECISION"]
         plugin = DeepSpeedPlugin() if args.use_deepspeed else FullyShardedDataParallelPlugin()
@@ -148,7 +149,7 @@ def test_deepspeed_values_the_files_say(monkeypatch):
 
 @pytest.mark.parametrize("name, message", [
     ("template_fsdp.yaml", "fsdp_version=1 .*FSDP2"),
-    ("tp_hsdp.yaml", "parallelism_config.parallelism_config_dp_replicate_size=2"),
+    ("tp_hsdp.yaml", "parallelism_config_tp_size=2: zeroplan models data parallelism"),
     ("template_deepspeed.yaml", "zero_stage1_config.json'?: No such file"),
 ])  # fmt: skip
 def test_refused_in_one_line(name, message):
@@ -237,3 +238,41 @@ def test_fsdp2_config_is_the_fsdp2_engine_with_accelerates_wrapping(tmp_path):
     assert row["peak_bytes"] > 0 and row["name"].startswith("fully_shard reshard_after_forward=False, param bf16")
     table = run("estimate", *model, "--accelerate-config", str(DATA / "fsdp2_llama.yaml")).stdout
     assert "fully_shard calls model.layers.* reshard=False; model.embed_tokens reshard=False; [model.norm, lm_head]" in table
+
+
+def test_the_accelerate_compared_against_is_the_one_named():
+    # zeroplan cites accelerate 1.15.0's source; the comparisons in this file ran against the installed 1.16.0
+    # (2026-12-02: every field and key equal). Another version must be compared again before it is named here.
+    accelerate = pytest.importorskip("accelerate")
+    assert accelerate.__version__ in ("1.15.0", "1.16.0")
+
+
+def test_hsdp_is_the_mesh_accelerate_builds(launched, tmp_path):
+    # ParallelismConfig from the launcher's environment: fully_shard on mesh[fsdp_dim_names] = (dp_replicate,
+    # dp_shard_cp), R x S = the processes; zeroplan runs the FSDP2 engine's 2-D mesh (--dp-replicate R)
+    from accelerate.parallelism_config import ParallelismConfig
+    from clicheck import assert_one_line_error, run, run_json
+
+    ours = read_accelerate_config(DATA / "fsdp2_hsdp.yaml")
+    launched("fsdp2_hsdp.yaml")
+    real = ParallelismConfig()
+    assert (ours.dp_replicate, ours.num_processes // ours.dp_replicate) == (real.dp_replicate_size, real.dp_shard_size)
+    assert real.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"] and real.total_size == ours.num_processes
+    assert read_accelerate_config(DATA / "fsdp2_llama.yaml").dp_replicate == 1
+    model = ("--model", "llama3-8b", "--seq-len", "2048")
+    got = run_json("estimate", *model, "--accelerate-config", str(DATA / "fsdp2_hsdp.yaml"))
+    flat = run_json("estimate", *model, "--accelerate-config", str(DATA / "fsdp2_llama.yaml"))
+    wrap = tmp_path / "wrap.json"
+    wrap.write_text(json.dumps({"units": [{"modules": [m], "group": False, "reshard_after_forward": False}
+                                          for m in ("model.layers.*", "model.embed_tokens")]
+                               + [{"modules": ["model.norm", "lm_head"], "group": True, "reshard_after_forward": False},
+                                  {"modules": [""], "group": False, "reshard_after_forward": None}]}))  # fmt: skip
+    typed = run_json("estimate", *model, "--engine", "fsdp2", "--gpus", "8", "--dp-replicate", "2", "--fsdp-wrap",
+                     str(wrap), "--param-dtype", "bf16", "--reduce-dtype", "bf16", "--init", "meta",
+                     "--checkpointing", "full")  # fmt: skip
+    assert got == typed and got != flat
+    assert got["stages"][0]["name"].endswith("HSDP mesh 2 x 4")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((DATA / "fsdp2_hsdp.yaml").read_text().replace("dp_shard_size: 4", "dp_shard_size: 2"))
+    assert_one_line_error(run("estimate", *model, "--accelerate-config", str(bad)),
+                          "dp_replicate_size 2 x dp_shard_size 2: accelerate's FSDP2 needs")

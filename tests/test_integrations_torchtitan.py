@@ -78,7 +78,7 @@ def test_options_change_what_is_read(tmp_path):
 @pytest.mark.parametrize("text, gpus, message", [
     ("", None, "data_parallel_shard_degree=-1 takes the ranks left over"),
     ("[parallelism]\ndata_parallel_shard_degree = 3\n", 8, "3 x replicate 1 != 8 GPUs"),
-    ("[parallelism]\ndata_parallel_replicate_degree = 2\n", 8, "HSDP"),
+    ("[parallelism]\ndata_parallel_replicate_degree = 2\ndata_parallel_shard_degree = 1\n", 2, "no FSDP"),
     ("[parallelism]\ndata_parallel_shard_degree = 1\n", None, "no FSDP"),
     ("[training]\nlocal_batch_size = 3\nglobal_batch_size = 10\n", 2, "not a multiple"),
     ('[training]\nmixed_precision_reduce = "bfloat16"\n', 2, "mixed_precision_reduce='bfloat16'"),
@@ -114,3 +114,22 @@ def test_a_job_config_is_the_fsdp2_engine_with_torchtitans_wrapping(tmp_path):
     assert got["stages"][0]["name"] == "fully_shard reshard_after_forward=True, param bf16, reduce fp32, wrap torchtitan"
     assert_one_line_error(run("estimate", *model, "--torchtitan-config", str(job), "--micro-batch", "4"),
                           "--micro-batch 4 contradicts the torchtitan-config (2)")
+
+
+def test_hsdp_is_the_fsdp2_engines_2d_mesh(tmp_path):
+    # ParallelDims: shard -1 takes world / replicate; trainer.py: accumulation = global / (local x replicate x shard);
+    # apply_fsdp on the ("dp_replicate", "dp_shard_cp") mesh: the FSDP2 engine's --dp-replicate (engines/fsdp2/mesh.py)
+    from clicheck import run_json
+
+    job = tmp_path / "job.toml"
+    job.write_text('[training]\nlocal_batch_size = 2\nseq_len = 512\nglobal_batch_size = 64\n'
+                   '[parallelism]\ndata_parallel_replicate_degree = 2\n[activation_checkpoint]\nmode = "full"\n')
+    run = read_torchtitan_config(job, world_size=16)
+    assert (run.nd, run.dp_replicate, run.grad_accum) == (16, 2, 2)
+    model = ("--model", "llama2-7b")
+    got = run_json("estimate", *model, "--torchtitan-config", str(job), "--gpus", "16")
+    assert got == run_json("estimate", *model, "--engine", "fsdp2", "--gpus", "16", "--dp-replicate", "2",
+                           "--fsdp-wrap", "torchtitan", "--param-dtype", "bf16", "--reduce-dtype", "fp32", "--init",
+                           "meta", "--micro-batch", "2", "--seq-len", "512", "--grad-accum", "2", "--checkpointing",
+                           "full")  # fmt: skip
+    assert got["stages"][0]["name"].endswith("wrap torchtitan, HSDP mesh 2 x 8")

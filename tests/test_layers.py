@@ -1,6 +1,6 @@
 """The layers of the code, checked on the source (``ast``: nothing is imported, an import inside a function
-counts): no import circle, no arrow back up, no module over 400 lines, no named engine imported from outside
-the engines and the validator's engine runners (docs/architecture.md).
+counts): no import circle, no arrow back up, no module over 400 lines, no function body over 80 lines, no named
+engine imported from outside the engines and the validator's engine runners (docs/architecture.md).
 
 Layers, low to high (a module may import its own layer and the ones below):
 files, hub, integrations (readers of the configs users have) < architectures < formulas, allocator < types < policy, presets, parsing, number_formats < engines
@@ -22,6 +22,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("zeroplan", "validate")
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 80
+"""A function's body: its first statement after the docstring to its last line (the signature, where typer
+declares a command's options, and the docstring are not counted)."""
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("zeroplan.files", "zeroplan.hub", "zeroplan.integrations"),
@@ -46,6 +49,19 @@ ARROWS_UP_ALLOWED: dict[str, str] = {
 }
 LONG_ALLOWED: dict[str, str] = {
     # module -> why it may still be over MAX_LINES (to be split by its owner)
+}
+LONG_FUNCTIONS_ALLOWED: dict[str, str] = {
+    # path:qualified name -> why its body may still be over MAX_FUNCTION_LINES (to be split by its owner);
+    # found by the issue 16 audit (2026-12-02), when no test counted function lengths
+    "validate/engines/deepspeed.py:measure": "120 lines: the DeepSpeed runner's measured steps (validator)",
+    "validate/worker.py:measure_stage": "100 lines: the reference runtime's measured steps (validator)",
+    "zeroplan/cli_validate.py:validate_cmd": "99 lines: option checks and dispatch of `zeroplan validate`",
+    "zeroplan/engines/deepspeed/offload_walk.py:walk_peaks": "95 lines: the offload walk (issue 21's module)",
+    "validate/engines/fsdp2.py:measure": "93 lines: the FSDP2 runner's measured steps (validator)",
+    "zeroplan/allocator/replay.py:_plain_step": "92 lines: the caching allocator's request loop",
+    "zeroplan/planning/engine_plan.py:engine_plan_config": "86 lines: an engine plan's inputs, checked",
+    "zeroplan/allocator/replay.py:_plain_step.step": "85 lines: its inner step (one request)",
+    "zeroplan/cli_sweep.py:sweep": "83 lines: option checks and dispatch of `zeroplan sweep`",
 }
 ENGINE_IMPORTS_ALLOWED: dict[str, str] = {
     # module outside zeroplan/engines/ and validate/engines/ that still imports a named engine: each goes
@@ -102,6 +118,27 @@ def layer(name: str) -> int:
     if best[1] < 0:
         raise AssertionError(f"{name}: in no layer; add it to LAYERS")
     return best[1]
+
+
+def function_lengths(path: Path) -> dict[str, int]:
+    """Body lines (``MAX_FUNCTION_LINES``) of every function and method of ``path``, by qualified name."""
+    out: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    body = child.body
+                    docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    first = body[1] if docstring and len(body) > 1 else body[0]
+                    out[name] = child.end_lineno - first.lineno + 1
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(path.read_text(), str(path)), "")
+    return out
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -185,6 +222,15 @@ def test_no_module_over_400_lines():
     assert not stale, f"no longer over {MAX_LINES} lines, remove from LONG_ALLOWED: {sorted(stale)}"
 
 
+def test_no_function_body_over_80_lines():
+    sizes = {f"{p.relative_to(ROOT).as_posix()}:{name}": n
+             for p in modules().values() for name, n in function_lengths(p).items()}  # fmt: skip
+    long = {f for f, n in sizes.items() if n > MAX_FUNCTION_LINES}
+    assert sorted(long - set(LONG_FUNCTIONS_ALLOWED)) == []
+    stale = set(LONG_FUNCTIONS_ALLOWED) - long
+    assert not stale, f"no longer over {MAX_FUNCTION_LINES} lines, remove from LONG_FUNCTIONS_ALLOWED: {sorted(stale)}"
+
+
 def test_named_engines_only_inside_engines_and_the_validators_runners():
     found = engine_importers(graph())
     assert sorted(set(found) - set(ENGINE_IMPORTS_ALLOWED)) == []
@@ -212,3 +258,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert imports_of(src, "pkg.m", known) == {"zeroplan.engines", "zeroplan.engines.fsdp2", "pkg.x"}
     assert engine_importers({"zeroplan.cli": {"zeroplan.engines.fsdp2.plan"}, "zeroplan.engines": {
         "zeroplan.engines.fsdp2"}}) == {"zeroplan.cli": {"zeroplan.engines.fsdp2"}}  # fmt: skip
+    # a function's body is counted without its signature and docstring, a method and a nested one by name
+    src.write_text('class C:\n    def m(self,\n          x):\n        """doc"""\n        a = 1\n\n'
+                   '        def inner():\n            return a\n        return inner\n')
+    assert function_lengths(src) == {"C.m": 5, "C.m.inner": 1}

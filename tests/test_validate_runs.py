@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from background import validate_json, zeroplan  # noqa: F401 (zeroplan: the tests' way to run the CLI)
+from background import cli_job, key, validate_json, zeroplan  # noqa: F401 (zeroplan: the tests' way to run the CLI)
 from tests.test_measured_rows import live_peak_misses
 from zeroplan.formulas.memory import paper_model_states_bytes
 
@@ -46,6 +46,8 @@ BACKGROUND_CLI = {
     "params": ["--params", "2e6", "--world-size", "2", "--stage", "0", "--seq-len", "16", "--batch-per-rank", "1"],
     # rank 0 of N_d = 64 on a fake group, 1.2B-parameter GPT on fake tensors
     "simulated": ["--simulated", "--world-size", "64", "--model", "gpt-1b-wide", "--steps", "2", "--batch-per-rank", "1"],
+    # mlp-tiny at N_d = 1 held to 1e-6 (test_out_of_tolerance_exits_1_and_still_writes_the_full_result; exits 1)
+    "tolerance": ["--model", "mlp-tiny", "--world-size", "1", "--stage", "0", "--tolerance", "1e-6"],
 }  # fmt: skip
 
 
@@ -213,13 +215,11 @@ def test_a_failing_rank_ends_the_run_cleanly(tmp_path, fault, timeout, message):
     assert worker_pids(token) == set()  # no orphan rank left behind
 
 
-def test_out_of_tolerance_exits_1_and_still_writes_the_full_result(tmp_path):
+def test_out_of_tolerance_exits_1_and_still_writes_the_full_result(request, background):
     # mlp-tiny at N_d = 1 keeps 4 bytes (Adam's step) beyond the prediction: 4 / 127,824 = 3e-5 > 1e-6.
-    out = tmp_path / "result.json"
-    proc = zeroplan("validate", "--model", "mlp-tiny", "--world-size", "1", "--stage", "0",
-                    "--tolerance", "1e-6", "--json", str(out))  # fmt: skip
+    proc = SimpleNamespace(**background.result(key(request.module, "tolerance"), cli_job(BACKGROUND_CLI["tolerance"])))
     assert proc.returncode == 1, proc.stderr
-    report = json.loads(out.read_text())
+    report = proc.report  # the --json file, read back
     assert report["ok"] is False and report["rows"][0]["checks"]["model_states_within_tolerance"] is False
     assert "OUT OF TOLERANCE: stage 0 N_d=1: model_states_within_tolerance" in proc.stdout
 

@@ -187,15 +187,12 @@ def run_world(
     env.setdefault("OMP_NUM_THREADS", "1")
     if config.wire:
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    tmp, proc, me = _run_dir(), None, os.getpid()
+    tmp, proc = _run_dir(), None
     janitor = guard(tmp, marker)  # removes tmp and the run's processes even if this process is SIGKILLed
     env["TMPDIR"] = str(tmp)  # every rank's own scratch lands in the folder the janitor removes
     try:
         with open(tmp / "launcher.log", "w") as log:
-            proc = subprocess.Popen(
-                launch_command(config, nd, tmp, simulated, worker_args), stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=lambda: die_with_parent(me),
-            )  # fmt: skip
+            proc = _start(launch_command(config, nd, tmp, simulated, worker_args), log, env, janitor.stdin.fileno())
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 raise RunFailed(
@@ -219,6 +216,95 @@ def run_world(
         janitor.stdin.close()
         janitor.wait()
     return out["meta"], out["ranks"]
+
+
+# Forked launchers (issue 16, the suite's time budget). A new interpreter for the launcher imports torch and
+# the worker again (~2 CPU-s a world, 2026-12-02; most of a small run's parent side). A process that opts in
+# (``fork_launchers``: the test session's background jobs) imports them once and forks each launcher from
+# itself instead, where that is the same start: the command is ``python -m MODULE ...``, this process has no
+# thread beyond those it had when it opted in (so no OpenMP pool a child could inherit broken: it only ever
+# supervised), and OMP_NUM_THREADS is what the launcher's own torch would read at import. The fork runs as
+# ``subprocess.Popen(start_new_session=True, preexec_fn=die_with_parent)`` then exec would: its own session,
+# dying with this process, the run's environment, output to the log, default signal handlers, a fresh
+# ``__main__`` (``launch.run_as_main``). One difference: ``/proc/PID/environ`` keeps this process's
+# environment, so ``kill_marked`` does not find a forked launcher or its ranks; ``_stop`` kills their session
+# and the parent-death signal takes them with a killed parent, as before. ``zeroplan validate`` never opts in.
+_FORK: dict[str, object] = {}  # threads: at the opt-in; workers: the modules to import
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def fork_launchers(
+    workers: tuple[str, ...] = ("validate.worker", "validate.engines.fsdp2", "validate.engines.fsdp2_tp"),
+) -> None:
+    """From now on, start each run's launcher by forking this process (above); what the launchers import, torch
+    and the ``workers``, is imported here at the first launch."""
+    _FORK.update(threads=_threads(), workers=workers)
+
+
+def _forkable(cmd: list[str], env: dict[str, str]) -> bool:
+    """Whether ``_start`` forks ``cmd`` (above); imports what the launchers import, once."""
+    if _FORK.get("threads") != _threads() or cmd[:2] != [sys.executable, "-m"]:
+        return False
+    if os.environ.get("OMP_NUM_THREADS") != env.get("OMP_NUM_THREADS"):
+        return False
+    import importlib
+
+    for module in ("torch.distributed.run", "validate.launch", *_FORK["workers"]):
+        importlib.import_module(module)
+    return _threads() == _FORK["threads"]  # importing torch started none either
+
+
+class _Forked:
+    """A forked launcher, as much of ``subprocess.Popen`` as ``run_world`` and ``_stop`` use."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+def _start(cmd: list[str], log, env: dict[str, str], lifeline: int):
+    """Start the launcher ``cmd`` in a session of its own, output to ``log``, dying with this process; a forked
+    one closes the janitor's pipe ``lifeline`` (a new interpreter never has it), so that its EOF still means
+    that this process is gone."""
+    me = os.getpid()
+    if not _forkable(cmd, env):
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(me))  # fmt: skip
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return _Forked(pid)
+    from validate.launch import run_as_main
+
+    def setup() -> None:
+        os.close(lifeline)
+        os.setsid()
+        os.environ.clear()
+        os.environ.update(env)
+        die_with_parent(me)
+        tempfile.tempdir = None  # the run's TMPDIR, not the one this process found
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    run_as_main(cmd[2], cmd[3:], setup)
 
 
 def _raise_interrupted(signum: int, _frame) -> None:

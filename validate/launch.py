@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 from validate.lifeline import die_with_parent
 
@@ -146,9 +147,8 @@ def _stop(ranks: dict[int, int]) -> dict[int, int]:
 def _rank(local_rank: int, nproc: int, module: str, argv: list[str], port_fd: int, logs: str | None) -> None:
     """The forked rank: torchrun's environment and log files, then ``python -u -m module argv``; no return."""
     die_with_parent()  # the kernel's parent-death signal is not inherited across fork
-    _show_command_line([sys.executable, "-u", "-m", module, *argv])
-    code = 1
-    try:
+
+    def setup() -> None:
         port = os.read(port_fd, 16).decode()
         os.close(port_fd)
         if not port:  # the launcher died before it held the store
@@ -161,12 +161,24 @@ def _rank(local_rank: int, nproc: int, module: str, argv: list[str], port_fd: in
                 out = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(out, fd)
                 os.close(out)
+
+    run_as_main(module, argv, setup, unbuffered=True)
+
+
+def run_as_main(module: str, argv: list[str], setup=lambda: None, unbuffered: bool = False) -> NoReturn:
+    """In a forked process: ``setup()``, then ``python [-u] -m module argv`` as a new interpreter would run it
+    (a fresh ``__main__``, its imports already loaded), shown as that command line; exits with its exit code
+    and never returns (``os._exit``: nothing of the parent's, no atexit handler, runs in this process)."""
+    _show_command_line([sys.executable, *(["-u"] if unbuffered else []), "-m", module, *argv])
+    code = 1
+    try:
+        setup()
         # unbuffered, as torchrun's ``python -u``: a rank that ends with os._exit loses nothing it printed
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=unbuffered)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
                                       errors="backslashreplace")  # fmt: skip
         sys.argv = [module, *argv]
-        sys.modules.pop(module, None)  # as ``-m`` runs it: a fresh ``__main__``, its imports already loaded
+        sys.modules.pop(module, None)
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:

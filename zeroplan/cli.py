@@ -22,7 +22,7 @@ from zeroplan.cli_options import (
     DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, FsdpOffloadOption, FsdpPinMemoryOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
-from zeroplan.cli_options import DpReplicateOption, DpShardOption, TpOption  # fsdp2's mesh (HSDP, TP)
+from zeroplan.cli_options import DpReplicateOption, DpShardOption, GpusPerNodeOption, TpOption  # meshes, links
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
@@ -67,6 +67,7 @@ def estimate(
     foreach: ForeachOption = True,
     engine: EngineOption = "reference",
     gpus: int = typer.Option(1, help="Total GPUs = N_d x N_m, 1 to 2**24."),
+    gpus_per_node: GpusPerNodeOption = 8,
     model_parallel: int = typer.Option(
         1, "--model-parallel",
         help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
@@ -162,6 +163,7 @@ def estimate(
                 foreach=foreach) if model is not None else {}),  # fmt: skip
         engine=engine,
         gpus=gpus,
+        gpus_per_node=gpus_per_node,
         model_parallel=model_parallel,
         stage=stage,
         gpu=gpu,
@@ -194,10 +196,7 @@ def plan(
         help="GPU memory, overrides the preset: 80GiB, 32GB (whole bytes, up to 1 EiB).",
     ),
     gpus: int = typer.Option(8, help="Total GPUs = N_d x N_m, 1 to 2**24."),
-    gpus_per_node: int = typer.Option(
-        8,
-        help="GPUs per node, 1 to 2**24 (host memory per node, intra vs inter links).",
-    ),
+    gpus_per_node: GpusPerNodeOption = 8,
     model_parallel: int = typer.Option(
         1, "--model-parallel",
         help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",

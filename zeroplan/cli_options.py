@@ -354,6 +354,10 @@ AllocConfOption = Annotated[
     typer.Option("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF of the run, for its reserved bytes "
                  "(e.g. expandable_segments:True,max_split_size_mb:512; default: torch's); docs/allocator.md."),
 ]  # fmt: skip
+GpusPerNodeOption = Annotated[
+    int, typer.Option(help="GPUs per node, 1 to 2**24 (host memory per node, intra vs inter links).")
+]  # fmt: skip
+
 HeadroomOption = Annotated[
     float,
     typer.Option(help="Fraction of GPU memory kept free beyond what is predicted, [0, 1): 0 by default (reserved "

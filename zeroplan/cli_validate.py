@@ -60,6 +60,10 @@ def validate_cmd(
     dp_replicate: Optional[int] = typer.Option(
         None, "--dp-replicate", help="fsdp2: HSDP, fully_shard on the 2-D mesh (R, N_d / R) of R replicas."
     ),
+    dp_shard: Optional[int] = typer.Option(
+        None, "--dp-shard", help="fsdp2: HSDP, ranks S each parameter is sharded over: R = N_d / (S x T) for one "
+        "--world-size; without one, the world is R x S (x T) with R from --dp-replicate, else 1.",
+    ),
     tp: Optional[int] = typer.Option(
         None, "--tp", help="fsdp2: tensor parallelism over T ranks, torchtitan's llama plan (mesh (S, T), or "
         "(R, S, T) with --dp-replicate); the model defaults to llama-tiny.",
@@ -122,6 +126,8 @@ def validate_cmd(
         check_writable(json_path, inputs=[model, baseline, deepspeed_config])
     if not 0 < baseline_tolerance < 1:
         raise UserError(f"--baseline-tolerance {baseline_tolerance:g}: must be between 0 and 1")
+    if dp_shard is not None:
+        dp_replicate, world_size = _mesh_of_shard(dp_shard, dp_replicate, tp, world_size, engine)
     if reshard_after_forward is not None:  # the planner's vocabulary: true, false or K (zeroplan.parsing)
         from zeroplan.parsing import parse_reshard
 
@@ -209,3 +215,23 @@ def validate_cmd(
                    else "DRIFT: " + "; ".join(lines)))  # fmt: skip
     if not report["ok"]:
         raise typer.Exit(1)
+
+
+def _mesh_of_shard(dp_shard: int, dp_replicate: Optional[int], tp: Optional[int], world_sizes: Optional[list[int]],
+                   engine: str) -> tuple[Optional[int], list[int]]:
+    """``--dp-shard S`` as the replicas and world size the run takes: R x S (x T) ranks, FSDP2's mesh
+    (``init_device_mesh``'s sizes multiply to the world), R = N_d / (S x T) for the one world size given."""
+    if engine != "fsdp2":
+        raise UserError("--dp-shard: --engine fsdp2 only")
+    if dp_shard < 2:
+        raise UserError(f"--dp-shard {dp_shard}: must be >= 2 (the ranks each parameter is sharded over)")
+    inner = dp_shard * (tp or 1)
+    if not world_sizes:
+        return dp_replicate, [(dp_replicate or 1) * inner]
+    if len(set(world_sizes)) > 1:
+        raise UserError(f"--dp-shard {dp_shard} with --world-size {sorted(set(world_sizes))}: give one world size")
+    (n,) = set(world_sizes)
+    if n % inner or (dp_replicate is not None and n != dp_replicate * inner):
+        mesh = " x ".join(map(str, ([dp_replicate or "R"] + [dp_shard] + ([tp] if tp else []))))
+        raise UserError(f"--dp-shard {dp_shard}: the mesh {mesh} must multiply to the world size {n}")
+    return (n // inner if n > inner else dp_replicate), list(world_sizes)

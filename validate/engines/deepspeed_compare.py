@@ -197,7 +197,9 @@ def compare_row(
     if rank_rows[0].get("device_count"):  # the accelerator's, as the run saw it: qgZ's devices per node
         settings = settings.model_copy(update={"devices_per_node": rank_rows[0]["device_count"]})
     cuda = rank_rows[0].get("device") == "cuda"  # the CUDA runner's rows (validate/engines/deepspeed_cuda.py)
-    settings = settings.model_copy(update={"device": "cuda" if cuda else "cpu"})  # CUDA: 512-B blocks, workspaces
+    settings = settings.model_copy(update={"device": "cuda" if cuda else "cpu",  # CUDA: 512-B blocks, workspaces
+                                           # a transformers model under zero.Init: built by hf_zero3_build
+                                           "hf_zero3_build": workload.transformers and settings.builds_partitioned})
     # MemTracker on CPU: LayerNorm's mean and rstd come in the input dtype (4 bytes only in fp32); CUDA: fp32 (None)
     stat = None if cuda else D.DTYPE_BYTES[settings.dtype]
     (est,) = D.estimate(workload, nd, settings, stat_bytes=stat)

@@ -323,7 +323,8 @@ def predict_draw(d: Draw, path: str, rank: Optional[int]) -> dict[str, int]:
 
     ds, engine = d.ds_config, get_engine("deepspeed")
     workload = workload_for(path, d.micro_batch, d.seq_len, ds["gradient_accumulation_steps"], d.checkpointing, hf=True)
-    settings = engine.settings.from_ds_config(ds, zero_init=d.zero_init).model_copy(update={"rank": rank})
+    settings = engine.settings.from_ds_config(ds, zero_init=d.zero_init)  # zero.Init: the runner's hf_zero3_build
+    settings = settings.model_copy(update={"rank": rank, "hf_zero3_build": settings.builds_partitioned})
     # MemTracker on CPU: LayerNorm's statistics in the activations' dtype (deepspeed_compare.compare_row)
     (est,) = engine.estimate(workload, d.nd, settings, stat_bytes=BYTES_PER_ELEMENT[settings.dtype])
     return est.peak.by_phase()

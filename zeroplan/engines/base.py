@@ -150,6 +150,9 @@ class PlannerOptions:
     """the compute capability of the ``--gpu`` preset (``formulas.cuda_workspaces.capability_of``), which sizes
     the cuBLAS workspaces of a peak (reference, fsdp2: ``Settings.cuda_capability``); None: no preset given,
     or one whose library workspaces are not modelled (ROCm): the engine's default, an H100's (9, 0)."""
+    grad_accum: int = 1
+    """micro-steps per optimizer step, G (the run's ``Workload.grad_accum``): what a peak limit may depend on
+    (DeepSpeed: ``moe_offload.moe_offload_limit``)."""
     own: Mapping[str, Any] = field(default_factory=dict)
     """the engine's own options (``Engine.own_options``) by name, checked by their declaration; every one it
     declares is present (its default where not given) when ``zeroplan.engines.planner_options`` made them."""
@@ -157,10 +160,11 @@ class PlannerOptions:
     def __init__(self, stages: tuple[int, ...] = (0, 1, 2, 3), policy: Optional[PrecisionPolicy] = None,
                  flat_layout: bool = True, stage: Optional[int] = None,
                  gpu_capability: Optional[tuple[int, int]] = None, own: Optional[Mapping[str, Any]] = None,
-                 **named: Any) -> None:  # fmt: skip
+                 grad_accum: int = 1, **named: Any) -> None:  # fmt: skip
         """``named``: own options by keyword, as ``own`` (``PlannerOptions(reshard_after_forward=4)``)."""
         values = dict(stages=stages, policy=PrecisionPolicy() if policy is None else policy, flat_layout=flat_layout,
-                      stage=stage, gpu_capability=gpu_capability, own={**(own or {}), **named})  # fmt: skip
+                      stage=stage, gpu_capability=gpu_capability, grad_accum=grad_accum,
+                      own={**(own or {}), **named})  # fmt: skip
         for name, value in values.items():
             object.__setattr__(self, name, value)
 

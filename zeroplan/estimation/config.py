@@ -63,6 +63,9 @@ class EstimateConfig(BaseModel):
     """the training engine whose allocations and collectives are estimated (``zeroplan.engines.get_engine``)."""
     gpus: GpuCount = 1
     """total GPUs = N_d x N_m."""
+    gpus_per_node: GpuCount = 8
+    """GPUs per node: which mesh dimension's collectives stay in a node (``link`` in the JSON,
+    ``zeroplan.formulas.mesh``) and DeepSpeed qgZ's local group (``Settings.devices_per_node``)."""
     model_parallel: GpuCount = 1
     """N_m, the tensor/pipeline model-parallel degree; the paper divides model states by it."""
     stage: Optional[StageNumber] = None
@@ -158,7 +161,8 @@ class EstimateConfig(BaseModel):
         policy = self.policy if "policy" in self.model_fields_set else None
         options = planner_options(get_engine(self.engine), self.engine_options, stage=self.stage, policy=policy,
                                   flat_layout=self.params is None)  # fmt: skip
-        return replace(options, gpu_capability=None if self.gpu is None else capability_of(self.gpu))
+        return replace(options, gpu_capability=None if self.gpu is None else capability_of(self.gpu),
+                       grad_accum=self.grad_accum)  # fmt: skip
 
     @property
     def nd(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from dataclasses import replace
 
 from zeroplan.allocator.reserved import engine_reserved, fit_bytes
 from zeroplan.engines import get_engine, split_keywords
@@ -68,6 +69,8 @@ def estimate_config(config: EstimateConfig) -> Estimate:
     numels = tuple(math.prod(s) for _, s in workload.shapes)
     options = config.planner_options
     engine = get_engine(config.engine)
+    if engine.own_options:  # the node size, as plan gives it (DeepSpeed qgZ's local group: zeropp_settings.node_keys)
+        options = replace(options, own={**options.own, "gpus_per_node": config.gpus_per_node})
     settings = engine.planner_settings(options)
     if config.live_settings:  # read from a live module and optimizer (estimation/live.py)
         settings = settings.model_copy(update=dict(config.live_settings))
@@ -114,6 +117,7 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         own_estimator=engine.own_estimator_name or None,
         alloc_conf=config.alloc_conf,
         tp=getattr(settings, "tp", None) or 1,  # an engine's tensor parallelism (FSDP2 Settings.tp), else 1
+        gpus_per_node=config.gpus_per_node,
     )
 
 
@@ -147,6 +151,7 @@ def estimate(
     engine: str = "reference",
     gpu: str | None = None,
     alloc_conf: str = "",
+    gpus_per_node: int = 8,
     **options: object,
 ) -> Estimate:
     """Estimate per-GPU model states, per-step communication and, with an architecture, the peak.
@@ -160,7 +165,8 @@ def estimate(
     ``PYTORCH_CUDA_ALLOC_CONF`` its reserved bytes are replayed under (micro-batch and
     accumulation: a ``ds_config``'s batch where it sets one, the engine's ``Engine.batch``;
     else 1). ``gpu``: a GPU preset (its memory for ``fits`` unless ``gpu_memory_bytes`` is given, its compute
-    capability for the peak's cuBLAS workspaces, as ``plan``). ``gpus`` = N_d x
+    capability for the peak's cuBLAS workspaces, as ``plan``); ``gpus_per_node`` the node size the collectives'
+    links are read for. ``gpus`` = N_d x
     ``model_parallel``. Remaining keywords are the engine's options: for ``reference``,
     ``PrecisionPolicy`` fields (``param_dtype``, ``grad_dtype``, ``master_weights``, ``optimizer``,
     ``optimizer_dtype``); for ``fsdp2``, ``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``;
@@ -195,6 +201,7 @@ def estimate(
         foreach=True if foreach is None else foreach,
         engine=engine,
         gpus=gpus,
+        gpus_per_node=gpus_per_node,
         model_parallel=model_parallel,
         stage=stage,
         gpu=gpu,

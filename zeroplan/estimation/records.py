@@ -62,6 +62,7 @@ class Estimate:
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF the reserved bytes were replayed under ("": torch's defaults)
     own_estimator: Optional[str] = None  # name of the engine's own estimator shown beside ours, if any
     tp: int = 1  # the engine's tensor-parallel degree (FSDP2 ``--tp``): nd = GPUs / N_m holds nd / tp DP ranks
+    gpus_per_node: int = 8  # the node size the collectives' links are read for (``zeroplan.formulas.mesh``)
 
     def stage(self, number: int) -> StageEstimate:
         return next(s for s in self.stages if s.stage == number)

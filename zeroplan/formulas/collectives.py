@@ -70,6 +70,11 @@ _OUT_FIELDS = tuple(f.name for f in fields(Collective) if f.name != "micro_steps
 1,268 rows of a 2,048-GPU FSDP2 ``plan --json``)."""
 
 
+def tp_degree(collectives: tuple[Collective, ...]) -> int:
+    """T, the tensor-parallel group the rows name (``mesh_dim`` tp; FSDP2's ``--tp``, engines/fsdp2/tp.py); 1: none."""
+    return max((c.group_size for c in collectives if c.mesh_dim == "tp"), default=1)
+
+
 def on_mesh(collectives: tuple[Collective, ...], nd: int, nm: int = 1,
             gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> tuple[Collective, ...]:
     """``collectives`` with their group size and link class filled in, on the mesh they name: N_d
@@ -77,7 +82,7 @@ def on_mesh(collectives: tuple[Collective, ...], nd: int, nm: int = 1,
     ``dp_shard``), N_m model-parallel GPUs each, ``gpus_per_node`` per node (``zeroplan.formulas.mesh``).
     A group smaller than its dimension (FSDP2's post-forward group of k ranks) is k consecutive ranks of it."""
     replicate = max((c.group_size for c in collectives if c.mesh_dim == "dp_replicate"), default=1)
-    tp = max((c.group_size for c in collectives if c.mesh_dim == "tp"), default=1)
+    tp = tp_degree(collectives)
     if tp > 1 and nm == 1:  # FSDP2's --tp: N_d counts every GPU, T of them per data-parallel rank (engines/fsdp2/tp.py)
         nd, nm = nd // tp, tp
     mesh = data_parallel_mesh(nd, replicate, nm, gpus_per_node)

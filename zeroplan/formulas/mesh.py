@@ -15,8 +15,9 @@ Dimensions (torchtitan's names, ``torchtitan/distributed/parallel_dims.py``): ``
 replicas, gradients all-reduced across them), ``dp_shard`` (FSDP's sharding group; a flat run's whole
 data-parallel group N_d), ``tp`` (the model-parallel degree N_m, placed innermost: inside a node first, as
 Megatron-LM and torchtitan place tensor parallelism). DeepSpeed's ZeRO++ hpZ groups are placed here by their
-``group_size`` (``engines/deepspeed/zeropp.py``); qgZ is refused (no all-to-all in the traffic model) and MiCS
-is refused as DeepSpeed 0.19.8 itself refuses it (removed keys).
+``group_size`` (``engines/deepspeed/zeropp.py``), qgZ's all-to-alls as ``dp_shard`` (a node's L ranks) and
+``dp_replicate`` (ranks L apart; ``engines/deepspeed/zeropp_qgz.py``); MiCS is refused as DeepSpeed 0.19.8
+itself refuses it (removed keys).
 """
 
 from __future__ import annotations

@@ -111,7 +111,8 @@ def from_torchtitan(run: TorchtitanRun, names: Optional[Names]) -> Fsdp2Run:
     wrap = torchtitan_wrapping(run, names)
     named = run.wrapping[2].reshard_after_forward is False  # --fsdp-wrap torchtitan, by its name
     options = {"reshard_after_forward": run.reshard_after_forward, "param_dtype": run.param_dtype,
-               "reduce_dtype": run.reduce_dtype, "wrap": "torchtitan" if named else wrap, "init": run.init}  # fmt: skip
+               "reduce_dtype": run.reduce_dtype, "wrap": "torchtitan" if named else wrap, "init": run.init,
+               **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {})}  # fmt: skip
     return Fsdp2Run(options, wrap, run.nd, run.local_batch_size, run.grad_accum, run.seq_len, run.checkpointing)
 
 
@@ -129,5 +130,6 @@ def from_accelerate(run: AccelerateFsdp, names: Optional[Names]) -> Fsdp2Run:
         raise ValueError("--accelerate-config: give --model (the wrapping is in its module names)")
     wrap = accelerate_wrapping(run, names)
     options = {"wrap": wrap, "init": "meta",
-               **({"param_dtype": run.param_dtype, "reduce_dtype": run.reduce_dtype} if run.param_dtype else {})}
+               **({"param_dtype": run.param_dtype, "reduce_dtype": run.reduce_dtype} if run.param_dtype else {}),
+               **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {})}
     return Fsdp2Run(options, wrap, run.num_processes, None, None, None, "full" if run.activation_checkpointing else None)

@@ -19,10 +19,11 @@ checks them against the installed dataclasses). Sources, in v0.2.2's tree:
   ``layers``, ``[norm, output]`` with ``reshard_after_forward`` only under the policy "always", then the root;
   ``fsdp_reshard_after_forward`` "default" is ``not pp_enabled`` (True here: no pipeline).
 
-Refused in one line: tensor, pipeline, context and expert parallelism and HSDP (replicate degree above 1
-with sharding): zeroplan models one data-parallel dimension. Returned as data for the caller to accept or
-refuse (the FSDP2 engine may not express them yet): the activation-checkpointing mode, the wrapping,
-``compile.enable``, ``model.converters`` (float8, ...) and CPU offload.
+HSDP (replicate degree R above 1 with sharding) is ``apply_fsdp`` on the 2-D mesh ``("dp_replicate",
+"dp_shard_cp")``, the FSDP2 engine's ``dp_replicate`` (engines/fsdp2/mesh.py); the batch degree is R x shard.
+Refused in one line: tensor, pipeline, context and expert parallelism, and replication without sharding (DDP).
+Returned as data for the caller to accept or refuse (the FSDP2 engine may not express them yet): the
+activation-checkpointing mode, the wrapping, ``compile.enable``, ``model.converters`` (float8, ...) and CPU offload.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class TorchtitanRun:
     model: str
     flavor: str
     nd: int
-    """FSDP ranks: the resolved ``data_parallel_shard_degree``."""
+    """data-parallel ranks (torchtitan's batch degree): replicate x the resolved ``data_parallel_shard_degree``."""
     local_batch_size: int
     grad_accum: int
     seq_len: int
@@ -78,6 +79,8 @@ class TorchtitanRun:
     converters: tuple[str, ...]
     init: Literal["meta"]
     wrapping: tuple[WrapUnit, ...]
+    dp_replicate: int = 1
+    """``data_parallel_replicate_degree``: above 1, HSDP on the (replicate, shard) mesh."""
 
 
 def torchtitan_wrapping(reshard_after_forward: bool, policy: str) -> tuple[WrapUnit, ...]:
@@ -134,9 +137,6 @@ def _degrees(par: dict, world_size: Optional[int]) -> tuple[int, int]:
     if world_size is not None and shard * replicate != world_size:
         raise ValueError(f"torchtitan config: data_parallel_shard_degree {shard} x replicate {replicate} != "
                          f"{world_size} GPUs: torchtitan refuses it (ParallelDims._validate)")  # fmt: skip
-    if replicate > 1 and shard > 1:
-        raise ValueError(f"torchtitan config: data_parallel_replicate_degree={replicate} with sharding is HSDP: "
-                         "zeroplan models one data-parallel dimension")  # fmt: skip
     if shard == 1:
         raise ValueError("torchtitan config: data_parallel_shard_degree=1: no FSDP (DDP or one GPU), which the "
                          "FSDP2 engine does not describe")  # fmt: skip
@@ -161,12 +161,13 @@ def read_torchtitan_config(path: str | Path, world_size: Optional[int] = None) -
     data = _toml(path)
     train = _section(data, "training", TRAINING_DEFAULTS)
     par = _section(data, "parallelism", PARALLELISM_DEFAULTS)
-    shard, _ = _degrees(par, world_size)
+    shard, replicate = _degrees(par, world_size)
+    dp = shard * replicate  # trainer.py: batch_degree = dp_replicate x dp_shard
     local = _whole(train["local_batch_size"], "training.local_batch_size", 1)
     global_batch = train["global_batch_size"]
-    if global_batch != -1 and (_whole(global_batch, "training.global_batch_size", 1) % (local * shard)):
+    if global_batch != -1 and (_whole(global_batch, "training.global_batch_size", 1) % (local * dp)):
         raise ValueError(f"torchtitan config: global_batch_size {global_batch} is not a multiple of local_batch_size "
-                         f"{local} x data-parallel degree {shard}: torchtitan refuses it")  # fmt: skip
+                         f"{local} x data-parallel degree {dp}: torchtitan refuses it")  # fmt: skip
     policy = par["fsdp_reshard_after_forward"]
     if policy not in ("default", "always", "never"):
         raise ValueError(f"torchtitan config: parallelism.fsdp_reshard_after_forward={policy!r}: expected default, "
@@ -177,13 +178,13 @@ def read_torchtitan_config(path: str | Path, world_size: Optional[int] = None) -
     converters = model.get("converters", [])
     converters = tuple(converters.split(",") if isinstance(converters, str) else converters)
     return TorchtitanRun(
-        model=str(model.get("name", "llama3")), flavor=str(model.get("flavor", "debugmodel")), nd=shard,
-        local_batch_size=local, grad_accum=1 if global_batch == -1 else global_batch // (local * shard),
+        model=str(model.get("name", "llama3")), flavor=str(model.get("flavor", "debugmodel")), nd=dp,
+        local_batch_size=local, grad_accum=1 if global_batch == -1 else global_batch // (local * dp),
         seq_len=_whole(train["seq_len"], "training.seq_len", 1),
         module_dtype=_dtype(train["dtype"], "training.dtype", ("bfloat16", "float32")),
         param_dtype=_dtype(train["mixed_precision_param"], "training.mixed_precision_param", ("bfloat16", "float32")),
         reduce_dtype=_dtype(train["mixed_precision_reduce"], "training.mixed_precision_reduce", ("float32",)),
         reshard_after_forward=reshard, checkpointing=mode, selective_ac_option=option,  # type: ignore[arg-type]
         cpu_offload=bool(train["enable_cpu_offload"]), compile=bool((data.get("compile") or {}).get("enable", False)),
-        converters=converters, init="meta", wrapping=torchtitan_wrapping(reshard, policy),
+        converters=converters, init="meta", wrapping=torchtitan_wrapping(reshard, policy), dp_replicate=replicate,
     )  # fmt: skip

@@ -169,7 +169,7 @@ class PlanConfig(BaseModel):
         engine = get_engine(self.engine)
         reads_policy = "policy" in engine.options or self.policy != BF16_MIXED  # else refused, not ignored
         options = planner_options(engine, self.engine_options, policy=self.policy if reads_policy else None)
-        return replace(options, gpu_capability=self.gpu_capability)
+        return replace(options, gpu_capability=self.gpu_capability, grad_accum=self.grad_accum)
 
     @property
     def gpu_capability(self) -> Optional[tuple[int, int]]:

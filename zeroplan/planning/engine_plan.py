@@ -8,6 +8,7 @@ from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.reserved import fit_bytes, reserved_of
 from zeroplan.engines import get_engine
 from zeroplan.estimation.workload import model_workload
+from zeroplan.formulas.collectives import tp_degree
 from zeroplan.formulas.commtime import Links, compute_time_s, engine_step_time, ring_link
 from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
@@ -42,10 +43,12 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     links = Links(config.intra_link, config.inter_link, config.gpus_per_node)  # time per link (commtime)
     whole = config.tensor_numels
     tokens = config.tokens_per_micro_step * config.grad_accum
-    compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, 1, config.flops, config.mfu)
     rows = []
     for c, fits_c, reserved, skipped in zip(answer.candidates, fit, held, over):
         e = c.estimate
+        # a data-parallel rank's tokens, its 6·Ψ·tokens FLOPs split over the T GPUs of its tensor-parallel group
+        compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, tp_degree(e.collectives),
+                                                                     config.flops, config.mfu)  # fmt: skip
         # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
         time = engine_step_time(e.collectives, nd, links, config.grad_accum, config.algorithm, c.bucket_numel,
                                 compute_s)  # fmt: skip

@@ -36,7 +36,7 @@ def option_peaks(
     stages = sorted({s for s, _ in keys})
     options = planner_options(engine, config.engine_options, policy=config.policy,
                               stage=stages[0] if len(stages) == 1 else None)  # fmt: skip
-    options = replace(options, gpu_capability=config.gpu_capability)  # the --gpu preset's workspaces
+    options = replace(options, gpu_capability=config.gpu_capability, grad_accum=config.grad_accum)  # --gpu, G
     limit = engine.peak_limits(options, config.model_architecture, config.checkpointing, config.model_parallel)
     if limit is not None:
         return {}, f"fits on model states within the headroom: {limit.reason}", {}

@@ -66,15 +66,16 @@ def model_numel(spec: TransformerSpec) -> int:
     return sum(math.prod(shape) for _, shape in transformer_shapes(spec))
 
 
-def zero12_moe_limit(s: Settings, spec: TransformerSpec) -> Optional[str]:
+def zero12_moe_limit(s: Settings, spec: TransformerSpec, grad_accum: int = 1) -> Optional[str]:
     """Why the ZeRO-1/2 peak of the sparse model ``spec`` under ``s`` is not given, or None (module docstring):
     outside ``ZERO12_MOE_FAMILIES``, or with ``offload_optimizer`` where ``moe_offload.moe_offload_limit`` refuses.
     fp32, bf16 and fp16 (``DeepSpeedZeroOptimizer``), reduced after backward or from the hooks at any bucket, and
-    ``BF16_Optimizer`` (no hook reduces: bf16.py; tests/test_deepspeed_moe_opt.py): measured (module docstring)."""
+    ``BF16_Optimizer`` (no hook reduces: bf16.py; tests/test_deepspeed_moe_opt.py): measured (module docstring).
+    ``grad_accum``: G, micro-steps per optimizer step."""
     if spec.model_type not in ZERO12_MOE_FAMILIES:
         return f"model_type {spec.model_type!r} not measured (measured: {', '.join(ZERO12_MOE_FAMILIES)})"
     if s.offload_optimizer.on:  # measured: one bucket, ZeRO-1's walk, ZeRO-2 from the largest tensor (moe_offload.py)
         largest = max(math.prod(shape) for _, shape in transformer_shapes(spec))
-        return moe_offload_limit(s, model_numel(spec), largest)
+        return moe_offload_limit(s, model_numel(spec), largest, grad_accum)
     return None
 

@@ -293,7 +293,7 @@ def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
         why = zero3_moe_limit(spec.model_type, zero)
     else:
         try:
-            why = zero12_moe_limit(Settings.from_ds_config(config, options.stage), spec)
+            why = zero12_moe_limit(Settings.from_ds_config(config, options.stage), spec, options.grad_accum)
         except ValueError:
             return None  # the file's own error, raised by planner_settings in one line
     if why is None:
@@ -303,17 +303,17 @@ def moe_limit(options: PlannerOptions, spec: TransformerSpec) -> Optional[str]:
 
 
 def moe_candidates(rows: tuple[tuple[str, Settings], ...], spec: Optional[TransformerSpec], zero: dict,
-                   dropped: Optional[dict[str, str]] = None) -> tuple[tuple[str, Settings], ...]:
-    """``rows`` less, for a sparse model, those whose peak is not modelled (``zero12_moe_limit``,
-    ``zero3_moe_limit`` of the file's ZeRO keys with the row's own); each one left out is added to ``dropped``
-    (label -> why) where given."""
+                   dropped: Optional[dict[str, str]] = None, grad_accum: int = 1) -> tuple[tuple[str, Settings], ...]:
+    """``rows`` less, for a sparse model, those whose peak is not modelled (``zero12_moe_limit`` at G =
+    ``grad_accum``, ``zero3_moe_limit`` of the file's ZeRO keys with the row's own); each one left out is added to
+    ``dropped`` (label -> why) where given."""
     if spec is None or spec.moe is None:
         return rows
 
     def why(s: Settings) -> Optional[str]:
         if s.stage == 3:
             return zero3_moe_limit(spec.model_type, {**zero, **to_ds_config(s)["zero_optimization"]})
-        return zero12_moe_limit(s, spec)
+        return zero12_moe_limit(s, spec, grad_accum)
 
     out = []
     for label, s in rows:
@@ -366,15 +366,15 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     spec = workload.spec  # a sparse model: only the rows whose peak is modelled (moe_candidates; no hpZ rows)
     hpz = () if "zero_hpz_partition_size" in zero else hpz_candidates(base, nd, node, numels, capacity_bytes)
     dropped: dict[str, str] = {}  # the sparse model's rows left out, label -> why (``moe_candidates``)
-    hpz = moe_candidates(hpz, spec, zero, dropped)
+    hpz, g = moe_candidates(hpz, spec, zero, dropped, workload.grad_accum), workload.grad_accum
     order = ranked(workload, nd, base,
-                   which=lambda b: moe_candidates((*plain_candidates(b), *hpz), spec, zero, dropped),
+                   which=lambda b: moe_candidates((*plain_candidates(b), *hpz), spec, zero, dropped, g),
                    gpus_per_node=node)  # fmt: skip
     # the offload rows where they can be the answer: nothing fits without, or the file asks for offload (they
     # come after every other row, PLAN_ORDER; estimating them when they cannot be chosen tripled the plan's time)
     if offloads(base) or all(t.peak_bytes > capacity_bytes for t in order):
         order = (*order, *ranked(workload, nd, base,
-                                  which=lambda b: moe_candidates(offload_candidates(b), spec, zero, dropped),
+                                  which=lambda b: moe_candidates(offload_candidates(b), spec, zero, dropped, g),
                                   gpus_per_node=node))  # fmt: skip
     if not order:  # every row left out (moe_candidates): no answer to rank, the reasons instead, in one line
         raise ValueError(f"no configuration plan searches has a modelled peak: {_dropped_reason(dropped)}")

@@ -105,6 +105,9 @@ class DSRun:
     """the architecture (a sparse MLP's sizes: engines/deepspeed/moe.py)."""
     transformers: bool = False
     """the transformers model of the architecture (``Workload.transformers``), not the validator's causal LM."""
+    init_gathers: tuple[tuple[int, ...], ...] = ()
+    """a transformers model's parameter sizes gathered together by ``initialize_weights_zero3``, module by module
+    (``_init_gathers``) where it builds the model (``Settings.hf_zero3_build``); else empty (``Module.apply``)."""
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     """results a run's moment functions ask for more than once, by name (``memo_of``); never copied by
     ``dataclasses.replace`` (not an ``__init__`` field), so a changed run starts empty."""
@@ -328,6 +331,24 @@ def _layout(workload: Workload) -> tuple[tuple[int, ...], int, tuple[tuple[int, 
     output = f".mlp.{_MLP_PROJECTIONS[spec.style][1]}."
     outputs = tuple(i for i, (n, _) in enumerate(workload.shapes) if blocks[i] >= 0 and output in n)
     return numels, final, tuple(tuple(v) for v in owners.values()), blocks, outputs
+
+
+@lru_cache(maxsize=32)
+def _init_gathers(workload: Workload) -> tuple[tuple[int, ...], ...]:
+    """The parameter sizes transformers' ZeRO-3 weight initialisation gathers at once, module by module
+    (transformers 5.24 integrations/deepspeed.py ``initialize_weights_zero3``: each module's own parameters and its
+    direct children's, one ``deepspeed.zero.GatheredParameters``; a child that is a ``PreTrainedModel``, the base
+    model holding the blocks, is left to its own call), from the parameter names; modules with none left out."""
+    from zeroplan.architectures.spec import block_prefix
+
+    base = block_prefix(workload.spec).split(".")[0]  # "model" (model.layers.), "transformer" (transformer.h.)
+    sets: dict[str, list[int]] = {}
+    for name, shape in workload.shapes:
+        owner = name.rpartition(".")[0]
+        sets.setdefault(owner, []).append(math.prod(shape))
+        if owner and owner != base:  # the parent's call gathers its direct children's parameters too
+            sets.setdefault(owner.rpartition(".")[0], []).append(math.prod(shape))
+    return tuple(tuple(v) for v in sets.values())
 
 
 @lru_cache(maxsize=32)  # every candidate of a plan, and ds_run and collectives of one estimate, ask for it

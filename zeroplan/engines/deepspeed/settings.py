@@ -82,6 +82,12 @@ class Settings(BaseModel):
     None: True at stage 3, DeepSpeed's documented way to build a model larger than one device (and what
     Hugging Face ``from_pretrained`` does when the config is ZeRO-3: ``is_deepspeed_zero3_enabled``);
     stages 1-2 never (``Init`` partitions parameters, which only ZeRO-3 does)."""
+    hf_zero3_build: bool = False
+    """ZeRO-3 under ``zero_init``: a transformers model built by transformers itself, an ``HfDeepSpeedConfig`` of the
+    ds_config alive (``from_config`` opens ``zero.Init`` and initialises the weights with ``initialize_weights_zero3``,
+    each module gathered with its direct children: zero3.py ``zero_init_moments``), not under the script's own
+    ``zero.Init`` with ``Module.apply``, which the planner's build advises (plan.py ``deepspeed_build``). Not a
+    ds_config key: the validator's ``hf_zero3_build`` (validate/engines/deepspeed.py) sets it."""
 
     offload_optimizer: OffloadTarget = NO_TARGET
     """``zero_optimization.offload_optimizer`` (offload_settings.py): the fp32 master, Adam's states and the

@@ -22,7 +22,7 @@ from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.bf16 import BF16_OPTIMIZER
 from zeroplan.engines.deepspeed.collectives import DSCollective
 from zeroplan.engines.deepspeed.offload_terms import offload_collectives, on_gpu
-from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _layout, _trace, head_tied
+from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _init_gathers, _layout, _trace, head_tied
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings, optimizer_class
 from zeroplan.engines.deepspeed.terms import DSTerm
 from zeroplan.engines.deepspeed.trace import Stage3Trace
@@ -53,7 +53,8 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
                  head_tied(workload), wrapper_for(settings), workload.checkpointing,
                  bool(foreach), workload.grad_accum, modules, *_trace(workload), blocks, outputs, spec,
-                 workload.transformers)  # fmt: skip
+                 workload.transformers, _init_gathers(workload) if workload.transformers and settings.hf_zero3_build
+                 else ())  # fmt: skip
 
 
 @lru_cache(maxsize=16)  # every candidate of a plan and each rank's run: the same (a frozen record)

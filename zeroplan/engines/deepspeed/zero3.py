@@ -51,15 +51,27 @@ def zero_init_moments(run: DSRun) -> tuple[Moment, ...]:
     such module and the build gets one more of V x h (``head_numel``). Found by the differential matrix (seed 4,
     4-7, generator 4: Llama 10.1M tied, bf16, N_d = 4: the fp32 lm_head and its bf16 copy beside every partition,
     40,678,464 B, the measurement to the byte; init -6.52 % before).
+
+    A transformers model built by transformers under ZeRO-3 (``Settings.hf_zero3_build``: an ``HfDeepSpeedConfig``
+    alive, ``from_config`` opens ``zero.Init`` with ``no_init_weights``, then runs ``initialize_weights_zero3``;
+    transformers 5.24 modeling_utils.py ``_from_config``, integrations/deepspeed.py) gathers at once each module's own
+    parameters and its direct children's (``run.init_gathers``; ``GatheredParameters`` -> ``_all_gather`` ->
+    ``_allgather_params_coalesced``: each into its padded ceil(n / N_d)·N_d ``flat_tensor``), the largest such set rather than one
+    module's: the base model's call holds the token embedding with the final norm. Found by the differential matrix
+    (seed 5, generator 5, draw 3: DeepSeek-V3 14.4M untied, fp32, N_d = 2: build peak 52,029,336 B measured, 1,016 B
+    over the embedding alone: the norm's 960 B, and the 56 B of fp32 buffers fp32 rows leave out, ``_sixteen_bit_hf``).
     """
     tied_head = ((run.head_numel,),) if run.tied_head and run.transformers else ()
-    return _zero_init_moments((*run.modules, *tied_head), run.nd, _pbytes(run))
+    gathers = (*run.init_gathers, *tied_head) if run.init_gathers else None
+    return _zero_init_moments((*run.modules, *tied_head), run.nd, _pbytes(run), gathers)
 
 
 @lru_cache(maxsize=16)
-def _zero_init_moments(modules: tuple[tuple[int, ...], ...], nd: int, p: int) -> tuple[Moment, ...]:
-    """``zero_init_moments`` of parameter sizes ``modules`` at N_d = ``nd``, ``p`` bytes per element (cached: every
-    ZeRO-3 candidate of a plan builds the same model)."""
+def _zero_init_moments(modules: tuple[tuple[int, ...], ...], nd: int, p: int,
+                       gathers: Optional[tuple[tuple[int, ...], ...]] = None) -> tuple[Moment, ...]:
+    """``zero_init_moments`` of parameter sizes ``modules`` at N_d = ``nd``, ``p`` bytes per element, the weight
+    initialisation gathering ``gathers`` at a time (None: ``modules``, ``Module.apply``) (cached: every ZeRO-3
+    candidate of a plan builds the same model)."""
     # each moment's terms as numbers first (a 405B model has ~900 of them); the Moment of the largest is
     # built, the first of equal ones as ``max`` picks it
     built: list[tuple[int, str, int, int, int, int]] = []  # (total, kind, before, done, n / i, ...)
@@ -78,17 +90,20 @@ def _zero_init_moments(modules: tuple[tuple[int, ...], ...], nd: int, p: int) ->
             parted += _part(n, nd)
             left -= n
         before += sum(_part(n, nd) for n in params) * p
-    for k, params in enumerate(modules):
+    for k, params in enumerate(modules if gathers is None else gathers):
         applied.append((before + sum(_part(n, nd) * nd for n in params) * p, k))
     out = []
     if built:
         out.append(_zero_init_built(*max(built, key=lambda m: m[0])[1:]))
     if applied:
         total, k = max(applied, key=lambda m: m[0])
-        out.append(Moment("init", "zero.Init: a module's parameters gathered for Module.apply", (
+        how = ("for Module.apply", f"{ZINIT} apply_with_gather -> _allgather_params_sequential (flat_tensor)") \
+            if gathers is None else ("with its direct children's for initialize_weights_zero3",
+                                     f"transformers integrations/deepspeed.py initialize_weights_zero3 -> {ZINIT} "
+                                     "GatheredParameters -> _allgather_params_coalesced (flat_tensor)")
+        out.append(Moment("init", f"zero.Init: a module's parameters gathered {how[0]}", (
             Term("partitions of the whole model", before, f"{ZINIT} _partition_param (ds_tensor)"),
-            Term("this module's parameters gathered (padded)", total - before,
-                 f"{ZINIT} apply_with_gather -> _allgather_params_sequential (flat_tensor)"))))  # fmt: skip
+            Term("this module's parameters gathered (padded)", total - before, how[1]))))  # fmt: skip
     return tuple(out)
 
 
