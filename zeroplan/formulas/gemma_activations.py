@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Optional
 
 from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.formulas.llama_nograd import sdpa_masked
 
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3_text")
 
@@ -89,14 +90,24 @@ def eager_masks(spec: TransformerSpec, b: int, s: int, a: int) -> int:  # 0 for 
     return 2 * b * s * s * a if spec.model_type == "gemma2" else 0
 
 
+def sliding_masked(spec: TransformerSpec, s: int) -> bool:
+    """Whether Gemma 3's sliding layers get a mask (``masking_utils._ignore_causal_mask_sdpa``: from
+    ``kv_length >= sliding_window`` on), so that they save what its full layers do not (module docstring)."""
+    return spec.model_type == "gemma3_text" and bool(spec.layer_types) and sdpa_masked(spec, s)
+
+
+def repeat_view(spec: TransformerSpec, n: int, s: int, a: int, nograd: bool = False) -> int:
+    """What Llama's terms count for k and v repeated to the query heads (``_llama_attention_saved``'s saved copies,
+    ``llama_nograd_moments``' ``sdpa`` moment) that transformers' ``repeat_kv`` does not make with one kv head:
+    ``expand`` then ``reshape`` of (b, 1, h, s, hd) merges two stride-0 dims, a view of k, v (measured: FSDP2
+    t-gemma3 with the window below the sequence, 2·N·(q - kv)·a per sliding layer over without this)."""
+    if spec.n_kv_head != 1 or spec.n_head == 1 or not (sdpa_masked(spec, s) or spec.head_dim > 256):
+        return 0
+    return 2 * n * spec.q_dim * a if nograd else 2 * n * (spec.q_dim - spec.kv_dim) * a
+
+
 def gemma_limit(spec: TransformerSpec, seq_len: int) -> Optional[str]:
     """None when the terms here give ``spec`` at ``seq_len``; else the one-line reason (module docstring)."""
-    if spec.model_type != "gemma3_text" or not spec.layer_types or spec.sliding_window is None:
-        return None
-    if "sliding_attention" in spec.layer_types and seq_len >= spec.sliding_window:
-        return (f"model_type 'gemma3_text': seq_len={seq_len} >= sliding_window={spec.sliding_window}: the sliding "
-                "layers then keep a (b, 1, s, s) mask and repeated k, v that the full ones do not (layers of two "
-                "kinds are not modelled yet; docs/models.md); give a sequence shorter than the window")
     return None
 
 
