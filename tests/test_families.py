@@ -414,6 +414,21 @@ def test_gemma3_saved_activations_from_the_sliding_window_on(first, s, dtype):
     assert sliding.saved - full.saved == 2 * s * s * a + 2 * 2 * s * (q - kv) * a
 
 
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gemma3-text", "gemma-3-1b"])
+def test_gemma3_real_configs_modelled_from_the_sliding_window_on(name):
+    """Refused from s = sliding_window on before 2026-12-02 (Gemma-3-1B's 512): now each layer its own block, the
+    sliding ones over the full ones by the mask and, with more than one kv head, k, v repeated (one: a view);
+    below the window one block for every layer (the wrapped ``gemma3`` config through its text_config too)."""
+    spec = read_hf_config(CONFIGS / f"{name}.json")
+    w, a = spec.sliding_window, 2
+    assert model_activations(spec, 1, w - 1).layer_blocks == ()
+    acts = model_activations(spec, 1, w)
+    blocks = dict(zip(spec.layer_types, acts.layer_blocks))
+    assert len(acts.layer_blocks) == spec.n_layer and acts.block == acts.layer_blocks[-1]
+    repeated = 2 * w * (spec.q_dim - spec.kv_dim) * a if spec.n_kv_head > 1 else 0
+    assert blocks["sliding_attention"].saved - blocks["full_attention"].saved == w * w * a + repeated
+
+
 #: FSDP2 and DeepSpeed on transformers' Gemma classes, recorded 2026-12-01 on this project's CPU machine (torch
 #: 2.13.0, transformers 5.24, DeepSpeed 0.19.8), as the rows above: FSDP2 through ``fsdp2_rows.run_world
 #: (Fsdp2Settings(model=CONFIG_JSON, hf=True, seq_len=64, steps=2, param_dtype=DTYPE), 2)``, DeepSpeed through

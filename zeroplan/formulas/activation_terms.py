@@ -337,7 +337,7 @@ def model_activations(
         raise ValueError(f"micro_batch={micro_batch}, seq_len={seq_len}: each must be >= 1")
     if seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len={seq_len}: the model has only {spec.max_seq_len} positions")
-    if (why := activation_limit(spec) or G.gemma_limit(spec, seq_len)) is not None:
+    if (why := activation_limit(spec)) is not None:
         raise ValueError(why)
     b, s, a = micro_batch, seq_len, act_bytes
     n, d, v = b * s, spec.d_model, spec.vocab_size

@@ -22,9 +22,11 @@ with saved-tensor hooks on transformers' own classes (tests/test_families.py, fp
   (b, 1, s, s) in the activation dtype) are made once by ``Gemma2Model.forward`` and kept by nothing.
 - Gemma 3 attention is SDPA as Llama's (``activation_terms._llama_attention_saved``) as long as no sliding
   layer gets a mask: ``masking_utils._ignore_causal_mask_sdpa`` skips the sliding mask while
-  s < ``sliding_window`` (``kv_length >= local_attention_size`` makes one). From s = window on the sliding
-  layers keep the 16-bit mask and repeated k, v and the full ones do not: layers of two kinds (refused,
-  ``gemma_limit``).
+  s < ``sliding_window`` (``kv_length >= local_attention_size`` makes one). From s = window on
+  (``sliding_masked``) the sliding layers keep the (b, 1, s, s) mask in the activation dtype and k, v repeated
+  to the query heads (``sdpa_attention_forward``: no ``enable_gqa`` with a mask), as Mistral's, and the full
+  ones (``create_causal_mask``: none, ``is_causal``) do not: each layer its own block
+  (``ModelActivations.layer_blocks``). With one kv head ``repeat_kv`` is a view (``repeat_view``).
 - The embedding is ``Gemma2TextScaledWordEmbedding``: ``embedding(ids) * embed_scale.to(weight.dtype)``, whose
   product keeps the 0-dim scale (``a`` bytes). RoPE's cos and sin are kept once per rotary table: Gemma 2 has
   one, Gemma 3 one per layer type present (``Gemma3RotaryEmbedding``: local and global bases).
@@ -104,11 +106,6 @@ def repeat_view(spec: TransformerSpec, n: int, s: int, a: int, nograd: bool = Fa
     if spec.n_kv_head != 1 or spec.n_head == 1 or not (sdpa_masked(spec, s) or spec.head_dim > 256):
         return 0
     return 2 * n * spec.q_dim * a if nograd else 2 * n * (spec.q_dim - spec.kv_dim) * a
-
-
-def gemma_limit(spec: TransformerSpec, seq_len: int) -> Optional[str]:
-    """None when the terms here give ``spec`` at ``seq_len``; else the one-line reason (module docstring)."""
-    return None
 
 
 def _nograd_peak(spec: TransformerSpec, n: int, s: int, a: int, llama_nograd: int, act_nograd: dict[str, int]) -> int:
