@@ -414,6 +414,19 @@ def test_gemma3_saved_activations_from_the_sliding_window_on(first, s, dtype):
     assert sliding.saved - full.saved == 2 * s * s * a + 2 * 2 * s * (q - kv) * a
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("s", [8, 24])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_gemma3_repeated_kv_with_one_kv_head_is_a_view(kv_heads, s, dtype):
+    """``repeat_kv`` runs where SDPA gets a mask (s = 24 >= window 16) or head_dim > 256 (264 here, at s = 8 too):
+    with one kv head its reshape is a view and the saved k, v stay kv wide (``gemma_activations.repeat_view``),
+    with two it copies them (exact either way; counting copies with one kv head is 2·N·(q - kv)·a over per
+    layer that repeats, and fails here)."""
+    cfg = {**GEMMA3_WINDOWED, "head_dim": 264, "num_key_value_heads": kv_heads, "num_attention_heads": 2 * kv_heads}
+    measured, _, _ = hf_saved_bytes(cfg, 2, s, dtype, "sdpa")
+    assert measured == predicted_saved_bytes(cfg, 2, s, dtype)
+
+
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gemma3-text", "gemma-3-1b"])
 def test_gemma3_real_configs_modelled_from_the_sliding_window_on(name):
     """Refused from s = sliding_window on before 2026-12-02 (Gemma-3-1B's 512): now each layer its own block, the

@@ -37,8 +37,6 @@ The MLP is Llama's (gate, up, ``gelu_pytorch_tanh`` keeps its input: ``ACT_KEPT`
 
 from __future__ import annotations
 
-from typing import Optional
-
 from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.formulas.llama_nograd import sdpa_masked
 
