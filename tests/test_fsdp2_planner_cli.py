@@ -1,10 +1,12 @@
 """Issue 17, "every setting a run has is an option": the planner commands, from their command lines alone, predict a
 run measured with real ``fully_shard`` on gloo CPU ranks (tests/test_fsdp2_wrap.py ``RECORDED``: transformers'
-own classes, 2 steps, materialized init, torch's default single-tensor Adam on the CPU), and ``zeroplan validate
+own classes, 2 steps, materialized init, torch's default single-tensor Adam on the CPU, which ``--device cpu`` takes
+without ``--no-foreach``: estimation/workload.py ``default_foreach``), and ``zeroplan validate
 --engine fsdp2 --fsdp-wrap FILE`` hands the runner exactly that file.
 
-Each of ``--device cpu`` (gloo's reduce-scatter copy, no CUDA blocks or workspaces), ``--init materialized``
-(the whole model at init), ``--no-foreach`` (the optimizer step) and ``--fsdp-wrap`` moves at least one phase of
+Each of ``--device cpu`` (gloo's reduce-scatter copy, no CUDA blocks or workspaces, torch's CPU optimizer path),
+``--init materialized`` (the whole model at init), the device's optimizer path (an explicit ``--foreach`` moves the
+step) and ``--fsdp-wrap`` moves at least one phase of
 these rows by more than ``MARGIN`` (checked below), so a command that dropped any of them fails here. Before this
 file the planner's ``--device cpu`` path was asserted only against another prediction (cpu < cuda).
 """
@@ -25,7 +27,7 @@ MARGIN = 0.0005  # as tests/test_fsdp2_wrap.py: these rows are predicted to the 
 # CausalLM (hf=False) nor labels=False, which no planner option expresses
 ROWS = ("qwen2-torchtitan", "qwen2-file", "qwen2-file-3", "qwen2-torchtitan-4", "gpt2-torchtitan",
         "qwen2-accelerate-bf16", "gpt2-tied-accelerate", "qwen2-wide-vocab-torchtitan")  # fmt: skip
-RUN = ("--device", "cpu", "--init", "materialized", "--no-foreach")  # the CPU run the validator measured
+RUN = ("--device", "cpu", "--init", "materialized")  # the CPU run the validator measured (foreach: the device's)
 
 
 def _argv(name: str, tmp_path) -> list[str]:
@@ -60,16 +62,18 @@ def test_estimate_sweep_and_plan_predict_the_measured_cpu_run(name, tmp_path):
     assert option["phases"] == row["phases"] and option["name"] == row["name"]
 
 
-@pytest.mark.parametrize("dropped", range(len(RUN) // 2 + 1))
+@pytest.mark.parametrize("dropped", range(len(RUN) // 2 + 2))
 def test_each_setting_of_the_run_moves_a_phase(dropped, tmp_path):
-    """Without any one of ``--device cpu``, ``--init materialized``, ``--no-foreach`` or the file's wrapping, the same
-    command misses the measured row by more than the margin: the test above cannot pass with one dropped."""
+    """Without any one of ``--device cpu``, ``--init materialized``, the CPU's single-tensor Adam (``--foreach``
+    given: an explicit flag wins over the device's default, so a default that ignored the device misses as this
+    does) or the file's wrapping, the same command misses the measured row by more than the margin: the test above
+    cannot pass with one dropped."""
     argv, peaks = _argv("qwen2-file", tmp_path), RECORDED["qwen2-file"][3]
     run_args = list(RUN)
     if dropped < 2:
         del run_args[2 * dropped:2 * dropped + 2]
     elif dropped == 2:
-        run_args.remove("--no-foreach")
+        run_args.append("--foreach")
     else:
         argv[argv.index("--fsdp-wrap") + 1] = "blocks"
     (row,) = run_json("estimate", *argv, *run_args)["stages"]

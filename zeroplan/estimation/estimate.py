@@ -161,7 +161,8 @@ def estimate(
     meta device fine; a ``transformers`` model whose config zeroplan reads also gets the peak, any
     other module shapes only; its dtype, and with ``optimizer=<torch.optim.Optimizer>`` the optimizer's
     class, ``foreach`` and state dtypes, are read from the objects: ``live_model``, docs/python-api.md). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
-    ``grad_accum`` and ``foreach`` describe the training step of an architecture, ``alloc_conf`` the
+    ``grad_accum`` and ``foreach`` (None: torch's default for the device, off with ``device="cpu"``) describe the
+    training step of an architecture, ``alloc_conf`` the
     ``PYTORCH_CUDA_ALLOC_CONF`` its reserved bytes are replayed under (micro-batch and
     accumulation: a ``ds_config``'s batch where it sets one, the engine's ``Engine.batch``;
     else 1). ``gpu``: a GPU preset (its memory for ``fits`` unless ``gpu_memory_bytes`` is given, its compute
@@ -198,7 +199,7 @@ def estimate(
         micro_batch=micro_batch,
         checkpointing=checkpointing,
         grad_accum=grad_accum,
-        foreach=True if foreach is None else foreach,
+        foreach=foreach,  # None: torch's default for the device (estimation/config.py device_foreach)
         engine=engine,
         gpus=gpus,
         gpus_per_node=gpus_per_node,
