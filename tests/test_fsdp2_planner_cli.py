@@ -20,6 +20,7 @@ import pytest
 from clicheck import assert_one_line_error, run, run_json
 from test_fsdp2_wrap import CONFIGS, FILE, RECORDED
 
+from zeroplan.allocator.reserved import NO_CUDA_ALLOCATOR
 from zeroplan.formulas.peak import PHASES
 
 MARGIN = 0.0005  # as tests/test_fsdp2_wrap.py: these rows are predicted to the byte
@@ -78,6 +79,23 @@ def test_each_setting_of_the_run_moves_a_phase(dropped, tmp_path):
         argv[argv.index("--fsdp-wrap") + 1] = "blocks"
     (row,) = run_json("estimate", *argv, *run_args)["stages"]
     assert any(abs(got - row["phases"][p]) / got > MARGIN for p, got in zip(PHASES, peaks[0]))
+
+
+def test_a_cpu_run_has_no_reserved_bytes_and_fits_on_its_live_peak(tmp_path):
+    """``--device cpu``: no CUDA caching allocator to replay (allocator/reserved.py ``replayed_on``): reserved is null
+    with its reason on estimate and on every plan row, and "fits" compares the live peak: with the memory exactly the
+    measured row's peak, the row fits (a replay reserves whole segments, more than the live bytes: it would not)."""
+    argv, peaks = _argv("qwen2-torchtitan", tmp_path), RECORDED["qwen2-torchtitan"][3]
+    memory = str(max(map(max, peaks)))  # predicted to the byte (the test above)
+    (row,) = run_json("estimate", *argv, *RUN, "--gpu-memory", memory)["stages"]
+    assert (row["reserved_bytes"], row["reserved_not_replayed"], row["fits"]) == (None, NO_CUDA_ALLOCATOR, True)
+    assert "reserved_not_replayed" not in run_json("estimate", *argv, "--gpu-memory", memory)["stages"][0]  # CUDA
+    planned = run_json("plan", *argv, *RUN, "--gpu-memory", memory)
+    assert {(o["reserved_bytes"], o["reserved_not_replayed"]) for o in planned["stages"]} == {(None, NO_CUDA_ALLOCATOR)}
+    (option,) = (s for s in planned["stages"] if s["label"] == "reshard_after_forward=True, checkpointing none")
+    assert option["fits"] and planned["fit_basis"].startswith("fits on the peak of live bytes per GPU")
+    text = run("plan", *argv, *RUN, "--gpu-memory", memory).stdout
+    assert f"reserved —: {NO_CUDA_ALLOCATOR}." in text and "fits: the peak of live bytes" in text
 
 
 def test_validate_hands_the_wrapping_file_to_the_runner(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import replace
 
-from zeroplan.allocator.reserved import engine_reserved, fit_bytes
+from zeroplan.allocator.reserved import NO_CUDA_ALLOCATOR, engine_reserved, fit_bytes, replayed_on
 from zeroplan.engines import get_engine, split_keywords
 from zeroplan.engines.base import Workload
 from zeroplan.estimation.config import EstimateConfig
@@ -118,7 +118,9 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         alloc_conf=config.alloc_conf,
         tp=getattr(settings, "tp", None) or 1,  # an engine's tensor parallelism (FSDP2 Settings.tp), else 1
         gpus_per_node=config.gpus_per_node,
-    )
+        reserved_not_replayed=NO_CUDA_ALLOCATOR if engine.alloc_trace is not None and workload.spec is not None
+        and not replayed_on(settings) else None,
+    )  # fmt: skip
 
 
 def api_batch(engine: str, settings_file: dict | None, gpus: object, model_parallel: object, micro_batch: object,
