@@ -81,6 +81,22 @@ def test_each_setting_of_the_run_moves_a_phase(dropped, tmp_path):
     assert any(abs(got - row["phases"][p]) / got > MARGIN for p, got in zip(PHASES, peaks[0]))
 
 
+def test_the_python_api_and_the_configs_take_the_devices_optimizer_path():
+    """``foreach`` not given (or None): torch's default for the run's device in ``estimate``, ``EstimateConfig``,
+    ``PlanConfig`` and ``SweepConfig`` alike (estimation/config.py ``device_foreach``); given, it wins."""
+    from zeroplan import EstimateConfig, PlanConfig, SweepConfig, estimate
+
+    def step(**kw):
+        return estimate(model="llama2-7b", gpus=8, engine="fsdp2", **kw).stages[0].peak.by_phase()["optimizer_step"]
+
+    assert step(device="cpu") == step(device="cpu", foreach=False) < step(device="cpu", foreach=True)
+    assert step() == step(foreach=True) > step(foreach=False)  # CUDA (the default): the multi-tensor path
+    cpu, common = {"device": "cpu"}, dict(model="llama2-7b", engine="fsdp2", gpu="h100-80gb")
+    for config in (EstimateConfig, PlanConfig, SweepConfig):
+        assert [config(**common, engine_options=o, foreach=f).foreach
+                for o, f in ((cpu, None), ({}, None), (cpu, True), ({}, False))] == [False, True, True, False], config
+
+
 def test_a_cpu_run_has_no_reserved_bytes_and_fits_on_its_live_peak(tmp_path):
     """``--device cpu``: no CUDA caching allocator to replay (allocator/reserved.py ``replayed_on``): reserved is null
     with its reason on estimate and on every plan row, and "fits" compares the live peak: with the memory exactly the
