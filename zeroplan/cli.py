@@ -64,7 +64,7 @@ def estimate(
     micro_batch: MicroBatchOption = 1,
     checkpointing: CheckpointingOption = "none",
     grad_accum: GradAccumOption = 1,
-    foreach: ForeachOption = True,
+    foreach: ForeachOption = None,
     engine: EngineOption = "reference",
     gpus: int = typer.Option(1, help="Total GPUs = N_d x N_m, 1 to 2**24."),
     gpus_per_node: GpusPerNodeOption = 8,
@@ -225,7 +225,7 @@ def plan(
         help="Activation recomputation: none, selective, full (default full, as before the peak; the peak "
         "per GPU knows none and full).",
     ),
-    foreach: ForeachOption = True,
+    foreach: ForeachOption = None,
     engine: Annotated[str, typer.Option(
         help="Training engine whose peak decides the fit: reference (ZeRO stages and offload), fsdp2 (chooses "
         "reshard_after_forward and checkpointing) or deepspeed (chooses the stage and bucket sizes).")] = "reference",

@@ -192,9 +192,9 @@ CheckpointingOption = Annotated[
 ]
 GradAccumOption = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step, 1 to 65536.")]
 ForeachOption = Annotated[
-    bool, typer.Option("--foreach/--no-foreach",
-                       help="Adam's multi-tensor path (default on: torch's choice on CUDA; with --device cpu "
-                       "torch's default is single-tensor: add --no-foreach). Needs --model."),
+    Optional[bool], typer.Option("--foreach/--no-foreach",
+                                 help="Adam's multi-tensor path (default: torch's choice for the device: on with "
+                                 "CUDA, off with --device cpu). Needs --model."),
 ]  # fmt: skip
 EngineOption = Annotated[
     str, typer.Option(help="Training engine whose memory is estimated: reference (the paper's stages, the bundled "

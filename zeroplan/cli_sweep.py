@@ -57,7 +57,7 @@ def sweep(
         help="Activation recomputation: none, selective, full (default full, as before the peak; the peak "
         "per GPU knows none and full).",
     ),
-    foreach: ForeachOption = True,
+    foreach: ForeachOption = None,
     engine: Annotated[str, typer.Option(
         help="Training engine of the rows: reference (one row per --stage), fsdp2 or deepspeed (one row per "
         "configuration: the sharding the engine runs; deepspeed: one per --stage given).")] = "reference",

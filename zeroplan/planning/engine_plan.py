@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from zeroplan.allocator.gc_pause import gc_paused
-from zeroplan.allocator.reserved import fit_bytes, reserved_of
+from zeroplan.allocator.reserved import NO_CUDA_ALLOCATOR, fit_bytes, replayed_on, reserved_of
 from zeroplan.engines import get_engine
 from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.collectives import tp_degree
@@ -32,7 +32,10 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         options = replace(options, own={**options.own, "gpus_per_node": config.gpus_per_node})
     answer = engine.plan(workload, nd, budget, options)
     traced = tuple(engine.alloc_trace is not None and c.trace_inputs is not None for c in answer.candidates)
-    over = tuple(t and live_over(c.estimate.peak, budget) for c, t in zip(answer.candidates, traced))  # not replayed
+    on_cpu = tuple(t and not replayed_on(c.trace_inputs[2]) for c, t in zip(answer.candidates, traced))
+    # not replayed: a CPU run (no CUDA allocator), or a live peak alone over the budget
+    over = tuple(t and (cpu or live_over(c.estimate.peak, budget))
+                 for c, t, cpu in zip(answer.candidates, traced, on_cpu))  # fmt: skip
     traces = tuple(engine.alloc_trace(*c.trace_inputs)[0] if t and not o else None
                    for c, t, o in zip(answer.candidates, traced, over))  # fmt: skip
     held = tuple(None if t is None else reserved_of(t, config.alloc_conf) for t in traces)
@@ -44,7 +47,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     whole = config.tensor_numels
     tokens = config.tokens_per_micro_step * config.grad_accum
     rows = []
-    for c, fits_c, reserved, skipped in zip(answer.candidates, fit, held, over):
+    for c, fits_c, reserved, skipped, cpu in zip(answer.candidates, fit, held, over, on_cpu):
         e = c.estimate
         # a data-parallel rank's tokens, its 6·Ψ·tokens FLOPs split over the T GPUs of its tensor-parallel group
         compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, tp_degree(e.collectives),
@@ -67,7 +70,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
             peak_rank=e.peak_rank,
             reserved=reserved,
             host=host,
-            not_replayed=NOT_REPLAYED if skipped else None,
+            not_replayed=NO_CUDA_ALLOCATOR if cpu else NOT_REPLAYED if skipped else None,
         ))  # fmt: skip
     headroom = f"{config.headroom:.0%} of GPU memory kept free"
     recommendation = launchers = advice = None
@@ -85,6 +88,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         if least is not None:
             advice = cut_first(least.peak, least.stage, config)
     policy = engine.policy(answer.base)
+    replayed = any(t and not cpu for t, cpu in zip(traced, on_cpu))  # "fits" on reserved bytes, else on live ones
     return Plan(
         config=config,
         params=sum(whole),
@@ -104,7 +108,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         recommendation=recommendation,
         reason=reason,
         launchers=launchers,
-        fit_basis=f"fits on {fit_quantity(config.alloc_conf if any(traced) else None)} ({engine.name} engine, "
+        fit_basis=f"fits on {fit_quantity(config.alloc_conf if replayed else None)} ({engine.name} engine, "
                   f"docs/engines/{engine.name}.md) within the headroom",
         cut_first=advice,
         fragmentation=first_fragmentation(rows, traces, budget, config.micro_batch),
