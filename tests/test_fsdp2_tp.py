@@ -47,7 +47,7 @@ def _predict(run: dict, rank: int):
     meta = run["meta"]
     replicate = meta.get("dp_replicate", 1)
     settings = Settings(tp=meta["tp"], sequence_parallel=meta["sequence_parallel"], device="cpu", backend="gloo",
-                        rank=rank, foreach=False, param_dtype=meta.get("param_dtype", "fp32"),
+                        loss_parallel=meta.get("loss_parallel", True), rank=rank, foreach=False, param_dtype=meta.get("param_dtype", "fp32"),
                         **({"dp_replicate": replicate} if replicate > 1 else {}))  # fmt: skip
     (row,) = estimate(_workload(meta), meta["world_size"], settings)
     return row
@@ -60,7 +60,8 @@ def _run_id(run: dict) -> str:
     hsdp = f"-hsdp{meta['dp_replicate']}" if meta.get("dp_replicate", 1) > 1 else ""
     seq = f"-s{meta['seq_len']}" if meta["seq_len"] != 16 else ""
     sp = "sp" if meta["sequence_parallel"] else "no-sp"
-    return f"{meta.get('param_dtype', 'fp32')}-{sp}{ckpt}{batch}{seq}{hsdp}"
+    lp = "" if meta.get("loss_parallel", True) else "-no-lp"
+    return f"{meta.get('param_dtype', 'fp32')}-{sp}{lp}{ckpt}{batch}{seq}{hsdp}"
 
 
 def _mesh(meta) -> tuple[int, int, int]:

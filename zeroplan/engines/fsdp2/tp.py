@@ -12,7 +12,11 @@ The plan (torchtitan 0.3.0 ``models/common/decoder_sharding.py``, the same place
 - ``embed_tokens``: ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))`` (weight
   ``Shard(0)``: the vocabulary split; output reduce-scattered to the sequence shard; ``Replicate`` without SP);
 - ``lm_head``: ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)``,
-  the loss parallel option (``loss_parallel()``: cross-entropy on vocabulary-sharded logits).
+  the loss parallel option (``loss_parallel()``: cross-entropy on vocabulary-sharded logits); without it
+  (torchtitan's ``parallelism.disable_loss_parallel``, ``Settings.loss_parallel`` false)
+  ``output_layouts=Replicate(), use_local_output=True``: ``ColwiseParallel._prepare_output_fn`` redistributes
+  the N x V/T logits Shard(-1) -> Replicate (an all-gather of the vocabulary, ``Shard._to_replicate_tensor``),
+  and the plain cross-entropy runs on the whole N x V logits on every TP rank.
 
 FSDP2 then shards each TP-local tensor (``DTensor._local_tensor``) on its dim 0 over ``dp_shard``
 (``_fsdp_param.py:FSDPParam._init_sharded_param``: ``_StridedShard`` when TP also splits dim 0), so the
@@ -93,13 +97,28 @@ def local_shapes(shapes, t: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
 def local_spec(spec, t: int):
     """The architecture one TP rank computes: heads, KV heads, the FFN width and the vocabulary (loss
     parallel: vocabulary-sharded logits) divided by T, head_dim and d_model kept. Its activations are the
-    block internals divided by T; the residual stream and the norms stay whole (without SP)."""
+    block internals divided by T; the residual stream and the norms stay whole (without SP); without loss
+    parallel the logits are whole from the all-gather on (``whole_logits``)."""
     return replace(spec, n_head=spec.n_head // t, n_kv_head=spec.n_kv_head // t, ffn_hidden=spec.ffn // t,
                    vocab_size=spec.vocab_size // t, head_dim=spec.head_dim)  # fmt: skip
 
 
+def whole_logits(acts, t: int):
+    """``acts`` (the TP-local architecture's, N x V/T logits) without loss parallel: the head's output is
+    all-gathered to Replicate and ``use_local_output`` hands the whole N x V logits to the loss, so the logits,
+    their fp32 copy, the log-softmax and the gradients of the loss (``acts.logits``, ``logits_fp32``,
+    ``log_softmax``) are the whole vocabulary's, T times the TP-local ones."""
+    return replace(acts, logits=acts.logits * t, logits_fp32=acts.logits_fp32 * t, log_softmax=acts.log_softmax * t)
+
+
+def check_loss_parallel(t: int | None, loss_parallel: bool) -> None:
+    """ValueError (one line) for ``loss_parallel`` false without TP: it is a setting of the TP plan's head."""
+    if not loss_parallel and (t or 1) == 1:
+        raise ValueError("loss_parallel=false: a tensor-parallel option (the head's output layout); give tp > 1")
+
+
 def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, sequence_parallel: bool,
-                   checkpointing: bool) -> tuple[UnitCollective, ...]:
+                   checkpointing: bool, vocab: int | None = None) -> tuple[UnitCollective, ...]:
     """The TP collectives of one micro-step over the ``tp`` group (T ranks), in issue order per phase; each
     (b, s, d) activation of ``tokens`` = b·s rows is one collective of tokens·d elements (its full size).
     Measured call by call on gloo (tests/data/measured/fsdp2_tp.json, validate/engines/fsdp2_tp.py).
@@ -116,7 +135,14 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
     (``_nll_loss_forward``: ``_MaskPartial._reduce_value``); its backward sends nothing. Checkpointing
     recomputes each block's forward collectives in backward but its last (down_proj's reduce-scatter, or
     all-reduce without SP): ``torch.utils.checkpoint``'s non-reentrant recompute stops once the saved tensors
-    are back (early stop), and nothing saves that output (measured with and without SP)."""
+    are back (early stop), and nothing saves that output (measured with and without SP).
+
+    ``vocab`` V given: no loss parallel (``Settings.loss_parallel`` false). The head's output is
+    redistributed Shard(-1) -> Replicate (``style.py:ColwiseParallel._prepare_output_fn``,
+    ``placement_types.py:Shard._to_replicate_tensor``: ``funcol.all_gather_single``): one all-gather of the
+    N·V logits in forward, in the activation dtype, in place of loss parallel's three all-reduces. Its
+    backward sends nothing: ``to_local``'s gradient is Replicate and ``Redistribute.backward`` turns it into
+    Shard(-1) by a local split (``Shard._replicate_to_shard``)."""
     n = tokens * d_model
     if sequence_parallel:
         embed, block_fwd, head = ("reduce-scatter",), ("all-gather", "reduce-scatter") * 2, ("all-gather",)
@@ -132,8 +158,11 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
         out += [coll(op, "forward", f"block {i}") for op in block_fwd]
     out += [coll(op, "forward", "root") for op in head]
     # the loss runs on fp32 logits (``logits.float()``, as transformers' ForCausalLMLoss and CausalLM.loss)
-    out += [UnitCollective("all-reduce", "forward", "root (loss parallel)", tokens, "fp32", t, "tp")
-            for _ in range(3)]
+    if vocab is None:
+        out += [UnitCollective("all-reduce", "forward", "root (loss parallel)", tokens, "fp32", t, "tp")
+                for _ in range(3)]
+    else:
+        out += [coll("all-gather", "forward", "root (logits)", tokens * vocab)]
     if sequence_parallel:
         out += [coll(back[op], "backward", "root") for op in reversed(head)]
     else:
@@ -244,11 +273,15 @@ def sp_nograd_peak(spec, t: int, n: int, s: int, a: int, gloo: bool) -> int:
                m["mlp"] - whole + 3 * sh, 4 * sh + 2 * whole + copy + n * spec.ffn * a)  # fmt: skip
 
 
-def tp_acts(acts, spec, t: int, tokens: int, a: int, sequence_parallel: bool, gloo: bool, seq_len: int | None = None):
+def tp_acts(acts, spec, t: int, tokens: int, a: int, sequence_parallel: bool, gloo: bool, seq_len: int | None = None,
+            loss_parallel: bool = True):
     """The activations of one TP rank (``spec`` the TP-local architecture, ``local_spec``): with SP the
     sequence-parallel regions divided by T (``sequence_parallel_acts``) and the checkpointed forward's
     peak re-counted (``sp_nograd_peak``; ``seq_len``: the sequence, for SDPA's mask, else ``tokens``), then the
-    post-attention norm's backward moment (``post_norm_backward``)."""
+    post-attention norm's backward moment (``post_norm_backward``); without loss parallel the logits whole
+    (``whole_logits``)."""
+    if not loss_parallel:
+        acts = whole_logits(acts, t)
     if sequence_parallel:
         acts = sequence_parallel_acts(acts, t, tokens, spec.d_model, a, gloo)
         if spec.style == "llama":
@@ -272,7 +305,7 @@ def loss_parallel_log_softmax(run) -> tuple[Term, ...]:
     exists: N·V/T·4 + 3·N·4 - 8 B over the "cross-entropy" moment (which holds the log-softmax and the 8 B
     loss). Traced op by op (one rank, a 1-rank mesh: the peak at that ``aten.sub``, 2·N·V/T·4 + 3·N·4 beyond the
     input) and measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, no SP, the forward peak, exact."""
-    if (run.settings.tp or 1) == 1:
+    if (run.settings.tp or 1) == 1 or not run.settings.loss_parallel:
         return ()
     n, nv = _loss_rows(run)
     return (Term("loss parallel: shifted logits and the log-softmax being made (fp32)", 2 * nv,
@@ -290,7 +323,7 @@ def loss_parallel_backward(run) -> tuple[Term, ...]:
     N·V/T·4 + 3·N·8 + 2·N·4 + N + 4. Traced op by op (a 1-rank mesh: the peak at ``aten.add``, all but the
     loss's gradient, an input there) and measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, SP: the
     backward peak, exact."""
-    if (run.settings.tp or 1) == 1:
+    if (run.settings.tp or 1) == 1 or not run.settings.loss_parallel:
         return ()
     n, nv = _loss_rows(run)
     return (Term("loss parallel: grad_input + exp(x), the third fp32 N·V/T", nv,
