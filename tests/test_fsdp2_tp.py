@@ -1,8 +1,9 @@
 """FSDP2 with tensor parallelism (engines/fsdp2/tp.py): TP-local shapes, the TP collectives, the refusals, and
 the prediction of every phase of every rank against real gloo runs at world size 4 as dp_shard 2 x tp 2
 (validate/engines/fsdp2_tp.py, recorded in tests/data/measured/fsdp2_tp.json: with and without sequence
-parallelism). One live run (a background job); the recorded rows are re-made with
-``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 [--no-sp] --out F`` (~30 s CPU each)."""
+parallelism, and without loss parallel: tests/test_fsdp2_tp_loss.py). One live run (a background job); the recorded
+rows are re-made with ``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 [--no-sp] [--no-loss-parallel]
+--out F`` (~30 s CPU each)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2 import Settings, estimate
 from zeroplan.engines.fsdp2.param import shard_rows
-from zeroplan.engines.fsdp2.tp import (check_plan, local_shapes, local_spec, loss_parallel_backward,
-                                       loss_parallel_log_softmax)
+from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, local_spec
+from zeroplan.engines.fsdp2.tp_loss import logits_all_gather, loss_parallel_backward, loss_parallel_log_softmax
 from zeroplan.presets import resolve_model
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "measured" / "fsdp2_tp.json").read_text())
@@ -130,7 +131,7 @@ def test_loss_parallel_moments():
     peak with SP its cross-entropy backward, each the measured peak (N = 64 tokens, V/T = 65 rows: 17,400 B
     and 18,756 B of loss-parallel terms); neither term exists at T = 1."""
     runs = {(r["meta"]["sequence_parallel"], r["meta"]["batch"], r["meta"].get("param_dtype")): r
-            for r in RECORDED["runs"]}  # fmt: skip
+            for r in RECORDED["runs"] if r["meta"].get("loss_parallel", True)}  # fmt: skip
     for sp, phase, moment, extra in ((False, "forward", "loss-parallel log-softmax", 2 * 64 * 65 * 4 + 3 * 64 * 4),
                                      (True, "backward", "cross-entropy backward", 64 * 65 * 4 + 3 * 64 * 8
                                       + 2 * 64 * 4 + 64 + 4)):  # fmt: skip

@@ -85,7 +85,8 @@ def tp_forward(self, tokens: torch.Tensor) -> torch.Tensor:
     rope, mask = self._positions(tokens.unsqueeze(-1).to(x.dtype))  # the whole sequence's positions
     for block in self.model.layers:
         x = block(x, rope, mask)
-    return self.lm_head(self.model.norm(x))
+    x = self.model.norm(x)  # rebound, as CausalLM.forward (and torchtitan): the last block's output is let go
+    return self.lm_head(x)
 
 
 def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool, param_dtype: str = "fp32", checkpointing: bool = False,

@@ -40,7 +40,8 @@ def predict(config, meta: dict, rank: int):
     spec = spec_for(config.model_name, None)
     workload = Workload(transformer_shapes(spec), spec, run.seq_len, run.batch,
                         "full" if run.checkpointing else "none", 1, False)  # fmt: skip
-    settings = profile.Settings(tp=run.tp, sequence_parallel=run.sequence_parallel, device="cpu", backend="gloo",
+    settings = profile.Settings(tp=run.tp, sequence_parallel=run.sequence_parallel, loss_parallel=run.loss_parallel,
+                                device="cpu", backend="gloo",
                                 rank=rank, foreach=False, param_dtype=run.param_dtype,
                                 **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], settings)

@@ -21,7 +21,8 @@ from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
 from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
-from zeroplan.engines.fsdp2.tp import check_loss_parallel, check_tp, tp_acts
+from zeroplan.engines.fsdp2.tp import check_tp, tp_acts
+from zeroplan.engines.fsdp2.tp_loss import check_loss_parallel
 from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, fsdp2_run, mesh_ranks, resharded, run_states
 from zeroplan.engines.fsdp2.units import wrapping_of

@@ -33,12 +33,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from zeroplan.engines.fsdp2.collectives import UnitCollective
-from zeroplan.formulas.activation_terms import TOKEN_BYTES
+from zeroplan.engines.fsdp2.tp_loss import whole_logits
 from zeroplan.formulas.llama_nograd import llama_nograd_moments
-from zeroplan.formulas.peak import Term
 
 TP_SRC = "torch/distributed/tensor/parallel/style.py"
-LOSS_SRC = "torch/distributed/tensor/parallel/loss.py:"
 TP_FAMILIES = ("llama", "mistral", "qwen2")
 """The llama-like families the plan holds: q/k/v/o, gate/up/down, RMSNorm, untied head (Qwen3's q_norm and
 k_norm and Phi-3's fused projections are other plans)."""
@@ -101,20 +99,6 @@ def local_spec(spec, t: int):
     parallel the logits are whole from the all-gather on (``whole_logits``)."""
     return replace(spec, n_head=spec.n_head // t, n_kv_head=spec.n_kv_head // t, ffn_hidden=spec.ffn // t,
                    vocab_size=spec.vocab_size // t, head_dim=spec.head_dim)  # fmt: skip
-
-
-def whole_logits(acts, t: int):
-    """``acts`` (the TP-local architecture's, N x V/T logits) without loss parallel: the head's output is
-    all-gathered to Replicate and ``use_local_output`` hands the whole N x V logits to the loss, so the logits,
-    their fp32 copy, the log-softmax and the gradients of the loss (``acts.logits``, ``logits_fp32``,
-    ``log_softmax``) are the whole vocabulary's, T times the TP-local ones."""
-    return replace(acts, logits=acts.logits * t, logits_fp32=acts.logits_fp32 * t, log_softmax=acts.log_softmax * t)
-
-
-def check_loss_parallel(t: int | None, loss_parallel: bool) -> None:
-    """ValueError (one line) for ``loss_parallel`` false without TP: it is a setting of the TP plan's head."""
-    if not loss_parallel and (t or 1) == 1:
-        raise ValueError("loss_parallel=false: a tensor-parallel option (the head's output layout); give tp > 1")
 
 
 def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, sequence_parallel: bool,
@@ -291,46 +275,6 @@ def tp_acts(acts, spec, t: int, tokens: int, a: int, sequence_parallel: bool, gl
 
 
 
-def _loss_rows(run) -> tuple[int, int]:
-    """(N, N·V/T·4): the tokens in the loss and one fp32 tensor of vocabulary-sharded logits (``run.acts``
-    is the TP-local architecture's: its ``log_softmax`` is N·V/T·4, its ``batch`` the ids and targets)."""
-    return run.acts.batch // (2 * TOKEN_BYTES), run.acts.log_softmax
-
-
-def loss_parallel_log_softmax(run) -> tuple[Term, ...]:
-    """Loss parallel's forward (T > 1; else ()): ``_log_softmax`` on the fp32 N·V/T logits, at its last op
-    ``result = shifted - shifted_logsumexp``: the shifted copy ``x - x_max`` and the result (two fp32 N·V/T
-    beside the logits; ``exp(shifted)`` is gone by then), the all-reduced row max, the all-reduced sum of exps
-    and its log (three fp32 N; the local max and sum died when their names were rebound), before the loss
-    exists: N·V/T·4 + 3·N·4 - 8 B over the "cross-entropy" moment (which holds the log-softmax and the 8 B
-    loss). Traced op by op (one rank, a 1-rank mesh: the peak at that ``aten.sub``, 2·N·V/T·4 + 3·N·4 beyond the
-    input) and measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, no SP, the forward peak, exact."""
-    if (run.settings.tp or 1) == 1 or not run.settings.loss_parallel:
-        return ()
-    n, nv = _loss_rows(run)
-    return (Term("loss parallel: shifted logits and the log-softmax being made (fp32)", 2 * nv,
-                 LOSS_SRC + "_log_softmax", 2),
-            Term("loss parallel: the all-reduced row max and sum of exps, its log (fp32)", 3 * n * 4,
-                 LOSS_SRC + "_log_softmax", 3))  # fmt: skip
-
-
-def loss_parallel_backward(run) -> tuple[Term, ...]:
-    """Loss parallel's backward (T > 1; else ()): ``_nll_loss_and_log_softmax_backward`` at
-    ``(grad_input + torch.exp(x)) * grad_output`` holds three fp32 N·V/T (grad_input, exp(x), their sum)
-    where the profile's "cross-entropy backward" holds two, plus three int64 N (``safe_target``, the masked
-    target ``_MaskPartial._mask_tensor`` makes, ``arange_1d``), two fp32 N (``grad_update``, the masked
-    ``grad_output``), the bool N mask (``_MaskPartial.mask_buffer``) and the loss's 4 B gradient:
-    N·V/T·4 + 3·N·8 + 2·N·4 + N + 4. Traced op by op (a 1-rank mesh: the peak at ``aten.add``, all but the
-    loss's gradient, an input there) and measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, SP: the
-    backward peak, exact."""
-    if (run.settings.tp or 1) == 1 or not run.settings.loss_parallel:
-        return ()
-    n, nv = _loss_rows(run)
-    return (Term("loss parallel: grad_input + exp(x), the third fp32 N·V/T", nv,
-                 LOSS_SRC + "_nll_loss_and_log_softmax_backward"),
-            Term("loss parallel: targets (int64), mask, grad_update and grad_output columns", 3 * n * 8 + 2 * n * 4
-                 + n + 4, LOSS_SRC + "_nll_loss_and_log_softmax_backward", 7))  # fmt: skip
-
 TP_SIZES = (1, 2, 4, 8)
 """The TP degrees ``plan --tp auto`` tries, smallest first, those within a node that divide the GPUs and that
 the plan holds (``check_plan``): TP's collectives run on every micro-step's activations, so it stays on
@@ -352,24 +296,32 @@ def tp_sizes(spec, nd: int, gpus_per_node: int, seq_len: int, sequence_parallel:
     return tuple(out)
 
 
-def tp_snippet(t: int, dp_mesh: str, sequence_parallel: bool) -> str:
+def tp_snippet(t: int, dp_mesh: str, sequence_parallel: bool, loss_parallel: bool = True) -> str:
     """``parallelize_module`` with torchtitan's llama plan in transformers' llama names (``LlamaForCausalLM``:
     ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``), then what ``fully_shard`` takes:
-    ``dp_mesh``, the data-parallel sub-mesh. The loss is computed under ``loss_parallel()``."""
+    ``dp_mesh``, the data-parallel sub-mesh. The loss is computed under ``loss_parallel()``; without loss parallel
+    the head's output is Replicate (whole logits, a plain tensor) and the loss is the plain one."""
     act = "Shard(1)" if sequence_parallel else "Replicate()"
+    if loss_parallel:
+        head = "output_layouts=Shard(-1), use_local_output=False),\n"
+        loss = "})  # the loss: `with loss_parallel(): loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())`\n"
+    else:  # torchtitan's parallelism.disable_loss_parallel
+        head = "output_layouts=Replicate(), use_local_output=True),\n"
+        loss = ("})  # no loss parallel: every TP rank all-gathers the whole logits; the loss as without TP,\n"
+                "# `loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())`\n")
     norms = ('        "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),\n'
              if sequence_parallel else "")  # fmt: skip
     final = '    "model.norm": SequenceParallel(),\n' if sequence_parallel else ""
     return (
         "from torch.distributed.tensor import Replicate, Shard\n"
         "from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,\n"
-        "                                               SequenceParallel, loss_parallel, parallelize_module)\n"
+        "                                               SequenceParallel, "
+        + "loss_parallel, " * loss_parallel + "parallelize_module)\n"
         f"# tensor parallelism over the {t} GPUs of mesh[\"tp\"] (torchtitan's llama plan), before fully_shard;\n"
         "# module names as transformers' LlamaForCausalLM (model.model.layers: `model.layers` below)\n"
         "parallelize_module(model, mesh[\"tp\"], {\n"
         f"    \"model.embed_tokens\": RowwiseParallel(input_layouts=Replicate(), output_layouts={act}),\n{final}"
-        f"    \"lm_head\": ColwiseParallel(input_layouts={act}, output_layouts=Shard(-1), use_local_output=False),\n"
-        "})  # the loss: `with loss_parallel(): loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())`\n"
+        f"    \"lm_head\": ColwiseParallel(input_layouts={act}, {head}{loss}"
         + ("# transformers with SP: pass position_ids and cache_position = arange(seq_len) to the model (its\n"
            "# embedding output has seq_len / T rows, from which it would derive them)\n" if sequence_parallel else "")
         + "for block in model.model.layers:\n"

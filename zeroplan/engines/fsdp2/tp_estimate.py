@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from zeroplan.engines.fsdp2.tp import (check_loss_parallel, check_plan, local_shapes, local_spec,
-                                       norm_grad_collectives, tp_collectives)
+from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, local_spec, norm_grad_collectives, tp_collectives
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.peak import PeakEstimate, PhasePeak, Term
@@ -103,6 +102,14 @@ def tp_mesh(settings, nd: int):
     return resolved.model_copy(update={"dp_shard": shard_groups(resolved, nd // t)[1]})
 
 
+def at_degree(own: dict, t: int) -> dict:
+    """The engine's own options at TP degree ``t`` of a search: ``tp`` None at 1, where ``loss_parallel`` (a
+    setting of the TP plan's head, ``tp_loss.check_loss_parallel``) does not apply and is dropped."""
+    if t > 1:
+        return {**own, "tp": t}
+    return {**{k: v for k, v in own.items() if k != "loss_parallel"}, "tp": None}
+
+
 def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
     """``plan --tp auto``: ``plan`` (FSDP2's ``planner_plan``) at each TP degree of ``tp.tp_sizes`` (within a
     node, dividing the GPUs, held by the plan), smallest first; the first that recommends a candidate, else the
@@ -115,7 +122,7 @@ def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
     result = None
     sp = options.own.get("sequence_parallel", True) is not False
     for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp):
-        result = plan(workload, nd, capacity_bytes, replace(options, own={**own, "tp": t if t > 1 else None}))
+        result = plan(workload, nd, capacity_bytes, replace(options, own=at_degree(own, t)))
         if result.recommended is not None:
             return result
     return result
@@ -149,14 +156,14 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     sp = options.own.get("sequence_parallel", True) is not False
     tried = []
     for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp):
-        own = {**options.own, "tp": t if t > 1 else None, "dp_shard": AUTO}
+        own = {**at_degree(options.own, t), "dp_shard": AUTO}
         result = plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=True)  # ranked by it
         chosen = None if result.recommended is None else result.candidates[result.recommended]
         inter = None if chosen is None else inter_node_bytes(chosen.estimate.collectives, nd, node)
         tried.append((t, result, inter))
     fitting = [x for x in tried if x[2] is not None]
     t, best, _ = min(fitting, key=lambda x: (x[1].recommended, x[2], x[0])) if fitting else tried[-1]
-    best = plan(workload, nd, capacity_bytes, replace(options, own={**options.own, "tp": t if t > 1 else None,
+    best = plan(workload, nd, capacity_bytes, replace(options, own={**at_degree(options.own, t),
                                                                      "dp_shard": AUTO}))  # every candidate
 
     def said(t: int, result, inter) -> str:
