@@ -22,7 +22,7 @@ from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2 import Settings, estimate
 from zeroplan.engines.fsdp2.param import shard_rows
 from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, local_spec
-from zeroplan.engines.fsdp2.tp_loss import logits_all_gather, loss_parallel_backward, loss_parallel_log_softmax
+from zeroplan.engines.fsdp2.tp_loss import loss_parallel_backward, loss_parallel_log_softmax
 from zeroplan.presets import resolve_model
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "measured" / "fsdp2_tp.json").read_text())

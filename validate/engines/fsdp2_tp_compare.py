@@ -17,7 +17,7 @@ TP_RUNNER_CHANGES = (
     "each collective returns only once gloo's worker thread has let its tensors go (DTensor's functional ones "
     "waited where issued; validate/engines/fsdp2_gloo_release.py): each free counted before the rank's next op",
     "CausalLM's head called as the module lm_head (tp_forward) so ColwiseParallel's hooks run; the loss under "
-    "loss_parallel() (validate/engines/fsdp2_tp.py)",
+    "loss_parallel(), or without it the plain loss on the all-gathered logits (validate/engines/fsdp2_tp.py)",
     "no parity check: the TP runner does not train a single-process reference",
 )
 """What the TP runner changes in what it measures, beyond the probes (``ReportRow.runner_changes``)."""
