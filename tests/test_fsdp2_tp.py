@@ -281,8 +281,9 @@ def test_plan_snippet_names_the_mesh():
 
 
 @pytest.mark.distributed
-def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path):
-    """The printed ``plan --tp 2`` snippet, run on transformers' ``LlamaForCausalLM`` (tiny, built on meta) as rank 0
+@pytest.mark.parametrize("loss_parallel", [[], ["--no-loss-parallel"]], ids=["lp", "no-lp"])
+def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path, loss_parallel):
+    """The printed ``plan --tp 2`` snippet (with and without ``--no-loss-parallel``), run on transformers' ``LlamaForCausalLM`` (tiny, built on meta) as rank 0
     of a fake group of 8: the 3-D layout it makes is torchtitan's (colwise ``Shard(0)``, rowwise ``Shard(1)``, SP
     norms replicated over tp), and rank 0's local shards hold ``estimate``'s parameter bytes. ``model.layers`` is
     aliased to ``model.model.layers`` and ``init_weights`` is a no-op, as the snippet's comments tell the user."""
@@ -293,7 +294,8 @@ def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path):
     from zeroplan.cli import app
 
     config = Path(__file__).parent / "data" / "hf_configs" / "tiny-llama-qwz.json"
-    args = ["--engine", "fsdp2", "--model", str(config), "--gpus", "8", "--tp", "2", "--seq-len", "32", "--json"]
+    args = ["--engine", "fsdp2", "--model", str(config), "--gpus", "8", "--tp", "2", "--seq-len", "32", "--json",
+            *loss_parallel]
     plan = CliRunner().invoke(app, ["plan", "--gpu", "h100-80gb", *args])
     assert plan.exit_code == 0, plan.output
     snippet = json.loads(plan.stdout)["recommendation"]["fsdp2"]
