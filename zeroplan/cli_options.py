@@ -226,6 +226,12 @@ TpOption = Annotated[
                  "rowwise o/down, sequence-parallel norms, loss parallel); FSDP2 shards over GPUs / T; plan: auto searches "
                  "1, 2, 4, 8 within a node."),
 ]  # fmt: skip
+LossParallelOption = Annotated[
+    Optional[bool],
+    typer.Option("--loss-parallel/--no-loss-parallel", help="fsdp2 with --tp: the head's output Shard(-1) and the "
+                 "loss under loss_parallel() (default, torchtitan's); --no-loss-parallel: Replicate, the logits "
+                 "all-gathered to every TP rank (torchtitan's disable_loss_parallel)."),
+]  # fmt: skip
 FsdpWrapOption = Annotated[
     Optional[str],
     typer.Option("--fsdp-wrap", help="fsdp2: the fully_shard calls: blocks (each decoder layer, then the root; "
@@ -276,6 +282,7 @@ OWN_OPTION_PARAMS: dict[str, str] = {
     "fsdp_offload": "offload_policy",
     "fsdp_pin_memory": "pin_memory",
     "tp": "tp",
+    "loss_parallel": "loss_parallel",
 }
 """Command parameter -> the engine's own option it sets (``Engine.own_options``, by name): the CLI's half of
 adding an option (the engine declares it; its flag is typed here and listed here)."""

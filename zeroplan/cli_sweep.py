@@ -14,7 +14,7 @@ from zeroplan.cli_options import (
 )  # fmt: skip
 from zeroplan.cli_options import AllocConfOption, HeadroomOption  # reserved bytes, as estimate/plan
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
-from zeroplan.cli_options import DpReplicateOption, DpShardOption, TpOption  # fsdp2's mesh (HSDP, TP)
+from zeroplan.cli_options import DpReplicateOption, DpShardOption, LossParallelOption, TpOption  # fsdp2: mesh, TP
 from zeroplan.cli_options import FsdpOffloadOption, FsdpPinMemoryOption  # fsdp2's CPUOffloadPolicy, as estimate
 from zeroplan.hub import with_revision
 
@@ -72,6 +72,7 @@ def sweep(
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
     tp: TpOption = None,
+    loss_parallel: LossParallelOption = None,
     zero_init: ZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
@@ -129,7 +130,8 @@ def sweep(
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
                                   reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device,
-                                  dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, zero_init=zero_init,
+                                  dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, loss_parallel=loss_parallel,
+                                  zero_init=zero_init,
                                   fsdp_offload=fsdp_offload, fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
     micro_batches = parse_wholes(micro_batch, "micro-batch")
     if model is not None:  # a ds_config's batch is the rows' (the engine's sweep_batches)

@@ -71,6 +71,11 @@ def validate_cmd(
     sequence_parallel: Optional[bool] = typer.Option(
         None, "--sp/--no-sp", help="fsdp2 --tp: SequenceParallel norms and Shard(1) activations (default --sp)."
     ),
+    loss_parallel: Optional[bool] = typer.Option(
+        None, "--loss-parallel/--no-loss-parallel", help="fsdp2 --tp: the head's output Shard(-1) and the loss under "
+        "loss_parallel() (default); --no-loss-parallel: Replicate, all-gathered logits (torchtitan's "
+        "disable_loss_parallel)."
+    ),
     fsdp2_init: Optional[str] = typer.Option(
         None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
         "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
@@ -172,7 +177,7 @@ def validate_cmd(
         **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
                 reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init,
                 fsdp_wrap=fsdp_wrap, hf=hf, labels=labels, dp_replicate=dp_replicate, tp=tp,
-                sequence_parallel=sequence_parallel),
+                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,
