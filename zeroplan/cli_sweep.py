@@ -2,7 +2,7 @@
 command; ``zeroplan.cli`` registers it). Thin: parse, one config model, one call, write."""
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -17,6 +17,9 @@ from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hu
 from zeroplan.cli_options import DpReplicateOption, DpShardOption, LossParallelOption, TpOption  # fsdp2: mesh, TP
 from zeroplan.cli_options import FsdpOffloadOption, FsdpPinMemoryOption  # fsdp2's CPUOffloadPolicy, as estimate
 from zeroplan.hub import with_revision
+
+if TYPE_CHECKING:
+    from zeroplan.sweeping.config import SweepConfig
 
 
 def sweep(
@@ -97,36 +100,15 @@ def sweep(
 ) -> None:
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
     model = with_revision(model, revision)  # ORG/NAME@REV: zeroplan.hub
-    import importlib.util
 
     from zeroplan.architectures.shapes_file import load_numels
     from zeroplan.engines import get_engine
-    from zeroplan.files import atomic_write, check_writable
     from zeroplan.parsing import parse_bytes, parse_counts, parse_list, parse_offload, parse_wholes
     from zeroplan.presets import gpu_capacity
-    from zeroplan.render.sweep import write_csv, write_json, write_parquet
     from zeroplan.sweeping.config import SweepConfig
-    from zeroplan.sweeping.grid import sweep_columns, sweep_frames
     from zeroplan.types import MAX_BATCH, MAX_GPUS, check_wholes
 
-    if sum(x is not None for x in (params, shapes, model)) != 1:
-        raise UserError("give exactly one of --params, --shapes and --model")
-    parquet = out is not None and out.suffix.lower() == ".parquet"
-    if parquet and as_json:
-        raise UserError("--json and an --out ending in .parquet are exclusive: choose one format")
-    if parquet and importlib.util.find_spec("pyarrow") is None:
-        raise UserError('writing .parquet needs pyarrow: pip install pyarrow (or ".[parquet]")')
-    inputs = [shapes, model, deepspeed_config]  # every file sweep reads (a preset name is none)
-    if out is not None:
-        check_writable(out, inputs)
-    if model is None and given_on_command_line(ctx, "checkpointing"):
-        raise UserError("--checkpointing changes only activations, which need --model")
-    if model is None:
-        refuse_unused(ctx, ("foreach", "engine", "alloc_conf"), "without --model: the peak needs an architecture")
-    refuse_foreign(ctx, engine)
-    if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
-        raise UserError("--deepspeed-config does not apply to sweep --engine reference: use --engine deepspeed "
-                        "--model NAME with it, or give the reference policy options (--param-dtype, --optimizer, ...)")
+    parquet, inputs = check_sweep_options(ctx, params, shapes, model, engine, deepspeed_config, as_json, out)
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
                                   reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device,
@@ -162,6 +144,45 @@ def sweep(
                            optimizer_dtype),  # fmt: skip
         engine_options=options,
     )
+    write_rows(config, as_json, out, parquet, inputs)
+
+
+def check_sweep_options(ctx: typer.Context, params: Optional[str], shapes: Optional[Path], model: Optional[str],
+                        engine: str, deepspeed_config: Optional[Path], as_json: bool,
+                        out: Optional[Path]) -> tuple[bool, list]:
+    """The option checks of ``sweep`` that need no parsed value (UserError, before any work): whether the
+    output is Parquet, and every file sweep reads (a preset name is none)."""
+    import importlib.util
+
+    from zeroplan.engines import get_engine
+    from zeroplan.files import check_writable
+
+    if sum(x is not None for x in (params, shapes, model)) != 1:
+        raise UserError("give exactly one of --params, --shapes and --model")
+    parquet = out is not None and out.suffix.lower() == ".parquet"
+    if parquet and as_json:
+        raise UserError("--json and an --out ending in .parquet are exclusive: choose one format")
+    if parquet and importlib.util.find_spec("pyarrow") is None:
+        raise UserError('writing .parquet needs pyarrow: pip install pyarrow (or ".[parquet]")')
+    inputs = [shapes, model, deepspeed_config]  # every file sweep reads (a preset name is none)
+    if out is not None:
+        check_writable(out, inputs)
+    if model is None and given_on_command_line(ctx, "checkpointing"):
+        raise UserError("--checkpointing changes only activations, which need --model")
+    if model is None:
+        refuse_unused(ctx, ("foreach", "engine", "alloc_conf"), "without --model: the peak needs an architecture")
+    refuse_foreign(ctx, engine)
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
+        raise UserError("--deepspeed-config does not apply to sweep --engine reference: use --engine deepspeed "
+                        "--model NAME with it, or give the reference policy options (--param-dtype, --optimizer, ...)")
+    return parquet, inputs
+
+
+def write_rows(config: "SweepConfig", as_json: bool, out: Optional[Path], parquet: bool, inputs: list) -> None:
+    """The rows of ``config``, written as CSV, JSON or Parquet, to stdout or atomically to ``out``."""
+    from zeroplan.files import atomic_write
+    from zeroplan.render.sweep import write_csv, write_json, write_parquet
+    from zeroplan.sweeping.grid import sweep_columns, sweep_frames
 
     def write(sink) -> None:
         if as_json:
