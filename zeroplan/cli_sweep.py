@@ -103,7 +103,7 @@ def sweep(
     from zeroplan.files import atomic_write, check_writable
     from zeroplan.parsing import parse_bytes, parse_counts, parse_list, parse_offload, parse_wholes
     from zeroplan.presets import gpu_capacity
-    from zeroplan.render.sweep import write_csv, write_json, write_parquet
+    from zeroplan.render.sweep import CSV_SLICE_ROWS, write_csv, write_json, write_parquet
     from zeroplan.sweeping.config import SweepConfig
     from zeroplan.sweeping.grid import sweep_columns, sweep_frames
     from zeroplan.types import MAX_BATCH, MAX_GPUS, check_wholes
@@ -165,7 +165,7 @@ def sweep(
         if as_json:
             write_json(sweep_frames(config), config, sink)
         else:  # numpy columns straight to pyarrow: pandas is never imported
-            write_csv(sweep_columns(config), sink)
+            write_csv(sweep_columns(config, CSV_SLICE_ROWS), sink)
 
     if out is None:
         write(typer.get_binary_stream("stdout"))

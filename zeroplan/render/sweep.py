@@ -104,10 +104,15 @@ def _strings(texts: list[str]) -> Any:
     import numpy as np
     import pyarrow as pa
 
-    data = [t.encode() for t in texts]
-    offsets = np.zeros(len(data) + 1, dtype=np.int32)
-    np.cumsum([len(d) for d in data], out=offsets[1:])
-    return pa.Array.from_buffers(pa.string(), len(data), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
+    text = "".join(texts)
+    if text.isascii():  # a character is a byte: the lengths of the str are those of the UTF-8 (the usual case)
+        data, lengths = text.encode(), map(len, texts)
+    else:
+        encoded = [t.encode() for t in texts]
+        data, lengths = b"".join(encoded), map(len, encoded)
+    offsets = np.zeros(len(texts) + 1, dtype=np.int32)
+    offsets[1:] = np.fromiter(lengths, dtype=np.int64, count=len(texts)).cumsum()
+    return pa.Array.from_buffers(pa.string(), len(texts), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
 
 
 def _float_strings(values) -> Any:
@@ -197,8 +202,10 @@ def _int_piece(column) -> Any:
     low, high = (int(column.min()), int(column.max())) if column.size else (0, 0)
     if low == high:
         return None, [str(low)]
-    if low >= 0 and high < MERGE_LABELS:
-        return column, [str(i) for i in range(high + 1)]
+    if low >= 0 and high < MERGE_LABELS:  # labels of the values present only (a grid has few of 0..high)
+        present = np.zeros(high + 1, dtype=bool)
+        present[column] = True
+        return (np.cumsum(present) - 1)[column], [str(v) for v in np.flatnonzero(present).tolist()]
     starts = np.empty(column.size, dtype=bool)
     starts[0] = True
     np.not_equal(column[1:], column[:-1], out=starts[1:])
