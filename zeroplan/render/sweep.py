@@ -273,7 +273,8 @@ def _csv_text(columns) -> Any:
         if isinstance(piece, tuple):
             codes, texts = piece
             labels = _strings(texts)
-            arrays.append(labels[0] if codes is None else _call("take", labels, _array(np.asarray(codes, dtype=np.int64))))
+            indices = None if codes is None else _array(np.asarray(codes, dtype=np.int64))
+            arrays.append(labels[0] if codes is None else _call("take", labels, indices))
         else:
             arrays.append(piece)
     comma, = _strings([","])
