@@ -165,7 +165,7 @@ def sweep(
         if as_json:
             write_json(sweep_frames(config), config, sink)
         else:  # numpy columns straight to pyarrow: pandas is never imported
-            write_csv(sweep_columns(config, CSV_SLICE_ROWS), sink)
+            write_csv(sweep_columns(config, CSV_SLICE_ROWS), sink)  # one slice at a time: the peak RSS
 
     if out is None:
         write(typer.get_binary_stream("stdout"))

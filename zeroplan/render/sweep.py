@@ -126,7 +126,7 @@ def _text(values) -> Any:
 def _call(name: str, *args, options=None) -> Any:
     """The pyarrow compute function ``name`` (``pyarrow.compute.call_function``, from the module that defines it):
     importing ``pyarrow.compute`` builds a Python wrapper for each of its functions, about 40 ms of CPU time
-    (measured: docs/benchmarks.md, sweep CSV pass), and the CSV needs four of them."""
+    (docs/benchmarks.md, "The CSV sweep, fifth pass"), and the CSV needs four of them."""
     from pyarrow._compute import call_function
 
     return call_function(name, list(args), options)
@@ -217,8 +217,8 @@ def _coded(codes, texts: list[str]) -> tuple:
 
 
 def _int_piece(column) -> Any:
-    """An int64 column's text: indexed labels for small counts (GPU counts, stages) and for runs of one value
-    (Ψ over a block of rows), else formatted per row by pyarrow."""
+    """An int64 column's text: labels of the values present for small counts (GPU counts, stages), of runs of
+    one value (Ψ over a block of rows), else formatted per row by pyarrow."""
     import numpy as np
 
     low, high = (int(column.min()), int(column.max())) if column.size else (0, 0)
