@@ -181,14 +181,14 @@ def check_sweep_options(ctx: typer.Context, params: Optional[str], shapes: Optio
 def write_rows(config: "SweepConfig", as_json: bool, out: Optional[Path], parquet: bool, inputs: list) -> None:
     """The rows of ``config``, written as CSV, JSON or Parquet, to stdout or atomically to ``out``."""
     from zeroplan.files import atomic_write
-    from zeroplan.render.sweep import write_csv, write_json, write_parquet
+    from zeroplan.render.sweep import CSV_SLICE_ROWS, write_csv, write_json, write_parquet
     from zeroplan.sweeping.grid import sweep_columns, sweep_frames
 
     def write(sink) -> None:
         if as_json:
             write_json(sweep_frames(config), config, sink)
         else:  # numpy columns straight to pyarrow: pandas is never imported
-            write_csv(sweep_columns(config), sink)
+            write_csv(sweep_columns(config, CSV_SLICE_ROWS), sink)  # one slice at a time: the peak RSS
 
     if out is None:
         write(typer.get_binary_stream("stdout"))
