@@ -571,7 +571,9 @@ def test_csv_compute_falls_back_to_the_public_module(monkeypatch):
 
     from zeroplan.render import sweep as render_sweep
 
-    monkeypatch.setitem(__import__("sys").modules, "pyarrow._compute", types.ModuleType("pyarrow._compute"))
+    bare = types.ModuleType("pyarrow._compute")  # a pyarrow whose _compute lacks the three names
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow._compute", bare)
+    monkeypatch.setattr(__import__("pyarrow"), "_compute", bare)
     assert render_sweep._compute() is pyarrow.compute
     monkeypatch.undo()
     assert render_sweep._compute().__name__ == "pyarrow._compute"
