@@ -284,7 +284,7 @@ def test_runs_between_cached_blocks_and_frees_replay_exactly(monkeypatch):
     for conf in ("", "max_split_size_mb:40", expandable, f"{expandable},max_split_size_mb:40"):
         full, fast, copies = _full_and_fast(events, conf, monkeypatch)
         assert fast == full and copies > (10 if "expandable" in conf else 50), (conf, copies)
-        # as ``Event``s, the allocs and frees go through ``_plain_step`` too (tuples do not)
+        # as ``Event``s, the allocs and frees go through ``_plain_steps`` too (tuples do not)
         assert replay([Event(*e) for e in events], parse_alloc_conf(conf)) == full, conf
     # whole 20 MiB pages: a freed block that ends at the unmapped range keeps it apart (``_try_merge``)
     events = [("alloc", 0, 20 * MiB), ("alloc", 1, 20 * MiB), ("free", 1), ("alloc", 2, 40 * MiB), ("free", 0),

@@ -319,17 +319,21 @@ def test_generator_5_draws_deepspeed_moe_where_modelled_only():
 
 
 def test_a_refused_family_draw_is_not_run_and_says_why():
-    """Gemma 3's window is drawn on both sides of the sequence: below it the draw is run, above it refused
-    (``gemma_activations.gemma_limit``) and counted by reason."""
+    """A draw the profile refuses (experts whose activation is not SiLU, ``activation_limit``) says why in one line,
+    counted by reason; Gemma 3's window is drawn on both sides of the sequence and both are run (refused above it
+    before its sliding and full layers got their own blocks, 2026-12-02)."""
+    from dataclasses import replace
+
     from validate.engines.differential_families import refusal, refusals, rule
 
     gemma3 = [d for d in _family_draws() if d.config["model_type"] == "gemma3_text"]
     short = next(d for d in gemma3 if d.config["sliding_window"] <= d.seq_len)
-    assert refusal(short).startswith(f"model_type 'gemma3_text': seq_len={short.seq_len} >= sliding_window=")
-    assert refusal(next(d for d in gemma3 if d.config["sliding_window"] > d.seq_len)) is None
-    counted = refusals(1, [short.index, 1])
-    assert counted == {rule(refusal(short)): 1}  # one rule, its numbers as N
-    assert rule(refusal(short)).startswith("model_type 'gemma3_text': seq_len=N >= sliding_window=N: the sliding")
+    assert refusal(short) is None and refusal(next(d for d in gemma3 if d.config["sliding_window"] > d.seq_len)) is None
+    assert refusals(1, [short.index, 1]) == {}
+    mixtral = next(d for d in _family_draws() if d.config["model_type"] == "mixtral")
+    why = refusal(replace(mixtral, config={**mixtral.config, "hidden_act": "gelu"}))
+    assert why.startswith("model_type 'mixtral': its activation peak is not modelled yet (experts with hidden_act 'gelu'")
+    assert "\n" not in why and rule(f"{why} 1,024 x") == f"{rule(why)} N x"
 
 
 def _family_records() -> list[dict]:

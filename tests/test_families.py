@@ -391,17 +391,55 @@ def test_gemma_saved_activations_match_transformers_classes(name, dtype):
     assert measured == predicted_saved_bytes(cfg, b, s, dtype)
 
 
+#: Gemma 3 from its window on (window 16 < s): the sliding layers save the 16-bit (b, 1, s, s) mask and k, v repeated
+#: to the query heads, the full ones do not (``gemma_activations.sliding_masked``); either order of the two kinds.
+GEMMA3_WINDOWED = {**GEMMA["gemma3_text"], "sliding_window": 16}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("s", [16, 24, 32])
+@pytest.mark.parametrize("first", ["sliding_attention", "full_attention"])
+def test_gemma3_saved_activations_from_the_sliding_window_on(first, s, dtype):
+    """Every storage autograd saves equals ``saved_total`` plus the int64 targets, byte for byte, at and above the
+    window: each layer its own block (``ModelActivations.layer_blocks``); one block for both kinds (either kind's)
+    misses by the sliding layer's mask and repeated k, v, so that sum fails here."""
+    other = {"sliding_attention": "full_attention", "full_attention": "sliding_attention"}[first]
+    cfg = {**GEMMA3_WINDOWED, "layer_types": [first, other]}
+    measured, _, _ = hf_saved_bytes(cfg, 2, s, dtype, "sdpa")
+    assert measured == predicted_saved_bytes(cfg, 2, s, dtype)
+    acts = model_activations(spec_from_hf_config(cfg), 2, s, act_bytes=4 if dtype == "float32" else 2)
+    sliding, full = (acts.layer_blocks[0], acts.layer_blocks[1])[:: 1 if first == "sliding_attention" else -1]
+    a = 4 if dtype == "float32" else 2
+    q, kv = 4 * 12, 2 * 12  # the mask (b·s²·a) and k, v repeated from 2 kv heads to 4 heads
+    assert sliding.saved - full.saved == 2 * s * s * a + 2 * 2 * s * (q - kv) * a
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("s", [8, 24])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_gemma3_repeated_kv_with_one_kv_head_is_a_view(kv_heads, s, dtype):
+    """``repeat_kv`` runs where SDPA gets a mask (s = 24 >= window 16) or head_dim > 256 (264 here, at s = 8 too):
+    with one kv head its reshape is a view and the saved k, v stay kv wide (``gemma_activations.repeat_view``),
+    with two it copies them (exact either way; counting copies with one kv head is 2·N·(q - kv)·a over per
+    layer that repeats, and fails here)."""
+    cfg = {**GEMMA3_WINDOWED, "head_dim": 264, "num_key_value_heads": kv_heads, "num_attention_heads": 2 * kv_heads}
+    measured, _, _ = hf_saved_bytes(cfg, 2, s, dtype, "sdpa")
+    assert measured == predicted_saved_bytes(cfg, 2, s, dtype)
+
+
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gemma3-text", "gemma-3-1b"])
-def test_gemma3_peak_refused_from_the_sliding_window_on(name):
-    """Gemma 3's sliding layers get a mask (and repeated k, v) once s >= sliding_window
-    (``masking_utils._ignore_causal_mask_sdpa``), the full ones do not: refused in one line from there on, modelled
-    below it (the wrapped ``gemma3`` config through its text_config too)."""
+def test_gemma3_real_configs_modelled_from_the_sliding_window_on(name):
+    """Refused from s = sliding_window on before 2026-12-02 (Gemma-3-1B's 512): now each layer its own block, the
+    sliding ones over the full ones by the mask and, with more than one kv head, k, v repeated (one: a view);
+    below the window one block for every layer (the wrapped ``gemma3`` config through its text_config too)."""
     spec = read_hf_config(CONFIGS / f"{name}.json")
-    w = spec.sliding_window
-    assert model_activations(spec, 1, w - 1).block.saved > 0
-    with pytest.raises(ValueError, match=f"seq_len={w} >= sliding_window={w}: the sliding layers") as info:
-        model_activations(spec, 1, w)
-    assert "\n" not in str(info.value)
+    w, a = spec.sliding_window, 2
+    assert model_activations(spec, 1, w - 1).layer_blocks == ()
+    acts = model_activations(spec, 1, w)
+    blocks = dict(zip(spec.layer_types, acts.layer_blocks))
+    assert len(acts.layer_blocks) == spec.n_layer and acts.block == acts.layer_blocks[-1]
+    repeated = 2 * w * (spec.q_dim - spec.kv_dim) * a if spec.n_kv_head > 1 else 0
+    assert blocks["sliding_attention"].saved - blocks["full_attention"].saved == w * w * a + repeated
 
 
 #: FSDP2 and DeepSpeed on transformers' Gemma classes, recorded 2026-12-01 on this project's CPU machine (torch
@@ -434,6 +472,19 @@ GEMMA_RECORDED = {
     "t-gemma3-tied-bf16": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 128, "tie_word_embeddings": True,
                             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "bf16",
                            [[4719652, 13316242, 14084498, 8000232], [4719652, 13315282, 14083538, 7998312]]),
+    # Gemma 3 from its window on (window 32 < seq 64; recorded 2026-12-02, same world): its two sliding layers save the
+    # mask and k, v beside the full one's; with one kv head ``repeat_kv`` is a view (``gemma_activations.repeat_view``:
+    # without it forward and backward over by 2·N·(q - kv)·a per sliding layer, -1.05% / -0.97%, bf16 -0.61% / -0.58%)
+    "t-gemma3-w32": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 32,
+                      "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "fp32",
+                     [[5241844, 18699108, 20235620, 10882396], [5241844, 18697188, 20233700, 10879516]]),
+    "t-gemma3-w32-bf16": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 32,
+                           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "bf16",
+                          [[5241844, 16230934, 16999190, 10882396], [5241844, 16229014, 16997270, 10879516]]),
+    "t-gemma3-w32-tied-bf16": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 32,
+                                "tie_word_embeddings": True,
+                                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64,
+                               "bf16", [[4719652, 13349010, 14117266, 8000232], [4719652, 13348050, 14116306, 7998312]]),
     # the s x s regime: many heads, a small vocabulary: the blocks' forward and backward are the peaks, not the loss
     "t-gemma2-scores": ({**T_DIMS, "model_type": "gemma2", "num_attention_heads": 8, "num_key_value_heads": 2,
                          "head_dim": 16, "query_pre_attn_scalar": 16, "vocab_size": 301, "sliding_window": 32}, 64,
@@ -449,6 +500,8 @@ GEMMA_DS_RECORDED = {
     ("t-gemma3", 3): [8539861, 24595817, 26132337, 18900105],
     ("t-gemma2-tied", 3): [6378181, 21894361, 23430881, 13135785],
     ("t-gemma2-scores", 2): [4345988, 12318980, 13211820, 8692948],
+    ("t-gemma3-w32", 2): [9439108, 19920868, 21457388, 18879060],  # recorded 2026-12-02: within 0.0065%
+    ("t-gemma3-w32", 3): [8539861, 24661353, 26197873, 18900105],  # within 0.0023%
 }
 RECORDED.update(GEMMA_RECORDED)  # the tests above read their rows from these tables by name
 
@@ -494,6 +547,12 @@ GEMMA_NOGRAD = {  # one decoder layer; small f: the attention is the peak; large
                "num_key_value_heads": 1, "head_dim": 24, "sliding_window": 128},
     "gemma3-mlp": {"model_type": "gemma3_text", "hidden_size": 96, "intermediate_size": 400, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 24, "sliding_window": 128},
+    # a sliding layer from its window on (window 8 < s = 16): SDPA gets the bool band mask; one kv head (a view)
+    "gemma3-window": {"model_type": "gemma3_text", "hidden_size": 96, "intermediate_size": 64, "num_attention_heads": 8,
+                      "num_key_value_heads": 1, "head_dim": 24, "sliding_window": 8, "layer_types": ["sliding_attention"]},
+    "gemma3-mlp-window": {"model_type": "gemma3_text", "hidden_size": 96, "intermediate_size": 400,
+                          "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 24, "sliding_window": 8,
+                          "layer_types": ["sliding_attention"]},
 }  # fmt: skip
 
 
@@ -521,11 +580,15 @@ def test_checkpointed_forward_working_set_of_gemma_layers(name, dtype):
         mask = torch.full((s, s), torch.finfo(torch_dtype).min, dtype=torch_dtype).triu(1).expand(b, 1, s, s)
     else:
         cos_sin, mask = model.model.rotary_emb(x, pos, model.config.layer_types[0]), None
+        if cfg["sliding_window"] <= s:  # sliding_window_causal_mask_function's band, as sdpa_mask makes it
+            i, w = torch.arange(s), cfg["sliding_window"]
+            mask = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < w)).expand(b, 1, s, s)
     measured = _first_layer_nograd_bytes(model, x, cos_sin, mask, pos)
     spec, a = spec_from_hf_config(cfg), 4 if dtype == "float32" else 2
     held = model_activations(spec, b, s, act_bytes=a, stat_bytes=a).block.ckpt_forward_peak - b * s * spec.d_model * a
     miss = measured - held  # the layer's no-grad working set beside its input (gemma_activations._nograd_peak)
-    extra = {("gemma2", "float32"): 2 * b * spec.n_head * s * s, ("gemma3", "bfloat16"): 512}.get((name, dtype), 0)
+    extra = {("gemma2", "float32"): 2 * b * spec.n_head * s * s, ("gemma3", "bfloat16"): 512,
+             ("gemma3-window", "bfloat16"): 512}.get((name, dtype), 0)
     assert miss == b * s * spec.head_dim * a + extra
 
 

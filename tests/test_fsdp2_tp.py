@@ -1,8 +1,9 @@
 """FSDP2 with tensor parallelism (engines/fsdp2/tp.py): TP-local shapes, the TP collectives, the refusals, and
 the prediction of every phase of every rank against real gloo runs at world size 4 as dp_shard 2 x tp 2
 (validate/engines/fsdp2_tp.py, recorded in tests/data/measured/fsdp2_tp.json: with and without sequence
-parallelism). One live run (a background job); the recorded rows are re-made with
-``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 [--no-sp] --out F`` (~30 s CPU each)."""
+parallelism, and without loss parallel: tests/test_fsdp2_tp_loss.py). One live run (a background job); the recorded
+rows are re-made with ``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 [--no-sp] [--no-loss-parallel]
+--out F`` (~30 s CPU each)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2 import Settings, estimate
 from zeroplan.engines.fsdp2.param import shard_rows
-from zeroplan.engines.fsdp2.tp import (check_plan, local_shapes, local_spec, loss_parallel_backward,
-                                       loss_parallel_log_softmax)
+from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, local_spec
+from zeroplan.engines.fsdp2.tp_loss import loss_parallel_backward, loss_parallel_log_softmax
 from zeroplan.presets import resolve_model
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "measured" / "fsdp2_tp.json").read_text())
@@ -47,7 +48,7 @@ def _predict(run: dict, rank: int):
     meta = run["meta"]
     replicate = meta.get("dp_replicate", 1)
     settings = Settings(tp=meta["tp"], sequence_parallel=meta["sequence_parallel"], device="cpu", backend="gloo",
-                        rank=rank, foreach=False, param_dtype=meta.get("param_dtype", "fp32"),
+                        loss_parallel=meta.get("loss_parallel", True), rank=rank, foreach=False, param_dtype=meta.get("param_dtype", "fp32"),
                         **({"dp_replicate": replicate} if replicate > 1 else {}))  # fmt: skip
     (row,) = estimate(_workload(meta), meta["world_size"], settings)
     return row
@@ -60,7 +61,8 @@ def _run_id(run: dict) -> str:
     hsdp = f"-hsdp{meta['dp_replicate']}" if meta.get("dp_replicate", 1) > 1 else ""
     seq = f"-s{meta['seq_len']}" if meta["seq_len"] != 16 else ""
     sp = "sp" if meta["sequence_parallel"] else "no-sp"
-    return f"{meta.get('param_dtype', 'fp32')}-{sp}{ckpt}{batch}{seq}{hsdp}"
+    lp = "" if meta.get("loss_parallel", True) else "-no-lp"
+    return f"{meta.get('param_dtype', 'fp32')}-{sp}{lp}{ckpt}{batch}{seq}{hsdp}"
 
 
 def _mesh(meta) -> tuple[int, int, int]:
@@ -129,7 +131,7 @@ def test_loss_parallel_moments():
     peak with SP its cross-entropy backward, each the measured peak (N = 64 tokens, V/T = 65 rows: 17,400 B
     and 18,756 B of loss-parallel terms); neither term exists at T = 1."""
     runs = {(r["meta"]["sequence_parallel"], r["meta"]["batch"], r["meta"].get("param_dtype")): r
-            for r in RECORDED["runs"]}  # fmt: skip
+            for r in RECORDED["runs"] if r["meta"].get("loss_parallel", True)}  # fmt: skip
     for sp, phase, moment, extra in ((False, "forward", "loss-parallel log-softmax", 2 * 64 * 65 * 4 + 3 * 64 * 4),
                                      (True, "backward", "cross-entropy backward", 64 * 65 * 4 + 3 * 64 * 8
                                       + 2 * 64 * 4 + 64 + 4)):  # fmt: skip
@@ -279,8 +281,9 @@ def test_plan_snippet_names_the_mesh():
 
 
 @pytest.mark.distributed
-def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path):
-    """The printed ``plan --tp 2`` snippet, run on transformers' ``LlamaForCausalLM`` (tiny, built on meta) as rank 0
+@pytest.mark.parametrize("loss_parallel", [[], ["--no-loss-parallel"]], ids=["lp", "no-lp"])
+def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path, loss_parallel):
+    """The printed ``plan --tp 2`` snippet (with and without ``--no-loss-parallel``), run on transformers' ``LlamaForCausalLM`` (tiny, built on meta) as rank 0
     of a fake group of 8: the 3-D layout it makes is torchtitan's (colwise ``Shard(0)``, rowwise ``Shard(1)``, SP
     norms replicated over tp), and rank 0's local shards hold ``estimate``'s parameter bytes. ``model.layers`` is
     aliased to ``model.model.layers`` and ``init_weights`` is a no-op, as the snippet's comments tell the user."""
@@ -291,7 +294,8 @@ def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path):
     from zeroplan.cli import app
 
     config = Path(__file__).parent / "data" / "hf_configs" / "tiny-llama-qwz.json"
-    args = ["--engine", "fsdp2", "--model", str(config), "--gpus", "8", "--tp", "2", "--seq-len", "32", "--json"]
+    args = ["--engine", "fsdp2", "--model", str(config), "--gpus", "8", "--tp", "2", "--seq-len", "32", "--json",
+            *loss_parallel]
     plan = CliRunner().invoke(app, ["plan", "--gpu", "h100-80gb", *args])
     assert plan.exit_code == 0, plan.output
     snippet = json.loads(plan.stdout)["recommendation"]["fsdp2"]

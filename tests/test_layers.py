@@ -51,17 +51,8 @@ LONG_ALLOWED: dict[str, str] = {
     # module -> why it may still be over MAX_LINES (to be split by its owner)
 }
 LONG_FUNCTIONS_ALLOWED: dict[str, str] = {
-    # path:qualified name -> why its body may still be over MAX_FUNCTION_LINES (to be split by its owner);
-    # found by the issue 16 audit (2026-12-02), when no test counted function lengths
-    "validate/engines/deepspeed.py:measure": "120 lines: the DeepSpeed runner's measured steps (validator)",
-    "validate/worker.py:measure_stage": "100 lines: the reference runtime's measured steps (validator)",
-    "zeroplan/cli_validate.py:validate_cmd": "99 lines: option checks and dispatch of `zeroplan validate`",
-    "zeroplan/engines/deepspeed/offload_walk.py:walk_peaks": "95 lines: the offload walk (issue 21's module)",
-    "validate/engines/fsdp2.py:measure": "93 lines: the FSDP2 runner's measured steps (validator)",
-    "zeroplan/allocator/replay.py:_plain_step": "92 lines: the caching allocator's request loop",
-    "zeroplan/planning/engine_plan.py:engine_plan_config": "86 lines: an engine plan's inputs, checked",
-    "zeroplan/allocator/replay.py:_plain_step.step": "85 lines: its inner step (one request)",
-    "zeroplan/cli_sweep.py:sweep": "83 lines: option checks and dispatch of `zeroplan sweep`",
+    # path:qualified name -> why its body may still be over MAX_FUNCTION_LINES (to be split by its owner); the
+    # nine the issue 16 audit found (2026-12-02) are split (branch fnlen)
 }
 ENGINE_IMPORTS_ALLOWED: dict[str, str] = {
     # module outside zeroplan/engines/ and validate/engines/ that still imports a named engine: each goes

@@ -88,3 +88,17 @@ def test_command_annotations_are_objects_not_strings():
     for name, command in cli.COMMANDS.items():
         strings = [p for p, a in command.__annotations__.items() if isinstance(a, str)]
         assert strings == [], (name, strings)
+
+
+def test_a_csv_sweep_loads_neither_pandas_nor_pyarrow_compute(tmp_path):
+    # render/sweep.py calls pyarrow's compute functions by name (``_call``): ``import pyarrow.compute`` builds a
+    # wrapper per function (about 40 ms of CPU; docs/benchmarks.md, "The CSV sweep, fifth pass"). The CSV is numpy
+    # columns to pyarrow, never a DataFrame. Rows: 2 Ψ x 2 GPU counts x (4 stages + 3 offloaded: stages 1-3).
+    out = tmp_path / "x.csv"
+    argv = (f"['zeroplan', 'sweep', '--params', '1e9,7e9', '--gpus', '8,4096', '--offload', 'none,cpu', "
+            f"'--gpu-memory', '40GiB', '--out', {str(out)!r}]")  # fmt: skip
+    seen = run_main(argv, after="print(sorted(m for m in ('pandas', 'pyarrow', 'pyarrow.compute') if m in sys.modules)"
+                    ", file=sys.stderr)")  # fmt: skip
+    assert seen.stderr.strip().splitlines()[-1] == "['pyarrow']"
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1 + 2 * 2 * (4 + 3) and lines[1].startswith("1000000000,8,1,8,1000000000,1,0,DP,none,")

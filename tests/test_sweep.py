@@ -559,3 +559,19 @@ def test_cli_fsdp_offload_fills_the_host_column():
     assert (row["offload"], int(row["host_bytes"]), int(row["h2d_bytes"])) == ("optimizer->cpu, params->cpu", 478_644,
                                                                                8 * 23_928)  # fmt: skip
     assert (plain["offload"], int(plain["host_bytes"])) == ("none", 0)
+
+
+def test_csv_compute_falls_back_to_the_public_module(monkeypatch):
+    """render/sweep.py calls pyarrow's compute functions from the private ``pyarrow._compute`` (no wrappers to
+    build); a pyarrow that moves them gets the public ``pyarrow.compute``, not an error."""
+    import types
+
+    pytest.importorskip("pyarrow")
+    import pyarrow.compute
+
+    from zeroplan.render import sweep as render_sweep
+
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow._compute", types.ModuleType("pyarrow._compute"))
+    assert render_sweep._compute() is pyarrow.compute
+    monkeypatch.undo()
+    assert render_sweep._compute().__name__ == "pyarrow._compute"

@@ -129,6 +129,10 @@ class ValidateConfig(BaseModel):
     sequence_parallel: Optional[StrictBool] = Field(
         None, description="with tp: SequenceParallel norms and Shard(1) activations (default True)"
     )
+    loss_parallel: Optional[StrictBool] = Field(
+        None, description="with tp: the head's output Shard(-1) and loss_parallel() (default True); False: Replicate, "
+        "the logits all-gathered (torchtitan's disable_loss_parallel)",
+    )  # fmt: skip
     lr: PositiveFinite = Field(1e-3, description="Adam learning rate")
     tolerance: PositiveFinite = Field(0.01, description="largest relative error of model states still ok")
     timeout_s: PositiveFinite = Field(600.0, description="wall-clock limit of one world size, from its launch")
@@ -269,8 +273,10 @@ class ValidateConfig(BaseModel):
     def _tensor_parallel(self) -> ValidateConfig:
         """``tp``: what the TP runner (validate/engines/fsdp2_tp.py) runs, refused here before any rank starts."""
         if self.tp is None:
-            if self.sequence_parallel is not None:
-                raise ValueError("--sp/--no-sp: with --tp only")
+            for flag, value in (("--sp/--no-sp", self.sequence_parallel), ("--loss-parallel/--no-loss-parallel",
+                                                                             self.loss_parallel)):
+                if value is not None:
+                    raise ValueError(f"{flag}: with --tp only")
             return self
         if self.engine != "fsdp2":
             raise ValueError("tp: --engine fsdp2 only")

@@ -86,6 +86,40 @@ def enter(phase: str | None, probe: MemoryProbe, counter: CommCounter) -> None:
     counter.phase = phase or "between steps"
 
 
+def _train(config: ValidateConfig, runtime, local_batches: list, device, probe: MemoryProbe, counter: CommCounter,
+           fake: bool) -> tuple[list[int], list[float], ProfiledComms | None]:
+    """The measured steps under the probes, ``config.grad_accum`` micro-steps each: the live bytes at each step's
+    boundary, each step's seconds, and the last step's profiler record of its collectives (a second source)."""
+    boundary, step_s, profiled = [], [], None
+    for step in range(config.steps):
+        t_step = time.perf_counter()
+        micro_batches = local_batches.pop(0)
+        batch = tuple(t.to(device, copy=True) for t in micro_batches.pop(0))
+        counter.step = step
+        last = step == config.steps - 1 and not fake
+        with ProfiledComms() if last else nullcontext() as profiled:  # second source, last step
+            for m in range(config.grad_accum):
+                if m:  # the next micro-batch replaces this one between phases; the last stays
+                    enter(None, probe, counter)  # alive through the optimizer step, as at G = 1
+                    del batch
+                    batch = tuple(t.to(device, copy=True) for t in micro_batches.pop(0))
+                enter("forward", probe, counter)
+                loss = runtime.model.loss(batch)
+                enter("backward", probe, counter)
+                runtime.backward(loss)
+                del loss
+                # gloo drops the last reduce-scatter's buffer a moment after wait(): let it go
+                # first, so the next phase's peak does not count it by chance (settled_bytes)
+                probe.settled_bytes()
+            enter("optimizer step", probe, counter)
+            runtime.step()
+            enter(None, probe, counter)
+        del batch
+        boundary.append(probe.settled_bytes())
+        step_s.append(time.perf_counter() - t_step)
+    return boundary, step_s, profiled
+
+
 def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device, fake: bool) -> dict:
     """Build a fresh model and runtime under the probes, train ``config.steps`` steps, return the rank's row."""
     spec = spec_for(config.model_name, config.params)
@@ -110,7 +144,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
             dist.barrier()
             wire_start = loopback_tx_bytes()
         counter, probe = CommCounter(), MemoryProbe(device)
-        boundary, step_s, t0 = [], [], time.perf_counter()
+        t0 = time.perf_counter()
         with probe, counter:  # everything the runtime allocates, from its first tensor on
             enter("init", probe, counter)  # building the model, the master and the flat buffers
             model = build(spec, config.torch_dtype, device, checkpointing=config.checkpointing)
@@ -119,32 +153,7 @@ def measure_stage(config: ValidateConfig, stage: int, nd: int, rank: int, device
                                       amsgrad=config.amsgrad)
             del model
             enter(None, probe, counter)
-            for step in range(config.steps):
-                t_step = time.perf_counter()
-                micro_batches = local_batches.pop(0)
-                batch = tuple(t.to(device, copy=True) for t in micro_batches.pop(0))
-                counter.step = step
-                last = step == config.steps - 1 and not fake
-                with ProfiledComms() if last else nullcontext() as profiled:  # second source, last step
-                    for m in range(g):
-                        if m:  # the next micro-batch replaces this one between phases; the last stays
-                            enter(None, probe, counter)  # alive through the optimizer step, as at G = 1
-                            del batch
-                            batch = tuple(t.to(device, copy=True) for t in micro_batches.pop(0))
-                        enter("forward", probe, counter)
-                        loss = runtime.model.loss(batch)
-                        enter("backward", probe, counter)
-                        runtime.backward(loss)
-                        del loss
-                        # gloo drops the last reduce-scatter's buffer a moment after wait(): let it go
-                        # first, so the next phase's peak does not count it by chance (settled_bytes)
-                        probe.settled_bytes()
-                    enter("optimizer step", probe, counter)
-                    runtime.step()
-                    enter(None, probe, counter)
-                del batch
-                boundary.append(probe.settled_bytes())
-                step_s.append(time.perf_counter() - t_step)
+            boundary, step_s, profiled = _train(config, runtime, local_batches, device, probe, counter, fake)
             workspaces = probe.release_workspaces()  # CUDA: kept from the first backward on; 0 on CPU
             boundary = [b - workspaces for b in boundary]
             breakdown = probe.breakdown()

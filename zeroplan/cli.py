@@ -16,7 +16,7 @@ import typer
 
 from zeroplan.cli_options import (
     STEP_OPTIONS, AllocConfOption, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption,
-    GradAccumOption, HeadroomOption,
+    GradAccumOption, HeadroomOption, LossParallelOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
     DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, FsdpOffloadOption, FsdpPinMemoryOption,
@@ -64,7 +64,7 @@ def estimate(
     micro_batch: MicroBatchOption = 1,
     checkpointing: CheckpointingOption = "none",
     grad_accum: GradAccumOption = 1,
-    foreach: ForeachOption = True,
+    foreach: ForeachOption = None,
     engine: EngineOption = "reference",
     gpus: int = typer.Option(1, help="Total GPUs = N_d x N_m, 1 to 2**24."),
     gpus_per_node: GpusPerNodeOption = 8,
@@ -86,6 +86,7 @@ def estimate(
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
     tp: TpOption = None,
+    loss_parallel: LossParallelOption = None,
     zero_init: ZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
@@ -135,7 +136,7 @@ def estimate(
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
     own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-               zero_init=zero_init, fsdp_offload=fsdp_offload,
+               loss_parallel=loss_parallel, zero_init=zero_init, fsdp_offload=fsdp_offload,
                fsdp_pin_memory=fsdp_pin_memory)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
@@ -225,7 +226,7 @@ def plan(
         help="Activation recomputation: none, selective, full (default full, as before the peak; the peak "
         "per GPU knows none and full).",
     ),
-    foreach: ForeachOption = True,
+    foreach: ForeachOption = None,
     engine: Annotated[str, typer.Option(
         help="Training engine whose peak decides the fit: reference (ZeRO stages and offload), fsdp2 (chooses "
         "reshard_after_forward and checkpointing) or deepspeed (chooses the stage and bucket sizes).")] = "reference",
@@ -243,6 +244,7 @@ def plan(
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
     tp: TpOption = None,
+    loss_parallel: LossParallelOption = None,
     zero_init: ZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
@@ -302,8 +304,8 @@ def plan(
     options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
                                                   fsdp_wrap=fsdp_wrap, init=init, device=device,
                                                   dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-                                                  zero_init=zero_init, fsdp_offload=fsdp_offload,
-                                                  fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
+                                                  loss_parallel=loss_parallel, zero_init=zero_init,
+                                                  fsdp_offload=fsdp_offload, fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
     options, _, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len,
                                                    gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel
                                                    == 0 else None, micro_batch, grad_accum, mixed_precision)  # fmt: skip

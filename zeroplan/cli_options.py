@@ -192,9 +192,9 @@ CheckpointingOption = Annotated[
 ]
 GradAccumOption = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step, 1 to 65536.")]
 ForeachOption = Annotated[
-    bool, typer.Option("--foreach/--no-foreach",
-                       help="Adam's multi-tensor path (default on: torch's choice on CUDA; with --device cpu "
-                       "torch's default is single-tensor: add --no-foreach). Needs --model."),
+    Optional[bool], typer.Option("--foreach/--no-foreach",
+                                 help="Adam's multi-tensor path (default: torch's choice for the device: on with "
+                                 "CUDA, off with --device cpu). Needs --model."),
 ]  # fmt: skip
 EngineOption = Annotated[
     str, typer.Option(help="Training engine whose memory is estimated: reference (the paper's stages, the bundled "
@@ -225,6 +225,12 @@ TpOption = Annotated[
     typer.Option("--tp", help="fsdp2: tensor parallelism over T GPUs (torchtitan's llama plan: colwise q/k/v, gate/up, "
                  "rowwise o/down, sequence-parallel norms, loss parallel); FSDP2 shards over GPUs / T; plan: auto searches "
                  "1, 2, 4, 8 within a node."),
+]  # fmt: skip
+LossParallelOption = Annotated[
+    Optional[bool],
+    typer.Option("--loss-parallel/--no-loss-parallel", help="fsdp2 with --tp: the head's output Shard(-1) and the "
+                 "loss under loss_parallel() (default, torchtitan's); --no-loss-parallel: Replicate, the logits "
+                 "all-gathered to every TP rank (torchtitan's disable_loss_parallel)."),
 ]  # fmt: skip
 FsdpWrapOption = Annotated[
     Optional[str],
@@ -276,6 +282,7 @@ OWN_OPTION_PARAMS: dict[str, str] = {
     "fsdp_offload": "offload_policy",
     "fsdp_pin_memory": "pin_memory",
     "tp": "tp",
+    "loss_parallel": "loss_parallel",
 }
 """Command parameter -> the engine's own option it sets (``Engine.own_options``, by name): the CLI's half of
 adding an option (the engine declares it; its flag is typed here and listed here)."""

@@ -2,7 +2,7 @@
 command; ``zeroplan.cli`` registers it). Thin: parse, one config model, one call, write."""
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -14,9 +14,12 @@ from zeroplan.cli_options import (
 )  # fmt: skip
 from zeroplan.cli_options import AllocConfOption, HeadroomOption  # reserved bytes, as estimate/plan
 from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
-from zeroplan.cli_options import DpReplicateOption, DpShardOption, TpOption  # fsdp2's mesh (HSDP, TP)
+from zeroplan.cli_options import DpReplicateOption, DpShardOption, LossParallelOption, TpOption  # fsdp2: mesh, TP
 from zeroplan.cli_options import FsdpOffloadOption, FsdpPinMemoryOption  # fsdp2's CPUOffloadPolicy, as estimate
 from zeroplan.hub import with_revision
+
+if TYPE_CHECKING:
+    from zeroplan.sweeping.config import SweepConfig
 
 
 def sweep(
@@ -57,7 +60,7 @@ def sweep(
         help="Activation recomputation: none, selective, full (default full, as before the peak; the peak "
         "per GPU knows none and full).",
     ),
-    foreach: ForeachOption = True,
+    foreach: ForeachOption = None,
     engine: Annotated[str, typer.Option(
         help="Training engine of the rows: reference (one row per --stage), fsdp2 or deepspeed (one row per "
         "configuration: the sharding the engine runs; deepspeed: one per --stage given).")] = "reference",
@@ -72,6 +75,7 @@ def sweep(
     dp_replicate: DpReplicateOption = None,
     dp_shard: DpShardOption = None,
     tp: TpOption = None,
+    loss_parallel: LossParallelOption = None,
     zero_init: ZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
@@ -96,40 +100,20 @@ def sweep(
 ) -> None:
     """Estimate every combination of comma-separated values; CSV (or JSON), one row per configuration and stage."""
     model = with_revision(model, revision)  # ORG/NAME@REV: zeroplan.hub
-    import importlib.util
 
     from zeroplan.architectures.shapes_file import load_numels
     from zeroplan.engines import get_engine
-    from zeroplan.files import atomic_write, check_writable
     from zeroplan.parsing import parse_bytes, parse_counts, parse_list, parse_offload, parse_wholes
     from zeroplan.presets import gpu_capacity
-    from zeroplan.render.sweep import write_csv, write_json, write_parquet
     from zeroplan.sweeping.config import SweepConfig
-    from zeroplan.sweeping.grid import sweep_columns, sweep_frames
     from zeroplan.types import MAX_BATCH, MAX_GPUS, check_wholes
 
-    if sum(x is not None for x in (params, shapes, model)) != 1:
-        raise UserError("give exactly one of --params, --shapes and --model")
-    parquet = out is not None and out.suffix.lower() == ".parquet"
-    if parquet and as_json:
-        raise UserError("--json and an --out ending in .parquet are exclusive: choose one format")
-    if parquet and importlib.util.find_spec("pyarrow") is None:
-        raise UserError('writing .parquet needs pyarrow: pip install pyarrow (or ".[parquet]")')
-    inputs = [shapes, model, deepspeed_config]  # every file sweep reads (a preset name is none)
-    if out is not None:
-        check_writable(out, inputs)
-    if model is None and given_on_command_line(ctx, "checkpointing"):
-        raise UserError("--checkpointing changes only activations, which need --model")
-    if model is None:
-        refuse_unused(ctx, ("foreach", "engine", "alloc_conf"), "without --model: the peak needs an architecture")
-    refuse_foreign(ctx, engine)
-    if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
-        raise UserError("--deepspeed-config does not apply to sweep --engine reference: use --engine deepspeed "
-                        "--model NAME with it, or give the reference policy options (--param-dtype, --optimizer, ...)")
+    parquet, inputs = check_sweep_options(ctx, params, shapes, model, engine, deepspeed_config, as_json, out)
     reads_policy = "policy" in get_engine(engine).options
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
                                   reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device,
-                                  dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, zero_init=zero_init,
+                                  dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, loss_parallel=loss_parallel,
+                                  zero_init=zero_init,
                                   fsdp_offload=fsdp_offload, fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
     micro_batches = parse_wholes(micro_batch, "micro-batch")
     if model is not None:  # a ds_config's batch is the rows' (the engine's sweep_batches)
@@ -160,12 +144,51 @@ def sweep(
                            optimizer_dtype),  # fmt: skip
         engine_options=options,
     )
+    write_rows(config, as_json, out, parquet, inputs)
+
+
+def check_sweep_options(ctx: typer.Context, params: Optional[str], shapes: Optional[Path], model: Optional[str],
+                        engine: str, deepspeed_config: Optional[Path], as_json: bool,
+                        out: Optional[Path]) -> tuple[bool, list]:
+    """The option checks of ``sweep`` that need no parsed value (UserError, before any work): whether the
+    output is Parquet, and every file sweep reads (a preset name is none)."""
+    import importlib.util
+
+    from zeroplan.engines import get_engine
+    from zeroplan.files import check_writable
+
+    if sum(x is not None for x in (params, shapes, model)) != 1:
+        raise UserError("give exactly one of --params, --shapes and --model")
+    parquet = out is not None and out.suffix.lower() == ".parquet"
+    if parquet and as_json:
+        raise UserError("--json and an --out ending in .parquet are exclusive: choose one format")
+    if parquet and importlib.util.find_spec("pyarrow") is None:
+        raise UserError('writing .parquet needs pyarrow: pip install pyarrow (or ".[parquet]")')
+    inputs = [shapes, model, deepspeed_config]  # every file sweep reads (a preset name is none)
+    if out is not None:
+        check_writable(out, inputs)
+    if model is None and given_on_command_line(ctx, "checkpointing"):
+        raise UserError("--checkpointing changes only activations, which need --model")
+    if model is None:
+        refuse_unused(ctx, ("foreach", "engine", "alloc_conf"), "without --model: the peak needs an architecture")
+    refuse_foreign(ctx, engine)
+    if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
+        raise UserError("--deepspeed-config does not apply to sweep --engine reference: use --engine deepspeed "
+                        "--model NAME with it, or give the reference policy options (--param-dtype, --optimizer, ...)")
+    return parquet, inputs
+
+
+def write_rows(config: "SweepConfig", as_json: bool, out: Optional[Path], parquet: bool, inputs: list) -> None:
+    """The rows of ``config``, written as CSV, JSON or Parquet, to stdout or atomically to ``out``."""
+    from zeroplan.files import atomic_write
+    from zeroplan.render.sweep import CSV_SLICE_ROWS, write_csv, write_json, write_parquet
+    from zeroplan.sweeping.grid import sweep_columns, sweep_frames
 
     def write(sink) -> None:
         if as_json:
             write_json(sweep_frames(config), config, sink)
         else:  # numpy columns straight to pyarrow: pandas is never imported
-            write_csv(sweep_columns(config), sink)
+            write_csv(sweep_columns(config, CSV_SLICE_ROWS), sink)  # one slice at a time: the peak RSS
 
     if out is None:
         write(typer.get_binary_stream("stdout"))

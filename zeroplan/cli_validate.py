@@ -2,11 +2,14 @@
 ``zeroplan.cli`` registers it). torch is imported inside, by ``validate``."""
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from zeroplan.cli_options import FsdpWrapOption, ReshardOption, UserError, given, read_settings_file, refuse_unused
+
+if TYPE_CHECKING:
+    from validate.config import ValidateConfig
 
 
 def validate_cmd(
@@ -70,6 +73,11 @@ def validate_cmd(
     ),
     sequence_parallel: Optional[bool] = typer.Option(
         None, "--sp/--no-sp", help="fsdp2 --tp: SequenceParallel norms and Shard(1) activations (default --sp)."
+    ),
+    loss_parallel: Optional[bool] = typer.Option(
+        None, "--loss-parallel/--no-loss-parallel", help="fsdp2 --tp: the head's output Shard(-1) and the loss under "
+        "loss_parallel() (default); --no-loss-parallel: Replicate, all-gathered logits (torchtitan's "
+        "disable_loss_parallel)."
     ),
     fsdp2_init: Optional[str] = typer.Option(
         None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
@@ -143,10 +151,7 @@ def validate_cmd(
             old = read_baseline(str(baseline))
         except ValueError as exc:
             raise UserError(str(exc)) from None
-    from validate.api import run_validation, write_json_atomic
     from validate.config import ValidateConfig
-    from validate.harness import Interrupted, NotNodeZero, RunFailed
-    from validate.report import to_table
     from zeroplan.parsing import parse_count
 
     if fsdp_wrap is not None and fsdp_wrap not in ("blocks", "torchtitan"):  # a file: read once, here
@@ -172,7 +177,7 @@ def validate_cmd(
         **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
                 reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init,
                 fsdp_wrap=fsdp_wrap, hf=hf, labels=labels, dp_replicate=dp_replicate, tp=tp,
-                sequence_parallel=sequence_parallel),
+                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,
@@ -187,34 +192,9 @@ def validate_cmd(
         deepspeed_config=ds,
         zero_init=zero_init,
     )
-    try:
-        report = run_validation(config)
-    except KeyboardInterrupt:
-        typer.echo("zeroplan: error: interrupted", err=True)
-        raise typer.Exit(130) from None
-    except Interrupted as exc:  # SIGTERM, SIGHUP: ranks and temporary files are gone already
-        typer.echo(f"zeroplan: error: {exc}", err=True)
-        raise typer.Exit(128 + exc.signum) from None
-    except NotNodeZero as exc:
-        typer.echo(str(exc))
-        return
-    except RunFailed as exc:
-        typer.echo(f"zeroplan: error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    if old is not None:
-        from validate.baseline import with_drift
-
-        report = with_drift(report, old, baseline_tolerance)
-    if json_path is not None:
-        check_writable(json_path, inputs=[model, baseline, deepspeed_config])  # nothing put in the way since
-        write_json_atomic(report, json_path)
-    typer.echo(to_table(report))
-    if old is not None:
-        lines = report["baseline_drift"]["lines"]
-        typer.echo(f"baseline {baseline}: " + ("no figure moved beyond " f"{100 * baseline_tolerance:g}%" if not lines
-                   else "DRIFT: " + "; ".join(lines)))  # fmt: skip
-    if not report["ok"]:
-        raise typer.Exit(1)
+    report = _run(config)
+    if report is not None:  # None: a node other than node 0, which printed its one line
+        _report(report, old, baseline, baseline_tolerance, json_path, [model, baseline, deepspeed_config])
 
 
 def _mesh_of_shard(dp_shard: int, dp_replicate: Optional[int], tp: Optional[int], world_sizes: Optional[list[int]],
@@ -235,3 +215,49 @@ def _mesh_of_shard(dp_shard: int, dp_replicate: Optional[int], tp: Optional[int]
         mesh = " x ".join(map(str, ([dp_replicate or "R"] + [dp_shard] + ([tp] if tp else []))))
         raise UserError(f"--dp-shard {dp_shard}: the mesh {mesh} must multiply to the world size {n}")
     return (n // inner if n > inner else dp_replicate), list(world_sizes)
+
+
+def _run(config: "ValidateConfig") -> Optional[dict]:
+    """One validation run of ``config``: its report, or None on a node other than node 0 (which prints the line
+    it is told); an interrupt or failed run is one line on stderr and its exit status."""
+    from validate.api import run_validation
+    from validate.harness import Interrupted, NotNodeZero, RunFailed
+
+    try:
+        return run_validation(config)
+    except KeyboardInterrupt:
+        typer.echo("zeroplan: error: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except Interrupted as exc:  # SIGTERM, SIGHUP: ranks and temporary files are gone already
+        typer.echo(f"zeroplan: error: {exc}", err=True)
+        raise typer.Exit(128 + exc.signum) from None
+    except NotNodeZero as exc:
+        typer.echo(str(exc))
+        return None
+    except RunFailed as exc:
+        typer.echo(f"zeroplan: error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _report(report: dict, old: Optional[dict], baseline: Optional[Path], baseline_tolerance: float,
+            json_path: Optional[Path], inputs: list) -> None:
+    """The run's report: with its drift from ``old`` (--baseline), written to ``json_path``, printed as the
+    table; exit 1 if off."""
+    from validate.api import write_json_atomic
+    from validate.report import to_table
+    from zeroplan.files import check_writable
+
+    if old is not None:
+        from validate.baseline import with_drift
+
+        report = with_drift(report, old, baseline_tolerance)
+    if json_path is not None:
+        check_writable(json_path, inputs=inputs)  # nothing put in the way since
+        write_json_atomic(report, json_path)
+    typer.echo(to_table(report))
+    if old is not None:
+        lines = report["baseline_drift"]["lines"]
+        typer.echo(f"baseline {baseline}: " + ("no figure moved beyond " f"{100 * baseline_tolerance:g}%" if not lines
+                   else "DRIFT: " + "; ".join(lines)))  # fmt: skip
+    if not report["ok"]:
+        raise typer.Exit(1)

@@ -32,7 +32,8 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
-from validate.engines.deepspeed_changes import GlooSettled, fp16_on_cpu, quantizer_on_cpu, runner_changes
+from validate.engines.deepspeed_changes import (GlooSettled, fp16_on_cpu, quantizer_on_cpu, run_state_kept,
+                                               runner_changes)  # fmt: skip
 
 PHASES = ("init", "forward", "backward", "optimizer_step")
 
@@ -85,7 +86,8 @@ def build_model(model_fn, config: dict, zero_init: bool):
 
     ``Init`` replaces ``torch.nn.functional.linear`` with ``zero3_linear_wrap`` for good
     (``_enable_mem_efficient_linear``: "persists unless manually reset"): the caller restores it after the
-    run (``measure`` puts torch's back), so a later run of the same world trains with torch's."""
+    run (``measure``'s ``run_state_kept`` puts torch's back), so a later run of the same world trains with
+    torch's."""
     if not zero_init:
         return model_fn()
     if getattr(model_fn, "transformers", False):
@@ -123,13 +125,11 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
     import deepspeed
     import deepspeed.comm.comm as ds_comm
     import torch
-    import torch.nn.functional as F
 
     from validate.probes import CommCounter
 
     counter, probe = CommCounter(), probe or _cpu_probe()
     boundary: dict[str, int] = {}
-    linear = F.linear
 
     def enter(phase: str | None, step: int | None = None) -> None:
         # Python's cyclic garbage collector runs when allocation counts say so: at a different moment on
@@ -143,68 +143,26 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
         if step is not None:
             counter.step = step
 
-    gc.collect()
-    # what exists before the run (torch, DeepSpeed: ~200k objects) cannot be the run's garbage; frozen, a full
-    # collection scans only the run's own objects (0.02 ms instead of 130 ms, measured)
-    gc.freeze()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with probe, counter, GlooSettled(ds_comm.cdb) if settle else contextlib.nullcontext() as settled:
-            enter("init", -1)
-            # the build's own peak is kept apart ("build_peak_bytes") and stays in init's
-            probe.phase("build")
-            t0 = time.perf_counter()
-            model = build_model(model_fn, config, zero_init)
-            probe.phase("init")
-            engine, optimizer, _, _ = deepspeed.initialize(
-                model=model, model_parameters=model.parameters(), config=config
-            )
-            init_s = time.perf_counter() - t0
-            del model
-            enter(None)
-            probe.peaks["init"] = max(probe.peaks["init"], probe.peaks["build"])
-            boundary["init"] = probe.settled_bytes()
-            accum = config.get("gradient_accumulation_steps", 1)
-            step_s, applied = [], []
-            for step in range(len(batches)):
-                t0 = time.perf_counter()
-                for micro in range(accum):
-                    # popped, and dropped before the boundary: MemTracker registers an input the first time
-                    # an op reads it, so a batch kept in the list would count at every later boundary
-                    batch = batches[step].pop(0)
-                    enter("forward", step)
-                    # through the engine's forward, as users train (DeepSpeedEngine.forward: the ZeRO optimizer's
-                    # clear_backward_seen_flag, the output's backward hooks); the loss is the model's own
-                    loss = engine.module.loss(batch, forward=engine)
-                    enter("backward")
-                    engine.backward(loss)
-                    del loss
-                    if micro < accum - 1:  # DeepSpeed's step() only counts the micro-step off the boundary
-                        enter(None)
-                        engine.step()
-                        del batch
-                enter("optimizer_step")
-                engine.step()
-                # False: DeepSpeed skipped the update (its optimizer's ``overflow``: fp16's loss-scale overflow or a
-                # non-finite gradient norm; runtime/engine.py ``_take_model_step``: ``_step_applied = not overflow``)
-                applied.append(engine.was_step_applied())
-                del batch
-                enter(None)
-                step_s.append(round(time.perf_counter() - t0, 3))
-                boundary[f"step{step}"] = probe.settled_bytes()
-            breakdown = probe.breakdown()
-            by_device = probe.by_device()
-    finally:
-        F.linear = linear  # zero.Init's zero3_linear_wrap, if any, ends with its run
-        # hpZ's secondary group lives in a module global that stage3.py hands to every later ZeRO-3 engine of the
-        # process (secondary partitions at any zero_hpz_partition_size): each run makes its own (deepspeed_changes)
-        import deepspeed.utils.groups as ds_groups
-
-        ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-        gc.unfreeze()
-        if was_enabled:
-            gc.enable()
+    settling = GlooSettled(ds_comm.cdb) if settle else contextlib.nullcontext()
+    with run_state_kept(), probe, counter, settling as settled:
+        enter("init", -1)
+        # the build's own peak is kept apart ("build_peak_bytes") and stays in init's
+        probe.phase("build")
+        t0 = time.perf_counter()
+        model = build_model(model_fn, config, zero_init)
+        probe.phase("init")
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        init_s = time.perf_counter() - t0
+        del model
+        enter(None)
+        probe.peaks["init"] = max(probe.peaks["init"], probe.peaks["build"])
+        boundary["init"] = probe.settled_bytes()
+        accum = config.get("gradient_accumulation_steps", 1)
+        step_s, applied = _train(engine, batches, accum, enter, probe, boundary)
+        breakdown = probe.breakdown()
+        by_device = probe.by_device()
     inner = getattr(optimizer, "optimizer", None)
     row = {
         "rank": rank,
@@ -218,15 +176,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
         "build_peak_bytes": probe.peaks["build"],  # the model's construction, within init's peak
         "probe_breakdown": breakdown,
         "live_bytes_by_device": by_device,
-        "comm": _summarise(counter.calls),
-        # every call in order as [op, phase, dtype, elements]: those of init first, then one list per step
-        "calls_by_step": [
-            [[c.op, c.phase, c.dtype, c.elements] for c in counter.calls if c.step == k]
-            for k in range(-1, len(step_s))
-        ],
-        # the process-group size of each of those calls (CommCall.group_size): ZeRO++ hpZ gathers in its
-        # secondary group (zeroplan/engines/deepspeed/zeropp.py), the rest over all N_d ranks
-        "call_groups_by_step": [[c.group_size for c in counter.calls if c.step == k] for k in range(-1, len(step_s))],
+        **_comm_fields(counter.calls, len(step_s)),
         "gloo_settle": settled.stats if settle else None,  # None: asynchronous, as DeepSpeed issues them
         "init_s": round(init_s, 3),
         "step_s": step_s,
@@ -240,6 +190,54 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
     del engine, optimizer
     gc.collect()
     return row
+
+
+def _train(engine, batches: list, accum: int, enter, probe, boundary: dict[str, int]) -> tuple[list, list]:
+    """The measured steps, ``accum`` micro-steps each, through the DeepSpeed engine: each step's seconds and
+    whether DeepSpeed applied it; the live bytes after each step into ``boundary``."""
+    step_s, applied = [], []
+    for step in range(len(batches)):
+        t0 = time.perf_counter()
+        for micro in range(accum):
+            # popped, and dropped before the boundary: MemTracker registers an input the first time
+            # an op reads it, so a batch kept in the list would count at every later boundary
+            batch = batches[step].pop(0)
+            enter("forward", step)
+            # through the engine's forward, as users train (DeepSpeedEngine.forward: the ZeRO optimizer's
+            # clear_backward_seen_flag, the output's backward hooks); the loss is the model's own
+            loss = engine.module.loss(batch, forward=engine)
+            enter("backward")
+            engine.backward(loss)
+            del loss
+            if micro < accum - 1:  # DeepSpeed's step() only counts the micro-step off the boundary
+                enter(None)
+                engine.step()
+                del batch
+        enter("optimizer_step")
+        engine.step()
+        # False: DeepSpeed skipped the update (its optimizer's ``overflow``: fp16's loss-scale overflow or a
+        # non-finite gradient norm; runtime/engine.py ``_take_model_step``: ``_step_applied = not overflow``)
+        applied.append(engine.was_step_applied())
+        del batch
+        enter(None)
+        step_s.append(round(time.perf_counter() - t0, 3))
+        boundary[f"step{step}"] = probe.settled_bytes()
+    return step_s, applied
+
+
+def _comm_fields(calls, steps: int) -> dict:
+    """The row's collectives: per step and op, every call in order, and each call's process-group size."""
+    return {
+        "comm": _summarise(calls),
+        # every call in order as [op, phase, dtype, elements]: those of init first, then one list per step
+        "calls_by_step": [
+            [[c.op, c.phase, c.dtype, c.elements] for c in calls if c.step == k]
+            for k in range(-1, steps)
+        ],
+        # the process-group size of each of those calls (CommCall.group_size): ZeRO++ hpZ gathers in its
+        # secondary group (zeroplan/engines/deepspeed/zeropp.py), the rest over all N_d ranks
+        "call_groups_by_step": [[c.group_size for c in calls if c.step == k] for k in range(-1, steps)],
+    }
 
 
 def hf_attention(keys: dict) -> str:

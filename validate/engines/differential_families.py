@@ -71,7 +71,7 @@ def _dense(rng: random.Random, family: str, seq: int) -> dict:
             c["sliding_window"] = rng.choice((seq // 2, 4 * seq))
             c["attn_logit_softcapping"] = rng.choice((None, 50.0))
             c["final_logit_softcapping"] = rng.choice((None, 30.0))
-        else:  # Gemma 3 is modelled below its window (gemma_limit): drawn on both sides, refused above
+        else:  # Gemma 3's window drawn on both sides of the sequence (sliding and full layers differ above it)
             c["sliding_window"] = rng.choice((seq + 8, 4 * seq, seq // 2))
             c["sliding_window_pattern"] = rng.randint(2, 6)
             c["attention_bias"] = rng.random() < 0.5

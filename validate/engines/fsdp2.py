@@ -200,16 +200,48 @@ def time_step(model: nn.Module, optimizer, local_batch, device) -> float:
     return time.perf_counter() - t
 
 
-def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, fake: bool) -> dict:
-    """Build, shard and train under the probes; returns this rank's row."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    spec = spec_for(settings.model, settings.params)
+def _batches(settings: Fsdp2Settings, spec, nd: int, rank: int) -> tuple[list, list]:
+    """The run's global batches (seeded: the same on every rank) and this rank's slices of them."""
     gen = torch.Generator().manual_seed(1234)
     b = settings.batch_per_rank
     global_batches = [make_batch(spec, nd * b, gen, settings.seq_len) for _ in range(settings.steps)]
     # Slices are cloned before the probes start (a view made under MemTracker would count the whole batch).
     local_batches = [tuple(t[rank * b : (rank + 1) * b].clone() for t in gb) for gb in global_batches]
+    return global_batches, local_batches
+
+
+def _train(settings: Fsdp2Settings, model: nn.Module, optimizer, local_batches: list, device: torch.device,
+           counter: CommCounter, enter, read) -> list[float]:
+    """The measured steps under the probes, each phase entered (``enter``) and read after (``read``; the last
+    step's with a CUDA snapshot): each step's seconds."""
+    step_s = []
+    for step in range(settings.steps):
+        t_step = time.perf_counter()
+        counter.step = step
+        last = step == settings.steps - 1
+        enter("forward")
+        batch = tuple(t.to(device, copy=True) for t in local_batches[step])
+        loss = model.loss(batch)
+        read("after_forward", last)
+        enter("backward")
+        loss.backward()
+        del loss, batch
+        read("after_backward", last)
+        enter("optimizer_step")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        enter(None)
+        read("boundary", last)
+        step_s.append(time.perf_counter() - t_step)
+    return step_s
+
+
+def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, fake: bool) -> dict:
+    """Build, shard and train under the probes; returns this rank's row."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    spec = spec_for(settings.model, settings.params)
+    global_batches, local_batches = _batches(settings, spec, nd, rank)
     shape, names = settings.mesh_dims(nd)  # (N_d,), or HSDP's (R, S) (engines/fsdp2/mesh.py)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)  # before FakeTensorMode: module docstring
     readings: dict[str, list[int]] = defaultdict(list)
@@ -245,25 +277,8 @@ def measure(settings: Fsdp2Settings, nd: int, rank: int, device: torch.device, f
 
             enter(None)
             read("after_init")
-            step_s, t0 = [], time.perf_counter()
-            for step in range(settings.steps):
-                t_step = time.perf_counter()
-                counter.step = step
-                last = step == settings.steps - 1
-                enter("forward")
-                batch = tuple(t.to(device, copy=True) for t in local_batches[step])
-                loss = model.loss(batch)
-                read("after_forward", last)
-                enter("backward")
-                loss.backward()
-                del loss, batch
-                read("after_backward", last)
-                enter("optimizer_step")
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                enter(None)
-                read("boundary", last)
-                step_s.append(time.perf_counter() - t_step)
+            t0 = time.perf_counter()
+            step_s = _train(settings, model, optimizer, local_batches, device, counter, enter, read)
             seconds = time.perf_counter() - t0
             workspaces = probe.release_workspaces()  # CUDA: kept from the first backward on; 0 on CPU
             for key in ("after_backward", "boundary"):  # both hold them at every step

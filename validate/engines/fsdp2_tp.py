@@ -30,7 +30,7 @@ import statistics
 import time
 import types
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +50,10 @@ TINY = LLAMA_TINY
 PHASES = ("init", "forward", "backward", "optimizer_step")
 
 
-def tp_plan(sequence_parallel: bool = True) -> dict:
-    """``parallelize_module``'s plan for the validator's llama layer names (``zeroplan.engines.fsdp2.tp``)."""
+def tp_plan(sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:
+    """``parallelize_module``'s plan for the validator's llama layer names (``zeroplan.engines.fsdp2.tp``);
+    without loss parallel the head's output is ``Replicate`` (all-gathered logits, a plain tensor), as
+    torchtitan's ``disable_loss_parallel``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)  # fmt: skip
@@ -59,7 +61,8 @@ def tp_plan(sequence_parallel: bool = True) -> dict:
     act = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-        "lm_head": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
+        "lm_head": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=not loss_parallel),
     }
     if sequence_parallel:
         plan["model.norm"] = SequenceParallel()
@@ -82,17 +85,19 @@ def tp_forward(self, tokens: torch.Tensor) -> torch.Tensor:
     rope, mask = self._positions(tokens.unsqueeze(-1).to(x.dtype))  # the whole sequence's positions
     for block in self.model.layers:
         x = block(x, rope, mask)
-    return self.lm_head(self.model.norm(x))
+    x = self.model.norm(x)  # rebound, as CausalLM.forward (and torchtitan): the last block's output is let go
+    return self.lm_head(x)
 
 
-def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool, param_dtype: str = "fp32", checkpointing: bool = False):
+def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool, param_dtype: str = "fp32", checkpointing: bool = False,
+             loss_parallel: bool = True):
     """Meta build, ``parallelize_module`` on the ``tp`` mesh, ``fully_shard`` on ``dp_shard``, then memory."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     model = build(spec, torch.float32, "meta")
     model.forward = types.MethodType(tp_forward, model)
-    root, layer = tp_plan(sequence_parallel)
+    root, layer = tp_plan(sequence_parallel, loss_parallel)
     parallelize_module(model, tp_mesh, root)
     for block in model.model.layers:
         parallelize_module(block, tp_mesh, layer)
@@ -110,12 +115,18 @@ def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool, param_dtype: str =
     return model
 
 
-def loss_of(model, batch) -> torch.Tensor:
-    """``CausalLM.loss`` under loss parallel: fp32 logits (``.float()``, a no-op in fp32), mean cross-entropy."""
+def loss_context(on: bool):
+    """``loss_parallel()`` with loss parallel, else nothing (the logits are whole, a plain tensor)."""
     from torch.distributed.tensor.parallel import loss_parallel
 
+    return loss_parallel() if on else nullcontext()
+
+
+def loss_of(model, batch, on: bool = True) -> torch.Tensor:
+    """``CausalLM.loss`` (under loss parallel when ``on``): fp32 logits (``.float()``, a no-op in fp32), mean
+    cross-entropy."""
     tokens, targets = batch
-    with loss_parallel():
+    with loss_context(on):
         return F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
 
 
@@ -189,6 +200,7 @@ class TpRun:
     sequence_parallel: bool = True
     param_dtype: str = "fp32"  # MixedPrecisionPolicy.param_dtype (the reduce dtype follows it)
     checkpointing: bool = False
+    loss_parallel: bool = True  # False: torchtitan's disable_loss_parallel (the head's output Replicate)
     model: str | None = None  # None: TINY; else a validate.models preset or a llama config.json
 
     @classmethod
@@ -198,7 +210,7 @@ class TpRun:
         return cls(tp=config.tp, dp_replicate=config.dp_replicate or 1, steps=config.steps,
                    batch=config.batch_per_rank, seq_len=config.seq_len or spec.max_seq_len,
                    sequence_parallel=config.sequence_parallel is not False, param_dtype=config.param_dtype,
-                   checkpointing=config.checkpointing == "full",
+                   checkpointing=config.checkpointing == "full", loss_parallel=config.loss_parallel is not False,
                    model=None if config.model_name == "llama-tiny" else config.model_name)  # fmt: skip
 
     def mesh(self, nd: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -218,7 +230,6 @@ def measure(run: TpRun, nd: int, rank: int) -> dict:
     """Build and train ``run`` on this rank under the probes; returns its row (every phase's peak, readings,
     each call with its process group and mesh dimension, the local shapes)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel
 
     spec = spec_for(run.model, None) if run.model else spec_from_hf_config(TINY, "validate/engines/fsdp2_tp.py TINY")
     shape, names = run.mesh(nd)
@@ -245,7 +256,8 @@ def measure(run: TpRun, nd: int, rank: int) -> dict:
     with (probe, counter, counter.functional(), dist_collectives_released(probe.tracker),
           functional_collectives_released()):
         enter("init")
-        model = build_tp(spec, tp_mesh, dp_mesh, run.sequence_parallel, run.param_dtype, run.checkpointing)
+        model = build_tp(spec, tp_mesh, dp_mesh, run.sequence_parallel, run.param_dtype, run.checkpointing,
+                         run.loss_parallel)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
         enter(None)
         readings["after_init"].append(probe.settled_bytes())
@@ -255,10 +267,10 @@ def measure(run: TpRun, nd: int, rank: int) -> dict:
             counter.step = i
             enter("forward")
             b = tuple(t.clone() for t in local[i])
-            loss = loss_of(model, b)
+            loss = loss_of(model, b, run.loss_parallel)
             readings["after_forward"].append(probe.settled_bytes())
             enter("backward")
-            with loss_parallel():
+            with loss_context(run.loss_parallel):
                 loss.backward()
             del loss, b
             readings["after_backward"].append(probe.settled_bytes())
@@ -270,7 +282,7 @@ def measure(run: TpRun, nd: int, rank: int) -> dict:
             step_s.append(time.perf_counter() - t_step)
         seconds = time.perf_counter() - t0
         breakdown = probe.breakdown()
-    unprobed_s = [_unprobed_step(model, optimizer, local[-1])]
+    unprobed_s = [_unprobed_step(model, optimizer, local[-1], run.loss_parallel)]
     calls = [dict(op=c.op, phase=c.phase, step=c.step, elements=c.elements, dtype=c.dtype, group=g,
                   dim=dims.get(tuple(sorted(g)), "world" if len(g) == nd else "?"))
              for c, g in zip(counter.calls, counter.groups)]  # fmt: skip
@@ -288,13 +300,11 @@ def measure(run: TpRun, nd: int, rank: int) -> dict:
     }
 
 
-def _unprobed_step(model, optimizer, batch) -> float:
+def _unprobed_step(model, optimizer, batch, on: bool = True) -> float:
     """Seconds of one training step without any probe (the probes' cost, as FSDP2's runner reports it)."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     t = time.perf_counter()
-    loss = loss_of(model, tuple(x.clone() for x in batch))
-    with loss_parallel():
+    loss = loss_of(model, tuple(x.clone() for x in batch), on)
+    with loss_context(on):
         loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -304,7 +314,8 @@ def _unprobed_step(model, optimizer, batch) -> float:
 def meta_of(run: TpRun, nd: int, spec_config: dict) -> dict:
     """The run's description, written beside the rows (tests/data/measured/fsdp2_tp.json keeps it)."""
     return {"world_size": nd, "tp": run.tp, "steps": run.steps, "batch": run.batch, "seq_len": run.seq_len,
-            "sequence_parallel": run.sequence_parallel, "param_dtype": run.param_dtype, "hf_config": spec_config,
+            "sequence_parallel": run.sequence_parallel, **({} if run.loss_parallel else {"loss_parallel": False}),
+            "param_dtype": run.param_dtype, "hf_config": spec_config,
             "checkpointing": "full" if run.checkpointing else "none", "torch": torch.__version__,
             **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {}),
             "backend": "gloo", "device": "cpu", "model": "validate/transformer.py CausalLM (llama layout)"}  # fmt: skip
@@ -321,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank")
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--no-sp", action="store_true", help="without sequence parallelism")
+    parser.add_argument("--no-loss-parallel", action="store_true",
+                        help="the head's output Replicate, plain cross-entropy (torchtitan's disable_loss_parallel)")
     parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
                         help="MixedPrecisionPolicy.param_dtype (the reduce dtype follows it)")
     parser.add_argument("--checkpointing", action="store_true", help="checkpoint_wrapper on every decoder layer")
@@ -337,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         inject_fault(rank)
     else:
         run = TpRun(args.tp, args.dp_replicate, args.steps, args.batch, args.seq_len, not args.no_sp,
-                    args.param_dtype, args.checkpointing)  # fmt: skip
+                    args.param_dtype, args.checkpointing, not args.no_loss_parallel)  # fmt: skip
     dist.init_process_group("gloo")
     row = measure(run, nd, rank)
     rows = [None] * nd if rank == 0 else None

@@ -17,7 +17,7 @@ TP_RUNNER_CHANGES = (
     "each collective returns only once gloo's worker thread has let its tensors go (DTensor's functional ones "
     "waited where issued; validate/engines/fsdp2_gloo_release.py): each free counted before the rank's next op",
     "CausalLM's head called as the module lm_head (tp_forward) so ColwiseParallel's hooks run; the loss under "
-    "loss_parallel() (validate/engines/fsdp2_tp.py)",
+    "loss_parallel(), or without it the plain loss on the all-gathered logits (validate/engines/fsdp2_tp.py)",
     "no parity check: the TP runner does not train a single-process reference",
 )
 """What the TP runner changes in what it measures, beyond the probes (``ReportRow.runner_changes``)."""
@@ -40,7 +40,8 @@ def predict(config, meta: dict, rank: int):
     spec = spec_for(config.model_name, None)
     workload = Workload(transformer_shapes(spec), spec, run.seq_len, run.batch,
                         "full" if run.checkpointing else "none", 1, False)  # fmt: skip
-    settings = profile.Settings(tp=run.tp, sequence_parallel=run.sequence_parallel, device="cpu", backend="gloo",
+    settings = profile.Settings(tp=run.tp, sequence_parallel=run.sequence_parallel, loss_parallel=run.loss_parallel,
+                                device="cpu", backend="gloo",
                                 rank=rank, foreach=False, param_dtype=run.param_dtype,
                                 **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], settings)

@@ -109,7 +109,7 @@ class _Run:
         self.phases: dict[str, PhasePeak] = {}
         self.phase: str | None = None
         self.overall = [0, 0, 0]  # whole-trace peaks of allocated, reserved, requested (phases reset the stats')
-        self.fast_step = self.step  # ``step`` of an ``Event``, through ``_plain_step`` where it applies (``runs``)
+        self.fast_step = self.step  # ``step`` of an ``Event``, through ``_plain_steps`` where it applies (``runs``)
 
     def _fold_overall(self) -> None:
         s = self.alloc.stats
@@ -169,12 +169,13 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
     # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)
     runs = alloc_runs(events) if capacity_bytes is None else {}
     plain = capacity_bytes is None and config.max_split_size_bytes == NO_LIMIT
-    step = _plain_step(run, details, config.expandable_segments) if plain else None
-    if step is not None:
-        run.fast_step = lambda event, plain=step, generic=run.step: plain(event) or generic(event)
+    steps = _plain_steps(run, details, config.expandable_segments) if plain else None
+    if steps is not None:
+        run.fast_step = lambda event, free=steps[0], alloc=steps[1], generic=run.step: (
+            free(event) if event[0] == "free" else alloc(event)) or generic(event)
     index, count = 0, len(events)
-    if step is not None:  # no memory limit: no ``OutOfMemory`` to stop at
-        _plain_loop(run, events, runs, step)
+    if steps is not None:  # no memory limit: no ``OutOfMemory`` to stop at
+        _plain_loop(run, events, runs, *steps)
         index = count
     live, addresses, malloc, release = run.live, run.addresses, run.alloc.malloc, run.alloc.free_requested
     while index < count:
@@ -207,15 +208,15 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
                   requested, run.phases, segments, log, addresses, oom, s.num_alloc_retries)  # fmt: skip
 
 
-def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int], step) -> None:
-    """``_replay``'s loop where ``_plain_step`` applies (no memory limit): the events between two runs
-    (``alloc_runs``) each through ``step``, else through ``_Run.step``; each run fast-forwarded, or, when
+def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int], free, alloc) -> None:
+    """``_replay``'s loop where ``_plain_steps`` applies (no memory limit): the events between two runs
+    (``alloc_runs``) each through ``free`` or ``alloc``, else through ``_Run.step``; each run fast-forwarded, or, when
     ``fast_forward`` refuses it, replayed with the events after it (a speed-up, no rule: the same calls in the
     same order as the loop in ``_replay``, without its per-event run look-up)."""
     generic, index = run.step, 0
     for start in (*sorted(runs), len(events)):
         for event in events[index:start]:
-            if type(event) is not Event or not step(event):
+            if type(event) is not Event or not (free(event) if event[0] == "free" else alloc(event)):
                 generic(_event(event))
         length = runs.get(start)
         if length and fast_forward(run, _run_events(events[start:start + length])):
@@ -224,54 +225,71 @@ def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int], step) -> None
             index = start
 
 
-def _plain_step(run: _Run, details: bool, expandable: bool):
-    """``step(event) -> bool``: ``run.step(event)`` inlined for an ``Event`` alloc served by a cached block, or a
-    free, without a memory limit and with ``max_split_size`` unset (no oversize rule, no garbage collection, no
-    retry), where ``CachingAllocator.malloc`` / ``free`` reduce to best fit, split and merge; False (nothing done)
-    for anything else, which the caller replays as before (a speed-up, no rule: tests/test_allocator_replay.py
-    compares it with the request-by-request replay). With ``expandable`` segments (the plan's Fragmentation
-    line): a free merges only mapped neighbours (``_try_merge``: the freed block is mapped), a block splits when
-    512 B or more are left (``_should_split``), and best fit walks on the size a block grows to (``_growable``), as
-    ``_get_free_block``."""
-    a, live, addresses = run.alloc, run.live, run.addresses
-    requests, pools, stats = a._requests, a.pools, a.stats
+def _plain_steps(run: _Run, details: bool, expandable: bool):
+    """``(free, alloc)``, each ``(event) -> bool``: ``run.step(event)`` inlined for an ``Event`` free, or an alloc
+    served by a cached block, without a memory limit and with ``max_split_size`` unset (no oversize rule, no
+    garbage collection, no retry), where ``CachingAllocator.malloc`` / ``free`` reduce to best fit, split and
+    merge; False (nothing done) for anything else, which the caller replays as before (a speed-up, no rule:
+    tests/test_allocator_replay.py compares it with the request-by-request replay). With ``expandable`` segments
+    (the plan's Fragmentation line): a free merges only mapped neighbours (``_try_merge``: the freed block is
+    mapped), a block splits when 512 B or more are left (``_should_split``), and best fit walks on the size a
+    block grows to (``_growable``), as ``_get_free_block``."""
+    return _plain_free(run), _plain_alloc(run, details, expandable)
+
+
+def _plain_free(run: _Run):
+    """``free(event) -> bool`` of ``_plain_steps``: an ``Event`` free (``CachingAllocator.free``: merge with the
+    free mapped neighbours, ``_try_merge``); False (nothing done) for a block not live."""
+    live, pools, stats = run.live, run.alloc.pools, run.alloc.stats
     allocated, requested = stats.allocated, stats.requested
 
-    def step(event: Event) -> bool:
+    def free(event: Event) -> bool:
+        ident = event[1]
+        block = live.get(ident)
+        if block is None or not block.allocated:
+            return False
+        del live[ident]
+        block.allocated = False
+        allocated.current -= block.size
+        requested.current -= block.requested
+        block.requested = 0
+        pool = pools[block.stream, block.small]
+        keys, blocks = pool.keys, pool.blocks
+        prev, nxt = block.prev, block.next
+        if prev is not None and not prev.allocated and not prev.pending and prev.mapped:  # ``_try_merge``
+            key = prev.size << ADDRESS_BITS | prev.address
+            del keys[bisect_left(keys, key)], blocks[key]
+            block.address, block.prev = prev.address, prev.prev
+            if prev.prev is not None:
+                prev.prev.next = block
+            else:
+                block.segment.head = block
+            block.size += prev.size
+        if nxt is not None and not nxt.allocated and not nxt.pending and nxt.mapped:
+            key = nxt.size << ADDRESS_BITS | nxt.address
+            del keys[bisect_left(keys, key)], blocks[key]
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+            block.size += nxt.size
+        key = block.size << ADDRESS_BITS | block.address  # ``Pool.insert``
+        block.gc_base = pool.clock[0]
+        insort(keys, key)
+        blocks[key] = block
+        return True
+
+    return free
+
+
+def _plain_alloc(run: _Run, details: bool, expandable: bool):
+    """``alloc(event) -> bool`` of ``_plain_steps``: an ``Event`` alloc served by a cached block
+    (``CachingAllocator.malloc``: best fit, ``_should_split``); False (nothing done) for anything else."""
+    a, live, addresses = run.alloc, run.live, run.addresses
+    requests, stats = a._requests, a.stats
+    allocated, requested = stats.allocated, stats.requested
+
+    def alloc(event: Event) -> bool:
         action, ident = event[0], event[1]
-        if action == "free":
-            block = live.get(ident)
-            if block is None or not block.allocated:
-                return False
-            del live[ident]
-            block.allocated = False
-            allocated.current -= block.size
-            requested.current -= block.requested
-            block.requested = 0
-            pool = pools[block.stream, block.small]
-            keys, blocks = pool.keys, pool.blocks
-            prev, nxt = block.prev, block.next
-            if prev is not None and not prev.allocated and not prev.pending and prev.mapped:  # ``_try_merge``
-                key = prev.size << ADDRESS_BITS | prev.address
-                del keys[bisect_left(keys, key)], blocks[key]
-                block.address, block.prev = prev.address, prev.prev
-                if prev.prev is not None:
-                    prev.prev.next = block
-                else:
-                    block.segment.head = block
-                block.size += prev.size
-            if nxt is not None and not nxt.allocated and not nxt.pending and nxt.mapped:
-                key = nxt.size << ADDRESS_BITS | nxt.address
-                del keys[bisect_left(keys, key)], blocks[key]
-                block.next = nxt.next
-                if nxt.next is not None:
-                    nxt.next.prev = block
-                block.size += nxt.size
-            key = block.size << ADDRESS_BITS | block.address  # ``Pool.insert``
-            block.gc_base = pool.clock[0]
-            insort(keys, key)
-            blocks[key] = block
-            return True
         size, stream = event[2], event[3]
         if action != "alloc" or event[4] is not None or type(size) is not int or ident in live:
             return False
@@ -324,4 +342,4 @@ def _plain_step(run: _Run, details: bool, expandable: bool):
             addresses.append((ident, block.address))
         return True
 
-    return step
+    return alloc

@@ -46,10 +46,22 @@ def reserved_of(trace: AllocTrace, alloc_conf: str = "") -> ReservedEstimate:
     return ReservedEstimate(result.reserved_peak_bytes, phases, result.allocated_peak_bytes, alloc_conf)
 
 
+NO_CUDA_ALLOCATOR = "not replayed: a CPU run (--device cpu) has no CUDA caching allocator; it fits on its live peak"
+"""Why a CPU run's reserved bytes are ``—`` / null (``replayed_on``): plan's footnote and JSON, estimate's note."""
+
+
+def replayed_on(settings) -> bool:
+    """Whether a run under an engine's ``settings`` has a CUDA caching allocator to replay: not with ``device`` cpu
+    (FSDP2's and DeepSpeed's own ``--device``: a CPU tensor's storage comes from ``c10/core/CPUAllocator.cpp``,
+    malloc and free per tensor, no segments, blocks or cache: reserved is allocated is live), so "fits" is on the
+    live peak (``fit_bytes`` with no reserved); an engine without the option (reference) trains on the GPU."""
+    return getattr(settings, "device", "cuda") != "cpu"
+
+
 def engine_reserved(engine, workload, nd: int, settings, alloc_conf: str = "") -> tuple[ReservedEstimate | None, ...] | None:
     """Each row of ``engine.estimate(workload, nd, settings)`` replayed (``Engine.alloc_trace``); None when the
-    engine has no trace or the workload no architecture."""
-    if engine.alloc_trace is None or workload.spec is None:
+    engine has no trace, the workload no architecture or the run no CUDA allocator (``replayed_on``)."""
+    if engine.alloc_trace is None or workload.spec is None or not replayed_on(settings):
         return None
     return tuple(reserved_of(t, alloc_conf) for t in engine.alloc_trace(workload, nd, settings))
 

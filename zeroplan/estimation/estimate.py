@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import replace
 
-from zeroplan.allocator.reserved import engine_reserved, fit_bytes
+from zeroplan.allocator.reserved import NO_CUDA_ALLOCATOR, engine_reserved, fit_bytes, replayed_on
 from zeroplan.engines import get_engine, split_keywords
 from zeroplan.engines.base import Workload
 from zeroplan.estimation.config import EstimateConfig
@@ -118,7 +118,9 @@ def estimate_config(config: EstimateConfig) -> Estimate:
         alloc_conf=config.alloc_conf,
         tp=getattr(settings, "tp", None) or 1,  # an engine's tensor parallelism (FSDP2 Settings.tp), else 1
         gpus_per_node=config.gpus_per_node,
-    )
+        reserved_not_replayed=NO_CUDA_ALLOCATOR if engine.alloc_trace is not None and workload.spec is not None
+        and not replayed_on(settings) else None,
+    )  # fmt: skip
 
 
 def api_batch(engine: str, settings_file: dict | None, gpus: object, model_parallel: object, micro_batch: object,
@@ -161,7 +163,8 @@ def estimate(
     meta device fine; a ``transformers`` model whose config zeroplan reads also gets the peak, any
     other module shapes only; its dtype, and with ``optimizer=<torch.optim.Optimizer>`` the optimizer's
     class, ``foreach`` and state dtypes, are read from the objects: ``live_model``, docs/python-api.md). ``seq_len``, ``micro_batch``, ``checkpointing`` (none, full),
-    ``grad_accum`` and ``foreach`` describe the training step of an architecture, ``alloc_conf`` the
+    ``grad_accum`` and ``foreach`` (None: torch's default for the device, off with ``device="cpu"``) describe the
+    training step of an architecture, ``alloc_conf`` the
     ``PYTORCH_CUDA_ALLOC_CONF`` its reserved bytes are replayed under (micro-batch and
     accumulation: a ``ds_config``'s batch where it sets one, the engine's ``Engine.batch``;
     else 1). ``gpu``: a GPU preset (its memory for ``fits`` unless ``gpu_memory_bytes`` is given, its compute
@@ -198,7 +201,7 @@ def estimate(
         micro_batch=micro_batch,
         checkpointing=checkpointing,
         grad_accum=grad_accum,
-        foreach=True if foreach is None else foreach,
+        foreach=foreach,  # None: torch's default for the device (estimation/config.py device_foreach)
         engine=engine,
         gpus=gpus,
         gpus_per_node=gpus_per_node,

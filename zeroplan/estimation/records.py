@@ -63,6 +63,8 @@ class Estimate:
     own_estimator: Optional[str] = None  # name of the engine's own estimator shown beside ours, if any
     tp: int = 1  # the engine's tensor-parallel degree (FSDP2 ``--tp``): nd = GPUs / N_m holds nd / tp DP ranks
     gpus_per_node: int = 8  # the node size the collectives' links are read for (``zeroplan.formulas.mesh``)
+    reserved_not_replayed: Optional[str] = None  # why no row has reserved bytes though the engine has a trace (a CPU
+    # run: allocator.reserved.NO_CUDA_ALLOCATOR); None: replayed, or no trace
 
     def stage(self, number: int) -> StageEstimate:
         return next(s for s in self.stages if s.stage == number)

@@ -21,6 +21,16 @@ def check_seq_len(spec: TransformerSpec, seq_len: int) -> None:
         raise ValueError(f"seq_len={seq_len}: above the model's maximum positions ({spec.max_seq_len})")
 
 
+def default_foreach(device: Optional[str]) -> bool:
+    """torch's ``Adam``/``AdamW`` default (``foreach=None``, the planner's when ``--foreach/--no-foreach`` is not
+    given) on the run's device: ``torch/optim/optimizer.py _default_to_fused_or_foreach`` takes the multi-tensor path
+    only when every parameter is a supported type (DTensor included: ``torch/distributed/tensor/__init__.py``) on a
+    device of ``torch/utils/_foreach_utils.py _get_foreach_kernels_supported_devices`` (cuda, xpu, mtia, the
+    privateuse1 backend; no cpu in torch 2.11 nor 2.13), else ``_single_tensor_adam``. ``device`` is the engine's own
+    ``--device`` (None: not given, the GPU every planner predicts)."""
+    return device != "cpu"
+
+
 def model_workload(
     spec: TransformerSpec,
     seq_len: int,

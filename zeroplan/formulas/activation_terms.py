@@ -51,7 +51,7 @@ from typing import Literal, Optional
 from zeroplan.architectures.spec import TransformerSpec, layout_features
 from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas import gemma_activations as G
-from zeroplan.formulas.llama_nograd import ACT_NOGRAD_PEAK, llama_nograd_peak, sdpa_masked
+from zeroplan.formulas.llama_nograd import ACT_NOGRAD_PEAK, llama_nograd_moments, llama_nograd_peak, sdpa_masked
 from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block, sparse_block_limits, sparse_mlp_saved
 
 TOKEN_BYTES = 8  # int64 token ids and targets, as the embedding and nll_loss take them
@@ -337,7 +337,7 @@ def model_activations(
         raise ValueError(f"micro_batch={micro_batch}, seq_len={seq_len}: each must be >= 1")
     if seq_len > spec.max_seq_len:
         raise ValueError(f"seq_len={seq_len}: the model has only {spec.max_seq_len} positions")
-    if (why := activation_limit(spec) or G.gemma_limit(spec, seq_len)) is not None:
+    if (why := activation_limit(spec)) is not None:
         raise ValueError(why)
     b, s, a = micro_batch, seq_len, act_bytes
     n, d, v = b * s, spec.d_model, spec.vocab_size
@@ -347,8 +347,16 @@ def model_activations(
         embed_saved = s * TOKEN_BYTES  # the position ids (arange), saved by the position embedding
         final_saved = n * d * a + 2 * n * stat_bytes + n * d * a  # ln_f input, mean, rstd; ln_f out
     elif spec.model_type in G.GEMMA_FAMILIES:  # Gemma's norms, attention, scaled embedding, soft-capped logits
-        llama = _llama_attention_saved(spec, n, b, s, a), llama_nograd_peak(replace(spec, qk_norm=False), n, s, a)
-        block = BlockActivations(**G.gemma_block(spec, n, b, s, a, llama[0], ACT_KEPT, llama[1], ACT_NOGRAD_PEAK))
+        def gemma(kind: Optional[str]) -> BlockActivations:  # a full layer's attention gets no mask (is_causal)
+            at = spec if kind != "full_attention" else replace(spec, sliding_window=None)
+            nograd = llama_nograd_moments(replace(at, qk_norm=False), n, s, a)
+            nograd["sdpa"] -= G.repeat_view(at, n, s, a, nograd=True)
+            llama = _llama_attention_saved(at, n, b, s, a) - G.repeat_view(at, n, s, a), max(nograd.values())
+            return BlockActivations(**G.gemma_block(at, n, b, s, a, llama[0], ACT_KEPT, llama[1], ACT_NOGRAD_PEAK))
+
+        kinds = spec.layer_types if G.sliding_masked(spec, s) else None  # Gemma 3 from its window on
+        layers = tuple(gemma(kind) for kind in kinds) if kinds and len(set(kinds)) > 1 else ()
+        block = layers[-1] if layers else gemma(kinds[-1] if kinds else None)
         embed_saved, final_saved = G.embed_saved(spec, s, a), G.final_saved(spec, n, a)
     else:
         block = _llama_block(spec, n, b, s, a)

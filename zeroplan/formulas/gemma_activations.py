@@ -22,9 +22,11 @@ with saved-tensor hooks on transformers' own classes (tests/test_families.py, fp
   (b, 1, s, s) in the activation dtype) are made once by ``Gemma2Model.forward`` and kept by nothing.
 - Gemma 3 attention is SDPA as Llama's (``activation_terms._llama_attention_saved``) as long as no sliding
   layer gets a mask: ``masking_utils._ignore_causal_mask_sdpa`` skips the sliding mask while
-  s < ``sliding_window`` (``kv_length >= local_attention_size`` makes one). From s = window on the sliding
-  layers keep the 16-bit mask and repeated k, v and the full ones do not: layers of two kinds (refused,
-  ``gemma_limit``).
+  s < ``sliding_window`` (``kv_length >= local_attention_size`` makes one). From s = window on
+  (``sliding_masked``) the sliding layers keep the (b, 1, s, s) mask in the activation dtype and k, v repeated
+  to the query heads (``sdpa_attention_forward``: no ``enable_gqa`` with a mask), as Mistral's, and the full
+  ones (``create_causal_mask``: none, ``is_causal``) do not: each layer its own block
+  (``ModelActivations.layer_blocks``). With one kv head ``repeat_kv`` is a view (``repeat_view``).
 - The embedding is ``Gemma2TextScaledWordEmbedding``: ``embedding(ids) * embed_scale.to(weight.dtype)``, whose
   product keeps the 0-dim scale (``a`` bytes). RoPE's cos and sin are kept once per rotary table: Gemma 2 has
   one, Gemma 3 one per layer type present (``Gemma3RotaryEmbedding``: local and global bases).
@@ -35,9 +37,8 @@ The MLP is Llama's (gate, up, ``gelu_pytorch_tanh`` keeps its input: ``ACT_KEPT`
 
 from __future__ import annotations
 
-from typing import Optional
-
 from zeroplan.architectures.spec import TransformerSpec
+from zeroplan.formulas.llama_nograd import sdpa_masked
 
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3_text")
 
@@ -89,15 +90,20 @@ def eager_masks(spec: TransformerSpec, b: int, s: int, a: int) -> int:  # 0 for 
     return 2 * b * s * s * a if spec.model_type == "gemma2" else 0
 
 
-def gemma_limit(spec: TransformerSpec, seq_len: int) -> Optional[str]:
-    """None when the terms here give ``spec`` at ``seq_len``; else the one-line reason (module docstring)."""
-    if spec.model_type != "gemma3_text" or not spec.layer_types or spec.sliding_window is None:
-        return None
-    if "sliding_attention" in spec.layer_types and seq_len >= spec.sliding_window:
-        return (f"model_type 'gemma3_text': seq_len={seq_len} >= sliding_window={spec.sliding_window}: the sliding "
-                "layers then keep a (b, 1, s, s) mask and repeated k, v that the full ones do not (layers of two "
-                "kinds are not modelled yet; docs/models.md); give a sequence shorter than the window")
-    return None
+def sliding_masked(spec: TransformerSpec, s: int) -> bool:
+    """Whether Gemma 3's sliding layers get a mask (``masking_utils._ignore_causal_mask_sdpa``: from
+    ``kv_length >= sliding_window`` on), so that they save what its full layers do not (module docstring)."""
+    return spec.model_type == "gemma3_text" and bool(spec.layer_types) and sdpa_masked(spec, s)
+
+
+def repeat_view(spec: TransformerSpec, n: int, s: int, a: int, nograd: bool = False) -> int:
+    """What Llama's terms count for k and v repeated to the query heads (``_llama_attention_saved``'s saved copies,
+    ``llama_nograd_moments``' ``sdpa`` moment) that transformers' ``repeat_kv`` does not make with one kv head:
+    ``expand`` then ``reshape`` of (b, 1, h, s, hd) merges two stride-0 dims, a view of k, v (measured: FSDP2
+    t-gemma3 with the window below the sequence, 2·N·(q - kv)·a per sliding layer over without this)."""
+    if spec.n_kv_head != 1 or spec.n_head == 1 or not (sdpa_masked(spec, s) or spec.head_dim > 256):
+        return 0
+    return 2 * n * spec.q_dim * a if nograd else 2 * n * (spec.q_dim - spec.kv_dim) * a
 
 
 def _nograd_peak(spec: TransformerSpec, n: int, s: int, a: int, llama_nograd: int, act_nograd: dict[str, int]) -> int:

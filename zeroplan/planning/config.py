@@ -14,6 +14,7 @@ from zeroplan.allocator.config import parse_alloc_conf
 from zeroplan.architectures.spec import TransformerSpec, gpt_for_params, numels, transformer_shapes
 from zeroplan.engines import EngineName, get_engine, planner_options
 from zeroplan.engines.base import PLANNER_INPUTS, EngineOptions, PlannerOptions
+from zeroplan.estimation.config import device_foreach
 from zeroplan.estimation.workload import check_seq_len
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL
@@ -87,7 +88,8 @@ class PlanConfig(BaseModel):
     """activation recomputation assumed by the activation estimate (``zeroplan.formulas.activations``) and
     the peak (which knows none and full; full stays the default here, as before the peak existed)."""
     foreach: Flag = True
-    """the optimizer's multi-tensor path, for the peak; True is torch's default on CUDA."""
+    """the optimizer's multi-tensor path, for the peak; not given (or None): torch's default for the run's device
+    (``zeroplan.estimation.config.device_foreach``)."""
     engine: EngineName = "reference"
     """the training engine whose peak decides the fit (``zeroplan.engines.get_engine``)."""
     engine_options: EngineOptions = EngineOptions()
@@ -123,6 +125,11 @@ class PlanConfig(BaseModel):
             where = "inside a node" if link.scope == "intra" else "between nodes"
             raise ValueError(f"{info.field_name}={v!r} links GPUs {where}; expected an {want}-node link")
         return link.name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _device_foreach(cls, data: object) -> object:
+        return device_foreach(data)
 
     @model_validator(mode="after")
     def _consistent(self) -> "PlanConfig":

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 from zeroplan.allocator.gc_pause import gc_paused
-from zeroplan.allocator.reserved import fit_bytes, reserved_of
+from zeroplan.allocator.reserved import NO_CUDA_ALLOCATOR, ReservedEstimate, fit_bytes, replayed_on, reserved_of
 from zeroplan.engines import get_engine
+from zeroplan.engines.base import Candidate
 from zeroplan.estimation.workload import model_workload
 from zeroplan.formulas.collectives import tp_degree
 from zeroplan.formulas.commtime import Links, compute_time_s, engine_step_time, ring_link
@@ -32,7 +34,10 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         options = replace(options, own={**options.own, "gpus_per_node": config.gpus_per_node})
     answer = engine.plan(workload, nd, budget, options)
     traced = tuple(engine.alloc_trace is not None and c.trace_inputs is not None for c in answer.candidates)
-    over = tuple(t and live_over(c.estimate.peak, budget) for c, t in zip(answer.candidates, traced))  # not replayed
+    on_cpu = tuple(t and not replayed_on(c.trace_inputs[2]) for c, t in zip(answer.candidates, traced))
+    # not replayed: a CPU run (no CUDA allocator), or a live peak alone over the budget
+    over = tuple(t and (cpu or live_over(c.estimate.peak, budget))
+                 for c, t, cpu in zip(answer.candidates, traced, on_cpu))  # fmt: skip
     traces = tuple(engine.alloc_trace(*c.trace_inputs)[0] if t and not o else None
                    for c, t, o in zip(answer.candidates, traced, over))  # fmt: skip
     held = tuple(None if t is None else reserved_of(t, config.alloc_conf) for t in traces)
@@ -43,32 +48,8 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     links = Links(config.intra_link, config.inter_link, config.gpus_per_node)  # time per link (commtime)
     whole = config.tensor_numels
     tokens = config.tokens_per_micro_step * config.grad_accum
-    rows = []
-    for c, fits_c, reserved, skipped in zip(answer.candidates, fit, held, over):
-        e = c.estimate
-        # a data-parallel rank's tokens, its 6·Ψ·tokens FLOPs split over the T GPUs of its tensor-parallel group
-        compute_s = None if config.flops is None else compute_time_s(sum(whole), tokens, tp_degree(e.collectives),
-                                                                     config.flops, config.mfu)  # fmt: skip
-        # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
-        time = engine_step_time(e.collectives, nd, links, config.grad_accum, config.algorithm, c.bucket_numel,
-                                compute_s)  # fmt: skip
-        host = e.host  # the engine's own offload (DeepSpeed offload_optimizer/offload_param): host bytes per rank
-        rows.append(PlanOption(
-            e.stage, e.label, NO_OFFLOAD if host is None else host.offload, None, None,
-            states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0) if host is None else
-            OffloadBreakdown(e.memory, host.host_bytes, 0, host.h2d_bytes, host.d2h_bytes, 0, 0),
-            fits=fits_c,
-            comm_volume_elements=sum(c.volume_elements for c in e.collectives),
-            comm_bytes_per_rank=sum(c.bytes_per_rank for c in e.collectives),
-            time=time,
-            pcie_s=0.0 if host is None else max(host.h2d_bytes, host.d2h_bytes) / config.host_link.bandwidth_bytes_per_s,
-            peak=e.peak,
-            candidate=c.label,
-            peak_rank=e.peak_rank,
-            reserved=reserved,
-            host=host,
-            not_replayed=NOT_REPLAYED if skipped else None,
-        ))  # fmt: skip
+    rows = [candidate_row(config, c, fits_c, reserved, skipped, cpu, nd, links, sum(whole), tokens)
+            for c, fits_c, reserved, skipped, cpu in zip(answer.candidates, fit, held, over, on_cpu)]  # fmt: skip
     headroom = f"{config.headroom:.0%} of GPU memory kept free"
     recommendation = launchers = advice = None
     if recommended is not None:
@@ -85,6 +66,7 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         if least is not None:
             advice = cut_first(least.peak, least.stage, config)
     policy = engine.policy(answer.base)
+    replayed = any(t and not cpu for t, cpu in zip(traced, on_cpu))  # "fits" on reserved bytes, else on live ones
     return Plan(
         config=config,
         params=sum(whole),
@@ -104,8 +86,38 @@ def engine_plan_config(config: PlanConfig) -> Plan:
         recommendation=recommendation,
         reason=reason,
         launchers=launchers,
-        fit_basis=f"fits on {fit_quantity(config.alloc_conf if any(traced) else None)} ({engine.name} engine, "
+        fit_basis=f"fits on {fit_quantity(config.alloc_conf if replayed else None)} ({engine.name} engine, "
                   f"docs/engines/{engine.name}.md) within the headroom",
         cut_first=advice,
         fragmentation=first_fragmentation(rows, traces, budget, config.micro_batch),
+    )  # fmt: skip
+
+
+def candidate_row(config: PlanConfig, c: Candidate, fits_c: bool, reserved: Optional[ReservedEstimate],
+                  skipped: bool, cpu: bool, nd: int, links: Links, psi: int, tokens: int) -> PlanOption:
+    """One candidate of the engine's search as a plan row (psi: the model's parameters, Ψ): its peak, fit,
+    reserved bytes (not replayed: ``skipped``, a CPU run when ``cpu``), comm and step time, and host offload."""
+    e = c.estimate
+    # a data-parallel rank's tokens, its 6·Ψ·tokens FLOPs split over the T GPUs of its tensor-parallel group
+    compute_s = None if config.flops is None else compute_time_s(psi, tokens, tp_degree(e.collectives), config.flops,
+                                                                 config.mfu)  # fmt: skip
+    # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
+    time = engine_step_time(e.collectives, nd, links, config.grad_accum, config.algorithm, c.bucket_numel,
+                            compute_s)  # fmt: skip
+    host = e.host  # the engine's own offload (DeepSpeed offload_optimizer/offload_param): host bytes per rank
+    return PlanOption(
+        e.stage, e.label, NO_OFFLOAD if host is None else host.offload, None, None,
+        states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0) if host is None else
+        OffloadBreakdown(e.memory, host.host_bytes, 0, host.h2d_bytes, host.d2h_bytes, 0, 0),
+        fits=fits_c,
+        comm_volume_elements=sum(c.volume_elements for c in e.collectives),
+        comm_bytes_per_rank=sum(c.bytes_per_rank for c in e.collectives),
+        time=time,
+        pcie_s=0.0 if host is None else max(host.h2d_bytes, host.d2h_bytes) / config.host_link.bandwidth_bytes_per_s,
+        peak=e.peak,
+        candidate=c.label,
+        peak_rank=e.peak_rank,
+        reserved=reserved,
+        host=host,
+        not_replayed=NO_CUDA_ALLOCATOR if cpu else NOT_REPLAYED if skipped else None,
     )  # fmt: skip

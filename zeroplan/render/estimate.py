@@ -44,6 +44,7 @@ def stage_out(s: StageEstimate, e: Estimate | None = None) -> StageOut:
         peak_terms=None if s.peak is None else [PeakTermOut(name=t.name, bytes=t.bytes, source=t.source)
                                                  for t in s.peak.peak_terms],  # fmt: skip
         reserved_bytes=None if s.reserved is None else s.reserved.reserved_bytes,
+        reserved_not_replayed=None if e is None else e.reserved_not_replayed,
         reserved_phases=None if s.reserved is None else PhasesOut(**s.reserved.reserved_phases),
         own_estimator_bytes=s.own_estimate_bytes,
         peak_rank=s.peak_rank,
@@ -198,16 +199,18 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
             "peak/GPU: needs --model (a preset or a config.json): the peak of a training step needs an architecture.",
         ]
     else:
-        fits = " fits: reserved/GPU <= GPU memory." if e.gpu_memory_bytes is not None else ""
+        fitted = "peak/GPU" if e.reserved_not_replayed else "reserved/GPU"
+        fits = f" fits: {fitted} <= GPU memory." if e.gpu_memory_bytes is not None else ""
         conf = f"PYTORCH_CUDA_ALLOC_CONF={e.alloc_conf}" if e.alloc_conf else "torch's default PYTORCH_CUDA_ALLOC_CONF"
         lines += [
             f"{unit} = {'1e9' if unit == 'GB' else '2**30'} bytes. total/GPU: model states (ZeRO paper sec. 3.1, 5); "
             f"peak/GPU: the largest phase of a training step on the {e.engine} engine (docs/peak.md).{fits}",
             (f"Peak terms rounded up to {e.block_bytes}-byte CUDA blocks, plus cuBLAS/cuBLASLt workspaces after "
              "init (docs/peak.md). " if e.block_bytes > 1 else "Peak terms as allocated (no allocator block rounding). ")
-            + "reserved/GPU: max_memory_reserved of the engine's allocation trace replayed through the caching "
-            f"allocator model under {conf} (docs/allocator.md: an estimate, errors measured there); the CUDA "
-            "context and NCCL buffers come on top.",
+            + (f"reserved/GPU -: {e.reserved_not_replayed}." if e.reserved_not_replayed else
+               "reserved/GPU: max_memory_reserved of the engine's allocation trace replayed through the caching "
+               f"allocator model under {conf} (docs/allocator.md: an estimate, errors measured there); the CUDA "
+               "context and NCCL buffers come on top."),
         ]  # fmt: skip
     if offload:
         lines.append(f"host/node: what the engine's offload keeps in host memory, pinned buffers included, for "

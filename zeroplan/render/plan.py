@@ -6,7 +6,9 @@ from typing import Optional
 
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.presets import LinkSpec
-from zeroplan.render.plan_cells import count_cell, not_replayed_note, reserved_cell, seconds_cell, size_cell
+from zeroplan.render.plan_cells import (
+    count_cell, fit_sentence, not_replayed_note, reserved_cell, seconds_cell, size_cell,
+)  # fmt: skip
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
 SCHEMA = "zeroplan.plan/1"
@@ -123,10 +125,8 @@ def peak_keys(peak) -> dict:
     )  # fmt: skip
 
 
-ENGINE_NOTE = (
-    "fits: reserved, the caching allocator's max_memory_reserved for the engine's allocation trace of a training "
-    "step (docs/allocator.md), within the GPU's memory less the headroom (0 by default); the CUDA context and "
-    "NCCL buffers are not counted. peak: the engine's predicted live bytes of the largest phase (docs/engines/). "
+ENGINE_NOTE = (  # after the fit sentence (plan_cells.fit_sentence)
+    "peak: the engine's predicted live bytes of the largest phase (docs/engines/). "
     "GPU: model states as the engine holds them. The configuration printed is exactly the one predicted."
 )
 
@@ -225,7 +225,8 @@ def plan_dict(p: Plan, auto=None, largest: Optional[dict] = None) -> dict:
         "fit_basis": p.fit_basis,
         "cut_first": p.cut_first,
         "fragmentation": p.fragmentation,
-        "notes": [ENGINE_NOTE if _engine_plan(p) else PEAK_NOTE if _with_peak(p) else MEMORY_NOTE, ESTIMATE_NOTE],
+        "notes": [f"{fit_sentence(p)} {ENGINE_NOTE}" if _engine_plan(p) else PEAK_NOTE if _with_peak(p) else MEMORY_NOTE,
+                  ESTIMATE_NOTE],  # fmt: skip
         **({} if largest is None else {"largest_micro_batch": largest}),
     }
 
@@ -348,7 +349,7 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
                 from zeroplan.render.schemas import json_text  # the JSON documents' module: loaded when needed
 
                 lines += ["", title, json_text(text, indent=2) if isinstance(text, dict) else text.rstrip("\n")]
-    return [*lines, "", ENGINE_NOTE, ESTIMATE_NOTE]
+    return [*lines, "", f"{fit_sentence(p)} {ENGINE_NOTE}", ESTIMATE_NOTE]
 
 
 def _recommendation(p: Plan, unit: str) -> str:

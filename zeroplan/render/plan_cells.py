@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from zeroplan.allocator.reserved import NO_CUDA_ALLOCATOR
 from zeroplan.planning.records import Plan, PlanOption
 from zeroplan.render.table import format_bytes, format_count
 
@@ -35,3 +36,20 @@ def not_replayed_note(p: Plan) -> list[str]:
     """The footnote under the table where a row's reserved cell is ``—``: why, in one sentence (its reason)."""
     why = next((o.not_replayed for o in p.options if o.not_replayed), None)
     return [] if why is None else [f"reserved {NOT_REPLAYED_CELL}: {why}."]
+
+
+CUDA_FIT = (
+    "fits: reserved, the caching allocator's max_memory_reserved for the engine's allocation trace of a training "
+    "step (docs/allocator.md), within the GPU's memory less the headroom (0 by default); the CUDA context and "
+    "NCCL buffers are not counted."
+)
+CPU_FIT = (
+    "fits: the peak of live bytes, within the memory less the headroom (0 by default): a CPU run (--device cpu) "
+    "has no CUDA caching allocator to replay (reserved —)."
+)
+
+
+def fit_sentence(p: Plan) -> str:
+    """The engine plan's note on what "fits" compares: reserved bytes, or the live peak on a CPU run
+    (``allocator.reserved.replayed_on``)."""
+    return CPU_FIT if any(o.not_replayed == NO_CUDA_ALLOCATOR for o in p.options) else CUDA_FIT

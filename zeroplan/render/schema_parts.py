@@ -127,6 +127,10 @@ class StageOut(_Out):
         None, description="reserved bytes per phase (peaks reset at each phase, as torch.cuda.reset_peak_memory_stats); "
         "absent without an architecture",
     )  # fmt: skip
+    reserved_not_replayed: Optional[str] = Field(
+        None, description="why reserved_bytes is null though the engine has an allocation trace: a CPU run (--device "
+        "cpu) has no CUDA caching allocator, and fits is on the live peak; absent otherwise",
+    )  # fmt: skip
     own_estimator_bytes: Optional[int] = Field(
         None, description="the engine's own estimator for the same run (deepspeed: DeepSpeed's "
         "estimate_zero2/3_model_states_mem_needs), beside the prediction; the key is absent for engines without one",
@@ -174,9 +178,11 @@ class StageOut(_Out):
         if self.host_bytes_per_gpu is None:  # the NVMe keys: null without NVMe, absent without offload
             for key in NVME_KEYS:
                 out.pop(key)
-        if self.reserved_bytes is None:  # no trace (no architecture): the keys are absent, as before them
-            out.pop("reserved_bytes")
-            out.pop("reserved_phases")
+        if self.reserved_not_replayed is None:
+            out.pop("reserved_not_replayed")
+            if self.reserved_bytes is None:  # no trace (no architecture): the keys are absent, as before them
+                out.pop("reserved_bytes")
+                out.pop("reserved_phases")
         return out
 
 

@@ -176,7 +176,8 @@ class PlanOptionOut(_Out):
     reserved_not_replayed: Optional[str] = Field(
         None, description="why reserved_bytes is null though the engine has an allocation trace: the live peak alone "
         "exceeds the GPU less the headroom, so reserved (>= live) cannot fit and the trace was not replayed "
-        "(docs/allocator.md); the key is absent on rows replayed or without a trace",
+        "(docs/allocator.md), or a CPU run (--device cpu) has no CUDA caching allocator (fits on the live peak); "
+        "the key is absent on rows replayed or without a trace",
     )  # fmt: skip
 
     @model_serializer(mode="wrap")

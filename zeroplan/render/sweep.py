@@ -104,10 +104,51 @@ def _strings(texts: list[str]) -> Any:
     import numpy as np
     import pyarrow as pa
 
-    data = [t.encode() for t in texts]
-    offsets = np.zeros(len(data) + 1, dtype=np.int32)
-    np.cumsum([len(d) for d in data], out=offsets[1:])
-    return pa.Array.from_buffers(pa.string(), len(data), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
+    text = "".join(texts)
+    if text.isascii():  # a character is a byte: the lengths of the str are those of the UTF-8 (the usual case)
+        data, lengths = text.encode(), map(len, texts)
+    else:
+        encoded = [t.encode() for t in texts]
+        data, lengths = b"".join(encoded), map(len, encoded)
+    offsets = np.zeros(len(texts) + 1, dtype=np.int32)
+    offsets[1:] = np.fromiter(lengths, dtype=np.int64, count=len(texts)).cumsum()
+    return pa.Array.from_buffers(pa.string(), len(texts), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def _text(values) -> Any:
+    """An int64 or float64 pyarrow array as strings (``pyarrow.compute.cast``, safe)."""
+    import pyarrow as pa
+
+    return _call("cast", values, options=_compute().CastOptions.safe(pa.string()))
+
+
+def _call(name: str, *args, options=None) -> Any:
+    """The pyarrow compute function ``name`` (``pyarrow.compute.call_function``, from the module that defines it):
+    importing ``pyarrow.compute`` builds a Python wrapper for each of its functions, about 40 ms of CPU time
+    (docs/benchmarks.md, "The CSV sweep, fifth pass"), and the CSV needs four of them."""
+    return _compute().call_function(name, list(args), options)
+
+
+def _compute() -> Any:
+    """``pyarrow._compute``, the module ``pyarrow.compute`` takes ``call_function``, ``CastOptions`` and
+    ``JoinOptions`` from (a private module: a pyarrow that moves them gets the public ``pyarrow.compute``, the
+    same functions, ~40 ms slower to import)."""
+    try:
+        import pyarrow._compute as pc
+
+        pc.call_function, pc.CastOptions, pc.JoinOptions  # noqa: B018 (the three names this module uses)
+    except (ImportError, AttributeError):
+        import pyarrow.compute as pc
+    return pc
+
+
+def _joined(*args, null_as_empty: bool = False) -> Any:
+    """``binary_join_element_wise``: ``args[:-1]`` joined by ``args[-1]`` row by row; a null field is empty
+    text when ``null_as_empty``, else it makes the row null (pyarrow's default)."""
+    JoinOptions = _compute().JoinOptions
+
+    options = JoinOptions(null_handling="replace", null_replacement="") if null_as_empty else JoinOptions()
+    return _call("binary_join_element_wise", *args, options=options)
 
 
 def _float_strings(values) -> Any:
@@ -115,17 +156,15 @@ def _float_strings(values) -> Any:
     is the same digits for |x| in [1e-4, 1e10) (``tests/test_hardening.py`` checks), except that it
     drops the ``.0`` of whole numbers; other values (rare here: ratios) are formatted by ``repr``."""
     import numpy as np
-    import pyarrow.compute as pc
 
     size = np.abs(values)
     plain = (size >= 1e-4) & (size < 1e10)
     whole = plain & (values == np.floor(values))
-    texts = pc.cast(_array(values), "string")
+    texts = _text(_array(values))
     if whole.any():  # "1" -> "1.0", only where a value is whole (stage 0's ratio is 1.0)
         dot_zero, empty = _strings([".0", ""])
-        fixed = pc.binary_join_element_wise(pc.cast(_array(values[whole].astype(np.int64)), "string"), empty,
-                                            dot_zero)  # fmt: skip
-        texts = pc.replace_with_mask(texts, _array(whole), fixed)
+        fixed = _joined(_text(_array(values[whole].astype(np.int64))), empty, dot_zero)
+        texts = _call("replace_with_mask", texts, _array(whole), fixed)
     if plain.all():
         return texts
     out = texts.to_numpy(zero_copy_only=False).astype(object)
@@ -159,7 +198,6 @@ def _pieces(columns) -> Any:
     """Each column as (codes, labels) where its text has few values (codes None: the same on every row), else
     as a pyarrow string array (nulls for empty); None when a label would need CSV quotes."""
     import numpy as np
-    import pyarrow.compute as pc
 
     pieces = []
     for column in columns.values():
@@ -173,7 +211,7 @@ def _pieces(columns) -> Any:
             codes = column.values.astype(np.int64) + 2 * column.missing
             pieces.append(_coded(codes, ["False", "True", "", ""]))
         elif isinstance(column, Masked):
-            pieces.append(pc.cast(_array(column.values, column.missing), "string"))
+            pieces.append(_text(_array(column.values, column.missing)))
         elif column.dtype == np.float64:
             pieces.append(_float_strings(column))
         else:
@@ -189,22 +227,23 @@ def _coded(codes, texts: list[str]) -> tuple:
 
 
 def _int_piece(column) -> Any:
-    """An int64 column's text: indexed labels for small counts (GPU counts, stages) and for runs of one value
-    (Ψ over a block of rows), else formatted per row by pyarrow."""
+    """An int64 column's text: labels of the values present for small counts (GPU counts, stages), of runs of
+    one value (Ψ over a block of rows), else formatted per row by pyarrow."""
     import numpy as np
-    import pyarrow.compute as pc
 
     low, high = (int(column.min()), int(column.max())) if column.size else (0, 0)
     if low == high:
         return None, [str(low)]
-    if low >= 0 and high < MERGE_LABELS:
-        return column, [str(i) for i in range(high + 1)]
+    if low >= 0 and high < MERGE_LABELS:  # labels of the values present only (a grid has few of 0..high)
+        present = np.zeros(high + 1, dtype=bool)
+        present[column] = True
+        return (np.cumsum(present) - 1)[column], [str(v) for v in np.flatnonzero(present).tolist()]
     starts = np.empty(column.size, dtype=bool)
     starts[0] = True
     np.not_equal(column[1:], column[:-1], out=starts[1:])
     if np.count_nonzero(starts) <= column.size // 8:
         return np.cumsum(starts) - 1, [str(v) for v in column[starts].tolist()]
-    return pc.cast(_array(column), "string")
+    return _text(_array(column))
 
 
 def _merged(pieces: list) -> list:
@@ -229,7 +268,6 @@ def _csv_text(columns) -> Any:
     """The CSV lines of ``columns`` (no header) as bytes, formatted by pyarrow as pandas' ``to_csv`` writes
     them; None when a label would need quotes (the caller lets pandas write those rows)."""
     import numpy as np
-    import pyarrow.compute as pc
 
     pieces = _pieces(columns)
     if pieces is None:
@@ -239,21 +277,20 @@ def _csv_text(columns) -> Any:
         pieces[-1] = (pieces[-1][0], [f"{x}\n" for x in pieces[-1][1]])
     else:  # text + "\n" + "" (a null as empty text)
         empty, newline = _strings(["", "\n"])
-        pieces[-1] = pc.binary_join_element_wise(pieces[-1], empty, newline, null_handling="replace",
-                                                 null_replacement="")  # fmt: skip
+        pieces[-1] = _joined(pieces[-1], empty, newline, null_as_empty=True)
     arrays = []
     for piece in pieces:
         if isinstance(piece, tuple):
             codes, texts = piece
             labels = _strings(texts)
-            arrays.append(labels[0] if codes is None else labels.take(_array(np.asarray(codes, dtype=np.int64))))
+            indices = None if codes is None else _array(np.asarray(codes, dtype=np.int64))
+            arrays.append(labels[0] if codes is None else _call("take", labels, indices))
         else:
             arrays.append(piece)
     comma, = _strings([","])
     if len(arrays) == 1 and isinstance(pieces[0], tuple) and pieces[0][0] is None:  # every column constant
         return (pieces[0][1][0] * n_rows(columns)).encode()
-    lines = arrays[0] if len(arrays) == 1 else pc.binary_join_element_wise(
-        *arrays, comma, null_handling="replace", null_replacement="")
+    lines = arrays[0] if len(arrays) == 1 else _joined(*arrays, comma, null_as_empty=True)
     offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32, count=len(lines) + 1, offset=4 * lines.offset)
     return memoryview(lines.buffers()[2])[offsets[0]:offsets[-1]]
 

@@ -18,7 +18,7 @@ from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.architectures.spec import numels as numels_of
 from zeroplan.engines import EngineName, get_engine, planner_options
 from zeroplan.engines.base import PLANNER_INPUTS, EngineOptions, PlannerOptions
-from zeroplan.estimation.config import preset_memory
+from zeroplan.estimation.config import device_foreach, preset_memory
 from zeroplan.estimation.workload import check_seq_len
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.cuda_workspaces import capability_of
@@ -67,7 +67,8 @@ class SweepConfig(BaseModel):
     """activation recomputation assumed: none, selective or full (``zeroplan.formulas.activations``); the
     peak columns know none and full (full stays the default, as before the peak existed)."""
     foreach: Flag = True
-    """the optimizer's multi-tensor path, for the peak; True is torch's default on CUDA."""
+    """the optimizer's multi-tensor path, for the peak; not given (or None): torch's default for the run's device
+    (``zeroplan.estimation.config.device_foreach``)."""
     engine: EngineName = "reference"
     """the training engine of the peak columns (``zeroplan.engines.get_engine``)."""
     gpus: tuple[GpuCount, ...] = (1,)
@@ -99,7 +100,7 @@ class SweepConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _preset_memory(cls, data: object) -> object:
-        return preset_memory(data)
+        return device_foreach(preset_memory(data))
 
     @field_validator("offload", mode="before")
     @classmethod

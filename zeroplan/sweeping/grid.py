@@ -318,7 +318,7 @@ def sweep(
     micro_batch: Sequence[int] | None = None,
     seq_len: int | None = None,
     checkpointing: str = "full",
-    foreach: bool = True,
+    foreach: bool | None = None,
     engine: str = "reference",
     gpu_memory_bytes: int | None = None,
     gpu: str | None = None,

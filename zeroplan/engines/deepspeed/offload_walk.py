@@ -37,10 +37,10 @@ def _slice(offsets: Sequence[int], part: int, i: int, rank: int) -> int:
     return max(0, min(offsets[i + 1], (rank + 1) * part) - max(offsets[i], rank * part))
 
 
-def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket: int, g: int,
-               ranks: Iterable[int]) -> dict[int, WalkMoment]:
-    """Each rank's largest moment of the walk (module docstring); ``NONE`` where it has none."""
-    # the rank-independent events, in walk order: ("clone", k, alive without kept) and ("flush", group, remaining)
+def _walk_events(numels: Sequence[int], bucket: int) -> tuple[list[tuple], dict[int, int], dict[int, int], list[int]]:
+    """The rank-independent events, in walk order: ("clone", k, alive without kept) and ("flush", group,
+    remaining); each parameter's clone event and its group's flush event (indices); per event the
+    larger-than-bucket gradients of groups flushed before it."""
     events: list[tuple] = []
     clone_at: dict[int, int] = {}  # parameter -> its clone event's index
     flush_of: dict[int, int] = {}  # parameter -> its group's flush event's index
@@ -72,7 +72,12 @@ def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket:
         pending.append(k)
         elements += n
     flush()
+    return events, clone_at, flush_of, large_before
 
+
+def _clone_maxima(events: list[tuple], large_before: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The clone events (indices), each one's alive with nothing of it cleared, and the first maximum of those
+    up to each (prefix) and from each on (suffix), as indices into the clone events."""
     clones = [i for i, e in enumerate(events) if e[0] == "clone"]
     values = [events[i][2] + large_before[i] for i in clones]  # a clone moment's alive with nothing of it cleared
     prefix: list[int] = []  # index into clones of the first maximum of clones[:j+1]
@@ -81,6 +86,14 @@ def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket:
     suffix = [0] * len(values)  # index of the first maximum of clones[j:]
     for j in range(len(values) - 1, -1, -1):
         suffix[j] = j if j == len(values) - 1 or values[j] >= values[suffix[j + 1]] else suffix[j + 1]
+    return clones, values, prefix, suffix
+
+
+def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket: int, g: int,
+               ranks: Iterable[int]) -> dict[int, WalkMoment]:
+    """Each rank's largest moment of the walk (module docstring); ``NONE`` where it has none."""
+    events, clone_at, flush_of, large_before = _walk_events(numels, bucket)
+    clones, values, prefix, suffix = _clone_maxima(events, large_before)
 
     def weigh(m: WalkMoment) -> int:
         return m[0] * g + 8 * m[1]

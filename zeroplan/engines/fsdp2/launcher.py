@@ -101,7 +101,7 @@ def tp_mesh_snippet(settings: Settings) -> str:
     dp = 'mesh["dp_replicate", "dp_shard"]' if r > 1 else 'mesh["dp_shard"]'
     return ("from torch.distributed.device_mesh import init_device_mesh\n"
             f"mesh = init_device_mesh({settings.device!r}, {shape}, mesh_dim_names={names})\n"
-            + tp_snippet(t, dp, settings.sequence_parallel))  # fmt: skip
+            + tp_snippet(t, dp, settings.sequence_parallel, settings.loss_parallel))  # fmt: skip
 
 
 def fsdp2_snippet(stage: int, offload: Offload = NO_OFFLOAD, policy: PrecisionPolicy = BF16_MIXED) -> str:

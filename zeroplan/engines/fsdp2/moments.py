@@ -70,7 +70,7 @@ from zeroplan.engines.fsdp2.terms import (
 )
 from zeroplan.engines.fsdp2.offload import offload_moments
 from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
-from zeroplan.engines.fsdp2.tp import loss_parallel_backward, loss_parallel_log_softmax
+from zeroplan.engines.fsdp2.tp_loss import logits_gather_moments, loss_parallel_backward, loss_parallel_log_softmax
 from zeroplan.formulas.peak import Moment, Term
 
 def init_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
@@ -187,7 +187,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
                  *logits_in_loss(run), fp32_logits, *lp, *in_loss)),) if lp else ()  # fmt: skip
     states = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run))
     return (*embedding_copy_outs(run, states), *first, gather, copy_out, last, *reshard, *tail, head,
-            *((upcast,) if run.p != 4 else ()), *lp, loss)  # fmt: skip
+            *logits_gather_moments(run, head), *((upcast,) if run.p != 4 else ()), *lp, loss)  # fmt: skip
 
 
 def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:

@@ -22,6 +22,7 @@ from zeroplan.engines.fsdp2.offload import host_memory
 from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import check_tp, tp_acts
+from zeroplan.engines.fsdp2.tp_loss import check_loss_parallel
 from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, fsdp2_run, mesh_ranks, resharded, run_states
 from zeroplan.engines.fsdp2.units import wrapping_of
@@ -42,6 +43,7 @@ def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None 
     optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``). With ``tp`` T > 1: the TP-local
     model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``). ``made`` (without TP): filled
     with {rank: its run}, for the plan's allocation trace of the rank that peaks (``alloc_traces``' ``run``)."""
+    check_loss_parallel(settings.tp, settings.loss_parallel)
     if (settings.tp or 1) > 1:
         return tp_estimate(workload, nd, settings, dp_estimate)
     return dp_estimate(workload, nd, settings, made)
@@ -69,7 +71,7 @@ def rank_run(workload: Workload, nd: int, settings: Settings):
     if (settings.tp or 1) > 1 and run.acts is not None:  # engines/fsdp2/tp.py
         run = replace(run, acts=tp_acts(run.acts, workload.spec, settings.tp, workload.micro_batch * workload.seq_len,
                                         dtype_bytes(settings.param), settings.sequence_parallel,
-                                        settings.backend == "gloo", workload.seq_len))
+                                        settings.backend == "gloo", workload.seq_len, settings.loss_parallel))
     return run, nd
 
 
@@ -287,6 +289,9 @@ VOCABULARY: tuple[EngineOption, ...] = (
                  "tensor parallelism: ranks T of the mesh's 'tp' dimension (torchtitan's llama plan); plan: auto"),
     EngineOption("sequence_parallel", _flag("sequence_parallel"), None,
                  "with tp: SequenceParallel norms and Shard(1) activations (default true)"),
+    EngineOption("loss_parallel", _flag("loss_parallel"), None,
+                 "with tp: the head's output Shard(-1), the loss under loss_parallel() (default true); false: "
+                 "Replicate, all-gathered logits (torchtitan's disable_loss_parallel)"),
 )  # fmt: skip
 """FSDP2's vocabulary, declared once (``Engine.own_options``): ``fully_shard``'s ``reshard_after_forward``,
 ``MixedPrecisionPolicy``'s dtypes, ``Settings.wrap``, ``init``, ``device``, the HSDP mesh's ``dp_replicate``

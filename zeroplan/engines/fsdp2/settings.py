@@ -84,6 +84,10 @@ class Settings(BaseModel):
     sequence_parallel: StrictBool = Field(
         True, description="with tp: SequenceParallel norms, activations Shard(1) between blocks (torchtitan's default)",
     )  # fmt: skip
+    loss_parallel: StrictBool = Field(
+        True, description="with tp: the head's output Shard(-1) and the loss under loss_parallel() (torchtitan's "
+        "default); false: Replicate (all-gathered logits) and the plain loss (torchtitan's disable_loss_parallel)",
+    )  # fmt: skip
     cuda_capability: tuple[StrictInt, StrictInt] = Field(
         (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
         "(formulas.cuda_workspaces); (9, 0) is H100/H200",
@@ -121,7 +125,8 @@ class Settings(BaseModel):
         wrap = "" if self.wrap == "blocks" else f", wrap {self.wrap if isinstance(self.wrap, str) else 'file'}"
         hsdp = f", HSDP mesh {self.dp_replicate} x {self.dp_shard}" if (self.dp_replicate or 1) > 1 else ""
         off = f", CPUOffloadPolicy(pin_memory={self.pin_memory})" if self.offload_policy == "cpu" else ""
-        tp = f", tp {self.tp}{'' if self.sequence_parallel else ' (no SP)'}" if (self.tp or 1) > 1 else ""
+        plain = ", no SP" * (not self.sequence_parallel) + ", no loss parallel" * (not self.loss_parallel)
+        tp = f", tp {self.tp}{f' ({plain[2:]})' if plain else ''}" if (self.tp or 1) > 1 else ""
         return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}{tp}{off}"
 
 

@@ -12,7 +12,11 @@ The plan (torchtitan 0.3.0 ``models/common/decoder_sharding.py``, the same place
 - ``embed_tokens``: ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))`` (weight
   ``Shard(0)``: the vocabulary split; output reduce-scattered to the sequence shard; ``Replicate`` without SP);
 - ``lm_head``: ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)``,
-  the loss parallel option (``loss_parallel()``: cross-entropy on vocabulary-sharded logits).
+  the loss parallel option (``loss_parallel()``: cross-entropy on vocabulary-sharded logits); without it
+  (torchtitan's ``parallelism.disable_loss_parallel``, ``Settings.loss_parallel`` false)
+  ``output_layouts=Replicate(), use_local_output=True``: ``ColwiseParallel._prepare_output_fn`` redistributes
+  the N x V/T logits Shard(-1) -> Replicate (an all-gather of the vocabulary, ``Shard._to_replicate_tensor``),
+  and the plain cross-entropy runs on the whole N x V logits on every TP rank.
 
 FSDP2 then shards each TP-local tensor (``DTensor._local_tensor``) on its dim 0 over ``dp_shard``
 (``_fsdp_param.py:FSDPParam._init_sharded_param``: ``_StridedShard`` when TP also splits dim 0), so the
@@ -29,12 +33,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from zeroplan.engines.fsdp2.collectives import UnitCollective
-from zeroplan.formulas.activation_terms import TOKEN_BYTES
+from zeroplan.engines.fsdp2.tp_loss import whole_logits
 from zeroplan.formulas.llama_nograd import llama_nograd_moments
-from zeroplan.formulas.peak import Term
 
 TP_SRC = "torch/distributed/tensor/parallel/style.py"
-LOSS_SRC = "torch/distributed/tensor/parallel/loss.py:"
 TP_FAMILIES = ("llama", "mistral", "qwen2")
 """The llama-like families the plan holds: q/k/v/o, gate/up/down, RMSNorm, untied head (Qwen3's q_norm and
 k_norm and Phi-3's fused projections are other plans)."""
@@ -93,13 +95,14 @@ def local_shapes(shapes, t: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
 def local_spec(spec, t: int):
     """The architecture one TP rank computes: heads, KV heads, the FFN width and the vocabulary (loss
     parallel: vocabulary-sharded logits) divided by T, head_dim and d_model kept. Its activations are the
-    block internals divided by T; the residual stream and the norms stay whole (without SP)."""
+    block internals divided by T; the residual stream and the norms stay whole (without SP); without loss
+    parallel the logits are whole from the all-gather on (``whole_logits``)."""
     return replace(spec, n_head=spec.n_head // t, n_kv_head=spec.n_kv_head // t, ffn_hidden=spec.ffn // t,
                    vocab_size=spec.vocab_size // t, head_dim=spec.head_dim)  # fmt: skip
 
 
 def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, sequence_parallel: bool,
-                   checkpointing: bool) -> tuple[UnitCollective, ...]:
+                   checkpointing: bool, vocab: int | None = None) -> tuple[UnitCollective, ...]:
     """The TP collectives of one micro-step over the ``tp`` group (T ranks), in issue order per phase; each
     (b, s, d) activation of ``tokens`` = b·s rows is one collective of tokens·d elements (its full size).
     Measured call by call on gloo (tests/data/measured/fsdp2_tp.json, validate/engines/fsdp2_tp.py).
@@ -116,7 +119,14 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
     (``_nll_loss_forward``: ``_MaskPartial._reduce_value``); its backward sends nothing. Checkpointing
     recomputes each block's forward collectives in backward but its last (down_proj's reduce-scatter, or
     all-reduce without SP): ``torch.utils.checkpoint``'s non-reentrant recompute stops once the saved tensors
-    are back (early stop), and nothing saves that output (measured with and without SP)."""
+    are back (early stop), and nothing saves that output (measured with and without SP).
+
+    ``vocab`` V given: no loss parallel (``Settings.loss_parallel`` false). The head's output is
+    redistributed Shard(-1) -> Replicate (``style.py:ColwiseParallel._prepare_output_fn``,
+    ``placement_types.py:Shard._to_replicate_tensor``: ``funcol.all_gather_single``): one all-gather of the
+    N·V logits in forward, in the activation dtype, in place of loss parallel's three all-reduces. Its
+    backward sends nothing: ``to_local``'s gradient is Replicate and ``Redistribute.backward`` turns it into
+    Shard(-1) by a local split (``Shard._replicate_to_shard``)."""
     n = tokens * d_model
     if sequence_parallel:
         embed, block_fwd, head = ("reduce-scatter",), ("all-gather", "reduce-scatter") * 2, ("all-gather",)
@@ -132,8 +142,11 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
         out += [coll(op, "forward", f"block {i}") for op in block_fwd]
     out += [coll(op, "forward", "root") for op in head]
     # the loss runs on fp32 logits (``logits.float()``, as transformers' ForCausalLMLoss and CausalLM.loss)
-    out += [UnitCollective("all-reduce", "forward", "root (loss parallel)", tokens, "fp32", t, "tp")
-            for _ in range(3)]
+    if vocab is None:
+        out += [UnitCollective("all-reduce", "forward", "root (loss parallel)", tokens, "fp32", t, "tp")
+                for _ in range(3)]
+    else:
+        out += [coll("all-gather", "forward", "root (logits)", tokens * vocab)]
     if sequence_parallel:
         out += [coll(back[op], "backward", "root") for op in reversed(head)]
     else:
@@ -244,11 +257,15 @@ def sp_nograd_peak(spec, t: int, n: int, s: int, a: int, gloo: bool) -> int:
                m["mlp"] - whole + 3 * sh, 4 * sh + 2 * whole + copy + n * spec.ffn * a)  # fmt: skip
 
 
-def tp_acts(acts, spec, t: int, tokens: int, a: int, sequence_parallel: bool, gloo: bool, seq_len: int | None = None):
+def tp_acts(acts, spec, t: int, tokens: int, a: int, sequence_parallel: bool, gloo: bool, seq_len: int | None = None,
+            loss_parallel: bool = True):
     """The activations of one TP rank (``spec`` the TP-local architecture, ``local_spec``): with SP the
     sequence-parallel regions divided by T (``sequence_parallel_acts``) and the checkpointed forward's
     peak re-counted (``sp_nograd_peak``; ``seq_len``: the sequence, for SDPA's mask, else ``tokens``), then the
-    post-attention norm's backward moment (``post_norm_backward``)."""
+    post-attention norm's backward moment (``post_norm_backward``); without loss parallel the logits whole
+    (``whole_logits``)."""
+    if not loss_parallel:
+        acts = whole_logits(acts, t)
     if sequence_parallel:
         acts = sequence_parallel_acts(acts, t, tokens, spec.d_model, a, gloo)
         if spec.style == "llama":
@@ -257,46 +274,6 @@ def tp_acts(acts, spec, t: int, tokens: int, a: int, sequence_parallel: bool, gl
     return replace(acts, block=post_norm_backward(acts.block, spec, a))
 
 
-
-def _loss_rows(run) -> tuple[int, int]:
-    """(N, N·V/T·4): the tokens in the loss and one fp32 tensor of vocabulary-sharded logits (``run.acts``
-    is the TP-local architecture's: its ``log_softmax`` is N·V/T·4, its ``batch`` the ids and targets)."""
-    return run.acts.batch // (2 * TOKEN_BYTES), run.acts.log_softmax
-
-
-def loss_parallel_log_softmax(run) -> tuple[Term, ...]:
-    """Loss parallel's forward (T > 1; else ()): ``_log_softmax`` on the fp32 N·V/T logits, at its last op
-    ``result = shifted - shifted_logsumexp``: the shifted copy ``x - x_max`` and the result (two fp32 N·V/T
-    beside the logits; ``exp(shifted)`` is gone by then), the all-reduced row max, the all-reduced sum of exps
-    and its log (three fp32 N; the local max and sum died when their names were rebound), before the loss
-    exists: N·V/T·4 + 3·N·4 - 8 B over the "cross-entropy" moment (which holds the log-softmax and the 8 B
-    loss). Traced op by op (one rank, a 1-rank mesh: the peak at that ``aten.sub``, 2·N·V/T·4 + 3·N·4 beyond the
-    input) and measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, no SP, the forward peak, exact."""
-    if (run.settings.tp or 1) == 1:
-        return ()
-    n, nv = _loss_rows(run)
-    return (Term("loss parallel: shifted logits and the log-softmax being made (fp32)", 2 * nv,
-                 LOSS_SRC + "_log_softmax", 2),
-            Term("loss parallel: the all-reduced row max and sum of exps, its log (fp32)", 3 * n * 4,
-                 LOSS_SRC + "_log_softmax", 3))  # fmt: skip
-
-
-def loss_parallel_backward(run) -> tuple[Term, ...]:
-    """Loss parallel's backward (T > 1; else ()): ``_nll_loss_and_log_softmax_backward`` at
-    ``(grad_input + torch.exp(x)) * grad_output`` holds three fp32 N·V/T (grad_input, exp(x), their sum)
-    where the profile's "cross-entropy backward" holds two, plus three int64 N (``safe_target``, the masked
-    target ``_MaskPartial._mask_tensor`` makes, ``arange_1d``), two fp32 N (``grad_update``, the masked
-    ``grad_output``), the bool N mask (``_MaskPartial.mask_buffer``) and the loss's 4 B gradient:
-    N·V/T·4 + 3·N·8 + 2·N·4 + N + 4. Traced op by op (a 1-rank mesh: the peak at ``aten.add``, all but the
-    loss's gradient, an input there) and measured: gloo dp_shard 2 x tp 2, bf16, 4 x 16 tokens, SP: the
-    backward peak, exact."""
-    if (run.settings.tp or 1) == 1:
-        return ()
-    n, nv = _loss_rows(run)
-    return (Term("loss parallel: grad_input + exp(x), the third fp32 N·V/T", nv,
-                 LOSS_SRC + "_nll_loss_and_log_softmax_backward"),
-            Term("loss parallel: targets (int64), mask, grad_update and grad_output columns", 3 * n * 8 + 2 * n * 4
-                 + n + 4, LOSS_SRC + "_nll_loss_and_log_softmax_backward", 7))  # fmt: skip
 
 TP_SIZES = (1, 2, 4, 8)
 """The TP degrees ``plan --tp auto`` tries, smallest first, those within a node that divide the GPUs and that
@@ -319,24 +296,32 @@ def tp_sizes(spec, nd: int, gpus_per_node: int, seq_len: int, sequence_parallel:
     return tuple(out)
 
 
-def tp_snippet(t: int, dp_mesh: str, sequence_parallel: bool) -> str:
+def tp_snippet(t: int, dp_mesh: str, sequence_parallel: bool, loss_parallel: bool = True) -> str:
     """``parallelize_module`` with torchtitan's llama plan in transformers' llama names (``LlamaForCausalLM``:
     ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``), then what ``fully_shard`` takes:
-    ``dp_mesh``, the data-parallel sub-mesh. The loss is computed under ``loss_parallel()``."""
+    ``dp_mesh``, the data-parallel sub-mesh. The loss is computed under ``loss_parallel()``; without loss parallel
+    the head's output is Replicate (whole logits, a plain tensor) and the loss is the plain one."""
     act = "Shard(1)" if sequence_parallel else "Replicate()"
+    if loss_parallel:
+        head = "output_layouts=Shard(-1), use_local_output=False),\n"
+        loss = "})  # the loss: `with loss_parallel(): loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())`\n"
+    else:  # torchtitan's parallelism.disable_loss_parallel
+        head = "output_layouts=Replicate(), use_local_output=True),\n"
+        loss = ("})  # no loss parallel: every TP rank all-gathers the whole logits; the loss as without TP,\n"
+                "# `loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())`\n")
     norms = ('        "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),\n'
              if sequence_parallel else "")  # fmt: skip
     final = '    "model.norm": SequenceParallel(),\n' if sequence_parallel else ""
     return (
         "from torch.distributed.tensor import Replicate, Shard\n"
         "from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,\n"
-        "                                               SequenceParallel, loss_parallel, parallelize_module)\n"
+        "                                               SequenceParallel, "
+        + "loss_parallel, " * loss_parallel + "parallelize_module)\n"
         f"# tensor parallelism over the {t} GPUs of mesh[\"tp\"] (torchtitan's llama plan), before fully_shard;\n"
         "# module names as transformers' LlamaForCausalLM (model.model.layers: `model.layers` below)\n"
         "parallelize_module(model, mesh[\"tp\"], {\n"
         f"    \"model.embed_tokens\": RowwiseParallel(input_layouts=Replicate(), output_layouts={act}),\n{final}"
-        f"    \"lm_head\": ColwiseParallel(input_layouts={act}, output_layouts=Shard(-1), use_local_output=False),\n"
-        "})  # the loss: `with loss_parallel(): loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())`\n"
+        f"    \"lm_head\": ColwiseParallel(input_layouts={act}, {head}{loss}"
         + ("# transformers with SP: pass position_ids and cache_position = arange(seq_len) to the model (its\n"
            "# embedding output has seq_len / T rows, from which it would derive them)\n" if sequence_parallel else "")
         + "for block in model.model.layers:\n"

@@ -25,13 +25,13 @@ def tp_rows(workload, settings) -> tuple[Collective, ...]:
     # activations and autograd's gradients in the param dtype (FSDPParam.init_dtype_attrs)
     return _tp_rows(spec.n_layer, workload.micro_batch * workload.seq_len, spec.d_model, settings.param,
                     settings.tp, settings.sequence_parallel, workload.checkpointing != "none",
-                    workload.grad_accum)  # fmt: skip
+                    workload.grad_accum, None if settings.loss_parallel else spec.vocab_size)  # fmt: skip
 
 
 @lru_cache(maxsize=64)  # the same for every candidate and rank of a plan at one T (a speed-up: plan's mesh search)
 def _tp_rows(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, sequence_parallel: bool,
-             checkpointing: bool, grad_accum: int) -> tuple[Collective, ...]:
-    calls = tp_collectives(n_layer, tokens, d_model, dtype, t, sequence_parallel, checkpointing)
+             checkpointing: bool, grad_accum: int, vocab: int | None) -> tuple[Collective, ...]:
+    calls = tp_collectives(n_layer, tokens, d_model, dtype, t, sequence_parallel, checkpointing, vocab)
     grads = norm_grad_collectives(n_layer, d_model, dtype, t, sequence_parallel)
     return tuple(Collective(c.op, c.phase, m * c.elements, c.dtype,
                             m * ring_bytes_per_rank(c.op, c.elements, t, dtype_bytes(c.dtype)), m,
@@ -102,6 +102,14 @@ def tp_mesh(settings, nd: int):
     return resolved.model_copy(update={"dp_shard": shard_groups(resolved, nd // t)[1]})
 
 
+def at_degree(own: dict, t: int) -> dict:
+    """The engine's own options at TP degree ``t`` of a search: ``tp`` None at 1, where ``loss_parallel`` (a
+    setting of the TP plan's head, ``tp_loss.check_loss_parallel``) does not apply and is dropped."""
+    if t > 1:
+        return {**own, "tp": t}
+    return {**{k: v for k, v in own.items() if k != "loss_parallel"}, "tp": None}
+
+
 def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
     """``plan --tp auto``: ``plan`` (FSDP2's ``planner_plan``) at each TP degree of ``tp.tp_sizes`` (within a
     node, dividing the GPUs, held by the plan), smallest first; the first that recommends a candidate, else the
@@ -114,7 +122,7 @@ def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
     result = None
     sp = options.own.get("sequence_parallel", True) is not False
     for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp):
-        result = plan(workload, nd, capacity_bytes, replace(options, own={**own, "tp": t if t > 1 else None}))
+        result = plan(workload, nd, capacity_bytes, replace(options, own=at_degree(own, t)))
         if result.recommended is not None:
             return result
     return result
@@ -148,14 +156,14 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     sp = options.own.get("sequence_parallel", True) is not False
     tried = []
     for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp):
-        own = {**options.own, "tp": t if t > 1 else None, "dp_shard": AUTO}
+        own = {**at_degree(options.own, t), "dp_shard": AUTO}
         result = plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=True)  # ranked by it
         chosen = None if result.recommended is None else result.candidates[result.recommended]
         inter = None if chosen is None else inter_node_bytes(chosen.estimate.collectives, nd, node)
         tried.append((t, result, inter))
     fitting = [x for x in tried if x[2] is not None]
     t, best, _ = min(fitting, key=lambda x: (x[1].recommended, x[2], x[0])) if fitting else tried[-1]
-    best = plan(workload, nd, capacity_bytes, replace(options, own={**options.own, "tp": t if t > 1 else None,
+    best = plan(workload, nd, capacity_bytes, replace(options, own={**at_degree(options.own, t),
                                                                      "dp_shard": AUTO}))  # every candidate
 
     def said(t: int, result, inter) -> str:
