@@ -18,18 +18,18 @@ at 049a051, and every engine then listed 0 named terms: ``main`` now refuses an 
   and DeepSpeed (the ``PEAK_BOUND`` / ``PEAK_TOL`` tests/test_fsdp2_engine.py, test_deepspeed_engine.py,
   test_deepspeed_features.py and test_deepspeed_zero_init.py asserted until issue 16).
 
-A removal is caught when some row of the engine fails.
+A removal is caught when some row of the engine fails. A name whose term is 0 B in every recorded row is
+listed apart (dropping it changes nothing there). Collectives: each (op, phase) dropped in turn from the
+estimate, checked by the same two functions (both compare elements exactly).
 
 The randomized differential matrix's recorded draws (tests/test_differential.py: every draw and case of
 ``RECORDED_FILES``, transformers' own families under FSDP2 and DeepSpeed) are counted the same way, per engine,
-each prediction remade by ``validate.engines.differential.replay`` (the planner only, no run):
+each prediction remade by ``validate.engines.differential.replay`` (the planner only, no run; ~300 CPU-s):
 
 - draws before: the issue's targets (+1% over, -0.5% under; the embedding-unit cases at their stated margin
   when smaller), what tests/test_differential.py asserted until 2026-12-02;
 - draws after: ``tests.test_differential.draw_misses``, the targets and each (rank, phase) at its recorded
-  error + 0 B (the engine rows' rule). A name whose term is 0 B in every recorded row is
-listed apart (dropping it changes nothing there). Collectives: each (op, phase) dropped in turn from the
-estimate, checked by the same two functions (both compare elements exactly).
+  error + 0 B (the engine rows' rule).
 
     PYTHONPATH=$PWD python benchmarks/term_removal.py [--list] [--draws: the differential draws only]
 """
