@@ -22,13 +22,23 @@ A removal is caught when some row of the engine fails. A name whose term is 0 B 
 listed apart (dropping it changes nothing there). Collectives: each (op, phase) dropped in turn from the
 estimate, checked by the same two functions (both compare elements exactly).
 
-    PYTHONPATH=$PWD python benchmarks/term_removal.py [--list]
+The randomized differential matrix's recorded draws (tests/test_differential.py: every draw and case of
+``RECORDED_FILES``, transformers' own families under FSDP2 and DeepSpeed) are counted the same way, per engine,
+each prediction remade by ``validate.engines.differential.replay`` (the planner only, no run; ~300 CPU-s):
+
+- draws before: the issue's targets (+1% over, -0.5% under; the embedding-unit cases at their stated margin
+  when smaller), what tests/test_differential.py asserted until 2026-12-02;
+- draws after: ``tests.test_differential.draw_misses``, the targets and each (rank, phase) at its recorded
+  error + 0 B (the engine rows' rule).
+
+    PYTHONPATH=$PWD python benchmarks/term_removal.py [--list] [--draws: the differential draws only]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,8 +102,9 @@ def _checked(record: dict, predicted: list[dict]) -> list:
              r["collectives"]) for r in predicted]  # fmt: skip
 
 
-def term_sizes(rows: list[dict]) -> dict[str, int]:
-    """Every term name the engine's moments carry over ``rows``, with its largest size seen (bytes)."""
+def term_sizes(rows: list[dict], predict: Callable = M.predict) -> dict[str, int]:
+    """Every term name the engine's moments carry over ``rows`` (each predicted by ``predict``: a row's), with its
+    largest size seen (bytes)."""
     seen: dict[str, int] = {}
     original = peak.rounded_total
 
@@ -105,7 +116,7 @@ def term_sizes(rows: list[dict]) -> dict[str, int]:
 
     with _patched_total(recording):
         for row in rows:
-            M.predict(row)
+            predict(row)
     return seen
 
 
@@ -165,8 +176,77 @@ def _collective_dropped(op_phase: tuple[str, str]):
         M.estimate_of = original
 
 
+# ---- the differential draws (tests/test_differential.py) ----
+
+
+def draw_records() -> list[dict]:
+    """Every recorded differential draw and hand-built case, as tests/test_differential.py parametrizes them."""
+    import tests.test_differential as T
+
+    return T._records() + T._cases() + T._family_records() + T._embedding_unit_records()
+
+
+def replay_all(records: list[dict], workdir: Path) -> list:
+    """Each record predicted again (``replay``), each in its own folder under ``workdir`` (one config.json each)."""
+    from validate.engines.differential import replay
+
+    folders = [workdir / str(i) for i in range(len(records))]
+    for f in folders:
+        f.mkdir(parents=True, exist_ok=True)
+    return [replay(r, f) for r, f in zip(records, folders)]
+
+
+def draw_before(record: dict, got) -> list[str]:
+    """tests/test_differential.py until 2026-12-02: every (rank, phase) within the targets (an embedding-unit
+    case within its stated margin where that is smaller)."""
+    from validate.engines.differential import TARGET_UNDER, TARGET_WITHIN
+
+    under, over = TARGET_UNDER, TARGET_WITHIN
+    if "margin" in record:
+        under, over = min(record["margin"], under), min(record["margin"], over)
+    return [f"{record['name']} {r} {p}" for r, es in got.errors().items() for p, e in es.items() if not -under <= e <= over]
+
+
+def draws_table(engine_terms: dict[str, set[str]]) -> None:
+    """Per engine: the draws' named terms dropped in turn, caught before (targets) and after (``draw_misses``);
+    ``engine_terms``: the names the engine rows carry, to count the names only the draws reach."""
+    from tests.test_differential import draw_misses
+
+    records, workdir = draw_records(), Path(tempfile.mkdtemp(prefix="term-removal-draws-"))
+    print("\n| engine | draws | named terms | non-zero | change a prediction | caught before (targets) | "
+          "caught after (recorded error) | only in the draws: caught before, after |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    notes = []
+    for e in ("fsdp2", "deepspeed"):
+        rows = [r for r in records if r["draw"]["engine"] == e]
+        here = workdir / e
+        sizes = term_sizes([rows], lambda every: replay_all(every, here))  # one "row": the engine's draws, together
+        got = replay_all(rows, here)
+        assert not [m for r, g in zip(rows, got) for m in draw_misses(r, g)]  # the recorded draws pass as they stand
+        baseline = [g.predicted for g in got]
+        names = sorted(n for n, b in sizes.items() if b > 0)
+        effective = before = after = only = only_b = only_a = 0
+        for name in names:
+            with without(name):
+                got = replay_all(rows, here)
+            if [g.predicted for g in got] == baseline:
+                continue
+            b = any(draw_before(r, g) for r, g in zip(rows, got))
+            a = any(draw_misses(r, g) for r, g in zip(rows, got))
+            effective, before, after = effective + 1, before + b, after + a
+            if name not in engine_terms.get(e, set()):
+                only, only_b, only_a = only + 1, only_b + b, only_a + a
+            if not a:
+                notes.append(f"{e} draws: not caught after: {name!r} (at most {sizes[name]:,} B)")
+        print(f"| {e} | {len(rows)} | {len(sizes)} | {len(names)} | {effective} | {before} of {effective} | "
+              f"{after} of {effective} | {only_b} and {only_a} of {only} |")  # fmt: skip
+    print("\n".join(notes))
+
+
 def main(argv: list[str]) -> None:
     rows_of = {e: M.load(e)["rows"] for e in M.ENGINE_NAMES if (M.MEASURED / f"{e}.json").exists()}
+    if "--draws" in argv:
+        return draws_table({e: set(term_sizes(rows)) for e, rows in rows_of.items()})
     for e, rows in rows_of.items():  # the recorded rows pass as they stand
         bad = [m for r in rows for m in M.check_record(r) + before_check(r) + live_check(r)] + moment_tests(e)
         assert not bad, bad[:5]
@@ -218,6 +298,7 @@ def main(argv: list[str]) -> None:
     for e, missed in uncaught.items():
         for name, which, size in missed:
             print(f"{e}: not caught {which}: {name!r} (at most {size:,} B)")
+    draws_table({e: set(term_sizes(rows)) for e, rows in rows_of.items()})
     if "--list" in argv:
         for e, rows in rows_of.items():
             for name, size in sorted(term_sizes(rows).items()):

@@ -4,8 +4,9 @@ benchmarks/differential.py, its result in docs/benchmarks.md).
 - the generator: seeded, the same draws everywhere, 5-60M parameters, every family, and every DeepSpeed
   threshold drawn on both sides of its boundary within the first draws (pure Python, no torch);
 - every recorded draw (tests/data/measured/differential.json: what the real engines measured, rank by rank,
-  with the draw that produced it) predicted again by today's profiles, every phase of every rank within the
-  issue's targets (1%, and at most 0.5% under): each miss the sweep found stays a test case here;
+  with the draw that produced it and the prediction made when it was recorded) predicted again by today's
+  profiles, every phase of every rank within the issue's targets (1%, and at most 0.5% under) and at its own
+  recorded error, the engine rows' rule (``draw_misses``): each miss the sweep found stays a test case here;
 - one live draw (``distributed``): the smallest FSDP2 draw of seed 1 trained again on 2 gloo ranks.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_measured_rows import _within
 from validate.engines.differential import FAMILIES, PSI_RANGE, TARGET_UNDER, TARGET_WITHIN, draw, replay, run_draw
 
 RECORDED = Path(__file__).resolve().parent / "data" / "measured" / "differential.json"
@@ -37,7 +39,31 @@ RECORDED_FAMILIES_SEED6 = RECORDED.with_name("differential_seed6_families.json")
 RECORDED_SEED7 = RECORDED.with_name("differential_seed7.json")
 # FSDP2 with the token embedding as its own unit, built by hand beside draw 3-5 (benchmarks/fsdp2_embedding_unit_cases.py)
 RECORDED_EMBEDDING_UNIT = RECORDED.with_name("fsdp2_embedding_unit.json")
+# generator 5: the newer families (issue 19; validate/engines/differential_families.py), seed 1 and unseen seeds 4-6
+RECORDED_FAMILIES = RECORDED.with_name("differential_families.json")
+DRAW_FILES = (RECORDED, RECORDED_BF16, RECORDED_SEED3, RECORDED_SEED4, RECORDED_SEED5, RECORDED_SEED6, RECORDED_SEED7)
+FAMILY_FILES = (RECORDED_FAMILIES, RECORDED_FAMILIES_SEED4, RECORDED_FAMILIES_SEED5, RECORDED_FAMILIES_SEED6)
+# every file of recorded draws ("results", and RECORDED's "cases"): benchmarks/tighten_measured.py re-records their predictions
+RECORDED_FILES = DRAW_FILES + FAMILY_FILES + (RECORDED_EMBEDDING_UNIT,)
 SLICE = range(40)
+
+
+def draw_misses(record: dict, got) -> list[str]:
+    """Every (rank, phase) of a recorded draw that today's prediction (``got``: ``replay(record)``) puts outside
+    the issue's targets or further from the measurement than the ``predicted`` recorded beside it, at the engine
+    rows' rule and margin (tests/test_measured_rows.py ``_within``: |measured - predicted| <= |measured -
+    recorded| + RECORDED_MARGIN_BYTES = 0 B; the measurement on disk does not move, the prediction is pure, so a
+    term dropped from a draw's peak moment fails here however small; a prediction that came closer passes and is
+    re-recorded by benchmarks/tighten_measured.py). Empty: ok; benchmarks/term_removal.py runs this function."""
+    misses = []
+    for rank, errors in got.errors().items():
+        where = f"{record['name']} rank {rank}"
+        misses += [f"{where} {p}: {e:+.3%} outside the targets" for p, e in errors.items()
+                   if not -TARGET_UNDER <= e <= TARGET_WITHIN]  # fmt: skip
+        for phase, measured in got.measured[rank].items():
+            misses += _within(f"{where} {phase}", measured, got.predicted[rank][phase],
+                              record["predicted"][str(rank)][phase])  # fmt: skip
+    return misses
 
 
 def test_draws_are_seeded_and_sized():
@@ -131,8 +157,7 @@ def _numels(config: dict) -> tuple[int, ...]:
 
 
 def _records() -> list[dict]:
-    files = (RECORDED, RECORDED_BF16, RECORDED_SEED3, RECORDED_SEED4, RECORDED_SEED5, RECORDED_SEED6, RECORDED_SEED7)
-    return [r for f in files if f.exists() for r in json.loads(f.read_text())["results"]]
+    return [r for f in DRAW_FILES if f.exists() for r in json.loads(f.read_text())["results"]]
 
 
 def _cases() -> list[dict]:
@@ -165,9 +190,19 @@ def test_recorded_draw_within_targets(record, tmp_path):
     d = got.draw
     # the generator (its version) still draws what was measured
     assert d in (draw(d.seed, d.index, generator=d.generator), draw(d.seed, d.index, d.engine, d.generator))
-    for rank, errors in got.errors().items():
-        for phase, e in errors.items():
-            assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")
+    assert draw_misses(record, got) == []
+
+
+def test_a_draw_moved_away_within_the_targets_fails_its_recorded_error(tmp_path):
+    """The recorded-error rule can fail where the targets cannot: one phase of one rank of draw 1-0 moved 0.1% of its
+    peak away from the measurement (a term of that size dropped or added) stays within the targets and fails."""
+    record = _records()[0]
+    got = replay(record, tmp_path)
+    assert draw_misses(record, got) == []
+    measured, predicted = got.measured[0]["backward"], got.predicted[0]["backward"]
+    got.predicted[0]["backward"] = predicted + (1 if predicted >= measured else -1) * measured // 1000
+    assert all(-TARGET_UNDER <= e <= TARGET_WITHIN for es in got.errors().values() for e in es.values())
+    assert [m.split(":")[0] for m in draw_misses(record, got)] == [f"{record['name']} rank 0 backward"]
 
 
 @pytest.mark.parametrize("record", _cases(), ids=[r["name"] for r in _cases()])
@@ -188,9 +223,7 @@ def test_recorded_case_within_targets(record, tmp_path):
     path.write_text(json.dumps(d.config))
     worst = predict_draw(d, str(path), None)
     assert worst == got.predicted[1]
-    for rank, errors in got.errors().items():
-        for phase, e in errors.items():
-            assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")
+    assert draw_misses(record, got) == []
 
 
 def test_recorded_draws_exist_with_provenance():
@@ -252,8 +285,6 @@ def test_meta_init_of_transformers_model_recomputes_its_rotary_tables():
 
 
 # ---- generator 5: the newer families (issue 19; validate/engines/differential_families.py) ----
-
-RECORDED_FAMILIES = RECORDED.with_name("differential_families.json")
 
 
 def _family_draws() -> list:
@@ -318,8 +349,7 @@ def test_a_refused_family_draw_is_not_run_and_says_why():
 
 
 def _family_records() -> list[dict]:
-    files = (RECORDED_FAMILIES, RECORDED_FAMILIES_SEED4, RECORDED_FAMILIES_SEED5, RECORDED_FAMILIES_SEED6)
-    return [r for f in files if f.exists() for r in json.loads(f.read_text())["results"]]
+    return [r for f in FAMILY_FILES if f.exists() for r in json.loads(f.read_text())["results"]]
 
 
 def test_recorded_family_draws_cover_every_family_under_both_engines():
@@ -342,9 +372,7 @@ def test_recorded_family_draw_within_targets(record, tmp_path):
     # measured before a limit refused it (DeepSpeed's multi-bucket ZeRO-2 on experts, engines/deepspeed/moe12.py):
     # kept, still refused (when the limit moves, look at it again), and the profile's number within the targets
     assert refusal(d) == record.get("refused")
-    for rank, errors in got.errors().items():
-        for phase, e in errors.items():
-            assert -TARGET_UNDER <= e <= TARGET_WITHIN, (rank, phase, f"{e:+.3%}")
+    assert draw_misses(record, got) == []
 
 
 def _embedding_unit_records() -> list[dict]:
@@ -355,8 +383,8 @@ def _embedding_unit_records() -> list[dict]:
 def test_embedding_unit_case_within_its_margin(record, tmp_path):
     """3-5's shape (the embedding its own unit, resharded after forward; untied and a tied group; the root resharded
     and not; the blocks resharded and kept; N_d 2 and 4), measured once and predicted again: every phase of every
-    rank within the record's stated margin (its measured error, rounded up) and the issue's targets. Cases 1 and 2
-    were +3.55% and +4.73% over in backward with the embeddings' prefetch counted at block 1's copy-out
+    rank within the record's stated margin (its measured error, rounded up), the issue's targets and its recorded
+    error. Cases 1 and 2 were +3.55% and +4.73% over in backward with the embeddings' prefetch counted at block 1's copy-out
     (``side.with_embedding_prefetch``); case 3 (the tied ``[embed_tokens, lm_head]`` group) -11.35% in forward
     and -4.43% in backward (case 5, no labels: -14.49% in forward) before the group counted as spanning the layers,
     prefetched by the root and kept to the final callback (``wrap._resolve``, ``side.spanning_resharded``)."""
@@ -365,6 +393,7 @@ def test_embedding_unit_case_within_its_margin(record, tmp_path):
     for rank, errors in got.errors().items():
         for phase, e in errors.items():
             assert -min(margin, TARGET_UNDER) <= e <= min(margin, TARGET_WITHIN), (rank, phase, f"{e:+.3%}")
+    assert draw_misses(record, got) == []
 
 
 #: generator 5's draw 1-177 (Phi-3 8.0M tied, DeepSpeed ZeRO-3, N_d = 2) with transformers' gradient checkpointing,

@@ -37,3 +37,22 @@ def test_dropping_a_rows_largest_term_moves_its_prediction_and_fails_its_check(t
         assert term_removal._checked(row, M.predict(row)) != baseline
         assert M.check_record(row), f"{row['name']}: dropping {largest!r} ({sizes[largest]:,} B) passed"
     assert term_removal._checked(row, M.predict(row)) == baseline  # restored
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_dropping_a_draws_largest_term_fails_its_draw_check(term_removal, engine, tmp_path):
+    """The differential draws' count (``draws_table``) reaches the replayed prediction, and ``draw_misses`` fails
+    when the largest term that changes it is dropped."""
+    from tests.test_differential import draw_misses
+
+    record = next(r for r in term_removal.draw_records() if r["draw"]["engine"] == engine)
+    sizes = term_removal.term_sizes([[record]], lambda rs: term_removal.replay_all(rs, tmp_path))
+    assert sizes, "the patch sees no term of the replayed prediction"
+    (got,) = term_removal.replay_all([record], tmp_path)
+    assert draw_misses(record, got) == []
+    for name in sorted(sizes, key=sizes.get, reverse=True):  # the largest term in some phase's largest moment
+        with term_removal.without(name):
+            (dropped,) = term_removal.replay_all([record], tmp_path)
+        if dropped.predicted != got.predicted:
+            break
+    assert draw_misses(record, dropped), f"{record['name']}: dropping {name!r} ({sizes[name]:,} B) passed"
