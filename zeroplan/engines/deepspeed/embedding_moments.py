@@ -7,10 +7,9 @@ embedding's hook (``stage1_embedding_hook_kept``). Found by the differential mat
 from __future__ import annotations
 
 import zeroplan.engines.deepspeed.boundary as B
-import zeroplan.engines.deepspeed.late_reductions as LR
 from zeroplan.engines.deepspeed.flat_copy import flattened_copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
-from zeroplan.engines.deepspeed.reduce import GIP_SRC
+from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas.peak import Moment, Term
@@ -123,7 +122,7 @@ def stage1_embedding_hook_kept(run: DSRun, hooked: tuple[Moment, ...]) -> tuple[
     out = []
     for b, moment in zip(sent, hooked):
         common = tuple(t for t in moment.terms if t.name not in ("grads_in_partition", COPY_NAME))
-        copy = LR.hook_copy_term(run, b)  # the moment's own copy term, or the one it left out for its grads_in_partition
+        copy = hook_copy_term(run, b)  # the moment's own, or the one it left out for the larger grads_in_partition
 
         def own(rank: int) -> tuple[Term, ...]:
             if rank not in firsts or firsts[rank] > b:

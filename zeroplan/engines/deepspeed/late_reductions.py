@@ -12,7 +12,7 @@ import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _params_numels, _rank_first_buckets
-from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
+from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.terms import FlatGroup
@@ -206,15 +206,6 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
     return tuple(out)
 
 
-def hook_copy_term(run: DSRun, b: int) -> Term:
-    """``allreduce_bucket``'s flattened copy of hook bucket ``b`` (``reduce._hook_bucket_copy``), in the gradients'
-    dtype: ``embedding_hook_reduced``'s, and ``embedding_moments.stage1_embedding_hook_kept``'s for the same bucket
-    (there whatever that moment kept: a rank whose first bucket it is holds only the larger of it and its
-    ``grads_in_partition``)."""
-    return Term("flattened copy of the bucket's gradients", _hook_bucket_copy(run, b) * DTYPE_BYTES[run.settings.grad_dtype],
-                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
-
-
 def _embedding_hook_winner(ranks: tuple[int, ...] | range, firsts: tuple[int, ...], gips: tuple[int, ...], b: int,
                            p: int, copy: int) -> int | None:
     """``embedding_hook_reduced``'s rank holding the most at bucket ``b`` (None: the option of no rank's partition),
@@ -327,8 +318,7 @@ def epilogue_large_gradient(run: DSRun) -> tuple[Moment, ...]:
             _act("loss", run.acts.loss),
             Term("the last gradient, larger than the bucket, reduced after backward", numels[big] * p,
                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"))  # fmt: skip
-    copy = Term("flattened copy of the last bucket's gradients", _hook_bucket_copy(run, last) * DTYPE_BYTES[s.grad_dtype],
-                "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")
+    copy = hook_copy_term(run, last, "the last bucket's")
     large = [i for i, n in enumerate(numels) if n > s.reduce_bucket_size and i != big]
     firsts = _rank_first_buckets(run)
 

@@ -61,7 +61,7 @@ from zeroplan.architectures.moe import moe_shapes
 from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
 from zeroplan.engines.deepspeed.moe_offload import norm_copy, norms_at_hooks
-from zeroplan.engines.deepspeed.reduce import GIP_SRC, _hook_bucket_copy
+from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas import deepseek_activations as DS
@@ -187,7 +187,7 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
     if run.spec is None or run.spec.moe is None or not run.param_blocks:
         return ()
     roles = _roles(run)
-    p, g = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype]
+    p = _pbytes(run)
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
     limit = run.settings.reduce_bucket_size
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
@@ -207,8 +207,7 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
                        f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
                   Term("the hooked parameter's gradient (waiting)", run.numels[hook] * p,
                        f"{SRC} reduce_independent_p_g_buckets_and_remove_grads (the bucket first)"))  # fmt: skip
-        copy = Term("flattened copy of the bucket's gradients", _hook_bucket_copy(run, b) * g,
-                    f"{SRC} allreduce_bucket (self.flatten(bucket))")
+        copy = hook_copy_term(run, b)
         best = _rank_holding_most(run, kept, copy, firsts, j, b)
         out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
         if role == "gate_up" and run.numels[hook] > limit:  # its gradient waits past the hook (module docstring)

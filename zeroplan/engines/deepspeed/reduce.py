@@ -77,6 +77,12 @@ def _hook_bucket_copy(run: DSRun, b: int) -> int:
     return _hook_copies_of(run)[b]
 
 
+def hook_copy_term(run: DSRun, b: int, which: str = "the bucket's") -> Term:
+    """``allreduce_bucket``'s flattened copy of hook bucket ``b`` (``_hook_bucket_copy``) in the gradients' dtype."""
+    return Term(f"flattened copy of {which} gradients", _hook_bucket_copy(run, b) * DTYPE_BYTES[run.settings.grad_dtype],
+                f"{SRC} allreduce_bucket (self.flatten(bucket))")
+
+
 def _hook_copies_of(run: DSRun) -> tuple[int, ...]:
     """``_hook_bucket_copy`` of every hook bucket of ``run``, looked up once per run (``memo_of``)."""
     return memo_of(run, "hook copies", lambda r: _hook_copies(r.flat, r.settings.reduce_bucket_size,
@@ -104,13 +110,12 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     if not run.param_blocks:
         return ()
     _, buckets, _, bucket_of = _hook_buckets(run)
-    last, g = len(buckets) - 1, DTYPE_BYTES[run.settings.grad_dtype]
+    last = len(buckets) - 1
     acts = run.acts
     held = B.held_at(run, run.wrapper.held_between_micro_steps(run), len(run.numels))  # every hook has run
     base = (*_states(run), *held, *(t for t in _bucket(run) if t not in held),
             _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
-            Term("flattened copy of the last bucket's gradients", _hook_bucket_copy(run, last) * g,
-                 "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))"))  # fmt: skip
+            hook_copy_term(run, last, "the last bucket's"))  # fmt: skip
 
     firsts = _rank_first_buckets(run)
 
@@ -354,7 +359,7 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     last_in_blocks = _last_in_blocks(run)
     if len(buckets) < 2 or not order[first_of_bucket[1]] > last_in_blocks:
         return ()  # one bucket (``_epilogue_reduce``), or the first reduced inside the last block
-    p, g, acts = _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], run.acts
+    p, acts = _pbytes(run), run.acts
     limit = run.settings.reduce_bucket_size
     large_first = tuple(i for i, n in enumerate(run.numels) if bucket_of[i] == 0 and n > limit)
     large = sum(run.numels[i] for i in large_first)
@@ -363,9 +368,8 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
             *B.held_term(run, first_of_bucket[1] + 1), _blocks_saved(run, acts.n_layer), *final_norm_at_its_hook(run),
             Term("gradients larger than the bucket, in the bucket reduced", large * p,
                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"))  # fmt: skip
-    out = [Moment("backward", "final norm backward, the first bucket reduced", (*base, Term(
-        "flattened copy of the first bucket's gradients", _hook_bucket_copy(run, 0) * g,
-        "runtime/zero/stage_1_and_2.py allreduce_bucket (self.flatten(bucket))")))]  # fmt: skip
+    out = [Moment("backward", "final norm backward, the first bucket reduced",
+                  (*base, hook_copy_term(run, 0, "the first bucket's")))]
     held = {r: run.flat.params_numel(r) for r, first, _ in _reducing_hooks(run) if first == 0}
     if held:
         out.append(Moment("backward", "final norm backward, the first bucket's grads_in_partition", (
