@@ -3,7 +3,6 @@ transformers under ZeRO-3 (an ``HfDeepSpeedConfig`` alive: its own ``zero.Init``
 engines/deepspeed/build.py), refused where it does not apply, set by the HF Trainer's and accelerate's readers, and
 the build snippet the plan prints (docs/engines/deepspeed.md "zero.Init under transformers")."""
 
-import dataclasses
 import json
 from pathlib import Path
 

@@ -128,8 +128,6 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
         return engine, gpus, None, (), {}
     if sum(x is not None for x in (accelerate_config, torchtitan_config, deepspeed_config)) > 1:
         raise UserError("give one of --accelerate-config, --torchtitan-config and --deepspeed-config")
-    from zeroplan.engines.base import EngineOptions
-
     if torchtitan_config is not None:
         from zeroplan.integrations.fsdp2_run import from_torchtitan
         from zeroplan.integrations.torchtitan_config import TORCHTITAN_VERSION, read_torchtitan_config
@@ -164,8 +162,12 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
              f"({'from ' + run.config_file if run.config_file else 'built from deepspeed_config'}):",
              *(f"  {f.key} = {f.value!r}  ({f.source.split(' ', 2)[-1]})" for f in res.filled),
              *(f"  {key} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
-    options, build = transformers_build(ctx, EngineOptions(ds_config=res.config, hf_zero3_build=ctx.params.get(
-        "hf_zero_init")), res.config, model, engine, "accelerate's DeepSpeedPlugin")  # fmt: skip
+    from zeroplan.cli_options import OWN_OPTION_PARAMS, engine_options_from
+
+    # the file's ds_config with the engine's own options typed beside it (--device, --zero-init, --hf-zero-init)
+    typed = {k: ctx.params.get(k) for k in OWN_OPTION_PARAMS if k != "deepspeed_config"}
+    options, build = transformers_build(ctx, engine_options_from(engine, res.config, **typed), res.config, model,
+                                        engine, "accelerate's DeepSpeedPlugin")  # fmt: skip
     return engine, gpus, options, (*lines, *build), {}
 
 
