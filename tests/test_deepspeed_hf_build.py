@@ -162,3 +162,22 @@ def test_the_readers_set_it_at_zero3(tmp_path):
     table = run(*accelerate, str(INTEGRATIONS / "accelerate" / "deepspeed_fields.yaml")).stdout
     assert "build: transformers' own under ZeRO-3 (--hf-zero-init), as accelerate's DeepSpeedPlugin" in table
     assert "build:" not in run(*accelerate, str(INTEGRATIONS / "accelerate" / "deepspeed_stage2.yaml")).stdout
+
+
+def test_accelerate_reads_the_engine_options_typed_beside_it(tmp_path):
+    """``--accelerate-config`` (DEEPSPEED, ZeRO-3) with ``--device cpu``: the numbers of ``--deepspeed-config`` given
+    the ds_config accelerate prepares, with the same options and transformers' build (before, the typed options
+    were dropped: a cuda prediction)."""
+    from zeroplan.integrations.accelerate_config import prepare_deepspeed, read_accelerate_config
+
+    yaml_file = INTEGRATIONS / "accelerate" / "deepspeed_fields.yaml"
+    model = ("--model", str(HF / "tiny-llama.json"), "--seq-len", "16")
+    plain = tmp_path / "ds.json"
+    plain.write_text(json.dumps(prepare_deepspeed(read_accelerate_config(yaml_file), 1, hidden_size=48).config))
+    given = ("estimate", "--engine", "deepspeed", "--gpus", "4", *model, "--deepspeed-config", str(plain))
+    for typed in (("--device", "cpu"), ("--no-hf-zero-init",), ("--device", "cpu", "--no-zero-init")):
+        got = run_json("estimate", *model, "--accelerate-config", str(yaml_file), *typed)
+        hf = () if {"--no-hf-zero-init", "--no-zero-init"} & set(typed) else ("--hf-zero-init",)
+        assert got == run_json(*given, *typed, *hf), typed
+    assert run_json("estimate", *model, "--accelerate-config", str(yaml_file), "--device", "cpu") != run_json(
+        "estimate", *model, "--accelerate-config", str(yaml_file))
