@@ -181,3 +181,16 @@ def test_accelerate_reads_the_engine_options_typed_beside_it(tmp_path):
         assert got == run_json(*given, *typed, *hf), typed
     assert run_json("estimate", *model, "--accelerate-config", str(yaml_file), "--device", "cpu") != run_json(
         "estimate", *model, "--accelerate-config", str(yaml_file))
+
+
+def test_plan_rows_below_zero3_build_whole_whatever_the_options():
+    """``--zero-init`` / ``--hf-zero-init`` set the ZeRO-3 rows' build only (build.py ``at_stage``): the ZeRO-1/2
+    offload rows stay (before, ``Settings``' ZeRO-3-only check dropped them from a plan with ``--zero-init``)."""
+    from zeroplan.engines.deepspeed.plan import offload_candidates, plain_candidates
+
+    for own in ({"zero_init": True}, {"hf_zero3_build": True}):
+        base = D.Settings(stage=3).model_copy(update=own)
+        rows = offload_candidates(base)
+        assert [s.stage for _, s in rows] == [1, 2, 3, 3], own
+        for _, s in (*rows, *plain_candidates(base)):
+            assert s.builds_partitioned == (s.stage == 3) and s.hf_zero3_build == (s.stage == 3 and "hf_zero3_build" in own)
