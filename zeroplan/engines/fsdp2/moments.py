@@ -121,7 +121,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """The first block's all-gather and copy-out (the root's output still bound), the last block's all-gather
     and forward, the LM head, the loss (_fsdp_state.py:FSDPState._pre_forward, _post_forward: the last
     all-gather output is freed when the root's forward returns, after the loss in transformers' tree)."""
-    acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
+    acts, L = run.acts, len(run.units) - 1
     base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
             _act("embedding saved (position ids)", acts.embed_saved), root_side(run, "blocks"))  # fmt: skip
     # transformers' body frees its position ids (and GPT-2's its embedding locals) on return
@@ -146,13 +146,11 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     copy_out = Moment("forward", f"block {L} copy-out", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
         *prev, ag_output(run, L, "this unit"), unsharded(run, L)))  # fmt: skip
-    if run.checkpointing == "none":
-        work = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
-    else:
-        work = (_blocks_saved(run, L - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
-    last = Moment("forward", f"block {L} forward", (
-        *base, *kept_blocks(run, L - 1), *work, ag_output(run, L, "kept until the root's post-forward"),
-        unsharded(run, L)))  # fmt: skip
+    last = block_forward(run, L, base, "kept until the root's post-forward")
+    # layer SAC: a checkpointed layer's no-grad working set may top the last layer's (selective_ac.py); a layer
+    # j < L holds its own all-gather output until block j + 1's copy-out, as block L does until the post-forward
+    earlier = tuple(block_forward(run, j, base, "freed at the next block's copy-out")
+                    for j in range(max(2, L - run.ac_every + 1), L) if run.checkpointed(j) and not run.checkpointed(L))
     # reshard_after_forward=k: the block's post-forward copies its k-sharded slices while it is whole
     # (the block output is alive, its last op's output is gone: traced, gpt-tiny N_d = 8, k = 2)
     reshard = (Moment("forward", f"block {L} post-forward reshard", (
@@ -186,8 +184,20 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     lp = (Moment("forward", "loss-parallel log-softmax", (*base, *kept_blocks(run, L), *head_acts[:2],
                  *logits_in_loss(run), fp32_logits, *lp, *in_loss)),) if lp else ()  # fmt: skip
     states = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run))
-    return (*embedding_copy_outs(run, states), *first, gather, copy_out, last, *reshard, *tail, head,
+    return (*embedding_copy_outs(run, states), *first, gather, copy_out, *earlier, last, *reshard, *tail, head,
             *logits_gather_moments(run, head), *((upcast,) if run.p != 4 else ()), *lp, loss)  # fmt: skip
+
+
+def block_forward(run: Fsdp2Run, j: int, base: tuple[Term, ...], held: str) -> Moment:
+    """Block ``j``'s forward at its peak: the blocks before it kept, its saved set and its output (or, checkpointed,
+    its no-grad working set beside its input), its all-gather output and unsharded parameters."""
+    blk = run.acts.layer_blocks[j - 1] if run.acts.layer_blocks else run.acts.block
+    if not run.checkpointed(j):
+        work = (_blocks_saved(run, j), _act("block output and last op's output", blk.forward_extra, 2))
+    else:
+        work = (_blocks_saved(run, j - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
+    return Moment("forward", f"block {j} forward", (*base, *kept_blocks(run, j - 1), *work, ag_output(run, j, held),
+                                                     unsharded(run, j)))  # fmt: skip
 
 
 def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:
@@ -306,7 +316,7 @@ def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_h
                 *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
                 root_held, unsharded(run, i), gather_input(run, i - 1), *prefetched(run, i - 1), *held, done)))  # fmt: skip
     inflight = (_blocks_saved(run, i),)
-    if run.checkpointing != "none":
+    if run.checkpointed(i):
         inflight += (_act("recomputed block's saved activations", blk.recomputed),)
     out.append(Moment("backward", f"block {i} backward", (
         *base, *kept_blocks(run, i - 1), *inflight, _act("incoming activation gradient", n_d), root_held,
@@ -320,8 +330,8 @@ def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_h
     # the block's first op (its input norm) runs backward last: every weight gradient of the block exists
     out.append(Moment("backward", f"block {i} gradients complete", (
         *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),
-        input_norm_backward(run), root_held, unsharded(run, i), unit_grads(run, i), *prefetched(run, i - 1),
-        *held, done)))  # fmt: skip
+        input_norm_backward(run, run.checkpointed(i)), root_held, unsharded(run, i), unit_grads(run, i),
+        *prefetched(run, i - 1), *held, done)))  # fmt: skip
     common = (*base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1),
               _act("block input gradient", n_d), root_held, *prefetched(run, i - 1), done)  # fmt: skip
     out.append(Moment("backward", f"block {i} reduce-scatter copy-in",

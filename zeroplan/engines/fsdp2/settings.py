@@ -88,6 +88,11 @@ class Settings(BaseModel):
         True, description="with tp: the head's output Shard(-1) and the loss under loss_parallel() (torchtitan's "
         "default); false: Replicate (all-gathered logits) and the plain loss (torchtitan's disable_loss_parallel)",
     )  # fmt: skip
+    ac_every: StrictInt = Field(
+        1, ge=1, description="with checkpointing full: checkpoint_wrapper on every k-th decoder layer only, layers "
+        "k, 2k, ... counted from 1 (torchtitan's layer selective AC, selective_ac_option = k: "
+        "engines/fsdp2/selective_ac.py); 1: every layer",
+    )  # fmt: skip
     cuda_capability: tuple[StrictInt, StrictInt] = Field(
         (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
         "(formulas.cuda_workspaces); (9, 0) is H100/H200",
