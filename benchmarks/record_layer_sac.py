@@ -36,11 +36,15 @@ LLAMA_28M = {**json.loads((HF / "tiny-llama.json").read_text()), "hidden_size": 
              "max_position_embeddings": 128, "tie_word_embeddings": False}  # fmt: skip
 # the validator's own Llama-style CausalLM, 7 layers: with k = 2 the last layer is not checkpointed (layer 6 is)
 LLAMA_7 = {**LLAMA_28M, "num_hidden_layers": 7}
+# 21.7M parameters, 2 x 512 tokens and a vocabulary of 1,024: the forward peaks in the last layer's forward (not
+# checkpointed, its whole saved set), the backward in layer 6's recompute
+LLAMA_7_LONG = {**LLAMA_7, "vocab_size": 1024, "max_position_embeddings": 512}
 CASES = {
     # name: (config.json, Fsdp2Settings fields)
     "hf-llama-28m-fp32-sac2": (LLAMA_28M, dict(hf=True, ac_every=2)),
     "hf-llama-28m-fp32-sac3-meta": (LLAMA_28M, dict(hf=True, ac_every=3, init="meta")),
     "llama-7-layers-fp32-sac2": (LLAMA_7, dict(ac_every=2)),
+    "hf-llama-7-layers-s512-fp32-sac2": (LLAMA_7_LONG, dict(hf=True, ac_every=2)),
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from zeroplan.engines.fsdp2.block_forward import block_forward, checkpointed_before_last
 from zeroplan.engines.fsdp2.hf_tree import (
     checkpointed_position_ids,
     gpt2_body_embeds,
@@ -146,11 +147,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     copy_out = Moment("forward", f"block {L} copy-out", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
         *prev, ag_output(run, L, "this unit"), unsharded(run, L)))  # fmt: skip
-    last = block_forward(run, L, base, "kept until the root's post-forward")
-    # layer SAC: a checkpointed layer's no-grad working set may top the last layer's (selective_ac.py); a layer
-    # j < L holds its own all-gather output until block j + 1's copy-out, as block L does until the post-forward
-    earlier = tuple(block_forward(run, j, base, "freed at the next block's copy-out")
-                    for j in range(max(2, L - run.ac_every + 1), L) if run.checkpointed(j) and not run.checkpointed(L))
+    last, earlier = block_forward(run, L, base, "kept until the root's post-forward"), checkpointed_before_last(run, base)
     # reshard_after_forward=k: the block's post-forward copies its k-sharded slices while it is whole
     # (the block output is alive, its last op's output is gone: traced, gpt-tiny N_d = 8, k = 2)
     reshard = (Moment("forward", f"block {L} post-forward reshard", (
@@ -186,18 +183,6 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     states = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run))
     return (*embedding_copy_outs(run, states), *first, gather, copy_out, *earlier, last, *reshard, *tail, head,
             *logits_gather_moments(run, head), *((upcast,) if run.p != 4 else ()), *lp, loss)  # fmt: skip
-
-
-def block_forward(run: Fsdp2Run, j: int, base: tuple[Term, ...], held: str) -> Moment:
-    """Block ``j``'s forward at its peak: the blocks before it kept, its saved set and its output (or, checkpointed,
-    its no-grad working set beside its input), its all-gather output and unsharded parameters."""
-    blk = run.acts.layer_blocks[j - 1] if run.acts.layer_blocks else run.acts.block
-    if not run.checkpointed(j):
-        work = (_blocks_saved(run, j), _act("block output and last op's output", blk.forward_extra, 2))
-    else:
-        work = (_blocks_saved(run, j - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
-    return Moment("forward", f"block {j} forward", (*base, *kept_blocks(run, j - 1), *work, ag_output(run, j, held),
-                                                     unsharded(run, j)))  # fmt: skip
 
 
 def reduce_scatter_moments(what: str, common, rs_in: Term, rs_out: Term, cast: Term, gloo) -> tuple[Moment, ...]:

@@ -198,6 +198,13 @@ def check_reshard(v: object) -> bool | int:
     raise ValueError(f"reshard_after_forward={show(v)}: expected true, false or a whole number of ranks >= 1")
 
 
+def check_ac_every(v: object) -> int:
+    """``Settings.ac_every``: every k-th decoder layer checkpointed (engines/fsdp2/selective_ac.py), k >= 1."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"ac_every={show(v)}: expected a whole number of layers >= 1")
+    return v
+
+
 def check_dtype(name: str) -> Callable[[object], str]:
     """The check of a ``MixedPrecisionPolicy`` dtype option: any spelling ``canonical_dtype`` knows."""
 
@@ -285,6 +292,8 @@ VOCABULARY: tuple[EngineOption, ...] = (
                  "fully_shard(offload_policy=...): none (default) or cpu (CPUOffloadPolicy: shards, gradients and "
                  "the optimizer step on the host)"),
     EngineOption("pin_memory", _flag("pin_memory"), None, "CPUOffloadPolicy.pin_memory (default true)"),
+    EngineOption("ac_every", check_ac_every, None,
+                 "with --checkpointing full: only layers k, 2k, ... checkpointed (torchtitan's layer SAC; default 1)"),
     EngineOption("tp", check_tp, None,
                  "tensor parallelism: ranks T of the mesh's 'tp' dimension (torchtitan's llama plan); plan: auto"),
     EngineOption("sequence_parallel", _flag("sequence_parallel"), None,

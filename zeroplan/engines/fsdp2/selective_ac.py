@@ -14,18 +14,14 @@ keeps its whole saved set (``saved``) and runs forward and backward as without c
 is the one of its own mode (``zeroplan/formulas/activation_terms.py``).
 
 torchtitan's op policy (``selective_ac_option = "op"``: the outputs of the ops of ``_save_list`` / 0.3.0's
-``_get_default_save_ops()`` cached, every second ``aten.mm`` recomputed) is not modelled: see ``OP_REFUSAL``.
+``_get_default_save_ops()`` cached, every second ``aten.mm`` recomputed) is not modelled: ``--torchtitan-config``
+refuses it (``zeroplan/integrations/fsdp2_run.py:OP_REFUSAL``).
 """
 
 from __future__ import annotations
 
 SRC = "torchtitan 0.2.2 distributed/activation_checkpoint.py:_apply_layer_sac"
 
-OP_REFUSAL = (
-    "activation_checkpoint.selective_ac_option='op' (torchtitan's per-op policy: each block keeps the outputs of "
-    "its matmuls but every second one and of attention, and recomputes the rest) has no memory profile in the "
-    "FSDP2 engine yet; selective_ac_option = an int k (every k-th layer checkpointed) and the modes none and full do"
-)  # fmt: skip
 
 
 def checkpointed(checkpointing: str, every: int, block: int) -> bool:

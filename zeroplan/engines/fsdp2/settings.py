@@ -132,7 +132,8 @@ class Settings(BaseModel):
         off = f", CPUOffloadPolicy(pin_memory={self.pin_memory})" if self.offload_policy == "cpu" else ""
         plain = ", no SP" * (not self.sequence_parallel) + ", no loss parallel" * (not self.loss_parallel)
         tp = f", tp {self.tp}{f' ({plain[2:]})' if plain else ''}" if (self.tp or 1) > 1 else ""
-        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}{tp}{off}"
+        sac = f", checkpoint every {self.ac_every} layers" if self.ac_every > 1 else ""
+        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}{tp}{off}{sac}"
 
 
 def post_forward_group(settings: Settings, nd: int) -> int:

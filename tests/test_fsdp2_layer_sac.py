@@ -1,0 +1,136 @@
+"""torchtitan's layer selective activation checkpointing in the FSDP2 engine (``Settings.ac_every``,
+``zeroplan/engines/fsdp2/selective_ac.py``): the layers it checkpoints, its limits (k = 1 is full checkpointing,
+k above the layer count is none), the sampled blocks still exact, and ``--torchtitan-config``'s mapping. The
+measured rows (gloo, N_d = 2, fp32, transformers' LlamaForCausalLM and the validator's CausalLM:
+``benchmarks/record_layer_sac.py``) are predicted again by tests/test_measured_rows.py. Planner only (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from zeroplan.architectures.hf_config import spec_from_hf_config
+from zeroplan.architectures.spec import transformer_shapes
+from zeroplan.engines.base import Workload
+from zeroplan.engines.fsdp2 import Settings, estimate, fsdp2_run, moments
+from zeroplan.engines.fsdp2.leaders import phase_leaders, sampled_blocks
+from zeroplan.engines.fsdp2.selective_ac import checkpointed
+from zeroplan.formulas.peak import peak_of
+
+TORCHTITAN = Path(__file__).resolve().parent / "data" / "integrations" / "torchtitan"
+LLAMA = {"model_type": "llama", "hidden_size": 35, "intermediate_size": 67, "max_position_embeddings": 16,
+         "num_attention_heads": 5, "num_hidden_layers": 7, "num_key_value_heads": 1, "vocab_size": 103}  # fmt: skip
+GPT = {"model_type": "gpt2", "activation_function": "gelu", "n_layer": 7, "n_embd": 35, "n_head": 5,
+       "vocab_size": 101, "n_positions": 16}  # fmt: skip
+
+
+def _workload(config: dict, checkpointing: str, hf: bool = True, layers: int | None = None) -> Workload:
+    if layers is not None:
+        config = {**config, ("n_layer" if "n_layer" in config else "num_hidden_layers"): layers}
+    spec = spec_from_hf_config(config, "test")
+    return Workload(transformer_shapes(spec), spec, 16, 2, checkpointing, transformers=hf)
+
+
+def test_the_layers_torchtitan_checkpoints():
+    # _apply_layer_sac: the counter is incremented before the test, so the first layer is 1: k, 2k, ...
+    assert [i for i in range(1, 9) if checkpointed("full", 2, i)] == [2, 4, 6, 8]
+    assert [i for i in range(1, 9) if checkpointed("full", 3, i)] == [3, 6]
+    assert [i for i in range(1, 4) if checkpointed("full", 1, i)] == [1, 2, 3]
+    assert not any(checkpointed("none", 2, i) for i in range(1, 9))
+
+
+@pytest.mark.parametrize("config,hf", [(LLAMA, True), (LLAMA, False), (GPT, False)])
+@pytest.mark.parametrize("update", [{}, {"param_dtype": "bf16", "reshard_after_forward": False},
+                                    {"device": "cpu", "backend": "gloo", "init": "materialized"}])
+def test_every_layer_is_full_and_none_beyond_the_last(config, hf, update):
+    """k = 1 checkpoints every layer (full); k above the layer count checkpoints none: the peaks, phase by phase."""
+    s = Settings(**update)
+    (full,) = estimate(_workload(config, "full", hf), 2, s)
+    (none,) = estimate(_workload(config, "none", hf), 2, s)
+    (one,) = estimate(_workload(config, "full", hf), 2, s.model_copy(update={"ac_every": 1}))
+    (beyond,) = estimate(_workload(config, "full", hf), 2, s.model_copy(update={"ac_every": 8}))
+    (two,) = estimate(_workload(config, "full", hf), 2, s.model_copy(update={"ac_every": 2}))
+    assert one.peak.by_phase() == full.peak.by_phase()
+    assert beyond.peak.by_phase() == none.peak.by_phase()
+    assert full.peak.by_phase()["backward"] < two.peak.by_phase()["backward"] <= none.peak.by_phase()["backward"]
+
+
+@pytest.mark.parametrize("config,hf,k,update", [
+    (LLAMA, True, 2, {"param_dtype": "bf16", "reduce_dtype": "fp32"}),
+    (LLAMA, True, 3, {"reshard_after_forward": False, "device": "cpu", "backend": "gloo"}),
+    (LLAMA, False, 5, {}),
+    (GPT, False, 2, {"reshard_after_forward": 2, "param_dtype": "bf16"}),
+    (GPT, True, 3, {"param_dtype": "bf16"}),
+])  # fmt: skip
+def test_sampled_blocks_keep_every_phase_leader(config, hf, k, update):
+    """Each residue class of the layers mod k changes by the same bytes per k blocks: the interior's first and
+    last k blocks (``leaders.sampled_blocks``) hold each phase's first largest moment."""
+    run = fsdp2_run(_workload(config, "full", hf, layers=17), 4, Settings(ac_every=k, **update))
+    blocks = sampled_blocks(run)
+    assert blocks is not None and len(blocks) < 17
+    for block in (512, 1):
+        assert peak_of(phase_leaders(moments(run, blocks), block), block) == peak_of(moments(run), block)
+
+
+def test_a_checkpointed_layer_before_the_last_is_a_forward_moment():
+    """A checkpointed layer's no-grad working set beside the layers before it can top the last layer's forward
+    (not checkpointed): block L - 1's forward is a moment, and the peak where that working set is the largest."""
+    run = fsdp2_run(_workload(LLAMA, "full"), 2, Settings(ac_every=2))
+    names = [m.name for m in moments(run) if m.phase == "forward"]
+    assert "block 6 forward" in names and "block 7 forward" in names
+    big = replace(run.acts, block=replace(run.acts.block, ckpt_forward_peak=10**9))
+    forward = [p for p in peak_of(moments(replace(run, acts=big))).phases if p.phase == "forward"]
+    assert forward[0].moment == "block 6 forward"
+    assert "block 6 forward" not in [m.name for m in moments(fsdp2_run(_workload(LLAMA, "full", layers=8), 2,
+                                                                          Settings(ac_every=2)))]  # fmt: skip
+
+
+# ---- --torchtitan-config and --ac-every ----
+
+
+def test_layer_sac_of_a_job_config_is_ac_every_typed_out(tmp_path):
+    """``selective_ac_option = "k"`` is ``--checkpointing full --ac-every k``; "1" is full checkpointing."""
+    from clicheck import run_json
+
+    model = ("--model", "llama2-7b")
+    flags = ("--engine", "fsdp2", "--gpus", "8", "--fsdp-wrap", "torchtitan", "--param-dtype", "bf16",
+             "--reduce-dtype", "fp32", "--init", "meta", "--micro-batch", "2", "--seq-len", "512")  # fmt: skip
+    for option, typed in (("2", ("--ac-every", "2")), ("3", ("--ac-every", "3")), ("1", ())):
+        job = tmp_path / f"job{option}.toml"
+        job.write_text('[training]\nlocal_batch_size = 2\nseq_len = 512\n[parallelism]\ndata_parallel_shard_degree = 8\n'
+                       f'[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "{option}"\n')  # fmt: skip
+        got = run_json("estimate", *model, "--torchtitan-config", str(job))
+        assert got == run_json("estimate", *model, *flags, "--checkpointing", "full", *typed)
+        assert got["stages"][0]["name"].endswith(f"checkpoint every {option} layers" if typed else "wrap torchtitan")
+    full, every2, none = (run_json("estimate", *model, *flags, *more)["stages"][0]["phases"] for more in (
+        ("--checkpointing", "full"), ("--checkpointing", "full", "--ac-every", "2"), ()))  # fmt: skip
+    for phase in ("forward", "backward"):
+        assert full[phase] < every2[phase] < none[phase]
+
+
+def test_torchtitans_debug_preset_runs():
+    # llama3_debug_model.toml: selective, every 2nd layer (the v0.2.2 preset)
+    from clicheck import run
+
+    out = run("estimate", "--model", "llama3-8b", "--torchtitan-config", str(TORCHTITAN / "llama3_debug_model.toml"),
+              "--gpus", "8")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "wrap torchtitan, checkpoint every 2 layers" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--torchtitan-config", str(TORCHTITAN / "llama3_8b.toml"), "--gpus", "8"),
+     "--torchtitan-config: activation_checkpoint.selective_ac_option='op' (torchtitan's per-op policy"),
+    (("--engine", "fsdp2", "--gpus", "8", "--ac-every", "2"),
+     "--ac-every 2: checkpoints every K-th layer of --checkpointing full; got --checkpointing none"),
+    (("--engine", "fsdp2", "--gpus", "8", "--checkpointing", "full", "--ac-every", "0"),
+     "ac_every=0: expected a whole number of layers >= 1"),
+    (("--engine", "deepspeed", "--gpus", "8", "--checkpointing", "full", "--ac-every", "2"),
+     "--ac-every"),
+])  # fmt: skip
+def test_refused_in_one_line(args, message):
+    from clicheck import assert_one_line_error, run
+
+    assert_one_line_error(run("estimate", "--model", "llama3-8b", *args), message)
