@@ -2,7 +2,7 @@
 ``checkpoint_wrapper``: ``zeroplan/engines/fsdp2/selective_ac.py``) into ``tests/data/measured/fsdp2.json``.
 
 Real gloo ranks (torchrun, N_d = 2, fp32) run ``validate.engines.fsdp2`` with ``Fsdp2Settings(checkpointing=True,
-ac_every=k)``: its ``shard`` wraps layers k, 2k, ... (1-based) as torchtitan 0.2.2's ``_apply_layer_sac`` does.
+selective_ac=k)``: its ``shard`` wraps layers k, 2k, ... (1-based) as torchtitan 0.2.2's ``_apply_layer_sac`` does.
 Each row is written as ``benchmarks/record_measured.py`` writes the others (the run, the planner's inputs, per
 rank every phase's measured peak and the prediction of the day), replacing a row of the same name; the rows are
 predicted again by ``tests/test_measured_rows.py``.
@@ -41,10 +41,10 @@ LLAMA_7 = {**LLAMA_28M, "num_hidden_layers": 7}
 LLAMA_7_LONG = {**LLAMA_7, "vocab_size": 1024, "max_position_embeddings": 512}
 CASES = {
     # name: (config.json, Fsdp2Settings fields)
-    "hf-llama-28m-fp32-sac2": (LLAMA_28M, dict(hf=True, ac_every=2)),
-    "hf-llama-28m-fp32-sac3-meta": (LLAMA_28M, dict(hf=True, ac_every=3, init="meta")),
-    "llama-7-layers-fp32-sac2": (LLAMA_7, dict(ac_every=2)),
-    "hf-llama-7-layers-s512-fp32-sac2": (LLAMA_7_LONG, dict(hf=True, ac_every=2)),
+    "hf-llama-28m-fp32-sac2": (LLAMA_28M, dict(hf=True, selective_ac=2)),
+    "hf-llama-28m-fp32-sac3-meta": (LLAMA_28M, dict(hf=True, selective_ac=3, init="meta")),
+    "llama-7-layers-fp32-sac2": (LLAMA_7, dict(selective_ac=2)),
+    "hf-llama-7-layers-s512-fp32-sac2": (LLAMA_7_LONG, dict(hf=True, selective_ac=2)),
 }
 
 

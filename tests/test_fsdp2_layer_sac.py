@@ -49,9 +49,9 @@ def test_every_layer_is_full_and_none_beyond_the_last(config, hf, update):
     s = Settings(**update)
     (full,) = estimate(_workload(config, "full", hf), 2, s)
     (none,) = estimate(_workload(config, "none", hf), 2, s)
-    (one,) = estimate(_workload(config, "full", hf), 2, s.model_copy(update={"ac_every": 1}))
-    (beyond,) = estimate(_workload(config, "full", hf), 2, s.model_copy(update={"ac_every": 8}))
-    (two,) = estimate(_workload(config, "full", hf), 2, s.model_copy(update={"ac_every": 2}))
+    (one,) = estimate(_workload(config, "full", hf), 2, s.model_copy(update={"selective_ac": 1}))
+    (beyond,) = estimate(_workload(config, "full", hf), 2, s.model_copy(update={"selective_ac": 8}))
+    (two,) = estimate(_workload(config, "full", hf), 2, s.model_copy(update={"selective_ac": 2}))
     assert one.peak.by_phase() == full.peak.by_phase()
     assert beyond.peak.by_phase() == none.peak.by_phase()
     assert full.peak.by_phase()["backward"] < two.peak.by_phase()["backward"] <= none.peak.by_phase()["backward"]
@@ -67,7 +67,7 @@ def test_every_layer_is_full_and_none_beyond_the_last(config, hf, update):
 def test_sampled_blocks_keep_every_phase_leader(config, hf, k, update):
     """Each residue class of the layers mod k changes by the same bytes per k blocks: the interior's first and
     last k blocks (``leaders.sampled_blocks``) hold each phase's first largest moment."""
-    run = fsdp2_run(_workload(config, "full", hf, layers=17), 4, Settings(ac_every=k, **update))
+    run = fsdp2_run(_workload(config, "full", hf, layers=17), 4, Settings(selective_ac=k, **update))
     blocks = sampled_blocks(run)
     assert blocks is not None and len(blocks) < 17
     for block in (512, 1):
@@ -77,27 +77,27 @@ def test_sampled_blocks_keep_every_phase_leader(config, hf, k, update):
 def test_a_checkpointed_layer_before_the_last_is_a_forward_moment():
     """A checkpointed layer's no-grad working set beside the layers before it can top the last layer's forward
     (not checkpointed): block L - 1's forward is a moment, and the peak where that working set is the largest."""
-    run = fsdp2_run(_workload(LLAMA, "full"), 2, Settings(ac_every=2))
+    run = fsdp2_run(_workload(LLAMA, "full"), 2, Settings(selective_ac=2))
     names = [m.name for m in moments(run) if m.phase == "forward"]
     assert "block 6 forward" in names and "block 7 forward" in names
     big = replace(run.acts, block=replace(run.acts.block, ckpt_forward_peak=10**9))
     forward = [p for p in peak_of(moments(replace(run, acts=big))).phases if p.phase == "forward"]
     assert forward[0].moment == "block 6 forward"
     assert "block 6 forward" not in [m.name for m in moments(fsdp2_run(_workload(LLAMA, "full", layers=8), 2,
-                                                                          Settings(ac_every=2)))]  # fmt: skip
+                                                                          Settings(selective_ac=2)))]  # fmt: skip
 
 
-# ---- --torchtitan-config and --ac-every ----
+# ---- --torchtitan-config and --selective-ac ----
 
 
 def test_layer_sac_of_a_job_config_is_ac_every_typed_out(tmp_path):
-    """``selective_ac_option = "k"`` is ``--checkpointing full --ac-every k``; "1" is full checkpointing."""
+    """``selective_ac_option = "k"`` is ``--checkpointing full --selective-ac k``; "1" is full checkpointing."""
     from clicheck import run_json
 
     model = ("--model", "llama2-7b")
     flags = ("--engine", "fsdp2", "--gpus", "8", "--fsdp-wrap", "torchtitan", "--param-dtype", "bf16",
              "--reduce-dtype", "fp32", "--init", "meta", "--micro-batch", "2", "--seq-len", "512")  # fmt: skip
-    for option, typed in (("2", ("--ac-every", "2")), ("3", ("--ac-every", "3")), ("1", ())):
+    for option, typed in (("2", ("--selective-ac", "2")), ("3", ("--selective-ac", "3")), ("1", ())):
         job = tmp_path / f"job{option}.toml"
         job.write_text('[training]\nlocal_batch_size = 2\nseq_len = 512\n[parallelism]\ndata_parallel_shard_degree = 8\n'
                        f'[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "{option}"\n')  # fmt: skip
@@ -105,7 +105,7 @@ def test_layer_sac_of_a_job_config_is_ac_every_typed_out(tmp_path):
         assert got == run_json("estimate", *model, *flags, "--checkpointing", "full", *typed)
         assert got["stages"][0]["name"].endswith(f"checkpoint every {option} layers" if typed else "wrap torchtitan")
     full, every2, none = (run_json("estimate", *model, *flags, *more)["stages"][0]["phases"] for more in (
-        ("--checkpointing", "full"), ("--checkpointing", "full", "--ac-every", "2"), ()))  # fmt: skip
+        ("--checkpointing", "full"), ("--checkpointing", "full", "--selective-ac", "2"), ()))  # fmt: skip
     for phase in ("forward", "backward"):
         assert full[phase] < every2[phase] < none[phase]
 
@@ -123,12 +123,12 @@ def test_torchtitans_debug_preset_runs():
 @pytest.mark.parametrize("args, message", [
     (("--torchtitan-config", str(TORCHTITAN / "llama3_8b.toml"), "--gpus", "8"),
      "--torchtitan-config: activation_checkpoint.selective_ac_option='op' (torchtitan's per-op policy"),
-    (("--engine", "fsdp2", "--gpus", "8", "--ac-every", "2"),
-     "--ac-every 2: checkpoints every K-th layer of --checkpointing full; got --checkpointing none"),
-    (("--engine", "fsdp2", "--gpus", "8", "--checkpointing", "full", "--ac-every", "0"),
-     "ac_every=0: expected a whole number of layers >= 1"),
-    (("--engine", "deepspeed", "--gpus", "8", "--checkpointing", "full", "--ac-every", "2"),
-     "--ac-every"),
+    (("--engine", "fsdp2", "--gpus", "8", "--selective-ac", "2"),
+     "--selective-ac 2: selects what --checkpointing full recomputes; got --checkpointing none"),
+    (("--engine", "fsdp2", "--gpus", "8", "--checkpointing", "full", "--selective-ac", "0"),
+     "selective_ac=0: expected op or a whole number of layers >= 1"),
+    (("--engine", "deepspeed", "--gpus", "8", "--checkpointing", "full", "--selective-ac", "2"),
+     "--selective-ac"),
 ])  # fmt: skip
 def test_refused_in_one_line(args, message):
     from clicheck import assert_one_line_error, run

@@ -23,7 +23,7 @@ from zeroplan.cli_options import (
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import DpReplicateOption, DpShardOption, GpusPerNodeOption, TpOption  # meshes, links
-from zeroplan.cli_options import AcEveryOption, RevisionOption, refuse_ac_every  # fsdp2 layer SAC; ORG/NAME (hub)
+from zeroplan.cli_options import RevisionOption, SelectiveAcOption, refuse_selective_ac  # ORG/NAME; fsdp2 SAC
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
 )  # fmt: skip
@@ -63,7 +63,7 @@ def estimate(
     seq_len: SeqLenOption = None,
     micro_batch: MicroBatchOption = 1,
     checkpointing: CheckpointingOption = "none",
-    ac_every: AcEveryOption = None,
+    selective_ac: SelectiveAcOption = None,
     grad_accum: GradAccumOption = 1,
     foreach: ForeachOption = None,
     engine: EngineOption = "reference",
@@ -138,8 +138,8 @@ def estimate(
     ds = read_settings_file(deepspeed_config)  # read once, here
     own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
                loss_parallel=loss_parallel, zero_init=zero_init, fsdp_offload=fsdp_offload,
-               fsdp_pin_memory=fsdp_pin_memory, ac_every=ac_every)
-    refuse_ac_every(ac_every, checkpointing, file_options is not None)
+               fsdp_pin_memory=fsdp_pin_memory, selective_ac=selective_ac)
+    refuse_selective_ac(selective_ac, checkpointing, file_options is not None)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
     options, ds, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,

@@ -190,18 +190,19 @@ MicroBatchOption = Annotated[
 CheckpointingOption = Annotated[
     str, typer.Option(help="Activation checkpointing: none, or full (every block recomputed). Needs --model.")
 ]
-AcEveryOption = Annotated[
-    Optional[int],
-    typer.Option("--ac-every", help="fsdp2 with --checkpointing full: checkpoint only every K-th decoder layer "
-                 "(layers K, 2K, ...: torchtitan's selective_ac_option = K; default 1, every layer)."),
+SelectiveAcOption = Annotated[
+    Optional[str],
+    typer.Option("--selective-ac", help="fsdp2 with --checkpointing full: torchtitan's selective activation "
+                 "checkpointing (selective_ac_option): K checkpoints only layers K, 2K, ... (1: every layer, the "
+                 "default); op keeps in every layer the outputs of its matmuls but every second one."),
 ]  # fmt: skip
 
 
-def refuse_ac_every(ac_every: Optional[int], checkpointing: str, from_file: bool) -> None:
-    """UserError (one line) for ``--ac-every`` where it would change nothing: without ``--checkpointing full``, or
-    beside a launcher file, which sets its own checkpointing."""
-    if ac_every is not None and (checkpointing != "full" or from_file):
-        raise UserError(f"--ac-every {ac_every}: checkpoints every K-th layer of --checkpointing full; " + (
+def refuse_selective_ac(selective_ac: Optional[str], checkpointing: str, from_file: bool) -> None:
+    """UserError (one line) for ``--selective-ac`` where it would change nothing: without ``--checkpointing full``,
+    or beside a launcher file, which sets its own checkpointing."""
+    if selective_ac is not None and (checkpointing != "full" or from_file):
+        raise UserError(f"--selective-ac {selective_ac}: selects what --checkpointing full recomputes; " + (
             "a launcher file sets its own checkpointing" if from_file else f"got --checkpointing {checkpointing}"))
 
 
@@ -298,7 +299,7 @@ OWN_OPTION_PARAMS: dict[str, str] = {
     "fsdp_pin_memory": "pin_memory",
     "tp": "tp",
     "loss_parallel": "loss_parallel",
-    "ac_every": "ac_every",
+    "selective_ac": "selective_ac",
 }
 """Command parameter -> the engine's own option it sets (``Engine.own_options``, by name): the CLI's half of
 adding an option (the engine declares it; its flag is typed here and listed here)."""

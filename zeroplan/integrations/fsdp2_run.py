@@ -4,7 +4,7 @@ docs/engines/fsdp2.md, in the module names of ``--model``, which the caller give
 the init and the batch the file sets. Plain data: the fsdp2 engine checks the wrapping (its own option).
 
 torchtitan's layer selective activation checkpointing (``selective_ac_option`` = k) is the engine's
-``ac_every`` k with checkpointing full (engines/fsdp2/selective_ac.py). What the engine cannot express is refused
+``selective_ac`` k with checkpointing full (engines/fsdp2/selective_ac.py). What the engine cannot express is refused
 in one line naming the setting: the per-op selective policy (``selective_ac_option = "op"``), ``torch.compile``,
 model converters (float8), CPU offload, a module dtype other than fp32, accelerate's size-based wrapping and a
 layer class that is not the model's decoder layer."""
@@ -126,7 +126,7 @@ def from_torchtitan(run: TorchtitanRun, names: Optional[Names]) -> Fsdp2Run:
     checkpointing = run.checkpointing
     if checkpointing == "selective":  # layer SAC: every k-th layer checkpointed (engines/fsdp2/selective_ac.py)
         checkpointing, every = "full", int(run.selective_ac_option or 1)
-        options.update({"ac_every": every} if every > 1 else {})
+        options.update({"selective_ac": every} if every > 1 else {})
     return Fsdp2Run(options, wrap, run.nd, run.local_batch_size, run.grad_accum, run.seq_len, checkpointing)
 
 

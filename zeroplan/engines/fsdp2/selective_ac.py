@@ -6,7 +6,7 @@ the layers in order, counting them from 1 with a module-level counter (``_layer_
 layer in ``ptd_checkpoint_wrapper`` (torch ``distributed/algorithms/_checkpoint/checkpoint_wrapper.py``,
 non-reentrant ``torch.utils.checkpoint``) when ``_layer_sac_count % k == 0``: layers k, 2k, 3k, ... (1-based) are
 checkpointed, the others run as they are. k = 1 is full checkpointing. The FSDP2 engine's setting is
-``Settings.ac_every`` (k) with ``Workload.checkpointing`` "full"; its blocks are numbered 1..L as here.
+``Settings.selective_ac`` (k) with ``Workload.checkpointing`` "full"; its blocks are numbered 1..L as here.
 
 A checkpointed layer keeps its input (``BlockActivations.ckpt_saved``) to its backward, runs its forward without
 saving (``ckpt_forward_peak``) and recomputes its saved set in its backward (``recomputed``); a layer not wrapped

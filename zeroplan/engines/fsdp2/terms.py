@@ -58,7 +58,8 @@ class Fsdp2Run:
     position_bytes: int = 0  # transformers llama-style: the int64 position ids in forward (hf_tree.position_ids)
     shard_units: tuple[ShardUnit, ...] = ()  # the fully_shard calls as made (wrap.resolve): collectives, edge_regathers
     replicate: int = 1  # HSDP: replicas R of the 2-D mesh; ``nd`` is then the shard group S (engines/fsdp2/mesh.py)
-    ac_every: int = 1  # checkpointing full: only layers k, 2k, ... checkpointed (selective_ac.py, Settings.ac_every)
+    ac_every: int = 1  # checkpointing full: only layers k, 2k, ... checkpointed (selective_ac.py, Settings.selective_ac)
+    ac_op: bool = False  # checkpointing full under torchtitan's per-op policy: each layer keeps its cache (selective_ac)
 
     def __post_init__(self) -> None:
         if self.nd == 1:
@@ -70,8 +71,8 @@ class Fsdp2Run:
         if self.checkpointing not in ("none", "full"):
             raise ValueError(f"checkpointing={self.checkpointing!r}: expected none or full")
         post_forward_group(self.settings, self.nd)
-        if self.ac_every > 1 and (self.settings.tp or 1) > 1:
-            raise ValueError(f"ac_every={self.ac_every}: layer selective checkpointing with tensor parallelism is "
+        if self.settings.selective_ac != 1 and (self.settings.tp or 1) > 1:
+            raise ValueError(f"selective_ac={self.settings.selective_ac}: selective checkpointing with tensor parallelism is "
                              "not modelled (engines/fsdp2/tp.py models none and full)")  # fmt: skip
 
     def checkpointed(self, block: int) -> bool:
@@ -364,7 +365,8 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                     router_bytes=router_bias_bytes(spec) if hf else 0, router_copy=_router_copies(spec, hf, act_bytes),
                     rotary_init_bytes=rotary_recompute_bytes(spec) if rotary else 0,
                     scale_bytes=scale, position_bytes=workload.seq_len * 8 if rotary else 0,
-                    shard_units=shard_units, ac_every=settings.ac_every)  # fmt: skip
+                    shard_units=shard_units, ac_every=settings.selective_ac if settings.selective_ac != "op" else 1,
+                    ac_op=settings.selective_ac == "op" and workload.checkpointing == "full")  # fmt: skip
 
 
 def _router_copies(spec, hf: bool, param_bytes: int) -> tuple[int, ...]:
