@@ -45,6 +45,9 @@ CASES = {
     "hf-llama-28m-fp32-sac3-meta": (LLAMA_28M, dict(hf=True, selective_ac=3, init="meta")),
     "llama-7-layers-fp32-sac2": (LLAMA_7, dict(selective_ac=2)),
     "hf-llama-7-layers-s512-fp32-sac2": (LLAMA_7_LONG, dict(hf=True, selective_ac=2)),
+    # torchtitan's per-op policy, with torchtitan 0.3.0's own SelectiveAC (validate/engines/fsdp2.py op_sac_block)
+    "hf-llama-7-layers-s512-fp32-op": (LLAMA_7_LONG, dict(hf=True, selective_ac="op")),
+    "hf-llama-28m-fp32-op": (LLAMA_28M, dict(hf=True, selective_ac="op")),
 }
 
 

@@ -20,6 +20,7 @@ from zeroplan.engines.fsdp2.selective_ac import checkpointed
 from zeroplan.formulas.peak import peak_of
 
 TORCHTITAN = Path(__file__).resolve().parent / "data" / "integrations" / "torchtitan"
+HF = Path(__file__).resolve().parent / "data" / "hf_configs"
 LLAMA = {"model_type": "llama", "hidden_size": 35, "intermediate_size": 67, "max_position_embeddings": 16,
          "num_attention_heads": 5, "num_hidden_layers": 7, "num_key_value_heads": 1, "vocab_size": 103}  # fmt: skip
 GPT = {"model_type": "gpt2", "activation_function": "gelu", "n_layer": 7, "n_embd": 35, "n_head": 5,
@@ -110,19 +111,21 @@ def test_layer_sac_of_a_job_config_is_ac_every_typed_out(tmp_path):
         assert full[phase] < every2[phase] < none[phase]
 
 
-def test_torchtitans_debug_preset_runs():
-    # llama3_debug_model.toml: selective, every 2nd layer (the v0.2.2 preset)
+@pytest.mark.parametrize("preset,label", [("llama3_debug_model.toml", "wrap torchtitan, checkpoint every 2 layers"),
+                                          ("llama3_8b.toml", "wrap torchtitan, selective AC per op")])
+def test_torchtitans_presets_run(preset, label):
+    # v0.2.2's llama3 presets: selective every 2nd layer (debug), selective per op (8B; issue 19 row 12)
     from clicheck import run
 
-    out = run("estimate", "--model", "llama3-8b", "--torchtitan-config", str(TORCHTITAN / "llama3_debug_model.toml"),
-              "--gpus", "8")  # fmt: skip
+    out = run("estimate", "--model", "llama3-8b", "--torchtitan-config", str(TORCHTITAN / preset), "--gpus", "8")
     assert out.exit_code == 0, out.output
-    assert "wrap torchtitan, checkpoint every 2 layers" in out.stdout
+    assert label in out.stdout
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--torchtitan-config", str(TORCHTITAN / "llama3_8b.toml"), "--gpus", "8"),
-     "--torchtitan-config: activation_checkpoint.selective_ac_option='op' (torchtitan's per-op policy"),
+    (("--engine", "fsdp2", "--gpus", "8", "--checkpointing", "full", "--selective-ac", "op", "--model",
+      str(HF / "qwen2-0.5b.json")),
+     "selective_ac=op: torchtitan's per-op policy is modelled for a bias-free Llama layer, not projection biases"),
     (("--engine", "fsdp2", "--gpus", "8", "--selective-ac", "2"),
      "--selective-ac 2: selects what --checkpointing full recomputes; got --checkpointing none"),
     (("--engine", "fsdp2", "--gpus", "8", "--checkpointing", "full", "--selective-ac", "0"),
@@ -133,4 +136,5 @@ def test_torchtitans_debug_preset_runs():
 def test_refused_in_one_line(args, message):
     from clicheck import assert_one_line_error, run
 
-    assert_one_line_error(run("estimate", "--model", "llama3-8b", *args), message)
+    model = () if "--model" in args else ("--model", "llama3-8b")
+    assert_one_line_error(run("estimate", *model, *args), message)

@@ -3,11 +3,10 @@ launcher makes (``WrapUnit``, in its own words) as data (the JSON form ``--fsdp-
 docs/engines/fsdp2.md, in the module names of ``--model``, which the caller gives as ``Names``), the policy,
 the init and the batch the file sets. Plain data: the fsdp2 engine checks the wrapping (its own option).
 
-torchtitan's layer selective activation checkpointing (``selective_ac_option`` = k) is the engine's
-``selective_ac`` k with checkpointing full (engines/fsdp2/selective_ac.py). What the engine cannot express is refused
-in one line naming the setting: the per-op selective policy (``selective_ac_option = "op"``), ``torch.compile``,
-model converters (float8), CPU offload, a module dtype other than fp32, accelerate's size-based wrapping and a
-layer class that is not the model's decoder layer."""
+torchtitan's selective activation checkpointing (``selective_ac_option`` k or "op") is the engine's ``selective_ac``
+with checkpointing full (engines/fsdp2/selective_ac.py). What the engine cannot express is refused in one line
+naming the setting: ``torch.compile``, model converters (float8), CPU offload, a module dtype other than fp32,
+accelerate's size-based wrapping and a layer class that is not the model's decoder layer."""
 
 from __future__ import annotations
 
@@ -16,13 +15,6 @@ from typing import Optional
 
 from zeroplan.integrations.accelerate_config import AccelerateFsdp
 from zeroplan.integrations.torchtitan_config import TorchtitanRun
-
-OP_REFUSAL = (
-    "activation_checkpoint.selective_ac_option='op' (torchtitan's per-op policy: each block keeps the outputs of "
-    "its matmuls but every second one and of attention, and recomputes the rest) has no memory profile in the "
-    "FSDP2 engine yet; selective_ac_option = an int k (every k-th layer checkpointed) and the modes none and full do"
-)  # fmt: skip
-"""torchtitan 0.2.2 ``distributed/activation_checkpoint.py:_apply_op_sac`` (``_save_list``, the mm counter)."""
 
 DECODER_LAYER_SUFFIXES = ("DecoderLayer", "Block")
 """transformers' decoder layer classes (``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``GPT2Block``: each model's
@@ -109,8 +101,6 @@ def _refuse(flag: str, what: dict) -> None:
 
 def from_torchtitan(run: TorchtitanRun, names: Optional[Names]) -> Fsdp2Run:
     """The FSDP2 engine's run of a torchtitan job config (``read_torchtitan_config``)."""
-    if run.checkpointing == "selective" and run.selective_ac_option == "op":
-        raise ValueError(f"--torchtitan-config: {OP_REFUSAL}")
     _refuse("--torchtitan-config", {
         "compile.enable=true": run.compile, f"model.converters={list(run.converters)}": bool(run.converters),
         "training.enable_cpu_offload=true": run.cpu_offload,
@@ -124,9 +114,10 @@ def from_torchtitan(run: TorchtitanRun, names: Optional[Names]) -> Fsdp2Run:
                "reduce_dtype": run.reduce_dtype, "wrap": "torchtitan" if named else wrap, "init": run.init,
                **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {})}  # fmt: skip
     checkpointing = run.checkpointing
-    if checkpointing == "selective":  # layer SAC: every k-th layer checkpointed (engines/fsdp2/selective_ac.py)
-        checkpointing, every = "full", int(run.selective_ac_option or 1)
-        options.update({"selective_ac": every} if every > 1 else {})
+    if checkpointing == "selective":  # every k-th layer checkpointed, or the per-op policy (engines/fsdp2/selective_ac.py)
+        option = run.selective_ac_option or "1"
+        checkpointing, sac = "full", option if option == "op" else int(option)
+        options.update({"selective_ac": sac} if sac != 1 else {})
     return Fsdp2Run(options, wrap, run.nd, run.local_batch_size, run.grad_accum, run.seq_len, checkpointing)
 
 

@@ -11,7 +11,10 @@ def block_forward(run: Fsdp2Run, j: int, base: tuple[Term, ...], held: str) -> M
     """Block ``j``'s forward at its peak: the blocks before it kept, its saved set and its output (or, checkpointed,
     its no-grad working set beside its input), its all-gather output and unsharded parameters."""
     blk = run.acts.layer_blocks[j - 1] if run.acts.layer_blocks else run.acts.block
-    if not run.checkpointed(j):
+    if run.ac_op:  # the per-op policy: its no-grad working set with the outputs it caches (selective_ac.py)
+        work = (_blocks_saved(run, j - 1), _act("per-op selective block's working set (cached outputs kept)",
+                                                 blk.ckpt_saved + run.op_forward))
+    elif not run.checkpointed(j):
         work = (_blocks_saved(run, j), _act("block output and last op's output", blk.forward_extra, 2))
     else:
         work = (_blocks_saved(run, j - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))

@@ -300,7 +300,9 @@ def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_h
             out.append(Moment("backward", f"block {i - 1} backward all-gather (prefetch)", (
                 *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
                 root_held, unsharded(run, i), gather_input(run, i - 1), *prefetched(run, i - 1), *held, done)))  # fmt: skip
-    inflight = (_blocks_saved(run, i),)
+    # the per-op policy: the recompute has popped the layer's cached outputs (kept or freed by then: selective_ac)
+    inflight = (_blocks_saved(run, i - 1), _act("checkpointed block input", blk.ckpt_saved)) if run.ac_op else \
+        (_blocks_saved(run, i),)
     if run.checkpointed(i):
         inflight += (_act("recomputed block's saved activations", blk.recomputed),)
     out.append(Moment("backward", f"block {i} backward", (

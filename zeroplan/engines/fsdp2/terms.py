@@ -21,6 +21,7 @@ from zeroplan.engines.fsdp2.memo import RANKED, memo_term
 from zeroplan.engines.fsdp2.units import profile_units, shard_units_of
 from zeroplan.engines.fsdp2.wrap import ShardUnit
 from zeroplan.engines.fsdp2.selective_ac import SRC as SAC_SRC, checkpointed, checkpointed_blocks, saved_through
+from zeroplan.engines.fsdp2.selective_ac import OP_SRC as SAC_OP, op_cache, op_forward_peak, op_limit
 from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_group
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.dtypes import dtype_bytes
@@ -60,6 +61,8 @@ class Fsdp2Run:
     replicate: int = 1  # HSDP: replicas R of the 2-D mesh; ``nd`` is then the shard group S (engines/fsdp2/mesh.py)
     ac_every: int = 1  # checkpointing full: only layers k, 2k, ... checkpointed (selective_ac.py, Settings.selective_ac)
     ac_op: bool = False  # checkpointing full under torchtitan's per-op policy: each layer keeps its cache (selective_ac)
+    op_cache: int = 0  # ac_op: bytes each layer keeps beyond its input (selective_ac.op_cache)
+    op_forward: int = 0  # ac_op: a layer's forward peak beside its input (selective_ac.op_forward_peak)
 
     def __post_init__(self) -> None:
         if self.nd == 1:
@@ -262,6 +265,9 @@ def batch(run: Fsdp2Run) -> Term:
 @memo_term
 def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
     """What layers 1..n keep to their backward (a checkpointed layer its input: selective_ac.saved_through)."""
+    if run.ac_op:  # every layer its input and the outputs the per-op policy caches
+        return _act(f"checkpointed block inputs and per-op cached outputs of {n} blocks ({SAC_OP})",
+                    n * (run.acts.block.ckpt_saved + run.op_cache), n)
     ckpt = checkpointed_blocks(run.checkpointing, run.ac_every, n)
     what = "saved activations" if not ckpt else "checkpointed block inputs" if ckpt == n else "saved activations " \
         f"and checkpointed inputs ({ckpt} layers: {SAC_SRC})"
@@ -366,7 +372,19 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                     rotary_init_bytes=rotary_recompute_bytes(spec) if rotary else 0,
                     scale_bytes=scale, position_bytes=workload.seq_len * 8 if rotary else 0,
                     shard_units=shard_units, ac_every=settings.selective_ac if settings.selective_ac != "op" else 1,
-                    ac_op=settings.selective_ac == "op" and workload.checkpointing == "full")  # fmt: skip
+                    **_op_policy(workload, settings, act_bytes))  # fmt: skip
+
+
+def _op_policy(workload: Workload, settings: Settings, a: int) -> dict:
+    """The per-op selective policy's fields of the run (``selective_ac.op_cache``, ``op_forward_peak``)."""
+    if settings.selective_ac != "op" or workload.checkpointing == "none":
+        return {}
+    spec, s, b = workload.spec, workload.seq_len, workload.micro_batch
+    if (why := op_limit(spec)) is not None:
+        raise ValueError(why)
+    cuda = settings.device == "cuda"
+    return {"ac_op": True, "op_cache": op_cache(spec, b * s, b, s, a, cuda),
+            "op_forward": op_forward_peak(spec, b * s, b, s, a, cuda)}
 
 
 def _router_copies(spec, hf: bool, param_bytes: int) -> tuple[int, ...]:
