@@ -1,7 +1,8 @@
-"""torchtitan's layer selective activation checkpointing in the FSDP2 engine (``Settings.ac_every``,
-``zeroplan/engines/fsdp2/selective_ac.py``): the layers it checkpoints, its limits (k = 1 is full checkpointing,
-k above the layer count is none), the sampled blocks still exact, and ``--torchtitan-config``'s mapping. The
-measured rows (gloo, N_d = 2, fp32, transformers' LlamaForCausalLM and the validator's CausalLM:
+"""torchtitan's selective activation checkpointing in the FSDP2 engine (``Settings.selective_ac``,
+``zeroplan/engines/fsdp2/selective_ac.py``): the layers its layer policy checkpoints, its limits (k = 1 is full
+checkpointing, k above the layer count is none), the sampled blocks still exact, what each layer keeps under its
+per-op policy, and ``--torchtitan-config``'s mapping. The measured rows (gloo, N_d = 2, fp32, transformers'
+LlamaForCausalLM and the validator's CausalLM; the per-op policy with torchtitan 0.3.0's own ``SelectiveAC``:
 ``benchmarks/record_layer_sac.py``) are predicted again by tests/test_measured_rows.py. Planner only (no torch)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines.base import Workload
 from zeroplan.engines.fsdp2 import Settings, estimate, fsdp2_run, moments
 from zeroplan.engines.fsdp2.leaders import phase_leaders, sampled_blocks
-from zeroplan.engines.fsdp2.selective_ac import checkpointed
+from zeroplan.engines.fsdp2.selective_ac import checkpointed, op_cache, op_forward_peak
 from zeroplan.formulas.peak import peak_of
 
 TORCHTITAN = Path(__file__).resolve().parent / "data" / "integrations" / "torchtitan"
@@ -88,23 +89,51 @@ def test_a_checkpointed_layer_before_the_last_is_a_forward_moment():
                                                                           Settings(selective_ac=2)))]  # fmt: skip
 
 
+def test_the_per_op_policy_keeps_q_v_gate_and_down():
+    """Seven aten.mm per bias-free llama layer, every second recomputed: q, v, gate and down kept; CUDA's SDPA
+    kernels are in the save set (output and fp32 logsumexp), the CPU's is not."""
+    spec = spec_from_hf_config({**LLAMA, "intermediate_size": 96}, "test")
+    n, b, s, a = 32, 2, 16, 4
+    assert op_cache(spec, n, b, s, a, cuda=False) == n * a * (35 + 7 + 96 + 35)  # q 35, kv 7 (1 head of 7), f, d
+    assert op_cache(spec, n, b, s, a, cuda=True) - op_cache(spec, n, b, s, a, cuda=False) == n * a * 35 + b * 5 * s * 4
+    # the MLP's moment with gate's output kept beside SiLU's, up's and their product: 4f, over the no-grad 3f
+    assert op_forward_peak(spec, n, b, s, a, False) == n * a * (2 * 35 + 4 * 96) + n * a * (35 + 7)
+
+
+@pytest.mark.parametrize("update", [{}, {"param_dtype": "bf16", "reshard_after_forward": False},
+                                    {"device": "cpu", "backend": "gloo", "init": "materialized"}])
+def test_the_per_op_policy_lies_between_full_and_none(update):
+    s = Settings(**update)
+    (full,) = estimate(_workload(LLAMA, "full"), 2, s)
+    (none,) = estimate(_workload(LLAMA, "none"), 2, s)
+    (op,) = estimate(_workload(LLAMA, "full"), 2, s.model_copy(update={"selective_ac": "op"}))
+    (op_off,) = estimate(_workload(LLAMA, "none"), 2, s.model_copy(update={"selective_ac": "op"}))
+    assert op_off.peak.by_phase() == none.peak.by_phase()  # the policy of checkpointing none: nothing
+    for phase in ("forward", "backward"):
+        assert full.peak.by_phase()[phase] <= op.peak.by_phase()[phase] <= none.peak.by_phase()[phase]
+    assert full.peak.by_phase()["forward"] < op.peak.by_phase()["forward"]
+
+
 # ---- --torchtitan-config and --selective-ac ----
 
 
 def test_layer_sac_of_a_job_config_is_ac_every_typed_out(tmp_path):
-    """``selective_ac_option = "k"`` is ``--checkpointing full --selective-ac k``; "1" is full checkpointing."""
+    """``selective_ac_option = "k"`` is ``--checkpointing full --selective-ac k``; "1" is full checkpointing; "op" is
+    ``--selective-ac op``."""
     from clicheck import run_json
 
     model = ("--model", "llama2-7b")
     flags = ("--engine", "fsdp2", "--gpus", "8", "--fsdp-wrap", "torchtitan", "--param-dtype", "bf16",
              "--reduce-dtype", "fp32", "--init", "meta", "--micro-batch", "2", "--seq-len", "512")  # fmt: skip
-    for option, typed in (("2", ("--selective-ac", "2")), ("3", ("--selective-ac", "3")), ("1", ())):
+    for option, typed in (("2", ("--selective-ac", "2")), ("3", ("--selective-ac", "3")), ("1", ()),
+                          ("op", ("--selective-ac", "op"))):  # fmt: skip
         job = tmp_path / f"job{option}.toml"
         job.write_text('[training]\nlocal_batch_size = 2\nseq_len = 512\n[parallelism]\ndata_parallel_shard_degree = 8\n'
                        f'[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "{option}"\n')  # fmt: skip
         got = run_json("estimate", *model, "--torchtitan-config", str(job))
         assert got == run_json("estimate", *model, *flags, "--checkpointing", "full", *typed)
-        assert got["stages"][0]["name"].endswith(f"checkpoint every {option} layers" if typed else "wrap torchtitan")
+        label = "selective AC per op" if option == "op" else f"checkpoint every {option} layers"
+        assert got["stages"][0]["name"].endswith(label if typed else "wrap torchtitan")
     full, every2, none = (run_json("estimate", *model, *flags, *more)["stages"][0]["phases"] for more in (
         ("--checkpointing", "full"), ("--checkpointing", "full", "--selective-ac", "2"), ()))  # fmt: skip
     for phase in ("forward", "backward"):
