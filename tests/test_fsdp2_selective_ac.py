@@ -89,6 +89,21 @@ def test_a_checkpointed_layer_before_the_last_is_a_forward_moment():
                                                                           Settings(selective_ac=2)))]  # fmt: skip
 
 
+def test_each_block_takes_its_own_modes_norm_and_rope_terms():
+    """Per block, not per run: a layer not checkpointed keeps the fp32 input norm's N·4 row (norms.input_norm_backward),
+    and RoPE's tables go after block 1's backward only when block 1 is not checkpointed (norms.rope_released). Not
+    at a measured peak (the recorded rows peak at blocks 2 to 8 or the root): derived from the rules for none and full."""
+    run = fsdp2_run(_workload(LLAMA, "full"), 2, Settings(selective_ac=2, device="cpu", backend="gloo"))
+    norm = {m.name: t.bytes for m in moments(run) for t in m.terms if t.name.startswith("input norm saved and")}
+    n = 2 * 16
+    assert norm["block 3 gradients complete"] - norm["block 2 gradients complete"] == n * 4  # fp32, block 3 unwrapped
+    rope = {m.name for m in moments(run) for t in m.terms if t.name == "embedding saved (position ids)"}
+    full = fsdp2_run(_workload(LLAMA, "full"), 2, Settings(device="cpu", backend="gloo"))
+    assert "block 1 gradients complete" not in rope
+    assert "block 1 gradients complete" in {m.name for m in moments(full) for t in m.terms
+                                            if t.name == "embedding saved (position ids)"}  # fmt: skip
+
+
 def test_the_per_op_policy_keeps_q_v_gate_and_down():
     """Seven aten.mm per bias-free llama layer, every second recomputed: q, v, gate and down kept; CUDA's SDPA
     kernels are in the save set (output and fp32 logsumexp), the CPU's is not."""
