@@ -39,6 +39,10 @@ LLAMA_7 = {**LLAMA_28M, "num_hidden_layers": 7}
 # 21.7M parameters, 2 x 512 tokens and a vocabulary of 1,024: the forward peaks in the last layer's forward (not
 # checkpointed, its whole saved set), the backward in layer 6's recompute
 LLAMA_7_LONG = {**LLAMA_7, "vocab_size": 1024, "max_position_embeddings": 512}
+SAC_CHANGE = ("layer selective AC: torchtitan 0.2.2's _apply_layer_sac rule copied into validate/engines/fsdp2.py:shard "
+              "(layers k, 2k, ... in checkpoint_wrapper(preserve_rng_state=False)); torchtitan 0.3.0 has none to import",
+              "per-op selective AC: torchtitan 0.3.0's own SelectiveAC(SelectiveAC.Config())._wrap_block per layer")
+"""What the runner does beyond the probes for each policy (``runner_changes``, as validate's report rows say it)."""
 CASES = {
     # name: (config.json, Fsdp2Settings fields)
     "hf-llama-28m-fp32-sac2": (LLAMA_28M, dict(hf=True, selective_ac=2)),
@@ -52,7 +56,7 @@ CASES = {
 
 
 def run_case(name: str, model: dict, fields: dict, tmp: Path, nd: int = 2) -> dict:
-    from validate.engines.fsdp2_compare import Fsdp2Settings, predict
+    from validate.engines.fsdp2_compare import Fsdp2Settings, predict, runner_changes
 
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(model))
@@ -70,6 +74,7 @@ def run_case(name: str, model: dict, fields: dict, tmp: Path, nd: int = 2) -> di
     record = {
         "name": f"fsdp2-real-2-{name}-nd{nd}", "engine": "fsdp2", "nd": nd,
         "run": {**asdict(settings), "model": Path(settings.model).name, "config_json": model,
+                "runner_changes": [*runner_changes(meta), SAC_CHANGE[settings.selective_ac == "op"]],
                 "command": "DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/record_layer_sac.py " + name},
         "workload": workload_json(_workload(settings, meta)), "settings": engine.model_dump(mode="json"),
         "unchecked_phases": [],
