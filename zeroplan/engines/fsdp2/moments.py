@@ -147,7 +147,8 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     copy_out = Moment("forward", f"block {L} copy-out", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
         *prev, ag_output(run, L, "this unit"), unsharded(run, L)))  # fmt: skip
-    last, earlier = block_forward(run, L, base, "kept until the root's post-forward"), checkpointed_before_last(run, base)
+    last = block_forward(run, L, base, "kept until the root's post-forward")
+    earlier = checkpointed_before_last(run, base)  # layer SAC: a checkpointed layer's forward before the last
     # reshard_after_forward=k: the block's post-forward copies its k-sharded slices while it is whole
     # (the block output is alive, its last op's output is gone: traced, gpt-tiny N_d = 8, k = 2)
     reshard = (Moment("forward", f"block {L} post-forward reshard", (

@@ -84,8 +84,8 @@ def input_projections_backward(run, grads: Term) -> tuple[Term, ...]:
 def rope_released(run) -> bool:
     """Whether RoPE's cos and sin (``ModelActivations.embed_saved`` of a llama-style model, made once in the body's
     forward and saved by every layer's rotary products) are freed once the first layer's attention has run
-    backward: they are the last to hold them. Not when the first layer is checkpointed (its recompute takes them again) nor for
-    Gemma (its ``embed_saved`` holds the embedding scale too; not traced). Measured (MemTracker, case 0-2, qwen2
+    backward: they are the last to hold them. Not when the first layer is checkpointed (its recompute takes them
+    again; selective_ac.py) nor for Gemma (its ``embed_saved`` holds the embedding scale too; not traced). Measured (MemTracker, case 0-2, qwen2
     fp32, N_d = 4): no (1, 64, 64) fp32 tensor alive at block 1's q projection or input norm (32,768 B over before);
     both alive at block 2's, where the profile is exact."""
     return run.style == "llama" and not run.checkpointed(1) and not run.scale_bytes
