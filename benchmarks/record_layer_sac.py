@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,21 +54,15 @@ CASES = {
 
 
 def run_case(name: str, model: dict, fields: dict, tmp: Path, nd: int = 2) -> dict:
-    from validate.engines.fsdp2_compare import Fsdp2Settings, predict, runner_changes
+    from validate.engines.fsdp2_compare import Fsdp2Settings, _workload, predict, runner_changes
+    from validate.engines.fsdp2_rows import run_world
 
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(model))
     settings = Fsdp2Settings(model=str(path), checkpointing=True, batch_per_rank=2, steps=2, **fields)
-    out = tmp / f"{name}-rows.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nd),
-           "-m", "validate.engines.fsdp2", "--settings", json.dumps(asdict(settings)), "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run(cmd, check=True, env=env, timeout=3600, cwd=ROOT)
-    result = json.loads(out.read_text())
+    result = run_world(settings, nd, timeout_s=3600)
     meta, rows = result["meta"], result["rows"]
     row0, engine = predict(settings, meta, 0)
-    from validate.engines.fsdp2_compare import _workload
-
     record = {
         "name": f"fsdp2-real-2-{name}-nd{nd}", "engine": "fsdp2", "nd": nd,
         "run": {**asdict(settings), "model": Path(settings.model).name, "config_json": model,

@@ -182,3 +182,27 @@ def test_refused_in_one_line(args, message):
 
     model = () if "--model" in args else ("--model", "llama3-8b")
     assert_one_line_error(run("estimate", *model, *args), message)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("selective_ac", [2, "op"])
+def test_live_every_phase_every_rank(tmp_path, selective_ac):
+    """transformers' LlamaForCausalLM, 5 layers, on gloo N_d = 2 under each policy (the layer rule as torchtitan
+    0.2.2 applies it; the per-op policy by torchtitan 0.3.0's own SelectiveAC): every phase of both ranks within the
+    live margin of tests/test_measured_rows.py (the recorded rows: 0 B)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchtitan")
+    import json
+
+    from tests.test_measured_rows import live_margin
+    from validate.engines.fsdp2 import Fsdp2Settings
+    from validate.engines.fsdp2_rows import predict, run_world
+
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps({**json.loads((HF / "tiny-llama.json").read_text()), "num_hidden_layers": 5}))
+    settings = Fsdp2Settings(model=str(path), hf=True, checkpointing=True, selective_ac=selective_ac, steps=2)
+    result = run_world(settings, 2)
+    for row in result["rows"]:
+        predicted = predict(settings, result["meta"], row["rank"])[0].peak.by_phase()
+        for phase, measured in row["peak_bytes_by_phase"].items():
+            assert abs(measured - predicted[phase]) <= live_margin(measured), (row["rank"], phase, measured)
