@@ -185,11 +185,11 @@ def test_refused_in_one_line(args, message):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("selective_ac", [2, "op"])
-def test_live_every_phase_every_rank(tmp_path, selective_ac):
+@pytest.mark.parametrize("selective_ac,param_dtype", [(2, "fp32"), ("op", "fp32"), ("op", "bf16")])
+def test_live_every_phase_every_rank(tmp_path, selective_ac, param_dtype):
     """transformers' LlamaForCausalLM, 5 layers, on gloo N_d = 2 under each policy (the layer rule as torchtitan
-    0.2.2 applies it; the per-op policy by torchtitan 0.3.0's own SelectiveAC): every phase of both ranks within the
-    live margin of tests/test_measured_rows.py (the recorded rows: 0 B)."""
+    0.2.2 applies it; the per-op policy by torchtitan 0.3.0's own SelectiveAC, its cache in the param dtype): every
+    phase of both ranks within the live margin of tests/test_measured_rows.py (0 B when run 2026-12-02)."""
     pytest.importorskip("transformers")
     pytest.importorskip("torchtitan")
     import json
@@ -200,7 +200,8 @@ def test_live_every_phase_every_rank(tmp_path, selective_ac):
 
     path = tmp_path / "llama.json"
     path.write_text(json.dumps({**json.loads((HF / "tiny-llama.json").read_text()), "num_hidden_layers": 5}))
-    settings = Fsdp2Settings(model=str(path), hf=True, checkpointing=True, selective_ac=selective_ac, steps=2)
+    settings = Fsdp2Settings(model=str(path), hf=True, checkpointing=True, selective_ac=selective_ac, steps=2,
+                             param_dtype=param_dtype)
     result = run_world(settings, 2)
     for row in result["rows"]:
         predicted = predict(settings, result["meta"], row["rank"])[0].peak.by_phase()
