@@ -174,6 +174,8 @@ def test_torchtitans_presets_run(preset, label):
      "--selective-ac 2: selects what --checkpointing full recomputes; got --checkpointing none"),
     (("--engine", "fsdp2", "--gpus", "8", "--checkpointing", "full", "--selective-ac", "0"),
      "selective_ac=0: expected op or a whole number of layers >= 1"),
+    (("--engine", "fsdp2", "--gpus", "8", "--tp", "2", "--checkpointing", "full", "--selective-ac", "op"),
+     "selective_ac=op: selective checkpointing with tensor parallelism is not modelled"),
     (("--engine", "deepspeed", "--gpus", "8", "--checkpointing", "full", "--selective-ac", "2"),
      "--selective-ac"),
 ])  # fmt: skip

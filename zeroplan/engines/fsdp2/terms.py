@@ -74,9 +74,9 @@ class Fsdp2Run:
         if self.checkpointing not in ("none", "full"):
             raise ValueError(f"checkpointing={self.checkpointing!r}: expected none or full")
         post_forward_group(self.settings, self.nd)
-        if self.settings.selective_ac != 1 and (self.settings.tp or 1) > 1:
-            raise ValueError(f"selective_ac={self.settings.selective_ac}: selective checkpointing with tensor parallelism is "
-                             "not modelled (engines/fsdp2/tp.py models none and full)")  # fmt: skip
+        if self.settings.selective_ac != 1 and self.checkpointing != "none" and (self.settings.tp or 1) > 1:
+            raise ValueError(f"selective_ac={self.settings.selective_ac}: selective checkpointing with tensor "
+                             "parallelism is not modelled (engines/fsdp2/tp.py models none and full)")  # fmt: skip
 
     def checkpointed(self, block: int) -> bool:
         """Whether decoder layer ``block`` (1-based) is recomputed in backward (``selective_ac.checkpointed``)."""
