@@ -301,12 +301,29 @@ def _blocks_saved(run: DSRun, n: int) -> Term:
     each ``n``'s term made once per run (``DSRun.memo``: every block's moments ask, in each phase)."""
     saved = run.memo.get("blocks saved")
     if saved is None:  # not setdefault's: a new dict at each of a run's thousands of calls
-        saved = run.memo["blocks saved"] = {}
+        saved = run.memo["blocks saved"] = _saved_memo(run)
     if n not in saved:
         copies = router_copies(run, n)
         what = f"saved activations of {n} blocks" + (" (with the routers' fp32 weight copies)" if copies else "")
         saved[n] = _act(what, run.acts.saved_through(n, run.checkpointing) + copies, max(n, 1))
     return saved[n]
+
+
+_SAVED_MEMO: list = []  # [(facts, {n: _blocks_saved term})]: the last run's
+
+
+def _saved_memo(run: DSRun) -> dict:
+    """The terms of ``_blocks_saved`` for ``run``, shared with the runs before while what they read is the same:
+    the activations (``_activations``' record, the very same object), checkpointing and ``router_copies``' facts
+    (the architecture, the same object; a transformers model; the dtype). Every candidate of a plan and each of its
+    ranks' runs ask for the same ~130 terms (a 405B plan: ~4,000 calls)."""
+    facts = (run.acts, run.spec, run.checkpointing, run.transformers, _pbytes(run))
+    if _SAVED_MEMO:
+        old, memo = _SAVED_MEMO[0]
+        if old[0] is facts[0] and old[1] is facts[1] and old[2:] == facts[2:]:
+            return memo
+    _SAVED_MEMO[:] = [(facts, {})]
+    return _SAVED_MEMO[0][1]
 
 
 ZINIT = "runtime/zero/partition_parameters.py"
