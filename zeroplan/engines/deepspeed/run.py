@@ -280,6 +280,20 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
     ``offload_param`` on a GPU the view is a copy, counted by offload.py's fetched partitions)."""
     if sched is None or run.nd == 1:
         return ()
+    # the same terms for every run replaying this schedule at this dtype (a plan's ZeRO-3 candidates of one prefetch
+    # setting: 126 blocks' marks each), made once per schedule object, as ``Stage3Trace.span`` keeps its spans
+    memo = sched.__dict__.get("_gathered_terms")
+    if memo is None:
+        memo = {}
+        object.__setattr__(sched, "_gathered_terms", memo)
+    key = (mark, during, _pbytes(run), run.settings.quantized_weights)
+    if key not in memo:
+        memo[key] = _gathered_terms(run, sched, mark, during)
+    return memo[key]
+
+
+def _gathered_terms(run: DSRun, sched: Stage3Schedule, mark: str, during: bool) -> tuple[Term, ...]:
+    """``_gathered``'s terms, from ``sched``, the trace's marks, the dtype and qwZ."""
     p, i = _pbytes(run), sched.event(run.trace, mark)
     sec = secondary_terms(sched, i, p)  # ZeRO++ hpZ (zeropp.py); () without
     if during:
