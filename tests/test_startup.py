@@ -102,3 +102,20 @@ def test_a_csv_sweep_loads_neither_pandas_nor_pyarrow_compute(tmp_path):
     assert seen.stderr.strip().splitlines()[-1] == "['pyarrow']"
     lines = out.read_text().splitlines()
     assert len(lines) == 1 + 2 * 2 * (4 + 3) and lines[1].startswith("1000000000,8,1,8,1000000000,1,0,DP,none,")
+
+
+def test_a_plan_that_replays_no_trace_loads_no_allocator_replay():
+    # engines/deepspeed/alloc_trace.py and planning/reserved_fit.py import the allocator's trace and replay modules
+    # (step_trace, replay, blocks, caching: ~32 M instructions) where a trace is built, not at import: a plan whose
+    # every row's live peak exceeds the GPU (70B on two 40 GB GPUs) replays none (docs/benchmarks.md, DeepSpeed plan,
+    # ninth pass); a plan with a row that fits does (7B on eight).
+    after = ("import json\nprint(json.dumps(['zeroplan.allocator.step_trace' in sys.modules, "
+             "'zeroplan.allocator.replay' in sys.modules]), file=sys.stderr)")
+    for gpus, replays in (("2", False), ("8", True)):
+        model = "llama2-70b" if gpus == "2" else "llama2-7b"
+        argv = (f"['zeroplan', 'plan', '--engine', 'deepspeed', '--model', {model!r}, '--gpus', {gpus!r}, "
+                "'--gpu', 'a100-40gb', '--json']")
+        done = run_main(argv, after=after)
+        rows = [*json.loads(done.stdout)["stages"], *json.loads(done.stdout)["offload"]]
+        assert any(r.get("reserved_bytes") is not None for r in rows) is replays, gpus
+        assert json.loads(done.stderr.strip().splitlines()[-1]) == [replays, replays], gpus

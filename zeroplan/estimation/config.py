@@ -46,7 +46,7 @@ class EstimateConfig(BaseModel):
     architecture: exact shapes, and the peak of a training step of ``micro_batch`` x ``seq_len``).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, defer_build=True)
 
     params: Optional[Params] = None
     """Ψ for the whole model, in parameters (elements); give this, ``tensor_numels`` or ``model``."""

@@ -18,11 +18,13 @@ or smaller buckets."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from zeroplan.allocator.reserved import ReservedEstimate, reserved_of
-from zeroplan.allocator.step_trace import AllocTrace
 from zeroplan.number_formats import format_bytes
+
+if TYPE_CHECKING:  # the allocator's trace modules: imported by the first trace, not by every plan (issue 16)
+    from zeroplan.allocator.step_trace import AllocTrace
 
 EXPANDABLE = "expandable_segments:True"
 """The ``PYTORCH_CUDA_ALLOC_CONF`` option that grows one segment per stream instead of caching many

@@ -9,11 +9,14 @@ cuBLASLt workspaces held from the first backward on (``profile.device_terms``), 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from zeroplan.allocator.step_trace import AllocTrace, default_stream, step_trace
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.settings import Settings, optimizer_class
 from zeroplan.formulas.peak import Moment, Term
+
+if TYPE_CHECKING:  # the allocator's trace modules: imported by the first trace, not by every plan (issue 16)
+    from zeroplan.allocator.step_trace import AllocTrace
 
 DEFAULT, REDUCTION = 0, 1
 STREAMS = {DEFAULT: "default", REDUCTION: "reduction_stream"}
@@ -56,6 +59,7 @@ def alloc_traces(workload: Workload, nd: int, settings: Settings, stat_bytes: in
 
         (row,) = estimate(workload, nd, settings, stat_bytes)
         settings = settings.model_copy(update={"rank": row.peak_rank})
+    from zeroplan.allocator.step_trace import default_stream, step_trace
     from zeroplan.engines.deepspeed.profile import device_terms, run_moments  # the estimate's own moments
 
     stream_of = _reduction_stream if settings.overlaps and settings.stage in (1, 2) else default_stream

@@ -54,7 +54,15 @@ def position(run: DSRun, param: int) -> int:
 
 def block_start(run: DSRun, j: int) -> int:
     """The place in the gradient-ready order of block ``j``'s first hook (its output projection's)."""
-    return min(position(run, i) for i, b in enumerate(run.param_blocks) if b == j)
+    return memo_of(run, "boundary block starts", _block_starts)[j]  # type: ignore[index]
+
+
+def _block_starts(run: DSRun) -> dict[int, int]:
+    """block -> the place of its first hook in the gradient-ready order (``block_start``), every block at once."""
+    out: dict[int, int] = {}
+    for k, i in enumerate(run.grad_ready_order):
+        out.setdefault(run.param_blocks[i], k)
+    return out
 
 
 def held_term(run: DSRun, at: int) -> tuple[Term, ...]:

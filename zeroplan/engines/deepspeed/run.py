@@ -280,6 +280,20 @@ def _gathered(run: DSRun, sched: Optional[Stage3Schedule], mark: str, during: bo
     ``offload_param`` on a GPU the view is a copy, counted by offload.py's fetched partitions)."""
     if sched is None or run.nd == 1:
         return ()
+    # the same terms for every run replaying this schedule at this dtype (a plan's ZeRO-3 candidates of one prefetch
+    # setting: 126 blocks' marks each), made once per schedule object, as ``Stage3Trace.span`` keeps its spans
+    memo = sched.__dict__.get("_gathered_terms")
+    if memo is None:
+        memo = {}
+        object.__setattr__(sched, "_gathered_terms", memo)
+    key = (mark, during, _pbytes(run), run.settings.quantized_weights)
+    if key not in memo:
+        memo[key] = _gathered_terms(run, sched, mark, during)
+    return memo[key]
+
+
+def _gathered_terms(run: DSRun, sched: Stage3Schedule, mark: str, during: bool) -> tuple[Term, ...]:
+    """``_gathered``'s terms, from ``sched``, the trace's marks, the dtype and qwZ."""
     p, i = _pbytes(run), sched.event(run.trace, mark)
     sec = secondary_terms(sched, i, p)  # ZeRO++ hpZ (zeropp.py); () without
     if during:
@@ -301,12 +315,29 @@ def _blocks_saved(run: DSRun, n: int) -> Term:
     each ``n``'s term made once per run (``DSRun.memo``: every block's moments ask, in each phase)."""
     saved = run.memo.get("blocks saved")
     if saved is None:  # not setdefault's: a new dict at each of a run's thousands of calls
-        saved = run.memo["blocks saved"] = {}
+        saved = run.memo["blocks saved"] = _saved_memo(run)
     if n not in saved:
         copies = router_copies(run, n)
         what = f"saved activations of {n} blocks" + (" (with the routers' fp32 weight copies)" if copies else "")
         saved[n] = _act(what, run.acts.saved_through(n, run.checkpointing) + copies, max(n, 1))
     return saved[n]
+
+
+_SAVED_MEMO: list = []  # [(facts, {n: _blocks_saved term})]: the last run's
+
+
+def _saved_memo(run: DSRun) -> dict:
+    """The terms of ``_blocks_saved`` for ``run``, shared with the runs before while what they read is the same:
+    the activations (``_activations``' record, the very same object), checkpointing and ``router_copies``' facts
+    (the architecture, the same object; a transformers model; the dtype). Every candidate of a plan and each of its
+    ranks' runs ask for the same ~130 terms (a 405B plan: ~4,000 calls)."""
+    facts = (run.acts, run.spec, run.checkpointing, run.transformers, _pbytes(run))
+    if _SAVED_MEMO:
+        old, memo = _SAVED_MEMO[0]
+        if old[0] is facts[0] and old[1] is facts[1] and old[2:] == facts[2:]:
+            return memo
+    _SAVED_MEMO[:] = [(facts, {})]
+    return _SAVED_MEMO[0][1]
 
 
 ZINIT = "runtime/zero/partition_parameters.py"
