@@ -312,16 +312,34 @@ def planner_policy(settings: Settings) -> PrecisionPolicy:
                            optimizer_dtype=settings.module)  # fmt: skip
 
 
-def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions,
-                 until_fit: bool = False) -> EnginePlan:
-    """``zeroplan plan --engine fsdp2``: every candidate of ``plan_options`` (cheapest first) with the
-    snippet of exactly the configuration predicted; the recommendation is ``recommend``'s (``until_fit``: no
-    candidate after it, for the mesh search's ranking)."""
+MESH_OPTIONS = ("tp", "dp_shard", "dp_replicate")
+"""The mesh's dimensions. ``plan`` searches them all when none is given; one given pins the mesh: exactly what is
+given, tp 1 and the flat group where not given, ``auto`` searching that dimension (``planner_plan``)."""
+
+
+def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
+    """``zeroplan plan --engine fsdp2``. With no mesh dimension given (``MESH_OPTIONS``) the mesh is searched, as
+    ``--tp auto --dp-shard auto`` (``tp_estimate.mesh_search``: replicate x shard x tp, TP within a node, shard
+    groups of whole nodes): a plan answers with the mesh to run, not the flat group alone, which past a few
+    nodes rarely fits (llama3-405b on 2,048 H100s) and sends every gradient across nodes. A given value plans
+    exactly that mesh: ``--tp 1`` (or ``--dp-replicate 1``) the flat group without TP, as before. The dtypes are
+    not searched: they change the numerics, which only the user chooses; the plan's default is
+    ``MixedPrecisionPolicy(param_dtype=bf16)`` over fp32 shards, torchtitan's (``mixed_precision_param``)."""
+    if all(options.own.get(k) is None for k in MESH_OPTIONS):
+        options = replace(options, own={**options.own, "tp": AUTO, "dp_shard": AUTO})
+    return mesh_plan(workload, nd, capacity_bytes, options)
+
+
+def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions,
+              until_fit: bool = False) -> EnginePlan:
+    """The plan of the mesh ``options`` give (``auto``: searched): every candidate of ``plan_options`` (cheapest
+    first) with the snippet of exactly the configuration predicted; the recommendation is ``recommend``'s
+    (``until_fit``: no candidate after it, for the mesh search's ranking)."""
     search = options.own.get("dp_shard") == AUTO
     if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
         if search and options.own.get("dp_replicate") is None:  # and ``--dp-shard auto``: R x S x T (tp_estimate)
-            return mesh_search(workload, nd, capacity_bytes, options, planner_plan)
-        return tp_search(workload, nd, capacity_bytes, options, planner_plan)
+            return mesh_search(workload, nd, capacity_bytes, options, mesh_plan)
+        return tp_search(workload, nd, capacity_bytes, options, mesh_plan)
     if search and options.own.get("dp_replicate") is not None:
         raise ValueError("dp_shard=auto searches the mesh: give no dp_replicate with it")
     if search:  # ``--dp-shard auto``: shard groups of whole nodes (mesh.py shard_sizes)

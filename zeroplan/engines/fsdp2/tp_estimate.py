@@ -111,7 +111,7 @@ def at_degree(own: dict, t: int) -> dict:
 
 
 def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
-    """``plan --tp auto``: ``plan`` (FSDP2's ``planner_plan``) at each TP degree of ``tp.tp_sizes`` (within a
+    """``plan --tp auto``: ``plan`` (FSDP2's ``mesh_plan``) at each TP degree of ``tp.tp_sizes`` (within a
     node, dividing the GPUs, held by the plan), smallest first; the first that recommends a candidate, else the
     largest degree's plan. Smaller first: TP's collectives carry every micro-step's activations."""
     from zeroplan.engines.fsdp2.tp import tp_sizes
