@@ -175,4 +175,5 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
 
     summary = "; ".join(said(*x) for x in tried)
     return replace(best, order=f"{best.order}; mesh searched (tp within a node of {node}, shard groups of whole "
-                               f"nodes; ranked by that order, then bytes across nodes): {summary}; chose tp {t}")
+                               f"nodes; ranked by the first candidate whose live peak fits, in that order, then "
+                               f"bytes across nodes): {summary}; chose tp {t}")
