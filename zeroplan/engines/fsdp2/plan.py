@@ -41,11 +41,12 @@ def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None 
     rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``), on a 2-D
     HSDP mesh when ``dp_replicate``/``dp_shard`` say so (engines/fsdp2/mesh.py); its collectives count one
     optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``). With ``tp`` T > 1: the TP-local
-    model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``). ``made`` (without TP): filled
-    with {rank: its run}, for the plan's allocation trace of the rank that peaks (``alloc_traces``' ``run``)."""
+    model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``). ``made``: filled with {rank: its
+    run} (with TP: the data-parallel rank's TP-local run), for the plan's allocation trace of the rank that peaks
+    (``alloc_traces``' ``run``)."""
     check_loss_parallel(settings.tp, settings.loss_parallel)
     if (settings.tp or 1) > 1:
-        return tp_estimate(workload, nd, settings, dp_estimate)
+        return tp_estimate(workload, nd, settings, dp_estimate, made)
     return dp_estimate(workload, nd, settings, made)
 
 
@@ -132,7 +133,8 @@ class Fsdp2Option:
     fits: bool
     wrapping: Optional[Wrapping] = None  # settings.wrap in the model's names (units.wrapping_of)
     run: Optional[Fsdp2Run] = field(default=None, compare=False, repr=False)
-    """the run of the rank it peaks on (``estimate``'s ``made``; None with TP): its allocation trace's run."""
+    """the run of the rank it peaks on (``estimate``'s ``made``; with TP its TP-local run): its allocation
+    trace's run."""
 
     @property
     def snippet(self) -> str:
@@ -140,12 +142,14 @@ class Fsdp2Option:
 
 
 def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
-                 shards: tuple[int, ...] = (), until_fit: bool = False) -> tuple[Fsdp2Option, ...]:
+                 shards: tuple[int, ...] = (), until_fit: bool = False,
+                 memo: dict | None = None) -> tuple[Fsdp2Option, ...]:
     """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
     wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
     (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of
     them whose peak fits (HSDP across the rest), else on the largest; ``until_fit``: none after the first that
-    fits."""
+    fits. ``memo``: each estimate by (its resolved settings, checkpointing), shared by the plans of one mesh
+    search (``tp_estimate.mesh_search`` asks the same configuration again: a speed-up, no rule)."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
     own = isinstance(settings.wrap, Wrapping)
@@ -158,13 +162,17 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
             update = ({} if own else {"reshard_after_forward": reshard}) | (
                 {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
             s = tp_mesh(settings.model_copy(update=update), nd)  # resolve_mesh on N_d / T (engines/fsdp2/tp_estimate.py)
+            if memo is not None and (s, w.checkpointing) in memo:
+                return memo[s, w.checkpointing]
             made: dict = {}
             (row,) = estimate(w, nd, s, made)
             fits = row.peak.peak_bytes <= capacity_bytes
+            if memo is not None:
+                memo[s, w.checkpointing] = (s, row, fits, made), fits
             return (s, row, fits, made), fits
 
         s, row, fits, made = smallest_fitting(shards, option) if shards else option(None)[0]
-        run = made.get(row.peak_rank or 0)  # the run the trace replays (None with TP: alloc_traces builds it)
+        run = made.get((row.peak_rank or 0) // (s.tp or 1))  # the run the trace replays (made by data-parallel rank)
         out.append(Fsdp2Option(_run_settings(w, nd, s, run), ckpt, row, fits, wrapping_of(w, s), run))
         if fits and until_fit:  # the mesh search ranks by the first that fits (tp_estimate.mesh_search)
             break
@@ -173,7 +181,12 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
 
 def _run_settings(w: Workload, nd: int, s: Settings, run: Fsdp2Run | None) -> Settings:
     """The settings the chosen run has (``fsdp2_run``'s: the blocks' ``reshard_after_forward`` of a wrapping
-    file), as ``s`` names the rank: taken from ``run`` when the estimate made it, else built."""
+    file), as ``s`` names the rank: taken from ``run`` when the estimate made it, else built. With TP the run
+    is the TP-local one on N_d / T ranks, whose settings leave a flat shard group unnamed: ``s`` names the mesh
+    the snippet builds (``tp_mesh``), and only ``reshard_after_forward`` is the run's."""
+    if run is not None and (s.tp or 1) > 1:
+        value = run.settings.reshard_after_forward
+        return s if s.reshard_after_forward == value else s.model_copy(update={"reshard_after_forward": value})
     if run is not None:
         return run.settings.model_copy(update={"rank": s.rank})
     return fsdp2_run(w, shard_groups(s, nd // (s.tp or 1))[1], s).settings
@@ -331,10 +344,10 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
 
 
 def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions,
-              until_fit: bool = False) -> EnginePlan:
+              until_fit: bool = False, memo: dict | None = None) -> EnginePlan:
     """The plan of the mesh ``options`` give (``auto``: searched): every candidate of ``plan_options`` (cheapest
     first) with the snippet of exactly the configuration predicted; the recommendation is ``recommend``'s
-    (``until_fit``: no candidate after it, for the mesh search's ranking)."""
+    (``until_fit``: no candidate after it, for the mesh search's ranking; ``memo``: ``plan_options``')."""
     search = options.own.get("dp_shard") == AUTO
     if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
         if search and options.own.get("dp_replicate") is None:  # and ``--dp-shard auto``: R x S x T (tp_estimate)
@@ -351,7 +364,7 @@ def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: Planner
     # with tp: N_d / T data-parallel ranks, G / T of them per node (tp innermost, inside a node)
     # (a node of one data-parallel rank, T = G: groups of two nodes and up; FSDP2 at S = 1 is not modelled)
     shards = tuple(s for s in shard_sizes(nd // t, max(1, node // t)) if s >= 2) if search else ()
-    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit)
+    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit, memo)
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"

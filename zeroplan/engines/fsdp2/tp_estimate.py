@@ -73,12 +73,13 @@ def tp_local(workload, nd: int, settings):
     return tp_workload(workload, t), nd // t, settings.model_copy(update={"rank": rank})
 
 
-def tp_estimate(workload, nd: int, settings, estimate):
+def tp_estimate(workload, nd: int, settings, estimate, made: dict | None = None):
     """The rows of ``estimate`` (FSDP2's, passed in: no import cycle) for T = ``settings.tp`` on ``nd`` GPUs:
     global rank r is TP rank r mod T of data-parallel rank r // T (``tp`` innermost), and every TP rank of a
-    data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T."""
+    data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T.
+    ``made``: filled with {data-parallel rank: its TP-local run} (``plan.estimate``)."""
     t = settings.tp
-    rows = estimate(*tp_local(workload, nd, settings))  # the data-parallel profile (plan.dp_estimate)
+    rows = estimate(*tp_local(workload, nd, settings), made)  # the data-parallel profile (plan.dp_estimate)
     extra, ranks = tp_rows(workload, settings), mesh_rank_map(settings, nd)
     return tuple(replace(r, collectives=(*r.collectives, *extra), peak=with_resident(r.peak, ranks),
                          beside_states=(*r.beside_states, *ranks),
@@ -140,35 +141,48 @@ def inter_node_bytes(collectives, nd: int, gpus_per_node: int) -> int:
 
 
 def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
-    """``plan --tp auto --dp-shard auto``: replicate x shard x tp. Each TP degree of ``tp.tp_sizes`` (within a
-    node) is planned with ``--dp-shard auto`` (each candidate on the smallest shard group of whole nodes that
-    fits, HSDP across the rest: ``mesh.shard_sizes`` on the N_d / T data-parallel ranks, G / T per node); of the
-    degrees whose plan recommends a candidate, the winner is the one whose recommendation comes first in the
-    plan's order (the same fit rule: cheapest candidate that fits), then the fewest bytes per rank on links
-    across nodes (``inter_node_bytes``), then the smaller T. None fits: the largest degree's plan. Each degree
-    is planned up to its first fitting candidate (``until_fit``), the winner again in full; the plan's ``order``
-    says what each degree gave."""
+    """``plan --tp auto --dp-shard auto`` (``plan``'s default): replicate x shard x tp. Each TP degree of
+    ``tp.tp_sizes`` (within a node) is planned with ``--dp-shard auto`` (each candidate on the smallest shard group
+    of whole nodes that fits, HSDP across the rest: ``mesh.shard_sizes`` on the N_d / T data-parallel ranks, G / T
+    per node); of the degrees whose plan recommends a candidate, the winner is the one whose recommendation comes
+    first in the plan's order (the same fit rule: cheapest candidate that fits), then the fewest bytes per rank on
+    links across nodes (``inter_node_bytes``), then the smaller T. None fits: the largest degree's plan.
+
+    In two passes, each configuration estimated once (``memo``): first each degree up to its first candidate
+    that fits on its largest shard group (the flat data-parallel group), which is its first candidate that fits
+    on any (``mesh.smallest_fitting``'s premise: a larger group never holds more); only the degrees whose first
+    fit comes earliest can win (the first key), and only they search their shard groups (``until_fit``); the
+    winner is then planned in full. The plan's ``order`` says what each degree gave."""
     from zeroplan.engines.fsdp2.mesh import AUTO
     from zeroplan.engines.fsdp2.tp import tp_sizes
     from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 
     node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
     sp = options.own.get("sequence_parallel", True) is not False
+    memo: dict = {}  # (settings, checkpointing) -> estimate, across both passes (plan_options)
+
+    def at(t: int, shard, until_fit: bool = True):
+        own = {**at_degree(options.own, t), "dp_shard": shard}
+        return plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=until_fit, memo=memo)
+
+    degrees = tp_sizes(workload.spec, nd, node, workload.seq_len, sp)
+    first = {t: at(t, None).recommended for t in degrees}  # on the flat data-parallel group at each T
+    earliest = min((k for k in first.values() if k is not None), default=None)
     tried = []
-    for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp):
-        own = {**at_degree(options.own, t), "dp_shard": AUTO}
-        result = plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=True)  # ranked by it
-        chosen = None if result.recommended is None else result.candidates[result.recommended]
-        inter = None if chosen is None else inter_node_bytes(chosen.estimate.collectives, nd, node)
-        tried.append((t, result, inter))
-    fitting = [x for x in tried if x[2] is not None]
-    t, best, _ = min(fitting, key=lambda x: (x[1].recommended, x[2], x[0])) if fitting else tried[-1]
-    best = plan(workload, nd, capacity_bytes, replace(options, own={**at_degree(options.own, t),
-                                                                     "dp_shard": AUTO}))  # every candidate
+    for t in degrees:
+        if earliest is None or first[t] != earliest:  # none fits, or a later first fit: cannot win
+            tried.append((t, None, first[t]))
+            continue
+        result = at(t, AUTO)  # the same first fit, on its smallest shard group
+        chosen = result.candidates[result.recommended]
+        tried.append((t, result, inter_node_bytes(chosen.estimate.collectives, nd, node)))
+    searched = [x for x in tried if x[1] is not None]
+    t = min(searched, key=lambda x: (x[2], x[0]))[0] if searched else degrees[-1]
+    best = at(t, AUTO, until_fit=False)  # every candidate
 
     def said(t: int, result, inter) -> str:
-        if inter is None:
-            return f"tp {t}: none fits"
+        if result is None:
+            return f"tp {t}: none fits" if inter is None else f"tp {t}: candidate {inter + 1} (later: not searched)"
         s = result.candidates[result.recommended].trace_inputs[2]
         mesh = f"{s.dp_replicate} x {s.dp_shard}" if s.dp_replicate else f"{nd // t}"
         return f"tp {t}: candidate {result.recommended + 1} on dp {mesh}, {inter / 1e9:.3g} GB/rank across nodes"
