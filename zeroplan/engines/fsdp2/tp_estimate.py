@@ -15,7 +15,16 @@ from zeroplan.formulas.peak import PeakEstimate, PhasePeak, Term
 
 def tp_workload(workload, t: int):
     """The workload one TP rank trains: TP-local parameter shapes and the TP-local architecture."""
-    return replace(workload, shapes=local_shapes(workload.shapes, t), spec=local_spec(workload.spec, t))
+    try:
+        shapes, spec = _local(workload.shapes, workload.spec, t)
+    except TypeError:  # unhashable shapes (lists): built each time
+        shapes, spec = local_shapes(workload.shapes, t), local_spec(workload.spec, t)
+    return replace(workload, shapes=shapes, spec=spec)
+
+
+@lru_cache(maxsize=16)  # the same for every candidate, shard group and rank of a plan at one T (a speed-up)
+def _local(shapes, spec, t: int):
+    return local_shapes(shapes, t), local_spec(spec, t)
 
 
 def tp_rows(workload, settings) -> tuple[Collective, ...]:
