@@ -142,19 +142,20 @@ class Fsdp2Option:
 
 
 def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
-                 shards: tuple[int, ...] = (), until_fit: bool = False,
-                 memo: dict | None = None) -> tuple[Fsdp2Option, ...]:
+                 shards: tuple[int, ...] = (), until_fit: bool = False, memo: dict | None = None,
+                 upto: int | None = None) -> tuple[Fsdp2Option, ...]:
     """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
     wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
     (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of
     them whose peak fits (HSDP across the rest), else on the largest; ``until_fit``: none after the first that
     fits. ``memo``: each estimate by (its resolved settings, checkpointing), shared by the plans of one mesh
-    search (``tp_estimate.mesh_search`` asks the same configuration again: a speed-up, no rule)."""
+    search (``tp_estimate.mesh_search`` asks the same configuration again: a speed-up, no rule); ``upto``: the
+    candidates up to that index only (the mesh search's first pass: a later first fit cannot win)."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
     own = isinstance(settings.wrap, Wrapping)
     out = []
-    for reshard, ckpt in ((None, "none"), (None, "full")) if own else CANDIDATES:
+    for reshard, ckpt in (((None, "none"), (None, "full")) if own else CANDIDATES)[:None if upto is None else upto + 1]:
         w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
                      workload.grad_accum, workload.foreach, workload.transformers)  # fmt: skip
 
@@ -344,10 +345,10 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
 
 
 def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions,
-              until_fit: bool = False, memo: dict | None = None) -> EnginePlan:
+              until_fit: bool = False, memo: dict | None = None, upto: int | None = None) -> EnginePlan:
     """The plan of the mesh ``options`` give (``auto``: searched): every candidate of ``plan_options`` (cheapest
     first) with the snippet of exactly the configuration predicted; the recommendation is ``recommend``'s
-    (``until_fit``: no candidate after it, for the mesh search's ranking; ``memo``: ``plan_options``')."""
+    (``until_fit``: no candidate after it, for the mesh search's ranking; ``memo``, ``upto``: ``plan_options``')."""
     search = options.own.get("dp_shard") == AUTO
     if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
         if search and options.own.get("dp_replicate") is None:  # and ``--dp-shard auto``: R x S x T (tp_estimate)
@@ -364,7 +365,7 @@ def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: Planner
     # with tp: N_d / T data-parallel ranks, G / T of them per node (tp innermost, inside a node)
     # (a node of one data-parallel rank, T = G: groups of two nodes and up; FSDP2 at S = 1 is not modelled)
     shards = tuple(s for s in shard_sizes(nd // t, max(1, node // t)) if s >= 2) if search else ()
-    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit, memo)
+    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit, memo, upto)
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"

@@ -157,11 +157,12 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     first in the plan's order (the same fit rule: cheapest candidate that fits), then the fewest bytes per rank on
     links across nodes (``inter_node_bytes``), then the smaller T. None fits: the largest degree's plan.
 
-    In two passes, each configuration estimated once (``memo``): first each degree up to its first candidate
-    that fits on its largest shard group (the flat data-parallel group), which is its first candidate that fits
-    on any (``mesh.smallest_fitting``'s premise: a larger group never holds more); only the degrees whose first
-    fit comes earliest can win (the first key), and only they search their shard groups (``until_fit``); the
-    winner is then planned in full. The plan's ``order`` says what each degree gave."""
+    In two passes, each configuration estimated once (``memo``): first each degree, largest T first, up to its
+    first candidate that fits on its largest shard group (the flat data-parallel group), which is its first
+    candidate that fits on any (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no
+    further than the earliest first fit of the degrees before it (``upto``: a later one cannot win, the first
+    key); then only the degrees whose first fit is the earliest search their shard groups (``until_fit``); the
+    winner is planned in full. The plan's ``order`` says what each degree gave."""
     from zeroplan.engines.fsdp2.mesh import AUTO
     from zeroplan.engines.fsdp2.tp import tp_sizes
     from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
@@ -170,16 +171,21 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     sp = options.own.get("sequence_parallel", True) is not False
     memo: dict = {}  # (settings, checkpointing) -> estimate, across both passes (plan_options)
 
-    def at(t: int, shard, until_fit: bool = True):
+    def at(t: int, shard, until_fit: bool = True, upto: int | None = None):
         own = {**at_degree(options.own, t), "dp_shard": shard}
-        return plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=until_fit, memo=memo)
+        return plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=until_fit, memo=memo,
+                    upto=upto)  # fmt: skip
 
     degrees = tp_sizes(workload.spec, nd, node, workload.seq_len, sp)
-    first = {t: at(t, None).recommended for t in degrees}  # on the flat data-parallel group at each T
-    earliest = min((k for k in first.values() if k is not None), default=None)
+    first: dict = {}  # T -> (its first fit on the flat data-parallel group or None, candidates tried)
+    earliest = None
+    for t in reversed(degrees):  # the largest T holds the least: its first fit bounds the others' early
+        result = at(t, None, upto=earliest)
+        first[t] = (result.recommended, len(result.candidates))
+        earliest = result.recommended if result.recommended is not None else earliest
     tried = []
     for t in degrees:
-        if earliest is None or first[t] != earliest:  # none fits, or a later first fit: cannot win
+        if earliest is None or first[t][0] != earliest:  # none fits, or not by the earliest: cannot win
             tried.append((t, None, first[t]))
             continue
         result = at(t, AUTO)  # the same first fit, on its smallest shard group
@@ -191,7 +197,10 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
 
     def said(t: int, result, inter) -> str:
         if result is None:
-            return f"tp {t}: none fits" if inter is None else f"tp {t}: candidate {inter + 1} (later: not searched)"
+            k, n = inter
+            return (f"tp {t}: candidate {k + 1} (later: not searched)" if k is not None else
+                    f"tp {t}: nothing fits up to candidate {n} (later: not searched)" if earliest is not None else
+                    f"tp {t}: none fits")  # fmt: skip
         s = result.candidates[result.recommended].trace_inputs[2]
         mesh = f"{s.dp_replicate} x {s.dp_shard}" if s.dp_replicate else f"{nd // t}"
         return f"tp {t}: candidate {result.recommended + 1} on dp {mesh}, {inter / 1e9:.3g} GB/rank across nodes"
