@@ -3,6 +3,7 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -12,8 +13,8 @@ from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, Engi
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.memo import memo_term
-from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, resolve_mesh, shard_groups,
-                                         shard_rank, shard_sizes, smallest_fitting)
+from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, possible_sizes, resolve_mesh,
+                                         shard_groups, shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.moments import init_moments
@@ -23,7 +24,7 @@ from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import check_tp, tp_acts
 from zeroplan.engines.fsdp2.tp_loss import check_loss_parallel
-from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search
+from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search, tp_workload
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, fsdp2_run, mesh_ranks, resharded, run_states
 from zeroplan.engines.fsdp2.units import wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
@@ -154,6 +155,9 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
     own = isinstance(settings.wrap, Wrapping)
+    if shards:  # the groups whose model states alone cannot fit dropped: a lower bound (mesh.states_floor)
+        local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
+        shards = possible_sizes(shards, sum(math.prod(sh) for _, sh in local.shapes), settings, capacity_bytes)
     out = []
     for reshard, ckpt in (((None, "none"), (None, "full")) if own else CANDIDATES)[:None if upto is None else upto + 1]:
         w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
