@@ -136,3 +136,14 @@ def test_the_states_floor_is_a_lower_bound_on_the_predicted_peak(model, nd, s, o
         assert floor == 0 == states
     else:
         assert (1 - 1e-4) * states <= floor <= states
+
+
+def test_a_module_tree_outside_the_tp_plan_is_searched_without_tp():
+    """A parameter torchtitan's llama plan does not name (a live model's own module): the default search plans
+    no TP degree (``tp_estimate._in_plan``) instead of failing; the shard groups are still searched."""
+    from dataclasses import replace
+
+    w = model_workload(resolve_model("llama3-8b"), 2048, 1, "none", 1, True)
+    w = replace(w, shapes=(*w.shapes, ("adapter.weight", (8, 8))))
+    p = fsdp2.planner_plan(w, 16, 80 * 2**30, PlannerOptions(param_dtype="bf16", own={"gpus_per_node": 8}))
+    assert p.order.endswith("chose tp 1") and "tp 2" not in p.order

@@ -149,6 +149,16 @@ def inter_node_bytes(collectives, nd: int, gpus_per_node: int) -> int:
     return sum(c.bytes_per_rank for c in collectives if links[(c.mesh_dim, c.group_size)] == "inter")
 
 
+def _in_plan(workload, t: int) -> bool:
+    """Whether every parameter is in torchtitan's llama TP plan (``tp.local_shape``; a module tree of other
+    names, a live model's, is planned without TP by the default search)."""
+    try:
+        tp_workload(workload, t)
+    except ValueError:
+        return False
+    return True
+
+
 def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     """``plan --tp auto --dp-shard auto`` (``plan``'s default): replicate x shard x tp. Each TP degree of
     ``tp.tp_sizes`` (within a node) is planned with ``--dp-shard auto`` (each candidate on the smallest shard group
@@ -176,7 +186,8 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
         return plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=until_fit, memo=memo,
                     upto=upto)  # fmt: skip
 
-    degrees = tp_sizes(workload.spec, nd, node, workload.seq_len, sp)
+    degrees = tuple(t for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp)
+                    if t == 1 or _in_plan(workload, t))  # fmt: skip
     first: dict = {}  # T -> (its first fit on the flat data-parallel group or None, candidates tried)
     earliest = None
     for t in reversed(degrees):  # the largest T holds the least: its first fit bounds the others' early
