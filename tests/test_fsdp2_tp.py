@@ -343,7 +343,7 @@ def test_plan_compute_time_is_split_over_the_tp_group():
         assert len(got) == 1  # one step's compute, whatever the candidate
         return got.pop()
 
-    flat = compute_s()
+    flat = compute_s("--tp", "1")  # the flat group (the default searches the mesh)
     assert flat == pytest.approx(6 * 8_030_261_248 * 4096 / (989.4e12 * 0.4), rel=1e-3)  # llama3-8b's Ψ, H100 bf16
     assert compute_s("--tp", "2") == pytest.approx(flat / 2, rel=1e-9)
 
