@@ -186,3 +186,16 @@ def test_the_default_plans_3d_snippet_runs_on_llama_for_causal_lm(tmp_path):
     assert {p[0] for _, p in local} == {"Replicate()"}  # HSDP: replicated over dp_replicate, sharded on dim 0
     assert all("Shard(dim=0" in p[1] for _, p in local)  # _StridedShard where tp shards dim 0 too
     assert sum(numel for numel, _ in local) * 4 == row["params_bytes"]  # fp32 shards of the TP-local shapes
+
+
+def test_the_largest_micro_batch_keeps_each_rows_mesh():
+    """``--max-micro-batch`` plans every row again at other micro-batches on the mesh the search gave it
+    (``Candidate.pins``): the default plan's rows get the brackets of the same mesh given, not of whatever mesh
+    the search would choose at the other micro-batch (which dropped the checkpointed rows to 1)."""
+    args = ("plan", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100-80gb",
+            "--max-micro-batch", "8")  # fmt: skip
+    got = run_json(*args)["largest_micro_batch"]["configurations"]
+    pinned = run_json(*args, "--tp", "2", "--dp-shard", "4")["largest_micro_batch"]["configurations"]
+    assert [c["label"] for c in got] == [c["label"] for c in pinned]
+    assert [c["largest"] for c in got] == [c["largest"] for c in pinned] == [1, 1, 5, 5]
+    assert [c["tried"] for c in got] == [c["tried"] for c in pinned]

@@ -144,6 +144,15 @@ def possible_sizes(sizes: tuple[int, ...], numel: int, settings: Settings, capac
     return (*(s for s in sizes[:-1] if states_floor(numel, s, settings) <= capacity), sizes[-1])
 
 
+def mesh_pins(settings: Settings, nd: int) -> tuple[tuple[str, object], ...]:
+    """``Candidate.pins``: the mesh a candidate runs on as given options (T; R and S, R = 1 the flat group), so
+    that no search runs again (``planner_plan``); at T = 1 without ``loss_parallel``, which the search dropped
+    there (``tp_estimate.at_degree``)."""
+    t = settings.tp or 1
+    r, s = shard_groups(settings, nd // t)
+    return (("tp", t), *((("loss_parallel", None),) if t == 1 else ()), ("dp_replicate", r), ("dp_shard", s))
+
+
 def mesh_names(r: int) -> tuple[str, ...]:
     """The mesh's dimension names: torchtitan's (``parallel_dims.py``); one dimension for a flat run."""
     return ("dp_replicate", "dp_shard") if r > 1 else ("dp_shard",)

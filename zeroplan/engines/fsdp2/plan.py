@@ -13,8 +13,8 @@ from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, Engi
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.memo import memo_term
-from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, possible_sizes, resolve_mesh,
-                                         shard_groups, shard_rank, shard_sizes, smallest_fitting)
+from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, mesh_pins, possible_sizes,
+                                         resolve_mesh, shard_groups, shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.moments import init_moments
@@ -378,7 +378,8 @@ def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: Planner
                   + (f", CPUOffloadPolicy(pin_memory={o.settings.pin_memory})" if o.settings.offload_policy == "cpu" else ""),
                   o.estimate, o.fits, o.snippet,
                   trace_inputs=(replace(workload, checkpointing=o.checkpointing), nd,  # the rank it peaks on
-                                o.settings.model_copy(update={"rank": o.estimate.peak_rank or 0}), o.run))
+                                o.settings.model_copy(update={"rank": o.estimate.peak_rank or 0}), o.run),
+                  pins=mesh_pins(o.settings, nd))
         for o in options_
     )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)
