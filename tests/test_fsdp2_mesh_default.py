@@ -154,10 +154,9 @@ def test_the_default_plans_3d_snippet_runs_on_llama_for_causal_lm(tmp_path):
     """The default search's answer for a tiny Llama on 16 GPUs (nodes of 4, 300 KiB each) is a 3-D mesh,
     2 x 4 x tp 2; its printed snippet, run as rank 0 of a fake group of 16 on transformers' ``LlamaForCausalLM``
     (built on meta), builds that mesh, and rank 0's local shards hold the bytes ``estimate`` predicts for it."""
-    import json
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from fake_llama import run_on_fake_llama
 
     config = Path(__file__).parent / "data" / "hf_configs" / "tiny-llama-qwz.json"
     args = ["--engine", "fsdp2", "--model", str(config), "--gpus", "16", "--seq-len", "32", "--device", "cpu"]
@@ -165,23 +164,8 @@ def test_the_default_plans_3d_snippet_runs_on_llama_for_causal_lm(tmp_path):
     snippet = plan["recommendation"]["fsdp2"]
     assert "init_device_mesh('cpu', (2, 4, 2), mesh_dim_names=('dp_replicate', 'dp_shard', 'tp'))" in snippet
     (row,) = run_json("estimate", *args, "--tp", "2", "--dp-replicate", "2", "--dp-shard", "4")["stages"]
-    script = tmp_path / "snippet.py"
-    script.write_text(
-        "import json, torch, torch.distributed as dist\n"
-        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
-        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=16)\n"
-        "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        f"config = LlamaConfig(**json.load(open({str(config)!r})))\n"
-        "with torch.device('meta'):\n"
-        "    model = LlamaForCausalLM(config)\n"
-        "model.layers, model.init_weights = model.model.layers, lambda: None\n"
-        + snippet +
-        "print(json.dumps([[p.to_local().numel(), [repr(x) for x in p.placements]] for p in model.parameters()]))\n"
-    )  # fmt: skip
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False,
-                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    local = json.loads(done.stdout.splitlines()[-1])
+    local = run_on_fake_llama(tmp_path, config, snippet, 16,
+                              "[[p.to_local().numel(), [repr(x) for x in p.placements]] for p in model.parameters()]")
     assert all(len(placements) == 3 for _, placements in local)  # (dp_replicate, dp_shard, tp)
     assert {p[0] for _, p in local} == {"Replicate()"}  # HSDP: replicated over dp_replicate, sharded on dim 0
     assert all("Shard(dim=0" in p[1] for _, p in local)  # _StridedShard where tp shards dim 0 too
