@@ -28,7 +28,8 @@ ARGS = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024"
         "--grad-accum", "16", "--json"]  # fmt: skip
 PEAK = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024"]  # N_m = 1: every option's peak
 BIG_FSDP2 = ["plan", "--engine", "fsdp2", "--model", "llama3-405b", "--gpus", "2048", "--gpu", "h100-80gb"]
-"""Issue 20's case: answers with a mesh in under a second (wall time, on a quiet machine)."""
+"""Issue 20's case: answers with a mesh in under a second (wall time, on a quiet machine); the mesh search is
+its default since 2026-12-02 (before: the flat group, the search with ``--tp auto --dp-shard auto``)."""
 ZEROPLAN = shutil.which("zeroplan") or "zeroplan"
 COMMANDS = {
     "zeroplan plan (llama3-405b)": [ZEROPLAN, *ARGS],
@@ -36,6 +37,8 @@ COMMANDS = {
     "plan --engine fsdp2": [ZEROPLAN, *PEAK, "--engine", "fsdp2"],
     "plan --engine deepspeed": [ZEROPLAN, *PEAK, "--engine", "deepspeed"],
     "plan --engine fsdp2, 2048 GPUs": [ZEROPLAN, *BIG_FSDP2],
+    "fsdp2 2048, --tp auto --dp-shard": [ZEROPLAN, *BIG_FSDP2, "--tp", "auto", "--dp-shard", "auto"],  # any version
+    "fsdp2 2048, --tp 1 (flat)": [ZEROPLAN, *BIG_FSDP2, "--tp", "1"],
     'python -c "import torch"': [sys.executable, "-c", "import torch"],
 }
 """Issue 16's target: every plan, any engine, under a quarter of the torch import (the largest preset)."""

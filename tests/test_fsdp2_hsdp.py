@@ -190,7 +190,7 @@ def test_plan_prints_exactly_the_mesh_predicted_and_times_it_per_link():
             ("dp_shard", "intra"), ("dp_replicate", "inter")}  # fmt: skip
         assert option["comm_time"]["link"] != "nvlink4"  # the slowest link a collective runs at: the network
     flat = runner.invoke(app, ["plan", "--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "32", "--gpu",
-                               "h100-80gb", "--json"])  # fmt: skip
+                               "h100-80gb", "--tp", "1", "--json"])  # fmt: skip  (--tp 1: the flat group)
     for option in json.loads(flat.stdout)["stages"]:  # one flat group of 32: every call crosses nodes
         assert {c["link"] for c in option["comm_time"]["collectives"]} == {"inter"}
     hsdp_s = [o["comm_time"]["comm_s"] for o in doc["stages"]]

@@ -287,9 +287,7 @@ def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path, loss_paralle
     of a fake group of 8: the 3-D layout it makes is torchtitan's (colwise ``Shard(0)``, rowwise ``Shard(1)``, SP
     norms replicated over tp), and rank 0's local shards hold ``estimate``'s parameter bytes. ``model.layers`` is
     aliased to ``model.model.layers`` and ``init_weights`` is a no-op, as the snippet's comments tell the user."""
-    import subprocess
-    import sys
-
+    from fake_llama import run_on_fake_llama
     from typer.testing import CliRunner
     from zeroplan.cli import app
 
@@ -301,23 +299,8 @@ def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path, loss_paralle
     snippet = json.loads(plan.stdout)["recommendation"]["fsdp2"]
     assert "init_device_mesh('cuda', (4, 2)" in snippet
     (row,) = json.loads(CliRunner().invoke(app, ["estimate", *args]).stdout)["stages"]
-    script = tmp_path / "snippet.py"
-    script.write_text(
-        "import json, torch, torch.distributed as dist\n"
-        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
-        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=8)\n"
-        "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        f"config = LlamaConfig(**json.load(open({str(config)!r})))\n"
-        "with torch.device('meta'):\n"
-        "    model = LlamaForCausalLM(config)\n"
-        "model.layers, model.init_weights = model.model.layers, lambda: None\n"
-        + snippet.replace("'cuda'", "'cpu'") +
-        "print(json.dumps({n: [p.to_local().numel(), repr(p.placements[-1])] for n, p in model.named_parameters()}))\n"
-    )  # fmt: skip
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False,
-                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    local = json.loads(done.stdout.splitlines()[-1])
+    local = run_on_fake_llama(tmp_path, config, snippet.replace("'cuda'", "'cpu'"), 8,
+                              "{n: [p.to_local().numel(), repr(p.placements[-1])] for n, p in model.named_parameters()}")
     tp_placement = {name: placement for name, (_, placement) in local.items()}
     want = {"q_proj": "Shard(dim=0)", "k_proj": "Shard(dim=0)", "v_proj": "Shard(dim=0)", "gate_proj": "Shard(dim=0)",
             "up_proj": "Shard(dim=0)", "o_proj": "Shard(dim=1)", "down_proj": "Shard(dim=1)",
@@ -343,7 +326,7 @@ def test_plan_compute_time_is_split_over_the_tp_group():
         assert len(got) == 1  # one step's compute, whatever the candidate
         return got.pop()
 
-    flat = compute_s()
+    flat = compute_s("--tp", "1")  # the flat group (the default searches the mesh)
     assert flat == pytest.approx(6 * 8_030_261_248 * 4096 / (989.4e12 * 0.4), rel=1e-3)  # llama3-8b's Ψ, H100 bf16
     assert compute_s("--tp", "2") == pytest.approx(flat / 2, rel=1e-9)
 

@@ -85,19 +85,22 @@ def test_collectives():
 
 def test_refused_without_tp():
     """``loss_parallel`` false is a setting of the TP plan's head: refused at T = 1 / no ``--tp`` in one line,
-    by estimate, plan (``--tp auto`` drops it at T = 1) and validate."""
+    by estimate, plan at ``--tp 1`` and validate; plan's mesh search (``--tp auto``, and its default without a
+    mesh option) takes it for its TP degrees and drops it at T = 1."""
     from typer.testing import CliRunner
 
     from tests.clicheck import assert_one_line_error
     from zeroplan.cli import app
 
     base = ["--engine", "fsdp2", "--model", "llama3-8b", "--gpus", "16", "--no-loss-parallel"]
-    for args in (["estimate", *base], ["estimate", *base, "--tp", "1"], ["plan", "--gpu", "h100-80gb", *base]):
+    for args in (["estimate", *base], ["estimate", *base, "--tp", "1"],
+                 ["plan", "--gpu", "h100-80gb", *base, "--tp", "1"]):
         assert_one_line_error(CliRunner().invoke(app, args), "loss_parallel=false: a tensor-parallel option")
     assert_one_line_error(CliRunner().invoke(app, ["validate", "--engine", "fsdp2", "--no-loss-parallel"]),
                           "--loss-parallel/--no-loss-parallel: with --tp only")
-    ok = CliRunner().invoke(app, ["plan", "--gpu", "h100-80gb", *base, "--tp", "auto"])
-    assert ok.exit_code == 0, ok.output
+    for search in (["--tp", "auto"], []):
+        ok = CliRunner().invoke(app, ["plan", "--gpu", "h100-80gb", *base, *search])
+        assert ok.exit_code == 0, ok.output
 
 
 @pytest.mark.parametrize("lp", [True, False])

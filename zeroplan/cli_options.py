@@ -240,7 +240,8 @@ TpOption = Annotated[
     Optional[str],
     typer.Option("--tp", help="fsdp2: tensor parallelism over T GPUs (torchtitan's llama plan: colwise q/k/v, gate/up, "
                  "rowwise o/down, sequence-parallel norms, loss parallel); FSDP2 shards over GPUs / T; plan: auto searches "
-                 "1, 2, 4, 8 within a node."),
+                 "1, 2, 4, 8 within a node. plan searches the mesh when none of --tp, --dp-shard, --dp-replicate is "
+                 "given; one given pins it (--tp 1: the flat group)."),
 ]  # fmt: skip
 LossParallelOption = Annotated[
     Optional[bool],

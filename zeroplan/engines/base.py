@@ -188,6 +188,9 @@ class Candidate:
     """(workload, N_d, settings, *engine extras) of exactly this configuration, for ``Engine.alloc_trace`` (the
     planner replays its allocation trace for reserved bytes; an engine may append what its estimate already built,
     e.g. FSDP2's run of the peak rank); None: not given."""
+    pins: tuple[tuple[str, object], ...] = ()
+    """the engine's own options, (name, value), that plan this configuration again without the search that chose
+    part of it (FSDP2: its mesh), for ``plan --max-micro-batch`` (``planning/largest_batch.py``); (): none."""
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ def from_torchtitan(run: TorchtitanRun, names: Optional[Names]) -> Fsdp2Run:
     named = run.wrapping[2].reshard_after_forward is False  # --fsdp-wrap torchtitan, by its name
     options = {"reshard_after_forward": run.reshard_after_forward, "param_dtype": run.param_dtype,
                "reduce_dtype": run.reduce_dtype, "wrap": "torchtitan" if named else wrap, "init": run.init,
-               **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {})}  # fmt: skip
+               "dp_replicate": run.dp_replicate}  # the file's mesh, 1: flat (pinned: plan searches no other)
     checkpointing = run.checkpointing
     if checkpointing == "selective":  # every k-th layer checkpointed, or the per-op policy (engines/fsdp2/selective_ac.py)
         option = run.selective_ac_option or "1"
@@ -136,5 +136,5 @@ def from_accelerate(run: AccelerateFsdp, names: Optional[Names]) -> Fsdp2Run:
     wrap = accelerate_wrapping(run, names)
     options = {"wrap": wrap, "init": "meta",
                **({"param_dtype": run.param_dtype, "reduce_dtype": run.reduce_dtype} if run.param_dtype else {}),
-               **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {})}
+               "dp_replicate": run.dp_replicate}  # the file's mesh, 1: flat (pinned: plan searches no other)
     return Fsdp2Run(options, wrap, run.num_processes, None, None, None, "full" if run.activation_checkpointing else None)

@@ -120,4 +120,5 @@ def candidate_row(config: PlanConfig, c: Candidate, fits_c: bool, reserved: Opti
         reserved=reserved,
         host=host,
         not_replayed=NO_CUDA_ALLOCATOR if cpu else NOT_REPLAYED if skipped else None,
+        pins=c.pins,
     )  # fmt: skip

@@ -67,27 +67,34 @@ class LargestBatch:
 
 def largest_micro_batches(config, up_to: int) -> tuple[LargestBatch, ...]:
     """Every configuration of ``plan_config(config)``, each with the largest micro-batch at which the same
-    configuration (the same row label) fits; each micro-batch is planned once for all of them. A configuration
-    absent from another micro-batch's plan (an offload row listed only where nothing else fits) counts as not
-    fitting there."""
+    configuration (the same row label) fits; each micro-batch is planned once for all of them, with the options
+    that pin a row's searched part (``PlanOption.pins``: FSDP2's mesh, which the plan's search may choose
+    otherwise at another micro-batch) once per distinct pins. A configuration absent from another micro-batch's
+    plan (an offload row listed only where nothing else fits) counts as not fitting there."""
+    from zeroplan.engines.base import EngineOptions
     from zeroplan.planning.plan import plan_config
 
-    plans: dict[int, dict[str, bool]] = {}
+    base = plan_config(config).options
+    plans: dict[tuple, dict[str, bool]] = {(config.micro_batch, o.pins): {} for o in base}
+    for o in base:  # every row's own pins hold its row as planned at the given micro-batch
+        for key in plans:
+            plans[key][o.label] = bool(o.fits)
 
-    def fits_at(b: int) -> dict[str, bool]:
-        if b not in plans:
+    def fits_at(b: int, pins: tuple) -> dict[str, bool]:
+        if (b, pins) not in plans:
             fields = {name: getattr(config, name) for name in config.model_fields_set}  # as given: defaults stay
+            if pins:
+                fields["engine_options"] = EngineOptions(**{**(config.engine_options.model_extra or {}), **dict(pins)})
             try:  # validated again: a micro-batch whose activations pass any sane byte count is refused there
                 at_b = type(config).model_validate({**fields, "micro_batch": b})
             except ValueError:
-                plans[b] = {}
+                plans[b, pins] = {}
             else:
-                plans[b] = {o.label: bool(o.fits) for o in plan_config(at_b).options}
-        return plans[b]
+                plans[b, pins] = {o.label: bool(o.fits) for o in plan_config(at_b).options}
+        return plans[b, pins]
 
-    labels = list(fits_at(config.micro_batch))
-    return tuple(LargestBatch(label, bracket(lambda b, la=label: fits_at(b).get(la, False), up_to))
-                 for label in labels)  # fmt: skip
+    return tuple(LargestBatch(o.label, bracket(lambda b, o=o: fits_at(b, o.pins).get(o.label, False), up_to))
+                 for o in base)  # fmt: skip
 
 
 def bracket_lines(found: tuple[LargestBatch, ...], up_to: int) -> list[str]:

@@ -39,6 +39,7 @@ class PlanOption:
     # peak apart; None: no offload, or a reference row (states.host_bytes: the steady bytes, init not on the host)
     not_replayed: Optional[str] = None  # why ``reserved`` is None though the engine has a trace: its live peak alone
     # exceeds the budget (planning.reserved_fit.live_over, NOT_REPLAYED); None: replayed, or no trace
+    pins: tuple = ()  # the engine's options that plan this row again as it is (Candidate.pins; largest_batch.py)
 
     @property
     def label(self) -> str:

@@ -122,6 +122,37 @@ def smallest_fitting(sizes: tuple[int, ...], try_at):
     return tried[best][0]
 
 
+def states_floor(numel: int, s: int, settings: Settings) -> int:
+    """A lower bound on the predicted peak of rank 0 on a shard group of ``s`` (so on the worst rank's, which
+    ``estimate`` takes): its model states, all live at the optimizer step (``states.ModelStates``: the
+    parameter shards, the gradient shards, Adam's exp_avg and exp_avg_sq, and max_exp_avg_sq with amsgrad,
+    each in the module dtype) of at least ``numel`` / S elements each, ``numel`` being the (TP-local)
+    parameters: rank 0's shard of a (d0, *rest) parameter is ceil(d0 / S) full rows (``param.shard_rows``), at
+    least its numel / S. 0 with ``CPUOffloadPolicy`` (the states live on the host)."""
+    from zeroplan.engines.fsdp2.states import adam_moments
+    from zeroplan.formulas.dtypes import dtype_bytes
+
+    if settings.offload_policy == "cpu":
+        return 0
+    return numel * (2 + adam_moments(settings)) * dtype_bytes(settings.module) // s
+
+
+def possible_sizes(sizes: tuple[int, ...], numel: int, settings: Settings, capacity: int) -> tuple[int, ...]:
+    """``sizes`` (ascending) less those whose ``states_floor`` alone exceeds ``capacity``: none of them can fit,
+    so ``smallest_fitting`` over the rest finds the same group with fewer estimates. The largest is kept (its
+    estimate is the answer when none fits); the floor shrinks as S grows, so the rest is a suffix."""
+    return (*(s for s in sizes[:-1] if states_floor(numel, s, settings) <= capacity), sizes[-1])
+
+
+def mesh_pins(settings: Settings, nd: int) -> tuple[tuple[str, object], ...]:
+    """``Candidate.pins``: the mesh a candidate runs on as given options (T; R and S, R = 1 the flat group), so
+    that no search runs again (``planner_plan``); at T = 1 without ``loss_parallel``, which the search dropped
+    there (``tp_estimate.at_degree``)."""
+    t = settings.tp or 1
+    r, s = shard_groups(settings, nd // t)
+    return (("tp", t), *((("loss_parallel", None),) if t == 1 else ()), ("dp_replicate", r), ("dp_shard", s))
+
+
 def mesh_names(r: int) -> tuple[str, ...]:
     """The mesh's dimension names: torchtitan's (``parallel_dims.py``); one dimension for a flat run."""
     return ("dp_replicate", "dp_shard") if r > 1 else ("dp_shard",)

@@ -3,6 +3,7 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -12,8 +13,8 @@ from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, Engi
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.memo import memo_term
-from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, resolve_mesh, shard_groups,
-                                         shard_rank, shard_sizes, smallest_fitting)
+from zeroplan.engines.fsdp2.mesh import (AUTO, MESH_HELP, check_group, check_shard, mesh_pins, possible_sizes,
+                                         resolve_mesh, shard_groups, shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.moments import init_moments
@@ -23,7 +24,7 @@ from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import check_tp, tp_acts
 from zeroplan.engines.fsdp2.tp_loss import check_loss_parallel
-from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search
+from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search, tp_workload
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, fsdp2_run, mesh_ranks, resharded, run_states
 from zeroplan.engines.fsdp2.units import wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
@@ -41,11 +42,12 @@ def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None 
     rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``), on a 2-D
     HSDP mesh when ``dp_replicate``/``dp_shard`` say so (engines/fsdp2/mesh.py); its collectives count one
     optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``). With ``tp`` T > 1: the TP-local
-    model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``). ``made`` (without TP): filled
-    with {rank: its run}, for the plan's allocation trace of the rank that peaks (``alloc_traces``' ``run``)."""
+    model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``). ``made``: filled with {rank: its
+    run} (with TP: the data-parallel rank's TP-local run), for the plan's allocation trace of the rank that peaks
+    (``alloc_traces``' ``run``)."""
     check_loss_parallel(settings.tp, settings.loss_parallel)
     if (settings.tp or 1) > 1:
-        return tp_estimate(workload, nd, settings, dp_estimate)
+        return tp_estimate(workload, nd, settings, dp_estimate, made)
     return dp_estimate(workload, nd, settings, made)
 
 
@@ -132,7 +134,8 @@ class Fsdp2Option:
     fits: bool
     wrapping: Optional[Wrapping] = None  # settings.wrap in the model's names (units.wrapping_of)
     run: Optional[Fsdp2Run] = field(default=None, compare=False, repr=False)
-    """the run of the rank it peaks on (``estimate``'s ``made``; None with TP): its allocation trace's run."""
+    """the run of the rank it peaks on (``estimate``'s ``made``; with TP its TP-local run): its allocation
+    trace's run."""
 
     @property
     def snippet(self) -> str:
@@ -140,17 +143,23 @@ class Fsdp2Option:
 
 
 def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
-                 shards: tuple[int, ...] = (), until_fit: bool = False) -> tuple[Fsdp2Option, ...]:
+                 shards: tuple[int, ...] = (), until_fit: bool = False, memo: dict | None = None,
+                 upto: int | None = None) -> tuple[Fsdp2Option, ...]:
     """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
     wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
     (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of
     them whose peak fits (HSDP across the rest), else on the largest; ``until_fit``: none after the first that
-    fits."""
+    fits. ``memo``: each estimate by (its resolved settings, checkpointing), shared by the plans of one mesh
+    search (``tp_estimate.mesh_search`` asks the same configuration again: a speed-up, no rule); ``upto``: the
+    candidates up to that index only (the mesh search's first pass: a later first fit cannot win)."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
     own = isinstance(settings.wrap, Wrapping)
+    if shards:  # the groups whose model states alone cannot fit dropped: a lower bound (mesh.states_floor)
+        local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
+        shards = possible_sizes(shards, sum(math.prod(sh) for _, sh in local.shapes), settings, capacity_bytes)
     out = []
-    for reshard, ckpt in ((None, "none"), (None, "full")) if own else CANDIDATES:
+    for reshard, ckpt in (((None, "none"), (None, "full")) if own else CANDIDATES)[:None if upto is None else upto + 1]:
         w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
                      workload.grad_accum, workload.foreach, workload.transformers)  # fmt: skip
 
@@ -158,13 +167,17 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
             update = ({} if own else {"reshard_after_forward": reshard}) | (
                 {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
             s = tp_mesh(settings.model_copy(update=update), nd)  # resolve_mesh on N_d / T (engines/fsdp2/tp_estimate.py)
+            if memo is not None and (s, w.checkpointing) in memo:
+                return memo[s, w.checkpointing]
             made: dict = {}
             (row,) = estimate(w, nd, s, made)
             fits = row.peak.peak_bytes <= capacity_bytes
+            if memo is not None:
+                memo[s, w.checkpointing] = (s, row, fits, made), fits
             return (s, row, fits, made), fits
 
         s, row, fits, made = smallest_fitting(shards, option) if shards else option(None)[0]
-        run = made.get(row.peak_rank or 0)  # the run the trace replays (None with TP: alloc_traces builds it)
+        run = made.get((row.peak_rank or 0) // (s.tp or 1))  # the run the trace replays (made by data-parallel rank)
         out.append(Fsdp2Option(_run_settings(w, nd, s, run), ckpt, row, fits, wrapping_of(w, s), run))
         if fits and until_fit:  # the mesh search ranks by the first that fits (tp_estimate.mesh_search)
             break
@@ -173,7 +186,12 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
 
 def _run_settings(w: Workload, nd: int, s: Settings, run: Fsdp2Run | None) -> Settings:
     """The settings the chosen run has (``fsdp2_run``'s: the blocks' ``reshard_after_forward`` of a wrapping
-    file), as ``s`` names the rank: taken from ``run`` when the estimate made it, else built."""
+    file), as ``s`` names the rank: taken from ``run`` when the estimate made it, else built. With TP the run
+    is the TP-local one on N_d / T ranks, whose settings leave a flat shard group unnamed: ``s`` names the mesh
+    the snippet builds (``tp_mesh``), and only ``reshard_after_forward`` is the run's."""
+    if run is not None and (s.tp or 1) > 1:
+        value = run.settings.reshard_after_forward
+        return s if s.reshard_after_forward == value else s.model_copy(update={"reshard_after_forward": value})
     if run is not None:
         return run.settings.model_copy(update={"rank": s.rank})
     return fsdp2_run(w, shard_groups(s, nd // (s.tp or 1))[1], s).settings
@@ -324,16 +342,34 @@ def planner_policy(settings: Settings) -> PrecisionPolicy:
                            optimizer_dtype=settings.module)  # fmt: skip
 
 
-def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions,
-                 until_fit: bool = False) -> EnginePlan:
-    """``zeroplan plan --engine fsdp2``: every candidate of ``plan_options`` (cheapest first) with the
-    snippet of exactly the configuration predicted; the recommendation is ``recommend``'s (``until_fit``: no
-    candidate after it, for the mesh search's ranking)."""
+MESH_OPTIONS = ("tp", "dp_shard", "dp_replicate")
+"""The mesh's dimensions. ``plan`` searches them all when none is given; one given pins the mesh: exactly what is
+given, tp 1 and the flat group where not given, ``auto`` searching that dimension (``planner_plan``)."""
+
+
+def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
+    """``zeroplan plan --engine fsdp2``. With no mesh dimension given (``MESH_OPTIONS``) the mesh is searched, as
+    ``--tp auto --dp-shard auto`` (``tp_estimate.mesh_search``: replicate x shard x tp, TP within a node, shard
+    groups of whole nodes): a plan answers with the mesh to run, not the flat group alone, which past a few
+    nodes rarely fits (llama3-405b on 2,048 H100s) and sends every gradient across nodes. A given value plans
+    exactly that mesh: ``--tp 1`` (or ``--dp-replicate 1``) the flat group without TP, as before. The dtypes are
+    not searched: they change the numerics, which only the user chooses; the plan's default is
+    ``MixedPrecisionPolicy(param_dtype=bf16)`` over fp32 shards, torchtitan's (``mixed_precision_param``)."""
+    if all(options.own.get(k) is None for k in MESH_OPTIONS):
+        options = replace(options, own={**options.own, "tp": AUTO, "dp_shard": AUTO})
+    return mesh_plan(workload, nd, capacity_bytes, options)
+
+
+def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions,
+              until_fit: bool = False, memo: dict | None = None, upto: int | None = None) -> EnginePlan:
+    """The plan of the mesh ``options`` give (``auto``: searched): every candidate of ``plan_options`` (cheapest
+    first) with the snippet of exactly the configuration predicted; the recommendation is ``recommend``'s
+    (``until_fit``: no candidate after it, for the mesh search's ranking; ``memo``, ``upto``: ``plan_options``')."""
     search = options.own.get("dp_shard") == AUTO
     if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
         if search and options.own.get("dp_replicate") is None:  # and ``--dp-shard auto``: R x S x T (tp_estimate)
-            return mesh_search(workload, nd, capacity_bytes, options, planner_plan)
-        return tp_search(workload, nd, capacity_bytes, options, planner_plan)
+            return mesh_search(workload, nd, capacity_bytes, options, mesh_plan)
+        return tp_search(workload, nd, capacity_bytes, options, mesh_plan)
     if search and options.own.get("dp_replicate") is not None:
         raise ValueError("dp_shard=auto searches the mesh: give no dp_replicate with it")
     if search:  # ``--dp-shard auto``: shard groups of whole nodes (mesh.py shard_sizes)
@@ -345,7 +381,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     # with tp: N_d / T data-parallel ranks, G / T of them per node (tp innermost, inside a node)
     # (a node of one data-parallel rank, T = G: groups of two nodes and up; FSDP2 at S = 1 is not modelled)
     shards = tuple(s for s in shard_sizes(nd // t, max(1, node // t)) if s >= 2) if search else ()
-    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit)
+    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit, memo, upto)
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"
@@ -354,7 +390,8 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
                   + (f", CPUOffloadPolicy(pin_memory={o.settings.pin_memory})" if o.settings.offload_policy == "cpu" else ""),
                   o.estimate, o.fits, o.snippet,
                   trace_inputs=(replace(workload, checkpointing=o.checkpointing), nd,  # the rank it peaks on
-                                o.settings.model_copy(update={"rank": o.estimate.peak_rank or 0}), o.run))
+                                o.settings.model_copy(update={"rank": o.estimate.peak_rank or 0}), o.run),
+                  pins=mesh_pins(o.settings, nd))
         for o in options_
     )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)

@@ -15,7 +15,16 @@ from zeroplan.formulas.peak import PeakEstimate, PhasePeak, Term
 
 def tp_workload(workload, t: int):
     """The workload one TP rank trains: TP-local parameter shapes and the TP-local architecture."""
-    return replace(workload, shapes=local_shapes(workload.shapes, t), spec=local_spec(workload.spec, t))
+    try:
+        shapes, spec = _local(workload.shapes, workload.spec, t)
+    except TypeError:  # unhashable shapes (lists): built each time
+        shapes, spec = local_shapes(workload.shapes, t), local_spec(workload.spec, t)
+    return replace(workload, shapes=shapes, spec=spec)
+
+
+@lru_cache(maxsize=16)  # the same for every candidate, shard group and rank of a plan at one T (a speed-up)
+def _local(shapes, spec, t: int):
+    return local_shapes(shapes, t), local_spec(spec, t)
 
 
 def tp_rows(workload, settings) -> tuple[Collective, ...]:
@@ -73,12 +82,13 @@ def tp_local(workload, nd: int, settings):
     return tp_workload(workload, t), nd // t, settings.model_copy(update={"rank": rank})
 
 
-def tp_estimate(workload, nd: int, settings, estimate):
+def tp_estimate(workload, nd: int, settings, estimate, made: dict | None = None):
     """The rows of ``estimate`` (FSDP2's, passed in: no import cycle) for T = ``settings.tp`` on ``nd`` GPUs:
     global rank r is TP rank r mod T of data-parallel rank r // T (``tp`` innermost), and every TP rank of a
-    data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T."""
+    data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T.
+    ``made``: filled with {data-parallel rank: its TP-local run} (``plan.estimate``)."""
     t = settings.tp
-    rows = estimate(*tp_local(workload, nd, settings))  # the data-parallel profile (plan.dp_estimate)
+    rows = estimate(*tp_local(workload, nd, settings), made)  # the data-parallel profile (plan.dp_estimate)
     extra, ranks = tp_rows(workload, settings), mesh_rank_map(settings, nd)
     return tuple(replace(r, collectives=(*r.collectives, *extra), peak=with_resident(r.peak, ranks),
                          beside_states=(*r.beside_states, *ranks),
@@ -111,7 +121,7 @@ def at_degree(own: dict, t: int) -> dict:
 
 
 def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
-    """``plan --tp auto``: ``plan`` (FSDP2's ``planner_plan``) at each TP degree of ``tp.tp_sizes`` (within a
+    """``plan --tp auto``: ``plan`` (FSDP2's ``mesh_plan``) at each TP degree of ``tp.tp_sizes`` (within a
     node, dividing the GPUs, held by the plan), smallest first; the first that recommends a candidate, else the
     largest degree's plan. Smaller first: TP's collectives carry every micro-step's activations."""
     from zeroplan.engines.fsdp2.tp import tp_sizes
@@ -139,40 +149,74 @@ def inter_node_bytes(collectives, nd: int, gpus_per_node: int) -> int:
     return sum(c.bytes_per_rank for c in collectives if links[(c.mesh_dim, c.group_size)] == "inter")
 
 
+def _in_plan(workload, t: int) -> bool:
+    """Whether every parameter is in torchtitan's llama TP plan (``tp.local_shape``; a module tree of other
+    names, a live model's, is planned without TP by the default search)."""
+    try:
+        tp_workload(workload, t)
+    except ValueError:
+        return False
+    return True
+
+
 def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
-    """``plan --tp auto --dp-shard auto``: replicate x shard x tp. Each TP degree of ``tp.tp_sizes`` (within a
-    node) is planned with ``--dp-shard auto`` (each candidate on the smallest shard group of whole nodes that
-    fits, HSDP across the rest: ``mesh.shard_sizes`` on the N_d / T data-parallel ranks, G / T per node); of the
-    degrees whose plan recommends a candidate, the winner is the one whose recommendation comes first in the
-    plan's order (the same fit rule: cheapest candidate that fits), then the fewest bytes per rank on links
-    across nodes (``inter_node_bytes``), then the smaller T. None fits: the largest degree's plan. Each degree
-    is planned up to its first fitting candidate (``until_fit``), the winner again in full; the plan's ``order``
-    says what each degree gave."""
+    """``plan --tp auto --dp-shard auto`` (``plan``'s default): replicate x shard x tp. Each TP degree of
+    ``tp.tp_sizes`` (within a node) is planned with ``--dp-shard auto`` (each candidate on the smallest shard group
+    of whole nodes that fits, HSDP across the rest: ``mesh.shard_sizes`` on the N_d / T data-parallel ranks, G / T
+    per node); of the degrees whose plan recommends a candidate, the winner is the one whose recommendation comes
+    first in the plan's order (the same fit rule: cheapest candidate that fits), then the fewest bytes per rank on
+    links across nodes (``inter_node_bytes``), then the smaller T. None fits: the largest degree's plan.
+
+    In two passes, each configuration estimated once (``memo``): first each degree, largest T first, up to its
+    first candidate that fits on its largest shard group (the flat data-parallel group), which is its first
+    candidate that fits on any (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no
+    further than the earliest first fit of the degrees before it (``upto``: a later one cannot win, the first
+    key); then only the degrees whose first fit is the earliest search their shard groups (``until_fit``); the
+    winner is planned in full. The plan's ``order`` says what each degree gave."""
     from zeroplan.engines.fsdp2.mesh import AUTO
     from zeroplan.engines.fsdp2.tp import tp_sizes
     from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 
     node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
     sp = options.own.get("sequence_parallel", True) is not False
+    memo: dict = {}  # (settings, checkpointing) -> estimate, across both passes (plan_options)
+
+    def at(t: int, shard, until_fit: bool = True, upto: int | None = None):
+        own = {**at_degree(options.own, t), "dp_shard": shard}
+        return plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=until_fit, memo=memo,
+                    upto=upto)  # fmt: skip
+
+    degrees = tuple(t for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp)
+                    if t == 1 or _in_plan(workload, t))  # fmt: skip
+    first: dict = {}  # T -> (its first fit on the flat data-parallel group or None, candidates tried)
+    earliest = None
+    for t in reversed(degrees):  # the largest T holds the least: its first fit bounds the others' early
+        result = at(t, None, upto=earliest)
+        first[t] = (result.recommended, len(result.candidates))
+        earliest = result.recommended if result.recommended is not None else earliest
     tried = []
-    for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp):
-        own = {**at_degree(options.own, t), "dp_shard": AUTO}
-        result = plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=True)  # ranked by it
-        chosen = None if result.recommended is None else result.candidates[result.recommended]
-        inter = None if chosen is None else inter_node_bytes(chosen.estimate.collectives, nd, node)
-        tried.append((t, result, inter))
-    fitting = [x for x in tried if x[2] is not None]
-    t, best, _ = min(fitting, key=lambda x: (x[1].recommended, x[2], x[0])) if fitting else tried[-1]
-    best = plan(workload, nd, capacity_bytes, replace(options, own={**at_degree(options.own, t),
-                                                                     "dp_shard": AUTO}))  # every candidate
+    for t in degrees:
+        if earliest is None or first[t][0] != earliest:  # none fits, or not by the earliest: cannot win
+            tried.append((t, None, first[t]))
+            continue
+        result = at(t, AUTO)  # the same first fit, on its smallest shard group
+        chosen = result.candidates[result.recommended]
+        tried.append((t, result, inter_node_bytes(chosen.estimate.collectives, nd, node)))
+    searched = [x for x in tried if x[1] is not None]
+    t = min(searched, key=lambda x: (x[2], x[0]))[0] if searched else degrees[-1]
+    best = at(t, AUTO, until_fit=False)  # every candidate
 
     def said(t: int, result, inter) -> str:
-        if inter is None:
-            return f"tp {t}: none fits"
+        if result is None:
+            k, n = inter
+            return (f"tp {t}: candidate {k + 1} (later: not searched)" if k is not None else
+                    f"tp {t}: nothing fits up to candidate {n} (later: not searched)" if earliest is not None else
+                    f"tp {t}: none fits")  # fmt: skip
         s = result.candidates[result.recommended].trace_inputs[2]
         mesh = f"{s.dp_replicate} x {s.dp_shard}" if s.dp_replicate else f"{nd // t}"
         return f"tp {t}: candidate {result.recommended + 1} on dp {mesh}, {inter / 1e9:.3g} GB/rank across nodes"
 
     summary = "; ".join(said(*x) for x in tried)
     return replace(best, order=f"{best.order}; mesh searched (tp within a node of {node}, shard groups of whole "
-                               f"nodes; ranked by that order, then bytes across nodes): {summary}; chose tp {t}")
+                               f"nodes; ranked by the first candidate whose live peak fits, in that order, then "
+                               f"bytes across nodes): {summary}; chose tp {t}")
