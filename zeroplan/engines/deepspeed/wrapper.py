@@ -68,7 +68,7 @@ def terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
     """Every buffer of model states and buckets on one rank, for parameters of ``numels`` elements
     (``model.named_parameters()`` order) at N_d = ``nd``: the list of the wrapper DeepSpeed builds, on the GPU
     (offload's host terms: ``offload.host_terms``)."""
-    return on_gpu(s, numels, nd, wrapper_for(s).terms(s, numels, nd))
+    return on_gpu(wrapper_for(s), s, numels, nd)
 
 
 def memory_breakdown(s: Settings, numels: tuple[int, ...], nd: int) -> MemoryBreakdown:
@@ -105,5 +105,6 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int =
     ``_no_gather_coalesced`` when every ``_partition_world_size`` is 1. Measured (gpt-tiny bf16, world size 1,
     ZeRO-1/2/3, with and without offload_optimizer): exactly the calls at N_d = 2 less the all-gathers.
     """
-    out = offload_collectives(s, wrapper_for(s).collectives(s, numels, nd, grad_accum, trace))
+    w = wrapper_for(s)
+    out = offload_collectives(w, s, w.collectives(s, numels, nd, grad_accum, trace))
     return out if nd > 1 else tuple(c for c in out if c.op != "all-gather")
