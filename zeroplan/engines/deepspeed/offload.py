@@ -118,13 +118,13 @@ def flat_host_terms(run: DSRun) -> tuple[Term, ...]:
         return ()
     part = aligned_flat_numel(numels, nd) // nd
     out = [Term(_pin(o, "fp32 master partition"), part * 4, f"{S12} __init__ (single_partition_of_fp32_groups)"),
-            Term(_pin(o, "fp32 gradient partition"), part * 4,
-                 f"{S12} initialize_optimizer_states (single_grad_partition, kept as the master's .grad)"),
-            Term(_pin(o, "16-bit partition buffer"), part * p,
-                 f"{S12} __init__ (param_buffer_of_bit16_for_cpu_offload_groups)"),
-            Term(_pin(o, "gradient buffer of the largest tensor"), max(numels) * p,
-                 f"{S12} __init__ (temp_grad_buffer_for_cpu_offload)"),
-            _adam_host(run, part)]  # fmt: skip
+           Term(_pin(o, "fp32 gradient partition"), part * 4,
+                f"{S12} initialize_optimizer_states (single_grad_partition, kept as the master's .grad)"),
+           Term(_pin(o, "16-bit partition buffer"), part * p,
+                f"{S12} __init__ (param_buffer_of_bit16_for_cpu_offload_groups)"),
+           Term(_pin(o, "gradient buffer of the largest tensor"), max(numels) * p,
+                f"{S12} __init__ (temp_grad_buffer_for_cpu_offload)"),
+           _adam_host(run, part)]  # fmt: skip
     if run.grad_accum > 1 and s.partition_gradients:  # each partition parameter's gradient, whole, between micro-steps
         held = max(run.flat.params_numel(r) for r in run.ranks)  # (ZeRO-1 reduces at the boundary only: none)
         out.append(Term(_pin(o, ACCUMULATED), held * p,
@@ -245,8 +245,8 @@ UNUSED_GRADIENT_BUFFER = "fp32 gradient buffer of the largest sub-group (unused 
 
 
 def host_at_states_init(run: DSRun) -> tuple[Term, ...]:
-    """ZeRO-3 (its ``WrapperOffload.host_at_states_init``) with ``offload_optimizer``: the host at ``initialize_optimizer_states`` (stage3.py), its init peak.
-    The fp32 master, the 16-bit partition (``offload_param``), the master's fp32 gradient
+    """ZeRO-3 (its ``WrapperOffload.host_at_states_init``) with ``offload_optimizer``: the host at
+    ``initialize_optimizer_states`` (stage3.py), its init peak. The fp32 master, the 16-bit partition (``offload_param``), the master's fp32 gradient
     (``subgroup_gradient_buffer``) and ``gradient_buffer``: ``torch.zeros(largest_numel, fp32, device=self.device)``,
     made before the loop for the sub-groups that are not offloaded, unused under offload (``self.device`` is the
     CPU) and freed on return; the gradient partition (``grad_partitions_flat_buffer``) comes after. One sub-group

@@ -2,9 +2,10 @@
 the run (``ds_run``), its buffers (``terms``, ``memory_breakdown``) and its collectives (``collectives``).
 
 DeepSpeed's engine picks one class per run (runtime/engine.py ``_configure_optimizer``), and so does the
-profile: ``run.Wrapper`` is what each one allocates, sends, gathers and the moments only it has;
-``phases.py`` walks the phases and asks the run's wrapper, never the stage. This module is the only one that
-imports the wrappers, above them; the pieces they share (``run``, ``phases``, ``terms``, ``collectives``)
+profile: ``run.Wrapper`` is what each one allocates, sends, gathers, the moments only it has and its offload
+(``Wrapper.offload``: offload_wrappers.py); ``phases.py`` walks the phases and, like the offload modules, asks the
+run's wrapper, never the stage (tests/test_deepspeed_stage_readers.py). This module is the only one that imports
+the wrappers, above them; the pieces they share (``run``, ``phases``, ``terms``, ``collectives``)
 import none of them.
 
 - ``DeepSpeedZeroOptimizer`` (runtime/zero/stage_1_and_2.py; ZeRO-1 and 2): ``zero12.py``
