@@ -13,6 +13,7 @@ from typing import Callable, Optional
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
+from zeroplan.engines.deepspeed.estimator import zero12_estimate_bytes
 from zeroplan.engines.deepspeed.offload_terms import NO_OFFLOAD, WrapperOffload, on_gpu
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel, flat_group
@@ -37,6 +38,8 @@ class Wrapper:
     """``(settings, numels, nd, grad_accum, trace) -> tuple[DSCollective, ...]`` (collectives.py)."""
     offload: WrapperOffload = NO_OFFLOAD
     """what its offload keeps on the host and moves (offload_terms.py; ZeRO-1/2's and ZeRO-3's: offload_wrappers.py)."""
+    ds_estimate: Callable = staticmethod(zero12_estimate_bytes)
+    """``(settings, numels, nd) -> bytes``: DeepSpeed's own estimator of the wrapper's file (estimator.py)."""
 
     def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
         """Elements of one rank's fp32 master partition."""

@@ -72,6 +72,12 @@ def terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
     return on_gpu(wrapper_for(s), s, numels, nd)
 
 
+def ds_estimate_bytes(s: Settings, numels: tuple[int, ...], nd: int) -> int:
+    """DeepSpeed's own estimator for this run: the one of the file of its wrapper (``Wrapper.ds_estimate``,
+    estimator.py), shown beside the prediction, never used for it."""
+    return wrapper_for(s).ds_estimate(s, numels, nd)
+
+
 def memory_breakdown(s: Settings, numels: tuple[int, ...], nd: int) -> MemoryBreakdown:
     """Model states after a step, as params (16-bit and persistent gathered), grads, optimizer (master, m, v,
     scalars) and the ZeRO-3 bucket counted with the gradients (it holds them)."""

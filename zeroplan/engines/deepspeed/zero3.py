@@ -14,6 +14,7 @@ from typing import Optional
 
 from zeroplan.engines.deepspeed.collectives import zero3_collectives
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
+from zeroplan.engines.deepspeed.estimator import zero3_estimate_bytes
 from zeroplan.engines.deepspeed.moe import expert_gradients_held, routed_experts_backward
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.offload_wrappers import ZERO3_OFFLOAD
@@ -136,6 +137,7 @@ class ZeroOptimizerStage3(Wrapper):
     terms = staticmethod(zero3_terms)
     collectives = staticmethod(zero3_collectives)
     offload = ZERO3_OFFLOAD
+    ds_estimate = staticmethod(zero3_estimate_bytes)
 
     def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
         return zero3_partition_numel(numels, nd)
