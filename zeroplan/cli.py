@@ -19,11 +19,10 @@ from zeroplan.cli_options import (
     GradAccumOption, HeadroomOption, LossParallelOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
-    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, FsdpOffloadOption, FsdpPinMemoryOption,
+    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, HfZeroInitOption, FsdpOffloadOption, FsdpPinMemoryOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
-from zeroplan.cli_options import DpReplicateOption, DpShardOption, GpusPerNodeOption, TpOption  # meshes, links
-from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
+from zeroplan.cli_options import DpReplicateOption, DpShardOption, GpusPerNodeOption, RevisionOption, TpOption
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
 )  # fmt: skip
@@ -88,6 +87,7 @@ def estimate(
     tp: TpOption = None,
     loss_parallel: LossParallelOption = None,
     zero_init: ZeroInitOption = None,
+    hf_zero_init: HfZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
     param_dtype: ParamDtype = None,
@@ -126,7 +126,7 @@ def estimate(
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
     if model is None:
-        refuse_unused(ctx, (*STEP_OPTIONS, "alloc_conf"), "without --model: the training step's peak needs an architecture")
+        refuse_unused(ctx, (*STEP_OPTIONS, "alloc_conf", "hf_zero_init"), "without --model: the training step's peak needs an architecture")
     else:
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
     engine, gpus, file_options, file_lines, step = from_config_files(
@@ -136,7 +136,7 @@ def estimate(
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
     own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-               loss_parallel=loss_parallel, zero_init=zero_init, fsdp_offload=fsdp_offload,
+               loss_parallel=loss_parallel, zero_init=zero_init, hf_zero_init=hf_zero_init, fsdp_offload=fsdp_offload,
                fsdp_pin_memory=fsdp_pin_memory)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
@@ -246,6 +246,7 @@ def plan(
     tp: TpOption = None,
     loss_parallel: LossParallelOption = None,
     zero_init: ZeroInitOption = None,
+    hf_zero_init: HfZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
@@ -304,7 +305,7 @@ def plan(
     options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
                                                   fsdp_wrap=fsdp_wrap, init=init, device=device,
                                                   dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-                                                  loss_parallel=loss_parallel, zero_init=zero_init,
+                                                  loss_parallel=loss_parallel, zero_init=zero_init, hf_zero_init=hf_zero_init,
                                                   fsdp_offload=fsdp_offload, fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
     options, _, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len,
                                                    gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel

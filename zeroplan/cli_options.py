@@ -263,6 +263,13 @@ ZeroInitOption = Annotated[
     typer.Option("--zero-init/--no-zero-init", help="deepspeed ZeRO-3: the model built under deepspeed.zero.Init "
                  "(default at stage 3) or built whole, then partitioned by deepspeed.initialize."),
 ]  # fmt: skip
+HfZeroInitOption = Annotated[
+    Optional[bool],
+    typer.Option("--hf-zero-init/--no-hf-zero-init", help="deepspeed ZeRO-3 under zero.Init, with --model: the model "
+                 "built by transformers (from_config with an HfDeepSpeedConfig alive, as the HF Trainer and accelerate "
+                 "do: each module initialised with its children gathered) or by your script's own zero.Init (default, "
+                 "unless a --deepspeed-config with \"auto\" or an --accelerate-config says the HF Trainer's)."),
+]  # fmt: skip
 DeepSpeedConfigOption = Annotated[
     Optional[Path],
     typer.Option("--deepspeed-config", help="ds_config.json: with --engine deepspeed the engine's settings (buckets, "
@@ -279,6 +286,7 @@ OWN_OPTION_PARAMS: dict[str, str] = {
     "dp_replicate": "dp_replicate",
     "dp_shard": "dp_shard",
     "zero_init": "zero_init",
+    "hf_zero_init": "hf_zero3_build",
     "fsdp_offload": "offload_policy",
     "fsdp_pin_memory": "pin_memory",
     "tp": "tp",
