@@ -16,7 +16,7 @@ import pytest
 from tests.clicheck import assert_one_line_error, run, run_json
 from zeroplan.engines import deepspeed as D
 from zeroplan.engines.deepspeed.offload import host_memory
-from zeroplan.engines.deepspeed.wrapper import ds_run
+from zeroplan.engines.deepspeed.wrapper import ds_run, wrapper_for
 
 PSI, LARGEST = 36_324, 5_184
 ZERO2_CPU = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
@@ -478,11 +478,12 @@ def test_torch_adam_step_temporaries_on_the_host(stage):
     config = {"optimizer": {"type": "AdamW", "params": {"torch_adam": True}},
               "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
     s = D.Settings.from_ds_config(config, zero_init=False).model_copy(update={"rank": 0})
-    term = torch_adam_step_temporaries(s, (PSI,), 1)
+    part = wrapper_for(s).partition_numel  # the fp32 master partition of the stage's wrapper
+    term = torch_adam_step_temporaries(s, part(s, (PSI,), 1))
     assert (term.bytes, term.tensors) == (PSI * 8, 2)
     foreach = s.model_copy(update={"foreach": True})
-    assert torch_adam_step_temporaries(foreach, (PSI,), 2).bytes == PSI // 2 * 4
-    assert torch_adam_step_temporaries(s.model_copy(update={"torch_adam": False}), (PSI,), 1) is None
+    assert torch_adam_step_temporaries(foreach, part(s, (PSI,), 2)).bytes == PSI // 2 * 4
+    assert torch_adam_step_temporaries(s.model_copy(update={"torch_adam": False}), PSI) is None
     w = workload_for("gpt-tiny", 1, None)
     got = one_memory_by_phase(ds_run(s, w, 1, stat_bytes=4))
     without = one_memory_by_phase(ds_run(s.model_copy(update={"torch_adam": False}), w, 1, stat_bytes=4))
@@ -514,7 +515,7 @@ def test_adam_l2_weight_decay_temporary(foreach):
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
     s = D.Settings.from_ds_config(config).model_copy(update={"rank": 0})
     assert D.Settings.from_ds_config(D.to_ds_config(s)) == s.model_copy(update={"rank": None})
-    assert torch_adam_step_temporaries(s, (PSI,), 1).bytes == PSI * (4 if foreach else 12)
+    assert torch_adam_step_temporaries(s, wrapper_for(s).partition_numel(s, (PSI,), 1)).bytes == PSI * (4 if foreach else 12)
     for other in ({"weight_decay": 0.0}, {"adam_w_mode": True}, {"optimizer": "adamw"}):
         assert adam_step_fp32_temporaries(s.model_copy(update=other), foreach) == (1 if foreach else 2)
     assert adam_step_fp32_temporaries(s.model_copy(update={"torch_adam": False}), foreach) == 0

@@ -23,7 +23,7 @@ import pytest
 from zeroplan.engines import deepspeed as D
 from zeroplan.engines.deepspeed import nvme
 from zeroplan.engines.deepspeed.offload import host_memory, nvme_host_terms
-from zeroplan.engines.deepspeed.wrapper import ds_run
+from zeroplan.engines.deepspeed.wrapper import ds_run, wrapper_for
 
 PART = 36_324 // 2
 ALIGNED = 18_176  # 18,162 rounded up to 256 fp32 elements (AIO_ALIGNED_BYTES 1024 / 4)
@@ -122,7 +122,8 @@ def test_host_memory_carries_the_standin_step_bytes():
     from validate.engines.deepspeed_compare import workload_for
 
     s = D.Settings.from_ds_config(_nvme())
-    run = SimpleNamespace(settings=s, numels=(STANDIN_WIDTH**2, STANDIN_WIDTH) * 2, nd=1, grad_accum=1)
+    run = SimpleNamespace(settings=s, numels=(STANDIN_WIDTH**2, STANDIN_WIDTH) * 2, nd=1, grad_accum=1,
+                          wrapper=wrapper_for(s))
     h = host_memory(run)
     assert [h.nvme_read_bytes, h.nvme_write_bytes] == STANDIN["step2"]
     tiny = host_memory(ds_run(s, workload_for("gpt-tiny", 2, None), 2))

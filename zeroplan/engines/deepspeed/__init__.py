@@ -41,7 +41,7 @@ from zeroplan.engines.deepspeed.config import (DEEPSPEED_OPTIMIZERS, DEFAULT_BUC
                                                parse_ds_config)
 from zeroplan.engines.deepspeed.build import build_snippet
 from zeroplan.engines.deepspeed.coordinator import Coordinator, Stage3Gather, Stage3Schedule, stage3_schedule
-from zeroplan.engines.deepspeed.estimator import ds_estimate_bytes, ds_estimate_zero2_bytes, ds_estimate_zero3_bytes
+from zeroplan.engines.deepspeed.estimator import ds_estimate_zero2_bytes, ds_estimate_zero3_bytes
 from zeroplan.engines.deepspeed.phases import (backward_moments, forward_moments, init_moments, moments,
                                                optimizer_moments)
 from zeroplan.engines.deepspeed.plan import (BUCKET_CHOICES, PLAN_ORDER, PLANNER_OPTIONS, VOCABULARY,
@@ -55,7 +55,7 @@ from zeroplan.engines.deepspeed.settings import (DEEPSPEED_VERSION, DTYPE_BYTES,
                                                  to_ds_config)
 from zeroplan.engines.deepspeed.terms import DSTerm, aligned_flat_numel, model_state_bytes, persistent_numel
 from zeroplan.engines.deepspeed.trace import FETCH, RELEASE, Stage3Trace, TraceEvent, stage3_trace
-from zeroplan.engines.deepspeed.wrapper import collectives, ds_run, memory_breakdown, terms, wrapper_for
+from zeroplan.engines.deepspeed.wrapper import collectives, ds_estimate_bytes, ds_run, memory_breakdown, terms, wrapper_for
 from zeroplan.engines.deepspeed.zero3 import zero_init_moments
 from zeroplan.engines.deepspeed.zero12 import _partition_allocations, _stage1_kept_gradients
 

@@ -61,8 +61,9 @@ def alloc_traces(workload: Workload, nd: int, settings: Settings, stat_bytes: in
         settings = settings.model_copy(update={"rank": row.peak_rank})
     from zeroplan.allocator.step_trace import default_stream, step_trace
     from zeroplan.engines.deepspeed.profile import device_terms, run_moments  # the estimate's own moments
+    from zeroplan.engines.deepspeed.wrapper import wrapper_for
 
-    stream_of = _reduction_stream if settings.overlaps and settings.stage in (1, 2) else default_stream
+    stream_of = _reduction_stream if wrapper_for(settings).uses_reduction_stream(settings) else default_stream
     block, resident = device_terms(workload, settings)
     moments = shared_terms(chronological(run_moments(settings, workload, nd, stat_bytes)))
     return (step_trace(moments, block, resident, stream_of),)

@@ -100,7 +100,7 @@ def _params_numels(flat: FlatGroup) -> tuple[int, ...]:
 
 @lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity): every rank of every candidate asks
 def _largest_slices(flat: FlatGroup) -> tuple[int, ...]:
-    """``_largest_slice`` of every rank of ``flat``."""
+    """The elements of the largest single parameter's slice in each rank's partition of ``flat``."""
     offsets, part = flat.offsets, flat.part
     return tuple(max((min(offsets[i + 1], (rank + 1) * part) - max(offsets[i], rank * part)
                       for i in flat.params(rank)), default=0) for rank in range(flat.nd))  # fmt: skip

@@ -27,9 +27,8 @@ largest parameter's slice in fp32, freed at once). NVMe at ZeRO-3: the optimizer
 from __future__ import annotations
 
 from zeroplan.engines.deepspeed.moe_offload import norms_at_hooks
-from zeroplan.engines.deepspeed.offload_walk import offload_walk_applies, stage1_offload_walk
+from zeroplan.engines.deepspeed.offload_walk import offload_walk_applies
 from zeroplan.engines.deepspeed.nvme import POOL, nvme_traffic, pool_bytes, pool_source, swappable
-from zeroplan.engines.deepspeed.nvme import step_terms as nvme_step_terms
 from zeroplan.engines.deepspeed.nvme_param import PARAM_POOL, SWAP_OUT_BUFFER, ParamSwap, param_swap
 from zeroplan.engines.deepspeed.nvme_param import host_terms as param_host_terms
 from zeroplan.engines.deepspeed.nvme_param import nvme_traffic as param_nvme_traffic
@@ -80,39 +79,52 @@ def _pin(t, name: str) -> str:
 
 
 def host_terms(run: DSRun) -> tuple[Term, ...]:
-    """One rank's host memory under offload, each term naming the DeepSpeed function that allocates it."""
-    s, numels, nd = run.settings, run.numels, run.nd
+    """One rank's host memory under offload, each term naming the DeepSpeed function that allocates it: the run's
+    wrapper's (``WrapperOffload.host_terms``: ``zero3_host_terms``, ``flat_host_terms``)."""
+    return run.wrapper.offload.host_terms(run)
+
+
+def zero3_host_terms(run: DSRun) -> tuple[Term, ...]:
+    """``DeepSpeedZeroOptimizer_Stage3`` (stage3.py): the optimizer's partitions (``offload_optimizer``; nvme:
+    ``nvme_host_terms``) and the 16-bit parameter partition (``offload_param``; nvme: nvme_param.py)."""
+    s, part = run.settings, flat_shard_numel(run.numels, run.nd)
     p, g = DTYPE_BYTES[s.dtype], DTYPE_BYTES[s.grad_dtype]
     o = s.offload_optimizer
     out: list[Term] = []
-    if s.stage == 3:
-        part = flat_shard_numel(numels, nd)
-        if o.device == "nvme":
-            out += nvme_host_terms(run, part)
-        elif o.on:
-            out += [Term("fp32 master partition", part * 4, f"{S3} _create_fp32_partitions (.to(cpu), clone)"),
-                    Term(_pin(o, "gradient partition"), part * g,
-                         f"{S3} _setup_for_real_optimizer (grad_partitions_flat_buffer on the CPU)"),
-                    Term(_pin(o, "fp32 gradient of the master partition"), part * 4,
-                         f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
-                    _adam_host(run, part)]  # fmt: skip
-        if s.offload_param.device == "nvme":  # the swapper's pool and what stays on the host (nvme_param.py)
-            out += param_host_terms(_param_swap(run), s.offload_param.pin_memory)
-        elif s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
-            out.append(Term("16-bit parameter partition (pinned)", part * p,
-                            f"{S3} _create_param_groups_fp16_flat_cpu_memory (param_groups_fp16_flat_cpu_memory)"))
-        return tuple(out)
+    if o.device == "nvme":
+        out += nvme_host_terms(run, part)
+    elif o.on:
+        out += [Term("fp32 master partition", part * 4, f"{S3} _create_fp32_partitions (.to(cpu), clone)"),
+                Term(_pin(o, "gradient partition"), part * g,
+                     f"{S3} _setup_for_real_optimizer (grad_partitions_flat_buffer on the CPU)"),
+                Term(_pin(o, "fp32 gradient of the master partition"), part * 4,
+                     f"{S3} initialize_optimizer_states (subgroup_gradient_buffer)"),
+                _adam_host(run, part)]  # fmt: skip
+    if s.offload_param.device == "nvme":  # the swapper's pool and what stays on the host (nvme_param.py)
+        out += param_host_terms(_param_swap(run), s.offload_param.pin_memory)
+    elif s.offload_param.on:  # pinned whatever pin_memory says (get_accelerator().pin_memory, unconditional)
+        out.append(Term("16-bit parameter partition (pinned)", part * p,
+                        f"{S3} _create_param_groups_fp16_flat_cpu_memory (param_groups_fp16_flat_cpu_memory)"))
+    return tuple(out)
+
+
+def flat_host_terms(run: DSRun) -> tuple[Term, ...]:
+    """``DeepSpeedZeroOptimizer`` with ``cpu_offload`` (stage_1_and_2.py, ZeRO-1/2): the fp32 partition, its
+    gradient, the 16-bit partition buffer, the staging buffer of the largest tensor, Adam's states; ZeRO-2
+    accumulating, the partition's gradients between micro-steps (``ACCUMULATED``)."""
+    s, numels, nd = run.settings, run.numels, run.nd
+    p, o = DTYPE_BYTES[s.dtype], s.offload_optimizer
     if not o.on:
         return ()
     part = aligned_flat_numel(numels, nd) // nd
-    out += [Term(_pin(o, "fp32 master partition"), part * 4, f"{S12} __init__ (single_partition_of_fp32_groups)"),
-            Term(_pin(o, "fp32 gradient partition"), part * 4,
-                 f"{S12} initialize_optimizer_states (single_grad_partition, kept as the master's .grad)"),
-            Term(_pin(o, "16-bit partition buffer"), part * p,
-                 f"{S12} __init__ (param_buffer_of_bit16_for_cpu_offload_groups)"),
-            Term(_pin(o, "gradient buffer of the largest tensor"), max(numels) * p,
-                 f"{S12} __init__ (temp_grad_buffer_for_cpu_offload)"),
-            _adam_host(run, part)]  # fmt: skip
+    out = [Term(_pin(o, "fp32 master partition"), part * 4, f"{S12} __init__ (single_partition_of_fp32_groups)"),
+           Term(_pin(o, "fp32 gradient partition"), part * 4,
+                f"{S12} initialize_optimizer_states (single_grad_partition, kept as the master's .grad)"),
+           Term(_pin(o, "16-bit partition buffer"), part * p,
+                f"{S12} __init__ (param_buffer_of_bit16_for_cpu_offload_groups)"),
+           Term(_pin(o, "gradient buffer of the largest tensor"), max(numels) * p,
+                f"{S12} __init__ (temp_grad_buffer_for_cpu_offload)"),
+           _adam_host(run, part)]  # fmt: skip
     if run.grad_accum > 1 and s.partition_gradients:  # each partition parameter's gradient, whole, between micro-steps
         held = max(run.flat.params_numel(r) for r in run.ranks)  # (ZeRO-1 reduces at the boundary only: none)
         out.append(Term(_pin(o, ACCUMULATED), held * p,
@@ -161,12 +173,13 @@ def _fetch_term(run: DSRun) -> Term:
 
 def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ...]:
     """``moments`` (the wrapper's, GPU model states already ``on_gpu``) without what offload makes on the host
-    (``HOST_TEMPORARIES``) and, with ``offload_param``, with the fetched partitions beside gathered parameters."""
+    (``HOST_TEMPORARIES``) and, with ``offload_param``, with the fetched partitions beside gathered parameters;
+    then the wrapper's own (``WrapperOffload.moments``: ZeRO-3's ``_zero3_offload_moments``, ZeRO-1/2's hook upcast
+    ``hook_upcasts`` and ``offload_walk.stage1_offload_walk``)."""
     s = run.settings
     if not offloads(s):
         return moments
     fetch = _fetch_term(run) if s.offload_param.on else None
-    by_block = _upcast_by_block(run) if s.offload_optimizer.on and s.stage < 3 else {}
     out = []
     for m in moments:
         terms = m.terms
@@ -174,13 +187,8 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
             terms = tuple(t for t in terms if not (t.name.startswith(HOST_TEMPORARIES) or t.name.endswith(" temporaries")))
         if fetch is not None and m.phase in ("forward", "backward") and any(t.name.startswith("gathered") for t in terms):
             terms = (*terms, fetch)
-        upcast = _hook_upcast(run, m, by_block) if by_block else None
-        if upcast is not None:
-            terms = (*terms, upcast)
         out.append(m if terms == m.terms else Moment(m.phase, m.name, terms))
-    if s.stage == 3 and s.offload_optimizer.on:
-        out = _zero3_offload_moments(run, out)
-    return (*out, *stage1_offload_walk(run))
+    return run.wrapper.offload.moments(run, tuple(out))
 
 
 ZERO3_STATES_INIT = "initialize_optimizer_states (offload_optimizer)"
@@ -192,7 +200,7 @@ FP64_NORM = "global-norm temporaries (fp64)"
 
 def _zero3_offload_moments(run: DSRun, moments: list[Moment]) -> list[Moment]:
     """ZeRO-3 with ``offload_optimizer`` (stage3.py): the norm's temporaries in fp32
-    (``complete_grad_norm_calculation_for_cpu_offload``: ``_fp32_norm``, offload_terms.py); a moment at
+    (``complete_grad_norm_calculation_for_cpu_offload``: ``WrapperOffload.fp32_norm``, offload_terms.py); a moment at
     ``initialize_optimizer_states`` (the GPU holds the 16-bit partition, the host ``host_at_states_init``); and
     one at the end of ``step``: ``_post_step`` gathers the persistent parameters again (``_partition_all_parameters``
     freed them at the step's start) while the norm scalars and the micro-batch are still alive. Without offload
@@ -237,8 +245,8 @@ UNUSED_GRADIENT_BUFFER = "fp32 gradient buffer of the largest sub-group (unused 
 
 
 def host_at_states_init(run: DSRun) -> tuple[Term, ...]:
-    """ZeRO-3 with ``offload_optimizer``: the host at ``initialize_optimizer_states`` (stage3.py), its init peak.
-    The fp32 master, the 16-bit partition (``offload_param``), the master's fp32 gradient
+    """ZeRO-3 (its ``WrapperOffload.host_at_states_init``) with ``offload_optimizer``: the host at
+    ``initialize_optimizer_states`` (stage3.py), its init peak. The fp32 master, the 16-bit partition (``offload_param``), the master's fp32 gradient
     (``subgroup_gradient_buffer``) and ``gradient_buffer``: ``torch.zeros(largest_numel, fp32, device=self.device)``,
     made before the loop for the sub-groups that are not offloaded, unused under offload (``self.device`` is the
     CPU) and freed on return; the gradient partition (``grad_partitions_flat_buffer``) comes after. One sub-group
@@ -247,8 +255,7 @@ def host_at_states_init(run: DSRun) -> tuple[Term, ...]:
     partitions and the 36,324-B 16-bit partition at the init peak, 254,269 B with the inf/nan tracker. With
     ``device: nvme`` the swap pool (nvme.py) is there too; a swapped partition has no fp32 master or gradient on the
     host (from source, not measured at this moment)."""
-    s = run.settings
-    if s.stage != 3 or not s.offload_optimizer.on:
+    if not run.settings.offload_optimizer.on:
         return ()
     part = flat_shard_numel(run.numels, run.nd)
     keep = ("fp32 master partition", "fp32 gradient of the master partition", "16-bit parameter partition",
@@ -279,6 +286,17 @@ def _upcast_by_block(run: DSRun) -> dict[int | None, int]:
     return out
 
 
+def hook_upcasts(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ...]:
+    """ZeRO-1/2 (its ``WrapperOffload.moments``) with ``offload_optimizer``: each moment with the fp32 copy of a
+    gradient slice its hooks make (``_hook_upcast``)."""
+    by_block = _upcast_by_block(run) if run.settings.offload_optimizer.on else {}
+    out = []
+    for m in moments:
+        upcast = _hook_upcast(run, m, by_block) if by_block else None
+        out.append(m if upcast is None else Moment(m.phase, m.name, (*m.terms, upcast)))
+    return tuple(out)
+
+
 def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) -> Term | None:
     """ZeRO-1/2 with ``offload_optimizer`` and 16-bit gradients: each hook copies the rank's slice of a gradient
     to fp32 on the GPU, three times in turn (``set_norm_for_param_grad_in_gpu``: ``.to(norm dtype)``;
@@ -290,7 +308,7 @@ def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) ->
     ``norms_at_hooks``): there the fp64 norm copy is counted at each reduction, none elsewhere (bf16, N_d = 2, 300,000-
     and 1,000,000-element buckets: up to 1,048,952 B (4.9 %) over with the upcast)."""
     s = run.settings
-    if not s.offload_optimizer.on or s.stage == 3 or s.grad_dtype == "fp32" or moment.phase != "backward":
+    if not s.offload_optimizer.on or s.grad_dtype == "fp32" or moment.phase != "backward":
         return None
     if offload_walk_applies(s, sum(run.numels)) or norms_at_hooks(run):  # fp64 for the norm at the reductions: the
         return None  # walk's moments, or a sparse model's hooks (moe_offload.py)
@@ -314,49 +332,36 @@ def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) ->
 def host_memory(run: DSRun) -> HostMemory:
     """One rank's offload record: its host terms and one optimizer step's PCIe traffic.
 
-    ZeRO-1/2: each reduced gradient slice of the partition goes to the host in fp32 at the boundary
-    (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), the 16-bit partition comes back after the step.
-    ZeRO-3: the gradient partition goes down every micro-step in the gradient dtype, the 16-bit partition comes
-    back after the step; ``offload_param``: every micro-step's forward and backward fetch every partition
-    (``ds_tensor.to(device)``), and without ``offload_optimizer`` the updated partition goes back down. The host's
-    init peak: ZeRO-3 ``offload_optimizer``'s ``host_at_states_init`` (below the steady bytes: 12P against 16P + gP).
-    ``device: nvme``: the NVMe bytes of a steady step (``nvme_step_bytes``; None without NVMe)."""
-    s, numels, nd = run.settings, run.numels, run.nd
-    p, g = DTYPE_BYTES[s.dtype], DTYPE_BYTES[s.grad_dtype]
+    The PCIe bytes (``WrapperOffload.traffic``): ZeRO-1/2: each reduced gradient slice of the partition goes to
+    the host in fp32 at the boundary (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), the 16-bit partition
+    comes back after the step. ZeRO-3: the gradient partition goes down every micro-step in the gradient dtype, the
+    16-bit partition comes back after the step; ``offload_param``: every micro-step's forward and backward fetch
+    every partition (``ds_tensor.to(device)``), and without ``offload_optimizer`` the updated partition goes back
+    down. The host's init peak: ZeRO-3 ``offload_optimizer``'s ``host_at_states_init`` (below the steady bytes: 12P
+    against 16P + gP). ``device: nvme`` (ZeRO-3): the NVMe bytes of a steady step (``nvme_step_bytes``; None without
+    NVMe) and the swapper's first step (nvme.py ``step_terms``)."""
+    s, w = run.settings, run.wrapper
     o, prm = s.offload_optimizer.on, s.offload_param.on
-    h2d = d2h = 0
-    if s.stage == 3:
-        part = flat_shard_numel(numels, nd)
-        if o:
-            d2h += part * g * run.grad_accum
-            h2d += part * p if not prm else 0
-        if prm:
-            h2d += part * p * 2 * run.grad_accum
-            d2h += part * p if not o else 0
-    elif o:
-        part = aligned_flat_numel(numels, nd) // nd
-        d2h, h2d = part * 4, part * p
+    h2d, d2h = w.offload.traffic(run)
     offload = Offload(s.offload_optimizer.device if o else "none", s.offload_param.device if prm else "none")
-    read, write = nvme_step_bytes(run)
-    step = (torch_adam_step_temporaries(s, numels, nd),)
-    if s.stage == 3 and s.offload_optimizer.device == "nvme":  # the swapper's first step (nvme.py step_terms)
-        slices = tuple(-(-n // nd) for n in numels)
-        step += nvme_step_terms(flat_shard_numel(numels, nd), slices, s.grad_dtype == "fp32")
+    read, write = w.offload.nvme_step_bytes(run)
+    step = (torch_adam_step_temporaries(s, w.partition_numel(s, run.numels, run.nd)), *w.offload.nvme_step_terms(run))
     lazy = (ADAM_HOST, ADAM_HOST_TORCH, ACCUMULATED, _pin(s.offload_optimizer, ACCUMULATED))
     return HostMemory(offload, host_terms(run), h2d, d2h, lazy=lazy,
-                      init_peak=host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write,
+                      init_peak=w.offload.host_at_states_init(run), nvme_read_bytes=read, nvme_write_bytes=write,
                       nvme_note=_nvme_note(s),
                       step_terms=tuple(t for t in step if t is not None))  # fmt: skip
 
 
 def nvme_step_bytes(run: DSRun) -> tuple[int | None, int | None]:
-    """(read, write) NVMe bytes of one steady optimizer step at ZeRO-3, (None, None) without NVMe: the optimizer's
+    """(read, write) NVMe bytes of one steady optimizer step at ZeRO-3 (its ``WrapperOffload.nvme_step_bytes``; the
+    settings refuse nvme below ZeRO-3, ``nvme.check_nvme``), (None, None) without NVMe: the optimizer's
     (``offload_optimizer.device: nvme``, ``nvme.nvme_traffic``: the partition and each parameter's partition slice,
     ``ceil(n / N_d)`` elements, ZeRO-3 pads every parameter to a multiple of N_d; (0, 0) when the partition is too
     small to swap) and the parameters' (``offload_param.device: nvme``, ``nvme_param.nvme_traffic``)."""
     s = run.settings
     opt, prm = s.offload_optimizer.device == "nvme", s.offload_param.device == "nvme"
-    if s.stage != 3 or not (opt or prm):
+    if not (opt or prm):
         return None, None
     slices = tuple(-(-n // run.nd) for n in run.numels)
     read, write = nvme_traffic(flat_shard_numel(run.numels, run.nd), slices) if opt else (0, 0)

@@ -54,9 +54,9 @@ def fp16_overflow_check(run: DSRun, entry) -> int:
     the GPU itself the moment is never a peak (at most ``STEP_ENTRY``'s bytes); on one memory it is the step's peak
     when the partition outweighs the persistent parameters. Measured (moefp16, 2026-12-02, Mixtral fp16, N_d = 2,
     tests/data/measured/deepspeed_moe_fp16_nvme.json): 716,981 B (4.76 %) under at 5,000-element buckets and 208,833 B
-    (716,864 less the 508,160 persistent bytes) at DeepSpeed's before; 129 B under with it."""
-    s = run.settings
-    if s.stage != 3 or s.dtype != "fp16" or not s.offload_optimizer.on:
+    (716,864 less the 508,160 persistent bytes) at DeepSpeed's before; 129 B under with it. ``STEP_ENTRY`` is ZeRO-3's
+    with ``offload_optimizer`` only (its wrapper's offload moments, offload.py ``_zero3_offload_moments``)."""
+    if run.settings.dtype != "fp16":
         return 0
     persistent = sum(t.bytes for t in entry.terms if t.name == PERSISTENT_PARAMS)
     return entry.total() - persistent + flat_shard_numel(run.numels, run.nd)

@@ -1,22 +1,21 @@
 """What DeepSpeed's offload leaves of the wrappers' model-state terms on the GPU (``on_gpu``) and how it changes
-their collectives (``offload_collectives``), DeepSpeed 0.19.8; the host side and the moments: ``offload.py``.
-Imported by ``run.py`` and ``wrapper.py``, so it imports neither."""
+their collectives (``offload_collectives``), DeepSpeed 0.19.8, asking the wrapper's offload (``WrapperOffload``); the
+host side and the moments: ``offload.py``. Imported by ``run.py`` and ``wrapper.py``, so it imports neither."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from zeroplan.engines.deepspeed.settings import Settings
-from zeroplan.engines.deepspeed.terms import DSTerm, aligned_flat_numel
+from zeroplan.engines.deepspeed.terms import DSTerm
 from zeroplan.formulas.peak import Term
-from zeroplan.formulas.sharding import flat_shard_numel
 
 S12 = "runtime/zero/stage_1_and_2.py"
 
 MOVED_WITH_OPTIMIZER = ("fp32 master partition", "Adam m and v", "Adam step tensor", "overflow buffer",
                         "step scalars", "gradient partition")  # fmt: skip
 """Model-state terms (``terms.py``) that ``offload_optimizer`` puts on the host (the step scalars become one
-norm on the GPU: ``_gpu_extras``)."""
+norm on the GPU: ZeRO-1/2's ``WrapperOffload.gpu_terms``, offload_wrappers.py)."""
 def offloads(s: Settings) -> bool:
     return s.offload_optimizer.on or s.offload_param.on
 
@@ -27,31 +26,57 @@ def _moved(s: Settings, name: str) -> bool:
     return s.offload_optimizer.on and name.startswith(MOVED_WITH_OPTIMIZER)
 
 
-def _gpu_extras(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
-    """What offload adds on the GPU: ZeRO-1/2's staging buffer of the largest parameter and the global norm."""
-    if not s.offload_optimizer.on:
+class WrapperOffload:
+    """What a wrapper's offload does (``Wrapper.offload``, asked by ``on_gpu``, ``offload_collectives`` and
+    offload.py; ``run``: a ``run.DSRun``). This default moves nothing: BF16_Optimizer, whose offload ``Settings``
+    refuses; ZeRO-1/2's ``cpu_offload`` (stage_1_and_2.py) and ZeRO-3's (stage3.py): offload_wrappers.py."""
+
+    def gpu_terms(self, s: Settings, numels: tuple[int, ...]) -> tuple[DSTerm, ...]:
+        """What offload adds to the model states on the GPU."""
         return ()
-    norm = DSTerm("gradient norm scalar", "lazy", 1, "fp32", f"{S12} complete_grad_norm_calculation_for_cpu_offload")
-    if s.stage == 3:
+
+    def fp32_norm(self, s: Settings) -> bool:
+        """Whether offload keeps and all-reduces the global norm in fp32, not fp64."""
+        return False
+
+    def host_terms(self, run) -> tuple[Term, ...]:
+        """One rank's host memory under offload (offload.py ``host_terms``)."""
         return ()
-    return (DSTerm("gradient staging buffer (largest tensor)", "persistent", max(numels), s.dtype,
-                   f"{S12} DeepSpeedZeroOptimizer.__init__ (temp_grad_buffer_for_gpu_offload)"), norm)  # fmt: skip
+
+    def traffic(self, run) -> tuple[int, int]:
+        """(host-to-device, device-to-host) bytes of one optimizer step (offload.py ``host_memory``)."""
+        return 0, 0
+
+    def moments(self, run, moments: tuple) -> tuple:
+        """The wrapper's own moments under offload, after offload.py ``offload_moments`` moved its terms."""
+        return tuple(moments)
+
+    def host_at_states_init(self, run) -> tuple[Term, ...]:
+        """The host at the wrapper's own init peak (``HostMemory.init_peak``); (): the steady host terms."""
+        return ()
+
+    def nvme_step_bytes(self, run) -> tuple[int | None, int | None]:
+        """(read, write) NVMe bytes of one steady step; (None, None): no NVMe swapper."""
+        return None, None
+
+    def nvme_step_terms(self, run) -> tuple[Term, ...]:
+        """Host terms of the NVMe swapper's first step (``HostMemory.step_terms``)."""
+        return ()
 
 
-def on_gpu(s: Settings, numels: tuple[int, ...], nd: int, terms: tuple[DSTerm, ...]) -> tuple[DSTerm, ...]:
-    """The wrapper's model-state terms (``terms.py``) less what offload puts on the host, plus its GPU buffers;
-    ZeRO-3's global norm in fp32 (``_fp32_norm``)."""
+NO_OFFLOAD = WrapperOffload()
+
+
+def on_gpu(w, s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
+    """The model-state terms (``terms.py``) of wrapper ``w`` (``run.Wrapper``) less what offload puts on the host,
+    plus its GPU buffers (``WrapperOffload.gpu_terms``); the global norm in fp32 where its offload keeps it so."""
+    terms = w.terms(s, numels, nd)
     if not offloads(s):
         return terms
+    fp32 = w.offload.fp32_norm(s)
     kept = (replace(t, dtype="fp32", source=f"{t.source}; fp32 with offload_optimizer (measured 4 B)")
-            if _fp32_norm(s) and t.name == "grad-norm scalar" else t for t in terms if not _moved(s, t.name))
-    return (*kept, *_gpu_extras(s, numels, nd))
-
-
-def _fp32_norm(s: Settings) -> bool:
-    """ZeRO-3 with ``offload_optimizer`` keeps and all-reduces its global norm in fp32, not fp64 (measured:
-    gpt-tiny bf16 at N_d = 2, the step's all-reduce of one fp32 element, the model states 4 B below fp64's)."""
-    return s.stage == 3 and s.offload_optimizer.on
+            if fp32 and t.name == "grad-norm scalar" else t for t in terms if not _moved(s, t.name))
+    return (*kept, *w.offload.gpu_terms(s, numels))
 
 
 PARAM_NORMS = "per-parameter gradient norms (fp64, norm_for_param_grads)"
@@ -70,9 +95,10 @@ def param_norm_count(numels: tuple[int, ...], nd: int, rank: int | None) -> int:
     return sum(1 for n in numels if -(-n // nd) * r < n)
 
 
-def offload_collectives(s: Settings, collectives: tuple) -> tuple:
-    """The wrapper's collectives (``collectives.py``) as offload issues them: ZeRO-3's norm all-reduce in fp32."""
-    if not _fp32_norm(s):
+def offload_collectives(w, s: Settings, collectives: tuple) -> tuple:
+    """Wrapper ``w``'s collectives (``collectives.py``) as offload issues them: the norm all-reduce in fp32 where
+    its offload keeps the norm so (``WrapperOffload.fp32_norm``: ZeRO-3's)."""
+    if not w.offload.fp32_norm(s):
         return collectives
     return tuple(replace(c, dtype="fp32") if (c.op, c.phase, c.dtype) == ("all-reduce", "optimizer_step", "fp64")
                  else c for c in collectives)
@@ -105,7 +131,7 @@ def adam_step_fp32_temporaries(s: Settings, foreach: bool) -> int:
     return 1 if foreach else 2 + (1 if l2_weight_decay(s) else 0)
 
 
-def torch_adam_step_temporaries(s: Settings, numels: tuple[int, ...], nd: int) -> Term | None:
+def torch_adam_step_temporaries(s: Settings, part: int) -> Term | None:
     """``optimizer.params.torch_adam`` with ``offload_optimizer`` cpu: torch's Adam/AdamW steps the host's fp32 master
     partition, one tensor per group (ZeRO-1/2 ``single_partition_of_fp32_groups``, ZeRO-3 one sub-group's
     ``fp32_partitioned_groups_flat``), and its update allocates on the host while ``step`` runs, on top of the
@@ -114,11 +140,11 @@ def torch_adam_step_temporaries(s: Settings, numels: tuple[int, ...], nd: int) -
     on CPU tensors is the single-tensor path (optimizer.py ``_default_to_fused_or_foreach``: CPU is not in
     ``_get_foreach_kernels_supported_devices``): ``adam_step_fp32_temporaries`` x 4 B per element of the partition
     (8 B single-tensor, 4 B foreach; 12 B single-tensor with Adam's L2 weight decay).
+    ``part``: the fp32 master partition's elements (``Wrapper.partition_numel``).
     Measured (gpt-tiny fp32, N_d = 1, DS_ACCELERATOR=cpu, MemTracker; partition 36,324 elements): the step's peak
     290,956 B (ZeRO-1 and ZeRO-2) and 290,596 B (ZeRO-3) above the profile without it; this term 290,592 B."""
     if not (s.torch_adam and s.offload_optimizer.on and s.offload_optimizer.device == "cpu"):
         return None
-    part = flat_shard_numel(numels, nd) if s.stage == 3 else aligned_flat_numel(numels, nd) // nd
     foreach = bool(s.foreach)
     n = adam_step_fp32_temporaries(s, foreach)
     how = "_multi_tensor_adam: _foreach_sqrt" if foreach else "_single_tensor_adam: exp_avg_sq.sqrt() / bias_correction2_sqrt"

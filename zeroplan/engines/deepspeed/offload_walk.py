@@ -156,9 +156,11 @@ WALK = "reduce_gradients with offload_optimizer"
 
 
 def offload_walk_applies(s: Settings, psi: int) -> bool:
-    """Whether ``stage1_offload_walk`` gives the rank's copies to the host: ZeRO-1, ``offload_optimizer``, no
-    ``overlap_comm`` (the walk after backward reduces), ``contiguous_gradients`` and more than one bucket."""
-    return (s.stage == 1 and s.offload_optimizer.on and not s.overlaps and s.contiguous_gradients
+    """Whether ``stage1_offload_walk`` gives the rank's copies to the host, asked of ``DeepSpeedZeroOptimizer``'s
+    settings (its callers: the ZeRO-1/2 wrapper's offload, offload_wrappers.py, and moe_offload.py's ZeRO-1/2 limit):
+    ZeRO-1 (no ``partition_gradients``), ``offload_optimizer``, no ``overlap_comm`` (the walk after backward
+    reduces), ``contiguous_gradients`` and more than one bucket."""
+    return (not s.partition_gradients and s.offload_optimizer.on and not s.overlaps and s.contiguous_gradients
             and s.reduce_bucket_size < psi)
 
 

@@ -13,7 +13,8 @@ from typing import Callable, Optional
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
-from zeroplan.engines.deepspeed.offload_terms import on_gpu
+from zeroplan.engines.deepspeed.estimator import zero12_estimate_bytes
+from zeroplan.engines.deepspeed.offload_terms import NO_OFFLOAD, WrapperOffload, on_gpu
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel, flat_group
 from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, _MOE_FORWARD, FETCH, Stage3Trace, stage3_trace
@@ -35,6 +36,10 @@ class Wrapper:
     """``(settings, numels, nd) -> tuple[DSTerm, ...]``: its model states and buckets (terms.py)."""
     collectives: Callable
     """``(settings, numels, nd, grad_accum, trace) -> tuple[DSCollective, ...]`` (collectives.py)."""
+    offload: WrapperOffload = NO_OFFLOAD
+    """what its offload keeps on the host and moves (offload_terms.py; ZeRO-1/2's and ZeRO-3's: offload_wrappers.py)."""
+    ds_estimate: Callable = staticmethod(zero12_estimate_bytes)
+    """``(settings, numels, nd) -> bytes``: DeepSpeed's own estimator of the wrapper's file (estimator.py)."""
 
     def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
         """Elements of one rank's fp32 master partition."""
@@ -71,6 +76,10 @@ class Wrapper:
 
     def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:
         raise NotImplementedError
+
+    def uses_reduction_stream(self, s: Settings) -> bool:
+        """Whether ``grads_in_partition`` comes from the wrapper's ``reduction_stream`` (alloc_trace.py)."""
+        return False
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ class DSRun:
     @cached_property
     def model_terms(self) -> tuple[DSTerm, ...]:
         """Every buffer of model states and buckets (``terms``), computed once per run."""
-        return on_gpu(self.settings, self.numels, self.nd, self.wrapper.terms(self.settings, self.numels, self.nd))
+        return on_gpu(self.wrapper, self.settings, self.numels, self.nd)
 
     @cached_property
     def live_terms(self) -> dict[tuple[str, ...], tuple[Term, ...]]:

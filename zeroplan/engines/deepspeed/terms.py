@@ -55,8 +55,9 @@ PERSISTENT_PARAMS = "persistent parameters (gathered)"
 
 def persistent_numel(s: Settings, numels: tuple[int, ...]) -> int:
     """ZeRO-3 parameters kept gathered (parameter_offload.py ``mark_persistent_parameters``: ds_numel <=
-    stage3_param_persistence_threshold)."""
-    return sum(n for n in numels if n <= s.param_persistence_threshold) if s.stage == 3 else 0
+    stage3_param_persistence_threshold); asked by ZeRO-3's terms and collectives (``zero3_terms``,
+    collectives.py ``zero3_collectives``)."""
+    return sum(n for n in numels if n <= s.param_persistence_threshold)
 
 
 class FlatGroup:

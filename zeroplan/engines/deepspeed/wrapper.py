@@ -2,9 +2,10 @@
 the run (``ds_run``), its buffers (``terms``, ``memory_breakdown``) and its collectives (``collectives``).
 
 DeepSpeed's engine picks one class per run (runtime/engine.py ``_configure_optimizer``), and so does the
-profile: ``run.Wrapper`` is what each one allocates, sends, gathers and the moments only it has;
-``phases.py`` walks the phases and asks the run's wrapper, never the stage. This module is the only one that
-imports the wrappers, above them; the pieces they share (``run``, ``phases``, ``terms``, ``collectives``)
+profile: ``run.Wrapper`` is what each one allocates, sends, gathers, the moments only it has and its offload
+(``Wrapper.offload``: offload_wrappers.py); ``phases.py`` walks the phases and, like the offload modules, asks the
+run's wrapper, never the stage (tests/test_deepspeed_stage_readers.py). This module is the only one that imports
+the wrappers, above them; the pieces they share (``run``, ``phases``, ``terms``, ``collectives``)
 import none of them.
 
 - ``DeepSpeedZeroOptimizer`` (runtime/zero/stage_1_and_2.py; ZeRO-1 and 2): ``zero12.py``
@@ -68,7 +69,13 @@ def terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
     """Every buffer of model states and buckets on one rank, for parameters of ``numels`` elements
     (``model.named_parameters()`` order) at N_d = ``nd``: the list of the wrapper DeepSpeed builds, on the GPU
     (offload's host terms: ``offload.host_terms``)."""
-    return on_gpu(s, numels, nd, wrapper_for(s).terms(s, numels, nd))
+    return on_gpu(wrapper_for(s), s, numels, nd)
+
+
+def ds_estimate_bytes(s: Settings, numels: tuple[int, ...], nd: int) -> int:
+    """DeepSpeed's own estimator for this run: the one of the file of its wrapper (``Wrapper.ds_estimate``,
+    estimator.py), shown beside the prediction, never used for it."""
+    return wrapper_for(s).ds_estimate(s, numels, nd)
 
 
 def memory_breakdown(s: Settings, numels: tuple[int, ...], nd: int) -> MemoryBreakdown:
@@ -105,5 +112,6 @@ def collectives(s: Settings, numels: tuple[int, ...], nd: int, grad_accum: int =
     ``_no_gather_coalesced`` when every ``_partition_world_size`` is 1. Measured (gpt-tiny bf16, world size 1,
     ZeRO-1/2/3, with and without offload_optimizer): exactly the calls at N_d = 2 less the all-gathers.
     """
-    out = offload_collectives(s, wrapper_for(s).collectives(s, numels, nd, grad_accum, trace))
+    w = wrapper_for(s)
+    out = offload_collectives(w, s, w.collectives(s, numels, nd, grad_accum, trace))
     return out if nd > 1 else tuple(c for c in out if c.op != "all-gather")

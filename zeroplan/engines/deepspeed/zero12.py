@@ -19,6 +19,7 @@ from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_
                                                later_blocks_held)
 import zeroplan.engines.deepspeed.late_reductions as LR
 import zeroplan.engines.deepspeed.embedding_moments as EM
+from zeroplan.engines.deepspeed.offload_wrappers import ZERO12_OFFLOAD
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _in_block_partitions,
                                                _reducing_hooks, _stage1_reduce, _within_one_parameter)
 from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
@@ -212,6 +213,11 @@ class ZeroOptimizer(Wrapper):
     name = "DeepSpeedZeroOptimizer"
     terms = staticmethod(zero12_terms)
     collectives = staticmethod(zero12_collectives)
+    offload = ZERO12_OFFLOAD
+
+    def uses_reduction_stream(self, s: Settings) -> bool:
+        """With ``overlap_comm``, ``reduce_ipg_grads`` makes ``grads_in_partition`` in ``self.reduction_stream``."""
+        return s.overlaps
 
     def init_moments(self, run: DSRun) -> tuple[Moment, ...]:
         """The cast, the flat copy, then ``initialize_optimizer_states`` (an fp32 gradient partition of zeros,
@@ -384,15 +390,10 @@ def _norm_moment(run: DSRun, rank: int, gip: int) -> Moment:
     has it), with ``grads_in_partition`` alive and nothing flattened yet. The largest slice can outweigh the
     flat fp32 copy that follows (measured: gpt-tiny at N_d = 4, ranks 1 and 3, whose slices hold a whole
     5,184-element c_fc / c_proj weight: 41,472 B of fp64 at the step's peak, -1.58% and -1.61% before)."""
-    largest = _largest_slice(run, rank)
+    largest = _largest_slices(run.flat)[rank]  # the largest single parameter's slice in the rank's partition
     return Moment("optimizer_step", f"global norm, rank {rank}", (*_states(run), Term("grads_in_partition", gip, GIP_SRC),
                   Term("fp64 copy of the partition's largest gradient slice", largest * DTYPE_BYTES["fp64"],
                        "runtime/zero/stage_1_and_2.py get_grad_norm_direct (g.data.to(get_norm_dtype()))")))  # fmt: skip
-
-
-def _largest_slice(run: DSRun, rank: int) -> int:
-    """Elements of the largest single parameter's slice in ``rank``'s partition of the flat group."""
-    return _largest_slices(run.flat)[rank]
 
 
 ZERO12_OPTIMIZER = ZeroOptimizer()

@@ -14,8 +14,10 @@ from typing import Optional
 
 from zeroplan.engines.deepspeed.collectives import zero3_collectives
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule, stage3_schedule
+from zeroplan.engines.deepspeed.estimator import zero3_estimate_bytes
 from zeroplan.engines.deepspeed.moe import expert_gradients_held, routed_experts_backward
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
+from zeroplan.engines.deepspeed.offload_wrappers import ZERO3_OFFLOAD
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.layout_ranks import _hook_layout, _last_in_blocks
 from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_bytes, _hook_memo
@@ -134,6 +136,8 @@ class ZeroOptimizerStage3(Wrapper):
     name = "DeepSpeedZeroOptimizer_Stage3"
     terms = staticmethod(zero3_terms)
     collectives = staticmethod(zero3_collectives)
+    offload = ZERO3_OFFLOAD
+    ds_estimate = staticmethod(zero3_estimate_bytes)
 
     def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
         return zero3_partition_numel(numels, nd)
