@@ -185,7 +185,7 @@ def test_validator_compares_each_rank_with_its_own_prediction():
     assert row["checks"]["peak_within_tolerance"] is False
 
 
-# ---- the gradient-ready order (run.py grad_ready_order) against torch's own hooks, and what it fixed ----
+# ---- the gradient-ready order (hook_order.py grad_ready_order) against torch's own hooks, and what it fixed ----
 
 
 @pytest.mark.parametrize("name, hf", [("tiny-llama", False), ("tiny-llama", True), ("tiny-gpt2-untied", True),

@@ -61,11 +61,11 @@ from zeroplan.engines.fsdp2.param import (
     unit_shard_numel,
     units_of,
 )
+from zeroplan.engines.fsdp2.vocabulary import VOCABULARY  # the settings room: each option and its check
 from zeroplan.engines.fsdp2.plan import (
     CANDIDATES,
     PLAN_ORDER,
     PLANNER_OPTIONS,
-    VOCABULARY,
     Fsdp2Option,
     estimate,
     plan_options,
