@@ -192,9 +192,8 @@ CheckpointingOption = Annotated[
 ]
 SelectiveAcOption = Annotated[
     Optional[str],
-    typer.Option("--selective-ac", help="fsdp2 with --checkpointing full: torchtitan's selective activation "
-                 "checkpointing (selective_ac_option): K checkpoints only layers K, 2K, ... (1: every layer, the "
-                 "default); op keeps in every layer the outputs of its matmuls but every second one."),
+    typer.Option("--selective-ac", help="fsdp2, --checkpointing full: torchtitan's selective_ac_option: K checkpoints "
+                 "layers K, 2K, ... (default 1: all); op keeps every layer's matmul outputs but every second one."),
 ]  # fmt: skip
 
 
