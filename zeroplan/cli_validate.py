@@ -171,7 +171,6 @@ def validate_cmd(
         device=device,
         steps=steps,
         batch_per_rank=batch_per_rank,
-        grad_accum=grad_accum,
         seq_len=seq_len,
         param_dtype=param_dtype,
         **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
@@ -181,7 +180,6 @@ def validate_cmd(
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,
-        amsgrad=amsgrad,
         **given(peak_tolerance=peak_tolerance),
         timeout_s=timeout,
         wire=wire,
@@ -189,8 +187,9 @@ def validate_cmd(
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
-        deepspeed_config=ds,
-        zero_init=zero_init,
+        # the engines' run options (Engine.run_options) where given: another engine's is refused by name
+        **given(grad_accum=None if grad_accum == 1 else grad_accum, amsgrad=amsgrad or None, deepspeed_config=ds,
+                zero_init=zero_init or None),
     )
     report = _run(config)
     if report is not None:  # None: a node other than node 0, which printed its one line
