@@ -50,6 +50,11 @@ def run_option_value(option: RunOption, value: object, planner: Optional[EngineO
     return value
 
 
+def run_option_engines(name: str) -> list[str]:
+    """The registered engines whose validator run reads the option ``name`` (``Engine.run_options``)."""
+    return [engine for engine in REGISTRY if any(o.name == name for o in get_engine(engine).run_options)]
+
+
 def refuse_others(extra: dict) -> None:
     """Options of another engine's run (``Engine.run_options``) given to this one: refused by name with the engine
     that reads them (at their default: as not given); a name no engine declares refused as unknown."""
@@ -183,7 +188,7 @@ class ValidateConfig(BaseModel):
     @model_validator(mode="after")
     def _runner_checks(self) -> ValidateConfig:
         """What the engine's validator runner refuses before any rank starts (its ``check_run``)."""
-        getattr(runner_of(get_engine(self.engine)), "check_run", lambda config: None)(self)
+        getattr(self.runner, "check_run", lambda config: None)(self)
         return self
 
     @model_validator(mode="after")
@@ -240,10 +245,16 @@ class ValidateConfig(BaseModel):
         return self
 
     @property
+    def runner(self) -> Optional[ModuleType]:
+        """The validator's runner of this config's engine (``Engine.runner``): ``run(config) -> report``,
+        ``worker_module(config)`` (what its ranks run) and its optional hooks; None: the engine declares none."""
+        return runner_of(get_engine(self.engine))
+
+    @property
     def model_name(self) -> str:
         """The preset run when no ``params`` are given: the runner's ``default_model(config)`` where it has one and
         it answers (FSDP2 with ``tp``: llama-tiny), else ``DEFAULT_MODEL``."""
-        default = getattr(runner_of(get_engine(self.engine)), "default_model", lambda config: None)(self)
+        default = getattr(self.runner, "default_model", lambda config: None)(self)
         return self.model or default or DEFAULT_MODEL
 
     @property

@@ -1,5 +1,6 @@
-"""What a run of real DeepSpeed (``validate/engines/deepspeed.py``) defaults to and refuses before any rank
-starts: the validator's checks of its ``ValidateConfig`` (``Engine.runner`` of ``zeroplan/engines/deepspeed``)."""
+"""The validator's runner of real DeepSpeed (``Engine.runner`` of ``zeroplan/engines/deepspeed``): what its ranks
+run (``validate/engines/deepspeed.py``), its report (``deepspeed_compare.py``), its defaults and what it refuses
+before any rank starts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,27 @@ from zeroplan.engines import get_engine
 
 PEAK_TOLERANCE = 0.03
 """--engine deepspeed without --peak-tolerance: issue 11's target for every phase of real DeepSpeed."""
+MISSING = '--engine deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install ".[deepspeed]"'
+"""What ``zeroplan validate`` says, before any work, where the package it trains is not installed."""
+
+
+def installed() -> bool:
+    """Whether DeepSpeed can be imported (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def worker_module(config) -> str:
+    """The module each rank runs (``validate.harness.launch_command``)."""
+    return "validate.engines.deepspeed"
+
+
+def run(config) -> dict:
+    """Train every ds_config of the matrix and compare with the DeepSpeed engine's prediction."""
+    from validate.engines.deepspeed_compare import run_validation
+
+    return run_validation(config)
 
 
 def run_defaults(data: dict) -> dict:

@@ -1,13 +1,31 @@
-"""What a run of real FSDP2 (``validate/engines/fsdp2.py``, with ``tp`` ``fsdp2_tp.py``) defaults to and refuses
-before any rank starts: the validator's checks of its ``ValidateConfig`` (``Engine.runner`` of
-``zeroplan/engines/fsdp2``; its run options are declared in ``zeroplan/engines/fsdp2/declared.py``)."""
+"""The validator's runner of real FSDP2 (``Engine.runner`` of ``zeroplan/engines/fsdp2``; its run options are declared
+in ``zeroplan/engines/fsdp2/declared.py``): what its ranks run (``validate/engines/fsdp2.py``, with ``tp``
+``fsdp2_tp.py``), its report, its defaults and what it refuses before any rank starts."""
 
 from __future__ import annotations
 
 from typing import Optional
 
+STATES = "parameters, gradients and Adam's states live after the last backward (fsdp2 frees gradients at zero_grad)"
+"""When the report's states column is read (``validate.report.to_table``; others: at the step boundary)."""
 TP_MODEL = "llama-tiny"
 """The default model with ``tp``: torchtitan's llama plan holds llama module names only (validate/models.py)."""
+
+
+def worker_module(config) -> str:
+    """The module each rank runs (``validate.harness.launch_command``): the TP runner with ``tp``."""
+    return "validate.engines.fsdp2_tp" if config.tp else "validate.engines.fsdp2"
+
+
+def run(config) -> dict:
+    """Train the matrix and compare with the FSDP2 engine's prediction (with ``tp``: the TP runner's comparison)."""
+    from validate.harness import run_matrix
+
+    if config.tp is not None:
+        from validate.engines.fsdp2_tp_compare import build_report
+    else:
+        from validate.engines.fsdp2_compare import build_report
+    return build_report(config, run_matrix(config))
 
 
 def default_model(config) -> Optional[str]:
@@ -80,4 +98,5 @@ def check_tp(config) -> None:
         if n % (config.tp * r) or n // (config.tp * r) < 2:
             raise ValueError(f"tp={config.tp}, dp-replicate={r}: world size {n} must be R x S x T with dp_shard "
                              f"S >= 2 (got {list(config.world_sizes)})")  # fmt: skip
-    check_tp_plan(config.model_name, config.tp, config.world_sizes, config.seq_len, config.sequence_parallel is not False)
+    check_tp_plan(config.model_name, config.tp, config.world_sizes, config.seq_len,
+                  config.sequence_parallel is not False)

@@ -39,7 +39,8 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
               "plan, validate/engines/fsdp2_tp.py; zeroplan/engines/fsdp2/tp.py); must divide every world size; "
               "the model defaults to llama-tiny", planner="tp"),
     RunOption("sequence_parallel", Optional[StrictBool],
-              help="with tp: SequenceParallel norms and Shard(1) activations (default True)", planner="sequence_parallel"),
+              help="with tp: SequenceParallel norms and Shard(1) activations (default True)",
+              planner="sequence_parallel"),
     RunOption("loss_parallel", Optional[StrictBool],
               help="with tp: the head's output Shard(-1) and loss_parallel() (default True); False: Replicate, the "
               "logits all-gathered (torchtitan's disable_loss_parallel)", planner="loss_parallel"),
