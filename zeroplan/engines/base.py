@@ -343,6 +343,9 @@ class Engine:
     (imported by the validator only, on first use) with ``run_defaults(data) -> data`` (the engine's defaults of
     the shared fields, before construction) and ``check_run(config)`` (ValueError in one line), each optional;
     None: none beyond the shared ones."""
+    comm_count: Optional[tuple[str, str]] = None
+    """how its collective rows count, as ``estimate``'s footnote says (one step; G micro-steps, ``{accum}``) where
+    that is not the calls the engine itself issues (the reference engine: the ZeRO paper's volumes)."""
     plan_options: Callable[[PlannerOptions], PlannerOptions] = same_options
     """the planner's options as its own ``plan`` uses them, less what that search chooses itself (DeepSpeed: the
     ds_config's ZeRO stage): ``plan``'s config check asks ``peak_limits`` with these, so a plan answers with the rows

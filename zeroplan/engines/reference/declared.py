@@ -1,11 +1,17 @@
-"""The reference runtime's declarations beside its functions (``ENGINE``): the validator run's own options
-(``zeroplan validate``, the bundled runtime; checked by ``validate/engines/reference_run.py``). It has no
-launcher: its plan is the ZeRO ladder, no other engine's configuration is printed."""
+"""The reference runtime's declarations beside its functions (``ENGINE``): how its collectives count, and the
+validator run's own options (``zeroplan validate``, the bundled runtime; checked by
+``validate/engines/reference_run.py``). It has no launcher: its plan is the ZeRO ladder, no engine's
+configuration is printed."""
 
 from __future__ import annotations
 
 from zeroplan.engines.declared import RunOption
 from zeroplan.types import whole_up_to
+
+COMM_COUNT = ("as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, 3Ψ P_os+g+p)",
+              "the paper's count per micro-step (sec. 7: 2Ψ DP/P_os/P_os+g, 3Ψ P_os+g+p) with what runs every "
+              "micro-step (ZeRO-2/3 gradient reductions, ZeRO-3 all-gathers) counted {accum} times")
+"""How its collective rows count (``Engine.comm_count``): the ZeRO paper's volumes, per step and over G micro-steps."""
 
 MAX_GRAD_ACCUM = 64
 """Micro-steps per optimizer step of a validator run: every micro-batch of every step is made up front."""
