@@ -16,7 +16,7 @@ purpose. A live run (tests/test_deepspeed_*.py, test_fsdp2_engine.py, test_valid
 so ``live_peak_misses`` allows max(LIVE_MARGIN_BYTES = 64 B, LIVE_MARGIN_REL = 0.05%) on top of the same
 row's recorded error: the runs are deterministic to the byte where measured twice (FSDP2 gpt-tiny fp32
 N_d = 2 reads 177,336 / 522,816 / 572,360 / 312,016 B as in docs/engines/fsdp2.md; DeepSpeed's ZeRO-1/2
-optimizer step +260 or +264 B over 13 worlds, docs/engines/deepspeed.md), and 64 B is smaller than every
+optimizer step +260 or +264 B over 13 worlds, docs/engines/deepspeed-history.md), and 64 B is smaller than every
 term but the scalars (loss, Adam's step, DeepSpeed's grad norm and overflow flags: 1-16 B; listed by
 ``benchmarks/term_removal.py``), where the 2-3% of before was up to 30 KiB of a 1 MiB peak. Model states: the same rule. Collectives: the elements of every (op, phase, dtype) of one
 steady-state step equal the measured ones wherever they did at recording. ``benchmarks/term_removal.py``

@@ -41,7 +41,7 @@ def model_workload(
 ) -> Workload:
     """The ``Workload`` of one micro-step of ``spec`` (exact shapes from ``transformer_shapes``), as users run
     it: the ``transformers`` model of the architecture (``Workload.transformers``: its module tree decides
-    ZeRO-3's hook order; measured, docs/engines/deepspeed.md "Hugging Face models"). The validator's own
+    ZeRO-3's hook order; measured, docs/engines/deepspeed-history.md "Hugging Face models"). The validator's own
     ``CausalLM`` runs are predicted with ``validate.engines.deepspeed.workload_for`` instead."""
     check_seq_len(spec, seq_len)
     if checkpointing not in PEAK_CHECKPOINTING:
