@@ -182,10 +182,10 @@ def test_a_toy_engines_validator_run_option_is_read_from_its_record(toy):
     from validate.config import ValidateConfig
     from zeroplan.types import error_line
 
-    assert ValidateConfig(engine="toy").toy_copies is None
+    assert ValidateConfig(engine="toy").toy_copies is None and ValidateConfig(engine="toy").runner is None  # no checks
     assert ValidateConfig(engine="toy", toy_copies=3).model_dump()["toy_copies"] == 3
     for bad, message in ((dict(engine="toy", toy_copies=9), r"copies=9: expected a whole number in \[1, 4\]"),
-                         (dict(engine="toy", toy_copies="x"), "toy-copies: Input should be a valid integer"),
+                         (dict(engine="toy", toy_copies="x"), "toy_copies='x': Input should be a valid integer"),
                          (dict(toy_copies=2), "toy-copies: --engine toy only"),
                          (dict(engine="fsdp2", toy_copies=2), "toy-copies: --engine toy only"),
                          (dict(engine="toy", reduce_dtype="fp32"), "reduce-dtype: --engine fsdp2 only"),

@@ -44,7 +44,7 @@ def run_option_value(option: RunOption, value: object, planner: Optional[EngineO
     try:
         value = TypeAdapter(option.annotation).validate_python(value)
     except ValidationError as exc:
-        raise ValueError(f"{option.show(value)}: {exc.errors()[0]['msg']}") from None
+        raise ValueError(f"{option.name}={value!r}: {exc.errors()[0]['msg']}") from None
     if value != option.default and planner is not None:
         planner.check(value)
     return value

@@ -38,10 +38,10 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
               help="tensor parallelism over the mesh's innermost 'tp' dimension of T ranks (torchtitan's llama "
               "plan, validate/engines/fsdp2_tp.py; zeroplan/engines/fsdp2/tp.py); must divide every world size; "
               "the model defaults to llama-tiny", planner="tp"),
-    RunOption("sequence_parallel", Optional[StrictBool],
+    RunOption("sequence_parallel", Optional[StrictBool], shown="--sp/--no-sp",
               help="with tp: SequenceParallel norms and Shard(1) activations (default True)",
               planner="sequence_parallel"),
-    RunOption("loss_parallel", Optional[StrictBool],
+    RunOption("loss_parallel", Optional[StrictBool], shown="--loss-parallel/--no-loss-parallel",
               help="with tp: the head's output Shard(-1) and loss_parallel() (default True); False: Replicate, the "
               "logits all-gathered (torchtitan's disable_loss_parallel)", planner="loss_parallel"),
 )  # fmt: skip
