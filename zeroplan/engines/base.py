@@ -339,10 +339,10 @@ class Engine:
     """its validator run's own options (``zeroplan validate --engine NAME``), declared here once: ``validate.config``
     reads them from this record, checks their type and refuses them for every other engine."""
     runner: Optional[str] = None
-    """the validator's checks of a run of this engine: the dotted name of a module under ``validate/engines/``
-    (imported by the validator only, on first use) with ``run_defaults(data) -> data`` (the engine's defaults of
-    the shared fields, before construction) and ``check_run(config)`` (ValueError in one line), each optional;
-    None: none beyond the shared ones."""
+    """the validator's runner of this engine: the dotted name of a module under ``validate/engines/`` (imported by
+    the validator only, on first use) with ``run(config) -> report`` and ``worker_module(config)`` (what its ranks
+    run), and optionally ``run_defaults(data) -> data``, ``check_run(config)`` (ValueError in one line),
+    ``default_model``, ``installed``/``MISSING``, ``STATES``; None: ``zeroplan validate`` cannot train it."""
     comm_count: Optional[tuple[str, str]] = None
     """how its collective rows count, as ``estimate``'s footnote says (one step; G micro-steps, ``{accum}``) where
     that is not the calls the engine itself issues (the reference engine: the ZeRO paper's volumes)."""
