@@ -61,6 +61,7 @@ CONSOLE_INPUTS = {"ds_config.json": "tests/data/golden/inputs/ds_config.json", "
                   "ds_config_auto.json": "tests/data/integrations/ds_configs/accelerate_zero_stage3.json",
                   "accelerate_fsdp2.yaml": "tests/data/integrations/accelerate/fsdp2_llama.yaml",
                   "torchtitan_qwen3.toml": "tests/data/integrations/torchtitan/qwen3_32b.toml",
+                  "llama3_8b.toml": "tests/data/integrations/torchtitan/llama3_8b.toml",
                   "qwen3-8b.json": "tests/data/hf_configs/qwen3-8b.json"}
 
 

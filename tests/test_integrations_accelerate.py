@@ -198,8 +198,6 @@ def test_estimate_and_plan_run_an_accelerate_deepspeed_config(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (("--accelerate-config", str(DATA / "fsdp2_llama.yaml"), "--gpus", "4"),
      "--gpus 4 contradicts the accelerate-config's FSDP ranks (8)"),
-    (("--torchtitan-config", str(DATA.parent / "torchtitan" / "llama3_8b.toml"), "--gpus", "8"),
-     "--torchtitan-config: activation_checkpoint.mode=selective (option op): not expressible"),
     (("--accelerate-config", str(DATA / "fsdp2_minimal.yaml")),
      "--accelerate-config: fsdp_cpu_ram_efficient_loading=false (each rank loads the whole model on CPU"),
     (("--accelerate-config", str(DATA / "deepspeed_stage2.yaml"), "--gpus", "4"),

@@ -19,11 +19,11 @@ from zeroplan.cli_options import (
     GradAccumOption, HeadroomOption, LossParallelOption,
     GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
     ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
-    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, FsdpOffloadOption, FsdpPinMemoryOption,
+    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, HfZeroInitOption, FsdpOffloadOption, FsdpPinMemoryOption,
     engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import DpReplicateOption, DpShardOption, GpusPerNodeOption, TpOption  # meshes, links
-from zeroplan.cli_options import RevisionOption  # --model ORG/NAME (zeroplan.hub)
+from zeroplan.cli_options import RevisionOption, SelectiveAcOption, refuse_selective_ac  # ORG/NAME; fsdp2 SAC
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
 )  # fmt: skip
@@ -63,6 +63,7 @@ def estimate(
     seq_len: SeqLenOption = None,
     micro_batch: MicroBatchOption = 1,
     checkpointing: CheckpointingOption = "none",
+    selective_ac: SelectiveAcOption = None,
     grad_accum: GradAccumOption = 1,
     foreach: ForeachOption = None,
     engine: EngineOption = "reference",
@@ -88,6 +89,7 @@ def estimate(
     tp: TpOption = None,
     loss_parallel: LossParallelOption = None,
     zero_init: ZeroInitOption = None,
+    hf_zero_init: HfZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
     param_dtype: ParamDtype = None,
@@ -126,7 +128,7 @@ def estimate(
     if sum(x is not None for x in (params, shapes, model)) != 1:
         raise UserError("give exactly one of --params, --shapes and --model")
     if model is None:
-        refuse_unused(ctx, (*STEP_OPTIONS, "alloc_conf"), "without --model: the training step's peak needs an architecture")
+        refuse_unused(ctx, (*STEP_OPTIONS, "alloc_conf", "hf_zero_init"), "without --model: the training step's peak needs an architecture")
     else:
         refuse_unused(ctx, ("model_parallel",), "with --model: the peak is modelled without tensor parallelism")
     engine, gpus, file_options, file_lines, step = from_config_files(
@@ -136,8 +138,9 @@ def estimate(
     refuse_foreign(ctx, engine)
     ds = read_settings_file(deepspeed_config)  # read once, here
     own = dict(fsdp_wrap=fsdp_wrap, init=init, device=device, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-               loss_parallel=loss_parallel, zero_init=zero_init, fsdp_offload=fsdp_offload,
-               fsdp_pin_memory=fsdp_pin_memory)
+               loss_parallel=loss_parallel, zero_init=zero_init, hf_zero_init=hf_zero_init, fsdp_offload=fsdp_offload,
+               fsdp_pin_memory=fsdp_pin_memory, selective_ac=selective_ac)
+    refuse_selective_ac(selective_ac, checkpointing, file_options is not None)
     options = file_options or engine_options_from(engine, ds, reshard_after_forward, param_dtype, reduce_dtype, **own)
     nd = gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else None  # checked later
     options, ds, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len, nd, micro_batch, grad_accum,
@@ -174,12 +177,8 @@ def estimate(
         alloc_conf=alloc_conf,
     )
     result = estimate_config(config)
-    if as_json:
-        out = to_json(result, auto)
-    elif as_csv:
-        out = to_csv(result)
-    else:
-        out = "\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines))
+    out = to_json(result, auto) if as_json else to_csv(result) if as_csv else "\n".join((to_table(
+        result, units.value).rstrip("\n"), *auto_lines))
     typer.echo(out.rstrip("\n"))
 
 
@@ -246,6 +245,7 @@ def plan(
     tp: TpOption = None,
     loss_parallel: LossParallelOption = None,
     zero_init: ZeroInitOption = None,
+    hf_zero_init: HfZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
@@ -304,7 +304,7 @@ def plan(
     options = file_options or engine_options_from(engine, ds, None, param_dtype, reduce_dtype,
                                                   fsdp_wrap=fsdp_wrap, init=init, device=device,
                                                   dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-                                                  loss_parallel=loss_parallel, zero_init=zero_init,
+                                                  loss_parallel=loss_parallel, zero_init=zero_init, hf_zero_init=hf_zero_init,
                                                   fsdp_offload=fsdp_offload, fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
     options, _, auto_lines, auto = resolve_hf_auto(ctx, options, ds, model, seq_len,
                                                    gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel

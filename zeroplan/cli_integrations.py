@@ -67,7 +67,34 @@ def resolve_hf_auto(ctx, options, ds: Optional[dict], model: Optional[str], seq_
              *(f"  {key:<{width}} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
     if options.ds_config is not None:
         options = options.model_copy(update={"ds_config": res.config})
-    return options, res.config, lines, res
+    options, build = transformers_build(ctx, options, res.config, model, ctx.params.get("engine"), "the HF Trainer's "
+                                        "TrainingArguments(deepspeed=...)")  # fmt: skip
+    return options, res.config, (*lines, *build), res
+
+
+def transformers_build(ctx, options, config: dict, model: Optional[str], engine: Optional[str], who: str):
+    """``(options, lines)``: ``options`` with ``hf_zero3_build`` set where the run of an HF Trainer ds_config (one with
+    ``"auto"``) or of an accelerate DeepSpeed config is ZeRO-3 under ``zero.Init``, and the line saying so; unchanged
+    and no line elsewhere.
+
+    Why: both create an ``HfDeepSpeedConfig`` of the file before the script builds its model (transformers
+    ``training_args.py`` ``TrainingArguments.__post_init__``: ``HfTrainerDeepSpeedConfig(self.deepspeed)``;
+    accelerate ``utils/dataclasses.py`` ``DeepSpeedPlugin.set_deepspeed_weakref``, at ``Accelerator()``), so a
+    transformers model (every ``--model``: estimation/workload.py ``model_workload``) is built by transformers: its own
+    ``zero.Init`` and ``initialize_weights_zero3`` (engines/deepspeed/build.py). Where: the engine declares the option
+    (deepspeed), ``--model`` is given, neither ``--hf-zero-init/--no-hf-zero-init`` nor ``--no-zero-init`` was typed,
+    and the run is at ZeRO-3: the file's stage (or ``--stage``), or any stage where the command searches it (plan, which
+    has no ``--stage``: its ZeRO-3 rows)."""
+    from zeroplan.engines import get_engine
+
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    stage = zero.get("stage", ctx.params.get("stage"))
+    if (model is None or engine is None or ctx.params.get("hf_zero_init") is not None
+            or ctx.params.get("zero_init") is False or ("stage" in ctx.params and stage != 3)
+            or "hf_zero3_build" not in {o.name for o in get_engine(engine).own_options}):  # fmt: skip
+        return options, ()
+    line = f"build: transformers' own under ZeRO-3 (--hf-zero-init), as {who} runs it"
+    return options.model_copy(update={"hf_zero3_build": True}), (line,)
 
 
 AccelerateConfigOption = Annotated[
@@ -101,8 +128,6 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
         return engine, gpus, None, (), {}
     if sum(x is not None for x in (accelerate_config, torchtitan_config, deepspeed_config)) > 1:
         raise UserError("give one of --accelerate-config, --torchtitan-config and --deepspeed-config")
-    from zeroplan.engines.base import EngineOptions
-
     if torchtitan_config is not None:
         from zeroplan.integrations.fsdp2_run import from_torchtitan
         from zeroplan.integrations.torchtitan_config import TORCHTITAN_VERSION, read_torchtitan_config
@@ -137,7 +162,13 @@ def from_config_files(ctx, accelerate_config: Optional[Path], torchtitan_config:
              f"({'from ' + run.config_file if run.config_file else 'built from deepspeed_config'}):",
              *(f"  {f.key} = {f.value!r}  ({f.source.split(' ', 2)[-1]})" for f in res.filled),
              *(f"  {key} = 'auto'  ({why})" for key, why in res.unresolved))  # fmt: skip
-    return engine, gpus, EngineOptions(ds_config=res.config), lines, {}
+    from zeroplan.cli_options import OWN_OPTION_PARAMS, engine_options_from
+
+    # the file's ds_config with the engine's own options typed beside it (--device, --zero-init, --hf-zero-init)
+    typed = {k: ctx.params.get(k) for k in OWN_OPTION_PARAMS if k != "deepspeed_config"}
+    options, build = transformers_build(ctx, engine_options_from(engine, res.config, **typed), res.config, model,
+                                        engine, "accelerate's DeepSpeedPlugin")  # fmt: skip
+    return engine, gpus, options, (*lines, *build), {}
 
 
 def _names(model: Optional[str], seq_len: Optional[int]):

@@ -190,6 +190,22 @@ MicroBatchOption = Annotated[
 CheckpointingOption = Annotated[
     str, typer.Option(help="Activation checkpointing: none, or full (every block recomputed). Needs --model.")
 ]
+SelectiveAcOption = Annotated[
+    Optional[str],
+    typer.Option("--selective-ac", help="fsdp2 with --checkpointing full: torchtitan's selective activation "
+                 "checkpointing (selective_ac_option): K checkpoints only layers K, 2K, ... (1: every layer, the "
+                 "default); op keeps in every layer the outputs of its matmuls but every second one."),
+]  # fmt: skip
+
+
+def refuse_selective_ac(selective_ac: Optional[str], checkpointing: str, from_file: bool) -> None:
+    """UserError (one line) for ``--selective-ac`` where it would change nothing: without ``--checkpointing full``,
+    or beside a launcher file, which sets its own checkpointing."""
+    if selective_ac is not None and (checkpointing != "full" or from_file):
+        raise UserError(f"--selective-ac {selective_ac}: selects what --checkpointing full recomputes; " + (
+            "a launcher file sets its own checkpointing" if from_file else f"got --checkpointing {checkpointing}"))
+
+
 GradAccumOption = Annotated[int, typer.Option("--grad-accum", help="Micro-steps per optimizer step, 1 to 65536.")]
 ForeachOption = Annotated[
     Optional[bool], typer.Option("--foreach/--no-foreach",
@@ -263,6 +279,13 @@ ZeroInitOption = Annotated[
     typer.Option("--zero-init/--no-zero-init", help="deepspeed ZeRO-3: the model built under deepspeed.zero.Init "
                  "(default at stage 3) or built whole, then partitioned by deepspeed.initialize."),
 ]  # fmt: skip
+HfZeroInitOption = Annotated[
+    Optional[bool],
+    typer.Option("--hf-zero-init/--no-hf-zero-init", help="deepspeed ZeRO-3 under zero.Init, with --model: the model "
+                 "built by transformers (from_config with an HfDeepSpeedConfig alive, as the HF Trainer and accelerate "
+                 "do: each module initialised with its children gathered) or by your script's own zero.Init (default, "
+                 "unless a --deepspeed-config with \"auto\" or an --accelerate-config says the HF Trainer's)."),
+]  # fmt: skip
 DeepSpeedConfigOption = Annotated[
     Optional[Path],
     typer.Option("--deepspeed-config", help="ds_config.json: with --engine deepspeed the engine's settings (buckets, "
@@ -279,10 +302,12 @@ OWN_OPTION_PARAMS: dict[str, str] = {
     "dp_replicate": "dp_replicate",
     "dp_shard": "dp_shard",
     "zero_init": "zero_init",
+    "hf_zero_init": "hf_zero3_build",
     "fsdp_offload": "offload_policy",
     "fsdp_pin_memory": "pin_memory",
     "tp": "tp",
     "loss_parallel": "loss_parallel",
+    "selective_ac": "selective_ac",
 }
 """Command parameter -> the engine's own option it sets (``Engine.own_options``, by name): the CLI's half of
 adding an option (the engine declares it; its flag is typed here and listed here)."""

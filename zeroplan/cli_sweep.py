@@ -9,7 +9,7 @@ import typer
 from zeroplan.cli_options import (
     ForeachOption, GradDtype, MasterWeights, ModelOption, OptimizerDtype, OptimizerName, ParamDtype,
     ReduceDtypeOption, ReshardOption, UserError, engine_options_from, read_settings_file,
-    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption,
+    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, HfZeroInitOption,
     given_on_command_line, policy_from, refuse_foreign, refuse_unused,
 )  # fmt: skip
 from zeroplan.cli_options import AllocConfOption, HeadroomOption  # reserved bytes, as estimate/plan
@@ -77,6 +77,7 @@ def sweep(
     tp: TpOption = None,
     loss_parallel: LossParallelOption = None,
     zero_init: ZeroInitOption = None,
+    hf_zero_init: HfZeroInitOption = None,
     fsdp_offload: FsdpOffloadOption = None,
     fsdp_pin_memory: FsdpPinMemoryOption = None,
     reduce_dtype: ReduceDtypeOption = None,
@@ -113,7 +114,7 @@ def sweep(
     options = engine_options_from(engine, read_settings_file(deepspeed_config), reshard_after_forward, param_dtype,
                                   reduce_dtype, fsdp_wrap=fsdp_wrap, init=init, device=device,
                                   dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, loss_parallel=loss_parallel,
-                                  zero_init=zero_init,
+                                  zero_init=zero_init, hf_zero_init=hf_zero_init,
                                   fsdp_offload=fsdp_offload, fsdp_pin_memory=fsdp_pin_memory)  # fmt: skip
     micro_batches = parse_wholes(micro_batch, "micro-batch")
     if model is not None:  # a ds_config's batch is the rows' (the engine's sweep_batches)

@@ -4,7 +4,10 @@ The model is wrapped as FSDP2 documents it: ``fully_shard`` on every transformer
 (whose remaining parameters, embeddings and final norm, form the root unit), with a
 ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` and ``reshard_after_forward`` on the blocks (the root
 keeps FSDP2's default, which does not reshard it after forward). Activation checkpointing, when on, wraps
-each block in ``checkpoint_wrapper`` before it is sharded (torchtitan's order). ``torch.optim.Adam`` runs
+each block in ``checkpoint_wrapper`` before it is sharded (torchtitan's order); ``selective_ac`` k > 1 wraps only
+layers k, 2k, ... counted from 1, as torchtitan 0.2.2 ``distributed/activation_checkpoint.py:_apply_layer_sac``
+does (``_layer_sac_count % k == 0``, ``ptd_checkpoint_wrapper(module, preserve_rng_state=False)``; an exact copy
+of its rule: torchtitan 0.3.0, installed, has no layer SAC left to import). ``torch.optim.Adam`` runs
 on the sharded DTensor parameters; ``zero_grad(set_to_none=True)`` ends the optimizer phase.
 
 Meta init (``init="meta"``): the model is built on the meta device (transformers' with ``hf``: under
@@ -102,12 +105,26 @@ def shard(model: nn.Module, mesh, settings: Fsdp2Settings, spec=None) -> nn.Modu
 
         blocks = decoder_layers(model, spec)
         for i, block in enumerate(blocks):
-            blocks[i] = checkpoint_wrapper(block)
+            if settings.selective_ac == 1:
+                blocks[i] = checkpoint_wrapper(block)
+            elif settings.selective_ac == "op":  # torchtitan's own SelectiveAC (0.3.0), as its apply() wraps a block
+                blocks[i] = op_sac_block(block, f"layers.{i}")
+            elif (i + 1) % settings.selective_ac == 0:  # torchtitan's layer SAC, copied (0.3.0 has it no more)
+                blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
     for modules, rsf in calls:
         found = [model.get_submodule(m) if m else model for m in modules]
         given = {} if rsf is None else {"reshard_after_forward": rsf}  # None: FSDP2's own default
         fully_shard(found if len(found) > 1 else found[0], mesh=mesh, mp_policy=policy, **given)
     return model
+
+
+def op_sac_block(block: nn.Module, fqn: str) -> nn.Module:
+    """``block`` under torchtitan's per-op selective checkpointing, with torchtitan's own code (0.3.0,
+    ``distributed/activation_checkpoint.py:SelectiveAC._wrap_block`` at its defaults, as ``SelectiveAC.apply`` wraps
+    each of ``model.layers``)."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    return SelectiveAC(SelectiveAC.Config())._wrap_block(block, base_fqn=fqn)
 
 
 def runner_calls(model: nn.Module, settings: Fsdp2Settings, spec) -> list[tuple[tuple[str, ...], object]]:

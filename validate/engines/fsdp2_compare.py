@@ -24,6 +24,7 @@ class Fsdp2Settings:
     reduce_dtype: str | None = None  # MixedPrecisionPolicy.reduce_dtype (None: the param dtype)
     reshard_after_forward: bool | int = True  # on the blocks; the root keeps FSDP2's default
     checkpointing: bool = False  # checkpoint_wrapper on every block
+    selective_ac: int | str = 1  # with checkpointing: layers k, 2k, ... only (1-based), or "op" (fsdp2.shard)
     foreach: bool | None = None  # torch.optim.Adam(foreach=...); None: torch's default for the device
     amsgrad: bool = False  # torch.optim.Adam(amsgrad=...): a third state, max_exp_avg_sq
     fused: bool | None = None  # torch.optim.Adam(fused=...)
@@ -51,6 +52,9 @@ class Fsdp2Settings:
         if not isinstance(self.dp_replicate, int) or self.dp_replicate < 1:
             raise ValueError(f"dp_replicate={self.dp_replicate!r}: must be a whole number >= 1")
         self.wrapping()  # a bad wrapping: one line, before any rank starts
+        sac = self.selective_ac
+        if (sac != "op" and (not isinstance(sac, int) or sac < 1)) or (sac != 1 and not self.checkpointing):
+            raise ValueError(f"selective_ac={sac!r}: op or a whole number >= 1, other than 1 only with checkpointing")
         if self.steps < 1 or self.batch_per_rank < 1:
             raise ValueError(f"steps={self.steps}, batch_per_rank={self.batch_per_rank}: must be >= 1")
 
@@ -137,6 +141,7 @@ def predict(settings: Fsdp2Settings, meta: dict, rank: int = 0):
                               backend=meta["backend"], rank=rank, init=settings.init,
                               cuda_capability=tuple(meta.get("cuda_capability", (9, 0))), wrap=settings.wrapping(),
                               **({"loss_in_forward": settings.labels} if settings.hf else {}),
+                              **({"selective_ac": settings.selective_ac} if settings.selective_ac != 1 else {}),
                               **({"dp_replicate": settings.dp_replicate} if settings.dp_replicate > 1 else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], engine)
     return row, engine

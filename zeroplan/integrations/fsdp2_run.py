@@ -3,8 +3,9 @@ launcher makes (``WrapUnit``, in its own words) as data (the JSON form ``--fsdp-
 docs/engines/fsdp2.md, in the module names of ``--model``, which the caller gives as ``Names``), the policy,
 the init and the batch the file sets. Plain data: the fsdp2 engine checks the wrapping (its own option).
 
-What the engine cannot express is refused in one line naming the setting: selective activation
-checkpointing, ``torch.compile``, model converters (float8), CPU offload, a module dtype other than fp32,
+torchtitan's selective activation checkpointing (``selective_ac_option`` k or "op") is the engine's ``selective_ac``
+with checkpointing full (engines/fsdp2/selective_ac.py). What the engine cannot express is refused in one line
+naming the setting: ``torch.compile``, model converters (float8), CPU offload, a module dtype other than fp32,
 accelerate's size-based wrapping and a layer class that is not the model's decoder layer."""
 
 from __future__ import annotations
@@ -101,7 +102,6 @@ def _refuse(flag: str, what: dict) -> None:
 def from_torchtitan(run: TorchtitanRun, names: Optional[Names]) -> Fsdp2Run:
     """The FSDP2 engine's run of a torchtitan job config (``read_torchtitan_config``)."""
     _refuse("--torchtitan-config", {
-        f"activation_checkpoint.mode=selective (option {run.selective_ac_option})": run.checkpointing == "selective",
         "compile.enable=true": run.compile, f"model.converters={list(run.converters)}": bool(run.converters),
         "training.enable_cpu_offload=true": run.cpu_offload,
         f"training.dtype={run.module_dtype} (the shards' dtype)": run.module_dtype != "fp32",
@@ -113,7 +113,12 @@ def from_torchtitan(run: TorchtitanRun, names: Optional[Names]) -> Fsdp2Run:
     options = {"reshard_after_forward": run.reshard_after_forward, "param_dtype": run.param_dtype,
                "reduce_dtype": run.reduce_dtype, "wrap": "torchtitan" if named else wrap, "init": run.init,
                **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {})}  # fmt: skip
-    return Fsdp2Run(options, wrap, run.nd, run.local_batch_size, run.grad_accum, run.seq_len, run.checkpointing)
+    checkpointing = run.checkpointing
+    if checkpointing == "selective":  # every k-th layer checkpointed, or the per-op policy (engines/fsdp2/selective_ac.py)
+        option = run.selective_ac_option or "1"
+        checkpointing, sac = "full", option if option == "op" else int(option)
+        options.update({"selective_ac": sac} if sac != 1 else {})
+    return Fsdp2Run(options, wrap, run.nd, run.local_batch_size, run.grad_accum, run.seq_len, checkpointing)
 
 
 def from_accelerate(run: AccelerateFsdp, names: Optional[Names]) -> Fsdp2Run:

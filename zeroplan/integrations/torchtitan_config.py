@@ -23,7 +23,8 @@ HSDP (replicate degree R above 1 with sharding) is ``apply_fsdp`` on the 2-D mes
 "dp_shard_cp")``, the FSDP2 engine's ``dp_replicate`` (engines/fsdp2/mesh.py); the batch degree is R x shard.
 Refused in one line: tensor, pipeline, context and expert parallelism, and replication without sharding (DDP).
 Returned as data for the caller to accept or refuse (the FSDP2 engine may not express them yet): the
-activation-checkpointing mode, the wrapping, ``compile.enable``, ``model.converters`` (float8, ...) and CPU offload.
+activation-checkpointing mode (selective, per op or every k-th layer: the engine's ``selective_ac``,
+integrations/fsdp2_run.py), the wrapping, ``compile.enable``, ``model.converters`` (float8, ...) and CPU offload.
 """
 
 from __future__ import annotations

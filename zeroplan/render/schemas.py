@@ -222,7 +222,8 @@ class RecommendationOut(_Out):
     )
     deepspeed_build: Optional[str] = Field(
         None, description="plan --engine deepspeed at ZeRO-3: how the model is built for the prediction to hold "
-        "(under deepspeed.zero.Init(config_dict_or_path=...)); absent otherwise",
+        "(the script's own deepspeed.zero.Init(config_dict_or_path=...), or with --hf-zero-init transformers' own "
+        "build: an HfDeepSpeedConfig alive around from_config); absent otherwise",
     )
 
     @model_serializer(mode="wrap")

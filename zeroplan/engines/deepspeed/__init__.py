@@ -40,12 +40,13 @@ from zeroplan.engines.deepspeed.config import (DEEPSPEED_OPTIMIZERS, DEFAULT_BUC
                                                STAGE3_PREFETCH_NUMEL, DeepSpeedConfig, deepspeed_config,
                                                from_deepspeed, load_deepspeed, merge_deepspeed, merge_ds_config,
                                                parse_ds_config)
+from zeroplan.engines.deepspeed.build import build_snippet
 from zeroplan.engines.deepspeed.coordinator import Coordinator, Stage3Gather, Stage3Schedule, stage3_schedule
 from zeroplan.engines.deepspeed.estimator import ds_estimate_bytes, ds_estimate_zero2_bytes, ds_estimate_zero3_bytes
 from zeroplan.engines.deepspeed.phases import (backward_moments, forward_moments, init_moments, moments,
                                                optimizer_moments)
 from zeroplan.engines.deepspeed.plan import (BUCKET_CHOICES, PLAN_ORDER, PLANNER_OPTIONS, VOCABULARY,
-                                             Recommendation, Tried, build_snippet, candidates,
+                                             Recommendation, Tried, candidates,
                                              planner_block_bytes, planner_peak_limits, planner_plan,
                                              planner_plan_options, planner_policy, planner_settings, ranked, recommend, sent_bytes_per_step)
 from zeroplan.engines.deepspeed.profile import estimate

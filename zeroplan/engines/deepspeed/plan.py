@@ -11,6 +11,7 @@ from typing import Optional
 
 from zeroplan.engines.base import (Candidate, EngineEstimate, EngineOption, EnginePlan, PeakLimit,
                                    PlannerOptions, Workload)
+from zeroplan.engines.deepspeed.build import at_stage, build_snippet, build_update, check_hf_build, check_zero_init
 from zeroplan.engines.deepspeed.moe import zero3_moe_limit
 from zeroplan.engines.deepspeed.moe12 import model_numel, zero12_moe_limit
 from zeroplan.engines.deepspeed.profile import estimate
@@ -34,24 +35,6 @@ from zeroplan.types import show
 BUCKET_CHOICES: tuple[int, ...] = (500_000_000, 200_000_000, 50_000_000, 5_000_000)
 """Bucket sizes ``recommend`` tries (elements): DeepSpeed's default, then smaller ones as its docs suggest
 for memory-bound runs (``reduce_bucket_size`` / ``allgather_bucket_size``)."""
-
-
-def build_snippet(s: Settings, config_path: str = "ds_config.json") -> Optional[str]:
-    """How to build the model for ``s`` as the profile predicted it: under ``deepspeed.zero.Init`` with the
-    run's ds_config (``Settings.zero_init``; as ``validate/engines/deepspeed.py`` ``build_model`` does), or
-    None where the model is built as usual (whole, then partitioned by ``deepspeed.initialize``)."""
-    if not s.builds_partitioned:
-        return None
-    return (
-        "import deepspeed\n\n"
-        "# ZeRO-3 as predicted: each module is partitioned as it is built (partition_parameters.py Init), so no\n"
-        "# rank holds the whole model; initialise weights through model.apply (each module gathered for it).\n"
-        "# Hugging Face: HfDeepSpeedConfig(ds_config) before from_pretrained does the same.\n"
-        f"with deepspeed.zero.Init(config_dict_or_path={config_path!r}):\n"
-        "    model = build_model()  # your model's constructor\n"
-        "engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),\n"
-        f"                                               config={config_path!r})\n"
-    )
 
 
 @dataclass(frozen=True)
@@ -78,7 +61,8 @@ def plain_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
     plain = {"offload_optimizer": NO_TARGET, "offload_param": NO_TARGET}
     for stage, prefetch in ((1, None), (2, None), (3, None), (3, 0)):
         for bucket in BUCKET_CHOICES:
-            update = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket, **plain}
+            update = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket, **plain,
+                      **at_stage(stage)}
             if stage < 3:  # ZeRO++ is ZeRO-3's (zeropp_settings.py): the file's hpZ/qwZ keys do not carry down
                 update.update(hpz_partition_size=1, quantized_weights=False)
             if prefetch is not None:
@@ -124,7 +108,8 @@ def offload_candidates(base: Settings) -> tuple[tuple[str, Settings], ...]:
     prm = base.offload_param if base.offload_param.on else OffloadTarget(device="cpu")
     out = []
     for stage, param in ((1, NO_TARGET), (2, NO_TARGET), (3, NO_TARGET), (3, prm)):
-        update = {"stage": stage, "reduce_bucket_size": BUCKET_CHOICES[0], "allgather_bucket_size": BUCKET_CHOICES[0]}
+        update = {"stage": stage, "reduce_bucket_size": BUCKET_CHOICES[0], "allgather_bucket_size": BUCKET_CHOICES[0],
+                  **at_stage(stage)}
         try:
             s = Settings.model_validate({**base.model_dump(), **update, "offload_optimizer": opt, "offload_param": param})
         except ValueError:
@@ -224,7 +209,7 @@ def planner_settings(options: PlannerOptions) -> Settings:
     if options.stage is None and not (isinstance(zero, dict) and "stage" in zero):
         raise ValueError("--engine deepspeed needs the ZeRO stage: give --stage or zero_optimization.stage in "
                          "--deepspeed-config")  # fmt: skip
-    return on_device(Settings.from_ds_config(config, options.stage, options.own.get("zero_init")), options)
+    return on_device(Settings.from_ds_config(config, options.stage, **build_update(options.own)), options)
 
 
 def on_device(settings: Settings, options: PlannerOptions) -> Settings:
@@ -243,23 +228,18 @@ def _device(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
-def _zero_init(value: object) -> bool:
-    """``--zero-init/--no-zero-init`` (``Settings.zero_init``): whether ZeRO-3 builds the model under
-    ``deepspeed.zero.Init``."""
-    if not isinstance(value, bool):
-        raise ValueError(f"zero_init={value!r}: expected true or false")
-    return value
-
-
 VOCABULARY: tuple[EngineOption, ...] = (
     EngineOption("ds_config", check_ds_config, None, "the parsed ds_config.json (None: DeepSpeed's defaults)"),
-    EngineOption("zero_init", _zero_init, None, "ZeRO-3: the model built under deepspeed.zero.Init (default at "
+    EngineOption("zero_init", check_zero_init, None, "ZeRO-3: the model built under deepspeed.zero.Init (default at "
                  "stage 3) or whole, then partitioned by deepspeed.initialize"),
+    EngineOption("hf_zero3_build", check_hf_build, None, "ZeRO-3 under zero.Init, a transformers model: built by "
+                 "transformers (an HfDeepSpeedConfig alive: from_config, the HF Trainer) or by the script (default)"),
     EngineOption("device", _device, None,
                  "cuda (default) or cpu (the CPU accelerator: no CUDA block rounding or library workspaces)"),
 )  # fmt: skip
 """DeepSpeed's own vocabulary, declared once (``Engine.own_options``): its ``ds_config.json`` and
-``Settings.zero_init`` (None: DeepSpeed's way at stage 3) and ``Settings.device`` (None: cuda)."""
+``Settings.zero_init`` (None: DeepSpeed's way at stage 3), ``Settings.hf_zero3_build`` (None: the script's own
+build) and ``Settings.device`` (None: cuda)."""
 
 
 def planner_peak_limits(options: PlannerOptions, spec: TransformerSpec) -> Optional[PeakLimit]:
@@ -357,8 +337,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     # the base's stage is a placeholder the candidates replace; ZeRO++'s keys are read at ZeRO-3, theirs
     base = Settings.from_ds_config({**config, "zero_optimization": zero}, 3 if ZEROPP_KEYS & zero.keys() else 1)
     base = on_device(base.model_copy(update=dict(zip(("offload_optimizer", "offload_param"), targets))), options)
-    if options.own.get("zero_init") is not None:  # read by the stage-3 candidates only (Settings.built_under_zero_init)
-        base = base.model_copy(update={"zero_init": options.own["zero_init"]})
+    base = base.model_copy(update=build_update(options.own))  # the ZeRO-3 rows' build (build.py at_stage)
     node = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE
     # hpZ over one node where the file leaves it unset (a file that sets it, even to 1, fixes it: every ZeRO-3 row
     # has the file's); the ZeRO-3 rows with and without it ranked together, by bytes across nodes first

@@ -86,8 +86,11 @@ class Settings(BaseModel):
     """ZeRO-3 under ``zero_init``: a transformers model built by transformers itself, an ``HfDeepSpeedConfig`` of the
     ds_config alive (``from_config`` opens ``zero.Init`` and initialises the weights with ``initialize_weights_zero3``,
     each module gathered with its direct children: zero3.py ``zero_init_moments``), not under the script's own
-    ``zero.Init`` with ``Module.apply``, which the planner's build advises (plan.py ``deepspeed_build``). Not a
-    ds_config key: the validator's ``hf_zero3_build`` (validate/engines/deepspeed.py) sets it."""
+    ``zero.Init`` with ``Module.apply``. Not a ds_config key: the planner's ``--hf-zero-init`` (own option
+    ``hf_zero3_build``), set by the HF Trainer's and accelerate's readers (build.py; docs/integrations.md), and the
+    validator's ``hf_zero3_build`` (validate/engines/deepspeed.py); the plan's build snippet says which
+    (build.py ``build_snippet``). At ZeRO-3 under ``zero_init`` only; read for a transformers model
+    (``Workload.transformers``)."""
 
     offload_optimizer: OffloadTarget = NO_TARGET
     """``zero_optimization.offload_optimizer`` (offload_settings.py): the fp32 master, Adam's states and the
@@ -128,6 +131,10 @@ class Settings(BaseModel):
     def _zero_init_stage(self) -> Settings:
         if self.zero_init and self.stage != 3:
             raise ValueError(f"zero_init: deepspeed.zero.Init partitions parameters for ZeRO-3 only, not stage {self.stage}")
+        if self.hf_zero3_build and not self.builds_partitioned:
+            why = f"not stage {self.stage}" if self.stage != 3 else "not with zero_init false (built whole)"
+            raise ValueError(f"hf_zero3_build (--hf-zero-init): transformers builds the model under deepspeed.zero.Init "
+                             f"at ZeRO-3 only, {why}")  # fmt: skip
         _check_offload(self.stage, self.dtype, self.grad_dtype, self.contiguous_gradients, self.offload_optimizer,
                        self.offload_param)
         check_zeropp(self)
@@ -159,12 +166,13 @@ class Settings(BaseModel):
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
 
     @classmethod
-    def from_ds_config(cls, config: object, stage: Optional[int] = None, zero_init: Optional[bool] = None) -> Settings:
+    def from_ds_config(cls, config: object, stage: Optional[int] = None, zero_init: Optional[bool] = None,
+                       hf_zero3_build: Optional[bool] = None) -> Settings:
         """Read a parsed ds_config.json strictly; absent keys take DeepSpeed 0.19.8's defaults.
 
         ``stage`` (``--stage``) fills in a config without ``zero_optimization.stage``; one that
-        contradicts the file is refused. ``zero_init``: how the model is built (not in a ds_config; the
-        field's doc). ValueError with one line naming the key.
+        contradicts the file is refused. ``zero_init``, ``hf_zero3_build``: how the model is built (not in a
+        ds_config; the fields' docs). ValueError with one line naming the key.
         """
         ds = parse_ds_config(config)
         base = from_deepspeed(config, offload=True)  # dtypes and optimizer checked, one line each
@@ -198,6 +206,7 @@ class Settings(BaseModel):
                                  ("amsgrad", params.amsgrad)) if v is not None},
             **found,
             **({} if zero_init is None else {"zero_init": zero_init}),
+            **({} if hf_zero3_build is None else {"hf_zero3_build": hf_zero3_build}),
             **targets,
         )  # fmt: skip
 

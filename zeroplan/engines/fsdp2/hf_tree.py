@@ -77,7 +77,7 @@ def checkpointed_position_ids(run: Fsdp2Run) -> tuple[Term, ...]:
     Measured: DeepSeek-V3 fp32 checkpointed on gloo N_d = 2 (tests/test_deepseek.py ``deepseek-wide-ckpt``), 512 B
     (s = 64) under at block 2's backward without it; with transformers' own gradient checkpointing too (the same
     512 B alive after the forward, tests/test_deepseek.py)."""
-    if run.checkpointing == "none" or not run.transformers:
+    if not run.any_checkpointed or not run.transformers:
         return ()
     return tuple(Term(CKPT_POSITION_IDS, t.bytes, "torch/utils/checkpoint.py:_checkpoint_without_reentrant_generator")
                  for t in position_ids(run))  # fmt: skip

@@ -47,6 +47,15 @@ def settings_snippet(settings: Settings, checkpointing: str = "none", wrapping: 
         "    model.layers[i] = checkpoint_wrapper(block)\n"
         if checkpointing == "full" else ""
     )  # fmt: skip
+    sac = settings.selective_ac
+    if ckpt and sac != 1:  # torchtitan's selective AC (engines/fsdp2/selective_ac.py), as its own code applies it
+        ckpt = ("from torchtitan.distributed.activation_checkpoint import SelectiveAC  # torchtitan 0.3.0\n"
+                "for i, block in enumerate(model.layers):  # per op: the matmuls' outputs but every second one kept\n"
+                "    model.layers[i] = SelectiveAC(SelectiveAC.Config())._wrap_block(block, base_fqn=f'layers.{i}')\n"
+                if sac == "op" else ckpt.replace("    model.layers[i] =", f"    if (i + 1) % {sac} == 0:  # torchtitan "
+                                                 f"0.2.2 _apply_layer_sac: layers {sac}, {2 * sac}, ...\n"
+                                                 "        model.layers[i] =").replace(
+                    "(block)\n", "(block, preserve_rng_state=False)\n"))  # fmt: skip
     calls = (
         "for block in model.layers:  # one unit per decoder layer: one all-gather and reduce-scatter each\n"
         f"    fully_shard(block, mp_policy=policy, reshard_after_forward={settings.reshard_after_forward!r})\n"

@@ -43,7 +43,11 @@ def sampled_blocks(run: Fsdp2Run) -> tuple[int, ...] | None:
     shapes = run.units[1].shapes if L >= 1 else ()
     if L <= EDGE + 1 or (holds_allreduce(run) and head_units(run)) or any(u.shapes != shapes for u in run.units[2:]):
         return None
-    return tuple(sorted({L, L - 1, *range(EDGE, 0, -1)}, reverse=True))
+    # layer SAC (selective_ac.py): a block's moments depend on i mod k too; over each residue class they still change
+    # by the same bytes per k blocks, so the interior's first and last k blocks hold its largest
+    k = run.ac_every if run.checkpointing != "none" else 1
+    ends = {*range(EDGE, min(EDGE + k, L)), *range(max(L - k, EDGE), L)}
+    return tuple(sorted({L, *ends, *range(EDGE, 0, -1)}, reverse=True))
 
 
 def phase_leaders(moments: tuple[Moment, ...], block_bytes: int) -> tuple[Moment, ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from zeroplan.engines.fsdp2.block_forward import block_forward, checkpointed_before_last
 from zeroplan.engines.fsdp2.hf_tree import (
     checkpointed_position_ids,
     gpt2_body_embeds,
@@ -121,7 +122,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     """The first block's all-gather and copy-out (the root's output still bound), the last block's all-gather
     and forward, the LM head, the loss (_fsdp_state.py:FSDPState._pre_forward, _post_forward: the last
     all-gather output is freed when the root's forward returns, after the loss in transformers' tree)."""
-    acts, blk, L = run.acts, run.acts.block, len(run.units) - 1
+    acts, L = run.acts, len(run.units) - 1
     base = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run),
             _act("embedding saved (position ids)", acts.embed_saved), root_side(run, "blocks"))  # fmt: skip
     # transformers' body frees its position ids (and GPT-2's its embedding locals) on return
@@ -146,13 +147,8 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     copy_out = Moment("forward", f"block {L} copy-out", (
         *base, *kept_blocks(run, L - 1), _blocks_saved(run, L - 1), _act("block input", acts.embed_out),
         *prev, ag_output(run, L, "this unit"), unsharded(run, L)))  # fmt: skip
-    if run.checkpointing == "none":
-        work = (_blocks_saved(run, L), _act("block output and last op's output", blk.forward_extra, 2))
-    else:
-        work = (_blocks_saved(run, L - 1), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
-    last = Moment("forward", f"block {L} forward", (
-        *base, *kept_blocks(run, L - 1), *work, ag_output(run, L, "kept until the root's post-forward"),
-        unsharded(run, L)))  # fmt: skip
+    last = block_forward(run, L, base, "kept until the root's post-forward")
+    earlier = checkpointed_before_last(run, base)  # layer SAC: a checkpointed layer's forward before the last
     # reshard_after_forward=k: the block's post-forward copies its k-sharded slices while it is whole
     # (the block output is alive, its last op's output is gone: traced, gpt-tiny N_d = 8, k = 2)
     reshard = (Moment("forward", f"block {L} post-forward reshard", (
@@ -186,7 +182,7 @@ def forward_moments(run: Fsdp2Run) -> tuple[Moment, ...]:
     lp = (Moment("forward", "loss-parallel log-softmax", (*base, *kept_blocks(run, L), *head_acts[:2],
                  *logits_in_loss(run), fp32_logits, *lp, *in_loss)),) if lp else ()  # fmt: skip
     states = (*mesh_ranks(run), *rotary_buffers(run), params(run), adam(run), batch(run))
-    return (*embedding_copy_outs(run, states), *first, gather, copy_out, last, *reshard, *tail, head,
+    return (*embedding_copy_outs(run, states), *first, gather, copy_out, *earlier, last, *reshard, *tail, head,
             *logits_gather_moments(run, head), *((upcast,) if run.p != 4 else ()), *lp, loss)  # fmt: skip
 
 
@@ -305,8 +301,10 @@ def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_h
             out.append(Moment("backward", f"block {i - 1} backward all-gather (prefetch)", (
                 *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
                 root_held, unsharded(run, i), gather_input(run, i - 1), *prefetched(run, i - 1), *held, done)))  # fmt: skip
-    inflight = (_blocks_saved(run, i),)
-    if run.checkpointing != "none":
+    # the per-op policy: the recompute has popped the layer's cached outputs (kept or freed by then: selective_ac)
+    inflight = (_blocks_saved(run, i - 1), _act("checkpointed block input", blk.ckpt_saved)) if run.ac_op else \
+        (_blocks_saved(run, i),)
+    if run.checkpointed(i):
         inflight += (_act("recomputed block's saved activations", blk.recomputed),)
     out.append(Moment("backward", f"block {i} backward", (
         *base, *kept_blocks(run, i - 1), *inflight, _act("incoming activation gradient", n_d), root_held,
@@ -320,8 +318,8 @@ def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_h
     # the block's first op (its input norm) runs backward last: every weight gradient of the block exists
     out.append(Moment("backward", f"block {i} gradients complete", (
         *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),
-        input_norm_backward(run), root_held, unsharded(run, i), unit_grads(run, i), *prefetched(run, i - 1),
-        *held, done)))  # fmt: skip
+        input_norm_backward(run, run.checkpointed(i)), root_held, unsharded(run, i), unit_grads(run, i),
+        *prefetched(run, i - 1), *held, done)))  # fmt: skip
     common = (*base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1),
               _act("block input gradient", n_d), root_held, *prefetched(run, i - 1), done)  # fmt: skip
     out.append(Moment("backward", f"block {i} reduce-scatter copy-in",

@@ -8,7 +8,7 @@ from zeroplan.formulas.peak import Term
 
 
 @memo_term
-def input_norm_backward(run) -> Term:
+def input_norm_backward(run, checkpointed: bool) -> Term:
     """A block's input norm when it runs backward (the block's last backward op): what it saved plus its
     working set. Derived from the ops (to move into ``activation_terms``, which does not split them out):
     - llama (transformers LlamaRMSNorm): at pow's backward h32 = x.to(fp32) (N·d·4) is left
@@ -23,7 +23,7 @@ def input_norm_backward(run) -> Term:
       alike), and bf16 and checkpointed blocks measure without it (llama-untied-4-bf16, gloo, every rank of 4;
       blocks 2-3 of qwen2-small-untied-bf16, 1-3 of qwen2-untied+ckpt on the fake group,
       ``benchmarks/fsdp2_backward_trace.py``: 512 B over with it); fp32 unchecked blocks measure it (case 0-2,
-      exact), what it is there is not traced yet;
+      exact), what it is there is not traced yet (``checkpointed``: the block's own mode, selective_ac.py);
     - gpt (nn.LayerNorm): saved input (N·d·a), mean and rstd (2·N·st), its output (N·d·a); the fused
       ``native_layer_norm_backward`` allocates the input gradient (N·d·a).
     """
@@ -31,7 +31,7 @@ def input_norm_backward(run) -> Term:
     nd_elems = acts.embed_out // a  # N·d
     n = acts.batch // 16  # tokens: ids and targets are int64
     if run.style == "llama":
-        fp32_row = n * 4 if a == 4 and run.checkpointing == "none" else 0  # measured, not attributed (above)
+        fp32_row = n * 4 if a == 4 and not checkpointed else 0  # measured, not attributed (above)
         nbytes = nd_elems * 4 + fp32_row + 4 * nd_elems * 4 + (nd_elems * 4 if a < 4 else 0)
     else:
         st = (acts.final_saved - 2 * nd_elems * a) // (2 * n)
@@ -84,8 +84,8 @@ def input_projections_backward(run, grads: Term) -> tuple[Term, ...]:
 def rope_released(run) -> bool:
     """Whether RoPE's cos and sin (``ModelActivations.embed_saved`` of a llama-style model, made once in the body's
     forward and saved by every layer's rotary products) are freed once the first layer's attention has run
-    backward: they are the last to hold them. Not under checkpointing (the recompute takes them again) nor for
-    Gemma (its ``embed_saved`` holds the embedding scale too; not traced). Measured (MemTracker, case 0-2, qwen2
+    backward: they are the last to hold them. Not when the first layer is checkpointed (its recompute takes them
+    again; selective_ac.py) nor for Gemma (its ``embed_saved`` holds the embedding scale too; not traced). Measured (MemTracker, case 0-2, qwen2
     fp32, N_d = 4): no (1, 64, 64) fp32 tensor alive at block 1's q projection or input norm (32,768 B over before);
     both alive at block 2's, where the profile is exact."""
-    return run.style == "llama" and run.checkpointing == "none" and not run.scale_bytes
+    return run.style == "llama" and not run.checkpointed(1) and not run.scale_bytes

@@ -198,6 +198,15 @@ def check_reshard(v: object) -> bool | int:
     raise ValueError(f"reshard_after_forward={show(v)}: expected true, false or a whole number of ranks >= 1")
 
 
+def check_selective_ac(v: object) -> int | str:
+    """``Settings.selective_ac`` (engines/fsdp2/selective_ac.py): "op", or every k-th decoder layer checkpointed, k >= 1
+    (the command line's text "2" is 2, as torchtitan reads ``selective_ac_option``)."""
+    v = int(v) if isinstance(v, str) and v.isdigit() else v
+    if v != "op" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"selective_ac={show(v)}: expected op or a whole number of layers >= 1")
+    return v
+
+
 def check_dtype(name: str) -> Callable[[object], str]:
     """The check of a ``MixedPrecisionPolicy`` dtype option: any spelling ``canonical_dtype`` knows."""
 
@@ -285,6 +294,9 @@ VOCABULARY: tuple[EngineOption, ...] = (
                  "fully_shard(offload_policy=...): none (default) or cpu (CPUOffloadPolicy: shards, gradients and "
                  "the optimizer step on the host)"),
     EngineOption("pin_memory", _flag("pin_memory"), None, "CPUOffloadPolicy.pin_memory (default true)"),
+    EngineOption("selective_ac", check_selective_ac, None,
+                 "with --checkpointing full: torchtitan's selective_ac_option, k (layers k, 2k, ... checkpointed; "
+                 "default 1) or op (every layer keeps its matmuls' outputs but every second one)"),
     EngineOption("tp", check_tp, None,
                  "tensor parallelism: ranks T of the mesh's 'tp' dimension (torchtitan's llama plan); plan: auto"),
     EngineOption("sequence_parallel", _flag("sequence_parallel"), None,

@@ -88,10 +88,22 @@ class Settings(BaseModel):
         True, description="with tp: the head's output Shard(-1) and the loss under loss_parallel() (torchtitan's "
         "default); false: Replicate (all-gathered logits) and the plain loss (torchtitan's disable_loss_parallel)",
     )  # fmt: skip
+    selective_ac: Union[StrictInt, Literal["op"]] = Field(
+        1, description="with checkpointing full, torchtitan's selective_ac_option (engines/fsdp2/selective_ac.py): "
+        "k, checkpoint_wrapper on layers k, 2k, ... only (counted from 1; 1: every layer); op, every layer under "
+        "its per-op policy (the outputs of its matmuls kept but every second one's)",
+    )  # fmt: skip
     cuda_capability: tuple[StrictInt, StrictInt] = Field(
         (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
         "(formulas.cuda_workspaces); (9, 0) is H100/H200",
     )  # fmt: skip
+
+    @field_validator("selective_ac")
+    @classmethod
+    def _sac(cls, v: int | str) -> int | str:
+        if v != "op" and v < 1:
+            raise ValueError(f"selective_ac={v}: layers k >= 1, or op")
+        return v
 
     @field_validator("reshard_after_forward")
     @classmethod
@@ -127,7 +139,9 @@ class Settings(BaseModel):
         off = f", CPUOffloadPolicy(pin_memory={self.pin_memory})" if self.offload_policy == "cpu" else ""
         plain = ", no SP" * (not self.sequence_parallel) + ", no loss parallel" * (not self.loss_parallel)
         tp = f", tp {self.tp}{f' ({plain[2:]})' if plain else ''}" if (self.tp or 1) > 1 else ""
-        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}{tp}{off}"
+        sac = "" if self.selective_ac == 1 else ", selective AC per op" if self.selective_ac == "op" else \
+            f", checkpoint every {self.selective_ac} layers"
+        return f"fully_shard reshard_after_forward={self.reshard_after_forward}{mp}{wrap}{hsdp}{tp}{off}{sac}"
 
 
 def post_forward_group(settings: Settings, nd: int) -> int:

@@ -20,6 +20,8 @@ from zeroplan.engines.fsdp2.hf_buffers import (
 from zeroplan.engines.fsdp2.memo import RANKED, memo_term
 from zeroplan.engines.fsdp2.units import profile_units, shard_units_of
 from zeroplan.engines.fsdp2.wrap import ShardUnit
+from zeroplan.engines.fsdp2.selective_ac import SRC as SAC_SRC, checkpointed, checkpointed_blocks, saved_through
+from zeroplan.engines.fsdp2.selective_ac import OP_SRC as SAC_OP, op_cache, op_forward_peak, op_limit
 from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_group
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.dtypes import dtype_bytes
@@ -57,6 +59,10 @@ class Fsdp2Run:
     position_bytes: int = 0  # transformers llama-style: the int64 position ids in forward (hf_tree.position_ids)
     shard_units: tuple[ShardUnit, ...] = ()  # the fully_shard calls as made (wrap.resolve): collectives, edge_regathers
     replicate: int = 1  # HSDP: replicas R of the 2-D mesh; ``nd`` is then the shard group S (engines/fsdp2/mesh.py)
+    ac_every: int = 1  # checkpointing full: only layers k, 2k, ... checkpointed (selective_ac.py, Settings.selective_ac)
+    ac_op: bool = False  # checkpointing full under torchtitan's per-op policy: each layer keeps its cache (selective_ac)
+    op_cache: int = 0  # ac_op: bytes each layer keeps beyond its input (selective_ac.op_cache)
+    op_forward: int = 0  # ac_op: a layer's forward peak beside its input (selective_ac.op_forward_peak)
 
     def __post_init__(self) -> None:
         if self.nd == 1:
@@ -68,6 +74,18 @@ class Fsdp2Run:
         if self.checkpointing not in ("none", "full"):
             raise ValueError(f"checkpointing={self.checkpointing!r}: expected none or full")
         post_forward_group(self.settings, self.nd)
+        if self.settings.selective_ac != 1 and self.checkpointing != "none" and (self.settings.tp or 1) > 1:
+            raise ValueError(f"selective_ac={self.settings.selective_ac}: selective checkpointing with tensor "
+                             "parallelism is not modelled (engines/fsdp2/tp.py models none and full)")  # fmt: skip
+
+    def checkpointed(self, block: int) -> bool:
+        """Whether decoder layer ``block`` (1-based) is recomputed in backward (``selective_ac.checkpointed``)."""
+        return checkpointed(self.checkpointing, self.ac_every, block)
+
+    @property
+    def any_checkpointed(self) -> bool:
+        """Some layer runs under ``checkpoint_wrapper`` (its call arguments are kept to its backward)."""
+        return checkpointed_blocks(self.checkpointing, self.ac_every, len(self.units) - 1) > 0
 
     # cached per run (a frozen run's fields never change): every moment of every block asks them again
     @cached_property
@@ -246,9 +264,15 @@ def batch(run: Fsdp2Run) -> Term:
 
 @memo_term
 def _blocks_saved(run: Fsdp2Run, n: int) -> Term:
-    what = "saved activations" if run.checkpointing == "none" else "checkpointed block inputs"
-    copies = sum(run.router_copy[:n]) if run.checkpointing == "none" else 0  # hf_buffers.router_weight_copy_bytes
-    return _act(f"{what} of {n} blocks", run.acts.saved_through(n, run.checkpointing) + copies, n)
+    """What layers 1..n keep to their backward (a checkpointed layer its input: selective_ac.saved_through)."""
+    if run.ac_op:  # every layer its input and the outputs the per-op policy caches
+        return _act(f"checkpointed block inputs and per-op cached outputs of {n} blocks ({SAC_OP})",
+                    n * (run.acts.block.ckpt_saved + run.op_cache), n)
+    ckpt = checkpointed_blocks(run.checkpointing, run.ac_every, n)
+    what = "saved activations" if not ckpt else "checkpointed block inputs" if ckpt == n else "saved activations " \
+        f"and checkpointed inputs ({ckpt} layers: {SAC_SRC})"
+    copies = sum(c for i, c in enumerate(run.router_copy[:n], 1) if not run.checkpointed(i))  # hf_buffers.router_weight_copy_bytes
+    return _act(f"{what} of {n} blocks", saved_through(run.acts, run.checkpointing, run.ac_every, n) + copies, n)
 
 
 def prefetched(run: Fsdp2Run, u: int) -> tuple[Term, ...]:
@@ -347,7 +371,20 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                     router_bytes=router_bias_bytes(spec) if hf else 0, router_copy=_router_copies(spec, hf, act_bytes),
                     rotary_init_bytes=rotary_recompute_bytes(spec) if rotary else 0,
                     scale_bytes=scale, position_bytes=workload.seq_len * 8 if rotary else 0,
-                    shard_units=shard_units)  # fmt: skip
+                    shard_units=shard_units, ac_every=settings.selective_ac if settings.selective_ac != "op" else 1,
+                    **_op_policy(workload, settings, act_bytes))  # fmt: skip
+
+
+def _op_policy(workload: Workload, settings: Settings, a: int) -> dict:
+    """The per-op selective policy's fields of the run (``selective_ac.op_cache``, ``op_forward_peak``)."""
+    if settings.selective_ac != "op" or workload.checkpointing == "none":
+        return {}
+    spec, s, b = workload.spec, workload.seq_len, workload.micro_batch
+    if (why := op_limit(spec)) is not None:
+        raise ValueError(why)
+    cuda = settings.device == "cuda"
+    return {"ac_op": True, "op_cache": op_cache(spec, b * s, b, s, a, cuda),
+            "op_forward": op_forward_peak(spec, b * s, b, s, a, cuda)}
 
 
 def _router_copies(spec, hf: bool, param_bytes: int) -> tuple[int, ...]:
