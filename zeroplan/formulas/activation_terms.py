@@ -110,6 +110,10 @@ class BlockActivations:
     """the MLP's own part of ``saved``: what its projections and activation keep beyond its input (the
     norm's output, counted with the norm): GPT (k + 1)·N·f·a, Llama (k + 3)·N·f·a, the sparse block's
     router and experts (``moe_block.sparse_mlp_saved``)."""
+    sdpa_saved: int = 0
+    """the attention's part of ``saved`` that SDPA's backward releases, before any q/k/v projection's backward:
+    q and k after RoPE, v (repeated where copied), SDPA's output, logsumexp, the mask where one is used, Phi-3's
+    fused qkv storage and output copy (``_llama_attention_saved`` + ``_fused_attention_extra``; 0: not derived)."""
 
 
 @dataclass(frozen=True)
@@ -249,9 +253,10 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     # the norm's input itself (``x.to(torch.float32)`` returns x): the block input and x1 are saved.
     rms = n * d * 4 + n * 4 + 2 * n * d * a
     own_input = a == 4  # the two norms save the block input and x1 themselves
-    attn = _llama_attention_saved(spec, n, b, s, a) + _qk_norm_saved(spec, n, a) + _fused_attention_extra(spec, n, s, a)
+    sdpa = _llama_attention_saved(spec, n, b, s, a) + _fused_attention_extra(spec, n, s, a)
+    attn = sdpa + _qk_norm_saved(spec, n, a)
     if spec.mla is not None:  # DeepSeek-V3's latent attention (deepseek_activations.py)
-        attn = DS.mla_saved(spec, n, b, s, a)
+        attn, sdpa = DS.mla_saved(spec, n, b, s, a), 0
     # gate out's kept tensors (SiLU: its input), act out and up out (the product's factors), the product;
     # Phi-3's gate_up_proj output (N·2f) is one storage, kept by the product (its up half) whatever the
     # activation keeps: 4·N·f for an activation that keeps nothing more (relu), as many as Llama's otherwise
@@ -263,6 +268,7 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     block = BlockActivations(
         saved=saved,
         mlp_saved=mlp,
+        sdpa_saved=sdpa,
         # 16-bit: nothing saves the block input or x1: both live beside the last product, down's out and
         # the sum; fp32: they are in ``saved`` (measured: tiny-llama fp32 at N_d = 2, forward exact)
         forward_extra=(2 if own_input else 4) * n * d * a,
