@@ -15,7 +15,8 @@ Every prediction written is cross-checked against the validator's own comparison
 
     DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/record_measured.py [reference] [fsdp2] [deepspeed]
     DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/record_measured.py deepspeed:z3-llama-head-bucket,...
-        (those DeepSpeed cases alone, merged into the file: each row with its own date and command; fsdp2:NAME,... alike)
+        (those DeepSpeed cases alone, merged into the file: each row with its own date and command;
+        fsdp2:NAME,... alike)
 
 2026-12-01 on 2 shared cores at load 13-17: reference 12 min, FSDP2 16 min, DeepSpeed 12 min (three
 torchrun worlds of 22, 14 and 17 configs); an engine that fails is reported and the others still written.
@@ -363,8 +364,9 @@ def main(engines: list[str]) -> None:
             t = time.time()
             engine, _, only = arg.partition(":")  # deepspeed:NAME,...: those cases, merged into the file
             try:
-                rows = {"reference": record_reference, "fsdp2": lambda: record_fsdp2(models, tuple(filter(None, only.split(",")))),
-                        "deepspeed": lambda: record_deepspeed(models, tuple(filter(None, only.split(","))))}[engine]()  # fmt: skip
+                names = tuple(filter(None, only.split(",")))
+                rows = {"reference": record_reference, "fsdp2": lambda: record_fsdp2(models, names),
+                        "deepspeed": lambda: record_deepspeed(models, names)}[engine]()  # fmt: skip
             except Exception as e:
                 if type(e).__name__ == "Interrupted":  # validate.harness: SIGTERM / SIGHUP stop everything
                     raise

@@ -116,7 +116,8 @@ def test_sliding_window_mask_as_transformers_saves_it(s, b, kv_heads):
     hooks, parameters excluded) equals ``saved_total`` plus the int64 targets. transformers gives SDPA a mask from
     s = window on (``llama_nograd.sdpa_masked``; before: s > window, 33,792 B short at s = 24) and the mask
     is (b, 1, s, s) (before: s², 14,400 B short at s = 30, b = 3). With one kv head ``repeat_kv`` is a view
-    (``llama_nograd.kv_copied``; counting copies: 2·N·(q - kv)·a over per layer, 36,864 B in all at s = 24, b = 2)."""
+    (``llama_nograd.kv_copied``; counting copies: 2·N·(q - kv)·a over per layer, 36,864 B in all at s = 24,
+    b = 2)."""
     cfg = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
            "num_key_value_heads": kv_heads, "num_hidden_layers": 2, "vocab_size": 101, "max_position_embeddings": 128,
            "sliding_window": 24}  # fmt: skip

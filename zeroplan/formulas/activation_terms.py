@@ -26,7 +26,8 @@ every config in tests/data/hf_configs (tests/test_peak.py):
   (fp32 copy, pow, mean, rsqrt, two products), separate q/k/v of q = n_head·head_dim and kv widths,
   RoPE (cos and sin (1, s, head_dim), once per model), SDPA with grouped-query heads (``enable_gqa``:
   k, v stay kv wide; with Mistral's sliding-window mask they are repeated to q wide, a copy from 2 kv heads on
-  and a view with one (``llama_nograd.kv_copied``), and the mask is saved in the activation dtype), SwiGLU MLP (gate, up, activation, product). Per block
+  and a view with one (``llama_nograd.kv_copied``), and the mask is saved in the activation dtype), SwiGLU MLP
+  (gate, up, activation, product). Per block
   2·(4Nd + 4N + 2Nd·a) + N·a·(2q + 2kv') + 4·b·h·s [+ s²·a] + (k+3)·N·f·a.
 The newer llama-layout families add to that block what their own modeling file computes (measured on
 transformers' classes, tests/test_families.py): Qwen3's q/k norms (``_qk_norm_saved``) and Phi-3's fused
@@ -51,7 +52,8 @@ from typing import Literal, Optional
 from zeroplan.architectures.spec import TransformerSpec, layout_features
 from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas import gemma_activations as G
-from zeroplan.formulas.llama_nograd import ACT_NOGRAD_PEAK, kv_copied, llama_nograd_moments, llama_nograd_peak, sdpa_masked
+from zeroplan.formulas.llama_nograd import (ACT_NOGRAD_PEAK, kv_copied, llama_nograd_moments, llama_nograd_peak,
+                                            sdpa_masked)
 from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block, sparse_block_limits, sparse_mlp_saved
 
 TOKEN_BYTES = 8  # int64 token ids and targets, as the embedding and nll_loss take them

@@ -181,7 +181,8 @@ def _epilogue_norms(run: DSRun, order: tuple[int, ...], start: int) -> tuple[Ter
     the 15 partitions normed before a 65,536-element one, 2,475,776 B, and its 524,288-B fp64 copy; every MoE nvme
     row's backward 129,164-132,948 B under before."""
     s, rank, nd, numels = run.settings, run.settings.rank or 0, run.nd, run.numels
-    swapped = s.offload_optimizer.device == "nvme" and s.grad_dtype != "fp32" and swappable(flat_shard_numel(numels, nd))
+    swapped = (s.offload_optimizer.device == "nvme" and s.grad_dtype != "fp32"
+               and swappable(flat_shard_numel(numels, nd)))
     last = sorted(order[start:]) if s.reduce_scatter else order[start:]  # __reduce_and_partition_ipg_grads: by ds_id
     best, kept, fp32 = (0, 0, 0), 0, 0
     for k, i in enumerate((*order[:start], *last)):
@@ -201,4 +202,5 @@ def _epilogue_norms(run: DSRun, order: tuple[int, ...], start: int) -> tuple[Ter
             Term(f"{PARAM_NORMS}, the gradients normed before it", best[1] * 8, f"{S3} norm_for_param_grads", best[1]),
             *((Term("fp32 copies of the gradient partitions normed before it, kept for the swap-out "
                     "(offload_fp32_gradients; an earlier bucket's unswapped_gradients)", best[2],
-                    f"{S3} _offload_grad_partition_at_boundary -> _swap_out_offload_fp32_gradients"),) if best[2] else ()))
+                    f"{S3} _offload_grad_partition_at_boundary -> _swap_out_offload_fp32_gradients"),)
+              if best[2] else ()))
