@@ -49,7 +49,7 @@ def attention_input_hook(run: DSRun, hook: int, attention: tuple[tuple[int, ...]
             w = widths[k]
             released += n_a * w // _pbytes(run) * 4 + n_a * w + n_a // _pbytes(run) * (w // spec.head_dim) * 4
     pending = sum(widths[k] for k in projections if k > at) * n_a
-    waiting = nda if run.settings.stage == 3 and at in projections and len(done) > 1 else 0  # the wrapper's node
+    waiting = nda if run.wrapper.wraps_module_inputs and at in projections and len(done) > 1 else 0  # the wrapper's node
     return (_act("block's saved activations left at its attention inputs' backward", saved_before_post_norm - released),
             _act("pending projections' output, the input norm output's and x1's gradients",
                  pending + 2 * nda + waiting, len(projections) - len(done) + 2 + bool(waiting)))

@@ -41,6 +41,10 @@ class Wrapper:
     """what its offload keeps on the host and moves (offload_terms.py; ZeRO-1/2's and ZeRO-3's: offload_wrappers.py)."""
     ds_estimate: Callable = staticmethod(zero12_estimate_bytes)
     """``(settings, numels, nd) -> bytes``: DeepSpeed's own estimator of the wrapper's file (estimator.py)."""
+    wraps_module_inputs: bool = False
+    """Whether each module's inputs pass through ``PostBackwardFunctionModule`` (ZeRO-3's module hooks,
+    runtime/zero/parameter_offload.py ``_post_backward_module_hook``): an input gradient waits in its node while the
+    module's ``AccumulateGrad`` hooks run (attention_hooks.py)."""
 
     def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
         """Elements of one rank's fp32 master partition."""
