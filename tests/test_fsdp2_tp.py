@@ -49,6 +49,7 @@ def _predict(run: dict, rank: int):
     replicate = meta.get("dp_replicate", 1)
     settings = Settings(tp=meta["tp"], sequence_parallel=meta["sequence_parallel"], device="cpu", backend="gloo",
                         loss_parallel=meta.get("loss_parallel", True), rank=rank, foreach=False, param_dtype=meta.get("param_dtype", "fp32"),
+                        tp_plan=meta.get("tp_plan", "torchtitan"),
                         **({"dp_replicate": replicate} if replicate > 1 else {}))  # fmt: skip
     (row,) = estimate(_workload(meta), meta["world_size"], settings)
     return row
@@ -62,7 +63,8 @@ def _run_id(run: dict) -> str:
     seq = f"-s{meta['seq_len']}" if meta["seq_len"] != 16 else ""
     sp = "sp" if meta["sequence_parallel"] else "no-sp"
     lp = "" if meta.get("loss_parallel", True) else "-no-lp"
-    return f"{meta.get('param_dtype', 'fp32')}-{sp}{lp}{ckpt}{batch}{seq}{hsdp}"
+    hf = "-hf" if meta.get("tp_plan") == "transformers" else ""  # transformers' own tp_plan (accelerate's TP)
+    return f"{meta.get('param_dtype', 'fp32')}-{sp}{lp}{hf}{ckpt}{batch}{seq}{hsdp}"
 
 
 def _mesh(meta) -> tuple[int, int, int]:
@@ -194,7 +196,7 @@ def test_hsdp_tp_world_8():
     all-reduces over dp_replicate (one per unit: 2 blocks and the root, S_u elements in the reduce dtype, after the
     reduce-scatters over dp_shard), 5 all-gathers and 3 reduce-scatters over dp_shard, 28 TP calls over tp; in bf16 the
     all-reduce buffers are held until backward ends (a backward term)."""
-    runs = [r for r in RECORDED["runs"] if r["meta"].get("dp_replicate", 1) == 2]
+    runs = [r for r in RECORDED["runs"] if r["meta"].get("dp_replicate", 1) == 2 and "tp_plan" not in r["meta"]]
     assert sorted(r["meta"]["param_dtype"] for r in runs) == ["bf16", "fp32"]
     for run in runs:
         assert run["meta"]["world_size"] == 8 and _mesh(run["meta"]) == (2, 2, 2)
@@ -210,6 +212,28 @@ def test_hsdp_tp_world_8():
         assert bool(held) == (run["meta"]["param_dtype"] == "bf16")
         for row in run["rows"]:
             assert row["peak_bytes_by_phase"] == _predict(run, row["rank"]).peak.by_phase()
+
+
+def test_transformers_tp_plan():
+    """transformers' own plan (``tp_plan`` transformers, accelerate's TP; validate/engines/fsdp2_tp_hf.py runs
+    transformers 5.24's ``apply_tensor_parallelism``): recorded fp32 at world 4 (2 x 2) and 8 (HSDP 2 x 2 x 2) and
+    bf16 at world 4, every phase of every rank exact (test_every_phase_of_every_rank). Its placements are
+    torchtitan's without SP or loss parallel, so the peaks are those of ``sequence_parallel`` and
+    ``loss_parallel`` false; only the backward's TP all-reduces differ: each of q/k/v and gate/up all-reduces
+    its own input gradient, 5 per block where torchtitan's ``PrepareModuleInput`` sends 2 (measured: 11 = 2 x 5
+    + the head's, against 5)."""
+    runs = [r for r in RECORDED["runs"] if r["meta"].get("tp_plan") == "transformers"]
+    assert sorted((r["meta"]["world_size"], r["meta"]["param_dtype"]) for r in runs) == [(4, "bf16"), (4, "fp32"),
+                                                                                         (8, "fp32")]  # fmt: skip
+    for run in runs:
+        meta = run["meta"]
+        hf, titan = _predict(run, 0), _predict({**run, "meta": {**meta, "tp_plan": "torchtitan"}}, 0)
+        assert hf.peak.by_phase() == titan.peak.by_phase()
+        back = Counter((c.op, c.phase) for c in hf.collectives if c.mesh_dim == "tp")
+        assert back[("all-reduce", "backward")] == 2 * 5 + 1
+        assert Counter((c.op, c.phase) for c in titan.collectives if c.mesh_dim == "tp")[("all-reduce", "backward")] == 5
+    with pytest.raises(ValueError, match="tp_plan=transformers: its plan has no sequence parallelism"):
+        Settings(tp=2, tp_plan="transformers", loss_parallel=False)
 
 
 def test_tp_traffic_llama3_8b():
