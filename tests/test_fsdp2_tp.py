@@ -335,6 +335,37 @@ def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path, loss_paralle
     assert sum(numel for numel, _ in local.values()) * 4 == row["params_bytes"]  # fp32 shards of the TP-local shapes
 
 
+@pytest.mark.distributed
+def test_the_transformers_plan_snippet_runs_on_llama_for_causal_lm(tmp_path):
+    """``plan --accelerate-config tp_hsdp.yaml`` (accelerate's TP: transformers' own plan): the printed snippet,
+    run on transformers' ``LlamaForCausalLM`` (tiny, on meta) as rank 0 of a fake group of 8, makes the placements
+    of ``tp.py``'s plan (colwise ``Shard(0)``, rowwise ``Shard(1)``, the embedding and head vocabulary-split, the
+    norms plain tensors) and rank 0's local shards hold ``estimate``'s parameter bytes."""
+    from fake_llama import run_on_fake_llama
+    from typer.testing import CliRunner
+    from zeroplan.cli import app
+
+    config = Path(__file__).parent / "data" / "hf_configs" / "tiny-llama-qwz.json"
+    accelerate = Path(__file__).parent / "data" / "integrations" / "accelerate" / "tp_hsdp.yaml"
+    args = ["--model", str(config), "--seq-len", "32", "--accelerate-config", str(accelerate), "--json"]
+    plan = CliRunner().invoke(app, ["plan", "--gpu", "h100-80gb", *args])
+    assert plan.exit_code == 0, plan.output
+    snippet = json.loads(plan.stdout)["recommendation"]["fsdp2"]
+    assert "apply_tensor_parallelism(model, mesh[\"tp\"]" in snippet and "parallelize_module" not in snippet
+    (row,) = json.loads(CliRunner().invoke(app, ["estimate", *args]).stdout)["stages"]
+    assert "transformers' tp_plan" in row["name"]
+    local = run_on_fake_llama(tmp_path, config, snippet.replace("'cuda'", "'cpu'"), 8,
+                              "{n: [p.to_local().numel(), [repr(x) for x in p.placements]] "
+                              "for n, p in model.named_parameters()}")
+    want = {"q_proj": "Shard(dim=0)", "k_proj": "Shard(dim=0)", "v_proj": "Shard(dim=0)", "gate_proj": "Shard(dim=0)",
+            "up_proj": "Shard(dim=0)", "o_proj": "Shard(dim=1)", "down_proj": "Shard(dim=1)",
+            "embed_tokens": "Shard(dim=0)", "lm_head": "Shard(dim=0)"}  # fmt: skip
+    for name, (_, placements) in local.items():  # (dp_replicate, dp_shard[, tp]): the norms are not on tp
+        key = next((k for k in want if k in name.split(".")[-2]), None)
+        assert placements[2:] == ([want[key]] if key else []) and placements[0] == "Replicate()", (name, placements)
+    assert sum(numel for numel, _ in local.values()) * 4 == row["params_bytes"]  # fp32 shards of the TP-local shapes
+
+
 def test_plan_compute_time_is_split_over_the_tp_group():
     """A data-parallel rank's b·s tokens are computed by its T GPUs, 6·Ψ·b·s / T FLOPs each
     (``commtime.compute_time_s``): a ``--tp 2`` row's compute time is half the flat row's, so its exposed

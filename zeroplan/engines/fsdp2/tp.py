@@ -357,3 +357,17 @@ def tp_snippet(t: int, dp_mesh: str, sequence_parallel: bool, loss_parallel: boo
         "    })\n"
         f"dp_mesh = {dp_mesh}  # fully_shard shards the TP-local tensors over it\n"
     )
+
+
+def transformers_tp_snippet(t: int, dp_mesh: str) -> str:
+    """transformers' own plan (``Settings.tp_plan`` transformers) as the validator applies it
+    (validate/engines/fsdp2_tp_hf.py: transformers 5.24, whose ``from_pretrained(tp_plan="auto", tp_size=T)`` refuses
+    a T below the world size), then what ``fully_shard`` takes: ``dp_mesh``."""
+    return (
+        "from transformers.distributed.tensor_parallel import apply_tensor_parallelism\n"
+        f"# tensor parallelism over the {t} GPUs of mesh[\"tp\"]: the model's own tp_plan (transformers; accelerate's\n"
+        "# TP), before fully_shard: colwise q/k/v, gate/up, rowwise o/down, embedding_rowwise, lm_head\n"
+        "# colwise_gather_output (the logits whole on every TP rank: the loss as without TP)\n"
+        "apply_tensor_parallelism(model, mesh[\"tp\"], model._expand_parallel_plan(model.tp_plan))\n"
+        f"dp_mesh = {dp_mesh}  # fully_shard shards the TP-local tensors over it\n"
+    )
