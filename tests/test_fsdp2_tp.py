@@ -424,6 +424,9 @@ def test_tp_auto_takes_the_smallest_degree_that_fits():
     (["--engine", "fsdp2", "--tp", "3", "--world-size", "6"], "n_head=4 is not divisible by 3"),
     (["--engine", "fsdp2", "--tp", "2", "--model", "gpt-tiny"], "torchtitan's llama plan holds only"),
     (["--engine", "fsdp2", "--tp", "1"], "greater than or equal to 2"),
+    (["--engine", "fsdp2", "--tp-plan", "transformers"], "--tp-plan: with --tp only"),
+    (["--engine", "fsdp2", "--tp", "2", "--tp-plan", "transformers", "--sp"], "--tp-plan transformers: its plan has no"),
+    (["--engine", "fsdp2", "--tp", "2", "--tp-plan", "megatron"], "tp_plan"),
 ])  # fmt: skip
 def test_validate_tp_refusals(args, message):
     """``validate --tp``: what the TP runner cannot run is refused in one line before any rank starts."""

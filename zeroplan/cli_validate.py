@@ -79,6 +79,10 @@ def validate_cmd(
         "loss_parallel() (default); --no-loss-parallel: Replicate, all-gathered logits (torchtitan's "
         "disable_loss_parallel)."
     ),
+    tp_plan: Optional[str] = typer.Option(
+        None, "--tp-plan", help="fsdp2 --tp: torchtitan (default) or transformers (the model's own tp_plan, as "
+        "accelerate's TP; implies --no-sp --no-loss-parallel).",
+    ),
     fsdp2_init: Optional[str] = typer.Option(
         None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
         "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
@@ -177,7 +181,7 @@ def validate_cmd(
         **given(engine=engine, reduce_dtype=reduce_dtype,
                 reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init,
                 fsdp_wrap=fsdp_wrap, hf=hf, labels=labels, dp_replicate=dp_replicate, tp=tp,
-                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel),
+                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, tp_plan=tp_plan),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,

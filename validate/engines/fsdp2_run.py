@@ -76,7 +76,7 @@ def check_tp(config) -> None:
     """``tp``: what the TP runner (validate/engines/fsdp2_tp.py) runs, refused here before any rank starts."""
     if config.tp is None:
         for flag, value in (("--sp/--no-sp", config.sequence_parallel),
-                            ("--loss-parallel/--no-loss-parallel", config.loss_parallel)):  # fmt: skip
+                            ("--loss-parallel/--no-loss-parallel", config.loss_parallel), ("--tp-plan", config.tp_plan)):  # fmt: skip
             if value is not None:
                 raise ValueError(f"{flag}: with --tp only")
         return
@@ -88,6 +88,9 @@ def check_tp(config) -> None:
                                    ("--nnodes", config.nnodes > 1),
                                    ("--reduce-dtype", config.reduce_dtype not in (None, config.param_dtype)))
              if on]  # fmt: skip
+    if config.tp_plan == "transformers" and (config.sequence_parallel or config.loss_parallel):
+        raise ValueError("--tp-plan transformers: its plan has no sequence parallelism and gathers the logits "
+                         "(no --sp, no --loss-parallel)")  # fmt: skip
     if given:
         raise ValueError(f"tp={config.tp}: the TP runner is real gloo ranks on CPU, meta init, blocks and root "
                          f"resharded, Adam for-loop, reduce dtype = param dtype: no {', '.join(given)}")
@@ -99,4 +102,4 @@ def check_tp(config) -> None:
             raise ValueError(f"tp={config.tp}, dp-replicate={r}: world size {n} must be R x S x T with dp_shard "
                              f"S >= 2 (got {list(config.world_sizes)})")  # fmt: skip
     check_tp_plan(config.model_name, config.tp, config.world_sizes, config.seq_len,
-                  config.sequence_parallel is not False)
+                  config.sequence_parallel is not False and config.tp_plan != "transformers")

@@ -10,7 +10,9 @@ embedding rowwise to Shard(1); head colwise to vocabulary-sharded logits) on the
 ``fully_shard`` of each decoder layer and the root over the data-parallel mesh, ``to_empty`` and init; Adam.
 ``CausalLM`` applies its head with ``F.linear`` on the head's weight, outside any module hook, so the run
 replaces the root's ``forward`` by ``tp_forward`` (the same ops, the head called as the module ``lm_head``,
-so its ``ColwiseParallel`` hooks run) and computes the loss in ``loss_parallel()``.
+so its ``ColwiseParallel`` hooks run) and computes the loss in ``loss_parallel()``. ``--tp-plan transformers``:
+transformers' own plan instead, applied by transformers (``validate.engines.fsdp2_tp_hf``; no SP, the logits
+gathered, the plain loss), as accelerate's TP needs it.
 
 Phases, probes and the c10d counter are FSDP2's runner's (``validate.engines.fsdp2``); each call's process
 group is recorded as its ranks and as the mesh dimension it is (``dim``). Every collective returns only once
@@ -214,11 +216,13 @@ class TpRun:
     def from_validate(cls, config) -> TpRun:
         """The run ``zeroplan validate --engine fsdp2 --tp T`` asks for (``validate.config.ValidateConfig``)."""
         spec = spec_for(config.model_name, None)
+        hf = config.tp_plan == "transformers"  # no SP, the logits gathered (validate.engines.fsdp2_tp_hf)
         return cls(tp=config.tp, dp_replicate=config.dp_replicate or 1, steps=config.steps,
                    batch=config.batch_per_rank, seq_len=config.seq_len or spec.max_seq_len,
-                   sequence_parallel=config.sequence_parallel is not False, param_dtype=config.param_dtype,
-                   checkpointing=config.checkpointing == "full", loss_parallel=config.loss_parallel is not False,
-                   model=None if config.model_name == "llama-tiny" else config.model_name)  # fmt: skip
+                   sequence_parallel=config.sequence_parallel is not False and not hf, param_dtype=config.param_dtype,
+                   checkpointing=config.checkpointing == "full", loss_parallel=config.loss_parallel is not False and not hf,
+                   model=None if config.model_name == "llama-tiny" else config.model_name,
+                   tp_plan=config.tp_plan or "torchtitan")  # fmt: skip
 
     def mesh(self, nd: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """``init_device_mesh``'s shape and names on ``nd`` ranks (``tp`` innermost, torchtitan's order)."""

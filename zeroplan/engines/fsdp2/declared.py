@@ -44,5 +44,9 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
     RunOption("loss_parallel", Optional[StrictBool], shown="--loss-parallel/--no-loss-parallel",
               help="with tp: the head's output Shard(-1) and loss_parallel() (default True); False: Replicate, the "
               "logits all-gathered (torchtitan's disable_loss_parallel)", planner="loss_parallel"),
+    RunOption("tp_plan", Optional[Literal["torchtitan", "transformers"]], shown="--tp-plan",
+              help="with tp: torchtitan (default) or transformers (the model's own tp_plan applied by transformers' "
+              "apply_tensor_parallelism, accelerate's TP: no SP, the logits gathered; validate/engines/fsdp2_tp_hf.py)",
+              planner="tp_plan"),
 )  # fmt: skip
 """In ``ValidateConfig``'s former field order; ``planner``: the planner's own option of the same meaning."""
