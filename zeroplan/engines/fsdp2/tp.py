@@ -89,6 +89,14 @@ def check_plan(spec, t: int, nd: int, seq_len: int, sequence_parallel: bool) -> 
             raise ValueError(f"tp={t}: {what}={n} is not divisible by {t} (uneven DTensor shards are not modelled)")
 
 
+def colwise_inputs(tp_plan: str) -> int:
+    """The input gradients a block all-reduces over ``tp`` in backward without SP (``tp_collectives``): torch's
+    plan makes each of attention's and the MLP's inputs a DTensor once (``PrepareModuleInput``), 2; transformers'
+    each colwise module its own (``TRANSFORMERS_SRC`` ``ColwiseParallel.transform_inputs_pre_forward``), one per
+    ``COLWISE`` module."""
+    return len(COLWISE) if tp_plan == "transformers" else 2
+
+
 def local_shape(name: str, shape: tuple[int, ...], t: int) -> tuple[int, ...]:
     """The TP-local shape of one parameter (the plan in the module docstring); ValueError for a name outside it."""
     module, leaf = (["", *name.split(".")])[-2:]

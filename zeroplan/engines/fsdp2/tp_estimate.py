@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, local_spec, norm_grad_collectives, tp_collectives
+from zeroplan.engines.fsdp2.tp import (check_plan, colwise_inputs, local_shapes, local_spec, norm_grad_collectives,
+                                       tp_collectives)  # fmt: skip
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.peak import PeakEstimate, PhasePeak, Term
@@ -35,7 +36,7 @@ def tp_rows(workload, settings) -> tuple[Collective, ...]:
     return _tp_rows(spec.n_layer, workload.micro_batch * workload.seq_len, spec.d_model, settings.param,
                     settings.tp, settings.sequence_parallel, workload.checkpointing != "none",
                     workload.grad_accum, None if settings.loss_parallel else spec.vocab_size,
-                    5 if settings.tp_plan == "transformers" else 2)  # fmt: skip
+                    colwise_inputs(settings.tp_plan))  # fmt: skip
 
 
 @lru_cache(maxsize=64)  # the same for every candidate and rank of a plan at one T (a speed-up: plan's mesh search)
