@@ -1,7 +1,8 @@
 """FSDP2 with tensor parallelism (engines/fsdp2/tp.py): TP-local shapes, the TP collectives, the refusals, and
 the prediction of every phase of every rank against real gloo runs at world size 4 as dp_shard 2 x tp 2
 (validate/engines/fsdp2_tp.py, recorded in tests/data/measured/fsdp2_tp.json: with and without sequence
-parallelism, and without loss parallel: tests/test_fsdp2_tp_loss.py). One live run (a background job); the recorded
+parallelism, without loss parallel: tests/test_fsdp2_tp_loss.py, and with transformers' own plan, the ``-hf`` rows:
+``--tp-plan transformers``). One live run (a background job); the recorded
 rows are re-made with ``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 [--no-sp] [--no-loss-parallel]
 --out F`` (~30 s CPU each)."""
 
