@@ -23,7 +23,7 @@ from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import tp_acts
 from zeroplan.engines.fsdp2.tp_loss import check_loss_parallel
-from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search, tp_workload
+from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_rows, tp_search, tp_workload
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, fsdp2_run, mesh_ranks, resharded, run_states
 from zeroplan.engines.fsdp2.units import wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
@@ -35,30 +35,32 @@ from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.formulas.dropout import dropout_limit
 from zeroplan.policy import PrecisionPolicy
 
-def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None = None) -> tuple[EngineEstimate, ...]:
+def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None = None,
+             collectives: bool = True) -> tuple[EngineEstimate, ...]:
     """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (None: the
     rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``), on a 2-D
     HSDP mesh when ``dp_replicate``/``dp_shard`` say so (engines/fsdp2/mesh.py); its collectives count one
     optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``). With ``tp`` T > 1: the TP-local
     model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``). ``made``: filled with {rank: its
     run} (with TP: the data-parallel rank's TP-local run), for the plan's allocation trace of the rank that peaks
-    (``alloc_traces``' ``run``)."""
+    (``alloc_traces``' ``run``). ``collectives`` False: the rows' collectives left empty (the plan's search reads
+    only the peaks of most configurations; ``with_collectives`` adds them to a row later, the same tuple)."""
     check_loss_parallel(settings.tp, settings.loss_parallel)
     if (settings.tp or 1) > 1:
-        return tp_estimate(workload, nd, settings, dp_estimate, made)
-    return dp_estimate(workload, nd, settings, made)
+        return tp_estimate(workload, nd, settings, dp_estimate, made, collectives)
+    return dp_estimate(workload, nd, settings, made, collectives)
 
 
 def dp_estimate(workload: Workload, nd: int, settings: Settings,
-                made: dict | None = None) -> tuple[EngineEstimate, ...]:
+                made: dict | None = None, collectives: bool = True) -> tuple[EngineEstimate, ...]:
     """``estimate`` on ``nd`` data-parallel ranks (with ``tp``: ``workload`` is the TP-local one)."""
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
     if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
         ranks = distinct_ranks(tuple(s for _, s in workload.shapes), shard_groups(settings, nd)[1])
         runs: list = []  # the first rank's run, which the others reuse (Fsdp2Run.for_rank: a speed-up)
-        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs, made)
-                            for r in ranks}),)  # fmt: skip
-    return (_estimate(workload, nd, settings, None, made),)
+        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs, made,
+                                         collectives) for r in ranks}),)  # fmt: skip
+    return (_estimate(workload, nd, settings, None, made, collectives),)
 
 
 def rank_run(workload: Workload, nd: int, settings: Settings):
@@ -76,7 +78,7 @@ def rank_run(workload: Workload, nd: int, settings: Settings):
 
 
 def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None = None,
-              made: dict | None = None) -> EngineEstimate:
+              made: dict | None = None, collectives: bool = True) -> EngineEstimate:
     """One rank's row; ``runs``: the first rank's run, shared by the others of one estimate (only Adam's states
     depend on the rank: ``Fsdp2Run.for_rank``); ``made``: {rank: its run}, filled."""
     rank = settings.rank
@@ -90,7 +92,7 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
         made[rank] = run
     settings = run.settings
     st = run_states(run)  # model_states(run.units, nd, settings), once per run
-    coll = run_collectives(run, workload.grad_accum)
+    coll = run_collectives(run, workload.grad_accum) if collectives else ()
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     host = None
     if settings.offload_policy == "cpu":  # CPUOffloadPolicy: the model states live on the host (offload.py)
@@ -142,14 +144,17 @@ class Fsdp2Option:
 
 def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
                  shards: tuple[int, ...] = (), until_fit: bool = False, memo: dict | None = None,
-                 upto: int | None = None) -> tuple[Fsdp2Option, ...]:
+                 upto: int | None = None, peaks_only: bool = False) -> tuple[Fsdp2Option, ...]:
     """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
     wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
     (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of
     them whose peak fits (HSDP across the rest), else on the largest; ``until_fit``: none after the first that
     fits. ``memo``: each estimate by (its resolved settings, checkpointing), shared by the plans of one mesh
     search (``tp_estimate.mesh_search`` asks the same configuration again: a speed-up, no rule); ``upto``: the
-    candidates up to that index only (the mesh search's first pass: a later first fit cannot win)."""
+    candidates up to that index only (the mesh search's first pass: a later first fit cannot win). Each
+    configuration is estimated without its collectives (``estimate``'s ``collectives``: a shard group the
+    bisection passes over never shows them), which each candidate returned gets (``with_collectives``) unless
+    ``peaks_only`` (the mesh search's ranking: only the fits, ``with_collectives`` for the one it compares)."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
     own = isinstance(settings.wrap, Wrapping)
@@ -168,7 +173,7 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
             if memo is not None and (s, w.checkpointing) in memo:
                 return memo[s, w.checkpointing]
             made: dict = {}
-            (row,) = estimate(w, nd, s, made)
+            (row,) = estimate(w, nd, s, made, collectives=False)
             fits = row.peak.peak_bytes <= capacity_bytes
             if memo is not None:
                 memo[s, w.checkpointing] = (s, row, fits, made), fits
@@ -176,10 +181,19 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
 
         s, row, fits, made = smallest_fitting(shards, option) if shards else option(None)[0]
         run = made.get((row.peak_rank or 0) // (s.tp or 1))  # the run the trace replays (made by data-parallel rank)
+        row = row if peaks_only else with_collectives(row, w, s, run) if run is not None else estimate(w, nd, s)[0]
         out.append(Fsdp2Option(_run_settings(w, nd, s, run), ckpt, row, fits, wrapping_of(w, s), run))
         if fits and until_fit:  # the mesh search ranks by the first that fits (tp_estimate.mesh_search)
             break
     return tuple(out)
+
+
+def with_collectives(row: EngineEstimate, workload: Workload, settings: Settings, run: Fsdp2Run) -> EngineEstimate:
+    """``row`` (``estimate`` of ``workload`` on ``settings``, without collectives) with the collectives ``estimate``
+    gives it: those of ``run``, the run of its ``peak_rank`` (``run_collectives``, the same on every rank of a run),
+    then with TP the TP group's (``tp_estimate.tp_rows``)."""
+    coll = run_collectives(run, workload.grad_accum)
+    return replace(row, collectives=(*coll, *tp_rows(workload, settings)) if (settings.tp or 1) > 1 else coll)
 
 
 def _run_settings(w: Workload, nd: int, s: Settings, run: Fsdp2Run | None) -> Settings:
@@ -265,10 +279,12 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
 
 
 def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions,
-              until_fit: bool = False, memo: dict | None = None, upto: int | None = None) -> EnginePlan:
+              until_fit: bool = False, memo: dict | None = None, upto: int | None = None,
+              peaks_only: bool = False) -> EnginePlan:
     """The plan of the mesh ``options`` give (``auto``: searched): every candidate of ``plan_options`` (cheapest
     first) with the snippet of exactly the configuration predicted; the recommendation is ``recommend``'s
-    (``until_fit``: no candidate after it, for the mesh search's ranking; ``memo``, ``upto``: ``plan_options``')."""
+    (``until_fit``: no candidate after it, for the mesh search's ranking; ``memo``, ``upto``, ``peaks_only``:
+    ``plan_options``')."""
     search = options.own.get("dp_shard") == AUTO
     if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
         if search and options.own.get("dp_replicate") is None:  # and ``--dp-shard auto``: R x S x T (tp_estimate)
@@ -285,7 +301,7 @@ def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: Planner
     # with tp: N_d / T data-parallel ranks, G / T of them per node (tp innermost, inside a node)
     # (a node of one data-parallel rank, T = G: groups of two nodes and up; FSDP2 at S = 1 is not modelled)
     shards = tuple(s for s in shard_sizes(nd // t, max(1, node // t)) if s >= 2) if search else ()
-    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit, memo, upto)
+    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit, memo, upto, peaks_only)
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"

@@ -82,14 +82,14 @@ def tp_local(workload, nd: int, settings):
     return tp_workload(workload, t), nd // t, settings.model_copy(update={"rank": rank})
 
 
-def tp_estimate(workload, nd: int, settings, estimate, made: dict | None = None):
+def tp_estimate(workload, nd: int, settings, estimate, made: dict | None = None, collectives: bool = True):
     """The rows of ``estimate`` (FSDP2's, passed in: no import cycle) for T = ``settings.tp`` on ``nd`` GPUs:
     global rank r is TP rank r mod T of data-parallel rank r // T (``tp`` innermost), and every TP rank of a
     data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T.
-    ``made``: filled with {data-parallel rank: its TP-local run} (``plan.estimate``)."""
+    ``made``: filled with {data-parallel rank: its TP-local run}; ``collectives`` False: none (``plan.estimate``)."""
     t = settings.tp
-    rows = estimate(*tp_local(workload, nd, settings), made)  # the data-parallel profile (plan.dp_estimate)
-    extra, ranks = tp_rows(workload, settings), mesh_rank_map(settings, nd)
+    rows = estimate(*tp_local(workload, nd, settings), made, collectives)  # the data-parallel profile (dp_estimate)
+    extra, ranks = tp_rows(workload, settings) if collectives else (), mesh_rank_map(settings, nd)
     return tuple(replace(r, collectives=(*r.collectives, *extra), peak=with_resident(r.peak, ranks),
                          beside_states=(*r.beside_states, *ranks),
                          peak_rank=None if r.peak_rank is None else r.peak_rank * t)
@@ -174,6 +174,7 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     key); then only the degrees whose first fit is the earliest search their shard groups (``until_fit``); the
     winner is planned in full. The plan's ``order`` says what each degree gave."""
     from zeroplan.engines.fsdp2.mesh import AUTO
+    from zeroplan.engines.fsdp2.plan import with_collectives
     from zeroplan.engines.fsdp2.tp import tp_sizes
     from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 
@@ -181,10 +182,10 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     sp = options.own.get("sequence_parallel", True) is not False
     memo: dict = {}  # (settings, checkpointing) -> estimate, across both passes (plan_options)
 
-    def at(t: int, shard, until_fit: bool = True, upto: int | None = None):
+    def at(t: int, shard, until_fit: bool = True, upto: int | None = None):  # until_fit: the ranking's, peaks only
         own = {**at_degree(options.own, t), "dp_shard": shard}
         return plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=until_fit, memo=memo,
-                    upto=upto)  # fmt: skip
+                    upto=upto, peaks_only=until_fit)  # fmt: skip
 
     degrees = tuple(t for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp)
                     if t == 1 or _in_plan(workload, t))  # fmt: skip
@@ -201,7 +202,8 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
             continue
         result = at(t, AUTO)  # the same first fit, on its smallest shard group
         chosen = result.candidates[result.recommended]
-        tried.append((t, result, inter_node_bytes(chosen.estimate.collectives, nd, node)))
+        w, _, s, run = chosen.trace_inputs  # its collectives, which the ranking left out (plan.with_collectives)
+        tried.append((t, result, inter_node_bytes(with_collectives(chosen.estimate, w, s, run).collectives, nd, node)))
     searched = [x for x in tried if x[1] is not None]
     t = min(searched, key=lambda x: (x[2], x[0]))[0] if searched else degrees[-1]
     best = at(t, AUTO, until_fit=False)  # every candidate
