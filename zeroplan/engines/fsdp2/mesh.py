@@ -137,6 +137,18 @@ def states_floor(numel: int, s: int, settings: Settings) -> int:
     return numel * (2 + adam_moments(settings)) * dtype_bytes(settings.module) // s
 
 
+def gathered_floor(numel: int, settings: Settings) -> int:
+    """A lower bound on the predicted peak of a run with ``reshard_after_forward=False`` (0 otherwise): no unit is
+    resharded after its forward (torch 2.13 ``_fsdp_param_group.py``: ``FSDPParamGroup.post_forward`` calls
+    ``reshard``, which returns in forward unless ``_reshard_after_forward``), so at the loss every unit's unsharded parameters are live
+    (``moments.forward_moments``: "unsharded parameters (root)", "(block i)"), each unit's all-gather output of
+    ``padded_shard_numel`` x S >= its numel elements in the param dtype (``MixedPrecisionPolicy.param_dtype``, else
+    the module dtype), ``numel`` being the (TP-local) parameters."""
+    from zeroplan.formulas.dtypes import dtype_bytes
+
+    return numel * dtype_bytes(settings.param) if settings.reshard_after_forward is False else 0
+
+
 def possible_sizes(sizes: tuple[int, ...], numel: int, settings: Settings, capacity: int) -> tuple[int, ...]:
     """``sizes`` (ascending) less those whose ``states_floor`` alone exceeds ``capacity``: none of them can fit,
     so ``smallest_fitting`` over the rest finds the same group with fewer estimates. The largest is kept (its

@@ -12,7 +12,7 @@ from zeroplan.engines.base import (Candidate, EngineEstimate, EnginePlan, PeakLi
 from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.memo import memo_term
-from zeroplan.engines.fsdp2.mesh import (AUTO, mesh_pins, possible_sizes,
+from zeroplan.engines.fsdp2.mesh import (AUTO, gathered_floor, mesh_pins, possible_sizes,
                                          resolve_mesh, shard_groups, shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.leaders import predict_peak
@@ -144,14 +144,15 @@ class Fsdp2Option:
 
 def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
                  shards: tuple[int, ...] = (), until_fit: bool = False, memo: dict | None = None,
-                 upto: int | None = None, peaks_only: bool = False) -> tuple[Fsdp2Option, ...]:
+                 upto: int | None = None, peaks_only: bool = False, only: int | None = None) -> tuple[Fsdp2Option, ...]:
     """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
     wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
     (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of
     them whose peak fits (HSDP across the rest), else on the largest; ``until_fit``: none after the first that
     fits. ``memo``: each estimate by (its resolved settings, checkpointing), shared by the plans of one mesh
     search (``tp_estimate.mesh_search`` asks the same configuration again: a speed-up, no rule); ``upto``: the
-    candidates up to that index only (the mesh search's first pass: a later first fit cannot win). Each
+    candidates up to that index only (the mesh search's first pass: a later first fit cannot win); ``only``: the
+    candidate of that index alone (its second pass: those before it fit on no shard group). Each
     configuration is estimated without its collectives (``estimate``'s ``collectives``: a shard group the
     bisection passes over never shows them), which each candidate returned gets (``with_collectives``) unless
     ``peaks_only`` (the mesh search's ranking: only the fits, ``with_collectives`` for the one it compares)."""
@@ -162,22 +163,11 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
         local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
         shards = possible_sizes(shards, sum(math.prod(sh) for _, sh in local.shapes), settings, capacity_bytes)
     out = []
-    for reshard, ckpt in (((None, "none"), (None, "full")) if own else CANDIDATES)[:None if upto is None else upto + 1]:
-        w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
-                     workload.grad_accum, workload.foreach, workload.transformers)  # fmt: skip
+    for reshard, ckpt in _candidates(own, upto, only):
+        w = replace(workload, checkpointing=ckpt)
 
         def option(shard: int | None, reshard=reshard, w=w) -> tuple[tuple[Settings, EngineEstimate, bool, dict], bool]:
-            update = ({} if own else {"reshard_after_forward": reshard}) | (
-                {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
-            s = tp_mesh(settings.model_copy(update=update), nd)  # resolve_mesh on N_d / T (engines/fsdp2/tp_estimate.py)
-            if memo is not None and (s, w.checkpointing) in memo:
-                return memo[s, w.checkpointing]
-            made: dict = {}
-            (row,) = estimate(w, nd, s, made, collectives=False)
-            fits = row.peak.peak_bytes <= capacity_bytes
-            if memo is not None:
-                memo[s, w.checkpointing] = (s, row, fits, made), fits
-            return (s, row, fits, made), fits
+            return _configured(w, nd, capacity_bytes, settings, own, reshard, shard, memo)
 
         s, row, fits, made = smallest_fitting(shards, option) if shards else option(None)[0]
         run = made.get((row.peak_rank or 0) // (s.tp or 1))  # the run the trace replays (made by data-parallel rank)
@@ -186,6 +176,52 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
         if fits and until_fit:  # the mesh search ranks by the first that fits (tp_estimate.mesh_search)
             break
     return tuple(out)
+
+
+def _candidates(own: bool, upto: int | None, only: int | None = None) -> tuple[tuple[bool | None, str], ...]:
+    """``plan_options``' (reshard_after_forward, checkpointing) pairs, up to index ``upto`` (``only``: that one
+    alone); a wrapping file keeps its own reshard values (None)."""
+    pairs = ((None, "none"), (None, "full")) if own else CANDIDATES
+    return pairs[only:only + 1] if only is not None else pairs[:None if upto is None else upto + 1]
+
+
+def _configured(w: Workload, nd: int, capacity_bytes: int, settings: Settings, own: bool, reshard, shard: int | None,
+                memo: dict | None) -> tuple[tuple[Settings, EngineEstimate, bool, dict], bool]:
+    """((the resolved settings, the row without collectives, whether its peak fits, {rank: run}), fits) of one
+    candidate on shard group ``shard`` (None: as ``settings`` give), by ``memo`` when it holds it."""
+    update = ({} if own else {"reshard_after_forward": reshard}) | (
+        {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
+    s = tp_mesh(settings.model_copy(update=update), nd)  # resolve_mesh on N_d / T (engines/fsdp2/tp_estimate.py)
+    if memo is not None and (s, w.checkpointing) in memo:
+        return memo[s, w.checkpointing]
+    made: dict = {}
+    (row,) = estimate(w, nd, s, made, collectives=False)
+    fits = row.peak.peak_bytes <= capacity_bytes
+    if memo is not None:
+        memo[s, w.checkpointing] = (s, row, fits, made), fits
+    return (s, row, fits, made), fits
+
+
+def first_fit(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions, memo: dict | None = None,
+              upto: int | None = None) -> tuple[int | None, int]:
+    """(the index of the first candidate that fits, or None; the candidates tried): what ``mesh_plan(..., until_fit=
+    True, upto=upto)`` recommends and lists on the mesh ``options`` name (no ``auto``), without its plan (the mesh
+    search's first pass, ``tp_estimate.mesh_search``). A candidate that keeps its units gathered after forward
+    whose gathered parameters alone exceed ``capacity_bytes`` (``mesh.gathered_floor``, a lower bound on its
+    peak) cannot fit: not estimated."""
+    settings = _mesh_settings(workload, nd, options)
+    own = isinstance(settings.wrap, Wrapping)
+    local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
+    kept = settings.model_copy(update={"reshard_after_forward": False})  # the candidates that keep units gathered
+    floor = gathered_floor(sum(math.prod(sh) for _, sh in local.shapes), kept)
+    tried = _candidates(own, upto)
+    for k, (reshard, ckpt) in enumerate(tried):
+        if reshard is False and floor > capacity_bytes:
+            continue
+        if _configured(replace(workload, checkpointing=ckpt), nd, capacity_bytes, settings, own, reshard, None,
+                       memo)[1]:  # fmt: skip
+            return k, k + 1
+    return None, len(tried)
 
 
 def with_collectives(row: EngineEstimate, workload: Workload, settings: Settings, run: Fsdp2Run) -> EngineEstimate:
@@ -280,11 +316,11 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
 
 def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions,
               until_fit: bool = False, memo: dict | None = None, upto: int | None = None,
-              peaks_only: bool = False) -> EnginePlan:
+              peaks_only: bool = False, only: int | None = None) -> EnginePlan:
     """The plan of the mesh ``options`` give (``auto``: searched): every candidate of ``plan_options`` (cheapest
     first) with the snippet of exactly the configuration predicted; the recommendation is ``recommend``'s
-    (``until_fit``: no candidate after it, for the mesh search's ranking; ``memo``, ``upto``, ``peaks_only``:
-    ``plan_options``')."""
+    (``until_fit``: no candidate after it, for the mesh search's ranking; ``memo``, ``upto``, ``peaks_only``,
+    ``only``: ``plan_options``')."""
     search = options.own.get("dp_shard") == AUTO
     if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
         if search and options.own.get("dp_replicate") is None:  # and ``--dp-shard auto``: R x S x T (tp_estimate)
@@ -294,14 +330,12 @@ def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: Planner
         raise ValueError("dp_shard=auto searches the mesh: give no dp_replicate with it")
     if search:  # ``--dp-shard auto``: shard groups of whole nodes (mesh.py shard_sizes)
         options = replace(options, own={**options.own, "dp_shard": None})
-    settings = tp_mesh(planner_settings(options), nd)  # the snippet names the mesh predicted
-    if settings.foreach is None:  # the snippet names the foreach path the prediction used
-        settings = settings.model_copy(update={"foreach": workload.foreach})
+    settings = _mesh_settings(workload, nd, options)
     node, t = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE, settings.tp or 1
     # with tp: N_d / T data-parallel ranks, G / T of them per node (tp innermost, inside a node)
     # (a node of one data-parallel rank, T = G: groups of two nodes and up; FSDP2 at S = 1 is not modelled)
     shards = tuple(s for s in shard_sizes(nd // t, max(1, node // t)) if s >= 2) if search else ()
-    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit, memo, upto, peaks_only)
+    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit, memo, upto, peaks_only, only)
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"
@@ -316,6 +350,15 @@ def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: Planner
     )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)
     return EnginePlan(candidates, index, "fsdp2", PLAN_ORDER, settings)
+
+
+def _mesh_settings(workload: Workload, nd: int, options: PlannerOptions) -> Settings:
+    """The settings ``mesh_plan`` predicts on a mesh ``options`` name: the snippet names the mesh predicted
+    (``tp_mesh``) and the foreach path the prediction used."""
+    settings = tp_mesh(planner_settings(options), nd)
+    if settings.foreach is None:
+        settings = settings.model_copy(update={"foreach": workload.foreach})
+    return settings
 
 
 def planner_block_bytes(settings: Settings) -> int:

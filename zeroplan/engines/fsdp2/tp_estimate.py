@@ -168,13 +168,15 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     links across nodes (``inter_node_bytes``), then the smaller T. None fits: the largest degree's plan.
 
     In two passes, each configuration estimated once (``memo``): first each degree, largest T first, up to its
-    first candidate that fits on its largest shard group (the flat data-parallel group), which is its first
+    first candidate that fits on its largest shard group (the flat data-parallel group; ``plan.first_fit``, which
+    skips a candidate whose gathered parameters alone cannot fit), which is its first
     candidate that fits on any (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no
     further than the earliest first fit of the degrees before it (``upto``: a later one cannot win, the first
-    key); then only the degrees whose first fit is the earliest search their shard groups (``until_fit``); the
+    key); then only the degrees whose first fit is the earliest search their shard groups for that candidate
+    alone (``only``: those before it fit on no group), peaks only (collectives for the one compared); the
     winner is planned in full. The plan's ``order`` says what each degree gave."""
     from zeroplan.engines.fsdp2.mesh import AUTO
-    from zeroplan.engines.fsdp2.plan import with_collectives
+    from zeroplan.engines.fsdp2.plan import first_fit, with_collectives
     from zeroplan.engines.fsdp2.tp import tp_sizes
     from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 
@@ -182,26 +184,26 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     sp = options.own.get("sequence_parallel", True) is not False
     memo: dict = {}  # (settings, checkpointing) -> estimate, across both passes (plan_options)
 
-    def at(t: int, shard, until_fit: bool = True, upto: int | None = None):  # until_fit: the ranking's, peaks only
+    def at(t: int, shard, until_fit: bool = True, only: int | None = None):  # until_fit: the ranking's, peaks only
         own = {**at_degree(options.own, t), "dp_shard": shard}
         return plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=until_fit, memo=memo,
-                    upto=upto, peaks_only=until_fit)  # fmt: skip
+                    peaks_only=until_fit, only=only)  # fmt: skip
 
     degrees = tuple(t for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp)
                     if t == 1 or _in_plan(workload, t))  # fmt: skip
     first: dict = {}  # T -> (its first fit on the flat data-parallel group or None, candidates tried)
     earliest = None
     for t in reversed(degrees):  # the largest T holds the least: its first fit bounds the others' early
-        result = at(t, None, upto=earliest)
-        first[t] = (result.recommended, len(result.candidates))
-        earliest = result.recommended if result.recommended is not None else earliest
+        first[t] = first_fit(workload, nd, capacity_bytes, replace(options, own={**at_degree(options.own, t),
+                                                                                 "dp_shard": None}), memo, earliest)
+        earliest = first[t][0] if first[t][0] is not None else earliest
     tried = []
     for t in degrees:
         if earliest is None or first[t][0] != earliest:  # none fits, or not by the earliest: cannot win
             tried.append((t, None, first[t]))
             continue
-        result = at(t, AUTO)  # the same first fit, on its smallest shard group
-        chosen = result.candidates[result.recommended]
+        result = at(t, AUTO, only=earliest)  # the same first fit, on its smallest shard group (none before it fits)
+        chosen = result.candidates[0]
         w, _, s, run = chosen.trace_inputs  # its collectives, which the ranking left out (plan.with_collectives)
         tried.append((t, result, inter_node_bytes(with_collectives(chosen.estimate, w, s, run).collectives, nd, node)))
     searched = [x for x in tried if x[1] is not None]
@@ -214,9 +216,9 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
             return (f"tp {t}: candidate {k + 1} (later: not searched)" if k is not None else
                     f"tp {t}: nothing fits up to candidate {n} (later: not searched)" if earliest is not None else
                     f"tp {t}: none fits")  # fmt: skip
-        s = result.candidates[result.recommended].trace_inputs[2]
+        s = result.candidates[0].trace_inputs[2]
         mesh = f"{s.dp_replicate} x {s.dp_shard}" if s.dp_replicate else f"{nd // t}"
-        return f"tp {t}: candidate {result.recommended + 1} on dp {mesh}, {inter / 1e9:.3g} GB/rank across nodes"
+        return f"tp {t}: candidate {earliest + 1} on dp {mesh}, {inter / 1e9:.3g} GB/rank across nodes"
 
     summary = "; ".join(said(*x) for x in tried)
     return replace(best, order=f"{best.order}; mesh searched (tp within a node of {node}, shard groups of whole "
