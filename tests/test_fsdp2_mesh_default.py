@@ -221,3 +221,26 @@ def test_the_largest_micro_batch_keeps_each_rows_mesh():
     assert [c["label"] for c in got] == [c["label"] for c in pinned]
     assert [c["largest"] for c in got] == [c["largest"] for c in pinned] == [1, 1, 5, 5]
     assert [c["tried"] for c in got] == [c["tried"] for c in pinned]
+
+
+@pytest.mark.parametrize("t, node", [(1, 8), (2, 8), (8, 8), (8, 4), (4, 2)])  # (8, 4), (4, 2): TP crosses nodes
+def test_the_searchs_bytes_across_nodes_are_the_full_rows(t, node):
+    """``tp_estimate.row_inter_node_bytes`` (the second pass's ranking, the TP rows built only where their group
+    crosses a node) equals ``inter_node_bytes`` of the row with every collective (``plan.with_collectives``), to
+    the byte, TP inside a node or across (a probe row misplacing the TP group, or TP rows dropped, fails)."""
+    from zeroplan.engines.fsdp2.plan import with_collectives
+    from zeroplan.engines.fsdp2.tp_estimate import inter_node_bytes, row_inter_node_bytes
+    from zeroplan.formulas.collectives import on_mesh
+
+    w = model_workload(resolve_model("llama3-8b"), 4096, 1, "full", 2, True)
+    settings = fsdp2.Settings(param_dtype="bf16", foreach=True, tp=t if t > 1 else None, dp_shard=8 // t * 2)
+    made: dict = {}
+    (row,) = fsdp2.estimate(w, 64, settings, made, collectives=False)
+    assert row.collectives == ()
+    run = made[(row.peak_rank or 0) // t]
+    full = with_collectives(row, w, settings, run)
+    assert full == fsdp2.estimate(w, 64, settings)[0]  # the collectives estimate gives, added later
+    want = inter_node_bytes(full.collectives, 64, node)
+    assert row_inter_node_bytes(w, settings, run, 64, node) == want > 0
+    placed = on_mesh(full.collectives, 64, 1, node)  # both branches met: the TP rows cross exactly when T > G
+    assert any(c.link == "inter" for c in placed if c.mesh_dim == "tp") == (t > node)

@@ -9,9 +9,8 @@ from typing import Optional
 
 from zeroplan.engines.base import (Candidate, EngineEstimate, EnginePlan, PeakLimit,
                                   PlannerOptions, Workload, worst_rank)
-from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
+from zeroplan.engines.fsdp2.collectives import run_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
-from zeroplan.engines.fsdp2.memo import memo_term
 from zeroplan.engines.fsdp2.mesh import (AUTO, gathered_floor, mesh_pins, possible_sizes,
                                          resolve_mesh, shard_groups, shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
@@ -27,7 +26,6 @@ from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, fsdp2_run, mesh_ranks, resharded, run_states
 from zeroplan.engines.fsdp2.units import wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
-from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
@@ -101,18 +99,6 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
     peak = predict_peak(run) if run.acts is not None else None
     return EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
                           beside_states=mesh_ranks(run), peak_rank=rank, host=host)  # fmt: skip
-
-
-@memo_term  # the same for every rank of a run (no rank in unit_collectives): built once (a speed-up)
-def run_collectives(run, grad_accum: int) -> tuple[Collective, ...]:
-    """The collectives of one optimizer step of ``grad_accum`` micro-steps (``micro_steps``), per rank."""
-    return tuple(
-        Collective(c.op, c.phase, m * c.elements, c.dtype,
-                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
-                   mesh_dim=c.mesh_dim, group_size=c.group_size)
-        for c in unit_collectives(run.shard_units, run.nd, run.settings, run.replicate)
-        for m in (micro_steps(c, grad_accum),)
-    )  # fmt: skip
 
 
 # ---- planning: the cheapest configuration whose predicted peak fits ----
@@ -324,7 +310,7 @@ def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: Planner
     search = options.own.get("dp_shard") == AUTO
     if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
         if search and options.own.get("dp_replicate") is None:  # and ``--dp-shard auto``: R x S x T (tp_estimate)
-            return mesh_search(workload, nd, capacity_bytes, options, mesh_plan)
+            return mesh_search(workload, nd, capacity_bytes, options, mesh_plan, first_fit)
         return tp_search(workload, nd, capacity_bytes, options, mesh_plan)
     if search and options.own.get("dp_replicate") is not None:
         raise ValueError("dp_shard=auto searches the mesh: give no dp_replicate with it")

@@ -142,11 +142,32 @@ def inter_node_bytes(collectives, nd: int, gpus_per_node: int) -> int:
     """Bytes one rank sends per optimizer step over collectives whose group crosses a node (``link`` inter:
     ``formulas.collectives.on_mesh`` places each on the mesh its rows name, tp innermost; one of each
     (dimension, group size) placed, every row of it on the same link)."""
+    links = _links(collectives, nd, gpus_per_node)
+    return sum(c.bytes_per_rank for c in collectives if links[(c.mesh_dim, c.group_size)] == "inter")
+
+
+def _links(collectives, nd: int, gpus_per_node: int) -> dict:
+    """{(dimension, group size): its link class} of ``collectives`` placed by ``on_mesh``, one row of each."""
     from zeroplan.formulas.collectives import on_mesh
 
     kinds = {(c.mesh_dim, c.group_size): c for c in collectives}
-    links = {k: c.link for k, c in zip(kinds, on_mesh(tuple(kinds.values()), nd, 1, gpus_per_node))}
-    return sum(c.bytes_per_rank for c in collectives if links[(c.mesh_dim, c.group_size)] == "inter")
+    return {k: c.link for k, c in zip(kinds, on_mesh(tuple(kinds.values()), nd, 1, gpus_per_node))}
+
+
+def row_inter_node_bytes(workload, settings, run, nd: int, gpus_per_node: int) -> int:
+    """``inter_node_bytes`` of the row ``plan.with_collectives`` gives (``run``'s collectives, then with TP the TP
+    group's, ``tp_rows``), the TP rows built only if their group crosses a node: every one is of one kind ("tp",
+    T) (``_tp_rows``), placed by a row of that kind that sends nothing (``on_mesh`` reads a row's dimension and
+    group size, and the mesh from the replicas' and TP's group sizes: the same with one TP row as with all)."""
+    from zeroplan.engines.fsdp2.collectives import run_collectives
+
+    rows, t = run_collectives(run, workload.grad_accum), settings.tp or 1
+    if t == 1:
+        return inter_node_bytes(rows, nd, gpus_per_node)
+    links = _links((*rows, Collective("all-reduce", "forward", 0, settings.param, 0, mesh_dim="tp", group_size=t)),
+                   nd, gpus_per_node)  # fmt: skip
+    own = sum(c.bytes_per_rank for c in rows if links[(c.mesh_dim, c.group_size)] == "inter")
+    return own + (sum(c.bytes_per_rank for c in tp_rows(workload, settings)) if links["tp", t] == "inter" else 0)
 
 
 def _in_plan(workload, t: int) -> bool:
@@ -159,7 +180,7 @@ def _in_plan(workload, t: int) -> bool:
     return True
 
 
-def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
+def mesh_search(workload, nd: int, capacity_bytes: int, options, plan, first_fit):
     """``plan --tp auto --dp-shard auto`` (``plan``'s default): replicate x shard x tp. Each TP degree of
     ``tp.tp_sizes`` (within a node) is planned with ``--dp-shard auto`` (each candidate on the smallest shard group
     of whole nodes that fits, HSDP across the rest: ``mesh.shard_sizes`` on the N_d / T data-parallel ranks, G / T
@@ -168,15 +189,15 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     links across nodes (``inter_node_bytes``), then the smaller T. None fits: the largest degree's plan.
 
     In two passes, each configuration estimated once (``memo``): first each degree, largest T first, up to its
-    first candidate that fits on its largest shard group (the flat data-parallel group; ``plan.first_fit``, which
-    skips a candidate whose gathered parameters alone cannot fit), which is its first
+    first candidate that fits on its largest shard group (the flat data-parallel group; ``first_fit``, FSDP2's
+    ``plan.first_fit``, passed in as ``plan``: it skips a candidate whose gathered parameters alone cannot fit),
+    which is its first
     candidate that fits on any (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no
     further than the earliest first fit of the degrees before it (``upto``: a later one cannot win, the first
     key); then only the degrees whose first fit is the earliest search their shard groups for that candidate
-    alone (``only``: those before it fit on no group), peaks only (collectives for the one compared); the
+    alone (``only``: those before it fit on no group), peaks only (``row_inter_node_bytes`` for the one compared); the
     winner is planned in full. The plan's ``order`` says what each degree gave."""
     from zeroplan.engines.fsdp2.mesh import AUTO
-    from zeroplan.engines.fsdp2.plan import first_fit, with_collectives
     from zeroplan.engines.fsdp2.tp import tp_sizes
     from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 
@@ -205,7 +226,7 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
         result = at(t, AUTO, only=earliest)  # the same first fit, on its smallest shard group (none before it fits)
         chosen = result.candidates[0]
         w, _, s, run = chosen.trace_inputs  # its collectives, which the ranking left out (plan.with_collectives)
-        tried.append((t, result, inter_node_bytes(with_collectives(chosen.estimate, w, s, run).collectives, nd, node)))
+        tried.append((t, result, row_inter_node_bytes(w, s, run, nd, node)))
     searched = [x for x in tried if x[1] is not None]
     t = min(searched, key=lambda x: (x[2], x[0]))[0] if searched else degrees[-1]
     best = at(t, AUTO, until_fit=False)  # every candidate
