@@ -138,12 +138,12 @@ def states_floor(numel: int, s: int, settings: Settings) -> int:
 
 
 def gathered_floor(numel: int, settings: Settings) -> int:
-    """A lower bound on the predicted peak of a run with ``reshard_after_forward=False`` (0 otherwise): no unit is
-    resharded after its forward (torch 2.13 ``_fsdp_param_group.py``: ``FSDPParamGroup.post_forward`` calls
-    ``reshard``, which returns in forward unless ``_reshard_after_forward``), so at the loss every unit's unsharded parameters are live
-    (``moments.forward_moments``: "unsharded parameters (root)", "(block i)"), each unit's all-gather output of
-    ``padded_shard_numel`` x S >= its numel elements in the param dtype (``MixedPrecisionPolicy.param_dtype``, else
-    the module dtype), ``numel`` being the (TP-local) parameters."""
+    """A lower bound on the predicted peak of a run with ``reshard_after_forward=False`` (0 otherwise): no
+    unit is resharded after its forward (torch 2.13 ``_fsdp_param_group.py``: ``FSDPParamGroup.post_forward``
+    calls ``reshard``, which returns in forward unless ``_reshard_after_forward``), so at the loss every unit's
+    unsharded parameters are live (``moments.forward_moments``: "unsharded parameters (root)", "(block i)"),
+    each unit's all-gather output of ``padded_shard_numel`` x S >= its numel elements in the param dtype
+    (``MixedPrecisionPolicy.param_dtype``, else the module dtype), ``numel`` being the (TP-local) parameters."""
     from zeroplan.formulas.dtypes import dtype_bytes
 
     return numel * dtype_bytes(settings.param) if settings.reshard_after_forward is False else 0

@@ -130,7 +130,8 @@ class Fsdp2Option:
 
 def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
                  shards: tuple[int, ...] = (), until_fit: bool = False, memo: dict | None = None,
-                 upto: int | None = None, peaks_only: bool = False, only: int | None = None) -> tuple[Fsdp2Option, ...]:
+                 upto: int | None = None, peaks_only: bool = False,
+                 only: int | None = None) -> tuple[Fsdp2Option, ...]:
     """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
     wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
     (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of

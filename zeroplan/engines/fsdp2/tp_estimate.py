@@ -189,14 +189,13 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan, first_fit
     links across nodes (``inter_node_bytes``), then the smaller T. None fits: the largest degree's plan.
 
     In two passes, each configuration estimated once (``memo``): first each degree, largest T first, up to its
-    first candidate that fits on its largest shard group (the flat data-parallel group; ``first_fit``, FSDP2's
-    ``plan.first_fit``, passed in as ``plan``: it skips a candidate whose gathered parameters alone cannot fit),
-    which is its first
-    candidate that fits on any (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no
+    first candidate that fits on its largest shard group (the flat data-parallel group; ``first_fit``,
+    ``plan.first_fit`` passed in: it skips a candidate whose gathered parameters alone cannot fit), which is its
+    first candidate that fits on any (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no
     further than the earliest first fit of the degrees before it (``upto``: a later one cannot win, the first
     key); then only the degrees whose first fit is the earliest search their shard groups for that candidate
-    alone (``only``: those before it fit on no group), peaks only (``row_inter_node_bytes`` for the one compared); the
-    winner is planned in full. The plan's ``order`` says what each degree gave."""
+    alone (``only``: those before it fit on no group), peaks only (``row_inter_node_bytes`` for the one
+    compared); the winner is planned in full. The plan's ``order`` says what each degree gave."""
     from zeroplan.engines.fsdp2.mesh import AUTO
     from zeroplan.engines.fsdp2.tp import tp_sizes
     from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
