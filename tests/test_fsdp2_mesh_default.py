@@ -138,6 +138,44 @@ def test_the_states_floor_is_a_lower_bound_on_the_predicted_peak(model, nd, s, o
         assert (1 - 1e-4) * states <= floor <= states
 
 
+@pytest.mark.parametrize("model, nd, ckpt, own", [
+    ("llama3-8b", 64, "none", {"param_dtype": "bf16", "dp_shard": 8}),  # HSDP 8 x 8
+    ("llama3-8b", 64, "full", {"param_dtype": "bf16", "tp": 2, "dp_shard": 8}),  # TP-local shapes
+    ("llama2-7b", 16, "full", {"amsgrad": True}),  # fp32 compute: gathered in the module dtype
+    ("llama3-8b", 16, "none", {"param_dtype": "bf16", "device": "cpu", "backend": "gloo"}),
+    ("llama3-8b", 32, "full", {"param_dtype": "bf16", "module_dtype": "bf16"}),
+    ("llama3-8b", 16, "full", {"param_dtype": "bf16", "offload_policy": "cpu"}),  # gathered on the GPU all the same
+    ("llama3-8b", 64, "full", {"param_dtype": "bf16", "tp": 8}),
+    ("llama3-8b", 56, "full", {"param_dtype": "bf16"}),  # padded shards (dim 0 of 4,096 over 56 ranks)
+])  # fmt: skip
+def test_the_gathered_floor_is_the_unsharded_parameters_the_loss_holds(model, nd, ckpt, own):
+    """``mesh.gathered_floor`` (the candidates ``plan.first_fit`` skips unestimated) never exceeds the predicted
+    peak with ``reshard_after_forward=False``, and is the forward peak's "unsharded parameters" terms (every unit
+    gathered at the loss) less their padding: between the parameters' elements and their padded shards times S
+    (``param.padded_shard_numel``) in the param dtype (no margin; equal where S divides dim 0). A floor counting
+    another term, a unit the forward does not hold, or missing a unit, fails; 0 when the units reshard after
+    forward."""
+    from zeroplan.engines.fsdp2.mesh import gathered_floor, shard_groups
+    from zeroplan.engines.fsdp2.param import padded_shard_numel
+    from zeroplan.engines.fsdp2.tp_estimate import tp_workload
+    from zeroplan.formulas.dtypes import dtype_bytes
+
+    w = model_workload(resolve_model(model), 512, 1, ckpt, 1, True)
+    settings = fsdp2.Settings(**own, foreach=True, reshard_after_forward=False)
+    (row,) = fsdp2.estimate(w, nd, settings)
+    local = tp_workload(w, settings.tp) if settings.tp else w
+    numel = sum(math.prod(sh) for _, sh in local.shapes)
+    floor = gathered_floor(numel, settings)
+    (forward,) = (p for p in row.peak.phases if p.phase == "forward")
+    gathered = sum(t.bytes for t in forward.terms if t.name.startswith("unsharded parameters"))
+    s = shard_groups(settings, nd // (settings.tp or 1))[1]
+    padded = sum(s * padded_shard_numel(sh, s) for _, sh in local.shapes) * dtype_bytes(settings.param)
+    assert floor <= row.peak.peak_bytes
+    padding = padded - numel * dtype_bytes(settings.param)  # what the shards add to the parameters
+    assert gathered - padding <= floor <= gathered <= padded, (floor, gathered, padded)
+    assert gathered_floor(numel, settings.model_copy(update={"reshard_after_forward": True})) == 0
+
+
 def test_a_module_tree_outside_the_tp_plan_is_searched_without_tp():
     """A parameter torchtitan's llama plan does not name (a live model's own module): the default search plans
     no TP degree (``tp_estimate._in_plan``) instead of failing; the shard groups are still searched."""
@@ -183,3 +221,26 @@ def test_the_largest_micro_batch_keeps_each_rows_mesh():
     assert [c["label"] for c in got] == [c["label"] for c in pinned]
     assert [c["largest"] for c in got] == [c["largest"] for c in pinned] == [1, 1, 5, 5]
     assert [c["tried"] for c in got] == [c["tried"] for c in pinned]
+
+
+@pytest.mark.parametrize("t, node", [(1, 8), (2, 8), (8, 8), (8, 4), (4, 2)])  # (8, 4), (4, 2): TP crosses nodes
+def test_the_searchs_bytes_across_nodes_are_the_full_rows(t, node):
+    """``tp_estimate.row_inter_node_bytes`` (the second pass's ranking, the TP rows built only where their group
+    crosses a node) equals ``inter_node_bytes`` of the row with every collective (``plan.with_collectives``), to
+    the byte, TP inside a node or across (a probe row misplacing the TP group, or TP rows dropped, fails)."""
+    from zeroplan.engines.fsdp2.plan import with_collectives
+    from zeroplan.engines.fsdp2.tp_estimate import inter_node_bytes, row_inter_node_bytes
+    from zeroplan.formulas.collectives import on_mesh
+
+    w = model_workload(resolve_model("llama3-8b"), 4096, 1, "full", 2, True)
+    settings = fsdp2.Settings(param_dtype="bf16", foreach=True, tp=t if t > 1 else None, dp_shard=8 // t * 2)
+    made: dict = {}
+    (row,) = fsdp2.estimate(w, 64, settings, made, collectives=False)
+    assert row.collectives == ()
+    run = made[(row.peak_rank or 0) // t]
+    full = with_collectives(row, w, settings, run)
+    assert full == fsdp2.estimate(w, 64, settings)[0]  # the collectives estimate gives, added later
+    want = inter_node_bytes(full.collectives, 64, node)
+    assert row_inter_node_bytes(w, settings, run, 64, node) == want > 0
+    placed = on_mesh(full.collectives, 64, 1, node)  # both branches met: the TP rows cross exactly when T > G
+    assert any(c.link == "inter" for c in placed if c.mesh_dim == "tp") == (t > node)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zeroplan.engines.fsdp2.memo import memo_term
 from zeroplan.engines.fsdp2.param import Unit, unit_shard_numel
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.wrap import ShardUnit, forward_order
+from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
+from zeroplan.formulas.dtypes import dtype_bytes
 
 @dataclass(frozen=True)
 class UnitCollective:
@@ -66,3 +69,15 @@ def micro_steps(c: UnitCollective, grad_accum: int) -> int:
     the reduce-scatter runs once, in the last micro-step's backward (``reduce_grads`` False skips
     ``foreach_reduce``; the gradients accumulate unsharded until then), and so does HSDP's all-reduce."""
     return grad_accum if c.op == "all-gather" else 1
+
+
+@memo_term  # the same for every rank of a run (no rank in unit_collectives): built once (a speed-up)
+def run_collectives(run, grad_accum: int) -> tuple[Collective, ...]:
+    """The collectives of one optimizer step of ``grad_accum`` micro-steps (``micro_steps``), per rank."""
+    return tuple(
+        Collective(c.op, c.phase, m * c.elements, c.dtype,
+                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
+                   mesh_dim=c.mesh_dim, group_size=c.group_size)
+        for c in unit_collectives(run.shard_units, run.nd, run.settings, run.replicate)
+        for m in (micro_steps(c, grad_accum),)
+    )  # fmt: skip

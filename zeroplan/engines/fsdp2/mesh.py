@@ -137,6 +137,18 @@ def states_floor(numel: int, s: int, settings: Settings) -> int:
     return numel * (2 + adam_moments(settings)) * dtype_bytes(settings.module) // s
 
 
+def gathered_floor(numel: int, settings: Settings) -> int:
+    """A lower bound on the predicted peak of a run with ``reshard_after_forward=False`` (0 otherwise): no
+    unit is resharded after its forward (torch 2.13 ``_fsdp_param_group.py``: ``FSDPParamGroup.post_forward``
+    calls ``reshard``, which returns in forward unless ``_reshard_after_forward``), so at the loss every unit's
+    unsharded parameters are live (``moments.forward_moments``: "unsharded parameters (root)", "(block i)"),
+    each unit's all-gather output of ``padded_shard_numel`` x S >= its numel elements in the param dtype
+    (``MixedPrecisionPolicy.param_dtype``, else the module dtype), ``numel`` being the (TP-local) parameters."""
+    from zeroplan.formulas.dtypes import dtype_bytes
+
+    return numel * dtype_bytes(settings.param) if settings.reshard_after_forward is False else 0
+
+
 def possible_sizes(sizes: tuple[int, ...], numel: int, settings: Settings, capacity: int) -> tuple[int, ...]:
     """``sizes`` (ascending) less those whose ``states_floor`` alone exceeds ``capacity``: none of them can fit,
     so ``smallest_fitting`` over the rest finds the same group with fewer estimates. The largest is kept (its
@@ -158,17 +170,14 @@ def mesh_names(r: int) -> tuple[str, ...]:
     return ("dp_replicate", "dp_shard") if r > 1 else ("dp_shard",)
 
 
-def allreduce_held(settings: Settings, rs_outputs: tuple[Term, ...], replicate: int) -> tuple[Term, ...]:
-    """HSDP: the reduce-dtype all-reduce buffers of the units reduced so far (``rs_outputs``: their
-    reduce-scatter outputs, S_u elements in the reduce dtype, which the all-reduce runs on in place), held in
-    ``_all_reduce_state`` until ``finalize_backward``; none when the reduce dtype is the module dtype (the
-    buffer is the sharded gradient) or without replicas."""
-    if replicate == 1 or settings.reduce == settings.module or not rs_outputs:
-        return ()
-    return (Term(f"HSDP all-reduce buffers held ({len(rs_outputs)} unit(s), reduce dtype)",
-                 sum(t.bytes for t in rs_outputs),
+def allreduce_held(units: int, nbytes: int) -> tuple[Term, ...]:
+    """HSDP: the reduce-dtype all-reduce buffers of the ``units`` units reduced so far (their reduce-scatter outputs,
+    ``nbytes`` in all: S_u elements in the reduce dtype each, which the all-reduce runs on in place), held in
+    ``_all_reduce_state`` until ``finalize_backward``; only with replicas and a reduce dtype other than the module
+    dtype, where the buffer is not the sharded gradient (``holds_allreduce``, ``with_allreduce_held``)."""
+    return (Term(f"HSDP all-reduce buffers held ({units} unit(s), reduce dtype)", nbytes,
                  SRC + "_fsdp_param_group.py:FSDPParamGroup._all_reduce_state (foreach_reduce's all_reduce_input)",
-                 len(rs_outputs)),)  # fmt: skip
+                 units),)  # fmt: skip
 
 
 def holds_allreduce(run) -> bool:
@@ -184,13 +193,16 @@ def with_allreduce_held(run, backward: tuple[Moment, ...]) -> tuple[Moment, ...]
     run's moments come back unchanged."""
     if not holds_allreduce(run):
         return backward
-    reduced: dict[str, Term] = {}  # by name: a unit's output may be listed again in a later unit's moments
-    out, held = [], ()
+    reduced: dict[str, int] = {}  # by name: a unit's output may be listed again in a later unit's moments
+    out, held, total = [], (), 0
     for m in backward:
         out.append(Moment(m.phase, m.name, (*m.terms, *held)) if held else m)
         if m.name.endswith(REDUCED):  # ``held`` changes only here (built once per change: a speed-up)
-            reduced.update((t.name, t) for t in m.terms if t.name.startswith("reduce-scatter output"))
-            held = allreduce_held(run.settings, tuple(reduced.values()), run.replicate)
+            for t in m.terms:
+                if t.name.startswith("reduce-scatter output"):  # their bytes summed as they come
+                    total += t.bytes - reduced.get(t.name, 0)
+                    reduced[t.name] = t.bytes
+            held = allreduce_held(len(reduced), total) if reduced else ()
     return tuple(out)
 
 

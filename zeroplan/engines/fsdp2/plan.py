@@ -9,10 +9,9 @@ from typing import Optional
 
 from zeroplan.engines.base import (Candidate, EngineEstimate, EnginePlan, PeakLimit,
                                   PlannerOptions, Workload, worst_rank)
-from zeroplan.engines.fsdp2.collectives import micro_steps, unit_collectives
+from zeroplan.engines.fsdp2.collectives import run_collectives
 from zeroplan.engines.fsdp2.launcher import settings_snippet
-from zeroplan.engines.fsdp2.memo import memo_term
-from zeroplan.engines.fsdp2.mesh import (AUTO, mesh_pins, possible_sizes,
+from zeroplan.engines.fsdp2.mesh import (AUTO, gathered_floor, mesh_pins, possible_sizes,
                                          resolve_mesh, shard_groups, shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.engines.fsdp2.leaders import predict_peak
@@ -23,11 +22,10 @@ from zeroplan.engines.fsdp2.param import distinct_ranks
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import tp_acts
 from zeroplan.engines.fsdp2.tp_loss import check_loss_parallel
-from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_search, tp_workload
+from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_rows, tp_search, tp_workload
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, fsdp2_run, mesh_ranks, resharded, run_states
 from zeroplan.engines.fsdp2.units import wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
-from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
 from zeroplan.formulas.memory import MemoryBreakdown
 from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
@@ -35,30 +33,32 @@ from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.formulas.dropout import dropout_limit
 from zeroplan.policy import PrecisionPolicy
 
-def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None = None) -> tuple[EngineEstimate, ...]:
+def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None = None,
+             collectives: bool = True) -> tuple[EngineEstimate, ...]:
     """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (None: the
     rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``), on a 2-D
     HSDP mesh when ``dp_replicate``/``dp_shard`` say so (engines/fsdp2/mesh.py); its collectives count one
     optimizer step of ``workload.grad_accum`` micro-steps (``micro_steps``). With ``tp`` T > 1: the TP-local
     model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``). ``made``: filled with {rank: its
     run} (with TP: the data-parallel rank's TP-local run), for the plan's allocation trace of the rank that peaks
-    (``alloc_traces``' ``run``)."""
+    (``alloc_traces``' ``run``). ``collectives`` False: the rows' collectives left empty (the plan's search reads
+    only the peaks of most configurations; ``with_collectives`` adds them to a row later, the same tuple)."""
     check_loss_parallel(settings.tp, settings.loss_parallel)
     if (settings.tp or 1) > 1:
-        return tp_estimate(workload, nd, settings, dp_estimate, made)
-    return dp_estimate(workload, nd, settings, made)
+        return tp_estimate(workload, nd, settings, dp_estimate, made, collectives)
+    return dp_estimate(workload, nd, settings, made, collectives)
 
 
 def dp_estimate(workload: Workload, nd: int, settings: Settings,
-                made: dict | None = None) -> tuple[EngineEstimate, ...]:
+                made: dict | None = None, collectives: bool = True) -> tuple[EngineEstimate, ...]:
     """``estimate`` on ``nd`` data-parallel ranks (with ``tp``: ``workload`` is the TP-local one)."""
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
     if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
         ranks = distinct_ranks(tuple(s for _, s in workload.shapes), shard_groups(settings, nd)[1])
         runs: list = []  # the first rank's run, which the others reuse (Fsdp2Run.for_rank: a speed-up)
-        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs, made)
-                            for r in ranks}),)  # fmt: skip
-    return (_estimate(workload, nd, settings, None, made),)
+        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs, made,
+                                         collectives) for r in ranks}),)  # fmt: skip
+    return (_estimate(workload, nd, settings, None, made, collectives),)
 
 
 def rank_run(workload: Workload, nd: int, settings: Settings):
@@ -76,7 +76,7 @@ def rank_run(workload: Workload, nd: int, settings: Settings):
 
 
 def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None = None,
-              made: dict | None = None) -> EngineEstimate:
+              made: dict | None = None, collectives: bool = True) -> EngineEstimate:
     """One rank's row; ``runs``: the first rank's run, shared by the others of one estimate (only Adam's states
     depend on the rank: ``Fsdp2Run.for_rank``); ``made``: {rank: its run}, filled."""
     rank = settings.rank
@@ -90,7 +90,7 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
         made[rank] = run
     settings = run.settings
     st = run_states(run)  # model_states(run.units, nd, settings), once per run
-    coll = run_collectives(run, workload.grad_accum)
+    coll = run_collectives(run, workload.grad_accum) if collectives else ()
     memory = MemoryBreakdown(st.params_bytes, st.grads_bytes, st.optimizer_bytes)
     host = None
     if settings.offload_policy == "cpu":  # CPUOffloadPolicy: the model states live on the host (offload.py)
@@ -99,18 +99,6 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
     peak = predict_peak(run) if run.acts is not None else None
     return EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
                           beside_states=mesh_ranks(run), peak_rank=rank, host=host)  # fmt: skip
-
-
-@memo_term  # the same for every rank of a run (no rank in unit_collectives): built once (a speed-up)
-def run_collectives(run, grad_accum: int) -> tuple[Collective, ...]:
-    """The collectives of one optimizer step of ``grad_accum`` micro-steps (``micro_steps``), per rank."""
-    return tuple(
-        Collective(c.op, c.phase, m * c.elements, c.dtype,
-                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
-                   mesh_dim=c.mesh_dim, group_size=c.group_size)
-        for c in unit_collectives(run.shard_units, run.nd, run.settings, run.replicate)
-        for m in (micro_steps(c, grad_accum),)
-    )  # fmt: skip
 
 
 # ---- planning: the cheapest configuration whose predicted peak fits ----
@@ -142,14 +130,19 @@ class Fsdp2Option:
 
 def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Settings,
                  shards: tuple[int, ...] = (), until_fit: bool = False, memo: dict | None = None,
-                 upto: int | None = None) -> tuple[Fsdp2Option, ...]:
+                 upto: int | None = None, peaks_only: bool = False,
+                 only: int | None = None) -> tuple[Fsdp2Option, ...]:
     """Every candidate of ``CANDIDATES`` (``settings`` gives the policy), cheapest first, with its peak; a
     wrapping file keeps its own ``reshard_after_forward`` values, so only checkpointing varies. With ``shards``
     (``--dp-shard auto``: engines/fsdp2/mesh.py shard_sizes) each candidate on the smallest shard group of
     them whose peak fits (HSDP across the rest), else on the largest; ``until_fit``: none after the first that
     fits. ``memo``: each estimate by (its resolved settings, checkpointing), shared by the plans of one mesh
     search (``tp_estimate.mesh_search`` asks the same configuration again: a speed-up, no rule); ``upto``: the
-    candidates up to that index only (the mesh search's first pass: a later first fit cannot win)."""
+    candidates up to that index only (the mesh search's first pass: a later first fit cannot win); ``only``: the
+    candidate of that index alone (its second pass: those before it fit on no shard group). Each
+    configuration is estimated without its collectives (``estimate``'s ``collectives``: a shard group the
+    bisection passes over never shows them), which each candidate returned gets (``with_collectives``) unless
+    ``peaks_only`` (the mesh search's ranking: only the fits, ``with_collectives`` for the one it compares)."""
     if workload.spec is None:
         raise ValueError("planning FSDP2 needs an architecture (its peak): give a model")
     own = isinstance(settings.wrap, Wrapping)
@@ -157,29 +150,73 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
         local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
         shards = possible_sizes(shards, sum(math.prod(sh) for _, sh in local.shapes), settings, capacity_bytes)
     out = []
-    for reshard, ckpt in (((None, "none"), (None, "full")) if own else CANDIDATES)[:None if upto is None else upto + 1]:
-        w = Workload(workload.shapes, workload.spec, workload.seq_len, workload.micro_batch, ckpt,
-                     workload.grad_accum, workload.foreach, workload.transformers)  # fmt: skip
+    for reshard, ckpt in _candidates(own, upto, only):
+        w = replace(workload, checkpointing=ckpt)
 
         def option(shard: int | None, reshard=reshard, w=w) -> tuple[tuple[Settings, EngineEstimate, bool, dict], bool]:
-            update = ({} if own else {"reshard_after_forward": reshard}) | (
-                {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
-            s = tp_mesh(settings.model_copy(update=update), nd)  # resolve_mesh on N_d / T (engines/fsdp2/tp_estimate.py)
-            if memo is not None and (s, w.checkpointing) in memo:
-                return memo[s, w.checkpointing]
-            made: dict = {}
-            (row,) = estimate(w, nd, s, made)
-            fits = row.peak.peak_bytes <= capacity_bytes
-            if memo is not None:
-                memo[s, w.checkpointing] = (s, row, fits, made), fits
-            return (s, row, fits, made), fits
+            return _configured(w, nd, capacity_bytes, settings, own, reshard, shard, memo)
 
         s, row, fits, made = smallest_fitting(shards, option) if shards else option(None)[0]
         run = made.get((row.peak_rank or 0) // (s.tp or 1))  # the run the trace replays (made by data-parallel rank)
+        row = row if peaks_only else with_collectives(row, w, s, run) if run is not None else estimate(w, nd, s)[0]
         out.append(Fsdp2Option(_run_settings(w, nd, s, run), ckpt, row, fits, wrapping_of(w, s), run))
         if fits and until_fit:  # the mesh search ranks by the first that fits (tp_estimate.mesh_search)
             break
     return tuple(out)
+
+
+def _candidates(own: bool, upto: int | None, only: int | None = None) -> tuple[tuple[bool | None, str], ...]:
+    """``plan_options``' (reshard_after_forward, checkpointing) pairs, up to index ``upto`` (``only``: that one
+    alone); a wrapping file keeps its own reshard values (None)."""
+    pairs = ((None, "none"), (None, "full")) if own else CANDIDATES
+    return pairs[only:only + 1] if only is not None else pairs[:None if upto is None else upto + 1]
+
+
+def _configured(w: Workload, nd: int, capacity_bytes: int, settings: Settings, own: bool, reshard, shard: int | None,
+                memo: dict | None) -> tuple[tuple[Settings, EngineEstimate, bool, dict], bool]:
+    """((the resolved settings, the row without collectives, whether its peak fits, {rank: run}), fits) of one
+    candidate on shard group ``shard`` (None: as ``settings`` give), by ``memo`` when it holds it."""
+    update = ({} if own else {"reshard_after_forward": reshard}) | (
+        {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
+    s = tp_mesh(settings.model_copy(update=update), nd)  # resolve_mesh on N_d / T (engines/fsdp2/tp_estimate.py)
+    if memo is not None and (s, w.checkpointing) in memo:
+        return memo[s, w.checkpointing]
+    made: dict = {}
+    (row,) = estimate(w, nd, s, made, collectives=False)
+    fits = row.peak.peak_bytes <= capacity_bytes
+    if memo is not None:
+        memo[s, w.checkpointing] = (s, row, fits, made), fits
+    return (s, row, fits, made), fits
+
+
+def first_fit(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions, memo: dict | None = None,
+              upto: int | None = None) -> tuple[int | None, int]:
+    """(the index of the first candidate that fits, or None; the candidates tried): what ``mesh_plan(..., until_fit=
+    True, upto=upto)`` recommends and lists on the mesh ``options`` name (no ``auto``), without its plan (the mesh
+    search's first pass, ``tp_estimate.mesh_search``). A candidate that keeps its units gathered after forward
+    whose gathered parameters alone exceed ``capacity_bytes`` (``mesh.gathered_floor``, a lower bound on its
+    peak) cannot fit: not estimated."""
+    settings = _mesh_settings(workload, nd, options)
+    own = isinstance(settings.wrap, Wrapping)
+    local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
+    kept = settings.model_copy(update={"reshard_after_forward": False})  # the candidates that keep units gathered
+    floor = gathered_floor(sum(math.prod(sh) for _, sh in local.shapes), kept)
+    tried = _candidates(own, upto)
+    for k, (reshard, ckpt) in enumerate(tried):
+        if reshard is False and floor > capacity_bytes:
+            continue
+        if _configured(replace(workload, checkpointing=ckpt), nd, capacity_bytes, settings, own, reshard, None,
+                       memo)[1]:  # fmt: skip
+            return k, k + 1
+    return None, len(tried)
+
+
+def with_collectives(row: EngineEstimate, workload: Workload, settings: Settings, run: Fsdp2Run) -> EngineEstimate:
+    """``row`` (``estimate`` of ``workload`` on ``settings``, without collectives) with the collectives ``estimate``
+    gives it: those of ``run``, the run of its ``peak_rank`` (``run_collectives``, the same on every rank of a run),
+    then with TP the TP group's (``tp_estimate.tp_rows``)."""
+    coll = run_collectives(run, workload.grad_accum)
+    return replace(row, collectives=(*coll, *tp_rows(workload, settings)) if (settings.tp or 1) > 1 else coll)
 
 
 def _run_settings(w: Workload, nd: int, s: Settings, run: Fsdp2Run | None) -> Settings:
@@ -265,27 +302,27 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
 
 
 def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions,
-              until_fit: bool = False, memo: dict | None = None, upto: int | None = None) -> EnginePlan:
+              until_fit: bool = False, memo: dict | None = None, upto: int | None = None,
+              peaks_only: bool = False, only: int | None = None) -> EnginePlan:
     """The plan of the mesh ``options`` give (``auto``: searched): every candidate of ``plan_options`` (cheapest
     first) with the snippet of exactly the configuration predicted; the recommendation is ``recommend``'s
-    (``until_fit``: no candidate after it, for the mesh search's ranking; ``memo``, ``upto``: ``plan_options``')."""
+    (``until_fit``: no candidate after it, for the mesh search's ranking; ``memo``, ``upto``, ``peaks_only``,
+    ``only``: ``plan_options``')."""
     search = options.own.get("dp_shard") == AUTO
     if options.own.get("tp") == AUTO:  # ``--tp auto``: the smallest TP degree within a node that fits (tp.py)
         if search and options.own.get("dp_replicate") is None:  # and ``--dp-shard auto``: R x S x T (tp_estimate)
-            return mesh_search(workload, nd, capacity_bytes, options, mesh_plan)
+            return mesh_search(workload, nd, capacity_bytes, options, mesh_plan, first_fit)
         return tp_search(workload, nd, capacity_bytes, options, mesh_plan)
     if search and options.own.get("dp_replicate") is not None:
         raise ValueError("dp_shard=auto searches the mesh: give no dp_replicate with it")
     if search:  # ``--dp-shard auto``: shard groups of whole nodes (mesh.py shard_sizes)
         options = replace(options, own={**options.own, "dp_shard": None})
-    settings = tp_mesh(planner_settings(options), nd)  # the snippet names the mesh predicted
-    if settings.foreach is None:  # the snippet names the foreach path the prediction used
-        settings = settings.model_copy(update={"foreach": workload.foreach})
+    settings = _mesh_settings(workload, nd, options)
     node, t = options.own.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE, settings.tp or 1
     # with tp: N_d / T data-parallel ranks, G / T of them per node (tp innermost, inside a node)
     # (a node of one data-parallel rank, T = G: groups of two nodes and up; FSDP2 at S = 1 is not modelled)
     shards = tuple(s for s in shard_sizes(nd // t, max(1, node // t)) if s >= 2) if search else ()
-    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit, memo, upto)
+    options_ = plan_options(workload, nd, capacity_bytes, settings, shards, until_fit, memo, upto, peaks_only, only)
     chosen = next((o for o in options_ if o.fits), None)  # ``recommend``'s choice, without a second search
     candidates = tuple(
         Candidate(f"reshard_after_forward={o.settings.reshard_after_forward}, checkpointing {o.checkpointing}"
@@ -300,6 +337,15 @@ def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: Planner
     )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)
     return EnginePlan(candidates, index, PLAN_ORDER, settings)
+
+
+def _mesh_settings(workload: Workload, nd: int, options: PlannerOptions) -> Settings:
+    """The settings ``mesh_plan`` predicts on a mesh ``options`` name: the snippet names the mesh predicted
+    (``tp_mesh``) and the foreach path the prediction used."""
+    settings = tp_mesh(planner_settings(options), nd)
+    if settings.foreach is None:
+        settings = settings.model_copy(update={"foreach": workload.foreach})
+    return settings
 
 
 def planner_block_bytes(settings: Settings) -> int:

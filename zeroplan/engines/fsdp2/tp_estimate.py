@@ -84,14 +84,14 @@ def tp_local(workload, nd: int, settings):
     return tp_workload(workload, t), nd // t, settings.model_copy(update={"rank": rank})
 
 
-def tp_estimate(workload, nd: int, settings, estimate, made: dict | None = None):
+def tp_estimate(workload, nd: int, settings, estimate, made: dict | None = None, collectives: bool = True):
     """The rows of ``estimate`` (FSDP2's, passed in: no import cycle) for T = ``settings.tp`` on ``nd`` GPUs:
     global rank r is TP rank r mod T of data-parallel rank r // T (``tp`` innermost), and every TP rank of a
     data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T.
-    ``made``: filled with {data-parallel rank: its TP-local run} (``plan.estimate``)."""
+    ``made``: filled with {data-parallel rank: its TP-local run}; ``collectives`` False: none (``plan.estimate``)."""
     t = settings.tp
-    rows = estimate(*tp_local(workload, nd, settings), made)  # the data-parallel profile (plan.dp_estimate)
-    extra, ranks = tp_rows(workload, settings), mesh_rank_map(settings, nd)
+    rows = estimate(*tp_local(workload, nd, settings), made, collectives)  # the data-parallel profile (dp_estimate)
+    extra, ranks = tp_rows(workload, settings) if collectives else (), mesh_rank_map(settings, nd)
     return tuple(replace(r, collectives=(*r.collectives, *extra), peak=with_resident(r.peak, ranks),
                          beside_states=(*r.beside_states, *ranks),
                          peak_rank=None if r.peak_rank is None else r.peak_rank * t)
@@ -144,11 +144,32 @@ def inter_node_bytes(collectives, nd: int, gpus_per_node: int) -> int:
     """Bytes one rank sends per optimizer step over collectives whose group crosses a node (``link`` inter:
     ``formulas.collectives.on_mesh`` places each on the mesh its rows name, tp innermost; one of each
     (dimension, group size) placed, every row of it on the same link)."""
+    links = _links(collectives, nd, gpus_per_node)
+    return sum(c.bytes_per_rank for c in collectives if links[(c.mesh_dim, c.group_size)] == "inter")
+
+
+def _links(collectives, nd: int, gpus_per_node: int) -> dict:
+    """{(dimension, group size): its link class} of ``collectives`` placed by ``on_mesh``, one row of each."""
     from zeroplan.formulas.collectives import on_mesh
 
     kinds = {(c.mesh_dim, c.group_size): c for c in collectives}
-    links = {k: c.link for k, c in zip(kinds, on_mesh(tuple(kinds.values()), nd, 1, gpus_per_node))}
-    return sum(c.bytes_per_rank for c in collectives if links[(c.mesh_dim, c.group_size)] == "inter")
+    return {k: c.link for k, c in zip(kinds, on_mesh(tuple(kinds.values()), nd, 1, gpus_per_node))}
+
+
+def row_inter_node_bytes(workload, settings, run, nd: int, gpus_per_node: int) -> int:
+    """``inter_node_bytes`` of the row ``plan.with_collectives`` gives (``run``'s collectives, then with TP the TP
+    group's, ``tp_rows``), the TP rows built only if their group crosses a node: every one is of one kind ("tp",
+    T) (``_tp_rows``), placed by a row of that kind that sends nothing (``on_mesh`` reads a row's dimension and
+    group size, and the mesh from the replicas' and TP's group sizes: the same with one TP row as with all)."""
+    from zeroplan.engines.fsdp2.collectives import run_collectives
+
+    rows, t = run_collectives(run, workload.grad_accum), settings.tp or 1
+    if t == 1:
+        return inter_node_bytes(rows, nd, gpus_per_node)
+    links = _links((*rows, Collective("all-reduce", "forward", 0, settings.param, 0, mesh_dim="tp", group_size=t)),
+                   nd, gpus_per_node)  # fmt: skip
+    own = sum(c.bytes_per_rank for c in rows if links[(c.mesh_dim, c.group_size)] == "inter")
+    return own + (sum(c.bytes_per_rank for c in tp_rows(workload, settings)) if links["tp", t] == "inter" else 0)
 
 
 def _in_plan(workload, t: int) -> bool:
@@ -161,7 +182,7 @@ def _in_plan(workload, t: int) -> bool:
     return True
 
 
-def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
+def mesh_search(workload, nd: int, capacity_bytes: int, options, plan, first_fit):
     """``plan --tp auto --dp-shard auto`` (``plan``'s default): replicate x shard x tp. Each TP degree of
     ``tp.tp_sizes`` (within a node) is planned with ``--dp-shard auto`` (each candidate on the smallest shard group
     of whole nodes that fits, HSDP across the rest: ``mesh.shard_sizes`` on the N_d / T data-parallel ranks, G / T
@@ -170,11 +191,13 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     links across nodes (``inter_node_bytes``), then the smaller T. None fits: the largest degree's plan.
 
     In two passes, each configuration estimated once (``memo``): first each degree, largest T first, up to its
-    first candidate that fits on its largest shard group (the flat data-parallel group), which is its first
-    candidate that fits on any (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no
+    first candidate that fits on its largest shard group (the flat data-parallel group; ``first_fit``,
+    ``plan.first_fit`` passed in: it skips a candidate whose gathered parameters alone cannot fit), which is its
+    first candidate that fits on any (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no
     further than the earliest first fit of the degrees before it (``upto``: a later one cannot win, the first
-    key); then only the degrees whose first fit is the earliest search their shard groups (``until_fit``); the
-    winner is planned in full. The plan's ``order`` says what each degree gave."""
+    key); then only the degrees whose first fit is the earliest search their shard groups for that candidate
+    alone (``only``: those before it fit on no group), peaks only (``row_inter_node_bytes`` for the one
+    compared); the winner is planned in full. The plan's ``order`` says what each degree gave."""
     from zeroplan.engines.fsdp2.mesh import AUTO
     from zeroplan.engines.fsdp2.tp import tp_sizes
     from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
@@ -183,27 +206,28 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
     sp = options.own.get("sequence_parallel", True) is not False
     memo: dict = {}  # (settings, checkpointing) -> estimate, across both passes (plan_options)
 
-    def at(t: int, shard, until_fit: bool = True, upto: int | None = None):
+    def at(t: int, shard, until_fit: bool = True, only: int | None = None):  # until_fit: the ranking's, peaks only
         own = {**at_degree(options.own, t), "dp_shard": shard}
         return plan(workload, nd, capacity_bytes, replace(options, own=own), until_fit=until_fit, memo=memo,
-                    upto=upto)  # fmt: skip
+                    peaks_only=until_fit, only=only)  # fmt: skip
 
     degrees = tuple(t for t in tp_sizes(workload.spec, nd, node, workload.seq_len, sp)
                     if t == 1 or _in_plan(workload, t))  # fmt: skip
     first: dict = {}  # T -> (its first fit on the flat data-parallel group or None, candidates tried)
     earliest = None
     for t in reversed(degrees):  # the largest T holds the least: its first fit bounds the others' early
-        result = at(t, None, upto=earliest)
-        first[t] = (result.recommended, len(result.candidates))
-        earliest = result.recommended if result.recommended is not None else earliest
+        first[t] = first_fit(workload, nd, capacity_bytes, replace(options, own={**at_degree(options.own, t),
+                                                                                 "dp_shard": None}), memo, earliest)
+        earliest = first[t][0] if first[t][0] is not None else earliest
     tried = []
     for t in degrees:
         if earliest is None or first[t][0] != earliest:  # none fits, or not by the earliest: cannot win
             tried.append((t, None, first[t]))
             continue
-        result = at(t, AUTO)  # the same first fit, on its smallest shard group
-        chosen = result.candidates[result.recommended]
-        tried.append((t, result, inter_node_bytes(chosen.estimate.collectives, nd, node)))
+        result = at(t, AUTO, only=earliest)  # the same first fit, on its smallest shard group (none before it fits)
+        chosen = result.candidates[0]
+        w, _, s, run = chosen.trace_inputs  # its collectives, which the ranking left out (plan.with_collectives)
+        tried.append((t, result, row_inter_node_bytes(w, s, run, nd, node)))
     searched = [x for x in tried if x[1] is not None]
     t = min(searched, key=lambda x: (x[2], x[0]))[0] if searched else degrees[-1]
     best = at(t, AUTO, until_fit=False)  # every candidate
@@ -214,9 +238,9 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan):
             return (f"tp {t}: candidate {k + 1} (later: not searched)" if k is not None else
                     f"tp {t}: nothing fits up to candidate {n} (later: not searched)" if earliest is not None else
                     f"tp {t}: none fits")  # fmt: skip
-        s = result.candidates[result.recommended].trace_inputs[2]
+        s = result.candidates[0].trace_inputs[2]
         mesh = f"{s.dp_replicate} x {s.dp_shard}" if s.dp_replicate else f"{nd // t}"
-        return f"tp {t}: candidate {result.recommended + 1} on dp {mesh}, {inter / 1e9:.3g} GB/rank across nodes"
+        return f"tp {t}: candidate {earliest + 1} on dp {mesh}, {inter / 1e9:.3g} GB/rank across nodes"
 
     summary = "; ".join(said(*x) for x in tried)
     return replace(best, order=f"{best.order}; mesh searched (tp within a node of {node}, shard groups of whole "

@@ -204,8 +204,18 @@ def _resolve(wrapping: Wrapping, named_shapes: tuple[tuple[str, Shape], ...],
 def _units(entries: tuple[tuple[tuple[str, ...], bool], ...], named_shapes: tuple[tuple[str, Shape], ...],
            tied: tuple[tuple[str, str], ...]) -> tuple[tuple, ...]:
     """``_resolve``'s units less their reshard value, from each entry's (module patterns, group): (modules, their
-    parameters in ``fully_shard`` order, the entry's index, the root?, first and last parameter index)."""
-    known = (*module_names(named_shapes), *(m for m, _ in tied))
+    parameters in ``fully_shard`` order, the entry's index, the root?, first and last parameter index). The
+    layout reads only the names (``_layout``: shared by the TP degrees of a plan, whose shapes differ)."""
+    layout = _layout(entries, tuple(name for name, _ in named_shapes), tied)
+    return tuple((mods, tuple((named_shapes[i][0], tuple(named_shapes[i][1])) for i in order), k, root, f, e)
+                 for mods, order, k, root, f, e in layout)  # fmt: skip
+
+
+@lru_cache(maxsize=16)
+def _layout(entries: tuple[tuple[tuple[str, ...], bool], ...], names: tuple[str, ...],
+            tied: tuple[tuple[str, str], ...]) -> tuple[tuple, ...]:
+    """``_units`` with each parameter as its index in ``names`` (``named_parameters()`` order)."""
+    known = (*module_names(tuple((n, ()) for n in names)), *(m for m, _ in tied))
     calls: list[tuple[tuple[str, ...], int]] = []
     for k, (patterns, group) in enumerate(entries):
         found = []
@@ -231,32 +241,33 @@ def _units(entries: tuple[tuple[tuple[str, ...], bool], ...], named_shapes: tupl
         if seen[uses] != seen[holds]:
             raise ValueError(f"wrapping: {module!r} uses {param!r} (tied) from another unit; torch 2.13 refuses a "
                              f"parameter seen by two units: group them, fully_shard([..., {module}])")  # fmt: skip
-    owner: list[list[tuple[str, Shape]]] = [[] for _ in calls]
-    first, last = [len(named_shapes)] * len(calls), [0] * len(calls)
-    for i, (name, shape) in enumerate(named_shapes):
+    owner: list[list[int]] = [[] for _ in calls]
+    first, last = [len(names)] * len(calls), [0] * len(calls)
+    for i, name in enumerate(names):
         module = name.rsplit(".", 1)[0] if "." in name else ""
         best = _innermost(module, seen)
-        owner[seen[best]].append((name, tuple(shape)))
+        owner[seen[best]].append(i)
         first[seen[best]] = min(first[seen[best]], i)
         last[seen[best]] = max(last[seen[best]], i)
     for module, _ in tied:  # a tied head lists no parameter of its own, but runs after every other module: a
-        last[seen[_innermost(module, seen)]] = len(named_shapes)  # group holding it spans the layers (side.spans_layers)
-    return tuple((mods, _fully_shard_order(mods, ps, seen), k, mods == ("",), f, e)
+        last[seen[_innermost(module, seen)]] = len(names)  # group holding it spans the layers (side.spans_layers)
+    return tuple((mods, _fully_shard_order(mods, [(names[i], i) for i in ps], seen), k, mods == ("",), f, e)
                  for (mods, k), ps, f, e in zip(calls, owner, first, last))  # fmt: skip
 
 
-def _fully_shard_order(mods: tuple[str, ...], params: list[tuple[str, Shape]], seen: dict[str, int]
-                       ) -> tuple[tuple[str, Shape], ...]:
-    """A unit's parameters in the order ``fully_shard`` manages them: its modules in the order given, each
+def _fully_shard_order(mods: tuple[str, ...], params: list[tuple[str, int]], seen: dict[str, int]
+                       ) -> tuple[int, ...]:
+    """A unit's parameters (name, index) in the order ``fully_shard`` manages them, as their indices: its modules
+    in the order given, each
     walked depth-first (_fsdp_init.py:_get_managed_modules, _get_managed_states), a tied parameter where it
     is first met. For one module that is ``named_parameters()`` order; a group ``[norm, embed_tokens,
     lm_head]`` puts the norm's weight first and the tied embedding last (its gradient is the one
     ``foreach_reduce``'s loop variable keeps: terms.last_grad_held; traced, differential draw 3-0 of
     generator 4)."""
     if len(mods) == 1:
-        return tuple(params)
+        return tuple(p for _, p in params)
     where = {m: i for i, m in enumerate(mods)}
-    return tuple(sorted(params, key=lambda p: where[_innermost(p[0].rpartition(".")[0], seen)]))
+    return tuple(p for _, p in sorted(params, key=lambda p: where[_innermost(p[0].rpartition(".")[0], seen)]))
 
 
 def forward_order(units: tuple[ShardUnit, ...]) -> tuple[ShardUnit, ...]:
