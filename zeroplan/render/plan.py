@@ -344,10 +344,12 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
     launcher = get_engine(p.config.engine).launcher if p.launchers else None  # its search's recommendation
     for key, title in launcher.parts if launcher is not None else ():
         text = p.launchers.get(key)
-        if text is not None:
-            from zeroplan.render.schemas import json_text  # the JSON documents' module: loaded when needed
+        if isinstance(text, dict):  # a ds_config: the JSON documents' module, loaded only for one
+            from zeroplan.render.schemas import json_text
 
-            lines += ["", title, json_text(text, indent=2) if isinstance(text, dict) else text.rstrip("\n")]
+            lines += ["", title, json_text(text, indent=2)]
+        elif text is not None:
+            lines += ["", title, text.rstrip("\n")]
     return [*lines, "", f"{fit_sentence(p)} {ENGINE_NOTE}", ESTIMATE_NOTE]
 
 
