@@ -7,6 +7,7 @@ The trace that found zero3_epilogue.py ``final_norm_hook`` (issue 17, seed 5 dra
 G = 1, the validator's MemTracker 248,834,713 B).
 
     DS_ACCELERATOR=cpu python benchmarks/ds_draw_trace.py 5 6 --generator 5 [--accum 1] [--no-zero-init] [--top 40]
+        [--forward]
 
 Real runs (~5 min for a 16M model at N_d = 3 on 2 shared cores): never in CI."""
 
@@ -66,16 +67,20 @@ def _rank(rank: int, args: argparse.Namespace, port: int, path: str) -> None:
                 mode.peak = 0
                 loss = engine.module.loss(batch, forward=engine)
                 forward, mode.peak = mode.peak, 0
+                at_forward = sorted(mode.at_peak, key=lambda x: -x[0])[:args.top]
                 engine.backward(loss)
                 del loss
-                peaks.append((step, micro, forward, mode.peak, sorted(mode.at_peak, key=lambda x: -x[0])[:args.top]))
+                listing = at_forward if args.forward else sorted(mode.at_peak, key=lambda x: -x[0])[:args.top]
+                peaks.append((step, micro, forward, mode.peak, listing))
                 engine.step()  # off the boundary it only counts the micro-step
                 del batch
     if rank == 0:
         for step, micro, forward, backward, _ in peaks:
             print(f"step {step} micro-step {micro}: forward {forward:,} B, backward {backward:,} B")
-        step, micro, _, backward, listing = max(peaks, key=lambda p: p[3])
-        print(f"rank 0's storages at the largest backward peak (step {step} micro-step {micro}, {backward:,} B):")
+        phase = "forward" if args.forward else "backward"
+        step, micro, forward, backward, listing = max(peaks, key=lambda p: p[2] if args.forward else p[3])
+        print(f"rank 0's storages at the largest {phase} peak (step {step} micro-step {micro}, "
+              f"{forward if args.forward else backward:,} B):")
         for nbytes, func, shape, where in listing:
             print(f"    {nbytes:>12,}  {func:<36} {str(shape):<16} {' <- '.join(reversed(where[-3:]))}", flush=True)
     dist.barrier()
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accum", type=int, default=None, help="gradient_accumulation_steps (default: the draw's)")
     parser.add_argument("--no-zero-init", action="store_true", help="build the model whole")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--forward", action="store_true", help="list the storages at the forward peak instead")
     args = parser.parse_args(argv)
     d = _draw(args)
     if d.engine != "deepspeed":

@@ -176,6 +176,12 @@ def _trace_rank(rank: int, name: str, kind: str, label: str, port: int, tmp: str
     from ds_moe12_rows import second_backward_listing
     from validate.engines.deepspeed import _model_and_batches
 
+    if kind == "nvme3":  # as _nvme_rank: async_io replaced by files
+        import deepspeed.ops
+        from test_engine_offload_nvme import _install_standin
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        _install_standin({"locked": [], "read": 0, "write": 0})
     deepspeed.init_distributed(dist_backend="gloo")
     config = dict(cases(kind))[label]
     build, batches = _model_and_batches(f"{tmp}/{name}.json", nd, rank, 1, 2, 64, hf=True)

@@ -15,7 +15,8 @@ Every prediction written is cross-checked against the validator's own comparison
 
     DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/record_measured.py [reference] [fsdp2] [deepspeed]
     DS_ACCELERATOR=cpu PYTHONPATH=$PWD python benchmarks/record_measured.py deepspeed:z3-llama-head-bucket,...
-        (those DeepSpeed cases alone, merged into the file: each row with its own date and command)
+        (those DeepSpeed cases alone, merged into the file: each row with its own date and command;
+        fsdp2:NAME,... alike)
 
 2026-12-01 on 2 shared cores at load 13-17: reference 12 min, FSDP2 16 min, DeepSpeed 12 min (three
 torchrun worlds of 22, 14 and 17 configs); an engine that fails is reported and the others still written.
@@ -51,6 +52,11 @@ SMALL = {"reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_pref
 HEAD_BUCKET_LLAMA = {**json.loads(Path(LLAMA).read_text()), "hidden_size": 128, "intermediate_size": 256,
                      "vocab_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                      "head_dim": 32, "max_position_embeddings": 32, "tie_word_embeddings": False}  # fmt: skip
+# a Mistral with one kv head and its window below the sequence (32 < 64): SDPA gets the mask, ``repeat_kv``'s reshape
+# is a view of k, v (llama_nograd.kv_copied); transformers' class (hf), fp32, N_d = 2, micro-batch 2
+MISTRAL_KV1 = {"model_type": "mistral", "hidden_size": 120, "intermediate_size": 328, "num_attention_heads": 5,
+               "num_key_value_heads": 1, "num_hidden_layers": 3, "vocab_size": 3001, "max_position_embeddings": 64,
+               "tie_word_embeddings": False, "sliding_window": 32}  # fmt: skip
 HEAD_BUCKET = {"reduce_bucket_size": 81_920, "allgather_bucket_size": 81_920, "stage3_param_persistence_threshold": 100}
 BIG_MODEL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000,
                      "stage3_prefetch_bucket_size": 100_000, "stage3_param_persistence_threshold": 1_000}  # fmt: skip
@@ -151,6 +157,8 @@ FSDP2_RUNS = {
                                        batch_per_rank=2, seq_len=64),
     "real-4-gpt-5m-fp32-k2-ckpt": dict(world_sizes=(4,), model="GPT5M", param_dtype="fp32", reshard_after_forward=2,
                                        checkpointing="full", batch_per_rank=2, seq_len=64),
+    "real-2-mistral-kv1-w32-fp32-hf": dict(world_sizes=(2,), model="MISTRALKV1", hf=True, param_dtype="fp32",
+                                           batch_per_rank=2, seq_len=64),
 }  # fmt: skip
 
 
@@ -159,30 +167,30 @@ def _model_files(tmp: Path) -> dict[str, str]:
     (tmp / "tiny-llama-4-layers.json").write_text(json.dumps(llama4))
     (tmp / "gpt-5m.json").write_text(json.dumps(GPT_5M))
     (tmp / "head-bucket-llama.json").write_text(json.dumps(HEAD_BUCKET_LLAMA))
+    (tmp / "mistral-kv1-w32.json").write_text(json.dumps(MISTRAL_KV1))
     return {LLAMA_4_LAYERS: str(tmp / "tiny-llama-4-layers.json"), "GPT5M": str(tmp / "gpt-5m.json"),
-            "HEADBUCKET": str(tmp / "head-bucket-llama.json")}
+            "HEADBUCKET": str(tmp / "head-bucket-llama.json"), "MISTRALKV1": str(tmp / "mistral-kv1-w32.json")}
 
 
-def record_fsdp2(models: dict[str, str]) -> list[dict]:
+def record_fsdp2(models: dict[str, str], only: tuple[str, ...] = ()) -> list[dict]:
+    """Every FSDP2 run's rows; ``only``: those runs alone (names without ``fsdp2-`` and ``-nd``)."""
     from validate.config import ValidateConfig
     from validate.engines.fsdp2 import FAKE_TENSOR_PHASES, Fsdp2Settings, predicted_run
+    from validate.engines.fsdp2_compare import _workload as fsdp2_workload
     from validate.harness import run_matrix
-    from validate.models import spec_for
-    from zeroplan.architectures.spec import transformer_shapes
-    from zeroplan.engines.base import Workload
 
     out = []
     for name, fields in FSDP2_RUNS.items():
+        if only and name not in only:
+            continue
         fields = {**fields, "model": models.get(fields.get("model"), fields.get("model"))}
         config = ValidateConfig(engine="fsdp2", steps=2, device="cpu", **{k: v for k, v in fields.items() if v is not None})
         t = time.time()
         worlds = run_matrix(config)
-        spec, s = spec_for(config.model_name, config.params), Fsdp2Settings.from_validate(config)
+        s = Fsdp2Settings.from_validate(config)
         for meta, ranks in worlds:
             nd, rows = meta["world_size"], [rr[0] for rr in ranks]
-            (_, engine) = predicted_run(config, meta, 0)
-            workload = Workload(transformer_shapes(spec), spec, s.seq_len or spec.max_seq_len, s.batch_per_rank,
-                                config.checkpointing, foreach=bool(config.foreach if config.foreach is not None else False))  # fmt: skip
+            (_, engine), workload = predicted_run(config, meta, 0), fsdp2_workload(s, meta)  # the validator's own
             record = {
                 "name": f"fsdp2-{name}-nd{nd}", "engine": "fsdp2", "nd": nd, "run": config.model_dump(mode="json"),
                 "workload": workload_json(workload), "settings": engine.model_dump(mode="json"),
@@ -248,6 +256,9 @@ def _deepspeed_cases(models: dict[str, str]) -> dict[str, tuple[dict, dict]]:
         {"model": models["GPT5M"], "checkpointing": "full"})
     # N_d = 3 (an odd world: the head's gradient padded, so reduce_scatter_coalesced cats it), transformers' class;
     # the draw's own settings too (overlap_comm, G = 2, zero.Init), which the mechanism does not depend on
+    for s in (2, 3):  # one kv head, window 32 < seq 64 (MISTRAL_KV1); the worlds' seq_len is the config's 64
+        cases[f"z{s}-mistral-kv1-w32-fp32-hf"] = (ds_config(s, "fp32", zero=SMALL, optimizer_params=adam),
+                                                  {"model": models["MISTRALKV1"], "hf": True})
     head = {"model": models["HEADBUCKET"], "hf": True}
     cases["z3-llama-head-bucket"] = (ds_config(3, "fp32", micro_batch=1, zero=HEAD_BUCKET, optimizer_params=adam), head)
     cases["z3-llama-head-bucket-overlap-accum2-zero-init"] = (
@@ -353,8 +364,9 @@ def main(engines: list[str]) -> None:
             t = time.time()
             engine, _, only = arg.partition(":")  # deepspeed:NAME,...: those cases, merged into the file
             try:
-                rows = {"reference": record_reference, "fsdp2": lambda: record_fsdp2(models),
-                        "deepspeed": lambda: record_deepspeed(models, tuple(filter(None, only.split(","))))}[engine]()  # fmt: skip
+                names = tuple(filter(None, only.split(",")))
+                rows = {"reference": record_reference, "fsdp2": lambda: record_fsdp2(models, names),
+                        "deepspeed": lambda: record_deepspeed(models, names)}[engine]()  # fmt: skip
             except Exception as e:
                 if type(e).__name__ == "Interrupted":  # validate.harness: SIGTERM / SIGHUP stop everything
                     raise

@@ -109,14 +109,17 @@ def test_dropout_saves_what_the_terms_do_not_count():
     assert saved_bytes(0.1) - saved_bytes(0.0) >= 2 * b * h * s * s * 4
 
 
-@pytest.mark.parametrize(("s", "b"), [(23, 2), (24, 2), (25, 2), (25, 1), (30, 3)])
-def test_sliding_window_mask_as_transformers_saves_it(s, b):
+@pytest.mark.parametrize(("s", "b", "kv_heads"), [(23, 2, 2), (24, 2, 2), (25, 2, 2), (25, 1, 2), (30, 3, 2),
+                                                  (23, 2, 1), (24, 2, 1), (30, 3, 1)])
+def test_sliding_window_mask_as_transformers_saves_it(s, b, kv_heads):
     """MistralForCausalLM (sdpa, fp32, window 24): every storage autograd saves in one forward (saved-tensor
     hooks, parameters excluded) equals ``saved_total`` plus the int64 targets. transformers gives SDPA a mask from
     s = window on (``llama_nograd.sdpa_masked``; before: s > window, 33,792 B short at s = 24) and the mask
-    is (b, 1, s, s) (before: s², 14,400 B short at s = 30, b = 3)."""
+    is (b, 1, s, s) (before: s², 14,400 B short at s = 30, b = 3). With one kv head ``repeat_kv`` is a view
+    (``llama_nograd.kv_copied``; counting copies: 2·N·(q - kv)·a over per layer, 36,864 B in all at s = 24,
+    b = 2)."""
     cfg = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 101, "max_position_embeddings": 128,
+           "num_key_value_heads": kv_heads, "num_hidden_layers": 2, "vocab_size": 101, "max_position_embeddings": 128,
            "sliding_window": 24}  # fmt: skip
     measured, _, _ = hf_saved_bytes(cfg, b, s)
     assert measured == predicted_saved_bytes(cfg, b, s)

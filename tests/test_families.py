@@ -419,7 +419,7 @@ def test_gemma3_saved_activations_from_the_sliding_window_on(first, s, dtype):
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_gemma3_repeated_kv_with_one_kv_head_is_a_view(kv_heads, s, dtype):
     """``repeat_kv`` runs where SDPA gets a mask (s = 24 >= window 16) or head_dim > 256 (264 here, at s = 8 too):
-    with one kv head its reshape is a view and the saved k, v stay kv wide (``gemma_activations.repeat_view``),
+    with one kv head its reshape is a view and the saved k, v stay kv wide (``llama_nograd.kv_copied``),
     with two it copies them (exact either way; counting copies with one kv head is 2·N·(q - kv)·a over per
     layer that repeats, and fails here)."""
     cfg = {**GEMMA3_WINDOWED, "head_dim": 264, "num_key_value_heads": kv_heads, "num_attention_heads": 2 * kv_heads}
@@ -473,7 +473,7 @@ GEMMA_RECORDED = {
                             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "bf16",
                            [[4719652, 13316242, 14084498, 8000232], [4719652, 13315282, 14083538, 7998312]]),
     # Gemma 3 from its window on (window 32 < seq 64; recorded 2026-12-02, same world): its two sliding layers save the
-    # mask and k, v beside the full one's; with one kv head ``repeat_kv`` is a view (``gemma_activations.repeat_view``:
+    # mask and k, v beside the full one's; with one kv head ``repeat_kv`` is a view (``llama_nograd.kv_copied``:
     # without it forward and backward over by 2·N·(q - kv)·a per sliding layer, -1.05% / -0.97%, bf16 -0.61% / -0.58%)
     "t-gemma3-w32": ({**GEMMA_DIMS, "model_type": "gemma3_text", "sliding_window": 32,
                       "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, "fp32",

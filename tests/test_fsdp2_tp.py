@@ -1,7 +1,8 @@
 """FSDP2 with tensor parallelism (engines/fsdp2/tp.py): TP-local shapes, the TP collectives, the refusals, and
 the prediction of every phase of every rank against real gloo runs at world size 4 as dp_shard 2 x tp 2
 (validate/engines/fsdp2_tp.py, recorded in tests/data/measured/fsdp2_tp.json: with and without sequence
-parallelism, and without loss parallel: tests/test_fsdp2_tp_loss.py). One live run (a background job); the recorded
+parallelism, without loss parallel: tests/test_fsdp2_tp_loss.py, and with transformers' own plan, the ``-hf`` rows:
+``--tp-plan transformers``). One live run (a background job); the recorded
 rows are re-made with ``torchrun --nproc-per-node 4 -m validate.engines.fsdp2_tp --tp 2 [--no-sp] [--no-loss-parallel]
 --out F`` (~30 s CPU each)."""
 
@@ -49,6 +50,7 @@ def _predict(run: dict, rank: int):
     replicate = meta.get("dp_replicate", 1)
     settings = Settings(tp=meta["tp"], sequence_parallel=meta["sequence_parallel"], device="cpu", backend="gloo",
                         loss_parallel=meta.get("loss_parallel", True), rank=rank, foreach=False, param_dtype=meta.get("param_dtype", "fp32"),
+                        tp_plan=meta.get("tp_plan", "torchtitan"),
                         **({"dp_replicate": replicate} if replicate > 1 else {}))  # fmt: skip
     (row,) = estimate(_workload(meta), meta["world_size"], settings)
     return row
@@ -62,7 +64,8 @@ def _run_id(run: dict) -> str:
     seq = f"-s{meta['seq_len']}" if meta["seq_len"] != 16 else ""
     sp = "sp" if meta["sequence_parallel"] else "no-sp"
     lp = "" if meta.get("loss_parallel", True) else "-no-lp"
-    return f"{meta.get('param_dtype', 'fp32')}-{sp}{lp}{ckpt}{batch}{seq}{hsdp}"
+    hf = "-hf" if meta.get("tp_plan") == "transformers" else ""  # transformers' own tp_plan (accelerate's TP)
+    return f"{meta.get('param_dtype', 'fp32')}-{sp}{lp}{hf}{ckpt}{batch}{seq}{hsdp}"
 
 
 def _mesh(meta) -> tuple[int, int, int]:
@@ -194,7 +197,7 @@ def test_hsdp_tp_world_8():
     all-reduces over dp_replicate (one per unit: 2 blocks and the root, S_u elements in the reduce dtype, after the
     reduce-scatters over dp_shard), 5 all-gathers and 3 reduce-scatters over dp_shard, 28 TP calls over tp; in bf16 the
     all-reduce buffers are held until backward ends (a backward term)."""
-    runs = [r for r in RECORDED["runs"] if r["meta"].get("dp_replicate", 1) == 2]
+    runs = [r for r in RECORDED["runs"] if r["meta"].get("dp_replicate", 1) == 2 and "tp_plan" not in r["meta"]]
     assert sorted(r["meta"]["param_dtype"] for r in runs) == ["bf16", "fp32"]
     for run in runs:
         assert run["meta"]["world_size"] == 8 and _mesh(run["meta"]) == (2, 2, 2)
@@ -210,6 +213,28 @@ def test_hsdp_tp_world_8():
         assert bool(held) == (run["meta"]["param_dtype"] == "bf16")
         for row in run["rows"]:
             assert row["peak_bytes_by_phase"] == _predict(run, row["rank"]).peak.by_phase()
+
+
+def test_transformers_tp_plan():
+    """transformers' own plan (``tp_plan`` transformers, accelerate's TP; validate/engines/fsdp2_tp_hf.py runs
+    transformers 5.24's ``apply_tensor_parallelism``): recorded fp32 at world 4 (2 x 2) and 8 (HSDP 2 x 2 x 2) and
+    bf16 at world 4, every phase of every rank exact (test_every_phase_of_every_rank). Its placements are
+    torchtitan's without SP or loss parallel, so the peaks are those of ``sequence_parallel`` and
+    ``loss_parallel`` false; only the backward's TP all-reduces differ: each of q/k/v and gate/up all-reduces
+    its own input gradient, 5 per block where torchtitan's ``PrepareModuleInput`` sends 2 (measured: 11 = 2 x 5
+    + the head's, against 5)."""
+    runs = [r for r in RECORDED["runs"] if r["meta"].get("tp_plan") == "transformers"]
+    assert sorted((r["meta"]["world_size"], r["meta"]["param_dtype"]) for r in runs) == [(4, "bf16"), (4, "fp32"),
+                                                                                         (8, "fp32")]  # fmt: skip
+    for run in runs:
+        meta = run["meta"]
+        hf, titan = _predict(run, 0), _predict({**run, "meta": {**meta, "tp_plan": "torchtitan"}}, 0)
+        assert hf.peak.by_phase() == titan.peak.by_phase()
+        back = Counter((c.op, c.phase) for c in hf.collectives if c.mesh_dim == "tp")
+        assert back[("all-reduce", "backward")] == 2 * 5 + 1
+        assert Counter((c.op, c.phase) for c in titan.collectives if c.mesh_dim == "tp")[("all-reduce", "backward")] == 5
+    with pytest.raises(ValueError, match="tp_plan=transformers: its plan has no sequence parallelism"):
+        Settings(tp=2, tp_plan="transformers", loss_parallel=False)
 
 
 def test_tp_traffic_llama3_8b():
@@ -311,6 +336,37 @@ def test_the_plans_tp_snippet_runs_on_llama_for_causal_lm(tmp_path, loss_paralle
     assert sum(numel for numel, _ in local.values()) * 4 == row["params_bytes"]  # fp32 shards of the TP-local shapes
 
 
+@pytest.mark.distributed
+def test_the_transformers_plan_snippet_runs_on_llama_for_causal_lm(tmp_path):
+    """``plan --accelerate-config tp_hsdp.yaml`` (accelerate's TP: transformers' own plan): the printed snippet,
+    run on transformers' ``LlamaForCausalLM`` (tiny, on meta) as rank 0 of a fake group of 8, makes the placements
+    of ``tp.py``'s plan (colwise ``Shard(0)``, rowwise ``Shard(1)``, the embedding and head vocabulary-split, the
+    norms plain tensors) and rank 0's local shards hold ``estimate``'s parameter bytes."""
+    from fake_llama import run_on_fake_llama
+    from typer.testing import CliRunner
+    from zeroplan.cli import app
+
+    config = Path(__file__).parent / "data" / "hf_configs" / "tiny-llama-qwz.json"
+    accelerate = Path(__file__).parent / "data" / "integrations" / "accelerate" / "tp_hsdp.yaml"
+    args = ["--model", str(config), "--seq-len", "32", "--accelerate-config", str(accelerate), "--json"]
+    plan = CliRunner().invoke(app, ["plan", "--gpu", "h100-80gb", *args])
+    assert plan.exit_code == 0, plan.output
+    snippet = json.loads(plan.stdout)["recommendation"]["fsdp2"]
+    assert "apply_tensor_parallelism(model, mesh[\"tp\"]" in snippet and "parallelize_module" not in snippet
+    (row,) = json.loads(CliRunner().invoke(app, ["estimate", *args]).stdout)["stages"]
+    assert "transformers' tp_plan" in row["name"]
+    local = run_on_fake_llama(tmp_path, config, snippet.replace("'cuda'", "'cpu'"), 8,
+                              "{n: [p.to_local().numel(), [repr(x) for x in p.placements]] "
+                              "for n, p in model.named_parameters()}")
+    want = {"q_proj": "Shard(dim=0)", "k_proj": "Shard(dim=0)", "v_proj": "Shard(dim=0)", "gate_proj": "Shard(dim=0)",
+            "up_proj": "Shard(dim=0)", "o_proj": "Shard(dim=1)", "down_proj": "Shard(dim=1)",
+            "embed_tokens": "Shard(dim=0)", "lm_head": "Shard(dim=0)"}  # fmt: skip
+    for name, (_, placements) in local.items():  # (dp_replicate, dp_shard[, tp]): the norms are not on tp
+        key = next((k for k in want if k in name.split(".")[-2]), None)
+        assert placements[2:] == ([want[key]] if key else []) and placements[0] == "Replicate()", (name, placements)
+    assert sum(numel for numel, _ in local.values()) * 4 == row["params_bytes"]  # fp32 shards of the TP-local shapes
+
+
 def test_plan_compute_time_is_split_over_the_tp_group():
     """A data-parallel rank's b·s tokens are computed by its T GPUs, 6·Ψ·b·s / T FLOPs each
     (``commtime.compute_time_s``): a ``--tp 2`` row's compute time is half the flat row's, so its exposed
@@ -369,6 +425,9 @@ def test_tp_auto_takes_the_smallest_degree_that_fits():
     (["--engine", "fsdp2", "--tp", "3", "--world-size", "6"], "n_head=4 is not divisible by 3"),
     (["--engine", "fsdp2", "--tp", "2", "--model", "gpt-tiny"], "torchtitan's llama plan holds only"),
     (["--engine", "fsdp2", "--tp", "1"], "greater than or equal to 2"),
+    (["--engine", "fsdp2", "--tp-plan", "transformers"], "--tp-plan: with --tp only"),
+    (["--engine", "fsdp2", "--tp", "2", "--tp-plan", "transformers", "--sp"], "--tp-plan transformers: its plan has no"),
+    (["--engine", "fsdp2", "--tp", "2", "--tp-plan", "megatron"], "tp_plan"),
 ])  # fmt: skip
 def test_validate_tp_refusals(args, message):
     """``validate --tp``: what the TP runner cannot run is refused in one line before any rank starts."""

@@ -18,7 +18,7 @@ N, V, T, D = 64, 130, 2, 48  # bf16 runs: 4 x 16 tokens, llama-tiny's vocabulary
 
 
 def _run(sp: bool, dtype: str = "bf16") -> dict:
-    (run,) = [r for r in RECORDED["runs"] if r["meta"].get("loss_parallel") is False
+    (run,) = [r for r in RECORDED["runs"] if r["meta"].get("loss_parallel") is False and "tp_plan" not in r["meta"]
               and r["meta"]["sequence_parallel"] == sp and r["meta"]["param_dtype"] == dtype]  # fmt: skip
     return run
 

@@ -149,13 +149,46 @@ def test_deepspeed_values_the_files_say(monkeypatch):
 
 @pytest.mark.parametrize("name, message", [
     ("template_fsdp.yaml", "fsdp_version=1 .*FSDP2"),
-    ("tp_hsdp.yaml", "parallelism_config_tp_size=2: zeroplan models data parallelism"),
     ("template_deepspeed.yaml", "zero_stage1_config.json'?: No such file"),
 ])  # fmt: skip
 def test_refused_in_one_line(name, message):
     with pytest.raises(ValueError, match=message) as info:
         read_accelerate_config(DATA / name)
     assert "\n" not in str(info.value)
+
+
+def test_tp_is_the_mesh_accelerate_builds(launched, tmp_path):
+    # accelerate's torch_native_parallelism/configs/tp_hsdp.yaml: ParallelismConfig from the launcher's environment
+    # is the (dp_replicate, dp_shard, tp) mesh, tp innermost, R x S x T = the processes; zeroplan runs the FSDP2
+    # engine's 3-D mesh with transformers' own tp_plan (what accelerate requires of the model: get_model_tp_size)
+    from accelerate.parallelism_config import ParallelismConfig
+    from clicheck import assert_one_line_error, run, run_json
+    from zeroplan.integrations.fsdp2_run import from_accelerate
+
+    ours = read_accelerate_config(DATA / "tp_hsdp.yaml")
+    launched("tp_hsdp.yaml")
+    real = ParallelismConfig()
+    assert real._get_mesh() == (("dp_replicate", "dp_shard", "tp"), (ours.dp_replicate, 2, ours.tp))
+    assert real.tp_enabled and real.total_size == ours.num_processes and real.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
+    options = from_accelerate(ours, _llama_names()).options
+    assert {k: options[k] for k in ("tp", "tp_plan", "sequence_parallel", "loss_parallel", "dp_replicate", "init")} == {
+        "tp": 2, "tp_plan": "transformers", "sequence_parallel": False, "loss_parallel": False, "dp_replicate": 2,
+        "init": "materialized"}  # fsdp_cpu_ram_efficient_loading false: from_pretrained put the TP-local model on the device
+    got = run_json("estimate", "--model", "llama3-8b", "--seq-len", "2048", "--accelerate-config", str(DATA / "tp_hsdp.yaml"))
+    assert got["stages"][0]["name"].endswith("HSDP mesh 2 x 2, tp 2 (transformers' tp_plan)")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((DATA / "tp_hsdp.yaml").read_text().replace("tp_size: 2", "tp_size: 4"))
+    assert_one_line_error(run("estimate", "--model", "llama3-8b", "--accelerate-config", str(bad)),
+                          "dp_shard_size 2 x tp_size 4: accelerate's FSDP2 needs")
+    bad.write_text((DATA / "tp_hsdp.yaml").read_text().replace("cp_size: 1", "cp_size: 2"))
+    assert_one_line_error(run("estimate", "--model", "llama3-8b", "--accelerate-config", str(bad)),
+                          "parallelism_config_cp_size=2: zeroplan models data and tensor parallelism")
+
+
+def _llama_names():
+    from zeroplan.integrations.fsdp2_run import Names
+
+    return Names("model.embed_tokens", "model.layers.*", "model.norm", False)
 
 
 def test_bad_files(tmp_path):
@@ -273,4 +306,4 @@ def test_hsdp_is_the_mesh_accelerate_builds(launched, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((DATA / "fsdp2_hsdp.yaml").read_text().replace("dp_shard_size: 4", "dp_shard_size: 2"))
     assert_one_line_error(run("estimate", *model, "--accelerate-config", str(bad)),
-                          "dp_replicate_size 2 x dp_shard_size 2: accelerate's FSDP2 needs")
+                          "dp_replicate_size 2 x dp_shard_size 2 x tp_size 1: accelerate's FSDP2 needs")

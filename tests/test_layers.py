@@ -172,10 +172,11 @@ def arrows_up(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def named_engines() -> set[str]:
-    """The engines under zeroplan/engines/: every module or package but the contract (base, live) and the registry."""
+    """The engines under zeroplan/engines/: every module or package but the contract (base, declared, live) and the
+    registry."""
     here = ROOT / "zeroplan" / "engines"
     names = {p.stem for p in here.glob("*.py")} | {p.name for p in here.iterdir() if (p / "__init__.py").exists()}
-    return {f"zeroplan.engines.{n}" for n in names - {"__init__", "base", "live"}}
+    return {f"zeroplan.engines.{n}" for n in names - {"__init__", "base", "declared", "live"}}
 
 
 def engine_importers(edges: dict[str, set[str]]) -> dict[str, set[str]]:

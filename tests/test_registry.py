@@ -61,11 +61,12 @@ def toy_engine():
     """A whole engine in a few lines: bf16 parameters kept whole, fp32 gradients and ``copies`` fp32 optimizer
     states sharded ceil(Ψ/N_d) (its own option), one all-gather per step, and a peak of four phases."""
     import math
+    from typing import Optional
 
     from pydantic import BaseModel, ConfigDict
 
-    from zeroplan.engines.base import (Candidate, Engine, EngineEstimate, EngineOption, EnginePlan, PlannerOptions,
-                                       Workload)  # fmt: skip
+    from zeroplan.engines.base import (Candidate, Engine, EngineEstimate, EngineOption, EnginePlan, Launcher,
+                                       PlannerOptions, RunOption, Workload)  # fmt: skip
     from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
     from zeroplan.formulas.memory import MemoryBreakdown
     from zeroplan.formulas.peak import Moment, Term, peak_of
@@ -100,11 +101,14 @@ def toy_engine():
     def plan(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions) -> EnginePlan:
         tried = [(c, estimate(workload, nd, Settings(copies=c))[0]) for c in (1, 2, 3)]
         out = tuple(Candidate(f"copies={c}", e, e.peak.peak_bytes <= capacity_bytes, {"copies": c}) for c, e in tried)
-        return EnginePlan(out, next((i for i, c in enumerate(out) if c.fits), None), "toy", "fewest copies first")
+        return EnginePlan(out, next((i for i, c in enumerate(out) if c.fits), None), "fewest copies first")
 
     return Engine("toy", estimate, Settings, planner_settings,
                   lambda s: PrecisionPolicy(param_dtype="bf16", grad_dtype="fp32", master_weights=False),
-                  options=(), plan=plan, own_options=(EngineOption("copies", check_copies, 2, "optimizer copies"),))
+                  options=(), plan=plan, own_options=(EngineOption("copies", check_copies, 2, "optimizer copies"),),
+                  launcher=Launcher("toy", "Toy (exactly the copies predicted):"),
+                  run_options=(RunOption("toy_copies", Optional[int], help="copies the toy's runner keeps",
+                                         planner="copies"),))  # fmt: skip
 
 
 @pytest.fixture
@@ -149,6 +153,48 @@ def test_a_toy_engine_answers_plan_and_sweep(toy, tmp_path):
     assert frame["optimizer_bytes"].tolist() == [4 * -(-psi // 2), 4 * -(-psi // 4)]
     assert frame["peak_bytes"].tolist()[1] == row.peak.peak_bytes
     assert frame["name"].astype(str).tolist() == ["toy copies=1"] * 2
+
+
+def test_a_toy_engines_launcher_is_printed_through_its_record(toy, tmp_path):
+    """``plan`` prints the recommendation under the key and title the toy declares (``Engine.launcher``); the
+    built-in engines' keys stay in the JSON, null (``LAUNCHER_KEYS``: each some built-in engine's declared key)."""
+    from zeroplan.engines import PLANNER_ENGINES
+    from zeroplan.planning.records import LAUNCHER_KEYS
+    from zeroplan.render.plan import plan_dict, to_table
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    plan = zeroplan.plan(str(cfg), gpu_memory_bytes=10**9, gpus=2, engine="toy", seq_len=16)
+    assert plan.launchers == {"deepspeed": None, "fsdp2": None, "toy": {"copies": 1}}
+    text = to_table(plan)
+    assert 'Toy (exactly the copies predicted):\n{\n  "copies": 1\n}' in text
+    assert "DeepSpeed config" not in text and "FSDP2 (" not in text
+    rec = plan_dict(plan)["recommendation"]
+    assert (rec["deepspeed"], rec["fsdp2"], rec["toy"]) == (None, None, {"copies": 1})
+    declared = [get_engine(n).launcher.key for n in PLANNER_ENGINES if get_engine(n).launcher is not None]
+    assert sorted(declared) == sorted(LAUNCHER_KEYS)
+
+
+def test_a_toy_engines_validator_run_option_is_read_from_its_record(toy):
+    """``validate``'s config reads the toy's run option from its record (``Engine.run_options``): checked by its
+    type and by the planner option it is (``RunOption.planner``), at its default where not given, refused for
+    every other engine by name, and no other engine's option reaches the toy."""
+    from validate.config import ValidateConfig
+    from zeroplan.types import error_line
+
+    assert ValidateConfig(engine="toy").toy_copies is None and ValidateConfig(engine="toy").runner is None  # no checks
+    assert ValidateConfig(engine="toy", toy_copies=3).model_dump()["toy_copies"] == 3
+    for bad, message in ((dict(engine="toy", toy_copies=9), r"copies=9: expected a whole number in \[1, 4\]"),
+                         (dict(engine="toy", toy_copies="x"), "toy_copies='x': Input should be a valid integer"),
+                         (dict(toy_copies=2), "toy-copies: --engine toy only"),
+                         (dict(engine="fsdp2", toy_copies=2), "toy-copies: --engine toy only"),
+                         (dict(engine="toy", reduce_dtype="fp32"), "reduce-dtype: --engine fsdp2 only"),
+                         (dict(engine="toy", zero_init=True, amsgrad=True),
+                          "--zero-init: --engine deepspeed only; --amsgrad: --engine reference only")):  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            ValidateConfig(**bad)
+        assert __import__("re").search(message, error_line(info.value)), error_line(info.value)
+    assert ValidateConfig(engine="toy", grad_accum=1, zero_init=False).toy_copies is None  # others' defaults: unset
 
 
 def test_an_engines_peak_limit_is_the_one_check_of_estimate_plan_and_sweep(toy, tmp_path):
@@ -246,7 +292,7 @@ def test_estimate_imports_only_the_engine_it_asks_for():
             "if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout  # fmt: skip
-    assert out.splitlines()[-2] == "['base', 'live', 'reference']"  # shared records; no DeepSpeed or FSDP2 profile
+    assert out.splitlines()[-2] == "['base', 'declared', 'live', 'reference']"  # shared records; no DeepSpeed or FSDP2
     assert out.splitlines()[-1] == "[]"  # nor the plan's and the sweep's models (zeroplan's names are lazy)
 
 

@@ -305,9 +305,13 @@ FINAL_NORM = [(B20250, 0, -1.54), (B20500, 0, -1.54), (B20250, 1, -1.54), (B3900
               (OWN, 0, -1.54)]
 # MemTracker's live bytes in copy_grads_in_partition when the rank's grads_in_partition is allocated (the
 # probe's entry plus the partition): 20,250 rank 0 at block 0's k_proj hook, rank 1 at block 1's v_proj hook;
-# 39,000 both at block 0's v_proj hook. The attention hooks' moment (reduce.py ``_hook_activations``, bounded at
-# o_proj's) must not be below them (it is 4.2-12.4% above: a bound, never the phase's peak in these rows).
+# 39,000 both at block 0's v_proj hook. The attention hooks' moment (reduce.py ``_hook_activations``,
+# attention_hooks.py) must not be below them: where the partition is allocated there, it is over by the 504-B token
+# ids less the 32-B rotary buffers (block 1's v_proj) and 2,048 B more at block 0's k_proj (one (b, s, head_dim)
+# fp32 tensor, not traced); at 39,000 the moment holds the bucket's flattened copy, larger than the partition
+# allocated after it. Before 2026-12-02 (overpred) it was a bound at o_proj's saved tensors, 4.2-12.4 % above.
 AT_ALLOCATION = {(B20250, 0): 740864, (B20250, 1): 936640, (B39000, 0): 819960, (B39000, 1): 810936}
+OVER_AT_ALLOCATION = {(B20250, 0): 2520, (B20250, 1): 472}
 ALLOCATED = sorted(AT_ALLOCATION)
 
 
@@ -333,5 +337,10 @@ def test_first_bucket_sent_at_an_attention_hook(name, rank):
                  record["nd"], record["estimate_kwargs"]["stat_bytes"])  # fmt: skip
     names = {m.name: m.total() for m in moments(run) if m.phase == "backward"}
     assert f"last block backward, rank {rank}'s grads_in_partition" not in names  # not sent by its first op
-    (bound,) = [v for k, v in names.items() if "attention input (bounded at o_proj's)" in k]
-    assert 1.04 * AT_ALLOCATION[(name, rank)] < bound < 1.13 * AT_ALLOCATION[(name, rank)]
+    (at_hook,) = [(k, v) for k, v in names.items() if "attention input backward" in k]
+    if (name, rank) in OVER_AT_ALLOCATION:
+        assert at_hook[0].endswith(f"rank {rank}'s grads_in_partition allocated")
+        assert at_hook[1] - AT_ALLOCATION[(name, rank)] == OVER_AT_ALLOCATION[(name, rank)]
+    else:
+        assert at_hook[0].endswith(f"rank {rank}'s bucket flattened")
+        assert AT_ALLOCATION[(name, rank)] < at_hook[1] < 1.08 * AT_ALLOCATION[(name, rank)]

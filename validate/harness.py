@@ -123,16 +123,12 @@ def _in_network_namespace(cmd: list[str]) -> list[str]:
     return ["unshare", "-n", "--", "sh", "-c", f'{up} && exec "$@"', "sh", *cmd]
 
 
-# --engine -> the module its ranks run (same command-line and result file as validate.worker)
-WORKERS = {"reference": "validate.worker", "fsdp2": "validate.engines.fsdp2", "deepspeed": "validate.engines.deepspeed"}
-
-
 def launch_command(
     config: ValidateConfig, nd: int, tmp: Path, simulated: bool, worker_args: tuple[str, ...] = ()
 ) -> list[str]:
     """The launcher's command line: torchrun for a real run, one worker for a simulated one; ``worker_args``:
     more arguments of the engine's worker (the DeepSpeed runner's ds_configs)."""
-    module = "validate.engines.fsdp2_tp" if getattr(config, "tp", None) else WORKERS[config.engine]  # FSDP2 + TP
+    module = config.runner.worker_module(config)  # the engine's runner: the module its ranks run
     worker = ["-m", module, "--config", config.model_dump_json(), "--out", str(tmp / "result.json"),
               *worker_args]  # fmt: skip
     if simulated:

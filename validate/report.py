@@ -140,6 +140,16 @@ def build_report(config: ValidateConfig, worlds: list[tuple[dict, list[list[dict
     return report.model_dump(by_alias=True)
 
 
+def _runner(engine: object):
+    """The validator's runner of a report's engine (``Engine.runner``); None for one not registered (an old file)."""
+    from validate.config import runner_of
+
+    try:
+        return runner_of(get_engine(engine or "reference"))
+    except ValueError:
+        return None
+
+
 def _size(n: float) -> str:
     """Bytes in the largest binary unit that keeps the number >= 1, four significant digits."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -193,8 +203,7 @@ def to_table(report: dict) -> str:
     out = [f"model {first.get('model')} (Ψ = {first.get('psi')}), {what}",
            *format_table([cols, *lines], left=4), ""]  # fmt: skip
     out.append(
-        ("states: parameters, gradients and Adam's states live after the last backward (fsdp2 frees gradients "
-         "at zero_grad)" if first.get("engine") == "fsdp2" else "states: model states live at the step boundary")
+        f"states: {getattr(_runner(first.get('engine')), 'STATES', 'model states live at the step boundary')}"
         + " (measured: every live tensor byte) vs zeroplan; "
         f"err = (measured - predicted) / predicted, tolerance {100 * report['config']['tolerance']:g}%. "
         "coll elems: elements of every collective per step (measured: each c10d call observed at dispatch; "

@@ -97,8 +97,9 @@ def _attend(q, k, v, spec: TransformerSpec, mask: torch.Tensor | None, training:
     if groups > 1:
         if mask is None and spec.head_dim <= 256:  # use_gqa_in_sdpa
             kwargs["enable_gqa"] = True
-        else:  # repeat_kv
-            k, v = (z.repeat_interleave(groups, dim=1) for z in (k, v))
+        else:  # repeat_kv: expand, then reshape (a view with one kv head, a copy with more: llama_nograd.kv_copied)
+            k, v = (z[:, :, None].expand(z.shape[0], z.shape[1], groups, *z.shape[2:]).reshape(
+                z.shape[0], z.shape[1] * groups, *z.shape[2:]) for z in (k, v))
     y = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=spec.attn_pdrop if training else 0.0,
         is_causal=mask is None, scale=spec.head_dim**-0.5, **kwargs,

@@ -79,6 +79,10 @@ def validate_cmd(
         "loss_parallel() (default); --no-loss-parallel: Replicate, all-gathered logits (torchtitan's "
         "disable_loss_parallel)."
     ),
+    tp_plan: Optional[str] = typer.Option(
+        None, "--tp-plan", help="fsdp2 --tp: torchtitan (default) or transformers (the model's own tp_plan, as "
+        "accelerate's TP; implies --no-sp --no-loss-parallel).",
+    ),
     fsdp2_init: Optional[str] = typer.Option(
         None, "--init", help="fsdp2: materialized (build the whole model on the device, then shard; default) or "
         "meta (build on the meta device, shard, to_empty, initialise the shards: FSDP2's large-model pattern).",
@@ -126,8 +130,9 @@ def validate_cmd(
 
     if importlib.util.find_spec("torch") is None:
         raise UserError('validate needs torch (2.4 to 2.13): install the extra, e.g. pip install ".[validate]"')
-    if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise UserError('--engine deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install ".[deepspeed]"')
+    runner = _runner(engine)
+    if not getattr(runner, "installed", lambda: True)():  # what the engine's runner trains (DeepSpeed)
+        raise UserError(runner.MISSING)
     from zeroplan.files import check_writable
 
     if json_path is not None:  # first: a run must never be lost to a path that cannot be written
@@ -171,17 +176,15 @@ def validate_cmd(
         device=device,
         steps=steps,
         batch_per_rank=batch_per_rank,
-        grad_accum=grad_accum,
         seq_len=seq_len,
         param_dtype=param_dtype,
-        **given(engine=engine if engine != "reference" else None, reduce_dtype=reduce_dtype,
+        **given(engine=engine, reduce_dtype=reduce_dtype,
                 reshard_after_forward=reshard_after_forward, fake_tensors=fake_tensors, fsdp2_init=fsdp2_init,
                 fsdp_wrap=fsdp_wrap, hf=hf, labels=labels, dp_replicate=dp_replicate, tp=tp,
-                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel),
+                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, tp_plan=tp_plan),
         tolerance=tolerance,
         checkpointing=checkpointing,
         foreach=foreach,
-        amsgrad=amsgrad,
         **given(peak_tolerance=peak_tolerance),
         timeout_s=timeout,
         wire=wire,
@@ -189,20 +192,34 @@ def validate_cmd(
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
-        deepspeed_config=ds,
-        zero_init=zero_init,
+        # the engines' run options (Engine.run_options) where given: another engine's is refused by name
+        **given(grad_accum=None if grad_accum == 1 else grad_accum, amsgrad=amsgrad or None, deepspeed_config=ds,
+                zero_init=zero_init or None),
     )
     report = _run(config)
     if report is not None:  # None: a node other than node 0, which printed its one line
         _report(report, old, baseline, baseline_tolerance, json_path, [model, baseline, deepspeed_config])
 
 
+def _runner(engine: str):
+    """The validator's runner of ``engine`` (``Engine.runner``); UserError for an unknown engine."""
+    from validate.config import runner_of
+    from zeroplan.engines import get_engine
+
+    try:
+        return runner_of(get_engine(engine))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 def _mesh_of_shard(dp_shard: int, dp_replicate: Optional[int], tp: Optional[int], world_sizes: Optional[list[int]],
                    engine: str) -> tuple[Optional[int], list[int]]:
     """``--dp-shard S`` as the replicas and world size the run takes: R x S (x T) ranks, FSDP2's mesh
     (``init_device_mesh``'s sizes multiply to the world), R = N_d / (S x T) for the one world size given."""
-    if engine != "fsdp2":
-        raise UserError("--dp-shard: --engine fsdp2 only")
+    from validate.config import run_option_engines
+
+    if engine not in (meshes := run_option_engines("dp_replicate")):  # --dp-shard sets the mesh's replicas
+        raise UserError(f"--dp-shard: --engine {' or '.join(meshes)} only")
     if dp_shard < 2:
         raise UserError(f"--dp-shard {dp_shard}: must be >= 2 (the ranks each parameter is sharded over)")
     inner = dp_shard * (tp or 1)

@@ -10,7 +10,9 @@ embedding rowwise to Shard(1); head colwise to vocabulary-sharded logits) on the
 ``fully_shard`` of each decoder layer and the root over the data-parallel mesh, ``to_empty`` and init; Adam.
 ``CausalLM`` applies its head with ``F.linear`` on the head's weight, outside any module hook, so the run
 replaces the root's ``forward`` by ``tp_forward`` (the same ops, the head called as the module ``lm_head``,
-so its ``ColwiseParallel`` hooks run) and computes the loss in ``loss_parallel()``.
+so its ``ColwiseParallel`` hooks run) and computes the loss in ``loss_parallel()``. ``--tp-plan transformers``:
+transformers' own plan instead, applied by transformers (``validate.engines.fsdp2_tp_hf``; no SP, the logits
+gathered, the plain loss), as accelerate's TP needs it.
 
 Phases, probes and the c10d counter are FSDP2's runner's (``validate.engines.fsdp2``); each call's process
 group is recorded as its ranks and as the mesh dimension it is (``dim``). Every collective returns only once
@@ -90,17 +92,23 @@ def tp_forward(self, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def build_tp(spec, tp_mesh, dp_mesh, sequence_parallel: bool, param_dtype: str = "fp32", checkpointing: bool = False,
-             loss_parallel: bool = True):
-    """Meta build, ``parallelize_module`` on the ``tp`` mesh, ``fully_shard`` on ``dp_shard``, then memory."""
+             loss_parallel: bool = True, plan: str = "torchtitan"):
+    """Meta build, ``parallelize_module`` on the ``tp`` mesh (``plan`` transformers: transformers' own
+    ``apply_tensor_parallelism``, ``validate.engines.fsdp2_tp_hf``), ``fully_shard`` on ``dp_shard``, then memory."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     model = build(spec, torch.float32, "meta")
     model.forward = types.MethodType(tp_forward, model)
-    root, layer = tp_plan(sequence_parallel, loss_parallel)
-    parallelize_module(model, tp_mesh, root)
-    for block in model.model.layers:
-        parallelize_module(block, tp_mesh, layer)
+    if plan == "transformers":
+        from validate.engines.fsdp2_tp_hf import apply_transformers_plan
+
+        apply_transformers_plan(model, spec, tp_mesh)
+    else:
+        root, layer = tp_plan(sequence_parallel, loss_parallel)
+        parallelize_module(model, tp_mesh, root)
+        for block in model.model.layers:
+            parallelize_module(block, tp_mesh, layer)
     if checkpointing:  # after TP, before fully_shard (torchtitan's order): recompute each block in backward
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -202,16 +210,19 @@ class TpRun:
     checkpointing: bool = False
     loss_parallel: bool = True  # False: torchtitan's disable_loss_parallel (the head's output Replicate)
     model: str | None = None  # None: TINY; else a validate.models preset or a llama config.json
+    tp_plan: str = "torchtitan"  # transformers: the model's own tp_plan (accelerate's TP; no SP, no loss parallel)
 
     @classmethod
     def from_validate(cls, config) -> TpRun:
         """The run ``zeroplan validate --engine fsdp2 --tp T`` asks for (``validate.config.ValidateConfig``)."""
         spec = spec_for(config.model_name, None)
+        hf = config.tp_plan == "transformers"  # no SP, the logits gathered (validate.engines.fsdp2_tp_hf)
         return cls(tp=config.tp, dp_replicate=config.dp_replicate or 1, steps=config.steps,
                    batch=config.batch_per_rank, seq_len=config.seq_len or spec.max_seq_len,
-                   sequence_parallel=config.sequence_parallel is not False, param_dtype=config.param_dtype,
-                   checkpointing=config.checkpointing == "full", loss_parallel=config.loss_parallel is not False,
-                   model=None if config.model_name == "llama-tiny" else config.model_name)  # fmt: skip
+                   sequence_parallel=config.sequence_parallel is not False and not hf, param_dtype=config.param_dtype,
+                   checkpointing=config.checkpointing == "full", loss_parallel=config.loss_parallel is not False and not hf,
+                   model=None if config.model_name == "llama-tiny" else config.model_name,
+                   tp_plan=config.tp_plan or "torchtitan")  # fmt: skip
 
     def mesh(self, nd: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """``init_device_mesh``'s shape and names on ``nd`` ranks (``tp`` innermost, torchtitan's order)."""
@@ -257,7 +268,7 @@ def measure(run: TpRun, nd: int, rank: int) -> dict:
           functional_collectives_released()):
         enter("init")
         model = build_tp(spec, tp_mesh, dp_mesh, run.sequence_parallel, run.param_dtype, run.checkpointing,
-                         run.loss_parallel)
+                         run.loss_parallel, run.tp_plan)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
         enter(None)
         readings["after_init"].append(probe.settled_bytes())
@@ -315,6 +326,7 @@ def meta_of(run: TpRun, nd: int, spec_config: dict) -> dict:
     """The run's description, written beside the rows (tests/data/measured/fsdp2_tp.json keeps it)."""
     return {"world_size": nd, "tp": run.tp, "steps": run.steps, "batch": run.batch, "seq_len": run.seq_len,
             "sequence_parallel": run.sequence_parallel, **({} if run.loss_parallel else {"loss_parallel": False}),
+            **({} if run.tp_plan == "torchtitan" else {"tp_plan": run.tp_plan}),
             "param_dtype": run.param_dtype, "hf_config": spec_config,
             "checkpointing": "full" if run.checkpointing else "none", "torch": torch.__version__,
             **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {}),
@@ -337,6 +349,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
                         help="MixedPrecisionPolicy.param_dtype (the reduce dtype follows it)")
     parser.add_argument("--checkpointing", action="store_true", help="checkpoint_wrapper on every decoder layer")
+    parser.add_argument("--tp-plan", default="torchtitan", choices=("torchtitan", "transformers"),
+                        help="transformers: the model's own tp_plan, applied by transformers (accelerate's TP); "
+                        "implies --no-sp --no-loss-parallel")
     parser.add_argument("--config", default=None, help="instead: a ValidateConfig as JSON (zeroplan validate)")
     parser.add_argument("--raw", action="store_true", help="accepted for validate.harness (rows are always raw)")
     parser.add_argument("--out", required=True)
@@ -349,8 +364,9 @@ def main(argv: list[str] | None = None) -> None:
         run = TpRun.from_validate(ValidateConfig.model_validate_json(args.config))
         inject_fault(rank)
     else:
-        run = TpRun(args.tp, args.dp_replicate, args.steps, args.batch, args.seq_len, not args.no_sp,
-                    args.param_dtype, args.checkpointing, not args.no_loss_parallel)  # fmt: skip
+        hf = args.tp_plan == "transformers"  # its plan: no SP, the head's output gathered (validate.engines.fsdp2_tp_hf)
+        run = TpRun(args.tp, args.dp_replicate, args.steps, args.batch, args.seq_len, not (args.no_sp or hf),
+                    args.param_dtype, args.checkpointing, not (args.no_loss_parallel or hf), tp_plan=args.tp_plan)  # fmt: skip
     dist.init_process_group("gloo")
     row = measure(run, nd, rank)
     rows = [None] * nd if rank == 0 else None

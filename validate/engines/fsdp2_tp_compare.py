@@ -21,6 +21,14 @@ TP_RUNNER_CHANGES = (
     "no parity check: the TP runner does not train a single-process reference",
 )
 """What the TP runner changes in what it measures, beyond the probes (``ReportRow.runner_changes``)."""
+HF_PLAN_CHANGE = ("transformers' tp_plan (--tp-plan transformers) applied to the validator's CausalLM (transformers' "
+                  "llama module names) by transformers' own apply_tensor_parallelism and _expand_parallel_plan, on the "
+                  "meta device, not through from_pretrained(tp_plan='auto') (validate/engines/fsdp2_tp_hf.py)")
+
+
+def runner_changes(meta: dict) -> list[str]:
+    """``TP_RUNNER_CHANGES``, and with transformers' plan how it is applied (``HF_PLAN_CHANGE``)."""
+    return [*TP_RUNNER_CHANGES, *((HF_PLAN_CHANGE,) if meta.get("tp_plan") == "transformers" else ())]
 
 
 def _tagged(phase: str, dim: str) -> str:
@@ -41,7 +49,7 @@ def predict(config, meta: dict, rank: int):
     workload = Workload(transformer_shapes(spec), spec, run.seq_len, run.batch,
                         "full" if run.checkpointing else "none", 1, False)  # fmt: skip
     settings = profile.Settings(tp=run.tp, sequence_parallel=run.sequence_parallel, loss_parallel=run.loss_parallel,
-                                device="cpu", backend="gloo",
+                                device="cpu", backend="gloo", tp_plan=run.tp_plan,
                                 rank=rank, foreach=False, param_dtype=run.param_dtype,
                                 **({"dp_replicate": run.dp_replicate} if run.dp_replicate > 1 else {}))  # fmt: skip
     (row,) = profile.estimate(workload, meta["world_size"], settings)
@@ -83,7 +91,7 @@ def compare(config, meta: dict, rows: list[dict]) -> dict:
     row = compare_rows(prediction, readings, config.tolerance, config.peak_tolerance)
     return finish({
         **row, "world_size": nd, "mode": "real", "backend": meta["backend"], "device": meta["device"],
-        "model": config.model_label, "psi": config.psi, "engine": "fsdp2", "runner_changes": list(TP_RUNNER_CHANGES),
+        "model": config.model_label, "psi": config.psi, "engine": "fsdp2", "runner_changes": runner_changes(meta),
         "adam_step_bytes": max(r["optimizer_state_bytes"].get("step", 0) for r in rows),
         "probe_breakdown": rows[0]["probe_breakdown"], "checkpointing": config.checkpointing,
         "seq_len": config.seq_len, "micro_batch": config.batch_per_rank, "foreach": False, "parity": None,

@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 from zeroplan.architectures.spec import Shape, TransformerSpec
+from zeroplan.engines.declared import EngineOption, Launcher, RunOption
 from zeroplan.engines.live import LiveRun, no_live_settings
 from zeroplan.formulas.activation_terms import activation_limit
 from zeroplan.formulas.collectives import Collective
@@ -200,8 +201,6 @@ class EnginePlan:
     candidates: tuple[Candidate, ...]
     recommended: Optional[int]
     """index of the cheapest candidate that fits; None when none does."""
-    launcher_key: str
-    """where the recommendation's configuration goes in ``plan --json``: ``deepspeed`` or ``fsdp2``."""
     order: str
     """why the candidates are in this order (cheapest first), for the plan's reason."""
     base: object = None
@@ -255,18 +254,6 @@ def command_line_batch(settings_file: Optional[Mapping[str, Any]], nd: Optional[
 def command_line_sweep_batches(settings_file, gpus, model_parallel, micro_batches, name="micro_batch"):
     """``sweep``'s micro-batches of an engine whose settings set no batch: None (the command line's stand)."""
     return None
-
-
-@dataclass(frozen=True)
-class EngineOption:
-    """An option an engine declares beyond the shared fields of ``PlannerOptions``: its keyword
-    (the Python API's; ``PlannerOptions.own[name]``), its check (value -> value, ValueError in one line),
-    its default and what it means."""
-
-    name: str
-    check: Callable[[object], object]
-    default: object = None
-    help: str = ""
 
 
 PEAK_CHECKPOINTING: tuple[str, ...] = ("none", "full")
@@ -349,6 +336,19 @@ class Engine:
     own_peak_limits: Callable[[PlannerOptions, TransformerSpec], Optional[PeakLimit]] = no_own_peak_limits
     """what of an architecture and the planner's options the engine's own peak does not model (the reference
     runtime: its one policy; every engine: no dropout, ``dropout.dropout_limit``); ``peak_limits`` adds the limits every engine shares."""
+    launcher: Optional[Launcher] = None
+    """what ``plan`` prints for the recommendation of its own search (``plan``); None: none printed."""
+    run_options: tuple[RunOption, ...] = ()
+    """its validator run's own options (``zeroplan validate --engine NAME``), declared here once: ``validate.config``
+    reads them from this record, checks their type and refuses them for every other engine."""
+    runner: Optional[str] = None
+    """the validator's runner of this engine: the dotted name of a module under ``validate/engines/`` (imported by
+    the validator only, on first use) with ``run(config) -> report`` and ``worker_module(config)`` (what its ranks
+    run), and optionally ``run_defaults(data) -> data``, ``check_run(config)`` (ValueError in one line),
+    ``default_model``, ``installed``/``MISSING``, ``STATES``; None: ``zeroplan validate`` cannot train it."""
+    comm_count: Optional[tuple[str, str]] = None
+    """how its collective rows count, as ``estimate``'s footnote says (one step; G micro-steps, ``{accum}``) where
+    that is not the calls the engine itself issues (the reference engine: the ZeRO paper's volumes)."""
     plan_options: Callable[[PlannerOptions], PlannerOptions] = same_options
     """the planner's options as its own ``plan`` uses them, less what that search chooses itself (DeepSpeed: the
     ds_config's ZeRO stage): ``plan``'s config check asks ``peak_limits`` with these, so a plan answers with the rows

@@ -25,8 +25,9 @@ every config in tests/data/hf_configs (tests/test_peak.py):
 - ``llama`` (Llama, Mistral, Qwen2; biases change no activation): RMSNorm as transformers writes it
   (fp32 copy, pow, mean, rsqrt, two products), separate q/k/v of q = n_head·head_dim and kv widths,
   RoPE (cos and sin (1, s, head_dim), once per model), SDPA with grouped-query heads (``enable_gqa``:
-  k, v stay kv wide; with Mistral's sliding-window mask they are repeated to q wide and the mask is
-  saved in the activation dtype), SwiGLU MLP (gate, up, activation, product). Per block
+  k, v stay kv wide; with Mistral's sliding-window mask they are repeated to q wide, a copy from 2 kv heads on
+  and a view with one (``llama_nograd.kv_copied``), and the mask is saved in the activation dtype), SwiGLU MLP
+  (gate, up, activation, product). Per block
   2·(4Nd + 4N + 2Nd·a) + N·a·(2q + 2kv') + 4·b·h·s [+ s²·a] + (k+3)·N·f·a.
 The newer llama-layout families add to that block what their own modeling file computes (measured on
 transformers' classes, tests/test_families.py): Qwen3's q/k norms (``_qk_norm_saved``) and Phi-3's fused
@@ -51,7 +52,8 @@ from typing import Literal, Optional
 from zeroplan.architectures.spec import TransformerSpec, layout_features
 from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas import gemma_activations as G
-from zeroplan.formulas.llama_nograd import ACT_NOGRAD_PEAK, llama_nograd_moments, llama_nograd_peak, sdpa_masked
+from zeroplan.formulas.llama_nograd import (ACT_NOGRAD_PEAK, kv_copied, llama_nograd_moments, llama_nograd_peak,
+                                            sdpa_masked)
 from zeroplan.formulas.moe_block import SPARSE_BLOCK_FAMILIES, sparse_block, sparse_block_limits, sparse_mlp_saved
 
 TOKEN_BYTES = 8  # int64 token ids and targets, as the embedding and nll_loss take them
@@ -110,6 +112,10 @@ class BlockActivations:
     """the MLP's own part of ``saved``: what its projections and activation keep beyond its input (the
     norm's output, counted with the norm): GPT (k + 1)·N·f·a, Llama (k + 3)·N·f·a, the sparse block's
     router and experts (``moe_block.sparse_mlp_saved``)."""
+    sdpa_saved: int = 0
+    """the attention's part of ``saved`` that SDPA's backward releases, before any q/k/v projection's backward:
+    q and k after RoPE, v (repeated where copied), SDPA's output, logsumexp, the mask where one is used, Phi-3's
+    fused qkv storage and output copy (``_llama_attention_saved`` + ``_fused_attention_extra``; 0: not derived)."""
 
 
 @dataclass(frozen=True)
@@ -205,14 +211,14 @@ def _llama_attention_saved(spec: TransformerSpec, n: int, b: int, s: int, a: int
 
     ``validate/transformer.py:_attend`` (transformers' sdpa_attention_forward): with grouped-query heads
     and no mask SDPA gets ``enable_gqa`` (k, v stay kv wide); with a mask (Mistral's sliding window,
-    sequences longer than the window) or head_dim > 256, k and v are ``repeat_interleave``d to the
-    query heads, and SDPA saves the repeated copies and the (b, 1, s, s) mask converted to the activation dtype
-    (b·s²·a per layer; measured against MistralForCausalLM, tests/test_activations.py).
+    sequences longer than the window) or head_dim > 256, k and v are repeated to the query heads (``repeat_kv``:
+    copies from 2 kv heads on, a view with one, ``llama_nograd.kv_copied``), and SDPA saves them and the
+    (b, 1, s, s) mask converted to the activation dtype (b·s²·a per layer; measured against MistralForCausalLM,
+    tests/test_activations.py).
     """
     q, kv, h = spec.q_dim, spec.kv_dim, spec.n_head
     masked = sdpa_masked(spec, s)
-    repeated = spec.n_kv_head < h and (masked or spec.head_dim > 256)
-    k_v = q if repeated else kv
+    k_v = q if kv_copied(spec, s) else kv
     return n * a * (2 * q + 2 * k_v) + b * h * s * 4 + (b * s * s * a if masked else 0)
 
 
@@ -237,9 +243,7 @@ def _fused_attention_extra(spec: TransformerSpec, n: int, s: int, a: int) -> int
     beside SDPA's own output. Seen on the autograd graph's saved tensors (tests/test_families.py)."""
     if not spec.fused_projections:
         return 0
-    masked = sdpa_masked(spec, s)
-    repeated = spec.n_kv_head < spec.n_head and (masked or spec.head_dim > 256)
-    return n * a * (spec.q_dim + (0 if repeated else spec.q_dim + spec.kv_dim))
+    return n * a * (spec.q_dim + (0 if kv_copied(spec, s) else spec.q_dim + spec.kv_dim))
 
 
 def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> BlockActivations:
@@ -251,9 +255,10 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     # the norm's input itself (``x.to(torch.float32)`` returns x): the block input and x1 are saved.
     rms = n * d * 4 + n * 4 + 2 * n * d * a
     own_input = a == 4  # the two norms save the block input and x1 themselves
-    attn = _llama_attention_saved(spec, n, b, s, a) + _qk_norm_saved(spec, n, a) + _fused_attention_extra(spec, n, s, a)
+    sdpa = _llama_attention_saved(spec, n, b, s, a) + _fused_attention_extra(spec, n, s, a)
+    attn = sdpa + _qk_norm_saved(spec, n, a)
     if spec.mla is not None:  # DeepSeek-V3's latent attention (deepseek_activations.py)
-        attn = DS.mla_saved(spec, n, b, s, a)
+        attn, sdpa = DS.mla_saved(spec, n, b, s, a), 0
     # gate out's kept tensors (SiLU: its input), act out and up out (the product's factors), the product;
     # Phi-3's gate_up_proj output (N·2f) is one storage, kept by the product (its up half) whatever the
     # activation keeps: 4·N·f for an activation that keeps nothing more (relu), as many as Llama's otherwise
@@ -265,6 +270,7 @@ def _llama_block(spec: TransformerSpec, n: int, b: int, s: int, a: int) -> Block
     block = BlockActivations(
         saved=saved,
         mlp_saved=mlp,
+        sdpa_saved=sdpa,
         # 16-bit: nothing saves the block input or x1: both live beside the last product, down's out and
         # the sum; fp32: they are in ``saved`` (measured: tiny-llama fp32 at N_d = 2, forward exact)
         forward_extra=(2 if own_input else 4) * n * d * a,
@@ -349,9 +355,8 @@ def model_activations(
     elif spec.model_type in G.GEMMA_FAMILIES:  # Gemma's norms, attention, scaled embedding, soft-capped logits
         def gemma(kind: Optional[str]) -> BlockActivations:  # a full layer's attention gets no mask (is_causal)
             at = spec if kind != "full_attention" else replace(spec, sliding_window=None)
-            nograd = llama_nograd_moments(replace(at, qk_norm=False), n, s, a)
-            nograd["sdpa"] -= G.repeat_view(at, n, s, a, nograd=True)
-            llama = _llama_attention_saved(at, n, b, s, a) - G.repeat_view(at, n, s, a), max(nograd.values())
+            nograd = max(llama_nograd_moments(replace(at, qk_norm=False), n, s, a).values())
+            llama = _llama_attention_saved(at, n, b, s, a), nograd
             return BlockActivations(**G.gemma_block(at, n, b, s, a, llama[0], ACT_KEPT, llama[1], ACT_NOGRAD_PEAK))
 
         kinds = spec.layer_types if G.sliding_masked(spec, s) else None  # Gemma 3 from its window on

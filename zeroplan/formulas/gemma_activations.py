@@ -26,7 +26,7 @@ with saved-tensor hooks on transformers' own classes (tests/test_families.py, fp
   (``sliding_masked``) the sliding layers keep the (b, 1, s, s) mask in the activation dtype and k, v repeated
   to the query heads (``sdpa_attention_forward``: no ``enable_gqa`` with a mask), as Mistral's, and the full
   ones (``create_causal_mask``: none, ``is_causal``) do not: each layer its own block
-  (``ModelActivations.layer_blocks``). With one kv head ``repeat_kv`` is a view (``repeat_view``).
+  (``ModelActivations.layer_blocks``). With one kv head ``repeat_kv`` is a view (``llama_nograd.kv_copied``).
 - The embedding is ``Gemma2TextScaledWordEmbedding``: ``embedding(ids) * embed_scale.to(weight.dtype)``, whose
   product keeps the 0-dim scale (``a`` bytes). RoPE's cos and sin are kept once per rotary table: Gemma 2 has
   one, Gemma 3 one per layer type present (``Gemma3RotaryEmbedding``: local and global bases).
@@ -94,16 +94,6 @@ def sliding_masked(spec: TransformerSpec, s: int) -> bool:
     """Whether Gemma 3's sliding layers get a mask (``masking_utils._ignore_causal_mask_sdpa``: from
     ``kv_length >= sliding_window`` on), so that they save what its full layers do not (module docstring)."""
     return spec.model_type == "gemma3_text" and bool(spec.layer_types) and sdpa_masked(spec, s)
-
-
-def repeat_view(spec: TransformerSpec, n: int, s: int, a: int, nograd: bool = False) -> int:
-    """What Llama's terms count for k and v repeated to the query heads (``_llama_attention_saved``'s saved copies,
-    ``llama_nograd_moments``' ``sdpa`` moment) that transformers' ``repeat_kv`` does not make with one kv head:
-    ``expand`` then ``reshape`` of (b, 1, h, s, hd) merges two stride-0 dims, a view of k, v (measured: FSDP2
-    t-gemma3 with the window below the sequence, 2·N·(q - kv)·a per sliding layer over without this)."""
-    if spec.n_kv_head != 1 or spec.n_head == 1 or not (sdpa_masked(spec, s) or spec.head_dim > 256):
-        return 0
-    return 2 * n * spec.q_dim * a if nograd else 2 * n * (spec.q_dim - spec.kv_dim) * a
 
 
 def _nograd_peak(spec: TransformerSpec, n: int, s: int, a: int, llama_nograd: int, act_nograd: dict[str, int]) -> int:

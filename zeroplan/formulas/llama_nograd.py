@@ -18,6 +18,17 @@ def sdpa_masked(spec: TransformerSpec, s: int) -> bool:
     return spec.sliding_window is not None and s >= spec.sliding_window
 
 
+def kv_copied(spec: TransformerSpec, s: int) -> bool:
+    """Whether k and v are copied to the query heads before SDPA (the one rule; every family's SDPA terms read it).
+    transformers' ``sdpa_attention_forward`` passes ``enable_gqa`` unless SDPA gets a mask (``sdpa_masked``) or
+    head_dim > 256 (``use_gqa_in_sdpa``); then ``repeat_kv`` (modeling_llama.py) runs ``expand`` and ``reshape`` of
+    (b, kv, n_rep, s, hd): with one kv head the reshape merges two stride-0 dims, a view of k, v (no copy: they stay
+    kv wide); with 2 or more it copies them, N·q wide each. Measured: MistralForCausalLM, window 24, two kv heads
+    copy (tests/test_activations.py); one kv head, Mistral (FSDP2 and DeepSpeed rows) and Gemma 3
+    (tests/test_families.py), a view: counting copies there was 2·N·(q - kv)·a over per masked layer."""
+    return 1 < spec.n_kv_head < spec.n_head and (sdpa_masked(spec, s) or spec.head_dim > 256)
+
+
 def llama_nograd_peak(spec: TransformerSpec, n: int, s: int, a: int) -> int:
     """Bytes a LlamaDecoderLayer holds beside its input at its peak without grad (checkpointed forward): the
     largest of ``llama_nograd_moments``."""
@@ -31,14 +42,13 @@ def llama_nograd_moments(spec: TransformerSpec, n: int, s: int, a: int) -> dict[
     Op by op in validate/transformer.py (transformers' order): RMSNorm holds its fp32 copy, the squares or
     the product and the fp32 rsqrt (8·N·d + 4·N); the attention holds the norm output (its argument),
     q, k, v and RoPE's three temporaries of the projection being rotated (t·cos, rotate_half, ·sin),
-    then SDPA's output (and the repeated k, v and the 16-bit mask where used) beside the rotated q, k and
+    then SDPA's output (and the copied k, v (``kv_copied``) and the 16-bit mask where used) beside the rotated q, k and
     v, then o_proj's output; the residual sum holds x1, the attention output and the sum; the MLP holds
     x1 and the norm output with the activation's peak or its output, up's and their product, then the
     product and down's output.
     """
     d, f, q, kv = spec.d_model, spec.ffn, spec.q_dim, spec.kv_dim
-    masked = sdpa_masked(spec, s)
-    repeated = spec.n_kv_head < spec.n_head and (masked or spec.head_dim > 256)
+    masked, repeated = sdpa_masked(spec, s), kv_copied(spec, s)
     lse = n * spec.n_head * 4
     norm = (8 if a < 4 else 4) * n * d + 4 * n  # fp32 copy (fp32: the input itself) and squares (or product), rsqrt
     rope_q = n * a * (d + 4 * q + 2 * kv)  # norm out, q, k, v, q·cos, rotate_half(q), ·sin

@@ -80,6 +80,11 @@ class AccelerateFsdp:
     wrapping: tuple[WrapUnit, ...]
     dp_replicate: int = 1
     """``parallelism_config_dp_replicate_size``: above 1, HSDP on the (replicate, shard) mesh."""
+    tp: int = 1
+    """``parallelism_config_tp_size``: above 1, the model's own transformers ``tp_plan`` on the mesh's innermost
+    ``tp`` dimension (``ParallelismConfig._get_mesh``: dp_replicate, dp_shard, cp, sp, tp), which accelerate
+    requires of the model (``Accelerator.prepare_model``: ``get_model_tp_size(model)`` equals ``tp_size``,
+    ``from_pretrained(..., tp_plan="auto", device_mesh=...)``); ``fully_shard`` then shards over the rest."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ def read_fsdp(data: dict) -> AccelerateFsdp:
     if str(version) != "2":
         raise ValueError(f"accelerate config: fsdp_version={version!r} (FSDP1, FullyShardedDataParallel): zeroplan "
                          "models FSDP2; set fsdp_version: 2 (`accelerate to-fsdp2` converts the file)")  # fmt: skip
-    replicate = _hsdp_replicas(_section(data, "parallelism_config"), _num_processes(data))
+    replicate, tp = _mesh_sizes(_section(data, "parallelism_config"), _num_processes(data))
     if _fsdp_key(fsdp, "fsdp_ignored_modules", None) is not None:
         raise ValueError("accelerate config: fsdp_ignored_modules: modules left out of FSDP are not modelled")
     ram = _fsdp_key(fsdp, "fsdp_cpu_ram_efficient_loading", "true")
@@ -214,27 +219,30 @@ def read_fsdp(data: dict) -> AccelerateFsdp:
         auto_wrap_policy=policy,  # type: ignore[arg-type]
         transformer_layer_cls_to_wrap=classes, min_num_params=min_num_params,
         wrapping=fsdp2_wrapping(policy, classes, min_num_params, reshard),  # type: ignore[arg-type]
-        dp_replicate=replicate,
+        dp_replicate=replicate, tp=tp,
     )  # fmt: skip
 
 
-def _hsdp_replicas(parallel: dict, processes: int) -> int:
-    """``parallelism_config``'s replicas R (``ParallelismConfig``: absent sizes are 1). R > 1 with dp_shard S > 1 is
-    HSDP: ``fsdp2_prepare_model`` shards on the mesh ``("dp_replicate", "dp_shard_cp")`` (``fsdp_dim_names``), the
-    FSDP2 engine's 2-D mesh. Given, the section needs S > 1 and R x S = the processes, as accelerate's
-    ``_validate_accelerator`` does for FSDP2. Tensor, context and sequence parallelism are refused."""
+def _mesh_sizes(parallel: dict, processes: int) -> tuple[int, int]:
+    """``parallelism_config``'s replicas R and TP size T (``ParallelismConfig``: absent sizes are 1). R > 1 with
+    dp_shard S > 1 is HSDP: ``fsdp2_prepare_model`` shards on the mesh ``("dp_replicate", "dp_shard_cp")``
+    (``fsdp_dim_names``), the FSDP2 engine's 2-D mesh; T > 1 is the model's own TP plan on the innermost ``tp``
+    dimension (``AccelerateFsdp.tp``). Given, the section needs S > 1 and R x S x T = the processes, as
+    accelerate's ``_validate_accelerator`` does for FSDP2 (``total_size``). Context and sequence parallelism are
+    refused."""
     sizes = {k.removeprefix("parallelism_config_"): v for k, v in parallel.items() if k.endswith("_size")}
-    for key in ("tp_size", "cp_size", "sp_size"):
+    for key in ("cp_size", "sp_size"):
         if sizes.get(key) not in (None, 1):
             raise ValueError(f"accelerate config: parallelism_config_{key}={sizes[key]}: zeroplan models data "
-                             "parallelism (FSDP, HSDP) only")  # fmt: skip
+                             "and tensor parallelism (FSDP, HSDP, tp_size) only")  # fmt: skip
     replicate = _int(sizes.get("dp_replicate_size") or 1, "parallelism_config_dp_replicate_size")
     shard = _int(sizes.get("dp_shard_size") or 1, "parallelism_config_dp_shard_size")
-    if parallel and (shard == 1 or replicate * shard != processes):  # ParallelismConfig._validate_accelerator
+    tp = _int(sizes.get("tp_size") or 1, "parallelism_config_tp_size")
+    if parallel and (shard == 1 or replicate * shard * tp != processes):  # ParallelismConfig._validate_accelerator
         raise ValueError(f"accelerate config: parallelism_config dp_replicate_size {replicate} x dp_shard_size "
-                         f"{shard}: accelerate's FSDP2 needs dp_shard_size > 1 and the product = num_processes "
-                         f"({processes})")  # fmt: skip
-    return replicate
+                         f"{shard} x tp_size {tp}: accelerate's FSDP2 needs dp_shard_size > 1 and the product = "
+                         f"num_processes ({processes})")  # fmt: skip
+    return replicate, tp
 
 
 def _plugin_fields(ds: dict) -> PluginFields:

@@ -123,18 +123,24 @@ def from_torchtitan(run: TorchtitanRun, names: Optional[Names]) -> Fsdp2Run:
 
 def from_accelerate(run: AccelerateFsdp, names: Optional[Names]) -> Fsdp2Run:
     """The FSDP2 engine's run of an accelerate FSDP2 config (``read_fsdp``): RAM-efficient loading is the meta
-    init (the model moved to meta, ``fully_shard``, rank 0's state dict broadcast into the shards)."""
+    init (the model moved to meta, ``fully_shard``, rank 0's state dict broadcast into the shards). With a TP size
+    the model is transformers' own TP (``tp_plan`` transformers: no SP, the logits gathered); without RAM-efficient
+    loading ``from_pretrained(..., tp_plan="auto")`` has put each rank's TP-local model on its device (transformers
+    ``distributed/utils.py`` ``initialize_tensor_parallelism``: ``device_map`` the local rank's device) before
+    ``fully_shard``: the engine's materialized init (the TP-local model whole on the device), not the CPU load."""
+    tp = {"tp": run.tp, "sequence_parallel": False, "loss_parallel": False, "tp_plan": "transformers"}
     _refuse("--accelerate-config", {
         "fsdp_offload_params=true": run.offload_params,
         "fsdp_activation_checkpointing_offload=true": run.activation_checkpointing_offload,
         f"mixed_precision={run.mixed_precision}": run.param_dtype == "fp16",
         "fsdp_cpu_ram_efficient_loading=false (each rank loads the whole model on CPU, fully_shard moves each "
-        "unit to the GPU before sharding it)": run.init == "cpu",
+        "unit to the GPU before sharding it)": run.init == "cpu" and run.tp == 1,
     })  # fmt: skip
     if names is None:
         raise ValueError("--accelerate-config: give --model (the wrapping is in its module names)")
     wrap = accelerate_wrapping(run, names)
-    options = {"wrap": wrap, "init": "meta",
+    options = {"wrap": wrap, "init": "meta" if run.init == "meta" else "materialized",
                **({"param_dtype": run.param_dtype, "reduce_dtype": run.reduce_dtype} if run.param_dtype else {}),
-               "dp_replicate": run.dp_replicate}  # the file's mesh, 1: flat (pinned: plan searches no other)
+               "dp_replicate": run.dp_replicate,  # the file's mesh, 1: flat (pinned: plan searches no other)
+               **(tp if run.tp > 1 else {})}  # fmt: skip
     return Fsdp2Run(options, wrap, run.num_processes, None, None, None, "full" if run.activation_checkpointing else None)

@@ -15,7 +15,7 @@ from zeroplan.formulas.commtime import Links, compute_time_s, engine_step_time, 
 from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.cut_first import cut_first
-from zeroplan.planning.records import Plan, PlanOption
+from zeroplan.planning.records import LAUNCHER_KEYS, Plan, PlanOption
 from zeroplan.planning.reserved_fit import NOT_REPLAYED, first_fragmentation, fit_quantity, live_over
 
 @gc_paused()  # its candidates' moments, traces and replays make many objects and free few (allocator/gc_pause.py)
@@ -55,9 +55,11 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     if recommended is not None:
         recommendation = rows[recommended]
         chosen = answer.candidates[recommended]
-        launchers = {"deepspeed": None, "fsdp2": None, answer.launcher_key: chosen.launcher}
-        if chosen.build is not None:  # the model's construction the prediction assumed (deepspeed.zero.Init)
-            launchers[f"{answer.launcher_key}_build"] = chosen.build
+        launchers = dict.fromkeys(LAUNCHER_KEYS)  # the engine's declared launcher: what it predicted, as run
+        if engine.launcher is not None:
+            launchers[engine.launcher.key] = chosen.launcher
+        if engine.launcher is not None and chosen.build is not None:  # how the model is built (deepspeed.zero.Init)
+            launchers[f"{engine.launcher.key}_build"] = chosen.build
         reason = (f"the cheapest of {len(rows)} {engine.name} configurations that fits on "
                   f"{config.gpus} GPUs with {headroom} (tried in order: {answer.order})")  # fmt: skip
     else:

@@ -48,6 +48,11 @@ class PlanOption:
         return f"{self.stage}" if not self.offload.any else f"{self.stage} + {self.offload.label}"
 
 
+LAUNCHER_KEYS: tuple[str, ...] = ("deepspeed", "fsdp2")
+"""``plan --json``'s launcher keys of a recommendation (``render/schemas.py``), each the ``Engine.launcher.key`` of a
+built-in engine (``tests/test_registry.py`` checks it); null where another engine, or the ladder, answered."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """The answer of ``zeroplan.plan``: resolved inputs, every option, the recommendation and why."""
@@ -69,9 +74,9 @@ class Plan:
     options: tuple[PlanOption, ...]  # stages 0-3 without offload, then the offload options
     recommendation: Optional[PlanOption]
     reason: str
-    launchers: Optional[dict[str, object]]  # the recommendation's {"deepspeed": dict, "fsdp2": str}; with an
-    # engine's own plan, only that engine's entry is set (the configuration it predicted), the other is None;
-    # "deepspeed_build" too at ZeRO-3: the model built under deepspeed.zero.Init, as predicted
+    launchers: Optional[dict[str, object]]  # the recommendation's configuration under each of LAUNCHER_KEYS; with
+    # an engine's own plan, only its entry (its ``Engine.launcher.key``) is set (the configuration it predicted),
+    # the others None; "{key}_build" too where it has one (DeepSpeed ZeRO-3: the model built under zero.Init)
     fit_basis: str = ""  # how fits was decided: on the peak, or on model states and why
     cut_first: Optional[str] = None  # which term to cut first, from the peak's largest terms
     fragmentation: Optional[str] = None  # what to change when reserved, not live, bytes are what does not fit

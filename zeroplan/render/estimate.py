@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 
+from zeroplan.engines import get_engine
 from zeroplan.estimation.records import Estimate, StageEstimate
 from zeroplan.formulas.collectives import on_mesh
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
@@ -219,15 +220,15 @@ def to_table(e: Estimate, unit: str = "GB") -> str:
     if e.own_estimator is not None:
         lines.append(f"{e.own_estimator}: the engine's own formula for the same run (model states only: no "
                      "buckets, activations or temporaries), shown beside the prediction to compare; never used for it.")  # fmt: skip
-    counted = ("as the paper counts them (sec. 7: 2Ψ DP/P_os/P_os+g, 3Ψ P_os+g+p)" if e.engine == "reference" else
+    paper = get_engine(e.engine).comm_count  # the reference engine's: the paper's count
+    counted = (paper[0] if paper is not None else
                f"by the calls the {e.engine} engine itself issues (its own collectives, not the paper's count)")
     accum = 1 if e.workload is None else e.workload.grad_accum
     moved = f"elements moved per rank per step {counted}"
     if accum > 1:  # the rows count one optimizer step (EngineEstimate.collectives)
         moved = (f"elements moved per rank per optimizer step of {accum} micro-steps, " + (
-            "the paper's count per micro-step (sec. 7: 2Ψ DP/P_os/P_os+g, 3Ψ P_os+g+p) with what runs every "
-            f"micro-step (ZeRO-2/3 gradient reductions, ZeRO-3 all-gathers) counted {accum} times"
-            if e.engine == "reference" else f"every micro-step's calls the {e.engine} engine itself issues"))
+            paper[1].format(accum=accum) if paper is not None else
+            f"every micro-step's calls the {e.engine} engine itself issues"))
     lines += [
         f"comm/step: {moved}; sent/rank: bytes each rank sends with ring collectives, (N_d-1)/N_d of that.",
     ]  # fmt: skip

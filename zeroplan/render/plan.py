@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zeroplan.planning.records import Plan, PlanOption
+from zeroplan.engines import get_engine
+from zeroplan.planning.records import LAUNCHER_KEYS, Plan, PlanOption
 from zeroplan.presets import LinkSpec
 from zeroplan.render.plan_cells import (
     count_cell, fit_sentence, not_replayed_note, reserved_cell, seconds_cell, size_cell,
@@ -172,7 +173,7 @@ def plan_dict(p: Plan, auto=None, largest: Optional[dict] = None) -> dict:
             "stage": rec.stage,
             "offload": {"optimizer": rec.offload.optimizer, "params": rec.offload.params},
             "label": rec.label,
-            **(p.launchers or {"deepspeed": None, "fsdp2": None}),
+            **(p.launchers or dict.fromkeys(LAUNCHER_KEYS)),
         }
     return {
         "schema": SCHEMA,
@@ -340,15 +341,13 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
         lines.append(f"Cut first: {p.cut_first}.")
     if p.fragmentation is not None:
         lines.append(f"Fragmentation: {p.fragmentation}.")
-    if p.recommendation is not None:
-        for key, title in (("deepspeed", "DeepSpeed config (exactly the one predicted):"),
-                           ("deepspeed_build", "Build the model as predicted (with that file as ds_config.json):"),
-                           ("fsdp2", "FSDP2 (exactly the configuration predicted):")):  # fmt: skip
-            text = p.launchers.get(key)
-            if text is not None:
-                from zeroplan.render.schemas import json_text  # the JSON documents' module: loaded when needed
+    launcher = get_engine(p.config.engine).launcher if p.launchers else None  # its search's recommendation
+    for key, title in launcher.parts if launcher is not None else ():
+        text = p.launchers.get(key)
+        if text is not None:
+            from zeroplan.render.schemas import json_text  # the JSON documents' module: loaded when needed
 
-                lines += ["", title, json_text(text, indent=2) if isinstance(text, dict) else text.rstrip("\n")]
+            lines += ["", title, json_text(text, indent=2) if isinstance(text, dict) else text.rstrip("\n")]
     return [*lines, "", f"{fit_sentence(p)} {ENGINE_NOTE}", ESTIMATE_NOTE]
 
 

@@ -34,6 +34,7 @@ from zeroplan.engines.base import Engine
 from zeroplan.engines.deepspeed.alloc_trace import alloc_traces
 from zeroplan.engines.deepspeed.batch import DsBatch, ds_batch, planner_batch, run_batch, sweep_micro_batches
 from zeroplan.engines.deepspeed.collectives import DSCollective, greedy_buckets
+from zeroplan.engines.deepspeed.declared import LAUNCHER, RUN_OPTIONS
 from zeroplan.engines.deepspeed.live import live_settings
 from zeroplan.engines.deepspeed.config import (DEEPSPEED_OPTIMIZERS, DEFAULT_BUCKET_NUMEL, NVME_PATH,
                                                STAGE3_PREFETCH_NUMEL, DeepSpeedConfig, deepspeed_config,
@@ -84,5 +85,6 @@ ENGINE = Engine("deepspeed", estimate, Settings, planner_settings, planner_polic
                 sweep_batches=sweep_micro_batches, read_settings_file=Settings.from_ds_config,
                 own_options=VOCABULARY, alloc_trace=alloc_traces,
                 own_peak_limits=planner_peak_limits, plan_options=planner_plan_options,
-                live_settings=live_settings)  # fmt: skip
+                live_settings=live_settings,
+                launcher=LAUNCHER, run_options=RUN_OPTIONS, runner="validate.engines.deepspeed_run")  # fmt: skip
 """DeepSpeed as the registry knows it (``zeroplan.engines``): its batch is the ds_config's."""

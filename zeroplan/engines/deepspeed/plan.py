@@ -366,7 +366,7 @@ def planner_plan(workload: Workload, nd: int, capacity_bytes: int, options: Plan
     if spec is not None and spec.moe is not None:
         why += (f"; routed experts (Ψ = {model_numel(spec):,} elements): rows whose peak is not modelled left out "
                 f"(moe_limit, docs/engines/deepspeed.md): {_dropped_reason(dropped) if dropped else 'none'}")
-    return EnginePlan(out, index, "deepspeed", why, base)
+    return EnginePlan(out, index, why, base)
 
 
 def _traced(t: Tried) -> Settings:

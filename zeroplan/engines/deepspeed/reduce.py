@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import zeroplan.engines.deepspeed.boundary as B
+from zeroplan.engines.deepspeed.attention_hooks import attention_input_hook
 from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks, _params_numels,
@@ -304,12 +305,14 @@ def _block_hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[T
     d = run.final_norm_numel
     nfa = nda // d * (sum(run.numels[i] for i in last_proj) // d)
     attention = _attention_after(run, j)
-    if any(hook in m for m in attention):  # q, k, v, the input norm: bounded by o_proj's (their hooks come
-        # after it, each op releasing more of the attention's saved tensors), in flight every attention input
-        # projection's output gradient, the input norm output's and x1's
+    if any(hook in m for m in attention):  # q, k, v, their norms, the input norm (attention_hooks.py); not derived:
+        # bounded by o_proj's saved tensors, in flight every input projection's output gradient, the norm's and x1's
         rms = nda // _pbytes(run) * 4 + nda // (_pbytes(run) * d) * 4 + 2 * nda
-        qkv = nda // d * (sum(run.numels[i] for m in attention for i in m if run.numels[i] > d) // d)
         module = next(m for m in attention if hook in m)
+        derived = attention_input_hook(run, hook, attention, saved - blk.mlp_saved - rms)
+        if derived is not None:
+            return "attention input", derived, module
+        qkv = nda // d * (sum(run.numels[i] for m in attention for i in m if run.numels[i] > d) // d)
         return "attention input (bounded at o_proj's)", (
             _act("block's saved activations before its post-attention norm", saved - blk.mlp_saved - rms),
             _act("q, k, v's, the input norm output's and x1's gradients", qkv + 2 * nda, 3)), module

@@ -18,7 +18,7 @@ from zeroplan.engines.deepspeed.hook_order import grad_ready_order, sparse_calls
 from zeroplan.engines.deepspeed.offload_terms import NO_OFFLOAD, WrapperOffload, on_gpu
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import DSTerm, FlatGroup, aligned_flat_numel, flat_group
-from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, Stage3Trace, stage3_trace
+from zeroplan.engines.deepspeed.trace import _MLP_PROJECTIONS, ATTENTION_FORWARD, Stage3Trace, stage3_trace
 from zeroplan.engines.deepspeed.zeropp import qwz_buffer_terms, secondary_terms
 from zeroplan.formulas.activation_terms import ModelActivations
 from zeroplan.formulas.deepseek_activations import router_bias_bytes, router_weight_copy_bytes
@@ -41,6 +41,10 @@ class Wrapper:
     """what its offload keeps on the host and moves (offload_terms.py; ZeRO-1/2's and ZeRO-3's: offload_wrappers.py)."""
     ds_estimate: Callable = staticmethod(zero12_estimate_bytes)
     """``(settings, numels, nd) -> bytes``: DeepSpeed's own estimator of the wrapper's file (estimator.py)."""
+    wraps_module_inputs: bool = False
+    """Whether each module's inputs pass through ``PostBackwardFunctionModule`` (ZeRO-3's module hooks,
+    runtime/zero/parameter_offload.py ``_post_backward_module_hook``): an input gradient waits in its node while the
+    module's ``AccumulateGrad`` hooks run (attention_hooks.py)."""
 
     def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
         """Elements of one rank's fp32 master partition."""
@@ -353,7 +357,8 @@ def _trace(workload: Workload) -> tuple[Optional[Stage3Trace]]:
     spec = workload.spec
     style = spec.style if spec is not None else None
     hf = workload.transformers and spec is not None
-    return (stage3_trace(workload.shapes, style, head_tied(workload), hf),)
+    calls = ATTENTION_FORWARD.get(spec.model_type, ()) if hf else ()  # transformers' attention modules' call order
+    return (stage3_trace(workload.shapes, style, head_tied(workload), hf, calls),)
 
 
 def head_tied(workload: Workload) -> bool:

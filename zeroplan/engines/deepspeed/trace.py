@@ -89,6 +89,21 @@ norms), Gemma 2/3's decoder layers with their two feed-forward norms around the 
 Gemma2DecoderLayer.forward); GPT-2 blocks run in registration order."""
 
 
+ATTENTION_FORWARD: dict[str, tuple[str, ...]] = {
+    "qwen3": ("q_proj", "q_norm", "k_proj", "k_norm", "v_proj", "o_proj"),
+    "qwen3_moe": ("q_proj", "q_norm", "k_proj", "k_norm", "v_proj", "o_proj"),
+    "gemma3_text": ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj"),
+}
+"""The attention's submodules in the order its forward calls them where that is not their registration order
+(q, k, v, o, then the q/k norms): modeling_qwen3.py ``Qwen3Attention.forward`` (and Qwen3-MoE's) normalises q and k
+as it projects them, ``q_norm(q_proj(x))`` then ``k_norm(k_proj(x))``, then ``v_proj``; modeling_gemma3.py
+``Gemma3Attention.forward`` projects q, k, v, then normalises q and k; both call ``o_proj`` last. In registration
+order the norms came after ``o_proj``: their gradient hooks first in the block's attention
+(``run.grad_ready_order``), so the post-attention norm's next module was ``k_norm``, not ``o_proj``
+(``block_roles._llama_roles``), and ``o_proj``'s weight gradient was counted among the attention inputs' (found by
+the differential draw 1-24, Qwen3-MoE ZeRO-3: backward 493,560 B over on every rank)."""
+
+
 _MOE_FORWARD = ("shared_expert", "gate", "experts", "shared_experts", "shared_expert_gate")
 """A sparse MLP's submodules in the order its forward calls them (transformers 5.24), not their registration
 order: ``Qwen2MoeSparseMoeBlock.forward`` runs ``shared_expert``, ``gate``, ``experts``, then
@@ -153,7 +168,8 @@ class _TraceBuilder:
     module's hooks (``events``) and the marks (``spans``) the peak moments read."""
 
     def __init__(self, shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optional[str], tied: bool,
-                 head_module: bool) -> None:
+                 head_module: bool, attention_calls: tuple[str, ...] = ()) -> None:
+        self.attention_calls = {name: i for i, name in enumerate(attention_calls)}
         names = [name for name, _ in shapes]
         head = next((i for i, n in enumerate(names) if n == "lm_head.weight"), None)
         if head is None and tied:  # the head weight is the token embedding (CausalLM.head_weight; tied lm_head)
@@ -209,6 +225,8 @@ class _TraceBuilder:
         if style == "llama" and path.rpartition(".")[2].isdigit():  # a decoder layer; sorted() is stable
             rank = {name: i for i, name in enumerate(_LLAMA_FORWARD)}
             out.sort(key=lambda c: rank.get(c.rpartition(".")[2], 0))
+        if self.attention_calls and path.endswith(".self_attn"):  # ATTENTION_FORWARD
+            out.sort(key=lambda c: self.attention_calls.get(c.rpartition(".")[2], len(self.attention_calls)))
         if any(c.rpartition(".")[2] == "experts" for c in out):  # a sparse MLP (_MOE_FORWARD)
             moe = {name: i for i, name in enumerate(_MOE_FORWARD)}
             out.sort(key=lambda c: moe.get(c.rpartition(".")[2], len(moe)))
@@ -293,7 +311,7 @@ class _TraceBuilder:
 
 
 def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optional[str] = None,
-                 tied: bool = False, head_module: bool = False) -> Stage3Trace:
+                 tied: bool = False, head_module: bool = False, attention_calls: tuple[str, ...] = ()) -> Stage3Trace:
     """ZeRO-3's module trace of the validator's causal LM (validate/transformer.py ``CausalLM``) from its
     parameter names: every module called in forward gets its hooks (parameter_offload.py
     ``_register_deepspeed_module``), containers that are never called (the ``transformer``/``model`` body,
@@ -320,5 +338,6 @@ def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optiona
     Marks: per decoder block j, ``block j MLP input`` (the fetch of its MLP input projection), ``block j output
     projection`` (the fetch of its MLP output projection, the block's last module) and ``block j output projection
     released`` (that projection's post-forward release: it runs before the block adds its residual), for the
-    forward moments."""
-    return _TraceBuilder(shapes, style, tied, head_module).trace()
+    forward moments. ``attention_calls``: the attention's submodules in call order (``ATTENTION_FORWARD``), where
+    the family's forward does not call them in registration order."""
+    return _TraceBuilder(shapes, style, tied, head_module, attention_calls).trace()

@@ -138,6 +138,7 @@ class ZeroOptimizerStage3(Wrapper):
     collectives = staticmethod(zero3_collectives)
     offload = ZERO3_OFFLOAD
     ds_estimate = staticmethod(zero3_estimate_bytes)
+    wraps_module_inputs = True
 
     def partition_numel(self, s: Settings, numels: tuple[int, ...], nd: int) -> int:
         return zero3_partition_numel(numels, nd)

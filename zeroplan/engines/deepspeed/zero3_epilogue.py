@@ -11,12 +11,14 @@ from typing import Optional
 
 from zeroplan.engines.deepspeed.coordinator import Stage3Schedule
 from zeroplan.engines.deepspeed.layout_ranks import _hook_layout
+from zeroplan.engines.deepspeed.nvme import gradient_swap_bytes, swappable
 from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.phases import final_norm_at_its_hook
 from zeroplan.engines.deepspeed.run import GATHER_SRC, DSRun, _act, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.zeropp import all_secondaries
 from zeroplan.engines.deepspeed.zeropp_qgz import QGZ_BUFFERS, QGZ_SRC, qgz_nodes, qgz_reduce_bytes
 from zeroplan.formulas.peak import Moment, Term
+from zeroplan.formulas.sharding import flat_shard_numel
 
 S3 = "runtime/zero/stage3.py"
 
@@ -162,24 +164,43 @@ def epilogue_moments(run: DSRun, sched: Optional[Stage3Schedule]) -> tuple[Momen
 
 
 def _epilogue_norms(run: DSRun, order: tuple[int, ...], start: int) -> tuple[Term, ...]:
-    """``offload_optimizer``: ``partition_grads`` walks the last bucket (``order[start:]``, hook order) and for each
+    """``offload_optimizer``: ``partition_grads`` walks the last bucket (``order[start:]``; sorted by ``ds_id``, the
+    parameters' build order, where ``reduce_scatter``: stage3.py ``__reduce_and_partition_ipg_grads``) and for each
     gradient partition with real data on this rank (``offload_terms.param_norm_count``'s rule) keeps the fp64 norm
     of ``_offload_grad_partition_at_boundary -> _constant_buffered_norm2``, made on an fp64 copy of the partition
     (``part.data.to(get_norm_dtype())``; its square, 8 B, beside it). The largest moment over the bucket: its copy
     beside the norms kept before it, the earlier buckets' included. On CPU ``grad_buffer.to(device)`` is the buffer
-    itself; on a GPU it is a GPU copy of the host partition (not measured: not counted)."""
-    rank, nd, numels = run.settings.rank or 0, run.nd, run.numels
-    best, kept = (0, 0), 0
-    for k, i in enumerate(order):
+    itself; on a GPU it is a GPU copy of the host partition (not measured: not counted).
+
+    A swapped sub-group (``offload_optimizer`` nvme, ``_swappable_optimizer_subgroup``) keeps beside them each
+    partition's fp32 copy made after its norm (``offload_fp32_gradients[i].append(grad_buffer.to(master dtype))``;
+    none when the gradients are fp32: ``.to`` returns the buffer) until ``partition_grads`` ends with
+    ``_swap_out_offload_fp32_gradients``, which leaves an earlier bucket's slices below the swap threshold on the
+    host (``unswapped_gradients``, nvme.py ``step_terms``). Measured (overpred, 2026-12-02: Mixtral wide bf16,
+    ZeRO-3 nvme, N_d = 2, the stand-in; ``ds_moe_opt_rows.py nvme3 --trace``): at the backward peak the copies of
+    the 15 partitions normed before a 65,536-element one, 2,475,776 B, and its 524,288-B fp64 copy; every MoE nvme
+    row's backward 129,164-132,948 B under before."""
+    s, rank, nd, numels = run.settings, run.settings.rank or 0, run.nd, run.numels
+    swapped = (s.offload_optimizer.device == "nvme" and s.grad_dtype != "fp32"
+               and swappable(flat_shard_numel(numels, nd)))
+    last = sorted(order[start:]) if s.reduce_scatter else order[start:]  # __reduce_and_partition_ipg_grads: by ds_id
+    best, kept, fp32 = (0, 0, 0), 0, 0
+    for k, i in enumerate((*order[:start], *last)):
         part = -(-numels[i] // nd)
         if part * rank >= numels[i]:
             continue  # partition_grads: contains_real_data false, no norm
-        if k >= start and part * 8 + kept * 8 > best[0] + best[1] * 8:
-            best = (part * 8, kept)
+        if k >= start and part * 8 + kept * 8 + fp32 > best[0] + best[1] * 8 + best[2]:
+            best = (part * 8, kept, fp32)
         kept += 1
+        if swapped:  # its fp32 copy: kept to this bucket's swap-out, then only what stays on the host
+            fp32 += part * 4 if k >= start else part * 4 - gradient_swap_bytes((part,))
     if not best[0]:
         return ()
     src = f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2"
     return (Term("fp64 copy of a gradient partition for its norm (the largest moment of the last bucket)",
                  best[0] + 8, src, 2),
-            Term(f"{PARAM_NORMS}, the gradients normed before it", best[1] * 8, f"{S3} norm_for_param_grads", best[1]))
+            Term(f"{PARAM_NORMS}, the gradients normed before it", best[1] * 8, f"{S3} norm_for_param_grads", best[1]),
+            *((Term("fp32 copies of the gradient partitions normed before it, kept for the swap-out "
+                    "(offload_fp32_gradients; an earlier bucket's unswapped_gradients)", best[2],
+                    f"{S3} _offload_grad_partition_at_boundary -> _swap_out_offload_fp32_gradients"),)
+              if best[2] else ()))

@@ -43,6 +43,7 @@ from __future__ import annotations
 from zeroplan.engines.base import Engine, EngineOption
 from zeroplan.engines.fsdp2.alloc_trace import alloc_traces
 from zeroplan.engines.fsdp2.collectives import UnitCollective, unit_collectives
+from zeroplan.engines.fsdp2.declared import LAUNCHER, RUN_OPTIONS
 from zeroplan.engines.fsdp2.launcher import fsdp2_snippet, settings_snippet
 from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.moments import (
@@ -91,5 +92,6 @@ __all__ = [
 
 ENGINE = Engine("fsdp2", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS, planner_plan,
                 block_bytes=planner_block_bytes, plan_chooses=("checkpointing",), own_options=VOCABULARY,
-                alloc_trace=alloc_traces, own_peak_limits=planner_peak_limits, live_settings=live_settings)
+                alloc_trace=alloc_traces, own_peak_limits=planner_peak_limits, live_settings=live_settings,
+                launcher=LAUNCHER, run_options=RUN_OPTIONS, runner="validate.engines.fsdp2_run")
 """FSDP2 as the registry knows it (``zeroplan.engines``): the command line's batch, its own plan search."""

@@ -4,7 +4,7 @@ FSDP2's equivalent of a ZeRO stage and offload (``fsdp2_snippet``)."""
 from __future__ import annotations
 
 from zeroplan.engines.fsdp2.mesh import mesh_snippet
-from zeroplan.engines.fsdp2.tp import tp_snippet
+from zeroplan.engines.fsdp2.tp import tp_snippet, transformers_tp_snippet
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
@@ -110,7 +110,8 @@ def tp_mesh_snippet(settings: Settings) -> str:
     dp = 'mesh["dp_replicate", "dp_shard"]' if r > 1 else 'mesh["dp_shard"]'
     return ("from torch.distributed.device_mesh import init_device_mesh\n"
             f"mesh = init_device_mesh({settings.device!r}, {shape}, mesh_dim_names={names})\n"
-            + tp_snippet(t, dp, settings.sequence_parallel, settings.loss_parallel))  # fmt: skip
+            + (transformers_tp_snippet(t, dp) if settings.tp_plan == "transformers" else
+               tp_snippet(t, dp, settings.sequence_parallel, settings.loss_parallel)))  # fmt: skip
 
 
 def fsdp2_snippet(stage: int, offload: Offload = NO_OFFLOAD, policy: PrecisionPolicy = BF16_MIXED) -> str:

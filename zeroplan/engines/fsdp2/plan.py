@@ -299,7 +299,7 @@ def mesh_plan(workload: Workload, nd: int, capacity_bytes: int, options: Planner
         for o in options_
     )  # fmt: skip
     index = None if chosen is None else options_.index(chosen)
-    return EnginePlan(candidates, index, "fsdp2", PLAN_ORDER, settings)
+    return EnginePlan(candidates, index, PLAN_ORDER, settings)
 
 
 def planner_block_bytes(settings: Settings) -> int:

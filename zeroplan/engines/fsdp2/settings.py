@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.dtypes import canonical_dtype
@@ -88,6 +88,11 @@ class Settings(BaseModel):
         True, description="with tp: the head's output Shard(-1) and the loss under loss_parallel() (torchtitan's "
         "default); false: Replicate (all-gathered logits) and the plain loss (torchtitan's disable_loss_parallel)",
     )  # fmt: skip
+    tp_plan: Literal["torchtitan", "transformers"] = Field(
+        "torchtitan", description="with tp: whose plan (engines/fsdp2/tp.py). transformers: the model's own tp_plan "
+        "(from_pretrained(tp_plan='auto'), accelerate's TP): torchtitan's placements without sequence parallelism "
+        "or loss parallel (both must be false), each colwise input's gradient all-reduced on its own",
+    )  # fmt: skip
     selective_ac: Union[StrictInt, Literal["op"]] = Field(
         1, description="with checkpointing full, torchtitan's selective_ac_option (engines/fsdp2/selective_ac.py): "
         "k, checkpoint_wrapper on layers k, 2k, ... only (counted from 1; 1: every layer); op, every layer under "
@@ -97,6 +102,14 @@ class Settings(BaseModel):
         (9, 0), description="device cuda: the GPU's compute capability, which sizes the cuBLAS workspaces "
         "(formulas.cuda_workspaces); (9, 0) is H100/H200",
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _transformers_plan(self) -> "Settings":
+        if self.tp_plan == "transformers" and (self.sequence_parallel or self.loss_parallel):
+            raise ValueError("tp_plan=transformers: its plan has no sequence parallelism and gathers the logits "
+                             "(transformers distributed/tensor_parallel.py); set sequence_parallel and "
+                             "loss_parallel false")  # fmt: skip
+        return self
 
     @field_validator("selective_ac")
     @classmethod
@@ -138,6 +151,7 @@ class Settings(BaseModel):
         hsdp = f", HSDP mesh {self.dp_replicate} x {self.dp_shard}" if (self.dp_replicate or 1) > 1 else ""
         off = f", CPUOffloadPolicy(pin_memory={self.pin_memory})" if self.offload_policy == "cpu" else ""
         plain = ", no SP" * (not self.sequence_parallel) + ", no loss parallel" * (not self.loss_parallel)
+        plain = ", transformers' tp_plan" if self.tp_plan == "transformers" else plain
         tp = f", tp {self.tp}{f' ({plain[2:]})' if plain else ''}" if (self.tp or 1) > 1 else ""
         sac = "" if self.selective_ac == 1 else ", selective AC per op" if self.selective_ac == "op" else \
             f", checkpoint every {self.selective_ac} layers"

@@ -18,6 +18,19 @@ The plan (torchtitan 0.3.0 ``models/common/decoder_sharding.py``, the same place
   the N x V/T logits Shard(-1) -> Replicate (an all-gather of the vocabulary, ``Shard._to_replicate_tensor``),
   and the plain cross-entropy runs on the whole N x V logits on every TP rank.
 
+transformers' own plan (``Settings.tp_plan`` transformers: ``from_pretrained(..., tp_plan="auto")``, which
+accelerate's TP requires; transformers 5.24 ``distributed/tensor_parallel.py``, ``TRANSFORMERS_SRC``) is this
+plan without SP and without loss parallel: the llama, Mistral and Qwen2 configs' ``base_model_tp_plan`` q/k/v and
+gate/up ``colwise`` (``ColwiseParallel``: weight and bias ``Shard(0)``, input ``Replicate``, output ``Shard(-1)``
+as a local tensor), o/down ``rowwise`` (weight ``Shard(-1)``, the Partial output all-reduced to ``Replicate``),
+``model.embed_tokens: embedding_rowwise`` (``distributed/mixin.py`` ``init_parallel_plans``; ``EmbeddingParallel``:
+weight ``Shard(0)``, output all-reduced to ``Replicate``), ``lm_head: colwise_gather_output`` (output
+``Replicate``: the logits all-gathered, the plain loss), the norms left alone. One difference: each colwise
+module makes its own local input a ``Replicate`` DTensor (``ColwiseParallel.transform_inputs_pre_forward``:
+``DTensor.from_local``), where torch's plan does it once per attention and MLP (``PrepareModuleInput``), so each
+of q/k/v and gate/up all-reduces its input's Partial gradient in backward (``tp_collectives``). Measured:
+tests/test_fsdp2_tp.py, the ``-hf`` rows (the validator's model under transformers' ``apply_tensor_parallelism``).
+
 FSDP2 then shards each TP-local tensor (``DTensor._local_tensor``) on its dim 0 over ``dp_shard``
 (``_fsdp_param.py:FSDPParam._init_sharded_param``: ``_StridedShard`` when TP also splits dim 0), so the
 profile runs unchanged on the TP-local shapes (``local_shapes``) and N_d / T data-parallel ranks: the
@@ -37,6 +50,7 @@ from zeroplan.engines.fsdp2.tp_loss import whole_logits
 from zeroplan.formulas.llama_nograd import llama_nograd_moments
 
 TP_SRC = "torch/distributed/tensor/parallel/style.py"
+TRANSFORMERS_SRC = "transformers/distributed/tensor_parallel.py"
 TP_FAMILIES = ("llama", "mistral", "qwen2")
 """The llama-like families the plan holds: q/k/v/o, gate/up/down, RMSNorm, untied head (Qwen3's q_norm and
 k_norm and Phi-3's fused projections are other plans)."""
@@ -75,6 +89,14 @@ def check_plan(spec, t: int, nd: int, seq_len: int, sequence_parallel: bool) -> 
             raise ValueError(f"tp={t}: {what}={n} is not divisible by {t} (uneven DTensor shards are not modelled)")
 
 
+def colwise_inputs(tp_plan: str) -> int:
+    """The input gradients a block all-reduces over ``tp`` in backward without SP (``tp_collectives``): torch's
+    plan makes each of attention's and the MLP's inputs a DTensor once (``PrepareModuleInput``), 2; transformers'
+    each colwise module its own (``TRANSFORMERS_SRC`` ``ColwiseParallel.transform_inputs_pre_forward``), one per
+    ``COLWISE`` module."""
+    return len(COLWISE) if tp_plan == "transformers" else 2
+
+
 def local_shape(name: str, shape: tuple[int, ...], t: int) -> tuple[int, ...]:
     """The TP-local shape of one parameter (the plan in the module docstring); ValueError for a name outside it."""
     module, leaf = (["", *name.split(".")])[-2:]
@@ -102,7 +124,8 @@ def local_spec(spec, t: int):
 
 
 def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, sequence_parallel: bool,
-                   checkpointing: bool, vocab: int | None = None) -> tuple[UnitCollective, ...]:
+                   checkpointing: bool, vocab: int | None = None,
+                   colwise_inputs: int = 2) -> tuple[UnitCollective, ...]:
     """The TP collectives of one micro-step over the ``tp`` group (T ranks), in issue order per phase; each
     (b, s, d) activation of ``tokens`` = b·s rows is one collective of tokens·d elements (its full size).
     Measured call by call on gloo (tests/data/measured/fsdp2_tp.json, validate/engines/fsdp2_tp.py).
@@ -126,7 +149,11 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
     ``placement_types.py:Shard._to_replicate_tensor``: ``funcol.all_gather_single``): one all-gather of the
     N·V logits in forward, in the activation dtype, in place of loss parallel's three all-reduces. Its
     backward sends nothing: ``to_local``'s gradient is Replicate and ``Redistribute.backward`` turns it into
-    Shard(-1) by a local split (``Shard._replicate_to_shard``)."""
+    Shard(-1) by a local split (``Shard._replicate_to_shard``).
+
+    ``colwise_inputs``: the input gradients all-reduced per block in backward without SP: 2 (torch's plan, one per
+    ``PrepareModuleInput``), 5 with transformers' plan (q, k, v, gate, up: ``TRANSFORMERS_SRC``
+    ``ColwiseParallel.transform_inputs_pre_forward``, ``DTensor.from_local`` per module; measured)."""
     n = tokens * d_model
     if sequence_parallel:
         embed, block_fwd, head = ("reduce-scatter",), ("all-gather", "reduce-scatter") * 2, ("all-gather",)
@@ -157,7 +184,7 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
         if sequence_parallel:
             out += [coll(back[op], "backward", f"block {i}") for op in reversed(block_fwd)]
         else:  # the gradients at the MLP's and attention's inputs (colwise: Partial -> Replicate)
-            out += [coll("all-reduce", "backward", f"block {i}") for _ in range(2)]
+            out += [coll("all-reduce", "backward", f"block {i}") for _ in range(colwise_inputs)]
     if sequence_parallel:
         out += [coll(back[op], "backward", "root") for op in reversed(embed)]
     return tuple(out)
@@ -336,5 +363,19 @@ def tp_snippet(t: int, dp_mesh: str, sequence_parallel: bool, loss_parallel: boo
         "        \"mlp.gate_proj\": ColwiseParallel(), \"mlp.up_proj\": ColwiseParallel(),\n"
         f"        \"mlp.down_proj\": RowwiseParallel(output_layouts={act}),\n"
         "    })\n"
+        f"dp_mesh = {dp_mesh}  # fully_shard shards the TP-local tensors over it\n"
+    )
+
+
+def transformers_tp_snippet(t: int, dp_mesh: str) -> str:
+    """transformers' own plan (``Settings.tp_plan`` transformers) as the validator applies it
+    (validate/engines/fsdp2_tp_hf.py: transformers 5.24, whose ``from_pretrained(tp_plan="auto", tp_size=T)`` refuses
+    a T below the world size), then what ``fully_shard`` takes: ``dp_mesh``."""
+    return (
+        "from transformers.distributed.tensor_parallel import apply_tensor_parallelism\n"
+        f"# tensor parallelism over the {t} GPUs of mesh[\"tp\"]: the model's own tp_plan (transformers; accelerate's\n"
+        "# TP), before fully_shard: colwise q/k/v, gate/up, rowwise o/down, embedding_rowwise, lm_head\n"
+        "# colwise_gather_output (the logits whole on every TP rank: the loss as without TP)\n"
+        "apply_tensor_parallelism(model, mesh[\"tp\"], model._expand_parallel_plan(model.tp_plan))\n"
         f"dp_mesh = {dp_mesh}  # fully_shard shards the TP-local tensors over it\n"
     )

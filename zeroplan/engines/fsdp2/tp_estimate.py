@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from zeroplan.engines.fsdp2.tp import check_plan, local_shapes, local_spec, norm_grad_collectives, tp_collectives
+from zeroplan.engines.fsdp2.tp import (check_plan, colwise_inputs, local_shapes, local_spec, norm_grad_collectives,
+                                       tp_collectives)  # fmt: skip
 from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.peak import PeakEstimate, PhasePeak, Term
@@ -34,13 +35,14 @@ def tp_rows(workload, settings) -> tuple[Collective, ...]:
     # activations and autograd's gradients in the param dtype (FSDPParam.init_dtype_attrs)
     return _tp_rows(spec.n_layer, workload.micro_batch * workload.seq_len, spec.d_model, settings.param,
                     settings.tp, settings.sequence_parallel, workload.checkpointing != "none",
-                    workload.grad_accum, None if settings.loss_parallel else spec.vocab_size)  # fmt: skip
+                    workload.grad_accum, None if settings.loss_parallel else spec.vocab_size,
+                    colwise_inputs(settings.tp_plan))  # fmt: skip
 
 
 @lru_cache(maxsize=64)  # the same for every candidate and rank of a plan at one T (a speed-up: plan's mesh search)
 def _tp_rows(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, sequence_parallel: bool,
-             checkpointing: bool, grad_accum: int, vocab: int | None) -> tuple[Collective, ...]:
-    calls = tp_collectives(n_layer, tokens, d_model, dtype, t, sequence_parallel, checkpointing, vocab)
+             checkpointing: bool, grad_accum: int, vocab: int | None, colwise_inputs: int) -> tuple[Collective, ...]:
+    calls = tp_collectives(n_layer, tokens, d_model, dtype, t, sequence_parallel, checkpointing, vocab, colwise_inputs)
     grads = norm_grad_collectives(n_layer, d_model, dtype, t, sequence_parallel)
     return tuple(Collective(c.op, c.phase, m * c.elements, c.dtype,
                             m * ring_bytes_per_rank(c.op, c.elements, t, dtype_bytes(c.dtype)), m,

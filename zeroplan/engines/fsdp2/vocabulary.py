@@ -100,6 +100,9 @@ VOCABULARY: tuple[EngineOption, ...] = (
     EngineOption("loss_parallel", _flag("loss_parallel"), None,
                  "with tp: the head's output Shard(-1), the loss under loss_parallel() (default true); false: "
                  "Replicate, all-gathered logits (torchtitan's disable_loss_parallel)"),
+    EngineOption("tp_plan", _choice("tp_plan", ("torchtitan", "transformers")), None,
+                 "with tp: torchtitan (default) or transformers (the model's own tp_plan, accelerate's TP: no SP, the "
+                 "logits gathered; engines/fsdp2/tp.py)"),
 )  # fmt: skip
 """FSDP2's vocabulary, declared once (``Engine.own_options``): ``fully_shard``'s ``reshard_after_forward``,
 ``MixedPrecisionPolicy``'s dtypes, ``Settings.wrap``, ``init``, ``device``, the HSDP mesh's ``dp_replicate``

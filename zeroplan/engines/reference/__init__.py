@@ -24,6 +24,7 @@ from __future__ import annotations
 from zeroplan.engines.base import Engine
 from zeroplan.engines.reference.alloc_trace import alloc_traces
 from zeroplan.engines.reference.collectives import stage_rows
+from zeroplan.engines.reference.declared import COMM_COUNT, RUN_OPTIONS
 from zeroplan.engines.reference.live import live_settings
 from zeroplan.engines.reference.moments import (
     backward_moments,
@@ -64,6 +65,7 @@ __all__ = [
 ENGINE = Engine("reference", estimate, Settings, planner_settings, planner_policy, PLANNER_OPTIONS,
                 block_bytes=planner_block_bytes, batch=ds_config_batch, sweep_batches=ds_config_sweep_batches,
                 file_policy=ds_config_policy, own_peak_limits=planner_peak_limits, alloc_trace=alloc_traces,
-                live_settings=live_settings)  # fmt: skip
+                live_settings=live_settings,
+                run_options=RUN_OPTIONS, runner="validate.engines.reference_run", comm_count=COMM_COUNT)  # fmt: skip
 """The reference runtime as the registry knows it (``zeroplan.engines``): the ZeRO ladder (no own search); a
 ds_config, where given, completes its policy and sets its batch as DeepSpeed would."""
