@@ -307,9 +307,8 @@ def head_hook_bucket(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, .
     under before, now 440 B over)."""
     if run.spec is None or run.spec.moe is None or run.tied_head or not run.param_blocks:
         return ()
-    keep = B.held_at(run, tuple(t for t in last if t not in inflight and t.name not in (
-        "block backward working set", "incoming activation gradient", "root gradients held (head weight, final norm)")),
-        1)  # ZeRO-1's boundary: every earlier gradient but the head's (its hook the first)
+    keep = tuple(t for t in last if t not in inflight and t.name not in (
+        "block backward working set", "incoming activation gradient", "root gradients held (head weight, final norm)"))
     saved, nd, p = _blocks_saved(run, run.acts.n_layer), run.acts.embed_out, _pbytes(run)
     head = Term("head weight gradient", run.head_numel * p, "autograd (mm backward)")
     out = [Moment("backward", "head's hook, the reduce bucket allocated", (

@@ -73,12 +73,13 @@ def _hooks_ws_for(run: DSRun, j: int, rank: int | None) -> bool:
     return True
 
 
-def block_held(run: DSRun, common: tuple[Term, ...], j: int, rank: int, hook: int | None) -> tuple[Term, ...]:
-    """Block ``j``'s first-op moment for ``rank`` (zero12.py ``_blocks_from_hooks``): ``common`` with the block's
-    working set (``block_ws``) and, at ZeRO-1's boundary, the earlier gradients held there (boundary.py
-    ``block_position``: ``hook`` the reduction that allocated the rank's partition)."""
+def block_held(run: DSRun, common: tuple[Term, ...], j: int, hook: int | None) -> tuple[Term, ...]:
+    """Block ``j``'s first-op moment (zero12.py ``_blocks_from_hooks``): ``common`` with the block's working set for
+    the rank estimated (``block_ws``; every rank at once: the set with the gradients held, the larger) and, at
+    ZeRO-1's boundary, the earlier gradients held there (boundary.py ``block_position``: ``hook`` the reduction that
+    allocated the rank's partition)."""
     at = B.block_position(run, j, hook, sparse_block_start(run, j))
-    return block_ws(run, B.held_at(run, common, at), j, rank)
+    return block_ws(run, B.held_at(run, common, at), j, run.settings.rank)
 
 
 def sparse_block_start(run: DSRun, j: int) -> int:

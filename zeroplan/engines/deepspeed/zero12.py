@@ -331,7 +331,7 @@ class ZeroOptimizer(Wrapper):
             best = (*((Term("grads_in_partition", allocated[who][1], GIP_SRC),) if has else ()),  # the winner's only
                     *((kept[who][j],) if who in kept and kept[who][j].bytes else ()))
             out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients", (
-                *MW.block_held(run, common, j, who, hooks.get(who) if has else None),  # per rank, per block
+                *MW.block_held(run, common, j, hooks.get(who) if has else None),  # the rank's, per block
                 _blocks_saved(run, j + 1), *inflight[1:], *best)))
         return tuple(out)
 
