@@ -8,7 +8,7 @@ plus the host bytes, ``deepspeed_compare.one_memory``), and the rows as JSON for
     DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py offload16 [--families ...] [--out FILE]   (fp16)
     DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py nvme3 [--families ...] [--out FILE]   (async_io stand-in)
     DS_ACCELERATOR=cpu python benchmarks/ds_moe_opt_rows.py nvme16 [--families ...] [--out FILE]  (the same, fp16)
-    ... [--nd 3]: N_d ranks (default 2)
+    ... [--nd 3]: N_d ranks (default 2); --families also takes config.json paths (a dense model: nvme3 --cases nvme-opt)
 
 Real runs: never in CI (tests/test_deepspeed_moe_opt.py predicts the recorded rows again)."""
 
@@ -89,7 +89,7 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None, only: s
     rows = []
     for name in families:
         labelled = [(label, c) for label, c in cases(kind) if only in label]
-        path = str(tmp / f"{name}.json")
+        path = name if name.endswith(".json") else str(tmp / f"{name}.json")  # a family, or a config.json's path
         if kind in ("nvme3", "nvme16"):
             ranks = _nvme_world([c for _, c in labelled], path, tmp, nd)
         else:
@@ -107,7 +107,7 @@ def measure(kind: str, families: list[str], tmp: Path, out: Path | None, only: s
                 predicted.append([pred[p] for p in PHASES])
                 print(f"    rank {rank}: " + "  ".join(f"{p} {(v - pred[p]) / v:+.4%} ({v - pred[p]:+,} B)"
                                                      for p, v in zip(PHASES, row)), flush=True)  # fmt: skip
-            rows.append({"family": name, "case": label, "nd": nd, "ds_config": config,
+            rows.append({"family": Path(name).stem, "case": label, "nd": nd, "ds_config": config,
                          "hf_config": json.loads(Path(path).read_text()),
                          "shapes": [[n, list(s)] for n, s in workload.shapes],
                          "measured": measured, "predicted_when_recorded": predicted,

@@ -4,8 +4,8 @@ the earlier micro-steps' gradients beside it (``sparse_block_start``, boundary.p
 runtime/zero/stage_1_and_2.py, transformers 5.24's sparse MLPs (moe12_hooks.py).
 
 Measured (gloo, fp32, ZeRO-1 with ``overlap_comm``, G = 2 and 3, N_d = 2 and 3; Mixtral, Qwen3-MoE, Qwen2-MoE,
-DeepSeek-V3; tests/data/measured/deepspeed_moe12_accum.json): every phase of every rank within 3,464 B over / 888 B
-under, but Qwen2-MoE's rank 0 at N_d = 3, G = 3 (166,504 B, 0.77 %, over: ``sparse_block_start``)."""
+DeepSeek-V3; tests/data/measured/deepspeed_moe12_accum.json): every phase of every rank within 3,464 B under / 888 B
+over, but Qwen2-MoE's rank 0 at N_d = 3, G = 3 (166,504 B, 0.77 %, over: ``sparse_block_start``)."""
 
 from __future__ import annotations
 
@@ -55,11 +55,12 @@ def block_ws(run: DSRun, terms: tuple[Term, ...], j: int, rank: int | None) -> t
 
 def _hooks_ws_for(run: DSRun, j: int, rank: int | None) -> bool:
     """Sparse block ``j``'s weight gradients leave at the hooks: ZeRO-2 without accumulation; ZeRO-1 with
-    ``overlap_comm`` (at G = 1 or at its boundary) for a rank holding every gradient of block ``j`` larger than the
-    bucket in its partition (stage 1 clears none outside it: ``reduce_ipg_grads``; they stay in the formulas'
-    working set). Per block, not the last block's for all: measured (Qwen2-MoE, gloo, N_d = 3, 5,000-element
-    buckets, rank 1 owning block 1 whole, not block 2's: its block-1 moment 227,688 B (1.2 %) over with the last
-    block's set, at G = 1 and G = 3)."""
+    ``overlap_comm`` (at G = 1 or at its boundary) for a rank holding every MLP gradient of block ``j`` larger than
+    the bucket in its partition (stage 1 clears none outside it: ``reduce_ipg_grads``; they stay in the formulas'
+    working set; the attention's, outside it or not, stay in the set's later moment). Per block, not the last
+    block's for all: measured (Qwen2-MoE, gloo, N_d = 3, 5,000-element buckets: rank 1 owning block 1 whole, not
+    block 2's, its block-1 moment 227,688 B (1.2 %) over with the last block's set; rank 2 owning block 2's MLP,
+    not its q_proj, the same 227,688 B over; at G = 1 and G = 3)."""
     spec, s = run.spec, run.settings
     if spec is None or spec.moe is None or (run.grad_accum > 1 and not B.at_boundary(run)) or (
             j not in spec.moe.sparse_layers):
