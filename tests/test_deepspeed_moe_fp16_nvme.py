@@ -2,7 +2,8 @@
 ``offload_param`` through a Python stand-in for ``async_io``) on transformers' mixture-of-experts classes (issue 19):
 the recorded real runs (tests/data/measured/deepspeed_moe_fp16_nvme.json, benchmarks/ds_moe_opt_rows.py offload16
 and nvme3; gloo, N_d = 2, both ranks, every phase; deepspeed_moe_nd3.json: the same at N_d = 3, fp16 NVMe
-(nvme16) and ZeRO-3 offload on Qwen3-MoE, every rank) predicted again, and which of them ``moe_limit`` gives a peak
+(nvme16) and ZeRO-3 offload on Qwen3-MoE, every rank; deepspeed_nvme_llama34m.json: NVMe on a dense Llama of
+33.9M) predicted again, and which of them ``moe_limit`` gives a peak
 (docs/engines/deepspeed.md "BF16_Optimizer and offload on mixture-of-experts"). Predicted-only: no run here."""
 
 from __future__ import annotations
