@@ -5,7 +5,7 @@ engines/deepspeed/moe12_hooks.py; storages made in the step only: a peak where o
 alive, or none was made yet, lists what was alive at the step's own largest moment).
 
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py rows [--families mixtral-wide,...]   # ~1 min a family
-    DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py trace mixtral-wide 2 small [--dtype bf16] [--offload] # ~30 s
+    DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py trace mixtral-wide 2 small [--dtype bf16] [--offload] [--nd 3]
     DS_ACCELERATOR=cpu python benchmarks/ds_moe12_rows.py buckets qwen2-moe-wide 2:300000,1o:300000 [--dtype bf16]
         [--nd 3] [--offload] [--ga 2] [--out tests/data/measured/deepspeed_moe12_qwen2.json]              # ~1 min
 
@@ -202,8 +202,8 @@ def second_backward_listing(engine, opt, batches, rank: int, nd: int, top: int, 
 
 
 def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str, top: int = 30,
-                dtype: str = "fp32", offload: bool = False) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                dtype: str = "fp32", offload: bool = False, nd: int = 2) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nd),
                       LOCAL_RANK=str(rank))  # fmt: skip
     import deepspeed
 
@@ -212,7 +212,7 @@ def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str
     from validate.engines.deepspeed_compare import ds_config
 
     deepspeed.init_distributed(dist_backend="gloo")
-    build, batches = _model_and_batches(f"{tmp}/{name}.json", 2, rank, 1, 2, 64, hf=True)
+    build, batches = _model_and_batches(f"{tmp}/{name}.json", nd, rank, 1, 2, 64, hf=True)
     zero = ZERO[zero] if zero in ZERO else {"reduce_bucket_size": int(zero), "allgather_bucket_size": int(zero)}
     if offload:  # DeepSpeedCPUAdam (engine.py zero_use_cpu_optimizer)
         config = ds_config(stage, dtype, micro_batch=1, zero={**zero, "offload_optimizer": {"device": "cpu"}})
@@ -220,7 +220,7 @@ def _trace_rank(rank: int, name: str, stage: int, zero: str, port: int, tmp: str
         config = ds_config(stage, dtype, micro_batch=1, zero=zero, optimizer_params={"torch_adam": True})
     engine, opt, _, _ = deepspeed.initialize(model=(model := build()), model_parameters=model.parameters(),
                                              config=config)  # fmt: skip
-    second_backward_listing(engine, opt, batches, rank, 2, top)
+    second_backward_listing(engine, opt, batches, rank, nd, top)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--top", type=int, default=30, help="list this many of the largest live storages")
     t.add_argument("--dtype", default="fp32")
     t.add_argument("--offload", action="store_true", help="offload_optimizer: cpu (DeepSpeedCPUAdam)")
+    t.add_argument("--nd", type=int, default=2)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         _files(Path(tmp))
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
 
             port = 29500 + os.getpid() % 1000
             mp.spawn(_trace_rank, args=(args.name, args.stage, args.zero, port, tmp, args.top, args.dtype,
-                                        args.offload), nprocs=2)
+                                        args.offload, args.nd), nprocs=args.nd)
 
 
 if __name__ == "__main__":

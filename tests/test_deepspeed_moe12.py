@@ -160,9 +160,10 @@ def test_zero12_reducing_at_hooks_in_several_buckets_within_the_recorded_residua
 #: when recorded) and ``predicted_before`` (main before; refused then). "qwen2": Qwen2-MoE reducing from the hooks with
 #: buckets from its gate_up_proj (E·2f·d = 131,072) to Ψ (1,434,688), fp32 and bf16, N_d 2 and 3, ZeRO-2 and ZeRO-1
 #: with overlap_comm (before the shared SwiGLU's and the experts' down_proj hooks became moments: up to 5.2 % under);
-#: "fp16": the four families reducing from the hooks in fp16 (not measured before).
+#: "fp16": the four families reducing from the hooks in fp16 (not measured before); "accum": ZeRO-1 with overlap_comm
+#: accumulating (G = 2, 3; N_d = 2, 3), the boundary micro-step reducing from the hooks (boundary.py, moe12_ws.py).
 MEASURED = {k: json.loads((Path(__file__).parent / "data" / "measured" / f"deepspeed_moe12_{k}.json").read_text())
-            for k in ("qwen2", "fp16")}  # fmt: skip
+            for k in ("qwen2", "fp16", "accum")}  # fmt: skip
 
 
 @pytest.mark.parametrize(("key", "i"), [(k, i) for k, d in MEASURED.items() for i in range(len(d["rows"]))])
@@ -179,7 +180,8 @@ def test_recorded_hook_rows_within_target_and_given_a_peak(key, i, tmp_path):
     row = MEASURED[key]["rows"][i]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(row["hf_config"]))
-    workload = workload_for(str(path), row["micro_batch"], row["seq_len"], 1, "none", hf=True)
+    g = row["ds_config"].get("gradient_accumulation_steps", 1)
+    workload = workload_for(str(path), row["micro_batch"], row["seq_len"], g, "none", hf=True)
     for rank, (measured, recorded) in enumerate(zip(row["measured"], row["predicted"])):
         settings = D.Settings.from_ds_config(row["ds_config"]).model_copy(update={"rank": rank})
         (est,) = D.estimate(workload, row["n_d"], settings, stat_bytes=4)
@@ -187,7 +189,22 @@ def test_recorded_hook_rows_within_target_and_given_a_peak(key, i, tmp_path):
         for phase, value, then in zip(PHASES, measured, recorded):
             assert -0.01 <= (value - predicted[phase]) / value <= 0.005, (rank, phase, value, predicted[phase])
             assert abs(predicted[phase] - then) <= 64, (rank, phase, predicted[phase], then)
-    assert moe_limit(PlannerOptions(ds_config=row["ds_config"]), spec_from_hf_config(row["hf_config"])) is None
+    assert moe_limit(PlannerOptions(ds_config=row["ds_config"], grad_accum=g),
+                     spec_from_hf_config(row["hf_config"])) is None
+
+
+def test_accumulating_rows_missed_before_the_boundary_rules():
+    """``predicted_before`` (main before the boundary's sparse moments held only the gradients not yet hooked, and
+    the working set per block): every row's backward beyond 1 % over on some rank (up to 17.8 %; the G = 1 row
+    1.27 %, the last block's working set on block 1) but DeepSeek-V3's at 300,000 (its peak the LM head's); now the
+    worst rank 0.77 % over (Qwen2-MoE, N_d = 3, G = 3, 5,000)."""
+    worst = {}
+    for row in MEASURED["accum"]["rows"]:
+        key = (row["model"], row["ds_config"]["zero_optimization"]["reduce_bucket_size"], row["n_d"],
+               row["ds_config"]["gradient_accumulation_steps"])
+        worst[key] = min((m[2] - b[2]) / m[2] for m, b in zip(row["measured"], row["predicted_before"]))
+    missed = {k for k, w in worst.items() if w < -0.01}
+    assert missed == set(worst) - {("deepseek-wide", 300000, 2, 2)}, worst
 
 
 #: bf16 (ds_config(stage, "bf16", ...): DeepSpeedZeroOptimizer, gradients in bf16), recorded as RECORDED: both ranks

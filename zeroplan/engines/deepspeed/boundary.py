@@ -81,21 +81,22 @@ def held_at(run: DSRun, terms: tuple[Term, ...], at: int) -> tuple[Term, ...]:
     return (*(t for t in terms if t.name != HELD), *held_term(run, at))
 
 
-def early_partition_position(run: DSRun) -> int:
+def early_partition_position(run: DSRun, last_start: int) -> int:
     """Where the last block's moment with a rank's early ``grads_in_partition`` (zero12.py
     ``_stage2_early_partitions``) stands: after the hook that reduced the first bucket (the parameter it copies
-    into the bucket moved), and not before the last block's first hook (the final norm's and the head's ran)."""
+    into the bucket moved), and not before ``last_start``, where the last block's moments stand (its first hook, the
+    final norm's and the head's ran; a sparse block's gate-up backward: moe12_ws.py ``sparse_block_start``)."""
     first_of_bucket = _hook_buckets(run)[2]
-    return max(first_of_bucket[1] + 1, block_start(run, run.acts.n_layer - 1))
+    return max(first_of_bucket[1] + 1, last_start)
 
 
-def block_position(run: DSRun, j: int, hook: int | None) -> int:
-    """Where block ``j``'s first-op moment (zero12.py ``_blocks_from_hooks``) stands for a rank whose
-    ``grads_in_partition`` the reduction at ``hook`` allocated (None: none yet): at the block's first hook, or
-    after ``hook`` where that is the block's own output projection's (the partition comes after the hook that
-    moves the projection's gradients into the bucket; measured: gpt-tiny N_d = 2, rank 1, 20,880 B of
-    ``mlp.c_proj`` gradients gone by its partition)."""
-    at = block_start(run, j)
+def block_position(run: DSRun, j: int, hook: int | None, at: int) -> int:
+    """Where block ``j``'s first-op moment (zero12.py ``_blocks_from_hooks``) stands at ZeRO-1's boundary (what is
+    held then) for a rank whose ``grads_in_partition`` the reduction at ``hook`` allocated (None: none yet): at
+    ``at``, the block's first hook (moe12_ws.py ``sparse_block_start``: a sparse block's gate-up backward), or
+    after ``hook`` where that is the block's own output projection's (the partition comes after the hook that moves
+    the projection's gradients into the bucket; measured: gpt-tiny N_d = 2, rank 1, 20,880 B of ``mlp.c_proj``
+    gradients gone by its partition)."""
     if hook is not None and run.param_blocks[hook] == j and hook in run.output_projections:
         return max(at, position(run, hook) + 1)
     return at

@@ -45,20 +45,20 @@ holds the flattened copy or the fp64 norm copy of the rank's largest slice (``no
 ``o_proj``'s, the first, each op after it releasing more; measured: Mixtral bf16 at 300,000, the bucket holding a
 whole ``gate_up_proj`` reduced at ``q_proj``'s hook, up to 0.44 % over) and at DeepSeek-V3's routed ``down_proj``
 (its shared experts' input gradient in flight; measured at 100,000, fp32 and bf16).
-Also the gate-up backward before its hook with a partition allocated at ``down_proj``'s (``_gate_up_backward``), the
-last block's working set without the weight gradients gone at the hooks (``last_block_from_hooks``) and the head's
-hook allocating the bucket (``head_hook_bucket``).
+Also the gate-up backward before its hook with a partition allocated at ``down_proj``'s (``_gate_up_backward``)
+and the head's hook allocating the bucket (``head_hook_bucket``); the blocks' working set without the weight
+gradients gone at the hooks: moe12_ws.py. At ZeRO-1's boundary (G > 1) each moment holds the earlier micro-steps'
+gradients of the parameters whose hook has not run (boundary.py ``held_at``).
 
 Measured (gloo, N_d = 2, fp32 and bf16, tests/test_deepspeed_moe12.py): see ``moe12.py``.
 """
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
-from zeroplan.architectures.moe import moe_shapes
 from zeroplan.architectures.spec import transformer_shapes
+import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
 from zeroplan.engines.deepspeed.moe_offload import norm_copy, norms_at_hooks
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
@@ -66,7 +66,7 @@ from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, 
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas.moe_activations import INDEX_BYTES, OFFSET_BYTES, ROUTING_WEIGHT_BYTES
-from zeroplan.formulas.moe_block import deepseek_backward_ws, router_saved, sparse_backward_ws
+from zeroplan.formulas.moe_block import router_saved
 from zeroplan.formulas.peak import Moment, Term
 
 SRC = "runtime/zero/stage_1_and_2.py"
@@ -202,7 +202,7 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
                     role == "attention" or run.spec.model_type == "deepseek_v3")):  # (DeepSeek-V3's down: only there)
             continue
         large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
-        common = (*base, _blocks_saved(run, j), *_at_hook(run, j, role),
+        common = (*B.held_at(run, base, B.position(run, hook) + 1), _blocks_saved(run, j), *_at_hook(run, j, role),
                   Term(large_name, large * p,
                        f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
                   Term("the hooked parameter's gradient (waiting)", run.numels[hook] * p,
@@ -244,7 +244,7 @@ def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
         r = max(held, key=lambda r: run.flat.params_numel(r) + sum(t.bytes for t in _stage1_kept(
             run, kept, r, j, b, order, first_of_bucket)))
         out.append(Moment("backward", f"block {j} gate-up backward, rank {r}'s grads_in_partition held", (
-            *base, _blocks_saved(run, j), *_at_hook(run, j, "gate_up"),
+            *B.held_at(run, base, at), _blocks_saved(run, j), *_at_hook(run, j, "gate_up"),
             _act("the gate-up matmul's saved input and its output's gradient",
                  s_rows * spec.d_model * a + s_rows * 2 * spec.moe.expert_ffn * a, 2),
             Term("down_proj's gradient larger than the bucket (waiting)", down * p,
@@ -288,44 +288,6 @@ def _stage1_kept(run: DSRun, kept: dict[int, tuple[Term, ...]], rank: int, j: in
                and run.numels[i] > run.settings.reduce_bucket_size and not lo <= i < hi)  # fmt: skip
     return (Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
                  mine * _pbytes(run) + kept[rank][j].bytes, kept[rank][j].source),)
-
-
-def _hooks_ws(run: DSRun) -> int:
-    """The last (sparse) block's backward working set where ZeRO-2 reduces at the hooks: the block's moments
-    (``moe_block.sparse_backward_ws``, ``shared_expert_ws``, ``deepseek_backward_ws``) without the weight gradients
-    that have left by then. A gradient no larger than the bucket is copied into it at its own hook; a larger one is
-    reduced at the next hook (``extra_large_param_to_reduce``) and then copied into ``grads_in_partition`` or cleared
-    (``reduce_ipg_grads``: ``clear_grad_attribute``): ``down_proj``'s is alive through the gate-up backward only
-    where it is larger than the bucket; the shared experts' (DeepSeek-V3, run backward first) by the routed experts',
-    the experts' and router's by Qwen2-MoE's shared SwiGLU (run backward last) and every MLP weight gradient by the
-    post-attention norm's backward (``moe_block.sparse_block``'s ``later``)."""
-    spec, blk, a = run.spec, run.acts.block, DTYPE_BYTES[run.settings.dtype]
-    moe, mt, d, n = spec.moe, spec.model_type, spec.d_model, _tokens(run)
-    down_held = moe.n_experts * d * moe.expert_ffn > run.settings.reduce_bucket_size
-    if mt == "deepseek_v3":
-        return deepseek_backward_ws(moe, n, d, a, a == 4, down_held, grads_held=False)
-    mlp_grads = sum(math.prod(shape) for _, shape in moe_shapes(moe, mt, d, "")) * a + d * a
-    later = blk.backward_act_grads + blk.first_weight_grads - mlp_grads if blk.backward_act_grads else 0
-    return max(sparse_backward_ws(moe, mt, n, d, a, down_held, grads_held=False), later)
-
-
-def last_block_from_hooks(run: DSRun, last: tuple[Term, ...]) -> tuple[Term, ...]:
-    """``last`` (the last block's backward terms, ``phases.backward_moments``) with its working set ``_hooks_ws``
-    where the last block is sparse and its weight gradients leave at the hooks, no accumulation: ZeRO-2; ZeRO-1
-    with ``overlap_comm`` for a rank holding every gradient of the block larger than the bucket in its partition
-    (stage 1 clears none outside it: ``reduce_ipg_grads``; they stay in the formulas' working set); else ``last``."""
-    spec, s, L = run.spec, run.settings, run.acts.n_layer
-    if spec is None or spec.moe is None or run.grad_accum > 1 or L - 1 not in spec.moe.sparse_layers:
-        return last
-    if not s.partition_gradients:
-        if s.rank is None or not s.overlaps:
-            return last
-        lo, hi = run.flat.range(s.rank)
-        if any(b == L - 1 and n > s.reduce_bucket_size and not lo <= i < hi
-               for i, (n, b) in enumerate(zip(run.numels, run.param_blocks))):  # fmt: skip
-            return last
-    ws = "block backward working set"
-    return tuple(_act(ws, _hooks_ws(run)) if t.name == ws else t for t in last)  # the name other moments drop
 
 
 def head_hook_bucket(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:

@@ -15,6 +15,7 @@ from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _largest_sli
                                                      _rank_first_buckets, _views)
 import zeroplan.engines.deepspeed.boundary as B
 import zeroplan.engines.deepspeed.moe12_hooks as MH
+import zeroplan.engines.deepspeed.moe12_ws as MW
 from zeroplan.engines.deepspeed.phases import (adam_update, cast_moments, final_norm_backward, flatten_moment,
                                                later_blocks_held)
 import zeroplan.engines.deepspeed.late_reductions as LR
@@ -264,10 +265,10 @@ class ZeroOptimizer(Wrapper):
         """The last block (per rank when ZeRO-2 accumulates), the earlier blocks with what a rank holds from
         the later ones (``later_blocks_held``; from the hooks: ``_partition_allocations``,
         ``_stage1_kept_gradients``), and ZeRO-1's reduction after backward (``_stage1_reduce``)."""
-        s, accumulating, last = run.settings, run.grad_accum > 1, MH.last_block_from_hooks(run, last)  # sparse: its own
+        s, accumulating, last = run.settings, run.grad_accum > 1, MW.last_block_from_hooks(run, last)  # sparse: its own
         hooks, boundary = reduces_from_hooks(s), B.at_boundary(run)  # ZeRO-1 accumulating: its hooks' backward
         if boundary and run.param_blocks:  # the head's and the final norm's hooks have run
-            last = B.held_at(run, last, B.block_start(run, run.acts.n_layer - 1))
+            last = B.held_at(run, last, MW.last_block_start(run))
         out = list(self._last_block_accumulating(run, last) if accumulating and s.partition_gradients
                    else (Moment("backward", "last block backward", last),))  # fmt: skip
         out.extend(final_norm_backward(run, last, inflight))
@@ -275,7 +276,7 @@ class ZeroOptimizer(Wrapper):
             out.extend(later_blocks_held(run, last, inflight))
         if hooks and (not accumulating or boundary):
             early = dict(_stage2_early_partitions(run)) if _first_bucket_before_last_block(run) else {}
-            at = B.early_partition_position(run) if early and boundary else 0
+            at = B.early_partition_position(run, MW.last_block_start(run)) if early and boundary else 0
             out.extend(Moment("backward", f"last block backward, rank {r}'s grads_in_partition",
                               (*B.held_at(run, last, at), early[r]))
                        for r in run.first_largest(lambda r: early[r].bytes, tuple(early)))  # fmt: skip
@@ -329,9 +330,9 @@ class ZeroOptimizer(Wrapper):
             has = who in allocated and j <= allocated[who][0]
             best = (*((Term("grads_in_partition", allocated[who][1], GIP_SRC),) if has else ()),  # the winner's only
                     *((kept[who][j],) if who in kept and kept[who][j].bytes else ()))
-            at = B.block_position(run, j, hooks.get(who) if has else None)  # ZeRO-1's boundary: what is held then
-            out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients",
-                              (*B.held_at(run, common, at), _blocks_saved(run, j + 1), *inflight[1:], *best)))
+            out.append(Moment("backward", f"block {j} backward, rank {who}'s partition and kept gradients", (
+                *MW.block_held(run, common, j, hooks.get(who) if has else None),  # the rank's, per block
+                _blocks_saved(run, j + 1), *inflight[1:], *best)))
         return tuple(out)
 
     def optimizer_moments(self, run: DSRun, part: int, inner: str, temps: int) -> tuple[Moment, ...]:
