@@ -27,7 +27,7 @@ from zeroplan.formulas.activation_terms import ModelActivations, model_activatio
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.peak import Term
 from zeroplan.engines.fsdp2.states import adam_moments
-from zeroplan.engines.fsdp2.states import ModelStates, model_states  # noqa: F401 - re-exported (their home: states.py)
+from zeroplan.engines.fsdp2.states import ModelStates, model_states, run_states  # noqa: F401 - re-exported (their home: states.py)
 
 
 @dataclass(frozen=True)
@@ -146,12 +146,6 @@ def grads(run: Fsdp2Run, units) -> Term:
     units = tuple(units)
     return _fp(f"sharded gradients of {len(units)} unit(s)", sum(run.shard(u) for u in units) * run.m,
                "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed(reduce_output, orig_dtype))", len(units))  # fmt: skip
-
-
-@memo_term
-def run_states(run: Fsdp2Run) -> ModelStates:
-    """``model_states`` of the run's units, ranks and settings (asked by ``adam`` and the estimate)."""
-    return model_states(run.units, run.nd, run.settings)
 
 
 @memo_term
