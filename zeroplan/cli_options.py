@@ -64,21 +64,12 @@ class OneLineErrors(TyperGroup):
             else:  # stdout on a full disk or closed: the input was fine, the output was not
                 typer.echo(f"zeroplan: error: cannot write the output ({exc.strerror or exc})", err=True)
                 rv = 1
-        except BaseException as exc:  # SIGTERM/SIGHUP while writing: the temporary file is already removed
-            if not isinstance(exc, _terminated()):
-                raise
+        except getattr(sys.modules.get("zeroplan.files"), "Terminated", ()) as exc:  # SIGTERM/SIGHUP while writing
             typer.echo(f"zeroplan: error: terminated by {exc}", err=True)
             rv = 128 + exc.signum
         if not standalone_mode:
             return rv
         sys.exit(rv or 0)
-
-
-def _terminated() -> type[BaseException] | tuple[()]:
-    """``zeroplan.files.Terminated``, looked up, not imported: only that module's writer raises it, so a
-    command that did not import it (a plan, an estimate, ``--help``) was not terminated by it (issue 16)."""
-    files = sys.modules.get("zeroplan.files")
-    return () if files is None else files.Terminated
 
 
 def _one_line(exc: Exception) -> str:
@@ -356,10 +347,9 @@ def refuse_foreign(ctx, engine_name: str) -> None:
 
 def read_settings_file(path) -> Optional[dict]:
     """``--deepspeed-config`` read once, at the edge (None: not given); every later use takes the dict."""
-    if path is None:  # no file: ``zeroplan.files`` (tempfile, signal, threading) not imported
+    if path is None:  # no file: ``zeroplan.files`` not imported (``OneLineErrors.main`` looks up its Terminated)
         return None
     from zeroplan.files import read_json
-
     return read_json(path, "deepspeed config")
 
 
