@@ -26,8 +26,8 @@ from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_gr
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.peak import Term
-from zeroplan.engines.fsdp2.states import adam_moments
-from zeroplan.engines.fsdp2.states import ModelStates, model_states, run_states  # noqa: F401 - re-exported (their home: states.py)
+from zeroplan.engines.fsdp2.states import adam_moments, run_states
+from zeroplan.engines.fsdp2.states import ModelStates, model_states  # noqa: F401 - re-exported (their home: states.py)
 
 
 @dataclass(frozen=True)
@@ -374,8 +374,8 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
 @lru_cache(maxsize=16)  # the same for every candidate and rank of a plan at one T (a speed-up)
 def _final_and_order(shapes: tuple[tuple[str, Shape], ...], prefix: str) -> tuple[int, tuple[Shape, ...]]:
     """``fsdp2_run``'s final norm outside the decoder layers (numel) and every parameter's shape, in order."""
-    final = sum(math.prod(s) for n, s in shapes if n.rsplit(".", 2)[-2] in ("ln_f", "norm") and not n.startswith(prefix))
-    return final, tuple(tuple(s) for _, s in shapes)
+    norms = (s for n, s in shapes if n.rsplit(".", 2)[-2] in ("ln_f", "norm") and not n.startswith(prefix))
+    return sum(map(math.prod, norms)), tuple(tuple(s) for _, s in shapes)
 
 
 def _op_policy(workload: Workload, settings: Settings, a: int) -> dict:
