@@ -16,7 +16,6 @@ import typer
 from typer.core import TyperGroup
 
 from zeroplan.cli_startup import coerce_when_given
-from zeroplan.files import Terminated
 
 if TYPE_CHECKING:
     from zeroplan.policy import PrecisionPolicy
@@ -65,7 +64,7 @@ class OneLineErrors(TyperGroup):
             else:  # stdout on a full disk or closed: the input was fine, the output was not
                 typer.echo(f"zeroplan: error: cannot write the output ({exc.strerror or exc})", err=True)
                 rv = 1
-        except Terminated as exc:  # SIGTERM/SIGHUP while writing: the temporary file is already removed
+        except getattr(sys.modules.get("zeroplan.files"), "Terminated", ()) as exc:  # SIGTERM/SIGHUP while writing
             typer.echo(f"zeroplan: error: terminated by {exc}", err=True)
             rv = 128 + exc.signum
         if not standalone_mode:
@@ -348,9 +347,10 @@ def refuse_foreign(ctx, engine_name: str) -> None:
 
 def read_settings_file(path) -> Optional[dict]:
     """``--deepspeed-config`` read once, at the edge (None: not given); every later use takes the dict."""
+    if path is None:  # no file: ``zeroplan.files`` not imported (``OneLineErrors.main`` looks up its Terminated)
+        return None
     from zeroplan.files import read_json
-
-    return read_json(path, "deepspeed config") if path is not None else None
+    return read_json(path, "deepspeed config")
 
 
 def engine_options_from(engine_name: str, ds_config: Optional[dict] = None, reshard_after_forward=None,

@@ -24,7 +24,6 @@ import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from zeroplan.files import read_json
 from zeroplan.architectures.spec import ACTIVATIONS, TransformerSpec
 from zeroplan.architectures.limits import dimension_limit, show
 
@@ -297,5 +296,7 @@ def spec_from_hf_config(config: Mapping[str, object], source: str = "config") ->
 def read_hf_config(path: str | Path) -> TransformerSpec:
     """The architecture of a local ``config.json``; ValueError (one line) if unreadable, not JSON or
     not a supported, complete config."""
+    from zeroplan.files import read_json  # here: a preset's plan reads no file (its tempfile, signal: issue 16)
+
     source = f"config {str(path)!r}"
     return spec_from_hf_config(read_json(path, "config"), source)  # type: ignore[arg-type]

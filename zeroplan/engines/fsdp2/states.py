@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.engines.fsdp2.param import Unit, local_numel_sum, padded_shard_numel, shape_counts, unit_shard_numel
+from zeroplan.engines.fsdp2.memo import memo_term
+from zeroplan.engines.fsdp2.param import (Shape, Unit, local_shard_numel, padded_shard_numel, shape_counts,
+                                         unit_shard_numel)
 from zeroplan.engines.fsdp2.settings import STEP_BYTES, Settings
 from zeroplan.formulas.dtypes import dtype_bytes
 
@@ -42,14 +44,35 @@ class ModelStates:
 def model_states(units: tuple[Unit, ...], nd: int, settings: Settings) -> ModelStates:
     """Model states of ``settings.rank`` under FSDP2 with Adam (terms: ``params``, ``grads``, ``adam``)."""
     shapes = tuple(s for u in units for s in u.shapes)
+    return states_of(shape_counts(shapes), sum(unit_shard_numel(u, nd) for u in units), nd, settings)
+
+
+def states_of(counts: tuple[tuple[Shape, int], ...], shards: int, nd: int, settings: Settings) -> ModelStates:
+    """``model_states`` from the distinct parameter shapes with their counts (``shape_counts``) and the units'
+    padded shards summed (S_u, ``unit_shard_numel``): the parameters' bytes over the distinct shapes, Adam's
+    over the rank's real rows of each (``local_numel_sum``'s sum), one step tensor per parameter."""
     module = dtype_bytes(settings.module)
+    rank = settings.described_rank
     return ModelStates(
-        params_bytes=sum(n * padded_shard_numel(s, nd) for s, n in shape_counts(shapes)) * module,  # distinct shapes
-        grads_bytes=sum(unit_shard_numel(u, nd) for u in units) * module,
-        adam_moments_bytes=adam_moments(settings) * local_numel_sum(shapes, nd, settings.described_rank)
+        params_bytes=sum(n * padded_shard_numel(s, nd) for s, n in counts) * module,
+        grads_bytes=shards * module,
+        adam_moments_bytes=adam_moments(settings) * sum(n * local_shard_numel(s, nd, rank) for s, n in counts)
         * module,
-        adam_step_bytes=len(shapes) * STEP_BYTES,
+        adam_step_bytes=sum(n for _, n in counts) * STEP_BYTES,
     )
+
+
+@memo_term  # the same on every rank of a run (not in memo.RANKED: ``Fsdp2Run.for_rank`` keeps it; a speed-up)
+def shape_census(run) -> tuple[tuple[tuple[Shape, int], ...], int]:
+    """What ``model_states`` reads of a run's units, rank-independent: the distinct shapes with their counts
+    and the units' padded shards summed (``Fsdp2Run.shards``)."""
+    return shape_counts(tuple(s for u in run.units for s in u.shapes)), sum(run.shards)
+
+
+@memo_term
+def run_states(run) -> ModelStates:
+    """``model_states`` of the run's units, ranks and settings (asked by ``adam`` and the estimate)."""
+    return states_of(*shape_census(run), run.nd, run.settings)
 
 
 def adam_moments(settings: Settings) -> int:

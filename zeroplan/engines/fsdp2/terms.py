@@ -26,7 +26,7 @@ from zeroplan.engines.fsdp2.settings import ADAM, SRC, Settings, post_forward_gr
 from zeroplan.formulas.activation_terms import ModelActivations, model_activations
 from zeroplan.formulas.dtypes import dtype_bytes
 from zeroplan.formulas.peak import Term
-from zeroplan.engines.fsdp2.states import adam_moments
+from zeroplan.engines.fsdp2.states import adam_moments, run_states
 from zeroplan.engines.fsdp2.states import ModelStates, model_states  # noqa: F401 - re-exported (their home: states.py)
 
 
@@ -146,12 +146,6 @@ def grads(run: Fsdp2Run, units) -> Term:
     units = tuple(units)
     return _fp(f"sharded gradients of {len(units)} unit(s)", sum(run.shard(u) for u in units) * run.m,
                "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed(reduce_output, orig_dtype))", len(units))  # fmt: skip
-
-
-@memo_term
-def run_states(run: Fsdp2Run) -> ModelStates:
-    """``model_states`` of the run's units, ranks and settings (asked by ``adam`` and the estimate)."""
-    return model_states(run.units, run.nd, run.settings)
 
 
 @memo_term
@@ -355,8 +349,10 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
     act_bytes = dtype_bytes(settings.param)
     stat_bytes = 4 if settings.device == "cuda" else act_bytes  # CPU native_layer_norm: stats in the input dtype
     acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=act_bytes, stat_bytes=stat_bytes)
-    final = sum(math.prod(s) for n, s in workload.shapes if n.rsplit(".", 2)[-2] in ("ln_f", "norm")
-                and not n.startswith(prefix))  # fmt: skip
+    try:
+        final, param_order = _final_and_order(workload.shapes, prefix)
+    except TypeError:  # unhashable shapes (lists): built each time
+        final, param_order = _final_and_order.__wrapped__(workload.shapes, prefix)
     hf = workload.transformers
     rotary = hf and spec.style == "llama"
 
@@ -366,13 +362,20 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
         acts = replace(acts, embed_saved=acts.embed_saved - scale)
     return Fsdp2Run(units, nd, settings, acts, workload.checkpointing, _foreach(workload, settings),
                     spec.vocab_size * spec.d_model, final, tied_head=spec.tied, style=spec.style,
-                    biased_linear=spec.biased_linear, param_order=tuple(tuple(s) for _, s in workload.shapes),
+                    biased_linear=spec.biased_linear, param_order=param_order,
                     transformers=hf, loss_in_forward=hf and settings.loss_in_forward, buffer_bytes=buffers,
                     router_bytes=router_bias_bytes(spec) if hf else 0, router_copy=_router_copies(spec, hf, act_bytes),
                     rotary_init_bytes=rotary_recompute_bytes(spec) if rotary else 0,
                     scale_bytes=scale, position_bytes=workload.seq_len * 8 if rotary else 0,
                     shard_units=shard_units, ac_every=settings.selective_ac if settings.selective_ac != "op" else 1,
                     **_op_policy(workload, settings, act_bytes))  # fmt: skip
+
+
+@lru_cache(maxsize=16)  # the same for every candidate and rank of a plan at one T (a speed-up)
+def _final_and_order(shapes: tuple[tuple[str, Shape], ...], prefix: str) -> tuple[int, tuple[Shape, ...]]:
+    """``fsdp2_run``'s final norm outside the decoder layers (numel) and every parameter's shape, in order."""
+    norms = (s for n, s in shapes if n.rsplit(".", 2)[-2] in ("ln_f", "norm") and not n.startswith(prefix))
+    return sum(map(math.prod, norms)), tuple(tuple(s) for _, s in shapes)
 
 
 def _op_policy(workload: Workload, settings: Settings, a: int) -> dict:
