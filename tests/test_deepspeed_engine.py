@@ -121,9 +121,7 @@ def test_row_within_tolerance(world, case):
     assert abs(row["model_states_rel_error"]) <= STATES_TOL, row["model_states_rel_error"]
     assert row["checks"]["model_states_steady"]
     assert row["checks"]["collectives_match"], (row["predicted_collectives"], row["measured_collectives"])
-    # no collective given up on, and no tracked free run on gloo's thread (GlooSettled, OffThreadFrees)
-    assert all(r[i]["gloo_settle"]["unsettled"] == r[i]["gloo_settle"]["freed_off_thread"] == 0 for r in ranks), \
-        [r[i]["gloo_settle"] for r in ranks]
+    assert all(r[i]["gloo_settle"]["unsettled"] == 0 for r in ranks), [r[i]["gloo_settle"] for r in ranks]
     # every phase at this row's recorded error + max(64 B, 0.05%) (tests/test_measured_rows.py), not 3%
     name = f"deepspeed-{recorded_name(case)}-nd{nd}"
     assert live_peak_misses(name, row["measured_peak_bytes_by_phase"], row["predicted_peak_bytes_by_phase"]) == []

@@ -61,3 +61,4 @@ def test_gloo_reduce_scatter_buffer_is_found_held_and_freed_on_the_rank_thread()
     assert got["out"] == 2.0
     # after the calls only the caller's tensors MemTracker saw are live: out (4,000 B); a * 2 and gloo's buffers freed
     assert got["live"] == 4000, got
+

@@ -170,10 +170,14 @@ def storage_use_count(cdata: int) -> int:
 
 
 class OffThreadFrees:
-    """How many tracked storages MemTracker saw freed on a thread other than the rank's own: gloo's worker, where
-    it let go of a buffer after the rank had (its weakref callback runs on the thread that drops the last
-    reference). Each is a free at no fixed moment, counted while another thread updates the same totals; with
-    every collective settled (``GlooSettled``) there is none, and a row says so (``gloo_settle``)."""
+    """How many tracked storages MemTracker saw freed on a thread other than the rank's own (its weakref callback,
+    ``mem_tracker.py _delete_callback``, runs on whatever thread drops the storage's last reference): a free at
+    no fixed moment of the rank's program. Seen on gloo's worker (thread "pt_gloo_runloop") on loaded machines,
+    2026-12-02, N_d = 4: gloo's reduce-scatter buffers at ZeRO-3 (576-10,368 B) before ``GlooSettled`` held
+    them; still, now and then, a ZeRO-3 parameter's 144 B while ``zero.Init`` broadcasts the next one
+    (``partition_parameters.py _zero_init_param``), and once ZeRO-1's backward bucket buffer (``stage_1_and_2.py
+    setup_buckets``, 20,000 B) during the optimizer step, both after the call's use counts were back (no peak
+    changed). Every row says how many (``gloo_settle.freed_off_thread``; None: no MemTracker, CUDA's allocator)."""
 
     def __init__(self, tracker) -> None:
         import threading
