@@ -145,7 +145,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
 
     settling = GlooSettled(ds_comm.cdb) if settle else contextlib.nullcontext()
     with run_state_kept(), probe, counter, settling as settled:
-        frees = OffThreadFrees(getattr(probe, "tracker", None))  # frees run on gloo's thread: none when settled
+        frees = OffThreadFrees(getattr(probe, "tracker", None))  # MemTracker's frees run off this thread, counted
         enter("init", -1)
         # the build's own peak is kept apart ("build_peak_bytes") and stays in init's
         probe.phase("build")

@@ -2,7 +2,8 @@
 
 Every report row lists the changes made for it (``runner_changes``, ``ReportRow.runner_changes``):
 - ``GlooSettled``: DeepSpeed's collectives made synchronous (gloo lets go of the tensors, and of its own buffers,
-  first); a run with ``"settle": false`` leaves DeepSpeed's own asynchronous handles (measured against it: docs/engines).
+  first); a run with ``"settle": false`` leaves DeepSpeed's own asynchronous handles (measured against it:
+  docs/engines). ``OffThreadFrees``: each row counts the frees MemTracker saw run off the rank's thread.
 - ``fp16_on_cpu``: DeepSpeed's fp16 capability question answered yes on a CPU without oneDNN fp16.
 - ``run_state_kept``, around ``validate.engines.deepspeed.measure``: the cyclic garbage collector off while
   measuring, ``torch.nn.functional.linear`` restored after a ``zero.Init`` run (``build_model``), hpZ's process
@@ -47,7 +48,7 @@ class GlooSettled:
     until the use counts of every tensor it was given, of the tensor itself (``Tensor._use_count``: gloo's
     all-reduce keeps the tensor) and of its storage (``torch._C._storage_Use_Count``: the all-gather keeps
     chunks of it), are back to what they were before the call: the only other holder is gloo's work, so
-    that is the moment gloo is done: deterministic, no timing guess. Nothing is allocated or freed by this wrapper; ops stay the same
+    that is the moment gloo is done: deterministic, no timing guess. Nothing is allocated by this wrapper; ops stay the same
     (the dispatch-level ``CommCounter`` sees them unchanged). Async calls become synchronous: on CPU gloo
     overlaps nothing with compute that changes a buffer's life (DeepSpeed allocates before it issues).
     A buffer gloo makes itself is settled the same way (``_Returned``): gloo's reduce-scatter reduces into a
@@ -92,7 +93,7 @@ class GlooSettled:
                     if work is not None and hasattr(work, "wait"):
                         work.wait()
                     del work
-            own = returned.own_storages(tensors)  # gloo's own buffers: their storages, only the call's once gloo is done
+            own = returned.own_storages(tensors)  # gloo's own buffers: the call's alone once gloo is done
             t0 = time.monotonic()
             held = False
             while (any(c > b for t, pair in zip(tensors, before) for c, b in zip(count(t), pair))
