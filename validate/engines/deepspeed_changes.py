@@ -177,8 +177,9 @@ class OffThreadFrees:
     2026-12-02, N_d = 4: gloo's reduce-scatter buffers at ZeRO-3 (576-10,368 B) before ``GlooSettled`` held
     them; still, now and then, a ZeRO-3 parameter's 144 B while ``zero.Init`` broadcasts the next one
     (``partition_parameters.py _zero_init_param``), and once ZeRO-1's backward bucket buffer (``stage_1_and_2.py
-    setup_buckets``, 20,000 B) during the optimizer step, both after the call's use counts were back (no peak
-    changed). Every row says how many (``gloo_settle.freed_off_thread``; None: no MemTracker, CUDA's allocator)."""
+    setup_buckets``, 20,000 B) during the optimizer step (1 rank of 37 worlds), both after the call's use counts
+    were back (no peak changed). Every row says how many (``gloo_settle.freed_off_thread``; None: no MemTracker,
+    CUDA's allocator)."""
 
     def __init__(self, tracker) -> None:
         import threading
