@@ -32,8 +32,8 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
-from validate.engines.deepspeed_changes import (GlooSettled, fp16_on_cpu, quantizer_on_cpu, run_state_kept,
-                                               runner_changes)  # fmt: skip
+from validate.engines.deepspeed_changes import (GlooSettled, OffThreadFrees, fp16_on_cpu, quantizer_on_cpu,
+                                               run_state_kept, runner_changes)  # fmt: skip
 
 PHASES = ("init", "forward", "backward", "optimizer_step")
 
@@ -145,6 +145,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
 
     settling = GlooSettled(ds_comm.cdb) if settle else contextlib.nullcontext()
     with run_state_kept(), probe, counter, settling as settled:
+        frees = OffThreadFrees(getattr(probe, "tracker", None))  # MemTracker's frees run off this thread, counted
         enter("init", -1)
         # the build's own peak is kept apart ("build_peak_bytes") and stays in init's
         probe.phase("build")
@@ -177,7 +178,7 @@ def measure(model_fn, config: dict, batches: list, rank: int, nd: int, zero_init
         "probe_breakdown": breakdown,
         "live_bytes_by_device": by_device,
         **_comm_fields(counter.calls, len(step_s)),
-        "gloo_settle": settled.stats if settle else None,  # None: asynchronous, as DeepSpeed issues them
+        "gloo_settle": {**settled.stats, **frees.stats} if settle else None,  # None: DeepSpeed's async handles
         "init_s": round(init_s, 3),
         "step_s": step_s,
         # per optimizer step, whether DeepSpeed applied it (engine.was_step_applied()); a skipped step is refused

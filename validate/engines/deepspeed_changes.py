@@ -1,8 +1,9 @@
 """What the DeepSpeed runner changes in the DeepSpeed it measures, each change in one place.
 
 Every report row lists the changes made for it (``runner_changes``, ``ReportRow.runner_changes``):
-- ``GlooSettled``: DeepSpeed's collectives made synchronous (gloo lets go of the tensors first); a run with
-  ``"settle": false`` leaves DeepSpeed's own asynchronous handles (measured against it: docs/engines).
+- ``GlooSettled``: DeepSpeed's collectives made synchronous (gloo lets go of the tensors, and of its own buffers,
+  first); a run with ``"settle": false`` leaves DeepSpeed's own asynchronous handles (measured against it:
+  docs/engines). ``OffThreadFrees``: each row counts the frees MemTracker saw run off the rank's thread.
 - ``fp16_on_cpu``: DeepSpeed's fp16 capability question answered yes on a CPU without oneDNN fp16.
 - ``run_state_kept``, around ``validate.engines.deepspeed.measure``: the cyclic garbage collector off while
   measuring, ``torch.nn.functional.linear`` restored after a ``zero.Init`` run (``build_model``), hpZ's process
@@ -47,9 +48,16 @@ class GlooSettled:
     until the use counts of every tensor it was given, of the tensor itself (``Tensor._use_count``: gloo's
     all-reduce keeps the tensor) and of its storage (``torch._C._storage_Use_Count``: the all-gather keeps
     chunks of it), are back to what they were before the call: the only other holder is gloo's work, so
-    that is the moment gloo is done: deterministic, no timing guess. Nothing is allocated or freed by this wrapper; ops stay the same
+    that is the moment gloo is done: deterministic, no timing guess. Nothing is allocated by this wrapper; ops stay the same
     (the dispatch-level ``CommCounter`` sees them unchanged). Async calls become synchronous: on CPU gloo
     overlaps nothing with compute that changes a buffer's life (DeepSpeed allocates before it issues).
+    A buffer gloo makes itself is settled the same way (``_Returned``): gloo's reduce-scatter reduces into a
+    buffer of its own, which its work keeps, and ``wait()`` copies this rank's chunk out of it (``aten.split``
+    and ``aten.copy_`` on the waiting thread); freed when the last of the caller's handle and gloo's worker
+    thread lets go, the memory probe counted its free on gloo's thread, at whatever moment gloo let go (seen
+    at ZeRO-3: 576 to 10,368 B buffers, 2026-12-02). Here the call holds every tensor its ops read or made
+    that shares no storage with the caller's until the call alone holds it, then drops it, on the rank's
+    own thread, at the end of the call.
     ``stats``: calls, calls that found gloo still holding a tensor, the longest wait, and calls that gave
     up after ``deadline_s`` (counted, never hidden: a row reports them).
     """
@@ -76,22 +84,26 @@ class GlooSettled:
         def call(*args, **kwargs):
             tensors = self._tensors(args, kwargs)
             before = [count(t) for t in tensors]
-            works = original(*args, **kwargs)
-            asked_async = works is not None
-            works = list(works) if isinstance(works, (list, tuple)) else [works]
-            while works:  # each handle dropped once finished: it holds the call's tensors too
-                work = works.pop()
-                if work is not None and hasattr(work, "wait"):
-                    work.wait()
-                del work
+            with _Returned() as returned:
+                works = original(*args, **kwargs)
+                asked_async = works is not None
+                works = list(works) if isinstance(works, (list, tuple)) else [works]
+                while works:  # each handle dropped once finished: it holds the call's tensors too
+                    work = works.pop()
+                    if work is not None and hasattr(work, "wait"):
+                        work.wait()
+                    del work
+            own = returned.own_storages(tensors)  # gloo's own buffers: the call's alone once gloo is done
             t0 = time.monotonic()
             held = False
-            while any(c > b for t, pair in zip(tensors, before) for c, b in zip(count(t), pair)):
+            while (any(c > b for t, pair in zip(tensors, before) for c, b in zip(count(t), pair))
+                   or any(storage_use_count(st._cdata) > 1 for st in own)):  # fmt: skip
                 held = True
                 if time.monotonic() - t0 > self.deadline_s:
                     self.stats["unsettled"] += 1
                     break
                 time.sleep(0.0002)
+            del own  # gloo's own buffers freed here, on this thread
             self.stats["calls"] += 1
             self.stats["held"] += held
             self.stats["max_wait_s"] = max(self.stats["max_wait_s"], round(time.monotonic() - t0, 4))
@@ -109,6 +121,85 @@ class GlooSettled:
     def __exit__(self, *exc) -> None:
         for name, original in self._originals.items():
             setattr(self.backend, name, original)
+
+
+def _returned_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Returned(TorchDispatchMode):
+        """Every tensor an op of one collective (its ``c10d`` op, and what ``wait()`` runs) read or made."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.tensors: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            import torch
+            from torch.utils._pytree import tree_flatten
+
+            res = func(*args, **(kwargs or {}))
+            for t in tree_flatten((args, kwargs, res))[0]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    self.tensors.append(t)
+            return res
+
+        def own_storages(self, given: list) -> list:
+            """The storages of the tensors seen that share none with the caller's: gloo's own buffers. The
+            tensors are let go of; each storage is then held by the call (one use) and by gloo while it runs."""
+            mine = {t.untyped_storage()._cdata for t in given}
+            out = {}
+            for t in self.tensors:
+                st = t.untyped_storage()
+                if st._cdata not in mine:
+                    out.setdefault(st._cdata, st)
+            self.tensors.clear()
+            return list(out.values())
+
+    return Returned
+
+
+def _Returned():  # noqa: N802 - a context manager class, built on first use (torch imported lazily)
+    global _Returned
+    _Returned = _returned_mode()
+    return _Returned()
+
+
+def storage_use_count(cdata: int) -> int:
+    import torch
+
+    return torch._C._storage_Use_Count(cdata)
+
+
+class OffThreadFrees:
+    """How many tracked storages MemTracker saw freed on a thread other than the rank's own (its weakref callback,
+    ``mem_tracker.py _delete_callback``, runs on whatever thread drops the storage's last reference): a free at
+    no fixed moment of the rank's program. Seen on gloo's worker (thread "pt_gloo_runloop") on loaded machines,
+    2026-12-02, N_d = 4: gloo's reduce-scatter buffers at ZeRO-3 (576-10,368 B) before ``GlooSettled`` held
+    them; still, now and then, a ZeRO-3 parameter's 144 B while ``zero.Init`` broadcasts the next one
+    (``partition_parameters.py _zero_init_param``), and once ZeRO-1's backward bucket buffer (``stage_1_and_2.py
+    setup_buckets``, 20,000 B) during the optimizer step (1 rank of 37 worlds), both after the call's use counts
+    were back (no peak changed). Every row says how many (``gloo_settle.freed_off_thread``; None: no MemTracker,
+    CUDA's allocator)."""
+
+    def __init__(self, tracker) -> None:
+        import threading
+
+        self.count, main = 0, threading.main_thread()
+        if tracker is None:  # the CUDA probe: the allocator's counters, no MemTracker
+            self.count = None
+            return
+        delete = tracker._delete_callback
+
+        def counted(winfo, ref) -> None:
+            if threading.current_thread() is not main:
+                self.count += 1
+            delete(winfo, ref)
+
+        tracker._delete_callback = counted  # each storage's weakref callback, bound when it is first tracked
+
+    @property
+    def stats(self) -> dict:
+        return {"freed_off_thread": self.count}
 
 
 @contextlib.contextmanager
@@ -217,7 +308,8 @@ def runner_changes(row: dict) -> list[str]:
     out = ["one intra-op thread per rank (OMP_NUM_THREADS=1, validate.harness)"]
     if row["gloo_settle"] is not None:
         out.append("collectives made synchronous: each one through deepspeed.comm's backend waits for its work "
-                   "and for gloo to let go of its tensors, and an asynchronous caller gets a finished handle "
+                   "and for gloo to let go of its tensors and of the buffers it made itself (its reduce-scatter's, "
+                   "then freed on the rank's own thread), and an asynchronous caller gets a finished handle "
                    "(GlooSettled)")  # fmt: skip
     else:
         out.append("collectives left asynchronous: DeepSpeed's own handles (no GlooSettled)")
