@@ -27,7 +27,7 @@ MAX_FUNCTION_LINES = 80
 declares a command's options, and the docstring are not counted)."""
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("zeroplan.files", "zeroplan.hub", "zeroplan.integrations"),
+    ("zeroplan.files", "zeroplan.terminated", "zeroplan.hub", "zeroplan.integrations"),
     ("zeroplan.architectures",),
     ("zeroplan.formulas", "zeroplan.allocator"),
     ("zeroplan.types",),

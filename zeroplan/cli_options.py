@@ -1,8 +1,7 @@
 """Shared typer option blocks and the one-line error handling of every ``zeroplan`` command.
 
-Every bad input ends as one line on stderr and exit code 2 (``OneLineErrors``); nothing is printed to
-stdout before the whole answer is ready.
-"""
+Every bad input ends as one line on stderr and exit code 2 (``OneLineErrors``); nothing is printed to stdout
+before the whole answer is ready."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ import typer
 from typer.core import TyperGroup
 
 from zeroplan.cli_startup import coerce_when_given
+from zeroplan.terminated import Terminated
 
 if TYPE_CHECKING:
     from zeroplan.policy import PrecisionPolicy
@@ -64,7 +64,7 @@ class OneLineErrors(TyperGroup):
             else:  # stdout on a full disk or closed: the input was fine, the output was not
                 typer.echo(f"zeroplan: error: cannot write the output ({exc.strerror or exc})", err=True)
                 rv = 1
-        except getattr(sys.modules.get("zeroplan.files"), "Terminated", ()) as exc:  # SIGTERM/SIGHUP while writing
+        except Terminated as exc:  # SIGTERM/SIGHUP while writing: the temporary file is already removed
             typer.echo(f"zeroplan: error: terminated by {exc}", err=True)
             rv = 128 + exc.signum
         if not standalone_mode:
@@ -347,7 +347,7 @@ def refuse_foreign(ctx, engine_name: str) -> None:
 
 def read_settings_file(path) -> Optional[dict]:
     """``--deepspeed-config`` read once, at the edge (None: not given); every later use takes the dict."""
-    if path is None:  # no file: ``zeroplan.files`` not imported (``OneLineErrors.main`` looks up its Terminated)
+    if path is None:  # no file: ``zeroplan.files`` (tempfile, threading) not imported
         return None
     from zeroplan.files import read_json
     return read_json(path, "deepspeed config")

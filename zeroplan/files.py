@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from itertools import accumulate
 from pathlib import Path
 
+from zeroplan.terminated import Terminated  # raised by _signals_held; importable from here too
+
 MAX_JSON_BYTES = 64 * 2**20
 """Largest JSON file read (64 MiB): a shapes file of a 1e15-parameter model or a validator report is a
 few MB; anything larger is not one of zeroplan's inputs."""
@@ -32,14 +34,6 @@ MAX_JSON_DEPTH = 64
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKET = re.compile(r"[\[\]{}]")
 _DEPTH = {"[": 1, "{": 1, "]": -1, "}": -1}
-
-
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP arrived while a file was being written (the temporary file is already gone)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def file_identity(path: str | Path) -> tuple:
