@@ -83,7 +83,7 @@ def test_each_setting_of_the_run_moves_a_phase(dropped, tmp_path):
 
 def test_the_python_api_and_the_configs_take_the_devices_optimizer_path():
     """``foreach`` not given (or None): torch's default for the run's device in ``estimate``, ``EstimateConfig``,
-    ``PlanConfig`` and ``SweepConfig`` alike (estimation/config.py ``device_foreach``); given, it wins."""
+    ``PlanConfig`` and ``SweepConfig`` alike (estimation/workload.py ``device_foreach``); given, it wins."""
     from zeroplan import EstimateConfig, PlanConfig, SweepConfig, estimate
 
     def step(**kw):

@@ -84,10 +84,31 @@ def test_command_annotations_are_objects_not_strings():
     # typer evaluates each string annotation of the command it registers (typing.get_type_hints: 1.6 ms a call for
     # estimate's 41, twice): the command modules keep real annotations (no `from __future__ import annotations`)
     import zeroplan.cli as cli
+    from zeroplan.cli_startup import imported
 
     for name, command in cli.COMMANDS.items():
+        command = imported(command) if isinstance(command, str) else command
         strings = [p for p, a in command.__annotations__.items() if isinstance(a, str)]
         assert strings == [], (name, strings)
+
+
+def test_a_plan_loads_no_other_commands_module():
+    # the sweep, plot and validate commands' modules, the --max-micro-batch search and EstimateConfig's module are
+    # imported where used (docs/benchmarks.md, "Start-up, fifth pass"); `zeroplan.cli.plot` and the others still
+    # answer by their old address, and `zeroplan --help` lists all five
+    skipped = ("zeroplan.cli_sweep", "zeroplan.cli_plot", "zeroplan.cli_validate", "zeroplan.planning.largest_batch",
+               "zeroplan.estimation.config")
+    after = f"print([m for m in {skipped!r} if m in sys.modules], file=sys.stderr)"
+    out = run_main("['zeroplan', 'plan', '--model', 'llama2-7b', '--gpus', '8', '--gpu', 'a100-40gb', '--json']",
+                   after=after)
+    assert json.loads(out.stdout)["inputs"]["gpus"] == 8
+    assert out.stderr.strip().splitlines()[-1] == "[]"
+    out = run_main(ESTIMATE, after=after)
+    assert out.stderr.strip().splitlines()[-1] == "['zeroplan.estimation.config']"
+    out = run_main("['zeroplan', '--help']", after="import zeroplan.cli as c\nprint(c.plot.__module__, "
+                   "c.PlotView.__module__, c.validate_cmd.__name__, c.sweep.__name__, file=sys.stderr)")
+    assert all(f" {name} " in out.stdout for name in ("estimate", "sweep", "plot", "plan", "validate"))
+    assert out.stderr.strip().splitlines()[-1] == "zeroplan.cli_plot zeroplan.cli_plot validate_cmd sweep"
 
 
 def test_a_csv_sweep_loads_neither_pandas_nor_pyarrow_compute(tmp_path):

@@ -27,10 +27,7 @@ from zeroplan.cli_options import RevisionOption, SelectiveAcOption, refuse_selec
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
 )  # fmt: skip
-from zeroplan.cli_plot import PlotView, plot  # noqa: F401 - PlotView: the plot views, by their old address
-from zeroplan.cli_startup import no_plugin_search
-from zeroplan.cli_sweep import sweep
-from zeroplan.cli_validate import validate_cmd
+from zeroplan.cli_startup import imported, no_plugin_search, registered
 from zeroplan.hub import with_revision
 
 
@@ -46,9 +43,6 @@ def _typer() -> typer.Typer:
 
 def _root() -> None:
     """Plan and check per-GPU memory and communication of ZeRO / FSDP sharded data parallelism."""
-
-
-app = _typer()
 
 
 def estimate(
@@ -279,7 +273,6 @@ def plan(
     from zeroplan.engines import get_engine
     from zeroplan.parsing import parse_bytes, parse_count
     from zeroplan.planning.config import PlanConfig
-    from zeroplan.planning.largest_batch import bracket_lines, largest_json, largest_micro_batches
     from zeroplan.planning.plan import plan_config
     from zeroplan.render.plan import to_json, to_table
     from zeroplan.types import MAX_BATCH
@@ -344,6 +337,8 @@ def plan(
            if "policy" in get_engine(engine).options else {}),  # fmt: skip
     )
     result = plan_config(config)
+    if max_micro_batch is not None:  # zeroplan.planning.largest_batch: imported only for the search it runs
+        from zeroplan.planning.largest_batch import bracket_lines, largest_json, largest_micro_batches
     found = None if max_micro_batch is None else largest_micro_batches(config, max_micro_batch)
     if as_json:
         typer.echo(to_json(result, auto, None if found is None else largest_json(found, max_micro_batch)))
@@ -352,20 +347,23 @@ def plan(
     typer.echo("\n".join((to_table(result, units.value).rstrip("\n"), *auto_lines, *lines)))
 
 
-# The other commands live in their own modules, registered here in the order `zeroplan --help` lists them.
-COMMANDS = {"estimate": estimate, "sweep": sweep, "plot": plot, "plan": plan, "validate": validate_cmd}
-for _name, _command in COMMANDS.items():
-    app.command(_name)(_command)
+# The commands in the order `zeroplan --help` lists them. A name (str) is a command of another module, imported when
+# it runs or the whole group is listed (``zeroplan.cli_startup.ELSEWHERE``): an estimate or a plan does not load them.
+COMMANDS = {"estimate": estimate, "sweep": "sweep", "plot": "plot", "plan": plan, "validate": "validate_cmd"}
 
 
 def app_for(args: list[str]) -> typer.Typer:
-    """``app``, or when ``args`` start with a command's name, a group holding that command alone: typer reads
-    the signature of every command it registers (about 35 ms for the five), and a run needs one."""
-    if not args or args[0] not in COMMANDS:
-        return app  # `zeroplan`, `zeroplan --help`, an unknown command: the whole group answers
-    group = _typer()
-    group.command(args[0])(COMMANDS[args[0]])
-    return group
+    """The whole group (``app``), or when ``args`` start with a command's name, a group holding that command alone:
+    typer reads the signature of every command it registers (about 35 ms for the five), and a run needs one."""
+    whole = not args or args[0] not in COMMANDS  # `zeroplan`, `zeroplan --help`, an unknown command
+    return registered(_typer(), COMMANDS if whole else {args[0]: COMMANDS[args[0]]})
+
+
+def __getattr__(name: str) -> object:  # PEP 562
+    """``app`` (every command; built on first use), and ``sweep``, ``plot``, ``PlotView``, ``validate_cmd`` by their
+    old address (``zeroplan.cli_startup.ELSEWHERE``)."""
+    globals()[name] = value = app_for([]) if name == "app" else imported(name)
+    return value
 
 
 ONE_ANSWER = ("estimate", "plan")  # and help: no cyclic collector (docs/benchmarks.md, third pass)

@@ -1,12 +1,19 @@
-"""What a fresh ``zeroplan`` process skips at start-up (docs/benchmarks.md, "Start-up, third pass" and "fourth
-pass"): pydantic's plugin search when plugins are off, and typer's coercion of an option left unset. Kept out of
-``cli`` so that the command module stays a list of commands."""
+"""What a fresh ``zeroplan`` process skips at start-up (docs/benchmarks.md, "Start-up, third pass" to "fifth
+pass"): pydantic's plugin search when plugins are off, typer's coercion of an option left unset or at its own
+default, and the modules of the commands it does not run. Kept out of ``cli`` so that the command module stays a
+list of commands."""
 
 from __future__ import annotations
 
+import enum
+import importlib
 import os
 import sys
 import types
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import typer
 
 
 def no_plugin_search() -> None:
@@ -22,8 +29,6 @@ def no_plugin_search() -> None:
 def _real_loader(name: str, attr: str) -> object:
     """Anything but ``get_plugins`` (a pydantic that asks for more): the real loader, imported in place of the stand-in.
     Dunder probes (``__file__``, ``__path__`` asked by inspect or importlib) are not a request for the loader."""
-    import importlib
-
     if attr.startswith("__"):
         raise AttributeError(attr)
     del sys.modules[name]
@@ -41,11 +46,34 @@ class _CoercedWhenGiven:
     def coerce(self, value: object, param: object, ctx: object) -> object:
         if value is None and not (param.multiple or param.nargs == -1):  # type: ignore[attr-defined]
             return None  # typer's RuntimeParam.coerce, before it asks the adapter
+        if _own_default(value, param, ctx):
+            return value  # what typer's adapter hands back (tests/test_startup_coercion.py)
         from typer._coercion import build_runtime_param
 
         real = build_runtime_param(param.type_descriptor)  # type: ignore[attr-defined]
         param._runtime_param = real  # type: ignore[attr-defined]
         return real.coerce(value, param=param, ctx=ctx)
+
+
+def _own_default(value: object, param: object, ctx: object) -> bool:
+    """``value`` is the option's own default (not given: click's ``ParameterSource.DEFAULT``), already of the
+    declared type, which typer 0.29's adapter returns unchanged: an ``int`` or ``float`` without bounds (pydantic's
+    number of the same type), a ``str`` (``str(value)``, then pydantic's string), a member of the declared ``Enum``
+    (``coerce_cli_choice`` returns a member as it is); no ``parser``, one value, no file. Anything else (a value
+    given on the command line or by the environment, a bounded number, an int default of a float option) goes to
+    typer's own coercion. ``plan --engine fsdp2 --model llama3-405b --gpus 2048 --gpu h100-80gb``: 13 of its 19
+    adapters were built for such defaults (the other six: its four given options and the two ``--help`` flags)."""
+    from typer._click.core import ParameterSource
+
+    desc = param.type_descriptor  # type: ignore[attr-defined]
+    info, annotation = desc.parameter_info, desc.annotation
+    if param.multiple or param.nargs != 1 or info.parser is not None or desc.file_annotation is not None:  # type: ignore[attr-defined]
+        return False
+    if ctx.get_parameter_source(param.name) is not ParameterSource.DEFAULT:  # type: ignore[attr-defined]
+        return False
+    if annotation is int or annotation is float:
+        return type(value) is annotation and info.min is None and info.max is None
+    return type(value) is annotation and (annotation is str or isinstance(value, enum.Enum))
 
 
 _COERCED_WHEN_GIVEN = _CoercedWhenGiven()  # stateless: the option is the call's ``param``
@@ -57,3 +85,25 @@ def coerce_when_given(command: object) -> None:
     for param in getattr(command, "params", ()):
         if getattr(param, "_runtime_param", False) is None and hasattr(param, "type_descriptor"):
             param._runtime_param = _COERCED_WHEN_GIVEN
+
+
+ELSEWHERE = {"sweep": "zeroplan.cli_sweep", "plot": "zeroplan.cli_plot", "PlotView": "zeroplan.cli_plot",
+             "validate_cmd": "zeroplan.cli_validate"}
+"""The commands ``zeroplan.cli`` names but does not import (``COMMANDS``), and the plot views, by the module that
+holds them: imported when they run or the whole group is listed. ``estimate`` and ``plan`` do not load them (about
+7.5 M instructions, 1 CPU-ms; docs/benchmarks.md, "Start-up, fifth pass")."""
+
+
+def imported(name: str) -> object:
+    """``ELSEWHERE``'s ``name``, its module imported now; AttributeError for any other name (``zeroplan.cli``'s
+    ``__getattr__``)."""
+    if name not in ELSEWHERE:
+        raise AttributeError(f"module 'zeroplan.cli' has no attribute {name!r}")
+    return getattr(importlib.import_module(ELSEWHERE[name]), name)
+
+
+def registered(group: typer.Typer, commands: dict) -> typer.Typer:
+    """``group`` with ``commands`` (name -> function, or the name of one in ``ELSEWHERE``)."""
+    for name, command in commands.items():
+        group.command(name)(imported(command) if isinstance(command, str) else command)
+    return group

@@ -11,7 +11,7 @@ from zeroplan.allocator.config import parse_alloc_conf
 from zeroplan.architectures.spec import TransformerSpec, numels
 from zeroplan.engines import get_engine, planner_options
 from zeroplan.engines.base import EngineOptions, PlannerOptions, Workload
-from zeroplan.estimation.workload import default_foreach, model_workload, resolve
+from zeroplan.estimation.workload import default_foreach, device_foreach, model_workload, resolve
 from zeroplan.policy import PrecisionPolicy
 from zeroplan.formulas.cuda_workspaces import capability_of
 from zeroplan.presets import DEFAULT_SEQ_LEN, GpuName, get_gpu
@@ -26,16 +26,6 @@ def preset_memory(data: object) -> object:
     planner configs' one rule: an explicit memory overrides the preset's, as ``PlanConfig.memory_bytes``)."""
     if isinstance(data, dict) and isinstance(data.get("gpu"), str) and data.get("gpu_memory_bytes") is None:
         return {**data, "gpu_memory_bytes": get_gpu(data["gpu"]).memory_bytes}
-    return data
-
-
-def device_foreach(data: object) -> object:
-    """A config's input with ``foreach`` from the run's device (``default_foreach`` of ``engine_options``'
-    ``device``) where it is not given (absent or None): the planner configs' one rule, as torch's ``foreach=None``."""
-    if isinstance(data, dict) and data.get("foreach") is None:
-        options = data.get("engine_options")
-        device = options.value("device") if isinstance(options, EngineOptions) else (options or {}).get("device")
-        return {**data, "foreach": default_foreach(device)}
     return data
 
 

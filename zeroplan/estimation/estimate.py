@@ -201,7 +201,7 @@ def estimate(
         micro_batch=micro_batch,
         checkpointing=checkpointing,
         grad_accum=grad_accum,
-        foreach=foreach,  # None: torch's default for the device (estimation/config.py device_foreach)
+        foreach=foreach,  # None: torch's default for the device (estimation/workload.py device_foreach)
         engine=engine,
         gpus=gpus,
         gpus_per_node=gpus_per_node,

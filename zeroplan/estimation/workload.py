@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
-from zeroplan.engines.base import PEAK_CHECKPOINTING, EngineEstimate, Workload
+from zeroplan.engines.base import PEAK_CHECKPOINTING, EngineEstimate, EngineOptions, Workload
 from zeroplan.formulas.collectives import Collective, step_collectives
 from zeroplan.formulas.stages import get_stage
 from zeroplan.presets import model_seq_len, resolve_model
@@ -29,6 +29,16 @@ def default_foreach(device: Optional[str]) -> bool:
     privateuse1 backend; no cpu in torch 2.11 nor 2.13), else ``_single_tensor_adam``. ``device`` is the engine's own
     ``--device`` (None: not given, the GPU every planner predicts)."""
     return device != "cpu"
+
+
+def device_foreach(data: object) -> object:
+    """A config's input with ``foreach`` from the run's device (``default_foreach`` of ``engine_options``'
+    ``device``) where it is not given (absent or None): the planner configs' one rule, as torch's ``foreach=None``."""
+    if isinstance(data, dict) and data.get("foreach") is None:
+        options = data.get("engine_options")
+        device = options.value("device") if isinstance(options, EngineOptions) else (options or {}).get("device")
+        return {**data, "foreach": default_foreach(device)}
+    return data
 
 
 def model_workload(

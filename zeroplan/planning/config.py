@@ -14,8 +14,7 @@ from zeroplan.allocator.config import parse_alloc_conf
 from zeroplan.architectures.spec import TransformerSpec, gpt_for_params, numels, transformer_shapes
 from zeroplan.engines import EngineName, get_engine, planner_options
 from zeroplan.engines.base import PLANNER_INPUTS, EngineOptions, PlannerOptions
-from zeroplan.estimation.config import device_foreach
-from zeroplan.estimation.workload import check_seq_len
+from zeroplan.estimation.workload import check_seq_len, device_foreach
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.collectives import DEFAULT_BUCKET_NUMEL
 from zeroplan.formulas.commtime import ALGORITHMS
@@ -89,7 +88,7 @@ class PlanConfig(BaseModel):
     the peak (which knows none and full; full stays the default here, as before the peak existed)."""
     foreach: Flag = True
     """the optimizer's multi-tensor path, for the peak; not given (or None): torch's default for the run's device
-    (``zeroplan.estimation.config.device_foreach``)."""
+    (``zeroplan.estimation.workload.device_foreach``)."""
     engine: EngineName = "reference"
     """the training engine whose peak decides the fit (``zeroplan.engines.get_engine``)."""
     engine_options: EngineOptions = EngineOptions()

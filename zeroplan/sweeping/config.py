@@ -18,8 +18,8 @@ from zeroplan.architectures.spec import TransformerSpec, transformer_shapes
 from zeroplan.architectures.spec import numels as numels_of
 from zeroplan.engines import EngineName, get_engine, planner_options
 from zeroplan.engines.base import PLANNER_INPUTS, EngineOptions, PlannerOptions
-from zeroplan.estimation.config import device_foreach, preset_memory
-from zeroplan.estimation.workload import check_seq_len
+from zeroplan.estimation.config import preset_memory
+from zeroplan.estimation.workload import check_seq_len, device_foreach
 from zeroplan.formulas.activations import activation_bytes
 from zeroplan.formulas.cuda_workspaces import capability_of
 from zeroplan.formulas.offload import NO_OFFLOAD, Offload, check_offload
@@ -68,7 +68,7 @@ class SweepConfig(BaseModel):
     peak columns know none and full (full stays the default, as before the peak existed)."""
     foreach: Flag = True
     """the optimizer's multi-tensor path, for the peak; not given (or None): torch's default for the run's device
-    (``zeroplan.estimation.config.device_foreach``)."""
+    (``zeroplan.estimation.workload.device_foreach``)."""
     engine: EngineName = "reference"
     """the training engine of the peak columns (``zeroplan.engines.get_engine``)."""
     gpus: tuple[GpuCount, ...] = (1,)
