@@ -67,7 +67,8 @@ def _own_default(value: object, param: object, ctx: object) -> bool:
 
     desc = param.type_descriptor  # type: ignore[attr-defined]
     info, annotation = desc.parameter_info, desc.annotation
-    if param.multiple or param.nargs != 1 or info.parser is not None or desc.file_annotation is not None:  # type: ignore[attr-defined]
+    one = not param.multiple and param.nargs == 1  # type: ignore[attr-defined]
+    if not one or info.parser is not None or desc.file_annotation is not None:
         return False
     if ctx.get_parameter_source(param.name) is not ParameterSource.DEFAULT:  # type: ignore[attr-defined]
         return False
