@@ -73,11 +73,22 @@ def micro_steps(c: UnitCollective, grad_accum: int) -> int:
 
 @memo_term  # the same for every rank of a run (no rank in unit_collectives): built once (a speed-up)
 def run_collectives(run, grad_accum: int) -> tuple[Collective, ...]:
-    """The collectives of one optimizer step of ``grad_accum`` micro-steps (``micro_steps``), per rank."""
-    return tuple(
-        Collective(c.op, c.phase, m * c.elements, c.dtype,
-                   m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
-                   mesh_dim=c.mesh_dim, group_size=c.group_size)
-        for c in unit_collectives(run.shard_units, run.nd, run.settings, run.replicate)
-        for m in (micro_steps(c, grad_accum),)
-    )  # fmt: skip
+    """The collectives of one optimizer step of ``grad_accum`` micro-steps (``micro_steps``), per rank. Equal
+    rows (the identical blocks') are one object, built once (``one_row``: a speed-up, no rule)."""
+    made: dict = {}
+    return tuple(one_row(made, c.op, c.phase, c.elements, c.dtype, c.group_size, c.mesh_dim, micro_steps(c, grad_accum))
+                 for c in unit_collectives(run.shard_units, run.nd, run.settings, run.replicate))  # fmt: skip
+
+
+def one_row(made: dict, op: str, phase: str, elements: int, dtype: str, group_size: int, mesh_dim: str,
+            m: int) -> Collective:
+    """The row of ``m`` micro-steps of a collective of ``elements`` over ``group_size`` ranks (its bytes per rank
+    on a ring, ``ring_bytes_per_rank``), the one object ``made`` holds for those arguments (made there the first
+    time): equal rows shared, which ``commtime.distinct_rows`` groups at no ``__eq__`` (rows are frozen)."""
+    key = (op, phase, elements, dtype, group_size, mesh_dim, m)
+    row = made.get(key)
+    if row is None:
+        row = made[key] = Collective(op, phase, m * elements, dtype,
+                                     m * ring_bytes_per_rank(op, elements, group_size, dtype_bytes(dtype)), m,
+                                     mesh_dim=mesh_dim, group_size=group_size)  # fmt: skip
+    return row
