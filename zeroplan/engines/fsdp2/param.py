@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
+from zeroplan.engines.fsdp2.memo import by_identity
+
 Shape = tuple[int, ...]
 
 
@@ -49,6 +51,13 @@ def shape_counts(shapes: tuple[Shape, ...]) -> tuple[tuple[Shape, int], ...]:
 def local_numel_sum(shapes: tuple[Shape, ...], nd: int, rank: int) -> int:
     """Σ ``local_shard_numel`` over ``shapes`` (``shape_counts``)."""
     return sum(n * local_shard_numel(s, nd, rank) for s, n in shape_counts(shapes))
+
+
+@by_identity  # a plan's estimates pass one workload's shapes again and again (a speed-up)
+def distinct_shapes(named_shapes) -> tuple[Shape, ...]:
+    """The distinct parameter shapes of (name, shape) pairs, in order of first appearance (what ``distinct_ranks``
+    reads of them)."""
+    return tuple(dict.fromkeys(tuple(s) for _, s in named_shapes))
 
 
 def distinct_ranks(shapes: tuple[Shape, ...], nd: int) -> tuple[int, ...]:

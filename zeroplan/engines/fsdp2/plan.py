@@ -18,7 +18,7 @@ from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.moments import init_moments
 from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
 from zeroplan.engines.fsdp2.offload import host_memory
-from zeroplan.engines.fsdp2.param import distinct_ranks
+from zeroplan.engines.fsdp2.param import distinct_ranks, distinct_shapes
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import tp_acts
 from zeroplan.engines.fsdp2.tp_loss import check_loss_parallel
@@ -54,7 +54,7 @@ def dp_estimate(workload: Workload, nd: int, settings: Settings,
     """``estimate`` on ``nd`` data-parallel ranks (with ``tp``: ``workload`` is the TP-local one)."""
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
     if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
-        ranks = distinct_ranks(tuple(s for _, s in workload.shapes), shard_groups(settings, nd)[1])
+        ranks = distinct_ranks(distinct_shapes(workload.shapes), shard_groups(settings, nd)[1])
         runs: list = []  # the first rank's run, which the others reuse (Fsdp2Run.for_rank: a speed-up)
         return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs, made,
                                          collectives) for r in ranks}),)  # fmt: skip

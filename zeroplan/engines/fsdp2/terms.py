@@ -342,8 +342,7 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
     else:  # bare shapes: decoder layers where the names say so (GPT-2 or Llama names), else one unit
         known = [p for p in BLOCK_PREFIX.values() if any(n.startswith(p) for n, _ in workload.shapes)]
         prefix = known[0] if known else "\0"
-    order = {n: i for i, (n, _) in enumerate(workload.shapes)}
-    units, settings = profile_units(shard_units, prefix, settings, spec is not None, order)
+    units, settings = profile_units(shard_units, prefix, settings, spec is not None, workload.shapes)
     if spec is None:
         return Fsdp2Run(units, nd, settings, foreach=_foreach(workload, settings), shard_units=shard_units)
     act_bytes = dtype_bytes(settings.param)
