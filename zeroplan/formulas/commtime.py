@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol, TypeVar
 
-from zeroplan.formulas.collectives import PASSES, Collective, on_mesh
+from zeroplan.formulas.collectives import PASSES, Collective, distinct_rows, on_mesh
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.formulas.sharding import ceil_div
 from zeroplan.formulas.stages import get_stage
@@ -268,20 +268,6 @@ def engine_step_time(
                                 c.group_size or nd, on, algorithm, bucket_numel)  # fmt: skip
         timed.append(TimedCollective(c, c.micro_steps > 1, c.micro_steps, seconds))
     return _step_time(_slowest(placed, link), algorithm, tuple(map(timed.__getitem__, rows)), compute_s, grad_accum)
-
-
-def distinct_rows(collectives: tuple[Collective, ...]) -> tuple[tuple[Collective, ...], list[int]]:
-    """(the distinct rows of ``collectives`` in order of first appearance, the index of each row among them):
-    ``engine_step_time`` places and times each distinct row once and gives every equal row the same
-    ``TimedCollective`` (a speed-up, no rule: an FSDP2 plan's ~1,500-2,200 rows per candidate are 10-13 distinct
-    ones, one per unit of identical blocks). Exact: placing and timing read only a row's fields, and ``on_mesh``
-    the largest replicate and TP groups, the same over the distinct rows as over all; the step's sums
-    (``exposed_comm_s``, ``StepTime.comm_s``) still run over every row, in order. Rows are grouped by object
-    first (FSDP2's producers give equal rows as one object: ``run_collectives``, ``tp_rows``), then by value."""
-    objects = {id(c): c for c in collectives}  # one per object: equal rows that are one object, at no __eq__
-    index: dict[Collective, int] = {}
-    slot = {k: index.setdefault(c, len(index)) for k, c in objects.items()}
-    return tuple(index), [slot[id(c)] for c in collectives]
 
 
 def _slowest(placed: tuple[tuple[Collective, Link], ...], link: Link | Links) -> Link:
