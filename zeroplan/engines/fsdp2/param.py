@@ -97,7 +97,13 @@ class Unit:
 @lru_cache(maxsize=4096)  # asked for every unit at every moment of every candidate of a plan
 def unit_shard_numel(unit: Unit, nd: int) -> int:
     """S_u: the unit's padded shard, the all-gather input and reduce-scatter output per rank."""
-    return sum(padded_shard_numel(s, nd) for s in unit.shapes)
+    return shapes_shard_numel(unit.shapes, nd)
+
+
+@lru_cache(maxsize=1024)  # identical decoder layers: one sum for all of them at each N_d (a speed-up)
+def shapes_shard_numel(shapes: tuple[Shape, ...], nd: int) -> int:
+    """``unit_shard_numel`` of a unit of parameters of ``shapes``."""
+    return sum(padded_shard_numel(s, nd) for s in shapes)
 
 
 def units_of(named_shapes: tuple[tuple[str, Shape], ...], prefix: str) -> tuple[Unit, ...]:
