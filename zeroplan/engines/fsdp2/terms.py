@@ -136,7 +136,7 @@ def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
 @memo_term
 def params(run: Fsdp2Run) -> Term:
     """Sharded parameters, padded, in the module dtype (no separate master copy)."""
-    return _fp("sharded parameters (module dtype, padded)", sum(run.shard(u) for u in range(len(run.units))) * run.m,
+    return _fp("sharded parameters (module dtype, padded)", sum(run.shards) * run.m,
                "_fsdp_param.py:FSDPParam._init_sharded_param", sum(len(u.shapes) for u in run.units))  # fmt: skip
 
 
@@ -144,7 +144,7 @@ def params(run: Fsdp2Run) -> Term:
 def grads(run: Fsdp2Run, units) -> Term:
     """Sharded gradients of ``units`` (views into each unit's reduce-scatter output, cast to the module dtype)."""
     units = tuple(units)
-    return _fp(f"sharded gradients of {len(units)} unit(s)", sum(run.shard(u) for u in units) * run.m,
+    return _fp(f"sharded gradients of {len(units)} unit(s)", sum(map(run.shards.__getitem__, units)) * run.m,
                "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed(reduce_output, orig_dtype))", len(units))  # fmt: skip
 
 
