@@ -60,6 +60,12 @@ def distinct_shapes(named_shapes) -> tuple[Shape, ...]:
     return tuple(dict.fromkeys(tuple(s) for _, s in named_shapes))
 
 
+@by_identity  # the mesh search's floors ask it of one workload's shapes at every plan and first fit (a speed-up)
+def total_numel(named_shapes) -> int:
+    """Elements of every parameter of (name, shape) pairs."""
+    return sum(math.prod(s) for _, s in named_shapes)
+
+
 def distinct_ranks(shapes: tuple[Shape, ...], nd: int) -> tuple[int, ...]:
     """The first rank of each run of ranks whose shards are alike, parameter by parameter: the profile reads
     a rank only through ``local_shard_numel``, so these ranks' predictions are every rank's.

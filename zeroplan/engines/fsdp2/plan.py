@@ -3,7 +3,6 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -18,7 +17,7 @@ from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.moments import init_moments
 from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
 from zeroplan.engines.fsdp2.offload import host_memory
-from zeroplan.engines.fsdp2.param import distinct_ranks, distinct_shapes
+from zeroplan.engines.fsdp2.param import distinct_ranks, distinct_shapes, total_numel
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import tp_acts
 from zeroplan.engines.fsdp2.tp_loss import check_loss_parallel
@@ -149,7 +148,7 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
     own = isinstance(settings.wrap, Wrapping)
     if shards:  # the groups whose model states alone cannot fit dropped: a lower bound (mesh.states_floor)
         local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
-        shards = possible_sizes(shards, sum(math.prod(sh) for _, sh in local.shapes), settings, capacity_bytes)
+        shards = possible_sizes(shards, total_numel(local.shapes), settings, capacity_bytes)
     out = []
     for reshard, ckpt in _candidates(own, upto, only):
         w = replace(workload, checkpointing=ckpt)
@@ -225,7 +224,7 @@ def first_fit(workload: Workload, nd: int, capacity_bytes: int, options: Planner
     own = isinstance(settings.wrap, Wrapping)
     local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
     kept = settings.model_copy(update={"reshard_after_forward": False})  # the candidates that keep units gathered
-    floor = gathered_floor(sum(math.prod(sh) for _, sh in local.shapes), kept)
+    floor = gathered_floor(total_numel(local.shapes), kept)
     tried = _candidates(own, upto)
     for k, (reshard, ckpt) in enumerate(tried):
         if reshard is False and floor > capacity_bytes:
