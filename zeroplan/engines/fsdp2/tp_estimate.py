@@ -201,9 +201,9 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan, first_fit
 
     In two passes, each configuration estimated once (``memo``): first each degree, largest T first, up to its
     first candidate that fits on its largest shard group (the flat data-parallel group; ``first_fit``,
-    ``plan.first_fit`` passed in: it skips a candidate whose gathered parameters alone cannot fit), which is its
-    first candidate that fits on any (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no
-    further than the earliest first fit of the degrees before it (``upto``: a later one cannot win, the first
+    ``plan.first_fit`` passed in: it skips a candidate whose gathered parameters, or without checkpointing whose
+    saved activations, alone cannot fit), which is its first candidate that fits on any
+    (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no further than the earliest first fit of the degrees before it (``upto``: a later one cannot win, the first
     key); then only the degrees whose first fit is the earliest search their shard groups for that candidate
     alone (``only``: those before it fit on no group), peaks only (``row_inter_node_bytes`` for the one
     compared); the winner is planned in full. The plan's ``order`` says what each degree gave."""
