@@ -29,8 +29,9 @@ def memo_term(fn):
 def by_identity(fn):
     """``fn(obj)`` kept by the identity of ``obj`` (a speed-up, no rule): for a tuple a plan passes again as one
     object (a workload's shapes, a run's units: ``units._profile``), where hashing it would walk every element.
-    Only tuples are kept (they cannot change; ``fn`` must read nothing else), each held beside its value so that
-    its id stays its own; a long-lived process keeps at most 64."""
+    Only tuples are kept (the plan's shapes and units are tuples of tuples and frozen objects: they cannot change;
+    ``fn`` must read nothing else), each held beside its value so that its id stays its own; a long-lived process
+    keeps at most 64."""
     store: dict[int, tuple] = {}
 
     def cached(obj):
