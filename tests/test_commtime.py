@@ -136,3 +136,48 @@ def test_time_grows_with_accumulation_and_shrinks_with_bandwidth(stage, elements
     # Overlap never makes communication negative nor larger than running it back to back.
     exposed = exposed_comm_s(t.collectives, 1.0, grad_accum)
     assert 0 <= exposed <= t.comm_s + 1e-12
+
+
+def _row_by_row(rows, nd, links, grad_accum, bucket_numel, compute_s):
+    """``engine_step_time`` as it was before ``distinct_rows``: every row placed and timed on its own."""
+    from zeroplan.formulas.collectives import on_mesh
+    from zeroplan.formulas.commtime import TimedCollective, _call_seconds, _step_time
+    from zeroplan.formulas.sharding import ceil_div
+
+    placed = [(c, links.of(c.link)) for c in on_mesh(rows, nd, links.nm, links.gpus_per_node)]
+    timed = tuple(TimedCollective(c, c.micro_steps > 1, c.micro_steps, _call_seconds(
+        c.op, ceil_div(c.elements, c.micro_steps), c.bytes_per_rank / c.micro_steps, c.group_size or nd, on, "ring",
+        bucket_numel)) for c, on in placed)  # fmt: skip
+    slowest = min((on for _, on in placed), key=lambda on: on.bandwidth_gbps, default=links.intra)
+    return _step_time(slowest, "ring", timed, compute_s, grad_accum)
+
+
+def test_equal_rows_are_timed_once_and_the_step_is_the_row_by_row_one():
+    """``engine_step_time`` times each distinct row once (``collectives.distinct_rows``: by object, then by value)
+    and gives equal rows one ``TimedCollective``: the step (every row, its seconds, the sums over them in order, the
+    limiting link) is the row-by-row one to the bit; rows that differ in one field (the group, the micro-steps, the
+    dimension, the bytes) stay apart; ``counted_rows``' integer sums are the sums over every row."""
+    from zeroplan.formulas.collectives import Collective, counted_rows, distinct_rows
+    from zeroplan.formulas.commtime import Links
+
+    ag = Collective("all-gather", "forward", 10_000_019, "bf16", 17_500_033, 4, group_size=64)
+    rows = (ag, ag, Collective("all-gather", "forward", 10_000_019, "bf16", 17_500_033, 4, group_size=64),  # equal
+            Collective("all-gather", "forward", 10_000_019, "bf16", 17_500_033, 4, group_size=8),  # another group
+            Collective("all-gather", "forward", 10_000_019, "bf16", 17_500_033, 1, group_size=64),  # once
+            Collective("all-gather", "backward", 10_000_019, "bf16", 17_500_035, 4, group_size=64),
+            Collective("all-reduce", "backward", 312_500, "fp32", 2_460_937, 1, "dp_replicate", 16),
+            Collective("all-reduce", "forward", 7_340_033, "bf16", 25_690_115, 4, "tp", 8),
+            *(Collective("reduce-scatter", "backward", 10_000_019, "fp32", 35_000_067, 1, group_size=64)
+              for _ in range(300)),
+            ag)  # fmt: skip
+    kinds, index = distinct_rows(rows)
+    assert len(kinds) == 7 and [kinds[i] for i in index] == list(rows)
+    counted = counted_rows(rows)
+    assert sum(n for _, n in counted) == len(rows)
+    assert sum(c.bytes_per_rank * n for c, n in counted) == sum(c.bytes_per_rank for c in rows)
+    links = Links(NVLINK, NIC, 8)
+    for nd, bucket, compute in ((8192, None, 3.0), (8192, 1_000_003, 0.25), (1024, None, None)):
+        got = engine_step_time(rows, nd, links, 4, "ring", bucket, compute)
+        want = _row_by_row(rows, nd, links, 4, bucket, compute)
+        assert got == want and got.comm_s == want.comm_s and got.exposed_comm_s == want.exposed_comm_s
+        assert len({id(t) for t in got.collectives}) == 7  # one TimedCollective per distinct row

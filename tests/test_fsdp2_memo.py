@@ -148,3 +148,47 @@ def test_sampled_blocks_none_where_blocks_differ():
         update={"reduce_dtype": "fp32"}))) == (8, 7, 3, 2, 1)  # fmt: skip
     assert sampled_blocks(replace(run, replicate=2)) is None
     assert sampled_blocks(fsdp2_run(_workload(LLAMA_ODD, True), 4, Settings())) is None  # 2 blocks: all edges
+
+
+@pytest.mark.parametrize("config, hf", [(GPT_ODD, False), (LLAMA_ODD, True)])
+@pytest.mark.parametrize("nd, update", [(3, {}), (4, {"dp_shard": 2, "reduce_dtype": "fp32", "param_dtype": "bf16"}),
+                                        (3, {"reshard_after_forward": False})])  # fmt: skip
+def test_shared_rows_and_units_equal_those_built_per_row_and_per_run(config, hf, nd, update):
+    """``run_collectives`` (rows from ``unit_collectives``' row maker, equal rows one object: ``one_row``) equals
+    each ``UnitCollective`` made into a ``Collective`` on its own; a second run of the same shapes shares the first
+    one's profile units (``units._profile``, by identity) and equals a run built on a copy of the shapes (no
+    identity to share): the same units, states and peak."""
+    from zeroplan.engines.fsdp2.collectives import micro_steps, run_collectives, unit_collectives
+    from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
+    from zeroplan.formulas.dtypes import dtype_bytes
+
+    w = replace(_workload(config, hf), grad_accum=3)
+    settings = resolve_mesh(Settings(**update, rank=0), nd)
+    run, again = fsdp2_run(w, 2 if update.get("dp_shard") else nd, settings), fsdp2_run(w, nd, settings)
+    copy = fsdp2_run(replace(w, shapes=tuple((n, tuple(s)) for n, s in w.shapes)), nd, settings)
+    assert run.units is again.units and copy.units is not run.units and copy.units == run.units
+    assert run_states(again) == run_states(copy) and predict_peak(again) == predict_peak(copy)
+    for r in (run, again):
+        want = tuple(Collective(c.op, c.phase, m * c.elements, c.dtype,
+                                m * ring_bytes_per_rank(c.op, c.elements, c.group_size, dtype_bytes(c.dtype)), m,
+                                c.mesh_dim, c.group_size)
+                     for c in unit_collectives(r.shard_units, r.nd, r.settings, r.replicate)
+                     for m in (micro_steps(c, 3),))  # fmt: skip
+        got = run_collectives(r, 3)
+        assert got == want and len({id(c) for c in got}) == len(set(want))
+
+
+def test_by_identity_keeps_tuples_by_identity_only():
+    """``memo.by_identity``: the same tuple object gives the value built for it, an equal tuple (another object)
+    or a list is built again (a list is not kept: it could change)."""
+    from zeroplan.engines.fsdp2.memo import by_identity
+
+    calls = []
+    count = by_identity(lambda xs: calls.append(1) or [len(xs)])
+    a = ((1,), (2,))
+    assert count(a) is count(a) and len(calls) == 1
+    assert count(tuple(a)) is count(a) and len(calls) == 1  # tuple() of a tuple is that object
+    b = tuple(x for x in a)
+    assert b is not a and count(b) == [2] and len(calls) == 2
+    xs = [1, 2, 3]
+    assert count(xs) == [3] and count(xs) == [3] and len(calls) == 4

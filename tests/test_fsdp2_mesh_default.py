@@ -6,6 +6,7 @@ bounded by the earliest first fit) answers what planning every degree in full an
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -174,6 +175,34 @@ def test_the_gathered_floor_is_the_unsharded_parameters_the_loss_holds(model, nd
     padding = padded - numel * dtype_bytes(settings.param)  # what the shards add to the parameters
     assert gathered - padding <= floor <= gathered <= padded, (floor, gathered, padded)
     assert gathered_floor(numel, settings.model_copy(update={"reshard_after_forward": True})) == 0
+
+
+@pytest.mark.parametrize("model, nd, own", [
+    ("llama3-8b", 64, {"param_dtype": "bf16", "dp_shard": 8}),  # HSDP 8 x 8: held all-reduce buffers besides
+    ("llama3-8b", 64, {"param_dtype": "bf16", "tp": 2, "dp_shard": 8}),  # TP-local activations (SP)
+    ("llama3-8b", 64, {"param_dtype": "bf16", "tp": 4, "sequence_parallel": False}),  # whole residual stream
+    ("llama2-7b", 16, {"amsgrad": True, "reshard_after_forward": False}),  # fp32 activations
+    ("llama3-8b", 16, {"param_dtype": "bf16", "device": "cpu", "backend": "gloo"}),  # CPU: no block rounding
+    ("llama3-8b", 56, {"param_dtype": "bf16", "selective_ac": 2}),  # no checkpointing: every layer's saved set
+])  # fmt: skip
+def test_the_saved_floor_is_the_activations_the_cross_entropy_backward_holds(model, nd, own):
+    """``plan.saved_floor`` (the candidates without checkpointing ``plan.first_fit`` skips unestimated) is the
+    "saved activations of L blocks" term of the cross-entropy backward (``moments.backward_moments``) of the run
+    the estimate trains, and never exceeds the predicted peak (its worst rank's); 0 with checkpointing or under
+    ``CPUOffloadPolicy``. A floor from another run (the full model's activations under TP, another dtype) fails."""
+    from zeroplan.engines.fsdp2.moments import moments
+    from zeroplan.engines.fsdp2.plan import saved_floor
+
+    w = model_workload(resolve_model(model), 2048, 1, "none", 1, True)
+    settings = fsdp2.Settings(**own, foreach=True)
+    made: dict = {}
+    (row,) = fsdp2.estimate(w, nd, settings, made)
+    floor = saved_floor(w, nd, settings)
+    (ce,) = (m for m in moments(made[0]) if m.name == "cross-entropy backward")
+    (saved,) = (t for t in ce.terms if t.name.startswith("saved activations of "))
+    assert 0 < floor == saved.bytes <= row.peak.peak_bytes
+    assert saved_floor(replace(w, checkpointing="full"), nd, settings) == 0
+    assert saved_floor(w, nd, settings.model_copy(update={"offload_policy": "cpu"})) == 0
 
 
 def test_a_module_tree_outside_the_tp_plan_is_searched_without_tp():

@@ -9,6 +9,7 @@ elements per reduce-scatter or all-gather, twice that per all-reduce.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, fields
 
 from zeroplan.formulas.dtypes import dtype_bytes
@@ -98,6 +99,28 @@ def on_mesh(collectives: tuple[Collective, ...], nd: int, nm: int = 1,
         return Collective(c.op, c.phase, c.elements, c.dtype, c.bytes_per_rank, c.micro_steps, c.mesh_dim, *got)
 
     return tuple(map(place, collectives))
+
+
+def distinct_rows(collectives: tuple[Collective, ...]) -> tuple[tuple[Collective, ...], list[int]]:
+    """(the distinct rows of ``collectives`` in order of first appearance, the index of each row among them):
+    ``commtime.engine_step_time`` places and times each distinct row once and gives every equal row the same
+    ``TimedCollective`` (a speed-up, no rule: an FSDP2 plan's ~1,500-2,200 rows per candidate are 10-13 distinct
+    ones, one per unit of identical blocks). Exact: placing and timing read only a row's fields, and ``on_mesh``
+    the largest replicate and TP groups, the same over the distinct rows as over all; the step's sums
+    (``exposed_comm_s``, ``StepTime.comm_s``) still run over every row, in order. Rows are grouped by object
+    first (FSDP2's producers give equal rows as one object: ``run_collectives``, ``tp_rows``), then by value."""
+    objects = {id(c): c for c in collectives}  # one per object: equal rows that are one object, at no __eq__
+    index: dict[Collective, int] = {}
+    slot = {k: index.setdefault(c, len(index)) for k, c in objects.items()}
+    return tuple(index), [slot[id(c)] for c in collectives]
+
+
+def counted_rows(collectives: tuple[Collective, ...]) -> tuple[tuple[Collective, int], ...]:
+    """Each distinct row of ``collectives`` (``distinct_rows``) with how many rows equal it: a sum of a row's
+    integer field (bytes, elements) over them is the sum over every row, exactly (a speed-up, no rule)."""
+    kinds, rows = distinct_rows(collectives)
+    counts = Counter(rows)
+    return tuple((k, counts[i]) for i, k in enumerate(kinds))
 
 
 def ring_bytes_per_rank(op: str, elements: int, nd: int, element_bytes: int) -> int:

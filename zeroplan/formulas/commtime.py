@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol, TypeVar
 
-from zeroplan.formulas.collectives import PASSES, Collective, on_mesh
+from zeroplan.formulas.collectives import PASSES, Collective, distinct_rows, on_mesh
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
 from zeroplan.formulas.sharding import ceil_div
 from zeroplan.formulas.stages import get_stage
@@ -176,9 +176,9 @@ class StepTime:
     compute_s: float | None  # None when no FLOP/s estimate was given
     exposed_comm_s: float | None  # communication not hidden behind compute; None without compute_s
 
-    @property
+    @cached_property
     def comm_s(self) -> float:
-        """All communication run back to back (no overlap)."""
+        """All communication run back to back (no overlap); summed once (the text and JSON outputs read it)."""
         return sum(c.seconds for c in self.collectives)
 
     @property
@@ -258,15 +258,16 @@ def engine_step_time(
     runs every micro-step hides behind each micro-step's phase, one that runs once behind the last one's.
     """
     _check_step(grad_accum, bucket_numel)
+    kinds, rows = distinct_rows(collectives)
+    placed = _placed(kinds, nd, link)
     timed = []
-    placed = _placed(collectives, nd, link)
     for c, on in placed:
         if c.micro_steps not in (1, grad_accum):
             raise ValueError(f"a {c.op} runs in {c.micro_steps} micro-steps: expected 1 or grad_accum={grad_accum}")
         seconds = _call_seconds(c.op, ceil_div(c.elements, c.micro_steps), c.bytes_per_rank / c.micro_steps,
                                 c.group_size or nd, on, algorithm, bucket_numel)  # fmt: skip
         timed.append(TimedCollective(c, c.micro_steps > 1, c.micro_steps, seconds))
-    return _step_time(_slowest(placed, link), algorithm, tuple(timed), compute_s, grad_accum)
+    return _step_time(_slowest(placed, link), algorithm, tuple(map(timed.__getitem__, rows)), compute_s, grad_accum)
 
 
 def _slowest(placed: tuple[tuple[Collective, Link], ...], link: Link | Links) -> Link:

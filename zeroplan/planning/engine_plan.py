@@ -10,7 +10,7 @@ from zeroplan.allocator.reserved import NO_CUDA_ALLOCATOR, ReservedEstimate, fit
 from zeroplan.engines import get_engine
 from zeroplan.engines.base import Candidate
 from zeroplan.estimation.workload import model_workload
-from zeroplan.formulas.collectives import tp_degree
+from zeroplan.formulas.collectives import counted_rows, tp_degree
 from zeroplan.formulas.commtime import Links, compute_time_s, engine_step_time, ring_link
 from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
@@ -100,8 +100,9 @@ def candidate_row(config: PlanConfig, c: Candidate, fits_c: bool, reserved: Opti
     """One candidate of the engine's search as a plan row (psi: the model's parameters, Ψ): its peak, fit,
     reserved bytes (not replayed: ``skipped``, a CPU run when ``cpu``), comm and step time, and host offload."""
     e = c.estimate
+    counted = counted_rows(e.collectives)  # each distinct row and its count: integer sums, exact (a speed-up)
     # a data-parallel rank's tokens, its 6·Ψ·tokens FLOPs split over the T GPUs of its tensor-parallel group
-    compute_s = None if config.flops is None else compute_time_s(psi, tokens, tp_degree(e.collectives), config.flops,
+    compute_s = None if config.flops is None else compute_time_s(psi, tokens, tp_degree(tuple(k for k, _ in counted)), config.flops,
                                                                  config.mfu)  # fmt: skip
     # the engine's rows count one optimizer step (EngineEstimate.collectives): not multiplied again
     time = engine_step_time(e.collectives, nd, links, config.grad_accum, config.algorithm, c.bucket_numel,
@@ -112,8 +113,8 @@ def candidate_row(config: PlanConfig, c: Candidate, fits_c: bool, reserved: Opti
         states=OffloadBreakdown(e.memory, 0, 0, 0, 0, 0, 0) if host is None else
         OffloadBreakdown(e.memory, host.host_bytes, 0, host.h2d_bytes, host.d2h_bytes, 0, 0),
         fits=fits_c,
-        comm_volume_elements=sum(c.volume_elements for c in e.collectives),
-        comm_bytes_per_rank=sum(c.bytes_per_rank for c in e.collectives),
+        comm_volume_elements=sum(k.volume_elements * n for k, n in counted),
+        comm_bytes_per_rank=sum(k.bytes_per_rank * n for k, n in counted),
         time=time,
         pcie_s=0.0 if host is None else max(host.h2d_bytes, host.d2h_bytes) / config.host_link.bandwidth_bytes_per_s,
         peak=e.peak,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 
+from zeroplan.engines.fsdp2.memo import memo_term
 from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, ag_output
 from zeroplan.formulas.peak import Term
@@ -40,6 +41,7 @@ from zeroplan.formulas.peak import Term
 TF = "transformers/"
 
 
+@memo_term  # every moment of a run holds them: one object each (phase_leaders rounds each object once; a speed-up)
 def rotary_buffers(run: Fsdp2Run) -> tuple[Term, ...]:
     """The rotary embedding's fp32 buffers of head_dim/2 (``Fsdp2Run.buffer_bytes``, two per table), Gemma's
     ``embed_scale`` (``Fsdp2Run.scale_bytes``) and DeepSeek-V3's router bias (``Fsdp2Run.router_bytes``), from the

@@ -24,3 +24,26 @@ def memo_term(fn):
 
     cached.__doc__, cached.__name__, cached.__wrapped__ = fn.__doc__, fn.__name__, fn
     return cached
+
+
+def by_identity(fn):
+    """``fn(obj)`` kept by the identity of ``obj`` (a speed-up, no rule): for a tuple a plan passes again as one
+    object (a workload's shapes, a run's units: ``units._profile``), where hashing it would walk every element.
+    Only tuples are kept (the plan's shapes and units are tuples of tuples and frozen objects: they cannot change;
+    ``fn`` must read nothing else), each held beside its value so that its id stays its own; a long-lived process
+    keeps at most 64."""
+    store: dict[int, tuple] = {}
+
+    def cached(obj):
+        got = store.get(id(obj))
+        if got is not None and got[0] is obj:
+            return got[1]
+        out = fn(obj)
+        if type(obj) is tuple:
+            if len(store) >= 64:
+                store.clear()
+            store[id(obj)] = (obj, out)
+        return out
+
+    cached.__doc__, cached.__name__, cached.__wrapped__ = fn.__doc__, fn.__name__, fn
+    return cached

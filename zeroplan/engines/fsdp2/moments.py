@@ -19,7 +19,7 @@ from zeroplan.engines.fsdp2.hf_tree import (
     tied_head_build,
     tied_head_to_empty,
 )
-from zeroplan.engines.fsdp2.mesh import REDUCED, with_allreduce_held
+from zeroplan.engines.fsdp2.mesh import REDUCED, holds_allreduce, with_allreduce_held
 from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward, input_projections_backward
 from zeroplan.engines.fsdp2.norms import rope_released
 from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel, shape_counts
@@ -257,9 +257,9 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
                         "_fsdp_collectives.py:foreach_reduce", len(head_units(run)))  # fmt: skip
     after = L + 1
     for i in range(L, 0, -1) if blocks is None else blocks:
-        # blocks not built (``blocks``): only their reduce-scatter outputs, for HSDP's held buffers (``moments``)
-        out.extend(Moment("backward", f"block {j}{NOT_BUILT}{REDUCED}", (rs_output(run, j),))
-                   for j in range(after - 1, i, -1))  # fmt: skip
+        # blocks not built (``blocks``): their reduce-scatter outputs, for HSDP's held buffers (``moments``) only
+        out.extend(Moment("backward", f"block {j}{NOT_BUILT}{REDUCED}", (rs_output(run, j),))  # none held: none
+                   for j in (range(after - 1, i, -1) if holds_allreduce(run) else ()))  # fmt: skip
         out.extend(block_backward_moments(run, i, base, root_held))
         after = i
     out.extend(root_backward_moments(run, base))

@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
+from zeroplan.engines.fsdp2.memo import by_identity
+
 Shape = tuple[int, ...]
 
 
@@ -51,6 +53,19 @@ def local_numel_sum(shapes: tuple[Shape, ...], nd: int, rank: int) -> int:
     return sum(n * local_shard_numel(s, nd, rank) for s, n in shape_counts(shapes))
 
 
+@by_identity  # a plan's estimates pass one workload's shapes again and again (a speed-up)
+def distinct_shapes(named_shapes) -> tuple[Shape, ...]:
+    """The distinct parameter shapes of (name, shape) pairs, in order of first appearance (what ``distinct_ranks``
+    reads of them)."""
+    return tuple(dict.fromkeys(tuple(s) for _, s in named_shapes))
+
+
+@by_identity  # the mesh search's floors ask it of one workload's shapes at every plan and first fit (a speed-up)
+def total_numel(named_shapes) -> int:
+    """Elements of every parameter of (name, shape) pairs."""
+    return sum(math.prod(s) for _, s in named_shapes)
+
+
 def distinct_ranks(shapes: tuple[Shape, ...], nd: int) -> tuple[int, ...]:
     """The first rank of each run of ranks whose shards are alike, parameter by parameter: the profile reads
     a rank only through ``local_shard_numel``, so these ranks' predictions are every rank's.
@@ -88,7 +103,13 @@ class Unit:
 @lru_cache(maxsize=4096)  # asked for every unit at every moment of every candidate of a plan
 def unit_shard_numel(unit: Unit, nd: int) -> int:
     """S_u: the unit's padded shard, the all-gather input and reduce-scatter output per rank."""
-    return sum(padded_shard_numel(s, nd) for s in unit.shapes)
+    return shapes_shard_numel(unit.shapes, nd)
+
+
+@lru_cache(maxsize=1024)  # identical decoder layers: one sum for all of them at each N_d (a speed-up)
+def shapes_shard_numel(shapes: tuple[Shape, ...], nd: int) -> int:
+    """``unit_shard_numel`` of a unit of parameters of ``shapes``."""
+    return sum(padded_shard_numel(s, nd) for s in shapes)
 
 
 def units_of(named_shapes: tuple[tuple[str, Shape], ...], prefix: str) -> tuple[Unit, ...]:

@@ -3,7 +3,6 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -18,12 +17,13 @@ from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.moments import init_moments
 from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
 from zeroplan.engines.fsdp2.offload import host_memory
-from zeroplan.engines.fsdp2.param import distinct_ranks
+from zeroplan.engines.fsdp2.param import distinct_ranks, distinct_shapes, total_numel
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import tp_acts
 from zeroplan.engines.fsdp2.tp_loss import check_loss_parallel
-from zeroplan.engines.fsdp2.tp_estimate import mesh_search, tp_estimate, tp_mesh, tp_rows, tp_search, tp_workload
-from zeroplan.engines.fsdp2.terms import Fsdp2Run, fsdp2_run, mesh_ranks, resharded, run_states
+from zeroplan.engines.fsdp2.tp_estimate import (mesh_search, tp_estimate, tp_local, tp_mesh, tp_rows, tp_search,
+                                                tp_workload)
+from zeroplan.engines.fsdp2.terms import Fsdp2Run, _blocks_saved, fsdp2_run, mesh_ranks, resharded, run_states
 from zeroplan.engines.fsdp2.units import wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
@@ -54,7 +54,7 @@ def dp_estimate(workload: Workload, nd: int, settings: Settings,
     """``estimate`` on ``nd`` data-parallel ranks (with ``tp``: ``workload`` is the TP-local one)."""
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
     if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
-        ranks = distinct_ranks(tuple(s for _, s in workload.shapes), shard_groups(settings, nd)[1])
+        ranks = distinct_ranks(distinct_shapes(workload.shapes), shard_groups(settings, nd)[1])
         runs: list = []  # the first rank's run, which the others reuse (Fsdp2Run.for_rank: a speed-up)
         return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs, made,
                                          collectives) for r in ranks}),)  # fmt: skip
@@ -148,7 +148,7 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
     own = isinstance(settings.wrap, Wrapping)
     if shards:  # the groups whose model states alone cannot fit dropped: a lower bound (mesh.states_floor)
         local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
-        shards = possible_sizes(shards, sum(math.prod(sh) for _, sh in local.shapes), settings, capacity_bytes)
+        shards = possible_sizes(shards, total_numel(local.shapes), settings, capacity_bytes)
     out = []
     for reshard, ckpt in _candidates(own, upto, only):
         w = replace(workload, checkpointing=ckpt)
@@ -176,9 +176,7 @@ def _configured(w: Workload, nd: int, capacity_bytes: int, settings: Settings, o
                 memo: dict | None) -> tuple[tuple[Settings, EngineEstimate, bool, dict], bool]:
     """((the resolved settings, the row without collectives, whether its peak fits, {rank: run}), fits) of one
     candidate on shard group ``shard`` (None: as ``settings`` give), by ``memo`` when it holds it."""
-    update = ({} if own else {"reshard_after_forward": reshard}) | (
-        {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
-    s = tp_mesh(settings.model_copy(update=update), nd)  # resolve_mesh on N_d / T (engines/fsdp2/tp_estimate.py)
+    s = _candidate_settings(nd, settings, own, reshard, shard)
     if memo is not None and (s, w.checkpointing) in memo:
         return memo[s, w.checkpointing]
     made: dict = {}
@@ -189,24 +187,52 @@ def _configured(w: Workload, nd: int, capacity_bytes: int, settings: Settings, o
     return (s, row, fits, made), fits
 
 
+def _candidate_settings(nd: int, settings: Settings, own: bool, reshard, shard: int | None) -> Settings:
+    """The settings of a candidate (``reshard_after_forward``, unless a wrapping file keeps its own) on shard
+    group ``shard`` (None: as ``settings`` give), the mesh resolved on N_d / T (``tp_estimate.tp_mesh``)."""
+    update = ({} if own else {"reshard_after_forward": reshard}) | (
+        {} if shard is None else {"dp_shard": shard, "dp_replicate": None})  # fmt: skip
+    return tp_mesh(settings.model_copy(update=update), nd)
+
+
+def saved_floor(workload: Workload, nd: int, settings: Settings) -> int:
+    """A lower bound on the peak ``estimate(workload, nd, settings)`` predicts (its worst rank's), without
+    checkpointing (0 otherwise, or under ``CPUOffloadPolicy``): the activations every decoder layer saves for its
+    backward (``terms._blocks_saved`` of all L layers, on the run a rank trains: with TP the TP-local one, its
+    activations ``tp_acts``'), all held at the cross-entropy backward, a moment of every profile
+    (``moments.backward_moments``) whose other terms, and those the estimate adds (HSDP's held all-reduce
+    buffers, the workspaces, the rank map), only add bytes; each term rounds up (``peak.rounded_total``), and
+    the worst rank peaks no lower than any. Built from one rank's run, without its moments (a speed-up)."""
+    if workload.checkpointing != "none" or settings.offload_policy != "none" or workload.spec is None:
+        return 0
+    if (settings.tp or 1) > 1:
+        workload, nd, settings = tp_local(workload, nd, settings)
+    settings = resolve_mesh(settings, nd)
+    run, _ = rank_run(workload, nd, settings if settings.rank is not None else settings.model_copy(update={"rank": 0}))
+    return 0 if run.acts is None else _blocks_saved(run, len(run.units) - 1).bytes
+
+
 def first_fit(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions, memo: dict | None = None,
               upto: int | None = None) -> tuple[int | None, int]:
     """(the index of the first candidate that fits, or None; the candidates tried): what ``mesh_plan(..., until_fit=
     True, upto=upto)`` recommends and lists on the mesh ``options`` name (no ``auto``), without its plan (the mesh
     search's first pass, ``tp_estimate.mesh_search``). A candidate that keeps its units gathered after forward
     whose gathered parameters alone exceed ``capacity_bytes`` (``mesh.gathered_floor``, a lower bound on its
-    peak) cannot fit: not estimated."""
+    peak) cannot fit, nor can one without checkpointing whose saved activations alone exceed it (``saved_floor``):
+    neither is estimated."""
     settings = _mesh_settings(workload, nd, options)
     own = isinstance(settings.wrap, Wrapping)
     local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
     kept = settings.model_copy(update={"reshard_after_forward": False})  # the candidates that keep units gathered
-    floor = gathered_floor(sum(math.prod(sh) for _, sh in local.shapes), kept)
+    floor = gathered_floor(total_numel(local.shapes), kept)
     tried = _candidates(own, upto)
     for k, (reshard, ckpt) in enumerate(tried):
         if reshard is False and floor > capacity_bytes:
             continue
-        if _configured(replace(workload, checkpointing=ckpt), nd, capacity_bytes, settings, own, reshard, None,
-                       memo)[1]:  # fmt: skip
+        w = replace(workload, checkpointing=ckpt)
+        if saved_floor(w, nd, _candidate_settings(nd, settings, own, reshard, None)) > capacity_bytes:
+            continue
+        if _configured(w, nd, capacity_bytes, settings, own, reshard, None, memo)[1]:
             return k, k + 1
     return None, len(tried)
 

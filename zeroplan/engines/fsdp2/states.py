@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.engines.fsdp2.memo import memo_term
+from zeroplan.engines.fsdp2.memo import by_identity, memo_term
 from zeroplan.engines.fsdp2.param import (Shape, Unit, local_shard_numel, padded_shard_numel, shape_counts,
                                          unit_shard_numel)
 from zeroplan.engines.fsdp2.settings import STEP_BYTES, Settings
@@ -66,7 +66,13 @@ def states_of(counts: tuple[tuple[Shape, int], ...], shards: int, nd: int, setti
 def shape_census(run) -> tuple[tuple[tuple[Shape, int], ...], int]:
     """What ``model_states`` reads of a run's units, rank-independent: the distinct shapes with their counts
     and the units' padded shards summed (``Fsdp2Run.shards``)."""
-    return shape_counts(tuple(s for u in run.units for s in u.shapes)), sum(run.shards)
+    return units_counts(run.units), sum(run.shards)
+
+
+@by_identity  # the runs of one profile's units (a plan's estimates at one T) share them: counted once (a speed-up)
+def units_counts(units: tuple[Unit, ...]) -> tuple[tuple[Shape, int], ...]:
+    """``shape_counts`` of every parameter shape of ``units``."""
+    return shape_counts(tuple(s for u in units for s in u.shapes))
 
 
 @memo_term

@@ -136,7 +136,7 @@ def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
 @memo_term
 def params(run: Fsdp2Run) -> Term:
     """Sharded parameters, padded, in the module dtype (no separate master copy)."""
-    return _fp("sharded parameters (module dtype, padded)", sum(run.shard(u) for u in range(len(run.units))) * run.m,
+    return _fp("sharded parameters (module dtype, padded)", sum(run.shards) * run.m,
                "_fsdp_param.py:FSDPParam._init_sharded_param", sum(len(u.shapes) for u in run.units))  # fmt: skip
 
 
@@ -144,7 +144,7 @@ def params(run: Fsdp2Run) -> Term:
 def grads(run: Fsdp2Run, units) -> Term:
     """Sharded gradients of ``units`` (views into each unit's reduce-scatter output, cast to the module dtype)."""
     units = tuple(units)
-    return _fp(f"sharded gradients of {len(units)} unit(s)", sum(run.shard(u) for u in units) * run.m,
+    return _fp(f"sharded gradients of {len(units)} unit(s)", sum(map(run.shards.__getitem__, units)) * run.m,
                "_fsdp_collectives.py:foreach_reduce (_to_dtype_if_needed(reduce_output, orig_dtype))", len(units))  # fmt: skip
 
 
@@ -342,8 +342,7 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
     else:  # bare shapes: decoder layers where the names say so (GPT-2 or Llama names), else one unit
         known = [p for p in BLOCK_PREFIX.values() if any(n.startswith(p) for n, _ in workload.shapes)]
         prefix = known[0] if known else "\0"
-    order = {n: i for i, (n, _) in enumerate(workload.shapes)}
-    units, settings = profile_units(shard_units, prefix, settings, spec is not None, order)
+    units, settings = profile_units(shard_units, prefix, settings, spec is not None, workload.shapes)
     if spec is None:
         return Fsdp2Run(units, nd, settings, foreach=_foreach(workload, settings), shard_units=shard_units)
     act_bytes = dtype_bytes(settings.param)

@@ -125,7 +125,7 @@ def local_spec(spec, t: int):
 
 def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, sequence_parallel: bool,
                    checkpointing: bool, vocab: int | None = None,
-                   colwise_inputs: int = 2) -> tuple[UnitCollective, ...]:
+                   colwise_inputs: int = 2, row=UnitCollective) -> tuple:
     """The TP collectives of one micro-step over the ``tp`` group (T ranks), in issue order per phase; each
     (b, s, d) activation of ``tokens`` = b·s rows is one collective of tokens·d elements (its full size).
     Measured call by call on gloo (tests/data/measured/fsdp2_tp.json, validate/engines/fsdp2_tp.py).
@@ -153,7 +153,8 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
 
     ``colwise_inputs``: the input gradients all-reduced per block in backward without SP: 2 (torch's plan, one per
     ``PrepareModuleInput``), 5 with transformers' plan (q, k, v, gate, up: ``TRANSFORMERS_SRC``
-    ``ColwiseParallel.transform_inputs_pre_forward``, ``DTensor.from_local`` per module; measured)."""
+    ``ColwiseParallel.transform_inputs_pre_forward``, ``DTensor.from_local`` per module; measured).
+    ``row``: what each collective is made as, from ``UnitCollective``'s fields (``tp_estimate._tp_rows``)."""
     n = tokens * d_model
     if sequence_parallel:
         embed, block_fwd, head = ("reduce-scatter",), ("all-gather", "reduce-scatter") * 2, ("all-gather",)
@@ -162,7 +163,7 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
     back = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather"}
 
     def coll(op: str, phase: str, unit: str, elements: int = n) -> UnitCollective:
-        return UnitCollective(op, phase, unit, elements, dtype, t, "tp")
+        return row(op, phase, unit, elements, dtype, t, "tp")
 
     out = [coll(op, "forward", "root") for op in embed]
     for i in range(1, n_layer + 1):
@@ -170,8 +171,7 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
     out += [coll(op, "forward", "root") for op in head]
     # the loss runs on fp32 logits (``logits.float()``, as transformers' ForCausalLMLoss and CausalLM.loss)
     if vocab is None:
-        out += [UnitCollective("all-reduce", "forward", "root (loss parallel)", tokens, "fp32", t, "tp")
-                for _ in range(3)]
+        out += [row("all-reduce", "forward", "root (loss parallel)", tokens, "fp32", t, "tp") for _ in range(3)]
     else:
         out += [coll("all-gather", "forward", "root (logits)", tokens * vocab)]
     if sequence_parallel:
@@ -190,17 +190,18 @@ def tp_collectives(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, 
     return tuple(out)
 
 
-def norm_grad_collectives(n_layer: int, d_model: int, dtype: str, t: int,
-                          sequence_parallel: bool) -> tuple[UnitCollective, ...]:
+def norm_grad_collectives(n_layer: int, d_model: int, dtype: str, t: int, sequence_parallel: bool,
+                          row=UnitCollective) -> tuple:
     """With SP, the norms' weight gradients are Partial over ``tp`` (a Replicate weight times a Shard(1)
     input); FSDP2 all-reduces each to its Replicate placement when it reduces the unit
     (``_fsdp_param.py:FSDPParam._get_grad_inner_tensor``: ``grad.redistribute``), so once per optimizer step:
-    two per block, in the blocks' reduction order, then the final norm's with the root. Measured."""
+    two per block, in the blocks' reduction order, then the final norm's with the root. Measured. ``row``: as
+    ``tp_collectives``'."""
     if not sequence_parallel:
         return ()
-    blocks = [UnitCollective("all-reduce", "backward", f"block {i}", d_model, dtype, t, "tp")
+    blocks = [row("all-reduce", "backward", f"block {i}", d_model, dtype, t, "tp")
               for i in range(n_layer, 0, -1) for _ in range(2)]  # fmt: skip
-    return (*blocks, UnitCollective("all-reduce", "backward", "root", d_model, dtype, t, "tp"))
+    return (*blocks, row("all-reduce", "backward", "root", d_model, dtype, t, "tp"))
 
 
 def sequence_parallel_acts(acts, t: int, tokens: int, d_model: int, a: int, gloo: bool = False):

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
+from zeroplan.engines.fsdp2.collectives import one_row
 from zeroplan.engines.fsdp2.tp import (check_plan, colwise_inputs, local_shapes, local_spec, norm_grad_collectives,
                                        tp_collectives)  # fmt: skip
-from zeroplan.formulas.collectives import Collective, ring_bytes_per_rank
-from zeroplan.formulas.dtypes import dtype_bytes
+from zeroplan.formulas.collectives import Collective, counted_rows
 from zeroplan.formulas.peak import PeakEstimate, PhasePeak, Term
 
 
@@ -42,12 +42,14 @@ def tp_rows(workload, settings) -> tuple[Collective, ...]:
 @lru_cache(maxsize=64)  # the same for every candidate and rank of a plan at one T (a speed-up: plan's mesh search)
 def _tp_rows(n_layer: int, tokens: int, d_model: int, dtype: str, t: int, sequence_parallel: bool,
              checkpointing: bool, grad_accum: int, vocab: int | None, colwise_inputs: int) -> tuple[Collective, ...]:
-    calls = tp_collectives(n_layer, tokens, d_model, dtype, t, sequence_parallel, checkpointing, vocab, colwise_inputs)
-    grads = norm_grad_collectives(n_layer, d_model, dtype, t, sequence_parallel)
-    return tuple(Collective(c.op, c.phase, m * c.elements, c.dtype,
-                            m * ring_bytes_per_rank(c.op, c.elements, t, dtype_bytes(c.dtype)), m,
-                            mesh_dim="tp", group_size=t)
-                 for group, m in ((calls, grad_accum), (grads, 1)) for c in group)  # fmt: skip
+    made: dict = {}  # equal rows as one object, without a UnitCollective each (collectives.one_row: a speed-up)
+
+    def rows(m: int):  # the rows of m micro-steps, from a UnitCollective's fields (over the tp group, T ranks)
+        return lambda op, phase, unit, elements, dtype, t, dim: one_row(made, op, phase, elements, dtype, t, dim, m)
+
+    return (*tp_collectives(n_layer, tokens, d_model, dtype, t, sequence_parallel, checkpointing, vocab,
+                            colwise_inputs, rows(grad_accum)),
+            *norm_grad_collectives(n_layer, d_model, dtype, t, sequence_parallel, rows(1)))  # fmt: skip
 
 
 def mesh_rank_map(settings, nd: int) -> tuple[Term, ...]:
@@ -143,9 +145,15 @@ def tp_search(workload, nd: int, capacity_bytes: int, options, plan):
 def inter_node_bytes(collectives, nd: int, gpus_per_node: int) -> int:
     """Bytes one rank sends per optimizer step over collectives whose group crosses a node (``link`` inter:
     ``formulas.collectives.on_mesh`` places each on the mesh its rows name, tp innermost; one of each
-    (dimension, group size) placed, every row of it on the same link)."""
-    links = _links(collectives, nd, gpus_per_node)
-    return sum(c.bytes_per_rank for c in collectives if links[(c.mesh_dim, c.group_size)] == "inter")
+    (dimension, group size) placed, every row of it on the same link). Summed over the distinct rows times
+    their counts (``counted_rows``: integers, exact)."""
+    counted = counted_rows(collectives)
+    return _inter(counted, _links(tuple(c for c, _ in counted), nd, gpus_per_node))
+
+
+def _inter(counted: tuple, links: dict) -> int:
+    """The bytes of the ``counted_rows`` whose (dimension, group size) ``links`` puts across nodes."""
+    return sum(c.bytes_per_rank * n for c, n in counted if links[(c.mesh_dim, c.group_size)] == "inter")
 
 
 def _links(collectives, nd: int, gpus_per_node: int) -> dict:
@@ -163,13 +171,14 @@ def row_inter_node_bytes(workload, settings, run, nd: int, gpus_per_node: int) -
     group size, and the mesh from the replicas' and TP's group sizes: the same with one TP row as with all)."""
     from zeroplan.engines.fsdp2.collectives import run_collectives
 
-    rows, t = run_collectives(run, workload.grad_accum), settings.tp or 1
+    counted, t = counted_rows(run_collectives(run, workload.grad_accum)), settings.tp or 1
+    rows = tuple(c for c, _ in counted)
     if t == 1:
-        return inter_node_bytes(rows, nd, gpus_per_node)
+        return _inter(counted, _links(rows, nd, gpus_per_node))
     links = _links((*rows, Collective("all-reduce", "forward", 0, settings.param, 0, mesh_dim="tp", group_size=t)),
                    nd, gpus_per_node)  # fmt: skip
-    own = sum(c.bytes_per_rank for c in rows if links[(c.mesh_dim, c.group_size)] == "inter")
-    return own + (sum(c.bytes_per_rank for c in tp_rows(workload, settings)) if links["tp", t] == "inter" else 0)
+    tp = sum(c.bytes_per_rank * n for c, n in counted_rows(tp_rows(workload, settings))) if links["tp", t] == "inter" else 0
+    return _inter(counted, links) + tp
 
 
 def _in_plan(workload, t: int) -> bool:
@@ -192,9 +201,9 @@ def mesh_search(workload, nd: int, capacity_bytes: int, options, plan, first_fit
 
     In two passes, each configuration estimated once (``memo``): first each degree, largest T first, up to its
     first candidate that fits on its largest shard group (the flat data-parallel group; ``first_fit``,
-    ``plan.first_fit`` passed in: it skips a candidate whose gathered parameters alone cannot fit), which is its
-    first candidate that fits on any (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no
-    further than the earliest first fit of the degrees before it (``upto``: a later one cannot win, the first
+    ``plan.first_fit`` passed in: it skips a candidate whose gathered parameters, or without checkpointing whose
+    saved activations, alone cannot fit), which is its first candidate that fits on any
+    (``mesh.smallest_fitting``'s premise: a larger group never holds more), and no further than the earliest first fit of the degrees before it (``upto``: a later one cannot win, the first
     key); then only the degrees whose first fit is the earliest search their shard groups for that candidate
     alone (``only``: those before it fit on no group), peaks only (``row_inter_node_bytes`` for the one
     compared); the winner is planned in full. The plan's ``order`` says what each degree gave."""

@@ -44,19 +44,15 @@ def shard_units_of(workload: Workload, settings: Settings) -> tuple[ShardUnit, .
 
 
 def profile_units(shard_units: tuple[ShardUnit, ...], prefix: str, settings: Settings, peak: bool,
-                  order: dict[str, int]):
+                  named_shapes: tuple):
     """(the profile's units: root first, then one per decoder layer; the settings with the blocks' value).
     Every unit that is not a decoder layer (the root and the units beside it: embeddings, ``[norm, output]``)
     is counted in one root-side unit kept gathered all step, which bounds them from above (its shards are
     exact: padding is per parameter); ``edge_regathers`` adds what gathering one of them again for backward
     holds. ``peak``: the moments need each decoder layer as its own unit, all with one reshard value;
-    ``order``: each parameter's place in ``named_parameters()``."""
-    pattern = re.compile(re.escape(prefix) + r"[0-9]+")
-    blocks = [u for u in shard_units if len(u.modules) == 1 and pattern.fullmatch(u.modules[0])]
-    block_ids = {id(u) for u in blocks}  # by identity: comparing units field by field is O(units²) (a speed-up)
-    side = [u for u in shard_units if id(u) not in block_ids]
-    inner = [m for u in side for m in u.modules if m.startswith(prefix)]
-    values = {True if u.reshard_after_forward is None else u.reshard_after_forward for u in blocks}
+    ``named_shapes``: the model's (name, shape) pairs in ``named_parameters()`` order, of which ``shard_units``
+    were resolved."""
+    inner, values, units = _profile(shard_units, prefix, named_shapes)
     if peak and (inner or len(values) > 1):
         why = f"{inner[0]!r} is a unit inside a decoder layer" if inner else "the decoder layers differ in reshard_after_forward"
         raise ValueError(f"wrapping: {why}; the FSDP2 peak models one unit per decoder layer with one "
@@ -67,7 +63,35 @@ def profile_units(shard_units: tuple[ShardUnit, ...], prefix: str, settings: Set
             raise ValueError(f"reshard_after_forward={settings.reshard_after_forward} contradicts the wrapping's "
                              f"decoder layers ({value}): give one of them")  # fmt: skip
         settings = settings.model_copy(update={"reshard_after_forward": value})
+    return units, settings
+
+
+_PROFILED: dict[int, tuple] = {}
+"""``_profile``'s results by the identity of its arguments (a speed-up, no rule): ``wrap.resolve`` gives one
+tuple of units for a model's shapes and wrapping, so the estimates of a plan's search (18 for llama3-405b on 2,048
+GPUs), which differ in the mesh, the rank and the checkpointing, share one profile's units, built once; the
+units' per-N_d shards (``unit_shard_numel``) are then looked up on the same objects."""
+
+
+def _profile(shard_units: tuple[ShardUnit, ...], prefix: str, named_shapes: tuple) -> tuple[list, set, tuple]:
+    """(the unit names inside a decoder layer, the blocks' reshard values, the profile's units) of
+    ``profile_units``: a function of its arguments only, kept by their identity (``_PROFILED``, the arguments
+    held there so that no other object takes their ids)."""
+    got = _PROFILED.get(id(shard_units))
+    if got is not None and got[0] is shard_units and got[1] is named_shapes and got[2] == prefix:
+        return got[3]
+    pattern = re.compile(re.escape(prefix) + r"[0-9]+")
+    blocks = [u for u in shard_units if len(u.modules) == 1 and pattern.fullmatch(u.modules[0])]
+    block_ids = {id(u) for u in blocks}  # by identity: comparing units field by field is O(units²) (a speed-up)
+    side = [u for u in shard_units if id(u) not in block_ids]
+    inner = [m for u in side for m in u.modules if m.startswith(prefix)]
+    values = {True if u.reshard_after_forward is None else u.reshard_after_forward for u in blocks}
+    order = {n: i for i, (n, _) in enumerate(named_shapes)}  # each parameter's place in named_parameters()
     root = sorted((p for u in side for p in u.params), key=lambda p: order[p[0]])
     units = (Unit("root", tuple(s for _, s in root)),
              *(Unit(u.modules[0], tuple(s for _, s in u.params)) for u in sorted(blocks, key=lambda u: u.first)))
-    return units, settings
+    if type(named_shapes) is tuple:  # kept only for shapes that cannot change (a list could)
+        if len(_PROFILED) >= 64:  # a long-lived process (tests, a sweep): bounded
+            _PROFILED.clear()
+        _PROFILED[id(shard_units)] = (shard_units, named_shapes, prefix, (inner, values, units))
+    return inner, values, units

@@ -150,22 +150,32 @@ def matches(pattern: str, module: str) -> bool:
     """``pattern`` names ``module``: the same segments, ``*`` standing for exactly one."""
     if pattern == "" or module == "":
         return pattern == module
-    want, have = pattern.split("."), module.split(".")
-    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have))
+    if pattern.count(".") != module.count("."):  # not as many segments (a speed-up: most modules, unsplit)
+        return False
+    return all(w in ("*", h) for w, h in zip(pattern.split("."), module.split(".")))
 
 
 def module_names(named_shapes: tuple[tuple[str, Shape], ...]) -> tuple[str, ...]:
     """Every module that holds a parameter or a module that does, root first, in first-seen order."""
     out: dict[str, None] = {"": None}
     for name, _ in named_shapes:
-        parts = name.split(".")[:-1]
-        for i in range(1, len(parts) + 1):
-            out.setdefault(".".join(parts[:i]), None)
+        new = []  # the parameter's module and its ancestors not seen yet, innermost first
+        module = name.rpartition(".")[0]
+        while module and module not in out:  # a module seen has had its ancestors added with it
+            new.append(module)
+            module = module.rpartition(".")[0]
+        out.update(dict.fromkeys(reversed(new)))
     return tuple(out)
 
 
 def _inside(module: str, ancestor: str) -> bool:
     return ancestor == "" or module == ancestor or module.startswith(ancestor + ".")
+
+
+def _ancestors(module: str) -> tuple[str, ...]:
+    """The modules that hold ``module`` (not the root ""), outermost first."""
+    parts = module.split(".")
+    return tuple(a for i in range(1, len(parts)) if (a := ".".join(parts[:i])))
 
 
 def _innermost(module: str, seen: dict[str, int]) -> str:
@@ -237,8 +247,9 @@ def _layout(entries: tuple[tuple[tuple[str, ...], bool], ...], names: tuple[str,
         for m in mods:
             if m in seen:
                 raise ValueError(f"wrapping: module {m!r} is wrapped twice (fully_shard refuses a module already sharded)")
-            outer = [o for o in seen if o != "" and _inside(m, o)] if m else []
-            if outer:
+            # the modules seen that hold m: its ancestors (each looked up, not every module seen compared)
+            if m and any(a in seen for a in _ancestors(m)):
+                outer = [o for o in seen if o != "" and _inside(m, o)]
                 raise ValueError(f"wrapping: {m!r} comes after {outer[0]!r}, which holds it: call fully_shard on the "
                                  "inner module first (FSDP2 assigns each parameter to the first unit that holds it)")  # fmt: skip
             seen[m] = i
