@@ -133,15 +133,12 @@ def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment
 
 def copy_events(events: list[Event], earlier: tuple, now: tuple, rename: dict[int, int], stop: int) -> None:
     """Append the step before's events from the ``earlier`` mark to ``stop`` to ``events``, each id renamed (a
-    buffer live at the mark: its counterpart; a newer one: shifted by the ids made in between)."""
-    shift = now[NEXT_ID] - earlier[NEXT_ID]
-    for e in events[earlier[EVENTS]:stop]:
-        if e.action == "alloc":
-            events.append(_new(Event, ("alloc", e.id + shift, e.size, e.stream, None)))
-        elif e.action == "free":
-            events.append(Event("free", rename.get(e.id, e.id + shift)))
-        else:
-            events.append(e)
+    buffer live at the mark: its counterpart; a newer one: shifted by the ids made in between); the events made
+    in C (``_new``: ``Event(...)`` without its Python-level ``__new__``; a phase event is its own copy)."""
+    shift, get = now[NEXT_ID] - earlier[NEXT_ID], rename.get
+    events.extend([_new(Event, ("alloc", e[1] + shift, e[2], e[3], None)) if e[0] == "alloc"
+                   else _new(Event, ("free", get(e[1], e[1] + shift), 0, 0, None)) if e[0] == "free" else e
+                   for e in events[earlier[EVENTS]:stop]])  # fmt: skip
 
 
 def resumed(later: tuple, earlier: tuple, now: tuple, plan: tuple) -> tuple | None:
