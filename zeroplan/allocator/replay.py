@@ -284,14 +284,13 @@ def _plain_free(run: _Run):
 def _plain_alloc(run: _Run, details: bool, expandable: bool):
     """``alloc(event) -> bool`` of ``_plain_steps``: an ``Event`` alloc served by a cached block
     (``CachingAllocator.malloc``: best fit, ``_should_split``); False (nothing done) for anything else."""
-    a, live, addresses = run.alloc, run.live, run.addresses
+    a, live, addresses, new_block = run.alloc, run.live, run.addresses, object.__new__
     requests, stats = a._requests, a.stats
     allocated, requested = stats.allocated, stats.requested
 
     def alloc(event: Event) -> bool:
-        action, ident = event[0], event[1]
-        size, stream = event[2], event[3]
-        if action != "alloc" or event[4] is not None or type(size) is not int or ident in live:
+        action, ident, size, stream, address = event  # an ``Event``: five fields
+        if action != "alloc" or address is not None or type(size) is not int or ident in live:
             return False
         request = requests.get((size, stream))
         if request is None:
@@ -316,10 +315,12 @@ def _plain_alloc(run: _Run, details: bool, expandable: bool):
         remaining = block.size - rounded
         split = remaining >= K_MIN_BLOCK_SIZE if block.small or expandable else remaining > K_SMALL_SIZE
         if split:  # ``_should_split``
-            front = Block(block.address, rounded, block.stream, block.small, block.segment)
-            front.prev, front.next = block.prev, block
-            if block.prev is not None:
-                block.prev.next = front
+            front, prev = new_block(Block), block.prev  # ``Block(...)``, its fields set here at once
+            front.address, front.size, front.stream, front.small, front.segment = \
+                block.address, rounded, block.stream, block.small, block.segment
+            front.mapped, front.pending, front.gc_base, front.prev, front.next = True, False, 0, prev, block
+            if prev is not None:
+                prev.next = front
             else:
                 block.segment.head = front
             block.prev = front

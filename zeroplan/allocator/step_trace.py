@@ -234,9 +234,9 @@ class _Builder:
                     total -= stack[-1][1]
                     freed.append(stack.pop())
                     self.popped.append((self.moves, freed[-1][0]))
-            else:
-                while len(stack) > keep:
-                    freed.append(stack.pop())
+            elif len(stack) > keep:  # the last tensors, last first (in C)
+                freed.extend(stack[:keep - 1 if keep else None:-1])
+                del stack[keep:]
         return freed, [k for k in changed if not live.get(k, True)]
 
     def _continue_grown(self, want: dict[Key, list[int]], changed: set[Key]) -> None:
@@ -287,11 +287,9 @@ class _Builder:
             if need:
                 fresh.append((key, size, stream, need))
         if spare:
-            events, block, freed_bytes = self.events, self.block, 0
-            for ident, size, _stream in sorted((b for pool in spare.values() for b in pool), reverse=True):
-                events.append(_new(Event, ("free", ident, 0, 0, None)))  # ``Event("free", ident)``, in C
-                freed_bytes += size if block <= 1 else -(-size // block) * block  # ``_rounded``
-            self.live_bytes -= freed_bytes
+            left, block = sorted(chain.from_iterable(spare.values()), reverse=True), self.block
+            self.events.extend([_new(Event, ("free", b[0], 0, 0, None)) for b in left])  # ``Event("free", id)``, in C
+            self.live_bytes -= sum(map(_SIZE, left)) if block <= 1 else sum([-(-b[1] // block) * block for b in left])
         if moment.phase != self.phase:
             self.phase = moment.phase
             self.events.append(Event("phase", moment.phase))
