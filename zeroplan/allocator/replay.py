@@ -155,19 +155,21 @@ class _Run:
 
 
 def replay(events: Iterable, config: AllocatorConfig = AllocatorConfig(), capacity_bytes: int | None = None,
-           details: bool = True) -> Replay:  # fmt: skip
+           details: bool = True, runs: dict[int, int] | None = None) -> Replay:  # fmt: skip
     """Run ``events`` through a fresh allocator (``config``; ``capacity_bytes``: what ``cudaMalloc`` can get);
     ``details`` False leaves ``segments``, ``segment_log`` and ``addresses`` empty (the peaks are all a plan
-    reads, and listing ~2,000 segments' blocks cost a tenth of its replay)."""
+    reads, and listing ~2,000 segments' blocks cost a tenth of its replay); ``runs``: ``alloc_runs(events)``
+    where the caller knows it (``AllocTrace.runs``), None: found here."""
     with gc_paused():
-        return _replay(events, config, capacity_bytes, details)
+        return _replay(events, config, capacity_bytes, details, runs)
 
 
-def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | None, details: bool) -> Replay:
+def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | None, details: bool,
+            known: dict[int, int] | None) -> Replay:  # fmt: skip
     run, oom = _Run(config, capacity_bytes), None
     events = events if isinstance(events, (list, tuple)) else list(events)
     # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)
-    runs = alloc_runs(events) if capacity_bytes is None else {}
+    runs = ({} if capacity_bytes is not None else alloc_runs(events) if known is None else dict(known))
     plain = capacity_bytes is None and config.max_split_size_bytes == NO_LIMIT
     steps = _plain_steps(run, details, config.expandable_segments) if plain else None
     if steps is not None:

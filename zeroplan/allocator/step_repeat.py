@@ -20,6 +20,7 @@ moment on every engine.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from operator import itemgetter
 
@@ -131,14 +132,20 @@ def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment
     return None
 
 
-def copy_events(events: list[Event], earlier: tuple, now: tuple, rename: dict[int, int], stop: int) -> None:
+def copy_events(events: list[Event], chunks: list[tuple], earlier: tuple, now: tuple, rename: dict[int, int],
+                stop: int) -> None:  # fmt: skip
     """Append the step before's events from the ``earlier`` mark to ``stop`` to ``events``, each id renamed (a
     buffer live at the mark: its counterpart; a newer one: shifted by the ids made in between); the events made
-    in C (``_new``: ``Event(...)`` without its Python-level ``__new__``; a phase event is its own copy)."""
-    shift, get = now[NEXT_ID] - earlier[NEXT_ID], rename.get
+    in C (``_new``: ``Event(...)`` without its Python-level ``__new__``; a phase event is its own copy); and their
+    alloc chunks (``_Builder.chunks``: (index, size, stream, count), by index; a mark falls between two moves,
+    never inside a chunk) to ``chunks``, moved to where the copies lie."""
+    shift, get, start = now[NEXT_ID] - earlier[NEXT_ID], rename.get, earlier[EVENTS]
+    offset = len(events) - start
+    chunks.extend([(at + offset, size, stream, count) for at, size, stream, count in
+                   chunks[bisect_left(chunks, (start,)):bisect_left(chunks, (stop,))]])  # fmt: skip
     events.extend([_new(Event, ("alloc", e[1] + shift, e[2], e[3], None)) if e[0] == "alloc"
                    else _new(Event, ("free", get(e[1], e[1] + shift), 0, 0, None)) if e[0] == "free" else e
-                   for e in events[earlier[EVENTS]:stop]])  # fmt: skip
+                   for e in events[start:stop]])  # fmt: skip
 
 
 def resumed(later: tuple, earlier: tuple, now: tuple, plan: tuple) -> tuple | None:

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
 from operator import itemgetter
 
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
+from zeroplan.allocator.runs import chunk_runs
 from zeroplan.allocator.step_repeat import GROWN, copy_events, copy_plan as _repeats, resumed
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
@@ -75,6 +76,8 @@ class AllocTrace:
     block_bytes: int
     phase_live_bytes: dict[str, int]
     """the largest live bytes in each phase: equal to ``peak_of(moments, block_bytes).by_phase()``."""
+    runs: dict[int, int] | None = field(default=None, compare=False, repr=False)
+    """``runs.alloc_runs(events)``, known to the builder (``chunk_runs``): the replay need not look for them."""
 
     @property
     def live_peak_bytes(self) -> int:
@@ -109,17 +112,15 @@ class _Builder:
         self.block, self.stream_of = block_bytes, stream_of
         self.live: dict[Key, list[tuple[int, int, int]]] = {}
         self.events: list[Event] = []
-        self.next_id = 0
-        self.live_bytes = 0
+        self.chunks: list[tuple[int, int, int, int]] = []  # (index, size, stream, count) of each alloc chunk
+        self.next_id, self.live_bytes, self.phase_max = 0, 0, {}
         self.phase: str | None = None
-        self.phase_max: dict[str, int] = {}
         self._seen: dict[int, tuple[Term, tuple[tuple[Key, int, int], ...]]] = {}
         # when each live key was added: ``live``'s own order, so that a transition walks its few changed keys in
         # that order rather than every live key (hundreds: FSDP2 names each block's buffers apart)
         self._terms_of: dict[int, set[int]] = {}  # ids of a moment's terms, by the moment's id (``wanted_after``)
         self.since: dict[Key, int] = {}
-        self._added = 0
-        self.moves = 0  # the moments walked
+        self._added, self.moves = 0, 0  # keys added; the moments walked
         self.popped: list[tuple[int, int]] = []  # (moves walked, id) of each grown piece popped (step_repeat)
 
     def _add(self, key: Key, stack: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -297,6 +298,7 @@ class _Builder:
         events, ident, block, added = self.events, self.next_id, self.block, 0
         for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
             ids = range(ident, ident + count)
+            self.chunks.append((len(events), size, stream, count))
             events.extend([_new(Event, ("alloc", i, size, stream, None)) for i in ids])  # ``Event(...)``, in C
             live[key].extend([(i, size, stream) for i in ids])
             ident += count
@@ -323,7 +325,7 @@ class _Builder:
         state = None if later is None else resumed(marks[later], earlier, now, plan)
         if later is not None and state is None:
             return next(j for j, mark in marks.items() if mark is earlier)
-        copy_events(self.events, earlier, now, rename, end if later is None else marks[later][5])
+        copy_events(self.events, self.chunks, earlier, now, rename, end if later is None else marks[later][5])
         if later is not None:
             self.phase, self.live_bytes, self.live, self.since, self.next_id, self._added, self.moves = state
         return later
@@ -395,4 +397,4 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
                     break
                 at, before = last + reached, order[last + reached]  # the builder's state: that after this moment
         at += 1
-    return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))
+    return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max), chunk_runs(builder.chunks))
