@@ -85,11 +85,7 @@ class AllocTrace:
 
     def streams(self) -> tuple[int, ...]:
         """The streams the trace allocates on, in first-use order."""
-        seen: dict[int, None] = {}
-        for e in self.events:
-            if e.action == "alloc":
-                seen.setdefault(e.stream, None)
-        return tuple(seen)
+        return tuple(dict.fromkeys(e.stream for e in self.events if e.action == "alloc"))
 
 
 def tensor_sizes(term: Term, block_bytes: int) -> list[tuple[int, int]]:
@@ -297,10 +293,14 @@ class _Builder:
             self._note()
         events, ident, block, added = self.events, self.next_id, self.block, 0
         for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
-            ids = range(ident, ident + count)
             self.chunks.append((len(events), size, stream, count))
-            events.extend([_new(Event, ("alloc", i, size, stream, None)) for i in ids])  # ``Event(...)``, in C
-            live[key].extend([(i, size, stream) for i in ids])
+            if count == 1:  # most: no comprehension to call
+                events.append(_new(Event, ("alloc", ident, size, stream, None)))
+                live[key].append((ident, size, stream))
+            else:
+                ids = range(ident, ident + count)
+                events.extend([_new(Event, ("alloc", i, size, stream, None)) for i in ids])  # ``Event(...)``, in C
+                live[key].extend([(i, size, stream) for i in ids])
             ident += count
             added += count * (size if block <= 1 else -(-size // block) * block)  # ``_rounded``
         self.next_id = ident
@@ -355,13 +355,11 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     order = [*by_phase["init"], *[m for _ in range(steps) for p in PHASES[1:] for m in by_phase[p]]]
     wants: dict[int, dict[Key, list[int]]] = {}  # each moment's tensors, found once for every step that meets it
     changes: dict[tuple[int, int], tuple[set[Key], list[Key]]] = {}  # each transition's keys, once for every step
-    per_step = len(order) - len(by_phase["init"])
-    per_step //= steps
+    per_step = (len(order) - len(by_phase["init"])) // steps
     firsts = range(len(by_phase["init"]), len(order), per_step or 1)  # each step's first moment
     last = firsts[-1] if per_step and steps > 1 else -1
-    # the moments of a step (counted from its first) at which the last step may start copying the one before:
-    # the first (a step alike from its start), then ever further ones (one that differs early, FSDP2's block
-    # input grown in pieces in the first step only, agrees a few moments in)
+    # the moments of a step (from its first) where the last step may start copying the one before: the first (a
+    # step alike from its start), then ever further ones (FSDP2's block input grown in pieces in step 1 only)
     offsets = [j for j in (0, *(1 << n for n in range(per_step.bit_length()))) if j < per_step] if last >= 0 else []
     marks_at = {**{firsts[-2] + j: j for j in offsets}, **{last + j: j for j in offsets}} if last >= 0 else {}
     marks: dict[int, tuple] = {}  # in the step before the last, by offset: its ``snapshot``
