@@ -221,7 +221,7 @@ class _Builder:
         """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
         bytes (last allocated first), the keys in ``live``'s order; (the buffers popped, the keys left empty)."""
         freed, live = [], self.live
-        for key in sorted((k for k in changed if k in live), key=self.since.__getitem__):
+        for key in sorted(live.keys() & changed, key=self.since.__getitem__):  # the changed keys live (in C)
             stack = live[key]
             entry = want.get(key)
             keep = 0 if entry is None else entry[0]
