@@ -186,3 +186,36 @@ def test_each_moment_built_from_the_one_before_is_the_moment_built_whole(engine,
         assert [t.events for t in fast] == [t.events for t in whole], (engine, nd, settings)
         assert [t.phase_live_bytes for t in fast] == [t.phase_live_bytes for t in whole]
     assert sum(t is not None for t in taken) * 2 > len(taken) > 0, (engine, len(taken))
+
+
+def test_frees_kept_looks_at_the_renamed_frees_alone_and_answers_as_every_pair():
+    """``step_repeat._frees_kept`` checks only the frees of renamed ids and their neighbours (two shifted ids keep
+    their order): the answer of the loop over every two frees in a row, on seeded random windows of allocs, frees
+    and phases with random renames (both answers drawn often)."""
+    import random
+
+    from zeroplan.allocator.replay import Event
+    from zeroplan.allocator.step_repeat import _frees_kept
+
+    def every_pair(events, start, stop, rename, shift):  # the definition: each two frees in a row
+        prev = None
+        for e in events[start:stop]:
+            if e.action != "free":
+                prev = None
+                continue
+            new = rename.get(e.id, e.id + shift)
+            if prev is not None and prev[0] > e.id and prev[1] <= new:
+                return False
+            prev = (e.id, new)
+        return True
+
+    rng, answers = random.Random(16), []
+    for _ in range(400):
+        events = [Event("phase", "backward") if rng.random() < 0.05 else
+                  Event(rng.choice(("alloc", "free", "free")), rng.randrange(40)) for _ in range(rng.randrange(1, 60))]
+        rename = {i: rng.randrange(60) for i in rng.sample(range(40), rng.randrange(20))}
+        start, shift = rng.randrange(len(events)), rng.randrange(-5, 20)
+        stop = rng.randrange(start, len(events) + 1)
+        answers.append(every_pair(events, start, stop, rename, shift))
+        assert _frees_kept(events, start, stop, rename, shift) == answers[-1], (events, start, stop, rename, shift)
+    assert 50 < sum(answers) < 350
