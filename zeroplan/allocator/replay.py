@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import NamedTuple
 
 from bisect import bisect_left, insort
@@ -80,6 +81,7 @@ class Replay:
 
 
 _ACTIONS = frozenset(ACTIONS)
+_SIZE = itemgetter(2)  # an event's size
 
 
 def _event(raw) -> Event:
@@ -94,8 +96,8 @@ def _event(raw) -> Event:
 def _run_events(raws: Sequence) -> Sequence[Event]:
     """``[_event(raw) for raw in raws]`` for a run (``alloc_runs``: allocs of one size and stream): a run of
     ``Event``s is its own answer once its size is checked (a trace's runs hold ~half its events)."""
-    if all(type(e) is Event and type(e.size) is int for e in raws) and raws[0].size > 0:
-        return raws
+    if set(map(type, raws)) == {Event} and set(map(type, map(_SIZE, raws))) == {int} and raws[0].size > 0:
+        return raws  # every one an ``Event`` of an int size (equal: ``alloc_runs``), checked in C
     return [_event(raw) for raw in raws]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import groupby
+from operator import itemgetter
 
 from zeroplan.allocator.blocks import Block, Pool, Segment
 from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, is_small, round_size
@@ -115,6 +116,7 @@ def _copy_period(alloc, pool: Pool, template: Segment, blocks: list[Block], shif
 
 
 _new = object.__new__
+_EVENT_ID = itemgetter(1)  # an ``Event``'s id
 
 
 def _copy_whole(alloc, template: Segment, shift: int, ids: Sequence, run) -> None:
@@ -164,8 +166,8 @@ def fast_forward(run, events: Sequence) -> bool:
     copied; False (nothing replayed) when the run does not qualify."""
     alloc = run.alloc
     size, stream = events[0].size, events[0].stream
-    ids = [e.id for e in events]
-    if alloc.capacity is not None or len(set(ids)) != len(ids) or any(i in run.live for i in ids):
+    ids = list(map(_EVENT_ID, events))  # in C, as the checks: every id new and none live
+    if alloc.capacity is not None or len(set(ids)) != len(ids) or not run.live.keys().isdisjoint(ids):
         return False
     rounded = round_size(size, alloc.config)
     pool = alloc._pool(stream, is_small(rounded))
