@@ -249,11 +249,16 @@ def test_fast_forwarded_runs_replay_exactly_as_request_by_request(conf, monkeypa
     the full replay gets plain tuples, which go through ``_Run.step``), on FSDP2 (resharding, kept, k-sharded
     with checkpointing, HSDP 2 x 4, tp 2) and DeepSpeed (ZeRO-3, ZeRO-2 on its reduction stream) traces of
     llama2-7b; the fast path copies periods (expandable segments: carves runs in closed form) of every FSDP2
-    trace."""
+    trace; and the same given the runs the trace's builder knows (``AllocTrace.runs``, ``reserved_of``'s)."""
+    from zeroplan.allocator.runs import alloc_runs
+
     copied = 0
     for name, trace in _engine_traces().items():
         full, fast, copies = _full_and_fast(trace.events, conf, monkeypatch)
         assert fast == full, (name, conf)
+        # the runs the trace's builder knows (``AllocTrace.runs``, as ``reserved_of`` passes them): the same replay
+        assert trace.runs == alloc_runs(list(trace.events)) and (trace.runs or "fsdp2" not in name), name
+        assert replay(trace.events, parse_alloc_conf(conf), runs=trace.runs) == full, (name, conf)
         assert full.reserved_peak_bytes > full.allocated_peak_bytes > 0
         copied += copies
         if name.startswith("fsdp2"):  # the sharded parameters and saved activations: many periods or runs

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from zeroplan.allocator import replay
+from zeroplan.allocator.runs import alloc_runs
 from zeroplan.allocator.step_trace import step_trace, tensor_sizes
 from zeroplan.engines import deepspeed, fsdp2, reference
 from zeroplan.engines.deepspeed.alloc_trace import alloc_traces as deepspeed_traces
@@ -114,14 +115,16 @@ def test_the_last_step_copied_from_the_one_before_is_the_step_built(engine, monk
     """``step_trace`` copies the last step's events from the step before where the builder's states agree
     (``_repeats``, to the step's end or to a later mark, whence it resumes): every event equal to the trace built
     moment by moment, on the drawn
-    configurations of each engine (HSDP, k-sharded, CPU, ZeRO 1-3, ...), and the copy made (on most of FSDP2's)."""
+    configurations of each engine (HSDP, k-sharded, CPU, ZeRO 1-3, ...), and the copy made (on most of FSDP2's);
+    and each trace's ``runs`` (from the builder's alloc chunks, ``runs.chunk_runs``) those ``alloc_runs`` finds in
+    its events (some on FSDP2's: its sharded parameters; the tiny models' other traces have none)."""
     import zeroplan.allocator.step_trace as module
 
     _, traces = ENGINES[engine]
     copied, repeat = [], module._Builder.repeat_step
     monkeypatch.setattr(module._Builder, "repeat_step",
                         lambda self, *a: (copied.append(a[0][0]), repeat(self, *a))[1])  # the mark reached
-    checked = 0
+    checked = runs = 0
     for w, nd, settings in _draws(engine, 8):
         fast = traces(w, nd, settings)
         with monkeypatch.context() as m:
@@ -129,8 +132,11 @@ def test_the_last_step_copied_from_the_one_before_is_the_step_built(engine, monk
             built = traces(w, nd, settings)
         assert [t.events for t in fast] == [t.events for t in built], (engine, nd, settings)
         assert [t.phase_live_bytes for t in fast] == [t.phase_live_bytes for t in built]
+        # the runs the builder knows (its alloc chunks, copied with the step): those ``alloc_runs`` finds
+        assert all(t.runs == alloc_runs(list(t.events)) for t in (*fast, *built)), (engine, nd, settings)
+        runs += sum(len(t.runs) for t in fast)
         checked += len(fast)
-    assert checked >= 8 and copied, (engine, len(copied), checked)
+    assert checked >= 8 and copied and (runs or engine != "fsdp2"), (engine, len(copied), checked, runs)
     assert any(end is not None for end in copied)  # some copies stop at a later mark and the builder resumes
     if engine == "fsdp2":  # its moments start each step alike (DeepSpeed's first step often does not)
         assert len(copied) * 2 >= checked, (len(copied), checked)
@@ -180,3 +186,36 @@ def test_each_moment_built_from_the_one_before_is_the_moment_built_whole(engine,
         assert [t.events for t in fast] == [t.events for t in whole], (engine, nd, settings)
         assert [t.phase_live_bytes for t in fast] == [t.phase_live_bytes for t in whole]
     assert sum(t is not None for t in taken) * 2 > len(taken) > 0, (engine, len(taken))
+
+
+def test_frees_kept_looks_at_the_renamed_frees_alone_and_answers_as_every_pair():
+    """``step_repeat._frees_kept`` checks only the frees of renamed ids and their neighbours (two shifted ids keep
+    their order): the answer of the loop over every two frees in a row, on seeded random windows of allocs, frees
+    and phases with random renames (both answers drawn often)."""
+    import random
+
+    from zeroplan.allocator.replay import Event
+    from zeroplan.allocator.step_repeat import _frees_kept
+
+    def every_pair(events, start, stop, rename, shift):  # the definition: each two frees in a row
+        prev = None
+        for e in events[start:stop]:
+            if e.action != "free":
+                prev = None
+                continue
+            new = rename.get(e.id, e.id + shift)
+            if prev is not None and prev[0] > e.id and prev[1] <= new:
+                return False
+            prev = (e.id, new)
+        return True
+
+    rng, answers = random.Random(16), []
+    for _ in range(400):
+        events = [Event("phase", "backward") if rng.random() < 0.05 else
+                  Event(rng.choice(("alloc", "free", "free")), rng.randrange(40)) for _ in range(rng.randrange(1, 60))]
+        rename = {i: rng.randrange(60) for i in rng.sample(range(40), rng.randrange(20))}
+        start, shift = rng.randrange(len(events)), rng.randrange(-5, 20)
+        stop = rng.randrange(start, len(events) + 1)
+        answers.append(every_pair(events, start, stop, rename, shift))
+        assert _frees_kept(events, start, stop, rename, shift) == answers[-1], (events, start, stop, rename, shift)
+    assert 50 < sum(answers) < 350

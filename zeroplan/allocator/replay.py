@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import NamedTuple
 
 from bisect import bisect_left, insort
@@ -80,6 +81,7 @@ class Replay:
 
 
 _ACTIONS = frozenset(ACTIONS)
+_SIZE = itemgetter(2)  # an event's size
 
 
 def _event(raw) -> Event:
@@ -94,8 +96,8 @@ def _event(raw) -> Event:
 def _run_events(raws: Sequence) -> Sequence[Event]:
     """``[_event(raw) for raw in raws]`` for a run (``alloc_runs``: allocs of one size and stream): a run of
     ``Event``s is its own answer once its size is checked (a trace's runs hold ~half its events)."""
-    if all(type(e) is Event and type(e.size) is int for e in raws) and raws[0].size > 0:
-        return raws
+    if set(map(type, raws)) == {Event} and set(map(type, map(_SIZE, raws))) == {int} and raws[0].size > 0:
+        return raws  # every one an ``Event`` of an int size (equal: ``alloc_runs``), checked in C
     return [_event(raw) for raw in raws]
 
 
@@ -155,19 +157,21 @@ class _Run:
 
 
 def replay(events: Iterable, config: AllocatorConfig = AllocatorConfig(), capacity_bytes: int | None = None,
-           details: bool = True) -> Replay:  # fmt: skip
+           details: bool = True, runs: dict[int, int] | None = None) -> Replay:  # fmt: skip
     """Run ``events`` through a fresh allocator (``config``; ``capacity_bytes``: what ``cudaMalloc`` can get);
     ``details`` False leaves ``segments``, ``segment_log`` and ``addresses`` empty (the peaks are all a plan
-    reads, and listing ~2,000 segments' blocks cost a tenth of its replay)."""
+    reads, and listing ~2,000 segments' blocks cost a tenth of its replay); ``runs``: ``alloc_runs(events)``
+    where the caller knows it (``AllocTrace.runs``), None: found here."""
     with gc_paused():
-        return _replay(events, config, capacity_bytes, details)
+        return _replay(events, config, capacity_bytes, details, runs)
 
 
-def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | None, details: bool) -> Replay:
+def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | None, details: bool,
+            known: dict[int, int] | None) -> Replay:  # fmt: skip
     run, oom = _Run(config, capacity_bytes), None
     events = events if isinstance(events, (list, tuple)) else list(events)
     # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)
-    runs = alloc_runs(events) if capacity_bytes is None else {}
+    runs = ({} if capacity_bytes is not None else alloc_runs(events) if known is None else dict(known))
     plain = capacity_bytes is None and config.max_split_size_bytes == NO_LIMIT
     steps = _plain_steps(run, details, config.expandable_segments) if plain else None
     if steps is not None:
@@ -284,14 +288,13 @@ def _plain_free(run: _Run):
 def _plain_alloc(run: _Run, details: bool, expandable: bool):
     """``alloc(event) -> bool`` of ``_plain_steps``: an ``Event`` alloc served by a cached block
     (``CachingAllocator.malloc``: best fit, ``_should_split``); False (nothing done) for anything else."""
-    a, live, addresses = run.alloc, run.live, run.addresses
+    a, live, addresses, new_block = run.alloc, run.live, run.addresses, object.__new__
     requests, stats = a._requests, a.stats
     allocated, requested = stats.allocated, stats.requested
 
     def alloc(event: Event) -> bool:
-        action, ident = event[0], event[1]
-        size, stream = event[2], event[3]
-        if action != "alloc" or event[4] is not None or type(size) is not int or ident in live:
+        action, ident, size, stream, address = event  # an ``Event``: five fields
+        if action != "alloc" or address is not None or type(size) is not int or ident in live:
             return False
         request = requests.get((size, stream))
         if request is None:
@@ -316,10 +319,12 @@ def _plain_alloc(run: _Run, details: bool, expandable: bool):
         remaining = block.size - rounded
         split = remaining >= K_MIN_BLOCK_SIZE if block.small or expandable else remaining > K_SMALL_SIZE
         if split:  # ``_should_split``
-            front = Block(block.address, rounded, block.stream, block.small, block.segment)
-            front.prev, front.next = block.prev, block
-            if block.prev is not None:
-                block.prev.next = front
+            front, prev = new_block(Block), block.prev  # ``Block(...)``, its fields set here at once
+            front.address, front.size, front.stream, front.small, front.segment = \
+                block.address, rounded, block.stream, block.small, block.segment
+            front.mapped, front.pending, front.gc_base, front.prev, front.next = True, False, 0, prev, block
+            if prev is not None:
+                prev.next = front
             else:
                 block.segment.head = front
             block.prev = front

@@ -41,7 +41,7 @@ def reserved_of(trace: AllocTrace, alloc_conf: str = "") -> ReservedEstimate:
     """Replay ``trace`` through the allocator model under ``alloc_conf`` (ValueError in one line if bad)."""
     from zeroplan.allocator.replay import replay
 
-    result = replay(trace.events, parse_alloc_conf(alloc_conf), details=False)
+    result = replay(trace.events, parse_alloc_conf(alloc_conf), details=False, runs=trace.runs)
     phases = {name: p.reserved_bytes for name, p in result.phases.items()}
     return ReservedEstimate(result.reserved_peak_bytes, phases, result.allocated_peak_bytes, alloc_conf)
 

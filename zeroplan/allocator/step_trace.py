@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
 from operator import itemgetter
 
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
+from zeroplan.allocator.runs import chunk_runs
 from zeroplan.allocator.step_repeat import GROWN, copy_events, copy_plan as _repeats, resumed
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
@@ -75,6 +76,8 @@ class AllocTrace:
     block_bytes: int
     phase_live_bytes: dict[str, int]
     """the largest live bytes in each phase: equal to ``peak_of(moments, block_bytes).by_phase()``."""
+    runs: dict[int, int] | None = field(default=None, compare=False, repr=False)
+    """``runs.alloc_runs(events)``, known to the builder (``chunk_runs``): the replay need not look for them."""
 
     @property
     def live_peak_bytes(self) -> int:
@@ -82,11 +85,7 @@ class AllocTrace:
 
     def streams(self) -> tuple[int, ...]:
         """The streams the trace allocates on, in first-use order."""
-        seen: dict[int, None] = {}
-        for e in self.events:
-            if e.action == "alloc":
-                seen.setdefault(e.stream, None)
-        return tuple(seen)
+        return tuple(dict.fromkeys(e.stream for e in self.events if e.action == "alloc"))
 
 
 def tensor_sizes(term: Term, block_bytes: int) -> list[tuple[int, int]]:
@@ -109,17 +108,15 @@ class _Builder:
         self.block, self.stream_of = block_bytes, stream_of
         self.live: dict[Key, list[tuple[int, int, int]]] = {}
         self.events: list[Event] = []
-        self.next_id = 0
-        self.live_bytes = 0
+        self.chunks: list[tuple[int, int, int, int]] = []  # (index, size, stream, count) of each alloc chunk
+        self.next_id, self.live_bytes, self.phase_max = 0, 0, {}
         self.phase: str | None = None
-        self.phase_max: dict[str, int] = {}
         self._seen: dict[int, tuple[Term, tuple[tuple[Key, int, int], ...]]] = {}
         # when each live key was added: ``live``'s own order, so that a transition walks its few changed keys in
         # that order rather than every live key (hundreds: FSDP2 names each block's buffers apart)
         self._terms_of: dict[int, set[int]] = {}  # ids of a moment's terms, by the moment's id (``wanted_after``)
         self.since: dict[Key, int] = {}
-        self._added = 0
-        self.moves = 0  # the moments walked
+        self._added, self.moves = 0, 0  # keys added; the moments walked
         self.popped: list[tuple[int, int]] = []  # (moves walked, id) of each grown piece popped (step_repeat)
 
     def _add(self, key: Key, stack: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -224,7 +221,7 @@ class _Builder:
         """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
         bytes (last allocated first), the keys in ``live``'s order; (the buffers popped, the keys left empty)."""
         freed, live = [], self.live
-        for key in sorted((k for k in changed if k in live), key=self.since.__getitem__):
+        for key in sorted(live.keys() & changed, key=self.since.__getitem__):  # the changed keys live (in C)
             stack = live[key]
             entry = want.get(key)
             keep = 0 if entry is None else entry[0]
@@ -234,9 +231,9 @@ class _Builder:
                     total -= stack[-1][1]
                     freed.append(stack.pop())
                     self.popped.append((self.moves, freed[-1][0]))
-            else:
-                while len(stack) > keep:
-                    freed.append(stack.pop())
+            elif len(stack) > keep:  # the last tensors, last first (in C)
+                freed.extend(stack[:keep - 1 if keep else None:-1])
+                del stack[keep:]
         return freed, [k for k in changed if not live.get(k, True)]
 
     def _continue_grown(self, want: dict[Key, list[int]], changed: set[Key]) -> None:
@@ -287,20 +284,23 @@ class _Builder:
             if need:
                 fresh.append((key, size, stream, need))
         if spare:
-            events, block, freed_bytes = self.events, self.block, 0
-            for ident, size, _stream in sorted((b for pool in spare.values() for b in pool), reverse=True):
-                events.append(_new(Event, ("free", ident, 0, 0, None)))  # ``Event("free", ident)``, in C
-                freed_bytes += size if block <= 1 else -(-size // block) * block  # ``_rounded``
-            self.live_bytes -= freed_bytes
+            left, block = sorted(chain.from_iterable(spare.values()), reverse=True), self.block
+            self.events.extend([_new(Event, ("free", b[0], 0, 0, None)) for b in left])  # ``Event("free", id)``, in C
+            self.live_bytes -= sum(map(_SIZE, left)) if block <= 1 else sum([-(-b[1] // block) * block for b in left])
         if moment.phase != self.phase:
             self.phase = moment.phase
             self.events.append(Event("phase", moment.phase))
             self._note()
         events, ident, block, added = self.events, self.next_id, self.block, 0
         for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
-            ids = range(ident, ident + count)
-            events.extend([_new(Event, ("alloc", i, size, stream, None)) for i in ids])  # ``Event(...)``, in C
-            live[key].extend([(i, size, stream) for i in ids])
+            self.chunks.append((len(events), size, stream, count))
+            if count == 1:  # most: no comprehension to call
+                events.append(_new(Event, ("alloc", ident, size, stream, None)))
+                live[key].append((ident, size, stream))
+            else:
+                ids = range(ident, ident + count)
+                events.extend([_new(Event, ("alloc", i, size, stream, None)) for i in ids])  # ``Event(...)``, in C
+                live[key].extend([(i, size, stream) for i in ids])
             ident += count
             added += count * (size if block <= 1 else -(-size // block) * block)  # ``_rounded``
         self.next_id = ident
@@ -325,7 +325,7 @@ class _Builder:
         state = None if later is None else resumed(marks[later], earlier, now, plan)
         if later is not None and state is None:
             return next(j for j, mark in marks.items() if mark is earlier)
-        copy_events(self.events, earlier, now, rename, end if later is None else marks[later][5])
+        copy_events(self.events, self.chunks, earlier, now, rename, end if later is None else marks[later][5])
         if later is not None:
             self.phase, self.live_bytes, self.live, self.since, self.next_id, self._added, self.moves = state
         return later
@@ -355,13 +355,11 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     order = [*by_phase["init"], *[m for _ in range(steps) for p in PHASES[1:] for m in by_phase[p]]]
     wants: dict[int, dict[Key, list[int]]] = {}  # each moment's tensors, found once for every step that meets it
     changes: dict[tuple[int, int], tuple[set[Key], list[Key]]] = {}  # each transition's keys, once for every step
-    per_step = len(order) - len(by_phase["init"])
-    per_step //= steps
+    per_step = (len(order) - len(by_phase["init"])) // steps
     firsts = range(len(by_phase["init"]), len(order), per_step or 1)  # each step's first moment
     last = firsts[-1] if per_step and steps > 1 else -1
-    # the moments of a step (counted from its first) at which the last step may start copying the one before:
-    # the first (a step alike from its start), then ever further ones (one that differs early, FSDP2's block
-    # input grown in pieces in the first step only, agrees a few moments in)
+    # the moments of a step (from its first) where the last step may start copying the one before: the first (a
+    # step alike from its start), then ever further ones (FSDP2's block input grown in pieces in step 1 only)
     offsets = [j for j in (0, *(1 << n for n in range(per_step.bit_length()))) if j < per_step] if last >= 0 else []
     marks_at = {**{firsts[-2] + j: j for j in offsets}, **{last + j: j for j in offsets}} if last >= 0 else {}
     marks: dict[int, tuple] = {}  # in the step before the last, by offset: its ``snapshot``
@@ -397,4 +395,4 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
                     break
                 at, before = last + reached, order[last + reached]  # the builder's state: that after this moment
         at += 1
-    return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max))
+    return AllocTrace(tuple(builder.events), block_bytes, dict(builder.phase_max), chunk_runs(builder.chunks))
