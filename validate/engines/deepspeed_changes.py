@@ -19,7 +19,7 @@ import contextlib
 import gc
 import time
 
-from validate.engines.gloo_holds import use_counts
+from validate.engines.gloo_holds import python_refs, use_counts
 
 SETTLED_OPS = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_base", "all_gather_coalesced",
@@ -84,6 +84,7 @@ class GlooSettled:
         def call(*args, **kwargs):
             tensors = self._tensors(args, kwargs)
             before = [count(t) for t in tensors]
+            refs = python_refs(tensors)  # gloo's thread keeps a Python reference a moment longer (gloo_holds)
             with _Returned() as returned:
                 works = original(*args, **kwargs)
                 asked_async = works is not None
@@ -97,7 +98,8 @@ class GlooSettled:
             t0 = time.monotonic()
             held = False
             while (any(c > b for t, pair in zip(tensors, before) for c, b in zip(count(t), pair))
-                   or any(storage_use_count(st._cdata) > 1 for st in own)):  # fmt: skip
+                   or any(storage_use_count(st._cdata) > 1 for st in own)
+                   or any(now > was for now, was in zip(python_refs(tensors), refs))):  # fmt: skip
                 held = True
                 if time.monotonic() - t0 > self.deadline_s:
                     self.stats["unsettled"] += 1
