@@ -139,8 +139,10 @@ def main() -> None:
         steps = _steps(got["events"])
         moments = [e for e in steps[args.step] if e[2] + args.size == args.reading]
         print(f"rank {r}: peaks {got['peaks']}, gloo_settle {got['gloo_settle']}")
-        print(f"  step {args.step}: starts at {steps[args.step][0][2]:,} B, largest {max(e[2] for e in steps[args.step]):,} B; "
-              f"+{args.size:,} B reads {args.reading:,} B at: {[f'{e[1]} ({e[2]:,} B)' for e in moments] or 'nowhere'}")  # fmt: skip
+        step = steps[args.step]
+        at = [f"{e[1]} ({e[2]:,} B)" for e in moments] or "nowhere"
+        print(f"  step {args.step}: starts at {step[0][2]:,} B, largest {max(e[2] for e in step):,} B; "
+              f"+{args.size:,} B reads {args.reading:,} B at: {at}")  # fmt: skip
         if r == args.rank:
             for e in steps[args.step]:
                 print(f"    {e[2]:>9,}  {e[0]:<5} {e[1]}")

@@ -9,7 +9,10 @@ tensor and storage use counts were back, and the frees MemTracker saw run off th
 freed on gloo's thread whenever it let go). ``--before DIR``: the same with the checkout in DIR (GlooSettled's rule
 there). Run on a quiet machine, never in CI:
 
-    PYTHONPATH=$PWD python benchmarks/gloo_python_refs.py [--ranks 4] [--calls 3000] [--before /tmp/base]
+    PYTHONPATH=$PWD python benchmarks/gloo_python_refs.py [--ranks 4] [--calls 3000] [--before /tmp/base | --plain]
+
+``--plain``: the calls alone, no dispatch mode, no MemTracker, no GlooSettled (``dist.all_reduce``, then waiting on the
+view's use count): the reference is torch's own.
 """
 
 from __future__ import annotations
@@ -40,6 +43,27 @@ def _renice_gloo_threads() -> int:
     return n
 
 
+def _plain(calls: int) -> dict:
+    """The same calls with no dispatch mode, no MemTracker and no GlooSettled: ``dist.all_reduce``, then waiting
+    until the view's use count is back (gloo's work let go of it) before counting its Python references."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors
+
+    extra = 0
+    for _ in range(calls):
+        bucket = torch.ones(5000)
+        view = _flatten_dense_tensors([bucket.narrow(0, 0, 108)])
+        dist.all_reduce(view)
+        while view._use_count() > 1:
+            time.sleep(0.0002)
+        extra += sys.getrefcount(view) > 2
+        del view, bucket
+    return {"python_ref_left": extra}
+
+
 def _rank(rank: int, nd: int, port: int, calls: int, root: str, out: str) -> None:
     sys.path.insert(0, root)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
@@ -60,6 +84,10 @@ def _rank(rank: int, nd: int, port: int, calls: int, root: str, out: str) -> Non
         def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
+    if root == "plain":
+        Path(f"{out}.{rank}").write_text(json.dumps({"rank": rank, **_plain(calls)}))
+        dist.destroy_process_group()
+        return
     backend, tracker, extra = Backend(), MemTracker(), 0
     gc.disable()
     with tracker, C.GlooSettled(backend) as settled:
@@ -95,12 +123,19 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--before", default=None, help="a checkout whose GlooSettled to run as well")
+    parser.add_argument("--plain", action="store_true", help="only the plain calls (no GlooSettled, no probe)")
     parser.add_argument("--cpu", type=int, default=None, help="the one CPU every rank runs on (default: the last)")
     args = parser.parse_args()
     if os.environ.get("_GLOO_REFS_PINNED") is None:  # re-run pinned to one CPU, one intra-op thread a rank
         cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
         env = {**os.environ, "_GLOO_REFS_PINNED": "1", "OMP_NUM_THREADS": "1"}
         sys.exit(subprocess.call(["taskset", "-c", str(cpu), sys.executable, *sys.argv], env=env))
+    if args.plain:
+        rows = run("plain", args.ranks, args.calls)
+        print(f"plain dist.all_reduce: {args.ranks} ranks x {args.calls} calls")
+        for r in rows:
+            print(f"  rank {r['rank']}: python reference left {r['python_ref_left']}")
+        return
     for label, root in (("before", args.before), ("now", str(ROOT))):
         if root is None:
             continue

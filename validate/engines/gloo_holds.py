@@ -21,7 +21,7 @@ def python_refs(tensors) -> list[int]:
     torch's gloo path keeps a Python reference to the tensor object it was handed a moment after both use counts
     are back, and drops it on gloo's worker thread (2026-12-02, torch 2.13, gloo, no dispatch mode needed: a plain
     ``dist.all_reduce`` of a view then waiting on ``_use_count``, 4 ranks on one core with gloo's threads at
-    nice 19, left the view's object with one reference more than the rank's own in 0-2 of 2,000 calls a rank).
+    nice 19, left the view's object with one reference more than the rank's own after 0-1 of 12,000 calls a run).
     A rank that drops its own references in that moment leaves the object, and the view's base, to be freed
     on gloo's thread whenever it lets go: ``benchmarks/gloo_python_refs.py``."""
     import sys
