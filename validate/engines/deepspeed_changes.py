@@ -184,11 +184,11 @@ class OffThreadFrees:
     them; still, now and then, a ZeRO-3 parameter's 144 B while ``zero.Init`` broadcasts the next one
     (``partition_parameters.py _zero_init_param``), and once ZeRO-1's backward bucket buffer (``stage_1_and_2.py
     setup_buckets``, 20,000 B) during the optimizer step (1 rank of 37 worlds), both after the call's use counts
-    were back. Both handed gloo a temporary tensor (``dist.broadcast(param.data.view(torch.uint8))``; the last
-    bucket's ``flatten``, one parameter's gradient: a view of the buffer) whose Python object gloo keeps a moment
-    longer, which ``GlooSettled`` waits for since (``gloo_holds.python_refs``; the bucket buffer was the +5,656 B
-    step reading). Every row says how many (``gloo_settle.freed_off_thread``; None: no MemTracker, CUDA's
-    allocator)."""
+    were back. The bucket's: ZeRO-1 hands gloo a temporary (the last bucket's ``flatten`` of one gradient, a view of
+    the buffer) whose Python object gloo keeps a moment longer, which ``GlooSettled`` waits for since
+    (``gloo_holds.python_refs``; it was the +5,656 B step reading). ``zero.Init`` hands gloo a temporary too
+    (``dist.broadcast(param.data.view(torch.uint8))``): the same pattern, not traced. Every row says how many
+    (``gloo_settle.freed_off_thread``; None: no MemTracker, CUDA's allocator)."""
 
     def __init__(self, tracker) -> None:
         import threading

@@ -2,7 +2,8 @@
 ``deepspeed_changes.GlooSettled``, FSDP2's ``fsdp2_gloo_release``): gloo's worker thread keeps the finished work,
 and with it the tensor itself (all-reduce) or views of it (all-gather chunks), a moment after ``wait()`` returns
 (``ProcessGroupGloo::runLoop`` resets ``workInProgress_`` after marking the future done); both use counts are back
-to their values before the call once gloo is done."""
+to their values before the call once gloo is done. ``python_refs``: the third count ``GlooSettled`` waits on (gloo
+keeps a Python reference a moment longer still); FSDP2's release does not read it."""
 
 from __future__ import annotations
 
