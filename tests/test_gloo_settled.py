@@ -67,25 +67,28 @@ def test_gloo_reduce_scatter_buffer_is_found_held_and_freed_on_the_rank_thread()
 
 def _late_python_reference(settle: bool) -> dict:
     """A stand-in for gloo's late Python reference (``gloo_holds.python_refs``): the collective returns with the
-    tensor's use counts back, and a thread of its own keeps the tensor's Python object 50 ms longer. The caller
-    reduces a view of a 5,000-element bucket, as ZeRO-1 reduces its last bucket, then drops both."""
+    tensor's use counts back, and a thread of its own keeps the tensor's Python object a while longer (until the
+    caller has looked, without the wait; 50 ms, with it: the wait is what ends the call). The caller reduces a view
+    of a 5,000-element bucket, as ZeRO-1 reduces its last bucket, then drops both."""
     import threading
-    import time
 
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from validate.engines import deepspeed_changes as C
 
+    looked, threads = threading.Event(), []
+
     class Backend:
         def all_reduce(self, tensor, op=None, group=None, async_op=False):
             held = [tensor]  # a Python reference only: the TensorImpl's and the storage's counts are unchanged
 
             def let_go():
-                time.sleep(0.05)
+                looked.wait(timeout=0.05 if settle else None)
                 held.clear()
 
-            threading.Thread(target=let_go).start()
+            threads.append(threading.Thread(target=let_go))
+            threads[-1].start()
 
     tracker = MemTracker()
     with tracker, (C.GlooSettled(Backend()) if settle else contextlib.nullcontext(Backend())) as backend:
@@ -94,7 +97,8 @@ def _late_python_reference(settle: bool) -> dict:
         (backend.backend if settle else backend).all_reduce(bucket.narrow(0, 0, 108))
         del bucket
         live = sum(s["Total"] for s in tracker.get_tracker_snapshot("current").values())
-        time.sleep(0.2)  # the thread has let go by now, wherever the bucket was freed
+        looked.set()
+        threads[0].join()  # the holder has let go, wherever the bucket was freed
         stats = {**(backend.stats if settle else {}), **frees.stats, "live_after_del": live}
     return stats
 
