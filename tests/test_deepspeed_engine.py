@@ -127,7 +127,7 @@ def test_row_within_tolerance(world, case):
     # every phase at this row's recorded error + max(64 B, 0.05%) (tests/test_measured_rows.py), not 3%
     name = f"deepspeed-{recorded_name(case)}-nd{nd}"
     misses = live_peak_misses(name, row["measured_peak_bytes_by_phase"], row["predicted_peak_bytes_by_phase"])
-    assert misses == [], (misses, [r[i]["gloo_settle"] for r in ranks])  # a miss says whether gloo's thread freed
+    assert misses == [], (misses, [r[i]["gloo_settle"] for r in ranks])  # with gloo_settle: off-thread frees
 
 
 @pytest.mark.parametrize("world", _worlds(), indirect=True)
