@@ -9,6 +9,7 @@ on its own thread; the memory probe counts no free off the main thread (``OffThr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -62,3 +63,52 @@ def test_gloo_reduce_scatter_buffer_is_found_held_and_freed_on_the_rank_thread()
     # after the calls only the caller's tensors MemTracker saw are live: out (4,000 B); a * 2 and gloo's buffers freed
     assert got["live"] == 4000, got
 
+
+
+def _late_python_reference(settle: bool) -> dict:
+    """A stand-in for gloo's late Python reference (``gloo_holds.python_refs``): the collective returns with the
+    tensor's use counts back, and a thread of its own keeps the tensor's Python object a while longer (until the
+    caller has looked, without the wait; 50 ms, with it: the wait is what ends the call). The caller reduces a view
+    of a 5,000-element bucket, as ZeRO-1 reduces its last bucket, then drops both."""
+    import threading
+
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from validate.engines import deepspeed_changes as C
+
+    looked, threads = threading.Event(), []
+
+    class Backend:
+        def all_reduce(self, tensor, op=None, group=None, async_op=False):
+            held = [tensor]  # a Python reference only: the TensorImpl's and the storage's counts are unchanged
+
+            def let_go():
+                looked.wait(timeout=0.05 if settle else None)
+                held.clear()
+
+            threads.append(threading.Thread(target=let_go))
+            threads[-1].start()
+
+    tracker = MemTracker()
+    with tracker, (C.GlooSettled(Backend()) if settle else contextlib.nullcontext(Backend())) as backend:
+        frees = C.OffThreadFrees(tracker)
+        bucket = torch.zeros(5000)
+        (backend.backend if settle else backend).all_reduce(bucket.narrow(0, 0, 108))
+        del bucket
+        live = sum(s["Total"] for s in tracker.get_tracker_snapshot("current").values())
+        looked.set()
+        threads[0].join()  # the holder has let go, wherever the bucket was freed
+        stats = {**(backend.stats if settle else {}), **frees.stats, "live_after_del": live}
+    return stats
+
+
+def test_a_late_python_reference_is_waited_for_and_the_bucket_freed_on_the_rank_thread():
+    """Without the wait, the bucket outlives the caller's ``del`` (20,000 B still live) and is freed on the holder's
+    thread: what read +20,000 B in a ZeRO-1 optimizer step (docs/benchmarks.md, 2026-12-02). With it, the call
+    waits for the reference (held), and the bucket is freed at the ``del``, on the rank's thread."""
+    unsettled = _late_python_reference(settle=False)
+    assert unsettled["live_after_del"] == 20000 and unsettled["freed_off_thread"] == 1
+    settled = _late_python_reference(settle=True)
+    assert settled["held"] == 1 and settled["unsettled"] == 0 and settled["calls"] == 1
+    assert settled["live_after_del"] == 0 and settled["freed_off_thread"] == 0

@@ -19,7 +19,7 @@ import contextlib
 import gc
 import time
 
-from validate.engines.gloo_holds import use_counts
+from validate.engines.gloo_holds import python_refs, use_counts
 
 SETTLED_OPS = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_base", "all_gather_coalesced",
@@ -47,8 +47,12 @@ class GlooSettled:
     call waits for its work (asynchronous ones too: the caller gets a finished handle), drops it, and spins
     until the use counts of every tensor it was given, of the tensor itself (``Tensor._use_count``: gloo's
     all-reduce keeps the tensor) and of its storage (``torch._C._storage_Use_Count``: the all-gather keeps
-    chunks of it), are back to what they were before the call: the only other holder is gloo's work, so
-    that is the moment gloo is done: deterministic, no timing guess. Nothing is allocated by this wrapper; ops stay the same
+    chunks of it), are back to what they were before the call, and so is each tensor's Python reference count
+    (``gloo_holds.python_refs``: torch's gloo path keeps a Python reference to the tensor object a moment longer and
+    drops it on gloo's thread; a rank dropping its own in that moment left the object, and a view's base with it,
+    to be freed there: ZeRO-1's 20,000 B bucket buffer read in one rank's optimizer step, +5,656 B at N_d = 4,
+    docs/benchmarks.md 2026-12-02): the only other holder is gloo, so that is the moment gloo is done:
+    deterministic, no timing guess. Nothing is allocated by this wrapper; ops stay the same
     (the dispatch-level ``CommCounter`` sees them unchanged). Async calls become synchronous: on CPU gloo
     overlaps nothing with compute that changes a buffer's life (DeepSpeed allocates before it issues).
     A buffer gloo makes itself is settled the same way (``_Returned``): gloo's reduce-scatter reduces into a
@@ -84,6 +88,7 @@ class GlooSettled:
         def call(*args, **kwargs):
             tensors = self._tensors(args, kwargs)
             before = [count(t) for t in tensors]
+            refs = python_refs(tensors)  # gloo's thread keeps a Python reference a moment longer (gloo_holds)
             with _Returned() as returned:
                 works = original(*args, **kwargs)
                 asked_async = works is not None
@@ -97,7 +102,8 @@ class GlooSettled:
             t0 = time.monotonic()
             held = False
             while (any(c > b for t, pair in zip(tensors, before) for c, b in zip(count(t), pair))
-                   or any(storage_use_count(st._cdata) > 1 for st in own)):  # fmt: skip
+                   or any(storage_use_count(st._cdata) > 1 for st in own)
+                   or any(now > was for now, was in zip(python_refs(tensors), refs))):  # fmt: skip
                 held = True
                 if time.monotonic() - t0 > self.deadline_s:
                     self.stats["unsettled"] += 1
@@ -178,8 +184,11 @@ class OffThreadFrees:
     them; still, now and then, a ZeRO-3 parameter's 144 B while ``zero.Init`` broadcasts the next one
     (``partition_parameters.py _zero_init_param``), and once ZeRO-1's backward bucket buffer (``stage_1_and_2.py
     setup_buckets``, 20,000 B) during the optimizer step (1 rank of 37 worlds), both after the call's use counts
-    were back (no peak changed). Every row says how many (``gloo_settle.freed_off_thread``; None: no MemTracker,
-    CUDA's allocator)."""
+    were back. The bucket's: ZeRO-1 hands gloo a temporary (the last bucket's ``flatten`` of one gradient, a view of
+    the buffer) whose Python object gloo keeps a moment longer, which ``GlooSettled`` waits for since
+    (``gloo_holds.python_refs``; it was the +5,656 B step reading). ``zero.Init`` hands gloo a temporary too
+    (``dist.broadcast(param.data.view(torch.uint8))``): the same pattern, not traced. Every row says how many
+    (``gloo_settle.freed_off_thread``; None: no MemTracker, CUDA's allocator)."""
 
     def __init__(self, tracker) -> None:
         import threading
