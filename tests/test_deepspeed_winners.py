@@ -187,6 +187,28 @@ def test_in_block_winners_equal_every_candidate_built(model, stage, overlap, buc
     assert got == want
 
 
+@pytest.mark.parametrize("model, bucket, nd, ckpt, offload", [("llama-3.2-1b", 5_000_000, 64, "none", False),
+                                                           ("llama-3.2-1b", 2_000_000, 16, "full", True)])
+def test_in_block_reductions_shared_across_prefetch_equal_each_built(model, bucket, nd, ckpt, offload):
+    """On a GPU ``_in_block_reductions`` makes its moments less ``base`` once per run less its prefetch bucket
+    (``zero3._gpu_terms``): each prefetch setting's moments, the later ones from that cache, equal every candidate
+    built with its own ``base`` (the gathered parameters differ with the prefetch bucket)."""
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, checkpointing=ckpt, transformers=True)
+    bases = set()
+    for prefetch in (0, 1_000, 50_000_000, 0):
+        settings = Settings(stage=3, reduce_bucket_size=bucket, allgather_bucket_size=bucket, prefetch_bucket_size=prefetch,
+                            device="cuda",
+                            offload_optimizer=OffloadTarget(device="cpu") if offload else OffloadTarget())
+        run = ds_run(settings, workload, nd)
+        assert run.settings.device == "cuda"
+        last, inflight = _last_and_inflight(run)
+        got, want = _in_block_reductions(run, last, inflight), _reference_reductions(run, last, inflight)
+        assert want and got == want
+        bases.add(tuple(t for t in last if t not in inflight))
+    assert len(bases) > 1, "the prefetch settings gather alike: the shared part is not tested"
+
+
 def _reference_stage1_flattened(run):
     """``late_reductions.stage1_flattened`` as it was (every rank's terms built and summed per bucket)."""
     import bisect
