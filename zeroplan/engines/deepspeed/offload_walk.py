@@ -172,13 +172,19 @@ def stage1_offload_walk(run: DSRun) -> tuple[PeakMoment, ...]:
     s = run.settings
     if not offload_walk_applies(s, sum(run.numels)):
         return ()
-    g = DTYPE_BYTES[s.dtype]
+    from zeroplan.engines.deepspeed.plan import planner_block_bytes  # the peak's block (plan imports this module)
+
+    g, block = DTYPE_BYTES[s.dtype], planner_block_bytes(s)
     out = []
     peaks = walk_peaks(run.numels, run.flat.offsets, run.flat.part, s.reduce_bucket_size, g, run.ranks)
-    for rank in run.ranks:
+
+    def own_blocks(rank: int) -> int:  # the rank's two terms rounded as ``peak_of`` rounds them: the rest is alike
+        held, norm = peaks[rank][:2]
+        return -(held * g // -block) + -(8 * norm // -block)
+
+    # every rank described: only the first whose moment holds the most (``DSRun.first_largest``; a speed-up, no rule)
+    for rank in run.first_largest(own_blocks, tuple(r for r in run.ranks if peaks[r][2] >= 0)):
         held, norm, k, clone = peaks[rank]
-        if k < 0:
-            continue
         what = "cloned (larger than the bucket)" if clone else "its slice's fp64 norm copy"
         out.append(PeakMoment("backward", f"{WALK}: rank {rank}, parameter {k} {what}", (
             *_states(run), *_bucket(run),
