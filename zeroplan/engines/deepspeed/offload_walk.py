@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
@@ -89,11 +90,17 @@ def _clone_maxima(events: list[tuple], large_before: list[int]) -> tuple[list[in
     return clones, values, prefix, suffix
 
 
+@lru_cache(maxsize=8)  # read only: a candidate's every-rank run and its named ranks' walk the same events
+def _walk_facts(numels: tuple[int, ...], bucket: int) -> tuple:
+    """``_walk_events`` and their ``_clone_maxima``, once per parameter sizes and bucket."""
+    events, clone_at, flush_of, large_before = _walk_events(numels, bucket)
+    return events, clone_at, flush_of, large_before, _clone_maxima(events, large_before)
+
+
 def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket: int, g: int,
                ranks: Iterable[int]) -> dict[int, WalkMoment]:
     """Each rank's largest moment of the walk (module docstring); ``NONE`` where it has none."""
-    events, clone_at, flush_of, large_before = _walk_events(numels, bucket)
-    clones, values, prefix, suffix = _clone_maxima(events, large_before)
+    events, clone_at, flush_of, large_before, (clones, values, prefix, suffix) = _walk_facts(tuple(numels), bucket)
 
     def weigh(m: WalkMoment) -> int:
         return m[0] * g + 8 * m[1]
