@@ -103,7 +103,6 @@ def test_every_rank_walk_lists_the_first_largest_rank_only(model, bucket, nd, de
     from zeroplan.engines.deepspeed.offload_settings import OffloadTarget
     from zeroplan.engines.deepspeed.offload_walk import WALK
     from zeroplan.engines.deepspeed.phases import moments
-    from zeroplan.engines.deepspeed.plan import planner_block_bytes
     from zeroplan.engines.deepspeed.run import DSRun
     from zeroplan.engines.deepspeed.settings import Settings
     from zeroplan.engines.deepspeed.wrapper import ds_run
@@ -114,7 +113,7 @@ def test_every_rank_walk_lists_the_first_largest_rank_only(model, bucket, nd, de
     workload = Workload(transformer_shapes(spec), spec, 4, 2, transformers=True)
     settings = Settings(stage=1, reduce_bucket_size=bucket, allgather_bucket_size=bucket, device=device,
                         offload_optimizer=OffloadTarget(device="cpu"))
-    block = planner_block_bytes(settings)
+    block = settings.block_bytes
     got = moments(ds_run(settings, workload, nd))
     assert sum(m.name.startswith(WALK) for m in got) == 1
     monkeypatch.setattr(DSRun, "first_largest", lambda self, extra, ranks=None: tuple(self.ranks if ranks is None else ranks))

@@ -179,9 +179,7 @@ def stage1_offload_walk(run: DSRun) -> tuple[PeakMoment, ...]:
     s = run.settings
     if not offload_walk_applies(s, sum(run.numels)):
         return ()
-    from zeroplan.engines.deepspeed.plan import planner_block_bytes  # the peak's block (plan imports this module)
-
-    g, block = DTYPE_BYTES[s.dtype], planner_block_bytes(s)
+    g, block = DTYPE_BYTES[s.dtype], s.block_bytes  # the peak's block (``profile.device_terms``)
     out = []
     peaks = walk_peaks(run.numels, run.flat.offsets, run.flat.part, s.reduce_bucket_size, g, run.ranks)
 
