@@ -273,6 +273,19 @@ def test_stage1_flattened_equals_every_rank_built(model, bucket, nd, rank):
     assert stage1_flattened(run) == want
 
 
+@pytest.mark.parametrize("model, bucket, nd", [("tiny-gpt2-untied", 2_000, 7), ("tiny-qwen3", 3_000, 5),
+                                               ("tiny-llama", 5_000, 9)])
+def test_stage1_flattened_of_each_rank_equals_its_loop(model, bucket, nd):
+    """Each rank's own run (``_RankFacts.largest`` unrolled for one rank) gives the moments of the per-rank loop."""
+    from zeroplan.engines.deepspeed.late_reductions import stage1_flattened
+
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, transformers=True)
+    for rank in range(nd):
+        run = ds_run(Settings(stage=1, reduce_bucket_size=bucket, allgather_bucket_size=bucket, rank=rank), workload, nd)
+        assert stage1_flattened(run) == _reference_stage1_flattened(run)
+
+
 def test_stage1_flattened_caches_shared_across_runs():
     """``stage1_flattened``'s per-layout caches (``_flattened_buckets``, ``_flattened_tails``: shared by every
     rank's run and every candidate of one bucket size) give each run the per-rank loop's moments, the runs of one
