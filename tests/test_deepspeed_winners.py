@@ -167,7 +167,7 @@ CASES = [  # (model, stage, overlap_comm, bucket, N_d, checkpointing, offload_op
     ("tiny-qwen2", 3, None, 2_000, 4, "full", False, None),
     ("tiny-llama", 3, None, 4_500, 3, "none", False, None),  # the head (4,944) sent at the final norm's hook
     ("tiny-gpt2-untied", 3, None, 3_881, 3, "none", True, 1),  # at a LayerNorm's (the head in the bucket), offload
-    # ZeRO-2 every rank, many ranks per first bucket (reduce.py groups them: ``layout_ranks._ranks_by_first``)
+    # ZeRO-2 every rank, many ranks per first bucket
     ("tiny-llama", 2, None, 1_500, 16, "none", False, None), ("tiny-qwen2", 2, None, 3_000, 9, "full", False, None),
     ("tiny-gpt2-untied", 2, None, 700, 11, "none", False, None), ("llama-3.2-1b", 2, None, 20_000_000, 96, "none", False, None),
 ]

@@ -104,25 +104,3 @@ def _largest_slices(flat: FlatGroup) -> tuple[int, ...]:
     offsets, part = flat.offsets, flat.part
     return tuple(max((min(offsets[i + 1], (rank + 1) * part) - max(offsets[i], rank * part)
                       for i in flat.params(rank)), default=0) for rank in range(flat.nd))  # fmt: skip
-
-
-@lru_cache(maxsize=16)  # per layout, bucket size and order (``_first_buckets``'): the every-rank runs of one bucket size
-def _ranks_by_first(flat: FlatGroup, bucket: int, order: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], int, int], ...]:
-    """Every rank of ``flat`` whose first hook bucket (``_first_buckets``) is not the last, grouped by that bucket:
-    (its ranks ascending, the bucket, the parameter whose gradient hook reduces it), in the order of each group's
-    lowest rank: ``reduce._find_reducing_hooks``' rows of every rank, by bucket (a speed-up, no rule)."""
-    order, buckets, first_of_bucket, _ = _hook_layout(flat.numels, bucket, order)
-    groups: dict[int, list[int]] = {}
-    for rank, first in enumerate(_first_buckets(flat, bucket, order)):
-        if 0 <= first and first + 1 < len(buckets):
-            groups.setdefault(first, []).append(rank)
-    return tuple((tuple(ranks), first, order[first_of_bucket[first + 1]]) for first, ranks in groups.items())
-
-
-def _find_reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
-    """``reduce._reducing_hooks``' rows, (rank, its first bucket, the parameter whose hook reduces it), of ``run.ranks``."""
-    order, buckets, first_of_bucket, _ = _hook_buckets(run)
-    firsts = _rank_first_buckets(run)
-    # a rank overlapping no parameter (-1) has no partition; the last bucket's is reduced after backward
-    return tuple((rank, firsts[rank], order[first_of_bucket[firsts[rank] + 1]]) for rank in run.ranks
-                 if 0 <= firsts[rank] and firsts[rank] + 1 < len(buckets))

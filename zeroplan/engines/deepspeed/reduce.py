@@ -14,9 +14,8 @@ import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.attention_hooks import attention_input_hook
 from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
-from zeroplan.engines.deepspeed.layout_ranks import (_find_reducing_hooks, _hook_buckets, _hook_layout, _last_in_blocks,
-                                                     _params_numels, _rank_first_buckets, _ranks_by_first, _stage1_held,
-                                                     _views)
+from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks, _params_numels,
+                                                     _rank_first_buckets, _stage1_held, _views)
 from zeroplan.engines.deepspeed.phases import final_norm_at_its_hook, final_norm_per_rank
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
@@ -138,6 +137,14 @@ def _reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
     return memo_of(run, "reducing_hooks", _find_reducing_hooks)  # type: ignore[return-value]
 
 
+def _find_reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
+    order, buckets, first_of_bucket, _ = _hook_buckets(run)
+    firsts = _rank_first_buckets(run)
+    # a rank overlapping no parameter (-1) has no partition; the last bucket's is reduced after backward
+    return tuple((rank, firsts[rank], order[first_of_bucket[firsts[rank] + 1]]) for rank in run.ranks
+                 if 0 <= firsts[rank] and firsts[rank] + 1 < len(buckets))
+
+
 def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
                          kept: dict[int, tuple[Term, ...]]) -> tuple[Moment, ...]:
     """Reducing from the hooks, a rank whose first bucket is reduced at a hook inside block j after the block's
@@ -174,9 +181,7 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     copies = _hook_copies_of(run)  # each bucket's allreduce_bucket flat copy (``_hook_bucket_copy``)
     best: dict[int, tuple[int, int, int, int]] = {}  # block -> (bytes, rank, first, hook) of the rank holding the most
     blocks, gips = run.param_blocks, _params_numels(run.flat)  # each rank's ``FlatGroup.params_numel``
-    rows = (_ranks_by_first(run.flat, s.reduce_bucket_size, run.grad_ready_order) if not kept and s.rank is None
-            else (((rank,), first, hook) for rank, first, hook in _reducing_hooks(run)))  # every rank: by first bucket
-    for ranks, first, hook in rows:
+    for rank, first, hook in _reducing_hooks(run):
         j = blocks[hook]
         if j < 0 or hook in outputs:
             continue
@@ -189,15 +194,13 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
                 sum(run.numels[i] for i in large if bucket_of[i] < first and run.param_blocks[i] == j) if kept else 0)
         if common is None:
             continue
-        rank = max(ranks, key=gips.__getitem__)  # the first of the largest partition, or where the copy is the larger
-        rank = rank if gips[rank] * p > copies[first] * g else ranks[0]  # (all alike) the first: the loop's winner
         total = common[0] + max(gips[rank] * p, copies[first] * g)
         if kept:
             lo, hi = run.flat.range(rank)
             own = common[1] - sum(run.numels[i] for i in range(lo, hi) if run.numels[i] > s.reduce_bucket_size
                                   and bucket_of[i] < first and run.param_blocks[i] == j)  # fmt: skip
             total += own * p + kept[rank][j].bytes
-        if j not in best or total > best[j][0] or (total == best[j][0] and rank < best[j][1]):  # the lowest of equals
+        if j not in best or total > best[j][0]:
             best[j] = (total, rank, first, hook)
     return tuple(_partition_moment(run, base, kept, large, large_in_bucket, memo, rank, first, hook)
                  for _, rank, first, hook in best.values())
