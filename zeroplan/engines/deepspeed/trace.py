@@ -182,6 +182,7 @@ class _TraceBuilder:
         self.events: list[TraceEvent] = []
         self.spans: dict[str, list[int]] = {}
         self._called: dict[str, list[str]] = {}
+        self._leaf: dict[str, bool] = {}
         top = self.called("")
         self.bodies = [c for c in top if c != "lm_head" and self.children[c]] if head_module else []
         top = self.called(self.bodies[0]) if self.bodies else top  # the transformers body's own calls
@@ -196,9 +197,11 @@ class _TraceBuilder:
         self.token_embedding = token.rpartition(".")[0] if token is not None else None
 
     def is_leaf(self, path: str) -> bool:
-        """A sparse MLP DeepSpeed makes a ZeRO-3 leaf (``_LEAF_SPARSE``)."""
-        kids = {c.rpartition(".")[2] for c in self.children.get(path, ())}
-        return "experts" in kids and kids <= _LEAF_SPARSE
+        """A sparse MLP DeepSpeed makes a ZeRO-3 leaf (``_LEAF_SPARSE``); once per module (asked twice)."""
+        if path not in self._leaf:
+            kids = {c.rpartition(".")[2] for c in self.children.get(path, ())}
+            self._leaf[path] = "experts" in kids and kids <= _LEAF_SPARSE
+        return self._leaf[path]
 
     def is_list(self, path: str) -> bool:  # nn.ModuleList: children named 0, 1, ...
         return bool(self.children[path]) and all(c.rpartition(".")[2].isdigit() for c in self.children[path])
