@@ -153,13 +153,14 @@ def _module_tree(names: list[str]) -> tuple[dict[str, list[str]], dict[str, list
             own.append(i)
             continue
         params.setdefault(owner, []).append(i)
-        parts = owner.split(".") if owner else []
-        for depth in range(len(parts)):
-            parent, path = ".".join(parts[:depth]), ".".join(parts[: depth + 1])
-            if path not in children:
-                children[path] = []
-                params.setdefault(path, [])
-                children[parent].append(path)
+        missing, path = [], owner  # its ancestors not registered yet, from the owner up (registered: theirs too)
+        while path and path not in children:
+            missing.append(path)
+            path = path.rpartition(".")[0]
+        for path in reversed(missing):  # registered from the top down, as each parent's children are listed
+            children[path] = []
+            params.setdefault(path, [])
+            children[path.rpartition(".")[0]].append(path)
     return children, params
 
 
