@@ -4,6 +4,7 @@ micro-step (``runtime/zero/parameter_offload.py``), derived from the parameter n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, Optional
 
 FETCH, RELEASE = "fetch", "release"
@@ -127,6 +128,7 @@ _MLP_PROJECTIONS = {"gpt": ("c_fc", "c_proj"), "llama": ("up_proj", "down_proj")
 (validate/transformer.py GPT2MLP, LlamaMLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``)."""
 
 
+@lru_cache(maxsize=8192)  # a module's forward and backward ask (a speed-up)
 def _sparse_mark(path: str) -> Optional[str]:
     """``block j <leaf>`` for a decoder layer's post-attention norm or a submodule of its sparse MLP
     (``_MOE_FORWARD``; ``...layers.j.mlp.experts``), else None: the marks of the sparse block's forward moments
@@ -255,7 +257,8 @@ class _TraceBuilder:
     def forward(self, path: str) -> None:
         events, spans = self.events, self.spans
         start = len(events)
-        events.append(TraceEvent(FETCH, self.module(path), True))
+        module = self.module(path)  # numbered at its first fetch: the same index at its release
+        events.append(TraceEvent(FETCH, module, True))
         block, _, leaf = path.rpartition(".mlp.")
         if leaf in self.projections and block.rpartition(".")[2].isdigit():
             what = "MLP input" if leaf == self.projections[0] else "output projection"
@@ -269,7 +272,7 @@ class _TraceBuilder:
             self.forward(c)
         if path == "" and not self.head_module:
             spans["LM head forward"] = [len(events) - 1, len(events) - 1]
-        events.append(TraceEvent(RELEASE, self.module(path), True))
+        events.append(TraceEvent(RELEASE, module, True))
         if self.projections[1:] == (leaf,) and block.rpartition(".")[2].isdigit():
             spans[f"block {block.rpartition('.')[2]} output projection released"] = [len(events) - 1] * 2
         if path == self.last_block:
@@ -287,7 +290,8 @@ class _TraceBuilder:
     def backward(self, path: str) -> None:
         events, spans = self.events, self.spans
         start = len(events)
-        events.append(TraceEvent(FETCH, self.module(path), False))
+        module = self.module(path)
+        events.append(TraceEvent(FETCH, module, False))
         if path == ("lm_head" if self.head_module else ""):
             spans["LM head backward"] = [start, start]
         if path == self.token_embedding:  # its fetch: the last module of backward (a tied head's sum made there)
@@ -298,7 +302,7 @@ class _TraceBuilder:
         for c in reversed(self.called(path)):
             self.backward(c)
         if path not in self.no_grad_input:
-            events.append(TraceEvent(RELEASE, self.module(path), False))
+            events.append(TraceEvent(RELEASE, module, False))
         if path == self.last_block:
             spans["last block backward"] = [start, len(events) - 1]
 
