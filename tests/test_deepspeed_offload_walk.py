@@ -85,3 +85,42 @@ def test_equal_clone_moments_after_a_partition_name_the_first():
     want = _plain_walk(numels, offsets, 10, 100, 4, 0)
     assert want == (1500, 0, 1, 1)
     assert walk_peaks(numels, offsets, 10, 100, 4, [0])[0] == want
+
+
+@pytest.mark.parametrize("model, bucket, nd, device", [("tiny-llama", 5_000, 7, "cuda"), ("tiny-llama", 2_000, 16, "cpu"),
+                                                       ("tiny-gpt2-untied", 3_000, 5, "cuda")])
+def test_every_rank_walk_lists_the_first_largest_rank_only(model, bucket, nd, device, monkeypatch):
+    """Every rank described, ``stage1_offload_walk`` lists one rank's moment (``DSRun.first_largest`` of its terms
+    rounded to the peak's block): the backward peak (its bytes, moment and terms) equals the one with every rank's
+    moment listed (as before), and the moment listed is the family's first largest by ``peak_of``'s sums. (Every
+    family listed whole, the optimizer step's peak can name a tied moment of another family: not this one's.)"""
+    import json
+    from pathlib import Path
+
+    from zeroplan.architectures.hf_config import spec_from_hf_config
+    from zeroplan.architectures.spec import transformer_shapes
+    from zeroplan.engines.base import Workload
+    from zeroplan.engines.deepspeed.offload_settings import OffloadTarget
+    from zeroplan.engines.deepspeed.offload_walk import WALK
+    from zeroplan.engines.deepspeed.phases import moments
+    from zeroplan.engines.deepspeed.run import DSRun
+    from zeroplan.engines.deepspeed.settings import Settings
+    from zeroplan.engines.deepspeed.wrapper import ds_run
+    from zeroplan.formulas.peak import peak_of
+
+    config = Path(__file__).parent / "data" / "hf_configs" / f"{model}.json"
+    spec = spec_from_hf_config(json.loads(config.read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 4, 2, transformers=True)
+    settings = Settings(stage=1, reduce_bucket_size=bucket, allgather_bucket_size=bucket, device=device,
+                        offload_optimizer=OffloadTarget(device="cpu"))
+    block = settings.block_bytes
+    got = moments(ds_run(settings, workload, nd))
+    assert sum(m.name.startswith(WALK) for m in got) == 1
+    monkeypatch.setattr(DSRun, "first_largest", lambda self, extra, ranks=None: tuple(self.ranks if ranks is None else ranks))
+    want = moments(ds_run(settings, workload, nd))
+    assert sum(m.name.startswith(WALK) for m in want) > 1, "one rank walks: nothing to choose"
+    backward = [p for p in peak_of(got, block).phases if p.phase == "backward"]
+    assert backward == [p for p in peak_of(want, block).phases if p.phase == "backward"]
+    walk = [m for m in want if m.name.startswith(WALK)]
+    first = max(walk, key=lambda m: m.total(block))  # the family's first largest, by peak_of's sums
+    assert [m for m in got if m.name.startswith(WALK)] == [first]

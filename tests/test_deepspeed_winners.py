@@ -167,6 +167,9 @@ CASES = [  # (model, stage, overlap_comm, bucket, N_d, checkpointing, offload_op
     ("tiny-qwen2", 3, None, 2_000, 4, "full", False, None),
     ("tiny-llama", 3, None, 4_500, 3, "none", False, None),  # the head (4,944) sent at the final norm's hook
     ("tiny-gpt2-untied", 3, None, 3_881, 3, "none", True, 1),  # at a LayerNorm's (the head in the bucket), offload
+    # ZeRO-2 every rank, many ranks per first bucket
+    ("tiny-llama", 2, None, 1_500, 16, "none", False, None), ("tiny-qwen2", 2, None, 3_000, 9, "full", False, None),
+    ("tiny-gpt2-untied", 2, None, 700, 11, "none", False, None), ("llama-3.2-1b", 2, None, 20_000_000, 96, "none", False, None),
 ]
 
 
@@ -185,6 +188,28 @@ def test_in_block_winners_equal_every_candidate_built(model, stage, overlap, buc
         got, want = _in_block_partitions(run, last, inflight, kept), _reference_partitions(run, last, inflight, kept)
     assert want, "a case without in-block moments checks nothing"
     assert got == want
+
+
+@pytest.mark.parametrize("model, bucket, nd, ckpt, offload", [("llama-3.2-1b", 5_000_000, 64, "none", False),
+                                                           ("llama-3.2-1b", 2_000_000, 16, "full", True)])
+def test_in_block_reductions_shared_across_prefetch_equal_each_built(model, bucket, nd, ckpt, offload):
+    """On a GPU ``_in_block_reductions`` makes its moments less ``base`` once per run less its prefetch bucket
+    (``zero3._gpu_terms``): each prefetch setting's moments, the later ones from that cache, equal every candidate
+    built with its own ``base`` (the gathered parameters differ with the prefetch bucket)."""
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, checkpointing=ckpt, transformers=True)
+    bases = set()
+    for prefetch in (0, 1_000, 50_000_000, 0):
+        settings = Settings(stage=3, reduce_bucket_size=bucket, allgather_bucket_size=bucket, prefetch_bucket_size=prefetch,
+                            device="cuda",
+                            offload_optimizer=OffloadTarget(device="cpu") if offload else OffloadTarget())
+        run = ds_run(settings, workload, nd)
+        assert run.settings.device == "cuda"
+        last, inflight = _last_and_inflight(run)
+        got, want = _in_block_reductions(run, last, inflight), _reference_reductions(run, last, inflight)
+        assert want and got == want
+        bases.add(tuple(t for t in last if t not in inflight))
+    assert len(bases) > 1, "the prefetch settings gather alike: the shared part is not tested"
 
 
 def _reference_stage1_flattened(run):
@@ -249,6 +274,19 @@ def test_stage1_flattened_equals_every_rank_built(model, bucket, nd, rank):
     want = _reference_stage1_flattened(run)
     assert want, "a case without flattened buckets checks nothing"
     assert stage1_flattened(run) == want
+
+
+@pytest.mark.parametrize("model, bucket, nd", [("tiny-gpt2-untied", 2_000, 7), ("tiny-qwen3", 3_000, 5),
+                                               ("tiny-llama", 5_000, 9)])
+def test_stage1_flattened_of_each_rank_equals_its_loop(model, bucket, nd):
+    """Each rank's own run (``_RankFacts.largest`` unrolled for one rank) gives the moments of the per-rank loop."""
+    from zeroplan.engines.deepspeed.late_reductions import stage1_flattened
+
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, transformers=True)
+    for rank in range(nd):
+        run = ds_run(Settings(stage=1, reduce_bucket_size=bucket, allgather_bucket_size=bucket, rank=rank), workload, nd)
+        assert stage1_flattened(run) == _reference_stage1_flattened(run)
 
 
 def test_stage1_flattened_caches_shared_across_runs():

@@ -69,6 +69,29 @@ def stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, persis
                             max_reuse_distance)  # fmt: skip
 
 
+@lru_cache(maxsize=4)  # read only: every prefetch setting's replay of one trace records the same (a speed-up, no rule)
+def _recorded(trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: int) -> tuple:
+    """``Coordinator``'s record of the first step: each module's parameters as a set (asked at every fetch and
+    release), the persistent ones, each parameter's padded share, the prefetch queue, each parameter's uses and the
+    elements of the modules before each step."""
+    modules = [frozenset(ps) for ps in trace.modules]
+    persist = [n <= threshold for n in numels]  # parameter_offload.py mark_persistent_parameters
+    padded = [-(-n // nd) * nd for n in numels]  # _all_gather_sequential buffer / _all_gather_dtype share
+    order = [e.module for e in trace.events if e.op == FETCH]  # record_module: __submodule_order
+    # record_parameters: __param_order, each module's parameters sorted by ds_id, with the step it is used at
+    ordered = [sorted(ps) for ps in modules]
+    queue = [(p, step) for step, m in enumerate(order) for p in ordered[m]]
+    uses: dict[int, list[int]] = {}
+    for step, m in enumerate(order):
+        for p in modules[m]:
+            uses.setdefault(p, []).append(step)
+    module_numel = [sum(numels[p] for p in ps) for ps in trace.modules]
+    before = [0]  # elements of the modules before step k (__params_to_release counts every parameter)
+    for m in order:
+        before.append(before[-1] + module_numel[m])
+    return modules, persist, padded, queue, uses, before
+
+
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = 0, 1, 2
 """partition_parameters.py ``ZeroParamStatus``."""
 
@@ -94,22 +117,8 @@ class Coordinator:
                  max_live: int, max_reuse: int) -> None:
         self.numels, self.bucket = numels, bucket
         self.max_live, self.max_reuse = max_live, max_reuse
-        # each module's parameters as a set, made once (the replay asks at every fetch and release)
-        self.modules = [frozenset(ps) for ps in trace.modules]
-        self.persist = [n <= threshold for n in numels]  # parameter_offload.py mark_persistent_parameters
-        self.padded = [-(-n // nd) * nd for n in numels]  # _all_gather_sequential buffer / _all_gather_dtype share
-        order = [e.module for e in trace.events if e.op == FETCH]  # record_module: __submodule_order
-        # record_parameters: __param_order, each module's parameters sorted by ds_id, with the step it is used at
-        ordered = [sorted(ps) for ps in self.modules]
-        self.queue = [(p, step) for step, m in enumerate(order) for p in ordered[m]]
-        self.uses: dict[int, list[int]] = {}
-        for step, m in enumerate(order):
-            for p in self.modules[m]:
-                self.uses.setdefault(p, []).append(step)
-        module_numel = [sum(numels[p] for p in ps) for ps in trace.modules]
-        self.before = [0]  # elements of the modules before step k (__params_to_release counts every parameter)
-        for m in order:
-            self.before.append(self.before[-1] + module_numel[m])
+        self.modules, self.persist, self.padded, self.queue, self.uses, self.before = _recorded(trace, numels, nd,
+                                                                                               threshold)
         self.status = [AVAILABLE if self.persist[p] else NOT_AVAILABLE for p in range(len(numels))]
         self.active: list[set[int]] = [set() for _ in numels]  # ds_active_sub_modules
         self.fetched_for = [-(10**10)] * len(numels)  # __most_recent_step_id_param_fetched_for

@@ -150,6 +150,12 @@ class _RankFacts:
     def largest(self, k: int, first: int, copy: int) -> tuple[int | None, int | None]:
         """(index, own) of the option holding the most at bucket k, the first largest in the candidates' order:
         (None, None) no rank's; (i, own) an earlier first bucket; (i, None) its first bucket."""
+        if len(self.ranks) == 1:  # a rank's own run: the comparisons below for one rank, unrolled (a speed-up)
+            f, gip = self.firsts[0], self.gips[0]
+            if k <= f:
+                return (0, None) if k == f and gip > copy else (None, None)
+            own = self.own(0, first)
+            return (0, own) if gip - own * self.p > 0 else (None, None)
         n1, n2 = bisect.bisect_left(self.firsts, k), bisect.bisect_right(self.firsts, k)
         best, choice = copy, (None, None)  # the totals less what every option has (states, buckets, alive)
         m = min(n1, bisect.bisect_right(self.ends, first))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
@@ -89,11 +90,17 @@ def _clone_maxima(events: list[tuple], large_before: list[int]) -> tuple[list[in
     return clones, values, prefix, suffix
 
 
+@lru_cache(maxsize=8)  # read only: a candidate's every-rank run and its named ranks' walk the same events
+def _walk_facts(numels: tuple[int, ...], bucket: int) -> tuple:
+    """``_walk_events`` and their ``_clone_maxima``, once per parameter sizes and bucket."""
+    events, clone_at, flush_of, large_before = _walk_events(numels, bucket)
+    return events, clone_at, flush_of, large_before, _clone_maxima(events, large_before)
+
+
 def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket: int, g: int,
                ranks: Iterable[int]) -> dict[int, WalkMoment]:
     """Each rank's largest moment of the walk (module docstring); ``NONE`` where it has none."""
-    events, clone_at, flush_of, large_before = _walk_events(numels, bucket)
-    clones, values, prefix, suffix = _clone_maxima(events, large_before)
+    events, clone_at, flush_of, large_before, (clones, values, prefix, suffix) = _walk_facts(tuple(numels), bucket)
 
     def weigh(m: WalkMoment) -> int:
         return m[0] * g + 8 * m[1]
@@ -172,13 +179,17 @@ def stage1_offload_walk(run: DSRun) -> tuple[PeakMoment, ...]:
     s = run.settings
     if not offload_walk_applies(s, sum(run.numels)):
         return ()
-    g = DTYPE_BYTES[s.dtype]
+    g, block = DTYPE_BYTES[s.dtype], s.block_bytes  # the peak's block (``profile.device_terms``)
     out = []
     peaks = walk_peaks(run.numels, run.flat.offsets, run.flat.part, s.reduce_bucket_size, g, run.ranks)
-    for rank in run.ranks:
+
+    def own_blocks(rank: int) -> int:  # the rank's two terms rounded as ``peak_of`` rounds them: the rest is alike
+        held, norm = peaks[rank][:2]
+        return -(held * g // -block) + -(8 * norm // -block)
+
+    # every rank described: only the first whose moment holds the most (``DSRun.first_largest``; a speed-up, no rule)
+    for rank in run.first_largest(own_blocks, tuple(r for r in run.ranks if peaks[r][2] >= 0)):
         held, norm, k, clone = peaks[rank]
-        if k < 0:
-            continue
         what = "cloned (larger than the bucket)" if clone else "its slice's fp64 norm copy"
         out.append(PeakMoment("backward", f"{WALK}: rank {rank}, parameter {k} {what}", (
             *_states(run), *_bucket(run),

@@ -6,6 +6,7 @@ update; each wrapper (``zero12.py``, ``bf16.py``, ``zero3.py``) adds its own mom
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 from zeroplan.engines.deepspeed.moe import sparse_blocks, sparse_forward_moments
 from zeroplan.engines.deepspeed.offload import offload_moments
@@ -255,6 +256,20 @@ def final_norm_per_rank(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term
                  for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r)), ranks) for m in norm)
 
 
+@lru_cache(maxsize=8)  # every ZeRO-1 run of a plan: the same layout (a speed-up, no rule)
+def _later_numels(numels: tuple[int, ...], param_blocks: tuple[int, ...], L: int) -> tuple[int, ...]:
+    """Per block j of ``L``, the parameter elements of the blocks after j (``later_blocks_held``)."""
+    later = [0] * (L + 1)
+    for n, b in zip(numels, param_blocks):
+        if 0 < b <= L:
+            later[b - 1] += n
+        elif b > L:
+            later[L] += n
+    for j in range(L - 1, -1, -1):
+        later[j] += later[j + 1]
+    return tuple(later)
+
+
 def later_blocks_held(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
     """A wrapper reducing after backward (ZeRO-1 without ``overlap_comm``, BF16_Optimizer): autograd's
     gradients pile up block by block, so block j's first op also holds every later block's (under
@@ -263,14 +278,7 @@ def later_blocks_held(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, 
     if not run.param_blocks:
         return ()
     L, out = run.acts.n_layer, []
-    later = [0] * (L + 1)  # later[j]: parameter elements of the blocks after j
-    for n, b in zip(run.numels, run.param_blocks):
-        if 0 < b <= L:
-            later[b - 1] += n
-        elif b > L:
-            later[L] += n
-    for j in range(L - 1, -1, -1):
-        later[j] += later[j + 1]
+    later = _later_numels(run.numels, run.param_blocks, L)
     common = tuple(t for t in last if t not in inflight)
     for j in range(L - 1):
         out.append(Moment("backward", f"block {j} backward, the later blocks' gradients held", (

@@ -22,7 +22,6 @@ from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget
 from zeroplan.engines.deepspeed.zeropp import all_secondaries_numel
 from zeroplan.engines.deepspeed.zeropp_settings import ZEROPP_KEYS, node_keys
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
-from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 from zeroplan.engines.deepspeed.settings import Settings, to_ds_config
 from zeroplan.formulas.collectives import on_mesh
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
@@ -376,4 +375,4 @@ def _traced(t: Tried) -> Settings:
 
 def planner_block_bytes(settings: Settings) -> int:
     """The allocator block every peak term is rounded to (``profile.device_terms``): 512 on CUDA, none on CPU."""
-    return CUDA_BLOCK_BYTES if settings.device == "cuda" else 1
+    return settings.block_bytes

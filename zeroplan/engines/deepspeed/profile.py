@@ -18,7 +18,7 @@ from zeroplan.engines.deepspeed.settings import Settings, inner_optimizer_class,
 from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.engines.deepspeed.wrapper import collectives, ds_run, memory_breakdown
 from zeroplan.formulas.cuda_workspaces import library_workspaces
-from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
+from zeroplan.formulas.peak import Moment, PeakEstimate, Term, peak_of
 
 
 def estimate(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int] = None) -> tuple[EngineEstimate, ...]:
@@ -61,7 +61,7 @@ def device_terms(workload: Workload, settings: Settings) -> tuple[int, tuple[Ter
     CPU accelerator none. The peak (``_peak``) and the allocation trace (``alloc_trace``) both take them here."""
     if settings.device != "cuda" or workload.spec is None:
         return 1, ()
-    return CUDA_BLOCK_BYTES, (library_workspaces(settings.cuda_capability, workload.spec.biased_linear),)
+    return settings.block_bytes, (library_workspaces(settings.cuda_capability, workload.spec.biased_linear),)
 
 
 def _peak(workload: Workload, nd: int, settings: Settings, stat_bytes: Optional[int]) -> Optional[PeakEstimate]:

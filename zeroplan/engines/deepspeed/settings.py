@@ -15,6 +15,7 @@ from zeroplan.engines.deepspeed.offload_settings import NO_TARGET, OffloadTarget
 from zeroplan.engines.deepspeed.zeropp_settings import check_zeropp, check_zeropp_keys, zeropp_keys
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES
 
 DEEPSPEED_VERSION = "0.19.8"
 DTYPE_BYTES = BYTES_PER_ELEMENT  # the one byte table (zeroplan.formulas.dtypes), under DeepSpeed's old name
@@ -148,6 +149,11 @@ class Settings(BaseModel):
     def builds_partitioned(self) -> bool:
         """Whether the model is built under ``deepspeed.zero.Init`` (``zero_init``; None: at stage 3)."""
         return self.stage == 3 and self.zero_init is not False
+
+    @property
+    def block_bytes(self) -> int:
+        """The allocator block every peak term is rounded to (``device``): 512 on cuda, none (1) on cpu."""
+        return CUDA_BLOCK_BYTES if self.device == "cuda" else 1
 
     @property
     def grad_dtype(self) -> str:

@@ -4,6 +4,7 @@ micro-step (``runtime/zero/parameter_offload.py``), derived from the parameter n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, Optional
 
 FETCH, RELEASE = "fetch", "release"
@@ -127,6 +128,7 @@ _MLP_PROJECTIONS = {"gpt": ("c_fc", "c_proj"), "llama": ("up_proj", "down_proj")
 (validate/transformer.py GPT2MLP, LlamaMLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``)."""
 
 
+@lru_cache(maxsize=8192)  # a module's forward and backward ask (a speed-up)
 def _sparse_mark(path: str) -> Optional[str]:
     """``block j <leaf>`` for a decoder layer's post-attention norm or a submodule of its sparse MLP
     (``_MOE_FORWARD``; ``...layers.j.mlp.experts``), else None: the marks of the sparse block's forward moments
@@ -153,13 +155,14 @@ def _module_tree(names: list[str]) -> tuple[dict[str, list[str]], dict[str, list
             own.append(i)
             continue
         params.setdefault(owner, []).append(i)
-        parts = owner.split(".") if owner else []
-        for depth in range(len(parts)):
-            parent, path = ".".join(parts[:depth]), ".".join(parts[: depth + 1])
-            if path not in children:
-                children[path] = []
-                params.setdefault(path, [])
-                children[parent].append(path)
+        missing, path = [], owner  # its ancestors not registered yet, from the owner up (registered: theirs too)
+        while path and path not in children:
+            missing.append(path)
+            path = path.rpartition(".")[0]
+        for path in reversed(missing):  # registered from the top down, as each parent's children are listed
+            children[path] = []
+            params.setdefault(path, [])
+            children[path.rpartition(".")[0]].append(path)
     return children, params
 
 
@@ -182,6 +185,7 @@ class _TraceBuilder:
         self.events: list[TraceEvent] = []
         self.spans: dict[str, list[int]] = {}
         self._called: dict[str, list[str]] = {}
+        self._leaf: dict[str, bool] = {}
         top = self.called("")
         self.bodies = [c for c in top if c != "lm_head" and self.children[c]] if head_module else []
         top = self.called(self.bodies[0]) if self.bodies else top  # the transformers body's own calls
@@ -196,9 +200,11 @@ class _TraceBuilder:
         self.token_embedding = token.rpartition(".")[0] if token is not None else None
 
     def is_leaf(self, path: str) -> bool:
-        """A sparse MLP DeepSpeed makes a ZeRO-3 leaf (``_LEAF_SPARSE``)."""
-        kids = {c.rpartition(".")[2] for c in self.children.get(path, ())}
-        return "experts" in kids and kids <= _LEAF_SPARSE
+        """A sparse MLP DeepSpeed makes a ZeRO-3 leaf (``_LEAF_SPARSE``); once per module (asked twice)."""
+        if path not in self._leaf:
+            kids = {c.rpartition(".")[2] for c in self.children.get(path, ())}
+            self._leaf[path] = "experts" in kids and kids <= _LEAF_SPARSE
+        return self._leaf[path]
 
     def is_list(self, path: str) -> bool:  # nn.ModuleList: children named 0, 1, ...
         return bool(self.children[path]) and all(c.rpartition(".")[2].isdigit() for c in self.children[path])
@@ -251,7 +257,8 @@ class _TraceBuilder:
     def forward(self, path: str) -> None:
         events, spans = self.events, self.spans
         start = len(events)
-        events.append(TraceEvent(FETCH, self.module(path), True))
+        module = self.module(path)  # numbered at its first fetch: the same index at its release
+        events.append(TraceEvent(FETCH, module, True))
         block, _, leaf = path.rpartition(".mlp.")
         if leaf in self.projections and block.rpartition(".")[2].isdigit():
             what = "MLP input" if leaf == self.projections[0] else "output projection"
@@ -265,7 +272,7 @@ class _TraceBuilder:
             self.forward(c)
         if path == "" and not self.head_module:
             spans["LM head forward"] = [len(events) - 1, len(events) - 1]
-        events.append(TraceEvent(RELEASE, self.module(path), True))
+        events.append(TraceEvent(RELEASE, module, True))
         if self.projections[1:] == (leaf,) and block.rpartition(".")[2].isdigit():
             spans[f"block {block.rpartition('.')[2]} output projection released"] = [len(events) - 1] * 2
         if path == self.last_block:
@@ -283,7 +290,8 @@ class _TraceBuilder:
     def backward(self, path: str) -> None:
         events, spans = self.events, self.spans
         start = len(events)
-        events.append(TraceEvent(FETCH, self.module(path), False))
+        module = self.module(path)
+        events.append(TraceEvent(FETCH, module, False))
         if path == ("lm_head" if self.head_module else ""):
             spans["LM head backward"] = [start, start]
         if path == self.token_embedding:  # its fetch: the last module of backward (a tied head's sum made there)
@@ -294,7 +302,7 @@ class _TraceBuilder:
         for c in reversed(self.called(path)):
             self.backward(c)
         if path not in self.no_grad_input:
-            events.append(TraceEvent(RELEASE, self.module(path), False))
+            events.append(TraceEvent(RELEASE, module, False))
         if path == self.last_block:
             spans["last block backward"] = [start, len(events) - 1]
 

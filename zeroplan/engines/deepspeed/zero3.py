@@ -9,6 +9,7 @@ the fp32 master partition, and the persistent parameters are re-gathered."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from functools import lru_cache
 from typing import Optional
 
@@ -290,11 +291,24 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     before)."""
     if not run.param_blocks or not run.acts.block.mlp_saved:
         return ()
+    base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
+                                                                         "incoming activation gradient"))  # fmt: skip
+    if run.settings.device == "cpu":  # gloo: a bucket's moment holds the parameters gathered at its hook, of ``base``
+        return tuple(Moment("backward", name, terms) for name, terms in _reduction_terms(run, base))
+    tails = _gpu_terms(replace(run, settings=run.settings.model_copy(update={"prefetch_bucket_size": 0})), run.spec)
+    return tuple(Moment("backward", name, (*base, *tail)) for name, tail in tails)
+
+
+@lru_cache(maxsize=8)  # on a GPU ``base`` adds to every bucket alike: once per run less its prefetch (a speed-up, no rule)
+def _gpu_terms(run: DSRun, spec: object) -> tuple[tuple[str, tuple[Term, ...]], ...]:  # noqa: ARG001 (key only)
+    return _reduction_terms(run, ())
+
+
+def _reduction_terms(run: DSRun, base: tuple[Term, ...]) -> tuple[tuple[str, tuple[Term, ...]], ...]:
+    """``_in_block_reductions``' moments (name, terms) beside ``base``."""
     s, p = run.settings, _pbytes(run)
     order, buckets, first_of_bucket, bucket_of = _hook_layout(run.numels, s.reduce_bucket_size, run.grad_ready_order)
     offload = s.offload_optimizer.on
-    base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
-                                                                         "incoming activation gradient"))  # fmt: skip
     numels, limit, rank = run.numels, s.reduce_bucket_size, s.rank or 0
     # per position in ``order``: the large gradients' elements before it, and the gradients before it whose
     # partition on this rank is not empty (its norm kept): each bucket's sums from two lookups, not a pass
@@ -358,7 +372,7 @@ def _in_block_reductions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             terms += (Term("fp64 copy of a gradient partition for its norm (the largest of the bucket)", norm,
                            f"{S3} partition_grads -> _offload_grad_partition_at_boundary -> _constant_buffered_norm2", 2),
                       Term(f"{PARAM_NORMS}, the buckets sent before", norms * 8, f"{S3} norm_for_param_grads", norms))  # fmt: skip
-        out.append(Moment("backward", f"{at}, a bucket sent", terms))
+        out.append((f"{at}, a bucket sent", terms))
     return tuple(out)
 
 
