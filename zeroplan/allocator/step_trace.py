@@ -37,8 +37,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, compress, repeat
+from operator import itemgetter, not_
 
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
@@ -52,7 +52,21 @@ INCREMENTAL = True
 """Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
 test that compares the two sets it)."""
 _new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
-_SIZE = itemgetter(1)  # a live buffer's size (id, size, stream)
+_TRUE = repeat(True)  # ``live.get``'s default, mapped
+_SIZE, _SIZE_STREAM = itemgetter(1), itemgetter(1, 2)  # a live buffer's size, (size, stream) (id, size, stream)
+
+
+class _Rounded(dict):
+    """{size: size rounded up to ``block`` bytes} (``Term.rounded``'s convention), each size worked out once: read
+    in C (``map(rounded.__getitem__, sizes)``)."""
+
+    def __init__(self, block: int) -> None:
+        super().__init__()
+        self.block = block
+
+    def __missing__(self, size: int) -> int:
+        out = self[size] = size if self.block <= 1 else -(-size // self.block) * self.block
+        return out
 
 
 @lru_cache(maxsize=4096)  # a step names the same terms at every moment: each name is read once
@@ -107,6 +121,7 @@ class _Builder:
 
     def __init__(self, block_bytes: int, stream_of: Callable[[Term], int]) -> None:
         self.block, self.stream_of = block_bytes, stream_of
+        self._round_of = _Rounded(block_bytes)
         self.live: dict[Key, list[tuple[int, int, int]]] = {}
         self.events: list[Event] = []
         self.chunks: list[tuple[int, int, int, int]] = []  # (index, size, stream, count) of each alloc chunk
@@ -180,7 +195,8 @@ class _Builder:
                 gone.append(key)
         added, new = ids - ids_before, []
         if added:
-            for term in [t for t in terms if id(t) in added]:  # in term order: the order of the allocations
+            for term in compress(terms, map(added.__contains__, map(id, terms))):  # in term order (in C): the
+                # order of the allocations
                 for key, amount, stream in tensors(term):
                     if key in want:  # a key two terms hold: their amounts add up (``wanted``)
                         return None
@@ -235,7 +251,7 @@ class _Builder:
             elif len(stack) > keep:  # the last tensors, last first (in C)
                 freed.extend(stack[:keep - 1 if keep else None:-1])
                 del stack[keep:]
-        return freed, [k for k in changed if not live.get(k, True)]
+        return freed, list(compress(changed, map(not_, map(live.get, changed, _TRUE))))  # the keys left empty, in C
 
     def _continue_grown(self, want: dict[Key, list[int]], changed: set[Key]) -> None:
         """A grown buffer that is gone and a new one on the same stream in the same transition: the same
@@ -259,11 +275,7 @@ class _Builder:
         changed, wanted_changed = changes
         self.moves += 1  # this move's pops are counted as the moves before it (``popped``)
         self._continue_grown(want, changed)
-        # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
-        spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         freed, emptied = self._release(want, changed)
-        for buf in freed:
-            spare.setdefault((buf[1], buf[2]), []).append(buf)
         fresh: list[tuple[Key, int, int, int]] = []  # (key, size, stream, how many) of the tensors made anew
         live = self.live
         for key in wanted_changed:
@@ -273,26 +285,23 @@ class _Builder:
                 stack = self._add(key, [])
             if key[2] == GROWN:  # one more piece, of what is missing
                 size = amount - (self._grown(stack) if stack else 0)
-                need = 1 if size > 0 else 0
-            else:
-                size, need = key[2], amount - len(stack)
-            if need <= 0:
-                continue
-            pool = spare.get((size, stream)) if spare else None
-            while pool and need:  # equal tensors: the spare ones first, last freed first
-                stack.append(pool.pop())
-                need -= 1
-            if need:
-                fresh.append((key, size, stream, need))
-        if spare:
-            left, block = sorted(chain.from_iterable(spare.values()), reverse=True), self.block
-            self.events.extend([_new(Event, ("free", b[0], 0, 0, None)) for b in left])  # ``Event("free", id)``, in C
-            self.live_bytes -= sum(map(_SIZE, left)) if block <= 1 else sum([-(-b[1] // block) * block for b in left])
+                if size > 0:
+                    fresh.append((key, size, stream, 1))
+            elif amount > len(stack):
+                fresh.append((key, key[2], stream, amount - len(stack)))
+        if freed:
+            # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed; most
+            # transitions free no size they allocate (found in C), and free in id order, last first
+            if fresh and not {f[1:3] for f in fresh}.isdisjoint(map(_SIZE_STREAM, freed)):
+                freed = self._paired(freed, fresh)
+            freed.sort(reverse=True)
+            self.events.extend([_new(Event, ("free", b[0], 0, 0, None)) for b in freed])  # ``Event("free", id)``
+            self.live_bytes -= sum(map(self._round_of.__getitem__, map(_SIZE, freed)))  # rounded, in C
         if moment.phase != self.phase:
             self.phase = moment.phase
             self.events.append(Event("phase", moment.phase))
             self._note()
-        events, ident, block, added = self.events, self.next_id, self.block, 0
+        events, ident, added = self.events, self.next_id, 0
         for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
             self.chunks.append((len(events), size, stream, count))
             if count == 1:  # most: no comprehension to call
@@ -303,13 +312,32 @@ class _Builder:
                 events.extend([_new(Event, ("alloc", i, size, stream, None)) for i in ids])  # ``Event(...)``, in C
                 live[key].extend([(i, size, stream) for i in ids])
             ident += count
-            added += count * (size if block <= 1 else -(-size // block) * block)  # ``_rounded``
+            added += count * self._round_of[size]
         self.next_id = ident
         self.live_bytes += added
         self._note()
         for key in emptied:  # a key left empty leaves ``live`` (the others keep their order)
             if not live[key]:
                 del live[key]
+
+    def _paired(self, freed: list[tuple[int, int, int]], fresh: list[tuple[Key, int, int, int]]) -> list:
+        """``move_to``'s pairing: each new tensor (``fresh``, in order) takes a freed buffer of its size and stream
+        first, the last freed first; ``fresh`` keeps what is still to allocate; the buffers left to free."""
+        spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for buf in freed:
+            spare.setdefault((buf[1], buf[2]), []).append(buf)
+        live, out = self.live, []
+        for key, size, stream, need in fresh:
+            pool = spare.get((size, stream))
+            if pool:  # equal tensors: the spare ones first, last freed first (in C)
+                take = min(need, len(pool))
+                live[key].extend(pool[:-take - 1:-1])
+                del pool[-take:]
+                need -= take
+            if need:
+                out.append((key, size, stream, need))
+        fresh[:] = out
+        return list(chain.from_iterable(spare.values()))
 
     def snapshot(self) -> tuple:
         """What the rest of a step's events depend on (``step_repeat``'s fields), copied (in C: cheap enough to
