@@ -51,6 +51,10 @@ _COUNT = re.compile(r" of \d+ ")
 INCREMENTAL = True
 """Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
 test that compares the two sets it)."""
+PAIR_SKIP = True
+"""A transition whose frees no new tensor can take (no freed (size, stream) among the new ones', found in C) skips
+``_Builder._paired`` (False: every transition with frees and new tensors pairs them, as the test that compares the
+two sets it)."""
 _new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
 _TRUE = repeat(True)  # ``live.get``'s default, mapped
 _SIZE, _SIZE_STREAM = itemgetter(1), itemgetter(1, 2)  # a live buffer's size, (size, stream) (id, size, stream)
@@ -292,7 +296,7 @@ class _Builder:
         if freed:
             # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed; most
             # transitions free no size they allocate (found in C), and free in id order, last first
-            if fresh and not {f[1:3] for f in fresh}.isdisjoint(map(_SIZE_STREAM, freed)):
+            if fresh and not (PAIR_SKIP and {f[1:3] for f in fresh}.isdisjoint(map(_SIZE_STREAM, freed))):
                 freed = self._paired(freed, fresh)
             freed.sort(reverse=True)
             self.events.extend([_new(Event, ("free", b[0], 0, 0, None)) for b in freed])  # ``Event("free", id)``
