@@ -33,10 +33,8 @@ moment (a speed-up, no rule: tests/test_step_trace.py compares the two on every 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from itertools import chain, compress, repeat
 from operator import itemgetter, not_
 
@@ -44,10 +42,10 @@ from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
 from zeroplan.allocator.runs import chunk_runs
 from zeroplan.allocator.step_repeat import GROWN, copy_events, copy_plan as _repeats, resumed
+from zeroplan.allocator.trace_terms import Rounded as _Rounded, default_stream, identity as _identity, tensor_sizes
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
-_COUNT = re.compile(r" of \d+ ")
 INCREMENTAL = True
 """Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
 test that compares the two sets it)."""
@@ -58,32 +56,6 @@ two sets it)."""
 _new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
 _TRUE = repeat(True)  # ``live.get``'s default, mapped
 _SIZE, _SIZE_STREAM = itemgetter(1), itemgetter(1, 2)  # a live buffer's size, (size, stream) (id, size, stream)
-
-
-class _Rounded(dict):
-    """{size: size rounded up to ``block`` bytes} (``Term.rounded``'s convention), each size worked out once: read
-    in C (``map(rounded.__getitem__, sizes)``)."""
-
-    def __init__(self, block: int) -> None:
-        super().__init__()
-        self.block = block
-
-    def __missing__(self, size: int) -> int:
-        out = self[size] = size if self.block <= 1 else -(-size // self.block) * self.block
-        return out
-
-
-@lru_cache(maxsize=4096)  # a step names the same terms at every moment: each name is read once
-def _identity(name: str) -> str:
-    """A term named "... of N ..." (``saved activations of 3 blocks``, ``sharded gradients of 2 unit(s)``) is a
-    collection of N tensors: the same collection in the next moment, grown or shrunk by the difference (a name
-    without " of " is its own: no pattern to run; FSDP2's trace meets ~1,500 names, each new to its build)."""
-    return _COUNT.sub(" of # ", name) if " of " in name else name
-
-
-def default_stream(term: Term) -> int:
-    """Every term on the default stream (0)."""
-    return 0
 
 
 @dataclass(frozen=True)
@@ -105,19 +77,6 @@ class AllocTrace:
     def streams(self) -> tuple[int, ...]:
         """The streams the trace allocates on, in first-use order."""
         return tuple(dict.fromkeys(e.stream for e in self.events if e.action == "alloc"))
-
-
-def tensor_sizes(term: Term, block_bytes: int) -> list[tuple[int, int]]:
-    """A term's tensors as (size, count): ``tensors`` equal ones of ``ceil(bytes / tensors)`` (rounded to
-    ``block_bytes`` they sum to ``Term.rounded``); unrounded (``block_bytes`` 1) the remainder is spread so
-    that they sum to ``bytes`` exactly."""
-    if term.bytes <= 0:
-        return []
-    n = max(term.tensors, 1)
-    if block_bytes > 1:
-        return [(-(-term.bytes // n), n)]
-    q, r = divmod(term.bytes, n)
-    return [(size, count) for size, count in ((q + 1, r), (q, n - r)) if size and count]
 
 
 class _Builder:
@@ -143,9 +102,6 @@ class _Builder:
         self.live[key], self.since[key] = stack, self._added
         self._added += 1
         return stack
-
-    def _rounded(self, size: int) -> int:
-        return size if self.block <= 1 else -(-size // self.block) * self.block
 
     def _note(self) -> None:
         if self.phase is not None:
@@ -219,7 +175,7 @@ class _Builder:
         if got is None:
             name, stream = _identity(term.name), self.stream_of(term)
             if term.tensors <= 1:
-                keys = (((name, term.source, GROWN), self._rounded(term.bytes), stream),) if term.bytes > 0 else ()
+                keys = (((name, term.source, GROWN), self._round_of[term.bytes], stream),) if term.bytes > 0 else ()
             else:
                 keys = tuple(((name, term.source, size), count, stream) for size, count in tensor_sizes(term, self.block))
             got = self._seen[id(term)] = (term, keys)  # the term kept: its id stays its own
