@@ -13,7 +13,7 @@ from zeroplan.allocator.blocks import Block, Pool, Segment
 def _check(pool: Pool, held: list[tuple[int, int]], rng: random.Random) -> None:
     """``pool`` against ``held``, the plain sorted list of its blocks' (size, address)."""
     assert [(b.size, b.address) for b in pool] == held
-    assert len(pool) == len(held)
+    assert len(pool.blocks) == len(held)
     assert pool.sizes == sorted({s for s, _ in held})
     for size in {*(s for s, _ in held), *(rng.randrange(1, 40) * 512 for _ in range(5))}:
         index = bisect_left(held, (size, -1))

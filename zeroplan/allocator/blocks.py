@@ -111,9 +111,6 @@ class Pool:
         index = bisect_right(sizes, block.size)
         return self.blocks[self.by_size[sizes[index]][0]] if index < len(sizes) else None
 
-    def __len__(self) -> int:
-        return len(self.blocks)
-
     def __iter__(self):
         """The blocks in (size, address) order, listed first (a caller may remove them as it goes)."""
         by_size, blocks = self.by_size, self.blocks
