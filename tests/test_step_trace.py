@@ -188,6 +188,32 @@ def test_each_moment_built_from_the_one_before_is_the_moment_built_whole(engine,
     assert sum(t is not None for t in taken) * 2 > len(taken) > 0, (engine, len(taken))
 
 
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_transition_that_skips_the_pairing_makes_the_events_of_pairing(engine, monkeypatch):
+    """``PAIR_SKIP``: a transition none of whose freed (size, stream) a new tensor wants skips
+    ``_Builder._paired``; the traces are those of pairing every transition, event for event, on the drawn
+    configurations of each engine (both paths taken)."""
+    import zeroplan.allocator.step_trace as module
+
+    _, traces = ENGINES[engine]
+    calls, pair = {True: 0, False: 0}, module._Builder._paired
+
+    def counted(self, *args):
+        calls[module.PAIR_SKIP] += 1
+        return pair(self, *args)
+
+    monkeypatch.setattr(module._Builder, "_paired", counted)
+    for w, nd, settings in _draws(engine, 6):
+        skipped = traces(w, nd, settings)
+        with monkeypatch.context() as m:
+            m.setattr(module, "PAIR_SKIP", False)
+            every = traces(w, nd, settings)
+        assert [t.events for t in skipped] == [t.events for t in every], (engine, nd, settings)
+        assert [t.phase_live_bytes for t in skipped] == [t.phase_live_bytes for t in every]
+        assert [t.runs for t in skipped] == [t.runs for t in every]
+    assert calls[False] > calls[True] > 0, calls  # pairs made, and transitions skipped
+
+
 def test_frees_kept_looks_at_the_renamed_frees_alone_and_answers_as_every_pair():
     """``step_repeat._frees_kept`` checks only the frees of renamed ids and their neighbours (two shifted ids keep
     their order): the answer of the loop over every two frees in a row, on seeded random windows of allocs, frees

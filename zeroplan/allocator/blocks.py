@@ -8,7 +8,7 @@ that the first block of at least the rounded request size is the best fit.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass
 
 
@@ -59,44 +59,62 @@ class Segment:
         return sum(b.size for b in self.blocks() if b.mapped)
 
 
-ADDRESS_BITS = 64
-"""A pool's key of a block is one int, ``size << ADDRESS_BITS | address``: ordered as (size, address), which
-``get_free_block`` compares, since model and recorded addresses are below 2**64 (a speed-up over tuples:
-no tuple to build, hash or compare per request)."""
-
-
 class Pool:
-    """The cached free blocks of one (stream, small|large) kind, ordered by (size, address) (``ADDRESS_BITS``)."""
+    """The cached free blocks of one (stream, small|large) kind, ordered by (size, address): the sizes held, sorted,
+    and each size's addresses, sorted (a pool of ~2,900 blocks holds ~10-24 sizes: best fit bisects the few sizes,
+    and a block comes and goes within its size's list rather than shifting every larger block's key;
+    docs/benchmarks.md, FSDP2 `plan` speed, fourteenth pass)."""
 
-    __slots__ = ("keys", "blocks", "small", "clock")
+    __slots__ = ("sizes", "by_size", "blocks", "small", "clock")
 
     def __init__(self, small: bool, clock: list[int]) -> None:
-        self.keys: list[int] = []
-        self.blocks: dict[int, Block] = {}
+        self.sizes: list[int] = []  # the distinct sizes of the blocks held, ascending
+        self.by_size: dict[int, list[int]] = {}  # size: the addresses of its blocks, ascending
+        self.blocks: dict[int, Block] = {}  # address: block
         self.small = small
         self.clock = clock  # ``get_free_blocks_call_count``, shared by the streams' pools of one kind
 
     def insert(self, block: Block) -> None:
         """``insert_into_blocks``: also stamps the block's age base for garbage collection."""
-        key = block.size << ADDRESS_BITS | block.address
         block.gc_base = self.clock[0]
-        insort(self.keys, key)
-        self.blocks[key] = block
+        size, address = block.size, block.address
+        addresses = self.by_size.get(size)
+        if addresses is None:
+            self.by_size[size] = [address]
+            insort(self.sizes, size)
+        else:
+            insort(addresses, address)
+        self.blocks[address] = block
 
     def remove(self, block: Block) -> None:
-        key = block.size << ADDRESS_BITS | block.address
-        del self.keys[bisect_left(self.keys, key)]
-        del self.blocks[key]
+        size, address = block.size, block.address
+        addresses = self.by_size[size]
+        if len(addresses) == 1:
+            del self.by_size[size], self.sizes[bisect_left(self.sizes, size)]
+        else:
+            del addresses[bisect_left(addresses, address)]
+        del self.blocks[address]
 
-    def lower_bound(self, size: int) -> int:
-        """Index of the first block of at least ``size`` bytes (smallest address among equal sizes)."""
-        return bisect_left(self.keys, size << ADDRESS_BITS)
+    def first(self, size: int) -> Block | None:
+        """The best fit: the block of the smallest size >= ``size``, the lowest address among them."""
+        sizes = self.sizes
+        index = bisect_left(sizes, size)
+        return self.blocks[self.by_size[sizes[index]][0]] if index < len(sizes) else None
 
-    def at(self, index: int) -> Block | None:
-        return self.blocks[self.keys[index]] if index < len(self.keys) else None
+    def after(self, block: Block) -> Block | None:
+        """The next block in (size, address) order after ``block`` (held)."""
+        addresses = self.by_size[block.size]
+        index = bisect_right(addresses, block.address)
+        if index < len(addresses):
+            return self.blocks[addresses[index]]
+        sizes = self.sizes
+        index = bisect_right(sizes, block.size)
+        return self.blocks[self.by_size[sizes[index]][0]] if index < len(sizes) else None
 
     def __iter__(self):
-        return (self.blocks[k] for k in list(self.keys))
+        """The blocks in (size, address) order, listed first (a caller may remove them as it goes)."""
+        by_size, blocks = self.by_size, self.blocks
+        return iter([blocks[a] for s in self.sizes for a in by_size[s]])
 
 
 @dataclass(frozen=True)

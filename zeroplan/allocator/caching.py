@@ -29,10 +29,9 @@ can still get (the card less everything outside the allocator, ``zeroplan.formul
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from zeroplan.allocator.blocks import ADDRESS_BITS, Block, Pool, Segment, SegmentInfo, segment_infos
+from zeroplan.allocator.blocks import Block, Pool, Segment, SegmentInfo, segment_infos
 from zeroplan.allocator.config import (
     K_MIN_BLOCK_SIZE, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig, allocation_size, is_small, round_size,
 )  # fmt: skip
@@ -173,28 +172,25 @@ class CachingAllocator:
         cfg = self.config
         if self._collects:
             pool.clock[0] += 1
-        keys = pool.keys
-        index = bisect_left(keys, size << ADDRESS_BITS)  # ``Pool.lower_bound``, inlined: the hottest line of a replay
-        if index == len(keys):
+        block = pool.first(size)
+        if block is None:
             return None
-        block = pool.blocks[keys[index]]
         if block.segment.expandable:
             if not cfg.expandable_segments:  # only non-expandable blocks when the option was turned off
                 while block is not None and block.segment.expandable:
-                    index += 1
-                    block = pool.at(index)
+                    block = pool.after(block)
                 if block is None:
                     return None
             else:  # best fit on the size the block can grow to
-                nxt = pool.at(index + 1)
+                nxt = pool.after(block)
                 while block.segment.expandable and nxt is not None and _growable(nxt) < _growable(block):
-                    index, block = index + 1, nxt
-                    nxt = pool.at(index + 1)
+                    block = nxt
+                    nxt = pool.after(block)
         if size < cfg.max_split_size_bytes <= block.size:
             return None  # no oversize block for a request that could be split
         if size >= cfg.max_split_size_bytes and block.size >= size + cfg.max_non_split_rounding_bytes:
             return None
-        del pool.blocks[keys.pop(index)]  # ``pool.remove(block)``: its key is at ``index``
+        pool.remove(block)
         return block
 
     def _should_split(self, block: Block, size: int) -> bool:
@@ -271,7 +267,7 @@ class CachingAllocator:
         if limit == NO_LIMIT:
             return False
         key = max(size, limit)
-        found = pool.at(pool.lower_bound(key))
+        found = pool.first(key)
         if found is not None and not found.segment.expandable and not found.is_split():
             self._release_block(found)
             return True

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from bisect import bisect_left, insort
 
-from zeroplan.allocator.blocks import ADDRESS_BITS, Block, SegmentInfo
+from zeroplan.allocator.blocks import Block, SegmentInfo
 from zeroplan.allocator.caching import CachingAllocator, OutOfMemory, _growable
 from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig
 from zeroplan.allocator.gc_pause import gc_paused
@@ -258,11 +258,15 @@ def _plain_free(run: _Run):
         requested.current -= block.requested
         block.requested = 0
         pool = pools[block.stream, block.small]
-        keys, blocks = pool.keys, pool.blocks
+        sizes, by_size, blocks = pool.sizes, pool.by_size, pool.blocks
         prev, nxt = block.prev, block.next
         if prev is not None and not prev.allocated and not prev.pending and prev.mapped:  # ``_try_merge``
-            key = prev.size << ADDRESS_BITS | prev.address
-            del keys[bisect_left(keys, key)], blocks[key]
+            held = by_size[prev.size]  # ``Pool.remove(prev)``
+            if len(held) == 1:
+                del by_size[prev.size], sizes[bisect_left(sizes, prev.size)]
+            else:
+                del held[bisect_left(held, prev.address)]
+            del blocks[prev.address]
             block.address, block.prev = prev.address, prev.prev
             if prev.prev is not None:
                 prev.prev.next = block
@@ -270,16 +274,25 @@ def _plain_free(run: _Run):
                 block.segment.head = block
             block.size += prev.size
         if nxt is not None and not nxt.allocated and not nxt.pending and nxt.mapped:
-            key = nxt.size << ADDRESS_BITS | nxt.address
-            del keys[bisect_left(keys, key)], blocks[key]
+            held = by_size[nxt.size]  # ``Pool.remove(nxt)``
+            if len(held) == 1:
+                del by_size[nxt.size], sizes[bisect_left(sizes, nxt.size)]
+            else:
+                del held[bisect_left(held, nxt.address)]
+            del blocks[nxt.address]
             block.next = nxt.next
             if nxt.next is not None:
                 nxt.next.prev = block
             block.size += nxt.size
-        key = block.size << ADDRESS_BITS | block.address  # ``Pool.insert``
-        block.gc_base = pool.clock[0]
-        insort(keys, key)
-        blocks[key] = block
+        block.gc_base = pool.clock[0]  # ``Pool.insert``
+        size, address = block.size, block.address
+        held = by_size.get(size)
+        if held is None:
+            by_size[size] = [address]
+            insort(sizes, size)
+        else:
+            insort(held, address)
+        blocks[address] = block
         return True
 
     return free
@@ -300,22 +313,28 @@ def _plain_alloc(run: _Run, details: bool, expandable: bool):
         if request is None:
             return False
         rounded, pool = request
-        keys = pool.keys
-        index = bisect_left(keys, rounded << ADDRESS_BITS)
-        if index == len(keys):  # a new segment: ``malloc``
+        sizes = pool.sizes
+        index = bisect_left(sizes, rounded)  # ``Pool.first``
+        if index == len(sizes):  # a new segment: ``malloc``
             return False
-        blocks = pool.blocks
-        block = blocks[keys[index]]
+        by_size, blocks = pool.by_size, pool.blocks
+        held = by_size[sizes[index]]
+        block = blocks[held[0]]
         if block.segment.expandable:  # ``_get_free_block``'s walk: best fit on the size a block can grow to
             if not expandable:
                 return False
-            last = len(keys) - 1
-            while index < last and block.segment.expandable:
-                nxt = blocks[keys[index + 1]]
-                if _growable(nxt) >= _growable(block):
+            while block.segment.expandable:
+                nxt = pool.after(block)
+                if nxt is None or _growable(nxt) >= _growable(block):
                     break
-                index, block = index + 1, nxt
-        del blocks[keys.pop(index)]
+                block = nxt
+            pool.remove(block)
+        else:  # ``Pool.remove`` of the first block of its size
+            if len(held) == 1:
+                del by_size[sizes[index]], sizes[index]
+            else:
+                del held[0]
+            del blocks[block.address]
         remaining = block.size - rounded
         split = remaining >= K_MIN_BLOCK_SIZE if block.small or expandable else remaining > K_SMALL_SIZE
         if split:  # ``_should_split``
@@ -329,11 +348,16 @@ def _plain_alloc(run: _Run, details: bool, expandable: bool):
                 block.segment.head = front
             block.prev = front
             block.address += rounded
-            block.size -= rounded
-            key = block.size << ADDRESS_BITS | block.address  # ``Pool.insert``
-            block.gc_base = pool.clock[0]
-            insort(keys, key)
-            blocks[key] = block
+            block.size = remaining
+            block.gc_base = pool.clock[0]  # ``Pool.insert``
+            address = block.address
+            held = by_size.get(remaining)
+            if held is None:
+                by_size[remaining] = [address]
+                insort(sizes, remaining)
+            else:
+                insort(held, address)
+            blocks[address] = block
             block = front
         block.allocated, block.requested = True, size
         current = allocated.current = allocated.current + block.size

@@ -83,7 +83,7 @@ def chunk_runs(chunks: Sequence[tuple[int, int, int, int]]) -> dict[int, int]:
 
 
 def _settled(pool: Pool, rounded: int) -> bool:
-    return pool.lower_bound(rounded) == len(pool.keys)
+    return pool.first(rounded) is None
 
 
 def _copy_period(alloc, pool: Pool, template: Segment, blocks: list[Block], shift: int, ids: Sequence, run) -> None:
@@ -225,10 +225,10 @@ def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int)
     tail = before if before is not None and before.free_for_merge() and before.mapped else None
     frontier = rest.address if tail is None else tail.address
     end = rest.address + rest.size
-    first = pool.lower_bound(rounded)
+    first = pool.first(rounded)  # none but ``tail`` may be >= the request
     if (rounded % K_MIN_BLOCK_SIZE or page % K_MIN_BLOCK_SIZE or (rest.address - segment.address) % page
-            or frontier + len(events) * rounded + page > end or len(pool.keys) - first > 1
-            or (first < len(pool.keys) and pool.at(first) is not tail)):  # fmt: skip
+            or frontier + len(events) * rounded + page > end
+            or (first is not None and (first is not tail or pool.after(first) is not None))):  # fmt: skip
         return False
     if tail is not None:
         pool.remove(tail)

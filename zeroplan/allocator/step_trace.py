@@ -33,38 +33,29 @@ moment (a speed-up, no rule: tests/test_step_trace.py compares the two on every 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, compress, repeat
+from operator import itemgetter, not_
 
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
 from zeroplan.allocator.runs import chunk_runs
 from zeroplan.allocator.step_repeat import GROWN, copy_events, copy_plan as _repeats, resumed
+from zeroplan.allocator.trace_terms import Rounded as _Rounded, default_stream, identity as _identity, tensor_sizes
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
-_COUNT = re.compile(r" of \d+ ")
 INCREMENTAL = True
 """Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
 test that compares the two sets it)."""
+PAIR_SKIP = True
+"""A transition whose frees no new tensor can take (no freed (size, stream) among the new ones', found in C) skips
+``_Builder._paired`` (False: every transition with frees and new tensors pairs them, as the test that compares the
+two sets it)."""
 _new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
-_SIZE = itemgetter(1)  # a live buffer's size (id, size, stream)
-
-
-@lru_cache(maxsize=4096)  # a step names the same terms at every moment: each name is read once
-def _identity(name: str) -> str:
-    """A term named "... of N ..." (``saved activations of 3 blocks``, ``sharded gradients of 2 unit(s)``) is a
-    collection of N tensors: the same collection in the next moment, grown or shrunk by the difference."""
-    return _COUNT.sub(" of # ", name)
-
-
-def default_stream(term: Term) -> int:
-    """Every term on the default stream (0)."""
-    return 0
+_TRUE = repeat(True)  # ``live.get``'s default, mapped
+_SIZE, _SIZE_STREAM = itemgetter(1), itemgetter(1, 2)  # a live buffer's size, (size, stream) (id, size, stream)
 
 
 @dataclass(frozen=True)
@@ -88,24 +79,12 @@ class AllocTrace:
         return tuple(dict.fromkeys(e.stream for e in self.events if e.action == "alloc"))
 
 
-def tensor_sizes(term: Term, block_bytes: int) -> list[tuple[int, int]]:
-    """A term's tensors as (size, count): ``tensors`` equal ones of ``ceil(bytes / tensors)`` (rounded to
-    ``block_bytes`` they sum to ``Term.rounded``); unrounded (``block_bytes`` 1) the remainder is spread so
-    that they sum to ``bytes`` exactly."""
-    if term.bytes <= 0:
-        return []
-    n = max(term.tensors, 1)
-    if block_bytes > 1:
-        return [(-(-term.bytes // n), n)]
-    q, r = divmod(term.bytes, n)
-    return [(size, count) for size, count in ((q + 1, r), (q, n - r)) if size and count]
-
-
 class _Builder:
     """The live buffers (per key, a stack of (id, size, stream)) and the events so far."""
 
     def __init__(self, block_bytes: int, stream_of: Callable[[Term], int]) -> None:
         self.block, self.stream_of = block_bytes, stream_of
+        self._round_of = _Rounded(block_bytes)
         self.live: dict[Key, list[tuple[int, int, int]]] = {}
         self.events: list[Event] = []
         self.chunks: list[tuple[int, int, int, int]] = []  # (index, size, stream, count) of each alloc chunk
@@ -123,9 +102,6 @@ class _Builder:
         self.live[key], self.since[key] = stack, self._added
         self._added += 1
         return stack
-
-    def _rounded(self, size: int) -> int:
-        return size if self.block <= 1 else -(-size // self.block) * self.block
 
     def _note(self) -> None:
         if self.phase is not None:
@@ -179,7 +155,8 @@ class _Builder:
                 gone.append(key)
         added, new = ids - ids_before, []
         if added:
-            for term in [t for t in terms if id(t) in added]:  # in term order: the order of the allocations
+            for term in compress(terms, map(added.__contains__, map(id, terms))):  # in term order (in C): the
+                # order of the allocations
                 for key, amount, stream in tensors(term):
                     if key in want:  # a key two terms hold: their amounts add up (``wanted``)
                         return None
@@ -198,7 +175,7 @@ class _Builder:
         if got is None:
             name, stream = _identity(term.name), self.stream_of(term)
             if term.tensors <= 1:
-                keys = (((name, term.source, GROWN), self._rounded(term.bytes), stream),) if term.bytes > 0 else ()
+                keys = (((name, term.source, GROWN), self._round_of[term.bytes], stream),) if term.bytes > 0 else ()
             else:
                 keys = tuple(((name, term.source, size), count, stream) for size, count in tensor_sizes(term, self.block))
             got = self._seen[id(term)] = (term, keys)  # the term kept: its id stays its own
@@ -234,7 +211,7 @@ class _Builder:
             elif len(stack) > keep:  # the last tensors, last first (in C)
                 freed.extend(stack[:keep - 1 if keep else None:-1])
                 del stack[keep:]
-        return freed, [k for k in changed if not live.get(k, True)]
+        return freed, list(compress(changed, map(not_, map(live.get, changed, _TRUE))))  # the keys left empty, in C
 
     def _continue_grown(self, want: dict[Key, list[int]], changed: set[Key]) -> None:
         """A grown buffer that is gone and a new one on the same stream in the same transition: the same
@@ -258,11 +235,7 @@ class _Builder:
         changed, wanted_changed = changes
         self.moves += 1  # this move's pops are counted as the moves before it (``popped``)
         self._continue_grown(want, changed)
-        # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed
-        spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         freed, emptied = self._release(want, changed)
-        for buf in freed:
-            spare.setdefault((buf[1], buf[2]), []).append(buf)
         fresh: list[tuple[Key, int, int, int]] = []  # (key, size, stream, how many) of the tensors made anew
         live = self.live
         for key in wanted_changed:
@@ -272,26 +245,23 @@ class _Builder:
                 stack = self._add(key, [])
             if key[2] == GROWN:  # one more piece, of what is missing
                 size = amount - (self._grown(stack) if stack else 0)
-                need = 1 if size > 0 else 0
-            else:
-                size, need = key[2], amount - len(stack)
-            if need <= 0:
-                continue
-            pool = spare.get((size, stream)) if spare else None
-            while pool and need:  # equal tensors: the spare ones first, last freed first
-                stack.append(pool.pop())
-                need -= 1
-            if need:
-                fresh.append((key, size, stream, need))
-        if spare:
-            left, block = sorted(chain.from_iterable(spare.values()), reverse=True), self.block
-            self.events.extend([_new(Event, ("free", b[0], 0, 0, None)) for b in left])  # ``Event("free", id)``, in C
-            self.live_bytes -= sum(map(_SIZE, left)) if block <= 1 else sum([-(-b[1] // block) * block for b in left])
+                if size > 0:
+                    fresh.append((key, size, stream, 1))
+            elif amount > len(stack):
+                fresh.append((key, key[2], stream, amount - len(stack)))
+        if freed:
+            # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed; most
+            # transitions free no size they allocate (found in C), and free in id order, last first
+            if fresh and not (PAIR_SKIP and {f[1:3] for f in fresh}.isdisjoint(map(_SIZE_STREAM, freed))):
+                freed = self._paired(freed, fresh)
+            freed.sort(reverse=True)
+            self.events.extend([_new(Event, ("free", b[0], 0, 0, None)) for b in freed])  # ``Event("free", id)``
+            self.live_bytes -= sum(map(self._round_of.__getitem__, map(_SIZE, freed)))  # rounded, in C
         if moment.phase != self.phase:
             self.phase = moment.phase
             self.events.append(Event("phase", moment.phase))
             self._note()
-        events, ident, block, added = self.events, self.next_id, self.block, 0
+        events, ident, added = self.events, self.next_id, 0
         for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
             self.chunks.append((len(events), size, stream, count))
             if count == 1:  # most: no comprehension to call
@@ -302,13 +272,32 @@ class _Builder:
                 events.extend([_new(Event, ("alloc", i, size, stream, None)) for i in ids])  # ``Event(...)``, in C
                 live[key].extend([(i, size, stream) for i in ids])
             ident += count
-            added += count * (size if block <= 1 else -(-size // block) * block)  # ``_rounded``
+            added += count * self._round_of[size]
         self.next_id = ident
         self.live_bytes += added
         self._note()
         for key in emptied:  # a key left empty leaves ``live`` (the others keep their order)
             if not live[key]:
                 del live[key]
+
+    def _paired(self, freed: list[tuple[int, int, int]], fresh: list[tuple[Key, int, int, int]]) -> list:
+        """``move_to``'s pairing: each new tensor (``fresh``, in order) takes a freed buffer of its size and stream
+        first, the last freed first; ``fresh`` keeps what is still to allocate; the buffers left to free."""
+        spare: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for buf in freed:
+            spare.setdefault((buf[1], buf[2]), []).append(buf)
+        live, out = self.live, []
+        for key, size, stream, need in fresh:
+            pool = spare.get((size, stream))
+            if pool:  # equal tensors: the spare ones first, last freed first (in C)
+                take = min(need, len(pool))
+                live[key].extend(pool[:-take - 1:-1])
+                del pool[-take:]
+                need -= take
+            if need:
+                out.append((key, size, stream, need))
+        fresh[:] = out
+        return list(chain.from_iterable(spare.values()))
 
     def snapshot(self) -> tuple:
         """What the rest of a step's events depend on (``step_repeat``'s fields), copied (in C: cheap enough to

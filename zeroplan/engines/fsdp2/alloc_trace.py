@@ -35,11 +35,15 @@ def stream_of(term: Term) -> int:
     try:
         return _STREAM_OF_NAME[term.name]
     except KeyError:
-        out = _STREAM_OF_NAME[term.name] = next((s for prefix, s in _BY_PREFIX if term.name.startswith(prefix)), DEFAULT)
+        name = term.name
+        # most names start with none of the prefixes: one ``startswith`` of them all (in C) says so
+        out = _STREAM_OF_NAME[name] = DEFAULT if not name.startswith(_PREFIXES) else \
+            next(s for prefix, s in _BY_PREFIX if name.startswith(prefix))
         return out
 
 
 _STREAM_OF_NAME: dict[str, int] = {}
+_PREFIXES = tuple(prefix for prefix, _ in _BY_PREFIX)
 
 
 def alloc_traces(workload: Workload, nd: int, settings: Settings,
