@@ -27,7 +27,7 @@ from zeroplan.cli_options import RevisionOption, SelectiveAcOption, refuse_selec
 from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
     AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
 )  # fmt: skip
-from zeroplan.cli_startup import imported, no_plugin_search, registered
+from zeroplan.cli_startup import deferred_dataclass_methods, imported, no_plugin_search, registered
 from zeroplan.hub import with_revision
 
 
@@ -376,19 +376,22 @@ def main() -> None:
     the cyclic collector: their objects are mostly long-lived and freed by reference counting, and its passes
     over 100,000+ objects cost 5-15% of a plan (same peak RSS without). They end frozen (``gc.freeze``): the
     interpreter's last collection at exit walked them all (about 6% of ``estimate``'s instructions); they write to
-    stdout only, which the interpreter flushes itself, so no file waits on a finalizer. main() ends the process
-    (SystemExit): a caller that goes on keeps them uncollected."""
+    stdout only, which the interpreter flushes itself, so no file waits on a finalizer. Their dataclasses compile
+    the methods few of them call (comparison, hash, repr) on first use (``cli_startup.deferred_dataclass_methods``).
+    main() ends the process (SystemExit): a caller that goes on keeps them uncollected."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     no_plugin_search()
     args, collecting = sys.argv[1:], gc.isenabled()
     one_answer = not args or args[0] in ONE_ANSWER or "--help" in args
     if one_answer:
         gc.disable()
+        restore = deferred_dataclass_methods()  # compiled when first called (zeroplan.cli_startup)
     try:
         app_for(args)()
     finally:
         if one_answer:
             gc.freeze()  # the process ends here (SystemExit): no collection, not even the last, walks these objects
+            restore()
         if collecting:
             gc.enable()
 

@@ -1,15 +1,17 @@
-"""What a fresh ``zeroplan`` process skips at start-up (docs/benchmarks.md, "Start-up, third pass" to "fifth
+"""What a fresh ``zeroplan`` process skips at start-up (docs/benchmarks.md, "Start-up, third pass" to "sixth
 pass"): pydantic's plugin search when plugins are off, typer's coercion of an option left unset or at its own
-default, and the modules of the commands it does not run. Kept out of ``cli`` so that the command module stays a
-list of commands."""
+default, the modules of the commands it does not run, and the compilation of dataclass methods it never calls.
+Kept out of ``cli`` so that the command module stays a list of commands. Each is a speed-up, no rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 import os
 import sys
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,6 +35,64 @@ def _real_loader(name: str, attr: str) -> object:
         raise AttributeError(attr)
     del sys.modules[name]
     return getattr(importlib.import_module(name), attr)
+
+
+DEFERRED = frozenset(("__repr__", "__eq__", "__hash__", "__setattr__", "__delattr__", "__lt__", "__le__", "__gt__",
+                      "__ge__"))
+"""The dataclass methods ``deferred_dataclass_methods`` compiles on their first call. Not ``__init__``: a class's
+signature (``inspect.signature``: its generated ``__doc__``, pydantic's schema of a dataclass field) is read from it."""
+
+
+def deferred_dataclass_methods() -> Callable[[], None]:
+    """Until the returned function is called, each dataclass made gets its ``DEFERRED`` methods as stand-ins that
+    compile the method on their first call, from the very arguments ``dataclasses`` gave its ``_create_fn``, and put
+    it in the stand-in's place. Python 3.10-3.12's ``dataclasses`` writes each generated method as source text and
+    compiles it with its own ``exec``, about 0.1 ms a method; a plan makes about 100 dataclasses (zeroplan's,
+    pydantic's, typer's) and calls the comparison, hash, repr or frozen-assignment methods of few of them: the
+    ``deepspeed`` 405B plan builds 10 of about 240 deferred (docs/benchmarks.md, "Start-up, sixth pass"). Every
+    decision (which methods a class gets, their text, the hash rule) is still the standard library's; the only
+    difference is when the text is compiled, and the stand-in's frame on that first call. A ``dataclasses``
+    without ``_create_fn`` (Python 3.13+) is left alone."""
+    create = getattr(dataclasses, "_create_fn", None)
+    if create is None:
+        return lambda: None
+
+    def deferring(name, args, body, **kwargs):
+        return create(name, args, body, **kwargs) if name not in DEFERRED else _compiled_on_first_call(
+            create, name, args, body, kwargs)
+
+    dataclasses._create_fn = deferring  # type: ignore[attr-defined]
+
+    def restore() -> None:
+        if getattr(dataclasses, "_create_fn", None) is deferring:
+            dataclasses._create_fn = create  # type: ignore[attr-defined]
+
+    return restore
+
+
+def _compiled_on_first_call(create: Callable, name: str, args: tuple, body: list, kwargs: dict) -> Callable:
+    """A stand-in for ``create(name, args, body, **kwargs)``'s method, named as ``create`` names it: the first call
+    compiles the method and sets it on the class that holds the stand-in (found through the instance's MRO, so a
+    class remade with ``__slots__`` and subclasses are served); a stand-in kept elsewhere (``__repr__``'s recursion
+    guard wraps it) goes straight to the compiled method."""
+    compiled: list[Callable] = []
+
+    def stand_in(*call_args, **call_kwargs):
+        if not compiled:
+            method = create(name, args, body, **kwargs)
+            method.__qualname__ = stand_in.__qualname__  # set by dataclasses when the class was made
+            compiled.append(method)
+            stand_in.__wrapped__ = method  # inspect.unwrap and signature reach it through __repr__'s guard
+            for owner in type(call_args[0]).__mro__ if call_args else ():
+                if owner.__dict__.get(name) is stand_in:
+                    setattr(owner, name, method)
+                    break
+        return compiled[0](*call_args, **call_kwargs)
+
+    where = kwargs.get("globals")
+    stand_in.__name__, stand_in.__qualname__ = name, f"__create_fn__.<locals>.{name}"
+    stand_in.__module__ = (vars(dataclasses) if where is None else where).get("__name__")
+    return stand_in
 
 
 class _CoercedWhenGiven:
