@@ -9,26 +9,28 @@ registers (docs/benchmarks.md, "Start-up, fourth pass").
 import gc
 import os
 import sys
-from pathlib import Path
-from typing import Annotated, Optional
 
-import typer
+from zeroplan.cli_startup import deferred_dataclass_methods, imported, no_plugin_search, quiet_imports, registered
 
-from zeroplan.cli_options import (
-    STEP_OPTIONS, AllocConfOption, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption,
-    GradAccumOption, HeadroomOption, LossParallelOption,
-    GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
-    ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
-    DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, HfZeroInitOption, FsdpOffloadOption, FsdpPinMemoryOption,
-    engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
-)  # fmt: skip
-from zeroplan.cli_options import DpReplicateOption, DpShardOption, GpusPerNodeOption, TpOption  # meshes, links
-from zeroplan.cli_options import RevisionOption, SelectiveAcOption, refuse_selective_ac  # ORG/NAME; fsdp2 SAC
-from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
-    AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
-)  # fmt: skip
-from zeroplan.cli_startup import deferred_dataclass_methods, imported, no_plugin_search, registered
-from zeroplan.hub import with_revision
+with quiet_imports():  # no collection, dataclass methods compiled when called (zeroplan.cli_startup)
+    from pathlib import Path
+    from typing import Annotated, Optional
+
+    import typer
+    from zeroplan.cli_options import (
+        STEP_OPTIONS, AllocConfOption, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption,
+        GradAccumOption, HeadroomOption, LossParallelOption,
+        GradDtype, MasterWeights, MicroBatchOption, ModelOption, OneLineErrors, OptimizerDtype, OptimizerName,
+        ParamDtype, ReduceDtypeOption, ReshardOption, SeqLenOption, Unit, UserError, ds_config_batch,
+        DeviceOption, FsdpWrapOption, InitOption, ZeroInitOption, HfZeroInitOption, FsdpOffloadOption,
+        FsdpPinMemoryOption, engine_options_from, read_settings_file, given, policy_from, refuse_foreign, refuse_unused,
+    )  # fmt: skip
+    from zeroplan.cli_options import DpReplicateOption, DpShardOption, GpusPerNodeOption, TpOption  # meshes, links
+    from zeroplan.cli_options import RevisionOption, SelectiveAcOption, refuse_selective_ac  # ORG/NAME; fsdp2 SAC
+    from zeroplan.cli_integrations import (  # the files users already have (zeroplan.integrations)
+        AccelerateConfigOption, MixedPrecisionOption, TorchtitanConfigOption, from_config_files, resolve_hf_auto,
+    )  # fmt: skip
+    from zeroplan.hub import with_revision
 
 
 def _typer() -> typer.Typer:
@@ -376,9 +378,8 @@ def main() -> None:
     the cyclic collector: their objects are mostly long-lived and freed by reference counting, and its passes
     over 100,000+ objects cost 5-15% of a plan (same peak RSS without). They end frozen (``gc.freeze``): the
     interpreter's last collection at exit walked them all (about 6% of ``estimate``'s instructions); they write to
-    stdout only, which the interpreter flushes itself, so no file waits on a finalizer. Their dataclasses compile
-    the methods few of them call (comparison, hash, repr) on first use (``cli_startup.deferred_dataclass_methods``).
-    main() ends the process (SystemExit): a caller that goes on keeps them uncollected."""
+    stdout only, so no file waits on a finalizer. Their dataclasses compile the methods few of them call on first
+    use (``cli_startup.deferred_dataclass_methods``). main() ends the process (SystemExit)."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     no_plugin_search()
     args, collecting = sys.argv[1:], gc.isenabled()

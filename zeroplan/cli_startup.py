@@ -5,8 +5,8 @@ Kept out of ``cli`` so that the command module stays a list of commands. Each is
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+import gc
 import importlib
 import os
 import sys
@@ -47,12 +47,13 @@ def deferred_dataclass_methods() -> Callable[[], None]:
     """Until the returned function is called, each dataclass made gets its ``DEFERRED`` methods as stand-ins that
     compile the method on their first call, from the very arguments ``dataclasses`` gave its ``_create_fn``, and put
     it in the stand-in's place. Python 3.10-3.12's ``dataclasses`` writes each generated method as source text and
-    compiles it with its own ``exec``, about 0.1 ms a method; a plan makes about 100 dataclasses (zeroplan's,
-    pydantic's, typer's) and calls the comparison, hash, repr or frozen-assignment methods of few of them: the
-    ``deepspeed`` 405B plan builds 10 of about 240 deferred (docs/benchmarks.md, "Start-up, sixth pass"). Every
-    decision (which methods a class gets, their text, the hash rule) is still the standard library's; the only
-    difference is when the text is compiled, and the stand-in's frame on that first call. A ``dataclasses``
-    without ``_create_fn`` (Python 3.13+) is left alone."""
+    compiles it with its own ``exec``, about 0.45 M instructions a method; the ``deepspeed`` 405B plan makes 104
+    dataclasses (zeroplan's, pydantic's, typer's) with 425 such methods and calls 23 of them (docs/benchmarks.md,
+    "Start-up, sixth pass"). Every decision (which methods a class gets, their text, the hash rule) is still the
+    standard library's; the only difference is when the text is compiled, and the stand-in's frame on that first
+    call. A ``dataclasses`` without ``_create_fn`` (Python 3.13+) is left alone. A speed-up, no rule."""
+    import dataclasses  # imports inspect: under quiet_imports, not before
+
     create = getattr(dataclasses, "_create_fn", None)
     if create is None:
         return lambda: None
@@ -68,6 +69,23 @@ def deferred_dataclass_methods() -> Callable[[], None]:
             dataclasses._create_fn = create  # type: ignore[attr-defined]
 
     return restore
+
+
+class quiet_imports:  # noqa: N801 - used as ``with quiet_imports():``
+    """``zeroplan.cli``'s imports (typer, the option blocks) without the cyclic collector's passes and with their
+    dataclasses' methods deferred (``deferred_dataclass_methods``): both as they were once the imports are done,
+    for a console script and a library caller alike. The collector ran about a dozen times while typer loaded,
+    on objects that all stay (docs/benchmarks.md, "Start-up, sixth pass")."""
+
+    def __enter__(self) -> None:
+        self.collecting = gc.isenabled()
+        gc.disable()
+        self.restore = deferred_dataclass_methods()
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+        if self.collecting:
+            gc.enable()
 
 
 def _compiled_on_first_call(create: Callable, name: str, args: tuple, body: list, kwargs: dict) -> Callable:
@@ -91,7 +109,7 @@ def _compiled_on_first_call(create: Callable, name: str, args: tuple, body: list
 
     where = kwargs.get("globals")
     stand_in.__name__, stand_in.__qualname__ = name, f"__create_fn__.<locals>.{name}"
-    stand_in.__module__ = (vars(dataclasses) if where is None else where).get("__name__")
+    stand_in.__module__ = "dataclasses" if where is None else where.get("__name__")
     return stand_in
 
 
