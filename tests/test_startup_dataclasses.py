@@ -5,6 +5,7 @@ deferred methods, once called, are the standard library's own code."""
 import dataclasses
 import inspect
 import json
+import subprocess
 import sys
 from typing import Optional
 
@@ -146,3 +147,13 @@ def test_a_one_answer_command_compiles_few_dataclass_methods():
     assert json.loads(out.stdout)["stages"][3]["model_states_bytes"] > 0
     classes, waiting_eq, reprs = map(int, out.stderr.strip().splitlines()[-1].split())
     assert classes > 30 and reprs > 30 and waiting_eq > classes * 3 // 4  # most never called: not compiled
+
+
+def test_importing_the_cli_leaves_the_collector_and_dataclasses_as_they_were():
+    # quiet_imports: typer loads without collections and with deferred methods, both restored after the import
+    code = ("import dataclasses, gc, sys\n{off}\nimport zeroplan.cli\nfrom typer._coercion import TypeDescriptor\n"
+            "print(gc.isenabled(), dataclasses._create_fn.__module__, "
+            "TypeDescriptor.__dict__['__eq__'].__code__.co_name)\n")  # fmt: skip
+    for off, enabled in (("", "True"), ("gc.disable()", "False")):
+        out = subprocess.run([sys.executable, "-c", code.format(off=off)], capture_output=True, text=True, check=True)
+        assert out.stdout.split() == [enabled, "dataclasses", "stand_in"]
