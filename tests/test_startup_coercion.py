@@ -12,7 +12,7 @@ from typer._coercion import build_runtime_param
 from typer.main import get_command
 
 import zeroplan.cli as cli
-from zeroplan.cli_startup import _COERCED_WHEN_GIVEN, _own_default
+from zeroplan.cli_startup import _COERCED_WHEN_GIVEN, _own_default, _plain_text
 
 # what the fast path must cover: each command's options whose default is already of its declared type
 OWN_DEFAULTS = {
@@ -84,11 +84,45 @@ def test_a_plan_builds_adapters_for_its_given_options_only():
               "core._TyperParameter.process_value = recording\n")  # fmt: skip
     code = (f"import sys\n{record}\nfrom zeroplan.cli import main\n"
             "sys.argv = ['zeroplan', 'plan', '--model', 'llama2-7b', '--gpus', '8', '--gpu', 'a100-40gb', '--json']\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\nimport json\nprint(json.dumps(seen), file=sys.stderr)\n")
+            "try:\n    main()\nexcept SystemExit:\n    pass\nimport json\nprint(sorted(sys.modules), file=sys.stderr)\n"
+            "print(json.dumps(seen), file=sys.stderr)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["inputs"]["gpus"] == 8
     seen = json.loads(out.stderr.strip().splitlines()[-1])
-    del seen["help"]  # click's --help, made after the command is resolved: typer's own coercion
-    given = {"model", "gpus", "gpu"}  # --json: a bool flag, which typer does not coerce
-    assert {k for k, v in seen.items() if v == "AdapterRuntimeParam"} == given
-    assert OWN_DEFAULTS["plan"] - {"gpus"} <= {k for k, v in seen.items() if v == "_CoercedWhenGiven"}
+    # given: --model, --gpus, --gpu, plain text (_plain_text); --json: a bool flag, which typer does not coerce
+    assert {k for k, v in seen.items() if v == "AdapterRuntimeParam"} == set()
+    assert OWN_DEFAULTS["plan"] | {"model", "gpu", "help"} <= {k for k, v in seen.items() if v == "_CoercedWhenGiven"}
+    assert "typer._adapters" not in out.stderr.strip().splitlines()[-2]  # its import: pydantic adapters
+
+
+TEXTS = ("8", "0", "1024", "999999999999999999", "9999999999999999999", "007", "+8", "-1", " 8", "8 ", "1_000",
+         "1.0", "1e3", "0x10", "\uff18", "\u00b2", "", "abc", "h100-80gb", "llama3-405b", "GiB", "gib", "\u00fc",
+         "\udcff", "a\x00b", "none")
+
+
+@pytest.mark.parametrize("name,command", list(commands()), ids=list(cli.COMMANDS))
+def test_a_given_plain_text_is_what_typer_returns(name, command):
+    # _plain_text answers a given str or int option without typer's adapter: the same value as typer's own
+    # coercion wherever it answers; where typer refuses the text, it leaves it to typer (the same error)
+    import typer
+
+    ctx = typer.Context(command)
+    answered = 0
+    for param in command.params:
+        if param.type_descriptor.annotation is bool:
+            continue
+        ctx.set_parameter_source(param.name, ParameterSource.COMMANDLINE)
+        for text in TEXTS:
+            plain = _plain_text(text, param)
+            try:
+                typer_value = build_runtime_param(param.type_descriptor).coerce(text, param=param, ctx=ctx)
+            except Exception:  # noqa: BLE001 - typer refuses: the shortcut must not answer
+                assert plain is None, (name, param.name, text)
+                continue
+            if plain is not None:
+                answered += 1
+                assert type(plain) is type(typer_value) and plain == typer_value, (name, param.name, text)
+            param._runtime_param = None
+            assert _COERCED_WHEN_GIVEN.coerce(text, param, ctx) == typer_value
+        param._runtime_param = None
+    assert answered > (10 if name in ("estimate", "plan") else 0)

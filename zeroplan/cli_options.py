@@ -38,8 +38,12 @@ class OneLineErrors(TyperGroup):
         name, command, rest = super().resolve_command(ctx, args)
         if command is not None:
             refuse_repeated(command, rest)
-            coerce_when_given(command)  # an option left unset builds no pydantic adapter (zeroplan.cli_startup)
+            # an option left unset or plain builds no pydantic adapter (zeroplan.cli_startup)
+            coerce_when_given(command, command.get_help_option(ctx))
         return name, command, rest
+
+    def get_help_option(self, ctx):  # noqa: D102
+        return coerce_when_given(None, super().get_help_option(ctx))  # the group's --help: no adapter either
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: D102
         try:
@@ -131,18 +135,13 @@ class Unit(str, Enum):
 
 
 # Precision-policy options shared by every command; None means "PrecisionPolicy's default".
-ParamDtype = Annotated[
-    Optional[str], typer.Option(help="Working parameter dtype: fp16 (the paper's), bf16, fp32, fp8.")
-]
+ParamDtype = Annotated[Optional[str], typer.Option(
+    help="Working parameter dtype: fp16 (the paper's), bf16, fp32, fp8.")]
 GradDtype = Annotated[Optional[str], typer.Option(help="Gradient dtype (default: param dtype).")]
-MasterWeights = Annotated[
-    Optional[bool],
-    typer.Option("--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32)."),
-]
-OptimizerName = Annotated[
-    Optional[str],
-    typer.Option(help="adam (default), adamw, sgd, sgd-momentum, lamb, lion, adafactor, adam8bit."),
-]
+MasterWeights = Annotated[Optional[bool], typer.Option(
+    "--master-weights/--no-master-weights", help="fp32 master copy (default: on unless fp32).")]
+OptimizerName = Annotated[Optional[str], typer.Option(
+    help="adam (default), adamw, sgd, sgd-momentum, lamb, lion, adafactor, adam8bit.")]
 OptimizerDtype = Annotated[Optional[str], typer.Option(help="dtype of Adam m/v and momentum (default fp32).")]
 
 

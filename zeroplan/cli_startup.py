@@ -126,6 +126,9 @@ class _CoercedWhenGiven:
             return None  # typer's RuntimeParam.coerce, before it asks the adapter
         if _own_default(value, param, ctx):
             return value  # what typer's adapter hands back (tests/test_startup_coercion.py)
+        plain = _plain_text(value, param)
+        if plain is not None:
+            return plain
         from typer._coercion import build_runtime_param
 
         real = build_runtime_param(param.type_descriptor)  # type: ignore[attr-defined]
@@ -155,15 +158,39 @@ def _own_default(value: object, param: object, ctx: object) -> bool:
     return type(value) is annotation and (annotation is str or isinstance(value, enum.Enum))
 
 
+def _plain_text(value: object, param: object) -> object:
+    """The value typer 0.29's adapter makes of ``value``, a given option's text, where that is plain: for a ``str``
+    option, ASCII text as it is (``_parse_cli_str`` returns it, pydantic's string accepts it; text that is not
+    UTF-8, a lone surrogate from the command line, is pydantic's error); for an ``int`` option without bounds,
+    decimal digits without a leading zero, at most 18 (``int`` of them, pydantic's integer). None for anything
+    else, which goes to typer's coercion: signs, spaces, ``1_000``, ``1.0``, a float or ``Enum`` option. Both
+    405B plans of docs/benchmarks.md give four such options (``--engine``, ``--model``, ``--gpu``, ``--gpus``)
+    and, with the ``--help`` flags, no longer import ``typer._adapters`` ("Start-up, sixth pass")."""
+    desc = param.type_descriptor  # type: ignore[attr-defined]
+    info, annotation = desc.parameter_info, desc.annotation
+    if type(value) is not str or not value.isascii() or info.parser is not None or desc.file_annotation is not None:
+        return None
+    if param.multiple or param.nargs != 1:  # type: ignore[attr-defined]
+        return None
+    if annotation is str:
+        return value
+    if annotation is int and info.min is None and info.max is None and value.isdigit() and len(value) <= 18:
+        return int(value) if value[0] != "0" or value == "0" else None
+    return None
+
+
 _COERCED_WHEN_GIVEN = _CoercedWhenGiven()  # stateless: the option is the call's ``param``
 
 
-def coerce_when_given(command: object) -> None:
-    """Each option of ``command`` (a typer command about to parse) coerced through ``_CoercedWhenGiven``; a typer
-    whose parameters keep no ``_runtime_param`` (another version) is left as it is."""
-    for param in getattr(command, "params", ()):
+def coerce_when_given(command: object, help_option: object = None) -> object:
+    """Each option of ``command`` (a typer command about to parse), and its ``--help`` flag, coerced through
+    ``_CoercedWhenGiven``; a typer whose parameters keep no ``_runtime_param`` (another version) is left as it is.
+    typer built an adapter for each ``--help`` flag (the group's and the command's): its value is None unless
+    given, and a flag given is a bool, which typer does not coerce. Returns ``help_option``."""
+    for param in (*getattr(command, "params", ()), help_option):
         if getattr(param, "_runtime_param", False) is None and hasattr(param, "type_descriptor"):
             param._runtime_param = _COERCED_WHEN_GIVEN
+    return help_option
 
 
 ELSEWHERE = {"sweep": "zeroplan.cli_sweep", "plot": "zeroplan.cli_plot", "PlotView": "zeroplan.cli_plot",
