@@ -157,3 +157,25 @@ def test_importing_the_cli_leaves_the_collector_and_dataclasses_as_they_were():
     for off, enabled in (("", "True"), ("gc.disable()", "False")):
         out = subprocess.run([sys.executable, "-c", code.format(off=off)], capture_output=True, text=True, check=True)
         assert out.stdout.split() == [enabled, "dataclasses", "stand_in"]
+
+
+def test_forward_references_of_one_string_share_their_code():
+    # shared_forward_ref_code: typing compiles a forward reference's string once, the same code object as before
+    from typing import ForwardRef
+
+    from zeroplan.cli_startup import shared_forward_ref_code
+
+    alone = ForwardRef("dict[str, int]"), ForwardRef("dict[str, int]")
+    restore = shared_forward_ref_code()
+    try:
+        shared = ForwardRef("dict[str, int]"), ForwardRef("dict[str, int]"), ForwardRef("*Ts")
+        with pytest.raises(SyntaxError, match="Forward reference must be an expression -- got 'a b'"):
+            ForwardRef("a b")
+    finally:
+        restore()
+    assert "compile" not in vars(__import__("typing"))
+    assert alone[0].__forward_code__ is not alone[1].__forward_code__
+    assert shared[0].__forward_code__ is shared[1].__forward_code__
+    assert shared[0].__forward_code__ == alone[0].__forward_code__ and shared[0] == alone[0]
+    assert eval(shared[0].__forward_code__) == dict[str, int]
+    assert shared[2].__forward_code__ == ForwardRef("*Ts").__forward_code__

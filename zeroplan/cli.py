@@ -10,12 +10,11 @@ import gc
 import os
 import sys
 
-from zeroplan.cli_startup import deferred_dataclass_methods, imported, no_plugin_search, quiet_imports, registered
+from zeroplan.cli_startup import compiling_less, imported, no_plugin_search, quiet_imports, registered
 
-with quiet_imports():  # no collection, dataclass methods compiled when called (zeroplan.cli_startup)
+with quiet_imports():  # no collection, compiling less (zeroplan.cli_startup)
     from pathlib import Path
     from typing import Annotated, Optional
-
     import typer
     from zeroplan.cli_options import (
         STEP_OPTIONS, AllocConfOption, CheckpointingOption, DeepSpeedConfigOption, EngineOption, ForeachOption,
@@ -378,15 +377,15 @@ def main() -> None:
     the cyclic collector: their objects are mostly long-lived and freed by reference counting, and its passes
     over 100,000+ objects cost 5-15% of a plan (same peak RSS without). They end frozen (``gc.freeze``): the
     interpreter's last collection at exit walked them all (about 6% of ``estimate``'s instructions); they write to
-    stdout only, so no file waits on a finalizer. Their dataclasses compile the methods few of them call on first
-    use (``cli_startup.deferred_dataclass_methods``). main() ends the process (SystemExit)."""
+    stdout only, so no file waits on a finalizer. They compile less (``cli_startup.compiling_less``). main() ends
+    the process (SystemExit)."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     no_plugin_search()
     args, collecting = sys.argv[1:], gc.isenabled()
     one_answer = not args or args[0] in ONE_ANSWER or "--help" in args
     if one_answer:
         gc.disable()
-        restore = deferred_dataclass_methods()  # compiled when first called (zeroplan.cli_startup)
+        restore = compiling_less()  # dataclass methods when first called, a forward ref's code once
     try:
         app_for(args)()
     finally:

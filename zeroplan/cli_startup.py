@@ -71,16 +71,45 @@ def deferred_dataclass_methods() -> Callable[[], None]:
     return restore
 
 
+def shared_forward_ref_code() -> Callable[[], None]:
+    """Until the returned function is called, ``typing.ForwardRef``s of one string share one code object.
+    A forward reference compiles its string when made (``compile(arg, '<string>', 'eval')``, typing's one call of
+    ``compile``); pydantic_core's and pydantic's ``TypedDict``s are written with string annotations, 835 forward
+    references of 244 distinct strings in the ``deepspeed`` 405B plan, about 25 M instructions to compile again
+    (docs/benchmarks.md, "Start-up, sixth pass"). A code object is immutable and ``compile`` gives equal ones for
+    equal arguments (typing's future flags are the same for every call), so typing's global ``compile`` is set to
+    a cached ``compile``, and removed again. A typing that already has its own global ``compile`` is left alone.
+    A speed-up, no rule."""
+    import functools
+    import typing
+
+    if "compile" in vars(typing):
+        return lambda: None
+    cached = typing.compile = functools.lru_cache(maxsize=None)(compile)  # type: ignore[attr-defined]
+
+    def restore() -> None:
+        if vars(typing).get("compile") is cached:
+            del typing.compile  # type: ignore[attr-defined]
+
+    return restore
+
+
+def compiling_less() -> Callable[[], None]:
+    """``deferred_dataclass_methods`` and ``shared_forward_ref_code`` on; the returned function turns both off."""
+    undo = (deferred_dataclass_methods(), shared_forward_ref_code())
+    return lambda: [off() for off in undo] and None
+
+
 class quiet_imports:  # noqa: N801 - used as ``with quiet_imports():``
-    """``zeroplan.cli``'s imports (typer, the option blocks) without the cyclic collector's passes and with their
-    dataclasses' methods deferred (``deferred_dataclass_methods``): both as they were once the imports are done,
-    for a console script and a library caller alike. The collector ran about a dozen times while typer loaded,
-    on objects that all stay (docs/benchmarks.md, "Start-up, sixth pass")."""
+    """``zeroplan.cli``'s imports (typer, the option blocks) without the cyclic collector's passes and compiling
+    less (``compiling_less``): both as they were once the imports are done, for a console script and a library
+    caller alike. The collector ran 20 times while typer loaded, on objects that all stay (docs/benchmarks.md,
+    "Start-up, sixth pass")."""
 
     def __enter__(self) -> None:
         self.collecting = gc.isenabled()
         gc.disable()
-        self.restore = deferred_dataclass_methods()
+        self.restore = compiling_less()
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
