@@ -179,3 +179,16 @@ def test_forward_references_of_one_string_share_their_code():
     assert shared[0].__forward_code__ == alone[0].__forward_code__ and shared[0] == alone[0]
     assert eval(shared[0].__forward_code__) == dict[str, int]
     assert shared[2].__forward_code__ == ForwardRef("*Ts").__forward_code__
+
+
+def test_turned_on_twice_the_inner_call_changes_nothing():
+    outer = deferred_dataclass_methods()
+    try:
+        deferring = dataclasses._create_fn
+        inner = deferred_dataclass_methods()
+        assert dataclasses._create_fn is deferring
+        inner()
+        assert dataclasses._create_fn is deferring
+    finally:
+        outer()
+    assert dataclasses._create_fn.__module__ == "dataclasses"

@@ -55,13 +55,14 @@ def deferred_dataclass_methods() -> Callable[[], None]:
     import dataclasses  # imports inspect: under quiet_imports, not before
 
     create = getattr(dataclasses, "_create_fn", None)
-    if create is None:
+    if create is None or getattr(create, "deferring", False):  # 3.13+, or already on (nested): nothing to undo
         return lambda: None
 
     def deferring(name, args, body, **kwargs):
         return create(name, args, body, **kwargs) if name not in DEFERRED else _compiled_on_first_call(
             create, name, args, body, kwargs)
 
+    deferring.deferring = True  # type: ignore[attr-defined]
     dataclasses._create_fn = deferring  # type: ignore[attr-defined]
 
     def restore() -> None:
