@@ -47,7 +47,7 @@ def deferred_dataclass_methods() -> Callable[[], None]:
     """Until the returned function is called, each dataclass made gets its ``DEFERRED`` methods as stand-ins that
     compile the method on their first call, from the very arguments ``dataclasses`` gave its ``_create_fn``, and put
     it in the stand-in's place. Python 3.10-3.12's ``dataclasses`` writes each generated method as source text and
-    compiles it with its own ``exec``, about 0.45 M instructions a method; the ``deepspeed`` 405B plan makes 104
+    compiles it with its own ``exec``, about 0.5 M instructions a method; the ``deepspeed`` 405B plan makes 104
     dataclasses (zeroplan's, pydantic's, typer's) with 425 such methods and calls 23 of them (docs/benchmarks.md,
     "Start-up, sixth pass"). Every decision (which methods a class gets, their text, the hash rule) is still the
     standard library's; the only difference is when the text is compiled, and the stand-in's frame on that first
