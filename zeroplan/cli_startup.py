@@ -40,7 +40,7 @@ def _real_loader(name: str, attr: str) -> object:
 DEFERRED = frozenset(("__repr__", "__eq__", "__hash__", "__setattr__", "__delattr__", "__lt__", "__le__", "__gt__",
                       "__ge__"))
 """The dataclass methods ``deferred_dataclass_methods`` compiles on their first call. Not ``__init__``: a class's
-signature (``inspect.signature``: its generated ``__doc__``, pydantic's schema of a dataclass field) is read from it."""
+signature is read from it (``inspect.signature``: the ``__doc__`` dataclasses writes for a class without one)."""
 
 
 def deferred_dataclass_methods() -> Callable[[], None]:
@@ -98,7 +98,12 @@ def shared_forward_ref_code() -> Callable[[], None]:
 def compiling_less() -> Callable[[], None]:
     """``deferred_dataclass_methods`` and ``shared_forward_ref_code`` on; the returned function turns both off."""
     undo = (deferred_dataclass_methods(), shared_forward_ref_code())
-    return lambda: [off() for off in undo] and None
+
+    def off() -> None:
+        for each in reversed(undo):
+            each()
+
+    return off
 
 
 class quiet_imports:  # noqa: N801 - used as ``with quiet_imports():``
@@ -108,9 +113,9 @@ class quiet_imports:  # noqa: N801 - used as ``with quiet_imports():``
     "Start-up, sixth pass")."""
 
     def __enter__(self) -> None:
+        self.restore = compiling_less()
         self.collecting = gc.isenabled()
         gc.disable()
-        self.restore = compiling_less()
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
