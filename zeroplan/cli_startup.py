@@ -113,12 +113,16 @@ class quiet_imports:  # noqa: N801 - used as ``with quiet_imports():``
     "Start-up, sixth pass")."""
 
     def __enter__(self) -> None:
-        self.restore = compiling_less()
         self.collecting = gc.isenabled()
-        gc.disable()
+        gc.disable()  # first: compiling_less imports dataclasses (and inspect)
+        try:
+            self.restore = compiling_less()
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        self.restore()
+        getattr(self, "restore", lambda: None)()
         if self.collecting:
             gc.enable()
 
