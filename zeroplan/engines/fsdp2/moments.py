@@ -391,8 +391,7 @@ def moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tuple[Momen
     blocks' backward moments, last first (``leaders.sampled_blocks``; None: every block)."""
     if run.acts is None:
         raise ValueError("the peak needs an architecture (activations); this run has only tensor shapes")
-    backward = with_allreduce_held(run, backward_moments(run, blocks))  # HSDP's held all-reduce buffers (mesh.py)
-    if blocks is not None:  # the blocks not built were there only for the held buffers
-        backward = tuple(m for m in backward if NOT_BUILT not in m.name)
+    # HSDP's held all-reduce buffers (mesh.py); the blocks not built are there only for them, and left out there
+    backward = with_allreduce_held(run, backward_moments(run, blocks), NOT_BUILT if blocks is not None else None)
     every = (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))
     return offload_moments(run, every) if run.settings.offload_policy != "none" else every  # CPUOffloadPolicy
