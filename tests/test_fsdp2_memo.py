@@ -215,3 +215,16 @@ def test_by_identity_keeps_tuples_by_identity_only():
     assert b is not a and count(b) == [2] and len(calls) == 2
     xs = [1, 2, 3]
     assert count(xs) == [3] and count(xs) == [3] and len(calls) == 4
+
+
+def test_final_norm_kept_by_the_shapes_identity_and_the_prefix():
+    """``terms._final_and_order`` (``memo.by_identity`` with a second argument): a tuple of shapes answered by its
+    identity and the prefix given, the same as built afresh; a list built each time, alike."""
+    from zeroplan.engines.fsdp2.terms import _final_and_order
+
+    shapes = _workload(DEEP["llama"], True).shapes
+    assert type(shapes) is tuple
+    for prefix in ("model.layers.", "model.", "model.layers.", "\0"):
+        got = _final_and_order(shapes, prefix)
+        assert got == _final_and_order.__wrapped__(shapes, prefix) == _final_and_order([*shapes], prefix)
+    assert _final_and_order(shapes, "model.layers.")[0] > 0 == _final_and_order(shapes, "model.")[0]
