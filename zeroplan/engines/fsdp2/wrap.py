@@ -232,11 +232,14 @@ def _layout(entries: tuple[tuple[tuple[str, ...], bool], ...], names: tuple[str,
             tied: tuple[tuple[str, str], ...]) -> tuple[tuple, ...]:
     """``_units`` with each parameter as its index in ``names`` (``named_parameters()`` order)."""
     known = (*module_names(tuple((n, ()) for n in names)), *(m for m, _ in tied))
+    by_depth: dict[int, list[str]] = {}  # the modules by segment count, in order (the root apart): a pattern
+    for m in known:  # matches only modules of its own count (``matches``), so only those are compared (a speed-up)
+        by_depth.setdefault(m.count(".") if m else -1, []).append(m)
     calls: list[tuple[tuple[str, ...], int]] = []
     for k, (patterns, group) in enumerate(entries):
         found = []
         for pattern in patterns:
-            hit = [m for m in known if matches(pattern, m)]
+            hit = [m for m in by_depth.get(pattern.count(".") if pattern else -1, ()) if matches(pattern, m)]
             if not hit:
                 raise ValueError(f"wrapping: {pattern!r} matches no module of the model (modules holding "
                                  f"parameters: {', '.join(m for m in known[1:6])}, ...)")  # fmt: skip
