@@ -31,6 +31,7 @@ from typing import Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from zeroplan.architectures.spec import BLOCK_PREFIX, Shape
+from zeroplan.engines.fsdp2.memo import by_identity
 
 PRESETS = ("blocks", "torchtitan")
 Reshard = Optional[Union[StrictBool, StrictInt]]
@@ -195,10 +196,16 @@ def resolve(wrapping: Wrapping, named_shapes, tied: tuple[tuple[str, str], ...] 
     given (an equal key: a plan's candidates pass one tuple, not rebuilt for each)."""
     if type(named_shapes) is tuple:
         try:
-            return _resolve(wrapping, named_shapes, tuple(tied))
+            return _resolve_kept(named_shapes, wrapping, tuple(tied))
         except TypeError:  # unhashable shapes (lists): as tuples, below
             pass
     return _resolve(wrapping, tuple((n, tuple(s)) for n, s in named_shapes), tuple(tied))
+
+
+@by_identity  # the one shapes tuple of a plan's candidates, ranks and shard groups: not hashed again (a speed-up)
+def _resolve_kept(named_shapes: tuple[tuple[str, Shape], ...], wrapping: Wrapping,
+                  tied: tuple[tuple[str, str], ...]) -> tuple[ShardUnit, ...]:
+    return _resolve(wrapping, named_shapes, tied)
 
 
 @lru_cache(maxsize=64)
