@@ -100,10 +100,16 @@ class Unit:
         return sum(math.prod(s) for s in self.shapes)
 
 
-@lru_cache(maxsize=4096)  # asked for every unit at every moment of every candidate of a plan
 def unit_shard_numel(unit: Unit, nd: int) -> int:
-    """S_u: the unit's padded shard, the all-gather input and reduce-scatter output per rank."""
+    """S_u: the unit's padded shard, the all-gather input and reduce-scatter output per rank (cached by its shapes,
+    ``shapes_shard_numel``: hashed in C, where a ``Unit`` key hashes and compares in Python; a speed-up)."""
     return shapes_shard_numel(unit.shapes, nd)
+
+
+@by_identity  # a profile's units, shared by the runs of a plan's estimates at one T: once per N_d (a speed-up)
+def units_shard_numel(units: tuple[Unit, ...], nd: int) -> tuple[int, ...]:
+    """``unit_shard_numel`` of each of ``units`` (a unit's hash walks its shapes in Python: ~130 a run)."""
+    return tuple(unit_shard_numel(u, nd) for u in units)
 
 
 @lru_cache(maxsize=1024)  # identical decoder layers: one sum for all of them at each N_d (a speed-up)

@@ -9,7 +9,7 @@ from functools import cached_property, lru_cache
 
 from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
-from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, unit_shard_numel
+from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, units_shard_numel
 from zeroplan.engines.fsdp2.hf_buffers import (
     embed_scale_bytes,
     rotary_buffer_bytes,
@@ -103,7 +103,7 @@ class Fsdp2Run:
     @cached_property
     def shards(self) -> tuple[int, ...]:
         """S_u of every unit (``unit_shard_numel``), root first."""
-        return tuple(unit_shard_numel(u, self.nd) for u in self.units)
+        return units_shard_numel(self.units, self.nd)
 
     @cached_property
     def memo(self) -> dict:
