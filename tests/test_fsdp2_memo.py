@@ -139,6 +139,29 @@ def test_sampled_blocks_keep_every_phase_leader(arch, hf, nd, ckpt, update, repl
         assert peak_of(phase_leaders(moments(run, blocks), block), block) == peak_of(moments(run), block)
 
 
+@pytest.mark.parametrize("arch,hf,nd,update,replicas", [(a, h, n, u, r) for a, h, n, _, u, r in SAMPLED if r > 1])
+def test_sampled_moments_are_the_full_profiles_moments_of_those_blocks(arch, hf, nd, update, replicas):
+    """``moments(run, blocks)`` on HSDP (held all-reduce buffers, ``mesh.with_allreduce_held``: the blocks not built
+    read for their reduce-scatter outputs, the held term made only where a kept moment holds it) gives each moment
+    it keeps exactly as the full profile has it: phase, name and every term's value, in order."""
+    w = _workload(DEEP[arch.removesuffix("-short")], hf)
+    w = replace(w, seq_len=4, micro_batch=1) if arch.endswith("-short") else w
+    run = replace(fsdp2_run(w, nd, Settings(**update)), replicate=replicas)
+    blocks = sampled_blocks(run)
+    assert blocks is not None and len(blocks) < len(run.units) - 1
+
+    def values(m: Moment) -> tuple:
+        return m.phase, m.name, tuple((t.name, t.bytes, t.source, t.tensors) for t in m.terms)
+
+    every = moments(run)
+    full = {(m.phase, m.name): values(m) for m in every}
+    assert len(full) == len(every)  # a moment is its phase and name
+    sampled = moments(run, blocks)
+    assert [values(m) for m in sampled] == [full[m.phase, m.name] for m in sampled]
+    assert any("HSDP all-reduce buffers held" in t.name for m in sampled for t in m.terms) == (update != {
+        "param_dtype": "bf16", "reduce_dtype": "fp32"})  # fmt: skip
+
+
 def test_sampled_blocks_none_where_blocks_differ():
     """HSDP's held all-reduce buffers with a unit reduced before the blocks (torchtitan's [norm, output]): one
     term of unequal tensors, rounded unlike from block to block, so every block is built."""
@@ -192,3 +215,16 @@ def test_by_identity_keeps_tuples_by_identity_only():
     assert b is not a and count(b) == [2] and len(calls) == 2
     xs = [1, 2, 3]
     assert count(xs) == [3] and count(xs) == [3] and len(calls) == 4
+
+
+def test_final_norm_kept_by_the_shapes_identity_and_the_prefix():
+    """``terms._final_and_order`` (``memo.by_identity`` with a second argument): a tuple of shapes answered by its
+    identity and the prefix given, the same as built afresh; a list built each time, alike."""
+    from zeroplan.engines.fsdp2.terms import _final_and_order
+
+    shapes = _workload(DEEP["llama"], True).shapes
+    assert type(shapes) is tuple
+    for prefix in ("model.layers.", "model.", "model.layers.", "\0"):
+        got = _final_and_order(shapes, prefix)
+        assert got == _final_and_order.__wrapped__(shapes, prefix) == _final_and_order([*shapes], prefix)
+    assert _final_and_order(shapes, "model.layers.")[0] > 0 == _final_and_order(shapes, "model.")[0]

@@ -141,7 +141,7 @@ class _Builder:
         from the terms the two moments do not share (a few of ~150: a moment differs from the one before by a
         block's buffers) rather than from every term; None (build it whole) unless each moment holds no key and
         no term twice, the condition under which a moment's ``wanted`` is the sum of its terms' keys."""
-        ids_before = self._terms_of.get(id(before))
+        ids_before = self._terms_of.pop(id(before), None)  # read once: the next moment's first build (freed early)
         terms = (*moment.terms, *resident)
         ids = set(map(id, terms))
         if ids_before is None or len(ids) != len(terms):
@@ -220,8 +220,11 @@ class _Builder:
         gone = [(self._grown(live[k]), k) for k in changed if k[2] == GROWN and k not in want and live.get(k)]
         if not gone:  # the usual transition: nothing to pair
             return
+        new = [(want[k][0], k) for k in changed if k[2] == GROWN and k in want and not live.get(k)]
+        if not new:  # none to pair with (most such transitions): the loop below would match none
+            return
         gone.sort(reverse=True)
-        new = sorted(((want[k][0], k) for k in changed if k[2] == GROWN and k in want and not live.get(k)), reverse=True)
+        new.sort(reverse=True)
         for _, old_key in gone:
             stream = self.live[old_key][0][2]
             match = next((k for _, k in new if want[k][1] == stream), None)

@@ -22,7 +22,7 @@ from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
 from zeroplan.engines.fsdp2.side import head_units
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, adam
 from zeroplan.formulas.cuda_workspaces import library_workspaces
-from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, Term, peak_of
+from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, peak_of, rounded_total
 
 STEP_PHASES = ("forward", "backward")
 STEP_LEADERS = "step_leaders"
@@ -52,16 +52,12 @@ def sampled_blocks(run: Fsdp2Run) -> tuple[int, ...] | None:
 
 def phase_leaders(moments: tuple[Moment, ...], block_bytes: int) -> tuple[Moment, ...]:
     """The moments ``peak_of`` can choose, in order: of each phase the first with the largest total (its
-    choice; terms it adds to every moment of a phase change no order). The moments of one run share their
-    term objects (``memo.memo_term``), so each term is rounded once here (``Term.rounded``), where ``peak_of``
-    would round every term of every moment twice."""
-    unique: dict[int, Term] = {}
-    for m in moments:  # every distinct term once (dict.update and map run in C: no Python loop per term)
-        unique.update(zip(map(id, m.terms), m.terms))
-    rounded = {k: t.rounded(block_bytes) for k, t in unique.items()}
+    choice; terms it adds to every moment of a phase change no order). Each moment's total is ``rounded_total`` of
+    its terms: at 1 B and at CUDA's 512 B blocks a sum in C of a value each term holds (``Term``'s bytes, its
+    ``CUDA_BLOCK_BYTES`` blocks), so no term is rounded in Python here (a speed-up, no rule)."""
     best: dict[str, tuple[int, Moment]] = {}
     for m in moments:
-        total = sum(map(rounded.__getitem__, map(id, m.terms)))
+        total = rounded_total(m.terms, block_bytes)
         if m.phase not in best or total > best[m.phase][0]:
             best[m.phase] = (total, m)
     keep = {id(m) for _, m in best.values()}

@@ -27,22 +27,23 @@ def memo_term(fn):
 
 
 def by_identity(fn):
-    """``fn(obj)`` kept by the identity of ``obj`` (a speed-up, no rule): for a tuple a plan passes again as one
-    object (a workload's shapes, a run's units: ``units._profile``), where hashing it would walk every element.
-    Only tuples are kept (the plan's shapes and units are tuples of tuples and frozen objects: they cannot change;
-    ``fn`` must read nothing else), each held beside its value so that its id stays its own; a long-lived process
-    keeps at most 64."""
-    store: dict[int, tuple] = {}
+    """``fn(obj, *rest)`` kept by the identity of ``obj`` and the value of ``rest`` (a speed-up, no rule): for a
+    tuple a plan passes again as one object (a workload's shapes, a run's units: ``units._profile``), where hashing
+    it would walk every element. Only tuples are kept (the plan's shapes and units are tuples of tuples and frozen
+    objects: they cannot change; ``fn`` must read nothing else), each held beside its value so that its id stays
+    its own; ``rest``: a few hashable arguments (a name prefix); a long-lived process keeps at most 64."""
+    store: dict[tuple, tuple] = {}
 
-    def cached(obj):
-        got = store.get(id(obj))
+    def cached(obj, *rest):
+        key = (id(obj), *rest)
+        got = store.get(key)
         if got is not None and got[0] is obj:
             return got[1]
-        out = fn(obj)
+        out = fn(obj, *rest)
         if type(obj) is tuple:
             if len(store) >= 64:
                 store.clear()
-            store[id(obj)] = (obj, out)
+            store[key] = (obj, out)
         return out
 
     cached.__doc__, cached.__name__, cached.__wrapped__ = fn.__doc__, fn.__name__, fn

@@ -186,23 +186,30 @@ def holds_allreduce(run) -> bool:
     return run.replicate > 1 and run.settings.reduce != run.settings.module
 
 
-def with_allreduce_held(run, backward: tuple[Moment, ...]) -> tuple[Moment, ...]:
+def with_allreduce_held(run, backward: tuple[Moment, ...], dropped: str | None = None) -> tuple[Moment, ...]:
     """The backward moments of ``run`` with the all-reduce buffers of the units reduced before each
     (``allreduce_held``): a unit counts from the moment after its cast (``moments.reduce_scatter_moments``;
     during the cast its buffer is the reduce-scatter output, already a term), whatever the wrapping. A flat
-    run's moments come back unchanged."""
+    run's moments come back unchanged. ``dropped``: moments whose name holds it are read for their units'
+    reduce-scatter outputs only and left out (``moments.NOT_BUILT``: the blocks a sampled profile does not
+    build); the held term is made only for a moment that keeps it, once per change (a speed-up, no rule: the
+    same term, by value, as one made at every change)."""
     if not holds_allreduce(run):
         return backward
     reduced: dict[str, int] = {}  # by name: a unit's output may be listed again in a later unit's moments
-    out, held, total = [], (), 0
+    out, held, total, stale = [], (), 0, False
     for m in backward:
-        out.append(Moment(m.phase, m.name, (*m.terms, *held)) if held else m)
-        if m.name.endswith(REDUCED):  # ``held`` changes only here (built once per change: a speed-up)
+        name = m.name
+        if dropped is None or dropped not in name:
+            if stale:  # the units reduced changed since the term was last made
+                held, stale = allreduce_held(len(reduced), total), False
+            out.append(Moment(m.phase, name, (*m.terms, *held)) if held else m)
+        if name.endswith(REDUCED):  # ``held`` changes only here
             for t in m.terms:
                 if t.name.startswith("reduce-scatter output"):  # their bytes summed as they come
                     total += t.bytes - reduced.get(t.name, 0)
                     reduced[t.name] = t.bytes
-            held = allreduce_held(len(reduced), total) if reduced else ()
+            stale = bool(reduced)
     return tuple(out)
 
 

@@ -41,7 +41,7 @@ def local_shard_numel(shape: Shape, nd: int, rank: int) -> int:
     return min(c, max(0, shape[0] - rank * c)) * math.prod(shape[1:])
 
 
-@lru_cache(maxsize=256)
+@by_identity  # a run's shapes tuple passed again by its estimates: not hashed (~1,100 shapes), a speed-up
 def shape_counts(shapes: tuple[Shape, ...]) -> tuple[tuple[Shape, int], ...]:
     """Each distinct shape of ``shapes`` once, with how many parameters have it (a speed-up: identical layers
     give ~10 distinct shapes in ~900 parameters, and a rank's sums over them need each once)."""
@@ -100,10 +100,16 @@ class Unit:
         return sum(math.prod(s) for s in self.shapes)
 
 
-@lru_cache(maxsize=4096)  # asked for every unit at every moment of every candidate of a plan
 def unit_shard_numel(unit: Unit, nd: int) -> int:
-    """S_u: the unit's padded shard, the all-gather input and reduce-scatter output per rank."""
+    """S_u: the unit's padded shard, the all-gather input and reduce-scatter output per rank (cached by its shapes,
+    ``shapes_shard_numel``: hashed in C, where a ``Unit`` key hashes and compares in Python; a speed-up)."""
     return shapes_shard_numel(unit.shapes, nd)
+
+
+@by_identity  # a profile's units, shared by the runs of a plan's estimates at one T: once per N_d (a speed-up)
+def units_shard_numel(units: tuple[Unit, ...], nd: int) -> tuple[int, ...]:
+    """``unit_shard_numel`` of each of ``units`` (a unit's hash walks its shapes in Python: ~130 a run)."""
+    return tuple(unit_shard_numel(u, nd) for u in units)
 
 
 @lru_cache(maxsize=1024)  # identical decoder layers: one sum for all of them at each N_d (a speed-up)

@@ -9,7 +9,7 @@ from functools import cached_property, lru_cache
 
 from zeroplan.architectures.spec import BLOCK_PREFIX, block_prefix
 from zeroplan.engines.base import Workload
-from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, unit_shard_numel
+from zeroplan.engines.fsdp2.param import Shape, Unit, padded_shard_numel, units_shard_numel
 from zeroplan.engines.fsdp2.hf_buffers import (
     embed_scale_bytes,
     rotary_buffer_bytes,
@@ -17,7 +17,7 @@ from zeroplan.engines.fsdp2.hf_buffers import (
     rotary_recompute_bytes,
     router_weight_copy_bytes,
 )
-from zeroplan.engines.fsdp2.memo import RANKED, memo_term
+from zeroplan.engines.fsdp2.memo import RANKED, by_identity, memo_term
 from zeroplan.engines.fsdp2.units import profile_units, shard_units_of
 from zeroplan.engines.fsdp2.wrap import ShardUnit
 from zeroplan.engines.fsdp2.selective_ac import SRC as SAC_SRC, checkpointed, checkpointed_blocks, saved_through
@@ -103,7 +103,7 @@ class Fsdp2Run:
     @cached_property
     def shards(self) -> tuple[int, ...]:
         """S_u of every unit (``unit_shard_numel``), root first."""
-        return tuple(unit_shard_numel(u, self.nd) for u in self.units)
+        return units_shard_numel(self.units, self.nd)
 
     @cached_property
     def memo(self) -> dict:
@@ -348,10 +348,7 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
     act_bytes = dtype_bytes(settings.param)
     stat_bytes = 4 if settings.device == "cuda" else act_bytes  # CPU native_layer_norm: stats in the input dtype
     acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=act_bytes, stat_bytes=stat_bytes)
-    try:
-        final, param_order = _final_and_order(workload.shapes, prefix)
-    except TypeError:  # unhashable shapes (lists): built each time
-        final, param_order = _final_and_order.__wrapped__(workload.shapes, prefix)
+    final, param_order = _final_and_order(workload.shapes, prefix)  # shapes as lists: built each time
     hf = workload.transformers
     rotary = hf and spec.style == "llama"
 
@@ -370,10 +367,10 @@ def fsdp2_run(workload: Workload, nd: int, settings: Settings) -> Fsdp2Run:
                     **_op_policy(workload, settings, act_bytes))  # fmt: skip
 
 
-@lru_cache(maxsize=16)  # the same for every candidate and rank of a plan at one T (a speed-up)
+@by_identity  # one shapes tuple for every candidate and rank of a plan at one T: not hashed (a speed-up)
 def _final_and_order(shapes: tuple[tuple[str, Shape], ...], prefix: str) -> tuple[int, tuple[Shape, ...]]:
     """``fsdp2_run``'s final norm outside the decoder layers (numel) and every parameter's shape, in order."""
-    norms = (s for n, s in shapes if n.rsplit(".", 2)[-2] in ("ln_f", "norm") and not n.startswith(prefix))
+    norms = (s for n, s in shapes if not n.startswith(prefix) and n.rsplit(".", 2)[-2] in ("ln_f", "norm"))
     return sum(map(math.prod, norms)), tuple(tuple(s) for _, s in shapes)
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from zeroplan.engines.fsdp2.collectives import one_row
+from zeroplan.engines.fsdp2.memo import by_identity
 from zeroplan.engines.fsdp2.tp import (check_plan, colwise_inputs, local_shapes, local_spec, norm_grad_collectives,
                                        tp_collectives)  # fmt: skip
 from zeroplan.formulas.collectives import Collective, counted_rows
@@ -23,7 +24,7 @@ def tp_workload(workload, t: int):
     return replace(workload, shapes=shapes, spec=spec)
 
 
-@lru_cache(maxsize=16)  # the same for every candidate, shard group and rank of a plan at one T (a speed-up)
+@by_identity  # one shapes tuple for every candidate, shard group and rank of a plan at one T: not hashed (a speed-up)
 def _local(shapes, spec, t: int):
     return local_shapes(shapes, t), local_spec(spec, t)
 

@@ -31,6 +31,7 @@ from typing import Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 from zeroplan.architectures.spec import BLOCK_PREFIX, Shape
+from zeroplan.engines.fsdp2.memo import by_identity
 
 PRESETS = ("blocks", "torchtitan")
 Reshard = Optional[Union[StrictBool, StrictInt]]
@@ -195,10 +196,16 @@ def resolve(wrapping: Wrapping, named_shapes, tied: tuple[tuple[str, str], ...] 
     given (an equal key: a plan's candidates pass one tuple, not rebuilt for each)."""
     if type(named_shapes) is tuple:
         try:
-            return _resolve(wrapping, named_shapes, tuple(tied))
+            return _resolve_kept(named_shapes, wrapping, tuple(tied))
         except TypeError:  # unhashable shapes (lists): as tuples, below
             pass
     return _resolve(wrapping, tuple((n, tuple(s)) for n, s in named_shapes), tuple(tied))
+
+
+@by_identity  # the one shapes tuple of a plan's candidates, ranks and shard groups: not hashed again (a speed-up)
+def _resolve_kept(named_shapes: tuple[tuple[str, Shape], ...], wrapping: Wrapping,
+                  tied: tuple[tuple[str, str], ...]) -> tuple[ShardUnit, ...]:
+    return _resolve(wrapping, named_shapes, tied)
 
 
 @lru_cache(maxsize=64)
@@ -232,11 +239,14 @@ def _layout(entries: tuple[tuple[tuple[str, ...], bool], ...], names: tuple[str,
             tied: tuple[tuple[str, str], ...]) -> tuple[tuple, ...]:
     """``_units`` with each parameter as its index in ``names`` (``named_parameters()`` order)."""
     known = (*module_names(tuple((n, ()) for n in names)), *(m for m, _ in tied))
+    by_depth: dict[int, list[str]] = {}  # the modules by segment count, in order (the root apart): a pattern
+    for m in known:  # matches only modules of its own count (``matches``), so only those are compared (a speed-up)
+        by_depth.setdefault(m.count(".") if m else -1, []).append(m)
     calls: list[tuple[tuple[str, ...], int]] = []
     for k, (patterns, group) in enumerate(entries):
         found = []
         for pattern in patterns:
-            hit = [m for m in known if matches(pattern, m)]
+            hit = [m for m in by_depth.get(pattern.count(".") if pattern else -1, ()) if matches(pattern, m)]
             if not hit:
                 raise ValueError(f"wrapping: {pattern!r} matches no module of the model (modules holding "
                                  f"parameters: {', '.join(m for m in known[1:6])}, ...)")  # fmt: skip
