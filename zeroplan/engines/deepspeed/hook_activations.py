@@ -34,57 +34,65 @@ def _hook_memo(run: DSRun) -> dict:
 def _hook_activations(run: DSRun, j: int, hook: int,
                       memo: dict | None = None) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
     """``_block_hook_activations``, once per layout (``_hook_memo``; ``memo``: the run's, asked once by the
-    caller of many hooks) and block shape (``_block_shape``: a block whose roles are another's shifted by ``shift``
-    parameters, of the same sizes, has the same activations at the hook ``shift`` further on, its module ``shift``
-    further on; a 405B plan asks ~1,000 hooks of 126 equal blocks; a speed-up, no rule)."""
+    caller of many hooks) and block shape (``_block_shape``: a block whose parameters are another's shifted by
+    ``shift`` indices, of the same sizes and roles, has the same activations at the hook ``shift`` further on, its
+    module ``shift`` further on; a 405B plan asks ~1,600 hooks of 126 equal blocks; a speed-up, no rule)."""
     memo = _hook_memo(run) if memo is None else memo
     found = memo.get((j, hook), memo)
     if found is memo:
-        base, shape = _block_shape(run, j, memo)
+        base, shape = memo.get(("block", j)) or _block_shape(run, j, memo)
         key = ("shape", shape, hook - base)
         relative = memo.get(key, memo)
         if relative is memo:
             found = _block_hook_activations(run, j, hook)
             memo[key] = None if found is None else (found[0], found[1], tuple(i - base for i in found[2]))
+        elif relative is not None:
+            found = (relative[0], relative[1], tuple(map(base.__add__, relative[2])))
         else:
-            found = None if relative is None else (relative[0], relative[1], tuple(base + i for i in relative[2]))
+            found = None
         memo[j, hook] = found
     return found
 
 
-def _block_shape(run: DSRun, j: int, memo: dict) -> tuple[int, tuple]:
+def _block_shape(run: DSRun, j: int, memo: dict) -> tuple[int, int]:
     """(base, shape) of block j: everything ``_block_hook_activations`` reads of block j, as its parameter indices
-    less ``base`` (the least of them), with those parameters' sizes; once per block (``memo``). GPT's LayerNorm
-    block: its MLP input projection and the module before it (``_mlp_modules``); a Llama-shaped block: its roles
-    (``_llama_roles``: the MLP input projections, the post-attention norm, the output projection) and the modules
-    hooked after its output projection (``_attention_after``). The rest it reads is the memo's facts
-    (``_hook_memo``)."""
-    key = ("block", j)
-    if key not in memo:
-        if not run.acts.block.norm_backward_saved:  # the GPT path of ``_block_hook_activations``
-            groups, split = _mlp_modules(run, j), -1
+    less ``base`` (the least of them), with those parameters' sizes, numbered in ``memo`` (equal blocks, one
+    number); once per block. GPT's LayerNorm block: its MLP input projection and the module before it
+    (``_mlp_modules``); a Llama-shaped block: its roles (``_llama_roles``: the MLP input projections, the
+    post-attention norm, the output projection) and the modules hooked after its output projection
+    (``_attention_after``). The rest it reads is the memo's facts (``_hook_memo``)."""
+    if not run.acts.block.norm_backward_saved:  # the GPT path of ``_block_hook_activations``
+        groups, split = _mlp_modules(run, j), -1
+    else:
+        roles = _llama_roles(run, j)
+        if roles is None:
+            groups, split = (), -2
         else:
-            roles = _llama_roles(run, j)
-            if roles is None:
-                groups, split = (), -2
-            else:
-                groups, split = (*roles[0], roles[1], roles[2], *_attention_after(run, j)), len(roles[0])
-        indices = [i for group in groups for i in group]
-        base = min(indices, default=0)
-        shape = (split, tuple(tuple(i - base for i in group) for group in groups), tuple(run.numels[i] for i in indices))
-        memo[key] = (base, shape)
-    return memo[key]
+            groups, split = (*roles[0], roles[1], roles[2], *_attention_after(run, j)), len(roles[0])
+    indices = [i for group in groups for i in group]
+    base = min(indices, default=0)
+    shape = (split, tuple(tuple(i - base for i in group) for group in groups), tuple(run.numels[i] for i in indices))
+    shapes = memo.setdefault("shapes", {})
+    found = memo["block", j] = (base, shapes.setdefault(shape, len(shapes)))
+    return found
 
 
 def _hook_bytes(run: DSRun, j: int, hook: int, memo: dict) -> int | None:
     """The bytes of ``_hook_activations``' terms and of the hooked module's weight gradients (``sum(numels) * p``),
-    or None where it has none; once per layout (``memo``: ``_hook_memo(run)``, whose facts include the dtype)."""
+    or None where it has none; once per layout (``memo``: ``_hook_memo(run)``, whose facts include the dtype) and
+    block shape (the module's sizes are the shape's: ``_block_shape``)."""
     key = ("bytes", j, hook)
-    if key not in memo:
-        at_hook = _hook_activations(run, j, hook, memo)
-        memo[key] = None if at_hook is None else (
-            sum(t.bytes for t in at_hook[1]) + sum(run.numels[i] for i in at_hook[2]) * _pbytes(run))
-    return memo[key]
+    found = memo.get(key, memo)
+    if found is memo:
+        base, shape = memo.get(("block", j)) or _block_shape(run, j, memo)
+        relative = ("shape bytes", shape, hook - base)
+        found = memo.get(relative, memo)
+        if found is memo:
+            at_hook = _hook_activations(run, j, hook, memo)
+            found = memo[relative] = None if at_hook is None else (
+                sum(t.bytes for t in at_hook[1]) + sum(run.numels[i] for i in at_hook[2]) * _pbytes(run))
+        memo[key] = found
+    return found
 
 
 def _block_hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
