@@ -11,7 +11,7 @@ from functools import lru_cache
 import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
-from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _params_numels, _rank_first_buckets
+from zeroplan.engines.deepspeed.layout_ranks import _first_in_blocks, _hook_buckets, _params_numels, _rank_first_buckets
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
@@ -183,9 +183,9 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
     the differential matrix (seed 3 draw 15, generator 4: Llama 10.5M untied, ZeRO-2, N_d = 2; MemTracker at
     rank 0's backward peak, in ``copy_grads_in_partition`` at the token embedding's hook: the states, both
     buckets, the embedding's 19,125,504-B gradient and rank 0's 21,080,832-B ``grads_in_partition``)."""
-    if not run.param_blocks or not any(b >= 0 for b in run.param_blocks):
+    first_block = _first_in_blocks(run)
+    if first_block is None:
         return ()
-    first_block = min(i for i, b in enumerate(run.param_blocks) if b >= 0)
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
     p, acts = _pbytes(run), run.acts
     held = run.wrapper.held_between_micro_steps(run)
@@ -250,7 +250,7 @@ def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
     bucket and, on rank 1, the 7,489,536-B flattened copy; benchmarks/differential_trace.py)."""
     if not (run.param_blocks and run.settings.partition_gradients and run.grad_accum > 1):
         return ()
-    first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
+    first_block = _first_in_blocks(run) or 0
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
     embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
     if not embeddings or run.tied_head:  # tied: zero12.py _tied_embedding_backward (the sum, larger)
