@@ -13,7 +13,7 @@ from zeroplan.engines.deepspeed.collectives import greedy_buckets
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import _first_in_blocks, _hook_buckets, _params_numels, _rank_first_buckets
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
-from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
+from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.formulas.peak import Moment, Term
@@ -328,8 +328,8 @@ def epilogue_large_gradient(run: DSRun) -> tuple[Moment, ...]:
     firsts = _rank_first_buckets(run)
     # the other large gradients' elements before each parameter: a rank's kept ones (those outside its range) from
     # two lookups, not a pass over them per rank (1,024 ranks of ~900 such gradients: a 405B plan at 5e6 buckets)
-    large_before = (0, *itertools.accumulate(n if n > s.reduce_bucket_size and i != big else 0
-                                             for i, n in enumerate(numels)))
+    large_before = shared_memo("epilogue large", (numels,), (s.reduce_bucket_size, big), lambda: (0, *itertools.accumulate(
+        n if n > s.reduce_bucket_size and i != big else 0 for i, n in enumerate(numels))))  # once per layout and bucket
 
     def kept_numel(r: int) -> int:
         first, end = run.flat.range(r)
@@ -351,5 +351,9 @@ def epilogue_large_gradient(run: DSRun) -> tuple[Moment, ...]:
         gip = run.flat.params_numel(r) * p
         return (gip + copy.bytes if firsts[r] < last else max(gip, copy.bytes)) + kept
 
+    # every rank described: its one once per layout, bucket and bytes (``shared_memo``; a speed-up, no rule)
+    chosen = run.first_largest(own_bytes) if s.rank is not None else shared_memo(
+        "epilogue large gradient", (run.flat, firsts, large_before), (p, copy.bytes, last, s.partition_gradients),
+        lambda: run.first_largest(own_bytes))
     return tuple(Moment("backward", f"the last, large gradient reduced after backward, rank {r}", (*base, *own(r)))
-                 for r in run.first_largest(own_bytes))  # fmt: skip
+                 for r in chosen)  # type: ignore[union-attr]  # fmt: skip

@@ -17,7 +17,7 @@ from zeroplan.engines.deepspeed.hook_activations import (_block_hook_activations
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks, _params_numels,
                                                      _rank_first_buckets, _stage1_held, _views)
 from zeroplan.engines.deepspeed.phases import final_norm_at_its_hook, final_norm_per_rank
-from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.formulas.peak import Moment, Term
@@ -56,9 +56,14 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
         sent, large = held(rank)
         return (psi - sent + large + run.flat.params_numel(rank)) * p
 
-    owners = tuple(r for r in run.ranks if run.flat.params(r))
+    def winners() -> tuple[int, ...]:
+        return run.first_largest(extra, tuple(r for r in run.ranks if run.flat.params(r)))
+
+    # where every rank is described, its one rank once per layout, bucket and bytes (a speed-up, no rule)
+    chosen = winners() if run.settings.rank is not None else shared_memo(
+        "stage1 reduce", (run.flat, sent_and_kept), (psi, p), winners)
     out = []
-    for rank in run.first_largest(extra, owners):  # one rank where every rank is described
+    for rank in chosen:  # type: ignore[union-attr]
         sent, large = held(rank)
         out.append(Moment("backward", f"reduce_gradients: rank {rank}'s grads_in_partition", (
             *states,
@@ -123,8 +128,12 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     def early(rank: int) -> bool:  # its grads_in_partition allocated by an earlier bucket
         return 0 <= firsts[rank] < last and (run.grad_accum == 1 or B.at_boundary(run))
 
-    out = []
-    for rank in run.first_largest(lambda r: run.flat.params_numel(r) if early(r) else 0):  # one where all are described
+    def winners() -> tuple[int, ...]:  # one where all are described
+        return run.first_largest(lambda r: run.flat.params_numel(r) if early(r) else 0)
+
+    out = []  # every rank described: its one once per layout, bucket and boundary (a speed-up, no rule)
+    for rank in winners() if run.settings.rank is not None else shared_memo(  # type: ignore[union-attr]
+            "epilogue reduce", (run.flat, firsts), (last, run.grad_accum == 1 or B.at_boundary(run)), winners):
         out.append(Moment("backward", f"reduction after backward, rank {rank}", (*base, *(
             (Term("grads_in_partition", run.flat.params_numel(rank) * _pbytes(run), GIP_SRC),) if early(rank) else ()))))
     return tuple(out)
