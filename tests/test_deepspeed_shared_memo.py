@@ -29,8 +29,8 @@ def _candidates(nd: int):
         for bucket, dtype in ((50_000, "bf16"), (20_000, "fp32"), (5_000, "bf16"), (2_000, "fp16"), (5_000, "fp32")):
             out.append(dict(stage=stage, overlap_comm=overlap, reduce_bucket_size=bucket, allgather_bucket_size=bucket,
                             dtype=dtype))
-    for stage in (1, 2):
-        out.append(dict(stage=stage, reduce_bucket_size=50_000, allgather_bucket_size=50_000,
+    for stage, rank in ((1, None), (2, None), (1, 1), (2, 2), (2, None)):
+        out.append(dict(stage=stage, reduce_bucket_size=50_000, allgather_bucket_size=50_000, rank=rank,
                         offload_optimizer=OffloadTarget(device="cpu")))
     for rank in range(nd):
         out.append(dict(stage=1 + rank % 2, reduce_bucket_size=5_000, allgather_bucket_size=5_000, rank=rank))
