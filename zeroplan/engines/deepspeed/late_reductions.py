@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
-from zeroplan.engines.deepspeed.flat_copy import copy_numel
+from zeroplan.engines.deepspeed.flat_copy import range_copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import _first_in_blocks, _hook_buckets, _params_numels, _rank_first_buckets
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states, shared_memo
@@ -97,7 +97,7 @@ class _FlattenedBuckets:
         copied = []
         for k, (lo, hi) in enumerate(zip((0, *bucket_ends[:-1]), bucket_ends)):
             first, end = bisect.bisect_left(offsets, lo), bisect.bisect_left(offsets, hi)
-            n = copy_numel(flat, limit, range(first, end))
+            n = range_copy_numel(flat.part, limit, offsets[first], offsets[end])  # ``copy_numel`` of range(first, end)
             if n:
                 copied.append((k, hi, first, end, n))
         self.copied = tuple(copied)
