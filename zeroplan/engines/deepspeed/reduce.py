@@ -289,4 +289,5 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
             "gradients larger than the bucket, outside the partition (kept to the step)", outside * p,
             f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce; stage 1)"),) if outside else ()))
 
-    return (*out, *final_norm_per_rank(run, last, inflight, extra))
+    # at stage 2 only the ranks whose partition the first bucket allocates hold anything more
+    return (*out, *final_norm_per_rank(run, last, inflight, extra, None if stage1 else tuple(sorted(held))))

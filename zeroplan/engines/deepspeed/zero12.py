@@ -152,14 +152,14 @@ def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
     norm, then the last block's parameters from its last call); the first bucket fills during the last block's
     backward when the model needs more than one. A rank owning a parameter of that bucket allocates its
     ``grads_in_partition`` there, with the activations alive (stage_1_and_2.py ``reduce_ipg_grads`` ->
-    ``copy_grads_in_partition``)."""
+    ``copy_grads_in_partition``). Every rank described: the owners once per layout and bucket (a speed-up, no rule)."""
     _, buckets, _, _ = _hook_buckets(run)
     if len(buckets) < 2:  # everything fits one bucket: reduced after backward, activations gone
         return ()
     p, firsts = _pbytes(run), _rank_first_buckets(run)  # a rank's least bucket is 0 where it owns one of bucket 0's
-    return tuple((rank, Term("grads_in_partition", run.flat.params_numel(rank) * p,
-                             "runtime/zero/stage_1_and_2.py copy_grads_in_partition"))
-                 for rank in run.ranks if firsts[rank] == 0)  # fmt: skip
+    owners = shared_memo("first bucket owners", (firsts,), (), lambda: tuple(r for r, f in enumerate(firsts) if not f))
+    return tuple((rank, Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))
+                 for rank in (owners if run.settings.rank is None else run.ranks) if firsts[rank] == 0)  # fmt: skip
 
 
 def _first_bucket_before_last_block(run: DSRun) -> bool:
