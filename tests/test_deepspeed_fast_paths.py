@@ -15,7 +15,7 @@ import pytest
 from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.coordinator import Stage3Gather
-from zeroplan.engines.deepspeed.flat_copy import copy_numel
+from zeroplan.engines.deepspeed.flat_copy import copy_numel, range_copy_numel
 from zeroplan.engines.deepspeed.profile import run_moments
 from zeroplan.engines.deepspeed.run import _layout, _trace
 from zeroplan.engines.deepspeed.settings import Settings
@@ -116,5 +116,8 @@ def test_a_bucket_copy_streamed_equals_the_listed_slices():
         for params in (range(first, end), tuple(rng.sample(range(first, end), end - first)), [first], []):
             want = _listed_copy_numel(flat, limit, params)
             assert copy_numel(flat, limit, params) == want, (numels, flat.part, limit, params)
+            if isinstance(params, range):  # consecutive parameters: the bucket's pieces of each partition
+                got = range_copy_numel(flat.part, limit, flat.offsets[first], flat.offsets[end])
+                assert got == want, (numels, flat.part, limit, params)
             zero, copied = zero + (want == 0), copied + (want > 0)
     assert zero > 1500 and copied > 1000  # both outcomes drawn often

@@ -14,6 +14,7 @@ from zeroplan.architectures.hf_config import spec_from_hf_config
 from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines import deepspeed as D
 from zeroplan.engines.base import Workload
+import zeroplan.engines.deepspeed.run as run_module
 from zeroplan.engines.deepspeed.run import DSRun
 from zeroplan.formulas.peak import peak_of
 
@@ -49,6 +50,7 @@ def test_first_largest_keeps_every_phase_peak(monkeypatch, model, nd, grad_accum
     listed = D.moments(run)
     fast = peak_of(listed)
     monkeypatch.setattr(DSRun, "first_largest", _every_rank)
+    monkeypatch.setattr(run_module, "_SHARED", {})  # the winners a layout's runs share (``shared_memo``): listed afresh
     every = D.moments(D.ds_run(settings, w, nd, stat_bytes=4))
     assert len(every) > len(listed)  # the families had several ranks each
     assert fast == peak_of(every)

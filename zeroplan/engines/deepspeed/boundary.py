@@ -16,7 +16,7 @@ buckets, N_d = 2, G = 2): rank 1's ``grads_in_partition`` (85,248 B) allocated a
 from __future__ import annotations
 
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
-from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states, memo_of
+from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states, memo_of, shared_memo
 from zeroplan.formulas.peak import Moment, Term
 
 SRC = "runtime/zero/stage_1_and_2.py"
@@ -43,18 +43,21 @@ def _unhooked(run: DSRun) -> tuple[int, ...]:
             out.append(out[-1] + r.numels[i])
         return tuple(reversed(out))
 
-    return memo_of(run, "boundary unhooked", make)  # type: ignore[return-value]
+    return memo_of(run, "boundary unhooked", lambda r: shared_memo(  # every run of the layout alike
+        "boundary unhooked", (r.grad_ready_order, r.numels), (), lambda: make(r)))  # type: ignore[return-value]
 
 
 def position(run: DSRun, param: int) -> int:
     """The place of parameter ``param``'s hook in the gradient-ready order."""
-    where = memo_of(run, "boundary positions", lambda r: {i: k for k, i in enumerate(r.grad_ready_order)})
+    where = memo_of(run, "boundary positions", lambda r: shared_memo(  # every run of the layout alike
+        "boundary positions", (r.grad_ready_order,), (), lambda: {i: k for k, i in enumerate(r.grad_ready_order)}))
     return where[param]  # type: ignore[index]
 
 
 def block_start(run: DSRun, j: int) -> int:
     """The place in the gradient-ready order of block ``j``'s first hook (its output projection's)."""
-    return memo_of(run, "boundary block starts", _block_starts)[j]  # type: ignore[index]
+    return memo_of(run, "boundary block starts", lambda r: shared_memo(  # every run of the layout alike
+        "boundary block starts", (r.grad_ready_order, r.param_blocks), (), lambda: _block_starts(r)))[j]  # type: ignore[index]
 
 
 def _block_starts(run: DSRun) -> dict[int, int]:

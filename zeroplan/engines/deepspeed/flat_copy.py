@@ -54,3 +54,18 @@ def copy_numel(flat: FlatGroup, limit: int, params: Iterable[int]) -> int:
         if numel > limit:
             copy, count, numel = max(copy, numel if count > 1 else 0), 0, 0
     return max(copy, numel if count > 1 else 0)
+
+
+def range_copy_numel(part: int, limit: int, lo: int, hi: int) -> int:
+    """``copy_numel`` of a bucket holding consecutive parameters in their order (``range(first, end)``: ZeRO-1's
+    reduction after backward), whose elements are the flat group's [``lo``, ``hi``): its slices, the parameters cut at
+    the partitions' boundaries and a run bound for one partition merged, are then the bucket's pieces of each
+    partition, fed into the groups as ``copy_numel`` feeds them (a speed-up, no rule: no pass over the parameters;
+    equal to it on random layouts, tests/test_deepspeed_fast_paths.py)."""
+    copy = count = numel = 0
+    while lo < hi:
+        end = min(hi, (lo // part + 1) * part)  # this partition's piece
+        count, numel, lo = count + 1, numel + end - lo, end
+        if numel > limit:
+            copy, count, numel = max(copy, numel if count > 1 else 0), 0, 0
+    return max(copy, numel if count > 1 else 0)

@@ -10,10 +10,10 @@ from functools import lru_cache
 
 import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
-from zeroplan.engines.deepspeed.flat_copy import copy_numel
-from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _params_numels, _rank_first_buckets
+from zeroplan.engines.deepspeed.flat_copy import range_copy_numel
+from zeroplan.engines.deepspeed.layout_ranks import _first_in_blocks, _hook_buckets, _params_numels, _rank_first_buckets
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
-from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states
+from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.formulas.peak import Moment, Term
@@ -97,7 +97,7 @@ class _FlattenedBuckets:
         copied = []
         for k, (lo, hi) in enumerate(zip((0, *bucket_ends[:-1]), bucket_ends)):
             first, end = bisect.bisect_left(offsets, lo), bisect.bisect_left(offsets, hi)
-            n = copy_numel(flat, limit, range(first, end))
+            n = range_copy_numel(flat.part, limit, offsets[first], offsets[end])  # ``copy_numel`` of range(first, end)
             if n:
                 copied.append((k, hi, first, end, n))
         self.copied = tuple(copied)
@@ -183,9 +183,9 @@ def embedding_hook_reduced(run: DSRun) -> tuple[Moment, ...]:
     the differential matrix (seed 3 draw 15, generator 4: Llama 10.5M untied, ZeRO-2, N_d = 2; MemTracker at
     rank 0's backward peak, in ``copy_grads_in_partition`` at the token embedding's hook: the states, both
     buckets, the embedding's 19,125,504-B gradient and rank 0's 21,080,832-B ``grads_in_partition``)."""
-    if not run.param_blocks or not any(b >= 0 for b in run.param_blocks):
+    first_block = _first_in_blocks(run)
+    if first_block is None:
         return ()
-    first_block = min(i for i, b in enumerate(run.param_blocks) if b >= 0)
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
     p, acts = _pbytes(run), run.acts
     held = run.wrapper.held_between_micro_steps(run)
@@ -250,7 +250,7 @@ def blocks_bucket_at_embedding_hook(run: DSRun) -> tuple[Moment, ...]:
     bucket and, on rank 1, the 7,489,536-B flattened copy; benchmarks/differential_trace.py)."""
     if not (run.param_blocks and run.settings.partition_gradients and run.grad_accum > 1):
         return ()
-    first_block = min((i for i, b in enumerate(run.param_blocks) if b >= 0), default=0)
+    first_block = _first_in_blocks(run) or 0
     order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
     embeddings = [i for i in range(first_block) if run.param_blocks[i] < 0]
     if not embeddings or run.tied_head:  # tied: zero12.py _tied_embedding_backward (the sum, larger)
@@ -328,8 +328,8 @@ def epilogue_large_gradient(run: DSRun) -> tuple[Moment, ...]:
     firsts = _rank_first_buckets(run)
     # the other large gradients' elements before each parameter: a rank's kept ones (those outside its range) from
     # two lookups, not a pass over them per rank (1,024 ranks of ~900 such gradients: a 405B plan at 5e6 buckets)
-    large_before = (0, *itertools.accumulate(n if n > s.reduce_bucket_size and i != big else 0
-                                             for i, n in enumerate(numels)))
+    large_before = shared_memo("epilogue large", (numels,), (s.reduce_bucket_size, big), lambda: (0, *itertools.accumulate(
+        n if n > s.reduce_bucket_size and i != big else 0 for i, n in enumerate(numels))))  # once per layout and bucket
 
     def kept_numel(r: int) -> int:
         first, end = run.flat.range(r)
@@ -351,5 +351,9 @@ def epilogue_large_gradient(run: DSRun) -> tuple[Moment, ...]:
         gip = run.flat.params_numel(r) * p
         return (gip + copy.bytes if firsts[r] < last else max(gip, copy.bytes)) + kept
 
+    # every rank described: its one once per layout, bucket and bytes (``shared_memo``; a speed-up, no rule)
+    chosen = run.first_largest(own_bytes) if s.rank is not None else shared_memo(
+        "epilogue large gradient", (run.flat, firsts, large_before), (p, copy.bytes, last, s.partition_gradients),
+        lambda: run.first_largest(own_bytes))
     return tuple(Moment("backward", f"the last, large gradient reduced after backward, rank {r}", (*base, *own(r)))
-                 for r in run.first_largest(own_bytes))  # fmt: skip
+                 for r in chosen)  # type: ignore[union-attr]  # fmt: skip

@@ -12,7 +12,7 @@ import itertools
 from functools import lru_cache
 
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
-from zeroplan.engines.deepspeed.run import DSRun, memo_of
+from zeroplan.engines.deepspeed.run import DSRun, memo_of, shared_memo
 from zeroplan.engines.deepspeed.terms import FlatGroup
 
 
@@ -73,8 +73,14 @@ def _hook_layout(numels: tuple[int, ...], bucket: int,
 
 def _last_in_blocks(run: DSRun) -> int:
     """The last parameter (``named_parameters`` order) inside a decoder block; -1 without blocks. Once per run."""
-    return memo_of(run, "last in blocks", lambda r: max((i for i, j in enumerate(r.param_blocks) if j >= 0),
-                                                        default=-1))  # type: ignore[return-value]
+    return memo_of(run, "last in blocks", lambda r: shared_memo("last in blocks", (r.param_blocks,), (), lambda: max(
+        (i for i, j in enumerate(r.param_blocks) if j >= 0), default=-1)))  # type: ignore[return-value]
+
+
+def _first_in_blocks(run: DSRun) -> int | None:
+    """The first parameter (``named_parameters`` order) inside a decoder block; None without one. Once per layout."""
+    return memo_of(run, "first in blocks", lambda r: shared_memo("first in blocks", (r.param_blocks,), (), lambda: next(
+        (i for i, j in enumerate(r.param_blocks) if j >= 0), None)))  # type: ignore[return-value]
 
 
 def _rank_first_buckets(run: DSRun) -> tuple[int, ...]:

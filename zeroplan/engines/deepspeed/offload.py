@@ -35,7 +35,7 @@ from zeroplan.engines.deepspeed.nvme_param import nvme_traffic as param_nvme_tra
 from zeroplan.engines.deepspeed.offload_settings import OPTIMIZER_BUFFER_COUNT
 from zeroplan.engines.deepspeed.offload_terms import (PARAM_NORMS, S12, offloads, param_norm_count,
                                                       torch_adam_step_temporaries)
-from zeroplan.engines.deepspeed.run import DSRun
+from zeroplan.engines.deepspeed.run import DSRun, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import PERSISTENT_PARAMS, aligned_flat_numel
 from zeroplan.formulas.offload import HostMemory, Offload
@@ -289,7 +289,11 @@ def _upcast_by_block(run: DSRun) -> dict[int | None, int]:
 def hook_upcasts(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ...]:
     """ZeRO-1/2 (its ``WrapperOffload.moments``) with ``offload_optimizer``: each moment with the fp32 copy of a
     gradient slice its hooks make (``_hook_upcast``)."""
-    by_block = _upcast_by_block(run) if run.settings.offload_optimizer.on else {}
+    s = run.settings  # none without offload or in fp32; none where the norm's fp64 copies are counted at the reductions
+    # (the walk's moments, a sparse model's hooks: moe_offload.py); the run's tests once, not per moment
+    if not s.offload_optimizer.on or s.grad_dtype == "fp32" or offload_walk_applies(s, sum(run.numels)) or norms_at_hooks(run):
+        return tuple(moments)
+    by_block = shared_memo("upcast by block", (run.flat, run.param_blocks), (s.rank,), lambda: _upcast_by_block(run))
     out = []
     for m in moments:
         upcast = _hook_upcast(run, m, by_block) if by_block else None
@@ -307,11 +311,9 @@ def _hook_upcast(run: DSRun, moment: Moment, by_block: dict[int | None, int]) ->
     first half of the flat group) does not. Not on a sparse model reducing from the hooks (moe_offload.py
     ``norms_at_hooks``): there the fp64 norm copy is counted at each reduction, none elsewhere (bf16, N_d = 2, 300,000-
     and 1,000,000-element buckets: up to 1,048,952 B (4.9 %) over with the upcast)."""
-    s = run.settings
-    if not s.offload_optimizer.on or s.grad_dtype == "fp32" or moment.phase != "backward":
+    s = run.settings  # the run's own tests (no offload, fp32 gradients, the walk's or a sparse model's reductions):
+    if moment.phase != "backward":  # ``hook_upcasts``', once per run
         return None
-    if offload_walk_applies(s, sum(run.numels)) or norms_at_hooks(run):  # fp64 for the norm at the reductions: the
-        return None  # walk's moments, or a sparse model's hooks (moe_offload.py)
     L = run.acts.n_layer
     if moment.name.startswith(("cross-entropy backward", "LM head backward")):
         return None

@@ -94,25 +94,25 @@ def _clone_maxima(events: list[tuple], large_before: list[int]) -> tuple[list[in
 def _walk_facts(numels: tuple[int, ...], bucket: int) -> tuple:
     """``_walk_events`` and their ``_clone_maxima``, once per parameter sizes and bucket."""
     events, clone_at, flush_of, large_before = _walk_events(numels, bucket)
-    return events, clone_at, flush_of, large_before, _clone_maxima(events, large_before)
+    # per flush event, its group's larger-than-bucket gradients (the clones alive at its first reduction)
+    group_large = [sum(numels[q] for q in e[1] if numels[q] > bucket) if e[0] == "flush" else 0 for e in events]
+    return events, clone_at, flush_of, large_before, _clone_maxima(events, large_before), group_large
 
 
 def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket: int, g: int,
                ranks: Iterable[int]) -> dict[int, WalkMoment]:
-    """Each rank's largest moment of the walk (module docstring); ``NONE`` where it has none."""
-    events, clone_at, flush_of, large_before, (clones, values, prefix, suffix) = _walk_facts(tuple(numels), bucket)
-
-    def weigh(m: WalkMoment) -> int:
-        return m[0] * g + 8 * m[1]
-
+    """Each rank's largest moment of the walk (module docstring); ``NONE`` where it has none. A moment ``m`` weighs
+    ``m[0]·g + 8·m[1]``; the best's weight is kept beside it and each slice computed inline (a speed-up, no rule)."""
+    events, clone_at, flush_of, large_before, (clones, values, prefix, suffix), group_large = _walk_facts(
+        tuple(numels), bucket)
     out: dict[int, WalkMoment] = {}
     for rank in ranks:
         lo_off, hi_off = rank * part, (rank + 1) * part
         first = bisect_right(offsets, lo_off) - 1  # parameters whose range may meet the partition
         last = bisect_left(offsets, hi_off) - 1
         mine = [i for i in range(max(first, 0), min(last, len(numels) - 1) + 1)
-                if numels[i] and _slice(offsets, part, i, rank)]  # fmt: skip
-        best = NONE
+                if numels[i] and min(offsets[i + 1], hi_off) > max(offsets[i], lo_off)]  # ``_slice`` > 0
+        best, best_w = NONE, 0  # NONE weighs 0
         if not mine:  # a partition of padding only: every clone moment with nothing of it cleared
             if clones and values[prefix[-1]] * g > 0:
                 best = (values[prefix[-1]], 0, events[clones[prefix[-1]]][1], 1)
@@ -124,25 +124,23 @@ def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket:
         before = bisect_left(clones, lo)  # clone moments before the partition's first event
         if before:
             j = prefix[before - 1]
-            if values[j] * g > weigh(best):
-                best = (values[j], 0, events[clones[j]][1], 1)
+            if values[j] * g > best_w:
+                best, best_w = (values[j], 0, events[clones[j]][1], 1), values[j] * g
         cleared = 0  # larger-than-bucket gradients of the partition reduced (cleared) so far
         for i in range(lo, hi + 1):
             e = events[i]
             kept = large_before[i] - cleared
             if e[0] == "clone":
-                m = (e[2] + kept, 0, e[1], 1)
-                if weigh(m) > weigh(best):
-                    best = m
+                if (e[2] + kept) * g > best_w:
+                    best, best_w = (e[2] + kept, 0, e[1], 1), (e[2] + kept) * g
                 continue
-            group, rem = e[1], e[2]
-            clone = sum(numels[q] for q in group if numels[q] > bucket)
+            group, rem, clone = e[1], e[2], group_large[i]
             for q in group:
-                s = _slice(offsets, part, q, rank)
+                s = max(0, min(offsets[q + 1], hi_off) - max(offsets[q], lo_off))  # ``_slice(offsets, part, q, rank)``
                 if s:
-                    m = (rem + clone + kept, s, q, 0)
-                    if weigh(m) > weigh(best):
-                        best = m
+                    w = (rem + clone + kept) * g + 8 * s
+                    if w > best_w:
+                        best, best_w = (rem + clone + kept, s, q, 0), w
                     if numels[q] > bucket:
                         clone -= numels[q]
                         cleared += numels[q]
@@ -152,7 +150,7 @@ def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket:
         after = bisect_right(clones, hi)  # clone moments after the partition's last event
         if after < len(clones):
             j = suffix[after]
-            if (values[j] - cleared) * g > weigh(best):
+            if (values[j] - cleared) * g > best_w:
                 best = (values[j] - cleared, 0, events[clones[j]][1], 1)
         out[rank] = best
     return out

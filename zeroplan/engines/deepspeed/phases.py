@@ -239,7 +239,8 @@ def final_norm_at_its_hook(run: DSRun) -> tuple[Term, ...]:
 
 
 def final_norm_per_rank(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
-                        extra: Callable[[int], tuple[Term, ...]]) -> tuple[Moment, ...]:
+                        extra: Callable[[int], tuple[Term, ...]], among: tuple[int, ...] | None = None
+                        ) -> tuple[Moment, ...]:
     """``final_norm_backward``'s moment with what a rank holds beyond it, ``extra(rank)``, for the ranks holding
     any (``DSRun.first_largest``). Reducing from the hooks with the first bucket reduced at the final norm
     weight's hook (reduce.py ``_first_bucket_reduced``): an untied head larger than the bucket is not copied into
@@ -249,9 +250,10 @@ def final_norm_per_rank(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term
     ranks keep its gradient to the step. Measured (live storages at the peak, tiny-llama hf, N_d = 2, 4,500-element
     buckets, the 4,944-element head): ZeRO-2 rank 1 at pow's backward beside its 95,616-B partition, 15,912 B
     (1.49 %) under before; ZeRO-1 with overlap_comm rank 0 beside the 19,776-B head gradient and both buckets,
-    12,808 B (1.27 %); both now 472 B over (more rows: tests/test_deepspeed_head_bucket.py, issue 17)."""
+    12,808 B (1.27 %); both now 472 B over (more rows: tests/test_deepspeed_head_bucket.py, issue 17). ``among``: the
+    ranks, in order, outside which ``extra`` is empty, where the caller knows them (not every rank asked: a speed-up)."""
     norm = final_norm_backward(run, last, inflight)
-    ranks = tuple(r for r in run.ranks if extra(r)) if norm else ()
+    ranks = tuple(r for r in (run.ranks if among is None else among) if extra(r)) if norm else ()
     return tuple(Moment("backward", f"{m.name}, rank {r}'s first bucket reduced", (*m.terms, *extra(r)))
                  for r in run.first_largest(lambda r: sum(t.bytes for t in extra(r)), ranks) for m in norm)
 

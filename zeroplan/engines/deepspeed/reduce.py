@@ -11,13 +11,13 @@ from __future__ import annotations
 from functools import lru_cache
 
 import zeroplan.engines.deepspeed.boundary as B
-from zeroplan.engines.deepspeed.attention_hooks import attention_input_hook
-from zeroplan.engines.deepspeed.block_roles import _attention_after, _llama_roles, _mlp_modules
 from zeroplan.engines.deepspeed.flat_copy import copy_numel
+from zeroplan.engines.deepspeed.hook_activations import (_block_hook_activations, _hook_activations,  # noqa: F401
+                                                         _hook_bytes, _hook_memo)
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks, _params_numels,
                                                      _rank_first_buckets, _stage1_held, _views)
 from zeroplan.engines.deepspeed.phases import final_norm_at_its_hook, final_norm_per_rank
-from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _bucket, _pbytes, _states, memo_of, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.terms import FlatGroup
 from zeroplan.formulas.peak import Moment, Term
@@ -56,9 +56,14 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
         sent, large = held(rank)
         return (psi - sent + large + run.flat.params_numel(rank)) * p
 
-    owners = tuple(r for r in run.ranks if run.flat.params(r))
+    def winners() -> tuple[int, ...]:
+        return run.first_largest(extra, tuple(r for r in run.ranks if run.flat.params(r)))
+
+    # where every rank is described, its one rank once per layout, bucket and bytes (a speed-up, no rule)
+    chosen = winners() if run.settings.rank is not None else shared_memo(
+        "stage1 reduce", (run.flat, sent_and_kept), (psi, p), winners)
     out = []
-    for rank in run.first_largest(extra, owners):  # one rank where every rank is described
+    for rank in chosen:  # type: ignore[union-attr]
         sent, large = held(rank)
         out.append(Moment("backward", f"reduce_gradients: rank {rank}'s grads_in_partition", (
             *states,
@@ -123,8 +128,12 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     def early(rank: int) -> bool:  # its grads_in_partition allocated by an earlier bucket
         return 0 <= firsts[rank] < last and (run.grad_accum == 1 or B.at_boundary(run))
 
-    out = []
-    for rank in run.first_largest(lambda r: run.flat.params_numel(r) if early(r) else 0):  # one where all are described
+    def winners() -> tuple[int, ...]:  # one where all are described
+        return run.first_largest(lambda r: run.flat.params_numel(r) if early(r) else 0)
+
+    out = []  # every rank described: its one once per layout, bucket and boundary (a speed-up, no rule)
+    for rank in winners() if run.settings.rank is not None else shared_memo(  # type: ignore[union-attr]
+            "epilogue reduce", (run.flat, firsts), (last, run.grad_accum == 1 or B.at_boundary(run)), winners):
         out.append(Moment("backward", f"reduction after backward, rank {rank}", (*base, *(
             (Term("grads_in_partition", run.flat.params_numel(rank) * _pbytes(run), GIP_SRC),) if early(rank) else ()))))
     return tuple(out)
@@ -233,112 +242,6 @@ def _partition_moment(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
     return Moment("backward", name, terms)
 
 
-_HOOK_MEMO: list = []  # [(layout, facts, {(block, hook): _hook_activations})]: the last layout's
-
-
-def _hook_memo(run: DSRun) -> dict:
-    """The memo of ``_hook_activations`` for ``run``: what it reads is the layout (the very same tuples, as
-    ``block_roles._layout_roles`` checks them), the activations, checkpointing, the dtype and the final norm; every
-    candidate of a plan shares them, and ZeRO-3's per-bucket hooks are thousands (a 405B plan)."""
-    layout = (run.modules, run.grad_ready_order, run.param_blocks, run.numels, run.output_projections)
-    facts = (run.acts, run.checkpointing, run.settings.dtype, run.final_norm_numel)
-    if _HOOK_MEMO:
-        old_layout, old_facts, memo = _HOOK_MEMO[0]
-        if all(a is b for a, b in zip(old_layout, layout)) and old_facts == facts:
-            return memo
-    _HOOK_MEMO[:] = [(layout, facts, {})]
-    return _HOOK_MEMO[0][2]
-
-
-def _hook_activations(run: DSRun, j: int, hook: int,
-                      memo: dict | None = None) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
-    """``_block_hook_activations``, once per layout (``_hook_memo``; ``memo``: the run's, asked once by the
-    caller of many hooks)."""
-    memo = _hook_memo(run) if memo is None else memo
-    if (j, hook) not in memo:
-        memo[j, hook] = _block_hook_activations(run, j, hook)
-    return memo[j, hook]
-
-
-def _hook_bytes(run: DSRun, j: int, hook: int, memo: dict) -> int | None:
-    """The bytes of ``_hook_activations``' terms and of the hooked module's weight gradients (``sum(numels) * p``),
-    or None where it has none; once per layout (``memo``: ``_hook_memo(run)``, whose facts include the dtype)."""
-    key = ("bytes", j, hook)
-    if key not in memo:
-        at_hook = _hook_activations(run, j, hook, memo)
-        memo[key] = None if at_hook is None else (
-            sum(t.bytes for t in at_hook[1]) + sum(run.numels[i] for i in at_hook[2]) * _pbytes(run))
-    return memo[key]
-
-
-def _block_hook_activations(run: DSRun, j: int, hook: int) -> tuple[str, tuple[Term, ...], tuple[int, ...]] | None:
-    """(where, block j's activations at ``hook``'s gradient hook: its saved tensors not yet released and the
-    gradients in flight, the hooked module's parameters) for a hook of an MLP input projection or of the norm
-    before the MLP; None elsewhere (the attention, the input norm: not modelled). GPT (``_mlp_saved``): at c_fc
-    the saved tensors less the MLP's, the incoming and the MLP input's gradients; at LN2 also less its input x1,
-    the residual's summed gradient. Llama (RMSNorm, SwiGLU; its hooks in ``DSRun.grad_ready_order``: down, up,
-    gate, post_attention_layernorm): at up the MLP's saved tensors less gate's output (SiLU's input) released,
-    in flight SiLU's output gradient, the norm output's (from up) and the incoming; at gate the norm's output
-    released too, in flight the norm output's summed gradient and the incoming; at the norm
-    ``norm_backward_saved`` with its normalised tensor's gradient and the incoming; at o_proj the attention's and
-    the input norm's saved tensors, in flight o_proj's input gradient and x1's (block j held whole: recomputed
-    under checkpointing, beside the input the checkpoint holds). Not modelled: q, k, v and the input norm.
-    Measured: tiny-llama ZeRO-2 checkpointed, 5,000-element buckets, N_d = 3, MemTracker in
-    ``copy_grads_in_partition``: rank 0 at block 0's gate_proj hook 620,536 B, rank 1 at block 1's o_proj hook
-    597,816 B; each moment 504 B over (the token ids, N·8 B, which MemTracker never sees: no op makes them)."""
-    blk, nda = run.acts.block, run.acts.embed_out
-    if not blk.norm_backward_saved:  # GPT's LayerNorm block
-        proj, norm = _mlp_modules(run, j)
-        mlp = _mlp_saved(run)
-        if mlp is None or hook not in (*proj, *norm):
-            return None
-        if hook in norm:
-            return "LN2", (_act("block's saved activations before its MLP, less LN2's input", blk.saved - mlp - nda),
-                           _act("residual gradient", nda)), norm
-        return "MLP input projection", (_act("block's saved activations before its MLP", blk.saved - mlp),
-                                        _act("incoming and MLP input's gradients", 2 * nda, 2)), proj
-    roles = _llama_roles(run, j)
-    if roles is None or not roles[2]:
-        return None
-    (*earlier, last_proj), norm, o_proj = roles
-    saved = blk.recomputed + blk.ckpt_saved if run.checkpointing != "none" else blk.saved
-    d = run.final_norm_numel
-    nfa = nda // d * (sum(run.numels[i] for i in last_proj) // d)
-    attention = _attention_after(run, j)
-    if any(hook in m for m in attention):  # q, k, v, their norms, the input norm (attention_hooks.py); not derived:
-        # bounded by o_proj's saved tensors, in flight every input projection's output gradient, the norm's and x1's
-        rms = nda // _pbytes(run) * 4 + nda // (_pbytes(run) * d) * 4 + 2 * nda
-        module = next(m for m in attention if hook in m)
-        derived = attention_input_hook(run, hook, attention, saved - blk.mlp_saved - rms)
-        if derived is not None:
-            return "attention input", derived, module
-        qkv = nda // d * (sum(run.numels[i] for m in attention for i in m if run.numels[i] > d) // d)
-        return "attention input (bounded at o_proj's)", (
-            _act("block's saved activations before its post-attention norm", saved - blk.mlp_saved - rms),
-            _act("q, k, v's, the input norm output's and x1's gradients", qkv + 2 * nda, 3)), module
-    if not any(hook in m for m in (*roles[0], roles[1], roles[2])):
-        return None
-    if hook in o_proj:  # the MLP's and the post-attention norm's saved tensors gone (an RMSNorm's: N·d·4 + N·4 +
-        # 2·N·d·a), in flight o_proj's input gradient (N·q·a) and x1's (N·d·a)
-        rms = nda // _pbytes(run) * 4 + nda // (_pbytes(run) * d) * 4 + 2 * nda
-        nqa = nda // d * (sum(run.numels[i] for i in o_proj) // d)
-        return "attention output projection", (_act("block's saved activations before its post-attention norm",
-                                                    saved - blk.mlp_saved - rms),
-                                               _act("attention output's and x1's gradients", nqa + nda, 2)), o_proj
-    if hook in norm:
-        return "post-attention norm", (_act("block's saved activations left at its post-attention norm",
-                                            blk.norm_backward_saved + saved - blk.saved),
-                                       _act("normalised tensor's and incoming gradients", 2 * nda, 2)), norm
-    if hook in last_proj:
-        return "MLP input projection", (_act("block's saved activations less the MLP's and the norm's output",
-                                             saved - blk.mlp_saved - nda),
-                                        _act("incoming and MLP input's gradients", 2 * nda, 2)), last_proj
-    module = next(m for m in earlier if hook in m)
-    return "MLP input projection", (
-        _act("block's saved activations less the MLP's but the activation's input", saved - 3 * nfa),
-        _act("incoming, MLP input's and the activation output's gradients", 2 * nda + nfa, 3)), module
-
-
 def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
     """Reducing from the hooks, the first bucket in gradient-ready order (the head's and the final norm's
     gradients) reduced at a hook before the last block's (the final norm's): every block's activations are
@@ -386,15 +289,5 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
             "gradients larger than the bucket, outside the partition (kept to the step)", outside * p,
             f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce; stage 1)"),) if outside else ()))
 
-    return (*out, *final_norm_per_rank(run, last, inflight, extra))
-
-
-def _mlp_saved(run: DSRun) -> int | None:
-    """A GPT block's saved tensors its MLP releases before the input projection's backward ends: LN2's output
-    (the projection's input, released by the checkpoint's unpack once used, or saved) and the MLP's own
-    (``BlockActivations.mlp_saved``: the activation's kept tensors and output, (k + 1)·N·f·a); None for other
-    blocks (Llama's RMSNorm: ``BlockActivations.norm_backward_saved`` is set)."""
-    blk = run.acts.block
-    if blk.norm_backward_saved or not blk.mlp_saved:
-        return None
-    return run.acts.embed_out + blk.mlp_saved
+    # at stage 2 only the ranks whose partition the first bucket allocates hold anything more
+    return (*out, *final_norm_per_rank(run, last, inflight, extra, None if stage1 else tuple(sorted(held))))

@@ -180,6 +180,23 @@ def memo_of(run: DSRun, name: str, make: Callable[[DSRun], object]) -> object:
     return run.memo[name]
 
 
+_SHARED: dict = {}  # (name, id of each key object, the rest of the key) -> (the key objects, the value)
+
+
+def shared_memo(name: str, objects: tuple, rest: tuple, make: Callable[[], object]) -> object:
+    """``make()`` once per ``name``, ``objects`` (by identity, kept alive here: the layout's tuples every run of a
+    plan shares, ``DSRun.numels``, ``param_blocks``, ``grad_ready_order``) and ``rest`` (small values: a bucket
+    size), for what a run derives from its layout alone; at most 256 values kept. A speed-up, no rule: each run of
+    a 405B plan derived them again (37 runs, a pass over 1,137 parameters each)."""
+    key = (name, *map(id, objects), *rest)
+    hit = _SHARED.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], objects)):
+        if len(_SHARED) >= 256:
+            _SHARED.clear()
+        hit = _SHARED[key] = (objects, make())
+    return hit[1]
+
+
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
     return Term(name, nbytes, ACT_SRC, tensors)
 

@@ -23,7 +23,7 @@ import zeroplan.engines.deepspeed.embedding_moments as EM
 from zeroplan.engines.deepspeed.offload_wrappers import ZERO12_OFFLOAD
 from zeroplan.engines.deepspeed.reduce import (GIP_SRC, _epilogue_reduce, _first_bucket_reduced, _in_block_partitions,
                                                _reducing_hooks, _stage1_reduce, _within_one_parameter)
-from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states
+from zeroplan.engines.deepspeed.run import DSRun, Wrapper, _act, _blocks_saved, _bucket, _pbytes, _states, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel, zero12_terms
 from zeroplan.formulas.peak import Moment, Term
@@ -152,14 +152,14 @@ def _stage2_early_partitions(run: DSRun) -> tuple[tuple[int, Term], ...]:
     norm, then the last block's parameters from its last call); the first bucket fills during the last block's
     backward when the model needs more than one. A rank owning a parameter of that bucket allocates its
     ``grads_in_partition`` there, with the activations alive (stage_1_and_2.py ``reduce_ipg_grads`` ->
-    ``copy_grads_in_partition``)."""
+    ``copy_grads_in_partition``). Every rank described: the owners once per layout and bucket (a speed-up, no rule)."""
     _, buckets, _, _ = _hook_buckets(run)
     if len(buckets) < 2:  # everything fits one bucket: reduced after backward, activations gone
         return ()
     p, firsts = _pbytes(run), _rank_first_buckets(run)  # a rank's least bucket is 0 where it owns one of bucket 0's
-    return tuple((rank, Term("grads_in_partition", run.flat.params_numel(rank) * p,
-                             "runtime/zero/stage_1_and_2.py copy_grads_in_partition"))
-                 for rank in run.ranks if firsts[rank] == 0)  # fmt: skip
+    owners = shared_memo("first bucket owners", (firsts,), (), lambda: tuple(r for r, f in enumerate(firsts) if not f))
+    return tuple((rank, Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))
+                 for rank in (owners if run.settings.rank is None else run.ranks) if firsts[rank] == 0)  # fmt: skip
 
 
 def _first_bucket_before_last_block(run: DSRun) -> bool:
@@ -348,22 +348,22 @@ class ZeroOptimizer(Wrapper):
             flat = 0 if view or fp32_grads else part * DTYPE_BYTES[s.grad_dtype]
             return run.flat.params_numel(rank) * p, flat, part * 4 if not (view and fp32_grads) else 0, view
 
-        # one rank's flatten and one's update where every rank is described (``DSRun.first_largest``), each
-        # family's bytes per rank from the layout's per-rank tuples (``sizes``' sums, as lists: N_d is large)
-        gips = [n * p for n in _params_numels(run.flat)] if run.settings.rank is None else None
-        views, largest = _views(run.flat), _largest_slices(run.flat)
-        g = 0 if fp32_grads else part * DTYPE_BYTES[s.grad_dtype]
+        # every rank described: each family's first largest from per-rank lists, once per layout (a speed-up, no rule)
+        numels, views, largest = _params_numels(run.flat), _views(run.flat), _largest_slices(run.flat)
+        g, fp64 = 0 if fp32_grads else part * DTYPE_BYTES[s.grad_dtype], DTYPE_BYTES["fp64"]
 
-        def family(each: Callable[[int, int], int]) -> tuple[int, ...]:  # each(gip, rank) -> the family's bytes
-            if gips is None:
+        def family(name: str, each: Callable[[int, int], int]) -> tuple[int, ...]:  # each(gip, rank) -> its bytes
+            if run.settings.rank is not None:
                 return run.first_largest(lambda r: each(run.flat.params_numel(r) * p, r))  # one rank: not called
-            return run.first_largest([each(gip, r) for r, gip in enumerate(gips)].__getitem__)
+            return shared_memo(name, (numels, views, largest), (p, part, g, fp32_grads), lambda: run.first_largest(
+                [each(n * p, r) for r, n in enumerate(numels)].__getitem__))  # type: ignore[return-value]
 
         # with offload_optimizer the norm is summed from per-parameter norms taken in backward
         # (stage_1_and_2.py complete_grad_norm_calculation_for_cpu_offload): no fp64 copy on the GPU
-        norms = () if s.offload_optimizer.on else family(lambda gip, r: gip + largest[r] * DTYPE_BYTES["fp64"])
-        flattens = family(lambda gip, r: gip + (0 if views[r] else g) + (0 if views[r] and fp32_grads else part * 4))
-        updates = family(lambda gip, r: gip if views[r] and fp32_grads else part * 4)
+        norms = () if s.offload_optimizer.on else family("norms", lambda gip, r: gip + largest[r] * fp64)
+        flattens = family("flattens", lambda gip, r: gip + (0 if views[r] else g) + (
+            0 if views[r] and fp32_grads else part * 4))
+        updates = family("updates", lambda gip, r: gip if views[r] and fp32_grads else part * 4)
         common = adam_update(run, part, inner, temps)
         out = []
         for rank in sorted({*norms, *flattens, *updates}):

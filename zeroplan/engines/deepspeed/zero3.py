@@ -21,7 +21,7 @@ from zeroplan.engines.deepspeed.offload_terms import PARAM_NORMS
 from zeroplan.engines.deepspeed.offload_wrappers import ZERO3_OFFLOAD
 from zeroplan.engines.deepspeed.phases import adam_update, cast_moments
 from zeroplan.engines.deepspeed.layout_ranks import _hook_layout, _last_in_blocks
-from zeroplan.engines.deepspeed.reduce import _hook_activations, _hook_bytes, _hook_memo
+from zeroplan.engines.deepspeed.hook_activations import _hook_activations, _hook_bytes, _hook_memo
 from zeroplan.engines.deepspeed.run import (ZINIT, DSRun, Wrapper, _act, _blocks_saved, _fp32_buffers, _gathered,
                                            _pbytes, _schedule, _states)
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
