@@ -12,11 +12,12 @@ import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
 from zeroplan.engines.deepspeed.flat_copy import range_copy_numel
 from zeroplan.engines.deepspeed.layout_ranks import _first_in_blocks, _hook_buckets, _params_numels, _rank_first_buckets
+from zeroplan.engines.deepspeed.offload_terms import on_device
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.terms import FlatGroup
-from zeroplan.formulas.peak import Moment, Term
+from zeroplan.formulas.peak import Moment, Term, rounded_total
 
 
 def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
@@ -33,6 +34,38 @@ def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
     base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2))
     tails = _flattened_tails(layout, _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], ranks)
     return tuple(Moment("backward", name, (*base, *tail)) for name, tail in tails)
+
+
+def stage1_flattened_listed(run: DSRun) -> tuple[Moment, ...]:
+    """``stage1_flattened`` as the run lists it. Every rank described, its moments (one per copied bucket, ~1,137 in a
+    405B run) hold the same ``base`` and differ by their tails: only the first whose tail holds the most is listed
+    (``DSRun.first_largest`` over the buckets), by the tails' bytes and again rounded to the peak's block
+    (``Settings.block_bytes``), less what ``offload_optimizer`` makes on the host (``on_device``, as
+    offload.py ``offload_moments`` leaves it out). ``peak_of`` takes a phase's first largest moment and the
+    later additions (``hook_upcasts``' upcast, the resident workspaces) are every such moment's alike, so the peak
+    and its moment are those of every bucket's listing (a speed-up, no rule; tests/test_deepspeed_zero12_speedups.py).
+    A rank named: every bucket's moment (its allocation trace walks them)."""
+    if run.settings.rank is not None:
+        return stage1_flattened(run)
+    s = run.settings
+    layout = _flattened_buckets(run.flat, s.reduce_bucket_size)
+    tails = _flattened_tails(layout, _pbytes(run), DTYPE_BYTES[s.grad_dtype], None)
+    if not tails:
+        return ()
+    listed = shared_memo("flattened listed", (tails,), (s.block_bytes, s.offload_optimizer.on), lambda: _first_tails(
+        run, tails, s.block_bytes, s.offload_optimizer.on))
+    base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2))
+    return tuple(Moment("backward", tails[k][0], (*base, *tails[k][1])) for k in listed)  # type: ignore[union-attr]
+
+
+def _first_tails(run: DSRun, tails: tuple[tuple[str, tuple[Term, ...]], ...], block: int,
+                 offloaded: bool) -> tuple[int, ...]:
+    """The indices of ``tails`` whose moments ``stage1_flattened_listed`` lists: the first largest at 1 B and at
+    ``block`` (``run.first_largest``: every index where a test lists every rank's moment)."""
+    kept = [on_device(t) if offloaded else t for _, t in tails]
+    ks = tuple(range(len(tails)))
+    return tuple(sorted({*run.first_largest(lambda k: rounded_total(kept[k], 1), ks),
+                         *run.first_largest(lambda k: rounded_total(kept[k], block), ks)}))
 
 
 ALIVE_SRC = ("torch autograd (param.grad); stage 1 clears no gradient; copy_grads_in_partition repoints the "

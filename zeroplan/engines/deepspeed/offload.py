@@ -33,7 +33,7 @@ from zeroplan.engines.deepspeed.nvme_param import PARAM_POOL, SWAP_OUT_BUFFER, P
 from zeroplan.engines.deepspeed.nvme_param import host_terms as param_host_terms
 from zeroplan.engines.deepspeed.nvme_param import nvme_traffic as param_nvme_traffic
 from zeroplan.engines.deepspeed.offload_settings import OPTIMIZER_BUFFER_COUNT
-from zeroplan.engines.deepspeed.offload_terms import (PARAM_NORMS, S12, offloads, param_norm_count,
+from zeroplan.engines.deepspeed.offload_terms import (PARAM_NORMS, S12, offloads, on_device, param_norm_count,
                                                       torch_adam_step_temporaries)
 from zeroplan.engines.deepspeed.run import DSRun, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES, Settings
@@ -66,13 +66,6 @@ def _adam_host(run: DSRun, part: int) -> Term:
     if run.settings.torch_adam:
         return Term(ADAM_HOST_TORCH, 2 * part * 4, TORCH_ADAM, 2)
     return Term(ADAM_HOST, 2 * part * 4, CPU_ADAM, 2)
-
-HOST_TEMPORARIES = ("fp32 gradient partition (zeros", "grads_in_partition", "flat partition gradient",
-                    "fp32 gradient of the master partition", "accumulated gradients of the partition",
-                    "gradient partition copy", "16-bit partition converted to fp32", "fp32 master partition (the clone)")  # fmt: skip
-"""Moment terms (``zero12.py``, ``zero3.py``, ``phases.py``) that ``offload_optimizer`` makes on the host or
-not at all (ZeRO-1/2 copy gradients to the host, no ``grads_in_partition``), and Adam's temporaries."""
-
 
 def _pin(t, name: str) -> str:
     return f"{name} (pinned)" if t.pin_memory else name
@@ -184,10 +177,10 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
     for m in moments:
         terms = m.terms
         if s.offload_optimizer.on:
-            terms = tuple(t for t in terms if not (t.name.startswith(HOST_TEMPORARIES) or t.name.endswith(" temporaries")))
+            terms = on_device(terms)  # offload_terms.py ``HOST_TEMPORARIES``
         if fetch is not None and m.phase in ("forward", "backward") and any(t.name.startswith("gathered") for t in terms):
             terms = (*terms, fetch)
-        out.append(m if terms == m.terms else Moment(m.phase, m.name, terms))
+        out.append(m if terms is m.terms else Moment(m.phase, m.name, terms))
     return run.wrapper.offload.moments(run, tuple(out))
 
 

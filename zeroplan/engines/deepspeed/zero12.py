@@ -295,7 +295,7 @@ class ZeroOptimizer(Wrapper):
             out.extend((*_epilogue_reduce(run), *LR.epilogue_large_gradient(run)))
             out.extend(LR.blocks_bucket_at_embedding_hook(run))
         if not hooks:
-            out.extend((*_stage1_reduce(run), *LR.stage1_flattened(run), *EM.tied_embedding_kept(run)))
+            out.extend((*_stage1_reduce(run), *LR.stage1_flattened_listed(run), *EM.tied_embedding_kept(run)))
         return tuple(out)
 
     @staticmethod

@@ -1,0 +1,106 @@
+"""Issue 16's plan speed, ZeRO-1/2 and offload (2026-12-03, z12first): each speed-up against the plain computation it
+replaced (kept here as the reference), on transformers' families at several N_d, bucket sizes and dtypes, with and
+without offload_optimizer, every rank at once and each rank named, on cuda (512-B blocks) and cpu. Speed-ups, no rule:
+every moment, peak and named term must be the plain one's."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+import zeroplan.engines.deepspeed.late_reductions as LR
+import zeroplan.engines.deepspeed.run as run_module
+from zeroplan.architectures.hf_config import spec_from_hf_config
+from zeroplan.architectures.spec import transformer_shapes
+from zeroplan.engines import deepspeed as D
+from zeroplan.engines.base import Workload
+from zeroplan.engines.deepspeed.offload_settings import OffloadTarget
+from zeroplan.engines.deepspeed.offload_terms import HOST_TEMPORARIES, on_device
+from zeroplan.formulas.peak import peak_of
+
+CONFIGS = Path(__file__).resolve().parent / "data" / "hf_configs"
+
+
+def _workload(model: str, grad_accum: int = 1) -> Workload:
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    return Workload(transformer_shapes(spec), spec, 16, 2, grad_accum=grad_accum, transformers=True)
+
+
+def _settings(stage: int, bucket: int, dtype: str = "bf16", device: str = "cuda", offload: bool = False,
+              rank: int | None = None, overlap: bool | None = None) -> D.Settings:
+    return D.Settings(stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket, dtype=dtype, device=device,
+                      rank=rank, overlap_comm=overlap,
+                      **({"offload_optimizer": OffloadTarget(device="cpu")} if offload else {}))  # fmt: skip
+
+
+def _draws(seed: int, count: int):
+    """(model, N_d, settings) drawn at random: ZeRO-1 (after backward, and from its hooks), ZeRO-2 and ZeRO-3 with and
+    without offload_optimizer, buckets from 1,000 to 200,000 elements, three dtypes, cuda and cpu, a rank named or not."""
+    rng = random.Random(seed)
+    models = ("tiny-llama", "tiny-gpt2", "tiny-gpt2-untied", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
+    for _ in range(count):
+        nd = rng.choice((2, 3, 4, 5, 7, 8, 16, 33))
+        stage = rng.choice((1, 1, 1, 2, 3))
+        s = _settings(stage, rng.choice((1_000, 2_000, 5_000, 20_000, 200_000)), rng.choice(("bf16", "fp16", "fp32")),
+                      rng.choice(("cuda", "cpu")), rng.random() < 0.5, rng.choice((None, None, rng.randrange(nd))),
+                      rng.choice((None, True)) if stage == 1 else None)  # fmt: skip
+        yield rng.choice(models), nd, s
+
+
+def _plain_on_device(terms):
+    """offload.py ``offload_moments``' filter as it was: every term's name tested against ``HOST_TEMPORARIES``."""
+    return tuple(t for t in terms if not (t.name.startswith(HOST_TEMPORARIES) or t.name.endswith(" temporaries")))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_on_device_equals_the_per_term_filter(seed):
+    """``offload_terms.on_device`` (each name tested once) leaves out the terms the per-term filter left out, and returns
+    the very tuple where it leaves none out, on every moment of random runs (their terms before offload's filter)."""
+    from zeroplan.engines.deepspeed.phases import backward_moments, forward_moments, init_moments, optimizer_moments
+
+    dropped = checked = 0
+    for model, nd, s in _draws(seed, 30):
+        run = D.ds_run(s, _workload(model), nd)
+        for m in (*init_moments(run), *forward_moments(run), *backward_moments(run), *optimizer_moments(run)):
+            want, got = _plain_on_device(m.terms), on_device(m.terms)
+            assert got == want
+            assert (got is m.terms) == (len(want) == len(m.terms))
+            dropped += len(want) < len(m.terms)
+            checked += 1
+    assert dropped and checked > 400, "no term left out: the filter is not tested"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_rank_flattened_buckets_listed_first_largest_keep_the_peak(monkeypatch, seed):
+    """ZeRO-1 reducing after backward, every rank described: ``stage1_flattened_listed`` lists the first largest
+    bucket moment (by bytes and by the peak's block, offload's host terms left out); every phase's peak, its moment
+    and terms, at 1 B and at the run's block, equal those of every bucket's moment listed (``stage1_flattened``)."""
+    rng, checked = random.Random(seed), 0
+    for model in ("tiny-llama", "tiny-gpt2-untied", "tiny-qwen3", "tiny-mistral"):
+        nd, bucket = rng.choice((3, 4, 7, 16)), rng.choice((1_000, 2_000, 5_000, 20_000))
+        s = _settings(1, bucket, rng.choice(("bf16", "fp16", "fp32")), rng.choice(("cuda", "cpu")), rng.random() < 0.5)
+        w = _workload(model, rng.choice((1, 2)))
+        monkeypatch.setattr(run_module, "_SHARED", {})
+        fast = D.moments(D.ds_run(s, w, nd))
+        with monkeypatch.context() as m:
+            m.setattr(LR, "stage1_flattened_listed", LR.stage1_flattened)
+            plain = D.moments(D.ds_run(s, w, nd))
+        every = [m for m in plain if m.name.startswith("reduce_gradients: bucket")]
+        listed = [m for m in fast if m.name.startswith("reduce_gradients: bucket")]
+        assert len(listed) <= 2 and all(m in every for m in listed)
+        checked += len(every) > 2
+        for block in (1, s.block_bytes, 512):
+            assert peak_of(fast, block) == peak_of(plain, block), (model, nd, bucket, block)
+        for block in (1, s.block_bytes):  # the family's own first largest (it need not make the phase's peak here)
+            assert not every or max(every, key=lambda m: m.total(block)) in listed, (model, nd, bucket, block)
+    assert checked >= 2, "too few flattened buckets: the listing is not tested"
+
+
+def test_a_named_rank_lists_every_flattened_bucket():
+    """A rank named, ``stage1_flattened_listed`` is ``stage1_flattened`` (the allocation trace walks every moment)."""
+    run = D.ds_run(_settings(1, 2_000, rank=2), _workload("tiny-llama"), 7)
+    assert len(LR.stage1_flattened_listed(run)) > 2
+    assert LR.stage1_flattened_listed(run) == LR.stage1_flattened(run)
