@@ -104,3 +104,64 @@ def test_a_named_rank_lists_every_flattened_bucket():
     run = D.ds_run(_settings(1, 2_000, rank=2), _workload("tiny-llama"), 7)
     assert len(LR.stage1_flattened_listed(run)) > 2
     assert LR.stage1_flattened_listed(run) == LR.stage1_flattened(run)
+
+
+def _plain_in_block(run, last, inflight, kept):
+    """``reduce._in_block_partitions`` as a plain loop: every reducing rank's moment built (``_partition_moment``, the
+    boundary's held gradients included), summed, the first largest of each block kept."""
+    from zeroplan.engines.deepspeed.hook_activations import _hook_activations, _hook_memo
+    from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+    from zeroplan.engines.deepspeed.reduce import _partition_moment, _reducing_hooks
+
+    import zeroplan.engines.deepspeed.boundary as B
+
+    if not run.param_blocks or not run.acts.block.mlp_saved:
+        return ()
+    limit, bucket_of = run.settings.reduce_bucket_size, _hook_buckets(run)[3]
+    base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
+                                                                         "incoming activation gradient", B.HELD))
+    large = [i for i, n in enumerate(run.numels) if n > limit]
+    large_in_bucket: dict[int, int] = {}
+    for i in large:
+        large_in_bucket[bucket_of[i]] = large_in_bucket.get(bucket_of[i], 0) + run.numels[i]
+    best, memo = {}, _hook_memo(run)
+    for rank, first, hook in _reducing_hooks(run):
+        j = run.param_blocks[hook]
+        if j < 0 or hook in run.output_projections or _hook_activations(run, j, hook, memo) is None:
+            continue
+        m = _partition_moment(run, base, kept, large, large_in_bucket, memo, rank, first, hook)
+        total = sum(t.bytes for t in m.terms)
+        if j not in best or total > best[j][0]:
+            best[j] = (total, m)
+    return tuple(m for _, m in best.values())
+
+
+IN_BLOCK = [  # (model, stage, overlap_comm, bucket, N_d, grad accumulation, checkpointing, rank)
+    ("tiny-gpt2", 1, True, 5_000, 4, 2, "full", None), ("tiny-gpt2", 1, True, 2_000, 7, 2, "none", None),
+    ("tiny-gpt2-untied", 1, True, 3_000, 5, 3, "full", 2), ("tiny-gpt2", 2, None, 2_000, 9, 2, "none", None),
+    ("tiny-gpt2-untied", 2, None, 1_000, 16, 1, "full", None), ("tiny-llama", 1, True, 1_500, 6, 2, "none", None),
+    ("tiny-llama", 2, None, 1_500, 16, 1, "full", None), ("tiny-qwen2", 1, True, 2_000, 3, 2, "full", None),
+    ("tiny-mistral", 2, None, 5_000, 7, 2, "none", 3), ("tiny-qwen3", 1, True, 5_000, 4, 2, "none", None),
+    ("tiny-gpt2-untied", 1, True, 1_000, 16, 2, "none", None),  # the boundary's held gradients change a block's rank
+    ("tiny-gpt2-untied", 1, True, 2_000, 16, 2, "full", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model, stage, overlap, bucket, nd, accum, ckpt, rank", IN_BLOCK)
+def test_in_block_partitions_equal_every_rank_built(model, stage, overlap, bucket, nd, accum, ckpt, rank):
+    """``_in_block_partitions`` (the boundary's held gradients asked only at ZeRO-1's boundary, each block's saved
+    bytes once) equals every rank's moment built and summed, ZeRO-1 with overlap_comm accumulating (the boundary)
+    and ZeRO-2, every rank and one named."""
+    from test_deepspeed_winners import _last_and_inflight
+
+    from zeroplan.engines.deepspeed.reduce import _in_block_partitions
+    from zeroplan.engines.deepspeed.zero12 import _stage1_kept_gradients
+
+    spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
+    w = Workload(transformer_shapes(spec), spec, 16, 2, checkpointing=ckpt, grad_accum=accum, transformers=True)
+    run = D.ds_run(_settings(stage, bucket, rank=rank, overlap=overlap), w, nd)
+    last, inflight = _last_and_inflight(run)
+    kept = _stage1_kept_gradients(run) if stage == 1 else {}
+    want = _plain_in_block(run, last, inflight, kept)
+    assert want, "a case without in-block moments checks nothing"
+    assert _in_block_partitions(run, last, inflight, kept) == want
