@@ -165,3 +165,23 @@ def test_in_block_partitions_equal_every_rank_built(model, stage, overlap, bucke
     want = _plain_in_block(run, last, inflight, kept)
     assert want, "a case without in-block moments checks nothing"
     assert _in_block_partitions(run, last, inflight, kept) == want
+
+
+@pytest.mark.parametrize("model", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-qwen2-moe", "tiny-llama",
+                                   "tiny-gemma2"])
+def test_mark_names_and_sparse_blocks_once_per_trace_equal_the_plain_sets(monkeypatch, model):
+    """``moe.mark_names`` and ``moe.sparse_blocks`` (once per trace and depth, ``shared_memo``) equal the set made of
+    the trace's marks and the layers tested against it, for ZeRO-3 runs of dense and sparse models, asked with the
+    memo warm by a second run of another bucket size (its own trace where the bucket changes the marks)."""
+    from zeroplan.engines.deepspeed.moe import mark_names, sparse_blocks
+
+    monkeypatch.setattr(run_module, "_SHARED", {})
+    w, sparse_seen = _workload(model), False
+    for bucket in (5_000, 20_000, 5_000):
+        run = D.ds_run(_settings(3, bucket), w, 4)
+        plain = {m for m, _, _ in run.trace.marks}
+        assert mark_names(run) == plain
+        want = tuple(j for j in range(run.acts.n_layer) if f"block {j} after experts" in plain)
+        assert sparse_blocks(run) == want
+        sparse_seen |= bool(want)
+    assert sparse_seen == (model not in ("tiny-llama", "tiny-gemma2"))

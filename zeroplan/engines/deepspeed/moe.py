@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _states, router_copies
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _states, router_copies, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas.moe_activations import ROUTING_WEIGHT_BYTES
@@ -28,12 +28,21 @@ from zeroplan.formulas.peak import Moment, Term
 STAGE3 = "runtime/zero/stage3.py"
 
 
+def mark_names(run: DSRun) -> frozenset[str]:
+    """The names of the trace's marks, once per trace (``shared_memo``; a speed-up, no rule: each ZeRO-3 run made a
+    set of a 405B trace's ~3,000 marks to test a name)."""
+    marks = run.trace.marks
+    return shared_memo("mark names", (marks,), (), lambda: frozenset(m for m, _, _ in marks))  # type: ignore[return-value]
+
+
 def sparse_blocks(run: DSRun) -> tuple[int, ...]:
-    """The decoder layers whose sparse MLP has marks in the ZeRO-3 trace (trace.py ``_sparse_mark``)."""
+    """The decoder layers whose sparse MLP has marks in the ZeRO-3 trace (trace.py ``_sparse_mark``); once per trace
+    and depth (a speed-up, no rule)."""
     if run.trace is None:
         return ()
-    marks = {m for m, _, _ in run.trace.marks}
-    return tuple(j for j in range(run.acts.n_layer) if f"block {j} after experts" in marks)
+    L = run.acts.n_layer
+    return shared_memo("sparse blocks", (run.trace.marks,), (L,), lambda: tuple(  # type: ignore[return-value]
+        j for j in range(L) if f"block {j} after experts" in mark_names(run)))
 
 
 def _block(run: DSRun, j: int):

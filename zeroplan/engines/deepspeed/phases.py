@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 
-from zeroplan.engines.deepspeed.moe import sparse_blocks, sparse_forward_moments
+from zeroplan.engines.deepspeed.moe import mark_names, sparse_blocks, sparse_forward_moments
 from zeroplan.engines.deepspeed.offload import offload_moments
 from zeroplan.engines.deepspeed.offload_terms import adam_step_fp32_temporaries
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
@@ -93,7 +93,7 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     base = (*_states(run), *run.wrapper.held_between_micro_steps(run),
             _act("batch (token ids, targets)", acts.batch, 2), _act("embedding saved (position ids)", acts.embed_saved))  # fmt: skip
     # the coordinator's moment per block where it replays a trace with per-block marks (ZeRO-3)
-    staged = sched is not None and f"block {L - 1} output projection" in dict((m, f) for m, f, _ in run.trace.marks)
+    staged = sched is not None and f"block {L - 1} output projection" in mark_names(run)
     # the sparse layers' own moments (moe.py), and the dense ones' of a mixed model (DeepSeek's first layers)
     sparse = sparse_blocks(run) if sched is not None else ()
     dense = staged or (sparse and any(m.endswith("output projection") for m, _, _ in run.trace.marks))
@@ -132,7 +132,7 @@ def forward_moments(run: DSRun) -> tuple[Moment, ...]:
     # the head a module of its own (transformers' lm_head; stage3_trace ``head_module``): while its fetch runs, a
     # coalesced buffer whose last parameter is the head's is still open (measured: tiny-llama, DeepSpeed's
     # default prefetch, the root's one call held to lm_head's fetch, +12,544 B over the last block's moment)
-    fetched = () if sched is None or "LM head fetch" not in dict((m, f) for m, f, _ in run.trace.marks) else (
+    fetched = () if sched is None or "LM head fetch" not in mark_names(run) else (
         Moment("forward", "LM head, its weight fetched", (*base, *_gathered(run, sched, "LM head fetch", during=True),
                _blocks_saved(run, L), _act("final norm saved and output", acts.final_saved))),)  # fmt: skip
     # the root's release, the logits made: under hpZ each weight it frees gets its secondary partition first
