@@ -185,3 +185,33 @@ def test_mark_names_and_sparse_blocks_once_per_trace_equal_the_plain_sets(monkey
         assert sparse_blocks(run) == want
         sparse_seen |= bool(want)
     assert sparse_seen == (model not in ("tiny-llama", "tiny-gemma2"))
+
+
+def test_flattened_buckets_skip_only_buckets_that_copy_nothing():
+    """``late_reductions._FlattenedBuckets`` skips a bucket within one partition before cutting it: its copied buckets
+    equal, bucket for bucket, ``copy_numel`` of every greedy bucket's parameters (those copying nothing left out), on
+    1,500 random layouts (zero-sized parameters, buckets below and above the parameters, N_d 1 to 300)."""
+    import bisect
+    import itertools
+
+    from zeroplan.engines.deepspeed.collectives import greedy_buckets
+    from zeroplan.engines.deepspeed.flat_copy import copy_numel
+    from zeroplan.engines.deepspeed.late_reductions import _FlattenedBuckets
+    from zeroplan.engines.deepspeed.terms import FlatGroup
+
+    rng, skipped = random.Random(12), 0
+    for _ in range(1_500):
+        numels = tuple(rng.choice((0, 1, 2, 7, 64, 1000, rng.randrange(1, 5000))) for _ in range(rng.randrange(1, 40)))
+        if not sum(numels):
+            continue
+        flat, limit = FlatGroup(numels, rng.choice((1, 2, 3, 4, 8, 64, 300))), rng.choice((1, 10, 500, 10**4, 3000))
+        ends = tuple(itertools.accumulate(greedy_buckets(numels, limit)))
+        want = []
+        for k, (lo, hi) in enumerate(zip((0, *ends[:-1]), ends)):
+            first, end = bisect.bisect_left(flat.offsets, lo), bisect.bisect_left(flat.offsets, hi)
+            n = copy_numel(flat, limit, range(first, end))
+            skipped += hi > lo and lo // flat.part == (hi - 1) // flat.part and first < end
+            if n:
+                want.append((k, hi, first, end, n))
+        assert _FlattenedBuckets(flat, limit).copied == tuple(want)
+    assert skipped > 1_000
