@@ -215,3 +215,27 @@ def test_flattened_buckets_skip_only_buckets_that_copy_nothing():
                 want.append((k, hi, first, end, n))
         assert _FlattenedBuckets(flat, limit).copied == tuple(want)
     assert skipped > 1_000
+
+
+def test_large_gradients_once_per_layout_equal_each_run_own(monkeypatch):
+    """``reduce._large_gradients`` (once per layout and bucket size, ``shared_memo``) equals each run's own pass over
+    its parameters (those larger than the bucket, and their elements per hook bucket), the runs of two models at
+    several bucket sizes, stages and N_d asked in turn with the memo warm."""
+    from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+    from zeroplan.engines.deepspeed.reduce import _large_gradients
+
+    monkeypatch.setattr(run_module, "_SHARED", {})
+    rng, seen = random.Random(5), set()
+    for _ in range(24):
+        model, nd = rng.choice(("tiny-llama", "tiny-gpt2-untied")), rng.choice((2, 3, 7))
+        s = _settings(rng.choice((1, 2)), rng.choice((500, 2_000, 5_000, 20_000)), rank=rng.choice((None, 1)),
+                      overlap=True)
+        run = D.ds_run(s, _workload(model), nd)
+        bucket_of, limit = _hook_buckets(run)[3], s.reduce_bucket_size
+        large = [i for i, n in enumerate(run.numels) if n > limit]
+        in_bucket: dict[int, int] = {}
+        for i in large:
+            in_bucket[bucket_of[i]] = in_bucket.get(bucket_of[i], 0) + run.numels[i]
+        assert _large_gradients(run) == (large, in_bucket)
+        seen.add(len(large))
+    assert len(seen) > 3

@@ -178,10 +178,7 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     _, buckets, _, bucket_of = _hook_buckets(run)
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient", B.HELD))  # fmt: skip
-    large = [i for i, n in enumerate(run.numels) if n > s.reduce_bucket_size]  # reduced in place, not copied
-    large_in_bucket: dict[int, int] = {}
-    for i in large:
-        large_in_bucket[bucket_of[i]] = large_in_bucket.get(bucket_of[i], 0) + run.numels[i]
+    large, large_in_bucket = _large_gradients(run)  # reduced in place, not copied
     # The bytes of each rank's moment, summed from what every rank reducing at one hook holds alike (``alike``)
     # and what is its own (its partition or the bucket's flat copy, the larger; at stage 1 its kept gradients):
     # the same integers as the terms' sum, so the same rank wins; only the winners' terms are built.
@@ -218,6 +215,21 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
             best[j] = (total, rank, first, hook)
     return tuple(_partition_moment(run, base, kept, large, large_in_bucket, memo, rank, first, hook)
                  for _, rank, first, hook in best.values())
+
+
+def _large_gradients(run: DSRun) -> tuple[list[int], dict[int, int]]:
+    """The parameters larger than the bucket (reduced in place, not copied) and their elements per hook bucket, once
+    per layout and bucket size (``shared_memo``; a speed-up, no rule: a pass over the parameters per run). Read only."""
+    numels, limit, bucket_of = run.numels, run.settings.reduce_bucket_size, _hook_buckets(run)[3]
+
+    def make() -> tuple[list[int], dict[int, int]]:
+        large = [i for i, n in enumerate(numels) if n > limit]
+        in_bucket: dict[int, int] = {}
+        for i in large:
+            in_bucket[bucket_of[i]] = in_bucket.get(bucket_of[i], 0) + numels[i]
+        return large, in_bucket
+
+    return shared_memo("large gradients", (numels, bucket_of), (limit,), make)  # type: ignore[return-value]
 
 
 def _partition_moment(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[Term, ...]], large: list[int],
@@ -271,8 +283,7 @@ def _first_bucket_reduced(run: DSRun, last: tuple[Term, ...], inflight: tuple[Te
     if len(buckets) < 2 or not order[first_of_bucket[1]] > last_in_blocks:
         return ()  # one bucket (``_epilogue_reduce``), or the first reduced inside the last block
     p, acts = _pbytes(run), run.acts
-    limit = run.settings.reduce_bucket_size
-    large_first = tuple(i for i, n in enumerate(run.numels) if bucket_of[i] == 0 and n > limit)
+    large_first = tuple(i for i in _large_gradients(run)[0] if bucket_of[i] == 0)  # the first bucket's
     large = sum(run.numels[i] for i in large_first)
     base = (*(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                       "incoming activation gradient", B.HELD)),
