@@ -279,7 +279,7 @@ def test_stage1_flattened_equals_every_rank_built(model, bucket, nd, rank):
 @pytest.mark.parametrize("model, bucket, nd", [("tiny-gpt2-untied", 2_000, 7), ("tiny-qwen3", 3_000, 5),
                                                ("tiny-llama", 5_000, 9)])
 def test_stage1_flattened_of_each_rank_equals_its_loop(model, bucket, nd):
-    """Each rank's own run (``_RankFacts.largest`` unrolled for one rank) gives the moments of the per-rank loop."""
+    """Each rank's own run (``flattened_buckets._one_rank_tails``) gives the moments of the per-rank loop."""
     from zeroplan.engines.deepspeed.late_reductions import stage1_flattened
 
     spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
