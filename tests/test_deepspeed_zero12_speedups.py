@@ -73,30 +73,46 @@ def test_on_device_equals_the_per_term_filter(seed):
     assert dropped and checked > 400, "no term left out: the filter is not tested"
 
 
+FAMILIES = (("reduce_gradients: bucket", "flattened_buckets.stage1_flattened_listed", "stage1_flattened"),
+            ("later blocks' gradients held", "phases.later_blocks_held", None))
+"""ZeRO-1's every-rank families listed first largest only: (a name part of their moments, the function, the plain
+listing's name in ``late_reductions``; None: ``later_blocks_held`` without ``bound``)."""
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_every_rank_flattened_buckets_listed_first_largest_keep_the_peak(monkeypatch, seed):
+def test_every_rank_families_listed_first_largest_keep_the_peak(monkeypatch, seed):
     """ZeRO-1 reducing after backward, every rank described: ``stage1_flattened_listed`` lists the first largest
-    bucket moment (by bytes and by the peak's block, offload's host terms left out); every phase's peak, its moment
-    and terms, at 1 B and at the run's block, equal those of every bucket's moment listed (``stage1_flattened``)."""
-    rng, checked = random.Random(seed), 0
-    for model in ("tiny-llama", "tiny-gpt2-untied", "tiny-qwen3", "tiny-mistral"):
-        nd, bucket = rng.choice((3, 4, 7, 16)), rng.choice((1_000, 2_000, 5_000, 20_000))
+    bucket moment and ``later_blocks_held(bound=True)`` the first largest block's (by bytes and by the peak's block,
+    offload's host terms left out); every phase's peak, its moment and terms, at 1 B and at the run's block, equal
+    those of every moment listed (``stage1_flattened``, ``later_blocks_held``), and each family's own first largest
+    (which need not make the phase's peak here) is listed."""
+    import zeroplan.engines.deepspeed.phases as phases
+    import zeroplan.engines.deepspeed.zero12 as zero12
+
+    rng, checked = random.Random(seed), set()
+    for model, buckets in (("tiny-llama", (1_000, 2_000, 5_000, 20_000)), ("tiny-gpt2-untied", (1_000, 5_000)),
+                           ("tiny-qwen3", (2_000, 20_000)), ("llama-3.2-1b", (2_000_000, 20_000_000, 80_000_000))):
+        nd, bucket = rng.choice((7, 16, 33)), rng.choice(buckets)
         s = _settings(1, bucket, rng.choice(("bf16", "fp16", "fp32")), rng.choice(("cuda", "cpu")), rng.random() < 0.5)
-        w = _workload(model, rng.choice((1, 2)))
+        w = _workload(model, 1 if model == "llama-3.2-1b" else rng.choice((1, 2)))  # accumulating: no later blocks'
         monkeypatch.setattr(run_module, "_SHARED", {})
         fast = D.moments(D.ds_run(s, w, nd))
         with monkeypatch.context() as m:
             m.setattr(LR, "stage1_flattened_listed", LR.stage1_flattened)
+            m.setattr(zero12, "later_blocks_held", lambda run, last, inflight, bound=False: phases.later_blocks_held(
+                run, last, inflight))
             plain = D.moments(D.ds_run(s, w, nd))
-        every = [m for m in plain if m.name.startswith("reduce_gradients: bucket")]
-        listed = [m for m in fast if m.name.startswith("reduce_gradients: bucket")]
-        assert len(listed) <= 2 and all(m in every for m in listed)
-        checked += len(every) > 2
+        for part, _, _ in FAMILIES:
+            every = [m for m in plain if part in m.name]
+            listed = [m for m in fast if part in m.name]
+            assert len(listed) <= 2 and all(m in every for m in listed)
+            if len(every) > 2:
+                checked.add(part)
+            for block in (1, s.block_bytes):  # the family's own first largest
+                assert not every or max(every, key=lambda m: m.total(block)) in listed, (model, nd, bucket, block)
         for block in (1, s.block_bytes, 512):
             assert peak_of(fast, block) == peak_of(plain, block), (model, nd, bucket, block)
-        for block in (1, s.block_bytes):  # the family's own first largest (it need not make the phase's peak here)
-            assert not every or max(every, key=lambda m: m.total(block)) in listed, (model, nd, bucket, block)
-    assert checked >= 2, "too few flattened buckets: the listing is not tested"
+    assert len(checked) == len(FAMILIES), "a family of one or two moments: its listing is not tested"
 
 
 def test_a_named_rank_lists_every_flattened_bucket():

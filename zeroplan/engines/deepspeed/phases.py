@@ -10,11 +10,11 @@ from functools import lru_cache
 
 from zeroplan.engines.deepspeed.moe import mark_names, sparse_blocks, sparse_forward_moments
 from zeroplan.engines.deepspeed.offload import offload_moments
-from zeroplan.engines.deepspeed.offload_terms import adam_step_fp32_temporaries
+from zeroplan.engines.deepspeed.offload_terms import adam_step_fp32_temporaries, on_device
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _gathered, _pbytes, _schedule, _states
 from zeroplan.engines.deepspeed.settings import inner_optimizer_class
 from zeroplan.engines.deepspeed.terms import aligned_flat_numel
-from zeroplan.formulas.peak import Moment, Term
+from zeroplan.formulas.peak import Moment, Term, rounded_total
 
 
 def cast_moments(run: DSRun) -> tuple[Moment, ...]:
@@ -272,23 +272,34 @@ def _later_numels(numels: tuple[int, ...], param_blocks: tuple[int, ...], L: int
     return tuple(later)
 
 
-def later_blocks_held(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...]) -> tuple[Moment, ...]:
+@lru_cache(maxsize=8)  # every ZeRO-1 run of a plan: the same elements and bytes (a speed-up, no rule)
+def _later_terms(later: tuple[int, ...], p: int) -> tuple[Term, ...]:
+    """``later_blocks_held``'s term of each block j: the later blocks' gradients, ``later[j]`` elements of ``p`` B."""
+    return tuple(Term("gradients of the later blocks (param.grad)", n * p,
+                      "torch autograd AccumulateGrad; runtime/zero/stage_1_and_2.py process_gradients (stage 1 "
+                      "without overlap_comm reduces in reduce_gradients, after backward)") for n in later)  # fmt: skip
+
+
+def later_blocks_held(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
+                      bound: bool = False) -> tuple[Moment, ...]:
     """A wrapper reducing after backward (ZeRO-1 without ``overlap_comm``, BF16_Optimizer): autograd's
     gradients pile up block by block, so block j's first op also holds every later block's (under
     checkpointing its recomputed activations make it nearly as large as the last block's: measured gpt-tiny,
-    N_d = 4, every rank at block 0)."""
+    N_d = 4, every rank at block 0). ``bound``: ZeRO-1's every-rank run (``DSRun.first_largest``), whose moments
+    differ by their two terms alone: only the first holding the most, at 1 B and at the peak's block, is listed
+    (a speed-up, no rule: ``peak_of`` takes a phase's first largest; tests/test_deepspeed_zero12_speedups.py)."""
     if not run.param_blocks:
         return ()
-    L, out = run.acts.n_layer, []
-    later = _later_numels(run.numels, run.param_blocks, L)
-    common = tuple(t for t in last if t not in inflight)
-    for j in range(L - 1):
-        out.append(Moment("backward", f"block {j} backward, the later blocks' gradients held", (
-            *common, _blocks_saved(run, j + 1), *inflight[1:],
-            Term("gradients of the later blocks (param.grad)", later[j] * _pbytes(run),
-                 "torch autograd AccumulateGrad; runtime/zero/stage_1_and_2.py process_gradients (stage 1 "
-                 "without overlap_comm reduces in reduce_gradients, after backward)"))))  # fmt: skip
-    return tuple(out)
+    L = run.acts.n_layer
+    later = _later_terms(_later_numels(run.numels, run.param_blocks, L), _pbytes(run))
+    common, blocks = tuple(t for t in last if t not in inflight), range(L - 1)
+    if bound and run.settings.rank is None and L > 2:
+        own = [on_device((_blocks_saved(run, j + 1), later[j])) if run.settings.offload_optimizer.on
+               else (_blocks_saved(run, j + 1), later[j]) for j in blocks]  # fmt: skip
+        blocks = sorted({*run.first_largest(lambda j: rounded_total(own[j], 1), tuple(blocks)),
+                         *run.first_largest(lambda j: rounded_total(own[j], run.settings.block_bytes), tuple(blocks))})
+    return tuple(Moment("backward", f"block {j} backward, the later blocks' gradients held", (
+        *common, _blocks_saved(run, j + 1), *inflight[1:], later[j])) for j in blocks)
 
 
 def optimizer_moments(run: DSRun) -> tuple[Moment, ...]:

@@ -273,7 +273,7 @@ class ZeroOptimizer(Wrapper):
                    else (Moment("backward", "last block backward", last),))  # fmt: skip
         out.extend(final_norm_backward(run, last, inflight))
         if self.keeps_gradients(run):
-            out.extend(later_blocks_held(run, last, inflight))
+            out.extend(later_blocks_held(run, last, inflight, bound=True))
         if hooks and (not accumulating or boundary):
             early = dict(_stage2_early_partitions(run)) if _first_bucket_before_last_block(run) else {}
             at = B.early_partition_position(run, MW.last_block_start(run)) if early and boundary else 0
