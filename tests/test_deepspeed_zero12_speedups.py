@@ -255,3 +255,21 @@ def test_large_gradients_once_per_layout_equal_each_run_own(monkeypatch):
         assert _large_gradients(run) == (large, in_bucket)
         seen.add(len(large))
     assert len(seen) > 3
+
+
+def test_activation_terms_one_object_per_value_equal_a_fresh_term():
+    """``run._act`` keeps one term per (name, bytes, tensors), typed (an int and a float of one value are two keys):
+    each equals the term made afresh, and the moments of a run are equal with the cache cleared before each."""
+    from zeroplan.engines.deepspeed.run import ACT_SRC, _act
+    from zeroplan.formulas.peak import Term
+
+    rng = random.Random(3)
+    for _ in range(300):
+        name, nbytes, tensors = rng.choice(("a", "b", "loss")), rng.randrange(10**9), rng.choice((1, 2, 7))
+        assert _act(name, nbytes, tensors) == Term(name, nbytes, ACT_SRC, tensors)
+        assert _act(name, nbytes, tensors) is _act(name, nbytes, tensors)
+    assert type(_act("x", 2.0).bytes) is float and type(_act("x", 2).bytes) is int
+    run = D.ds_run(_settings(2, 2_000), _workload("tiny-llama"), 4)
+    warm = D.moments(run)
+    _act.cache_clear()
+    assert D.moments(run) == warm

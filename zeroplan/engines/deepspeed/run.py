@@ -197,6 +197,7 @@ def shared_memo(name: str, objects: tuple, rest: tuple, make: Callable[[], objec
     return hit[1]
 
 
+@lru_cache(maxsize=1024, typed=True)  # one term per value, every run asks the same few (a speed-up, no rule)
 def _act(name: str, nbytes: int, tensors: int = 1) -> Term:
     return Term(name, nbytes, ACT_SRC, tensors)
 
