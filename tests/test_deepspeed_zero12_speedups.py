@@ -273,3 +273,22 @@ def test_activation_terms_one_object_per_value_equal_a_fresh_term():
     warm = D.moments(run)
     _act.cache_clear()
     assert D.moments(run) == warm
+
+
+def test_shared_terms_equal_fresh_terms_and_moments_unchanged_with_the_cache_cleared():
+    """``reduce.shared_term`` (one ``Term`` per value, typed) equals a fresh ``Term``; the in-block and flattened moments
+    that take their terms from it (``_partition_moment``, ``_RankFacts.gip``, ``_flattened_tails``' alive) are equal
+    listed with the cache warm and cleared, every rank and each rank named."""
+    from zeroplan.engines.deepspeed.reduce import shared_term
+    from zeroplan.formulas.peak import Term
+
+    rng = random.Random(9)
+    for _ in range(300):
+        args = (rng.choice(("grads_in_partition", "x")), rng.randrange(10**6), rng.choice(("s", "t")), rng.randrange(1, 4))
+        assert shared_term(*args) == Term(*args) and shared_term(*args) is shared_term(*args)
+    assert type(shared_term("x", 2.0, "s").bytes) is float and type(shared_term("x", 2, "s").bytes) is int
+    for stage, rank, overlap in ((2, None, None), (1, None, None), (1, 3, None), (2, 2, None), (1, None, True)):
+        run = D.ds_run(_settings(stage, 2_000, rank=rank, overlap=overlap), _workload("tiny-gpt2-untied"), 7)
+        warm = D.moments(run)
+        shared_term.cache_clear()
+        assert D.moments(run) == warm

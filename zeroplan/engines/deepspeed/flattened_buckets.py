@@ -14,7 +14,7 @@ from functools import lru_cache
 from zeroplan.engines.deepspeed.collectives import greedy_buckets
 from zeroplan.engines.deepspeed.flat_copy import range_copy_numel
 from zeroplan.engines.deepspeed.offload_terms import on_device
-from zeroplan.engines.deepspeed.reduce import GIP_SRC
+from zeroplan.engines.deepspeed.reduce import GIP_SRC, shared_term
 from zeroplan.engines.deepspeed.run import DSRun, _act, _bucket, _pbytes, _states, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.engines.deepspeed.terms import FlatGroup
@@ -84,8 +84,8 @@ def _flattened_tails(layout: _FlattenedBuckets, p: int, g: int,
     def alive(hi: int, end: int, own: int = 0) -> Term:
         """Before bucket [lo, hi) (parameters first..end) is sent; ``own``: the large gradients of a rank's
         partition reduced before, views of its grads_in_partition, not counted again."""
-        return Term("autograd gradients not yet bucketed, and the large ones reduced so far (kept)",
-                    (psi - hi + large_before[end] - own) * p, ALIVE_SRC)
+        return shared_term("autograd gradients not yet bucketed, and the large ones reduced so far (kept)",
+                           (psi - hi + large_before[end] - own) * p, ALIVE_SRC)
 
     facts = _rank_facts(layout, p, ranks)
     if len(facts.ranks) == 1:
@@ -187,7 +187,6 @@ class _RankFacts:
         self.ranges = [flat.range(r) for r in self.ranks]
         self.ends = [b for _, b in self.ranges]
         self.gips = [flat.params_numel(r) * self.p for r in self.ranks]
-        self._gip_terms: dict[int, Term] = {}
         assert self.firsts == sorted(self.firsts) and self.ends == sorted(self.ends), "ranks in partition order"
         self._prefix: list[tuple[int, int]] = []  # (value, index) of the first largest of ranks[:i + 1]
         for i, (a, b) in enumerate(self.ranges):
@@ -202,11 +201,8 @@ class _RankFacts:
         return self.large_before[min(b, first)] - self.large_before[a] if min(b, first) > a else 0
 
     def gip(self, i: int) -> Term:
-        """Rank i's ``grads_in_partition``, one term per rank and bytes (a speed-up, no rule: it was one per bucket)."""
-        term = self._gip_terms.get(i)
-        if term is None:
-            term = self._gip_terms[i] = Term("grads_in_partition", self.gips[i], GIP_SRC)
-        return term
+        """Rank i's ``grads_in_partition``, one term per bytes (``shared_term``; a speed-up, no rule: one per bucket)."""
+        return shared_term("grads_in_partition", self.gips[i], GIP_SRC)
 
     def largest(self, k: int, first: int, copy: int) -> tuple[int | None, int | None]:
         """(index, own) of the option holding the most at bucket k, the first largest in the candidates' order:

@@ -24,6 +24,9 @@ from zeroplan.formulas.peak import Moment, Term
 
 SRC = "runtime/zero/stage_1_and_2.py"
 GIP_SRC = f"{SRC} copy_grads_in_partition"
+shared_term = lru_cache(maxsize=4096, typed=True)(Term)
+"""``Term(name, bytes, source, tensors)``, one object per value (terms are immutable; a speed-up, no rule: a 405B
+plan's in-block moments made the same three terms ~600 times each)."""
 
 
 def _within_one_parameter(run: DSRun, rank: int) -> bool:
@@ -242,14 +245,15 @@ def _partition_moment(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
     in_bucket = large_in_bucket.get(first, 0)
     own = sum(run.numels[i] for i in large
               if bucket_of[i] < first and run.param_blocks[i] == j and not lo <= i < hi) if kept else 0  # fmt: skip
-    terms = (*base, *B.held_term(run, B.position(run, hook) + 1), _blocks_saved(run, j), *acts,
-             Term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
-                  "autograd (one node makes every input's gradient)", len(module)),
-             Term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
-                  "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"),
+    terms = (*base, *(B.held_term(run, B.position(run, hook) + 1) if B.at_boundary(run) else ()),
+             _blocks_saved(run, j), *acts,
+             shared_term(f"{where}'s weight gradients", sum(run.numels[i] for i in module) * p,
+                         "autograd (one node makes every input's gradient)", len(module)),
+             shared_term("gradients larger than the bucket, in the bucket reduced", in_bucket * p,
+                         "runtime/zero/stage_1_and_2.py reduce_ipg_grads (extra_large_param_to_reduce)"),
              *((Term("gradients larger than the bucket, outside the partition, reduced before (kept)",
                      (own * p + kept[rank][j].bytes), kept[rank][j].source),) if kept else ()),
-             Term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
+             shared_term("grads_in_partition", run.flat.params_numel(rank) * p, GIP_SRC))  # fmt: skip
     name = f"block {j} {where} backward, rank {rank}'s grads_in_partition allocated"
     copy = _hook_bucket_copy(run, first) * DTYPE_BYTES[s.grad_dtype]  # allreduce_bucket's flat copy, freed before the
     if copy > terms[-1].bytes:  # partition is allocated: the larger of the two, one after the other
