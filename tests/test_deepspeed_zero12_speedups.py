@@ -292,3 +292,29 @@ def test_shared_terms_equal_fresh_terms_and_moments_unchanged_with_the_cache_cle
         warm = D.moments(run)
         shared_term.cache_clear()
         assert D.moments(run) == warm
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_offload_walk_partition_bounds_by_bisection_equal_the_walk_rank_by_rank(seed):
+    """``offload_walk.walk_peaks`` finds a partition's first and last parameters by bisection (not a pass over them):
+    equal to the rank-by-rank walk (tests/test_deepspeed_offload_walk.py's reference) on layouts dense in empty
+    parameters (leading, trailing, at partition boundaries), partitions of padding after Ψ and one parameter over
+    many partitions."""
+    from test_deepspeed_offload_walk import _plain_walk
+
+    from zeroplan.engines.deepspeed.offload_walk import walk_peaks
+
+    rng, compared = random.Random(100 + seed), 0
+    for _ in range(300):
+        numels = [rng.choice((0, 0, 0, rng.randint(1, 30), rng.randint(1, 900))) for _ in range(rng.randint(1, 25))]
+        offsets = [0]
+        for n in numels:
+            offsets.append(offsets[-1] + n)
+        nd = rng.randint(1, 16)
+        part = max(1, -(-offsets[-1] // nd) + rng.choice((0, 0, 1, rng.randint(0, 200))))
+        bucket, g = rng.randint(1, 1200), rng.choice((2, 4))
+        got = walk_peaks(numels, offsets, part, bucket, g, range(nd))
+        for rank in range(nd):
+            assert got[rank] == _plain_walk(numels, offsets, part, bucket, g, rank), (numels, part, bucket, rank)
+            compared += 1
+    assert compared > 1_500
