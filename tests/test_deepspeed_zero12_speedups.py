@@ -318,3 +318,30 @@ def test_offload_walk_partition_bounds_by_bisection_equal_the_walk_rank_by_rank(
             assert got[rank] == _plain_walk(numels, offsets, part, bucket, g, rank), (numels, part, bucket, rank)
             compared += 1
     assert compared > 1_500
+
+
+def _plain_range_copy(part: int, limit: int, lo: int, hi: int) -> int:
+    """flat_copy.py ``range_copy_numel``'s walk over the partitions' pieces, as it was (every piece fed in turn)."""
+    copy = count = numel = 0
+    while lo < hi:
+        end = min(hi, (lo // part + 1) * part)
+        count, numel, lo = count + 1, numel + end - lo, end
+        if numel > limit:
+            copy, count, numel = max(copy, numel if count > 1 else 0), 0, 0
+    return max(copy, numel if count > 1 else 0)
+
+
+def test_range_copy_with_partitions_larger_than_the_bucket_equals_the_walk():
+    """``range_copy_numel`` in closed form where a partition holds more than a bucket (only the first piece, if it
+    fits, is copied with the next) equals the walk over every piece: 20,000 random ranges (empty ones, ranges starting
+    or ending on a boundary, over one to a hundred partitions), and the walk's own cases (a partition within a bucket)."""
+    from zeroplan.engines.deepspeed.flat_copy import range_copy_numel
+
+    rng, fast = random.Random(21), 0
+    for _ in range(20_000):
+        part, limit = rng.choice((1, 2, 7, 100, 1000, rng.randrange(1, 5000))), rng.choice((1, 5, 99, 100, 101, 4000))
+        lo = rng.choice((0, part, 3 * part, rng.randrange(0, 50 * part + 1), rng.randrange(0, 50 * part + 1) // part * part))
+        hi = lo + rng.choice((0, 1, part - lo % part, part, rng.randrange(0, 100 * part + 1), rng.randrange(0, 3 * part)))
+        assert range_copy_numel(part, limit, lo, hi) == _plain_range_copy(part, limit, lo, hi), (part, limit, lo, hi)
+        fast += part > limit
+    assert fast > 5_000

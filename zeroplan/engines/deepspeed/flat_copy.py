@@ -62,6 +62,9 @@ def range_copy_numel(part: int, limit: int, lo: int, hi: int) -> int:
     the partitions' boundaries and a run bound for one partition merged, are then the bucket's pieces of each
     partition, fed into the groups as ``copy_numel`` feeds them (a speed-up, no rule: no pass over the parameters;
     equal to it on random layouts, tests/test_deepspeed_fast_paths.py)."""
+    if part > limit:  # a whole partition's piece closes a group alone, and so does one after it: only the first
+        end = (lo // part + 1) * part  # piece, if it fits, is copied with the next (a speed-up, no rule: the loop
+        return 0 if end >= hi or end - lo > limit else min(hi, end + part) - lo  # below gives the same)
     copy = count = numel = 0
     while lo < hi:
         end = min(hi, (lo // part + 1) * part)  # this partition's piece
