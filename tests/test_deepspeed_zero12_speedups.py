@@ -345,3 +345,30 @@ def test_range_copy_with_partitions_larger_than_the_bucket_equals_the_walk():
         assert range_copy_numel(part, limit, lo, hi) == _plain_range_copy(part, limit, lo, hi), (part, limit, lo, hi)
         fast += part > limit
     assert fast > 5_000
+
+
+def test_hook_copies_of_one_parameter_buckets_equal_copy_numel():
+    """``reduce._hook_copies`` takes a one-parameter bucket's copy from ``range_copy_numel``: equal, bucket for bucket,
+    to ``copy_numel`` of every hook bucket's parameters, on 1,000 random layouts and gradient-ready orders (reversed,
+    shuffled), empty parameters and buckets below and above the parameters included."""
+    from zeroplan.engines.deepspeed.flat_copy import copy_numel
+    from zeroplan.engines.deepspeed.layout_ranks import _hook_layout
+    from zeroplan.engines.deepspeed.reduce import _hook_copies
+    from zeroplan.engines.deepspeed.terms import FlatGroup
+
+    rng, single = random.Random(8), 0
+    for _ in range(1_000):
+        numels = tuple(rng.choice((0, 1, 7, 300, 1000, rng.randrange(1, 6000))) for _ in range(rng.randrange(1, 30)))
+        if not sum(numels):
+            continue
+        flat, limit = FlatGroup(numels, rng.choice((1, 2, 3, 5, 16, 64))), rng.choice((1, 50, 500, 2000, 10**5))
+        order = list(range(len(numels)))[::-1]
+        if rng.random() < 0.3:
+            rng.shuffle(order)
+        order = tuple(order)
+        _, _, firsts, _ = _hook_layout(numels, limit, order)
+        ends = (*firsts[1:], len(order))
+        want = tuple(copy_numel(flat, limit, order[a:b]) for a, b in zip(firsts, ends))
+        assert _hook_copies(flat, limit, order) == want, (numels, flat.nd, limit, order)
+        single += sum(b - a == 1 for a, b in zip(firsts, ends))
+    assert single > 2_000

@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import zeroplan.engines.deepspeed.boundary as B
-from zeroplan.engines.deepspeed.flat_copy import copy_numel
+from zeroplan.engines.deepspeed.flat_copy import copy_numel, range_copy_numel
 from zeroplan.engines.deepspeed.hook_activations import (_block_hook_activations, _hook_activations,  # noqa: F401
                                                          _hook_bytes, _hook_memo)
 from zeroplan.engines.deepspeed.layout_ranks import (_hook_buckets, _hook_layout, _last_in_blocks, _params_numels,
@@ -103,8 +103,11 @@ def _hook_copies(flat: FlatGroup, bucket: int, order: tuple[int, ...]) -> tuple[
     """``flattened_copy_numel`` of each hook bucket (``layout_ranks._hook_layout``) of ``flat`` reducing in buckets
     of ``bucket`` elements, gradients ready in ``order``."""
     order, _, first_of_bucket, _ = _hook_layout(flat.numels, bucket, order)
-    ends = (*first_of_bucket[1:], len(order))
-    return tuple(copy_numel(flat, bucket, order[a:b]) for a, b in zip(first_of_bucket, ends))
+    ends, offsets, part = (*first_of_bucket[1:], len(order)), flat.offsets, flat.part
+    # a bucket of one parameter is a range: ``range_copy_numel`` (closed form where a partition holds more than a
+    # bucket; a speed-up, no rule: most of a 405B plan's hook buckets hold one parameter)
+    return tuple(range_copy_numel(part, bucket, offsets[order[a]], offsets[order[a] + 1]) if b - a == 1
+                 else copy_numel(flat, bucket, order[a:b]) for a, b in zip(first_of_bucket, ends))  # fmt: skip
 
 
 def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
