@@ -209,9 +209,9 @@ def _zero3_offload_moments(run: DSRun, moments: list[Moment]) -> list[Moment]:
     ``reset_cpu_buffers``: exact (212 B under before); N_d = 1 (nothing persistent gathered), the update with the
     norms, 16 B under (a scalar of ``unscale_and_clip_grads``; 240 B before)."""
     persistent = next((t for m in moments for t in m.terms if t.name == PERSISTENT_PARAMS), None)
-    norms = Term(PARAM_NORMS, 8 * param_norm_count(run.numels, run.nd, run.settings.rank),
-                 f"{S3} partition_grads -> _offload_grad_partition_at_boundary (norm_for_param_grads); freed by "
-                 "_post_step -> reset_cpu_buffers", param_norm_count(run.numels, run.nd, run.settings.rank))  # fmt: skip
+    count = param_norm_count(run.numels, run.nd, run.settings.rank)  # once (a speed-up, no rule)
+    norms = Term(PARAM_NORMS, 8 * count, f"{S3} partition_grads -> _offload_grad_partition_at_boundary "
+                 "(norm_for_param_grads); freed by _post_step -> reset_cpu_buffers", count)  # fmt: skip
     out: list[Moment] = []
     for m in moments:
         if m.phase == "init" and m.name == "partitioned parameters gathered once":
