@@ -188,7 +188,10 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     # The bytes of each rank's moment, summed from what every rank reducing at one hook holds alike (``alike``)
     # and what is its own (its partition or the bucket's flat copy, the larger; at stage 1 its kept gradients):
     # the same integers as the terms' sum, so the same rank wins; only the winners' terms are built.
-    alike: dict[tuple[int, int], tuple[int, int] | None] = {}  # (first, hook) -> (common bytes, kept elements)
+    # Per first bucket (its hook is the next bucket's first gradient's: one per first), its block j, what every
+    # rank reducing there holds alike, its kept elements and the bucket's copy, or None where no moment is made
+    # (a speed-up, no rule: looked up by the first bucket alone, the larger of two without ``max``).
+    alike: dict[int, tuple[int, int, int, int] | None] = {}
     base_bytes, g, memo = sum(t.bytes for t in base), DTYPE_BYTES[s.grad_dtype], _hook_memo(run)
     copies = _hook_copies_of(run)  # each bucket's allreduce_bucket flat copy (``_hook_bucket_copy``)
     best: dict[int, tuple[int, int, int, int]] = {}  # block -> (bytes, rank, first, hook) of the rank holding the most
@@ -197,27 +200,28 @@ def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Ter
     # (a speed-up, no rule: ~1,000 hooks of a ZeRO-2 run)
     boundary, saved = B.at_boundary(run), {}
     for rank, first, hook in _reducing_hooks(run):
-        j = blocks[hook]
-        if j < 0 or hook in outputs:
-            continue
-        common = alike.get((first, hook), alike)  # ``alike`` itself: not seen yet
+        common = alike.get(first, alike)  # ``alike`` itself: not seen yet
         if common is alike:  # every rank reducing at one hook sees the same activations
-            at_hook = _hook_bytes(run, j, hook, memo)
+            j = blocks[hook]
+            at_hook = None if j < 0 or hook in outputs else _hook_bytes(run, j, hook, memo)
             if at_hook is not None and j not in saved:
                 saved[j] = _blocks_saved(run, j).bytes
-            common = alike[first, hook] = None if at_hook is None else (
+            common = alike[first] = None if at_hook is None else (
                 base_bytes + saved[j] + at_hook + large_in_bucket.get(first, 0) * p
                 + (sum(t.bytes for t in B.held_term(run, B.position(run, hook) + 1)) if boundary else 0),
-                sum(run.numels[i] for i in large if bucket_of[i] < first and run.param_blocks[i] == j) if kept else 0)
+                sum(run.numels[i] for i in large if bucket_of[i] < first and run.param_blocks[i] == j) if kept else 0,
+                copies[first] * g, j)
         if common is None:
             continue
-        total = common[0] + max(gips[rank] * p, copies[first] * g)
+        gip, copy, j = gips[rank] * p, common[2], common[3]
+        total = common[0] + (gip if gip > copy else copy)
         if kept:
             lo, hi = run.flat.range(rank)
             own = common[1] - sum(run.numels[i] for i in range(lo, hi) if run.numels[i] > s.reduce_bucket_size
                                   and bucket_of[i] < first and run.param_blocks[i] == j)  # fmt: skip
             total += own * p + kept[rank][j].bytes
-        if j not in best or total > best[j][0]:
+        held = best.get(j)
+        if held is None or total > held[0]:
             best[j] = (total, rank, first, hook)
     return tuple(_partition_moment(run, base, kept, large, large_in_bucket, memo, rank, first, hook)
                  for _, rank, first, hook in best.values())
