@@ -182,19 +182,19 @@ class _RankFacts:
 
     def __init__(self, flat: FlatGroup, firsts: dict[int, int], large_before: tuple[int, ...], p: int):
         self.p, self.large_before = p, large_before
-        self.ranks = list(firsts)
-        self.firsts = [firsts[r] for r in self.ranks]
-        self.ranges = [flat.range(r) for r in self.ranks]
+        # the per-rank lists built in C (map; a speed-up, no rule), the prefix maximum in one pass
+        self.ranks, self.firsts = list(firsts), list(firsts.values())
+        self.ranges = list(map(flat.range, self.ranks))
         self.ends = [b for _, b in self.ranges]
-        self.gips = [flat.params_numel(r) * self.p for r in self.ranks]
+        self.gips = [n * p for n in map(flat.params_numel, self.ranks)]
         assert self.firsts == sorted(self.firsts) and self.ends == sorted(self.ends), "ranks in partition order"
         self._prefix: list[tuple[int, int]] = []  # (value, index) of the first largest of ranks[:i + 1]
-        for i, (a, b) in enumerate(self.ranges):
-            value = self.gips[i] - (large_before[b] - large_before[a]) * self.p
-            if not self._prefix or value > self._prefix[-1][0]:
-                self._prefix.append((value, i))
-            else:
-                self._prefix.append(self._prefix[-1])
+        prefix, top = self._prefix, None
+        for i, ((a, b), gip) in enumerate(zip(self.ranges, self.gips)):
+            value = gip - (large_before[b] - large_before[a]) * p
+            if top is None or value > top[0]:
+                top = (value, i)
+            prefix.append(top)
 
     def own(self, i: int, first: int) -> int:
         a, b = self.ranges[i]
