@@ -5,7 +5,8 @@ host side and the moments: ``offload.py``. Imported by ``run.py`` and ``wrapper.
 from __future__ import annotations
 
 from dataclasses import replace
-from operator import attrgetter
+from itertools import compress
+from operator import attrgetter, not_
 
 from zeroplan.engines.deepspeed.settings import Settings
 from zeroplan.engines.deepspeed.terms import DSTerm
@@ -44,10 +45,10 @@ _NAME = attrgetter("name")
 def on_device(terms: tuple[Term, ...]) -> tuple[Term, ...]:
     """``terms`` less those ``offload_optimizer`` makes on the host (``HOST_TEMPORARIES``); ``terms`` itself where
     none is (each name looked up in C, ``map``: most moments hold none)."""
-    made = _HOST_MADE
-    if not any(map(made.__getitem__, map(_NAME, terms))):
+    made = list(map(_HOST_MADE.__getitem__, map(_NAME, terms)))
+    if not any(made):
         return terms
-    return tuple(t for t in terms if not made[t.name])
+    return tuple(compress(terms, map(not_, made)))
 
 
 def offloads(s: Settings) -> bool:
