@@ -372,3 +372,32 @@ def test_hook_copies_of_one_parameter_buckets_equal_copy_numel():
         assert _hook_copies(flat, limit, order) == want, (numels, flat.nd, limit, order)
         single += sum(b - a == 1 for a, b in zip(firsts, ends))
     assert single > 2_000
+
+
+@pytest.mark.parametrize("model, stage, overlap, bucket, nd", [
+    ("tiny-gpt2-untied", 2, None, 1_000, 7), ("tiny-gpt2-untied", 1, True, 2_000, 5), ("tiny-llama", 2, None, 500, 9),
+    ("tiny-llama", 1, True, 1_000, 16), ("tiny-mistral", 2, None, 2_000, 33), ("tiny-qwen2", 1, True, 500, 6),
+    ("llama-3.2-1b", 2, None, 5_000_000, 64), ("llama-3.2-1b", 1, True, 50_000_000, 96)])  # fmt: skip
+def test_epilogue_large_gradient_every_rank_equals_the_largest_named_rank(monkeypatch, model, stage, overlap, bucket, nd):
+    """``late_reductions.epilogue_large_gradient`` where every rank is described (each rank's bytes in one pass) lists
+    the moment of the first rank whose own run's moment holds the most (every rank's run listed and summed)."""
+    from zeroplan.engines.deepspeed.late_reductions import epilogue_large_gradient
+
+    monkeypatch.setattr(run_module, "_SHARED", {})
+    w, asked = _workload(model), []
+    original = run_module.DSRun.first_largest
+
+    def spy(self, extra, ranks=None):  # every rank's bytes as the every-rank run weighs them
+        asked.append([extra(r) for r in (self.ranks if ranks is None else ranks)])
+        return original(self, extra, ranks)
+
+    with monkeypatch.context() as m:
+        m.setattr(run_module.DSRun, "first_largest", spy)
+        got = epilogue_large_gradient(D.ds_run(_settings(stage, bucket, overlap=overlap), w, nd))
+    each = [epilogue_large_gradient(D.ds_run(_settings(stage, bucket, rank=r, overlap=overlap), w, nd))
+            for r in range(nd)]
+    assert all(len(m) == 1 for m in each), "the last bucket is not one large gradient: nothing is checked"
+    totals = [sum(t.bytes for t in m[0].terms) for m in each]
+    assert got == max(each, key=lambda m: sum(t.bytes for t in m[0].terms))
+    assert len(asked) == 1 and len({t - a for t, a in zip(totals, asked[0])}) == 1  # each rank's own bytes, exact
+    assert len(set(totals)) > 1  # the ranks differ
