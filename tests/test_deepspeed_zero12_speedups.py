@@ -401,3 +401,45 @@ def test_epilogue_large_gradient_every_rank_equals_the_largest_named_rank(monkey
     assert got == max(each, key=lambda m: sum(t.bytes for t in m[0].terms))
     assert len(asked) == 1 and len({t - a for t, a in zip(totals, asked[0])}) == 1  # each rank's own bytes, exact
     assert len(set(totals)) > 1  # the ranks differ
+
+
+@pytest.mark.parametrize("model, stage, overlap, bucket, nd, accum", [
+    ("tiny-gpt2-untied", 1, None, 1_000, 7, 1), ("tiny-llama", 1, None, 2_000, 16, 2), ("tiny-mistral", 1, None, 500, 33, 1),
+    ("tiny-gpt2-untied", 2, None, 1_000, 7, 1), ("tiny-llama", 1, True, 1_000, 16, 2), ("tiny-qwen2", 2, None, 2_000, 9, 1),
+    ("llama-3.2-1b", 1, None, 5_000_000, 64, 1), ("llama-3.2-1b", 2, None, 50_000_000, 96, 1)])  # fmt: skip
+def test_stage1_and_epilogue_reduce_every_rank_weigh_each_rank_as_its_loop(monkeypatch, model, stage, overlap, bucket,
+                                                                             nd, accum):
+    """``reduce._stage1_reduce`` (ZeRO-1 after backward) and ``reduce._epilogue_reduce`` (from the hooks) where every
+    rank is described weigh each rank in one pass: the bytes ``DSRun.first_largest`` is handed equal, rank for rank,
+    the per-rank functions they replaced (kept here), over the same ranks, and the moment listed is that rank's."""
+    import zeroplan.engines.deepspeed.boundary as B
+    from zeroplan.engines.deepspeed.layout_ranks import _rank_first_buckets, _stage1_held
+    from zeroplan.engines.deepspeed.reduce import _epilogue_reduce, _hook_buckets, _stage1_reduce
+    from zeroplan.engines.deepspeed.run import _pbytes
+
+    after = stage == 1 and not overlap
+    monkeypatch.setattr(run_module, "_SHARED", {})
+    run, asked = D.ds_run(_settings(stage, bucket, overlap=overlap), _workload(model, accum), nd), []
+    original = run_module.DSRun.first_largest
+
+    def spy(self, extra, ranks=None):
+        ranks = self.ranks if ranks is None else ranks
+        asked.append((tuple(ranks), list(map(extra, ranks))))
+        return original(self, extra, ranks)
+
+    with monkeypatch.context() as m:
+        m.setattr(run_module.DSRun, "first_largest", spy)
+        got = (_stage1_reduce if after else _epilogue_reduce)(run)
+    p, flat = _pbytes(run), run.flat
+    if after:  # the per-rank functions as they were
+        held, psi = _stage1_held(flat, bucket), sum(run.numels)
+        ranks = tuple(r for r in run.ranks if flat.params(r))
+        want = [(psi - held[r][0] + held[r][1] + flat.params_numel(r)) * p for r in ranks]
+    else:
+        firsts, last = _rank_first_buckets(run), len(_hook_buckets(run)[1]) - 1
+        ranks = tuple(run.ranks)
+        want = [flat.params_numel(r) if 0 <= firsts[r] < last and (run.grad_accum == 1 or B.at_boundary(run)) else 0
+                for r in ranks]
+    assert asked == [(ranks, want)] and len(set(want)) > 1
+    winner = max(ranks, key=dict(zip(ranks, want)).__getitem__)
+    assert len(got) == 1 and (got[0].name.endswith(f"rank {winner}") or f"rank {winner}'s" in got[0].name)

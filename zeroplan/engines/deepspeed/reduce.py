@@ -9,6 +9,7 @@ inside a GPT block (``_in_block_partitions``), and the first bucket's reduction 
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import compress
 
 import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.flat_copy import copy_numel, range_copy_numel
@@ -62,9 +63,13 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     def winners() -> tuple[int, ...]:
         return run.first_largest(extra, tuple(r for r in run.ranks if run.flat.params(r)))
 
+    def every_rank() -> tuple[int, ...]:  # ``extra`` of every rank in one pass, the ranks with a parameter in C
+        sizes = [(psi - sent + large + n) * p for (sent, large), n in zip(sent_and_kept, _params_numels(run.flat))]
+        return run.first_largest(sizes.__getitem__, tuple(compress(run.ranks, map(run.flat.params, run.ranks))))
+
     # where every rank is described, its one rank once per layout, bucket and bytes (a speed-up, no rule)
     chosen = winners() if run.settings.rank is not None else shared_memo(
-        "stage1 reduce", (run.flat, sent_and_kept), (psi, p), winners)
+        "stage1 reduce", (run.flat, sent_and_kept), (psi, p), every_rank)
     out = []
     for rank in chosen:  # type: ignore[union-attr]
         sent, large = held(rank)
@@ -137,9 +142,14 @@ def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
     def winners() -> tuple[int, ...]:  # one where all are described
         return run.first_largest(lambda r: run.flat.params_numel(r) if early(r) else 0)
 
+    def every_rank() -> tuple[int, ...]:  # ``winners``' bytes of every rank in one pass, no call per rank
+        ok = run.grad_accum == 1 or B.at_boundary(run)
+        sizes = [n if ok and 0 <= f < last else 0 for f, n in zip(firsts, _params_numels(run.flat))]
+        return run.first_largest(sizes.__getitem__)
+
     out = []  # every rank described: its one once per layout, bucket and boundary (a speed-up, no rule)
     for rank in winners() if run.settings.rank is not None else shared_memo(  # type: ignore[union-attr]
-            "epilogue reduce", (run.flat, firsts), (last, run.grad_accum == 1 or B.at_boundary(run)), winners):
+            "epilogue reduce", (run.flat, firsts), (last, run.grad_accum == 1 or B.at_boundary(run)), every_rank):
         out.append(Moment("backward", f"reduction after backward, rank {rank}", (*base, *(
             (Term("grads_in_partition", run.flat.params_numel(rank) * _pbytes(run), GIP_SRC),) if early(rank) else ()))))
     return tuple(out)
