@@ -34,7 +34,7 @@ def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
     ranks = None if run.settings.rank is None else (run.settings.rank,)
     base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2))
     tails = _flattened_tails(layout, _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], ranks)
-    return tuple(Moment("backward", name, (*base, *tail)) for name, tail in tails)
+    return tuple([Moment("backward", name, (*base, *tail)) for name, tail in tails])
 
 
 def stage1_flattened_listed(run: DSRun) -> tuple[Moment, ...]:

@@ -174,7 +174,7 @@ def epilogue_large_gradient(run: DSRun) -> tuple[Moment, ...]:
     # the other large gradients' elements before each parameter: a rank's kept ones (those outside its range) from
     # two lookups, not a pass over them per rank (1,024 ranks of ~900 such gradients: a 405B plan at 5e6 buckets)
     large_before = shared_memo("epilogue large", (numels,), (s.reduce_bucket_size, big), lambda: (0, *itertools.accumulate(
-        n if n > s.reduce_bucket_size and i != big else 0 for i, n in enumerate(numels))))  # once per layout and bucket
+        [n if n > s.reduce_bucket_size and i != big else 0 for i, n in enumerate(numels)])))  # once per layout, bucket
 
     def kept_numel(r: int) -> int:
         first, end = run.flat.range(r)

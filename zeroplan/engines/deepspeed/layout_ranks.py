@@ -95,7 +95,8 @@ def _first_buckets(flat: FlatGroup, bucket: int, order: tuple[int, ...]) -> tupl
     elements, gradients ready in ``order``: the least bucket over each rank's range of parameters."""
     bucket_of = _hook_layout(flat.numels, bucket, order)[3]
     by_param = [bucket_of[i] for i in range(len(flat.numels))]
-    return tuple(min(by_param[first:end]) if end > first else -1 for first, end in map(flat.range, range(flat.nd)))
+    return tuple([min(by_param[first:end]) if end > first else -1  # a list first: no generator per rank
+                  for first, end in map(flat.range, range(flat.nd))])
 
 
 @lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity)
@@ -108,5 +109,5 @@ def _params_numels(flat: FlatGroup) -> tuple[int, ...]:
 def _largest_slices(flat: FlatGroup) -> tuple[int, ...]:
     """The elements of the largest single parameter's slice in each rank's partition of ``flat``."""
     offsets, part = flat.offsets, flat.part
-    return tuple(max((min(offsets[i + 1], (rank + 1) * part) - max(offsets[i], rank * part)
-                      for i in flat.params(rank)), default=0) for rank in range(flat.nd))  # fmt: skip
+    return tuple([max([min(offsets[i + 1], (rank + 1) * part) - max(offsets[i], rank * part)
+                       for i in flat.params(rank)], default=0) for rank in range(flat.nd)])  # lists: no generators

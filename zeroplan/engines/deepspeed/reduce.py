@@ -111,8 +111,8 @@ def _hook_copies(flat: FlatGroup, bucket: int, order: tuple[int, ...]) -> tuple[
     ends, offsets, part = (*first_of_bucket[1:], len(order)), flat.offsets, flat.part
     # a bucket of one parameter is a range: ``range_copy_numel`` (closed form where a partition holds more than a
     # bucket; a speed-up, no rule: most of a 405B plan's hook buckets hold one parameter)
-    return tuple(range_copy_numel(part, bucket, offsets[order[a]], offsets[order[a] + 1]) if b - a == 1
-                 else copy_numel(flat, bucket, order[a:b]) for a, b in zip(first_of_bucket, ends))  # fmt: skip
+    return tuple([range_copy_numel(part, bucket, offsets[order[a]], offsets[order[a] + 1]) if b - a == 1
+                  else copy_numel(flat, bucket, order[a:b]) for a, b in zip(first_of_bucket, ends)])  # fmt: skip
 
 
 def _epilogue_reduce(run: DSRun) -> tuple[Moment, ...]:
@@ -166,8 +166,8 @@ def _find_reducing_hooks(run: DSRun) -> tuple[tuple[int, int, int], ...]:
     order, buckets, first_of_bucket, _ = _hook_buckets(run)
     firsts = _rank_first_buckets(run)
     # a rank overlapping no parameter (-1) has no partition; the last bucket's is reduced after backward
-    return tuple((rank, firsts[rank], order[first_of_bucket[firsts[rank] + 1]]) for rank in run.ranks
-                 if 0 <= firsts[rank] and firsts[rank] + 1 < len(buckets))
+    return tuple([(rank, firsts[rank], order[first_of_bucket[firsts[rank] + 1]]) for rank in run.ranks
+                  if 0 <= firsts[rank] and firsts[rank] + 1 < len(buckets)])  # a list first: no generator per rank
 
 
 def _in_block_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[Term, ...],
