@@ -106,8 +106,7 @@ def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket:
     events, clone_at, flush_of, large_before, (clones, values, prefix, suffix), group_large = _walk_facts(
         tuple(numels), bucket)
     out: dict[int, WalkMoment] = {}
-    n, psi = len(numels), offsets[-1]
-    last_nonzero = max((i for i in range(n) if numels[i]), default=-1)
+    n, psi, last_nonzero = len(numels), offsets[-1], None
     for rank in ranks:
         lo_off, hi_off = rank * part, (rank + 1) * part
         best, best_w = NONE, 0  # NONE weighs 0
@@ -120,7 +119,9 @@ def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket:
         # offsets[a + 1]) and the one holding hi_off - 1 (the last non-empty where the partition passes Ψ), found by
         # bisection rather than a pass over the partition's parameters (a speed-up, no rule)
         a, b = bisect_right(offsets, lo_off) - 1, bisect_left(offsets, hi_off) - 1
-        if b >= n:
+        if b >= n:  # past Ψ (the last rank's): the last non-empty parameter, found once
+            if last_nonzero is None:
+                last_nonzero = max((i for i in range(n) if numels[i]), default=-1)
             b = last_nonzero
         lo = clone_at[a] if a in clone_at else flush_of[a]
         hi = flush_of[b]
@@ -139,8 +140,9 @@ def walk_peaks(numels: Sequence[int], offsets: Sequence[int], part: int, bucket:
                 continue
             group, rem, clone = e[1], e[2], group_large[i]
             for q in group:
-                s = max(0, min(offsets[q + 1], hi_off) - max(offsets[q], lo_off))  # ``_slice(offsets, part, q, rank)``
-                if s:
+                q_lo, q_hi = offsets[q], offsets[q + 1]  # ``_slice(offsets, part, q, rank)``, without builtins' calls
+                s = (q_hi if q_hi < hi_off else hi_off) - (q_lo if q_lo > lo_off else lo_off)
+                if s > 0:
                     w = (rem + clone + kept) * g + 8 * s
                     if w > best_w:
                         best, best_w = (rem + clone + kept, s, q, 0), w
