@@ -184,9 +184,9 @@ class _RankFacts:
         self.p, self.large_before = p, large_before
         # the per-rank lists built in C (map; a speed-up, no rule), the prefix maximum in one pass
         self.ranks, self.firsts = list(firsts), list(firsts.values())
-        self.ranges = list(map(flat.range, self.ranks))
+        self.ranges = list(map(flat._ranges.__getitem__, self.ranks))  # ``flat.range`` of each
         self.ends = [b for _, b in self.ranges]
-        self.gips = [n * p for n in map(flat.params_numel, self.ranks)]
+        self.gips = [n * p for n in map(flat._params_numels.__getitem__, self.ranks)]
         assert self.firsts == sorted(self.firsts) and self.ends == sorted(self.ends), "ranks in partition order"
         self._prefix: list[tuple[int, int]] = []  # (value, index) of the first largest of ranks[:i + 1]
         prefix, top = self._prefix, None

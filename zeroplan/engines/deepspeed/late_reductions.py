@@ -200,7 +200,7 @@ def epilogue_large_gradient(run: DSRun) -> tuple[Moment, ...]:
         c, total, gips = copy.bytes, large_before[-1], _params_numels(run.flat)
         sizes = [(0 if s.partition_gradients else (total - large_before[b] + large_before[a]) * p)
                  + (c if f < 0 else gips[r] * p + c if f < last else max(gips[r] * p, c))
-                 for r, f, (a, b) in zip(range(run.nd), firsts, map(run.flat.range, range(run.nd)))]
+                 for r, f, (a, b) in zip(range(run.nd), firsts, run.flat._ranges)]  # every ``range``
         return run.first_largest(sizes.__getitem__)
 
     # every rank described: its one once per layout, bucket and bytes (``shared_memo``; a speed-up, no rule)

@@ -20,7 +20,7 @@ from zeroplan.engines.deepspeed.terms import FlatGroup
 def _views(flat: FlatGroup) -> tuple[bool, ...]:
     """``_within_one_parameter`` of every rank of ``flat``."""
     return tuple(end - first == 1 and (rank + 1) * flat.part <= flat.offsets[-1]  # Ψ: where the padding starts
-                 for rank, (first, end) in enumerate(map(flat.range, range(flat.nd))))
+                 for rank, (first, end) in enumerate(flat._ranges))  # every rank's ``range``
 
 
 @lru_cache(maxsize=16)  # per layout (``terms.flat_group``, hashed by identity) and bucket size
@@ -32,7 +32,7 @@ def _stage1_held(flat: FlatGroup, limit: int) -> tuple[tuple[int, int], ...]:
     bucket_ends = tuple(itertools.accumulate(greedy_buckets(numels, limit)))
     large_before = (0, *itertools.accumulate(n if n > limit else 0 for n in numels))  # once, not per rank
     out = []
-    for first, end in map(flat.range, range(flat.nd)):
+    for first, end in flat._ranges:  # every rank's ``range``
         if end == first:  # no parameter (the padding's): no partition allocated
             out.append((0, 0))
             continue
@@ -96,13 +96,13 @@ def _first_buckets(flat: FlatGroup, bucket: int, order: tuple[int, ...]) -> tupl
     bucket_of = _hook_layout(flat.numels, bucket, order)[3]
     by_param = [bucket_of[i] for i in range(len(flat.numels))]
     return tuple([min(by_param[first:end]) if end > first else -1  # a list first: no generator per rank
-                  for first, end in map(flat.range, range(flat.nd))])
+                  for first, end in flat._ranges])
 
 
 @lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity)
 def _params_numels(flat: FlatGroup) -> tuple[int, ...]:
     """``FlatGroup.params_numel`` of every rank of ``flat``."""
-    return tuple(map(flat.params_numel, range(flat.nd)))
+    return flat._params_numels  # every rank's, the layout's own tuple
 
 
 @lru_cache(maxsize=8)  # per layout (``terms.flat_group``, hashed by identity): every rank of every candidate asks

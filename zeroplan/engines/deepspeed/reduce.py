@@ -65,7 +65,7 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
 
     def every_rank() -> tuple[int, ...]:  # ``extra`` of every rank in one pass, the ranks with a parameter in C
         sizes = [(psi - sent + large + n) * p for (sent, large), n in zip(sent_and_kept, _params_numels(run.flat))]
-        return run.first_largest(sizes.__getitem__, tuple(compress(run.ranks, map(run.flat.params, run.ranks))))
+        return run.first_largest(sizes.__getitem__, tuple(compress(run.ranks, run.flat._params)))
 
     # where every rank is described, its one rank once per layout, bucket and bytes (a speed-up, no rule)
     chosen = winners() if run.settings.rank is not None else shared_memo(
