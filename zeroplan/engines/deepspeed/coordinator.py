@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from zeroplan.engines.deepspeed.trace import FETCH, Stage3Trace
+from zeroplan.engines.deepspeed.zero3_noprefetch import noprefetch_replay
+from zeroplan.engines.deepspeed.zero3_replay import fused_replay
 
 @dataclass(frozen=True)
 class Stage3Gather:
@@ -89,7 +91,8 @@ def _recorded(trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: i
     before = [0]  # elements of the modules before step k (__params_to_release counts every parameter)
     for m in order:
         before.append(before[-1] + module_numel[m])
-    return modules, persist, padded, queue, uses, before
+    gathered_by = tuple(tuple(p for p in ps if not persist[p]) for ps in ordered)  # zero3_noprefetch's
+    return modules, persist, padded, queue, uses, before, gathered_by
 
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = 0, 1, 2
@@ -118,7 +121,7 @@ class Coordinator:
         self.numels, self.bucket = numels, bucket
         self.max_live, self.max_reuse = max_live, max_reuse
         self.modules, self.persist, self.padded, self.queue, self.uses, self.before = _recorded(trace, numels, nd,
-                                                                                               threshold)
+                                                                                               threshold)[:6]
         self.status = [AVAILABLE if self.persist[p] else NOT_AVAILABLE for p in range(len(numels))]
         self.active: list[set[int]] = [set() for _ in numels]  # ds_active_sub_modules
         self.fetched_for = [-(10**10)] * len(numels)  # __most_recent_step_id_param_fetched_for
@@ -300,5 +303,12 @@ class Coordinator:
 @lru_cache(maxsize=256)
 def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: int, bucket: int,
                      max_live: int, max_reuse: int) -> Stage3Schedule:
-    """``stage3_schedule`` (cached: the planner asks for the same schedule at every candidate)."""
-    return Coordinator(trace, numels, nd, threshold, bucket, max_live, max_reuse).replay(trace)
+    """``stage3_schedule`` (cached: the planner asks for the same schedule at every candidate): ``Coordinator``'s
+    replay, run by ``zero3_noprefetch`` without a prefetch and by ``zero3_replay`` with one (a speed-up, no rule:
+    the very same schedule)."""
+    record = _recorded(trace, numels, nd, threshold)
+    if bucket > 0:
+        fields = fused_replay(trace.steps, record, numels, bucket, max_live, max_reuse)
+    else:
+        fields = noprefetch_replay(trace.steps, record[6], numels, record[2], record[4], record[5], max_reuse)
+    return Stage3Schedule(*fields[:-1], tuple(Stage3Gather(*g) for g in fields[-1]))

@@ -1,0 +1,145 @@
+"""ZeRO-3's fast coordinator replays (a speed-up, no rule): ``zero3_replay.fused_replay`` (a prefetch bucket) and
+``zero3_noprefetch.noprefetch_replay`` (none), as ``stage3_schedule`` runs them, give the very schedule of the plain
+event-by-event replay (``coordinator.Coordinator.replay``), every field (gathered and high elements after each
+event, the peaks, the parameters gathered again in backward, the calls and elements per phase, the open flat
+buffers, every all-gather with its event and the event that popped it), or the same error: on ~400 random
+module trees and module-use sequences (random depths, parameters shared between modules, modules called twice,
+forward hooks inside backward, persistence thresholds, prefetch buckets, live-parameter limits, reuse distances)
+and on the traces of the presets and of tests/data/hf_configs (the validator's causal LM and transformers')."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from zeroplan.architectures.hf_config import spec_from_hf_config
+from zeroplan.architectures.spec import transformer_shapes
+from zeroplan.engines.base import Workload
+from zeroplan.engines.deepspeed import coordinator as C
+from zeroplan.engines.deepspeed.run import _trace
+from zeroplan.engines.deepspeed.trace import FETCH, RELEASE, Stage3Trace, TraceEvent
+from zeroplan.presets import model_presets, resolve_model
+
+CONFIGS = Path(__file__).resolve().parent / "data" / "hf_configs"
+
+
+def _plain(trace, numels, nd, threshold, bucket, max_live, max_reuse):
+    try:
+        return C.Coordinator(trace, numels, nd, threshold, bucket, max_live, max_reuse).replay(trace)
+    except ValueError as e:
+        return str(e)
+
+
+def _fast(trace, numels, nd, threshold, bucket, max_live, max_reuse):
+    C._stage3_schedule.cache_clear()
+    try:
+        return C.stage3_schedule(trace, numels, nd, threshold, bucket, max_live, max_reuse)
+    except ValueError as e:
+        return str(e)
+
+
+def _random_trace(rng: random.Random) -> tuple[Stage3Trace, tuple[int, ...]]:
+    """A random module tree walked forward then backward (children reversed; some modules never released in
+    backward, some forward hooks in backward), with shared parameters, a module called twice and, at times,
+    events shuffled into any module-use sequence (whose released modules are all fetched somewhere: the plain
+    replay looks up the uses of every parameter it may release)."""
+    n_params = rng.randint(1, 40)
+    numels = tuple(rng.choice((0, 1, rng.randint(1, 50), rng.randint(1, 5_000), rng.randint(1, 10**6)))
+                   for _ in range(n_params))  # fmt: skip
+    n_modules = rng.randint(1, 30)
+    modules = []
+    for _ in range(n_modules):
+        k = rng.choice((0, 1, 1, 2, 3, rng.randint(0, 8)))
+        modules.append(tuple(rng.choice(range(n_params)) for _ in range(k)))
+    children = {m: [] for m in range(n_modules)}
+    for m in range(1, n_modules):
+        children[rng.randrange(m)].append(m)
+    if n_modules > 2 and rng.random() < 0.3:  # a module called from two places
+        children[rng.randrange(n_modules)].append(rng.randrange(1, n_modules))
+    events: list[TraceEvent] = []
+
+    def forward(m: int, depth: int, in_backward) -> None:
+        events.append(TraceEvent(FETCH, m, True, in_backward))
+        for c in children[m] if depth < 12 else ():
+            forward(c, depth + 1, in_backward)
+        events.append(TraceEvent(RELEASE, m, True, in_backward))
+
+    def backward(m: int, depth: int) -> None:
+        events.append(TraceEvent(FETCH, m, False))
+        if rng.random() < 0.1:  # a checkpointed forward recomputed in backward
+            forward(m, depth, True)
+        for c in reversed(children[m]) if depth < 12 else ():
+            backward(c, depth + 1)
+        if rng.random() < 0.85:
+            events.append(TraceEvent(RELEASE, m, False))
+
+    forward(0, 0, None)
+    backward(0, 0)
+    if rng.random() < 0.15:  # any module-use sequence (the queue may not match: the same error both ways)
+        rng.shuffle(events)
+    elif rng.random() < 0.2:
+        events = [TraceEvent(rng.choice((FETCH, RELEASE)), rng.randrange(n_modules), rng.random() < 0.5)
+                  for _ in range(rng.randint(1, 60))]  # fmt: skip
+        fetched = {e.module for e in events if e.op == FETCH}  # a module released is fetched somewhere
+        events = [e for e in events if e.module in fetched]
+    return Stage3Trace(tuple(modules), tuple(events)), numels
+
+
+def _random_settings(rng: random.Random, numels) -> tuple:
+    total = sum(numels) or 1
+    return (rng.choice((1, 2, 3, 4, 8, 16)), rng.choice((0, 0, 1, 50, 1_000, 10**5, -1)),
+            rng.choice((0, 0, -5, 1, 100, 10_000, rng.randint(1, total), 5 * 10**7)),
+            rng.choice((10**9, 1, rng.randint(1, total), total)),
+            rng.choice((0, 1, rng.randint(0, 2 * total), 10**9)))  # fmt: skip
+
+
+def test_fast_replays_equal_the_plain_replay_on_random_traces():
+    rng = random.Random(16)
+    kinds = {"prefetch": 0, "none": 0, "coalesced": 0, "popped later": 0, "regathered": 0}
+    for _ in range(400):
+        trace, numels = _random_trace(rng)
+        for _ in range(2):
+            args = (trace, numels, *_random_settings(rng, numels))
+            want = _plain(*args)
+            assert _fast(*args) == want, args[1:]
+            kinds["prefetch" if args[4] > 0 else "none"] += 1
+            if isinstance(want, str):  # not met: a trace's own record always has its fetches next in the queue
+                continue
+            kinds["coalesced"] += any(len(g.params) > 1 for g in want.gathers)
+            kinds["popped later"] += any(g.popped > g.issued for g in want.gathers)
+            kinds["regathered"] += bool(want.regathered)
+    assert min(kinds.values()) >= 10, kinds  # every path was taken
+
+
+def _real_cases():
+    cases = [(name, "preset", None) for name in model_presets()]
+    for path in sorted(CONFIGS.glob("*.json")):
+        cases += [(path.stem, "hf", True), (path.stem, "hf", False)]
+    return cases
+
+
+SETTINGS = ((100_000, 50_000_000, 10**9, 10**9), (100_000, 0, 10**9, 10**9), (0, 5_000, 10**9, 0),
+            (10_000, 0, 10**9, 0), (100, 20_000_000, 3 * 10**7, 10**6))
+"""(persistence threshold, prefetch bucket, max live parameters, max reuse distance): the defaults, no
+prefetch, small buckets, tight limits."""
+
+
+@pytest.mark.parametrize("name,kind,hf", _real_cases())
+def test_fast_replays_equal_the_plain_replay_on_real_traces(name, kind, hf):
+    if kind == "preset":
+        spec = resolve_model(name)
+    else:
+        spec = spec_from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, transformers=bool(hf))
+    (trace,) = _trace(workload)
+    numels = tuple(math.prod(shape) for _, shape in workload.shapes)
+    for nd in (2, 64, 1024):
+        for threshold, bucket, max_live, max_reuse in SETTINGS:
+            args = (trace, numels, nd, threshold, bucket, max_live, max_reuse)
+            want = _plain(*args)
+            assert not isinstance(want, str), want
+            assert _fast(*args) == want, args[2:]

@@ -1,0 +1,160 @@
+"""ZeRO-3's coordinator replay (``coordinator.Coordinator``) in one loop: a speed-up, no rule. ``fused_replay`` runs
+the same fetches, waits, queue pops, prefetches, releases and all-gathers, event by event, in the same order (the
+waits in the order of the module's parameter set, as ``Coordinator.fetch``), with its state in locals and plain
+lists: the schedule is the very same (tests/test_deepspeed_coordinator_fast.py compares every field on random and
+real traces).
+
+What differs is bookkeeping only: a handle is a list ``[params, flat elements, waiting, done, elements copied out]``;
+``ds_active_sub_modules`` is a count per parameter of the modules holding it between their fetch and release (a
+module's fetch adds it to each of its parameters' sets, its release removes it from each: the set of ``p`` is the
+open modules holding ``p``); copying a coalesced call's parameters out of its flat buffer raises the elements
+gathered by their sum at once (each step only adds: the same high)."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+NOT_AVAILABLE, INFLIGHT, AVAILABLE = 0, 1, 2
+"""partition_parameters.py ``ZeroParamStatus`` (as coordinator.py)."""
+
+
+def _prefetch(queue: list[tuple[int, int]], at: int, limit: int, status: list[int], numels: tuple[int, ...],
+              fetched_for: list[int]) -> tuple[int, set[int], int]:
+    """``Coordinator.prefetch``'s walk of the queue from ``at``: (where it stops, the parameters chosen, their
+    elements)."""
+    chosen: set[int] = set()
+    numel, end = 0, len(queue)
+    while at < end and numel < limit:
+        p, used_at = queue[at]
+        at += 1
+        if status[p] == NOT_AVAILABLE and p not in chosen:
+            chosen.add(p)
+            numel += numels[p]
+        if used_at > fetched_for[p]:
+            fetched_for[p] = used_at
+    return at, chosen, numel
+
+
+def _pop_expected(queue: list[tuple[int, int]], at: int, expected: list[int], fetched_for: list[int], step: int) -> int:
+    """``Coordinator.pop_expected``: the module's ``expected`` parameters (not fetched for this step) leave the head
+    of the queue from ``at``; returns where the queue's head is then."""
+    end, want, popped = len(queue), len(expected), set()
+    while at < end and len(popped) < want:
+        p, used_at = queue[at]
+        at += 1
+        fetched_for[p] = used_at
+        popped.add(p)
+    if popped != set(expected):
+        raise ValueError(f"ZeRO-3 trace: step {step} expected {sorted(expected)} next in the queue, "
+                         f"got {sorted(popped)}")  # fmt: skip
+    return at
+
+
+def _issue(todo: list[int], i: int, state: tuple, numels: tuple[int, ...], padded: list[int], backward: bool) -> tuple:
+    """``Coordinator.all_gather`` of ``todo`` (ascending, not available) at event ``i``: its handle and call
+    recorded; returns (elements, elements of its parameters, the flat buffer's elements)."""
+    status, registry, handles, issued, own, calls, regathered = state
+    elements = sum([padded[p] for p in todo])
+    copied = sum([numels[p] for p in todo])
+    at = 2 if backward else 0
+    calls[at] += 1
+    calls[at + 1] += elements
+    if backward:
+        regathered += todo
+    hid = len(handles)
+    issued.append([tuple(todo), i, elements, -1])
+    if len(todo) == 1:  # _all_gather_sequential: param.data is the padded buffer
+        own[todo[0]] = elements
+        flat = 0
+    else:  # _all_gather_dtype: one flat buffer; wait() copies each parameter out
+        flat = elements
+    handles.append([todo, flat, len(todo), False, copied])
+    for p in todo:
+        status[p], registry[p] = INFLIGHT, hid
+    return elements, copied, flat
+
+
+def fused_replay(steps: tuple[tuple[bool, int, bool], ...], record: tuple, numels: tuple[int, ...], bucket: int,
+                 max_live: int, max_reuse: int) -> tuple:
+    """``Coordinator.replay`` over ``steps`` (``Stage3Trace.steps``) with the coordinator's ``record``
+    (``coordinator._recorded``). Returns ``Stage3Schedule``'s fields in order, the all-gathers as
+    ``[params, issued, elements, popped]`` lists."""
+    modules, persist, padded, queue, uses, before = record[:6]
+    n = len(numels)
+    status = [AVAILABLE if x else NOT_AVAILABLE for x in persist]
+    users, opened, fetched_for, own = [0] * n, [False] * len(modules), [-(10**10)] * n, [0] * n
+    registry: dict[int, int] = {}
+    handles, issued, calls, regathered = [], [], [0, 0, 0, 0], []
+    state = (status, registry, handles, issued, own, calls, regathered)
+    gathered, highs, buffers = [], [], []
+    step = at = avail = mem = flat = forward_peak = backward_peak = 0
+    for i, (is_fetch, m, backward) in enumerate(steps):
+        high = mem
+        params = modules[m]
+        if is_fetch:
+            if params:
+                todo = [p for p in params if status[p] == NOT_AVAILABLE]  # all_gather takes these: one call
+                if todo:
+                    elements, copied, opened_flat = _issue(sorted(todo), i, state, numels, padded, backward)
+                    avail += copied
+                    flat += opened_flat
+                    mem += elements
+                    high = mem if mem > high else high
+                if not opened[m]:
+                    opened[m] = True
+                    for p in params:
+                        users[p] += 1
+                for p in params:
+                    if p in registry:  # Coordinator.wait
+                        hid = registry.pop(p)
+                        h = handles[hid]
+                        if not h[3]:
+                            h[3] = True
+                            for q in h[0]:
+                                status[q] = AVAILABLE
+                            if h[1]:
+                                for q in h[0]:
+                                    own[q] = numels[q]
+                                mem += h[4]
+                                high = mem if mem > high else high
+                        h[2] -= 1
+                        if h[2] == 0:
+                            issued[hid][3] = i
+                            mem -= h[1]
+                            flat -= h[1]
+                expected = [p for p in params if fetched_for[p] < step]  # Coordinator.pop_expected
+                if expected:
+                    at = _pop_expected(queue, at, expected, fetched_for, step)
+            if bucket > 0:
+                at, chosen, numel = _prefetch(queue, at, min(max_live - avail, bucket), status, numels, fetched_for)
+                if numel:
+                    elements, copied, opened_flat = _issue(sorted(chosen), i, state, numels, padded, backward)
+                    avail += copied
+                    flat += opened_flat
+                    mem += elements
+                    high = mem if mem > high else high
+            step += 1
+        else:
+            if params and opened[m]:
+                opened[m] = False
+                for p in params:
+                    users[p] -= 1
+            reach = before[step] + max_reuse
+            for p in params:  # __params_to_release, then __release_param
+                if status[p] == AVAILABLE and not users[p] and not persist[p] and fetched_for[p] <= step:
+                    u = uses[p]
+                    k = bisect_left(u, step)
+                    if not (k < len(u) and before[u[k]] < reach):
+                        status[p] = NOT_AVAILABLE
+                        mem -= own[p]
+                        avail -= numels[p]
+        gathered.append(mem)
+        highs.append(high)
+        buffers.append(flat)
+        if backward:
+            if high > backward_peak:
+                backward_peak = high
+        elif high > forward_peak:
+            forward_peak = high
+    return (tuple(gathered), tuple(highs), forward_peak, backward_peak, tuple(regathered), *calls, tuple(buffers),
+            issued)  # fmt: skip
