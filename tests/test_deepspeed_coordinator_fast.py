@@ -1,4 +1,5 @@
-"""ZeRO-3's fast coordinator replays (a speed-up, no rule): ``zero3_replay.fused_replay`` (a prefetch bucket) and
+"""ZeRO-3's fast coordinator record and replays (a speed-up, no rule): ``coordinator._recorded`` equal to its
+plain computation, and ``zero3_replay.fused_replay`` (a prefetch bucket) and
 ``zero3_noprefetch.noprefetch_replay`` (none), as ``stage3_schedule`` runs them, give the very schedule of the plain
 event-by-event replay (``coordinator.Coordinator.replay``), every field (gathered and high elements after each
 event, the peaks, the parameters gathered again in backward, the calls and elements per phase, the open flat
@@ -40,6 +41,33 @@ def _fast(trace, numels, nd, threshold, bucket, max_live, max_reuse):
         return C.stage3_schedule(trace, numels, nd, threshold, bucket, max_live, max_reuse)
     except ValueError as e:
         return str(e)
+
+
+def _plain_record(trace, numels, nd, threshold):
+    """``coordinator._recorded`` as main computed it, event by event (its first six items), and each module's
+    non-persistent parameters ascending."""
+    modules = [frozenset(ps) for ps in trace.modules]
+    persist = [n <= threshold for n in numels]
+    padded = [-(-n // nd) * nd for n in numels]
+    order = [e.module for e in trace.events if e.op == FETCH]
+    ordered = [sorted(ps) for ps in modules]
+    queue = [(p, step) for step, m in enumerate(order) for p in ordered[m]]
+    uses: dict[int, list[int]] = {}
+    for step, m in enumerate(order):
+        for p in modules[m]:
+            uses.setdefault(p, []).append(step)
+    module_numel = [sum(numels[p] for p in ps) for ps in trace.modules]
+    before = [0]
+    for m in order:
+        before.append(before[-1] + module_numel[m])
+    return modules, persist, padded, queue, uses, before, tuple(tuple(p for p in ps if not persist[p]) for ps in ordered)
+
+
+def _check_record(trace, numels, nd, threshold):
+    C._recorded.cache_clear()
+    got, want = C._recorded(trace, numels, nd, threshold), _plain_record(trace, numels, nd, threshold)
+    assert len(got) == len(want) and all(type(g) is type(w) and g == w for g, w in zip(got, want))
+    assert [type(q) for q in got[3]] == [tuple] * len(got[3]) and all(type(u) is list for u in got[4].values())
 
 
 def _random_trace(rng: random.Random) -> tuple[Stage3Trace, tuple[int, ...]]:
@@ -104,6 +132,7 @@ def test_fast_replays_equal_the_plain_replay_on_random_traces():
         trace, numels = _random_trace(rng)
         for _ in range(2):
             args = (trace, numels, *_random_settings(rng, numels))
+            _check_record(*args[:4])
             want = _plain(*args)
             assert _fast(*args) == want, args[1:]
             kinds["prefetch" if args[4] > 0 else "none"] += 1
@@ -122,6 +151,15 @@ def _real_cases():
     return cases
 
 
+def _workload_trace(name, kind, hf):
+    if kind == "preset":
+        spec = resolve_model(name)
+    else:
+        spec = spec_from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+    workload = Workload(transformer_shapes(spec), spec, transformers=bool(hf))
+    return workload, _trace(workload)[0]
+
+
 SETTINGS = ((100_000, 50_000_000, 10**9, 10**9), (100_000, 0, 10**9, 10**9), (0, 5_000, 10**9, 0),
             (10_000, 0, 10**9, 0), (100, 20_000_000, 3 * 10**7, 10**6))
 """(persistence threshold, prefetch bucket, max live parameters, max reuse distance): the defaults, no
@@ -130,16 +168,36 @@ prefetch, small buckets, tight limits."""
 
 @pytest.mark.parametrize("name,kind,hf", _real_cases())
 def test_fast_replays_equal_the_plain_replay_on_real_traces(name, kind, hf):
-    if kind == "preset":
-        spec = resolve_model(name)
-    else:
-        spec = spec_from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()))
-    workload = Workload(transformer_shapes(spec), spec, transformers=bool(hf))
-    (trace,) = _trace(workload)
+    workload, trace = _workload_trace(name, kind, hf)
     numels = tuple(math.prod(shape) for _, shape in workload.shapes)
     for nd in (2, 64, 1024):
         for threshold, bucket, max_live, max_reuse in SETTINGS:
             args = (trace, numels, nd, threshold, bucket, max_live, max_reuse)
+            _check_record(*args[:4])
             want = _plain(*args)
             assert not isinstance(want, str), want
             assert _fast(*args) == want, args[2:]
+
+
+@pytest.mark.parametrize("name,kind,hf", _real_cases())
+def test_built_trace_steps_events_and_hash_equal_the_plain_ones(name, kind, hf):
+    """The trace builder keeps its steps and makes its events without ``TraceEvent.__init__`` (``trace._events``),
+    and a trace hashes by its steps (a speed-up, no rule): the events equal ``TraceEvent``'s own, field for field;
+    the steps those ``Stage3Trace.steps`` computes from the events; the same trace made again from its fields (steps
+    then computed) equal, with the same hash."""
+    _, trace = _workload_trace(name, kind, hf)
+    plain = tuple(TraceEvent(e.op, e.module, e.forward) for e in trace.events)
+    assert trace.events == plain and all(e.__dict__ == p.__dict__ for e, p in zip(trace.events, plain))
+    again = Stage3Trace(trace.modules, plain, trace.marks, trace.names, trace.shapes)
+    assert "_steps" not in again.__dict__
+    assert trace.steps == again.steps == tuple((e.op == FETCH, e.module, e.backward_phase) for e in plain)
+    assert again == trace and hash(again) == hash(trace)
+
+
+def test_fast_gathers_are_stage3_gathers_field_for_field():
+    """``coordinator._gathers`` makes each all-gather without ``Stage3Gather.__init__``: the same fields, in order."""
+    issued = [[(0, 2), 5, 96, 7], [(3,), 6, 12, -1]]
+    for got, (params, at, elements, popped) in zip(C._gathers(issued), issued):
+        want = C.Stage3Gather(params, at, elements, popped)
+        assert got == want and got.__dict__ == want.__dict__ and list(got.__dict__) == list(want.__dict__)
+        assert hash(got) == hash(want) and repr(got) == repr(want)

@@ -34,9 +34,12 @@ def noprefetch_replay(steps: tuple[tuple[bool, int, bool], ...], gathered_by: tu
         ps = gathered_by[m]
         if is_fetch:
             if ps:
-                todo = [p for p in ps if not available[p]]
+                if len(ps) == 1:  # most modules: one parameter (no list made)
+                    todo = () if available[ps[0]] else ps
+                else:
+                    todo = [p for p in ps if not available[p]]
                 if todo:
-                    elements = sum([padded[p] for p in todo])
+                    elements = padded[todo[0]] if len(todo) == 1 else sum(map(padded.__getitem__, todo))
                     at = 2 if backward else 0
                     calls[at] += 1
                     calls[at + 1] += elements

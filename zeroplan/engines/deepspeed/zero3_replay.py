@@ -50,12 +50,15 @@ def _pop_expected(queue: list[tuple[int, int]], at: int, expected: list[int], fe
     return at
 
 
-def _issue(todo: list[int], i: int, state: tuple, numels: tuple[int, ...], padded: list[int], backward: bool) -> tuple:
+def _issue(todo: list[int], i: int, state: tuple, numels: tuple[int, ...], padded: list[int], backward: bool,
+           avail: int, flat: int, mem: int) -> tuple[int, int, int]:
     """``Coordinator.all_gather`` of ``todo`` (ascending, not available) at event ``i``: its handle and call
-    recorded; returns (elements, elements of its parameters, the flat buffer's elements)."""
+    recorded; returns the elements available, in open flat buffers and gathered then."""
     status, registry, handles, issued, own, calls, regathered = state
-    elements = sum([padded[p] for p in todo])
-    copied = sum([numels[p] for p in todo])
+    if len(todo) == 1:
+        elements, copied = padded[todo[0]], numels[todo[0]]
+    else:
+        elements, copied = sum(map(padded.__getitem__, todo)), sum(map(numels.__getitem__, todo))
     at = 2 if backward else 0
     calls[at] += 1
     calls[at + 1] += elements
@@ -65,13 +68,13 @@ def _issue(todo: list[int], i: int, state: tuple, numels: tuple[int, ...], padde
     issued.append([tuple(todo), i, elements, -1])
     if len(todo) == 1:  # _all_gather_sequential: param.data is the padded buffer
         own[todo[0]] = elements
-        flat = 0
+        handles.append([todo, 0, 1, False, copied])
     else:  # _all_gather_dtype: one flat buffer; wait() copies each parameter out
-        flat = elements
-    handles.append([todo, flat, len(todo), False, copied])
+        handles.append([todo, elements, len(todo), False, copied])
+        flat += elements
     for p in todo:
         status[p], registry[p] = INFLIGHT, hid
-    return elements, copied, flat
+    return avail + copied, flat, mem + elements
 
 
 def fused_replay(steps: tuple[tuple[bool, int, bool], ...], record: tuple, numels: tuple[int, ...], bucket: int,
@@ -88,18 +91,18 @@ def fused_replay(steps: tuple[tuple[bool, int, bool], ...], record: tuple, numel
     state = (status, registry, handles, issued, own, calls, regathered)
     gathered, highs, buffers = [], [], []
     step = at = avail = mem = flat = forward_peak = backward_peak = 0
+    end = len(queue) if bucket > 0 else 0  # no prefetch at bucket 0 (or below)
     for i, (is_fetch, m, backward) in enumerate(steps):
         high = mem
         params = modules[m]
         if is_fetch:
             if params:
-                todo = [p for p in params if status[p] == NOT_AVAILABLE]  # all_gather takes these: one call
-                if todo:
-                    elements, copied, opened_flat = _issue(sorted(todo), i, state, numels, padded, backward)
-                    avail += copied
-                    flat += opened_flat
-                    mem += elements
-                    high = mem if mem > high else high
+                for p in params:
+                    if status[p] == NOT_AVAILABLE:  # all_gather takes the ones not available: one call
+                        todo = sorted([q for q in params if status[q] == NOT_AVAILABLE])
+                        avail, flat, mem = _issue(todo, i, state, numels, padded, backward, avail, flat, mem)
+                        high = mem if mem > high else high
+                        break
                 if not opened[m]:
                     opened[m] = True
                     for p in params:
@@ -122,16 +125,15 @@ def fused_replay(steps: tuple[tuple[bool, int, bool], ...], record: tuple, numel
                             issued[hid][3] = i
                             mem -= h[1]
                             flat -= h[1]
-                expected = [p for p in params if fetched_for[p] < step]  # Coordinator.pop_expected
-                if expected:
-                    at = _pop_expected(queue, at, expected, fetched_for, step)
-            if bucket > 0:
-                at, chosen, numel = _prefetch(queue, at, min(max_live - avail, bucket), status, numels, fetched_for)
+                for p in params:
+                    if fetched_for[p] < step:  # Coordinator.pop_expected: these leave the queue
+                        at = _pop_expected(queue, at, [q for q in params if fetched_for[q] < step], fetched_for, step)
+                        break
+            limit = min(max_live - avail, bucket)
+            if limit > 0 and at < end:  # else Coordinator.prefetch takes nothing
+                at, chosen, numel = _prefetch(queue, at, limit, status, numels, fetched_for)
                 if numel:
-                    elements, copied, opened_flat = _issue(sorted(chosen), i, state, numels, padded, backward)
-                    avail += copied
-                    flat += opened_flat
-                    mem += elements
+                    avail, flat, mem = _issue(sorted(chosen), i, state, numels, padded, backward, avail, flat, mem)
                     high = mem if mem > high else high
             step += 1
         else:
