@@ -21,6 +21,8 @@ from zeroplan.architectures.hf_config import spec_from_hf_config
 from zeroplan.architectures.spec import transformer_shapes
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed import coordinator as C
+from zeroplan.engines.deepspeed import hook_order as H
+from zeroplan.engines.deepspeed import zero3 as Z
 from zeroplan.engines.deepspeed.run import _trace
 from zeroplan.engines.deepspeed.trace import FETCH, RELEASE, Stage3Trace, TraceEvent
 from zeroplan.presets import model_presets, resolve_model
@@ -60,7 +62,8 @@ def _plain_record(trace, numels, nd, threshold):
     before = [0]
     for m in order:
         before.append(before[-1] + module_numel[m])
-    return modules, persist, padded, queue, uses, before, tuple(tuple(p for p in ps if not persist[p]) for ps in ordered)
+    gathered_by = tuple(tuple(p for p in ps if not persist[p]) for ps in ordered)
+    return modules, persist, padded, queue, uses, before, gathered_by
 
 
 def _check_record(trace, numels, nd, threshold):
@@ -130,6 +133,9 @@ def test_fast_replays_equal_the_plain_replay_on_random_traces():
     kinds = {"prefetch": 0, "none": 0, "coalesced": 0, "popped later": 0, "regathered": 0}
     for _ in range(400):
         trace, numels = _random_trace(rng)
+        if trace.events:  # the trace's forward fetches, kept, are the events' (hook_order.grad_ready_order's)
+            H.grad_ready_order.cache_clear()
+            assert H.grad_ready_order(trace, numels) == _plain_grad_ready_order(trace, numels)
         for _ in range(2):
             args = (trace, numels, *_random_settings(rng, numels))
             _check_record(*args[:4])
@@ -191,7 +197,26 @@ def test_built_trace_steps_events_and_hash_equal_the_plain_ones(name, kind, hf):
     again = Stage3Trace(trace.modules, plain, trace.marks, trace.names, trace.shapes)
     assert "_steps" not in again.__dict__
     assert trace.steps == again.steps == tuple((e.op == FETCH, e.module, e.backward_phase) for e in plain)
+    assert trace.forward_fetches == again.forward_fetches == tuple(
+        (i, e.module) for i, e in enumerate(plain) if e.op == FETCH and e.forward)  # fmt: skip
     assert again == trace and hash(again) == hash(trace)
+    numels = tuple(math.prod(shape) for shape in trace.shapes)
+    H.grad_ready_order.cache_clear()
+    assert H.grad_ready_order(trace, numels) == _plain_grad_ready_order(trace, numels)
+
+
+def _plain_grad_ready_order(trace, numels):
+    """``hook_order.grad_ready_order`` (no ``calls``) as main computed it, from the events."""
+    root, first, one_node = trace.events[0].module, {}, set()
+    for pos, e in enumerate(trace.events):
+        if e.op == FETCH and e.forward and e.module != root:
+            own = [i for i in trace.modules[e.module] if i not in first]
+            for i in own:
+                first[i] = pos
+            if len(own) > 1 and len({numels[i] for i in own}) == 1:
+                one_node.update(own)
+    end = len(trace.events)
+    return tuple(sorted(range(len(numels)), reverse=True, key=lambda i: (first.get(i, end), -i if i in one_node else i)))
 
 
 def test_fast_gathers_are_stage3_gathers_field_for_field():
@@ -201,3 +226,56 @@ def test_fast_gathers_are_stage3_gathers_field_for_field():
         want = C.Stage3Gather(params, at, elements, popped)
         assert got == want and got.__dict__ == want.__dict__ and list(got.__dict__) == list(want.__dict__)
         assert hash(got) == hash(want) and repr(got) == repr(want)
+
+
+def _plain_zero_init_moments(modules, nd, p, gathers=None):
+    """``zero3._zero_init_moments`` as main computed it: every moment's numbers listed, the largest by ``max``."""
+    part = lambda n: -(-n // nd)  # noqa: E731
+    built, applied, before = [], [], 0
+    for params in modules:
+        done = 0
+        for n in params:
+            copy = n * p if p != 4 else 0
+            built.append((before + done + n * 4 + copy, "created", before, done, n, copy))
+            done += n * p
+        parted, left = 0, sum(params)
+        for n in params:
+            built.append((before + parted * p + left * p + part(n) * p, "partitioned", before, parted * p, left * p,
+                          part(n) * p))  # fmt: skip
+            parted += part(n)
+            left -= n
+        before += sum(part(n) for n in params) * p
+    for k, params in enumerate(modules if gathers is None else gathers):
+        applied.append((before + sum(part(n) * nd for n in params) * p, k))
+    out = [Z._zero_init_built(*max(built, key=lambda m: m[0])[1:])] if built else []
+    if applied:
+        total = max(applied, key=lambda m: m[0])[0]
+        moment = Z._zero_init_moments.__wrapped__(((1,),), 1, 4, None if gathers is None else ((1,),))[-1]
+        out.append(Z.Moment(moment.phase, moment.name, (
+            Z.Term(moment.terms[0].name, before, moment.terms[0].source),
+            Z.Term(moment.terms[1].name, total - before, moment.terms[1].source))))  # fmt: skip
+    return tuple(out)
+
+
+def test_zero_init_moments_equal_the_plain_ones():
+    """``zero3._zero_init_moments`` keeps the largest moment's numbers as they come (a speed-up, no rule): equal to
+    every moment listed and ``max``'s pick, on random layouts (equal sizes, empty modules, zero-sized parameters,
+    gathers or not) and the presets' and tests/data/hf_configs' layouts."""
+    rng = random.Random(3)
+    cases = [(((4,), (4,)), 1, 4, None), (((4,), (4,), (4, 4)), 1, 4, None), (((2,), (2,)), 1, 2, ((2,), (2,)))]
+    for _ in range(100):  # small equal sizes at N_d 1: moments of equal bytes (the first kept)
+        modules = tuple(tuple(rng.choice((0, 2, 4)) for _ in range(rng.randint(0, 3))) for _ in range(rng.randint(1, 6)))
+        cases.append((modules, 1, rng.choice((2, 4)), rng.choice((None, modules[::-1]))))
+    for _ in range(300):
+        sizes = (0, 1, rng.randint(1, 100), rng.choice((64, 4096)), rng.randint(1, 10**7))
+        modules = tuple(tuple(rng.choice(sizes) for _ in range(rng.choice((0, 1, 1, 2, 3, 6))))
+                        for _ in range(rng.randint(0, 12)))  # fmt: skip
+        gathers = rng.choice((None, (), modules[:2], tuple(reversed(modules)), ((5,), (5,), ())))
+        cases.append((modules, rng.choice((1, 2, 3, 8, 1024)), rng.choice((2, 4)), gathers))
+    for name, kind, hf in _real_cases()[::3]:
+        workload, trace = _workload_trace(name, kind, hf)
+        numels = tuple(math.prod(shape) for _, shape in workload.shapes)
+        modules = tuple(tuple(numels[i] for i in ps) for ps in trace.modules)
+        cases += [(modules, 1024, 2, None), (modules, 8, 4, modules[::2])]
+    for args in cases:
+        assert Z._zero_init_moments.__wrapped__(*args) == _plain_zero_init_moments(*args), args[1:3]

@@ -73,6 +73,16 @@ class Stage3Trace:
             object.__setattr__(self, "_steps", steps)
         return steps
 
+    @property
+    def forward_fetches(self) -> tuple[tuple[int, int], ...]:
+        """(event, module) of each forward fetch (``op`` fetch, ``forward``), computed once (the builder's given:
+        a speed-up, no rule): what ``hook_order.grad_ready_order`` reads of the events."""
+        found = self.__dict__.get("_forward_fetches")
+        if found is None:
+            found = tuple((i, e.module) for i, e in enumerate(self.events) if e.op == FETCH and e.forward)
+            object.__setattr__(self, "_forward_fetches", found)
+        return found
+
     def __hash__(self) -> int:
         """The hash of its modules, ``steps`` (each event's kind, module and phase: equal events, equal steps),
         marks and names, computed once (the coordinator's cache is keyed by the trace: a 405B model's has ~6,000
@@ -205,6 +215,7 @@ class _TraceBuilder:
         self.index: dict[str, int] = {}
         self.modules: list[tuple[int, ...]] = []
         self.steps: list[tuple[bool, int, bool]] = []  # per hook (a fetch?, module, in backward?): the trace's steps
+        self.forward_fetches: list[tuple[int, int]] = []  # (event, module): the trace's ``forward_fetches``
         self.spans: dict[str, list[int]] = {}
         self._called: dict[str, list[str]] = {}
         self._leaf: dict[str, bool] = {}
@@ -285,6 +296,7 @@ class _TraceBuilder:
         start = len(events)
         module = self.module(path)  # numbered at its first fetch: the same index at its release
         events.append((True, module, False))
+        self.forward_fetches.append((start, module))
         block, _, leaf = path.rpartition(".mlp.")
         if leaf in self.projections and block.rpartition(".")[2].isdigit():
             what = "MLP input" if leaf == self.projections[0] else "output projection"
@@ -344,6 +356,7 @@ class _TraceBuilder:
         trace = Stage3Trace(tuple(self.modules), _events(steps), marks, tuple(p or "(root)" for p in by_index),
                             self.shapes)  # fmt: skip
         trace.__dict__["_steps"] = steps  # what ``Stage3Trace.steps`` computes from the events (a speed-up, no rule)
+        trace.__dict__["_forward_fetches"] = tuple(self.forward_fetches)  # as ``steps``
         return trace
 
 
