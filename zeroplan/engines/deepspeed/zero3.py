@@ -311,7 +311,7 @@ def _reduction_terms(run: DSRun, base: tuple[Term, ...]) -> tuple[tuple[str, tup
     large_before = (0, *itertools.accumulate([n if n > limit else 0 for n in sizes]))
     normed_before = (0, *itertools.accumulate([int(-(-n // run.nd) * rank < n) for n in sizes])) if offload else ()
     # each bucket's bytes as integers (the terms' sum: the same bucket wins), the terms built for the winners only
-    base_bytes, memo, saved = sum(t.bytes for t in base), _hook_memo(run), {}
+    base_bytes, memo, saved, saved_bytes = sum(t.bytes for t in base), _hook_memo(run), {}, {}
     best: dict[int, tuple[int, int]] = {}  # block -> (bytes, bucket) of its largest
     blocks, copies, fetched = run.param_blocks, {}, backward_fetches(run) if s.device == "cpu" else {}
     L, roots = run.acts.n_layer, _last_in_blocks(run)  # a hook after the blocks' parameters: a final norm's
@@ -328,8 +328,9 @@ def _reduction_terms(run: DSRun, base: tuple[Term, ...]) -> tuple[tuple[str, tup
             norm = -(-max(sizes[start:end]) // run.nd) * 8 + 8 if offload else 0  # max(ceil) = ceil(max)
             keep_gloo = gloo > norm
             copies[b] = (flat, gloo * keep_gloo, norm * (not keep_gloo), bool(flat or gloo))
+            held = flat + gloo * keep_gloo + norm * (not keep_gloo)  # the bucket's copies (bytes)
         else:
-            flat = gloo = 0
+            flat = gloo = held = 0
             copies[b] = nothing
         if not (large or offload or flat or gloo):
             continue
@@ -341,7 +342,8 @@ def _reduction_terms(run: DSRun, base: tuple[Term, ...]) -> tuple[tuple[str, tup
             continue
         if j not in saved:
             saved[j] = _blocks_saved(run, j)
-        total = base_bytes + saved[j].bytes + at_hook + large * p + flat + copies[b][1] + copies[b][2]
+            saved_bytes[j] = saved[j].bytes
+        total = base_bytes + saved_bytes[j] + at_hook + large * p + held
         if flat or gloo:
             total += sum(t.bytes for t in gathered_at_hook(base, fetched.get(order[end]), run, "")) - base_bytes
         if offload:
