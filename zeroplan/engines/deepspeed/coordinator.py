@@ -314,19 +314,8 @@ def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, thres
     the very same schedule)."""
     record = _recorded(trace, numels, nd, threshold)
     if bucket > 0:
-        fields = fused_replay(trace.steps, record, numels, bucket, max_live, max_reuse)
+        fields = fused_replay(trace.steps, record, numels, bucket, max_live, max_reuse, Stage3Gather)
     else:
-        fields = noprefetch_replay(trace.steps, record[6], numels, record[2], record[4], record[5], max_reuse)
-    return Stage3Schedule(*fields[:-1], _gathers(fields[-1]))
-
-
-def _gathers(issued: list[list]) -> tuple[Stage3Gather, ...]:
-    """Each ``[params, issued, elements, popped]`` as ``Stage3Gather`` makes it, its fields written as its
-    ``__init__`` writes them, without the call (a speed-up, no rule: ~1,300 to 1,800 per 405B replay)."""
-    new, out = object.__new__, []
-    for params, issued_at, elements, popped in issued:
-        g = new(Stage3Gather)
-        d = g.__dict__
-        d["params"], d["issued"], d["elements"], d["popped"] = params, issued_at, elements, popped
-        out.append(g)
-    return tuple(out)
+        fields = noprefetch_replay(trace.steps, record[6], numels, record[2], record[4], record[5], max_reuse,
+                                   Stage3Gather)  # fmt: skip
+    return Stage3Schedule(*fields)

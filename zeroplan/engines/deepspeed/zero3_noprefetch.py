@@ -17,10 +17,10 @@ from bisect import bisect_left
 
 def noprefetch_replay(steps: tuple[tuple[bool, int, bool], ...], gathered_by: tuple[tuple[int, ...], ...],
                       numels: tuple[int, ...], padded: list[int], uses: dict[int, list[int]], before: list[int],
-                      max_reuse: int) -> tuple:
+                      max_reuse: int, gather: type) -> tuple:
     """The replay of ``steps`` (``Stage3Trace.steps``) with no prefetch; ``gathered_by[m]``: module ``m``'s
-    non-persistent parameters, ascending. Returns ``Stage3Schedule``'s fields in order, the all-gathers as
-    ``[params, issued, elements, popped]`` lists."""
+    non-persistent parameters, ascending. Returns ``Stage3Schedule``'s fields in order, each all-gather a
+    ``gather`` (``coordinator.Stage3Gather``, passed in), its fields written as its ``__init__`` writes them."""
     n = len(numels)
     available = [False] * n  # non-persistent parameters: AVAILABLE (else NOT_AVAILABLE; never INFLIGHT after an event)
     users = [0] * n  # modules holding the parameter between their fetch and release
@@ -29,6 +29,7 @@ def noprefetch_replay(steps: tuple[tuple[bool, int, bool], ...], gathered_by: tu
     gathered, highs, issued, regathered = [], [], [], []
     calls = [0, 0, 0, 0]  # forward calls, elements, backward calls, elements
     mem = step = forward_peak = backward_peak = 0
+    new = object.__new__
     for i, (is_fetch, m, backward) in enumerate(steps):
         high = mem
         ps = gathered_by[m]
@@ -45,7 +46,10 @@ def noprefetch_replay(steps: tuple[tuple[bool, int, bool], ...], gathered_by: tu
                     calls[at + 1] += elements
                     if backward:
                         regathered += todo
-                    issued.append([tuple(todo), i, elements, i])
+                    g = new(gather)
+                    d = g.__dict__
+                    d["params"], d["issued"], d["elements"], d["popped"] = tuple(todo), i, elements, i
+                    issued.append(g)
                     if len(todo) == 1:  # _all_gather_sequential: the parameter is its padded buffer
                         p = todo[0]
                         own[p] = elements
@@ -87,4 +91,4 @@ def noprefetch_replay(steps: tuple[tuple[bool, int, bool], ...], gathered_by: tu
         elif high > forward_peak:
             forward_peak = high
     return (tuple(gathered), tuple(highs), forward_peak, backward_peak, tuple(regathered), *calls,
-            (0,) * len(steps), issued)  # fmt: skip
+            (0,) * len(steps), tuple(issued))  # fmt: skip

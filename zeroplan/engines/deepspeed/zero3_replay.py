@@ -53,8 +53,9 @@ def _pop_expected(queue: list[tuple[int, int]], at: int, expected: list[int], fe
 def _issue(todo: list[int], i: int, state: tuple, numels: tuple[int, ...], padded: list[int], backward: bool,
            avail: int, flat: int, mem: int) -> tuple[int, int, int]:
     """``Coordinator.all_gather`` of ``todo`` (ascending, not available) at event ``i``: its handle and call
-    recorded; returns the elements available, in open flat buffers and gathered then."""
-    status, registry, handles, issued, own, calls, regathered = state
+    recorded (its ``gather``, without the call: a speed-up); returns the elements available, in open flat
+    buffers and gathered then."""
+    status, registry, handles, issued, own, calls, regathered, gathers, gather = state
     if len(todo) == 1:
         elements, copied = padded[todo[0]], numels[todo[0]]
     else:
@@ -65,7 +66,11 @@ def _issue(todo: list[int], i: int, state: tuple, numels: tuple[int, ...], padde
     if backward:
         regathered += todo
     hid = len(handles)
-    issued.append([tuple(todo), i, elements, -1])
+    g = object.__new__(gather)  # a ``Stage3Gather``, its fields written as its ``__init__`` writes them
+    d = g.__dict__
+    d["params"], d["issued"], d["elements"], d["popped"] = tuple(todo), i, elements, -1
+    gathers.append(g)
+    issued.append(d)  # ``popped`` written at its last wait
     if len(todo) == 1:  # _all_gather_sequential: param.data is the padded buffer
         own[todo[0]] = elements
         handles.append([todo, 0, 1, False, copied])
@@ -78,17 +83,17 @@ def _issue(todo: list[int], i: int, state: tuple, numels: tuple[int, ...], padde
 
 
 def fused_replay(steps: tuple[tuple[bool, int, bool], ...], record: tuple, numels: tuple[int, ...], bucket: int,
-                 max_live: int, max_reuse: int) -> tuple:
+                 max_live: int, max_reuse: int, gather: type) -> tuple:
     """``Coordinator.replay`` over ``steps`` (``Stage3Trace.steps``) with the coordinator's ``record``
-    (``coordinator._recorded``). Returns ``Stage3Schedule``'s fields in order, the all-gathers as
-    ``[params, issued, elements, popped]`` lists."""
+    (``coordinator._recorded``). Returns ``Stage3Schedule``'s fields in order, each all-gather a ``gather``
+    (``coordinator.Stage3Gather``, passed in: coordinator.py imports this module)."""
     modules, persist, padded, queue, uses, before = record[:6]
     n = len(numels)
     status = [AVAILABLE if x else NOT_AVAILABLE for x in persist]
     users, opened, fetched_for, own = [0] * n, [False] * len(modules), [-(10**10)] * n, [0] * n
     registry: dict[int, int] = {}
-    handles, issued, calls, regathered = [], [], [0, 0, 0, 0], []
-    state = (status, registry, handles, issued, own, calls, regathered)
+    handles, issued, calls, regathered, gathers = [], [], [0, 0, 0, 0], [], []
+    state = (status, registry, handles, issued, own, calls, regathered, gathers, gather)
     gathered, highs, buffers = [], [], []
     step = at = avail = mem = flat = forward_peak = backward_peak = 0
     end = len(queue) if bucket > 0 else 0  # no prefetch at bucket 0 (or below)
@@ -122,7 +127,7 @@ def fused_replay(steps: tuple[tuple[bool, int, bool], ...], record: tuple, numel
                                 high = mem if mem > high else high
                         h[2] -= 1
                         if h[2] == 0:
-                            issued[hid][3] = i
+                            issued[hid]["popped"] = i
                             mem -= h[1]
                             flat -= h[1]
                 for p in params:
@@ -159,4 +164,4 @@ def fused_replay(steps: tuple[tuple[bool, int, bool], ...], record: tuple, numel
         elif high > forward_peak:
             forward_peak = high
     return (tuple(gathered), tuple(highs), forward_peak, backward_peak, tuple(regathered), *calls, tuple(buffers),
-            issued)  # fmt: skip
+            tuple(gathers))  # fmt: skip
