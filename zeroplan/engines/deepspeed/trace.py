@@ -242,9 +242,6 @@ class _TraceBuilder:
             self._leaf[path] = "experts" in kids and kids <= _LEAF_SPARSE
         return self._leaf[path]
 
-    def is_list(self, path: str) -> bool:  # nn.ModuleList: children named 0, 1, ...
-        return bool(self.children[path]) and all(c.rpartition(".")[2].isdigit() for c in self.children[path])
-
     def called(self, path: str) -> list[str]:
         """The modules ``path``'s forward calls, in order (containers never called are looked through);
         computed once per module (forward and backward walk the tree again)."""
@@ -260,7 +257,7 @@ class _TraceBuilder:
         for c in children.get(path, ()):
             if c == "lm_head" and style is not None and not head_module:
                 continue  # CausalLM.forward: F.linear(x, self.head_weight)
-            kids = children[c]  # ``is_list(c)``, inlined (a speed-up: once per module)
+            kids = children[c]  # an nn.ModuleList (children named 0, 1, ...) is looked through
             if (kids and all(k.rpartition(".")[2].isdigit() for k in kids)) or (
                     path == "" and style is not None and not head_module and not self.params[c]):
                 out += self.called(c)
