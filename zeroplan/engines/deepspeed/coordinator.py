@@ -5,10 +5,15 @@ of coalesced all-gathers still open, and every all-gather call."""
 from __future__ import annotations
 
 import bisect
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate, chain, compress, count, repeat
+from operator import itemgetter
 
-from zeroplan.engines.deepspeed.trace import FETCH, Stage3Trace
+from zeroplan.engines.deepspeed.trace import Stage3Trace
+from zeroplan.engines.deepspeed.zero3_noprefetch import noprefetch_replay
+from zeroplan.engines.deepspeed.zero3_replay import fused_replay
 
 @dataclass(frozen=True)
 class Stage3Gather:
@@ -77,19 +82,23 @@ def _recorded(trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: i
     modules = [frozenset(ps) for ps in trace.modules]
     persist = [n <= threshold for n in numels]  # parameter_offload.py mark_persistent_parameters
     padded = [-(-n // nd) * nd for n in numels]  # _all_gather_sequential buffer / _all_gather_dtype share
-    order = [e.module for e in trace.events if e.op == FETCH]  # record_module: __submodule_order
+    steps = trace.steps  # record_module: __submodule_order, the fetches' modules (in C: a speed-up, no rule)
+    order = list(compress(map(itemgetter(1), steps), map(itemgetter(0), steps)))
     # record_parameters: __param_order, each module's parameters sorted by ds_id, with the step it is used at
     ordered = [sorted(ps) for ps in modules]
-    queue = [(p, step) for step, m in enumerate(order) for p in ordered[m]]
-    uses: dict[int, list[int]] = {}
-    for step, m in enumerate(order):
-        for p in modules[m]:
-            uses.setdefault(p, []).append(step)
-    module_numel = [sum(numels[p] for p in ps) for ps in trace.modules]
-    before = [0]  # elements of the modules before step k (__params_to_release counts every parameter)
-    for m in order:
-        before.append(before[-1] + module_numel[m])
-    return modules, persist, padded, queue, uses, before
+    at_step = list(map(ordered.__getitem__, order))
+    queue = list(zip(chain.from_iterable(at_step), chain.from_iterable(map(repeat, count(), map(len, at_step)))))
+    uses: dict[int, list[int]] = defaultdict(list)
+    for p, step in queue:  # each parameter's steps, ascending
+        uses[p].append(step)
+    uses = dict(uses)  # a parameter never fetched has none (KeyError, as before)
+    numel_of = numels.__getitem__
+    module_numel = [sum(map(numel_of, ps)) for ps in trace.modules]
+    # elements of the modules before step k (__params_to_release counts every parameter)
+    before = list(accumulate(map(module_numel.__getitem__, order), initial=0))
+    gathered = [not x for x in persist].__getitem__
+    gathered_by = tuple([tuple(filter(gathered, ps)) for ps in ordered])  # zero3_noprefetch's
+    return modules, persist, padded, queue, uses, before, gathered_by
 
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = 0, 1, 2
@@ -118,7 +127,7 @@ class Coordinator:
         self.numels, self.bucket = numels, bucket
         self.max_live, self.max_reuse = max_live, max_reuse
         self.modules, self.persist, self.padded, self.queue, self.uses, self.before = _recorded(trace, numels, nd,
-                                                                                               threshold)
+                                                                                               threshold)[:6]
         self.status = [AVAILABLE if self.persist[p] else NOT_AVAILABLE for p in range(len(numels))]
         self.active: list[set[int]] = [set() for _ in numels]  # ds_active_sub_modules
         self.fetched_for = [-(10**10)] * len(numels)  # __most_recent_step_id_param_fetched_for
@@ -300,5 +309,13 @@ class Coordinator:
 @lru_cache(maxsize=256)
 def _stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: int, bucket: int,
                      max_live: int, max_reuse: int) -> Stage3Schedule:
-    """``stage3_schedule`` (cached: the planner asks for the same schedule at every candidate)."""
-    return Coordinator(trace, numels, nd, threshold, bucket, max_live, max_reuse).replay(trace)
+    """``stage3_schedule`` (cached: the planner asks for the same schedule at every candidate): ``Coordinator``'s
+    replay, run by ``zero3_noprefetch`` without a prefetch and by ``zero3_replay`` with one (a speed-up, no rule:
+    the very same schedule)."""
+    record = _recorded(trace, numels, nd, threshold)
+    if bucket > 0:
+        fields = fused_replay(trace.steps, record, numels, bucket, max_live, max_reuse, Stage3Gather)
+    else:
+        fields = noprefetch_replay(trace.steps, record[6], numels, record[2], record[4], record[5], max_reuse,
+                                   Stage3Gather)  # fmt: skip
+    return Stage3Schedule(*fields)

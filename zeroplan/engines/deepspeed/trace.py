@@ -73,14 +73,40 @@ class Stage3Trace:
             object.__setattr__(self, "_steps", steps)
         return steps
 
+    @property
+    def forward_fetches(self) -> tuple[tuple[int, int], ...]:
+        """(event, module) of each forward fetch (``op`` fetch, ``forward``), computed once (the builder's given:
+        a speed-up, no rule): what ``hook_order.grad_ready_order`` reads of the events."""
+        found = self.__dict__.get("_forward_fetches")
+        if found is None:
+            found = tuple((i, e.module) for i, e in enumerate(self.events) if e.op == FETCH and e.forward)
+            object.__setattr__(self, "_forward_fetches", found)
+        return found
+
     def __hash__(self) -> int:
-        """The fields' hash, computed once (the coordinator's cache is keyed by the trace: a 405B model's
-        has ~12,000 events). Not a field: equality, ``repr`` and ``asdict`` are the dataclass's."""
+        """The hash of its modules, ``steps`` (each event's kind, module and phase: equal events, equal steps),
+        marks and names, computed once (the coordinator's cache is keyed by the trace: a 405B model's has ~6,000
+        events; tuples of ints and bools hash in C, each ``TraceEvent`` in Python: a speed-up, no rule). Not a
+        field: equality, ``repr`` and ``asdict`` are the dataclass's."""
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.modules, self.events, self.marks, self.names))
+            h = hash((self.modules, self.steps, self.marks, self.names))
             object.__setattr__(self, "_hash", h)
         return h
+
+
+def _events(steps: tuple[tuple[bool, int, bool], ...]) -> tuple[TraceEvent, ...]:
+    """The builder's events from its ``steps`` (no hook of its sets ``in_backward``): each the very object
+    ``TraceEvent(op, module, forward)`` makes, its fields written as ``TraceEvent.__init__`` writes them, without
+    the call (a speed-up, no rule: ~6,000 events in a 405B trace)."""
+    new, out = object.__new__, []
+    for is_fetch, module, backward in steps:
+        e = new(TraceEvent)
+        d = e.__dict__
+        d["op"], d["module"] = FETCH if is_fetch else RELEASE, module
+        d["forward"], d["in_backward"] = not backward, None
+        out.append(e)
+    return tuple(out)
 
 
 _LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp",
@@ -88,6 +114,9 @@ _LLAMA_FORWARD = ("input_layernorm", "self_attn", "post_attention_layernorm", "p
 """modeling_llama.py LlamaDecoderLayer.forward runs these in this order (registered self_attn, mlp, then the
 norms), Gemma 2/3's decoder layers with their two feed-forward norms around the MLP (modeling_gemma2.py
 Gemma2DecoderLayer.forward); GPT-2 blocks run in registration order."""
+
+
+_LLAMA_RANK = {name: i for i, name in enumerate(_LLAMA_FORWARD)}
 
 
 ATTENTION_FORWARD: dict[str, tuple[str, ...]] = {
@@ -180,9 +209,13 @@ class _TraceBuilder:
         self.style, self.head_module, self.head = style, head_module, head
         self.shapes = tuple(tuple(shape) for _, shape in shapes)
         self.children, self.params = _module_tree(names)
+        # the modules named ``experts`` and their parents: only those can be sparse MLPs (``is_leaf``, ``_calls``)
+        self._experts = frozenset(k for k in self.children if k.endswith("experts") and k.rpartition(".")[2] == "experts")
+        self._experts_parents = frozenset(k.rpartition(".")[0] for k in self._experts)
         self.index: dict[str, int] = {}
         self.modules: list[tuple[int, ...]] = []
-        self.events: list[TraceEvent] = []
+        self.steps: list[tuple[bool, int, bool]] = []  # per hook (a fetch?, module, in backward?): the trace's steps
+        self.forward_fetches: list[tuple[int, int]] = []  # (event, module): the trace's ``forward_fetches``
         self.spans: dict[str, list[int]] = {}
         self._called: dict[str, list[str]] = {}
         self._leaf: dict[str, bool] = {}
@@ -200,14 +233,14 @@ class _TraceBuilder:
         self.token_embedding = token.rpartition(".")[0] if token is not None else None
 
     def is_leaf(self, path: str) -> bool:
-        """A sparse MLP DeepSpeed makes a ZeRO-3 leaf (``_LEAF_SPARSE``); once per module (asked twice)."""
+        """A sparse MLP DeepSpeed makes a ZeRO-3 leaf (``_LEAF_SPARSE``); once per module (asked twice), only for a
+        module with a child named ``experts`` (a speed-up, no rule: the others are not)."""
+        if path not in self._experts_parents:
+            return False
         if path not in self._leaf:
             kids = {c.rpartition(".")[2] for c in self.children.get(path, ())}
             self._leaf[path] = "experts" in kids and kids <= _LEAF_SPARSE
         return self._leaf[path]
-
-    def is_list(self, path: str) -> bool:  # nn.ModuleList: children named 0, 1, ...
-        return bool(self.children[path]) and all(c.rpartition(".")[2].isdigit() for c in self.children[path])
 
     def called(self, path: str) -> list[str]:
         """The modules ``path``'s forward calls, in order (containers never called are looked through);
@@ -217,23 +250,24 @@ class _TraceBuilder:
         return self._called[path]
 
     def _calls(self, path: str) -> list[str]:
-        style, head_module = self.style, self.head_module
+        style, head_module, children = self.style, self.head_module, self.children
         out = []
         if self.is_leaf(path):  # no hooks below a ZeRO-3 leaf
             return out
-        for c in self.children.get(path, ()):
+        for c in children.get(path, ()):
             if c == "lm_head" and style is not None and not head_module:
                 continue  # CausalLM.forward: F.linear(x, self.head_weight)
-            if self.is_list(c) or (path == "" and style is not None and not head_module and not self.params[c]):
+            kids = children[c]  # an nn.ModuleList (children named 0, 1, ...) is looked through
+            if (kids and all(k.rpartition(".")[2].isdigit() for k in kids)) or (
+                    path == "" and style is not None and not head_module and not self.params[c]):
                 out += self.called(c)
             else:
                 out.append(c)
         if style == "llama" and path.rpartition(".")[2].isdigit():  # a decoder layer; sorted() is stable
-            rank = {name: i for i, name in enumerate(_LLAMA_FORWARD)}
-            out.sort(key=lambda c: rank.get(c.rpartition(".")[2], 0))
+            out.sort(key=lambda c: _LLAMA_RANK.get(c.rpartition(".")[2], 0))
         if self.attention_calls and path.endswith(".self_attn"):  # ATTENTION_FORWARD
             out.sort(key=lambda c: self.attention_calls.get(c.rpartition(".")[2], len(self.attention_calls)))
-        if any(c.rpartition(".")[2] == "experts" for c in out):  # a sparse MLP (_MOE_FORWARD)
+        if self._experts and any(c in self._experts for c in out):  # a sparse MLP (_MOE_FORWARD)
             moe = {name: i for i, name in enumerate(_MOE_FORWARD)}
             out.sort(key=lambda c: moe.get(c.rpartition(".")[2], len(moe)))
         if head_module and path == "" and self.head is not None and "lm_head" not in out:
@@ -255,10 +289,11 @@ class _TraceBuilder:
         return self.index[path]
 
     def forward(self, path: str) -> None:
-        events, spans = self.events, self.spans
+        events, spans = self.steps, self.spans
         start = len(events)
         module = self.module(path)  # numbered at its first fetch: the same index at its release
-        events.append(TraceEvent(FETCH, module, True))
+        events.append((True, module, False))
+        self.forward_fetches.append((start, module))
         block, _, leaf = path.rpartition(".mlp.")
         if leaf in self.projections and block.rpartition(".")[2].isdigit():
             what = "MLP input" if leaf == self.projections[0] else "output projection"
@@ -272,7 +307,7 @@ class _TraceBuilder:
             self.forward(c)
         if path == "" and not self.head_module:
             spans["LM head forward"] = [len(events) - 1, len(events) - 1]
-        events.append(TraceEvent(RELEASE, module, True))
+        events.append((False, module, False))
         if self.projections[1:] == (leaf,) and block.rpartition(".")[2].isdigit():
             spans[f"block {block.rpartition('.')[2]} output projection released"] = [len(events) - 1] * 2
         if path == self.last_block:
@@ -288,10 +323,10 @@ class _TraceBuilder:
             spans[f"block {j} after experts"] = [first, len(events) - 1]  # from the experts' fetch to the MLP's release
 
     def backward(self, path: str) -> None:
-        events, spans = self.events, self.spans
+        events, spans = self.steps, self.spans
         start = len(events)
-        module = self.module(path)
-        events.append(TraceEvent(FETCH, module, False))
+        module = self.index[path]  # numbered in forward, which walks the same modules
+        events.append((True, module, True))
         if path == ("lm_head" if self.head_module else ""):
             spans["LM head backward"] = [start, start]
         if path == self.token_embedding:  # its fetch: the last module of backward (a tied head's sum made there)
@@ -299,23 +334,27 @@ class _TraceBuilder:
         sparse = _sparse_mark(path)
         if sparse is not None and sparse.endswith(" experts"):  # DeepSeek's: its shared experts released by now
             spans[f"{sparse} backward"] = [start, start]
-        for c in reversed(self.called(path)):
+        for c in reversed(self._called[path]):  # ``called``: forward asked every module's (a speed-up)
             self.backward(c)
         if path not in self.no_grad_input:
-            events.append(TraceEvent(RELEASE, module, False))
+            events.append((False, module, True))
         if path == self.last_block:
             spans["last block backward"] = [start, len(events) - 1]
 
     def trace(self) -> Stage3Trace:
         self.forward("")
-        self.spans["forward end"] = [len(self.events) - 1, len(self.events) - 1]
+        self.spans["forward end"] = [len(self.steps) - 1, len(self.steps) - 1]
         self.backward("")
         self.spans.setdefault("last block forward", self.spans["forward end"])
         self.spans.setdefault("last block backward", self.spans["LM head backward"])
         marks = tuple((k, v[0], v[1]) for k, v in self.spans.items())
         by_index = sorted(self.index, key=self.index.get)
-        return Stage3Trace(tuple(self.modules), tuple(self.events), marks, tuple(p or "(root)" for p in by_index),
-                           self.shapes)
+        steps = tuple(self.steps)
+        trace = Stage3Trace(tuple(self.modules), _events(steps), marks, tuple(p or "(root)" for p in by_index),
+                            self.shapes)  # fmt: skip
+        trace.__dict__["_steps"] = steps  # what ``Stage3Trace.steps`` computes from the events (a speed-up, no rule)
+        trace.__dict__["_forward_fetches"] = tuple(self.forward_fetches)  # as ``steps``
+        return trace
 
 
 def stage3_trace(shapes: tuple[tuple[str, tuple[int, ...]], ...], style: Optional[str] = None,

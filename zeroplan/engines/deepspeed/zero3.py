@@ -75,31 +75,30 @@ def _zero_init_moments(modules: tuple[tuple[int, ...], ...], nd: int, p: int,
     """``zero_init_moments`` of parameter sizes ``modules`` at N_d = ``nd``, ``p`` bytes per element, the weight
     initialisation gathering ``gathers`` at a time (None: ``modules``, ``Module.apply``) (cached: every ZeRO-3
     candidate of a plan builds the same model)."""
-    # each moment's terms as numbers first (a 405B model has ~900 of them); the Moment of the largest is
-    # built, the first of equal ones as ``max`` picks it
-    built: list[tuple[int, str, int, int, int, int]] = []  # (total, kind, before, done, n / i, ...)
-    applied: list[tuple[int, int]] = []  # (total, module index)
+    # each moment's terms as numbers (a 405B model has ~900 of them), the largest kept as they come (the first of
+    # equal ones, as ``max`` picks it; a speed-up, no rule: tests/test_deepspeed_coordinator_fast.py); its Moment built
+    built: Optional[tuple[int, str, int, int, int, int]] = None  # (total, kind, before, done, n / i, ...)
     before = 0
     for params in modules:
         done = 0  # this module's parameters created so far (full, in the config's dtype)
         for n in params:
             copy = n * p if p != 4 else 0
-            built.append((before + done + n * 4 + copy, "created", before, done, n, copy))
+            if built is None or before + done + n * 4 + copy > built[0]:
+                built = (before + done + n * 4 + copy, "created", before, done, n, copy)
             done += n * p
         parted, left = 0, sum(params)  # partitioned before it, not yet freed (elements)
         for n in params:
-            built.append((before + parted * p + left * p + _part(n, nd) * p, "partitioned", before, parted * p,
-                          left * p, _part(n, nd) * p))  # fmt: skip
-            parted += _part(n, nd)
+            part = -(-n // nd)  # partition_parameters.py _partition_numel
+            if built is None or before + (parted + left + part) * p > built[0]:
+                built = (before + (parted + left + part) * p, "partitioned", before, parted * p, left * p, part * p)
+            parted += part
             left -= n
-        before += sum(_part(n, nd) for n in params) * p
-    for k, params in enumerate(modules if gathers is None else gathers):
-        applied.append((before + sum(_part(n, nd) * nd for n in params) * p, k))
-    out = []
-    if built:
-        out.append(_zero_init_built(*max(built, key=lambda m: m[0])[1:]))
+        before += parted * p
+    applied = [before + sum([-(-n // nd) * nd for n in params]) * p
+               for params in (modules if gathers is None else gathers)]  # fmt: skip
+    out = [] if built is None else [_zero_init_built(*built[1:])]
     if applied:
-        total, k = max(applied, key=lambda m: m[0])
+        total = max(applied)
         how = ("for Module.apply", f"{ZINIT} apply_with_gather -> _allgather_params_sequential (flat_tensor)") \
             if gathers is None else ("with its direct children's for initialize_weights_zero3",
                                      f"transformers integrations/deepspeed.py initialize_weights_zero3 -> {ZINIT} "
@@ -108,10 +107,6 @@ def _zero_init_moments(modules: tuple[tuple[int, ...], ...], nd: int, p: int,
             Term("partitions of the whole model", before, f"{ZINIT} _partition_param (ds_tensor)"),
             Term("this module's parameters gathered (padded)", total - before, how[1]))))  # fmt: skip
     return tuple(out)
-
-
-def _part(n: int, nd: int) -> int:  # partition_parameters.py _partition_numel
-    return -(-n // nd)
 
 
 def _zero_init_built(kind: str, before: int, a: int, b: int, c: int) -> Moment:
@@ -312,11 +307,11 @@ def _reduction_terms(run: DSRun, base: tuple[Term, ...]) -> tuple[tuple[str, tup
     numels, limit, rank = run.numels, s.reduce_bucket_size, s.rank or 0
     # per position in ``order``: the large gradients' elements before it, and the gradients before it whose
     # partition on this rank is not empty (its norm kept): each bucket's sums from two lookups, not a pass
-    large_before = (0, *itertools.accumulate(numels[i] if numels[i] > limit else 0 for i in order))
-    normed = (int(-(-numels[i] // run.nd) * rank < numels[i]) for i in order)
-    normed_before = (0, *itertools.accumulate(normed)) if offload else ()
+    sizes = list(map(numels.__getitem__, order))  # lists, not generators, summed (a speed-up, no rule)
+    large_before = (0, *itertools.accumulate([n if n > limit else 0 for n in sizes]))
+    normed_before = (0, *itertools.accumulate([int(-(-n // run.nd) * rank < n) for n in sizes])) if offload else ()
     # each bucket's bytes as integers (the terms' sum: the same bucket wins), the terms built for the winners only
-    base_bytes, memo, saved = sum(t.bytes for t in base), _hook_memo(run), {}
+    base_bytes, memo, saved, saved_bytes = sum(t.bytes for t in base), _hook_memo(run), {}, {}
     best: dict[int, tuple[int, int]] = {}  # block -> (bytes, bucket) of its largest
     blocks, copies, fetched = run.param_blocks, {}, backward_fetches(run) if s.device == "cpu" else {}
     L, roots = run.acts.n_layer, _last_in_blocks(run)  # a hook after the blocks' parameters: a final norm's
@@ -330,11 +325,12 @@ def _reduction_terms(run: DSRun, base: tuple[Term, ...]) -> tuple[tuple[str, tup
             # measured); with offload gloo's copy is freed before partition_grads takes the norms on their fp64
             # copies: the larger
             flat, gloo = reduce_copies(run, order[start:end]) if gloo_copies else (0, 0)  # bytes
-            norm = max(-(-numels[i] // run.nd) for i in order[start:end]) * 8 + 8 if offload else 0
+            norm = -(-max(sizes[start:end]) // run.nd) * 8 + 8 if offload else 0  # max(ceil) = ceil(max)
             keep_gloo = gloo > norm
             copies[b] = (flat, gloo * keep_gloo, norm * (not keep_gloo), bool(flat or gloo))
+            held = flat + gloo * keep_gloo + norm * (not keep_gloo)  # the bucket's copies (bytes)
         else:
-            flat = gloo = 0
+            flat = gloo = held = 0
             copies[b] = nothing
         if not (large or offload or flat or gloo):
             continue
@@ -346,7 +342,8 @@ def _reduction_terms(run: DSRun, base: tuple[Term, ...]) -> tuple[tuple[str, tup
             continue
         if j not in saved:
             saved[j] = _blocks_saved(run, j)
-        total = base_bytes + saved[j].bytes + at_hook + large * p + flat + copies[b][1] + copies[b][2]
+            saved_bytes[j] = saved[j].bytes
+        total = base_bytes + saved_bytes[j] + at_hook + large * p + held
         if flat or gloo:
             total += sum(t.bytes for t in gathered_at_hook(base, fetched.get(order[end]), run, "")) - base_bytes
         if offload:
