@@ -186,12 +186,10 @@ def stage1_offload_walk(run: DSRun) -> tuple[PeakMoment, ...]:
     out = []
     peaks = walk_peaks(run.numels, run.flat.offsets, run.flat.part, s.reduce_bucket_size, g, run.ranks)
 
-    def own_blocks(rank: int) -> int:  # the rank's two terms rounded as ``peak_of`` rounds them: the rest is alike
-        held, norm = peaks[rank][:2]
-        return -(held * g // -block) + -(8 * norm // -block)
-
+    # each rank's two terms rounded as ``peak_of`` rounds them (the rest is alike), every rank in one pass
+    own_blocks = {r: -(held * g // -block) + -(8 * norm // -block) for r, (held, norm, _, _) in peaks.items()}
     # every rank described: only the first whose moment holds the most (``DSRun.first_largest``; a speed-up, no rule)
-    for rank in run.first_largest(own_blocks, tuple(r for r in run.ranks if peaks[r][2] >= 0)):
+    for rank in run.first_largest(own_blocks.__getitem__, tuple([r for r in run.ranks if peaks[r][2] >= 0])):
         held, norm, k, clone = peaks[rank]
         what = "cloned (larger than the bucket)" if clone else "its slice's fp64 norm copy"
         out.append(PeakMoment("backward", f"{WALK}: rank {rank}, parameter {k} {what}", (
