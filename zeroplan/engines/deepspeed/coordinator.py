@@ -77,8 +77,9 @@ def stage3_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, persis
 @lru_cache(maxsize=4)  # read only: every prefetch setting's replay of one trace records the same (a speed-up, no rule)
 def _recorded(trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: int) -> tuple:
     """``Coordinator``'s record of the first step: each module's parameters as a set (asked at every fetch and
-    release), the persistent ones, each parameter's padded share, the prefetch queue, each parameter's uses and the
-    elements of the modules before each step."""
+    release), the persistent ones, each parameter's padded share, the prefetch queue, each parameter's uses, the
+    elements of the modules before each step (``Coordinator`` reads these six) and each module's non-persistent
+    parameters, ascending (``zero3_noprefetch``'s)."""
     modules = [frozenset(ps) for ps in trace.modules]
     persist = [n <= threshold for n in numels]  # parameter_offload.py mark_persistent_parameters
     padded = [-(-n // nd) * nd for n in numels]  # _all_gather_sequential buffer / _all_gather_dtype share
