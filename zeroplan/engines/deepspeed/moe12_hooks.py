@@ -230,19 +230,21 @@ def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
     roles, order, (_, _, first_of_bucket, bucket_of) = _roles(run), run.grad_ready_order, _hook_buckets(run)
     p, a, spec, limit = _pbytes(run), DTYPE_BYTES[run.settings.dtype], run.spec, run.settings.reduce_bucket_size
     pos = {i: k for k, i in enumerate(order)}
-    s_rows = _tokens(run) * spec.moe.top_k
+    s_rows, last_first = _tokens(run) * spec.moe.top_k, len(first_of_bucket) - 1
     out = []
     for gu in (i for i, role in roles.items() if role == "gate_up"):
         j, at = run.param_blocks[gu], pos[gu]
         b = bucket_of[order[at - 1]]  # the bucket filling when the gate-up backward runs
-        held = [r for r, first in firsts.items()
-                if first + 1 < len(first_of_bucket) and first_of_bucket[first + 1] < at]
+        held = [r for r, first in firsts.items() if first < last_first and first_of_bucket[first + 1] < at]
         if not held:
             continue
         down = sum(run.numels[i] for i in order[first_of_bucket[b]:at]
                    if roles.get(i) == "down" and run.numels[i] > limit)
-        kept_bytes = _kept_bytes_of(run, kept, j, b, order, first_of_bucket)
-        r = max(held, key=lambda r: run.flat.params_numel(r) + kept_bytes(r))
+        if kept:  # a speed-up, no rule: ``_stage1_kept``'s bytes summed from integers
+            kept_bytes = _kept_bytes_of(run, kept, j, b, order, first_of_bucket)
+            r = max(held, key=lambda r: run.flat.params_numel(r) + kept_bytes(r))
+        else:
+            r = max(held, key=run.flat.params_numel)
         out.append(Moment("backward", f"block {j} gate-up backward, rank {r}'s grads_in_partition held", (
             *B.held_at(run, base, at), _blocks_saved(run, j), *_at_hook(run, j, "gate_up"),
             _act("the gate-up matmul's saved input and its output's gradient",
@@ -271,12 +273,14 @@ def _rank_holding_most(run: DSRun, kept: dict[int, tuple[Term, ...]], copy: Term
     # [(copy,), each rank's terms]), and only the winner's terms built (tests/test_deepspeed_moe12_winner.py
     # against every option built).
     p, c, numel_of = _pbytes(run), copy.bytes, run.flat.params_numel
-    kept_bytes = _kept_bytes_of(run, kept, j, b, order, first_of_bucket)
+    kept_bytes = _kept_bytes_of(run, kept, j, b, order, first_of_bucket) if kept else None
     best, winner = c, None
     for r, first in firsts.items():
         if first <= b:
             gip = numel_of(r) * p
-            total = kept_bytes(r) + (gip + c if first < b else max(gip, c))
+            total = gip + c if first < b else (gip if gip > c else c)
+            if kept_bytes is not None:
+                total += kept_bytes(r)
             if total > best:
                 best, winner = total, r
     if winner is None:
@@ -295,6 +299,8 @@ def _kept_bytes_of(run: DSRun, kept: dict[int, tuple[Term, ...]], j: int, b: int
     limit, blocks, numels = run.settings.reduce_bucket_size, run.param_blocks, run.numels
     large = [(i, numels[i]) for i in order[:first_of_bucket[b]] if blocks[i] == j and numels[i] > limit]
     total, p, ranges = sum(n for _, n in large), _pbytes(run), run.flat.range
+    if not large:
+        return lambda rank: kept[rank][j].bytes
 
     def kept_bytes(rank: int) -> int:
         lo, hi = ranges(rank)
