@@ -8,7 +8,9 @@ above and below the bucket, N_d 3-64, every rank at once and one rank named, wit
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -137,3 +139,59 @@ def test_the_cases_have_ranks_holding_partitions_and_kept_gradients():
             if any(t.name.endswith("reduced before (kept)") and t.bytes for t in m.terms):
                 seen.add("kept")
     assert {"partition", "kept"} <= seen, seen
+
+
+@pytest.mark.parametrize("model, bucket, nd", [("qwen3-moe-wide", 50_000, 7), ("deepseek-wide", 100_000, 16),
+                                               ("mixtral-wide", 300_000, 5), ("qwen2-moe-wide", 30_000, 64)])
+def test_winner_without_kept_is_the_loops_first_largest_rank(model, bucket, nd):
+    """``_winner_without_kept`` names the very rank the plain loop names (the first largest in rank order, the copy
+    first of all), for every bucket and copy sizes that tie a partition, the copy, and a partition plus the copy
+    with another's (equal partitions give equal terms, so the moments alone cannot tell tied ranks apart)."""
+    spec = _spec(model)
+    run = ds_run(Settings(stage=2, reduce_bucket_size=bucket, allgather_bucket_size=bucket),
+                 Workload(transformer_shapes(spec), spec, 16, 2, transformers=True), nd)
+    _, buckets, _, bucket_of = _hook_buckets(run)
+    firsts = {r: min(bucket_of[i] for i in run.flat.params(r)) for r in run.ranks if run.flat.params(r)}
+    p = _pbytes(run)
+    gips = sorted({run.flat.params_numel(r) * p for r in firsts})
+    copies = {0, 1, *gips, *(b - a for a in gips for b in gips if b > a)}
+    ties = 0
+    for b in range(len(buckets) + 1):
+        for c in copies:
+            best, winner = c, None
+            for r, first in firsts.items():
+                if first <= b:
+                    gip = run.flat.params_numel(r) * p
+                    total = gip + c if first < b else max(gip, c)
+                    ties += total == best
+                    if total > best:
+                        best, winner = total, r
+            assert MH._winner_without_kept(run, firsts, c, b) == winner, (b, c)
+    assert ties, "no tie: the tie rule is not tested"
+
+
+def _plain_winner(firsts, sizes, c, b):
+    best, winner = c, None
+    for r, first in firsts.items():
+        if first <= b:
+            total = sizes[r] + c if first < b else max(sizes[r], c)
+            if total > best:
+                best, winner = total, r
+    return winner
+
+
+def test_winner_without_kept_on_random_ties():
+    """The same on 300 random rank -> (first bucket, partition) draws from few values (ties within a first bucket,
+    across buckets, and between a partition plus the copy and another partition), every bucket and copy size."""
+    rng = random.Random(16)
+    for _ in range(300):
+        n, nb = rng.randint(1, 12), rng.randint(1, 5)
+        ranks = rng.sample(range(3 * n), n)  # firsts' order is the ranks' order, whatever their numbers
+        firsts = {r: rng.randrange(nb) for r in ranks}
+        numels = {r: rng.choice((0, 1, 2, 3)) for r in ranks}
+        run = SimpleNamespace(memo={}, settings=SimpleNamespace(dtype="fp32"),
+                              flat=SimpleNamespace(params_numel=numels.__getitem__))
+        sizes4 = {r: 4 * numels[r] for r in ranks}
+        for b in range(nb + 1):
+            for c in (0, 2, 4, 8, 12, 16):
+                assert MH._winner_without_kept(run, firsts, c, b) == _plain_winner(firsts, sizes4, c, b), (firsts, b, c)

@@ -273,21 +273,52 @@ def _rank_holding_most(run: DSRun, kept: dict[int, tuple[Term, ...]], copy: Term
     # [(copy,), each rank's terms]), and only the winner's terms built (tests/test_deepspeed_moe12_winner.py
     # against every option built).
     p, c, numel_of = _pbytes(run), copy.bytes, run.flat.params_numel
-    kept_bytes = _kept_bytes_of(run, kept, j, b, order, first_of_bucket) if kept else None
-    best, winner = c, None
-    for r, first in firsts.items():
-        if first <= b:
-            gip = numel_of(r) * p
-            total = gip + c if first < b else (gip if gip > c else c)
-            if kept_bytes is not None:
-                total += kept_bytes(r)
-            if total > best:
-                best, winner = total, r
+    if kept:
+        kept_bytes, best, winner = _kept_bytes_of(run, kept, j, b, order, first_of_bucket), c, None
+        for r, first in firsts.items():
+            if first <= b:
+                gip = numel_of(r) * p
+                total = kept_bytes(r) + (gip + c if first < b else (gip if gip > c else c))
+                if total > best:
+                    best, winner = total, r
+    else:
+        winner = _winner_without_kept(run, firsts, c, b)
     if winner is None:
         return (copy,)  # a rank with no grads_in_partition yet
     gip = Term("grads_in_partition", numel_of(winner) * p, GIP_SRC)
     own = (gip, copy) if firsts[winner] < b else (max(gip, copy, key=lambda t: t.bytes),)
     return (*_stage1_kept(run, kept, winner, j, b, order, first_of_bucket), *own)
+
+
+def _winner_without_kept(run: DSRun, firsts: dict[int, int], c: int, b: int) -> int | None:
+    """``_rank_holding_most``'s rank without ZeRO-1's kept gradients (None: the copy alone holds the most): of the
+    ranks whose first bucket went earlier the one with the largest partition (its option: the partition + the copy),
+    of those whose first bucket is b the largest partition if larger than the copy (the larger of the two), the
+    first in rank order on a tie, the copy first of all. Each first bucket's largest partition and their running
+    best once per run, so a bucket asks two entries, not every rank. A speed-up, no rule
+    (tests/test_deepspeed_moe12_winner.py)."""
+    groups, before = memo_of(run, "sparse hook partitions by first bucket", lambda r: _by_first_bucket(r, firsts))
+    best, pos, winner = c, -1, None
+    lt, eq = before[min(b, len(before) - 1)], groups.get(b)
+    for option, total in ((lt, lt and lt[0] + c), (eq, eq and max(eq[0], c))):
+        if option and (total > best or (total == best and option[1] < pos)):
+            best, pos, winner = total, option[1], option[2]
+    return winner
+
+
+def _by_first_bucket(run: DSRun, firsts: dict[int, int]) -> tuple[dict, list]:
+    """First bucket -> (partition bytes, position, rank) of its ranks' largest partition (the first on a tie), and
+    for each bucket b that of the ranks whose first bucket is before b (``_winner_without_kept``)."""
+    p, numel_of, groups = _pbytes(run), run.flat.params_numel, {}
+    for pos, (r, first) in enumerate(firsts.items()):
+        gip, g = numel_of(r) * p, groups.get(first)
+        if g is None or gip > g[0]:
+            groups[first] = (gip, pos, r)
+    before = [None]
+    for v in range(max(groups, default=-1) + 1):
+        g, best = groups.get(v), before[-1]
+        before.append(best if g is None or (best is not None and (best[0], -best[1]) >= (g[0], -g[1])) else g)
+    return groups, before
 
 
 def _kept_bytes_of(run: DSRun, kept: dict[int, tuple[Term, ...]], j: int, b: int, order: tuple[int, ...],
