@@ -19,6 +19,7 @@ import shutil
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import zeroplan
 from cli_latency import medians_of  # benchmarks/ is on sys.path when run as a script
@@ -30,6 +31,11 @@ PEAK = ["plan", "--model", "llama3-405b", "--gpu", "h100-80gb", "--gpus", "1024"
 BIG_FSDP2 = ["plan", "--engine", "fsdp2", "--model", "llama3-405b", "--gpus", "2048", "--gpu", "h100-80gb"]
 """Issue 20's case: answers with a mesh in under a second (wall time, on a quiet machine); the mesh search is
 its default since 2026-12-02 (before: the flat group, the search with ``--tp auto --dp-shard auto``)."""
+HF_CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "hf_configs"
+MOE = ["plan", "--engine", "deepspeed", "--gpu", "h100-80gb", "--gpus", "1024", "--model"]
+"""The largest model of any size: DeepSeek-V3 (671B, 58 sparse layers of 256 experts) and Qwen3-30B-A3B (48 of 128),
+from their config.json, on DeepSpeed (ZeRO-1/2's per-hook winners over 1,024 ranks: the slowest plans, 0.93 and
+0.85 CPU-s before 2026-12-03's ``moe12_hooks`` winners)."""
 ZEROPLAN = shutil.which("zeroplan") or "zeroplan"
 COMMANDS = {
     "zeroplan plan (llama3-405b)": [ZEROPLAN, *ARGS],
@@ -39,9 +45,12 @@ COMMANDS = {
     "plan --engine fsdp2, 2048 GPUs": [ZEROPLAN, *BIG_FSDP2],
     "fsdp2 2048, --tp auto --dp-shard": [ZEROPLAN, *BIG_FSDP2, "--tp", "auto", "--dp-shard", "auto"],  # any version
     "fsdp2 2048, --tp 1 (flat)": [ZEROPLAN, *BIG_FSDP2, "--tp", "1"],
+    "deepspeed, deepseek-v3 (MoE)": [ZEROPLAN, *MOE, str(HF_CONFIGS / "deepseek-v3.json")],
+    "deepspeed, qwen3-30b-a3b (MoE)": [ZEROPLAN, *MOE, str(HF_CONFIGS / "qwen3-30b-a3b.json")],
     'python -c "import torch"': [sys.executable, "-c", "import torch"],
 }
-"""Issue 16's target: every plan, any engine, under a quarter of the torch import (the largest preset)."""
+"""Issue 16's target: every plan, any engine, under a quarter of the torch import (the largest preset, the largest
+mixture-of-experts models)."""
 
 
 def main() -> None:

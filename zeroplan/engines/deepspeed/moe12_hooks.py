@@ -55,11 +55,13 @@ Measured (gloo, N_d = 2, fp32 and bf16, tests/test_deepspeed_moe12.py): see ``mo
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from functools import lru_cache
 
 from zeroplan.architectures.spec import transformer_shapes
 import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+from zeroplan.engines.deepspeed.moe12_winners import _kept_bytes_of, _partitions_by_first, _winner_without_kept
 from zeroplan.engines.deepspeed.moe_offload import norm_copy, norms_at_hooks
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of
@@ -85,20 +87,23 @@ def _names(spec) -> tuple[str, ...]:
 
 
 def _roles(run: DSRun) -> dict[int, str]:
-    """Parameter index -> its role (``ROLES``) in a sparse MLP, for the sparse layers' parameters; once per run."""
-    def make(r: DSRun) -> dict[int, str]:
-        names, moe = _names(r.spec), r.spec.moe
-        sparse = {f".layers.{j}." for j in moe.sparse_layers}
-        out = {}
-        for i, name in enumerate(names):
-            role = next((v for k, v in ROLES.items() if name.endswith(k)), None)
-            if role is None and any(a in name for a in ATTENTION):
-                role = "attention"
-            if role is not None and any(s in name for s in sparse):
-                out[i] = role
-        return out
+    """Parameter index -> its role (``ROLES``) in a sparse MLP, for the sparse layers' parameters; once per
+    architecture (every candidate of a plan shares it; read, never changed)."""
+    return _roles_of(run.spec)
 
-    return memo_of(run, "sparse roles", make)  # type: ignore[return-value]
+
+@lru_cache(maxsize=16)
+def _roles_of(spec) -> dict[int, str]:
+    names, moe = _names(spec), spec.moe
+    sparse = {f".layers.{j}." for j in moe.sparse_layers}
+    out = {}
+    for i, name in enumerate(names):
+        role = next((v for k, v in ROLES.items() if name.endswith(k)), None)
+        if role is None and any(a in name for a in ATTENTION):
+            role = "attention"
+        if role is not None and any(s in name for s in sparse):
+            out[i] = role
+    return out
 
 
 def _tokens(run: DSRun) -> int:
@@ -235,16 +240,21 @@ def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
     for gu in (i for i, role in roles.items() if role == "gate_up"):
         j, at = run.param_blocks[gu], pos[gu]
         b = bucket_of[order[at - 1]]  # the bucket filling when the gate-up backward runs
-        held = [r for r, first in firsts.items() if first < last_first and first_of_bucket[first + 1] < at]
-        if not held:
-            continue
-        down = sum(run.numels[i] for i in order[first_of_bucket[b]:at]
-                   if roles.get(i) == "down" and run.numels[i] > limit)
         if kept:  # a speed-up, no rule: ``_stage1_kept``'s bytes summed from integers
+            held = [r for r, first in firsts.items() if first < last_first and first_of_bucket[first + 1] < at]
+            if not held:
+                continue
             kept_bytes = _kept_bytes_of(run, kept, j, b, order, first_of_bucket)
             r = max(held, key=lambda r: run.flat.params_numel(r) + kept_bytes(r))
-        else:
-            r = max(held, key=run.flat.params_numel)
+        else:  # a speed-up, no rule: held = the ranks whose first bucket is before the last one starting before
+            # ``at`` (``first_of_bucket`` increases), their largest partition the first on a tie (``_by_first_bucket``)
+            before = _partitions_by_first(run, firsts)[1]
+            largest = before[min(max(bisect_left(first_of_bucket, at) - 1, 0), len(before) - 1)]
+            if largest is None:
+                continue
+            r = largest[2]
+        down = sum(run.numels[i] for i in order[first_of_bucket[b]:at]
+                   if roles.get(i) == "down" and run.numels[i] > limit)
         out.append(Moment("backward", f"block {j} gate-up backward, rank {r}'s grads_in_partition held", (
             *B.held_at(run, base, at), _blocks_saved(run, j), *_at_hook(run, j, "gate_up"),
             _act("the gate-up matmul's saved input and its output's gradient",
@@ -288,55 +298,6 @@ def _rank_holding_most(run: DSRun, kept: dict[int, tuple[Term, ...]], copy: Term
     gip = Term("grads_in_partition", numel_of(winner) * p, GIP_SRC)
     own = (gip, copy) if firsts[winner] < b else (max(gip, copy, key=lambda t: t.bytes),)
     return (*_stage1_kept(run, kept, winner, j, b, order, first_of_bucket), *own)
-
-
-def _winner_without_kept(run: DSRun, firsts: dict[int, int], c: int, b: int) -> int | None:
-    """``_rank_holding_most``'s rank without ZeRO-1's kept gradients (None: the copy alone holds the most): of the
-    ranks whose first bucket went earlier the one with the largest partition (its option: the partition + the copy),
-    of those whose first bucket is b the largest partition if larger than the copy (the larger of the two), the
-    first in rank order on a tie, the copy first of all. Each first bucket's largest partition and their running
-    best once per run, so a bucket asks two entries, not every rank. A speed-up, no rule
-    (tests/test_deepspeed_moe12_winner.py)."""
-    groups, before = memo_of(run, "sparse hook partitions by first bucket", lambda r: _by_first_bucket(r, firsts))
-    best, pos, winner = c, -1, None
-    lt, eq = before[min(b, len(before) - 1)], groups.get(b)
-    for option, total in ((lt, lt and lt[0] + c), (eq, eq and max(eq[0], c))):
-        if option and (total > best or (total == best and option[1] < pos)):
-            best, pos, winner = total, option[1], option[2]
-    return winner
-
-
-def _by_first_bucket(run: DSRun, firsts: dict[int, int]) -> tuple[dict, list]:
-    """First bucket -> (partition bytes, position, rank) of its ranks' largest partition (the first on a tie), and
-    for each bucket b that of the ranks whose first bucket is before b (``_winner_without_kept``)."""
-    p, numel_of, groups = _pbytes(run), run.flat.params_numel, {}
-    for pos, (r, first) in enumerate(firsts.items()):
-        gip, g = numel_of(r) * p, groups.get(first)
-        if g is None or gip > g[0]:
-            groups[first] = (gip, pos, r)
-    before = [None]
-    for v in range(max(groups, default=-1) + 1):
-        g, best = groups.get(v), before[-1]
-        before.append(best if g is None or (best is not None and (best[0], -best[1]) >= (g[0], -g[1])) else g)
-    return groups, before
-
-
-def _kept_bytes_of(run: DSRun, kept: dict[int, tuple[Term, ...]], j: int, b: int, order: tuple[int, ...],
-                   first_of_bucket: list[int]):
-    """``rank`` -> the bytes of ``_stage1_kept``'s one term (0 where ``kept`` is empty), block j's gradients larger
-    than the bucket listed once for every rank. A speed-up, no rule."""
-    if not kept:
-        return lambda rank: 0
-    limit, blocks, numels = run.settings.reduce_bucket_size, run.param_blocks, run.numels
-    large = [(i, numels[i]) for i in order[:first_of_bucket[b]] if blocks[i] == j and numels[i] > limit]
-    total, p, ranges = sum(n for _, n in large), _pbytes(run), run.flat.range
-    if not large:
-        return lambda rank: kept[rank][j].bytes
-
-    def kept_bytes(rank: int) -> int:
-        lo, hi = ranges(rank)
-        return (total - sum(n for i, n in large if lo <= i < hi)) * p + kept[rank][j].bytes
-    return kept_bytes
 
 
 def _stage1_kept(run: DSRun, kept: dict[int, tuple[Term, ...]], rank: int, j: int, b: int, order: tuple[int, ...],
