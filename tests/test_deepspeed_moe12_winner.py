@@ -195,3 +195,22 @@ def test_winner_without_kept_on_random_ties():
         for b in range(nb + 1):
             for c in (0, 2, 4, 8, 12, 16):
                 assert MH._winner_without_kept(run, firsts, c, b) == _plain_winner(firsts, sizes4, c, b), (firsts, b, c)
+
+
+@pytest.mark.parametrize("model, stage, bucket, nd, rank, offload", CASES[:6] + CASES[-4:])
+def test_sparse_block_start_equals_its_scan(model, stage, bucket, nd, rank, offload):
+    """``moe12_ws.sparse_block_start`` reads each block's first ``gate_up_proj`` from a per-run table
+    (``_first_gate_up``): the very position the scan over every role found (main at 8d3aa18), every block."""
+    import zeroplan.engines.deepspeed.boundary as B
+    from zeroplan.engines.deepspeed.moe12_ws import sparse_block_start
+
+    spec = _spec(model)
+    run = ds_run(Settings(stage=stage, overlap_comm=True, reduce_bucket_size=bucket, allgather_bucket_size=bucket,
+                          rank=rank), Workload(transformer_shapes(spec), spec, 16, 2, transformers=True), nd)
+    sparse = 0
+    for j in range(run.acts.n_layer):
+        gate_up = [i for i, role in MH._roles(run).items() if role == "gate_up" and run.param_blocks[i] == j]
+        want = B.position(run, gate_up[0]) if gate_up and j in spec.moe.sparse_layers else B.block_start(run, j)
+        assert sparse_block_start(run, j) == want, j
+        sparse += bool(gate_up)
+    assert sparse

@@ -99,7 +99,7 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
       saved tensors and its forward peak beyond them (``forward_extra``), with the most gathered there (measured:
       Qwen3-MoE, the reordering ``weighted_out[inv_perm]``)."""
     out = []
-    L, marks = run.acts.n_layer, {m for m, _, _ in run.trace.marks}
+    L, marks = run.acts.n_layer, mark_names(run)
     ckpt = run.checkpointing != "none"
     masks = Term("the body's unused attention mask (bool)", run.acts.body_masks,
                  "transformers models/qwen2_moe/modeling_qwen2_moe.py Qwen2MoeModel.forward (causal_mask_mapping): "
@@ -264,7 +264,7 @@ def routed_experts_backward(run: DSRun, sched, last: tuple[Term, ...]) -> Option
         return None
     j = run.acts.n_layer - 1
     mark = f"block {j} experts backward"
-    if mark not in {m for m, _, _ in run.trace.marks} or "shared_experts" not in " ".join(run.trace.names):
+    if mark not in mark_names(run) or "shared_experts" not in " ".join(run.trace.names):
         return None
     names, spec, a, n = run.trace.names, run.spec, _abytes(run), _tokens(run)
     moe, d, mt, blk = spec.moe, spec.d_model, spec.model_type, _block(run, j)

@@ -14,7 +14,7 @@ import math
 from zeroplan.architectures.moe import moe_shapes
 import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.moe12_hooks import _roles, _tokens
-from zeroplan.engines.deepspeed.run import DSRun, _act
+from zeroplan.engines.deepspeed.run import DSRun, _act, memo_of
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas.moe_block import deepseek_backward_ws, sparse_backward_ws
 from zeroplan.formulas.peak import Term
@@ -95,8 +95,20 @@ def sparse_block_start(run: DSRun, j: int) -> int:
     block's first hook; Mixtral N_d = 3 every rank 524,288 B over."""
     if run.spec is None or run.spec.moe is None or j not in run.spec.moe.sparse_layers:
         return B.block_start(run, j)
-    gate_up = [i for i, role in _roles(run).items() if role == "gate_up" and run.param_blocks[i] == j]
-    return B.position(run, gate_up[0]) if gate_up else B.block_start(run, j)
+    first = _first_gate_up(run).get(j)
+    return B.position(run, first) if first is not None else B.block_start(run, j)
+
+
+def _first_gate_up(run: DSRun) -> dict[int, int]:
+    """Block -> its first ``gate_up_proj`` parameter (in the roles' order), once per run: a speed-up, no rule (it
+    scanned every role per block and per moment)."""
+    def make(r: DSRun) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for i, role in _roles(r).items():
+            if role == "gate_up":
+                out.setdefault(r.param_blocks[i], i)
+        return out
+    return memo_of(run, "first gate-up per block", make)  # type: ignore[return-value]
 
 
 def last_block_start(run: DSRun) -> int:
