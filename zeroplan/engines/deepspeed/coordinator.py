@@ -13,7 +13,8 @@ from operator import itemgetter
 
 from zeroplan.engines.deepspeed.trace import Stage3Trace
 from zeroplan.engines.deepspeed.zero3_noprefetch import noprefetch_replay
-from zeroplan.engines.deepspeed.zero3_replay import fused_replay
+from zeroplan.engines.deepspeed.zero3_replay import (AVAILABLE, INFLIGHT, NOT_AVAILABLE, _pop_expected, _prefetch,
+                                                     fused_replay)
 
 @dataclass(frozen=True)
 class Stage3Gather:
@@ -102,8 +103,6 @@ def _recorded(trace: Stage3Trace, numels: tuple[int, ...], nd: int, threshold: i
     return modules, persist, padded, queue, uses, before, gathered_by
 
 
-NOT_AVAILABLE, INFLIGHT, AVAILABLE = 0, 1, 2
-"""partition_parameters.py ``ZeroParamStatus``."""
 
 
 @dataclass
@@ -217,35 +216,14 @@ class Coordinator:
         expected = [p for p in params if fetched_for[p] < step]
         if not expected:
             return
-        at, end, want = self.next_in_queue, len(queue), len(expected)
-        popped = set()
-        while at < end and len(popped) < want:
-            p, used_at = queue[at]
-            at += 1
-            fetched_for[p] = used_at
-            popped.add(p)
-        self.next_in_queue = at
-        if popped != set(expected):
-            raise ValueError(f"ZeRO-3 trace: step {self.step} expected {sorted(expected)} next in the queue, "
-                             f"got {sorted(popped)}")  # fmt: skip
+        self.next_in_queue = _pop_expected(queue, self.next_in_queue, expected, fetched_for, step)
 
     def prefetch(self, forward: bool) -> None:
         """fetch_sub_module: up to ``stage3_prefetch_bucket_size`` elements (and ``max_live_parameters``) of
         the queue, gathered in one call."""
         limit = min(self.max_live - self.avail, self.bucket)
-        chosen: set[int] = set()
-        numel = 0
-        queue, status, numels, fetched_for = self.queue, self.status, self.numels, self.fetched_for
-        at, end = self.next_in_queue, len(queue)
-        while at < end and numel < limit:
-            p, used_at = queue[at]
-            at += 1
-            if status[p] == NOT_AVAILABLE and p not in chosen:
-                chosen.add(p)
-                numel += numels[p]
-            if used_at > fetched_for[p]:
-                fetched_for[p] = used_at
-        self.next_in_queue = at
+        self.next_in_queue, chosen, numel = _prefetch(self.queue, self.next_in_queue, limit, self.status, self.numels,
+                                                      self.fetched_for)
         if numel:
             self.all_gather(chosen, forward)
 

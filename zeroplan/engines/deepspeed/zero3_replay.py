@@ -15,13 +15,13 @@ from __future__ import annotations
 from bisect import bisect_left
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = 0, 1, 2
-"""partition_parameters.py ``ZeroParamStatus`` (as coordinator.py)."""
+"""partition_parameters.py ``ZeroParamStatus`` (coordinator.py's ``Coordinator`` reads them from here)."""
 
 
 def _prefetch(queue: list[tuple[int, int]], at: int, limit: int, status: list[int], numels: tuple[int, ...],
               fetched_for: list[int]) -> tuple[int, set[int], int]:
-    """``Coordinator.prefetch``'s walk of the queue from ``at``: (where it stops, the parameters chosen, their
-    elements)."""
+    """fetch_sub_module's prefetch walk of the queue from ``at`` (``Coordinator.prefetch`` and the fused replay):
+    (where it stops, the parameters chosen, their elements)."""
     chosen: set[int] = set()
     numel, end = 0, len(queue)
     while at < end and numel < limit:
@@ -36,7 +36,7 @@ def _prefetch(queue: list[tuple[int, int]], at: int, limit: int, status: list[in
 
 
 def _pop_expected(queue: list[tuple[int, int]], at: int, expected: list[int], fetched_for: list[int], step: int) -> int:
-    """``Coordinator.pop_expected``: the module's ``expected`` parameters (not fetched for this step) leave the head
+    """fetch_sub_module (``Coordinator.pop_expected`` and the fused replay): the module's ``expected`` parameters (not fetched for this step) leave the head
     of the queue from ``at``; returns where the queue's head is then."""
     end, want, popped = len(queue), len(expected), set()
     while at < end and len(popped) < want:
