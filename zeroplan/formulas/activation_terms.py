@@ -47,6 +47,7 @@ its locals and call arguments, and were checked byte for byte with MemTracker (d
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Literal, Optional
 
 from zeroplan.architectures.spec import TransformerSpec, layout_features
@@ -331,6 +332,7 @@ def unused_sliding_mask(spec: TransformerSpec, s: int) -> int:
     return s * s if spec.model_type == "qwen2_moe" and spec.sliding_window is None else 0
 
 
+@lru_cache(maxsize=32)  # a plan's every candidate and rank asks (a frozen record; Gemma 3's: ~7 ms each)
 def model_activations(
     spec: TransformerSpec,
     micro_batch: int,
@@ -338,7 +340,7 @@ def model_activations(
     act_bytes: int = 2,
     stat_bytes: int = 2,
 ) -> ModelActivations:
-    """Activations of one micro-batch of ``spec`` (derivation in the module docstring)."""
+    """Activations of one micro-batch of ``spec`` (derivation in the module docstring), once per arguments."""
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch={micro_batch}, seq_len={seq_len}: each must be >= 1")
     if seq_len > spec.max_seq_len:
@@ -360,7 +362,8 @@ def model_activations(
             return BlockActivations(**G.gemma_block(at, n, b, s, a, llama[0], ACT_KEPT, llama[1], ACT_NOGRAD_PEAK))
 
         kinds = spec.layer_types if G.sliding_masked(spec, s) else None  # Gemma 3 from its window on
-        layers = tuple(gemma(kind) for kind in kinds) if kinds and len(set(kinds)) > 1 else ()
+        made = {kind: gemma(kind) for kind in dict.fromkeys(kinds)} if kinds and len(set(kinds)) > 1 else {}
+        layers = tuple(map(made.__getitem__, kinds)) if made else ()  # each kind's block once, not each layer's
         block = layers[-1] if layers else gemma(kinds[-1] if kinds else None)
         embed_saved, final_saved = G.embed_saved(spec, s, a), G.final_saved(spec, n, a)
     else:

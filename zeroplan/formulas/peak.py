@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import ClassVar, Optional
 
 PHASES: tuple[str, ...] = ("init", "forward", "backward", "optimizer_step")
 CUDA_BLOCK_BYTES = 512  # CUDACachingAllocator kMinBlockSize: every allocation rounds up to this
@@ -55,10 +56,16 @@ class Moment:
     phase: str
     name: str
     terms: tuple[Term, ...]
+    rank: ClassVar[Optional[int]] = None
+    """Where a profile describes every rank at once and lists one rank's moment of a family of per-rank moments
+    (DeepSpeed's ``DSRun.first_largest``), that rank; None: every rank's alike, one rank's run, or not said. Not a
+    field: equality, ``repr`` and ``replace`` are the dataclass's (a moment renamed or rebuilt says no rank)."""
 
-    def __init__(self, phase: str, name: str, terms: tuple[Term, ...]) -> None:
+    def __init__(self, phase: str, name: str, terms: tuple[Term, ...], rank: Optional[int] = None) -> None:
         d = self.__dict__  # as ``Term.__init__`` (~18,000 moments in a 1,024-GPU DeepSpeed plan)
         d["phase"], d["name"], d["terms"] = phase, name, terms
+        if rank is not None:
+            d["rank"] = rank
 
     def total(self, block_bytes: int = 1) -> int:
         return rounded_total(self.terms, block_bytes)

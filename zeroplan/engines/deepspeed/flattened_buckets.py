@@ -34,7 +34,7 @@ def stage1_flattened(run: DSRun) -> tuple[Moment, ...]:
     ranks = None if run.settings.rank is None else (run.settings.rank,)
     base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2))
     tails = _flattened_tails(layout, _pbytes(run), DTYPE_BYTES[run.settings.grad_dtype], ranks)
-    return tuple([Moment("backward", name, (*base, *tail)) for name, tail in tails])
+    return tuple([Moment("backward", name, (*base, *tail), rank) for name, tail, rank in tails])
 
 
 def stage1_flattened_listed(run: DSRun) -> tuple[Moment, ...]:
@@ -56,14 +56,15 @@ def stage1_flattened_listed(run: DSRun) -> tuple[Moment, ...]:
     listed = shared_memo("flattened listed", (tails,), (s.block_bytes, s.offload_optimizer.on), lambda: _first_tails(
         run, tails, s.block_bytes, s.offload_optimizer.on))
     base = (*_states(run), *_bucket(run), _act("batch (token ids, targets)", run.acts.batch, 2))
-    return tuple(Moment("backward", tails[k][0], (*base, *tails[k][1])) for k in listed)  # type: ignore[union-attr]
+    return tuple(Moment("backward", tails[k][0], (*base, *tails[k][1]), tails[k][2])  # type: ignore[union-attr]
+                 for k in listed)
 
 
-def _first_tails(run: DSRun, tails: tuple[tuple[str, tuple[Term, ...]], ...], block: int,
+def _first_tails(run: DSRun, tails: tuple[tuple[str, tuple[Term, ...], int | None], ...], block: int,
                  offloaded: bool) -> tuple[int, ...]:
     """The indices of ``tails`` whose moments ``stage1_flattened_listed`` lists: the first largest at 1 B and at
     ``block`` (``run.first_largest``: every index where a test lists every rank's moment)."""
-    kept = [on_device(t) if offloaded else t for _, t in tails]
+    kept = [on_device(t) if offloaded else t for _, t, _ in tails]
     ks = tuple(range(len(tails)))
     return tuple(sorted({*run.first_largest(lambda k: rounded_total(kept[k], 1), ks),
                          *run.first_largest(lambda k: rounded_total(kept[k], block), ks)}))
@@ -75,10 +76,11 @@ ALIVE_SRC = ("torch autograd (param.grad); stage 1 clears no gradient; copy_grad
 
 @lru_cache(maxsize=64)  # every rank's run and each rank's of a candidate, and the candidates of one bucket size
 def _flattened_tails(layout: _FlattenedBuckets, p: int, g: int,
-                     ranks: tuple[int, ...] | None) -> tuple[tuple[str, tuple[Term, ...]], ...]:
+                     ranks: tuple[int, ...] | None) -> tuple[tuple[str, tuple[Term, ...], int | None], ...]:
     """``stage1_flattened``'s moments less what every moment of the run holds (states, buckets, the batch): each
-    copied bucket's name and its own terms, for parameters of ``p`` bytes and gradients of ``g``, of ``ranks``
-    (None: every rank)."""
+    copied bucket's name, its own terms and, every rank described (``ranks`` None), the rank whose terms they are
+    (``Moment.rank``; None: every rank holds at least the bucket's copy, and no rank more), for parameters of ``p``
+    bytes and gradients of ``g``, of ``ranks`` (None: every rank)."""
     psi, large_before = layout.psi, layout.large_before
 
     def alive(hi: int, end: int, own: int = 0) -> Term:
@@ -99,25 +101,25 @@ def _flattened_tails(layout: _FlattenedBuckets, p: int, g: int,
             tail = (before, facts.gip(i))
         else:
             tail = (alive(hi, end, own) if own else before, facts.gip(i), copy)
-        out.append((name, tail))
+        out.append((name, tail, None if i is None or ranks is not None else facts.ranks[i]))
     return tuple(out)
 
 
 def _one_rank_tails(layout: _FlattenedBuckets, facts: _RankFacts, terms: tuple[tuple[str, Term, Term], ...],
-                    alive: Callable[[int, int, int], Term]) -> tuple[tuple[str, tuple[Term, ...]], ...]:
+                    alive: Callable[[int, int, int], Term]) -> tuple[tuple[str, tuple[Term, ...], None], ...]:
     """``_flattened_tails`` of one rank's run: ``_RankFacts.largest``'s comparisons for one rank inline, no call per
     bucket (a speed-up, no rule; tests/test_deepspeed_winners.py checks every rank against the per-rank loop)."""
     f, gip_bytes, (a, b), p, large_before = facts.firsts[0], facts.gips[0], facts.ranges[0], facts.p, layout.large_before
     gip, out = facts.gip(0), []
     for (k, hi, first, end, _), (name, copy, before) in zip(layout.copied, terms):
         if k < f or (k == f and gip_bytes <= copy.bytes):  # no partition yet, or the copy the larger
-            out.append((name, (before, copy)))
+            out.append((name, (before, copy), None))
         elif k == f:  # its first bucket: grads_in_partition allocated once the copy is freed
-            out.append((name, (before, gip)))
+            out.append((name, (before, gip), None))
         else:
             own = large_before[min(b, first)] - large_before[a] if min(b, first) > a else 0
             out.append((name, (alive(hi, end, own) if own else before, gip, copy) if gip_bytes - own * p > 0
-                        else (before, copy)))  # fmt: skip
+                        else (before, copy), None))  # fmt: skip
     return tuple(out)
 
 

@@ -180,7 +180,7 @@ def offload_moments(run: DSRun, moments: tuple[Moment, ...]) -> tuple[Moment, ..
             terms = on_device(terms)  # offload_terms.py ``HOST_TEMPORARIES``
         if fetch is not None and m.phase in ("forward", "backward") and any(t.name.startswith("gathered") for t in terms):
             terms = (*terms, fetch)
-        out.append(m if terms is m.terms else Moment(m.phase, m.name, terms))
+        out.append(m if terms is m.terms else Moment(m.phase, m.name, terms, m.rank))
     return run.wrapper.offload.moments(run, tuple(out))
 
 

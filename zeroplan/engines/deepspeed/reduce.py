@@ -70,7 +70,7 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
     # where every rank is described, its one rank once per layout, bucket and bytes (a speed-up, no rule)
     chosen = winners() if run.settings.rank is not None else shared_memo(
         "stage1 reduce", (run.flat, sent_and_kept), (psi, p), every_rank)
-    out = []
+    out, every = [], run.settings.rank is None  # every rank described: the moment says whose it is
     for rank in chosen:  # type: ignore[union-attr]
         sent, large = held(rank)
         out.append(Moment("backward", f"reduce_gradients: rank {rank}'s grads_in_partition", (
@@ -81,7 +81,7 @@ def _stage1_reduce(run: DSRun) -> tuple[Moment, ...]:
                  "gradient)"),
             Term("grads_in_partition", run.flat.params_numel(rank) * p,
                  "runtime/zero/stage_1_and_2.py copy_grads_in_partition (torch.empty of the partition's parameters)"),
-            _act("batch (token ids, targets)", run.acts.batch, 2))))  # fmt: skip
+            _act("batch (token ids, targets)", run.acts.batch, 2)), rank if every else None))  # fmt: skip
     return tuple(out)
 
 

@@ -15,10 +15,8 @@ import none of them.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional
 
-from zeroplan.architectures.spec import TransformerSpec
 from zeroplan.engines.base import Workload
 from zeroplan.engines.deepspeed.bf16 import BF16_OPTIMIZER
 from zeroplan.engines.deepspeed.collectives import DSCollective
@@ -29,7 +27,7 @@ from zeroplan.engines.deepspeed.terms import DSTerm
 from zeroplan.engines.deepspeed.trace import Stage3Trace
 from zeroplan.engines.deepspeed.zero3 import ZERO3_OPTIMIZER
 from zeroplan.engines.deepspeed.zero12 import ZERO12_OPTIMIZER
-from zeroplan.formulas.activation_terms import ModelActivations, model_activations
+from zeroplan.formulas.activation_terms import model_activations
 from zeroplan.formulas.memory import MemoryBreakdown
 
 WRAPPERS: dict[str, Wrapper] = {w.name: w for w in (ZERO12_OPTIMIZER, BF16_OPTIMIZER, ZERO3_OPTIMIZER)}
@@ -48,7 +46,8 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
     if spec is None:
         raise ValueError("the DeepSpeed peak needs an architecture (a model), not bare tensor sizes")
     a = DTYPE_BYTES[settings.dtype]
-    acts = _activations(spec, workload.micro_batch, workload.seq_len, a, 4 if stat_bytes is None else stat_bytes)
+    acts = model_activations(spec, workload.micro_batch, workload.seq_len, act_bytes=a,  # cached there
+                             stat_bytes=4 if stat_bytes is None else stat_bytes)
     numels, final, modules, blocks, outputs = _layout(workload)
     foreach = settings.foreach if settings.foreach is not None else workload.foreach
     return DSRun(settings, numels, nd, acts, spec.vocab_size * spec.d_model, final,
@@ -56,13 +55,6 @@ def ds_run(settings: Settings, workload: Workload, nd: int, stat_bytes: Optional
                  bool(foreach), workload.grad_accum, modules, *_trace(workload), blocks, outputs, spec,
                  workload.transformers, _init_gathers(workload) if workload.transformers and settings.hf_zero3_build
                  else ())  # fmt: skip
-
-
-@lru_cache(maxsize=16)  # every candidate of a plan and each rank's run: the same (a frozen record)
-def _activations(spec: TransformerSpec, micro_batch: int, seq_len: int, act_bytes: int,
-                 stat_bytes: int) -> ModelActivations:
-    """``model_activations`` of one micro-batch, once per architecture, size and byte widths."""
-    return model_activations(spec, micro_batch, seq_len, act_bytes=act_bytes, stat_bytes=stat_bytes)
 
 
 def terms(s: Settings, numels: tuple[int, ...], nd: int) -> tuple[DSTerm, ...]:
