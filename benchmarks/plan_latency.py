@@ -47,10 +47,15 @@ COMMANDS = {
     "fsdp2 2048, --tp 1 (flat)": [ZEROPLAN, *BIG_FSDP2, "--tp", "1"],
     "deepspeed, deepseek-v3 (MoE)": [ZEROPLAN, *MOE, str(HF_CONFIGS / "deepseek-v3.json")],
     "deepspeed, qwen3-30b-a3b (MoE)": [ZEROPLAN, *MOE, str(HF_CONFIGS / "qwen3-30b-a3b.json")],
+    "deepspeed, llama2-70b": [ZEROPLAN, *MOE, "llama2-70b"],
+    "fsdp2, llama2-70b, 2048 GPUs": [ZEROPLAN, "plan", "--engine", "fsdp2", "--model", "llama2-70b", "--gpus", "2048",
+                                     "--gpu", "h100-80gb"],
     'python -c "import torch"': [sys.executable, "-c", "import torch"],
 }
 """Issue 16's target: every plan, any engine, under a quarter of the torch import (the largest preset, the largest
-mixture-of-experts models)."""
+mixture-of-experts models, and Llama-2-70B: the slowest plans of a matrix of every engine, 34 transformers configs
+and 4 presets on 64, 1,024 and 2,048 GPUs, 2026-12-03: its DeepSpeed plan tried 244 ranks for ZeRO-1's worst before
+``profile._tries``, its FSDP2 plan replays all four candidates' traces)."""
 
 
 def main() -> None:
