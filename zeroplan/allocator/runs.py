@@ -28,11 +28,12 @@ request replay on FSDP2, DeepSpeed and reference traces under several configs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from bisect import bisect_left
 from itertools import groupby
 from operator import itemgetter
 
 from zeroplan.allocator.blocks import Block, Pool, Segment
-from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, is_small, round_size
+from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, is_small, round_size
 
 MIN_RUN = 16
 """Runs shorter than this are replayed request by request (a period needs a settled point and a full copy; a
@@ -177,6 +178,8 @@ def fast_forward(run, events: Sequence) -> bool:
             run.fast_step(events[i])
             i += 1
         return True
+    if run.plain:  # the requests the pool's cached blocks serve, whole ones taken together
+        i = take_cached(run, events, rounded, pool)
     while i < n and not _settled(pool, rounded):  # up to a settled point
         run.fast_step(events[i])
         i += 1
@@ -201,6 +204,47 @@ def fast_forward(run, events: Sequence) -> bool:
     for e in events[i + copies * done:]:
         run.fast_step(e)
     return True
+
+
+def take_cached(run, events: Sequence, rounded: int, pool: Pool) -> int:
+    """The requests of the run ``events`` (``fast_forward``'s: one size and stream, new ids, no memory limit, no
+    ``max_split_size``: ``run.plain``) up to a settled point, each served by a cached block as ``malloc`` would
+    (best fit: the first block of the smallest size >= ``r``; split when ``_should_split``, else handed out
+    whole): how many were served (it stops at a settled point or at a block of an expandable segment). Blocks
+    handed out whole are the first ``k`` of their size, in address order, taken together (a request takes the
+    first, none is inserted before the next: a speed-up, no rule; tests/test_allocator_replay.py compares it with
+    the request-by-request replay)."""
+    sizes, by_size, blocks, live, stats = pool.sizes, pool.by_size, pool.blocks, run.live, run.alloc.stats
+    size, n, i, details = events[0].size, len(events), 0, run.details
+    limit = K_MIN_BLOCK_SIZE - 1 if pool.small else K_SMALL_SIZE  # a larger remainder is split off
+    while i < n:
+        index = bisect_left(sizes, rounded)
+        if index == len(sizes):  # settled
+            break
+        held = by_size[sizes[index]]
+        block = blocks[held[0]]
+        if block.segment.expandable:
+            break
+        if block.size - rounded > limit:  # split: one request (``_plain_alloc``)
+            run.fast_step(events[i])
+            i += 1
+            continue
+        k = min(len(held), n - i)
+        taken = [blocks[a] for a in held[:k]]  # none expandable: ``fast_forward`` is here without the option
+        if len(held) == k:
+            del by_size[sizes[index]], sizes[index]
+        else:
+            del held[:k]
+        for b, e in zip(taken, events[i:i + k]):
+            del blocks[b.address]
+            b.allocated, b.requested = True, size
+            live[e.id] = b
+            if details:
+                run.addresses.append((e.id, b.address))
+        stats.allocated.add(k * block.size)  # equal blocks; a run only allocates: the peak is where it ends
+        stats.requested.add(k * size)
+        i += k
+    return i
 
 
 def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int) -> bool:
