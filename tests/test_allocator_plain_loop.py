@@ -53,18 +53,20 @@ def _cached_runs(seed: int) -> list[Event]:
 @pytest.mark.parametrize("conf", CONFS)
 def test_cached_runs_and_inlined_steps_replay_exactly(conf, monkeypatch):
     """Seeded traces whose runs start on pools of cached equal blocks: the fast replay equals the full one; the
-    runs take several whole blocks at once in some of them (without a memory limit or ``max_split_size``)."""
+    runs take several blocks at once in some of them, whole or split (without a memory limit or
+    ``max_split_size``)."""
     from zeroplan.allocator import runs
 
-    served, take = [], runs.take_cached
+    served, take, fronts, split = [], runs.take_cached, [], runs._split_front
     monkeypatch.setattr(runs, "take_cached", lambda *a: served.append(take(*a)) or served[-1])
+    monkeypatch.setattr(runs, "_split_front", lambda *a: fronts.append(1) or split(*a))
     for seed in range(12):
         events = _cached_runs(seed)
         assert replay(events, parse_alloc_conf(conf)) == _full(events, conf, monkeypatch), (conf, seed)
         assert replay(events, parse_alloc_conf(conf), details=False).phases == \
             _full(events, conf, monkeypatch).phases, (conf, seed)  # fmt: skip
     plain = conf in ("", "roundup_power2_divisions:4")
-    assert (max(served, default=0) > 1) == plain, (conf, served[:20])
+    assert (max(served, default=0) > 1) == plain and (len(fronts) > 20) == plain, (conf, served[:20], len(fronts))
 
 
 def test_a_bad_event_amid_the_inlined_steps_fails_as_before():
