@@ -9,13 +9,12 @@ one."""
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 from operator import itemgetter
 
 from zeroplan.allocator.blocks import Block, Pool
-from zeroplan.allocator.caching import _growable
 from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE
 
 
@@ -151,11 +150,24 @@ def _allocs(run, events: Iterable, expandable: bool, generic: Callable, event_of
 def _expandable_fit(pool: Pool, block: Block) -> Block:
     """``_get_free_block``'s walk on expandable segments from the best fit ``block``: on to the next block while it
     can grow to less (``_growable``), which it takes out of ``pool``."""
+    sizes, by_size, blocks = pool.sizes, pool.by_size, pool.blocks
+    after = block.next  # ``_growable`` and ``Pool.after`` inlined (a speed-up, no rule)
+    grows = block.size + (after.size if after is not None and not after.mapped else 0)
     while block.segment.expandable:
-        nxt = pool.after(block)
-        if nxt is None or _growable(nxt) >= _growable(block):
+        held = by_size[block.size]  # ``Pool.after(block)``
+        index = bisect_right(held, block.address)
+        if index < len(held):
+            nxt = blocks[held[index]]
+        else:
+            index = bisect_right(sizes, block.size)
+            if index == len(sizes):
+                break
+            nxt = blocks[by_size[sizes[index]][0]]
+        after = nxt.next
+        nxt_grows = nxt.size + (after.size if after is not None and not after.mapped else 0)
+        if nxt_grows >= grows:
             break
-        block = nxt
+        block, grows = nxt, nxt_grows
     pool.remove(block)
     return block
 

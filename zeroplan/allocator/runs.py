@@ -326,21 +326,31 @@ def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int)
     if tail is not None:
         pool.remove(tail)
         before = tail.prev
-    stats, mapped_to = alloc.stats, rest.address
-    for e in events:
+    stats, mapped_to, small, live, size, grown_all = alloc.stats, rest.address, pool.small, run.live, events[0].size, 0
+    addresses = run.addresses if run.details else None
+    for e in events:  # each ``Block(...)`` made without its ``__init__`` and linked here (a speed-up, no rule)
         if frontier + rounded > mapped_to:
             grown = -(-(frontier + rounded - mapped_to) // page) * page
             alloc.log.append(("segment_map", mapped_to, grown, stream))
-            stats.reserved.add(grown)
+            grown_all += grown
             mapped_to += grown
-        block = Block(frontier, rounded, stream, pool.small, segment)
-        block.allocated, block.requested = True, e.size
-        before = _link(segment, before, block)
-        run.live[e.id] = block
-        run.addresses.append((e.id, frontier))
-        stats.allocated.add(rounded)
-        stats.requested.add(e.size)
+        block = _new(Block)
+        block.address, block.size, block.stream, block.small, block.segment, block.requested, block.allocated, \
+            block.pending, block.mapped, block.prev, block.next, block.gc_base = \
+            frontier, rounded, stream, small, segment, size, True, False, True, before, None, 0  # fmt: skip
+        if before is None:
+            segment.head = block
+        else:
+            before.next = block
+        before = block
+        live[e.id] = block
+        if addresses is not None:
+            addresses.append((e.id, frontier))
         frontier += rounded
+    # a run only allocates and maps: each stat grows, its peak is where the run ends
+    stats.reserved.add(grown_all)
+    stats.allocated.add(len(events) * rounded)
+    stats.requested.add(len(events) * size)
     if frontier < mapped_to:
         cached = Block(frontier, mapped_to - frontier, stream, pool.small, segment)
         before = _link(segment, before, cached)
