@@ -42,13 +42,12 @@ def _frees(run, events: Iterable, generic: Callable, event_of: Callable) -> None
     allocated, requested = stats.allocated, stats.requested
     a_cur, r_cur = allocated.current, requested.current
     for event in events:
-        block = live.get(event[1])
-        if block is None or not block.allocated:
+        block = live.pop(event[1], None)
+        if block is None or not block.allocated:  # ``_Run.step`` raises (the id not live: popped or not)
             allocated.current, requested.current = a_cur, r_cur
             generic(event_of(event))
             a_cur, r_cur = allocated.current, requested.current
             continue
-        del live[event[1]]
         block.allocated = False
         a_cur -= block.size
         r_cur -= block.requested
@@ -97,14 +96,14 @@ def _allocs(run, events: Iterable, expandable: bool, generic: Callable, event_of
             index = bisect_left(sizes, rounded)  # ``Pool.first``
             if index < len(sizes):
                 held = by_size[sizes[index]]
-                block = blocks[held[0]]
+                block = blocks.pop(held[0])
                 if not block.segment.expandable:  # ``Pool.remove`` of the first block of its size
                     if len(held) == 1:
                         del by_size[sizes[index]], sizes[index]
                     else:
                         del held[0]
-                    del blocks[block.address]
-                else:
+                else:  # back: the walk takes one out (``Pool.remove``), or ``malloc`` decides
+                    blocks[block.address] = block
                     block = _expandable_fit(pool, block) if expandable else None
             else:
                 block = None
