@@ -141,9 +141,12 @@ def _copy_whole(alloc, template: Segment, shift: int, ids: Sequence, run) -> Non
     base = template.address
     for ident in ids:
         base += shift
-        segment = Segment(base, stream, small)
-        block = segment.head = Block(base, size, stream, small, segment)
-        block.allocated, block.requested, block.gc_base = True, requested, gc_base
+        segment, block = _new(Segment), _new(Block)  # ``Segment(...)``, ``Block(...)``: their fields set at once
+        segment.address, segment.stream, segment.small, segment.expandable, segment.page, segment.head = \
+            base, stream, small, False, 0, block
+        block.address, block.size, block.stream, block.small, block.segment, block.requested, block.allocated, \
+            block.pending, block.mapped, block.prev, block.next, block.gc_base = \
+            base, size, stream, small, segment, requested, True, False, True, None, None, gc_base  # fmt: skip
         live[ident] = block
         if details:
             addresses.append((ident, base))
