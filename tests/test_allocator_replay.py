@@ -213,9 +213,9 @@ def _full_and_fast(events, conf: str, monkeypatch) -> tuple:
     with monkeypatch.context() as m:
         m.setattr(module, "alloc_runs", lambda events: {})
         full = replay([tuple(e) for e in events], cfg)  # plain tuples: every event through ``_Run.step``
-    copies, copy, carve = [], runs._copy_period, runs.expandable_run
+    copies, copy, carve = [], runs._copy_periods, runs.expandable_run
     with monkeypatch.context() as m:
-        m.setattr(runs, "_copy_period", lambda *a: (copies.append(1), copy(*a)))
+        m.setattr(runs, "_copy_periods", lambda *a: (copies.extend([1] * a[6]), copy(*a)))
         m.setattr(runs, "expandable_run", lambda *a: carve(*a) and not copies.append(1))
         fast = replay(events, cfg)
     return full, fast, len(copies)

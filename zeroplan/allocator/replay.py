@@ -28,6 +28,7 @@ from zeroplan.allocator.blocks import Block, SegmentInfo
 from zeroplan.allocator.caching import CachingAllocator, OutOfMemory, _growable
 from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig
 from zeroplan.allocator.gc_pause import gc_paused
+from zeroplan.allocator.plain_loop import plain_events
 from zeroplan.allocator.runs import alloc_runs, fast_forward
 
 ACTIONS = ("alloc", "free", "free_requested", "free_completed", "phase", "empty_cache", "segment_free")
@@ -112,6 +113,8 @@ class _Run:
         self.phase: str | None = None
         self.overall = [0, 0, 0]  # whole-trace peaks of allocated, reserved, requested (phases reset the stats')
         self.fast_step = self.step  # ``step`` of an ``Event``, through ``_plain_steps`` where it applies (``runs``)
+        self.plain = False  # ``_plain_steps`` applies: no memory limit, no ``max_split_size`` (``runs.take_cached``)
+        self.details = True  # ``addresses`` kept
 
     def _fold_overall(self) -> None:
         s = self.alloc.stats
@@ -174,6 +177,7 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
     runs = ({} if capacity_bytes is not None else alloc_runs(events) if known is None else dict(known))
     plain = capacity_bytes is None and config.max_split_size_bytes == NO_LIMIT
     steps = _plain_steps(run, details, config.expandable_segments) if plain else None
+    run.plain, run.details = steps is not None, details
     if steps is not None:
         run.fast_step = lambda event, free=steps[0], alloc=steps[1], generic=run.step: (
             free(event) if event[0] == "free" else alloc(event)) or generic(event)
@@ -217,9 +221,13 @@ def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int], free, alloc) 
     (``alloc_runs``) each through ``free`` or ``alloc``, else through ``_Run.step``; each run fast-forwarded, or, when
     ``fast_forward`` refuses it, replayed with the events after it (a speed-up, no rule: the same calls in the
     same order as the loop in ``_replay``, without its per-event run look-up)."""
-    generic, index = run.step, 0
+    generic, index, expandable = run.step, 0, run.alloc.config.expandable_segments
     for start in (*sorted(runs), len(events)):
-        for event in events[index:start]:
+        part = events[index:start]
+        if set(map(type, part)) <= {Event}:  # a trace's (``step_trace``): the loop with both steps inlined
+            plain_events(run, part, expandable, generic, _event)
+            part = ()
+        for event in part:
             if type(event) is not Event or not (free(event) if event[0] == "free" else alloc(event)):
                 generic(_event(event))
         length = runs.get(start)

@@ -28,11 +28,12 @@ request replay on FSDP2, DeepSpeed and reference traces under several configs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from bisect import bisect_left, insort
 from itertools import groupby
 from operator import itemgetter
 
 from zeroplan.allocator.blocks import Block, Pool, Segment
-from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, is_small, round_size
+from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, is_small, round_size
 
 MIN_RUN = 16
 """Runs shorter than this are replayed request by request (a period needs a settled point and a full copy; a
@@ -86,33 +87,45 @@ def _settled(pool: Pool, rounded: int) -> bool:
     return pool.first(rounded) is None
 
 
-def _copy_period(alloc, pool: Pool, template: Segment, blocks: list[Block], shift: int, ids: Sequence, run) -> None:
-    """One more period: ``template``'s segment (``blocks``: its blocks) ``shift`` bytes up, its allocated blocks
-    given to ``ids`` in address order (the order the period handed them out), its free blocks cached in ``pool``
-    (each ``Block(...)`` made without its ``__init__``, its fields set at once: ~12,000 per FSDP2 replay)."""
-    base = template.address + shift
-    segment = Segment(base, template.stream, template.small)
-    prev, taken, total, live, addresses = None, iter(ids), 0, run.live, run.addresses
-    for b in blocks:
-        block = _new(Block)
-        block.address, block.size, block.stream, block.small, block.segment, block.mapped, block.pending, \
-            block.prev, block.next = b.address + shift, b.size, b.stream, b.small, segment, True, False, prev, None
-        total += b.size
-        if prev is None:
-            segment.head = block
-        else:
-            prev.next = block
-        prev = block
-        if b.allocated:
-            block.allocated, block.requested, block.gc_base = True, b.requested, b.gc_base
-            ident = next(taken)
-            live[ident] = block
-            addresses.append((ident, block.address))
-        else:
-            block.allocated, block.requested = False, 0
-            pool.insert(block)
-    alloc.segments[base] = segment
-    alloc.log.append(("segment_alloc", base, total, template.stream))
+def _copy_periods(alloc, pool: Pool, template: Segment, blocks: list[Block], shift: int, ids: Sequence, copies: int,
+                  run) -> None:  # fmt: skip
+    """``copies`` more periods: ``template``'s segment (``blocks``: its blocks) ``shift``, 2 ``shift``, ... bytes up,
+    its allocated blocks given to ``ids`` in turn (each period's in address order, the order it handed them out),
+    its free blocks cached in ``pool`` (each ``Block(...)`` made without its ``__init__``, its fields set at once:
+    ~12,000 per FSDP2 replay). The template's fields are read once for every copy, and the free blocks join their
+    size's addresses at once, after the others where they lie above them (new segments lie above every other), as
+    ``Pool.insert`` one by one (a speed-up, no rule: tests/test_allocator_replay.py)."""
+    stream, small, clock = template.stream, template.small, pool.clock[0]
+    fields = [(b.address, b.size, b.allocated, b.requested, b.gc_base) for b in blocks]
+    total, taken, made = sum(f[1] for f in fields), iter(ids), {}
+    live, addresses, details, segments, log, cached = run.live, run.addresses, run.details, alloc.segments, \
+        alloc.log, pool.blocks  # fmt: skip
+    for offset in range(shift, (copies + 1) * shift, shift):
+        base = template.address + offset
+        segment, prev = Segment(base, stream, small), None
+        for address, size, allocated, requested, gc_base in fields:
+            block = _new(Block)
+            block.address, block.size, block.stream, block.small, block.segment, block.mapped, block.pending, \
+                block.prev, block.next = address + offset, size, stream, small, segment, True, False, prev, None
+            if prev is None:
+                segment.head = block
+            else:
+                prev.next = block
+            prev = block
+            if allocated:
+                block.allocated, block.requested, block.gc_base = True, requested, gc_base
+                ident = next(taken)
+                live[ident] = block
+                if details:
+                    addresses.append((ident, block.address))
+            else:
+                block.allocated, block.requested, block.gc_base = False, 0, clock  # ``Pool.insert``
+                cached[block.address] = block
+                made.setdefault(size, []).append(block.address)
+        segments[base] = segment
+        log.append(("segment_alloc", base, total, stream))
+    for size, new in made.items():  # ascending: each copy above the one before, its blocks in address order
+        _cached_after(pool, size, new)
 
 
 _new = object.__new__
@@ -120,19 +133,23 @@ _EVENT_ID = itemgetter(1)  # an ``Event``'s id
 
 
 def _copy_whole(alloc, template: Segment, shift: int, ids: Sequence, run) -> None:
-    """``_copy_period`` of a period that is one request given a segment of its own, whole (the large requests
+    """``_copy_periods`` of a period that is one request given a segment of its own, whole (the large requests
     that leave under 1 MiB of their segment: FSDP2's gathered parameters), for each of ``ids`` in turn."""
     b = template.head
     size, stream, small, requested, gc_base = b.size, template.stream, template.small, b.requested, b.gc_base
-    segments, log, live, addresses = alloc.segments, alloc.log, run.live, run.addresses
+    segments, log, live, addresses, details = alloc.segments, alloc.log, run.live, run.addresses, run.details
     base = template.address
     for ident in ids:
         base += shift
-        segment = Segment(base, stream, small)
-        block = segment.head = Block(base, size, stream, small, segment)
-        block.allocated, block.requested, block.gc_base = True, requested, gc_base
+        segment, block = _new(Segment), _new(Block)  # ``Segment(...)``, ``Block(...)``: their fields set at once
+        segment.address, segment.stream, segment.small, segment.expandable, segment.page, segment.head = \
+            base, stream, small, False, 0, block
+        block.address, block.size, block.stream, block.small, block.segment, block.requested, block.allocated, \
+            block.pending, block.mapped, block.prev, block.next, block.gc_base = \
+            base, size, stream, small, segment, requested, True, False, True, None, None, gc_base  # fmt: skip
         live[ident] = block
-        addresses.append((ident, base))
+        if details:
+            addresses.append((ident, base))
         segments[base] = segment
         log.append(("segment_alloc", base, size, stream))
 
@@ -155,7 +172,7 @@ def _period_template(alloc, pool: Pool, run, events: Sequence, rounded: int) -> 
     if action != "segment_alloc" or segment is None or any(b.segment is not segment for b in blocks):
         return done, None
     if [b.address for b in blocks] != sorted(b.address for b in blocks):
-        return done, None  # not handed out in address order: ``_copy_period`` gives ids in address order
+        return done, None  # not handed out in address order: ``_copy_periods`` gives ids in address order
     # the pool changed inside the new segment only: a request takes a cached block (its own) or splits one
     # (the rest goes back), and only a memory limit frees cached blocks of other segments (not here)
     return done, segment
@@ -177,6 +194,8 @@ def fast_forward(run, events: Sequence) -> bool:
             run.fast_step(events[i])
             i += 1
         return True
+    if run.plain:  # the requests the pool's cached blocks serve, whole ones taken together
+        i = take_cached(run, events, rounded, pool)
     while i < n and not _settled(pool, rounded):  # up to a settled point
         run.fast_step(events[i])
         i += 1
@@ -193,14 +212,91 @@ def fast_forward(run, events: Sequence) -> bool:
         if done == 1 and len(blocks) == 1 and blocks[0].allocated:  # one whole segment per request
             _copy_whole(alloc, template, shift, ids[i:i + copies], run)
         else:
-            for c in range(1, copies + 1):
-                _copy_period(alloc, pool, template, blocks, c * shift, ids[i + (c - 1) * done:i + c * done], run)
+            _copy_periods(alloc, pool, template, blocks, shift, ids[i:i + copies * done], copies, run)
         alloc._next_address += copies * shift
         for stat, delta in zip(counted, deltas):
             stat.add(copies * delta)  # a run only allocates: every stat grows, its peak is where the run ends
     for e in events[i + copies * done:]:
         run.fast_step(e)
     return True
+
+
+def take_cached(run, events: Sequence, rounded: int, pool: Pool) -> int:
+    """The requests of the run ``events`` (``fast_forward``'s: one size and stream, new ids, no memory limit, no
+    ``max_split_size``: ``run.plain``) up to a settled point, each served by a cached block as ``malloc`` would
+    (best fit: the first block of the smallest size >= ``r``; split when ``_should_split``, else handed out
+    whole): how many were served (it stops at a settled point or at a block of an expandable segment). While
+    no block is cached between ``r`` and the first size ``s`` >= ``r``, and a split leaves less than ``r``, the
+    next ``k`` requests take the first ``k`` blocks of size ``s``, in address order: taken together (a speed-up,
+    no rule; tests/test_allocator_plain_loop.py compares it with the request-by-request replay)."""
+    sizes, by_size, blocks, live, stats = pool.sizes, pool.by_size, pool.blocks, run.live, run.alloc.stats
+    size, n, i, details, clock = events[0].size, len(events), 0, run.details, pool.clock[0]
+    limit = K_MIN_BLOCK_SIZE - 1 if pool.small else K_SMALL_SIZE  # a larger remainder is split off
+    while i < n:
+        index = bisect_left(sizes, rounded)
+        if index == len(sizes):  # settled
+            break
+        held = by_size[sizes[index]]
+        block = blocks[held[0]]
+        rest = block.size - rounded
+        if block.segment.expandable:
+            break
+        if rest >= rounded:  # the rest may serve the next request: one at a time
+            run.fast_step(events[i])
+            i += 1
+            continue
+        k = min(len(held), n - i)
+        taken = [blocks[a] for a in held[:k]]  # none expandable: ``fast_forward`` is here without the option
+        if len(held) == k:
+            del by_size[sizes[index]], sizes[index]
+        else:
+            del held[:k]
+        for b in taken:
+            del blocks[b.address]
+        if rest > limit:  # each split: its front handed out, the rest cached (``_plain_alloc``)
+            taken = [_split_front(b, rounded, clock, blocks) for b in taken]
+            _cached_after(pool, rest, [b.next.address for b in taken])
+        for b, e in zip(taken, events[i:i + k]):
+            b.allocated, b.requested = True, size
+            live[e.id] = b
+            if details:
+                run.addresses.append((e.id, b.address))
+        stats.allocated.add(k * taken[0].size)  # equal blocks; a run only allocates: the peak is where it ends
+        stats.requested.add(k * size)
+        i += k
+    return i
+
+
+def _split_front(block: Block, rounded: int, clock: int, cached: dict[int, Block]) -> Block:
+    """``block`` split (``_plain_alloc``): a new block of ``rounded`` bytes at its front, returned; ``block`` keeps
+    the rest, listed in ``cached`` (its pool's blocks by address) with ``clock`` as its age base."""
+    front, prev = _new(Block), block.prev
+    front.address, front.size, front.stream, front.small, front.segment = \
+        block.address, rounded, block.stream, block.small, block.segment
+    front.mapped, front.pending, front.gc_base, front.prev, front.next = True, False, 0, prev, block
+    if prev is not None:
+        prev.next = front
+    else:
+        block.segment.head = front
+    block.prev = front
+    block.address += rounded
+    block.size -= rounded
+    block.gc_base = clock
+    cached[block.address] = block
+    return front
+
+
+def _cached_after(pool: Pool, size: int, new: list[int]) -> None:
+    """``new`` (ascending addresses of blocks of ``size``) added to ``pool``'s addresses of that size."""
+    held = pool.by_size.get(size)
+    if held is None:
+        pool.by_size[size] = new
+        insort(pool.sizes, size)
+    elif held[-1] < new[0]:
+        held.extend(new)
+    else:
+        for address in new:
+            insort(held, address)
 
 
 def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int) -> bool:
@@ -233,21 +329,31 @@ def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int)
     if tail is not None:
         pool.remove(tail)
         before = tail.prev
-    stats, mapped_to = alloc.stats, rest.address
-    for e in events:
+    stats, mapped_to, small, live, size, grown_all = alloc.stats, rest.address, pool.small, run.live, events[0].size, 0
+    addresses = run.addresses if run.details else None
+    for e in events:  # each ``Block(...)`` made without its ``__init__`` and linked here (a speed-up, no rule)
         if frontier + rounded > mapped_to:
             grown = -(-(frontier + rounded - mapped_to) // page) * page
             alloc.log.append(("segment_map", mapped_to, grown, stream))
-            stats.reserved.add(grown)
+            grown_all += grown
             mapped_to += grown
-        block = Block(frontier, rounded, stream, pool.small, segment)
-        block.allocated, block.requested = True, e.size
-        before = _link(segment, before, block)
-        run.live[e.id] = block
-        run.addresses.append((e.id, frontier))
-        stats.allocated.add(rounded)
-        stats.requested.add(e.size)
+        block = _new(Block)
+        block.address, block.size, block.stream, block.small, block.segment, block.requested, block.allocated, \
+            block.pending, block.mapped, block.prev, block.next, block.gc_base = \
+            frontier, rounded, stream, small, segment, size, True, False, True, before, None, 0  # fmt: skip
+        if before is None:
+            segment.head = block
+        else:
+            before.next = block
+        before = block
+        live[e.id] = block
+        if addresses is not None:
+            addresses.append((e.id, frontier))
         frontier += rounded
+    # a run only allocates and maps: each stat grows, its peak is where the run ends
+    stats.reserved.add(grown_all)
+    stats.allocated.add(len(events) * rounded)
+    stats.requested.add(len(events) * size)
     if frontier < mapped_to:
         cached = Block(frontier, mapped_to - frontier, stream, pool.small, segment)
         before = _link(segment, before, cached)

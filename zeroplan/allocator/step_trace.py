@@ -55,7 +55,9 @@ PAIR_SKIP = True
 two sets it)."""
 _new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
 _TRUE = repeat(True)  # ``live.get``'s default, mapped
-_SIZE, _SIZE_STREAM = itemgetter(1), itemgetter(1, 2)  # a live buffer's size, (size, stream) (id, size, stream)
+_ID, _SIZE, _SIZE_STREAM = itemgetter(0), itemgetter(1), itemgetter(1, 2)  # a live buffer's (id, size, stream) fields
+# an ``Event``'s fields, repeated (``zip`` stops at its one finite argument, so that these serve every call)
+_EVENT, _FREE, _ALLOC, _ZERO, _NONE = repeat(Event), repeat("free"), repeat("alloc"), repeat(0), repeat(None)
 
 
 @dataclass(frozen=True)
@@ -258,7 +260,8 @@ class _Builder:
             if fresh and not (PAIR_SKIP and {f[1:3] for f in fresh}.isdisjoint(map(_SIZE_STREAM, freed))):
                 freed = self._paired(freed, fresh)
             freed.sort(reverse=True)
-            self.events.extend([_new(Event, ("free", b[0], 0, 0, None)) for b in freed])  # ``Event("free", id)``
+            self.events.extend(map(_new, _EVENT, zip(_FREE, map(_ID, freed), _ZERO, _ZERO, _NONE)))  # ``Event("free",
+            # id)``, in C
             self.live_bytes -= sum(map(self._round_of.__getitem__, map(_SIZE, freed)))  # rounded, in C
         if moment.phase != self.phase:
             self.phase = moment.phase
@@ -272,8 +275,8 @@ class _Builder:
                 live[key].append((ident, size, stream))
             else:
                 ids = range(ident, ident + count)
-                events.extend([_new(Event, ("alloc", i, size, stream, None)) for i in ids])  # ``Event(...)``, in C
-                live[key].extend([(i, size, stream) for i in ids])
+                events.extend(map(_new, _EVENT, zip(_ALLOC, ids, repeat(size), repeat(stream), _NONE)))  # in C
+                live[key].extend(zip(ids, repeat(size), repeat(stream)))
             ident += count
             added += count * self._round_of[size]
         self.next_id = ident
