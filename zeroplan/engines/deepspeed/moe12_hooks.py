@@ -60,11 +60,11 @@ from functools import lru_cache
 
 from zeroplan.architectures.spec import transformer_shapes
 import zeroplan.engines.deepspeed.boundary as B
-from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _rank_first_buckets
 from zeroplan.engines.deepspeed.moe12_winners import _kept_bytes_of, _partitions_by_first, _winner_without_kept
 from zeroplan.engines.deepspeed.moe_offload import norm_copy, norms_at_hooks
 from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
-from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas.moe_activations import INDEX_BYTES, OFFSET_BYTES, ROUTING_WEIGHT_BYTES
@@ -197,7 +197,7 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
     limit = run.settings.reduce_bucket_size
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient"))  # fmt: skip
-    firsts = {r: min(bucket_of[i] for i in run.flat.params(r)) for r in run.ranks if run.flat.params(r)}
+    firsts = _sparse_firsts(run)
     out, large_name = [], "gradients larger than the bucket, in the bucket reduced"
     for b in range(len(buckets) - 1):
         hook = order[first_of_bucket[b + 1]]
@@ -222,6 +222,18 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
                 _act("the gathered rows' gradient scattered back (IndexBackward: zeros, index_put)",
                      2 * run.acts.embed_out, 2))))
     return (*out, *_gate_up_backward(run, base, kept, firsts))
+
+
+def _sparse_firsts(run: DSRun) -> dict[int, int]:
+    """Rank -> its first hook bucket (the least bucket of its parameters), for the ranks described with a parameter,
+    in rank order: ``layout_ranks._rank_first_buckets`` (the same least over each rank's range), every rank's dict
+    once per layout and bucket size (``shared_memo``). A speed-up, no rule: it was a generator's ``min`` per rank and
+    run (tests/test_deepspeed_moe12_winner.py ``test_sparse_firsts_equal_the_per_rank_min``). Read, never changed."""
+    firsts = _rank_first_buckets(run)
+    if run.settings.rank is not None:
+        r = run.settings.rank
+        return {r: firsts[r]} if firsts[r] >= 0 else {}
+    return shared_memo("sparse firsts", (firsts,), (), lambda: {r: f for r, f in enumerate(firsts) if f >= 0})  # type: ignore[return-value]
 
 
 def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[Term, ...]],
