@@ -95,15 +95,27 @@ def _roles(run: DSRun) -> dict[int, str]:
 @lru_cache(maxsize=16)
 def _roles_of(spec) -> dict[int, str]:
     names, moe = _names(spec), spec.moe
-    sparse = {f".layers.{j}." for j in moe.sparse_layers}
+    sparse = {str(j) for j in moe.sparse_layers}
     out = {}
     for i, name in enumerate(names):
         role = next((v for k, v in ROLES.items() if name.endswith(k)), None)
         if role is None and any(a in name for a in ATTENTION):
             role = "attention"
-        if role is not None and any(s in name for s in sparse):
+        if role is not None and _in_layers(name, sparse):
             out[i] = role
     return out
+
+
+def _in_layers(name: str, layers: set[str]) -> bool:
+    """Whether ``name`` holds ``.layers.{j}.`` for a j of ``layers`` (its indices as text): the index after each
+    ``.layers.`` looked up, not every layer's text searched for (a speed-up, no rule; tests/test_deepspeed_moe12_winner.py)."""
+    at = name.find(".layers.")
+    while at >= 0:
+        end = name.find(".", at + 8)
+        if end >= 0 and name[at + 8:end] in layers:
+            return True
+        at = name.find(".layers.", at + 1)
+    return False
 
 
 def _tokens(run: DSRun) -> int:
@@ -118,6 +130,20 @@ def _router_saved(run: DSRun) -> int:
 
 
 def _at_hook(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
+    """``_hook_terms``, once per (j, role) for every run of the same activations, architecture, parameter sizes (the
+    very objects), checkpointing and dtype: what it reads. A speed-up, no rule: every ZeRO-1/2 run asked each hook's
+    anew (tests/test_deepspeed_moe12_winner.py ``test_at_hook_memo_equals_each_built``). Read, never changed."""
+    memo = run.memo.get("sparse hook activations")
+    if memo is None:
+        memo = run.memo["sparse hook activations"] = shared_memo(
+            "sparse hook activations", (run.acts, run.spec, run.numels), (run.checkpointing, run.settings.dtype), dict)
+    found = memo.get((j, role))
+    if found is None:
+        found = memo[j, role] = _hook_terms(run, j, role)
+    return found
+
+
+def _hook_terms(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
     """Block j's activations at the hook of its sparse MLP's parameter of ``role`` (module docstring)."""
     spec, n, a, nda = run.spec, _tokens(run), DTYPE_BYTES[run.settings.dtype], run.acts.embed_out
     blk = run.acts.layer_blocks[j] if run.acts.layer_blocks else run.acts.block

@@ -1,0 +1,98 @@
+"""Work the DeepSpeed runs of one plan shared, done once (issue 16's plan speed, Qwen3-30B-A3B on 1,024 GPUs): each a
+speed-up, no rule, checked here against the plain computation it replaced (main at 9c9090d) on real and random cases.
+
+- ``moe12_hooks._at_hook``: a sparse hook's activations once per (block, role) for every run of the same activations,
+  architecture, parameter sizes, checkpointing and dtype (``_hook_terms`` built anew is the reference);
+- ``moe12_hooks._in_layers``: a parameter in a sparse layer by the index after ``.layers.`` (each layer's text
+  searched for is the reference);
+- ``terms.persistent_numel``: ZeRO-3's parameters kept gathered, kept for the last layouts and thresholds;
+- ``moe.expert_gradients_held``: the last sparse block's modules found once per trace."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.test_deepspeed_moe import CONFIGS as WIDE
+from zeroplan.architectures.hf_config import spec_from_hf_config
+from zeroplan.architectures.spec import transformer_shapes
+from zeroplan.engines.base import Workload
+from zeroplan.engines.deepspeed import Settings, ds_run
+import zeroplan.engines.deepspeed.moe as MOE
+import zeroplan.engines.deepspeed.moe12_hooks as MH
+import zeroplan.engines.deepspeed.run as RUN
+from zeroplan.engines.deepspeed.terms import persistent_numel
+
+CONFIGS = Path(__file__).resolve().parent / "data" / "hf_configs"
+MODELS = ["qwen3-moe-wide", "qwen2-moe-wide", "mixtral-wide", "deepseek-wide", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b",
+          "deepseek-v3", "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v3"]
+
+
+def _spec(model):
+    return spec_from_hf_config(WIDE[model] if model in WIDE else json.loads((CONFIGS / f"{model}.json").read_text()))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_at_hook_memo_equals_each_built(model):
+    """Runs in turn of two dtypes, checkpointing or not, two micro-batches (other activations), ZeRO-1 and 2: every
+    sparse block's every role through the memo equals ``_hook_terms`` built for that run, term for term."""
+    spec = _spec(model)
+    roles = ("gate_up", "down", "router", "norm", "attention", *(("shared_down", "shared_up", "shared_gate")
+                                                                  if spec.model_type == "qwen2_moe" else ()))
+    seen = 0
+    for dtype, ckpt, micro, stage in (("bf16", "none", 2, 2), ("fp32", "none", 2, 1), ("bf16", "full", 2, 2),
+                                      ("bf16", "none", 1, 1), ("bf16", "none", 2, 1), ("fp32", "full", 1, 2)):
+        workload = Workload(transformer_shapes(spec), spec, 16, micro, checkpointing=ckpt, transformers=True)
+        run = ds_run(Settings(stage=stage, dtype=dtype, reduce_bucket_size=10**6, allgather_bucket_size=10**6),
+                     workload, 4)
+        for j in spec.moe.sparse_layers:
+            for role in roles:
+                got = MH._at_hook(run, j, role)
+                assert got == MH._hook_terms(run, j, role), (dtype, ckpt, micro, j, role)
+                assert [t.name for t in got] == [t.name for t in MH._hook_terms(run, j, role)]
+                seen += 1
+    assert seen
+
+
+def _plain_in_sparse(name, layers):
+    return any(s in name for s in {f".layers.{j}." for j in layers})
+
+
+def test_in_layers_equals_every_layer_searched():
+    rng = random.Random(5)
+    parts = ("model", "layers", "0", "1", "2", "10", "12", "mlp", "experts", "layers.3", "", "x1")
+    for _ in range(3000):
+        name = ".".join(rng.choice(parts) for _ in range(rng.randint(1, 8)))
+        layers = set(rng.sample(range(14), rng.randint(0, 6)))
+        assert MH._in_layers(name, {str(j) for j in layers}) == _plain_in_sparse(name, layers), (name, layers)
+    for model in MODELS:  # every real parameter name
+        spec = _spec(model)
+        for name in MH._names(spec):
+            assert MH._in_layers(name, {str(j) for j in spec.moe.sparse_layers}) == _plain_in_sparse(
+                name, spec.moe.sparse_layers), name
+
+
+def test_persistent_numel_equals_the_sum():
+    rng = random.Random(7)
+    layouts = [tuple(rng.randint(0, 10**6) for _ in range(rng.randint(0, 50))) for _ in range(8)]
+    for _ in range(2000):  # layouts and thresholds in turn, again and again (the memo's hits and misses)
+        numels, limit = rng.choice(layouts), rng.choice((0, 1, 10**4, 10**5, 5 * 10**5, 10**6, 10**7))
+        s = Settings(stage=3, param_persistence_threshold=limit)
+        assert persistent_numel(s, numels) == sum(n for n in numels if n <= limit)
+        copy = tuple(list(numels))  # an equal tuple, another object
+        assert persistent_numel(s, copy) == sum(n for n in numels if n <= limit)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_expert_gradients_held_equal_with_the_memo_cleared(model):
+    spec = _spec(model)
+    for hf in (True, False):
+        run = ds_run(Settings(stage=3, reduce_bucket_size=10**6, allgather_bucket_size=10**6),
+                     Workload(transformer_shapes(spec), spec, 16, 2, transformers=hf), 4)
+        sched = RUN._schedule(run)
+        got = MOE.expert_gradients_held(run, sched)
+        RUN._SHARED.clear()
+        assert got == MOE.expert_gradients_held(run, sched)
