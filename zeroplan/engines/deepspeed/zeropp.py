@@ -129,6 +129,7 @@ def _hpz_replay(trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz: int, 
     return HpzSchedule(*fields, secondary=secondary, groups=groups), left
 
 
+@lru_cache(maxsize=8)  # every hpZ run of a plan asks (a speed-up, no rule)
 def all_secondaries_numel(numels: tuple[int, ...], nd: int, hpz: int) -> int:
     """Every parameter's secondary partition: alive from ``deepspeed.initialize`` to the first step's end, and in
     each optimizer step (``_partition_all_parameters`` makes the persistent ones' too) until ``_post_step``."""
@@ -181,9 +182,16 @@ def zeropp_gathers(s, trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz:
     the first micro-step cold, the G - 1 others warm (module docstring); qwZ: each call in int8 and a second
     call of its fp32 scales (``qwz_groups`` of the rank's partition of the call, times the group)."""
     args = (s.param_persistence_threshold, s.prefetch_bucket_size, s.max_live_parameters, s.max_reuse_distance)
+    return _gather_rows(trace, numels, nd, hpz, grad_accum, s.dtype, s.quantized_weights, args)
+
+
+@lru_cache(maxsize=32)  # the candidates of one prefetch setting, whatever their reduce bucket (a speed-up, no rule)
+def _gather_rows(trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz: int, grad_accum: int, dtype: str,
+                 quantized: bool, args: tuple) -> tuple[tuple[str, int, str, int, int, str], ...]:
+    """``zeropp_gathers``' rows; the warm hpZ replay only where a later micro-step is counted (G > 1)."""
     if hpz:
-        later = (hpz_schedule(trace, numels, nd, hpz, *args, warm=True), grad_accum - 1)
-        scheds = ((hpz_schedule(trace, numels, nd, hpz, *args), 1), *((later,) if grad_accum > 1 else ()))
+        later = ((hpz_schedule(trace, numels, nd, hpz, *args, warm=True), grad_accum - 1),) if grad_accum > 1 else ()
+        scheds = ((hpz_schedule(trace, numels, nd, hpz, *args), 1), *later)
     else:
         scheds = ((stage3_schedule(trace, numels, nd, *args), grad_accum),)
     rows: dict[tuple[str, int, str], list] = {}
@@ -191,8 +199,8 @@ def zeropp_gathers(s, trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz:
         groups = sched.groups if isinstance(sched, HpzSchedule) else (nd,) * len(sched.gathers)
         for g, group in zip(sched.gathers, groups):
             phase = "backward" if trace.events[g.issued].backward_phase else "forward"
-            calls = [(s.dtype, g.elements, GATHER_SRC)]
-            if s.quantized_weights:
+            calls = [(dtype, g.elements, GATHER_SRC)]
+            if quantized:
                 calls = [("int8", g.elements, QWZ_SRC), ("fp32", qwz_groups(g.elements // group) * group, QWZ_SRC)]
             for dtype, elements, src in calls:
                 row = rows.setdefault((phase, group, dtype), [0, 0, src])
