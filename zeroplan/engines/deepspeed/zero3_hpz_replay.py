@@ -25,6 +25,29 @@ def _issue_split(todo: list[int], sec: set[int], hpz: int, nd: int, groups: list
             groups.append(group)
 
 
+def _waits(params: frozenset, i: int, state: tuple, numels: tuple[int, ...], counts: list[int]) -> None:
+    """``Coordinator.wait`` of each of the module's ``params`` in the registry, in the set's order, at event ``i``."""
+    status, registry, handles, issued, own = state[:5]
+    for p in params:
+        if p in registry:
+            hid = registry.pop(p)
+            h = handles[hid]
+            if not h[3]:
+                h[3] = True
+                for q in h[0]:
+                    status[q] = AVAILABLE
+                if h[1]:
+                    for q in h[0]:
+                        own[q] = numels[q]
+                    counts[2] += h[4]
+                    counts[3] = counts[2] if counts[2] > counts[3] else counts[3]
+            h[2] -= 1
+            if h[2] == 0:
+                issued[hid]["popped"] = i
+                counts[2] -= h[1]
+                counts[1] -= h[1]
+
+
 def hpz_fused_replay(steps: tuple[tuple[bool, int, bool], ...], record: tuple, numels: tuple[int, ...], nd: int,
                      hpz: int, sec_numel: list[int], start: frozenset, bucket: int, max_live: int, max_reuse: int,
                      gather: type) -> tuple[tuple, tuple[int, ...], tuple[int, ...], frozenset]:
@@ -58,24 +81,7 @@ def hpz_fused_replay(steps: tuple[tuple[bool, int, bool], ...], record: tuple, n
                     opened[m] = True
                     for p in params:
                         users[p] += 1
-                for p in params:
-                    if p in registry:  # Coordinator.wait
-                        hid = registry.pop(p)
-                        h = handles[hid]
-                        if not h[3]:
-                            h[3] = True
-                            for q in h[0]:
-                                status[q] = AVAILABLE
-                            if h[1]:
-                                for q in h[0]:
-                                    own[q] = numels[q]
-                                counts[2] += h[4]
-                                counts[3] = counts[2] if counts[2] > counts[3] else counts[3]
-                        h[2] -= 1
-                        if h[2] == 0:
-                            issued[hid]["popped"] = i
-                            counts[2] -= h[1]
-                            counts[1] -= h[1]
+                _waits(params, i, state, numels, counts)
                 for p in params:
                     if fetched_for[p] < step:  # Coordinator.pop_expected: these leave the queue
                         at = _pop_expected(queue, at, [q for q in params if fetched_for[q] < step], fetched_for, step)
