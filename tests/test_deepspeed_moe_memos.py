@@ -11,6 +11,7 @@ speed-up, no rule, checked here against the plain computation it replaced (main 
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -96,3 +97,81 @@ def test_expert_gradients_held_equal_with_the_memo_cleared(model):
         got = MOE.expert_gradients_held(run, sched)
         RUN._SHARED.clear()
         assert got == MOE.expert_gradients_held(run, sched)
+
+
+def _plain_sparse_hook_partitions(run, last, inflight, kept):
+    """``moe12_hooks.sparse_hook_partitions`` as it was (main at 9c9090d): each bucket's facts found in the run."""
+    import zeroplan.engines.deepspeed.boundary as B
+    from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+    from zeroplan.engines.deepspeed.moe_offload import norms_at_hooks
+    from zeroplan.engines.deepspeed.reduce import hook_copy_term
+    from zeroplan.engines.deepspeed.run import _act, _blocks_saved, _pbytes
+    from zeroplan.formulas.peak import Moment, Term
+
+    if run.spec is None or run.spec.moe is None or not run.param_blocks:
+        return ()
+    roles, p = MH._roles(run), _pbytes(run)
+    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
+    limit = run.settings.reduce_bucket_size
+    base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
+                                                                         "incoming activation gradient"))
+    firsts = {r: min(bucket_of[i] for i in run.flat.params(r)) for r in run.ranks if run.flat.params(r)}
+    out, large_name = [], "gradients larger than the bucket, in the bucket reduced"
+    for b in range(len(buckets) - 1):
+        hook = order[first_of_bucket[b + 1]]
+        role, j = roles.get(hook), run.param_blocks[hook]
+        if role not in ("gate_up", "router", "norm", "shared_down", "shared_up", "shared_gate", "down", "attention") or (
+                role in ("down", "attention") and not norms_at_hooks(run) and (
+                    role == "attention" or run.spec.model_type == "deepseek_v3")):
+            continue
+        large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
+        common = (*B.held_at(run, base, B.position(run, hook) + 1), _blocks_saved(run, j), *MH._hook_terms(run, j, role),
+                  Term(large_name, large * p, f"{MH.SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
+                  Term("the hooked parameter's gradient (waiting)", run.numels[hook] * p,
+                       f"{MH.SRC} reduce_independent_p_g_buckets_and_remove_grads (the bucket first)"))
+        copy = hook_copy_term(run, b)
+        best = MH._rank_holding_most(run, kept, copy, firsts, j, b)
+        out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
+        if role == "gate_up" and run.numels[hook] > limit:
+            name = f"block {j} gathered rows' backward after the gate-up hook, bucket {b} gone"
+            out.append(Moment("backward", name, (
+                *(t for t in common if t.name != large_name), *(t for t in best if t is not copy),
+                _act("the gathered rows' gradient scattered back (IndexBackward: zeros, index_put)",
+                     2 * run.acts.embed_out, 2))))
+    return (*out, *MH._gate_up_backward(run, base, kept, firsts))
+
+
+@pytest.mark.parametrize("model", ["qwen3-moe-wide", "qwen2-moe-wide", "mixtral-wide", "deepseek-wide",
+                                   "qwen1.5-moe-a2.7b", "deepseek-v3"])
+def test_sparse_hooks_shared_equal_each_run_built(model):
+    """``moe12_hook_facts.sparse_hooks`` (each sparse hook bucket's facts once for the runs of a layout, bucket size,
+    dtypes and offload): runs in turn (every rank, a rank named, ZeRO-1 with overlap_comm and ZeRO-2, two buckets,
+    two dtypes, offload's norms (``norms_at_hooks``: buckets of the largest tensor, no overlap_comm), two N_d) list the
+    very moments the per-run loop lists, name for name (offload's norms left out of the memo's key fails it)."""
+    from tests.test_deepspeed_winners import _last_and_inflight
+    from zeroplan.engines.deepspeed.offload_settings import OffloadTarget
+    from zeroplan.engines.deepspeed.zero12 import _stage1_kept_gradients
+
+    spec = _spec(model)
+    workload = Workload(transformer_shapes(spec), spec, 16, 2, transformers=True)
+    big, largest = model in ("qwen1.5-moe-a2.7b", "deepseek-v3"), max(math.prod(sh) for _, sh in workload.shapes)
+    seen = norms = 0
+    for stage, bucket, nd, rank, dtype, offload, overlap in (
+            (2, 50_000, 4, None, "bf16", False, True), (2, 50_000, 4, 0, "bf16", False, True),
+            (1, 50_000, 4, None, "bf16", False, True), (2, 50_000, 4, 2, "fp32", False, True),
+            (2, 100_000, 8, None, "bf16", False, True), (2, 100_000, 8, 5, "bf16", True, True),
+            (2, None, 4, None, "bf16", False, False), (2, None, 4, None, "bf16", True, False),  # offload's norms: only
+            (2, None, 4, 1, "bf16", True, False), (2, None, 4, 1, "bf16", False, False),  # what differs between each two
+            (1, 50_000, 4, 1, "bf16", False, True)):
+        bucket = largest if bucket is None else bucket * 1000 if big else bucket
+        settings = Settings(stage=stage, overlap_comm=overlap, reduce_bucket_size=bucket, allgather_bucket_size=bucket,
+                            rank=rank, dtype=dtype, offload_optimizer=OffloadTarget(device="cpu") if offload else OffloadTarget())
+        run = ds_run(settings, workload, nd * (8 if big else 1))
+        last, inflight = _last_and_inflight(run)
+        kept = _stage1_kept_gradients(run) if stage == 1 else {}
+        got = MH.sparse_hook_partitions(run, last, inflight, kept)
+        want = _plain_sparse_hook_partitions(run, last, inflight, kept)
+        assert got == want and [m.name for m in got] == [m.name for m in want]
+        seen += len(want)
+        norms += MH.norms_at_hooks(run)
+    assert seen and norms == 2

@@ -61,9 +61,10 @@ from functools import lru_cache
 from zeroplan.architectures.spec import transformer_shapes
 import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _rank_first_buckets
+from zeroplan.engines.deepspeed.moe12_hook_facts import LARGE, SRC, sparse_hooks
 from zeroplan.engines.deepspeed.moe12_winners import _kept_bytes_of, _partitions_by_first, _winner_without_kept
 from zeroplan.engines.deepspeed.moe_offload import norm_copy, norms_at_hooks
-from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
+from zeroplan.engines.deepspeed.reduce import GIP_SRC
 from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas import deepseek_activations as DS
@@ -71,7 +72,6 @@ from zeroplan.formulas.moe_activations import INDEX_BYTES, OFFSET_BYTES, ROUTING
 from zeroplan.formulas.moe_block import router_saved
 from zeroplan.formulas.peak import Moment, Term
 
-SRC = "runtime/zero/stage_1_and_2.py"
 ROLES = {".mlp.experts.gate_up_proj": "gate_up", ".mlp.experts.down_proj": "down", ".mlp.gate.weight": "router",
          ".post_attention_layernorm.weight": "norm", ".mlp.shared_expert.down_proj.weight": "shared_down",
          ".mlp.shared_expert.up_proj.weight": "shared_up",
@@ -217,34 +217,17 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
     rank's partition, reduced before and kept to the step (``kept``: zero12.py ``_stage1_kept_gradients``, the later blocks'; and block j's own)."""
     if run.spec is None or run.spec.moe is None or not run.param_blocks:
         return ()
-    roles = _roles(run)
-    p = _pbytes(run)
-    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
-    limit = run.settings.reduce_bucket_size
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient"))  # fmt: skip
     firsts = _sparse_firsts(run)
-    out, large_name = [], "gradients larger than the bucket, in the bucket reduced"
-    for b in range(len(buckets) - 1):
-        hook = order[first_of_bucket[b + 1]]
-        role, j = roles.get(hook), run.param_blocks[hook]
-        if role not in ("gate_up", "router", "norm", "shared_down", "shared_up", "shared_gate", "down", "attention") or (
-                role in ("down", "attention") and not norms_at_hooks(run) and (  # measured with offload's norm copies
-                    role == "attention" or run.spec.model_type == "deepseek_v3")):  # (DeepSeek-V3's down: only there)
-            continue
-        large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
-        common = (*B.held_at(run, base, B.position(run, hook) + 1), _blocks_saved(run, j), *_at_hook(run, j, role),
-                  Term(large_name, large * p,
-                       f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
-                  Term("the hooked parameter's gradient (waiting)", run.numels[hook] * p,
-                       f"{SRC} reduce_independent_p_g_buckets_and_remove_grads (the bucket first)"))  # fmt: skip
-        copy = hook_copy_term(run, b)
+    out = []
+    for b, hook, role, j, at, hooked, copy, name, waits in sparse_hooks(run, _roles(run)):
+        common = (*B.held_at(run, base, at), _blocks_saved(run, j), *_at_hook(run, j, role), *hooked)
         best = _rank_holding_most(run, kept, copy, firsts, j, b)
-        out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
-        if role == "gate_up" and run.numels[hook] > limit:  # its gradient waits past the hook (module docstring)
-            name = f"block {j} gathered rows' backward after the gate-up hook, bucket {b} gone"
-            out.append(Moment("backward", name, (
-                *(t for t in common if t.name != large_name), *(t for t in best if t is not copy),
+        out.append(Moment("backward", name, (*common, *best)))
+        if waits:  # gate_up_proj's gradient larger than the bucket waits past the hook (module docstring)
+            out.append(Moment("backward", f"block {j} gathered rows' backward after the gate-up hook, bucket {b} gone", (
+                *(t for t in common if t.name != LARGE), *(t for t in best if t is not copy),
                 _act("the gathered rows' gradient scattered back (IndexBackward: zeros, index_put)",
                      2 * run.acts.embed_out, 2))))
     return (*out, *_gate_up_backward(run, base, kept, firsts))
