@@ -175,3 +175,30 @@ def test_sparse_hooks_shared_equal_each_run_built(model):
         seen += len(want)
         norms += MH.norms_at_hooks(run)
     assert seen and norms == 2
+
+
+@pytest.mark.parametrize("model", ["qwen3-moe-wide", "qwen2-moe-wide", "mixtral-wide", "deepseek-wide", "tiny-deepseek-v3"])
+def test_sparse_forward_moments_shared_equal_each_run_built(model):
+    """``moe.sparse_forward_moments`` takes its moments' terms after ``base`` once for the runs of one schedule,
+    trace, activations, architecture, checkpointing, model, dtype, qwZ and N_d (``shared_memo``): ZeRO-3 runs in turn
+    (buckets, prefetch on and off, bf16 and fp32, checkpointed or not, hpZ, two N_d, the validator's model and
+    transformers') list the very moments built for each run alone (``_sparse_forward_tails``, main's loop)."""
+    from zeroplan.formulas.peak import Moment
+
+    spec = _spec(model)
+    seen = 0
+    for hf, ckpt, dtype, prefetch, bucket, nd, hpz in (
+            (True, "none", "bf16", 50_000_000, 10**6, 4, 1), (True, "none", "bf16", 0, 10**6, 4, 1),
+            (True, "none", "fp32", 0, 10**6, 4, 1), (True, "full", "bf16", 0, 10**6, 4, 1),
+            (True, "none", "bf16", 50_000_000, 10**5, 4, 1), (True, "none", "bf16", 50_000_000, 10**6, 16, 8),
+            (True, "none", "bf16", 50_000_000, 10**6, 16, 1), (False, "none", "bf16", 50_000_000, 10**6, 4, 1)):
+        workload = Workload(transformer_shapes(spec), spec, 16, 2, checkpointing=ckpt, transformers=hf)
+        run = ds_run(Settings(stage=3, dtype=dtype, prefetch_bucket_size=prefetch, reduce_bucket_size=bucket,
+                              allgather_bucket_size=bucket, hpz_partition_size=hpz), workload, nd)
+        sched = RUN._schedule(run)
+        base = (MH._act("a base term", 7),)
+        got = MOE.sparse_forward_moments(run, sched, base)
+        want = tuple(Moment("forward", name, (*base, *tail)) for name, tail in MOE._sparse_forward_tails(run, sched))
+        assert got == want and [m.name for m in got] == [m.name for m in want]
+        seen += len(want)
+    assert seen
