@@ -255,11 +255,10 @@ def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
     peak, 150,000-element buckets: its partition allocated at layer 2's ``down_proj`` hook)."""
     roles, order, (_, _, first_of_bucket, bucket_of) = _roles(run), run.grad_ready_order, _hook_buckets(run)
     p, a, spec, limit = _pbytes(run), DTYPE_BYTES[run.settings.dtype], run.spec, run.settings.reduce_bucket_size
-    pos = {i: k for k, i in enumerate(order)}
     s_rows, last_first = _tokens(run) * spec.moe.top_k, len(first_of_bucket) - 1
-    out = []
-    for gu in (i for i, role in roles.items() if role == "gate_up"):
-        j, at = run.param_blocks[gu], pos[gu]
+    out = []  # the gate-up parameters once per architecture, their places from the layout's (a speed-up, no rule)
+    for gu in shared_memo("gate-up parameters", (roles,), (), lambda: [i for i, role in roles.items() if role == "gate_up"]):  # type: ignore[union-attr]
+        j, at = run.param_blocks[gu], B.position(run, gu)
         b = bucket_of[order[at - 1]]  # the bucket filling when the gate-up backward runs
         if kept:  # a speed-up, no rule: ``_stage1_kept``'s bytes summed from integers
             held = [r for r, first in firsts.items() if first < last_first and first_of_bucket[first + 1] < at]
