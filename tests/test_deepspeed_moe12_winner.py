@@ -191,7 +191,7 @@ def test_winner_without_kept_on_random_ties():
         firsts = {r: rng.randrange(nb) for r in ranks}
         numels = {r: rng.choice((0, 1, 2, 3)) for r in ranks}
         run = SimpleNamespace(memo={}, settings=SimpleNamespace(dtype="fp32"),
-                              flat=SimpleNamespace(params_numel=numels.__getitem__))
+                              flat=SimpleNamespace(params_numel=numels.__getitem__, _params_numels=numels))
         sizes4 = {r: 4 * numels[r] for r in ranks}
         for b in range(nb + 1):
             for c in (0, 2, 4, 8, 12, 16):
@@ -215,3 +215,18 @@ def test_sparse_block_start_equals_its_scan(model, stage, bucket, nd, rank, offl
         assert sparse_block_start(run, j) == want, j
         sparse += bool(gate_up)
     assert sparse
+
+
+@pytest.mark.parametrize("model, stage, bucket, nd, rank, offload", CASES)
+def test_sparse_firsts_equal_the_per_rank_min(model, stage, bucket, nd, rank, offload):
+    """``moe12_hooks._sparse_firsts`` (each rank's first hook bucket from ``layout_ranks._rank_first_buckets``, every
+    rank's dict shared by the runs of a layout and bucket size) is the per-rank ``min`` it replaced (main at 9c9090d),
+    key for key in rank order; twice, the second from the shared memo, every rank or the one named."""
+    spec = _spec(model)
+    for r in (rank, None, nd - 1):
+        run = ds_run(Settings(stage=stage, overlap_comm=True, reduce_bucket_size=bucket, allgather_bucket_size=bucket,
+                              rank=r), Workload(transformer_shapes(spec), spec, 16, 2, transformers=True), nd)
+        bucket_of = _hook_buckets(run)[3]
+        want = {q: min(bucket_of[i] for i in run.flat.params(q)) for q in run.ranks if run.flat.params(q)}
+        for _ in range(2):
+            assert list(MH._sparse_firsts(run).items()) == list(want.items())

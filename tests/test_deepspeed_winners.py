@@ -199,9 +199,10 @@ def test_in_block_reductions_shared_across_prefetch_equal_each_built(model, buck
     spec = spec_from_hf_config(json.loads((CONFIGS / f"{model}.json").read_text()))
     workload = Workload(transformer_shapes(spec), spec, 16, 2, checkpointing=ckpt, transformers=True)
     bases = set()
-    for prefetch in (0, 1_000, 50_000_000, 0):
+    for prefetch, hpz in ((0, 1), (1_000, 1), (50_000_000, 1 if offload else 8), (50_000_000, 1), (0, 1 if offload else 8),
+                          (0, 1)):  # hpZ (not with offload) shares it too
         settings = Settings(stage=3, reduce_bucket_size=bucket, allgather_bucket_size=bucket, prefetch_bucket_size=prefetch,
-                            device="cuda",
+                            device="cuda", hpz_partition_size=hpz,
                             offload_optimizer=OffloadTarget(device="cpu") if offload else OffloadTarget())
         run = ds_run(settings, workload, nd)
         assert run.settings.device == "cuda"

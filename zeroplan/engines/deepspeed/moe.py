@@ -98,13 +98,23 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
     - the experts run and after, to the sparse MLP's release (DeepSeek's shared experts run last): the block's
       saved tensors and its forward peak beyond them (``forward_extra``), with the most gathered there (measured:
       Qwen3-MoE, the reordering ``weighted_out[inv_perm]``)."""
+    tails = shared_memo("sparse forward tails", (sched, run.trace, run.acts, run.spec), (  # type: ignore[union-attr]
+        run.checkpointing, run.transformers, run.settings.dtype, run.settings.quantized_weights, run.nd),
+        lambda: _sparse_forward_tails(run, sched))
+    return tuple([Moment("forward", name, (*base, *tail)) for name, tail in tails])
+
+
+def _sparse_forward_tails(run: DSRun, sched) -> tuple[tuple[str, tuple[Term, ...]], ...]:
+    """``sparse_forward_moments``' (name, terms after ``base``), once for the runs of one schedule, trace,
+    activations, architecture, checkpointing, model, dtype, qwZ and N_d: what they read (``shared_memo``; a speed-up,
+    no rule: each ZeRO-3 candidate made them anew; tests/test_deepspeed_moe_memos.py)."""
     out = []
     L, marks = run.acts.n_layer, mark_names(run)
     ckpt = run.checkpointing != "none"
     masks = Term("the body's unused attention mask (bool)", run.acts.body_masks,
                  "transformers models/qwen2_moe/modeling_qwen2_moe.py Qwen2MoeModel.forward (causal_mask_mapping): "
                  "activation_terms.unused_sliding_mask")  # fmt: skip
-    base = (*base, masks) if run.acts.body_masks else base
+    base = (masks,) if run.acts.body_masks else ()
     for j in sparse_blocks(run):
         blk, name = _block(run, j), ("last block" if j == L - 1 else f"block {j}")
         held = (_blocks_saved(run, j), _act("block's saved activations before its MLP", blk.saved - blk.mlp_saved))
@@ -115,23 +125,23 @@ def sparse_forward_moments(run: DSRun, sched, base: tuple[Term, ...]) -> tuple[M
             inputs = _act("", 0)
         for what in ("post_attention_layernorm", "mlp", "gate"):  # the mlp's mark where it is a leaf, else the router's
             if f"block {j} {what} fetch" in marks and (what != "mlp" or f"block {j} gate fetch" not in marks):
-                out.append(Moment("forward", f"{name}, {what} fetched", (
+                out.append((f"{name}, {what} fetched", (
                     *base, *_gathered(run, sched, f"block {j} {what} fetch", during=True), *held, inputs)))  # fmt: skip
         if f"block {j} experts fetch" in marks:
             r_saved, r_alive = _before_experts(run)
             r_saved += router_copies(run, j + 1) - router_copies(run, j)  # DeepSeek 16-bit: its fp32 weight copy
-            out.append(Moment("forward", f"{name}, experts fetched", (
+            out.append((f"{name}, experts fetched", (
                 *base, *_gathered(run, sched, f"block {j} experts fetch", during=True), *held,
                 _act("router's saved tensors", r_saved),
                 _act("router logits and top-k weights (and 16-bit inputs)", r_alive))))  # fmt: skip
         if ckpt and f"block {j} attention" in marks:  # its no-grad peak may be the attention's (DeepSeek's SDPA)
-            out.append(Moment("forward", f"{name}, attention (no grad)", (
+            out.append((f"{name}, attention (no grad)", (
                 *base, *_gathered(run, sched, f"block {j} attention"), _blocks_saved(run, j),
                 _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))))  # fmt: skip
         run_terms = ((_blocks_saved(run, j), _act("checkpointed block's working set (no grad)", blk.ckpt_forward_peak))
                      if ckpt else (_blocks_saved(run, j + 1),
                                    _act("block's forward peak beyond its saved tensors", blk.forward_extra)))  # fmt: skip
-        out.append(Moment("forward", f"{name}, experts run", (
+        out.append((f"{name}, experts run", (
             *base, *_gathered(run, sched, f"block {j} after experts"), *run_terms)))  # fmt: skip
     return tuple(out)
 
@@ -207,8 +217,9 @@ def expert_gradients_held(run: DSRun, sched) -> tuple[Moment, ...]:
     if not blocks or blocks[-1] != run.acts.n_layer - 1:
         return ()
     j, names = blocks[-1], run.trace.names
-    leaf = next((i for i, n in enumerate(names) if n.endswith(f".{j}.mlp")), None)
-    experts = next((i for i, n in enumerate(names) if n.endswith(f".{j}.mlp.experts")), None)
+    leaf, experts = shared_memo("last sparse modules", (names,), (j,), lambda: (  # once per trace (a speed-up, no rule)
+        next((i for i, n in enumerate(names) if n.endswith(f".{j}.mlp")), None),
+        next((i for i, n in enumerate(names) if n.endswith(f".{j}.mlp.experts")), None)))  # type: ignore[misc]
     if experts is not None:  # hooked one by one: the experts' down_proj first (backward order), then gate_up_proj
         sizes = tuple(run.numels[i] for i in sorted(run.trace.modules[experts], reverse=True))
     elif leaf is not None:  # named_parameters order (the leaf's parameter list)

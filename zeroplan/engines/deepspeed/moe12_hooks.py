@@ -60,18 +60,18 @@ from functools import lru_cache
 
 from zeroplan.architectures.spec import transformer_shapes
 import zeroplan.engines.deepspeed.boundary as B
-from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets
+from zeroplan.engines.deepspeed.layout_ranks import _hook_buckets, _rank_first_buckets
+from zeroplan.engines.deepspeed.moe12_hook_facts import LARGE, SRC, sparse_hooks
 from zeroplan.engines.deepspeed.moe12_winners import _kept_bytes_of, _partitions_by_first, _winner_without_kept
 from zeroplan.engines.deepspeed.moe_offload import norm_copy, norms_at_hooks
-from zeroplan.engines.deepspeed.reduce import GIP_SRC, hook_copy_term
-from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of
+from zeroplan.engines.deepspeed.reduce import GIP_SRC
+from zeroplan.engines.deepspeed.run import DSRun, _act, _blocks_saved, _pbytes, memo_of, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas import deepseek_activations as DS
 from zeroplan.formulas.moe_activations import INDEX_BYTES, OFFSET_BYTES, ROUTING_WEIGHT_BYTES
 from zeroplan.formulas.moe_block import router_saved
 from zeroplan.formulas.peak import Moment, Term
 
-SRC = "runtime/zero/stage_1_and_2.py"
 ROLES = {".mlp.experts.gate_up_proj": "gate_up", ".mlp.experts.down_proj": "down", ".mlp.gate.weight": "router",
          ".post_attention_layernorm.weight": "norm", ".mlp.shared_expert.down_proj.weight": "shared_down",
          ".mlp.shared_expert.up_proj.weight": "shared_up",
@@ -95,15 +95,27 @@ def _roles(run: DSRun) -> dict[int, str]:
 @lru_cache(maxsize=16)
 def _roles_of(spec) -> dict[int, str]:
     names, moe = _names(spec), spec.moe
-    sparse = {f".layers.{j}." for j in moe.sparse_layers}
+    sparse = {str(j) for j in moe.sparse_layers}
     out = {}
     for i, name in enumerate(names):
         role = next((v for k, v in ROLES.items() if name.endswith(k)), None)
         if role is None and any(a in name for a in ATTENTION):
             role = "attention"
-        if role is not None and any(s in name for s in sparse):
+        if role is not None and _in_layers(name, sparse):
             out[i] = role
     return out
+
+
+def _in_layers(name: str, layers: set[str]) -> bool:
+    """Whether ``name`` holds ``.layers.{j}.`` for a j of ``layers`` (its indices as text): the index after each
+    ``.layers.`` looked up, not every layer's text searched for (a speed-up, no rule; tests/test_deepspeed_moe12_winner.py)."""
+    at = name.find(".layers.")
+    while at >= 0:
+        end = name.find(".", at + 8)
+        if end >= 0 and name[at + 8:end] in layers:
+            return True
+        at = name.find(".layers.", at + 1)
+    return False
 
 
 def _tokens(run: DSRun) -> int:
@@ -118,6 +130,20 @@ def _router_saved(run: DSRun) -> int:
 
 
 def _at_hook(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
+    """``_hook_terms``, once per (j, role) for every run of the same activations, architecture, parameter sizes (the
+    very objects), checkpointing and dtype: what it reads. A speed-up, no rule: every ZeRO-1/2 run asked each hook's
+    anew (tests/test_deepspeed_moe12_winner.py ``test_at_hook_memo_equals_each_built``). Read, never changed."""
+    memo = run.memo.get("sparse hook activations")
+    if memo is None:
+        memo = run.memo["sparse hook activations"] = shared_memo(
+            "sparse hook activations", (run.acts, run.spec, run.numels), (run.checkpointing, run.settings.dtype), dict)
+    found = memo.get((j, role))
+    if found is None:
+        found = memo[j, role] = _hook_terms(run, j, role)
+    return found
+
+
+def _hook_terms(run: DSRun, j: int, role: str) -> tuple[Term, ...]:
     """Block j's activations at the hook of its sparse MLP's parameter of ``role`` (module docstring)."""
     spec, n, a, nda = run.spec, _tokens(run), DTYPE_BYTES[run.settings.dtype], run.acts.embed_out
     blk = run.acts.layer_blocks[j] if run.acts.layer_blocks else run.acts.block
@@ -191,37 +217,32 @@ def sparse_hook_partitions(run: DSRun, last: tuple[Term, ...], inflight: tuple[T
     rank's partition, reduced before and kept to the step (``kept``: zero12.py ``_stage1_kept_gradients``, the later blocks'; and block j's own)."""
     if run.spec is None or run.spec.moe is None or not run.param_blocks:
         return ()
-    roles = _roles(run)
-    p = _pbytes(run)
-    order, buckets, first_of_bucket, bucket_of = _hook_buckets(run)
-    limit = run.settings.reduce_bucket_size
     base = tuple(t for t in last if t not in inflight and t.name not in ("block backward working set",
                                                                          "incoming activation gradient"))  # fmt: skip
-    firsts = {r: min(bucket_of[i] for i in run.flat.params(r)) for r in run.ranks if run.flat.params(r)}
-    out, large_name = [], "gradients larger than the bucket, in the bucket reduced"
-    for b in range(len(buckets) - 1):
-        hook = order[first_of_bucket[b + 1]]
-        role, j = roles.get(hook), run.param_blocks[hook]
-        if role not in ("gate_up", "router", "norm", "shared_down", "shared_up", "shared_gate", "down", "attention") or (
-                role in ("down", "attention") and not norms_at_hooks(run) and (  # measured with offload's norm copies
-                    role == "attention" or run.spec.model_type == "deepseek_v3")):  # (DeepSeek-V3's down: only there)
-            continue
-        large = sum(run.numels[i] for i in order[first_of_bucket[b]:first_of_bucket[b + 1]] if run.numels[i] > limit)
-        common = (*B.held_at(run, base, B.position(run, hook) + 1), _blocks_saved(run, j), *_at_hook(run, j, role),
-                  Term(large_name, large * p,
-                       f"{SRC} reduce_ipg_grads (extra_large_param_to_reduce)"),
-                  Term("the hooked parameter's gradient (waiting)", run.numels[hook] * p,
-                       f"{SRC} reduce_independent_p_g_buckets_and_remove_grads (the bucket first)"))  # fmt: skip
-        copy = hook_copy_term(run, b)
+    firsts = _sparse_firsts(run)
+    out = []
+    for b, hook, role, j, at, hooked, copy, name, waits in sparse_hooks(run, _roles(run)):
+        common = (*B.held_at(run, base, at), _blocks_saved(run, j), *_at_hook(run, j, role), *hooked)
         best = _rank_holding_most(run, kept, copy, firsts, j, b)
-        out.append(Moment("backward", f"block {j} sparse MLP {role} hook, bucket {b} reduced", (*common, *best)))
-        if role == "gate_up" and run.numels[hook] > limit:  # its gradient waits past the hook (module docstring)
-            name = f"block {j} gathered rows' backward after the gate-up hook, bucket {b} gone"
-            out.append(Moment("backward", name, (
-                *(t for t in common if t.name != large_name), *(t for t in best if t is not copy),
+        out.append(Moment("backward", name, (*common, *best)))
+        if waits:  # gate_up_proj's gradient larger than the bucket waits past the hook (module docstring)
+            out.append(Moment("backward", f"block {j} gathered rows' backward after the gate-up hook, bucket {b} gone", (
+                *(t for t in common if t.name != LARGE), *(t for t in best if t is not copy),
                 _act("the gathered rows' gradient scattered back (IndexBackward: zeros, index_put)",
                      2 * run.acts.embed_out, 2))))
     return (*out, *_gate_up_backward(run, base, kept, firsts))
+
+
+def _sparse_firsts(run: DSRun) -> dict[int, int]:
+    """Rank -> its first hook bucket (the least bucket of its parameters), for the ranks described with a parameter,
+    in rank order: ``layout_ranks._rank_first_buckets`` (the same least over each rank's range), every rank's dict
+    once per layout and bucket size (``shared_memo``). A speed-up, no rule: it was a generator's ``min`` per rank and
+    run (tests/test_deepspeed_moe12_winner.py ``test_sparse_firsts_equal_the_per_rank_min``). Read, never changed."""
+    firsts = _rank_first_buckets(run)
+    if run.settings.rank is not None:
+        r = run.settings.rank
+        return {r: firsts[r]} if firsts[r] >= 0 else {}
+    return shared_memo("sparse firsts", (firsts,), (), lambda: {r: f for r, f in enumerate(firsts) if f >= 0})  # type: ignore[return-value]
 
 
 def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[Term, ...]],
@@ -234,11 +255,10 @@ def _gate_up_backward(run: DSRun, base: tuple[Term, ...], kept: dict[int, tuple[
     peak, 150,000-element buckets: its partition allocated at layer 2's ``down_proj`` hook)."""
     roles, order, (_, _, first_of_bucket, bucket_of) = _roles(run), run.grad_ready_order, _hook_buckets(run)
     p, a, spec, limit = _pbytes(run), DTYPE_BYTES[run.settings.dtype], run.spec, run.settings.reduce_bucket_size
-    pos = {i: k for k, i in enumerate(order)}
     s_rows, last_first = _tokens(run) * spec.moe.top_k, len(first_of_bucket) - 1
-    out = []
-    for gu in (i for i, role in roles.items() if role == "gate_up"):
-        j, at = run.param_blocks[gu], pos[gu]
+    out = []  # the gate-up parameters once per architecture, their places from the layout's (a speed-up, no rule)
+    for gu in shared_memo("gate-up parameters", (roles,), (), lambda: [i for i, role in roles.items() if role == "gate_up"]):  # type: ignore[union-attr]
+        j, at = run.param_blocks[gu], B.position(run, gu)
         b = bucket_of[order[at - 1]]  # the bucket filling when the gate-up backward runs
         if kept:  # a speed-up, no rule: ``_stage1_kept``'s bytes summed from integers
             held = [r for r, first in firsts.items() if first < last_first and first_of_bucket[first + 1] < at]

@@ -35,9 +35,9 @@ def _partitions_by_first(run: DSRun, firsts: dict[int, int]) -> tuple[dict, list
 def _by_first_bucket(run: DSRun, firsts: dict[int, int]) -> tuple[dict, list]:
     """First bucket -> (partition bytes, position, rank) of its ranks' largest partition (the first on a tie), and
     for each bucket b that of the ranks whose first bucket is before b (``_winner_without_kept``)."""
-    p, numel_of, groups = _pbytes(run), run.flat.params_numel, {}
+    p, numels, groups = _pbytes(run), run.flat._params_numels, {}  # every rank's ``params_numel``, the layout's tuple
     for pos, (r, first) in enumerate(firsts.items()):
-        gip, g = numel_of(r) * p, groups.get(first)
+        gip, g = numels[r] * p, groups.get(first)
         if g is None or gip > g[0]:
             groups[first] = (gip, pos, r)
     before = [None]

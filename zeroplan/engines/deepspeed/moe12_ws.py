@@ -14,7 +14,7 @@ import math
 from zeroplan.architectures.moe import moe_shapes
 import zeroplan.engines.deepspeed.boundary as B
 from zeroplan.engines.deepspeed.moe12_hooks import _roles, _tokens
-from zeroplan.engines.deepspeed.run import DSRun, _act, memo_of
+from zeroplan.engines.deepspeed.run import DSRun, _act, memo_of, shared_memo
 from zeroplan.engines.deepspeed.settings import DTYPE_BYTES
 from zeroplan.formulas.moe_block import deepseek_backward_ws, sparse_backward_ws
 from zeroplan.formulas.peak import Term
@@ -100,14 +100,19 @@ def sparse_block_start(run: DSRun, j: int) -> int:
 
 
 def _first_gate_up(run: DSRun) -> dict[int, int]:
-    """Block -> its first ``gate_up_proj`` parameter (in the roles' order), once per run: a speed-up, no rule (it
-    scanned every role per block and per moment)."""
+    """Block -> its first ``gate_up_proj`` parameter (in the roles' order), once per architecture and layout (the
+    roles and blocks, by identity: ``shared_memo``), looked up once per run: a speed-up, no rule (it scanned every
+    role per block and per moment, then per run). Read, never changed."""
     def make(r: DSRun) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for i, role in _roles(r).items():
-            if role == "gate_up":
-                out.setdefault(r.param_blocks[i], i)
-        return out
+        roles, blocks = _roles(r), r.param_blocks
+
+        def scan() -> dict[int, int]:
+            out: dict[int, int] = {}
+            for i, role in roles.items():
+                if role == "gate_up":
+                    out.setdefault(blocks[i], i)
+            return out
+        return shared_memo("first gate-up per block", (roles, blocks), (), scan)  # type: ignore[return-value]
     return memo_of(run, "first gate-up per block", make)  # type: ignore[return-value]
 
 

@@ -279,7 +279,7 @@ class _TraceBuilder:
         if path not in self.index:
             own = list(self.params.get(path, ()))
             if self.is_leaf(path):  # every parameter under it, in named_parameters order
-                own = sorted(i for c, ps in self.params.items() if c.startswith(path + ".") for i in ps)
+                own = self._under(path)
             if path == "" and self.style is not None and not self.head_module:  # the head weight: the root's external parameter
                 own += [self.head] if self.head is not None else []
             if path == "lm_head" and self.head_module:  # a tied head owns the embedding's weight: not in the names
@@ -287,6 +287,16 @@ class _TraceBuilder:
             self.index[path] = len(self.modules)
             self.modules.append(tuple(own))
         return self.index[path]
+
+    def _under(self, path: str) -> list[int]:
+        """The parameters below ``path`` (its descendants), sorted: a speed-up, no rule (tests/test_deepspeed_trace_leaves.py)."""
+        if not path:  # the root: as the scan of every name for the prefix "." found them
+            return sorted(i for c, ps in self.params.items() if c.startswith(".") for i in ps)
+        out, todo, children, params = [], list(self.children.get(path, ())), self.children, self.params
+        while todo:
+            c = todo.pop()
+            out.extend(params.get(c, ())), todo.extend(children.get(c, ()))
+        return sorted(out)
 
     def forward(self, path: str) -> None:
         events, spans = self.steps, self.spans

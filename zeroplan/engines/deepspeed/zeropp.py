@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import ceil
 
-from zeroplan.engines.deepspeed.coordinator import (AVAILABLE, NOT_AVAILABLE, Coordinator, Stage3Schedule,
-                                                    stage3_schedule)
+from zeroplan.engines.deepspeed.coordinator import (AVAILABLE, NOT_AVAILABLE, Coordinator, Stage3Gather, Stage3Schedule,
+                                                    _recorded, stage3_schedule)
 from zeroplan.engines.deepspeed.trace import Stage3Trace
+from zeroplan.engines.deepspeed.zero3_hpz_replay import hpz_fused_replay
 from zeroplan.engines.deepspeed.zeropp_settings import hpz_group
 from zeroplan.formulas.dtypes import BYTES_PER_ELEMENT
 from zeroplan.formulas.peak import Term
@@ -68,7 +69,8 @@ class HpzSchedule(Stage3Schedule):
 
 class HpzCoordinator(Coordinator):
     """The coordinator replay (``coordinator.py``) with each parameter's secondary partition: made at its
-    release, gathering it again in the secondary group, each fetch split in two calls (module docstring)."""
+    release, gathering it again in the secondary group, each fetch split in two calls (module docstring). The
+    reference ``zero3_hpz_replay.hpz_fused_replay`` is checked against (tests/test_deepspeed_hpz_replay.py)."""
 
     def __init__(self, trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz: int, *args,
                  secondary: frozenset = frozenset()) -> None:  # fmt: skip
@@ -118,13 +120,16 @@ def hpz_schedule(trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz: int,
 # the cold one ended (the cold replay once, not again for the warm one)
 def _hpz_replay(trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz: int, threshold: int, bucket: int,
                 max_live: int, max_reuse: int, start: frozenset) -> tuple[HpzSchedule, frozenset]:
-    """(``hpz_schedule`` starting with the secondaries of ``start``, the secondaries it leaves)."""
-    c = HpzCoordinator(trace, numels, nd, hpz, threshold, bucket, max_live, max_reuse, secondary=start)
-    base = c.replay(trace)
-    return HpzSchedule(**{f: getattr(base, f) for f in Stage3Schedule.__dataclass_fields__},
-                       secondary=tuple(c.secondary), groups=tuple(c.group_of)), frozenset(c.sec)  # fmt: skip
+    """(``hpz_schedule`` starting with the secondaries of ``start``, the secondaries it leaves): ``HpzCoordinator``'s
+    replay in one loop (``zero3_hpz_replay``; a speed-up, no rule: the very same schedule)."""
+    sec_numel = [secondary_numel(n, nd, hpz) for n in numels]
+    fields, secondary, groups, left = hpz_fused_replay(trace.steps, _recorded(trace, numels, nd, threshold), numels,
+                                                       nd, hpz, sec_numel, start, bucket, max_live, max_reuse,
+                                                       Stage3Gather)  # fmt: skip
+    return HpzSchedule(*fields, secondary=secondary, groups=groups), left
 
 
+@lru_cache(maxsize=8)  # every hpZ run of a plan asks (a speed-up, no rule)
 def all_secondaries_numel(numels: tuple[int, ...], nd: int, hpz: int) -> int:
     """Every parameter's secondary partition: alive from ``deepspeed.initialize`` to the first step's end, and in
     each optimizer step (``_partition_all_parameters`` makes the persistent ones' too) until ``_post_step``."""
@@ -177,9 +182,16 @@ def zeropp_gathers(s, trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz:
     the first micro-step cold, the G - 1 others warm (module docstring); qwZ: each call in int8 and a second
     call of its fp32 scales (``qwz_groups`` of the rank's partition of the call, times the group)."""
     args = (s.param_persistence_threshold, s.prefetch_bucket_size, s.max_live_parameters, s.max_reuse_distance)
+    return _gather_rows(trace, numels, nd, hpz, grad_accum, s.dtype, s.quantized_weights, args)
+
+
+@lru_cache(maxsize=32)  # the candidates of one prefetch setting, whatever their reduce bucket (a speed-up, no rule)
+def _gather_rows(trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz: int, grad_accum: int, dtype: str,
+                 quantized: bool, args: tuple) -> tuple[tuple[str, int, str, int, int, str], ...]:
+    """``zeropp_gathers``' rows; the warm hpZ replay only where a later micro-step is counted (G > 1)."""
     if hpz:
-        later = (hpz_schedule(trace, numels, nd, hpz, *args, warm=True), grad_accum - 1)
-        scheds = ((hpz_schedule(trace, numels, nd, hpz, *args), 1), *((later,) if grad_accum > 1 else ()))
+        later = ((hpz_schedule(trace, numels, nd, hpz, *args, warm=True), grad_accum - 1),) if grad_accum > 1 else ()
+        scheds = ((hpz_schedule(trace, numels, nd, hpz, *args), 1), *later)
     else:
         scheds = ((stage3_schedule(trace, numels, nd, *args), grad_accum),)
     rows: dict[tuple[str, int, str], list] = {}
@@ -187,8 +199,8 @@ def zeropp_gathers(s, trace: Stage3Trace, numels: tuple[int, ...], nd: int, hpz:
         groups = sched.groups if isinstance(sched, HpzSchedule) else (nd,) * len(sched.gathers)
         for g, group in zip(sched.gathers, groups):
             phase = "backward" if trace.events[g.issued].backward_phase else "forward"
-            calls = [(s.dtype, g.elements, GATHER_SRC)]
-            if s.quantized_weights:
+            calls = [(dtype, g.elements, GATHER_SRC)]
+            if quantized:
                 calls = [("int8", g.elements, QWZ_SRC), ("fp32", qwz_groups(g.elements // group) * group, QWZ_SRC)]
             for dtype, elements, src in calls:
                 row = rows.setdefault((phase, group, dtype), [0, 0, src])
