@@ -99,13 +99,13 @@ def _tied_embedding_backward(run: DSRun) -> tuple[Moment, ...]:
     # bucket k is sent at the hook of bucket k + 1's first gradient: before this op only if that comes first
     sent = sum(1 for k in range(len(first_of_bucket) - 1) if first_of_bucket[k + 1] < at)
     accumulated = run.settings.partition_gradients and run.grad_accum > 1  # ZeRO-2 from the 2nd micro-step
-    held = [run.flat.params_numel(r) for r in run.ranks
-            if run.flat.params(r) and (accumulated or min(bucket_of[i] for i in run.flat.params(r)) < sent)]
-    p, acts = _pbytes(run), run.acts
+    most = max(((run.flat.params_numel(r), -r) for r in run.ranks if run.flat.params(r) and (
+        accumulated or min(bucket_of[i] for i in run.flat.params(r)) < sent)), default=None)
+    p, acts, rank = _pbytes(run), run.acts, -most[1] if most and run.settings.rank is None else None
     return (Moment("backward", "tied embedding backward", (
         *_states(run), *_bucket(run), _act("batch (token ids, targets)", acts.batch, 2), _act("loss", acts.loss),
-        *((Term("grads_in_partition", max(held) * p, GIP_SRC),) if held else ()), *B.held_term(run, at),
-        Term(EM.TIED_NAME, 3 * run.head_numel * p, EM.TIED_SRC, 3))),)  # fmt: skip
+        *((Term("grads_in_partition", most[0] * p, GIP_SRC),) if most else ()), *B.held_term(run, at),
+        Term(EM.TIED_NAME, 3 * run.head_numel * p, EM.TIED_SRC, 3)), rank),)  # fmt: skip
 
 
 def _stage1_kept_gradients(run: DSRun) -> dict[int, tuple[Term, ...]]:
