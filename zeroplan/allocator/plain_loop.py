@@ -1,11 +1,11 @@
 """The replay's loop without a memory limit (``replay._plain_loop``): a stretch of ``Event``s between two runs, each
-free and each alloc served by a cached block done in the loop itself (``replay._plain_free`` / ``_plain_alloc``
-inlined, the allocated and requested stats kept in locals), anything else through ``_Run.step``.
+free and each alloc served by a cached block done in the loop itself (``CachingAllocator.free`` / ``malloc``
+reduced to merge, best fit and split, the allocated and requested stats kept in locals), anything else through
+``_Run.step``; the runs' ``fast_forward`` asks it one event at a time (``replay._plain_steps``).
 
-A speed-up, no rule: the same operations in the same order as ``_plain_free`` and ``_plain_alloc`` (which the
-runs' ``fast_forward`` still calls), without a Python call per event or a stats attribute per update (an FSDP2
-replay walks ~12,000 such events); tests/test_allocator_replay.py compares the replay with the request-by-request
-one."""
+A speed-up, no rule: the same operations in the same order as ``CachingAllocator``'s, without a Python call per
+event or a stats attribute per update (an FSDP2 replay walks ~12,000 such events); tests/test_allocator_replay.py
+and tests/test_allocator_plain_loop.py compare the replay with the request-by-request one."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def plain_events(run, events: Sequence, expandable: bool, generic: Callable, eve
     the allocs in a row each go through one call (``groupby``, in C: a transition frees, then allocates)."""
     for action, group in groupby(events, _ACTION):
         if action == "free":
-            _frees(run, group, generic, event_of)
+            plain_frees(run, group, False, generic, event_of)
         elif action == "alloc":
-            _allocs(run, group, expandable, generic, event_of)
+            plain_allocs(run, group, expandable, generic, event_of)
         else:
             for event in group:
                 generic(event_of(event))
@@ -36,8 +36,9 @@ def plain_events(run, events: Sequence, expandable: bool, generic: Callable, eve
 _ACTION = itemgetter(0)
 
 
-def _frees(run, events: Iterable, generic: Callable, event_of: Callable) -> None:
-    """``plain_events`` of frees in a row (``_plain_free``: merged with the free mapped neighbours)."""
+def plain_frees(run, events: Iterable, expandable: bool, generic: Callable, event_of: Callable) -> None:
+    """``plain_events`` of frees in a row (``CachingAllocator.free``: merged with the free mapped neighbours,
+    ``_try_merge``; ``expandable`` unread, ``plain_allocs``' signature)."""
     live, pools, stats = run.live, run.alloc.pools, run.alloc.stats
     allocated, requested = stats.allocated, stats.requested
     a_cur, r_cur = allocated.current, requested.current
@@ -80,9 +81,9 @@ def _frees(run, events: Iterable, generic: Callable, event_of: Callable) -> None
     allocated.current, requested.current = a_cur, r_cur
 
 
-def _allocs(run, events: Iterable, expandable: bool, generic: Callable, event_of: Callable) -> None:
-    """``plain_events`` of allocs in a row (``_plain_alloc``: served by a cached block, best fit, split when
-    ``_should_split``; a new segment through ``generic``)."""
+def plain_allocs(run, events: Iterable, expandable: bool, generic: Callable, event_of: Callable) -> None:
+    """``plain_events`` of allocs in a row (``CachingAllocator.malloc`` reduced: served by a cached block, best
+    fit, split when ``_should_split``; a new segment through ``generic``)."""
     live, addresses, requests, stats = run.live, run.addresses, run.alloc._requests, run.alloc.stats
     allocated, requested, details, new_block = stats.allocated, stats.requested, run.details, object.__new__
     a_cur, a_peak, r_cur, r_peak = allocated.current, allocated.peak, requested.current, requested.peak

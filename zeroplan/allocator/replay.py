@@ -17,18 +17,16 @@ The first ``alloc`` that cannot get memory (``capacity_bytes``) stops the replay
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import NamedTuple
 
-from bisect import bisect_left, insort
-
 from zeroplan.allocator.blocks import Block, SegmentInfo
-from zeroplan.allocator.caching import CachingAllocator, OutOfMemory, _growable
-from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig
+from zeroplan.allocator.caching import CachingAllocator, OutOfMemory
+from zeroplan.allocator.config import NO_LIMIT, AllocatorConfig
 from zeroplan.allocator.gc_pause import gc_paused
-from zeroplan.allocator.plain_loop import plain_events
+from zeroplan.allocator.plain_loop import plain_allocs, plain_events, plain_frees
 from zeroplan.allocator.runs import alloc_runs, fast_forward
 
 ACTIONS = ("alloc", "free", "free_requested", "free_completed", "phase", "empty_cache", "segment_free")
@@ -176,14 +174,12 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
     # runs of equal allocations settle into a fixed pattern, copied once proved (``runs``: no memory limit)
     runs = ({} if capacity_bytes is not None else alloc_runs(events) if known is None else dict(known))
     plain = capacity_bytes is None and config.max_split_size_bytes == NO_LIMIT
-    steps = _plain_steps(run, details, config.expandable_segments) if plain else None
-    run.plain, run.details = steps is not None, details
-    if steps is not None:
-        run.fast_step = lambda event, free=steps[0], alloc=steps[1], generic=run.step: (
-            free(event) if event[0] == "free" else alloc(event)) or generic(event)
+    run.plain, run.details = plain, details
+    if plain:
+        run.fast_step = _plain_steps(run, config.expandable_segments)
     index, count = 0, len(events)
-    if steps is not None:  # no memory limit: no ``OutOfMemory`` to stop at
-        _plain_loop(run, events, runs, *steps)
+    if plain:  # no memory limit: no ``OutOfMemory`` to stop at
+        _plain_loop(run, events, runs)
         index = count
     live, addresses, malloc, release = run.live, run.addresses, run.alloc.malloc, run.alloc.free_requested
     while index < count:
@@ -216,9 +212,9 @@ def _replay(events: Iterable, config: AllocatorConfig, capacity_bytes: int | Non
                   requested, run.phases, segments, log, addresses, oom, s.num_alloc_retries)  # fmt: skip
 
 
-def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int], free, alloc) -> None:
+def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int]) -> None:
     """``_replay``'s loop where ``_plain_steps`` applies (no memory limit): the events between two runs
-    (``alloc_runs``) each through ``free`` or ``alloc``, else through ``_Run.step``; each run fast-forwarded, or, when
+    (``alloc_runs``) through ``plain_loop`` (an ``Event``) or ``_Run.step``; each run fast-forwarded, or, when
     ``fast_forward`` refuses it, replayed with the events after it (a speed-up, no rule: the same calls in the
     same order as the loop in ``_replay``, without its per-event run look-up)."""
     generic, index, expandable = run.step, 0, run.alloc.config.expandable_segments
@@ -228,7 +224,9 @@ def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int], free, alloc) 
             plain_events(run, part, expandable, generic, _event)
             part = ()
         for event in part:
-            if type(event) is not Event or not (free(event) if event[0] == "free" else alloc(event)):
+            if type(event) is Event:
+                run.fast_step(event)
+            else:
                 generic(_event(event))
         length = runs.get(start)
         if length and fast_forward(run, _run_events(events[start:start + length])):
@@ -237,146 +235,15 @@ def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int], free, alloc) 
             index = start
 
 
-def _plain_steps(run: _Run, details: bool, expandable: bool):
-    """``(free, alloc)``, each ``(event) -> bool``: ``run.step(event)`` inlined for an ``Event`` free, or an alloc
-    served by a cached block, without a memory limit and with ``max_split_size`` unset (no oversize rule, no
-    garbage collection, no retry), where ``CachingAllocator.malloc`` / ``free`` reduce to best fit, split and
-    merge; False (nothing done) for anything else, which the caller replays as before (a speed-up, no rule:
-    tests/test_allocator_replay.py compares it with the request-by-request replay). With ``expandable`` segments
-    (the plan's Fragmentation line): a free merges only mapped neighbours (``_try_merge``: the freed block is
-    mapped), a block splits when 512 B or more are left (``_should_split``), and best fit walks on the size a
-    block grows to (``_growable``), as ``_get_free_block``."""
-    return _plain_free(run), _plain_alloc(run, details, expandable)
+def _plain_steps(run: _Run, expandable: bool) -> Callable[[Event], None]:
+    """``run.step`` of one ``Event`` without a memory limit and with ``max_split_size`` unset (no oversize rule, no
+    garbage collection, no retry), where ``CachingAllocator.malloc`` / ``free`` reduce to best fit, split and merge:
+    the loop's own free and alloc (``plain_loop``), on one event, for ``fast_forward``'s requests one by one; anything
+    else through ``run.step`` (a speed-up, no rule: tests/test_allocator_replay.py compares it with the
+    request-by-request replay)."""
+    generic = run.step
 
+    def step(event: Event) -> None:
+        (plain_frees if event[0] == "free" else plain_allocs)(run, (event,), expandable, generic, _event)
 
-def _plain_free(run: _Run):
-    """``free(event) -> bool`` of ``_plain_steps``: an ``Event`` free (``CachingAllocator.free``: merge with the
-    free mapped neighbours, ``_try_merge``); False (nothing done) for a block not live."""
-    live, pools, stats = run.live, run.alloc.pools, run.alloc.stats
-    allocated, requested = stats.allocated, stats.requested
-
-    def free(event: Event) -> bool:
-        ident = event[1]
-        block = live.get(ident)
-        if block is None or not block.allocated:
-            return False
-        del live[ident]
-        block.allocated = False
-        allocated.current -= block.size
-        requested.current -= block.requested
-        block.requested = 0
-        pool = pools[block.stream, block.small]
-        sizes, by_size, blocks = pool.sizes, pool.by_size, pool.blocks
-        prev, nxt = block.prev, block.next
-        if prev is not None and not prev.allocated and not prev.pending and prev.mapped:  # ``_try_merge``
-            held = by_size[prev.size]  # ``Pool.remove(prev)``
-            if len(held) == 1:
-                del by_size[prev.size], sizes[bisect_left(sizes, prev.size)]
-            else:
-                del held[bisect_left(held, prev.address)]
-            del blocks[prev.address]
-            block.address, block.prev = prev.address, prev.prev
-            if prev.prev is not None:
-                prev.prev.next = block
-            else:
-                block.segment.head = block
-            block.size += prev.size
-        if nxt is not None and not nxt.allocated and not nxt.pending and nxt.mapped:
-            held = by_size[nxt.size]  # ``Pool.remove(nxt)``
-            if len(held) == 1:
-                del by_size[nxt.size], sizes[bisect_left(sizes, nxt.size)]
-            else:
-                del held[bisect_left(held, nxt.address)]
-            del blocks[nxt.address]
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
-            block.size += nxt.size
-        block.gc_base = pool.clock[0]  # ``Pool.insert``
-        size, address = block.size, block.address
-        held = by_size.get(size)
-        if held is None:
-            by_size[size] = [address]
-            insort(sizes, size)
-        else:
-            insort(held, address)
-        blocks[address] = block
-        return True
-
-    return free
-
-
-def _plain_alloc(run: _Run, details: bool, expandable: bool):
-    """``alloc(event) -> bool`` of ``_plain_steps``: an ``Event`` alloc served by a cached block
-    (``CachingAllocator.malloc``: best fit, ``_should_split``); False (nothing done) for anything else."""
-    a, live, addresses, new_block = run.alloc, run.live, run.addresses, object.__new__
-    requests, stats = a._requests, a.stats
-    allocated, requested = stats.allocated, stats.requested
-
-    def alloc(event: Event) -> bool:
-        action, ident, size, stream, address = event  # an ``Event``: five fields
-        if action != "alloc" or address is not None or type(size) is not int or ident in live:
-            return False
-        request = requests.get((size, stream))
-        if request is None:
-            return False
-        rounded, pool = request
-        sizes = pool.sizes
-        index = bisect_left(sizes, rounded)  # ``Pool.first``
-        if index == len(sizes):  # a new segment: ``malloc``
-            return False
-        by_size, blocks = pool.by_size, pool.blocks
-        held = by_size[sizes[index]]
-        block = blocks[held[0]]
-        if block.segment.expandable:  # ``_get_free_block``'s walk: best fit on the size a block can grow to
-            if not expandable:
-                return False
-            while block.segment.expandable:
-                nxt = pool.after(block)
-                if nxt is None or _growable(nxt) >= _growable(block):
-                    break
-                block = nxt
-            pool.remove(block)
-        else:  # ``Pool.remove`` of the first block of its size
-            if len(held) == 1:
-                del by_size[sizes[index]], sizes[index]
-            else:
-                del held[0]
-            del blocks[block.address]
-        remaining = block.size - rounded
-        split = remaining >= K_MIN_BLOCK_SIZE if block.small or expandable else remaining > K_SMALL_SIZE
-        if split:  # ``_should_split``
-            front, prev = new_block(Block), block.prev  # ``Block(...)``, its fields set here at once
-            front.address, front.size, front.stream, front.small, front.segment = \
-                block.address, rounded, block.stream, block.small, block.segment
-            front.mapped, front.pending, front.gc_base, front.prev, front.next = True, False, 0, prev, block
-            if prev is not None:
-                prev.next = front
-            else:
-                block.segment.head = front
-            block.prev = front
-            block.address += rounded
-            block.size = remaining
-            block.gc_base = pool.clock[0]  # ``Pool.insert``
-            address = block.address
-            held = by_size.get(remaining)
-            if held is None:
-                by_size[remaining] = [address]
-                insort(sizes, remaining)
-            else:
-                insort(held, address)
-            blocks[address] = block
-            block = front
-        block.allocated, block.requested = True, size
-        current = allocated.current = allocated.current + block.size
-        if current > allocated.peak:
-            allocated.peak = current
-        current = requested.current = requested.current + size
-        if current > requested.peak:
-            requested.peak = current
-        live[ident] = block
-        if details:
-            addresses.append((ident, block.address))
-        return True
-
-    return alloc
+    return step

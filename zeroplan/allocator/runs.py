@@ -253,7 +253,7 @@ def take_cached(run, events: Sequence, rounded: int, pool: Pool) -> int:
             del held[:k]
         for b in taken:
             del blocks[b.address]
-        if rest > limit:  # each split: its front handed out, the rest cached (``_plain_alloc``)
+        if rest > limit:  # each split: its front handed out, the rest cached (``plain_loop.plain_allocs``)
             taken = [_split_front(b, rounded, clock, blocks) for b in taken]
             _cached_after(pool, rest, [b.next.address for b in taken])
         for b, e in zip(taken, events[i:i + k]):
@@ -268,7 +268,7 @@ def take_cached(run, events: Sequence, rounded: int, pool: Pool) -> int:
 
 
 def _split_front(block: Block, rounded: int, clock: int, cached: dict[int, Block]) -> Block:
-    """``block`` split (``_plain_alloc``): a new block of ``rounded`` bytes at its front, returned; ``block`` keeps
+    """``block`` split (as ``plain_loop.plain_allocs`` splits inline): a new block of ``rounded`` bytes at its front, returned; ``block`` keeps
     the rest, listed in ``cached`` (its pool's blocks by address) with ``clock`` as its age base."""
     front, prev = _new(Block), block.prev
     front.address, front.size, front.stream, front.small, front.segment = \
