@@ -111,6 +111,7 @@ def plain_allocs(run, events: Iterable, expandable: bool, generic: Callable, eve
             if block is not None:
                 remaining = block.size - rounded
                 if remaining >= K_MIN_BLOCK_SIZE if block.small or expandable else remaining > K_SMALL_SIZE:
+                    # ``runs._split_front`` inlined (as a call: +15 M instructions, FSDP2 Llama-2-70B's plan)
                     front, prev = new_block(Block), block.prev  # ``Block(...)``, its fields set here at once
                     front.address, front.size, front.stream, front.small, front.segment = \
                         block.address, rounded, block.stream, block.small, block.segment
