@@ -27,8 +27,9 @@ def _full(events, conf: str, monkeypatch):
 
 def _cached_runs(seed: int) -> list[Event]:
     """Equal blocks freed (whole segments, or split with a tail), then runs of equal requests that the cached
-    blocks serve (handed out whole, or split when over 1 MiB, or 512 B in the small pool, is left), on two
-    streams, with frees and phases between them."""
+    blocks serve (handed out whole, or split when over 1 MiB, or 512 B in the small pool, is left; a request
+    the same size or up to 9 times smaller, so that a block serves several in a row), on two streams, with
+    frees and phases between them."""
     rng, events, live, ident = random.Random(seed), [], [], 0
     for _ in range(40):
         size = rng.choice([rng.randint(1, 900_000), rng.randint(2 * MiB, 30 * MiB)])
@@ -40,7 +41,7 @@ def _cached_runs(seed: int) -> list[Event]:
         rng.shuffle(live)
         for _ in range(rng.randrange(len(live) + 1)):
             events.append(Event("free", live.pop()))
-        smaller = max(1, size - rng.choice([0, 1, 4096, 600_000, 2 * MiB]))
+        smaller = max(1, rng.choice([size - rng.choice([0, 1, 4096, 600_000, 2 * MiB]), size // rng.randint(2, 9)]))
         for _ in range(rng.randrange(16, 60)):  # a run: ``alloc_runs`` fast-forwards it
             events.append(Event("alloc", ident, smaller, stream))
             live.append(ident)
@@ -55,11 +56,11 @@ def test_cached_runs_and_inlined_steps_replay_exactly(conf, monkeypatch):
     """Seeded traces whose runs start on pools of cached equal blocks: the fast replay equals the full one; the
     runs take several blocks at once in some of them, whole or split (without a memory limit or
     ``max_split_size``)."""
-    from zeroplan.allocator import runs
+    from zeroplan.allocator import cached_runs, runs
 
-    served, take, fronts, split = [], runs.take_cached, [], runs._split_front
+    served, take, fronts, split = [], runs.take_cached, [], cached_runs._split_fronts
     monkeypatch.setattr(runs, "take_cached", lambda *a: served.append(take(*a)) or served[-1])
-    monkeypatch.setattr(runs, "_split_front", lambda *a: fronts.append(1) or split(*a))
+    monkeypatch.setattr(cached_runs, "_split_fronts", lambda *a: fronts.append(a[1]) or split(*a))
     for seed in range(12):
         events = _cached_runs(seed)
         assert replay(events, parse_alloc_conf(conf)) == _full(events, conf, monkeypatch), (conf, seed)
@@ -67,6 +68,7 @@ def test_cached_runs_and_inlined_steps_replay_exactly(conf, monkeypatch):
             _full(events, conf, monkeypatch).phases, (conf, seed)  # fmt: skip
     plain = conf in ("", "roundup_power2_divisions:4")
     assert (max(served, default=0) > 1) == plain and (len(fronts) > 20) == plain, (conf, served[:20], len(fronts))
+    assert (max(fronts, default=0) > 3) == plain, (conf, fronts[:20])  # several requests served by one block
 
 
 def test_a_bad_event_amid_the_inlined_steps_fails_as_before():

@@ -28,12 +28,12 @@ request replay on FSDP2, DeepSpeed and reference traces under several configs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from bisect import bisect_left, insort
 from itertools import groupby
 from operator import itemgetter
 
 from zeroplan.allocator.blocks import Block, Pool, Segment
-from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, is_small, round_size
+from zeroplan.allocator.cached_runs import _cached_after, take_cached
+from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, is_small, round_size
 
 MIN_RUN = 16
 """Runs shorter than this are replayed request by request (a period needs a settled point and a full copy; a
@@ -219,84 +219,6 @@ def fast_forward(run, events: Sequence) -> bool:
     for e in events[i + copies * done:]:
         run.fast_step(e)
     return True
-
-
-def take_cached(run, events: Sequence, rounded: int, pool: Pool) -> int:
-    """The requests of the run ``events`` (``fast_forward``'s: one size and stream, new ids, no memory limit, no
-    ``max_split_size``: ``run.plain``) up to a settled point, each served by a cached block as ``malloc`` would
-    (best fit: the first block of the smallest size >= ``r``; split when ``_should_split``, else handed out
-    whole): how many were served (it stops at a settled point or at a block of an expandable segment). While
-    no block is cached between ``r`` and the first size ``s`` >= ``r``, and a split leaves less than ``r``, the
-    next ``k`` requests take the first ``k`` blocks of size ``s``, in address order: taken together (a speed-up,
-    no rule; tests/test_allocator_plain_loop.py compares it with the request-by-request replay)."""
-    sizes, by_size, blocks, live, stats = pool.sizes, pool.by_size, pool.blocks, run.live, run.alloc.stats
-    size, n, i, details, clock = events[0].size, len(events), 0, run.details, pool.clock[0]
-    limit = K_MIN_BLOCK_SIZE - 1 if pool.small else K_SMALL_SIZE  # a larger remainder is split off
-    while i < n:
-        index = bisect_left(sizes, rounded)
-        if index == len(sizes):  # settled
-            break
-        held = by_size[sizes[index]]
-        block = blocks[held[0]]
-        rest = block.size - rounded
-        if block.segment.expandable:
-            break
-        if rest >= rounded:  # the rest may serve the next request: one at a time
-            run.fast_step(events[i])
-            i += 1
-            continue
-        k = min(len(held), n - i)
-        taken = [blocks[a] for a in held[:k]]  # none expandable: ``fast_forward`` is here without the option
-        if len(held) == k:
-            del by_size[sizes[index]], sizes[index]
-        else:
-            del held[:k]
-        for b in taken:
-            del blocks[b.address]
-        if rest > limit:  # each split: its front handed out, the rest cached (``plain_loop.plain_allocs``)
-            taken = [_split_front(b, rounded, clock, blocks) for b in taken]
-            _cached_after(pool, rest, [b.next.address for b in taken])
-        for b, e in zip(taken, events[i:i + k]):
-            b.allocated, b.requested = True, size
-            live[e.id] = b
-            if details:
-                run.addresses.append((e.id, b.address))
-        stats.allocated.add(k * taken[0].size)  # equal blocks; a run only allocates: the peak is where it ends
-        stats.requested.add(k * size)
-        i += k
-    return i
-
-
-def _split_front(block: Block, rounded: int, clock: int, cached: dict[int, Block]) -> Block:
-    """``block`` split (as ``plain_loop.plain_allocs`` splits inline): a new block of ``rounded`` bytes at its front, returned; ``block`` keeps
-    the rest, listed in ``cached`` (its pool's blocks by address) with ``clock`` as its age base."""
-    front, prev = _new(Block), block.prev
-    front.address, front.size, front.stream, front.small, front.segment = \
-        block.address, rounded, block.stream, block.small, block.segment
-    front.mapped, front.pending, front.gc_base, front.prev, front.next = True, False, 0, prev, block
-    if prev is not None:
-        prev.next = front
-    else:
-        block.segment.head = front
-    block.prev = front
-    block.address += rounded
-    block.size -= rounded
-    block.gc_base = clock
-    cached[block.address] = block
-    return front
-
-
-def _cached_after(pool: Pool, size: int, new: list[int]) -> None:
-    """``new`` (ascending addresses of blocks of ``size``) added to ``pool``'s addresses of that size."""
-    held = pool.by_size.get(size)
-    if held is None:
-        pool.by_size[size] = new
-        insort(pool.sizes, size)
-    elif held[-1] < new[0]:
-        held.extend(new)
-    else:
-        for address in new:
-            insort(held, address)
 
 
 def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int) -> bool:

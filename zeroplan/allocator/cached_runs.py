@@ -1,0 +1,117 @@
+"""A run's requests that the pool's cached blocks serve, taken a block at a time (``runs.fast_forward``'s first part).
+
+A speed-up, no rule: ``malloc``'s best fit, split and hand-out for each request, grouped by the cached block that
+serves them; tests/test_allocator_plain_loop.py and tests/test_allocator_replay.py compare the replay with the
+request-by-request one.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Sequence
+
+from zeroplan.allocator.blocks import Block, Pool
+from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE
+
+_new = object.__new__
+
+
+def take_cached(run, events: Sequence, rounded: int, pool: Pool) -> int:
+    """The requests of the run ``events`` (``fast_forward``'s: one size and stream, new ids, no memory limit, no
+    ``max_split_size``: ``run.plain``) up to a settled point, each served by a cached block as ``malloc`` would
+    (best fit: the first block of the smallest size >= ``r``; split when ``_should_split``, else handed out
+    whole): how many were served (it stops at a settled point or at a block of an expandable segment).
+
+    While the smallest cached size >= ``r`` is ``s``, a block of ``s`` bytes serves ``m = s // r`` requests in a
+    row: each split leaves the rest (``s - r``, ``s - 2r``, ...) as the only cached block between ``r`` and
+    ``s``, the best fit of the next request, until less than ``r`` is left; the ``m``-th request splits off the
+    last ``r`` bytes when the rest ``s mod r`` is over 1 MiB (512 B in the small pool) or takes the ``r + s mod
+    r`` left whole (a larger rest would have been split off before it: ``r`` > 1 MiB in the large pool, ``r`` >=
+    512 B in the small one). Then the next request takes the next block of ``s`` bytes (by address). So the next
+    ``k m`` requests take the first ``k`` blocks of size ``s``, ``m`` each, in address order: taken together (a
+    speed-up, no rule); a run that ends inside a block is served request by request there."""
+    sizes, by_size, blocks, stats = pool.sizes, pool.by_size, pool.blocks, run.alloc.stats
+    size, n, i, clock = events[0].size, len(events), 0, pool.clock[0]
+    limit = K_MIN_BLOCK_SIZE - 1 if pool.small else K_SMALL_SIZE  # a larger remainder is split off
+    while i < n:
+        index = bisect_left(sizes, rounded)
+        if index == len(sizes):  # settled
+            break
+        whole = sizes[index]
+        held = by_size[whole]
+        if blocks[held[0]].segment.expandable:
+            break
+        per = whole // rounded  # requests per block
+        k = min(len(held), (n - i) // per)
+        if not k:  # the run ends inside this block: one at a time
+            run.fast_step(events[i])
+            i += 1
+            continue
+        taken = [blocks.pop(a) for a in held[:k]]  # none expandable: ``fast_forward`` is here without the option
+        if len(held) == k:
+            del by_size[whole], sizes[index]
+        else:
+            del held[:k]
+        rest = whole - per * rounded
+        split = rest > limit  # else the last request takes the rest whole
+        _split_fronts(taken, per, rounded, size, [e.id for e in events[i:i + k * per]], run, split, clock)
+        if split:  # the rests, at the blocks' ends, cached (``Pool.insert``)
+            for b in taken:
+                blocks[b.address] = b
+            _cached_after(pool, rest, [b.address for b in taken])
+        stats.allocated.add(k * (per * rounded if split else whole))  # a run only allocates: its peak is
+        stats.requested.add(k * per * size)  # where it ends
+        i += k * per
+    return i
+
+
+def _split_fronts(taken: list[Block], per: int, rounded: int, size: int, ids: list, run, split: bool,
+                  clock: int) -> None:  # fmt: skip
+    """``per`` requests of ``size`` bytes (``rounded``) served by each of ``taken`` in turn, for ``ids`` in order:
+    blocks of ``rounded`` bytes split off its front (as ``plain_loop.plain_allocs`` splits inline: each
+    ``Block(...)`` made without its ``__init__``), the block keeping what is left after them, its age base
+    ``clock`` (``Pool.insert``: cached as a rest); the last request splits off one more (``split``) or takes the
+    block whole."""
+    live, addresses = run.live, run.addresses if run.details else None
+    count, at = per if split else per - 1, 0
+    for block in taken:
+        prev, address, stream, small, segment = block.prev, block.address, block.stream, block.small, block.segment
+        for ident in ids[at:at + count]:
+            front = _new(Block)
+            front.address, front.size, front.stream, front.small, front.segment, front.requested, front.allocated, \
+                front.pending, front.mapped, front.prev, front.gc_base = \
+                address, rounded, stream, small, segment, size, True, False, True, prev, 0  # fmt: skip
+            if prev is None:
+                segment.head = front
+            else:
+                prev.next = front
+            prev = front
+            live[ident] = front
+            if addresses is not None:
+                addresses.append((ident, address))
+            address += rounded
+        at += count
+        if count:
+            prev.next, block.prev, block.gc_base = block, prev, clock
+            block.size -= address - block.address
+            block.address = address
+        if not split:
+            ident = ids[at]
+            at += 1
+            block.allocated, block.requested = True, size
+            live[ident] = block
+            if addresses is not None:
+                addresses.append((ident, address))
+
+
+def _cached_after(pool: Pool, size: int, new: list[int]) -> None:
+    """``new`` (ascending addresses of blocks of ``size``) added to ``pool``'s addresses of that size."""
+    held = pool.by_size.get(size)
+    if held is None:
+        pool.by_size[size] = new
+        insort(pool.sizes, size)
+    elif held[-1] < new[0]:
+        held.extend(new)
+    else:
+        for address in new:
+            insort(held, address)
