@@ -28,8 +28,8 @@ request replay on FSDP2, DeepSpeed and reference traces under several configs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import groupby
-from operator import itemgetter
+from itertools import chain, compress, cycle, groupby, repeat
+from operator import attrgetter, itemgetter
 
 from zeroplan.allocator.blocks import Block, Pool, Segment
 from zeroplan.allocator.cached_runs import _cached_after, take_cached
@@ -91,67 +91,76 @@ def _copy_periods(alloc, pool: Pool, template: Segment, blocks: list[Block], shi
                   run) -> None:  # fmt: skip
     """``copies`` more periods: ``template``'s segment (``blocks``: its blocks) ``shift``, 2 ``shift``, ... bytes up,
     its allocated blocks given to ``ids`` in turn (each period's in address order, the order it handed them out),
-    its free blocks cached in ``pool`` (each ``Block(...)`` made without its ``__init__``, its fields set at once:
-    ~12,000 per FSDP2 replay). The template's fields are read once for every copy, and the free blocks join their
-    size's addresses at once, after the others where they lie above them (new segments lie above every other), as
-    ``Pool.insert`` one by one (a speed-up, no rule: tests/test_allocator_replay.py)."""
-    stream, small, clock = template.stream, template.small, pool.clock[0]
-    fields = [(b.address, b.size, b.allocated, b.requested, b.gc_base) for b in blocks]
-    total, taken, made = sum(f[1] for f in fields), iter(ids), {}
-    live, addresses, details, segments, log, cached = run.live, run.addresses, run.details, alloc.segments, \
-        alloc.log, pool.blocks  # fmt: skip
-    for offset in range(shift, (copies + 1) * shift, shift):
-        base = template.address + offset
-        segment, prev = Segment(base, stream, small), None
-        for address, size, allocated, requested, gc_base in fields:
-            block = _new(Block)
-            block.address, block.size, block.stream, block.small, block.segment, block.mapped, block.pending, \
-                block.prev, block.next = address + offset, size, stream, small, segment, True, False, prev, None
-            if prev is None:
-                segment.head = block
-            else:
-                prev.next = block
-            prev = block
-            if allocated:
-                block.allocated, block.requested, block.gc_base = True, requested, gc_base
-                ident = next(taken)
-                live[ident] = block
-                if details:
-                    addresses.append((ident, block.address))
-            else:
-                block.allocated, block.requested, block.gc_base = False, 0, clock  # ``Pool.insert``
-                cached[block.address] = block
-                made.setdefault(size, []).append(block.address)
-        segments[base] = segment
-        log.append(("segment_alloc", base, total, stream))
-    for size, new in made.items():  # ascending: each copy above the one before, its blocks in address order
-        _cached_after(pool, size, new)
+    its free blocks cached in ``pool``. A speed-up, no rule (tests/test_allocator_replay.py): each ``Segment(...)``
+    and ``Block(...)`` made without its ``__init__`` (~6,000 per FSDP2 replay), a block's fields that every copy
+    shares set from one tuple prepared from the template, the links in one loop; then the blocks handed out, the
+    blocks cached (their size's addresses joined at once, after the others where they lie above them: new
+    segments lie above every other, as ``Pool.insert`` one by one), the segments and their log entries, each
+    in one call over all the copies."""
+    stream, small, clock, start = template.stream, template.small, pool.clock[0], template.address
+    head, *rest = [(b.address - start, (b.size, stream, small, True, False, b.allocated, b.requested if b.allocated
+                    else 0, b.gc_base if b.allocated else clock, None)) for b in blocks]  # fmt: skip
+    head = head[1]
+    bases = range(start + shift, start + (copies + 1) * shift, shift)
+    made, segs, new = [], [], _new
+    keep, keep_segment, shared = made.append, segs.append, (stream, small, False, 0)
+    for base in bases:
+        segment, block = new(Segment), new(Block)
+        segment.stream, segment.small, segment.expandable, segment.page = shared
+        block.size, block.stream, block.small, block.mapped, block.pending, block.allocated, block.requested, \
+            block.gc_base, block.next = head  # fmt: skip
+        segment.address, segment.head, block.address, block.segment, block.prev = base, block, base, segment, None
+        keep_segment(segment)
+        keep(block)
+        for offset, fields in rest:
+            prev, block = block, new(Block)
+            block.size, block.stream, block.small, block.mapped, block.pending, block.allocated, block.requested, \
+                block.gc_base, block.next = fields  # fmt: skip
+            block.address, block.segment, block.prev = base + offset, segment, prev
+            prev.next = block
+            keep(block)
+    mask = [b.allocated for b in blocks]
+    given = list(compress(made, cycle(mask)))  # in order: period by period, each in address order
+    run.live.update(zip(ids, given))
+    if run.details:
+        run.addresses.extend(zip(ids, map(_ADDRESS, given)))
+    cached = list(compress(made, cycle([not m for m in mask])))
+    pool.blocks.update(zip(map(_ADDRESS, cached), cached))
+    for size in dict.fromkeys(b.size for b in blocks if not b.allocated):
+        new_blocks = [made[j::len(blocks)] for j, b in enumerate(blocks) if not b.allocated and b.size == size]
+        addresses = list(map(_ADDRESS, chain.from_iterable(new_blocks)))
+        _cached_after(pool, size, addresses if len(new_blocks) == 1 else sorted(addresses))
+    alloc.segments.update(zip(bases, segs))
+    alloc.log.extend(zip(repeat("segment_alloc"), bases, repeat(sum(b.size for b in blocks)), repeat(stream)))
 
 
 _new = object.__new__
 _EVENT_ID = itemgetter(1)  # an ``Event``'s id
+_ADDRESS = attrgetter("address")
 
 
 def _copy_whole(alloc, template: Segment, shift: int, ids: Sequence, run) -> None:
     """``_copy_periods`` of a period that is one request given a segment of its own, whole (the large requests
     that leave under 1 MiB of their segment: FSDP2's gathered parameters), for each of ``ids`` in turn."""
-    b = template.head
-    size, stream, small, requested, gc_base = b.size, template.stream, template.small, b.requested, b.gc_base
-    segments, log, live, addresses, details = alloc.segments, alloc.log, run.live, run.addresses, run.details
-    base = template.address
-    for ident in ids:
-        base += shift
-        segment, block = _new(Segment), _new(Block)  # ``Segment(...)``, ``Block(...)``: their fields set at once
+    b, new = template.head, _new
+    shared = (b.size, template.stream, template.small, b.requested, True, False, True, None, None, b.gc_base)
+    bases = range(template.address + shift, template.address + (len(ids) + 1) * shift, shift)
+    segs, made = [], []
+    keep_segment, keep = segs.append, made.append
+    for base in bases:
+        segment, block = new(Segment), new(Block)  # ``Segment(...)``, ``Block(...)``: their fields set at once
         segment.address, segment.stream, segment.small, segment.expandable, segment.page, segment.head = \
-            base, stream, small, False, 0, block
-        block.address, block.size, block.stream, block.small, block.segment, block.requested, block.allocated, \
-            block.pending, block.mapped, block.prev, block.next, block.gc_base = \
-            base, size, stream, small, segment, requested, True, False, True, None, None, gc_base  # fmt: skip
-        live[ident] = block
-        if details:
-            addresses.append((ident, base))
-        segments[base] = segment
-        log.append(("segment_alloc", base, size, stream))
+            base, template.stream, template.small, False, 0, block
+        block.size, block.stream, block.small, block.requested, block.allocated, block.pending, block.mapped, \
+            block.prev, block.next, block.gc_base = shared  # fmt: skip
+        block.address, block.segment = base, segment
+        keep_segment(segment)
+        keep(block)
+    run.live.update(zip(ids, made))
+    if run.details:
+        run.addresses.extend(zip(ids, bases))
+    alloc.segments.update(zip(bases, segs))
+    alloc.log.extend(zip(repeat("segment_alloc"), bases, repeat(b.size), repeat(template.stream)))
 
 
 def _period_template(alloc, pool: Pool, run, events: Sequence, rounded: int) -> tuple[int, Segment | None]:
