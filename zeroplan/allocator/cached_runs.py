@@ -75,12 +75,13 @@ def _split_fronts(taken: list[Block], per: int, rounded: int, size: int, ids: li
     live, addresses = run.live, run.addresses if run.details else None
     count, at = per if split else per - 1, 0
     for block in taken:
-        prev, address, stream, small, segment = block.prev, block.address, block.stream, block.small, block.segment
+        prev, address, segment = block.prev, block.address, block.segment
+        shared = (rounded, block.stream, block.small, segment, size, True, False, True, 0)
         for ident in ids[at:at + count]:
             front = _new(Block)
-            front.address, front.size, front.stream, front.small, front.segment, front.requested, front.allocated, \
-                front.pending, front.mapped, front.prev, front.gc_base = \
-                address, rounded, stream, small, segment, size, True, False, True, prev, 0  # fmt: skip
+            front.size, front.stream, front.small, front.segment, front.requested, front.allocated, front.pending, \
+                front.mapped, front.gc_base = shared  # fmt: skip
+            front.address, front.prev = address, prev
             if prev is None:
                 segment.head = front
             else:
