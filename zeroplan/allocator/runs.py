@@ -262,6 +262,7 @@ def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int)
         before = tail.prev
     stats, mapped_to, small, live, size, grown_all = alloc.stats, rest.address, pool.small, run.live, events[0].size, 0
     addresses = run.addresses if run.details else None
+    shared = (rounded, stream, small, segment, size, True, False, True, None, 0)
     for e in events:  # each ``Block(...)`` made without its ``__init__`` and linked here (a speed-up, no rule)
         if frontier + rounded > mapped_to:
             grown = -(-(frontier + rounded - mapped_to) // page) * page
@@ -269,9 +270,9 @@ def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int)
             grown_all += grown
             mapped_to += grown
         block = _new(Block)
-        block.address, block.size, block.stream, block.small, block.segment, block.requested, block.allocated, \
-            block.pending, block.mapped, block.prev, block.next, block.gc_base = \
-            frontier, rounded, stream, small, segment, size, True, False, True, before, None, 0  # fmt: skip
+        block.size, block.stream, block.small, block.segment, block.requested, block.allocated, block.pending, \
+            block.mapped, block.next, block.gc_base = shared  # the fields every block shares, set from one tuple
+        block.address, block.prev = frontier, before
         if before is None:
             segment.head = block
         else:
