@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Sequence
+from operator import itemgetter
 
 from zeroplan.allocator.blocks import Block, Pool
 from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE
 
 _new = object.__new__
+_EVENT_ID = itemgetter(1)  # an ``Event``'s id
 
 
 def take_cached(run, events: Sequence, rounded: int, pool: Pool) -> int:
@@ -54,7 +56,7 @@ def take_cached(run, events: Sequence, rounded: int, pool: Pool) -> int:
             del held[:k]
         rest = whole - per * rounded
         split = rest > limit  # else the last request takes the rest whole
-        _split_fronts(taken, per, rounded, size, [e.id for e in events[i:i + k * per]], run, split, clock)
+        _split_fronts(taken, per, rounded, size, list(map(_EVENT_ID, events[i:i + k * per])), run, split, clock)
         if split:  # the rests, at the blocks' ends, cached (``Pool.insert``)
             for b in taken:
                 blocks[b.address] = b

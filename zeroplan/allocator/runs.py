@@ -99,7 +99,7 @@ def _copy_periods(alloc, pool: Pool, template: Segment, blocks: list[Block], shi
     in one call over all the copies."""
     stream, small, clock, start = template.stream, template.small, pool.clock[0], template.address
     head, *rest = [(b.address - start, (b.size, stream, small, True, False, b.allocated, b.requested if b.allocated
-                    else 0, b.gc_base if b.allocated else clock, None)) for b in blocks]  # fmt: skip
+                    else 0, b.gc_base if b.allocated else clock)) for b in blocks]  # fmt: skip
     head = head[1]
     bases = range(start + shift, start + (copies + 1) * shift, shift)
     made, segs, new = [], [], _new
@@ -108,17 +108,18 @@ def _copy_periods(alloc, pool: Pool, template: Segment, blocks: list[Block], shi
         segment, block = new(Segment), new(Block)
         segment.stream, segment.small, segment.expandable, segment.page = shared
         block.size, block.stream, block.small, block.mapped, block.pending, block.allocated, block.requested, \
-            block.gc_base, block.next = head  # fmt: skip
+            block.gc_base = head  # fmt: skip
         segment.address, segment.head, block.address, block.segment, block.prev = base, block, base, segment, None
         keep_segment(segment)
         keep(block)
         for offset, fields in rest:
             prev, block = block, new(Block)
             block.size, block.stream, block.small, block.mapped, block.pending, block.allocated, block.requested, \
-                block.gc_base, block.next = fields  # fmt: skip
+                block.gc_base = fields  # fmt: skip
             block.address, block.segment, block.prev = base + offset, segment, prev
             prev.next = block
             keep(block)
+        block.next = None
     mask = [b.allocated for b in blocks]
     given = list(compress(made, cycle(mask)))  # in order: period by period, each in address order
     run.live.update(zip(ids, given))
