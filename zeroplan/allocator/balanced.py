@@ -26,7 +26,7 @@ from bisect import bisect_left, insort
 from collections.abc import Sequence
 from operator import itemgetter
 
-from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE
+from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, is_small, round_size
 
 STRETCHES = True
 """Balanced stretches answered by ``walk`` (False: every event replayed, for the tests)."""
@@ -64,14 +64,17 @@ def walk(run, allocs: Sequence) -> bool:
 
     The overlay of each pool met: how many of each size's blocks the stretch took (best fit takes a size's
     blocks in address order, so always its first ones) and the rests its splits left, (size, address) sorted."""
-    live, requests, overlay, last, carved = run.live, run.alloc._requests, {}, None, None
+    live, requests, overlay, last, carved = run.live, run.alloc._requests, {}, None, None  # fmt: skip
     handed = requested = 0
     found = [] if run.details else None
     for _, ident, size, stream, address in allocs:
-        request = requests.get((size, stream)) if address is None and type(size) is int and ident not in live \
-            else None
-        if request is None:
+        if address is not None or type(size) is not int or ident in live:
             return False
+        request = requests.get((size, stream))
+        if request is None:  # a request first met (``_Run.step`` raises for a size of 0 or less)
+            if size <= 0:
+                return False
+            request = _request(run.alloc, size, stream)
         rounded, pool = request
         if pool is not last:
             if carved is not None:
@@ -126,3 +129,10 @@ def _best_fit(sizes: list[int], by_size: dict, taken: dict, rests: list, rounded
         if index < len(rests) and (best is None or rests[index] < best[:2]):
             return (*rests.pop(index), 0)
     return best
+
+
+def _request(alloc, size: int, stream: int) -> tuple:
+    """``CachingAllocator.malloc``'s (rounded size, pool) of a request first met (kept, as ``malloc`` keeps it)."""
+    rounded = round_size(size, alloc.config)
+    request = alloc._requests[size, stream] = (rounded, alloc._pool(stream, is_small(rounded)))
+    return request
