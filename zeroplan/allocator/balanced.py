@@ -87,11 +87,23 @@ def walk(run, allocs: Sequence) -> bool:
         else:
             if carved is not None:
                 insort(rests, carved[:2])
-            best = _best_fit(sizes, by_size, taken, rests, rounded)
-            if best is None or best[2] is None and blocks[best[1]].segment.expandable:
+            index, best = bisect_left(sizes, rounded), None
+            while index < len(sizes):  # the pool's best fit: the first block of a size not taken
+                held = sizes[index]
+                first = taken.get(held, 0)
+                if first < len(by_size[held]):
+                    best = (held, by_size[held][first])
+                    break
+                index += 1
+            if rests and rests[-1][0] >= rounded:  # a rest the best fit?
+                index = bisect_left(rests, (rounded,))
+                if best is None or rests[index] < best:
+                    best = rests.pop(index)
+                    held = None
+            if best is None or held is not None and blocks[best[1]].segment.expandable:
                 return False  # a new segment, or ``plain_loop._expandable_fit``'s walk
-            if best[2] is None:
-                taken[best[0]] = taken.get(best[0], 0) + 1
+            if held is not None:
+                taken[held] = first + 1
         remaining = best[0] - rounded
         if remaining >= K_MIN_BLOCK_SIZE if small else remaining > K_SMALL_SIZE:  # ``_should_split``
             carved = (remaining, best[1] + rounded, rounded)
@@ -109,26 +121,6 @@ def walk(run, allocs: Sequence) -> bool:
     if found is not None:
         run.addresses.extend(found)
     return True
-
-
-def _best_fit(sizes: list[int], by_size: dict, taken: dict, rests: list, rounded: int) -> tuple | None:
-    """The best fit for ``rounded`` among a pool's blocks (``sizes``, ``by_size``) less the first ``taken[size]`` of
-    each size, and ``rests`` ((size, address), sorted; the one found is taken out): (size, address, None) for a
-    pool's block, (size, address, 0) for a rest; None if none is at least ``rounded``."""
-    index, best = bisect_left(sizes, rounded), None
-    while index < len(sizes):
-        held = sizes[index]
-        addresses = by_size[held]
-        first = taken.get(held, 0)
-        if first < len(addresses):
-            best = (held, addresses[first], None)
-            break
-        index += 1
-    if rests:
-        index = bisect_left(rests, (rounded,))
-        if index < len(rests) and (best is None or rests[index] < best[:2]):
-            return (*rests.pop(index), 0)
-    return best
 
 
 def _request(alloc, size: int, stream: int) -> tuple:
