@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 from operator import itemgetter
 
+from zeroplan.allocator.balanced import stretch_length, walk
 from zeroplan.allocator.blocks import Block, Pool
 from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE
 
@@ -22,15 +23,33 @@ def plain_events(run, events: Sequence, expandable: bool, generic: Callable, eve
     """Replay ``events`` (every one an ``Event``) on ``run`` (``replay._Run``, no memory limit, no
     ``max_split_size``); ``expandable``: the config's ``expandable_segments``; ``generic``: ``run.step``, for
     what the loop does not do itself (each event through ``event_of``, ``replay._event``, first). The frees and
-    the allocs in a row each go through one call (``groupby``, in C: a transition frees, then allocates)."""
+    the allocs in a row each go through one call (``groupby``, in C: a transition frees, then allocates); the
+    balanced stretch where allocs meet frees (``balanced``) answered by its read-only walk where it can be."""
+    allocs = ()  # the allocs in a row last met, kept while the frees after them may balance their tail
     for action, group in groupby(events, _ACTION):
         if action == "free":
+            if allocs:  # the frees after allocs: a balanced stretch between them answered by ``walk``
+                group = list(group)
+                m = stretch_length(allocs, group)
+                plain_allocs(run, allocs[:-m] if m else allocs, expandable, generic, event_of)
+                if m and not walk(run, allocs[-m:]):
+                    plain_allocs(run, allocs[-m:], expandable, generic, event_of)
+                    plain_frees(run, group[:m], False, generic, event_of)
+                group, allocs = group[m:], ()
             plain_frees(run, group, False, generic, event_of)
+            continue
+        if allocs:
+            plain_allocs(run, allocs, expandable, generic, event_of)
+            allocs = ()
+        if action == "alloc" and not expandable:  # (expandable segments: ``walk`` serves none of their blocks)
+            allocs = list(group)
         elif action == "alloc":
             plain_allocs(run, group, expandable, generic, event_of)
         else:
             for event in group:
                 generic(event_of(event))
+    if allocs:
+        plain_allocs(run, allocs, expandable, generic, event_of)
 
 
 _ACTION = itemgetter(0)
