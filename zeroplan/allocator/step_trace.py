@@ -42,7 +42,8 @@ from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
 from zeroplan.allocator.runs import chunk_runs
 from zeroplan.allocator.step_repeat import GROWN, copy_events, copy_plan as _repeats, resumed
-from zeroplan.allocator.trace_terms import Rounded as _Rounded, default_stream, identity as _identity, tensor_sizes
+from zeroplan.allocator.trace_terms import Rounded as _Rounded, default_stream, identity as _identity, moved_terms, \
+    tensor_sizes
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
@@ -95,7 +96,8 @@ class _Builder:
         self._seen: dict[int, tuple[Term, tuple[tuple[Key, int, int], ...]]] = {}
         # when each live key was added: ``live``'s own order, so that a transition walks its few changed keys in
         # that order rather than every live key (hundreds: FSDP2 names each block's buffers apart)
-        self._terms_of: dict[int, set[int]] = {}  # ids of a moment's terms, by the moment's id (``wanted_after``)
+        # a moment's terms and their ids, by the moment's id (``wanted_after``)
+        self._terms_of: dict[int, tuple[tuple[Term, ...], set[int]]] = {}
         self.since: dict[Key, int] = {}
         self._added, self.moves = 0, 0  # keys added; the moments walked
         self.popped: list[tuple[int, int]] = []  # (moves walked, id) of each grown piece popped (step_repeat)
@@ -125,7 +127,7 @@ class _Builder:
         if len(out) == len(rows):  # the usual moment: no key twice
             ids = set(map(id, terms))
             if len(ids) == len(terms):  # and no term twice: ``wanted_after`` may build the next one from it
-                self._terms_of[id(moment)] = ids
+                self._terms_of[id(moment)] = (terms, ids)
             return out
         out = {}
         get = out.get
@@ -143,31 +145,28 @@ class _Builder:
         from the terms the two moments do not share (a few of ~150: a moment differs from the one before by a
         block's buffers) rather than from every term; None (build it whole) unless each moment holds no key and
         no term twice, the condition under which a moment's ``wanted`` is the sum of its terms' keys."""
-        ids_before = self._terms_of.pop(id(before), None)  # read once: the next moment's first build (freed early)
+        prior = self._terms_of.pop(id(before), None)  # read once: the next moment's first build (freed early)
         terms = (*moment.terms, *resident)
-        ids = set(map(id, terms))
-        if ids_before is None or len(ids) != len(terms):
+        moved = None if prior is None else moved_terms(*prior, terms)  # (gone, new: in term order) or None
+        if moved is None:
             return None
         seen, tensors = self._seen, self._tensors
         want = dict(want_before)
-        gone = []
-        for i in ids_before - ids:
-            for key, _, _ in seen[i][1]:
+        gone, new = [], []
+        for term in moved[0]:
+            for key, _, _ in seen[id(term)][1]:
                 del want[key]
                 gone.append(key)
-        added, new = ids - ids_before, []
-        if added:
-            for term in compress(terms, map(added.__contains__, map(id, terms))):  # in term order (in C): the
-                # order of the allocations
-                for key, amount, stream in tensors(term):
-                    if key in want:  # a key two terms hold: their amounts add up (``wanted``)
-                        return None
-                    want[key] = [amount, stream]
-                    new.append(key)
+        for term in moved[1]:  # in term order: the order of the allocations
+            for key, amount, stream in tensors(term):
+                if key in want:  # a key two terms hold: their amounts add up (``wanted``)
+                    return None
+                want[key] = [amount, stream]
+                new.append(key)
         get_before = want_before.get
         # the keys of the terms kept hold what they held; those of the terms gone or new may differ
         wanted = [k for k in new if get_before(k) != want[k]]
-        self._terms_of[id(moment)] = ids
+        self._terms_of[id(moment)] = (terms, prior[1])  # ``moved_terms`` made them its ids
         return want, ({*wanted, *(k for k in gone if k not in want)}, wanted)
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
