@@ -42,8 +42,7 @@ from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
 from zeroplan.allocator.runs import chunk_runs
 from zeroplan.allocator.step_repeat import GROWN, copy_events, copy_plan as _repeats, resumed
-from zeroplan.allocator.trace_terms import Rounded as _Rounded, default_stream, identity as _identity, moved_terms, \
-    tensor_sizes
+from zeroplan.allocator.trace_terms import Rounded as _Rounded, _collection, default_stream, moved_terms, tensor_sizes
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
@@ -151,7 +150,7 @@ class _Builder:
         if moved is None:
             return None
         seen, tensors = self._seen, self._tensors
-        want = dict(want_before)
+        want = want_before.copy()  # ``dict.copy``: its table copied at once (``dict(...)`` inserts key by key)
         gone, new = [], []
         for term in moved[0]:
             for key, _, _ in seen[id(term)][1]:
@@ -173,12 +172,17 @@ class _Builder:
         """(key, count or grown bytes, stream) of ``term``'s tensors; found once per term object (a run's terms
         are shared by its moments: the model states are in every one)."""
         got = self._seen.get(id(term))
-        if got is None:
-            name, stream = _identity(term.name), self.stream_of(term)
-            if term.tensors <= 1:
-                keys = (((name, term.source, GROWN), self._round_of[term.bytes], stream),) if term.bytes > 0 else ()
+        if got is None:  # ``identity``, ``tensor_sizes`` (but for unrounded sizes) inline: a speed-up, no rule
+            name, size, n, stream = term.name, term.bytes, term.tensors, self.stream_of(term)
+            name = _collection(name) if " of " in name else name
+            if size <= 0:
+                keys = ()
+            elif n <= 1:
+                keys = (((name, term.source, GROWN), self._round_of[size], stream),)
+            elif self.block > 1:  # ``n`` tensors of one size
+                keys = (((name, term.source, -(-size // n)), n, stream),)
             else:
-                keys = tuple(((name, term.source, size), count, stream) for size, count in tensor_sizes(term, self.block))
+                keys = tuple(((name, term.source, size), count, stream) for size, count in tensor_sizes(term, 1))
             got = self._seen[id(term)] = (term, keys)  # the term kept: its id stays its own
         return got[1]
 

@@ -71,8 +71,8 @@ def moved_terms(before: tuple[Term, ...], ids: set[int], terms: tuple[Term, ...]
     old, new = before[head:len(before) - tail], terms[head:len(terms) - tail]
     old_ids, new_ids = set(map(id, old)), list(map(id, new))
     fresh = set(new_ids)
-    if len(fresh) != len(new_ids) or any(i in ids and i not in old_ids for i in new_ids):
-        return None  # a term twice: among the new ones, or a new one also in the head or tail
+    if len(fresh) != len(new_ids) or not ids.isdisjoint(fresh - old_ids):
+        return None  # a term twice: among the new ones, or a new one also in the head or tail (in C)
     ids -= old_ids
     ids |= fresh
     return [t for t in old if id(t) not in fresh], [t for t, i in zip(new, new_ids) if i not in old_ids]
