@@ -245,3 +245,121 @@ def test_frees_kept_looks_at_the_renamed_frees_alone_and_answers_as_every_pair()
         answers.append(every_pair(events, start, stop, rename, shift))
         assert _frees_kept(events, start, stop, rename, shift) == answers[-1], (events, start, stop, rename, shift)
     assert 50 < sum(answers) < 350
+
+
+def test_copy_events_in_c_makes_the_events_and_chunks_of_the_loop_per_event():
+    """``step_repeat.copy_events`` (columns, ids renamed with ``map``, events made in C): the events and chunks of
+    the loop per event that defines the copy, on seeded random windows of a builder's allocs (fresh ids), frees
+    (of ids live at the mark, renamed or not, or newer) and phases, with random renames of the ids live at the
+    mark, shifts and windows (empty ones, and ones that start or end at a phase, among them)."""
+    from bisect import bisect_left
+
+    from zeroplan.allocator.replay import Event
+    from zeroplan.allocator.step_repeat import EVENTS, NEXT_ID, copy_events
+
+    def per_event(events, chunks, earlier, now, rename, stop):  # the definition
+        shift, start = now[NEXT_ID] - earlier[NEXT_ID], earlier[EVENTS]
+        offset = len(events) - start
+        chunks.extend([(at + offset, size, stream, count) for at, size, stream, count in
+                       chunks[bisect_left(chunks, (start,)):bisect_left(chunks, (stop,))]])  # fmt: skip
+        events.extend([Event("alloc", e.id + shift, e.size, e.stream) if e.action == "alloc" else
+                       Event("free", rename.get(e.id, e.id + shift)) if e.action == "free" else e
+                       for e in events[start:stop]])  # fmt: skip
+
+    rng = random.Random(1603)
+    for _ in range(300):
+        events, chunks, next_id, live = [], [], 0, []
+        for _ in range(rng.randrange(0, 80)):
+            r = rng.random()
+            if r < 0.08:
+                events.append(Event("phase", rng.choice(("forward", "backward", "optimizer_step"))))
+            elif r < 0.55 or not live:
+                count, size, stream = rng.choice((1, 1, 3)), rng.choice((512, 1024)), rng.choice((0, 1))
+                chunks.append((len(events), size, stream, count))
+                events.extend(Event("alloc", next_id + i, size, stream) for i in range(count))
+                live.extend(range(next_id, next_id + count))
+                next_id += count
+            else:
+                events.append(Event("free", live.pop(rng.randrange(len(live)))))
+        start = rng.randrange(len(events) + 1)
+        stop = rng.randrange(start, len(events) + 1)
+        before = {e.id for e in events[:start] if e.action == "alloc"}
+        mark_id = max(before, default=-1) + 1
+        rename = {i: rng.randrange(1000, 2000) for i in before if rng.random() < 0.4}
+        earlier = (None,) * EVENTS + (start,)
+        earlier = tuple(mark_id if k == NEXT_ID else v for k, v in enumerate(earlier))
+        now = tuple(mark_id + rng.randrange(-3, 40) if k == NEXT_ID else None for k in range(NEXT_ID + 1))
+        fast, want = (list(events), list(chunks)), (list(events), list(chunks))
+        copy_events(*fast, earlier, now, rename, stop)
+        per_event(*want, earlier, now, rename, stop)
+        assert fast == want, (events, start, stop, rename)
+        assert all(type(e) is Event for e in fast[0])
+
+
+def test_chunk_runs_in_c_finds_the_runs_of_the_chunks_walked_one_by_one():
+    """``runs.chunk_runs`` (columns, a run's first chunks found with ``map``): the runs of the loop over the chunks
+    one by one that defines them, on seeded random chunk lists (runs of 16 and more, shorter ones, chunks that
+    touch with another size or stream, gaps, none)."""
+    from zeroplan.allocator.runs import MIN_RUN, chunk_runs
+
+    def one_by_one(chunks):  # the definition
+        runs, start, end, key = {}, -1, -1, None
+        for at, size, stream, count in chunks:
+            if at == end and key == (size, stream):
+                end += count
+                continue
+            if end - start >= MIN_RUN:
+                runs[start] = end - start
+            start, end, key = at, at + count, (size, stream)
+        if end - start >= MIN_RUN:
+            runs[start] = end - start
+        return runs
+
+    rng, found = random.Random(65), 0
+    for _ in range(500):
+        chunks, at = [], rng.randrange(3)
+        for _ in range(rng.randrange(0, 40)):
+            count = rng.choice((1, 1, 2, 7, 20))
+            chunks.append((at, rng.choice((512, 512, 1024)), rng.choice((0, 0, 1)), count))
+            at += count + (rng.random() < 0.2)
+        want = one_by_one(chunks)
+        assert chunk_runs(chunks) == want and list(chunk_runs(chunks)) == list(want), chunks
+        found += len(want)
+    assert found > 200
+
+
+def test_moved_terms_finds_the_terms_gone_and_new_of_the_sets_of_ids():
+    """``trace_terms.moved_terms`` (the terms between two moments' common head and tail): the terms gone (in the
+    first moment's order) and new (in the second's) of the sets of every term's id, the second moment's ids, and
+    None exactly where the second holds a term twice, on seeded random moments (terms kept, dropped, added,
+    moved, repeated; equal terms that are other objects among them)."""
+    from zeroplan.allocator.trace_terms import moved_terms
+
+    rng, answers = random.Random(1604), {"none": 0, "moved": 0, "same": 0}
+    pool = [Term(f"t{i % 7}", 100, "s") for i in range(30)]  # equal names, bytes: equal terms, other objects
+    for _ in range(2000):
+        before = tuple(rng.sample(pool, rng.randrange(0, 12)))
+        terms = list(before)
+        for _ in range(rng.choice((0, 1, 2, 4))):
+            r = rng.random()
+            if r < 0.3 and terms:
+                del terms[rng.randrange(len(terms))]
+            elif r < 0.6:
+                terms.insert(rng.randrange(len(terms) + 1), rng.choice(pool))
+            elif r < 0.8 and terms:  # a term moved
+                terms.insert(rng.randrange(len(terms) + 1), terms.pop(rng.randrange(len(terms))))
+            elif terms:  # a term of the moment twice
+                terms.insert(rng.randrange(len(terms) + 1), rng.choice(terms))
+        terms = tuple(terms)
+        ids = set(map(id, before))
+        got = moved_terms(before, ids, terms)
+        now = set(map(id, terms))
+        if len(now) != len(terms):
+            assert got is None, (before, terms)
+            answers["none"] += 1
+            continue
+        gone, new = [t for t in before if id(t) not in now], [t for t in terms if id(t) not in set(map(id, before))]
+        assert got is not None and got[0] == gone and got[1] == new, (before, terms, got)
+        assert all(map(lambda a, b: a is b, got[0] + got[1], gone + new)) and ids == now
+        answers["moved" if gone or new else "same"] += 1
+    assert min(answers.values()) > 100, answers

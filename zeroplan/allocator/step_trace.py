@@ -42,7 +42,7 @@ from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
 from zeroplan.allocator.runs import chunk_runs
 from zeroplan.allocator.step_repeat import GROWN, copy_events, copy_plan as _repeats, resumed
-from zeroplan.allocator.trace_terms import Rounded as _Rounded, default_stream, identity as _identity, tensor_sizes
+from zeroplan.allocator.trace_terms import Rounded as _Rounded, _collection, default_stream, moved_terms, tensor_sizes
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
@@ -95,7 +95,8 @@ class _Builder:
         self._seen: dict[int, tuple[Term, tuple[tuple[Key, int, int], ...]]] = {}
         # when each live key was added: ``live``'s own order, so that a transition walks its few changed keys in
         # that order rather than every live key (hundreds: FSDP2 names each block's buffers apart)
-        self._terms_of: dict[int, set[int]] = {}  # ids of a moment's terms, by the moment's id (``wanted_after``)
+        # a moment's terms and their ids, by the moment's id (``wanted_after``)
+        self._terms_of: dict[int, tuple[tuple[Term, ...], set[int]]] = {}
         self.since: dict[Key, int] = {}
         self._added, self.moves = 0, 0  # keys added; the moments walked
         self.popped: list[tuple[int, int]] = []  # (moves walked, id) of each grown piece popped (step_repeat)
@@ -125,7 +126,7 @@ class _Builder:
         if len(out) == len(rows):  # the usual moment: no key twice
             ids = set(map(id, terms))
             if len(ids) == len(terms):  # and no term twice: ``wanted_after`` may build the next one from it
-                self._terms_of[id(moment)] = ids
+                self._terms_of[id(moment)] = (terms, ids)
             return out
         out = {}
         get = out.get
@@ -143,43 +144,45 @@ class _Builder:
         from the terms the two moments do not share (a few of ~150: a moment differs from the one before by a
         block's buffers) rather than from every term; None (build it whole) unless each moment holds no key and
         no term twice, the condition under which a moment's ``wanted`` is the sum of its terms' keys."""
-        ids_before = self._terms_of.pop(id(before), None)  # read once: the next moment's first build (freed early)
+        prior = self._terms_of.pop(id(before), None)  # read once: the next moment's first build (freed early)
         terms = (*moment.terms, *resident)
-        ids = set(map(id, terms))
-        if ids_before is None or len(ids) != len(terms):
+        moved = None if prior is None else moved_terms(*prior, terms)  # (gone, new: in term order) or None
+        if moved is None:
             return None
         seen, tensors = self._seen, self._tensors
-        want = dict(want_before)
-        gone = []
-        for i in ids_before - ids:
-            for key, _, _ in seen[i][1]:
+        want = want_before.copy()  # ``dict.copy``: its table copied at once (``dict(...)`` inserts key by key)
+        gone, new = [], []
+        for term in moved[0]:
+            for key, _, _ in seen[id(term)][1]:
                 del want[key]
                 gone.append(key)
-        added, new = ids - ids_before, []
-        if added:
-            for term in compress(terms, map(added.__contains__, map(id, terms))):  # in term order (in C): the
-                # order of the allocations
-                for key, amount, stream in tensors(term):
-                    if key in want:  # a key two terms hold: their amounts add up (``wanted``)
-                        return None
-                    want[key] = [amount, stream]
-                    new.append(key)
+        for term in moved[1]:  # in term order: the order of the allocations
+            for key, amount, stream in tensors(term):
+                if key in want:  # a key two terms hold: their amounts add up (``wanted``)
+                    return None
+                want[key] = [amount, stream]
+                new.append(key)
         get_before = want_before.get
         # the keys of the terms kept hold what they held; those of the terms gone or new may differ
         wanted = [k for k in new if get_before(k) != want[k]]
-        self._terms_of[id(moment)] = ids
+        self._terms_of[id(moment)] = (terms, prior[1])  # ``moved_terms`` made them its ids
         return want, ({*wanted, *(k for k in gone if k not in want)}, wanted)
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
         """(key, count or grown bytes, stream) of ``term``'s tensors; found once per term object (a run's terms
         are shared by its moments: the model states are in every one)."""
         got = self._seen.get(id(term))
-        if got is None:
-            name, stream = _identity(term.name), self.stream_of(term)
-            if term.tensors <= 1:
-                keys = (((name, term.source, GROWN), self._round_of[term.bytes], stream),) if term.bytes > 0 else ()
+        if got is None:  # ``identity``, ``tensor_sizes`` (but for unrounded sizes) inline: a speed-up, no rule
+            name, size, n, stream = term.name, term.bytes, term.tensors, self.stream_of(term)
+            name = _collection(name) if " of " in name else name
+            if size <= 0:
+                keys = ()
+            elif n <= 1:
+                keys = (((name, term.source, GROWN), self._round_of[size], stream),)
+            elif self.block > 1:  # ``n`` tensors of one size
+                keys = (((name, term.source, -(-size // n)), n, stream),)
             else:
-                keys = tuple(((name, term.source, size), count, stream) for size, count in tensor_sizes(term, self.block))
+                keys = tuple(((name, term.source, size), count, stream) for size, count in tensor_sizes(term, 1))
             got = self._seen[id(term)] = (term, keys)  # the term kept: its id stays its own
         return got[1]
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from itertools import compress, count
+from operator import is_not
 
 from zeroplan.formulas.peak import Term
 
@@ -54,3 +56,23 @@ def tensor_sizes(term: Term, block_bytes: int) -> list[tuple[int, int]]:
         return [(-(-term.bytes // n), n)]
     q, r = divmod(term.bytes, n)
     return [(size, count) for size, count in ((q + 1, r), (q, n - r)) if size and count]
+
+
+def moved_terms(before: tuple[Term, ...], ids: set[int], terms: tuple[Term, ...]) -> tuple[list, list] | None:
+    """The terms of ``before`` (no term twice; ``ids``: their ids) that ``terms`` lacks, and those of ``terms`` that
+    ``before`` lacks, in order, by identity; None where ``terms`` holds a term twice; ``ids`` made ``terms``' ids.
+    Two moments in a row share all but a few terms, most in the same places: only the terms between their
+    common head and tail (found in C, by identity) may be gone or new, as no term of ``before`` is in two
+    places; a new one must not be in the head or tail (a speed-up, no rule: rather than sets of every term's id;
+    tests/test_step_trace.py compares it with the sets on random tuples and the traces on every engine)."""
+    n = min(len(before), len(terms))
+    head = next(compress(count(), map(is_not, before, terms)), n)
+    tail = min(next(compress(count(), map(is_not, reversed(before), reversed(terms))), n), n - head)
+    old, new = before[head:len(before) - tail], terms[head:len(terms) - tail]
+    old_ids, new_ids = set(map(id, old)), list(map(id, new))
+    fresh = set(new_ids)
+    if len(fresh) != len(new_ids) or not ids.isdisjoint(fresh - old_ids):
+        return None  # a term twice: among the new ones, or a new one also in the head or tail (in C)
+    ids -= old_ids
+    ids |= fresh
+    return [t for t in old if id(t) not in fresh], [t for t, i in zip(new, new_ids) if i not in old_ids]
