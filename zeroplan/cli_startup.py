@@ -83,11 +83,13 @@ def shared_forward_ref_code(codes: Optional[CodeCache] = None) -> Callable[[], N
     for equal arguments (typing has no future imports, so its calls compile with no future flags), so typing's
     global ``compile`` is set to ``codes.compile``, and removed. A typing that already has its own global
     ``compile`` is left alone. A speed-up, no rule."""
+    import functools
     import typing
 
     if "compile" in vars(typing):
         return lambda: None
-    typing.compile = cached = (CodeCache(kept=False) if codes is None else codes).compile  # type: ignore[attr-defined]
+    codes = CodeCache(kept=False) if codes is None else codes
+    typing.compile = cached = functools.lru_cache(maxsize=None)(codes.compile)  # type: ignore[attr-defined]
 
     def restore() -> None:
         if vars(typing).get("compile") == cached:
