@@ -140,3 +140,22 @@ def test_a_plan_that_replays_no_trace_loads_no_allocator_replay():
         rows = [*json.loads(done.stdout)["stages"], *json.loads(done.stdout)["offload"]]
         assert any(r.get("reserved_bytes") is not None for r in rows) is replays, gpus
         assert json.loads(done.stderr.strip().splitlines()[-1]) == [replays, replays], gpus
+
+
+def test_a_plan_table_prints_its_ds_config_without_the_json_documents_models():
+    # the table's ds_config goes through render.json_text, the JSON writer alone: render.schemas (the thirty
+    # document models) and sweeping.records (SweepRow) are not loaded (docs/benchmarks.md, "2026-12-03, startup");
+    # `plan --json` still builds PlanDoc with them
+    argv = "['zeroplan', 'plan', '--engine', 'deepspeed', '--model', 'llama2-7b', '--gpus', '8', '--gpu', 'a100-40gb'"
+    after = ("print([m for m in ('zeroplan.render.schemas', 'zeroplan.sweeping.records') if m in sys.modules], "
+             "file=sys.stderr)")
+    table, as_json = run_main(argv + "]", after=after), run_main(argv + ", '--json']", after=after)
+    assert table.stderr.strip().splitlines()[-1] == "[]"
+    assert as_json.stderr.strip().splitlines()[-1] == "['zeroplan.render.schemas', 'zeroplan.sweeping.records']"
+    printed = table.stdout.split("\nDeepSpeed config (exactly the one predicted):\n", 1)[1].split("\n\n", 1)[0]
+    assert json.loads(printed) == json.loads(as_json.stdout)["recommendation"]["deepspeed"]
+    assert json.dumps(json.loads(printed), indent=2, allow_nan=False) == printed
+    from zeroplan.render.json_text import json_text
+    from zeroplan.render.schemas import json_text as re_exported
+
+    assert re_exported is json_text

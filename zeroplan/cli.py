@@ -10,7 +10,7 @@ import gc
 import os
 import sys
 
-from zeroplan.cli_startup import compiling_less, imported, no_plugin_search, quiet_imports, registered
+from zeroplan.cli_startup import CodeCache, compiling_less, imported, no_plugin_search, quiet_imports, registered
 
 with quiet_imports():  # no collection, compiling less (zeroplan.cli_startup)
     from pathlib import Path
@@ -374,24 +374,24 @@ def main() -> None:
     """Console-script entry point. pydantic's plugins stay off unless the user names some (their search reads
     every installed distribution's entry points; ``PYDANTIC_DISABLE_PLUGINS``, pydantic's documented switch,
     set in the command's own process only), its loader unimported. ``ONE_ANSWER`` commands and help run without
-    the cyclic collector: their objects are mostly long-lived and freed by reference counting, and its passes
-    over 100,000+ objects cost 5-15% of a plan (same peak RSS without). They end frozen (``gc.freeze``): the
-    interpreter's last collection at exit walked them all (about 6% of ``estimate``'s instructions); they write to
-    stdout only, so no file waits on a finalizer. They compile less (``cli_startup.compiling_less``). main() ends
-    the process (SystemExit)."""
+    the cyclic collector (its passes over 100,000+ objects cost 5-15% of a plan) and end frozen (``gc.freeze``:
+    the interpreter's last collection walked them all). They compile less (``cli_startup.compiling_less``;
+    generated code read from an earlier command's file, ``CodeCache``). main() ends the process (SystemExit)."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     no_plugin_search()
     args, collecting = sys.argv[1:], gc.isenabled()
     one_answer = not args or args[0] in ONE_ANSWER or "--help" in args
     if one_answer:
         gc.disable()
-        restore = compiling_less()  # dataclass methods when first called, a forward ref's code once
+        codes = CodeCache()  # earlier commands' generated code: a text's code read, not compiled
+        restore = compiling_less(codes)
     try:
         app_for(args)()
     finally:
         if one_answer:
             gc.freeze()  # the process ends here (SystemExit): no collection, not even the last, walks these objects
             restore()
+            codes.save()  # the texts it compiled, for the next command (unless PYTHONDONTWRITEBYTECODE)
         if collecting:
             gc.enable()
 

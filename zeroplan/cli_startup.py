@@ -1,18 +1,20 @@
 """What a fresh ``zeroplan`` process skips at start-up (docs/benchmarks.md, "Start-up, third pass" to "sixth
-pass"): pydantic's plugin search when plugins are off, typer's coercion of an option left unset or at its own
-default, the modules of the commands it does not run, and the compilation of dataclass methods it never calls.
-Kept out of ``cli`` so that the command module stays a list of commands. Each is a speed-up, no rule."""
+pass", "2026-12-03, startup"): pydantic's plugin search when plugins are off, typer's coercion of an option left unset
+or at its own default, the modules of the commands it does not run, the compilation of dataclass methods it never
+calls, and of the generated texts an earlier command compiled (``CodeCache``). Kept out of ``cli`` so that the command
+module stays a list of commands. Each is a speed-up, no rule."""
 
 from __future__ import annotations
 
 import enum
 import gc
 import importlib
+import marshal
 import os
 import sys
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     import typer
@@ -72,32 +74,148 @@ def deferred_dataclass_methods() -> Callable[[], None]:
     return restore
 
 
-def shared_forward_ref_code() -> Callable[[], None]:
-    """Until the returned function is called, ``typing.ForwardRef``s of one string share one code object.
-    A forward reference compiles its string when made (``compile(arg, '<string>', 'eval')``, typing's one call of
-    ``compile``); pydantic_core's and pydantic's ``TypedDict``s are written with string annotations, 835 forward
-    references of 244 distinct strings in the ``deepspeed`` 405B plan, about 25 M instructions to compile again
-    (docs/benchmarks.md, "Start-up, sixth pass"). A code object is immutable and ``compile`` gives equal ones for
-    equal arguments (typing's future flags are the same for every call), so typing's global ``compile`` is set to
-    a cached ``compile``, and removed again. A typing that already has its own global ``compile`` is left alone.
-    A speed-up, no rule."""
+def shared_forward_ref_code(codes: Optional[CodeCache] = None) -> Callable[[], None]:
+    """Until the returned function is called, ``typing.ForwardRef``s of one string share one code object, from
+    ``codes``. A forward reference compiles its string when made (``compile(arg, '<string>', 'eval')``, typing's one
+    call of ``compile``); pydantic_core's and pydantic's ``TypedDict``s are written with string annotations, 835
+    forward references of 244 distinct strings in the ``deepspeed`` 405B plan, about 25 M instructions to compile
+    again (docs/benchmarks.md, "Start-up, sixth pass"). A code object is immutable and ``compile`` gives equal ones
+    for equal arguments (typing has no future imports, so its calls compile with no future flags), so typing's
+    global ``compile`` is set to ``codes.compile``, and removed. A typing that already has its own global
+    ``compile`` is left alone. A speed-up, no rule."""
     import functools
     import typing
 
     if "compile" in vars(typing):
         return lambda: None
-    cached = typing.compile = functools.lru_cache(maxsize=None)(compile)  # type: ignore[attr-defined]
+    codes = CodeCache(kept=False) if codes is None else codes
+    typing.compile = cached = functools.lru_cache(maxsize=None)(codes.compile)  # type: ignore[attr-defined]
 
     def restore() -> None:
-        if vars(typing).get("compile") is cached:
+        if vars(typing).get("compile") == cached:
             del typing.compile  # type: ignore[attr-defined]
 
     return restore
 
 
-def compiling_less() -> Callable[[], None]:
-    """``deferred_dataclass_methods`` and ``shared_forward_ref_code`` on; the returned function turns both off."""
-    undo = (deferred_dataclass_methods(), shared_forward_ref_code())
+def cached_dataclass_code(codes: Optional[CodeCache] = None) -> Callable[[], None]:
+    """Until the returned function is called, the text ``dataclasses`` writes for each generated method is compiled
+    once per text, through ``codes`` (``dataclasses``' global ``exec`` set to ``codes.exec``, and removed): with
+    ``codes`` read from its file, a process compiles none of the texts an earlier one did. Python 3.11 parses
+    and compiles every dataclass's ``__init__`` (and each deferred method at its first call) from text: about 88 M
+    instructions of the FSDP2 Llama-2-70B plan (116 texts; docs/benchmarks.md, "2026-12-03, startup"). The code
+    is the one ``exec`` compiles (``dataclasses`` has no future imports); only where it comes from changes. A
+    ``dataclasses`` with its own global ``exec`` is left alone. A speed-up, no rule."""
+    import dataclasses
+
+    if "exec" in vars(dataclasses):
+        return lambda: None
+    dataclasses.exec = cached = (CodeCache(kept=False) if codes is None else codes).exec  # type: ignore[attr-defined]
+
+    def restore() -> None:
+        if vars(dataclasses).get("exec") == cached:
+            del dataclasses.exec  # type: ignore[attr-defined]
+
+    return restore
+
+
+CODE_CACHE_MAX = 4096
+"""The most texts the code cache file keeps: past it, a process writes the codes it used alone."""
+
+
+class CodeCache:
+    """Code objects of the texts ``dataclasses`` and ``typing`` compile at run time, by mode and text, kept between
+    processes in one file as Python keeps a module's bytecode: ``__pycache__/generated_code.<tag>.marshal`` beside
+    this module (``importlib.util.cache_from_source``: ``sys.pycache_prefix`` and the optimization level honoured),
+    the interpreter's ``MAGIC_NUMBER`` first, then a ``marshal``'d dict (mode, text) -> code. Read once, at the
+    first text; a file of another interpreter, or that does not read back, is ignored. Written (``save``, at the end
+    of a command that compiled a text the file did not hold) unless ``sys.dont_write_bytecode``
+    (``PYTHONDONTWRITEBYTECODE``), through a temporary file and ``os.replace``; a directory that cannot be written
+    is left as it is, as for bytecode. Every code is ``compile(text, '<string>', mode, dont_inherit=True)``: what
+    ``exec`` and ``compile`` give the standard library's modules, which have no future imports
+    (tests/test_startup_code_cache.py). A speed-up, no rule."""
+
+    def __init__(self, path: Optional[str] = None, kept: bool = True) -> None:
+        """``kept=False``: the codes are shared within the process only (no file read or written)."""
+        self.path, self.known, self.used, self.new = path, None if kept else {}, {}, False
+        self.kept = kept
+
+    def file(self) -> Optional[str]:
+        """Where the codes are kept; None where this interpreter keeps no bytecode."""
+        if self.path is None:
+            from importlib.util import cache_from_source
+
+            try:
+                self.path = cache_from_source(os.path.join(os.path.dirname(__file__), "generated_code.py"))
+            except NotImplementedError:  # sys.implementation.cache_tag is None
+                return None
+            self.path = self.path.removesuffix(".pyc") + ".marshal"
+        return self.path
+
+    def code(self, mode: str, text: str) -> types.CodeType:
+        """The code of ``text`` in ``mode``, from the file or compiled now."""
+        key = (mode, text)
+        code = self.used.get(key)
+        if code is None:
+            code = self._known().get(key)
+            if type(code) is not types.CodeType:
+                code, self.new = compile(text, "<string>", mode, dont_inherit=True), True
+            self.used[key] = code
+        return code
+
+    def exec(self, source: object, globals: Optional[dict] = None, locals: Optional[dict] = None) -> None:
+        """``exec`` with a text's code from the cache (``dataclasses``' one call passes all three)."""
+        exec(self.code("exec", source) if type(source) is str else source, globals, locals)
+
+    def compile(self, source: object, filename: str, mode: str, *args: object, **kwargs: object) -> types.CodeType:
+        """``compile``, with a ``'<string>'`` text's code from the cache (``typing``'s one call passes three)."""
+        if type(source) is str and filename == "<string>" and mode in ("eval", "exec") and not args and not kwargs:
+            return self.code(mode, source)
+        kwargs.setdefault("dont_inherit", True)  # as from typing, which has no future imports
+        return compile(source, filename, mode, *args, **kwargs)
+
+    def _known(self) -> dict:
+        if self.known is None:
+            self.known = {}
+            try:
+                with open(self.file(), "rb") as f:  # type: ignore[arg-type]
+                    data = f.read()
+                from importlib.util import MAGIC_NUMBER
+
+                known = marshal.loads(data[len(MAGIC_NUMBER):]) if data.startswith(MAGIC_NUMBER) else {}
+                self.known = known if type(known) is dict else {}
+            except (OSError, TypeError, ValueError, EOFError):
+                pass
+        return self.known
+
+    def save(self) -> None:
+        """The codes compiled by this process added to the file (only the ones it used past ``CODE_CACHE_MAX``)."""
+        if sys.dont_write_bytecode or not (self.new and self.kept) or self.file() is None:
+            return
+        from importlib.util import MAGIC_NUMBER
+
+        keep = {**self._known(), **self.used}
+        keep = keep if len(keep) <= CODE_CACHE_MAX else self.used
+        path, temporary = self.path, f"{self.path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)  # type: ignore[arg-type]
+            with open(temporary, "wb") as f:
+                f.write(MAGIC_NUMBER + marshal.dumps(keep))
+            os.replace(temporary, path)  # type: ignore[arg-type]
+            self.known, self.new = keep, False
+        except (OSError, ValueError):
+            try:
+                os.remove(temporary)
+            except OSError:
+                pass
+
+
+def compiling_less(codes: Optional[CodeCache] = None) -> Callable[[], None]:
+    """``deferred_dataclass_methods``, and ``cached_dataclass_code`` and ``shared_forward_ref_code`` with ``codes``
+    (None: within the process only, ``import zeroplan.cli``: its few texts are not worth reading the file); the
+    returned function turns them off."""
+    codes = CodeCache(kept=False) if codes is None else codes
+    undo = (deferred_dataclass_methods(), cached_dataclass_code(codes), shared_forward_ref_code(codes))
 
     def off() -> None:
         for each in reversed(undo):

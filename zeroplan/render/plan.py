@@ -344,8 +344,8 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
     launcher = get_engine(p.config.engine).launcher if p.launchers else None  # its search's recommendation
     for key, title in launcher.parts if launcher is not None else ():
         text = p.launchers.get(key)
-        if isinstance(text, dict):  # a ds_config: the JSON documents' module, loaded only for one
-            from zeroplan.render.schemas import json_text
+        if isinstance(text, dict):  # a ds_config (render.json_text: not the JSON documents' models)
+            from zeroplan.render.json_text import json_text
 
             lines += ["", title, json_text(text, indent=2)]
         elif text is not None:

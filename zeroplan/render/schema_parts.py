@@ -2,19 +2,14 @@
 phases and their terms, one stage row, and the ``"auto"`` keys of a ds_config (``estimate`` and ``plan`` both print
 them). Field order = key order, as in the documents."""
 
-import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from zeroplan.render.json_text import json_text  # noqa: F401 (re-exported: the one JSON writer)
+
 Number = Union[int, float]
 """A number as computed: exact integers stay integers."""
-
-
-def json_text(obj: object, indent: Optional[int] = None) -> str:
-    """``obj`` as JSON text. Every JSON output goes through here: NaN and infinity are not JSON, so they
-    raise ValueError (the ranges of ``zeroplan.types`` keep them from being computed at all)."""
-    return json.dumps(obj, indent=indent, allow_nan=False)
 
 
 class _Out(BaseModel):
