@@ -288,46 +288,45 @@ EMBEDDING_GRADS = ("other root gradients", "head weight gradient", "head weight 
 def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_held: Term) -> tuple[Moment, ...]:
     """Block ``i`` in backward: its copy-out and the next block's prefetch (resharded), its backward, its
     gradients complete, its reduce-scatter; the blocks after it are reduced (``done``), the previous
-    block's reduce-scatter input is held until this post_backward."""
+    block's reduce-scatter input is held until this post_backward. Each term asked once and reused by the moments
+    that hold it (a speed-up, no rule: the same objects the memoised builders return, ``memo.memo_term``)."""
     blk, L, n_d = run.acts.block, len(run.units) - 1, run.acts.embed_out
     ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
     done = grads(run, range(i + 1, L + 1))
     held = (rs_input(run, i + 1, "held until the next post_backward"),) if i < L else ()
+    incoming, whole = _act("incoming activation gradient", n_d), unsharded(run, i)
+    kept_before, saved_before, saved_i = kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _blocks_saved(run, i)
+    pre = prefetched(run, i - 1)
     out = []
     if resharded(run):  # pre_backward: the prefetched all-gather output is copied out, then freed (with
         # the block's k-sharded data: FSDPParam.to_unsharded), then the next block is prefetched
-        out.append(Moment("backward", f"block {i} copy-out", (
-            *base, *kept_blocks(run, i), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
-            root_held, ag_output(run, i, "prefetched, freed after copy-out"), unsharded(run, i), *held, done)))  # fmt: skip
+        out.append(Moment("backward", f"block {i} copy-out", (*base, *kept_blocks(run, i), saved_i, incoming,
+                          root_held, ag_output(run, i, "prefetched, freed after copy-out"), whole, *held, done)))
         if i > 1:
-            out.append(Moment("backward", f"block {i - 1} backward all-gather (prefetch)", (
-                *base, *kept_blocks(run, i - 1), _blocks_saved(run, i), _act("incoming activation gradient", n_d),
-                root_held, unsharded(run, i), gather_input(run, i - 1), *prefetched(run, i - 1), *held, done)))  # fmt: skip
+            out.append(Moment("backward", f"block {i - 1} backward all-gather (prefetch)", (*base, *kept_before,
+                              saved_i, incoming, root_held, whole, gather_input(run, i - 1), *pre, *held, done)))
     # the per-op policy: the recompute has popped the layer's cached outputs (kept or freed by then: selective_ac)
-    inflight = (_blocks_saved(run, i - 1), _act("checkpointed block input", blk.ckpt_saved)) if run.ac_op else \
-        (_blocks_saved(run, i),)
-    if run.checkpointed(i):
+    inflight = (saved_before, _act("checkpointed block input", blk.ckpt_saved)) if run.ac_op else (saved_i,)
+    checkpointed = run.checkpointed(i)
+    if checkpointed:
         inflight += (_act("recomputed block's saved activations", blk.recomputed),)
-    out.append(Moment("backward", f"block {i} backward", (
-        *base, *kept_blocks(run, i - 1), *inflight, _act("incoming activation gradient", n_d), root_held,
-        _act("block backward working set", ws), unsharded(run, i), *prefetched(run, i - 1), *held, done)))  # fmt: skip
+    out.append(Moment("backward", f"block {i} backward", (*base, *kept_before, *inflight, incoming, root_held,
+                      _act("block backward working set", ws), whole, *pre, *held, done)))  # fmt: skip
     if i == 1 and rope_released(run):  # the first layer's rotary products have run backward: cos and sin go
         base = tuple(t for t in base if t.name != "embedding saved (position ids)")
-    if projections := input_projections_backward(run, unit_grads(run, i)):  # q's: every weight gradient but the norm's
+    grads_i = unit_grads(run, i)
+    if projections := input_projections_backward(run, grads_i):  # q's: every weight gradient but the norm's
         out.append(Moment("backward", f"block {i} attention input projections' backward", (
-            *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),
-            *projections, root_held, unsharded(run, i), *prefetched(run, i - 1), *held, done)))  # fmt: skip
+            *base, *kept_before, saved_before, incoming, *projections, root_held, whole, *pre, *held, done)))
     # the block's first op (its input norm) runs backward last: every weight gradient of the block exists
     out.append(Moment("backward", f"block {i} gradients complete", (
-        *base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _act("incoming activation gradient", n_d),
-        input_norm_backward(run, run.checkpointed(i)), root_held, unsharded(run, i), unit_grads(run, i),
-        *prefetched(run, i - 1), *held, done)))  # fmt: skip
-    common = (*base, *kept_blocks(run, i - 1), _blocks_saved(run, i - 1),
-              _act("block input gradient", n_d), root_held, *prefetched(run, i - 1), done)  # fmt: skip
-    out.append(Moment("backward", f"block {i} reduce-scatter copy-in",
-                      (*common, unit_grads(run, i), rs_input(run, i, "this unit"))))  # fmt: skip
+        *base, *kept_before, saved_before, incoming,
+        input_norm_backward(run, checkpointed), root_held, whole, grads_i, *pre, *held, done)))  # fmt: skip
+    common = (*base, *kept_before, saved_before, _act("block input gradient", n_d), root_held, *pre, done)
+    rs_in = rs_input(run, i, "this unit")
+    out.append(Moment("backward", f"block {i} reduce-scatter copy-in", (*common, grads_i, rs_in)))
     last = last_grad_held(run, run.units[i].shapes[-1], f"block {i}")
-    out.extend(reduce_scatter_moments(f"block {i}", (*common, *last), rs_input(run, i, "this unit"), rs_output(run, i),
+    out.extend(reduce_scatter_moments(f"block {i}", (*common, *last), rs_in, rs_output(run, i),
                                       grad_cast(run, i), gloo_copy(run, i)))  # fmt: skip
     return tuple(out)
 
