@@ -173,3 +173,22 @@ def test_a_file_that_cannot_be_written_is_left_and_the_answer_is_the_same(tmp_pa
     _made(unwritten)
     unwritten.save()
     assert not (tmp_path / "x.marshal").exists()
+
+
+def test_past_the_most_texts_a_command_keeps_its_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    path = str(tmp_path / "codes.marshal")
+    old = {("exec", f"x = {i}"): compile(f"x = {i}", "<string>", "exec") for i in range(20)}
+    open(path, "wb").write(MAGIC_NUMBER + marshal.dumps(old))
+    monkeypatch.setattr(__import__("zeroplan.cli_startup").cli_startup, "CODE_CACHE_MAX", 25)
+    codes = CodeCache(path)
+    assert codes.code("exec", "x = 3") is codes.code("exec", "x = 3") and codes.new is False  # read, not compiled
+    codes.code("exec", "y = 1")
+    codes.save()
+    kept = marshal.loads(open(path, "rb").read()[len(MAGIC_NUMBER):])
+    assert len(kept) == 21 and kept[("exec", "y = 1")] == compile("y = 1", "<string>", "exec")
+    many = CodeCache(path)
+    for i in range(5):
+        many.code("exec", f"z = {i}")
+    many.save()  # 26 texts: past the most, the five compiled alone
+    assert set(marshal.loads(open(path, "rb").read()[len(MAGIC_NUMBER):])) == {("exec", f"z = {i}") for i in range(5)}

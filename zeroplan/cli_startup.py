@@ -119,8 +119,10 @@ def cached_dataclass_code(codes: Optional[CodeCache] = None) -> Callable[[], Non
     return restore
 
 
-CODE_CACHE_MAX = 4096
-"""The most texts the code cache file keeps: past it, a process writes the codes it used alone."""
+CODE_CACHE_MAX = 1024
+"""The most texts the code cache file keeps: past it, a process writes the codes it used alone (the file is read
+whole by every command: texts of classes since changed are dropped this way; the five commands of
+docs/benchmarks.md, "2026-12-03, startup", use 432)."""
 
 
 class CodeCache:
