@@ -54,7 +54,7 @@ def stretch_length(allocs: Sequence, frees: Sequence) -> int:
     return m
 
 
-_LONGEST = 256  # a longer stretch is found in part (its last 256 allocs) or not at all: replayed
+_LONGEST = 4096  # a longer stretch is found in part (its last 4,096 allocs) or not at all: replayed
 
 
 def walk(run, allocs: Sequence) -> bool:
