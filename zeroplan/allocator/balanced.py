@@ -1,7 +1,7 @@
 """Balanced stretches of a plain replay answered without touching a block: a speed-up, no rule.
 
 A *balanced stretch* is a run of allocs whose last ``m`` ids are exactly the ids the ``m`` frees right after them
-free, in any order (a layer's scratch tensors allocated then dropped; an alloc freed at once): ~30% of an FSDP2
+free, in any order (a layer's scratch tensors allocated then dropped; an alloc freed at once): ~25% of an FSDP2
 trace's events. In the plain replay (``replay._Run.plain``: no memory limit, no ``max_split_size``) such a
 stretch whose ``m`` requests are each served by a cached block of a non-expandable segment leaves the allocator
 as it found it: a request takes the best fit (the first block by (size, address) of at least its rounded size)
