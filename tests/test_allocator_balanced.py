@@ -136,6 +136,26 @@ def test_a_stretch_makes_the_phase_peak(monkeypatch):
     assert fast.allocated_peak_bytes == 512 + 40 * MiB  # the stretch's, above the 34 MiB live before it
 
 
+def test_a_run_freed_next_is_a_stretch(monkeypatch):
+    """A run of equal allocs (``alloc_runs``) whose last is freed next joins the events after it: with too few
+    cached blocks it is replayed (new segments), then cached blocks serve a run as one stretch (3 MiB carved 6 to
+    a 20 MiB block; 19.5 MiB given the whole block), its peaks the blocks handed out."""
+    from zeroplan.allocator.runs import MIN_RUN
+
+    n, half = 3 * MIN_RUN, 39 * MiB // 2
+    events = [Event("alloc", i, half) for i in range(n)] + [Event("alloc", -1, 64)]
+    events += [Event("free", i) for i in range(n)]  # n cached blocks of 20 MiB
+    for start, size, count in ((n, 20 * MiB, 2 * n), (3 * n, 3 * MiB, n), (4 * n, half, n // 2)):
+        ids = range(start, start + count)
+        events += [Event("alloc", i, size) for i in ids] + [Event("free", i) for i in reversed(ids)]
+        events += [Event("phase", f"after {start}")]
+    fast, without, full, served = _three(events, "", monkeypatch)
+    assert fast == without == full and served == [n, n // 2], served
+    assert fast.phases[f"after {3 * n}"].allocated_bytes == 512 + n // 2 * 20 * MiB
+    assert fast.phases[f"after {3 * n}"].requested_bytes == 64 + n // 2 * half
+    assert fast.reserved_peak_bytes == 2 * n * 20 * MiB + 2 * MiB  # the first: n segments more (and the small one)
+
+
 def test_stretch_length():
     """The longest balanced tail, in any order after a first free of the last alloc; none when a free of another
     id comes first or an id repeats."""

@@ -1,7 +1,7 @@
 """Balanced stretches of a plain replay answered without touching a block: a speed-up, no rule.
 
 A *balanced stretch* is a run of allocs whose last ``m`` ids are exactly the ids the ``m`` frees right after them
-free, in any order (a layer's scratch tensors allocated then dropped; an alloc freed at once): ~30% of an FSDP2
+free, in any order (a layer's scratch tensors allocated then dropped; an alloc freed at once): ~25% of an FSDP2
 trace's events. In the plain replay (``replay._Run.plain``: no memory limit, no ``max_split_size``) such a
 stretch whose ``m`` requests are each served by a cached block of a non-expandable segment leaves the allocator
 as it found it: a request takes the best fit (the first block by (size, address) of at least its rounded size)
@@ -22,7 +22,7 @@ tests/test_allocator_balanced.py compares the replays with and without (``STRETC
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Sequence
 from operator import itemgetter
 
@@ -54,7 +54,7 @@ def stretch_length(allocs: Sequence, frees: Sequence) -> int:
     return m
 
 
-_LONGEST = 256  # a longer stretch is found in part (its last 256 allocs) or not at all: replayed
+_LONGEST = 4096  # a longer stretch is found in part (its last 4,096 allocs) or not at all: replayed
 
 
 def walk(run, allocs: Sequence) -> bool:
@@ -63,8 +63,9 @@ def walk(run, allocs: Sequence) -> bool:
     (nothing done) when a request is not served by a cached block of a non-expandable segment.
 
     The overlay of each pool met: how many of each size's blocks the stretch took (best fit takes a size's
-    blocks in address order, so always its first ones) and the rests its splits left, (size, address) sorted."""
-    live, requests, overlay, last, carved = run.live, run.alloc._requests, {}, None, None  # fmt: skip
+    blocks in address order, so always its first ones), the rests its splits left (size, address) and the
+    largest of them, where its last search of a size ended."""
+    live, requests, overlay, last, carved, state = run.live, run.alloc._requests, {}, None, None, None  # fmt: skip
     handed = requested = 0
     found = [] if run.details else None
     for _, ident, size, stream, address in allocs:
@@ -78,28 +79,36 @@ def walk(run, allocs: Sequence) -> bool:
         rounded, pool = request
         if pool is not last:
             if carved is not None:
-                insort(rests, carved[:2])
+                rests.append(carved[:2])
+                top = max(top, carved[0])
+            if state is not None:
+                state[2] = top
             last, sizes, by_size, blocks, small = pool, pool.sizes, pool.by_size, pool.blocks, pool.small
-            taken, rests = overlay.get(pool) or overlay.setdefault(pool, ({}, []))
+            state = overlay.get(pool) or overlay.setdefault(pool, [{}, [], 0, 0, None])
+            taken, rests, top = state[0], state[1], state[2]
             carved = None
         if carved is not None and carved[0] >= rounded == carved[2]:
             best = carved  # the rest the last request of this size left: the best fit (it was one less ``r``)
         else:
             if carved is not None:
-                insort(rests, carved[:2])
-            index, best = bisect_left(sizes, rounded), None
-            while index < len(sizes):  # the pool's best fit: the first block of a size not taken
+                rests.append(carved[:2])
+                top = max(top, carved[0])
+            # the pool's best fit: the first block of a size not taken, from where the last search of this
+            # size found one (the sizes before it are all taken: ``taken`` only grows)
+            index, best = state[3] if state[4] == rounded else bisect_left(sizes, rounded), None
+            while index < len(sizes):
                 held = sizes[index]
                 first = taken.get(held, 0)
                 if first < len(by_size[held]):
                     best = (held, by_size[held][first])
                     break
                 index += 1
-            if rests and rests[-1][0] >= rounded:  # a rest the best fit?
-                index = bisect_left(rests, (rounded,))
-                if best is None or rests[index] < best:
-                    best = rests.pop(index)
-                    held = None
+            state[3], state[4] = index, rounded
+            if top >= rounded:  # a rest (unsorted, the largest ``top``) the best fit?
+                rest = min([r for r in rests if r[0] >= rounded], default=None)
+                if rest is not None and (best is None or rest < best):
+                    rests.remove(rest)
+                    best, held = rest, None
             if best is None or held is not None and blocks[best[1]].segment.expandable:
                 return False  # a new segment, or ``plain_loop._expandable_fit``'s walk
             if held is not None:

@@ -216,9 +216,14 @@ def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int]) -> None:
     """``_replay``'s loop where ``_plain_steps`` applies (no memory limit): the events between two runs
     (``alloc_runs``) through ``plain_loop`` (an ``Event``) or ``_Run.step``; each run fast-forwarded, or, when
     ``fast_forward`` refuses it, replayed with the events after it (a speed-up, no rule: the same calls in the
-    same order as the loop in ``_replay``, without its per-event run look-up)."""
+    same order as the loop in ``_replay``, without its per-event run look-up). A run whose last alloc is freed
+    next (FSDP2: 723 of 11,927,020 B) is left to the part after it (no expandable segments), where
+    ``balanced.walk`` serves it with its frees when cached blocks can: tests/test_allocator_balanced.py."""
     generic, index, expandable = run.step, 0, run.alloc.config.expandable_segments
     for start in (*sorted(runs), len(events)):
+        length = runs.get(start)
+        if length and not expandable and _freed_next(events, start + length):
+            continue  # a run whose last alloc is freed next: in the part after, where ``balanced`` may serve it
         part = events[index:start]
         if set(map(type, part)) <= {Event}:  # a trace's (``step_trace``): the loop with both steps inlined
             plain_events(run, part, expandable, generic, _event)
@@ -228,11 +233,18 @@ def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int]) -> None:
                 run.fast_step(event)
             else:
                 generic(_event(event))
-        length = runs.get(start)
         if length and fast_forward(run, _run_events(events[start:start + length])):
             index = start + length
         else:
             index = start
+
+
+def _freed_next(events: Sequence, end: int) -> bool:
+    """Whether the event at ``end`` frees the one before it (an ``Event`` alloc)."""
+    if end >= len(events):
+        return False
+    last, after = events[end - 1], events[end]
+    return type(after) is Event and after.action == "free" and after.id == last.id
 
 
 def _plain_steps(run: _Run, expandable: bool) -> Callable[[Event], None]:
