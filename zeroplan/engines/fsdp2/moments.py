@@ -286,21 +286,23 @@ EMBEDDING_GRADS = ("other root gradients", "head weight gradient", "head weight 
 
 
 def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_held: Term) -> tuple[Moment, ...]:
-    """Block ``i`` in backward: its copy-out and the next block's prefetch (resharded), its backward, its
-    gradients complete, its reduce-scatter; the blocks after it are reduced (``done``), the previous
-    block's reduce-scatter input is held until this post_backward. Each term asked once and reused by the moments
-    that hold it (a speed-up, no rule: the same objects the memoised builders return, ``memo.memo_term``)."""
-    blk, L, n_d = run.acts.block, len(run.units) - 1, run.acts.embed_out
-    ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
+    """Block ``i`` in backward: its copy-out and the next block's prefetch (resharded), its backward, its gradients
+    complete, its reduce-scatter; the blocks after it are reduced (``done``), the previous block's reduce-scatter input
+    is held until this post_backward. Each term asked once, those alike for all blocks once per run (a speed-up)."""
+    if (ctx := run.memo.get(BLOCK_CONTEXT)) is None:
+        blk, n_d, L = run.acts.block, run.acts.embed_out, len(run.units) - 1
+        ws = max(blk.backward_first_op, blk.backward_act_grads + blk.first_weight_grads)
+        ctx = run.memo[BLOCK_CONTEXT] = (blk, L, _act("incoming activation gradient", n_d), _act(
+            "block backward working set", ws), _act("block input gradient", n_d), resharded(run), kept_blocks(run, L))
+    blk, L, incoming, working, grad_in, again, all_kept = ctx
     done = grads(run, range(i + 1, L + 1))
     held = (rs_input(run, i + 1, "held until the next post_backward"),) if i < L else ()
-    incoming, whole = _act("incoming activation gradient", n_d), unsharded(run, i)
-    kept_before, saved_before, saved_i = kept_blocks(run, i - 1), _blocks_saved(run, i - 1), _blocks_saved(run, i)
-    pre = prefetched(run, i - 1)
+    kept_before, saved_before, saved_i = all_kept[:i - 1], _blocks_saved(run, i - 1), _blocks_saved(run, i)
+    whole, pre = unsharded(run, i), (ag_output(run, i - 1, "backward prefetch"),) if again and i > 1 else ()
     out = []
-    if resharded(run):  # pre_backward: the prefetched all-gather output is copied out, then freed (with
+    if again:  # resharded: pre_backward: the prefetched all-gather output is copied out, then freed (with
         # the block's k-sharded data: FSDPParam.to_unsharded), then the next block is prefetched
-        out.append(Moment("backward", f"block {i} copy-out", (*base, *kept_blocks(run, i), saved_i, incoming,
+        out.append(Moment("backward", f"block {i} copy-out", (*base, *all_kept[:i], saved_i, incoming,
                           root_held, ag_output(run, i, "prefetched, freed after copy-out"), whole, *held, done)))
         if i > 1:
             out.append(Moment("backward", f"block {i - 1} backward all-gather (prefetch)", (*base, *kept_before,
@@ -310,24 +312,23 @@ def block_backward_moments(run: Fsdp2Run, i: int, base: tuple[Term, ...], root_h
     checkpointed = run.checkpointed(i)
     if checkpointed:
         inflight += (_act("recomputed block's saved activations", blk.recomputed),)
-    out.append(Moment("backward", f"block {i} backward", (*base, *kept_before, *inflight, incoming, root_held,
-                      _act("block backward working set", ws), whole, *pre, *held, done)))  # fmt: skip
+    out.append(Moment("backward", f"block {i} backward", (*base, *kept_before, *inflight, incoming, root_held, working,
+                                                         whole, *pre, *held, done)))  # fmt: skip
     if i == 1 and rope_released(run):  # the first layer's rotary products have run backward: cos and sin go
         base = tuple(t for t in base if t.name != "embedding saved (position ids)")
     grads_i = unit_grads(run, i)
     if projections := input_projections_backward(run, grads_i):  # q's: every weight gradient but the norm's
-        out.append(Moment("backward", f"block {i} attention input projections' backward", (
-            *base, *kept_before, saved_before, incoming, *projections, root_held, whole, *pre, *held, done)))
+        out.append(Moment("backward", f"block {i} attention input projections' backward", (*base, *kept_before,
+                          saved_before, incoming, *projections, root_held, whole, *pre, *held, done)))
     # the block's first op (its input norm) runs backward last: every weight gradient of the block exists
-    out.append(Moment("backward", f"block {i} gradients complete", (
-        *base, *kept_before, saved_before, incoming,
-        input_norm_backward(run, checkpointed), root_held, whole, grads_i, *pre, *held, done)))  # fmt: skip
-    common = (*base, *kept_before, saved_before, _act("block input gradient", n_d), root_held, *pre, done)
+    out.append(Moment("backward", f"block {i} gradients complete", (*base, *kept_before, saved_before, incoming,
+                      input_norm_backward(run, checkpointed), root_held, whole, grads_i, *pre, *held, done)))
+    common = (*base, *kept_before, saved_before, grad_in, root_held, *pre, done)
     rs_in = rs_input(run, i, "this unit")
     out.append(Moment("backward", f"block {i} reduce-scatter copy-in", (*common, grads_i, rs_in)))
     last = last_grad_held(run, run.units[i].shapes[-1], f"block {i}")
-    out.extend(reduce_scatter_moments(f"block {i}", (*common, *last), rs_in, rs_output(run, i),
-                                      grad_cast(run, i), gloo_copy(run, i)))  # fmt: skip
+    out.extend(reduce_scatter_moments(f"block {i}", (*common, *last), rs_in, rs_output(run, i), grad_cast(run, i),
+                                      gloo_copy(run, i)))  # fmt: skip
     return tuple(out)
 
 
@@ -385,6 +386,7 @@ def root_backward_moments(run: Fsdp2Run, base: tuple[Term, ...]) -> tuple[Moment
 
 
 NOT_BUILT = " (not built)"
+BLOCK_CONTEXT = ("block_backward_context",)  # ``run.memo`` key of what ``block_backward_moments`` asks every block
 
 
 def moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tuple[Moment, ...]:
