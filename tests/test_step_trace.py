@@ -296,38 +296,6 @@ def test_copy_events_in_c_makes_the_events_and_chunks_of_the_loop_per_event():
         assert all(type(e) is Event for e in fast[0])
 
 
-def test_chunk_runs_in_c_finds_the_runs_of_the_chunks_walked_one_by_one():
-    """``runs.chunk_runs`` (columns, a run's first chunks found with ``map``): the runs of the loop over the chunks
-    one by one that defines them, on seeded random chunk lists (runs of 16 and more, shorter ones, chunks that
-    touch with another size or stream, gaps, none)."""
-    from zeroplan.allocator.runs import MIN_RUN, chunk_runs
-
-    def one_by_one(chunks):  # the definition
-        runs, start, end, key = {}, -1, -1, None
-        for at, size, stream, count in chunks:
-            if at == end and key == (size, stream):
-                end += count
-                continue
-            if end - start >= MIN_RUN:
-                runs[start] = end - start
-            start, end, key = at, at + count, (size, stream)
-        if end - start >= MIN_RUN:
-            runs[start] = end - start
-        return runs
-
-    rng, found = random.Random(65), 0
-    for _ in range(500):
-        chunks, at = [], rng.randrange(3)
-        for _ in range(rng.randrange(0, 40)):
-            count = rng.choice((1, 1, 2, 7, 20))
-            chunks.append((at, rng.choice((512, 512, 1024)), rng.choice((0, 0, 1)), count))
-            at += count + (rng.random() < 0.2)
-        want = one_by_one(chunks)
-        assert chunk_runs(chunks) == want and list(chunk_runs(chunks)) == list(want), chunks
-        found += len(want)
-    assert found > 200
-
-
 def test_moved_terms_finds_the_terms_gone_and_new_of_the_sets_of_ids():
     """``trace_terms.moved_terms`` (the terms between two moments' common head and tail): the terms gone (in the
     first moment's order) and new (in the second's) of the sets of every term's id, the second moment's ids, and

@@ -66,21 +66,21 @@ def chunk_runs(chunks: Sequence[tuple[int, int, int, int]]) -> dict[int, int]:
     """``alloc_runs`` of a trace builder's events from its alloc chunks ((index of the first event, size, stream,
     count) of each batch of equal allocations without a segment address, by index; ``step_trace._Builder``): a
     run is chunks that follow one another with the same size and stream (no other event between them), and
-    every alloc event lies in a chunk; a chunk per batch rather than an event per event, found in C (the chunks'
-    fields as columns; a run's first chunk: one that does not start where the one before ends, or not with its
-    size and stream) (a speed-up, no rule: tests/test_step_trace.py compares it with ``alloc_runs`` of the events
-    on every engine, and with the chunks walked one by one)."""
-    from itertools import compress, count, repeat  # here: runs.py's import lines are another engineer's
-    from operator import add, le, ne, or_, sub
-
-    if not chunks:
-        return {}
-    at, sizes, streams, counts = zip(*chunks)
-    ends, kinds = list(map(add, at, counts)), list(zip(sizes, streams))
-    heads = [0, *compress(count(1), map(or_, map(ne, at[1:], ends), map(ne, kinds[1:], kinds)))]
-    starts = list(map(at.__getitem__, heads))
-    lengths = list(map(sub, map(ends.__getitem__, [*map(sub, heads[1:], repeat(1)), len(ends) - 1]), starts))
-    return dict(compress(zip(starts, lengths), map(le, repeat(MIN_RUN), lengths)))
+    every alloc event lies in a chunk; a chunk per batch rather than an event per event (a speed-up, no rule:
+    tests/test_step_trace.py compares it with ``alloc_runs`` of the events on every engine)."""
+    runs: dict[int, int] = {}
+    start = end = -1
+    key = None
+    for at, size, stream, count in chunks:
+        if at == end and key == (size, stream):
+            end += count
+            continue
+        if end - start >= MIN_RUN:
+            runs[start] = end - start
+        start, end, key = at, at + count, (size, stream)
+    if end - start >= MIN_RUN:
+        runs[start] = end - start
+    return runs
 
 
 def _settled(pool: Pool, rounded: int) -> bool:

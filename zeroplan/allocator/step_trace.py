@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress, repeat
-from operator import itemgetter, not_
+from itertools import chain, repeat
+from operator import itemgetter
 
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
@@ -54,7 +54,6 @@ PAIR_SKIP = True
 ``_Builder._paired`` (False: every transition with frees and new tensors pairs them, as the test that compares the
 two sets it)."""
 _new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
-_TRUE = repeat(True)  # ``live.get``'s default, mapped
 _ID, _SIZE, _SIZE_STREAM = itemgetter(0), itemgetter(1), itemgetter(1, 2)  # a live buffer's (id, size, stream) fields
 # an ``Event``'s fields, repeated (``zip`` stops at its one finite argument, so that these serve every call)
 _EVENT, _FREE, _ALLOC, _ZERO, _NONE = repeat(Event), repeat("free"), repeat("alloc"), repeat(0), repeat(None)
@@ -203,7 +202,7 @@ class _Builder:
         """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
         bytes (last allocated first), the keys in ``live``'s order; (the buffers popped, the keys left empty)."""
         freed, live = [], self.live
-        for key in sorted(live.keys() & changed, key=self.since.__getitem__):  # the changed keys live (in C)
+        for key in sorted([k for k in changed if k in live], key=self.since.__getitem__):  # the changed keys live
             stack = live[key]
             entry = want.get(key)
             keep = 0 if entry is None else entry[0]
@@ -216,7 +215,7 @@ class _Builder:
             elif len(stack) > keep:  # the last tensors, last first (in C)
                 freed.extend(stack[:keep - 1 if keep else None:-1])
                 del stack[keep:]
-        return freed, list(compress(changed, map(not_, map(live.get, changed, _TRUE))))  # the keys left empty, in C
+        return freed, [k for k in changed if not live.get(k, True)]  # the keys left empty (a few: no chain of maps)
 
     def _continue_grown(self, want: dict[Key, list[int]], changed: set[Key]) -> None:
         """A grown buffer that is gone and a new one on the same stream in the same transition: the same
@@ -230,12 +229,13 @@ class _Builder:
             return
         gone.sort(reverse=True)
         new.sort(reverse=True)
-        for _, old_key in gone:
-            stream = self.live[old_key][0][2]
-            match = next((k for _, k in new if want[k][1] == stream), None)
-            if match is not None:
-                new = [(b, k) for b, k in new if k != match]
-                self._add(match, self.live.pop(old_key))
+        for _, old_key in gone:  # the first new one on its stream (no generator, no list made anew: a speed-up)
+            stream = live[old_key][0][2]
+            for at, (_, k) in enumerate(new):
+                if want[k][1] == stream:
+                    del new[at]
+                    self._add(k, live.pop(old_key))
+                    break
 
     def move_to(self, moment: Moment, want: dict[Key, list[int]], changes: tuple[set[Key], list[Key]]) -> None:
         """Free what ``moment`` no longer holds, then allocate what it adds; ``want``: ``wanted(moment, ...)``

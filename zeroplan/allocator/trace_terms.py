@@ -66,13 +66,15 @@ def moved_terms(before: tuple[Term, ...], ids: set[int], terms: tuple[Term, ...]
     places; a new one must not be in the head or tail (a speed-up, no rule: rather than sets of every term's id;
     tests/test_step_trace.py compares it with the sets on random tuples and the traces on every engine)."""
     n = min(len(before), len(terms))
-    head = next(compress(count(), map(is_not, before, terms)), n)
-    tail = min(next(compress(count(), map(is_not, reversed(before), reversed(terms))), n), n - head)
-    old, new = before[head:len(before) - tail], terms[head:len(terms) - tail]
-    old_ids, new_ids = set(map(id, old)), list(map(id, new))
-    fresh = set(new_ids)
-    if len(fresh) != len(new_ids) or not ids.isdisjoint(fresh - old_ids):
+    head = next(compress(count(), map(is_not, before, terms)), n)  # in C: ~80 terms
+    last, end, stop = len(before) - 1, len(terms) - 1, n - head
+    tail = 0
+    while tail < stop and before[last - tail] is terms[end - tail]:  # a few terms: no iterators to make
+        tail += 1
+    old, new = before[head:last + 1 - tail], terms[head:end + 1 - tail]
+    old_ids, fresh = set(map(id, old)), set(map(id, new))
+    if len(fresh) != len(new) or not ids.isdisjoint(fresh - old_ids):
         return None  # a term twice: among the new ones, or a new one also in the head or tail (in C)
     ids -= old_ids
     ids |= fresh
-    return [t for t in old if id(t) not in fresh], [t for t, i in zip(new, new_ids) if i not in old_ids]
+    return [t for t in old if id(t) not in fresh], [t for t in new if id(t) not in old_ids]
