@@ -6,7 +6,8 @@ machine is shared and noisy. Both the wall time and the CPU time (user + sys of 
 ``getrusage(RUSAGE_CHILDREN)``) are printed; the ratios use CPU time, which a loaded machine inflates far
 less than wall time. zeroplan's modules are byte-compiled first (``byte_compile``), as ``pip install``
 leaves them: with ``PYTHONDONTWRITEBYTECODE`` set and no ``__pycache__``, every run would compile the
-package from source (about 0.1 CPU-s), which an installed ``torch`` never does.
+package from source (about 0.1 CPU-s), which an installed ``torch`` never does; and each zeroplan command runs once
+untimed with bytecode writing on (``warm_generated_code``), as after an installed zeroplan's first command.
 """
 
 from __future__ import annotations
@@ -85,7 +86,19 @@ def medians_of(commands: dict[str, list[str]], repeats: int, before: str | None 
     if before is not None:
         compileall.compile_dir(os.path.join(before, "zeroplan"), quiet=1)
         commands = with_before(commands, before)
+    warm_generated_code(commands)
     return compare(commands, repeats)
+
+
+def warm_generated_code(commands: dict[str, list[str]]) -> None:
+    """Each zeroplan command run once with bytecode writing on, untimed, as an installed package's first run leaves
+    it: ``cli_startup.CodeCache`` keeps the code dataclasses and typing generate in ``__pycache__`` beside the
+    bytecode (docs/benchmarks.md, "2026-12-03, startup"); with ``PYTHONDONTWRITEBYTECODE`` set (this machine) no
+    run would ever write it, which no installed zeroplan sees past its first command."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    for name, argv in commands.items():
+        if "torch" not in name:
+            subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env)  # ``env PYTHONPATH=...``: its own
 
 
 def main() -> None:
