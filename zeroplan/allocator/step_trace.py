@@ -165,7 +165,9 @@ class _Builder:
         # the keys of the terms kept hold what they held; those of the terms gone or new may differ
         wanted = [k for k in new if get_before(k) != want[k]]
         self._terms_of[id(moment)] = (terms, prior[1])  # ``moved_terms`` made them its ids
-        return want, ({*wanted, *(k for k in gone if k not in want)}, wanted)
+        changed = set(gone).difference(want)  # in C, the keys' hashes kept (no generator to make and close)
+        changed.update(wanted)
+        return want, (changed, wanted)
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
         """(key, count or grown bytes, stream) of ``term``'s tensors; found once per term object (a run's terms
