@@ -80,3 +80,84 @@ def test_a_bad_event_amid_the_inlined_steps_fails_as_before():
         replay([*ok, Event("alloc", 1, 2 * MiB)])
     with pytest.raises(ValueError, match="size > 0"):
         replay([*ok, Event("alloc", 2, 0)])
+
+
+def _interleaved_stretches(seed: int) -> list[Event]:
+    """Seeded: live tensors of random sizes (both pools, two streams) freed at random, then stretches whose frees
+    come shuffled among frees of other live tensors (before, between and after their own; some of allocs made
+    just before the stretch), a phase now and then; some stretches need a new segment (replayed)."""
+    rng, events, live, ident = random.Random(seed), [], [], 0
+    for _ in range(50):
+        for _ in range(rng.randrange(10)):
+            size = rng.choice([rng.randint(1, 900_000), rng.randint(MiB, 40 * MiB)])
+            events.append(Event("alloc", ident, size, rng.choice([0, 0, 5])))
+            live.append(ident)
+            ident += 1
+        rng.shuffle(live)
+        for _ in range(rng.randrange(len(live) // 2 + 1)):
+            events.append(Event("free", live.pop()))
+        if rng.random() < 0.3:
+            events.append(Event("phase", f"p{rng.randrange(4)}"))
+        base = rng.choice([rng.randint(1, 400_000), rng.randint(MiB, 12 * MiB), rng.randint(30 * MiB, 80 * MiB)])
+        stream = rng.choice([0, 0, 5])
+        for _ in range(rng.randrange(3)):  # allocs right before the stretch: live, or among the others freed
+            events.append(Event("alloc", ident, base, stream))
+            live.append(ident)
+            ident += 1
+        ids = list(range(ident, ident + rng.randrange(1, 14)))
+        ident += len(ids)
+        events += [Event("alloc", i, base if rng.random() < 0.5 else rng.randint(1, 2 * base),
+                         rng.choice([stream, stream, 0])) for i in ids]  # fmt: skip
+        rng.shuffle(live)
+        others = [live.pop() for _ in range(rng.randrange(min(len(live), 12) + 1))]
+        freed = others + rng.sample(ids, len(ids))
+        rng.shuffle(freed)
+        events += [Event("free", i) for i in freed]
+    return events
+
+
+def test_stretches_among_other_frees_replay_exactly(monkeypatch):
+    """A stretch whose frees come among frees of other tensors (``plain_loop.freed_tail``): walked, the others
+    freed in their order; the same replay as without stretches and as request by request, in every field."""
+    from zeroplan.allocator import balanced, plain_loop
+
+    mixed, walk = [], balanced.walk
+
+    def counted(run, allocs):
+        served = walk(run, allocs)
+        mixed.append(served and len(allocs) < len(groups.get(allocs[-1].id, ())))
+        return served
+
+    monkeypatch.setattr(plain_loop, "walk", counted)
+    for seed in range(8):
+        events = _interleaved_stretches(seed)
+        groups, frees = {}, []  # the free group of each stretch's last id
+        for e in [*events, Event("phase", "end")]:
+            if e.action == "free":
+                frees.append(e.id)
+            elif frees:
+                groups.update(dict.fromkeys(frees, frees))
+                frees = []
+        for conf in ("", "roundup_power2_divisions:4"):
+            for details in (True, False):
+                fast = replay(events, parse_alloc_conf(conf), details=details)
+                with monkeypatch.context() as m:
+                    m.setattr(balanced, "STRETCHES", False)
+                    without = replay(events, parse_alloc_conf(conf), details=details)
+                assert fast == without, (seed, conf, details)
+                assert fast == _full(events, conf, monkeypatch) or not details, (seed, conf)
+    assert sum(mixed) > 200, sum(mixed)  # stretches walked with other frees among theirs
+
+
+def test_freed_tail():
+    """The longest tail of allocs whose ids the frees free, in any order among others; none when the last alloc
+    is not freed, or an id repeats."""
+    from zeroplan.allocator.plain_loop import freed_tail
+
+    a = [Event("alloc", i, 10) for i in range(6)]
+    f = [Event("free", i) for i in (9, 5, 3, 7, 4)]
+    assert freed_tail(a, f) == (3, {3, 4, 5})
+    assert freed_tail(a, [Event("free", i) for i in (1, 2, 0, 5, 4, 3, 8)]) == (6, set(range(6)))
+    assert freed_tail(a, [Event("free", 4), Event("free", 3)])[0] == 0  # the last alloc not freed
+    assert freed_tail(a, [Event("free", 5), Event("free", 5)])[0] == 0  # freed twice
+    assert freed_tail([*a, Event("alloc", 5, 10)], [Event("free", 5), Event("free", 4)])[0] == 0  # allocated twice

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby
 from operator import itemgetter
 
-from zeroplan.allocator.balanced import stretch_length, walk
+import zeroplan.allocator.balanced as balanced
+from zeroplan.allocator.balanced import walk
 from zeroplan.allocator.blocks import Block, Pool
 from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE
 
@@ -24,18 +25,23 @@ def plain_events(run, events: Sequence, expandable: bool, generic: Callable, eve
     ``max_split_size``); ``expandable``: the config's ``expandable_segments``; ``generic``: ``run.step``, for
     what the loop does not do itself (each event through ``event_of``, ``replay._event``, first). The frees and
     the allocs in a row each go through one call (``groupby``, in C: a transition frees, then allocates); the
-    balanced stretch where allocs meet frees (``balanced``) answered by its read-only walk where it can be."""
+    balanced stretch where allocs meet frees (``balanced``; its frees among others: ``freed_tail``) answered by its
+    read-only walk where it can be, the other frees then replayed."""
     allocs = ()  # the allocs in a row last met, kept while the frees after them may balance their tail
     for action, group in groupby(events, _ACTION):
         if action == "free":
             if allocs:  # the frees after allocs: a balanced stretch between them answered by ``walk``
                 group = list(group)
-                m = stretch_length(allocs, group)
+                m, freed = freed_tail(allocs, group)
                 plain_allocs(run, allocs[:-m] if m else allocs, expandable, generic, event_of)
-                if m and not walk(run, allocs[-m:]):
+                if m and walk(run, allocs[-m:]):
+                    if m < len(group):  # the others freed, in their order
+                        group = [event for event in group if event[1] not in freed]
+                    else:
+                        group = ()
+                elif m:
                     plain_allocs(run, allocs[-m:], expandable, generic, event_of)
-                    plain_frees(run, group[:m], False, generic, event_of)
-                group, allocs = group[m:], ()
+                allocs = ()
             plain_frees(run, group, False, generic, event_of)
             continue
         if allocs:
@@ -52,7 +58,31 @@ def plain_events(run, events: Sequence, expandable: bool, generic: Callable, eve
         plain_allocs(run, allocs, expandable, generic, event_of)
 
 
+def freed_tail(allocs: Sequence, frees: Sequence) -> tuple[int, set]:
+    """The largest ``m`` (up to ``_LONGEST``) such that each of the last ``m`` of ``allocs`` (distinct ids) is freed
+    once by ``frees``, with the set of their ids; 0 if none (``frees`` names an id twice: replayed, ``_Run.step``
+    raises). Such a stretch is balanced whatever other frees come between its own (a speed-up, no rule): the
+    caching allocator's free blocks are never adjacent (a free merges with its free neighbours), so which ranges
+    are cached after the frees depends only on the set of ranges freed, not on their order: the stretch's frees
+    put back the ranges its allocs took (``balanced``), and the others' then free the same ranges as they would
+    have, in their order, without the stretch."""
+    freed, n = set(map(_ID, frees)), len(allocs)
+    if allocs[-1][1] not in freed or len(freed) != len(frees) or not balanced.STRETCHES:
+        return 0, freed
+    m = min(n, len(frees), _LONGEST)
+    ids = set(map(_ID, allocs[n - m:]))
+    if ids <= freed:  # the longest possible (most stretches): found in C
+        return (m, ids) if len(ids) == m else (0, freed)  # an id allocated twice: replayed (``_Run.step`` raises)
+    m = 1
+    while allocs[n - 1 - m][1] in freed:  # (``m`` < the longest possible, whose ids are not all freed)
+        m += 1
+    ids = set(map(_ID, allocs[n - m:]))
+    return (m, ids) if len(ids) == m else (0, freed)
+
+
 _ACTION = itemgetter(0)
+_ID = itemgetter(1)  # an ``Event``'s id
+_LONGEST = 4096  # a longer stretch is found in part (its last 4,096 allocs) or not at all: replayed
 
 
 def plain_frees(run, events: Iterable, expandable: bool, generic: Callable, event_of: Callable) -> None:
