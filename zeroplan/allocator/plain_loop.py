@@ -88,7 +88,7 @@ _LONGEST = 4096  # a longer stretch is found in part (its last 4,096 allocs) or 
 def plain_frees(run, events: Iterable, expandable: bool, generic: Callable, event_of: Callable) -> None:
     """``plain_events`` of frees in a row (``CachingAllocator.free``: merged with the free mapped neighbours,
     ``_try_merge``; ``expandable`` unread, ``plain_allocs``' signature)."""
-    live, pools, stats = run.live, run.alloc.pools, run.alloc.stats
+    live, pools, stats, stream, small = run.live, run.alloc.pools, run.alloc.stats, None, None
     allocated, requested = stats.allocated, stats.requested
     a_cur, r_cur = allocated.current, requested.current
     for event in events:
@@ -99,27 +99,33 @@ def plain_frees(run, events: Iterable, expandable: bool, generic: Callable, even
             a_cur, r_cur = allocated.current, requested.current
             continue
         block.allocated = False
-        a_cur -= block.size
+        size = block.size
+        a_cur -= size
         r_cur -= block.requested
         block.requested = 0
-        pool = pools[block.stream, block.small]
-        sizes, by_size, blocks = pool.sizes, pool.by_size, pool.blocks
+        if block.stream != stream or block.small is not small:  # the pool of the free before, most often
+            stream, small = block.stream, block.small
+            pool = pools[stream, small]
+            sizes, by_size, blocks = pool.sizes, pool.by_size, pool.blocks
         prev, nxt = block.prev, block.next
         if prev is not None and not prev.allocated and not prev.pending and prev.mapped:  # ``_try_merge``
             _merge_prev(block, prev, pool)
+            size = block.size
         if nxt is not None and not nxt.allocated and not nxt.pending and nxt.mapped:
-            held = by_size[nxt.size]  # ``Pool.remove(nxt)``
-            if len(held) == 1:
-                del by_size[nxt.size], sizes[bisect_left(sizes, nxt.size)]
-            else:
-                del held[bisect_left(held, nxt.address)]
+            merged = nxt.size
+            held = by_size[merged]  # ``Pool.remove(nxt)``
+            del held[bisect_left(held, nxt.address)]
+            if not held:
+                del by_size[merged], sizes[bisect_left(sizes, merged)]
             del blocks[nxt.address]
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
-            block.size += nxt.size
-        block.gc_base = pool.clock[0]  # ``Pool.insert``
-        size, address = block.size, block.address
+            after = block.next = nxt.next
+            if after is not None:
+                after.prev = block
+            size += merged
+            block.size = size
+        # ``Pool.insert``, its age stamp left: ``gc_base`` is 0 in every block without a memory limit (the pools'
+        # clock counts only with one), and garbage collection, its one reader, needs one (a speed-up, no rule)
+        address = block.address
         held = by_size.get(size)
         if held is None:
             by_size[size] = [address]
