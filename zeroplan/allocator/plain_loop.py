@@ -138,9 +138,11 @@ def plain_frees(run, events: Iterable, expandable: bool, generic: Callable, even
 
 def plain_allocs(run, events: Iterable, expandable: bool, generic: Callable, event_of: Callable) -> None:
     """``plain_events`` of allocs in a row (``CachingAllocator.malloc`` reduced: served by a cached block, best
-    fit, split when ``_should_split``; a new segment through ``generic``)."""
+    fit, split when ``_should_split``, or by a new segment, ``_alloc_block``, split the same way; anything else
+    through ``generic``)."""
     live, addresses, requests, stats = run.live, run.addresses, run.alloc._requests, run.alloc.stats
     allocated, requested, details, new_block = stats.allocated, stats.requested, run.details, object.__new__
+    new_segment = run.alloc._alloc_block  # (no memory limit: never None)
     a_cur, a_peak, r_cur, r_peak = allocated.current, allocated.peak, requested.current, requested.peak
     for event in events:
         _, ident, size, stream, address = event
@@ -164,8 +166,8 @@ def plain_allocs(run, events: Iterable, expandable: bool, generic: Callable, eve
                 else:  # back: the walk takes one out (``Pool.remove``), or ``malloc`` decides
                     blocks[block.address] = block
                     block = _expandable_fit(pool, block) if expandable else None
-            else:
-                block = None
+            else:  # none fits: a new segment (``malloc``'s ``_alloc_block`` at once; expandable: through ``generic``)
+                block = None if expandable else new_segment(pool, rounded, stream, None)
             if block is not None:
                 remaining = block.size - rounded
                 if remaining >= K_MIN_BLOCK_SIZE if block.small or expandable else remaining > K_SMALL_SIZE:
@@ -181,8 +183,7 @@ def plain_allocs(run, events: Iterable, expandable: bool, generic: Callable, eve
                     block.prev = front
                     block.address += rounded
                     block.size = remaining
-                    block.gc_base = pool.clock[0]  # ``Pool.insert``
-                    address = block.address
+                    address = block.address  # ``Pool.insert`` (its age stamp: see ``plain_frees``)
                     held = by_size.get(remaining)
                     if held is None:
                         by_size[remaining] = [address]
