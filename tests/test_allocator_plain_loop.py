@@ -161,3 +161,59 @@ def test_freed_tail():
     assert freed_tail(a, [Event("free", 4), Event("free", 3)])[0] == 0  # the last alloc not freed
     assert freed_tail(a, [Event("free", 5), Event("free", 5)])[0] == 0  # freed twice
     assert freed_tail([*a, Event("alloc", 5, 10)], [Event("free", 5), Event("free", 4)])[0] == 0  # allocated twice
+
+
+def _runs_freed_next(seed: int) -> list[Event]:
+    """Seeded: blocks of a few sizes (both pools, two streams) allocated and freed, leaving cached blocks whole or
+    split, then runs of equal requests (16 to 60, up to 9 to a block; some larger than any cached block: a new
+    segment) freed right after (the last first, then in any order, among other frees), most in a phase of their own."""
+    rng, events, live, ident = random.Random(seed), [], [], 0
+    for _ in range(30):
+        for _ in range(rng.randrange(1, 4)):
+            size = rng.choice([rng.randint(1, 900_000), rng.randint(2 * MiB, 30 * MiB)])
+            stream = rng.choice([0, 0, 2])
+            for _ in range(rng.randrange(1, 40)):
+                events.append(Event("alloc", ident, size, stream))
+                live.append(ident)
+                ident += 1
+        rng.shuffle(live)
+        for _ in range(rng.randrange(len(live) + 1)):
+            events.append(Event("free", live.pop()))
+        if rng.random() < 0.3:
+            events.append(Event("phase", f"p{rng.randrange(3)}"))
+        size = max(1, rng.choice([size - rng.choice([0, 1, 4096, 600_000]), size // rng.randint(2, 9),
+                                  size * rng.randint(2, 3)]))  # fmt: skip
+        ids = list(range(ident, ident + rng.randrange(16, 60)))
+        ident += len(ids)
+        if rng.random() < 0.7:  # a phase of its own: its peaks are the run's
+            events.append(Event("phase", f"run {ident}"))
+        events += [Event("alloc", i, size, stream) for i in ids]
+        rng.shuffle(live)
+        freed = ids[:-1] + [live.pop() for _ in range(rng.randrange(min(3, len(live)) + 1))]
+        rng.shuffle(freed)
+        events += [Event("free", i) for i in (ids[-1], *freed)]  # (a run whose last alloc is freed next)
+    return events
+
+
+def test_runs_freed_next_walked_in_closed_form(monkeypatch):
+    """A stretch that is a run of equal requests (``cached_runs.walk_run``): the same replay as ``balanced.walk``'s,
+    as without stretches and as request by request, in every field; most runs answered (some end inside a block,
+    some take several blocks of several sizes), some refused (a new segment)."""
+    from zeroplan.allocator import balanced, cached_runs, plain_loop
+
+    answers, walk_run = [], cached_runs.walk_run
+    monkeypatch.setattr(plain_loop, "walk_run", lambda run, allocs: answers.append(walk_run(run, allocs)) or answers[-1])
+    for seed in range(8):
+        events = _runs_freed_next(seed)
+        for conf in ("", "roundup_power2_divisions:4"):
+            for details in (True, False):
+                fast = replay(events, parse_alloc_conf(conf), details=details)
+                with monkeypatch.context() as m:
+                    m.setattr(plain_loop, "walk_run", balanced.walk)
+                    walked = replay(events, parse_alloc_conf(conf), details=details)
+                with monkeypatch.context() as m:
+                    m.setattr(balanced, "STRETCHES", False)
+                    without = replay(events, parse_alloc_conf(conf), details=details)
+                assert fast == walked == without, (seed, conf, details)
+                assert fast == _full(events, conf, monkeypatch) or not details, (seed, conf)
+    assert answers.count(True) > 40 and answers.count(False) > 10, (answers.count(True), answers.count(False))

@@ -118,3 +118,52 @@ def _cached_after(pool: Pool, size: int, new: list[int]) -> None:
     else:
         for address in new:
             insort(held, address)
+
+
+def walk_run(run, allocs: Sequence) -> bool:
+    """``balanced.walk`` of a balanced stretch that is a run of equal requests (``allocs``: ``Event``s of one int size
+    > 0 and stream, no segment address, distinct ids; freed right after, in any order): the peaks it reaches and the
+    addresses it hands out (``details``), in closed form; False (nothing done) when it needs a new segment, or
+    meets a block of an expandable segment, a live id or a request not met before.
+
+    The requests take the pool's cached blocks as ``take_cached`` gives them out (best fit: a block of ``s`` bytes
+    serves ``s // r`` requests in a row, then the next block of ``s`` bytes, then the next size), each block's
+    rest less than ``r`` (none reused); a run that ends inside a block splits its last requests off its front (the
+    block keeps at least ``r`` more). Nothing changes in the pools: the frees put every piece back (``balanced``). A
+    speed-up, no rule: a size's blocks counted at once, not a request at a time (tests/test_allocator_plain_loop.py
+    compares it with ``walk`` and the request-by-request replay)."""
+    _, _, size, stream, _ = allocs[0]
+    request = run.alloc._requests.get((size, stream))
+    if request is None or not run.live.keys().isdisjoint(map(_EVENT_ID, allocs)):
+        return False
+    rounded, pool = request
+    sizes, by_size, blocks = pool.sizes, pool.by_size, pool.blocks
+    limit = K_MIN_BLOCK_SIZE - 1 if pool.small else K_SMALL_SIZE  # a larger remainder is split off
+    index, left, handed, taken = bisect_left(sizes, rounded), len(allocs), 0, [] if run.details else None
+    while left:
+        if index == len(sizes):
+            return False  # a new segment
+        whole = sizes[index]
+        held = by_size[whole]
+        if blocks[held[0]].segment.expandable:
+            return False
+        per = whole // rounded
+        k = min(len(held), left // per)
+        handed += k * (per * rounded if whole - per * rounded > limit else whole)
+        left -= k * per
+        if taken is not None:
+            taken += [(address, per) for address in held[:k]]
+        if left and k < len(held):  # the run ends inside the next block: each of its requests split off
+            handed += left * rounded
+            if taken is not None:
+                taken.append((held[k], left))
+            left = 0
+        index += 1
+    stats = run.alloc.stats
+    for stat, rise in ((stats.allocated, handed), (stats.requested, len(allocs) * size)):
+        if stat.current + rise > stat.peak:
+            stat.peak = stat.current + rise
+    if taken is not None:
+        starts = [address + j * rounded for address, count in taken for j in range(count)]
+        run.addresses.extend(zip(map(_EVENT_ID, allocs), starts))
+    return True
