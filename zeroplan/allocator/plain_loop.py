@@ -19,8 +19,7 @@ from zeroplan.allocator.balanced import walk as _walk
 from zeroplan.allocator.blocks import Block, Pool
 from zeroplan.allocator.cached_runs import walk_run
 from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE
-
-MIN_RUN = 16  # (``runs.MIN_RUN``)
+from zeroplan.allocator.runs import MIN_RUN, fast_forward
 
 
 def plain_events(run, events: Sequence, expandable: bool, generic: Callable, event_of: Callable) -> None:
@@ -42,7 +41,7 @@ def plain_events(run, events: Sequence, expandable: bool, generic: Callable, eve
                         group = [event for event in group if event[1] not in freed]
                     else:
                         group = ()
-                elif m:
+                elif m and not (_run_like(allocs[-m:]) and fast_forward(run, allocs[-m:])):  # refused: replayed
                     plain_allocs(run, allocs[-m:], expandable, generic, event_of)
                 allocs = ()
             plain_frees(run, group, False, generic, event_of)
@@ -87,10 +86,17 @@ def walk(run, allocs: Sequence) -> bool:
     """``balanced.walk`` of the stretch ``allocs``; a run of at least ``MIN_RUN`` equal requests (FSDP2: 723
     sharded-parameter gradients freed at the optimizer step) in closed form, ``cached_runs.walk_run`` (a speed-up,
     no rule)."""
-    if len(allocs) >= MIN_RUN and len(set(map(_REQUEST, allocs))) == 1 and allocs[0][4] is None \
-            and set(map(type, map(_SIZE, allocs))) == {int} and allocs[0][2] > 0:
+    if _run_like(allocs):
         return walk_run(run, allocs)  # (ids distinct: ``freed_tail``)
     return _walk(run, allocs)
+
+
+def _run_like(allocs: Sequence) -> bool:
+    """Whether ``allocs`` is a run (``runs.alloc_runs``) of ``Event``s of an int size > 0: one refused by the walk
+    is fast-forwarded (``runs.fast_forward``: cached blocks taken, new segments' periods copied), not replayed
+    request by request."""
+    return len(allocs) >= MIN_RUN and len(set(map(_REQUEST, allocs))) == 1 and allocs[0][4] is None \
+        and set(map(type, map(_SIZE, allocs))) == {int} and allocs[0][2] > 0
 
 
 _ACTION = itemgetter(0)
