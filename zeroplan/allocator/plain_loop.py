@@ -86,7 +86,7 @@ def walk(run, allocs: Sequence) -> bool:
     """``balanced.walk`` of the stretch ``allocs``; a run of at least ``MIN_RUN`` equal requests (FSDP2: 723
     sharded-parameter gradients freed at the optimizer step) in closed form, ``cached_runs.walk_run`` (a speed-up,
     no rule)."""
-    if _run_like(allocs):
+    if len(allocs) >= MIN_RUN and _run_like(allocs):  # (most stretches are short: no call to look)
         return walk_run(run, allocs)  # (ids distinct: ``freed_tail``)
     return _walk(run, allocs)
 
