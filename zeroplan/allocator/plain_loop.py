@@ -35,12 +35,13 @@ def plain_events(run, events: Sequence, expandable: bool, generic: Callable, eve
             if allocs:  # the frees after allocs: a balanced stretch between them answered by ``walk``
                 group = list(group)
                 m, freed = freed_tail(allocs, group)
-                plain_allocs(run, allocs[:-m] if m else allocs, expandable, generic, event_of)
+                if m < len(allocs):  # (no call for none: a stretch is often the whole row)
+                    plain_allocs(run, allocs[:-m] if m else allocs, expandable, generic, event_of)
                 if m and walk(run, allocs[-m:]):
-                    if m < len(group):  # the others freed, in their order
-                        group = [event for event in group if event[1] not in freed]
-                    else:
-                        group = ()
+                    if m == len(group):
+                        allocs = ()
+                        continue  # every free the stretch's
+                    group = [event for event in group if event[1] not in freed]  # the others, in their order
                 elif m and not (_run_like(allocs[-m:]) and fast_forward(run, allocs[-m:])):  # refused: replayed
                     plain_allocs(run, allocs[-m:], expandable, generic, event_of)
                 allocs = ()
