@@ -86,9 +86,9 @@ def freed_tail(allocs: Sequence, frees: Sequence) -> tuple[int, set]:
 def walk(run, allocs: Sequence) -> bool:
     """``balanced.walk`` of the stretch ``allocs``; a run of at least ``MIN_RUN`` equal requests (FSDP2: 723
     sharded-parameter gradients freed at the optimizer step) in closed form, ``cached_runs.walk_run`` (a speed-up,
-    no rule)."""
-    if len(allocs) >= MIN_RUN and _run_like(allocs):  # (most stretches are short: no call to look)
-        return walk_run(run, allocs)  # (ids distinct: ``freed_tail``)
+    no rule; its split rule is that of segments not expandable)."""
+    if len(allocs) >= MIN_RUN and not run.alloc.config.expandable_segments and _run_like(allocs):
+        return walk_run(run, allocs)  # (ids distinct: ``freed_tail``; most stretches are short: no call to look)
     return _walk(run, allocs)
 
 
