@@ -424,3 +424,26 @@ def test_a_move_planned_from_the_moments_makes_the_events_of_the_move_reading_th
         assert [t.events for t in planned] == [t.events for t in read], (engine, nd, settings)
         assert [t.phase_live_bytes for t in planned] == [t.phase_live_bytes for t in read]
         assert [t.runs for t in planned] == [t.runs for t in read]
+
+
+def test_a_term_alike_one_met_before_keys_as_it_on_its_own_stream_and_block(monkeypatch):
+    """``_ALIKE``: a term's keys found once per (stream_of, block bytes, its fields), across traces; a trace built
+    with the cache warm (every FSDP2 draw's terms met before) is the one built cold, event for event; other terms
+    alike in all but one field, another ``stream_of`` or another block size key as their own."""
+    import zeroplan.allocator.step_trace as module
+
+    draws = list(_draws("fsdp2", 4))
+    module._ALIKE.clear()
+    cold = [fsdp2_traces(w, nd, settings) for w, nd, settings in draws]
+    assert module._ALIKE
+    warm = [fsdp2_traces(w, nd, settings) for w, nd, settings in draws]
+    assert [[t.events for t in ts] for ts in cold] == [[t.events for t in ts] for ts in warm]
+    terms = [Term("g of 2 x", 1000, "s", 2), Term("g of 3 x", 1000, "s", 2), Term("g of 2 x", 1001, "s", 2),
+             Term("g of 2 x", 1000, "t", 2), Term("g of 2 x", 1000, "s", 1)]  # fmt: skip
+    moments = [Moment("init", "i", ()), *(Moment("forward", f"f{i}", (t,)) for i, t in enumerate(terms))]
+    cases = [(stream_of, block) for stream_of in (lambda t: 0, lambda t: 7) for block in (1, 512)]
+    built = [step_trace(moments, block, stream_of=stream_of, steps=1) for stream_of, block in cases]  # warm
+    for (stream_of, block), trace in zip(cases, built):
+        module._ALIKE.clear()
+        assert trace == step_trace(moments, block, stream_of=stream_of, steps=1)
+        assert {e.stream for e in trace.events if e.action == "alloc"} == {stream_of(None)}

@@ -50,6 +50,8 @@ Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
 INCREMENTAL = True
 """Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
 test that compares the two sets it)."""
+_ALIKE: dict[tuple, tuple[tuple[Key, int, int], ...]] = {}
+"""``_Builder._tensors`` by (stream_of, block bytes, a term's fields), across traces."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,13 @@ class _Builder:
         """(key, count or grown bytes, stream) of ``term``'s tensors; found once per term object (a run's terms
         are shared by its moments: the model states are in every one)."""
         got = self._seen.get(id(term))
-        if got is None:  # ``identity``, ``tensor_sizes`` (but for unrounded sizes) inline: a speed-up, no rule
+        if got is not None:
+            return got[1]
+        # a term alike one an earlier trace met (a plan traces several candidates, whose terms are mostly alike;
+        # ``stream_of`` reads a term's fields): its keys, found once (a speed-up, no rule)
+        like = (self.stream_of, self.block, term.name, term.source, term.bytes, term.tensors)
+        keys = _ALIKE.get(like)
+        if keys is None:  # ``identity``, ``tensor_sizes`` (but for unrounded sizes) inline: a speed-up, no rule
             name, size, n, stream = term.name, term.bytes, term.tensors, self.stream_of(term)
             name = _collection(name) if " of " in name else name
             if size <= 0:
@@ -177,8 +185,11 @@ class _Builder:
                 keys = (((name, term.source, -(-size // n)), n, stream),)
             else:
                 keys = tuple(((name, term.source, size), count, stream) for size, count in tensor_sizes(term, 1))
-            got = self._seen[id(term)] = (term, keys)  # the term kept: its id stays its own
-        return got[1]
+            if len(_ALIKE) >= 50_000:  # a bound on what a long process keeps
+                _ALIKE.clear()
+            _ALIKE[like] = keys
+        self._seen[id(term)] = (term, keys)  # the term kept: its id stays its own
+        return keys
 
     @staticmethod
     def changed(want: dict[Key, list[int]], before: dict[Key, list[int]]) -> tuple[set[Key], list[Key]]:
