@@ -115,7 +115,9 @@ def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment
     touched: set = set()
     reach: dict[int, set] = {0: set()}  # the keys changed from the mark to each end: the others are not met
     for n, (a, b) in enumerate(zip(step, step[1:]), 1):
-        touched.update(changes[id(a), id(b)][0])
+        dropped, wanted = changes[id(a), id(b)][:2]
+        touched.update(dropped)
+        touched.update(wanted)
         if n in at_n:
             reach[n] = set(touched)
     memo: dict = {}

@@ -133,7 +133,7 @@ class _Builder:
         return out
 
     def wanted_after(self, before: Moment, want_before: dict[Key, list[int]], moment: Moment,
-                     resident: Sequence[Term]) -> tuple[dict[Key, list[int]], tuple[set[Key], list[Key]]] | None:
+                     resident: Sequence[Term]) -> tuple[dict[Key, list[int]], tuple] | None:
         """``wanted(moment, resident)`` and ``changed`` from ``before`` (whose ``wanted`` is ``want_before``), built
         from the terms the two moments do not share (a few of ~150: a moment differs from the one before by a
         block's buffers) rather than from every term; None (build it whole) unless each moment holds no key and
@@ -156,13 +156,8 @@ class _Builder:
                     return None
                 want[key] = [amount, stream]
                 new.append(key)
-        get_before = want_before.get
-        # the keys of the terms kept hold what they held; those of the terms gone or new may differ
-        wanted = [k for k in new if get_before(k) != want[k]]
         self._terms_of[id(moment)] = (terms, prior[1])  # ``moved_terms`` made them its ids
-        changed = set(gone).difference(want)  # in C, the keys' hashes kept (no generator to make and close)
-        changed.update(wanted)
-        return want, plan_move(want_before, want, changed, wanted)
+        return want, plan_move(want_before, want, gone, new)  # the keys of the terms kept hold what they held
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
         """(key, count or grown bytes, stream) of ``term``'s tensors; found once per term object (a run's terms
@@ -192,13 +187,11 @@ class _Builder:
         return keys
 
     @staticmethod
-    def changed(want: dict[Key, list[int]], before: dict[Key, list[int]]) -> tuple[set[Key], list[Key]]:
-        """The keys whose tensors differ between two moments' ``wanted``: after ``move_to`` the live buffers are
-        exactly what its moment wanted, so the next transition touches only these (the others are neither freed,
-        grown nor paired); and those of them ``want`` holds, in its order (the order of the allocations)."""
-        get = before.get
-        wanted = [k for k, v in want.items() if get(k) != v]
-        return plan_move(before, want, {*wanted, *(k for k in before if k not in want)}, wanted)
+    def changed(want: dict[Key, list[int]], before: dict[Key, list[int]]) -> tuple:
+        """The transition between two moments' ``wanted`` (``plan_move``): after ``move_to`` the live buffers are
+        exactly what its moment wanted, so the next transition touches only the keys that differ (the others are
+        neither freed, grown nor paired), those ``want`` holds in its order (the order of the allocations)."""
+        return plan_move(before, want, list(before), list(want))
 
     move_to = move_to  # (trace_moves): free what a moment no longer holds, then allocate what it adds
 

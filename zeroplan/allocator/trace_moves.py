@@ -30,14 +30,16 @@ _ID, _SIZE, _SIZE_STREAM = itemgetter(0), itemgetter(1), itemgetter(1, 2)  # a l
 _EVENT, _FREE, _ALLOC, _ZERO, _NONE = repeat(Event), repeat("free"), repeat("alloc"), repeat(0), repeat(None)
 
 
-def plan_move(before: dict, want: dict, changed: set, wanted: list) -> tuple:
+def plan_move(before: dict, want: dict, gone: list, new: list) -> tuple:
     """A transition from the moment whose tensors are ``before`` to the one whose are ``want`` ({key: [amount,
-    stream]}); ``changed``: the keys that differ, ``wanted``: those of them ``want`` holds, in its order. (changed,
-    wanted, pairs: (grown key gone, new key it continues as); release: (key, what it keeps, what it holds), the
-    keys that free buffers; fresh: (key, size, stream, count) to allocate, in ``wanted``'s order, a grown key that
-    shrinks with size -1 (its pieces say what is left); adds: the keys made
-    anew)."""
-    dropped = [k for k in changed if k not in want]
+    stream]}); ``gone``: keys ``before`` holds that may be gone, ``new``: keys ``want`` holds that may differ, in its
+    order (a key of neither holds in both what it held). (dropped: the keys ``want`` lacks; wanted: those of
+    ``new`` that differ; pairs: (grown key gone, new key it continues as); release: (key, what it keeps, what it
+    holds), the keys that free buffers; fresh: (key, size, stream, count) to allocate, in ``wanted``'s order, a
+    grown key that shrinks with size -1 (its pieces say what is left); adds: the keys made anew)."""
+    dropped = [k for k in gone if k not in want]
+    get = before.get
+    wanted = [k for k in new if get(k) != want[k]]
     pairs, held = [], {}
     gone = [(before[k][0], k) for k in dropped if k[2] == GROWN]
     if gone:  # a grown buffer gone and a new one on its stream: the same buffer renamed, largest to largest
@@ -75,7 +77,7 @@ def plan_move(before: dict, want: dict, changed: set, wanted: list) -> tuple:
             release.append((key, amount, had))
         elif amount > had:
             fresh.append((key, key[2], stream, amount - had))
-    return changed, wanted, pairs, release, fresh, adds
+    return dropped, wanted, pairs, release, fresh, adds
 
 
 def move_to(self, moment, want: dict, changes: tuple) -> None:
