@@ -62,7 +62,9 @@ def _agreement(earlier: tuple, now: tuple, keys: set, memo: dict) -> tuple[dict,
     (the bottoms: by the earlier bottom's first id, (its ids, the later bottom's buffers); the ids renamed)."""
     old_live, new_live = earlier[LIVE], now[LIVE]
     bottoms, rename = {}, {}
-    for k in keys:
+    held = keys.intersection(old_live)  # a key live in neither state agrees and renames nothing: not looked at
+    held.update(keys.intersection(new_live))  # (in C; most keys a step changes live between its marks only)
+    for k in held:
         got = memo.get(k)
         if got is None:
             got = _key_agreement(k, old_live.get(k), new_live.get(k))
