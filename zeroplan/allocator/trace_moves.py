@@ -110,8 +110,12 @@ def move_to(self, moment, want: dict, changes: tuple) -> None:
             if not keep:  # a key dropped leaves ``live`` (the others keep their order)
                 del live[key]
         cuts.append(len(freed))
-    for key in adds:
-        add(key, [])
+    if adds:  # ``_Builder._add`` inline (most moves make a key anew)
+        since, n = self.since, self._added
+        for key in adds:
+            live[key], since[key] = [], n
+            n += 1
+        self._added = n
     if left is not None:  # a grown key that shrank: the piece that brings it back up, if any
         fresh = [f if f[1] >= 0 else (f[0], left[f[0]], f[2], 1) for f in fresh]
         fresh = [f for f in fresh if f[1] > 0]
@@ -129,10 +133,11 @@ def move_to(self, moment, want: dict, changes: tuple) -> None:
         self.events.extend(map(_new, _EVENT, zip(_FREE, map(_ID, freed), _ZERO, _ZERO, _NONE)))  # ``Event("free",
         # id)``, in C
         self.live_bytes -= sum(map(self._round_of.__getitem__, map(_SIZE, freed)))  # rounded, in C
-    if moment.phase != self.phase:
-        self.phase = moment.phase
-        self.events.append(Event("phase", moment.phase))
-        self._note()
+    phase, phase_max = moment.phase, self.phase_max  # ``_Builder._note`` inline: the phase's largest live bytes
+    if phase != self.phase:
+        self.phase = phase
+        self.events.append(Event("phase", phase))
+        phase_max[phase] = max(phase_max.get(phase, 0), self.live_bytes)
     events, ident, added, chunks, rounded = self.events, self.next_id, 0, self.chunks, self._round_of
     for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
         chunks.append((len(events), size, stream, count))
@@ -146,5 +151,6 @@ def move_to(self, moment, want: dict, changes: tuple) -> None:
         ident += count
         added += count * rounded[size]
     self.next_id = ident
-    self.live_bytes += added
-    self._note()
+    self.live_bytes = added = self.live_bytes + added
+    if added >= phase_max.get(phase, 0):  # (set where the phase has none: live bytes are never negative)
+        phase_max[phase] = added
