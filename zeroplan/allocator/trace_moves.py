@@ -85,9 +85,10 @@ def move_to(self, moment, want: dict, changes: tuple) -> None:
     transition's ``plan_move``."""
     _, _, pairs, release, fresh, adds = changes
     self.moves += 1  # this move's pops are counted as the moves before it (``popped``)
-    live, add = self.live, self._add
-    for old, key in pairs:
-        add(key, live.pop(old))
+    live, since, added = self.live, self.since, self._added  # ``_Builder._add`` inline: the keys' ages
+    for old, key in pairs:  # a grown buffer renamed: its pieces under the new key
+        live[key], since[key] = live.pop(old), added
+        added += 1
     freed, left = [], None
     if release:
         cuts, moves, popped = [], self.moves, self.popped
@@ -110,12 +111,10 @@ def move_to(self, moment, want: dict, changes: tuple) -> None:
             if not keep:  # a key dropped leaves ``live`` (the others keep their order)
                 del live[key]
         cuts.append(len(freed))
-    if adds:  # ``_Builder._add`` inline (most moves make a key anew)
-        since, n = self.since, self._added
-        for key in adds:
-            live[key], since[key] = [], n
-            n += 1
-        self._added = n
+    for key in adds:  # the keys made anew
+        live[key], since[key] = [], added
+        added += 1
+    self._added = added
     if left is not None:  # a grown key that shrank: the piece that brings it back up, if any
         fresh = [f if f[1] >= 0 else (f[0], left[f[0]], f[2], 1) for f in fresh]
         fresh = [f for f in fresh if f[1] > 0]
@@ -125,7 +124,6 @@ def move_to(self, moment, want: dict, changes: tuple) -> None:
         if fresh and not (PAIR_SKIP and {f[1:3] for f in fresh}.isdisjoint(map(_SIZE_STREAM, freed))):
             fresh = list(fresh)
             if len(release) > 1:  # the keys' buffers in the order the keys were added (``since``)
-                since = self.since
                 at = sorted(range(len(release)), key=lambda i: since[release[i][0]])
                 freed = list(chain.from_iterable(freed[cuts[i]:cuts[i + 1]] for i in at))
             freed = self._paired(freed, fresh)
