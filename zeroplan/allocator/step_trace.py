@@ -51,7 +51,8 @@ INCREMENTAL = True
 """Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
 test that compares the two sets it)."""
 _ALIKE: dict[tuple, tuple[tuple[Key, int, int], ...]] = {}
-"""``_Builder._tensors`` by (stream_of, block bytes, a term's fields), across traces."""
+"""``_Builder._tensors`` by (stream_of, block bytes, a term's fields), across traces: a ``stream_of`` reads a
+term's fields alone (every engine's does: FSDP2's and DeepSpeed's by its name)."""
 
 
 @dataclass(frozen=True)
@@ -271,22 +272,26 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     last_start = 0  # how many events there were when the last step began
     before: Moment | None = None
     at = 0
-    while at < len(order):
+    move_to, n = builder.move_to, len(order)
+    while at < n:
         m = order[at]
         pair = (id(before), id(m))
-        if id(m) not in wants:
+        want = wants.get(pair[1])
+        if want is None:
             held = () if m.phase == "init" else resident
             after = None if before is None or not INCREMENTAL else \
-                builder.wanted_after(before, wants[id(before)], m, held)
+                builder.wanted_after(before, wants[pair[0]], m, held)
             if after is None:
-                wants[id(m)] = builder.wanted(m, held)
+                want = wants[pair[1]] = builder.wanted(m, held)
             else:
-                wants[id(m)], changes[pair] = after
-        if pair not in changes:
-            changes[pair] = builder.changed(wants[id(m)], wants[id(before)] if before is not None else {})
+                want, changes[pair] = after
+                wants[pair[1]] = want
+        change = changes.get(pair)
+        if change is None:
+            change = changes[pair] = builder.changed(want, wants[pair[0]] if before is not None else {})
         if at == last:
             last_start = len(builder.events)
-        builder.move_to(m, wants[id(m)], changes[pair])
+        move_to(m, want, change)
         before = m
         if at in marks_at:
             mark = builder.snapshot()
