@@ -256,7 +256,7 @@ def test_copy_events_in_c_makes_the_events_and_chunks_of_the_loop_per_event():
     from bisect import bisect_left
 
     from zeroplan.allocator.replay import Event
-    from zeroplan.allocator.step_repeat import EVENTS, NEXT_ID, copy_events
+    from zeroplan.allocator.step_repeat import EVENTS, NEXT_ID, copy_events, renamed_at
 
     def per_event(events, chunks, earlier, now, rename, stop):  # the definition
         shift, start = now[NEXT_ID] - earlier[NEXT_ID], earlier[EVENTS]
@@ -294,6 +294,10 @@ def test_copy_events_in_c_makes_the_events_and_chunks_of_the_loop_per_event():
         copy_events(*fast, earlier, now, rename, stop)
         per_event(*want, earlier, now, rename, stop)
         assert fast == want, (events, start, stop, rename)
+        given = (list(events), list(chunks))  # the renamed events and the columns as ``copy_plan`` hands them
+        copy_events(*given, earlier, now, rename, stop, renamed_at(events, start, stop, rename),
+                    tuple(zip(*events[start:stop])) if stop > start else None)
+        assert given == want, (events, start, stop, rename)
         assert all(type(e) is Event for e in fast[0])
 
 

@@ -113,7 +113,8 @@ def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment
               popped: list[tuple[int, int]], moves: int, events: list[Event], end_events: int) -> tuple | None:
     """Whether the last step, from its mark at offset ``j`` (``now``; ``step``: its moments from there), makes
     the events of the one before from its mark ``marks[j]``: None, or (the offset of the later mark the copy
-    reaches, None for the step's end; the earlier mark; the bottoms; the renamed ids). ``popped``: (moves walked
+    reaches, None for the step's end; the earlier mark; the bottoms; the renamed ids; the keys touched; the
+    indices of the events of a renamed id; the events copied as columns). ``popped``: (moves walked
     with the one popping, id) of each grown piece popped; ``moves``, ``end_events``: the moves walked and the
     events made when the last step began."""
     earlier = marks[j]
@@ -130,6 +131,7 @@ def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment
         if n in at_n:
             reach[n] = set(touched)
     memo: dict = {}
+    cols: tuple = ()  # the events' fields as columns from the mark, for the largest window met (the first)
     for end in ends:
         n = len(step) - 1 if end is None else end - j
         stop = moves if end is None else marks[end][MOVES]
@@ -142,22 +144,28 @@ def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment
             continue
         last = end_events if end is None else marks[end][EVENTS]
         shift = now[NEXT_ID] - earlier[NEXT_ID]
-        renamed = renamed_at(events, earlier[EVENTS], last, rename)
+        size = last - earlier[EVENTS]
+        if size > 0 and (not cols or len(cols[0]) < size):
+            cols = tuple(zip(*events[earlier[EVENTS]:last]))
+        window = tuple(c[:size] for c in cols) if size > 0 else None  # (shared with ``copy_events``)
+        renamed = [] if window is None else list(compress(count(earlier[EVENTS]), map(rename.__contains__,
+                                                                                          window[1])))
         if _since_kept(earlier, now, reach[n]) and _frees_kept(events, earlier[EVENTS], last, rename, shift,
                                                                renamed):
-            return end, earlier, bottoms, rename, reach[n], renamed
+            return end, earlier, bottoms, rename, reach[n], renamed, window
     return None
 
 
 def copy_events(events: list[Event], chunks: list[tuple], earlier: tuple, now: tuple, rename: dict[int, int],
-                stop: int, renamed: list[int] | None = None) -> None:  # fmt: skip
+                stop: int, renamed: list[int] | None = None, columns: tuple | None = None) -> None:  # fmt: skip
     """Append the step before's events from the ``earlier`` mark to ``stop`` to ``events``, each id renamed (a
     buffer live at the mark: its counterpart; a newer one: shifted by the ids made in between); and their alloc
     chunks (``_Builder.chunks``: (index, size, stream, count), by index; a mark falls between two moves, never
     inside a chunk) to ``chunks``, moved to where the copies lie. Made in C, no Python frame per event (a
     speed-up, no rule): the events' fields as columns (``zip(*...)``); between two phase events (each its own
     copy) the allocs and frees, each id shifted, each event ``Event(...)`` without its Python-level ``__new__``
-    (``_new``); then the few events of a renamed id (``renamed``: their indices, ``renamed_at``; an alloc's id is
+    (``_new``; ``columns``: the events' columns, as ``copy_plan`` made them); then the few events of a renamed id
+    (``renamed``: their indices, ``renamed_at``; an alloc's id is
     newer than the mark, so never renamed) made again with its counterpart. tests/test_step_trace.py compares
     the copy with the step built."""
     shift, start = now[NEXT_ID] - earlier[NEXT_ID], earlier[EVENTS]
@@ -167,9 +175,8 @@ def copy_events(events: list[Event], chunks: list[tuple], earlier: tuple, now: t
         chunks.extend(zip(map(add, at, repeat(len(events) - start)), sizes, streams, counts))
     if start >= stop:
         return
-    part = events[start:stop]
-    actions, ids, sizes, streams, addresses = zip(*part)
-    at, n, base = 0, len(part), len(events) - start
+    actions, ids, sizes, streams, addresses = zip(*events[start:stop]) if columns is None else columns
+    at, n, base = 0, stop - start, len(events) - start
     while at < n:
         try:
             phase = actions.index("phase", at)
@@ -179,7 +186,7 @@ def copy_events(events: list[Event], chunks: list[tuple], earlier: tuple, now: t
             events.extend(map(_new, _EVENT, zip(actions[at:phase], map(add, ids[at:phase], repeat(shift)),
                                                 sizes[at:phase], streams[at:phase], addresses[at:phase])))
         if phase < n:
-            events.append(part[phase])
+            events.append(events[start + phase])
         at = phase + 1
     for at in renamed_at(events, start, stop, rename) if renamed is None else renamed:
         action, ident, size, stream, address = events[at]
@@ -192,7 +199,7 @@ def resumed(later: tuple, earlier: tuple, now: tuple, plan: tuple) -> tuple | No
     bottoms the last step's), the others as at ``now``; (phase, live bytes, live buffers by key, since, next id,
     keys added, moves);
     None when a buffer is neither renamed, newer nor a bottom (the copy's premise broken: build instead)."""
-    _, _, bottoms, rename, touched, _ = plan
+    _, _, bottoms, rename, touched = plan[:5]
     shift, first_new = now[NEXT_ID] - earlier[NEXT_ID], earlier[NEXT_ID]
     live = {k: list(stack) for k, stack in now[LIVE].items() if k not in touched}
     for k, stack in later[LIVE].items():

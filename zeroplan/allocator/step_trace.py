@@ -226,12 +226,12 @@ class _Builder:
         """Copy the last step's events from the step before (``step_repeat.copy_plan``'s ``plan``, from the mark
         ``now``) to the step's end (``end``: its events; None: the trace ends), or to a later mark, whose state,
         renamed, the builder takes on: that mark's offset (``now``'s when nothing is copied)."""
-        later, earlier, _, rename, _, renamed = plan
+        later, earlier, _, rename, _, renamed, columns = plan
         state = None if later is None else resumed(marks[later], earlier, now, plan)
         if later is not None and state is None:
             return next(j for j, mark in marks.items() if mark is earlier)
         stop = end if later is None else marks[later][5]
-        copy_events(self.events, self.chunks, earlier, now, rename, stop, renamed)
+        copy_events(self.events, self.chunks, earlier, now, rename, stop, renamed, columns)
         if later is not None:
             self.phase, self.live_bytes, self.live, self.since, self.next_id, self._added, self.moves = state
         return later
