@@ -128,9 +128,15 @@ def move_to(self, moment, want: dict, changes: tuple) -> None:
                 freed = list(chain.from_iterable(freed[cuts[i]:cuts[i + 1]] for i in at))
             freed = self._paired(freed, fresh)
         freed.sort(reverse=True)
-        self.events.extend(map(_new, _EVENT, zip(_FREE, map(_ID, freed), _ZERO, _ZERO, _NONE)))  # ``Event("free",
-        # id)``, in C
-        self.live_bytes -= sum(map(self._round_of.__getitem__, map(_SIZE, freed)))  # rounded, in C
+        if len(freed) <= 4:  # the usual move: no chain of maps to make
+            rounded, append = self._round_of, self.events.append
+            for ident, size, _ in freed:
+                append(_new(Event, ("free", ident, 0, 0, None)))
+                self.live_bytes -= rounded[size]
+        else:
+            self.events.extend(map(_new, _EVENT, zip(_FREE, map(_ID, freed), _ZERO, _ZERO, _NONE)))  # ``Event(
+            # "free", id)``, in C
+            self.live_bytes -= sum(map(self._round_of.__getitem__, map(_SIZE, freed)))  # rounded, in C
     phase, phase_max = moment.phase, self.phase_max  # ``_Builder._note`` inline: the phase's largest live bytes
     if phase != self.phase:
         self.phase = phase
