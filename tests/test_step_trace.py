@@ -194,19 +194,20 @@ def test_a_transition_that_skips_the_pairing_makes_the_events_of_pairing(engine,
     ``_Builder._paired``; the traces are those of pairing every transition, event for event, on the drawn
     configurations of each engine (both paths taken)."""
     import zeroplan.allocator.step_trace as module
+    import zeroplan.allocator.trace_moves as moves
 
     _, traces = ENGINES[engine]
     calls, pair = {True: 0, False: 0}, module._Builder._paired
 
     def counted(self, *args):
-        calls[module.PAIR_SKIP] += 1
+        calls[moves.PAIR_SKIP] += 1
         return pair(self, *args)
 
     monkeypatch.setattr(module._Builder, "_paired", counted)
     for w, nd, settings in _draws(engine, 6):
         skipped = traces(w, nd, settings)
         with monkeypatch.context() as m:
-            m.setattr(module, "PAIR_SKIP", False)
+            m.setattr(moves, "PAIR_SKIP", False)
             every = traces(w, nd, settings)
         assert [t.events for t in skipped] == [t.events for t in every], (engine, nd, settings)
         assert [t.phase_live_bytes for t in skipped] == [t.phase_live_bytes for t in every]
@@ -255,7 +256,7 @@ def test_copy_events_in_c_makes_the_events_and_chunks_of_the_loop_per_event():
     from bisect import bisect_left
 
     from zeroplan.allocator.replay import Event
-    from zeroplan.allocator.step_repeat import EVENTS, NEXT_ID, copy_events
+    from zeroplan.allocator.step_repeat import EVENTS, NEXT_ID, copy_events, renamed_at
 
     def per_event(events, chunks, earlier, now, rename, stop):  # the definition
         shift, start = now[NEXT_ID] - earlier[NEXT_ID], earlier[EVENTS]
@@ -293,6 +294,10 @@ def test_copy_events_in_c_makes_the_events_and_chunks_of_the_loop_per_event():
         copy_events(*fast, earlier, now, rename, stop)
         per_event(*want, earlier, now, rename, stop)
         assert fast == want, (events, start, stop, rename)
+        given = (list(events), list(chunks))  # the renamed events and the columns as ``copy_plan`` hands them
+        copy_events(*given, earlier, now, rename, stop, renamed_at(events, start, stop, rename),
+                    tuple(zip(*events[start:stop])) if stop > start else None)
+        assert given == want, (events, start, stop, rename)
         assert all(type(e) is Event for e in fast[0])
 
 
@@ -331,3 +336,118 @@ def test_moved_terms_finds_the_terms_gone_and_new_of_the_sets_of_ids():
         assert all(map(lambda a, b: a is b, got[0] + got[1], gone + new)) and ids == now
         answers["moved" if gone or new else "same"] += 1
     assert min(answers.values()) > 100, answers
+
+
+def _move_reading_live(self, moment, want, changes):
+    """The move that reads the live buffers for each changed key (main before ``trace_moves.plan_move``): the
+    grown buffers gone paired with the new ones by their live bytes and stream, the changed keys live freed in
+    the order they were added, each wanted key's missing tensors (or grown piece) from its live buffers."""
+    from itertools import repeat
+
+    from zeroplan.allocator.replay import Event
+    from zeroplan.allocator.step_repeat import GROWN
+
+    changed, wanted_changed = {*changes[0], *changes[1]}, changes[1]
+    self.moves += 1
+    live = self.live
+
+    def grown(stack):
+        return sum(b[1] for b in stack)
+
+    gone = sorted(((grown(live[k]), k) for k in changed if k[2] == GROWN and k not in want and live.get(k)),
+                  reverse=True)
+    new = sorted(((want[k][0], k) for k in changed if k[2] == GROWN and k in want and not live.get(k)), reverse=True)
+    for _, old_key in gone if new else ():
+        stream = live[old_key][0][2]
+        match = next((at for at, (_, k) in enumerate(new) if want[k][1] == stream), None)
+        if match is not None:
+            self._add(new.pop(match)[1], live.pop(old_key))
+    freed = []
+    for key in sorted([k for k in changed if k in live], key=self.since.__getitem__):
+        stack, keep = live[key], want[key][0] if key in want else 0
+        if key[2] == GROWN:
+            total = grown(stack)
+            while stack and total > keep:
+                total -= stack[-1][1]
+                freed.append(stack.pop())
+                self.popped.append((self.moves, freed[-1][0]))
+        elif len(stack) > keep:
+            freed.extend(stack[keep:][::-1])
+            del stack[keep:]
+    emptied = [k for k in changed if not live.get(k, True)]
+    fresh = []
+    for key in wanted_changed:
+        amount, stream = want[key]
+        stack = live.get(key)
+        if stack is None:
+            stack = self._add(key, [])
+        if key[2] == GROWN:
+            if amount - grown(stack) > 0:
+                fresh.append((key, amount - grown(stack), stream, 1))
+        elif amount > len(stack):
+            fresh.append((key, key[2], stream, amount - len(stack)))
+    if freed:
+        if fresh:
+            freed = self._paired(freed, fresh)
+        freed.sort(reverse=True)
+        self.events.extend(Event("free", b[0]) for b in freed)
+        self.live_bytes -= sum(self._round_of[b[1]] for b in freed)
+    if moment.phase != self.phase:
+        self.phase = moment.phase
+        self.events.append(Event("phase", moment.phase))
+        self._note()
+    for key, size, stream, count in fresh:
+        self.chunks.append((len(self.events), size, stream, count))
+        ids = range(self.next_id, self.next_id + count)
+        self.events.extend(Event("alloc", i, size, stream) for i in ids)
+        live[key].extend(zip(ids, repeat(size), repeat(stream)))
+        self.next_id += count
+        self.live_bytes += count * self._round_of[size]
+    self._note()
+    for key in emptied:
+        if not live[key]:
+            del live[key]
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_move_planned_from_the_moments_makes_the_events_of_the_move_reading_the_live_buffers(engine, monkeypatch):
+    """``trace_moves``: a transition planned once from the two moments' tensors (``plan_move``) and walked
+    (``move_to``) makes the trace of the move that reads the live buffers for each changed key, event for event,
+    on the drawn configurations of each engine (with the step copy on and off: the copy's states come from the
+    moves)."""
+    import zeroplan.allocator.step_trace as module
+
+    _, traces = ENGINES[engine]
+    for n, (w, nd, settings) in enumerate(_draws(engine, 6)):
+        with monkeypatch.context() as m:
+            if n % 2:
+                m.setattr(module, "_repeats", lambda *a: False)
+            planned = traces(w, nd, settings)
+            m.setattr(module._Builder, "move_to", _move_reading_live)
+            read = traces(w, nd, settings)
+        assert [t.events for t in planned] == [t.events for t in read], (engine, nd, settings)
+        assert [t.phase_live_bytes for t in planned] == [t.phase_live_bytes for t in read]
+        assert [t.runs for t in planned] == [t.runs for t in read]
+
+
+def test_a_term_alike_one_met_before_keys_as_it_on_its_own_stream_and_block(monkeypatch):
+    """``_ALIKE``: a term's keys found once per (stream_of, block bytes, its fields), across traces; a trace built
+    with the cache warm (every FSDP2 draw's terms met before) is the one built cold, event for event; other terms
+    alike in all but one field, another ``stream_of`` or another block size key as their own."""
+    import zeroplan.allocator.step_trace as module
+
+    draws = list(_draws("fsdp2", 4))
+    module._ALIKE.clear()
+    cold = [fsdp2_traces(w, nd, settings) for w, nd, settings in draws]
+    assert module._ALIKE
+    warm = [fsdp2_traces(w, nd, settings) for w, nd, settings in draws]
+    assert [[t.events for t in ts] for ts in cold] == [[t.events for t in ts] for ts in warm]
+    terms = [Term("g of 2 x", 1000, "s", 2), Term("g of 3 x", 1000, "s", 2), Term("g of 2 x", 1001, "s", 2),
+             Term("g of 2 x", 1000, "t", 2), Term("g of 2 x", 1000, "s", 1)]  # fmt: skip
+    moments = [Moment("init", "i", ()), *(Moment("forward", f"f{i}", (t,)) for i, t in enumerate(terms))]
+    cases = [(stream_of, block) for stream_of in (lambda t: 0, lambda t: 7) for block in (1, 512)]
+    built = [step_trace(moments, block, stream_of=stream_of, steps=1) for stream_of, block in cases]  # warm
+    for (stream_of, block), trace in zip(cases, built):
+        module._ALIKE.clear()
+        assert trace == step_trace(moments, block, stream_of=stream_of, steps=1)
+        assert {e.stream for e in trace.events if e.action == "alloc"} == {stream_of(None)}

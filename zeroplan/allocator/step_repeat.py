@@ -62,7 +62,9 @@ def _agreement(earlier: tuple, now: tuple, keys: set, memo: dict) -> tuple[dict,
     (the bottoms: by the earlier bottom's first id, (its ids, the later bottom's buffers); the ids renamed)."""
     old_live, new_live = earlier[LIVE], now[LIVE]
     bottoms, rename = {}, {}
-    for k in keys:
+    held = keys.intersection(old_live)  # a key live in neither state agrees and renames nothing: not looked at
+    held.update(keys.intersection(new_live))  # (in C; most keys a step changes live between its marks only)
+    for k in held:
         got = memo.get(k)
         if got is None:
             got = _key_agreement(k, old_live.get(k), new_live.get(k))
@@ -84,13 +86,20 @@ def _since_kept(earlier: tuple, now: tuple, touched: set) -> bool:
     return sorted(live, key=old_since.__getitem__) == sorted(live, key=new_since.__getitem__)
 
 
-def _frees_kept(events: list[Event], start: int, stop: int, rename: dict[int, int], shift: int) -> bool:
+def renamed_at(events: list[Event], start: int, stop: int, rename: dict[int, int]) -> list[int]:
+    """The indices of the events from ``start`` to ``stop`` whose id ``rename`` renames (found in C)."""
+    return list(compress(count(start), map(rename.__contains__, map(_EVENT_ID, events[start:stop]))))
+
+
+def _frees_kept(events: list[Event], start: int, stop: int, rename: dict[int, int], shift: int,
+                renamed: list[int] | None = None) -> bool:  # fmt: skip
     """A transition frees its spare buffers by id, last first: each two frees in a row whose ids fall keep
     falling renamed (the buffers live at the mark may be in another order in the last step). Two ids both
-    shifted (``shift``) keep their order, so only the frees of a renamed id are looked at, with their neighbours
-    (found in C: a speed-up, no rule; tests/test_step_trace.py compares the copy with the step built)."""
+    shifted (``shift``) keep their order, so only the frees of a renamed id are looked at (``renamed``: their
+    indices, ``renamed_at``), with their neighbours (a speed-up, no rule; tests/test_step_trace.py compares the
+    copy with the step built)."""
     get = rename.get
-    for at in compress(count(start), map(rename.__contains__, map(_EVENT_ID, events[start:stop]))):
+    for at in renamed_at(events, start, stop, rename) if renamed is None else renamed:
         for a, b in ((at - 1, at), (at, at + 1)):  # the renamed free after, then before, its neighbour
             if a < start or b >= stop or events[a].action != "free" or events[b].action != "free":
                 continue
@@ -104,7 +113,8 @@ def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment
               popped: list[tuple[int, int]], moves: int, events: list[Event], end_events: int) -> tuple | None:
     """Whether the last step, from its mark at offset ``j`` (``now``; ``step``: its moments from there), makes
     the events of the one before from its mark ``marks[j]``: None, or (the offset of the later mark the copy
-    reaches, None for the step's end; the earlier mark; the bottoms; the renamed ids). ``popped``: (moves walked
+    reaches, None for the step's end; the earlier mark; the bottoms; the renamed ids; the keys touched; the
+    indices of the events of a renamed id; the events copied as columns). ``popped``: (moves walked
     with the one popping, id) of each grown piece popped; ``moves``, ``end_events``: the moves walked and the
     events made when the last step began."""
     earlier = marks[j]
@@ -115,10 +125,13 @@ def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment
     touched: set = set()
     reach: dict[int, set] = {0: set()}  # the keys changed from the mark to each end: the others are not met
     for n, (a, b) in enumerate(zip(step, step[1:]), 1):
-        touched.update(changes[id(a), id(b)][0])
+        dropped, wanted = changes[id(a), id(b)][:2]
+        touched.update(dropped)
+        touched.update(wanted)
         if n in at_n:
             reach[n] = set(touched)
     memo: dict = {}
+    cols: tuple = ()  # the events' fields as columns from the mark, for the largest window met (the first)
     for end in ends:
         n = len(step) - 1 if end is None else end - j
         stop = moves if end is None else marks[end][MOVES]
@@ -131,21 +144,30 @@ def copy_plan(marks: dict[int, tuple], j: int, now: tuple, step: Sequence[Moment
             continue
         last = end_events if end is None else marks[end][EVENTS]
         shift = now[NEXT_ID] - earlier[NEXT_ID]
-        if _since_kept(earlier, now, reach[n]) and _frees_kept(events, earlier[EVENTS], last, rename, shift):
-            return end, earlier, bottoms, rename, reach[n]
+        size = last - earlier[EVENTS]
+        if size > 0 and (not cols or len(cols[0]) < size):
+            cols = tuple(zip(*events[earlier[EVENTS]:last]))
+        window = tuple(c[:size] for c in cols) if size > 0 else None  # (shared with ``copy_events``)
+        renamed = [] if window is None else list(compress(count(earlier[EVENTS]), map(rename.__contains__,
+                                                                                          window[1])))
+        if _since_kept(earlier, now, reach[n]) and _frees_kept(events, earlier[EVENTS], last, rename, shift,
+                                                               renamed):
+            return end, earlier, bottoms, rename, reach[n], renamed, window
     return None
 
 
 def copy_events(events: list[Event], chunks: list[tuple], earlier: tuple, now: tuple, rename: dict[int, int],
-                stop: int) -> None:  # fmt: skip
+                stop: int, renamed: list[int] | None = None, columns: tuple | None = None) -> None:  # fmt: skip
     """Append the step before's events from the ``earlier`` mark to ``stop`` to ``events``, each id renamed (a
     buffer live at the mark: its counterpart; a newer one: shifted by the ids made in between); and their alloc
     chunks (``_Builder.chunks``: (index, size, stream, count), by index; a mark falls between two moves, never
     inside a chunk) to ``chunks``, moved to where the copies lie. Made in C, no Python frame per event (a
     speed-up, no rule): the events' fields as columns (``zip(*...)``); between two phase events (each its own
-    copy) the allocs and frees, each id ``rename.get(id, id + shift)`` (an alloc's id is newer than the mark, so
-    never renamed; a free's size and stream are 0 as the builder makes them), each event ``Event(...)`` without
-    its Python-level ``__new__`` (``_new``). tests/test_step_trace.py compares the copy with the step built."""
+    copy) the allocs and frees, each id shifted, each event ``Event(...)`` without its Python-level ``__new__``
+    (``_new``; ``columns``: the events' columns, as ``copy_plan`` made them); then the few events of a renamed id
+    (``renamed``: their indices, ``renamed_at``; an alloc's id is
+    newer than the mark, so never renamed) made again with its counterpart. tests/test_step_trace.py compares
+    the copy with the step built."""
     shift, start = now[NEXT_ID] - earlier[NEXT_ID], earlier[EVENTS]
     lo, hi = bisect_left(chunks, (start,)), bisect_left(chunks, (stop,))
     if lo < hi:
@@ -153,21 +175,22 @@ def copy_events(events: list[Event], chunks: list[tuple], earlier: tuple, now: t
         chunks.extend(zip(map(add, at, repeat(len(events) - start)), sizes, streams, counts))
     if start >= stop:
         return
-    part = events[start:stop]
-    actions, ids, sizes, streams, addresses = zip(*part)
-    get, at, n = rename.get, 0, len(part)
+    actions, ids, sizes, streams, addresses = zip(*events[start:stop]) if columns is None else columns
+    at, n, base = 0, stop - start, len(events) - start
     while at < n:
         try:
             phase = actions.index("phase", at)
         except ValueError:  # no phase event left
             phase = n
         if at < phase:
-            moved = ids[at:phase]
-            events.extend(map(_new, _EVENT, zip(actions[at:phase], map(get, moved, map(add, moved, repeat(shift))),
+            events.extend(map(_new, _EVENT, zip(actions[at:phase], map(add, ids[at:phase], repeat(shift)),
                                                 sizes[at:phase], streams[at:phase], addresses[at:phase])))
         if phase < n:
-            events.append(part[phase])
+            events.append(events[start + phase])
         at = phase + 1
+    for at in renamed_at(events, start, stop, rename) if renamed is None else renamed:
+        action, ident, size, stream, address = events[at]
+        events[at + base] = _new(Event, (action, rename[ident], size, stream, address))
 
 
 def resumed(later: tuple, earlier: tuple, now: tuple, plan: tuple) -> tuple | None:
@@ -176,7 +199,7 @@ def resumed(later: tuple, earlier: tuple, now: tuple, plan: tuple) -> tuple | No
     bottoms the last step's), the others as at ``now``; (phase, live bytes, live buffers by key, since, next id,
     keys added, moves);
     None when a buffer is neither renamed, newer nor a bottom (the copy's premise broken: build instead)."""
-    _, _, bottoms, rename, touched = plan
+    _, _, bottoms, rename, touched = plan[:5]
     shift, first_new = now[NEXT_ID] - earlier[NEXT_ID], earlier[NEXT_ID]
     live = {k: list(stack) for k, stack in now[LIVE].items() if k not in touched}
     for k, stack in later[LIVE].items():

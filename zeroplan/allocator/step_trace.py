@@ -35,13 +35,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import chain
 from operator import itemgetter
 
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
 from zeroplan.allocator.runs import chunk_runs
 from zeroplan.allocator.step_repeat import GROWN, copy_events, copy_plan as _repeats, resumed
+from zeroplan.allocator.trace_moves import move_to, plan_move
 from zeroplan.allocator.trace_terms import Rounded as _Rounded, _collection, default_stream, moved_terms, tensor_sizes
 from zeroplan.formulas.peak import PHASES, Moment, Term
 
@@ -49,14 +50,9 @@ Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
 INCREMENTAL = True
 """Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
 test that compares the two sets it)."""
-PAIR_SKIP = True
-"""A transition whose frees no new tensor can take (no freed (size, stream) among the new ones', found in C) skips
-``_Builder._paired`` (False: every transition with frees and new tensors pairs them, as the test that compares the
-two sets it)."""
-_new = tuple.__new__  # ``Event(*fields)`` without its Python-level ``__new__`` (a trace makes ~20,000)
-_ID, _SIZE, _SIZE_STREAM = itemgetter(0), itemgetter(1), itemgetter(1, 2)  # a live buffer's (id, size, stream) fields
-# an ``Event``'s fields, repeated (``zip`` stops at its one finite argument, so that these serve every call)
-_EVENT, _FREE, _ALLOC, _ZERO, _NONE = repeat(Event), repeat("free"), repeat("alloc"), repeat(0), repeat(None)
+_ALIKE: dict[tuple, tuple[tuple[Key, int, int], ...]] = {}
+"""``_Builder._tensors`` by (stream_of, block bytes, a term's fields), across traces: a ``stream_of`` reads a
+term's fields alone (every engine's does: FSDP2's and DeepSpeed's by its name)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +134,7 @@ class _Builder:
         return out
 
     def wanted_after(self, before: Moment, want_before: dict[Key, list[int]], moment: Moment,
-                     resident: Sequence[Term]) -> tuple[dict[Key, list[int]], tuple[set[Key], list[Key]]] | None:
+                     resident: Sequence[Term]) -> tuple[dict[Key, list[int]], tuple] | None:
         """``wanted(moment, resident)`` and ``changed`` from ``before`` (whose ``wanted`` is ``want_before``), built
         from the terms the two moments do not share (a few of ~150: a moment differs from the one before by a
         block's buffers) rather than from every term; None (build it whole) unless each moment holds no key and
@@ -161,19 +157,20 @@ class _Builder:
                     return None
                 want[key] = [amount, stream]
                 new.append(key)
-        get_before = want_before.get
-        # the keys of the terms kept hold what they held; those of the terms gone or new may differ
-        wanted = [k for k in new if get_before(k) != want[k]]
         self._terms_of[id(moment)] = (terms, prior[1])  # ``moved_terms`` made them its ids
-        changed = set(gone).difference(want)  # in C, the keys' hashes kept (no generator to make and close)
-        changed.update(wanted)
-        return want, (changed, wanted)
+        return want, plan_move(want_before, want, gone, new)  # the keys of the terms kept hold what they held
 
     def _tensors(self, term: Term) -> tuple[tuple[Key, int, int], ...]:
         """(key, count or grown bytes, stream) of ``term``'s tensors; found once per term object (a run's terms
         are shared by its moments: the model states are in every one)."""
         got = self._seen.get(id(term))
-        if got is None:  # ``identity``, ``tensor_sizes`` (but for unrounded sizes) inline: a speed-up, no rule
+        if got is not None:
+            return got[1]
+        # a term alike one an earlier trace met (a plan traces several candidates, whose terms are mostly alike;
+        # ``stream_of`` reads a term's fields): its keys, found once (a speed-up, no rule)
+        like = (self.stream_of, self.block, term.name, term.source, term.bytes, term.tensors)
+        keys = _ALIKE.get(like)
+        if keys is None:  # ``identity``, ``tensor_sizes`` (but for unrounded sizes) inline: a speed-up, no rule
             name, size, n, stream = term.name, term.bytes, term.tensors, self.stream_of(term)
             name = _collection(name) if " of " in name else name
             if size <= 0:
@@ -184,112 +181,20 @@ class _Builder:
                 keys = (((name, term.source, -(-size // n)), n, stream),)
             else:
                 keys = tuple(((name, term.source, size), count, stream) for size, count in tensor_sizes(term, 1))
-            got = self._seen[id(term)] = (term, keys)  # the term kept: its id stays its own
-        return got[1]
+            if len(_ALIKE) >= 50_000:  # a bound on what a long process keeps
+                _ALIKE.clear()
+            _ALIKE[like] = keys
+        self._seen[id(term)] = (term, keys)  # the term kept: its id stays its own
+        return keys
 
     @staticmethod
-    def changed(want: dict[Key, list[int]], before: dict[Key, list[int]]) -> tuple[set[Key], list[Key]]:
-        """The keys whose tensors differ between two moments' ``wanted``: after ``move_to`` the live buffers are
-        exactly what its moment wanted, so the next transition touches only these (the others are neither freed,
-        grown nor paired); and those of them ``want`` holds, in its order (the order of the allocations)."""
-        get = before.get
-        wanted = [k for k, v in want.items() if get(k) != v]
-        return {*wanted, *(k for k in before if k not in want)}, wanted
+    def changed(want: dict[Key, list[int]], before: dict[Key, list[int]]) -> tuple:
+        """The transition between two moments' ``wanted`` (``plan_move``): after ``move_to`` the live buffers are
+        exactly what its moment wanted, so the next transition touches only the keys that differ (the others are
+        neither freed, grown nor paired), those ``want`` holds in its order (the order of the allocations)."""
+        return plan_move(before, want, list(before), list(want))
 
-    def _grown(self, stack: list[tuple[int, int, int]]) -> int:
-        """Bytes of a grown buffer's pieces (one piece, as a rule)."""
-        return stack[0][1] if len(stack) == 1 else sum(map(_SIZE, stack))
-
-    def _release(self, want: dict[Key, list[int]], changed: set[Key]) -> tuple[list[tuple[int, int, int]], list[Key]]:
-        """Pop what ``want`` no longer holds: tensors beyond the count, a grown buffer's last pieces beyond its
-        bytes (last allocated first), the keys in ``live``'s order; (the buffers popped, the keys left empty)."""
-        freed, live = [], self.live
-        for key in sorted([k for k in changed if k in live], key=self.since.__getitem__):  # the changed keys live
-            stack = live[key]
-            entry = want.get(key)
-            keep = 0 if entry is None else entry[0]
-            if key[2] == GROWN:
-                total = self._grown(stack)
-                while stack and total > keep:
-                    total -= stack[-1][1]
-                    freed.append(stack.pop())
-                    self.popped.append((self.moves, freed[-1][0]))
-            elif len(stack) > keep:  # the last tensors, last first (in C)
-                freed.extend(stack[:keep - 1 if keep else None:-1])
-                del stack[keep:]
-        return freed, [k for k in changed if not live.get(k, True)]  # the keys left empty (a few: no chain of maps)
-
-    def _continue_grown(self, want: dict[Key, list[int]], changed: set[Key]) -> None:
-        """A grown buffer that is gone and a new one on the same stream in the same transition: the same
-        buffer under another name (the gradients held, then "not yet bucketed"), paired largest to largest."""
-        live = self.live
-        gone = [(self._grown(live[k]), k) for k in changed if k[2] == GROWN and k not in want and live.get(k)]
-        if not gone:  # the usual transition: nothing to pair
-            return
-        new = [(want[k][0], k) for k in changed if k[2] == GROWN and k in want and not live.get(k)]
-        if not new:  # none to pair with (most such transitions): the loop below would match none
-            return
-        gone.sort(reverse=True)
-        new.sort(reverse=True)
-        for _, old_key in gone:  # the first new one on its stream (no generator, no list made anew: a speed-up)
-            stream = live[old_key][0][2]
-            for at, (_, k) in enumerate(new):
-                if want[k][1] == stream:
-                    del new[at]
-                    self._add(k, live.pop(old_key))
-                    break
-
-    def move_to(self, moment: Moment, want: dict[Key, list[int]], changes: tuple[set[Key], list[Key]]) -> None:
-        """Free what ``moment`` no longer holds, then allocate what it adds; ``want``: ``wanted(moment, ...)``
-        (read, never changed); ``changes``: ``changed`` from the moment before."""
-        changed, wanted_changed = changes
-        self.moves += 1  # this move's pops are counted as the moves before it (``popped``)
-        self._continue_grown(want, changed)
-        freed, emptied = self._release(want, changed)
-        fresh: list[tuple[Key, int, int, int]] = []  # (key, size, stream, how many) of the tensors made anew
-        live = self.live
-        for key in wanted_changed:
-            amount, stream = want[key]
-            stack = live.get(key)
-            if stack is None:
-                stack = self._add(key, [])
-            if key[2] == GROWN:  # one more piece, of what is missing
-                size = amount - (self._grown(stack) if stack else 0)
-                if size > 0:
-                    fresh.append((key, size, stream, 1))
-            elif amount > len(stack):
-                fresh.append((key, key[2], stream, amount - len(stack)))
-        if freed:
-            # a buffer freed and one of the same size allocated on the same stream: the same buffer renamed; most
-            # transitions free no size they allocate (found in C), and free in id order, last first
-            if fresh and not (PAIR_SKIP and {f[1:3] for f in fresh}.isdisjoint(map(_SIZE_STREAM, freed))):
-                freed = self._paired(freed, fresh)
-            freed.sort(reverse=True)
-            self.events.extend(map(_new, _EVENT, zip(_FREE, map(_ID, freed), _ZERO, _ZERO, _NONE)))  # ``Event("free",
-            # id)``, in C
-            self.live_bytes -= sum(map(self._round_of.__getitem__, map(_SIZE, freed)))  # rounded, in C
-        if moment.phase != self.phase:
-            self.phase = moment.phase
-            self.events.append(Event("phase", moment.phase))
-            self._note()
-        events, ident, added = self.events, self.next_id, 0
-        for key, size, stream, count in fresh:  # a collection's tensors in one go (FSDP2's: thousands)
-            self.chunks.append((len(events), size, stream, count))
-            if count == 1:  # most: no comprehension to call
-                events.append(_new(Event, ("alloc", ident, size, stream, None)))
-                live[key].append((ident, size, stream))
-            else:
-                ids = range(ident, ident + count)
-                events.extend(map(_new, _EVENT, zip(_ALLOC, ids, repeat(size), repeat(stream), _NONE)))  # in C
-                live[key].extend(zip(ids, repeat(size), repeat(stream)))
-            ident += count
-            added += count * self._round_of[size]
-        self.next_id = ident
-        self.live_bytes += added
-        self._note()
-        for key in emptied:  # a key left empty leaves ``live`` (the others keep their order)
-            if not live[key]:
-                del live[key]
+    move_to = move_to  # (trace_moves): free what a moment no longer holds, then allocate what it adds
 
     def _paired(self, freed: list[tuple[int, int, int]], fresh: list[tuple[Key, int, int, int]]) -> list:
         """``move_to``'s pairing: each new tensor (``fresh``, in order) takes a freed buffer of its size and stream
@@ -321,11 +226,12 @@ class _Builder:
         """Copy the last step's events from the step before (``step_repeat.copy_plan``'s ``plan``, from the mark
         ``now``) to the step's end (``end``: its events; None: the trace ends), or to a later mark, whose state,
         renamed, the builder takes on: that mark's offset (``now``'s when nothing is copied)."""
-        later, earlier, _, rename, _ = plan
+        later, earlier, _, rename, _, renamed, columns = plan
         state = None if later is None else resumed(marks[later], earlier, now, plan)
         if later is not None and state is None:
             return next(j for j, mark in marks.items() if mark is earlier)
-        copy_events(self.events, self.chunks, earlier, now, rename, end if later is None else marks[later][5])
+        stop = end if later is None else marks[later][5]
+        copy_events(self.events, self.chunks, earlier, now, rename, stop, renamed, columns)
         if later is not None:
             self.phase, self.live_bytes, self.live, self.since, self.next_id, self._added, self.moves = state
         return later
@@ -366,22 +272,26 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     last_start = 0  # how many events there were when the last step began
     before: Moment | None = None
     at = 0
-    while at < len(order):
+    move_to, n = builder.move_to, len(order)
+    while at < n:
         m = order[at]
         pair = (id(before), id(m))
-        if id(m) not in wants:
+        want = wants.get(pair[1])
+        if want is None:
             held = () if m.phase == "init" else resident
             after = None if before is None or not INCREMENTAL else \
-                builder.wanted_after(before, wants[id(before)], m, held)
+                builder.wanted_after(before, wants[pair[0]], m, held)
             if after is None:
-                wants[id(m)] = builder.wanted(m, held)
+                want = wants[pair[1]] = builder.wanted(m, held)
             else:
-                wants[id(m)], changes[pair] = after
-        if pair not in changes:
-            changes[pair] = builder.changed(wants[id(m)], wants[id(before)] if before is not None else {})
+                want, changes[pair] = after
+                wants[pair[1]] = want
+        change = changes.get(pair)
+        if change is None:
+            change = changes[pair] = builder.changed(want, wants[pair[0]] if before is not None else {})
         if at == last:
             last_start = len(builder.events)
-        builder.move_to(m, wants[id(m)], changes[pair])
+        move_to(m, want, change)
         before = m
         if at in marks_at:
             mark = builder.snapshot()
