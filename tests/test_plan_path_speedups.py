@@ -1,0 +1,104 @@
+"""The speed-ups of the FSDP2 plan's path outside the allocator model (docs/benchmarks.md, "2026-12-03, fourth
+session, startup2"), each against the plain computation it replaced, on real and random cases."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from zeroplan.architectures import spec as S
+from zeroplan.architectures.moe import MoeSpec
+from zeroplan.presets import model_presets, resolve_model
+
+CONFIGS = sorted(str(p) for p in (Path(__file__).parent / "data" / "hf_configs").glob("*.json"))
+
+
+def _real_specs():
+    out = [resolve_model(name) for name in model_presets()]
+    return out + [resolve_model(path) for path in CONFIGS]
+
+
+def plain_shapes(spec: S.TransformerSpec) -> tuple:
+    """``transformer_shapes`` as it was: every layer's parameters built under its own prefix."""
+    d = spec.d_model
+    if spec.style == "gpt":
+        f = spec.ffn
+        out = [("transformer.wte.weight", (spec.vocab_size, d)), ("transformer.wpe.weight", (spec.max_seq_len, d))]
+        for i in range(spec.n_layer):
+            p = f"transformer.h.{i}."
+            out += [
+                (p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
+                (p + "attn.c_attn.weight", (d, 3 * d)), (p + "attn.c_attn.bias", (3 * d,)),
+                (p + "attn.c_proj.weight", (d, d)), (p + "attn.c_proj.bias", (d,)),
+                (p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)),
+                (p + "mlp.c_fc.weight", (d, f)), (p + "mlp.c_fc.bias", (f,)),
+                (p + "mlp.c_proj.weight", (f, d)), (p + "mlp.c_proj.bias", (d,)),
+            ]  # fmt: skip
+        out += [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
+    else:
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if spec.sandwich_norms:
+            norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        out = [("model.embed_tokens.weight", (spec.vocab_size, d))]
+        for i in range(spec.n_layer):
+            p = f"model.layers.{i}."
+            out += S._attention_shapes(spec, p + "self_attn.") + S._mlp_shapes(spec, i, p + "mlp.")
+            out += [(p + norm + ".weight", (d,)) for norm in norms]
+        out.append(("model.norm.weight", (d,)))
+    if not spec.tied:
+        out.append(("lm_head.weight", (spec.vocab_size, spec.d_model)))
+    return tuple(out)
+
+
+def _random_specs(rng: random.Random, base: list) -> list:
+    """Real specs with other layer counts, and the sparse ones with random sets of sparse layers (dense layers
+    between, before and after them), some untied."""
+    out = []
+    for spec in base:
+        for _ in range(3):
+            n = rng.randint(1, 12)
+            kw = {"n_layer": n}
+            if spec.moe is not None:
+                sparse = tuple(sorted(rng.sample(range(n), rng.randint(0, n))))
+                kw["moe"] = replace(spec.moe, sparse_layers=sparse)
+            if spec.layer_types is not None:
+                kw["layer_types"] = tuple(rng.choice(("full_attention", "sliding_attention")) for _ in range(n))
+            if rng.random() < 0.3 and spec.style == "llama":
+                kw["tie_word_embeddings"] = not spec.tied
+            out.append(replace(spec, **kw))
+    return out
+
+
+def test_transformer_shapes_builds_each_layer_as_under_its_own_prefix():
+    """Every preset, every checked-in config, and 3 random variants of each (layer counts, sparse layer sets,
+    tying): the same names, shapes and order as every layer built under its own prefix."""
+    real = _real_specs()
+    specs = real + _random_specs(random.Random(16), real)
+    assert any(s.moe is not None for s in real) and any(s.mla is not None for s in real)
+    assert any(s.style == "gpt" for s in real) and any(s.sandwich_norms for s in real)
+    assert any(s.fused_projections for s in real) and any(s.qk_norm for s in real)
+    for spec in specs:
+        assert S.transformer_shapes(spec) == plain_shapes(spec), spec
+
+
+def test_a_sparse_model_names_its_dense_and_sparse_layers_apart():
+    """A model whose first layer is dense and the others sparse (DeepSeek-V3's first_k_dense_replace): each
+    layer's MLP is its own kind (one template per kind would fail this if keyed wrongly)."""
+    spec = resolve_model(str(Path(__file__).parent / "data" / "hf_configs" / "tiny-deepseek-v3.json"))
+    moe = MoeSpec(**{**vars(spec.moe), "sparse_layers": (1, 3)})
+    spec = replace(spec, n_layer=5, moe=moe)
+    shapes = S.transformer_shapes(spec)
+    assert shapes == plain_shapes(spec)
+    mlp = {i: {n.split(".mlp.")[1] for n, _ in shapes if n.startswith(f"model.layers.{i}.mlp.")} for i in range(5)}
+    assert mlp[0] == mlp[2] == mlp[4] != mlp[1] == mlp[3]
+
+
+@pytest.mark.parametrize("name", ["llama2-70b", "gpt2-xl"])
+def test_transformer_shapes_of_a_preset_are_the_plain_ones(name):
+    if name not in model_presets():
+        pytest.skip(f"no preset {name}")
+    spec = resolve_model(name)
+    assert S.transformer_shapes(spec) == plain_shapes(spec)
