@@ -102,3 +102,37 @@ def test_transformer_shapes_of_a_preset_are_the_plain_ones(name):
         pytest.skip(f"no preset {name}")
     spec = resolve_model(name)
     assert S.transformer_shapes(spec) == plain_shapes(spec)
+
+
+def plain_distinct_rows(collectives):
+    """``collectives.distinct_rows`` as it was: a loop over the rows' ids."""
+    objects = {id(c): c for c in collectives}
+    index: dict = {}
+    slot = {k: index.setdefault(c, len(index)) for k, c in objects.items()}
+    return tuple(index), [slot[id(c)] for c in collectives]
+
+
+def test_distinct_rows_are_the_plain_loops_and_the_last_answer_is_kept_for_that_tuple_only():
+    """500 random row tuples (rows repeated as one object, equal rows that are other objects, rows differing in
+    one field), each asked twice, as a list, then an equal tuple that is another object, interleaved: the
+    answer is always the plain loop's (a cache keyed wrongly, by value or length, or kept for a list, fails)."""
+    from zeroplan.formulas.collectives import Collective, counted_rows, distinct_rows
+
+    rng = random.Random(3)
+    pool = [Collective(op, phase, n, dt, n * 2, m, group_size=g) for op in ("all-gather", "reduce-scatter")
+            for phase in ("forward", "backward") for n in (10, 11) for dt in ("bf16",) for m in (1, 4) for g in (8, 64)]
+    last = None
+    for _ in range(500):
+        rows = []
+        for _ in range(rng.randint(0, 40)):
+            c = rng.choice(pool)
+            rows.append(c if rng.random() < 0.7 else replace(c))  # an equal row, another object
+        rows = tuple(rows)
+        kinds, index = plain_distinct_rows(rows)
+        for asked in (rows, rows, list(rows), tuple(list(rows)), last or rows, rows):
+            want_kinds, want_index = plain_distinct_rows(asked)
+            got_kinds, got_index = distinct_rows(asked)
+            assert got_kinds == want_kinds and list(got_index) == want_index
+            assert [id(k) for k in got_kinds] == [id(k) for k in want_kinds]
+        assert dict(counted_rows(rows)) == {k: index.count(i) for i, k in enumerate(kinds)}
+        last = rows
