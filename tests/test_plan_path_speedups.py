@@ -136,3 +136,82 @@ def test_distinct_rows_are_the_plain_loops_and_the_last_answer_is_kept_for_that_
             assert [id(k) for k in got_kinds] == [id(k) for k in want_kinds]
         assert dict(counted_rows(rows)) == {k: index.count(i) for i, k in enumerate(kinds)}
         last = rows
+
+
+def test_local_shapes_are_each_parameters_local_shape():
+    """Every llama-layout preset and config at T = 1, 2, 4, 8 (the shapes as tuples and as lists), and random
+    names (some outside the TP plan, one or many segments, empty ones): ``local_shapes`` is ``local_shape`` of each
+    parameter, and a name outside the plan raises the same message (the first such name's)."""
+    from zeroplan.engines.fsdp2.tp import local_shape, local_shapes
+
+    def plain(shapes, t):
+        return tuple((n, local_shape(n, tuple(s), t)) for n, s in shapes)
+
+    def outcome(f, shapes, t):
+        try:
+            return f(shapes, t)
+        except ValueError as exc:
+            return str(exc)
+
+    cases = [S.transformer_shapes(s) for s in _real_specs() if s.style == "llama"]
+    rng = random.Random(7)
+    parts = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head",
+             "input_layernorm", "norm", "mlp", "layers", "model", "weight", "bias", "", "0", "7", "experts"]
+    for _ in range(300):
+        cases.append(tuple((".".join(rng.choice(parts) for _ in range(rng.randint(1, 5))),
+                            tuple(rng.choice((8, 16, 24)) for _ in range(rng.randint(1, 2))))
+                           for _ in range(rng.randint(0, 12))))
+    raised = 0
+    for shapes in cases:
+        for t in (1, 2, 4, 8):
+            want = outcome(plain, shapes, t)
+            raised += isinstance(want, str)
+            assert outcome(local_shapes, shapes, t) == want
+            assert outcome(local_shapes, [(n, list(s)) for n, s in shapes], t) == want
+    assert 0 < raised < 4 * len(cases)
+
+
+def test_units_own_their_parameters_as_a_walk_per_parameter_finds():
+    """``wrap._owners`` against the loop it replaced (``_innermost`` of every parameter, min and max), on 400
+    random module trees and sets of units (the root among them or not), with parameters of one module apart."""
+    from zeroplan.engines.fsdp2.wrap import _innermost, _owners
+
+    def plain(names, seen, units):
+        owner, first, last = [[] for _ in range(units)], [len(names)] * units, [0] * units
+        for i, name in enumerate(names):
+            module = name.rsplit(".", 1)[0] if "." in name else ""
+            best = _innermost(module, seen)
+            owner[seen[best]].append(i)
+            first[seen[best]] = min(first[seen[best]], i)
+            last[seen[best]] = max(last[seen[best]], i)
+        return owner, first, last
+
+    rng = random.Random(11)
+    for _ in range(400):
+        modules = sorted({".".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(12)})
+        names = [rng.choice([*modules, ""]) for _ in range(rng.randint(0, 30))]
+        names = [f"{m}.w{rng.randint(0, 2)}" if m else f"w{rng.randint(0, 2)}" for m in names]
+        wrapped = rng.sample(modules, rng.randint(0, len(modules)))
+        seen = {m: i for i, m in enumerate([""] + wrapped)}
+        units = len(seen) + rng.randint(0, 2)  # units that own nothing keep their first and last
+        assert _owners(tuple(names), seen, units) == plain(names, seen, units)
+
+
+def test_the_wrappings_of_every_preset_resolve_as_before():
+    """The blocks and torchtitan presets on every llama-layout preset and config: each unit's parameters (a unit of
+    one module takes ``_owners``' order as it is) in ``named_parameters()`` order, every parameter in one unit."""
+    from zeroplan.engines.fsdp2.wrap import _resolve, preset
+
+    for spec in _real_specs():
+        shapes = S.transformer_shapes(spec)
+        names = [n for n, _ in shapes]
+        for name in ("blocks", "torchtitan"):
+            if name == "torchtitan" and spec.tied:
+                continue
+            units = _resolve.__wrapped__(preset(name, spec.style, True, spec.tied), shapes, ())
+            got = sorted(n for u in units for n, _ in u.params)
+            assert got == sorted(names)
+            for u in units:
+                if len(u.modules) == 1:
+                    idx = [names.index(n) for n, _ in u.params]
+                    assert idx == sorted(idx)
