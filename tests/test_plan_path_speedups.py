@@ -248,3 +248,55 @@ def test_the_fsdp2_plans_step_times_sum_as_before():
     assert plan.options
     for row in plan.options:
         assert row.time.comm_s == sum(t.seconds for t in row.time.collectives)
+
+
+def test_rank_run_is_the_run_replaced_as_before():
+    """``plan.rank_run`` (the replicas given to ``fsdp2_run``, the TP activations kept by value) against the two
+    ``replace`` calls it made: the same run, field for field, on llama2-7b and a tiny llama at T = 1, 2, 4, flat and
+    HSDP, with and without SP and loss parallel, on CUDA and gloo on CPU, every rank asked twice (the kept
+    activations are the built ones); and the kept ``tp_acts`` equal to a fresh one on each."""
+    from zeroplan.engines.fsdp2 import plan as P
+    from zeroplan.engines.fsdp2.mesh import resolve_mesh, shard_groups, shard_rank
+    from zeroplan.engines.fsdp2.settings import Settings
+    from zeroplan.engines.fsdp2.terms import fsdp2_run
+    from zeroplan.engines.fsdp2.tp import tp_acts
+    from zeroplan.engines.fsdp2.tp_estimate import tp_local
+    from zeroplan.estimation.workload import model_workload
+    from zeroplan.formulas.dtypes import dtype_bytes
+
+    def old_rank_run(workload, nd, settings):
+        settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})
+        replicate, nd = shard_groups(settings, nd)
+        run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
+        if (settings.tp or 1) > 1 and run.acts is not None:
+            run = replace(run, acts=tp_acts(run.acts, workload.spec, settings.tp, workload.micro_batch * workload.seq_len,
+                                            dtype_bytes(settings.param), settings.sequence_parallel,
+                                            settings.backend == "gloo", workload.seq_len, settings.loss_parallel))
+        return run, nd
+
+    tiny = str(Path(__file__).parent / "data" / "hf_configs" / "tiny-llama.json")
+    checked = 0
+    for model, nd in (("llama2-7b", 64), (tiny, 16)):
+        spec = resolve_model(model)
+        for ckpt in ("none", "full"):
+            workload = model_workload(spec, min(512, spec.max_seq_len), 2, ckpt)
+            for t in (1, 2, 4):
+                for sp, lp, device, repl in ((True, True, "cuda", None), (False, True, "cuda", 2),
+                                             (True, False, "cuda", 4), (False, False, "cpu", 2)):
+                    kw = dict(tp=t, sequence_parallel=sp, loss_parallel=lp, device=device,
+                              backend="gloo" if device == "cpu" else "nccl", dp_replicate=repl)
+                    try:
+                        settings = Settings(**kw, param_dtype="bf16", reduce_dtype="fp32")
+                        w, n, s = tp_local(workload, nd, settings) if t > 1 else (workload, nd, settings)
+                        s = resolve_mesh(s.model_copy(update={"rank": 0}), n)
+                    except ValueError:
+                        continue
+                    for rank in (0, n - 1, 0):
+                        s = s.model_copy(update={"rank": rank})
+                        got, want = P.rank_run(w, n, s), old_rank_run(w, n, s)
+                        assert got == want
+                        checked += 1
+                        if t > 1:
+                            args = (want[0].acts, w.spec, t, 2 * w.seq_len, 2, sp, device == "cpu", w.seq_len, lp)
+                            assert P._tp_acts(*args) == tp_acts(*args)
+    assert checked > 40
