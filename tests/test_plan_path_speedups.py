@@ -300,3 +300,27 @@ def test_rank_run_is_the_run_replaced_as_before():
                             args = (want[0].acts, w.spec, t, 2 * w.seq_len, 2, sp, device == "cpu", w.seq_len, lp)
                             assert P._tp_acts(*args) == tp_acts(*args)
     assert checked > 40
+
+
+def test_numels_and_a_ranks_memo_are_the_plain_ones():
+    """``spec.numels`` is each shape's product (tuples, lists, scalars); ``Fsdp2Run.for_rank`` keeps every memo entry
+    but the ranked ones (``memo.RANKED``), the same objects in the same order, as the loop it replaced."""
+    from zeroplan.engines.fsdp2.memo import RANKED
+    from zeroplan.engines.fsdp2.moments import moments
+    from zeroplan.engines.fsdp2.plan import rank_run
+    from zeroplan.engines.fsdp2.settings import Settings
+    from zeroplan.estimation.workload import model_workload
+
+    rng = random.Random(9)
+    for _ in range(200):
+        shapes = [(f"p{i}", [rng.randint(0, 9) for _ in range(rng.randint(0, 3))]) for i in range(rng.randint(0, 9))]
+        for given in (shapes, tuple((n, tuple(s)) for n, s in shapes)):
+            assert S.numels(given) == tuple(math.prod(s) for _, s in given)
+    spec = resolve_model(str(Path(__file__).parent / "data" / "hf_configs" / "tiny-llama.json"))
+    for ckpt in ("none", "full"):
+        run, _ = rank_run(model_workload(spec, 16, 2, ckpt), 8, Settings(rank=0, param_dtype="bf16"))
+        moments(run)
+        assert any(k[0] in RANKED for k in run.memo) and len(run.memo) > 20
+        want = {k: v for k, v in run.memo.items() if k[0] not in RANKED}
+        got = run.for_rank(5).memo
+        assert list(got) == list(want) and all(got[k] is v for k, v in want.items())

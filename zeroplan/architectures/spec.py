@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Optional
 
 from zeroplan.architectures.moe import MlaSpec, MoeSpec, linear, mla_shapes, moe_shapes
@@ -298,8 +299,8 @@ def mlp_shapes(widths: tuple[int, ...]) -> tuple[tuple[str, Shape], ...]:
 
 
 def numels(shapes: tuple[tuple[str, Shape], ...]) -> tuple[int, ...]:
-    """Element count of each tensor."""
-    return tuple(math.prod(s) for _, s in shapes)
+    """Element count of each tensor (in C: a spec checks its Ψ from every shape; a speed-up, no rule)."""
+    return tuple(map(math.prod, map(itemgetter(1), shapes)))
 
 
 def gpt_for_params(psi: float, vocab_size: int = 50304) -> TransformerSpec:
