@@ -324,3 +324,26 @@ def test_numels_and_a_ranks_memo_are_the_plain_ones():
         want = {k: v for k, v in run.memo.items() if k[0] not in RANKED}
         got = run.for_rank(5).memo
         assert list(got) == list(want) and all(got[k] is v for k, v in want.items())
+
+
+def test_a_kept_wrapping_preset_is_the_one_built():
+    """``wrap.preset`` kept by its arguments: equal to a fresh one for every name, layout, reshard value (True and 1,
+    False and 0 apart: their entries keep their own types) and tying, asked twice; a refused one raises each time."""
+    from zeroplan.engines.fsdp2.wrap import preset
+
+    for name in ("blocks", "torchtitan", "nope"):
+        for style in ("gpt", "llama"):
+            for blocks in (True, False, 1, 0, 2, 8):
+                for tied in (False, True):
+                    try:
+                        want = preset.__wrapped__(name, style, blocks, tied)
+                    except ValueError as exc:
+                        for _ in range(2):
+                            with pytest.raises(ValueError, match=str(exc)[:30]):
+                                preset(name, style, blocks, tied)
+                        continue
+                    for _ in range(2):
+                        got = preset(name, style, blocks, tied)
+                        assert got == want
+                        assert [type(e.reshard_after_forward) for e in got.units] == \
+                            [type(e.reshard_after_forward) for e in want.units]

@@ -78,9 +78,12 @@ class Wrapping(BaseModel):
                          for e in self.units)  # fmt: skip
 
 
+@lru_cache(maxsize=64, typed=True)  # True and 1 apart: a bool and an int k reshard differently
 def preset(name: str, style: str, blocks: bool | int, tied: bool = False) -> Wrapping:
     """The preset ``name`` in transformers' module names for the layout ``style`` (``architectures.spec``),
-    ``blocks`` the decoder layers' (and torchtitan's embeddings') ``reshard_after_forward``."""
+    ``blocks`` the decoder layers' (and torchtitan's embeddings') ``reshard_after_forward``. Kept by its arguments
+    (a frozen model of them alone): every run and candidate of a plan asks it, three validations each (a speed-up,
+    no rule)."""
     layers = WrapEntry(modules=(BLOCK_PREFIX[style] + "*",), reshard_after_forward=blocks)
     root = WrapEntry(modules=("",))
     if name == "blocks":
