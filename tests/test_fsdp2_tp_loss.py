@@ -57,10 +57,14 @@ def test_the_whole_vocabulary_loss_is_the_measured_peak():
 def test_dropping_a_term_fails(monkeypatch):
     """Each new term moves a measured peak: the whole logits (``whole_logits``) and the all-gather's buffers
     (``logits_all_gather``)."""
+    from zeroplan.engines.fsdp2.plan import _kept_tp_acts
+
     sp, nosp = _run(True), _run(False)
     monkeypatch.setattr(tp, "whole_logits", lambda acts, t: acts)
+    _kept_tp_acts.cache_clear()  # a run's TP activations are kept by value (plan._tp_acts): built again, patched
     assert _phase(nosp, "backward").bytes != nosp["rows"][0]["peak_bytes_by_phase"]["backward"]
     monkeypatch.undo()
+    _kept_tp_acts.cache_clear()  # and not left patched for the next test
     import zeroplan.engines.fsdp2.tp_loss as tp_loss
 
     monkeypatch.setattr(tp_loss, "logits_all_gather", lambda run: ())

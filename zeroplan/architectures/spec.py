@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Optional
 
 from zeroplan.architectures.moe import MlaSpec, MoeSpec, linear, mla_shapes, moe_shapes
@@ -208,16 +209,17 @@ def _gpt_shapes(spec: TransformerSpec) -> list[tuple[str, Shape]]:
     d, f = spec.d_model, spec.ffn
     out: list[tuple[str, Shape]] = [("transformer.wte.weight", (spec.vocab_size, d)),
                                     ("transformer.wpe.weight", (spec.max_seq_len, d))]  # fmt: skip
-    for i in range(spec.n_layer):
+    layer = [
+        ("ln_1.weight", (d,)), ("ln_1.bias", (d,)),
+        ("attn.c_attn.weight", (d, 3 * d)), ("attn.c_attn.bias", (3 * d,)),
+        ("attn.c_proj.weight", (d, d)), ("attn.c_proj.bias", (d,)),
+        ("ln_2.weight", (d,)), ("ln_2.bias", (d,)),
+        ("mlp.c_fc.weight", (d, f)), ("mlp.c_fc.bias", (f,)),
+        ("mlp.c_proj.weight", (f, d)), ("mlp.c_proj.bias", (d,)),
+    ]  # fmt: skip
+    for i in range(spec.n_layer):  # each layer's names under its prefix (``_llama_shapes``: a speed-up, no rule)
         p = f"{BLOCK_PREFIX['gpt']}{i}."
-        out += [
-            (p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
-            (p + "attn.c_attn.weight", (d, 3 * d)), (p + "attn.c_attn.bias", (3 * d,)),
-            (p + "attn.c_proj.weight", (d, d)), (p + "attn.c_proj.bias", (d,)),
-            (p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)),
-            (p + "mlp.c_fc.weight", (d, f)), (p + "mlp.c_fc.bias", (f,)),
-            (p + "mlp.c_proj.weight", (f, d)), (p + "mlp.c_proj.bias", (d,)),
-        ]  # fmt: skip
+        out += [(p + name, shape) for name, shape in layer]
     out += [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
     return out
 
@@ -251,16 +253,24 @@ def _mlp_shapes(spec: TransformerSpec, layer: int, p: str) -> list[tuple[str, Sh
 
 def _llama_shapes(spec: TransformerSpec) -> list[tuple[str, Shape]]:
     """transformers/models/llama/modeling_llama.py: LlamaForCausalLM; the other llama-layout families
-    register the same decoder layer (self_attn, mlp, then the norms: two, or Gemma's four)."""
+    register the same decoder layer (self_attn, mlp, then the norms: two, or Gemma's four). One layer's
+    parameters are built once (twice with sparse layers) under the prefix "" and named under each layer's
+    prefix: the shape builders put their prefix before every name and read the layer only for a sparse MLP
+    (a speed-up, no rule: a spec is built, with all its shapes, for every TP degree a plan tries)."""
     d = spec.d_model
     norms = ("input_layernorm", "post_attention_layernorm")
     if spec.sandwich_norms:
         norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     out: list[tuple[str, Shape]] = [("model.embed_tokens.weight", (spec.vocab_size, d))]
+    layers: dict[bool, list[tuple[str, Shape]]] = {}  # a layer's parameters under the prefix "", by sparse MLP
     for i in range(spec.n_layer):
+        sparse = spec.moe is not None and i in spec.moe.sparse_layers  # ``_mlp_shapes``' only use of the layer
+        layer = layers.get(sparse)
+        if layer is None:
+            layer = layers[sparse] = _attention_shapes(spec, "self_attn.") + _mlp_shapes(spec, i, "mlp.") + [
+                (norm + ".weight", (d,)) for norm in norms]  # fmt: skip
         p = f"{BLOCK_PREFIX['llama']}{i}."
-        out += _attention_shapes(spec, p + "self_attn.") + _mlp_shapes(spec, i, p + "mlp.")
-        out += [(p + norm + ".weight", (d,)) for norm in norms]
+        out += [(p + name, shape) for name, shape in layer]
     out.append(("model.norm.weight", (d,)))
     return out
 
@@ -289,8 +299,8 @@ def mlp_shapes(widths: tuple[int, ...]) -> tuple[tuple[str, Shape], ...]:
 
 
 def numels(shapes: tuple[tuple[str, Shape], ...]) -> tuple[int, ...]:
-    """Element count of each tensor."""
-    return tuple(math.prod(s) for _, s in shapes)
+    """Element count of each tensor (in C: a spec checks its Ψ from every shape; a speed-up, no rule)."""
+    return tuple(map(math.prod, map(itemgetter(1), shapes)))
 
 
 def gpt_for_params(psi: float, vocab_size: int = 50304) -> TransformerSpec:

@@ -101,18 +101,31 @@ def on_mesh(collectives: tuple[Collective, ...], nd: int, nm: int = 1,
     return tuple(map(place, collectives))
 
 
-def distinct_rows(collectives: tuple[Collective, ...]) -> tuple[tuple[Collective, ...], list[int]]:
+def distinct_rows(collectives: tuple[Collective, ...]) -> tuple[tuple[Collective, ...], tuple[int, ...]]:
     """(the distinct rows of ``collectives`` in order of first appearance, the index of each row among them):
     ``commtime.engine_step_time`` places and times each distinct row once and gives every equal row the same
     ``TimedCollective`` (a speed-up, no rule: an FSDP2 plan's ~1,500-2,200 rows per candidate are 10-13 distinct
     ones, one per unit of identical blocks). Exact: placing and timing read only a row's fields, and ``on_mesh``
     the largest replicate and TP groups, the same over the distinct rows as over all; the step's sums
     (``exposed_comm_s``, ``StepTime.comm_s``) still run over every row, in order. Rows are grouped by object
-    first (FSDP2's producers give equal rows as one object: ``run_collectives``, ``tp_rows``), then by value."""
-    objects = {id(c): c for c in collectives}  # one per object: equal rows that are one object, at no __eq__
+    first (FSDP2's producers give equal rows as one object: ``run_collectives``, ``tp_rows``), then by value.
+    The answer for the last tuple asked is kept, that tuple held beside it (a plan row asks twice, ``counted_rows``
+    and ``engine_step_time``: a speed-up, no rule; the answer is immutable), and the ids are mapped in C (the same
+    dict, in the same order, as a loop over the rows)."""
+    if _LAST_ROWS[0] is collectives:
+        return _LAST_ROWS[1]
+    ids = tuple(map(id, collectives))
+    objects = dict(zip(ids, collectives))  # one per object: equal rows that are one object, at no __eq__
     index: dict[Collective, int] = {}
     slot = {k: index.setdefault(c, len(index)) for k, c in objects.items()}
-    return tuple(index), [slot[id(c)] for c in collectives]
+    out = tuple(index), tuple(map(slot.__getitem__, ids))
+    if type(collectives) is tuple:  # kept only for rows that cannot change
+        _LAST_ROWS[:] = (collectives, out)
+    return out
+
+
+_LAST_ROWS: list = [None, None]
+"""``distinct_rows``' last rows (a tuple, held so that its id stays its own) and its answer."""
 
 
 def counted_rows(collectives: tuple[Collective, ...]) -> tuple[tuple[Collective, int], ...]:

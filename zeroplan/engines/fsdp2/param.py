@@ -97,7 +97,7 @@ class Unit:
 
     @property
     def numel(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
+        return sum(map(math.prod, self.shapes))  # in C (a speed-up, no rule: asked for every block of every run)
 
 
 def unit_shard_numel(unit: Unit, nd: int) -> int:

@@ -4,6 +4,7 @@ FSDP2's vocabulary, and the plan (the cheapest candidate whose predicted peak fi
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Optional
 
 from zeroplan.engines.base import (Candidate, EngineEstimate, EnginePlan, PeakLimit,
@@ -67,12 +68,24 @@ def rank_run(workload: Workload, nd: int, settings: Settings):
     (``alloc_trace.py``) describe the same run."""
     settings = settings.model_copy(update={"rank": shard_rank(settings, nd)})  # rank r is shard r mod S
     replicate, nd = shard_groups(settings, nd)
-    run = replace(fsdp2_run(workload, nd, settings), replicate=replicate)
+    run = fsdp2_run(workload, nd, settings, replicate)
     if (settings.tp or 1) > 1 and run.acts is not None:  # engines/fsdp2/tp.py
-        run = replace(run, acts=tp_acts(run.acts, workload.spec, settings.tp, workload.micro_batch * workload.seq_len,
-                                        dtype_bytes(settings.param), settings.sequence_parallel,
-                                        settings.backend == "gloo", workload.seq_len, settings.loss_parallel))
+        run = replace(run, acts=_tp_acts(run.acts, workload.spec, settings.tp, workload.micro_batch * workload.seq_len,
+                                         dtype_bytes(settings.param), settings.sequence_parallel,
+                                         settings.backend == "gloo", workload.seq_len, settings.loss_parallel))
     return run, nd
+
+
+def _tp_acts(*args):
+    """``tp_acts(*args)``, a function of its arguments' values (frozen dataclasses, numbers, flags), kept by them
+    (``_kept_tp_acts``): the mesh search asks it for every rank and shard group it tries at one T (a speed-up)."""
+    try:
+        return _kept_tp_acts(*args)
+    except TypeError:  # an unhashable argument: built each time
+        return tp_acts(*args)
+
+
+_kept_tp_acts = lru_cache(maxsize=64)(tp_acts)
 
 
 def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None = None,

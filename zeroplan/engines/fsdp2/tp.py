@@ -110,8 +110,20 @@ def local_shape(name: str, shape: tuple[int, ...], t: int) -> tuple[int, ...]:
 
 
 def local_shapes(shapes, t: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """Every parameter's TP-local shape (``local_shape``), names and order kept."""
-    return tuple((n, local_shape(n, tuple(s), t)) for n, s in shapes)
+    """Every parameter's TP-local shape (``local_shape``), names and order kept. ``local_shape`` reads a name's
+    last two segments only, so it runs once per (module, leaf, shape): the layers' parameters share one answer
+    (a speed-up, no rule: the mesh search builds this for every TP degree; a name outside the plan still raises
+    at its first parameter, by its own name)."""
+    made: dict = {}
+    out = []
+    for n, s in shapes:
+        head, _, leaf = n.rpartition(".")
+        key = (head.rpartition(".")[2], leaf, s := tuple(s))
+        got = made.get(key)
+        if got is None:
+            got = made[key] = local_shape(n, s, t)
+        out.append((n, got))
+    return tuple(out)
 
 
 def local_spec(spec, t: int):

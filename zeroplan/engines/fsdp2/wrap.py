@@ -78,9 +78,12 @@ class Wrapping(BaseModel):
                          for e in self.units)  # fmt: skip
 
 
+@lru_cache(maxsize=64, typed=True)  # True and 1 apart: a bool and an int k reshard differently
 def preset(name: str, style: str, blocks: bool | int, tied: bool = False) -> Wrapping:
     """The preset ``name`` in transformers' module names for the layout ``style`` (``architectures.spec``),
-    ``blocks`` the decoder layers' (and torchtitan's embeddings') ``reshard_after_forward``."""
+    ``blocks`` the decoder layers' (and torchtitan's embeddings') ``reshard_after_forward``. Kept by its arguments
+    (a frozen model of them alone): every run and candidate of a plan asks it, three validations each (a speed-up,
+    no rule)."""
     layers = WrapEntry(modules=(BLOCK_PREFIX[style] + "*",), reshard_after_forward=blocks)
     root = WrapEntry(modules=("",))
     if name == "blocks":
@@ -165,7 +168,8 @@ def module_names(named_shapes: tuple[tuple[str, Shape], ...]) -> tuple[str, ...]
         while module and module not in out:  # a module seen has had its ancestors added with it
             new.append(module)
             module = module.rpartition(".")[0]
-        out.update(dict.fromkeys(reversed(new)))
+        if new:
+            out.update(dict.fromkeys(reversed(new)))
     return tuple(out)
 
 
@@ -237,7 +241,8 @@ def _units(entries: tuple[tuple[tuple[str, ...], bool], ...], named_shapes: tupl
 @lru_cache(maxsize=16)
 def _layout(entries: tuple[tuple[tuple[str, ...], bool], ...], names: tuple[str, ...],
             tied: tuple[tuple[str, str], ...]) -> tuple[tuple, ...]:
-    """``_units`` with each parameter as its index in ``names`` (``named_parameters()`` order)."""
+    """``_units`` with each parameter as its index in ``names`` (``named_parameters()`` order); a unit of one
+    module keeps ``_owners``' order without ``_fully_shard_order``'s pairs (its answer then: a speed-up, no rule)."""
     known = (*module_names(tuple((n, ()) for n in names)), *(m for m, _ in tied))
     by_depth: dict[int, list[str]] = {}  # the modules by segment count, in order (the root apart): a pattern
     for m in known:  # matches only modules of its own count (``matches``), so only those are compared (a speed-up)
@@ -268,18 +273,32 @@ def _layout(entries: tuple[tuple[tuple[str, ...], bool], ...], names: tuple[str,
         if seen[uses] != seen[holds]:
             raise ValueError(f"wrapping: {module!r} uses {param!r} (tied) from another unit; torch 2.13 refuses a "
                              f"parameter seen by two units: group them, fully_shard([..., {module}])")  # fmt: skip
-    owner: list[list[int]] = [[] for _ in calls]
-    first, last = [len(names)] * len(calls), [0] * len(calls)
-    for i, name in enumerate(names):
-        module = name.rsplit(".", 1)[0] if "." in name else ""
-        best = _innermost(module, seen)
-        owner[seen[best]].append(i)
-        first[seen[best]] = min(first[seen[best]], i)
-        last[seen[best]] = max(last[seen[best]], i)
+    owner, first, last = _owners(names, seen, len(calls))
     for module, _ in tied:  # a tied head lists no parameter of its own, but runs after every other module: a
         last[seen[_innermost(module, seen)]] = len(names)  # group holding it spans the layers (side.spans_layers)
-    return tuple((mods, _fully_shard_order(mods, [(names[i], i) for i in ps], seen), k, mods == ("",), f, e)
-                 for (mods, k), ps, f, e in zip(calls, owner, first, last))  # fmt: skip
+    return tuple((mods, tuple(ps) if len(mods) == 1 else _fully_shard_order(mods, [(names[i], i) for i in ps], seen),
+                  k, mods == ("",), f, e) for (mods, k), ps, f, e in zip(calls, owner, first, last))  # fmt: skip
+
+
+def _owners(names: tuple[str, ...], seen: dict[str, int], units: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """(each unit's parameters as indices in ``names``, its first index (``len(names)`` if none), its last (0 if
+    none)): a parameter belongs to the unit of the innermost module of ``seen`` that holds it (``_innermost``). Each
+    module is walked up once, its parameters sharing the answer, and the indices ascend, so a unit's first is its
+    first met and its last its latest (a speed-up, no rule: the min and max of every parameter, and a walk per
+    parameter, before)."""
+    owner: list[list[int]] = [[] for _ in range(units)]
+    first, last = [len(names)] * units, [0] * units
+    unit_of: dict[str, int] = {}
+    for i, name in enumerate(names):
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        u = unit_of.get(module)
+        if u is None:
+            u = unit_of[module] = seen[_innermost(module, seen)]
+        if not owner[u]:
+            first[u] = i
+        owner[u].append(i)
+        last[u] = i
+    return owner, first, last
 
 
 def _fully_shard_order(mods: tuple[str, ...], params: list[tuple[str, int]], seen: dict[str, int]
