@@ -25,8 +25,8 @@ EXPANDABLE = "expandable_segments:True"
 def _expandable_trace(seed: int) -> list[Event]:
     """Seeded: live tensors (up to 210 MiB, or a little under a size freed before) freed at random, some pending
     (``free_requested`` then ``free_completed``), ``empty_cache`` now and then (whole free pages unmapped: holes
-    after mapped free blocks), phases, and balanced stretches of mixed sizes on two streams, the last alloc
-    freed first, the others in any order."""
+    after mapped free blocks), phases, and balanced stretches of mixed sizes on two streams freed in any order,
+    some among frees of older tensors."""
     rng, events, live, ident, pending, freed, sizes = random.Random(seed), [], [], 0, [], [MiB], {}
 
     def size_of(scale: int) -> int:
@@ -58,8 +58,8 @@ def _expandable_trace(seed: int) -> list[Event]:
             for i in ids:
                 size = base if rng.random() < 0.4 else size_of(rng.choice([2, 12, 40]))
                 events.append(Event("alloc", i, size, rng.choice([stream, stream, 0])))
-            rest = rng.sample(ids[:-1], n - 1)
-            events += [Event("free", i) for i in [ids[-1], *rest]]
+            older = [live.pop(rng.randrange(len(live))) for _ in range(min(len(live), rng.randrange(-2, 4)))]
+            events += [Event("free", i) for i in rng.sample([*ids, *older], n + len(older))]
     return events
 
 

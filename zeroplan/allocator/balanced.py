@@ -41,23 +41,27 @@ STRETCHES = True
 _ID = itemgetter(1)  # an ``Event``'s id
 
 
-def stretch_length(allocs: Sequence, frees: Sequence) -> int:
-    """The largest ``m`` (up to ``_LONGEST``) such that the first ``m`` of ``frees`` free the last ``m`` of ``allocs``
-    (distinct ids), 0 if none; only where the first free is of the last alloc (every stretch of an FSDP2 trace
-    is; a cheap test for the ~3 in 4 transitions that have none). The ids met on one side and not yet on the
-    other are toggled in a set, empty after ``k`` steps exactly when the two sides hold the same ``k`` ids."""
-    n = len(allocs)
-    if frees[0][1] != allocs[-1][1] or not STRETCHES:
+def stretch_length(allocs: Sequence, frees: list) -> int:
+    """The largest ``m`` (up to ``_LONGEST``) such that the last ``m`` of ``allocs`` (distinct ids) are each freed
+    once in ``frees``, 0 if none; those frees moved to the front of ``frees``, in their order, the others after
+    them in theirs (``frees[:m]`` then free the stretch).
+
+    The other frees (tensors older than the stretch: an FSDP2 layer frees its gathered parameters among its
+    scratch tensors) then come after the stretch's: the same replay, as frees in any order leave the same pool
+    (every free mapped range merged whole, and the stats only fall), ``_Run.step`` raising for the same event."""
+    n, freed, m = len(allocs), set(map(_ID, frees)), 1
+    if allocs[-1][1] not in freed or not STRETCHES:
         return 0
-    odd, m = set(), 0
-    for k in range(min(n, len(frees), _LONGEST)):
-        mine, freed = allocs[n - 1 - k][1], frees[k][1]
-        if mine != freed:
-            odd ^= {mine, freed}
-        if not odd:
-            m = k + 1
-    if len(set(map(_ID, allocs[n - m:]))) != m:  # an id allocated twice: replayed (``_Run.step`` raises)
+    while m < n and m < _LONGEST and allocs[n - 1 - m][1] in freed:
+        m += 1
+    mine = set(map(_ID, allocs[n - m:]))
+    if len(mine) != m:  # an id allocated twice: replayed (``_Run.step`` raises)
         return 0
+    moved = [free for free in frees if free[1] in mine]
+    if len(moved) != m:  # an id freed twice: replayed (``_Run.step`` raises)
+        return 0
+    if moved != frees[:m]:
+        frees[:] = moved + [free for free in frees if free[1] not in mine]
     return m
 
 
@@ -120,7 +124,7 @@ def walk(run, allocs: Sequence) -> bool:
             if best is None:
                 return False  # a new segment (expandable segments: pages mapped)
             if best[2]:  # unmapped room after it: ``_expandable_fit``'s walk
-                best, held, first = _walk_on(best, held, first, index, sizes, by_size, blocks, taken, rests, expandable)
+                best, held, first = _walk_on(best, held, first, index, sizes, by_size, blocks, taken, rests, top)
                 if best is None:
                     return False
             if held is not None:
@@ -153,12 +157,13 @@ def _room(block, expandable: bool) -> int:
     return -1 if not expandable else after.size if after is not None and not after.mapped else 0
 
 
-def _walk_on(best: tuple, held, first: int, index: int, sizes, by_size, blocks, taken, rests, expandable) -> tuple:
+def _walk_on(best: tuple, held, first: int, index: int, sizes, by_size, blocks, taken, rests, top: int) -> tuple:
     """``_expandable_fit``'s walk from the best fit ``best`` (size, address, unmapped room after it): a pool's
     block of size ``held`` (its ``first`` not taken, at ``sizes[index]``) or one of ``rests`` (``held`` None).
     The block after it by (size, address) is taken when it grows to less, ``best`` kept else: (the block,
     ``held`` and ``first`` of it where it is the pool's), or Nones where ``walk`` stops: the option off, the
-    next block also with room after it, or of ``best``'s size (taken out of address order)."""
+    next block also with room after it, or of ``best``'s size (taken out of address order). ``top``: no rest is
+    larger."""
     if best[2] < 0 or held is not None and first + 1 < len(by_size[held]):
         return None, None, None
     nxt = None
@@ -166,9 +171,9 @@ def _walk_on(best: tuple, held, first: int, index: int, sizes, by_size, blocks, 
         size = sizes[index]
         if taken.get(size, 0) < len(by_size[size]):
             block = blocks[by_size[size][taken.get(size, 0)]]
-            nxt = (size, block.address, _room(block, expandable) if block.segment.expandable else 0)
+            nxt = (size, block.address, _room(block, True) if block.segment.expandable else 0)
             break
-    rest = min([r for r in rests if r > best], default=None)
+    rest = min([r for r in rests if r > best], default=None) if top >= best[0] else None
     if rest is not None and (nxt is None or rest < nxt):
         nxt = rest
     if nxt is None or nxt[0] >= best[0] + best[2]:  # ``best`` grows to less or as much: kept
