@@ -78,16 +78,17 @@ def walk(run, allocs: Sequence) -> bool:
     after) and the largest of them, where its last search of a size ended."""
     live, requests, overlay, last, carved, state = run.live, run.alloc._requests, {}, None, None, None  # fmt: skip
     handed = requested = 0
-    found, expandable = [] if run.details else None, run.alloc.config.expandable_segments
+    found, expandable, asked = [] if run.details else None, run.alloc.config.expandable_segments, (None, None)
     for _, ident, size, stream, address in allocs:
         if address is not None or type(size) is not int or ident in live:
             return False
-        request = requests.get((size, stream))
-        if request is None:  # a request first met (``_Run.step`` raises for a size of 0 or less)
-            if size <= 0:
-                return False
-            request = _request(run.alloc, size, stream)
-        rounded, pool = request
+        if asked[0] != size or asked[1] != stream:  # (the same request as the last one: its rounded size and pool)
+            request = requests.get(asked := (size, stream))
+            if request is None:  # a request first met (``_Run.step`` raises for a size of 0 or less)
+                if size <= 0:
+                    return False
+                request = _request(run.alloc, size, stream)
+            rounded, pool = request
         if pool is not last:
             if carved is not None:
                 rests.append(carved[:3])
