@@ -57,6 +57,8 @@ def stretch_length(allocs: Sequence, frees: list) -> int:
     mine = set(map(_ID, allocs[n - m:]))
     if len(mine) != m:  # an id allocated twice: replayed (``_Run.step`` raises)
         return 0
+    if m == len(frees) == len(freed):  # every free the stretch's, each once: in place
+        return m
     moved = [free for free in frees if free[1] in mine]
     if len(moved) != m:  # an id freed twice: replayed (``_Run.step`` raises)
         return 0
