@@ -106,7 +106,8 @@ def walk(run, allocs: Sequence) -> bool:
         else:
             if carved is not None:
                 rests.append(carved[:3])
-                top = max(top, carved[0])
+                if carved[0] > top:
+                    top = carved[0]
             # the pool's best fit: the first block of a size not taken, from where the last search of this
             # size found one (the sizes before it are all taken: ``taken`` only grows)
             index, best = state[3] if state[4] == rounded else bisect_left(sizes, rounded), None
@@ -120,8 +121,11 @@ def walk(run, allocs: Sequence) -> bool:
                     break
                 index += 1
             state[3], state[4] = index, rounded
-            if top >= rounded:  # a rest (unsorted, the largest ``top``) the best fit?
-                rest = min([r for r in rests if r[0] >= rounded], default=None)
+            if top >= rounded:  # a rest (unsorted, the largest ``top``) the best fit? (a loop: rests are few)
+                rest = None
+                for r in rests:
+                    if r[0] >= rounded and (rest is None or r < rest):
+                        rest = r
                 if rest is not None and (best is None or rest < best):
                     best, held = rest, None
             if best is None:
