@@ -77,7 +77,7 @@ def walk(run, allocs: Sequence) -> bool:
 
     The overlay of each pool met: how many of each size's blocks the stretch took (best fit takes a size's
     blocks in address order, so always its first ones), the rests its splits left (size, address, unmapped room
-    after) and the largest of them, where its last search of a size ended."""
+    after, the request that split it) and the largest of them, where its last search of a size ended."""
     live, requests, overlay, last, carved, state = run.live, run.alloc._requests, {}, None, None, None  # fmt: skip
     handed = requested = 0
     found, expandable, asked = [] if run.details else None, run.alloc.config.expandable_segments, (None, None)
@@ -93,11 +93,12 @@ def walk(run, allocs: Sequence) -> bool:
             rounded, pool = request
         if pool is not last:
             if carved is not None:
-                rests.append(carved[:3])
+                rests.append(carved)
                 top = max(top, carved[0])
             if state is not None:
                 state[2] = top
-            last, sizes, by_size, blocks, small = pool, pool.sizes, pool.by_size, pool.blocks, pool.small
+            last, sizes, by_size, blocks = pool, pool.sizes, pool.by_size, pool.blocks
+            low = K_MIN_BLOCK_SIZE if pool.small or expandable else K_SMALL_SIZE + 1  # ``_should_split``: rest >= low
             state = overlay.get(pool) or overlay.setdefault(pool, [{}, [], 0, 0, None])
             taken, rests, top = state[0], state[1], state[2]
             carved = None
@@ -105,7 +106,7 @@ def walk(run, allocs: Sequence) -> bool:
             best = carved  # the rest the last request of this size left: the best fit (it was one less ``r``)
         else:
             if carved is not None:
-                rests.append(carved[:3])
+                rests.append(carved)
                 if carved[0] > top:
                     top = carved[0]
             # the pool's best fit: the first block of a size not taken, from where the last search of this
@@ -139,7 +140,7 @@ def walk(run, allocs: Sequence) -> bool:
             else:
                 rests.remove(best)
         remaining = best[0] - rounded
-        if remaining >= K_MIN_BLOCK_SIZE if small or expandable else remaining > K_SMALL_SIZE:  # ``_should_split``
+        if remaining >= low:
             carved = (remaining, best[1] + rounded, best[2], rounded)
             handed += rounded
         else:
