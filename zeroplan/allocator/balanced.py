@@ -116,9 +116,8 @@ def walk(run, allocs: Sequence) -> bool:
                 held = sizes[index]
                 first = taken.get(held, 0)
                 if first < len(by_size[held]):
-                    address = by_size[held][first]
-                    segment = (block := blocks[address]).segment
-                    best = (held, address, _room(block, expandable) if segment.expandable else 0)
+                    address = by_size[held][first]  # (every segment expandable with the option, none without)
+                    best = (held, address, _room(blocks[address]) if expandable else 0)
                     break
                 index += 1
             state[3], state[4] = index, rounded
@@ -158,28 +157,26 @@ def walk(run, allocs: Sequence) -> bool:
     return True
 
 
-def _room(block, expandable: bool) -> int:
-    """The unmapped bytes right after ``block`` of an expandable segment (``_growable`` less its size); -1 with the
-    option off (``get_free_block`` skips the block: replayed)."""
+def _room(block) -> int:
+    """The unmapped bytes right after ``block`` of an expandable segment (``_growable`` less its size)."""
     after = block.next
-    return -1 if not expandable else after.size if after is not None and not after.mapped else 0
+    return after.size if after is not None and not after.mapped else 0
 
 
 def _walk_on(best: tuple, held, first: int, index: int, sizes, by_size, blocks, taken, rests, top: int) -> tuple:
     """``_expandable_fit``'s walk from the best fit ``best`` (size, address, unmapped room after it): a pool's
     block of size ``held`` (its ``first`` not taken, at ``sizes[index]``) or one of ``rests`` (``held`` None).
     The block after it by (size, address) is taken when it grows to less, ``best`` kept else: (the block,
-    ``held`` and ``first`` of it where it is the pool's), or Nones where ``walk`` stops: the option off, the
-    next block also with room after it, or of ``best``'s size (taken out of address order). ``top``: no rest is
-    larger."""
-    if best[2] < 0 or held is not None and first + 1 < len(by_size[held]):
+    ``held`` and ``first`` of it where it is the pool's), or Nones where ``walk`` stops: the next block also with
+    room after it, or of ``best``'s size (taken out of address order). ``top``: no rest is larger."""
+    if held is not None and first + 1 < len(by_size[held]):
         return None, None, None
     nxt = None
     for index in range(index + (held is not None), len(sizes)):  # the pool's next: the first not taken
         size = sizes[index]
         if taken.get(size, 0) < len(by_size[size]):
             block = blocks[by_size[size][taken.get(size, 0)]]
-            nxt = (size, block.address, _room(block, True) if block.segment.expandable else 0)
+            nxt = (size, block.address, _room(block))
             break
     rest = min([r for r in rests if r > best], default=None) if top >= best[0] else None
     if rest is not None and (nxt is None or rest < nxt):
