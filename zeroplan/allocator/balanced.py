@@ -3,21 +3,28 @@
 A *balanced stretch* is a run of allocs whose last ``m`` ids are exactly the ids the ``m`` frees right after them
 free, in any order (a layer's scratch tensors allocated then dropped; an alloc freed at once): ~25% of an FSDP2
 trace's events. In the plain replay (``replay._Run.plain``: no memory limit, no ``max_split_size``) such a
-stretch whose ``m`` requests are each served by a cached block of a non-expandable segment leaves the allocator
-as it found it: a request takes the best fit (the first block by (size, address) of at least its rounded size)
-and splits off its front when ``_should_split``, the rest cached; freeing the fronts merges every piece back
-(free blocks are never adjacent, and nothing else changes between), so the pools hold the same (size, address)
-blocks after. What the stretch changes is the stats: allocated and requested rise by every block handed out (a
-block's size: the rounded request when split, else the whole cached block), then fall back, so their peaks are
-the current values plus those sums; its ids are never live after it. ``walk`` finds those blocks read-only (the
-pool as it is, less the blocks the stretch's earlier requests took, plus the rests their splits left) and
-``stretch_length`` finds the stretch; a stretch that needs a new segment, or meets a block of an expandable segment,
-a live id, a recorded segment address or a request not met before, is replayed event by event as without them.
+stretch whose ``m`` requests are each served by a cached block leaves the allocator as it found it: a request
+takes the best fit (the first block by (size, address) of at least its rounded size) and splits off its front
+when ``_should_split``, the rest cached; freeing the fronts merges every piece back (free mapped blocks are never
+adjacent, and nothing else changes between), so the pools hold the same (size, address) blocks after. What the
+stretch changes is the stats: allocated and requested rise by every block handed out (a block's size: the
+rounded request when split, else the whole cached block), then fall back, so their peaks are the current values
+plus those sums; its ids are never live after it. ``walk`` finds those blocks read-only (the pool as it is, less
+the blocks the stretch's earlier requests took, plus the rests their splits left) and ``stretch_length`` finds
+the stretch; a stretch that needs a new segment, a live id, a recorded segment address or a request of 0 bytes or
+less, is replayed event by event as without them.
+
+Under ``expandable_segments`` the same holds where no page is mapped (every request served by mapped free
+bytes: reserved, the segment log and the unmapped ranges unchanged; a freed front merges with mapped free
+neighbours only, the pieces of its own block): a split leaves any rest of 512 B or more, and ``get_free_block``
+moves from the best fit with unmapped room right after it (a segment's free tail, or a block before a hole
+``empty_cache`` unmapped) to the next block by (size, address) when that one grows to less (``_walk_on``); a
+stretch meeting a block of the best fit's size there, or two such blocks in a row, is replayed.
 
 Not touched, and not read in the plain replay: ``Block.gc_base`` (garbage collection needs a memory limit), the
 pools' ``clock`` (counted only then), which ``Block`` object holds a cached range, the ``blocks`` dict's order.
-tests/test_allocator_balanced.py compares the replays with and without (``STRETCHES``). Under ``expandable_segments``
-(every block of an expandable segment) no stretch is looked for.
+tests/test_allocator_balanced.py and tests/test_allocator_expandable_walk.py compare the replays with and without
+(``STRETCHES``).
 """
 
 from __future__ import annotations
@@ -34,23 +41,29 @@ STRETCHES = True
 _ID = itemgetter(1)  # an ``Event``'s id
 
 
-def stretch_length(allocs: Sequence, frees: Sequence) -> int:
-    """The largest ``m`` (up to ``_LONGEST``) such that the first ``m`` of ``frees`` free the last ``m`` of ``allocs``
-    (distinct ids), 0 if none; only where the first free is of the last alloc (every stretch of an FSDP2 trace
-    is; a cheap test for the ~3 in 4 transitions that have none). The ids met on one side and not yet on the
-    other are toggled in a set, empty after ``k`` steps exactly when the two sides hold the same ``k`` ids."""
-    n = len(allocs)
-    if frees[0][1] != allocs[-1][1] or not STRETCHES:
+def stretch_length(allocs: Sequence, frees: list) -> int:
+    """The largest ``m`` (up to ``_LONGEST``) such that the last ``m`` of ``allocs`` (distinct ids) are each freed
+    once in ``frees``, 0 if none; those frees moved to the front of ``frees``, in their order, the others after
+    them in theirs (``frees[:m]`` then free the stretch).
+
+    The other frees (tensors older than the stretch: an FSDP2 layer frees its gathered parameters among its
+    scratch tensors) then come after the stretch's: the same replay, as frees in any order leave the same pool
+    (every free mapped range merged whole, and the stats only fall), ``_Run.step`` raising for the same event."""
+    n, freed, m = len(allocs), set(map(_ID, frees)), 1
+    if allocs[-1][1] not in freed or not STRETCHES:
         return 0
-    odd, m = set(), 0
-    for k in range(min(n, len(frees), _LONGEST)):
-        mine, freed = allocs[n - 1 - k][1], frees[k][1]
-        if mine != freed:
-            odd ^= {mine, freed}
-        if not odd:
-            m = k + 1
-    if len(set(map(_ID, allocs[n - m:]))) != m:  # an id allocated twice: replayed (``_Run.step`` raises)
+    while m < n and m < _LONGEST and allocs[n - 1 - m][1] in freed:
+        m += 1
+    mine = set(map(_ID, allocs[n - m:]))
+    if len(mine) != m:  # an id allocated twice: replayed (``_Run.step`` raises)
         return 0
+    if m == len(frees) == len(freed):  # every free the stretch's, each once: in place
+        return m
+    moved = [free for free in frees if free[1] in mine]
+    if len(moved) != m:  # an id freed twice: replayed (``_Run.step`` raises)
+        return 0
+    if moved != frees[:m]:
+        frees[:] = moved + [free for free in frees if free[1] not in mine]
     return m
 
 
@@ -60,39 +73,42 @@ _LONGEST = 4096  # a longer stretch is found in part (its last 4,096 allocs) or 
 def walk(run, allocs: Sequence) -> bool:
     """The balanced stretch of ``allocs`` (then the frees of all of them) on ``run`` (``replay._Run``, plain):
     the stats' peaks it reaches and the addresses it hands out (``details``), nothing else changed; False
-    (nothing done) when a request is not served by a cached block of a non-expandable segment.
+    (nothing done) when a request is not served by a cached block (or ``_walk_on`` stops).
 
     The overlay of each pool met: how many of each size's blocks the stretch took (best fit takes a size's
-    blocks in address order, so always its first ones), the rests its splits left (size, address) and the
-    largest of them, where its last search of a size ended."""
+    blocks in address order, so always its first ones), the rests its splits left (size, address, unmapped room
+    after, the request that split it) and the largest of them, where its last search of a size ended."""
     live, requests, overlay, last, carved, state = run.live, run.alloc._requests, {}, None, None, None  # fmt: skip
     handed = requested = 0
-    found = [] if run.details else None
+    found, expandable, asked = [] if run.details else None, run.alloc.config.expandable_segments, (None, None)
     for _, ident, size, stream, address in allocs:
         if address is not None or type(size) is not int or ident in live:
             return False
-        request = requests.get((size, stream))
-        if request is None:  # a request first met (``_Run.step`` raises for a size of 0 or less)
-            if size <= 0:
-                return False
-            request = _request(run.alloc, size, stream)
-        rounded, pool = request
+        if asked[0] != size or asked[1] != stream:  # (the same request as the last one: its rounded size and pool)
+            request = requests.get(asked := (size, stream))
+            if request is None:  # a request first met (``_Run.step`` raises for a size of 0 or less)
+                if size <= 0:
+                    return False
+                request = _request(run.alloc, size, stream)
+            rounded, pool = request
         if pool is not last:
             if carved is not None:
-                rests.append(carved[:2])
+                rests.append(carved)
                 top = max(top, carved[0])
             if state is not None:
                 state[2] = top
-            last, sizes, by_size, blocks, small = pool, pool.sizes, pool.by_size, pool.blocks, pool.small
+            last, sizes, by_size, blocks = pool, pool.sizes, pool.by_size, pool.blocks
+            low = K_MIN_BLOCK_SIZE if pool.small or expandable else K_SMALL_SIZE + 1  # ``_should_split``: rest >= low
             state = overlay.get(pool) or overlay.setdefault(pool, [{}, [], 0, 0, None])
             taken, rests, top = state[0], state[1], state[2]
             carved = None
-        if carved is not None and carved[0] >= rounded == carved[2]:
+        if carved is not None and carved[0] >= rounded == carved[3]:
             best = carved  # the rest the last request of this size left: the best fit (it was one less ``r``)
         else:
             if carved is not None:
-                rests.append(carved[:2])
-                top = max(top, carved[0])
+                rests.append(carved)
+                if carved[0] > top:
+                    top = carved[0]
             # the pool's best fit: the first block of a size not taken, from where the last search of this
             # size found one (the sizes before it are all taken: ``taken`` only grows)
             index, best = state[3] if state[4] == rounded else bisect_left(sizes, rounded), None
@@ -100,22 +116,31 @@ def walk(run, allocs: Sequence) -> bool:
                 held = sizes[index]
                 first = taken.get(held, 0)
                 if first < len(by_size[held]):
-                    best = (held, by_size[held][first])
+                    address = by_size[held][first]  # (every segment expandable with the option, none without)
+                    best = (held, address, _room(blocks[address]) if expandable else 0)
                     break
                 index += 1
             state[3], state[4] = index, rounded
-            if top >= rounded:  # a rest (unsorted, the largest ``top``) the best fit?
-                rest = min([r for r in rests if r[0] >= rounded], default=None)
+            if top >= rounded:  # a rest (unsorted, the largest ``top``) the best fit? (a loop: rests are few)
+                rest = None
+                for r in rests:
+                    if r[0] >= rounded and (rest is None or r < rest):
+                        rest = r
                 if rest is not None and (best is None or rest < best):
-                    rests.remove(rest)
                     best, held = rest, None
-            if best is None or held is not None and blocks[best[1]].segment.expandable:
-                return False  # a new segment, or ``plain_loop._expandable_fit``'s walk
+            if best is None:
+                return False  # a new segment (expandable segments: pages mapped)
+            if best[2]:  # unmapped room after it: ``_expandable_fit``'s walk
+                best, held, first = _walk_on(best, held, first, index, sizes, by_size, blocks, taken, rests, top)
+                if best is None:
+                    return False
             if held is not None:
                 taken[held] = first + 1
+            else:
+                rests.remove(best)
         remaining = best[0] - rounded
-        if remaining >= K_MIN_BLOCK_SIZE if small else remaining > K_SMALL_SIZE:  # ``_should_split``
-            carved = (remaining, best[1] + rounded, rounded)
+        if remaining >= low:
+            carved = (remaining, best[1] + rounded, best[2], rounded)
             handed += rounded
         else:
             carved = None
@@ -130,6 +155,37 @@ def walk(run, allocs: Sequence) -> bool:
     if found is not None:
         run.addresses.extend(found)
     return True
+
+
+def _room(block) -> int:
+    """The unmapped bytes right after ``block`` of an expandable segment (``_growable`` less its size)."""
+    after = block.next
+    return after.size if after is not None and not after.mapped else 0
+
+
+def _walk_on(best: tuple, held, first: int, index: int, sizes, by_size, blocks, taken, rests, top: int) -> tuple:
+    """``_expandable_fit``'s walk from the best fit ``best`` (size, address, unmapped room after it): a pool's
+    block of size ``held`` (its ``first`` not taken, at ``sizes[index]``) or one of ``rests`` (``held`` None).
+    The block after it by (size, address) is taken when it grows to less, ``best`` kept else: (the block,
+    ``held`` and ``first`` of it where it is the pool's), or Nones where ``walk`` stops: the next block also with
+    room after it, or of ``best``'s size (taken out of address order). ``top``: no rest is larger."""
+    if held is not None and first + 1 < len(by_size[held]):
+        return None, None, None
+    nxt = None
+    for index in range(index + (held is not None), len(sizes)):  # the pool's next: the first not taken
+        size = sizes[index]
+        if taken.get(size, 0) < len(by_size[size]):
+            block = blocks[by_size[size][taken.get(size, 0)]]
+            nxt = (size, block.address, _room(block))
+            break
+    rest = min([r for r in rests if r > best], default=None) if top >= best[0] else None
+    if rest is not None and (nxt is None or rest < nxt):
+        nxt = rest
+    if nxt is None or nxt[0] >= best[0] + best[2]:  # ``best`` grows to less or as much: kept
+        return best, held, first
+    if nxt[2]:
+        return None, None, None
+    return (rest, None, 0) if nxt is rest else (nxt, nxt[0], taken.get(nxt[0], 0))
 
 
 def _request(alloc, size: int, stream: int) -> tuple:

@@ -50,10 +50,8 @@ def plain_events(run, events: Sequence, expandable: bool, generic: Callable, eve
         if allocs:
             plain_allocs(run, allocs, expandable, generic, event_of)
             allocs = ()
-        if action == "alloc" and not expandable:  # (expandable segments: ``walk`` serves none of their blocks)
+        if action == "alloc":
             allocs = list(group)
-        elif action == "alloc":
-            plain_allocs(run, group, expandable, generic, event_of)
         else:
             for event in group:
                 generic(event_of(event))

@@ -262,9 +262,14 @@ def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int)
         pool.remove(tail)
         before = tail.prev
     stats, mapped_to, small, live, size, grown_all = alloc.stats, rest.address, pool.small, run.live, events[0].size, 0
-    addresses = run.addresses if run.details else None
-    shared = (rounded, stream, small, segment, size, True, False, True, None, 0)
-    for e in events:  # each ``Block(...)`` made without its ``__init__`` and linked here (a speed-up, no rule)
+    if run.details:
+        run.addresses.extend(zip(map(_EVENT_ID, events), range(frontier, frontier + len(events) * rounded, rounded)))
+    shared = (rounded, stream, small, segment, size, True, False, True, 0)
+    # each ``Block(...)`` made without its ``__init__`` and linked here, to a stand-in first, its ``next`` set by
+    # the next block or ``_link`` below (a speed-up, no rule)
+    ahead = before
+    before = anchor = _new(Block) if ahead is None else ahead
+    for ident in map(_EVENT_ID, events):
         if frontier + rounded > mapped_to:
             grown = -(-(frontier + rounded - mapped_to) // page) * page
             alloc.log.append(("segment_map", mapped_to, grown, stream))
@@ -272,17 +277,13 @@ def expandable_run(run, events: Sequence, rounded: int, pool: Pool, stream: int)
             mapped_to += grown
         block = _new(Block)
         block.size, block.stream, block.small, block.segment, block.requested, block.allocated, block.pending, \
-            block.mapped, block.next, block.gc_base = shared  # the fields every block shares, set from one tuple
+            block.mapped, block.gc_base = shared  # the fields every block shares, set from one tuple
         block.address, block.prev = frontier, before
-        if before is None:
-            segment.head = block
-        else:
-            before.next = block
-        before = block
-        live[e.id] = block
-        if addresses is not None:
-            addresses.append((e.id, frontier))
+        before.next = before = live[ident] = block
         frontier += rounded
+    if ahead is None:  # the stand-in out: the first block heads the segment
+        anchor.next.prev = None
+        segment.head = anchor.next
     # a run only allocates and maps: each stat grows, its peak is where the run ends
     stats.reserved.add(grown_all)
     stats.allocated.add(len(events) * rounded)
