@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from zeroplan.allocator import balanced, replay
-from zeroplan.allocator.balanced import stretch_length
 from zeroplan.allocator.config import parse_alloc_conf
 from zeroplan.allocator.replay import Event
 
@@ -158,17 +157,3 @@ def test_a_run_freed_next_is_a_stretch(monkeypatch):
     assert fast.phases[f"after {3 * n}"].requested_bytes == 64 + n // 2 * half
     assert fast.reserved_peak_bytes == 2 * n * 20 * MiB + 2 * MiB  # the first: n segments more (and the small one)
 
-
-def test_stretch_length():
-    """The longest tail of the allocs each freed once among the frees after them, in any order and among other
-    frees (moved to the front, each side in its order); none when the last alloc is not freed, or an id repeats."""
-    a = [Event("alloc", i, 10) for i in range(6)]
-    f = [Event("free", i) for i in (5, 3, 4, 0, 2, 1, 9)]
-    assert stretch_length(a, list(f)) == 6
-    assert stretch_length(a, f[:3]) == 3 - 2 + 2  # {5, 3, 4} are the last three
-    assert stretch_length(a, [Event("free", 5), Event("free", 2)]) == 1
-    frees = [Event("free", 4), Event("free", 9), Event("free", 5), Event("free", 8)]
-    assert stretch_length(a, frees) == 2 and [e.id for e in frees] == [4, 5, 9, 8]  # the first free need not be
-    assert stretch_length(a, [Event("free", 4), Event("free", 3)]) == 0  # the last alloc not freed
-    assert stretch_length([*a, Event("alloc", 5, 10)], [Event("free", 5), Event("free", 5)]) == 0
-    assert stretch_length(a, [Event("free", 5), Event("free", 4), Event("free", 5)]) == 0  # freed twice

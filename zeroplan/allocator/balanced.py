@@ -10,8 +10,8 @@ adjacent, and nothing else changes between), so the pools hold the same (size, a
 stretch changes is the stats: allocated and requested rise by every block handed out (a block's size: the
 rounded request when split, else the whole cached block), then fall back, so their peaks are the current values
 plus those sums; its ids are never live after it. ``walk`` finds those blocks read-only (the pool as it is, less
-the blocks the stretch's earlier requests took, plus the rests their splits left) and ``stretch_length`` finds
-the stretch; a stretch that needs a new segment, a live id, a recorded segment address or a request of 0 bytes or
+the blocks the stretch's earlier requests took, plus the rests their splits left) and ``plain_loop.freed_tail``
+finds the stretch (its frees among others); a stretch that needs a new segment, a live id, a recorded segment address or a request of 0 bytes or
 less, is replayed event by event as without them.
 
 Under ``expandable_segments`` the same holds where no page is mapped (every request served by mapped free
@@ -31,43 +31,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from operator import itemgetter
 
 from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, is_small, round_size
 
 STRETCHES = True
 """Balanced stretches answered by ``walk`` (False: every event replayed, for the tests)."""
-
-_ID = itemgetter(1)  # an ``Event``'s id
-
-
-def stretch_length(allocs: Sequence, frees: list) -> int:
-    """The largest ``m`` (up to ``_LONGEST``) such that the last ``m`` of ``allocs`` (distinct ids) are each freed
-    once in ``frees``, 0 if none; those frees moved to the front of ``frees``, in their order, the others after
-    them in theirs (``frees[:m]`` then free the stretch).
-
-    The other frees (tensors older than the stretch: an FSDP2 layer frees its gathered parameters among its
-    scratch tensors) then come after the stretch's: the same replay, as frees in any order leave the same pool
-    (every free mapped range merged whole, and the stats only fall), ``_Run.step`` raising for the same event."""
-    n, freed, m = len(allocs), set(map(_ID, frees)), 1
-    if allocs[-1][1] not in freed or not STRETCHES:
-        return 0
-    while m < n and m < _LONGEST and allocs[n - 1 - m][1] in freed:
-        m += 1
-    mine = set(map(_ID, allocs[n - m:]))
-    if len(mine) != m:  # an id allocated twice: replayed (``_Run.step`` raises)
-        return 0
-    if m == len(frees) == len(freed):  # every free the stretch's, each once: in place
-        return m
-    moved = [free for free in frees if free[1] in mine]
-    if len(moved) != m:  # an id freed twice: replayed (``_Run.step`` raises)
-        return 0
-    if moved != frees[:m]:
-        frees[:] = moved + [free for free in frees if free[1] not in mine]
-    return m
-
-
-_LONGEST = 4096  # a longer stretch is found in part (its last 4,096 allocs) or not at all: replayed
 
 
 def walk(run, allocs: Sequence) -> bool:

@@ -217,12 +217,13 @@ def _plain_loop(run: _Run, events: Sequence, runs: dict[int, int]) -> None:
     (``alloc_runs``) through ``plain_loop`` (an ``Event``) or ``_Run.step``; each run fast-forwarded, or, when
     ``fast_forward`` refuses it, replayed with the events after it (a speed-up, no rule: the same calls in the
     same order as the loop in ``_replay``, without its per-event run look-up). A run whose last alloc is freed
-    next (FSDP2: 723 of 11,927,020 B) is left to the part after it (no expandable segments), where
-    ``balanced.walk`` serves it with its frees when cached blocks can: tests/test_allocator_balanced.py."""
+    next (FSDP2: 723 of 11,927,020 B) is left to the part after it, where ``plain_loop.walk`` serves it with its
+    frees when cached blocks can (expandable segments too, where no page is mapped), else ``fast_forward``:
+    tests/test_allocator_balanced.py, tests/test_allocator_expandable_walk.py."""
     generic, index, expandable = run.step, 0, run.alloc.config.expandable_segments
     for start in (*sorted(runs), len(events)):
         length = runs.get(start)
-        if length and not expandable and _freed_next(events, start + length):
+        if length and _freed_next(events, start + length):
             continue  # a run whose last alloc is freed next: in the part after, where ``balanced`` may serve it
         part = events[index:start]
         if set(map(type, part)) <= {Event}:  # a trace's (``step_trace``): the loop with both steps inlined
