@@ -11,8 +11,8 @@ stretch changes is the stats: allocated and requested rise by every block handed
 rounded request when split, else the whole cached block), then fall back, so their peaks are the current values
 plus those sums; its ids are never live after it. ``walk`` finds those blocks read-only (the pool as it is, less
 the blocks the stretch's earlier requests took, plus the rests their splits left) and ``plain_loop.freed_tail``
-finds the stretch (its frees among others); a stretch that needs a new segment, a live id, a recorded segment address or a request of 0 bytes or
-less, is replayed event by event as without them.
+finds the stretch (its frees among others); a stretch that needs a new segment, a live id, a recorded segment
+address or a request of 0 bytes or less, is replayed event by event as without them.
 
 Under ``expandable_segments`` the same holds where no page is mapped (every request served by mapped free
 bytes: reserved, the segment log and the unmapped ranges unchanged; a freed front merges with mapped free
