@@ -354,6 +354,15 @@ def _move_reading_live(self, moment, want, changes):
     def grown(stack):
         return sum(b[1] for b in stack)
 
+    def add(key, stack):  # a key made anew, its age the next
+        live[key], self.since[key] = stack, self._added
+        self._added += 1
+        return stack
+
+    def note():  # the phase's largest live bytes
+        if self.phase is not None:
+            self.phase_max[self.phase] = max(self.phase_max.get(self.phase, 0), self.live_bytes)
+
     gone = sorted(((grown(live[k]), k) for k in changed if k[2] == GROWN and k not in want and live.get(k)),
                   reverse=True)
     new = sorted(((want[k][0], k) for k in changed if k[2] == GROWN and k in want and not live.get(k)), reverse=True)
@@ -361,7 +370,7 @@ def _move_reading_live(self, moment, want, changes):
         stream = live[old_key][0][2]
         match = next((at for at, (_, k) in enumerate(new) if want[k][1] == stream), None)
         if match is not None:
-            self._add(new.pop(match)[1], live.pop(old_key))
+            add(new.pop(match)[1], live.pop(old_key))
     freed = []
     for key in sorted([k for k in changed if k in live], key=self.since.__getitem__):
         stack, keep = live[key], want[key][0] if key in want else 0
@@ -380,7 +389,7 @@ def _move_reading_live(self, moment, want, changes):
         amount, stream = want[key]
         stack = live.get(key)
         if stack is None:
-            stack = self._add(key, [])
+            stack = add(key, [])
         if key[2] == GROWN:
             if amount - grown(stack) > 0:
                 fresh.append((key, amount - grown(stack), stream, 1))
@@ -395,7 +404,7 @@ def _move_reading_live(self, moment, want, changes):
     if moment.phase != self.phase:
         self.phase = moment.phase
         self.events.append(Event("phase", moment.phase))
-        self._note()
+        note()
     for key, size, stream, count in fresh:
         self.chunks.append((len(self.events), size, stream, count))
         ids = range(self.next_id, self.next_id + count)
@@ -403,7 +412,7 @@ def _move_reading_live(self, moment, want, changes):
         live[key].extend(zip(ids, repeat(size), repeat(stream)))
         self.next_id += count
         self.live_bytes += count * self._round_of[size]
-    self._note()
+    note()
     for key in emptied:
         if not live[key]:
             del live[key]

@@ -32,7 +32,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, is_small, round_size
+from zeroplan.allocator.config import is_small, least_split_rest, round_size
 
 STRETCHES = True
 """Balanced stretches answered by ``walk`` (False: every event replayed, for the tests)."""
@@ -66,7 +66,7 @@ def walk(run, allocs: Sequence) -> bool:
             if state is not None:
                 state[2] = top
             last, sizes, by_size, blocks = pool, pool.sizes, pool.by_size, pool.blocks
-            low = K_MIN_BLOCK_SIZE if pool.small or expandable else K_SMALL_SIZE + 1  # ``_should_split``: rest >= low
+            low = least_split_rest(pool.small, expandable)  # ``_should_split``: a rest of ``low`` or more
             state = overlay.get(pool) or overlay.setdefault(pool, [{}, [], 0, 0, None])
             taken, rests, top = state[0], state[1], state[2]
             carved = None

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from operator import itemgetter
 
 from zeroplan.allocator.blocks import Block, Pool
-from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE
+from zeroplan.allocator.config import least_split_rest
 
 _new = object.__new__
 _EVENT_ID = itemgetter(1)  # an ``Event``'s id
@@ -34,7 +34,7 @@ def take_cached(run, events: Sequence, rounded: int, pool: Pool) -> int:
     speed-up, no rule); a run that ends inside a block is served request by request there."""
     sizes, by_size, blocks, stats = pool.sizes, pool.by_size, pool.blocks, run.alloc.stats
     size, n, i, clock = events[0].size, len(events), 0, pool.clock[0]
-    limit = K_MIN_BLOCK_SIZE - 1 if pool.small else K_SMALL_SIZE  # a larger remainder is split off
+    limit = least_split_rest(pool.small, False) - 1  # a larger remainder is split off (none expandable here)
     while i < n:
         index = bisect_left(sizes, rounded)
         if index == len(sizes):  # settled
@@ -138,7 +138,7 @@ def walk_run(run, allocs: Sequence) -> bool:
         return False
     rounded, pool = request
     sizes, by_size, blocks = pool.sizes, pool.by_size, pool.blocks
-    limit = K_MIN_BLOCK_SIZE - 1 if pool.small else K_SMALL_SIZE  # a larger remainder is split off
+    limit = least_split_rest(pool.small, False) - 1  # a larger remainder is split off (none expandable here)
     index, left, handed, taken = bisect_left(sizes, rounded), len(allocs), 0, [] if run.details else None
     while left:
         if index == len(sizes):

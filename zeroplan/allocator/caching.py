@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from zeroplan.allocator.blocks import Block, Pool, Segment, SegmentInfo, segment_infos
 from zeroplan.allocator.config import (
-    K_MIN_BLOCK_SIZE, K_SMALL_SIZE, NO_LIMIT, AllocatorConfig, allocation_size, is_small, round_size,
+    NO_LIMIT, AllocatorConfig, allocation_size, is_small, least_split_rest, round_size,
 )  # fmt: skip
 from zeroplan.allocator.expandable import allocate_expandable, unmap_free
 
@@ -195,10 +195,9 @@ class CachingAllocator:
 
     def _should_split(self, block: Block, size: int) -> bool:
         """``should_split``: small pool or expandable segments, >= 512 B left; large pool, > 1 MiB left."""
-        remaining = block.size - size
-        if block.small or self.config.expandable_segments:
-            return remaining >= K_MIN_BLOCK_SIZE
-        return size < self.config.max_split_size_bytes and remaining > K_SMALL_SIZE
+        small, expandable = block.small, self.config.expandable_segments
+        return block.size - size >= least_split_rest(small, expandable) and (
+            small or expandable or size < self.config.max_split_size_bytes)
 
     def _alloc_found_block(self, pool: Pool, block: Block, size: int, requested: int, split: bool) -> Block:
         """``alloc_found_block``: split off the front ``size`` bytes when ``split``, else hand the block out whole."""

@@ -92,6 +92,14 @@ def _roundup_power2_next_division(size: int, divisions: int) -> int:
     return size if rounded == size else rounded + step
 
 
+def least_split_rest(small: bool, expandable: bool) -> int:
+    """``should_split``'s least rest: a block serving a request is split when at least this much of it is left
+    (small pool or expandable segments: 512 B; large pool: over 1 MiB, and the request under ``max_split_size``).
+    The one home of the rule for the allocator model and its fast paths (``caching``, ``plain_loop``, ``balanced``,
+    ``cached_runs``)."""
+    return K_MIN_BLOCK_SIZE if small or expandable else K_SMALL_SIZE + 1
+
+
 def allocation_size(size: int) -> int:
     """``get_allocation_size``: the segment ``cudaMalloc`` gets for a rounded request that no cached block fits."""
     if size <= K_SMALL_SIZE:

@@ -18,7 +18,7 @@ import zeroplan.allocator.balanced as balanced
 from zeroplan.allocator.balanced import walk as _walk
 from zeroplan.allocator.blocks import Block, Pool
 from zeroplan.allocator.cached_runs import walk_run
-from zeroplan.allocator.config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE
+from zeroplan.allocator.config import least_split_rest
 from zeroplan.allocator.runs import MIN_RUN, fast_forward
 
 
@@ -163,6 +163,7 @@ def plain_allocs(run, events: Iterable, expandable: bool, generic: Callable, eve
     live, addresses, requests, stats = run.live, run.addresses, run.alloc._requests, run.alloc.stats
     allocated, requested, details, new_block = stats.allocated, stats.requested, run.details, object.__new__
     new_segment = run.alloc._alloc_block  # (no memory limit: never None)
+    split_small, split_large = least_split_rest(True, expandable), least_split_rest(False, expandable)
     a_cur, a_peak, r_cur, r_peak = allocated.current, allocated.peak, requested.current, requested.peak
     for event in events:
         _, ident, size, stream, address = event
@@ -190,7 +191,7 @@ def plain_allocs(run, events: Iterable, expandable: bool, generic: Callable, eve
                 block = None if expandable else new_segment(pool, rounded, stream, None)
             if block is not None:
                 remaining = block.size - rounded
-                if remaining >= K_MIN_BLOCK_SIZE if block.small or expandable else remaining > K_SMALL_SIZE:
+                if remaining >= (split_small if block.small else split_large):  # ``_should_split``
                     # a split front made inline (as a call: +15 M instructions, FSDP2 Llama-2-70B's plan)
                     front, prev = new_block(Block), block.prev  # ``Block(...)``, its fields set here at once
                     front.address, front.size, front.stream, front.small, front.segment = \

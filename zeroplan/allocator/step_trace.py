@@ -96,15 +96,6 @@ class _Builder:
         self._added, self.moves = 0, 0  # keys added; the moments walked
         self.popped: list[tuple[int, int]] = []  # (moves walked, id) of each grown piece popped (step_repeat)
 
-    def _add(self, key: Key, stack: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-        self.live[key], self.since[key] = stack, self._added
-        self._added += 1
-        return stack
-
-    def _note(self) -> None:
-        if self.phase is not None:
-            self.phase_max[self.phase] = max(self.phase_max.get(self.phase, 0), self.live_bytes)
-
     def wanted(self, moment: Moment, resident: Sequence[Term]) -> dict[Key, list[int]]:
         """{key: [count, stream]} of the tensors ``moment`` holds, in term order; a one-tensor term is keyed
         ``GROWN`` with its (rounded) bytes in place of the count."""

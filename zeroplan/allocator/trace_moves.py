@@ -85,7 +85,7 @@ def move_to(self, moment, want: dict, changes: tuple) -> None:
     transition's ``plan_move``."""
     _, _, pairs, release, fresh, adds = changes
     self.moves += 1  # this move's pops are counted as the moves before it (``popped``)
-    live, since, added = self.live, self.since, self._added  # ``_Builder._add`` inline: the keys' ages
+    live, since, added = self.live, self.since, self._added  # each key made anew gets the next age
     for old, key in pairs:  # a grown buffer renamed: its pieces under the new key
         live[key], since[key] = live.pop(old), added
         added += 1
@@ -137,7 +137,7 @@ def move_to(self, moment, want: dict, changes: tuple) -> None:
             self.events.extend(map(_new, _EVENT, zip(_FREE, map(_ID, freed), _ZERO, _ZERO, _NONE)))  # ``Event(
             # "free", id)``, in C
             self.live_bytes -= sum(map(self._round_of.__getitem__, map(_SIZE, freed)))  # rounded, in C
-    phase, phase_max = moment.phase, self.phase_max  # ``_Builder._note`` inline: the phase's largest live bytes
+    phase, phase_max = moment.phase, self.phase_max  # the phase's largest live bytes, kept as it goes
     if phase != self.phase:
         self.phase = phase
         self.events.append(Event("phase", phase))

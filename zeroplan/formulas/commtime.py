@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from operator import attrgetter, mul
 from typing import Any, Protocol, TypeVar
 
 from zeroplan.formulas.collectives import PASSES, Collective, distinct_rows, on_mesh
@@ -167,9 +166,6 @@ class TimedCollective:
         return self.calls_per_step * self.seconds_per_call
 
 
-_CALLS, _SECONDS_PER_CALL = attrgetter("calls_per_step"), attrgetter("seconds_per_call")
-
-
 @dataclass(frozen=True)
 class StepTime:
     """Estimated communication (and optionally compute) time of one optimizer step on one rank."""
@@ -182,11 +178,8 @@ class StepTime:
 
     @cached_property
     def comm_s(self) -> float:
-        """All communication run back to back (no overlap); summed once (the text and JSON outputs read it). Each
-        row's ``seconds`` (its calls times the seconds of one) made in C, the same products summed in the same order
-        by the same ``sum`` (a speed-up, no rule: an FSDP2 plan row has ~1,200-2,200 of them)."""
-        rows = self.collectives
-        return sum(map(mul, map(_CALLS, rows), map(_SECONDS_PER_CALL, rows)))
+        """All communication run back to back (no overlap); summed once (the text and JSON outputs read it)."""
+        return sum(c.seconds for c in self.collectives)
 
     @property
     def step_s(self) -> float | None:
