@@ -284,6 +284,28 @@ def test_plot_with_an_unwritable_home_prints_one_line_at_most(tmp_path, out, cod
     assert r.stderr.count("\n") == (0 if code == 0 else 1), r.stderr
 
 
+def test_matplotlibs_housekeeping_warnings_are_dropped_and_nothing_else():
+    """CI once printed "Matplotlib is building the font cache" on stderr: ``font_manager`` logs it on its own
+    logger after 5 s of building, which happens on a slow machine with an unwritable HOME. The messages are
+    logged here from the loggers matplotlib logs them on, so this does not need a slow machine to fail."""
+    code = """if True:
+        import logging, sys
+        from zeroplan.cli_plot import _quiet_matplotlib_cache_warnings
+        logging.basicConfig(stream=sys.stderr, format="%(name)s: %(message)s")
+        _quiet_matplotlib_cache_warnings()
+        top, fonts = logging.getLogger("matplotlib"), logging.getLogger("matplotlib.font_manager")
+        top.warning("mkdir -p failed for path /proc/x: [Errno 2]")
+        top.warning("Matplotlib created a temporary cache directory at /tmp/y")
+        fonts.warning("Matplotlib is building the font cache; this may take a moment.")
+        fonts.warning("findfont: Font family 'x' not found.")
+        top.warning("something else")
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == ["matplotlib.font_manager: findfont: Font family 'x' not found.",
+                                     "matplotlib: something else"]  # fmt: skip
+
+
 # ---------------------------------------------------------------- nonsense silently accepted
 
 

@@ -104,12 +104,22 @@ def plot(
 
 def _quiet_matplotlib_cache_warnings() -> None:
     """With an unwritable HOME (or MPLCONFIGDIR) matplotlib makes a temporary config and cache folder, removes
-    it at exit and logs two warnings saying so; they are not about the user's input or output, and would
-    break the one-line rule, so those two (and only those) are dropped."""
+    it at exit and logs two warnings saying so; and since that cache starts empty, ``font_manager`` rebuilds
+    the font list every run and, when that takes over 5 s (a slow or busy machine: CI did), logs a third
+    ("Matplotlib is building the font cache"). None is about the user's input or output, and each would break
+    the one-line rule, so those three (and only those) are dropped. A logger's filter sees only the records
+    logged on that logger, not its children's, so each filter sits on the logger that logs its message."""
     import logging
 
     def keep(record: logging.LogRecord) -> bool:
-        text = str(record.msg)
-        return not (text.startswith("mkdir -p failed for path") or text.startswith("Matplotlib created a temporary"))
+        return not str(record.msg).startswith(_MATPLOTLIB_HOUSEKEEPING)
 
-    logging.getLogger("matplotlib").addFilter(keep)
+    for name in ("matplotlib", "matplotlib.font_manager"):
+        logging.getLogger(name).addFilter(keep)
+
+
+_MATPLOTLIB_HOUSEKEEPING = (
+    "mkdir -p failed for path",  # matplotlib/__init__.py: _get_config_or_cache_dir
+    "Matplotlib created a temporary",  # matplotlib/__init__.py: _get_config_or_cache_dir
+    "Matplotlib is building the font cache",  # matplotlib/font_manager.py: FontManager.__init__ (after 5 s)
+)
