@@ -460,28 +460,3 @@ def test_a_term_alike_one_met_before_keys_as_it_on_its_own_stream_and_block(monk
         module._ALIKE.clear()
         assert trace == step_trace(moments, block, stream_of=stream_of, steps=1)
         assert {e.stream for e in trace.events if e.action == "alloc"} == {stream_of(None)}
-
-
-@pytest.mark.parametrize("engine", sorted(ENGINES))
-def test_a_run_copied_from_an_earlier_block_makes_the_events_of_the_walk(engine, monkeypatch):
-    """``BLOCK_COPY`` (``block_repeat``): a run of moments copied from the same run of an earlier block, where
-    proved equal, gives the trace of walking every moment, event for event (and its phase peaks and runs), on the
-    drawn configurations of each engine; on FSDP2's, runs are copied."""
-    import zeroplan.allocator.block_repeat as blocks
-    import zeroplan.allocator.step_trace as module
-
-    _, traces = ENGINES[engine]
-    copied, init = [], blocks.BlockCopy.__init__
-    monkeypatch.setattr(blocks.BlockCopy, "__init__", lambda self, *a: (init(self, *a), copied.append(self))[0])
-    rng = random.Random(f"block-copy-{engine}")
-    real = [(model_workload(resolve_model(name), 8, rng.choice((1, 2)), rng.choice(("none", "full")), 1, True),
-             nd, settings) for name in ("llama2-7b", "gpt2-xl") for _, nd, settings in _draws(engine, 2)]  # fmt: skip
-    for w, nd, settings in [*_draws(engine, 8), *real]:
-        fast = traces(w, nd, settings)
-        with monkeypatch.context() as m:
-            m.setattr(module, "BLOCK_COPY", False)
-            walked = traces(w, nd, settings)
-        assert [t.events for t in fast] == [t.events for t in walked], (engine, nd, settings)
-        assert [t.phase_live_bytes for t in fast] == [t.phase_live_bytes for t in walked]
-        assert [t.runs for t in fast] == [t.runs for t in walked]
-    assert copied and (engine != "fsdp2" or sum(c.copied for c in copied) > 0), (engine, len(copied))

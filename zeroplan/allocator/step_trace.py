@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from itertools import chain
 from operator import itemgetter
 
-from zeroplan.allocator.block_repeat import BlockCopy
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
 from zeroplan.allocator.runs import chunk_runs
@@ -49,9 +48,6 @@ from zeroplan.formulas.peak import PHASES, Moment, Term
 
 Key = tuple[str, str, int]  # (term name, source, bytes of one tensor)
 INCREMENTAL = True
-BLOCK_COPY = True
-"""A run of moments copied from the same run of an earlier block where proved equal (``block_repeat``; False:
-every moment walked, as the test that compares the two sets it)."""
 """Each moment's tensors built from the one before's (``_Builder.wanted_after``; False: from every term, as the
 test that compares the two sets it)."""
 _ALIKE: dict[tuple, tuple[tuple[Key, int, int], ...]] = {}
@@ -245,10 +241,6 @@ def step_trace(
         return _step_trace(moments, block_bytes, resident, stream_of, steps)
 
 
-def _held(m: Moment, resident: tuple[Term, ...]) -> tuple[Term, ...]:
-    return () if m.phase == "init" else resident
-
-
 def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Term, ...],
                 stream_of: Callable[[Term], int], steps: int) -> AllocTrace:  # fmt: skip
     by_phase: dict[str, list[Moment]] = {p: [] for p in PHASES}
@@ -272,35 +264,26 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     before: Moment | None = None
     at = 0
     move_to, n = builder.move_to, len(order)
-    blocks = BlockCopy(builder, order, resident, wants, changes, sorted({*marks_at, last})) if BLOCK_COPY else None
     while at < n:
-        if blocks is not None and before is not None:
-            reached = blocks.copy(at)  # the moves from here copied from a block walked before, where proved equal
-            if reached != at:
-                at, before = reached, order[reached - 1]
-                continue
         m = order[at]
         pair = (id(before), id(m))
         want = wants.get(pair[1])
         if want is None:
-            prior = None if before is None or not INCREMENTAL else wants.get(pair[0])
-            after = None if prior is None else builder.wanted_after(before, prior, m, _held(m, resident))
+            held = () if m.phase == "init" else resident
+            after = None if before is None or not INCREMENTAL else \
+                builder.wanted_after(before, wants[pair[0]], m, held)
             if after is None:
-                want = wants[pair[1]] = builder.wanted(m, _held(m, resident))
+                want = wants[pair[1]] = builder.wanted(m, held)
             else:
                 want, changes[pair] = after
                 wants[pair[1]] = want
         change = changes.get(pair)
-        if change is None or len(change) == 2:  # (a copied transition's keys alone: planned here)
-            if before is not None and pair[0] not in wants:
-                wants[pair[0]] = builder.wanted(before, _held(before, resident))
+        if change is None:
             change = changes[pair] = builder.changed(want, wants[pair[0]] if before is not None else {})
         if at == last:
             last_start = len(builder.events)
         move_to(m, want, change)
         before = m
-        if blocks is not None:
-            blocks.note(at)
         if at in marks_at:
             mark = builder.snapshot()
             if at < last:
