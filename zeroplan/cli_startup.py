@@ -214,10 +214,14 @@ class CodeCache:
 
 def compiling_less(codes: Optional[CodeCache] = None) -> Callable[[], None]:
     """``deferred_dataclass_methods``, and ``cached_dataclass_code`` and ``shared_forward_ref_code`` with ``codes``
-    (None: within the process only, ``import zeroplan.cli``: its few texts are not worth reading the file); the
-    returned function turns them off."""
+    (None: within the process only, ``import zeroplan.cli``: its few texts are not worth reading the file), and
+    first ``cli_deferred.deferred_imports`` (the unused standard modules run at first use, never for a plan: before
+    ``dataclasses`` imports ``inspect``); the returned function turns them off."""
+    from zeroplan.cli_deferred import deferred_imports
+
     codes = CodeCache(kept=False) if codes is None else codes
-    undo = (deferred_dataclass_methods(), cached_dataclass_code(codes), shared_forward_ref_code(codes))
+    undo = (deferred_imports(), deferred_dataclass_methods(), cached_dataclass_code(codes),
+            shared_forward_ref_code(codes))
 
     def off() -> None:
         for each in reversed(undo):
