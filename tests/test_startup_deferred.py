@@ -127,3 +127,25 @@ def test_a_deferred_module_that_raises_is_dropped_as_after_a_failed_import(tmp_p
     # its reader gets the module's error; the module leaves sys.modules; an already imported module is not deferred
     (tmp_path / "broken_module.py").write_text("value = 1 / 0\n")
     assert fresh(FAILING.replace("DIRECTORY", repr(str(tmp_path)))) == "False module module division by zero"
+
+
+WRAPPING = """
+import importlib.machinery, sys
+from zeroplan.cli_deferred import DeferredModule, deferred_imports
+class Asking:  # an import hook that asks the whole meta path (a profiler's, a coverage tool's)
+    def find_spec(self, name, path=None, target=None):
+        for finder in sys.meta_path:
+            spec = None if finder is self else finder.find_spec(name, path, target)
+            if spec is not None:
+                return spec
+restore = deferred_imports(['secrets'])
+sys.meta_path.insert(0, Asking())  # asks the deferring finder, which asks it
+import secrets
+restore()
+print(type(secrets).__name__, len(secrets.token_hex(3)), type(secrets).__name__)
+"""
+
+
+def test_a_hook_that_asks_the_whole_meta_path_does_not_loop():
+    # each finder asks the other: the deferring finder answers None while it asks (RecursionError without it)
+    assert fresh(WRAPPING) == "DeferredModule 6 module"

@@ -91,22 +91,27 @@ def run(module: types.ModuleType) -> None:
 
 class DeferringFinder:
     """A ``sys.meta_path`` finder for ``names``: the spec the rest of the meta path finds, its loader wrapped in a
-    ``DeferringLoader`` where it is a plain source file's (``SourceFileLoader``); any other spec as found."""
+    ``DeferringLoader`` where it is a plain source file's (``SourceFileLoader``); any other spec as found. A finder
+    that asks the whole meta path in turn (an import hook wrapping loaders) is answered None while this one asks it."""
 
     def __init__(self, names: Iterable[str]) -> None:
-        self.names = frozenset(names)
+        self.names, self.finding = frozenset(names), set()
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> object:
-        if name not in self.names:
+        if name not in self.names or name in self.finding:
             return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None) if finder is not self else None
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                if type(spec.loader) is SourceFileLoader:
-                    spec.loader = DeferringLoader(spec.loader)
-                return spec
-        return None
+        self.finding.add(name)
+        try:
+            for finder in sys.meta_path:
+                find = getattr(finder, "find_spec", None) if finder is not self else None
+                spec = find(name, path, target) if find is not None else None
+                if spec is not None:
+                    if type(spec.loader) is SourceFileLoader:
+                        spec.loader = DeferringLoader(spec.loader)
+                    return spec
+            return None
+        finally:
+            self.finding.discard(name)
 
 
 def deferred_imports(names: Iterable[str] = DEFERRED_MODULES) -> Callable[[], None]:
