@@ -61,7 +61,8 @@ from lzma import compress as xz, decompress as unxz
 uses = [__import__('secrets').token_hex(4), b64encode(b'zeroplan').decode(), __import__('struct').pack('<I', 7).hex(),
         __import__('subprocess').run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, text=True).stdout,
         __import__('signal').Signals(2).name, decompress(compress(b'x' * 99)).decode(), unxz(xz(b'y' * 9)).decode(),
-        __import__('linecache').getline(__file__, 1) == open(__file__).readline() != '', __import__('token').tok_name[1],
+        __import__('linecache').getline(__file__, 1) == open(__file__).readline() != '',
+        __import__('token').tok_name[1],
         [t.string for t in __import__('tokenize').generate_tokens(iter(['a = 1\\n']).__next__)][:3]]
 assert all(type(sys.modules[n]) is types.ModuleType for n in names)
 print(json.dumps([[n, sorted(vars(m)), type(m.__loader__).__name__, m.__spec__.loader is m.__loader__, m.__file__,

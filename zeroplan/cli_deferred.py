@@ -25,8 +25,8 @@ DEFERRED_MODULES = frozenset((
 ))  # fmt: skip
 """The modules deferred: each is imported as ``import NAME`` by a module a command loads and used by neither
 ``estimate`` nor ``plan`` (every engine; tests/test_startup_deferred.py; ``--help`` runs ``struct`` and ``linecache``
-for rich); the names after each are what the importer needs it for, then what its running would import. Together about 35 M instructions of a plan (OpenSSL's
-``_hashlib`` alone 2.8-3.6 CPU-ms of ``-X importtime``)."""
+for rich); the names after each are what the importer needs it for, then what its running would import. Together
+about 33 M instructions of a plan (OpenSSL's ``_hashlib`` alone 2.8-3.6 CPU-ms of ``-X importtime``)."""
 
 _LOCK = _thread.RLock()  # one module runs at a time; a second thread waits for it, as for an import
 
