@@ -66,7 +66,8 @@ uses = [__import__('secrets').token_hex(4), b64encode(b'zeroplan').decode(), __i
         [t.string for t in __import__('tokenize').generate_tokens(iter(['a = 1\\n']).__next__)][:3]]
 assert all(type(sys.modules[n]) is types.ModuleType for n in names)
 print(json.dumps([[n, sorted(vars(m)), type(m.__loader__).__name__, m.__spec__.loader is m.__loader__, m.__file__,
-                   m.__cached__, m.__spec__.origin] for n, m in zip(names, modules)] + [len(uses[0])] + uses[1:]))
+                   m.__cached__, m.__spec__.origin, m.__spec__.loader_state] for n, m in zip(names, modules)]
+                 + [len(uses[0])] + uses[1:]))
 """
 
 

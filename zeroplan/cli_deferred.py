@@ -28,9 +28,6 @@ DEFERRED_MODULES = frozenset((
 for rich); the names after each are what the importer needs it for, then what its running would import. Together
 about 33 M instructions of a plan (OpenSSL's ``_hashlib`` alone 2.8-3.6 CPU-ms of ``-X importtime``)."""
 
-_LOCK = _thread.RLock()  # one module runs at a time; a second thread waits for it, as for an import
-
-
 class DeferredModule(types.ModuleType):
     """A module whose code has not run yet. Its ``__spec__`` is read without running it (the import statement reads
     it of a module already imported: ``import subprocess`` a second time leaves it deferred); any other attribute
@@ -53,29 +50,33 @@ class DeferredModule(types.ModuleType):
 
 class DeferringLoader:
     """The loader of a deferred module's spec until it runs: ``exec_module`` makes the module a ``DeferredModule``
-    (created by the import system, its ``__file__``, ``__cached__`` and ``__spec__`` set as for any module);
-    ``loader`` is the module's own, which runs it."""
+    (created by the import system, its ``__file__``, ``__cached__`` and ``__spec__`` set as for any module) and
+    keeps itself in the spec's ``loader_state`` (None after the run, as after an import); ``loader`` is the module's
+    own, which runs it, ``lock`` the module's, held while it runs."""
 
     def __init__(self, loader: SourceFileLoader) -> None:
-        self.loader, self.running = loader, False
+        self.loader, self.running, self.lock = loader, False, _thread.RLock()
 
     def create_module(self, spec: object) -> Optional[types.ModuleType]:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
+        module.__spec__.loader_state = self
         module.__class__ = DeferredModule
 
 
 def run(module: types.ModuleType) -> None:
     """Runs a ``DeferredModule``'s code once, with its own loader, which becomes its ``__spec__.loader`` and
     ``__loader__`` as after an import. Its own reads while it runs (the same thread) see it as it fills, as during an
-    import; another thread waits. A module whose code raises is removed from ``sys.modules``, as by a failed import,
-    and the error raised to the reader."""
-    with _LOCK:
-        namespace = object.__getattribute__(module, "__dict__")
-        spec = namespace["__spec__"]
-        deferring = spec.loader
-        if type(module) is not DeferredModule or not isinstance(deferring, DeferringLoader) or deferring.running:
+    import; another thread waits for it (the module's lock, as the import system's per module). A module whose code
+    raises is removed from ``sys.modules``, as by a failed import, and the error raised to the reader."""
+    namespace = object.__getattribute__(module, "__dict__")
+    spec = namespace["__spec__"]
+    deferring = spec.loader_state
+    if not isinstance(deferring, DeferringLoader):
+        return  # run meanwhile
+    with deferring.lock:
+        if deferring.running:  # run, or running in this thread
             return
         deferring.running = True
         spec.loader = namespace["__loader__"] = deferring.loader
@@ -87,6 +88,7 @@ def run(module: types.ModuleType) -> None:
             raise
         finally:
             object.__setattr__(module, "__class__", types.ModuleType)
+            spec.loader_state = None
 
 
 class DeferringFinder:
