@@ -41,20 +41,20 @@ def test_a_plan_and_an_estimate_run_none_of_the_deferred_modules():
 
 
 EACH = """
-import json, sys, types
+import importlib, json, sys, types
 __file__ = json.__file__  # a source file for linecache
 names = NAMES
 if DEFER:
     from zeroplan.cli_deferred import DeferredModule, deferred_imports
     restore = deferred_imports(names)
-    modules = [__import__(n) for n in names]
+    modules = [importlib.import_module(n) for n in names]
     assert [type(m) for m in modules] == [DeferredModule] * len(names)
-    again = [__import__(n) for n in names]  # the import statement reads __spec__ of a module already imported
+    again = [importlib.import_module(n) for n in names]  # as the import statement, reads only __spec__
     assert all(a is m for a, m in zip(again, modules)) and [type(m) for m in modules] == [DeferredModule] * len(names)
     assert all(m.__spec__.name == n for m, n in zip(modules, names))
     restore()
 else:
-    modules = [__import__(n) for n in names]
+    modules = [importlib.import_module(n) for n in names]
 from base64 import b64encode
 from bz2 import compress, decompress
 from lzma import compress as xz, decompress as unxz
@@ -62,7 +62,7 @@ uses = [__import__('secrets').token_hex(4), b64encode(b'zeroplan').decode(), __i
         __import__('subprocess').run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, text=True).stdout,
         __import__('signal').Signals(2).name, decompress(compress(b'x' * 99)).decode(), unxz(xz(b'y' * 9)).decode(),
         __import__('linecache').getline(__file__, 1) == open(__file__).readline() != '',
-        __import__('token').tok_name[1],
+        __import__('token').tok_name[1], sys.modules['typer.colors'].RED, sys.modules['shellingham'].__name__,
         [t.string for t in __import__('tokenize').generate_tokens(iter(['a = 1\\n']).__next__)][:3]]
 assert all(type(sys.modules[n]) is types.ModuleType for n in names)
 print(json.dumps([[n, sorted(vars(m)), type(m.__loader__).__name__, m.__spec__.loader is m.__loader__, m.__file__,
@@ -79,7 +79,7 @@ def test_a_deferred_module_once_used_is_the_module_an_import_makes():
     assert [row[2] for row in deferred[:len(names)]] == ["SourceFileLoader"] * len(names)
     assert deferred[len(names):] == [8, "emVyb3BsYW4=", "07000000", "42\n", "SIGINT", "x" * 99, "y" * 9,
                                      True,
-                                     "NAME", ["a", "=", "1"]]
+                                     "NAME", "red", "shellingham", ["a", "=", "1"]]
 
 
 THREADS = """

@@ -1,4 +1,5 @@
-"""Standard-library modules a ``zeroplan`` command imports (through typer, pydantic and ``inspect``) and never uses,
+"""Standard-library modules (and two of typer's) a ``zeroplan`` command imports (through typer, pydantic and
+``inspect``) and never uses,
 run at their first use instead of at their import (docs/benchmarks.md, "2026-12-03, fifth session, startup3"). Kept
 out of ``cli_startup`` (full) beside it. A speed-up, no rule."""
 
@@ -22,6 +23,8 @@ DEFERRED_MODULES = frozenset((
     "linecache",  # inspect and traceback (source lines, read when a traceback or a source is printed)
     "tokenize",  # inspect (getsource)
     "token",  # inspect, tokenize
+    "shellingham",  # typer's shell completion (not a standard module: typer's own dependency)
+    "typer.colors",  # typer (``typer.colors.RED``, for a caller's ``typer.style``)
 ))  # fmt: skip
 """The modules deferred: each is imported as ``import NAME`` by a module a command loads and used by neither
 ``estimate`` nor ``plan`` (every engine; tests/test_startup_deferred.py; ``--help`` runs ``struct`` and ``linecache``
