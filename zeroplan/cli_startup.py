@@ -169,6 +169,13 @@ class CodeCache:
         """``exec`` with a text's code from the cache (``dataclasses``' one call passes all three)."""
         exec(self.code("exec", source) if type(source) is str else source, globals, locals)
 
+    def eval(self, source: object, globals: Optional[dict] = None, locals: Optional[object] = None) -> object:
+        """``eval`` with a text's code from the cache (``collections.namedtuple``'s one call passes its globals)."""
+        if globals is None:  # the caller's namespaces, as the builtin's
+            frame = sys._getframe(1)
+            globals, locals = frame.f_globals, frame.f_locals if locals is None else locals
+        return eval(self.code("eval", source) if type(source) is str else source, globals, locals)
+
     def compile(self, source: object, filename: str, mode: str, *args: object, **kwargs: object) -> types.CodeType:
         """``compile``, with a ``'<string>'`` text's code from the cache (``typing``'s one call passes three)."""
         if type(source) is str and filename == "<string>" and mode in ("eval", "exec") and not args and not kwargs:
@@ -216,12 +223,14 @@ def compiling_less(codes: Optional[CodeCache] = None) -> Callable[[], None]:
     """``deferred_dataclass_methods``, and ``cached_dataclass_code`` and ``shared_forward_ref_code`` with ``codes``
     (None: within the process only, ``import zeroplan.cli``: its few texts are not worth reading the file), and
     first ``cli_deferred.deferred_imports`` (the unused standard modules run at first use, never for a plan: before
-    ``dataclasses`` imports ``inspect``); the returned function turns them off."""
+    ``dataclasses`` imports ``inspect``), last ``cli_generated.cached_generated_code`` (typing_inspection's and
+    namedtuple's texts through ``codes`` too); the returned function turns them off."""
     from zeroplan.cli_deferred import deferred_imports
+    from zeroplan.cli_generated import cached_generated_code
 
     codes = CodeCache(kept=False) if codes is None else codes
     undo = (deferred_imports(), deferred_dataclass_methods(), cached_dataclass_code(codes),
-            shared_forward_ref_code(codes))
+            shared_forward_ref_code(codes), cached_generated_code(codes.exec, codes.eval))
 
     def off() -> None:
         for each in reversed(undo):
