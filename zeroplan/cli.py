@@ -11,7 +11,7 @@ import os
 import sys
 
 from zeroplan.cli_exit import ONE_ANSWER, ending, one_answer
-from zeroplan.cli_startup import CodeCache, compiling_less, imported, no_plugin_search, quiet_imports, registered
+from zeroplan.cli_startup import compiling_less, imported, no_plugin_search, quiet_imports, registered
 
 with quiet_imports():  # no collection, compiling less (zeroplan.cli_startup)
     from pathlib import Path
@@ -380,7 +380,7 @@ def main() -> None:
     one = one_answer(args)  # ONE_ANSWER's commands and help (zeroplan.cli_exit)
     if one:
         gc.disable()
-        codes = CodeCache()  # earlier commands' generated code: a text's code read, not compiled
+        codes = quiet_imports.codes  # earlier commands' generated code (the imports' file): read, not compiled
         restore = compiling_less(codes)
     try:
         app_for(args)()

@@ -63,21 +63,57 @@ class SeededLoader:
                 del namespace["exec"]
 
 
-def cached_generated_code(exec_: Callable, eval_: Callable) -> Callable[[], None]:
-    """Until the returned function is called, ``SEEDED`` (imported meanwhile) runs with the global ``exec`` ``exec_``
-    and ``collections``' global ``eval`` is ``eval_`` (a ``collections`` that has one is left alone)."""
+def cached_generated_code(exec_: Callable, eval_: Callable, regex: Callable) -> Callable[[], None]:
+    """Until the returned function is called, ``SEEDED`` (imported meanwhile) runs with the global ``exec`` ``exec_``,
+    ``collections``' global ``eval`` is ``eval_`` (a ``collections`` that has one is left alone) and ``re``'s
+    compiler is ``compiled_regex`` through ``regex`` (a ``re`` whose compiler is not its own is left alone)."""
     import collections
+    import re
 
     finder = SeedingFinder(exec_)
     sys.meta_path.insert(0, finder)
     seeded: Optional[Callable] = None
     if "eval" not in vars(collections):
         collections.eval = seeded = eval_  # type: ignore[attr-defined]
+    own, compiler = re._compiler.compile, re._compiler  # type: ignore[attr-defined]
+    cached = (lambda p, flags=0: compiled_regex(own, regex, p, flags)) if own.__module__ == compiler.__name__ else own
+    compiler.compile = cached
 
     def restore() -> None:
         if finder in sys.meta_path:
             sys.meta_path.remove(finder)
         if seeded is not None and vars(collections).get("eval") is seeded:
             del collections.eval  # type: ignore[attr-defined]
+        if compiler.compile is cached:
+            compiler.compile = own
 
     return restore
+
+
+def regex_parts(pattern: object, flags: int) -> tuple:
+    """What ``re._compiler.compile`` gives ``_sre.compile`` for ``pattern`` (a str or bytes) and ``flags``, as plain
+    ints, strings, a dict and tuples (``marshal`` keeps them): its flags, code, groups, group index and group names."""
+    import re
+
+    parsed = re._parser.parse(pattern, flags)  # type: ignore[attr-defined]
+    code = [int(c) for c in re._compiler._code(parsed, flags)]  # type: ignore[attr-defined]
+    names = [None] * parsed.state.groups
+    for name, i in parsed.state.groupdict.items():
+        names[i] = name
+    return int(flags | parsed.state.flags), code, parsed.state.groups - 1, dict(parsed.state.groupdict), tuple(names)
+
+
+def compiled_regex(own: Callable, regex: Callable, pattern: object, flags: int = 0) -> object:
+    """``re._compiler.compile(pattern, flags)`` (``own``) from the parts ``regex(pattern, flags)`` keeps
+    (``CodeCache.regex``, which makes them with ``regex_parts``): ``_sre.compile`` of the same parts makes the same
+    pattern (and checks the code). A parsed pattern, ``re.DEBUG`` or parts that do not compile: ``own``'s."""
+    import _sre
+    import re
+
+    if type(pattern) not in (str, bytes) or flags & re.DEBUG:
+        return own(pattern, flags)
+    try:
+        final, code, groups, index, names = regex(pattern, int(flags))
+        return _sre.compile(pattern, final, code, groups, index, names)
+    except (TypeError, ValueError, RuntimeError):
+        return own(pattern, flags)
