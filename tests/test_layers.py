@@ -38,7 +38,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("zeroplan.plots", "zeroplan.plot_data"),
     ("validate",),
     ("zeroplan.cli", "zeroplan.cli_options", "zeroplan.cli_integrations", "zeroplan.cli_sweep", "zeroplan.cli_plot",
-     "zeroplan.cli_validate", "zeroplan.cli_startup"),
+     "zeroplan.cli_validate", "zeroplan.cli_startup", "zeroplan.cli_deferred",
+     "zeroplan.cli_exit", "zeroplan.cli_generated"),
 )
 
 CIRCLES_ALLOWED: dict[tuple[str, ...], str] = {

@@ -159,3 +159,18 @@ def test_a_plan_table_prints_its_ds_config_without_the_json_documents_models():
     from zeroplan.render.schemas import json_text as re_exported
 
     assert re_exported is json_text
+
+
+def test_the_fsdp2_plans_models_keep_real_annotations():
+    # pydantic evaluates each string annotation of a model it builds, and dataclasses match each string against
+    # ClassVar and InitVar: the FSDP2 plan's settings, wrapping and engine records keep objects (1.1 M instructions;
+    # docs/benchmarks.md, "2026-12-03, fifth session, startup3"), as the policy, presets and configs do (second pass)
+    from zeroplan.engines import base
+    from zeroplan.engines.fsdp2 import settings, wrap
+
+    classes = [value for module in (base, settings, wrap) for value in vars(module).values()
+               if isinstance(value, type) and value.__module__ == module.__name__]
+    assert len(classes) >= 10
+    strings = [(c.__name__, n) for c in classes for n, a in vars(c).get("__annotations__", {}).items()
+               if isinstance(a, str)]
+    assert strings == []

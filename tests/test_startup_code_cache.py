@@ -63,11 +63,18 @@ def test_every_code_kept_by_a_real_command_is_the_code_of_its_text(tmp_path):
         _zeroplan(args, tmp_path)
     (path,) = _cache_files(tmp_path)
     kept = marshal.loads(open(path, "rb").read()[len(MAGIC_NUMBER):])
+    regexes = {key: parts for key, parts in kept.items() if key[0] == "re"}  # tests/test_startup_generated.py
+    kept = {key: code for key, code in kept.items() if key[0] != "re"}
     modes = {mode for mode, _ in kept}
-    assert modes == {"exec", "eval"} and len(kept) > 150
+    assert modes == {"exec", "eval"} and len(kept) > 150 and len(regexes) > 20
     for (mode, text), code in kept.items():
         fresh = compile(text, "<string>", mode)
         assert code == fresh and code.co_flags == fresh.co_flags and code.co_filename == "<string>", text
+    import _sre
+    import re
+
+    for (_, magic, pattern, flags), parts in regexes.items():  # each regex the commands kept: re's own
+        assert magic == _sre.MAGIC and _sre.compile(pattern, *parts) == re._compiler.compile(pattern, flags), pattern
     with_future = __future__.annotations.compiler_flag  # what a module with it would have compiled
     typed = next(key for key in kept if key[0] == "exec" and ":_type_" in key[1])
     assert kept[typed] != compile(typed[1], "<string>", "exec", flags=with_future, dont_inherit=True)

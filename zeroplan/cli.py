@@ -10,7 +10,8 @@ import gc
 import os
 import sys
 
-from zeroplan.cli_startup import CodeCache, compiling_less, imported, no_plugin_search, quiet_imports, registered
+from zeroplan.cli_exit import ONE_ANSWER, ending, one_answer
+from zeroplan.cli_startup import compiling_less, imported, no_plugin_search, quiet_imports, registered
 
 with quiet_imports():  # no collection, compiling less (zeroplan.cli_startup)
     from pathlib import Path
@@ -367,28 +368,24 @@ def __getattr__(name: str) -> object:  # PEP 562
     return value
 
 
-ONE_ANSWER = ("estimate", "plan")  # and help: no cyclic collector (docs/benchmarks.md, third pass)
-
-
 def main() -> None:
-    """Console-script entry point. pydantic's plugins stay off unless the user names some (their search reads
-    every installed distribution's entry points; ``PYDANTIC_DISABLE_PLUGINS``, pydantic's documented switch,
-    set in the command's own process only), its loader unimported. ``ONE_ANSWER`` commands and help run without
-    the cyclic collector (its passes over 100,000+ objects cost 5-15% of a plan) and end frozen (``gc.freeze``:
-    the interpreter's last collection walked them all). They compile less (``cli_startup.compiling_less``;
-    generated code read from an earlier command's file, ``CodeCache``). main() ends the process (SystemExit)."""
+    """The command: pydantic's plugins off unless the user names some (``PYDANTIC_DISABLE_PLUGINS``, its documented
+    switch, set in this process only; their search reads every installed distribution's entry points), their loader
+    unimported. ``ONE_ANSWER`` commands and help run without the cyclic collector (5-15% of a plan) and end frozen
+    (``gc.freeze``: the last collection walked them all), compiling less (``cli_startup.compiling_less``,
+    ``CodeCache``). Ends with SystemExit; ``command`` (the console script) then ends the process (``cli_exit``)."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     no_plugin_search()
     args, collecting = sys.argv[1:], gc.isenabled()
-    one_answer = not args or args[0] in ONE_ANSWER or "--help" in args
-    if one_answer:
+    one = one_answer(args)  # ONE_ANSWER's commands and help (zeroplan.cli_exit)
+    if one:
         gc.disable()
-        codes = CodeCache()  # earlier commands' generated code: a text's code read, not compiled
+        codes = quiet_imports.codes  # earlier commands' generated code (the imports' file): read, not compiled
         restore = compiling_less(codes)
     try:
         app_for(args)()
     finally:
-        if one_answer:
+        if one:
             gc.freeze()  # the process ends here (SystemExit): no collection, not even the last, walks these objects
             restore()
             codes.save()  # the texts it compiled, for the next command (unless PYTHONDONTWRITEBYTECODE)
@@ -396,5 +393,8 @@ def main() -> None:
             gc.enable()
 
 
+command = ending(main)  # the console script (pyproject.toml) and python -m: main(), then the process ended
+
+
 if __name__ == "__main__":  # python -m zeroplan.cli
-    main()
+    command()

@@ -16,6 +16,9 @@ import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
+from zeroplan.cli_deferred import deferred_imports
+from zeroplan.cli_generated import cached_generated_code, regex_parts
+
 if TYPE_CHECKING:
     import typer
 
@@ -169,6 +172,24 @@ class CodeCache:
         """``exec`` with a text's code from the cache (``dataclasses``' one call passes all three)."""
         exec(self.code("exec", source) if type(source) is str else source, globals, locals)
 
+    def regex(self, pattern: object, flags: int) -> tuple:
+        """``cli_generated.regex_parts(pattern, flags)``, kept under this interpreter's regex code version."""
+        key = ("re", sys.modules["_sre"].MAGIC, pattern, flags)
+        parts = self.used.get(key)
+        if parts is None:
+            parts = self._known().get(key)
+            if type(parts) is not tuple or len(parts) != 5:
+                parts, self.new = regex_parts(pattern, flags), True
+            self.used[key] = parts
+        return parts
+
+    def eval(self, source: object, globals: Optional[dict] = None, locals: Optional[object] = None) -> object:
+        """``eval`` with a text's code from the cache (``collections.namedtuple``'s one call passes its globals)."""
+        if globals is None:  # the caller's namespaces, as the builtin's
+            frame = sys._getframe(1)
+            globals, locals = frame.f_globals, frame.f_locals if locals is None else locals
+        return eval(self.code("eval", source) if type(source) is str else source, globals, locals)
+
     def compile(self, source: object, filename: str, mode: str, *args: object, **kwargs: object) -> types.CodeType:
         """``compile``, with a ``'<string>'`` text's code from the cache (``typing``'s one call passes three)."""
         if type(source) is str and filename == "<string>" and mode in ("eval", "exec") and not args and not kwargs:
@@ -214,10 +235,13 @@ class CodeCache:
 
 def compiling_less(codes: Optional[CodeCache] = None) -> Callable[[], None]:
     """``deferred_dataclass_methods``, and ``cached_dataclass_code`` and ``shared_forward_ref_code`` with ``codes``
-    (None: within the process only, ``import zeroplan.cli``: its few texts are not worth reading the file); the
-    returned function turns them off."""
+    (None: within the process only, ``import zeroplan.cli``: its few texts are not worth reading the file), and
+    first ``cli_deferred.deferred_imports`` (the unused standard modules run at first use, never for a plan: before
+    ``dataclasses`` imports ``inspect``), last ``cli_generated.cached_generated_code`` (typing_inspection's and
+    namedtuple's texts and the regular expressions through ``codes`` too); the returned function turns them off."""
     codes = CodeCache(kept=False) if codes is None else codes
-    undo = (deferred_dataclass_methods(), cached_dataclass_code(codes), shared_forward_ref_code(codes))
+    undo = (deferred_imports(), deferred_dataclass_methods(), cached_dataclass_code(codes),
+            shared_forward_ref_code(codes), cached_generated_code(codes.exec, codes.eval, codes.regex))
 
     def off() -> None:
         for each in reversed(undo):
@@ -232,11 +256,13 @@ class quiet_imports:  # noqa: N801 - used as ``with quiet_imports():``
     caller alike. The collector ran 20 times while typer loaded, on objects that all stay (docs/benchmarks.md,
     "Start-up, sixth pass")."""
 
+    codes = CodeCache()  # the process's, read at its first text (typer's regexes pay for it), shared with cli.main
+
     def __enter__(self) -> None:
         self.collecting = gc.isenabled()
         gc.disable()  # first: compiling_less imports dataclasses (and inspect)
         try:
-            self.restore = compiling_less()
+            self.restore = compiling_less(self.codes)
         except BaseException:
             self.__exit__()
             raise

@@ -19,8 +19,6 @@ The validator side of an engine lives in ``validate/engines/<name>.py`` (the rea
 shared probes); it compares its measurements with this module's ``estimate`` row by row.
 """
 
-from __future__ import annotations
-
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace

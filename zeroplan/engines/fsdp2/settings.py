@@ -2,8 +2,6 @@
 terms were read from. FSDP2 keeps the same split: ``_fsdp_api.py`` (the policies), ``_fsdp_init.py``
 (the post-forward mesh)."""
 
-from __future__ import annotations
-
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator

@@ -22,8 +22,6 @@ and ``torchtitan`` (torchtitan 0.2.2 ``models/llama3/infra/parallelize.py:apply_
 embeddings, each block, ``[norm, output]`` kept gathered, then the root). Pure: no torch.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Optional, Union
@@ -64,7 +62,7 @@ class Wrapping(BaseModel):
     units: tuple[WrapEntry, ...] = Field(min_length=1, description="entries in fully_shard call order")
 
     @model_validator(mode="after")
-    def _root_last(self) -> Wrapping:
+    def _root_last(self) -> "Wrapping":
         *rest, last = self.units
         if last.modules != ("",):
             raise ValueError('the last entry must be the root alone, {"modules": [""]}: fully_shard(model) comes last')
