@@ -94,3 +94,34 @@ def test_a_regular_expression_from_its_kept_parts_is_the_one_re_compiles():
                 assert seen == [(m.groups(), m.lastgroup, m.lastindex, m.span()) for m in plain.finditer(t)], (p, t)
     assert compiled_regex(own, None, "a", re.DEBUG) == own("a", 0 | re.DEBUG)  # DEBUG prints: re's own
     assert compiled_regex(own, lambda q, f: (0, [1, 2], 0, {}, ()), "ab", 0) == own("ab", 0)  # bad code: re's own
+
+
+def test_a_re_without_the_private_compiler_is_left_alone(monkeypatch):
+    """Python 3.10's ``re`` has no ``_compiler``/``_parser`` (``sre_compile``, ``sre_parse``): every command crashed
+    there when the cache patched ``re._compiler.compile`` unconditionally (found running the branch on 3.10). Without
+    them, or without the pieces ``regex_parts`` reads, ``re`` is left as it is, and what else the cache does still
+    works; with them, the compiler is patched and put back."""
+    import re
+
+    from zeroplan import cli_generated
+    from zeroplan.cli_startup import CodeCache
+
+    own = re._compiler.compile
+    cache = CodeCache(kept=False)
+    undo = cli_generated.cached_generated_code(cache.exec, cache.eval, cache.regex)
+    try:
+        assert re._compiler.compile is not own  # this Python (3.11+): patched
+        assert re.compile("a(?P<b>c)+", re.I).match("ACC").group("b") == "C"
+    finally:
+        undo()
+    assert re._compiler.compile is own
+    monkeypatch.setattr(cli_generated, "_REGEX_PARTS_READABLE", False)
+    undo = cli_generated.cached_generated_code(cache.exec, cache.eval, cache.regex)
+    try:
+        assert re._compiler.compile is own
+    finally:
+        undo()
+    monkeypatch.delattr(re, "_compiler")
+    undo = cli_generated.cached_generated_code(cache.exec, cache.eval, cache.regex)
+    undo()
+    assert not hasattr(re, "_compiler")

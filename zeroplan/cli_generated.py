@@ -75,19 +75,33 @@ def cached_generated_code(exec_: Callable, eval_: Callable, regex: Callable) -> 
     seeded: Optional[Callable] = None
     if "eval" not in vars(collections):
         collections.eval = seeded = eval_  # type: ignore[attr-defined]
-    own, compiler = re._compiler.compile, re._compiler  # type: ignore[attr-defined]
-    cached = (lambda p, flags=0: compiled_regex(own, regex, p, flags)) if own.__module__ == compiler.__name__ else own
-    compiler.compile = cached
+    compiler = getattr(re, "_compiler", None)  # Python 3.11+ (3.10's is sre_compile: its re is left alone)
+    own = getattr(compiler, "compile", None)
+    cached = own
+    if own is not None and own.__module__ == compiler.__name__ and _REGEX_PARTS_READABLE:
+        cached = compiler.compile = lambda p, flags=0: compiled_regex(own, regex, p, flags)
 
     def restore() -> None:
         if finder in sys.meta_path:
             sys.meta_path.remove(finder)
         if seeded is not None and vars(collections).get("eval") is seeded:
             del collections.eval  # type: ignore[attr-defined]
-        if compiler.compile is cached:
+        if cached is not own and compiler.compile is cached:
             compiler.compile = own
 
     return restore
+
+
+def _parts_readable() -> bool:
+    """Whether this Python's ``re`` has the private pieces ``regex_parts`` reads (3.11-3.13 have them; 3.10 has
+    ``sre_parse`` and ``sre_compile`` instead): without them the regular expressions are compiled as ``re`` does."""
+    import re
+
+    parser, compiler = getattr(re, "_parser", None), getattr(re, "_compiler", None)
+    return callable(getattr(parser, "parse", None)) and callable(getattr(compiler, "_code", None))
+
+
+_REGEX_PARTS_READABLE = _parts_readable()
 
 
 def regex_parts(pattern: object, flags: int) -> tuple:
@@ -115,5 +129,5 @@ def compiled_regex(own: Callable, regex: Callable, pattern: object, flags: int =
     try:
         final, code, groups, index, names = regex(pattern, int(flags))
         return _sre.compile(pattern, final, code, groups, index, names)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, AttributeError):  # AttributeError: re's private pieces moved
         return own(pattern, flags)
