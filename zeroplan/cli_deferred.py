@@ -107,16 +107,23 @@ class DeferringFinder:
             return None
         self.finding.add(name)
         try:
-            for finder in sys.meta_path:
-                find = getattr(finder, "find_spec", None) if finder is not self else None
-                spec = find(name, path, target) if find is not None else None
-                if spec is not None:
-                    if type(spec.loader) is SourceFileLoader:
-                        spec.loader = DeferringLoader(spec.loader)
-                    return spec
-            return None
+            spec = others_spec(self, name, path, target)
         finally:
             self.finding.discard(name)
+        if spec is not None and type(spec.loader) is SourceFileLoader:
+            spec.loader = DeferringLoader(spec.loader)
+        return spec
+
+
+def others_spec(me: object, name: str, path: object, target: object) -> object:
+    """The spec the rest of ``sys.meta_path`` (every finder but ``me``) finds for ``name``, or None: what a finder
+    that wraps a found module's loader (``DeferringFinder``, ``cli_generated.SeedingFinder``) starts from."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None) if finder is not me else None
+        spec = find(name, path, target) if find is not None else None
+        if spec is not None:
+            return spec
+    return None
 
 
 def deferred_imports(names: Iterable[str] = DEFERRED_MODULES) -> Callable[[], None]:

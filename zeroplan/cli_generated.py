@@ -13,6 +13,8 @@ from collections.abc import Callable
 from importlib.machinery import SourceFileLoader
 from typing import Optional
 
+from zeroplan.cli_deferred import others_spec
+
 SEEDED = "typing_inspection.typing_objects"
 """The module run with a global ``exec`` of the cache's (``SeedingFinder``), removed once it has run."""
 
@@ -30,16 +32,12 @@ class SeedingFinder:
             return None
         self.finding = True
         try:
-            for finder in sys.meta_path:
-                find = getattr(finder, "find_spec", None) if finder is not self else None
-                spec = find(name, path, target) if find is not None else None
-                if spec is not None:
-                    if type(spec.loader) is SourceFileLoader:
-                        spec.loader = SeededLoader(spec.loader, self.exec)
-                    return spec
-            return None
+            spec = others_spec(self, name, path, target)
         finally:
             self.finding = False
+        if spec is not None and type(spec.loader) is SourceFileLoader:
+            spec.loader = SeededLoader(spec.loader, self.exec)
+        return spec
 
 
 class SeededLoader:
