@@ -14,6 +14,8 @@ from zeroplan.allocator import balanced, replay
 from zeroplan.allocator.config import parse_alloc_conf
 from zeroplan.allocator.replay import Event
 
+from alloc_draws import mixed_background  # a sibling module, as background and golden
+
 MiB = 1 << 20
 
 
@@ -77,16 +79,7 @@ def _stretch_trace(seed: int) -> list[Event]:
     cached block (a new segment: replayed), some after allocs that stay live, some among frees of older tensors."""
     rng, events, live, ident = random.Random(seed), [], [], 0
     for _ in range(60):
-        for _ in range(rng.randrange(8)):
-            size = rng.choice([rng.randint(1, 900_000), rng.randint(MiB, 40 * MiB)])
-            events.append(Event("alloc", ident, size, rng.choice([0, 0, 5])))
-            live.append(ident)
-            ident += 1
-        rng.shuffle(live)
-        for _ in range(rng.randrange(len(live) + 1)):
-            events.append(Event("free", live.pop()))
-        if rng.random() < 0.3:
-            events.append(Event("phase", f"p{rng.randrange(4)}"))
+        ident = mixed_background(rng, events, live, ident, 8, halves=False)
         base = rng.choice([rng.randint(1, 400_000), rng.randint(MiB, 12 * MiB), rng.randint(30 * MiB, 80 * MiB)])
         sizes = [base if rng.random() < 0.5 else rng.randint(1, 2 * base) for _ in range(rng.randrange(1, 14))]
         stream = rng.choice([0, 0, 5])

@@ -14,6 +14,8 @@ from zeroplan.allocator import replay
 from zeroplan.allocator.config import parse_alloc_conf
 from zeroplan.allocator.replay import Event
 
+from alloc_draws import equal_allocs, mixed_background, some_freed  # a sibling module, as background and golden
+
 MiB = 1 << 20
 CONFS = ("", "max_split_size_mb:40", "expandable_segments:True", "roundup_power2_divisions:4")
 
@@ -32,15 +34,8 @@ def _cached_runs(seed: int) -> list[Event]:
     frees and phases between them."""
     rng, events, live, ident = random.Random(seed), [], [], 0
     for _ in range(40):
-        size = rng.choice([rng.randint(1, 900_000), rng.randint(2 * MiB, 30 * MiB)])
-        stream = rng.choice([0, 0, 2])
-        for _ in range(rng.randrange(1, 30)):
-            events.append(Event("alloc", ident, size, stream))
-            live.append(ident)
-            ident += 1
-        rng.shuffle(live)
-        for _ in range(rng.randrange(len(live) + 1)):
-            events.append(Event("free", live.pop()))
+        ident, size, stream = equal_allocs(rng, events, live, ident, 30)
+        some_freed(rng, events, live, len(live) + 1)
         smaller = max(1, rng.choice([size - rng.choice([0, 1, 4096, 600_000, 2 * MiB]), size // rng.randint(2, 9)]))
         for _ in range(rng.randrange(16, 60)):  # a run: ``alloc_runs`` fast-forwards it
             events.append(Event("alloc", ident, smaller, stream))
@@ -88,16 +83,7 @@ def _interleaved_stretches(seed: int) -> list[Event]:
     just before the stretch), a phase now and then; some stretches need a new segment (replayed)."""
     rng, events, live, ident = random.Random(seed), [], [], 0
     for _ in range(50):
-        for _ in range(rng.randrange(10)):
-            size = rng.choice([rng.randint(1, 900_000), rng.randint(MiB, 40 * MiB)])
-            events.append(Event("alloc", ident, size, rng.choice([0, 0, 5])))
-            live.append(ident)
-            ident += 1
-        rng.shuffle(live)
-        for _ in range(rng.randrange(len(live) // 2 + 1)):
-            events.append(Event("free", live.pop()))
-        if rng.random() < 0.3:
-            events.append(Event("phase", f"p{rng.randrange(4)}"))
+        ident = mixed_background(rng, events, live, ident, 10, halves=True)
         base = rng.choice([rng.randint(1, 400_000), rng.randint(MiB, 12 * MiB), rng.randint(30 * MiB, 80 * MiB)])
         stream = rng.choice([0, 0, 5])
         for _ in range(rng.randrange(3)):  # allocs right before the stretch: live, or among the others freed
@@ -170,15 +156,8 @@ def _runs_freed_next(seed: int) -> list[Event]:
     rng, events, live, ident = random.Random(seed), [], [], 0
     for _ in range(30):
         for _ in range(rng.randrange(1, 4)):
-            size = rng.choice([rng.randint(1, 900_000), rng.randint(2 * MiB, 30 * MiB)])
-            stream = rng.choice([0, 0, 2])
-            for _ in range(rng.randrange(1, 40)):
-                events.append(Event("alloc", ident, size, stream))
-                live.append(ident)
-                ident += 1
-        rng.shuffle(live)
-        for _ in range(rng.randrange(len(live) + 1)):
-            events.append(Event("free", live.pop()))
+            ident, size, stream = equal_allocs(rng, events, live, ident, 40)
+        some_freed(rng, events, live, len(live) + 1)
         if rng.random() < 0.3:
             events.append(Event("phase", f"p{rng.randrange(3)}"))
         size = max(1, rng.choice([size - rng.choice([0, 1, 4096, 600_000]), size // rng.randint(2, 9),

@@ -184,7 +184,7 @@ def test_plugin_stand_in_hands_over_to_the_real_loader():
 
 def test_estimate_runs_without_the_cycle_collector():
     # `estimate` and `plan` answer one configuration: main() turns the cyclic collector off for the command
-    # (its passes cost 5-20% of a plan) and back on when the command returns (zeroplan.cli.ONE_ANSWER).
+    # (its passes cost 5-20% of a plan) and back on when the command returns (zeroplan.cli_exit.ONE_ANSWER).
     code = ("import gc, sys\nimport zeroplan.render.estimate as r\nfrom zeroplan.cli import main\n"
             "seen = []\nto_json = r.to_json\n"
             "r.to_json = lambda *a: (seen.append(gc.isenabled()), to_json(*a))[1]\n"

@@ -136,7 +136,7 @@ def test_a_stand_in_called_through_a_subclass_sets_the_method_on_its_own_class()
 
 
 def test_a_one_answer_command_compiles_few_dataclass_methods():
-    # estimate and plan (main's ONE_ANSWER) make their dataclasses with deferred methods and call few of them
+    # estimate and plan (cli_exit.ONE_ANSWER) make their dataclasses with deferred methods and call few of them
     count = ("import dataclasses\n"
              "classes = {c for name, m in list(sys.modules.items()) if name.startswith('zeroplan.') "
              "for c in vars(m).values() if isinstance(c, type) and dataclasses.is_dataclass(c)}\n"

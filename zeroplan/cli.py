@@ -10,7 +10,7 @@ import gc
 import os
 import sys
 
-from zeroplan.cli_exit import ONE_ANSWER, ending, one_answer
+from zeroplan.cli_exit import ending, one_answer
 from zeroplan.cli_startup import compiling_less, imported, no_plugin_search, quiet_imports, registered
 
 with quiet_imports():  # no collection, compiling less (zeroplan.cli_startup)
