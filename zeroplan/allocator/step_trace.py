@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from itertools import chain
 from operator import itemgetter
 
-from zeroplan.allocator import block_template
-from zeroplan.allocator.block_template import Blocks, Changes
 from zeroplan.allocator.gc_pause import gc_paused
 from zeroplan.allocator.replay import Event
 from zeroplan.allocator.runs import chunk_runs
@@ -253,7 +251,7 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     builder = _Builder(block_bytes, stream_of)
     order = [*by_phase["init"], *[m for _ in range(steps) for p in PHASES[1:] for m in by_phase[p]]]
     wants: dict[int, dict[Key, list[int]]] = {}  # each moment's tensors, found once for every step that meets it
-    changes = Changes()  # each transition's keys, once for every step (a copied block's: made when asked)
+    changes: dict[tuple[int, int], tuple[set[Key], list[Key]]] = {}  # each transition's keys, once for every step
     per_step = (len(order) - len(by_phase["init"])) // steps
     firsts = range(len(by_phase["init"]), len(order), per_step or 1)  # each step's first moment
     last = firsts[-1] if per_step and steps > 1 else -1
@@ -266,13 +264,10 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
     before: Moment | None = None
     at = 0
     move_to, n = builder.move_to, len(order)
-    blocks = Blocks(builder, wants, changes, resident) if block_template.COPY else None  # declared blocks copied (block_template)
     while at < n:
         m = order[at]
         pair = (id(before), id(m))
         want = wants.get(pair[1])
-        if before is not None and pair[0] not in wants:  # a moment of a copied block: its tensors made whole
-            wants[pair[0]] = builder.wanted(before, () if before.phase == "init" else resident)
         if want is None:
             held = () if m.phase == "init" else resident
             after = None if before is None or not INCREMENTAL else \
@@ -287,13 +282,8 @@ def _step_trace(moments: Iterable[Moment], block_bytes: int, resident: tuple[Ter
             change = changes[pair] = builder.changed(want, wants[pair[0]] if before is not None else {})
         if at == last:
             last_start = len(builder.events)
-        if m.block is not None and blocks is not None:
-            blocks.before(m, change)
         move_to(m, want, change)
         before = m
-        if m.block is not None and blocks is not None and (copied := blocks.moved(m, at, order, marks_at, change)):
-            at += copied
-            before = order[at]
         if at in marks_at:
             mark = builder.snapshot()
             if at < last:

@@ -60,21 +60,12 @@ class Moment:
     """Where a profile describes every rank at once and lists one rank's moment of a family of per-rank moments
     (DeepSpeed's ``DSRun.first_largest``), that rank; None: every rank's alike, one rank's run, or not said. Not a
     field: equality, ``repr`` and ``replace`` are the dataclass's (a moment renamed or rebuilt says no rank)."""
-    block: ClassVar[Optional[tuple]] = None
-    """A declaration (``allocator.block_template``): this moment is the moment at the same place of a template
-    block with some of its terms substituted, as (template id, place, substitution: {id of a template term: this
-    block's term, or None where this block lacks it}, None in the template's own moments). Set only where the
-    engine builds the blocks by one code path; the trace builder checks it before it copies. Not a field, as
-    ``rank``: a moment rebuilt declares nothing."""
 
-    def __init__(self, phase: str, name: str, terms: tuple[Term, ...], rank: Optional[int] = None,
-                 block: Optional[tuple] = None) -> None:  # fmt: skip
+    def __init__(self, phase: str, name: str, terms: tuple[Term, ...], rank: Optional[int] = None) -> None:
         d = self.__dict__  # as ``Term.__init__`` (~18,000 moments in a 1,024-GPU DeepSpeed plan)
         d["phase"], d["name"], d["terms"] = phase, name, terms
         if rank is not None:
             d["rank"] = rank
-        if block is not None:
-            d["block"] = block
 
     def total(self, block_bytes: int = 1) -> int:
         return rounded_total(self.terms, block_bytes)

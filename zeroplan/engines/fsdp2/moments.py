@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import math
 
-from zeroplan.engines.fsdp2.block_declared import declared, held_declared
 from zeroplan.engines.fsdp2.block_forward import block_forward, checkpointed_before_last
-from zeroplan.engines.fsdp2.hf_tree import (checkpointed_position_ids, gpt2_body_embeds, inputs_embeds_held,
-                                            last_block_in_loss, logits_in_loss, position_ids, root_backward_released,
-                                            rotary_buffers, tied_head_build, tied_head_to_empty)
+from zeroplan.engines.fsdp2.hf_tree import (
+    checkpointed_position_ids,
+    gpt2_body_embeds,
+    inputs_embeds_held,
+    last_block_in_loss,
+    logits_in_loss,
+    position_ids,
+    root_backward_released,
+    rotary_buffers,
+    tied_head_build,
+    tied_head_to_empty,
+)
 from zeroplan.engines.fsdp2.mesh import REDUCED, holds_allreduce, with_allreduce_held
-from zeroplan.engines.fsdp2.norms import (final_norm_backward, input_norm_backward, input_projections_backward,
-                                          rope_released)
+from zeroplan.engines.fsdp2.norms import final_norm_backward, input_norm_backward, input_projections_backward
+from zeroplan.engines.fsdp2.norms import rope_released
 from zeroplan.engines.fsdp2.param import local_shard_numel, padded_shard_numel, shape_counts
 from zeroplan.engines.fsdp2.side import gathered_numel as _gathered_numel
 from zeroplan.engines.fsdp2.side import (
@@ -247,15 +255,14 @@ def backward_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tu
         root_held = _fp(f"sharded gradients of {', '.join(u.name for u in head_units(run))}",
                         sum(_gathered_numel(run, u) // run.nd for u in head_units(run)) * run.m,
                         "_fsdp_collectives.py:foreach_reduce", len(head_units(run)))  # fmt: skip
-    after, held, templates, all_kept = L + 1, holds_allreduce(run), {}, kept_blocks(run, L)  # (block_declared)
+    after, held = L + 1, holds_allreduce(run)
     for i in range(L, 0, -1) if blocks is None else blocks:
         # blocks not built (``blocks``): their reduce-scatter outputs, for HSDP's held buffers (``moments``) only, in
         # one moment a run of them (none kept between them: the same buffers held after; a speed-up); none held: none
         if held and (gap := range(after - 1, i, -1)):
             out.append(Moment("backward", f"blocks {gap[0]}-{gap[-1]}{NOT_BUILT}{REDUCED}",
                               tuple(rs_output(run, j) for j in gap)))  # fmt: skip
-        got = block_backward_moments(run, i, base, root_held)  # declared against a template block (block_declared)
-        out.extend(declared(templates, i, got, all_kept, len(base), (min(L - i, 2), min(i, 3))))
+        out.extend(block_backward_moments(run, i, base, root_held))
         after = i
     out.extend(root_backward_moments(run, base))
     out = with_embedding_prefetch(run, out)
@@ -388,7 +395,6 @@ def moments(run: Fsdp2Run, blocks: tuple[int, ...] | None = None) -> tuple[Momen
     if run.acts is None:
         raise ValueError("the peak needs an architecture (activations); this run has only tensor shapes")
     # HSDP's held all-reduce buffers (mesh.py); the blocks not built are there only for them, and left out there
-    built = backward_moments(run, blocks)
-    backward = held_declared(with_allreduce_held(run, built, NOT_BUILT if blocks is not None else None), built)
+    backward = with_allreduce_held(run, backward_moments(run, blocks), NOT_BUILT if blocks is not None else None)
     every = (*init_moments(run), *forward_moments(run), *backward, *optimizer_moments(run))
     return offload_moments(run, every) if run.settings.offload_policy != "none" else every  # CPUOffloadPolicy
