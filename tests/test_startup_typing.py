@@ -1,0 +1,120 @@
+"""``typing._type_check`` answered without its comparisons for strings and plain classes (``zeroplan.cli_typing``;
+docs/benchmarks.md, "2026-12-03, sixth session, imports4"): the same answer, or the same error, as typing's own on
+every kind of argument, and the module as it was once the command's imports are done."""
+
+import marshal
+import subprocess
+import sys
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, ClassVar, Final, Generic, Literal, NoReturn, Optional, Protocol, TypeVar, Union
+
+import pytest
+
+from zeroplan.cli_typing import checked_type, quick_type_checks
+
+T = TypeVar("T")
+
+
+class Plain:
+    pass
+
+
+class Meta(type):
+    pass
+
+
+class WithMeta(metaclass=Meta):
+    pass
+
+
+class EqualsGeneric(type):
+    def __eq__(self, other: object) -> bool:  # a class equal to Generic: typing refuses it as it refuses Generic
+        return other is Generic
+
+    __hash__ = type.__hash__
+
+
+class Equal(metaclass=EqualsGeneric):
+    pass
+
+
+class Gen(Generic[T]):
+    pass
+
+
+class Proto(Protocol):
+    def f(self) -> int: ...
+
+
+def answer(check: Callable, arg: object, **kwargs: object) -> tuple:
+    """What ``check`` gives ``arg``: the value (a ForwardRef by its every attribute) or the error's type and text."""
+    try:
+        got = check(arg, "a message.", **kwargs)
+    except Exception as e:  # noqa: BLE001 - the error is the answer
+        return ("raised", type(e), str(e))
+    if isinstance(got, typing.ForwardRef):
+        return ("ref", type(got), [(k, shown(getattr(got, k, None))) for k in typing.ForwardRef.__slots__])
+    return ("value", got)
+
+
+def shown(v: object) -> object:
+    return marshal.dumps(v) if isinstance(v, types.CodeType) else repr(v)
+
+
+STRINGS = ["int", "Optional[int]", "'quoted'", "list[str]", "ClassVar[int]", "Final", "x.y.Z", "Literal['a', 1]",
+           "*Ts", "Required[int]", "tuple[int, ...]", "dict[str, 'Plain']", "A | None", "Self", "Any"]
+OTHERS = [int, str, bool, object, type, Plain, WithMeta, Meta, Equal, Gen, Gen[int], Proto, Generic, Protocol, Any,
+          NoReturn, ClassVar, Final, ClassVar[int], Final[int], Union, Optional, Union[int, str], Optional[Plain],
+          int | None, list[int], typing.List, typing.List[int], Literal["a"], T, None, (int, str), 3, "",
+          typing.Tuple, Callable, Callable[[int], str], typing.Annotated[int, "m"], typing.ForwardRef("int"),
+          type(None), typing.Type[int], dict, frozenset, typing.TypeAlias]
+KWARGS = [{}, {"is_argument": False}, {"module": "zeroplan.types"}, {"allow_special_forms": True},
+          {"is_argument": False, "module": "m", "allow_special_forms": True}]
+
+
+@pytest.mark.parametrize("kwargs", KWARGS)
+def test_a_quick_check_answers_as_typings_own(kwargs):
+    own = typing._type_check
+    quick = checked_type(own, typing._type_convert, (Generic, Protocol))
+    for arg in [*STRINGS, *OTHERS]:
+        assert answer(quick, arg, **kwargs) == answer(own, arg, **kwargs), arg
+    assert answer(quick, Generic)[0] == answer(quick, Equal)[0] == answer(quick, (int,))[0] == "raised"  # checked
+
+
+def test_the_quick_check_is_on_while_compiling_less_and_typing_is_as_it_was_after():
+    own = typing._type_check
+    undo = quick_type_checks()
+    try:
+        assert typing._type_check is not own and typing._type_check.__wrapped__ is own
+        assert quick_type_checks()() is None and typing._type_check.__wrapped__ is own  # nested: left alone
+        td = typing.TypedDict("TD", {"a": "int", "b": Optional[int], "c": Plain})
+        assert td.__annotations__["a"] == typing.ForwardRef("int", module=__name__)
+    finally:
+        undo()
+    assert typing._type_check is own
+    undo()  # twice: nothing
+    assert typing._type_check is own
+
+
+def test_a_command_checks_its_types_quickly_and_typed_dicts_are_as_typings_own():
+    code = ("import sys, typing, typing_extensions\nown = typing._type_check\n"
+            "from zeroplan.cli_startup import compiling_less\noff = compiling_less()\nquick = typing._type_check\n"
+            "import pydantic_core.core_schema as cs\noff()\n"
+            "print(quick is not own, getattr(quick, '__wrapped__', None) is own, typing._type_check is own)\n"
+            "print(sorted((n, repr(v)) for n, t in vars(cs).items() if typing_extensions.is_typeddict(t) "
+            "for n, v in t.__annotations__.items()))\n")
+    plain = code.replace("off = compiling_less()", "off = lambda: None")
+    quick, own = (subprocess.run([sys.executable, "-c", c], capture_output=True, text=True, check=True).stdout
+                  for c in (code, plain))
+    assert quick.split("\n")[0] == "True True True" and own.split("\n")[0] == "False False True"
+    assert quick.split("\n")[1] == own.split("\n")[1] and quick.count("ForwardRef(") > 500
+
+
+def test_a_typing_of_another_shape_is_left_alone(monkeypatch):
+    def _type_check(arg, msg):  # another signature
+        return arg
+
+    monkeypatch.setattr(typing, "_type_check", _type_check)
+    assert quick_type_checks()() is None and typing._type_check is _type_check
