@@ -2,6 +2,7 @@
 docs/benchmarks.md, "2026-12-03, sixth session, imports4"): the same answer, or the same error, as typing's own on
 every kind of argument, and the module as it was once the command's imports are done."""
 
+import json
 import marshal
 import subprocess
 import sys
@@ -118,3 +119,58 @@ def test_a_typing_of_another_shape_is_left_alone(monkeypatch):
 
     monkeypatch.setattr(typing, "_type_check", _type_check)
     assert quick_type_checks()() is None and typing._type_check is _type_check
+
+
+def test_a_parameters_reading_is_kept_for_the_callbacks_reader_alone_and_once():
+    from zeroplan.cli_typing import read_once
+
+    reads = []
+
+    def read(func):
+        reads.append(func)
+        return {"x": object()}
+
+    def callback():
+        return once(f)
+
+    def other():
+        return once(f)
+
+    def f(x):
+        return x
+
+    once = read_once(read, callback.__code__)
+    first = other()
+    assert callback() is first and len(reads) == 1  # the reader's call: the kept answer
+    assert callback() is not first and len(reads) == 2  # kept once only
+    assert other() is not first and other() is not first and len(reads) == 4  # another caller reads anew
+    other()
+    assert once(lambda: 0) is not None and callback() is not first and len(reads) == 7  # another function between
+
+
+COMMANDS = """
+import json, sys, typer.main
+import zeroplan.cli as cli
+from zeroplan.cli_startup import compiling_less
+reads = []
+own = typer.main.get_params_from_function
+typer.main.get_params_from_function = lambda f: reads.append(f.__name__) or own(f)
+off = compiling_less() if QUICK else (lambda: None)
+shown = lambda v: type(v).__name__ if ' at 0x' in repr(v) else repr(v)  # a function, an object: its type
+described = lambda d: [shown(d.annotation), sorted((k, shown(v)) for k, v in vars(d.parameter_info).items())]
+group = typer.main.get_command(cli.app_for([]))
+off()
+rows = []
+for name, command in sorted(group.commands.items()):
+    rows.append([name, command.help, [[sorted((k, shown(v)) for k, v in vars(p).items()), described(p.type_descriptor)]
+                                     for p in command.params],
+                 command.callback.__wrapped__.__name__])
+print(json.dumps([rows, sorted(reads)]))
+"""
+
+
+def test_the_commands_typer_builds_are_as_before_with_each_command_read_once():
+    quick, own = (json.loads(subprocess.run([sys.executable, "-c", COMMANDS.replace("QUICK", q)], capture_output=True,
+                                            text=True, check=True).stdout) for q in ("True", "False"))
+    assert quick[0] == own[0] and len(own[0]) == 5 and sum(len(r[2]) for r in own[0]) > 150
+    assert sorted(quick[1] * 2) == own[1]  # each command's function and the group's callback: once, not twice

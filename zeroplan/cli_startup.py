@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 
 from zeroplan.cli_deferred import deferred_imports
 from zeroplan.cli_generated import cached_generated_code, regex_parts
-from zeroplan.cli_typing import quick_type_checks
+from zeroplan.cli_typing import quick_types
 
 if TYPE_CHECKING:
     import typer
@@ -237,10 +237,10 @@ def compiling_less(codes: Optional[CodeCache] = None) -> Callable[[], None]:
     """``deferred_dataclass_methods``, and ``cached_dataclass_code`` and ``shared_forward_ref_code`` with ``codes``
     (None: within the process only, ``import zeroplan.cli``: its few texts are not worth reading the file), first
     ``cli_deferred.deferred_imports`` (unused standard modules run at first use, never for a plan: before
-    ``dataclasses`` imports ``inspect``), ``cli_typing.quick_type_checks``, last ``cli_generated.cached_generated_code``
+    ``dataclasses`` imports ``inspect``), ``cli_typing.quick_types``, last ``cli_generated.cached_generated_code``
     (typing_inspection's and namedtuple's texts, the regular expressions through ``codes``); undone by the result."""
     codes = CodeCache(kept=False) if codes is None else codes
-    undo = (deferred_imports(), deferred_dataclass_methods(), cached_dataclass_code(codes), quick_type_checks(),
+    undo = (deferred_imports(), deferred_dataclass_methods(), cached_dataclass_code(codes), quick_types(),
             shared_forward_ref_code(codes), cached_generated_code(codes.exec, codes.eval, codes.regex))
 
     def off() -> None:

@@ -1,12 +1,16 @@
-"""``typing``'s check of a type argument answered without its comparisons where the answer is known: for a string
-(a forward reference) and a plain class. ``typing._type_check`` compares every argument with eight special forms
-(``arg in (Any, LiteralString, NoReturn, Never, Self, TypeAlias)``, then ``arg in (Generic, Protocol)``), each
-comparison of a ``ForwardRef`` a call of its Python ``__eq__``; a command checks about 750 strings (pydantic_core's
-``TypedDict``s, 605 of them, and pydantic's) and 200 classes while it loads (docs/benchmarks.md, "2026-12-03, sixth
-session, imports4"). Kept out of ``cli_startup`` (full) beside it. A speed-up, no rule."""
+"""Types a command reads twice, or checks the long way, while it loads (docs/benchmarks.md, "2026-12-03, sixth
+session, imports4"). ``typing``'s check of a type argument is answered without its comparisons where the answer is
+known, for a string (a forward reference) and a plain class: ``typing._type_check`` compares every argument with
+eight special forms (``arg in (Any, LiteralString, NoReturn, Never, Self, TypeAlias)``, then ``arg in (Generic,
+Protocol)``), each comparison of a ``ForwardRef`` a call of its Python ``__eq__``; a command checks about 750 strings
+(pydantic_core's ``TypedDict``s, 605 of them, and pydantic's) and 200 classes. typer reads a command's parameters
+(``inspect.signature`` with its annotations evaluated, ``get_type_hints``, a copy of each option) twice, once for the
+options and once for the callback, which keeps only their names: the second reading is the first's answer. Kept out
+of ``cli_startup`` (full) beside it. Each a speed-up, no rule."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 _PARAMETERS = ("arg", "msg", "is_argument", "module")
@@ -61,3 +65,47 @@ def quick_type_checks() -> Callable[[], None]:
 
     return restore
 
+
+
+def read_once(read: Callable, reader: object) -> Callable:
+    """``read`` (typer's ``get_params_from_function``) whose answer for a callback is kept for one more call, by
+    ``reader`` alone (the code of typer's ``get_callback``, which reads the answer's names only) and with the same
+    callback: that call gets the kept answer, and nothing is kept after it. Any other call reads anew."""
+    kept: list = []
+
+    def get_params_from_function(func):
+        if kept and kept[0][0] is func and sys._getframe(1).f_code is reader:
+            return kept.pop()[1]
+        answer = read(func)
+        kept[:] = [(func, answer)]
+        return answer
+
+    get_params_from_function.__wrapped__ = read  # type: ignore[attr-defined]
+    return get_params_from_function
+
+
+def parameters_read_once() -> Callable[[], None]:
+    """Until the returned function is called, ``typer.main``'s ``get_params_from_function`` is ``read_once``'s,
+    for ``get_callback`` (a typer not yet imported, or without either function, is left alone)."""
+    main = sys.modules.get("typer.main")
+    read, reader = getattr(main, "get_params_from_function", None), getattr(main, "get_callback", None)
+    if not callable(read) or getattr(read, "__wrapped__", None) is not None or not hasattr(reader, "__code__"):
+        return lambda: None
+    main.get_params_from_function = once = read_once(read, reader.__code__)  # type: ignore[union-attr]
+
+    def restore() -> None:
+        if vars(main).get("get_params_from_function") is once:
+            main.get_params_from_function = read  # type: ignore[union-attr]
+
+    return restore
+
+
+def quick_types() -> Callable[[], None]:
+    """``quick_type_checks`` and ``parameters_read_once``; the returned function undoes both."""
+    undo = (quick_type_checks(), parameters_read_once())
+
+    def off() -> None:
+        for each in reversed(undo):
+            each()
+
+    return off
