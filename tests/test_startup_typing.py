@@ -78,7 +78,7 @@ KWARGS = [{}, {"is_argument": False}, {"module": "zeroplan.types"}, {"allow_spec
 @pytest.mark.parametrize("kwargs", KWARGS)
 def test_a_quick_check_answers_as_typings_own(kwargs):
     own = typing._type_check
-    quick = checked_type(own, typing._type_convert, (Generic, Protocol))
+    quick = checked_type(own, typing.ForwardRef, (Generic, Protocol))
     for arg in [*STRINGS, *OTHERS]:
         assert answer(quick, arg, **kwargs) == answer(own, arg, **kwargs), arg
     assert answer(quick, Generic)[0] == answer(quick, Equal)[0] == answer(quick, (int,))[0] == "raised"  # checked
@@ -100,17 +100,24 @@ def test_the_quick_check_is_on_while_compiling_less_and_typing_is_as_it_was_afte
 
 
 def test_a_command_checks_its_types_quickly_and_typed_dicts_are_as_typings_own():
-    code = ("import sys, typing, typing_extensions\nown = typing._type_check\n"
+    code = ("import sys, typing\nmeta = list(sys.meta_path)\nown = typing._type_check\n"
             "from zeroplan.cli_startup import compiling_less\noff = compiling_less()\nquick = typing._type_check\n"
-            "import pydantic_core.core_schema as cs\noff()\n"
+            "import pydantic_core.core_schema as cs, typing_extensions\noff()\n"
             "print(quick is not own, getattr(quick, '__wrapped__', None) is own, typing._type_check is own)\n"
             "print(sorted((n, repr(v)) for n, t in vars(cs).items() if typing_extensions.is_typeddict(t) "
-            "for n, v in t.__annotations__.items()))\n")
+            "for n, v in t.__annotations__.items()))\n"
+            "keys = ('__required_keys__', '__optional_keys__', '__readonly_keys__', '__mutable_keys__')\n"
+            "print(sorted((n, k, sorted(getattr(t, k, ()))) for n, t in vars(cs).items() "
+            "if typing_extensions.is_typeddict(t) for k in keys))\n"
+            "te = typing_extensions\nprint(type(te.__loader__).__name__, te.__spec__.loader is te.__loader__, "
+            "hasattr(te._get_typeddict_qualifiers, '__wrapped__'), sys.meta_path == meta)\n")
     plain = code.replace("off = compiling_less()", "off = lambda: None")
     quick, own = (subprocess.run([sys.executable, "-c", c], capture_output=True, text=True, check=True).stdout
                   for c in (code, plain))
     assert quick.split("\n")[0] == "True True True" and own.split("\n")[0] == "False False True"
     assert quick.split("\n")[1] == own.split("\n")[1] and quick.count("ForwardRef(") > 500
+    assert quick.split("\n")[2] == own.split("\n")[2] and quick.split("\n")[2].count("'type'") > 20  # the keys
+    assert quick.split("\n")[3] == own.split("\n")[3] == "SourceFileLoader True False True"  # as imported after
 
 
 def test_a_typing_of_another_shape_is_left_alone(monkeypatch):
@@ -174,3 +181,22 @@ def test_the_commands_typer_builds_are_as_before_with_each_command_read_once():
                                             text=True, check=True).stdout) for q in ("True", "False"))
     assert quick[0] == own[0] and len(own[0]) == 5 and sum(len(r[2]) for r in own[0]) > 150
     assert sorted(quick[1] * 2) == own[1]  # each command's function and the group's callback: once, not twice
+
+
+def test_no_qualifiers_is_typing_extensions_own_answer():
+    import typing_extensions as te
+
+    from zeroplan.cli_typing import no_qualifiers
+
+    class Ref(typing.ForwardRef, _root=True):
+        pass
+
+    own = te._get_typeddict_qualifiers
+    quick = no_qualifiers(own, typing.ForwardRef)
+    cases = [typing.ForwardRef("int"), typing.ForwardRef("te.Required[int]"), Ref("x"), int, "int", None,
+             te.Required[int], te.NotRequired["x"], te.ReadOnly[te.Required[int]], te.Annotated[te.NotRequired[int], 1],
+             te.Annotated[typing.ForwardRef("x"), 2], Optional[int], te.Required[typing.ForwardRef("y")]]
+    for case in cases:
+        assert list(quick(case)) == list(own(case)), case
+    assert [list(quick(c)) for c in cases[6:10]] == [[te.Required], [te.NotRequired], [te.ReadOnly, te.Required],
+                                                     [te.NotRequired]]

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from importlib.machinery import SourceFileLoader
 
+from zeroplan.cli_deferred import others_spec
+
+_REF_ATTRIBUTES = ("__forward_arg__", "__forward_module__", "__forward_is_class__", "__forward_is_argument__")
 _PARAMETERS = ("arg", "msg", "is_argument", "module")
 """``_type_check``'s positional parameters on Python 3.10-3.13 (then ``allow_special_forms``, keyword-only)."""
 
@@ -32,15 +36,16 @@ def _readable(typing: object) -> bool:
 
 
 def checked_type(check: Callable, convert: Callable, plain: tuple) -> Callable:
-    """``check`` (``typing._type_check``) with two answers given without it: a ``str`` is ``convert``'s
-    ``ForwardRef`` (``check`` converts it first; a ``ForwardRef`` equals only a ``ForwardRef``, is no special form,
-    no generic alias, no tuple, so ``check`` returns it as converted); a class whose type is ``type`` itself and
+    """``check`` (``typing._type_check``) with two answers given without it: a ``str`` is the ``ForwardRef``
+    ``convert`` makes (``typing.ForwardRef``: ``check`` converts a string to ``ForwardRef(arg, module=module,
+    is_class=allow_special_forms)`` first, ``_type_convert``; a ``ForwardRef`` equals only a ``ForwardRef``, is no
+    special form, no generic alias, no tuple, so ``check`` returns it as converted); a class whose type is ``type`` and
     that is none of ``plain`` (``Generic``, ``Protocol``: refused by ``check``) is returned as it is (no special
     form or alias is such a class). Anything else goes to ``check``."""
 
     def type_check(arg, msg, is_argument=True, module=None, *, allow_special_forms=False):
         if isinstance(arg, str):
-            return convert(arg, module=module, allow_special_forms=allow_special_forms)
+            return convert(arg, module=module, is_class=allow_special_forms)
         if type(arg) is type and arg not in plain:
             return arg
         return check(arg, msg, is_argument, module, allow_special_forms=allow_special_forms)
@@ -56,15 +61,17 @@ def quick_type_checks() -> Callable[[], None]:
 
     if not _readable(typing) or getattr(typing._type_check, "__wrapped__", None) is not None:
         return lambda: None
-    own = typing._type_check
-    typing._type_check = quick = checked_type(own, typing._type_convert, (typing.Generic, typing.Protocol))
+    own, ref = typing._type_check, typing.ForwardRef
+    converted, made = typing._type_convert("x", module="m", allow_special_forms=True), ref("x", module="m", is_class=True)
+    if type(converted) is not ref or any(getattr(converted, a, 0) != getattr(made, a, 0) for a in _REF_ATTRIBUTES):
+        return lambda: None  # a _type_convert that makes something else of a string
+    typing._type_check = quick = checked_type(own, ref, (typing.Generic, typing.Protocol))
 
     def restore() -> None:
         if vars(typing).get("_type_check") is quick:
             typing._type_check = own
 
     return restore
-
 
 
 def read_once(read: Callable, reader: object) -> Callable:
@@ -100,9 +107,77 @@ def parameters_read_once() -> Callable[[], None]:
     return restore
 
 
+def no_qualifiers(own: Callable, ref: type) -> Callable:
+    """``own`` (typing_extensions' ``_get_typeddict_qualifiers``, a generator of the ``Required``, ``NotRequired``
+    and ``ReadOnly`` wrapping an annotation) answering a ``ForwardRef`` (exactly: a subclass goes to ``own``) with no
+    qualifier, as ``own`` does (``get_origin`` of a forward reference is None): a ``TypedDict`` field given as a
+    string, 603 of pydantic_core's 608."""
+
+    def _get_typeddict_qualifiers(annotation_type):
+        return iter(()) if type(annotation_type) is ref else own(annotation_type)
+
+    _get_typeddict_qualifiers.__wrapped__ = own  # type: ignore[attr-defined]
+    return _get_typeddict_qualifiers
+
+
+class QualifiedLoader:
+    """``loader``'s module (typing_extensions) run, then its ``_get_typeddict_qualifiers`` ``no_qualifiers``' where
+    its ``get_origin`` finds none for a forward reference; the module's loader is ``loader``, as after an import."""
+
+    def __init__(self, loader: SourceFileLoader, done: list) -> None:
+        self.loader, self.done = loader, done
+
+    def create_module(self, spec: object) -> object:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: object) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader  # type: ignore[attr-defined]
+        self.loader.exec_module(module)
+        own, ref = getattr(module, "_get_typeddict_qualifiers", None), sys.modules["typing"].ForwardRef
+        if callable(own) and getattr(module, "get_origin", lambda t: 0)(ref("x")) is None:
+            module._get_typeddict_qualifiers = quick = no_qualifiers(own, ref)  # type: ignore[attr-defined]
+            self.done.append((module, own, quick))
+
+
+class QualifiedFinder:
+    """A ``sys.meta_path`` finder for typing_extensions not yet imported: the spec the rest of the meta path finds,
+    its source loader a ``QualifiedLoader``; any other spec as found."""
+
+    def __init__(self) -> None:
+        self.finding, self.done = False, []
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+        if name != "typing_extensions" or self.finding:
+            return None
+        self.finding = True
+        try:
+            spec = others_spec(self, name, path, target)
+        finally:
+            self.finding = False
+        if spec is not None and type(spec.loader) is SourceFileLoader:
+            spec.loader = QualifiedLoader(spec.loader, self.done)
+        return spec
+
+
+def qualifiers_quick() -> Callable[[], None]:
+    """Until the returned function is called, typing_extensions imported meanwhile answers a forward reference's
+    qualifiers with ``no_qualifiers`` (a typing_extensions imported before is left alone)."""
+    finder = QualifiedFinder()
+    sys.meta_path.insert(0, finder)
+
+    def restore() -> None:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+        for module, own, quick in finder.done:
+            if vars(module).get("_get_typeddict_qualifiers") is quick:
+                module._get_typeddict_qualifiers = own
+
+    return restore
+
+
 def quick_types() -> Callable[[], None]:
-    """``quick_type_checks`` and ``parameters_read_once``; the returned function undoes both."""
-    undo = (quick_type_checks(), parameters_read_once())
+    """``quick_type_checks``, ``qualifiers_quick`` and ``parameters_read_once``; the returned function undoes them."""
+    undo = (quick_type_checks(), qualifiers_quick(), parameters_read_once())
 
     def off() -> None:
         for each in reversed(undo):
