@@ -200,3 +200,48 @@ def test_no_qualifiers_is_typing_extensions_own_answer():
         assert list(quick(case)) == list(own(case)), case
     assert [list(quick(c)) for c in cases[6:10]] == [[te.Required], [te.NotRequired], [te.ReadOnly, te.Required],
                                                      [te.NotRequired]]
+
+
+class Recorded:
+    """A mixin after the alias base in an MRO whose ``__setattr__`` ``super().__setattr__`` reaches."""
+
+    def __setattr__(self, attr, val):
+        object.__setattr__(self, "recorded", attr)
+        object.__setattr__(self, attr, val)
+
+
+def test_an_aliass_quick_setattr_is_typings_own():
+    from zeroplan.cli_typing import alias_setattr
+
+    base = typing._BaseGenericAlias
+    own = vars(base)["__setattr__"]
+    names = next(c for c in own.__code__.co_consts if type(c) is frozenset)
+    quick = alias_setattr(base, names)
+
+    class Mixed(typing._GenericAlias, Recorded, _root=True):
+        pass
+
+    def outcome(set_attr: Callable, make: Callable, attr: str) -> tuple:
+        class Origin:
+            pass
+
+        alias = make(Origin)
+        try:
+            set_attr(alias, attr, 7)
+        except Exception as e:  # noqa: BLE001 - the error is the outcome
+            return ("raised", type(e), str(e))
+        slots = {a: shown(getattr(alias, a, None)) for a in ("_name", "_inst", "_nparams", "recorded", attr)}
+        return ("set", slots, vars(Origin).get(attr), vars(alias).get(attr) if hasattr(alias, "__dict__") else None)
+
+    makers = [lambda o: typing._GenericAlias(o, (int,)), lambda o: typing._GenericAlias(int, (o,)),
+              lambda o: typing._SpecialGenericAlias(o, 1, name="S"), lambda o: Mixed(o, (str,)),
+              lambda o: typing._GenericAlias(tuple, (o,)), lambda o: typing._AnnotatedAlias(o, (1,)),
+              lambda o: typing._UnionGenericAlias(typing.Union, (o, int)), lambda o: typing._CallableGenericAlias(
+                  Callable, (int, o))]
+    attrs = ["__module__", "__doc__", "__x__", "__", "_name", "_inst", "_nparams", "_paramspec_tvars", "_defaults",
+             "custom", "_private", "__y", "z__"]
+    for make in makers:
+        for attr in attrs:
+            assert outcome(quick, make, attr) == outcome(own, make, attr), (make, attr)
+    assert outcome(quick, makers[3], "__x__")[1]["recorded"] == "'__x__'"  # the mixin's, as super() finds it
+    assert outcome(quick, makers[1], "custom")[0] == "raised"  # set on int: refused as typing's own

@@ -175,9 +175,65 @@ def qualifiers_quick() -> Callable[[], None]:
     return restore
 
 
+_SETATTR_NAMES = {"__origin__", "__setattr__", "_is_dunder", "setattr", "super"}
+"""The names ``_BaseGenericAlias.__setattr__`` reads on Python 3.10-3.13 (``_is_dunder(attr) or attr in NAMES``:
+``super().__setattr__``, else ``setattr(self.__origin__, ...)``)."""
+
+
+def alias_setattr(base: type, names: frozenset) -> Callable:
+    """``typing._BaseGenericAlias.__setattr__`` (``base``'s, its own names ``names``) with ``typing._is_dunder``'s
+    test written in place of its call (``attr.startswith('__') and attr.endswith('__')``) and ``super().__setattr__``
+    found once per class (``next_setattr``): an alias sets four to eight attributes when made, about 3,000 while a
+    command loads."""
+    found: dict = {}
+
+    def __setattr__(self, attr, val):
+        if attr.startswith("__") and attr.endswith("__") or attr in names:
+            cls = type(self)
+            setter = found.get(cls)
+            if setter is None:
+                setter = found[cls] = next_setattr(cls, base)
+            setter(self, attr, val)
+        else:
+            setattr(self.__origin__, attr, val)
+
+    return __setattr__
+
+
+def next_setattr(cls: type, base: type) -> Callable:
+    """What ``super(base, instance).__setattr__`` calls for an instance of ``cls``: the ``__setattr__`` of the first
+    class after ``base`` in ``cls``'s MRO that defines one (``object``'s for typing's aliases)."""
+    mro = cls.__mro__
+    return next(vars(k)["__setattr__"] for k in mro[mro.index(base) + 1:] if "__setattr__" in vars(k))
+
+
+def quick_alias_setattr() -> Callable[[], None]:
+    """Until the returned function is called, ``typing._BaseGenericAlias.__setattr__`` is ``alias_setattr``'s, where
+    it and ``_is_dunder`` have the shape that function copies (a ``typing`` of another shape is left alone)."""
+    import typing
+
+    base, dunder = getattr(typing, "_BaseGenericAlias", None), getattr(typing, "_is_dunder", None)
+    own = vars(base).get("__setattr__") if isinstance(base, type) else None
+    code, test = getattr(own, "__code__", None), getattr(dunder, "__code__", None)
+    if code is None or test is None or set(code.co_names) != _SETATTR_NAMES or code.co_varnames != ("self", "attr",
+                                                                                                      "val"):
+        return lambda: None
+    names = [c for c in code.co_consts if type(c) is frozenset]
+    if len(names) != 1 or test.co_names != ("startswith", "endswith") or "__" not in test.co_consts:
+        return lambda: None
+    base.__setattr__ = quick = alias_setattr(base, names[0])
+
+    def restore() -> None:
+        if vars(base).get("__setattr__") is quick:
+            base.__setattr__ = own
+
+    return restore
+
+
 def quick_types() -> Callable[[], None]:
-    """``quick_type_checks``, ``qualifiers_quick`` and ``parameters_read_once``; the returned function undoes them."""
-    undo = (quick_type_checks(), qualifiers_quick(), parameters_read_once())
+    """``quick_type_checks``, ``quick_alias_setattr``, ``qualifiers_quick`` and ``parameters_read_once``; the
+    returned function undoes them."""
+    undo = (quick_type_checks(), quick_alias_setattr(), qualifiers_quick(), parameters_read_once())
 
     def off() -> None:
         for each in reversed(undo):
