@@ -1,9 +1,11 @@
 """Types a command reads twice, or checks the long way, while it loads (docs/benchmarks.md, "2026-12-03, sixth
-session, imports4"). ``typing``'s check of a type argument is answered without its comparisons where the answer is
-known, for a string (a forward reference) and a plain class: ``typing._type_check`` compares every argument with
-eight special forms (``arg in (Any, LiteralString, NoReturn, Never, Self, TypeAlias)``, then ``arg in (Generic,
-Protocol)``), each comparison of a ``ForwardRef`` a call of its Python ``__eq__``; a command checks about 750 strings
-(pydantic_core's ``TypedDict``s, 605 of them, and pydantic's) and 200 classes. typer reads a command's parameters
+session, imports4"), each answered as the long way answers. ``typing``'s check of a type argument, without its
+comparisons where the answer is known, for a string (a forward reference) and a plain class: ``typing._type_check``
+compares every argument with eight special forms (``arg in (Any, LiteralString, NoReturn, Never, Self, TypeAlias)``,
+then ``arg in (Generic, Protocol)``), each comparison of a ``ForwardRef`` a call of its Python ``__eq__``; a command
+checks about 750 strings (pydantic_core's ``TypedDict``s, 605 of them, and pydantic's) and 200 classes. typing's
+aliases setting their attributes (about 3,000) without a call of ``_is_dunder`` each; typing_extensions' qualifiers
+of a ``TypedDict`` field given as a string, without a generator. typer reads a command's parameters
 (``inspect.signature`` with its annotations evaluated, ``get_type_hints``, a copy of each option) twice, once for the
 options and once for the callback, which keeps only their names: the second reading is the first's answer. Kept out
 of ``cli_startup`` (full) beside it. Each a speed-up, no rule."""
@@ -62,7 +64,8 @@ def quick_type_checks() -> Callable[[], None]:
     if not _readable(typing) or getattr(typing._type_check, "__wrapped__", None) is not None:
         return lambda: None
     own, ref = typing._type_check, typing.ForwardRef
-    converted, made = typing._type_convert("x", module="m", allow_special_forms=True), ref("x", module="m", is_class=True)
+    converted = typing._type_convert("x", module="m", allow_special_forms=True)
+    made = ref("x", module="m", is_class=True)
     if type(converted) is not ref or any(getattr(converted, a, 0) != getattr(made, a, 0) for a in _REF_ATTRIBUTES):
         return lambda: None  # a _type_convert that makes something else of a string
     typing._type_check = quick = checked_type(own, ref, (typing.Generic, typing.Protocol))
