@@ -70,7 +70,9 @@ OTHERS = [int, str, bool, object, type, Plain, WithMeta, Meta, Equal, Gen, Gen[i
           NoReturn, ClassVar, Final, ClassVar[int], Final[int], Union, Optional, Union[int, str], Optional[Plain],
           int | None, list[int], typing.List, typing.List[int], Literal["a"], T, None, (int, str), 3, "",
           typing.Tuple, Callable, Callable[[int], str], typing.Annotated[int, "m"], typing.ForwardRef("int"),
-          type(None), typing.Type[int], dict, frozenset, typing.TypeAlias]
+          type(None), typing.Type[int], dict, frozenset, typing.TypeAlias, list[ClassVar[int]], list["x"],
+          dict[str, Final[int]], Union[int, "X"], Optional["Plain"], int | str | None, tuple[int, ...],
+          Equal | int, list[Equal]]
 KWARGS = [{}, {"is_argument": False}, {"module": "zeroplan.types"}, {"allow_special_forms": True},
           {"is_argument": False, "module": "m", "allow_special_forms": True}]
 
@@ -78,7 +80,8 @@ KWARGS = [{}, {"is_argument": False}, {"module": "zeroplan.types"}, {"allow_spec
 @pytest.mark.parametrize("kwargs", KWARGS)
 def test_a_quick_check_answers_as_typings_own(kwargs):
     own = typing._type_check
-    quick = checked_type(own, typing.ForwardRef, (Generic, Protocol))
+    quick = checked_type(own, typing.ForwardRef, (Generic, Protocol),
+                         (types.UnionType, typing._UnionGenericAlias, types.GenericAlias))
     for arg in [*STRINGS, *OTHERS]:
         assert answer(quick, arg, **kwargs) == answer(own, arg, **kwargs), arg
     assert answer(quick, Generic)[0] == answer(quick, Equal)[0] == answer(quick, (int,))[0] == "raised"  # checked
@@ -90,6 +93,9 @@ def test_the_quick_check_is_on_while_compiling_less_and_typing_is_as_it_was_afte
     try:
         assert typing._type_check is not own and typing._type_check.__wrapped__ is own
         assert quick_type_checks()() is None and typing._type_check.__wrapped__ is own  # nested: left alone
+        for kwargs in KWARGS:  # the check installed answers as typing's own too
+            for arg in [*STRINGS, *OTHERS]:
+                assert answer(typing._type_check, arg, **kwargs) == answer(own, arg, **kwargs), arg
         td = typing.TypedDict("TD", {"a": "int", "b": Optional[int], "c": Plain})
         assert td.__annotations__["a"] == typing.ForwardRef("int", module=__name__)
     finally:

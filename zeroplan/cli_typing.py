@@ -37,18 +37,20 @@ def _readable(typing: object) -> bool:
             and convert_code.co_kwonlyargcount == 1 and convert_code.co_varnames[2] == "allow_special_forms")
 
 
-def checked_type(check: Callable, convert: Callable, plain: tuple) -> Callable:
-    """``check`` (``typing._type_check``) with two answers given without it: a ``str`` is the ``ForwardRef``
+def checked_type(check: Callable, convert: Callable, plain: tuple, unions: tuple = ()) -> Callable:
+    """``check`` (``typing._type_check``) with three answers given without it: a ``str`` is the ``ForwardRef``
     ``convert`` makes (``typing.ForwardRef``: ``check`` converts a string to ``ForwardRef(arg, module=module,
     is_class=allow_special_forms)`` first, ``_type_convert``; a ``ForwardRef`` equals only a ``ForwardRef``, is no
     special form, no generic alias, no tuple, so ``check`` returns it as converted); a class whose type is ``type`` and
     that is none of ``plain`` (``Generic``, ``Protocol``: refused by ``check``) is returned as it is (no special
-    form or alias is such a class). Anything else goes to ``check``."""
+    form or alias is such a class); so is an object whose type is one of ``unions`` (``X | Y``, ``Union[X, Y]``,
+    ``list[X]``: equal to no special form, no typing alias of ``ClassVar`` or ``Final``, callable). Anything else
+    goes to ``check``."""
 
     def type_check(arg, msg, is_argument=True, module=None, *, allow_special_forms=False):
         if isinstance(arg, str):
             return convert(arg, module=module, is_class=allow_special_forms)
-        if type(arg) is type and arg not in plain:
+        if type(arg) is type and arg not in plain or type(arg) in unions:
             return arg
         return check(arg, msg, is_argument, module, allow_special_forms=allow_special_forms)
 
@@ -59,6 +61,7 @@ def checked_type(check: Callable, convert: Callable, plain: tuple) -> Callable:
 def quick_type_checks() -> Callable[[], None]:
     """Until the returned function is called, ``typing._type_check`` is ``checked_type``'s (a ``typing`` of another
     shape is left alone; so is one whose ``_type_check`` is already replaced)."""
+    import types
     import typing
 
     if not _readable(typing) or getattr(typing._type_check, "__wrapped__", None) is not None:
@@ -68,7 +71,9 @@ def quick_type_checks() -> Callable[[], None]:
     made = ref("x", module="m", is_class=True)
     if type(converted) is not ref or any(getattr(converted, a, 0) != getattr(made, a, 0) for a in _REF_ATTRIBUTES):
         return lambda: None  # a _type_convert that makes something else of a string
-    typing._type_check = quick = checked_type(own, ref, (typing.Generic, typing.Protocol))
+    unions = tuple(t for t in (getattr(types, "UnionType", None), getattr(typing, "_UnionGenericAlias", None),
+                               getattr(types, "GenericAlias", None)) if isinstance(t, type))
+    typing._type_check = quick = checked_type(own, ref, (typing.Generic, typing.Protocol), unions)
 
     def restore() -> None:
         if vars(typing).get("_type_check") is quick:
