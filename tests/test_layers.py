@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("validate",),
     ("zeroplan.cli", "zeroplan.cli_options", "zeroplan.cli_integrations", "zeroplan.cli_sweep", "zeroplan.cli_plot",
      "zeroplan.cli_validate", "zeroplan.cli_startup", "zeroplan.cli_deferred",
-     "zeroplan.cli_exit", "zeroplan.cli_generated"),
+     "zeroplan.cli_exit", "zeroplan.cli_generated", "zeroplan.cli_typing"),
 )
 
 CIRCLES_ALLOWED: dict[tuple[str, ...], str] = {

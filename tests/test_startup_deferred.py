@@ -70,7 +70,8 @@ uses = [__import__('secrets').token_hex(4), b64encode(b'zeroplan').decode(), __i
         __import__('signal').Signals(2).name, decompress(compress(b'x' * 99)).decode(), unxz(xz(b'y' * 9)).decode(),
         __import__('linecache').getline(__file__, 1) == open(__file__).readline() != '',
         __import__('token').tok_name[1], sys.modules['typer.colors'].RED, sys.modules['shellingham'].__name__,
-        [t.string for t in __import__('tokenize').generate_tokens(iter(['a = 1\\n']).__next__)][:3]]
+        [t.string for t in __import__('tokenize').generate_tokens(iter(['a = 1\\n']).__next__)][:3],
+        __import__('tempfile').gettempprefix(), __import__('os').path.isdir(__import__('tempfile').gettempdir())]
 assert all(type(sys.modules[n]) is types.ModuleType for n in names)
 print(json.dumps([names] + [[n, sorted(vars(m)), type(m.__loader__).__name__, m.__spec__.loader is m.__loader__,
                              m.__file__, m.__cached__, m.__spec__.origin, m.__spec__.loader_state]
@@ -90,7 +91,7 @@ def test_a_deferred_module_once_used_is_the_module_an_import_makes():
     assert [row[2] for row in rows[:len(names)]] == ["SourceFileLoader"] * len(names)
     assert rows[len(names):] == [8, "emVyb3BsYW4=", "07000000", "42\n", "SIGINT", "x" * 99, "y" * 9,
                                      True,
-                                     "NAME", "red", "shellingham", ["a", "=", "1"]]
+                                     "NAME", "red", "shellingham", ["a", "=", "1"], "tmp", True]
 
 
 ALREADY = """

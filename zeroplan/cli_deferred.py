@@ -23,13 +23,15 @@ DEFERRED_MODULES = frozenset((
     "linecache",  # inspect and traceback (source lines, read when a traceback or a source is printed)
     "tokenize",  # inspect (getsource)
     "token",  # inspect, tokenize
+    "tempfile",  # zeroplan.files (a file written: sweep, plot): random, with _sha512, bisect, _random
     "shellingham",  # typer's shell completion (not a standard module: typer's own dependency)
     "typer.colors",  # typer (``typer.colors.RED``, for a caller's ``typer.style``)
 ))  # fmt: skip
 """The modules deferred: each is imported as ``import NAME`` by a module a command loads and used by neither
 ``estimate`` nor ``plan`` (every engine; tests/test_startup_deferred.py; ``--help`` runs ``struct`` and ``linecache``
 for rich); the names after each are what the importer needs it for, then what its running would import. Together
-about 33 M instructions of a plan (OpenSSL's ``_hashlib`` alone 2.8-3.6 CPU-ms of ``-X importtime``)."""
+about 33 M instructions of a plan (OpenSSL's ``_hashlib`` alone 2.8-3.6 CPU-ms of ``-X importtime``); ``tempfile``
+about 4 M of ``estimate``, which imports ``zeroplan.files`` to read a shapes file (sixth session, imports4)."""
 
 class DeferredModule(types.ModuleType):
     """A module whose code has not run yet. Its ``__spec__`` is read without running it (the import statement reads

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 
 from zeroplan.cli_deferred import deferred_imports
 from zeroplan.cli_generated import cached_generated_code, regex_parts
+from zeroplan.cli_typing import quick_types
 
 if TYPE_CHECKING:
     import typer
@@ -123,9 +124,8 @@ def cached_dataclass_code(codes: Optional[CodeCache] = None) -> Callable[[], Non
 
 
 CODE_CACHE_MAX = 1024
-"""The most texts the code cache file keeps: past it, a process writes the codes it used alone (the file is read
-whole by every command: texts of classes since changed are dropped this way; the five commands of
-docs/benchmarks.md, "2026-12-03, startup", use 432)."""
+"""The most texts the code cache file keeps: past it, a process writes the codes it used alone (the file is read whole
+by every command: texts of classes since changed are dropped; docs/benchmarks.md, "2026-12-03, startup": 432)."""
 
 
 class CodeCache:
@@ -235,12 +235,12 @@ class CodeCache:
 
 def compiling_less(codes: Optional[CodeCache] = None) -> Callable[[], None]:
     """``deferred_dataclass_methods``, and ``cached_dataclass_code`` and ``shared_forward_ref_code`` with ``codes``
-    (None: within the process only, ``import zeroplan.cli``: its few texts are not worth reading the file), and
-    first ``cli_deferred.deferred_imports`` (the unused standard modules run at first use, never for a plan: before
-    ``dataclasses`` imports ``inspect``), last ``cli_generated.cached_generated_code`` (typing_inspection's and
-    namedtuple's texts and the regular expressions through ``codes`` too); the returned function turns them off."""
+    (None: within the process only, ``import zeroplan.cli``: its few texts are not worth reading the file), first
+    ``cli_deferred.deferred_imports`` (unused standard modules run at first use, never for a plan: before
+    ``dataclasses`` imports ``inspect``), ``cli_typing.quick_types``, last ``cli_generated.cached_generated_code``
+    (typing_inspection's and namedtuple's texts, the regular expressions through ``codes``); undone by the result."""
     codes = CodeCache(kept=False) if codes is None else codes
-    undo = (deferred_imports(), deferred_dataclass_methods(), cached_dataclass_code(codes),
+    undo = (deferred_imports(), deferred_dataclass_methods(), cached_dataclass_code(codes), quick_types(),
             shared_forward_ref_code(codes), cached_generated_code(codes.exec, codes.eval, codes.regex))
 
     def off() -> None:

@@ -21,8 +21,6 @@ or one ``q_proj`` (h·(n + r), d) when ``q_lora_rank`` is null; keys and values 
 ``o_proj`` (d, h·v). n = qk_nope_head_dim, r = qk_rope_head_dim, v = v_head_dim.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Optional
 

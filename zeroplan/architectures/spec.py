@@ -19,8 +19,6 @@ Two layouts (``style``):
   has those two.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from operator import itemgetter

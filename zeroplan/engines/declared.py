@@ -1,8 +1,6 @@
 """What an engine declares beside its functions (``base.Engine``): its planner options, its validator run's options
 and its launcher, each a record of data the commands read by name, never by the engine's name."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional

@@ -2,8 +2,6 @@
 engine reads it: ``LiveRun`` (read by ``zeroplan.estimation.live.read_live``), and the checks the engines' own
 ``Engine.live_settings`` share. Each engine maps it onto its own vocabulary in its package's ``live.py``."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Optional
 

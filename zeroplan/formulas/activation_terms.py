@@ -44,8 +44,6 @@ checkpointed block's no-grad forward) are derived op by op from the same Python,
 its locals and call arguments, and were checked byte for byte with MemTracker (docs/peak.md).
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal, Optional

@@ -7,8 +7,6 @@ What a rank actually puts on the wire with ring algorithms is (N_d-1)/N_d of tha
 elements per reduce-scatter or all-gather, twice that per all-reduce.
 """
 
-from __future__ import annotations
-
 from collections import Counter
 from dataclasses import dataclass, fields
 

@@ -25,8 +25,6 @@ parallel traffic and with other jobs, hierarchical (2-level) algorithms, kernel 
 synchronisation gaps, stragglers, and the memory traffic of the reduction itself.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from functools import cached_property

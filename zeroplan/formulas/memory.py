@@ -6,8 +6,6 @@ Two forms of the same model:
   tensor sizes are known) and turned into bytes once.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from zeroplan.formulas.optimizers import StateTensor, optimizer_bytes

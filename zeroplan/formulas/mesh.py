@@ -20,8 +20,6 @@ Megatron-LM and torchtitan place tensor parallelism). DeepSpeed's ZeRO++ hpZ gro
 itself refuses it (removed keys).
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

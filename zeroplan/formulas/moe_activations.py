@@ -26,8 +26,6 @@ exactly with saved-tensor hooks on transformers' own experts modules (tests/test
 The router's own saved tensors, the shared experts and the working sets: ``moe_block.py``.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Optional
 

@@ -29,8 +29,6 @@ The engines' own offload (DeepSpeed's buffers as 0.19.8 allocates them, fp32 hos
 ``CPUOffloadPolicy``) is ``HostMemory``, built by ``zeroplan/engines/*/offload.py``.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from zeroplan.formulas.memory import MemoryBreakdown, buffer_numels, model_states

@@ -5,8 +5,6 @@ Here each optimizer lists its per-parameter states; K follows from them and the 
 no "16" is hard-coded anywhere.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from zeroplan.formulas.dtypes import dtype_bytes

@@ -12,8 +12,6 @@ Allocator overhead (reserved - allocated: fragmentation and cached free blocks) 
 ``allocator_overhead_bytes``, zero until measured on a GPU.
 """
 
-from __future__ import annotations
-
 from collections.abc import Iterable
 from dataclasses import dataclass
 from operator import attrgetter

@@ -4,8 +4,6 @@ Formulas ask this table instead of testing stage numbers. DeepSpeed's ``zero_opt
 and FSDP's sharding strategies map onto the same four rows.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 

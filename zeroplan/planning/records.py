@@ -1,7 +1,5 @@
 """Typed, frozen results of ``zeroplan.plan``. ``zeroplan.planning.plan`` fills them; renderers read them."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Optional
 

@@ -1,11 +1,11 @@
 """Text, JSON and CSV views of an ``Estimate``. No computation happens here.
 
 The JSON documents' pydantic models (``zeroplan.render.schemas``) are imported by the JSON views only: a
-table never builds them (start-up time, issue 16)."""
+table never builds them, nor imports ``csv`` (start-up time, issue 16; docs/benchmarks.md, "2026-12-03, sixth
+session, imports4")."""
 
 from __future__ import annotations
 
-import csv
 import io
 
 from zeroplan.engines import get_engine
@@ -127,6 +127,8 @@ def to_json(e: Estimate, auto=None) -> str:
 
 
 def to_csv(e: Estimate) -> str:
+    import csv  # here: a table or JSON estimate does not load it (a speed-up, no rule)
+
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()

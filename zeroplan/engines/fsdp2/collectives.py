@@ -1,7 +1,5 @@
 """The collectives FSDP2 issues in one training step, in issue order (``_fsdp_collectives.py``)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from zeroplan.engines.fsdp2.memo import by_identity, memo_term

@@ -4,8 +4,6 @@
 FSDP2 pads each parameter on dim 0 to ``ceil(d0 / nd)`` rows per rank; the reference runtime pads a flat
 buffer instead (``zeroplan.formulas.sharding``): two engines, two rules, each named for its engine."""
 
-from __future__ import annotations
-
 import math
 from collections import Counter
 from dataclasses import dataclass

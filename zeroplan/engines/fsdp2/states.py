@@ -2,8 +2,6 @@
 (``_fsdp_param.py FSDPParam._init_sharded_param``), gradient shards per unit, Adam's states on the real rows
 (``torch/optim/adam.py``)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from zeroplan.engines.fsdp2.memo import by_identity, memo_term
