@@ -53,7 +53,9 @@ def test_other_commands_and_a_thread_left_running_end_with_the_teardown(tmp_path
     out = tmp_path / "s.csv"
     sweep = fresh(["sweep", "--params", "1e9", "--gpus", "8", "--out", str(out)])  # writes a file: not one answer
     assert sweep.returncode == 0 and sweep.stderr == "atexit ran\n" and out.exists()
-    running = "import threading, time\nthreading.Thread(target=time.sleep, args=(0.3,)).start()\n"
+    # the thread must outlive the command even on a loaded machine (0.3 s did not, once: the estimate took longer
+    # and ended by os._exit, as it should with no thread left), so it sleeps 2 s
+    running = "import threading, time\nthreading.Thread(target=time.sleep, args=(2.0,)).start()\n"
     waited = fresh(ESTIMATE, before=running)
     assert waited.returncode == 0 and waited.stderr == "atexit ran\n"
 
