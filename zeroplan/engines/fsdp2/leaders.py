@@ -83,10 +83,16 @@ def rank_leaders(run: Fsdp2Run, block_bytes: int) -> tuple[Moment, ...]:
     return leaders
 
 
-def predict_peak(run: Fsdp2Run) -> PeakEstimate:
-    """The peak of ``run`` per phase; CUDA rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``) and
-    keeps the cuBLAS / cuBLASLt workspaces from the first backward on (``formulas.cuda_workspaces``)."""
+def peak_rounding(run: Fsdp2Run) -> tuple[int, tuple]:
+    """(the block every term is rounded to, the terms resident in every phase after init) of ``run``'s peak: CUDA
+    rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``) and keeps the cuBLAS / cuBLASLt workspaces from
+    the first backward on (``formulas.cuda_workspaces``); on CPU neither."""
     if run.settings.device != "cuda":
-        return peak_of(rank_leaders(run, 1))
-    resident = (library_workspaces(run.settings.cuda_capability, run.biased_linear),)
-    return peak_of(rank_leaders(run, CUDA_BLOCK_BYTES), CUDA_BLOCK_BYTES, resident=resident)
+        return 1, ()
+    return CUDA_BLOCK_BYTES, (library_workspaces(run.settings.cuda_capability, run.biased_linear),)
+
+
+def predict_peak(run: Fsdp2Run) -> PeakEstimate:
+    """The peak of ``run`` per phase, rounded as ``peak_rounding`` says."""
+    block, resident = peak_rounding(run)
+    return peak_of(rank_leaders(run, block), block, resident=resident)
