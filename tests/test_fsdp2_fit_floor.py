@@ -2,7 +2,8 @@
 ``over``; a speed-up, no rule): on drawn configurations of every kind the mesh search makes (tp, HSDP meshes,
 reshard, checkpointing) and a few it does not (CPU, offload, an int reshard, selective checkpointing), an estimate
 given a budget has no row only when its peak is over it (always, but for the TP rank map on CPU) and else the same row, the floor it reads is a lower
-bound on the peak, and the plans answer what they answer without it."""
+bound on the peak, the moments it builds are those the estimate would (``leaders.step_moments``), and the plans
+answer what they answer without it."""
 
 from __future__ import annotations
 
@@ -115,6 +116,17 @@ def test_an_estimate_over_a_budget_is_no_row_exactly_when_its_peak_is_over(model
     ls = resolve_mesh(ls, ln)
     first = distinct_ranks(distinct_shapes(lw.shapes), shard_groups(ls, ln)[1])[0]
     run, _ = rank_run(lw, ln, ls.model_copy(update={"rank": first}))
+    from zeroplan.engines.fsdp2.leaders import sampled_blocks, step_moments
+    from zeroplan.engines.fsdp2.moments import moments
+
+    from zeroplan.engines.fsdp2.leaders import SECTIONS, outside_backward
+    from zeroplan.engines.fsdp2.param import distinct_ranks as ranks_of
+
+    for blocks in (None, sampled_blocks(run)):  # the moments the floor built, taken by the estimate: the same
+        assert step_moments(run, blocks) == moments(rank_run(lw, ln, ls.model_copy(update={"rank": first}))[0], blocks)
+    for r in ranks_of(distinct_shapes(lw.shapes), shard_groups(ls, ln)[1])[1:]:  # another rank's: its own
+        built = rank_run(lw, ln, ls.model_copy(update={"rank": r}))[0]
+        assert all(outside_backward(run.for_rank(r), p) == f(built) for p, f in SECTIONS.items())
     if s.offload_policy == "cpu":
         assert not over_floor(run, 0)
         return

@@ -9,13 +9,11 @@ without the backward's moments (the blocks' walk, most of an estimate) or its ot
 
 from __future__ import annotations
 
-from zeroplan.engines.fsdp2.leaders import peak_rounding
-from zeroplan.engines.fsdp2.moments import forward_moments, init_moments
-from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
+from zeroplan.engines.fsdp2.leaders import outside_backward, peak_rounding
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, _blocks_saved
 from zeroplan.formulas.peak import rounded_total
 
-PHASES = ((optimizer_moments, True), (init_moments, False), (forward_moments, True))
+PHASES = (("optimizer_step", True), ("init", False), ("forward", True))
 """The moments read, cheapest first (the optimizer step is one moment; init one per unit; the forward a dozen, the
 gathered blocks in each), and whether the workspaces count there (every phase after init)."""
 
@@ -34,16 +32,16 @@ def over_floor(run: Fsdp2Run, capacity: int) -> bool:
     ``capacity`` bytes, rounded as ``predict_peak`` rounds it: then so does the peak of every estimate that takes
     ``run``'s rank (``worst_rank`` takes the highest), and TP's rank map (``tp_estimate.with_resident``) only adds.
     False without activations (no peak) or under ``CPUOffloadPolicy`` (its moments are rewritten:
-    ``offload.offload_moments``). The terms it builds stay in ``run.memo``: the estimate that follows when it is
-    False asks them again."""
+    ``offload.offload_moments``). The moments it builds stay in ``run.memo`` (``leaders.outside_backward``): the
+    estimate that follows when it is False takes them."""
     if run.acts is None or run.settings.offload_policy != "none":
         return False
     if saved_floor(run) > capacity:
         return True
     block, resident = peak_rounding(run)
     extra = rounded_total(resident, block) if resident else 0
-    for build, after_init in PHASES:
+    for phase, after_init in PHASES:
         room = capacity - extra if after_init else capacity
-        if any(rounded_total(m.terms, block) > room for m in build(run)):
+        if any(rounded_total(m.terms, block) > room for m in outside_backward(run, phase)):
             return True
     return False
