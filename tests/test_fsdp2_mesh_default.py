@@ -186,23 +186,29 @@ def test_the_gathered_floor_is_the_unsharded_parameters_the_loss_holds(model, nd
     ("llama3-8b", 56, {"param_dtype": "bf16", "selective_ac": 2}),  # no checkpointing: every layer's saved set
 ])  # fmt: skip
 def test_the_saved_floor_is_the_activations_the_cross_entropy_backward_holds(model, nd, own):
-    """``plan.saved_floor`` (the candidates without checkpointing ``plan.first_fit`` skips unestimated) is the
-    "saved activations of L blocks" term of the cross-entropy backward (``moments.backward_moments``) of the run
-    the estimate trains, and never exceeds the predicted peak (its worst rank's); 0 with checkpointing or under
-    ``CPUOffloadPolicy``. A floor from another run (the full model's activations under TP, another dtype) fails."""
+    """``fit_floor.saved_floor`` (what settles a candidate without checkpointing before its moments, ``over_floor``)
+    is the "saved activations of L blocks" term of the cross-entropy backward (``moments.backward_moments``) of the
+    run the estimate trains, and never exceeds the predicted peak (its worst rank's); 0 with checkpointing, and not
+    read under ``CPUOffloadPolicy``. A floor from another run (the full model's activations under TP, another dtype)
+    fails."""
+    from zeroplan.engines.fsdp2.fit_floor import over_floor, saved_floor
     from zeroplan.engines.fsdp2.moments import moments
-    from zeroplan.engines.fsdp2.plan import saved_floor
+
+    def run_of(w, settings):
+        made: dict = {}
+        (row,) = fsdp2.estimate(w, nd, settings, made)
+        return row, made[0]
 
     w = model_workload(resolve_model(model), 2048, 1, "none", 1, True)
     settings = fsdp2.Settings(**own, foreach=True)
-    made: dict = {}
-    (row,) = fsdp2.estimate(w, nd, settings, made)
-    floor = saved_floor(w, nd, settings)
-    (ce,) = (m for m in moments(made[0]) if m.name == "cross-entropy backward")
+    row, run = run_of(w, settings)
+    floor = saved_floor(run)
+    (ce,) = (m for m in moments(run) if m.name == "cross-entropy backward")
     (saved,) = (t for t in ce.terms if t.name.startswith("saved activations of "))
     assert 0 < floor == saved.bytes <= row.peak.peak_bytes
-    assert saved_floor(replace(w, checkpointing="full"), nd, settings) == 0
-    assert saved_floor(w, nd, settings.model_copy(update={"offload_policy": "cpu"})) == 0
+    assert over_floor(run, floor - 1)
+    assert saved_floor(run_of(replace(w, checkpointing="full"), settings)[1]) == 0
+    assert not over_floor(run_of(w, settings.model_copy(update={"offload_policy": "cpu"}))[1], 0)
 
 
 def test_a_module_tree_outside_the_tp_plan_is_searched_without_tp():

@@ -9,6 +9,9 @@ Three shortcuts, each exact:
   over the blocks away from the edges the largest of each kind is at the first or the last of them;
 - ``rank_leaders``: the ranks of one run differ only in Adam's states, a term every forward and backward
   moment holds once (``Fsdp2Run.for_rank``), so those two phases' leaders are shared.
+
+And ``step_moments`` takes the init, forward and optimizer-step moments a run has built already (``fit_floor``
+reads them before the backward's) rather than building them again.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from __future__ import annotations
 import operator
 from itertools import repeat
 
-from zeroplan.engines.fsdp2.mesh import holds_allreduce
-from zeroplan.engines.fsdp2.moments import init_moments, moments
+from zeroplan.engines.fsdp2.mesh import holds_allreduce, with_allreduce_held
+from zeroplan.engines.fsdp2.moments import NOT_BUILT, backward_moments, forward_moments, init_moments, moments
 from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
 from zeroplan.engines.fsdp2.side import head_units
 from zeroplan.engines.fsdp2.terms import Fsdp2Run, adam
@@ -27,6 +30,10 @@ from zeroplan.formulas.peak import CUDA_BLOCK_BYTES, Moment, PeakEstimate, peak_
 STEP_PHASES = ("forward", "backward")
 STEP_LEADERS = "step_leaders"
 """``run.memo`` key of the forward and backward leaders and the Adam term they hold (``rank_leaders``)."""
+OUTSIDE_BACKWARD = "outside_backward"
+"""``run.memo`` key of a run's init, forward or optimizer-step moments (``outside_backward``; in ``memo.RANKED``:
+each holds the rank's Adam states)."""
+SECTIONS = {"init": init_moments, "forward": forward_moments, "optimizer_step": optimizer_moments}
 EDGE = 3
 """Blocks 1..EDGE-1 and L are edges: block 1 holds no prefetch and its moments (and block 2's prefetch of
 block 1, named "block 1 ...") take the embeddings' regather (``moments.backward_moments``); block L holds no
@@ -75,7 +82,7 @@ def rank_leaders(run: Fsdp2Run, block_bytes: int) -> tuple[Moment, ...]:
         own = adam(run)
         step = tuple(Moment(m.phase, m.name, tuple(own if t is first_adam else t for t in m.terms)) for m in step)
         return phase_leaders((*init_moments(run), *step, *optimizer_moments(run)), block_bytes)
-    some = moments(run, sampled_blocks(run))
+    some = step_moments(run, sampled_blocks(run))
     leaders = phase_leaders(some, block_bytes)
     held = adam(run)
     if all(sum(map(operator.is_, m.terms, repeat(held))) == 1 for m in some if m.phase in STEP_PHASES):
@@ -83,10 +90,36 @@ def rank_leaders(run: Fsdp2Run, block_bytes: int) -> tuple[Moment, ...]:
     return leaders
 
 
-def predict_peak(run: Fsdp2Run) -> PeakEstimate:
-    """The peak of ``run`` per phase; CUDA rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``) and
-    keeps the cuBLAS / cuBLASLt workspaces from the first backward on (``formulas.cuda_workspaces``)."""
+def outside_backward(run: Fsdp2Run, phase: str) -> tuple[Moment, ...]:
+    """``run``'s moments of ``phase`` (init, forward or optimizer_step: ``SECTIONS``), built once per run (a
+    speed-up, no rule: the same moments; ``fit_floor`` reads them first)."""
+    got = run.memo.get((OUTSIDE_BACKWARD, phase))
+    if got is None:
+        got = run.memo[OUTSIDE_BACKWARD, phase] = SECTIONS[phase](run)
+    return got
+
+
+def step_moments(run: Fsdp2Run, blocks: tuple[int, ...] | None) -> tuple[Moment, ...]:
+    """``moments(run, blocks)`` as ``moments.moments`` composes them, with the init, forward and optimizer-step
+    moments of ``outside_backward`` (a speed-up, no rule, tests/test_fsdp2_fit_floor.py; ``moments`` itself under
+    ``CPUOffloadPolicy``, which rewrites every moment)."""
+    if run.settings.offload_policy != "none" or run.acts is None:
+        return moments(run, blocks)
+    backward = with_allreduce_held(run, backward_moments(run, blocks), NOT_BUILT if blocks is not None else None)
+    return (*outside_backward(run, "init"), *outside_backward(run, "forward"), *backward,
+            *outside_backward(run, "optimizer_step"))  # fmt: skip
+
+
+def peak_rounding(run: Fsdp2Run) -> tuple[int, tuple]:
+    """(the block every term is rounded to, the terms resident in every phase after init) of ``run``'s peak: CUDA
+    rounds every block to 512 bytes (``peak.CUDA_BLOCK_BYTES``) and keeps the cuBLAS / cuBLASLt workspaces from
+    the first backward on (``formulas.cuda_workspaces``); on CPU neither."""
     if run.settings.device != "cuda":
-        return peak_of(rank_leaders(run, 1))
-    resident = (library_workspaces(run.settings.cuda_capability, run.biased_linear),)
-    return peak_of(rank_leaders(run, CUDA_BLOCK_BYTES), CUDA_BLOCK_BYTES, resident=resident)
+        return 1, ()
+    return CUDA_BLOCK_BYTES, (library_workspaces(run.settings.cuda_capability, run.biased_linear),)
+
+
+def predict_peak(run: Fsdp2Run) -> PeakEstimate:
+    """The peak of ``run`` per phase, rounded as ``peak_rounding`` says."""
+    block, resident = peak_rounding(run)
+    return peak_of(rank_leaders(run, block), block, resident=resident)

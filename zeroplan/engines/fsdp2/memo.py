@@ -3,8 +3,9 @@ terms thousands of times, and ``leaders.phase_leaders`` rounds each distinct ter
 
 from __future__ import annotations
 
-RANKED = ("adam", "run_states")
-"""The ``memo_term`` terms that depend on ``settings.rank`` (``Fsdp2Run.for_rank`` rebuilds them)."""
+RANKED = ("adam", "run_states", "outside_backward")
+"""The ``memo_term`` terms that depend on ``settings.rank`` (``Fsdp2Run.for_rank`` rebuilds them), and the moments
+that hold them (``leaders.outside_backward``)."""
 
 
 def memo_term(fn):

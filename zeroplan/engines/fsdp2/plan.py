@@ -14,6 +14,7 @@ from zeroplan.engines.fsdp2.launcher import settings_snippet
 from zeroplan.engines.fsdp2.mesh import (AUTO, gathered_floor, mesh_pins, possible_sizes,
                                          resolve_mesh, shard_groups, shard_rank, shard_sizes, smallest_fitting)
 from zeroplan.formulas.mesh import DEFAULT_GPUS_PER_NODE
+from zeroplan.engines.fsdp2.fit_floor import over_floor
 from zeroplan.engines.fsdp2.leaders import predict_peak
 from zeroplan.engines.fsdp2.moments import init_moments
 from zeroplan.engines.fsdp2.optimizer_step import optimizer_moments
@@ -22,9 +23,9 @@ from zeroplan.engines.fsdp2.param import distinct_ranks, distinct_shapes, total_
 from zeroplan.engines.fsdp2.settings import Settings
 from zeroplan.engines.fsdp2.tp import tp_acts
 from zeroplan.engines.fsdp2.tp_loss import check_loss_parallel
-from zeroplan.engines.fsdp2.tp_estimate import (mesh_search, tp_estimate, tp_local, tp_mesh, tp_rows, tp_search,
+from zeroplan.engines.fsdp2.tp_estimate import (mesh_search, tp_estimate, tp_mesh, tp_rows, tp_search,
                                                 tp_workload)
-from zeroplan.engines.fsdp2.terms import Fsdp2Run, _blocks_saved, fsdp2_run, mesh_ranks, resharded, run_states
+from zeroplan.engines.fsdp2.terms import Fsdp2Run, fsdp2_run, mesh_ranks, resharded, run_states
 from zeroplan.engines.fsdp2.units import wrapping_of
 from zeroplan.engines.fsdp2.wrap import Wrapping
 from zeroplan.formulas.dtypes import canonical_dtype, dtype_bytes
@@ -35,7 +36,7 @@ from zeroplan.formulas.dropout import dropout_limit
 from zeroplan.policy import PrecisionPolicy
 
 def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None = None,
-             collectives: bool = True) -> tuple[EngineEstimate, ...]:
+             collectives: bool = True, over: int | None = None) -> tuple[EngineEstimate, ...]:
     """The one FSDP2 configuration ``settings`` describes, on ``settings.rank`` of ``nd`` ranks (None: the
     rank peaking highest of those whose shards differ, ``distinct_ranks``, named in ``peak_rank``), on a 2-D
     HSDP mesh when ``dp_replicate``/``dp_shard`` say so (engines/fsdp2/mesh.py); its collectives count one
@@ -43,23 +44,31 @@ def estimate(workload: Workload, nd: int, settings: Settings, made: dict | None 
     model on N_d / T data-parallel ranks (engines/fsdp2/tp.py ``tp_estimate``). ``made``: filled with {rank: its
     run} (with TP: the data-parallel rank's TP-local run), for the plan's allocation trace of the rank that peaks
     (``alloc_traces``' ``run``). ``collectives`` False: the rows' collectives left empty (the plan's search reads
-    only the peaks of most configurations; ``with_collectives`` adds them to a row later, the same tuple)."""
+    only the peaks of most configurations; ``with_collectives`` adds them to a row later, the same tuple). ``over``:
+    a budget; a configuration whose peak is proven above it gives no row, (), as soon as it is (``_estimate``: the
+    plan's search asks only whether most configurations fit; a speed-up, no rule)."""
     check_loss_parallel(settings.tp, settings.loss_parallel)
     if (settings.tp or 1) > 1:
-        return tp_estimate(workload, nd, settings, dp_estimate, made, collectives)
-    return dp_estimate(workload, nd, settings, made, collectives)
+        return tp_estimate(workload, nd, settings, dp_estimate, made, collectives, over)
+    return dp_estimate(workload, nd, settings, made, collectives, over)
 
 
-def dp_estimate(workload: Workload, nd: int, settings: Settings,
-                made: dict | None = None, collectives: bool = True) -> tuple[EngineEstimate, ...]:
+def dp_estimate(workload: Workload, nd: int, settings: Settings, made: dict | None = None,
+                collectives: bool = True, over: int | None = None) -> tuple[EngineEstimate, ...]:
     """``estimate`` on ``nd`` data-parallel ranks (with ``tp``: ``workload`` is the TP-local one)."""
     settings = resolve_mesh(settings, nd)  # HSDP: R replicas of S-way shards; the profile is sized by S
     if settings.rank is None:  # the ranks of one shard group differ; the replicas repeat them
         ranks = distinct_ranks(distinct_shapes(workload.shapes), shard_groups(settings, nd)[1])
         runs: list = []  # the first rank's run, which the others reuse (Fsdp2Run.for_rank: a speed-up)
-        return (worst_rank({r: _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs, made,
-                                         collectives) for r in ranks}),)  # fmt: skip
-    return (_estimate(workload, nd, settings, None, made, collectives),)
+        rows = {}
+        for r in ranks:
+            row = rows[r] = _estimate(workload, nd, settings.model_copy(update={"rank": r}), runs, made,
+                                      collectives, over)  # fmt: skip
+            if row is None:  # its peak is over ``over``: so is the worst rank's
+                return ()
+        return (worst_rank(rows),)
+    row = _estimate(workload, nd, settings, None, made, collectives, over)
+    return () if row is None else (row,)
 
 
 def rank_run(workload: Workload, nd: int, settings: Settings):
@@ -88,11 +97,13 @@ def _tp_acts(*args):
 _kept_tp_acts = lru_cache(maxsize=64)(tp_acts)
 
 
-def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None = None,
-              made: dict | None = None, collectives: bool = True) -> EngineEstimate:
+def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None = None, made: dict | None = None,
+              collectives: bool = True, over: int | None = None) -> EngineEstimate | None:
     """One rank's row; ``runs``: the first rank's run, shared by the others of one estimate (only Adam's states
-    depend on the rank: ``Fsdp2Run.for_rank``); ``made``: {rank: its run}, filled."""
-    rank = settings.rank
+    depend on the rank: ``Fsdp2Run.for_rank``); ``made``: {rank: its run}, filled. None when its peak is proven
+    over ``over`` (a budget): by a moment outside backward of the first rank's run (``fit_floor.over_floor``), or
+    by its whole peak."""
+    rank, first = settings.rank, not runs
     if runs:
         run, nd = runs[0].for_rank(shard_rank(settings, nd)), shard_groups(settings, nd)[1]
     else:
@@ -101,6 +112,8 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
             runs.append(run)
     if made is not None:
         made[rank] = run
+    if over is not None and first and over_floor(run, over):
+        return None
     settings = run.settings
     st = run_states(run)  # model_states(run.units, nd, settings), once per run
     coll = run_collectives(run, workload.grad_accum) if collectives else ()
@@ -110,6 +123,8 @@ def _estimate(workload: Workload, nd: int, settings: Settings, runs: list | None
         memory, host = MemoryBreakdown(0, 0, 0), host_memory(run, optimizer_moments(run), workload.grad_accum,
                                                              init_moments(run))
     peak = predict_peak(run) if run.acts is not None else None
+    if over is not None and peak is not None and peak.peak_bytes > over:
+        return None
     return EngineEstimate("fsdp2", run.settings.label(), 3 if resharded(run) else 2, memory, peak, coll,
                           beside_states=mesh_ranks(run), peak_rank=rank, host=host)  # fmt: skip
 
@@ -162,12 +177,14 @@ def plan_options(workload: Workload, nd: int, capacity_bytes: int, settings: Set
     if shards:  # the groups whose model states alone cannot fit dropped: a lower bound (mesh.states_floor)
         local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
         shards = possible_sizes(shards, total_numel(local.shapes), settings, capacity_bytes)
-    out = []
+    out, top = [], shards[-1] if shards else None
     for reshard, ckpt in _candidates(own, upto, only):
         w = replace(workload, checkpointing=ckpt)
 
         def option(shard: int | None, reshard=reshard, w=w) -> tuple[tuple[Settings, EngineEstimate, bool, dict], bool]:
-            return _configured(w, nd, capacity_bytes, settings, own, reshard, shard, memo)
+            # smallest_fitting returns the row of the largest group, or of one that fits: of no other
+            return _configured(w, nd, capacity_bytes, settings, own, reshard, shard, memo, shard == top)
+
 
         s, row, fits, made = smallest_fitting(shards, option) if shards else option(None)[0]
         run = made.get((row.peak_rank or 0) // (s.tp or 1))  # the run the trace replays (made by data-parallel rank)
@@ -186,14 +203,22 @@ def _candidates(own: bool, upto: int | None, only: int | None = None) -> tuple[t
 
 
 def _configured(w: Workload, nd: int, capacity_bytes: int, settings: Settings, own: bool, reshard, shard: int | None,
-                memo: dict | None) -> tuple[tuple[Settings, EngineEstimate, bool, dict], bool]:
+                memo: dict | None, need_row: bool = True) -> tuple[tuple[Settings, EngineEstimate | None, bool, dict], bool]:
     """((the resolved settings, the row without collectives, whether its peak fits, {rank: run}), fits) of one
-    candidate on shard group ``shard`` (None: as ``settings`` give), by ``memo`` when it holds it."""
+    candidate on shard group ``shard`` (None: as ``settings`` give), by ``memo`` when it holds it. ``need_row`` False:
+XX
+    rule), which a later ask for its row builds."""
     s = _candidate_settings(nd, settings, own, reshard, shard)
-    if memo is not None and (s, w.checkpointing) in memo:
-        return memo[s, w.checkpointing]
+    got = memo.get((s, w.checkpointing)) if memo is not None else None
+    if got is not None and (got[0][1] is not None or not need_row):
+        return got
     made: dict = {}
-    (row,) = estimate(w, nd, s, made, collectives=False)
+    rows = estimate(w, nd, s, made, collectives=False, over=None if need_row else capacity_bytes)
+    if not rows:  # proven over the budget
+        if memo is not None:
+            memo[s, w.checkpointing] = (s, None, False, made), False
+        return (s, None, False, made), False
+    (row,) = rows
     fits = row.peak.peak_bytes <= capacity_bytes
     if memo is not None:
         memo[s, w.checkpointing] = (s, row, fits, made), fits
@@ -208,31 +233,13 @@ def _candidate_settings(nd: int, settings: Settings, own: bool, reshard, shard: 
     return tp_mesh(settings.model_copy(update=update), nd)
 
 
-def saved_floor(workload: Workload, nd: int, settings: Settings) -> int:
-    """A lower bound on the peak ``estimate(workload, nd, settings)`` predicts (its worst rank's), without
-    checkpointing (0 otherwise, or under ``CPUOffloadPolicy``): the activations every decoder layer saves for its
-    backward (``terms._blocks_saved`` of all L layers, on the run a rank trains: with TP the TP-local one, its
-    activations ``tp_acts``'), all held at the cross-entropy backward, a moment of every profile
-    (``moments.backward_moments``) whose other terms, and those the estimate adds (HSDP's held all-reduce
-    buffers, the workspaces, the rank map), only add bytes; each term rounds up (``peak.rounded_total``), and
-    the worst rank peaks no lower than any. Built from one rank's run, without its moments (a speed-up)."""
-    if workload.checkpointing != "none" or settings.offload_policy != "none" or workload.spec is None:
-        return 0
-    if (settings.tp or 1) > 1:
-        workload, nd, settings = tp_local(workload, nd, settings)
-    settings = resolve_mesh(settings, nd)
-    run, _ = rank_run(workload, nd, settings if settings.rank is not None else settings.model_copy(update={"rank": 0}))
-    return 0 if run.acts is None else _blocks_saved(run, len(run.units) - 1).bytes
-
-
 def first_fit(workload: Workload, nd: int, capacity_bytes: int, options: PlannerOptions, memo: dict | None = None,
               upto: int | None = None) -> tuple[int | None, int]:
     """(the index of the first candidate that fits, or None; the candidates tried): what ``mesh_plan(..., until_fit=
     True, upto=upto)`` recommends and lists on the mesh ``options`` name (no ``auto``), without its plan (the mesh
     search's first pass, ``tp_estimate.mesh_search``). A candidate that keeps its units gathered after forward
     whose gathered parameters alone exceed ``capacity_bytes`` (``mesh.gathered_floor``, a lower bound on its
-    peak) cannot fit, nor can one without checkpointing whose saved activations alone exceed it (``saved_floor``):
-    neither is estimated."""
+    peak) cannot fit: it is not estimated; the others only as far as ``fit_floor.over_floor`` settles it."""
     settings = _mesh_settings(workload, nd, options)
     own = isinstance(settings.wrap, Wrapping)
     local = tp_workload(workload, settings.tp) if (settings.tp or 1) > 1 else workload
@@ -243,9 +250,7 @@ def first_fit(workload: Workload, nd: int, capacity_bytes: int, options: Planner
         if reshard is False and floor > capacity_bytes:
             continue
         w = replace(workload, checkpointing=ckpt)
-        if saved_floor(w, nd, _candidate_settings(nd, settings, own, reshard, None)) > capacity_bytes:
-            continue
-        if _configured(w, nd, capacity_bytes, settings, own, reshard, None, memo)[1]:
+        if _configured(w, nd, capacity_bytes, settings, own, reshard, None, memo, need_row=False)[1]:
             return k, k + 1
     return None, len(tried)
 

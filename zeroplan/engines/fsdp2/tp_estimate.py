@@ -87,13 +87,15 @@ def tp_local(workload, nd: int, settings):
     return tp_workload(workload, t), nd // t, settings.model_copy(update={"rank": rank})
 
 
-def tp_estimate(workload, nd: int, settings, estimate, made: dict | None = None, collectives: bool = True):
+def tp_estimate(workload, nd: int, settings, estimate, made: dict | None = None, collectives: bool = True,
+                over: int | None = None):
     """The rows of ``estimate`` (FSDP2's, passed in: no import cycle) for T = ``settings.tp`` on ``nd`` GPUs:
     global rank r is TP rank r mod T of data-parallel rank r // T (``tp`` innermost), and every TP rank of a
     data-parallel rank holds the same (``check_plan``), so a row's rank is its data-parallel rank times T.
-    ``made``: filled with {data-parallel rank: its TP-local run}; ``collectives`` False: none (``plan.estimate``)."""
+    ``made``: filled with {data-parallel rank: its TP-local run}; ``collectives`` False: none; ``over``: no row where
+    the peak is proven over it (``plan.estimate``; the rank map below only adds)."""
     t = settings.tp
-    rows = estimate(*tp_local(workload, nd, settings), made, collectives)  # the data-parallel profile (dp_estimate)
+    rows = estimate(*tp_local(workload, nd, settings), made, collectives, over)  # the data-parallel profile (dp_estimate)
     extra, ranks = tp_rows(workload, settings) if collectives else (), mesh_rank_map(settings, nd)
     return tuple(replace(r, collectives=(*r.collectives, *extra), peak=with_resident(r.peak, ranks),
                          beside_states=(*r.beside_states, *ranks),
