@@ -105,16 +105,25 @@ class DeferringFinder:
         self.names, self.finding = frozenset(names), set()
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> object:
-        if name not in self.names or name in self.finding:
-            return None
-        self.finding.add(name)
-        try:
-            spec = others_spec(self, name, path, target)
-        finally:
-            self.finding.discard(name)
-        if spec is not None and type(spec.loader) is SourceFileLoader:
-            spec.loader = DeferringLoader(spec.loader)
-        return spec
+        return wrapped_spec(self, name, path, target, DeferringLoader) if name in self.names else None
+
+
+def wrapped_spec(me: object, name: str, path: object, target: object, wrap: Callable) -> object:
+    """What a finder that wraps a found module's loader (``DeferringFinder``, ``cli_generated.SeedingFinder``,
+    ``cli_typing.QualifiedFinder``) answers for ``name``: the spec the rest of the meta path finds (``others_spec``),
+    its loader ``wrap(loader)`` where it is a plain source file's (``SourceFileLoader``), any other spec as found;
+    None while ``me`` is itself asking for ``name`` (``me.finding``, a set: a hook that asks the whole meta path in
+    turn would loop)."""
+    if name in me.finding:  # type: ignore[attr-defined]
+        return None
+    me.finding.add(name)  # type: ignore[attr-defined]
+    try:
+        spec = others_spec(me, name, path, target)
+    finally:
+        me.finding.discard(name)  # type: ignore[attr-defined]
+    if spec is not None and type(spec.loader) is SourceFileLoader:
+        spec.loader = wrap(spec.loader)
+    return spec
 
 
 def others_spec(me: object, name: str, path: object, target: object) -> object:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from importlib.machinery import SourceFileLoader
 from typing import Optional
 
-from zeroplan.cli_deferred import others_spec
+from zeroplan.cli_deferred import wrapped_spec
 
 SEEDED = "typing_inspection.typing_objects"
 """The module run with a global ``exec`` of the cache's (``SeedingFinder``), removed once it has run."""
@@ -25,19 +25,13 @@ class SeedingFinder:
     other spec as found."""
 
     def __init__(self, exec_: Callable) -> None:
-        self.exec, self.finding = exec_, False
+        self.exec, self.finding = exec_, set()
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> object:
-        if name != SEEDED or self.finding:
-            return None
-        self.finding = True
-        try:
-            spec = others_spec(self, name, path, target)
-        finally:
-            self.finding = False
-        if spec is not None and type(spec.loader) is SourceFileLoader:
-            spec.loader = SeededLoader(spec.loader, self.exec)
-        return spec
+        return wrapped_spec(self, name, path, target, self.seeded) if name == SEEDED else None
+
+    def seeded(self, loader: SourceFileLoader) -> SeededLoader:
+        return SeededLoader(loader, self.exec)
 
 
 class SeededLoader:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from importlib.machinery import SourceFileLoader
 
-from zeroplan.cli_deferred import others_spec
+from zeroplan.cli_deferred import wrapped_spec
 
 _REF_ATTRIBUTES = ("__forward_arg__", "__forward_module__", "__forward_is_class__", "__forward_is_argument__")
 _PARAMETERS = ("arg", "msg", "is_argument", "module")
@@ -152,19 +152,13 @@ class QualifiedFinder:
     its source loader a ``QualifiedLoader``; any other spec as found."""
 
     def __init__(self) -> None:
-        self.finding, self.done = False, []
+        self.finding, self.done = set(), []
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> object:
-        if name != "typing_extensions" or self.finding:
-            return None
-        self.finding = True
-        try:
-            spec = others_spec(self, name, path, target)
-        finally:
-            self.finding = False
-        if spec is not None and type(spec.loader) is SourceFileLoader:
-            spec.loader = QualifiedLoader(spec.loader, self.done)
-        return spec
+        return wrapped_spec(self, name, path, target, self.qualified) if name == "typing_extensions" else None
+
+    def qualified(self, loader: SourceFileLoader) -> QualifiedLoader:
+        return QualifiedLoader(loader, self.done)
 
 
 def qualifiers_quick() -> Callable[[], None]:
