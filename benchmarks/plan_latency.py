@@ -5,8 +5,8 @@ Target (issue: capacity planning): `zeroplan plan` stays interactive, well under
 (llama3-405b, 885 tensors, exact padding) on 1,024 GPUs is the slowest case: 10 options, each with a
 min-GPU search and two max-size searches, and with N_m = 1 the engine's peak of every stage; the FSDP2
 and DeepSpeed plans predict the peak of each of their candidates (and replay the allocation trace of each
-one whose live peak fits: ``planning/reserved_fit.py live_over``); the FSDP2 plan on 2,048 GPUs is issue 20's
-case. Run: python benchmarks/plan_latency.py
+one whose live peak fits, up to the first that fits: ``planning/reserved_fit.py live_over``, ``AFTER_FIT``); the
+FSDP2 plan on 2,048 GPUs is issue 20's case. Run: python benchmarks/plan_latency.py
 [REPEATS] [--before DIR]: with ``--before``, each plan also runs with the checkout DIR first on PYTHONPATH
 (``git archive`` of the old commit), interleaved with the current one, so that before and after share the
 machine's load.
@@ -55,7 +55,7 @@ COMMANDS = {
 """Issue 16's target: every plan, any engine, under a quarter of the torch import (the largest preset, the largest
 mixture-of-experts models, and Llama-2-70B: the slowest plans of a matrix of every engine, 34 transformers configs
 and 4 presets on 64, 1,024 and 2,048 GPUs, 2026-12-03: its DeepSpeed plan tried 244 ranks for ZeRO-1's worst before
-``profile._tries``, its FSDP2 plan replays all four candidates' traces)."""
+``profile._tries``, its FSDP2 plan replayed all four candidates' traces, since 2026-12-03 the first two: ``AFTER_FIT``)."""
 
 
 def main() -> None:

@@ -23,6 +23,10 @@ import resource
 import subprocess
 import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's rules, whatever PYTHONPATH runs
+from zeroplan.planning.reserved_fit import AFTER_FIT  # noqa: E402
+from zeroplan.render.plan_cells import NOT_REPLAYED_CELL  # noqa: E402
+
 BIG = ["--model", "llama3-405b", "--gpus", "2048", "--gpu", "h100-80gb", "--json"]
 COMMANDS: dict[str, list[str]] = {
     "plan-fsdp2-405b": ["plan", "--engine", "fsdp2", *BIG],
@@ -95,12 +99,12 @@ def run(args: list[str]) -> tuple[float, bytes]:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), done.stdout
 
 
-NOT_REPLAYED_CELL = "—"  # render/plan.py: the reserved cell of a row not replayed
 
 
 def not_replayed_only(old: bytes, new: bytes) -> int | None:
     """How many rows of ``new`` were not replayed when that is its only difference from ``old`` (their reserved
-    bytes null or ``—``, the reason beside them, one footnote under a table); None when anything else differs."""
+    bytes null or ``—``, the reason beside them, a footnote per reason under a table; a row after the
+    recommendation, ``reserved_fit.AFTER_FIT``, its fit null or ``—`` too); None when anything else differs."""
     try:
         return _json_rows(json.loads(old), json.loads(new))
     except ValueError:  # a table as printed
@@ -114,17 +118,20 @@ def _json_rows(old: dict, new: dict) -> int | None:
             if "reserved_not_replayed" in now and "reserved_not_replayed" not in was:
                 why = now["reserved_not_replayed"]
                 was.update(reserved_bytes=None, reserved_phases=None, reserved_not_replayed=why)
+                if why == AFTER_FIT:
+                    was.update(fits=None)
                 count += 1
     return count if count and old == new else None
 
 
 def _text_rows(old: list[str], new: list[str]) -> int | None:
-    notes = [i for i, line in enumerate(new) if line.startswith(f"reserved {NOT_REPLAYED_CELL}: ")]
-    if len(notes) != 1 or len(old) != len(new) - 1:
+    notes = [i for i, line in enumerate(new) if line.startswith(f"reserved {NOT_REPLAYED_CELL}: ") and line not in old]
+    if not notes or len(old) != len(new) - len(notes):
         return None
-    new = new[: notes[0]] + new[notes[0] + 1:]
+    new = [line for i, line in enumerate(new) if i not in notes]
     cells = [re.split(r"\s{2,}", line.strip()) for line in new]
     column = next((c.index("reserved") for c in cells if "reserved" in c), None)  # the table's header
+    fits = None if column is None else next(c.index("fits") for c in cells if "reserved" in c)
     count = 0
     for was, now, b in zip(old, new, cells):
         if was == now:
@@ -134,7 +141,9 @@ def _text_rows(old: list[str], new: list[str]) -> int | None:
             return None
         if a == b or all(set(c) == {"-"} for c in a + b):  # the header and the rule under it, realigned
             continue
-        if b[column] != NOT_REPLAYED_CELL or a[:column] + a[column + 1:] != b[:column] + b[column + 1:]:
+        undecided = b[fits] == NOT_REPLAYED_CELL  # a row after the recommendation: its fit not decided either
+        kept = [i for i in range(len(a)) if i != column and not (undecided and i == fits)]
+        if b[column] != NOT_REPLAYED_CELL or [a[i] for i in kept] != [b[i] for i in kept]:
             return None
         count += 1
     return count or None

@@ -249,7 +249,8 @@ def test_plan_fsdp2_recommends_by_reserved_bytes_and_its_snippet_predicts_the_sa
     assert all(peaks[k] < reserved[k] for k in fsdp2.CANDIDATES)
     w = workload(TINY, 16)
     for memory in (reserved[(False, "none")], min(reserved.values()) - 1):
-        d = run_json("plan", "--engine", "fsdp2", "--model", TINY, "--gpus", "2", "--gpu-memory", f"{memory}B")
+        d = run_json("plan", "--engine", "fsdp2", "--model", TINY, "--gpus", "2", "--gpu-memory", f"{memory}B",
+                     "--replay-all")  # every row's reserved bytes (by default: up to the first that fits)
         assert [o["label"] for o in d["stages"]] == [f"reshard_after_forward={r}, checkpointing {c}"
                                                      for r, c in fsdp2.CANDIDATES] and d["offload"] == []  # fmt: skip
         assert [o["reserved_bytes"] for o in d["stages"]] == [reserved[k] for k in fsdp2.CANDIDATES]

@@ -46,7 +46,8 @@ def test_each_configurations_bracket_is_where_the_plan_stops_fitting():
     assert len(found) == 4
 
     def fits(b: int) -> dict[str, bool]:
-        return {o.label: o.fits for o in plan_config(config.model_copy(update={"micro_batch": b})).options}
+        at_b = config.model_copy(update={"micro_batch": b, "replay_all": True})  # each row's own fit
+        return {o.label: o.fits for o in plan_config(at_b).options}
 
     # fp32 here (PlanConfig's default; the CLI's --param-dtype bf16 reaches 141 below); checkpointing keeps more
     want = {"checkpointing none": 81, "checkpointing full": 170}

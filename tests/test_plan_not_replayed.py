@@ -1,7 +1,8 @@
 """A plan row whose live peak alone exceeds the GPU less the headroom is not replayed through the allocator model
 (``planning/reserved_fit.py live_over``): reserved >= allocated >= live, so "fits: no" is settled without it. Its
 reserved cell prints ``—`` and its JSON ``reserved_bytes`` is null with ``reserved_not_replayed``; every other row
-is replayed as before, and ``estimate`` always replays. gpt-tiny (2 layers, d = 36) on 2 ranks: CPU seconds."""
+is replayed as before (with ``replay_all``: an engine's plan otherwise stops at its first fitting row,
+tests/test_plan_first_fit.py), and ``estimate`` always replays. gpt-tiny (2 layers, d = 36) on 2 ranks: CPU seconds."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ ROOMY = 2**40  # every row's live peak fits: every traced row replayed
 @pytest.fixture(scope="module")
 def roomy() -> dict:
     """{engine: its plan of gpt-tiny on 2 ranks of a 1 TiB card}."""
-    return {e: zeroplan.plan(TINY, gpus=2, gpu_memory_bytes=ROOMY, engine=e)
+    return {e: zeroplan.plan(TINY, gpus=2, gpu_memory_bytes=ROOMY, engine=e, replay_all=True)
             for e in ("fsdp2", "deepspeed", "reference")}  # fmt: skip
 
 
@@ -56,7 +57,7 @@ def test_a_row_is_replayed_exactly_when_its_live_peak_fits(engine, roomy, monkey
     for module in (engine_plan, ladder):  # the plan's replays (the fragmentation advice's own are not counted)
         real = module.reserved_of
         monkeypatch.setattr(module, "reserved_of", lambda t, conf="", real=real: replayed.append(t) or real(t, conf))
-    p = zeroplan.plan(TINY, gpus=2, gpu_memory_bytes=memory, engine=engine)
+    p = zeroplan.plan(TINY, gpus=2, gpu_memory_bytes=memory, engine=engine, replay_all=True)
     rows = _traced(p)
     over = [o for o in rows if o.peak.peak_bytes > p.budget_bytes]
     assert 0 < len(over) < len(rows) and len(replayed) == len(rows) - len(over)
@@ -73,7 +74,8 @@ def test_a_row_is_replayed_exactly_when_its_live_peak_fits(engine, roomy, monkey
 @pytest.mark.parametrize("engine", ["fsdp2", "reference"])
 def test_the_dash_and_the_null_appear_only_on_rows_not_replayed(engine, roomy):
     for memory in (ROOMY, _between(roomy[engine])):
-        p = roomy[engine] if memory == ROOMY else zeroplan.plan(TINY, gpus=2, gpu_memory_bytes=memory, engine=engine)
+        p = roomy[engine] if memory == ROOMY else zeroplan.plan(TINY, gpus=2, gpu_memory_bytes=memory, engine=engine,
+                                                                replay_all=True)  # fmt: skip
         over = {o.label for o in _traced(p) if o.peak.peak_bytes > p.budget_bytes}
         assert bool(over) == (memory != ROOMY)
         doc = json.loads(to_json(p))

@@ -183,39 +183,27 @@ def plan(
     model: ModelOption = None,
     revision: RevisionOption = None,
     params: Optional[str] = typer.Option(
-        None,
-        help="Ψ of the whole model instead of a preset: 70e9, 70B (1 to 1e15).",
-    ),
+        None, help="Ψ of the whole model instead of a preset: 70e9, 70B (1 to 1e15)."),
     gpu: Optional[str] = typer.Option(None, help="GPU preset, e.g. h100-80gb (memory, FLOP/s, links)."),
     gpu_memory: Optional[str] = typer.Option(
-        None,
-        help="GPU memory, overrides the preset: 80GiB, 32GB (whole bytes, up to 1 EiB).",
-    ),
+        None, help="GPU memory, overrides the preset: 80GiB, 32GB (whole bytes, up to 1 EiB)."),
     gpus: int = typer.Option(8, help="Total GPUs = N_d x N_m, 1 to 2**24."),
     gpus_per_node: GpusPerNodeOption = 8,
     model_parallel: int = typer.Option(
-        1, "--model-parallel",
-        help="N_m, tensor/pipeline parallel degree, 1 to 2**24.",
-    ),
+        1, "--model-parallel", help="N_m, tensor/pipeline parallel degree, 1 to 2**24."),
     headroom: HeadroomOption = 0.0,
     alloc_conf: AllocConfOption = "",
     interconnect: Optional[str] = typer.Option(None, help="Intra-node link preset (default: the GPU's)."),
     bw: Optional[float] = typer.Option(
-        None,
-        help="Intra-node bandwidth per GPU, GB/s one direction, 0.001 to 1e6.",
-    ),
+        None, help="Intra-node bandwidth per GPU, GB/s one direction, 0.001 to 1e6."),
     inter_interconnect: str = typer.Option("ib-ndr", help="Inter-node link preset (one NIC per GPU)."),
     inter_bw: Optional[float] = typer.Option(
-        None,
-        help="Inter-node bandwidth per GPU, GB/s one direction, 0.001 to 1e6.",
-    ),
+        None, help="Inter-node bandwidth per GPU, GB/s one direction, 0.001 to 1e6."),
     algorithm: str = typer.Option("ring", help="All-reduce algorithm for the latency term: ring or tree."),
     micro_batch: int = typer.Option(1, help="Sequences per GPU per micro-step, 1 to 65536."),
     grad_accum: int = typer.Option(1, help="Micro-steps per optimizer step, 1 to 65536."),
     seq_len: Optional[int] = typer.Option(
-        None,
-        help="Tokens per sequence, 1 to 2**24 (default: the preset's, else 2048).",
-    ),
+        None, help="Tokens per sequence, 1 to 2**24 (default: the preset's, else 2048)."),
     checkpointing: str = typer.Option(
         "full",
         help="Activation recomputation: none, selective, full (default full, as before the peak; the peak "
@@ -246,13 +234,9 @@ def plan(
     fsdp_pin_memory: FsdpPinMemoryOption = None,
     offload: str = typer.Option("none", help="Most offload the recommendation may use: none, cpu, nvme."),
     host_memory: Optional[str] = typer.Option(
-        None,
-        help="CPU memory per node, e.g. 2TB (up to 1 EiB): offload must fit.",
-    ),
+        None, help="CPU memory per node, e.g. 2TB (up to 1 EiB): offload must fit."),
     peak_tflops: Optional[float] = typer.Option(
-        None,
-        help="Dense peak TFLOP/s per GPU, 0.001 to 1e6 (default: preset's).",
-    ),
+        None, help="Dense peak TFLOP/s per GPU, 0.001 to 1e6 (default: preset's)."),
     mfu: float = typer.Option(0.4, help="Model FLOPs utilisation for the compute estimate, 0.001 to 1."),
     param_dtype: Annotated[
         str, typer.Option(
@@ -265,6 +249,10 @@ def plan(
     optimizer_dtype: OptimizerDtype = None,
     units: Unit = typer.Option(Unit.GiB, help="GB = 1e9 bytes, GiB = 2**30 bytes."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in README)."),
+    replay_all: bool = typer.Option(
+        False, "--replay-all", help="With --engine fsdp2 or deepspeed: replay every configuration's allocation "
+        "trace for its reserved bytes and fit (default: up to the first that fits, the recommendation; later rows "
+        "print reserved — and fits —)."),
     max_micro_batch: Optional[int] = typer.Option(
         None, "--max-micro-batch", metavar="UP_TO",
         help="Also search, for every configuration, the largest micro-batch that fits, 1 to UP_TO (doubling, then "
@@ -293,6 +281,8 @@ def plan(
         ("micro_batch", micro_batch), ("grad_accum", grad_accum), ("seq_len", seq_len)))
     refuse_foreign(ctx, engine)
     refuse_unused(ctx, get_engine(engine).plan_chooses, f"to plan --engine {engine}, which chooses it by predicted peak")
+    if get_engine(engine).plan is None:  # the ladder replays every row with a trace (planning/reserved_fit.py)
+        refuse_unused(ctx, ("replay_all",), f"to plan --engine {engine}, which replays every row")
     if deepspeed_config is not None and "ds_config" not in get_engine(engine).reads:
         raise UserError("--deepspeed-config does not apply to plan --engine reference (it emits a ds_config)")
     ds = read_settings_file(deepspeed_config)
@@ -322,6 +312,7 @@ def plan(
         model_parallel=model_parallel,
         headroom=headroom,
         alloc_conf=alloc_conf,
+        replay_all=replay_all,
         interconnect=interconnect,
         bw_gbps=bw,
         inter_interconnect=inter_interconnect,

@@ -67,6 +67,9 @@ class PlanConfig(BaseModel):
     """fraction of GPU memory kept free beyond what is predicted, in [0, 1) (``DEFAULT_HEADROOM``)."""
     alloc_conf: str = ""
     """``PYTORCH_CUDA_ALLOC_CONF`` of the run, for its reserved bytes ("": torch's defaults)."""
+    replay_all: Flag = False
+    """an engine's plan (fsdp2, deepspeed): replay every row's allocation trace, not only the rows up to the first
+    that fits (``planning/reserved_fit.py AFTER_FIT``); the reference engine's plan replays every row always."""
     interconnect: Optional[str] = None
     """intra-node link preset; default the GPU preset's, else nvlink4."""
     bw_gbps: Optional[Bandwidth] = None

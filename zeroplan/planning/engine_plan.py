@@ -16,7 +16,7 @@ from zeroplan.formulas.offload import NO_OFFLOAD, OffloadBreakdown
 from zeroplan.planning.config import PlanConfig
 from zeroplan.planning.cut_first import cut_first
 from zeroplan.planning.records import LAUNCHER_KEYS, Plan, PlanOption
-from zeroplan.planning.reserved_fit import NOT_REPLAYED, first_fragmentation, fit_quantity, live_over
+from zeroplan.planning.reserved_fit import AFTER_FIT, NOT_REPLAYED, first_fragmentation, fit_quantity, live_over
 
 @gc_paused()  # its candidates' moments, traces and replays make many objects and free few (allocator/gc_pause.py)
 def engine_plan_config(config: PlanConfig) -> Plan:
@@ -38,18 +38,14 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     # not replayed: a CPU run (no CUDA allocator), or a live peak alone over the budget
     over = tuple(t and (cpu or live_over(c.estimate.peak, budget))
                  for c, t, cpu in zip(answer.candidates, traced, on_cpu))  # fmt: skip
-    traces = tuple(engine.alloc_trace(*c.trace_inputs)[0] if t and not o else None
-                   for c, t, o in zip(answer.candidates, traced, over))  # fmt: skip
-    held = tuple(None if t is None else reserved_of(t, config.alloc_conf) for t in traces)
-    fit = tuple(fit_bytes(c.estimate.model_states_bytes, c.estimate.peak, r) <= budget
-                for c, r in zip(answer.candidates, held))  # fmt: skip
-    recommended = next((i for i, f in enumerate(fit) if f), None)
+    traces, held, fit, why = replayed_in_order(engine, answer.candidates, traced, over, on_cpu, config, budget)
+    recommended = fit.index(True) if True in fit else None
     ring = ring_link(nd, 1, config.gpus_per_node, config.intra_link, config.inter_link)
     links = Links(config.intra_link, config.inter_link, config.gpus_per_node)  # time per link (commtime)
     whole = config.tensor_numels
     tokens = config.tokens_per_micro_step * config.grad_accum
-    rows = [candidate_row(config, c, fits_c, reserved, skipped, cpu, nd, links, sum(whole), tokens)
-            for c, fits_c, reserved, skipped, cpu in zip(answer.candidates, fit, held, over, on_cpu)]  # fmt: skip
+    rows = [candidate_row(config, c, fits_c, reserved, reason, nd, links, sum(whole), tokens)
+            for c, fits_c, reserved, reason in zip(answer.candidates, fit, held, why)]  # fmt: skip
     headroom = f"{config.headroom:.0%} of GPU memory kept free"
     recommendation = launchers = advice = None
     if recommended is not None:
@@ -95,10 +91,34 @@ def engine_plan_config(config: PlanConfig) -> Plan:
     )  # fmt: skip
 
 
-def candidate_row(config: PlanConfig, c: Candidate, fits_c: bool, reserved: Optional[ReservedEstimate],
-                  skipped: bool, cpu: bool, nd: int, links: Links, psi: int, tokens: int) -> PlanOption:
-    """One candidate of the engine's search as a plan row (psi: the model's parameters, Ψ): its peak, fit,
-    reserved bytes (not replayed: ``skipped``, a CPU run when ``cpu``), comm and step time, and host offload."""
+def replayed_in_order(engine, candidates, traced, over, on_cpu, config: PlanConfig, budget: int) -> tuple[list, ...]:
+    """Each candidate's allocation trace, reserved bytes, fit and why it has no reserved bytes (None: it has), in
+    the engine's order: replayed up to the first row that fits, every row with ``--replay-all``
+    (``reserved_fit.AFTER_FIT``); a row over the budget on its live peak alone, or on a CPU, is never replayed."""
+    traces: list = []
+    held: list[Optional[ReservedEstimate]] = []
+    fit: list[Optional[bool]] = []
+    why: list[Optional[str]] = []
+    for c, t, o, cpu in zip(candidates, traced, over, on_cpu):
+        trace = reserved = fits_c = None
+        reason = NO_CUDA_ALLOCATOR if cpu else NOT_REPLAYED if o else None
+        if t and not o and True in fit and not config.replay_all:
+            reason = AFTER_FIT
+        else:
+            trace = engine.alloc_trace(*c.trace_inputs)[0] if t and not o else None
+            reserved = None if trace is None else reserved_of(trace, config.alloc_conf)
+            fits_c = fit_bytes(c.estimate.model_states_bytes, c.estimate.peak, reserved) <= budget
+        traces.append(trace)
+        held.append(reserved)
+        fit.append(fits_c)
+        why.append(reason)
+    return traces, held, fit, why
+
+
+def candidate_row(config: PlanConfig, c: Candidate, fits_c: Optional[bool], reserved: Optional[ReservedEstimate],
+                  not_replayed: Optional[str], nd: int, links: Links, psi: int, tokens: int) -> PlanOption:
+    """One candidate of the engine's search as a plan row (psi: the model's parameters, Ψ): its peak, fit (None:
+    not decided, ``AFTER_FIT``), reserved bytes (``not_replayed``: why none), comm and step time, and host offload."""
     e = c.estimate
     counted = counted_rows(e.collectives)  # each distinct row and its count: integer sums, exact (a speed-up)
     # a data-parallel rank's tokens, its 6·Ψ·tokens FLOPs split over the T GPUs of its tensor-parallel group
@@ -122,6 +142,6 @@ def candidate_row(config: PlanConfig, c: Candidate, fits_c: bool, reserved: Opti
         peak_rank=e.peak_rank,
         reserved=reserved,
         host=host,
-        not_replayed=NO_CUDA_ALLOCATOR if cpu else NOT_REPLAYED if skipped else None,
+        not_replayed=not_replayed,
         pins=c.pins,
     )  # fmt: skip

@@ -74,6 +74,7 @@ def largest_micro_batches(config, up_to: int) -> tuple[LargestBatch, ...]:
     from zeroplan.engines.base import EngineOptions
     from zeroplan.planning.plan import plan_config
 
+    config = config.model_copy(update={"replay_all": True})  # every row's fit, not only up to the first that fits
     base = plan_config(config).options
     plans: dict[tuple, dict[str, bool]] = {(config.micro_batch, o.pins): {} for o in base}
     for o in base:  # every row's own pins hold its row as planned at the given micro-batch

@@ -11,6 +11,15 @@ what it has allocated, and allocates at least the live peak (every request round
 reserved bytes cannot fit either; "fits: no" is settled without the replay, its reserved bytes print ``—``
 (JSON ``reserved_bytes: null`` with ``reserved_not_replayed``, ``NOT_REPLAYED``).
 
+An engine's plan (fsdp2, deepspeed: candidates in the engine's order, the first that fits recommended) replays
+rows in order up to the first that fits, and no further (``AFTER_FIT``): a later row's reserved bytes cannot change
+the recommendation, so they print ``—`` and its fit ``—`` (JSON ``reserved_bytes`` and ``fits`` null) unless
+``--replay-all`` (``PlanConfig.replay_all``) asks for every row, as the mesh search already stops at its first
+fitting candidate. Decided 2026-12-03 (issue 16's plan-speed row): the allocation traces and replays were two
+thirds of the slowest plan's CPU time, and half of them were of rows after the recommendation. The reference
+engine's plan (the ladder of stages and offload) replays every row: its recommendation walks a ladder that
+``--offload`` cuts, and its traces are few.
+
 When the live bytes fit and the reserved ones do not, fragmentation (reserved minus allocated: blocks cached
 on one stream or pool and not reusable by another request) is what does not fit, and ``fragmentation_advice``
 says what to change: ``expandable_segments:True`` when the same trace then fits, else a smaller micro-batch
@@ -33,6 +42,12 @@ EXPANDABLE = "expandable_segments:True"
 
 NOT_REPLAYED = "not replayed: its live peak alone exceeds the GPU less the headroom; reserved >= live"
 """Why a row's reserved bytes are ``—`` (``live_over``): the plan's footnote and JSON ``reserved_not_replayed``."""
+
+
+AFTER_FIT = "not replayed: a configuration above it fits and is recommended, which no later row changes (fits — too); " \
+    "--replay-all replays every row"
+"""Why a row after the recommendation has no reserved bytes and no fit (an engine's plan without ``--replay-all``):
+the plan's footnote and JSON ``reserved_not_replayed``."""
 
 
 def live_over(peak, budget_bytes: Optional[int]) -> bool:

@@ -8,7 +8,7 @@ from zeroplan.engines import get_engine
 from zeroplan.planning.records import LAUNCHER_KEYS, Plan, PlanOption
 from zeroplan.presets import LinkSpec
 from zeroplan.render.plan_cells import (
-    count_cell, fit_sentence, not_replayed_note, reserved_cell, seconds_cell, size_cell,
+    count_cell, fit_sentence, fits_cell, not_replayed_note, reserved_cell, seconds_cell, size_cell,
 )  # fmt: skip
 from zeroplan.render.table import convention_line, format_bytes, format_count, format_table, peak_phase_cell
 
@@ -325,7 +325,7 @@ def _engine_table(p: Plan, unit: str) -> list[str]:
             o.label, str(o.stage), size_cell(o.states.gpu.model_states_bytes, unit),
             size_cell(o.peak and o.peak.peak_bytes, unit),
             peak_phase_cell(o.peak.peak_phase, o.peak_rank) if o.peak else "-",
-            reserved_cell(o, unit), "yes" if o.fits else "no",
+            reserved_cell(o, unit), fits_cell(o),
             size_cell(o.comm_bytes_per_rank, unit), seconds_cell(o.time.comm_s), seconds_cell(o.time.exposed_comm_s),
         ]  # fmt: skip
         if offload:

@@ -32,10 +32,17 @@ def reserved_cell(o: PlanOption, unit: str) -> str:
     return NOT_REPLAYED_CELL if o.not_replayed else size_cell(o.reserved and o.reserved.reserved_bytes, unit)
 
 
+def fits_cell(o: PlanOption) -> str:
+    """The fits column: yes, no, or ``—`` where the fit was not decided (a row after the recommendation, not
+    replayed: ``planning/reserved_fit.py AFTER_FIT``)."""
+    return NOT_REPLAYED_CELL if o.fits is None else "yes" if o.fits else "no"
+
+
 def not_replayed_note(p: Plan) -> list[str]:
-    """The footnote under the table where a row's reserved cell is ``—``: why, in one sentence (its reason)."""
-    why = next((o.not_replayed for o in p.options if o.not_replayed), None)
-    return [] if why is None else [f"reserved {NOT_REPLAYED_CELL}: {why}."]
+    """The footnote under the table where a row's reserved cell is ``—``: why, one sentence per reason, in the
+    order the rows first give it."""
+    whys = dict.fromkeys(o.not_replayed for o in p.options if o.not_replayed)
+    return [f"reserved {NOT_REPLAYED_CELL}: {why}." for why in whys]
 
 
 CUDA_FIT = (

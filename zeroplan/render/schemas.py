@@ -140,7 +140,9 @@ class PlanOptionOut(_Out):
     max_params: Optional[int] = Field(description="largest Ψ whose model states fill the GPU (ZeRO Table 2); "
                                       "null: no limit, or an engine's own candidate (plan --engine fsdp2|deepspeed)")
     max_params_with_headroom: Optional[int]
-    fits: Optional[bool]
+    fits: Optional[bool] = Field(description="whether the option fits within the GPU less the headroom; null: no "
+                                 "memory given, or a row of an engine's plan after the recommendation, not replayed "
+                                 "(reserved_not_replayed; --replay-all decides every row)")
     min_gpus: Optional[int] = Field(description="fewest GPUs that fit; null: none up to 2**20, no model, or an "
                                     "engine's own candidate")
     gpu_bytes: Optional[GpuBytesOut] = None
@@ -176,8 +178,9 @@ class PlanOptionOut(_Out):
     reserved_not_replayed: Optional[str] = Field(
         None, description="why reserved_bytes is null though the engine has an allocation trace: the live peak alone "
         "exceeds the GPU less the headroom, so reserved (>= live) cannot fit and the trace was not replayed "
-        "(docs/allocator.md), or a CPU run (--device cpu) has no CUDA caching allocator (fits on the live peak); "
-        "the key is absent on rows replayed or without a trace",
+        "(docs/allocator.md), or a CPU run (--device cpu) has no CUDA caching allocator (fits on the live peak), or "
+        "an engine's plan recommends a row above it (the first that fits) and replays no further (fits null; "
+        "--replay-all replays every row); the key is absent on rows replayed or without a trace",
     )  # fmt: skip
 
     @model_serializer(mode="wrap")
