@@ -50,6 +50,8 @@ def test_drawn_documents_are_written_as_json_writes_them(indent):
 
 
 def test_values_equal_in_python_but_written_apart_stay_apart():
+    keys = [{k: "v"} for k in (1, 1.0, True, "1", 0.0, -0.0, 0, False)] * 2  # keys json coerces, and their zeros
+    assert json_text(keys, indent=2) == json.dumps(keys, indent=2)
     doc = [{"x": v} for v in (1, 1.0, True, 0, 0.0, -0.0, False)] * 2
     assert json_text(doc, indent=2) == json.dumps(doc, indent=2)
     assert [line.strip() for line in json_text(doc, indent=2).splitlines() if '"x"' in line][:7] == \

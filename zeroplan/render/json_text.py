@@ -29,16 +29,17 @@ class _Indented:
 
     def __init__(self, indent: int) -> None:
         self.indent, self.pad = indent, " " * indent
-        self.flat: dict[tuple, str] = {}  # a flat object's text at depth 0, by its items and their types
+        self.flat: dict[tuple, str] = {}  # a flat object's text, by its items, their types and its depth
 
     def text(self, obj: object, depth: int) -> str:
         kind = type(obj)
-        if kind is dict and obj and set(map(type, obj)) == {str}:  # (json coerces other keys: its own walk)
+        if kind is dict and obj:
             if set(map(type, obj.values())) <= _SCALARS:
                 return self._flat(obj, depth)
-            inner = "\n" + self.pad * (depth + 1)
-            return "{" + inner + ("," + inner).join([json.dumps(k) + ": " + self.text(v, depth + 1)
-                                                     for k, v in obj.items()]) + "\n" + self.pad * depth + "}"  # fmt: skip
+            if set(map(type, obj)) == {str}:  # (json coerces other keys: its own walk, below)
+                inner = "\n" + self.pad * (depth + 1)
+                return "{" + inner + ("," + inner).join([json.dumps(k) + ": " + self.text(v, depth + 1)
+                                                         for k, v in obj.items()]) + "\n" + self.pad * depth + "}"
         if (kind is list or kind is tuple) and obj:
             inner = "\n" + self.pad * (depth + 1)
             return "[" + inner + ("," + inner).join([self.text(v, depth + 1) for v in obj]) + "\n" + \
@@ -46,15 +47,16 @@ class _Indented:
         return self._dumped(obj, depth)  # a scalar, an empty container, a subclass: as json writes it
 
     def _flat(self, obj: dict, depth: int) -> str:
-        """A flat object's text: found once per content (1, 1.0 and True are equal keys: their types keep them
-        apart; 0.0 and -0.0 too, and are written apart)."""
-        key = (tuple(obj.items()), tuple(map(type, obj.values())))
+        """A flat object's text at ``depth``: found once per content and depth. The keys' and values' types are in the
+        memo's key (1, 1.0 and True are equal, and written apart); a zero key or value is never memoised (0.0 and
+        -0.0 are equal too)."""
+        key = (tuple(obj.items()), tuple(map(type, obj.values())), tuple(map(type, obj)), depth)
         text = self.flat.get(key)
         if text is None:
-            text = json.dumps(obj, indent=self.indent, allow_nan=False)  # NaN and infinity raise here
-            if 0 not in obj.values():
+            text = self._dumped(obj, depth)  # NaN and infinity raise here
+            if 0 not in obj.values() and 0 not in obj:
                 self.flat[key] = text
-        return text if depth == 0 else text.replace("\n", "\n" + self.pad * depth)
+        return text
 
     def _dumped(self, obj: object, depth: int) -> str:
         text = json.dumps(obj, indent=self.indent, allow_nan=False)
