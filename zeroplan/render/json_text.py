@@ -5,10 +5,11 @@ no rule; docs/benchmarks.md, "2026-12-03, startup").
 Indented text is ``json.dumps(obj, indent=indent, allow_nan=False)`` byte for byte, written faster where a document
 repeats itself (a speed-up, no rule; docs/benchmarks.md, "seventh session"): ``json.dumps`` indents in pure Python,
 token by token (its C encoder has no indent), and an engine plan's ``collectives`` list one call per unit, ~1,100
-flat objects of 13 distinct ones per row (FSDP2 on Llama-2-70B: 215,000 tokens, a quarter of the plan's CPU time).
+flat objects of 13 distinct ones per row (FSDP2 on Llama-2-70B: 215,000 tokens, a fifth of the plan's CPU time).
 Here a flat object (every value a string, number, boolean or null) is written once per distinct content, by
 ``json.dumps`` itself, and reused indented to its place; everything else is walked as ``json.dumps`` walks it.
-tests/test_json_text.py compares the two on drawn documents and on every output document."""
+tests/test_json_text.py compares the two on drawn documents and on the slowest plan's and an estimate's documents
+(the golden outputs of tests/data/golden hold theirs)."""
 
 import json
 from typing import Optional
