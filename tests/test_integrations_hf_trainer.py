@@ -156,10 +156,12 @@ def test_plain_values_not_stated_stand():
 
 
 def test_trainer_defaults_are_transformers_own():
+    # read from transformers 5.24.0 and checked against the version installed (pyproject: transformers>=5.24; CI
+    # installed 5.25.0 on 2026-12-03, whose defaults are the same): a release that changes one fails here
     transformers = pytest.importorskip("transformers")
     fields = {f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}
     assert {k: fields[k] for k in TRAINER_DEFAULTS} == TRAINER_DEFAULTS
-    assert transformers.__version__ == "5.24.0"
+    assert tuple(map(int, transformers.__version__.split(".")[:2])) >= (5, 24)
 
 
 def test_estimate_reads_a_trainer_config_and_says_what_auto_became(tmp_path):
